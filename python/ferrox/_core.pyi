@@ -1,0 +1,212 @@
+"""Typed stubs of ferrox's native core (rust/py/*.rs). Checked in CI with mypy.stubtest.
+
+The step contract: per engine step Python makes exactly one `Scheduler.schedule()` call and
+one `Scheduler.update_from_output()` call. Bulk per-step data crosses as numpy arrays that
+`torch.from_numpy` wraps without a copy.
+"""
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+__version__: str
+
+# ---- exception tree (rust/error.rs) -------------------------------------------------------
+class FerroxError(Exception):
+    """Root of every error ferrox raises on purpose."""
+
+class InvalidArgumentError(FerroxError, ValueError):
+    """A bad configuration value or request field (negative size, bad policy name, ...)."""
+
+class DuplicateRequestError(InvalidArgumentError):
+    """`add_request` with an id that is already live."""
+
+class UnknownRequestError(FerroxError, KeyError):
+    """An operation named a request id the scheduler does not hold."""
+
+class PromptTooLongError(InvalidArgumentError):
+    """A prompt (plus nothing else) that cannot fit in `max_model_len` or the whole KV cache."""
+
+class TokenizerError(FerroxError):
+    """tokenizer.json could not be parsed / a token id is outside the vocabulary."""
+
+# ---- per-step data ------------------------------------------------------------------------
+class SchedulerOutput:
+    """Everything the model runner needs for one step. Requests appear in batch order."""
+
+    @property
+    def num_reqs(self) -> int: ...
+    @property
+    def num_tokens(self) -> int:
+        """Total tokens scheduled this step (<= max_num_batched_tokens)."""
+    @property
+    def req_ids(self) -> list[str]:
+        """Batch order: running requests first (in their running order), then newly scheduled ones."""
+    @property
+    def new_req_ids(self) -> list[str]:
+        """Requests scheduled for the first time (their KV starts at num_computed_tokens, which may be
+        > 0 after a prefix-cache hit)."""
+    @property
+    def resumed_req_ids(self) -> list[str]:
+        """Requests resumed after preemption (their KV is recomputed from num_computed_tokens)."""
+    @property
+    def finished_req_ids(self) -> list[str]:
+        """Requests that finished or were aborted since the previous schedule(); the runner drops them."""
+    @property
+    def preempted_req_ids(self) -> list[str]:
+        """Requests preempted during this schedule() (back to waiting, blocks freed)."""
+    @property
+    def input_ids(self) -> npt.NDArray[np.int64]:
+        """[num_tokens] token ids, request after request."""
+    @property
+    def positions(self) -> npt.NDArray[np.int64]:
+        """[num_tokens] absolute position of each token in its sequence."""
+    @property
+    def slot_mapping(self) -> npt.NDArray[np.int64]:
+        """[num_tokens] KV slot = block_id * block_size + offset where each token's K/V is written."""
+    @property
+    def query_start_loc(self) -> npt.NDArray[np.int32]:
+        """[num_reqs + 1] prefix sum of num_scheduled_tokens."""
+    @property
+    def num_scheduled_tokens(self) -> npt.NDArray[np.int32]:
+        """[num_reqs] tokens computed for each request this step."""
+    @property
+    def num_computed_tokens(self) -> npt.NDArray[np.int32]:
+        """[num_reqs] tokens whose KV was already in the cache before this step."""
+    @property
+    def seq_lens(self) -> npt.NDArray[np.int32]:
+        """[num_reqs] num_computed_tokens + num_scheduled_tokens: KV length attention reads."""
+    @property
+    def block_table(self) -> npt.NDArray[np.int32]:
+        """[num_reqs, max_blocks] block ids per request; padded with the null block (id 0)."""
+    @property
+    def logits_indices(self) -> npt.NDArray[np.int64]:
+        """[num_reqs] flat index (into input_ids) of each request's last scheduled token."""
+    @property
+    def sample_mask(self) -> npt.NDArray[np.bool_]:
+        """[num_reqs] True where this step reaches the end of the request's known tokens, so the
+        sampled token is kept; False for a partial prefill chunk (its sample is ignored)."""
+
+class RequestOutput:
+    """What one request produced in one step (only requests with news are returned)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def new_token_ids(self) -> list[int]: ...
+    @property
+    def text_delta(self) -> str:
+        """New text, never splitting a UTF-8 character and never containing a partial stop string
+        (held back until it is known not to be one); empty when detokenize is off."""
+    @property
+    def finished(self) -> bool: ...
+    @property
+    def finish_reason(self) -> str | None:
+        """'stop' | 'length' | 'abort' | None while running."""
+    @property
+    def stop_reason(self) -> int | str | None:
+        """The stop_token_id or stop string that fired (None for EOS, length, abort)."""
+    @property
+    def num_output_tokens(self) -> int: ...
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache when the request was first scheduled."""
+
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_total_blocks: int
+    num_free_blocks: int
+    kv_cache_usage: float  # fraction of usable blocks held by live requests, 0.0..1.0
+    prefix_cache_queries: int  # tokens looked up (cumulative)
+    prefix_cache_hits: int  # tokens found (cumulative)
+    num_preemptions: int  # cumulative
+    num_scheduled_tokens: int  # last step
+    num_prompt_tokens: int  # cumulative tokens of prompt scheduled (prefill work)
+    num_generation_tokens: int  # cumulative tokens appended by update_from_output
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        num_blocks: int,
+        max_model_len: int,
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        enable_prefix_caching: bool = True,
+        policy: str = "fcfs",
+        tokenizer_json: str | None = None,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        """num_blocks includes the null block (id 0), which is never handed out.
+        policy: 'fcfs' or 'priority' (lower priority value first, then arrival order).
+        tokenizer_json: the text of a tokenizer.json; without it detokenization and stop strings
+        are unavailable (requests must use detokenize=False and no stop strings)."""
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def max_model_len(self) -> int: ...
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int] | npt.NDArray[np.int64] | npt.NDArray[np.int32],
+        *,
+        max_tokens: int,
+        min_tokens: int = 0,
+        ignore_eos: bool = False,
+        stop_token_ids: Sequence[int] = (),
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
+        detokenize: bool = True,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        lora_id: int = 0,
+        wait_for_grammar: bool = False,
+    ) -> None:
+        """Queue a request. max_tokens is clipped so prompt + output <= max_model_len.
+        wait_for_grammar: keep it waiting (other requests run) until grammar_ready() names it."""
+    def grammar_ready(self, request_ids: Sequence[str]) -> None: ...
+    def abort_requests(self, request_ids: Sequence[str]) -> list[RequestOutput]:
+        """Abort live requests (unknown ids are ignored); frees their blocks at once and returns a
+        finished output (finish_reason 'abort') for each one that was live."""
+    def schedule(self) -> SchedulerOutput: ...
+    def update_from_output(
+        self,
+        sampled_token_ids: npt.NDArray[np.int64],
+        force_stop: npt.NDArray[np.bool_] | None = None,
+    ) -> list[RequestOutput]:
+        """sampled_token_ids: [num_reqs] of the last schedule(), batch order; entries where
+        sample_mask is False are ignored. force_stop: [num_reqs], True finishes the request with
+        'stop' after appending its token (a completed grammar)."""
+    def has_unfinished_requests(self) -> bool: ...
+    def num_unfinished_requests(self) -> int: ...
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block hash; False (nothing done) while any block is in use."""
+    def stats(self) -> SchedulerStats: ...
+    def request_block_ids(self, request_id: str) -> list[int]:
+        """Blocks held by a live request (for tests and debugging)."""
+
+class Detokenizer:
+    """Standalone incremental detokenizer (the one the scheduler uses), for tests and tools."""
+
+    def __init__(
+        self,
+        tokenizer_json: str,
+        *,
+        skip_special_tokens: bool = True,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+    ) -> None: ...
+    def step(self, token_id: int) -> tuple[str, str | None]:
+        """Feed one token; returns (text_delta, stop string that fired or None)."""
+    def flush(self) -> str:
+        """End of stream: release text held back for a possible stop string."""
+    @property
+    def output_text(self) -> str: ...

@@ -1,0 +1,39 @@
+"""Per-step attention metadata: the explicit object every attention backend reads.
+
+Built once per step by the model runner from the scheduler's flat arrays
+(`ferrox._core.SchedulerOutput`) and passed down through the model's forward call, never
+through a global. All backends share one paged KV layout, per layer:
+
+    kv_cache: Tensor[2, num_blocks, block_size, num_kv_heads, head_dim]   (0 = K, 1 = V)
+
+Token t of the batch writes its K/V at slot `slot_mapping[t]`, i.e. block
+`slot // block_size`, offset `slot % block_size`. Request r's queries are rows
+`query_start_loc[r]:query_start_loc[r+1]`; it attends causally over `seq_lens[r]` KV
+positions whose blocks are `block_table[r, :ceil(seq_lens[r] / block_size)]`; its queries are
+the last `query_len` of those positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    num_actual_tokens: int  # tokens in this step (rows of q), without padding
+    max_query_len: int
+    max_seq_len: int
+    slot_mapping: torch.Tensor  # int64 [num_tokens] on the model's device
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1] on device
+    seq_lens: torch.Tensor  # int32 [num_reqs] on device
+    block_table: torch.Tensor  # int32 [num_reqs, max_blocks] on device (null block 0 pads)
+    # Host copies for backends that loop over requests (the torch reference) and for planning.
+    query_start_loc_cpu: torch.Tensor  # int32 [num_reqs + 1]
+    seq_lens_cpu: torch.Tensor  # int32 [num_reqs]
+    decode_only: bool = False  # every request has query_len == 1 (CUDA-graph eligible)
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.seq_lens_cpu.shape[0])
