@@ -1,0 +1,255 @@
+"""Front-end bookkeeping: EngineCoreOutputs (per step, per engine request) -> RequestOutputs.
+
+Shared by the offline `LLM` and `AsyncLLM`. It owns:
+- per-request state: text and token ids so far, logprobs, finish reason, timing;
+- n > 1 fan-out: a user request with n samples becomes n engine requests with ids
+  `f"{i}_{request_id}"` (seed + i when seeded, so samples differ); the user request finishes when
+  all its samples have;
+- output kinds: CUMULATIVE (everything so far), DELTA (what is new: streaming), FINAL_ONLY;
+- abort: a user request id maps to the engine ids to abort.
+
+Typical use:
+    core_requests = processor.add_request(request, prompt_text)   # send these to the core
+    for out in processor.process_outputs(core.step()): ...         # RequestOutputs with news
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from ferrox.engine.protocol import EngineCoreOutput, EngineCoreRequest, Logprobs
+from ferrox.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+)
+from ferrox.sampling_params import RequestOutputKind
+
+
+@dataclass(slots=True)
+class _Sample:
+    """One engine request: one of the n samples of a user request."""
+
+    index: int
+    want_logprobs: bool
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # how much of text/token_ids was already sent (DELTA mode)
+    sent_text: int = 0
+    sent_tokens: int = 0
+    sent_finish: bool = False
+
+    def __post_init__(self) -> None:
+        if self.want_logprobs:
+            self.logprobs = []
+            self.cumulative_logprob = 0.0
+
+
+@dataclass(slots=True)
+class _Request:
+    """A user request and its samples."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    output_kind: RequestOutputKind
+    samples: dict[str, _Sample]  # engine request id -> sample
+    metrics: RequestMetrics
+    want_prompt_logprobs: bool
+    prompt_logprobs: PromptLogprobs | None = None
+    num_cached_tokens: int = 0
+    num_finished: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished == len(self.samples)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any | None = None) -> None:
+        # The tokenizer is only used to decode logprob alternatives into text.
+        self.tokenizer = tokenizer
+        self._requests: dict[str, _Request] = {}
+        self._engine_to_user: dict[str, str] = {}
+        self._token_text: dict[int, str] = {}
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest, prompt: str | None = None) -> list[EngineCoreRequest]:
+        """Register a user request; returns the engine requests to send (n of them when n > 1)."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already in use")
+        params = request.sampling_params
+        if params.n == 1:
+            core_requests = [request]
+        else:
+            core_requests = []
+            for i in range(params.n):
+                child_params = msgspec.structs.replace(
+                    params, n=1, seed=None if params.seed is None else params.seed + i
+                )
+                core_requests.append(
+                    msgspec.structs.replace(request, request_id=f"{i}_{request.request_id}", sampling_params=child_params)
+                )
+        samples = {
+            r.request_id: _Sample(index=i, want_logprobs=params.logprobs is not None)
+            for i, r in enumerate(core_requests)
+        }
+        self._requests[request.request_id] = _Request(
+            request_id=request.request_id,
+            prompt=prompt,
+            prompt_token_ids=list(request.prompt_token_ids),
+            output_kind=params.output_kind,
+            samples=samples,
+            metrics=RequestMetrics(arrival_time=request.arrival_time or time.time()),
+            want_prompt_logprobs=params.prompt_logprobs is not None,
+        )
+        for r in core_requests:
+            self._engine_to_user[r.request_id] = request.request_id
+        return core_requests
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """Forget user requests; returns the engine request ids the caller must abort in the core."""
+        engine_ids: list[str] = []
+        for request_id in request_ids:
+            req = self._requests.pop(request_id, None)
+            if req is None:
+                continue
+            for engine_id, sample in req.samples.items():
+                self._engine_to_user.pop(engine_id, None)
+                if sample.finish_reason is None:
+                    engine_ids.append(engine_id)
+        return engine_ids
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # ---- outputs --------------------------------------------------------------------------------------
+    def process_outputs(self, outputs: Iterable[EngineCoreOutput]) -> list[RequestOutput]:
+        """Fold one batch of engine outputs into request state; returns a RequestOutput for each user
+        request with something to report (per its output kind), finished ones last removed."""
+        now = time.time()
+        touched: dict[str, _Request] = {}
+        for out in outputs:
+            user_id = self._engine_to_user.get(out.request_id)
+            if user_id is None:
+                continue  # aborted by the front-end meanwhile
+            req = self._requests[user_id]
+            self._apply(req, req.samples[out.request_id], out, now)
+            touched[user_id] = req
+        results: list[RequestOutput] = []
+        for req in touched.values():
+            ro = self._make_output(req)
+            if ro is not None:
+                results.append(ro)
+            if req.finished:
+                req.metrics.finished_time = now
+                del self._requests[req.request_id]
+                for engine_id in req.samples:
+                    self._engine_to_user.pop(engine_id, None)
+        return results
+
+    def _apply(self, req: _Request, sample: _Sample, out: EngineCoreOutput, now: float) -> None:
+        if out.new_token_ids:
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.metrics.last_token_time = now
+        sample.token_ids.extend(out.new_token_ids)
+        sample.text += out.text_delta
+        if out.num_cached_tokens:
+            req.num_cached_tokens = max(req.num_cached_tokens, out.num_cached_tokens)
+        if out.new_logprobs is not None and sample.logprobs is not None:
+            self._append_logprobs(sample, out.new_logprobs)
+        if out.prompt_logprobs is not None and req.want_prompt_logprobs and req.prompt_logprobs is None:
+            req.prompt_logprobs = [None] + self._logprob_dicts(out.prompt_logprobs)
+        if out.finished and sample.finish_reason is None:
+            sample.finish_reason = out.finish_reason or "stop"
+            sample.stop_reason = out.stop_reason
+            req.num_finished += 1
+            if out.error is not None:
+                req.error = out.error
+
+    def _append_logprobs(self, sample: _Sample, lp: Logprobs) -> None:
+        assert sample.logprobs is not None and sample.cumulative_logprob is not None
+        sample.logprobs.extend(self._logprob_dicts(lp))
+        sample.cumulative_logprob += sum(lp.logprobs)
+
+    def _logprob_dicts(self, lp: Logprobs) -> list[dict[int, Logprob]]:
+        dicts: list[dict[int, Logprob]] = []
+        for tok, logprob, rank, top_ids, top_lps in zip(
+            lp.token_ids, lp.logprobs, lp.ranks, lp.top_token_ids, lp.top_logprobs, strict=True
+        ):
+            d = {t: Logprob(v, r, self._decode(t)) for r, (t, v) in enumerate(zip(top_ids, top_lps, strict=True), start=1)}
+            d[tok] = Logprob(logprob, rank, self._decode(tok))
+            dicts.append(d)
+        return dicts
+
+    def _decode(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
+
+    def _make_output(self, req: _Request) -> RequestOutput | None:
+        kind = req.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not req.finished:
+            return None
+        completions: list[CompletionOutput] = []
+        for sample in req.samples.values():
+            if kind == RequestOutputKind.DELTA:
+                new_text = sample.text[sample.sent_text :]
+                new_tokens = sample.token_ids[sample.sent_tokens :]
+                newly_finished = sample.finish_reason is not None and not sample.sent_finish
+                if not new_tokens and not new_text and not newly_finished:
+                    continue
+                logprobs = None
+                if sample.logprobs is not None:
+                    logprobs = sample.logprobs[sample.sent_tokens :]
+                completions.append(
+                    CompletionOutput(
+                        sample.index, new_text, new_tokens, sample.cumulative_logprob, logprobs,
+                        sample.finish_reason, sample.stop_reason,
+                    )
+                )
+                sample.sent_text = len(sample.text)
+                sample.sent_tokens = len(sample.token_ids)
+                sample.sent_finish = sample.finish_reason is not None
+            else:
+                completions.append(
+                    CompletionOutput(
+                        sample.index, sample.text, list(sample.token_ids), sample.cumulative_logprob,
+                        list(sample.logprobs) if sample.logprobs is not None else None,
+                        sample.finish_reason, sample.stop_reason,
+                    )
+                )
+        if not completions and not req.finished:
+            return None
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            prompt_logprobs=req.prompt_logprobs,
+            outputs=completions,
+            finished=req.finished,
+            num_cached_tokens=req.num_cached_tokens,
+            metrics=req.metrics,
+            error=req.error,
+        )

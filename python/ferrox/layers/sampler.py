@@ -1,0 +1,124 @@
+"""The sampler: logits [B, V] -> one token per row, on the logits' device.
+
+Order, as in vLLM: raw logprobs (if asked) -> penalties, logit_bias, token masks, min_tokens ->
+greedy rows take the argmax -> random rows: temperature, min-p, top-k/top-p, then a draw.
+
+The draw is the exponential race: with q ~ Exp(1) per token, argmax(p / q) is distributed as p.
+Each seeded request owns a `torch.Generator` and consumes exactly one Exp(1) vector per sampled
+step, so its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ferrox.layers import logits_processors as lp
+
+
+@dataclass(slots=True)
+class PenaltyInputs:
+    rows: torch.Tensor  # [R] int64
+    prompt_mask: torch.Tensor  # [R, V] bool: token occurs in the prompt
+    output_counts: torch.Tensor  # [R, V] float32: occurrences in the output so far
+    repetition: torch.Tensor  # [R]
+    frequency: torch.Tensor  # [R]
+    presence: torch.Tensor  # [R]
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Everything per-row the sampler needs; built by the model runner (cached while the batch
+    composition does not change). Optional parts are None when no row uses them."""
+
+    all_greedy: bool
+    greedy_rows: torch.Tensor | None = None  # [B] bool; None when all rows are random or all greedy
+    temperature: torch.Tensor | None = None  # [B] float32 (1.0 on greedy rows); None if all greedy
+    top_k: torch.Tensor | None = None  # [B] int64, vocab size = off
+    top_p: torch.Tensor | None = None  # [B] float32, 1.0 = off
+    min_p: torch.Tensor | None = None  # [B] float32, 0.0 = off
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> seeded generator
+    max_num_logprobs: int | None = None  # top-N for the rows that asked (others ignore theirs)
+    penalties: PenaltyInputs | None = None
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, token ids, biases
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None  # rows [R], mask [R, V] bool
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, token ids set to -inf
+
+
+@dataclass(slots=True)
+class LogprobsTensors:
+    token_logprobs: torch.Tensor  # [B] logprob of the sampled token
+    token_ranks: torch.Tensor  # [B] its 1-based rank
+    top_token_ids: torch.Tensor  # [B, N]
+    top_logprobs: torch.Tensor  # [B, N]
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: LogprobsTensors | None
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:
+    """Logprobs of `token_ids` and the top `num_top` alternatives from raw logits [B, V]."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    if num_top > 0:
+        top = torch.topk(logprobs, num_top, dim=-1)
+        top_ids, top_lp = top.indices, top.values
+    else:
+        top_ids = torch.empty((logits.shape[0], 0), dtype=torch.int64, device=logits.device)
+        top_lp = torch.empty((logits.shape[0], 0), dtype=torch.float32, device=logits.device)
+    return LogprobsTensors(chosen.squeeze(1), ranks, top_ids, top_lp)
+
+
+class Sampler:
+    def __init__(self, default_generator: torch.Generator | None = None) -> None:
+        # Unseeded random rows draw from this one generator (seeded from the engine's seed, so
+        # whole runs reproduce too).
+        self.default_generator = default_generator
+
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        raw = logits.clone() if md.max_num_logprobs is not None else None
+        self.apply_logits_processors(logits, md)
+        if md.all_greedy:
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = self._sample_random(logits, md)
+            if md.greedy_rows is not None:
+                token_ids = torch.where(md.greedy_rows, logits.argmax(dim=-1), token_ids)
+        logprobs = None
+        if raw is not None:
+            logprobs = compute_logprobs(raw, token_ids, md.max_num_logprobs or 0)
+        return SamplerOutput(token_ids, logprobs)
+
+    @staticmethod
+    def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> None:
+        if md.penalties is not None:
+            p = md.penalties
+            lp.apply_penalties(
+                logits, p.rows, p.prompt_mask, p.output_counts, p.repetition, p.frequency, p.presence
+            )
+        if md.logit_bias is not None:
+            lp.apply_logit_bias(logits, *md.logit_bias)
+        if md.allowed is not None:
+            lp.apply_token_mask(logits, *md.allowed)
+        if md.banned is not None:
+            lp.apply_banned_tokens(logits, *md.banned)
+
+    def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        assert md.temperature is not None
+        logits = logits / md.temperature.unsqueeze(1)
+        if md.min_p is not None:
+            logits = lp.apply_min_p(logits, md.min_p)
+        if md.top_k is not None or md.top_p is not None:
+            logits = lp.apply_top_k_top_p(logits, md.top_k, md.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        q = torch.empty_like(probs)
+        if len(md.generators) < probs.shape[0]:
+            q.exponential_(generator=self.default_generator)
+        for row, gen in md.generators.items():
+            q[row].exponential_(generator=gen)
+        return (probs / q).argmax(dim=-1)

@@ -1,0 +1,157 @@
+"""SamplingParams: how one request is decoded (vLLM-compatible field names and meanings).
+
+A msgspec Struct so that it crosses the engine-core socket inside `EngineCoreRequest` as
+msgpack unchanged; `__post_init__` validates on construction *and* on decode, so a bad value
+is a `ValueError` naming the field wherever it enters.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+from ferrox.structured.params import StructuredOutputsParams
+
+# Below this a temperature means greedy (argmax); dividing by it would overflow.
+_GREEDY_EPS = 1e-5
+# OpenAI clamps logit_bias values to this range; larger values only make overflow likely.
+_MAX_ABS_LOGIT_BIAS = 100.0
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each streamed `RequestOutput` carries."""
+
+    CUMULATIVE = 0  # all text/tokens so far (offline `LLM` default)
+    DELTA = 1  # only what is new since the previous output (streaming)
+    FINAL_ONLY = 2  # nothing until the request finishes, then everything
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of top alternatives returned with each sampled token
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    extra_args: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        self._normalize()
+        self._validate()
+        if self.temperature < _GREEDY_EPS:
+            # Greedy ignores the truncation knobs; resetting them keeps the sampler's greedy
+            # fast path free of work that cannot change the argmax.
+            self.temperature = 0.0
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _normalize(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias is not None:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"logit_bias: keys must be token ids and values numbers ({e})") from None
+
+    def _validate(self) -> None:
+        _check_int("n", self.n, lo=1)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name}: must be in [-2, 2], got {value}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k, lo=0, note=" (0 or -1 disables it)")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, lo=1)
+        _check_int("min_tokens", self.min_tokens, lo=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens: must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, lo=0)
+        if self.stop is not None:
+            for s in self.stop:
+                if not isinstance(s, str) or not s:
+                    raise ValueError(f"stop: every stop string must be a non-empty string, got {s!r}")
+        _check_token_ids("stop_token_ids", self.stop_token_ids, allow_empty=True)
+        _check_token_ids("allowed_token_ids", self.allowed_token_ids, allow_empty=False)
+        if self.logit_bias is not None:
+            for tok, bias in self.logit_bias.items():
+                if tok < 0:
+                    raise ValueError(f"logit_bias: token id must be >= 0, got {tok}")
+                if not -_MAX_ABS_LOGIT_BIAS <= bias <= _MAX_ABS_LOGIT_BIAS:
+                    raise ValueError(f"logit_bias: value for token {tok} must be in [-100, 100], got {bias}")
+        if not self.detokenize and self.stop:
+            raise ValueError("stop: stop strings need detokenize=True")
+
+    # ---- derived views used by the engine --------------------------------------------------
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def stop_list(self) -> list[str]:
+        return list(self.stop or [])
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids must exist in the model's vocabulary; called by the engine, which knows it."""
+        fields = (
+            ("stop_token_ids", self.stop_token_ids or []),
+            ("allowed_token_ids", self.allowed_token_ids or []),
+            ("logit_bias", list(self.logit_bias or {})),
+        )
+        for name, ids in fields:
+            for tok in ids:
+                if tok >= vocab_size:
+                    raise ValueError(f"{name}: token id {tok} is outside the vocabulary (size {vocab_size})")
+
+    def clone(self, **changes: Any) -> SamplingParams:
+        return msgspec.structs.replace(self, **changes)
+
+
+def _check_int(name: str, value: Any, lo: int | None = None, note: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: must be an integer, got {value!r}")
+    if lo is not None and value < lo:
+        raise ValueError(f"{name}: must be >= {lo}{note}, got {value}")
+
+
+def _check_token_ids(name: str, ids: list[int] | None, *, allow_empty: bool) -> None:
+    if ids is None:
+        return
+    if not allow_empty and not ids:
+        raise ValueError(f"{name}: must not be empty when given")
+    for tok in ids:
+        if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+            raise ValueError(f"{name}: token ids must be integers >= 0, got {tok!r}")

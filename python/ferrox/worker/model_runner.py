@@ -1,0 +1,228 @@
+"""The model runner: one scheduler step in, one sampled token per scheduled request out.
+
+It keeps a persistent batch (`RequestState` per live request, keyed by request id) so that the
+per-step work is only: wrap the core's flat numpy arrays as tensors (no copy on CPU), build the
+AttentionMetadata, run the model under inference_mode, gather the logits of each request's last
+scheduled token, and sample. Requests are added when the engine accepts them and dropped when
+the scheduler lists them in `finished_req_ids`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from ferrox.attention.metadata import AttentionMetadata
+from ferrox.engine.protocol import EngineCoreRequest, Logprobs
+from ferrox.layers.sampler import Sampler, SamplerOutput, compute_logprobs
+from ferrox.worker.request_state import PromptLogprobsAccumulator, RequestState
+from ferrox.worker.sampling_batch import SamplingBatchBuilder
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    sampled_token_ids: npt.NDArray[np.int64]  # [num_reqs], batch order
+    logprobs: dict[str, Logprobs] = field(default_factory=dict)  # one position, for rows that asked
+    prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)  # complete, emitted once
+    errors: dict[str, str] = field(default_factory=dict)  # request id -> why its sampling failed
+
+
+def _as_tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    if not array.flags.writeable:
+        # torch.from_numpy warns on read-only buffers; a copy of a few KB is cheaper than the warning.
+        array = array.copy()
+    t = torch.from_numpy(array)
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: Any,
+        kv_caches: list[torch.Tensor],
+        *,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        device: torch.device,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.device = device
+        self.requests: dict[str, RequestState] = {}
+        self.sampling_batch = SamplingBatchBuilder(vocab_size, device)
+        default_gen = torch.Generator(device=device)
+        default_gen.manual_seed(seed)
+        self.sampler = Sampler(default_gen)
+
+    # ---- persistent batch -------------------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> None:
+        params = request.sampling_params
+        stop_ids = list(params.stop_token_ids or [])
+        if not params.ignore_eos:
+            stop_ids = self.eos_token_ids + [t for t in stop_ids if t not in self.eos_token_ids]
+        state = RequestState(
+            req_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            params=params,
+            stop_ids_for_min_tokens=stop_ids,
+        )
+        if params.seed is not None and not params.is_greedy:
+            state.generator = torch.Generator(device=self.device)
+            state.generator.manual_seed(params.seed)
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = PromptLogprobsAccumulator(num_top=params.prompt_logprobs)
+        self.requests[request.request_id] = state
+
+    def remove_requests(self, request_ids: list[str]) -> None:
+        for req_id in request_ids:
+            self.requests.pop(req_id, None)
+
+    # ---- one step -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, so: Any, grammar_bitmask: torch.Tensor | None = None) -> ModelRunnerOutput:
+        """so: ferrox._core.SchedulerOutput with num_reqs > 0. grammar_bitmask: int32
+        [num_reqs, words] allow-bits in batch order (structured outputs), or None."""
+        self.remove_requests(so.finished_req_ids)
+        dev = self.device
+        req_ids: list[str] = so.req_ids
+        states = [self.requests[r] for r in req_ids]
+        qsl_np = so.query_start_loc
+        seq_lens_np = so.seq_lens
+        num_sched_np = so.num_scheduled_tokens
+        max_query_len = int(num_sched_np.max())
+        qsl_cpu = _as_tensor(qsl_np, torch.device("cpu"))
+        seq_lens_cpu = _as_tensor(seq_lens_np, torch.device("cpu"))
+        attn = AttentionMetadata(
+            num_actual_tokens=int(so.num_tokens),
+            max_query_len=max_query_len,
+            max_seq_len=int(seq_lens_np.max()),
+            slot_mapping=_as_tensor(so.slot_mapping, dev),
+            query_start_loc=qsl_cpu if dev.type == "cpu" else qsl_cpu.to(dev, non_blocking=True),
+            seq_lens=seq_lens_cpu if dev.type == "cpu" else seq_lens_cpu.to(dev, non_blocking=True),
+            block_table=_as_tensor(so.block_table, dev),
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=seq_lens_cpu,
+            decode_only=max_query_len == 1,
+        )
+        hidden = self.model.forward(
+            _as_tensor(so.input_ids, dev), _as_tensor(so.positions, dev), self.kv_caches, attn
+        )
+        logits_indices = _as_tensor(so.logits_indices, dev)
+        logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
+        if grammar_bitmask is not None:
+            from ferrox.structured.bitmask import apply_bitmask_rows
+
+            apply_bitmask_rows(logits, grammar_bitmask, None)
+
+        sample_mask: list[bool] = so.sample_mask.tolist()
+        out = ModelRunnerOutput(sampled_token_ids=np.zeros(len(req_ids), dtype=np.int64))
+        sampled = self._sample(logits, states, sample_mask, out)
+        token_ids = sampled.token_ids.cpu().numpy()
+        out.sampled_token_ids = token_ids
+        for i, state in enumerate(states):
+            if sample_mask[i] and state.req_id not in out.errors:
+                state.append_output(int(token_ids[i]))
+        if sampled.logprobs is not None:
+            self._collect_logprobs(sampled, states, sample_mask, out)
+        if any(s.prompt_logprobs is not None and not s.prompt_logprobs.emitted for s in states):
+            self._prompt_logprobs(hidden, states, so, out)
+        return out
+
+    # ---- sampling -------------------------------------------------------------------------------------
+    def _sample(
+        self, logits: torch.Tensor, states: list[RequestState], sample_mask: list[bool], out: ModelRunnerOutput
+    ) -> SamplerOutput:
+        md = self.sampling_batch.build(states, sample_mask)
+        try:
+            # The sampler edits logits in place; if it fails half-way the per-row retry below sees
+            # partly processed rows, an accepted cost on an error path that never runs normally.
+            return self.sampler(logits, md)
+        except Exception:
+            logger.exception("batched sampling failed; retrying row by row to isolate the failing request")
+        # One bad request (e.g. a NaN row, a broken logits processor) must not fail the others.
+        self.sampling_batch.invalidate()
+        token_ids = torch.zeros(len(states), dtype=torch.int64, device=logits.device)
+        lp_parts: list[SamplerOutput | None] = []
+        for i, state in enumerate(states):
+            try:
+                row_md = SamplingBatchBuilder(self.vocab_size, self.device).build([state], [sample_mask[i]])
+                row = self.sampler(logits[i : i + 1].clone(), row_md)
+                token_ids[i] = row.token_ids[0]
+                lp_parts.append(row)
+            except Exception as e:  # noqa: BLE001 - reported per request
+                out.errors[state.req_id] = f"sampling failed: {type(e).__name__}: {e}"
+                lp_parts.append(None)
+        result = SamplerOutput(token_ids, None)
+        if any(p is not None and p.logprobs is not None for p in lp_parts):
+            result.logprobs = compute_logprobs(
+                logits, token_ids, max(s.params.logprobs or 0 for s in states)
+            )
+        return result
+
+    def _collect_logprobs(
+        self, sampled: SamplerOutput, states: list[RequestState], sample_mask: list[bool], out: ModelRunnerOutput
+    ) -> None:
+        lp = sampled.logprobs
+        assert lp is not None
+        token_lp = lp.token_logprobs.tolist()
+        ranks = lp.token_ranks.tolist()
+        top_ids = lp.top_token_ids.tolist()
+        top_lp = lp.top_logprobs.tolist()
+        token_ids = sampled.token_ids.tolist()
+        for i, state in enumerate(states):
+            n = state.params.logprobs
+            if n is None or not sample_mask[i] or state.req_id in out.errors:
+                continue
+            out.logprobs[state.req_id] = Logprobs(
+                token_ids=[token_ids[i]],
+                logprobs=[token_lp[i]],
+                ranks=[ranks[i]],
+                top_token_ids=[top_ids[i][:n]],
+                top_logprobs=[top_lp[i][:n]],
+            )
+
+    # ---- prompt logprobs --------------------------------------------------------------------------------
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, states: list[RequestState], so: Any, out: ModelRunnerOutput
+    ) -> None:
+        """Logits of prompt position p score prompt token p + 1; only requests that asked pay."""
+        qsl = so.query_start_loc.tolist()
+        computed = so.num_computed_tokens.tolist()
+        for i, state in enumerate(states):
+            acc = state.prompt_logprobs
+            if acc is None or acc.emitted:
+                continue
+            prompt = state.prompt_token_ids
+            start_pos = computed[i]
+            end_pos = min(start_pos + qsl[i + 1] - qsl[i], len(prompt) - 1)
+            if end_pos > start_pos:
+                rows = torch.arange(qsl[i], qsl[i] + end_pos - start_pos, device=hidden.device)
+                logits = self.model.compute_logits(hidden.index_select(0, rows))
+                targets = torch.tensor(prompt[start_pos + 1 : end_pos + 1], dtype=torch.int64, device=hidden.device)
+                lp = compute_logprobs(logits, targets, acc.num_top)
+                chosen, ranks = lp.token_logprobs.tolist(), lp.token_ranks.tolist()
+                top_ids, top_lp = lp.top_token_ids.tolist(), lp.top_logprobs.tolist()
+                for j in range(end_pos - start_pos):
+                    acc.token_logprobs[start_pos + 1 + j] = (chosen[j], ranks[j], top_ids[j], top_lp[j])
+            if len(acc.token_logprobs) >= len(prompt) - 1:
+                positions = range(1, len(prompt))
+                entries = [acc.token_logprobs[p] for p in positions]
+                out.prompt_logprobs[state.req_id] = Logprobs(
+                    token_ids=[prompt[p] for p in positions],
+                    logprobs=[e[0] for e in entries],
+                    ranks=[e[1] for e in entries],
+                    top_token_ids=[e[2] for e in entries],
+                    top_logprobs=[e[3] for e in entries],
+                )
+                acc.emitted = True
+                acc.token_logprobs.clear()

@@ -1,0 +1,70 @@
+"""Per-request state the model runner keeps across steps (the persistent batch's rows).
+
+Added when the engine accepts a request, dropped when the scheduler reports it finished.
+Preemption keeps it: a preempted request resumes with the same tokens, generator and counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ferrox.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class PromptLogprobsAccumulator:
+    """Prompt logprobs arrive chunk by chunk (chunked prefill); positions 1..len-1 are filled."""
+
+    num_top: int
+    token_logprobs: dict[int, tuple[float, int, list[int], list[float]]] = field(default_factory=dict)
+    emitted: bool = False
+
+
+@dataclass(slots=True)
+class RequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stop_ids_for_min_tokens: list[int]  # EOS (unless ignore_eos) + stop_token_ids
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None  # only for seeded random sampling
+    # Lazily built on the device, only for requests that use them.
+    prompt_mask: torch.Tensor | None = None  # [V] bool, repetition penalty
+    output_counts: torch.Tensor | None = None  # [V] float32, all three penalties
+    allowed_mask: torch.Tensor | None = None  # [V] bool, allowed_token_ids
+    prompt_logprobs: PromptLogprobsAccumulator | None = None
+
+    @property
+    def has_penalties(self) -> bool:
+        p = self.params
+        return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+    @property
+    def in_min_tokens(self) -> bool:
+        return len(self.output_token_ids) < self.params.min_tokens and bool(self.stop_ids_for_min_tokens)
+
+    def ensure_penalty_state(self, vocab_size: int, device: torch.device) -> None:
+        if self.output_counts is not None:
+            return
+        self.output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        for tok in self.output_token_ids:
+            self.output_counts[tok] += 1
+        self.prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        if self.prompt_token_ids:
+            ids = torch.tensor(self.prompt_token_ids, dtype=torch.int64, device=device)
+            self.prompt_mask[ids.clamp(max=vocab_size - 1)] = True
+
+    def ensure_allowed_mask(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        if self.allowed_mask is None:
+            mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            ids = torch.tensor(self.params.allowed_token_ids or [], dtype=torch.int64, device=device)
+            mask[ids] = True
+            self.allowed_mask = mask
+        return self.allowed_mask
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        if self.output_counts is not None:
+            self.output_counts[token_id] += 1

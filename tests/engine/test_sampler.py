@@ -1,0 +1,177 @@
+"""The sampler on crafted logits: truncation never leaks, the distribution matches softmax,
+seeded draws do not depend on the batch, logprobs equal log_softmax, penalties/bias/masks act."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ferrox.layers.sampler import PenaltyInputs, Sampler, SamplingMetadata, compute_logprobs
+from ferrox.sampling_params import SamplingParams
+from ferrox.worker.request_state import RequestState
+from ferrox.worker.sampling_batch import SamplingBatchBuilder
+
+VOCAB = 8
+LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+
+
+def _states(params: list[SamplingParams], eos: list[int] | None = None) -> list[RequestState]:
+    states = []
+    for i, p in enumerate(params):
+        s = RequestState(f"r{i}", [1, 2, 3], p, stop_ids_for_min_tokens=list(eos or []))
+        if p.seed is not None and not p.is_greedy:
+            s.generator = torch.Generator().manual_seed(p.seed)
+        states.append(s)
+    return states
+
+
+def _draw(params: SamplingParams, rows: int, logits: torch.Tensor = LOGITS, seed: int = 0) -> torch.Tensor:
+    """`rows` independent draws for one request's settings (one batch of identical rows)."""
+    states = _states([params] * rows)
+    md = SamplingBatchBuilder(logits.shape[-1], torch.device("cpu")).build(states, [True] * rows)
+    sampler = Sampler(torch.Generator().manual_seed(seed))
+    return sampler(logits.repeat(rows, 1), md).token_ids
+
+
+def test_greedy_is_argmax_and_mixed_batch():
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3)]
+    states = _states(params)
+    logits = torch.stack([LOGITS, LOGITS.flip(0)])
+    md = SamplingBatchBuilder(VOCAB, torch.device("cpu")).build(states, [True, True])
+    assert not md.all_greedy and md.greedy_rows is not None
+    out = Sampler(torch.Generator().manual_seed(0))(logits.clone(), md)
+    assert out.token_ids[0].item() == 0
+
+
+@pytest.mark.parametrize(
+    "params, allowed",
+    [
+        (SamplingParams(top_k=3), {0, 1, 2}),
+        (SamplingParams(top_p=0.5), {0, 1}),  # p(0)=0.38, p(0)+p(1)=0.61 >= 0.5
+        (SamplingParams(min_p=0.3), {0, 1, 2}),  # p/pmax: 1, .61, .37, .22 ...
+        (SamplingParams(top_p=0.7), {0, 1, 2}),
+        (SamplingParams(top_k=4, top_p=0.7), {0, 1}),  # top-p over the top-k renormalized: .46, .73
+    ],
+)
+def test_truncation_never_emits_excluded_tokens(params, allowed):
+    tokens = _draw(params, 4000)
+    assert set(tokens.tolist()) == allowed  # every allowed token shows up, nothing else
+
+
+def test_distribution_matches_softmax():
+    n = 20000
+    tokens = _draw(SamplingParams(temperature=1.0), n)
+    counts = torch.bincount(tokens, minlength=VOCAB).double()
+    expected = torch.softmax(LOGITS.double(), dim=0) * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    # 7 degrees of freedom: P(chi2 > 24.3) = 0.001
+    assert chi2 < 24.3, (counts, expected)
+
+
+def test_temperature_sharpens():
+    cold = torch.bincount(_draw(SamplingParams(temperature=0.25), 4000), minlength=VOCAB)
+    hot = torch.bincount(_draw(SamplingParams(temperature=1.0), 4000), minlength=VOCAB)
+    assert cold[0] > hot[0] + 500
+
+
+def test_seeded_rows_do_not_depend_on_batch():
+    vocab = 1000
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(1))
+    p = SamplingParams(temperature=1.0, seed=1234)
+
+    def run(batch_size: int, position: int, steps: int = 20) -> list[int]:
+        params = [SamplingParams(temperature=1.0) for _ in range(batch_size)]
+        params[position] = p
+        states = _states(params)
+        builder = SamplingBatchBuilder(vocab, torch.device("cpu"))
+        sampler = Sampler(torch.Generator().manual_seed(batch_size))
+        out = []
+        for _ in range(steps):
+            md = builder.build(states, [True] * batch_size)
+            out.append(int(sampler(logits.repeat(batch_size, 1), md).token_ids[position]))
+        return out
+
+    alone = run(1, 0)
+    assert run(5, 3) == alone and run(3, 0) == alone
+    assert len(set(alone)) > 1  # it really samples
+
+
+def test_logprobs_equal_log_softmax():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    chosen = torch.tensor([4, 7, 9])
+    lp = compute_logprobs(logits, chosen, 5)
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    assert torch.allclose(lp.token_logprobs.double(), ref.gather(1, chosen[:, None]).squeeze(1), atol=1e-5)
+    top = torch.topk(ref, 5, dim=-1)
+    assert torch.equal(lp.top_token_ids, top.indices)
+    assert torch.allclose(lp.top_logprobs.double(), top.values, atol=1e-5)
+    expected_rank = (ref > ref.gather(1, chosen[:, None])).sum(-1) + 1
+    assert torch.equal(lp.token_ranks, expected_rank)
+
+
+def test_sampler_logprobs_are_raw_not_processed():
+    params = SamplingParams(temperature=0, logprobs=2, logit_bias={7: 50.0})
+    states = _states([params])
+    md = SamplingBatchBuilder(VOCAB, torch.device("cpu")).build(states, [True])
+    out = Sampler()(LOGITS[None].clone(), md)
+    assert out.token_ids.item() == 7  # the bias decides the token ...
+    raw = torch.log_softmax(LOGITS, dim=-1)
+    assert out.logprobs is not None  # ... but logprobs are the model's own
+    assert math.isclose(out.logprobs.token_logprobs.item(), raw[7].item(), abs_tol=1e-5)
+    assert out.logprobs.token_ranks.item() == VOCAB
+    assert out.logprobs.top_token_ids[0].tolist() == [0, 1]
+
+
+def test_logit_bias_and_allowed_token_ids():
+    assert set(_draw(SamplingParams(allowed_token_ids=[5, 6]), 500).tolist()) == {5, 6}
+    assert set(_draw(SamplingParams(temperature=0, allowed_token_ids=[3, 6]), 4).tolist()) == {3}
+    assert set(_draw(SamplingParams(logit_bias={0: -100.0, 1: -100.0}), 2000).tolist()) <= set(range(2, VOCAB))
+
+
+def test_penalties():
+    logits = torch.tensor([[2.0, 1.0, -1.0, 0.5]])
+    sampler_rows = torch.tensor([0])
+    p = PenaltyInputs(
+        rows=sampler_rows,
+        prompt_mask=torch.tensor([[False, False, True, False]]),
+        output_counts=torch.tensor([[2.0, 0.0, 0.0, 1.0]]),
+        repetition=torch.tensor([2.0]),
+        frequency=torch.tensor([0.5]),
+        presence=torch.tensor([0.25]),
+    )
+    md = SamplingMetadata(all_greedy=True, penalties=p)
+    Sampler.apply_logits_processors(logits, md)
+    # token 0: seen in output (2x): 2/2 - 0.5*2 - 0.25 ; token 2: prompt only: -1*2 ; token 3: 0.5/2 - 0.5 - 0.25
+    expected = torch.tensor([[2 / 2 - 1.0 - 0.25, 1.0, -2.0, 0.25 - 0.5 - 0.25]])
+    assert torch.allclose(logits, expected)
+
+
+def test_penalty_state_tracks_outputs():
+    params = SamplingParams(temperature=0, frequency_penalty=2.0)
+    (state,) = _states([params])
+    builder = SamplingBatchBuilder(VOCAB, torch.device("cpu"))
+    sampler = Sampler()
+    seen = []
+    for _ in range(VOCAB):
+        md = builder.build([state], [True])
+        tok = int(sampler(LOGITS[None].clone(), md).token_ids[0])
+        state.append_output(tok)
+        seen.append(tok)
+    # A strong frequency penalty walks greedy decoding down the ranking instead of repeating.
+    assert len(set(seen[:4])) == 4
+
+
+def test_min_tokens_bans_stop_ids():
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[1])
+    (state,) = _states([params], eos=[0, 1])
+    builder = SamplingBatchBuilder(VOCAB, torch.device("cpu"))
+    sampler = Sampler()
+    toks = []
+    for _ in range(3):
+        md = builder.build([state], [True])
+        tok = int(sampler(LOGITS[None].clone(), md).token_ids[0])
+        state.append_output(tok)
+        toks.append(tok)
+    assert toks == [2, 2, 0]  # EOS (0) and stop id (1) are hidden until two tokens are out
