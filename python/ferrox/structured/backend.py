@@ -1,0 +1,159 @@
+"""llguidance as ferrox's grammar backend: constraint -> grammar text -> compiled matcher.
+
+Three steps, kept apart so each can be cached or run off the engine loop:
+  1. `grammar_text(params)`: a StructuredOutputsParams becomes llguidance grammar text plus a
+     canonical key for the compile cache (pure, cheap, no tokenizer).
+  2. `validate_params(params)`: the grammar is checked without a tokenizer, so the server can
+     answer a bad schema / regex / Lark grammar with a 400 before anything is queued.
+  3. `compile_matcher(tokenizer, text)`: the grammar is compiled against the model's tokenizer
+     into an LLMatcher in its start state. That matcher is the reusable "compiled grammar":
+     each request gets `deep_copy()` of it, which is far cheaper than compiling again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import llguidance
+from llguidance.gbnf_to_lark import any_to_lark
+
+from ferrox.structured.params import StructuredOutputsParams
+
+# JSON is generated with the separators json.dumps uses by default and no free whitespace:
+# the model then writes the JSON it saw most in training, and cannot spend its token budget
+# on an endless run of spaces or newlines (a real failure mode of small models at temperature 1).
+JSON_COMPILE_OPTIONS: llguidance._lib.JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarText:
+    key: str  # canonical text of the constraint: the compile cache key
+    grammar: str  # llguidance grammar (JSON envelope), accepted by LLMatcher
+    field: str  # the request field it came from, for error messages
+
+
+def _schema_text(schema: dict | str, field: str) -> str:
+    """Canonical JSON text of a schema. Key order is kept on purpose: it is the order in
+    which the model writes the properties, so two schemas differing only by order differ."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{field}: not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"{field}: a JSON schema must be an object, got {type(schema).__name__}")
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+
+
+def lark_string_literal(text: str) -> str:
+    """A Lark string literal matching `text` exactly (JSON string escapes are Lark's)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def json_schema_grammar(schema: dict | str, field: str = "structured_outputs.json") -> GrammarText:
+    text = _schema_text(schema, field)
+    return GrammarText(
+        key="json:" + text,
+        grammar=llguidance.LLMatcher.grammar_from_json_schema(text, overrides=JSON_COMPILE_OPTIONS),
+        field=field,
+    )
+
+
+def grammar_text(params: StructuredOutputsParams) -> GrammarText:
+    """The llguidance grammar for one constraint. Raises ValueError naming the field when the
+    input is malformed before llguidance even sees it (e.g. a schema that is not JSON)."""
+    if params.json is not None:
+        return json_schema_grammar(params.json)
+    if params.json_object:
+        return GrammarText(
+            key="json_object",
+            grammar=llguidance.LLMatcher.grammar_from_json_schema(
+                {"type": "object"}, overrides=JSON_COMPILE_OPTIONS
+            ),
+            field="structured_outputs.json_object",
+        )
+    if params.regex is not None:
+        return GrammarText(
+            key="regex:" + params.regex,
+            grammar=llguidance.LLMatcher.grammar_from_regex(params.regex),
+            field="structured_outputs.regex",
+        )
+    if params.choice is not None:
+        lark = "start: " + " | ".join(lark_string_literal(c) for c in params.choice)
+        return GrammarText(
+            key="choice:" + json.dumps(params.choice, ensure_ascii=False),
+            grammar=llguidance.LLMatcher.grammar_from_lark(lark),
+            field="structured_outputs.choice",
+        )
+    if params.grammar is not None:
+        # llguidance's Lark dialect is the native one; GBNF (llama.cpp, `::=` rules) is converted.
+        try:
+            lark = any_to_lark(params.grammar)
+        except Exception as e:  # the converter raises bare Exceptions with a useful message
+            raise ValueError(f"structured_outputs.grammar: cannot convert GBNF to Lark: {e}") from None
+        return GrammarText(
+            key="grammar:" + params.grammar,
+            grammar=llguidance.LLMatcher.grammar_from_lark(lark),
+            field="structured_outputs.grammar",
+        )
+    raise ValueError("structured_outputs: no constraint set")  # unreachable: params validates itself
+
+
+def validate_params(params: StructuredOutputsParams) -> GrammarText:
+    """Check a constraint without a tokenizer (fast: no lexer is built). Raises ValueError with
+    llguidance's message, prefixed by the offending field, so the server can return a 400."""
+    text = grammar_text(params)
+    error = llguidance.LLMatcher.validate_grammar(text.grammar)
+    if error:
+        raise ValueError(f"{text.field}: invalid constraint: {error.strip()}")
+    return text
+
+
+class GrammarCompileError(ValueError):
+    """The constraint did not compile for this tokenizer (llguidance's message inside)."""
+
+
+def compile_matcher(tokenizer: llguidance.LLTokenizer, text: GrammarText) -> llguidance.LLMatcher:
+    """Compile a grammar into a matcher in its start state (drops the GIL while compiling)."""
+    matcher = llguidance.LLMatcher(tokenizer, text.grammar, log_level=0)
+    if matcher.is_error():
+        raise GrammarCompileError(f"{text.field}: invalid constraint: {matcher.get_error().strip()}")
+    return matcher
+
+
+# One LLTokenizer per (tokenizer, logits width, eos set): building it costs ~0.2 s and its token
+# trie is read-only afterwards, so every manager and thread can share it.
+_TOKENIZERS: dict[tuple[str, int, tuple[int, ...]], llguidance.LLTokenizer] = {}
+_TOKENIZERS_LOCK = threading.Lock()
+
+
+def get_tokenizer(
+    tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]
+) -> llguidance.LLTokenizer:
+    """The shared LLTokenizer for a tokenizer.json text.
+
+    vocab_size is the logits width: it may exceed the tokenizer's vocabulary (padded embedding
+    rows), and the extra ids are never allowed. eos_token_ids are the ids the engine stops on;
+    the matcher allows them exactly when the grammar is in an accepting state.
+    """
+    if not eos_token_ids:
+        raise ValueError("eos_token_ids: at least one end-of-sequence token id is needed for grammars")
+    digest = hashlib.sha256(tokenizer_json.encode()).hexdigest()
+    key = (digest, int(vocab_size), tuple(int(t) for t in eos_token_ids))
+    with _TOKENIZERS_LOCK:
+        tok = _TOKENIZERS.get(key)
+        if tok is None:
+            try:
+                tok = llguidance.LLTokenizer(tokenizer_json, n_vocab=int(vocab_size), eos_token=list(key[2]))
+            except Exception as e:
+                raise ValueError(f"tokenizer_json: llguidance cannot load this tokenizer: {e}") from None
+            _TOKENIZERS[key] = tok
+        return tok

@@ -1,0 +1,53 @@
+"""Token bitmask helpers: the packed allow-list a grammar produces, applied to the logits.
+
+Layout (llguidance's): int32 [num_reqs, ceil(vocab / 32)], bit j of word w allows token
+32 * w + j. A row of all ones (-1) allows everything.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+_BIT_CACHE: dict[torch.device, torch.Tensor] = {}
+
+
+def _bits(device: torch.device) -> torch.Tensor:
+    bits = _BIT_CACHE.get(device)
+    if bits is None:
+        bits = torch.arange(32, dtype=torch.int32, device=device)
+        _BIT_CACHE[device] = bits
+    return bits
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [rows, vocab_size]: True where the token is allowed."""
+    bits = _bits(bitmask.device)
+    allowed = (bitmask.unsqueeze(-1) >> bits) & 1  # [rows, words, 32]
+    return allowed.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_bitmask_rows(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> None:
+    """Set disallowed logits to -inf in place.
+
+    logits: float [num_reqs, vocab] on any device; bitmask: int32 [num_reqs, words] (any device,
+    moved to the logits'); rows: int64 indices of the constrained rows, or None for all rows.
+    Only those rows are unpacked, so a mostly-free batch pays for its constrained rows alone.
+    """
+    if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.shape[0] != logits.shape[0]:
+        raise ValueError(f"bitmask {tuple(bitmask.shape)} does not match logits {tuple(logits.shape)}")
+    vocab = logits.shape[1]
+    if bitmask.shape[1] * 32 < vocab:
+        raise ValueError(f"bitmask covers {bitmask.shape[1] * 32} tokens, logits have {vocab}")
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    if rows is None:
+        logits.masked_fill_(~unpack_bitmask(bitmask, vocab), float("-inf"))
+        return
+    rows = rows.to(logits.device, non_blocking=True)
+    allowed = unpack_bitmask(bitmask.index_select(0, rows), vocab)
+    sub = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
+    logits.index_copy_(0, rows, sub)

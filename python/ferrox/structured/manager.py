@@ -1,0 +1,200 @@
+"""StructuredOutputManager: the engine's one object for constrained decoding.
+
+Life of a constrained request, as the engine core drives it:
+  submit(id, params)      compile in a thread pool (LRU cache by constraint text); the scheduler
+                          holds the request back (add_request(..., wait_for_grammar=True))
+  poll_ready()            once per step: ids whose matcher is ready -> scheduler.grammar_ready();
+  take_failures()         ids whose constraint did not compile -> finish that request with an error
+  fill_bitmask(ids, m)    before sampling: int32 allow-bits per batch row, or None (no constrained
+                          row this step, so free batches pay nothing)
+  apply_bitmask(l, b)     -inf on the disallowed logits, on the logits' device
+  accept_tokens(ids, t)   after sampling: advance matchers; True where the grammar is complete, which
+                          the engine passes to update_from_output(force_stop=...)
+  free(ids)               on finish / abort
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import llguidance
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from ferrox.structured.backend import GrammarText, compile_matcher, get_tokenizer, grammar_text
+from ferrox.structured.bitmask import apply_bitmask_rows, bitmask_words
+from ferrox.structured.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+
+class StructuredOutputManager:
+    def __init__(
+        self,
+        tokenizer_json: str,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        *,
+        max_compile_workers: int = 2,
+        cache_size: int = 256,
+    ) -> None:
+        if vocab_size <= 0:
+            raise ValueError(f"vocab_size: must be positive, got {vocab_size}")
+        self.vocab_size = int(vocab_size)
+        self.tokenizer = get_tokenizer(tokenizer_json, vocab_size, eos_token_ids)
+        self._compile_pool = cf.ThreadPoolExecutor(max_compile_workers, thread_name_prefix="ferrox-grammar")
+        # Constraint key -> future of a matcher in its start state (the compiled grammar). Failed
+        # compiles stay cached too: the same bad schema fails again without recompiling.
+        self._compiled: OrderedDict[str, cf.Future[llguidance.LLMatcher]] = OrderedDict()
+        self._cache_size = cache_size
+        self._pending: dict[str, cf.Future[llguidance.LLMatcher]] = {}
+        self._matchers: dict[str, llguidance.LLMatcher] = {}
+        self._failures: list[tuple[str, str]] = []
+        self._errors: dict[str, str] = {}  # request id -> matcher error seen in accept_tokens
+        self._mask_executor = llguidance.LLExecutor()
+        self._bitmask = self._allocate(16)
+        self.cache_hits = 0
+        self.cache_misses = 0
+
+    # ---- compile -------------------------------------------------------------------------
+    def submit(self, request_id: str, params: StructuredOutputsParams) -> None:
+        """Start compiling a request's constraint. Never raises for a bad constraint: the
+        failure comes back from take_failures(), so the engine fails that request alone."""
+        if request_id in self._pending or request_id in self._matchers:
+            raise ValueError(f"request_id: {request_id!r} already has a structured output constraint")
+        try:
+            text = grammar_text(params)
+        except ValueError as e:
+            self._failures.append((request_id, str(e)))
+            return
+        self._pending[request_id] = self._compiled_future(text)
+
+    def _compiled_future(self, text: GrammarText) -> cf.Future[llguidance.LLMatcher]:
+        future = self._compiled.get(text.key)
+        if future is not None:
+            self._compiled.move_to_end(text.key)
+            self.cache_hits += 1
+            return future
+        self.cache_misses += 1
+        future = self._compile_pool.submit(compile_matcher, self.tokenizer, text)
+        self._compiled[text.key] = future
+        while len(self._compiled) > self._cache_size:
+            self._compiled.popitem(last=False)
+        return future
+
+    def poll_ready(self) -> list[str]:
+        """Ids whose grammar became ready since the last call (give them to grammar_ready).
+        Compile failures found on the way are queued for take_failures()."""
+        ready: list[str] = []
+        for request_id, future in list(self._pending.items()):
+            if not future.done():
+                continue
+            del self._pending[request_id]
+            error = future.exception()
+            if error is not None:
+                self._failures.append((request_id, str(error)))
+                continue
+            # The cached matcher is a start state shared by all requests with this constraint.
+            self._matchers[request_id] = future.result().deep_copy()
+            ready.append(request_id)
+        return ready
+
+    def take_failures(self) -> list[tuple[str, str]]:
+        """(request id, message) of constraints that failed to compile; each reported once."""
+        failures, self._failures = self._failures, []
+        return failures
+
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def wait_for_pending(self, timeout: float) -> None:
+        """Block until some pending compile finishes (for an engine with nothing else to run)."""
+        if self._pending:
+            cf.wait(list(self._pending.values()), timeout=timeout, return_when=cf.FIRST_COMPLETED)
+
+    # ---- per step --------------------------------------------------------------------------
+    def is_constrained(self, request_id: str) -> bool:
+        return request_id in self._matchers
+
+    def has_active(self) -> bool:
+        return bool(self._matchers)
+
+    def _allocate(self, rows: int) -> torch.Tensor:
+        # Pinned when a GPU exists, so the copy to the logits' device can overlap.
+        return torch.full(
+            (rows, bitmask_words(self.vocab_size)),
+            -1,
+            dtype=torch.int32,
+            pin_memory=torch.cuda.is_available(),
+        )
+
+    def fill_bitmask(
+        self, req_ids: Sequence[str], sample_mask: npt.NDArray[np.bool_] | Sequence[bool] | None = None
+    ) -> torch.Tensor | None:
+        """int32 [num_reqs, ceil(vocab/32)] allow-bits in batch order, rows of unconstrained
+        requests (and of partial prefill chunks, whose sample is dropped) all ones. None when no
+        row is constrained. The tensor is a view of a reused buffer, valid until the next call."""
+        rows = [
+            (matcher, i)
+            for i, request_id in enumerate(req_ids)
+            if (matcher := self._matchers.get(request_id)) is not None
+            and (sample_mask is None or sample_mask[i])
+        ]
+        if not rows:
+            return None
+        if self._bitmask.shape[0] < len(req_ids):
+            self._bitmask = self._allocate(max(len(req_ids), 2 * self._bitmask.shape[0]))
+        bitmask = self._bitmask[: len(req_ids)]
+        bitmask.fill_(-1)
+        # The executor writes row i at data_ptr + i * row_bytes, in parallel over matchers.
+        row_bytes = bitmask.shape[1] * 4
+        self._mask_executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), row_bytes, len(req_ids))
+        return bitmask
+
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """In place on logits [num_reqs, vocab] (any device); only constrained rows are touched."""
+        rows = torch.nonzero((bitmask != -1).any(dim=1)).flatten()
+        if rows.numel() == 0:
+            return
+        apply_bitmask_rows(logits, bitmask, None if rows.numel() == bitmask.shape[0] else rows)
+
+    def accept_tokens(
+        self,
+        req_ids: Sequence[str],
+        sampled: npt.NDArray[np.int64] | Sequence[int],
+        sample_mask: npt.NDArray[np.bool_] | Sequence[bool] | None = None,
+    ) -> npt.NDArray[np.bool_]:
+        """Advance each constrained request's matcher by its sampled token. Returns force_stop
+        [num_reqs]: True where the grammar is complete (nothing but EOS may follow) so the
+        request ends with 'stop', or where the matcher broke (see error_for)."""
+        force_stop = np.zeros(len(req_ids), dtype=np.bool_)
+        for i, request_id in enumerate(req_ids):
+            matcher = self._matchers.get(request_id)
+            if matcher is None or (sample_mask is not None and not sample_mask[i]):
+                continue
+            if not matcher.consume_token(int(sampled[i])):
+                # Only reachable when the mask was not applied (a bug) or a limit was hit; stop
+                # this request rather than let it produce output that breaks its constraint.
+                self._errors[request_id] = matcher.get_error() or "token rejected by the grammar"
+                logger.warning("structured output for %s stopped: %s", request_id, self._errors[request_id])
+                force_stop[i] = True
+            elif matcher.is_stopped():
+                force_stop[i] = True
+        return force_stop
+
+    def error_for(self, request_id: str) -> str | None:
+        """The matcher error that force-stopped a request, if any."""
+        return self._errors.get(request_id)
+
+    def free(self, req_ids: Sequence[str]) -> None:
+        for request_id in req_ids:
+            self._matchers.pop(request_id, None)
+            self._pending.pop(request_id, None)
+            self._errors.pop(request_id, None)
+
+    def shutdown(self) -> None:
+        self._compile_pool.shutdown(wait=False, cancel_futures=True)
