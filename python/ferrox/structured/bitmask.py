@@ -51,3 +51,13 @@ def apply_bitmask_rows(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.
     allowed = unpack_bitmask(bitmask.index_select(0, rows), vocab)
     sub = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
     logits.index_copy_(0, rows, sub)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """apply_bitmask_rows on the constrained rows only (those not all ones). The row scan runs
+    where the bitmask lives (the CPU, as filled), before anything moves to the logits' device."""
+    constrained = (bitmask != -1).any(dim=1)
+    rows = torch.nonzero(constrained).flatten()
+    if rows.numel() == 0:
+        return
+    apply_bitmask_rows(logits, bitmask, None if rows.numel() == bitmask.shape[0] else rows)

@@ -26,7 +26,7 @@ import numpy.typing as npt
 import torch
 
 from ferrox.structured.backend import GrammarText, compile_matcher, get_tokenizer, grammar_text
-from ferrox.structured.bitmask import apply_bitmask_rows, bitmask_words
+from ferrox.structured.bitmask import apply_token_bitmask, bitmask_words
 from ferrox.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -157,10 +157,7 @@ class StructuredOutputManager:
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         """In place on logits [num_reqs, vocab] (any device); only constrained rows are touched."""
-        rows = torch.nonzero((bitmask != -1).any(dim=1)).flatten()
-        if rows.numel() == 0:
-            return
-        apply_bitmask_rows(logits, bitmask, None if rows.numel() == bitmask.shape[0] else rows)
+        apply_token_bitmask(logits, bitmask)
 
     def accept_tokens(
         self,
