@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-
 from ferrox.layers.sampler import PenaltyInputs, Sampler, SamplingMetadata, compute_logprobs
 from ferrox.sampling_params import SamplingParams
 from ferrox.worker.request_state import RequestState

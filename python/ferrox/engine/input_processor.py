@@ -1,0 +1,83 @@
+"""Turns what users pass (text, token ids, chat conversations) into prompt token ids.
+
+Shared by the offline `LLM` and the async/server front-ends, so that a prompt means the same
+thing everywhere. Errors name the prompt (its index in a batch) and the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+PromptInput = str | Mapping[str, Any]
+"""A prompt: text, {"prompt": text} or {"prompt_token_ids": [...]} (optionally with "prompt")."""
+
+
+@dataclass(slots=True)
+class ProcessedPrompt:
+    prompt: str | None  # the text, when there was one
+    prompt_token_ids: list[int]
+
+
+def normalize_prompts(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    """One prompt or a list of them -> a list (a list of ints is one prompt of token ids)."""
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    if isinstance(prompts, Sequence):
+        items = list(prompts)
+        if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+            return [{"prompt_token_ids": items}]
+        return items
+    raise ValueError(f"prompts: expected a string, a dict or a list of them, got {type(prompts).__name__}")
+
+
+def process_prompt(tokenizer: Any, prompt: PromptInput, index: int = 0) -> ProcessedPrompt:
+    if isinstance(prompt, str):
+        return ProcessedPrompt(prompt, list(tokenizer.encode(prompt)))
+    if isinstance(prompt, Mapping):
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, Sequence) or isinstance(ids, str) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids
+            ):
+                raise ValueError(f"prompts[{index}].prompt_token_ids: must be a list of integers")
+            text = prompt.get("prompt")
+            return ProcessedPrompt(text if isinstance(text, str) else None, [int(t) for t in ids])
+        if isinstance(prompt.get("prompt"), str):
+            return ProcessedPrompt(prompt["prompt"], list(tokenizer.encode(prompt["prompt"])))
+        raise ValueError(f"prompts[{index}]: a dict prompt needs 'prompt' (text) or 'prompt_token_ids'")
+    raise ValueError(f"prompts[{index}]: expected a string or a dict, got {type(prompt).__name__}")
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    index: int = 0,
+) -> ProcessedPrompt:
+    """Apply the chat template and tokenize; the template adds the special tokens it wants."""
+    if not isinstance(messages, Sequence) or not messages:
+        raise ValueError(f"messages[{index}]: a conversation must be a non-empty list of messages")
+    for j, m in enumerate(messages):
+        if not isinstance(m, Mapping) or "role" not in m:
+            raise ValueError(f"messages[{index}][{j}]: each message must be a dict with a 'role'")
+    text = tokenizer.apply_chat_template(
+        list(messages),
+        add_generation_prompt=add_generation_prompt,
+        tools=tools,
+        chat_template=chat_template,
+        **dict(chat_template_kwargs or {}),
+    )
+    return ProcessedPrompt(text, list(tokenizer.encode(text, add_special_tokens=False)))
+
+
+def is_conversation_list(messages: Any) -> bool:
+    """`chat([m1, m2])` is one conversation; `chat([[m1], [m2]])` a list of them."""
+    return isinstance(messages, Sequence) and bool(messages) and all(
+        isinstance(c, Sequence) and not isinstance(c, (str, Mapping)) for c in messages
+    )

@@ -1,0 +1,191 @@
+"""Engine start-up: resolve the model, load tokenizer and weights, size and allocate the KV cache.
+
+KV cache sizing:
+- CPU: `kv_cache_memory` bytes (default 2 GiB, capped at half the available RAM).
+- GPU: `kv_cache_memory` when given; otherwise a profiling forward pass at
+  `max_num_batched_tokens` measures peak activation memory, and the cache gets
+  gpu_memory_utilization * total - (memory in use after the pass, weights and peak included),
+  further capped by what is actually free (other processes).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ferrox.attention.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
+from ferrox.attention.metadata import AttentionMetadata
+from ferrox.config import CPU_DEFAULT_MAX_MODEL_LEN, EngineConfig
+from ferrox.loader.model_loader import load_generation_config, load_model, load_model_spec
+from ferrox.loader.source import ModelSource, resolve_model
+from ferrox.loader.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    source: ModelSource
+    device: torch.device
+    dtype: torch.dtype
+    tokenizer: Any
+    spec: Any
+    model: Any
+    kv_caches: list[torch.Tensor]
+    num_blocks: int  # including the null block
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    generation_defaults: dict[str, Any]
+
+
+def resolve_dtype(config: EngineConfig, spec: Any, device: torch.device) -> torch.dtype:
+    if config.dtype != "auto":
+        return _TORCH_DTYPES[config.dtype]
+    if device.type == "cpu":
+        return torch.float32
+    checkpoint = spec.dtype if isinstance(spec.dtype, torch.dtype) else _TORCH_DTYPES.get(str(spec.dtype))
+    # float32 checkpoints run in bf16 on GPU (as vLLM does); half-precision ones keep their dtype.
+    return checkpoint if checkpoint in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def resolve_max_model_len(config: EngineConfig, spec: Any, device: torch.device) -> int:
+    limit = int(spec.max_position_embeddings)
+    if config.max_model_len is None:
+        return limit if device.type == "cuda" else min(limit, CPU_DEFAULT_MAX_MODEL_LEN)
+    if config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len: {config.max_model_len} exceeds the model's max_position_embeddings ({limit})"
+        )
+    return config.max_model_len
+
+
+def setup_threads(config: EngineConfig, device: torch.device) -> None:
+    if device.type != "cpu":
+        return
+    threads = config.num_threads
+    if threads is None and hasattr(os, "sched_getaffinity"):
+        threads = len(os.sched_getaffinity(0))  # the cores this process may run on, not the host's
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def load_everything(config: EngineConfig) -> LoadedModel:
+    device = torch.device(config.resolved_device())
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' was requested but torch sees no CUDA device")
+    setup_threads(config, device)
+    source = resolve_model(config.model)
+    tok_source = resolve_model(config.tokenizer) if config.tokenizer is not None else source
+    tokenizer = load_tokenizer(tok_source)
+    spec = load_model_spec(source)
+    dtype = resolve_dtype(config, spec, device)
+    max_model_len = resolve_max_model_len(config, spec, device)
+    max_num_seqs = config.resolved_max_num_seqs(device.type)
+    max_num_batched_tokens = config.resolved_max_num_batched_tokens(device.type)
+    model = load_model(source, spec, dtype=dtype, device=device, load_format=config.load_format, seed=config.seed)
+    generation_defaults = dict(load_generation_config(source) or {})
+    eos = _eos_token_ids(tokenizer, generation_defaults)
+
+    per_block = kv_cache_bytes_per_block(spec, config.block_size, dtype)
+    if device.type == "cpu":
+        kv_bytes = config.resolved_cpu_kv_cache_memory()
+    else:
+        kv_bytes = config.kv_cache_memory or profile_gpu_kv_budget(
+            model, spec, dtype, device, config, max_num_batched_tokens, max_num_seqs
+        )
+    num_blocks = kv_bytes // per_block + 1  # + the null block, which holds nothing
+    if num_blocks < 2:
+        raise ValueError(
+            f"kv_cache_memory: {kv_bytes} bytes do not hold one KV block ({per_block} bytes at block_size "
+            f"{config.block_size}, dtype {dtype})"
+        )
+    if (num_blocks - 1) * config.block_size < max_model_len:
+        logger.warning(
+            "the KV cache holds %d tokens, fewer than max_model_len=%d: one long request cannot finish alone",
+            (num_blocks - 1) * config.block_size, max_model_len,
+        )
+    kv_caches = allocate_kv_caches(spec, num_blocks, config.block_size, dtype, device)
+    return LoadedModel(
+        source=source, device=device, dtype=dtype, tokenizer=tokenizer, spec=spec, model=model,
+        kv_caches=kv_caches, num_blocks=num_blocks, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, vocab_size=int(spec.vocab_size), eos_token_ids=eos,
+        generation_defaults=generation_defaults,
+    )
+
+
+def _eos_token_ids(tokenizer: Any, generation_defaults: dict[str, Any]) -> list[int]:
+    ids = list(tokenizer.eos_token_ids or [])
+    gen_eos = generation_defaults.get("eos_token_id")
+    for t in gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []:
+        if int(t) not in ids:
+            ids.append(int(t))
+    return ids
+
+
+@torch.inference_mode()
+def profile_gpu_kv_budget(
+    model: Any,
+    spec: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    config: EngineConfig,
+    num_tokens: int,
+    num_seqs: int,
+) -> int:
+    """Run one forward pass at the largest step size and return the bytes left for the KV cache."""
+    block_size = config.block_size
+    num_seqs = max(1, min(num_seqs, num_tokens))
+    per_seq = num_tokens // num_seqs
+    blocks_per_seq = -(-per_seq // block_size)
+    scratch = allocate_kv_caches(spec, num_seqs * blocks_per_seq + 1, block_size, dtype, device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    lens = [per_seq] * num_seqs
+    lens[-1] += num_tokens - per_seq * num_seqs
+    positions = torch.cat([torch.arange(n) for n in lens]).to(device)
+    block_table = torch.zeros((num_seqs, -(-max(lens) // block_size)), dtype=torch.int32)
+    slots = []
+    for r, n in enumerate(lens):
+        first = 1 + r * blocks_per_seq
+        nb = -(-n // block_size)
+        block_table[r, :nb] = torch.arange(first, first + nb, dtype=torch.int32)
+        slots.append(torch.arange(n) + first * block_size)
+    qsl = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    meta = AttentionMetadata(
+        num_actual_tokens=num_tokens, max_query_len=max(lens), max_seq_len=max(lens),
+        slot_mapping=torch.cat(slots).to(device), query_start_loc=qsl.to(device), seq_lens=seq_lens.to(device),
+        block_table=block_table.to(device), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
+    )
+    input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    hidden = model.forward(input_ids, positions, scratch, meta)
+    logits = model.compute_logits(hidden[-num_seqs:])
+    torch.softmax(logits, dim=-1)  # the sampler's largest temporary
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    scratch_bytes = sum(t.numel() * t.element_size() for t in scratch)
+    del scratch, hidden, logits
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    budget = int(config.gpu_memory_utilization * total) - (peak - scratch_bytes)
+    # Other processes on the GPU count against us too.
+    budget = min(budget, free - (1 << 28))
+    logger.info(
+        "GPU memory: total %.1f GiB, peak in profiling %.2f GiB, KV cache budget %.2f GiB",
+        total / 2**30, (peak - scratch_bytes) / 2**30, budget / 2**30,
+    )
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization: {config.gpu_memory_utilization} leaves no memory for the KV cache "
+            f"(weights + activations take {(peak - scratch_bytes) / 2**30:.2f} GiB of {total / 2**30:.1f} GiB)"
+        )
+    return budget
