@@ -1,0 +1,339 @@
+"""Unified paged attention for mixed batches (prefill chunks + decodes) over the paged KV cache.
+
+One Triton program handles one (query tile, KV head[, KV split]). A query tile is BLOCK_Q
+consecutive query tokens of one request times the NUM_Q_PER_KV query heads that share the KV head
+(GQA), so each K/V tile is loaded once for the whole head group and feeds a tensor-core dot.
+The program walks the request's KV positions in TILE_N steps, translating each position to a
+slot through the block table (so any block size works), with an online softmax in fp32 and a
+causal mask inside the chunk: query i of a request with `query_len` new tokens sits at absolute
+position `seq_len - query_len + i`.
+
+Query tiles are numbered without a host sync: request r's tiles start at
+`query_start_loc[r] // BLOCK_Q + r`, a strictly increasing sequence, so the grid is the upper
+bound `num_tokens // BLOCK_Q + num_reqs` and each program finds its request by binary search.
+Programs past a request's last tile return at once. Nothing here reads device data on the host,
+so the decode path can be captured in a CUDA graph (max_seq_len is then a fixed upper bound).
+
+Split-KV (flash decoding): with few requests and long contexts the grid above leaves most SMs
+idle, so the KV range of each request is cut into NUM_SPLITS segments handled by separate
+programs that write a partial output plus its softmax max and sum; a reduce kernel merges them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, num_reqs, tile_id, BLOCK_Q: tl.constexpr):
+    """Largest r with query_start_loc[r] // BLOCK_Q + r <= tile_id (binary search)."""
+    lo = num_reqs * 0  # a tensor, not a constexpr: loop-carried values keep one type
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile_id:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,
+    partial_out_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    q_ptr,
+    cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    scale_log2,
+    num_reqs,
+    num_q_heads,
+    head_dim,
+    block_size,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_ckv,
+    stride_cblock,
+    stride_cslot,
+    stride_chead,
+    stride_bt,
+    NUM_Q_PER_KV: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    req = _find_request(query_start_loc_ptr, num_reqs, tile_id, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    query_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    q_tile = tile_id - (q_start // BLOCK_Q + req)
+    if q_tile * BLOCK_Q >= query_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - query_len
+
+    # Row m of the tile is query token m // NUM_Q_PER_KV of the tile, head m % NUM_Q_PER_KV of the group.
+    rows = tl.arange(0, BLOCK_M)
+    q_local = q_tile * BLOCK_Q + rows // NUM_Q_PER_KV
+    head = kv_head * NUM_Q_PER_KV + rows % NUM_Q_PER_KV
+    row_valid = (rows < BLOCK_Q * NUM_Q_PER_KV) & (q_local < query_len)
+    token = (q_start + q_local).to(tl.int64)
+    q_pos = context_len + q_local
+    dims = tl.arange(0, DIM_PAD)
+    dim_valid = dims < head_dim
+
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=row_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
+
+    # Causal: nothing past this tile's last query is visible.
+    kv_end = tl.minimum(seq_len, context_len + tl.minimum((q_tile + 1) * BLOCK_Q, query_len))
+    if NUM_SPLITS == 1:
+        kv_lo = 0
+        kv_hi = kv_end
+    else:
+        # Split boundaries depend on seq_len only (not on the tile), in whole TILE_N steps.
+        split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N
+        kv_lo = split * split_len
+        kv_hi = tl.minimum(kv_end, kv_lo + split_len)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+    k_base = cache_ptr + kv_head * stride_chead
+    v_base = k_base + stride_ckv
+    cols = tl.arange(0, TILE_N)
+    block_row = block_table_ptr + req.to(tl.int64) * stride_bt
+
+    for start in range(kv_lo, kv_hi, TILE_N):
+        pos = start + cols
+        pos_valid = pos < kv_hi
+        block = tl.load(block_row + pos // block_size, mask=pos_valid, other=0)
+        slot_offset = block.to(tl.int64) * stride_cblock + (pos % block_size) * stride_cslot
+        kv_mask = pos_valid[:, None] & dim_valid[None, :]
+        k = tl.load(k_base + slot_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        visible = pos_valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with nothing visible yet keeps max -inf; subtract 0 instead so exp2 gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + slot_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    result = acc / l_safe[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(
+            out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+            result.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & dim_valid[None, :],
+        )
+    else:
+        partial = (token * num_q_heads + head) * NUM_SPLITS + split
+        tl.store(partial_out_ptr + partial[:, None] * DIM_PAD + dims[None, :], result, mask=row_valid[:, None])
+        tl.store(partial_max_ptr + partial, m_i, mask=row_valid)
+        tl.store(partial_sum_ptr + partial, l_i, mask=row_valid)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,
+    partial_out_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    num_q_heads,
+    head_dim,
+    stride_ot,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    base = (token * num_q_heads + head) * NUM_SPLITS
+    splits = tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, DIM_PAD)
+    m = tl.load(partial_max_ptr + base + splits)
+    l_sum = tl.load(partial_sum_ptr + base + splits)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    weight = l_sum * tl.exp2(m - m_max)  # empty splits: l = 0 and m = -inf -> weight 0
+    o = tl.load(partial_out_ptr + (base + splits)[:, None] * DIM_PAD + dims[None, :])
+    total = tl.sum(weight, 0)
+    result = tl.sum(o * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, result.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionLaunchConfig:
+    block_m: int  # rows of a query tile (query tokens x GQA group), a power of two >= 16
+    tile_n: int  # KV positions per inner step
+    num_warps: int
+    num_stages: int
+
+
+# Chosen on an H200 by benches/bench_kernels.py (see benches/RESULTS.md); the interpreter uses the same.
+DECODE_CONFIG = AttentionLaunchConfig(block_m=16, tile_n=64, num_warps=4, num_stages=2)
+PREFILL_CONFIG = AttentionLaunchConfig(block_m=64, tile_n=64, num_warps=4, num_stages=2)
+# Split-KV pays when the plain grid fills less than this many waves of SMs.
+_MIN_SEQ_FOR_SPLIT = 512
+_MAX_SPLITS = 32
+
+
+@lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: small, so tests exercise the split path at tiny shapes
+
+
+def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
+    """Split-KV heuristic on host-known numbers only (grid size, max_seq_len): graph-safe."""
+    if max_seq_len < _MIN_SEQ_FOR_SPLIT or num_programs >= num_sms:
+        return 1
+    wanted = math.ceil(2 * num_sms / max(num_programs, 1))  # about two waves of programs
+    wanted = min(wanted, max_seq_len // 256, _MAX_SPLITS)
+    if wanted < 2:
+        return 1
+    return 1 << (wanted.bit_length() - 1)  # power of two for the merge kernel's arange
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 tests must not silently drop to tf32 on the GPU.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def unified_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    config: AttentionLaunchConfig | None = None,
+) -> torch.Tensor:
+    """Paged attention of q [num_tokens, num_heads, head_dim] over kv_cache (K/V already written).
+
+    query_start_loc [num_reqs + 1], seq_lens [num_reqs], block_table [num_reqs, max_blocks] are the
+    AttentionMetadata device tensors. max_query_len / max_seq_len are host upper bounds that pick
+    the launch shape (no device sync). Output rows past query_start_loc[-1] (padding) are
+    unspecified."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got {tuple(q.shape)}")
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], got {tuple(kv_cache.shape)}")
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
+    if cache_head_dim != head_dim:
+        raise ValueError(f"q head_dim {head_dim} != kv_cache head_dim {cache_head_dim}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("q and kv_cache need a contiguous head_dim axis")
+    if out is None:
+        out = torch.empty_like(q)
+    num_reqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    if config is None:
+        config = DECODE_CONFIG if max_query_len <= 1 else PREFILL_CONFIG
+    block_m = max(config.block_m, triton.next_power_of_2(group))
+    block_q = block_m // group
+    dim_pad = triton.next_power_of_2(head_dim)
+    num_tiles = num_tokens // block_q + num_reqs
+    if num_splits is None:
+        num_splits = choose_num_splits(num_tiles * num_kv_heads, max_seq_len, _num_sms(q.device))
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits}")
+
+    if num_splits > 1:
+        partial_out = torch.empty(num_tokens, num_heads, num_splits, dim_pad, dtype=torch.float32, device=q.device)
+        partial_max = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        partial_sum = torch.empty_like(partial_max)
+    else:
+        partial_out = partial_max = partial_sum = out  # unused by the kernel in this mode
+
+    _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
+        out,
+        partial_out,
+        partial_max,
+        partial_sum,
+        q,
+        kv_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        scale * _LOG2E,
+        num_reqs,
+        num_heads,
+        head_dim,
+        block_size,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_table.stride(0),
+        NUM_Q_PER_KV=group,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        TILE_N=config.tile_n,
+        DIM_PAD=dim_pad,
+        NUM_SPLITS=num_splits,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out,
+            partial_out,
+            partial_max,
+            partial_sum,
+            num_heads,
+            head_dim,
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=num_splits,
+            DIM_PAD=dim_pad,
+        )
+    return out
