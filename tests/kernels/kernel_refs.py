@@ -120,7 +120,7 @@ class PagedBatch:
         num_pad_tokens: int = 0,
         spare_blocks: int = 3,
     ):
-        self.seq_lens_list = [c + q for c, q in zip(context_lens, query_lens)]
+        self.seq_lens_list = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
         blocks_per_req = [-(-s // block_size) for s in self.seq_lens_list]
         num_blocks = sum(blocks_per_req) + spare_blocks + 1
         perm = (torch.randperm(num_blocks - 1) + 1).tolist()
@@ -131,7 +131,7 @@ class PagedBatch:
             table[r, :nb] = torch.tensor(perm[used : used + nb], dtype=torch.int32)
             used += nb
         slots = []
-        for r, (ctx, ql) in enumerate(zip(context_lens, query_lens)):
+        for r, (ctx, ql) in enumerate(zip(context_lens, query_lens, strict=True)):
             for pos in range(ctx, ctx + ql):
                 slots.append(int(table[r, pos // block_size]) * block_size + pos % block_size)
         slots += [-1] * num_pad_tokens

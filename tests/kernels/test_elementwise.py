@@ -6,11 +6,10 @@ import os
 
 import pytest
 import torch
-from kernel_refs import relative_error, rms_norm_ref, rotary_neox_ref, silu_and_mul_ref
-
 from ferrox.kernels.activation import silu_and_mul
 from ferrox.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 from ferrox.kernels.rotary import neox_cos_sin_cache, rope_inv_freq, rotary_neox_
+from kernel_refs import relative_error, rms_norm_ref, rotary_neox_ref, silu_and_mul_ref
 
 LLAMA31_ROPE_SCALING = {
     "rope_type": "llama3",

@@ -1,0 +1,78 @@
+"""TritonAttentionBackend against the torch reference backend, through the shared interface."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ferrox.attention.backend import get_attention_backend
+from ferrox.attention.metadata import AttentionMetadata
+from kernel_refs import PagedBatch, relative_error
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2}
+
+
+def _meta(batch: PagedBatch) -> AttentionMetadata:
+    return AttentionMetadata(
+        num_actual_tokens=batch.num_actual_tokens,
+        max_query_len=batch.max_query_len,
+        max_seq_len=batch.max_seq_len,
+        slot_mapping=batch.slot_mapping,
+        query_start_loc=batch.query_start_loc,
+        seq_lens=batch.seq_lens,
+        block_table=batch.block_table,
+        query_start_loc_cpu=batch.query_start_loc.cpu(),
+        seq_lens_cpu=batch.seq_lens.cpu(),
+        decode_only=batch.max_query_len == 1,
+    )
+
+
+def _compare(batch: PagedBatch, dtype: torch.dtype, with_cache: bool = True) -> None:
+    meta = _meta(batch)
+    ref_cache = batch.kv_cache.clone() if with_cache else batch.kv_cache[:, :0]
+    cache = batch.kv_cache if with_cache else batch.kv_cache[:, :0]
+    ref = get_attention_backend(batch.q.device, "torch").forward(batch.q, batch.k, batch.v, ref_cache, meta, batch.scale)
+    triton_backend = get_attention_backend(batch.q.device, "triton")
+    assert triton_backend.name == "triton"
+    triton_backend.begin_forward(meta)
+    out = triton_backend.forward(batch.q, batch.k, batch.v, cache, meta, batch.scale)
+    n = batch.num_actual_tokens
+    assert torch.equal(cache, ref_cache), "the two backends wrote different KV caches"
+    assert not out[:n].isnan().any()
+    assert relative_error(out[:n], ref[:n]) < TOLERANCE[dtype]
+
+
+def _dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def test_backend_mixed_batch_matches_torch_backend(kernel_device, seed):
+    dtype = _dtype(kernel_device)
+    batch = PagedBatch([6, 1, 1, 9], [0, 20, 47, 13], 6, 2, 32, 16, dtype, kernel_device)
+    _compare(batch, dtype)
+
+
+def test_backend_decode_only_matches_torch_backend(kernel_device, seed):
+    dtype = _dtype(kernel_device)
+    batch = PagedBatch([1, 1, 1], [5, 90, 31], 4, 1, 16, 8, dtype, kernel_device)
+    _compare(batch, dtype)
+
+
+def test_backend_without_cache_matches_torch_backend(kernel_device, seed):
+    """The profiling forward: no KV cache, every request a fresh prompt."""
+    dtype = _dtype(kernel_device)
+    batch = PagedBatch([5, 11, 3], [0, 0, 0], 4, 2, 32, 16, dtype, kernel_device)
+    _compare(batch, dtype, with_cache=False)
+
+
+def test_cuda_device_picks_triton():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    assert get_attention_backend("cuda").name == "triton"
+
+
+@pytest.mark.gpu
+def test_backend_llama8b_mixed_batch(cuda_device, seed):
+    query_lens = [1024, 200] + [1] * 64
+    context_lens = [0, 2000] + torch.randint(1, 6000, (64,)).tolist()
+    batch = PagedBatch(query_lens, context_lens, 32, 8, 128, 16, torch.bfloat16, cuda_device)
+    _compare(batch, torch.bfloat16)
