@@ -10,8 +10,10 @@ KV cache sizing:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,13 +87,13 @@ def load_everything(config: EngineConfig) -> LoadedModel:
     setup_threads(config, device)
     source = resolve_model(config.model)
     tok_source = resolve_model(config.tokenizer) if config.tokenizer is not None else source
-    tokenizer = load_tokenizer(tok_source)
-    spec = load_model_spec(source)
+    tokenizer = _cached_tokenizer(tok_source, _mtime(tok_source.path))
+    spec = _cached_spec(source, _mtime(source.path))
     dtype = resolve_dtype(config, spec, device)
     max_model_len = resolve_max_model_len(config, spec, device)
     max_num_seqs = config.resolved_max_num_seqs(device.type)
     max_num_batched_tokens = config.resolved_max_num_batched_tokens(device.type)
-    model = load_model(source, spec, dtype=dtype, device=device, load_format=config.load_format, seed=config.seed)
+    model = _shared_model(source, spec, dtype, device, config.load_format, config.seed)
     generation_defaults = dict(load_generation_config(source) or {})
     eos = _eos_token_ids(tokenizer, generation_defaults)
 
@@ -120,6 +122,39 @@ def load_everything(config: EngineConfig) -> LoadedModel:
         max_num_batched_tokens=max_num_batched_tokens, vocab_size=int(spec.vocab_size), eos_token_ids=eos,
         generation_defaults=generation_defaults,
     )
+
+
+# Engines in one process share the weights of the same checkpoint (inference never writes them):
+# a second LLM(...) with other scheduler settings, as tests and benchmarks build, costs no reload.
+# Weak values: the weights are freed with the last engine that uses them.
+_MODELS: weakref.WeakValueDictionary[tuple[Any, ...], Any] = weakref.WeakValueDictionary()
+
+
+def _shared_model(source: ModelSource, spec: Any, dtype: torch.dtype, device: torch.device, load_format: str,
+                  seed: int) -> Any:
+    key = (source.path, _mtime(source.path), str(dtype), str(device), load_format, seed)
+    model = _MODELS.get(key)
+    if model is None:
+        model = load_model(source, spec, dtype=dtype, device=device, load_format=load_format, seed=seed)
+        _MODELS[key] = model
+    return model
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_tokenizer(source: ModelSource, mtime: float) -> Any:
+    return load_tokenizer(source)
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_spec(source: ModelSource, mtime: float) -> Any:
+    return load_model_spec(source)
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return 0.0
 
 
 def _eos_token_ids(tokenizer: Any, generation_defaults: dict[str, Any]) -> list[int]:
