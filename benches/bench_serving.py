@@ -1,0 +1,296 @@
+"""Serving benchmark in the style of vLLM's: random prompts, Poisson arrivals, streamed completions.
+
+    # against a running server
+    python benches/bench_serving.py --base-url http://127.0.0.1:8000 --num-prompts 64 --max-concurrency 16
+    # no --base-url: start `ferrox serve` here, benchmark it, stop it, then run the same workload
+    # through the offline LLM.generate in-process and print `server_over_offline: <ratio>` last
+    python benches/bench_serving.py --num-prompts 64 --input-len 128 --output-len 64 --result-json out.json
+
+Prompts are random words cut to exactly --input-len tokens (through the server's /tokenize) and
+sent as token ids, so every request has the requested length; every request asks for exactly
+--output-len tokens (ignore_eos). Metrics: request throughput, output tokens/s, TTFT (time to the
+first token), TPOT (time per output token after the first), ITL (gap between streamed chunks)
+and E2E latency, each as mean / p50 / p90 / p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = (
+    "time person year way day thing man world life hand part child eye woman place work week case point "
+    "government company number group problem fact river mountain light house music garden story table window "
+    "paper water city green quiet bright happy small large early young open simple ancient careful"
+).split()
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_len: int
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+# ---- workload ---------------------------------------------------------------------------------------
+
+
+async def make_prompts(session: aiohttp.ClientSession, base_url: str, headers: dict[str, str], n: int,
+                       input_len: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        text = " ".join(rng.choice(WORDS) for _ in range(input_len * 2))
+        async with session.post(base_url + "/tokenize", json={"prompt": text, "add_special_tokens": False},
+                                headers=headers) as resp:
+            resp.raise_for_status()
+            tokens = (await resp.json())["tokens"]
+        if len(tokens) < input_len:
+            raise RuntimeError("random prompt too short; raise the word count")
+        prompts.append(tokens[:input_len])
+    return prompts
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, headers: dict[str, str], model: str,
+                      prompt: list[int], output_len: int) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    result = RequestResult(ok=False, prompt_len=len(prompt))
+    start = last = time.perf_counter()
+    try:
+        async with session.post(url, json=body, headers=headers) as resp:
+            if resp.status != 200:
+                result.error = f"HTTP {resp.status}: {await resp.text()}"
+                return result
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result.error = chunk["error"]["message"]
+                    return result
+                now = time.perf_counter()
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    if result.ttft == 0.0:
+                        result.ttft = now - start
+                    else:
+                        result.itls.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+        result.e2e = time.perf_counter() - start
+        result.ok = True
+    except aiohttp.ClientError as exc:
+        result.error = repr(exc)
+    return result
+
+
+async def run_load(base_url: str, model: str | None, api_key: str | None, args: argparse.Namespace) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    timeout = aiohttp.ClientTimeout(total=None)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        if model is None:
+            async with session.get(base_url + "/v1/models", headers=headers) as resp:
+                model = (await resp.json())["data"][0]["id"]
+        prompts = await make_prompts(session, base_url, headers, args.num_prompts, args.input_len, args.seed)
+        url = base_url + "/v1/completions"
+        # Warm-up: one request so first-call costs are not in the measurement.
+        await one_request(session, url, headers, model, prompts[0], 4)
+        limit = asyncio.Semaphore(args.max_concurrency or len(prompts))
+        rng = random.Random(args.seed + 1)
+
+        async def limited(prompt: list[int]) -> RequestResult:
+            async with limit:
+                return await one_request(session, url, headers, model, prompt, args.output_len)
+
+        tasks = []
+        start = time.perf_counter()
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(limited(prompt)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))  # Poisson arrivals
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return summarize(results, duration, model, args)
+
+
+def _pcts(values: list[float], scale: float = 1000.0) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+
+    def pct(p: float) -> float:
+        return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))] * scale
+
+    return {"mean": statistics.fmean(values) * scale, "p50": pct(50), "p90": pct(90), "p99": pct(99)}
+
+
+def summarize(results: list[RequestResult], duration: float, model: str, args: argparse.Namespace) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    failed = [r for r in results if not r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_len for r in ok)
+    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return {
+        "model": model,
+        "num_prompts": len(results),
+        "completed": len(ok),
+        "failed": len(failed),
+        "errors": sorted({r.error for r in failed})[:5],
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "request_rate": args.request_rate,
+        "max_concurrency": args.max_concurrency,
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "total_output_tokens": out_tokens,
+        "ttft_ms": _pcts([r.ttft for r in ok]),
+        "tpot_ms": _pcts(tpots),
+        "itl_ms": _pcts([x for r in ok for x in r.itls]),
+        "e2e_ms": _pcts([r.e2e for r in ok]),
+    }
+
+
+def print_report(res: dict[str, Any]) -> None:
+    print(f"{'model':<28}{res['model']}")
+    print(f"{'completed / failed':<28}{res['completed']} / {res['failed']}")
+    print(f"{'duration (s)':<28}{res['duration_s']:.2f}")
+    print(f"{'request throughput (req/s)':<28}{res['request_throughput']:.3f}")
+    print(f"{'output throughput (tok/s)':<28}{res['output_throughput']:.1f}")
+    print(f"{'total throughput (tok/s)':<28}{res['total_token_throughput']:.1f}")
+    print(f"{'metric (ms)':<12}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        v = res[key]
+        print(f"{key[:-3].upper():<12}{v['mean']:>10.1f}{v['p50']:>10.1f}{v['p90']:>10.1f}{v['p99']:>10.1f}")
+    if res["errors"]:
+        print("errors:", *res["errors"], sep="\n  ")
+
+
+# ---- own server + offline comparison ------------------------------------------------------------------
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [str(Path(sys.executable).with_name("ferrox")), "serve", *([args.model] if args.model else []),
+           "--port", str(port), "--log-level", "warning", *engine_flags(args)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    import urllib.request
+
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ferrox serve exited: {proc.stderr.read() if proc.stderr else ''}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                return proc, url
+        except OSError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("server did not start") from None
+            time.sleep(0.5)
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    flags = ["--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_concurrency or 256)]
+    if args.kv_cache_memory:
+        flags += ["--kv-cache-memory", args.kv_cache_memory]
+    return flags
+
+
+def run_offline(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    """The same prompts and budget through the in-process LLM, with the same concurrency cap."""
+    from ferrox import LLM, SamplingParams
+    from ferrox.entrypoints.cli import parse_size
+
+    kwargs: dict[str, Any] = {"max_model_len": args.max_model_len, "max_num_seqs": args.max_concurrency or 256}
+    if args.kv_cache_memory:
+        kwargs["kv_cache_memory"] = parse_size(args.kv_cache_memory)
+    llm = LLM(args.model, **kwargs)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    duration = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"duration_s": duration, "total_output_tokens": tokens, "output_throughput": tokens / duration}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default=None, help="a running server; omitted: start `ferrox serve` here")
+    p.add_argument("--model", default=None,
+                   help="model path for the own server and the offline run (default: the embedded model); "
+                   "the model id sent is the one /v1/models reports")
+    p.add_argument("--api-key", default=os.environ.get("FERROX_API_KEY"))
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
+    p.add_argument("--max-concurrency", type=int, default=16)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--result-json", default=None)
+    p.add_argument("--compare-offline", action="store_true",
+                   help="also run the workload through offline LLM.generate (default when no --base-url)")
+    p.add_argument("--max-model-len", type=int, default=1024, help="(own server / offline run)")
+    p.add_argument("--kv-cache-memory", default="512MiB", help="(own server / offline run)")
+    args = p.parse_args()
+
+    proc = None
+    base_url = args.base_url
+    if base_url is None:
+        proc, base_url = start_server(args)
+        args.compare_offline = True
+    try:
+        result = asyncio.run(run_load(base_url.rstrip("/"), None, args.api_key, args))
+        prompts = asyncio.run(_prompts_again(base_url, args)) if args.compare_offline else []
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    print_report(result)
+    if args.compare_offline:
+        # The server is stopped first: on a small CPU box both would fight for the same cores.
+        offline = run_offline(args, prompts)
+        result["offline"] = offline
+        result["server_over_offline"] = result["output_throughput"] / offline["output_throughput"]
+        print(f"{'offline output (tok/s)':<28}{offline['output_throughput']:.1f}")
+    if args.result_json:
+        Path(args.result_json).write_text(json.dumps(result, indent=2))
+    if args.compare_offline:
+        print(f"server_over_offline: {result['server_over_offline']:.3f}")
+
+
+async def _prompts_again(base_url: str, args: argparse.Namespace) -> list[list[int]]:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with aiohttp.ClientSession() as session:
+        return await make_prompts(session, base_url.rstrip("/"), headers, args.num_prompts, args.input_len, args.seed)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,382 @@
+"""AsyncLLM: the asyncio front-end of an engine core running in its own process.
+
+    engine = AsyncLLM()                       # or AsyncLLM(model="path", max_model_len=2048, ...)
+    async for out in engine.generate("Hello", SamplingParams(max_tokens=32), "req-1"):
+        print(out.outputs[0].text)
+    await engine.abort("req-1"); engine.shutdown()
+
+Tokenization happens here (the front-end), so the core process spends its GIL on stepping.
+The shared `OutputProcessor` (also used by the offline LLM) fans n > 1 out into n engine
+requests and folds the core's outputs into RequestOutputs; the single output-reader task
+hands each to its request's `_Stream`, which wakes the consumer.
+
+Closing the generator early (a client disconnect cancels the handler task) aborts the
+request in the core, which frees its KV blocks on its next loop iteration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+import weakref
+from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ferrox.config import EngineConfig
+from ferrox.engine.core_client import CoreClient, EngineDeadError, EngineStartupError
+from ferrox.engine.core_process import EngineCoreOutputs
+from ferrox.engine.output_processor import OutputProcessor
+from ferrox.engine.protocol import EngineCoreOutput, EngineCoreRequest
+from ferrox.outputs import RequestMetrics, RequestOutput
+from ferrox.sampling_params import RequestOutputKind, SamplingParams
+
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineStartupError", "RequestError", "StatLogger"]
+
+logger = logging.getLogger("ferrox.engine.async_llm")
+
+PromptType = str | Mapping[str, Any]
+
+
+class RequestError(ValueError):
+    """The engine rejected or failed one request (the others go on)."""
+
+
+class StatLogger(Protocol):
+    """Receives what the front-end measures (the server's Prometheus metrics implement it)."""
+
+    def on_scheduler_stats(self, stats: dict[str, Any]) -> None: ...
+    def on_tokens(self, num_tokens: int, ttft: float | None, itl: float | None, queue_time: float | None) -> None: ...
+    def on_request_finished(self, finish_reason: str, metrics: RequestMetrics) -> None: ...
+
+
+# ---- per-request stream -----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Timing:
+    """Front-end timing of one engine request, for the latency histograms."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+class _Stream:
+    """Hands one request's RequestOutputs from the output reader to its consumer.
+
+    DELTA outputs that pile up while the consumer is busy are merged into one, so a slow
+    client costs one pending object, not a queue that grows with every step."""
+
+    __slots__ = ("request_id", "kind", "pending", "error", "finished", "event")
+
+    def __init__(self, request_id: str, kind: RequestOutputKind) -> None:
+        self.request_id = request_id
+        self.kind = kind
+        self.pending: RequestOutput | None = None
+        self.error: BaseException | None = None
+        self.finished = False
+        self.event = asyncio.Event()
+
+    def put(self, out: RequestOutput) -> None:
+        if self.pending is None or self.kind != RequestOutputKind.DELTA:
+            self.pending = out
+        else:
+            _merge_delta(self.pending, out)
+        self.finished = out.finished
+        self.event.set()
+
+    def fail(self, error: BaseException) -> None:
+        if not self.finished:
+            self.error = error
+            self.finished = True
+            self.event.set()
+
+    def end(self) -> None:
+        """Finish without a further output (the request was aborted by the caller)."""
+        self.finished = True
+        self.event.set()
+
+    async def get(self) -> RequestOutput | None:
+        """The next output; None once the stream has ended."""
+        while self.pending is None:
+            if self.error is not None:
+                raise self.error
+            if self.finished:
+                return None
+            await self.event.wait()
+            self.event.clear()
+        out, self.pending = self.pending, None
+        return out
+
+
+def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
+    by_index = {c.index: c for c in into.outputs}
+    for comp in new.outputs:
+        old = by_index.get(comp.index)
+        if old is None:
+            into.outputs.append(comp)
+            by_index[comp.index] = comp
+            continue
+        old.text += comp.text
+        old.token_ids = old.token_ids + comp.token_ids
+        if comp.logprobs is not None:
+            old.logprobs = (old.logprobs or []) + comp.logprobs
+        old.cumulative_logprob = comp.cumulative_logprob
+        old.finish_reason, old.stop_reason = comp.finish_reason, comp.stop_reason
+    into.outputs.sort(key=lambda c: c.index)
+    into.finished = new.finished
+    into.error = new.error
+    into.num_cached_tokens = new.num_cached_tokens
+    into.prompt_logprobs = into.prompt_logprobs or new.prompt_logprobs
+
+
+# ---- the engine --------------------------------------------------------------------------------
+
+
+class AsyncLLM:
+    def __init__(self, model: str | None = None, *, log_level: str | None = None, **engine_args: Any) -> None:
+        config = engine_args.pop("config", None)
+        if config is None:
+            config = EngineConfig.from_kwargs(model=model, **engine_args)
+        elif engine_args or model is not None:
+            raise ValueError("pass either config= or engine arguments, not both")
+        self.config: EngineConfig = config
+        log_level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
+
+        from ferrox.loader.source import resolve_model
+        from ferrox.loader.tokenizer import load_tokenizer
+
+        # Fail fast on a bad path before spawning anything.
+        source = resolve_model(config.tokenizer or config.model)
+        self.client = CoreClient(config, log_level=str(log_level))
+        self._finalizer = weakref.finalize(self, self.client.shutdown)
+        try:
+            self.tokenizer = load_tokenizer(source)
+        except BaseException:
+            self.shutdown()
+            raise
+        info = self.client.info
+        self.model_name: str = config.served_model_name or info.model_name
+        self.max_model_len: int = info.max_model_len
+        self.kv_capacity_tokens: int = info.kv_capacity_tokens
+        self.device: str = info.device
+        self.chat_template: str | None = _read_template(config.chat_template)
+        self.last_stats: dict[str, Any] = dict(info.stats)
+        self.stat_loggers: list[StatLogger] = []
+        self.dead_callbacks: list[Any] = []
+        self.processor = OutputProcessor(self.tokenizer)
+        self._streams: dict[str, _Stream] = {}
+        self._timing: dict[str, _Timing] = {}
+        self.client.on_outputs = self._on_outputs
+        self.client.on_dead = self._on_dead
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> AsyncLLM:
+        """From an EngineConfig, a mapping of LLM() arguments, or keyword arguments."""
+        if isinstance(engine_args, EngineConfig):
+            return cls(config=engine_args, **kwargs)
+        return cls(**{**dict(engine_args or {}), **kwargs})
+
+    # ---- public API -------------------------------------------------------------------------
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    @property
+    def is_running(self) -> bool:
+        return self.client.is_alive()
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self.client.dead
+
+    async def get_stats(self) -> dict[str, Any]:
+        """Fresh scheduler stats from the core (running/waiting requests, KV usage, counters)."""
+        stats = await self.client.call_utility("stats")
+        self._record_stats(stats)
+        return stats
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self.client.call_utility("reset_prefix_cache"))
+
+    async def check_health(self) -> None:
+        if not self.is_running:
+            raise EngineDeadError(self.dead_reason or "engine is shut down")
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) for a text prompt or {"prompt_token_ids": [...]}."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                ids = [int(t) for t in prompt["prompt_token_ids"]]
+                return prompt.get("prompt"), ids
+            if "prompt" in prompt and isinstance(prompt["prompt"], str):
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise ValueError("prompt: must be a string or a dict with 'prompt_token_ids' (or 'prompt')")
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream RequestOutputs for one request: cumulative unless `sampling_params.output_kind` is
+        DELTA or FINAL_ONLY. Raises RequestError for a request the engine rejects or fails,
+        EngineDeadError if the core dies. Ends without a final output after `abort()`.
+        """
+        stream = self._add_request(prompt, sampling_params, request_id, priority, arrival_time)
+        try:
+            while (out := await stream.get()) is not None:
+                if out.error is not None and not any(c.token_ids for c in out.outputs):
+                    raise RequestError(out.error)
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if not stream.finished:
+                self._abort_ids([stream.request_id])
+            self._streams.pop(stream.request_id, None)
+
+    def _add_request(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None,
+        request_id: str | None,
+        priority: int,
+        arrival_time: float | None,
+    ) -> _Stream:
+        """Tokenize, validate and send a request to the core (synchronously: errors raise here)."""
+        if self.client.dead is not None:
+            raise EngineDeadError(self.client.dead)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        prompt_text, prompt_ids = self.tokenize_prompt(prompt)
+        if not prompt_ids:
+            raise ValueError("prompt: must not be empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(prompt_ids)} tokens do not leave room for output within "
+                f"max_model_len={self.max_model_len}"
+            )
+        now = arrival_time if arrival_time is not None else time.time()
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            sampling_params=params,
+            arrival_time=now,
+            priority=priority,
+        )
+        core_requests = self.processor.add_request(request, prompt_text)
+        stream = _Stream(request_id, params.output_kind)
+        self._streams[request_id] = stream
+        try:
+            for core_request in core_requests:
+                self._timing[core_request.request_id] = _Timing(now)
+                self.client.add_request(core_request)
+        except BaseException:
+            self._abort_ids([request_id])
+            self._streams.pop(request_id, None)
+            raise
+        return stream
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        """Abort request(s) by id: the core frees their KV blocks; their generators end."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self._abort_ids(ids)
+        for rid in ids:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.end()
+
+    def shutdown(self) -> None:
+        """Stop the engine-core process (idempotent; also runs at GC and interpreter exit)."""
+        for stream in list(getattr(self, "_streams", {}).values()):
+            stream.fail(EngineDeadError("engine is shutting down"))
+        if hasattr(self, "_finalizer"):
+            self._finalizer()
+
+    # ---- output routing (runs in the client's reader task) ------------------------------------
+    def _on_outputs(self, batch: EngineCoreOutputs) -> None:
+        now = time.time()
+        if batch.stats is not None:
+            self._record_stats(batch.stats)
+        if self.stat_loggers:
+            for out in batch.outputs:
+                self._observe(out, batch.step_start, now)
+        for request_output in self.processor.process_outputs(batch.outputs):
+            stream = self._streams.get(request_output.request_id)
+            if stream is not None:
+                stream.put(request_output)
+
+    def _observe(self, out: EngineCoreOutput, step_start: float, now: float) -> None:
+        timing = self._timing.get(out.request_id)
+        if timing is None:
+            return
+        if out.new_token_ids:
+            ttft = itl = queue_time = None
+            if timing.first_token_time is None:
+                timing.first_token_time = now
+                ttft = now - timing.arrival_time
+                queue_time = max(0.0, step_start - timing.arrival_time)
+            elif timing.last_token_time is not None:
+                itl = now - timing.last_token_time
+            timing.last_token_time = now
+            for stat_logger in self.stat_loggers:
+                stat_logger.on_tokens(len(out.new_token_ids), ttft, itl, queue_time)
+        if out.finished:
+            del self._timing[out.request_id]
+            metrics = RequestMetrics(
+                arrival_time=timing.arrival_time,
+                first_token_time=timing.first_token_time,
+                last_token_time=timing.last_token_time,
+                finished_time=now,
+            )
+            for stat_logger in self.stat_loggers:
+                stat_logger.on_request_finished(out.finish_reason or "stop", metrics)
+
+    def _on_dead(self, reason: str) -> None:
+        for stream in list(self._streams.values()):
+            stream.fail(EngineDeadError(reason))
+        for callback in self.dead_callbacks:
+            callback(reason)
+
+    def _record_stats(self, stats: dict[str, Any]) -> None:
+        self.last_stats = stats
+        for stat_logger in self.stat_loggers:
+            stat_logger.on_scheduler_stats(stats)
+
+    def _abort_ids(self, request_ids: list[str]) -> None:
+        engine_ids = self.processor.abort_requests(request_ids)
+        self.client.abort(engine_ids)
+        now = time.time()
+        for engine_id in engine_ids:
+            timing = self._timing.pop(engine_id, None)
+            if timing is not None:
+                metrics = RequestMetrics(arrival_time=timing.arrival_time, finished_time=now)
+                for stat_logger in self.stat_loggers:
+                    stat_logger.on_request_finished("abort", metrics)
+
+    def __enter__(self) -> AsyncLLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _read_template(chat_template: str | None) -> str | None:
+    """--chat-template is either the template text or a path to a file holding it."""
+    if chat_template is None:
+        return None
+    if os.path.isfile(chat_template):
+        with open(chat_template, encoding="utf-8") as f:
+            return f.read()
+    return chat_template

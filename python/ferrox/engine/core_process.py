@@ -1,0 +1,279 @@
+"""The engine core in its own process, and the wire format between it and the front-end.
+
+Why a process: the front-end (HTTP, JSON, chat templates, tokenization) and the engine step
+(scheduler + model forward) both want the GIL. In one process every HTTP request would
+stall decoding; in two, they overlap.
+
+Three ZMQ sockets over ipc:// files in a private temp dir, all bound by the front-end:
+
+    handshake  core PUSH -> front PULL   once: READY(CoreInfo) or FAILED(message)
+    input      front PUSH -> core PULL   ADD(EngineCoreRequest) / ABORT(ids) / UTILITY(call)
+    output     core PUSH -> front PULL   OUTPUTS(EngineCoreOutputs) / UTILITY_RESULT / FAILED
+
+Each message is two frames: [kind, msgpack payload] (msgspec). The core loop is:
+drain the input socket -> step() -> push outputs; when nothing is left to do it blocks on
+the input socket (with a timeout, to notice an orphaning parent).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+import msgspec
+
+from ferrox.engine.protocol import EngineCoreOutput, EngineCoreRequest
+
+logger = logging.getLogger("ferrox.engine.core_process")
+
+# Frame 0 of every message.
+ADD = b"ADD"
+ABORT = b"ABORT"
+UTILITY = b"UTIL"
+OUTPUTS = b"OUT"
+UTILITY_RESULT = b"UTILRES"
+READY = b"READY"
+FAILED = b"FAILED"
+
+# Scheduler stats ride along with outputs at most this often (and whenever the core goes idle),
+# so /metrics is fresh without a round trip per scrape or a stats() call per step.
+STATS_INTERVAL_S = 0.2
+# While idle the core wakes this often to check that its parent is still alive.
+IDLE_POLL_MS = 1000
+
+
+class CoreInfo(msgspec.Struct):
+    """What the front-end learns at the handshake (logged by `ferrox serve`, used for validation)."""
+
+    model_name: str
+    max_model_len: int
+    kv_capacity_tokens: int
+    device: str
+    pid: int
+    stats: dict[str, Any] = {}
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One step's outputs. step_start lets the front-end compute queue time (arrival -> the
+    step that produced a request's first output; exact when the prompt fits one chunk)."""
+
+    outputs: list[EngineCoreOutput]
+    step_start: float = 0.0
+    stats: dict[str, Any] | None = None
+
+
+class UtilityCall(msgspec.Struct, array_like=True):
+    call_id: int
+    method: str  # one of UTILITY_METHODS
+    args: list[Any] = []
+
+
+class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+# Engine core methods the front-end may call by name (anything else is refused).
+UTILITY_METHODS = ("stats", "reset_prefix_cache", "ping")
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(obj: Any) -> bytes:
+    return _encoder.encode(obj)
+
+
+class CoreProcLoop:
+    """Runs inside the child: owns the EngineCore and the two data sockets."""
+
+    def __init__(self, engine_core: Any, input_addr: str, output_addr: str) -> None:
+        import zmq
+
+        self.core = engine_core
+        self.ctx = zmq.Context(io_threads=1)
+        self.input = self.ctx.socket(zmq.PULL)
+        self.input.connect(input_addr)
+        self.output = self.ctx.socket(zmq.PUSH)
+        self.output.setsockopt(zmq.SNDHWM, 0)  # never drop or block on outputs
+        self.output.setsockopt(zmq.LINGER, 2000)
+        self.output.connect(output_addr)
+        self.poller = zmq.Poller()
+        self.poller.register(self.input, zmq.POLLIN)
+        self.decode_request = msgspec.msgpack.Decoder(EngineCoreRequest)
+        self.decode_ids = msgspec.msgpack.Decoder(list[str])
+        self.decode_call = msgspec.msgpack.Decoder(UtilityCall)
+        self.last_stats_time = 0.0
+        self.parent_pid = os.getppid()
+        self.running = True
+
+    # ---- input -----------------------------------------------------------------------------
+    def _handle(self, kind: bytes, payload: bytes) -> list[EngineCoreOutput]:
+        """Apply one input message; returns outputs it produced at once (errors, aborts)."""
+        if kind == ADD:
+            request = self.decode_request.decode(payload)
+            try:
+                self.core.add_request(request)
+            except Exception as exc:  # a bad request fails alone; the loop goes on
+                return [_error_output(request.request_id, exc)]
+            return []
+        if kind == ABORT:
+            return list(self.core.abort_requests(self.decode_ids.decode(payload)))
+        if kind == UTILITY:
+            self._utility(self.decode_call.decode(payload))
+            return []
+        if kind == b"STOP":
+            self.running = False
+            return []
+        logger.error("engine core: unknown message kind %r ignored", kind)
+        return []
+
+    def _utility(self, call: UtilityCall) -> None:
+        result = UtilityResult(call.call_id)
+        try:
+            if call.method not in UTILITY_METHODS:
+                raise ValueError(f"unknown utility method {call.method!r}")
+            if call.method == "ping":
+                result.result = "pong"
+            else:
+                result.result = getattr(self.core, call.method)(*call.args)
+        except Exception as exc:
+            result.error = f"{type(exc).__name__}: {exc}"
+        self.output.send_multipart([UTILITY_RESULT, encode(result)], copy=False)
+
+    def _drain(self, timeout_ms: int | None) -> list[EngineCoreOutput]:
+        """Read every pending input message; wait up to timeout_ms for the first one."""
+        import zmq
+
+        outputs: list[EngineCoreOutput] = []
+        wait = timeout_ms
+        while self.running:
+            if not self.poller.poll(wait):
+                break
+            wait = 0
+            kind, payload = self.input.recv_multipart(flags=zmq.NOBLOCK)
+            outputs.extend(self._handle(kind, payload))
+        return outputs
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def run(self) -> None:
+        while self.running:
+            busy = self.core.has_unfinished_requests()
+            outputs = self._drain(0 if busy else IDLE_POLL_MS)
+            if not self.running:
+                break
+            step_start = time.time()
+            if self.core.has_unfinished_requests():
+                step_outputs = self.core.step()
+                if not step_outputs:
+                    # Nothing ran (e.g. every request waits for a grammar to compile): block
+                    # briefly instead of spinning. Returns at once when nothing is pending.
+                    self.core.wait_for_work(0.005)
+                outputs.extend(step_outputs)
+            elif not outputs and not busy:
+                # Idle wake-up with nothing to do: make sure we are not an orphan.
+                if os.getppid() != self.parent_pid:
+                    logger.error("engine core: parent process is gone, exiting")
+                    return
+                continue
+            self._send(outputs, step_start, idle=not self.core.has_unfinished_requests())
+
+    def _send(self, outputs: list[EngineCoreOutput], step_start: float, idle: bool) -> None:
+        now = time.time()
+        stats = None
+        if idle or now - self.last_stats_time >= STATS_INTERVAL_S:
+            stats = self.core.stats()
+            self.last_stats_time = now
+        if outputs or stats is not None:
+            msg = EngineCoreOutputs(outputs, step_start, stats)
+            self.output.send_multipart([OUTPUTS, encode(msg)], copy=False)
+
+    def close(self) -> None:
+        self.input.close(linger=0)
+        self.output.close()
+        self.ctx.term()
+
+
+def _error_output(request_id: str, exc: BaseException) -> EngineCoreOutput:
+    return EngineCoreOutput(
+        request_id=request_id,
+        new_token_ids=[],
+        finished=True,
+        finish_reason="error",
+        error=str(exc) or type(exc).__name__,
+    )
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL us if the front-end dies (even by SIGKILL)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
+
+
+def run_engine_core(config: Any, handshake_addr: str, input_addr: str, output_addr: str, log_level: str) -> None:
+    """Entry point of the child process (multiprocessing spawn target)."""
+    import zmq
+
+    _die_with_parent()
+    # Ctrl-C goes to the whole process group; the front-end decides when we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s")
+
+    ctx = zmq.Context()
+    handshake = ctx.socket(zmq.PUSH)
+    handshake.setsockopt(zmq.LINGER, 5000)
+    handshake.connect(handshake_addr)
+    try:
+        from ferrox.engine.engine_core import EngineCore
+
+        core = EngineCore(config)
+        info = CoreInfo(
+            model_name=str(core.model_name),
+            max_model_len=int(core.max_model_len),
+            kv_capacity_tokens=int(core.kv_capacity_tokens),
+            device=str(getattr(core, "device", getattr(config, "device", "cpu"))),
+            pid=os.getpid(),
+            stats=core.stats(),
+        )
+        loop = CoreProcLoop(core, input_addr, output_addr)
+    except BaseException as exc:
+        detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        logger.debug("engine core startup failed:\n%s", traceback.format_exc())
+        handshake.send_multipart([FAILED, encode(detail)])
+        handshake.close()
+        ctx.term()
+        sys.exit(1)
+    handshake.send_multipart([READY, encode(info)])
+    handshake.close()
+
+    exit_code = 0
+    try:
+        loop.run()
+    except SystemExit:
+        pass
+    except BaseException:
+        # A bug in the step: tell the front-end why before dying, so it can fail every request.
+        detail = traceback.format_exc()
+        logger.error("engine core crashed:\n%s", detail)
+        try:
+            loop.output.send_multipart([FAILED, encode(detail.strip().splitlines()[-1])])
+        except Exception:
+            pass
+        exit_code = 1
+    finally:
+        loop.close()
+        ctx.term()
+    sys.exit(exit_code)

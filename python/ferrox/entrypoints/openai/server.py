@@ -1,0 +1,229 @@
+"""The aiohttp application: routes, auth, error shapes, body limit, and the serve loop.
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /v1/messages
+(Anthropic), POST /tokenize, POST /detokenize, GET /health, GET /version, GET /metrics.
+
+Every error leaves as JSON in OpenAI's shape (Anthropic's on /v1/messages), whatever raised
+it: our APIError, aiohttp's own HTTP errors (404 route, 405 method, 413 body), or a bug (500,
+logged). Handlers run with `handler_cancellation`, so a client that disconnects cancels its
+handler, which closes its generator, which aborts the request in the engine core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+import ferrox
+from ferrox.engine.async_llm import AsyncLLM
+from ferrox.entrypoints.anthropic.serving_messages import create_message
+from ferrox.entrypoints.openai.errors import APIError
+from ferrox.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
+from ferrox.entrypoints.openai.serving import ServingContext, json_response, parse_body, render_chat
+from ferrox.entrypoints.openai.serving_chat import create_chat_completion
+from ferrox.entrypoints.openai.serving_completion import create_completion
+from ferrox.metrics.prometheus import CONTENT_TYPE, PrometheusStatLogger
+
+logger = logging.getLogger("ferrox.server")
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
+# Paths served without an API key (probes and scrapers carry no credentials).
+_OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+# After the engine core dies, keep answering (503) this long before exiting, so load
+# balancers and clients see a clear "unhealthy" rather than a refused connection.
+DEAD_ENGINE_GRACE_S = 1.0
+
+CTX = web.AppKey("ctx", ServingContext)
+METRICS = web.AppKey("metrics", PrometheusStatLogger)
+API_KEY = web.AppKey("api_key", str)
+MAX_BODY = web.AppKey("max_body", int)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _is_anthropic(request: web.Request) -> bool:
+    return request.path.startswith("/v1/messages")
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    anthropic = _is_anthropic(request)
+    try:
+        return await handler(request)
+    except APIError as exc:
+        return exc.response(anthropic)
+    except web.HTTPRequestEntityTooLarge as exc:
+        return APIError(413, f"request body too large (limit {exc.max_size} bytes)",
+                        code="request_too_large").response(anthropic)
+    except web.HTTPNotFound:
+        return APIError(404, f"no route for {request.method} {request.path}").response(anthropic)
+    except web.HTTPMethodNotAllowed as exc:
+        return APIError(405, f"method {exc.method} not allowed on {request.path}").response(anthropic)
+    except web.HTTPException:
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        logger.exception("internal error on %s %s", request.method, request.path)
+        return APIError(500, "internal server error").response(anthropic)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    api_key = request.app[API_KEY]
+    if api_key and request.path not in _OPEN_PATHS:
+        given = request.headers.get("x-api-key")
+        auth = request.headers.get("Authorization", "")
+        if auth.lower().startswith("bearer "):
+            given = auth[7:].strip()
+        if given is None or not hmac.compare_digest(given.encode(), api_key.encode()):
+            raise APIError(401, "invalid or missing API key", code="invalid_api_key")
+    return await handler(request)
+
+
+@web.middleware
+async def body_limit_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    # Refuse early on a declared oversize body; a chunked one is caught by client_max_size.
+    limit = request.app[MAX_BODY]
+    if request.content_length is not None and request.content_length > limit:
+        raise APIError(413, f"request body too large ({request.content_length} bytes; limit {limit})",
+                       code="request_too_large")
+    return await handler(request)
+
+
+# ---- small routes ----------------------------------------------------------------------------------
+
+
+async def list_models(request: web.Request) -> web.Response:
+    ctx = request.app[CTX]
+    return json_response({"object": "list", "data": [{
+        "id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "ferrox",
+        "root": ctx.engine.model_name, "parent": None, "max_model_len": ctx.max_model_len,
+    }]})
+
+
+async def health(request: web.Request) -> web.Response:
+    ctx = request.app[CTX]
+    ctx.check_engine()
+    return web.Response(status=200)
+
+
+async def version(request: web.Request) -> web.Response:
+    return json_response({"version": ferrox.__version__})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    ctx = request.app[CTX]
+    req = await parse_body(request, TokenizeRequest)
+    ctx.check_model(req.model)
+    if req.messages is not None:
+        text = render_chat(ctx, [m.to_template_dict() for m in req.messages],
+                           add_generation_prompt=req.add_generation_prompt,
+                           template_kwargs=req.chat_template_kwargs)
+        ids = ctx.engine.tokenizer.encode(text, add_special_tokens=False)
+    else:
+        ids = ctx.engine.tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+    return json_response({"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    ctx = request.app[CTX]
+    req = await parse_body(request, DetokenizeRequest)
+    ctx.check_model(req.model)
+    vocab = getattr(ctx.engine.tokenizer, "vocab_size", None)
+    if vocab is not None and any(t >= vocab for t in req.tokens):
+        raise APIError(400, f"tokens: token id outside the vocabulary (size {vocab})", param="tokens")
+    return json_response({"prompt": ctx.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)})
+
+
+def _bind(fn: Callable[[ServingContext, web.Request], Awaitable[web.StreamResponse]]) -> Handler:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await fn(request.app[CTX], request)
+
+    handler.__name__ = fn.__name__
+    return handler
+
+
+def build_app(engine: AsyncLLM, *, served_model_name: str | None = None, api_key: str | None = None,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> web.Application:
+    app = web.Application(
+        middlewares=[error_middleware, body_limit_middleware, auth_middleware],
+        client_max_size=max_request_body_bytes,
+    )
+    ctx = ServingContext(engine, served_model_name)
+    app[CTX] = ctx
+    app[API_KEY] = api_key or ""
+    app[MAX_BODY] = max_request_body_bytes
+    stat_logger = PrometheusStatLogger(ctx.model_name)
+    stat_logger.on_scheduler_stats(engine.last_stats)
+    engine.stat_loggers.append(stat_logger)
+    app[METRICS] = stat_logger
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/v1/completions", _bind(create_completion))
+    app.router.add_post("/v1/chat/completions", _bind(create_chat_completion))
+    app.router.add_post("/v1/messages", _bind(create_message))
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/health", health)
+    app.router.add_get("/version", version)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def serve(engine: AsyncLLM, *, host: str, port: int, served_model_name: str | None = None,
+                api_key: str | None = None, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+                on_ready: Callable[[str], None] | None = None) -> int:
+    """Serve until SIGINT/SIGTERM (exit code 0) or the engine core dies (exit code 1)."""
+    app = build_app(engine, served_model_name=served_model_name, api_key=api_key,
+                    max_request_body_bytes=max_request_body_bytes)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    exit_code = 0
+
+    def on_signal(signum: int) -> None:
+        logger.info("received %s, shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    def on_engine_dead(reason: str) -> None:
+        nonlocal exit_code
+        exit_code = 1
+        logger.error("engine core died (%s); exiting in %.1f s", reason, DEAD_ENGINE_GRACE_S)
+        loop.call_later(DEAD_ENGINE_GRACE_S, stop.set)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    engine.dead_callbacks.append(on_engine_dead)
+    engine.client.ensure_reader()  # watch the core from now on, not only once a request comes
+    sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
+    bound_port = sockets[0].getsockname()[1] if sockets else port
+    url = f"http://{host}:{bound_port}"
+    if on_ready is not None:
+        on_ready(url)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        # Fail in-flight requests at once (their handlers send an error and finish), stop the
+        # core process, then close the listener and connections.
+        engine.shutdown()
+        await runner.cleanup()
+    return exit_code
+
+
+def run_server_blocking(engine: AsyncLLM, **kwargs: Any) -> int:
+    return asyncio.run(serve(engine, **kwargs))

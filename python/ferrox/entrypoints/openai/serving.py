@@ -1,0 +1,200 @@
+"""What every route shares: body parsing, the model check, max_tokens resolution, building
+SamplingParams, chat-template rendering, SSE framing and logprob formatting.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, TypeVar
+
+import msgspec
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from ferrox.engine.async_llm import AsyncLLM
+from ferrox.entrypoints.openai.errors import APIError, bad_request, from_validation_error, from_value_error
+from ferrox.outputs import Logprob
+from ferrox.sampling_params import RequestOutputKind, SamplingParams
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+# JSON cannot carry -inf; clients get a very small finite number instead (as vLLM does).
+_MIN_LOGPROB = -9999.0
+
+
+class ServingContext:
+    """The engine and the names this server answers to."""
+
+    def __init__(self, engine: AsyncLLM, served_model_name: str | None = None) -> None:
+        self.engine = engine
+        self.model_name = served_model_name or engine.model_name
+        self.created = int(time.time())
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in (self.model_name, self.engine.model_name):
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    def check_engine(self) -> None:
+        if not self.engine.is_running:
+            raise APIError(503, f"engine is not running: {self.engine.dead_reason or 'shut down'}")
+
+
+async def parse_body(request: web.Request, model: type[ModelT]) -> ModelT:
+    """Read and validate a JSON body; 413 past client_max_size, 400 for bad JSON or fields."""
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise APIError(413, f"request body too large ({exc.actual_size} bytes; limit {exc.max_size})",
+                       code="request_too_large") from None
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"invalid JSON body: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def resolve_max_tokens(ctx: ServingContext, num_prompt_tokens: int, requested: int | None, prompt_param: str) -> int:
+    """The output budget: `requested`, or up to the model's length when omitted (400 if it cannot fit)."""
+    room = ctx.max_model_len - num_prompt_tokens
+    if room < 1:
+        raise bad_request(
+            f"This model's maximum context length is {ctx.max_model_len} tokens. However, your prompt has "
+            f"{num_prompt_tokens} tokens, which leaves no room for output.",
+            param=prompt_param, code="context_length_exceeded",
+        )
+    if requested is None:
+        return room
+    if requested > room:
+        raise bad_request(
+            f"This model's maximum context length is {ctx.max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, {requested} for the "
+            "completion). Please reduce the prompt or max_tokens.",
+            param="max_tokens", code="context_length_exceeded",
+        )
+    return requested
+
+
+def check_token_ids(ctx: ServingContext, ids: list[int], param: str) -> None:
+    vocab = getattr(ctx.engine.tokenizer, "vocab_size", None)
+    if vocab is not None and any(t >= vocab for t in ids):
+        raise bad_request(f"{param}: token id outside the vocabulary (size {vocab})", param=param)
+
+
+def build_sampling_params(
+    req: Any,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    stream: bool,
+    prompt_logprobs: int | None = None,
+    structured: Any = None,
+) -> SamplingParams:
+    """Map an OpenAI-style request onto SamplingParams (vLLM names); ValueError -> 400 naming the field."""
+    kwargs: dict[str, Any] = dict(
+        n=req.n,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        seed=req.seed,
+        stop=req.stop_list() or None,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
+        structured_outputs=structured,
+        output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+    )
+    # Unset sampling knobs keep SamplingParams' defaults (temperature 1, no truncation).
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            kwargs[name] = value
+    if max_tokens is not None and req.min_tokens > max_tokens:
+        raise bad_request(f"min_tokens: must be <= max_tokens ({max_tokens})", param="min_tokens")
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError, msgspec.ValidationError) as exc:
+        raise from_value_error(exc) from None
+
+
+def render_chat(ctx: ServingContext, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
+                continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+                chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
+    """Render a conversation with the model's chat template (or the server's / request's override)."""
+    try:
+        text = ctx.engine.tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            chat_template=chat_template or ctx.engine.chat_template,
+            **(template_kwargs or {}),
+        )
+    except Exception as exc:  # jinja errors, missing template: the caller's input is at fault
+        raise bad_request(f"chat template: {exc}", param="messages") from None
+    if continue_final_message and messages:
+        # Let the model continue the last (assistant) message: cut what the template adds after it.
+        last = str(messages[-1].get("content") or "")
+        cut = text.rfind(last) if last else -1
+        if cut >= 0:
+            text = text[: cut + len(last)]
+    return text
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def finite(logprob: float) -> float:
+    return logprob if logprob > _MIN_LOGPROB else _MIN_LOGPROB
+
+
+def top_entries(position: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]:
+    """The top-n alternatives at one position, by rank."""
+    ranked = [(tid, lp) for tid, lp in position.items() if lp.rank is not None and lp.rank <= n]
+    ranked.sort(key=lambda item: item[1].rank or 0)
+    return ranked[:n]
+
+
+def chosen_entry(position: dict[int, Logprob], token_id: int) -> Logprob:
+    return position.get(token_id) or next(iter(position.values()))
+
+
+# ---- SSE -----------------------------------------------------------------------------------------
+
+
+async def start_sse(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        status=200,
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"},
+    )
+    await resp.prepare(request)
+    return resp
+
+
+async def send_sse(resp: web.StreamResponse, payload: Any, event: str | None = None) -> None:
+    data = payload if isinstance(payload, bytes) else msgspec.json.encode(payload)
+    head = f"event: {event}\n".encode() if event else b""
+    await resp.write(head + b"data: " + data + b"\n\n")
+
+
+def json_response(body: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=msgspec.json.encode(body), content_type="application/json")
+
+
+def value_error_to_api(exc: Exception, default_param: str | None = None) -> APIError:
+    return from_value_error(exc, default_param)

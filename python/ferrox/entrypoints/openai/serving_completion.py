@@ -1,0 +1,269 @@
+"""POST /v1/completions: one or many prompts (text or token ids), n choices each.
+
+Choice index = prompt_index * n + sample_index, as OpenAI numbers them. Several prompts run
+concurrently in the engine; their streams are merged as outputs arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from ferrox.engine.async_llm import EngineDeadError, RequestError
+from ferrox.entrypoints.openai.errors import APIError, from_value_error
+from ferrox.entrypoints.openai.protocol import CompletionRequest
+from ferrox.entrypoints.openai.serving import (
+    ServingContext,
+    build_sampling_params,
+    check_token_ids,
+    chosen_entry,
+    finite,
+    json_response,
+    new_id,
+    parse_body,
+    resolve_max_tokens,
+    send_sse,
+    start_sse,
+    top_entries,
+)
+from ferrox.entrypoints.openai.structured import build_structured_outputs
+from ferrox.outputs import Logprob, RequestOutput
+
+_END = object()
+
+
+async def create_completion(ctx: ServingContext, request: web.Request) -> web.StreamResponse:
+    req = await parse_body(request, CompletionRequest)
+    ctx.check_model(req.model)
+    ctx.check_engine()
+    try:
+        structured = build_structured_outputs(req)
+    except ValueError as exc:
+        raise from_value_error(exc) from None
+    tokenizer = ctx.engine.tokenizer
+    prompts: list[dict[str, Any]] = []
+    for raw in req.prompts():
+        if isinstance(raw, str):
+            ids = tokenizer.encode(raw)
+            text = raw
+        else:
+            check_token_ids(ctx, raw, "prompt")
+            ids, text = raw, None
+        if not ids:
+            raise APIError(400, "prompt: must not be empty", param="prompt")
+        prompts.append({"prompt": text, "prompt_token_ids": ids})
+    for p in prompts:  # 400 if any prompt cannot fit with the requested budget
+        resolve_max_tokens(ctx, len(p["prompt_token_ids"]), req.requested_max_tokens, "prompt")
+    # Omitted max_tokens: None, i.e. each prompt may run up to the model's length.
+    params = build_sampling_params(
+        req, max_tokens=req.requested_max_tokens, logprobs=req.logprobs, stream=req.stream,
+        prompt_logprobs=req.logprobs if (req.echo and req.logprobs is not None) else None, structured=structured,
+    )
+    request_id = new_id("cmpl")
+    outputs = _merged(ctx, prompts, params, request_id, req.priority)
+    if req.stream:
+        return await _stream(ctx, request, req, prompts, outputs, request_id)
+
+    finals: dict[int, RequestOutput] = {}
+    try:
+        async with contextlib.aclosing(outputs) as merged:
+            async for idx, out in merged:
+                finals[idx] = out
+    except (RequestError, ValueError) as exc:
+        raise from_value_error(exc, "prompt") from None
+    except EngineDeadError as exc:
+        raise APIError(503, f"engine is not running: {exc}") from None
+    choices = []
+    prompt_tokens = completion_tokens = 0
+    for idx, p in enumerate(prompts):
+        final = finals[idx]
+        prompt_tokens += len(p["prompt_token_ids"])
+        echo_text = _prompt_text(ctx, p) if req.echo else ""
+        for comp in final.outputs:
+            completion_tokens += len(comp.token_ids)
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = _LogprobsBuilder(req.logprobs)
+                if req.echo:
+                    logprobs.add_prompt(p["prompt_token_ids"], final.prompt_logprobs, ctx)
+                logprobs.add(comp.token_ids, comp.logprobs)
+            choices.append({
+                "index": idx * req.n + comp.index,
+                "text": echo_text + comp.text,
+                "logprobs": logprobs.body() if logprobs else None,
+                "finish_reason": comp.finish_reason,
+                "stop_reason": comp.stop_reason,
+            })
+    choices.sort(key=lambda c: c["index"])
+    return json_response({
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": ctx.model_name,
+        "choices": choices,
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+        "system_fingerprint": None,
+    })
+
+
+async def _stream(ctx: ServingContext, request: web.Request, req: CompletionRequest, prompts: list[dict[str, Any]],
+                  outputs: AsyncIterator[tuple[int, RequestOutput]], request_id: str) -> web.StreamResponse:
+    created = int(time.time())
+    n = req.n
+    try:
+        first = await anext(outputs)  # type: ignore[call-overload]
+    except StopAsyncIteration:
+        first = None
+    except (RequestError, ValueError) as exc:
+        raise from_value_error(exc, "prompt") from None
+    except EngineDeadError as exc:
+        raise APIError(503, f"engine is not running: {exc}") from None
+    except BaseException:
+        await outputs.aclose()  # type: ignore[attr-defined]
+        raise
+
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
+                                "model": ctx.model_name, "choices": choices}
+        if req.include_usage:
+            body["usage"] = usage
+        return body
+
+    resp = await start_sse(request)
+    echoed: set[int] = set()
+    builders: dict[int, _LogprobsBuilder] = {}
+    completion_tokens = 0
+    async with contextlib.aclosing(outputs):  # type: ignore[type-var]
+        try:
+            item = first
+            while item is not None:
+                idx, out = item
+                choices = []
+                for comp in out.outputs:
+                    index = idx * n + comp.index
+                    completion_tokens += len(comp.token_ids)
+                    text = comp.text
+                    logprobs = None
+                    if req.logprobs is not None:
+                        builder = builders.setdefault(index, _LogprobsBuilder(req.logprobs))
+                        builder.reset()
+                        if req.echo and index not in echoed:
+                            builder.add_prompt(prompts[idx]["prompt_token_ids"], out.prompt_logprobs, ctx)
+                        builder.add(comp.token_ids, comp.logprobs)
+                        logprobs = builder.body()
+                    if req.echo and index not in echoed:
+                        text = _prompt_text(ctx, prompts[idx]) + text
+                        echoed.add(index)
+                    if not text and comp.finish_reason is None and not comp.token_ids:
+                        continue
+                    choices.append({"index": index, "text": text, "logprobs": logprobs,
+                                    "finish_reason": comp.finish_reason,
+                                    **({"stop_reason": comp.stop_reason} if comp.finish_reason else {})})
+                if choices:
+                    await send_sse(resp, chunk(choices))
+                item = await anext(outputs, None)  # type: ignore[call-overload]
+            if req.include_usage:
+                prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                         "total_tokens": prompt_tokens + completion_tokens}
+                await send_sse(resp, chunk([], usage))
+        except (RequestError, EngineDeadError, ValueError) as exc:
+            status = 503 if isinstance(exc, EngineDeadError) else 400
+            await send_sse(resp, APIError(status, str(exc)).openai_body())
+        await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def _merged(ctx: ServingContext, prompts: list[dict[str, Any]], params: Any, request_id: str,
+                  priority: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from every prompt's generator, in arrival order."""
+    if len(prompts) == 1:
+        async with contextlib.aclosing(ctx.engine.generate(prompts[0], params, request_id, priority=priority)) as g:
+            async for out in g:
+                yield 0, out
+        return
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def pump(idx: int, prompt: dict[str, Any]) -> None:
+        try:
+            gen = ctx.engine.generate(prompt, params, f"{request_id}-{idx}", priority=priority)
+            async with contextlib.aclosing(gen):
+                async for out in gen:
+                    queue.put_nowait((idx, out))
+        except Exception as exc:
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(_END)
+
+    tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is _END:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _prompt_text(ctx: ServingContext, prompt: dict[str, Any]) -> str:
+    if prompt["prompt"] is not None:
+        return prompt["prompt"]
+    return ctx.engine.tokenizer.decode(prompt["prompt_token_ids"], skip_special_tokens=False)
+
+
+class _LogprobsBuilder:
+    """The legacy completions logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
+
+    def __init__(self, top_n: int) -> None:
+        self.top_n = top_n
+        self.offset = 0  # text offset carried across stream chunks
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float | None] = []
+        self.top_logprobs: list[dict[str, float] | None] = []
+        self.text_offset: list[int] = []
+
+    def _append(self, token: str, logprob: float | None, top: dict[str, float] | None) -> None:
+        self.tokens.append(token)
+        self.token_logprobs.append(logprob)
+        self.top_logprobs.append(top)
+        self.text_offset.append(self.offset)
+        self.offset += len(token)
+
+    def add_prompt(self, ids: list[int], prompt_logprobs: list[dict[int, Logprob] | None] | None,
+                   ctx: ServingContext) -> None:
+        for i, tid in enumerate(ids):
+            position = prompt_logprobs[i] if prompt_logprobs and i < len(prompt_logprobs) else None
+            if position is None:
+                self._append(ctx.engine.tokenizer.decode([tid], skip_special_tokens=False), None, None)
+            else:
+                self._add_position(tid, position)
+
+    def add(self, ids: list[int], logprobs: list[dict[int, Logprob]] | None) -> None:
+        for tid, position in zip(ids, logprobs or [], strict=False):
+            self._add_position(tid, position)
+
+    def _add_position(self, tid: int, position: dict[int, Logprob]) -> None:
+        chosen = chosen_entry(position, tid)
+        top = {lp.decoded_token or "": finite(lp.logprob) for _, lp in top_entries(position, self.top_n)}
+        self._append(chosen.decoded_token or "", finite(chosen.logprob), top)
+
+    def body(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
+                "top_logprobs": self.top_logprobs, "text_offset": self.text_offset}

@@ -1,0 +1,55 @@
+"""POST /v1/messages through the official `anthropic` client."""
+
+from __future__ import annotations
+
+import anthropic
+import pytest
+
+MODEL = "smol"
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    with anthropic.Anthropic(base_url=base_url, api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def test_message_non_streaming(client):
+    msg = client.messages.create(
+        model=MODEL, max_tokens=24, temperature=0, system="You are a helpful assistant.",
+        messages=[{"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}],
+    )
+    assert msg.type == "message" and msg.role == "assistant" and msg.model == MODEL
+    assert msg.content[0].type == "text" and "Paris" in msg.content[0].text
+    assert msg.stop_reason in ("end_turn", "max_tokens")
+    assert msg.usage.input_tokens > 5 and 0 < msg.usage.output_tokens <= 24
+
+
+def test_max_tokens_stop_reason(client):
+    msg = client.messages.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "Tell a story."}])
+    assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 3
+
+
+def test_stop_sequence(client):
+    messages = [{"role": "user", "content": "Count from 1 to 10, separated by commas."}]
+    base = client.messages.create(model=MODEL, max_tokens=40, temperature=0, messages=messages).content[0].text
+    assert "5" in base, base
+    msg = client.messages.create(model=MODEL, max_tokens=40, temperature=0, messages=messages, stop_sequences=["5"])
+    assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == "5"
+    assert msg.content[0].text == base[: base.index("5")]
+
+
+def test_streaming_event_sequence(client):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    whole = client.messages.create(model=MODEL, max_tokens=16, temperature=0, messages=messages)
+    with client.messages.stream(model=MODEL, max_tokens=16, temperature=0, messages=messages) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    kinds = [e.type for e in events]
+    raw = [k for k in kinds if k not in ("text",)]  # the SDK adds synthetic "text" events
+    assert raw[0] == "message_start" and raw[1] == "content_block_start"
+    assert raw[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(raw[2:-3]) <= {"content_block_delta"}
+    assert final.content[0].text == whole.content[0].text
+    assert final.stop_reason == whole.stop_reason
+    assert final.usage.output_tokens == whole.usage.output_tokens

@@ -1,0 +1,113 @@
+"""AsyncLLM used directly: streaming kinds, n > 1, abort, bad requests, stats, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from ferrox import AsyncLLM, SamplingParams
+from ferrox.engine.async_llm import RequestError
+from ferrox.sampling_params import RequestOutputKind
+
+from tests.server.server_proc import pid_alive
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = AsyncLLM(max_model_len=512, kv_cache_memory=64 << 20)
+    yield eng
+    pid = eng.client.pid
+    eng.shutdown()
+    assert pid is not None and not pid_alive(pid), "engine core outlived shutdown()"
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+async def collect(engine: AsyncLLM, prompt, params: SamplingParams, rid: str) -> list:
+    return [out async for out in engine.generate(prompt, params, rid)]
+
+
+def test_cumulative_and_delta_agree(engine):
+    async def run():
+        cumulative = await collect(engine, "The capital of France is", greedy(8), "cum")
+        delta = await collect(engine, "The capital of France is",
+                              greedy(8, output_kind=RequestOutputKind.DELTA), "delta")
+        final = await collect(engine, "The capital of France is",
+                              greedy(8, output_kind=RequestOutputKind.FINAL_ONLY), "final")
+        return cumulative, delta, final
+
+    cumulative, delta, final = asyncio.run(run())
+    last = cumulative[-1]
+    assert last.finished and last.outputs[0].finish_reason == "length"
+    assert len(last.outputs[0].token_ids) == 8
+    # Cumulative outputs grow; deltas concatenate to the same text and tokens.
+    texts = [o.outputs[0].text for o in cumulative]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))
+    assert "".join(o.outputs[0].text for o in delta) == last.outputs[0].text
+    assert sum((o.outputs[0].token_ids for o in delta), []) == last.outputs[0].token_ids
+    assert len(final) == 1 and final[0].outputs[0].text == last.outputs[0].text
+    assert last.prompt_token_ids == engine.get_tokenizer().encode("The capital of France is")
+
+
+def test_token_id_prompt_and_n2(engine):
+    async def run():
+        ids = engine.get_tokenizer().encode("Hello")
+        by_ids = await collect(engine, {"prompt_token_ids": ids}, greedy(4), "ids")
+        by_text = await collect(engine, "Hello", greedy(4), "text")
+        n2 = await collect(engine, "Hello", SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=4), "n2")
+        return by_ids[-1], by_text[-1], n2[-1]
+
+    by_ids, by_text, n2 = asyncio.run(run())
+    assert by_ids.outputs[0].token_ids == by_text.outputs[0].token_ids
+    assert sorted(c.index for c in n2.outputs) == [0, 1] and n2.finished
+
+
+def test_abort_frees_the_request(engine):
+    async def run():
+        gen = engine.generate("Once upon a time", greedy(400), "long")
+        first = await anext(gen)
+        assert not first.finished
+        running = (await engine.get_stats())["num_running"]
+        await engine.abort("long")
+        rest = [out async for out in gen]
+        deadline = time.monotonic() + 5
+        while True:
+            stats = await engine.get_stats()
+            if stats["num_running"] == 0 and stats["kv_cache_usage"] == 0:
+                return running, rest, stats
+            assert time.monotonic() < deadline, stats
+            await asyncio.sleep(0.05)
+
+    running, rest, stats = asyncio.run(run())
+    assert running == 1
+    assert all(len(o.outputs[0].token_ids) < 400 for o in rest)
+
+
+def test_closing_the_generator_aborts(engine):
+    async def run():
+        gen = engine.generate("Once upon a time", greedy(400), "closed")
+        await anext(gen)
+        await gen.aclose()  # what a cancelled server handler does
+        deadline = time.monotonic() + 5
+        while (stats := await engine.get_stats())["num_running"] != 0:
+            assert time.monotonic() < deadline, stats
+            await asyncio.sleep(0.05)
+        return stats
+
+    assert asyncio.run(run())["kv_cache_usage"] == 0
+
+
+def test_bad_request_fails_alone(engine):
+    async def run():
+        good = asyncio.create_task(collect(engine, "Hi", greedy(4), "good"))
+        with pytest.raises(RequestError, match="stop_token_ids"):
+            await collect(engine, "Hi", greedy(4, stop_token_ids=[10**8]), "bad")
+        with pytest.raises(ValueError, match="prompt"):
+            await collect(engine, {"prompt_token_ids": [1] * 600}, greedy(4), "too-long")
+        return await good
+
+    outs = asyncio.run(run())
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4

@@ -1,0 +1,232 @@
+"""The OpenAI-compatible routes, driven by the official `openai` client and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import urllib.request
+
+import aiohttp
+import openai
+import pytest
+
+from tests.server.conftest import MAX_MODEL_LEN
+
+MODEL = "smol"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    with openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def greedy_answer(client) -> openai.types.chat.ChatCompletion:
+    return client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=24)
+
+
+def test_models_lists_max_model_len(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].max_model_len == MAX_MODEL_LEN
+    assert models[0].object == "model"
+
+
+def test_chat_non_streaming(greedy_answer):
+    resp = greedy_answer
+    assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl-") and resp.model == MODEL
+    choice = resp.choices[0]
+    assert choice.index == 0 and choice.message.role == "assistant"
+    assert "Paris" in choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    usage = resp.usage
+    assert usage.prompt_tokens > 5 and 0 < usage.completion_tokens <= 24
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_chat_streaming_matches_non_streaming(client, greedy_answer):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=24, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == greedy_answer.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [greedy_answer.choices[0].finish_reason]
+    # include_usage: every chunk carries usage null except a last one with empty choices.
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.completion_tokens == greedy_answer.usage.completion_tokens
+    assert last.usage.prompt_tokens == greedy_answer.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completion_non_streaming_and_echo(client):
+    resp = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0,
+                                     max_tokens=8, echo=True)
+    assert resp.object == "text_completion" and resp.id.startswith("cmpl-")
+    text = resp.choices[0].text
+    assert text.startswith("The capital of France is") and len(text) > len("The capital of France is")
+    assert resp.usage.completion_tokens <= 8
+    assert resp.choices[0].finish_reason in ("stop", "length")
+
+
+def test_completion_streaming_matches(client):
+    kwargs = dict(model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=12,
+                  extra_body={"ignore_eos": True})
+    full = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert full.usage.completion_tokens == 12 and full.choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def post_json(base_url: str, path: str, body: dict) -> dict:
+    req = urllib.request.Request(base_url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.loads(resp.read())
+
+
+def test_completion_prompt_forms(client, base_url):
+    ids = post_json(base_url, "/tokenize", {"prompt": "Hello there"})["tokens"]
+    # A list of prompts (text and token ids) gives one choice group per prompt, in order.
+    resp = client.completions.create(model=MODEL, prompt=[ids, ids], temperature=0, max_tokens=4,
+                                     extra_body={"ignore_eos": True})
+    assert [c.index for c in resp.choices] == [0, 1]
+    assert resp.choices[0].text == resp.choices[1].text
+    assert resp.usage.prompt_tokens == 2 * len(ids)
+    by_text = client.completions.create(model=MODEL, prompt="Hello there", temperature=0, max_tokens=4,
+                                        extra_body={"ignore_eos": True})
+    assert by_text.choices[0].text == resp.choices[0].text
+
+
+def test_n2_sampling(client):
+    kwargs = dict(model=MODEL, messages=QUESTION, n=2, temperature=1.0, seed=7, max_tokens=8)
+    resp = client.chat.completions.create(**kwargs)
+    assert sorted(c.index for c in resp.choices) == [0, 1]
+    assert all(c.message.content for c in resp.choices)
+    assert 2 <= resp.usage.completion_tokens <= 16
+    # Seeded: the same request gives the same two samples again.
+    again = client.chat.completions.create(**kwargs)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in resp.choices]
+
+
+def test_chat_logprobs(client):
+    resp = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=5,
+                                          logprobs=True, top_logprobs=3)
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens
+    assert "".join(t.token for t in content) == resp.choices[0].message.content
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.bytes == list(entry.token.encode())
+        # Greedy: the chosen token is the most likely one.
+        assert math.isclose(entry.logprob, entry.top_logprobs[0].logprob, abs_tol=1e-4)
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
+
+
+def test_completion_logprobs(client):
+    resp = client.completions.create(model=MODEL, prompt="1, 2, 3,", temperature=0, max_tokens=4, logprobs=2,
+                                     extra_body={"ignore_eos": True})
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
+    assert "".join(lp.tokens) == resp.choices[0].text
+    assert lp.text_offset[0] == 0 and all(a <= b for a, b in zip(lp.text_offset, lp.text_offset[1:], strict=False))
+    assert all(len(top) <= 2 and tok in top for tok, top in zip(lp.tokens, lp.top_logprobs, strict=True))
+
+
+def test_stop_string(client):
+    base = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", temperature=0, max_tokens=12,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    assert "7" in base, base
+    stopped = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", temperature=0, max_tokens=12,
+                                        stop=["7"]).choices[0]
+    assert stopped.text == base[: base.index("7")]
+    assert stopped.finish_reason == "stop"
+    kept = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", temperature=0, max_tokens=12, stop=["7"],
+                                     extra_body={"include_stop_str_in_output": True}).choices[0]
+    assert kept.text == base[: base.index("7") + 1]
+
+
+async def _sse_events(resp: aiohttp.ClientResponse) -> list[str]:
+    events = []
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if line.startswith("data: "):
+            events.append(line[6:])
+    return events
+
+
+def test_sse_framing_ends_with_done(base_url):
+    async def run() -> list[str]:
+        async with aiohttp.ClientSession() as session:
+            body = {"model": MODEL, "messages": QUESTION, "max_tokens": 4, "stream": True}
+            async with session.post(base_url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                assert resp.headers["Content-Type"].startswith("text/event-stream")
+                return await _sse_events(resp)
+
+    events = asyncio.run(run())
+    assert events[-1] == "[DONE]"
+    assert all(json.loads(e)["object"] == "chat.completion.chunk" for e in events[:-1])
+
+
+def test_32_concurrent_streams(base_url):
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, int]:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Count to {i}."}], temperature=0, max_tokens=6,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+        text, usage = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            if chunk.usage:
+                usage = chunk.usage
+        return text, usage.completion_tokens
+
+    async def run() -> list[tuple[str, int]]:
+        async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(32)))
+
+    results = asyncio.run(run())
+    assert len(results) == 32
+    assert all(tokens == 6 and text for text, tokens in results)
+    # Same prompt -> same greedy text, however the batch was composed.
+    assert results[3][0] == asyncio.run(_single(base_url, 3))
+
+
+async def _single(base_url: str, i: int) -> str:
+    async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
+        resp = await c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Count to {i}."}], temperature=0, max_tokens=6,
+            extra_body={"ignore_eos": True},
+        )
+        return resp.choices[0].message.content
+
+
+def test_tokenize_detokenize_roundtrip(base_url):
+    tok = post_json(base_url, "/tokenize", {"prompt": "Hello, world!", "add_special_tokens": False})
+    assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == MAX_MODEL_LEN
+    detok = post_json(base_url, "/detokenize", {"tokens": tok["tokens"]})
+    assert detok["prompt"] == "Hello, world!"
+    chat = post_json(base_url, "/tokenize", {"messages": QUESTION})
+    assert chat["count"] > tok["count"]
+
+
+def test_version_and_health(base_url):
+    async def run() -> tuple[int, dict]:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(base_url + "/health") as health:
+                status = health.status
+            async with session.get(base_url + "/version") as version:
+                return status, await version.json()
+
+    status, version = asyncio.run(run())
+    assert status == 200 and version["version"]
