@@ -1,0 +1,267 @@
+"""GPU kernel microbenchmarks: each kernel is checked against its reference, then timed against
+the torch path the engine would otherwise run. Prints a table last (and writes it as JSON to
+$OUT/bench_kernels.json when OUT is set).
+
+    PYTHONPATH=python python benches/bench_kernels.py            # all sections
+    PYTHONPATH=python python benches/bench_kernels.py --sweep    # plus attention launch-config sweep
+
+Shapes are Llama-3.1-8B's (32 q heads / 8 kv heads, head_dim 128, hidden 4096, intermediate
+14336, vocab 128256), bf16, block size 16. Attention bandwidth is KV bytes read / time, reported
+against a device-to-device copy measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "kernels"))  # PagedBatch + references, shared with the tests
+
+from ferrox.attention.backend import get_attention_backend  # noqa: E402
+from ferrox.attention.metadata import AttentionMetadata  # noqa: E402
+from ferrox.kernels import paged_attention as pa  # noqa: E402
+from ferrox.kernels.activation import silu_and_mul  # noqa: E402
+from ferrox.kernels.cuda_sampling import load_extension, top_k_top_p_sample, top_k_top_p_sample_torch  # noqa: E402
+from ferrox.kernels.reshape_and_cache import reshape_and_cache  # noqa: E402
+from ferrox.kernels.rmsnorm import fused_add_rms_norm  # noqa: E402
+from ferrox.kernels.rotary import neox_cos_sin_cache, rotary_neox_  # noqa: E402
+from kernel_refs import PagedBatch, relative_error  # noqa: E402
+
+H, HKV, D, BLOCK = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+DEVICE = "cuda"  # a dry run of the script logic can set "cpu" under TRITON_INTERPRET=1
+ROWS: list[dict] = []
+
+
+def timed(fn) -> float:
+    """Median milliseconds (CUDA events, L2 flushed between runs by do_bench)."""
+    return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+
+
+def record(section: str, case: str, ferrox_ms: float, torch_ms: float | None, metric: str = "", check: str = "") -> None:
+    row = dict(section=section, case=case, ferrox_ms=round(ferrox_ms, 4), torch_ms=None if torch_ms is None else round(torch_ms, 4),
+               speedup=None if torch_ms is None else round(torch_ms / ferrox_ms, 2), metric=metric, check=check)
+    ROWS.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def copy_bandwidth() -> float:
+    n = 1 << 30  # 2 GiB of bf16 each way
+    src = torch.empty(n, dtype=DTYPE, device=DEVICE)
+    dst = torch.empty_like(src)
+    ms = timed(lambda: dst.copy_(src))
+    gbps = 2 * n * 2 / ms / 1e6
+    record("copy", "d2d 2 GiB", ms, None, f"{gbps:.0f} GB/s (read+write)")
+    return gbps
+
+
+def _meta(b: PagedBatch) -> AttentionMetadata:
+    return AttentionMetadata(
+        num_actual_tokens=b.num_actual_tokens, max_query_len=b.max_query_len, max_seq_len=b.max_seq_len,
+        slot_mapping=b.slot_mapping, query_start_loc=b.query_start_loc, seq_lens=b.seq_lens,
+        block_table=b.block_table, query_start_loc_cpu=b.query_start_loc.cpu(), seq_lens_cpu=b.seq_lens.cpu(),
+        decode_only=b.max_query_len == 1,
+    )
+
+
+def _attention_case(section: str, name: str, query_lens, context_lens, copy_gbps: float) -> None:
+    b = PagedBatch(query_lens, context_lens, H, HKV, D, BLOCK, DTYPE, torch.device(DEVICE))
+    meta = _meta(b)
+    triton_be, torch_be = get_attention_backend(DEVICE, "triton"), get_attention_backend(DEVICE, "torch")
+    ref = torch_be.forward(b.q, b.k, b.v, b.kv_cache.clone(), meta, b.scale)
+    out = triton_be.forward(b.q, b.k, b.v, b.kv_cache, meta, b.scale)
+    err = relative_error(out[: b.num_actual_tokens], ref[: b.num_actual_tokens])
+    ms = timed(lambda: triton_be.forward(b.q, b.k, b.v, b.kv_cache, meta, b.scale))
+    torch_ms = timed(lambda: torch_be.forward(b.q, b.k, b.v, b.kv_cache, meta, b.scale))
+    kv_bytes = sum(b.seq_lens_list) * HKV * D * 2 * 2
+    flops = 0
+    for ql, ctx in zip(query_lens, context_lens, strict=True):
+        flops += 4 * H * D * (ql * ctx + ql * (ql + 1) / 2)
+    group = H // HKV
+    block_q = max(pa.DECODE_CONFIG.block_m if b.max_query_len == 1 else pa.PREFILL_CONFIG.block_m, group) // group
+    splits = pa.choose_num_splits((b.num_tokens // block_q + len(query_lens)) * HKV, b.max_seq_len, pa._num_sms(b.q.device))
+    metric = f"{kv_bytes / ms / 1e6:.0f} GB/s KV ({kv_bytes / ms / 1e6 / copy_gbps:.0%} of copy), {flops / ms / 1e9:.1f} TFLOP/s, splits={splits}"
+    record(section, name, ms, torch_ms, metric, f"rel err {err:.1e}" + ("" if err < 2e-2 else " FAIL"))
+
+
+def attention(copy_gbps: float) -> None:
+    for bsz, ctx in [(1, 1024), (1, 8192), (1, 32768), (8, 4096), (64, 2048), (256, 1024), (256, 2048)]:
+        _attention_case("attn decode", f"B={bsz} ctx={ctx}", [1] * bsz, [ctx - 1] * bsz, copy_gbps)
+    _attention_case("attn prefill", "1 x 2048 fresh", [2048], [0], copy_gbps)
+    _attention_case("attn prefill", "4 x 512 fresh", [512] * 4, [0] * 4, copy_gbps)
+    _attention_case("attn prefill", "chunk 2048 after 6144", [2048], [6144], copy_gbps)
+    _attention_case("attn mixed", "2 chunks x 512 (ctx 2k) + 128 decodes (ctx 1k)", [512, 512] + [1] * 128,
+                    [2048, 2048] + [1023] * 128, copy_gbps)
+
+
+def sweep() -> None:
+    """Time launch configs of the attention kernel directly; only correct ones are reported."""
+    cases = {
+        "decode B=64 ctx=2048": ([1] * 64, [2047] * 64),
+        "decode B=1 ctx=16384": ([1], [16383]),
+        "prefill 1 x 2048": ([2048], [0]),
+        "mixed 2x512 + 128 dec": ([512, 512] + [1] * 128, [2048, 2048] + [1023] * 128),
+    }
+    decode_cfgs = [pa.AttentionLaunchConfig(16, n, w, s) for n, w, s in
+                   [(32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (64, 2, 2), (128, 8, 3), (32, 2, 3)]]
+    prefill_cfgs = [pa.AttentionLaunchConfig(m, n, w, s) for m, n, w, s in
+                    [(64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (128, 32, 4, 2), (64, 64, 4, 3), (128, 64, 4, 3),
+                     (128, 128, 8, 2), (64, 128, 4, 2)]]
+    for name, (ql, ctx) in cases.items():
+        b = PagedBatch(ql, ctx, H, HKV, D, BLOCK, DTYPE, torch.device(DEVICE))
+        reshape_and_cache(b.k, b.v, b.kv_cache, b.slot_mapping)
+        ref = get_attention_backend(DEVICE, "torch").forward(b.q, b.k, b.v, b.kv_cache.clone(), _meta(b), b.scale)
+        n = b.num_actual_tokens
+        for cfg in decode_cfgs if b.max_query_len == 1 else prefill_cfgs:
+            def run(cfg=cfg, b=b):
+                return pa.unified_attention(b.q, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_table,
+                                            max_query_len=b.max_query_len, max_seq_len=b.max_seq_len, scale=b.scale, config=cfg)
+            try:
+                err = relative_error(run()[:n], ref[:n])
+                ms = timed(run)
+            except Exception as exc:  # e.g. out of shared memory for a big tile
+                record("sweep", f"{name} {cfg}", float("nan"), None, check=f"error {type(exc).__name__}")
+                continue
+            record("sweep", f"{name} m{cfg.block_m} n{cfg.tile_n} w{cfg.num_warps} s{cfg.num_stages}", ms, None,
+                   check=f"rel err {err:.1e}" + ("" if err < 2e-2 else " FAIL"))
+
+
+def _norm_case(tokens: int, copy_gbps: float) -> None:
+    from ferrox.layers.layernorm import RMSNorm
+
+    x = torch.randn(tokens, 4096, dtype=DTYPE, device=DEVICE)
+    res = torch.randn_like(x)
+    norm = RMSNorm(4096, 1e-5, DTYPE, DEVICE)
+    err = relative_error(fused_add_rms_norm(x, res, norm.weight, 1e-5)[0], norm(x, res)[0])
+    ms = timed(lambda: fused_add_rms_norm(x, res, norm.weight, 1e-5))
+    gbps = 4 * x.numel() * 2 / ms / 1e6  # read x, residual; write out, residual
+    record("rmsnorm+residual", f"T={tokens} hidden=4096", ms, timed(lambda: norm(x, res)),
+           f"{gbps:.0f} GB/s ({gbps / copy_gbps:.0%})", f"rel err {err:.1e}")
+
+
+def _silu_case(tokens: int, copy_gbps: float) -> None:
+    from ferrox.layers.activation import SiluAndMul
+
+    gate_up = torch.randn(tokens, 2 * 14336, dtype=DTYPE, device=DEVICE)
+    act = SiluAndMul()
+    err = relative_error(silu_and_mul(gate_up), act(gate_up))
+    ms = timed(lambda: silu_and_mul(gate_up))
+    gbps = 1.5 * gate_up.numel() * 2 / ms / 1e6
+    record("silu_and_mul", f"T={tokens} inter=14336", ms, timed(lambda: act(gate_up)),
+           f"{gbps:.0f} GB/s ({gbps / copy_gbps:.0%})", f"rel err {err:.1e}")
+
+
+def _rotary_case(tokens: int) -> None:
+    from ferrox.layers.rotary import RotaryEmbedding, apply_rotary
+
+    config = json.loads((ROOT / "benches/configs/llama-3.1-8b/config.json").read_text())
+    positions = torch.randint(0, 8192, (tokens,), device=DEVICE)
+    q = torch.randn(tokens, H, D, dtype=DTYPE, device=DEVICE)
+    k = torch.randn(tokens, HKV, D, dtype=DTYPE, device=DEVICE)
+    rope = RotaryEmbedding(D, config["rope_theta"], config["rope_scaling"], DEVICE)
+    cache = neox_cos_sin_cache(D, 16384, config["rope_theta"], config["rope_scaling"], device=DEVICE)
+
+    def torch_rope():
+        cos, sin = rope.cos_sin(positions, DTYPE)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+    ref_q, ref_k = torch_rope()
+    q2, k2 = q.clone(), k.clone()
+    rotary_neox_(positions, q2, k2, cache)
+    err = max(relative_error(q2, ref_q), relative_error(k2, ref_k))
+    ms = timed(lambda: rotary_neox_(positions, q, k, cache))
+    record("rotary (llama3)", f"T={tokens}", ms, timed(torch_rope), "", f"rel err vs layers.rotary {err:.1e}")
+
+
+def elementwise(copy_gbps: float) -> None:
+    for tokens in (256, 8192):
+        _norm_case(tokens, copy_gbps)
+        _silu_case(tokens, copy_gbps)
+        _rotary_case(tokens)
+
+
+def _sampling_case(bsz: int, label: str, k: int, p: float, have_cuda_kernel: bool) -> None:
+    from ferrox.layers import logits_processors as lp
+
+    vocab = 128256
+    logits = torch.randn(bsz, vocab, device=DEVICE) * 3
+    probs = torch.softmax(logits, -1)
+    u = torch.rand(bsz, device=DEVICE)
+    top_k = torch.full((bsz,), k, dtype=torch.int32, device=DEVICE)
+    top_p = torch.full((bsz,), p, device=DEVICE)
+    torch_ms = timed(lambda: top_k_top_p_sample_torch(probs, top_k, top_p, u))
+    tk = torch.where(top_k > 0, top_k, vocab).long()
+
+    def engine_path():  # the sampler's own path: sort-based mask on logits, softmax, exponential race
+        masked = lp.apply_top_k_top_p(logits, tk if k else None, top_p if p < 1 else None)
+        return (torch.softmax(masked, -1) / torch.empty_like(masked).exponential_()).argmax(-1)
+
+    engine_ms = timed(engine_path)
+    if not have_cuda_kernel:
+        record("sampling", f"B={bsz} V={vocab} {label} (no CUDA kernel)", torch_ms, engine_ms, "torch path only")
+        return
+    ms = timed(lambda: top_k_top_p_sample(probs, top_k, top_p, u))
+    greedy = torch.equal(top_k_top_p_sample(probs, torch.ones_like(top_k), top_p, u), probs.argmax(-1))
+    record("sampling", f"B={bsz} V={vocab} {label}", ms, torch_ms, f"engine sampler path {engine_ms:.3f} ms",
+           "top_k=1 == argmax" if greedy else "top_k=1 != argmax FAIL")
+
+
+def sampling() -> None:
+    have_cuda_kernel = load_extension() is not None
+    for bsz in (1, 32, 256):
+        for label, k, p in (("top_k=50 top_p=0.9", 50, 0.9), ("top_p=0.95", 0, 0.95), ("top_k=1000", 1000, 1.0)):
+            _sampling_case(bsz, label, k, p, have_cuda_kernel)
+
+
+def print_table() -> None:
+    print()
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    header = f"{'section':<18} {'case':<48} {'ferrox ms':>10} {'torch ms':>10} {'x':>6}  metric / check"
+    print(header)
+    print("-" * len(header))
+    for r in ROWS:
+        torch_ms = "" if r["torch_ms"] is None else f"{r['torch_ms']:.4f}"
+        speed = "" if r["speedup"] is None else f"{r['speedup']:.2f}"
+        print(f"{r['section']:<18} {r['case'][:48]:<48} {r['ferrox_ms']:>10.4f} {torch_ms:>10} {speed:>6}  {r['metric']} {r['check']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="also sweep attention launch configs")
+    parser.add_argument("--only", default="", help="comma list of sections: attention,elementwise,sampling,sweep")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_kernels.py needs a CUDA GPU")
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    only = set(filter(None, args.only.split(",")))
+    copy_gbps = copy_bandwidth()
+    sections = [("attention", lambda: attention(copy_gbps)), ("elementwise", lambda: elementwise(copy_gbps)),
+                ("sampling", sampling)]
+    if args.sweep:
+        sections.append(("sweep", sweep))
+    for name, fn in sections:
+        if only and name not in only:
+            continue
+        try:
+            fn()
+        except Exception as exc:  # one broken section must not hide the others' numbers
+            import traceback
+
+            traceback.print_exc()
+            record(name, "SECTION FAILED", float("nan"), None, check=f"{type(exc).__name__}: {exc}"[:200])
+        torch.cuda.empty_cache()
+    print_table()
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "bench_kernels.json").write_text(json.dumps(ROWS, indent=1))
+
+
+if __name__ == "__main__":
+    main()
