@@ -1,0 +1,519 @@
+//! Incremental detokenizer with stop-string detection.
+//!
+//! One `TokenizerInfo` is built per tokenizer.json and shared (Arc) by every request. When the
+//! tokenizer's decoder is ByteLevel (GPT-2 style: SmolLM2, Llama 3, Qwen) it precomputes a
+//! token id -> bytes table, so decoding a token is a table lookup plus UTF-8 validation of the
+//! new bytes: O(1) amortized per token. Other decoders fall back to the tokenizers crate's
+//! own streaming decoder (`step_decode_stream`), which re-decodes a short window of ids.
+//!
+//! Per request, `IncrementalDetokenizer` keeps the text decoded so far and how much of it has
+//! been emitted. Text is held back when it ends in an incomplete UTF-8 sequence or in a prefix
+//! of some stop string, so a streamed delta never splits a character and never contains text
+//! that a later stop-string match would trim.
+
+use std::sync::Arc;
+
+use tokenizers::{DecoderWrapper, Tokenizer};
+
+use crate::error::{CoreError, CoreResult};
+
+/// What the scheduler needs from a tokenizer, built once and shared across requests.
+pub struct TokenizerInfo {
+    vocab_size: usize,
+    kind: DecodeKind,
+}
+
+enum DecodeKind {
+    /// Flat table: bytes of token `i` are `bytes[offsets[i]..offsets[i + 1]]`.
+    ByteTable {
+        bytes: Vec<u8>,
+        offsets: Vec<u32>,
+        special: Vec<bool>,
+    },
+    /// Any other decoder: the crate's streaming decoder over the full tokenizer.
+    Stream(Box<Tokenizer>),
+}
+
+/// GPT-2's reversible byte <-> printable-char mapping, as char -> byte.
+fn gpt2_char_to_byte() -> std::collections::HashMap<char, u8> {
+    let mut map = std::collections::HashMap::with_capacity(256);
+    let mut n = 0u32;
+    for b in 0u32..256 {
+        let printable =
+            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let c = if printable {
+            char::from_u32(b).unwrap()
+        } else {
+            n += 1;
+            char::from_u32(255 + n).unwrap()
+        };
+        map.insert(c, b as u8);
+    }
+    map
+}
+
+impl TokenizerInfo {
+    /// Parses the text of a tokenizer.json.
+    pub fn from_json(json: &str) -> CoreResult<Self> {
+        let tok: Tokenizer = json.parse().map_err(|e| {
+            CoreError::Tokenizer(format!("tokenizer_json: cannot parse tokenizer.json: {e}"))
+        })?;
+        let vocab_size = tok.get_vocab_size(true);
+        let byte_level = matches!(tok.get_decoder(), Some(DecoderWrapper::ByteLevel(_)));
+        if !byte_level {
+            return Ok(TokenizerInfo {
+                vocab_size,
+                kind: DecodeKind::Stream(Box::new(tok)),
+            });
+        }
+        let char_to_byte = gpt2_char_to_byte();
+        let added = tok.get_added_tokens_decoder();
+        // Ids may have holes; the table covers 0..=max id.
+        let max_id = added
+            .keys()
+            .copied()
+            .max()
+            .unwrap_or(0)
+            .max(vocab_size.saturating_sub(1) as u32);
+        let n = max_id as usize + 1;
+        let mut bytes = Vec::new();
+        let mut offsets = Vec::with_capacity(n + 1);
+        let mut special = vec![false; n];
+        offsets.push(0u32);
+        for id in 0..n as u32 {
+            if let Some(token) = tok.id_to_token(id) {
+                // Same rule as the crate's ByteLevel decoder: map every char back to its byte;
+                // a token with any unmapped char (an added token like "\n\n") is its raw UTF-8.
+                let mapped: Option<Vec<u8>> = token
+                    .chars()
+                    .map(|c| char_to_byte.get(&c).copied())
+                    .collect();
+                match mapped {
+                    Some(b) => bytes.extend_from_slice(&b),
+                    None => bytes.extend_from_slice(token.as_bytes()),
+                }
+            }
+            if let Some(a) = added.get(&id) {
+                special[id as usize] = a.special;
+            }
+            offsets.push(bytes.len() as u32);
+        }
+        Ok(TokenizerInfo {
+            vocab_size: n.max(vocab_size),
+            kind: DecodeKind::ByteTable {
+                bytes,
+                offsets,
+                special,
+            },
+        })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// True when decoding uses the precomputed byte table (the fast path).
+    pub fn uses_byte_table(&self) -> bool {
+        matches!(self.kind, DecodeKind::ByteTable { .. })
+    }
+}
+
+/// The streaming decoder's window (fallback path), owned by one request.
+#[derive(Default)]
+struct StreamState {
+    ids: Vec<u32>,
+    prefix: String,
+    prefix_index: usize,
+}
+
+/// Per-request incremental detokenizer and stop-string matcher.
+pub struct IncrementalDetokenizer {
+    tok: Arc<TokenizerInfo>,
+    skip_special_tokens: bool,
+    stream: StreamState,
+    /// Trailing bytes of an incomplete UTF-8 character.
+    pending: Vec<u8>,
+    /// All text decoded so far (truncated at a stop string once one fires).
+    output: String,
+    /// Bytes of `output` already returned as deltas.
+    emitted: usize,
+    stops: Vec<String>,
+    include_stop_str_in_output: bool,
+    max_stop_len: usize,
+    stopped: bool,
+}
+
+/// What one token changed: the text to stream now and the index of the stop string that fired.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct DetokStep {
+    pub delta: String,
+    pub stop: Option<usize>,
+}
+
+impl IncrementalDetokenizer {
+    pub fn new(
+        tok: Arc<TokenizerInfo>,
+        skip_special_tokens: bool,
+        stops: Vec<String>,
+        include_stop_str_in_output: bool,
+    ) -> CoreResult<Self> {
+        if let Some(i) = stops.iter().position(|s| s.is_empty()) {
+            return Err(CoreError::InvalidArgument(format!(
+                "stop[{i}]: stop strings must not be empty"
+            )));
+        }
+        let max_stop_len = stops.iter().map(|s| s.len()).max().unwrap_or(0);
+        Ok(IncrementalDetokenizer {
+            tok,
+            skip_special_tokens,
+            stream: StreamState::default(),
+            pending: Vec::new(),
+            output: String::new(),
+            emitted: 0,
+            stops,
+            include_stop_str_in_output,
+            max_stop_len,
+            stopped: false,
+        })
+    }
+
+    pub fn output_text(&self) -> &str {
+        &self.output
+    }
+
+    pub fn stop_strings(&self) -> &[String] {
+        &self.stops
+    }
+
+    /// Feeds one token. `check_stops` is false while min_tokens suppresses stops: then nothing
+    /// is held back for stop strings and no match is reported. Out-of-vocabulary ids decode to
+    /// nothing (models often pad their vocabulary past the tokenizer's).
+    pub fn step(&mut self, token_id: u32, check_stops: bool) -> DetokStep {
+        if self.stopped {
+            return DetokStep::default();
+        }
+        let new_start = self.output.len();
+        self.decode_into_output(token_id);
+        if !check_stops || self.stops.is_empty() {
+            return DetokStep {
+                delta: self.take_delta(self.output.len()),
+                stop: None,
+            };
+        }
+        if let Some((idx, start)) = self.find_stop(new_start) {
+            let end = if self.include_stop_str_in_output {
+                start + self.stops[idx].len()
+            } else {
+                start
+            };
+            self.output.truncate(end);
+            self.pending.clear();
+            self.stopped = true;
+            return DetokStep {
+                delta: self.take_delta(end),
+                stop: Some(idx),
+            };
+        }
+        let hold = self.stop_prefix_suffix_len();
+        DetokStep {
+            delta: self.take_delta(self.output.len() - hold),
+            stop: None,
+        }
+    }
+
+    /// End of stream (finished for a reason other than a stop string): releases held text,
+    /// including an incomplete trailing UTF-8 sequence as U+FFFD, as a full decode would.
+    pub fn flush(&mut self) -> String {
+        if !self.pending.is_empty() && !self.stopped {
+            self.output.push('\u{FFFD}');
+            self.pending.clear();
+        }
+        self.take_delta(self.output.len())
+    }
+
+    fn take_delta(&mut self, upto: usize) -> String {
+        if upto <= self.emitted {
+            return String::new();
+        }
+        let d = self.output[self.emitted..upto].to_string();
+        self.emitted = upto;
+        d
+    }
+
+    fn decode_into_output(&mut self, token_id: u32) {
+        match &self.tok.kind {
+            DecodeKind::ByteTable {
+                bytes,
+                offsets,
+                special,
+            } => {
+                let i = token_id as usize;
+                if i + 1 >= offsets.len() || (self.skip_special_tokens && special[i]) {
+                    return;
+                }
+                let tb = &bytes[offsets[i] as usize..offsets[i + 1] as usize];
+                if self.pending.is_empty() {
+                    // Fast path: most tokens are complete UTF-8 on their own.
+                    match std::str::from_utf8(tb) {
+                        Ok(s) => self.output.push_str(s),
+                        Err(_) => {
+                            self.pending.extend_from_slice(tb);
+                            self.drain_pending();
+                        }
+                    }
+                } else {
+                    self.pending.extend_from_slice(tb);
+                    self.drain_pending();
+                }
+            }
+            DecodeKind::Stream(tok) => {
+                let s = &mut self.stream;
+                let r = tokenizers::tokenizer::step_decode_stream(
+                    tok,
+                    vec![token_id],
+                    self.skip_special_tokens,
+                    &mut s.ids,
+                    &mut s.prefix,
+                    &mut s.prefix_index,
+                );
+                if let Ok(Some(text)) = r {
+                    self.output.push_str(&text);
+                }
+            }
+        }
+    }
+
+    /// Moves the complete characters of `pending` into `output`, replacing invalid sequences
+    /// with U+FFFD exactly like `String::from_utf8_lossy`, and keeps an incomplete tail.
+    fn drain_pending(&mut self) {
+        let mut rest: &[u8] = &self.pending;
+        loop {
+            match std::str::from_utf8(rest) {
+                Ok(s) => {
+                    self.output.push_str(s);
+                    rest = &[];
+                    break;
+                }
+                Err(e) => {
+                    let valid = e.valid_up_to();
+                    self.output
+                        .push_str(std::str::from_utf8(&rest[..valid]).unwrap());
+                    match e.error_len() {
+                        Some(bad) => {
+                            self.output.push('\u{FFFD}');
+                            rest = &rest[valid + bad..];
+                        }
+                        None => {
+                            rest = &rest[valid..];
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        let keep = rest.len();
+        let start = self.pending.len() - keep;
+        self.pending.drain(..start);
+    }
+
+    /// Earliest stop-string match that ends in the text added since `new_start`. Only that
+    /// text plus (longest stop - 1) bytes before it can hold a new match, and never text that
+    /// was already emitted.
+    fn find_stop(&self, new_start: usize) -> Option<(usize, usize)> {
+        let mut from = new_start
+            .saturating_sub(self.max_stop_len - 1)
+            .max(self.emitted);
+        while !self.output.is_char_boundary(from) {
+            from -= 1;
+        }
+        let window = &self.output[from..];
+        let mut best: Option<(usize, usize)> = None;
+        for (i, s) in self.stops.iter().enumerate() {
+            if let Some(pos) = window.find(s.as_str()) {
+                if best.is_none_or(|(_, b)| from + pos < b) {
+                    best = Some((i, from + pos));
+                }
+            }
+        }
+        best
+    }
+
+    /// Length of the longest suffix of the unemitted text that is a proper prefix of a stop
+    /// string: that much must be held back until the next token decides it.
+    fn stop_prefix_suffix_len(&self) -> usize {
+        let tail = &self.output[self.emitted..];
+        let mut hold = 0;
+        for s in &self.stops {
+            let max_k = (s.len() - 1).min(tail.len());
+            for k in (hold + 1..=max_k).rev() {
+                if s.is_char_boundary(k) && tail.ends_with(&s[..k]) {
+                    hold = k;
+                    break;
+                }
+            }
+        }
+        hold
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tiny byte-level BPE tokenizer.json: single bytes only (ids 0..=255 in GPT-2 char
+    /// order) plus "ab", "Ġhello", and two special tokens.
+    pub(crate) fn tiny_byte_level_json() -> String {
+        let c2b = gpt2_char_to_byte();
+        let mut pairs: Vec<(char, u8)> = c2b.into_iter().collect();
+        pairs.sort_by_key(|p| p.1);
+        let mut vocab: Vec<String> = pairs
+            .iter()
+            .map(|(c, b)| format!("{}: {}", serde_str(&c.to_string()), *b as u32))
+            .collect();
+        vocab.push(format!("{}: 256", serde_str("ab")));
+        vocab.push(format!("{}: 257", serde_str("Ġhello")));
+        format!(
+            r#"{{"version":"1.0","truncation":null,"padding":null,
+            "added_tokens":[{{"id":258,"content":"<|im_start|>","single_word":false,"lstrip":false,"rstrip":false,"normalized":false,"special":true}},
+                            {{"id":259,"content":"<|im_end|>","single_word":false,"lstrip":false,"rstrip":false,"normalized":false,"special":true}}],
+            "normalizer":null,
+            "pre_tokenizer":{{"type":"ByteLevel","add_prefix_space":false,"trim_offsets":true,"use_regex":true}},
+            "post_processor":null,
+            "decoder":{{"type":"ByteLevel","add_prefix_space":true,"trim_offsets":true,"use_regex":true}},
+            "model":{{"type":"BPE","dropout":null,"unk_token":null,"continuing_subword_prefix":null,"end_of_word_suffix":null,"fuse_unk":false,"byte_fallback":false,"ignore_merges":false,
+            "vocab":{{{}}},"merges":[["a","b"]]}}}}"#,
+            vocab.join(",")
+        )
+    }
+
+    fn serde_str(s: &str) -> String {
+        let mut out = String::from("\"");
+        for c in s.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+                c => out.push(c),
+            }
+        }
+        out.push('"');
+        out
+    }
+
+    fn info() -> Arc<TokenizerInfo> {
+        Arc::new(TokenizerInfo::from_json(&tiny_byte_level_json()).unwrap())
+    }
+
+    fn bytes_of(s: &str) -> Vec<u32> {
+        s.bytes().map(|b| b as u32).collect()
+    }
+
+    fn run(d: &mut IncrementalDetokenizer, ids: &[u32]) -> (Vec<String>, Option<usize>) {
+        let mut deltas = Vec::new();
+        for &id in ids {
+            let st = d.step(id, true);
+            deltas.push(st.delta);
+            if st.stop.is_some() {
+                return (deltas, st.stop);
+            }
+        }
+        deltas.push(d.flush());
+        (deltas, None)
+    }
+
+    #[test]
+    fn byte_table_is_used_and_decodes_merged_tokens() {
+        let t = info();
+        assert!(t.uses_byte_table());
+        let mut d = IncrementalDetokenizer::new(t, true, vec![], false).unwrap();
+        let (deltas, _) = run(&mut d, &[256, 257, 258, 33]);
+        assert_eq!(deltas.concat(), "ab hello!");
+    }
+
+    #[test]
+    fn special_tokens_kept_when_not_skipped() {
+        let mut d = IncrementalDetokenizer::new(info(), false, vec![], false).unwrap();
+        let (deltas, _) = run(&mut d, &[258, 256, 259]);
+        assert_eq!(deltas.concat(), "<|im_start|>ab<|im_end|>");
+    }
+
+    #[test]
+    fn multibyte_chars_are_never_split() {
+        let text = "héllo 世界 🦀!";
+        let mut d = IncrementalDetokenizer::new(info(), true, vec![], false).unwrap();
+        let (deltas, _) = run(&mut d, &bytes_of(text));
+        for x in &deltas {
+            assert!(!x.contains('\u{FFFD}'));
+        }
+        assert_eq!(deltas.concat(), text);
+        // The crab's 4 bytes produce exactly one non-empty delta.
+        assert!(deltas.iter().any(|x| x == "🦀"));
+    }
+
+    #[test]
+    fn invalid_utf8_becomes_replacement_like_lossy_decode() {
+        let ids = [0xE4, 0xB8, 0x41, 0xFF, 0xE4];
+        let raw: Vec<u8> = ids.iter().map(|&b| b as u8).collect();
+        let mut d = IncrementalDetokenizer::new(info(), true, vec![], false).unwrap();
+        let (deltas, _) = run(&mut d, &ids);
+        assert_eq!(deltas.concat(), String::from_utf8_lossy(&raw));
+    }
+
+    #[test]
+    fn stop_string_across_tokens_is_trimmed_and_never_streamed() {
+        let mut d = IncrementalDetokenizer::new(info(), true, vec!["STOP".into()], false).unwrap();
+        let (deltas, stop) = run(&mut d, &bytes_of("abcSTxSTOPyz"));
+        assert_eq!(stop, Some(0));
+        assert_eq!(deltas.concat(), "abcSTx");
+        assert_eq!(d.output_text(), "abcSTx");
+        // "ST" was held back until "x" proved it was not a stop string.
+        assert_eq!(deltas[3], "");
+        assert_eq!(deltas[4], "");
+        assert_eq!(deltas[5], "STx");
+    }
+
+    #[test]
+    fn include_stop_str_and_earliest_match_wins() {
+        let mut d =
+            IncrementalDetokenizer::new(info(), true, vec!["cd".into(), "bcd".into()], true)
+                .unwrap();
+        let (deltas, stop) = run(&mut d, &bytes_of("abcde"));
+        assert_eq!(stop, Some(1));
+        assert_eq!(deltas.concat(), "abcd");
+    }
+
+    #[test]
+    fn held_text_is_released_by_flush() {
+        let mut d = IncrementalDetokenizer::new(info(), true, vec!["xyz".into()], false).unwrap();
+        let (deltas, stop) = run(&mut d, &bytes_of("abxy"));
+        assert_eq!(stop, None);
+        assert_eq!(deltas[3], "");
+        assert_eq!(deltas.last().unwrap(), "xy");
+        assert_eq!(deltas.concat(), "abxy");
+    }
+
+    #[test]
+    fn stops_suppressed_then_enabled_do_not_match_emitted_text() {
+        let mut d = IncrementalDetokenizer::new(info(), true, vec!["aa".into()], false).unwrap();
+        assert_eq!(d.step(b'a' as u32, false).delta, "a");
+        // "a" was emitted while stops were off; the next "a" alone is only a prefix.
+        let st = d.step(b'a' as u32, true);
+        assert_eq!((st.delta.as_str(), st.stop), ("", None));
+        let st = d.step(b'a' as u32, true);
+        assert_eq!(st.stop, Some(0));
+        assert_eq!(d.output_text(), "a");
+    }
+
+    #[test]
+    fn empty_stop_string_is_rejected() {
+        assert!(IncrementalDetokenizer::new(info(), true, vec!["".into()], false).is_err());
+    }
+
+    #[test]
+    fn bad_json_is_a_tokenizer_error() {
+        assert!(matches!(
+            TokenizerInfo::from_json("{"),
+            Err(CoreError::Tokenizer(_))
+        ));
+    }
+}

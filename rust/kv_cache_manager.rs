@@ -1,0 +1,211 @@
+//! The KV cache manager: the only layer the scheduler talks to about blocks. It finds the
+//! longest cached prefix of a request, allocates the slots a step needs (or says it cannot),
+//! registers blocks in the prefix cache as they fill, and frees a request's blocks.
+
+use crate::block_pool::{BlockId, BlockPool};
+use crate::prefix_cache::BlockHash;
+
+/// The blocks one request holds, in token order. `num_cached` of them (a prefix) are known
+/// to be registered in the prefix cache (or were tried), so caching resumes from there.
+#[derive(Debug, Default, Clone)]
+pub struct KvBlocks {
+    pub blocks: Vec<BlockId>,
+    pub num_cached: usize,
+}
+
+/// Result of a prefix-cache lookup for a request about to be scheduled.
+#[derive(Debug, Default)]
+pub struct ComputedPrefix {
+    /// Blocks whose KV can be reused as-is (not yet referenced by the request).
+    pub blocks: Vec<BlockId>,
+    /// Tokens covered by `blocks` (= blocks.len() * block_size).
+    pub num_tokens: usize,
+}
+
+pub struct KvCacheManager {
+    pool: BlockPool,
+    block_size: usize,
+    enable_caching: bool,
+    /// Tokens looked up in the prefix cache / found there (cumulative, for metrics).
+    pub prefix_queries: u64,
+    pub prefix_hits: u64,
+}
+
+impl KvCacheManager {
+    pub fn new(num_blocks: usize, block_size: usize, enable_caching: bool) -> Self {
+        KvCacheManager {
+            pool: BlockPool::new(num_blocks),
+            block_size,
+            enable_caching,
+            prefix_queries: 0,
+            prefix_hits: 0,
+        }
+    }
+
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The longest run of leading full blocks of a request (with `num_tokens` known tokens and
+    /// the given block hashes) that is still in the cache. Never covers every token: at least
+    /// one token must be computed so the step produces logits to sample from.
+    pub fn get_computed_blocks(&self, hashes: &[BlockHash], num_tokens: usize) -> ComputedPrefix {
+        let mut out = ComputedPrefix::default();
+        if !self.enable_caching || num_tokens == 0 {
+            return out;
+        }
+        let max_blocks = ((num_tokens - 1) / self.block_size).min(hashes.len());
+        for &h in &hashes[..max_blocks] {
+            match self.pool.get_cached_block(h) {
+                Some(id) => out.blocks.push(id),
+                None => break,
+            }
+        }
+        out.num_tokens = out.blocks.len() * self.block_size;
+        out
+    }
+
+    /// Counts a prefix lookup in the hit-rate metrics (called once the request is scheduled,
+    /// so a request that waits for room is not counted on every retry).
+    pub fn record_prefix_lookup(&mut self, num_tokens: usize, num_hit_tokens: usize) {
+        if self.enable_caching {
+            self.prefix_queries += num_tokens as u64;
+            self.prefix_hits += num_hit_tokens as u64;
+        }
+    }
+
+    /// Makes room for `num_new_tokens` more tokens after `num_computed_tokens`, first adopting
+    /// `new_computed` (prefix-cache hits from `get_computed_blocks`). Returns false, changing
+    /// nothing, if the free queue cannot supply the blocks. Full blocks are registered in the
+    /// prefix cache right away: their K/V is written in this step before any later step can
+    /// read it, and within one step the runner writes all K/V of a layer before attention.
+    pub fn allocate_slots(
+        &mut self,
+        kv: &mut KvBlocks,
+        hashes: &[BlockHash],
+        num_computed_tokens: usize,
+        num_new_tokens: usize,
+        new_computed: &[BlockId],
+    ) -> bool {
+        let total = num_computed_tokens + num_new_tokens;
+        let required = total.div_ceil(self.block_size);
+        let have = kv.blocks.len() + new_computed.len();
+        let need = required.saturating_sub(have);
+        // Hits on free cached blocks also take them out of the free queue.
+        let hits_from_free = new_computed
+            .iter()
+            .filter(|&&b| self.pool.ref_cnt(b) == 0)
+            .count();
+        if need + hits_from_free > self.pool.num_free_blocks() {
+            return false;
+        }
+        self.pool.touch(new_computed);
+        kv.blocks.extend_from_slice(new_computed);
+        let ok = self.pool.allocate(need, &mut kv.blocks);
+        debug_assert!(ok);
+        if self.enable_caching {
+            let num_full = (total / self.block_size)
+                .min(hashes.len())
+                .min(kv.blocks.len());
+            if kv.num_cached < num_full {
+                let fresh = kv.blocks[kv.num_cached..num_full]
+                    .iter()
+                    .zip(&hashes[kv.num_cached..num_full]);
+                for (&block, &hash) in fresh {
+                    self.pool.cache_block(block, hash);
+                }
+            }
+            kv.num_cached = kv.num_cached.max(num_full);
+        }
+        true
+    }
+
+    /// Releases every block of a request, last block first (see BlockPool::free).
+    pub fn free(&mut self, kv: &mut KvBlocks) {
+        self.pool.free(kv.blocks.iter().rev());
+        kv.blocks.clear();
+        kv.num_cached = 0;
+    }
+
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        self.pool.reset_prefix_cache()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::prefix_cache::{extend_block_hashes, root_hash};
+
+    fn hashes(tokens: &[u32], bs: usize) -> Vec<BlockHash> {
+        let mut h = Vec::new();
+        extend_block_hashes(root_hash(0, None), tokens, bs, &mut h);
+        h
+    }
+
+    #[test]
+    fn second_request_reuses_full_prompt_blocks_but_not_the_last_token() {
+        let mut m = KvCacheManager::new(16, 4, true);
+        let prompt: Vec<u32> = (0..12).collect();
+        let hs = hashes(&prompt, 4);
+        let mut a = KvBlocks::default();
+        assert!(m.get_computed_blocks(&hs, 12).blocks.is_empty());
+        assert!(m.allocate_slots(&mut a, &hs, 0, 12, &[]));
+        assert_eq!(a.blocks.len(), 3);
+        // Same 12-token prompt: only 2 blocks may be reused (the last token must be computed).
+        let hit = m.get_computed_blocks(&hs, 12);
+        assert_eq!(hit.blocks, a.blocks[..2].to_vec());
+        assert_eq!(hit.num_tokens, 8);
+        let mut b = KvBlocks::default();
+        assert!(m.allocate_slots(&mut b, &hs, 8, 4, &hit.blocks));
+        assert_eq!(b.blocks[..2], a.blocks[..2]);
+        assert_ne!(b.blocks[2], a.blocks[2]);
+        assert_eq!(m.pool().ref_cnt(a.blocks[0]), 2);
+        m.free(&mut a);
+        m.free(&mut b);
+        assert_eq!(m.pool().num_free_blocks(), 15);
+        m.pool().check_invariants();
+    }
+
+    #[test]
+    fn allocation_failure_changes_nothing() {
+        let mut m = KvCacheManager::new(3, 4, true);
+        let mut a = KvBlocks::default();
+        let hs = hashes(&[1; 12], 4);
+        assert!(!m.allocate_slots(&mut a, &hs, 0, 12, &[]));
+        assert!(a.blocks.is_empty());
+        assert_eq!(m.pool().num_free_blocks(), 2);
+    }
+
+    #[test]
+    fn cached_blocks_survive_free_until_evicted() {
+        let mut m = KvCacheManager::new(4, 2, true);
+        let toks = [5, 6, 7, 8, 9];
+        let hs = hashes(&toks, 2);
+        let mut a = KvBlocks::default();
+        assert!(m.allocate_slots(&mut a, &hs, 0, 5, &[]));
+        m.free(&mut a);
+        let hit = m.get_computed_blocks(&hs, 5);
+        assert_eq!(hit.num_tokens, 4);
+        // A different request needing all 3 blocks evicts them.
+        let mut b = KvBlocks::default();
+        let other = hashes(&[1, 2, 3, 4, 5, 6], 2);
+        assert!(m.allocate_slots(&mut b, &other, 0, 6, &[]));
+        assert_eq!(m.get_computed_blocks(&hs, 5).num_tokens, 0);
+        m.pool().check_invariants();
+    }
+
+    #[test]
+    fn caching_disabled_never_hits() {
+        let mut m = KvCacheManager::new(8, 2, false);
+        let hs = hashes(&[1, 2, 3, 4, 5], 2);
+        let mut a = KvBlocks::default();
+        assert!(m.allocate_slots(&mut a, &hs, 0, 5, &[]));
+        assert!(m.get_computed_blocks(&hs, 5).blocks.is_empty());
+        assert_eq!(m.pool().num_cached_blocks(), 0);
+    }
+}

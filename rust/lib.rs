@@ -1,0 +1,26 @@
+//! ferrox's engine bookkeeping: KV block pool, prefix-hash cache, KV cache manager, request
+//! state and stop checks, the token-budget scheduler, and the incremental detokenizer.
+//! The core modules never touch Python; the PyO3 glue lives in `py/` behind the "python"
+//! feature, so `cargo test --no-default-features` runs without libpython.
+
+pub mod batch;
+pub mod block_pool;
+pub mod detokenizer;
+pub mod error;
+pub mod kv_cache_manager;
+pub mod prefix_cache;
+pub mod request;
+pub mod scheduler;
+pub mod stats;
+
+#[cfg(feature = "python")]
+mod py;
+
+#[cfg(feature = "python")]
+use pyo3::prelude::*;
+
+#[cfg(feature = "python")]
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    py::register(m)
+}

@@ -1,0 +1,231 @@
+use numpy::{PyReadonlyArray1, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+
+use super::extract_token_ids;
+use super::request_output::PyRequestOutput;
+use super::scheduler_output::PySchedulerOutput;
+use super::stats::PySchedulerStats;
+use crate::error::invalid;
+use crate::scheduler::{NewRequest, Scheduler, SchedulerConfig};
+
+/// The engine's scheduler: one `schedule()` and one `update_from_output()` per step.
+#[pyclass(name = "Scheduler", module = "ferrox._core")]
+pub struct PyScheduler {
+    inner: Scheduler,
+}
+
+/// Sampled ids as i64: an int64 or int32 numpy array (or a list, for tests).
+fn extract_sampled(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
+        return Ok(match a.as_slice() {
+            Ok(s) => s.to_vec(),
+            Err(_) => a.as_array().to_vec(),
+        });
+    }
+    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
+        return Ok(a.as_array().iter().map(|&x| x as i64).collect());
+    }
+    if let Ok(a) = obj.cast::<numpy::PyUntypedArray>() {
+        return Err(invalid(
+            "sampled_token_ids",
+            format!(
+                "expected a 1-D int64 array, got dtype {} with {} dims",
+                a.dtype(),
+                a.ndim()
+            ),
+        )
+        .into());
+    }
+    obj.extract::<Vec<i64>>()
+        .map_err(|_| invalid("sampled_token_ids", "expected a 1-D int64 numpy array").into())
+}
+
+fn extract_force_stop(obj: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
+    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, bool>>() {
+        return Ok(a.as_array().to_vec());
+    }
+    obj.extract::<Vec<bool>>()
+        .map_err(|_| invalid("force_stop", "expected a 1-D bool numpy array").into())
+}
+
+#[pymethods]
+impl PyScheduler {
+    #[new]
+    #[pyo3(signature = (
+        *,
+        num_blocks,
+        max_model_len,
+        block_size=16,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        enable_prefix_caching=true,
+        policy="fcfs",
+        tokenizer_json=None,
+        eos_token_ids=Vec::new(),
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        num_blocks: i64,
+        max_model_len: i64,
+        block_size: i64,
+        max_num_seqs: i64,
+        max_num_batched_tokens: i64,
+        enable_prefix_caching: bool,
+        policy: &str,
+        tokenizer_json: Option<&str>,
+        eos_token_ids: Vec<i64>,
+    ) -> PyResult<Self> {
+        let cfg = SchedulerConfig::from_signed(
+            num_blocks,
+            block_size,
+            max_model_len,
+            max_num_seqs,
+            max_num_batched_tokens,
+            enable_prefix_caching,
+            policy,
+            &eos_token_ids,
+        )?;
+        let inner = py.detach(|| Scheduler::new(cfg, tokenizer_json))?;
+        Ok(PyScheduler { inner })
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.config().block_size
+    }
+
+    #[getter]
+    fn num_blocks(&self) -> usize {
+        self.inner.config().num_blocks
+    }
+
+    #[getter]
+    fn max_model_len(&self) -> usize {
+        self.inner.config().max_model_len
+    }
+
+    #[pyo3(signature = (
+        request_id,
+        prompt_token_ids,
+        *,
+        max_tokens,
+        min_tokens=0,
+        ignore_eos=false,
+        stop_token_ids=Vec::new(),
+        stop=Vec::new(),
+        include_stop_str_in_output=false,
+        skip_special_tokens=true,
+        detokenize=true,
+        priority=0,
+        cache_salt=None,
+        lora_id=0,
+        wait_for_grammar=false,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn add_request(
+        &mut self,
+        request_id: String,
+        prompt_token_ids: &Bound<'_, PyAny>,
+        max_tokens: i64,
+        min_tokens: i64,
+        ignore_eos: bool,
+        stop_token_ids: Vec<i64>,
+        stop: Vec<String>,
+        include_stop_str_in_output: bool,
+        skip_special_tokens: bool,
+        detokenize: bool,
+        priority: i64,
+        cache_salt: Option<String>,
+        lora_id: i64,
+        wait_for_grammar: bool,
+    ) -> PyResult<()> {
+        let prompt = extract_token_ids("prompt_token_ids", prompt_token_ids)?;
+        let stop_ids = stop_token_ids
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| crate::scheduler::token_id(&format!("stop_token_ids[{i}]"), t))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.inner.add_request(NewRequest {
+            request_id,
+            prompt_token_ids: prompt,
+            max_tokens,
+            min_tokens,
+            ignore_eos,
+            stop_token_ids: stop_ids,
+            stop,
+            include_stop_str_in_output,
+            skip_special_tokens,
+            detokenize,
+            priority,
+            cache_salt,
+            lora_id,
+            wait_for_grammar,
+        })?;
+        Ok(())
+    }
+
+    fn grammar_ready(&mut self, request_ids: Vec<String>) {
+        self.inner.grammar_ready(&request_ids);
+    }
+
+    fn abort_requests(&mut self, request_ids: Vec<String>) -> Vec<PyRequestOutput> {
+        self.inner
+            .abort_requests(&request_ids)
+            .into_iter()
+            .map(PyRequestOutput::from)
+            .collect()
+    }
+
+    fn schedule(&mut self, py: Python<'_>) -> PyResult<PySchedulerOutput> {
+        let inner = &mut self.inner;
+        let out = py.detach(|| inner.schedule());
+        PySchedulerOutput::new(py, out)
+    }
+
+    #[pyo3(signature = (sampled_token_ids, force_stop=None))]
+    fn update_from_output(
+        &mut self,
+        py: Python<'_>,
+        sampled_token_ids: &Bound<'_, PyAny>,
+        force_stop: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<PyRequestOutput>> {
+        let sampled = extract_sampled(sampled_token_ids)?;
+        let force = force_stop.map(extract_force_stop).transpose()?;
+        let inner = &mut self.inner;
+        let outs = py.detach(|| inner.update_from_output(&sampled, force.as_deref()))?;
+        Ok(outs.into_iter().map(PyRequestOutput::from).collect())
+    }
+
+    fn has_unfinished_requests(&self) -> bool {
+        self.inner.has_unfinished_requests()
+    }
+
+    fn num_unfinished_requests(&self) -> usize {
+        self.inner.num_unfinished_requests()
+    }
+
+    fn reset_prefix_cache(&mut self) -> bool {
+        self.inner.reset_prefix_cache()
+    }
+
+    fn stats(&self) -> PySchedulerStats {
+        self.inner.stats().into()
+    }
+
+    fn request_block_ids(&self, request_id: &str) -> PyResult<Vec<u32>> {
+        Ok(self.inner.request_block_ids(request_id)?)
+    }
+
+    fn __repr__(&self) -> String {
+        let c = self.inner.config();
+        format!(
+            "Scheduler(num_blocks={}, block_size={}, max_model_len={}, running={}, waiting={})",
+            c.num_blocks,
+            c.block_size,
+            c.max_model_len,
+            self.inner.num_running(),
+            self.inner.num_unfinished_requests() - self.inner.num_running()
+        )
+    }
+}

@@ -1,0 +1,144 @@
+use std::sync::Arc;
+
+use numpy::{PyArray1, PyArray2, PyArrayMethods};
+use pyo3::prelude::*;
+use pyo3::types::PyList;
+
+use crate::batch::SchedulerOutput;
+
+/// Everything the model runner needs for one step. The arrays are created once, by moving the
+/// core's Vecs into numpy (no copy), and every property access returns the same array.
+#[pyclass(name = "SchedulerOutput", module = "ferrox._core", frozen)]
+pub struct PySchedulerOutput {
+    req_ids: Vec<Arc<str>>,
+    new_req_ids: Vec<Arc<str>>,
+    resumed_req_ids: Vec<Arc<str>>,
+    finished_req_ids: Vec<Arc<str>>,
+    preempted_req_ids: Vec<Arc<str>>,
+    num_tokens: usize,
+    input_ids: Py<PyArray1<i64>>,
+    positions: Py<PyArray1<i64>>,
+    slot_mapping: Py<PyArray1<i64>>,
+    query_start_loc: Py<PyArray1<i32>>,
+    num_scheduled_tokens: Py<PyArray1<i32>>,
+    num_computed_tokens: Py<PyArray1<i32>>,
+    seq_lens: Py<PyArray1<i32>>,
+    block_table: Py<PyArray2<i32>>,
+    logits_indices: Py<PyArray1<i64>>,
+    sample_mask: Py<PyArray1<bool>>,
+}
+
+impl PySchedulerOutput {
+    pub fn new(py: Python<'_>, out: SchedulerOutput) -> PyResult<Self> {
+        let a = out.arrays;
+        let num_reqs = a.seq_lens.len();
+        let block_table = PyArray1::from_vec(py, a.block_table)
+            .reshape([num_reqs, a.max_blocks])?
+            .unbind();
+        Ok(PySchedulerOutput {
+            req_ids: out.req_ids,
+            new_req_ids: out.new_req_ids,
+            resumed_req_ids: out.resumed_req_ids,
+            finished_req_ids: out.finished_req_ids,
+            preempted_req_ids: out.preempted_req_ids,
+            num_tokens: out.num_tokens,
+            input_ids: PyArray1::from_vec(py, a.input_ids).unbind(),
+            positions: PyArray1::from_vec(py, a.positions).unbind(),
+            slot_mapping: PyArray1::from_vec(py, a.slot_mapping).unbind(),
+            query_start_loc: PyArray1::from_vec(py, a.query_start_loc).unbind(),
+            num_scheduled_tokens: PyArray1::from_vec(py, a.num_scheduled_tokens).unbind(),
+            num_computed_tokens: PyArray1::from_vec(py, a.num_computed_tokens).unbind(),
+            seq_lens: PyArray1::from_vec(py, a.seq_lens).unbind(),
+            block_table,
+            logits_indices: PyArray1::from_vec(py, a.logits_indices).unbind(),
+            sample_mask: PyArray1::from_vec(py, a.sample_mask).unbind(),
+        })
+    }
+}
+
+fn id_list<'py>(py: Python<'py>, ids: &[Arc<str>]) -> PyResult<Bound<'py, PyList>> {
+    PyList::new(py, ids.iter().map(|s| &**s))
+}
+
+#[pymethods]
+impl PySchedulerOutput {
+    #[getter]
+    fn num_reqs(&self) -> usize {
+        self.req_ids.len()
+    }
+    #[getter]
+    fn num_tokens(&self) -> usize {
+        self.num_tokens
+    }
+    #[getter]
+    fn req_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        id_list(py, &self.req_ids)
+    }
+    #[getter]
+    fn new_req_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        id_list(py, &self.new_req_ids)
+    }
+    #[getter]
+    fn resumed_req_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        id_list(py, &self.resumed_req_ids)
+    }
+    #[getter]
+    fn finished_req_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        id_list(py, &self.finished_req_ids)
+    }
+    #[getter]
+    fn preempted_req_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        id_list(py, &self.preempted_req_ids)
+    }
+    #[getter]
+    fn input_ids(&self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.input_ids.clone_ref(py)
+    }
+    #[getter]
+    fn positions(&self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.positions.clone_ref(py)
+    }
+    #[getter]
+    fn slot_mapping(&self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.slot_mapping.clone_ref(py)
+    }
+    #[getter]
+    fn query_start_loc(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.query_start_loc.clone_ref(py)
+    }
+    #[getter]
+    fn num_scheduled_tokens(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.num_scheduled_tokens.clone_ref(py)
+    }
+    #[getter]
+    fn num_computed_tokens(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.num_computed_tokens.clone_ref(py)
+    }
+    #[getter]
+    fn seq_lens(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.seq_lens.clone_ref(py)
+    }
+    #[getter]
+    fn block_table(&self, py: Python<'_>) -> Py<PyArray2<i32>> {
+        self.block_table.clone_ref(py)
+    }
+    #[getter]
+    fn logits_indices(&self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.logits_indices.clone_ref(py)
+    }
+    #[getter]
+    fn sample_mask(&self, py: Python<'_>) -> Py<PyArray1<bool>> {
+        self.sample_mask.clone_ref(py)
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "SchedulerOutput(num_reqs={}, num_tokens={}, new={}, resumed={}, preempted={}, finished={})",
+            self.req_ids.len(),
+            self.num_tokens,
+            self.new_req_ids.len(),
+            self.resumed_req_ids.len(),
+            self.preempted_req_ids.len(),
+            self.finished_req_ids.len()
+        )
+    }
+}

@@ -1,0 +1,159 @@
+//! One request's state: its tokens (prompt then output), how many have K/V computed, its
+//! blocks and block hashes, its sampling limits, its detokenizer, and the stop checks run
+//! after every sampled token.
+
+use std::sync::Arc;
+
+use crate::detokenizer::IncrementalDetokenizer;
+use crate::kv_cache_manager::KvBlocks;
+use crate::prefix_cache::{extend_block_hashes, BlockHash};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestStatus {
+    /// Queued, but held back until its grammar is compiled (`grammar_ready`).
+    WaitingForGrammar,
+    Waiting,
+    Running,
+    /// Evicted from the running set to free blocks; back in the waiting queue, will recompute.
+    Preempted,
+    Finished(FinishReason),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    Stop,
+    Length,
+    Abort,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
+/// What fired a 'stop' finish (EOS and a forced stop report none).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StopReason {
+    TokenId(u32),
+    Str(String),
+}
+
+/// Limits that end generation; `max_tokens` is already clipped to the room left by the prompt.
+#[derive(Debug, Clone)]
+pub struct SamplingLimits {
+    pub max_tokens: usize,
+    pub min_tokens: usize,
+    pub ignore_eos: bool,
+    pub stop_token_ids: Vec<u32>,
+    pub include_stop_str_in_output: bool,
+}
+
+pub struct Request {
+    pub id: Arc<str>,
+    /// Arrival order; also tells a reused slab slot's new request from the old one.
+    pub serial: u64,
+    pub priority: i64,
+    /// Prompt tokens followed by output tokens.
+    pub token_ids: Vec<u32>,
+    pub num_prompt_tokens: usize,
+    /// Tokens whose K/V is in the cache (or being computed in the step just scheduled).
+    pub num_computed_tokens: usize,
+    /// Prompt tokens served by the prefix cache when first scheduled (None before that).
+    pub num_cached_tokens: Option<usize>,
+    pub limits: SamplingLimits,
+    pub root_hash: BlockHash,
+    /// Hash of every full block of `token_ids`.
+    pub block_hashes: Vec<BlockHash>,
+    pub kv: KvBlocks,
+    pub detok: Option<IncrementalDetokenizer>,
+    pub status: RequestStatus,
+}
+
+/// What appending one sampled token produced.
+#[derive(Debug, Default)]
+pub struct TokenResult {
+    pub text_delta: String,
+    pub finish: Option<(FinishReason, Option<StopReason>)>,
+}
+
+impl Request {
+    pub fn num_tokens(&self) -> usize {
+        self.token_ids.len()
+    }
+
+    pub fn num_output_tokens(&self) -> usize {
+        self.token_ids.len() - self.num_prompt_tokens
+    }
+
+    pub fn is_finished(&self) -> bool {
+        matches!(self.status, RequestStatus::Finished(_))
+    }
+
+    /// Appends a sampled token, extends the block hashes, detokenizes, and runs the stop checks
+    /// in order: EOS / stop token ids (suppressed before min_tokens), stop strings (likewise),
+    /// `force_stop`, then the length limits. A token that stops by id is not detokenized
+    /// unless include_stop_str_in_output.
+    pub fn append_token(
+        &mut self,
+        token: u32,
+        eos_token_ids: &[u32],
+        block_size: usize,
+        max_total_len: usize,
+        force_stop: bool,
+    ) -> TokenResult {
+        self.token_ids.push(token);
+        extend_block_hashes(
+            self.root_hash,
+            &self.token_ids,
+            block_size,
+            &mut self.block_hashes,
+        );
+        let n_out = self.num_output_tokens();
+        let stops_active = n_out >= self.limits.min_tokens;
+        let mut finish = None;
+        if stops_active {
+            if !self.limits.ignore_eos && eos_token_ids.contains(&token) {
+                finish = Some((FinishReason::Stop, None));
+            } else if self.limits.stop_token_ids.contains(&token) {
+                finish = Some((FinishReason::Stop, Some(StopReason::TokenId(token))));
+            }
+        }
+        let mut text_delta = String::new();
+        if let Some(d) = self.detok.as_mut() {
+            if finish.is_none() || self.limits.include_stop_str_in_output {
+                let st = d.step(token, stops_active);
+                text_delta = st.delta;
+                if let (None, Some(i)) = (&finish, st.stop) {
+                    finish = Some((
+                        FinishReason::Stop,
+                        Some(StopReason::Str(d.stop_strings()[i].clone())),
+                    ));
+                }
+            }
+        }
+        if finish.is_none() && force_stop {
+            finish = Some((FinishReason::Stop, None));
+        }
+        if finish.is_none()
+            && (n_out >= self.limits.max_tokens || self.num_tokens() >= max_total_len)
+        {
+            finish = Some((FinishReason::Length, None));
+        }
+        if let Some((reason, ref stop)) = finish {
+            // Text held back for a possible stop string is released, unless a stop string
+            // ended the request (then the held text was the stop string itself).
+            if !matches!(stop, Some(StopReason::Str(_))) {
+                if let Some(d) = self.detok.as_mut() {
+                    text_delta.push_str(&d.flush());
+                }
+            }
+            self.status = RequestStatus::Finished(reason);
+        }
+        TokenResult { text_delta, finish }
+    }
+}

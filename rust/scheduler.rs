@@ -1,0 +1,810 @@
+//! The token-budget scheduler (the vLLM v1 model). There are no prefill or decode phases:
+//! every request has `num_computed_tokens` catching up with its token count, under a per-step
+//! budget of `max_num_batched_tokens`. Running requests are served first (a decode is one
+//! token, a prefill chunk as many as the budget allows), then waiting ones are admitted while
+//! the budget, `max_num_seqs` and the free blocks allow. When a running request cannot get a
+//! block, another running request is preempted (its blocks freed; it recomputes later).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use crate::batch::{BatchArrays, BatchEntry, SchedulerOutput};
+use crate::detokenizer::{IncrementalDetokenizer, TokenizerInfo};
+use crate::error::{invalid, CoreError, CoreResult};
+use crate::kv_cache_manager::{KvBlocks, KvCacheManager};
+use crate::prefix_cache::{extend_block_hashes, root_hash};
+use crate::request::{FinishReason, Request, RequestStatus, SamplingLimits, StopReason};
+use crate::stats::SchedulerStats;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Policy {
+    /// First come, first served; the latest running request is preempted first.
+    Fcfs,
+    /// Lower `priority` value first, then arrival; the lowest-priority, latest request is
+    /// preempted first.
+    Priority,
+}
+
+impl std::str::FromStr for Policy {
+    type Err = CoreError;
+    fn from_str(s: &str) -> CoreResult<Self> {
+        match s {
+            "fcfs" => Ok(Policy::Fcfs),
+            "priority" => Ok(Policy::Priority),
+            other => Err(invalid(
+                "policy",
+                format!("must be 'fcfs' or 'priority', got {other:?}"),
+            )),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub max_model_len: usize,
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    pub enable_prefix_caching: bool,
+    pub policy: Policy,
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl SchedulerConfig {
+    /// Checks sizes given as signed integers (as Python passes them), naming the bad field.
+    #[allow(clippy::too_many_arguments)]
+    pub fn from_signed(
+        num_blocks: i64,
+        block_size: i64,
+        max_model_len: i64,
+        max_num_seqs: i64,
+        max_num_batched_tokens: i64,
+        enable_prefix_caching: bool,
+        policy: &str,
+        eos_token_ids: &[i64],
+    ) -> CoreResult<Self> {
+        fn at_least(field: &str, v: i64, min: i64) -> CoreResult<usize> {
+            if v < min {
+                return Err(invalid(field, format!("must be >= {min}, got {v}")));
+            }
+            if v > u32::MAX as i64 / 2 {
+                return Err(invalid(field, format!("is unreasonably large ({v})")));
+            }
+            Ok(v as usize)
+        }
+        let eos = eos_token_ids
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| token_id(&format!("eos_token_ids[{i}]"), t))
+            .collect::<CoreResult<Vec<_>>>()?;
+        let block_size = at_least("block_size", block_size, 1)?;
+        let num_blocks = at_least("num_blocks", num_blocks, 2)?;
+        if num_blocks.saturating_mul(block_size) > u32::MAX as usize / 2 {
+            return Err(invalid(
+                "num_blocks",
+                "num_blocks * block_size must fit the int32 slot mapping",
+            ));
+        }
+        Ok(SchedulerConfig {
+            num_blocks,
+            block_size,
+            max_model_len: at_least("max_model_len", max_model_len, 2)?,
+            max_num_seqs: at_least("max_num_seqs", max_num_seqs, 1)?,
+            max_num_batched_tokens: at_least("max_num_batched_tokens", max_num_batched_tokens, 1)?,
+            enable_prefix_caching,
+            policy: policy.parse()?,
+            eos_token_ids: eos,
+        })
+    }
+}
+
+/// A token id given as a signed integer, checked to fit u32.
+pub fn token_id(field: &str, v: i64) -> CoreResult<u32> {
+    u32::try_from(v).map_err(|_| invalid(field, format!("token id {v} is out of range (0..2^32)")))
+}
+
+/// A request as submitted (already converted from Python, not yet validated).
+#[derive(Debug, Clone)]
+pub struct NewRequest {
+    pub request_id: String,
+    pub prompt_token_ids: Vec<u32>,
+    pub max_tokens: i64,
+    pub min_tokens: i64,
+    pub ignore_eos: bool,
+    pub stop_token_ids: Vec<u32>,
+    pub stop: Vec<String>,
+    pub include_stop_str_in_output: bool,
+    pub skip_special_tokens: bool,
+    pub detokenize: bool,
+    pub priority: i64,
+    pub cache_salt: Option<String>,
+    pub lora_id: i64,
+    pub wait_for_grammar: bool,
+}
+
+impl NewRequest {
+    /// A request with default options (tests, benchmarks).
+    pub fn new(request_id: impl Into<String>, prompt_token_ids: Vec<u32>, max_tokens: i64) -> Self {
+        NewRequest {
+            request_id: request_id.into(),
+            prompt_token_ids,
+            max_tokens,
+            min_tokens: 0,
+            ignore_eos: false,
+            stop_token_ids: Vec::new(),
+            stop: Vec::new(),
+            include_stop_str_in_output: false,
+            skip_special_tokens: true,
+            detokenize: true,
+            priority: 0,
+            cache_salt: None,
+            lora_id: 0,
+            wait_for_grammar: false,
+        }
+    }
+}
+
+/// What one request produced in one step.
+#[derive(Debug, Clone)]
+pub struct RequestOutput {
+    pub request_id: Arc<str>,
+    pub new_token_ids: Vec<u32>,
+    pub text_delta: String,
+    pub finish_reason: Option<FinishReason>,
+    pub stop_reason: Option<StopReason>,
+    pub num_output_tokens: usize,
+    pub num_prompt_tokens: usize,
+    pub num_cached_tokens: usize,
+}
+
+/// One entry of the last step, remembered for update_from_output.
+#[derive(Debug, Clone, Copy)]
+struct StepEntry {
+    slot: usize,
+    serial: u64,
+    sample: bool,
+}
+
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    kv: KvCacheManager,
+    tokenizer: Option<Arc<TokenizerInfo>>,
+    /// Live requests by slot; freed slots are reused (`serial` tells generations apart).
+    slab: Vec<Option<Request>>,
+    free_slots: Vec<usize>,
+    by_id: HashMap<Arc<str>, usize>,
+    /// Queue order: FCFS arrival (preempted ones back at the front), or (priority, arrival).
+    waiting: VecDeque<usize>,
+    running: Vec<usize>,
+    next_serial: u64,
+    last_step: Vec<StepEntry>,
+    finished_since_schedule: Vec<Arc<str>>,
+    /// Longest prompt + output any request may reach: max_model_len, or less if the whole KV
+    /// cache is smaller (otherwise such a request would wait or be preempted forever).
+    max_total_len: usize,
+    stats: SchedulerStats,
+}
+
+impl Scheduler {
+    pub fn new(cfg: SchedulerConfig, tokenizer_json: Option<&str>) -> CoreResult<Self> {
+        let tokenizer = match tokenizer_json {
+            Some(j) => Some(Arc::new(TokenizerInfo::from_json(j)?)),
+            None => None,
+        };
+        let kv = KvCacheManager::new(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching);
+        let max_total_len = cfg.max_model_len.min((cfg.num_blocks - 1) * cfg.block_size);
+        let stats = SchedulerStats {
+            num_total_blocks: cfg.num_blocks,
+            num_free_blocks: cfg.num_blocks - 1,
+            ..Default::default()
+        };
+        Ok(Scheduler {
+            cfg,
+            kv,
+            tokenizer,
+            slab: Vec::new(),
+            free_slots: Vec::new(),
+            by_id: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_serial: 0,
+            last_step: Vec::new(),
+            finished_since_schedule: Vec::new(),
+            max_total_len,
+            stats,
+        })
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    pub fn tokenizer(&self) -> Option<&Arc<TokenizerInfo>> {
+        self.tokenizer.as_ref()
+    }
+
+    fn req(&self, slot: usize) -> &Request {
+        self.slab[slot].as_ref().expect("live slot")
+    }
+
+    fn req_mut(&mut self, slot: usize) -> &mut Request {
+        self.slab[slot].as_mut().expect("live slot")
+    }
+
+    /// Validates and queues a request. Every error leaves the scheduler unchanged.
+    pub fn add_request(&mut self, r: NewRequest) -> CoreResult<()> {
+        if r.request_id.is_empty() {
+            return Err(invalid("request_id", "must not be empty"));
+        }
+        if self.by_id.contains_key(r.request_id.as_str()) {
+            return Err(CoreError::DuplicateRequest(r.request_id));
+        }
+        let prompt_len = r.prompt_token_ids.len();
+        if prompt_len == 0 {
+            return Err(invalid("prompt_token_ids", "must not be empty"));
+        }
+        if r.max_tokens < 1 {
+            return Err(invalid(
+                "max_tokens",
+                format!("must be >= 1, got {}", r.max_tokens),
+            ));
+        }
+        if r.min_tokens < 0 {
+            return Err(invalid(
+                "min_tokens",
+                format!("must be >= 0, got {}", r.min_tokens),
+            ));
+        }
+        if r.min_tokens > r.max_tokens {
+            return Err(invalid(
+                "min_tokens",
+                format!(
+                    "must be <= max_tokens ({}), got {}",
+                    r.max_tokens, r.min_tokens
+                ),
+            ));
+        }
+        if r.lora_id < 0 {
+            return Err(invalid(
+                "lora_id",
+                format!("must be >= 0, got {}", r.lora_id),
+            ));
+        }
+        if prompt_len >= self.cfg.max_model_len {
+            return Err(CoreError::PromptTooLong(format!(
+                "request {:?}: the prompt has {prompt_len} tokens but max_model_len is {}; the prompt \
+                 must be shorter than max_model_len to leave room for at least one generated token",
+                r.request_id, self.cfg.max_model_len
+            )));
+        }
+        if prompt_len >= self.max_total_len {
+            return Err(CoreError::PromptTooLong(format!(
+                "request {:?}: the prompt has {prompt_len} tokens but the whole KV cache holds only {} \
+                 tokens ({} blocks of {}); raise num_blocks or shorten the prompt",
+                r.request_id,
+                self.max_total_len,
+                self.cfg.num_blocks - 1,
+                self.cfg.block_size
+            )));
+        }
+        let detok = match (&self.tokenizer, r.detokenize) {
+            (Some(t), true) => Some(IncrementalDetokenizer::new(
+                t.clone(),
+                r.skip_special_tokens,
+                r.stop.clone(),
+                r.include_stop_str_in_output,
+            )?),
+            (None, _) | (_, false) if !r.stop.is_empty() => {
+                return Err(invalid(
+                    "stop",
+                    "stop strings need detokenize=True and a Scheduler built with tokenizer_json",
+                ));
+            }
+            _ => None,
+        };
+        let max_tokens = (r.max_tokens as usize).min(self.max_total_len - prompt_len);
+        let root = root_hash(r.lora_id as u64, r.cache_salt.as_deref());
+        let mut block_hashes = Vec::with_capacity(prompt_len / self.cfg.block_size + 1);
+        extend_block_hashes(
+            root,
+            &r.prompt_token_ids,
+            self.cfg.block_size,
+            &mut block_hashes,
+        );
+        let id: Arc<str> = Arc::from(r.request_id.as_str());
+        let serial = self.next_serial;
+        self.next_serial += 1;
+        let req = Request {
+            id: id.clone(),
+            serial,
+            priority: r.priority,
+            token_ids: r.prompt_token_ids,
+            num_prompt_tokens: prompt_len,
+            num_computed_tokens: 0,
+            num_cached_tokens: None,
+            limits: SamplingLimits {
+                max_tokens,
+                min_tokens: r.min_tokens as usize,
+                ignore_eos: r.ignore_eos,
+                stop_token_ids: r.stop_token_ids,
+                include_stop_str_in_output: r.include_stop_str_in_output,
+            },
+            root_hash: root,
+            block_hashes,
+            kv: KvBlocks::default(),
+            detok,
+            status: if r.wait_for_grammar {
+                RequestStatus::WaitingForGrammar
+            } else {
+                RequestStatus::Waiting
+            },
+        };
+        let slot = match self.free_slots.pop() {
+            Some(s) => {
+                self.slab[s] = Some(req);
+                s
+            }
+            None => {
+                self.slab.push(Some(req));
+                self.slab.len() - 1
+            }
+        };
+        self.by_id.insert(id, slot);
+        self.enqueue_waiting(slot, false);
+        Ok(())
+    }
+
+    /// Puts a request in the waiting queue at its place: FCFS appends new requests and puts
+    /// preempted ones back at the front (they arrived before anything still waiting); the
+    /// priority policy keeps the queue sorted by (priority, arrival).
+    fn enqueue_waiting(&mut self, slot: usize, preempted: bool) {
+        match self.cfg.policy {
+            Policy::Fcfs if preempted => self.waiting.push_front(slot),
+            Policy::Fcfs => self.waiting.push_back(slot),
+            Policy::Priority => {
+                let key = self.priority_key(slot);
+                let pos = self
+                    .waiting
+                    .partition_point(|&s| self.priority_key(s) <= key);
+                self.waiting.insert(pos, slot);
+            }
+        }
+    }
+
+    fn priority_key(&self, slot: usize) -> (i64, u64) {
+        let r = self.req(slot);
+        (r.priority, r.serial)
+    }
+
+    /// Marks waiting requests whose grammar is compiled as schedulable (unknown ids ignored).
+    pub fn grammar_ready<S: AsRef<str>>(&mut self, ids: &[S]) {
+        for id in ids {
+            if let Some(&slot) = self.by_id.get(id.as_ref()) {
+                let r = self.req_mut(slot);
+                if r.status == RequestStatus::WaitingForGrammar {
+                    r.status = RequestStatus::Waiting;
+                }
+            }
+        }
+    }
+
+    /// Picks the running request to preempt: the last one (FCFS) or the one with the worst
+    /// (priority, arrival) key.
+    fn pick_victim(&self) -> usize {
+        match self.cfg.policy {
+            Policy::Fcfs => self.running.len() - 1,
+            Policy::Priority => {
+                let mut best = 0;
+                for (i, &s) in self.running.iter().enumerate() {
+                    if self.priority_key(s) > self.priority_key(self.running[best]) {
+                        best = i;
+                    }
+                }
+                best
+            }
+        }
+    }
+
+    /// Frees a running request's blocks and sends it back to the waiting queue. It keeps its
+    /// generated tokens; on resume it recomputes prompt + output (minus any prefix-cache hit).
+    fn preempt(&mut self, slot: usize) {
+        let req = self.slab[slot].as_mut().expect("live slot");
+        self.kv.free(&mut req.kv);
+        req.num_computed_tokens = 0;
+        req.status = RequestStatus::Preempted;
+        self.stats.num_preemptions += 1;
+        self.enqueue_waiting(slot, true);
+    }
+
+    /// Decides one step. See the module docs for the policy.
+    pub fn schedule(&mut self) -> SchedulerOutput {
+        let mut budget = self.cfg.max_num_batched_tokens;
+        let mut scheduled: Vec<(usize, usize)> = Vec::with_capacity(self.running.len() + 8);
+        let mut preempted: Vec<usize> = Vec::new();
+        let mut new_ids = Vec::new();
+        let mut resumed_ids = Vec::new();
+
+        // 1. Running requests, in order.
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let slot = self.running[i];
+            let num_new = {
+                let r = self.req(slot);
+                (r.num_tokens() - r.num_computed_tokens).min(budget)
+            };
+            if num_new == 0 {
+                i += 1;
+                continue;
+            }
+            let mut ok = false;
+            loop {
+                let req = self.slab[slot].as_mut().expect("live slot");
+                if self.kv.allocate_slots(
+                    &mut req.kv,
+                    &req.block_hashes,
+                    req.num_computed_tokens,
+                    num_new,
+                    &[],
+                ) {
+                    ok = true;
+                    break;
+                }
+                let vpos = self.pick_victim();
+                let victim = self.running.remove(vpos);
+                self.preempt(victim);
+                preempted.push(victim);
+                if vpos < i {
+                    // The victim was already scheduled this step: take its tokens back.
+                    i -= 1;
+                    let k = scheduled
+                        .iter()
+                        .position(|&(s, _)| s == victim)
+                        .expect("scheduled victim");
+                    budget += scheduled.remove(k).1;
+                }
+                if victim == slot {
+                    break;
+                }
+            }
+            if ok {
+                scheduled.push((slot, num_new));
+                budget -= num_new;
+                i += 1;
+            }
+        }
+
+        // 2. Waiting requests, unless this step had to preempt (then memory is tight).
+        if preempted.is_empty() {
+            let mut w = 0;
+            while w < self.waiting.len() && budget > 0 && self.running.len() < self.cfg.max_num_seqs
+            {
+                let slot = self.waiting[w];
+                let req = self.slab[slot].as_mut().expect("live slot");
+                if req.status == RequestStatus::WaitingForGrammar {
+                    w += 1;
+                    continue;
+                }
+                let hit = self
+                    .kv
+                    .get_computed_blocks(&req.block_hashes, req.num_tokens());
+                let num_new = (req.num_tokens() - hit.num_tokens).min(budget);
+                if !self.kv.allocate_slots(
+                    &mut req.kv,
+                    &req.block_hashes,
+                    hit.num_tokens,
+                    num_new,
+                    &hit.blocks,
+                ) {
+                    break; // head of the queue does not fit: keep the order, try next step
+                }
+                self.kv
+                    .record_prefix_lookup(req.num_tokens(), hit.num_tokens);
+                req.num_computed_tokens = hit.num_tokens;
+                if req.status == RequestStatus::Preempted {
+                    resumed_ids.push(req.id.clone());
+                } else {
+                    new_ids.push(req.id.clone());
+                }
+                if req.num_cached_tokens.is_none() {
+                    req.num_cached_tokens = Some(hit.num_tokens);
+                }
+                req.status = RequestStatus::Running;
+                self.waiting.remove(w);
+                self.running.push(slot);
+                scheduled.push((slot, num_new));
+                budget -= num_new;
+            }
+        }
+
+        // 3. The flat arrays, then advance num_computed_tokens past this step's tokens.
+        let bs = self.cfg.block_size;
+        let slab = &self.slab;
+        let entries = scheduled.iter().map(|&(slot, n)| {
+            let r = slab[slot].as_ref().expect("live slot");
+            BatchEntry {
+                token_ids: &r.token_ids,
+                blocks: &r.kv.blocks,
+                num_computed_tokens: r.num_computed_tokens,
+                num_new_tokens: n,
+            }
+        });
+        let arrays = BatchArrays::build(entries, bs);
+        let mut req_ids = Vec::with_capacity(scheduled.len());
+        self.last_step.clear();
+        let mut num_tokens = 0;
+        for &(slot, n) in &scheduled {
+            let r = self.slab[slot].as_mut().expect("live slot");
+            let prompt_part = (r.num_computed_tokens + n)
+                .min(r.num_prompt_tokens)
+                .saturating_sub(r.num_computed_tokens);
+            self.stats.num_prompt_tokens += prompt_part as u64;
+            r.num_computed_tokens += n;
+            num_tokens += n;
+            req_ids.push(r.id.clone());
+            self.last_step.push(StepEntry {
+                slot,
+                serial: r.serial,
+                sample: r.num_computed_tokens == r.num_tokens(),
+            });
+        }
+        self.stats.num_scheduled_tokens = num_tokens;
+        SchedulerOutput {
+            req_ids,
+            new_req_ids: new_ids,
+            resumed_req_ids: resumed_ids,
+            finished_req_ids: std::mem::take(&mut self.finished_since_schedule),
+            preempted_req_ids: preempted.iter().map(|&s| self.req(s).id.clone()).collect(),
+            num_tokens,
+            arrays,
+        }
+    }
+
+    /// Appends the sampled tokens of the last step, runs stop checks and detokenization, and
+    /// frees finished requests. Returns an output for each request with news.
+    pub fn update_from_output(
+        &mut self,
+        sampled_token_ids: &[i64],
+        force_stop: Option<&[bool]>,
+    ) -> CoreResult<Vec<RequestOutput>> {
+        let n = self.last_step.len();
+        if sampled_token_ids.len() != n {
+            return Err(invalid(
+                "sampled_token_ids",
+                format!(
+                    "expected {n} entries (num_reqs of the last schedule()), got {}",
+                    sampled_token_ids.len()
+                ),
+            ));
+        }
+        if let Some(f) = force_stop {
+            if f.len() != n {
+                return Err(invalid(
+                    "force_stop",
+                    format!("expected {n} entries, got {}", f.len()),
+                ));
+            }
+        }
+        // Validate everything before changing anything.
+        for (i, (e, &t)) in self.last_step.iter().zip(sampled_token_ids).enumerate() {
+            if e.sample {
+                token_id(&format!("sampled_token_ids[{i}]"), t)?;
+            }
+        }
+        let steps = std::mem::take(&mut self.last_step);
+        let mut outputs = Vec::with_capacity(n);
+        let mut any_finished = false;
+        let bs = self.cfg.block_size;
+        let max_total_len = self.max_total_len;
+        for (i, e) in steps.iter().enumerate() {
+            if !e.sample {
+                continue;
+            }
+            // Skip requests aborted (or replaced in their slot) since schedule().
+            let Some(req) = self.slab[e.slot].as_mut() else {
+                continue;
+            };
+            if req.serial != e.serial || req.status != RequestStatus::Running {
+                continue;
+            }
+            let token = sampled_token_ids[i] as u32;
+            let fs = force_stop.is_some_and(|f| f[i]);
+            let res = req.append_token(token, &self.cfg.eos_token_ids, bs, max_total_len, fs);
+            self.stats.num_generation_tokens += 1;
+            let (finish_reason, stop_reason) = match res.finish {
+                Some((f, s)) => {
+                    any_finished = true;
+                    (Some(f), s)
+                }
+                None => (None, None),
+            };
+            outputs.push(RequestOutput {
+                request_id: req.id.clone(),
+                new_token_ids: vec![token],
+                text_delta: res.text_delta,
+                finish_reason,
+                stop_reason,
+                num_output_tokens: req.num_output_tokens(),
+                num_prompt_tokens: req.num_prompt_tokens,
+                num_cached_tokens: req.num_cached_tokens.unwrap_or(0),
+            });
+        }
+        if any_finished {
+            let slab = &self.slab;
+            let mut done = Vec::new();
+            self.running.retain(|&s| {
+                let fin = slab[s].as_ref().is_some_and(|r| r.is_finished());
+                if fin {
+                    done.push(s);
+                }
+                !fin
+            });
+            for s in done {
+                self.release(s);
+            }
+        }
+        self.last_step = steps;
+        self.last_step.clear();
+        Ok(outputs)
+    }
+
+    /// Frees a finished request's blocks and forgets it; the runner hears of it in the next
+    /// SchedulerOutput.finished_req_ids.
+    fn release(&mut self, slot: usize) {
+        let mut req = self.slab[slot].take().expect("live slot");
+        self.kv.free(&mut req.kv);
+        self.by_id.remove(&req.id);
+        self.free_slots.push(slot);
+        self.finished_since_schedule.push(req.id);
+    }
+
+    /// Aborts live requests (unknown ids are ignored), freeing their blocks at once.
+    pub fn abort_requests<S: AsRef<str>>(&mut self, ids: &[S]) -> Vec<RequestOutput> {
+        let mut outputs = Vec::new();
+        for id in ids {
+            let Some(&slot) = self.by_id.get(id.as_ref()) else {
+                continue;
+            };
+            let status = self.req(slot).status;
+            if status == RequestStatus::Running {
+                let pos = self
+                    .running
+                    .iter()
+                    .position(|&s| s == slot)
+                    .expect("running request");
+                self.running.remove(pos);
+            } else {
+                let pos = self
+                    .waiting
+                    .iter()
+                    .position(|&s| s == slot)
+                    .expect("waiting request");
+                self.waiting.remove(pos);
+            }
+            let r = self.req_mut(slot);
+            r.status = RequestStatus::Finished(FinishReason::Abort);
+            outputs.push(RequestOutput {
+                request_id: r.id.clone(),
+                new_token_ids: Vec::new(),
+                text_delta: String::new(),
+                finish_reason: Some(FinishReason::Abort),
+                stop_reason: None,
+                num_output_tokens: r.num_output_tokens(),
+                num_prompt_tokens: r.num_prompt_tokens,
+                num_cached_tokens: r.num_cached_tokens.unwrap_or(0),
+            });
+            self.release(slot);
+        }
+        outputs
+    }
+
+    pub fn has_unfinished_requests(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    pub fn num_unfinished_requests(&self) -> usize {
+        self.waiting.len() + self.running.len()
+    }
+
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        self.kv.reset_prefix_cache()
+    }
+
+    pub fn request_block_ids(&self, id: &str) -> CoreResult<Vec<u32>> {
+        match self.by_id.get(id) {
+            Some(&slot) => Ok(self.req(slot).kv.blocks.clone()),
+            None => Err(CoreError::UnknownRequest(id.to_string())),
+        }
+    }
+
+    pub fn request_status(&self, id: &str) -> Option<RequestStatus> {
+        self.by_id.get(id).map(|&s| self.req(s).status)
+    }
+
+    pub fn stats(&self) -> SchedulerStats {
+        let pool = self.kv.pool();
+        SchedulerStats {
+            num_running: self.running.len(),
+            num_waiting: self.waiting.len(),
+            num_total_blocks: pool.num_blocks(),
+            num_free_blocks: pool.num_free_blocks(),
+            kv_cache_usage: pool.usage(),
+            prefix_cache_queries: self.kv.prefix_queries,
+            prefix_cache_hits: self.kv.prefix_hits,
+            ..self.stats.clone()
+        }
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn num_free_blocks(&self) -> usize {
+        self.kv.pool().num_free_blocks()
+    }
+
+    /// Checks the cross-layer invariants (tests and property tests); panics on a violation:
+    /// every block is free or owned; a block owned by several live requests is a shared
+    /// prefix block (it has a hash); ref counts equal owners; waiting requests own nothing;
+    /// a running request owns exactly the blocks its computed tokens need.
+    pub fn check_invariants(&self) {
+        let pool = self.kv.pool();
+        pool.check_invariants();
+        let mut owners = vec![0u32; pool.num_blocks()];
+        for (slot, r) in self.slab.iter().enumerate() {
+            let Some(r) = r else { continue };
+            assert_eq!(
+                self.by_id.get(&r.id),
+                Some(&slot),
+                "request {} not indexed",
+                r.id
+            );
+            match r.status {
+                RequestStatus::Running => {
+                    assert!(self.running.contains(&slot));
+                    assert_eq!(
+                        r.kv.blocks.len(),
+                        r.num_computed_tokens.div_ceil(self.cfg.block_size)
+                    );
+                }
+                RequestStatus::Waiting
+                | RequestStatus::WaitingForGrammar
+                | RequestStatus::Preempted => {
+                    assert!(self.waiting.contains(&slot));
+                    assert!(
+                        r.kv.blocks.is_empty(),
+                        "waiting request {} holds blocks",
+                        r.id
+                    );
+                    assert_eq!(r.num_computed_tokens, 0);
+                }
+                RequestStatus::Finished(_) => panic!("finished request {} still live", r.id),
+            }
+            assert!(r.num_tokens() <= self.max_total_len);
+            for &b in &r.kv.blocks {
+                assert_ne!(b, crate::block_pool::NULL_BLOCK);
+                owners[b as usize] += 1;
+            }
+        }
+        let mut owned = 0;
+        for (b, &n) in owners.iter().enumerate().skip(1) {
+            assert_eq!(pool.ref_cnt(b as u32), n, "block {b}: ref count vs owners");
+            if n > 1 {
+                assert!(
+                    pool.block_hash(b as u32).is_some(),
+                    "block {b} shared without a prefix hash"
+                );
+            }
+            if n > 0 {
+                owned += 1;
+            }
+        }
+        assert_eq!(
+            owned + pool.num_free_blocks(),
+            pool.num_usable_blocks(),
+            "leaked blocks"
+        );
+        assert_eq!(self.running.len() + self.waiting.len(), self.by_id.len());
+        assert!(self.running.len() <= self.cfg.max_num_seqs);
+    }
+}

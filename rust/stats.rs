@@ -1,0 +1,21 @@
+//! Counters a metrics exporter reads after each step.
+
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct SchedulerStats {
+    pub num_running: usize,
+    pub num_waiting: usize,
+    pub num_total_blocks: usize,
+    pub num_free_blocks: usize,
+    /// Fraction of usable blocks (all but the null block) held by live requests.
+    pub kv_cache_usage: f64,
+    /// Tokens looked up in / served by the prefix cache (cumulative).
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
+    pub num_preemptions: u64,
+    /// Tokens scheduled in the last step.
+    pub num_scheduled_tokens: usize,
+    /// Prompt positions scheduled (prefill work, cumulative; recomputation after preemption counts).
+    pub num_prompt_tokens: u64,
+    /// Tokens appended by update_from_output (cumulative).
+    pub num_generation_tokens: u64,
+}
