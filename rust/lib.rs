@@ -13,6 +13,9 @@ pub mod request;
 pub mod scheduler;
 pub mod stats;
 
+#[cfg(test)]
+mod proptests;
+
 #[cfg(feature = "python")]
 mod py;
 

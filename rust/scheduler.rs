@@ -808,3 +808,377 @@ impl Scheduler {
         assert!(self.running.len() <= self.cfg.max_num_seqs);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EOS: u32 = 2;
+
+    fn sched(num_blocks: usize, block_size: usize, budget: usize, policy: &str) -> Scheduler {
+        let cfg = SchedulerConfig::from_signed(
+            num_blocks as i64,
+            block_size as i64,
+            256,
+            8,
+            budget as i64,
+            true,
+            policy,
+            &[EOS as i64],
+        )
+        .unwrap();
+        Scheduler::new(cfg, None).unwrap()
+    }
+
+    fn req(id: &str, prompt_len: usize, max_tokens: i64) -> NewRequest {
+        let mut r = NewRequest::new(id, (100..100 + prompt_len as u32).collect(), max_tokens);
+        r.detokenize = false;
+        r
+    }
+
+    /// One step feeding token `tok` to every sampled request; returns (output, results).
+    fn step(s: &mut Scheduler, tok: i64) -> (SchedulerOutput, Vec<RequestOutput>) {
+        let out = s.schedule();
+        let res = s
+            .update_from_output(&vec![tok; out.req_ids.len()], None)
+            .unwrap();
+        s.check_invariants();
+        (out, res)
+    }
+
+    fn ids(v: &[Arc<str>]) -> Vec<&str> {
+        v.iter().map(|s| &**s).collect()
+    }
+
+    #[test]
+    fn long_prompt_is_chunked_and_never_stalls_a_decode() {
+        let mut s = sched(64, 4, 8, "fcfs");
+        s.add_request(req("a", 3, 10)).unwrap();
+        let (out, res) = step(&mut s, 7);
+        assert_eq!(out.num_tokens, 3);
+        assert_eq!(res.len(), 1);
+        s.add_request(req("long", 20, 5)).unwrap();
+        let mut chunks = Vec::new();
+        let mut masks = Vec::new();
+        for _ in 0..3 {
+            let (out, _) = step(&mut s, 7);
+            assert_eq!(ids(&out.req_ids), vec!["a", "long"]);
+            assert_eq!(
+                out.arrays.num_scheduled_tokens[0], 1,
+                "the decode runs every step"
+            );
+            assert!(out.num_tokens <= 8);
+            chunks.push(out.arrays.num_scheduled_tokens[1]);
+            masks.push(out.arrays.sample_mask[1]);
+        }
+        assert_eq!(chunks, vec![7, 7, 6]);
+        assert_eq!(masks, vec![false, false, true]);
+    }
+
+    #[test]
+    fn partial_prefill_chunk_produces_no_output() {
+        let mut s = sched(64, 4, 4, "fcfs");
+        s.add_request(req("a", 10, 3)).unwrap();
+        let (_, res) = step(&mut s, 7);
+        assert!(res.is_empty());
+        let (_, res) = step(&mut s, 7);
+        assert!(res.is_empty());
+        let (out, res) = step(&mut s, 7);
+        assert_eq!(out.arrays.num_scheduled_tokens, vec![2]);
+        assert_eq!(res.len(), 1);
+        assert_eq!(res[0].new_token_ids, vec![7]);
+    }
+
+    #[test]
+    fn preempted_request_keeps_its_tokens_and_resumes() {
+        // 5 usable blocks of 4 tokens: two requests of 8 prompt tokens use 4 blocks, and
+        // growing both past 12 tokens needs 6.
+        let mut s = sched(6, 4, 64, "fcfs");
+        s.add_request(req("a", 8, 12)).unwrap();
+        s.add_request(req("b", 8, 12)).unwrap();
+        let mut preempted_at = None;
+        let mut resumed = false;
+        let mut out_tokens: HashMap<String, Vec<u32>> = HashMap::new();
+        for i in 0..40 {
+            let out = s.schedule();
+            if !out.preempted_req_ids.is_empty() {
+                assert_eq!(
+                    ids(&out.preempted_req_ids),
+                    vec!["b"],
+                    "FCFS preempts the latest"
+                );
+                preempted_at.get_or_insert(i);
+                // b keeps its generated tokens while waiting.
+                assert!(s.request_status("b") == Some(RequestStatus::Preempted));
+            }
+            if !out.resumed_req_ids.is_empty() {
+                assert_eq!(ids(&out.resumed_req_ids), vec!["b"]);
+                let r = s.req(s.by_id["b"]);
+                // It recomputes prompt + output (less any prefix hit) in one go.
+                assert_eq!(r.num_computed_tokens, r.num_tokens());
+                resumed = true;
+            }
+            let toks: Vec<i64> = out
+                .req_ids
+                .iter()
+                .map(|id| if &**id == "a" { 10 } else { 11 })
+                .collect();
+            for o in s.update_from_output(&toks, None).unwrap() {
+                out_tokens
+                    .entry(o.request_id.to_string())
+                    .or_default()
+                    .extend(o.new_token_ids);
+            }
+            s.check_invariants();
+            if !s.has_unfinished_requests() {
+                break;
+            }
+        }
+        assert!(preempted_at.is_some() && resumed);
+        assert_eq!(out_tokens["a"], vec![10; 12]);
+        assert_eq!(
+            out_tokens["b"],
+            vec![11; 12],
+            "nothing lost across preemption"
+        );
+        assert_eq!(s.stats().num_preemptions, 1);
+        assert_eq!(s.num_free_blocks(), 5);
+    }
+
+    #[test]
+    fn priority_policy_orders_waiting_and_preempts_the_least_important() {
+        let mut s = sched(6, 4, 64, "priority");
+        let mut low = req("low", 8, 12);
+        low.priority = 5;
+        let mut high = req("high", 8, 12);
+        high.priority = -1;
+        s.add_request(low).unwrap();
+        s.add_request(high).unwrap();
+        let (out, _) = step(&mut s, 7);
+        assert_eq!(ids(&out.new_req_ids), vec!["high", "low"]);
+        let mut victims = Vec::new();
+        for _ in 0..30 {
+            let (out, _) = step(&mut s, 7);
+            victims.extend(out.preempted_req_ids.iter().map(|s| s.to_string()));
+            if !s.has_unfinished_requests() {
+                break;
+            }
+        }
+        assert!(!victims.is_empty());
+        assert!(victims.iter().all(|v| v == "low"));
+    }
+
+    #[test]
+    fn second_request_reuses_the_shared_prefix() {
+        let mut s = sched(64, 4, 64, "fcfs");
+        s.add_request(req("a", 10, 1)).unwrap();
+        step(&mut s, 7);
+        assert!(!s.has_unfinished_requests());
+        s.add_request(req("b", 10, 1)).unwrap();
+        let out = s.schedule();
+        assert_eq!(out.arrays.num_computed_tokens, vec![8]);
+        assert_eq!(out.num_tokens, 2);
+        let res = s.update_from_output(&[7], None).unwrap();
+        assert_eq!(res[0].num_cached_tokens, 8);
+        let st = s.stats();
+        assert_eq!((st.prefix_cache_queries, st.prefix_cache_hits), (20, 8));
+        // Different cache salt: no sharing.
+        let mut c = req("c", 10, 1);
+        c.cache_salt = Some("tenant-2".into());
+        s.add_request(c).unwrap();
+        assert_eq!(s.schedule().arrays.num_computed_tokens, vec![0]);
+    }
+
+    #[test]
+    fn same_step_requests_share_prompt_blocks() {
+        let mut s = sched(64, 4, 64, "fcfs");
+        s.add_request(req("a", 9, 2)).unwrap();
+        s.add_request(req("b", 9, 2)).unwrap();
+        let out = s.schedule();
+        assert_eq!(out.arrays.num_computed_tokens, vec![0, 8]);
+        let a = s.request_block_ids("a").unwrap();
+        let b = s.request_block_ids("b").unwrap();
+        assert_eq!(a[..2], b[..2]);
+        assert_ne!(a[2], b[2]);
+        s.check_invariants();
+    }
+
+    #[test]
+    fn stop_conditions() {
+        let mut s = sched(64, 4, 64, "fcfs");
+        s.add_request(req("eos", 3, 10)).unwrap();
+        let mut ign = req("ignore", 3, 2);
+        ign.ignore_eos = true;
+        s.add_request(ign).unwrap();
+        let mut st = req("stop_id", 3, 10);
+        st.stop_token_ids = vec![2, 9];
+        st.ignore_eos = true;
+        s.add_request(st).unwrap();
+        let mut mn = req("min", 3, 10);
+        mn.min_tokens = 2;
+        s.add_request(mn).unwrap();
+        let (_, res) = step(&mut s, EOS as i64);
+        let by: HashMap<&str, &RequestOutput> = res.iter().map(|o| (&*o.request_id, o)).collect();
+        assert_eq!(by["eos"].finish_reason, Some(FinishReason::Stop));
+        assert_eq!(by["eos"].stop_reason, None);
+        assert_eq!(by["ignore"].finish_reason, None);
+        assert_eq!(by["stop_id"].stop_reason, Some(StopReason::TokenId(2)));
+        assert_eq!(
+            by["min"].finish_reason, None,
+            "EOS suppressed before min_tokens"
+        );
+        let (out, res) = step(&mut s, EOS as i64);
+        assert_eq!(ids(&out.finished_req_ids), vec!["eos", "stop_id"]);
+        let by: HashMap<&str, &RequestOutput> = res.iter().map(|o| (&*o.request_id, o)).collect();
+        assert_eq!(by["ignore"].finish_reason, Some(FinishReason::Length));
+        assert_eq!(by["min"].finish_reason, Some(FinishReason::Stop));
+        assert!(!s.has_unfinished_requests());
+        assert_eq!(s.num_free_blocks(), 63);
+    }
+
+    #[test]
+    fn max_tokens_is_clipped_to_max_model_len() {
+        let mut s = sched(100, 4, 64, "fcfs");
+        s.add_request(req("a", 250, 100)).unwrap();
+        let mut n = 0;
+        while s.has_unfinished_requests() {
+            let (_, res) = step(&mut s, 7);
+            n += res.iter().map(|o| o.new_token_ids.len()).sum::<usize>();
+            if let Some(o) = res.first() {
+                if o.finish_reason.is_some() {
+                    assert_eq!(o.finish_reason, Some(FinishReason::Length));
+                    assert_eq!(o.num_prompt_tokens + o.num_output_tokens, 256);
+                }
+            }
+        }
+        assert_eq!(n, 6);
+    }
+
+    #[test]
+    fn force_stop_finishes_after_appending() {
+        let mut s = sched(64, 4, 64, "fcfs");
+        s.add_request(req("a", 3, 10)).unwrap();
+        s.add_request(req("b", 3, 10)).unwrap();
+        s.schedule();
+        let res = s.update_from_output(&[7, 7], Some(&[false, true])).unwrap();
+        assert_eq!(res[0].finish_reason, None);
+        assert_eq!(
+            (res[1].finish_reason, res[1].num_output_tokens),
+            (Some(FinishReason::Stop), 1)
+        );
+    }
+
+    #[test]
+    fn abort_frees_at_once_even_between_schedule_and_update() {
+        let mut s = sched(64, 4, 64, "fcfs");
+        s.add_request(req("a", 10, 10)).unwrap();
+        s.add_request(req("b", 10, 10)).unwrap();
+        s.schedule();
+        let res = s.abort_requests(&["a", "nope"]);
+        assert_eq!(res.len(), 1);
+        assert_eq!(res[0].finish_reason, Some(FinishReason::Abort));
+        s.check_invariants();
+        let res = s.update_from_output(&[7, 7], None).unwrap();
+        assert_eq!(res.len(), 1, "the aborted request's sample is dropped");
+        assert_eq!(&*res[0].request_id, "b");
+        let out = s.schedule();
+        assert_eq!(ids(&out.finished_req_ids), vec!["a"]);
+        s.abort_requests(&["b"]);
+        assert_eq!(s.num_free_blocks(), 63);
+        s.check_invariants();
+    }
+
+    #[test]
+    fn max_num_seqs_caps_the_running_set() {
+        let mut s = sched(64, 4, 1000, "fcfs");
+        for i in 0..12 {
+            s.add_request(req(&format!("r{i}"), 2, 3)).unwrap();
+        }
+        let out = s.schedule();
+        assert_eq!(out.req_ids.len(), 8);
+        assert_eq!(s.stats().num_waiting, 4);
+    }
+
+    #[test]
+    fn grammar_wait_holds_only_that_request() {
+        let mut s = sched(64, 4, 64, "fcfs");
+        let mut g = req("g", 3, 2);
+        g.wait_for_grammar = true;
+        s.add_request(g).unwrap();
+        s.add_request(req("x", 3, 2)).unwrap();
+        let (out, _) = step(&mut s, 7);
+        assert_eq!(ids(&out.req_ids), vec!["x"]);
+        s.grammar_ready(&["g"]);
+        let (out, _) = step(&mut s, 7);
+        assert_eq!(ids(&out.req_ids), vec!["x", "g"]);
+    }
+
+    #[test]
+    fn bad_input_is_rejected_without_side_effects() {
+        let mut s = sched(5, 4, 64, "fcfs");
+        s.add_request(req("a", 3, 4)).unwrap();
+        let e = |r: CoreResult<()>| r.unwrap_err();
+        assert!(matches!(
+            e(s.add_request(req("a", 3, 4))),
+            CoreError::DuplicateRequest(_)
+        ));
+        assert!(
+            matches!(e(s.add_request(req("b", 0, 4))), CoreError::InvalidArgument(m) if m.contains("prompt_token_ids"))
+        );
+        assert!(
+            matches!(e(s.add_request(req("b", 3, 0))), CoreError::InvalidArgument(m) if m.contains("max_tokens"))
+        );
+        // 4 usable blocks of 4 = 16 tokens of KV.
+        assert!(
+            matches!(e(s.add_request(req("b", 16, 4))), CoreError::PromptTooLong(m) if m.contains("KV cache"))
+        );
+        let mut r = req("b", 3, 4);
+        r.min_tokens = 5;
+        assert!(
+            matches!(e(s.add_request(r)), CoreError::InvalidArgument(m) if m.contains("min_tokens"))
+        );
+        let mut r = req("b", 3, 4);
+        r.stop = vec!["x".into()];
+        assert!(
+            matches!(e(s.add_request(r)), CoreError::InvalidArgument(m) if m.starts_with("stop"))
+        );
+        let big = sched(1000, 4, 64, "fcfs");
+        let mut big = big;
+        assert!(
+            matches!(e(big.add_request(req("b", 256, 4))), CoreError::PromptTooLong(m) if m.contains("max_model_len"))
+        );
+        assert_eq!(s.num_unfinished_requests(), 1);
+        s.schedule();
+        assert!(s.update_from_output(&[1, 2], None).is_err());
+        assert!(s.update_from_output(&[-1], None).is_err());
+        assert_eq!(s.update_from_output(&[7], None).unwrap().len(), 1);
+        s.check_invariants();
+        assert!(matches!(
+            s.request_block_ids("zz"),
+            Err(CoreError::UnknownRequest(_))
+        ));
+        for (field, args) in [
+            ("num_blocks", (1, 4, 8, 8)),
+            ("block_size", (4, 0, 8, 8)),
+            ("max_num_seqs", (4, 4, 0, 8)),
+            ("max_num_batched_tokens", (4, 4, 8, -3)),
+        ] {
+            let err =
+                SchedulerConfig::from_signed(args.0, args.1, 64, args.2, args.3, true, "fcfs", &[])
+                    .unwrap_err();
+            assert!(err.to_string().starts_with(field), "{err}");
+        }
+    }
+
+    #[test]
+    fn reset_prefix_cache_only_when_idle() {
+        let mut s = sched(64, 4, 64, "fcfs");
+        s.add_request(req("a", 10, 2)).unwrap();
+        step(&mut s, 7);
+        assert!(!s.reset_prefix_cache());
+        step(&mut s, 7);
+        assert!(s.reset_prefix_cache());
+        s.add_request(req("b", 10, 1)).unwrap();
+        assert_eq!(s.schedule().arrays.num_computed_tokens, vec![0]);
+    }
+}

@@ -144,8 +144,12 @@ class Scheduler:
     ) -> None:
         """num_blocks includes the null block (id 0), which is never handed out.
         policy: 'fcfs' or 'priority' (lower priority value first, then arrival order).
-        tokenizer_json: the text of a tokenizer.json; without it detokenization and stop strings
-        are unavailable (requests must use detokenize=False and no stop strings)."""
+        tokenizer_json: the text of a tokenizer.json; without it text_delta is always empty and a
+        request with stop strings is rejected (InvalidArgumentError).
+        The longest prompt + output any request may reach is min(max_model_len, the whole KV
+        cache: (num_blocks - 1) * block_size); max_tokens is clipped to it.
+        Prefix caching may share a block that another request computes in the same step: the
+        runner must write the K/V of every scheduled token of a layer before that layer's attention."""
     @property
     def block_size(self) -> int: ...
     @property
