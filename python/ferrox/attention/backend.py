@@ -1,0 +1,68 @@
+"""The attention backend interface: the one seam between model code and attention kernels.
+
+A backend does two things per layer call, in one `forward`:
+  1. writes this step's k/v rows into the paged KV cache at `meta.slot_mapping`, and
+  2. runs causal attention for every request in the batch over its cached KV (blocks from
+     `meta.block_table`, length `meta.seq_lens`), whether the request is a prefill chunk (possibly
+     with earlier context already cached) or a single decode token. GQA: H query heads share
+     Hkv = H / group key/value heads.
+
+Layout (see metadata.py): kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim], 0 = K, 1 = V.
+An empty kv_cache (numel 0) means "no cache yet" (e.g. a profiling forward): attention then runs
+over the step's own k/v, which requires every request to start at position 0.
+
+`begin_forward(meta)` is called once per model forward before the first layer, so a backend can
+turn the metadata into its own plan (index tensors, masks) once instead of once per layer.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from ferrox.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    name: str = "abstract"
+
+    def begin_forward(self, meta: AttentionMetadata) -> None:  # noqa: B027 (optional hook)
+        """Plan the step once per forward; backends without planning leave this empty."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D] (or empty)
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, D]
+        ...
+
+
+def get_attention_backend(device: torch.device | str, name: str | None = None) -> AttentionBackend:
+    """The backend for `device`: the Triton one on CUDA when it is available, else the torch reference.
+
+    `name` ("torch" | "triton") forces a choice (tests use it to compare the two).
+    """
+    device = torch.device(device)
+    forced = name is not None
+    if name is None:
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        try:
+            from ferrox.attention.triton_backend import TritonAttentionBackend  # type: ignore[import-not-found]
+        except ImportError:
+            if forced:
+                raise
+            name = "torch"  # no Triton kernels in this install: the reference still runs on CUDA
+        else:
+            return TritonAttentionBackend()
+    if name == "torch":
+        from ferrox.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    raise ValueError(f"attention backend {name!r} is unknown (choose 'torch' or 'triton')")

@@ -1,0 +1,170 @@
+"""Reference attention backend in plain torch: runs on CPU (tests, the embedded model) and is the
+oracle the GPU kernels are tested against.
+
+Per step (in `begin_forward`) the metadata becomes a plan, shared by every layer:
+  * decode requests (one query token) form one group: their KV is gathered through the block table
+    into a padded [B, L] tensor and attended with one masked SDPA call;
+  * each prefill chunk gets one SDPA call: over its own k/v with `is_causal` when it starts at
+    position 0, else over its gathered cached KV with an offset causal mask.
+Per layer the work is then: two index_copy_ into the cache, a gather per group, an SDPA per group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ferrox.attention.backend import AttentionBackend
+from ferrox.attention.metadata import AttentionMetadata
+
+
+@dataclass(slots=True)
+class _DecodeGroup:
+    token_slice: slice | None  # contiguous query rows (the usual case: decodes lead the batch) ...
+    token_index: torch.Tensor | None  # ... or explicit row indices
+    block_ids: torch.Tensor  # [B, blocks] int64, enough blocks for the longest sequence
+    kv_len: int  # longest seq_len in the group: gathered KV is cut to this
+    mask: torch.Tensor | None  # [B, 1, 1, kv_len] bool (True = attend), None if all lengths equal
+
+
+@dataclass(slots=True)
+class _PrefillChunk:
+    start: int  # query rows start:end
+    end: int
+    context_len: int  # tokens already cached before this chunk (0 = a fresh prompt)
+    seq_len: int
+    block_ids: torch.Tensor | None  # [blocks] int64, only when context_len > 0
+    mask: torch.Tensor | None  # [q_len, seq_len] bool offset-causal, only when context_len > 0
+
+
+@dataclass(slots=True)
+class _Plan:
+    num_tokens: int
+    decode: _DecodeGroup | None = None
+    prefills: list[_PrefillChunk] = field(default_factory=list)
+
+
+def _build_plan(meta: AttentionMetadata, block_size: int) -> _Plan:
+    starts = meta.query_start_loc_cpu.tolist()
+    seq_lens = meta.seq_lens_cpu.tolist()
+    plan = _Plan(num_tokens=meta.num_actual_tokens)
+    decode_rows: list[int] = []
+    device = meta.block_table.device
+    for r, seq_len in enumerate(seq_lens):
+        start, end = starts[r], starts[r + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        if q_len == 1:
+            decode_rows.append(r)
+            continue
+        context = seq_len - q_len
+        if context < 0:
+            raise ValueError(f"request {r}: seq_len {seq_len} is shorter than its {q_len} query tokens")
+        chunk = _PrefillChunk(start, end, context, seq_len, None, None)
+        if context > 0:
+            n_blocks = -(-seq_len // block_size)
+            chunk.block_ids = meta.block_table[r, :n_blocks].to(torch.int64)
+            q_pos = torch.arange(context, seq_len, device=device)[:, None]
+            chunk.mask = torch.arange(seq_len, device=device)[None, :] <= q_pos
+        plan.prefills.append(chunk)
+    if decode_rows:
+        rows = torch.tensor(decode_rows, dtype=torch.int64)
+        lens = [seq_lens[r] for r in decode_rows]
+        kv_len = max(lens)
+        n_blocks = -(-kv_len // block_size)
+        token_rows = [starts[r] for r in decode_rows]
+        contiguous = token_rows == list(range(token_rows[0], token_rows[0] + len(token_rows)))
+        mask = None
+        if min(lens) != kv_len:
+            lens_t = torch.tensor(lens, device=device)
+            mask = (torch.arange(kv_len, device=device)[None, :] < lens_t[:, None])[:, None, None, :]
+        plan.decode = _DecodeGroup(
+            token_slice=slice(token_rows[0], token_rows[0] + len(token_rows)) if contiguous else None,
+            token_index=None if contiguous else torch.tensor(token_rows, dtype=torch.int64, device=device),
+            block_ids=meta.block_table[rows.to(device), :n_blocks].to(torch.int64),
+            kv_len=kv_len,
+            mask=mask,
+        )
+    return plan
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._meta: AttentionMetadata | None = None
+        self._plan: _Plan | None = None
+        self._block_size = 0
+
+    def begin_forward(self, meta: AttentionMetadata) -> None:
+        self._meta = None  # the plan depends on block_size, known at the first layer call
+
+    def _plan_for(self, meta: AttentionMetadata, block_size: int) -> _Plan:
+        if self._meta is not meta or self._block_size != block_size or self._plan is None:
+            self._plan = _build_plan(meta, block_size)
+            self._meta = meta
+            self._block_size = block_size
+        return self._plan
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        n = meta.num_actual_tokens
+        has_cache = kv_cache.numel() > 0
+        block_size = kv_cache.shape[2] if has_cache else 1
+        plan = self._plan_for(meta, block_size)
+        if has_cache:
+            k_cache, v_cache = kv_cache[0], kv_cache[1]
+            num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
+            slots = meta.slot_mapping[:n]
+            k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k[:n])
+            v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v[:n])
+        out = None
+        if plan.decode is None or plan.prefills or q.shape[0] != n:
+            # Rows past num_actual_tokens (padding) are zeroed, never left as uninitialised memory.
+            out = torch.empty_like(q) if q.shape[0] == n else torch.zeros_like(q)
+
+        for chunk in plan.prefills:
+            qc = q[chunk.start:chunk.end].transpose(0, 1)  # [H, q_len, D]
+            if chunk.context_len == 0:
+                kc = k[chunk.start:chunk.end].transpose(0, 1)
+                vc = v[chunk.start:chunk.end].transpose(0, 1)
+                o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                if not has_cache:
+                    raise ValueError("a prefill chunk with cached context needs a KV cache")
+                kc = _gather(k_cache, chunk.block_ids, chunk.seq_len).transpose(0, 1)
+                vc = _gather(v_cache, chunk.block_ids, chunk.seq_len).transpose(0, 1)
+                o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
+            out[chunk.start:chunk.end] = o.transpose(0, 1)
+
+        group = plan.decode
+        if group is not None:
+            if not has_cache:
+                raise ValueError("decode tokens need a KV cache")
+            qd = q[group.token_slice] if group.token_slice is not None else q.index_select(0, group.token_index)
+            qd = qd[:, :, None, :]  # [B, H, 1, D]
+            kd = _gather_batch(k_cache, group.block_ids, group.kv_len).transpose(1, 2)  # [B, Hkv, L, D]
+            vd = _gather_batch(v_cache, group.block_ids, group.kv_len).transpose(1, 2)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, scale=scale, enable_gqa=True)
+            o = o[:, :, 0, :]  # [B, H, D]
+            if out is None:  # decode-only step: the group's output is the whole output
+                if group.token_slice is not None and group.token_slice.start == 0 and q.shape[0] == o.shape[0]:
+                    return o
+                out = torch.zeros_like(q)  # pragma: no cover (padding handled above)
+            if group.token_slice is not None:
+                out[group.token_slice] = o
+            else:
+                out.index_copy_(0, group.token_index, o)
+        return out
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+    """[length, Hkv, D]: one sequence's KV, read block by block from the cache."""
+    return cache[block_ids].flatten(0, 1)[:length]
+
+
+def _gather_batch(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, length, Hkv, D]: each row's KV padded to the longest (the mask hides the padding)."""
+    return cache[block_ids].flatten(1, 2)[:, :length]

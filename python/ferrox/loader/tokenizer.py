@@ -1,0 +1,202 @@
+"""Tokenizer: a thin wrapper over the `tokenizers` package plus what serving needs around it
+(special-token ids, all EOS ids, the chat template).
+
+HF folder: tokenizer.json (+ tokenizer_config.json, special_tokens_map.json, chat_template.jinja,
+generation_config.json, config.json for EOS ids). GGUF: rebuilt from metadata (gguf_tokenizer.py).
+`to_json_str()` is handed to the Rust core, which detokenizes with the same `tokenizers` model.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from ferrox.loader.chat_template import render_chat_template
+from ferrox.loader.errors import ChatTemplateError, ModelLoadError, ModelNotFoundError
+from ferrox.loader.model_config import read_json
+from ferrox.loader.source import ModelSource
+
+_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        *,
+        name: str,
+        special_tokens: dict[str, str | None],
+        eos_token_ids: list[int],
+        chat_template: str | dict[str, str] | None = None,
+    ):
+        self._tok = tokenizer
+        self.name = name  # the model's name, used in error messages
+        self.special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
+        self.bos_token = self.special_tokens.get("bos_token")
+        self.eos_token = self.special_tokens.get("eos_token")
+        self.pad_token = self.special_tokens.get("pad_token")
+        self.bos_token_id = self.token_to_id(self.bos_token)
+        self.pad_token_id = self.token_to_id(self.pad_token)
+        self.eos_token_ids = list(dict.fromkeys(eos_token_ids))
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        # A model may ship several named templates ({"default": ..., "tool_use": ...}).
+        self.chat_templates: dict[str, str] = (
+            dict(chat_template) if isinstance(chat_template, dict) else ({"default": chat_template} if chat_template else {})
+        )
+
+    # ---- encoding ---------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"prompt must be a str, got {type(text).__name__}")
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def to_json_str(self) -> str:
+        return self._tok.to_str()
+
+    @property
+    def backend(self) -> HFTokenizer:
+        """The underlying tokenizers.Tokenizer (for llguidance and tools that want it)."""
+        return self._tok
+
+    # ---- chat -------------------------------------------------------------------------------
+    @property
+    def chat_template(self) -> str | None:
+        return self.chat_templates.get("default")
+
+    def get_chat_template(self, chat_template: str | None = None, tools: list[dict] | None = None) -> str:
+        """The template to use: an explicit template string or name, else "tool_use" when tools are
+        given and the model has one, else the default."""
+        if chat_template is not None:
+            return self.chat_templates.get(chat_template, chat_template)
+        if tools and "tool_use" in self.chat_templates:
+            return self.chat_templates["tool_use"]
+        if "default" in self.chat_templates:
+            return self.chat_templates["default"]
+        if self.chat_templates:
+            raise ChatTemplateError(f"model {self.name} has several chat templates and no default: pass one of "
+                                    f"{sorted(self.chat_templates)} as chat_template")
+        raise ChatTemplateError(f"model {self.name} has no chat template; pass chat_template=... (a jinja2 string) "
+                                "or use plain prompts")
+
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, chat_template: str | None = None,
+                            **template_kwargs: Any) -> str:
+        template = self.get_chat_template(chat_template, tools)
+        return render_chat_template(template, messages, template_name=self.name,
+                                    add_generation_prompt=add_generation_prompt, tools=tools,
+                                    special_tokens=self.special_tokens, **template_kwargs)
+
+
+def load_tokenizer(source: ModelSource) -> Tokenizer:
+    if source.format == "gguf":
+        return _load_gguf_tokenizer(source)
+    return _load_hf_tokenizer(source)
+
+
+def _load_gguf_tokenizer(source: ModelSource) -> Tokenizer:
+    from ferrox.loader.gguf_file import open_gguf
+    from ferrox.loader.gguf_tokenizer import build_gguf_tokenizer
+
+    gguf = open_gguf(source.path)
+    tok = build_gguf_tokenizer(gguf)
+    meta = gguf.metadata
+    tokens = gguf.array("tokenizer.ggml.tokens") or []
+
+    def token(key: str) -> str | None:
+        idx = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[int(idx)] if idx is not None and 0 <= int(idx) < len(tokens) else None
+
+    specials = {"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
+                "unk_token": token("unknown_token_id"), "pad_token": token("padding_token_id")}
+    eos = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                   "tokenizer.ggml.eom_token_id") if k in meta]
+    template = meta.get("tokenizer.chat_template")
+    return Tokenizer(tok, name=source.name, special_tokens=specials, eos_token_ids=eos, chat_template=template)
+
+
+def _token_content(value: Any) -> str | None:
+    if isinstance(value, dict):  # {"content": "<s>", "lstrip": false, ...}
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _load_hf_tokenizer(source: ModelSource) -> Tokenizer:
+    folder = source.path
+    path = os.path.join(folder, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise ModelNotFoundError(f"model folder {folder} has no tokenizer.json (ferrox needs the fast-tokenizer "
+                                 "file; convert a slow tokenizer with transformers' save_pretrained)")
+    try:
+        tok = HFTokenizer.from_file(path)
+    except Exception as e:
+        raise ModelLoadError(f"cannot parse {path}: {e}") from e
+
+    def optional_json(name: str) -> dict[str, Any]:
+        p = os.path.join(folder, name)
+        return read_json(p) if os.path.isfile(p) else {}
+
+    tok_config = optional_json("tokenizer_config.json")
+    special_map = optional_json("special_tokens_map.json")
+    specials = {n: _token_content(tok_config.get(n)) or _token_content(special_map.get(n)) for n in _SPECIAL_NAMES}
+
+    template: str | dict[str, str] | None = tok_config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": "..."}, ...]
+        template = {t["name"]: t["template"] for t in template if isinstance(t, dict) and "name" in t}
+    jinja_path = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(jinja_path):  # transformers >= 4.49 saves the template beside the config
+        with open(jinja_path, encoding="utf-8") as f:
+            template = f.read()
+    elif not template:
+        template = optional_json("chat_template.json").get("chat_template")
+
+    _apply_bos_eos_flags(tok, tok_config, specials)
+
+    eos: list[int] = []
+    for cfg in (optional_json("generation_config.json"), optional_json("config.json")):
+        value = cfg.get("eos_token_id")
+        eos.extend([value] if isinstance(value, int) else [v for v in value or [] if isinstance(v, int)])
+    eos_token_id = tok.token_to_id(specials["eos_token"]) if specials["eos_token"] else None
+    if eos_token_id is not None:
+        eos.insert(0, eos_token_id)
+    return Tokenizer(tok, name=source.name, special_tokens=specials, eos_token_ids=eos, chat_template=template)
+
+
+def _apply_bos_eos_flags(tok: HFTokenizer, tok_config: dict[str, Any], specials: dict[str, str | None]) -> None:
+    """Honour explicit add_bos_token / add_eos_token of tokenizer_config.json when tokenizer.json's
+    post-processor disagrees (transformers rebuilds the post-processor from these flags)."""
+    from tokenizers import processors
+
+    want_bos, want_eos = tok_config.get("add_bos_token"), tok_config.get("add_eos_token")
+    if want_bos is None and want_eos is None:
+        return
+    probe = tok.encode("a", add_special_tokens=True).ids
+    bos_id = tok.token_to_id(specials["bos_token"]) if specials["bos_token"] else None
+    eos_id = tok.token_to_id(specials["eos_token"]) if specials["eos_token"] else None
+    has_bos = bos_id is not None and probe[:1] == [bos_id]
+    has_eos = eos_id is not None and probe[-1:] == [eos_id]
+    bos = has_bos if want_bos is None else bool(want_bos) and bos_id is not None
+    eos = has_eos if want_eos is None else bool(want_eos) and eos_id is not None
+    if (bos, eos) == (has_bos, has_eos):
+        return
+    single, special = ["$A:0"], []
+    if bos:
+        single.insert(0, f"{specials['bos_token']}:0")
+        special.append((specials["bos_token"], bos_id))
+    if eos:
+        single.append(f"{specials['eos_token']}:0")
+        special.append((specials["eos_token"], eos_id))
+    tok.post_processor = processors.TemplateProcessing(single=" ".join(single), special_tokens=special)

@@ -1,0 +1,63 @@
+"""Iterators of (HF tensor name, tensor) from checkpoint files, for `model.load_weights`.
+
+Safetensors: one `model.safetensors`, or shards listed in `model.safetensors.index.json` (every
+shard named by the index must exist; every tensor must be where the index says).
+GGUF: dequantized to float32 by gguf_file.py, the caller casts to the run dtype.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator
+
+import torch
+
+from ferrox.loader.errors import ModelLoadError, ModelNotFoundError
+from ferrox.loader.model_config import read_json
+
+
+def safetensors_files(folder: str) -> list[str]:
+    index_path = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        index = read_json(index_path)
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{index_path}: field 'weight_map' is missing or empty")
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not os.path.isfile(os.path.join(folder, f))]
+        if missing:
+            raise ModelNotFoundError(f"{index_path} names shard(s) that do not exist: {', '.join(missing)}")
+        return [os.path.join(folder, f) for f in files]
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    found = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if found:
+        return found
+    raise ModelNotFoundError(f"model folder {folder} has no *.safetensors weights (use load_format='dummy' "
+                             "for random weights)")
+
+
+def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for path in safetensors_files(folder):
+        try:
+            handle = safe_open(path, framework="pt", device="cpu")
+        except Exception as e:  # SafetensorError: header too small / invalid JSON / truncated
+            raise ModelLoadError(f"cannot read safetensors file {path}: {e} (truncated or corrupt?)") from e
+        with handle as f:
+            for name in f.keys():
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as e:
+                    raise ModelLoadError(f"cannot read tensor {name!r} from {path}: {e}") from e
+                yield name, tensor
+
+
+def iter_gguf(path: str, n_heads: int, n_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
+    from ferrox.loader.gguf_file import open_gguf
+
+    for name, array in open_gguf(path).iter_hf_tensors(n_heads, n_kv_heads):
+        yield name, torch.from_numpy(array)

@@ -1,0 +1,215 @@
+"""Llama-family decoder (Llama 2/3/3.1, Mistral, SmolLM2), also the base of the Qwen models.
+
+Shapes: every forward takes a flat batch of T tokens (requests concatenated, any mix of prefill
+chunks and decodes); attention metadata tells the backend where each request's rows are.
+Projections are merged (q/k/v -> qkv_proj, gate/up -> gate_up_proj) so a layer runs 4 matmuls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ferrox.attention.backend import AttentionBackend, get_attention_backend
+from ferrox.attention.metadata import AttentionMetadata
+from ferrox.layers.activation import SiluAndMul
+from ferrox.layers.layernorm import RMSNorm
+from ferrox.layers.linear import Linear, MergedLinear
+from ferrox.layers.rotary import RotaryEmbedding, apply_rotary
+from ferrox.loader.errors import ModelLoadError, UnsupportedModelError
+from ferrox.loader.model_config import ModelSpec
+
+# HF checkpoint names folded into a merged layer: (merged module, shard name).
+_MERGED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+# Checkpoint entries that carry no weights we need (precomputed rotary tables of old exports).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, dtype, device, *, qkv_bias: bool,
+                 o_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.scale = self.head_dim ** -0.5
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(spec.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias,
+                                     dtype=dtype, device=device)
+        self.o_proj = Linear(q_size, spec.hidden_size, bias=o_bias, dtype=dtype, device=device)
+        # Qwen3: RMSNorm over each head's q and k before rotary.
+        self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, dtype, device) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, dtype, device) if qk_norm else None
+        self.backend = backend
+
+    def forward(self, x, cos, sin, kv_cache, meta):
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        v = qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # One rotary pass over q and k together (they are adjacent columns of qkv).
+            qk = apply_rotary(qkv[:, :q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim),
+                              cos, sin)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        else:
+            q = self.q_norm(qkv[:, :q_size].view(t, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, q_size:q_size + kv_size].view(t, self.num_kv_heads, self.head_dim))
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype, device):
+        super().__init__()
+        if spec.hidden_act not in ("silu", "swish"):
+            raise UnsupportedModelError(f"config.json: hidden_act {spec.hidden_act!r} is not supported (only silu)")
+        inter = spec.intermediate_size
+        self.gate_up_proj = MergedLinear(spec.hidden_size, {"gate": inter, "up": inter}, bias=spec.mlp_bias,
+                                         dtype=dtype, device=device)
+        self.act = SiluAndMul()
+        self.down_proj = Linear(inter, spec.hidden_size, bias=spec.mlp_bias, dtype=dtype, device=device)
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, dtype, device, *, qkv_bias, o_bias, qk_norm):
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.self_attn = LlamaAttention(spec, backend, dtype, device, qkv_bias=qkv_bias, o_bias=o_bias,
+                                        qk_norm=qk_norm)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.mlp = LlamaMLP(spec, dtype, device)
+
+    def forward(self, x, residual, cos, sin, kv_cache, meta):
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, dtype, device, *, qkv_bias, o_bias, qk_norm):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(spec, backend, dtype, device, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm)
+            for _ in range(spec.num_layers)
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, device)
+
+    def forward(self, input_ids, positions, kv_caches, meta):
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            h, residual = layer(h, residual, cos, sin, kv_caches[i], meta)
+        h, _ = self.norm(h, residual)
+        return h
+
+
+class LlamaForCausalLM(nn.Module):
+    # Architecture switches the Qwen subclasses flip.
+    qkv_bias_always = False  # Qwen2: q/k/v carry a bias whatever attention_bias says
+    qk_norm = False  # Qwen3: per-head RMSNorm of q and k
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.spec = spec
+        self.backend = get_attention_backend(device)
+        bias = spec.attention_bias
+        self.model = LlamaModel(spec, self.backend, dtype, device, qkv_bias=bias or self.qkv_bias_always,
+                                o_bias=bias, qk_norm=self.qk_norm)
+        if spec.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype, device=device)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm; logits come from compute_logits on the rows
+        that need sampling, so a long prefill never materialises [T, vocab]."""
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"kv_caches has {len(kv_caches)} tensors, the model has {len(self.model.layers)} layers")
+        self.backend.begin_forward(attn_metadata)
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named checkpoint tensors in; every parameter must be set exactly once."""
+        params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
+        expected = set(params)
+        # Merged layers expect one tensor per shard.
+        for name, module in modules.items():
+            if isinstance(module, MergedLinear):
+                expected.discard(f"{name}.weight")
+                expected.discard(f"{name}.bias")
+                for shard in module.shard_sizes:
+                    expected.add(f"{name}.weight#{shard}")
+                    if module.bias is not None:
+                        expected.add(f"{name}.bias#{shard}")
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints store the copy anyway
+            prefix, _, leaf = name.rpartition(".")
+            parent, _, proj = prefix.rpartition(".")
+            if proj in _MERGED:
+                merged, shard = _MERGED[proj]
+                module = modules.get(f"{parent}.{merged}")
+                if not isinstance(module, MergedLinear):
+                    unexpected.append(name)
+                    continue
+                try:
+                    module.load_shard(leaf, shard, tensor)
+                except ValueError as e:
+                    raise ModelLoadError(f"tensor {name!r}: {e}") from e
+                key = f"{parent}.{merged}.{leaf}#{shard}"
+            else:
+                param = params.get(name)
+                if param is None:
+                    unexpected.append(name)
+                    continue
+                if tuple(param.shape) != tuple(tensor.shape):
+                    raise ModelLoadError(f"tensor {name!r}: checkpoint shape {tuple(tensor.shape)}, model expects "
+                                         f"{tuple(param.shape)} (config.json does not match the weights?)")
+                param.data.copy_(tensor)
+                key = name
+            loaded.add(key)
+        if unexpected:
+            raise ModelLoadError(f"checkpoint has {len(unexpected)} tensor(s) this {self.spec.architecture} does not "
+                                 f"use: {', '.join(sorted(unexpected)[:8])}")
+        missing = expected - loaded
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): "
+                                 f"{', '.join(sorted(m.replace('#', ' shard ') for m in missing)[:8])}")
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Same weights and maths as Llama (sliding-window attention is not applied; see README)."""

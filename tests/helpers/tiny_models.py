@@ -1,0 +1,163 @@
+"""Tiny random models in a temp folder, laid out like a Hugging Face checkpoint.
+
+Each builder writes config.json + safetensors (a transformers model with random init, saved with
+save_pretrained), generation_config.json, a small byte-level BPE tokenizer.json trained here on
+a fixed corpus, and tokenizer_config.json with a ChatML chat template. Shared by the model,
+engine and server tests:
+
+    folder = make_tiny_llama(tmp_path / "llama")
+    llm = LLM(model=folder, ...)
+
+Builders are deterministic for a given seed. transformers is imported lazily (seconds to import).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a tiny test model.<|im_end|>\n' }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
+EOS_TOKEN_ID = 2
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+    "def add(a, b):\n    return a + b\n",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 123 2024 3.14159",
+    "Unicode: café, naïve, Zürich, 東京, Москва, 🙂 emoji.",
+    "Hello world! How are you today? I am fine, thank you.",
+    "A tiny model for tests: it writes random tokens, but the same ones every time.",
+] * 4
+
+
+def build_tokenizer(vocab_size: int = 384):
+    """A byte-level BPE (GPT-2 style) trained on a fixed corpus; specials first (ids 0..2)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    return tok
+
+
+def _write_tokenizer(folder: str, tok) -> None:
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": "<|endoftext|>",
+        "chat_template": CHATML_TEMPLATE,
+        "model_max_length": 2048,
+        "add_bos_token": False,
+    }
+    with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+
+
+def _save(folder: str, model, tok, *, max_shard_size: str | None, generation: dict[str, Any] | None) -> str:
+    os.makedirs(folder, exist_ok=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, safe_serialization=True, **kwargs)
+    _write_tokenizer(folder, tok)
+    gen = {"eos_token_id": EOS_TOKEN_ID, "bos_token_id": 1, **(generation or {})}
+    with open(os.path.join(folder, "generation_config.json"), "w", encoding="utf-8") as f:
+        json.dump(gen, f, indent=2)
+    # transformers may write chat_template.jinja or not depending on version; ours lives in tokenizer_config.
+    return folder
+
+
+def _common(tok, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, max_position_embeddings,
+            tie_word_embeddings) -> dict[str, Any]:
+    return dict(
+        vocab_size=tok.get_vocab_size(), hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=1, eos_token_id=EOS_TOKEN_ID, pad_token_id=0,
+        # Wider init than a real model's 0.02, so random logits have clear winners and greedy
+        # parity is not decided by float rounding between near-tied tokens.
+        initializer_range=0.1, rms_norm_eps=1e-6,
+    )
+
+
+def make_tiny_llama(folder, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+                    intermediate_size: int = 128, max_position_embeddings: int = 2048, rope_theta: float = 10000.0,
+                    rope_scaling: dict[str, Any] | None = None, tie_word_embeddings: bool = False,
+                    max_shard_size: str | None = None, seed: int = 0, generation: dict[str, Any] | None = None) -> str:
+    """A Llama (GQA 4/2 by default). rope_scaling e.g. {"rope_type": "llama3", "factor": 8.0,
+    "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = build_tokenizer()
+    params = _common(tok, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
+                     max_position_embeddings, tie_word_embeddings)
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta}
+    if rope_scaling:
+        rope = {**rope_scaling, "rope_theta": rope_theta}
+    config = LlamaConfig(**params, rope_parameters=rope)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    return _save(str(folder), model, tok, max_shard_size=max_shard_size, generation=generation)
+
+
+def make_tiny_qwen3(folder, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+                    head_dim: int = 32, intermediate_size: int = 128, max_position_embeddings: int = 2048,
+                    tie_word_embeddings: bool = True, max_shard_size: str | None = None, seed: int = 0,
+                    generation: dict[str, Any] | None = None) -> str:
+    """A Qwen3 (per-head q/k RMSNorm; head_dim decoupled from hidden_size / num_heads)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tok = build_tokenizer()
+    params = _common(tok, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
+                     max_position_embeddings, tie_word_embeddings)
+    config = Qwen3Config(**params, head_dim=head_dim, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).to(torch.float32)
+    _randomize_norms(model)
+    return _save(str(folder), model, tok, max_shard_size=max_shard_size, generation=generation)
+
+
+def make_tiny_qwen2(folder, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+                    intermediate_size: int = 128, max_position_embeddings: int = 2048,
+                    tie_word_embeddings: bool = False, seed: int = 0) -> str:
+    """A Qwen2 (bias on q/k/v)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tok = build_tokenizer()
+    params = _common(tok, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
+                     max_position_embeddings, tie_word_embeddings)
+    config = Qwen2Config(**params, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    with torch.no_grad():  # HF inits biases at 0; make them matter
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, 0.1)
+    return _save(str(folder), model, tok, max_shard_size=None, generation=None)
+
+
+def _randomize_norms(model) -> None:
+    """HF inits norm weights at 1; random ones make the q/k-norm weights actually tested."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)

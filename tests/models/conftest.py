@@ -1,0 +1,65 @@
+"""Shared fixtures for model tests: the embedded SmolLM2 (ferrox and transformers, loaded once per
+session) and a small transformers-reference greedy helper."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from ferrox.loader.model_loader import load_model, load_model_spec
+from ferrox.loader.source import ModelSource, resolve_model
+from ferrox.loader.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="session")
+def smollm_source() -> ModelSource:
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer(smollm_source):
+    return load_tokenizer(smollm_source)
+
+
+@pytest.fixture(scope="session")
+def smollm_model(smollm_source):
+    spec = load_model_spec(smollm_source)
+    return load_model(smollm_source, spec, dtype=torch.float32, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(smollm_source):
+    transformers = pytest.importorskip("transformers")
+    folder, name = os.path.split(smollm_source.path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm_tokenizer(smollm_source):
+    transformers = pytest.importorskip("transformers")
+    folder, name = os.path.split(smollm_source.path)
+    return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy generate for one prompt (no padding, so no mask effects). Stops at
+    EOS like transformers does; compare with `cut_at_eos` of ferrox's tokens."""
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=0, top_p=None, top_k=None, temperature=None)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def cut_at_eos(tokens: list[int], eos_ids: list[int]) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in eos_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
+@torch.inference_mode()
+def hf_last_logits(model, prompt_ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([prompt_ids])).logits[0, -1].float()
