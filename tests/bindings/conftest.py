@@ -1,0 +1,72 @@
+"""Fixtures for the binding tests: real byte-level BPE tokenizers trained in-process with the
+`tokenizers` package (no hub access), and a helper that drives the Rust scheduler."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+_WORDS = (
+    "the of and to in is was for on that with as by at from his her are this be which an or had "
+    "not but they have it were one all their there can been has more if will would who so no "
+    "model token cache block prefix schedule request stream answer question hello world paris "
+    "capital france rust python engine batch decode prefill chunk budget stop string emoji"
+).split()
+_EXTRA = ["héllo", "naïve", "café", "über", "日本語", "中文字符", "東京", "한국어", "🦀", "🚀", "👍🏽", "👨‍👩‍👧", "∑∫√", "—", "…"]
+
+
+def make_corpus(n_lines: int, seed: int = 0, n_invented: int = 300) -> list[str]:
+    """Lines of common words, multi-byte words and invented syllable words (more invented words
+    give the BPE trainer more distinct merges, hence a larger vocabulary)."""
+    rng = random.Random(seed)
+    syllables = ["ka", "lo", "mi", "ren", "tsu", "ve", "dor", "quin", "sha", "bel", "xo", "ny", "gri", "ap", "eu"]
+    invented = ["".join(rng.choice(syllables) for _ in range(rng.randint(2, 5))) for _ in range(n_invented)]
+    vocab = _WORDS + _EXTRA + invented
+    lines = []
+    for _ in range(n_lines):
+        words = [rng.choice(vocab) for _ in range(rng.randint(3, 18))]
+        sep = rng.choice([" ", " ", " ", ", ", ". ", "\n"])
+        lines.append(sep.join(words) + rng.choice([".", "!", "?", "", " 42", " 3.14"]))
+    return lines
+
+
+def train_byte_level_bpe(vocab_size: int, n_lines: int, n_invented: int = 300) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(make_corpus(n_lines, n_invented=n_invented), trainer=trainer)
+    return tok
+
+
+@pytest.fixture(scope="session")
+def byte_level_tokenizer() -> Tokenizer:
+    """A real GPT-2-style byte-level BPE (the decoder family of SmolLM2, Llama 3, Qwen)."""
+    return train_byte_level_bpe(vocab_size=2000, n_lines=4000)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_json(byte_level_tokenizer: Tokenizer) -> str:
+    return byte_level_tokenizer.to_str()
+
+
+@pytest.fixture(scope="session")
+def metaspace_tokenizer() -> Tokenizer:
+    """A SentencePiece-style tokenizer (Metaspace decoder), which takes the crate's streaming
+    decoder fallback instead of the byte table."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.normalizer = normalizers.NFKC()
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=1500, special_tokens=["<unk>", *SPECIAL_TOKENS], show_progress=False)
+    tok.train_from_iterator(make_corpus(2000, seed=1), trainer=trainer)
+    return tok
