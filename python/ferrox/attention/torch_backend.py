@@ -46,7 +46,7 @@ class _Plan:
     prefills: list[_PrefillChunk] = field(default_factory=list)
 
 
-def _build_plan(meta: AttentionMetadata, block_size: int) -> _Plan:
+def _build_plan(meta: AttentionMetadata, block_size: int, has_cache: bool) -> _Plan:
     starts = meta.query_start_loc_cpu.tolist()
     seq_lens = meta.seq_lens_cpu.tolist()
     plan = _Plan(num_tokens=meta.num_actual_tokens)
@@ -57,12 +57,14 @@ def _build_plan(meta: AttentionMetadata, block_size: int) -> _Plan:
         q_len = end - start
         if q_len == 0:
             continue
-        if q_len == 1:
-            decode_rows.append(r)
-            continue
         context = seq_len - q_len
         if context < 0:
             raise ValueError(f"request {r}: seq_len {seq_len} is shorter than its {q_len} query tokens")
+        if not has_cache and context > 0:
+            raise ValueError(f"request {r} has {context} cached tokens but the step has no KV cache")
+        if q_len == 1 and has_cache:
+            decode_rows.append(r)
+            continue
         chunk = _PrefillChunk(start, end, context, seq_len, None, None)
         if context > 0:
             n_blocks = -(-seq_len // block_size)
@@ -103,8 +105,9 @@ class TorchAttentionBackend(AttentionBackend):
         self._meta = None  # the plan depends on block_size, known at the first layer call
 
     def _plan_for(self, meta: AttentionMetadata, block_size: int) -> _Plan:
+        # block_size 0 stands for "no KV cache" (profiling forward).
         if self._meta is not meta or self._block_size != block_size or self._plan is None:
-            self._plan = _build_plan(meta, block_size)
+            self._plan = _build_plan(meta, max(block_size, 1), block_size > 0)
             self._meta = meta
             self._block_size = block_size
         return self._plan
@@ -112,7 +115,7 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, kv_cache, meta, scale):
         n = meta.num_actual_tokens
         has_cache = kv_cache.numel() > 0
-        block_size = kv_cache.shape[2] if has_cache else 1
+        block_size = kv_cache.shape[2] if has_cache else 0
         plan = self._plan_for(meta, block_size)
         if has_cache:
             k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -132,8 +135,6 @@ class TorchAttentionBackend(AttentionBackend):
                 vc = v[chunk.start:chunk.end].transpose(0, 1)
                 o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                if not has_cache:
-                    raise ValueError("a prefill chunk with cached context needs a KV cache")
                 kc = _gather(k_cache, chunk.block_ids, chunk.seq_len).transpose(0, 1)
                 vc = _gather(v_cache, chunk.block_ids, chunk.seq_len).transpose(0, 1)
                 o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
@@ -141,8 +142,6 @@ class TorchAttentionBackend(AttentionBackend):
 
         group = plan.decode
         if group is not None:
-            if not has_cache:
-                raise ValueError("decode tokens need a KV cache")
             qd = q[group.token_slice] if group.token_slice is not None else q.index_select(0, group.token_index)
             qd = qd[:, :, None, :]  # [B, H, 1, D]
             kd = _gather_batch(k_cache, group.block_ids, group.kv_len).transpose(1, 2)  # [B, Hkv, L, D]
