@@ -6,6 +6,8 @@ import anthropic
 import pytest
 
 MODEL = "smol"
+# Recent anthropic SDKs dropped temperature/top_p/top_k from create(); the API still takes them.
+GREEDY = {"extra_body": {"temperature": 0}}
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +18,7 @@ def client(base_url):
 
 def test_message_non_streaming(client):
     msg = client.messages.create(
-        model=MODEL, max_tokens=24, temperature=0, system="You are a helpful assistant.",
+        model=MODEL, max_tokens=24, **GREEDY, system="You are a helpful assistant.",
         messages=[{"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}],
     )
     assert msg.type == "message" and msg.role == "assistant" and msg.model == MODEL
@@ -32,17 +34,17 @@ def test_max_tokens_stop_reason(client):
 
 def test_stop_sequence(client):
     messages = [{"role": "user", "content": "Count from 1 to 10, separated by commas."}]
-    base = client.messages.create(model=MODEL, max_tokens=40, temperature=0, messages=messages).content[0].text
+    base = client.messages.create(model=MODEL, max_tokens=40, messages=messages, **GREEDY).content[0].text
     assert "5" in base, base
-    msg = client.messages.create(model=MODEL, max_tokens=40, temperature=0, messages=messages, stop_sequences=["5"])
+    msg = client.messages.create(model=MODEL, max_tokens=40, messages=messages, stop_sequences=["5"], **GREEDY)
     assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == "5"
     assert msg.content[0].text == base[: base.index("5")]
 
 
 def test_streaming_event_sequence(client):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    whole = client.messages.create(model=MODEL, max_tokens=16, temperature=0, messages=messages)
-    with client.messages.stream(model=MODEL, max_tokens=16, temperature=0, messages=messages) as stream:
+    whole = client.messages.create(model=MODEL, max_tokens=16, messages=messages, **GREEDY)
+    with client.messages.stream(model=MODEL, max_tokens=16, messages=messages, **GREEDY) as stream:
         events = list(stream)
         final = stream.get_final_message()
     kinds = [e.type for e in events]

@@ -35,7 +35,8 @@ def request(url: str, method: str = "GET", headers: dict[str, str] | None = None
         async with aiohttp.ClientSession() as session:
             async with session.request(method, url, headers=headers or {}, json=body) as resp:
                 text = await resp.text()
-                return resp.status, (json.loads(text) if text else None)
+                is_json = resp.content_type == "application/json"
+                return resp.status, (json.loads(text) if is_json else text)
 
     return asyncio.run(run())
 

@@ -155,11 +155,12 @@ class AsyncLLM:
         self.client = CoreClient(config, log_level=str(log_level))
         self._finalizer = weakref.finalize(self, self.client.shutdown)
         try:
+            # The tokenizer loads here while the core process loads the model.
             self.tokenizer = load_tokenizer(source)
+            info = self.client.wait_ready()
         except BaseException:
             self.shutdown()
             raise
-        info = self.client.info
         self.model_name: str = config.served_model_name or info.model_name
         self.max_model_len: int = info.max_model_len
         self.kv_capacity_tokens: int = info.kv_capacity_tokens

@@ -82,19 +82,41 @@ class CoreClient:
             name="ferrox-engine-core",
             daemon=True,
         )
+        self._startup_timeout_s = startup_timeout_s
+        self._handshake = self._sync_ctx.socket(zmq.PULL)
+        self._handshake.setsockopt(zmq.LINGER, 0)
+        self._handshake.bind(handshake_addr)
+        self._info: cp.CoreInfo | None = None
         try:
-            self.info = self._start(handshake_addr, startup_timeout_s)
+            self.proc.start()
         except BaseException:
             self.shutdown()
             raise
 
     # ---- startup ------------------------------------------------------------------------------
-    def _start(self, handshake_addr: str, timeout_s: float) -> cp.CoreInfo:
-        handshake = self._sync_ctx.socket(zmq.PULL)
-        handshake.setsockopt(zmq.LINGER, 0)
-        handshake.bind(handshake_addr)
+    @property
+    def info(self) -> cp.CoreInfo:
+        """The core's handshake (waits for it on first access)."""
+        if self._info is None:
+            self.wait_ready()
+        assert self._info is not None
+        return self._info
+
+    def wait_ready(self) -> cp.CoreInfo:
+        """Block until the core reports READY; EngineStartupError (and the child reaped) otherwise.
+        Separate from __init__ so the caller can load its tokenizer while the model loads."""
+        if self._info is not None:
+            return self._info
         try:
-            self.proc.start()
+            self._info = self._wait_handshake(self._startup_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        return self._info
+
+    def _wait_handshake(self, timeout_s: float) -> cp.CoreInfo:
+        handshake = self._handshake
+        try:
             deadline = time.monotonic() + timeout_s
             while not handshake.poll(200):
                 if not self.proc.is_alive():
@@ -212,6 +234,7 @@ class CoreClient:
             if self.proc.is_alive():
                 self.proc.kill()
                 self.proc.join(1.0)
+        self._handshake.close(linger=0)
         self._input.close(linger=0)
         self._output.close(linger=0)
         self._sync_ctx.term()
