@@ -1,0 +1,192 @@
+"""Shared set-up for the GPU benchmarks: a model folder for `load_format="dummy"`, random prompts,
+and the machine's own ceilings (copy bandwidth, bf16 matmul rate) measured in the same run.
+
+No tokenizer exists on the GPU machine, so `make_model_dir` writes a byte-level BPE
+tokenizer.json built with the `tokenizers` package: the 256 byte symbols, synthetic multi-byte
+tokens up to the first special id, and Llama-3-style special tokens (<|begin_of_text|>,
+<|end_of_text|>, <|eom_id|>, <|eot_id|>, reserved ones) at the config's ids, so every id the
+dummy model can emit decodes to bytes and the EOS ids are real special tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_8B_CONFIG = ROOT / "benches" / "configs" / "llama-3.1-8b" / "config.json"
+
+_SPECIALS = {128000: "<|begin_of_text|>", 128001: "<|end_of_text|>", 128006: "<|start_header_id|>",
+             128007: "<|end_header_id|>", 128008: "<|eom_id|>", 128009: "<|eot_id|>"}
+
+
+def _synthetic_vocab(size: int) -> dict[str, int]:
+    """Byte-level tokens: the 256 byte symbols first, then distinct 2- and 3-symbol strings."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = sorted(ByteLevel.alphabet())
+    vocab = {sym: i for i, sym in enumerate(alphabet)}
+    # Letters first so the early ids look like text when decoded; the rest of the alphabet after.
+    letters = [c for c in alphabet if c.isalpha() and c.isascii()]
+    ordered = letters + [c for c in alphabet if c not in letters]
+    for a in ordered:
+        for b in ordered:
+            if len(vocab) >= size:
+                return vocab
+            vocab.setdefault(a + b, len(vocab))
+    for a in ordered:
+        for b in ordered:
+            for c in letters:
+                if len(vocab) >= size:
+                    return vocab
+                vocab.setdefault(a + b + c, len(vocab))
+    return vocab
+
+
+def build_tokenizer_json(vocab_size: int, first_special: int) -> str:
+    """tokenizer.json text: byte-level BPE over `first_special` ordinary ids, specials above."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = _synthetic_vocab(min(first_special, vocab_size))
+    merges: list[tuple[str, str]] = []
+    for token in vocab:
+        if len(token) == 2:  # a merge for each 2-symbol token, so encoding produces some of them
+            merges.append((token[0], token[1]))
+        if len(merges) >= 20000:
+            break
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = [AddedToken(_SPECIALS.get(i, f"<|reserved_special_token_{i - first_special}|>"), special=True)
+                for i in range(first_special, vocab_size)]
+    tok.add_special_tokens(specials)
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"synthetic tokenizer has {tok.get_vocab_size()} ids, wanted {vocab_size}")
+    return tok.to_str()
+
+
+def make_model_dir(config_path: str | os.PathLike = LLAMA_8B_CONFIG, out_dir: str | None = None) -> str:
+    """A folder with config.json + tokenizer.json + tokenizer_config.json (temp dir unless given)."""
+    config = json.loads(Path(config_path).read_text())
+    folder = Path(out_dir or tempfile.mkdtemp(prefix="ferrox-bench-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(config_path, folder / "config.json")
+    vocab_size = int(config["vocab_size"])
+    bos = config.get("bos_token_id")
+    eos = config.get("eos_token_id")
+    eos_ids = eos if isinstance(eos, list) else [eos]
+    first_special = min([i for i in [bos, *eos_ids] if isinstance(i, int)] + [vocab_size])
+    (folder / "tokenizer.json").write_text(build_tokenizer_json(vocab_size, first_special))
+    names = {i: _SPECIALS.get(i, f"<|reserved_special_token_{i - first_special}|>") for i in range(first_special, vocab_size)}
+    tokenizer_config = {
+        "bos_token": names.get(bos) if isinstance(bos, int) else None,
+        "eos_token": names.get(eos_ids[0]) if eos_ids and isinstance(eos_ids[0], int) else None,
+        "chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:",
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": eos}))
+    return str(folder)
+
+
+def random_prompts(num: int, input_len: int, max_id: int, seed: int = 0) -> list[dict[str, list[int]]]:
+    """Token-id prompts below the special ids (vLLM's throughput benchmark uses random ids too)."""
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(max_id) for _ in range(input_len)]} for _ in range(num)]
+
+
+def first_special_id(config: dict[str, Any]) -> int:
+    eos = config.get("eos_token_id")
+    ids = [config.get("bos_token_id"), *(eos if isinstance(eos, list) else [eos])]
+    return min([i for i in ids if isinstance(i, int)] + [int(config["vocab_size"])])
+
+
+def num_params(config: dict[str, Any]) -> int:
+    """Parameter count of a Llama-family config (what the weight bytes follow from)."""
+    hidden, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or hidden // heads
+    vocab = config["vocab_size"]
+    per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter + 2 * hidden
+    lm_head = 0 if config.get("tie_word_embeddings") else vocab * hidden
+    return vocab * hidden + layers * per_layer + hidden + lm_head
+
+
+def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int = 2) -> int:
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads", heads)
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes
+
+
+def attention_flops_per_token(config: dict[str, Any], context: float) -> float:
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return 4.0 * config["num_hidden_layers"] * heads * head_dim * context
+
+
+def measure_copy_bandwidth_gbps() -> float:
+    """Device-to-device copy of 2 GiB, bytes read + written per second (median of 20)."""
+    import torch
+
+    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 2 / _median_ms(lambda: dst.copy_(src), 20) / 1e6
+
+
+def measure_matmul_tflops() -> float:
+    """bf16 8192^3 matmul on random data (the compute ceiling the throughput floor uses)."""
+    import torch
+
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn_like(a)
+    return 2 * 8192**3 / _median_ms(lambda: a @ b, 20) / 1e9
+
+
+def _median_ms(fn, reps: int) -> float:
+    import torch
+
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def environment() -> dict[str, str]:
+    import torch
+
+    info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = "none"
+    info["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)"
+    return info
+
+
+def process_age_seconds() -> float:
+    """Seconds since this process started (start-up time includes interpreter + imports)."""
+    try:
+        ticks = os.sysconf("SC_CLK_TCK")
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / ticks)
+    except (OSError, ValueError, IndexError):
+        return math.nan
