@@ -6,7 +6,8 @@ import pytest
 import torch
 from ferrox.attention.metadata import AttentionMetadata
 from ferrox.worker.cuda_graphs import batch_size_ladder
-from kernel_refs import relative_error
+
+from tests.kernels.kernel_refs import relative_error
 
 BLOCK = 16
 

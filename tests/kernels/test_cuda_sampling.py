@@ -9,7 +9,8 @@ import pytest
 import torch
 from ferrox.kernels import cuda_sampling
 from ferrox.kernels.cuda_sampling import top_k_top_p_sample, top_k_top_p_sample_torch
-from kernel_refs import top_k_top_p_mask_ref
+
+from tests.kernels.kernel_refs import top_k_top_p_mask_ref
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.skipif(INTERPRETED, reason="no Triton here: runs in the parent process only")

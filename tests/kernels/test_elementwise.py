@@ -9,7 +9,8 @@ import torch
 from ferrox.kernels.activation import silu_and_mul
 from ferrox.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 from ferrox.kernels.rotary import neox_cos_sin_cache, rope_inv_freq, rotary_neox_
-from kernel_refs import relative_error, rms_norm_ref, rotary_neox_ref, silu_and_mul_ref
+
+from tests.kernels.kernel_refs import relative_error, rms_norm_ref, rotary_neox_ref, silu_and_mul_ref
 
 LLAMA31_ROPE_SCALING = {
     "rope_type": "llama3",

@@ -6,7 +6,8 @@ import pytest
 import torch
 from ferrox.kernels.paged_attention import _num_sms, choose_num_splits, unified_attention
 from ferrox.kernels.reshape_and_cache import reshape_and_cache
-from kernel_refs import PagedBatch, paged_attention_ref, relative_error
+
+from tests.kernels.kernel_refs import PagedBatch, paged_attention_ref, relative_error
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float16: 3e-3}
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from ferrox.kernels.reshape_and_cache import reshape_and_cache
-from kernel_refs import PagedBatch
+
+from tests.kernels.kernel_refs import PagedBatch
 
 
 def _check(batch: PagedBatch) -> None:

@@ -6,7 +6,8 @@ import pytest
 import torch
 from ferrox.attention.backend import get_attention_backend
 from ferrox.attention.metadata import AttentionMetadata
-from kernel_refs import PagedBatch, relative_error
+
+from tests.kernels.kernel_refs import PagedBatch, relative_error
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2}
 
