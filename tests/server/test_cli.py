@@ -39,3 +39,13 @@ def test_bad_flag_value_exits_non_zero():
     assert res.returncode != 0 and "kv-cache-memory" in res.stderr
     res = run("serve", "--block-size", "-3")
     assert res.returncode != 0 and "block_size" in res.stderr
+
+
+def test_engine_startup_failure_is_reported(tmp_path):
+    # Passes the front-end's path checks, fails inside the engine-core process: the CLI must
+    # relay the core's error and exit non-zero (no hang, no orphan).
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"this is not a gguf file")
+    res = run("serve", str(broken), "--port", "0")
+    assert res.returncode == 1
+    assert "error" in res.stderr.lower() and "gguf" in res.stderr.lower(), res.stderr[-2000:]

@@ -87,6 +87,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     engine.add_argument("--scheduling-policy", dest="policy", default="fcfs", choices=["fcfs", "priority"],
                         help="order of waiting requests: arrival, or the request's priority field")
     engine.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs a request may ask for")
+    engine.add_argument("--num-threads", type=int, default=None,
+                        help="CPU threads for the model (torch intra-op); default: all cores torch sees")
     engine.add_argument("--chat-template", default=None,
                         help="chat template (jinja text or a file path) overriding the model's")
     return p
@@ -95,7 +97,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
 ENGINE_FLAGS = ("model", "tokenizer", "dtype", "load_format", "device", "seed", "max_model_len", "max_num_seqs",
                 "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory", "block_size",
                 "enable_prefix_caching", "enforce_eager", "policy", "max_logprobs", "chat_template",
-                "served_model_name")
+                "served_model_name", "num_threads")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,120 @@
+"""Request validation and field mapping, without a server (fast)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from ferrox.entrypoints.anthropic.protocol import MessagesRequest
+from ferrox.entrypoints.cli import parse_size
+from ferrox.entrypoints.openai.errors import from_validation_error, from_value_error
+from ferrox.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from ferrox.entrypoints.openai.structured import build_structured_outputs
+from ferrox.entrypoints.openai.tools import validate_tools
+from pydantic import ValidationError
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def test_chat_message_content_parts_flatten():
+    req = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "system", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
+        {"role": "user", "content": "hi", "name": "bob"},
+    ]})
+    assert req.messages[0].to_template_dict() == {"role": "system", "content": "be brief"}
+    assert req.messages[1].to_template_dict() == {"role": "user", "content": "hi", "name": "bob"}
+
+
+def test_max_completion_tokens_wins():
+    req = ChatCompletionRequest.model_validate({"messages": MSG, "max_tokens": 5, "max_completion_tokens": 7})
+    assert req.requested_max_tokens == 7
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": MSG, "temperature": "x"}, "temperature"),
+        ({"messages": MSG, "logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"messages": MSG, "logit_bias": {"5": 101}}, "logit_bias"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content"),
+        ({"messages": MSG, "top_logprobs": 2}, None),  # needs logprobs=true (a whole-body rule)
+    ],
+)
+def test_validation_errors_name_the_field(body, param):
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate(body)
+    err = from_validation_error(info.value)
+    assert err.status == 400 and err.param == param
+
+
+def test_completion_prompt_forms():
+    assert CompletionRequest.model_validate({"prompt": "a"}).prompts() == ["a"]
+    assert CompletionRequest.model_validate({"prompt": [1, 2]}).prompts() == [[1, 2]]
+    assert CompletionRequest.model_validate({"prompt": [[1], [2, 3]]}).prompts() == [[1], [2, 3]]
+    assert CompletionRequest.model_validate({"prompt": ["a", "b"]}).prompts() == ["a", "b"]
+    for bad in ([], [[]], [-1], {"x": 1}):
+        with pytest.raises(ValidationError):
+            CompletionRequest.model_validate({"prompt": bad})
+
+
+def test_structured_output_spellings():
+    def build(**fields):
+        return build_structured_outputs(ChatCompletionRequest.model_validate({"messages": MSG, **fields}))
+
+    assert build() is None
+    assert build(response_format={"type": "text"}) is None
+    assert build(response_format={"type": "json_object"}).json_object
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert build(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}).json == schema
+    assert build(structured_outputs={"regex": "[0-9]+"}).regex == "[0-9]+"
+    assert build(guided_choice=["yes", "no"]).choice == ["yes", "no"]
+    assert build(guided_json=schema).json == schema
+    assert build(guided_grammar="start: 'a'").grammar == "start: 'a'"
+    with pytest.raises(ValueError, match="^guided_regex: only one"):
+        build(guided_json=schema, guided_regex="a")
+    with pytest.raises(ValueError, match="^structured_outputs: unknown"):
+        build(structured_outputs={"jsn": {}})
+    with pytest.raises(ValueError, match="^guided_choice:"):
+        build(guided_choice=[])
+
+
+def test_tool_choice_validation():
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+
+    def check(**fields):
+        validate_tools(ChatCompletionRequest.model_validate({"messages": MSG, **fields}))
+
+    check(tools=tools, tool_choice="auto")
+    check(tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    with pytest.raises(ValueError, match="^tool_choice"):
+        check(tools=tools, tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(ValueError, match="^tool_choice"):
+        check(tool_choice="required")
+
+
+def test_value_error_param():
+    assert from_value_error(ValueError("top_k: must be >= 0, got -5")).param == "top_k"
+    assert from_value_error(ValueError("something odd happened"), "messages").param == "messages"
+
+
+def test_anthropic_request():
+    req = MessagesRequest.model_validate({
+        "max_tokens": 5, "system": [{"type": "text", "text": "sys"}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+    })
+    assert req.template_messages() == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]
+    with pytest.raises(ValidationError):
+        MessagesRequest.model_validate({"max_tokens": 5, "messages": [
+            {"role": "user", "content": [{"type": "image", "source": {}}]}]})
+    with pytest.raises(ValidationError):
+        MessagesRequest.model_validate({"messages": MSG})  # max_tokens is required
+
+
+def test_parse_size():
+    assert parse_size("512MiB") == 512 << 20
+    assert parse_size("2GiB") == 2 << 30
+    assert parse_size("1000") == 1000
+    assert parse_size("1.5GB") == 1_500_000_000
+    for bad in ("lots", "-1", "0", "5 parsecs"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_size(bad)
