@@ -37,7 +37,7 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
 _OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 # After the engine core dies, keep answering (503) this long before exiting, so load
 # balancers and clients see a clear "unhealthy" rather than a refused connection.
-DEAD_ENGINE_GRACE_S = 1.0
+DEAD_ENGINE_GRACE_S = 2.0
 
 CTX = web.AppKey("ctx", ServingContext)
 METRICS = web.AppKey("metrics", PrometheusStatLogger)
