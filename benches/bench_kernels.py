@@ -72,6 +72,10 @@ def _meta(b: PagedBatch) -> AttentionMetadata:
     )
 
 
+def kv_bytes_per_call(b: PagedBatch) -> int:
+    return sum(b.seq_lens_list) * HKV * D * 2 * 2
+
+
 def _attention_case(section: str, name: str, query_lens, context_lens, copy_gbps: float) -> None:
     b = PagedBatch(query_lens, context_lens, H, HKV, D, BLOCK, DTYPE, torch.device(DEVICE))
     meta = _meta(b)
@@ -81,6 +85,15 @@ def _attention_case(section: str, name: str, query_lens, context_lens, copy_gbps
     err = relative_error(out[: b.num_actual_tokens], ref[: b.num_actual_tokens])
     ms = timed(lambda: triton_be.forward(b.q, b.k, b.v, b.kv_cache, meta, b.scale))
     torch_ms = timed(lambda: torch_be.forward(b.q, b.k, b.v, b.kv_cache, meta, b.scale))
+    graph_note = ""
+    if b.max_query_len == 1 and DEVICE == "cuda":
+        # Eager timings of small launches include Python launch overhead; a CUDA graph replay
+        # (as the engine runs decode steps) shows the GPU time alone.
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            triton_be.forward(b.q, b.k, b.v, b.kv_cache, meta, b.scale)
+        graph_ms = timed(graph.replay)
+        graph_note = f"graph {graph_ms * 1e3:.0f} us ({kv_bytes_per_call(b) / graph_ms / 1e6:.0f} GB/s), "
     kv_bytes = sum(b.seq_lens_list) * HKV * D * 2 * 2
     flops = 0
     for ql, ctx in zip(query_lens, context_lens, strict=True):
@@ -88,13 +101,15 @@ def _attention_case(section: str, name: str, query_lens, context_lens, copy_gbps
     group = H // HKV
     block_q = max(pa.DECODE_CONFIG.block_m if b.max_query_len == 1 else pa.PREFILL_CONFIG.block_m, group) // group
     splits = pa.choose_num_splits((b.num_tokens // block_q + len(query_lens)) * HKV, b.max_seq_len, pa._num_sms(b.q.device))
-    metric = f"{kv_bytes / ms / 1e6:.0f} GB/s KV ({kv_bytes / ms / 1e6 / copy_gbps:.0%} of copy), {flops / ms / 1e9:.1f} TFLOP/s, splits={splits}"
+    metric = graph_note + f"{kv_bytes / ms / 1e6:.0f} GB/s KV ({kv_bytes / ms / 1e6 / copy_gbps:.0%} of copy), {flops / ms / 1e9:.1f} TFLOP/s, splits={splits}"
     record(section, name, ms, torch_ms, metric, f"rel err {err:.1e}" + ("" if err < 2e-2 else " FAIL"))
 
 
-def attention(copy_gbps: float) -> None:
-    for bsz, ctx in [(1, 1024), (1, 8192), (1, 32768), (8, 4096), (64, 2048), (256, 1024), (256, 2048)]:
+def attention(copy_gbps: float, decode_only: bool = False) -> None:
+    for bsz, ctx in [(1, 160), (1, 1024), (1, 8192), (1, 32768), (8, 4096), (64, 2048), (256, 1024), (256, 2048)]:
         _attention_case("attn decode", f"B={bsz} ctx={ctx}", [1] * bsz, [ctx - 1] * bsz, copy_gbps)
+    if decode_only:
+        return
     _attention_case("attn prefill", "1 x 2048 fresh", [2048], [0], copy_gbps)
     _attention_case("attn prefill", "4 x 512 fresh", [512] * 4, [0] * 4, copy_gbps)
     _attention_case("attn prefill", "chunk 2048 after 6144", [2048], [6144], copy_gbps)
@@ -237,13 +252,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also sweep attention launch configs")
     parser.add_argument("--only", default="", help="comma list of sections: attention,elementwise,sampling,sweep")
+    parser.add_argument("--decode-only", action="store_true", help="attention: decode cases only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU")
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
     only = set(filter(None, args.only.split(",")))
     copy_gbps = copy_bandwidth()
-    sections = [("attention", lambda: attention(copy_gbps)), ("elementwise", lambda: elementwise(copy_gbps)),
+    sections = [("attention", lambda: attention(copy_gbps, args.decode_only)), ("elementwise", lambda: elementwise(copy_gbps)),
                 ("sampling", sampling)]
     if args.sweep:
         sections.append(("sweep", sweep))

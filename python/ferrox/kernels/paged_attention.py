@@ -201,8 +201,11 @@ class AttentionLaunchConfig:
     num_stages: int
 
 
-# Chosen on an H200 by benches/bench_kernels.py (see benches/RESULTS.md); the interpreter uses the same.
+# Chosen on an H200 with `benches/bench_kernels.py --sweep` (benches/RESULTS.md): 64-position KV
+# tiles were best for full decode batches (98% of copy bandwidth at B=256), 128 for split-KV
+# decodes (few requests, long contexts), 64x64 tiles for prefill and mixed batches.
 DECODE_CONFIG = AttentionLaunchConfig(block_m=16, tile_n=64, num_warps=4, num_stages=2)
+DECODE_SPLIT_CONFIG = AttentionLaunchConfig(block_m=16, tile_n=128, num_warps=4, num_stages=2)
 PREFILL_CONFIG = AttentionLaunchConfig(block_m=64, tile_n=64, num_warps=4, num_stages=2)
 # Split-KV pays when the plain grid fills less than this many waves of SMs.
 _MIN_SEQ_FOR_SPLIT = 512
@@ -281,6 +284,8 @@ def unified_attention(
         num_splits = choose_num_splits(num_tiles * num_kv_heads, max_seq_len, _num_sms(q.device))
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits}")
+    if config is DECODE_CONFIG and num_splits > 1:
+        config = DECODE_SPLIT_CONFIG  # same block_m, so num_tiles above still holds
 
     if num_splits > 1:
         partial_out = torch.empty(num_tokens, num_heads, num_splits, dim_pad, dtype=torch.float32, device=q.device)
