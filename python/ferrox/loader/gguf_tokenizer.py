@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from ferrox.loader.errors import UnsupportedModelError
 
@@ -105,13 +105,12 @@ def _sentencepiece_bpe(gguf: Any, tokens: list[str], token_types: list[int], add
         merges = [tuple(m.split(" ", 1)) for m in merges_raw]
     else:
         merges = _merges_from_scores(vocab, scores)
-    unk_id = gguf.metadata.get("tokenizer.ggml.unknown_token_id")
-    unk = tokens[int(unk_id)] if unk_id is not None else None
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
-    if add_space_prefix:
-        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    else:
-        tok.normalizer = normalizers.Replace(" ", "▁")
+    # No unk token: byte fallback spells anything outside the vocabulary as <0xNN> pieces.
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
+    # "▁" stands for a space; one is prepended to the text's first piece unless it starts with one
+    # (what transformers' Llama tokenizer does with a GGUF vocabulary).
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first" if add_space_prefix
+                                                 else "never", split=False)
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     if add_space_prefix:
         steps.append(decoders.Strip(" ", 1, 0))
