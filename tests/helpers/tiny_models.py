@@ -161,3 +161,83 @@ def _randomize_norms(model) -> None:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.uniform_(0.5, 1.5)
+
+
+def export_gguf(folder, path, *, tensor_type: str = "F32", rope_freqs: list[float] | None = None) -> str:
+    """Write a tiny Llama folder (from make_tiny_llama) as a llama.cpp-style GGUF: llama.cpp tensor
+    names, attn_q/attn_k rows permuted the way llama.cpp's converter does, a "gpt2" tokenizer from
+    tokenizer.json, the chat template. tensor_type "F32" | "F16" | "Q8_0" (2-D weights only);
+    rope_freqs: per-frequency divisors stored as rope_freqs.weight (Llama 3.1 GGUFs)."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    folder = str(folder)
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    with open(os.path.join(folder, "tokenizer.json"), encoding="utf-8") as f:
+        tok_json = json.load(f)
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+
+    def permute(w: np.ndarray, n: int) -> np.ndarray:
+        return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    layer = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+             "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+             "self_attn.o_proj.weight": "attn_output.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+             "mlp.down_proj.weight": "ffn_down.weight"}
+    tensors: dict[str, np.ndarray] = {}
+    for file in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
+        tensors.update(load_file(os.path.join(folder, file)))
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny-llama")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 1e4))))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    vocab = tok_json["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok_json["model"]["merges"]])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(EOS_TOKEN_ID)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML_TEMPLATE)
+    qtype = gguf.GGMLQuantizationType[tensor_type]
+    for hf_name, arr in tensors.items():
+        if hf_name in names:
+            name = names[hf_name]
+        else:
+            parts = hf_name.split(".")  # model.layers.N.<rest>
+            name = f"blk.{parts[2]}.{layer['.'.join(parts[3:])]}"
+        arr = arr.astype(np.float32)
+        if name.endswith("attn_q.weight"):
+            arr = permute(arr, heads)
+        elif name.endswith("attn_k.weight"):
+            arr = permute(arr, kv_heads)
+        if arr.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, arr)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)

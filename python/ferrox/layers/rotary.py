@@ -14,7 +14,7 @@ from torch import nn
 
 from ferrox.loader.errors import UnsupportedModelError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
@@ -29,6 +29,13 @@ def rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.Ten
         return inv_freq / float(scaling["factor"])  # type: ignore[index]
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)  # type: ignore[arg-type]
+    if rope_type == "freq_factors":
+        # GGUF files of Llama 3.1 store the llama3 scaling precomputed as per-frequency divisors
+        # (tensor rope_freqs.weight); the GGUF loader puts them here.
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)  # type: ignore[index]
+        if factors.shape != inv_freq.shape:
+            raise UnsupportedModelError(f"rope_freqs has {factors.numel()} factors, expected {inv_freq.numel()}")
+        return inv_freq / factors
     raise UnsupportedModelError(
         f"rope_scaling.rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
     )

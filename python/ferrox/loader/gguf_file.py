@@ -126,6 +126,16 @@ class GGUFFile:
     def tensor_names(self) -> list[str]:
         return [t.name for t in self.reader.tensors]
 
+    def float_tensor(self, name: str) -> np.ndarray:
+        """One tensor dequantized to float32 (small ones: rope_freqs)."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        for t in self.reader.tensors:
+            if t.name == name:
+                return np.asarray(dequantize(t.data, GGMLQuantizationType(t.tensor_type)), dtype=np.float32).reshape(-1)
+        raise KeyError(name)
+
     def check_quant_types(self) -> None:
         """Fail before loading anything if a tensor uses a type the gguf package cannot dequantize."""
         from gguf import GGMLQuantizationType

@@ -80,6 +80,12 @@ def spec_from_hf_config(config: dict[str, Any], where: str) -> ModelSpec:
     rope = dict(config.get("rope_parameters") or {})
     scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
+    max_pos = int(config.get("max_position_embeddings") or 2048)
+    window = config.get("sliding_window")
+    if window and config.get("use_sliding_window", True) and int(window) < max_pos:
+        # Sliding-window attention is not implemented: within the window it equals full attention,
+        # so cap the context there and stay exact (Mistral v0.1: 4096 of 32768).
+        max_pos = int(window)
     dtype_name = config.get("torch_dtype") or config.get("dtype") or "float32"
     dtype = _DTYPES.get(str(dtype_name).replace("torch.", ""), torch.float32)
     return ModelSpec(
@@ -92,7 +98,7 @@ def spec_from_hf_config(config: dict[str, Any], where: str) -> ModelSpec:
         hidden_size=hidden,
         intermediate_size=int(need("intermediate_size")),
         vocab_size=int(need("vocab_size")),
-        max_position_embeddings=int(config.get("max_position_embeddings") or 2048),
+        max_position_embeddings=max_pos,
         dtype=dtype,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
@@ -151,7 +157,9 @@ def hf_config_from_gguf(gguf: Any) -> dict[str, Any]:
     if arch == "qwen2":
         config["attention_bias"] = False  # qkv bias is implied by the architecture; o_proj has none
     scaling_type = gguf.arch_key("rope.scaling.type")
-    if scaling_type == "linear":
+    if "rope_freqs.weight" in gguf.tensor_names:
+        config["rope_scaling"] = {"rope_type": "freq_factors", "factors": gguf.float_tensor("rope_freqs.weight").tolist()}
+    elif scaling_type == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
     elif scaling_type not in (None, "none"):
         raise UnsupportedModelError(f"GGUF file {gguf.path}: rope scaling {scaling_type!r} is not supported")

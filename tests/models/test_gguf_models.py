@@ -1,0 +1,70 @@
+"""GGUF weight loading on tiny models: a safetensors checkpoint exported to llama.cpp's layout
+(renamed tensors, permuted Q/K rows, optional Q8_0 / rope_freqs) must give the same model as the
+safetensors original, which test_tiny_models.py ties to transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ferrox.layers.rotary import rope_inv_freq
+from ferrox.loader.model_loader import load_model, load_model_spec
+from ferrox.loader.source import resolve_model
+from ferrox.loader.tokenizer import load_tokenizer
+
+from tests.helpers import tiny_models
+from tests.helpers.driver import run_greedy
+
+LLAMA31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 64}
+PROMPTS = [list(range(3, 70)), [5, 9, 11], list(range(100, 130))]
+
+
+def _load(path):
+    source = resolve_model(str(path))
+    return load_model(source, load_model_spec(source), dtype=torch.float32, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def llama31(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf")
+    return root, tiny_models.make_tiny_llama(root / "hf", rope_scaling=LLAMA31, num_heads=4, num_kv_heads=2, seed=5)
+
+
+def test_gguf_f32_equals_safetensors_with_rope_freqs(llama31):
+    root, folder = llama31
+    # llama.cpp stores Llama 3.1's scaling as divisors of the base frequencies.
+    base = rope_inv_freq(16, 10000.0, None)
+    factors = (base / rope_inv_freq(16, 10000.0, LLAMA31)).tolist()
+    path = tiny_models.export_gguf(folder, root / "tiny.gguf", rope_freqs=factors)
+    hf_tokens, hf_logits = run_greedy(_load(folder), PROMPTS, 6, return_prefill_logits=True)
+    gg_tokens, gg_logits = run_greedy(_load(path), PROMPTS, 6, return_prefill_logits=True)
+    torch.testing.assert_close(gg_logits, hf_logits, atol=1e-4, rtol=1e-4)
+    assert gg_tokens == hf_tokens
+    spec = load_model_spec(resolve_model(path))
+    assert spec.rope_scaling["rope_type"] == "freq_factors" and not spec.tie_word_embeddings
+    # Tokenizer and chat template come from the GGUF metadata and match the folder's.
+    a, b = load_tokenizer(resolve_model(path)), load_tokenizer(resolve_model(folder))
+    text = "The quick brown fox 123 café"
+    assert a.encode(text) == b.encode(text)
+    conv = [{"role": "user", "content": "hi"}]
+    assert a.apply_chat_template(conv) == b.apply_chat_template(conv)
+    assert a.eos_token_ids == [tiny_models.EOS_TOKEN_ID]
+
+
+def test_gguf_without_rope_freqs_differs(llama31):
+    # Guard for the test above: without the factors the same weights give other logits.
+    root, folder = llama31
+    path = tiny_models.export_gguf(folder, root / "plain.gguf")
+    _, hf_logits = run_greedy(_load(folder), PROMPTS, 1, return_prefill_logits=True)
+    _, gg_logits = run_greedy(_load(path), PROMPTS, 1, return_prefill_logits=True)
+    assert (gg_logits - hf_logits).abs().max() > 1e-3
+
+
+def test_gguf_q8_0_close_to_float(llama31):
+    root, folder = llama31
+    factors = (rope_inv_freq(16, 10000.0, None) / rope_inv_freq(16, 10000.0, LLAMA31)).tolist()
+    path = tiny_models.export_gguf(folder, root / "q8.gguf", tensor_type="Q8_0", rope_freqs=factors)
+    _, ref = run_greedy(_load(folder), PROMPTS, 1, return_prefill_logits=True)
+    _, q8 = run_greedy(_load(path), PROMPTS, 1, return_prefill_logits=True)
+    err = (q8 - ref).abs().max().item()
+    assert 0 < err < 0.1 * ref.abs().max().item()  # quantized: close, not equal
