@@ -204,7 +204,7 @@ __device__ float block_exclusive_scan(float value, float* total, SharedState& s)
     return warp_offset + inclusive - value;
 }
 
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 2)
 top_k_top_p_sample_kernel(const float* __restrict__ probs, int64_t row_stride, const int32_t* __restrict__ top_k,
                           const float* __restrict__ top_p, const float* __restrict__ uniforms,
                           int64_t* __restrict__ out, int vocab) {

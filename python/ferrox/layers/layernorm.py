@@ -18,6 +18,16 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x), or with `residual`: (norm(x + residual), x + residual) -- the sum is the next residual."""
+        if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and (
+            residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1)
+        ):
+            # Triton (ferrox/kernels/rmsnorm.py): one pass reads x (+ residual) and writes both
+            # outputs; 3-5x faster than the eager ops below on an H200 (benches/RESULTS.md).
+            from ferrox.kernels.rmsnorm import fused_add_rms_norm, rms_norm
+
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps)
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
             residual = x
