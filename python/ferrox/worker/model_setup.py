@@ -76,6 +76,12 @@ def setup_threads(config: EngineConfig, device: torch.device) -> None:
     threads = config.num_threads
     if threads is None and hasattr(os, "sched_getaffinity"):
         threads = len(os.sched_getaffinity(0))  # the cores this process may run on, not the host's
+        if threads > 1 and os.getloadavg()[0] >= threads:
+            # Measured on the 2-core box: with other processes busy, OpenMP workers that wait for a
+            # descheduled peer at every barrier made a decode step 10x slower with 2 threads than
+            # with 1. On an already busy machine take half the cores; num_threads overrides this.
+            threads = max(1, threads // 2)
+            logger.info("machine busy (load %.1f): using %d CPU threads", os.getloadavg()[0], threads)
     if threads:
         torch.set_num_threads(threads)
 

@@ -1,0 +1,83 @@
+"""Bad input fails with ValueError / FerroxError naming the field, and never disturbs other requests."""
+
+from __future__ import annotations
+
+import ferrox
+import pytest
+from ferrox import LLM, SamplingParams
+from ferrox.engine.protocol import EngineCoreRequest
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def test_empty_prompt_list(llm):
+    with pytest.raises(ValueError, match="prompts"):
+        llm.generate([], GREEDY)
+
+
+def test_prompt_too_long_names_the_index_and_queues_nothing(llm):
+    too_long = {"prompt_token_ids": [1] * llm.engine.max_model_len}
+    with pytest.raises(ferrox.FerroxError, match=r"prompts\[1\].*max_model_len"):
+        llm.generate(["Hello", too_long], GREEDY, use_tqdm=False)
+    assert isinstance(ferrox._core.PromptTooLongError("x"), ValueError)
+    assert not llm.engine.has_unfinished_requests()
+    assert len(llm.generate(["Hello"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8
+
+
+@pytest.mark.parametrize(
+    "prompt, params, field",
+    [
+        ({"prompt_token_ids": []}, GREEDY, "prompt_token_ids"),
+        ({"prompt_token_ids": [10**7]}, GREEDY, "prompt_token_ids"),
+        ({"prompt_token_ids": ["a"]}, GREEDY, "prompt_token_ids"),
+        ("Hello", SamplingParams(logprobs=50), "logprobs"),
+        ("Hello", SamplingParams(stop_token_ids=[10**7]), "stop_token_ids"),
+        (3.5, GREEDY, "prompts"),
+    ],
+)
+def test_bad_request_fields(llm, prompt, params, field):
+    with pytest.raises(ValueError, match=field):
+        llm.generate([prompt], params, use_tqdm=False)
+
+
+def test_bad_sampling_params_and_engine_args():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=-1)
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(dtype="float8")
+    with pytest.raises(ValueError, match="max_num_seq"):
+        LLM(max_num_seq=4)
+
+
+def test_wrong_number_of_sampling_params(llm):
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(["a", "b"], [GREEDY], use_tqdm=False)
+
+
+def test_bad_request_mid_flight_leaves_others_untouched(llm):
+    engine = llm.engine
+    expected = [o.outputs[0].token_ids for o in llm.generate(["Hello", "The sky is"], GREEDY, use_tqdm=False)]
+    engine.add_request(EngineCoreRequest("ok-a", llm.get_tokenizer().encode("Hello"), GREEDY))
+    engine.add_request(EngineCoreRequest("ok-b", llm.get_tokenizer().encode("The sky is"), GREEDY))
+    tokens: dict[str, list[int]] = {"ok-a": [], "ok-b": []}
+    for out in engine.step():
+        tokens[out.request_id].extend(out.new_token_ids)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        engine.add_request(EngineCoreRequest("bad", [], GREEDY))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+    assert [tokens["ok-a"], tokens["ok-b"]] == expected
+
+
+def test_sampling_failure_fails_only_that_request(llm, monkeypatch):
+    """A request whose sampling raises (here: a logit_bias token id past the vocabulary, slipped past
+    validation) finishes with finish_reason 'error'; its batch-mates finish normally."""
+    expected = llm.generate(["Hello"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    monkeypatch.setattr(SamplingParams, "check_vocab", lambda self, vocab_size: None)
+    broken = GREEDY.clone(logit_bias={10**7: 1.0})
+    good, bad = llm.generate(["Hello", "The sky is"], [GREEDY, broken], use_tqdm=False)
+    assert good.outputs[0].token_ids == expected and good.outputs[0].finish_reason == "length"
+    assert bad.outputs[0].finish_reason == "error" and bad.error and "sampling failed" in bad.error
+    stats = llm.engine.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"] - 1
