@@ -326,10 +326,10 @@ impl IncrementalDetokenizer {
         while !self.output.is_char_boundary(from) {
             from -= 1;
         }
-        let window = &self.output[from..];
+        let window = &self.output.as_bytes()[from..];
         let mut best: Option<(usize, usize)> = None;
         for (i, s) in self.stops.iter().enumerate() {
-            if let Some(pos) = window.find(s.as_str()) {
+            if let Some(pos) = find_short(window, s.as_bytes()) {
                 if best.is_none_or(|(_, b)| from + pos < b) {
                     best = Some((i, from + pos));
                 }
@@ -354,6 +354,17 @@ impl IncrementalDetokenizer {
         }
         hold
     }
+}
+
+/// First occurrence of `needle` in `hay`. The window searched per token is a few dozen bytes,
+/// where a first-byte scan beats building a two-way searcher (`str::find`) on every call.
+/// Byte offsets of a match of a valid UTF-8 needle in valid UTF-8 text are char boundaries.
+fn find_short(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    let first = *needle.first()?;
+    if needle.len() > hay.len() {
+        return None;
+    }
+    (0..=hay.len() - needle.len()).find(|&i| hay[i] == first && hay[i..].starts_with(needle))
 }
 
 #[cfg(test)]
