@@ -34,9 +34,9 @@ def test_max_tokens_stop_reason(client):
 
 def test_stop_sequence(client):
     messages = [{"role": "user", "content": "Count from 1 to 10, separated by commas."}]
-    base = client.messages.create(model=MODEL, max_tokens=40, messages=messages, **GREEDY).content[0].text
+    base = client.messages.create(model=MODEL, max_tokens=30, messages=messages, **GREEDY).content[0].text
     assert "5" in base, base
-    msg = client.messages.create(model=MODEL, max_tokens=40, messages=messages, stop_sequences=["5"], **GREEDY)
+    msg = client.messages.create(model=MODEL, max_tokens=30, messages=messages, stop_sequences=["5"], **GREEDY)
     assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == "5"
     assert msg.content[0].text == base[: base.index("5")]
 

@@ -32,12 +32,12 @@ async def collect(engine: AsyncLLM, prompt, params: SamplingParams, rid: str) ->
 
 def test_cumulative_and_delta_agree(engine):
     async def run():
-        cumulative = await collect(engine, "The capital of France is", greedy(8), "cum")
-        delta = await collect(engine, "The capital of France is",
-                              greedy(8, output_kind=RequestOutputKind.DELTA), "delta")
-        final = await collect(engine, "The capital of France is",
-                              greedy(8, output_kind=RequestOutputKind.FINAL_ONLY), "final")
-        return cumulative, delta, final
+        prompt = "The capital of France is"
+        return await asyncio.gather(
+            collect(engine, prompt, greedy(8), "cum"),
+            collect(engine, prompt, greedy(8, output_kind=RequestOutputKind.DELTA), "delta"),
+            collect(engine, prompt, greedy(8, output_kind=RequestOutputKind.FINAL_ONLY), "final"),
+        )
 
     cumulative, delta, final = asyncio.run(run())
     last = cumulative[-1]
@@ -55,9 +55,11 @@ def test_cumulative_and_delta_agree(engine):
 def test_token_id_prompt_and_n2(engine):
     async def run():
         ids = engine.get_tokenizer().encode("Hello")
-        by_ids = await collect(engine, {"prompt_token_ids": ids}, greedy(4), "ids")
-        by_text = await collect(engine, "Hello", greedy(4), "text")
-        n2 = await collect(engine, "Hello", SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=4), "n2")
+        by_ids, by_text, n2 = await asyncio.gather(
+            collect(engine, {"prompt_token_ids": ids}, greedy(4), "ids"),
+            collect(engine, "Hello", greedy(4), "text"),
+            collect(engine, "Hello", SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=4), "n2"),
+        )
         return by_ids[-1], by_text[-1], n2[-1]
 
     by_ids, by_text, n2 = asyncio.run(run())
