@@ -192,6 +192,15 @@ impl BlockPool {
         }
     }
 
+    /// Removes one block's hash from the cache (its content turned out not to be computed).
+    pub fn uncache_block(&mut self, id: BlockId) {
+        if let Some(h) = self.blocks[id as usize].hash.take() {
+            if self.cached.get(&h) == Some(&id) {
+                self.cached.remove(&h);
+            }
+        }
+    }
+
     /// Forgets every cached hash. Refused (false) while any block is held by a request,
     /// because a live request's blocks would otherwise silently lose their sharing.
     pub fn reset_prefix_cache(&mut self) -> bool {

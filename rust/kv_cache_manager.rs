@@ -131,6 +131,21 @@ impl KvCacheManager {
         kv.num_cached = 0;
     }
 
+    /// Frees a preempted request's blocks. Blocks past its first `num_computed_tokens` tokens
+    /// may have been registered in the cache by an allocation in the step being scheduled that
+    /// was then taken back (the victim had already been scheduled), so their K/V will never be
+    /// written: they leave the cache before going back to the free queue. Only this request
+    /// can hold them (no lookup runs in a step that preempts).
+    pub fn free_preempted(&mut self, kv: &mut KvBlocks, num_computed_tokens: usize) {
+        let first_uncomputed = num_computed_tokens / self.block_size;
+        for &b in kv.blocks.iter().skip(first_uncomputed) {
+            if self.pool.ref_cnt(b) == 1 {
+                self.pool.uncache_block(b);
+            }
+        }
+        self.free(kv);
+    }
+
     pub fn reset_prefix_cache(&mut self) -> bool {
         self.pool.reset_prefix_cache()
     }
@@ -196,6 +211,23 @@ mod tests {
         let other = hashes(&[1, 2, 3, 4, 5, 6], 2);
         assert!(m.allocate_slots(&mut b, &other, 0, 6, &[]));
         assert_eq!(m.get_computed_blocks(&hs, 5).num_tokens, 0);
+        m.pool().check_invariants();
+    }
+
+    #[test]
+    fn preempted_blocks_that_were_never_computed_leave_the_cache() {
+        let mut m = KvCacheManager::new(16, 4, true);
+        let toks: Vec<u32> = (0..12).collect();
+        let hs = hashes(&toks, 4);
+        let mut a = KvBlocks::default();
+        // Tokens 0..4 were computed in an earlier step; 4..12 were allocated (and their full
+        // blocks cached) for a step that was then taken back.
+        assert!(m.allocate_slots(&mut a, &hs, 0, 4, &[]));
+        assert!(m.allocate_slots(&mut a, &hs, 4, 8, &[]));
+        assert_eq!(m.pool().num_cached_blocks(), 3);
+        m.free_preempted(&mut a, 4);
+        assert_eq!(m.get_computed_blocks(&hs, 12).num_tokens, 4);
+        assert_eq!(m.pool().num_cached_blocks(), 1);
         m.pool().check_invariants();
     }
 

@@ -77,10 +77,42 @@ fn prompt(prefix: u8, len: usize, serial: usize) -> Vec<u32> {
         .collect()
 }
 
-/// One engine step, checking what schedule() promised.
-fn step(s: &mut Scheduler, c: &Cfg, tokens: &[i64], live: &mut Vec<String>) {
+/// Stands in for the paged KV cache: what each slot holds, as a digest of the token prefix
+/// whose K/V was written there. A slot's K/V depends on every token up to its position.
+type KvShadow = std::collections::HashMap<i64, u64>;
+
+fn prefix_digests(tokens: &[u32]) -> Vec<u64> {
+    let mut h = 0xcbf29ce484222325u64;
+    tokens
+        .iter()
+        .map(|&t| {
+            h = (h ^ t as u64).wrapping_mul(0x100000001b3).rotate_left(17);
+            h
+        })
+        .collect()
+}
+
+/// One engine step, checking what schedule() promised, and that every K/V position a request
+/// attends to (cached prefix included) holds exactly its own tokens' K/V.
+fn step(s: &mut Scheduler, c: &Cfg, tokens: &[i64], live: &mut Vec<String>, kv: &mut KvShadow) {
     let out = s.schedule();
     let a = &out.arrays;
+    let bs = c.block_size;
+    let digests: Vec<Vec<u64>> = out.req_ids.iter().map(|id| prefix_digests(&s.request_tokens(id))).collect();
+    // The runner writes every scheduled token's K/V before any attention reads...
+    for (r, d) in digests.iter().enumerate() {
+        for t in a.query_start_loc[r]..a.query_start_loc[r + 1] {
+            kv.insert(a.slot_mapping[t as usize], d[a.positions[t as usize] as usize]);
+        }
+    }
+    // ...then each request reads its seq_len positions through its block table.
+    for (r, d) in digests.iter().enumerate() {
+        let row = &a.block_table[r * a.max_blocks..(r + 1) * a.max_blocks];
+        for p in 0..a.seq_lens[r] as i64 {
+            let slot = row[(p / bs) as usize] as i64 * bs + p % bs;
+            assert_eq!(kv.get(&slot), Some(&d[p as usize]), "request {} reads wrong K/V at {p}", out.req_ids[r]);
+        }
+    }
     assert!(out.num_tokens <= c.budget as usize, "token budget exceeded");
     assert!(
         out.req_ids.len() <= c.max_num_seqs as usize,
@@ -93,7 +125,6 @@ fn step(s: &mut Scheduler, c: &Cfg, tokens: &[i64], live: &mut Vec<String>) {
     );
     for (r, id) in out.req_ids.iter().enumerate() {
         let blocks = s.request_block_ids(id).unwrap();
-        let bs = c.block_size;
         for t in a.query_start_loc[r]..a.query_start_loc[r + 1] {
             let slot = a.slot_mapping[t as usize];
             let pos = a.positions[t as usize];
@@ -127,6 +158,7 @@ proptest! {
             c.num_blocks, c.block_size, 128, c.max_num_seqs, c.budget, c.caching, c.policy, &[EOS],
         ).unwrap();
         let mut s = Scheduler::new(config, None).unwrap();
+        let mut kv = KvShadow::new();
         let mut live: Vec<String> = Vec::new();
         for (serial, op) in ops.iter().enumerate() {
             match op {
@@ -143,7 +175,7 @@ proptest! {
                         Err(_) => prop_assert_eq!(s.num_unfinished_requests(), before),
                     }
                 }
-                Op::Step { tokens } => step(&mut s, &c, tokens, &mut live),
+                Op::Step { tokens } => step(&mut s, &c, tokens, &mut live, &mut kv),
                 Op::Abort { index } => {
                     let id = if live.is_empty() { "unknown".to_string() } else { live.remove(index % live.len()) };
                     s.abort_requests(&[id]);
@@ -154,7 +186,7 @@ proptest! {
         // Liveness: with no new work, everything finishes (no request waits forever).
         let mut steps = 0;
         while s.has_unfinished_requests() {
-            step(&mut s, &c, &[7, 8, 9], &mut live);
+            step(&mut s, &c, &[7, 8, 9], &mut live, &mut kv);
             steps += 1;
             prop_assert!(steps < 5000, "requests never finished: {} left", s.num_unfinished_requests());
         }
@@ -167,6 +199,7 @@ proptest! {
             c.num_blocks, c.block_size, 128, c.max_num_seqs, c.budget, c.caching, c.policy, &[EOS],
         ).unwrap();
         let mut s = Scheduler::new(config, None).unwrap();
+        let mut kv = KvShadow::new();
         let mut live = Vec::new();
         for (serial, op) in ops.iter().enumerate() {
             match op {
@@ -178,7 +211,7 @@ proptest! {
                         live.push(id);
                     }
                 }
-                Op::Step { tokens } => step(&mut s, &c, tokens, &mut live),
+                Op::Step { tokens } => step(&mut s, &c, tokens, &mut live, &mut kv),
                 Op::Abort { .. } => {}
             }
         }

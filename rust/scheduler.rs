@@ -410,7 +410,7 @@ impl Scheduler {
     /// generated tokens; on resume it recomputes prompt + output (minus any prefix-cache hit).
     fn preempt(&mut self, slot: usize) {
         let req = self.slab[slot].as_mut().expect("live slot");
-        self.kv.free(&mut req.kv);
+        self.kv.free_preempted(&mut req.kv, req.num_computed_tokens);
         req.num_computed_tokens = 0;
         req.status = RequestStatus::Preempted;
         self.stats.num_preemptions += 1;
@@ -741,6 +741,12 @@ impl Scheduler {
 
     pub fn num_free_blocks(&self) -> usize {
         self.kv.pool().num_free_blocks()
+    }
+
+    /// All tokens (prompt + output) of a live request (tests).
+    #[cfg(test)]
+    pub fn request_tokens(&self, id: &str) -> Vec<u32> {
+        self.req(self.by_id[id]).token_ids.clone()
     }
 
     /// Checks the cross-layer invariants (tests and property tests); panics on a violation:
