@@ -165,6 +165,7 @@ class AsyncLLM:
         self.max_model_len: int = info.max_model_len
         self.kv_capacity_tokens: int = info.kv_capacity_tokens
         self.device: str = info.device
+        self.generation_defaults: dict[str, Any] = dict(info.generation_defaults)
         self.chat_template: str | None = _read_template(config.chat_template)
         self.last_stats: dict[str, Any] = dict(info.stats)
         self.stat_loggers: list[StatLogger] = []

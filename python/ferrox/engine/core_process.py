@@ -56,6 +56,9 @@ class CoreInfo(msgspec.Struct):
     device: str
     pid: int
     stats: dict[str, Any] = {}
+    # generation_config.json sampling defaults (temperature, top_p, ...): the front-end applies
+    # them to requests that leave those fields unset, as the offline LLM does.
+    generation_defaults: dict[str, Any] = {}
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -78,6 +81,8 @@ class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
     result: Any = None
     error: str | None = None
 
+
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 # Engine core methods the front-end may call by name (anything else is refused).
 UTILITY_METHODS = ("stats", "reset_prefix_cache", "ping")
@@ -247,6 +252,10 @@ def run_engine_core(config: Any, handshake_addr: str, input_addr: str, output_ad
             device=str(getattr(core, "device", getattr(config, "device", "cpu"))),
             pid=os.getpid(),
             stats=core.stats(),
+            generation_defaults={
+                k: v for k, v in dict(getattr(core, "generation_defaults", {}) or {}).items()
+                if k in SAMPLING_DEFAULT_KEYS and isinstance(v, (int, float))
+            },
         )
         loop = CoreProcLoop(core, input_addr, output_addr)
     except BaseException as exc:

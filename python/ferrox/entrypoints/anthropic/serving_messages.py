@@ -49,6 +49,8 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
     kwargs: dict[str, Any] = {"max_tokens": max_tokens, "stop": req.stop_sequences or None}
     for name in ("temperature", "top_p", "top_k"):
         value = getattr(req, name)
+        if value is None:
+            value = ctx.engine.generation_defaults.get(name)
         if value is not None:
             kwargs[name] = value
     kwargs["output_kind"] = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY

@@ -99,6 +99,7 @@ def build_sampling_params(
     stream: bool,
     prompt_logprobs: int | None = None,
     structured: Any = None,
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """Map an OpenAI-style request onto SamplingParams (vLLM names); ValueError -> 400 naming the field."""
     kwargs: dict[str, Any] = dict(
@@ -119,9 +120,12 @@ def build_sampling_params(
         structured_outputs=structured,
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
     )
-    # Unset sampling knobs keep SamplingParams' defaults (temperature 1, no truncation).
+    # Unset sampling knobs take the model's generation_config defaults, else SamplingParams'
+    # (temperature 1, no truncation).
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         value = getattr(req, name)
+        if value is None and defaults:
+            value = defaults.get(name)
         if value is not None:
             kwargs[name] = value
     if max_tokens is not None and req.min_tokens > max_tokens:

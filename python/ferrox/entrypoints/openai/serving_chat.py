@@ -53,7 +53,8 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
     prompt_ids = ctx.engine.tokenizer.encode(prompt_text, add_special_tokens=False)
     max_tokens = resolve_max_tokens(ctx, len(prompt_ids), req.requested_max_tokens, "messages")
     params = build_sampling_params(
-        req, max_tokens=max_tokens, logprobs=req.num_logprobs, stream=req.stream, structured=structured
+        req, max_tokens=max_tokens, logprobs=req.num_logprobs, stream=req.stream, structured=structured,
+        defaults=ctx.engine.generation_defaults,
     )
     request_id = new_id("chatcmpl")
     prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}

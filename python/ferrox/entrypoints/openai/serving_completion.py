@@ -63,6 +63,7 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
     params = build_sampling_params(
         req, max_tokens=req.requested_max_tokens, logprobs=req.logprobs, stream=req.stream,
         prompt_logprobs=req.logprobs if (req.echo and req.logprobs is not None) else None, structured=structured,
+        defaults=ctx.engine.generation_defaults,
     )
     request_id = new_id("cmpl")
     outputs = _merged(ctx, prompts, params, request_id, req.priority)
