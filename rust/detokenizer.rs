@@ -118,6 +118,10 @@ impl TokenizerInfo {
     }
 }
 
+/// Prompt tokens replayed into the streaming fallback as context (enough to settle any
+/// decoder's look-behind: a leading-space strip, a byte-fallback sequence of up to 4 bytes).
+const PRIME_TOKENS: usize = 6;
+
 /// The streaming decoder's window (fallback path), owned by one request.
 #[derive(Default)]
 struct StreamState {
@@ -175,6 +179,26 @@ impl IncrementalDetokenizer {
             max_stop_len,
             stopped: false,
         })
+    }
+
+    /// Gives the streaming fallback the prompt's last tokens as context, so the first generated
+    /// token decodes as it would mid-text (SentencePiece-style decoders strip the leading space
+    /// of a sequence's first token: "▁Paris" must stream as " Paris" after a prompt). The byte
+    /// table needs no context.
+    pub fn prime(&mut self, prompt: &[u32]) {
+        if let DecodeKind::Stream(tok) = &self.tok.kind {
+            let s = &mut self.stream;
+            for &id in &prompt[prompt.len().saturating_sub(PRIME_TOKENS)..] {
+                let _ = tokenizers::tokenizer::step_decode_stream(
+                    tok,
+                    vec![id],
+                    self.skip_special_tokens,
+                    &mut s.ids,
+                    &mut s.prefix,
+                    &mut s.prefix_index,
+                );
+            }
+        }
     }
 
     pub fn output_text(&self) -> &str {

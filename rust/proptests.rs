@@ -98,11 +98,18 @@ fn step(s: &mut Scheduler, c: &Cfg, tokens: &[i64], live: &mut Vec<String>, kv: 
     let out = s.schedule();
     let a = &out.arrays;
     let bs = c.block_size;
-    let digests: Vec<Vec<u64>> = out.req_ids.iter().map(|id| prefix_digests(&s.request_tokens(id))).collect();
+    let digests: Vec<Vec<u64>> = out
+        .req_ids
+        .iter()
+        .map(|id| prefix_digests(&s.request_tokens(id)))
+        .collect();
     // The runner writes every scheduled token's K/V before any attention reads...
     for (r, d) in digests.iter().enumerate() {
         for t in a.query_start_loc[r]..a.query_start_loc[r + 1] {
-            kv.insert(a.slot_mapping[t as usize], d[a.positions[t as usize] as usize]);
+            kv.insert(
+                a.slot_mapping[t as usize],
+                d[a.positions[t as usize] as usize],
+            );
         }
     }
     // ...then each request reads its seq_len positions through its block table.
@@ -110,7 +117,12 @@ fn step(s: &mut Scheduler, c: &Cfg, tokens: &[i64], live: &mut Vec<String>, kv: 
         let row = &a.block_table[r * a.max_blocks..(r + 1) * a.max_blocks];
         for p in 0..a.seq_lens[r] as i64 {
             let slot = row[(p / bs) as usize] as i64 * bs + p % bs;
-            assert_eq!(kv.get(&slot), Some(&d[p as usize]), "request {} reads wrong K/V at {p}", out.req_ids[r]);
+            assert_eq!(
+                kv.get(&slot),
+                Some(&d[p as usize]),
+                "request {} reads wrong K/V at {p}",
+                out.req_ids[r]
+            );
         }
     }
     assert!(out.num_tokens <= c.budget as usize, "token budget exceeded");

@@ -289,12 +289,16 @@ impl Scheduler {
             )));
         }
         let detok = match (&self.tokenizer, r.detokenize) {
-            (Some(t), true) => Some(IncrementalDetokenizer::new(
-                t.clone(),
-                r.skip_special_tokens,
-                r.stop.clone(),
-                r.include_stop_str_in_output,
-            )?),
+            (Some(t), true) => {
+                let mut d = IncrementalDetokenizer::new(
+                    t.clone(),
+                    r.skip_special_tokens,
+                    r.stop.clone(),
+                    r.include_stop_str_in_output,
+                )?;
+                d.prime(&r.prompt_token_ids);
+                Some(d)
+            }
             (None, _) | (_, false) if !r.stop.is_empty() => {
                 return Err(invalid(
                     "stop",

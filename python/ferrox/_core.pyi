@@ -98,7 +98,9 @@ class RequestOutput:
     @property
     def text_delta(self) -> str:
         """New text, never splitting a UTF-8 character and never containing a partial stop string
-        (held back until it is known not to be one); empty when detokenize is off."""
+        (held back until it is known not to be one); empty when detokenize is off or the scheduler
+        has no tokenizer. Only generated text: the prompt is never included. A token that stops the
+        request by id (EOS, stop_token_ids) adds no text unless include_stop_str_in_output."""
     @property
     def finished(self) -> bool: ...
     @property
@@ -129,6 +131,9 @@ class SchedulerStats:
     num_generation_tokens: int  # cumulative tokens appended by update_from_output
 
 class Scheduler:
+    """Not for concurrent use: one engine thread drives it (schedule/update release the GIL, so a
+    second thread calling in meanwhile gets a RuntimeError rather than a data race)."""
+
     def __init__(
         self,
         *,
@@ -209,7 +214,9 @@ class Detokenizer:
         include_stop_str_in_output: bool = False,
     ) -> None: ...
     def step(self, token_id: int) -> tuple[str, str | None]:
-        """Feed one token; returns (text_delta, stop string that fired or None)."""
+        """Feed one token; returns (text_delta, stop string that fired or None).
+        Raises TokenizerError for an id outside the vocabulary (the scheduler instead decodes such
+        ids, e.g. from a model's padded vocabulary, to no text)."""
     def flush(self) -> str:
         """End of stream: release text held back for a possible stop string."""
     @property

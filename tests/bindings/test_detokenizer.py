@@ -162,3 +162,17 @@ def test_errors(tokenizer_json):
         d.step(-1)
     with pytest.raises(InvalidArgumentError, match="stop"):
         Detokenizer(tokenizer_json, stop=[""])
+
+
+def test_embedded_model_tokenizer_stream_matches_full_decode(smollm2_tokenizer):
+    """The real target: SmolLM2's byte-level tokenizer takes the byte-table path, and a long
+    stream of random ids (invalid UTF-8 included) decodes exactly like a full decode."""
+    js = smollm2_tokenizer.to_str()
+    rng = random.Random(1)
+    ids = [rng.randrange(smollm2_tokenizer.get_vocab_size()) for _ in range(3000)]
+    text = "Привет, мир! 你好，世界 🦀 <|im_start|>assistant\nThe capital of France is Paris.<|im_end|>"
+    ids += smollm2_tokenizer.encode(text).ids
+    for skip in (True, False):
+        d = Detokenizer(js, skip_special_tokens=skip)
+        deltas, _ = stream(d, ids)
+        assert "".join(deltas) == smollm2_tokenizer.decode(ids, skip_special_tokens=skip)

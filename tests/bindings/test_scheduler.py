@@ -269,3 +269,16 @@ def test_bad_tokenizer_json():
         make(tokenizer_json="{}")
     with pytest.raises(FerroxError):
         make(tokenizer_json="not json")
+
+
+def test_sentencepiece_style_tokenizer_keeps_the_leading_space_after_the_prompt(metaspace_tokenizer):
+    """Metaspace decoders strip the space of a sequence's first token; generated text continues
+    the prompt, so it must stream as the full decode minus the prompt's decode."""
+    js = metaspace_tokenizer.to_str()
+    full = metaspace_tokenizer.encode("the capital of france is paris").ids
+    cut = len(metaspace_tokenizer.encode("the capital of").ids)
+    s = make(tokenizer_json=js)
+    s.add_request("a", full[:cut], max_tokens=len(full) - cut)
+    _, out_text, _, _ = run_to_completion(s, lambda rid, pos: full[pos])
+    expected = metaspace_tokenizer.decode(full)[len(metaspace_tokenizer.decode(full[:cut])) :]
+    assert out_text["a"] == expected and expected.startswith(" ")
