@@ -49,6 +49,7 @@ TINY_CASES = {
     "mha-block4": ([5, 1], [0, 60], 4, 4, 16, 4, None),
     "mqa-block32-forced-split": ([9, 1], [20, 80], 8, 1, 16, 32, 4),
     "block1-chunk-longer-than-tile": ([40, 1], [3, 2], 2, 1, 16, 1, None),
+    "split-count-not-power-of-two": ([1, 3, 1], [200, 90, 7], 4, 2, 32, 16, 3),
 }
 
 

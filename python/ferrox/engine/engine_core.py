@@ -61,6 +61,14 @@ class EngineCore:
             device=self.device,
             seed=config.seed,
         )
+        self.cuda_graph_capture_s: float | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.cuda_graph_capture_s = self.runner.capture_cuda_graphs(
+                max_num_seqs=loaded.max_num_seqs, max_model_len=self.max_model_len, block_size=config.block_size
+            )
+            if self.cuda_graph_capture_s is not None:
+                logger.info("CUDA graphs for decode batches %s captured in %.1f s",
+                            self.runner.graph_runner.batch_sizes, self.cuda_graph_capture_s)
         self.structured: Any = None  # StructuredOutputManager, created on first constrained request
         self._pending_prompt_logprobs: dict[str, Logprobs] = {}
         logger.info(
@@ -117,8 +125,8 @@ class EngineCore:
                 f"prompt_token_ids: {what} has {len(prompt)} prompt tokens, which leaves no room for output "
                 f"within max_model_len={self.max_model_len}"
             )
-        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
             raise ValueError(f"prompt_token_ids: {what} has token id {bad} outside the vocabulary (size {self.vocab_size})")
         params.check_vocab(self.vocab_size)
         for name in ("logprobs", "prompt_logprobs"):

@@ -15,8 +15,10 @@ Programs past a request's last tile return at once. Nothing here reads device da
 so the decode path can be captured in a CUDA graph (max_seq_len is then a fixed upper bound).
 
 Split-KV (flash decoding): with few requests and long contexts the grid above leaves most SMs
-idle, so the KV range of each request is cut into NUM_SPLITS segments handled by separate
+idle, so the KV range of each request is cut into num_splits segments handled by separate
 programs that write a partial output plus its softmax max and sum; a reduce kernel merges them.
+The split count is a runtime argument (only "split or not" is compiled in), so the many split
+counts a CUDA-graph ladder picks cost two compiled variants, not one per count.
 """
 
 from __future__ import annotations
@@ -72,12 +74,13 @@ def _paged_attention_kernel(
     stride_cslot,
     stride_chead,
     stride_bt,
+    num_splits,
     NUM_Q_PER_KV: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
     DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT_KV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
@@ -111,14 +114,14 @@ def _paged_attention_kernel(
 
     # Causal: nothing past this tile's last query is visible.
     kv_end = tl.minimum(seq_len, context_len + tl.minimum((q_tile + 1) * BLOCK_Q, query_len))
-    if NUM_SPLITS == 1:
-        kv_lo = 0
-        kv_hi = kv_end
-    else:
+    if SPLIT_KV:
         # Split boundaries depend on seq_len only (not on the tile), in whole TILE_N steps.
-        split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N
+        split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), TILE_N) * TILE_N
         kv_lo = split * split_len
         kv_hi = tl.minimum(kv_end, kv_lo + split_len)
+    else:
+        kv_lo = 0
+        kv_hi = kv_end
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -151,17 +154,17 @@ def _paged_attention_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     result = acc / l_safe[:, None]
-    if NUM_SPLITS == 1:
+    if SPLIT_KV:
+        partial = (token * num_q_heads + head) * num_splits + split
+        tl.store(partial_out_ptr + partial[:, None] * DIM_PAD + dims[None, :], result, mask=row_valid[:, None])
+        tl.store(partial_max_ptr + partial, m_i, mask=row_valid)
+        tl.store(partial_sum_ptr + partial, l_i, mask=row_valid)
+    else:
         tl.store(
             out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
             result.to(out_ptr.dtype.element_ty),
             mask=row_valid[:, None] & dim_valid[None, :],
         )
-    else:
-        partial = (token * num_q_heads + head) * NUM_SPLITS + split
-        tl.store(partial_out_ptr + partial[:, None] * DIM_PAD + dims[None, :], result, mask=row_valid[:, None])
-        tl.store(partial_max_ptr + partial, m_i, mask=row_valid)
-        tl.store(partial_sum_ptr + partial, l_i, mask=row_valid)
 
 
 @triton.jit
@@ -174,20 +177,22 @@ def _merge_splits_kernel(
     head_dim,
     stride_ot,
     stride_oh,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
+    MAX_SPLITS: tl.constexpr,
     DIM_PAD: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    base = (token * num_q_heads + head) * NUM_SPLITS
-    splits = tl.arange(0, NUM_SPLITS)
+    base = (token * num_q_heads + head) * num_splits
+    splits = tl.arange(0, MAX_SPLITS)
+    used = splits < num_splits
     dims = tl.arange(0, DIM_PAD)
-    m = tl.load(partial_max_ptr + base + splits)
-    l_sum = tl.load(partial_sum_ptr + base + splits)
+    m = tl.load(partial_max_ptr + base + splits, mask=used, other=float("-inf"))
+    l_sum = tl.load(partial_sum_ptr + base + splits, mask=used, other=0.0)
     m_max = tl.max(m, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     weight = l_sum * tl.exp2(m - m_max)  # empty splits: l = 0 and m = -inf -> weight 0
-    o = tl.load(partial_out_ptr + (base + splits)[:, None] * DIM_PAD + dims[None, :])
+    o = tl.load(partial_out_ptr + (base + splits)[:, None] * DIM_PAD + dims[None, :], mask=used[:, None], other=0.0)
     total = tl.sum(weight, 0)
     result = tl.sum(o * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, result.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
@@ -227,7 +232,7 @@ def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
     wanted = min(wanted, max_seq_len // 256, _MAX_SPLITS)
     if wanted < 2:
         return 1
-    return 1 << (wanted.bit_length() - 1)  # power of two for the merge kernel's arange
+    return 1 << (wanted.bit_length() - 1)  # powers of two: few distinct split layouts
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -282,8 +287,8 @@ def unified_attention(
     num_tiles = num_tokens // block_q + num_reqs
     if num_splits is None:
         num_splits = choose_num_splits(num_tiles * num_kv_heads, max_seq_len, _num_sms(q.device))
-    if num_splits < 1 or num_splits & (num_splits - 1):
-        raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits}")
+    if not 1 <= num_splits <= _MAX_SPLITS:
+        raise ValueError(f"num_splits must be in 1..{_MAX_SPLITS}, got {num_splits}")
     if config is DECODE_CONFIG and num_splits > 1:
         config = DECODE_SPLIT_CONFIG  # same block_m, so num_tiles above still holds
 
@@ -318,12 +323,13 @@ def unified_attention(
         kv_cache.stride(2),
         kv_cache.stride(3),
         block_table.stride(0),
+        num_splits,
         NUM_Q_PER_KV=group,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         TILE_N=config.tile_n,
         DIM_PAD=dim_pad,
-        NUM_SPLITS=num_splits,
+        SPLIT_KV=num_splits > 1,
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -338,7 +344,8 @@ def unified_attention(
             head_dim,
             out.stride(0),
             out.stride(1),
-            NUM_SPLITS=num_splits,
+            num_splits,
+            MAX_SPLITS=_MAX_SPLITS,
             DIM_PAD=dim_pad,
         )
     return out

@@ -63,6 +63,24 @@ class ModelRunner:
         default_gen = torch.Generator(device=device)
         default_gen.manual_seed(seed)
         self.sampler = Sampler(default_gen)
+        # Decode-only steps replay captured CUDA graphs when set (worker/cuda_graphs.py; see
+        # capture_cuda_graphs). None: always eager (CPU, --enforce-eager).
+        self.graph_runner: Any = None
+
+    def capture_cuda_graphs(self, *, max_num_seqs: int, max_model_len: int, block_size: int) -> float | None:
+        """Capture decode graphs for the batch-size ladder; returns seconds, or None if it failed
+        (logged; the engine then runs eagerly)."""
+        from ferrox.worker.cuda_graphs import CudaGraphRunner
+
+        try:
+            runner = CudaGraphRunner(self.model, self.kv_caches, max_num_seqs=max_num_seqs,
+                                     max_model_len=max_model_len, block_size=block_size, device=self.device)
+            seconds = runner.capture()
+        except Exception:
+            logger.exception("CUDA graph capture failed; decode steps run eagerly")
+            return None
+        self.graph_runner = runner
+        return seconds
 
     # ---- persistent batch -------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -114,9 +132,11 @@ class ModelRunner:
             seq_lens_cpu=seq_lens_cpu,
             decode_only=max_query_len == 1,
         )
-        hidden = self.model.forward(
-            _as_tensor(so.input_ids, dev), _as_tensor(so.positions, dev), self.kv_caches, attn
-        )
+        input_ids, positions = _as_tensor(so.input_ids, dev), _as_tensor(so.positions, dev)
+        if self.graph_runner is not None and self.graph_runner.can_run(attn):
+            hidden = self.graph_runner.run(input_ids, positions, attn)  # valid until the next run
+        else:
+            hidden = self.model.forward(input_ids, positions, self.kv_caches, attn)
         logits_indices = _as_tensor(so.logits_indices, dev)
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
         if grammar_bitmask is not None:
