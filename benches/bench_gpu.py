@@ -114,7 +114,8 @@ def table(results: dict[str, object], errors: dict[str, str]) -> str:
             f"floor {_f(lat['floor_ms'])} ms ({lat['weight_gb']} GB at {_f(lat['copy_bandwidth_gbps'] / 1e3)} TB/s); "
             f"ratio **{_f(lat['step_over_floor'])}x** (target <= 1.15x) |",
             f"| start-up to ready / first token | {_f(lat['startup_ready_s'], '.1f')} s / "
-            f"{_f(lat['startup_first_token_s'], '.1f')} s | target <= 30 s |",
+            f"{_f(lat['startup_first_token_s'], '.1f')} s (CUDA graph capture {_f(lat.get('cuda_graph_capture_s'), '.1f')} s)"
+            " | target <= 30 s |",
         ]
     for r in thr:
         target = " (target >= 30,000; vLLM H100 22,728)" if (r["input_len"], r["output_len"]) == (256, 256) else ""

@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
         "enforce_eager": args.enforce_eager,
         "startup_ready_s": round(ready_s, 2),
         "startup_first_token_s": round(first_token_s, 2),
+        "cuda_graph_capture_s": getattr(llm.engine, "cuda_graph_capture_s", None),
         "decode_step_ms_median": round(step_ms, 3),
         "decode_step_ms_p90": round(sorted(decode_ms)[int(0.9 * (len(decode_ms) - 1))], 3),
         "e2e_latency_s_median": round(statistics.median(e2e_s), 3),
