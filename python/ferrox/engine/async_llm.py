@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from ferrox.config import EngineConfig
 from ferrox.engine.core_client import CoreClient, EngineDeadError, EngineStartupError
 from ferrox.engine.core_process import EngineCoreOutputs
+from ferrox.engine.input_processor import process_prompt
 from ferrox.engine.output_processor import OutputProcessor
 from ferrox.engine.protocol import EngineCoreOutput, EngineCoreRequest
 from ferrox.outputs import RequestMetrics, RequestOutput
@@ -209,16 +210,10 @@ class AsyncLLM:
             raise EngineDeadError(self.dead_reason or "engine is shut down")
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """(prompt text or None, token ids) for a text prompt or {"prompt_token_ids": [...]}."""
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, Mapping):
-            if "prompt_token_ids" in prompt:
-                ids = [int(t) for t in prompt["prompt_token_ids"]]
-                return prompt.get("prompt"), ids
-            if "prompt" in prompt and isinstance(prompt["prompt"], str):
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-        raise ValueError("prompt: must be a string or a dict with 'prompt_token_ids' (or 'prompt')")
+        """(prompt text or None, token ids) for a text prompt, {"prompt": text} or
+        {"prompt_token_ids": [...]}; the same rules as the offline LLM (input_processor)."""
+        processed = process_prompt(self.tokenizer, prompt)
+        return processed.prompt, processed.prompt_token_ids
 
     async def generate(
         self,
