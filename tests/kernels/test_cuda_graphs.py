@@ -79,3 +79,34 @@ def test_graph_replay_matches_eager_decode(cuda_device, seed):
         graphed = runner.run(ids, pos, meta)
         assert graphed.shape == eager.shape and not graphed.isnan().any()
         assert relative_error(graphed, eager) < 2e-2
+
+
+@pytest.mark.gpu
+def test_engine_greedy_tokens_same_with_and_without_graphs(cuda_device, tmp_path):
+    """LLM with CUDA graphs (default) and with enforce_eager give the same greedy tokens (float32)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
+    import bench_setup
+    from ferrox import LLM, SamplingParams
+
+    config = json.loads(bench_setup.LLAMA_8B_CONFIG.read_text())
+    config.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=32)
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(config))
+    model_dir = bench_setup.make_model_dir(tmp_path / "cfg" / "config.json", str(tmp_path / "model"))
+    prompts = bench_setup.random_prompts(5, 12, 128000, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, detokenize=False)
+    tokens = {}
+    for eager in (False, True):
+        llm = LLM(model=model_dir, load_format="dummy", dtype="float32", max_model_len=256, max_num_seqs=8,
+                  enforce_eager=eager, seed=0)
+        if not eager:
+            assert llm.engine.runner.graph_runner is not None, "CUDA graphs were not captured"
+        tokens[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        del llm
+        torch.cuda.empty_cache()
+    assert tokens[False] == tokens[True]

@@ -88,3 +88,21 @@ def test_llama31_cos_sin_cache_matches_transformers():
     )
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")  # float32
     torch.testing.assert_close(rope_inv_freq(128, 500000.0, LLAMA31_ROPE_SCALING).float(), expected, rtol=1e-6, atol=0)
+
+
+@pytest.mark.gpu
+def test_layers_dispatch_to_triton_on_cuda(cuda_device, seed):
+    """layers.RMSNorm / SiluAndMul take the Triton path on CUDA and still match the references."""
+    from ferrox.layers.activation import SiluAndMul
+    from ferrox.layers.layernorm import RMSNorm
+
+    x = torch.randn(64, 4096, dtype=torch.bfloat16, device=cuda_device)
+    residual = torch.randn_like(x)
+    norm = RMSNorm(4096, 1e-5, torch.bfloat16, cuda_device)
+    norm.weight.data.normal_(1.0, 0.1)
+    out, new_residual = norm(x, residual)
+    ref_out, ref_residual = rms_norm_ref(x, norm.weight, 1e-5, residual)
+    assert torch.equal(new_residual, ref_residual) and relative_error(out, ref_out) < TOLERANCE[torch.bfloat16]
+    assert relative_error(norm(x), rms_norm_ref(x, norm.weight, 1e-5)) < TOLERANCE[torch.bfloat16]
+    gate_up = torch.randn(64, 2 * 1024, dtype=torch.bfloat16, device=cuda_device)
+    assert relative_error(SiluAndMul()(gate_up), silu_and_mul_ref(gate_up)) < TOLERANCE[torch.bfloat16]
