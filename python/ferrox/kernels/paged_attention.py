@@ -212,7 +212,8 @@ class AttentionLaunchConfig:
 DECODE_CONFIG = AttentionLaunchConfig(block_m=16, tile_n=64, num_warps=4, num_stages=2)
 DECODE_SPLIT_CONFIG = AttentionLaunchConfig(block_m=16, tile_n=128, num_warps=4, num_stages=2)
 PREFILL_CONFIG = AttentionLaunchConfig(block_m=64, tile_n=64, num_warps=4, num_stages=2)
-# Split-KV pays when the plain grid fills less than this many waves of SMs.
+# Split-KV only when the plain grid fills less than one wave of SMs and contexts are at least this
+# long (shorter ones finish in a few KV tiles anyway).
 _MIN_SEQ_FOR_SPLIT = 512
 _MAX_SPLITS = 32
 
