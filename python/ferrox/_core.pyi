@@ -52,7 +52,8 @@ class SchedulerOutput:
         """Requests resumed after preemption (their KV is recomputed from num_computed_tokens)."""
     @property
     def finished_req_ids(self) -> list[str]:
-        """Requests that finished or were aborted since the previous schedule(); the runner drops them."""
+        """Requests that finished or were aborted since the previous schedule(); the runner drops them
+        before adding new_req_ids (a finished request's id may be reused by a new request)."""
     @property
     def preempted_req_ids(self) -> list[str]:
         """Requests preempted during this schedule() (back to waiting, blocks freed)."""
@@ -185,7 +186,10 @@ class Scheduler:
     def abort_requests(self, request_ids: Sequence[str]) -> list[RequestOutput]:
         """Abort live requests (unknown ids are ignored); frees their blocks at once and returns a
         finished output (finish_reason 'abort') for each one that was live."""
-    def schedule(self) -> SchedulerOutput: ...
+    def schedule(self) -> SchedulerOutput:
+        """Decide one step. Every schedule() with num_reqs > 0 must be followed by one
+        update_from_output() before the next schedule(): a request whose sample is never delivered
+        would wait for it forever."""
     def update_from_output(
         self,
         sampled_token_ids: npt.NDArray[np.int64],
