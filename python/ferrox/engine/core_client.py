@@ -20,9 +20,10 @@ import logging
 import multiprocessing
 import os
 import shutil
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -88,7 +89,8 @@ class CoreClient:
         self._handshake.bind(handshake_addr)
         self._info: cp.CoreInfo | None = None
         try:
-            self.proc.start()
+            with _main_module_hidden():
+                self.proc.start()
         except BaseException:
             self.shutdown()
             raise
@@ -250,3 +252,29 @@ class CoreClient:
 
     def __repr__(self) -> str:
         return f"CoreClient(pid={self.pid}, alive={self.is_alive()}, ipc={os.path.basename(self._tmpdir)})"
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Start the child without re-running the parent's __main__ script in it.
+
+    A "spawn" child normally imports the parent's main script (as __mp_main__) so that pickled
+    objects defined there resolve. The core needs nothing from it (its target and config live in
+    ferrox), and re-running a script that creates an AsyncLLM at top level, without an
+    `if __name__ == "__main__"` guard, would spawn recursively. Hiding __file__/__spec__ while
+    the child's preparation data is taken makes the child skip that step.
+    """
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = {name: getattr(main, name) for name in ("__file__", "__spec__") if hasattr(main, name)}
+    try:
+        if "__file__" in saved:
+            del main.__file__
+        if "__spec__" in saved:
+            main.__spec__ = None
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(main, name, value)
