@@ -25,6 +25,11 @@ def test_message_non_streaming(client):
     assert msg.content[0].type == "text" and "Paris" in msg.content[0].text
     assert msg.stop_reason in ("end_turn", "max_tokens")
     assert msg.usage.input_tokens > 5 and 0 < msg.usage.output_tokens <= 24
+    counted = client.messages.count_tokens(
+        model=MODEL, system="You are a helpful assistant.",
+        messages=[{"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}],
+    )
+    assert counted.input_tokens == msg.usage.input_tokens
 
 
 def test_max_tokens_stop_reason(client):

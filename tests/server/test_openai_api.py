@@ -33,6 +33,9 @@ def test_models_lists_max_model_len(client):
     assert [m.id for m in models] == [MODEL]
     assert models[0].max_model_len == MAX_MODEL_LEN
     assert models[0].object == "model"
+    assert client.models.retrieve(MODEL).max_model_len == MAX_MODEL_LEN
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
 
 
 def test_chat_non_streaming(greedy_answer):

@@ -80,3 +80,9 @@ class MessagesRequest(_Base):
             out.append({"role": "system", "content": system})
         out.extend({"role": m.role, "content": m.text()} for m in self.messages)
         return out
+
+
+class MessagesCountRequest(MessagesRequest):
+    """Body of /v1/messages/count_tokens: a Messages request without the generation fields."""
+
+    max_tokens: int = Field(1, ge=1)

@@ -15,7 +15,7 @@ import msgspec
 from aiohttp import web
 
 from ferrox.engine.async_llm import EngineDeadError, RequestError
-from ferrox.entrypoints.anthropic.protocol import MessagesRequest
+from ferrox.entrypoints.anthropic.protocol import MessagesCountRequest, MessagesRequest
 from ferrox.entrypoints.openai.errors import APIError, from_value_error
 from ferrox.entrypoints.openai.serving import (
     ServingContext,
@@ -39,12 +39,24 @@ def _stop_reason(comp: CompletionOutput) -> tuple[str | None, str | None]:
     return ("end_turn", None) if comp.finish_reason is not None else (None, None)
 
 
+def _prompt_ids(ctx: ServingContext, req: MessagesRequest) -> tuple[str, list[int]]:
+    prompt_text = render_chat(ctx, req.template_messages(), add_generation_prompt=True)
+    return prompt_text, ctx.engine.tokenizer.encode(prompt_text, add_special_tokens=False)
+
+
+async def count_message_tokens(ctx: ServingContext, request: web.Request) -> web.StreamResponse:
+    """POST /v1/messages/count_tokens: the prompt's size, as the model will see it."""
+    req = await parse_body(request, MessagesCountRequest)
+    ctx.check_model(req.model)
+    _, prompt_ids = _prompt_ids(ctx, req)
+    return json_response({"input_tokens": len(prompt_ids)})
+
+
 async def create_message(ctx: ServingContext, request: web.Request) -> web.StreamResponse:
     req = await parse_body(request, MessagesRequest)
     ctx.check_model(req.model)
     ctx.check_engine()
-    prompt_text = render_chat(ctx, req.template_messages(), add_generation_prompt=True)
-    prompt_ids = ctx.engine.tokenizer.encode(prompt_text, add_special_tokens=False)
+    prompt_text, prompt_ids = _prompt_ids(ctx, req)
     max_tokens = resolve_max_tokens(ctx, len(prompt_ids), req.max_tokens, "messages")
     kwargs: dict[str, Any] = {"max_tokens": max_tokens, "stop": req.stop_sequences or None}
     for name in ("temperature", "top_p", "top_k"):

@@ -22,7 +22,7 @@ from aiohttp import web
 
 import ferrox
 from ferrox.engine.async_llm import AsyncLLM
-from ferrox.entrypoints.anthropic.serving_messages import create_message
+from ferrox.entrypoints.anthropic.serving_messages import count_message_tokens, create_message
 from ferrox.entrypoints.openai.errors import APIError
 from ferrox.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 from ferrox.entrypoints.openai.serving import ServingContext, json_response, parse_body, render_chat
@@ -100,12 +100,21 @@ async def body_limit_middleware(request: web.Request, handler: Handler) -> web.S
 # ---- small routes ----------------------------------------------------------------------------------
 
 
-async def list_models(request: web.Request) -> web.Response:
-    ctx = request.app[CTX]
-    return json_response({"object": "list", "data": [{
+def _model_card(ctx: ServingContext) -> dict[str, Any]:
+    return {
         "id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "ferrox",
         "root": ctx.engine.model_name, "parent": None, "max_model_len": ctx.max_model_len,
-    }]})
+    }
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return json_response({"object": "list", "data": [_model_card(request.app[CTX])]})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    ctx = request.app[CTX]
+    ctx.check_model(request.match_info["model"])
+    return json_response(_model_card(ctx))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -169,9 +178,11 @@ def build_app(engine: AsyncLLM, *, served_model_name: str | None = None, api_key
     engine.stat_loggers.append(stat_logger)
     app[METRICS] = stat_logger
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", retrieve_model)
     app.router.add_post("/v1/completions", _bind(create_completion))
     app.router.add_post("/v1/chat/completions", _bind(create_chat_completion))
     app.router.add_post("/v1/messages", _bind(create_message))
+    app.router.add_post("/v1/messages/count_tokens", _bind(count_message_tokens))
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
