@@ -163,6 +163,7 @@ pub struct RequestOutput {
 struct StepEntry {
     slot: usize,
     serial: u64,
+    num_tokens: usize,
     sample: bool,
 }
 
@@ -423,6 +424,7 @@ impl Scheduler {
 
     /// Decides one step. See the module docs for the policy.
     pub fn schedule(&mut self) -> SchedulerOutput {
+        self.roll_back_undelivered_step();
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut scheduled: Vec<(usize, usize)> = Vec::with_capacity(self.running.len() + 8);
         let mut preempted: Vec<usize> = Vec::new();
@@ -549,6 +551,7 @@ impl Scheduler {
             self.last_step.push(StepEntry {
                 slot,
                 serial: r.serial,
+                num_tokens: n,
                 sample: r.num_computed_tokens == r.num_tokens(),
             });
         }
@@ -650,6 +653,19 @@ impl Scheduler {
         self.last_step = steps;
         self.last_step.clear();
         Ok(outputs)
+    }
+
+    /// The previous step's results never came (update_from_output was skipped, e.g. the model
+    /// step failed): its tokens count as not computed, so each request schedules them again
+    /// rather than waiting forever for a sample.
+    fn roll_back_undelivered_step(&mut self) {
+        for e in std::mem::take(&mut self.last_step) {
+            if let Some(r) = self.slab[e.slot].as_mut() {
+                if r.serial == e.serial && r.status == RequestStatus::Running {
+                    r.num_computed_tokens -= e.num_tokens;
+                }
+            }
+        }
     }
 
     /// Frees a finished request's blocks and forgets it; the runner hears of it in the next
@@ -1178,6 +1194,20 @@ mod tests {
                     .unwrap_err();
             assert!(err.to_string().starts_with(field), "{err}");
         }
+    }
+
+    #[test]
+    fn a_step_without_update_is_scheduled_again() {
+        let mut s = sched(64, 4, 64, "fcfs");
+        s.add_request(req("a", 6, 3)).unwrap();
+        let first = s.schedule();
+        let again = s.schedule(); // the model step failed; no update_from_output
+        assert_eq!(again.arrays.input_ids, first.arrays.input_ids);
+        assert_eq!(again.arrays.positions, first.arrays.positions);
+        s.check_invariants();
+        assert_eq!(s.update_from_output(&[7], None).unwrap().len(), 1);
+        let (out, _) = step(&mut s, 7);
+        assert_eq!(out.arrays.positions, vec![6]);
     }
 
     #[test]

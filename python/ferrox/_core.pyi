@@ -187,9 +187,9 @@ class Scheduler:
         """Abort live requests (unknown ids are ignored); frees their blocks at once and returns a
         finished output (finish_reason 'abort') for each one that was live."""
     def schedule(self) -> SchedulerOutput:
-        """Decide one step. Every schedule() with num_reqs > 0 must be followed by one
-        update_from_output() before the next schedule(): a request whose sample is never delivered
-        would wait for it forever."""
+        """Decide one step. Normally each schedule() with num_reqs > 0 is followed by one
+        update_from_output(). If it is not (the model step failed), the next schedule() counts that
+        step's tokens as not computed and schedules them again."""
     def update_from_output(
         self,
         sampled_token_ids: npt.NDArray[np.int64],
