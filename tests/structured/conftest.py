@@ -20,20 +20,23 @@ def smollm2_gguf_path() -> Path:
 
 
 def _tokenizer_json_from_gguf(path: Path) -> str:
-    """tokenizer.json text built from the GGUF metadata. ferrox's own loader is preferred; the
-    transformers converter (the test-time reference) is the fallback."""
-    try:
-        from ferrox.loader.tokenizer import tokenizer_json_from_gguf  # type: ignore[import-not-found]
+    """tokenizer.json text built from the GGUF metadata by ferrox's loader (what the engine uses)."""
+    from ferrox.loader.source import resolve_model
+    from ferrox.loader.tokenizer import load_tokenizer
 
-        return tokenizer_json_from_gguf(path)
-    except ImportError:
-        pass
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return tok.backend_tokenizer.to_str()
+    return load_tokenizer(resolve_model(str(path))).to_json_str()
 
 
 @pytest.fixture(scope="session")
 def tokenizer_json() -> str:
     return _tokenizer_json_from_gguf(smollm2_gguf_path())
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """The embedded SmolLM2 through the real engine (Rust core, torch CPU), shared by all
+    structured-output test modules."""
+    from ferrox import LLM
+
+    # One wave for the 220 sampled sequences of the JSON test: fewer, wider decode steps.
+    return LLM(seed=0, max_num_seqs=256)

@@ -12,6 +12,7 @@ Three steps, kept apart so each can be cached or run off the engine loop:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import threading
@@ -108,13 +109,19 @@ def grammar_text(params: StructuredOutputsParams) -> GrammarText:
 
 
 def validate_params(params: StructuredOutputsParams) -> GrammarText:
-    """Check a constraint without a tokenizer (fast: no lexer is built). Raises ValueError with
-    llguidance's message, prefixed by the offending field, so the server can return a 400."""
+    """Check a constraint without a tokenizer (no lexer is built, so it is cheap, and cached by
+    constraint text). Raises ValueError with llguidance's message, prefixed by the offending
+    field, so the server can answer 400 and LLM.generate can refuse before queueing anything."""
     text = grammar_text(params)
-    error = llguidance.LLMatcher.validate_grammar(text.grammar)
+    error = _grammar_error(text.grammar)
     if error:
-        raise ValueError(f"{text.field}: invalid constraint: {error.strip()}")
+        raise ValueError(f"{text.field}: invalid constraint: {error}")
     return text
+
+
+@functools.lru_cache(maxsize=512)
+def _grammar_error(grammar: str) -> str:
+    return llguidance.LLMatcher.validate_grammar(grammar).strip()
 
 
 class GrammarCompileError(ValueError):
