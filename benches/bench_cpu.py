@@ -28,10 +28,10 @@ BATCH_PROMPTS = [
 ]
 
 
-def bench_ferrox(tokens: int, batch: int) -> tuple[float, float]:
+def bench_ferrox(tokens: int, batch: int, threads: int) -> tuple[float, float]:
     from ferrox import LLM, SamplingParams
 
-    llm = LLM(kv_cache_memory=512 << 20)
+    llm = LLM(kv_cache_memory=512 << 20, num_threads=threads)
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
     llm.generate(BATCH_PROMPTS[:batch], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
@@ -84,7 +84,8 @@ def main() -> None:
     threads = args.threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
 
-    f_single, f_batch = bench_ferrox(args.tokens, args.batch)
+    f_single, f_batch = bench_ferrox(args.tokens, args.batch, threads)
+    torch.set_num_threads(threads)
     h_single, h_batch = bench_transformers(args.tokens, args.batch, args.skip_hf_batch)
 
     print(f"\nCPU, float32, SmolLM2-135M-Instruct (embedded GGUF), {threads} threads, {args.tokens} new tokens, greedy")

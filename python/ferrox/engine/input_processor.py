@@ -10,8 +10,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-PromptInput = str | Mapping[str, Any]
-"""A prompt: text, {"prompt": text} or {"prompt_token_ids": [...]} (optionally with "prompt")."""
+PromptInput = str | Mapping[str, Any] | Sequence[int]
+"""A prompt: text, {"prompt": text}, {"prompt_token_ids": [...]} (optionally with "prompt"), or
+(inside a list of prompts) a bare list of token ids."""
 
 
 @dataclass(slots=True)
@@ -47,7 +48,9 @@ def process_prompt(tokenizer: Any, prompt: PromptInput, index: int = 0) -> Proce
         if isinstance(prompt.get("prompt"), str):
             return ProcessedPrompt(prompt["prompt"], list(tokenizer.encode(prompt["prompt"])))
         raise ValueError(f"prompts[{index}]: a dict prompt needs 'prompt' (text) or 'prompt_token_ids'")
-    raise ValueError(f"prompts[{index}]: expected a string or a dict, got {type(prompt).__name__}")
+    if isinstance(prompt, Sequence) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return ProcessedPrompt(None, [int(t) for t in prompt])  # a bare list of token ids
+    raise ValueError(f"prompts[{index}]: expected a string, a dict or a list of token ids, got {type(prompt).__name__}")
 
 
 def render_chat(
