@@ -217,9 +217,77 @@ impl TokenizerInfo {
         self.vocab_size
     }
 
+    /// Whether an invalid byte run decodes to one U+FFFD per byte (ByteFallback) rather than
+    /// one per invalid sequence (byte-level BPE).
+    fn per_byte_replacement(&self) -> bool {
+        matches!(&self.kind, DecodeKind::Table(t) if matches!(t.style, TableStyle::SentencePiece { .. }))
+    }
+
     /// True when decoding uses the precomputed byte table (the fast path).
     pub fn uses_byte_table(&self) -> bool {
         matches!(self.kind, DecodeKind::Table(_))
+    }
+}
+
+/// Bytes of a UTF-8 character still incomplete at the end of the decoded text.
+#[derive(Default)]
+struct Utf8Tail {
+    pending: Vec<u8>,
+}
+
+impl Utf8Tail {
+    /// Appends raw bytes: complete characters go to `out`, an incomplete tail waits here.
+    /// Invalid sequences become U+FFFD: one per maximal invalid sequence (like
+    /// `String::from_utf8_lossy`, for byte-level BPE) or one per byte (`per_byte`, like the
+    /// ByteFallback decoder).
+    fn push(&mut self, out: &mut String, bytes: &[u8], per_byte: bool) {
+        if self.pending.is_empty() {
+            // Fast path: most tokens are complete UTF-8 on their own.
+            if let Ok(s) = std::str::from_utf8(bytes) {
+                out.push_str(s);
+                return;
+            }
+        }
+        self.pending.extend_from_slice(bytes);
+        let mut rest: &[u8] = &self.pending;
+        loop {
+            match std::str::from_utf8(rest) {
+                Ok(s) => {
+                    out.push_str(s);
+                    rest = &[];
+                    break;
+                }
+                Err(e) => {
+                    let valid = e.valid_up_to();
+                    out.push_str(std::str::from_utf8(&rest[..valid]).unwrap());
+                    match e.error_len() {
+                        Some(bad) => {
+                            for _ in 0..if per_byte { bad } else { 1 } {
+                                out.push('\u{FFFD}');
+                            }
+                            rest = &rest[valid + bad..];
+                        }
+                        None => {
+                            rest = &rest[valid..];
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        let consumed = self.pending.len() - rest.len();
+        self.pending.drain(..consumed);
+    }
+
+    /// An incomplete sequence that can no longer complete (end of stream, or a text piece after
+    /// byte pieces) becomes U+FFFD, as a full decode writes it.
+    fn end(&mut self, out: &mut String, per_byte: bool) {
+        if !self.pending.is_empty() {
+            for _ in 0..if per_byte { self.pending.len() } else { 1 } {
+                out.push('\u{FFFD}');
+            }
+            self.pending.clear();
+        }
     }
 }
 
@@ -240,8 +308,7 @@ pub struct IncrementalDetokenizer {
     tok: Arc<TokenizerInfo>,
     skip_special_tokens: bool,
     stream: StreamState,
-    /// Trailing bytes of an incomplete UTF-8 character.
-    pending: Vec<u8>,
+    utf8: Utf8Tail,
     /// All text decoded so far (truncated at a stop string once one fires).
     output: String,
     /// Bytes of `output` already returned as deltas.
@@ -279,7 +346,7 @@ impl IncrementalDetokenizer {
             tok,
             skip_special_tokens,
             stream: StreamState::default(),
-            pending: Vec::new(),
+            utf8: Utf8Tail::default(),
             output: String::new(),
             emitted: 0,
             stops,
@@ -343,7 +410,7 @@ impl IncrementalDetokenizer {
                 start
             };
             self.output.truncate(end);
-            self.pending.clear();
+            self.utf8.pending.clear();
             self.stopped = true;
             return DetokStep {
                 delta: self.take_delta(end),
@@ -361,7 +428,8 @@ impl IncrementalDetokenizer {
     /// including an incomplete trailing UTF-8 sequence as U+FFFD, as a full decode would.
     pub fn flush(&mut self) -> String {
         if !self.stopped {
-            self.end_byte_run();
+            let per_byte = self.tok.per_byte_replacement();
+            self.utf8.end(&mut self.output, per_byte);
         }
         self.take_delta(self.output.len())
     }
@@ -377,8 +445,7 @@ impl IncrementalDetokenizer {
 
     fn decode_into_output(&mut self, token_id: u32) {
         let before = self.output.len();
-        let tok = Arc::clone(&self.tok);
-        match &tok.kind {
+        match &self.tok.kind {
             DecodeKind::Table(t) => {
                 let i = token_id as usize;
                 if i + 1 >= t.offsets.len() || (self.skip_special_tokens && t.special[i]) {
@@ -386,13 +453,13 @@ impl IncrementalDetokenizer {
                 }
                 let tb = t.token_bytes(i);
                 match t.style {
-                    TableStyle::ByteLevel => self.push_bytes(tb, false),
+                    TableStyle::ByteLevel => self.utf8.push(&mut self.output, tb, false),
                     TableStyle::SentencePiece { .. } if t.is_byte_piece[i] => {
-                        self.push_bytes(tb, true)
+                        self.utf8.push(&mut self.output, tb, true)
                     }
                     TableStyle::SentencePiece { .. } => {
                         // A text piece ends any byte run; its own text is always valid UTF-8.
-                        self.end_byte_run();
+                        self.utf8.end(&mut self.output, true);
                         self.output
                             .push_str(std::str::from_utf8(tb).expect("table built from str"));
                     }
@@ -419,70 +486,6 @@ impl IncrementalDetokenizer {
                 }
             }
         }
-    }
-
-    /// Appends raw bytes: complete characters go to `output`, an incomplete tail waits in
-    /// `pending`. Invalid sequences become U+FFFD: one per maximal invalid sequence (like
-    /// `String::from_utf8_lossy`, for byte-level BPE) or one per byte (`per_byte`, like the
-    /// ByteFallback decoder).
-    fn push_bytes(&mut self, tb: &[u8], per_byte: bool) {
-        if self.pending.is_empty() {
-            // Fast path: most tokens are complete UTF-8 on their own.
-            if let Ok(s) = std::str::from_utf8(tb) {
-                self.output.push_str(s);
-                return;
-            }
-        }
-        self.pending.extend_from_slice(tb);
-        let mut rest: &[u8] = &self.pending;
-        loop {
-            match std::str::from_utf8(rest) {
-                Ok(s) => {
-                    self.output.push_str(s);
-                    rest = &[];
-                    break;
-                }
-                Err(e) => {
-                    let valid = e.valid_up_to();
-                    self.output
-                        .push_str(std::str::from_utf8(&rest[..valid]).unwrap());
-                    match e.error_len() {
-                        Some(bad) => {
-                            for _ in 0..if per_byte { bad } else { 1 } {
-                                self.output.push('\u{FFFD}');
-                            }
-                            rest = &rest[valid + bad..];
-                        }
-                        None => {
-                            rest = &rest[valid..];
-                            break;
-                        }
-                    }
-                }
-            }
-        }
-        let keep = rest.len();
-        let start = self.pending.len() - keep;
-        self.pending.drain(..start);
-    }
-
-    /// An incomplete UTF-8 sequence that can no longer complete (end of stream, or a text piece
-    /// after byte pieces) becomes U+FFFD, as a full decode would write it.
-    fn end_byte_run(&mut self) {
-        if self.pending.is_empty() {
-            return;
-        }
-        let per_byte = matches!(
-            &self.tok.kind,
-            DecodeKind::Table(TokenTable {
-                style: TableStyle::SentencePiece { .. },
-                ..
-            })
-        );
-        for _ in 0..if per_byte { self.pending.len() } else { 1 } {
-            self.output.push('\u{FFFD}');
-        }
-        self.pending.clear();
     }
 
     /// Earliest stop-string match that ends in the text added since `new_start`. Only that
