@@ -46,6 +46,9 @@ def load_model(source: ModelSource, spec: ModelSpec, *, dtype: torch.dtype, devi
             model.load_weights(weights.iter_gguf(source.path, spec.num_heads, spec.num_kv_heads))
         else:
             model.load_weights(weights.iter_safetensors(source.path))
+        finalize = getattr(model, "finalize_weights", None)
+        if finalize is not None:
+            finalize()
     model.eval()
     model.requires_grad_(False)
     return model
