@@ -140,9 +140,7 @@ class ModelRunner:
         logits_indices = _as_tensor(so.logits_indices, dev)
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
         if grammar_bitmask is not None:
-            from ferrox.structured.bitmask import apply_bitmask_rows
-
-            apply_bitmask_rows(logits, grammar_bitmask, None)
+            self._apply_grammar_bitmask(logits, grammar_bitmask)
 
         sample_mask: list[bool] = so.sample_mask.tolist()
         out = ModelRunnerOutput(sampled_token_ids=np.zeros(len(req_ids), dtype=np.int64))
@@ -157,6 +155,15 @@ class ModelRunner:
         if any(s.prompt_logprobs is not None and not s.prompt_logprobs.emitted for s in states):
             self._prompt_logprobs(hidden, states, so, out)
         return out
+
+    @staticmethod
+    def _apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """Only rows with some bit cleared are unpacked: unconstrained rows (all ones) cost nothing."""
+        from ferrox.structured.bitmask import apply_bitmask_rows
+
+        rows = torch.nonzero((bitmask != -1).any(dim=1)).flatten()
+        if rows.numel():
+            apply_bitmask_rows(logits, bitmask, None if rows.numel() == bitmask.shape[0] else rows)
 
     # ---- sampling -------------------------------------------------------------------------------------
     def _sample(
