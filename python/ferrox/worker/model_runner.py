@@ -42,6 +42,31 @@ def _as_tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return t if device.type == "cpu" else t.to(device, non_blocking=True)
 
 
+class _Uploader:
+    """Moves the core's per-step numpy arrays to the model's device.
+
+    CPU: wraps them without a copy. GPU: stages them in reusable pinned host buffers so the copies
+    are truly asynchronous. Reusing a buffer is safe because every step ends by reading the sampled
+    tokens back to the host, which waits for the step's earlier copies.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pinned: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, array: np.ndarray) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return _as_tensor(array, self.device)
+        buf = self._pinned.get(name)
+        dtype = torch.from_numpy(np.empty(0, dtype=array.dtype)).dtype
+        if buf is None or buf.numel() < array.size or buf.dtype != dtype:
+            buf = torch.empty(max(2 * array.size, 1024), dtype=dtype, pin_memory=True)
+            self._pinned[name] = buf
+        host = buf[: array.size].view(array.shape)
+        host.numpy()[...] = array
+        return host.to(self.device, non_blocking=True)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -63,6 +88,7 @@ class ModelRunner:
         default_gen = torch.Generator(device=device)
         default_gen.manual_seed(seed)
         self.sampler = Sampler(default_gen)
+        self._upload = _Uploader(device)
         # Decode-only steps replay captured CUDA graphs when set (worker/cuda_graphs.py; see
         # capture_cuda_graphs). None: always eager (CPU, --enforce-eager).
         self.graph_runner: Any = None
@@ -118,26 +144,27 @@ class ModelRunner:
         seq_lens_np = so.seq_lens
         num_sched_np = so.num_scheduled_tokens
         max_query_len = int(num_sched_np.max())
+        upload = self._upload
         qsl_cpu = _as_tensor(qsl_np, torch.device("cpu"))
         seq_lens_cpu = _as_tensor(seq_lens_np, torch.device("cpu"))
         attn = AttentionMetadata(
             num_actual_tokens=int(so.num_tokens),
             max_query_len=max_query_len,
             max_seq_len=int(seq_lens_np.max()),
-            slot_mapping=_as_tensor(so.slot_mapping, dev),
-            query_start_loc=qsl_cpu if dev.type == "cpu" else qsl_cpu.to(dev, non_blocking=True),
-            seq_lens=seq_lens_cpu if dev.type == "cpu" else seq_lens_cpu.to(dev, non_blocking=True),
-            block_table=_as_tensor(so.block_table, dev),
+            slot_mapping=upload("slot_mapping", so.slot_mapping),
+            query_start_loc=qsl_cpu if dev.type == "cpu" else upload("query_start_loc", qsl_np),
+            seq_lens=seq_lens_cpu if dev.type == "cpu" else upload("seq_lens", seq_lens_np),
+            block_table=upload("block_table", so.block_table),
             query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=seq_lens_cpu,
             decode_only=max_query_len == 1,
         )
-        input_ids, positions = _as_tensor(so.input_ids, dev), _as_tensor(so.positions, dev)
+        input_ids, positions = upload("input_ids", so.input_ids), upload("positions", so.positions)
         if self.graph_runner is not None and self.graph_runner.can_run(attn):
             hidden = self.graph_runner.run(input_ids, positions, attn)  # valid until the next run
         else:
             hidden = self.model.forward(input_ids, positions, self.kv_caches, attn)
-        logits_indices = _as_tensor(so.logits_indices, dev)
+        logits_indices = upload("logits_indices", so.logits_indices)
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
         if grammar_bitmask is not None:
             self._apply_grammar_bitmask(logits, grammar_bitmask)
