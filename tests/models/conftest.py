@@ -47,7 +47,7 @@ def hf_smollm_tokenizer(smollm_source):
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers' own greedy generate for one prompt (no padding, so no mask effects). Stops at
     EOS like transformers does; compare with `cut_at_eos` of ferrox's tokens."""
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([prompt_ids], device=model.device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=0, top_p=None, top_k=None, temperature=None)
     return out[0, len(prompt_ids):].tolist()
@@ -62,4 +62,4 @@ def cut_at_eos(tokens: list[int], eos_ids: list[int]) -> list[int]:
 
 @torch.inference_mode()
 def hf_last_logits(model, prompt_ids: list[int]) -> torch.Tensor:
-    return model(torch.tensor([prompt_ids])).logits[0, -1].float()
+    return model(torch.tensor([prompt_ids], device=model.device)).logits[0, -1].float()
