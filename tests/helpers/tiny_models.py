@@ -164,10 +164,10 @@ def _randomize_norms(model) -> None:
 
 
 def export_gguf(folder, path, *, tensor_type: str = "F32", rope_freqs: list[float] | None = None) -> str:
-    """Write a tiny Llama folder (from make_tiny_llama) as a llama.cpp-style GGUF: llama.cpp tensor
-    names, attn_q/attn_k rows permuted the way llama.cpp's converter does, a "gpt2" tokenizer from
-    tokenizer.json, the chat template. tensor_type "F32" | "F16" | "Q8_0" (2-D weights only);
-    rope_freqs: per-frequency divisors stored as rope_freqs.weight (Llama 3.1 GGUFs)."""
+    """Write a tiny folder (make_tiny_llama / _qwen2 / _qwen3) as a llama.cpp-style GGUF: llama.cpp
+    tensor names, for llama attn_q/attn_k rows permuted the way llama.cpp's converter does, a
+    "gpt2" tokenizer from tokenizer.json, the chat template. tensor_type "F32" | "F16" | "Q8_0"
+    (2-D weights only); rope_freqs: per-frequency divisors stored as rope_freqs.weight (Llama 3.1)."""
     import gguf
     import numpy as np
     from safetensors.numpy import load_file
@@ -177,6 +177,8 @@ def export_gguf(folder, path, *, tensor_type: str = "F32", rope_freqs: list[floa
         cfg = json.load(f)
     with open(os.path.join(folder, "tokenizer.json"), encoding="utf-8") as f:
         tok_json = json.load(f)
+    arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[
+        cfg["architectures"][0]]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
 
@@ -189,13 +191,15 @@ def export_gguf(folder, path, *, tensor_type: str = "F32", rope_freqs: list[floa
              "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
              "self_attn.o_proj.weight": "attn_output.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
              "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-             "mlp.down_proj.weight": "ffn_down.weight"}
+             "mlp.down_proj.weight": "ffn_down.weight", "self_attn.q_proj.bias": "attn_q.bias",
+             "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
+             "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"}
     tensors: dict[str, np.ndarray] = {}
     for file in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
         tensors.update(load_file(os.path.join(folder, file)))
 
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny-llama")
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{arch}")
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
@@ -203,6 +207,8 @@ def export_gguf(folder, path, *, tensor_type: str = "F32", rope_freqs: list[floa
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_rope_freq_base(float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 1e4))))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
@@ -226,9 +232,9 @@ def export_gguf(folder, path, *, tensor_type: str = "F32", rope_freqs: list[floa
             parts = hf_name.split(".")  # model.layers.N.<rest>
             name = f"blk.{parts[2]}.{layer['.'.join(parts[3:])]}"
         arr = arr.astype(np.float32)
-        if name.endswith("attn_q.weight"):
+        if arch == "llama" and name.endswith("attn_q.weight"):
             arr = permute(arr, heads)
-        elif name.endswith("attn_k.weight"):
+        elif arch == "llama" and name.endswith("attn_k.weight"):
             arr = permute(arr, kv_heads)
         if arr.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)

@@ -68,3 +68,17 @@ def test_gguf_q8_0_close_to_float(llama31):
     _, q8 = run_greedy(_load(path), PROMPTS, 1, return_prefill_logits=True)
     err = (q8 - ref).abs().max().item()
     assert 0 < err < 0.1 * ref.abs().max().item()  # quantized: close, not equal
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_gguf_equals_safetensors(tmp_path, arch):
+    # Qwen GGUFs keep q/k rows unpermuted; Qwen2 adds q/k/v biases, Qwen3 per-head q/k norms.
+    build = tiny_models.make_tiny_qwen2 if arch == "qwen2" else tiny_models.make_tiny_qwen3
+    folder = build(tmp_path / arch, seed=6)
+    path = tiny_models.export_gguf(folder, tmp_path / f"{arch}.gguf")
+    spec = load_model_spec(resolve_model(path))
+    assert spec.architecture == load_model_spec(resolve_model(folder)).architecture
+    want_tokens, want = run_greedy(_load(folder), PROMPTS, 4, return_prefill_logits=True)
+    got_tokens, got = run_greedy(_load(path), PROMPTS, 4, return_prefill_logits=True)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert got_tokens == want_tokens
