@@ -85,7 +85,10 @@ def test_sentencepiece_gguf(tmp_path):
     assert ours.bos_token_id == 1 and ours.eos_token_ids == [2]
 
 
-@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "gpt2"])
+# ("smollm" is covered by the embedded model's test: ferrox splits digits one by one as the original
+# SmolLM tokenizer and llama.cpp do, transformers does not; the real vocabulary has no multi-digit
+# tokens, so both agree there, but not on this test vocabulary trained with GPT-2's split.)
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "gpt2", "gpt-4o", "tekken"])
 def test_byte_level_gguf_split_regexes(tmp_path, pre):
     bpe = tiny_models.build_tokenizer(vocab_size=400)
     vocab = bpe.get_vocab()

@@ -11,11 +11,14 @@ chat markers like <|im_start|> are matched whole.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from ferrox.loader.errors import UnsupportedModelError
+
+logger = logging.getLogger(__name__)
 
 TOKEN_TYPE_NORMAL, TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED, TOKEN_TYPE_BYTE = 1, 2, 3, 4, 6
 
@@ -26,7 +29,18 @@ _LLAMA3 = (
 _QWEN2 = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _SPLIT_REGEX = {
+    "gpt-4o": _GPT4O, "llama4": _GPT4O, "tekken": _TEKKEN,
     "llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "smaug-bpe": _LLAMA3, "dbrx": _LLAMA3,
     "falcon3": _LLAMA3, "pixtral": _LLAMA3,
     "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2, "megrez": _QWEN2,
@@ -92,6 +106,10 @@ def _byte_level_bpe(gguf: Any, tokens: list[str], pre: str) -> Tokenizer:
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
         ])
     else:  # "gpt2", "default" and families llama.cpp maps to GPT-2's own regex
+        if pre not in ("gpt2", "gpt-2", "default"):
+            # transformers falls back the same way; say so, since the split may differ from the model's.
+            logger.warning("GGUF file %s: pre-tokenizer %r is not known to ferrox; using GPT-2's split "
+                           "(tokenization may differ from the original model)", gguf.path, pre)
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     return tok
