@@ -141,12 +141,13 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype, device=device)
 
-        self._cpu_lm_head: torch.Tensor | None = None
+        # Column-major copy of a tied lm_head on CPU (finalize_weights); a buffer so .to() moves it.
+        self.register_buffer("lm_head_colmajor", None, persistent=False)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        if self._cpu_lm_head is not None:
-            return self._cpu_lm_head
+        if self.lm_head_colmajor is not None:
+            return self.lm_head_colmajor
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def finalize_weights(self) -> None:
@@ -161,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.weight.data = module.weight.data.t().contiguous().t()
         if self.lm_head is None:
-            self._cpu_lm_head = self.model.embed_tokens.weight.data.t().contiguous().t()
+            self.lm_head_colmajor = self.model.embed_tokens.weight.data.t().contiguous().t()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
