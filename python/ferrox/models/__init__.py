@@ -1,0 +1,1 @@
+"""Model definitions, one file per family (llama.py, qwen.py), looked up by registry.py."""
