@@ -110,3 +110,21 @@ def test_dummy_weights_need_only_config(tiny, tmp_path):
     assert torch.isfinite(out_a[1]).all()
     std = a.model.layers[0].self_attn.qkv_proj.weight.std().item()
     assert 0.015 < std < 0.025
+
+
+def test_pytorch_bin_checkpoint(tiny, tmp_path):
+    # Older checkpoints ship pytorch_model.bin; auto picks it when there is no safetensors file.
+    from safetensors.torch import load_file
+
+    folder, model, _ = tiny["llama"]
+    import shutil
+
+    dst = tmp_path / "bin"
+    shutil.copytree(folder, dst)
+    torch.save(load_file(str(dst / "model.safetensors")), dst / "pytorch_model.bin")
+    (dst / "model.safetensors").unlink()
+    source = resolve_model(str(dst))
+    loaded = load_model(source, load_model_spec(source), dtype=torch.float32, device="cpu")
+    prompts = [list(range(3, 30))]
+    assert run_greedy(loaded, prompts, 4, return_prefill_logits=True)[1].equal(
+        run_greedy(model, prompts, 4, return_prefill_logits=True)[1])

@@ -14,7 +14,7 @@ from ferrox.loader.source import ModelSource
 
 __all__ = ["ModelSpec", "load_model_spec", "load_model", "load_generation_config", "LOAD_FORMATS"]
 
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 
 
 def load_model(source: ModelSource, spec: ModelSpec, *, dtype: torch.dtype, device: torch.device | str,
@@ -25,11 +25,16 @@ def load_model(source: ModelSource, spec: ModelSpec, *, dtype: torch.dtype, devi
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is unknown (choose one of {', '.join(LOAD_FORMATS)})")
     if load_format == "auto":
-        load_format = "gguf" if source.format == "gguf" else "safetensors"
+        if source.format == "gguf":
+            load_format = "gguf"
+        elif weights.has_torch_bin(source.path) and not weights.has_safetensors(source.path):
+            load_format = "pt"  # an older checkpoint with pytorch_model*.bin only
+        else:
+            load_format = "safetensors"  # (with no weights at all, its error names the folder)
     if load_format == "gguf" and source.format != "gguf":
         raise ModelLoadError(f"load_format 'gguf' needs a .gguf file, {source.path} is a folder")
-    if load_format == "safetensors" and source.format != "hf":
-        raise ModelLoadError(f"load_format 'safetensors' needs a Hugging Face folder, {source.path} is a GGUF file")
+    if load_format in ("safetensors", "pt") and source.format != "hf":
+        raise ModelLoadError(f"load_format {load_format!r} needs a Hugging Face folder, {source.path} is a GGUF file")
 
     cls = get_model_class([spec.architecture])
     device = torch.device(device)
@@ -44,6 +49,8 @@ def load_model(source: ModelSource, spec: ModelSpec, *, dtype: torch.dtype, devi
             init_dummy_weights(model, seed)
         elif load_format == "gguf":
             model.load_weights(weights.iter_gguf(source.path, spec.num_heads, spec.num_kv_heads))
+        elif load_format == "pt":
+            model.load_weights(weights.iter_torch_bin(source.path))
         else:
             model.load_weights(weights.iter_safetensors(source.path))
         finalize = getattr(model, "finalize_weights", None)

@@ -56,6 +56,45 @@ def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, tensor
 
 
+def has_safetensors(folder: str) -> bool:
+    return bool(glob.glob(os.path.join(folder, "*.safetensors")))
+
+
+def has_torch_bin(folder: str) -> bool:
+    return any(os.path.isfile(os.path.join(folder, f)) for f in ("pytorch_model.bin", "pytorch_model.bin.index.json"))
+
+
+def torch_bin_files(folder: str) -> list[str]:
+    """Older checkpoints: pytorch_model.bin, or shards listed in pytorch_model.bin.index.json."""
+    index_path = os.path.join(folder, "pytorch_model.bin.index.json")
+    if os.path.isfile(index_path):
+        weight_map = read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{index_path}: field 'weight_map' is missing or empty")
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not os.path.isfile(os.path.join(folder, f))]
+        if missing:
+            raise ModelNotFoundError(f"{index_path} names shard(s) that do not exist: {', '.join(missing)}")
+        return [os.path.join(folder, f) for f in files]
+    single = os.path.join(folder, "pytorch_model.bin")
+    if os.path.isfile(single):
+        return [single]
+    raise ModelNotFoundError(f"model folder {folder} has no *.safetensors or pytorch_model*.bin weights (use "
+                             "load_format='dummy' for random weights)")
+
+
+def iter_torch_bin(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in torch_bin_files(folder):
+        try:
+            # weights_only: a checkpoint is data; never run pickled code from it.
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:
+            raise ModelLoadError(f"cannot read PyTorch checkpoint {path}: {e} (truncated or corrupt?)") from e
+        if not isinstance(state, dict):
+            raise ModelLoadError(f"PyTorch checkpoint {path} does not hold a state dict")
+        yield from state.items()
+
+
 def iter_gguf(path: str, n_heads: int, n_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
     from ferrox.loader.gguf_file import open_gguf
 
