@@ -24,7 +24,8 @@ CPU_DEFAULT_MAX_MODEL_LEN = 8192
 CPU_DEFAULT_KV_CACHE_MEMORY = 2 << 30
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "fp32", "fp16", "bf16")
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+# Mirrors ferrox.loader.model_loader.LOAD_FORMATS (kept here so that config imports no torch).
+LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 _DEVICES = ("auto", "cpu", "cuda")
 _POLICIES = ("fcfs", "priority")
 
@@ -54,7 +55,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
         _choice("dtype", self.dtype, _DTYPES)
-        _choice("load_format", self.load_format, _LOAD_FORMATS)
+        _choice("load_format", self.load_format, LOAD_FORMATS)
         _choice("device", self.device, _DEVICES)
         _choice("policy", self.policy, _POLICIES)
         _positive_int("max_model_len", self.max_model_len, optional=True)

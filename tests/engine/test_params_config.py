@@ -96,3 +96,10 @@ def test_engine_config_unknown_argument_and_aliases():
     cfg = EngineConfig()
     assert cfg.resolved_max_num_batched_tokens("cpu") == 2048
     assert 0 < cfg.resolved_cpu_kv_cache_memory() <= 2 << 30
+
+
+def test_load_formats_match_the_loader():
+    from ferrox.config import LOAD_FORMATS
+    from ferrox.loader.model_loader import LOAD_FORMATS as LOADER_FORMATS
+
+    assert set(LOAD_FORMATS) == set(LOADER_FORMATS)
