@@ -77,6 +77,8 @@ def parse_tools(tools: list[dict[str, Any]] | None) -> list[FunctionTool]:
             parameters = _NO_ARGUMENTS
         if not isinstance(parameters, dict):
             raise ValueError(f"{field}.function.parameters: must be a JSON schema object")
+        if not parameters:  # {}: any arguments, but arguments are always an object
+            parameters = {"type": "object"}
         result.append(FunctionTool(name, str(function.get("description") or ""), parameters))
     return result
 
