@@ -69,7 +69,7 @@ def test_structured_output_spellings():
     assert build(structured_outputs={"regex": "[0-9]+"}).regex == "[0-9]+"
     assert build(guided_choice=["yes", "no"]).choice == ["yes", "no"]
     assert build(guided_json=schema).json == schema
-    assert build(guided_grammar="start: 'a'").grammar == "start: 'a'"
+    assert build(guided_grammar='start: "a"').grammar == 'start: "a"'
     with pytest.raises(ValueError, match="^guided_regex: only one"):
         build(guided_json=schema, guided_regex="a")
     with pytest.raises(ValueError, match="^structured_outputs: unknown"):

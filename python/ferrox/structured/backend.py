@@ -108,14 +108,20 @@ def grammar_text(params: StructuredOutputsParams) -> GrammarText:
     raise ValueError("structured_outputs: no constraint set")  # unreachable: params validates itself
 
 
-def validate_params(params: StructuredOutputsParams) -> GrammarText:
+def validate_params(params: StructuredOutputsParams, field: str | None = None) -> GrammarText:
     """Check a constraint without a tokenizer (no lexer is built, so it is cheap, and cached by
     constraint text). Raises ValueError with llguidance's message, prefixed by the offending
-    field, so the server can answer 400 and LLM.generate can refuse before queueing anything."""
-    text = grammar_text(params)
+    field (or `field` when given: the request field it came in as, e.g. response_format), so the
+    server can answer 400 and LLM.generate can refuse before queueing anything."""
+    try:
+        text = grammar_text(params)
+    except ValueError as exc:
+        if field is None:
+            raise
+        raise ValueError(f"{field}: {str(exc).split(': ', 1)[-1]}") from None
     error = _grammar_error(text.grammar)
     if error:
-        raise ValueError(f"{text.field}: invalid constraint: {error}")
+        raise ValueError(f"{field or text.field}: invalid constraint: {error}")
     return text
 
 

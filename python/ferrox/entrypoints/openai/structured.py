@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ferrox.structured.backend import validate_params
 from ferrox.structured.params import StructuredOutputsParams
 
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
@@ -52,6 +53,10 @@ def build_structured_outputs(request: Any) -> StructuredOutputsParams | None:
 
 def _make(field: str, **kwargs: Any) -> StructuredOutputsParams:
     try:
-        return StructuredOutputsParams(**kwargs)
+        params = StructuredOutputsParams(**kwargs)
     except ValueError as exc:
         raise ValueError(f"{field}: {exc}") from None
+    # Compile-check now (no tokenizer needed, cached): a bad schema/regex/grammar is a 400 with
+    # llguidance's message instead of a request failing later in the engine.
+    validate_params(params, None if field == "structured_outputs" else field)
+    return params

@@ -1,38 +1,166 @@
-"""Hooks for tool calling on /v1/chat/completions.
+"""Tool calling on /v1/chat/completions: the glue between the request and ferrox.structured.
 
-The structured-output engineer fills these in (constraints for tool_choice "required" /
-named functions, and parsers that turn generated text into `tool_calls`). Until then the
-server passes `tools` to the chat template and returns plain text, which is correct for
-tool_choice "none" and a valid (if unhelpful) answer for "auto".
+- validate_tools / tool_constraint: tools + tool_choice -> the constraint ("required": Hermes
+  <tool_call> blocks over the functions' schemas; named: that function's parameters schema),
+  a ValueError naming the field for bad input (-> 400).
+- prepare_messages: for chat templates that know nothing of tools (the embedded SmolLM2's),
+  the tool listing goes into the system message and tool calls / results become text.
+- parse_tool_calls (whole reply) and ToolStream (streamed deltas) turn model text into
+  OpenAI `tool_calls`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ferrox.entrypoints.openai.tool_parsers import (
+    DeltaMessage,
+    ToolCall,
+    ToolParser,
+    default_tool_parser,
+    get_tool_parser,
+)
+from ferrox.entrypoints.openai.tool_parsers.base import DeltaToolCall, new_tool_call_id
+from ferrox.structured.backend import validate_params
 from ferrox.structured.params import StructuredOutputsParams
+from ferrox.structured.tools import (
+    ToolConstraint,
+    messages_for_plain_template,
+    template_supports_tools,
+    tool_choice_constraint,
+)
+
+
+def _constraint(request: Any) -> ToolConstraint:
+    parallel = request.parallel_tool_calls if request.parallel_tool_calls is not None else True
+    return tool_choice_constraint(request.tools, request.tool_choice, parallel_tool_calls=parallel)
 
 
 def validate_tools(request: Any) -> None:
-    """Raise ValueError naming tool_choice / tools when they are inconsistent."""
-    tools = request.tools or []
-    choice = request.tool_choice
-    names = {t.get("function", {}).get("name") for t in tools if isinstance(t, dict)}
-    if isinstance(choice, str) and choice not in ("none", "auto", "required"):
-        raise ValueError(f"tool_choice: must be 'none', 'auto', 'required' or a named function, got {choice!r}")
-    if choice not in (None, "none", "auto") and not tools:
-        raise ValueError("tool_choice: requires tools")
-    if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name")
-        if name not in names:
-            raise ValueError(f"tool_choice: function {name!r} is not among the tools")
+    """Raise ValueError naming tools[i]... / tool_choice when they are inconsistent."""
+    _constraint(request)
 
 
 def tool_constraint(request: Any) -> StructuredOutputsParams | None:
-    """The constraint forcing a tool call (tool_choice 'required' or named); None otherwise."""
-    return None
+    """The constraint forcing a tool call (tool_choice 'required' or named); None otherwise.
+    A function whose parameters schema llguidance rejects is a ValueError (-> 400) here."""
+    params = _constraint(request).structured_outputs
+    if params is not None:
+        try:
+            validate_params(params)
+        except ValueError as exc:
+            raise ValueError(f"tools: {exc}") from None
+    return params
 
 
-def parse_tool_calls(text: str, request: Any) -> tuple[str | None, list[dict[str, Any]] | None]:
+def prepare_messages(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, template: str | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(messages, tools) to render: unchanged when the template handles tools itself."""
+    uses_tools = bool(tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+    if not uses_tools or template_supports_tools(template):
+        return messages, tools
+    return messages_for_plain_template(messages, tools), None
+
+
+def template_text(ctx: Any, chat_template: str | None, tools: list[dict[str, Any]] | None) -> str | None:
+    """The chat template a request renders with (None when there is none: rendering will say so)."""
+    try:
+        return ctx.engine.tokenizer.get_chat_template(chat_template or ctx.engine.chat_template, tools)
+    except Exception:  # no template: render_chat reports it as a 400
+        return None
+
+
+def _parser(request: Any, parser_name: str | None, template: str | None) -> ToolParser:
+    return get_tool_parser(parser_name or default_tool_parser(template))()
+
+
+def _openai_call(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def parse_tool_calls(
+    text: str, request: Any, parser_name: str | None = None, template: str | None = None
+) -> tuple[str | None, list[dict[str, Any]] | None]:
     """(content, tool_calls) from a finished completion; tool_calls None when there are none."""
-    return text, None
+    constraint = _constraint(request)
+    if constraint.mode == "none":
+        return text, None
+    if constraint.mode == "named":
+        # The output *is* the arguments object (constrained to the function's schema).
+        return None, [_openai_call(ToolCall(name=constraint.function_name or "", arguments=text.strip()))]
+    parser = (
+        get_tool_parser("hermes")()
+        if constraint.mode == "required"
+        else _parser(request, parser_name, template)
+    )
+    result = parser.extract(text)
+    if not result.tool_calls:
+        return text, None
+    return result.content, [_openai_call(c) for c in result.tool_calls]
+
+
+class ToolStream:
+    """Per-choice streaming: text deltas in, OpenAI chat delta dicts out."""
+
+    def __init__(self, request: Any, parser_name: str | None = None, template: str | None = None) -> None:
+        self.constraint = _constraint(request)
+        self.mode = self.constraint.mode
+        self.parser: ToolParser | None = None
+        if self.mode == "required":
+            self.parser = get_tool_parser("hermes")()
+        elif self.mode == "auto":
+            self.parser = _parser(request, parser_name, template)
+        self._named_id = new_tool_call_id()
+        self._named_started = False
+
+    @property
+    def tools_called(self) -> bool:
+        return self._named_started if self.mode == "named" else bool(self.parser and self.parser.tools_called)
+
+    def feed(self, text: str) -> dict[str, Any] | None:
+        if self.mode == "none":
+            return {"content": text} if text else None
+        if self.mode == "named":
+            return self._named(text)
+        assert self.parser is not None
+        return _delta_dict(self.parser.feed(text))
+
+    def finish(self) -> dict[str, Any] | None:
+        if self.parser is None:
+            return None
+        return _delta_dict(self.parser.finish())
+
+    def _named(self, text: str) -> dict[str, Any] | None:
+        if not self._named_started:
+            text = text.lstrip()
+            if not text:
+                return None
+            self._named_started = True
+            delta = DeltaToolCall(0, id=self._named_id, name=self.constraint.function_name, arguments=text)
+        elif text:
+            delta = DeltaToolCall(0, arguments=text)
+        else:
+            return None
+        return _delta_dict(DeltaMessage(tool_calls=[delta]))
+
+
+def _delta_dict(delta: DeltaMessage) -> dict[str, Any] | None:
+    if not delta:
+        return None
+    out: dict[str, Any] = {}
+    if delta.content:
+        out["content"] = delta.content
+    if delta.tool_calls:
+        out["tool_calls"] = [
+            {
+                "index": tc.index,
+                **({"id": tc.id, "type": "function"} if tc.id else {}),
+                "function": {
+                    **({"name": tc.name} if tc.name is not None else {}),
+                    "arguments": tc.arguments or "",
+                },
+            }
+            for tc in delta.tool_calls
+        ]
+    return out
