@@ -25,7 +25,7 @@ WEATHER_PARAMS = {
 }
 TIME_PARAMS = {
     "type": "object",
-    "properties": {"timezone": {"type": "string", "pattern": "^[A-Z][a-z]+/[A-Z][a-z]+$"}},
+    "properties": {"timezone": {"type": "string", "pattern": "^[A-Z][a-z]{1,12}/[A-Z][a-z]{1,12}$"}},
     "required": ["timezone"],
     "additionalProperties": False,
 }
