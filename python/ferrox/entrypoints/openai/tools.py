@@ -131,6 +131,17 @@ class ToolStream:
             return None
         return _delta_dict(self.parser.finish())
 
+    def step(self, text: str, finished: bool) -> dict[str, Any] | None:
+        """feed(text), plus finish() when the choice ended: the delta dict for one chunk."""
+        delta = self.feed(text) or {}
+        if finished:
+            tail = self.finish() or {}
+            if tail.get("content"):
+                delta["content"] = delta.get("content", "") + tail["content"]
+            if tail.get("tool_calls"):
+                delta["tool_calls"] = delta.get("tool_calls", []) + tail["tool_calls"]
+        return delta or None
+
     def _named(self, text: str) -> dict[str, Any] | None:
         if not self._named_started:
             text = text.lstrip()
