@@ -90,3 +90,13 @@ def test_unconstrained_requests_unchanged_by_constrained_neighbours(llm):
     assert mixed[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
     assert mixed[2].outputs[0].token_ids == alone[1].outputs[0].token_ids
     assert "Paris" in alone[0].outputs[0].text and mixed[3].outputs[0].text in ("Paris", "Lyon")
+
+
+def test_completed_grammar_stops_even_with_ignore_eos(llm):
+    out = llm.generate(
+        "My PIN is",
+        SamplingParams(temperature=0, ignore_eos=True, max_tokens=30, structured_outputs=P(regex="[0-9]{4}")),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert re.fullmatch("[0-9]{4}", out.text) and out.finish_reason == "stop"
+    assert len(out.token_ids) <= 4
