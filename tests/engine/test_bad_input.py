@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ferrox
 import pytest
+import torch
 from ferrox import LLM, SamplingParams
+from ferrox.attention.kv_cache import kv_cache_bytes_per_block
 from ferrox.engine.protocol import EngineCoreRequest
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -81,3 +83,13 @@ def test_sampling_failure_fails_only_that_request(llm, monkeypatch):
     assert bad.outputs[0].finish_reason == "error" and bad.error and "sampling failed" in bad.error
     stats = llm.engine.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"] - 1
+
+
+def test_prompt_larger_than_the_whole_kv_cache(llm):
+    per_block = kv_cache_bytes_per_block(llm.engine.spec, 16, torch.float32)
+    tiny = LLM(kv_cache_memory=3 * per_block)  # 48 tokens
+    assert tiny.engine.kv_capacity_tokens == 48
+    with pytest.raises(ferrox.FerroxError, match=r"prompts\[1\].*kv_cache_memory"):
+        tiny.generate(["hi", {"prompt_token_ids": [5] * 60}], GREEDY, use_tqdm=False)
+    out = tiny.generate(["hi"], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 47  # capped by the cache

@@ -125,6 +125,11 @@ class EngineCore:
                 f"prompt_token_ids: {what} has {len(prompt)} prompt tokens, which leaves no room for output "
                 f"within max_model_len={self.max_model_len}"
             )
+        if len(prompt) > self.kv_capacity_tokens:
+            raise _core.PromptTooLongError(
+                f"prompt_token_ids: {what} has {len(prompt)} prompt tokens but the whole KV cache holds "
+                f"{self.kv_capacity_tokens}; raise kv_cache_memory (or gpu_memory_utilization) or shorten it"
+            )
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
             raise ValueError(f"prompt_token_ids: {what} has token id {bad} outside the vocabulary (size {self.vocab_size})")
