@@ -174,3 +174,30 @@ def test_min_tokens_bans_stop_ids():
         state.append_output(tok)
         toks.append(tok)
     assert toks == [2, 2, 0]  # EOS (0) and stop id (1) are hidden until two tokens are out
+
+
+def test_masked_tokens_are_never_drawn():
+    """Heavily masked rows (grammar / allowed_token_ids): no draw may land on a -inf logit."""
+    vocab = 4096
+    logits = torch.full((64, vocab), float("-inf"))
+    logits[:, 7] = 0.0
+    logits[:, 9] = 0.5
+    params = [SamplingParams(temperature=1.0) for _ in range(64)]
+    md = SamplingBatchBuilder(vocab, torch.device("cpu")).build(_states(params), [True] * 64)
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    for _ in range(200):
+        assert set(sampler(logits.clone(), md).token_ids.tolist()) <= {7, 9}
+
+
+def test_top_p_candidate_path_equals_full_sort():
+    from ferrox.layers import logits_processors as lp
+
+    gen = torch.Generator().manual_seed(0)
+    for scale in (0.3, 3.0, 10.0):  # flat rows take the full-sort fallback, peaked rows the top-256 path
+        logits = torch.randn(8, 5000, generator=gen) * scale
+        top_p = torch.rand(8, generator=gen) * 0.98 + 0.01
+        top_p[0] = 1.0
+        fast = lp.apply_top_k_top_p(logits, None, top_p)
+        exact = lp._top_p_by_sort(logits, top_p)
+        assert torch.equal(torch.isinf(fast), torch.isinf(exact))
+        assert not torch.isinf(fast[0]).any()

@@ -116,9 +116,13 @@ class Sampler:
         if md.top_k is not None or md.top_p is not None:
             logits = lp.apply_top_k_top_p(logits, md.top_k, md.top_p)
         probs = torch.softmax(logits, dim=-1)
-        q = torch.empty_like(probs)
+        # q = -log(u), u ~ U[0, 1): Exp(1), drawn from uniforms because on CPU torch.rand is ~8x faster
+        # than Tensor.exponential_ (1.6 ms vs 13 ms for 16 x 49k draws). q is never 0 (u < 1), so a
+        # masked token (p = 0) scores 0 / q = 0 and never NaN; u = 0 gives q = inf, a score of 0.
+        u = torch.empty_like(probs)
         if len(md.generators) < probs.shape[0]:
-            q.exponential_(generator=self.default_generator)
+            u.uniform_(generator=self.default_generator)
         for row, gen in md.generators.items():
-            q[row].exponential_(generator=gen)
+            u[row].uniform_(generator=gen)
+        q = u.log_().neg_()
         return (probs / q).argmax(dim=-1)
