@@ -76,3 +76,17 @@ def test_repetition_penalties_reduce_repeats(llm):
 def test_detokenize_off(llm):
     out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4, detokenize=False), use_tqdm=False)
     assert out[0].outputs[0].text == "" and len(out[0].outputs[0].token_ids) == 4
+
+
+def test_n_samples_share_the_prompt_blocks(llm):
+    prompt = "Write a long story about a dragon who learns to cook. " * 4  # several full KV blocks
+    params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
+    llm.reset_prefix_cache()
+    before = llm.engine.stats()["prefix_cache_hits"]
+    (out,) = llm.generate(prompt, params, use_tqdm=False)
+    n_prompt = len(out.prompt_token_ids)
+    full_blocks = n_prompt // 16 * 16
+    # samples 1..3 found the prompt's full blocks cached by sample 0
+    assert llm.engine.stats()["prefix_cache_hits"] - before >= 3 * (full_blocks - 16)
+    assert out.num_cached_tokens >= full_blocks - 16
+    assert len(out.outputs) == 4 and len({tuple(o.token_ids) for o in out.outputs}) > 1
