@@ -201,3 +201,17 @@ def test_top_p_candidate_path_equals_full_sort():
         exact = lp._top_p_by_sort(logits, top_p)
         assert torch.equal(torch.isinf(fast), torch.isinf(exact))
         assert not torch.isinf(fast[0]).any()
+
+
+def test_reused_request_id_gets_its_new_parameters():
+    from ferrox.engine.protocol import EngineCoreRequest
+    from ferrox.worker.model_runner import ModelRunner
+
+    runner = ModelRunner(None, [], vocab_size=VOCAB, eos_token_ids=[0], device=torch.device("cpu"))
+    runner.add_request(EngineCoreRequest("same-id", [1], SamplingParams(temperature=0)))
+    md = runner.sampling_batch.build([runner.requests["same-id"]], [True])
+    assert md.all_greedy
+    runner.remove_requests(["same-id"])
+    runner.add_request(EngineCoreRequest("same-id", [1], SamplingParams(temperature=1.0, top_k=2)))
+    md = runner.sampling_batch.build([runner.requests["same-id"]], [True])
+    assert not md.all_greedy and md.top_k is not None

@@ -126,6 +126,8 @@ class ModelRunner:
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = PromptLogprobsAccumulator(num_top=params.prompt_logprobs)
         self.requests[request.request_id] = state
+        # A finished request's id may come back with other parameters: never reuse cached rows for it.
+        self.sampling_batch.invalidate()
 
     def remove_requests(self, request_ids: list[str]) -> None:
         for req_id in request_ids:
