@@ -29,6 +29,9 @@ pub struct BatchEntry<'a> {
     pub blocks: &'a [u32],
     pub num_computed_tokens: usize,
     pub num_new_tokens: usize,
+    /// Sampled tokens not known yet (async scheduling): positions past `token_ids` get input id
+    /// -1, which the runner replaces on the device with the previous step's sampled token.
+    pub num_placeholders: usize,
 }
 
 impl BatchArrays {
@@ -57,7 +60,8 @@ impl BatchArrays {
             let start = e.num_computed_tokens;
             let end = start + e.num_new_tokens;
             for pos in start..end {
-                b.input_ids.push(e.token_ids[pos] as i64);
+                b.input_ids
+                    .push(e.token_ids.get(pos).map_or(-1, |&t| t as i64));
                 b.positions.push(pos as i64);
                 let block = e.blocks[pos / block_size] as i64;
                 b.slot_mapping
@@ -72,7 +76,8 @@ impl BatchArrays {
             b.seq_lens.push(end as i32);
             b.query_start_loc.push(b.input_ids.len() as i32);
             b.logits_indices.push(b.input_ids.len() as i64 - 1);
-            b.sample_mask.push(end == e.token_ids.len());
+            b.sample_mask
+                .push(end == e.token_ids.len() + e.num_placeholders);
         }
         b
     }
@@ -106,6 +111,7 @@ mod tests {
                 blocks: &[3, 4],
                 num_computed_tokens: 4,
                 num_new_tokens: 1,
+                num_placeholders: 0,
             },
             // prefill chunk: tokens 2..6 of 10 (2 cached), blocks [7, 8]
             BatchEntry {
@@ -113,6 +119,7 @@ mod tests {
                 blocks: &[7, 8],
                 num_computed_tokens: 2,
                 num_new_tokens: 4,
+                num_placeholders: 0,
             },
         ];
         let b = BatchArrays::build(entries.into_iter(), 4);
@@ -136,16 +143,35 @@ mod tests {
                 blocks: &[5],
                 num_computed_tokens: 0,
                 num_new_tokens: 2,
+                num_placeholders: 0,
             },
             BatchEntry {
                 token_ids: &t,
                 blocks: &[1, 2, 6],
                 num_computed_tokens: 0,
                 num_new_tokens: 9,
+                num_placeholders: 0,
             },
         ];
         let b = BatchArrays::build(entries.into_iter(), 4);
         assert_eq!(b.max_blocks, 3);
         assert_eq!(b.block_table, vec![5, 0, 0, 1, 2, 6]);
+    }
+
+    #[test]
+    fn a_placeholder_token_is_minus_one_and_sampled() {
+        let t: Vec<u32> = (10..15).collect();
+        let entries = vec![BatchEntry {
+            token_ids: &t,
+            blocks: &[3, 4],
+            num_computed_tokens: 5,
+            num_new_tokens: 1,
+            num_placeholders: 1,
+        }];
+        let b = BatchArrays::build(entries.into_iter(), 4);
+        assert_eq!(b.input_ids, vec![-1]);
+        assert_eq!(b.positions, vec![5]);
+        assert_eq!(b.slot_mapping, vec![17]);
+        assert_eq!(b.sample_mask, vec![true]);
     }
 }

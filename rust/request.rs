@@ -65,6 +65,10 @@ pub struct Request {
     pub num_computed_tokens: usize,
     /// Prompt tokens served by the prefix cache when first scheduled (None before that).
     pub num_cached_tokens: Option<usize>,
+    /// Tokens sampled by scheduled steps whose results have not come back yet (async
+    /// scheduling: a step may be scheduled before the previous step's update_from_output).
+    /// They count as tokens for scheduling; their input ids are filled in on the device.
+    pub num_output_placeholders: usize,
     pub limits: SamplingLimits,
     pub root_hash: BlockHash,
     /// Hash of every full block of `token_ids`.

@@ -158,7 +158,7 @@ pub struct RequestOutput {
     pub num_cached_tokens: usize,
 }
 
-/// One entry of the last step, remembered for update_from_output.
+/// One entry of a scheduled step, remembered for its update_from_output.
 #[derive(Debug, Clone, Copy)]
 struct StepEntry {
     slot: usize,
@@ -179,7 +179,9 @@ pub struct Scheduler {
     waiting: VecDeque<usize>,
     running: Vec<usize>,
     next_serial: u64,
-    last_step: Vec<StepEntry>,
+    /// Steps scheduled whose update_from_output has not come yet, oldest first: one normally,
+    /// two while async scheduling overlaps the next step with the current one.
+    in_flight: VecDeque<Vec<StepEntry>>,
     finished_since_schedule: Vec<Arc<str>>,
     /// Longest prompt + output any request may reach: max_model_len, or less if the whole KV
     /// cache is smaller (otherwise such a request would wait or be preempted forever).
@@ -210,7 +212,7 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             next_serial: 0,
-            last_step: Vec::new(),
+            in_flight: VecDeque::new(),
             finished_since_schedule: Vec::new(),
             max_total_len,
             stats,
@@ -328,6 +330,7 @@ impl Scheduler {
             num_prompt_tokens: prompt_len,
             num_computed_tokens: 0,
             num_cached_tokens: None,
+            num_output_placeholders: 0,
             limits: SamplingLimits {
                 max_tokens,
                 min_tokens: r.min_tokens as usize,
@@ -417,6 +420,9 @@ impl Scheduler {
         let req = self.slab[slot].as_mut().expect("live slot");
         self.kv.free_preempted(&mut req.kv, req.num_computed_tokens);
         req.num_computed_tokens = 0;
+        // Its in-flight samples are dropped (update skips a request that is not running); it
+        // samples them again after recomputing.
+        req.num_output_placeholders = 0;
         req.status = RequestStatus::Preempted;
         self.stats.num_preemptions += 1;
         self.enqueue_waiting(slot, true);
@@ -424,7 +430,20 @@ impl Scheduler {
 
     /// Decides one step. See the module docs for the policy.
     pub fn schedule(&mut self) -> SchedulerOutput {
-        self.roll_back_undelivered_step();
+        self.schedule_step(false)
+    }
+
+    /// Async scheduling: decides the next step while the previous one is still computing
+    /// (`keep_in_flight`), so the host prepares step N+1 while the device runs step N. The
+    /// previous step's sampled tokens count as placeholders: input id -1 in the arrays (the
+    /// runner feeds them from the device), and `update_from_output` for step N must still come,
+    /// before that of N+1. A request that may finish in step N (by length) is not scheduled
+    /// past its limit; one that stops in step N wastes one token of step N+1, which is dropped.
+    /// At most one step stays in flight: with two undelivered, both are rolled back.
+    pub fn schedule_step(&mut self, keep_in_flight: bool) -> SchedulerOutput {
+        if !keep_in_flight || self.in_flight.len() >= 2 {
+            self.roll_back_undelivered_steps();
+        }
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut scheduled: Vec<(usize, usize)> = Vec::with_capacity(self.running.len() + 8);
         let mut preempted: Vec<usize> = Vec::new();
@@ -437,7 +456,15 @@ impl Scheduler {
             let slot = self.running[i];
             let num_new = {
                 let r = self.req(slot);
-                (r.num_tokens() - r.num_computed_tokens).min(budget)
+                let pending = r.num_output_placeholders;
+                let at_limit = pending > 0
+                    && (r.num_output_tokens() + pending >= r.limits.max_tokens
+                        || r.num_tokens() + pending >= self.max_total_len);
+                if at_limit {
+                    0
+                } else {
+                    (r.num_tokens() + pending - r.num_computed_tokens).min(budget)
+                }
             };
             if num_new == 0 {
                 i += 1;
@@ -533,11 +560,12 @@ impl Scheduler {
                 blocks: &r.kv.blocks,
                 num_computed_tokens: r.num_computed_tokens,
                 num_new_tokens: n,
+                num_placeholders: r.num_output_placeholders,
             }
         });
         let arrays = BatchArrays::build(entries, bs);
         let mut req_ids = Vec::with_capacity(scheduled.len());
-        self.last_step.clear();
+        let mut step = Vec::with_capacity(scheduled.len());
         let mut num_tokens = 0;
         for &(slot, n) in &scheduled {
             let r = self.slab[slot].as_mut().expect("live slot");
@@ -548,13 +576,18 @@ impl Scheduler {
             r.num_computed_tokens += n;
             num_tokens += n;
             req_ids.push(r.id.clone());
-            self.last_step.push(StepEntry {
+            let sample = r.num_computed_tokens == r.num_tokens() + r.num_output_placeholders;
+            if sample {
+                r.num_output_placeholders += 1;
+            }
+            step.push(StepEntry {
                 slot,
                 serial: r.serial,
                 num_tokens: n,
-                sample: r.num_computed_tokens == r.num_tokens(),
+                sample,
             });
         }
+        self.in_flight.push_back(step);
         self.stats.num_scheduled_tokens = num_tokens;
         SchedulerOutput {
             req_ids,
@@ -574,7 +607,7 @@ impl Scheduler {
         sampled_token_ids: &[i64],
         force_stop: Option<&[bool]>,
     ) -> CoreResult<Vec<RequestOutput>> {
-        let n = self.last_step.len();
+        let n = self.in_flight.front().map_or(0, Vec::len);
         if sampled_token_ids.len() != n {
             return Err(invalid(
                 "sampled_token_ids",
@@ -593,12 +626,14 @@ impl Scheduler {
             }
         }
         // Validate everything before changing anything.
-        for (i, (e, &t)) in self.last_step.iter().zip(sampled_token_ids).enumerate() {
+        let empty = Vec::new();
+        let oldest = self.in_flight.front().unwrap_or(&empty);
+        for (i, (e, &t)) in oldest.iter().zip(sampled_token_ids).enumerate() {
             if e.sample {
                 token_id(&format!("sampled_token_ids[{i}]"), t)?;
             }
         }
-        let steps = std::mem::take(&mut self.last_step);
+        let steps = self.in_flight.pop_front().unwrap_or_default();
         let mut outputs = Vec::with_capacity(n);
         let mut any_finished = false;
         let bs = self.cfg.block_size;
@@ -614,6 +649,7 @@ impl Scheduler {
             if req.serial != e.serial || req.status != RequestStatus::Running {
                 continue;
             }
+            req.num_output_placeholders = req.num_output_placeholders.saturating_sub(1);
             let token = sampled_token_ids[i] as u32;
             let fs = force_stop.is_some_and(|f| f[i]);
             let res = req.append_token(token, &self.cfg.eos_token_ids, bs, max_total_len, fs);
@@ -650,19 +686,22 @@ impl Scheduler {
                 self.release(s);
             }
         }
-        self.last_step = steps;
-        self.last_step.clear();
         Ok(outputs)
     }
 
-    /// The previous step's results never came (update_from_output was skipped, e.g. the model
-    /// step failed): its tokens count as not computed, so each request schedules them again
-    /// rather than waiting forever for a sample.
-    fn roll_back_undelivered_step(&mut self) {
-        for e in std::mem::take(&mut self.last_step) {
-            if let Some(r) = self.slab[e.slot].as_mut() {
-                if r.serial == e.serial && r.status == RequestStatus::Running {
-                    r.num_computed_tokens -= e.num_tokens;
+    /// Scheduled steps whose results never came (update_from_output was skipped, e.g. the
+    /// model step failed): their tokens count as not computed, so each request schedules them
+    /// again rather than waiting forever for a sample. Newest first.
+    fn roll_back_undelivered_steps(&mut self) {
+        while let Some(step) = self.in_flight.pop_back() {
+            for e in step {
+                if let Some(r) = self.slab[e.slot].as_mut() {
+                    if r.serial == e.serial && r.status == RequestStatus::Running {
+                        r.num_computed_tokens -= e.num_tokens;
+                        if e.sample {
+                            r.num_output_placeholders -= 1;
+                        }
+                    }
                 }
             }
         }
@@ -1208,6 +1247,69 @@ mod tests {
         assert_eq!(s.update_from_output(&[7], None).unwrap().len(), 1);
         let (out, _) = step(&mut s, 7);
         assert_eq!(out.arrays.positions, vec![6]);
+    }
+
+    #[test]
+    fn async_steps_use_placeholders_and_stop_at_the_length_limit() {
+        let mut s = sched(64, 4, 64, "fcfs");
+        s.add_request(req("a", 6, 3)).unwrap();
+        let prefill = s.schedule_step(true);
+        assert_eq!(prefill.arrays.sample_mask, vec![true]);
+        // Step 2 is decided before step 1's sample is known: its input is a placeholder.
+        let d1 = s.schedule_step(true);
+        assert_eq!(d1.arrays.input_ids, vec![-1]);
+        assert_eq!(d1.arrays.positions, vec![6]);
+        assert_eq!(d1.arrays.sample_mask, vec![true]);
+        s.check_invariants();
+        let outs = s.update_from_output(&[7], None).unwrap();
+        assert_eq!(outs[0].new_token_ids, vec![7]);
+        let d2 = s.schedule_step(true);
+        assert_eq!(
+            (d2.arrays.input_ids.clone(), d2.arrays.positions.clone()),
+            (vec![-1], vec![7])
+        );
+        assert_eq!(
+            s.update_from_output(&[8], None).unwrap()[0].new_token_ids,
+            vec![8]
+        );
+        // Two outputs known, one in flight: the third is max_tokens, so nothing more is scheduled.
+        let none = s.schedule_step(true);
+        assert_eq!(none.num_tokens, 0);
+        let last = s.update_from_output(&[9], None).unwrap();
+        assert_eq!(last[0].finish_reason, Some(FinishReason::Length));
+        assert_eq!(s.update_from_output(&[], None).unwrap().len(), 0);
+        assert!(!s.has_unfinished_requests());
+        s.check_invariants();
+    }
+
+    #[test]
+    fn async_step_after_a_stop_is_dropped_and_blocks_are_freed() {
+        let mut s = sched(64, 4, 64, "fcfs");
+        s.add_request(req("a", 4, 10)).unwrap();
+        s.schedule_step(true);
+        let next = s.schedule_step(true);
+        assert_eq!(next.num_tokens, 1);
+        let outs = s.update_from_output(&[EOS as i64], None).unwrap();
+        assert_eq!(outs[0].finish_reason, Some(FinishReason::Stop));
+        // The step computed meanwhile belongs to a finished request: its sample is ignored.
+        assert!(s.update_from_output(&[5], None).unwrap().is_empty());
+        assert_eq!(s.num_free_blocks(), 63);
+        s.check_invariants();
+    }
+
+    #[test]
+    fn two_undelivered_async_steps_are_rolled_back() {
+        let mut s = sched(64, 4, 64, "fcfs");
+        s.add_request(req("a", 6, 5)).unwrap();
+        let first = s.schedule_step(true);
+        s.schedule_step(true);
+        let again = s.schedule_step(true); // neither update came: start over from the prompt
+        assert_eq!(again.arrays.input_ids, first.arrays.input_ids);
+        s.check_invariants();
+        assert_eq!(
+            s.update_from_output(&[7], None).unwrap()[0].new_token_ids,
+            vec![7]
+        );
     }
 
     #[test]

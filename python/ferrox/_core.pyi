@@ -186,10 +186,15 @@ class Scheduler:
     def abort_requests(self, request_ids: Sequence[str]) -> list[RequestOutput]:
         """Abort live requests (unknown ids are ignored); frees their blocks at once and returns a
         finished output (finish_reason 'abort') for each one that was live."""
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, *, keep_in_flight: bool = False) -> SchedulerOutput:
         """Decide one step. Normally each schedule() with num_reqs > 0 is followed by one
         update_from_output(). If it is not (the model step failed), the next schedule() counts that
-        step's tokens as not computed and schedules them again."""
+        step's tokens as not computed and schedules them again.
+        keep_in_flight (async scheduling): the previous step is still computing and its
+        update_from_output() will come after this call; its sampled tokens are placeholders, given as
+        input id -1 (the runner fills them from the previous step's sampled tokens on the device).
+        Updates then come in schedule order. At most one step stays in flight (with two undelivered,
+        both are rolled back)."""
     def update_from_output(
         self,
         sampled_token_ids: npt.NDArray[np.int64],

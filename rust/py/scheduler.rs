@@ -177,9 +177,10 @@ impl PyScheduler {
             .collect()
     }
 
-    fn schedule(&mut self, py: Python<'_>) -> PyResult<PySchedulerOutput> {
+    #[pyo3(signature = (*, keep_in_flight=false))]
+    fn schedule(&mut self, py: Python<'_>, keep_in_flight: bool) -> PyResult<PySchedulerOutput> {
         let inner = &mut self.inner;
-        let out = py.detach(|| inner.schedule());
+        let out = py.detach(|| inner.schedule_step(keep_in_flight));
         PySchedulerOutput::new(py, out)
     }
 
