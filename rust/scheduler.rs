@@ -587,7 +587,10 @@ impl Scheduler {
                 sample,
             });
         }
-        self.in_flight.push_back(step);
+        if !step.is_empty() {
+            // An empty step gets no update_from_output that would take it off the queue.
+            self.in_flight.push_back(step);
+        }
         self.stats.num_scheduled_tokens = num_tokens;
         SchedulerOutput {
             req_ids,

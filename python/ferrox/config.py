@@ -47,6 +47,8 @@ class EngineConfig:
     block_size: int = 16
     policy: str = "fcfs"
     enforce_eager: bool = False
+    # Schedule step N+1 while step N computes (CPU/GPU overlap); None: on for CUDA, off on CPU.
+    async_scheduling: bool | None = None
     chat_template: str | None = None  # a template string or a path to a .jinja file
     served_model_name: str | None = None
     max_logprobs: int = 20  # largest `logprobs` / `prompt_logprobs` a request may ask for

@@ -20,7 +20,7 @@ from ferrox import _core
 from ferrox.config import EngineConfig
 from ferrox.engine.protocol import EngineCoreOutput, EngineCoreRequest, Logprobs
 from ferrox.sampling_params import SamplingParams
-from ferrox.worker.model_runner import ModelRunner, ModelRunnerOutput
+from ferrox.worker.model_runner import ModelRunner, ModelRunnerOutput, StepHandle
 from ferrox.worker.model_setup import LoadedModel, load_everything
 
 logger = logging.getLogger(__name__)
@@ -40,6 +40,7 @@ class EngineCore:
         self.max_model_len = loaded.max_model_len
         self.num_kv_blocks = loaded.num_blocks
         self.block_size = config.block_size
+        self.thread_governor = loaded.threads  # CPU: intra-op threads follow the machine's load
         self.model_name = config.served_model_name or loaded.source.name
         self.tokenizer_json: str = self.tokenizer.to_json_str()
         self.scheduler = _core.Scheduler(
@@ -70,6 +71,10 @@ class EngineCore:
                 logger.info("CUDA graphs for decode batches %s captured in %.1f s",
                             self.runner.graph_runner.batch_sizes, self.cuda_graph_capture_s)
         self.structured: Any = None  # StructuredOutputManager, created on first constrained request
+        # Async scheduling: the step launched last and not yet reported (scheduler output, handle).
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.device.type == "cuda")
+        self._in_flight: tuple[Any, StepHandle] | None = None
         self._pending_prompt_logprobs: dict[str, Logprobs] = {}
         logger.info(
             "engine ready in %.1f s: model=%s device=%s dtype=%s max_model_len=%d kv_blocks=%d (%d tokens)",
@@ -150,13 +155,46 @@ class EngineCore:
 
     # ---- the step ---------------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
-        early = self._poll_structured()
+        if self.thread_governor is not None:
+            self.thread_governor.maybe_adjust()
+        if self._can_overlap():
+            return self._step_overlapped()
+        early = self._finish_in_flight() + self._poll_structured()
         so = self.scheduler.schedule()
         if so.num_reqs == 0:
             self.runner.remove_requests(so.finished_req_ids)
             return early
         result = self.runner.execute(so, self._grammar_bitmask(so))
         return early + self._update(so, result)
+
+    def _can_overlap(self) -> bool:
+        """Async scheduling needs every live request to be plain: no grammar (its mask needs the
+        previous token accepted), no penalties / min_tokens / logprobs (they read it on the host)."""
+        return (self.async_scheduling and not self.runner.needs_sync_steps
+                and (self.structured is None or not self.structured.has_active()))
+
+    def _step_overlapped(self) -> list[EngineCoreOutput]:
+        """Launch step N+1 (its decode inputs are step N's sampled ids, still on the device), then
+        wait for step N and report it: the host's scheduling and bookkeeping overlap the GPU."""
+        so = self.scheduler.schedule(keep_in_flight=True)
+        prev = self._in_flight
+        self._in_flight = None
+        if so.num_reqs == 0:
+            self.runner.remove_requests(so.finished_req_ids)
+        else:
+            # If this raises, the scheduler rolls back both undelivered steps at the next schedule().
+            self._in_flight = (so, self.runner.launch(so, None, prev[1] if prev else None))
+        if prev is None:
+            return []
+        return self._update(prev[0], self.runner.finish(prev[1]))
+
+    def _finish_in_flight(self) -> list[EngineCoreOutput]:
+        """Report the step left in flight by async scheduling before a synchronous step."""
+        if self._in_flight is None:
+            return []
+        so, handle = self._in_flight
+        self._in_flight = None
+        return self._update(so, self.runner.finish(handle))
 
     def _update(self, so: Any, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         force_stop = None

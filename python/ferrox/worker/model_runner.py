@@ -46,25 +46,53 @@ class _Uploader:
     """Moves the core's per-step numpy arrays to the model's device.
 
     CPU: wraps them without a copy. GPU: stages them in reusable pinned host buffers so the copies
-    are truly asynchronous. Reusing a buffer is safe because every step ends by reading the sampled
-    tokens back to the host, which waits for the step's earlier copies.
+    are truly asynchronous. There are two sets of buffers, alternating by step (`next_step`): with
+    async scheduling step N+1 is staged while step N (whose copies may still be queued) runs, and
+    by then step N-1's sampled tokens have been read back, which waited for its copies.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._pinned: dict[str, torch.Tensor] = {}
+        self._pinned: dict[tuple[str, int], torch.Tensor] = {}
+        self._parity = 0
+
+    def next_step(self) -> None:
+        self._parity ^= 1
 
     def __call__(self, name: str, array: np.ndarray) -> torch.Tensor:
         if self.device.type == "cpu":
             return _as_tensor(array, self.device)
-        buf = self._pinned.get(name)
+        key = (name, self._parity)
+        buf = self._pinned.get(key)
         dtype = torch.from_numpy(np.empty(0, dtype=array.dtype)).dtype
         if buf is None or buf.numel() < array.size or buf.dtype != dtype:
             buf = torch.empty(max(2 * array.size, 1024), dtype=dtype, pin_memory=True)
-            self._pinned[name] = buf
+            self._pinned[key] = buf
         host = buf[: array.size].view(array.shape)
         host.numpy()[...] = array
         return host.to(self.device, non_blocking=True)
+
+
+@dataclass(slots=True)
+class StepHandle:
+    """A launched step: its device work is queued; `ModelRunner.finish` waits for it and returns
+    the host-side results. With async scheduling the next step is launched before that."""
+
+    req_ids: list[str]
+    states: list[RequestState]
+    sample_mask: list[bool]
+    sampled: SamplerOutput  # on the device
+    host_token_ids: torch.Tensor  # [num_reqs] int64, filled by a non-blocking copy (pinned on GPU)
+    done: torch.cuda.Event | None  # recorded after that copy (None on CPU)
+    out: ModelRunnerOutput
+    hidden: torch.Tensor
+    so: Any
+    _row_of: dict[str, int] | None = None
+
+    def row_of(self, req_id: str) -> int:
+        if self._row_of is None:
+            self._row_of = {r: i for i, r in enumerate(self.req_ids)}
+        return self._row_of[req_id]
 
 
 class ModelRunner:
@@ -89,6 +117,12 @@ class ModelRunner:
         default_gen.manual_seed(seed)
         self.sampler = Sampler(default_gen)
         self._upload = _Uploader(device)
+        self._host_tokens: list[torch.Tensor] = []  # two pinned [max batch] buffers (GPU), by step parity
+        self._step_parity = 0
+        # Requests whose sampling reads the previous step's tokens on the host (penalties,
+        # min_tokens) or whose results need host work in the step (logprobs): while any is live
+        # the engine steps synchronously (see needs_sync_steps).
+        self._sync_only: set[str] = set()
         # Decode-only steps replay captured CUDA graphs when set (worker/cuda_graphs.py; see
         # capture_cuda_graphs). None: always eager (CPU, --enforce-eager).
         self.graph_runner: Any = None
@@ -126,19 +160,37 @@ class ModelRunner:
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = PromptLogprobsAccumulator(num_top=params.prompt_logprobs)
         self.requests[request.request_id] = state
+        if (state.has_penalties or params.min_tokens > 0 or params.logprobs is not None
+                or params.prompt_logprobs is not None):
+            self._sync_only.add(request.request_id)
         # A finished request's id may come back with other parameters: never reuse cached rows for it.
         self.sampling_batch.invalidate()
 
     def remove_requests(self, request_ids: list[str]) -> None:
         for req_id in request_ids:
             self.requests.pop(req_id, None)
+            self._sync_only.discard(req_id)
+
+    @property
+    def needs_sync_steps(self) -> bool:
+        """True while a live request cannot run with async scheduling."""
+        return bool(self._sync_only)
 
     # ---- one step -----------------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, so: Any, grammar_bitmask: torch.Tensor | None = None) -> ModelRunnerOutput:
         """so: ferrox._core.SchedulerOutput with num_reqs > 0. grammar_bitmask: int32
         [num_reqs, words] allow-bits in batch order (structured outputs), or None."""
+        return self.finish(self.launch(so, grammar_bitmask))
+
+    @torch.inference_mode()
+    def launch(
+        self, so: Any, grammar_bitmask: torch.Tensor | None = None, prev: StepHandle | None = None
+    ) -> StepHandle:
+        """Queue one step's device work (inputs, forward, logits, sampling, copy of the sampled ids
+        to the host) without waiting for it. prev: the step still in flight when `so` was scheduled
+        with keep_in_flight; input ids -1 in `so` are its sampled tokens, taken on the device."""
         self.remove_requests(so.finished_req_ids)
+        self._upload.next_step()
         dev = self.device
         req_ids: list[str] = so.req_ids
         states = [self.requests[r] for r in req_ids]
@@ -161,7 +213,16 @@ class ModelRunner:
             seq_lens_cpu=seq_lens_cpu,
             decode_only=max_query_len == 1,
         )
-        input_ids, positions = upload("input_ids", so.input_ids), upload("positions", so.positions)
+        input_ids_np = so.input_ids
+        input_ids, positions = upload("input_ids", input_ids_np), upload("positions", so.positions)
+        holes = np.flatnonzero(input_ids_np < 0)
+        if holes.size:
+            if prev is None:
+                raise RuntimeError("input id -1 (a placeholder) in a step scheduled without one in flight")
+            rows = np.searchsorted(qsl_np, holes, side="right") - 1
+            src = np.fromiter((prev.row_of(req_ids[r]) for r in rows), dtype=np.int64, count=rows.size)
+            input_ids.index_copy_(0, upload("placeholder_pos", holes),
+                                  prev.sampled.token_ids.index_select(0, upload("placeholder_src", src)))
         if self.graph_runner is not None and self.graph_runner.can_run(attn):
             hidden = self.graph_runner.run(input_ids, positions, attn)  # valid until the next run
         else:
@@ -174,7 +235,32 @@ class ModelRunner:
         sample_mask: list[bool] = so.sample_mask.tolist()
         out = ModelRunnerOutput(sampled_token_ids=np.zeros(len(req_ids), dtype=np.int64))
         sampled = self._sample(logits, states, sample_mask, out)
-        token_ids = sampled.token_ids.cpu().numpy()
+        if dev.type == "cpu":
+            return StepHandle(req_ids, states, sample_mask, sampled, sampled.token_ids, None, out, hidden, so)
+        host = self._host_buffer(len(req_ids))
+        host.copy_(sampled.token_ids, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return StepHandle(req_ids, states, sample_mask, sampled, host, done, out, hidden, so)
+
+    def _host_buffer(self, n: int) -> torch.Tensor:
+        """Pinned landing place for a step's sampled ids; two alternate, as with the uploads."""
+        self._step_parity ^= 1
+        while len(self._host_tokens) < 2:
+            self._host_tokens.append(torch.empty(0, dtype=torch.int64))
+        buf = self._host_tokens[self._step_parity]
+        if buf.numel() < n:
+            buf = torch.empty(max(n, 256), dtype=torch.int64, pin_memory=True)
+            self._host_tokens[self._step_parity] = buf
+        return buf[:n]
+
+    @torch.inference_mode()
+    def finish(self, handle: StepHandle) -> ModelRunnerOutput:
+        """Wait for a launched step and do its host-side part (token bookkeeping, logprobs)."""
+        if handle.done is not None:
+            handle.done.synchronize()
+        out, states, sample_mask, sampled, so = handle.out, handle.states, handle.sample_mask, handle.sampled, handle.so
+        token_ids = handle.host_token_ids.numpy().copy()
         out.sampled_token_ids = token_ids
         for i, state in enumerate(states):
             if sample_mask[i] and state.req_id not in out.errors:
@@ -182,7 +268,7 @@ class ModelRunner:
         if sampled.logprobs is not None:
             self._collect_logprobs(sampled, states, sample_mask, out)
         if any(s.prompt_logprobs is not None and not s.prompt_logprobs.emitted for s in states):
-            self._prompt_logprobs(hidden, states, so, out)
+            self._prompt_logprobs(handle.hidden, states, so, out)
         return out
 
     @staticmethod
