@@ -25,6 +25,7 @@ from ferrox.config import CPU_DEFAULT_MAX_MODEL_LEN, EngineConfig
 from ferrox.loader.model_loader import load_generation_config, load_model, load_model_spec
 from ferrox.loader.source import ModelSource, resolve_model
 from ferrox.loader.tokenizer import load_tokenizer
+from ferrox.worker.cpu_threads import CpuThreadGovernor
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class LoadedModel:
     vocab_size: int
     eos_token_ids: list[int]
     generation_defaults: dict[str, Any]
+    threads: CpuThreadGovernor | None  # CPU only: intra-op thread count, adjusted to the machine's load
 
 
 def resolve_dtype(config: EngineConfig, spec: Any, device: torch.device) -> torch.dtype:
@@ -70,27 +72,11 @@ def resolve_max_model_len(config: EngineConfig, spec: Any, device: torch.device)
     return config.max_model_len
 
 
-def setup_threads(config: EngineConfig, device: torch.device) -> None:
-    if device.type != "cpu":
-        return
-    threads = config.num_threads
-    if threads is None and hasattr(os, "sched_getaffinity"):
-        threads = len(os.sched_getaffinity(0))  # the cores this process may run on, not the host's
-        if threads > 1 and os.getloadavg()[0] >= threads:
-            # Measured on the 2-core box: with other processes busy, OpenMP workers that wait for a
-            # descheduled peer at every barrier made a decode step 10x slower with 2 threads than
-            # with 1. On an already busy machine take half the cores; num_threads overrides this.
-            threads = max(1, threads // 2)
-            logger.info("machine busy (load %.1f): using %d CPU threads", os.getloadavg()[0], threads)
-    if threads:
-        torch.set_num_threads(threads)
-
-
 def load_everything(config: EngineConfig) -> LoadedModel:
     device = torch.device(config.resolved_device())
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device: 'cuda' was requested but torch sees no CUDA device")
-    setup_threads(config, device)
+    threads = CpuThreadGovernor(config.num_threads) if device.type == "cpu" else None
     source = resolve_model(config.model)
     tok_source = resolve_model(config.tokenizer) if config.tokenizer is not None else source
     tokenizer = _cached_tokenizer(tok_source, _mtime(tok_source.path))
@@ -126,7 +112,7 @@ def load_everything(config: EngineConfig) -> LoadedModel:
         source=source, device=device, dtype=dtype, tokenizer=tokenizer, spec=spec, model=model,
         kv_caches=kv_caches, num_blocks=num_blocks, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, vocab_size=int(spec.vocab_size), eos_token_ids=eos,
-        generation_defaults=generation_defaults,
+        generation_defaults=generation_defaults, threads=threads,
     )
 
 
