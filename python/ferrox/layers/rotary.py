@@ -8,6 +8,7 @@ Supported `rope_type`s: default, linear, llama3 (Llama 3.1 long-context scaling)
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -55,6 +56,15 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(in_band, blended, slow)
 
 
+@dataclass(slots=True)
+class RopeRows:
+    """For the Triton kernel (kernels/rotary.py, GPU): one float32 [cos | sin] row of head_dim / 2
+    each per token of the step, and each token's row index (0..T-1)."""
+
+    rows: torch.Tensor  # [T, head_dim] float32
+    index: torch.Tensor  # [T] int64
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, base: float, scaling: dict | None, device: torch.device | str | None = None):
         super().__init__()
@@ -66,6 +76,13 @@ class RotaryEmbedding(nn.Module):
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def kernel_rows(self, positions: torch.Tensor) -> RopeRows:
+        """The same angles as cos_sin, laid out for `rotary_neox_`, which rotates q and k of every
+        head in one launch per layer instead of five elementwise kernels (and in float32)."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        rows = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        return RopeRows(rows, torch.arange(positions.shape[0], device=positions.device))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

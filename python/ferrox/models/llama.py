@@ -18,7 +18,7 @@ from ferrox.attention.metadata import AttentionMetadata
 from ferrox.layers.activation import SiluAndMul
 from ferrox.layers.layernorm import RMSNorm
 from ferrox.layers.linear import Linear, MergedLinear
-from ferrox.layers.rotary import RotaryEmbedding, apply_rotary
+from ferrox.layers.rotary import RopeRows, RotaryEmbedding, apply_rotary
 from ferrox.loader.errors import ModelLoadError, UnsupportedModelError
 from ferrox.loader.model_config import ModelSpec
 
@@ -54,7 +54,14 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         v = qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is None:
+        if isinstance(cos, RopeRows):
+            # GPU: the Triton kernel rotates q and k in place inside qkv (see LlamaModel.forward).
+            from ferrox.kernels.rotary import rotary_neox_
+
+            q = qkv[:, :q_size].view(t, self.num_heads, self.head_dim)
+            k = qkv[:, q_size:q_size + kv_size].view(t, self.num_kv_heads, self.head_dim)
+            rotary_neox_(cos.index, q, k, cos.rows)
+        elif self.q_norm is None:
             # One rotary pass over q and k together (they are adjacent columns of qkv).
             qk = apply_rotary(qkv[:, :q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim),
                               cos, sin)
@@ -113,10 +120,16 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, device)
+        self.qk_norm = qk_norm
 
     def forward(self, input_ids, positions, kv_caches, meta):
         h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        if h.is_cuda and not self.qk_norm:
+            # One Triton launch per layer instead of the five kernels of the torch formula: at batch 1
+            # that is ~0.3 ms of an 8B decode step on an H200 (issue 5).
+            cos, sin = self.rotary.kernel_rows(positions), None
+        else:
+            cos, sin = self.rotary.cos_sin(positions, h.dtype)
         residual = None
         for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, cos, sin, kv_caches[i], meta)
