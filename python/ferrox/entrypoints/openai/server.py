@@ -227,12 +227,16 @@ async def serve(engine: AsyncLLM, *, host: str, port: int, served_model_name: st
     try:
         await stop.wait()
     finally:
+        # A second Ctrl-C (or a supervisor repeating the signal) must not interrupt the shutdown
+        # half-way and leave the core process behind: keep handling the signals until it is done.
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
+            loop.add_signal_handler(sig, logger.info, "already shutting down")
         # Fail in-flight requests at once (their handlers send an error and finish), stop the
         # core process, then close the listener and connections.
         engine.shutdown()
         await runner.cleanup()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
     return exit_code
 
 
