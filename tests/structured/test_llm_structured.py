@@ -7,6 +7,7 @@ import json
 import re
 
 import jsonschema
+import pytest
 from ferrox import SamplingParams
 from ferrox import StructuredOutputsParams as P
 
@@ -100,3 +101,18 @@ def test_completed_grammar_stops_even_with_ignore_eos(llm):
     )[0].outputs[0]
     assert re.fullmatch("[0-9]{4}", out.text) and out.finish_reason == "stop"
     assert len(out.token_ids) <= 4
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        (P(json={"type": "objekt"}), "structured_outputs.json"),
+        (P(regex="(unclosed"), "structured_outputs.regex"),
+        (P(grammar="start: item+\nitem: UNDEFINED"), "structured_outputs.grammar"),
+    ],
+)
+def test_bad_constraint_is_a_value_error_and_engine_goes_on(llm, params, field):
+    with pytest.raises(ValueError, match=re.escape(field)):
+        llm.generate("hi", SamplingParams(max_tokens=4, structured_outputs=params), use_tqdm=False)
+    out = llm.generate("hi", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -139,6 +140,11 @@ class EngineCore:
             bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
             raise ValueError(f"prompt_token_ids: {what} has token id {bad} outside the vocabulary (size {self.vocab_size})")
         params.check_vocab(self.vocab_size)
+        if params.structured_outputs is not None:
+            # A bad schema / regex / grammar is refused before anything is queued (cached check).
+            from ferrox.structured.backend import validate_params
+
+            validate_params(params.structured_outputs)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.config.max_logprobs:
@@ -268,10 +274,13 @@ class EngineCore:
         self._forget(list(failures))
         return self._fail({rid: f"structured output: {msg}" for rid, msg in failures.items()})
 
-    def _grammar_bitmask(self, so: Any) -> torch.Tensor | None:
+    def _grammar_bitmask(self, so: Any) -> Callable[[], torch.Tensor | None] | None:
         if self.structured is None or not self.structured.has_active():
             return None
-        return self.structured.fill_bitmask(so.req_ids, so.sample_mask)
+        structured = self.structured
+        # The runner calls this once the forward pass is queued: on a GPU the CPU fills the mask
+        # while the device runs the model, instead of the device waiting for the mask.
+        return lambda: structured.fill_bitmask(so.req_ids, so.sample_mask)
 
     def wait_for_work(self, timeout: float) -> None:
         """Nothing schedulable but grammars compiling: block until one is ready (no busy loop)."""

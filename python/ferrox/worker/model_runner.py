@@ -10,6 +10,7 @@ the scheduler lists them in `finished_req_ids`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,9 @@ from ferrox.worker.request_state import PromptLogprobsAccumulator, RequestState
 from ferrox.worker.sampling_batch import SamplingBatchBuilder
 
 logger = logging.getLogger(__name__)
+
+# Structured outputs: the allow-bits, or a function filling them once the forward pass is queued.
+GrammarBitmask = torch.Tensor | Callable[[], torch.Tensor | None] | None
 
 
 @dataclass(slots=True)
@@ -177,14 +181,15 @@ class ModelRunner:
         return bool(self._sync_only)
 
     # ---- one step -----------------------------------------------------------------------------------
-    def execute(self, so: Any, grammar_bitmask: torch.Tensor | None = None) -> ModelRunnerOutput:
+    def execute(self, so: Any, grammar_bitmask: GrammarBitmask = None) -> ModelRunnerOutput:
         """so: ferrox._core.SchedulerOutput with num_reqs > 0. grammar_bitmask: int32
-        [num_reqs, words] allow-bits in batch order (structured outputs), or None."""
+        [num_reqs, words] allow-bits in batch order (structured outputs), a function returning it
+        (called after the forward pass is queued), or None."""
         return self.finish(self.launch(so, grammar_bitmask))
 
     @torch.inference_mode()
     def launch(
-        self, so: Any, grammar_bitmask: torch.Tensor | None = None, prev: StepHandle | None = None
+        self, so: Any, grammar_bitmask: GrammarBitmask = None, prev: StepHandle | None = None
     ) -> StepHandle:
         """Queue one step's device work (inputs, forward, logits, sampling, copy of the sampled ids
         to the host) without waiting for it. prev: the step still in flight when `so` was scheduled
@@ -229,6 +234,8 @@ class ModelRunner:
             hidden = self.model.forward(input_ids, positions, self.kv_caches, attn)
         logits_indices = upload("logits_indices", so.logits_indices)
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
+        if callable(grammar_bitmask):  # filled now, while the device runs the queued forward pass
+            grammar_bitmask = grammar_bitmask()
         if grammar_bitmask is not None:
             self._apply_grammar_bitmask(logits, grammar_bitmask)
 

@@ -41,6 +41,9 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
         raise from_value_error(exc) from None
     messages = [m.to_template_dict() for m in req.messages]
     use_tools = req.tools if req.tool_choice != "none" else None
+    # Templates without tool support (the embedded SmolLM2's) get the tools as system text.
+    template = tool_hooks.template_text(ctx, req.chat_template, use_tools)
+    messages, use_tools = tool_hooks.prepare_messages(messages, use_tools, template)
     prompt_text = render_chat(
         ctx, messages,
         add_generation_prompt=req.add_generation_prompt,
@@ -60,7 +63,7 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
     prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
     echo = (messages[-1].get("content") or "") if req.echo and messages else ""
     if req.stream:
-        return await _stream(ctx, request, req, prompt, params, request_id, echo)
+        return await _stream(ctx, request, req, prompt, params, request_id, echo, template)
     final: RequestOutput | None = None
     try:
         async with contextlib.aclosing(ctx.engine.generate(prompt, params, request_id, priority=req.priority)) as gen:
@@ -73,7 +76,7 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
     assert final is not None
     choices = []
     for comp in final.outputs:
-        content, tool_calls = tool_hooks.parse_tool_calls(echo + comp.text, req)
+        content, tool_calls = tool_hooks.parse_tool_calls(echo + comp.text, req, template=template)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         finish_reason = comp.finish_reason
         if tool_calls:
@@ -99,7 +102,7 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
 
 
 async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletionRequest, prompt: dict[str, Any],
-                  params: Any, request_id: str, echo: str) -> web.StreamResponse:
+                  params: Any, request_id: str, echo: str, template: str | None = None) -> web.StreamResponse:
     created = int(time.time())
     include_usage = req.include_usage
     num_prompt = len(prompt["prompt_token_ids"])
@@ -127,6 +130,8 @@ async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletion
         await gen.aclose()
         raise
 
+    # With tools, text deltas go through a per-choice tool parser (delta.tool_calls chunks).
+    tool_streams = {i: tool_hooks.ToolStream(req, template=template) for i in range(req.n)} if req.tools else None
     resp = await start_sse(request)
     completion_tokens = 0
     cached = 0
@@ -143,11 +148,20 @@ async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletion
                     completion_tokens += len(comp.token_ids)
                     if not comp.text and not comp.token_ids and comp.finish_reason is None:
                         continue
+                    delta: dict[str, Any] = {"content": comp.text} if comp.text or comp.finish_reason is None else {}
+                    finish_reason = comp.finish_reason
+                    if tool_streams is not None:
+                        stream = tool_streams[comp.index]
+                        delta = stream.step(comp.text, comp.finish_reason is not None) or {}
+                        if not delta and comp.finish_reason is None:
+                            continue  # text held back (a possible tool-call start)
+                        if stream.tools_called and finish_reason is not None:
+                            finish_reason = "tool_calls"
                     choices.append({
                         "index": comp.index,
-                        "delta": {"content": comp.text} if comp.text or comp.finish_reason is None else {},
+                        "delta": delta,
                         "logprobs": _chat_logprobs(comp, req.top_logprobs or 0) if req.logprobs else None,
-                        "finish_reason": comp.finish_reason,
+                        "finish_reason": finish_reason,
                         **({"stop_reason": comp.stop_reason} if comp.finish_reason else {}),
                     })
                 if choices:
