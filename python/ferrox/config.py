@@ -7,7 +7,8 @@ holds the user's choices and the defaults that depend on the device.
 Defaults that differ by device, and why:
 - max_model_len: the model's max_position_embeddings on GPU; on CPU at most 8192, because a
   longer context would not fit a useful number of requests in the CPU KV budget.
-- max_num_seqs: 256 on GPU, 64 on CPU (a 2-core CPU gains nothing from larger batches).
+- max_num_seqs: 512 on GPU (an 8B model on an H200: 30.3k vs 26.4k tok/s at 256 for 1000 x 256/256;
+  decode GEMMs reuse each weight read for more rows), 64 on CPU (a 2-core CPU gains nothing from larger batches).
 - max_num_batched_tokens: 8192 on GPU, 2048 on CPU (bounds one step's activation memory and
   the latency a long prefill adds to running decodes).
 - kv_cache_memory: on CPU 2 GiB, capped at half of the memory the OS reports available; on GPU
@@ -98,7 +99,7 @@ class EngineConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def resolved_max_num_seqs(self, device: str) -> int:
-        return self.max_num_seqs or (256 if device == "cuda" else 64)
+        return self.max_num_seqs or (512 if device == "cuda" else 64)
 
     def resolved_max_num_batched_tokens(self, device: str) -> int:
         return self.max_num_batched_tokens or (8192 if device == "cuda" else 2048)
