@@ -14,7 +14,7 @@ async def main() -> None:
     print()
     long = engine.generate("Once upon a time", SamplingParams(max_tokens=500), request_id="story")
     print((await anext(long)).outputs[0].text, "...")
-    await engine.abort("story")  # frees its KV blocks; the generator ends
+    await engine.abort("story")  # frees its KV blocks; the generator ends (finish_reason "abort")
     print(await engine.get_stats())
     engine.shutdown()
 

@@ -85,6 +85,7 @@ def test_abort_frees_the_request(engine):
 
     running, rest, stats = asyncio.run(run())
     assert running == 1
+    assert len(rest) == 1 and rest[0].finished and rest[0].outputs[0].finish_reason == "abort"
     assert all(len(o.outputs[0].token_ids) < 400 for o in rest)
 
 
@@ -113,3 +114,69 @@ def test_bad_request_fails_alone(engine):
 
     outs = asyncio.run(run())
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
+
+
+def test_abort_before_any_output(engine):
+    async def run():
+        prompt = "Tell me a long story about a dragon and a knight. " * 4
+        params = SamplingParams(n=3, temperature=0, max_tokens=100, ignore_eos=True)
+        task = asyncio.create_task(collect(engine, prompt, params, "n3-ab"))
+        await asyncio.sleep(0)  # the generator sends the samples and waits for output
+        await engine.abort("n3-ab")
+        outs = await task
+        deadline = time.monotonic() + 5
+        while (stats := await engine.get_stats())["num_running"] + stats["num_waiting"] != 0:
+            assert time.monotonic() < deadline, stats
+            await asyncio.sleep(0.05)
+        return outs, stats
+
+    outs, stats = asyncio.run(run())
+    assert len(outs) == 1 and outs[0].finished
+    assert [c.finish_reason for c in outs[0].outputs] == ["abort"] * 3
+    assert stats["kv_cache_usage"] == 0
+
+
+def test_abort_yields_a_final_abort_output(engine):
+    async def run():
+        params = greedy(400, n=2, output_kind=RequestOutputKind.DELTA)
+        gen = engine.generate("Once upon a time", params, "abort-final")
+        first = await anext(gen)
+        await engine.abort("abort-final")
+        return first, [out async for out in gen]
+
+    first, rest = asyncio.run(run())
+    assert not first.finished
+    assert len(rest) == 1 and rest[0].finished
+    assert sorted(c.index for c in rest[0].outputs) == [0, 1]
+    assert all(c.finish_reason == "abort" for c in rest[0].outputs)
+    assert all(len(c.token_ids) < 400 for c in rest[0].outputs)
+
+
+def test_server_sse_ends_cleanly_on_abort(engine):
+    import json
+
+    from aiohttp.test_utils import TestClient, TestServer
+    from ferrox.entrypoints.openai.server import METRICS, build_app
+
+    async def run():
+        app = build_app(engine)
+        chunks: list = []
+        async with TestClient(TestServer(app)) as client:
+            body = {"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 400,
+                    "ignore_eos": True, "stream": True}
+            resp = await client.post("/v1/chat/completions", json=body)
+            assert resp.status == 200
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                chunks.append(line[6:])
+                if len(chunks) == 3:  # role chunk + two content chunks: the request is running
+                    await engine.abort(json.loads(chunks[0])["id"])
+        engine.stat_loggers.remove(app[METRICS])  # the module's engine outlives this app
+        return chunks
+
+    chunks = asyncio.run(run())
+    assert chunks[-1] == "[DONE]", chunks[-3:]
+    last = json.loads(chunks[-2])
+    assert last["choices"][0]["finish_reason"] == "abort", last

@@ -10,6 +10,9 @@ The shared `OutputProcessor` (also used by the offline LLM) fans n > 1 out into 
 requests and folds the core's outputs into RequestOutputs; the single output-reader task
 hands each to its request's `_Stream`, which wakes the consumer.
 
+`abort(request_id)` ends the request's generator with a final output whose unfinished choices
+say finish_reason "abort".
+
 Closing the generator early (a client disconnect cancels the handler task) aborts the
 request in the core, which frees its KV blocks on its next loop iteration.
 """
@@ -226,7 +229,8 @@ class AsyncLLM:
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream RequestOutputs for one request: cumulative unless `sampling_params.output_kind` is
         DELTA or FINAL_ONLY. Raises RequestError for a request the engine rejects or fails,
-        EngineDeadError if the core dies. Ends without a final output after `abort()`.
+        EngineDeadError if the core dies. After `abort()` the last output has finished=True and
+        finish_reason "abort" on every choice that had not finished.
         """
         stream = self._add_request(prompt, sampling_params, request_id, priority, arrival_time)
         try:
@@ -286,13 +290,19 @@ class AsyncLLM:
         return stream
 
     async def abort(self, request_id: str | list[str]) -> None:
-        """Abort request(s) by id: the core frees their KV blocks; their generators end."""
+        """Abort request(s) by id: the core frees their KV blocks; each generator yields a final
+        output (finished, finish_reason "abort" on the choices still running) and ends."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        self._abort_ids(ids)
+        engine_ids, final_outputs = self.processor.finish_aborted(ids)
+        self._abort_engine_ids(engine_ids)
+        for out in final_outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
         for rid in ids:
             stream = self._streams.get(rid)
-            if stream is not None:
-                stream.end()
+            if stream is not None and not stream.finished:
+                stream.end()  # unknown to the processor (already finished): nothing more to say
 
     def shutdown(self) -> None:
         """Stop the engine-core process (idempotent; also runs at GC and interpreter exit)."""
@@ -352,7 +362,9 @@ class AsyncLLM:
             stat_logger.on_scheduler_stats(stats)
 
     def _abort_ids(self, request_ids: list[str]) -> None:
-        engine_ids = self.processor.abort_requests(request_ids)
+        self._abort_engine_ids(self.processor.abort_requests(request_ids))
+
+    def _abort_engine_ids(self, engine_ids: list[str]) -> None:
         self.client.abort(engine_ids)
         now = time.time()
         for engine_id in engine_ids:

@@ -6,7 +6,8 @@ Shared by the offline `LLM` and `AsyncLLM`. It owns:
   `f"{i}_{request_id}"` (seed + i when seeded, so samples differ); the user request finishes when
   all its samples have;
 - output kinds: CUMULATIVE (everything so far), DELTA (what is new: streaming), FINAL_ONLY;
-- abort: a user request id maps to the engine ids to abort.
+- abort: a user request id maps to the engine ids to abort (and, for AsyncLLM, a final output
+  whose unfinished samples say finish_reason "abort").
 
 Typical use:
     core_requests = processor.add_request(request, prompt_text)   # send these to the core
@@ -132,6 +133,31 @@ class OutputProcessor:
                 if sample.finish_reason is None:
                     engine_ids.append(engine_id)
         return engine_ids
+
+    def finish_aborted(self, request_ids: Iterable[str]) -> tuple[list[str], list[RequestOutput]]:
+        """Abort user requests and say so: every unfinished sample ends with finish_reason "abort".
+        Returns the engine ids to abort in the core and one final RequestOutput per known request
+        (per its output kind: the last delta, or everything so far), as vLLM yields on abort."""
+        engine_ids: list[str] = []
+        outputs: list[RequestOutput] = []
+        now = time.time()
+        for request_id in request_ids:
+            req = self._requests.get(request_id)
+            if req is None:
+                continue
+            for engine_id, sample in req.samples.items():
+                if sample.finish_reason is None:
+                    engine_ids.append(engine_id)
+                    sample.finish_reason = "abort"
+                    req.num_finished += 1
+            req.metrics.finished_time = now
+            ro = self._make_output(req)
+            if ro is not None:
+                outputs.append(ro)
+            del self._requests[request_id]
+            for engine_id in req.samples:
+                self._engine_to_user.pop(engine_id, None)
+        return engine_ids, outputs
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
