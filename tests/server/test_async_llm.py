@@ -116,6 +116,30 @@ def test_bad_request_fails_alone(engine):
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
 
 
+def test_n3_siblings_reuse_the_prompt_blocks(engine):
+    # A prompt no other test uses, so the first sample misses the cache and only its siblings hit.
+    words = "amber basalt cobalt dune ember fjord granite harbor iris jasper kelp lagoon".split()
+    prompt = " ".join(words[i % len(words)] + str(i) for i in range(40))
+    num_prompt = len(engine.get_tokenizer().encode(prompt))
+    assert 90 <= num_prompt <= 140, num_prompt
+    full_block_tokens = (num_prompt - 1) // 16 * 16  # the last prompt token is always recomputed
+
+    async def run():
+        before = (await engine.get_stats())["prefix_cache_hits"]
+        outs = await collect(engine, prompt, greedy(6, n=3), "n3-cached")
+        after = (await engine.get_stats())["prefix_cache_hits"]
+        await engine.reset_prefix_cache()
+        alone = await collect(engine, prompt, greedy(6), "n3-alone")
+        return outs[-1], after - before, alone[-1]
+
+    last, hits, alone = asyncio.run(run())
+    assert last.finished and sorted(c.index for c in last.outputs) == [0, 1, 2]
+    # The samples go to the core in one step; the core caches the first's full prompt blocks as it
+    # allocates them, so the other two hit all of them (and read K/V written in that same step).
+    assert 2 * full_block_tokens <= hits <= 2 * num_prompt, (hits, num_prompt)
+    assert all(c.token_ids == alone.outputs[0].token_ids for c in last.outputs)
+
+
 def test_abort_before_any_output(engine):
     async def run():
         prompt = "Tell me a long story about a dragon and a knight. " * 4

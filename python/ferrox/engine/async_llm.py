@@ -8,7 +8,10 @@
 Tokenization happens here (the front-end), so the core process spends its GIL on stepping.
 The shared `OutputProcessor` (also used by the offline LLM) fans n > 1 out into n engine
 requests and folds the core's outputs into RequestOutputs; the single output-reader task
-hands each to its request's `_Stream`, which wakes the consumer.
+hands each to its request's `_Stream`, which wakes the consumer. The n samples of a request go
+to the core together: it registers a prompt's full blocks in the prefix cache when it allocates
+them, so the samples scheduled after the first in the same step already hit them (computing the
+prompt once); holding the siblings back until the first has output would only delay them.
 
 `abort(request_id)` ends the request's generator with a final output whose unfinished choices
 say finish_reason "abort".
