@@ -63,14 +63,23 @@ def render_chat(
     chat_template_kwargs: Mapping[str, Any] | None = None,
     index: int = 0,
 ) -> ProcessedPrompt:
-    """Apply the chat template and tokenize; the template adds the special tokens it wants."""
+    """Apply the chat template and tokenize; the template adds the special tokens it wants.
+    With tools and a template that ignores them (the embedded SmolLM2's), the tools go into the
+    system message, as the server does (structured.tools.prepare_tool_messages)."""
     if not isinstance(messages, Sequence) or not messages:
         raise ValueError(f"messages[{index}]: a conversation must be a non-empty list of messages")
     for j, m in enumerate(messages):
         if not isinstance(m, Mapping) or "role" not in m:
             raise ValueError(f"messages[{index}][{j}]: each message must be a dict with a 'role'")
+    from ferrox.structured.tools import prepare_tool_messages
+
+    conversation = [dict(m) for m in messages]
+    if tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in conversation):
+        # Resolve the template first: with tools a model may pick its "tool_use" one.
+        chat_template = tokenizer.get_chat_template(chat_template, tools)
+        conversation, tools = prepare_tool_messages(conversation, tools, chat_template)
     text = tokenizer.apply_chat_template(
-        list(messages),
+        conversation,
         add_generation_prompt=add_generation_prompt,
         tools=tools,
         chat_template=chat_template,

@@ -176,6 +176,18 @@ def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
     )
 
 
+def prepare_tool_messages(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, template: str | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(messages, tools) to render with `template`: unchanged when the template handles tools (or
+    none are in play); otherwise the tools move into the system message (tools -> None) and tool
+    calls / results become text. Shared by the server and the offline `LLM.chat`."""
+    uses_tools = bool(tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+    if not uses_tools or template_supports_tools(template):
+        return messages, tools
+    return messages_for_plain_template(messages, tools), None
+
+
 def messages_for_plain_template(
     messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
 ) -> list[dict[str, Any]]:

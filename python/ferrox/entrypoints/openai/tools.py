@@ -3,8 +3,9 @@
 - validate_tools / tool_constraint: tools + tool_choice -> the constraint ("required": Hermes
   <tool_call> blocks over the functions' schemas; named: that function's parameters schema),
   a ValueError naming the field for bad input (-> 400).
-- prepare_messages: for chat templates that know nothing of tools (the embedded SmolLM2's),
-  the tool listing goes into the system message and tool calls / results become text.
+- prepare_messages (= structured.tools.prepare_tool_messages, shared with the offline LLM.chat):
+  for chat templates that know nothing of tools (the embedded SmolLM2's), the tool listing goes
+  into the system message and tool calls / results become text.
 - parse_tool_calls (whole reply) and ToolStream (streamed deltas) turn model text into
   OpenAI `tool_calls`.
 """
@@ -25,10 +26,11 @@ from ferrox.structured.backend import validate_params
 from ferrox.structured.params import StructuredOutputsParams
 from ferrox.structured.tools import (
     ToolConstraint,
-    messages_for_plain_template,
-    template_supports_tools,
     tool_choice_constraint,
 )
+from ferrox.structured.tools import prepare_tool_messages as prepare_messages
+
+__all__ = ["ToolStream", "parse_tool_calls", "prepare_messages", "template_text", "tool_constraint", "validate_tools"]
 
 
 def _constraint(request: Any) -> ToolConstraint:
@@ -51,16 +53,6 @@ def tool_constraint(request: Any) -> StructuredOutputsParams | None:
         except ValueError as exc:
             raise ValueError(f"tools: {exc}") from None
     return params
-
-
-def prepare_messages(
-    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, template: str | None
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """(messages, tools) to render: unchanged when the template handles tools itself."""
-    uses_tools = bool(tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
-    if not uses_tools or template_supports_tools(template):
-        return messages, tools
-    return messages_for_plain_template(messages, tools), None
 
 
 def template_text(ctx: Any, chat_template: str | None, tools: list[dict[str, Any]] | None) -> str | None:
