@@ -17,18 +17,26 @@ from ferrox.loader.errors import ModelLoadError, ModelNotFoundError
 from ferrox.loader.model_config import read_json
 
 
+def _indexed_shards(folder: str, index_name: str) -> list[str] | None:
+    """The shard files a sharded checkpoint's index names (its weight_map values), or None if the folder
+    has no such index. A missing or empty weight_map, or a named shard that is absent, is an error."""
+    index_path = os.path.join(folder, index_name)
+    if not os.path.isfile(index_path):
+        return None
+    weight_map = read_json(index_path).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ModelLoadError(f"{index_path}: field 'weight_map' is missing or empty")
+    files = sorted(set(weight_map.values()))
+    missing = [f for f in files if not os.path.isfile(os.path.join(folder, f))]
+    if missing:
+        raise ModelNotFoundError(f"{index_path} names shard(s) that do not exist: {', '.join(missing)}")
+    return [os.path.join(folder, f) for f in files]
+
+
 def safetensors_files(folder: str) -> list[str]:
-    index_path = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index_path):
-        index = read_json(index_path)
-        weight_map = index.get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ModelLoadError(f"{index_path}: field 'weight_map' is missing or empty")
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not os.path.isfile(os.path.join(folder, f))]
-        if missing:
-            raise ModelNotFoundError(f"{index_path} names shard(s) that do not exist: {', '.join(missing)}")
-        return [os.path.join(folder, f) for f in files]
+    shards = _indexed_shards(folder, "model.safetensors.index.json")
+    if shards is not None:
+        return shards
     single = os.path.join(folder, "model.safetensors")
     if os.path.isfile(single):
         return [single]
@@ -66,16 +74,9 @@ def has_torch_bin(folder: str) -> bool:
 
 def torch_bin_files(folder: str) -> list[str]:
     """Older checkpoints: pytorch_model.bin, or shards listed in pytorch_model.bin.index.json."""
-    index_path = os.path.join(folder, "pytorch_model.bin.index.json")
-    if os.path.isfile(index_path):
-        weight_map = read_json(index_path).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ModelLoadError(f"{index_path}: field 'weight_map' is missing or empty")
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not os.path.isfile(os.path.join(folder, f))]
-        if missing:
-            raise ModelNotFoundError(f"{index_path} names shard(s) that do not exist: {', '.join(missing)}")
-        return [os.path.join(folder, f) for f in files]
+    shards = _indexed_shards(folder, "pytorch_model.bin.index.json")
+    if shards is not None:
+        return shards
     single = os.path.join(folder, "pytorch_model.bin")
     if os.path.isfile(single):
         return [single]
