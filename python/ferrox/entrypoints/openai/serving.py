@@ -7,18 +7,20 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from ferrox.engine.async_llm import AsyncLLM
+from ferrox.engine.async_llm import AsyncLLM, EngineDeadError, RequestError
 from ferrox.entrypoints.openai.errors import APIError, bad_request, from_validation_error, from_value_error
 from ferrox.outputs import Logprob
 from ferrox.sampling_params import RequestOutputKind, SamplingParams
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
+T = TypeVar("T")
 
 # JSON cannot carry -inf; clients get a very small finite number instead (as vLLM does).
 _MIN_LOGPROB = -9999.0
@@ -179,6 +181,22 @@ def chosen_entry(position: dict[int, Logprob], token_id: int) -> Logprob:
 
 
 # ---- SSE -----------------------------------------------------------------------------------------
+
+
+async def first_output(outputs: AsyncIterator[T], param: str) -> T | None:
+    """Pull a stream's first output before any header is sent, so a request the engine rejects is
+    still a plain 4xx (naming `param`) or 503 rather than a broken stream; None if it ends at once."""
+    try:
+        return await anext(outputs)
+    except StopAsyncIteration:
+        return None
+    except (RequestError, ValueError) as exc:
+        raise from_value_error(exc, param) from None
+    except EngineDeadError as exc:
+        raise APIError(503, f"engine is not running: {exc}") from None
+    except BaseException:
+        await outputs.aclose()  # type: ignore[attr-defined]
+        raise
 
 
 async def start_sse(request: web.Request) -> web.StreamResponse:

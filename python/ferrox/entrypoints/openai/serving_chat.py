@@ -17,6 +17,7 @@ from ferrox.entrypoints.openai.serving import (
     build_sampling_params,
     chosen_entry,
     finite,
+    first_output,
     json_response,
     new_id,
     parse_body,
@@ -118,17 +119,7 @@ async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletion
 
     gen = ctx.engine.generate(prompt, params, request_id, priority=req.priority)
     # Pull the first output before sending headers, so a rejected request is still a plain 4xx/503.
-    try:
-        first = await anext(gen)
-    except StopAsyncIteration:
-        first = None
-    except (RequestError, ValueError) as exc:
-        raise from_value_error(exc, "messages") from None
-    except EngineDeadError as exc:
-        raise APIError(503, f"engine is not running: {exc}") from None
-    except BaseException:
-        await gen.aclose()
-        raise
+    first = await first_output(gen, "messages")
 
     # With tools, text deltas go through a per-choice tool parser (delta.tool_calls chunks).
     tool_streams = {i: tool_hooks.ToolStream(req, template=template) for i in range(req.n)} if req.tools else None

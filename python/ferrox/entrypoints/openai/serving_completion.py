@@ -23,6 +23,7 @@ from ferrox.entrypoints.openai.serving import (
     check_token_ids,
     chosen_entry,
     finite,
+    first_output,
     json_response,
     new_id,
     parse_body,
@@ -117,17 +118,7 @@ async def _stream(ctx: ServingContext, request: web.Request, req: CompletionRequ
                   outputs: AsyncIterator[tuple[int, RequestOutput]], request_id: str) -> web.StreamResponse:
     created = int(time.time())
     n = req.n
-    try:
-        first = await anext(outputs)  # type: ignore[call-overload]
-    except StopAsyncIteration:
-        first = None
-    except (RequestError, ValueError) as exc:
-        raise from_value_error(exc, "prompt") from None
-    except EngineDeadError as exc:
-        raise APIError(503, f"engine is not running: {exc}") from None
-    except BaseException:
-        await outputs.aclose()  # type: ignore[attr-defined]
-        raise
+    first = await first_output(outputs, "prompt")
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
