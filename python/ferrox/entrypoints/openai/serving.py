@@ -199,6 +199,13 @@ async def first_output(outputs: AsyncIterator[T], param: str) -> T | None:
         raise
 
 
+async def send_stream_error(resp: web.StreamResponse, exc: Exception) -> None:
+    """Headers are gone once a stream has started: report a failure in-band, as OpenAI does
+    (503 when the engine died, 400 otherwise); the caller then ends the stream with [DONE]."""
+    status = 503 if isinstance(exc, EngineDeadError) else 400
+    await send_sse(resp, APIError(status, str(exc)).openai_body())
+
+
 async def start_sse(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(
         status=200,

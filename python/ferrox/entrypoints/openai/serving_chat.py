@@ -24,6 +24,7 @@ from ferrox.entrypoints.openai.serving import (
     render_chat,
     resolve_max_tokens,
     send_sse,
+    send_stream_error,
     start_sse,
     top_entries,
 )
@@ -161,9 +162,7 @@ async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletion
             if include_usage:
                 await send_sse(resp, chunk([], _usage(num_prompt, completion_tokens, cached)))
         except (RequestError, EngineDeadError, ValueError) as exc:
-            # Headers are gone: report in-band, as OpenAI does, then end the stream.
-            status = 503 if isinstance(exc, EngineDeadError) else 400
-            await send_sse(resp, APIError(status, str(exc)).openai_body())
+            await send_stream_error(resp, exc)
         await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp

@@ -29,6 +29,7 @@ from ferrox.entrypoints.openai.serving import (
     parse_body,
     resolve_max_tokens,
     send_sse,
+    send_stream_error,
     start_sse,
     top_entries,
 )
@@ -166,8 +167,7 @@ async def _stream(ctx: ServingContext, request: web.Request, req: CompletionRequ
                          "total_tokens": prompt_tokens + completion_tokens}
                 await send_sse(resp, chunk([], usage))
         except (RequestError, EngineDeadError, ValueError) as exc:
-            status = 503 if isinstance(exc, EngineDeadError) else 400
-            await send_sse(resp, APIError(status, str(exc)).openai_body())
+            await send_stream_error(resp, exc)
         await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
