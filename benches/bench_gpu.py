@@ -29,14 +29,14 @@ import bench_setup  # noqa: E402
 HERE = Path(__file__).resolve().parent
 
 
-def run_child(name: str, cmd: list[str], timeout: int) -> tuple[object | None, str]:
-    """Run one benchmark script; returns (its --json result, error text or '')."""
+def run_child(name: str, cmd: list[str], timeout: int, env: dict[str, str] | None = None) -> tuple[object | None, str]:
+    """Run one benchmark script (with extra environment variables); returns (its --json result, error text or '')."""
     fd, out_path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     print(f"\n=== {name}: {' '.join(cmd)}", flush=True)
     start = time.perf_counter()
     try:
-        proc = subprocess.run([*cmd, "--json", out_path], timeout=timeout)
+        proc = subprocess.run([*cmd, "--json", out_path], timeout=timeout, env={**os.environ, **(env or {})})
     except subprocess.TimeoutExpired:
         return None, f"timed out after {timeout} s"
     print(f"=== {name} finished in {time.perf_counter() - start:.0f} s (exit {proc.returncode})", flush=True)
@@ -108,7 +108,12 @@ def table(results: dict[str, object], errors: dict[str, str]) -> str:
     lines = [f"ferrox GPU benchmarks — {env.get('date', '?')}, {env.get('gpu', '?')}, torch {env.get('torch', '?')}, "
              f"triton {env.get('triton', '?')}; Llama-3.1-8B config, dummy weights, bf16", "",
              "| metric | ferrox | target / reference |", "| --- | --- | --- |"]
+    unfused = results.get("latency_unfused") or {}
     if lat:
+        if unfused:
+            lines.append(
+                f"| same, one-token kernels off (FERROX_FUSED_DECODE=0) | {_f(unfused['decode_step_ms_median'])} ms | "
+                f"fused is {unfused['decode_step_ms_median'] / lat['decode_step_ms_median']:.3f}x faster |")
         lines += [
             f"| decode step, batch 1, in 32 / out 128 (median) | {_f(lat['decode_step_ms_median'])} ms | "
             f"floor {_f(lat['floor_ms'])} ms ({lat['weight_gb']} GB at {_f(lat['copy_bandwidth_gbps'] / 1e3)} TB/s); "
@@ -165,6 +170,8 @@ def main() -> None:
     skip = set(filter(None, args.skip.split(",")))
     jobs = [
         ("latency", [py, str(HERE / "bench_latency.py"), "--config", args.config, *eager], 600),
+        # The same run without the one-token fused kernels (kernels/gemv.py): the side-by-side ratio.
+        ("latency_unfused", [py, str(HERE / "bench_latency.py"), "--config", args.config, *eager], 600),
         ("throughput", [py, str(HERE / "bench_throughput.py"), "--config", args.config, "--shapes", args.shapes,
                         "--num-prompts", str(args.num_prompts or (200 if args.quick else 1000)), *eager], 1800),
         ("transformers", [py, str(HERE / "bench_gpu.py"), "--peer", "--config", args.config,
@@ -173,9 +180,10 @@ def main() -> None:
     results: dict[str, object] = {}
     errors: dict[str, str] = {}
     for name, cmd, timeout in jobs:
-        if name in skip:
+        if name in skip or (name == "latency_unfused" and "latency" in skip):
             continue
-        result, err = run_child(name, cmd, timeout)
+        env = {"FERROX_FUSED_DECODE": "0"} if name == "latency_unfused" else None
+        result, err = run_child(name, cmd, timeout, env)
         if err:
             errors[name] = err
         else:

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--shapes", default="256x256", help="comma list of INPUTxOUTPUT lengths")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=512, help="the engine's CUDA default")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--temperature", type=float, default=1.0, help="vLLM's benchmark samples at 1.0")

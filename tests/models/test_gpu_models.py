@@ -52,3 +52,40 @@ def test_cuda_bf16_close_to_float32(folders, name):
     _, got = run_greedy(bf16, PROMPTS, 1, return_prefill_logits=True)
     err = (got - ref).abs().max().item()
     assert err < 0.05 * ref.abs().max().item(), err
+
+
+@pytest.fixture(scope="module")
+def qwen2_folder(tmp_path_factory):
+    return tiny_models.make_tiny_qwen2(tmp_path_factory.mktemp("gpu") / "qwen2", hidden_size=128, num_heads=4,
+                                       num_kv_heads=2)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_cuda_one_token_kernels_match_transformers_and_unfused(folders, qwen2_folder, name, monkeypatch):
+    """One prompt at a time, so every decode step has one token and runs the fused matrix-vector
+    kernels (kernels/gemv.py: norm + qkv + rotary + KV write, o_proj, norm + gate_up + SiLU, down,
+    lm_head); float32 greedy must equal transformers' and the unfused path's, and bf16 one-token
+    logits must stay close to the unfused ones."""
+    transformers = pytest.importorskip("transformers")
+    from ferrox.models.llama import fused_decode_enabled
+
+    folder = qwen2_folder if name == "qwen2" else folders[name]  # qwen2: q/k/v bias
+    source = resolve_model(folder)
+    spec = load_model_spec(source)
+    model = load_model(source, spec, dtype=torch.float32, device="cuda")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to("cuda").eval()
+    assert fused_decode_enabled()
+    for ids in PROMPTS + [[7]]:  # [7]: a one-token prompt runs the fused path for its prefill too
+        fused = run_greedy(model, [ids], 8)[0]
+        monkeypatch.setenv("FERROX_FUSED_DECODE", "0")
+        unfused = run_greedy(model, [ids], 8)[0]
+        monkeypatch.delenv("FERROX_FUSED_DECODE")
+        assert fused == unfused
+        assert cut_at_eos(fused, [tiny_models.EOS_TOKEN_ID]) == hf_greedy(ref, ids, 8)
+
+    bf16 = load_model(source, spec, dtype=torch.bfloat16, device="cuda")
+    _, fused_logits = run_greedy(bf16, [[7]], 1, return_prefill_logits=True)
+    monkeypatch.setenv("FERROX_FUSED_DECODE", "0")
+    _, unfused_logits = run_greedy(bf16, [[7]], 1, return_prefill_logits=True)
+    err = (fused_logits - unfused_logits).norm() / unfused_logits.norm()
+    assert err < 2e-2, err

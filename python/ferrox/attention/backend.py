@@ -42,6 +42,14 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [T, H, D]
         ...
 
+    # Backends that can attend over KV already in the cache (written by a fused projection
+    # kernel, kernels/gemv.py) say so; the model then skips the separate KV write.
+    supports_cached_kv = False
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Attention only: this step's k/v are already at `meta.slot_mapping` in kv_cache."""
+        raise NotImplementedError(f"the {self.name} attention backend has no attend-only path")
+
 
 def get_attention_backend(device: torch.device | str, name: str | None = None) -> AttentionBackend:
     """The backend for `device`: the Triton one on CUDA when it is available, else the torch reference.

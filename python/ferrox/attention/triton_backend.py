@@ -20,6 +20,7 @@ from ferrox.kernels.reshape_and_cache import reshape_and_cache
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    supports_cached_kv = True
 
     def forward(
         self,
@@ -35,6 +36,9 @@ class TritonAttentionBackend(AttentionBackend):
         if meta.slot_mapping.shape[0] > k.shape[0]:
             raise ValueError(f"slot_mapping has {meta.slot_mapping.shape[0]} slots for {k.shape[0]} k/v rows")
         reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+        return self.attend(q, kv_cache, meta, scale)
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return unified_attention(
             q,
             kv_cache,

@@ -7,6 +7,7 @@ Projections are merged (q/k/v -> qkv_proj, gate/up -> gate_up_proj) so a layer r
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import torch
@@ -98,6 +99,27 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.mlp = LlamaMLP(spec, dtype, device)
 
+    def forward_one_token(self, x, residual, rope: RopeRows, kv_cache, meta):
+        """The same layer for a step of exactly one token, in five launches (kernels/gemv.py): the
+        norms, residual adds, rotary, KV write and SiLU ride inside the matrix-vector kernels."""
+        from ferrox.kernels.gemv import gemv, qkv_rope_gemv
+
+        attn, mlp = self.self_attn, self.mlp
+        q, summed = qkv_rope_gemv(
+            x, attn.qkv_proj.weight, attn.qkv_proj.bias, residual=residual,
+            norm_weight=self.input_layernorm.weight, eps=self.input_layernorm.eps, rope_row=rope.rows[0],
+            slot_mapping=meta.slot_mapping, kv_cache=kv_cache, num_q_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+        )
+        residual = x if summed is None else summed
+        o = attn.backend.attend(q, kv_cache, meta, attn.scale)
+        o, _ = gemv(o.view(1, -1), attn.o_proj.weight, attn.o_proj.bias)
+        act, residual = gemv(o, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, residual=residual,
+                             norm_weight=self.post_attention_layernorm.weight,
+                             eps=self.post_attention_layernorm.eps, silu_mul=True)
+        out, _ = gemv(act, mlp.down_proj.weight, mlp.down_proj.bias)
+        return out, residual
+
     def forward(self, x, residual, cos, sin, kv_cache, meta):
         if residual is None:
             residual = x
@@ -121,6 +143,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, device)
         self.qk_norm = qk_norm
+        self.backend = backend
 
     def forward(self, input_ids, positions, kv_caches, meta):
         h = self.embed_tokens(input_ids)
@@ -131,10 +154,27 @@ class LlamaModel(nn.Module):
         else:
             cos, sin = self.rotary.cos_sin(positions, h.dtype)
         residual = None
-        for i, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, cos, sin, kv_caches[i], meta)
+        if isinstance(cos, RopeRows) and one_token_kernels_apply(h, self.backend, kv_caches):
+            for i, layer in enumerate(self.layers):
+                h, residual = layer.forward_one_token(h, residual, cos, kv_caches[i], meta)
+        else:
+            for i, layer in enumerate(self.layers):
+                h, residual = layer(h, residual, cos, sin, kv_caches[i], meta)
         h, _ = self.norm(h, residual)
         return h
+
+
+def fused_decode_enabled() -> bool:
+    """FERROX_FUSED_DECODE=0 turns the one-token kernels off (for A/B benchmarks and bisecting)."""
+    return os.environ.get("FERROX_FUSED_DECODE", "1") != "0"
+
+
+def one_token_kernels_apply(h: torch.Tensor, backend: AttentionBackend, kv_caches: list[torch.Tensor]) -> bool:
+    """Batch-1 decode (and 1-token prefill) on CUDA: weight reads dominate and launches are the
+    overhead worth removing, so the fused matrix-vector kernels run (kernels/gemv.py). Larger
+    batches keep cuBLAS, whose GEMMs reuse each weight tile across rows."""
+    return (h.is_cuda and h.shape[0] == 1 and backend.supports_cached_kv and bool(kv_caches)
+            and kv_caches[0].numel() > 0 and fused_decode_enabled())
 
 
 class LlamaForCausalLM(nn.Module):
@@ -187,6 +227,11 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.is_cuda and hidden.shape[0] == 1 and fused_decode_enabled():
+            # One launch that writes float32 logits directly (cuBLAS + a cast are two, plus split-K).
+            from ferrox.kernels.gemv import gemv
+
+            return gemv(hidden.contiguous(), self.lm_head_weight, out_dtype=torch.float32)[0]
         return F.linear(hidden, self.lm_head_weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,0 +1,318 @@
+"""Matrix-vector products for one-token decode steps, with the small ops around them fused in.
+
+A batch-1 decode step of an 8B model is ~15 GB of weight reads spread over 4 projections per
+layer; everything else (RMSNorm, residual add, rotary, KV write, SiLU) is tiny, but as separate
+kernels it costs ~10 launches per layer, i.e. ~0.6 ms of an ~4.7 ms step on an H200 (issue 5).
+Every program of a matrix-vector product reads the whole input vector anyway (a few KB, from L2),
+so the ops that need the whole vector -- residual add and RMSNorm -- can run in its prologue,
+and the ops that need only a few outputs -- SiLU(gate) * up, rotary, the KV-cache write -- in
+its epilogue. A decoder layer then runs five launches: norm+qkv+rotary+KV write, attention,
+o_proj, norm+gate_up+SiLU, down_proj.
+
+Layout: weight [N, K] row-major (nn.Linear's). One program computes BLOCK_N outputs over the
+full K (no split-K, so no second reduction launch), streaming its weight rows once
+(evict_first: they are not read again this step) and accumulating elementwise in fp32; the row
+sums happen once, after the loop.
+
+RMSNorm in one pass: out = W @ (g * h) * rsqrt(mean(h^2) + eps) -- the sum of squares of h is
+accumulated in the same loop as the products and applied at the end, so no program waits for
+the statistic before streaming weights. (The unfused path rounds the normed vector to the
+activation dtype before the matmul; this path does not, a difference well inside bf16 noise.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _input_tile(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, cols, kmask, res_limit,
+                HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr):
+    """The K-tile `cols` of the matmul input: (x + residual) [* norm weight], in fp32, and the
+    summed h (for the RMS statistic). Program 0 writes the summed residual out once (res_limit is
+    K there, 0 elsewhere)."""
+    x = tl.load(x_ptr + cols, mask=kmask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + cols, mask=kmask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)  # rounded, as the stream is
+        tl.store(res_out_ptr + cols, x, mask=cols < res_limit)
+    h = x.to(tl.float32)
+    xin = h
+    if NORM:
+        xin = h * tl.load(norm_w_ptr + cols, mask=kmask, other=0.0).to(tl.float32)
+    return xin, h
+
+
+@triton.jit
+def _gemv_kernel(
+    out_ptr,
+    w_ptr,
+    bias_ptr,
+    x_ptr,
+    res_ptr,
+    res_out_ptr,
+    norm_w_ptr,
+    eps,
+    n_out,
+    K,
+    stride_w,
+    HAS_RESIDUAL: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,  # rows [0, n_out) are gate, [n_out, 2 n_out) up: out = silu(gate) * up
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < n_out
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    res_limit = tl.where(pid == 0, K, 0)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        kmask = cols < K
+        xin, h = _input_tile(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, cols, kmask, res_limit, HAS_RESIDUAL, NORM)
+        wmask = rmask[:, None] & kmask[None, :]
+        w = tl.load(w_rows + cols[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * xin[None, :]
+        if SILU_MUL:
+            w_up = tl.load(w_rows + n_out * stride_w + cols[None, :], mask=wmask, other=0.0,
+                           eviction_policy="evict_first")
+            acc_up += w_up.to(tl.float32) * xin[None, :]
+        if NORM:
+            sq += h * h
+    y = tl.sum(acc, axis=1)
+    if NORM:
+        rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+        y = y * rstd
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    if SILU_MUL:
+        up = tl.sum(acc_up, axis=1)
+        if NORM:
+            up = up * rstd
+        if HAS_BIAS:
+            up += tl.load(bias_ptr + n_out + rows, mask=rmask, other=0.0).to(tl.float32)
+        # Round gate and up to the activation dtype first, as the unfused path stores them.
+        gate = y.to(w_ptr.dtype.element_ty).to(tl.float32)
+        up = up.to(w_ptr.dtype.element_ty).to(tl.float32)
+        y = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def _qkv_rope_kernel(
+    q_out_ptr,
+    cache_ptr,
+    w_ptr,
+    bias_ptr,
+    x_ptr,
+    res_ptr,
+    res_out_ptr,
+    norm_w_ptr,
+    eps,
+    rope_ptr,  # this token's [cos | sin] row, float32, HALF each
+    slot_ptr,
+    K,
+    stride_w,
+    num_q_heads,
+    num_kv_heads,
+    block_size,
+    stride_ckv,
+    stride_cblock,
+    stride_cslot,
+    stride_chead,
+    HEAD_DIM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_P: tl.constexpr,  # rotary pairs (d, d + HEAD_DIM / 2) per program
+    BLOCK_K: tl.constexpr,
+):
+    """One program: BLOCK_P rotary pairs of one head of the merged q/k/v projection. Its two row
+    sets are the pair's halves, so the epilogue can rotate q and k and store k and v straight
+    into the paged cache at this token's slot (no separate rotary or KV-write launch)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    pid = tl.program_id(0)
+    head = pid // (HALF // BLOCK_P)
+    pairs = (pid % (HALF // BLOCK_P)) * BLOCK_P + tl.arange(0, BLOCK_P)
+    rows = head * HEAD_DIM + pairs
+    w_lo = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    w_hi = w_lo + HALF * stride_w
+    acc_lo = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32)
+    acc_hi = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    res_limit = tl.where(pid == 0, K, 0)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        kmask = cols < K
+        xin, h = _input_tile(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, cols, kmask, res_limit, HAS_RESIDUAL, NORM)
+        w = tl.load(w_lo + cols[None, :], mask=kmask[None, :], other=0.0, eviction_policy="evict_first")
+        acc_lo += w.to(tl.float32) * xin[None, :]
+        w = tl.load(w_hi + cols[None, :], mask=kmask[None, :], other=0.0, eviction_policy="evict_first")
+        acc_hi += w.to(tl.float32) * xin[None, :]
+        if NORM:
+            sq += h * h
+    lo = tl.sum(acc_lo, axis=1)
+    hi = tl.sum(acc_hi, axis=1)
+    if NORM:
+        rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+        lo, hi = lo * rstd, hi * rstd
+    if HAS_BIAS:
+        lo += tl.load(bias_ptr + rows).to(tl.float32)
+        hi += tl.load(bias_ptr + rows + HALF).to(tl.float32)
+    # The projection's output in the activation dtype, as the unfused path would store it.
+    lo = lo.to(w_ptr.dtype.element_ty).to(tl.float32)
+    hi = hi.to(w_ptr.dtype.element_ty).to(tl.float32)
+
+    is_kv = head >= num_q_heads
+    is_v = head >= num_q_heads + num_kv_heads
+    cos = tl.load(rope_ptr + pairs)
+    sin = tl.load(rope_ptr + HALF + pairs)
+    cos = tl.where(is_v, 1.0, cos)  # v is not rotated
+    sin = tl.where(is_v, 0.0, sin)
+    out_lo = (lo * cos - hi * sin).to(q_out_ptr.dtype.element_ty)
+    out_hi = (hi * cos + lo * sin).to(q_out_ptr.dtype.element_ty)
+
+    # Scalar conditions become row limits (a block mask must come from a block comparison).
+    q_mask = pairs < tl.where(head < num_q_heads, HALF, 0)
+    tl.store(q_out_ptr + rows, out_lo, mask=q_mask)
+    tl.store(q_out_ptr + rows + HALF, out_hi, mask=q_mask)
+
+    slot = tl.load(slot_ptr)
+    kv_mask = pairs < tl.where(is_kv & (slot >= 0), HALF, 0)  # slot -1: padding, stores nothing
+    plane = is_v.to(tl.int64)
+    kv_head = head - num_q_heads - plane * num_kv_heads
+    safe_slot = tl.maximum(slot, 0)
+    dst = (cache_ptr + plane * stride_ckv + (safe_slot // block_size) * stride_cblock
+           + (safe_slot % block_size) * stride_cslot + kv_head * stride_chead + pairs)
+    tl.store(dst, out_lo.to(cache_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(dst + HALF, out_hi.to(cache_ptr.dtype.element_ty), mask=kv_mask)
+
+
+@dataclass(frozen=True, slots=True)
+class GemvConfig:
+    block_n: int  # output rows per program (rotary pairs for the qkv kernel)
+    block_k: int
+    num_warps: int
+
+
+@lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def choose_config(rows: int, k: int, device: torch.device) -> GemvConfig:
+    """Enough programs to keep every SM streaming (several resident per SM), each reading long
+    contiguous rows. Picked on an H200 with benches/bench_gemv.py (benches/RESULTS.md)."""
+    block_k = min(512, triton.next_power_of_2(k))
+    sms = _num_sms(device)
+    block_n = 16
+    while block_n > 2 and triton.cdiv(rows, block_n) < 3 * sms:
+        block_n //= 2
+    return GemvConfig(block_n, block_k, 4)
+
+
+def _check_vector(name: str, t: torch.Tensor, k: int) -> None:
+    if t.dim() != 2 or t.shape[0] != 1 or t.shape[1] != k or t.stride(-1) != 1:
+        raise ValueError(f"{name} must be a contiguous [1, {k}] row, got {tuple(t.shape)} (strides {t.stride()})")
+
+
+def _prologue_args(x, weight, residual, norm_weight):
+    k = weight.shape[1]
+    _check_vector("x", x, k)
+    if weight.stride(1) != 1:
+        raise ValueError("gemv needs a row-major weight [N, K]")
+    res_out = None
+    if residual is not None:
+        _check_vector("residual", residual, k)
+        res_out = torch.empty_like(x)
+    if norm_weight is not None and norm_weight.shape != (k,):
+        raise ValueError(f"norm weight must be [{k}], got {tuple(norm_weight.shape)}")
+    return k, res_out
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    silu_mul: bool = False,
+    out_dtype: torch.dtype | None = None,
+    config: GemvConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """y = W @ norm(x + residual) (+ bias) [-> silu(gate) * up] for one token x [1, K].
+
+    Returns (y [1, N] (N / 2 with silu_mul), x + residual or None without a residual)."""
+    k, res_out = _prologue_args(x, weight, residual, norm_weight)
+    n = weight.shape[0]
+    if silu_mul and n % 2:
+        raise ValueError(f"silu_mul needs an even number of rows [gate | up], got {n}")
+    n_out = n // 2 if silu_mul else n
+    out = torch.empty(1, n_out, dtype=out_dtype or x.dtype, device=x.device)
+    cfg = config or choose_config(n_out * (2 if silu_mul else 1), k, x.device)
+    _gemv_kernel[(triton.cdiv(n_out, cfg.block_n),)](
+        out, weight, bias if bias is not None else weight, x,
+        residual if residual is not None else x, res_out if res_out is not None else x,
+        norm_weight if norm_weight is not None else x, eps, n_out, k, weight.stride(0),
+        HAS_RESIDUAL=residual is not None, NORM=norm_weight is not None, HAS_BIAS=bias is not None,
+        SILU_MUL=silu_mul, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+    )
+    return out, res_out
+
+
+def qkv_rope_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    rope_row: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    config: GemvConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """norm(x + residual) @ W_qkv^T (+ bias) for one token, rotated (neox, full head_dim) by
+    `rope_row` ([cos | sin] float32, head_dim wide); k and v go into kv_cache
+    [2, blocks, block_size, Hkv, D] at slot_mapping[0]. Returns (q [1, Hq, D], x + residual)."""
+    k, res_out = _prologue_args(x, weight, residual, norm_weight)
+    heads = num_q_heads + 2 * num_kv_heads
+    if weight.shape[0] != heads * head_dim:
+        raise ValueError(f"qkv weight has {weight.shape[0]} rows, expected {heads} heads x {head_dim}")
+    if head_dim % 2 or rope_row.shape[-1] != head_dim or rope_row.dtype != torch.float32:
+        raise ValueError(f"rope_row must be float32 [cos | sin] of width {head_dim}, got {tuple(rope_row.shape)}")
+    if kv_cache.dim() != 5 or kv_cache.shape[3:] != (num_kv_heads, head_dim) or kv_cache.stride(-1) != 1:
+        raise ValueError(f"kv_cache must be [2, blocks, block_size, {num_kv_heads}, {head_dim}], "
+                         f"got {tuple(kv_cache.shape)}")
+    half = head_dim // 2
+    cfg = config or choose_config(heads * head_dim, k, x.device)
+    block_p = max(1, min(cfg.block_n // 2, half & -half))  # pairs: a power of two dividing half
+    q = torch.empty(1, num_q_heads, head_dim, dtype=x.dtype, device=x.device)
+    _qkv_rope_kernel[(heads * (half // block_p),)](
+        q, kv_cache, weight, bias if bias is not None else weight, x,
+        residual if residual is not None else x, res_out if res_out is not None else x,
+        norm_weight if norm_weight is not None else x, eps, rope_row, slot_mapping, k, weight.stride(0),
+        num_q_heads, num_kv_heads, kv_cache.shape[2], kv_cache.stride(0), kv_cache.stride(1),
+        kv_cache.stride(2), kv_cache.stride(3),
+        HEAD_DIM=head_dim, HAS_RESIDUAL=residual is not None, NORM=norm_weight is not None,
+        HAS_BIAS=bias is not None, BLOCK_P=block_p, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+    )
+    return q, res_out
