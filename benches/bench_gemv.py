@@ -70,21 +70,22 @@ def sweep(rows_out: dict) -> None:
     hold two accumulators), best first, next to cuBLAS and the config choose_config picks."""
     dev = torch.device("cuda")
     x = {k: torch.randn(1, k, device=dev, dtype=DTYPE) for k in (HIDDEN, INTER)}
-    res, g = torch.randn(1, HIDDEN, device=dev, dtype=DTYPE), torch.ones(HIDDEN, device=dev, dtype=DTYPE)
+    g = torch.ones(HIDDEN, device=dev, dtype=DTYPE)
     rope = neox_cos_sin_cache(D, 16, 500000.0, device=dev)[3]
     cache = torch.zeros(2, 64, 16, HKV, D, device=dev, dtype=DTYPE)
     slots = torch.tensor([5], device=dev)
     variants = {name: (name, lambda w, cfg, k=k: gemv(x[k], w, config=cfg)) for name, (_, k) in SHAPES.items()}
-    variants["gate_up+silu"] = ("gate_up", lambda w, cfg: gemv(x[HIDDEN], w, residual=res, norm_weight=g,
-                                                                silu_mul=True, config=cfg))
+    variants["gate_up+silu"] = ("gate_up", lambda w, cfg: gemv(x[HIDDEN], w, norm_weight=g, silu_mul=True,
+                                                                config=cfg))
+    variants["down+residual"] = ("down", lambda w, cfg: gemv(x[INTER], w, residual=x[HIDDEN], config=cfg))
     variants["qkv+rope"] = ("qkv", lambda w, cfg: qkv_rope_gemv(
-        x[HIDDEN], w, None, residual=res, norm_weight=g, eps=1e-5, rope_row=rope, slot_mapping=slots,
+        x[HIDDEN], w, None, norm_weight=g, eps=1e-5, rope_row=rope, slot_mapping=slots,
         kv_cache=cache, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, config=cfg))
     for name, (shape, call) in variants.items():
         n, k = SHAPES[shape]
         ws = weights(n, k)
         results = []
-        for block_n in (2, 4, 8, 16, 32):
+        for block_n in (1, 2, 4, 8, 16, 32):
             for block_k in (256, 512, 1024):
                 for warps in (4, 8):
                     if block_n * block_k > 16384:
@@ -93,7 +94,7 @@ def sweep(rows_out: dict) -> None:
                     results.append((graph_ms([partial(call, w, cfg) for w in ws]), cfg))
         results.sort(key=lambda r: r[0])
         cublas = graph_ms([lambda w=w, k=k: F.linear(x[k], w) for w in ws])
-        heur = choose_config(n // 2 if name == "gate_up+silu" else n, k, dev)
+        heur = choose_config({"gate_up+silu": "silu", "qkv+rope": "rope"}.get(name, "plain"), k)
         heur_ms = graph_ms([partial(call, w, heur) for w in ws])
         rows_out.setdefault("sweep", []).append(dict(
             shape=name, cublas_us=cublas * 1e3, best=str(results[0][1]), best_us=results[0][0] * 1e3,
@@ -123,8 +124,9 @@ def fused_vs_unfused(rows_out: dict) -> None:
         rotary_neox_(pos, q, k, cos_sin)
         reshape_and_cache(k, qkv[:, q_size + HKV * D:].view(1, HKV, D), cache, slots)
 
+    # Fused, the residual add happened in the previous projection's epilogue (o_proj / down below).
     def qkv_fused(w):
-        qkv_rope_gemv(x, w, None, residual=res, norm_weight=g, eps=eps, rope_row=cos_sin[100], slot_mapping=slots,
+        qkv_rope_gemv(x, w, None, norm_weight=g, eps=eps, rope_row=cos_sin[100], slot_mapping=slots,
                       kv_cache=cache, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D)
 
     def gate_up_unfused(w):
@@ -133,10 +135,10 @@ def fused_vs_unfused(rows_out: dict) -> None:
 
     cases = {
         "qkv (+norm, rotary, KV write)": ("qkv", qkv_unfused, qkv_fused),
-        "o_proj": ("o_proj", lambda w: F.linear(x, w), lambda w: gemv(x, w)),
+        "o_proj (+residual)": ("o_proj", lambda w: F.linear(x, w), lambda w: gemv(x, w, residual=res)),
         "gate_up (+norm, SiLU)": ("gate_up", gate_up_unfused,
-                                  lambda w: gemv(x, w, residual=res, norm_weight=g, eps=eps, silu_mul=True)),
-        "down": ("down", lambda w: F.linear(act, w), lambda w: gemv(act, w)),
+                                  lambda w: gemv(x, w, norm_weight=g, eps=eps, silu_mul=True)),
+        "down (+residual)": ("down", lambda w: F.linear(act, w), lambda w: gemv(act, w, residual=res)),
         "lm_head (fp32 logits)": ("lm_head", lambda w: F.linear(x, w).float(),
                                   lambda w: gemv(x, w, out_dtype=torch.float32)),
     }

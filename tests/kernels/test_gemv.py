@@ -20,30 +20,26 @@ def _linear_ref(x, weight, bias):
 
 def _gemv_case(device, dtype, n, k, *, norm, residual, bias, silu, config=None):
     x = torch.randn(1, k, dtype=dtype, device=device)
-    res = torch.randn_like(x) if residual else None
     g = (1 + 0.1 * torch.randn(k, device=device)).to(dtype) if norm else None
     w = (torch.randn(n, k, device=device) / k ** 0.5).to(dtype)
     b = torch.randn(n, device=device).to(dtype) if bias else None
-    out, res_out = gemv(x, w, b, residual=res, norm_weight=g, eps=1e-5, silu_mul=silu, config=config)
+    n_out = n // 2 if silu else n
+    res = torch.randn(1, n_out, dtype=dtype, device=device) if residual else None
+    out = gemv(x, w, b, norm_weight=g, eps=1e-5, silu_mul=silu, residual=res, config=config)
 
-    h = x if res is None else x + res
-    if res is not None:
-        assert torch.equal(res_out, h)  # the residual stream is bit-exact
-    else:
-        assert res_out is None
-    xin = rms_norm_ref(h, g, 1e-5) if norm else h
-    ref = _linear_ref(xin, w, b)
+    ref = _linear_ref(rms_norm_ref(x, g, 1e-5) if norm else x, w, b)
     if silu:
         ref = silu_and_mul_ref(ref.to(dtype))
-    assert out.shape == (1, n // 2 if silu else n) and out.dtype == dtype
+    if res is not None:
+        ref = ref.to(dtype) + res  # the projection rounded, then the add (as the unfused ops do)
+    assert out.shape == (1, n_out) and out.dtype == dtype
     assert not out.isnan().any()
     assert relative_error(out, ref.to(dtype)) < TOLERANCE[dtype]
 
 
-def _qkv_case(device, dtype, *, hq, hkv, d, k, bias, residual, slot, block_size=4, num_blocks=5):
+def _qkv_case(device, dtype, *, hq, hkv, d, k, bias, slot, block_size=4, num_blocks=5, config=None):
     heads = hq + 2 * hkv
     x = torch.randn(1, k, dtype=dtype, device=device)
-    res = torch.randn_like(x) if residual else None
     g = (1 + 0.1 * torch.randn(k, device=device)).to(dtype)
     w = (torch.randn(heads * d, k, device=device) / k ** 0.5).to(dtype)
     b = torch.randn(heads * d, device=device).to(dtype) if bias else None
@@ -52,10 +48,9 @@ def _qkv_case(device, dtype, *, hq, hkv, d, k, bias, residual, slot, block_size=
     cache = torch.full((2, num_blocks, block_size, hkv, d), float("nan"), dtype=dtype, device=device)
     slots = torch.tensor([slot], dtype=torch.int64, device=device)
 
-    q, res_out = qkv_rope_gemv(x, w, b, residual=res, norm_weight=g, eps=1e-6, rope_row=cos_sin[pos[0]],
-                               slot_mapping=slots, kv_cache=cache, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
-    h = x if res is None else x + res
-    qkv = _linear_ref(rms_norm_ref(h, g, 1e-6), w, b).to(dtype).view(1, heads, d)
+    q = qkv_rope_gemv(x, w, b, norm_weight=g, eps=1e-6, rope_row=cos_sin[pos[0]], slot_mapping=slots,
+                      kv_cache=cache, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, config=config)
+    qkv = _linear_ref(rms_norm_ref(x, g, 1e-6), w, b).to(dtype).view(1, heads, d)
     ref_q = rotary_neox_ref(pos, qkv[:, :hq], cos_sin)
     ref_k = rotary_neox_ref(pos, qkv[:, hq:hq + hkv], cos_sin)
     assert q.shape == (1, hq, d)
@@ -76,16 +71,20 @@ def test_gemv_variants_tiny(kernel_device, seed, dtype):
     cfg = GemvConfig(block_n=4, block_k=32, num_warps=4)
     _gemv_case(kernel_device, dtype, 37, 100, norm=False, residual=False, bias=False, silu=False, config=cfg)
     _gemv_case(kernel_device, dtype, 37, 100, norm=True, residual=True, bias=True, silu=False, config=cfg)
-    _gemv_case(kernel_device, dtype, 2 * 21, 64, norm=True, residual=True, bias=False, silu=True, config=cfg)
+    _gemv_case(kernel_device, dtype, 2 * 21, 64, norm=True, residual=False, bias=False, silu=True, config=cfg)
+    _gemv_case(kernel_device, dtype, 2 * 21, 64, norm=False, residual=True, bias=True, silu=True, config=cfg)
     _gemv_case(kernel_device, dtype, 2 * 21, 64, norm=True, residual=False, bias=True, silu=True)
-    _gemv_case(kernel_device, dtype, 48, 96, norm=False, residual=False, bias=False, silu=False)
+    _gemv_case(kernel_device, dtype, 48, 96, norm=False, residual=True, bias=False, silu=False)
+    _gemv_case(kernel_device, dtype, 5, 40, norm=True, residual=False, bias=False, silu=False,
+               config=GemvConfig(block_n=1, block_k=16, num_warps=4))  # one row per program
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_qkv_rope_gemv_tiny(kernel_device, seed, dtype):
-    _qkv_case(kernel_device, dtype, hq=4, hkv=2, d=16, k=48, bias=False, residual=True, slot=13)
-    _qkv_case(kernel_device, dtype, hq=3, hkv=1, d=24, k=40, bias=True, residual=False, slot=0)  # half=12
-    _qkv_case(kernel_device, dtype, hq=2, hkv=2, d=8, k=32, bias=False, residual=True, slot=-1)
+    _qkv_case(kernel_device, dtype, hq=4, hkv=2, d=16, k=48, bias=False, slot=13)
+    _qkv_case(kernel_device, dtype, hq=3, hkv=1, d=24, k=40, bias=True, slot=0)  # half=12
+    _qkv_case(kernel_device, dtype, hq=2, hkv=2, d=8, k=32, bias=False, slot=-1,
+              config=GemvConfig(block_n=2, block_k=16, num_warps=4))  # one pair per program
 
 
 def test_gemv_rejects_bad_shapes(kernel_device):
@@ -95,7 +94,7 @@ def test_gemv_rejects_bad_shapes(kernel_device):
     with pytest.raises(ValueError, match="even number of rows"):
         gemv(torch.randn(1, 16, device=kernel_device), torch.randn(7, 16, device=kernel_device), silu_mul=True)
     with pytest.raises(ValueError, match="qkv weight has"):
-        qkv_rope_gemv(torch.randn(1, 16, device=kernel_device), w, None, residual=None, norm_weight=None, eps=1e-6,
+        qkv_rope_gemv(torch.randn(1, 16, device=kernel_device), w, None, norm_weight=None, eps=1e-6,
                       rope_row=torch.zeros(4, device=kernel_device), slot_mapping=torch.zeros(1, dtype=torch.int64),
                       kv_cache=torch.zeros(2, 1, 1, 1, 4, device=kernel_device), num_q_heads=2, num_kv_heads=1,
                       head_dim=4)
@@ -105,10 +104,11 @@ def test_gemv_rejects_bad_shapes(kernel_device):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gemv_llama8b_shapes(cuda_device, seed, dtype):
     _gemv_case(cuda_device, dtype, 4096, 4096, norm=False, residual=False, bias=False, silu=False)  # o_proj
-    _gemv_case(cuda_device, dtype, 2 * 14336, 4096, norm=True, residual=True, bias=False, silu=True)  # gate_up
+    _gemv_case(cuda_device, dtype, 2 * 14336, 4096, norm=True, residual=False, bias=False, silu=True)  # gate_up
     _gemv_case(cuda_device, dtype, 4096, 14336, norm=False, residual=False, bias=False, silu=False)  # down
     _gemv_case(cuda_device, dtype, 128256, 4096, norm=False, residual=False, bias=False, silu=False)  # lm_head
-    _qkv_case(cuda_device, dtype, hq=32, hkv=8, d=128, k=4096, bias=False, residual=True, slot=12345,
+    _gemv_case(cuda_device, dtype, 4096, 14336, norm=False, residual=True, bias=False, silu=False)  # down + res
+    _qkv_case(cuda_device, dtype, hq=32, hkv=8, d=128, k=4096, bias=False, slot=12345,
               block_size=16, num_blocks=1024)
-    _qkv_case(cuda_device, dtype, hq=28, hkv=4, d=128, k=3584, bias=True, residual=True, slot=77,
+    _qkv_case(cuda_device, dtype, hq=28, hkv=4, d=128, k=3584, bias=True, slot=77,
               block_size=16, num_blocks=8)  # Qwen2-7B: bias, K not a power of two

@@ -4,10 +4,11 @@ A batch-1 decode step of an 8B model is ~15 GB of weight reads spread over 4 pro
 layer; everything else (RMSNorm, residual add, rotary, KV write, SiLU) is tiny, but as separate
 kernels it costs ~10 launches per layer, i.e. ~0.6 ms of an ~4.7 ms step on an H200 (issue 5).
 Every program of a matrix-vector product reads the whole input vector anyway (a few KB, from L2),
-so the ops that need the whole vector -- residual add and RMSNorm -- can run in its prologue,
-and the ops that need only a few outputs -- SiLU(gate) * up, rotary, the KV-cache write -- in
+so RMSNorm, which needs the whole vector, can run in its prologue; the ops that need only the
+program's own outputs -- the residual add, SiLU(gate) * up, rotary, the KV-cache write -- run in
 its epilogue. A decoder layer then runs five launches: norm+qkv+rotary+KV write, attention,
-o_proj, norm+gate_up+SiLU, down_proj.
+o_proj+residual, norm+gate_up+SiLU, down_proj+residual, and the residual stream h is always a
+complete vector between them (no "x + residual" pending for the next norm).
 
 Layout: weight [N, K] row-major (nn.Linear's). One program computes BLOCK_N outputs over the
 full K (no split-K, so no second reduction launch), streaming its weight rows once
@@ -23,7 +24,6 @@ activation dtype before the matmul; this path does not, a difference well inside
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import triton
@@ -31,17 +31,10 @@ import triton.language as tl
 
 
 @triton.jit
-def _input_tile(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, cols, kmask, res_limit,
-                HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr):
-    """The K-tile `cols` of the matmul input: (x + residual) [* norm weight], in fp32, and the
-    summed h (for the RMS statistic). Program 0 writes the summed residual out once (res_limit is
-    K there, 0 elsewhere)."""
-    x = tl.load(x_ptr + cols, mask=kmask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + cols, mask=kmask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)  # rounded, as the stream is
-        tl.store(res_out_ptr + cols, x, mask=cols < res_limit)
-    h = x.to(tl.float32)
+def _input_tile(x_ptr, norm_w_ptr, cols, kmask, NORM: tl.constexpr):
+    """The K-tile `cols` of the matmul input in fp32 -- times the norm weight with NORM -- and
+    the raw tile (for the RMS statistic)."""
+    h = tl.load(x_ptr + cols, mask=kmask, other=0.0).to(tl.float32)
     xin = h
     if NORM:
         xin = h * tl.load(norm_w_ptr + cols, mask=kmask, other=0.0).to(tl.float32)
@@ -55,16 +48,15 @@ def _gemv_kernel(
     bias_ptr,
     x_ptr,
     res_ptr,
-    res_out_ptr,
     norm_w_ptr,
     eps,
     n_out,
     K,
     stride_w,
-    HAS_RESIDUAL: tl.constexpr,
     NORM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,  # rows [0, n_out) are gate, [n_out, 2 n_out) up: out = silu(gate) * up
+    HAS_RESIDUAL: tl.constexpr,  # out = (W @ x) + residual, each rounded as the unfused ops round
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -75,11 +67,10 @@ def _gemv_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-    res_limit = tl.where(pid == 0, K, 0)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         kmask = cols < K
-        xin, h = _input_tile(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, cols, kmask, res_limit, HAS_RESIDUAL, NORM)
+        xin, h = _input_tile(x_ptr, norm_w_ptr, cols, kmask, NORM)
         wmask = rmask[:, None] & kmask[None, :]
         w = tl.load(w_rows + cols[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
         acc += w.to(tl.float32) * xin[None, :]
@@ -105,6 +96,11 @@ def _gemv_kernel(
         gate = y.to(w_ptr.dtype.element_ty).to(tl.float32)
         up = up.to(w_ptr.dtype.element_ty).to(tl.float32)
         y = gate / (1.0 + tl.exp(-gate)) * up
+    if HAS_RESIDUAL:
+        # The projection output in its dtype, then the add (rounded once more): bit-equal to the
+        # unfused linear + fused_add_rms_norm residual stream.
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+        y += tl.load(res_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
 
 
@@ -115,8 +111,6 @@ def _qkv_rope_kernel(
     w_ptr,
     bias_ptr,
     x_ptr,
-    res_ptr,
-    res_out_ptr,
     norm_w_ptr,
     eps,
     rope_ptr,  # this token's [cos | sin] row, float32, HALF each
@@ -131,7 +125,6 @@ def _qkv_rope_kernel(
     stride_cslot,
     stride_chead,
     HEAD_DIM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
     NORM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_P: tl.constexpr,  # rotary pairs (d, d + HEAD_DIM / 2) per program
@@ -150,11 +143,10 @@ def _qkv_rope_kernel(
     acc_lo = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32)
     acc_hi = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32)
     sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-    res_limit = tl.where(pid == 0, K, 0)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         kmask = cols < K
-        xin, h = _input_tile(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, cols, kmask, res_limit, HAS_RESIDUAL, NORM)
+        xin, h = _input_tile(x_ptr, norm_w_ptr, cols, kmask, NORM)
         w = tl.load(w_lo + cols[None, :], mask=kmask[None, :], other=0.0, eviction_policy="evict_first")
         acc_lo += w.to(tl.float32) * xin[None, :]
         w = tl.load(w_hi + cols[None, :], mask=kmask[None, :], other=0.0, eviction_policy="evict_first")
@@ -200,46 +192,35 @@ def _qkv_rope_kernel(
 
 @dataclass(frozen=True, slots=True)
 class GemvConfig:
-    block_n: int  # output rows per program (rotary pairs for the qkv kernel)
+    block_n: int  # output rows per program (the qkv kernel: rows = 2 x rotary pairs)
     block_k: int
     num_warps: int
 
 
-@lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+def choose_config(kind: str, k: int) -> GemvConfig:
+    """Launch configs from the sweep of benches/bench_gemv.py on an H200 (benches/RESULTS.md):
+    many small programs (2 rows) stream best for plain products -- 4-10% faster than cuBLAS at
+    Llama-3.1-8B's shapes; the fused variants, whose prologue re-reads the input and norm
+    weight per K tile, want more rows per program to amortise it."""
+    block_k = 1024 if k >= 1024 else triton.next_power_of_2(k)
+    if kind == "plain":
+        return GemvConfig(2, block_k, 4)
+    if kind == "silu":
+        return GemvConfig(4, block_k, 4)
+    if kind == "rope":
+        return GemvConfig(16, min(block_k, 512), 8)
+    raise ValueError(f"unknown gemv kind {kind!r}")
 
 
-def choose_config(rows: int, k: int, device: torch.device) -> GemvConfig:
-    """Enough programs to keep every SM streaming (several resident per SM), each reading long
-    contiguous rows. Picked on an H200 with benches/bench_gemv.py (benches/RESULTS.md)."""
-    block_k = min(512, triton.next_power_of_2(k))
-    sms = _num_sms(device)
-    block_n = 16
-    while block_n > 2 and triton.cdiv(rows, block_n) < 3 * sms:
-        block_n //= 2
-    return GemvConfig(block_n, block_k, 4)
-
-
-def _check_vector(name: str, t: torch.Tensor, k: int) -> None:
-    if t.dim() != 2 or t.shape[0] != 1 or t.shape[1] != k or t.stride(-1) != 1:
-        raise ValueError(f"{name} must be a contiguous [1, {k}] row, got {tuple(t.shape)} (strides {t.stride()})")
-
-
-def _prologue_args(x, weight, residual, norm_weight):
+def _check_input(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None) -> int:
     k = weight.shape[1]
-    _check_vector("x", x, k)
+    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != k or x.stride(-1) != 1:
+        raise ValueError(f"x must be a contiguous [1, {k}] row, got {tuple(x.shape)} (strides {x.stride()})")
     if weight.stride(1) != 1:
         raise ValueError("gemv needs a row-major weight [N, K]")
-    res_out = None
-    if residual is not None:
-        _check_vector("residual", residual, k)
-        res_out = torch.empty_like(x)
     if norm_weight is not None and norm_weight.shape != (k,):
         raise ValueError(f"norm weight must be [{k}], got {tuple(norm_weight.shape)}")
-    return k, res_out
+    return k
 
 
 def gemv(
@@ -247,31 +228,32 @@ def gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     silu_mul: bool = False,
+    residual: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     config: GemvConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """y = W @ norm(x + residual) (+ bias) [-> silu(gate) * up] for one token x [1, K].
+) -> torch.Tensor:
+    """y = W @ rms_norm(x) (+ bias) [-> silu(gate) * up] [+ residual] for one token x [1, K].
 
-    Returns (y [1, N] (N / 2 with silu_mul), x + residual or None without a residual)."""
-    k, res_out = _prologue_args(x, weight, residual, norm_weight)
+    Returns y [1, N] (N / 2 with silu_mul)."""
+    k = _check_input(x, weight, norm_weight)
     n = weight.shape[0]
     if silu_mul and n % 2:
         raise ValueError(f"silu_mul needs an even number of rows [gate | up], got {n}")
     n_out = n // 2 if silu_mul else n
+    if residual is not None and (residual.shape != (1, n_out) or residual.stride(-1) != 1):
+        raise ValueError(f"residual must be a contiguous [1, {n_out}] row, got {tuple(residual.shape)}")
     out = torch.empty(1, n_out, dtype=out_dtype or x.dtype, device=x.device)
-    cfg = config or choose_config(n_out * (2 if silu_mul else 1), k, x.device)
+    cfg = config or choose_config("silu" if silu_mul else "plain", k)
     _gemv_kernel[(triton.cdiv(n_out, cfg.block_n),)](
-        out, weight, bias if bias is not None else weight, x,
-        residual if residual is not None else x, res_out if res_out is not None else x,
+        out, weight, bias if bias is not None else weight, x, residual if residual is not None else x,
         norm_weight if norm_weight is not None else x, eps, n_out, k, weight.stride(0),
-        HAS_RESIDUAL=residual is not None, NORM=norm_weight is not None, HAS_BIAS=bias is not None,
-        SILU_MUL=silu_mul, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        NORM=norm_weight is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        HAS_RESIDUAL=residual is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
     )
-    return out, res_out
+    return out
 
 
 def qkv_rope_gemv(
@@ -279,7 +261,6 @@ def qkv_rope_gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     *,
-    residual: torch.Tensor | None,
     norm_weight: torch.Tensor | None,
     eps: float,
     rope_row: torch.Tensor,
@@ -289,11 +270,11 @@ def qkv_rope_gemv(
     num_kv_heads: int,
     head_dim: int,
     config: GemvConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """norm(x + residual) @ W_qkv^T (+ bias) for one token, rotated (neox, full head_dim) by
-    `rope_row` ([cos | sin] float32, head_dim wide); k and v go into kv_cache
-    [2, blocks, block_size, Hkv, D] at slot_mapping[0]. Returns (q [1, Hq, D], x + residual)."""
-    k, res_out = _prologue_args(x, weight, residual, norm_weight)
+) -> torch.Tensor:
+    """rms_norm(x) @ W_qkv^T (+ bias) for one token, rotated (neox, full head_dim) by `rope_row`
+    ([cos | sin] float32, head_dim wide); k and v go into kv_cache [2, blocks, block_size, Hkv, D]
+    at slot_mapping[0] (-1: nowhere). Returns q [1, Hq, D]."""
+    k = _check_input(x, weight, norm_weight)
     heads = num_q_heads + 2 * num_kv_heads
     if weight.shape[0] != heads * head_dim:
         raise ValueError(f"qkv weight has {weight.shape[0]} rows, expected {heads} heads x {head_dim}")
@@ -303,16 +284,15 @@ def qkv_rope_gemv(
         raise ValueError(f"kv_cache must be [2, blocks, block_size, {num_kv_heads}, {head_dim}], "
                          f"got {tuple(kv_cache.shape)}")
     half = head_dim // 2
-    cfg = config or choose_config(heads * head_dim, k, x.device)
+    cfg = config or choose_config("rope", k)
     block_p = max(1, min(cfg.block_n // 2, half & -half))  # pairs: a power of two dividing half
     q = torch.empty(1, num_q_heads, head_dim, dtype=x.dtype, device=x.device)
     _qkv_rope_kernel[(heads * (half // block_p),)](
         q, kv_cache, weight, bias if bias is not None else weight, x,
-        residual if residual is not None else x, res_out if res_out is not None else x,
         norm_weight if norm_weight is not None else x, eps, rope_row, slot_mapping, k, weight.stride(0),
         num_q_heads, num_kv_heads, kv_cache.shape[2], kv_cache.stride(0), kv_cache.stride(1),
         kv_cache.stride(2), kv_cache.stride(3),
-        HEAD_DIM=head_dim, HAS_RESIDUAL=residual is not None, NORM=norm_weight is not None,
-        HAS_BIAS=bias is not None, BLOCK_P=block_p, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        HEAD_DIM=head_dim, NORM=norm_weight is not None, HAS_BIAS=bias is not None, BLOCK_P=block_p,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
     )
-    return q, res_out
+    return q

@@ -99,26 +99,22 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.mlp = LlamaMLP(spec, dtype, device)
 
-    def forward_one_token(self, x, residual, rope: RopeRows, kv_cache, meta):
+    def forward_one_token(self, h, rope: RopeRows, kv_cache, meta):
         """The same layer for a step of exactly one token, in five launches (kernels/gemv.py): the
-        norms, residual adds, rotary, KV write and SiLU ride inside the matrix-vector kernels."""
+        norms, residual adds, rotary, KV write and SiLU ride inside the matrix-vector kernels.
+        h is the complete residual stream (no pending add), in and out."""
         from ferrox.kernels.gemv import gemv, qkv_rope_gemv
 
         attn, mlp = self.self_attn, self.mlp
-        q, summed = qkv_rope_gemv(
-            x, attn.qkv_proj.weight, attn.qkv_proj.bias, residual=residual,
-            norm_weight=self.input_layernorm.weight, eps=self.input_layernorm.eps, rope_row=rope.rows[0],
-            slot_mapping=meta.slot_mapping, kv_cache=kv_cache, num_q_heads=attn.num_heads,
-            num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-        )
-        residual = x if summed is None else summed
+        q = qkv_rope_gemv(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=self.input_layernorm.weight,
+                          eps=self.input_layernorm.eps, rope_row=rope.rows[0], slot_mapping=meta.slot_mapping,
+                          kv_cache=kv_cache, num_q_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
+                          head_dim=attn.head_dim)
         o = attn.backend.attend(q, kv_cache, meta, attn.scale)
-        o, _ = gemv(o.view(1, -1), attn.o_proj.weight, attn.o_proj.bias)
-        act, residual = gemv(o, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, residual=residual,
-                             norm_weight=self.post_attention_layernorm.weight,
-                             eps=self.post_attention_layernorm.eps, silu_mul=True)
-        out, _ = gemv(act, mlp.down_proj.weight, mlp.down_proj.bias)
-        return out, residual
+        h = gemv(o.view(1, -1), attn.o_proj.weight, attn.o_proj.bias, residual=h)
+        act = gemv(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm_weight=self.post_attention_layernorm.weight,
+                   eps=self.post_attention_layernorm.eps, silu_mul=True)
+        return gemv(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h)
 
     def forward(self, x, residual, cos, sin, kv_cache, meta):
         if residual is None:
@@ -153,13 +149,13 @@ class LlamaModel(nn.Module):
             cos, sin = self.rotary.kernel_rows(positions), None
         else:
             cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        residual = None
         if isinstance(cos, RopeRows) and one_token_kernels_apply(h, self.backend, kv_caches):
             for i, layer in enumerate(self.layers):
-                h, residual = layer.forward_one_token(h, residual, cos, kv_caches[i], meta)
-        else:
-            for i, layer in enumerate(self.layers):
-                h, residual = layer(h, residual, cos, sin, kv_caches[i], meta)
+                h = layer.forward_one_token(h, cos, kv_caches[i], meta)
+            return self.norm(h)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            h, residual = layer(h, residual, cos, sin, kv_caches[i], meta)
         h, _ = self.norm(h, residual)
         return h
 
@@ -231,7 +227,7 @@ class LlamaForCausalLM(nn.Module):
             # One launch that writes float32 logits directly (cuBLAS + a cast are two, plus split-K).
             from ferrox.kernels.gemv import gemv
 
-            return gemv(hidden.contiguous(), self.lm_head_weight, out_dtype=torch.float32)[0]
+            return gemv(hidden.contiguous(), self.lm_head_weight, out_dtype=torch.float32)
         return F.linear(hidden, self.lm_head_weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
