@@ -7,8 +7,11 @@ under the Triton interpreter at tiny shapes and on the GPU at Llama-3.1-8B shape
 - rmsnorm.py            RMSNorm, fused with the residual add
 - activation.py         SiLU-and-mul of the gated MLP
 - rotary.py             neox rotary embedding from a cos/sin cache (+ Llama 3.1 frequency scaling)
-- cuda_sampling.py      top-k/top-p sampling: CUDA C++ kernel (cuda/) JIT-built, torch fallback
+- gemv.py               one-token matrix-vector products with RMSNorm / residual / SiLU / rotary +
+                        KV write fused in (batch-1 decode: five launches per decoder layer)
+- cuda_sampling.py      top-k/top-p sampling: CUDA C++ kernel (cuda/) JIT-built on a background
+                        thread at engine start, torch fallback until then and off CUDA
 
-Modules import triton at import time; import them only where a GPU path may run.
+Modules import triton at import time (cuda_sampling.py does not); import them only where a GPU path may run.
 Measured numbers: benches/RESULTS.md (benches/bench_kernels.py).
 """

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,29 @@ def load_extension() -> Any | None:
     except Exception as exc:  # a broken toolchain must not take sampling down
         logger.warning("building the CUDA sampling kernel failed (%s); using the torch path", exc)
         return None
+
+
+def start_background_build() -> None:
+    """Build (or load from the cache) the extension on a daemon thread, so an engine's start-up does
+    not wait for nvcc; the sampler uses the torch path until `extension_if_ready` returns it."""
+    if os.environ.get(_DISABLE_ENV) == "1" or not torch.cuda.is_available():
+        return
+    global _build_thread
+    with _build_lock:
+        if _build_thread is None:
+            _build_thread = threading.Thread(target=load_extension, name="ferrox-cuda-sampling-build", daemon=True)
+            _build_thread.start()
+
+
+def extension_if_ready() -> Any | None:
+    """The extension when a build has finished (never starts or waits for one)."""
+    if load_extension.cache_info().currsize == 0:
+        return None
+    return load_extension()
+
+
+_build_lock = threading.Lock()
+_build_thread: threading.Thread | None = None
 
 
 def _check(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor) -> None:

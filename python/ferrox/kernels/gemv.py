@@ -204,7 +204,8 @@ def choose_config(kind: str, k: int) -> GemvConfig:
     weight per K tile, want more rows per program to amortise it."""
     block_k = 1024 if k >= 1024 else triton.next_power_of_2(k)
     if kind == "plain":
-        return GemvConfig(2, block_k, 4)
+        # Long rows (down_proj, K = 14336) already give each program a long stream: one row each.
+        return GemvConfig(1 if k > 8192 else 2, block_k, 4)
     if kind == "silu":
         return GemvConfig(4, block_k, 4)
     if kind == "rope":

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ferrox.kernels import cuda_sampling
 from ferrox.layers import logits_processors as lp
 
 
@@ -113,6 +114,8 @@ class Sampler:
         logits = logits / md.temperature.unsqueeze(1)
         if md.min_p is not None:
             logits = lp.apply_min_p(logits, md.min_p)
+        if (md.top_k is not None or md.top_p is not None) and logits.is_cuda and cuda_sampling.extension_if_ready():
+            return self._sample_top_k_top_p_cuda(logits, md)
         if md.top_k is not None or md.top_p is not None:
             logits = lp.apply_top_k_top_p(logits, md.top_k, md.top_p)
         probs = torch.softmax(logits, dim=-1)
@@ -126,3 +129,19 @@ class Sampler:
             u[row].uniform_(generator=gen)
         q = u.log_().neg_()
         return (probs / q).argmax(dim=-1)
+
+    def _sample_top_k_top_p_cuda(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """cuda/top_k_top_p_sampling.cu: both cuts by radix select, then an inverse-CDF draw -- no
+        vocabulary sort and no host sync (the torch path syncs to size its top-k and to find rows
+        whose nucleus is wide), so async scheduling keeps overlapping. A seeded request consumes
+        one uniform per step from its generator here."""
+        probs = torch.softmax(logits, dim=-1)
+        batch = probs.shape[0]
+        u = torch.empty(batch, dtype=torch.float32, device=probs.device)
+        if len(md.generators) < batch:
+            u.uniform_(generator=self.default_generator)
+        for row, gen in md.generators.items():
+            u[row].uniform_(generator=gen)
+        top_k = md.top_k if md.top_k is not None else torch.zeros(batch, dtype=torch.int64, device=probs.device)
+        top_p = md.top_p if md.top_p is not None else torch.ones(batch, dtype=torch.float32, device=probs.device)
+        return cuda_sampling.top_k_top_p_sample(probs, top_k, top_p, u)

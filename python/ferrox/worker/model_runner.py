@@ -120,6 +120,10 @@ class ModelRunner:
         default_gen = torch.Generator(device=device)
         default_gen.manual_seed(seed)
         self.sampler = Sampler(default_gen)
+        if device.type == "cuda":
+            from ferrox.kernels.cuda_sampling import start_background_build
+
+            start_background_build()  # top-k/top-p sampling switches to the CUDA kernel once built
         self._upload = _Uploader(device)
         self._host_tokens: list[torch.Tensor] = []  # two pinned [max batch] buffers (GPU), by step parity
         self._step_parity = 0
