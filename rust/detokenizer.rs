@@ -315,7 +315,6 @@ pub struct IncrementalDetokenizer {
     emitted: usize,
     stops: Vec<String>,
     include_stop_str_in_output: bool,
-    max_stop_len: usize,
     stopped: bool,
     /// Nothing decoded yet (and no prompt context): a decoder that strips the text's first
     /// space applies it to the next text.
@@ -341,7 +340,6 @@ impl IncrementalDetokenizer {
                 "stop[{i}]: stop strings must not be empty"
             )));
         }
-        let max_stop_len = stops.iter().map(|s| s.len()).max().unwrap_or(0);
         Ok(IncrementalDetokenizer {
             tok,
             skip_special_tokens,
@@ -351,7 +349,6 @@ impl IncrementalDetokenizer {
             emitted: 0,
             stops,
             include_stop_str_in_output,
-            max_stop_len,
             stopped: false,
             at_start: true,
         })
@@ -388,22 +385,24 @@ impl IncrementalDetokenizer {
         &self.stops
     }
 
-    /// Feeds one token. `check_stops` is false while min_tokens suppresses stops: then nothing
-    /// is held back for stop strings and no match is reported. Out-of-vocabulary ids decode to
-    /// nothing (models often pad their vocabulary past the tokenizer's).
+    /// Feeds one token. `check_stops` is false while min_tokens suppresses stops: no match is
+    /// reported, but text that could begin a stop string is still held back, so a stop string
+    /// that begins before the min_tokens boundary and completes after it is caught (and
+    /// trimmed) like any other. Out-of-vocabulary ids decode to nothing (models often pad their
+    /// vocabulary past the tokenizer's).
     pub fn step(&mut self, token_id: u32, check_stops: bool) -> DetokStep {
         if self.stopped {
             return DetokStep::default();
         }
         let new_start = self.output.len();
         self.decode_into_output(token_id);
-        if !check_stops || self.stops.is_empty() {
+        if self.stops.is_empty() {
             return DetokStep {
                 delta: self.take_delta(self.output.len()),
                 stop: None,
             };
         }
-        if let Some((idx, start)) = self.find_stop(new_start) {
+        if let Some((idx, start)) = check_stops.then(|| self.find_stop(new_start)).flatten() {
             let end = if self.include_stop_str_in_output {
                 start + self.stops[idx].len()
             } else {
@@ -488,20 +487,17 @@ impl IncrementalDetokenizer {
         }
     }
 
-    /// Earliest stop-string match that ends in the text added since `new_start`. Only that
-    /// text plus (longest stop - 1) bytes before it can hold a new match, and never text that
-    /// was already emitted.
+    /// Earliest stop-string match that ends in the text added since `new_start` (a match that
+    /// ended earlier was either reported then or completed while min_tokens suppressed stops,
+    /// and must not fire late). It may begin in older text, but never in text already emitted:
+    /// held-back text always covers the start of a match in progress.
     fn find_stop(&self, new_start: usize) -> Option<(usize, usize)> {
-        let mut from = new_start
-            .saturating_sub(self.max_stop_len - 1)
-            .max(self.emitted);
-        while !self.output.is_char_boundary(from) {
-            from -= 1;
-        }
-        let window = &self.output.as_bytes()[from..];
+        let hay = self.output.as_bytes();
         let mut best: Option<(usize, usize)> = None;
         for (i, s) in self.stops.iter().enumerate() {
-            if let Some(pos) = find_short(window, s.as_bytes()) {
+            // A needle is valid UTF-8, so it can only match at a char boundary of the text.
+            let from = (new_start + 1).saturating_sub(s.len()).max(self.emitted);
+            if let Some(pos) = find_short(&hay[from..], s.as_bytes()) {
                 if best.is_none_or(|(_, b)| from + pos < b) {
                     best = Some((i, from + pos));
                 }
@@ -676,15 +672,44 @@ mod tests {
     }
 
     #[test]
-    fn stops_suppressed_then_enabled_do_not_match_emitted_text() {
+    fn stop_string_spanning_the_min_tokens_boundary_is_caught_and_trimmed() {
+        let mut d = IncrementalDetokenizer::new(info(), true, vec!["STOP".into()], false).unwrap();
+        // "ST" arrives while min_tokens suppresses stops: held back, not streamed.
+        let deltas: Vec<String> = bytes_of("xST")
+            .into_iter()
+            .map(|t| d.step(t, false).delta)
+            .collect();
+        assert_eq!(deltas, ["x", "", ""]);
+        assert_eq!(d.step(b'O' as u32, true), DetokStep::default());
+        let st = d.step(b'P' as u32, true);
+        assert_eq!((st.delta.as_str(), st.stop), ("", Some(0)));
+        assert_eq!(d.output_text(), "x");
+    }
+
+    #[test]
+    fn boundary_token_completing_a_short_stop_string_fires() {
         let mut d = IncrementalDetokenizer::new(info(), true, vec!["aa".into()], false).unwrap();
-        assert_eq!(d.step(b'a' as u32, false).delta, "a");
-        // "a" was emitted while stops were off; the next "a" alone is only a prefix.
+        assert_eq!(d.step(b'a' as u32, false).delta, "");
         let st = d.step(b'a' as u32, true);
-        assert_eq!((st.delta.as_str(), st.stop), ("", None));
-        let st = d.step(b'a' as u32, true);
-        assert_eq!(st.stop, Some(0));
-        assert_eq!(d.output_text(), "a");
+        assert_eq!((st.delta.as_str(), st.stop), ("", Some(0)));
+        assert_eq!(d.output_text(), "");
+    }
+
+    #[test]
+    fn stop_string_completed_before_min_tokens_never_fires_later() {
+        // "b" completes while suppressed, inside text still held for "abc": it must not fire
+        // on a later token, and the held text is released once "abc" is ruled out.
+        let mut d =
+            IncrementalDetokenizer::new(info(), true, vec!["b".into(), "abc".into()], false)
+                .unwrap();
+        assert_eq!(d.step(b'a' as u32, false).delta, "");
+        assert_eq!(d.step(b'b' as u32, false).delta, "");
+        let st = d.step(b'x' as u32, true);
+        assert_eq!((st.delta.as_str(), st.stop), ("abx", None));
+        // A new "b" after the boundary does fire.
+        let st = d.step(b'b' as u32, true);
+        assert_eq!((st.delta.as_str(), st.stop), ("", Some(0)));
+        assert_eq!(d.output_text(), "abx");
     }
 
     #[test]

@@ -99,9 +99,13 @@ impl Request {
     }
 
     /// Appends a sampled token, extends the block hashes, detokenizes, and runs the stop checks
-    /// in order: EOS / stop token ids (suppressed before min_tokens), stop strings (likewise),
-    /// `force_stop`, then the length limits. A token that stops by id is not detokenized
-    /// unless include_stop_str_in_output.
+    /// in order: EOS / stop token ids, stop strings, `force_stop`, then the length limits. A
+    /// token that stops by id is not detokenized unless include_stop_str_in_output.
+    ///
+    /// min_tokens (vLLM's semantics): EOS, stop ids and stop strings fire only on a token that
+    /// brings the output to at least min_tokens tokens. A stop string is matched over the whole
+    /// output text, so one that begins in earlier text and is completed by such a token fires
+    /// (the detokenizer held its beginning back); one completed earlier never fires.
     pub fn append_token(
         &mut self,
         token: u32,

@@ -153,6 +153,41 @@ def test_stop_strings_spanning_tokens_and_include_stop_str(byte_level_tokenizer,
     assert final["late"].num_output_tokens >= 3
 
 
+def test_stop_string_spanning_the_min_tokens_boundary(byte_level_tokenizer, tokenizer_json):
+    """Stop strings are honoured from the min_tokens-th output token on, matched over the whole
+    output: one that begins before the boundary and completes after it stops the request and
+    is trimmed; one completed entirely before the boundary never fires later."""
+    text = "the answer is 42. and the answer is 43."
+    stop = "answer is"
+    ids = byte_level_tokenizer.encode(text).ids
+    prefix_lens = [len(byte_level_tokenizer.decode(ids[:k])) for k in range(len(ids) + 1)]
+    begin = text.index(stop)
+    # k tokens end strictly inside the first "answer is"; the (k+1)-th completes it or more of it.
+    k = next(k for k, n in enumerate(prefix_lens) if begin < n < begin + len(stop))
+    done = next(k for k, n in enumerate(prefix_lens) if n >= begin + len(stop))  # completes it
+    s = make(tokenizer_json=tokenizer_json)
+    s.add_request("span", [1, 2], max_tokens=100, stop=[stop], min_tokens=k + 1)
+    s.add_request("before", [1, 2], max_tokens=100, stop=[stop], min_tokens=done + 1)
+    s.add_request("free", [1, 2], max_tokens=100, stop=[stop])
+    fn = _text_fn(byte_level_tokenizer, dict.fromkeys(("span", "before", "free"), text))
+    deltas: dict[str, list[str]] = {}
+    final = {}
+    while s.has_unfinished_requests():
+        _, res = run_step(s, fn)
+        for o in res:
+            deltas.setdefault(o.request_id, []).append(o.text_delta)
+            if o.finished:
+                final[o.request_id] = o
+    joined = {rid: "".join(d) for rid, d in deltas.items()}
+    # Spanning the boundary: caught exactly as without min_tokens, and "answer" never streamed.
+    assert joined["span"] == joined["free"] == "the "
+    assert (final["span"].finish_reason, final["span"].stop_reason) == ("stop", stop)
+    assert final["span"].num_output_tokens == final["free"].num_output_tokens == done
+    # Completed before the boundary: ignored; the second occurrence stops the request.
+    assert joined["before"] == text[: text.index(stop, begin + 1)]
+    assert final["before"].stop_reason == stop
+
+
 def test_held_text_is_released_when_finishing_for_length(byte_level_tokenizer, tokenizer_json):
     s = make(tokenizer_json=tokenizer_json)
     ids = byte_level_tokenizer.encode("the answer").ids
