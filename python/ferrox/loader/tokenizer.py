@@ -4,10 +4,14 @@
 HF folder: tokenizer.json (+ tokenizer_config.json, special_tokens_map.json, chat_template.jinja,
 generation_config.json, config.json for EOS ids). GGUF: rebuilt from metadata (gguf_tokenizer.py).
 `to_json_str()` is handed to the Rust core, which detokenizes with the same `tokenizers` model.
+
+This module must not import torch (directly or through model_config): the API server process
+loads only the tokenizer, and torch would add seconds to its start-up for nothing.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -15,7 +19,6 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from ferrox.loader.chat_template import render_chat_template
 from ferrox.loader.errors import ChatTemplateError, ModelLoadError, ModelNotFoundError
-from ferrox.loader.model_config import read_json
 from ferrox.loader.source import ModelSource
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -50,7 +53,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"prompt must be a str, got {type(text).__name__}")
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while the Rust side works and `encode` does not, so a
+        # long prompt tokenized in the server's prompt threads leaves the event loop running
+        # (the ids are the same; a one-item batch costs ~3 us more).
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
@@ -147,7 +153,7 @@ def _load_hf_tokenizer(source: ModelSource) -> Tokenizer:
 
     def optional_json(name: str) -> dict[str, Any]:
         p = os.path.join(folder, name)
-        return read_json(p) if os.path.isfile(p) else {}
+        return _read_json_object(p) if os.path.isfile(p) else {}
 
     tok_config = optional_json("tokenizer_config.json")
     special_map = optional_json("special_tokens_map.json")
@@ -173,6 +179,18 @@ def _load_hf_tokenizer(source: ModelSource) -> Tokenizer:
     if eos_token_id is not None:
         eos.insert(0, eos_token_id)
     return Tokenizer(tok, name=source.name, special_tokens=specials, eos_token_ids=eos, chat_template=template)
+
+
+def _read_json_object(path: str) -> dict[str, Any]:
+    """model_config.read_json's rules, without importing model_config (which imports torch)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot parse {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object, found {type(data).__name__}")
+    return data
 
 
 def _apply_bos_eos_flags(tok: HFTokenizer, tok_config: dict[str, Any], specials: dict[str, str | None]) -> None:
