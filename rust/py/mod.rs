@@ -43,9 +43,15 @@ pub(crate) fn extract_token_ids(field: &str, obj: &Bound<'_, PyAny>) -> PyResult
         obj.extract::<Vec<i64>>()
             .map_err(|_| PyErr::from(crate::error::invalid(field, "expected a sequence of ints")))?
     };
+    // The indexed field name is built only for a bad id: formatting it for every token cost
+    // more than the rest of add_request for a long prompt.
     signed
         .iter()
         .enumerate()
-        .map(|(i, &t)| crate::scheduler::token_id(&format!("{field}[{i}]"), t).map_err(PyErr::from))
+        .map(|(i, &t)| {
+            u32::try_from(t).or_else(|_| {
+                crate::scheduler::token_id(&format!("{field}[{i}]"), t).map_err(PyErr::from)
+            })
+        })
         .collect()
 }

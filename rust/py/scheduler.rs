@@ -14,6 +14,11 @@ pub struct PyScheduler {
     inner: Scheduler,
 }
 
+/// add_request releases the GIL for prompts at least this long (hashing their blocks takes
+/// ~100 us and up). A short prompt's work is shorter than the wait to take the GIL back from a
+/// busy thread, so it keeps the GIL.
+const DETACH_MIN_PROMPT_TOKENS: usize = 16 * 1024;
+
 /// Sampled ids as i64: an int64 or int32 numpy array (or a list, for tests).
 fn extract_sampled(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
@@ -125,6 +130,7 @@ impl PyScheduler {
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         &mut self,
+        py: Python<'_>,
         request_id: String,
         prompt_token_ids: &Bound<'_, PyAny>,
         max_tokens: i64,
@@ -146,22 +152,31 @@ impl PyScheduler {
             .enumerate()
             .map(|(i, &t)| crate::scheduler::token_id(&format!("stop_token_ids[{i}]"), t))
             .collect::<Result<Vec<_>, _>>()?;
-        self.inner.add_request(NewRequest {
-            request_id,
-            prompt_token_ids: prompt,
-            max_tokens,
-            min_tokens,
-            ignore_eos,
-            stop_token_ids: stop_ids,
-            stop,
-            include_stop_str_in_output,
-            skip_special_tokens,
-            detokenize,
-            priority,
-            cache_salt,
-            lora_id,
-            wait_for_grammar,
-        })?;
+        let long_prompt = prompt.len() >= DETACH_MIN_PROMPT_TOKENS;
+        let inner = &mut self.inner;
+        let add = move || {
+            inner.add_request(NewRequest {
+                request_id,
+                prompt_token_ids: prompt,
+                max_tokens,
+                min_tokens,
+                ignore_eos,
+                stop_token_ids: stop_ids,
+                stop,
+                include_stop_str_in_output,
+                skip_special_tokens,
+                detokenize,
+                priority,
+                cache_salt,
+                lora_id,
+                wait_for_grammar,
+            })
+        };
+        if long_prompt {
+            py.detach(add)?;
+        } else {
+            add()?;
+        }
         Ok(())
     }
 
