@@ -23,7 +23,7 @@ from ferrox.engine.input_processor import (
     render_chat,
 )
 from ferrox.engine.output_processor import OutputProcessor
-from ferrox.engine.protocol import EngineCoreOutput, EngineCoreRequest
+from ferrox.engine.protocol import EngineCoreRequest
 from ferrox.outputs import RequestOutput
 from ferrox.sampling_params import RequestOutputKind, SamplingParams
 
@@ -37,7 +37,6 @@ class LLM:
         self.engine = EngineCore(self.config)
         self.output_processor = OutputProcessor(self.engine.tokenizer)
         self._request_counter = itertools.count()
-        self._deferred_siblings: dict[str, list[EngineCoreRequest]] = {}  # first sample id -> the rest
 
     # ---- public API -----------------------------------------------------------------------------------
     def get_tokenizer(self) -> Any:
@@ -108,7 +107,11 @@ class LLM:
                 core_requests = self.output_processor.add_request(request, p.prompt)
                 added.append(request_id)
                 order[request_id] = i
-                self._add_samples(core_requests)
+                # n > 1: the samples go in together. The core registers the prompt's full blocks
+                # in the prefix cache when it allocates them for the first sample, so the siblings
+                # scheduled after it in the same step hit them and the prompt is computed once.
+                for r in core_requests:
+                    self.engine.add_request(r)
         except BaseException:
             self._abort(added)
             raise
@@ -118,35 +121,12 @@ class LLM:
             self._abort(list(order))  # e.g. KeyboardInterrupt: leave the engine clean for the next call
             raise
 
-    def _add_samples(self, core_requests: list[EngineCoreRequest]) -> None:
-        """n > 1: queue the first sample alone and its siblings once its prompt is in the KV cache,
-        so they reuse the prompt's full blocks through the prefix cache instead of recomputing them
-        (added in the same step, every sample would miss the cache and compute the prompt again)."""
-        first, siblings = core_requests[0], core_requests[1:]
-        self.engine.add_request(first)
-        if not siblings:
-            return
-        if self.config.enable_prefix_caching and len(first.prompt_token_ids) > self.engine.block_size:
-            self._deferred_siblings[first.request_id] = siblings
-        else:
-            for r in siblings:
-                self.engine.add_request(r)
-
-    def _release_siblings(self, outputs: list[EngineCoreOutput]) -> None:
-        for out in outputs:
-            siblings = self._deferred_siblings.pop(out.request_id, None)
-            if siblings:  # the first sample produced a token: its prompt blocks are cached
-                for r in siblings:
-                    self.engine.add_request(r)
-
     def _drain(self, order: dict[str, int], num_prompt_tokens: int, use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(order)
         bar = _ProgressBar(len(order), num_prompt_tokens) if use_tqdm else None
         try:
             while self.engine.has_unfinished_requests() or self.output_processor.has_unfinished_requests():
                 outputs = self.engine.step()
-                if self._deferred_siblings:
-                    self._release_siblings(outputs)
                 if not outputs and not self.engine.has_unfinished_requests():
                     break
                 for ro in self.output_processor.process_outputs(outputs):
@@ -166,8 +146,6 @@ class LLM:
 
     def _abort(self, request_ids: list[str]) -> None:
         engine_ids = self.output_processor.abort_requests(request_ids)
-        for engine_id in engine_ids:
-            self._deferred_siblings.pop(engine_id, None)
         if engine_ids:
             self.engine.abort_requests(engine_ids)
 
