@@ -209,3 +209,14 @@ def test_chat_template_errors(tiny_llama, tmp_path):
     json.dump(cfg, open(cfg_path, "w"))
     with pytest.raises(ChatTemplateError, match="no chat template"):
         load_tokenizer(resolve_model(folder)).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_null_rope_theta_falls_back_to_rope_parameters():
+    # transformers >= 5 may write "rope_theta": null beside the nested rope_parameters.
+    from ferrox.loader.model_config import spec_from_hf_config
+
+    base = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+            "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 100}
+    nested = spec_from_hf_config({**base, "rope_theta": None, "rope_parameters": {"rope_theta": 500000.0}}, "c.json")
+    assert nested.rope_theta == 500000.0
+    assert spec_from_hf_config({**base, "rope_theta": None}, "c.json").rope_theta == 10000.0

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from ferrox.config import EngineConfig
 from ferrox.engine.engine_core import EngineCore
@@ -72,7 +72,11 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        conversations = list(messages) if is_conversation_list(messages) else [messages]
+        # is_conversation_list checked the shape at run time; it returns a plain bool, so tell the
+        # type checker which branch of the union each case is.
+        conversations = cast(
+            list[Sequence[Mapping[str, Any]]], list(messages) if is_conversation_list(messages) else [messages]
+        )
         if not conversations or not conversations[0]:
             raise ValueError("messages: the conversation list is empty")
         template = chat_template if chat_template is not None else self.config.chat_template

@@ -66,6 +66,8 @@ class RopeRows:
 
 
 class RotaryEmbedding(nn.Module):
+    inv_freq: torch.Tensor  # a registered (non-persistent) buffer; declared so it types as a Tensor
+
     def __init__(self, head_dim: int, base: float, scaling: dict | None, device: torch.device | str | None = None):
         super().__init__()
         self.head_dim = head_dim

@@ -79,7 +79,9 @@ def spec_from_hf_config(config: dict[str, Any], where: str) -> ModelSpec:
     # transformers >= 5 nests rope_theta and the scaling under rope_parameters.
     rope = dict(config.get("rope_parameters") or {})
     scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
+    theta = config.get("rope_theta")
+    if theta is None:  # absent, or null beside a nested rope_parameters
+        theta = rope.get("rope_theta", 10000.0)
     max_pos = int(config.get("max_position_embeddings") or 2048)
     window = config.get("sliding_window")
     if window and config.get("use_sliding_window", True) and int(window) < max_pos:

@@ -154,7 +154,7 @@ def tool_choice_constraint(
 # ---- prompting models whose chat template knows nothing of tools ---------------------------------
 def template_supports_tools(chat_template: str | None) -> bool:
     """A template that reads a `tools` variable renders them itself; others need our system text."""
-    return bool(chat_template) and "tools" in chat_template
+    return chat_template is not None and "tools" in chat_template
 
 
 def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
