@@ -38,6 +38,20 @@ def test_stop_strings(llm):
     assert kept[0].outputs[0].text == " 5, 6, 7"
 
 
+def test_stop_string_spanning_the_min_tokens_boundary(llm):
+    """A stop string that begins in text generated before min_tokens and is completed by a later
+    token stops the request, trimmed, as it would without min_tokens."""
+    base = SamplingParams(temperature=0, max_tokens=16)
+    full = llm.generate("1, 2, 3, 4,", base, use_tqdm=False)[0].outputs[0]
+    stop = " 6, 7"
+    begin = full.text.index(stop)
+    tok = llm.get_tokenizer()
+    prefix_lens = [len(tok.decode(full.token_ids[:k])) for k in range(len(full.token_ids) + 1)]
+    inside = next(k for k, n in enumerate(prefix_lens) if begin < n < begin + len(stop))
+    cut = llm.generate("1, 2, 3, 4,", base.clone(stop=[stop], min_tokens=inside + 1), use_tqdm=False)[0].outputs[0]
+    assert (cut.text, cut.finish_reason, cut.stop_reason) == (full.text[:begin], "stop", stop)
+
+
 def test_min_tokens_and_stop_token_ids(llm):
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     short = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0]
