@@ -132,8 +132,9 @@ class SchedulerStats:
     num_generation_tokens: int  # cumulative tokens appended by update_from_output
 
 class Scheduler:
-    """Not for concurrent use: one engine thread drives it (schedule/update release the GIL, so a
-    second thread calling in meanwhile gets a RuntimeError rather than a data race)."""
+    """Not for concurrent use: one engine thread drives it (construction, schedule, update and a
+    long prompt's add_request release the GIL, so a second thread calling in meanwhile gets a
+    RuntimeError rather than a data race)."""
 
     def __init__(
         self,
@@ -181,6 +182,10 @@ class Scheduler:
         wait_for_grammar: bool = False,
     ) -> None:
         """Queue a request. max_tokens is clipped so prompt + output <= max_model_len.
+        min_tokens: EOS, stop_token_ids and stop strings fire only on a token that brings the output
+        to at least min_tokens tokens; a stop string may begin in earlier output (it is held back,
+        not streamed) and is trimmed as usual, but one completed before that never fires.
+        Releases the GIL for long prompts (>= 16384 tokens) while their blocks are hashed.
         wait_for_grammar: keep it waiting (other requests run) until grammar_ready() names it."""
     def grammar_ready(self, request_ids: Sequence[str]) -> None: ...
     def abort_requests(self, request_ids: Sequence[str]) -> list[RequestOutput]:
