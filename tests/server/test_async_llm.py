@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
 from ferrox import AsyncLLM, SamplingParams
-from ferrox.engine.async_llm import RequestError
+from ferrox.engine.async_llm import EngineDeadError, RequestError
 from ferrox.sampling_params import RequestOutputKind
 
 from tests.server.server_proc import pid_alive
@@ -20,6 +21,13 @@ def engine():
     pid = eng.client.pid
     eng.shutdown()
     assert pid is not None and not pid_alive(pid), "engine core outlived shutdown()"
+    # The prompt threads go with it, and a late request is told the engine is gone.
+    with pytest.raises(EngineDeadError):
+        asyncio.run(eng.run_in_prompt_pool(len, "late"))
+    deadline = time.monotonic() + 5
+    while any(t.name.startswith("ferrox-prompt") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "prompt threads outlived shutdown()"
+        time.sleep(0.05)
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:

@@ -5,7 +5,10 @@
         print(out.outputs[0].text)
     await engine.abort("req-1"); engine.shutdown()
 
-Tokenization happens here (the front-end), so the core process spends its GIL on stepping.
+Tokenization happens here (the front-end), so the core process spends its GIL on stepping. It
+runs in a small thread pool (`run_in_prompt_pool`), never on the event loop: a 200k-character
+prompt takes tens of milliseconds to encode (and chat rendering is pure Python), which must not
+stall other requests' streams or /health. The tokenizer's encode releases the GIL.
 The shared `OutputProcessor` (also used by the offline LLM) fans n > 1 out into n engine
 requests and folds the core's outputs into RequestOutputs; the single output-reader task
 hands each to its request's `_Stream`, which wakes the consumer. The n samples of a request go
@@ -23,14 +26,16 @@ request in the core, which frees its KV blocks on its next loop iteration.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
 import uuid
 import weakref
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 from ferrox.config import EngineConfig
 from ferrox.engine.core_client import CoreClient, EngineDeadError, EngineStartupError
@@ -46,6 +51,12 @@ __all__ = ["AsyncLLM", "EngineDeadError", "EngineStartupError", "RequestError", 
 logger = logging.getLogger("ferrox.engine.async_llm")
 
 PromptType = str | Mapping[str, Any]
+P = ParamSpec("P")
+T = TypeVar("T")
+
+# Threads for prompt processing (chat rendering + encoding). Two keep one long prompt from
+# queueing every short one behind it; more buy little, as rendering holds the GIL.
+PROMPT_THREADS = 2
 
 
 class RequestError(ValueError):
@@ -159,8 +170,9 @@ class AsyncLLM:
 
         # Fail fast on a bad path before spawning anything.
         source = resolve_model(config.tokenizer or config.model)
+        self._prompt_pool = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="ferrox-prompt")
         self.client = CoreClient(config, log_level=str(log_level))
-        self._finalizer = weakref.finalize(self, self.client.shutdown)
+        self._finalizer = weakref.finalize(self, _shutdown, self.client, self._prompt_pool)
         try:
             # The tokenizer loads here while the core process loads the model.
             self.tokenizer = load_tokenizer(source)
@@ -179,6 +191,8 @@ class AsyncLLM:
         self.dead_callbacks: list[Any] = []
         self.processor = OutputProcessor(self.tokenizer)
         self._streams: dict[str, _Stream] = {}
+        # Requests whose prompt is in the prompt threads (not yet in the core) -> aborted meanwhile.
+        self._tokenizing: dict[str, bool] = {}
         self._timing: dict[str, _Timing] = {}
         self.client.on_outputs = self._on_outputs
         self.client.on_dead = self._on_dead
@@ -217,9 +231,20 @@ class AsyncLLM:
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) for a text prompt, {"prompt": text} or
-        {"prompt_token_ids": [...]}; the same rules as the offline LLM (input_processor)."""
+        {"prompt_token_ids": [...]}; the same rules as the offline LLM (input_processor).
+        Blocking: from a coroutine, go through `run_in_prompt_pool`."""
         processed = process_prompt(self.tokenizer, prompt)
         return processed.prompt, processed.prompt_token_ids
+
+    async def run_in_prompt_pool(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        """`fn(*args, **kwargs)` in the prompt threads, off the event loop; for tokenizer work on
+        the request path (chat rendering, encoding). Its exceptions reach the caller unchanged."""
+        loop = asyncio.get_running_loop()
+        try:
+            future = loop.run_in_executor(self._prompt_pool, functools.partial(fn, *args, **kwargs))
+        except RuntimeError:  # the pool is shut down
+            raise EngineDeadError(self.client.dead or "engine is shut down") from None
+        return await future
 
     async def generate(
         self,
@@ -235,8 +260,23 @@ class AsyncLLM:
         EngineDeadError if the core dies. After `abort()` the last output has finished=True and
         finish_reason "abort" on every choice that had not finished.
         """
-        stream = self._add_request(prompt, sampling_params, request_id, priority, arrival_time)
+        if self.client.dead is not None:
+            raise EngineDeadError(self.client.dead)
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams or request_id in self._tokenizing:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        if arrival_time is None:
+            arrival_time = time.time()  # before tokenizing: the latency metrics include it
+        self._tokenizing[request_id] = False
         try:
+            prompt_text, prompt_ids = await self._tokenize(prompt)
+        finally:
+            aborted = self._tokenizing.pop(request_id)
+        # No await from here to the registration: the id cannot be taken in between.
+        stream = self._add_request(prompt_text, prompt_ids, sampling_params, request_id, priority, arrival_time)
+        try:
+            if aborted:  # abort() came while the prompt was in the prompt threads: end it the usual way
+                await self.abort(request_id)
             while (out := await stream.get()) is not None:
                 if out.error is not None and not any(c.token_ids for c in out.outputs):
                     raise RequestError(out.error)
@@ -248,22 +288,24 @@ class AsyncLLM:
                 self._abort_ids([stream.request_id])
             self._streams.pop(stream.request_id, None)
 
+    async def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+            return self.tokenize_prompt(prompt)  # nothing to encode: not worth a thread hop
+        return await self.run_in_prompt_pool(self.tokenize_prompt, prompt)
+
     def _add_request(
         self,
-        prompt: PromptType,
+        prompt_text: str | None,
+        prompt_ids: list[int],
         sampling_params: SamplingParams | None,
-        request_id: str | None,
+        request_id: str,
         priority: int,
-        arrival_time: float | None,
+        arrival_time: float,
     ) -> _Stream:
-        """Tokenize, validate and send a request to the core (synchronously: errors raise here)."""
+        """Validate a tokenized request and send it to the core (synchronously: errors raise here)."""
         if self.client.dead is not None:
             raise EngineDeadError(self.client.dead)
         params = sampling_params if sampling_params is not None else SamplingParams()
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self._streams:
-            raise ValueError(f"request_id: {request_id!r} is already running")
-        prompt_text, prompt_ids = self.tokenize_prompt(prompt)
         if not prompt_ids:
             raise ValueError("prompt: must not be empty")
         if len(prompt_ids) >= self.max_model_len:
@@ -271,12 +313,11 @@ class AsyncLLM:
                 f"prompt: {len(prompt_ids)} tokens do not leave room for output within "
                 f"max_model_len={self.max_model_len}"
             )
-        now = arrival_time if arrival_time is not None else time.time()
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
             sampling_params=params,
-            arrival_time=now,
+            arrival_time=arrival_time,
             priority=priority,
         )
         core_requests = self.processor.add_request(request, prompt_text)
@@ -284,7 +325,7 @@ class AsyncLLM:
         self._streams[request_id] = stream
         try:
             for core_request in core_requests:
-                self._timing[core_request.request_id] = _Timing(now)
+                self._timing[core_request.request_id] = _Timing(arrival_time)
                 self.client.add_request(core_request)
         except BaseException:
             self._abort_ids([request_id])
@@ -296,6 +337,9 @@ class AsyncLLM:
         """Abort request(s) by id: the core frees their KV blocks; each generator yields a final
         output (finished, finish_reason "abort" on the choices still running) and ends."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            if rid in self._tokenizing:
+                self._tokenizing[rid] = True  # generate() aborts it once it is registered
         engine_ids, final_outputs = self.processor.finish_aborted(ids)
         self._abort_engine_ids(engine_ids)
         for out in final_outputs:
@@ -308,7 +352,8 @@ class AsyncLLM:
                 stream.end()  # unknown to the processor (already finished): nothing more to say
 
     def shutdown(self) -> None:
-        """Stop the engine-core process (idempotent; also runs at GC and interpreter exit)."""
+        """Stop the engine-core process and the prompt threads (idempotent; also runs at GC and
+        interpreter exit)."""
         for stream in list(getattr(self, "_streams", {}).values()):
             stream.fail(EngineDeadError("engine is shutting down"))
         if hasattr(self, "_finalizer"):
@@ -382,6 +427,13 @@ class AsyncLLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _shutdown(client: CoreClient, prompt_pool: ThreadPoolExecutor) -> None:
+    # No wait: prompts already handed to the threads finish on their own, and their requests then
+    # fail with EngineDeadError (a cancelled future would surface as a bare CancelledError instead).
+    prompt_pool.shutdown(wait=False)
+    client.shutdown()
 
 
 def _read_template(chat_template: str | None) -> str | None:

@@ -19,6 +19,7 @@ from ferrox.entrypoints.anthropic.protocol import MessagesCountRequest, Messages
 from ferrox.entrypoints.openai.errors import APIError, from_value_error
 from ferrox.entrypoints.openai.serving import (
     ServingContext,
+    first_output,
     json_response,
     new_id,
     parse_body,
@@ -39,16 +40,23 @@ def _stop_reason(comp: CompletionOutput) -> tuple[str | None, str | None]:
     return ("end_turn", None) if comp.finish_reason is not None else (None, None)
 
 
-def _prompt_ids(ctx: ServingContext, req: MessagesRequest) -> tuple[str, list[int]]:
+def _render_prompt(ctx: ServingContext, req: MessagesRequest) -> tuple[str, list[int]]:
+    """(text, token ids) of the conversation through the chat template (blocking: runs in the
+    engine's prompt threads); a bad template or message is an APIError naming `messages`."""
     prompt_text = render_chat(ctx, req.template_messages(), add_generation_prompt=True)
     return prompt_text, ctx.engine.tokenizer.encode(prompt_text, add_special_tokens=False)
+
+
+async def _prompt_ids(ctx: ServingContext, req: MessagesRequest) -> tuple[str, list[int]]:
+    # Rendering and encoding a long conversation takes a while: off the event loop.
+    return await ctx.engine.run_in_prompt_pool(_render_prompt, ctx, req)
 
 
 async def count_message_tokens(ctx: ServingContext, request: web.Request) -> web.StreamResponse:
     """POST /v1/messages/count_tokens: the prompt's size, as the model will see it."""
     req = await parse_body(request, MessagesCountRequest)
     ctx.check_model(req.model)
-    _, prompt_ids = _prompt_ids(ctx, req)
+    _, prompt_ids = await _prompt_ids(ctx, req)
     return json_response({"input_tokens": len(prompt_ids)})
 
 
@@ -56,7 +64,7 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
     req = await parse_body(request, MessagesRequest)
     ctx.check_model(req.model)
     ctx.check_engine()
-    prompt_text, prompt_ids = _prompt_ids(ctx, req)
+    prompt_text, prompt_ids = await _prompt_ids(ctx, req)
     max_tokens = resolve_max_tokens(ctx, len(prompt_ids), req.max_tokens, "messages")
     kwargs: dict[str, Any] = {"max_tokens": max_tokens, "stop": req.stop_sequences or None}
     for name in ("temperature", "top_p", "top_k"):
@@ -73,20 +81,13 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
     message_id = new_id("msg").replace("-", "_")
     prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
     gen = ctx.engine.generate(prompt, params, message_id)
-    try:
-        first = await anext(gen, None)
-    except (RequestError, ValueError) as exc:
-        raise from_value_error(exc, "messages") from None
-    except EngineDeadError as exc:
-        raise APIError(503, f"engine is not running: {exc}") from None
-    except BaseException:
-        await gen.aclose()
-        raise
+    # Pull the first output before sending headers, so a rejected request is still a plain 4xx/503.
+    first = await first_output(gen, "messages")
     if not req.stream:
         async with contextlib.aclosing(gen):
             final = first
-            async for out in gen:
-                final = out
+            async for later in gen:
+                final = later
         assert final is not None
         comp = final.outputs[0]
         stop_reason, stop_sequence = _stop_reason(comp)

@@ -58,8 +58,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return await handler(request)
     except APIError as exc:
         return exc.response(anthropic)
-    except web.HTTPRequestEntityTooLarge as exc:
-        return APIError(413, f"request body too large (limit {exc.max_size} bytes)",
+    except web.HTTPRequestEntityTooLarge:
+        return APIError(413, f"request body too large (limit {request.client_max_size} bytes)",
                         code="request_too_large").response(anthropic)
     except web.HTTPNotFound:
         return APIError(404, f"no route for {request.method} {request.path}").response(anthropic)
@@ -135,24 +135,32 @@ async def tokenize(request: web.Request) -> web.Response:
     ctx = request.app[CTX]
     req = await parse_body(request, TokenizeRequest)
     ctx.check_model(req.model)
+    ids = await ctx.engine.run_in_prompt_pool(_tokenize, ctx, req)  # long texts: off the event loop
+    return json_response({"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids})
+
+
+def _tokenize(ctx: ServingContext, req: TokenizeRequest) -> list[int]:
     if req.messages is not None:
         text = render_chat(ctx, [m.to_template_dict() for m in req.messages],
                            add_generation_prompt=req.add_generation_prompt,
                            template_kwargs=req.chat_template_kwargs)
-        ids = ctx.engine.tokenizer.encode(text, add_special_tokens=False)
-    else:
-        ids = ctx.engine.tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
-    return json_response({"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids})
+        return ctx.engine.tokenizer.encode(text, add_special_tokens=False)
+    return ctx.engine.tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
 
 
 async def detokenize(request: web.Request) -> web.Response:
     ctx = request.app[CTX]
     req = await parse_body(request, DetokenizeRequest)
     ctx.check_model(req.model)
+    text = await ctx.engine.run_in_prompt_pool(_detokenize, ctx, req)  # long lists: off the event loop
+    return json_response({"prompt": text})
+
+
+def _detokenize(ctx: ServingContext, req: DetokenizeRequest) -> str:
     vocab = getattr(ctx.engine.tokenizer, "vocab_size", None)
     if vocab is not None and any(t >= vocab for t in req.tokens):
         raise APIError(400, f"tokens: token id outside the vocabulary (size {vocab})", param="tokens")
-    return json_response({"prompt": ctx.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)})
+    return ctx.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)
 
 
 def _bind(fn: Callable[[ServingContext, web.Request], Awaitable[web.StreamResponse]]) -> Handler:
@@ -219,8 +227,8 @@ async def serve(engine: AsyncLLM, *, host: str, port: int, served_model_name: st
         loop.add_signal_handler(sig, on_signal, sig)
     engine.dead_callbacks.append(on_engine_dead)
     engine.client.ensure_reader()  # watch the core from now on, not only once a request comes
-    sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
-    bound_port = sockets[0].getsockname()[1] if sockets else port
+    addresses = runner.addresses  # (host, port, ...) per listening socket; port 0 resolved
+    bound_port = addresses[0][1] if addresses else port
     url = f"http://{host}:{bound_port}"
     if on_ready is not None:
         on_ready(url)

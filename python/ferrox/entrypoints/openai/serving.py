@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, TypeVar
 
 import msgspec
@@ -51,8 +51,9 @@ async def parse_body(request: web.Request, model: type[ModelT]) -> ModelT:
     """Read and validate a JSON body; 413 past client_max_size, 400 for bad JSON or fields."""
     try:
         raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise APIError(413, f"request body too large ({exc.actual_size} bytes; limit {exc.max_size})",
+    except web.HTTPRequestEntityTooLarge:  # a chunked body (no Content-Length) past the limit
+        # aiohttp's exception keeps neither size as an attribute: the limit is the request's.
+        raise APIError(413, f"request body too large (limit {request.client_max_size} bytes)",
                        code="request_too_large") from None
     try:
         body = json.loads(raw)
@@ -183,7 +184,7 @@ def chosen_entry(position: dict[int, Logprob], token_id: int) -> Logprob:
 # ---- SSE -----------------------------------------------------------------------------------------
 
 
-async def first_output(outputs: AsyncIterator[T], param: str) -> T | None:
+async def first_output(outputs: AsyncGenerator[T, None], param: str) -> T | None:
     """Pull a stream's first output before any header is sent, so a request the engine rejects is
     still a plain 4xx (naming `param`) or 503 rather than a broken stream; None if it ends at once."""
     try:
@@ -195,7 +196,7 @@ async def first_output(outputs: AsyncIterator[T], param: str) -> T | None:
     except EngineDeadError as exc:
         raise APIError(503, f"engine is not running: {exc}") from None
     except BaseException:
-        await outputs.aclose()  # type: ignore[attr-defined]
+        await outputs.aclose()
         raise
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -41,21 +42,9 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
         structured = build_structured_outputs(req) or tool_hooks.tool_constraint(req)
     except ValueError as exc:
         raise from_value_error(exc) from None
-    messages = [m.to_template_dict() for m in req.messages]
-    use_tools = req.tools if req.tool_choice != "none" else None
-    # Templates without tool support (the embedded SmolLM2's) get the tools as system text.
-    template = tool_hooks.template_text(ctx, req.chat_template, use_tools)
-    messages, use_tools = tool_hooks.prepare_messages(messages, use_tools, template)
-    prompt_text = render_chat(
-        ctx, messages,
-        add_generation_prompt=req.add_generation_prompt,
-        continue_final_message=req.continue_final_message,
-        tools=use_tools,
-        chat_template=req.chat_template,
-        template_kwargs=req.chat_template_kwargs,
-    )
-    # The template already holds the special tokens (BOS, <|im_start|>): do not add them twice.
-    prompt_ids = ctx.engine.tokenizer.encode(prompt_text, add_special_tokens=False)
+    # Rendering and encoding a long conversation takes a while: off the event loop.
+    chat = await ctx.engine.run_in_prompt_pool(_render_prompt, ctx, req)
+    messages, template, prompt_text, prompt_ids = chat.messages, chat.template, chat.text, chat.token_ids
     max_tokens = resolve_max_tokens(ctx, len(prompt_ids), req.requested_max_tokens, "messages")
     params = build_sampling_params(
         req, max_tokens=max_tokens, logprobs=req.num_logprobs, stream=req.stream, structured=structured,
@@ -103,6 +92,34 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
     })
 
 
+@dataclass(slots=True)
+class _ChatPrompt:
+    messages: list[dict[str, Any]]  # as rendered (tools folded in for templates without tool support)
+    template: str | None  # the template used, which picks the tool-call parser
+    text: str
+    token_ids: list[int]
+
+
+def _render_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> _ChatPrompt:
+    """The request's conversation through the chat template and the tokenizer (blocking: runs in
+    the engine's prompt threads); a bad template or message is an APIError naming `messages`."""
+    messages = [m.to_template_dict() for m in req.messages]
+    use_tools = req.tools if req.tool_choice != "none" else None
+    # Templates without tool support (the embedded SmolLM2's) get the tools as system text.
+    template = tool_hooks.template_text(ctx, req.chat_template, use_tools)
+    messages, use_tools = tool_hooks.prepare_messages(messages, use_tools, template)
+    text = render_chat(
+        ctx, messages,
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+        tools=use_tools,
+        chat_template=req.chat_template,
+        template_kwargs=req.chat_template_kwargs,
+    )
+    # The template already holds the special tokens (BOS, <|im_start|>): do not add them twice.
+    return _ChatPrompt(messages, template, text, ctx.engine.tokenizer.encode(text, add_special_tokens=False))
+
+
 async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletionRequest, prompt: dict[str, Any],
                   params: Any, request_id: str, echo: str, template: str | None = None) -> web.StreamResponse:
     created = int(time.time())
@@ -130,8 +147,8 @@ async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletion
     async with contextlib.aclosing(gen):
         try:
             for i in range(req.n):
-                delta = {"role": "assistant", "content": echo}
-                await send_sse(resp, chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]))
+                role = {"role": "assistant", "content": echo}
+                await send_sse(resp, chunk([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}]))
             out = first
             while out is not None:
                 cached = out.num_cached_tokens

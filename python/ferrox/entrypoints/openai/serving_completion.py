@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from aiohttp import web
@@ -47,18 +47,8 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
         structured = build_structured_outputs(req)
     except ValueError as exc:
         raise from_value_error(exc) from None
-    tokenizer = ctx.engine.tokenizer
-    prompts: list[dict[str, Any]] = []
-    for raw in req.prompts():
-        if isinstance(raw, str):
-            ids = tokenizer.encode(raw)
-            text = raw
-        else:
-            check_token_ids(ctx, raw, "prompt")
-            ids, text = raw, None
-        if not ids:
-            raise APIError(400, "prompt: must not be empty", param="prompt")
-        prompts.append({"prompt": text, "prompt_token_ids": ids})
+    # Encoding long prompts takes a while: off the event loop.
+    prompts = await ctx.engine.run_in_prompt_pool(_tokenize_prompts, ctx, req)
     for p in prompts:  # 400 if any prompt cannot fit with the requested budget
         resolve_max_tokens(ctx, len(p["prompt_token_ids"]), req.requested_max_tokens, "prompt")
     # Omitted max_tokens: None, i.e. each prompt may run up to the model's length.
@@ -81,7 +71,7 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
         raise from_value_error(exc, "prompt") from None
     except EngineDeadError as exc:
         raise APIError(503, f"engine is not running: {exc}") from None
-    choices = []
+    choices: list[dict[str, Any]] = []
     prompt_tokens = completion_tokens = 0
     for idx, p in enumerate(prompts):
         final = finals[idx]
@@ -115,8 +105,26 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
     })
 
 
+def _tokenize_prompts(ctx: ServingContext, req: CompletionRequest) -> list[dict[str, Any]]:
+    """{"prompt": text or None, "prompt_token_ids": ids} per prompt (blocking: runs in the engine's
+    prompt threads); an empty prompt or an id outside the vocabulary is an APIError naming `prompt`."""
+    tokenizer = ctx.engine.tokenizer
+    prompts: list[dict[str, Any]] = []
+    for raw in req.prompts():
+        if isinstance(raw, str):
+            ids = tokenizer.encode(raw)
+            text = raw
+        else:
+            check_token_ids(ctx, raw, "prompt")
+            ids, text = raw, None
+        if not ids:
+            raise APIError(400, "prompt: must not be empty", param="prompt")
+        prompts.append({"prompt": text, "prompt_token_ids": ids})
+    return prompts
+
+
 async def _stream(ctx: ServingContext, request: web.Request, req: CompletionRequest, prompts: list[dict[str, Any]],
-                  outputs: AsyncIterator[tuple[int, RequestOutput]], request_id: str) -> web.StreamResponse:
+                  outputs: AsyncGenerator[tuple[int, RequestOutput], None], request_id: str) -> web.StreamResponse:
     created = int(time.time())
     n = req.n
     first = await first_output(outputs, "prompt")
@@ -132,7 +140,7 @@ async def _stream(ctx: ServingContext, request: web.Request, req: CompletionRequ
     echoed: set[int] = set()
     builders: dict[int, _LogprobsBuilder] = {}
     completion_tokens = 0
-    async with contextlib.aclosing(outputs):  # type: ignore[type-var]
+    async with contextlib.aclosing(outputs):
         try:
             item = first
             while item is not None:
@@ -160,7 +168,7 @@ async def _stream(ctx: ServingContext, request: web.Request, req: CompletionRequ
                                     **({"stop_reason": comp.stop_reason} if comp.finish_reason else {})})
                 if choices:
                     await send_sse(resp, chunk(choices))
-                item = await anext(outputs, None)  # type: ignore[call-overload]
+                item = await anext(outputs, None)
             if req.include_usage:
                 prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
                 usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -174,7 +182,7 @@ async def _stream(ctx: ServingContext, request: web.Request, req: CompletionRequ
 
 
 async def _merged(ctx: ServingContext, prompts: list[dict[str, Any]], params: Any, request_id: str,
-                  priority: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+                  priority: int) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """(prompt index, output) from every prompt's generator, in arrival order."""
     if len(prompts) == 1:
         async with contextlib.aclosing(ctx.engine.generate(prompts[0], params, request_id, priority=priority)) as g:
