@@ -26,7 +26,7 @@ def normalize_prompts(prompts: PromptInput | Sequence[PromptInput]) -> list[Prom
     if isinstance(prompts, (str, Mapping)):
         return [prompts]
     if isinstance(prompts, Sequence):
-        items = list(prompts)
+        items: list[Any] = list(prompts)  # token ids (one prompt) or prompts: told apart below
         if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
             return [{"prompt_token_ids": items}]
         return items
