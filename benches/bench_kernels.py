@@ -229,7 +229,33 @@ def _sampling_case(bsz: int, label: str, k: int, p: float, have_cuda_kernel: boo
            "top_k=1 == argmax" if greedy else "top_k=1 != argmax FAIL")
 
 
+def _race_case(bsz: int) -> None:
+    """Plain temperature sampling: the one-pass Triton race against the torch passes it replaced
+    (scale, softmax, -log u, divide, argmax), same uniforms, same winner."""
+    from ferrox.kernels.exponential_race import exponential_race
+
+    vocab = 128256
+    logits = torch.randn(bsz, vocab, device=DEVICE) * 3
+    temperature = torch.full((bsz,), 0.8, device=DEVICE)
+
+    def torch_path():
+        probs = torch.softmax(logits / temperature[:, None], dim=-1)
+        u = torch.empty_like(probs).uniform_()
+        return (probs / u.log_().neg_()).argmax(-1)
+
+    def race():
+        return exponential_race(logits, temperature, torch.empty_like(logits).uniform_())
+
+    u = torch.rand(bsz, vocab, device=DEVICE)
+    same = torch.equal(exponential_race(logits, temperature, u),
+                       (torch.softmax(logits / temperature[:, None], -1) / -u.log()).argmax(-1))
+    record("sampling", f"B={bsz} V={vocab} temperature 0.8 (race)", timed(race), timed(torch_path),
+           "incl. drawing the uniforms", "same tokens" if same else "tokens differ (rounding ties?)")
+
+
 def sampling() -> None:
+    for bsz in (1, 256, 512):
+        _race_case(bsz)
     have_cuda_kernel = load_extension() is not None
     for bsz in (1, 32, 256):
         for label, k, p in (("top_k=50 top_p=0.9", 50, 0.9), ("top_p=0.95", 0, 0.95), ("top_k=1000", 1000, 1.0)):

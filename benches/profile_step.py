@@ -103,6 +103,7 @@ def main() -> None:
     parser.add_argument("--no-async", action="store_true")
     parser.add_argument("--profile-steps", type=int, default=20)
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--max-num-seqs", type=int, default=512, help="the engine's CUDA default")
     args = parser.parse_args()
 
     from ferrox import LLM, SamplingParams
@@ -110,7 +111,7 @@ def main() -> None:
     config = json.loads(Path(args.config).read_text())
     max_id = bench_setup.first_special_id(config)
     llm = LLM(model=bench_setup.make_model_dir(args.config), load_format="dummy", dtype="bfloat16",
-              max_model_len=4096, max_num_seqs=256, async_scheduling=not args.no_async)
+              max_model_len=4096, max_num_seqs=args.max_num_seqs, async_scheduling=not args.no_async)
     llm.generate(bench_setup.random_prompts(16, 64, max_id, seed=7),
                  SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
     for batch in (int(b) for b in args.batches.split(",")):
