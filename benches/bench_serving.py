@@ -10,13 +10,20 @@ Prompts are random words cut to exactly --input-len tokens (through the server's
 sent as token ids, so every request has the requested length; every request asks for exactly
 --output-len tokens (ignore_eos). Metrics: request throughput, output tokens/s, TTFT (time to the
 first token), TPOT (time per output token after the first), ITL (gap between streamed chunks)
-and E2E latency, each as mean / p50 / p90 / p99.
+and E2E latency, each as mean / p50 / p90 / p99 / max.
+
+--long-prompt-chars C (with --long-prompt-interval S) measures how the server copes with huge
+prompts arriving during the run: every S seconds a C-character prompt goes to /tokenize or (as a
+chat message, rejected as too long after tokenizing) to /v1/chat/completions, while /health is
+probed every 20 ms. Tokenizing off the event loop keeps the short requests' TTFT and the /health
+latency flat; the report adds HEALTH (ms) and the number of long prompts sent.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -123,6 +130,14 @@ async def run_load(base_url: str, model: str | None, api_key: str | None, args: 
                 return await one_request(session, url, headers, model, prompt, args.output_len)
 
         tasks = []
+        done = asyncio.Event()
+        health_ms: list[float] = []
+        long_sent: list[int] = []
+        background = []
+        if args.long_prompt_chars:
+            background = [asyncio.create_task(probe_health(session, base_url, done, health_ms)),
+                          asyncio.create_task(send_long_prompts(session, base_url, headers, model, args, done,
+                                                                long_sent))]
         start = time.perf_counter()
         for prompt in prompts:
             tasks.append(asyncio.create_task(limited(prompt)))
@@ -130,18 +145,65 @@ async def run_load(base_url: str, model: str | None, api_key: str | None, args: 
                 await asyncio.sleep(rng.expovariate(args.request_rate))  # Poisson arrivals
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return summarize(results, duration, model, args)
+        done.set()
+        await asyncio.gather(*background)
+    summary = summarize(results, duration, model, args)
+    if args.long_prompt_chars:
+        summary["health_ms"] = _pcts(health_ms, scale=1.0)
+        summary["long_prompts_sent"] = len(long_sent)
+    return summary
+
+
+async def probe_health(session: aiohttp.ClientSession, base_url: str, done: asyncio.Event,
+                       latencies_ms: list[float]) -> None:
+    """GET /health every 20 ms until `done`: how long the event loop takes to answer."""
+    while not done.is_set():
+        start = time.perf_counter()
+        async with session.get(base_url + "/health") as resp:
+            await resp.read()
+        latencies_ms.append((time.perf_counter() - start) * 1000)
+        await asyncio.sleep(0.02)
+
+
+async def send_long_prompts(session: aiohttp.ClientSession, base_url: str, headers: dict[str, str], model: str,
+                            args: argparse.Namespace, done: asyncio.Event, sent: list[int]) -> None:
+    """A --long-prompt-chars prompt every --long-prompt-interval s, alternately to /tokenize and (too
+    long for the model: a 400 after tokenizing) to /v1/chat/completions; each runs unawaited."""
+    rng = random.Random(args.seed + 2)
+    pending = []
+
+    async def post(path: str, body: dict[str, Any]) -> None:
+        async with session.post(base_url + path, json=body, headers=headers) as resp:
+            await resp.read()
+        sent.append(resp.status)
+
+    while not done.is_set():
+        words: list[str] = []
+        size = 0
+        while size < args.long_prompt_chars:
+            words.append(rng.choice(WORDS))
+            size += len(words[-1]) + 1
+        text = " ".join(words)[: args.long_prompt_chars]
+        if len(pending) % 2 == 0:
+            pending.append(asyncio.create_task(post("/tokenize", {"prompt": text})))
+        else:
+            body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+            pending.append(asyncio.create_task(post("/v1/chat/completions", body)))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(done.wait(), args.long_prompt_interval)
+    await asyncio.gather(*pending)
 
 
 def _pcts(values: list[float], scale: float = 1000.0) -> dict[str, float]:
     if not values:
-        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0}
     ordered = sorted(values)
 
     def pct(p: float) -> float:
         return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))] * scale
 
-    return {"mean": statistics.fmean(values) * scale, "p50": pct(50), "p90": pct(90), "p99": pct(99)}
+    return {"mean": statistics.fmean(values) * scale, "p50": pct(50), "p90": pct(90), "p99": pct(99),
+            "max": ordered[-1] * scale}
 
 
 def summarize(results: list[RequestResult], duration: float, model: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -179,10 +241,15 @@ def print_report(res: dict[str, Any]) -> None:
     print(f"{'request throughput (req/s)':<28}{res['request_throughput']:.3f}")
     print(f"{'output throughput (tok/s)':<28}{res['output_throughput']:.1f}")
     print(f"{'total throughput (tok/s)':<28}{res['total_token_throughput']:.1f}")
-    print(f"{'metric (ms)':<12}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
-    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+    if "long_prompts_sent" in res:
+        print(f"{'long prompts sent':<28}{res['long_prompts_sent']}")
+    print(f"{'metric (ms)':<12}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>10}")
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "health_ms"):
+        if key not in res:
+            continue
         v = res[key]
-        print(f"{key[:-3].upper():<12}{v['mean']:>10.1f}{v['p50']:>10.1f}{v['p90']:>10.1f}{v['p99']:>10.1f}")
+        print(f"{key[:-3].upper():<12}{v['mean']:>10.1f}{v['p50']:>10.1f}{v['p90']:>10.1f}{v['p99']:>10.1f}"
+              f"{v['max']:>10.1f}")
     if res["errors"]:
         print("errors:", *res["errors"], sep="\n  ")
 
@@ -257,6 +324,9 @@ def main() -> None:
     p.add_argument("--result-json", default=None)
     p.add_argument("--compare-offline", action="store_true",
                    help="also run the workload through offline LLM.generate (default when no --base-url)")
+    p.add_argument("--long-prompt-chars", type=int, default=0,
+                   help="also send prompts of this many characters during the run (0: none); adds HEALTH")
+    p.add_argument("--long-prompt-interval", type=float, default=0.25, help="seconds between long prompts")
     p.add_argument("--max-model-len", type=int, default=1024, help="(own server / offline run)")
     p.add_argument("--kv-cache-memory", default="512MiB", help="(own server / offline run)")
     args = p.parse_args()
