@@ -21,7 +21,7 @@ from typing import Any
 from aiohttp import web
 
 import ferrox
-from ferrox.engine.async_llm import AsyncLLM
+from ferrox.engine.async_llm import AsyncLLM, EngineDeadError
 from ferrox.entrypoints.anthropic.serving_messages import count_message_tokens, create_message
 from ferrox.entrypoints.openai.errors import APIError
 from ferrox.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
@@ -58,6 +58,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return await handler(request)
     except APIError as exc:
         return exc.response(anthropic)
+    except EngineDeadError as exc:  # e.g. a prompt handed to the prompt threads during shutdown
+        return APIError(503, f"engine is not running: {exc}").response(anthropic)
     except web.HTTPRequestEntityTooLarge:
         return APIError(413, f"request body too large (limit {request.client_max_size} bytes)",
                         code="request_too_large").response(anthropic)
