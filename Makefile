@@ -39,6 +39,7 @@ lint: build
 	cargo clippy --all-targets --no-default-features -- -D warnings
 	ruff check python tests benches examples
 	$(PY) -m mypy.stubtest ferrox._core --ignore-missing-stub
+	$(PY) -m mypy python/ferrox
 
 rust-test:
 	cargo test --no-default-features -q
