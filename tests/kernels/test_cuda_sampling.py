@@ -142,14 +142,15 @@ def test_cuda_kernel_is_inverse_cdf_in_thread_major_order(cuda_device, seed):
 
 @pytest.mark.gpu
 def test_sampler_uses_the_cuda_kernel_once_built(cuda_device, seed):
-    """The engine's Sampler: top-k/top-p rows go through the CUDA kernel once the background build
-    is done; tokens stay inside each row's top-k, greedy rows take the argmax, and a seeded row
-    draws the same token again from a generator reseeded the same way."""
+    """The engine's Sampler: with a build on disk, prepare_extension hands the kernel over and
+    top-k/top-p rows go through it; tokens stay inside each row's top-k, greedy rows take the
+    argmax, and a seeded row draws the same token again from a generator reseeded the same way."""
     from ferrox.layers.sampler import Sampler, SamplingMetadata
 
-    if cuda_sampling.load_extension() is None:  # waits for (or runs) the build
+    if cuda_sampling.load_extension() is None:  # runs (or loads) the build
         pytest.skip("no CUDA compiler here")
-    assert cuda_sampling.extension_if_ready() is not None
+    kernel = cuda_sampling.prepare_extension()
+    assert kernel is not None
     batch, vocab = 6, 5000
     logits = torch.randn(batch, vocab, device=cuda_device) * 3
     top_k = torch.tensor([5, 1, vocab, 20, 5, 3], device=cuda_device)
@@ -157,7 +158,7 @@ def test_sampler_uses_the_cuda_kernel_once_built(cuda_device, seed):
     md = SamplingMetadata(all_greedy=False, greedy_rows=torch.tensor([False, False, False, False, False, True],
                                                                      device=cuda_device),
                           temperature=torch.ones(batch, device=cuda_device), top_k=top_k, generators=gens)
-    sampler = Sampler(torch.Generator(device=cuda_device).manual_seed(0))
+    sampler = Sampler(torch.Generator(device=cuda_device).manual_seed(0), kernel)
     first = sampler(logits.clone(), md).token_ids
     for _ in range(20):
         tokens = sampler(logits.clone(), md).token_ids

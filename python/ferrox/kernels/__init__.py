@@ -9,8 +9,10 @@ under the Triton interpreter at tiny shapes and on the GPU at Llama-3.1-8B shape
 - rotary.py             neox rotary embedding from a cos/sin cache (+ Llama 3.1 frequency scaling)
 - gemv.py               one-token matrix-vector products with RMSNorm / residual / SiLU / rotary +
                         KV write fused in (batch-1 decode: five launches per decoder layer)
-- cuda_sampling.py      top-k/top-p sampling: CUDA C++ kernel (cuda/) JIT-built on a background
-                        thread at engine start, torch fallback until then and off CUDA
+- cuda_sampling.py      top-k/top-p sampling: CUDA C++ kernel (cuda/) JIT-built once (on a
+                        background thread at a first engine start, used from the next start on),
+                        torch fallback otherwise and off CUDA
+- exponential_race.py   the sampler's draw for plain temperature sampling in one pass
 
 Modules import triton at import time (cuda_sampling.py does not); import them only where a GPU path may run.
 Measured numbers: benches/RESULTS.md (benches/bench_kernels.py).

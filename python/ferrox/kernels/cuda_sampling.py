@@ -6,8 +6,9 @@ and draws one token by inverse CDF with the row's uniform in [0, 1). Passing the
 keeps per-request seeds in the caller's hands (one torch.Generator per seeded request).
 
 On CUDA with a compiler present, cuda/top_k_top_p_sampling.cu is JIT-built once with
-torch.utils.cpp_extension (cached under ~/.cache/torch_extensions) and used: it finds both cuts
-by radix select over the float bits instead of sorting the vocabulary. Anywhere else (CPU, no
+torch.utils.cpp_extension (cached under ~/.cache/ferrox/cuda_ext) and used: it finds both cuts
+by radix select over the float bits instead of sorting the vocabulary. An engine asks
+`prepare_extension()` once at start (see there for why a first start builds for the next one). Anywhere else (CPU, no
 nvcc, a source tree without cuda/, or a build error, which is logged once) the sort-based torch
 path below runs; both draw from the same distribution but not the same token for a given uniform
 (they walk the kept tokens in a different order).
@@ -18,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import threading
 from functools import lru_cache
 from pathlib import Path
@@ -28,6 +30,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CUDA_SOURCES = ("top_k_top_p_sampling.cu", "top_k_top_p_sampling.cpp")
+_EXT_NAME = "ferrox_top_k_top_p_sampling"
 # Set FERROX_DISABLE_CUDA_SAMPLING=1 to force the torch path (debugging, A/B timing).
 _DISABLE_ENV = "FERROX_DISABLE_CUDA_SAMPLING"
 
@@ -59,12 +62,15 @@ def load_extension() -> Any | None:
     if "TORCH_CUDA_ARCH_LIST" not in os.environ:
         major, minor = torch.cuda.get_device_capability()
         os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"  # build for this GPU only: faster JIT
+    build_dir = _build_dir()
+    build_dir.mkdir(parents=True, exist_ok=True)
     try:
         return cpp_extension.load(
-            name="ferrox_top_k_top_p_sampling",
+            name=_EXT_NAME,
             sources=[str(src / name) for name in _CUDA_SOURCES],
             extra_cuda_cflags=["-O3", "--use_fast_math"],
             extra_cflags=["-O3"],
+            build_directory=str(build_dir),
             verbose=False,
         )
     except Exception as exc:  # a broken toolchain must not take sampling down
@@ -72,23 +78,33 @@ def load_extension() -> Any | None:
         return None
 
 
-def start_background_build() -> None:
-    """Build (or load from the cache) the extension on a daemon thread, so an engine's start-up does
-    not wait for nvcc; the sampler uses the torch path until `extension_if_ready` returns it."""
-    if os.environ.get(_DISABLE_ENV) == "1" or not torch.cuda.is_available():
-        return
+def _build_dir() -> Path:
+    """Where the JIT build lives: one folder per torch / CUDA / Python / GPU architecture, under
+    TORCH_EXTENSIONS_DIR or ~/.cache/ferrox, so a later start finds the built module."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ferrox")
+    major, minor = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
+    tag = f"torch{torch.__version__}_cu{torch.version.cuda}_py{sys.version_info.major}{sys.version_info.minor}_sm{major}{minor}"
+    return Path(root) / "cuda_ext" / tag.replace("+", "-")
+
+
+def prepare_extension() -> Any | None:
+    """Engine start on CUDA. With a finished build on disk, load it now (~1 s) and sample top-k /
+    top-p with it; otherwise build it on a daemon thread for the NEXT start, and keep the torch
+    path for this whole run -- switching mid-run would change what a seeded request draws (the
+    two paths map a uniform to different tokens), so a repeated seeded request must see one
+    path per engine. Returns the module to use, or None for the torch path."""
     global _build_thread
+    if os.environ.get(_DISABLE_ENV) == "1" or not torch.cuda.is_available():
+        return None
+    built = any(_build_dir().glob(f"{_EXT_NAME}*.so"))
     with _build_lock:
+        if built:
+            return load_extension()
         if _build_thread is None:
+            logger.info("building the CUDA top-k/top-p sampling kernel in the background for the next start")
             _build_thread = threading.Thread(target=load_extension, name="ferrox-cuda-sampling-build", daemon=True)
             _build_thread.start()
-
-
-def extension_if_ready() -> Any | None:
-    """The extension when a build has finished (never starts or waits for one)."""
-    if load_extension.cache_info().currsize == 0:
         return None
-    return load_extension()
 
 
 _build_lock = threading.Lock()
@@ -127,11 +143,15 @@ def top_k_top_p_sample_torch(
 
 
 def top_k_top_p_sample(
-    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor, ext: Any | None = None
 ) -> torch.Tensor:
-    """int64 [batch] token ids sampled from probs [batch, vocab] (rows need not be normalized)."""
+    """int64 [batch] token ids sampled from probs [batch, vocab] (rows need not be normalized).
+    `ext`: the loaded extension to use; by default it is loaded (built if need be) here."""
     _check(probs, top_k, top_p, uniforms)
-    ext = load_extension() if probs.is_cuda else None
+    if probs.is_cuda and ext is None:
+        ext = load_extension()
+    if not probs.is_cuda:
+        ext = None
     if ext is None:
         return top_k_top_p_sample_torch(probs, top_k, top_p, uniforms)
     return ext.top_k_top_p_sample(

@@ -11,6 +11,7 @@ step, so its tokens do not depend on what else is in the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -76,10 +77,13 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
 
 
 class Sampler:
-    def __init__(self, default_generator: torch.Generator | None = None) -> None:
+    def __init__(self, default_generator: torch.Generator | None = None, top_k_top_p_kernel: Any | None = None) -> None:
         # Unseeded random rows draw from this one generator (seeded from the engine's seed, so
         # whole runs reproduce too).
         self.default_generator = default_generator
+        # cuda/top_k_top_p_sampling.cu when the engine chose it at start (cuda_sampling.prepare_extension),
+        # fixed for the sampler's life so a seeded request always draws through the same path.
+        self.top_k_top_p_kernel = top_k_top_p_kernel
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         raw = logits.clone() if md.max_num_logprobs is not None else None
@@ -124,7 +128,7 @@ class Sampler:
         logits = logits / md.temperature.unsqueeze(1)
         if md.min_p is not None:
             logits = lp.apply_min_p(logits, md.min_p)
-        if top_cut and logits.is_cuda and cuda_sampling.extension_if_ready():
+        if top_cut and logits.is_cuda and self.top_k_top_p_kernel is not None:
             return self._sample_top_k_top_p_cuda(logits, md)
         if top_cut:
             logits = lp.apply_top_k_top_p(logits, md.top_k, md.top_p)
@@ -158,4 +162,4 @@ class Sampler:
             u[row].uniform_(generator=gen)
         top_k = md.top_k if md.top_k is not None else torch.zeros(batch, dtype=torch.int64, device=probs.device)
         top_p = md.top_p if md.top_p is not None else torch.ones(batch, dtype=torch.float32, device=probs.device)
-        return cuda_sampling.top_k_top_p_sample(probs, top_k, top_p, u)
+        return cuda_sampling.top_k_top_p_sample(probs, top_k, top_p, u, ext=self.top_k_top_p_kernel)

@@ -119,11 +119,12 @@ class ModelRunner:
         self.sampling_batch = SamplingBatchBuilder(vocab_size, device)
         default_gen = torch.Generator(device=device)
         default_gen.manual_seed(seed)
-        self.sampler = Sampler(default_gen)
+        top_k_top_p_kernel = None
         if device.type == "cuda":
-            from ferrox.kernels.cuda_sampling import start_background_build
+            from ferrox.kernels.cuda_sampling import prepare_extension
 
-            start_background_build()  # top-k/top-p sampling switches to the CUDA kernel once built
+            top_k_top_p_kernel = prepare_extension()  # the CUDA kernel when a build is on disk
+        self.sampler = Sampler(default_gen, top_k_top_p_kernel)
         self._upload = _Uploader(device)
         self._host_tokens: list[torch.Tensor] = []  # two pinned [max batch] buffers (GPU), by step parity
         self._step_parity = 0
