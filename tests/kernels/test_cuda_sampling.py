@@ -143,8 +143,9 @@ def test_cuda_kernel_is_inverse_cdf_in_thread_major_order(cuda_device, seed):
 @pytest.mark.gpu
 def test_sampler_uses_the_cuda_kernel_once_built(cuda_device, seed):
     """The engine's Sampler: with a build on disk, prepare_extension hands the kernel over and
-    top-k/top-p rows go through it; tokens stay inside each row's top-k, greedy rows take the
-    argmax, and a seeded row draws the same token again from a generator reseeded the same way."""
+    unseeded top-k/top-p rows go through it; tokens stay inside each row's top-k, greedy rows take
+    the argmax, and the seeded row (redrawn by the exponential race) draws the same token again
+    from a generator reseeded the same way, also when sampled alone."""
     from ferrox.layers.sampler import Sampler, SamplingMetadata
 
     if cuda_sampling.load_extension() is None:  # runs (or loads) the build
@@ -168,3 +169,7 @@ def test_sampler_uses_the_cuda_kernel_once_built(cuda_device, seed):
         assert tokens[1] == logits[1].argmax() and tokens[5] == logits[5].argmax()
     gens[4].manual_seed(7)
     assert sampler(logits.clone(), md).token_ids[4] == first[4]
+    gens[4].manual_seed(7)
+    alone = SamplingMetadata(all_greedy=False, temperature=torch.ones(1, device=cuda_device), top_k=top_k[4:5],
+                             generators={0: gens[4]})
+    assert sampler(logits[4:5].clone(), alone).token_ids[0] == first[4]

@@ -124,42 +124,53 @@ class Sampler:
             if md.min_p is not None:
                 logits = lp.apply_min_p(logits / temperature.unsqueeze(1), md.min_p)
                 temperature = torch.ones_like(temperature)
-            return exponential_race(logits, temperature, self._uniforms(logits, md))
+            return exponential_race(logits, temperature, self._uniforms(logits, md.generators))
         logits = logits / md.temperature.unsqueeze(1)
         if md.min_p is not None:
             logits = lp.apply_min_p(logits, md.min_p)
-        if top_cut and logits.is_cuda and self.top_k_top_p_kernel is not None:
-            return self._sample_top_k_top_p_cuda(logits, md)
+        if top_cut and logits.is_cuda and self.top_k_top_p_kernel is not None and len(md.generators) < logits.shape[0]:
+            tokens = self._sample_top_k_top_p_cuda(logits, md)
+            if md.generators:
+                # Seeded rows keep the exponential race below. Its draw barely moves under the
+                # last-bit logit differences that a different batch shape causes in bf16, so a
+                # seeded request gives the same tokens alone or batched; the kernel's inverse-CDF
+                # draw moves whenever its uniform lands near a CDF step (seen on the H200).
+                rows = sorted(md.generators)
+                idx = torch.tensor(rows, device=logits.device)
+                top_k = None if md.top_k is None else md.top_k.index_select(0, idx)
+                top_p = None if md.top_p is None else md.top_p.index_select(0, idx)
+                seeded = lp.apply_top_k_top_p(logits.index_select(0, idx), top_k, top_p)
+                tokens.index_copy_(0, idx, self._race(seeded, {i: md.generators[r] for i, r in enumerate(rows)}))
+            return tokens
         if top_cut:
             logits = lp.apply_top_k_top_p(logits, md.top_k, md.top_p)
+        return self._race(logits, md.generators)
+
+    def _race(self, logits: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
         probs = torch.softmax(logits, dim=-1)
-        q = self._uniforms(probs, md).log_().neg_()
+        q = self._uniforms(probs, generators).log_().neg_()
         return (probs / q).argmax(dim=-1)
 
-    def _uniforms(self, like: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def _uniforms(self, like: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
         """U[0, 1) float32 shaped like `like`; seeded rows draw theirs from their own generator.
         For the race, q = -log(u) ~ Exp(1): drawn from uniforms because on CPU torch.rand is ~8x
         faster than Tensor.exponential_ (1.6 ms vs 13 ms for 16 x 49k draws). q is never 0
         (u < 1), so a masked token (p = 0) scores 0 / q = 0 and never NaN; u = 0 gives q = inf."""
         u = torch.empty(like.shape, dtype=torch.float32, device=like.device)
-        if len(md.generators) < like.shape[0]:
+        if len(generators) < like.shape[0]:
             u.uniform_(generator=self.default_generator)
-        for row, gen in md.generators.items():
+        for row, gen in generators.items():
             u[row].uniform_(generator=gen)
         return u
 
     def _sample_top_k_top_p_cuda(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """cuda/top_k_top_p_sampling.cu: both cuts by radix select, then an inverse-CDF draw -- no
         vocabulary sort and no host sync (the torch path syncs to size its top-k and to find rows
-        whose nucleus is wide), so async scheduling keeps overlapping. A seeded request consumes
-        one uniform per step from its generator here."""
+        whose nucleus is wide), so async scheduling keeps overlapping. Unseeded rows only (the
+        caller redraws seeded ones), so every uniform comes from the default generator."""
         probs = torch.softmax(logits, dim=-1)
         batch = probs.shape[0]
-        u = torch.empty(batch, dtype=torch.float32, device=probs.device)
-        if len(md.generators) < batch:
-            u.uniform_(generator=self.default_generator)
-        for row, gen in md.generators.items():
-            u[row].uniform_(generator=gen)
+        u = torch.empty(batch, dtype=torch.float32, device=probs.device).uniform_(generator=self.default_generator)
         top_k = md.top_k if md.top_k is not None else torch.zeros(batch, dtype=torch.int64, device=probs.device)
         top_p = md.top_p if md.top_p is not None else torch.ones(batch, dtype=torch.float32, device=probs.device)
         return cuda_sampling.top_k_top_p_sample(probs, top_k, top_p, u, ext=self.top_k_top_p_kernel)
