@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import os
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -27,17 +28,13 @@ from ferrox.kernels.reshape_and_cache import reshape_and_cache
 from ferrox.kernels.rmsnorm import fused_add_rms_norm
 from ferrox.kernels.rotary import neox_cos_sin_cache, rotary_neox_
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_setup  # noqa: E402
+
 HIDDEN, INTER, VOCAB, HQ, HKV, D = 4096, 14336, 128256, 32, 8, 128
 DTYPE = torch.bfloat16
 SHAPES = {"qkv": ((HQ + 2 * HKV) * D, HIDDEN), "o_proj": (HIDDEN, HQ * D), "gate_up": (2 * INTER, HIDDEN),
           "down": (HIDDEN, INTER), "lm_head": (VOCAB, HIDDEN)}
-
-
-def copy_bandwidth() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = graph_ms([lambda: dst.copy_(src)] * 4)
-    return 2 * src.numel() / (ms * 1e-3)
 
 
 def graph_ms(calls, replays: int = 10) -> float:
@@ -163,7 +160,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     out: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    out["copy_tbps"] = copy_bandwidth() / 1e12
+    out["copy_tbps"] = bench_setup.measure_copy_bandwidth_gbps() / 1e3  # the same measure as bench_latency's floor
     if args.sweep:
         sweep(out)
     fused_vs_unfused(out)
