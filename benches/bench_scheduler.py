@@ -3,12 +3,21 @@
 Drives ferrox._core.Scheduler the way the engine core does: N running requests decoding, a
 stream of arriving prompts replacing the ones that finish, and each step = one schedule() plus
 one update_from_output() with random sampled token ids (real vocabulary, never EOS or a special
-token), incremental detokenization and three stop strings per request switched on.
+token), incremental detokenization and three stop strings per request switched on. The timed
+region also reads what an engine reads every step: the runner's arrays of the SchedulerOutput,
+and the StepOutputs columns (slots, token_ids, token_offsets, text, text_offsets,
+finish_reasons); finished rows are mapped back to request ids through their slots.
 
 For comparison, the same loop runs through a minimal pure-Python scheduler (block list, token
 budget, stop checks; no detokenization) at the same N.
 
     python benches/bench_scheduler.py --requests 256 --steps 2000
+    python benches/bench_scheduler.py --baseline /tmp/ferrox-base/site   # before/after, one run
+
+--baseline DIR runs the same loop, size by size, interleaved with the current build, against the
+ferrox package installed in DIR (`pip install --no-deps --target DIR <older wheel>`), in a
+subprocess. An older build without StepOutputs (one RequestOutput object per request per step)
+is driven through that interface; its timed region is schedule() + update_from_output() only.
 
 The tokenizer is the embedded model's (SmolLM2, 49152 byte-level BPE tokens, rebuilt from the GGUF
 by ferrox.loader) when available, else a 40k byte-level BPE trained with `tokenizers`; either is
@@ -18,16 +27,22 @@ cached as JSON under the temp dir. The last line printed is `scheduler_step_us: 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from ferrox import _core
 from ferrox._core import Scheduler
+
+COLUMNAR = hasattr(_core, "StepOutputs")
 
 CACHE = Path(tempfile.gettempdir()) / "ferrox-bench"
 STOPS = ["\n\nUser:", "###", "</answer>"]
@@ -112,12 +127,15 @@ def bench_rust(n: int, steps: int, tokenizer_json: str, pool: np.ndarray, eos: l
         eos_token_ids=eos,
     )
     serial = 0
+    req_of_slot: dict[int, str] = {}  # what an engine keeps to name the rows of a StepOutputs
 
     def add():
         nonlocal serial
         prompt = rng.choice(pool, size=PROMPT_LEN)
         # Output lengths vary so a few requests finish and new prompts arrive in most steps.
-        s.add_request(f"req-{serial}", prompt, max_tokens=prng.randint(100, 700), stop=STOPS)
+        rid = f"req-{serial}"
+        slot = s.add_request(rid, prompt, max_tokens=prng.randint(100, 700), stop=STOPS)
+        req_of_slot[slot] = rid
         serial += 1
 
     for _ in range(n):
@@ -132,13 +150,30 @@ def bench_rust(n: int, steps: int, tokenizer_json: str, pool: np.ndarray, eos: l
         c0 = time.thread_time_ns()
         t0 = time.perf_counter_ns()
         out = s.schedule()
-        res = s.update_from_output(samples[i, : out.num_reqs])
-        t1 = time.perf_counter_ns()
-        cpu.append((time.thread_time_ns() - c0) / 1000)
-        times.append((t1 - t0) / 1000)
-        for o in res:
-            if o.finished:
+        if COLUMNAR:
+            # What the model runner reads of every step.
+            step_arrays = (out.req_slots, out.input_ids, out.positions, out.slot_mapping, out.query_start_loc,
+                           out.seq_lens, out.block_table, out.logits_indices, out.sample_mask,
+                           out.num_scheduled_tokens)
+            res = s.update_from_output(samples[i, : out.num_reqs])
+            # What the engine reads of every result: the columns, then the finished rows' ids.
+            columns = (res.slots, res.token_ids, res.token_offsets, res.text, res.text_offsets)
+            finished = np.flatnonzero(res.finish_reasons)
+            finished_ids = [req_of_slot[x] for x in res.slots[finished].tolist()]
+            t1 = time.perf_counter_ns()
+            cpu.append((time.thread_time_ns() - c0) / 1000)
+            times.append((t1 - t0) / 1000)
+            del step_arrays, columns
+            for _ in finished_ids:
                 add()
+        else:
+            res = s.update_from_output(samples[i, : out.num_reqs])
+            t1 = time.perf_counter_ns()
+            cpu.append((time.thread_time_ns() - c0) / 1000)
+            times.append((t1 - t0) / 1000)
+            for o in res:
+                if o.finished:
+                    add()
     stats = s.stats()
     return times, cpu, stats
 
@@ -266,38 +301,63 @@ def summarize(times: list[float], n: int) -> tuple[float, float, float]:
     return med, p90, med / n
 
 
+def run_size(n: int, steps: int, tokenizer_json: str, pool: np.ndarray, eos: list[int]) -> dict:
+    times, cpu, stats = bench_rust(n, steps, tokenizer_json, pool, eos)
+    # (requests that stopped during warm-up are not replaced, hence <=)
+    assert stats.num_running + stats.num_waiting <= n and stats.num_preemptions == 0
+    med, p90, per = summarize(times, n)
+    return {"median": med, "p90": p90, "per_request": per, "cpu": statistics.median(cpu)}
+
+
+def run_baseline(site: str, n: int, steps: int) -> dict:
+    """The same loop against the ferrox installed in `site`, in a subprocess."""
+    env = dict(os.environ, PYTHONPATH=site)
+    cmd = [sys.executable, os.path.abspath(__file__), "--one-size", str(n), "--steps", str(steps)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd=tempfile.gettempdir())
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=256, help="running requests for the headline number")
     ap.add_argument("--steps", type=int, default=2000, help="timed steps per configuration")
     ap.add_argument("--sizes", type=str, default="64,256,1024", help="request counts for the table")
-    ap.add_argument("--python-steps", type=int, default=0, help="steps for the pure-Python loop (default: steps/4)")
+    ap.add_argument("--python-steps", type=int, default=0, help="pure-Python loop steps (default: steps/4)")
+    ap.add_argument("--baseline", type=str, default=None, help="site dir of an older ferrox build to compare")
+    ap.add_argument("--one-size", type=int, default=0, help=argparse.SUPPRESS)  # --baseline's subprocess
     args = ap.parse_args()
 
     tokenizer_json, tok_name = load_tokenizer()
     pool, special = normal_token_ids(tokenizer_json)
     eos = special[:1]
+    if args.one_size:
+        print(json.dumps(run_size(args.one_size, args.steps, tokenizer_json, pool, eos)))
+        return
     sizes = sorted({int(x) for x in args.sizes.split(",")} | {args.requests})
     print(f"tokenizer: {tok_name} ({len(pool) + len(special)} tokens); stop strings per request: {STOPS}")
     print(f"machine: {platform.machine()} {os.cpu_count()} CPUs, python {platform.python_version()}")
     print(f"load average at start: {os.getloadavg()[0]:.1f} (wall-clock p90 suffers on a busy machine)")
-    header = f"{'loop':<24}{'requests':>9}{'median us/step':>16}{'p90 us/step':>13}{'us/request':>12}"
+    header = f"{'loop':<26}{'requests':>9}{'median us/step':>16}{'p90 us/step':>13}{'us/request':>12}"
     print(header + f"{'median CPU us/step':>20}")
+
+    def row(label: str, n: int, r: dict) -> None:
+        cols = f"{r['median']:>16.1f}{r['p90']:>13.1f}{r['per_request']:>12.3f}{r['cpu']:>20.1f}"
+        print(f"{label:<26}{n:>9}{cols}")
+
     headline = None
     for n in sizes:
-        times, cpu, stats = bench_rust(n, args.steps, tokenizer_json, pool, eos)
-        med, p90, per = summarize(times, n)
-        cmed = statistics.median(cpu)
-        print(f"{'rust core (+detok)':<24}{n:>9}{med:>16.1f}{p90:>13.1f}{per:>12.3f}{cmed:>20.1f}")
-        # (requests that stopped during warm-up are not replaced, hence <=)
-        assert stats.num_running + stats.num_waiting <= n and stats.num_preemptions == 0
+        if args.baseline:
+            row("baseline rust (+detok)", n, run_baseline(args.baseline, n, args.steps))
+        r = run_size(n, args.steps, tokenizer_json, pool, eos)
+        row("rust core (+detok)", n, r)
         if n == args.requests:
-            headline = med
+            headline = r["median"]
+    assert headline is not None
     py_steps = args.python_steps or max(200, args.steps // 4)
     ptimes, pcpu = bench_python(args.requests, py_steps, pool, eos)
     pmed, pp90, pper = summarize(ptimes, args.requests)
-    pc = statistics.median(pcpu)
-    print(f"{'pure python (no detok)':<24}{args.requests:>9}{pmed:>16.1f}{pp90:>13.1f}{pper:>12.3f}{pc:>20.1f}")
+    pres = {"median": pmed, "p90": pp90, "per_request": pper, "cpu": statistics.median(pcpu)}
+    row("pure python (no detok)", args.requests, pres)
     print(f"python / rust at {args.requests} requests: {pmed / headline:.1f}x")
     print(f"scheduler_step_us: {headline:.1f}")
 

@@ -263,7 +263,8 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [str(Path(sys.executable).with_name("ferrox")), "serve", *([args.model] if args.model else []),
+    # `python -m` rather than the console script: a --target install (the GPU machine) has none.
+    cmd = [sys.executable, "-m", "ferrox.entrypoints.cli", "serve", *([args.model] if args.model else []),
            "--port", str(port), "--log-level", "warning", *engine_flags(args)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -287,6 +288,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_concurrency or 256)]
     if args.kv_cache_memory:
         flags += ["--kv-cache-memory", args.kv_cache_memory]
+    if args.load_format != "auto":
+        flags += ["--load-format", args.load_format]
     return flags
 
 
@@ -295,7 +298,8 @@ def run_offline(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str,
     from ferrox import LLM, SamplingParams
     from ferrox.entrypoints.cli import parse_size
 
-    kwargs: dict[str, Any] = {"max_model_len": args.max_model_len, "max_num_seqs": args.max_concurrency or 256}
+    kwargs: dict[str, Any] = {"max_model_len": args.max_model_len, "max_num_seqs": args.max_concurrency or 256,
+                              "load_format": args.load_format}
     if args.kv_cache_memory:
         kwargs["kv_cache_memory"] = parse_size(args.kv_cache_memory)
     llm = LLM(args.model, **kwargs)
@@ -328,7 +332,9 @@ def main() -> None:
                    help="also send prompts of this many characters during the run (0: none); adds HEALTH")
     p.add_argument("--long-prompt-interval", type=float, default=0.25, help="seconds between long prompts")
     p.add_argument("--max-model-len", type=int, default=1024, help="(own server / offline run)")
-    p.add_argument("--kv-cache-memory", default="512MiB", help="(own server / offline run)")
+    p.add_argument("--kv-cache-memory", default="512MiB",
+                   help="(own server / offline run; '' = sized from GPU memory)")
+    p.add_argument("--load-format", default="auto", help="(own server / offline run) e.g. dummy")
     args = p.parse_args()
 
     proc = None

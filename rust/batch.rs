@@ -6,6 +6,45 @@ use std::sync::Arc;
 
 use crate::block_pool::NULL_BLOCK;
 
+/// Request ids of a step's rows, copied into one buffer: reading them later never touches the
+/// requests, and building the list changes no reference counts (an atomic operation per row).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct IdList {
+    text: String,
+    ends: Vec<u32>,
+}
+
+impl IdList {
+    pub fn with_capacity(n: usize) -> Self {
+        IdList {
+            text: String::with_capacity(n * 16),
+            ends: Vec::with_capacity(n),
+        }
+    }
+
+    pub fn push(&mut self, id: &str) {
+        self.text.push_str(id);
+        self.ends.push(self.text.len() as u32);
+    }
+
+    pub fn len(&self) -> usize {
+        self.ends.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ends.is_empty()
+    }
+
+    pub fn get(&self, i: usize) -> &str {
+        let start = if i == 0 { 0 } else { self.ends[i - 1] as usize };
+        &self.text[start..self.ends[i] as usize]
+    }
+
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = &str> + '_ {
+        (0..self.len()).map(|i| self.get(i))
+    }
+}
+
 #[derive(Debug, Default, Clone)]
 pub struct BatchArrays {
     pub input_ids: Vec<i64>,
@@ -39,47 +78,105 @@ impl BatchArrays {
         entries: impl ExactSizeIterator<Item = BatchEntry<'a>> + Clone,
         block_size: usize,
     ) -> Self {
-        let num_reqs = entries.len();
-        let num_tokens: usize = entries.clone().map(|e| e.num_new_tokens).sum();
-        let max_blocks = entries.clone().map(|e| e.blocks.len()).max().unwrap_or(0);
-        let mut b = BatchArrays {
-            input_ids: Vec::with_capacity(num_tokens),
-            positions: Vec::with_capacity(num_tokens),
-            slot_mapping: Vec::with_capacity(num_tokens),
-            query_start_loc: Vec::with_capacity(num_reqs + 1),
-            num_scheduled_tokens: Vec::with_capacity(num_reqs),
-            num_computed_tokens: Vec::with_capacity(num_reqs),
-            seq_lens: Vec::with_capacity(num_reqs),
-            block_table: vec![NULL_BLOCK as i32; num_reqs * max_blocks],
-            max_blocks,
-            logits_indices: Vec::with_capacity(num_reqs),
-            sample_mask: Vec::with_capacity(num_reqs),
-        };
-        b.query_start_loc.push(0);
-        for (r, e) in entries.enumerate() {
-            let start = e.num_computed_tokens;
-            let end = start + e.num_new_tokens;
-            for pos in start..end {
-                b.input_ids
-                    .push(e.token_ids.get(pos).map_or(-1, |&t| t as i64));
-                b.positions.push(pos as i64);
-                let block = e.blocks[pos / block_size] as i64;
-                b.slot_mapping
-                    .push(block * block_size as i64 + (pos % block_size) as i64);
-            }
-            let row = &mut b.block_table[r * max_blocks..r * max_blocks + e.blocks.len()];
-            for (dst, &src) in row.iter_mut().zip(e.blocks) {
-                *dst = src as i32;
-            }
-            b.num_scheduled_tokens.push(e.num_new_tokens as i32);
-            b.num_computed_tokens.push(start as i32);
-            b.seq_lens.push(end as i32);
-            b.query_start_loc.push(b.input_ids.len() as i32);
-            b.logits_indices.push(b.input_ids.len() as i64 - 1);
-            b.sample_mask
-                .push(end == e.token_ids.len() + e.num_placeholders);
+        let (num_tokens, max_blocks) = entries.clone().fold((0, 0), |(t, b), e| {
+            (t + e.num_new_tokens, b.max(e.blocks.len()))
+        });
+        Self::build_sized(entries, block_size, num_tokens, max_blocks)
+    }
+
+    /// `build` when the caller already knows the total of `num_new_tokens` and the longest
+    /// block list (one pass over the requests fewer).
+    pub fn build_sized<'a>(
+        entries: impl ExactSizeIterator<Item = BatchEntry<'a>>,
+        block_size: usize,
+        num_tokens: usize,
+        max_blocks: usize,
+    ) -> Self {
+        // One pass gathers the entries; each per-request column is then one exact-size collect
+        // (no capacity checks per element, and the simple ones vectorize).
+        let entries: Vec<BatchEntry<'a>> = entries.collect();
+        fn column<'a>(entries: &[BatchEntry<'a>], f: impl Fn(&BatchEntry<'a>) -> i32) -> Vec<i32> {
+            entries.iter().map(f).collect()
         }
-        b
+        let num_scheduled_tokens = column(&entries, |e| e.num_new_tokens as i32);
+        let num_computed_tokens = column(&entries, |e| e.num_computed_tokens as i32);
+        let seq_lens = column(&entries, |e| {
+            (e.num_computed_tokens + e.num_new_tokens) as i32
+        });
+        let mut end = 0;
+        let query_start_loc: Vec<i32> = std::iter::once(0)
+            .chain(num_scheduled_tokens.iter().map(|&n| {
+                end += n;
+                end
+            }))
+            .collect();
+        let logits_indices = query_start_loc[1..].iter().map(|&e| e as i64 - 1).collect();
+        let sample_mask = entries
+            .iter()
+            .map(|e| {
+                e.num_computed_tokens + e.num_new_tokens == e.token_ids.len() + e.num_placeholders
+            })
+            .collect();
+
+        // Block sizes are powers of two in practice: then a position's block and offset are a
+        // shift and a mask (a division costs tens of cycles, per token).
+        let shift = block_size
+            .is_power_of_two()
+            .then(|| block_size.trailing_zeros());
+        let slot_of = |e: &BatchEntry<'_>, pos: usize| -> i64 {
+            let (index, offset) = match shift {
+                Some(sh) => (pos >> sh, pos & (block_size - 1)),
+                None => (pos / block_size, pos % block_size),
+            };
+            e.blocks[index] as i64 * block_size as i64 + offset as i64
+        };
+        // A position past the known tokens is a placeholder (async scheduling): input id -1.
+        let token_at =
+            |e: &BatchEntry<'_>, pos: usize| e.token_ids.get(pos).map_or(-1, |&t| t as i64);
+        let (input_ids, positions, slot_mapping) = if num_tokens == entries.len() {
+            // All decodes (one token each): per-request columns too.
+            let start = |e: &BatchEntry<'_>| e.num_computed_tokens;
+            (
+                entries.iter().map(|e| token_at(e, start(e))).collect(),
+                entries.iter().map(|e| start(e) as i64).collect(),
+                entries.iter().map(|e| slot_of(e, start(e))).collect(),
+            )
+        } else {
+            let mut input_ids = Vec::with_capacity(num_tokens);
+            let mut positions = Vec::with_capacity(num_tokens);
+            let mut slot_mapping = Vec::with_capacity(num_tokens);
+            for e in &entries {
+                for pos in e.num_computed_tokens..e.num_computed_tokens + e.num_new_tokens {
+                    input_ids.push(token_at(e, pos));
+                    positions.push(pos as i64);
+                    slot_mapping.push(slot_of(e, pos));
+                }
+            }
+            (input_ids, positions, slot_mapping)
+        };
+
+        // Built as block ids (u32) with plain copies, converted to int32 once at the end.
+        let mut block_table: Vec<u32> = Vec::with_capacity(entries.len() * max_blocks);
+        for (r, e) in entries.iter().enumerate() {
+            debug_assert_eq!(block_table.len(), r * max_blocks);
+            block_table.extend_from_slice(e.blocks);
+            block_table.resize((r + 1) * max_blocks, NULL_BLOCK);
+        }
+        BatchArrays {
+            input_ids,
+            positions,
+            slot_mapping,
+            query_start_loc,
+            num_scheduled_tokens,
+            num_computed_tokens,
+            seq_lens,
+            // Same-size element conversion: collected in place (no new allocation), and the
+            // loop vectorizes; block ids fit int32 (the pool is checked to be < 2^31 blocks).
+            block_table: block_table.into_iter().map(|id| id as i32).collect(),
+            max_blocks,
+            logits_indices,
+            sample_mask,
+        }
     }
 }
 
@@ -87,7 +184,9 @@ impl BatchArrays {
 #[derive(Debug, Default, Clone)]
 pub struct SchedulerOutput {
     /// Batch order: running requests first, then newly scheduled (new or resumed) ones.
-    pub req_ids: Vec<Arc<str>>,
+    pub req_ids: IdList,
+    /// The scheduler's slot of each request, batch order (as `req_ids`).
+    pub req_slots: Vec<i32>,
     pub new_req_ids: Vec<Arc<str>>,
     pub resumed_req_ids: Vec<Arc<str>>,
     pub finished_req_ids: Vec<Arc<str>>,

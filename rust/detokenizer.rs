@@ -40,21 +40,95 @@ enum TableStyle {
     SentencePiece { byte_fallback: bool },
 }
 
-/// Flat token -> bytes table: bytes of token `i` are `bytes[offsets[i]..offsets[i + 1]]`.
+/// Flat token -> text table. A token whose bytes are valid UTF-8 on their own (nearly all of
+/// them) is stored as text, so decoding it is a copy with no validation; the others (pieces of
+/// a multi-byte character) as raw bytes. Everything about a token is in one 8-byte entry, so a
+/// random token costs one cache miss for its entry and one for its text.
 struct TokenTable {
     style: TableStyle,
+    /// Text of the whole-UTF-8 tokens.
+    text: String,
+    /// Bytes of the other tokens.
     bytes: Vec<u8>,
-    offsets: Vec<u32>,
-    special: Vec<bool>,
-    /// SentencePiece with byte fallback: token `i` is a `<0xNN>` byte piece.
-    is_byte_piece: Vec<bool>,
+    entries: Vec<TokenEntry>,
     /// The decoder drops one leading space of the whole text (SentencePiece's prepended space).
     strip_first_space: bool,
 }
 
+#[derive(Clone, Copy, Default)]
+struct TokenEntry {
+    /// Start in `text` (TEXT set) or `bytes`.
+    start: u32,
+    /// Byte length << 8 | flags.
+    len_flags: u32,
+}
+
+/// The token is a special (added, special=true) token.
+const SPECIAL: u32 = 1;
+/// SentencePiece with byte fallback: the token is a `<0xNN>` byte piece.
+const BYTE_PIECE: u32 = 2;
+/// The token's bytes are valid UTF-8 on their own: they are in `TokenTable::text`.
+const TEXT: u32 = 4;
+
+/// A token's decoded form.
+enum TokenPiece<'a> {
+    Text(&'a str),
+    Bytes(&'a [u8]),
+}
+
+impl TokenEntry {
+    fn has(self, flag: u32) -> bool {
+        self.len_flags & flag != 0
+    }
+    fn range(self) -> std::ops::Range<usize> {
+        let start = self.start as usize;
+        start..start + (self.len_flags >> 8) as usize
+    }
+}
+
 impl TokenTable {
-    fn token_bytes(&self, id: usize) -> &[u8] {
-        &self.bytes[self.offsets[id] as usize..self.offsets[id + 1] as usize]
+    fn new(style: TableStyle, strip_first_space: bool) -> Self {
+        TokenTable {
+            style,
+            text: String::new(),
+            bytes: Vec::new(),
+            entries: Vec::new(),
+            strip_first_space,
+        }
+    }
+
+    /// Appends the next token id's entry.
+    fn push(&mut self, bytes: &[u8], mut flags: u32) -> CoreResult<()> {
+        let start = match std::str::from_utf8(bytes) {
+            Ok(text) => {
+                flags |= TEXT;
+                self.text.push_str(text);
+                self.text.len() - text.len()
+            }
+            Err(_) => {
+                self.bytes.extend_from_slice(bytes);
+                self.bytes.len() - bytes.len()
+            }
+        };
+        if bytes.len() >= 1 << 24 || start > u32::MAX as usize {
+            return Err(CoreError::Tokenizer(
+                "tokenizer_json: token table too large (a token of 16 MiB or more)".into(),
+            ));
+        }
+        self.entries.push(TokenEntry {
+            start: start as u32,
+            len_flags: (bytes.len() as u32) << 8 | flags,
+        });
+        Ok(())
+    }
+
+    #[inline]
+    fn piece(&self, e: TokenEntry) -> TokenPiece<'_> {
+        if e.has(TEXT) {
+            TokenPiece::Text(&self.text[e.range()])
+        } else {
+            TokenPiece::Bytes(&self.bytes[e.range()])
+        }
     }
 }
 
@@ -157,12 +231,12 @@ impl TokenizerInfo {
             .unwrap_or(0)
             .max(vocab_size.saturating_sub(1) as u32);
         let n = max_id as usize + 1;
-        let mut bytes = Vec::new();
-        let mut offsets = Vec::with_capacity(n + 1);
-        let mut special = vec![false; n];
-        let mut is_byte_piece = vec![false; n];
-        offsets.push(0u32);
+        let mut table = TokenTable::new(style, strip_first_space);
+        table.entries.reserve_exact(n);
+        let mut buf: Vec<u8> = Vec::new();
         for id in 0..n as u32 {
+            buf.clear();
+            let mut flags = 0;
             if let Some(token) = tok.id_to_token(id) {
                 match style {
                     TableStyle::ByteLevel => {
@@ -173,8 +247,8 @@ impl TokenizerInfo {
                             .map(|c| char_to_byte.get(&c).copied())
                             .collect();
                         match mapped {
-                            Some(b) => bytes.extend_from_slice(&b),
-                            None => bytes.extend_from_slice(token.as_bytes()),
+                            Some(b) => buf.extend_from_slice(&b),
+                            None => buf.extend_from_slice(token.as_bytes()),
                         }
                     }
                     TableStyle::SentencePiece { byte_fallback } => {
@@ -186,27 +260,19 @@ impl TokenizerInfo {
                         .flatten();
                         match piece {
                             Some(b) => {
-                                bytes.push(b);
-                                is_byte_piece[id as usize] = true;
+                                buf.push(b);
+                                flags |= BYTE_PIECE;
                             }
-                            None => bytes.extend_from_slice(token.replace(space, " ").as_bytes()),
+                            None => buf.extend_from_slice(token.replace(space, " ").as_bytes()),
                         }
                     }
                 }
             }
-            if let Some(a) = added.get(&id) {
-                special[id as usize] = a.special;
+            if added.get(&id).is_some_and(|a| a.special) {
+                flags |= SPECIAL;
             }
-            offsets.push(bytes.len() as u32);
+            table.push(&buf, flags)?;
         }
-        let table = TokenTable {
-            style,
-            bytes,
-            offsets,
-            special,
-            is_byte_piece,
-            strip_first_space,
-        };
         Ok(TokenizerInfo {
             vocab_size: n.max(vocab_size),
             kind: DecodeKind::Table(table),
@@ -221,6 +287,33 @@ impl TokenizerInfo {
     /// one per invalid sequence (byte-level BPE).
     fn per_byte_replacement(&self) -> bool {
         matches!(&self.kind, DecodeKind::Table(t) if matches!(t.style, TableStyle::SentencePiece { .. }))
+    }
+
+    /// Loads the table entries and the text of `tokens` into the CPU cache, so that decoding
+    /// them next does not stall on memory. A random token of a large vocabulary costs two
+    /// cache misses (its entry, then its text) once the engine's other work has evicted the
+    /// table, and while decoding they are waited for one after the other; here the loads of
+    /// all the step's tokens are independent, so the CPU overlaps them.
+    pub fn warm(&self, tokens: impl Iterator<Item = u32> + Clone) {
+        let DecodeKind::Table(t) = &self.kind else {
+            return;
+        };
+        let mut acc = 0u32;
+        for id in tokens.clone() {
+            if let Some(e) = t.entries.get(id as usize) {
+                acc = acc.wrapping_add(e.len_flags);
+            }
+        }
+        for id in tokens {
+            if let Some(&e) = t.entries.get(id as usize) {
+                let first = match t.piece(e) {
+                    TokenPiece::Text(text) => text.as_bytes().first(),
+                    TokenPiece::Bytes(b) => b.first(),
+                };
+                acc = acc.wrapping_add(first.copied().unwrap_or(0) as u32);
+            }
+        }
+        std::hint::black_box(acc);
     }
 
     /// True when decoding uses the precomputed byte table (the fast path).
@@ -303,22 +396,236 @@ struct StreamState {
     prefix_index: usize,
 }
 
+/// A request's stop strings, with lookup tables that make the per-token checks cheap (they
+/// run after every token of every request). The scheduler shares one set among the requests
+/// that name the same strings, so it stays in cache however many requests use it.
+#[derive(Debug, PartialEq, Eq)]
+pub struct StopSet {
+    text: Box<str>,
+    /// End of stop string i in `text` (it starts where i - 1 ends).
+    ends: Box<[u32]>,
+    /// Bit b set: some stop string ends in byte b (new text without one completes no match).
+    last_bytes: [u64; 4],
+    /// The distinct last bytes when there are at most 4 (the usual case), for a word-at-a-time
+    /// test of the new text.
+    few_last_bytes: Option<([u8; 4], usize)>,
+    /// For each byte value b, the stop strings ending in b: `by_last[by_last_at[b]..by_last_at[b + 1]]`.
+    by_last_at: Box<[u16; 257]>,
+    by_last: Box<[u16]>,
+    /// For each byte value b, the proper prefixes of stop strings ending in b, as (stop, prefix
+    /// length), longest first: `prefixes[prefixes_at[b]..prefixes_at[b + 1]]`.
+    prefixes_at: Box<[u32; 257]>,
+    prefixes: Box<[(u16, u16)]>,
+}
+
+impl StopSet {
+    /// Checks that no stop string is empty (naming it: "stop[i]").
+    pub fn new(stops: &[String]) -> CoreResult<Self> {
+        if let Some(i) = stops.iter().position(|s| s.is_empty()) {
+            return Err(crate::error::invalid(
+                &format!("stop[{i}]"),
+                "stop strings must not be empty",
+            ));
+        }
+        if stops.len() > u16::MAX as usize || stops.iter().any(|s| s.len() > u16::MAX as usize) {
+            return Err(crate::error::invalid(
+                "stop",
+                "at most 65535 stop strings of at most 65535 bytes each",
+            ));
+        }
+        let mut end = 0;
+        let ends = stops
+            .iter()
+            .map(|s| {
+                end += s.len() as u32;
+                end
+            })
+            .collect();
+        // Bucket by byte value (a counting sort keeps each bucket's order).
+        let mut by_last: Vec<(u8, u16)> = stops
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (*s.as_bytes().last().expect("not empty"), i as u16))
+            .collect();
+        by_last.sort_by_key(|&(b, _)| b);
+        let mut by_last_at = Box::new([0u16; 257]);
+        let mut last_bytes = [0u64; 4];
+        for &(b, _) in &by_last {
+            by_last_at[b as usize + 1] += 1;
+            last_bytes[(b >> 6) as usize] |= 1 << (b & 63);
+        }
+        let mut prefixes: Vec<(u8, u16, u16)> = Vec::new();
+        for (i, s) in stops.iter().enumerate() {
+            for k in 1..s.len() {
+                prefixes.push((s.as_bytes()[k - 1], i as u16, k as u16));
+            }
+        }
+        prefixes.sort_by_key(|&(b, _, k)| (b, std::cmp::Reverse(k)));
+        let mut prefixes_at = Box::new([0u32; 257]);
+        for &(b, _, _) in &prefixes {
+            prefixes_at[b as usize + 1] += 1;
+        }
+        for b in 0..256 {
+            by_last_at[b + 1] += by_last_at[b];
+            prefixes_at[b + 1] += prefixes_at[b];
+        }
+        let mut distinct: Vec<u8> = by_last.iter().map(|&(b, _)| b).collect();
+        distinct.dedup(); // sorted by byte above
+        let few_last_bytes = (distinct.len() <= 4).then(|| {
+            let mut few = [0u8; 4];
+            few[..distinct.len()].copy_from_slice(&distinct);
+            (few, distinct.len())
+        });
+        Ok(StopSet {
+            text: stops.concat().into_boxed_str(),
+            ends,
+            last_bytes,
+            few_last_bytes,
+            by_last_at,
+            by_last: by_last.into_iter().map(|(_, i)| i).collect(),
+            prefixes_at,
+            prefixes: prefixes.into_iter().map(|(_, i, k)| (i, k)).collect(),
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.ends.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ends.is_empty()
+    }
+
+    #[inline]
+    pub fn get(&self, i: usize) -> &str {
+        let start = if i == 0 { 0 } else { self.ends[i - 1] as usize };
+        &self.text[start..self.ends[i] as usize]
+    }
+
+    /// Earliest-starting match (stop index, start) in `hay` that ends at or after byte
+    /// `new_start` (a match that ended earlier was either reported then or completed while
+    /// min_tokens suppressed stops, and must not fire late). Only stop strings whose last byte
+    /// appears in the new text are tried, and only where it appears.
+    #[inline(always)]
+    fn find(&self, hay: &str, new_start: usize) -> Option<(usize, usize)> {
+        let hay = hay.as_bytes();
+        if !self.may_end_a_match(&hay[new_start..]) {
+            return None; // most tokens
+        }
+        let mut best: Option<(usize, usize)> = None;
+        for (end, &b) in hay.iter().enumerate().skip(new_start) {
+            if self.last_bytes[(b >> 6) as usize] & (1 << (b & 63)) == 0 {
+                continue;
+            }
+            let b = b as usize;
+            let (lo, hi) = (self.by_last_at[b] as usize, self.by_last_at[b + 1] as usize);
+            for &i in &self.by_last[lo..hi] {
+                let s = self.get(i as usize).as_bytes();
+                // A needle is valid UTF-8, so a match begins at a char boundary of the text.
+                let i = i as usize;
+                if let Some(start) = (end + 1).checked_sub(s.len()) {
+                    // Earliest start wins; at the same start, the first in the list.
+                    let better = best.is_none_or(|(bi, b)| start < b || (start == b && i < bi));
+                    if better && hay[start..=end] == *s {
+                        best = Some((i, start));
+                    }
+                }
+            }
+        }
+        best
+    }
+
+    /// Whether `new` holds a byte that ends some stop string. With at most 4 distinct such
+    /// bytes, 8 bytes of text are tested at a time (SWAR).
+    #[inline(always)]
+    fn may_end_a_match(&self, new: &[u8]) -> bool {
+        const LO: u64 = 0x0101_0101_0101_0101;
+        const HI: u64 = 0x8080_8080_8080_8080;
+        let Some((few, n)) = self.few_last_bytes else {
+            return new
+                .iter()
+                .any(|&b| self.last_bytes[(b >> 6) as usize] & (1 << (b & 63)) != 0);
+        };
+        // A zero byte in `word ^ c * LO` marks a byte equal to c; the bits of the candidate
+        // bytes are or-ed so one test covers them all.
+        let has = |word: u64| {
+            let mut any = 0;
+            for &c in &few[..n] {
+                let x = word ^ (LO * c as u64);
+                any |= x.wrapping_sub(LO) & !x;
+            }
+            any & HI != 0
+        };
+        let mut chunks = new.chunks_exact(8);
+        for chunk in &mut chunks {
+            if has(u64::from_le_bytes(chunk.try_into().expect("8 bytes"))) {
+                return true;
+            }
+        }
+        let rest = chunks.remainder();
+        let Some(&first) = rest.first() else {
+            return false;
+        };
+        // Pad with a byte of the text itself: the padding matches only if that byte does.
+        let mut word = [first; 8];
+        word[..rest.len()].copy_from_slice(rest);
+        has(u64::from_le_bytes(word))
+    }
+
+    /// Length of the longest suffix of `text` that is a proper prefix of a stop string: that
+    /// much must be held back until the next token decides it. Only prefixes ending in the
+    /// text's last byte are tried, longest first.
+    #[inline(always)]
+    fn held_suffix_len(&self, text: &str) -> usize {
+        let tail = text.as_bytes();
+        let Some(&last) = tail.last() else {
+            return 0;
+        };
+        let b = last as usize;
+        let (lo, hi) = (
+            self.prefixes_at[b] as usize,
+            self.prefixes_at[b + 1] as usize,
+        );
+        for &(i, k) in &self.prefixes[lo..hi] {
+            // A prefix of a valid UTF-8 needle that matches the end of valid UTF-8 text ends
+            // at a char boundary of the needle, so a byte comparison suffices.
+            let k = k as usize;
+            if k <= tail.len() && tail.ends_with(&self.get(i as usize).as_bytes()[..k]) {
+                return k;
+            }
+        }
+        0
+    }
+}
+
 /// Per-request incremental detokenizer and stop-string matcher.
+///
+/// Streamed text goes straight into the caller's buffer (the step's text column) and is never
+/// read again; the detokenizer keeps only text held back (a possible stop string's beginning,
+/// a few bytes), so its state stays small however long the output grows, and in the common
+/// case (nothing held) a token's text is decoded and checked in the caller's buffer directly.
 pub struct IncrementalDetokenizer {
     tok: Arc<TokenizerInfo>,
-    skip_special_tokens: bool,
-    stream: StreamState,
-    utf8: Utf8Tail,
-    /// All text decoded so far (truncated at a stop string once one fires).
-    output: String,
-    /// Bytes of `output` already returned as deltas.
-    emitted: usize,
-    stops: Vec<String>,
+    decode: DecodeState,
+    /// Decoded text not streamed yet (truncated at a stop string once one fires).
+    pending: String,
+    /// Everything streamed so far, for `output_text` (the standalone Detokenizer); None in the
+    /// scheduler, which never reads it.
+    streamed: Option<String>,
+    stops: Arc<StopSet>,
     include_stop_str_in_output: bool,
     stopped: bool,
+}
+
+/// Decoding state proper (apart from stop strings).
+struct DecodeState {
+    skip_special_tokens: bool,
+    utf8: Utf8Tail,
     /// Nothing decoded yet (and no prompt context): a decoder that strips the text's first
     /// space applies it to the next text.
     at_start: bool,
+    /// The streaming fallback's window (boxed: the byte table, the common case, needs none).
+    stream: Option<Box<StreamState>>,
 }
 
 /// What one token changed: the text to stream now and the index of the stop string that fired.
@@ -335,23 +642,44 @@ impl IncrementalDetokenizer {
         stops: Vec<String>,
         include_stop_str_in_output: bool,
     ) -> CoreResult<Self> {
-        if let Some(i) = stops.iter().position(|s| s.is_empty()) {
-            return Err(CoreError::InvalidArgument(format!(
-                "stop[{i}]: stop strings must not be empty"
-            )));
-        }
-        Ok(IncrementalDetokenizer {
+        let stops = Arc::new(StopSet::new(&stops)?);
+        Ok(Self::with_stop_set(
             tok,
             skip_special_tokens,
-            stream: StreamState::default(),
-            utf8: Utf8Tail::default(),
-            output: String::new(),
-            emitted: 0,
+            stops,
+            include_stop_str_in_output,
+        ))
+    }
+
+    /// `new` with a stop set that may be shared with other requests.
+    pub fn with_stop_set(
+        tok: Arc<TokenizerInfo>,
+        skip_special_tokens: bool,
+        stops: Arc<StopSet>,
+        include_stop_str_in_output: bool,
+    ) -> Self {
+        let stream = matches!(tok.kind, DecodeKind::Stream(_)).then(Box::default);
+        IncrementalDetokenizer {
+            tok,
+            decode: DecodeState {
+                skip_special_tokens,
+                utf8: Utf8Tail::default(),
+                at_start: true,
+                stream,
+            },
+            pending: String::new(),
+            streamed: Some(String::new()),
             stops,
             include_stop_str_in_output,
             stopped: false,
-            at_start: true,
-        })
+        }
+    }
+
+    /// Stops keeping the streamed text (`output_text` then returns None): the scheduler hands
+    /// every delta on and never reads it back.
+    pub fn without_output_text(mut self) -> Self {
+        self.streamed = None;
+        self
     }
 
     /// Gives the streaming fallback the prompt's last tokens as context, so the first generated
@@ -360,15 +688,14 @@ impl IncrementalDetokenizer {
     /// table needs no context.
     pub fn prime(&mut self, prompt: &[u32]) {
         if !prompt.is_empty() {
-            self.at_start = false;
+            self.decode.at_start = false;
         }
-        if let DecodeKind::Stream(tok) = &self.tok.kind {
-            let s = &mut self.stream;
+        if let (DecodeKind::Stream(tok), Some(s)) = (&self.tok.kind, self.decode.stream.as_mut()) {
             for &id in &prompt[prompt.len().saturating_sub(PRIME_TOKENS)..] {
                 let _ = tokenizers::tokenizer::step_decode_stream(
                     tok,
                     vec![id],
-                    self.skip_special_tokens,
+                    self.decode.skip_special_tokens,
                     &mut s.ids,
                     &mut s.prefix,
                     &mut s.prefix_index,
@@ -377,11 +704,15 @@ impl IncrementalDetokenizer {
         }
     }
 
-    pub fn output_text(&self) -> &str {
-        &self.output
+    /// All text decoded so far, streamed or held back (truncated at a stop string once one
+    /// fired); None after `without_output_text`.
+    pub fn output_text(&self) -> Option<String> {
+        self.streamed
+            .as_ref()
+            .map(|s| format!("{s}{}", self.pending))
     }
 
-    pub fn stop_strings(&self) -> &[String] {
+    pub fn stop_strings(&self) -> &StopSet {
         &self.stops
     }
 
@@ -391,87 +722,178 @@ impl IncrementalDetokenizer {
     /// trimmed) like any other. Out-of-vocabulary ids decode to nothing (models often pad their
     /// vocabulary past the tokenizer's).
     pub fn step(&mut self, token_id: u32, check_stops: bool) -> DetokStep {
+        let mut delta = String::new();
+        let stop = self.step_into(token_id, check_stops, &mut delta);
+        DetokStep { delta, stop }
+    }
+
+    /// `step`, appending the text to stream to `out` (the step's shared text column) instead of
+    /// allocating a string per token. Returns the index of the stop string that fired.
+    pub fn step_into(
+        &mut self,
+        token_id: u32,
+        check_stops: bool,
+        out: &mut String,
+    ) -> Option<usize> {
         if self.stopped {
-            return DetokStep::default();
+            return None;
         }
-        let new_start = self.output.len();
-        self.decode_into_output(token_id);
-        if self.stops.is_empty() {
-            return DetokStep {
-                delta: self.take_delta(self.output.len()),
-                stop: None,
-            };
+        if !self.pending.is_empty() {
+            return self.step_held(token_id, check_stops, out);
         }
-        if let Some((idx, start)) = check_stops.then(|| self.find_stop(new_start)).flatten() {
+        // Nothing held back: decode into `out` and check the new text there.
+        let start = out.len();
+        self.decode.push(&self.tok, token_id, out);
+        if self.stops.is_empty() || out.len() == start {
+            self.record(&out[start..]);
+            return None;
+        }
+        let new = &out[start..];
+        if let Some((idx, at)) = check_stops.then(|| self.stops.find(new, 0)).flatten() {
             let end = if self.include_stop_str_in_output {
-                start + self.stops[idx].len()
+                at + self.stops.get(idx).len()
             } else {
-                start
+                at
             };
-            self.output.truncate(end);
-            self.utf8.pending.clear();
-            self.stopped = true;
-            return DetokStep {
-                delta: self.take_delta(end),
-                stop: Some(idx),
+            out.truncate(start + end);
+            self.record_stop(&out[start..]);
+            return Some(idx);
+        }
+        let keep = new.len() - self.stops.held_suffix_len(new);
+        self.pending.push_str(&new[keep..]);
+        out.truncate(start + keep);
+        self.record(&out[start..]);
+        None
+    }
+
+    /// `step_into` while text is held back: decode after it, then decide what to release.
+    fn step_held(&mut self, token_id: u32, check_stops: bool, out: &mut String) -> Option<usize> {
+        let new_start = self.pending.len();
+        self.decode.push(&self.tok, token_id, &mut self.pending);
+        if self.pending.len() == new_start {
+            // Nothing new (a skipped special token, an incomplete character): no new match,
+            // and what is held stays held.
+            return None;
+        }
+        if let Some((idx, at)) = check_stops
+            .then(|| self.stops.find(&self.pending, new_start))
+            .flatten()
+        {
+            let end = if self.include_stop_str_in_output {
+                at + self.stops.get(idx).len()
+            } else {
+                at
             };
+            self.pending.truncate(end);
+            self.emit(end, out);
+            self.record_stop("");
+            return Some(idx);
         }
-        let hold = self.stop_prefix_suffix_len();
-        DetokStep {
-            delta: self.take_delta(self.output.len() - hold),
-            stop: None,
-        }
+        let hold = self.stops.held_suffix_len(&self.pending);
+        self.emit(self.pending.len() - hold, out);
+        None
     }
 
     /// End of stream (finished for a reason other than a stop string): releases held text,
     /// including an incomplete trailing UTF-8 sequence as U+FFFD, as a full decode would.
     pub fn flush(&mut self) -> String {
+        let mut rest = String::new();
+        self.flush_into(&mut rest);
+        rest
+    }
+
+    /// `flush`, appending to `out`.
+    pub fn flush_into(&mut self, out: &mut String) {
         if !self.stopped {
             let per_byte = self.tok.per_byte_replacement();
-            self.utf8.end(&mut self.output, per_byte);
+            self.decode.utf8.end(&mut self.pending, per_byte);
         }
-        self.take_delta(self.output.len())
+        self.emit(self.pending.len(), out);
     }
 
-    fn take_delta(&mut self, upto: usize) -> String {
-        if upto <= self.emitted {
-            return String::new();
+    /// Streams the first `upto` bytes of the held text into `out`.
+    fn emit(&mut self, upto: usize, out: &mut String) {
+        if upto == 0 {
+            return;
         }
-        let d = self.output[self.emitted..upto].to_string();
-        self.emitted = upto;
-        d
+        let text = &self.pending[..upto];
+        out.push_str(text);
+        if let Some(s) = self.streamed.as_mut() {
+            s.push_str(text);
+        }
+        if upto == self.pending.len() {
+            self.pending.clear();
+        } else {
+            self.pending.drain(..upto);
+        }
     }
 
-    fn decode_into_output(&mut self, token_id: u32) {
-        let before = self.output.len();
-        match &self.tok.kind {
+    /// Notes text streamed directly (for `output_text`).
+    fn record(&mut self, text: &str) {
+        if let Some(s) = self.streamed.as_mut() {
+            s.push_str(text);
+        }
+    }
+
+    /// A stop string fired after `text` was streamed: nothing more comes.
+    fn record_stop(&mut self, text: &str) {
+        self.record(text);
+        self.decode.utf8.pending.clear();
+        self.stopped = true;
+    }
+}
+
+impl DecodeState {
+    /// Appends the text of one token to `dst`.
+    #[inline(always)]
+    fn push(&mut self, tok: &TokenizerInfo, token_id: u32, dst: &mut String) {
+        let before = dst.len();
+        match &tok.kind {
             DecodeKind::Table(t) => {
-                let i = token_id as usize;
-                if i + 1 >= t.offsets.len() || (self.skip_special_tokens && t.special[i]) {
+                let Some(&e) = t.entries.get(token_id as usize) else {
+                    return;
+                };
+                if self.skip_special_tokens && e.has(SPECIAL) {
                     return;
                 }
-                let tb = t.token_bytes(i);
-                match t.style {
-                    TableStyle::ByteLevel => self.utf8.push(&mut self.output, tb, false),
-                    TableStyle::SentencePiece { .. } if t.is_byte_piece[i] => {
-                        self.utf8.push(&mut self.output, tb, true)
+                match (t.style, t.piece(e)) {
+                    // Most tokens: whole characters, nothing incomplete before them.
+                    (TableStyle::ByteLevel, TokenPiece::Text(text))
+                        if self.utf8.pending.is_empty() =>
+                    {
+                        dst.push_str(text)
                     }
-                    TableStyle::SentencePiece { .. } => {
+                    (TableStyle::ByteLevel, TokenPiece::Text(text)) => {
+                        self.utf8.push(dst, text.as_bytes(), false)
+                    }
+                    (TableStyle::ByteLevel, TokenPiece::Bytes(b)) => self.utf8.push(dst, b, false),
+                    (TableStyle::SentencePiece { .. }, piece) if e.has(BYTE_PIECE) => {
+                        let b = match piece {
+                            TokenPiece::Text(text) => text.as_bytes(),
+                            TokenPiece::Bytes(b) => b,
+                        };
+                        self.utf8.push(dst, b, true)
+                    }
+                    (TableStyle::SentencePiece { .. }, piece) => {
                         // A text piece ends any byte run; its own text is always valid UTF-8.
-                        self.utf8.end(&mut self.output, true);
-                        self.output
-                            .push_str(std::str::from_utf8(tb).expect("table built from str"));
+                        self.utf8.end(dst, true);
+                        if let TokenPiece::Text(text) = piece {
+                            dst.push_str(text);
+                        }
                     }
                 }
-                if self.at_start && self.output.len() > before {
+                if self.at_start && dst.len() > before {
                     self.at_start = false;
-                    if t.strip_first_space && self.output[before..].starts_with(' ') {
-                        self.output.remove(before);
+                    if t.strip_first_space && dst[before..].starts_with(' ') {
+                        dst.remove(before);
                     }
                 }
             }
             DecodeKind::Stream(tk) => {
-                let s = &mut self.stream;
+                let s = self
+                    .stream
+                    .as_mut()
+                    .expect("stream state for the fallback decoder");
                 let r = tokenizers::tokenizer::step_decode_stream(
                     tk,
                     vec![token_id],
@@ -481,62 +903,15 @@ impl IncrementalDetokenizer {
                     &mut s.prefix_index,
                 );
                 if let Ok(Some(text)) = r {
-                    self.output.push_str(&text);
+                    dst.push_str(&text);
                 }
             }
         }
     }
-
-    /// Earliest stop-string match that ends in the text added since `new_start` (a match that
-    /// ended earlier was either reported then or completed while min_tokens suppressed stops,
-    /// and must not fire late). It may begin in older text, but never in text already emitted:
-    /// held-back text always covers the start of a match in progress.
-    fn find_stop(&self, new_start: usize) -> Option<(usize, usize)> {
-        let hay = self.output.as_bytes();
-        let mut best: Option<(usize, usize)> = None;
-        for (i, s) in self.stops.iter().enumerate() {
-            // A needle is valid UTF-8, so it can only match at a char boundary of the text.
-            let from = (new_start + 1).saturating_sub(s.len()).max(self.emitted);
-            if let Some(pos) = find_short(&hay[from..], s.as_bytes()) {
-                if best.is_none_or(|(_, b)| from + pos < b) {
-                    best = Some((i, from + pos));
-                }
-            }
-        }
-        best
-    }
-
-    /// Length of the longest suffix of the unemitted text that is a proper prefix of a stop
-    /// string: that much must be held back until the next token decides it.
-    fn stop_prefix_suffix_len(&self) -> usize {
-        let tail = &self.output[self.emitted..];
-        let mut hold = 0;
-        for s in &self.stops {
-            let max_k = (s.len() - 1).min(tail.len());
-            for k in (hold + 1..=max_k).rev() {
-                if s.is_char_boundary(k) && tail.ends_with(&s[..k]) {
-                    hold = k;
-                    break;
-                }
-            }
-        }
-        hold
-    }
-}
-
-/// First occurrence of `needle` in `hay`. The window searched per token is a few dozen bytes,
-/// where a first-byte scan beats building a two-way searcher (`str::find`) on every call.
-/// Byte offsets of a match of a valid UTF-8 needle in valid UTF-8 text are char boundaries.
-fn find_short(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    let first = *needle.first()?;
-    if needle.len() > hay.len() {
-        return None;
-    }
-    (0..=hay.len() - needle.len()).find(|&i| hay[i] == first && hay[i..].starts_with(needle))
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// A tiny byte-level BPE tokenizer.json: single bytes only (ids 0..=255 in GPT-2 char
@@ -644,7 +1019,7 @@ mod tests {
         let (deltas, stop) = run(&mut d, &bytes_of("abcSTxSTOPyz"));
         assert_eq!(stop, Some(0));
         assert_eq!(deltas.concat(), "abcSTx");
-        assert_eq!(d.output_text(), "abcSTx");
+        assert_eq!(d.output_text().unwrap(), "abcSTx");
         // "ST" was held back until "x" proved it was not a stop string.
         assert_eq!(deltas[3], "");
         assert_eq!(deltas[4], "");
@@ -683,7 +1058,7 @@ mod tests {
         assert_eq!(d.step(b'O' as u32, true), DetokStep::default());
         let st = d.step(b'P' as u32, true);
         assert_eq!((st.delta.as_str(), st.stop), ("", Some(0)));
-        assert_eq!(d.output_text(), "x");
+        assert_eq!(d.output_text().unwrap(), "x");
     }
 
     #[test]
@@ -692,7 +1067,7 @@ mod tests {
         assert_eq!(d.step(b'a' as u32, false).delta, "");
         let st = d.step(b'a' as u32, true);
         assert_eq!((st.delta.as_str(), st.stop), ("", Some(0)));
-        assert_eq!(d.output_text(), "");
+        assert_eq!(d.output_text().unwrap(), "");
     }
 
     #[test]
@@ -709,7 +1084,7 @@ mod tests {
         // A new "b" after the boundary does fire.
         let st = d.step(b'b' as u32, true);
         assert_eq!((st.delta.as_str(), st.stop), ("", Some(0)));
-        assert_eq!(d.output_text(), "abx");
+        assert_eq!(d.output_text().unwrap(), "abx");
     }
 
     #[test]

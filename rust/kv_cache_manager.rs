@@ -83,6 +83,7 @@ impl KvCacheManager {
     /// nothing, if the free queue cannot supply the blocks. Full blocks are registered in the
     /// prefix cache right away: their K/V is written in this step before any later step can
     /// read it, and within one step the runner writes all K/V of a layer before attention.
+    #[inline]
     pub fn allocate_slots(
         &mut self,
         kv: &mut KvBlocks,
@@ -92,6 +93,27 @@ impl KvCacheManager {
         new_computed: &[BlockId],
     ) -> bool {
         let total = num_computed_tokens + num_new_tokens;
+        // Fast path (most decode steps), inlined into the scheduler's loop: the last block has
+        // room and no block fills up, so there is nothing to allocate or cache.
+        // Multiplications, not divisions: this runs for every running request every step.
+        let bs = self.block_size;
+        if new_computed.is_empty()
+            && kv.blocks.len() * bs >= total
+            && (!self.enable_caching || (kv.num_cached + 1) * bs > total)
+        {
+            return true;
+        }
+        self.allocate_slots_slow(kv, hashes, total, new_computed)
+    }
+
+    #[inline(never)]
+    fn allocate_slots_slow(
+        &mut self,
+        kv: &mut KvBlocks,
+        hashes: &[BlockHash],
+        total: usize,
+        new_computed: &[BlockId],
+    ) -> bool {
         let required = total.div_ceil(self.block_size);
         let have = kv.blocks.len() + new_computed.len();
         let need = required.saturating_sub(have);
@@ -144,6 +166,25 @@ impl KvCacheManager {
             }
         }
         self.free(kv);
+    }
+
+    /// Forgets the prefix-cache registration of blocks whose K/V turned out never to be written
+    /// (their step was rolled back).
+    pub fn uncache(&mut self, blocks: &[BlockId]) {
+        for &b in blocks {
+            self.pool.uncache_block(b);
+        }
+    }
+
+    /// Keeps only the blocks that `num_computed_tokens` tokens need, freeing the rest (last
+    /// first), after a rolled-back step took computed tokens back.
+    pub fn truncate(&mut self, kv: &mut KvBlocks, num_computed_tokens: usize) {
+        let keep = num_computed_tokens.div_ceil(self.block_size);
+        if keep < kv.blocks.len() {
+            self.pool.free(kv.blocks[keep..].iter().rev());
+            kv.blocks.truncate(keep);
+        }
+        kv.num_cached = kv.num_cached.min(num_computed_tokens / self.block_size);
     }
 
     pub fn reset_prefix_cache(&mut self) -> bool {

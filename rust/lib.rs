@@ -1,5 +1,6 @@
 //! ferrox's engine bookkeeping: KV block pool, prefix-hash cache, KV cache manager, request
-//! state and stop checks, the token-budget scheduler, and the incremental detokenizer.
+//! state and stop checks, the token-budget scheduler, the incremental detokenizer, and the
+//! columnar step results.
 //! The core modules never touch Python; the PyO3 glue lives in `py/` behind the "python"
 //! feature, so `cargo test --no-default-features` runs without libpython.
 
@@ -12,6 +13,7 @@ pub mod prefix_cache;
 pub mod request;
 pub mod scheduler;
 pub mod stats;
+pub mod step_outputs;
 
 #[cfg(test)]
 mod proptests;

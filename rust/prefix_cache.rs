@@ -61,8 +61,9 @@ pub fn extend_block_hashes(
     block_size: usize,
     hashes: &mut Vec<BlockHash>,
 ) {
-    let num_full = tokens.len() / block_size;
-    while hashes.len() < num_full {
+    // Called after every token: a multiplication decides "no new full block" (a division
+    // costs tens of cycles).
+    while (hashes.len() + 1) * block_size <= tokens.len() {
         let i = hashes.len();
         let parent = if i == 0 { root } else { hashes[i - 1] };
         hashes.push(hash_block(

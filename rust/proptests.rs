@@ -1,5 +1,7 @@
 //! Property tests of the scheduler + KV cache invariants under random operation sequences
-//! (add / step / abort with tiny block pools, so preemption and eviction happen often).
+//! (add / step / abort with tiny block pools, so preemption and eviction happen often), of
+//! overlapped (async) scheduling with failed steps rolled back and grammar-gated requests, and
+//! of the detokenizer's stop strings against a reference.
 
 use proptest::prelude::*;
 
@@ -121,7 +123,7 @@ fn step(s: &mut Scheduler, c: &Cfg, tokens: &[i64], live: &mut Vec<String>, kv: 
                 kv.get(&slot),
                 Some(&d[p as usize]),
                 "request {} reads wrong K/V at {p}",
-                out.req_ids[r]
+                out.req_ids.get(r)
             );
         }
     }
@@ -153,7 +155,7 @@ fn step(s: &mut Scheduler, c: &Cfg, tokens: &[i64], live: &mut Vec<String>, kv: 
         .map(|i| tokens[i % tokens.len()])
         .collect();
     let outs = s.update_from_output(&sampled, None).unwrap();
-    for o in outs {
+    for o in outs.rows() {
         if o.finish_reason.is_some() {
             live.retain(|x| **x != *o.request_id);
         }
@@ -183,7 +185,7 @@ proptest! {
                     // Prompts too long for a tiny cache are rejected; that must change nothing.
                     let before = s.num_unfinished_requests();
                     match s.add_request(r) {
-                        Ok(()) => live.push(id),
+                        Ok(_) => live.push(id),
                         Err(_) => prop_assert_eq!(s.num_unfinished_requests(), before),
                     }
                 }
@@ -233,5 +235,430 @@ proptest! {
         prop_assert_eq!(s.num_free_blocks(), c.num_blocks as usize - 1);
         let st = s.stats();
         prop_assert_eq!(st.kv_cache_usage, 0.0);
+    }
+}
+
+// ---- overlapped (async) scheduling, rollback, grammar gating ---------------------------------
+
+/// One operation of an engine driving the scheduler with async scheduling.
+#[derive(Debug, Clone)]
+enum AsyncOp {
+    Add {
+        prefix: u8,
+        len: usize,
+        max_tokens: i64,
+        wait_for_grammar: bool,
+    },
+    /// schedule_step(keep_in_flight = true): the next step is decided while the previous one is
+    /// still computing.
+    ScheduleAhead,
+    /// schedule_step(keep_in_flight = false): a synchronous step (rolls back anything in flight).
+    Schedule,
+    /// update_from_output for the oldest undelivered step, with these tokens (cycled).
+    Update {
+        tokens: Vec<i64>,
+    },
+    /// The model step failed: the scheduled steps never get an update (the next schedule rolls
+    /// them back).
+    Fail,
+    Abort {
+        index: usize,
+    },
+    GrammarReady {
+        index: usize,
+    },
+}
+
+fn async_op() -> impl Strategy<Value = AsyncOp> {
+    prop_oneof![
+        3 => (0u8..4, 1usize..40, 1i64..24, prop::bool::weighted(0.25)).prop_map(
+            |(prefix, len, max_tokens, wait_for_grammar)| AsyncOp::Add { prefix, len, max_tokens, wait_for_grammar }
+        ),
+        4 => Just(AsyncOp::ScheduleAhead),
+        2 => Just(AsyncOp::Schedule),
+        6 => prop::collection::vec(prop_oneof![8 => 3i64..50, 1 => Just(EOS)], 1..8)
+            .prop_map(|tokens| AsyncOp::Update { tokens }),
+        1 => Just(AsyncOp::Fail),
+        1 => (0usize..16).prop_map(|index| AsyncOp::Abort { index }),
+        1 => (0usize..16).prop_map(|index| AsyncOp::GrammarReady { index }),
+    ]
+}
+
+/// The engine's view: live requests, which of them wait for their grammar, the scheduled steps
+/// not yet updated (their request ids, in batch order), and every request's tokens so far.
+#[derive(Default)]
+struct Engine {
+    /// A model step failed: its steps get no update, and the next schedule is synchronous
+    /// (which rolls them back).
+    failed: bool,
+    live: Vec<String>,
+    gated: std::collections::HashSet<String>,
+    in_flight: std::collections::VecDeque<Vec<String>>,
+    outputs: std::collections::HashMap<String, Vec<u32>>,
+    slots: std::collections::HashMap<String, usize>,
+}
+
+impl Engine {
+    fn schedule(&mut self, s: &mut Scheduler, keep_in_flight: bool) {
+        let after_failure = std::mem::take(&mut self.failed);
+        let keep_in_flight = keep_in_flight && !after_failure;
+        if !keep_in_flight || self.in_flight.len() >= 2 {
+            self.in_flight.clear(); // rolled back by the scheduler
+        }
+        let out = s.schedule_step(keep_in_flight);
+        for (i, id) in out.req_ids.iter().enumerate() {
+            assert!(
+                !self.gated.contains(id),
+                "request {id} scheduled before its grammar is ready"
+            );
+            assert_eq!(
+                out.req_slots[i] as usize, self.slots[id],
+                "slot of {id} changed"
+            );
+        }
+        assert_eq!(out.req_ids.len(), out.req_slots.len());
+        s.check_invariants();
+        if !out.req_ids.is_empty() {
+            self.in_flight
+                .push_back(out.req_ids.iter().map(str::to_string).collect());
+        }
+    }
+
+    fn update(&mut self, s: &mut Scheduler, tokens: &[i64]) {
+        if self.failed {
+            return;
+        }
+        let Some(step) = self.in_flight.pop_front() else {
+            // Nothing in flight: an update of an empty step is a no-op.
+            assert!(s.update_from_output(&[], None).unwrap().is_empty());
+            return;
+        };
+        let sampled: Vec<i64> = (0..step.len()).map(|i| tokens[i % tokens.len()]).collect();
+        let outs = s.update_from_output(&sampled, None).unwrap();
+        for row in outs.rows() {
+            assert!(
+                step.iter().any(|id| **id == *row.request_id),
+                "row for a request not in the step"
+            );
+            assert_eq!(row.slot, self.slots[&*row.request_id]);
+            assert_eq!(row.new_token_ids.len(), 1);
+            let out = self.outputs.entry(row.request_id.to_string()).or_default();
+            out.extend(&row.new_token_ids);
+            assert_eq!(
+                out.len(),
+                row.num_output_tokens,
+                "tokens lost or duplicated"
+            );
+            if row.finish_reason.is_some() {
+                self.live.retain(|x| **x != *row.request_id);
+            }
+        }
+        s.check_invariants();
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+    /// Async scheduling interleaved with updates, failed steps (rollback), aborts, preemption
+    /// under a tiny KV cache and grammar gating: the invariants hold after every operation, no
+    /// token is lost or duplicated, a gated request is never scheduled before grammar_ready
+    /// and then is, and when all finish no block is leaked.
+    #[test]
+    fn overlapped_scheduling_keeps_the_invariants(c in cfg(), ops in prop::collection::vec(async_op(), 1..80)) {
+        let config = SchedulerConfig::from_signed(
+            c.num_blocks, c.block_size, 128, c.max_num_seqs, c.budget, c.caching, c.policy, &[EOS],
+        ).unwrap();
+        let mut s = Scheduler::new(config, None).unwrap();
+        let mut e = Engine::default();
+        for (serial, op) in ops.iter().enumerate() {
+            match op {
+                AsyncOp::Add { prefix, len, max_tokens, wait_for_grammar } => {
+                    let id = format!("r{serial}");
+                    let mut r = NewRequest::new(id.clone(), prompt(*prefix, *len, serial), *max_tokens);
+                    r.detokenize = false;
+                    r.wait_for_grammar = *wait_for_grammar;
+                    if let Ok(slot) = s.add_request(r) {
+                        prop_assert!(e.slots.values().all(|&x| x != slot || !e.live.iter().any(|l| e.slots[l] == slot)),
+                            "slot {} given to two live requests", slot);
+                        e.slots.insert(id.clone(), slot);
+                        if *wait_for_grammar {
+                            e.gated.insert(id.clone());
+                        }
+                        e.live.push(id);
+                    }
+                }
+                AsyncOp::ScheduleAhead => e.schedule(&mut s, true),
+                AsyncOp::Schedule => e.schedule(&mut s, false),
+                AsyncOp::Update { tokens } => e.update(&mut s, tokens),
+                AsyncOp::Fail => {
+                    e.in_flight.clear();
+                    e.failed = true;
+                }
+                AsyncOp::Abort { index } => {
+                    if !e.live.is_empty() {
+                        let id = e.live.remove(index % e.live.len());
+                        let outs = s.abort_requests(&[id.as_str()]);
+                        prop_assert_eq!(outs.len(), 1);
+                        prop_assert_eq!(outs.slots[0] as usize, e.slots[&id]);
+                        e.gated.remove(&id);
+                    }
+                }
+                AsyncOp::GrammarReady { index } => {
+                    let gated: Vec<String> = e.gated.iter().cloned().collect();
+                    if !gated.is_empty() {
+                        let id = &gated[index % gated.len()];
+                        s.grammar_ready(&[id.as_str()]);
+                        e.gated.remove(id);
+                    }
+                }
+            }
+            s.check_invariants();
+        }
+        // Release every grammar, then drain synchronously: everything finishes, nothing leaks.
+        let gated: Vec<String> = e.gated.drain().collect();
+        s.grammar_ready(&gated);
+        let mut steps = 0;
+        while s.has_unfinished_requests() {
+            e.schedule(&mut s, false);
+            e.update(&mut s, &[7, 8, 9]);
+            steps += 1;
+            prop_assert!(steps < 5000, "requests never finished: {} left", s.num_unfinished_requests());
+        }
+        prop_assert!(e.live.is_empty());
+        prop_assert_eq!(s.num_free_blocks(), c.num_blocks as usize - 1, "blocks leaked");
+    }
+
+    /// A step scheduled and never updated is rolled back by the next schedule(): the same
+    /// tokens are scheduled again (same input ids and positions), and nothing leaks.
+    #[test]
+    fn an_undelivered_step_is_rolled_back_and_rescheduled(
+        c in cfg(),
+        lens in prop::collection::vec((0u8..4, 1usize..40, 1i64..24), 1..6),
+        warmup in 0usize..6,
+        ahead in any::<bool>(),
+    ) {
+        let config = SchedulerConfig::from_signed(
+            c.num_blocks, c.block_size, 128, c.max_num_seqs, c.budget, c.caching, c.policy, &[EOS],
+        ).unwrap();
+        let mut s = Scheduler::new(config, None).unwrap();
+        for (i, &(prefix, len, max_tokens)) in lens.iter().enumerate() {
+            let mut r = NewRequest::new(format!("r{i}"), prompt(prefix, len, i), max_tokens);
+            r.detokenize = false;
+            let _ = s.add_request(r);
+        }
+        for _ in 0..warmup {
+            let out = s.schedule();
+            s.update_from_output(&vec![7; out.req_ids.len()], None).unwrap();
+        }
+        let free_before = s.num_free_blocks();
+        let first = s.schedule();
+        let mut preempted: Vec<String> = first.preempted_req_ids.iter().map(|x| x.to_string()).collect();
+        if ahead {
+            // A second step decided ahead, also never delivered.
+            let next = s.schedule_step(true);
+            preempted.extend(next.preempted_req_ids.iter().map(|x| x.to_string()));
+        }
+        s.check_invariants();
+        let again = s.schedule();
+        s.check_invariants();
+        preempted.extend(again.preempted_req_ids.iter().map(|x| x.to_string()));
+        // The same requests are scheduled again from the same positions (unless preemption in
+        // the tiny cache sent one back to recompute from the start).
+        for (i, id) in again.req_ids.iter().enumerate() {
+            if preempted.iter().any(|p| p == id) {
+                continue;
+            }
+            if let Some(j) = first.req_ids.iter().position(|x| x == id) {
+                let a = &again.arrays;
+                let f = &first.arrays;
+                // Back to where it was; further back only if it had adopted a block computed
+                // in the failed step itself (a same-step prefix hit, whose K/V was never
+                // written).
+                if c.caching {
+                    prop_assert!(a.num_computed_tokens[i] <= f.num_computed_tokens[j], "{} not rolled back", id);
+                } else {
+                    prop_assert_eq!(a.num_computed_tokens[i], f.num_computed_tokens[j], "{} not rolled back", id);
+                }
+                // The same token at every position scheduled both times.
+                let tokens_at = |arr: &crate::batch::BatchArrays, r: usize| -> std::collections::HashMap<i64, i64> {
+                    let (lo, hi) = (arr.query_start_loc[r] as usize, arr.query_start_loc[r + 1] as usize);
+                    (lo..hi).map(|t| (arr.positions[t], arr.input_ids[t])).collect()
+                };
+                let (ta, tf) = (tokens_at(a, i), tokens_at(f, j));
+                for (pos, tok) in &ta {
+                    if let Some(t) = tf.get(pos) {
+                        prop_assert_eq!(t, tok, "{} position {}", id, pos);
+                    }
+                }
+            }
+        }
+        if first.req_ids.is_empty() {
+            prop_assert_eq!(s.num_free_blocks(), free_before);
+        }
+        s.update_from_output(&vec![7; again.req_ids.len()], None).unwrap();
+        let mut steps = 0;
+        while s.has_unfinished_requests() {
+            let out = s.schedule();
+            s.update_from_output(&vec![8; out.req_ids.len()], None).unwrap();
+            s.check_invariants();
+            steps += 1;
+            prop_assert!(steps < 5000);
+        }
+        prop_assert_eq!(s.num_free_blocks(), c.num_blocks as usize - 1, "blocks leaked");
+    }
+
+    /// Grammar gating: a request added with wait_for_grammar is never scheduled (others run)
+    /// until grammar_ready names it; then it is scheduled and finishes.
+    #[test]
+    fn a_gated_request_waits_for_its_grammar_and_only_for_it(
+        gated_at in 0usize..4,
+        n in 2usize..5,
+        wait_steps in 0usize..8,
+        async_steps in any::<bool>(),
+    ) {
+        let config = SchedulerConfig::from_signed(64, 4, 128, 8, 64, true, "fcfs", &[EOS]).unwrap();
+        let mut s = Scheduler::new(config, None).unwrap();
+        let gated_at = gated_at % n;
+        for i in 0..n {
+            let mut r = NewRequest::new(format!("r{i}"), prompt(i as u8, 6, i), 4);
+            r.detokenize = false;
+            r.wait_for_grammar = i == gated_at;
+            s.add_request(r).unwrap();
+        }
+        let gated = format!("r{gated_at}");
+        let mut in_flight = 0;
+        for _ in 0..wait_steps {
+            let out = s.schedule_step(async_steps);
+            prop_assert!(out.req_ids.iter().all(|id| id != gated), "gated request scheduled");
+            if !out.req_ids.is_empty() {
+                in_flight += 1;
+            }
+            while in_flight > usize::from(async_steps) {
+                s.update_from_output(&vec![7; s_in_flight_len(&s)], None).unwrap();
+                in_flight -= 1;
+            }
+            s.check_invariants();
+        }
+        prop_assert!(s.request_status(&gated).is_some());
+        s.grammar_ready(&[gated.as_str()]);
+        let mut scheduled = false;
+        let mut steps = 0;
+        while s.has_unfinished_requests() {
+            let out = s.schedule();
+            scheduled |= out.req_ids.iter().any(|id| id == gated);
+            s.update_from_output(&vec![7; out.req_ids.len()], None).unwrap();
+            s.check_invariants();
+            steps += 1;
+            prop_assert!(steps < 1000);
+        }
+        prop_assert!(scheduled, "the gated request never ran after grammar_ready");
+        prop_assert_eq!(s.num_free_blocks(), 63);
+    }
+}
+
+/// Entries of the oldest undelivered step (what update_from_output expects).
+fn s_in_flight_len(s: &Scheduler) -> usize {
+    s.oldest_in_flight_len()
+}
+
+// ---- the detokenizer's stop strings against a reference -------------------------------------
+
+/// Tokens of the test tokenizer (detokenizer::tests::tiny_byte_level_json): ids 0..=255 are
+/// single bytes, 256 is "ab", 257 is " hello".
+fn detok_token() -> impl Strategy<Value = u32> {
+    prop_oneof![
+        6 => prop::sample::select(vec![b'a', b'b', b'c', b'S', b'T', b' ', b'#']).prop_map(u32::from),
+        1 => prop::sample::select(vec![0xC3u8, 0xA9, 0xE6, 0x97, 0xA5, 0xFF]).prop_map(u32::from),
+        1 => Just(256u32),
+        1 => Just(257u32),
+    ]
+}
+
+fn stop_string() -> impl Strategy<Value = String> {
+    prop::collection::vec(
+        prop::sample::select(vec!["a", "b", "c", "S", "T", " ", "é", "#", "h"]),
+        1..5,
+    )
+    .prop_map(|parts| parts.concat())
+}
+
+/// Text of complete characters decoded from `bytes` (an incomplete trailing sequence waits;
+/// invalid bytes are U+FFFD, as a lossy decode of the whole text writes them).
+fn decoded_so_far(bytes: &[u8]) -> String {
+    let mut cut = bytes.len();
+    for back in 1..=3.min(bytes.len()) {
+        let tail = &bytes[bytes.len() - back..];
+        if matches!(std::str::from_utf8(tail), Err(e) if e.valid_up_to() == 0 && e.error_len().is_none())
+        {
+            cut = bytes.len() - back;
+            break;
+        }
+    }
+    String::from_utf8_lossy(&bytes[..cut]).into_owned()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    /// Streaming with stop strings equals the reference: the request stops at the first token
+    /// after which some stop string occurs in the decoded text, at its earliest occurrence (the
+    /// first in the list on a tie), the output is the text before it (with it when
+    /// include_stop_str_in_output), and every prefix streamed is a prefix of that output.
+    #[test]
+    fn stop_strings_match_a_reference(
+        tokens in prop::collection::vec(detok_token(), 1..40),
+        stops in prop::collection::vec(stop_string(), 1..7),
+        include in any::<bool>(),
+    ) {
+        use crate::detokenizer::{tests::tiny_byte_level_json, IncrementalDetokenizer, TokenizerInfo};
+        let info = std::sync::Arc::new(TokenizerInfo::from_json(&tiny_byte_level_json()).unwrap());
+        let mut d = IncrementalDetokenizer::new(info, true, stops.clone(), include).unwrap();
+        let token_bytes = |t: u32| -> Vec<u8> {
+            match t {
+                256 => b"ab".to_vec(),
+                257 => b" hello".to_vec(),
+                b => vec![b as u8],
+            }
+        };
+        // Reference.
+        let mut bytes = Vec::new();
+        let mut expected: Option<(usize, usize, String)> = None; // (token index, stop, output)
+        for (k, &t) in tokens.iter().enumerate() {
+            bytes.extend(token_bytes(t));
+            let text = decoded_so_far(&bytes);
+            let mut best: Option<(usize, usize)> = None;
+            for (i, s) in stops.iter().enumerate() {
+                if let Some(pos) = text.find(s.as_str()) {
+                    if best.is_none_or(|(_, b)| pos < b) {
+                        best = Some((i, pos));
+                    }
+                }
+            }
+            if let Some((i, pos)) = best {
+                let end = if include { pos + stops[i].len() } else { pos };
+                expected = Some((k, i, text[..end].to_string()));
+                break;
+            }
+        }
+        let final_text = match &expected {
+            Some((_, _, out)) => out.clone(),
+            None => String::from_utf8_lossy(&bytes).into_owned(),
+        };
+        // The detokenizer, streaming into one buffer as the scheduler does.
+        let mut streamed = String::new();
+        let mut fired = None;
+        for (k, &t) in tokens.iter().enumerate() {
+            if let Some(i) = d.step_into(t, true, &mut streamed) {
+                fired = Some((k, i));
+                break;
+            }
+            prop_assert!(final_text.starts_with(&streamed), "streamed {:?} is not a prefix of {:?}", streamed, final_text);
+        }
+        if fired.is_none() {
+            d.flush_into(&mut streamed);
+        }
+        prop_assert_eq!(fired, expected.as_ref().map(|(k, i, _)| (*k, *i)));
+        prop_assert_eq!(streamed, final_text);
     }
 }

@@ -78,12 +78,8 @@ pub struct Request {
     pub status: RequestStatus,
 }
 
-/// What appending one sampled token produced.
-#[derive(Debug, Default)]
-pub struct TokenResult {
-    pub text_delta: String,
-    pub finish: Option<(FinishReason, Option<StopReason>)>,
-}
+/// How a request finished, and what fired a 'stop' (None for EOS, a forced stop, length).
+pub type Finish = (FinishReason, Option<StopReason>);
 
 impl Request {
     pub fn num_tokens(&self) -> usize {
@@ -106,6 +102,9 @@ impl Request {
     /// brings the output to at least min_tokens tokens. A stop string is matched over the whole
     /// output text, so one that begins in earlier text and is completed by such a token fires
     /// (the detokenizer held its beginning back); one completed earlier never fires.
+    ///
+    /// The text to stream is appended to `text` (the step's text column). Returns how the
+    /// request finished, if this token finished it.
     pub fn append_token(
         &mut self,
         token: u32,
@@ -113,7 +112,8 @@ impl Request {
         block_size: usize,
         max_total_len: usize,
         force_stop: bool,
-    ) -> TokenResult {
+        text: &mut String,
+    ) -> Option<Finish> {
         self.token_ids.push(token);
         extend_block_hashes(
             self.root_hash,
@@ -131,15 +131,13 @@ impl Request {
                 finish = Some((FinishReason::Stop, Some(StopReason::TokenId(token))));
             }
         }
-        let mut text_delta = String::new();
         if let Some(d) = self.detok.as_mut() {
             if finish.is_none() || self.limits.include_stop_str_in_output {
-                let st = d.step(token, stops_active);
-                text_delta = st.delta;
-                if let (None, Some(i)) = (&finish, st.stop) {
+                let stop = d.step_into(token, stops_active, text);
+                if let (None, Some(i)) = (&finish, stop) {
                     finish = Some((
                         FinishReason::Stop,
-                        Some(StopReason::Str(d.stop_strings()[i].clone())),
+                        Some(StopReason::Str(d.stop_strings().get(i).to_string())),
                     ));
                 }
             }
@@ -157,11 +155,11 @@ impl Request {
             // ended the request (then the held text was the stop string itself).
             if !matches!(stop, Some(StopReason::Str(_))) {
                 if let Some(d) = self.detok.as_mut() {
-                    text_delta.push_str(&d.flush());
+                    d.flush_into(text);
                 }
             }
             self.status = RequestStatus::Finished(reason);
         }
-        TokenResult { text_delta, finish }
+        finish
     }
 }

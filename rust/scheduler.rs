@@ -8,13 +8,14 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-use crate::batch::{BatchArrays, BatchEntry, SchedulerOutput};
-use crate::detokenizer::{IncrementalDetokenizer, TokenizerInfo};
+use crate::batch::{BatchArrays, BatchEntry, IdList, SchedulerOutput};
+use crate::detokenizer::{IncrementalDetokenizer, StopSet, TokenizerInfo};
 use crate::error::{invalid, CoreError, CoreResult};
 use crate::kv_cache_manager::{KvBlocks, KvCacheManager};
 use crate::prefix_cache::{extend_block_hashes, root_hash};
-use crate::request::{FinishReason, Request, RequestStatus, SamplingLimits, StopReason};
+use crate::request::{FinishReason, Request, RequestStatus, SamplingLimits};
 use crate::stats::SchedulerStats;
+use crate::step_outputs::{RowInfo, StepOutputs, StepOutputsBuilder};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Policy {
@@ -99,9 +100,24 @@ impl SchedulerConfig {
     }
 }
 
-/// A token id given as a signed integer, checked to fit u32.
+/// A token id given as a signed integer, checked to fit int32 (the dtype of the token columns
+/// Python reads; no vocabulary comes near 2^31).
 pub fn token_id(field: &str, v: i64) -> CoreResult<u32> {
-    u32::try_from(v).map_err(|_| invalid(field, format!("token id {v} is out of range (0..2^32)")))
+    if is_token_id(v) {
+        Ok(v as u32)
+    } else {
+        Err(invalid(
+            field,
+            format!("token id {v} is out of range (0..2^31)"),
+        ))
+    }
+}
+
+/// `token_id`'s check alone, for hot loops that name the field only on failure (formatting
+/// a field name per token costs more than the rest of the work).
+#[inline]
+pub fn is_token_id(v: i64) -> bool {
+    (0..=i32::MAX as i64).contains(&v)
 }
 
 /// A request as submitted (already converted from Python, not yet validated).
@@ -145,17 +161,54 @@ impl NewRequest {
     }
 }
 
-/// What one request produced in one step.
-#[derive(Debug, Clone)]
-pub struct RequestOutput {
-    pub request_id: Arc<str>,
-    pub new_token_ids: Vec<u32>,
-    pub text_delta: String,
-    pub finish_reason: Option<FinishReason>,
-    pub stop_reason: Option<StopReason>,
-    pub num_output_tokens: usize,
-    pub num_prompt_tokens: usize,
-    pub num_cached_tokens: usize,
+/// Live requests' ids by slot, packed in one buffer. The step loops copy each row's id from
+/// here (a few KB that stay in cache) rather than from the request's own allocation, which
+/// with ~1000 running requests is a cache miss per request, twice per step.
+#[derive(Default)]
+struct SlotIds {
+    text: String,
+    /// (start, len) in `text` of each slot's id.
+    spans: Vec<(u32, u32)>,
+    /// Bytes of `text` that belong to live requests (the rest is garbage until compacted).
+    live_bytes: usize,
+}
+
+impl SlotIds {
+    fn get(&self, slot: usize) -> &str {
+        let (start, len) = self.spans[slot];
+        &self.text[start as usize..(start + len) as usize]
+    }
+
+    fn set(&mut self, slot: usize, id: &str) {
+        if self.spans.len() <= slot {
+            self.spans.resize(slot + 1, (0, 0));
+        }
+        self.spans[slot] = (self.text.len() as u32, id.len() as u32);
+        self.text.push_str(id);
+        self.live_bytes += id.len();
+    }
+
+    fn remove(&mut self, slot: usize) {
+        self.live_bytes -= self.spans[slot].1 as usize;
+        self.spans[slot] = (0, 0);
+    }
+
+    /// Rewrites the buffer with only the live ids once garbage dominates (amortized O(1)).
+    fn maybe_compact(&mut self) {
+        if self.text.len() < 4096 || self.text.len() < 2 * self.live_bytes {
+            return;
+        }
+        let mut text = String::with_capacity(self.live_bytes * 2);
+        for span in &mut self.spans {
+            let (start, len) = *span;
+            if len > 0 {
+                let id = &self.text[start as usize..(start + len) as usize];
+                *span = (text.len() as u32, len);
+                text.push_str(id);
+            }
+        }
+        self.text = text;
+    }
 }
 
 /// One entry of a scheduled step, remembered for its update_from_output.
@@ -171,8 +224,12 @@ pub struct Scheduler {
     cfg: SchedulerConfig,
     kv: KvCacheManager,
     tokenizer: Option<Arc<TokenizerInfo>>,
-    /// Live requests by slot; freed slots are reused (`serial` tells generations apart).
+    /// Live requests by slot. A request keeps its slot from add_request until it finishes or
+    /// is aborted (waiting, running, preempted); then the slot may go to a later request
+    /// (`serial` tells generations apart). Python sees slots as the rows' `slots` column, so
+    /// the engine keys its per-request state by a small dense integer instead of a string.
     slab: Vec<Option<Request>>,
+    slot_ids: SlotIds,
     free_slots: Vec<usize>,
     by_id: HashMap<Arc<str>, usize>,
     /// Queue order: FCFS arrival (preempted ones back at the front), or (priority, arrival).
@@ -187,6 +244,9 @@ pub struct Scheduler {
     /// cache is smaller (otherwise such a request would wait or be preempted forever).
     max_total_len: usize,
     stats: SchedulerStats,
+    /// Stop-string sets by their strings, shared by the requests that name the same ones
+    /// (usually all of a deployment's): one copy stays in cache instead of one per request.
+    stop_sets: HashMap<Vec<String>, Arc<StopSet>>,
 }
 
 impl Scheduler {
@@ -207,6 +267,7 @@ impl Scheduler {
             kv,
             tokenizer,
             slab: Vec::new(),
+            slot_ids: SlotIds::default(),
             free_slots: Vec::new(),
             by_id: HashMap::new(),
             waiting: VecDeque::new(),
@@ -216,6 +277,7 @@ impl Scheduler {
             finished_since_schedule: Vec::new(),
             max_total_len,
             stats,
+            stop_sets: HashMap::new(),
         })
     }
 
@@ -235,8 +297,9 @@ impl Scheduler {
         self.slab[slot].as_mut().expect("live slot")
     }
 
-    /// Validates and queues a request. Every error leaves the scheduler unchanged.
-    pub fn add_request(&mut self, r: NewRequest) -> CoreResult<()> {
+    /// Validates and queues a request; returns its slot (see `Scheduler::slab`). Every error
+    /// leaves the scheduler unchanged.
+    pub fn add_request(&mut self, r: NewRequest) -> CoreResult<usize> {
         if r.request_id.is_empty() {
             return Err(invalid("request_id", "must not be empty"));
         }
@@ -291,14 +354,16 @@ impl Scheduler {
                 self.cfg.block_size
             )));
         }
-        let detok = match (&self.tokenizer, r.detokenize) {
+        let detok = match (self.tokenizer.clone(), r.detokenize) {
             (Some(t), true) => {
-                let mut d = IncrementalDetokenizer::new(
-                    t.clone(),
+                let stops = self.stop_set(&r.stop)?;
+                let mut d = IncrementalDetokenizer::with_stop_set(
+                    t,
                     r.skip_special_tokens,
-                    r.stop.clone(),
+                    stops,
                     r.include_stop_str_in_output,
-                )?;
+                )
+                .without_output_text();
                 d.prime(&r.prompt_token_ids);
                 Some(d)
             }
@@ -358,9 +423,26 @@ impl Scheduler {
                 self.slab.len() - 1
             }
         };
+        self.slot_ids.maybe_compact();
+        self.slot_ids.set(slot, &id);
         self.by_id.insert(id, slot);
         self.enqueue_waiting(slot, false);
-        Ok(())
+        Ok(slot)
+    }
+
+    /// The shared stop set of these strings. Sets no live request uses any more are dropped
+    /// whenever the table reaches a power of two (>= 64) entries, so it stays within about
+    /// twice the number of distinct sets in use.
+    fn stop_set(&mut self, stops: &[String]) -> CoreResult<Arc<StopSet>> {
+        if let Some(set) = self.stop_sets.get(stops) {
+            return Ok(set.clone());
+        }
+        let set = Arc::new(StopSet::new(stops)?);
+        if self.stop_sets.len() >= 64 && self.stop_sets.len().is_power_of_two() {
+            self.stop_sets.retain(|_, s| Arc::strong_count(s) > 1);
+        }
+        self.stop_sets.insert(stops.to_vec(), set.clone());
+        Ok(set)
     }
 
     /// Puts a request in the waiting queue at its place: FCFS appends new requests and puts
@@ -553,6 +635,12 @@ impl Scheduler {
         // 3. The flat arrays, then advance num_computed_tokens past this step's tokens.
         let bs = self.cfg.block_size;
         let slab = &self.slab;
+        let num_tokens: usize = scheduled.iter().map(|&(_, n)| n).sum();
+        let max_blocks = scheduled
+            .iter()
+            .map(|&(slot, _)| slab[slot].as_ref().map_or(0, |r| r.kv.blocks.len()))
+            .max()
+            .unwrap_or(0);
         let entries = scheduled.iter().map(|&(slot, n)| {
             let r = slab[slot].as_ref().expect("live slot");
             BatchEntry {
@@ -563,10 +651,10 @@ impl Scheduler {
                 num_placeholders: r.num_output_placeholders,
             }
         });
-        let arrays = BatchArrays::build(entries, bs);
-        let mut req_ids = Vec::with_capacity(scheduled.len());
+        let arrays = BatchArrays::build_sized(entries, bs, num_tokens, max_blocks);
+        let mut req_ids = IdList::with_capacity(scheduled.len());
+        let mut req_slots = Vec::with_capacity(scheduled.len());
         let mut step = Vec::with_capacity(scheduled.len());
-        let mut num_tokens = 0;
         for &(slot, n) in &scheduled {
             let r = self.slab[slot].as_mut().expect("live slot");
             let prompt_part = (r.num_computed_tokens + n)
@@ -574,8 +662,8 @@ impl Scheduler {
                 .saturating_sub(r.num_computed_tokens);
             self.stats.num_prompt_tokens += prompt_part as u64;
             r.num_computed_tokens += n;
-            num_tokens += n;
-            req_ids.push(r.id.clone());
+            req_ids.push(self.slot_ids.get(slot));
+            req_slots.push(slot as i32);
             let sample = r.num_computed_tokens == r.num_tokens() + r.num_output_placeholders;
             if sample {
                 r.num_output_placeholders += 1;
@@ -594,6 +682,7 @@ impl Scheduler {
         self.stats.num_scheduled_tokens = num_tokens;
         SchedulerOutput {
             req_ids,
+            req_slots,
             new_req_ids: new_ids,
             resumed_req_ids: resumed_ids,
             finished_req_ids: std::mem::take(&mut self.finished_since_schedule),
@@ -603,13 +692,13 @@ impl Scheduler {
         }
     }
 
-    /// Appends the sampled tokens of the last step, runs stop checks and detokenization, and
-    /// frees finished requests. Returns an output for each request with news.
+    /// Appends the sampled tokens of the oldest undelivered step, runs stop checks and
+    /// detokenization, and frees finished requests. Returns one row per request with news.
     pub fn update_from_output(
         &mut self,
         sampled_token_ids: &[i64],
         force_stop: Option<&[bool]>,
-    ) -> CoreResult<Vec<RequestOutput>> {
+    ) -> CoreResult<StepOutputs> {
         let n = self.in_flight.front().map_or(0, Vec::len);
         if sampled_token_ids.len() != n {
             return Err(invalid(
@@ -629,18 +718,24 @@ impl Scheduler {
             }
         }
         // Validate everything before changing anything.
-        let empty = Vec::new();
-        let oldest = self.in_flight.front().unwrap_or(&empty);
-        for (i, (e, &t)) in oldest.iter().zip(sampled_token_ids).enumerate() {
-            if e.sample {
-                token_id(&format!("sampled_token_ids[{i}]"), t)?;
+        if let Some(oldest) = self.in_flight.front() {
+            for (i, (e, &t)) in oldest.iter().zip(sampled_token_ids).enumerate() {
+                if e.sample && !is_token_id(t) {
+                    token_id(&format!("sampled_token_ids[{i}]"), t)?;
+                }
             }
         }
         let steps = self.in_flight.pop_front().unwrap_or_default();
-        let mut outputs = Vec::with_capacity(n);
+        if let Some(t) = &self.tokenizer {
+            // See TokenizerInfo::warm (measured: ~5% of a step at 256-1024 requests).
+            let sampled = steps.iter().zip(sampled_token_ids);
+            t.warm(sampled.filter(|(e, _)| e.sample).map(|(_, &t)| t as u32));
+        }
+        let mut outputs = StepOutputsBuilder::with_capacity(n);
         let mut any_finished = false;
         let bs = self.cfg.block_size;
         let max_total_len = self.max_total_len;
+        let eos = &self.cfg.eos_token_ids;
         for (i, e) in steps.iter().enumerate() {
             if !e.sample {
                 continue;
@@ -655,25 +750,25 @@ impl Scheduler {
             req.num_output_placeholders = req.num_output_placeholders.saturating_sub(1);
             let token = sampled_token_ids[i] as u32;
             let fs = force_stop.is_some_and(|f| f[i]);
-            let res = req.append_token(token, &self.cfg.eos_token_ids, bs, max_total_len, fs);
+            outputs.push_token(token);
+            let finish = req.append_token(token, eos, bs, max_total_len, fs, outputs.text_mut());
             self.stats.num_generation_tokens += 1;
-            let (finish_reason, stop_reason) = match res.finish {
+            let (finish_reason, stop_reason) = match finish {
                 Some((f, s)) => {
                     any_finished = true;
                     (Some(f), s)
                 }
                 None => (None, None),
             };
-            outputs.push(RequestOutput {
-                request_id: req.id.clone(),
-                new_token_ids: vec![token],
-                text_delta: res.text_delta,
-                finish_reason,
-                stop_reason,
+            let row = RowInfo {
+                slot: e.slot,
+                request_id: self.slot_ids.get(e.slot),
+                finish: finish_reason,
                 num_output_tokens: req.num_output_tokens(),
                 num_prompt_tokens: req.num_prompt_tokens,
                 num_cached_tokens: req.num_cached_tokens.unwrap_or(0),
-            });
+            };
+            outputs.end_row(row, stop_reason);
         }
         if any_finished {
             let slab = &self.slab;
@@ -689,13 +784,24 @@ impl Scheduler {
                 self.release(s);
             }
         }
-        Ok(outputs)
+        Ok(outputs.finish())
     }
 
     /// Scheduled steps whose results never came (update_from_output was skipped, e.g. the
     /// model step failed): their tokens count as not computed, so each request schedules them
     /// again rather than waiting forever for a sample. Newest first.
+    ///
+    /// Their K/V was never written, so the blocks those steps filled are taken out of the
+    /// prefix cache, a request that adopted one of them as a prefix-cache hit in the same step
+    /// counts it as not computed either, and each request keeps only the blocks its computed
+    /// tokens need (the rest go back to the free queue).
     fn roll_back_undelivered_steps(&mut self) {
+        if self.in_flight.is_empty() {
+            return;
+        }
+        let bs = self.cfg.block_size;
+        let mut unwritten = Vec::new();
+        let mut touched = Vec::new();
         while let Some(step) = self.in_flight.pop_back() {
             for e in step {
                 if let Some(r) = self.slab[e.slot].as_mut() {
@@ -704,9 +810,32 @@ impl Scheduler {
                         if e.sample {
                             r.num_output_placeholders -= 1;
                         }
+                        // Blocks that became full in the step (registered in the cache then).
+                        let first = r.num_computed_tokens / bs;
+                        let end =
+                            ((r.num_computed_tokens + e.num_tokens) / bs).min(r.kv.blocks.len());
+                        unwritten.extend_from_slice(&r.kv.blocks[first.min(end)..end]);
+                        touched.push(e.slot);
                     }
                 }
             }
+        }
+        unwritten.sort_unstable();
+        unwritten.dedup();
+        for &slot in &touched {
+            let r = self.slab[slot].as_mut().expect("live slot");
+            let full = (r.num_computed_tokens / bs).min(r.kv.blocks.len());
+            if let Some(i) = r.kv.blocks[..full]
+                .iter()
+                .position(|b| unwritten.binary_search(b).is_ok())
+            {
+                r.num_computed_tokens = i * bs;
+            }
+        }
+        self.kv.uncache(&unwritten);
+        for &slot in &touched {
+            let r = self.slab[slot].as_mut().expect("live slot");
+            self.kv.truncate(&mut r.kv, r.num_computed_tokens);
         }
     }
 
@@ -714,15 +843,17 @@ impl Scheduler {
     /// SchedulerOutput.finished_req_ids.
     fn release(&mut self, slot: usize) {
         let mut req = self.slab[slot].take().expect("live slot");
+        self.slot_ids.remove(slot);
         self.kv.free(&mut req.kv);
         self.by_id.remove(&req.id);
         self.free_slots.push(slot);
         self.finished_since_schedule.push(req.id);
     }
 
-    /// Aborts live requests (unknown ids are ignored), freeing their blocks at once.
-    pub fn abort_requests<S: AsRef<str>>(&mut self, ids: &[S]) -> Vec<RequestOutput> {
-        let mut outputs = Vec::new();
+    /// Aborts live requests (unknown ids are ignored), freeing their blocks at once. One row
+    /// (finish reason abort, no tokens, no text) per request that was live.
+    pub fn abort_requests<S: AsRef<str>>(&mut self, ids: &[S]) -> StepOutputs {
+        let mut outputs = StepOutputsBuilder::with_capacity(ids.len());
         for id in ids {
             let Some(&slot) = self.by_id.get(id.as_ref()) else {
                 continue;
@@ -745,19 +876,19 @@ impl Scheduler {
             }
             let r = self.req_mut(slot);
             r.status = RequestStatus::Finished(FinishReason::Abort);
-            outputs.push(RequestOutput {
-                request_id: r.id.clone(),
-                new_token_ids: Vec::new(),
-                text_delta: String::new(),
-                finish_reason: Some(FinishReason::Abort),
-                stop_reason: None,
+            let r = self.req(slot);
+            let row = RowInfo {
+                slot,
+                request_id: self.slot_ids.get(slot),
+                finish: Some(FinishReason::Abort),
                 num_output_tokens: r.num_output_tokens(),
                 num_prompt_tokens: r.num_prompt_tokens,
                 num_cached_tokens: r.num_cached_tokens.unwrap_or(0),
-            });
+            };
+            outputs.end_row(row, None);
             self.release(slot);
         }
-        outputs
+        outputs.finish()
     }
 
     pub fn has_unfinished_requests(&self) -> bool {
@@ -777,6 +908,11 @@ impl Scheduler {
             Some(&slot) => Ok(self.req(slot).kv.blocks.clone()),
             None => Err(CoreError::UnknownRequest(id.to_string())),
         }
+    }
+
+    /// Entries of the oldest scheduled step not yet updated (what update_from_output expects).
+    pub fn oldest_in_flight_len(&self) -> usize {
+        self.in_flight.front().map_or(0, Vec::len)
     }
 
     pub fn request_status(&self, id: &str) -> Option<RequestStatus> {
@@ -827,6 +963,7 @@ impl Scheduler {
                 "request {} not indexed",
                 r.id
             );
+            assert_eq!(self.slot_ids.get(slot), &*r.id, "slot {slot}'s id");
             match r.status {
                 RequestStatus::Running => {
                     assert!(self.running.contains(&slot));
@@ -880,6 +1017,8 @@ impl Scheduler {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::request::StopReason;
+    use crate::step_outputs::Row;
 
     const EOS: u32 = 2;
 
@@ -905,11 +1044,12 @@ mod tests {
     }
 
     /// One step feeding token `tok` to every sampled request; returns (output, results).
-    fn step(s: &mut Scheduler, tok: i64) -> (SchedulerOutput, Vec<RequestOutput>) {
+    fn step(s: &mut Scheduler, tok: i64) -> (SchedulerOutput, Vec<Row>) {
         let out = s.schedule();
         let res = s
             .update_from_output(&vec![tok; out.req_ids.len()], None)
-            .unwrap();
+            .unwrap()
+            .rows();
         s.check_invariants();
         (out, res)
     }
@@ -930,7 +1070,7 @@ mod tests {
         let mut masks = Vec::new();
         for _ in 0..3 {
             let (out, _) = step(&mut s, 7);
-            assert_eq!(ids(&out.req_ids), vec!["a", "long"]);
+            assert_eq!(out.req_ids.iter().collect::<Vec<_>>(), vec!["a", "long"]);
             assert_eq!(
                 out.arrays.num_scheduled_tokens[0], 1,
                 "the decode runs every step"
@@ -989,9 +1129,9 @@ mod tests {
             let toks: Vec<i64> = out
                 .req_ids
                 .iter()
-                .map(|id| if &**id == "a" { 10 } else { 11 })
+                .map(|id| if id == "a" { 10 } else { 11 })
                 .collect();
-            for o in s.update_from_output(&toks, None).unwrap() {
+            for o in s.update_from_output(&toks, None).unwrap().rows() {
                 out_tokens
                     .entry(o.request_id.to_string())
                     .or_default()
@@ -1046,7 +1186,7 @@ mod tests {
         let out = s.schedule();
         assert_eq!(out.arrays.num_computed_tokens, vec![8]);
         assert_eq!(out.num_tokens, 2);
-        let res = s.update_from_output(&[7], None).unwrap();
+        let res = s.update_from_output(&[7], None).unwrap().rows();
         assert_eq!(res[0].num_cached_tokens, 8);
         let st = s.stats();
         assert_eq!((st.prefix_cache_queries, st.prefix_cache_hits), (20, 8));
@@ -1086,7 +1226,7 @@ mod tests {
         mn.min_tokens = 2;
         s.add_request(mn).unwrap();
         let (_, res) = step(&mut s, EOS as i64);
-        let by: HashMap<&str, &RequestOutput> = res.iter().map(|o| (&*o.request_id, o)).collect();
+        let by: HashMap<&str, &Row> = res.iter().map(|o| (&*o.request_id, o)).collect();
         assert_eq!(by["eos"].finish_reason, Some(FinishReason::Stop));
         assert_eq!(by["eos"].stop_reason, None);
         assert_eq!(by["ignore"].finish_reason, None);
@@ -1097,7 +1237,7 @@ mod tests {
         );
         let (out, res) = step(&mut s, EOS as i64);
         assert_eq!(ids(&out.finished_req_ids), vec!["eos", "stop_id"]);
-        let by: HashMap<&str, &RequestOutput> = res.iter().map(|o| (&*o.request_id, o)).collect();
+        let by: HashMap<&str, &Row> = res.iter().map(|o| (&*o.request_id, o)).collect();
         assert_eq!(by["ignore"].finish_reason, Some(FinishReason::Length));
         assert_eq!(by["min"].finish_reason, Some(FinishReason::Stop));
         assert!(!s.has_unfinished_requests());
@@ -1128,7 +1268,10 @@ mod tests {
         s.add_request(req("a", 3, 10)).unwrap();
         s.add_request(req("b", 3, 10)).unwrap();
         s.schedule();
-        let res = s.update_from_output(&[7, 7], Some(&[false, true])).unwrap();
+        let res = s
+            .update_from_output(&[7, 7], Some(&[false, true]))
+            .unwrap()
+            .rows();
         assert_eq!(res[0].finish_reason, None);
         assert_eq!(
             (res[1].finish_reason, res[1].num_output_tokens),
@@ -1142,11 +1285,11 @@ mod tests {
         s.add_request(req("a", 10, 10)).unwrap();
         s.add_request(req("b", 10, 10)).unwrap();
         s.schedule();
-        let res = s.abort_requests(&["a", "nope"]);
+        let res = s.abort_requests(&["a", "nope"]).rows();
         assert_eq!(res.len(), 1);
         assert_eq!(res[0].finish_reason, Some(FinishReason::Abort));
         s.check_invariants();
-        let res = s.update_from_output(&[7, 7], None).unwrap();
+        let res = s.update_from_output(&[7, 7], None).unwrap().rows();
         assert_eq!(res.len(), 1, "the aborted request's sample is dropped");
         assert_eq!(&*res[0].request_id, "b");
         let out = s.schedule();
@@ -1175,26 +1318,26 @@ mod tests {
         s.add_request(g).unwrap();
         s.add_request(req("x", 3, 2)).unwrap();
         let (out, _) = step(&mut s, 7);
-        assert_eq!(ids(&out.req_ids), vec!["x"]);
+        assert_eq!(out.req_ids.iter().collect::<Vec<_>>(), vec!["x"]);
         s.grammar_ready(&["g"]);
         let (out, _) = step(&mut s, 7);
-        assert_eq!(ids(&out.req_ids), vec!["x", "g"]);
+        assert_eq!(out.req_ids.iter().collect::<Vec<_>>(), vec!["x", "g"]);
     }
 
     #[test]
     fn bad_input_is_rejected_without_side_effects() {
         let mut s = sched(5, 4, 64, "fcfs");
         s.add_request(req("a", 3, 4)).unwrap();
-        let e = |r: CoreResult<()>| r.unwrap_err();
+        let e = |r: CoreResult<usize>| r.unwrap_err();
         assert!(matches!(
             e(s.add_request(req("a", 3, 4))),
             CoreError::DuplicateRequest(_)
         ));
         assert!(
-            matches!(e(s.add_request(req("b", 0, 4))), CoreError::InvalidArgument(m) if m.contains("prompt_token_ids"))
+            matches!(e(s.add_request(req("b", 0, 4))), CoreError::InvalidArgument { message: m, .. } if m.contains("prompt_token_ids"))
         );
         assert!(
-            matches!(e(s.add_request(req("b", 3, 0))), CoreError::InvalidArgument(m) if m.contains("max_tokens"))
+            matches!(e(s.add_request(req("b", 3, 0))), CoreError::InvalidArgument { message: m, .. } if m.contains("max_tokens"))
         );
         // 4 usable blocks of 4 = 16 tokens of KV.
         assert!(
@@ -1203,12 +1346,12 @@ mod tests {
         let mut r = req("b", 3, 4);
         r.min_tokens = 5;
         assert!(
-            matches!(e(s.add_request(r)), CoreError::InvalidArgument(m) if m.contains("min_tokens"))
+            matches!(e(s.add_request(r)), CoreError::InvalidArgument { message: m, .. } if m.contains("min_tokens"))
         );
         let mut r = req("b", 3, 4);
         r.stop = vec!["x".into()];
         assert!(
-            matches!(e(s.add_request(r)), CoreError::InvalidArgument(m) if m.starts_with("stop"))
+            matches!(e(s.add_request(r)), CoreError::InvalidArgument { message: m, .. } if m.starts_with("stop"))
         );
         let big = sched(1000, 4, 64, "fcfs");
         let mut big = big;
@@ -1253,6 +1396,26 @@ mod tests {
     }
 
     #[test]
+    fn a_failed_step_takes_back_its_prefix_cache_entries() {
+        let mut s = sched(64, 4, 64, "fcfs");
+        s.add_request(req("a", 9, 2)).unwrap();
+        s.add_request(req("b", 9, 2)).unwrap();
+        // b adopts a's first two blocks, which a computes in this very step.
+        let first = s.schedule();
+        assert_eq!(first.arrays.num_computed_tokens, vec![0, 8]);
+        // The step fails. Its K/V was never written: neither a nor b may count those blocks as
+        // computed, and a newcomer must not find them in the prefix cache.
+        let again = s.schedule();
+        s.check_invariants();
+        assert_eq!(again.arrays.num_computed_tokens, vec![0, 0]);
+        assert_eq!(again.arrays.num_scheduled_tokens, vec![9, 9]);
+        s.update_from_output(&[7, 7], None).unwrap();
+        s.add_request(req("c", 9, 1)).unwrap();
+        assert_eq!(s.schedule().arrays.num_computed_tokens, vec![9, 9, 8]);
+        s.check_invariants();
+    }
+
+    #[test]
     fn async_steps_use_placeholders_and_stop_at_the_length_limit() {
         let mut s = sched(64, 4, 64, "fcfs");
         s.add_request(req("a", 6, 3)).unwrap();
@@ -1264,7 +1427,7 @@ mod tests {
         assert_eq!(d1.arrays.positions, vec![6]);
         assert_eq!(d1.arrays.sample_mask, vec![true]);
         s.check_invariants();
-        let outs = s.update_from_output(&[7], None).unwrap();
+        let outs = s.update_from_output(&[7], None).unwrap().rows();
         assert_eq!(outs[0].new_token_ids, vec![7]);
         let d2 = s.schedule_step(true);
         assert_eq!(
@@ -1272,13 +1435,13 @@ mod tests {
             (vec![-1], vec![7])
         );
         assert_eq!(
-            s.update_from_output(&[8], None).unwrap()[0].new_token_ids,
+            s.update_from_output(&[8], None).unwrap().rows()[0].new_token_ids,
             vec![8]
         );
         // Two outputs known, one in flight: the third is max_tokens, so nothing more is scheduled.
         let none = s.schedule_step(true);
         assert_eq!(none.num_tokens, 0);
-        let last = s.update_from_output(&[9], None).unwrap();
+        let last = s.update_from_output(&[9], None).unwrap().rows();
         assert_eq!(last[0].finish_reason, Some(FinishReason::Length));
         assert_eq!(s.update_from_output(&[], None).unwrap().len(), 0);
         assert!(!s.has_unfinished_requests());
@@ -1292,7 +1455,7 @@ mod tests {
         s.schedule_step(true);
         let next = s.schedule_step(true);
         assert_eq!(next.num_tokens, 1);
-        let outs = s.update_from_output(&[EOS as i64], None).unwrap();
+        let outs = s.update_from_output(&[EOS as i64], None).unwrap().rows();
         assert_eq!(outs[0].finish_reason, Some(FinishReason::Stop));
         // The step computed meanwhile belongs to a finished request: its sample is ignored.
         assert!(s.update_from_output(&[5], None).unwrap().is_empty());
@@ -1310,7 +1473,7 @@ mod tests {
         assert_eq!(again.arrays.input_ids, first.arrays.input_ids);
         s.check_invariants();
         assert_eq!(
-            s.update_from_output(&[7], None).unwrap()[0].new_token_ids,
+            s.update_from_output(&[7], None).unwrap().rows()[0].new_token_ids,
             vec![7]
         );
     }

@@ -1,6 +1,7 @@
 """ferrox: an LLM inference and serving engine with a Rust core.
 
-Public names: LLM, AsyncLLM, SamplingParams, StructuredOutputsParams, FerroxError.
+Public names: LLM, AsyncLLM, SamplingParams, StructuredOutputsParams, and the exception tree
+rooted at FerroxError (ferrox.errors: every error has `.param`, the request field at fault).
 Heavy modules (torch, the engine) load on first use so `import ferrox` stays fast.
 """
 
@@ -8,11 +9,36 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ferrox._core import FerroxError
+from ferrox.errors import (
+    DuplicateRequestError,
+    EngineDeadError,
+    EngineStartupError,
+    FerroxError,
+    InvalidArgumentError,
+    PromptTooLongError,
+    RequestError,
+    TokenizerError,
+    UnknownRequestError,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "FerroxError", "__version__"]
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "FerroxError",
+    "InvalidArgumentError",
+    "PromptTooLongError",
+    "DuplicateRequestError",
+    "UnknownRequestError",
+    "TokenizerError",
+    "RequestError",
+    "EngineDeadError",
+    "EngineStartupError",
+    "__version__",
+]
 
 _LAZY = {
     "LLM": "ferrox.engine.llm",

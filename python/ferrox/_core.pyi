@@ -2,7 +2,9 @@
 
 The step contract: per engine step Python makes exactly one `Scheduler.schedule()` call and
 one `Scheduler.update_from_output()` call. Bulk per-step data crosses as numpy arrays that
-`torch.from_numpy` wraps without a copy.
+`torch.from_numpy` wraps without a copy; a step's results come back as one `StepOutputs` of
+columns (no Python object per request). Requests are named by their slot (`add_request`'s
+return value), a small integer the engine can index its own per-request state with.
 """
 
 from collections.abc import Sequence
@@ -15,6 +17,12 @@ __version__: str
 # ---- exception tree (rust/error.rs) -------------------------------------------------------
 class FerroxError(Exception):
     """Root of every error ferrox raises on purpose."""
+
+    param: str | None
+    """The request or configuration field at fault ("max_tokens", "stop" for "stop[2]",
+    "prompt_token_ids", "request_id"), None when the error is about no one field."""
+
+    def __init__(self, message: str = "", *, param: str | None = None) -> None: ...
 
 class InvalidArgumentError(FerroxError, ValueError):
     """A bad configuration value or request field (negative size, bad policy name, ...)."""
@@ -42,7 +50,11 @@ class SchedulerOutput:
         """Total tokens scheduled this step (<= max_num_batched_tokens)."""
     @property
     def req_ids(self) -> list[str]:
-        """Batch order: running requests first (in their running order), then newly scheduled ones."""
+        """Batch order: running requests first (in their running order), then newly scheduled ones.
+        Built on first access; the same list after that (do not modify it)."""
+    @property
+    def req_slots(self) -> npt.NDArray[np.int32]:
+        """[num_reqs] each request's slot (see Scheduler.add_request), batch order."""
     @property
     def new_req_ids(self) -> list[str]:
         """Requests scheduled for the first time (their KV starts at num_computed_tokens, which may be
@@ -89,34 +101,58 @@ class SchedulerOutput:
         """[num_reqs] True where this step reaches the end of the request's known tokens, so the
         sampled token is kept; False for a partial prefill chunk (its sample is ignored)."""
 
-class RequestOutput:
-    """What one request produced in one step (only requests with news are returned)."""
+FINISH_REASONS: tuple[None, str, str, str, str]
+"""(None, "stop", "length", "abort", "error"): the meaning of StepOutputs.finish_reasons codes. The
+core never produces 4, "error": it is the Python engine's, for requests it fails itself."""
 
+class StepOutputs:
+    """What one update_from_output() (or abort_requests()) produced: one row per request with news
+    (a new token, text, or a finish), as columns. Each column is made on first access and the same
+    object is returned after that (do not modify it)."""
+
+    def __len__(self) -> int:
+        """Number of rows (n)."""
     @property
-    def request_id(self) -> str: ...
+    def slots(self) -> npt.NDArray[np.int32]:
+        """[n] the slot of each row's request (as returned by add_request). A finished row's slot is
+        free again: a later add_request may reuse it."""
     @property
-    def new_token_ids(self) -> list[int]: ...
+    def req_ids(self) -> list[str]:
+        """[n] the request id of each row (built on first access)."""
     @property
-    def text_delta(self) -> str:
-        """New text, never splitting a UTF-8 character and never containing a partial stop string
-        (held back until it is known not to be one); empty when detokenize is off or the scheduler
-        has no tokenizer. Only generated text: the prompt is never included. A token that stops the
-        request by id (EOS, stop_token_ids) adds no text unless include_stop_str_in_output."""
+    def token_ids(self) -> npt.NDArray[np.int32]:
+        """[total] every row's new tokens, row after row (one per row today, none for an abort;
+        speculative decoding will append several)."""
     @property
-    def finished(self) -> bool: ...
+    def token_offsets(self) -> npt.NDArray[np.int32]:
+        """[n + 1] row i's tokens are token_ids[token_offsets[i]:token_offsets[i + 1]]."""
     @property
-    def finish_reason(self) -> str | None:
-        """'stop' | 'length' | 'abort' | None while running."""
+    def text(self) -> str:
+        """Every row's text delta, concatenated. A delta never splits a UTF-8 character and never
+        contains a partial stop string (held back until it is known not to be one); empty when
+        detokenize is off or the scheduler has no tokenizer. Only generated text: the prompt is never
+        included. A token that stops the request by id (EOS, stop_token_ids) adds no text unless
+        include_stop_str_in_output."""
     @property
-    def stop_reason(self) -> int | str | None:
-        """The stop_token_id or stop string that fired (None for EOS, length, abort)."""
+    def text_offsets(self) -> npt.NDArray[np.int32]:
+        """[n + 1] in characters (code points, as Python indexes a str): row i's delta is
+        text[text_offsets[i]:text_offsets[i + 1]]."""
     @property
-    def num_output_tokens(self) -> int: ...
+    def finish_reasons(self) -> npt.NDArray[np.uint8]:
+        """[n] 0 while running, else the index of the reason in FINISH_REASONS (1 stop, 2 length,
+        3 abort)."""
     @property
-    def num_prompt_tokens(self) -> int: ...
+    def stop_reasons(self) -> dict[int, int | str]:
+        """{row: the stop_token_id or stop string that fired}, only for rows that stopped on one (EOS,
+        length, abort and a forced stop have none)."""
     @property
-    def num_cached_tokens(self) -> int:
-        """Prompt tokens served from the prefix cache when the request was first scheduled."""
+    def num_output_tokens(self) -> npt.NDArray[np.int32]:
+        """[n] output tokens of each row's request so far."""
+    @property
+    def num_prompt_tokens(self) -> npt.NDArray[np.int32]: ...
+    @property
+    def num_cached_tokens(self) -> npt.NDArray[np.int32]:
+        """[n] prompt tokens served from the prefix cache when the request was first scheduled."""
 
 class SchedulerStats:
     num_running: int
@@ -180,17 +216,20 @@ class Scheduler:
         cache_salt: str | None = None,
         lora_id: int = 0,
         wait_for_grammar: bool = False,
-    ) -> None:
-        """Queue a request. max_tokens is clipped so prompt + output <= max_model_len.
+    ) -> int:
+        """Queue a request; returns its slot: a small integer naming it in SchedulerOutput.req_slots
+        and StepOutputs.slots. A request keeps its slot while it lives (waiting, running,
+        preempted); once it has finished or been aborted, a later request may get the same slot.
+        Token ids must be in 0..2^31. max_tokens is clipped so prompt + output <= max_model_len.
         min_tokens: EOS, stop_token_ids and stop strings fire only on a token that brings the output
         to at least min_tokens tokens; a stop string may begin in earlier output (it is held back,
         not streamed) and is trimmed as usual, but one completed before that never fires.
         Releases the GIL for long prompts (>= 16384 tokens) while their blocks are hashed.
         wait_for_grammar: keep it waiting (other requests run) until grammar_ready() names it."""
     def grammar_ready(self, request_ids: Sequence[str]) -> None: ...
-    def abort_requests(self, request_ids: Sequence[str]) -> list[RequestOutput]:
+    def abort_requests(self, request_ids: Sequence[str]) -> StepOutputs:
         """Abort live requests (unknown ids are ignored); frees their blocks at once and returns a
-        finished output (finish_reason 'abort') for each one that was live."""
+        row (finish_reason 3 'abort', no tokens, no text) for each one that was live."""
     def schedule(self, *, keep_in_flight: bool = False) -> SchedulerOutput:
         """Decide one step. Normally each schedule() with num_reqs > 0 is followed by one
         update_from_output(). If it is not (the model step failed), the next schedule() counts that
@@ -204,10 +243,12 @@ class Scheduler:
         self,
         sampled_token_ids: npt.NDArray[np.int64],
         force_stop: npt.NDArray[np.bool_] | None = None,
-    ) -> list[RequestOutput]:
-        """sampled_token_ids: [num_reqs] of the last schedule(), batch order; entries where
-        sample_mask is False are ignored. force_stop: [num_reqs], True finishes the request with
-        'stop' after appending its token (a completed grammar)."""
+    ) -> StepOutputs:
+        """sampled_token_ids: [num_reqs] (int64 or int32) of the oldest step not yet updated, in its
+        batch order; entries where sample_mask is False are ignored. force_stop: [num_reqs], True
+        finishes the request with 'stop' after appending its token (a completed grammar).
+        Returns one row per request with news; requests aborted or preempted since that step was
+        scheduled have none."""
     def has_unfinished_requests(self) -> bool: ...
     def num_unfinished_requests(self) -> int: ...
     def reset_prefix_cache(self) -> bool:

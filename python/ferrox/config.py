@@ -1,5 +1,18 @@
 """EngineConfig: every argument of `LLM(...)` / `ferrox serve`, validated in one place.
 
+This dataclass is the one source of the engine's configuration: `ferrox serve`'s engine flags
+are generated from its fields (ferrox.entrypoints.cli), so each field's help text, choices and
+documented default live here, in `dataclasses.field(metadata=...)`:
+
+- "help": what the field does (required on every field);
+- "default_help": how to describe the default when the value alone does not (a None that means
+  "auto", or a device-dependent default); built from the same constants the resolve functions
+  below use, so the help cannot drift from the code;
+- "choices": the values accepted (the same tuples `__post_init__` validates against);
+- "size": True for a byte count that the CLI accepts with units ("4GiB");
+- "aliases": extra flag spellings kept for compatibility;
+- "positional": True for the one field (model) taken as a positional CLI argument.
+
 Values left as None ("auto") are resolved by the engine once the model is known
 (`EngineCore` fills max_model_len, the torch dtype and the KV block count); this file only
 holds the user's choices and the defaults that depend on the device.
@@ -13,6 +26,7 @@ Defaults that differ by device, and why:
   the latency a long prefill adds to running decodes).
 - kv_cache_memory: on CPU 2 GiB, capped at half of the memory the OS reports available; on GPU
   None means "size from gpu_memory_utilization after a profiling forward pass".
+- async_scheduling: on for CUDA, off on CPU.
 """
 
 from __future__ import annotations
@@ -23,44 +37,74 @@ from typing import Any
 
 CPU_DEFAULT_MAX_MODEL_LEN = 8192
 CPU_DEFAULT_KV_CACHE_MEMORY = 2 << 30
-_DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "fp32", "fp16", "bf16")
+GPU_DEFAULT_MAX_NUM_SEQS = 512
+CPU_DEFAULT_MAX_NUM_SEQS = 64
+GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "fp32", "fp16", "bf16")
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # Mirrors ferrox.loader.model_loader.LOAD_FORMATS (kept here so that config imports no torch).
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
-_DEVICES = ("auto", "cpu", "cuda")
-_POLICIES = ("fcfs", "priority")
+DEVICES = ("auto", "cpu", "cuda")
+POLICIES = ("fcfs", "priority")
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):g}GiB"
+
+
+def _opt(help: str, default: Any = None, **meta: Any) -> Any:
+    """A dataclass field carrying its CLI documentation (see the module docstring)."""
+    return dataclasses.field(default=default, metadata={"help": help, **meta})
 
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str | None = None  # path to a HF folder or .gguf; None: the embedded SmolLM2
-    tokenizer: str | None = None  # defaults to the model's own tokenizer
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    seed: int = 0
-    load_format: str = "auto"
-    device: str = "auto"
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory: int | None = None  # bytes
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    enable_prefix_caching: bool = True
-    block_size: int = 16
-    policy: str = "fcfs"
-    enforce_eager: bool = False
-    # Schedule step N+1 while step N computes (CPU/GPU overlap); None: on for CUDA, off on CPU.
-    async_scheduling: bool | None = None
-    chat_template: str | None = None  # a template string or a path to a .jinja file
-    served_model_name: str | None = None
-    max_logprobs: int = 20  # largest `logprobs` / `prompt_logprobs` a request may ask for
-    num_threads: int | None = None  # CPU intra-op threads; None: all cores torch sees
+    model: str | None = _opt(
+        "model folder (Hugging Face layout) or .gguf file", positional=True,
+        default_help="the embedded SmolLM2-135M-Instruct")
+    tokenizer: str | None = _opt("tokenizer folder or .gguf file", default_help="the model's own")
+    dtype: str = _opt("weights/activations dtype", "auto", choices=DTYPES,
+                      default_help="auto: float32 on CPU; on GPU the checkpoint's float16/bfloat16, "
+                      "bfloat16 for a float32 checkpoint")
+    max_model_len: int | None = _opt(
+        "context length (prompt + output) per request",
+        default_help=f"the model's max_position_embeddings; on CPU at most {CPU_DEFAULT_MAX_MODEL_LEN}")
+    seed: int = _opt("engine seed (dummy weights, unseeded sampling)", 0)
+    load_format: str = _opt("weight format; 'dummy' = random weights of the real architecture", "auto",
+                            choices=LOAD_FORMATS)
+    device: str = _opt("where to run", "auto", choices=DEVICES, default_help="auto: cuda when available, else cpu")
+    gpu_memory_utilization: float = _opt("fraction of GPU memory for weights, activations and KV cache", 0.9)
+    kv_cache_memory: int | None = _opt(
+        "KV cache size in bytes (the CLI accepts units: 512MiB, 4GiB)", size=True,
+        default_help=f"on CPU {_gib(CPU_DEFAULT_KV_CACHE_MEMORY)} capped at half the available memory; "
+        "on GPU sized from --gpu-memory-utilization after a profiling pass")
+    max_num_seqs: int | None = _opt(
+        "most requests in the running batch",
+        default_help=f"{GPU_DEFAULT_MAX_NUM_SEQS} on GPU, {CPU_DEFAULT_MAX_NUM_SEQS} on CPU")
+    max_num_batched_tokens: int | None = _opt(
+        "token budget of one engine step",
+        default_help=f"{GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS} on GPU, {CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS} on CPU")
+    enable_prefix_caching: bool = _opt("automatic prefix caching (reuse KV blocks of shared prompt prefixes)", True)
+    block_size: int = _opt("tokens per KV-cache block", 16)
+    policy: str = _opt("order of waiting requests: arrival (fcfs), or the request's priority field", "fcfs",
+                       choices=POLICIES, aliases=("--scheduling-policy",))
+    enforce_eager: bool = _opt("disable CUDA graphs (run every step eagerly)", False)
+    async_scheduling: bool | None = _opt(
+        "schedule step N+1 while step N computes (CPU/GPU overlap)", default_help="on for CUDA, off on CPU")
+    chat_template: str | None = _opt("chat template (jinja text or a .jinja file path) overriding the model's",
+                                     default_help="the model's")
+    served_model_name: str | None = _opt("model id clients use and /v1/models reports",
+                                         default_help="the model's name")
+    max_logprobs: int = _opt("largest `logprobs` / `prompt_logprobs` a request may ask for", 20)
+    num_threads: int | None = _opt("CPU threads for the model (torch intra-op)", default_help="all cores torch sees")
 
     def __post_init__(self) -> None:
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
-        _choice("dtype", self.dtype, _DTYPES)
+        _choice("dtype", self.dtype, DTYPES)
         _choice("load_format", self.load_format, LOAD_FORMATS)
-        _choice("device", self.device, _DEVICES)
-        _choice("policy", self.policy, _POLICIES)
+        _choice("device", self.device, DEVICES)
+        _choice("policy", self.policy, POLICIES)
         _positive_int("max_model_len", self.max_model_len, optional=True)
         _positive_int("max_num_seqs", self.max_num_seqs, optional=True)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens, optional=True)
@@ -99,10 +143,14 @@ class EngineConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def resolved_max_num_seqs(self, device: str) -> int:
-        return self.max_num_seqs or (512 if device == "cuda" else 64)
+        if self.max_num_seqs is not None:
+            return self.max_num_seqs
+        return GPU_DEFAULT_MAX_NUM_SEQS if device == "cuda" else CPU_DEFAULT_MAX_NUM_SEQS
 
     def resolved_max_num_batched_tokens(self, device: str) -> int:
-        return self.max_num_batched_tokens or (8192 if device == "cuda" else 2048)
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS if device == "cuda" else CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
 
     def resolved_cpu_kv_cache_memory(self) -> int:
         if self.kv_cache_memory is not None:

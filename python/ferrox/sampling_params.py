@@ -2,7 +2,9 @@
 
 A msgspec Struct so that it crosses the engine-core socket inside `EngineCoreRequest` as
 msgpack unchanged; `__post_init__` validates on construction *and* on decode, so a bad value
-is a `ValueError` naming the field wherever it enters.
+is an `InvalidArgumentError` (a `ValueError`) whose `param` is the field, wherever it enters. The
+rules that need the engine's limits (vocabulary, max_logprobs, max_model_len) are in
+`ferrox.request_rules` / `ferrox.engine.validation`, which the engine runs before a request is queued.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from typing import Any
 
 import msgspec
 
+from ferrox._core import InvalidArgumentError
+from ferrox.request_rules import check_min_tokens, check_token_ids_in_vocab
 from ferrox.structured.params import StructuredOutputsParams
 
 # Below this a temperature means greedy (argmax); dividing by it would overflow.
@@ -72,30 +76,30 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError) as e:
-                raise ValueError(f"logit_bias: keys must be token ids and values numbers ({e})") from None
+                raise _invalid("logit_bias", f"keys must be token ids and values numbers ({e})") from None
 
     def _validate(self) -> None:
         _check_int("n", self.n, lo=1)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name}: must be in [-2, 2], got {value}")
+                raise _invalid(name, f"must be in [-2, 2], got {value}")
         if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")
+            raise _invalid("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         if not self.temperature >= 0.0:
-            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+            raise _invalid("temperature", f"must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+            raise _invalid("top_p", f"must be in (0, 1], got {self.top_p}")
         _check_int("top_k", self.top_k, lo=0, note=" (0 or -1 disables it)")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
+            raise _invalid("min_p", f"must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             _check_int("seed", self.seed)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, lo=1)
         _check_int("min_tokens", self.min_tokens, lo=0)
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens: must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.max_tokens is not None:
+            check_min_tokens(self.min_tokens, self.max_tokens)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
@@ -103,17 +107,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.stop is not None:
             for s in self.stop:
                 if not isinstance(s, str) or not s:
-                    raise ValueError(f"stop: every stop string must be a non-empty string, got {s!r}")
+                    raise _invalid("stop", f"every stop string must be a non-empty string, got {s!r}")
         _check_token_ids("stop_token_ids", self.stop_token_ids, allow_empty=True)
         _check_token_ids("allowed_token_ids", self.allowed_token_ids, allow_empty=False)
         if self.logit_bias is not None:
             for tok, bias in self.logit_bias.items():
                 if tok < 0:
-                    raise ValueError(f"logit_bias: token id must be >= 0, got {tok}")
+                    raise _invalid("logit_bias", f"token id must be >= 0, got {tok}")
                 if not -_MAX_ABS_LOGIT_BIAS <= bias <= _MAX_ABS_LOGIT_BIAS:
-                    raise ValueError(f"logit_bias: value for token {tok} must be in [-100, 100], got {bias}")
+                    raise _invalid("logit_bias", f"value for token {tok} must be in [-100, 100], got {bias}")
         if not self.detokenize and self.stop:
-            raise ValueError("stop: stop strings need detokenize=True")
+            raise _invalid("stop", "stop strings need detokenize=True")
 
     # ---- derived views used by the engine --------------------------------------------------
     @property
@@ -125,16 +129,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         return list(self.stop or [])
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Token ids must exist in the model's vocabulary; called by the engine, which knows it."""
-        fields = (
-            ("stop_token_ids", self.stop_token_ids or []),
-            ("allowed_token_ids", self.allowed_token_ids or []),
-            ("logit_bias", list(self.logit_bias or {})),
-        )
-        for name, ids in fields:
-            for tok in ids:
-                if tok >= vocab_size:
-                    raise ValueError(f"{name}: token id {tok} is outside the vocabulary (size {vocab_size})")
+        """Token ids must exist in the model's vocabulary; the engine calls it (through
+        ferrox.engine.validation), as only it knows the vocabulary size."""
+        check_token_ids_in_vocab("stop_token_ids", self.stop_token_ids or [], vocab_size)
+        check_token_ids_in_vocab("allowed_token_ids", self.allowed_token_ids or [], vocab_size)
+        check_token_ids_in_vocab("logit_bias", list(self.logit_bias or {}), vocab_size)
 
     def clone(self, **changes: Any) -> SamplingParams:
         return msgspec.structs.replace(self, **changes)
@@ -142,16 +141,21 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 def _check_int(name: str, value: Any, lo: int | None = None, note: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}: must be an integer, got {value!r}")
+        raise _invalid(name, f"must be an integer, got {value!r}")
     if lo is not None and value < lo:
-        raise ValueError(f"{name}: must be >= {lo}{note}, got {value}")
+        raise _invalid(name, f"must be >= {lo}{note}, got {value}")
 
 
 def _check_token_ids(name: str, ids: list[int] | None, *, allow_empty: bool) -> None:
     if ids is None:
         return
     if not allow_empty and not ids:
-        raise ValueError(f"{name}: must not be empty when given")
+        raise _invalid(name, "must not be empty when given")
     for tok in ids:
         if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
-            raise ValueError(f"{name}: token ids must be integers >= 0, got {tok!r}")
+            raise _invalid(name, f"token ids must be integers >= 0, got {tok!r}")
+
+
+def _invalid(param: str, what: str) -> InvalidArgumentError:
+    """The error for one bad field: "param: what", with `param` set."""
+    return InvalidArgumentError(f"{param}: {what}", param=param)

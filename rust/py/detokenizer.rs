@@ -44,7 +44,9 @@ impl PyDetokenizer {
             .into());
         }
         let st = self.inner.step(token_id as u32, true);
-        let stop = st.stop.map(|i| self.inner.stop_strings()[i].clone());
+        let stop = st
+            .stop
+            .map(|i| self.inner.stop_strings().get(i).to_string());
         Ok((st.delta, stop))
     }
 
@@ -54,7 +56,8 @@ impl PyDetokenizer {
     }
 
     #[getter]
-    fn output_text(&self) -> &str {
-        self.inner.output_text()
+    fn output_text(&self) -> String {
+        // This detokenizer is built keeping its text.
+        self.inner.output_text().unwrap_or_default()
     }
 }

@@ -12,7 +12,15 @@ use crate::error::CoreError;
 
 const TREE: &std::ffi::CStr = cr#"
 class FerroxError(Exception):
-    """Root of every error ferrox raises on purpose."""
+    """Root of every error ferrox raises on purpose.
+
+    `param` names the request or configuration field at fault ("max_tokens", "stop",
+    "prompt_token_ids", "request_id"), or is None when the error is about no one field.
+    """
+
+    def __init__(self, message="", *, param=None):
+        super().__init__(message)
+        self.param = param
 
 class InvalidArgumentError(FerroxError, ValueError):
     """A bad configuration value or request field (negative size, bad policy name, ...)."""
@@ -93,13 +101,21 @@ impl From<CoreError> for PyErr {
         Python::attach(|py| {
             let c = classes(py);
             let ty = match &e {
-                CoreError::InvalidArgument(_) => &c.invalid_argument,
+                CoreError::InvalidArgument { .. } => &c.invalid_argument,
                 CoreError::DuplicateRequest(_) => &c.duplicate_request,
                 CoreError::UnknownRequest(_) => &c.unknown_request,
                 CoreError::PromptTooLong(_) => &c.prompt_too_long,
                 CoreError::Tokenizer(_) => &c.tokenizer,
             };
-            PyErr::from_type(ty.bind(py).clone(), e.to_string())
+            let kwargs = PyDict::new(py);
+            let made = kwargs
+                .set_item("param", e.param())
+                .and_then(|()| ty.bind(py).call((e.to_string(),), Some(&kwargs)));
+            match made {
+                Ok(exc) => PyErr::from_value(exc),
+                // Constructing the exception itself failed (out of memory...): raise that.
+                Err(err) => err,
+            }
         })
     }
 }

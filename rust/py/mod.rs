@@ -4,10 +4,10 @@
 
 mod detokenizer;
 pub mod errors;
-mod request_output;
 mod scheduler;
 mod scheduler_output;
 mod stats;
+mod step_outputs;
 
 use pyo3::prelude::*;
 
@@ -16,7 +16,11 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_class::<scheduler::PyScheduler>()?;
     m.add_class::<scheduler_output::PySchedulerOutput>()?;
-    m.add_class::<request_output::PyRequestOutput>()?;
+    m.add_class::<step_outputs::PyStepOutputs>()?;
+    m.add(
+        "FINISH_REASONS",
+        pyo3::types::PyTuple::new(m.py(), crate::step_outputs::FINISH_REASONS)?,
+    )?;
     m.add_class::<stats::PySchedulerStats>()?;
     m.add_class::<detokenizer::PyDetokenizer>()?;
     Ok(())
@@ -49,9 +53,11 @@ pub(crate) fn extract_token_ids(field: &str, obj: &Bound<'_, PyAny>) -> PyResult
         .iter()
         .enumerate()
         .map(|(i, &t)| {
-            u32::try_from(t).or_else(|_| {
+            if crate::scheduler::is_token_id(t) {
+                Ok(t as u32)
+            } else {
                 crate::scheduler::token_id(&format!("{field}[{i}]"), t).map_err(PyErr::from)
-            })
+            }
         })
         .collect()
 }

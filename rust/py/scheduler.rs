@@ -2,9 +2,9 @@ use numpy::{PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 use super::extract_token_ids;
-use super::request_output::PyRequestOutput;
 use super::scheduler_output::PySchedulerOutput;
 use super::stats::PySchedulerStats;
+use super::step_outputs::PyStepOutputs;
 use crate::error::invalid;
 use crate::scheduler::{NewRequest, Scheduler, SchedulerConfig};
 
@@ -145,7 +145,7 @@ impl PyScheduler {
         cache_salt: Option<String>,
         lora_id: i64,
         wait_for_grammar: bool,
-    ) -> PyResult<()> {
+    ) -> PyResult<usize> {
         let prompt = extract_token_ids("prompt_token_ids", prompt_token_ids)?;
         let stop_ids = stop_token_ids
             .iter()
@@ -172,24 +172,16 @@ impl PyScheduler {
                 wait_for_grammar,
             })
         };
-        if long_prompt {
-            py.detach(add)?;
-        } else {
-            add()?;
-        }
-        Ok(())
+        let slot = if long_prompt { py.detach(add)? } else { add()? };
+        Ok(slot)
     }
 
     fn grammar_ready(&mut self, request_ids: Vec<String>) {
         self.inner.grammar_ready(&request_ids);
     }
 
-    fn abort_requests(&mut self, request_ids: Vec<String>) -> Vec<PyRequestOutput> {
-        self.inner
-            .abort_requests(&request_ids)
-            .into_iter()
-            .map(PyRequestOutput::from)
-            .collect()
+    fn abort_requests(&mut self, request_ids: Vec<String>) -> PyStepOutputs {
+        self.inner.abort_requests(&request_ids).into()
     }
 
     #[pyo3(signature = (*, keep_in_flight=false))]
@@ -205,12 +197,14 @@ impl PyScheduler {
         py: Python<'_>,
         sampled_token_ids: &Bound<'_, PyAny>,
         force_stop: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Vec<PyRequestOutput>> {
+    ) -> PyResult<PyStepOutputs> {
         let sampled = extract_sampled(sampled_token_ids)?;
         let force = force_stop.map(extract_force_stop).transpose()?;
         let inner = &mut self.inner;
+        // Every column is built here, without the GIL; Python objects are made per column,
+        // on first access (PyStepOutputs).
         let outs = py.detach(|| inner.update_from_output(&sampled, force.as_deref()))?;
-        Ok(outs.into_iter().map(PyRequestOutput::from).collect())
+        Ok(outs.into())
     }
 
     fn has_unfinished_requests(&self) -> bool {

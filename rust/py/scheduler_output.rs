@@ -2,15 +2,19 @@ use std::sync::Arc;
 
 use numpy::{PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::PyList;
 
-use crate::batch::SchedulerOutput;
+use crate::batch::{IdList, SchedulerOutput};
 
 /// Everything the model runner needs for one step. The arrays are created once, by moving the
 /// core's Vecs into numpy (no copy), and every property access returns the same array.
 #[pyclass(name = "SchedulerOutput", module = "ferrox._core", frozen)]
 pub struct PySchedulerOutput {
-    req_ids: Vec<Arc<str>>,
+    req_ids: IdList,
+    /// `req_ids` as a Python list, made on first access (the engine mostly uses req_slots).
+    req_ids_list: PyOnceLock<Py<PyList>>,
+    req_slots: Py<PyArray1<i32>>,
     new_req_ids: Vec<Arc<str>>,
     resumed_req_ids: Vec<Arc<str>>,
     finished_req_ids: Vec<Arc<str>>,
@@ -37,6 +41,8 @@ impl PySchedulerOutput {
             .unbind();
         Ok(PySchedulerOutput {
             req_ids: out.req_ids,
+            req_ids_list: PyOnceLock::new(),
+            req_slots: PyArray1::from_vec(py, out.req_slots).unbind(),
             new_req_ids: out.new_req_ids,
             resumed_req_ids: out.resumed_req_ids,
             finished_req_ids: out.finished_req_ids,
@@ -71,8 +77,16 @@ impl PySchedulerOutput {
         self.num_tokens
     }
     #[getter]
-    fn req_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        id_list(py, &self.req_ids)
+    fn req_ids(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
+        if let Some(l) = self.req_ids_list.get(py) {
+            return Ok(l.clone_ref(py));
+        }
+        let list = PyList::new(py, self.req_ids.iter())?.unbind();
+        Ok(self.req_ids_list.get_or_init(py, || list).clone_ref(py))
+    }
+    #[getter]
+    fn req_slots(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.req_slots.clone_ref(py)
     }
     #[getter]
     fn new_req_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {

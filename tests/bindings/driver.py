@@ -4,9 +4,10 @@ a deterministic function of (request, position), so any lost or duplicated token
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
-from ferrox._core import RequestOutput, Scheduler, SchedulerOutput
+from ferrox._core import FINISH_REASONS, Scheduler, SchedulerOutput, StepOutputs
 
 TokenFn = Callable[[str, int], int]
 
@@ -22,6 +23,8 @@ def check_arrays(out: SchedulerOutput, block_size: int) -> None:
     assert qsl.dtype == np.int32 and out.seq_lens.dtype == np.int32 and out.input_ids.dtype == np.int64
     assert qsl.shape == (n + 1,) and out.input_ids.shape == (out.num_tokens,)
     assert out.block_table.shape[0] == n
+    assert out.req_slots.dtype == np.int32 and out.req_slots.shape == (n,)
+    assert len(out.req_ids) == n
     assert int(qsl[-1]) == out.num_tokens
     for r in range(n):
         lo, hi = int(qsl[r]), int(qsl[r + 1])
@@ -36,24 +39,81 @@ def check_arrays(out: SchedulerOutput, block_size: int) -> None:
         assert (blocks[:used] != 0).all() and (blocks[used:] == 0).all()
 
 
+@dataclass
+class Row:
+    """One row of a StepOutputs, as the tests read it."""
+
+    request_id: str
+    slot: int
+    new_token_ids: list[int]
+    text_delta: str
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_output_tokens: int
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def rows(outs: StepOutputs) -> list[Row]:
+    """The columns as one Row per request, after checking their shapes and dtypes agree."""
+    n = len(outs)
+    cols = dict(
+        slots=(np.int32, (n,)),
+        token_offsets=(np.int32, (n + 1,)),
+        text_offsets=(np.int32, (n + 1,)),
+        finish_reasons=(np.uint8, (n,)),
+        num_output_tokens=(np.int32, (n,)),
+        num_prompt_tokens=(np.int32, (n,)),
+        num_cached_tokens=(np.int32, (n,)),
+    )
+    for name, (dtype, shape) in cols.items():
+        arr = getattr(outs, name)
+        assert arr.dtype == dtype and arr.shape == shape, (name, arr.dtype, arr.shape)
+        assert getattr(outs, name) is arr  # made once, on first access
+    toff, txt = outs.token_offsets, outs.text_offsets
+    assert outs.token_ids.dtype == np.int32 and outs.token_ids.shape == (int(toff[-1]),)
+    assert toff[0] == 0 and txt[0] == 0 and (np.diff(toff) >= 0).all() and (np.diff(txt) >= 0).all()
+    assert int(txt[-1]) == len(outs.text)
+    assert len(outs.req_ids) == n and outs.req_ids is outs.req_ids
+    assert all(0 <= int(i) < n for i in outs.stop_reasons)
+    return [
+        Row(
+            request_id=outs.req_ids[i],
+            slot=int(outs.slots[i]),
+            new_token_ids=outs.token_ids[toff[i] : toff[i + 1]].tolist(),
+            text_delta=outs.text[txt[i] : txt[i + 1]],
+            finish_reason=FINISH_REASONS[int(outs.finish_reasons[i])],
+            stop_reason=outs.stop_reasons.get(i),
+            num_output_tokens=int(outs.num_output_tokens[i]),
+            num_prompt_tokens=int(outs.num_prompt_tokens[i]),
+            num_cached_tokens=int(outs.num_cached_tokens[i]),
+        )
+        for i in range(n)
+    ]
+
+
 def run_step(
     sched: Scheduler, token_fn: TokenFn = default_token, block_size: int = 16
-) -> tuple[SchedulerOutput, list[RequestOutput]]:
+) -> tuple[SchedulerOutput, list[Row]]:
     out = sched.schedule()
     check_arrays(out, block_size)
     sampled = np.array(
         [token_fn(rid, int(out.seq_lens[i])) for i, rid in enumerate(out.req_ids)], dtype=np.int64
     )
-    return out, sched.update_from_output(sampled)
+    return out, rows(sched.update_from_output(sampled))
 
 
 def run_to_completion(
     sched: Scheduler, token_fn: TokenFn = default_token, block_size: int = 16, max_steps: int = 10_000
-) -> tuple[dict[str, list[int]], dict[str, str], dict[str, RequestOutput], list[SchedulerOutput]]:
+) -> tuple[dict[str, list[int]], dict[str, str], dict[str, Row], list[SchedulerOutput]]:
     """Steps until idle; returns tokens and text per request, the final outputs, every step."""
     tokens: dict[str, list[int]] = {}
     text: dict[str, str] = {}
-    final: dict[str, RequestOutput] = {}
+    final: dict[str, Row] = {}
     steps = []
     for _ in range(max_steps):
         if not sched.has_unfinished_requests():

@@ -15,7 +15,7 @@ from ferrox._core import (
     UnknownRequestError,
 )
 
-from .driver import check_arrays, run_step, run_to_completion
+from .driver import check_arrays, rows, run_step, run_to_completion
 
 EOS = 0  # "<|endoftext|>" is the first special token of the test tokenizer
 
@@ -220,12 +220,14 @@ def test_abort_frees_blocks_and_reports_once():
     s.add_request("a", list(range(1, 60)), max_tokens=10, detokenize=False)
     s.add_request("b", list(range(1, 60)), max_tokens=10, detokenize=False)
     out = s.schedule()
-    res = s.abort_requests(["a", "not-there"])
-    assert [(o.request_id, o.finish_reason, o.finished) for o in res] == [("a", "abort", True)]
-    assert s.abort_requests(["a"]) == []
+    res = rows(s.abort_requests(["a", "not-there"]))
+    assert [(o.request_id, o.finish_reason, o.finished, o.new_token_ids, o.text_delta) for o in res] == [
+        ("a", "abort", True, [], "")
+    ]
+    assert len(s.abort_requests(["a"])) == 0
     with pytest.raises(UnknownRequestError):
         s.request_block_ids("a")
-    res = s.update_from_output(np.full(out.num_reqs, 7, dtype=np.int64))
+    res = rows(s.update_from_output(np.full(out.num_reqs, 7, dtype=np.int64)))
     assert [o.request_id for o in res] == ["b"]
     assert s.schedule().finished_req_ids == ["a"]
     s.abort_requests(["b"])
@@ -241,7 +243,7 @@ def test_grammar_wait_and_force_stop():
     s.grammar_ready(["g", "unknown"])
     out = s.schedule()
     assert out.req_ids == ["x", "g"]
-    res = s.update_from_output(np.array([7, 8], dtype=np.int64), np.array([False, True]))
+    res = rows(s.update_from_output(np.array([7, 8], dtype=np.int64), np.array([False, True])))
     assert [(o.request_id, o.finish_reason) for o in res] == [("x", None), ("g", "stop")]
 
 
@@ -279,6 +281,46 @@ def test_bad_input_raises_typed_errors_and_leaves_the_scheduler_usable(tokenizer
     assert len(s.update_from_output(np.array([7], dtype=np.int64))) == 1
     tokens, _, final, _ = run_to_completion(s, block_size=4)
     assert final["a"].num_output_tokens == 5 and s.stats().num_free_blocks == 8
+
+
+def test_errors_carry_the_offending_param():
+    s = make(num_blocks=9, block_size=4)
+    s.add_request("a", [1, 2, 3], max_tokens=5, detokenize=False)
+    cases = [
+        (lambda: s.add_request("a", [1], max_tokens=1), DuplicateRequestError, "request_id"),
+        (lambda: s.add_request("e", [1], max_tokens=0), InvalidArgumentError, "max_tokens"),
+        (lambda: s.add_request("e", [1, -4], max_tokens=1), InvalidArgumentError, "prompt_token_ids"),
+        (lambda: s.add_request("e", list(range(40)), max_tokens=1), PromptTooLongError, "prompt_token_ids"),
+        (lambda: s.add_request("e", [1], max_tokens=1, stop=["x"]), InvalidArgumentError, "stop"),
+        (lambda: s.request_block_ids("nope"), UnknownRequestError, "request_id"),
+        (lambda: make(policy="lifo"), InvalidArgumentError, "policy"),
+        (lambda: make(eos_token_ids=[-1]), InvalidArgumentError, "eos_token_ids"),
+        (lambda: make(tokenizer_json="{}"), TokenizerError, None),
+    ]
+    for call, cls, param in cases:
+        with pytest.raises(cls) as info:
+            call()
+        assert info.value.param == param, (cls, str(info.value))
+    # The message is unchanged: it still starts with the field as written (index included).
+    with pytest.raises(InvalidArgumentError, match=r"^prompt_token_ids\[1\]: "):
+        s.add_request("e", [1, -4], max_tokens=1)
+    # An unknown id is still a KeyError whose str() is the message, not its repr.
+    with pytest.raises(KeyError) as key_info:
+        s.request_block_ids("nope")
+    assert str(key_info.value).startswith('unknown request id "nope"')
+
+
+def test_python_code_can_raise_the_tree_with_a_param():
+    e = InvalidArgumentError("max_tokens: must be >= 1", param="max_tokens")
+    assert str(e) == "max_tokens: must be >= 1" and e.param == "max_tokens"
+    assert isinstance(e, FerroxError) and isinstance(e, ValueError)
+    p = PromptTooLongError("too long", param="prompt_token_ids")
+    assert p.param == "prompt_token_ids" and isinstance(p, InvalidArgumentError)
+    assert FerroxError("x").param is None and FerroxError().param is None
+    with pytest.raises(TypeError):
+        FerroxError("x", "positional param")  # param is keyword-only
+    u = UnknownRequestError("unknown request id 'z'", param="request_id")
+    assert str(u) == "unknown request id 'z'" and isinstance(u, KeyError)
 
 
 @pytest.mark.parametrize(

@@ -1,16 +1,24 @@
 """Async scheduling (step N+1 scheduled and launched before step N's tokens reach the host) gives
 the same greedy tokens as synchronous stepping: in a batch, with EOS stops and per-request length
 limits (the step computed after a stop is dropped), after preemption by recompute, with small
-prefill chunks, and when a request that needs synchronous steps (penalties) joins mid-run. Each
-run ends with every KV block back in the pool. On CPU it runs the real Rust core and torch model
+prefill chunks, and with every request kind in one batch (grammars, penalties, min_tokens,
+logprobs, seeded n > 1, aborts mid-flight), none of which may switch the engine to synchronous
+steps. Each run ends with every KV block back in the pool. On CPU it runs the real Rust core and torch model
 (async is the default only on CUDA); the GPU variant checks CUDA-graph replay too."""
 
 from __future__ import annotations
 
+import json
+import re
+
+import jsonschema
 import pytest
 import torch
 from ferrox import LLM, SamplingParams
 from ferrox.attention.kv_cache import kv_cache_bytes_per_block
+from ferrox.engine.protocol import EngineCoreRequest
+from ferrox.sampling_params import RequestOutputKind
+from ferrox.structured.params import StructuredOutputsParams
 
 from tests.engine.conftest import TEST_KV_CACHE_MEMORY
 from tests.engine.prompts import PROMPTS, greedy_ids
@@ -42,19 +50,11 @@ def test_async_batch_equals_sync(llm, async_llm):
 
 def test_async_steps_really_overlap(async_llm):
     """Decode steps are scheduled with the previous one in flight (input id -1 placeholders)."""
-    engine = async_llm.engine
-    launched = []
-    inner = engine.runner.launch
-
-    def spy(so, bitmask=None, prev=None):
-        launched.append((int((so.input_ids < 0).sum()), prev is not None))
-        return inner(so, bitmask, prev)
-
-    engine.runner.launch = spy
+    launched, restore = _spy_launches(async_llm.engine)
     try:
         async_llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
     finally:
-        engine.runner.launch = inner
+        restore()
     assert sum(holes for holes, _ in launched) >= 4 * (GREEDY.max_tokens - 2)
     assert all(has_prev for holes, has_prev in launched if holes)
 
@@ -75,17 +75,131 @@ def test_async_with_chunks_and_preemption(llm, async_llm):
     assert_no_leaked_blocks(tight)
 
 
-def test_sync_only_request_switches_to_sync_steps(llm, async_llm):
-    """A request with a repetition penalty reads its previous tokens on the host: while it is live
-    the engine steps synchronously, and everyone's output is unchanged."""
-    params = [GREEDY] * 7 + [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3)]
+def _spy_launches(engine):
+    """Records, per launched step, (number of -1 placeholder inputs, step in flight?)."""
+    launched = []
+    inner = engine.runner.launch
+
+    def spy(so, prev=None):
+        launched.append((int((so.input_ids < 0).sum()), prev is not None))
+        return inner(so, prev)
+
+    engine.runner.launch = spy
+    return launched, lambda: setattr(engine.runner, "launch", inner)
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def _mixed_params() -> list[SamplingParams]:
+    """One of each request kind, greedy (or seeded) so sync and async must agree token for token."""
+    so = StructuredOutputsParams
+    return [
+        SamplingParams(temperature=0, max_tokens=12),
+        SamplingParams(temperature=0, max_tokens=40, structured_outputs=so(json=PERSON)),
+        SamplingParams(temperature=0, max_tokens=8, structured_outputs=so(choice=["yes", "no", "maybe"])),
+        SamplingParams(temperature=0, max_tokens=16, structured_outputs=so(regex=r"[0-9]{3}-[a-z]{2,4}")),
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3,
+                       frequency_penalty=0.4, presence_penalty=0.2),
+        SamplingParams(temperature=0, max_tokens=16, min_tokens=10),
+        SamplingParams(temperature=0, max_tokens=10, logprobs=3),
+        SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=12, n=2),
+        SamplingParams(temperature=0, max_tokens=12, logit_bias={11: 5.0}, stop=["\n"]),
+    ]
+
+
+def _check_constraints(outs) -> None:
+    person = json.loads(outs[1].outputs[0].text)
+    jsonschema.validate(person, PERSON)
+    assert outs[2].outputs[0].text in ("yes", "no", "maybe")
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", outs[3].outputs[0].text)
+    assert len(outs[5].outputs[0].token_ids) >= 10
+
+
+@pytest.mark.timeout(300)
+def test_grammar_requests_finish_with_async_scheduling(async_llm):
+    """The bug this pipeline fixed: a request waiting for its grammar was never released by the
+    overlapped step path, so it hung forever."""
+    out = async_llm.generate(["Is the sky blue? Answer:"],
+                             SamplingParams(temperature=0, max_tokens=5,
+                                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+                             use_tqdm=False)
+    assert out[0].outputs[0].text in ("yes", "no")
+    assert_no_leaked_blocks(async_llm)
+
+
+@pytest.mark.timeout(600)
+def test_mixed_request_kinds_overlap_and_equal_sync(llm, async_llm):
+    """Free, JSON schema, choice, regex, penalties, min_tokens, logprobs, seeded n > 1, logit_bias and
+    stop strings in one batch: every request finishes, constraints hold, tokens (and logprobs) equal
+    the synchronous engine's, and the engine keeps overlapping steps the whole time."""
+    params = _mixed_params()
+    prompts = PROMPTS[: len(params)]
     llm.reset_prefix_cache()
-    expected = greedy_ids(llm.generate(PROMPTS[:8], params, use_tqdm=False))
+    expected = llm.generate(prompts, params, use_tqdm=False)
     async_llm.reset_prefix_cache()
-    assert greedy_ids(async_llm.generate(PROMPTS[:8], params, use_tqdm=False)) == expected
-    # The runner hears of finished requests at the next schedule(): one more run clears the flag.
-    async_llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
-    assert not async_llm.engine.runner.needs_sync_steps
+    launched, restore = _spy_launches(async_llm.engine)
+    try:
+        got = async_llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        restore()
+    _check_constraints(got)
+    for e, g in zip(expected, got, strict=True):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in e.outputs], g.prompt
+    lp_e, lp_g = expected[6].outputs[0].logprobs, got[6].outputs[0].logprobs
+    assert [sorted(d) for d in lp_g] == [sorted(d) for d in lp_e]
+    for de, dg in zip(lp_e, lp_g, strict=True):
+        for tok, v in de.items():
+            assert abs(dg[tok].logprob - v.logprob) < 1e-4
+    # Every decode step after the first overlapped its predecessor: no request kind switched the
+    # engine to synchronous steps.
+    decode_steps = [has_prev for holes, has_prev in launched if holes]
+    assert len(decode_steps) >= 8 and all(decode_steps)
+    assert sum(1 for _, has_prev in launched if not has_prev) <= 2
+    assert_no_leaked_blocks(async_llm)
+
+
+@pytest.mark.timeout(600)
+def test_aborts_mid_flight_leave_the_rest_unchanged(llm, async_llm):
+    """Abort a third of a mixed batch while steps are in flight; the others give the synchronous
+    engine's tokens and every block comes back."""
+    params = _mixed_params()
+    prompts = PROMPTS[: len(params)]
+    llm.reset_prefix_cache()
+    expected = llm.generate(prompts, params, use_tqdm=False)
+    engine = async_llm.engine
+    processor = async_llm.output_processor
+    async_llm.reset_prefix_cache()
+    ids = []
+    for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+        rid = f"abort-test-{i}"
+        ids.append(rid)
+        ids_ = async_llm.get_tokenizer().encode(prompt)
+        req = EngineCoreRequest(rid, ids_, sp.clone(output_kind=RequestOutputKind.FINAL_ONLY))
+        for r in processor.add_request(req, prompt):
+            engine.add_request(r)
+    doomed = ids[1::3]
+    finals = {}
+    steps = 0
+    while engine.has_unfinished_requests() or processor.has_unfinished_requests():
+        for ro in processor.process_outputs(engine.step()):
+            if ro.finished:
+                finals[ro.request_id] = ro
+        steps += 1
+        if steps == 3:
+            engine_ids = processor.abort_requests(doomed)
+            engine.abort_requests(engine_ids)
+        if steps > 2000:
+            raise AssertionError("engine did not finish")
+    for i, rid in enumerate(ids):
+        if rid in doomed:
+            continue
+        assert [c.token_ids for c in finals[rid].outputs] == [c.token_ids for c in expected[i].outputs]
     assert_no_leaked_blocks(async_llm)
 
 

@@ -5,40 +5,48 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from ferrox.layers.sampler import PenaltyInputs, Sampler, SamplingMetadata, compute_logprobs
 from ferrox.sampling_params import SamplingParams
-from ferrox.worker.request_state import RequestState
-from ferrox.worker.sampling_batch import SamplingBatchBuilder
+from ferrox.worker.input_batch import InFlight, InputBatch
 
 VOCAB = 8
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 
 
-def _states(params: list[SamplingParams], eos: list[int] | None = None) -> list[RequestState]:
-    states = []
-    for i, p in enumerate(params):
-        s = RequestState(f"r{i}", [1, 2, 3], p, stop_ids_for_min_tokens=list(eos or []))
-        if p.seed is not None and not p.is_greedy:
-            s.generator = torch.Generator().manual_seed(p.seed)
-        states.append(s)
-    return states
+class _Batch:
+    """An InputBatch holding `params` in slots 0..n-1 (prompt [1, 2, 3] each), built per step as
+    the model runner builds it."""
+
+    def __init__(self, params: list[SamplingParams], eos: list[int] | None = None, vocab: int = VOCAB) -> None:
+        self.batch = InputBatch(vocab, list(eos or []), torch.device("cpu"), capacity=4)
+        for i, p in enumerate(params):
+            self.batch.add(i, f"r{i}", [1, 2, 3], p)
+        self.slots = np.arange(len(params), dtype=np.int32)
+
+    def build(self, in_flight: InFlight | None = None) -> SamplingMetadata:
+        n = len(self.slots)
+        return self.batch.sampling_metadata(self.slots, torch.from_numpy(self.slots.astype(np.int64)),
+                                            np.ones(n, dtype=np.bool_), in_flight)
+
+    def accept(self, slot: int, token: int) -> None:
+        self.batch.append_accepted(np.array([slot], dtype=np.int32), np.array([token], dtype=np.int32),
+                                   np.array([0, 1], dtype=np.int32))
 
 
 def _draw(params: SamplingParams, rows: int, logits: torch.Tensor = LOGITS, seed: int = 0) -> torch.Tensor:
     """`rows` independent draws for one request's settings (one batch of identical rows)."""
-    states = _states([params] * rows)
-    md = SamplingBatchBuilder(logits.shape[-1], torch.device("cpu")).build(states, [True] * rows)
+    md = _Batch([params] * rows, vocab=logits.shape[-1]).build()
     sampler = Sampler(torch.Generator().manual_seed(seed))
     return sampler(logits.repeat(rows, 1), md).token_ids
 
 
 def test_greedy_is_argmax_and_mixed_batch():
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3)]
-    states = _states(params)
     logits = torch.stack([LOGITS, LOGITS.flip(0)])
-    md = SamplingBatchBuilder(VOCAB, torch.device("cpu")).build(states, [True, True])
+    md = _Batch(params).build()
     assert not md.all_greedy and md.greedy_rows is not None
     out = Sampler(torch.Generator().manual_seed(0))(logits.clone(), md)
     assert out.token_ids[0].item() == 0
@@ -83,12 +91,11 @@ def test_seeded_rows_do_not_depend_on_batch():
     def run(batch_size: int, position: int, steps: int = 20) -> list[int]:
         params = [SamplingParams(temperature=1.0) for _ in range(batch_size)]
         params[position] = p
-        states = _states(params)
-        builder = SamplingBatchBuilder(vocab, torch.device("cpu"))
+        batch = _Batch(params, vocab=vocab)
         sampler = Sampler(torch.Generator().manual_seed(batch_size))
         out = []
         for _ in range(steps):
-            md = builder.build(states, [True] * batch_size)
+            md = batch.build()
             out.append(int(sampler(logits.repeat(batch_size, 1), md).token_ids[position]))
         return out
 
@@ -112,8 +119,7 @@ def test_logprobs_equal_log_softmax():
 
 def test_sampler_logprobs_are_raw_not_processed():
     params = SamplingParams(temperature=0, logprobs=2, logit_bias={7: 50.0})
-    states = _states([params])
-    md = SamplingBatchBuilder(VOCAB, torch.device("cpu")).build(states, [True])
+    md = _Batch([params]).build()
     out = Sampler()(LOGITS[None].clone(), md)
     assert out.token_ids.item() == 7  # the bias decides the token ...
     raw = torch.log_softmax(LOGITS, dim=-1)
@@ -149,29 +155,49 @@ def test_penalties():
 
 def test_penalty_state_tracks_outputs():
     params = SamplingParams(temperature=0, frequency_penalty=2.0)
-    (state,) = _states([params])
-    builder = SamplingBatchBuilder(VOCAB, torch.device("cpu"))
+    batch = _Batch([params])
     sampler = Sampler()
     seen = []
     for _ in range(VOCAB):
-        md = builder.build([state], [True])
-        tok = int(sampler(LOGITS[None].clone(), md).token_ids[0])
-        state.append_output(tok)
+        tok = int(sampler(LOGITS[None].clone(), batch.build()).token_ids[0])
+        batch.accept(0, tok)
         seen.append(tok)
     # A strong frequency penalty walks greedy decoding down the ranking instead of repeating.
     assert len(set(seen[:4])) == 4
 
 
+def test_in_flight_token_counts_before_it_reaches_the_host():
+    """Async scheduling: the previous step's token, still on the device, already counts for the
+    penalties and for min_tokens; once the core accepts it, it counts exactly once."""
+    params = SamplingParams(temperature=0, frequency_penalty=2.0, min_tokens=2, stop_token_ids=[1])
+    batch = _Batch([params], eos=[0])
+    slots = np.zeros(1, dtype=np.int32)
+    in_flight = InFlight(slots, batch.batch.generation[slots].copy(), np.ones(1, dtype=np.bool_),
+                         torch.tensor([0]))  # token 0 sampled, not yet accepted
+    md = batch.build(in_flight)
+    assert md.penalties is not None and md.penalties.output_counts[0, 0].item() == 1.0
+    assert md.banned is not None  # 1 of 2 min_tokens produced: stops still banned
+    batch.accept(0, 0)
+    assert batch.build().penalties.output_counts[0, 0].item() == 1.0  # counted once
+    md = batch.build(InFlight(slots, batch.batch.generation[slots].copy(), np.ones(1, dtype=np.bool_),
+                              torch.tensor([3])))
+    assert md.banned is None and md.penalties.output_counts[0, 3].item() == 1.0
+    # A slot given to a new request since: the old in-flight token is not its own.
+    stale = InFlight(slots, batch.batch.generation[slots].copy(), np.ones(1, dtype=np.bool_), torch.tensor([5]))
+    batch.batch.remove([0])
+    batch.batch.add(0, "new", [1], params)
+    md = batch.build(stale)
+    assert md.penalties.output_counts[0].sum().item() == 0.0 and md.banned is not None
+
+
 def test_min_tokens_bans_stop_ids():
     params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[1])
-    (state,) = _states([params], eos=[0, 1])
-    builder = SamplingBatchBuilder(VOCAB, torch.device("cpu"))
+    batch = _Batch([params], eos=[0])
     sampler = Sampler()
     toks = []
     for _ in range(3):
-        md = builder.build([state], [True])
-        tok = int(sampler(LOGITS[None].clone(), md).token_ids[0])
-        state.append_output(tok)
+        tok = int(sampler(LOGITS[None].clone(), batch.build()).token_ids[0])
+        batch.accept(0, tok)
         toks.append(tok)
     assert toks == [2, 2, 0]  # EOS (0) and stop id (1) are hidden until two tokens are out
 
@@ -183,7 +209,7 @@ def test_masked_tokens_are_never_drawn():
     logits[:, 7] = 0.0
     logits[:, 9] = 0.5
     params = [SamplingParams(temperature=1.0) for _ in range(64)]
-    md = SamplingBatchBuilder(vocab, torch.device("cpu")).build(_states(params), [True] * 64)
+    md = _Batch(params, vocab=vocab).build()
     sampler = Sampler(torch.Generator().manual_seed(0))
     for _ in range(200):
         assert set(sampler(logits.clone(), md).token_ids.tolist()) <= {7, 9}
@@ -203,15 +229,10 @@ def test_top_p_candidate_path_equals_full_sort():
         assert not torch.isinf(fast[0]).any()
 
 
-def test_reused_request_id_gets_its_new_parameters():
-    from ferrox.engine.protocol import EngineCoreRequest
-    from ferrox.worker.model_runner import ModelRunner
-
-    runner = ModelRunner(None, [], vocab_size=VOCAB, eos_token_ids=[0], device=torch.device("cpu"))
-    runner.add_request(EngineCoreRequest("same-id", [1], SamplingParams(temperature=0)))
-    md = runner.sampling_batch.build([runner.requests["same-id"]], [True])
-    assert md.all_greedy
-    runner.remove_requests(["same-id"])
-    runner.add_request(EngineCoreRequest("same-id", [1], SamplingParams(temperature=1.0, top_k=2)))
-    md = runner.sampling_batch.build([runner.requests["same-id"]], [True])
-    assert not md.all_greedy and md.top_k is not None
+def test_reused_slot_gets_its_new_parameters():
+    batch = _Batch([SamplingParams(temperature=0)])
+    assert batch.build().all_greedy
+    batch.batch.remove([0])
+    batch.batch.add(0, "same-id", [1], SamplingParams(temperature=1.0, top_k=2))
+    md = batch.build()
+    assert not md.all_greedy and md.top_k is not None and md.top_k.tolist() == [2]

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ferrox.attention.metadata import AttentionMetadata
-from ferrox.worker.cuda_graphs import batch_size_ladder
+from ferrox.worker.cuda_graphs import batch_size_ladder, capturable_batch_sizes
+from ferrox.worker.dummy_batch import decode_step, upload_step
+from ferrox.worker.step_inputs import Uploader
 
 from tests.kernels.kernel_refs import relative_error
 
@@ -19,6 +20,14 @@ def test_batch_size_ladder():
     assert batch_size_ladder(30) == [1, 2, 4, 8, 16, 24, 30]
     with pytest.raises(ValueError, match="max_num_seqs"):
         batch_size_ladder(0)
+
+
+def test_capturable_batch_sizes():
+    """A batch is captured only if its dummy decode step (one block per request) fits the cache."""
+    assert capturable_batch_sizes(batch_size_ladder(32), 16, 10_000) == batch_size_ladder(32)
+    assert capturable_batch_sizes(batch_size_ladder(32), 16, 10) == [1, 2, 4, 8]  # 9 usable blocks
+    assert capturable_batch_sizes([4, 1, 2], 1, 8) == [1, 2]  # block_size 1: two blocks per request
+    assert capturable_batch_sizes([1], 16, 1) == []
 
 
 def _tiny_llama(device):
@@ -38,47 +47,47 @@ def _tiny_llama(device):
     return model, kv_caches
 
 
-def _meta(query_lens, seq_lens, block_table, device) -> AttentionMetadata:
-    qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
-    slots = []
-    for r, (ql, sl) in enumerate(zip(query_lens, seq_lens, strict=True)):
-        for pos in range(sl - ql, sl):
-            slots.append(int(block_table[r, pos // BLOCK]) * BLOCK + pos % BLOCK)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    return AttentionMetadata(
-        num_actual_tokens=sum(query_lens), max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-        slot_mapping=torch.tensor(slots, device=device), query_start_loc=qsl.to(device), seq_lens=lens.to(device),
-        block_table=block_table.to(device), query_start_loc_cpu=qsl, seq_lens_cpu=lens, decode_only=max(query_lens) == 1,
-    )
-
-
 @pytest.mark.gpu
 def test_graph_replay_matches_eager_decode(cuda_device, seed):
+    """Capture on dummy decode steps; replay real-looking decode steps (per-request contexts from a
+    throwaway scheduler, random token ids) padded to the ladder, against the eager forward."""
     from ferrox.worker.cuda_graphs import CudaGraphRunner
 
     model, kv_caches = _tiny_llama(cuda_device)
-    prompt_lens = [5, 17, 40]
-    table = torch.zeros(3, 8, dtype=torch.int32)
-    for r in range(3):
-        table[r, :4] = torch.arange(1 + 4 * r, 5 + 4 * r)
-    with torch.inference_mode():
-        prompt = torch.randint(0, 1000, (sum(prompt_lens),), device=cuda_device)
-        positions = torch.cat([torch.arange(n) for n in prompt_lens]).to(cuda_device)
-        model.forward(prompt, positions, kv_caches, _meta(prompt_lens, prompt_lens, table, cuda_device))
-
     runner = CudaGraphRunner(model, kv_caches, max_num_seqs=4, max_model_len=1024, block_size=BLOCK, device=cuda_device)
     assert runner.capture() > 0 and sorted(runner.graphs) == [1, 2, 4]
-
-    for batch in (3, 2):  # 3 pads to 4; then a smaller graph with fresh inputs
-        lens = [n + 1 for n in prompt_lens[:batch]]
-        meta = _meta([1] * batch, lens, table[:batch], cuda_device)
+    assert not any(kv.any() for kv in kv_caches), "capture left its dummy K/V in the cache"
+    with torch.inference_mode():
+        for kv in kv_caches:  # context for the decode steps below to attend over
+            kv.normal_()
+    upload = Uploader(cuda_device)
+    # 3 pads to 4; then a smaller graph with fresh inputs; then batch 1 (the one-token kernels).
+    for lens in ([6, 18, 41], [9, 33], [70]):
+        batch = len(lens)
+        step = decode_step(batch, lens, BLOCK, num_blocks=kv_caches[0].shape[1])
+        upload.next_step()
+        t = upload_step(step.so, upload)
+        assert runner.can_run(t.meta)
         ids = torch.randint(0, 1000, (batch,), device=cuda_device)
-        pos = torch.tensor([n - 1 for n in lens], device=cuda_device)
         with torch.inference_mode():
-            eager = model.forward(ids, pos, kv_caches, meta).clone()
-        graphed = runner.run(ids, pos, meta)
+            eager = model.forward(ids, t.positions, kv_caches, t.meta).clone()
+        graphed = runner.run(ids, t.positions, t.meta)
         assert graphed.shape == eager.shape and not graphed.isnan().any()
         assert relative_error(graphed, eager) < 2e-2
+        assert runner.seq_lens[:batch].tolist() == lens  # staged like any step
+        if runner.padded_size(batch) > batch:
+            assert runner.slot_mapping[batch : runner.padded_size(batch)].eq(-1).all()
+
+
+@pytest.mark.gpu
+def test_ladder_clipped_to_what_the_cache_holds(cuda_device):
+    """A cache too small for max_num_seqs one-block requests: only batches it can hold are captured."""
+    from ferrox.worker.cuda_graphs import CudaGraphRunner
+
+    model, kv_caches = _tiny_llama(cuda_device)
+    small = [kv[:, :6].contiguous() for kv in kv_caches]  # 5 usable blocks
+    runner = CudaGraphRunner(model, small, max_num_seqs=16, max_model_len=64, block_size=BLOCK, device=cuda_device)
+    assert runner.batch_sizes == [1, 2, 4, 5] and runner.max_batch == 5
 
 
 @pytest.mark.gpu

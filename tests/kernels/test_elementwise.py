@@ -92,17 +92,49 @@ def test_llama31_cos_sin_cache_matches_transformers():
 
 @pytest.mark.gpu
 def test_layers_dispatch_to_triton_on_cuda(cuda_device, seed):
-    """layers.RMSNorm / SiluAndMul take the Triton path on CUDA and still match the references."""
+    """layers.RMSNorm / SiluAndMul built for CUDA take the Triton path and still match the references."""
     from ferrox.layers.activation import SiluAndMul
     from ferrox.layers.layernorm import RMSNorm
+    from ferrox.layers.ops import for_device
 
     x = torch.randn(64, 4096, dtype=torch.bfloat16, device=cuda_device)
     residual = torch.randn_like(x)
     norm = RMSNorm(4096, 1e-5, torch.bfloat16, cuda_device)
+    assert norm.ops.name == "triton"  # chosen from the device when the layer is built
     norm.weight.data.normal_(1.0, 0.1)
     out, new_residual = norm(x, residual)
     ref_out, ref_residual = rms_norm_ref(x, norm.weight, 1e-5, residual)
     assert torch.equal(new_residual, ref_residual) and relative_error(out, ref_out) < TOLERANCE[torch.bfloat16]
     assert relative_error(norm(x), rms_norm_ref(x, norm.weight, 1e-5)) < TOLERANCE[torch.bfloat16]
     gate_up = torch.randn(64, 2 * 1024, dtype=torch.bfloat16, device=cuda_device)
-    assert relative_error(SiluAndMul()(gate_up), silu_and_mul_ref(gate_up)) < TOLERANCE[torch.bfloat16]
+    act = SiluAndMul(for_device(cuda_device))
+    assert relative_error(act(gate_up), silu_and_mul_ref(gate_up)) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_triton_ops_match_torch_ops(kernel_device, seed, dtype):
+    """The two op sets of layers/ops.py agree, and the Triton set hands what its kernels do not
+    take (3-D views, a residual of another dtype, a strided last axis) to the torch formula."""
+    from ferrox.layers.ops import DeviceOps, TritonOps, for_device
+
+    triton_ops, torch_ops = for_device(kernel_device, "triton"), for_device(kernel_device, "torch")
+    assert isinstance(triton_ops, TritonOps) and type(torch_ops) is DeviceOps
+    tol = TOLERANCE[dtype] * 4
+    x = torch.randn(5, 96, dtype=dtype, device=kernel_device)
+    residual = torch.randn_like(x)
+    weight = (1 + 0.1 * torch.randn(96, device=kernel_device)).to(dtype)
+    assert relative_error(triton_ops.rms_norm(x, weight, 1e-6), torch_ops.rms_norm(x, weight, 1e-6)) < tol
+    out, res = triton_ops.fused_add_rms_norm(x, residual, weight, 1e-6)
+    ref_out, ref_res = torch_ops.fused_add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(res, ref_res) and relative_error(out, ref_out) < tol
+    gate_up = torch.randn(5, 2 * 48, dtype=dtype, device=kernel_device)
+    assert relative_error(triton_ops.silu_and_mul(gate_up), torch_ops.silu_and_mul(gate_up)) < tol
+
+    heads = x.view(5, 3, 32)  # per-head norm (Qwen3 q/k norm): the torch formula, bit for bit
+    head_w = weight[:32]
+    assert torch.equal(triton_ops.rms_norm(heads, head_w, 1e-6), torch_ops.rms_norm(heads, head_w, 1e-6))
+    other = residual.double()
+    assert all(torch.equal(a, b) for a, b in zip(triton_ops.fused_add_rms_norm(x, other, weight, 1e-6),
+                                                  torch_ops.fused_add_rms_norm(x, other, weight, 1e-6), strict=True))
+    strided = gate_up.t().contiguous().t()
+    assert torch.equal(triton_ops.silu_and_mul(strided), torch_ops.silu_and_mul(strided))

@@ -220,3 +220,12 @@ def test_null_rope_theta_falls_back_to_rope_parameters():
     nested = spec_from_hf_config({**base, "rope_theta": None, "rope_parameters": {"rope_theta": 500000.0}}, "c.json")
     assert nested.rope_theta == 500000.0
     assert spec_from_hf_config({**base, "rope_theta": None}, "c.json").rope_theta == 10000.0
+
+
+def test_loader_errors_join_the_ferrox_tree():
+    import ferrox.errors
+
+    for cls in (ModelLoadError, ModelNotFoundError, UnsupportedModelError, ChatTemplateError):
+        assert issubclass(cls, FerroxError) and getattr(ferrox.errors, cls.__name__) is cls
+        assert cls("x").param is None  # about a file or template, not a request field
+    assert issubclass(ModelNotFoundError, FileNotFoundError) and issubclass(UnsupportedModelError, ValueError)

@@ -67,12 +67,14 @@ def test_cuda_one_token_kernels_match_transformers_and_unfused(folders, qwen2_fo
     lm_head); float32 greedy must equal transformers' and the unfused path's, and bf16 one-token
     logits must stay close to the unfused ones."""
     transformers = pytest.importorskip("transformers")
-    from ferrox.models.llama import fused_decode_enabled
+    from ferrox.attention.decode_path import fused_decode_enabled
+    from ferrox.attention.fused_decode import FusedOneTokenDecode
 
     folder = qwen2_folder if name == "qwen2" else folders[name]  # qwen2: q/k/v bias
     source = resolve_model(folder)
     spec = load_model_spec(source)
     model = load_model(source, spec, dtype=torch.float32, device="cuda")
+    assert isinstance(model.model.decode_path, FusedOneTokenDecode) and model.model.decode_path.layers
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to("cuda").eval()
     assert fused_decode_enabled()
     for ids in PROMPTS + [[7]]:  # [7]: a one-token prompt runs the fused path for its prefill too

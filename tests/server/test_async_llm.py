@@ -8,7 +8,8 @@ import time
 
 import pytest
 from ferrox import AsyncLLM, SamplingParams
-from ferrox.engine.async_llm import EngineDeadError, RequestError
+from ferrox.engine.async_llm import EngineDeadError
+from ferrox.errors import InvalidArgumentError
 from ferrox.sampling_params import RequestOutputKind
 
 from tests.server.server_proc import pid_alive
@@ -114,8 +115,10 @@ def test_closing_the_generator_aborts(engine):
 def test_bad_request_fails_alone(engine):
     async def run():
         good = asyncio.create_task(collect(engine, "Hi", greedy(4), "good"))
-        with pytest.raises(RequestError, match="stop_token_ids"):
+        # Refused at the edge (the request rules run before the request crosses to the core).
+        with pytest.raises(InvalidArgumentError, match="stop_token_ids") as bad:
             await collect(engine, "Hi", greedy(4, stop_token_ids=[10**8]), "bad")
+        assert bad.value.param == "stop_token_ids"
         with pytest.raises(ValueError, match="prompt"):
             await collect(engine, {"prompt_token_ids": [1] * 600}, greedy(4), "too-long")
         return await good

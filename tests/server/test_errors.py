@@ -147,3 +147,65 @@ def test_bad_request_does_not_disturb_others(base_url):
     assert s1 == s3 == 200 and s2 == 400, (r1, r2, r3)
     assert r1["choices"][0]["message"]["content"] == r3["choices"][0]["message"]["content"]
     assert_openai_error(r2, 400, param="logit_bias")
+
+
+# ---- the request rules over HTTP: `param` comes from the exception, spelled as the route takes it ----
+
+COMPLETIONS = "/v1/completions"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "code"),
+    [
+        (CHAT, {"messages": MESSAGES, "max_tokens": 2, "min_tokens": 3}, "min_tokens", "invalid_value"),
+        (CHAT, {"messages": MESSAGES, "min_tokens": MAX_MODEL_LEN}, "min_tokens", "invalid_value"),
+        (CHAT, {"messages": MESSAGES, "max_tokens": 2, "stop": ["ok", ""]}, "stop", "invalid_value"),
+        (CHAT, {"messages": MESSAGES, "max_tokens": 2, "stop_token_ids": [-1]}, "stop_token_ids", "invalid_value"),
+        (CHAT, {"messages": MESSAGES, "max_tokens": 2, "stop_token_ids": [10**7]}, "stop_token_ids", "invalid_value"),
+        (CHAT, {"messages": [{"role": "user", "content": "hi " * (MAX_MODEL_LEN + 10)}]}, "messages",
+         "context_length_exceeded"),
+        (CHAT, {"messages": MESSAGES, "max_tokens": 2, "guided_regex": "("}, "guided_regex", "invalid_value"),
+        (CHAT, {"messages": MESSAGES, "max_tokens": 2,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
+         "response_format", "invalid_value"),
+        (CHAT, {"messages": MESSAGES, "max_tokens": 2, "tool_choice": {"type": "function", "function": {"name": "f"}},
+                "tools": [{"type": "function", "function": {"name": "g"}}]}, "tool_choice", "invalid_value"),
+        (COMPLETIONS, {"prompt": "", "max_tokens": 2}, "prompt", "invalid_value"),
+        (COMPLETIONS, {"prompt": [[5], []], "max_tokens": 2}, "prompt", "invalid_value"),
+        (COMPLETIONS, {"prompt": [5, -1], "max_tokens": 2}, "prompt", "invalid_value"),
+        (COMPLETIONS, {"prompt": [1] * MAX_MODEL_LEN, "max_tokens": 2}, "prompt", "context_length_exceeded"),
+        (COMPLETIONS, {"prompt": "Hi", "max_tokens": 2, "logit_bias": {"49152": 1}}, "logit_bias", "invalid_value"),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_request_rule_names_param(base_url, path, body, param, code, stream):
+    """Refused before anything is queued: a plain 400 (also for a stream: no header was sent yet)."""
+    status, resp = post(base_url, path, {**body, "stream": stream})
+    assert status == 400, resp
+    err = assert_openai_error(resp, 400, param=param)
+    assert err["type"] == "invalid_request_error" and err["code"] == code, err
+
+
+def test_messages_route_refuses_with_anthropic_shape(base_url):
+    too_long = [{"role": "user", "content": "hi " * (MAX_MODEL_LEN + 10)}]
+    for body in ({"messages": MESSAGES, "max_tokens": 2, "stop_sequences": [""]},
+                 {"messages": too_long, "max_tokens": 2}):
+        status, resp = post(base_url, "/v1/messages", body)
+        assert status == 400 and resp["type"] == "error", resp
+        assert resp["error"]["type"] == "invalid_request_error"
+
+
+def test_engine_clean_after_refusals(base_url):
+    """Every refusal above left nothing queued: the next good request runs, and no KV block is held."""
+    status, resp = post(base_url, CHAT, {"messages": MESSAGES, "max_tokens": 3, "temperature": 0, "ignore_eos": True})
+    assert status == 200 and resp["usage"]["completion_tokens"] == 3, resp
+
+    async def metrics() -> str:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(base_url + "/metrics") as r:
+                return await r.text()
+
+    lines = [line for line in asyncio.run(metrics()).splitlines() if not line.startswith("#")]
+    for name in ("ferrox:num_requests_running", "ferrox:num_requests_waiting", "ferrox:kv_cache_usage_perc"):
+        values = [float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name)]
+        assert values and all(v == 0 for v in values), (name, values)

@@ -7,10 +7,11 @@ import argparse
 import pytest
 from ferrox.entrypoints.anthropic.protocol import MessagesRequest
 from ferrox.entrypoints.cli import parse_size
-from ferrox.entrypoints.openai.errors import from_validation_error, from_value_error
+from ferrox.entrypoints.openai.errors import from_exception, from_validation_error
 from ferrox.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from ferrox.entrypoints.openai.structured import build_structured_outputs
 from ferrox.entrypoints.openai.tools import validate_tools
+from ferrox.errors import InvalidArgumentError
 from pydantic import ValidationError
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -52,9 +53,13 @@ def test_completion_prompt_forms():
     assert CompletionRequest.model_validate({"prompt": [1, 2]}).prompts() == [[1, 2]]
     assert CompletionRequest.model_validate({"prompt": [[1], [2, 3]]}).prompts() == [[1], [2, 3]]
     assert CompletionRequest.model_validate({"prompt": ["a", "b"]}).prompts() == ["a", "b"]
-    for bad in ([], [[]], [-1], {"x": 1}):
+    for bad in ([], {"x": 1}):
         with pytest.raises(ValidationError):
             CompletionRequest.model_validate({"prompt": bad})
+    # Only the shape is checked here: an empty token-id prompt or an id outside the vocabulary is
+    # the engine's request rules' to refuse (tests/server/test_errors.py).
+    assert CompletionRequest.model_validate({"prompt": [[1], []]}).prompts() == [[1], []]
+    assert CompletionRequest.model_validate({"prompt": [-1]}).prompts() == [[-1]]
 
 
 def test_structured_output_spellings():
@@ -70,12 +75,16 @@ def test_structured_output_spellings():
     assert build(guided_choice=["yes", "no"]).choice == ["yes", "no"]
     assert build(guided_json=schema).json == schema
     assert build(guided_grammar='start: "a"').grammar == 'start: "a"'
-    with pytest.raises(ValueError, match="^guided_regex: only one"):
-        build(guided_json=schema, guided_regex="a")
-    with pytest.raises(ValueError, match="^structured_outputs: unknown"):
-        build(structured_outputs={"jsn": {}})
-    with pytest.raises(ValueError, match="^guided_choice:"):
-        build(guided_choice=[])
+    for fields, param in (
+        ({"guided_json": schema, "guided_regex": "a"}, "guided_regex"),  # only one constraint
+        ({"structured_outputs": {"jsn": {}}}, "structured_outputs"),  # unknown key
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_regex": "("}, "guided_regex"),  # llguidance refuses it
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ):
+        with pytest.raises(InvalidArgumentError, match=f"^{param}:") as info:
+            build(**fields)
+        assert info.value.param == param
 
 
 def test_tool_choice_validation():
@@ -86,15 +95,27 @@ def test_tool_choice_validation():
 
     check(tools=tools, tool_choice="auto")
     check(tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    with pytest.raises(ValueError, match="^tool_choice"):
-        check(tools=tools, tool_choice={"type": "function", "function": {"name": "nope"}})
-    with pytest.raises(ValueError, match="^tool_choice"):
-        check(tool_choice="required")
+    for bad in ({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                {"tool_choice": "required"}):
+        with pytest.raises(InvalidArgumentError, match="^tool_choice") as info:
+            check(**bad)
+        assert info.value.param == "tool_choice"
+    with pytest.raises(InvalidArgumentError, match=r"^tools\[0\]") as info:
+        check(tools=[{"type": "retrieval"}])
+    assert info.value.param == "tools"
 
 
-def test_value_error_param():
-    assert from_value_error(ValueError("top_k: must be >= 0, got -5")).param == "top_k"
-    assert from_value_error(ValueError("something odd happened"), "messages").param == "messages"
+def test_exception_param():
+    """The API error's param is the exception's `param` (renamed for the route), never parsed from
+    the message; an error naming no field gets the route's default."""
+    from ferrox.errors import EngineDeadError, InvalidArgumentError, PromptTooLongError
+
+    err = from_exception(InvalidArgumentError("top_k: must be >= 0, got -5", param="top_k"))
+    assert (err.status, err.param, err.code) == (400, "top_k", "invalid_value")
+    assert from_exception(ValueError("top_k: looks like a field"), default_param="messages").param == "messages"
+    long = from_exception(PromptTooLongError("prompt: too long", param="prompt"), rename={"prompt": "messages"})
+    assert (long.status, long.param, long.code) == (400, "messages", "context_length_exceeded")
+    assert from_exception(EngineDeadError("gone")).status == 503
 
 
 def test_anthropic_request():

@@ -195,3 +195,23 @@ def test_bad_tokenizer_and_eos():
 
 def test_llguidance_version():
     assert llguidance.__version__ >= "1"
+
+
+def test_several_eos_ids_like_llama3(tokenizer_json):
+    """Llama 3.x configs list several EOS ids; llguidance < 1.7 refused a list. Both ids must end a
+    finished grammar, and neither may appear before it is finished."""
+    second_eos = 0  # SmolLM2's <|endoftext|>; its EOS for chat is SMOLLM2_EOS
+    m = StructuredOutputManager(tokenizer_json, PADDED_VOCAB, [SMOLLM2_EOS, second_eos])
+    try:
+        m.submit("r", P(choice=["yes"]))
+        ready(m, ["r"])
+        mask = m.fill_bitmask(["r"]).clone()
+        bits = lambda t: bool((int(mask[0, t // 32]) >> (t % 32)) & 1)  # noqa: E731
+        assert not bits(SMOLLM2_EOS) and not bits(second_eos)
+        text_ids = m.tokenizer.tokenize_str("yes")
+        for t in text_ids:
+            assert not m.accept_tokens(["r"], [t])[0] or t == text_ids[-1]
+        mask = m.fill_bitmask(["r"]).clone()
+        assert bits(SMOLLM2_EOS) and bits(second_eos)
+    finally:
+        m.shutdown()

@@ -13,15 +13,21 @@ over the step's own k/v, which requires every request to start at position 0.
 
 `begin_forward(meta)` is called once per model forward before the first layer, so a backend can
 turn the metadata into its own plan (index tensors, masks) once instead of once per layer.
+
+`decode_path(layers, rope_rows)` is asked once when a model is built: the object that may run a
+whole one-token step in fused kernels and that computes the logits (attention/decode_path.py).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 
 import torch
 
+from ferrox.attention.decode_path import DecodePath, OneTokenLayer
 from ferrox.attention.metadata import AttentionMetadata
+from ferrox.kernels import KERNEL_SETS, select_kernels
 
 
 class AttentionBackend(ABC):
@@ -50,27 +56,27 @@ class AttentionBackend(ABC):
         """Attention only: this step's k/v are already at `meta.slot_mapping` in kv_cache."""
         raise NotImplementedError(f"the {self.name} attention backend has no attend-only path")
 
+    def decode_path(self, layers: Sequence[OneTokenLayer] | None,
+                    rope_rows: Callable[[torch.Tensor], torch.Tensor]) -> DecodePath:
+        """The decode path of a model built on this backend. layers: its decoder layers, or None when
+        they do not fit a fused one-token path; rope_rows: positions -> float32 [cos | sin] rows.
+        Backends without fused kernels return the general path."""
+        return DecodePath()
+
 
 def get_attention_backend(device: torch.device | str, name: str | None = None) -> AttentionBackend:
-    """The backend for `device`: the Triton one on CUDA when it is available, else the torch reference.
+    """The backend for `device`: the Triton one on CUDA when Triton is installed, else the torch
+    reference (`kernels.select_kernels` decides, as it does for the layers' ops).
 
-    `name` ("torch" | "triton") forces a choice (tests use it to compare the two).
+    `name` ("torch" | "triton") forces a choice (tests use it to compare the two, and to run the
+    Triton backend on CPU in the interpreter).
     """
-    device = torch.device(device)
-    forced = name is not None
-    if name is None:
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "triton":
-        try:
-            from ferrox.attention.triton_backend import TritonAttentionBackend  # type: ignore[import-not-found]
-        except ImportError:
-            if forced:
-                raise
-            name = "torch"  # no Triton kernels in this install: the reference still runs on CUDA
-        else:
-            return TritonAttentionBackend()
-    if name == "torch":
-        from ferrox.attention.torch_backend import TorchAttentionBackend
+    if name not in (None, *KERNEL_SETS):
+        raise ValueError(f"attention backend {name!r} is unknown (choose 'torch' or 'triton')")
+    if select_kernels(device, name) == "triton":
+        from ferrox.attention.triton_backend import TritonAttentionBackend
 
-        return TorchAttentionBackend()
-    raise ValueError(f"attention backend {name!r} is unknown (choose 'torch' or 'triton')")
+        return TritonAttentionBackend()
+    from ferrox.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend()

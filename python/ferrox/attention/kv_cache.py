@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ferrox.loader.model_loader import ModelSpec
+from ferrox.model_spec import ModelSpec
 
 
 def kv_cache_shape(spec: ModelSpec, num_blocks: int, block_size: int) -> tuple[int, ...]:

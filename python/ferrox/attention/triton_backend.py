@@ -5,14 +5,19 @@ Same contract as the torch reference (attention/backend.py): write this step's k
 together, GQA, causal within a chunk) over its paged KV. Two kernel launches per layer, plus a
 split-KV merge when the heuristic splits long contexts; nothing reads device memory on the host,
 so a decode step can be captured in a CUDA graph (the runner passes max_seq_len as a fixed upper
-bound and pads slot_mapping with -1).
+bound and pads slot_mapping with -1). Its decode path runs one-token steps in fused
+matrix-vector kernels (attention/fused_decode.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 from ferrox.attention.backend import AttentionBackend
+from ferrox.attention.decode_path import DecodePath, OneTokenLayer
+from ferrox.attention.fused_decode import FusedOneTokenDecode
 from ferrox.attention.metadata import AttentionMetadata
 from ferrox.kernels.paged_attention import unified_attention
 from ferrox.kernels.reshape_and_cache import reshape_and_cache
@@ -49,6 +54,11 @@ class TritonAttentionBackend(AttentionBackend):
             max_seq_len=meta.max_seq_len,
             scale=scale,
         )
+
+    def decode_path(self, layers: Sequence[OneTokenLayer] | None,
+                    rope_rows: Callable[[torch.Tensor], torch.Tensor]) -> DecodePath:
+        """One-token steps in fused matrix-vector kernels (attention/fused_decode.py)."""
+        return FusedOneTokenDecode(self, layers, rope_rows)
 
     def _forward_without_cache(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float

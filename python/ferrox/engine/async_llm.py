@@ -37,14 +37,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ParamSpec, Protocol, TypeVar
 
+import numpy as np
+
 from ferrox.config import EngineConfig
-from ferrox.engine.core_client import CoreClient, EngineDeadError, EngineStartupError
+from ferrox.engine import validation
+from ferrox.engine.core_client import CoreClient
 from ferrox.engine.core_process import EngineCoreOutputs
+from ferrox.engine.defaults import default_sampling_params
 from ferrox.engine.input_processor import process_prompt
 from ferrox.engine.output_processor import OutputProcessor
-from ferrox.engine.protocol import EngineCoreOutput, EngineCoreRequest
+from ferrox.engine.protocol import EngineCoreRequest
+from ferrox.errors import EngineDeadError, EngineStartupError, RequestError
 from ferrox.outputs import RequestMetrics, RequestOutput
 from ferrox.sampling_params import RequestOutputKind, SamplingParams
+from ferrox.step_types import FINISH_REASONS, StepResult
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineStartupError", "RequestError", "StatLogger"]
 
@@ -57,10 +63,6 @@ T = TypeVar("T")
 # Threads for prompt processing (chat rendering + encoding). Two keep one long prompt from
 # queueing every short one behind it; more buy little, as rendering holds the GIL.
 PROMPT_THREADS = 2
-
-
-class RequestError(ValueError):
-    """The engine rejected or failed one request (the others go on)."""
 
 
 class StatLogger(Protocol):
@@ -183,6 +185,14 @@ class AsyncLLM:
         self.model_name: str = config.served_model_name or info.model_name
         self.max_model_len: int = info.max_model_len
         self.kv_capacity_tokens: int = info.kv_capacity_tokens
+        # The request rules' limits (ferrox.engine.validation), checked here before a request
+        # crosses to the core process, exactly as the offline engine checks them.
+        self.limits = validation.RequestLimits(
+            max_model_len=info.max_model_len,
+            kv_capacity_tokens=info.kv_capacity_tokens,
+            vocab_size=info.vocab_size or self.tokenizer.vocab_size,
+            max_logprobs=config.max_logprobs,
+        )
         self.device: str = info.device
         self.generation_defaults: dict[str, Any] = dict(info.generation_defaults)
         self.chat_template: str | None = _read_template(config.chat_template)
@@ -263,8 +273,7 @@ class AsyncLLM:
         if self.client.dead is not None:
             raise EngineDeadError(self.client.dead)
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self._streams or request_id in self._tokenizing:
-            raise ValueError(f"request_id: {request_id!r} is already running")
+        validation.check_request_id(request_id, lambda rid: rid in self._streams or rid in self._tokenizing)
         if arrival_time is None:
             arrival_time = time.time()  # before tokenizing: the latency metrics include it
         self._tokenizing[request_id] = False
@@ -305,14 +314,10 @@ class AsyncLLM:
         """Validate a tokenized request and send it to the core (synchronously: errors raise here)."""
         if self.client.dead is not None:
             raise EngineDeadError(self.client.dead)
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        if not prompt_ids:
-            raise ValueError("prompt: must not be empty")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(prompt_ids)} tokens do not leave room for output within "
-                f"max_model_len={self.max_model_len}"
-            )
+        # No params: the model's generation_config defaults, exactly as LLM.generate uses.
+        params = sampling_params if sampling_params is not None else default_sampling_params(
+            self.generation_defaults)
+        validation.validate_request(prompt_ids, params, self.limits)
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
@@ -365,38 +370,41 @@ class AsyncLLM:
         if batch.stats is not None:
             self._record_stats(batch.stats)
         if self.stat_loggers:
-            for out in batch.outputs:
-                self._observe(out, batch.step_start, now)
-        for request_output in self.processor.process_outputs(batch.outputs):
+            for result in batch.results:
+                self._observe(result, batch.step_start, now)
+        for request_output in self.processor.process_outputs(batch.results):
             stream = self._streams.get(request_output.request_id)
             if stream is not None:
                 stream.put(request_output)
 
-    def _observe(self, out: EngineCoreOutput, step_start: float, now: float) -> None:
-        timing = self._timing.get(out.request_id)
-        if timing is None:
-            return
-        if out.new_token_ids:
-            ttft = itl = queue_time = None
-            if timing.first_token_time is None:
-                timing.first_token_time = now
-                ttft = now - timing.arrival_time
-                queue_time = max(0.0, step_start - timing.arrival_time)
-            elif timing.last_token_time is not None:
-                itl = now - timing.last_token_time
-            timing.last_token_time = now
-            for stat_logger in self.stat_loggers:
-                stat_logger.on_tokens(len(out.new_token_ids), ttft, itl, queue_time)
-        if out.finished:
-            del self._timing[out.request_id]
-            metrics = RequestMetrics(
-                arrival_time=timing.arrival_time,
-                first_token_time=timing.first_token_time,
-                last_token_time=timing.last_token_time,
-                finished_time=now,
-            )
-            for stat_logger in self.stat_loggers:
-                stat_logger.on_request_finished(out.finish_reason or "stop", metrics)
+    def _observe(self, result: StepResult, step_start: float, now: float) -> None:
+        num_tokens = np.diff(result.token_offsets).tolist()
+        finish = result.finish_reasons.tolist()
+        for rid, n, code in zip(result.req_ids, num_tokens, finish, strict=True):
+            timing = self._timing.get(rid)
+            if timing is None:
+                continue
+            if n:
+                ttft = itl = queue_time = None
+                if timing.first_token_time is None:
+                    timing.first_token_time = now
+                    ttft = now - timing.arrival_time
+                    queue_time = max(0.0, step_start - timing.arrival_time)
+                elif timing.last_token_time is not None:
+                    itl = now - timing.last_token_time
+                timing.last_token_time = now
+                for stat_logger in self.stat_loggers:
+                    stat_logger.on_tokens(n, ttft, itl, queue_time)
+            if code:
+                del self._timing[rid]
+                metrics = RequestMetrics(
+                    arrival_time=timing.arrival_time,
+                    first_token_time=timing.first_token_time,
+                    last_token_time=timing.last_token_time,
+                    finished_time=now,
+                )
+                for stat_logger in self.stat_loggers:
+                    stat_logger.on_request_finished(FINISH_REASONS[code] or "stop", metrics)
 
     def _on_dead(self, reason: str) -> None:
         for stream in list(self._streams.values()):

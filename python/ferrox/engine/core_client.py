@@ -32,19 +32,14 @@ import zmq.asyncio
 
 from ferrox.engine import core_process as cp
 from ferrox.engine.protocol import EngineCoreRequest
+from ferrox.errors import EngineDeadError, EngineStartupError
+
+__all__ = ["CoreClient", "EngineDeadError", "EngineStartupError"]
 
 logger = logging.getLogger("ferrox.engine.core_client")
 
 # How often the output reader wakes when no output arrives, to check the child is alive.
 LIVENESS_POLL_MS = 200
-
-
-class EngineDeadError(RuntimeError):
-    """The engine-core process is gone; no request can be served any more."""
-
-
-class EngineStartupError(RuntimeError):
-    """The engine core failed to start (bad model path, out of memory, ...)."""
 
 
 class CoreClient:

@@ -27,7 +27,9 @@ from typing import Any
 
 import msgspec
 
-from ferrox.engine.protocol import EngineCoreOutput, EngineCoreRequest
+from ferrox.engine.defaults import GENERATION_DEFAULT_KEYS
+from ferrox.engine.protocol import EngineCoreRequest
+from ferrox.step_types import StepResult, StepRow
 
 logger = logging.getLogger("ferrox.engine.core_process")
 
@@ -55,6 +57,7 @@ class CoreInfo(msgspec.Struct):
     kv_capacity_tokens: int
     device: str
     pid: int
+    vocab_size: int = 0  # the logits width: token ids must be below it
     stats: dict[str, Any] = {}
     # generation_config.json sampling defaults (temperature, top_p, ...): the front-end applies
     # them to requests that leave those fields unset, as the offline LLM does.
@@ -62,10 +65,12 @@ class CoreInfo(msgspec.Struct):
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One step's outputs. step_start lets the front-end compute queue time (arrival -> the
-    step that produced a request's first output; exact when the prompt fits one chunk)."""
+    """One loop turn's results: the step's StepResult (columns) plus those of the input messages
+    handled before it (refused adds, aborts). step_start lets the front-end compute queue time
+    (arrival -> the step that produced a request's first output; exact when the prompt fits one
+    chunk)."""
 
-    outputs: list[EngineCoreOutput]
+    results: list[StepResult]
     step_start: float = 0.0
     stats: dict[str, Any] | None = None
 
@@ -82,7 +87,8 @@ class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None
 
 
-SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# The generation_config.json keys that become sampling defaults (one list: engine/defaults.py).
+SAMPLING_DEFAULT_KEYS = GENERATION_DEFAULT_KEYS
 
 # Engine core methods the front-end may call by name (anything else is refused).
 UTILITY_METHODS = ("stats", "reset_prefix_cache", "ping")
@@ -118,17 +124,17 @@ class CoreProcLoop:
         self.running = True
 
     # ---- input -----------------------------------------------------------------------------
-    def _handle(self, kind: bytes, payload: bytes) -> list[EngineCoreOutput]:
+    def _handle(self, kind: bytes, payload: bytes) -> list[StepResult]:
         """Apply one input message; returns outputs it produced at once (errors, aborts)."""
         if kind == ADD:
             request = self.decode_request.decode(payload)
             try:
                 self.core.add_request(request)
             except Exception as exc:  # a bad request fails alone; the loop goes on
-                return [_error_output(request.request_id, exc)]
+                return [_error_result(request.request_id, exc)]
             return []
         if kind == ABORT:
-            return list(self.core.abort_requests(self.decode_ids.decode(payload)))
+            return [self.core.abort_requests(self.decode_ids.decode(payload))]
         if kind == UTILITY:
             self._utility(self.decode_call.decode(payload))
             return []
@@ -151,11 +157,11 @@ class CoreProcLoop:
             result.error = f"{type(exc).__name__}: {exc}"
         self.output.send_multipart([UTILITY_RESULT, encode(result)], copy=False)
 
-    def _drain(self, timeout_ms: int | None) -> list[EngineCoreOutput]:
+    def _drain(self, timeout_ms: int | None) -> list[StepResult]:
         """Read every pending input message; wait up to timeout_ms for the first one."""
         import zmq
 
-        outputs: list[EngineCoreOutput] = []
+        outputs: list[StepResult] = []
         wait = timeout_ms
         while self.running:
             if not self.poller.poll(wait):
@@ -174,12 +180,13 @@ class CoreProcLoop:
                 break
             step_start = time.time()
             if self.core.has_unfinished_requests():
-                step_outputs = self.core.step()
-                if not step_outputs:
+                step_result = self.core.step()
+                if len(step_result):
+                    outputs.append(step_result)
+                else:
                     # Nothing ran (e.g. every request waits for a grammar to compile): block
                     # briefly instead of spinning. Returns at once when nothing is pending.
                     self.core.wait_for_work(0.005)
-                outputs.extend(step_outputs)
             elif not outputs and not busy:
                 # Idle wake-up with nothing to do: make sure we are not an orphan.
                 if os.getppid() != self.parent_pid:
@@ -188,12 +195,13 @@ class CoreProcLoop:
                 continue
             self._send(outputs, step_start, idle=not self.core.has_unfinished_requests())
 
-    def _send(self, outputs: list[EngineCoreOutput], step_start: float, idle: bool) -> None:
+    def _send(self, outputs: list[StepResult], step_start: float, idle: bool) -> None:
         now = time.time()
         stats = None
         if idle or now - self.last_stats_time >= STATS_INTERVAL_S:
             stats = self.core.stats()
             self.last_stats_time = now
+        outputs = [r for r in outputs if len(r)]
         if outputs or stats is not None:
             msg = EngineCoreOutputs(outputs, step_start, stats)
             self.output.send_multipart([OUTPUTS, encode(msg)], copy=False)
@@ -204,14 +212,8 @@ class CoreProcLoop:
         self.ctx.term()
 
 
-def _error_output(request_id: str, exc: BaseException) -> EngineCoreOutput:
-    return EngineCoreOutput(
-        request_id=request_id,
-        new_token_ids=[],
-        finished=True,
-        finish_reason="error",
-        error=str(exc) or type(exc).__name__,
-    )
+def _error_result(request_id: str, exc: BaseException) -> StepResult:
+    return StepResult.from_rows([StepRow(request_id, finish_reason="error", error=str(exc) or type(exc).__name__)])
 
 
 def _die_with_parent() -> None:
@@ -249,6 +251,7 @@ def run_engine_core(config: Any, handshake_addr: str, input_addr: str, output_ad
             model_name=str(core.model_name),
             max_model_len=int(core.max_model_len),
             kv_capacity_tokens=int(core.kv_capacity_tokens),
+            vocab_size=int(core.vocab_size),
             device=str(getattr(core, "device", getattr(config, "device", "cpu"))),
             pid=os.getpid(),
             stats=core.stats(),

@@ -1,27 +1,39 @@
 """EngineCore: the model, its KV cache, the Rust scheduler and the model runner, stepped together.
 
-    outputs = core.step()   # schedule (Rust) -> runner.execute (torch) -> update_from_output (Rust)
+    result = core.step()   # one StepResult (columns) per step
 
-It runs in-process under `LLM` and inside the engine-core process under `AsyncLLM`. It never
-raises for one bad request during `step()`: a request whose sampling fails is finished with
-finish_reason "error" and the rest of the batch goes on. `add_request` validates and raises
-`ValueError`/`FerroxError` naming the field before anything is queued.
+One step loop serves synchronous and async scheduling (depth 0 or 1 steps left in flight):
+
+    poll grammars       compiled ones are released to the scheduler (grammar_ready)
+    schedule            Rust; keep_in_flight=True under async scheduling
+    launch              inputs + forward + logits of the new step, queued on the device
+    finish previous     wait for the step in flight, advance grammars, update_from_output (Rust)
+    sample              the new step's sampling; after `finish previous` when a row needs its
+                        grammar mask (the mask must see the previous token), else before it
+    (sync: finish the new step now; async: leave it in flight)
+
+Every request kind (grammars, penalties, min_tokens, logprobs, n > 1) runs in the same loop:
+nothing switches the engine to a slower mode. It runs in-process under `LLM` and inside the
+engine-core process under `AsyncLLM`. It never raises for one bad request during `step()`: a
+request whose sampling fails is finished with finish_reason "error" and the rest of the batch
+goes on. `add_request` validates and raises a FerroxError naming the field before anything is
+queued.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
-import torch
+import numpy as np
 
 from ferrox import _core
 from ferrox.config import EngineConfig
-from ferrox.engine.protocol import EngineCoreOutput, EngineCoreRequest, Logprobs
+from ferrox.engine.protocol import EngineCoreRequest
 from ferrox.sampling_params import SamplingParams
-from ferrox.worker.model_runner import ModelRunner, ModelRunnerOutput, StepHandle
+from ferrox.step_types import StepResult, StepRow
+from ferrox.worker.model_runner import ModelRunner, StepHandle
 from ferrox.worker.model_setup import LoadedModel, load_everything
 
 logger = logging.getLogger(__name__)
@@ -72,11 +84,14 @@ class EngineCore:
                 logger.info("CUDA graphs for decode batches %s captured in %.1f s",
                             self.runner.graph_runner.batch_sizes, self.cuda_graph_capture_s)
         self.structured: Any = None  # StructuredOutputManager, created on first constrained request
-        # Async scheduling: the step launched last and not yet reported (scheduler output, handle).
+        # Async scheduling: the step launched last and not yet reported.
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.device.type == "cuda")
-        self._in_flight: tuple[Any, StepHandle] | None = None
-        self._pending_prompt_logprobs: dict[str, Logprobs] = {}
+        self._in_flight: StepHandle | None = None
+        # The core's request slots -> request ids (the core's outputs name slots).
+        self._req_of_slot: list[str | None] = []
+        self._slot_of_req: dict[str, int] = {}
+        self._pending_prompt_logprobs: dict[str, Any] = {}
         logger.info(
             "engine ready in %.1f s: model=%s device=%s dtype=%s max_model_len=%d kv_blocks=%d (%d tokens)",
             time.perf_counter() - start, self.model_name, self.device, loaded.dtype, self.max_model_len,
@@ -93,14 +108,14 @@ class EngineCore:
         """Validate and queue. Raises ValueError / FerroxError naming the problem; nothing is queued then."""
         params = request.sampling_params
         prompt = request.prompt_token_ids
-        self.validate_prompt(prompt, params, what=f"request {request.request_id!r}")
+        self.validate_prompt(prompt, params, what=f"request {request.request_id!r}", request_id=request.request_id)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt)
         wait_for_grammar = False
         if params.structured_outputs is not None:
             self._structured().submit(request.request_id, params.structured_outputs)
             wait_for_grammar = True
         try:
-            self.scheduler.add_request(
+            slot = self.scheduler.add_request(
                 request.request_id,
                 prompt,
                 max_tokens=max_tokens,
@@ -121,134 +136,132 @@ class EngineCore:
             if wait_for_grammar:
                 self.structured.free([request.request_id])
             raise
-        self.runner.add_request(request)
+        if slot >= len(self._req_of_slot):
+            self._req_of_slot.extend([None] * (slot + 1 - len(self._req_of_slot)))
+        self._req_of_slot[slot] = request.request_id
+        self._slot_of_req[request.request_id] = slot
+        self.runner.add_request(slot, request.request_id, prompt, params)
 
-    def validate_prompt(self, prompt: list[int], params: SamplingParams, what: str = "prompt") -> None:
-        if len(prompt) == 0:
-            raise ValueError(f"prompt_token_ids: {what} has an empty prompt")
-        if len(prompt) >= self.max_model_len:
-            raise _core.PromptTooLongError(
-                f"prompt_token_ids: {what} has {len(prompt)} prompt tokens, which leaves no room for output "
-                f"within max_model_len={self.max_model_len}"
-            )
-        if len(prompt) > self.kv_capacity_tokens:
-            raise _core.PromptTooLongError(
-                f"prompt_token_ids: {what} has {len(prompt)} prompt tokens but the whole KV cache holds "
-                f"{self.kv_capacity_tokens}; raise kv_cache_memory (or gpu_memory_utilization) or shorten it"
-            )
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
-            raise ValueError(f"prompt_token_ids: {what} has token id {bad} outside the vocabulary (size {self.vocab_size})")
-        params.check_vocab(self.vocab_size)
-        if params.structured_outputs is not None:
-            # A bad schema / regex / grammar is refused before anything is queued (cached check).
-            from ferrox.structured.backend import validate_params
+    def validate_prompt(
+        self, prompt: list[int], params: SamplingParams, what: str | None = None, *, request_id: str | None = None
+    ) -> None:
+        """The request rules (ferrox.engine.validation) against this engine's limits; with request_id,
+        also that no live request has that id. Raises InvalidArgumentError (param = the field)."""
+        from ferrox.engine import validation
 
-            validate_params(params.structured_outputs)
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > self.config.max_logprobs:
-                raise ValueError(f"{name}: at most {self.config.max_logprobs} (max_logprobs), got {value}")
+        if request_id is not None:
+            validation.check_request_id(request_id, self._slot_of_req.__contains__)
+        limits = validation.RequestLimits(
+            max_model_len=self.max_model_len,
+            kv_capacity_tokens=self.kv_capacity_tokens,
+            vocab_size=self.vocab_size,
+            max_logprobs=self.config.max_logprobs,
+        )
+        validation.validate_request(prompt, params, limits, what=what)
 
-    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+    def abort_requests(self, request_ids: list[str]) -> StepResult:
         outs = self.scheduler.abort_requests(list(request_ids))
-        self.runner.remove_requests(list(request_ids))
-        self._forget(request_ids)
-        return [self._to_output(o, None) for o in outs]
+        result = self._result_of(outs)
+        self._forget(result.req_ids, outs.slots)
+        return result
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     # ---- the step ---------------------------------------------------------------------------------------
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self) -> StepResult:
         if self.thread_governor is not None:
             self.thread_governor.maybe_adjust()
-        if self._can_overlap():
-            return self._step_overlapped()
-        early = self._finish_in_flight() + self._poll_structured()
-        so = self.scheduler.schedule()
-        if so.num_reqs == 0:
-            self.runner.remove_requests(so.finished_req_ids)
-            return early
-        result = self.runner.execute(so, self._grammar_bitmask(so))
-        return early + self._update(so, result)
+        parts = [self._poll_structured()]
+        so = self.scheduler.schedule(keep_in_flight=self.async_scheduling)
+        prev, self._in_flight = self._in_flight, None
+        handle = None
+        if so.num_reqs:
+            # If launch raises, the scheduler rolls back the undelivered steps at the next schedule().
+            handle = self.runner.launch(so, prev)
+        needs_mask = handle is not None and self._has_constrained_rows(so)
+        if handle is not None and not needs_mask:
+            self.runner.sample(handle, None, prev.in_flight() if prev is not None else None)
+        if prev is not None:
+            # Requests preempted by this schedule() dropped their sample of `prev` in the core:
+            # their grammars must not advance by it either.
+            parts.append(self._update(prev, skip=so.preempted_req_ids if so.preempted_req_ids else ()))
+        if handle is not None:
+            if needs_mask:
+                self.runner.sample(handle, self.structured.fill_bitmask(so.req_ids, so.sample_mask))
+            if self.async_scheduling:
+                self._in_flight = handle
+            else:
+                parts.append(self._update(handle))
+        return StepResult.concat(parts)
 
-    def _can_overlap(self) -> bool:
-        """Async scheduling needs every live request to be plain: no grammar (its mask needs the
-        previous token accepted), no penalties / min_tokens / logprobs (they read it on the host)."""
-        return (self.async_scheduling and not self.runner.needs_sync_steps
-                and (self.structured is None or not self.structured.has_active()))
+    def _has_constrained_rows(self, so: Any) -> bool:
+        structured = self.structured
+        return structured is not None and structured.has_active() and any(
+            structured.is_constrained(r) for r in so.req_ids)
 
-    def _step_overlapped(self) -> list[EngineCoreOutput]:
-        """Launch step N+1 (its decode inputs are step N's sampled ids, still on the device), then
-        wait for step N and report it: the host's scheduling and bookkeeping overlap the GPU."""
-        so = self.scheduler.schedule(keep_in_flight=True)
-        prev = self._in_flight
-        self._in_flight = None
-        if so.num_reqs == 0:
-            self.runner.remove_requests(so.finished_req_ids)
-        else:
-            # If this raises, the scheduler rolls back both undelivered steps at the next schedule().
-            self._in_flight = (so, self.runner.launch(so, None, prev[1] if prev else None))
-        if prev is None:
-            return []
-        return self._update(prev[0], self.runner.finish(prev[1]))
-
-    def _finish_in_flight(self) -> list[EngineCoreOutput]:
-        """Report the step left in flight by async scheduling before a synchronous step."""
-        if self._in_flight is None:
-            return []
-        so, handle = self._in_flight
-        self._in_flight = None
-        return self._update(so, self.runner.finish(handle))
-
-    def _update(self, so: Any, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+    def _update(self, handle: StepHandle, skip: Any = ()) -> StepResult:
+        """Finish a launched step and hand its tokens to the core (append, detokenize, stops)."""
+        result = self.runner.finish(handle)
+        so = handle.so
+        failed: list[StepRow] = []
+        if result.errors:
+            # The failed rows' samples are garbage: end those requests before the core sees them.
+            failed = self._fail({so.req_ids[i]: msg for i, msg in result.errors.items()})
         force_stop = None
         if self.structured is not None and self.structured.has_active():
-            force_stop = self.structured.accept_tokens(so.req_ids, result.sampled_token_ids, so.sample_mask)
-        core_outs = self.scheduler.update_from_output(result.sampled_token_ids, force_stop)
+            mask = handle.sample_mask
+            if skip or result.errors:
+                dropped = set(skip) | {so.req_ids[i] for i in result.errors}
+                mask = mask & np.array([r not in dropped for r in so.req_ids], dtype=np.bool_)
+            force_stop = self.structured.accept_tokens(so.req_ids, result.sampled_token_ids, mask)
+        outs = self.scheduler.update_from_output(result.sampled_token_ids, force_stop)
         self._pending_prompt_logprobs.update(result.prompt_logprobs)
-        outputs = [self._to_output(o, result) for o in core_outs if o.request_id not in result.errors]
-        if result.errors:
-            outputs.extend(self._fail(result.errors))
-        finished = [o.request_id for o in outputs if o.finished]
-        if finished:
-            self._forget(finished)
-        return outputs
+        step = self._result_of(outs)
+        slots = outs.slots
+        self.runner.append_accepted(slots, outs.token_ids, outs.token_offsets)
+        if result.logprobs:
+            row_of_slot = {int(s): i for i, s in enumerate(handle.slots)}
+            for j, slot in enumerate(slots.tolist()):
+                lp = result.logprobs.get(row_of_slot.get(slot, -1))
+                if lp is not None:
+                    step.logprobs[j] = lp
+        if self._pending_prompt_logprobs:
+            for j, rid in enumerate(step.req_ids):
+                plp = self._pending_prompt_logprobs.pop(rid, None)
+                if plp is not None:
+                    step.prompt_logprobs[j] = plp
+        finished = np.flatnonzero(outs.finish_reasons)
+        if finished.size:
+            self._finished(step, finished, slots)
+        return StepResult.concat([step, StepResult.from_rows(failed)]) if failed else step
 
-    def _to_output(self, o: Any, result: ModelRunnerOutput | None) -> EngineCoreOutput:
-        out = EngineCoreOutput(
-            request_id=o.request_id,
-            new_token_ids=o.new_token_ids,
-            text_delta=o.text_delta,
-            finished=o.finished,
-            finish_reason=o.finish_reason,
-            stop_reason=o.stop_reason,
-            num_prompt_tokens=o.num_prompt_tokens,
-            num_cached_tokens=o.num_cached_tokens,
-        )
-        if result is not None:
-            if out.new_token_ids:
-                out.new_logprobs = result.logprobs.get(o.request_id)
-            if self._pending_prompt_logprobs:
-                out.prompt_logprobs = self._pending_prompt_logprobs.pop(o.request_id, None)
-        if self.structured is not None and out.finished:
-            error = self.structured.error_for(o.request_id)
-            if error is not None:
-                out.error = f"structured output: {error}"
-        return out
+    def _result_of(self, outs: Any) -> StepResult:
+        req_of_slot = self._req_of_slot
+        return StepResult.from_core(outs, [req_of_slot[s] for s in outs.slots.tolist()])  # type: ignore[misc]
 
-    def _fail(self, errors: dict[str, str]) -> list[EngineCoreOutput]:
+    def _finished(self, step: StepResult, rows: Any, slots: Any) -> None:
+        ids = [step.req_ids[i] for i in rows.tolist()]
+        if self.structured is not None:
+            for i, rid in zip(rows.tolist(), ids, strict=True):
+                error = self.structured.error_for(rid)
+                if error is not None:
+                    step.errors[i] = f"structured output: {error}"
+        self._forget(ids, slots[rows])
+
+    def _fail(self, errors: dict[str, str]) -> list[StepRow]:
         """Finish failed requests with finish_reason 'error' (their blocks go back at once)."""
-        self.scheduler.abort_requests(list(errors))
-        self.runner.remove_requests(list(errors))
-        return [
-            EngineCoreOutput(request_id=rid, new_token_ids=[], finished=True, finish_reason="error", error=msg)
-            for rid, msg in errors.items()
-        ]
+        outs = self.scheduler.abort_requests(list(errors))
+        self._forget(list(errors), outs.slots)
+        return [StepRow(request_id=rid, finish_reason="error", error=msg) for rid, msg in errors.items()]
 
-    def _forget(self, request_ids: list[str]) -> None:
+    def _forget(self, request_ids: list[str], slots: Any) -> None:
+        """A request left the core (finished, aborted, failed): free its runner row and slot."""
+        self.runner.remove_requests(slots)
+        for slot in slots.tolist():
+            self._req_of_slot[slot] = None
         for rid in request_ids:
+            self._slot_of_req.pop(rid, None)
             self._pending_prompt_logprobs.pop(rid, None)
         if self.structured is not None:
             self.structured.free(list(request_ids))
@@ -261,26 +274,18 @@ class EngineCore:
             self.structured = StructuredOutputManager(self.tokenizer_json, self.vocab_size, self.eos_token_ids)
         return self.structured
 
-    def _poll_structured(self) -> list[EngineCoreOutput]:
+    def _poll_structured(self) -> StepResult:
+        """Release requests whose grammar compiled; fail those whose grammar did not."""
         if self.structured is None:
-            return []
+            return StepResult()
         if self.structured.num_pending():
             ready = self.structured.poll_ready()
             if ready:
                 self.scheduler.grammar_ready(ready)
         failures = dict(self.structured.take_failures())
         if not failures:
-            return []
-        self._forget(list(failures))
-        return self._fail({rid: f"structured output: {msg}" for rid, msg in failures.items()})
-
-    def _grammar_bitmask(self, so: Any) -> Callable[[], torch.Tensor | None] | None:
-        if self.structured is None or not self.structured.has_active():
-            return None
-        structured = self.structured
-        # The runner calls this once the forward pass is queued: on a GPU the CPU fills the mask
-        # while the device runs the model, instead of the device waiting for the mask.
-        return lambda: structured.fill_bitmask(so.req_ids, so.sample_mask)
+            return StepResult()
+        return StepResult.from_rows(self._fail({rid: f"structured output: {msg}" for rid, msg in failures.items()}))
 
     def wait_for_work(self, timeout: float) -> None:
         """Nothing schedulable but grammars compiling: block until one is ready (no busy loop)."""

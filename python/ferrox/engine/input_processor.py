@@ -1,7 +1,10 @@
 """Turns what users pass (text, token ids, chat conversations) into prompt token ids.
 
 Shared by the offline `LLM` and the async/server front-ends, so that a prompt means the same
-thing everywhere. Errors name the prompt (its index in a batch) and the field.
+thing everywhere. Errors are InvalidArgumentErrors whose `param` is the argument at fault
+("prompts", "prompt_token_ids", "messages"); the message names the prompt's index in a batch.
+The rules on the prompt's tokens (empty, too long, outside the vocabulary) are the engine's
+(ferrox.engine.validation); here only the shape of what was passed is checked.
 """
 
 from __future__ import annotations
@@ -9,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from ferrox._core import InvalidArgumentError
 
 PromptInput = str | Mapping[str, Any] | Sequence[int]
 """A prompt: text, {"prompt": text}, {"prompt_token_ids": [...]} (optionally with "prompt"), or
@@ -30,7 +35,9 @@ def normalize_prompts(prompts: PromptInput | Sequence[PromptInput]) -> list[Prom
         if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
             return [{"prompt_token_ids": items}]
         return items
-    raise ValueError(f"prompts: expected a string, a dict or a list of them, got {type(prompts).__name__}")
+    raise InvalidArgumentError(
+        f"prompts: expected a string, a dict or a list of them, got {type(prompts).__name__}", param="prompts"
+    )
 
 
 def process_prompt(tokenizer: Any, prompt: PromptInput, index: int = 0) -> ProcessedPrompt:
@@ -42,15 +49,22 @@ def process_prompt(tokenizer: Any, prompt: PromptInput, index: int = 0) -> Proce
             if not isinstance(ids, Sequence) or isinstance(ids, str) or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in ids
             ):
-                raise ValueError(f"prompts[{index}].prompt_token_ids: must be a list of integers")
+                raise InvalidArgumentError(
+                    f"prompts[{index}].prompt_token_ids: must be a list of integers", param="prompt_token_ids"
+                )
             text = prompt.get("prompt")
             return ProcessedPrompt(text if isinstance(text, str) else None, [int(t) for t in ids])
         if isinstance(prompt.get("prompt"), str):
             return ProcessedPrompt(prompt["prompt"], list(tokenizer.encode(prompt["prompt"])))
-        raise ValueError(f"prompts[{index}]: a dict prompt needs 'prompt' (text) or 'prompt_token_ids'")
+        raise InvalidArgumentError(
+            f"prompts[{index}]: a dict prompt needs 'prompt' (text) or 'prompt_token_ids'", param="prompts"
+        )
     if isinstance(prompt, Sequence) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return ProcessedPrompt(None, [int(t) for t in prompt])  # a bare list of token ids
-    raise ValueError(f"prompts[{index}]: expected a string, a dict or a list of token ids, got {type(prompt).__name__}")
+    raise InvalidArgumentError(
+        f"prompts[{index}]: expected a string, a dict or a list of token ids, got {type(prompt).__name__}",
+        param="prompts",
+    )
 
 
 def render_chat(
@@ -67,10 +81,14 @@ def render_chat(
     With tools and a template that ignores them (the embedded SmolLM2's), the tools go into the
     system message, as the server does (structured.tools.prepare_tool_messages)."""
     if not isinstance(messages, Sequence) or not messages:
-        raise ValueError(f"messages[{index}]: a conversation must be a non-empty list of messages")
+        raise InvalidArgumentError(
+            f"messages[{index}]: a conversation must be a non-empty list of messages", param="messages"
+        )
     for j, m in enumerate(messages):
         if not isinstance(m, Mapping) or "role" not in m:
-            raise ValueError(f"messages[{index}][{j}]: each message must be a dict with a 'role'")
+            raise InvalidArgumentError(
+                f"messages[{index}][{j}]: each message must be a dict with a 'role'", param="messages"
+            )
     from ferrox.structured.tools import prepare_tool_messages
 
     conversation = [dict(m) for m in messages]

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 from ferrox.config import EngineConfig
+from ferrox.engine.defaults import default_sampling_params
 from ferrox.engine.engine_core import EngineCore
 from ferrox.engine.input_processor import (
     ProcessedPrompt,
@@ -27,9 +28,6 @@ from ferrox.engine.protocol import EngineCoreRequest
 from ferrox.outputs import RequestOutput
 from ferrox.sampling_params import RequestOutputKind, SamplingParams
 
-# generation_config.json fields that become default sampling parameters (as vLLM does).
-_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
@@ -43,8 +41,7 @@ class LLM:
         return self.engine.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
-        defaults = {k: self.engine.generation_defaults[k] for k in _GENERATION_DEFAULTS if k in self.engine.generation_defaults}
-        return SamplingParams(**defaults)
+        return default_sampling_params(self.engine.generation_defaults)
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()

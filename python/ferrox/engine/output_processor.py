@@ -1,4 +1,4 @@
-"""Front-end bookkeeping: EngineCoreOutputs (per step, per engine request) -> RequestOutputs.
+"""Front-end bookkeeping: StepResults (per step, one row per engine request) -> RequestOutputs.
 
 Shared by the offline `LLM` and `AsyncLLM`. It owns:
 - per-request state: text and token ids so far, logprobs, finish reason, timing;
@@ -12,6 +12,8 @@ Shared by the offline `LLM` and `AsyncLLM`. It owns:
 Typical use:
     core_requests = processor.add_request(request, prompt_text)   # send these to the core
     for out in processor.process_outputs(core.step()): ...         # RequestOutputs with news
+
+Engine results arrive as `StepResult` columns (one per step); rows become RequestOutputs here.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from ferrox.engine.protocol import EngineCoreOutput, EngineCoreRequest, Logprobs
+from ferrox.engine.protocol import EngineCoreRequest
 from ferrox.outputs import (
     CompletionOutput,
     Logprob,
@@ -33,6 +35,7 @@ from ferrox.outputs import (
     SampleLogprobs,
 )
 from ferrox.sampling_params import RequestOutputKind
+from ferrox.step_types import FINISH_REASONS, Logprobs, StepResult
 
 
 @dataclass(slots=True)
@@ -166,49 +169,62 @@ class OutputProcessor:
         return len(self._requests)
 
     # ---- outputs --------------------------------------------------------------------------------------
-    def process_outputs(self, outputs: Iterable[EngineCoreOutput]) -> list[RequestOutput]:
-        """Fold one batch of engine outputs into request state; returns a RequestOutput for each user
+    def process_outputs(self, results: StepResult | Iterable[StepResult]) -> list[RequestOutput]:
+        """Fold step results (columns) into request state; returns a RequestOutput for each user
         request with something to report (per its output kind), finished ones last removed."""
         now = time.time()
         touched: dict[str, _Request] = {}
-        for out in outputs:
-            user_id = self._engine_to_user.get(out.request_id)
-            if user_id is None:
-                continue  # aborted by the front-end meanwhile
-            req = self._requests[user_id]
-            self._apply(req, req.samples[out.request_id], out, now)
-            touched[user_id] = req
-        results: list[RequestOutput] = []
+        for result in [results] if isinstance(results, StepResult) else results:
+            self._apply(result, now, touched)
+        out: list[RequestOutput] = []
         for req in touched.values():
             ro = self._make_output(req)
             if ro is not None:
-                results.append(ro)
+                out.append(ro)
             if req.finished:
                 req.metrics.finished_time = now
                 del self._requests[req.request_id]
                 for engine_id in req.samples:
                     self._engine_to_user.pop(engine_id, None)
-        return results
+        return out
 
-    def _apply(self, req: _Request, sample: _Sample, out: EngineCoreOutput, now: float) -> None:
-        if out.new_token_ids:
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            req.metrics.last_token_time = now
-        sample.token_ids.extend(out.new_token_ids)
-        sample.text += out.text_delta
-        if out.num_cached_tokens:
-            req.num_cached_tokens = max(req.num_cached_tokens, out.num_cached_tokens)
-        if out.new_logprobs is not None and sample.logprobs is not None:
-            self._append_logprobs(sample, out.new_logprobs)
-        if out.prompt_logprobs is not None and req.want_prompt_logprobs and req.prompt_logprobs is None:
-            req.prompt_logprobs = [None] + self._logprob_dicts(out.prompt_logprobs)
-        if out.finished and sample.finish_reason is None:
-            sample.finish_reason = out.finish_reason or "stop"
-            sample.stop_reason = out.stop_reason
-            req.num_finished += 1
-            if out.error is not None:
-                req.error = out.error
+    def _apply(self, result: StepResult, now: float, touched: dict[str, _Request]) -> None:
+        if not len(result):
+            return
+        token_ids = result.token_ids.tolist()
+        tok_off = result.token_offsets.tolist()
+        text, txt_off = result.text, result.text_offsets.tolist()
+        finish = result.finish_reasons.tolist()
+        cached = result.num_cached_tokens.tolist()
+        for i, engine_id in enumerate(result.req_ids):
+            user_id = self._engine_to_user.get(engine_id)
+            if user_id is None:
+                continue  # aborted by the front-end meanwhile
+            req = self._requests[user_id]
+            sample = req.samples[engine_id]
+            touched[user_id] = req
+            if tok_off[i + 1] > tok_off[i]:
+                if req.metrics.first_token_time is None:
+                    req.metrics.first_token_time = now
+                req.metrics.last_token_time = now
+                sample.token_ids.extend(token_ids[tok_off[i] : tok_off[i + 1]])
+            if txt_off[i + 1] > txt_off[i]:
+                sample.text += text[txt_off[i] : txt_off[i + 1]]
+            if cached[i]:
+                req.num_cached_tokens = max(req.num_cached_tokens, cached[i])
+            lp = result.logprobs.get(i) if result.logprobs else None
+            if lp is not None and sample.logprobs is not None:
+                self._append_logprobs(sample, lp)
+            plp = result.prompt_logprobs.get(i) if result.prompt_logprobs else None
+            if plp is not None and req.want_prompt_logprobs and req.prompt_logprobs is None:
+                req.prompt_logprobs = [None] + self._logprob_dicts(plp)
+            if finish[i] and sample.finish_reason is None:
+                sample.finish_reason = FINISH_REASONS[finish[i]] or "stop"
+                sample.stop_reason = result.stop_reasons.get(i)
+                req.num_finished += 1
+                error = result.errors.get(i)
+                if error is not None:
+                    req.error = error
 
     def _append_logprobs(self, sample: _Sample, lp: Logprobs) -> None:
         assert sample.logprobs is not None and sample.cumulative_logprob is not None

@@ -2,20 +2,28 @@
 
     ferrox serve [MODEL] [--port 8000] [--api-key KEY] [--max-model-len N] ...
 
-Engine flags map one-to-one onto `ferrox.config.EngineConfig` fields (the same arguments as
-`LLM(...)`); server flags (host, port, api key, body limit, log level) stay here.
+Engine flags are generated from `ferrox.config.EngineConfig`'s dataclass fields (the same
+arguments as `LLM(...)`): `--` + the field name with dashes, the type from the annotation,
+bools as `--x/--no-x`, help text, choices and the documented default from the field's
+metadata; so a field added to EngineConfig is a flag here with no second edit. Server flags
+(host, port, api key, body limit, log level) are not engine config and stay written out here.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import re
 import sys
+import types
+import typing
 from collections.abc import Sequence
+from typing import Any
 
 import ferrox
+from ferrox.config import EngineConfig  # imports no torch: the API server process stays torch-free
 
 logger = logging.getLogger("ferrox.serve")
 
@@ -34,6 +42,71 @@ def parse_size(text: str) -> int:
     return value
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Adds "(default: X)" to a flag's help unless the help already states its default (the
+    generated engine flags always do), so no default is printed twice."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "(default" in text or action.default in (None, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
+
+
+# ---- engine flags, generated from EngineConfig ------------------------------------------------------
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def _value_type(annotation: Any) -> type:
+    """`int | None` -> int, `bool` -> bool; a field type the CLI cannot parse is a TypeError."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) != 1:
+            raise TypeError(f"EngineConfig field type {annotation!r} has no CLI mapping")
+        annotation = args[0]
+    if annotation not in (bool, int, float, str):
+        raise TypeError(f"EngineConfig field type {annotation!r} has no CLI mapping")
+    return typing.cast(type, annotation)
+
+
+def engine_help(field: dataclasses.Field[Any]) -> str:
+    """The field's help text with its default stated once: the documented default where the
+    value alone does not say it (None = auto, device-dependent), else the value itself."""
+    # tests/test_config_cli.py requires "help" on every field and "default_help" where the default
+    # is None; the fallbacks only keep `ferrox serve` usable if a new field lacks them.
+    meta = field.metadata
+    default = meta.get("default_help")
+    if default is None:
+        default = "auto" if field.default is None else field.default
+    return f"{meta.get('help', field.name.replace('_', ' '))} (default: {default})".replace("%", "%%")
+
+
+def add_engine_args(parser: argparse.ArgumentParser, group: argparse._ArgumentGroup) -> None:
+    """One argument per EngineConfig field (the positional MODEL goes on `parser` itself)."""
+    hints = typing.get_type_hints(EngineConfig)
+    for field in dataclasses.fields(EngineConfig):
+        meta = field.metadata
+        help_text = engine_help(field)
+        value_type = _value_type(hints[field.name])
+        if meta.get("positional"):
+            parser.add_argument(field.name, nargs="?", type=value_type, default=field.default, help=help_text)
+            continue
+        flags = [flag_name(field.name), *meta.get("aliases", ())]
+        if value_type is bool:
+            action = group.add_argument(*flags, dest=field.name, action=argparse.BooleanOptionalAction,
+                                        default=field.default, help=help_text)
+            action.help = help_text  # some Pythons' BooleanOptionalAction append their own default
+        else:
+            group.add_argument(*flags, dest=field.name, type=parse_size if meta.get("size") else value_type,
+                               choices=meta.get("choices"), default=field.default, help=help_text)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig.from_kwargs(**{name: getattr(args, name) for name in EngineConfig.field_names()})
+
+
+# ---- parser ---------------------------------------------------------------------------------------
 def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve",
@@ -42,62 +115,20 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
         "SmolLM2-135M-Instruct) with the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), "
         "the Anthropic Messages API (/v1/messages), /tokenize, /detokenize, /health, /version and "
         "Prometheus /metrics.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
-    p.add_argument("model", nargs="?", default=None,
-                   help="model folder or .gguf file; omitted: the embedded SmolLM2-135M-Instruct")
     server = p.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
     server.add_argument("--port", type=int, default=8000, help="TCP port to listen on (0: pick a free one)")
-    server.add_argument("--served-model-name", default=None,
-                        help="model id clients use and /v1/models reports (default: the model's name)")
     server.add_argument("--api-key", default=os.environ.get("FERROX_API_KEY"),
                         help="require this key (Authorization: Bearer KEY or x-api-key) on API routes; "
-                        "default: $FERROX_API_KEY; /health, /metrics and /version stay open")
+                        "/health, /metrics and /version stay open (default: $FERROX_API_KEY)")
     server.add_argument("--max-request-body-bytes", type=parse_size, default=32 << 20,
                         help="larger request bodies get HTTP 413 (accepts units: 1MiB)")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="logging verbosity")
-
-    engine = p.add_argument_group("engine")
-    engine.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's own)")
-    engine.add_argument("--dtype", default="auto",
-                        help="weights/activations dtype: auto, float32, float16, bfloat16")
-    engine.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
-                        help="weight format; 'dummy' = random weights of the real architecture")
-    engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run")
-    engine.add_argument("--seed", type=int, default=0, help="engine seed (dummy weights, unseeded sampling)")
-    engine.add_argument("--max-model-len", type=int, default=None,
-                        help="context length (prompt + output) per request; default: the model's, "
-                        "at most 8192 on CPU")
-    engine.add_argument("--max-num-seqs", type=int, default=None,
-                        help="most requests in the running batch (default 256 on GPU, 64 on CPU)")
-    engine.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="token budget of one engine step (default 8192 on GPU, 2048 on CPU)")
-    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="fraction of GPU memory for weights, activations and KV cache")
-    engine.add_argument("--kv-cache-memory", type=parse_size, default=None,
-                        help="KV cache size (e.g. 512MiB); on CPU default 2GiB capped by free memory")
-    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    engine.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                        help="disable automatic prefix caching")
-    engine.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true",
-                        default=True, help="enable automatic prefix caching (default)")
-    engine.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
-    engine.add_argument("--scheduling-policy", dest="policy", default="fcfs", choices=["fcfs", "priority"],
-                        help="order of waiting requests: arrival, or the request's priority field")
-    engine.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs a request may ask for")
-    engine.add_argument("--num-threads", type=int, default=None,
-                        help="CPU threads for the model (torch intra-op); default: all cores torch sees")
-    engine.add_argument("--chat-template", default=None,
-                        help="chat template (jinja text or a file path) overriding the model's")
+    add_engine_args(p, p.add_argument_group("engine (the same arguments as LLM(...))"))
     return p
-
-
-ENGINE_FLAGS = ("model", "tokenizer", "dtype", "load_format", "device", "seed", "max_model_len", "max_num_seqs",
-                "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory", "block_size",
-                "enable_prefix_caching", "enforce_eager", "policy", "max_logprobs", "chat_template",
-                "served_model_name", "num_threads")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,12 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from ferrox.config import EngineConfig
     from ferrox.engine.async_llm import AsyncLLM
     from ferrox.entrypoints.openai.server import run_server_blocking
 
     try:
-        config = EngineConfig.from_kwargs(**{name: getattr(args, name) for name in ENGINE_FLAGS})
+        config = engine_config_from_args(args)
         engine = AsyncLLM(config=config, log_level=args.log_level.upper())
     except Exception as exc:  # a bad flag, model path or a failed engine start: say why, exit non-zero
         print(f"ferrox serve: error: {exc}", file=sys.stderr, flush=True)

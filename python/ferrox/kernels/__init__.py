@@ -15,5 +15,39 @@ under the Triton interpreter at tiny shapes and on the GPU at Llama-3.1-8B shape
 - exponential_race.py   the sampler's draw for plain temperature sampling in one pass
 
 Modules import triton at import time (cuda_sampling.py does not); import them only where a GPU path may run.
+`select_kernels` below is the one place that maps a device to a kernel set; the layer ops
+(layers/ops.py) and the attention backend (attention/backend.py) both ask it when a model is built.
 Measured numbers: benches/RESULTS.md (benches/bench_kernels.py).
 """
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+KernelSet = Literal["torch", "triton"]
+KERNEL_SETS: tuple[KernelSet, ...] = ("torch", "triton")
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def select_kernels(device: Any, name: str | None = None) -> KernelSet:
+    """The kernel set a model built for `device` runs: "triton" on CUDA when Triton imports, else
+    "torch" (plain torch ops: CPU, and the reference the kernels are tested against).
+
+    `name` forces a set; tests force "triton" on CPU to run the GPU path in the Triton interpreter
+    (TRITON_INTERPRET=1). Forcing "triton" without Triton installed raises ImportError."""
+    if name is None:
+        import torch
+
+        return "triton" if torch.device(device).type == "cuda" and triton_available() else "torch"
+    if name not in KERNEL_SETS:
+        raise ValueError(f"kernel set {name!r} is unknown (choose 'torch' or 'triton')")
+    if name == "triton" and not triton_available():
+        raise ImportError("the Triton kernels were asked for, but triton is not installed")
+    return "triton" if name == "triton" else "torch"

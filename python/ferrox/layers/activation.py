@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from ferrox.layers.ops import DeviceOps, for_device
 
 
 class SiluAndMul(nn.Module):
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if gate_up.is_cuda and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
-            # Triton (ferrox/kernels/activation.py): one read of [gate | up], one write, silu in fp32.
-            from ferrox.kernels.activation import silu_and_mul
+    """`ops` (layers/ops.py) is the op set chosen when the model is built; by default plain torch."""
 
-            return silu_and_mul(gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+    def __init__(self, ops: DeviceOps | None = None):
+        super().__init__()
+        self.ops = ops if ops is not None else for_device()
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.ops.silu_and_mul(gate_up)

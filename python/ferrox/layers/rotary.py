@@ -1,19 +1,24 @@
 """Rotary position embedding in the NeoX / HF `rotate_half` layout (first half pairs with second half).
 
-cos/sin are computed once per forward from the step's positions (cheap, exact, and no table sized
-by max_position_embeddings), then every layer applies them to its queries and keys.
-Supported `rope_type`s: default, linear, llama3 (Llama 3.1 long-context scaling).
+The angles are computed once per forward from the step's positions (cheap, exact, and no table
+sized by max_position_embeddings), then every layer applies them to its queries and keys.
+`RotaryEmbedding(positions, dtype)` returns the step's `Rope` in the layout of the op set chosen
+when the model was built (layers/ops.py): cos/sin for the torch formula, float32 [cos | sin] rows
+for the Triton kernel. Supported `rope_type`s: default, linear, llama3 (Llama 3.1 long-context
+scaling), freq_factors (GGUF).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ferrox.loader.errors import UnsupportedModelError
+from ferrox.layers.ops import DeviceOps, Rope, apply_rotary, for_device
+from ferrox.model_spec import UnsupportedModelError
+
+__all__ = ["SUPPORTED_ROPE_TYPES", "RotaryEmbedding", "apply_rotary", "rope_inv_freq"]
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
@@ -56,22 +61,19 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(in_band, blended, slow)
 
 
-@dataclass(slots=True)
-class RopeRows:
-    """For the Triton kernel (kernels/rotary.py, GPU): one float32 [cos | sin] row of head_dim / 2
-    each per token of the step, and each token's row index (0..T-1)."""
-
-    rows: torch.Tensor  # [T, head_dim] float32
-    index: torch.Tensor  # [T] int64
-
-
 class RotaryEmbedding(nn.Module):
     inv_freq: torch.Tensor  # a registered (non-persistent) buffer; declared so it types as a Tensor
 
-    def __init__(self, head_dim: int, base: float, scaling: dict | None, device: torch.device | str | None = None):
+    def __init__(self, head_dim: int, base: float, scaling: dict | None, device: torch.device | str | None = None,
+                 ops: DeviceOps | None = None):
         super().__init__()
         self.head_dim = head_dim
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, base, scaling).to(device), persistent=False)
+        self.ops = ops if ops is not None else for_device(device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """This step's rotary, for every layer to apply to its q and k."""
+        return self.ops.rope(self, positions, dtype)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [T, 1, head_dim] (broadcast over heads), in the model dtype."""
@@ -79,16 +81,8 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def kernel_rows(self, positions: torch.Tensor) -> RopeRows:
-        """The same angles as cos_sin, laid out for `rotary_neox_`, which rotates q and k of every
-        head in one launch per layer instead of five elementwise kernels (and in float32)."""
+    def rope_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """The same angles as cos_sin as float32 rows [T, head_dim] = [cos | sin] (head_dim / 2
+        each), the layout of the Triton kernels (`rotary_neox_`, and the one-token qkv kernel)."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        rows = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
-        return RopeRows(rows, torch.arange(positions.shape[0], device=positions.device))
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; rotate each (i, i + head_dim/2) pair by its position's angle."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1)

@@ -1,25 +1,11 @@
-"""Errors raised while resolving, reading and rendering a model's files.
+"""Errors raised while resolving, reading and rendering a model's files (re-exported for the loader).
 
-All are `ferrox.FerroxError` subclasses so a user can catch one root; each message names
-the file, field or template that was wrong so the fix is obvious from the message alone.
+All are `ferrox.FerroxError` subclasses defined in ferrox/errors.py, so a user can catch one root;
+each message names the file, field or template that was wrong so the fix is obvious from it alone.
 """
 
 from __future__ import annotations
 
-from ferrox._core import FerroxError
+from ferrox.errors import ChatTemplateError, ModelLoadError, ModelNotFoundError, UnsupportedModelError
 
-
-class ModelLoadError(FerroxError):
-    """A model folder or weight file is missing, unreadable, truncated or inconsistent."""
-
-
-class ModelNotFoundError(ModelLoadError, FileNotFoundError):
-    """The model path (or the embedded model's package) does not exist."""
-
-
-class UnsupportedModelError(ModelLoadError, ValueError):
-    """Readable, but not something ferrox can run (architecture, quantization, tokenizer type)."""
-
-
-class ChatTemplateError(FerroxError, ValueError):
-    """A chat template is missing or failed to render."""
+__all__ = ["ModelLoadError", "ModelNotFoundError", "UnsupportedModelError", "ChatTemplateError"]

@@ -1,4 +1,4 @@
-"""ModelSpec: the shape of a model, read from config.json or from GGUF metadata.
+"""The shape of a model (ferrox.model_spec.ModelSpec), read from config.json or from GGUF metadata.
 
 The spec keeps the raw HF config (`hf_config`) for anything model code needs beyond the common
 fields, and normalises the fields that moved between transformers versions (rope_theta /
@@ -9,41 +9,18 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ferrox.loader.errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError
 from ferrox.loader.source import ModelSource
+from ferrox.model_spec import ModelSpec
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-
-
-@dataclass(slots=True)
-class ModelSpec:
-    hf_config: dict[str, Any]
-    architecture: str
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    intermediate_size: int
-    vocab_size: int
-    max_position_embeddings: int
-    dtype: torch.dtype  # what the checkpoint stores (used for dtype="auto" on GPU)
-    tie_word_embeddings: bool
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    hidden_act: str = "silu"
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def read_json(path: str) -> dict[str, Any]:

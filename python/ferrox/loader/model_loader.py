@@ -9,10 +9,11 @@ import torch
 from torch import nn
 
 from ferrox.loader.errors import ModelLoadError
-from ferrox.loader.model_config import ModelSpec, load_model_spec, read_json
+from ferrox.loader.model_config import load_model_spec, read_json
 from ferrox.loader.source import ModelSource
+from ferrox.model_spec import ModelSpec
 
-__all__ = ["ModelSpec", "load_model_spec", "load_model", "load_generation_config", "LOAD_FORMATS"]
+__all__ = ["load_model_spec", "load_model", "load_generation_config", "LOAD_FORMATS"]
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 

@@ -3,25 +3,30 @@
 Shapes: every forward takes a flat batch of T tokens (requests concatenated, any mix of prefill
 chunks and decodes); attention metadata tells the backend where each request's rows are.
 Projections are merged (q/k/v -> qkv_proj, gate/up -> gate_up_proj) so a layer runs 4 matmuls.
+
+No device branches here: the kernel set is chosen once when the model is built (`kernels`,
+default from the device), and with it the layers' ops (layers/ops.py), the attention backend and
+the decode path the backend gives (attention/decode_path.py), which may run a one-token step in
+fused kernels and computes the logits.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ferrox.attention.backend import AttentionBackend, get_attention_backend
+from ferrox.attention.decode_path import OneTokenLayer
 from ferrox.attention.metadata import AttentionMetadata
+from ferrox.kernels import select_kernels
 from ferrox.layers.activation import SiluAndMul
 from ferrox.layers.layernorm import RMSNorm
 from ferrox.layers.linear import Linear, MergedLinear
-from ferrox.layers.rotary import RopeRows, RotaryEmbedding, apply_rotary
-from ferrox.loader.errors import ModelLoadError, UnsupportedModelError
-from ferrox.loader.model_config import ModelSpec
+from ferrox.layers.ops import DeviceOps, Rope, for_device
+from ferrox.layers.rotary import RotaryEmbedding
+from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
 
 # HF checkpoint names folded into a merged layer: (merged module, shard name).
 _MERGED = {
@@ -36,8 +41,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend, dtype, device, *, qkv_bias: bool,
-                 o_bias: bool, qk_norm: bool):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype, device, *,
+                 qkv_bias: bool, o_bias: bool, qk_norm: bool):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.scale = self.head_dim ** -0.5
@@ -46,44 +51,36 @@ class LlamaAttention(nn.Module):
                                      dtype=dtype, device=device)
         self.o_proj = Linear(q_size, spec.hidden_size, bias=o_bias, dtype=dtype, device=device)
         # Qwen3: RMSNorm over each head's q and k before rotary.
-        self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, dtype, device) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, dtype, device) if qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, dtype, device, ops) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, dtype, device, ops) if qk_norm else None
         self.backend = backend
 
-    def forward(self, x, cos, sin, kv_cache, meta):
+    def forward(self, x, rope: Rope, kv_cache, meta):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         v = qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        if isinstance(cos, RopeRows):
-            # GPU: the Triton kernel rotates q and k in place inside qkv (see LlamaModel.forward).
-            from ferrox.kernels.rotary import rotary_neox_
-
-            q = qkv[:, :q_size].view(t, self.num_heads, self.head_dim)
-            k = qkv[:, q_size:q_size + kv_size].view(t, self.num_kv_heads, self.head_dim)
-            rotary_neox_(cos.index, q, k, cos.rows)
-        elif self.q_norm is None:
-            # One rotary pass over q and k together (they are adjacent columns of qkv).
-            qk = apply_rotary(qkv[:, :q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim),
-                              cos, sin)
-            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        if self.q_norm is None or self.k_norm is None:
+            # q and k are adjacent columns of qkv: one rotary pass over both (in place on the GPU).
+            q, k = rope.rotate_qk(qkv[:, :q_size + kv_size].view(t, self.num_heads + self.num_kv_heads,
+                                                                 self.head_dim), self.num_heads)
         else:
             q = self.q_norm(qkv[:, :q_size].view(t, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, q_size:q_size + kv_size].view(t, self.num_kv_heads, self.head_dim))
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = rope.rotate(q, k)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, q_size))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype, device):
+    def __init__(self, spec: ModelSpec, ops: DeviceOps, dtype, device):
         super().__init__()
         if spec.hidden_act not in ("silu", "swish"):
             raise UnsupportedModelError(f"config.json: hidden_act {spec.hidden_act!r} is not supported (only silu)")
         inter = spec.intermediate_size
         self.gate_up_proj = MergedLinear(spec.hidden_size, {"gate": inter, "up": inter}, bias=spec.mlp_bias,
                                          dtype=dtype, device=device)
-        self.act = SiluAndMul()
+        self.act = SiluAndMul(ops)
         self.down_proj = Linear(inter, spec.hidden_size, bias=spec.mlp_bias, dtype=dtype, device=device)
 
     def forward(self, x):
@@ -91,86 +88,65 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend, dtype, device, *, qkv_bias, o_bias, qk_norm):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype, device, *, qkv_bias,
+                 o_bias, qk_norm):
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(spec, backend, dtype, device, qkv_bias=qkv_bias, o_bias=o_bias,
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
+        self.self_attn = LlamaAttention(spec, backend, ops, dtype, device, qkv_bias=qkv_bias, o_bias=o_bias,
                                         qk_norm=qk_norm)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        self.mlp = LlamaMLP(spec, dtype, device)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
+        self.mlp = LlamaMLP(spec, ops, dtype, device)
 
-    def forward_one_token(self, h, rope: RopeRows, kv_cache, meta):
-        """The same layer for a step of exactly one token, in five launches (kernels/gemv.py): the
-        norms, residual adds, rotary, KV write and SiLU ride inside the matrix-vector kernels.
-        h is the complete residual stream (no pending add), in and out."""
-        from ferrox.kernels.gemv import gemv, qkv_rope_gemv
-
+    def one_token_view(self) -> OneTokenLayer:
+        """This layer as a fused one-token decode path reads it (attention/decode_path.py)."""
         attn, mlp = self.self_attn, self.mlp
-        q = qkv_rope_gemv(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=self.input_layernorm.weight,
-                          eps=self.input_layernorm.eps, rope_row=rope.rows[0], slot_mapping=meta.slot_mapping,
-                          kv_cache=kv_cache, num_q_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
-                          head_dim=attn.head_dim)
-        o = attn.backend.attend(q, kv_cache, meta, attn.scale)
-        h = gemv(o.view(1, -1), attn.o_proj.weight, attn.o_proj.bias, residual=h)
-        act = gemv(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm_weight=self.post_attention_layernorm.weight,
-                   eps=self.post_attention_layernorm.eps, silu_mul=True)
-        return gemv(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h)
+        return OneTokenLayer(input_norm=self.input_layernorm, qkv_proj=attn.qkv_proj, o_proj=attn.o_proj,
+                             post_norm=self.post_attention_layernorm, gate_up_proj=mlp.gate_up_proj,
+                             down_proj=mlp.down_proj, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
+                             head_dim=attn.head_dim, scale=attn.scale)
 
-    def forward(self, x, residual, cos, sin, kv_cache, meta):
+    def forward(self, x, residual, rope: Rope, kv_cache, meta):
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h = self.self_attn(h, rope, kv_cache, meta)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend, dtype, device, *, qkv_bias, o_bias, qk_norm):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype, device, *, qkv_bias,
+                 o_bias, qk_norm):
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(spec, backend, dtype, device, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm)
-            for _ in range(spec.num_layers)
-        )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, device)
+        layers = [LlamaDecoderLayer(spec, backend, ops, dtype, device, qkv_bias=qkv_bias, o_bias=o_bias,
+                                    qk_norm=qk_norm) for _ in range(spec.num_layers)]
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
+        # Qwen3 (qk_norm) rotates its normed q/k copies with the torch formula on every device, and
+        # its layers do not fit the one-token kernels (they rotate inside the qkv projection, where
+        # no per-head norm can run first).
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, device,
+                                      for_device(device, "torch") if qk_norm else ops)
         self.qk_norm = qk_norm
         self.backend = backend
+        self.decode_path = backend.decode_path(
+            None if qk_norm else [layer.one_token_view() for layer in layers], self.rotary.rope_rows
+        )
 
     def forward(self, input_ids, positions, kv_caches, meta):
         h = self.embed_tokens(input_ids)
-        if h.is_cuda and not self.qk_norm:
-            # One Triton launch per layer instead of the five kernels of the torch formula: at batch 1
-            # that is ~0.3 ms of an 8B decode step on an H200 (issue 5).
-            cos, sin = self.rotary.kernel_rows(positions), None
-        else:
-            cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        if isinstance(cos, RopeRows) and one_token_kernels_apply(h, self.backend, kv_caches):
-            for i, layer in enumerate(self.layers):
-                h = layer.forward_one_token(h, cos, kv_caches[i], meta)
-            return self.norm(h)
+        if self.decode_path.takes_step(h.shape[0], kv_caches):
+            return self.norm(self.decode_path.forward(h, positions, kv_caches, meta))
+        rope = self.rotary(positions, h.dtype)
         residual = None
         for i, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, cos, sin, kv_caches[i], meta)
+            h, residual = layer(h, residual, rope, kv_caches[i], meta)
         h, _ = self.norm(h, residual)
         return h
-
-
-def fused_decode_enabled() -> bool:
-    """FERROX_FUSED_DECODE=0 turns the one-token kernels off (for A/B benchmarks and bisecting)."""
-    return os.environ.get("FERROX_FUSED_DECODE", "1") != "0"
-
-
-def one_token_kernels_apply(h: torch.Tensor, backend: AttentionBackend, kv_caches: list[torch.Tensor]) -> bool:
-    """Batch-1 decode (and 1-token prefill) on CUDA: weight reads dominate and launches are the
-    overhead worth removing, so the fused matrix-vector kernels run (kernels/gemv.py). Larger
-    batches keep cuBLAS, whose GEMMs reuse each weight tile across rows."""
-    return (h.is_cuda and h.shape[0] == 1 and backend.supports_cached_kv and bool(kv_caches)
-            and kv_caches[0].numel() > 0 and fused_decode_enabled())
 
 
 class LlamaForCausalLM(nn.Module):
@@ -178,12 +154,17 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias_always = False  # Qwen2: q/k/v carry a bias whatever attention_bias says
     qk_norm = False  # Qwen3: per-head RMSNorm of q and k
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
+                 kernels: str | None = None):
+        """kernels: "torch" | "triton" forces a kernel set (tests run the Triton one on CPU in the
+        interpreter); by default the device's (kernels.select_kernels)."""
         super().__init__()
         self.spec = spec
-        self.backend = get_attention_backend(device)
+        self.kernels = select_kernels(device, kernels)
+        self.ops = for_device(device, self.kernels)
+        self.backend = get_attention_backend(device, self.kernels)
         bias = spec.attention_bias
-        self.model = LlamaModel(spec, self.backend, dtype, device, qkv_bias=bias or self.qkv_bias_always,
+        self.model = LlamaModel(spec, self.backend, self.ops, dtype, device, qkv_bias=bias or self.qkv_bias_always,
                                 o_bias=bias, qk_norm=self.qk_norm)
         if spec.tie_word_embeddings:
             self.lm_head = None
@@ -200,12 +181,13 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def finalize_weights(self) -> None:
-        """After loading: on CPU store every projection column-major (same logical [out, in] shape,
-        so F.linear is unchanged). One-token decode runs matrix-vector products, and the BLAS
-        kernel for that layout reads memory ~1.4x faster (measured on the 49152x576 lm_head:
-        7.4 -> 4.4 ms); batched matmuls run at the same speed with identical results. A tied
-        lm_head gets its own column-major copy because the embedding lookup wants rows."""
-        if self.model.embed_tokens.weight.device.type != "cpu":
+        """After loading, where the op set asks for it (torch on CPU): store every projection
+        column-major (same logical [out, in] shape, so F.linear is unchanged). One-token decode runs
+        matrix-vector products, and the BLAS kernel for that layout reads memory ~1.4x faster
+        (measured on the 49152x576 lm_head: 7.4 -> 4.4 ms); batched matmuls run at the same speed
+        with identical results. A tied lm_head gets its own column-major copy because the
+        embedding lookup wants rows."""
+        if not self.ops.column_major_weights:
             return
         for module in self.modules():
             if isinstance(module, Linear):
@@ -223,12 +205,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.is_cuda and hidden.shape[0] == 1 and fused_decode_enabled():
-            # One launch that writes float32 logits directly (cuBLAS + a cast are two, plus split-K).
-            from ferrox.kernels.gemv import gemv
-
-            return gemv(hidden.contiguous(), self.lm_head_weight, out_dtype=torch.float32)
-        return F.linear(hidden, self.lm_head_weight).float()
+        """float32 logits of the given rows (the decode path may run a one-row lm_head fused)."""
+        return self.model.decode_path.logits(hidden, self.lm_head_weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named checkpoint tensors in; every parameter must be set exactly once."""

@@ -1,10 +1,11 @@
 """Model classes by the `architectures` name of config.json.
 
 Adding a model:
-  1. Write `ferrox/models/<family>.py` with a class taking `(spec, dtype, device)` and providing
+  1. Write `ferrox/models/<family>.py` with a class taking `(spec, dtype, device)` (optionally
+     `kernels=` to force a kernel set) and providing
      `forward(input_ids, positions, kv_caches, attn_metadata) -> hidden`, `compute_logits(hidden)`
      and `load_weights(iter of (HF name, tensor))` -- subclass LlamaForCausalLM when the family is a
-     Llama variant (see qwen.py: two class attributes).
+     Llama variant (see qwen.py: two class attributes). README "Adding a model" has the rest.
   2. Register it below under its config.json `architectures` name.
   3. For GGUF files, map `general.architecture` in loader/gguf_file.py (GGUF_ARCHITECTURES) and say
      whether llama.cpp permuted its Q/K rows (_PERMUTED_QK_ARCHS).
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 
-from ferrox.loader.errors import UnsupportedModelError
+from ferrox.model_spec import UnsupportedModelError
 
 # name -> "module:Class", imported on first use so listing support stays cheap.
 SUPPORTED: dict[str, str] = {

@@ -7,13 +7,22 @@ next captured size: padded rows get slot -1 (the KV write skips them), seq_len 0
 query_len 1, so attention produces zeros for them and touches no live block.
 
 Everything a graph reads lives in static buffers allocated here once, sized for the largest
-batch; `run` copies the step's inputs into them and replays. The attention metadata's
-max_seq_len is fixed to the engine's max_model_len, so the kernel's launch shape (grid and
-split-KV count) is the same at capture and at every replay.
+batch (a graph replays fixed addresses); `stage` copies a step's inputs into them. Both `run`
+(a real step) and `capture` go through it: each ladder size is captured on a dummy decode step
+of that size, scheduled by a throwaway core scheduler in the first blocks of this KV cache
+(worker/dummy_batch.py), so a graph is captured on the same kind of inputs it replays.
+
+The graph's attention metadata is the captured step's own (step_inputs.attention_metadata),
+pointed at the static buffers, with one change: max_seq_len is fixed to the engine's
+max_model_len, so the kernel's launch shape (grid and split-KV count) is the same at capture and
+at every replay. A decode-only step's query_start_loc is always 0..batch, so that buffer is
+filled once; host-side fields (seq_lens_cpu...) are baked in at capture, which is why only
+backends that read no host data per step (Triton) may run inside a graph.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -21,8 +30,15 @@ from typing import Any
 import torch
 
 from ferrox.attention.metadata import AttentionMetadata
+from ferrox.worker.dummy_batch import decode_step, min_decode_blocks, upload_step
+from ferrox.worker.step_inputs import Uploader
 
 logger = logging.getLogger(__name__)
+
+# KV length of the dummy decode steps captured: one prompt token and the new one (one block per
+# request). The value does not shape the graph (max_seq_len does); a short context keeps the
+# dummy requests cheap and lets the largest batch fit in a small cache.
+CAPTURE_CONTEXT_LEN = 2
 
 
 def batch_size_ladder(max_num_seqs: int) -> list[int]:
@@ -31,6 +47,12 @@ def batch_size_ladder(max_num_seqs: int) -> list[int]:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
     sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs, 8))
     return sorted(set(sizes + [max_num_seqs]))
+
+
+def capturable_batch_sizes(batch_sizes: list[int], block_size: int, num_blocks: int) -> list[int]:
+    """The sizes of `batch_sizes` whose dummy decode step fits in a KV cache of num_blocks blocks.
+    A larger batch could never run anyway: every running request holds at least one block."""
+    return [b for b in sorted(batch_sizes) if min_decode_blocks(b, CAPTURE_CONTEXT_LEN, block_size) <= num_blocks]
 
 
 class CudaGraphRunner:
@@ -45,13 +67,32 @@ class CudaGraphRunner:
         device: torch.device,
         batch_sizes: list[int] | None = None,
     ) -> None:
-        if torch.device(device).type != "cuda":
+        device = torch.device(device)
+        if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
+        if not kv_caches:
+            raise ValueError("CUDA graphs need the KV cache (one tensor per layer)")
         self.model = model
         self.kv_caches = kv_caches
+        self.device = device
+        self.block_size = block_size
+        self.num_blocks = int(kv_caches[0].shape[1])
         self.max_model_len = max_model_len
-        self.batch_sizes = sorted(batch_sizes) if batch_sizes else batch_size_ladder(max_num_seqs)
-        self.max_batch = self.batch_sizes[-1]
+        if batch_sizes:
+            wanted = sorted(set(batch_sizes))
+            sizes = capturable_batch_sizes(wanted, block_size, self.num_blocks)
+        else:
+            fits = [b for b in range(1, max_num_seqs + 1)
+                    if min_decode_blocks(b, CAPTURE_CONTEXT_LEN, block_size) <= self.num_blocks]
+            wanted = batch_size_ladder(max_num_seqs)
+            sizes = batch_size_ladder(fits[-1]) if fits else []
+        if not sizes:
+            raise ValueError(f"a KV cache of {self.num_blocks} blocks holds no decode batch to capture")
+        if sizes[-1] < wanted[-1]:
+            logger.warning("CUDA graphs: a KV cache of %d blocks holds decode batches of at most %d requests; "
+                           "capturing up to %d instead of %d", self.num_blocks, sizes[-1], sizes[-1], wanted[-1])
+        self.batch_sizes = sizes
+        self.max_batch = sizes[-1]
         max_blocks = -(-max_model_len // block_size)
         n = self.max_batch
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
@@ -63,36 +104,66 @@ class CudaGraphRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
 
-    def _meta(self, batch: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            num_actual_tokens=batch,
-            max_query_len=1,
+    def _graph_meta(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """The metadata a graph reads: that of the step staged for its capture (a ladder size, so
+        no padding), pointed at the static buffers, with the fixed max_seq_len (module docstring)."""
+        n = meta.num_reqs
+        return dataclasses.replace(
+            meta,
             max_seq_len=self.max_model_len,
-            slot_mapping=self.slot_mapping[:batch],
-            query_start_loc=self.query_start_loc[: batch + 1],
-            seq_lens=self.seq_lens[:batch],
-            block_table=self.block_table[:batch],
-            query_start_loc_cpu=torch.arange(batch + 1, dtype=torch.int32),
-            seq_lens_cpu=torch.ones(batch, dtype=torch.int32),  # shape only: graph-safe backends read no host data
-            decode_only=True,
+            slot_mapping=self.slot_mapping[:n],
+            query_start_loc=self.query_start_loc[: n + 1],
+            seq_lens=self.seq_lens[:n],
+            block_table=self.block_table[:n],
         )
+
+    def stage(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> int:
+        """Copy a decode-only step (its attention metadata from step_inputs.attention_metadata) into
+        the static buffers, padded up to the next captured size; returns that size."""
+        batch = input_ids.shape[0]
+        padded = self.padded_size(batch)
+        self.input_ids[:batch].copy_(input_ids, non_blocking=True)
+        self.positions[:batch].copy_(positions, non_blocking=True)
+        self.slot_mapping[:batch].copy_(meta.slot_mapping[:batch], non_blocking=True)
+        self.seq_lens[:batch].copy_(meta.seq_lens, non_blocking=True)
+        width = meta.block_table.shape[1]
+        self.block_table[:batch, :width].copy_(meta.block_table, non_blocking=True)
+        if padded > batch:
+            self.slot_mapping[batch:padded].fill_(-1)  # padding writes no KV
+            self.seq_lens[batch:padded].zero_()  # and attends to nothing
+            self.positions[batch:padded].zero_()
+        return padded
 
     @torch.inference_mode()
     def capture(self) -> float:
-        """Capture every ladder size (largest first, so smaller graphs reuse its memory pool)."""
+        """Capture every ladder size (largest first, so smaller graphs reuse its memory pool), each
+        on a dummy decode step of that size staged like a real one. The dummy steps write K/V into
+        a few blocks of the (still unused) cache; those blocks are zeroed again afterwards."""
         start = time.perf_counter()
+        upload = Uploader(self.device)
+        touched: set[int] = set()
         pool = None
         for batch in reversed(self.batch_sizes):
-            meta = self._meta(batch)
-            args = (self.input_ids[:batch], self.positions[:batch], self.kv_caches, meta)
+            step = decode_step(batch, CAPTURE_CONTEXT_LEN, self.block_size, num_blocks=self.num_blocks)
+            touched.update(step.block_ids.tolist())
+            upload.next_step()
+            t = upload_step(step.so, upload)
+            if not t.meta.decode_only or t.meta.num_reqs != batch:
+                raise RuntimeError(f"the dummy step for CUDA-graph batch {batch} is not a decode step of {batch}")
+            self.stage(t.input_ids, t.positions, t.meta)  # a ladder size: nothing to pad
+            args = (self.input_ids[:batch], self.positions[:batch], self.kv_caches, self._graph_meta(t.meta))
             self.model.forward(*args)  # warm-up: Triton compiles and cuBLAS picks kernels outside capture
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)  # also: the upload's pinned buffers are free again
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 out = self.model.forward(*args)
             pool = graph.pool()
             self.graphs[batch] = (graph, out)
-        torch.cuda.synchronize()
+        if touched:
+            blocks = torch.tensor(sorted(touched), dtype=torch.int64, device=self.device)
+            for kv in self.kv_caches:
+                kv.index_fill_(1, blocks, 0)
+        torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
         logger.info("captured %d CUDA graphs (decode batch sizes %s) in %.1f s",
                     len(self.graphs), self.batch_sizes, self.capture_seconds)
@@ -118,17 +189,7 @@ class CudaGraphRunner:
         """Hidden states [batch, hidden] of a decode-only step. The result is a view of the graph's
         static output: consume it (compute logits) before the next `run`."""
         batch = input_ids.shape[0]
-        padded = self.padded_size(batch)
+        padded = self.stage(input_ids, positions, meta)
         graph, out = self.graphs[padded]
-        self.input_ids[:batch].copy_(input_ids, non_blocking=True)
-        self.positions[:batch].copy_(positions, non_blocking=True)
-        self.slot_mapping[:batch].copy_(meta.slot_mapping[:batch], non_blocking=True)
-        self.seq_lens[:batch].copy_(meta.seq_lens, non_blocking=True)
-        width = meta.block_table.shape[1]
-        self.block_table[:batch, :width].copy_(meta.block_table, non_blocking=True)
-        if padded > batch:
-            self.slot_mapping[batch:padded].fill_(-1)  # padding writes no KV
-            self.seq_lens[batch:padded].zero_()  # and attends to nothing
-            self.positions[batch:padded].zero_()
         graph.replay()
         return out[:batch]

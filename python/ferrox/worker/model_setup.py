@@ -20,12 +20,13 @@ from typing import Any
 import torch
 
 from ferrox.attention.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
-from ferrox.attention.metadata import AttentionMetadata
 from ferrox.config import CPU_DEFAULT_MAX_MODEL_LEN, EngineConfig
 from ferrox.loader.model_loader import load_generation_config, load_model, load_model_spec
 from ferrox.loader.source import ModelSource, resolve_model
 from ferrox.loader.tokenizer import load_tokenizer
 from ferrox.worker.cpu_threads import CpuThreadGovernor
+from ferrox.worker.dummy_batch import decode_step, prefill_step, upload_step
+from ferrox.worker.step_inputs import Uploader
 
 logger = logging.getLogger(__name__)
 
@@ -169,39 +170,14 @@ def profile_gpu_kv_budget(
     num_seqs: int,
 ) -> int:
     """Run one forward pass at the largest step size and return the bytes left for the KV cache."""
-    block_size = config.block_size
-    num_seqs = max(1, min(num_seqs, num_tokens))
-    per_seq = num_tokens // num_seqs
-    blocks_per_seq = -(-per_seq // block_size)
-    scratch = allocate_kv_caches(spec, num_seqs * blocks_per_seq + 1, block_size, dtype, device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    lens = [per_seq] * num_seqs
-    lens[-1] += num_tokens - per_seq * num_seqs
-    positions = torch.cat([torch.arange(n) for n in lens]).to(device)
-    block_table = torch.zeros((num_seqs, -(-max(lens) // block_size)), dtype=torch.int32)
-    slots = []
-    for r, n in enumerate(lens):
-        first = 1 + r * blocks_per_seq
-        nb = -(-n // block_size)
-        block_table[r, :nb] = torch.arange(first, first + nb, dtype=torch.int32)
-        slots.append(torch.arange(n) + first * block_size)
-    qsl = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32)
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    meta = AttentionMetadata(
-        num_actual_tokens=num_tokens, max_query_len=max(lens), max_seq_len=max(lens),
-        slot_mapping=torch.cat(slots).to(device), query_start_loc=qsl.to(device), seq_lens=seq_lens.to(device),
-        block_table=block_table.to(device), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
-    )
-    input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
-    hidden = model.forward(input_ids, positions, scratch, meta)
-    logits = model.compute_logits(hidden[-num_seqs:])
-    torch.softmax(logits, dim=-1)  # the sampler's largest temporary
+    scratch, hidden, logits = profile_forward(model, spec, dtype, device, config.block_size, num_tokens, num_seqs)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     scratch_bytes = sum(t.numel() * t.element_size() for t in scratch)
-    _compile_first_request_kernels(model, hidden, device)
     del scratch, hidden, logits
+    _compile_first_request_kernels(model, spec, dtype, device, config.block_size)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     budget = int(config.gpu_memory_utilization * total) - (peak - scratch_bytes)
@@ -219,11 +195,42 @@ def profile_gpu_kv_budget(
     return budget
 
 
-def _compile_first_request_kernels(model, hidden: torch.Tensor, device: torch.device) -> None:
-    """Compile now what the first request would otherwise wait ~1 s for (Triton JIT): the
-    one-row logits kernel (kernels/gemv.py; runs outside the CUDA graphs) and the sampler's
-    one-pass draw. Measured on the embedded model on an H200: first chat 1.2 s -> ~0.1 s."""
+@torch.inference_mode()
+def profile_forward(
+    model: Any,
+    spec: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    block_size: int,
+    num_tokens: int,
+    num_seqs: int,
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """The profiling pass: a forward over a dummy prefill step of num_tokens tokens in (up to)
+    num_seqs requests, scheduled by a throwaway core scheduler (worker/dummy_batch.py) over a
+    scratch KV cache just large enough for it, then the logits of each request's last token and
+    the sampler's largest temporary. Returns (scratch KV caches, hidden states, logits); runs on
+    any device (the memory accounting around it is the caller's)."""
+    step = prefill_step(num_tokens, num_seqs, block_size)
+    scratch = allocate_kv_caches(spec, step.num_blocks, block_size, dtype, device)
+    t = upload_step(step.so, Uploader(device))
+    hidden = model.forward(t.input_ids, t.positions, scratch, t.meta)
+    logits = model.compute_logits(hidden.index_select(0, t.logits_indices))
+    torch.softmax(logits, dim=-1)  # the sampler's largest temporary
+    return scratch, hidden, logits
+
+
+@torch.inference_mode()
+def _compile_first_request_kernels(model: Any, spec: Any, dtype: torch.dtype, device: torch.device,
+                                   block_size: int) -> None:
+    """Compile now what the first request would otherwise wait ~1 s for (Triton JIT): a dummy
+    decode step of batch 1 (the one-token kernels of an eager decode), its one-row logits kernel
+    (kernels/gemv.py; runs outside the CUDA graphs) and the sampler's one-pass draw. Measured on
+    the embedded model on an H200: first chat 1.2 s -> ~0.1 s."""
     from ferrox.kernels.exponential_race import exponential_race
 
-    row_logits = model.compute_logits(hidden[-1:].contiguous())
+    step = decode_step(1, 2, block_size)
+    scratch = allocate_kv_caches(spec, step.num_blocks, block_size, dtype, device)  # a few blocks
+    t = upload_step(step.so, Uploader(device))
+    hidden = model.forward(t.input_ids, t.positions, scratch, t.meta)
+    row_logits = model.compute_logits(hidden.index_select(0, t.logits_indices))
     exponential_race(row_logits, torch.ones(1, device=device), torch.rand_like(row_logits))

@@ -1,7 +1,10 @@
-"""Per-request state the model runner keeps across steps (the persistent batch's rows).
+"""Per-request state the model runner keeps across steps (one row of the persistent batch).
 
-Added when the engine accepts a request, dropped when the scheduler reports it finished.
-Preemption keeps it: a preempted request resumes with the same tokens, generator and counts.
+Added when the engine accepts a request, dropped when the engine hears it finished or aborted.
+Preemption keeps it: a preempted request resumes with the same generator and penalty counts.
+Its output count follows the tokens the core accepted (`InputBatch.append_accepted`), never
+the runner's own samples: a sample the core drops (a preempted or stopped request's in-flight
+token) must not count.
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ class PromptLogprobsAccumulator:
 @dataclass(slots=True)
 class RequestState:
     req_id: str
+    slot: int
     prompt_token_ids: list[int]
     params: SamplingParams
     stop_ids_for_min_tokens: list[int]  # EOS (unless ignore_eos) + stop_token_ids
-    output_token_ids: list[int] = field(default_factory=list)
+    num_output_tokens: int = 0  # accepted by the core
     generator: torch.Generator | None = None  # only for seeded random sampling
-    # Lazily built on the device, only for requests that use them.
+    # Built on the device only for requests that use them.
     prompt_mask: torch.Tensor | None = None  # [V] bool, repetition penalty
     output_counts: torch.Tensor | None = None  # [V] float32, all three penalties
     allowed_mask: torch.Tensor | None = None  # [V] bool, allowed_token_ids
@@ -41,30 +45,15 @@ class RequestState:
         p = self.params
         return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
-    @property
-    def in_min_tokens(self) -> bool:
-        return len(self.output_token_ids) < self.params.min_tokens and bool(self.stop_ids_for_min_tokens)
-
-    def ensure_penalty_state(self, vocab_size: int, device: torch.device) -> None:
-        if self.output_counts is not None:
-            return
+    def init_penalty_state(self, vocab_size: int, device: torch.device) -> None:
         self.output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
-        for tok in self.output_token_ids:
-            self.output_counts[tok] += 1
         self.prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
         if self.prompt_token_ids:
             ids = torch.tensor(self.prompt_token_ids, dtype=torch.int64, device=device)
             self.prompt_mask[ids.clamp(max=vocab_size - 1)] = True
 
-    def ensure_allowed_mask(self, vocab_size: int, device: torch.device) -> torch.Tensor:
-        if self.allowed_mask is None:
-            mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-            ids = torch.tensor(self.params.allowed_token_ids or [], dtype=torch.int64, device=device)
-            mask[ids] = True
-            self.allowed_mask = mask
-        return self.allowed_mask
-
-    def append_output(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        if self.output_counts is not None:
-            self.output_counts[token_id] += 1
+    def init_allowed_mask(self, vocab_size: int, device: torch.device) -> None:
+        mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        ids = torch.tensor(self.params.allowed_token_ids or [], dtype=torch.int64, device=device)
+        mask[ids] = True
+        self.allowed_mask = mask

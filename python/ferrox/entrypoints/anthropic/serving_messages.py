@@ -14,20 +14,22 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from ferrox.engine.async_llm import EngineDeadError, RequestError
 from ferrox.entrypoints.anthropic.protocol import MessagesCountRequest, MessagesRequest
-from ferrox.entrypoints.openai.errors import APIError, from_value_error
+from ferrox.entrypoints.openai.errors import from_exception
 from ferrox.entrypoints.openai.serving import (
+    MESSAGES_FIELDS,
     ServingContext,
+    check_max_tokens,
     first_output,
     json_response,
     new_id,
     parse_body,
     render_chat,
-    resolve_max_tokens,
     send_sse,
     start_sse,
+    validate_request,
 )
+from ferrox.errors import FerroxError
 from ferrox.outputs import CompletionOutput
 from ferrox.sampling_params import RequestOutputKind, SamplingParams
 
@@ -65,8 +67,8 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
     ctx.check_model(req.model)
     ctx.check_engine()
     prompt_text, prompt_ids = await _prompt_ids(ctx, req)
-    max_tokens = resolve_max_tokens(ctx, len(prompt_ids), req.max_tokens, "messages")
-    kwargs: dict[str, Any] = {"max_tokens": max_tokens, "stop": req.stop_sequences or None}
+    check_max_tokens(ctx, len(prompt_ids), req.max_tokens)
+    kwargs: dict[str, Any] = {"max_tokens": req.max_tokens, "stop": req.stop_sequences or None}
     for name in ("temperature", "top_p", "top_k"):
         value = getattr(req, name)
         if value is None:
@@ -77,12 +79,13 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
     try:
         params = SamplingParams(**kwargs)
     except (ValueError, msgspec.ValidationError) as exc:
-        raise from_value_error(exc) from None
+        raise from_exception(exc, rename=MESSAGES_FIELDS) from None
+    validate_request(ctx, prompt_ids, params, MESSAGES_FIELDS)
     message_id = new_id("msg").replace("-", "_")
     prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
     gen = ctx.engine.generate(prompt, params, message_id)
     # Pull the first output before sending headers, so a rejected request is still a plain 4xx/503.
-    first = await first_output(gen, "messages")
+    first = await first_output(gen, "messages", MESSAGES_FIELDS)
     if not req.stream:
         async with contextlib.aclosing(gen):
             final = first
@@ -125,8 +128,7 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
                                   "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                   "usage": {"output_tokens": output_tokens}}, "message_delta")
             await send_sse(resp, {"type": "message_stop"}, "message_stop")
-        except (RequestError, EngineDeadError, ValueError) as exc:
-            status = 503 if isinstance(exc, EngineDeadError) else 400
-            await send_sse(resp, APIError(status, str(exc)).anthropic_body(), "error")
+        except (FerroxError, ValueError) as exc:
+            await send_sse(resp, from_exception(exc).anthropic_body(), "error")
     await resp.write_eof()
     return resp

@@ -1,17 +1,21 @@
 """API errors and their two JSON shapes (OpenAI's everywhere, Anthropic's on /v1/messages).
 
 Handlers raise `APIError(status, message, param=...)`; the server's middleware renders it in
-the shape of the route. `from_validation_error` names the offending field in `param`, the
-way OpenAI does, so a client sees which field to fix.
+the shape of the route. The offending field goes in `param`, the way OpenAI does, so a client sees
+which field to fix: `from_validation_error` takes it from pydantic's error location,
+`from_exception` from the engine's exceptions (`FerroxError.param`), never from the message text.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 from aiohttp import web
 from pydantic import ValidationError
+
+from ferrox.errors import EngineDeadError, PromptTooLongError
 
 # status -> (OpenAI error type, Anthropic error type)
 _TYPES = {
@@ -64,9 +68,20 @@ def _is_union_branch(part: Any) -> bool:
     return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "list", "dict"))
 
 
-def from_value_error(exc: Exception, default_param: str | None = None) -> APIError:
-    """A ValueError from SamplingParams / the engine ("field: message") as a 400 naming the field."""
-    message = str(exc)
-    head, sep, _ = message.partition(":")
-    param = head.strip() if sep and head.strip().isidentifier() else default_param
-    return APIError(400, message, param=param, code="invalid_value")
+def from_exception(
+    exc: BaseException, *, default_param: str | None = None, rename: Mapping[str, str] | None = None
+) -> APIError:
+    """An exception from SamplingParams, the request rules (ferrox.engine.validation) or the engine,
+    as an API error: 503 once the engine is dead, else 400 naming `exc.param` (an engine field name,
+    spelled for this endpoint through `rename`: chat reports the prompt as "messages"), or
+    `default_param` for an error that names no field. A prompt that does not fit is
+    "context_length_exceeded", as OpenAI says."""
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, f"engine is not running: {exc}")
+    param = getattr(exc, "param", None)
+    if param is None:
+        param = default_param
+    elif rename:
+        param = rename.get(param, param)
+    code = "context_length_exceeded" if isinstance(exc, PromptTooLongError) else "invalid_value"
+    return APIError(400, str(exc) or type(exc).__name__, param=param, code=code)

@@ -84,21 +84,6 @@ class _SamplingFields(_Base):
                 raise ValueError(f"bias for token {key} must be in [-100, 100], got {bias}")
         return value
 
-    @field_validator("stop")
-    @classmethod
-    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
-        stops = [value] if isinstance(value, str) else (value or [])
-        if any(s == "" for s in stops):
-            raise ValueError("stop strings must be non-empty")
-        return value
-
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _check_stop_token_ids(cls, value: list[int] | None) -> list[int] | None:
-        if value is not None and any(t < 0 for t in value):
-            raise ValueError("token ids must be >= 0")
-        return value
-
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
@@ -203,18 +188,10 @@ class CompletionRequest(_SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _check_prompt(cls, value: PromptInput) -> PromptInput:
-        if isinstance(value, str):
-            return value
-        if len(value) == 0:
+        # Only the shape: each prompt's own rules (empty, too long, ids outside the vocabulary) are
+        # the engine's request rules (ferrox.engine.validation), applied per prompt.
+        if not isinstance(value, str) and len(value) == 0:
             raise ValueError("prompt must not be empty")
-        if isinstance(value[0], list):
-            for ids in value:
-                if not ids:
-                    raise ValueError("a token-id prompt must not be empty")
-                if any(t < 0 for t in ids):  # type: ignore[union-attr]
-                    raise ValueError("token ids must be >= 0")
-        elif isinstance(value[0], int) and any(t < 0 for t in value):  # type: ignore[operator]
-            raise ValueError("token ids must be >= 0")
         return value
 
     @model_validator(mode="after")

@@ -1,5 +1,11 @@
-"""What every route shares: body parsing, the model check, max_tokens resolution, building
-SamplingParams, chat-template rendering, SSE framing and logprob formatting.
+"""What every route shares: body parsing, the model check, the max_tokens check, building
+SamplingParams, the engine's request rules, chat-template rendering, SSE framing and logprob
+formatting.
+
+Errors name the request field at fault in OpenAI's `param`, read from the exception's `param`
+(ferrox.errors), never parsed out of a message. The engine names fields as its own API spells them
+("prompt", "logprobs"); each route renames the few that it receives under another name
+(CHAT_FIELDS, COMPLETION_FIELDS, MESSAGES_FIELDS).
 """
 
 from __future__ import annotations
@@ -7,15 +13,17 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from ferrox.engine.async_llm import AsyncLLM, EngineDeadError, RequestError
-from ferrox.entrypoints.openai.errors import APIError, bad_request, from_validation_error, from_value_error
+from ferrox.engine import validation
+from ferrox.engine.async_llm import AsyncLLM
+from ferrox.entrypoints.openai.errors import APIError, bad_request, from_exception, from_validation_error
+from ferrox.errors import FerroxError
 from ferrox.outputs import Logprob
 from ferrox.sampling_params import RequestOutputKind, SamplingParams
 
@@ -24,6 +32,11 @@ T = TypeVar("T")
 
 # JSON cannot carry -inf; clients get a very small finite number instead (as vLLM does).
 _MIN_LOGPROB = -9999.0
+
+# Engine field name -> the request field it comes from, per route (the rest are spelled alike).
+CHAT_FIELDS = {"prompt": "messages", "logprobs": "top_logprobs"}
+COMPLETION_FIELDS = {"prompt_logprobs": "logprobs"}
+MESSAGES_FIELDS = {"prompt": "messages", "stop": "stop_sequences"}
 
 
 class ServingContext:
@@ -37,6 +50,11 @@ class ServingContext:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def limits(self) -> validation.RequestLimits:
+        """What the engine can take, for the request rules (ferrox.engine.validation)."""
+        return self.engine.limits
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, self.engine.model_name):
@@ -67,31 +85,28 @@ async def parse_body(request: web.Request, model: type[ModelT]) -> ModelT:
         raise from_validation_error(exc) from None
 
 
-def resolve_max_tokens(ctx: ServingContext, num_prompt_tokens: int, requested: int | None, prompt_param: str) -> int:
-    """The output budget: `requested`, or up to the model's length when omitted (400 if it cannot fit)."""
+def check_max_tokens(ctx: ServingContext, num_prompt_tokens: int, requested: int | None) -> None:
+    """OpenAI's rule: prompt + max_tokens must fit in the model's context (the offline engine clips
+    max_tokens instead). A prompt that leaves no room at all is the request rules' to refuse
+    (`validate_request`), naming the prompt; omitted max_tokens means up to the model's length."""
     room = ctx.max_model_len - num_prompt_tokens
-    if room < 1:
-        raise bad_request(
-            f"This model's maximum context length is {ctx.max_model_len} tokens. However, your prompt has "
-            f"{num_prompt_tokens} tokens, which leaves no room for output.",
-            param=prompt_param, code="context_length_exceeded",
-        )
-    if requested is None:
-        return room
-    if requested > room:
+    if requested is not None and room >= 1 and requested > room:
         raise bad_request(
             f"This model's maximum context length is {ctx.max_model_len} tokens. However, you requested "
             f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, {requested} for the "
             "completion). Please reduce the prompt or max_tokens.",
             param="max_tokens", code="context_length_exceeded",
         )
-    return requested
 
 
-def check_token_ids(ctx: ServingContext, ids: list[int], param: str) -> None:
-    vocab = getattr(ctx.engine.tokenizer, "vocab_size", None)
-    if vocab is not None and any(t >= vocab for t in ids):
-        raise bad_request(f"{param}: token id outside the vocabulary (size {vocab})", param=param)
+def validate_request(ctx: ServingContext, prompt_token_ids: list[int], params: SamplingParams,
+                     fields: Mapping[str, str]) -> None:
+    """The engine's request rules (ferrox.engine.validation) on one tokenized prompt, before anything
+    is queued: a 400 naming the field, spelled for the route by `fields`."""
+    try:
+        validation.validate_request(prompt_token_ids, params, ctx.limits)
+    except FerroxError as exc:
+        raise from_exception(exc, rename=fields) from None
 
 
 def build_sampling_params(
@@ -104,7 +119,7 @@ def build_sampling_params(
     structured: Any = None,
     defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
-    """Map an OpenAI-style request onto SamplingParams (vLLM names); ValueError -> 400 naming the field."""
+    """Map an OpenAI-style request onto SamplingParams (vLLM names); a bad field is a 400 naming it."""
     kwargs: dict[str, Any] = dict(
         n=req.n,
         presence_penalty=req.presence_penalty,
@@ -131,12 +146,10 @@ def build_sampling_params(
             value = defaults.get(name)
         if value is not None:
             kwargs[name] = value
-    if max_tokens is not None and req.min_tokens > max_tokens:
-        raise bad_request(f"min_tokens: must be <= max_tokens ({max_tokens})", param="min_tokens")
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError, msgspec.ValidationError) as exc:
-        raise from_value_error(exc) from None
+        raise from_exception(exc) from None
 
 
 def render_chat(ctx: ServingContext, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
@@ -184,17 +197,17 @@ def chosen_entry(position: dict[int, Logprob], token_id: int) -> Logprob:
 # ---- SSE -----------------------------------------------------------------------------------------
 
 
-async def first_output(outputs: AsyncGenerator[T, None], param: str) -> T | None:
+async def first_output(outputs: AsyncGenerator[T, None], default_param: str,
+                       fields: Mapping[str, str] | None = None) -> T | None:
     """Pull a stream's first output before any header is sent, so a request the engine rejects is
-    still a plain 4xx (naming `param`) or 503 rather than a broken stream; None if it ends at once."""
+    still a plain 4xx (naming the field; `default_param` when the error names none) or 503 rather
+    than a broken stream; None if it ends at once."""
     try:
         return await anext(outputs)
     except StopAsyncIteration:
         return None
-    except (RequestError, ValueError) as exc:
-        raise from_value_error(exc, param) from None
-    except EngineDeadError as exc:
-        raise APIError(503, f"engine is not running: {exc}") from None
+    except (FerroxError, ValueError) as exc:
+        raise from_exception(exc, default_param=default_param, rename=fields) from None
     except BaseException:
         await outputs.aclose()
         raise
@@ -203,8 +216,7 @@ async def first_output(outputs: AsyncGenerator[T, None], param: str) -> T | None
 async def send_stream_error(resp: web.StreamResponse, exc: Exception) -> None:
     """Headers are gone once a stream has started: report a failure in-band, as OpenAI does
     (503 when the engine died, 400 otherwise); the caller then ends the stream with [DONE]."""
-    status = 503 if isinstance(exc, EngineDeadError) else 400
-    await send_sse(resp, APIError(status, str(exc)).openai_body())
+    await send_sse(resp, from_exception(exc).openai_body())
 
 
 async def start_sse(request: web.Request) -> web.StreamResponse:
@@ -224,7 +236,3 @@ async def send_sse(resp: web.StreamResponse, payload: Any, event: str | None = N
 
 def json_response(body: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=msgspec.json.encode(body), content_type="application/json")
-
-
-def value_error_to_api(exc: Exception, default_param: str | None = None) -> APIError:
-    return from_value_error(exc, default_param)

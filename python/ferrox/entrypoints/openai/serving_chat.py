@@ -9,13 +9,14 @@ from typing import Any
 
 from aiohttp import web
 
-from ferrox.engine.async_llm import EngineDeadError, RequestError
 from ferrox.entrypoints.openai import tools as tool_hooks
-from ferrox.entrypoints.openai.errors import APIError, from_value_error
+from ferrox.entrypoints.openai.errors import from_exception
 from ferrox.entrypoints.openai.protocol import ChatCompletionRequest
 from ferrox.entrypoints.openai.serving import (
+    CHAT_FIELDS,
     ServingContext,
     build_sampling_params,
+    check_max_tokens,
     chosen_entry,
     finite,
     first_output,
@@ -23,13 +24,14 @@ from ferrox.entrypoints.openai.serving import (
     new_id,
     parse_body,
     render_chat,
-    resolve_max_tokens,
     send_sse,
     send_stream_error,
     start_sse,
     top_entries,
+    validate_request,
 )
 from ferrox.entrypoints.openai.structured import build_structured_outputs
+from ferrox.errors import FerroxError
 from ferrox.outputs import CompletionOutput, RequestOutput
 
 
@@ -40,16 +42,17 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
     try:
         tool_hooks.validate_tools(req)
         structured = build_structured_outputs(req) or tool_hooks.tool_constraint(req)
-    except ValueError as exc:
-        raise from_value_error(exc) from None
+    except ValueError as exc:  # InvalidArgumentError naming tools / tool_choice / response_format...
+        raise from_exception(exc) from None
     # Rendering and encoding a long conversation takes a while: off the event loop.
     chat = await ctx.engine.run_in_prompt_pool(_render_prompt, ctx, req)
     messages, template, prompt_text, prompt_ids = chat.messages, chat.template, chat.text, chat.token_ids
-    max_tokens = resolve_max_tokens(ctx, len(prompt_ids), req.requested_max_tokens, "messages")
+    check_max_tokens(ctx, len(prompt_ids), req.requested_max_tokens)
     params = build_sampling_params(
-        req, max_tokens=max_tokens, logprobs=req.num_logprobs, stream=req.stream, structured=structured,
-        defaults=ctx.engine.generation_defaults,
+        req, max_tokens=req.requested_max_tokens, logprobs=req.num_logprobs, stream=req.stream,
+        structured=structured, defaults=ctx.engine.generation_defaults,
     )
+    validate_request(ctx, prompt_ids, params, CHAT_FIELDS)
     request_id = new_id("chatcmpl")
     prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
     echo = (messages[-1].get("content") or "") if req.echo and messages else ""
@@ -60,10 +63,8 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
         async with contextlib.aclosing(ctx.engine.generate(prompt, params, request_id, priority=req.priority)) as gen:
             async for out in gen:
                 final = out
-    except (RequestError, ValueError) as exc:
-        raise from_value_error(exc, "messages") from None
-    except EngineDeadError as exc:
-        raise APIError(503, f"engine is not running: {exc}") from None
+    except (FerroxError, ValueError) as exc:
+        raise from_exception(exc, default_param="messages", rename=CHAT_FIELDS) from None
     assert final is not None
     choices = []
     for comp in final.outputs:
@@ -137,7 +138,7 @@ async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletion
 
     gen = ctx.engine.generate(prompt, params, request_id, priority=req.priority)
     # Pull the first output before sending headers, so a rejected request is still a plain 4xx/503.
-    first = await first_output(gen, "messages")
+    first = await first_output(gen, "messages", CHAT_FIELDS)
 
     # With tools, text deltas go through a per-choice tool parser (delta.tool_calls chunks).
     tool_streams = {i: tool_hooks.ToolStream(req, template=template) for i in range(req.n)} if req.tools else None
@@ -178,7 +179,7 @@ async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletion
                 out = await anext(gen, None)
             if include_usage:
                 await send_sse(resp, chunk([], _usage(num_prompt, completion_tokens, cached)))
-        except (RequestError, EngineDeadError, ValueError) as exc:
+        except (FerroxError, ValueError) as exc:
             await send_stream_error(resp, exc)
         await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()

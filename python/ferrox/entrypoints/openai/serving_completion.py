@@ -14,26 +14,27 @@ from typing import Any
 
 from aiohttp import web
 
-from ferrox.engine.async_llm import EngineDeadError, RequestError
-from ferrox.entrypoints.openai.errors import APIError, from_value_error
+from ferrox.entrypoints.openai.errors import from_exception
 from ferrox.entrypoints.openai.protocol import CompletionRequest
 from ferrox.entrypoints.openai.serving import (
+    COMPLETION_FIELDS,
     ServingContext,
     build_sampling_params,
-    check_token_ids,
+    check_max_tokens,
     chosen_entry,
     finite,
     first_output,
     json_response,
     new_id,
     parse_body,
-    resolve_max_tokens,
     send_sse,
     send_stream_error,
     start_sse,
     top_entries,
+    validate_request,
 )
 from ferrox.entrypoints.openai.structured import build_structured_outputs
+from ferrox.errors import FerroxError
 from ferrox.outputs import Logprob, RequestOutput
 
 _END = object()
@@ -45,18 +46,20 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
     ctx.check_engine()
     try:
         structured = build_structured_outputs(req)
-    except ValueError as exc:
-        raise from_value_error(exc) from None
+    except ValueError as exc:  # InvalidArgumentError naming response_format / guided_json...
+        raise from_exception(exc) from None
     # Encoding long prompts takes a while: off the event loop.
     prompts = await ctx.engine.run_in_prompt_pool(_tokenize_prompts, ctx, req)
     for p in prompts:  # 400 if any prompt cannot fit with the requested budget
-        resolve_max_tokens(ctx, len(p["prompt_token_ids"]), req.requested_max_tokens, "prompt")
+        check_max_tokens(ctx, len(p["prompt_token_ids"]), req.requested_max_tokens)
     # Omitted max_tokens: None, i.e. each prompt may run up to the model's length.
     params = build_sampling_params(
         req, max_tokens=req.requested_max_tokens, logprobs=req.logprobs, stream=req.stream,
         prompt_logprobs=req.logprobs if (req.echo and req.logprobs is not None) else None, structured=structured,
         defaults=ctx.engine.generation_defaults,
     )
+    for p in prompts:  # every prompt passes the request rules before any is queued
+        validate_request(ctx, p["prompt_token_ids"], params, COMPLETION_FIELDS)
     request_id = new_id("cmpl")
     outputs = _merged(ctx, prompts, params, request_id, req.priority)
     if req.stream:
@@ -67,10 +70,8 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
         async with contextlib.aclosing(outputs) as merged:
             async for idx, out in merged:
                 finals[idx] = out
-    except (RequestError, ValueError) as exc:
-        raise from_value_error(exc, "prompt") from None
-    except EngineDeadError as exc:
-        raise APIError(503, f"engine is not running: {exc}") from None
+    except (FerroxError, ValueError) as exc:
+        raise from_exception(exc, default_param="prompt", rename=COMPLETION_FIELDS) from None
     choices: list[dict[str, Any]] = []
     prompt_tokens = completion_tokens = 0
     for idx, p in enumerate(prompts):
@@ -107,18 +108,15 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
 
 def _tokenize_prompts(ctx: ServingContext, req: CompletionRequest) -> list[dict[str, Any]]:
     """{"prompt": text or None, "prompt_token_ids": ids} per prompt (blocking: runs in the engine's
-    prompt threads); an empty prompt or an id outside the vocabulary is an APIError naming `prompt`."""
+    prompt threads). Empty prompts and ids outside the vocabulary are the request rules' to refuse
+    (validate_request)."""
     tokenizer = ctx.engine.tokenizer
     prompts: list[dict[str, Any]] = []
     for raw in req.prompts():
         if isinstance(raw, str):
-            ids = tokenizer.encode(raw)
-            text = raw
+            ids, text = tokenizer.encode(raw), raw
         else:
-            check_token_ids(ctx, raw, "prompt")
             ids, text = raw, None
-        if not ids:
-            raise APIError(400, "prompt: must not be empty", param="prompt")
         prompts.append({"prompt": text, "prompt_token_ids": ids})
     return prompts
 
@@ -127,7 +125,7 @@ async def _stream(ctx: ServingContext, request: web.Request, req: CompletionRequ
                   outputs: AsyncGenerator[tuple[int, RequestOutput], None], request_id: str) -> web.StreamResponse:
     created = int(time.time())
     n = req.n
-    first = await first_output(outputs, "prompt")
+    first = await first_output(outputs, "prompt", COMPLETION_FIELDS)
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
@@ -174,7 +172,7 @@ async def _stream(ctx: ServingContext, request: web.Request, req: CompletionRequ
                 usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                          "total_tokens": prompt_tokens + completion_tokens}
                 await send_sse(resp, chunk([], usage))
-        except (RequestError, EngineDeadError, ValueError) as exc:
+        except (FerroxError, ValueError) as exc:
             await send_stream_error(resp, exc)
         await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()

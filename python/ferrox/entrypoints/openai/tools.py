@@ -2,7 +2,7 @@
 
 - validate_tools / tool_constraint: tools + tool_choice -> the constraint ("required": Hermes
   <tool_call> blocks over the functions' schemas; named: that function's parameters schema),
-  a ValueError naming the field for bad input (-> 400).
+  an InvalidArgumentError whose `param` is "tools" or "tool_choice" for bad input (-> 400).
 - prepare_messages (= structured.tools.prepare_tool_messages, shared with the offline LLM.chat):
   for chat templates that know nothing of tools (the embedded SmolLM2's), the tool listing goes
   into the system message and tool calls / results become text.
@@ -22,10 +22,12 @@ from ferrox.entrypoints.openai.tool_parsers import (
     get_tool_parser,
 )
 from ferrox.entrypoints.openai.tool_parsers.base import DeltaToolCall, new_tool_call_id
+from ferrox.errors import InvalidArgumentError
 from ferrox.structured.backend import validate_params
 from ferrox.structured.params import StructuredOutputsParams
 from ferrox.structured.tools import (
     ToolConstraint,
+    parse_tools,
     tool_choice_constraint,
 )
 from ferrox.structured.tools import prepare_tool_messages as prepare_messages
@@ -39,19 +41,28 @@ def _constraint(request: Any) -> ToolConstraint:
 
 
 def validate_tools(request: Any) -> None:
-    """Raise ValueError naming tools[i]... / tool_choice when they are inconsistent."""
-    _constraint(request)
+    """Raise InvalidArgumentError (param "tools" or "tool_choice"; the message names tools[i]...)
+    when they are malformed or inconsistent."""
+    try:
+        parse_tools(request.tools)
+    except ValueError as exc:
+        raise InvalidArgumentError(str(exc), param="tools") from None
+    try:
+        _constraint(request)  # the tools parse: what is left to refuse is the choice among them
+    except ValueError as exc:
+        raise InvalidArgumentError(str(exc), param="tool_choice") from None
 
 
 def tool_constraint(request: Any) -> StructuredOutputsParams | None:
     """The constraint forcing a tool call (tool_choice 'required' or named); None otherwise.
-    A function whose parameters schema llguidance rejects is a ValueError (-> 400) here."""
+    A function whose parameters schema llguidance rejects is an InvalidArgumentError naming
+    "tools" (-> 400) here."""
     params = _constraint(request).structured_outputs
     if params is not None:
         try:
             validate_params(params)
         except ValueError as exc:
-            raise ValueError(f"tools: {exc}") from None
+            raise InvalidArgumentError(f"tools: {exc}", param="tools") from None
     return params
 
 

@@ -1,0 +1,87 @@
+"""A model's decode path: the object, chosen with the attention backend when the model is built,
+that may run a whole step itself and that computes the logits.
+
+The model describes its decoder layers once (`OneTokenLayer`) and asks its backend for a path
+(`AttentionBackend.decode_path`). Per step it asks `takes_step`; when the path takes it, the path
+runs every decoder layer and returns the residual stream (the model applies its final norm).
+`logits` is the lm_head of every step.
+
+`DecodePath` here is the general path: it takes no step (every op runs through the model's
+layers) and computes logits with one matmul. The Triton backend's path runs one-token steps in
+fused matrix-vector kernels (attention/fused_decode.py). FERROX_FUSED_DECODE=0 turns those off
+(A/B benchmarks, bisecting); it is read per step, so it can be flipped on a built model.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from ferrox.attention.metadata import AttentionMetadata
+
+
+def fused_decode_enabled() -> bool:
+    """FERROX_FUSED_DECODE=0 turns the one-token kernels off (for A/B benchmarks and bisecting)."""
+    return os.environ.get("FERROX_FUSED_DECODE", "1") != "0"
+
+
+class NormWeights(Protocol):
+    @property
+    def weight(self) -> torch.Tensor: ...
+
+    @property
+    def eps(self) -> float: ...
+
+
+class ProjWeights(Protocol):
+    @property
+    def weight(self) -> torch.Tensor: ...  # [out, in]
+
+    @property
+    def bias(self) -> torch.Tensor | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class OneTokenLayer:
+    """A pre-norm decoder layer as a fused decode path reads it:
+
+        h = h + o_proj(attention(rotary(qkv_proj(input_norm(h)))))
+        h = h + down_proj(silu(gate) * up),  [gate | up] = gate_up_proj(post_norm(h))
+
+    qkv_proj's rows are [q | k | v] heads, gate_up_proj's [gate | up]. The fields are the modules
+    themselves, not their tensors, so weights loaded after the model is built are the ones read."""
+
+    input_norm: NormWeights
+    qkv_proj: ProjWeights
+    o_proj: ProjWeights
+    post_norm: NormWeights
+    gate_up_proj: ProjWeights
+    down_proj: ProjWeights
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+
+
+class DecodePath:
+    """The general path: every step runs through the model's layers."""
+
+    name = "general"
+
+    def takes_step(self, num_tokens: int, kv_caches: Sequence[torch.Tensor]) -> bool:
+        """Whether `forward` runs this step (asked before the first layer, once per forward)."""
+        return False
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """The residual stream after the last decoder layer, from the embeddings h."""
+        raise NotImplementedError(f"the {self.name} decode path takes no step itself")
+
+    def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """float32 logits [rows, vocab] of hidden [rows, hidden_size]."""
+        return F.linear(hidden, lm_head_weight).float()

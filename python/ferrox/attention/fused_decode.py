@@ -1,0 +1,74 @@
+"""The Triton backend's decode path: a step of exactly one token in fused matrix-vector kernels.
+
+Batch-1 decode (and a one-token prefill) is weight reads plus launch overhead, so each decoder
+layer runs in five launches (kernels/gemv.py): norm + qkv + rotary + KV write, attention over the
+cache, o_proj + residual, norm + gate_up + SiLU, down_proj + residual; the residual stream h is a
+complete vector between them (no pending "x + residual"). A one-row lm_head is one launch that
+writes float32 logits (cuBLAS + a cast are two, plus split-K). Larger batches keep the general
+path: cuBLAS GEMMs reuse each weight tile across rows.
+
+The layers come from the model (`OneTokenLayer`); a model whose layers do not fit the fused
+kernels (Qwen3: per-head q/k norms between projection and rotary) passes none and still gets
+the one-row lm_head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from ferrox.attention.decode_path import DecodePath, OneTokenLayer, fused_decode_enabled
+from ferrox.attention.metadata import AttentionMetadata
+from ferrox.kernels.gemv import gemv, qkv_rope_gemv
+
+if TYPE_CHECKING:
+    from ferrox.attention.backend import AttentionBackend
+
+
+class FusedOneTokenDecode(DecodePath):
+    name = "fused-one-token"
+
+    def __init__(self, backend: AttentionBackend, layers: Sequence[OneTokenLayer] | None,
+                 rope_rows: Callable[[torch.Tensor], torch.Tensor]):
+        """backend: attends over KV the qkv kernel already wrote (`attend`). layers: the model's
+        decoder layers in order, or None when they cannot take the fused path. rope_rows:
+        positions [T] -> float32 [T, head_dim] = [cos | sin] (RotaryEmbedding.rope_rows)."""
+        if not backend.supports_cached_kv:
+            raise ValueError(f"the {backend.name} attention backend cannot attend over KV written by the qkv kernel")
+        self.backend = backend
+        self.layers = tuple(layers) if layers is not None else None
+        self.rope_rows = rope_rows
+
+    def takes_step(self, num_tokens: int, kv_caches: Sequence[torch.Tensor]) -> bool:
+        # An empty KV cache (the profiling forward) has nowhere for the qkv kernel to write.
+        return (self.layers is not None and num_tokens == 1 and bool(kv_caches) and kv_caches[0].numel() > 0
+                and fused_decode_enabled())
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        if self.layers is None:
+            raise NotImplementedError("this model's layers do not take the fused one-token path")
+        rope_row = self.rope_rows(positions)[0]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = self._layer(layer, h, rope_row, kv_cache, meta)
+        return h
+
+    def _layer(self, layer: OneTokenLayer, h: torch.Tensor, rope_row: torch.Tensor, kv_cache: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """One decoder layer in five launches; h [1, hidden] is the complete residual stream, in and out."""
+        q = qkv_rope_gemv(h, layer.qkv_proj.weight, layer.qkv_proj.bias, norm_weight=layer.input_norm.weight,
+                          eps=layer.input_norm.eps, rope_row=rope_row, slot_mapping=meta.slot_mapping,
+                          kv_cache=kv_cache, num_q_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
+                          head_dim=layer.head_dim)
+        o = self.backend.attend(q, kv_cache, meta, layer.scale)
+        h = gemv(o.view(1, -1), layer.o_proj.weight, layer.o_proj.bias, residual=h)
+        act = gemv(h, layer.gate_up_proj.weight, layer.gate_up_proj.bias, norm_weight=layer.post_norm.weight,
+                   eps=layer.post_norm.eps, silu_mul=True)
+        return gemv(act, layer.down_proj.weight, layer.down_proj.bias, residual=h)
+
+    def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[0] == 1 and fused_decode_enabled():
+            return gemv(hidden.contiguous(), lm_head_weight, out_dtype=torch.float32)
+        return super().logits(hidden, lm_head_weight)

@@ -1,0 +1,64 @@
+"""The whole request check the engine runs before queueing a request: the rules of
+`ferrox.request_rules` (a base module, so SamplingParams can use them too) plus the
+structured-output constraint, which needs llguidance (ferrox.structured)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from ferrox._core import InvalidArgumentError
+from ferrox.request_rules import (
+    RequestLimits,
+    check_min_tokens,
+    check_prompt,
+    check_prompt_length,
+    check_request_id,
+    check_sampling_params,
+    check_token_ids_in_vocab,
+)
+
+if TYPE_CHECKING:
+    from ferrox.sampling_params import SamplingParams
+    from ferrox.structured.params import StructuredOutputsParams
+
+__all__ = [
+    "RequestLimits",
+    "check_min_tokens",
+    "check_prompt",
+    "check_prompt_length",
+    "check_request_id",
+    "check_sampling_params",
+    "check_structured_outputs",
+    "check_token_ids_in_vocab",
+    "validate_request",
+]
+
+
+def validate_request(
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+    limits: RequestLimits,
+    *,
+    what: str | None = None,
+    prompt_param: str = "prompt",
+) -> None:
+    """Every rule that needs the engine's limits. `what` names the request in messages ("prompts[2]",
+    "request 'abc'"); `prompt_param` is the field the prompt came in as."""
+    check_prompt(prompt_token_ids, limits, what=what, param=prompt_param)
+    check_sampling_params(params, limits, num_prompt_tokens=len(prompt_token_ids))
+    if params.structured_outputs is not None:
+        check_structured_outputs(params.structured_outputs)
+
+
+def check_structured_outputs(constraint: StructuredOutputsParams, param: str = "structured_outputs") -> None:
+    """A schema / regex / grammar llguidance rejects is refused here (the check is cached by the
+    constraint's text). `param` is the request field it came in as (response_format, guided_json...)."""
+    from ferrox.structured.backend import validate_params  # llguidance: only for constrained requests
+
+    try:
+        validate_params(constraint, None if param == "structured_outputs" else param)
+    except InvalidArgumentError:
+        raise
+    except ValueError as exc:
+        raise InvalidArgumentError(str(exc), param=param) from None

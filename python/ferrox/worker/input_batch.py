@@ -1,0 +1,252 @@
+"""The persistent input batch: per-request sampling state kept across steps, indexed by the Rust
+core's request slot.
+
+Each live request owns one row (its slot) of a few device tensors (temperature, top-k, top-p,
+min-p, greedy) and of host flag arrays. Rows are written once when a request joins and left
+alone until it leaves; a step gathers its rows with one `index_select` per parameter in use,
+so a batch whose composition changes every step (continuous batching) costs the same as a
+steady one, and the all-greedy batch costs nothing.
+
+Rows that need per-request work (penalties, min_tokens, seeded generators, logit_bias,
+allowed_token_ids) are flagged; only those are visited in Python each step.
+
+Async scheduling: when step N+1 samples before step N's tokens reach the host, a row's last
+token is still on the device. `InFlight` names those tokens, and penalty counts and min_tokens
+counts add them on the device / by count, so such rows overlap like any other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from ferrox.layers.sampler import PenaltyInputs, SamplingMetadata
+from ferrox.sampling_params import SamplingParams
+from ferrox.worker.request_state import PromptLogprobsAccumulator, RequestState
+
+
+@dataclass(slots=True)
+class InFlight:
+    """The sampled tokens of a step not yet delivered to the host: row i of that step (slot
+    `slots[i]`, sampled when `sample_mask[i]`) has its token at `token_ids[i]` on the device."""
+
+    slots: npt.NDArray[np.int32]
+    generations: npt.NDArray[np.int64]  # InputBatch.generation of each row's slot at launch
+    sample_mask: npt.NDArray[np.bool_]
+    token_ids: torch.Tensor
+
+    def row_of_slot(self, generation: npt.NDArray[np.int64]) -> dict[int, int]:
+        """slot -> row, for rows that sampled and whose slot still holds the same request (a slot
+        freed by an abort may have been taken by a new request since)."""
+        same = self.sample_mask & (generation[self.slots] == self.generations)
+        return {int(self.slots[i]): int(i) for i in np.flatnonzero(same)}
+
+
+class InputBatch:
+    def __init__(self, vocab_size: int, eos_token_ids: list[int], device: torch.device, capacity: int = 64) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.device = device
+        self.states: list[RequestState | None] = []
+        self._cap = 0
+        self._grow(capacity)
+
+    # ---- rows ------------------------------------------------------------------------------------
+    def _grow(self, capacity: int) -> None:
+        old = self._cap
+        dev = self.device
+
+        def dev_col(prev: torch.Tensor | None, dtype: torch.dtype, fill: float) -> torch.Tensor:
+            t = torch.full((capacity,), fill, dtype=dtype, device=dev)
+            if prev is not None:
+                t[:old] = prev
+            return t
+
+        def host_col(prev: np.ndarray | None, dtype: type, fill: int) -> np.ndarray:
+            a: np.ndarray = np.full(capacity, fill, dtype=dtype)
+            if prev is not None:
+                a[:old] = prev
+            return a
+
+        g = getattr
+        self.temperature = dev_col(g(self, "temperature", None), torch.float32, 1.0)
+        self.top_k = dev_col(g(self, "top_k", None), torch.int64, self.vocab_size)
+        self.top_p = dev_col(g(self, "top_p", None), torch.float32, 1.0)
+        self.min_p = dev_col(g(self, "min_p", None), torch.float32, 0.0)
+        self.greedy_dev = dev_col(g(self, "greedy_dev", None), torch.bool, True)
+        self.greedy = host_col(g(self, "greedy", None), np.bool_, 1)
+        self.uses_top_k = host_col(g(self, "uses_top_k", None), np.bool_, 0)
+        self.uses_top_p = host_col(g(self, "uses_top_p", None), np.bool_, 0)
+        self.uses_min_p = host_col(g(self, "uses_min_p", None), np.bool_, 0)
+        self.num_logprobs = host_col(g(self, "num_logprobs", None), np.int32, -1)
+        self.wants_prompt_logprobs = host_col(g(self, "wants_prompt_logprobs", None), np.bool_, 0)
+        # Rows that need a Python visit per step (see module docs).
+        self.per_row_work = host_col(g(self, "per_row_work", None), np.bool_, 0)
+        # Rows whose accepted-token count matters (penalties, min_tokens).
+        self.counts_outputs = host_col(g(self, "counts_outputs", None), np.bool_, 0)
+        # Bumped each time a slot is given to a request, so stale references to a slot are seen.
+        self.generation = host_col(g(self, "generation", None), np.int64, 0)
+        self.states.extend([None] * (capacity - old))
+        self._cap = capacity
+
+    def add(self, slot: int, req_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestState:
+        if slot >= self._cap:
+            self._grow(max(slot + 1, 2 * self._cap))
+        if self.states[slot] is not None:
+            raise RuntimeError(f"slot {slot} is still held by request {self.states[slot].req_id!r}")  # type: ignore[union-attr]
+        stop_ids = list(params.stop_token_ids or [])
+        if not params.ignore_eos:
+            stop_ids = self.eos_token_ids + [t for t in stop_ids if t not in self.eos_token_ids]
+        state = RequestState(req_id, slot, prompt_token_ids, params, stop_ids)
+        greedy = params.is_greedy
+        if params.seed is not None and not greedy:
+            state.generator = torch.Generator(device=self.device)
+            state.generator.manual_seed(params.seed)
+        if state.has_penalties:
+            state.init_penalty_state(self.vocab_size, self.device)
+        if params.allowed_token_ids:
+            state.init_allowed_mask(self.vocab_size, self.device)
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = PromptLogprobsAccumulator(num_top=params.prompt_logprobs)
+        self.states[slot] = state
+        self.generation[slot] += 1
+        self.greedy[slot] = greedy
+        self.greedy_dev[slot] = greedy
+        self.temperature[slot] = 1.0 if greedy else params.temperature
+        self.uses_top_k[slot] = params.top_k > 0
+        self.top_k[slot] = min(params.top_k, self.vocab_size) if params.top_k > 0 else self.vocab_size
+        self.uses_top_p[slot] = params.top_p < 1.0
+        self.top_p[slot] = params.top_p
+        self.uses_min_p[slot] = params.min_p > 0.0
+        self.min_p[slot] = params.min_p
+        self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
+        self.wants_prompt_logprobs[slot] = params.prompt_logprobs is not None
+        min_tokens = params.min_tokens > 0 and bool(stop_ids)
+        self.counts_outputs[slot] = state.has_penalties or min_tokens
+        self.per_row_work[slot] = (state.generator is not None or state.has_penalties or min_tokens
+                                   or bool(params.logit_bias) or bool(params.allowed_token_ids))
+        return state
+
+    def remove(self, slots: list[int] | npt.NDArray[np.int32]) -> None:
+        for slot in slots:
+            s = int(slot)
+            if s < self._cap:
+                self.states[s] = None
+                self.per_row_work[s] = False
+                self.counts_outputs[s] = False
+                self.num_logprobs[s] = -1
+                self.wants_prompt_logprobs[s] = False
+
+    def append_accepted(self, slots: npt.NDArray[np.int32], token_ids: npt.NDArray[np.int32],
+                        token_offsets: npt.NDArray[np.int32]) -> None:
+        """Count the tokens the core accepted this step, for the rows that count them."""
+        rows = np.flatnonzero(self.counts_outputs[slots])
+        for i in rows.tolist():
+            state = self.states[int(slots[i])]
+            if state is None:
+                continue
+            toks = token_ids[token_offsets[i] : token_offsets[i + 1]]
+            state.num_output_tokens += len(toks)
+            if state.output_counts is not None and len(toks):
+                state.output_counts.index_put_(
+                    (torch.from_numpy(toks.astype(np.int64)).to(self.device),),
+                    torch.ones(len(toks), dtype=torch.float32, device=self.device),
+                    accumulate=True,
+                )
+
+    # ---- one step --------------------------------------------------------------------------------
+    def sampling_metadata(
+        self,
+        slots: npt.NDArray[np.int32],
+        slots_dev: torch.Tensor,
+        sample_mask: npt.NDArray[np.bool_],
+        in_flight: InFlight | None,
+    ) -> SamplingMetadata:
+        """The sampler's per-row inputs for a step whose rows are `slots` (batch order)."""
+        greedy = self.greedy[slots]
+        lp = self.num_logprobs[slots]
+        max_lp = int(lp.max()) if lp.size and lp.max() >= 0 else None
+        md = SamplingMetadata(all_greedy=bool(greedy.all()), max_num_logprobs=max_lp)
+        if not md.all_greedy:
+            if greedy.any():
+                md.greedy_rows = self.greedy_dev.index_select(0, slots_dev)
+            md.temperature = self.temperature.index_select(0, slots_dev)
+            if self.uses_top_k[slots].any():
+                md.top_k = self.top_k.index_select(0, slots_dev)
+            if self.uses_top_p[slots].any():
+                md.top_p = self.top_p.index_select(0, slots_dev)
+            if self.uses_min_p[slots].any():
+                md.min_p = self.min_p.index_select(0, slots_dev)
+        rows = np.flatnonzero(self.per_row_work[slots])
+        if rows.size:
+            self._per_row(md, rows.tolist(), slots, sample_mask, in_flight)
+        return md
+
+    def _per_row(self, md: SamplingMetadata, rows: list[int], slots: npt.NDArray[np.int32],
+                 sample_mask: npt.NDArray[np.bool_], in_flight: InFlight | None) -> None:
+        dev = self.device
+        states = [self.states[int(slots[i])] for i in rows]
+        pending = in_flight.row_of_slot(self.generation) if in_flight is not None else {}
+        pen_rows: list[int] = []
+        pen_states: list[RequestState] = []
+        pen_pending: list[tuple[int, int]] = []  # (index among penalty rows, row in the in-flight step)
+        ban_rows: list[int] = []
+        ban_cols: list[int] = []
+        bias_rows: list[int] = []
+        bias_cols: list[int] = []
+        bias_vals: list[float] = []
+        allowed_rows: list[int] = []
+        allowed_masks: list[torch.Tensor] = []
+        for i, state in zip(rows, states, strict=True):
+            if state is None:
+                continue
+            params = state.params
+            if state.generator is not None and sample_mask[i]:
+                md.generators[i] = state.generator
+            in_flight_row = pending.get(state.slot)
+            if state.has_penalties:
+                if in_flight_row is not None:
+                    pen_pending.append((len(pen_rows), in_flight_row))
+                pen_rows.append(i)
+                pen_states.append(state)
+            if params.min_tokens > 0 and state.stop_ids_for_min_tokens:
+                produced = state.num_output_tokens + (in_flight_row is not None)
+                if produced < params.min_tokens:
+                    ban_rows.extend([i] * len(state.stop_ids_for_min_tokens))
+                    ban_cols.extend(state.stop_ids_for_min_tokens)
+            for tok, bias in (params.logit_bias or {}).items():
+                bias_rows.append(i)
+                bias_cols.append(tok)
+                bias_vals.append(bias)
+            if state.allowed_mask is not None:
+                allowed_rows.append(i)
+                allowed_masks.append(state.allowed_mask)
+        if pen_rows:
+            counts = torch.stack([s.output_counts for s in pen_states])  # type: ignore[misc]
+            if pen_pending and in_flight is not None:
+                idx = torch.tensor([p for p, _ in pen_pending], dtype=torch.int64, device=dev)
+                src = torch.tensor([r for _, r in pen_pending], dtype=torch.int64, device=dev)
+                toks = in_flight.token_ids.index_select(0, src)
+                counts.index_put_((idx, toks), torch.ones(len(pen_pending), device=dev), accumulate=True)
+            md.penalties = PenaltyInputs(
+                rows=torch.tensor(pen_rows, dtype=torch.int64, device=dev),
+                prompt_mask=torch.stack([s.prompt_mask for s in pen_states]),  # type: ignore[misc]
+                output_counts=counts,
+                repetition=torch.tensor([s.params.repetition_penalty for s in pen_states], dtype=torch.float32, device=dev),
+                frequency=torch.tensor([s.params.frequency_penalty for s in pen_states], dtype=torch.float32, device=dev),
+                presence=torch.tensor([s.params.presence_penalty for s in pen_states], dtype=torch.float32, device=dev),
+            )
+        if ban_rows:
+            md.banned = (torch.tensor(ban_rows, dtype=torch.int64, device=dev),
+                         torch.tensor(ban_cols, dtype=torch.int64, device=dev))
+        if bias_rows:
+            md.logit_bias = (
+                torch.tensor(bias_rows, dtype=torch.int64, device=dev),
+                torch.tensor(bias_cols, dtype=torch.int64, device=dev),
+                torch.tensor(bias_vals, dtype=torch.float32, device=dev),
+            )
+        if allowed_rows:
+            md.allowed = (torch.tensor(allowed_rows, dtype=torch.int64, device=dev), torch.stack(allowed_masks))

@@ -1,0 +1,120 @@
+"""The Triton backend's one-token decode path (attention/fused_decode.py) driven through tiny Llama,
+Qwen2 and Qwen3 models built with the Triton kernel set, against the same weights on the torch
+kernel set, and against the Triton set with FERROX_FUSED_DECODE=0. Runs on CUDA, or on CPU in the
+Triton interpreter child (see conftest.py), where `kernels="triton"` forces the GPU path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ferrox.attention.decode_path import DecodePath
+from ferrox.attention.fused_decode import FusedOneTokenDecode
+from ferrox.attention.kv_cache import allocate_kv_caches
+from ferrox.loader.model_config import spec_from_hf_config
+from ferrox.loader.model_loader import init_dummy_weights
+from ferrox.models.registry import get_model_class
+
+from tests.helpers.driver import StepRequest, build_step
+from tests.kernels.kernel_refs import relative_error
+
+BLOCK = 4
+DECODE_TOKENS = [11, 42, 5, 60]
+
+
+def _config(arch: str) -> dict:
+    return {
+        # Small enough for the interpreter (hidden_size != heads x head_dim on purpose).
+        "architectures": [arch], "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "intermediate_size": 48, "num_hidden_layers": 2, "vocab_size": 61,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "float32",
+        "tie_word_embeddings": arch != "Qwen2ForCausalLM",  # one untied lm_head among the three
+    }
+
+
+def _models(arch: str, device: torch.device):
+    """(reference on the torch kernel set, the same weights on the Triton set)."""
+    spec = spec_from_hf_config(_config(arch), "test config")
+    cls = get_model_class([arch])
+    ref = cls(spec, torch.float32, device, kernels="torch")
+    init_dummy_weights(ref, seed=3)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in ref.named_parameters():
+            if name.endswith("bias"):  # Qwen2's q/k/v biases: make the fused bias add matter
+                param.copy_(0.5 * torch.randn(param.shape, generator=gen))
+            elif not name.endswith("norm.weight"):
+                param.mul_(10.0)  # std 0.2: logits far from ties, activations of a trained model's size
+            else:
+                param.copy_(1 + 0.2 * torch.randn(param.shape, generator=gen))
+    fused = cls(spec, torch.float32, device, kernels="triton")
+    fused.load_state_dict(ref.state_dict())
+    for model in (ref, fused):
+        model.finalize_weights()
+        model.eval()
+    return ref, fused
+
+
+@torch.inference_mode()
+def _run(model, device: torch.device, prompt: list[int]) -> torch.Tensor:
+    """float32 logits [1 + len(DECODE_TOKENS), vocab]: the prompt's last token, then one decode step
+    per token of DECODE_TOKENS (fed, not sampled, so every model sees the same inputs)."""
+    caches = allocate_kv_caches(model.spec, 8, BLOCK, torch.float32, device)
+    blocks = list(range(1, 8))
+    ids, pos, meta = build_step([StepRequest(prompt, 0, blocks)], BLOCK, device)
+    rows = [model.compute_logits(model(ids, pos, caches, meta)[-1:])]
+    for i, token in enumerate(DECODE_TOKENS):
+        ids, pos, meta = build_step([StepRequest([token], len(prompt) + i, blocks)], BLOCK, device)
+        rows.append(model.compute_logits(model(ids, pos, caches, meta)))
+    return torch.cat(rows)
+
+
+def _count_calls(monkeypatch, name: str) -> list[int]:
+    calls: list[int] = []
+    original = getattr(FusedOneTokenDecode, name)
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(FusedOneTokenDecode, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_one_token_path_matches_the_general_path(kernel_device, monkeypatch, arch):
+    ref, fused = _models(arch, kernel_device)
+    assert type(ref.model.decode_path) is DecodePath
+    path = fused.model.decode_path
+    assert isinstance(path, FusedOneTokenDecode)
+    takes_layers = arch != "Qwen3ForCausalLM"  # Qwen3's per-head q/k norms keep the general layers
+    assert (path.layers is not None) == takes_layers
+    steps = _count_calls(monkeypatch, "forward")
+    heads = _count_calls(monkeypatch, "_layer")
+    for prompt in ([3, 9, 27, 41, 50, 20], [7]):  # [7]: a one-token prefill takes the fused path too
+        expected = _run(ref, kernel_device, prompt)
+        steps.clear()
+        got = _run(fused, kernel_device, prompt)
+        one_token_steps = len(DECODE_TOKENS) + (len(prompt) == 1)
+        assert len(steps) == (one_token_steps if takes_layers else 0)
+        assert len(heads) == len(steps) * 2  # two decoder layers each step
+        heads.clear()
+        assert relative_error(got, expected) < 1e-4
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+        monkeypatch.setenv("FERROX_FUSED_DECODE", "0")  # read per step: the same model, unfused
+        steps.clear()
+        unfused = _run(fused, kernel_device, prompt)
+        monkeypatch.delenv("FERROX_FUSED_DECODE")
+        assert not steps
+        assert relative_error(unfused, expected) < 1e-4
+        assert relative_error(got, unfused) < 1e-4
+
+
+def test_one_token_path_declines_batches_and_profiling_steps(kernel_device):
+    _, fused = _models("LlamaForCausalLM", kernel_device)
+    path = fused.model.decode_path
+    caches = allocate_kv_caches(fused.spec, 4, BLOCK, torch.float32, kernel_device)
+    assert path.takes_step(1, caches)
+    assert not path.takes_step(2, caches)  # a batch keeps the GEMMs
+    assert not path.takes_step(1, [c[:, :0] for c in caches])  # no KV cache yet (profiling forward)
+    assert not path.takes_step(1, [])
