@@ -84,21 +84,41 @@ def ttft(llm: LLM, params: SamplingParams) -> float:
     return time.perf_counter() - start
 
 
-def mixed(n: int, max_tokens: int) -> list[SamplingParams]:
-    """A quarter JSON schema, an eighth logprobs, an eighth penalties, the rest plain."""
+MIX_KINDS = ("json", "logprobs", "penalties")
+
+
+def mixed(n: int, max_tokens: int, kinds: tuple[str, ...] = MIX_KINDS) -> list[SamplingParams]:
+    """A quarter JSON schema, an eighth logprobs, an eighth penalties, the rest plain (a kind left
+    out of `kinds` stays plain)."""
     out = []
     for i in range(n):
-        kind = i % 8
+        slot = i % 8
         base = SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens)
-        if kind in (0, 1):
+        if slot in (0, 1) and "json" in kinds:
             out.append(base.clone(structured_outputs=P(json=SCHEMA)))
-        elif kind == 2:
+        elif slot == 2 and "logprobs" in kinds:
             out.append(base.clone(logprobs=5))
-        elif kind == 3:
+        elif slot == 3 and "penalties" in kinds:
             out.append(base.clone(repetition_penalty=1.2, frequency_penalty=0.3))
         else:
             out.append(base)
     return out
+
+
+class StepCounter:
+    """Counts engine steps and their wall time during a run (where the time goes)."""
+
+    def __init__(self, engine) -> None:
+        self.inner, self.n, self.seconds = engine.step, 0, 0.0
+        engine.step = self
+
+    def __call__(self):
+        start = time.perf_counter()
+        try:
+            return self.inner()
+        finally:
+            self.n += 1
+            self.seconds += time.perf_counter() - start
 
 
 def main() -> None:
@@ -111,6 +131,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2)")
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--mix", action="store_true", help="the mixed workload (see above)")
+    parser.add_argument("--mix-sets", default=None,
+                        help="also time these kind sets one by one (';'-separated, e.g. 'json;logprobs;penalties')")
     args = parser.parse_args()
 
     llm = LLM(args.model, load_format=args.load_format)
@@ -123,6 +145,17 @@ def main() -> None:
     _, lengths = timed(llm, convs, constrained)
     timed(llm, convs, free_twins(lengths))
 
+    steps = StepCounter(llm.engine)
+    for kinds in (args.mix_sets.split(";") if args.mix_sets else []):
+        params = mixed(args.requests, args.max_tokens, tuple(kinds.split(",")))
+        _, lengths = timed(llm, convs, params)  # warm-up
+        steps.n, steps.seconds = 0, 0.0
+        t_c, lengths = timed(llm, convs, params)
+        n_c, s_c = steps.n, steps.seconds
+        steps.n, steps.seconds = 0, 0.0
+        t_f, _ = timed(llm, convs, free_twins(lengths))
+        print(f"kinds {kinds:<24} ratio {t_f / t_c:.3f}  steps {n_c} vs {steps.n}  "
+              f"step ms {1e3 * s_c / max(n_c, 1):.2f} vs {1e3 * steps.seconds / max(steps.n, 1):.2f}")
     tps_c = tps_f = 0.0
     total = 0
     for _ in range(args.reps):  # alternate so that machine noise hits both runs alike

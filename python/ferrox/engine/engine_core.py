@@ -7,9 +7,10 @@ One step loop serves synchronous and async scheduling (depth 0 or 1 steps left i
     poll grammars       compiled ones are released to the scheduler (grammar_ready)
     schedule            Rust; keep_in_flight=True under async scheduling
     launch              inputs + forward + logits of the new step, queued on the device
-    finish previous     wait for the step in flight, advance grammars, update_from_output (Rust)
+    finish previous     wait for the step in flight, advance grammars by its tokens
     sample              the new step's sampling; after `finish previous` when a row needs its
                         grammar mask (the mask must see the previous token), else before it
+    report previous     update_from_output (Rust: append, detokenize, stops, free)
     (sync: finish the new step now; async: leave it in flight)
 
 Every request kind (grammars, penalties, min_tokens, logprobs, n > 1) runs in the same loop:
@@ -33,7 +34,7 @@ from ferrox.config import EngineConfig
 from ferrox.engine.protocol import EngineCoreRequest
 from ferrox.sampling_params import SamplingParams
 from ferrox.step_types import StepResult, StepRow
-from ferrox.worker.model_runner import ModelRunner, StepHandle
+from ferrox.worker.model_runner import ModelRunner, ModelRunnerOutput, StepHandle
 from ferrox.worker.model_setup import LoadedModel, load_everything
 
 logger = logging.getLogger(__name__)
@@ -182,17 +183,22 @@ class EngineCore:
         needs_mask = handle is not None and self._has_constrained_rows(so)
         if handle is not None and not needs_mask:
             self.runner.sample(handle, None, prev.in_flight() if prev is not None else None)
+        done = None
         if prev is not None:
             # Requests preempted by this schedule() dropped their sample of `prev` in the core:
             # their grammars must not advance by it either.
-            parts.append(self._update(prev, skip=so.preempted_req_ids if so.preempted_req_ids else ()))
+            done = self._finish(prev, skip=so.preempted_req_ids if so.preempted_req_ids else ())
+        if handle is not None and needs_mask:
+            # The mask needs the grammars advanced by `prev` (just done), not the core's update of
+            # it, which follows: the device waits for this sample, the core's bookkeeping does not.
+            self.runner.sample(handle, self.structured.fill_bitmask(so.req_ids, so.sample_mask))
+        if prev is not None and done is not None:
+            parts.append(self._report(prev, *done))
         if handle is not None:
-            if needs_mask:
-                self.runner.sample(handle, self.structured.fill_bitmask(so.req_ids, so.sample_mask))
             if self.async_scheduling:
                 self._in_flight = handle
             else:
-                parts.append(self._update(handle))
+                parts.append(self._report(handle, *self._finish(handle)))
         return StepResult.concat(parts)
 
     def _has_constrained_rows(self, so: Any) -> bool:
@@ -200,21 +206,26 @@ class EngineCore:
         return structured is not None and structured.has_active() and any(
             structured.is_constrained(r) for r in so.req_ids)
 
-    def _update(self, handle: StepHandle, skip: Any = ()) -> StepResult:
-        """Finish a launched step and hand its tokens to the core (append, detokenize, stops)."""
+    def _finish(self, handle: StepHandle, skip: Any = ()) -> tuple[ModelRunnerOutput, Any]:
+        """Wait for a launched step and advance its requests' grammars by the sampled tokens.
+        Returns the runner's output and force_stop (grammar complete) for `_report`."""
         result = self.runner.finish(handle)
-        so = handle.so
-        failed: list[StepRow] = []
-        if result.errors:
-            # The failed rows' samples are garbage: end those requests before the core sees them.
-            failed = self._fail({so.req_ids[i]: msg for i, msg in result.errors.items()})
         force_stop = None
         if self.structured is not None and self.structured.has_active():
+            so = handle.so
             mask = handle.sample_mask
             if skip or result.errors:
                 dropped = set(skip) | {so.req_ids[i] for i in result.errors}
                 mask = mask & np.array([r not in dropped for r in so.req_ids], dtype=np.bool_)
             force_stop = self.structured.accept_tokens(so.req_ids, result.sampled_token_ids, mask)
+        return result, force_stop
+
+    def _report(self, handle: StepHandle, result: ModelRunnerOutput, force_stop: Any) -> StepResult:
+        """Hand a finished step's tokens to the core (append, detokenize, stops, free)."""
+        failed: list[StepRow] = []
+        if result.errors:
+            # The failed rows' samples are garbage: end those requests before the core sees them.
+            failed = self._fail({handle.so.req_ids[i]: msg for i, msg in result.errors.items()})
         outs = self.scheduler.update_from_output(result.sampled_token_ids, force_stop)
         self._pending_prompt_logprobs.update(result.prompt_logprobs)
         step = self._result_of(outs)

@@ -136,7 +136,9 @@ class Sampler:
                 # seeded request gives the same tokens alone or batched; the kernel's inverse-CDF
                 # draw moves whenever its uniform lands near a CDF step (seen on the H200).
                 rows = sorted(md.generators)
-                idx = torch.tensor(rows, device=logits.device)
+                # From pinned memory without blocking (a blocking copy would wait for the step
+                # launched after this one under async scheduling).
+                idx = torch.tensor(rows).pin_memory().to(logits.device, non_blocking=True)
                 top_k = None if md.top_k is None else md.top_k.index_select(0, idx)
                 top_p = None if md.top_p is None else md.top_p.index_select(0, idx)
                 seeded = lp.apply_top_k_top_p(logits.index_select(0, idx), top_k, top_p)

@@ -13,10 +13,16 @@ allowed_token_ids) are flagged; only those are visited in Python each step.
 Async scheduling: when step N+1 samples before step N's tokens reach the host, a row's last
 token is still on the device. `InFlight` names those tokens, and penalty counts and min_tokens
 counts add them on the device / by count, so such rows overlap like any other.
+
+No host<->device copy here may block: while step N+1's forward pass is queued, a blocking copy
+(`torch.tensor(..., device="cuda")`, a pageable `.to("cuda")`) would wait for it to finish and
+serialize the host with the GPU. Per-step arrays go through `upload` (the runner's pinned,
+non-blocking Uploader); per-request masks are built on the host and copied from pinned memory.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +32,9 @@ import torch
 from ferrox.layers.sampler import PenaltyInputs, SamplingMetadata
 from ferrox.sampling_params import SamplingParams
 from ferrox.worker.request_state import PromptLogprobsAccumulator, RequestState
+
+# (name, host array) -> the array on the device, without blocking (worker/step_inputs.Uploader).
+Upload = Callable[[str, np.ndarray], torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -46,10 +55,13 @@ class InFlight:
 
 
 class InputBatch:
-    def __init__(self, vocab_size: int, eos_token_ids: list[int], device: torch.device, capacity: int = 64) -> None:
+    def __init__(self, vocab_size: int, eos_token_ids: list[int], device: torch.device, capacity: int = 64,
+                 upload: Upload | None = None) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.device = device
+        # Without an uploader (tests, the row-by-row error path): plain copies.
+        self.upload: Upload = upload or (lambda _name, a: torch.from_numpy(np.ascontiguousarray(a)).to(device))
         self.states: list[RequestState | None] = []
         self._cap = 0
         self._grow(capacity)
@@ -144,6 +156,9 @@ class InputBatch:
                         token_offsets: npt.NDArray[np.int32]) -> None:
         """Count the tokens the core accepted this step, for the rows that count them."""
         rows = np.flatnonzero(self.counts_outputs[slots])
+        counted: list[tuple[torch.Tensor, int, int]] = []  # (counts, first token, end) per penalty row
+        accepted: list[npt.NDArray[np.int32]] = []
+        n = 0
         for i in rows.tolist():
             state = self.states[int(slots[i])]
             if state is None:
@@ -151,11 +166,15 @@ class InputBatch:
             toks = token_ids[token_offsets[i] : token_offsets[i + 1]]
             state.num_output_tokens += len(toks)
             if state.output_counts is not None and len(toks):
-                state.output_counts.index_put_(
-                    (torch.from_numpy(toks.astype(np.int64)).to(self.device),),
-                    torch.ones(len(toks), dtype=torch.float32, device=self.device),
-                    accumulate=True,
-                )
+                counted.append((state.output_counts, n, n + len(toks)))
+                accepted.append(toks)
+                n += len(toks)
+        if counted:
+            # One upload for every penalty row's tokens, then a device-side add per row.
+            dev_tokens = self.upload("accepted_tokens", np.concatenate(accepted).astype(np.int64))
+            for counts, a, b in counted:
+                counts.index_put_((dev_tokens[a:b],), torch.ones(b - a, dtype=torch.float32, device=self.device),
+                                  accumulate=True)
 
     # ---- one step --------------------------------------------------------------------------------
     def sampling_metadata(
@@ -164,8 +183,10 @@ class InputBatch:
         slots_dev: torch.Tensor,
         sample_mask: npt.NDArray[np.bool_],
         in_flight: InFlight | None,
+        upload: Upload | None = None,
     ) -> SamplingMetadata:
-        """The sampler's per-row inputs for a step whose rows are `slots` (batch order)."""
+        """The sampler's per-row inputs for a step whose rows are `slots` (batch order). upload:
+        how per-step arrays reach the device (default: the batch's own)."""
         greedy = self.greedy[slots]
         lp = self.num_logprobs[slots]
         max_lp = int(lp.max()) if lp.size and lp.max() >= 0 else None
@@ -182,11 +203,11 @@ class InputBatch:
                 md.min_p = self.min_p.index_select(0, slots_dev)
         rows = np.flatnonzero(self.per_row_work[slots])
         if rows.size:
-            self._per_row(md, rows.tolist(), slots, sample_mask, in_flight)
+            self._per_row(md, rows.tolist(), slots, sample_mask, in_flight, upload or self.upload)
         return md
 
     def _per_row(self, md: SamplingMetadata, rows: list[int], slots: npt.NDArray[np.int32],
-                 sample_mask: npt.NDArray[np.bool_], in_flight: InFlight | None) -> None:
+                 sample_mask: npt.NDArray[np.bool_], in_flight: InFlight | None, upload: Upload) -> None:
         dev = self.device
         states = [self.states[int(slots[i])] for i in rows]
         pending = in_flight.row_of_slot(self.generation) if in_flight is not None else {}
@@ -227,26 +248,25 @@ class InputBatch:
         if pen_rows:
             counts = torch.stack([s.output_counts for s in pen_states])  # type: ignore[misc]
             if pen_pending and in_flight is not None:
-                idx = torch.tensor([p for p, _ in pen_pending], dtype=torch.int64, device=dev)
-                src = torch.tensor([r for _, r in pen_pending], dtype=torch.int64, device=dev)
-                toks = in_flight.token_ids.index_select(0, src)
-                counts.index_put_((idx, toks), torch.ones(len(pen_pending), device=dev), accumulate=True)
+                pairs = upload("pen_pending", np.array(pen_pending, dtype=np.int64))
+                toks = in_flight.token_ids.index_select(0, pairs[:, 1])
+                counts.index_put_((pairs[:, 0], toks), torch.ones(len(pen_pending), device=dev), accumulate=True)
+            values = upload("pen_values", np.array(
+                [[s.params.repetition_penalty, s.params.frequency_penalty, s.params.presence_penalty]
+                 for s in pen_states], dtype=np.float32))
             md.penalties = PenaltyInputs(
-                rows=torch.tensor(pen_rows, dtype=torch.int64, device=dev),
+                rows=upload("pen_rows", np.array(pen_rows, dtype=np.int64)),
                 prompt_mask=torch.stack([s.prompt_mask for s in pen_states]),  # type: ignore[misc]
                 output_counts=counts,
-                repetition=torch.tensor([s.params.repetition_penalty for s in pen_states], dtype=torch.float32, device=dev),
-                frequency=torch.tensor([s.params.frequency_penalty for s in pen_states], dtype=torch.float32, device=dev),
-                presence=torch.tensor([s.params.presence_penalty for s in pen_states], dtype=torch.float32, device=dev),
+                repetition=values[:, 0],
+                frequency=values[:, 1],
+                presence=values[:, 2],
             )
         if ban_rows:
-            md.banned = (torch.tensor(ban_rows, dtype=torch.int64, device=dev),
-                         torch.tensor(ban_cols, dtype=torch.int64, device=dev))
+            ban = upload("ban", np.array([ban_rows, ban_cols], dtype=np.int64))
+            md.banned = (ban[0], ban[1])
         if bias_rows:
-            md.logit_bias = (
-                torch.tensor(bias_rows, dtype=torch.int64, device=dev),
-                torch.tensor(bias_cols, dtype=torch.int64, device=dev),
-                torch.tensor(bias_vals, dtype=torch.float32, device=dev),
-            )
+            where = upload("bias_idx", np.array([bias_rows, bias_cols], dtype=np.int64))
+            md.logit_bias = (where[0], where[1], upload("bias_vals", np.array(bias_vals, dtype=np.float32)))
         if allowed_rows:
-            md.allowed = (torch.tensor(allowed_rows, dtype=torch.int64, device=dev), torch.stack(allowed_masks))
+            md.allowed = (upload("allowed_rows", np.array(allowed_rows, dtype=np.int64)), torch.stack(allowed_masks))

@@ -12,6 +12,11 @@ rows, it samples after step N is finished, because the mask needs step N's token
 pass overlaps either way.
 
 Per-request sampling state lives in the persistent `InputBatch`, one row per core request slot.
+
+Nothing between `launch` and `finish` may block on the device: host->device arrays go through the
+pinned `Uploader`, and device->host results (sampled ids, logprobs, prompt logprobs) are copied
+into pinned memory when queued and read after `finish` waits for the step's event. A blocking
+copy there would wait for the step launched after it and undo the overlap.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ class ModelRunnerOutput:
 class _PromptLogprobsChunk:
     state: RequestState
     start_pos: int  # logits row j scores prompt token start_pos + 1 + j
-    tensors: LogprobsTensors | None  # on the device until finish(); None: nothing to score
+    tensors: LogprobsTensors | None  # host copies, complete after finish() waits; None: nothing to score
 
 
 @dataclass(slots=True)
@@ -63,6 +68,7 @@ class StepHandle:
     sampled: SamplerOutput | None = None  # set by sample()
     num_logprobs: npt.NDArray[np.int32] | None = None  # per row at sampling time (-1: none)
     host_token_ids: torch.Tensor | None = None  # [num_reqs] int64, filled by a non-blocking copy
+    host_logprobs: LogprobsTensors | None = None  # the sampled logprobs, copied like the ids
     done: torch.cuda.Event | None = None  # recorded after that copy (None on CPU)
     errors: dict[int, str] = field(default_factory=dict)
 
@@ -86,7 +92,8 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.vocab_size = vocab_size
         self.device = device
-        self.input_batch = InputBatch(vocab_size, eos_token_ids, device)
+        self._upload = Uploader(device)
+        self.input_batch = InputBatch(vocab_size, eos_token_ids, device, upload=self._upload)
         default_gen = torch.Generator(device=device)
         default_gen.manual_seed(seed)
         top_k_top_p_kernel = None
@@ -95,7 +102,6 @@ class ModelRunner:
 
             top_k_top_p_kernel = prepare_extension()  # the CUDA kernel when a build is on disk
         self.sampler = Sampler(default_gen, top_k_top_p_kernel)
-        self._upload = Uploader(device)
         self._host_tokens: list[torch.Tensor] = []  # two pinned [max batch] buffers (GPU), by step parity
         self._step_parity = 0
         # Decode-only steps replay captured CUDA graphs when set (worker/cuda_graphs.py; see
@@ -182,6 +188,8 @@ class ModelRunner:
             self._apply_grammar_bitmask(logits, grammar_bitmask)
         handle.num_logprobs = self.input_batch.num_logprobs[handle.slots].copy()
         handle.sampled = self._sample(logits, handle, in_flight)
+        if handle.sampled.logprobs is not None:
+            handle.host_logprobs = _logprobs_to_host(handle.sampled.logprobs)
         if self.device.type == "cpu":
             handle.host_token_ids = handle.sampled.token_ids
             return
@@ -189,7 +197,7 @@ class ModelRunner:
         host.copy_(handle.sampled.token_ids, non_blocking=True)
         handle.host_token_ids = host
         handle.done = torch.cuda.Event()
-        handle.done.record()
+        handle.done.record()  # after every copy to the host above and in launch()
 
     def _host_buffer(self, n: int) -> torch.Tensor:
         """Pinned landing place for a step's sampled ids; two alternate, as with the uploads."""
@@ -209,20 +217,27 @@ class ModelRunner:
         if handle.done is not None:
             handle.done.synchronize()
         out = ModelRunnerOutput(handle.host_token_ids.numpy().copy(), errors=handle.errors)
-        if handle.sampled.logprobs is not None:
+        if handle.host_logprobs is not None:
             self._collect_logprobs(handle, out)
         if handle.prompt_chunks:
             self._finish_prompt_logprobs(handle.prompt_chunks, out)
         return out
 
-    @staticmethod
-    def _apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-        """Only rows with some bit cleared are unpacked: unconstrained rows (all ones) cost nothing."""
+    def _apply_grammar_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """Only rows with some bit cleared are unpacked: unconstrained rows (all ones) cost nothing.
+        The mask (filled on the host) and its row list reach the device through the Uploader."""
         from ferrox.structured.bitmask import apply_bitmask_rows
 
-        rows = torch.nonzero((bitmask != -1).any(dim=1)).flatten()
-        if rows.numel():
-            apply_bitmask_rows(logits, bitmask, None if rows.numel() == bitmask.shape[0] else rows)
+        words = bitmask.numpy()
+        rows = np.flatnonzero((words != -1).any(axis=1))
+        if not rows.size:
+            return
+        if logits.device.type == "cpu":
+            apply_bitmask_rows(logits, bitmask, None if rows.size == len(words) else torch.from_numpy(rows))
+            return
+        dev_mask = self._upload("grammar_bitmask", words)
+        apply_bitmask_rows(logits, dev_mask, None if rows.size == len(words) else
+                           self._upload("grammar_rows", rows.astype(np.int64)))
 
     # ---- sampling -------------------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, handle: StepHandle, in_flight: InFlight | None) -> SamplerOutput:
@@ -239,8 +254,11 @@ class ModelRunner:
         for i in range(len(handle.slots)):
             try:
                 row_slots = handle.slots[i : i + 1]
+                # Plain copies here: the Uploader's buffers hold one array per name per step.
                 row_md = batch.sampling_metadata(row_slots, handle.slots_dev[i : i + 1], handle.sample_mask[i : i + 1],
-                                                 self._row_in_flight(in_flight, int(row_slots[0])))
+                                                 self._row_in_flight(in_flight, int(row_slots[0])),
+                                                 upload=lambda _n, a: torch.from_numpy(np.ascontiguousarray(a)).to(
+                                                     logits.device))
                 token_ids[i] = self.sampler(logits[i : i + 1].clone(), row_md).token_ids[0]
             except Exception as e:  # noqa: BLE001 - reported per request
                 handle.errors[i] = f"sampling failed: {type(e).__name__}: {e}"
@@ -262,12 +280,13 @@ class ModelRunner:
                         in_flight.sample_mask[r : r + 1], in_flight.token_ids[r : r + 1])
 
     def _collect_logprobs(self, handle: StepHandle, out: ModelRunnerOutput) -> None:
-        lp = handle.sampled.logprobs if handle.sampled is not None else None
+        lp = handle.host_logprobs  # on the host: finish() waited for its copy
         assert lp is not None and handle.num_logprobs is not None
-        rows = np.flatnonzero((handle.num_logprobs >= 0) & handle.sample_mask).tolist()
-        if not rows:
+        rows_np = np.flatnonzero((handle.num_logprobs >= 0) & handle.sample_mask)
+        if not rows_np.size:
             return
-        idx = torch.tensor(rows, dtype=torch.int64, device=lp.token_logprobs.device)
+        rows = rows_np.tolist()
+        idx = torch.from_numpy(rows_np)
         token_lp = lp.token_logprobs.index_select(0, idx).tolist()
         ranks = lp.token_ranks.index_select(0, idx).tolist()
         top_ids = lp.top_token_ids.index_select(0, idx).tolist()
@@ -291,7 +310,7 @@ class ModelRunner:
         qsl = so.query_start_loc.tolist()
         computed = so.num_computed_tokens.tolist()
         chunks: list[_PromptLogprobsChunk] = []
-        for i in np.flatnonzero(self.input_batch.wants_prompt_logprobs[slots]).tolist():
+        for k, i in enumerate(np.flatnonzero(self.input_batch.wants_prompt_logprobs[slots]).tolist()):
             state = self.input_batch.states[int(slots[i])]
             acc = state.prompt_logprobs if state is not None else None
             if state is None or acc is None or acc.emitted:
@@ -302,8 +321,9 @@ class ModelRunner:
             if end_pos > start_pos:
                 rows = torch.arange(qsl[i], qsl[i] + end_pos - start_pos, device=hidden.device)
                 logits = self.model.compute_logits(hidden.index_select(0, rows))
-                targets = torch.tensor(prompt[start_pos + 1 : end_pos + 1], dtype=torch.int64, device=hidden.device)
-                chunks.append(_PromptLogprobsChunk(state, start_pos, compute_logprobs(logits, targets, acc.num_top)))
+                targets = self._upload(f"prompt_targets_{k}", np.array(prompt[start_pos + 1 : end_pos + 1], dtype=np.int64))
+                lp = _logprobs_to_host(compute_logprobs(logits, targets, acc.num_top))
+                chunks.append(_PromptLogprobsChunk(state, start_pos, lp))
             else:  # nothing left to score (a 1-token prompt, or the last chunk's last token only)
                 chunks.append(_PromptLogprobsChunk(state, start_pos, None))
         return chunks
@@ -331,3 +351,17 @@ class ModelRunner:
                 )
                 acc.emitted = True
                 acc.token_logprobs.clear()
+
+
+def _logprobs_to_host(lp: LogprobsTensors) -> LogprobsTensors:
+    """Queue copies of logprob tensors into pinned host memory (no wait; the step's event covers
+    them). On CPU they are already there."""
+    if lp.token_logprobs.device.type == "cpu":
+        return lp
+
+    def host(t: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t, non_blocking=True)
+        return out
+
+    return LogprobsTensors(host(lp.token_logprobs), host(lp.token_ranks), host(lp.top_token_ids), host(lp.top_logprobs))

@@ -45,15 +45,22 @@ class RequestState:
         p = self.params
         return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
+    # Masks are built on the host and copied from pinned memory without blocking: a request joins
+    # while a step is in flight, and a blocking copy would wait for that step (see input_batch.py).
     def init_penalty_state(self, vocab_size: int, device: torch.device) -> None:
         self.output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
-        self.prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        mask = torch.zeros(vocab_size, dtype=torch.bool)
         if self.prompt_token_ids:
-            ids = torch.tensor(self.prompt_token_ids, dtype=torch.int64, device=device)
-            self.prompt_mask[ids.clamp(max=vocab_size - 1)] = True
+            mask[torch.tensor(self.prompt_token_ids, dtype=torch.int64).clamp(max=vocab_size - 1)] = True
+        self.prompt_mask = _to_device(mask, device)
 
     def init_allowed_mask(self, vocab_size: int, device: torch.device) -> None:
-        mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-        ids = torch.tensor(self.params.allowed_token_ids or [], dtype=torch.int64, device=device)
-        mask[ids] = True
-        self.allowed_mask = mask
+        mask = torch.zeros(vocab_size, dtype=torch.bool)
+        mask[torch.tensor(self.params.allowed_token_ids or [], dtype=torch.int64)] = True
+        self.allowed_mask = _to_device(mask, device)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
