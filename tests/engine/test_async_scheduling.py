@@ -219,3 +219,23 @@ def test_gpu_async_equals_sync_with_cuda_graphs(tmp_path):
         runs.append(greedy_ids(gpu.generate(prompts, params, use_tqdm=False)))
         assert_no_leaked_blocks(gpu)
     assert runs[1] == runs[0]
+
+
+@pytest.mark.timeout(600)
+def test_penalties_and_min_tokens_next_to_a_grammar_row_equal_sync(llm, async_llm):
+    """A grammar row defers its step's sampling until the previous token reached the host; the
+    penalty and min_tokens rows sampled then must still count that token (it is handed to the core
+    only afterwards). Strong penalties make a missed count change the greedy tokens."""
+    so = StructuredOutputsParams
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, structured_outputs=so(json=PERSON)),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, frequency_penalty=1.5, presence_penalty=1.0),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.8),
+        SamplingParams(temperature=0, max_tokens=24, min_tokens=20, stop_token_ids=[13, 198]),
+    ]
+    prompts = ["Describe a person as JSON:", "1, 1, 1, 1, 1,", "the the the the", "A short list:"]
+    llm.reset_prefix_cache()
+    expected = greedy_ids(llm.generate(prompts, params, use_tqdm=False))
+    async_llm.reset_prefix_cache()
+    assert greedy_ids(async_llm.generate(prompts, params, use_tqdm=False)) == expected
+    assert_no_leaked_blocks(async_llm)

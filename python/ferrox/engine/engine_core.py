@@ -181,8 +181,12 @@ class EngineCore:
             # If launch raises, the scheduler rolls back the undelivered steps at the next schedule().
             handle = self.runner.launch(so, prev)
         needs_mask = handle is not None and self._has_constrained_rows(so)
-        if handle is not None and not needs_mask:
-            self.runner.sample(handle, None, prev.in_flight() if prev is not None else None)
+        if handle is not None:
+            # prev's tokens are still on the device (not yet handed to the core): penalties and
+            # min_tokens count them from there, whether this step samples now or after the mask.
+            self.runner.prepare_sampling(handle, prev.in_flight() if prev is not None else None)
+            if not needs_mask:
+                self.runner.sample(handle)
         done = None
         if prev is not None:
             # Requests preempted by this schedule() dropped their sample of `prev` in the core:

@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from ferrox.layers.sampler import LogprobsTensors, Sampler, SamplerOutput, compute_logprobs
+from ferrox.layers.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, compute_logprobs
 from ferrox.sampling_params import SamplingParams
 from ferrox.step_types import Logprobs
 from ferrox.worker.input_batch import InFlight, InputBatch
@@ -71,6 +71,9 @@ class StepHandle:
     host_logprobs: LogprobsTensors | None = None  # the sampled logprobs, copied like the ids
     done: torch.cuda.Event | None = None  # recorded after that copy (None on CPU)
     errors: dict[int, str] = field(default_factory=dict)
+    # Sampling inputs built ahead of sample() (prepare_sampling), with the in-flight step they count.
+    md: SamplingMetadata | None = None
+    md_in_flight: InFlight | None = None
 
     def in_flight(self) -> InFlight:
         assert self.sampled is not None, "sample() not called"
@@ -178,6 +181,14 @@ class ModelRunner:
                           sample_mask, logits, chunks)
 
     @torch.inference_mode()
+    def prepare_sampling(self, handle: StepHandle, in_flight: InFlight | None = None) -> None:
+        """Build the step's sampling inputs now (per-row work, uploads), so that a step whose
+        sample waits for a grammar mask has only the mask and the draw left to do then.
+        in_flight: the previous step if its tokens have not been handed to the core yet."""
+        handle.md = self.input_batch.sampling_metadata(handle.slots, handle.slots_dev, handle.sample_mask, in_flight)
+        handle.md_in_flight = in_flight
+
+    @torch.inference_mode()
     def sample(self, handle: StepHandle, grammar_bitmask: torch.Tensor | None = None,
                in_flight: InFlight | None = None) -> None:
         """Queue the step's sampling and the copy of its ids to the host. grammar_bitmask: int32
@@ -242,7 +253,10 @@ class ModelRunner:
     # ---- sampling -------------------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, handle: StepHandle, in_flight: InFlight | None) -> SamplerOutput:
         batch = self.input_batch
-        md = batch.sampling_metadata(handle.slots, handle.slots_dev, handle.sample_mask, in_flight)
+        if handle.md is not None:
+            md, in_flight = handle.md, handle.md_in_flight
+        else:
+            md = batch.sampling_metadata(handle.slots, handle.slots_dev, handle.sample_mask, in_flight)
         try:
             # The sampler edits logits in place; if it fails half-way the per-row retry below sees
             # partly processed rows, an accepted cost on an error path that never runs normally.
