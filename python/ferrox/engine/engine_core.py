@@ -191,7 +191,7 @@ class EngineCore:
         if prev is not None:
             # Requests preempted by this schedule() dropped their sample of `prev` in the core:
             # their grammars must not advance by it either.
-            done = self._finish(prev, skip=so.preempted_req_ids if so.preempted_req_ids else ())
+            done = self._finish(prev, skip=so.preempted_req_ids)
         if handle is not None and needs_mask:
             # The mask needs the grammars advanced by `prev` (just done), not the core's update of
             # it, which follows: the device waits for this sample, the core's bookkeeping does not.

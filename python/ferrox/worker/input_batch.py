@@ -60,11 +60,16 @@ class InputBatch:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.device = device
-        # Without an uploader (tests, the row-by-row error path): plain copies.
-        self.upload: Upload = upload or (lambda _name, a: torch.from_numpy(np.ascontiguousarray(a)).to(device))
+        # Without an uploader (tests): plain copies, as the row-by-row error path uses too.
+        self.upload: Upload = upload or self.plain_upload
         self.states: list[RequestState | None] = []
         self._cap = 0
         self._grow(capacity)
+
+    def plain_upload(self, _name: str, array: np.ndarray) -> torch.Tensor:
+        """A plain (possibly blocking) copy to the device, for paths that upload one name several
+        times in a step (the pinned Uploader holds one array per name per step)."""
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
 
     # ---- rows ------------------------------------------------------------------------------------
     def _grow(self, capacity: int) -> None:

@@ -1,10 +1,11 @@
 """The model runner: one scheduler step in, the sampled tokens of that step out.
 
-A step runs in three calls, so the engine core can put its host work between them:
+A step runs in four calls, so the engine core can put its host work between them:
 
-    handle = runner.launch(so, prev)            # inputs, forward, logits (queued on the device)
-    runner.sample(handle, bitmask, in_flight)   # grammar mask, sampling, copy of the ids to the host
-    out = runner.finish(handle)                 # wait; host-side results (ids, logprobs)
+    handle = runner.launch(so, prev)                  # inputs, forward, logits (queued on the device)
+    runner.prepare_sampling(handle, in_flight)        # the sampler's per-row inputs
+    runner.sample(handle, bitmask)                    # grammar mask, sampling, copy of the ids to the host
+    out = runner.finish(handle)                       # wait; host-side results (ids, logprobs)
 
 With async scheduling the engine launches step N+1 before finishing step N (`prev`: input ids
 -1 in `so` are step N's sampled tokens, taken on the device). When a step has grammar-constrained
@@ -189,16 +190,17 @@ class ModelRunner:
         handle.md_in_flight = in_flight
 
     @torch.inference_mode()
-    def sample(self, handle: StepHandle, grammar_bitmask: torch.Tensor | None = None,
-               in_flight: InFlight | None = None) -> None:
+    def sample(self, handle: StepHandle, grammar_bitmask: torch.Tensor | None = None) -> None:
         """Queue the step's sampling and the copy of its ids to the host. grammar_bitmask: int32
-        [num_reqs, words] allow-bits in batch order, or None. in_flight: the previous step when its
-        tokens have not reached the host yet (penalties and min_tokens count them on the device)."""
+        [num_reqs, words] allow-bits in batch order, or None. Without prepare_sampling first, the
+        sampling inputs are built here with no step in flight."""
+        if handle.md is None:
+            self.prepare_sampling(handle)
         logits = handle.logits
         if grammar_bitmask is not None:
             self._apply_grammar_bitmask(logits, grammar_bitmask)
         handle.num_logprobs = self.input_batch.num_logprobs[handle.slots].copy()
-        handle.sampled = self._sample(logits, handle, in_flight)
+        handle.sampled = self._sample(logits, handle)
         if handle.sampled.logprobs is not None:
             handle.host_logprobs = _logprobs_to_host(handle.sampled.logprobs)
         if self.device.type == "cpu":
@@ -251,12 +253,10 @@ class ModelRunner:
                            self._upload("grammar_rows", rows.astype(np.int64)))
 
     # ---- sampling -------------------------------------------------------------------------------------
-    def _sample(self, logits: torch.Tensor, handle: StepHandle, in_flight: InFlight | None) -> SamplerOutput:
+    def _sample(self, logits: torch.Tensor, handle: StepHandle) -> SamplerOutput:
         batch = self.input_batch
-        if handle.md is not None:
-            md, in_flight = handle.md, handle.md_in_flight
-        else:
-            md = batch.sampling_metadata(handle.slots, handle.slots_dev, handle.sample_mask, in_flight)
+        md, in_flight = handle.md, handle.md_in_flight
+        assert md is not None
         try:
             # The sampler edits logits in place; if it fails half-way the per-row retry below sees
             # partly processed rows, an accepted cost on an error path that never runs normally.
@@ -271,8 +271,7 @@ class ModelRunner:
                 # Plain copies here: the Uploader's buffers hold one array per name per step.
                 row_md = batch.sampling_metadata(row_slots, handle.slots_dev[i : i + 1], handle.sample_mask[i : i + 1],
                                                  self._row_in_flight(in_flight, int(row_slots[0])),
-                                                 upload=lambda _n, a: torch.from_numpy(np.ascontiguousarray(a)).to(
-                                                     logits.device))
+                                                 upload=batch.plain_upload)
                 token_ids[i] = self.sampler(logits[i : i + 1].clone(), row_md).token_ids[0]
             except Exception as e:  # noqa: BLE001 - reported per request
                 handle.errors[i] = f"sampling failed: {type(e).__name__}: {e}"
