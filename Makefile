@@ -30,7 +30,7 @@ $(VENV)/.deps-stamp: pyproject.toml
 
 # Builds the native module (cargo is incremental) and installs ferrox with its runtime and test deps.
 build: $(VENV)/.deps-stamp
-	maturin develop --release --extras test -q 2>&1 | grep -v "^📦\|^🔗\|^🐍\|^⚠️\|^💻" || true
+	maturin develop --release --extras test,ray -q 2>&1 | grep -v "^📦\|^🔗\|^🐍\|^⚠️\|^💻" || true
 	$(PY) -c "import ferrox._core"
 
 lint: build

@@ -25,6 +25,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "ferrox", "ferrox._core", "ferrox.errors", "ferrox.model_spec", "ferrox.sampling_params",
         "ferrox.structured.params", "ferrox.config", "ferrox.outputs", "ferrox.step_types", "ferrox.request_rules",
     ),
+    # Tensor-parallel groups and weight sharding: below every layer that shards.
+    "distributed": ("ferrox.distributed",),
     "kernels": ("ferrox.kernels",),
     "layers": ("ferrox.layers",),
     "attention": ("ferrox.attention",),
@@ -34,6 +36,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     # so it sits below the worker rather than beside the engine.
     "structured": ("ferrox.structured",),
     "worker": ("ferrox.worker",),
+    # Starting and stepping the ranks of a tensor-parallel model (processes, Ray actors).
+    "executor": ("ferrox.executor",),
     "engine": ("ferrox.engine",),
     "metrics": ("ferrox.metrics",),
     "entrypoints": ("ferrox.entrypoints",),
@@ -42,12 +46,14 @@ GROUPS: dict[str, tuple[str, ...]] = {
 # Low to high; groups of one tier may not import each other.
 ORDER: list[tuple[str, ...]] = [
     ("base",),
+    ("distributed",),
     ("kernels",),
     ("layers", "attention"),
     ("models",),
     ("loader",),
     ("structured",),
     ("worker",),
+    ("executor",),
     ("engine", "metrics"),
     ("entrypoints",),
 ]

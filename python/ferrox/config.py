@@ -47,6 +47,9 @@ _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "fp1
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fcfs", "priority")
+# "mp": one worker process per extra rank on this machine; "ray": ranks as Ray actors in a placement
+# group (an existing cluster, or a local one); "uni": everything in the engine process (size 1 only).
+EXECUTOR_BACKENDS = ("mp", "ray", "uni")
 
 
 def _gib(n: int) -> str:
@@ -98,6 +101,15 @@ class EngineConfig:
                                          default_help="the model's name")
     max_logprobs: int = _opt("largest `logprobs` / `prompt_logprobs` a request may ask for", 20)
     num_threads: int | None = _opt("CPU threads for the model (torch intra-op)", default_help="all cores torch sees")
+    tensor_parallel_size: int = _opt("GPUs (or CPU processes) one model is sharded across (Megatron-style)", 1,
+                                     aliases=("-tp",))
+    pipeline_parallel_size: int = _opt("pipeline stages (only 1: pipeline parallelism is not implemented)", 1,
+                                       aliases=("-pp",))
+    data_parallel_size: int = _opt("engine replicas behind one API server, each with its own GPUs", 1,
+                                   aliases=("-dp",))
+    distributed_executor_backend: str | None = _opt(
+        "how tensor-parallel workers are started", choices=EXECUTOR_BACKENDS,
+        default_help="mp when tensor_parallel_size > 1, else uni")
 
     def __post_init__(self) -> None:
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
@@ -112,6 +124,17 @@ class EngineConfig:
         _positive_int("block_size", self.block_size)
         _positive_int("max_logprobs", self.max_logprobs)
         _positive_int("num_threads", self.num_threads, optional=True)
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        _positive_int("pipeline_parallel_size", self.pipeline_parallel_size)
+        _positive_int("data_parallel_size", self.data_parallel_size)
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(f"pipeline_parallel_size: {self.pipeline_parallel_size} is not supported (ferrox runs "
+                             "one pipeline stage; use tensor_parallel_size to shard a model across GPUs)")
+        if self.distributed_executor_backend is not None:
+            _choice("distributed_executor_backend", self.distributed_executor_backend, EXECUTOR_BACKENDS)
+            if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+                raise ValueError(f"distributed_executor_backend: 'uni' runs one rank, tensor_parallel_size is "
+                                 f"{self.tensor_parallel_size} (use 'mp' or 'ray')")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
@@ -141,6 +164,11 @@ class EngineConfig:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_executor_backend(self) -> str:
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "mp" if self.tensor_parallel_size > 1 else "uni"
 
     def resolved_max_num_seqs(self, device: str) -> int:
         if self.max_num_seqs is not None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -62,10 +62,13 @@ class OneTokenLayer:
     post_norm: NormWeights
     gate_up_proj: ProjWeights
     down_proj: ProjWeights
-    num_heads: int
+    num_heads: int  # this rank's heads under tensor parallelism
     num_kv_heads: int
     head_dim: int
     scale: float
+    # The tensor-parallel group (distributed/parallel_state.TPGroup) when o_proj and down_proj are
+    # row-parallel: their partial products are summed by an all-reduce. None: one rank.
+    tp: Any = None
 
 
 class DecodePath:

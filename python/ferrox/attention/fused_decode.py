@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ferrox.attention.decode_path import DecodePath, OneTokenLayer, fused_decode_enabled
+from ferrox.attention.decode_path import DecodePath, OneTokenLayer, ProjWeights, fused_decode_enabled
 from ferrox.attention.metadata import AttentionMetadata
 from ferrox.kernels.gemv import gemv, qkv_rope_gemv
 
@@ -63,10 +63,22 @@ class FusedOneTokenDecode(DecodePath):
                           kv_cache=kv_cache, num_q_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
                           head_dim=layer.head_dim)
         o = self.backend.attend(q, kv_cache, meta, layer.scale)
-        h = gemv(o.view(1, -1), layer.o_proj.weight, layer.o_proj.bias, residual=h)
+        h = self._row_parallel(layer, o.view(1, -1), layer.o_proj, h)
         act = gemv(h, layer.gate_up_proj.weight, layer.gate_up_proj.bias, norm_weight=layer.post_norm.weight,
                    eps=layer.post_norm.eps, silu_mul=True)
-        return gemv(act, layer.down_proj.weight, layer.down_proj.bias, residual=h)
+        return self._row_parallel(layer, act, layer.down_proj, h)
+
+    @staticmethod
+    def _row_parallel(layer: OneTokenLayer, x: torch.Tensor, proj: ProjWeights, h: torch.Tensor) -> torch.Tensor:
+        """h + proj(x). Under tensor parallelism each rank's gemv gives a partial product; rank 0
+        also adds the bias and the residual in its epilogue, so one all-reduce yields the sum with
+        each added once, and the fusion survives sharding."""
+        tp = layer.tp
+        if tp is None or tp.size == 1:
+            return gemv(x, proj.weight, proj.bias, residual=h)
+        if tp.rank == 0:
+            return tp.all_reduce(gemv(x, proj.weight, proj.bias, residual=h))
+        return tp.all_reduce(gemv(x, proj.weight, None))
 
     def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         if hidden.shape[0] == 1 and fused_decode_enabled():

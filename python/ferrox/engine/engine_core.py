@@ -25,13 +25,17 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from typing import Any
 
 import numpy as np
 
 from ferrox import _core
 from ferrox.config import EngineConfig
+from ferrox.distributed.parallel_state import TPGroup, destroy_tp_group
 from ferrox.engine.protocol import EngineCoreRequest
+from ferrox.executor import Executor, start_tensor_parallel
+from ferrox.executor.launch import rank_config
 from ferrox.sampling_params import SamplingParams
 from ferrox.step_types import StepResult, StepRow
 from ferrox.worker.model_runner import ModelRunner, ModelRunnerOutput, StepHandle
@@ -44,7 +48,14 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         start = time.perf_counter()
-        loaded: LoadedModel = load_everything(config)
+        # tensor_parallel_size > 1: ranks 1..N-1 start now and load their shards beside this one.
+        config = rank_config(config)
+        self.tp, self.executor = start_tensor_parallel(config)
+        try:
+            loaded: LoadedModel = load_everything(config, self.tp)
+        except BaseException:
+            self._stop_ranks(timeout_s=0)
+            raise
         self.device = loaded.device
         self.tokenizer = loaded.tokenizer
         self.spec = loaded.spec
@@ -75,7 +86,10 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             device=self.device,
             seed=config.seed,
+            tp=self.tp,
         )
+        # An engine dropped without shutdown() still releases its ranks (and the process group).
+        self._finalizer = weakref.finalize(self, EngineCore._release, self.runner, self.executor, self.tp)
         self.cuda_graph_capture_s: float | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.cuda_graph_capture_s = self.runner.capture_cuda_graphs(
@@ -332,4 +346,22 @@ class EngineCore:
     def shutdown(self) -> None:
         if self.structured is not None:
             self.structured.shutdown()
+        self._finalizer()
+
+    def _stop_ranks(self, timeout_s: float) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(timeout_s=timeout_s)
+            destroy_tp_group(self.tp)
+
+    @staticmethod
+    def _release(runner: ModelRunner, executor: Executor | None, tp: TPGroup) -> None:
+        """Tell the other ranks to stop, wait for them, leave the process group."""
+        if executor is None:
+            return
+        try:
+            runner.shutdown()
+        except Exception:  # noqa: BLE001 - a rank already gone: stop the rest below
+            logger.warning("could not send SHUTDOWN to the tensor-parallel ranks", exc_info=True)
+        executor.shutdown()
+        destroy_tp_group(tp)
 

@@ -1,7 +1,14 @@
-"""Linear layers whose checkpoint tensors may arrive in pieces.
+"""Linear layers, sharded Megatron-style over the tensor-parallel group they are built in.
 
-`MergedLinear` holds several HF projections (q/k/v, or gate/up) as one weight so a layer runs one
-matmul instead of three; `load_shard` copies each checkpoint piece into its row range.
+- `Linear`: replicated (every rank holds the whole weight).
+- `MergedLinear`: column-parallel; several HF projections (gate/up) stacked as one weight so a
+  layer runs one matmul; each rank holds its share of every shard's rows.
+- `QKVLinear`: q/k/v merged, split by heads; KV heads replicated when ranks outnumber them.
+- `RowParallelLinear`: input columns split; partial products summed by one all-reduce. The bias
+  (and, in the fused decode path, the residual) is added on rank 0 only, so the sum has it once.
+
+Every layer loads checkpoint tensors through `load_weight(param_name, tensor, shard)`, which
+reads only this rank's part (distributed/sharding.py); with one rank that is the whole tensor.
 """
 
 from __future__ import annotations
@@ -10,6 +17,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ferrox.distributed.parallel_state import TPGroup, get_tp_group
+from ferrox.distributed.sharding import Weight, even_split, kv_head_range, materialize, narrow, shape_of
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def _copy(target: torch.Tensor, value: torch.Tensor, what: str) -> None:
+    if tuple(value.shape) != tuple(target.shape):
+        raise ValueError(f"{what}: checkpoint shape {tuple(value.shape)}, model expects {tuple(target.shape)}")
+    target.copy_(value)
+
 
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype,
@@ -17,39 +37,102 @@ class Linear(nn.Module):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
-                                   requires_grad=False)
-        self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
-                     if bias else None)
+        self.tp: TPGroup = get_tp_group()
+        self.weight = _param((out_features, in_features), dtype, device)
+        self.bias = _param((out_features,), dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def _target(self, param_name: str) -> torch.Tensor:
+        param = self.weight if param_name == "weight" else self.bias if param_name == "bias" else None
+        if param is None:
+            raise ValueError(f"{param_name} given for a layer built without one")
+        return param.data
+
+    def load_weight(self, param_name: str, tensor: Weight, shard: str | None = None) -> None:
+        """Copy a checkpoint tensor (weight [out, in] or bias [out]) in; replicated: all of it."""
+        _copy(self._target(param_name), materialize(tensor), param_name)
+
 
 class MergedLinear(Linear):
-    """Output rows are the named shards stacked in order, e.g. {"q": 576, "k": 192, "v": 192}."""
+    """Output rows are the named shards stacked in order, e.g. {"gate": 1536, "up": 1536} (full
+    checkpoint sizes); each rank holds rows [rank * size / N, (rank + 1) * size / N) of each."""
 
     def __init__(self, in_features: int, shard_sizes: dict[str, int], *, bias: bool, dtype: torch.dtype,
                  device: torch.device | str | None = None):
-        super().__init__(in_features, sum(shard_sizes.values()), bias=bias, dtype=dtype, device=device)
-        self.shard_sizes = dict(shard_sizes)
+        tp = get_tp_group()
+        rows = {name: (*even_split(size, tp.size, tp.rank, f"{name} rows"), size) for name, size in shard_sizes.items()}
+        self._init_shards(in_features, rows, bias=bias, dtype=dtype, device=device)
+
+    def _init_shards(self, in_features: int, rows: dict[str, tuple[int, int, int]], *, bias: bool,
+                     dtype: torch.dtype, device: torch.device | str | None) -> None:
+        """rows: shard -> (first checkpoint row this rank holds, rows held, checkpoint rows)."""
+        super().__init__(in_features, sum(r[1] for r in rows.values()), bias=bias, dtype=dtype, device=device)
+        self.checkpoint_rows = dict(rows)
+        self.shard_sizes = {name: r[1] for name, r in rows.items()}  # local rows of each shard
         self.shard_offsets: dict[str, int] = {}
         offset = 0
-        for name, size in shard_sizes.items():
+        for name, size in self.shard_sizes.items():
             self.shard_offsets[name] = offset
             offset += size
 
-    def load_shard(self, param_name: str, shard: str, tensor: torch.Tensor) -> None:
-        """Copy a checkpoint tensor (weight [size, in] or bias [size]) into its shard's rows."""
-        param = self.weight if param_name == "weight" else self.bias
-        if param is None:
-            raise ValueError(f"{param_name} given for a layer built without one")
-        start, size = self.shard_offsets[shard], self.shard_sizes[shard]
-        target = param.data[start:start + size]
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise ValueError(f"shard {shard!r} {param_name}: checkpoint shape {tuple(tensor.shape)}, "
-                             f"model expects {tuple(target.shape)}")
-        target.copy_(tensor)
+    def load_weight(self, param_name: str, tensor: Weight, shard: str | None = None) -> None:
+        if shard is None:
+            raise ValueError(f"{param_name}: a merged layer loads one shard at a time ({', '.join(self.shard_sizes)})")
+        self.load_shard(param_name, shard, tensor)
+
+    def load_shard(self, param_name: str, shard: str, tensor: Weight) -> None:
+        """Copy this rank's rows of a checkpoint tensor (weight [size, in] or bias [size]) into its shard."""
+        start, size, full = self.checkpoint_rows[shard]
+        target = self._target(param_name)[self.shard_offsets[shard]:self.shard_offsets[shard] + size]
+        what = f"shard {shard!r} {param_name}"
+        shape = shape_of(tensor)
+        if size == full or not shape or shape[0] != full:  # one rank, or a wrong shape: _copy names it
+            _copy(target, materialize(tensor), what)
+        else:
+            _copy(target, narrow(tensor, 0, start, size), what)
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return out.split(list(self.shard_sizes.values()), dim=-1)
+
+
+class QKVLinear(MergedLinear):
+    """q, k and v projections by heads: rank r holds query heads [r*H/N, (r+1)*H/N) and the KV
+    heads they read (kv_head_range); local head counts in num_heads / num_kv_heads."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *, bias: bool,
+                 dtype: torch.dtype, device: torch.device | str | None = None):
+        tp = get_tp_group()
+        q_start, q_heads = even_split(num_heads, tp.size, tp.rank, "num_attention_heads")
+        kv_start, kv_heads = kv_head_range(num_kv_heads, tp.size, tp.rank)
+        self.num_heads, self.num_kv_heads = q_heads, kv_heads
+        q = (q_start * head_dim, q_heads * head_dim, num_heads * head_dim)
+        kv = (kv_start * head_dim, kv_heads * head_dim, num_kv_heads * head_dim)
+        self._init_shards(hidden_size, {"q": q, "k": kv, "v": kv}, bias=bias, dtype=dtype, device=device)
+
+
+class RowParallelLinear(Linear):
+    """Input columns split across ranks (in_features is the full size); output summed over them."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype,
+                 device: torch.device | str | None = None):
+        tp = get_tp_group()
+        self.in_start, local_in = even_split(in_features, tp.size, tp.rank, "row-parallel input features")
+        super().__init__(local_in, out_features, bias=bias, dtype=dtype, device=device)
+
+    @property
+    def adds_bias(self) -> bool:
+        """Whether this rank adds the bias (and a fused residual): rank 0 only, summed once."""
+        return self.tp.rank == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias if self.adds_bias else None)
+        return self.tp.all_reduce(y)
+
+    def load_weight(self, param_name: str, tensor: Weight, shard: str | None = None) -> None:
+        shape = shape_of(tensor)
+        if param_name == "weight" and self.tp.size > 1 and len(shape) == 2 and shape[1] == self.in_features * self.tp.size:
+            _copy(self._target("weight"), narrow(tensor, 1, self.in_start, self.in_features), "weight")
+        else:
+            super().load_weight(param_name, tensor, shard)

@@ -8,10 +8,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ferrox.distributed.parallel_state import get_tp_group
 from ferrox.loader.errors import ModelLoadError
 from ferrox.loader.model_config import load_model_spec, read_json
 from ferrox.loader.source import ModelSource
-from ferrox.model_spec import ModelSpec
+from ferrox.model_spec import ModelSpec, UnsupportedModelError
 
 __all__ = ["load_model_spec", "load_model", "load_generation_config", "LOAD_FORMATS"]
 
@@ -39,6 +40,10 @@ def load_model(source: ModelSource, spec: ModelSpec, *, dtype: torch.dtype, devi
 
     cls = get_model_class([spec.architecture])
     device = torch.device(device)
+    tp = get_tp_group()
+    if tp.size > 1 and not getattr(cls, "supports_tensor_parallel", False):
+        raise UnsupportedModelError(f"architecture {spec.architecture!r} does not support tensor_parallel_size > 1 "
+                                    f"(got {tp.size})")
     if load_format == "gguf":
         # Check quantization types before allocating anything: fail fast with the type's name.
         from ferrox.loader.gguf_file import open_gguf
@@ -53,7 +58,8 @@ def load_model(source: ModelSource, spec: ModelSpec, *, dtype: torch.dtype, devi
         elif load_format == "pt":
             model.load_weights(weights.iter_torch_bin(source.path))
         else:
-            model.load_weights(weights.iter_safetensors(source.path))
+            # Under tensor parallelism each rank reads only its shard of every tensor.
+            model.load_weights(weights.iter_safetensors(source.path, lazy=tp.size > 1))
         finalize = getattr(model, "finalize_weights", None)
         if finalize is not None:
             finalize()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -47,8 +48,12 @@ def safetensors_files(folder: str) -> list[str]:
                              "for random weights)")
 
 
-def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(folder: str, *, lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """lazy: yield CheckpointSlices (distributed/sharding.py) that read only the part a
+    tensor-parallel rank asks for, instead of whole tensors."""
     from safetensors import safe_open
+
+    from ferrox.distributed.sharding import CheckpointSlice
 
     for path in safetensors_files(folder):
         try:
@@ -57,6 +62,9 @@ def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
             raise ModelLoadError(f"cannot read safetensors file {path}: {e} (truncated or corrupt?)") from e
         with handle as f:
             for name in f.keys():
+                if lazy:
+                    yield name, CheckpointSlice(f.get_slice(name))
+                    continue
                 try:
                     tensor = f.get_tensor(name)
                 except Exception as e:

@@ -13,6 +13,7 @@ fused kernels and computes the logits.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,12 +21,15 @@ from torch import nn
 from ferrox.attention.backend import AttentionBackend, get_attention_backend
 from ferrox.attention.decode_path import OneTokenLayer
 from ferrox.attention.metadata import AttentionMetadata
+from ferrox.distributed.parallel_state import get_tp_group
+from ferrox.distributed.sharding import check_tp_shapes, materialize
 from ferrox.kernels import select_kernels
 from ferrox.layers.activation import SiluAndMul
 from ferrox.layers.layernorm import RMSNorm
-from ferrox.layers.linear import Linear, MergedLinear
+from ferrox.layers.linear import Linear, MergedLinear, QKVLinear, RowParallelLinear
 from ferrox.layers.ops import DeviceOps, Rope, for_device
 from ferrox.layers.rotary import RotaryEmbedding
+from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
 
 # HF checkpoint names folded into a merged layer: (merged module, shard name).
@@ -44,12 +48,14 @@ class LlamaAttention(nn.Module):
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype, device, *,
                  qkv_bias: bool, o_bias: bool, qk_norm: bool):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.head_dim = spec.head_dim
         self.scale = self.head_dim ** -0.5
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(spec.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias,
-                                     dtype=dtype, device=device)
-        self.o_proj = Linear(q_size, spec.hidden_size, bias=o_bias, dtype=dtype, device=device)
+        # Under tensor parallelism this rank's heads only (layers/linear.py QKVLinear).
+        self.qkv_proj = QKVLinear(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, bias=qkv_bias,
+                                  dtype=dtype, device=device)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=o_bias, dtype=dtype,
+                                        device=device)
         # Qwen3: RMSNorm over each head's q and k before rotary.
         self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, dtype, device, ops) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, dtype, device, ops) if qk_norm else None
@@ -81,7 +87,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedLinear(spec.hidden_size, {"gate": inter, "up": inter}, bias=spec.mlp_bias,
                                          dtype=dtype, device=device)
         self.act = SiluAndMul(ops)
-        self.down_proj = Linear(inter, spec.hidden_size, bias=spec.mlp_bias, dtype=dtype, device=device)
+        self.down_proj = RowParallelLinear(inter, spec.hidden_size, bias=spec.mlp_bias, dtype=dtype, device=device)
 
     def forward(self, x):
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -103,7 +109,7 @@ class LlamaDecoderLayer(nn.Module):
         return OneTokenLayer(input_norm=self.input_layernorm, qkv_proj=attn.qkv_proj, o_proj=attn.o_proj,
                              post_norm=self.post_attention_layernorm, gate_up_proj=mlp.gate_up_proj,
                              down_proj=mlp.down_proj, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
-                             head_dim=attn.head_dim, scale=attn.scale)
+                             head_dim=attn.head_dim, scale=attn.scale, tp=attn.o_proj.tp)
 
     def forward(self, x, residual, rope: Rope, kv_cache, meta):
         if residual is None:
@@ -120,8 +126,7 @@ class LlamaModel(nn.Module):
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype, device, *, qkv_bias,
                  o_bias, qk_norm):
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
         layers = [LlamaDecoderLayer(spec, backend, ops, dtype, device, qkv_bias=qkv_bias, o_bias=o_bias,
                                     qk_norm=qk_norm) for _ in range(spec.num_layers)]
         self.layers = nn.ModuleList(layers)
@@ -153,6 +158,9 @@ class LlamaForCausalLM(nn.Module):
     # Architecture switches the Qwen subclasses flip.
     qkv_bias_always = False  # Qwen2: q/k/v carry a bias whatever attention_bias says
     qk_norm = False  # Qwen3: per-head RMSNorm of q and k
+    # Every layer is a parallel layer: tensor_parallel_size > 1 shards it (subclasses that add
+    # layers of their own, e.g. experts, set False until those are sharded too).
+    supports_tensor_parallel = True
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
@@ -160,6 +168,7 @@ class LlamaForCausalLM(nn.Module):
         interpreter); by default the device's (kernels.select_kernels)."""
         super().__init__()
         self.spec = spec
+        check_tp_shapes(spec, get_tp_group().size)
         self.kernels = select_kernels(device, kernels)
         self.ops = for_device(device, self.kernels)
         self.backend = get_attention_backend(device, self.kernels)
@@ -169,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
         if spec.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype, device=device)
+            self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
 
         # Column-major copy of a tied lm_head on CPU (finalize_weights); a buffer so .to() moves it.
         self.register_buffer("lm_head_colmajor", None, persistent=False)
@@ -190,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
         if not self.ops.column_major_weights:
             return
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, ParallelLMHead)):
                 module.weight.data = module.weight.data.t().contiguous().t()
         if self.lm_head is None:
             self.lm_head_colmajor = self.model.embed_tokens.weight.data.t().contiguous().t()
@@ -205,11 +214,13 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits of the given rows (the decode path may run a one-row lm_head fused)."""
-        return self.model.decode_path.logits(hidden, self.lm_head_weight)
+        """float32 logits of the given rows (the decode path may run a one-row lm_head fused); under
+        tensor parallelism each rank computes its vocabulary rows and every rank gets all of them."""
+        return self.model.embed_tokens.gather_logits(self.model.decode_path.logits(hidden, self.lm_head_weight))
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named checkpoint tensors in; every parameter must be set exactly once."""
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Copy HF-named checkpoint tensors in (torch tensors, or safetensors slices read lazily so
+        that a tensor-parallel rank reads only its shard); every parameter must be set exactly once."""
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
         expected = set(params)
@@ -218,10 +229,10 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, MergedLinear):
                 expected.discard(f"{name}.weight")
                 expected.discard(f"{name}.bias")
-                for shard in module.shard_sizes:
-                    expected.add(f"{name}.weight#{shard}")
+                for shard_name in module.shard_sizes:
+                    expected.add(f"{name}.weight#{shard_name}")
                     if module.bias is not None:
-                        expected.add(f"{name}.bias#{shard}")
+                        expected.add(f"{name}.bias#{shard_name}")
         loaded: set[str] = set()
         unexpected: list[str] = []
         for name, tensor in weights:
@@ -231,27 +242,28 @@ class LlamaForCausalLM(nn.Module):
                 continue  # tied: some checkpoints store the copy anyway
             prefix, _, leaf = name.rpartition(".")
             parent, _, proj = prefix.rpartition(".")
+            shard: str | None = None
             if proj in _MERGED:
                 merged, shard = _MERGED[proj]
                 module = modules.get(f"{parent}.{merged}")
                 if not isinstance(module, MergedLinear):
                     unexpected.append(name)
                     continue
-                try:
-                    module.load_shard(leaf, shard, tensor)
-                except ValueError as e:
-                    raise ModelLoadError(f"tensor {name!r}: {e}") from e
                 key = f"{parent}.{merged}.{leaf}#{shard}"
             else:
-                param = params.get(name)
-                if param is None:
+                module = modules.get(prefix)
+                if name not in params or module is None:
                     unexpected.append(name)
                     continue
-                if tuple(param.shape) != tuple(tensor.shape):
-                    raise ModelLoadError(f"tensor {name!r}: checkpoint shape {tuple(tensor.shape)}, model expects "
-                                         f"{tuple(param.shape)} (config.json does not match the weights?)")
-                param.data.copy_(tensor)
                 key = name
+            try:
+                load = getattr(module, "load_weight", None)
+                if load is not None:
+                    load(leaf, tensor, shard)
+                else:  # norms: replicated, loaded whole
+                    _copy_whole(params[name], materialize(tensor))
+            except ValueError as e:
+                raise ModelLoadError(f"tensor {name!r}: {e} (config.json does not match the weights?)") from e
             loaded.add(key)
         if unexpected:
             raise ModelLoadError(f"checkpoint has {len(unexpected)} tensor(s) this {self.spec.architecture} does not "
@@ -260,6 +272,12 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): "
                                  f"{', '.join(sorted(m.replace('#', ' shard ') for m in missing)[:8])}")
+
+
+def _copy_whole(param: torch.Tensor, tensor: torch.Tensor) -> None:
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ValueError(f"checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
+    param.data.copy_(tensor)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

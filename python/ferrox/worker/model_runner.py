@@ -30,12 +30,15 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from ferrox.distributed.parallel_state import TPGroup, get_tp_group
+from ferrox.distributed.step_channel import SHUTDOWN, STEP, StepChannel
 from ferrox.layers.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, compute_logprobs
 from ferrox.sampling_params import SamplingParams
 from ferrox.step_types import Logprobs
 from ferrox.worker.input_batch import InFlight, InputBatch
+from ferrox.worker.model_forward import ModelForward, step_arrays
 from ferrox.worker.request_state import RequestState
-from ferrox.worker.step_inputs import Uploader, attention_metadata
+from ferrox.worker.step_inputs import Uploader
 
 logger = logging.getLogger(__name__)
 
@@ -91,12 +94,19 @@ class ModelRunner:
         eos_token_ids: list[int],
         device: torch.device,
         seed: int = 0,
+        tp: TPGroup | None = None,
     ) -> None:
+        """tp: the tensor-parallel group when the model is sharded; this runner is its driver
+        (rank 0) and sends every step to the other ranks (distributed/step_channel.py) before
+        running its own shard."""
         self.model = model
         self.kv_caches = kv_caches
         self.vocab_size = vocab_size
         self.device = device
         self._upload = Uploader(device)
+        self.tp = tp or get_tp_group()
+        self.forward = ModelForward(model, kv_caches, device, self.tp, self._upload)
+        self.channel = StepChannel(self.tp) if self.tp.size > 1 else None
         self.input_batch = InputBatch(vocab_size, eos_token_ids, device, upload=self._upload)
         default_gen = torch.Generator(device=device)
         default_gen.manual_seed(seed)
@@ -108,24 +118,21 @@ class ModelRunner:
         self.sampler = Sampler(default_gen, top_k_top_p_kernel)
         self._host_tokens: list[torch.Tensor] = []  # two pinned [max batch] buffers (GPU), by step parity
         self._step_parity = 0
-        # Decode-only steps replay captured CUDA graphs when set (worker/cuda_graphs.py; see
-        # capture_cuda_graphs). None: always eager (CPU, --enforce-eager).
-        self.graph_runner: Any = None
+
+    @property
+    def graph_runner(self) -> Any:
+        return self.forward.graph_runner
 
     def capture_cuda_graphs(self, *, max_num_seqs: int, max_model_len: int, block_size: int) -> float | None:
-        """Capture decode graphs for the batch-size ladder; returns seconds, or None if it failed
-        (logged; the engine then runs eagerly)."""
-        from ferrox.worker.cuda_graphs import CudaGraphRunner
+        """Capture decode graphs for the batch-size ladder (ModelForward.capture_cuda_graphs)."""
+        return self.forward.capture_cuda_graphs(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                                block_size=block_size)
 
-        try:
-            runner = CudaGraphRunner(self.model, self.kv_caches, max_num_seqs=max_num_seqs,
-                                     max_model_len=max_model_len, block_size=block_size, device=self.device)
-            seconds = runner.capture()
-        except Exception:
-            logger.exception("CUDA graph capture failed; decode steps run eagerly")
-            return None
-        self.graph_runner = runner
-        return seconds
+    def shutdown(self) -> None:
+        """Release the other tensor-parallel ranks from their step loop."""
+        if self.channel is not None:
+            self.channel.send(SHUTDOWN)
+            self.channel = None
 
     # ---- persistent batch -------------------------------------------------------------------------
     def add_request(self, slot: int, req_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -150,36 +157,30 @@ class ModelRunner:
         """Queue one step's inputs, forward pass and logits without waiting. prev: the step still
         in flight when `so` was scheduled with keep_in_flight (its sampled ids feed the -1 holes)."""
         self._upload.next_step()
-        upload = self._upload
-        qsl_np = so.query_start_loc
-        attn = attention_metadata(so, upload)
         slots = np.asarray(so.req_slots, dtype=np.int32)
-        input_ids_np = so.input_ids
-        input_ids, positions = upload("input_ids", input_ids_np), upload("positions", so.positions)
-        holes = np.flatnonzero(input_ids_np < 0)
-        if holes.size:
+        prompt_jobs = self._prompt_logprobs_jobs(slots, so) if self.input_batch.wants_prompt_logprobs[slots].any() \
+            else []
+        prompt_rows = np.array([(job[2], job[3]) for job in prompt_jobs], dtype=np.int64).reshape(-1, 2)
+        if self.channel is not None:
+            self.channel.send(STEP, step_arrays(so, prompt_rows))
+
+        def fill_holes(input_ids: torch.Tensor, holes: np.ndarray) -> None:
             if prev is None or prev.sampled is None:
                 raise RuntimeError("input id -1 (a placeholder) in a step scheduled without one in flight")
-            rows = np.searchsorted(qsl_np, holes, side="right") - 1
+            rows = np.searchsorted(so.query_start_loc, holes, side="right") - 1
             row_of_slot = np.full(int(max(slots.max(), prev.slots.max())) + 1, -1, dtype=np.int64)
             row_of_slot[prev.slots] = np.arange(prev.slots.size)
             src = row_of_slot[slots[rows]]
             if (src < 0).any():
                 raise RuntimeError("a placeholder's request was not in the step in flight")
-            input_ids.index_copy_(0, upload("placeholder_pos", holes),
-                                  prev.sampled.token_ids.index_select(0, upload("placeholder_src", src)))
-        if self.graph_runner is not None and self.graph_runner.can_run(attn):
-            hidden = self.graph_runner.run(input_ids, positions, attn)  # valid until the next run
-        else:
-            hidden = self.model.forward(input_ids, positions, self.kv_caches, attn)
-        logits = self.model.compute_logits(hidden.index_select(0, upload("logits_indices", so.logits_indices)))
-        chunks: list[_PromptLogprobsChunk] = []
-        if self.input_batch.wants_prompt_logprobs[slots].any():
-            # Now, not in finish(): a CUDA-graph replay of the next step overwrites `hidden`.
-            chunks = self._prompt_logprobs(hidden, slots, so)
+            input_ids.index_copy_(0, self._upload("placeholder_pos", holes),
+                                  prev.sampled.token_ids.index_select(0, self._upload("placeholder_src", src)))
+
+        result = self.forward.run(so, prompt_rows, fill_holes)
+        chunks = self._prompt_logprobs(prompt_jobs, result.prompt_logits)
         sample_mask = np.asarray(so.sample_mask, dtype=np.bool_)
-        return StepHandle(so, slots, upload("slots", slots), self.input_batch.generation[slots],
-                          sample_mask, logits, chunks)
+        return StepHandle(so, slots, self._upload("slots", slots), self.input_batch.generation[slots],
+                          sample_mask, result.logits, chunks)
 
     @torch.inference_mode()
     def prepare_sampling(self, handle: StepHandle, in_flight: InFlight | None = None) -> None:
@@ -318,26 +319,36 @@ class ModelRunner:
             )
 
     # ---- prompt logprobs --------------------------------------------------------------------------------
-    def _prompt_logprobs(self, hidden: torch.Tensor, slots: npt.NDArray[np.int32], so: Any) -> list[_PromptLogprobsChunk]:
-        """Logits of prompt position p score prompt token p + 1; only requests that asked pay."""
+    def _prompt_logprobs_jobs(self, slots: npt.NDArray[np.int32], so: Any) -> list[tuple[RequestState, int, int, int]]:
+        """(state, start_pos, first hidden row, rows) per request that asked for prompt logprobs
+        and has prompt positions in this step: logits of prompt position p score token p + 1."""
         qsl = so.query_start_loc.tolist()
         computed = so.num_computed_tokens.tolist()
-        chunks: list[_PromptLogprobsChunk] = []
-        for k, i in enumerate(np.flatnonzero(self.input_batch.wants_prompt_logprobs[slots]).tolist()):
+        jobs: list[tuple[RequestState, int, int, int]] = []
+        for i in np.flatnonzero(self.input_batch.wants_prompt_logprobs[slots]).tolist():
             state = self.input_batch.states[int(slots[i])]
             acc = state.prompt_logprobs if state is not None else None
             if state is None or acc is None or acc.emitted:
                 continue
-            prompt = state.prompt_token_ids
             start_pos = computed[i]
-            end_pos = min(start_pos + qsl[i + 1] - qsl[i], len(prompt) - 1)
-            if end_pos > start_pos:
-                rows = torch.arange(qsl[i], qsl[i] + end_pos - start_pos, device=hidden.device)
-                logits = self.model.compute_logits(hidden.index_select(0, rows))
-                targets = self._upload(f"prompt_targets_{k}", np.array(prompt[start_pos + 1 : end_pos + 1], dtype=np.int64))
-                lp = _logprobs_to_host(compute_logprobs(logits, targets, acc.num_top))
+            end_pos = min(start_pos + qsl[i + 1] - qsl[i], len(state.prompt_token_ids) - 1)
+            # (0 rows: nothing left to score, a 1-token prompt or the last chunk's last token only)
+            jobs.append((state, start_pos, qsl[i], max(0, end_pos - start_pos)))
+        return jobs
+
+    def _prompt_logprobs(self, jobs: list[tuple[RequestState, int, int, int]],
+                         logits: list[torch.Tensor]) -> list[_PromptLogprobsChunk]:
+        chunks: list[_PromptLogprobsChunk] = []
+        for k, ((state, start_pos, _, count), job_logits) in enumerate(zip(jobs, logits, strict=True)):
+            acc = state.prompt_logprobs
+            assert acc is not None
+            if count:
+                prompt = state.prompt_token_ids
+                targets = self._upload(f"prompt_targets_{k}",
+                                       np.array(prompt[start_pos + 1 : start_pos + 1 + count], dtype=np.int64))
+                lp = _logprobs_to_host(compute_logprobs(job_logits, targets, acc.num_top))
                 chunks.append(_PromptLogprobsChunk(state, start_pos, lp))
-            else:  # nothing left to score (a 1-token prompt, or the last chunk's last token only)
+            else:
                 chunks.append(_PromptLogprobsChunk(state, start_pos, None))
         return chunks
 

@@ -21,6 +21,7 @@ import torch
 
 from ferrox.attention.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from ferrox.config import CPU_DEFAULT_MAX_MODEL_LEN, EngineConfig
+from ferrox.distributed.parallel_state import TPGroup, get_tp_group, use_tp_group
 from ferrox.loader.model_loader import load_generation_config, load_model, load_model_spec
 from ferrox.loader.source import ModelSource, resolve_model
 from ferrox.loader.tokenizer import load_tokenizer
@@ -73,10 +74,17 @@ def resolve_max_model_len(config: EngineConfig, spec: Any, device: torch.device)
     return config.max_model_len
 
 
-def load_everything(config: EngineConfig) -> LoadedModel:
+def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_index: int | None = None) -> LoadedModel:
+    """Every rank of a tensor-parallel model runs this, in the same order (its profiling and
+    warm-up forwards are collectives). tp: the rank's group (None: one rank). device_index: the
+    rank's CUDA device (default: its rank)."""
+    tp = tp or get_tp_group()
     device = torch.device(config.resolved_device())
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device: 'cuda' was requested but torch sees no CUDA device")
+    if device.type == "cuda" and tp.size > 1:
+        device = torch.device("cuda", tp.rank if device_index is None else device_index)
+        torch.cuda.set_device(device)
     threads = CpuThreadGovernor(config.num_threads) if device.type == "cpu" else None
     source = resolve_model(config.model)
     tok_source = resolve_model(config.tokenizer) if config.tokenizer is not None else source
@@ -86,18 +94,20 @@ def load_everything(config: EngineConfig) -> LoadedModel:
     max_model_len = resolve_max_model_len(config, spec, device)
     max_num_seqs = config.resolved_max_num_seqs(device.type)
     max_num_batched_tokens = config.resolved_max_num_batched_tokens(device.type)
-    model = _shared_model(source, spec, dtype, device, config.load_format, config.seed)
+    with use_tp_group(tp):
+        model = _shared_model(source, spec, dtype, device, config.load_format, config.seed, tp)
     generation_defaults = dict(load_generation_config(source) or {})
     eos = _eos_token_ids(tokenizer, generation_defaults)
 
-    per_block = kv_cache_bytes_per_block(spec, config.block_size, dtype)
+    per_block = kv_cache_bytes_per_block(spec, config.block_size, dtype, tp.size)
     if device.type == "cpu":
         kv_bytes = config.resolved_cpu_kv_cache_memory()
     else:
         kv_bytes = config.kv_cache_memory or profile_gpu_kv_budget(
-            model, spec, dtype, device, config, max_num_batched_tokens, max_num_seqs
+            model, spec, dtype, device, config, max_num_batched_tokens, max_num_seqs, tp.size
         )
-    num_blocks = kv_bytes // per_block + 1  # + the null block, which holds nothing
+    # Every rank holds the same block ids (of its own KV heads): the smallest budget decides.
+    num_blocks = tp.min_int(kv_bytes // per_block + 1)  # + the null block, which holds nothing
     if num_blocks < 2:
         raise ValueError(
             f"kv_cache_memory: {kv_bytes} bytes do not hold one KV block ({per_block} bytes at block_size "
@@ -108,7 +118,7 @@ def load_everything(config: EngineConfig) -> LoadedModel:
             "the KV cache holds %d tokens, fewer than max_model_len=%d: one long request cannot finish alone",
             (num_blocks - 1) * config.block_size, max_model_len,
         )
-    kv_caches = allocate_kv_caches(spec, num_blocks, config.block_size, dtype, device)
+    kv_caches = allocate_kv_caches(spec, num_blocks, config.block_size, dtype, device, tp.size)
     return LoadedModel(
         source=source, device=device, dtype=dtype, tokenizer=tokenizer, spec=spec, model=model,
         kv_caches=kv_caches, num_blocks=num_blocks, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -124,8 +134,8 @@ _MODELS: weakref.WeakValueDictionary[tuple[Any, ...], Any] = weakref.WeakValueDi
 
 
 def _shared_model(source: ModelSource, spec: Any, dtype: torch.dtype, device: torch.device, load_format: str,
-                  seed: int) -> Any:
-    key = (source.path, _mtime(source.path), str(dtype), str(device), load_format, seed)
+                  seed: int, tp: TPGroup) -> Any:
+    key = (source.path, _mtime(source.path), str(dtype), str(device), load_format, seed, tp.rank, tp.size)
     model = _MODELS.get(key)
     if model is None:
         model = load_model(source, spec, dtype=dtype, device=device, load_format=load_format, seed=seed)
@@ -168,16 +178,18 @@ def profile_gpu_kv_budget(
     config: EngineConfig,
     num_tokens: int,
     num_seqs: int,
+    tp_size: int = 1,
 ) -> int:
     """Run one forward pass at the largest step size and return the bytes left for the KV cache."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    scratch, hidden, logits = profile_forward(model, spec, dtype, device, config.block_size, num_tokens, num_seqs)
+    scratch, hidden, logits = profile_forward(model, spec, dtype, device, config.block_size, num_tokens, num_seqs,
+                                              tp_size)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     scratch_bytes = sum(t.numel() * t.element_size() for t in scratch)
     del scratch, hidden, logits
-    _compile_first_request_kernels(model, spec, dtype, device, config.block_size)
+    _compile_first_request_kernels(model, spec, dtype, device, config.block_size, tp_size)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     budget = int(config.gpu_memory_utilization * total) - (peak - scratch_bytes)
@@ -204,6 +216,7 @@ def profile_forward(
     block_size: int,
     num_tokens: int,
     num_seqs: int,
+    tp_size: int = 1,
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """The profiling pass: a forward over a dummy prefill step of num_tokens tokens in (up to)
     num_seqs requests, scheduled by a throwaway core scheduler (worker/dummy_batch.py) over a
@@ -211,7 +224,7 @@ def profile_forward(
     the sampler's largest temporary. Returns (scratch KV caches, hidden states, logits); runs on
     any device (the memory accounting around it is the caller's)."""
     step = prefill_step(num_tokens, num_seqs, block_size)
-    scratch = allocate_kv_caches(spec, step.num_blocks, block_size, dtype, device)
+    scratch = allocate_kv_caches(spec, step.num_blocks, block_size, dtype, device, tp_size)
     t = upload_step(step.so, Uploader(device))
     hidden = model.forward(t.input_ids, t.positions, scratch, t.meta)
     logits = model.compute_logits(hidden.index_select(0, t.logits_indices))
@@ -221,7 +234,7 @@ def profile_forward(
 
 @torch.inference_mode()
 def _compile_first_request_kernels(model: Any, spec: Any, dtype: torch.dtype, device: torch.device,
-                                   block_size: int) -> None:
+                                   block_size: int, tp_size: int = 1) -> None:
     """Compile now what the first request would otherwise wait ~1 s for (Triton JIT): a dummy
     decode step of batch 1 (the one-token kernels of an eager decode), its one-row logits kernel
     (kernels/gemv.py; runs outside the CUDA graphs) and the sampler's one-pass draw. Measured on
@@ -229,7 +242,7 @@ def _compile_first_request_kernels(model: Any, spec: Any, dtype: torch.dtype, de
     from ferrox.kernels.exponential_race import exponential_race
 
     step = decode_step(1, 2, block_size)
-    scratch = allocate_kv_caches(spec, step.num_blocks, block_size, dtype, device)  # a few blocks
+    scratch = allocate_kv_caches(spec, step.num_blocks, block_size, dtype, device, tp_size)  # a few blocks
     t = upload_step(step.so, Uploader(device))
     hidden = model.forward(t.input_ids, t.positions, scratch, t.meta)
     row_logits = model.compute_logits(hidden.index_select(0, t.logits_indices))

@@ -1,0 +1,90 @@
+"""A tensor-parallel rank other than the driver: load its shard, then run every step the driver
+broadcasts until told to stop.
+
+It runs the same start-up as the driver (worker/model_setup.load_everything: load, profile,
+agree on the KV block count, warm up; then CUDA-graph capture), so the collectives inside line
+up rank for rank, and then the same forward code (worker/model_forward.py) for each step.
+
+Started as `python -m ferrox.executor.worker_main CONFIG_JSON RANK SIZE INIT_METHOD` by the mp
+executor (a fresh interpreter: no re-import of the user's __main__, no fork of a CUDA process),
+or by calling `run_worker` inside a Ray actor.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+import torch
+
+from ferrox.config import EngineConfig
+from ferrox.distributed.parallel_state import destroy_tp_group, init_tp_group
+from ferrox.distributed.step_channel import SHUTDOWN, StepChannel
+from ferrox.worker.model_forward import ModelForward, StepArrays
+from ferrox.worker.model_setup import load_everything
+from ferrox.worker.step_inputs import Uploader
+
+logger = logging.getLogger("ferrox.executor.worker")
+
+
+def run_worker(config: EngineConfig, rank: int, size: int, init_method: str, device_index: int | None = None) -> None:
+    tp = init_tp_group(rank, size, init_method, config.resolved_device())
+    try:
+        loaded = load_everything(config, tp, device_index)
+        forward = ModelForward(loaded.model, loaded.kv_caches, loaded.device, tp, Uploader(loaded.device))
+        if loaded.device.type == "cuda" and not config.enforce_eager:
+            forward.capture_cuda_graphs(max_num_seqs=loaded.max_num_seqs, max_model_len=loaded.max_model_len,
+                                        block_size=config.block_size)
+        logger.info("tensor-parallel rank %d/%d ready on %s", rank, size, loaded.device)
+        _step_loop(forward, StepChannel(tp))
+    finally:
+        destroy_tp_group(tp)
+
+
+def _step_loop(forward: ModelForward, channel: StepChannel) -> None:
+    # The Uploader alternates two pinned buffer sets; nothing here reads results back, so before
+    # staging step N this rank waits for step N-2's device work (its copies out of those buffers).
+    done: collections.deque[Any] = collections.deque()
+    cuda = forward.device.type == "cuda"
+    while True:
+        command, arrays = channel.recv()
+        if command == SHUTDOWN:
+            return
+        if cuda and len(done) >= 2:
+            done.popleft().synchronize()
+        forward.upload.next_step()
+        step = StepArrays(arrays)
+        forward.run(step, step.prompt_rows)
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+            done.append(event)
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the driver's process dies, however it dies (no orphaned ranks)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def main(argv: list[str]) -> int:
+    config_json, rank, size, init_method = argv[0], int(argv[1]), int(argv[2]), argv[3]
+    _die_with_parent()
+    logging.basicConfig(level=os.environ.get("FERROX_WORKER_LOG_LEVEL", "WARNING"),
+                        format=f"%(asctime)s %(levelname)s [tp rank {rank}] %(name)s: %(message)s")
+    run_worker(EngineConfig(**json.loads(config_json)), rank, size, init_method)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

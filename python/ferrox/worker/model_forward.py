@@ -1,0 +1,121 @@
+"""One rank's forward pass of a scheduled step: inputs to the device, the model (a CUDA graph or
+eager), the logits of the rows that need them.
+
+The same code runs on every tensor-parallel rank, so the ranks issue the same collectives in the
+same order: the driver (rank 0) calls it from the model runner with the core's SchedulerOutput;
+the other ranks call it with the arrays the driver broadcast (`step_arrays`). Anything a rank
+decides here (CUDA graph or eager, which rows get logits) follows from those arrays alone.
+
+Input ids of -1 are placeholders for tokens the previous step is still sampling (async
+scheduling). Only the driver has those tokens (it samples): it fills the holes on the device and,
+under tensor parallelism, broadcasts the finished input ids to the other ranks (NCCL, no host
+round trip).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ferrox.attention.metadata import AttentionMetadata
+from ferrox.distributed.parallel_state import TPGroup
+from ferrox.worker.step_inputs import Uploader, attention_metadata
+
+logger = logging.getLogger(__name__)
+
+# The SchedulerOutput arrays a forward pass reads (what the driver sends the other ranks).
+STEP_ARRAY_NAMES = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "num_scheduled_tokens",
+                    "block_table", "logits_indices")
+
+
+class StepArrays:
+    """A step as the non-driver ranks receive it: SchedulerOutput's array attributes by name,
+    plus `prompt_rows` ([k, 2] start, count: the hidden rows whose logits score prompt tokens)."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    num_scheduled_tokens: np.ndarray
+    block_table: np.ndarray
+    logits_indices: np.ndarray
+
+    def __init__(self, arrays: dict[str, np.ndarray]) -> None:
+        for name in STEP_ARRAY_NAMES:
+            setattr(self, name, arrays[name])
+        self.prompt_rows = arrays.get("prompt_rows", np.zeros((0, 2), dtype=np.int64))
+        self.num_tokens = int(self.input_ids.shape[0])
+
+
+def step_arrays(so: Any, prompt_rows: np.ndarray) -> dict[str, np.ndarray]:
+    arrays = {name: np.asarray(getattr(so, name)) for name in STEP_ARRAY_NAMES}
+    arrays["prompt_rows"] = prompt_rows
+    return arrays
+
+
+@dataclass(slots=True)
+class ForwardResult:
+    hidden: torch.Tensor  # [T, hidden]; a CUDA graph's static output: valid until the next run
+    logits: torch.Tensor  # float32 [len(logits_indices), vocab]
+    prompt_logits: list[torch.Tensor]  # one [count, vocab] per prompt_rows entry
+    meta: AttentionMetadata
+
+
+class ModelForward:
+    def __init__(self, model: Any, kv_caches: list[torch.Tensor], device: torch.device, tp: TPGroup,
+                 upload: Uploader) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.device = device
+        self.tp = tp
+        self.upload = upload
+        # Decode-only steps replay captured CUDA graphs when set (worker/cuda_graphs.py). None: eager.
+        self.graph_runner: Any = None
+
+    def capture_cuda_graphs(self, *, max_num_seqs: int, max_model_len: int, block_size: int) -> float | None:
+        """Capture decode graphs for the batch-size ladder; returns seconds, or None if it failed
+        (logged; the engine then runs eagerly). Under tensor parallelism every rank captures the
+        same ladder, all-reduces included."""
+        from ferrox.worker.cuda_graphs import CudaGraphRunner
+
+        try:
+            runner = CudaGraphRunner(self.model, self.kv_caches, max_num_seqs=max_num_seqs,
+                                     max_model_len=max_model_len, block_size=block_size, device=self.device)
+            seconds = runner.capture()
+        except Exception:
+            if self.tp.size > 1:
+                raise  # the other ranks would wait in a collective this rank never joins
+            logger.exception("CUDA graph capture failed; decode steps run eagerly")
+            return None
+        self.graph_runner = runner
+        return seconds
+
+    @torch.inference_mode()
+    def run(self, step: Any, prompt_rows: np.ndarray,
+            fill_holes: Callable[[torch.Tensor, np.ndarray], None] | None = None) -> ForwardResult:
+        """step: a SchedulerOutput or StepArrays. fill_holes(input_ids, hole_positions): the
+        driver's filler of placeholder ids (None on the other ranks)."""
+        upload = self.upload
+        meta = attention_metadata(step, upload)
+        input_ids_np = step.input_ids
+        input_ids, positions = upload("input_ids", input_ids_np), upload("positions", step.positions)
+        holes = np.flatnonzero(input_ids_np < 0)
+        if holes.size:
+            if fill_holes is not None:
+                fill_holes(input_ids, holes)
+            self.tp.broadcast(input_ids)
+        if self.graph_runner is not None and self.graph_runner.can_run(meta):
+            hidden = self.graph_runner.run(input_ids, positions, meta)
+        else:
+            hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+        logits = self.model.compute_logits(hidden.index_select(0, upload("logits_indices", step.logits_indices)))
+        # Now, not later: a CUDA-graph replay of the next step overwrites `hidden`.
+        prompt_logits = [self.model.compute_logits(hidden[int(start):int(start) + int(count)])
+                         for start, count in prompt_rows.tolist()]
+        return ForwardResult(hidden, logits, prompt_logits, meta)
