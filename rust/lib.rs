@@ -1,6 +1,6 @@
 //! ferrox's engine bookkeeping: KV block pool, prefix-hash cache, KV cache manager, request
-//! state and stop checks, the token-budget scheduler, the incremental detokenizer, and the
-//! columnar step results.
+//! state and stop checks, the token-budget scheduler, n-gram draft proposals for speculative
+//! decoding, the incremental detokenizer, and the columnar step results.
 //! The core modules never touch Python; the PyO3 glue lives in `py/` behind the "python"
 //! feature, so `cargo test --no-default-features` runs without libpython.
 
@@ -9,9 +9,11 @@ pub mod block_pool;
 pub mod detokenizer;
 pub mod error;
 pub mod kv_cache_manager;
+pub mod ngram;
 pub mod prefix_cache;
 pub mod request;
 pub mod scheduler;
+pub mod speculative;
 pub mod stats;
 pub mod step_outputs;
 

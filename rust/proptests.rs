@@ -662,3 +662,393 @@ proptest! {
         prop_assert_eq!(streamed, final_text);
     }
 }
+
+// ---- speculative decoding: drafts, variable accepted runs, rollback ---------------------------
+
+#[derive(Debug, Clone)]
+enum SpecOp {
+    /// A prompt with a repeating pattern, so n-gram lookup proposes drafts.
+    Add {
+        period: u8,
+        len: usize,
+        max_tokens: i64,
+        allow_drafts: bool,
+    },
+    /// schedule() + an update where request i accepts `accept[i % len]` of its drafts (capped)
+    /// and adds one token of `tokens` (cycled).
+    Step {
+        tokens: Vec<i64>,
+        accept: Vec<usize>,
+    },
+    /// schedule() whose model step fails: no update (the next schedule rolls it back).
+    Fail,
+    Abort {
+        index: usize,
+    },
+}
+
+fn spec_op() -> impl Strategy<Value = SpecOp> {
+    prop_oneof![
+        3 => (1u8..5, 1usize..40, 1i64..30, prop::bool::weighted(0.85)).prop_map(
+            |(period, len, max_tokens, allow_drafts)| SpecOp::Add { period, len, max_tokens, allow_drafts }
+        ),
+        8 => (
+            prop::collection::vec(prop_oneof![10 => 1000i64..1004, 3 => 3i64..50, 1 => Just(EOS)], 1..6),
+            prop::collection::vec(0usize..6, 1..5),
+        ).prop_map(|(tokens, accept)| SpecOp::Step { tokens, accept }),
+        1 => Just(SpecOp::Fail),
+        1 => (0usize..16).prop_map(|index| SpecOp::Abort { index }),
+    ]
+}
+
+/// Engine state for the speculative proptest: live requests and every request's output.
+#[derive(Default)]
+struct SpecEngine {
+    live: Vec<String>,
+    outputs: std::collections::HashMap<String, Vec<u32>>,
+    kv: KvShadow,
+}
+
+impl SpecEngine {
+    /// One step, checking the arrays (drafts after the last token, logits at every verify
+    /// position) and the K/V every request reads, then feeding a variable accepted run.
+    fn step(
+        &mut self,
+        s: &mut Scheduler,
+        c: &Cfg,
+        k: usize,
+        tokens: &[i64],
+        accept: &[usize],
+        fail: bool,
+    ) {
+        let out = s.schedule();
+        let a = &out.arrays;
+        let bs = c.block_size;
+        let n = out.req_ids.len();
+        assert_eq!(a.logits_start_loc.len(), n + 1);
+        assert_eq!(a.num_draft_tokens.len(), n);
+        let mut draft_off = 0;
+        let mut seqs = Vec::with_capacity(n);
+        for (r, id) in out.req_ids.iter().enumerate() {
+            let d = a.num_draft_tokens[r] as usize;
+            assert!(d <= k);
+            let drafts = &a.draft_token_ids[draft_off..draft_off + d];
+            draft_off += d;
+            let (lo, hi) = (
+                a.query_start_loc[r] as usize,
+                a.query_start_loc[r + 1] as usize,
+            );
+            // Logits at the last 1 + d positions; the drafts are the last d input ids.
+            let li = &a.logits_indices
+                [a.logits_start_loc[r] as usize..a.logits_start_loc[r + 1] as usize];
+            assert_eq!(
+                li,
+                &((hi - 1 - d) as i64..hi as i64).collect::<Vec<_>>()[..]
+            );
+            assert_eq!(&a.input_ids[hi - d..hi], drafts);
+            if d > 0 {
+                assert_eq!(hi - lo, 1 + d, "drafts only ride on a decode");
+                assert!(a.sample_mask[r]);
+            }
+            let mut seq = s.request_tokens(id);
+            seq.extend(drafts.iter().map(|&t| t as u32));
+            seqs.push(seq);
+        }
+        assert_eq!(draft_off, a.draft_token_ids.len());
+        assert!(out.num_tokens <= c.budget as usize, "token budget exceeded");
+        let digests: Vec<Vec<u64>> = seqs.iter().map(|t| prefix_digests(t)).collect();
+        if !fail {
+            for (r, d) in digests.iter().enumerate() {
+                for t in a.query_start_loc[r]..a.query_start_loc[r + 1] {
+                    self.kv.insert(
+                        a.slot_mapping[t as usize],
+                        d[a.positions[t as usize] as usize],
+                    );
+                }
+            }
+        }
+        // A failed step writes nothing here and reads nothing: the steps after it check that
+        // nothing they read depends on it.
+        for (r, d) in digests.iter().enumerate().filter(|_| !fail) {
+            let row = &a.block_table[r * a.max_blocks..(r + 1) * a.max_blocks];
+            for p in 0..a.seq_lens[r] as i64 {
+                let slot = row[(p / bs) as usize] as i64 * bs + p % bs;
+                assert_eq!(
+                    self.kv.get(&slot),
+                    Some(&d[p as usize]),
+                    "request {} reads wrong K/V at {p}",
+                    out.req_ids.get(r)
+                );
+            }
+        }
+        s.check_invariants();
+        if fail {
+            return;
+        }
+        // The verifier's answer: an accepted prefix of the drafts plus one token of its own.
+        let mut flat = Vec::new();
+        let mut counts = Vec::with_capacity(n);
+        let mut given: Vec<Vec<u32>> = Vec::with_capacity(n);
+        let mut draft_off = 0;
+        for r in 0..n {
+            let d = a.num_draft_tokens[r] as usize;
+            let drafts = &a.draft_token_ids[draft_off..draft_off + d];
+            draft_off += d;
+            let acc = accept[r % accept.len()].min(d);
+            let mut run: Vec<i64> = drafts[..acc].to_vec();
+            run.push(tokens[r % tokens.len()]);
+            counts.push(run.len() as i32);
+            given.push(run.iter().map(|&t| t as u32).collect());
+            flat.extend(run);
+        }
+        let before = s.stats();
+        let outs = s
+            .update_from_output_counts(&flat, Some(&counts), None)
+            .unwrap();
+        let after = s.stats();
+        for row in outs.rows() {
+            let r = out
+                .req_ids
+                .iter()
+                .position(|x| x == &*row.request_id)
+                .expect("row of the step");
+            assert!(a.sample_mask[r]);
+            // The row carries the accepted run, cut where a stop fired.
+            assert!(
+                given[r].starts_with(&row.new_token_ids),
+                "row tokens not a prefix of the run"
+            );
+            if row.finish_reason.is_none() {
+                assert_eq!(row.new_token_ids, given[r]);
+            }
+            let o = self.outputs.entry(row.request_id.to_string()).or_default();
+            o.extend(&row.new_token_ids);
+            assert_eq!(o.len(), row.num_output_tokens, "tokens lost or duplicated");
+            if row.finish_reason.is_some() {
+                self.live.retain(|x| **x != *row.request_id);
+            }
+        }
+        assert!(
+            after.num_accepted_tokens - before.num_accepted_tokens
+                <= after.num_draft_tokens - before.num_draft_tokens
+        );
+        assert_eq!(
+            after.num_accepted_tokens_per_pos.iter().sum::<u64>(),
+            after.num_accepted_tokens
+        );
+        s.check_invariants();
+    }
+}
+
+fn spec_prompt(period: u8, len: usize) -> Vec<u32> {
+    (0..len)
+        .map(|i| 1000 + (i % period as usize) as u32)
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+    /// N-gram speculation with random accepted lengths, failed steps, aborts and preemption
+    /// in tiny caches: the arrays are consistent, every request reads only its own tokens' K/V
+    /// (rejected drafts' K/V is never read as valid), no token is lost or duplicated, the
+    /// invariants hold after every operation, and when everything finishes no block leaks.
+    #[test]
+    fn speculation_with_variable_accepted_runs_keeps_the_invariants(
+        c in cfg(),
+        k in 1usize..5,
+        min_n in 1i64..3,
+        extra_n in 0i64..3,
+        ops in prop::collection::vec(spec_op(), 1..60),
+    ) {
+        let spec = crate::speculative::SpeculativeConfig::from_signed(k as i64, "ngram", min_n, min_n + extra_n).unwrap();
+        let config = SchedulerConfig::from_signed(
+            c.num_blocks, c.block_size, 128, c.max_num_seqs, c.budget, c.caching, c.policy, &[EOS],
+        ).unwrap().with_speculation(spec);
+        let mut s = Scheduler::new(config, None).unwrap();
+        let mut e = SpecEngine::default();
+        for (serial, op) in ops.iter().enumerate() {
+            match op {
+                SpecOp::Add { period, len, max_tokens, allow_drafts } => {
+                    let id = format!("r{serial}");
+                    let mut r = NewRequest::new(id.clone(), spec_prompt(*period, *len), *max_tokens);
+                    r.detokenize = false;
+                    r.allow_drafts = *allow_drafts;
+                    if s.add_request(r).is_ok() {
+                        e.live.push(id);
+                    }
+                }
+                SpecOp::Step { tokens, accept } => e.step(&mut s, &c, k, tokens, accept, false),
+                SpecOp::Fail => e.step(&mut s, &c, k, &[7], &[0], true),
+                SpecOp::Abort { index } => {
+                    if !e.live.is_empty() {
+                        let id = e.live.remove(index % e.live.len());
+                        s.abort_requests(&[id.as_str()]);
+                    }
+                }
+            }
+            s.check_invariants();
+        }
+        let mut steps = 0;
+        while s.has_unfinished_requests() {
+            e.step(&mut s, &c, k, &[1000, 1001, 1002], &[5, 1, 0], false);
+            steps += 1;
+            prop_assert!(steps < 5000, "requests never finished: {} left", s.num_unfinished_requests());
+        }
+        prop_assert!(e.live.is_empty());
+        prop_assert_eq!(s.num_free_blocks(), c.num_blocks as usize - 1, "blocks leaked");
+    }
+}
+
+#[derive(Debug, Clone)]
+enum AsyncSpecOp {
+    Add {
+        period: u8,
+        len: usize,
+        max_tokens: i64,
+    },
+    ScheduleAhead,
+    Schedule,
+    Update {
+        token: i64,
+        accept: usize,
+    },
+    Fail,
+    Abort {
+        index: usize,
+    },
+}
+
+fn async_spec_op() -> impl Strategy<Value = AsyncSpecOp> {
+    prop_oneof![
+        3 => (1u8..5, 1usize..30, 1i64..24).prop_map(|(period, len, max_tokens)| AsyncSpecOp::Add { period, len, max_tokens }),
+        4 => Just(AsyncSpecOp::ScheduleAhead),
+        2 => Just(AsyncSpecOp::Schedule),
+        6 => (prop_oneof![4 => 1000i64..1004, 1 => 3i64..50, 1 => Just(EOS)], 0usize..5)
+            .prop_map(|(token, accept)| AsyncSpecOp::Update { token, accept }),
+        1 => Just(AsyncSpecOp::Fail),
+        1 => (0usize..16).prop_map(|index| AsyncSpecOp::Abort { index }),
+    ]
+}
+
+/// A scheduled step as the engine remembers it: each row's request and drafts.
+type StepRows = Vec<(String, Vec<i64>)>;
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+    /// Async scheduling with n-gram drafts: a request with drafts in flight is never scheduled
+    /// again before its update, drafts never ride on a placeholder, every accepted run lands
+    /// exactly once, failed steps roll back, and nothing leaks.
+    #[test]
+    fn speculation_with_async_steps_keeps_the_invariants(
+        c in cfg(),
+        k in 1usize..4,
+        ops in prop::collection::vec(async_spec_op(), 1..80),
+    ) {
+        let spec = crate::speculative::SpeculativeConfig::from_signed(k as i64, "ngram", 1, 2).unwrap();
+        let config = SchedulerConfig::from_signed(
+            c.num_blocks, c.block_size, 128, c.max_num_seqs, c.budget, c.caching, c.policy, &[EOS],
+        ).unwrap().with_speculation(spec);
+        let mut s = Scheduler::new(config, None).unwrap();
+        let mut live: Vec<String> = Vec::new();
+        let mut in_flight: std::collections::VecDeque<StepRows> = Default::default();
+        let mut outputs: std::collections::HashMap<String, usize> = Default::default();
+        let mut failed = false;
+        let update = |s: &mut Scheduler, step: StepRows, token: i64, accept: usize,
+                      live: &mut Vec<String>, outputs: &mut std::collections::HashMap<String, usize>| {
+            let mut flat = Vec::new();
+            let mut counts = Vec::new();
+            for (_, drafts) in &step {
+                let a = accept.min(drafts.len());
+                flat.extend_from_slice(&drafts[..a]);
+                flat.push(token);
+                counts.push(a as i32 + 1);
+            }
+            let outs = s.update_from_output_counts(&flat, Some(&counts), None).unwrap();
+            for row in outs.rows() {
+                let n = outputs.entry(row.request_id.to_string()).or_default();
+                *n += row.new_token_ids.len();
+                assert_eq!(*n, row.num_output_tokens, "tokens lost or duplicated");
+                if row.finish_reason.is_some() {
+                    live.retain(|x| **x != *row.request_id);
+                }
+            }
+        };
+        for (serial, op) in ops.iter().enumerate() {
+            match op {
+                AsyncSpecOp::Add { period, len, max_tokens } => {
+                    let id = format!("r{serial}");
+                    let mut r = NewRequest::new(id.clone(), spec_prompt(*period, *len), *max_tokens);
+                    r.detokenize = false;
+                    if s.add_request(r).is_ok() {
+                        live.push(id);
+                    }
+                }
+                AsyncSpecOp::ScheduleAhead | AsyncSpecOp::Schedule => {
+                    let ahead = matches!(op, AsyncSpecOp::ScheduleAhead) && !std::mem::take(&mut failed);
+                    if !ahead || in_flight.len() >= 2 {
+                        in_flight.clear();
+                    }
+                    let out = s.schedule_step(ahead);
+                    let a = &out.arrays;
+                    let mut rows = Vec::new();
+                    let mut off = 0;
+                    for (r, id) in out.req_ids.iter().enumerate() {
+                        let d = a.num_draft_tokens[r] as usize;
+                        let drafts = a.draft_token_ids[off..off + d].to_vec();
+                        off += d;
+                        let (lo, hi) = (a.query_start_loc[r] as usize, a.query_start_loc[r + 1] as usize);
+                        prop_assert!(d == 0 || !a.input_ids[lo..hi].contains(&-1), "drafts on a placeholder");
+                        // A request with drafts in the step still in flight is not scheduled again.
+                        for prev in &in_flight {
+                            prop_assert!(!prev.iter().any(|(x, dr)| x == id && !dr.is_empty()),
+                                "{} scheduled with drafts in flight", id);
+                        }
+                        rows.push((id.to_string(), drafts));
+                    }
+                    if !rows.is_empty() {
+                        in_flight.push_back(rows);
+                    }
+                }
+                AsyncSpecOp::Update { token, accept } => {
+                    if failed {
+                        continue;
+                    }
+                    match in_flight.pop_front() {
+                        Some(step) => update(&mut s, step, *token, *accept, &mut live, &mut outputs),
+                        None => prop_assert!(s.update_from_output(&[], None).unwrap().is_empty()),
+                    }
+                }
+                AsyncSpecOp::Fail => {
+                    in_flight.clear();
+                    failed = true;
+                }
+                AsyncSpecOp::Abort { index } => {
+                    if !live.is_empty() {
+                        let id = live.remove(index % live.len());
+                        s.abort_requests(&[id.as_str()]);
+                    }
+                }
+            }
+            s.check_invariants();
+        }
+        let mut steps = 0;
+        while s.has_unfinished_requests() {
+            let out = s.schedule();
+            let mut rows = Vec::new();
+            let mut off = 0;
+            for (r, id) in out.req_ids.iter().enumerate() {
+                let d = out.arrays.num_draft_tokens[r] as usize;
+                rows.push((id.to_string(), out.arrays.draft_token_ids[off..off + d].to_vec()));
+                off += d;
+            }
+            update(&mut s, rows, 1001, 2, &mut live, &mut outputs);
+            s.check_invariants();
+            steps += 1;
+            prop_assert!(steps < 5000, "requests never finished");
+        }
+        prop_assert!(live.is_empty());
+        prop_assert_eq!(s.num_free_blocks(), c.num_blocks as usize - 1, "blocks leaked");
+    }
+}

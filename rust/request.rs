@@ -69,6 +69,9 @@ pub struct Request {
     /// scheduling: a step may be scheduled before the previous step's update_from_output).
     /// They count as tokens for scheduling; their input ids are filled in on the device.
     pub num_output_placeholders: usize,
+    /// Speculative decoding may propose tokens for this request (off, e.g., while a grammar
+    /// constrains it and the drafts are not checked against it).
+    pub allow_drafts: bool,
     pub limits: SamplingLimits,
     pub root_hash: BlockHash,
     /// Hash of every full block of `token_ids`.

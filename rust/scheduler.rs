@@ -4,6 +4,8 @@
 //! token, a prefill chunk as many as the budget allows), then waiting ones are admitted while
 //! the budget, `max_num_seqs` and the free blocks allow. When a running request cannot get a
 //! block, another running request is preempted (its blocks freed; it recomputes later).
+//! With speculative decoding a decode computes its last token plus drafts (`ngram.rs`, or
+//! drafts handed in), and the update rolls the rejected drafts' K/V back (`speculative.rs`).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -12,8 +14,10 @@ use crate::batch::{BatchArrays, BatchEntry, IdList, SchedulerOutput};
 use crate::detokenizer::{IncrementalDetokenizer, StopSet, TokenizerInfo};
 use crate::error::{invalid, CoreError, CoreResult};
 use crate::kv_cache_manager::{KvBlocks, KvCacheManager};
+use crate::ngram;
 use crate::prefix_cache::{extend_block_hashes, root_hash};
 use crate::request::{FinishReason, Request, RequestStatus, SamplingLimits};
+use crate::speculative::{ExternalDrafts, SpecMethod, SpeculativeConfig};
 use crate::stats::SchedulerStats;
 use crate::step_outputs::{RowInfo, StepOutputs, StepOutputsBuilder};
 
@@ -50,6 +54,8 @@ pub struct SchedulerConfig {
     pub enable_prefix_caching: bool,
     pub policy: Policy,
     pub eos_token_ids: Vec<u32>,
+    /// Off by default (`from_signed` leaves it off; set it with `with_speculation`).
+    pub spec: SpeculativeConfig,
 }
 
 impl SchedulerConfig {
@@ -96,7 +102,13 @@ impl SchedulerConfig {
             enable_prefix_caching,
             policy: policy.parse()?,
             eos_token_ids: eos,
+            spec: SpeculativeConfig::default(),
         })
+    }
+
+    pub fn with_speculation(mut self, spec: SpeculativeConfig) -> Self {
+        self.spec = spec;
+        self
     }
 }
 
@@ -137,6 +149,8 @@ pub struct NewRequest {
     pub cache_salt: Option<String>,
     pub lora_id: i64,
     pub wait_for_grammar: bool,
+    /// Speculative decoding may draft tokens for it (when the scheduler speculates at all).
+    pub allow_drafts: bool,
 }
 
 impl NewRequest {
@@ -157,6 +171,7 @@ impl NewRequest {
             cache_salt: None,
             lora_id: 0,
             wait_for_grammar: false,
+            allow_drafts: true,
         }
     }
 }
@@ -217,6 +232,8 @@ struct StepEntry {
     slot: usize,
     serial: u64,
     num_tokens: usize,
+    /// Of `num_tokens`, drafts after the request's last sampled token.
+    num_drafts: u32,
     sample: bool,
 }
 
@@ -230,6 +247,11 @@ pub struct Scheduler {
     /// the engine keys its per-request state by a small dense integer instead of a string.
     slab: Vec<Option<Request>>,
     slot_ids: SlotIds,
+    /// Drafts of each slot's step in flight (empty otherwise): its input ids after the last
+    /// sampled token, kept until that step's update checks the accepted ones against them.
+    /// Kept apart from `Request` so the requests' hot fields stay as dense as without
+    /// speculation.
+    drafts: Vec<Vec<u32>>,
     free_slots: Vec<usize>,
     by_id: HashMap<Arc<str>, usize>,
     /// Queue order: FCFS arrival (preempted ones back at the front), or (priority, arrival).
@@ -239,6 +261,11 @@ pub struct Scheduler {
     /// Steps scheduled whose update_from_output has not come yet, oldest first: one normally,
     /// two while async scheduling overlaps the next step with the current one.
     in_flight: VecDeque<Vec<StepEntry>>,
+    /// Blocks that requests preempted or aborted while a step of theirs was in flight had
+    /// registered in the prefix cache for that step. Their K/V exists only if the step
+    /// completes: a rollback treats them as unwritten (another request may have adopted one).
+    /// Forgotten once no step is in flight.
+    unwritten_if_rolled_back: Vec<u32>,
     finished_since_schedule: Vec<Arc<str>>,
     /// Longest prompt + output any request may reach: max_model_len, or less if the whole KV
     /// cache is smaller (otherwise such a request would wait or be preempted forever).
@@ -260,6 +287,7 @@ impl Scheduler {
         let stats = SchedulerStats {
             num_total_blocks: cfg.num_blocks,
             num_free_blocks: cfg.num_blocks - 1,
+            num_accepted_tokens_per_pos: vec![0; cfg.spec.num_speculative_tokens],
             ..Default::default()
         };
         Ok(Scheduler {
@@ -268,12 +296,14 @@ impl Scheduler {
             tokenizer,
             slab: Vec::new(),
             slot_ids: SlotIds::default(),
+            drafts: Vec::new(),
             free_slots: Vec::new(),
             by_id: HashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
             next_serial: 0,
             in_flight: VecDeque::new(),
+            unwritten_if_rolled_back: Vec::new(),
             finished_since_schedule: Vec::new(),
             max_total_len,
             stats,
@@ -396,6 +426,7 @@ impl Scheduler {
             num_computed_tokens: 0,
             num_cached_tokens: None,
             num_output_placeholders: 0,
+            allow_drafts: r.allow_drafts,
             limits: SamplingLimits {
                 max_tokens,
                 min_tokens: r.min_tokens as usize,
@@ -423,6 +454,9 @@ impl Scheduler {
                 self.slab.len() - 1
             }
         };
+        if self.drafts.len() < self.slab.len() {
+            self.drafts.resize_with(self.slab.len(), Vec::new);
+        }
         self.slot_ids.maybe_compact();
         self.slot_ids.set(slot, &id);
         self.by_id.insert(id, slot);
@@ -499,6 +533,7 @@ impl Scheduler {
     /// Frees a running request's blocks and sends it back to the waiting queue. It keeps its
     /// generated tokens; on resume it recomputes prompt + output (minus any prefix-cache hit).
     fn preempt(&mut self, slot: usize) {
+        self.note_in_flight_blocks(slot);
         let req = self.slab[slot].as_mut().expect("live slot");
         self.kv.free_preempted(&mut req.kv, req.num_computed_tokens);
         req.num_computed_tokens = 0;
@@ -506,6 +541,7 @@ impl Scheduler {
         // samples them again after recomputing.
         req.num_output_placeholders = 0;
         req.status = RequestStatus::Preempted;
+        self.drafts[slot].clear();
         self.stats.num_preemptions += 1;
         self.enqueue_waiting(slot, true);
     }
@@ -523,9 +559,36 @@ impl Scheduler {
     /// past its limit; one that stops in step N wastes one token of step N+1, which is dropped.
     /// At most one step stays in flight: with two undelivered, both are rolled back.
     pub fn schedule_step(&mut self, keep_in_flight: bool) -> SchedulerOutput {
+        self.schedule_with_drafts(keep_in_flight, None)
+    }
+
+    /// `schedule_step`, with speculative decoding (when configured): each running request in
+    /// the decode state (one known token to compute, no step of it in flight, drafts allowed)
+    /// gets up to num_speculative_tokens drafts, from `drafts` if it names the request's slot,
+    /// else from the n-gram proposer (method "ngram"). Drafts never take a request past
+    /// max_tokens or the length limit (all accepted plus the bonus token must fit), never
+    /// exceed the token budget, and never cause a preemption (without room for them the
+    /// request is scheduled without).
+    ///
+    /// Async scheduling: a request whose step with drafts is still in flight is not scheduled
+    /// in the next step (how many of its tokens exist is unknown until that step's update), and
+    /// a request with a sampled token in flight gets no drafts (its last token is a placeholder,
+    /// so there is nothing to match). Correct, but it halves a speculating request's step rate,
+    /// so engines speculate with synchronous steps.
+    pub fn schedule_with_drafts(
+        &mut self,
+        keep_in_flight: bool,
+        drafts: Option<&ExternalDrafts>,
+    ) -> SchedulerOutput {
         if !keep_in_flight || self.in_flight.len() >= 2 {
             self.roll_back_undelivered_steps();
         }
+        let spec = self.cfg.spec;
+        let spec_on = spec.enabled();
+        let external = match drafts {
+            Some(d) if spec.enabled() => d.by_slot(self.slab.len()),
+            _ => Vec::new(),
+        };
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut scheduled: Vec<(usize, usize)> = Vec::with_capacity(self.running.len() + 8);
         let mut preempted: Vec<usize> = Vec::new();
@@ -536,21 +599,61 @@ impl Scheduler {
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let slot = self.running[i];
-            let num_new = {
+            let (mut num_new, max_drafts) = {
                 let r = self.req(slot);
                 let pending = r.num_output_placeholders;
                 let at_limit = pending > 0
                     && (r.num_output_tokens() + pending >= r.limits.max_tokens
                         || r.num_tokens() + pending >= self.max_total_len);
-                if at_limit {
-                    0
+                // (Speculation's fields are read only when it is on: off, the loop touches what
+                // it did before.)
+                if at_limit || (spec_on && !self.drafts[slot].is_empty()) {
+                    (0, 0)
                 } else {
-                    (r.num_tokens() + pending - r.num_computed_tokens).min(budget)
+                    let n = (r.num_tokens() + pending - r.num_computed_tokens).min(budget);
+                    let decode = || {
+                        n == 1
+                            && pending == 0
+                            && r.num_computed_tokens + 1 == r.num_tokens()
+                            && r.num_output_tokens() > 0
+                    };
+                    let d = if spec_on && r.allow_drafts && decode() {
+                        // All d accepted plus the bonus token must stay within the limits.
+                        spec.num_speculative_tokens
+                            .min(budget - 1)
+                            .min(
+                                r.limits
+                                    .max_tokens
+                                    .saturating_sub(r.num_output_tokens() + 1),
+                            )
+                            .min(self.max_total_len.saturating_sub(r.num_tokens() + 1))
+                    } else {
+                        0
+                    };
+                    (n, d)
                 }
             };
             if num_new == 0 {
                 i += 1;
                 continue;
+            }
+            if max_drafts > 0 {
+                let req = self.slab[slot].as_ref().expect("live slot");
+                let out = &mut self.drafts[slot];
+                match external.get(slot).copied().flatten() {
+                    Some(d) => out.extend_from_slice(&d[..d.len().min(max_drafts)]),
+                    None if spec.method == SpecMethod::Ngram => {
+                        ngram::propose(
+                            &req.token_ids,
+                            spec.prompt_lookup_min,
+                            spec.prompt_lookup_max,
+                            max_drafts,
+                            out,
+                        );
+                    }
+                    None => {}
+                }
+                num_new += out.len();
             }
             let mut ok = false;
             loop {
@@ -565,18 +668,24 @@ impl Scheduler {
                     ok = true;
                     break;
                 }
+                if !self.drafts[slot].is_empty() {
+                    // Drafts are a bet, not a need: drop them rather than preempt for them.
+                    num_new -= self.drafts[slot].len();
+                    self.drafts[slot].clear();
+                    continue;
+                }
                 let vpos = self.pick_victim();
                 let victim = self.running.remove(vpos);
                 self.preempt(victim);
                 preempted.push(victim);
                 if vpos < i {
-                    // The victim was already scheduled this step: take its tokens back.
+                    // The victim came earlier in the running order: if it was scheduled this
+                    // step, take its tokens back. (It may have been passed over: at its length
+                    // limit with a step in flight, or with drafts in flight.)
                     i -= 1;
-                    let k = scheduled
-                        .iter()
-                        .position(|&(s, _)| s == victim)
-                        .expect("scheduled victim");
-                    budget += scheduled.remove(k).1;
+                    if let Some(k) = scheduled.iter().position(|&(s, _)| s == victim) {
+                        budget += scheduled.remove(k).1;
+                    }
                 }
                 if victim == slot {
                     break;
@@ -635,6 +744,7 @@ impl Scheduler {
         // 3. The flat arrays, then advance num_computed_tokens past this step's tokens.
         let bs = self.cfg.block_size;
         let slab = &self.slab;
+        let drafts = &self.drafts;
         let num_tokens: usize = scheduled.iter().map(|&(_, n)| n).sum();
         let max_blocks = scheduled
             .iter()
@@ -649,6 +759,7 @@ impl Scheduler {
                 num_computed_tokens: r.num_computed_tokens,
                 num_new_tokens: n,
                 num_placeholders: r.num_output_placeholders,
+                drafts: if spec_on { &drafts[slot] } else { &[] },
             }
         });
         let arrays = BatchArrays::build_sized(entries, bs, num_tokens, max_blocks);
@@ -664,7 +775,9 @@ impl Scheduler {
             r.num_computed_tokens += n;
             req_ids.push(self.slot_ids.get(slot));
             req_slots.push(slot as i32);
-            let sample = r.num_computed_tokens == r.num_tokens() + r.num_output_placeholders;
+            let num_drafts = if spec_on { self.drafts[slot].len() } else { 0 };
+            let sample =
+                r.num_computed_tokens == r.num_tokens() + r.num_output_placeholders + num_drafts;
             if sample {
                 r.num_output_placeholders += 1;
             }
@@ -672,6 +785,7 @@ impl Scheduler {
                 slot,
                 serial: r.serial,
                 num_tokens: n,
+                num_drafts: num_drafts as u32,
                 sample,
             });
         }
@@ -692,22 +806,66 @@ impl Scheduler {
         }
     }
 
-    /// Appends the sampled tokens of the oldest undelivered step, runs stop checks and
-    /// detokenization, and frees finished requests. Returns one row per request with news.
+    /// Appends the sampled tokens of the oldest undelivered step (one per request), runs stop
+    /// checks and detokenization, and frees finished requests. Returns one row per request with
+    /// news. With drafts in that step, one token per request means no draft was accepted.
     pub fn update_from_output(
         &mut self,
         sampled_token_ids: &[i64],
         force_stop: Option<&[bool]>,
     ) -> CoreResult<StepOutputs> {
+        self.update_from_output_counts(sampled_token_ids, None, force_stop)
+    }
+
+    /// `update_from_output` for a step with drafts: request i of the step's batch produced
+    /// `num_sampled_tokens[i]` tokens, the next ones of the flat `sampled_token_ids` (its
+    /// accepted drafts, then the correction or bonus token: 1..=1 + drafts; 0 or 1, ignored, for
+    /// a row that samples nothing). `None`: one token per request.
+    ///
+    /// Each token is appended, detokenized and stop-checked in order; a stop inside the run
+    /// ends the request there (the rest are dropped). The K/V of rejected drafts is un-counted
+    /// (their slots are overwritten by the next step) and blocks that only they needed go back
+    /// to the free queue; those blocks were never in the prefix cache (a block is cached only
+    /// when full of known tokens). `force_stop[i]` applies after request i's last token.
+    pub fn update_from_output_counts(
+        &mut self,
+        sampled_token_ids: &[i64],
+        num_sampled_tokens: Option<&[i32]>,
+        force_stop: Option<&[bool]>,
+    ) -> CoreResult<StepOutputs> {
         let n = self.in_flight.front().map_or(0, Vec::len);
-        if sampled_token_ids.len() != n {
-            return Err(invalid(
-                "sampled_token_ids",
-                format!(
-                    "expected {n} entries (num_reqs of the last schedule()), got {}",
-                    sampled_token_ids.len()
-                ),
-            ));
+        match num_sampled_tokens {
+            None if sampled_token_ids.len() != n => {
+                return Err(invalid(
+                    "sampled_token_ids",
+                    format!(
+                        "expected {n} entries (num_reqs of the last schedule()), got {}",
+                        sampled_token_ids.len()
+                    ),
+                ));
+            }
+            Some(c) if c.len() != n => {
+                return Err(invalid(
+                    "num_sampled_tokens",
+                    format!(
+                        "expected {n} entries (num_reqs of the last schedule()), got {}",
+                        c.len()
+                    ),
+                ));
+            }
+            Some(c) => {
+                let total: i64 = c.iter().map(|&x| x as i64).sum();
+                if total != sampled_token_ids.len() as i64 {
+                    return Err(invalid(
+                        "sampled_token_ids",
+                        format!(
+                            "expected sum(num_sampled_tokens) = {total} entries, got {}",
+                            sampled_token_ids.len()
+                        ),
+                    ));
+                }
+            }
+            None => {}
         }
         if let Some(f) = force_stop {
             if f.len() != n {
@@ -717,19 +875,91 @@ impl Scheduler {
                 ));
             }
         }
+        let count = |i: usize| num_sampled_tokens.map_or(1, |c| c[i] as usize);
         // Validate everything before changing anything.
-        if let Some(oldest) = self.in_flight.front() {
+        let oldest = self.in_flight.front();
+        if let (Some(oldest), None) = (oldest, num_sampled_tokens) {
+            // One token per request: always a valid count (even with drafts: none accepted).
             for (i, (e, &t)) in oldest.iter().zip(sampled_token_ids).enumerate() {
                 if e.sample && !is_token_id(t) {
                     token_id(&format!("sampled_token_ids[{i}]"), t)?;
                 }
             }
+        } else if let Some(oldest) = oldest {
+            let mut off = 0;
+            for (i, e) in oldest.iter().enumerate() {
+                let c = num_sampled_tokens.map_or(1, |c| c[i] as i64);
+                let max = if e.sample { 1 + e.num_drafts as i64 } else { 1 };
+                if c < i64::from(e.sample) || c > max {
+                    return Err(invalid(
+                        &format!("num_sampled_tokens[{i}]"),
+                        format!(
+                            "row {i} had {} drafts{}: expected {}..={max} tokens, got {c}",
+                            e.num_drafts,
+                            if e.sample { "" } else { " and samples nothing" },
+                            i64::from(e.sample)
+                        ),
+                    ));
+                }
+                let c = c as usize;
+                let row = &sampled_token_ids[off..off + c];
+                off += c;
+                if !e.sample {
+                    continue;
+                }
+                if let Some(j) = row.iter().position(|&t| !is_token_id(t)) {
+                    token_id(&format!("sampled_token_ids[{}]", off - c + j), row[j])?;
+                }
+                if c > 1 {
+                    // Accepted tokens are the drafts themselves: anything else would leave K/V
+                    // computed from the draft under a different token.
+                    if let Some(r) = self.slab[e.slot].as_ref() {
+                        let live = r.serial == e.serial && r.status == RequestStatus::Running;
+                        let accepted = row[..c - 1].iter().map(|&t| t as u32);
+                        let drafts = &self.drafts[e.slot];
+                        let drafts = &drafts[..(c - 1).min(drafts.len())];
+                        if live && !accepted.eq(drafts.iter().copied()) {
+                            return Err(invalid(
+                                "sampled_token_ids",
+                                format!(
+                                    "row {i}: the first {} tokens must be its drafts {drafts:?}, got {:?}",
+                                    c - 1,
+                                    &row[..c - 1]
+                                ),
+                            ));
+                        }
+                    }
+                }
+            }
         }
         let steps = self.in_flight.pop_front().unwrap_or_default();
+        if self.in_flight.is_empty() {
+            self.unwritten_if_rolled_back.clear();
+        }
+        let mut offsets = Vec::with_capacity(if num_sampled_tokens.is_some() { n } else { 0 });
+        if num_sampled_tokens.is_some() {
+            let mut off = 0;
+            for i in 0..n {
+                offsets.push(off);
+                off += count(i);
+            }
+        }
+        let row_tokens = |i: usize| -> &[i64] {
+            if num_sampled_tokens.is_some() {
+                &sampled_token_ids[offsets[i]..offsets[i] + count(i)]
+            } else {
+                &sampled_token_ids[i..i + 1]
+            }
+        };
         if let Some(t) = &self.tokenizer {
             // See TokenizerInfo::warm (measured: ~5% of a step at 256-1024 requests).
-            let sampled = steps.iter().zip(sampled_token_ids);
-            t.warm(sampled.filter(|(e, _)| e.sample).map(|(_, &t)| t as u32));
+            if num_sampled_tokens.is_none() {
+                let sampled = steps.iter().zip(sampled_token_ids);
+                t.warm(sampled.filter(|(e, _)| e.sample).map(|(_, &t)| t as u32));
+            } else {
+                let sampled = steps.iter().enumerate().filter(|(_, e)| e.sample);
+                t.warm(sampled.flat_map(|(i, _)| row_tokens(i).iter().map(|&t| t as u32)));
+            }
         }
         let mut outputs = StepOutputsBuilder::with_capacity(n);
         let mut any_finished = false;
@@ -748,11 +978,46 @@ impl Scheduler {
                 continue;
             }
             req.num_output_placeholders = req.num_output_placeholders.saturating_sub(1);
-            let token = sampled_token_ids[i] as u32;
+            let tokens = row_tokens(i);
             let fs = force_stop.is_some_and(|f| f[i]);
-            outputs.push_token(token);
-            let finish = req.append_token(token, eos, bs, max_total_len, fs, outputs.text_mut());
-            self.stats.num_generation_tokens += 1;
+            let finish = if let [t] = tokens {
+                // One token (no speculation, or nothing accepted): the plain path.
+                outputs.push_token(*t as u32);
+                self.stats.num_generation_tokens += 1;
+                let text = outputs.text_mut();
+                req.append_token(*t as u32, eos, bs, max_total_len, fs, text)
+            } else {
+                let mut finish = None;
+                for (j, &t) in tokens.iter().enumerate() {
+                    let token = t as u32;
+                    outputs.push_token(token);
+                    let last = j + 1 == tokens.len();
+                    let text = outputs.text_mut();
+                    finish = req.append_token(token, eos, bs, max_total_len, fs && last, text);
+                    self.stats.num_generation_tokens += 1;
+                    if finish.is_some() {
+                        break;
+                    }
+                }
+                finish
+            };
+            if e.num_drafts > 0 {
+                let d = e.num_drafts as usize;
+                let accepted = tokens.len() - 1;
+                let st = &mut self.stats;
+                st.num_drafts += 1;
+                st.num_draft_tokens += d as u64;
+                st.num_accepted_tokens += accepted as u64;
+                for n in st.num_accepted_tokens_per_pos.iter_mut().take(accepted) {
+                    *n += 1;
+                }
+                self.drafts[e.slot].clear();
+                if finish.is_none() {
+                    // The rejected drafts' K/V is not the sequence's: count it as not computed.
+                    req.num_computed_tokens -= d - accepted;
+                    self.kv.truncate(&mut req.kv, req.num_computed_tokens);
+                }
+            }
             let (finish_reason, stop_reason) = match finish {
                 Some((f, s)) => {
                     any_finished = true;
@@ -810,6 +1075,9 @@ impl Scheduler {
                         if e.sample {
                             r.num_output_placeholders -= 1;
                         }
+                        if e.num_drafts > 0 {
+                            self.drafts[e.slot].clear();
+                        }
                         // Blocks that became full in the step (registered in the cache then).
                         let first = r.num_computed_tokens / bs;
                         let end =
@@ -820,6 +1088,7 @@ impl Scheduler {
                 }
             }
         }
+        unwritten.append(&mut self.unwritten_if_rolled_back);
         unwritten.sort_unstable();
         unwritten.dedup();
         for &slot in &touched {
@@ -841,9 +1110,35 @@ impl Scheduler {
 
     /// Frees a finished request's blocks and forgets it; the runner hears of it in the next
     /// SchedulerOutput.finished_req_ids.
+    /// Before a request leaves the running set with steps in flight (preemption, abort),
+    /// remembers the blocks those steps filled: a rollback must not leave them in the prefix
+    /// cache, where their K/V would be missing.
+    fn note_in_flight_blocks(&mut self, slot: usize) {
+        if self.in_flight.is_empty() {
+            return;
+        }
+        let r = self.req(slot);
+        let in_flight: usize = self
+            .in_flight
+            .iter()
+            .flatten()
+            .filter(|e| e.slot == slot && e.serial == r.serial)
+            .map(|e| e.num_tokens)
+            .sum();
+        if in_flight == 0 {
+            return;
+        }
+        let bs = self.cfg.block_size;
+        let first = (r.num_computed_tokens - in_flight) / bs;
+        let end = (r.num_computed_tokens / bs).min(r.kv.blocks.len());
+        let blocks = r.kv.blocks[first.min(end)..end].to_vec();
+        self.unwritten_if_rolled_back.extend(blocks);
+    }
+
     fn release(&mut self, slot: usize) {
         let mut req = self.slab[slot].take().expect("live slot");
         self.slot_ids.remove(slot);
+        self.drafts[slot].clear();
         self.kv.free(&mut req.kv);
         self.by_id.remove(&req.id);
         self.free_slots.push(slot);
@@ -860,6 +1155,7 @@ impl Scheduler {
             };
             let status = self.req(slot).status;
             if status == RequestStatus::Running {
+                self.note_in_flight_blocks(slot);
                 let pos = self
                     .running
                     .iter()
@@ -986,10 +1282,36 @@ impl Scheduler {
                 RequestStatus::Finished(_) => panic!("finished request {} still live", r.id),
             }
             assert!(r.num_tokens() <= self.max_total_len);
+            let drafts = &self.drafts[slot];
+            if !drafts.is_empty() {
+                assert_eq!(
+                    r.status,
+                    RequestStatus::Running,
+                    "{}: drafts off the running set",
+                    r.id
+                );
+                assert!(
+                    r.num_tokens() + drafts.len() < self.max_total_len,
+                    "{}: drafts past the length limit",
+                    r.id
+                );
+                assert!(self
+                    .in_flight
+                    .iter()
+                    .flatten()
+                    .any(|e| e.slot == slot && e.num_drafts as usize == drafts.len()));
+            }
             for &b in &r.kv.blocks {
                 assert_ne!(b, crate::block_pool::NULL_BLOCK);
                 owners[b as usize] += 1;
             }
+        }
+        for (slot, d) in self.drafts.iter().enumerate() {
+            let live = self.slab.get(slot).is_some_and(Option::is_some);
+            assert!(
+                live || d.is_empty(),
+                "slot {slot}: drafts without a request"
+            );
         }
         let mut owned = 0;
         for (b, &n) in owners.iter().enumerate().skip(1) {
@@ -1413,6 +1735,32 @@ mod tests {
         s.add_request(req("c", 9, 1)).unwrap();
         assert_eq!(s.schedule().arrays.num_computed_tokens, vec![9, 9, 8]);
         s.check_invariants();
+    }
+
+    #[test]
+    fn a_request_aborted_in_a_failed_step_leaves_no_unwritten_block_in_the_cache() {
+        for preempt_instead in [false, true] {
+            let mut s = sched(64, 4, 64, "fcfs");
+            s.add_request(req("a", 9, 2)).unwrap();
+            s.schedule_step(true); // registers a's two full blocks; the step then fails
+            if preempt_instead {
+                // (preemption is internal; the same bookkeeping runs for it)
+                let slot = s.by_id["a"];
+                s.running.retain(|&x| x != slot);
+                s.preempt(slot);
+            } else {
+                s.abort_requests(&["a"]);
+            }
+            s.add_request(req("b", 9, 1)).unwrap();
+            let out = s.schedule();
+            // The first request scheduled (a resumed, or b) finds nothing cached; after a
+            // resumed, b shares what a computes in this step.
+            assert_eq!(
+                out.arrays.num_computed_tokens[0], 0,
+                "a's K/V was never written"
+            );
+            s.check_invariants();
+        }
     }
 
     #[test]

@@ -18,4 +18,12 @@ pub struct SchedulerStats {
     pub num_prompt_tokens: u64,
     /// Tokens appended by update_from_output (cumulative).
     pub num_generation_tokens: u64,
+    /// Speculative decoding (cumulative, vLLM's names): verified steps of a request that had
+    /// drafts, their drafts, the drafts accepted, and how often the draft at each position
+    /// (0-based, up to num_speculative_tokens) was accepted. Mean acceptance length
+    /// = 1 + num_accepted_tokens / num_drafts.
+    pub num_drafts: u64,
+    pub num_draft_tokens: u64,
+    pub num_accepted_tokens: u64,
+    pub num_accepted_tokens_per_pos: Vec<u64>,
 }

@@ -122,8 +122,17 @@ def _non_default(name: str) -> list[tuple[list[str], Any]]:
     return [([flag, "some-value"], "some-value")]
 
 
+# Flags ferrox takes with vLLM's spelling but only at their default value: anything else is
+# refused by name at start-up (never accepted and ignored).
+DEFAULT_ONLY = {"pipeline_parallel_size": "2"}
+
+
 @pytest.mark.parametrize("name", list(FIELDS))
 def test_each_flag_round_trips(name):
+    if name in DEFAULT_ONLY:
+        with pytest.raises(ValueError, match=name):
+            parse(cli.flag_name(name), DEFAULT_ONLY[name])
+        return
     for argv, expected in _non_default(name):
         assert expected != FIELDS[name].default
         config = parse(*argv)

@@ -95,11 +95,26 @@ class SchedulerOutput:
         """[num_reqs, max_blocks] block ids per request; padded with the null block (id 0)."""
     @property
     def logits_indices(self) -> npt.NDArray[np.int64]:
-        """[num_reqs] flat index (into input_ids) of each request's last scheduled token."""
+        """[num_reqs + sum(num_draft_tokens)] flat indices (into input_ids) of the tokens whose logits
+        the runner computes: each request's last scheduled token, or, for a request with d drafts, its
+        last 1 + d tokens (the verify positions, in order). Without drafts: [num_reqs], one per request."""
+    @property
+    def logits_start_loc(self) -> npt.NDArray[np.int32]:
+        """[num_reqs + 1] request i's rows of logits_indices are logits_start_loc[i]:logits_start_loc[i + 1]
+        (1 + num_draft_tokens[i] rows; the last one is its bonus position). Without drafts: 0..num_reqs."""
     @property
     def sample_mask(self) -> npt.NDArray[np.bool_]:
-        """[num_reqs] True where this step reaches the end of the request's known tokens, so the
-        sampled token is kept; False for a partial prefill chunk (its sample is ignored)."""
+        """[num_reqs] True where this step reaches the end of the request's known tokens (drafts
+        included), so the sampled token(s) are kept; False for a partial prefill chunk (its sample is
+        ignored)."""
+    @property
+    def num_draft_tokens(self) -> npt.NDArray[np.int32]:
+        """[num_reqs] speculative drafts scheduled after each request's last sampled token (0 without
+        speculation). A request with d > 0 drafts is a decode of 1 + d tokens: input_ids holds its last
+        sampled token then the d drafts, each with its position and KV slot."""
+    @property
+    def draft_token_ids(self) -> npt.NDArray[np.int64]:
+        """[sum(num_draft_tokens)] every request's drafts, batch order (the same ids as in input_ids)."""
 
 FINISH_REASONS: tuple[None, str, str, str, str]
 """(None, "stop", "length", "abort", "error"): the meaning of StepOutputs.finish_reasons codes. The
@@ -166,6 +181,12 @@ class SchedulerStats:
     num_scheduled_tokens: int  # last step
     num_prompt_tokens: int  # cumulative tokens of prompt scheduled (prefill work)
     num_generation_tokens: int  # cumulative tokens appended by update_from_output
+    # Speculative decoding (cumulative, vLLM's spec_decode names). num_drafts: verified steps of a
+    # request with drafts; mean acceptance length = 1 + num_accepted_tokens / num_drafts.
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int  # drafts accepted by the verifier (before any stop cut the run)
+    num_accepted_tokens_per_pos: list[int]  # [num_speculative_tokens] acceptances of the draft at each position
 
 class Scheduler:
     """Not for concurrent use: one engine thread drives it (construction, schedule, update and a
@@ -184,6 +205,10 @@ class Scheduler:
         policy: str = "fcfs",
         tokenizer_json: str | None = None,
         eos_token_ids: Sequence[int] = (),
+        num_speculative_tokens: int = 0,
+        speculative_method: str = "ngram",
+        prompt_lookup_min: int = 1,
+        prompt_lookup_max: int = 5,
     ) -> None:
         """num_blocks includes the null block (id 0), which is never handed out.
         policy: 'fcfs' or 'priority' (lower priority value first, then arrival order).
@@ -192,13 +217,20 @@ class Scheduler:
         The longest prompt + output any request may reach is min(max_model_len, the whole KV
         cache: (num_blocks - 1) * block_size); max_tokens is clipped to it.
         Prefix caching may share a block that another request computes in the same step: the
-        runner must write the K/V of every scheduled token of a layer before that layer's attention."""
+        runner must write the K/V of every scheduled token of a layer before that layer's attention.
+        Speculative decoding (off with num_speculative_tokens=0): each running request in the decode
+        state gets up to num_speculative_tokens drafts per step. speculative_method 'ngram': proposed in
+        the core by prompt lookup (vLLM's semantics: the longest suffix of prompt + output, between
+        prompt_lookup_min and prompt_lookup_max tokens, that occurred earlier, its earliest occurrence;
+        the tokens after it); 'draft_model': only drafts passed to schedule()."""
     @property
     def block_size(self) -> int: ...
     @property
     def num_blocks(self) -> int: ...
     @property
     def max_model_len(self) -> int: ...
+    @property
+    def num_speculative_tokens(self) -> int: ...
     def add_request(
         self,
         request_id: str,
@@ -216,6 +248,7 @@ class Scheduler:
         cache_salt: str | None = None,
         lora_id: int = 0,
         wait_for_grammar: bool = False,
+        allow_drafts: bool = True,
     ) -> int:
         """Queue a request; returns its slot: a small integer naming it in SchedulerOutput.req_slots
         and StepOutputs.slots. A request keeps its slot while it lives (waiting, running,
@@ -225,12 +258,21 @@ class Scheduler:
         to at least min_tokens tokens; a stop string may begin in earlier output (it is held back,
         not streamed) and is trimmed as usual, but one completed before that never fires.
         Releases the GIL for long prompts (>= 16384 tokens) while their blocks are hashed.
-        wait_for_grammar: keep it waiting (other requests run) until grammar_ready() names it."""
+        wait_for_grammar: keep it waiting (other requests run) until grammar_ready() names it.
+        allow_drafts: False keeps speculative decoding off for this request (e.g. while a grammar
+        constrains it and drafts are not checked against the grammar)."""
     def grammar_ready(self, request_ids: Sequence[str]) -> None: ...
     def abort_requests(self, request_ids: Sequence[str]) -> StepOutputs:
         """Abort live requests (unknown ids are ignored); frees their blocks at once and returns a
         row (finish_reason 3 'abort', no tokens, no text) for each one that was live."""
-    def schedule(self, *, keep_in_flight: bool = False) -> SchedulerOutput:
+    def schedule(
+        self,
+        *,
+        keep_in_flight: bool = False,
+        draft_slots: npt.NDArray[np.int32] | npt.NDArray[np.int64] | Sequence[int] | None = None,
+        draft_token_ids: npt.NDArray[np.int32] | npt.NDArray[np.int64] | Sequence[int] | None = None,
+        draft_offsets: npt.NDArray[np.int32] | npt.NDArray[np.int64] | Sequence[int] | None = None,
+    ) -> SchedulerOutput:
         """Decide one step. Normally each schedule() with num_reqs > 0 is followed by one
         update_from_output(). If it is not (the model step failed), the next schedule() counts that
         step's tokens as not computed and schedules them again.
@@ -238,17 +280,39 @@ class Scheduler:
         update_from_output() will come after this call; its sampled tokens are placeholders, given as
         input id -1 (the runner fills them from the previous step's sampled tokens on the device).
         Updates then come in schedule order. At most one step stays in flight (with two undelivered,
-        both are rolled back)."""
+        both are rolled back).
+        draft_slots / draft_token_ids / draft_offsets (all or none; speculation on): drafts made outside
+        the core (a draft model) for this step: slot draft_slots[i] proposes
+        draft_token_ids[draft_offsets[i]:draft_offsets[i + 1]]. They replace the n-gram proposal for
+        those requests, are cut to num_speculative_tokens and the limits, and are dropped for a request
+        that is not in the decode state this step (prefilling, a step of it in flight, drafts not
+        allowed) or not live.
+        Drafts never push a request past max_tokens or the length limit (all accepted plus one more
+        token fit), count against max_num_batched_tokens, and never cause a preemption (without room
+        for them the request runs without). With keep_in_flight, a request with a sampled token in
+        flight gets no drafts, and one whose step with drafts is in flight is left out of this step
+        (its length is unknown until that update): correct, but a speculating request then runs every
+        other step, so speculate with synchronous steps."""
     def update_from_output(
         self,
-        sampled_token_ids: npt.NDArray[np.int64],
+        sampled_token_ids: npt.NDArray[np.int64] | npt.NDArray[np.int32],
         force_stop: npt.NDArray[np.bool_] | None = None,
+        *,
+        num_sampled_tokens: npt.NDArray[np.int32] | npt.NDArray[np.int64] | None = None,
     ) -> StepOutputs:
         """sampled_token_ids: [num_reqs] (int64 or int32) of the oldest step not yet updated, in its
         batch order; entries where sample_mask is False are ignored. force_stop: [num_reqs], True
         finishes the request with 'stop' after appending its token (a completed grammar).
         Returns one row per request with news; requests aborted or preempted since that step was
-        scheduled have none."""
+        scheduled have none.
+        num_sampled_tokens (speculative decoding): [num_reqs] tokens each request produced, and
+        sampled_token_ids is then flat, request after request: its accepted drafts (which must equal its
+        drafts) then the correction or bonus token, so 1..=1 + num_draft_tokens[i] tokens (0 or 1,
+        ignored, where sample_mask is False). Without it, one token per request (none of any drafts
+        accepted). Every token is appended, detokenized and stop-checked in order; a stop inside the
+        run ends the request there (the row carries the tokens up to it). The K/V of rejected drafts
+        is un-counted: their slots are overwritten by the next step; blocks only they needed are freed.
+        force_stop[i] applies after request i's last token."""
     def has_unfinished_requests(self) -> bool: ...
     def num_unfinished_requests(self) -> int: ...
     def reset_prefix_cache(self) -> bool:

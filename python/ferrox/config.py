@@ -110,6 +110,9 @@ class EngineConfig:
     distributed_executor_backend: str | None = _opt(
         "how tensor-parallel workers are started", choices=EXECUTOR_BACKENDS,
         default_help="mp when tensor_parallel_size > 1, else uni")
+    disable_log_stats: bool = _opt(
+        "turn off the periodic engine stats log line (throughput, running/waiting, KV usage, prefix-cache hit "
+        "rate; every 10 s while busy)", False)
 
     def __post_init__(self) -> None:
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype

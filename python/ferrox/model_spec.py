@@ -14,10 +14,31 @@ from typing import TYPE_CHECKING, Any
 
 from ferrox.errors import ModelLoadError, UnsupportedModelError
 
-__all__ = ["ModelLoadError", "ModelSpec", "UnsupportedModelError"]
+__all__ = ["ModelLoadError", "ModelSpec", "MoeSpec", "UnsupportedModelError"]
 
 if TYPE_CHECKING:  # torch stays unimported: loader.source and loader.errors must load without it
     import torch
+
+
+@dataclass(frozen=True, slots=True)
+class MoeSpec:
+    """The mixture-of-experts part of a config (Qwen2-MoE, Qwen3-MoE, Mixtral).
+
+    A decoder layer is sparse unless listed in mlp_only_layers, and only every
+    decoder_sparse_step-th layer is (Qwen); dense layers use ModelSpec.intermediate_size.
+    Whether top-k weights are renormalised is each family's rule: norm_topk_prob is what the
+    config says (Mixtral has no such field and always renormalises)."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    intermediate_size: int  # of one expert
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one always-on expert, 0 = none
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
 
 @dataclass(slots=True)
@@ -40,4 +61,5 @@ class ModelSpec:
     attention_bias: bool = False
     mlp_bias: bool = False
     hidden_act: str = "silu"
+    moe: MoeSpec | None = None  # set for mixture-of-experts configs
     extra: dict[str, Any] = field(default_factory=dict)

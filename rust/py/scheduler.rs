@@ -7,6 +7,7 @@ use super::stats::PySchedulerStats;
 use super::step_outputs::PyStepOutputs;
 use crate::error::invalid;
 use crate::scheduler::{NewRequest, Scheduler, SchedulerConfig};
+use crate::speculative::{ExternalDrafts, SpeculativeConfig};
 
 /// The engine's scheduler: one `schedule()` and one `update_from_output()` per step.
 #[pyclass(name = "Scheduler", module = "ferrox._core")]
@@ -21,6 +22,11 @@ const DETACH_MIN_PROMPT_TOKENS: usize = 16 * 1024;
 
 /// Sampled ids as i64: an int64 or int32 numpy array (or a list, for tests).
 fn extract_sampled(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+    extract_ints("sampled_token_ids", obj)
+}
+
+/// A 1-D int64 or int32 numpy array (or a list of ints) as i64.
+fn extract_ints(field: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
         return Ok(match a.as_slice() {
             Ok(s) => s.to_vec(),
@@ -32,7 +38,7 @@ fn extract_sampled(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     }
     if let Ok(a) = obj.cast::<numpy::PyUntypedArray>() {
         return Err(invalid(
-            "sampled_token_ids",
+            field,
             format!(
                 "expected a 1-D int64 array, got dtype {} with {} dims",
                 a.dtype(),
@@ -42,7 +48,20 @@ fn extract_sampled(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
         .into());
     }
     obj.extract::<Vec<i64>>()
-        .map_err(|_| invalid("sampled_token_ids", "expected a 1-D int64 numpy array").into())
+        .map_err(|_| invalid(field, "expected a 1-D int64 numpy array").into())
+}
+
+/// Per-row counts as i32 (values are checked against the step by the core).
+fn extract_counts(field: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
+    extract_ints(field, obj)?
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| {
+            i32::try_from(c).map_err(|_| {
+                invalid(&format!("{field}[{i}]"), format!("{c} is out of range")).into()
+            })
+        })
+        .collect()
 }
 
 fn extract_force_stop(obj: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
@@ -67,6 +86,10 @@ impl PyScheduler {
         policy="fcfs",
         tokenizer_json=None,
         eos_token_ids=Vec::new(),
+        num_speculative_tokens=0,
+        speculative_method="ngram",
+        prompt_lookup_min=1,
+        prompt_lookup_max=5,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -80,7 +103,17 @@ impl PyScheduler {
         policy: &str,
         tokenizer_json: Option<&str>,
         eos_token_ids: Vec<i64>,
+        num_speculative_tokens: i64,
+        speculative_method: &str,
+        prompt_lookup_min: i64,
+        prompt_lookup_max: i64,
     ) -> PyResult<Self> {
+        let spec = SpeculativeConfig::from_signed(
+            num_speculative_tokens,
+            speculative_method,
+            prompt_lookup_min,
+            prompt_lookup_max,
+        )?;
         let cfg = SchedulerConfig::from_signed(
             num_blocks,
             block_size,
@@ -90,7 +123,8 @@ impl PyScheduler {
             enable_prefix_caching,
             policy,
             &eos_token_ids,
-        )?;
+        )?
+        .with_speculation(spec);
         let inner = py.detach(|| Scheduler::new(cfg, tokenizer_json))?;
         Ok(PyScheduler { inner })
     }
@@ -110,6 +144,11 @@ impl PyScheduler {
         self.inner.config().max_model_len
     }
 
+    #[getter]
+    fn num_speculative_tokens(&self) -> usize {
+        self.inner.config().spec.num_speculative_tokens
+    }
+
     #[pyo3(signature = (
         request_id,
         prompt_token_ids,
@@ -126,6 +165,7 @@ impl PyScheduler {
         cache_salt=None,
         lora_id=0,
         wait_for_grammar=false,
+        allow_drafts=true,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
@@ -145,6 +185,7 @@ impl PyScheduler {
         cache_salt: Option<String>,
         lora_id: i64,
         wait_for_grammar: bool,
+        allow_drafts: bool,
     ) -> PyResult<usize> {
         let prompt = extract_token_ids("prompt_token_ids", prompt_token_ids)?;
         let stop_ids = stop_token_ids
@@ -170,6 +211,7 @@ impl PyScheduler {
                 cache_salt,
                 lora_id,
                 wait_for_grammar,
+                allow_drafts,
             })
         };
         let slot = if long_prompt { py.detach(add)? } else { add()? };
@@ -184,26 +226,54 @@ impl PyScheduler {
         self.inner.abort_requests(&request_ids).into()
     }
 
-    #[pyo3(signature = (*, keep_in_flight=false))]
-    fn schedule(&mut self, py: Python<'_>, keep_in_flight: bool) -> PyResult<PySchedulerOutput> {
+    #[pyo3(signature = (*, keep_in_flight=false, draft_slots=None, draft_token_ids=None, draft_offsets=None))]
+    fn schedule(
+        &mut self,
+        py: Python<'_>,
+        keep_in_flight: bool,
+        draft_slots: Option<&Bound<'_, PyAny>>,
+        draft_token_ids: Option<&Bound<'_, PyAny>>,
+        draft_offsets: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PySchedulerOutput> {
+        let drafts = match (draft_slots, draft_token_ids, draft_offsets) {
+            (None, None, None) => None,
+            (Some(s), Some(t), Some(o)) => Some(ExternalDrafts::new(
+                &extract_ints("draft_slots", s)?,
+                &extract_ints("draft_token_ids", t)?,
+                &extract_ints("draft_offsets", o)?,
+            )?),
+            _ => {
+                return Err(invalid(
+                    "draft_slots",
+                    "draft_slots, draft_token_ids and draft_offsets go together (all or none)",
+                )
+                .into())
+            }
+        };
         let inner = &mut self.inner;
-        let out = py.detach(|| inner.schedule_step(keep_in_flight));
+        let out = py.detach(|| inner.schedule_with_drafts(keep_in_flight, drafts.as_ref()));
         PySchedulerOutput::new(py, out)
     }
 
-    #[pyo3(signature = (sampled_token_ids, force_stop=None))]
+    #[pyo3(signature = (sampled_token_ids, force_stop=None, *, num_sampled_tokens=None))]
     fn update_from_output(
         &mut self,
         py: Python<'_>,
         sampled_token_ids: &Bound<'_, PyAny>,
         force_stop: Option<&Bound<'_, PyAny>>,
+        num_sampled_tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyStepOutputs> {
         let sampled = extract_sampled(sampled_token_ids)?;
         let force = force_stop.map(extract_force_stop).transpose()?;
+        let counts = num_sampled_tokens
+            .map(|c| extract_counts("num_sampled_tokens", c))
+            .transpose()?;
         let inner = &mut self.inner;
         // Every column is built here, without the GIL; Python objects are made per column,
         // on first access (PyStepOutputs).
-        let outs = py.detach(|| inner.update_from_output(&sampled, force.as_deref()))?;
+        let outs = py.detach(|| {
+            inner.update_from_output_counts(&sampled, counts.as_deref(), force.as_deref())
+        })?;
         Ok(outs.into())
     }
 

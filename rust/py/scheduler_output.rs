@@ -30,6 +30,32 @@ pub struct PySchedulerOutput {
     block_table: Py<PyArray2<i32>>,
     logits_indices: Py<PyArray1<i64>>,
     sample_mask: Py<PyArray1<bool>>,
+    /// Speculative decoding's arrays, made on first access (a numpy array costs ~2 us to make,
+    /// and an engine without speculation never reads them).
+    logits_start_loc: Lazy<i32>,
+    num_draft_tokens: Lazy<i32>,
+    draft_token_ids: Lazy<i64>,
+}
+
+/// A column kept as a Vec until Python first reads it; then copied once into a numpy array.
+struct Lazy<T: numpy::Element> {
+    data: Vec<T>,
+    array: PyOnceLock<Py<PyArray1<T>>>,
+}
+
+impl<T: numpy::Element + Copy> Lazy<T> {
+    fn new(data: Vec<T>) -> Self {
+        Lazy {
+            data,
+            array: PyOnceLock::new(),
+        }
+    }
+
+    fn get(&self, py: Python<'_>) -> Py<PyArray1<T>> {
+        self.array
+            .get_or_init(py, || PyArray1::from_slice(py, &self.data).unbind())
+            .clone_ref(py)
+    }
 }
 
 impl PySchedulerOutput {
@@ -58,6 +84,9 @@ impl PySchedulerOutput {
             block_table,
             logits_indices: PyArray1::from_vec(py, a.logits_indices).unbind(),
             sample_mask: PyArray1::from_vec(py, a.sample_mask).unbind(),
+            logits_start_loc: Lazy::new(a.logits_start_loc),
+            num_draft_tokens: Lazy::new(a.num_draft_tokens),
+            draft_token_ids: Lazy::new(a.draft_token_ids),
         })
     }
 }
@@ -141,8 +170,20 @@ impl PySchedulerOutput {
         self.logits_indices.clone_ref(py)
     }
     #[getter]
+    fn logits_start_loc(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.logits_start_loc.get(py)
+    }
+    #[getter]
     fn sample_mask(&self, py: Python<'_>) -> Py<PyArray1<bool>> {
         self.sample_mask.clone_ref(py)
+    }
+    #[getter]
+    fn num_draft_tokens(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.num_draft_tokens.get(py)
+    }
+    #[getter]
+    fn draft_token_ids(&self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.draft_token_ids.get(py)
     }
     fn __repr__(&self) -> String {
         format!(

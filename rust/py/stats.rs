@@ -16,6 +16,10 @@ pub struct PySchedulerStats {
     num_scheduled_tokens: usize,
     num_prompt_tokens: u64,
     num_generation_tokens: u64,
+    num_drafts: u64,
+    num_draft_tokens: u64,
+    num_accepted_tokens: u64,
+    num_accepted_tokens_per_pos: Vec<u64>,
 }
 
 impl From<SchedulerStats> for PySchedulerStats {
@@ -32,6 +36,10 @@ impl From<SchedulerStats> for PySchedulerStats {
             num_scheduled_tokens: s.num_scheduled_tokens,
             num_prompt_tokens: s.num_prompt_tokens,
             num_generation_tokens: s.num_generation_tokens,
+            num_drafts: s.num_drafts,
+            num_draft_tokens: s.num_draft_tokens,
+            num_accepted_tokens: s.num_accepted_tokens,
+            num_accepted_tokens_per_pos: s.num_accepted_tokens_per_pos,
         }
     }
 }

@@ -26,6 +26,10 @@ def check_arrays(out: SchedulerOutput, block_size: int) -> None:
     assert out.req_slots.dtype == np.int32 and out.req_slots.shape == (n,)
     assert len(out.req_ids) == n
     assert int(qsl[-1]) == out.num_tokens
+    drafts, lsl = out.num_draft_tokens, out.logits_start_loc
+    assert drafts.dtype == np.int32 and drafts.shape == (n,) and lsl.dtype == np.int32 and lsl.shape == (n + 1,)
+    assert out.logits_indices.shape == (int(lsl[-1]),) and out.draft_token_ids.shape == (int(drafts.sum()),)
+    draft_starts = np.concatenate([[0], np.cumsum(drafts)])
     for r in range(n):
         lo, hi = int(qsl[r]), int(qsl[r + 1])
         assert hi - lo == out.num_scheduled_tokens[r]
@@ -34,7 +38,10 @@ def check_arrays(out: SchedulerOutput, block_size: int) -> None:
         assert list(pos) == list(range(int(out.num_computed_tokens[r]), int(out.seq_lens[r])))
         blocks = out.block_table[r]
         assert list(out.slot_mapping[lo:hi]) == [int(blocks[p // block_size]) * block_size + p % block_size for p in pos]
-        assert out.logits_indices[r] == hi - 1
+        # Logits at the last 1 + d positions (the verify positions); the drafts end the request's inputs.
+        d = int(drafts[r])
+        assert list(out.logits_indices[lsl[r] : lsl[r + 1]]) == list(range(hi - 1 - d, hi))
+        assert list(out.input_ids[hi - d : hi]) == list(out.draft_token_ids[draft_starts[r] : draft_starts[r + 1]])
         used = -(-int(out.seq_lens[r]) // block_size)
         assert (blocks[:used] != 0).all() and (blocks[used:] == 0).all()
 

@@ -14,8 +14,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 def test_empty_prompt_list(llm):
-    with pytest.raises(ValueError, match="prompts"):
-        llm.generate([], GREEDY)
+    assert llm.generate([], GREEDY) == []  # as vLLM: nothing to do is not an error
 
 
 def test_prompt_too_long_names_the_index_and_queues_nothing(llm):

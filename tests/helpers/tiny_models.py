@@ -153,6 +153,69 @@ def make_tiny_qwen2(folder, *, hidden_size: int = 64, num_layers: int = 2, num_h
     return _save(str(folder), model, tok, max_shard_size=None, generation=None)
 
 
+def _moe_model(config_cls, model_cls, tok, seed: int, *, router_std: float, **params):
+    """A random MoE model: norms randomized, and a wider router so its top-k choices are far from
+    ties (a near-tie would let float noise, not the code, decide the greedy tokens)."""
+    import torch
+
+    config = config_cls(**params, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    _randomize_norms(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                param.normal_(0.0, router_std)
+            elif name.endswith("_proj.bias"):  # HF inits biases at 0; make them matter
+                param.normal_(0.0, 0.1)
+    return model
+
+
+def make_tiny_qwen3_moe(folder, *, hidden_size: int = 64, num_layers: int = 3, num_heads: int = 4,
+                        num_kv_heads: int = 2, head_dim: int = 32, num_experts: int = 8, top_k: int = 4,
+                        moe_intermediate_size: int = 32, intermediate_size: int = 96, norm_topk_prob: bool = True,
+                        mlp_only_layers: tuple[int, ...] = (1,), tie_word_embeddings: bool = False,
+                        seed: int = 0) -> str:
+    """A Qwen3-MoE (q/k norm, renormalised top-k); layer 1 dense (mlp_only_layers) by default."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tok = build_tokenizer()
+    params = _common(tok, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, 2048,
+                     tie_word_embeddings)
+    model = _moe_model(Qwen3MoeConfig, Qwen3MoeForCausalLM, tok, seed, router_std=0.5, **params, head_dim=head_dim,
+                       num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_intermediate_size,
+                       norm_topk_prob=norm_topk_prob, mlp_only_layers=list(mlp_only_layers))
+    return _save(str(folder), model, tok, max_shard_size=None, generation=None)
+
+
+def make_tiny_qwen2_moe(folder, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                        num_kv_heads: int = 2, num_experts: int = 6, top_k: int = 2, moe_intermediate_size: int = 32,
+                        shared_expert_intermediate_size: int = 48, intermediate_size: int = 96,
+                        norm_topk_prob: bool = False, seed: int = 0) -> str:
+    """A Qwen2-MoE (q/k/v bias, a shared expert with a sigmoid gate, top-k weights not renormalised)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    tok = build_tokenizer()
+    params = _common(tok, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, 2048, False)
+    model = _moe_model(Qwen2MoeConfig, Qwen2MoeForCausalLM, tok, seed, router_std=0.5, **params,
+                       num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_intermediate_size,
+                       shared_expert_intermediate_size=shared_expert_intermediate_size, norm_topk_prob=norm_topk_prob)
+    return _save(str(folder), model, tok, max_shard_size=None, generation=None)
+
+
+def make_tiny_mixtral(folder, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+                      num_experts: int = 4, top_k: int = 2, intermediate_size: int = 48,
+                      max_shard_size: str | None = None, seed: int = 0) -> str:
+    """A Mixtral (block_sparse_moe.experts.{e}.w1/w2/w3, top-k weights always renormalised)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    tok = build_tokenizer()
+    params = _common(tok, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, 2048, False)
+    model = _moe_model(MixtralConfig, MixtralForCausalLM, tok, seed, router_std=0.5, **params,
+                       num_local_experts=num_experts, num_experts_per_tok=top_k)
+    return _save(str(folder), model, tok, max_shard_size=max_shard_size, generation=None)
+
+
 def _randomize_norms(model) -> None:
     """HF inits norm weights at 1; random ones make the q/k-norm weights actually tested."""
     import torch

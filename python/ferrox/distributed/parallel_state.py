@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -98,6 +99,9 @@ def init_tp_group(rank: int, size: int, init_method: str, device_type: str) -> T
     if size == 1:
         return _TRIVIAL
     backend = "nccl" if device_type == "cuda" else "gloo"
+    if dist.is_initialized():
+        raise ValueError("tensor_parallel_size: this process already ran a tensor-parallel engine on the GPU, whose "
+                         "NCCL group lives until the process exits; start the next one in a new process")
     dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=COLLECTIVE_TIMEOUT)
     world = dist.group.WORLD
@@ -105,7 +109,26 @@ def init_tp_group(rank: int, size: int, init_method: str, device_type: str) -> T
     return TPGroup(rank=rank, size=size, device_group=world, cpu_group=cpu_group)
 
 
-def destroy_tp_group(group: TPGroup) -> None:
-    if group.size > 1 and dist.is_initialized():
+# Leaving the process group must not hang shutdown: NCCL's teardown can wait on a peer that is
+# already gone. It runs in a daemon thread and is abandoned after this long.
+DESTROY_TIMEOUT_S = 10.0
+
+
+def destroy_tp_group(group: TPGroup, timeout_s: float = DESTROY_TIMEOUT_S) -> None:
+    """Leave the process group (so a later engine in this process can form a new one). Every
+    rank calls it at about the same time (after the driver's SHUTDOWN).
+
+    Only gloo groups (CPU) are torn down. Tearing down NCCL here stalled (H200 x2, torch 2.11:
+    destroy_process_group waited forever once a peer had exited) or aborted the process when run
+    beside CUDA work; so on GPUs the group stays until the process exits, and a second
+    tensor-parallel engine in the same process is refused (init_tp_group)."""
+    if group.size == 1 or not dist.is_initialized() or dist.get_backend() != "gloo":
+        return
+
+    def destroy() -> None:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+    thread = threading.Thread(target=destroy, name="ferrox-tp-destroy", daemon=True)
+    thread.start()
+    thread.join(timeout_s)

@@ -21,6 +21,10 @@ say finish_reason "abort".
 
 Closing the generator early (a client disconnect cancels the handler task) aborts the
 request in the core, which frees its KV blocks on its next loop iteration.
+
+With `data_parallel_size=N` the same front-end drives N engine cores (ferrox.engine.dp_client):
+each request goes to one of them, chosen by load and prompt prefix; stats and metrics are kept per
+core and merged; the death of any core is the engine's death.
 """
 
 from __future__ import annotations
@@ -34,23 +38,21 @@ import uuid
 import weakref
 from collections.abc import AsyncGenerator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, ParamSpec, Protocol, TypeVar
-
-import numpy as np
+from typing import Any, ParamSpec, TypeVar
 
 from ferrox.config import EngineConfig
 from ferrox.engine import validation
-from ferrox.engine.core_client import CoreClient
 from ferrox.engine.core_process import EngineCoreOutputs
 from ferrox.engine.defaults import default_sampling_params
+from ferrox.engine.dp_client import DPCoreClient
 from ferrox.engine.input_processor import process_prompt
 from ferrox.engine.output_processor import OutputProcessor
 from ferrox.engine.protocol import EngineCoreRequest
 from ferrox.errors import EngineDeadError, EngineStartupError, RequestError
-from ferrox.outputs import RequestMetrics, RequestOutput
+from ferrox.metrics.log_stats import LoggingStatLogger
+from ferrox.metrics.request_stats import IterationStats, RequestTiming, StatLogger, finished_stats, observe
+from ferrox.outputs import RequestOutput
 from ferrox.sampling_params import RequestOutputKind, SamplingParams
-from ferrox.step_types import FINISH_REASONS, StepResult
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineStartupError", "RequestError", "StatLogger"]
 
@@ -65,24 +67,7 @@ T = TypeVar("T")
 PROMPT_THREADS = 2
 
 
-class StatLogger(Protocol):
-    """Receives what the front-end measures (the server's Prometheus metrics implement it)."""
-
-    def on_scheduler_stats(self, stats: dict[str, Any]) -> None: ...
-    def on_tokens(self, num_tokens: int, ttft: float | None, itl: float | None, queue_time: float | None) -> None: ...
-    def on_request_finished(self, finish_reason: str, metrics: RequestMetrics) -> None: ...
-
-
 # ---- per-request stream -----------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class _Timing:
-    """Front-end timing of one engine request, for the latency histograms."""
-
-    arrival_time: float
-    first_token_time: float | None = None
-    last_token_time: float | None = None
 
 
 class _Stream:
@@ -173,8 +158,12 @@ class AsyncLLM:
         # Fail fast on a bad path before spawning anything.
         source = resolve_model(config.tokenizer or config.model)
         self._prompt_pool = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="ferrox-prompt")
-        self.client = CoreClient(config, log_level=str(log_level))
-        self._finalizer = weakref.finalize(self, _shutdown, self.client, self._prompt_pool)
+        self.client = DPCoreClient(config, log_level=str(log_level))
+        # Whoever reads the measurements: the periodic log line here; the server adds Prometheus.
+        self.stat_loggers: list[StatLogger] = []
+        if not config.disable_log_stats:
+            self.stat_loggers.append(LoggingStatLogger())
+        self._finalizer = weakref.finalize(self, _shutdown, self.client, self._prompt_pool, list(self.stat_loggers))
         try:
             # The tokenizer loads here while the core process loads the model.
             self.tokenizer = load_tokenizer(source)
@@ -196,14 +185,14 @@ class AsyncLLM:
         self.device: str = info.device
         self.generation_defaults: dict[str, Any] = dict(info.generation_defaults)
         self.chat_template: str | None = _read_template(config.chat_template)
+        # The engine's latest stats: totals over its cores, each core's own under "engines".
         self.last_stats: dict[str, Any] = dict(info.stats)
-        self.stat_loggers: list[StatLogger] = []
         self.dead_callbacks: list[Any] = []
         self.processor = OutputProcessor(self.tokenizer)
         self._streams: dict[str, _Stream] = {}
         # Requests whose prompt is in the prompt threads (not yet in the core) -> aborted meanwhile.
         self._tokenizing: dict[str, bool] = {}
-        self._timing: dict[str, _Timing] = {}
+        self._timing: dict[str, RequestTiming] = {}  # engine request id -> its clock readings
         self.client.on_outputs = self._on_outputs
         self.client.on_dead = self._on_dead
 
@@ -227,13 +216,16 @@ class AsyncLLM:
         return self.client.dead
 
     async def get_stats(self) -> dict[str, Any]:
-        """Fresh scheduler stats from the core (running/waiting requests, KV usage, counters)."""
-        stats = await self.client.call_utility("stats")
-        self._record_stats(stats)
-        return stats
+        """Fresh scheduler stats (running/waiting requests, KV usage, counters), summed over the
+        engine cores; each core's own snapshot is under "engines"."""
+        for engine, stats in enumerate(await self.client.call_utility("stats")):
+            self.client.update_stats(engine, stats)
+        self._record_stats()
+        return self.last_stats
 
     async def reset_prefix_cache(self) -> bool:
-        return bool(await self.client.call_utility("reset_prefix_cache"))
+        """Empty every core's prefix cache; False if any core refused (blocks still in use)."""
+        return all(await self.client.call_utility("reset_prefix_cache"))
 
     async def check_health(self) -> None:
         if not self.is_running:
@@ -264,11 +256,13 @@ class AsyncLLM:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream RequestOutputs for one request: cumulative unless `sampling_params.output_kind` is
         DELTA or FINAL_ONLY. Raises RequestError for a request the engine rejects or fails,
         EngineDeadError if the core dies. After `abort()` the last output has finished=True and
-        finish_reason "abort" on every choice that had not finished.
+        finish_reason "abort" on every choice that had not finished. cache_salt: the prompt reuses
+        cached KV blocks only of requests that gave the same salt (vLLM's meaning).
         """
         if self.client.dead is not None:
             raise EngineDeadError(self.client.dead)
@@ -282,7 +276,8 @@ class AsyncLLM:
         finally:
             aborted = self._tokenizing.pop(request_id)
         # No await from here to the registration: the id cannot be taken in between.
-        stream = self._add_request(prompt_text, prompt_ids, sampling_params, request_id, priority, arrival_time)
+        stream = self._add_request(prompt_text, prompt_ids, sampling_params, request_id, priority, arrival_time,
+                                   cache_salt)
         try:
             if aborted:  # abort() came while the prompt was in the prompt threads: end it the usual way
                 await self.abort(request_id)
@@ -310,6 +305,7 @@ class AsyncLLM:
         request_id: str,
         priority: int,
         arrival_time: float,
+        cache_salt: str | None = None,
     ) -> _Stream:
         """Validate a tokenized request and send it to the core (synchronously: errors raise here)."""
         if self.client.dead is not None:
@@ -324,14 +320,19 @@ class AsyncLLM:
             sampling_params=params,
             arrival_time=arrival_time,
             priority=priority,
+            cache_salt=cache_salt,
         )
         core_requests = self.processor.add_request(request, prompt_text)
         stream = _Stream(request_id, params.output_kind)
         self._streams[request_id] = stream
         try:
+            queued_time = time.time()
             for core_request in core_requests:
-                self._timing[core_request.request_id] = _Timing(arrival_time)
-                self.client.add_request(core_request)
+                self._timing[core_request.request_id] = RequestTiming(arrival_time, len(prompt_ids), queued_time)
+            # The first sample picks the core; its siblings follow it there, to share the prompt's blocks.
+            engine = self.client.add_request(core_requests[0])
+            for sibling in core_requests[1:]:
+                self.client.add_request(sibling, engine)
         except BaseException:
             self._abort_ids([request_id])
             self._streams.pop(request_id, None)
@@ -357,54 +358,27 @@ class AsyncLLM:
                 stream.end()  # unknown to the processor (already finished): nothing more to say
 
     def shutdown(self) -> None:
-        """Stop the engine-core process and the prompt threads (idempotent; also runs at GC and
-        interpreter exit)."""
+        """Stop the engine-core processes, the prompt threads and the stats log line (idempotent;
+        also runs at GC and interpreter exit)."""
         for stream in list(getattr(self, "_streams", {}).values()):
             stream.fail(EngineDeadError("engine is shutting down"))
         if hasattr(self, "_finalizer"):
             self._finalizer()
 
-    # ---- output routing (runs in the client's reader task) ------------------------------------
-    def _on_outputs(self, batch: EngineCoreOutputs) -> None:
+    # ---- output routing (runs in the client's reader tasks) -----------------------------------
+    def _on_outputs(self, engine: int, batch: EngineCoreOutputs) -> None:
         now = time.time()
         if batch.stats is not None:
-            self._record_stats(batch.stats)
-        if self.stat_loggers:
-            for result in batch.results:
-                self._observe(result, batch.step_start, now)
+            self._record_stats()
+        iteration = IterationStats(engine)
+        for result in batch.results:
+            observe(self._timing, engine, result, batch.step_start, now, iteration)
+        for stat_logger in self.stat_loggers:
+            stat_logger.on_iteration(iteration)
         for request_output in self.processor.process_outputs(batch.results):
             stream = self._streams.get(request_output.request_id)
             if stream is not None:
                 stream.put(request_output)
-
-    def _observe(self, result: StepResult, step_start: float, now: float) -> None:
-        num_tokens = np.diff(result.token_offsets).tolist()
-        finish = result.finish_reasons.tolist()
-        for rid, n, code in zip(result.req_ids, num_tokens, finish, strict=True):
-            timing = self._timing.get(rid)
-            if timing is None:
-                continue
-            if n:
-                ttft = itl = queue_time = None
-                if timing.first_token_time is None:
-                    timing.first_token_time = now
-                    ttft = now - timing.arrival_time
-                    queue_time = max(0.0, step_start - timing.arrival_time)
-                elif timing.last_token_time is not None:
-                    itl = now - timing.last_token_time
-                timing.last_token_time = now
-                for stat_logger in self.stat_loggers:
-                    stat_logger.on_tokens(n, ttft, itl, queue_time)
-            if code:
-                del self._timing[rid]
-                metrics = RequestMetrics(
-                    arrival_time=timing.arrival_time,
-                    first_token_time=timing.first_token_time,
-                    last_token_time=timing.last_token_time,
-                    finished_time=now,
-                )
-                for stat_logger in self.stat_loggers:
-                    stat_logger.on_request_finished(FINISH_REASONS[code] or "stop", metrics)
 
     def _on_dead(self, reason: str) -> None:
         for stream in list(self._streams.values()):
@@ -412,23 +386,27 @@ class AsyncLLM:
         for callback in self.dead_callbacks:
             callback(reason)
 
-    def _record_stats(self, stats: dict[str, Any]) -> None:
-        self.last_stats = stats
+    def _record_stats(self) -> None:
+        self.last_stats = self.client.aggregate_stats()
         for stat_logger in self.stat_loggers:
-            stat_logger.on_scheduler_stats(stats)
+            stat_logger.on_scheduler_stats(self.last_stats)
 
     def _abort_ids(self, request_ids: list[str]) -> None:
         self._abort_engine_ids(self.processor.abort_requests(request_ids))
 
     def _abort_engine_ids(self, engine_ids: list[str]) -> None:
-        self.client.abort(engine_ids)
         now = time.time()
+        by_engine: dict[int, IterationStats] = {}
         for engine_id in engine_ids:
             timing = self._timing.pop(engine_id, None)
-            if timing is not None:
-                metrics = RequestMetrics(arrival_time=timing.arrival_time, finished_time=now)
-                for stat_logger in self.stat_loggers:
-                    stat_logger.on_request_finished("abort", metrics)
+            engine = self.client.engine_of(engine_id)
+            if timing is not None and engine is not None:
+                iteration = by_engine.setdefault(engine, IterationStats(engine))
+                iteration.finished.append(finished_stats(timing, engine, "abort", now))
+        self.client.abort(engine_ids)
+        for iteration in by_engine.values():
+            for stat_logger in self.stat_loggers:
+                stat_logger.on_iteration(iteration)
 
     def __enter__(self) -> AsyncLLM:
         return self
@@ -437,11 +415,15 @@ class AsyncLLM:
         self.shutdown()
 
 
-def _shutdown(client: CoreClient, prompt_pool: ThreadPoolExecutor) -> None:
+def _shutdown(client: DPCoreClient, prompt_pool: ThreadPoolExecutor, stat_loggers: list[StatLogger]) -> None:
     # No wait: prompts already handed to the threads finish on their own, and their requests then
     # fail with EngineDeadError (a cancelled future would surface as a bare CancelledError instead).
     prompt_pool.shutdown(wait=False)
     client.shutdown()
+    for stat_logger in stat_loggers:
+        close = getattr(stat_logger, "close", None)
+        if close is not None:
+            close()
 
 
 def _read_template(chat_template: str | None) -> str | None:

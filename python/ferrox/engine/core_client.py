@@ -43,7 +43,17 @@ LIVENESS_POLL_MS = 200
 
 
 class CoreClient:
-    def __init__(self, config: Any, *, log_level: str = "INFO", startup_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        config: Any,
+        *,
+        log_level: str = "INFO",
+        startup_timeout_s: float = 600.0,
+        engine_index: int | None = None,
+        env: dict[str, str] | None = None,
+        cpus: list[int] | None = None,
+    ) -> None:
+        """engine_index, env and cpus place one data-parallel core (ferrox.engine.dp_placement)."""
         self._tmpdir = tempfile.mkdtemp(prefix="ferrox-ipc-")
         handshake_addr = f"ipc://{self._tmpdir}/handshake"
         input_addr = f"ipc://{self._tmpdir}/input"
@@ -74,8 +84,8 @@ class CoreClient:
         ctx = multiprocessing.get_context("spawn")
         self.proc = ctx.Process(
             target=cp.run_engine_core,
-            args=(config, handshake_addr, input_addr, output_addr, log_level),
-            name="ferrox-engine-core",
+            args=(config, handshake_addr, input_addr, output_addr, log_level, engine_index, env, cpus),
+            name="ferrox-engine-core" if engine_index is None else f"ferrox-engine-core-{engine_index}",
             daemon=True,
         )
         self._startup_timeout_s = startup_timeout_s

@@ -229,15 +229,32 @@ def _die_with_parent() -> None:
         pass
 
 
-def run_engine_core(config: Any, handshake_addr: str, input_addr: str, output_addr: str, log_level: str) -> None:
-    """Entry point of the child process (multiprocessing spawn target)."""
+def run_engine_core(
+    config: Any,
+    handshake_addr: str,
+    input_addr: str,
+    output_addr: str,
+    log_level: str,
+    engine_index: int | None = None,
+    env: dict[str, str] | None = None,
+    cpus: list[int] | None = None,
+) -> None:
+    """Entry point of the child process (multiprocessing spawn target).
+
+    A data-parallel core gets its index (for its log lines), its environment (CUDA_VISIBLE_DEVICES)
+    and its CPUs here, applied before torch is first imported: CUDA and OpenMP read them once."""
     import zmq
 
     _die_with_parent()
     # Ctrl-C goes to the whole process group; the front-end decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s")
+    if env:
+        os.environ.update(env)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    tag = "core" if engine_index is None else f"core {engine_index}"
+    logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s [{tag}] %(name)s: %(message)s")
 
     ctx = zmq.Context()
     handshake = ctx.socket(zmq.PUSH)

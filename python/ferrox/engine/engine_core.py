@@ -144,7 +144,7 @@ class EngineCore:
                 priority=request.priority,
                 # Prompt logprobs need every prompt position computed, so such a request must not
                 # reuse cached blocks: a salt of its own id keeps its block hashes private.
-                cache_salt=request.request_id if params.prompt_logprobs is not None else None,
+                cache_salt=request.request_id if params.prompt_logprobs is not None else request.cache_salt,
                 wait_for_grammar=wait_for_grammar,
             )
         except BaseException:
@@ -362,6 +362,6 @@ class EngineCore:
             runner.shutdown()
         except Exception:  # noqa: BLE001 - a rank already gone: stop the rest below
             logger.warning("could not send SHUTDOWN to the tensor-parallel ranks", exc_info=True)
+        destroy_tp_group(tp)  # with the other ranks, which leave the group on SHUTDOWN
         executor.shutdown()
-        destroy_tp_group(tp)
 

@@ -25,6 +25,7 @@ from ferrox.engine.input_processor import (
 )
 from ferrox.engine.output_processor import OutputProcessor
 from ferrox.engine.protocol import EngineCoreRequest
+from ferrox.errors import InvalidArgumentError
 from ferrox.outputs import RequestOutput
 from ferrox.sampling_params import RequestOutputKind, SamplingParams
 
@@ -32,6 +33,13 @@ from ferrox.sampling_params import RequestOutputKind, SamplingParams
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **engine_args)
+        if self.config.data_parallel_size > 1:
+            # As in vLLM, offline data parallelism is one process per replica; this LLM is one engine.
+            raise InvalidArgumentError(
+                f"data_parallel_size: {self.config.data_parallel_size} is not supported by the offline LLM (it runs "
+                "one engine core in this process); use `ferrox serve --data-parallel-size N` or "
+                "AsyncLLM(data_parallel_size=N), or one LLM per GPU in separate processes (CUDA_VISIBLE_DEVICES)",
+                param="data_parallel_size")
         self.engine = EngineCore(self.config)
         self.output_processor = OutputProcessor(self.engine.tokenizer)
         self._request_counter = itertools.count()
@@ -54,7 +62,7 @@ class LLM:
     ) -> list[RequestOutput]:
         items = normalize_prompts(prompts)
         if not items:
-            raise ValueError("prompts: the prompt list is empty")
+            return []  # as vLLM: nothing asked, nothing to do (no progress bar, no engine step)
         tokenizer = self.engine.tokenizer
         processed = [process_prompt(tokenizer, p, i) for i, p in enumerate(items)]
         return self._run(processed, sampling_params, use_tqdm)
@@ -69,6 +77,8 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        if isinstance(messages, Sequence) and not isinstance(messages, (str, Mapping)) and len(messages) == 0:
+            return []  # no conversations (as generate([])); an empty conversation inside a list is an error
         # is_conversation_list checked the shape at run time; it returns a plain bool, so tell the
         # type checker which branch of the union each case is.
         conversations = cast(

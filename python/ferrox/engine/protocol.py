@@ -21,3 +21,5 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     sampling_params: SamplingParams
     arrival_time: float = 0.0
     priority: int = 0
+    # Prefix-cache isolation (vLLM's cache_salt): blocks are shared only between requests with the same salt.
+    cache_salt: str | None = None

@@ -125,6 +125,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "/health, /metrics and /version stay open (default: $FERROX_API_KEY)")
     server.add_argument("--max-request-body-bytes", type=parse_size, default=32 << 20,
                         help="larger request bodies get HTTP 413 (accepts units: 1MiB)")
+    server.add_argument("--disable-uvicorn-access-log", "--disable-access-log", action="store_true",
+                        help="no access log line per HTTP request (vLLM's flag name; ferrox serves with aiohttp)")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="logging verbosity")
     add_engine_args(p, p.add_argument_group("engine (the same arguments as LLM(...))"))
@@ -166,6 +168,7 @@ def serve(args: argparse.Namespace) -> int:
         code = run_server_blocking(
             engine, host=args.host, port=args.port, served_model_name=args.served_model_name,
             api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes, on_ready=on_ready,
+            access_log=not args.disable_uvicorn_access_log,
         )
     except OSError as exc:  # e.g. the port is taken
         print(f"ferrox serve: error: {exc}", file=sys.stderr, flush=True)

@@ -44,7 +44,7 @@ def run_worker(config: EngineConfig, rank: int, size: int, init_method: str, dev
         logger.info("tensor-parallel rank %d/%d ready on %s", rank, size, loaded.device)
         _step_loop(forward, StepChannel(tp))
     finally:
-        destroy_tp_group(tp)
+        destroy_tp_group(tp)  # gloo only (see there); the caller exits right after on GPUs
 
 
 def _step_loop(forward: ModelForward, channel: StepChannel) -> None:
@@ -83,7 +83,8 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=os.environ.get("FERROX_WORKER_LOG_LEVEL", "WARNING"),
                         format=f"%(asctime)s %(levelname)s [tp rank {rank}] %(name)s: %(message)s")
     run_worker(EngineConfig(**json.loads(config_json)), rank, size, init_method)
-    return 0
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown: nothing is left to save, and CUDA/NCCL teardown may stall
 
 
 if __name__ == "__main__":

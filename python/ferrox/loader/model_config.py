@@ -15,7 +15,7 @@ import torch
 
 from ferrox.loader.errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError
 from ferrox.loader.source import ModelSource
-from ferrox.model_spec import ModelSpec
+from ferrox.model_spec import ModelSpec, MoeSpec
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
@@ -86,6 +86,28 @@ def spec_from_hf_config(config: dict[str, Any], where: str) -> ModelSpec:
         attention_bias=bool(config.get("attention_bias", False)),
         mlp_bias=bool(config.get("mlp_bias", False)),
         hidden_act=str(config.get("hidden_act", "silu")),
+        moe=_moe_spec(config, where),
+    )
+
+
+def _moe_spec(config: dict[str, Any], where: str) -> MoeSpec | None:
+    """The experts of an MoE config, None for a dense one. Qwen names the count num_experts,
+    Mixtral num_local_experts; Mixtral's experts have intermediate_size, Qwen's moe_intermediate_size."""
+    num_experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    if num_experts <= 0:
+        return None
+    top_k = int(config.get("num_experts_per_tok") or 0)
+    if not 0 < top_k <= num_experts:
+        raise ModelLoadError(f"{where}: num_experts_per_tok {top_k} must be between 1 and the {num_experts} experts")
+    step = int(config.get("decoder_sparse_step") or 1)
+    return MoeSpec(
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        intermediate_size=int(config.get("moe_intermediate_size") or config["intermediate_size"]),
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0),
+        decoder_sparse_step=max(step, 1),
+        mlp_only_layers=tuple(int(i) for i in config.get("mlp_only_layers") or ()),
     )
 
 

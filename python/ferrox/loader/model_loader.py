@@ -88,18 +88,38 @@ def _stable_hash(name: str) -> int:
     return h
 
 
+# The embedded SmolLM2-135M-Instruct ships as a bare GGUF, without the generation config of its model
+# card. These are the sampling settings its card recommends; at SamplingParams' default (temperature
+# 1.0, no top-p) a 135M model writes noise.
+EMBEDDED_GENERATION_DEFAULTS: dict[str, Any] = {"temperature": 0.2, "top_p": 0.9}
+
+
 def load_generation_config(source: ModelSource) -> dict[str, Any]:
     """generation_config.json of an HF folder (sampling defaults, eos ids); for a GGUF the eos ids
-    from its metadata. {} when there is nothing."""
+    from its metadata, plus the recommended sampling defaults when it is the embedded model. {} when
+    there is nothing."""
     if source.format == "gguf":
         from ferrox.loader.gguf_file import open_gguf
 
         meta = open_gguf(source.path).metadata
         eos = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                        "tokenizer.ggml.eom_token_id") if k in meta]
-        return {"eos_token_id": sorted(set(eos), key=eos.index)} if eos else {}
+        config = dict(EMBEDDED_GENERATION_DEFAULTS) if _is_embedded(source) else {}
+        if eos:
+            config["eos_token_id"] = sorted(set(eos), key=eos.index)
+        return config
     path = os.path.join(source.path, "generation_config.json")
     if not os.path.isfile(path):
         return {}
     config = read_json(path)
     return {k: v for k, v in config.items() if not k.startswith("_")}
+
+
+def _is_embedded(source: ModelSource) -> bool:
+    """Whether `source` is the embedded default model's GGUF (however it was named: by default or by path)."""
+    from ferrox.loader.source import embedded_gguf_path
+
+    try:
+        return os.path.samefile(source.path, embedded_gguf_path())
+    except (OSError, ModelLoadError):  # ModelNotFoundError: the embedded package is not installed
+        return False

@@ -1,11 +1,15 @@
 """Prometheus metrics for `/metrics`, named like vLLM's (`vllm:` -> `ferrox:`) so dashboards port.
 
-Two sources:
-- scheduler state and cumulative counters come from the engine core's stats snapshot (sent
-  with outputs and whenever the core goes idle); a custom collector turns the latest snapshot
-  into gauges / counters at scrape time, so the core's own counters are the single truth;
-- latency histograms and finished-request counts are measured in the front-end (AsyncLLM
-  calls the `StatLogger` methods below as outputs arrive).
+Every series carries `model_name` and `engine` (the engine core's index: "0" unless the server
+runs data-parallel cores), as vLLM labels them, so a dashboard sums over `engine` for the server
+and splits by it to see one core. Two sources:
+- scheduler state and the cores' cumulative counters (generation tokens, prefix-cache queries and
+  hits, preemptions) come from each core's stats snapshot (sent with outputs and whenever the core
+  goes idle); a custom collector turns the latest snapshots into gauges / counters at scrape time,
+  so the cores' own counters are the single truth;
+- per-request counts and latencies are measured in the front-end (AsyncLLM hands each output
+  batch's `IterationStats` here): prompt tokens (whole prompts, as vLLM counts them, and their
+  cached part), finished requests by reason, and vLLM's request histograms.
 
 Everything lives in a private CollectorRegistry (no process/platform collectors, no global
 state), so several servers in one process (tests) do not collide.
@@ -13,13 +17,14 @@ state), so several servers in one process (tests) do not collide.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ferrox.outputs import RequestMetrics
+from ferrox.metrics.request_stats import IterationStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -34,12 +39,15 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# Token-count histograms go up to this when the model's context length is not known yet.
+DEFAULT_MAX_TOKENS_BUCKET = 1 << 20
 
-# (metric name, stats key, help) for the core's cumulative counters.
+LABELS = ["model_name", "engine"]
+
+# (metric name, stats key, help) for the cores' cumulative counters.
 _CORE_COUNTERS = (
     ("ferrox:prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in tokens."),
     ("ferrox:prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in tokens."),
-    ("ferrox:prompt_tokens", "num_prompt_tokens", "Prefill tokens processed."),
     ("ferrox:generation_tokens", "num_generation_tokens", "Generation tokens processed."),
     ("ferrox:num_preemptions", "num_preemptions", "Cumulative number of preemptions."),
 )
@@ -50,71 +58,169 @@ _CORE_GAUGES = (
 )
 
 
+def per_engine_stats(stats: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each core's snapshot from the engine's stats (a single core's dict stands for itself)."""
+    engines = stats.get("engines")
+    return list(engines) if isinstance(engines, list) else [stats] if stats else []
+
+
+def one_two_five_buckets(limit: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's buckets for token counts)."""
+    buckets: list[float] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > limit:
+                return tuple(buckets)
+            buckets.append(float(value))
+        exponent += 1
+
+
 class _CoreStatsCollector(Collector):
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.stats: dict[str, Any] = {}
+        self.engines: list[dict[str, Any]] = []
 
     def collect(self):  # type: ignore[no-untyped-def]
-        for name, key, doc in _CORE_GAUGES:
-            family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], float(self.stats.get(key, 0) or 0))
-            yield family
-        for name, key, doc in _CORE_COUNTERS:
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], float(self.stats.get(key, 0) or 0))
-            yield family
+        for metrics, family_type in ((_CORE_GAUGES, GaugeMetricFamily), (_CORE_COUNTERS, CounterMetricFamily)):
+            for name, key, doc in metrics:
+                family = family_type(name, doc, labels=LABELS)
+                for index, stats in enumerate(self.engines):
+                    family.add_metric([self.model_name, str(index)], float(stats.get(key, 0) or 0))
+                yield family
+
+
+@dataclass(slots=True)
+class _EngineSeries:
+    """The front-end's series of one engine core (label children resolved once)."""
+
+    prompt_tokens: Any
+    prompt_tokens_cached: Any
+    ttft: Any
+    itl: Any
+    e2e: Any
+    queue_time: Any
+    prefill_time: Any
+    decode_time: Any
+    inference_time: Any
+    time_per_output_token: Any
+    request_prompt_tokens: Any
+    request_generation_tokens: Any
 
 
 class PrometheusStatLogger:
-    """Implements ferrox.engine.async_llm.StatLogger and renders the exposition text."""
+    """Implements ferrox.metrics.request_stats.StatLogger and renders the exposition text."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, *, max_model_len: int | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
+        self.max_model_len = max_model_len
         self._core = _CoreStatsCollector(model_name)
         self.registry.register(self._core)
-        labels = ["model_name"]
+        self._series: list[_EngineSeries] = []
+        reg = self.registry
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=reg)
+
         self.request_success = Counter(
             "ferrox:request_success", "Count of finished requests, by finish reason.",
-            ["model_name", "finished_reason"], registry=self.registry,
+            [*LABELS, "finished_reason"], registry=reg,
         )
-        self.ttft = Histogram(
-            "ferrox:time_to_first_token_seconds", "Time to first token in seconds.",
-            labels, buckets=TTFT_BUCKETS, registry=self.registry,
-        ).labels(model_name)
-        self.itl = Histogram(
-            "ferrox:inter_token_latency_seconds", "Inter-token latency in seconds.",
-            labels, buckets=ITL_BUCKETS, registry=self.registry,
-        ).labels(model_name)
-        self.e2e = Histogram(
-            "ferrox:e2e_request_latency_seconds", "End-to-end request latency in seconds.",
-            labels, buckets=REQUEST_LATENCY_BUCKETS, registry=self.registry,
-        ).labels(model_name)
-        self.queue_time = Histogram(
-            "ferrox:request_queue_time_seconds", "Time a request spent waiting before its first step.",
-            labels, buckets=REQUEST_LATENCY_BUCKETS, registry=self.registry,
-        ).labels(model_name)
+        self.prompt_tokens = Counter(
+            "ferrox:prompt_tokens", "Prompt tokens of the requests prefilled (whole prompts, cached part included).",
+            LABELS, registry=reg)
+        self.prompt_tokens_cached = Counter(
+            "ferrox:prompt_tokens_cached", "Prompt tokens found in the prefix cache (not computed).",
+            LABELS, registry=reg)
+        self.ttft = histogram("ferrox:time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = histogram("ferrox:inter_token_latency_seconds", "Inter-token latency in seconds.", ITL_BUCKETS)
+        self.e2e = histogram("ferrox:e2e_request_latency_seconds", "End-to-end request latency in seconds.",
+                             REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("ferrox:request_queue_time_seconds",
+                                    "Time a request spent waiting before its first step, in seconds.",
+                                    REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram("ferrox:request_prefill_time_seconds",
+                                      "Time from a request's first step to its first token, in seconds.",
+                                      REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram("ferrox:request_decode_time_seconds",
+                                     "Time from a request's first token to its last, in seconds.",
+                                     REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram("ferrox:request_inference_time_seconds",
+                                        "Time a request spent running (prefill + decode), in seconds.",
+                                        REQUEST_LATENCY_BUCKETS)
+        self.time_per_output_token = histogram("ferrox:request_time_per_output_token_seconds",
+                                               "Mean time per output token after the first, per request, in seconds.",
+                                               ITL_BUCKETS)
+        self._request_prompt_tokens: Histogram | None = None
+        self._request_generation_tokens: Histogram | None = None
 
     # ---- StatLogger -------------------------------------------------------------------------------
     def on_scheduler_stats(self, stats: dict[str, Any]) -> None:
-        self._core.stats = stats
+        engines = per_engine_stats(stats)
+        self._core.engines = engines
+        if self.max_model_len is None and stats.get("max_model_len"):
+            self.max_model_len = int(stats["max_model_len"])
+        # Every core's series exist from the first scrape on, at 0, not from its first request.
+        if engines:
+            self._engine(len(engines) - 1)
 
-    def on_tokens(self, num_tokens: int, ttft: float | None, itl: float | None, queue_time: float | None) -> None:
-        if ttft is not None:
-            self.ttft.observe(ttft)
-        if queue_time is not None:
-            self.queue_time.observe(queue_time)
-        if itl is not None:
-            # Several tokens in one output (e.g. after a stall) share the gap evenly.
-            per_token = itl / max(1, num_tokens)
-            for _ in range(num_tokens):
-                self.itl.observe(per_token)
-
-    def on_request_finished(self, finish_reason: str, metrics: RequestMetrics) -> None:
-        self.request_success.labels(self.model_name, finish_reason).inc()
-        if metrics.finished_time is not None:
-            self.e2e.observe(max(0.0, metrics.finished_time - metrics.arrival_time))
+    def on_iteration(self, stats: IterationStats) -> None:
+        series = self._engine(stats.engine)
+        if stats.num_prompt_tokens:
+            series.prompt_tokens.inc(stats.num_prompt_tokens)
+        if stats.num_cached_tokens:
+            series.prompt_tokens_cached.inc(stats.num_cached_tokens)
+        for ttft in stats.time_to_first_tokens:
+            series.ttft.observe(ttft)
+        for per_token, count in stats.inter_token_latencies:
+            for _ in range(count):
+                series.itl.observe(per_token)
+        for done in stats.finished:
+            self.request_success.labels(self.model_name, str(stats.engine), done.finish_reason).inc()
+            series.e2e.observe(done.e2e_latency)
+            series.request_prompt_tokens.observe(done.num_prompt_tokens)
+            series.request_generation_tokens.observe(done.num_generation_tokens)
+            for histogram, value in ((series.queue_time, done.queue_time), (series.prefill_time, done.prefill_time),
+                                     (series.decode_time, done.decode_time),
+                                     (series.inference_time, done.inference_time),
+                                     (series.time_per_output_token, done.time_per_output_token)):
+                if value is not None:
+                    histogram.observe(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    # ---- per-engine series ----------------------------------------------------------------------------
+    def _engine(self, engine: int) -> _EngineSeries:
+        while len(self._series) <= engine:
+            label = (self.model_name, str(len(self._series)))
+            prompt_hist, generation_hist = self._token_histograms()
+            self._series.append(_EngineSeries(
+                prompt_tokens=self.prompt_tokens.labels(*label),
+                prompt_tokens_cached=self.prompt_tokens_cached.labels(*label),
+                ttft=self.ttft.labels(*label),
+                itl=self.itl.labels(*label),
+                e2e=self.e2e.labels(*label),
+                queue_time=self.queue_time.labels(*label),
+                prefill_time=self.prefill_time.labels(*label),
+                decode_time=self.decode_time.labels(*label),
+                inference_time=self.inference_time.labels(*label),
+                time_per_output_token=self.time_per_output_token.labels(*label),
+                request_prompt_tokens=prompt_hist.labels(*label),
+                request_generation_tokens=generation_hist.labels(*label),
+            ))
+        return self._series[engine]
+
+    def _token_histograms(self) -> tuple[Histogram, Histogram]:
+        """Created on first use, once the context length (the largest useful bucket) is known."""
+        if self._request_prompt_tokens is None or self._request_generation_tokens is None:
+            buckets = one_two_five_buckets(self.max_model_len or DEFAULT_MAX_TOKENS_BUCKET)
+            self._request_prompt_tokens = Histogram(
+                "ferrox:request_prompt_tokens", "Prompt tokens per finished request.", LABELS,
+                buckets=buckets, registry=self.registry)
+            self._request_generation_tokens = Histogram(
+                "ferrox:request_generation_tokens", "Generation tokens per finished request.", LABELS,
+                buckets=buckets, registry=self.registry)
+        return self._request_prompt_tokens, self._request_generation_tokens

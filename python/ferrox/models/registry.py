@@ -5,7 +5,8 @@ Adding a model:
      `kernels=` to force a kernel set) and providing
      `forward(input_ids, positions, kv_caches, attn_metadata) -> hidden`, `compute_logits(hidden)`
      and `load_weights(iter of (HF name, tensor))` -- subclass LlamaForCausalLM when the family is a
-     Llama variant (see qwen.py: two class attributes). README "Adding a model" has the rest.
+     Llama variant (see qwen.py: two class attributes); mixture-of-experts families subclass
+     MoeForCausalLM (moe.py). README "Adding a model" has the rest.
   2. Register it below under its config.json `architectures` name.
   3. For GGUF files, map `general.architecture` in loader/gguf_file.py (GGUF_ARCHITECTURES) and say
      whether llama.cpp permuted its Q/K rows (_PERMUTED_QK_ARCHS).
@@ -22,8 +23,11 @@ from ferrox.model_spec import UnsupportedModelError
 SUPPORTED: dict[str, str] = {
     "LlamaForCausalLM": "ferrox.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "ferrox.models.llama:MistralForCausalLM",
+    "MixtralForCausalLM": "ferrox.models.moe:MixtralForCausalLM",
     "Qwen2ForCausalLM": "ferrox.models.qwen:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "ferrox.models.qwen:Qwen3ForCausalLM",
+    "Qwen2MoeForCausalLM": "ferrox.models.moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "ferrox.models.moe:Qwen3MoeForCausalLM",
 }
 
 

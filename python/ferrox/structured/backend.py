@@ -18,6 +18,7 @@ import json
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
@@ -27,6 +28,8 @@ from ferrox.structured.params import StructuredOutputsParams
 # JSON is generated with the separators json.dumps uses by default and no free whitespace:
 # the model then writes the JSON it saw most in training, and cannot spend its token budget
 # on an endless run of spaces or newlines (a real failure mode of small models at temperature 1).
+# These are defaults: a schema's own "x-guidance" options (how the server passes vLLM's
+# disable_any_whitespace / whitespace_pattern) take precedence.
 JSON_COMPILE_OPTIONS: llguidance._lib.JsonCompileOptions = {
     "whitespace_flexible": False,
     "item_separator": ", ",
@@ -41,9 +44,8 @@ class GrammarText:
     field: str  # the request field it came from, for error messages
 
 
-def _schema_text(schema: dict | str, field: str) -> str:
-    """Canonical JSON text of a schema. Key order is kept on purpose: it is the order in
-    which the model writes the properties, so two schemas differing only by order differ."""
+def load_schema(schema: dict | str, field: str) -> dict[str, Any]:
+    """A JSON schema given as a dict or as its JSON text, as a dict (ValueError naming `field`)."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -51,7 +53,49 @@ def _schema_text(schema: dict | str, field: str) -> str:
             raise ValueError(f"{field}: not valid JSON: {e}") from None
     if not isinstance(schema, dict):
         raise ValueError(f"{field}: a JSON schema must be an object, got {type(schema).__name__}")
-    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    return schema
+
+
+def _schema_text(schema: dict | str, field: str) -> str:
+    """Canonical JSON text of a schema, its objects closed (close_objects). Key order is kept on
+    purpose: it is the order in which the model writes the properties, so two schemas differing only
+    by order differ."""
+    return json.dumps(close_objects(load_schema(schema, field)), separators=(",", ":"), ensure_ascii=False)
+
+
+# Keywords whose value is one subschema, a list of them, or a name -> subschema map.
+_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def close_objects(schema: Any, additional: bool = False, *, _close_here: bool = True) -> Any:
+    """The schema with `additionalProperties: <additional>` on every object schema that lists
+    `properties` and says nothing of extra ones. With False (the default) this is what vLLM's default
+    structured-output backend (xgrammar's strict mode) does: the model writes the properties the
+    schema lists and no others. JSON Schema itself would allow any extra property, which lets a model
+    invent fields. Members of allOf are left open at their top (each would forbid the others'
+    properties); patternProperties and unevaluatedProperties already say what else is allowed."""
+    if isinstance(schema, list):
+        return [close_objects(s, additional) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if (_close_here and isinstance(out.get("properties"), dict) and "additionalProperties" not in out
+            and "patternProperties" not in out and "unevaluatedProperties" not in out):
+        out["additionalProperties"] = additional
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = close_objects(out[key], additional)
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [close_objects(s, additional) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: close_objects(s, additional) for name, s in out[key].items()}
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [close_objects(s, additional, _close_here=False) for s in out["allOf"]]
+    return out
 
 
 def lark_string_literal(text: str) -> str:
@@ -63,7 +107,7 @@ def json_schema_grammar(schema: dict | str, field: str = "structured_outputs.jso
     text = _schema_text(schema, field)
     return GrammarText(
         key="json:" + text,
-        grammar=llguidance.LLMatcher.grammar_from_json_schema(text, overrides=JSON_COMPILE_OPTIONS),
+        grammar=llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_COMPILE_OPTIONS),
         field=field,
     )
 

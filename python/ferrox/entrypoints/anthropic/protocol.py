@@ -1,17 +1,30 @@
 """Request body of Anthropic's Messages API (POST /v1/messages), validated with pydantic v2.
 
-Only text content is served; image / tool-use blocks are rejected with a clear 400 rather
-than silently dropped.
+Content blocks served: text, tool_use (assistant turns) and tool_result (user turns). Other
+blocks (image, document, thinking...) and server tools are rejected with a 400 naming them
+rather than silently dropped. `template_messages` turns the conversation into the OpenAI chat
+shape that the chat templates and the shared tool machinery (entrypoints/tool_use.py) read.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from ferrox.entrypoints.tool_use import ToolRequest
+
+# Fields of Anthropic's API that ferrox does not serve: refused by name instead of ignored.
+UNSUPPORTED_FIELDS = {
+    "thinking": "extended thinking is not supported",
+    "mcp_servers": "MCP servers are not supported",
+    "container": "containers are not supported",
+}
 
 
 class _Base(BaseModel):
+    # Blocks carry optional keys ferrox has no use for and that change nothing (cache_control).
     model_config = ConfigDict(extra="ignore")
 
 
@@ -20,27 +33,118 @@ class TextBlock(_Base):
     text: str
 
 
-def _reject_non_text(value: Any) -> Any:
+class ToolUseBlock(_Base):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Base):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] | None = None
+    is_error: bool = False
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _only_text(cls, value: Any) -> Any:
+        return _reject_blocks(value, ("text",))
+
+    def text(self) -> str:
+        body = self.content if isinstance(self.content, str) else "".join(b.text for b in self.content or [])
+        # The model should know a tool failed; Anthropic's flag has no chat-template field of its own.
+        return f"Error: {body}" if self.is_error else body
+
+
+ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+
+_BLOCKS_BY_ROLE = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use")}
+
+
+def _reject_blocks(value: Any, allowed: tuple[str, ...]) -> Any:
     if isinstance(value, list):
         for block in value:
-            if isinstance(block, dict) and block.get("type") != "text":
-                raise ValueError(f"content block type {block.get('type')!r} is not supported (only 'text')")
+            if isinstance(block, dict) and block.get("type") not in allowed:
+                raise ValueError(f"content block type {block.get('type')!r} is not supported here "
+                                 f"(only {', '.join(repr(a) for a in allowed)})")
     return value
 
 
 class AnthropicMessage(_Base):
     role: Literal["user", "assistant"]
-    content: str | list[TextBlock]
+    content: str | list[ContentBlock]
 
-    @field_validator("content", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _only_text(cls, value: Any) -> Any:
-        return _reject_non_text(value)
+    def _blocks_for_role(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("role") in _BLOCKS_BY_ROLE:
+            _reject_blocks(data.get("content"), _BLOCKS_BY_ROLE[data["role"]])
+        return data
 
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(block.text for block in self.content)
+        return "".join(block.text for block in self.content if isinstance(block, TextBlock))
+
+    def to_openai(self) -> list[dict[str, Any]]:
+        """This turn as OpenAI chat messages: tool_use blocks become the assistant's tool_calls,
+        each tool_result its own `role: tool` message, in the order the blocks came."""
+        if isinstance(self.content, str):
+            return [{"role": self.role, "content": self.content}]
+        if self.role == "assistant":
+            message: dict[str, Any] = {"role": "assistant", "content": self.text()}
+            calls = [{"id": b.id, "type": "function",
+                      "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}}
+                     for b in self.content if isinstance(b, ToolUseBlock)]
+            if calls:
+                message["tool_calls"] = calls
+            return [message]
+        out: list[dict[str, Any]] = []
+        text: list[str] = []
+        for block in self.content:
+            if isinstance(block, ToolResultBlock):
+                if text:
+                    out.append({"role": "user", "content": "".join(text)})
+                    text = []
+                out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()})
+            elif isinstance(block, TextBlock):
+                text.append(block.text)
+        if text or not out:
+            out.append({"role": "user", "content": "".join(text)})
+        return out
+
+
+class Tool(_Base):
+    """A client tool. Anthropic's server tools (bash_*, web_search_*...) carry another `type`."""
+
+    type: Literal["custom"] | None = None
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,128}$")
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+    def to_openai(self) -> dict[str, Any]:
+        function: dict[str, Any] = {"name": self.name, "parameters": self.input_schema}
+        if self.description:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+class ToolChoice(_Base):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+    @model_validator(mode="after")
+    def _name_for_tool(self) -> ToolChoice:
+        if (self.type == "tool") != (self.name is not None):
+            raise ValueError("name is required with type 'tool', and only with it")
+        return self
+
+    def to_openai(self) -> str | dict[str, Any]:
+        if self.type == "tool":
+            return {"type": "function", "function": {"name": self.name}}
+        return {"auto": "auto", "any": "required", "none": "none"}[self.type]
 
 
 class MessagesRequest(_Base):
@@ -54,11 +158,25 @@ class MessagesRequest(_Base):
     top_k: int | None = Field(None, ge=0)
     stream: bool = False
     metadata: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+
+    # Declared only to be refused by name (an empty value or {"type": "disabled"} asks for nothing).
+    thinking: dict[str, Any] | None = Field(None, description="refused unless {'type': 'disabled'}")
+    mcp_servers: list[Any] | None = Field(None, description="refused when non-empty")
+    container: Any = Field(None, description="refused when set")
+
+    @field_validator("thinking", "mcp_servers", "container")
+    @classmethod
+    def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        if value and not (isinstance(value, dict) and value.get("type") == "disabled"):
+            raise ValueError(f"{UNSUPPORTED_FIELDS[str(info.field_name)]} by ferrox")
+        return None
 
     @field_validator("system", mode="before")
     @classmethod
     def _only_text_system(cls, value: Any) -> Any:
-        return _reject_non_text(value)
+        return _reject_blocks(value, ("text",))
 
     @field_validator("stop_sequences")
     @classmethod
@@ -67,19 +185,59 @@ class MessagesRequest(_Base):
             raise ValueError("stop sequences must be non-empty")
         return value
 
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _only_client_tools(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            for i, tool in enumerate(value):
+                if isinstance(tool, dict) and tool.get("type") not in (None, "custom"):
+                    raise ValueError(f"tools[{i}]: server tool type {tool.get('type')!r} is not supported "
+                                     "(only client tools with an input_schema)")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_needs_tools(cls, value: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        if value is not None and value.type in ("any", "tool") and not info.data.get("tools"):
+            raise ValueError(f"type {value.type!r} needs a non-empty tools list")
+        return value
+
     def system_text(self) -> str | None:
         if self.system is None or isinstance(self.system, str):
             return self.system
         return "".join(block.text for block in self.system)
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """System prompt + turns in the OpenAI-style shape chat templates expect."""
-        out: list[dict[str, str]] = []
+    @property
+    def prefill(self) -> bool:
+        """A last assistant turn with text: the reply continues it (Anthropic's assistant prefill)."""
+        last = self.messages[-1]
+        return last.role == "assistant" and bool(last.text()) and not (
+            isinstance(last.content, list) and any(isinstance(b, ToolUseBlock) for b in last.content))
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """System prompt + turns in the OpenAI chat shape chat templates expect. An empty last
+        assistant turn (nothing to continue) is dropped: the model starts a fresh turn."""
+        out: list[dict[str, Any]] = []
         system = self.system_text()
         if system:
             out.append({"role": "system", "content": system})
-        out.extend({"role": m.role, "content": m.text()} for m in self.messages)
+        turns = self.messages
+        last = turns[-1]
+        if last.role == "assistant" and not last.text() and not last.to_openai()[0].get("tool_calls"):
+            turns = turns[:-1]
+        for message in turns:
+            out.extend(message.to_openai())
         return out
+
+    def tool_request(self) -> ToolRequest:
+        if not self.tools:  # tool_choice auto / none without tools: nothing to choose from
+            return ToolRequest()
+        choice = self.tool_choice
+        return ToolRequest(
+            tools=[t.to_openai() for t in self.tools],
+            tool_choice=choice.to_openai() if choice else "auto",
+            parallel_tool_calls=not choice.disable_parallel_tool_use if choice else None,
+        )
 
 
 class MessagesCountRequest(MessagesRequest):

@@ -1,19 +1,25 @@
 """POST /v1/messages: Anthropic's Messages API over the same engine.
 
 Stop reasons map as Anthropic defines them: EOS -> "end_turn", a stop sequence ->
-"stop_sequence" (with `stop_sequence` set), the token budget -> "max_tokens". The streaming
-event order is message_start, content_block_start, content_block_delta*,
-content_block_stop, message_delta (stop_reason, usage), message_stop.
+"stop_sequence" (with `stop_sequence` set), the token budget -> "max_tokens", a tool call ->
+"tool_use". The streaming event order is message_start, then per content block
+content_block_start, content_block_delta* (text_delta, or input_json_delta for tool_use),
+content_block_stop, then message_delta (stop_reason, usage), message_stop.
+
+Tools go through the chat route's machinery (entrypoints/tool_use.py): tool_choice "any" and
+"tool" decode under the grammar that forces a call, "auto" parses calls out of free text.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
+from ferrox.entrypoints import tool_use
 from ferrox.entrypoints.anthropic.protocol import MessagesCountRequest, MessagesRequest
 from ferrox.entrypoints.openai.errors import from_exception
 from ferrox.entrypoints.openai.serving import (
@@ -24,7 +30,6 @@ from ferrox.entrypoints.openai.serving import (
     json_response,
     new_id,
     parse_body,
-    render_chat,
     send_sse,
     start_sse,
     validate_request,
@@ -34,41 +39,50 @@ from ferrox.outputs import CompletionOutput
 from ferrox.sampling_params import RequestOutputKind, SamplingParams
 
 
-def _stop_reason(comp: CompletionOutput) -> tuple[str | None, str | None]:
-    if comp.finish_reason == "length":
+def _stop_reason(comp: CompletionOutput, tool_called: bool) -> tuple[str | None, str | None]:
+    if comp.finish_reason is None:
+        return None, None
+    if comp.finish_reason == "length":  # also for a tool call cut short: never claim it is whole
         return "max_tokens", None
+    if tool_called:
+        return "tool_use", None
     if isinstance(comp.stop_reason, str):
         return "stop_sequence", comp.stop_reason
-    return ("end_turn", None) if comp.finish_reason is not None else (None, None)
+    return "end_turn", None
 
 
-def _render_prompt(ctx: ServingContext, req: MessagesRequest) -> tuple[str, list[int]]:
-    """(text, token ids) of the conversation through the chat template (blocking: runs in the
-    engine's prompt threads); a bad template or message is an APIError naming `messages`."""
-    prompt_text = render_chat(ctx, req.template_messages(), add_generation_prompt=True)
-    return prompt_text, ctx.engine.tokenizer.encode(prompt_text, add_special_tokens=False)
+def _tool_use_id(call_id: str) -> str:
+    # The parsers name calls OpenAI's way ("call_..."); Anthropic's ids read "toolu_...".
+    return "toolu_" + call_id.removeprefix("call_")
 
 
-async def _prompt_ids(ctx: ServingContext, req: MessagesRequest) -> tuple[str, list[int]]:
-    # Rendering and encoding a long conversation takes a while: off the event loop.
-    return await ctx.engine.run_in_prompt_pool(_render_prompt, ctx, req)
+def _content_block(block: tool_use.ReplyBlock) -> dict[str, Any]:
+    if block.kind == "text":
+        return {"type": "text", "text": block.text}
+    if not block.arguments_complete:  # cut short by max_tokens: what was generated, as text
+        return {"type": "text", "text": block.arguments}
+    return {"type": "tool_use", "id": _tool_use_id(block.call_id), "name": block.name,
+            "input": json.loads(block.arguments)}
+
+
+def _render_prompt(ctx: ServingContext, req: MessagesRequest) -> tool_use.RenderedPrompt:
+    """The conversation through the chat template, tools included (blocking: runs in the engine's
+    prompt threads); a bad template or message is an APIError naming `messages`."""
+    return tool_use.render_prompt(ctx, req.template_messages(), req.tool_request(), continue_final=req.prefill)
 
 
 async def count_message_tokens(ctx: ServingContext, request: web.Request) -> web.StreamResponse:
     """POST /v1/messages/count_tokens: the prompt's size, as the model will see it."""
     req = await parse_body(request, MessagesCountRequest)
     ctx.check_model(req.model)
-    _, prompt_ids = await _prompt_ids(ctx, req)
-    return json_response({"input_tokens": len(prompt_ids)})
+    tool_use.tool_constraint(req.tool_request())
+    prompt = await ctx.engine.run_in_prompt_pool(_render_prompt, ctx, req)
+    return json_response({"input_tokens": len(prompt.token_ids)})
 
 
-async def create_message(ctx: ServingContext, request: web.Request) -> web.StreamResponse:
-    req = await parse_body(request, MessagesRequest)
-    ctx.check_model(req.model)
-    ctx.check_engine()
-    prompt_text, prompt_ids = await _prompt_ids(ctx, req)
-    check_max_tokens(ctx, len(prompt_ids), req.max_tokens)
-    kwargs: dict[str, Any] = {"max_tokens": req.max_tokens, "stop": req.stop_sequences or None}
+def _sampling_params(ctx: ServingContext, req: MessagesRequest, structured: Any) -> SamplingParams:
+    kwargs: dict[str, Any] = {"max_tokens": req.max_tokens, "stop": req.stop_sequences or None,
+                              "structured_outputs": structured}
     for name in ("temperature", "top_p", "top_k"):
         value = getattr(req, name)
         if value is None:
@@ -77,15 +91,28 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
             kwargs[name] = value
     kwargs["output_kind"] = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
     try:
-        params = SamplingParams(**kwargs)
+        return SamplingParams(**kwargs)
     except (ValueError, msgspec.ValidationError) as exc:
         raise from_exception(exc, rename=MESSAGES_FIELDS) from None
-    validate_request(ctx, prompt_ids, params, MESSAGES_FIELDS)
+
+
+async def create_message(ctx: ServingContext, request: web.Request) -> web.StreamResponse:
+    req = await parse_body(request, MessagesRequest)
+    ctx.check_model(req.model)
+    ctx.check_engine()
+    tools = req.tool_request()
+    structured = tool_use.tool_constraint(tools)
+    # Rendering and encoding a long conversation takes a while: off the event loop.
+    prompt = await ctx.engine.run_in_prompt_pool(_render_prompt, ctx, req)
+    check_max_tokens(ctx, len(prompt.token_ids), req.max_tokens)
+    params = _sampling_params(ctx, req, structured)
+    validate_request(ctx, prompt.token_ids, params, MESSAGES_FIELDS)
     message_id = new_id("msg").replace("-", "_")
-    prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
-    gen = ctx.engine.generate(prompt, params, message_id)
+    request["request_id"] = message_id  # -> the X-Request-Id header and the access log
+    gen = ctx.engine.generate({"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}, params, message_id)
     # Pull the first output before sending headers, so a rejected request is still a plain 4xx/503.
     first = await first_output(gen, "messages", MESSAGES_FIELDS)
+    head = {"id": message_id, "type": "message", "role": "assistant", "model": ctx.model_name}
     if not req.stream:
         async with contextlib.aclosing(gen):
             final = first
@@ -93,37 +120,35 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
                 final = later
         assert final is not None
         comp = final.outputs[0]
-        stop_reason, stop_sequence = _stop_reason(comp)
+        blocks = tool_use.split_reply(comp.text, tools, prompt.template)
+        stop_reason, stop_sequence = _stop_reason(comp, any(b.kind == "tool_call" for b in blocks))
         return json_response({
-            "id": message_id, "type": "message", "role": "assistant", "model": ctx.model_name,
-            "content": [{"type": "text", "text": comp.text}],
+            **head, "content": [_content_block(b) for b in blocks] or [{"type": "text", "text": ""}],
             "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-            "usage": {"input_tokens": len(prompt_ids), "output_tokens": len(comp.token_ids)},
+            "usage": {"input_tokens": len(prompt.token_ids), "output_tokens": len(comp.token_ids)},
         })
 
     resp = await start_sse(request)
     output_tokens = 0
+    stream = tool_use.BlockStream(tools, prompt.template)
     async with contextlib.aclosing(gen):
         try:
             await send_sse(resp, {"type": "message_start", "message": {
-                "id": message_id, "type": "message", "role": "assistant", "model": ctx.model_name,
-                "content": [], "stop_reason": None, "stop_sequence": None,
-                "usage": {"input_tokens": len(prompt_ids), "output_tokens": 0}}}, "message_start")
-            await send_sse(resp, {"type": "content_block_start", "index": 0,
-                                  "content_block": {"type": "text", "text": ""}}, "content_block_start")
+                **head, "content": [], "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": len(prompt.token_ids), "output_tokens": 0}}}, "message_start")
+            if tools.tools is None:  # plain text: one text block, announced at once as before tools
+                for event in stream.open_text():
+                    await send_sse(resp, *_stream_event(event))
             stop_reason = stop_sequence = None
             out = first
             while out is not None:
                 for comp in out.outputs:
                     output_tokens += len(comp.token_ids)
-                    if comp.text:
-                        await send_sse(resp, {"type": "content_block_delta", "index": 0,
-                                              "delta": {"type": "text_delta", "text": comp.text}},
-                                       "content_block_delta")
+                    for event in stream.step(comp.text, comp.finish_reason is not None):
+                        await send_sse(resp, *_stream_event(event))
                     if comp.finish_reason is not None:
-                        stop_reason, stop_sequence = _stop_reason(comp)
+                        stop_reason, stop_sequence = _stop_reason(comp, stream.has_tool_calls)
                 out = await anext(gen, None)
-            await send_sse(resp, {"type": "content_block_stop", "index": 0}, "content_block_stop")
             await send_sse(resp, {"type": "message_delta",
                                   "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                   "usage": {"output_tokens": output_tokens}}, "message_delta")
@@ -132,3 +157,17 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
             await send_sse(resp, from_exception(exc).anthropic_body(), "error")
     await resp.write_eof()
     return resp
+
+
+def _stream_event(event: tool_use.BlockEvent) -> tuple[dict[str, Any], str]:
+    block = event.block
+    if event.kind == "start":
+        start: dict[str, Any] = (
+            {"type": "text", "text": ""} if block.kind == "text"
+            else {"type": "tool_use", "id": _tool_use_id(block.call_id), "name": block.name, "input": {}})
+        return {"type": "content_block_start", "index": event.index, "content_block": start}, "content_block_start"
+    if event.kind == "delta":
+        delta = ({"type": "text_delta", "text": event.delta} if block.kind == "text"
+                 else {"type": "input_json_delta", "partial_json": event.delta})
+        return {"type": "content_block_delta", "index": event.index, "delta": delta}, "content_block_delta"
+    return {"type": "content_block_stop", "index": event.index}, "content_block_stop"

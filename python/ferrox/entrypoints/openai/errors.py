@@ -60,6 +60,7 @@ def from_validation_error(exc: ValidationError) -> APIError:
     loc = [str(p) for p in err.get("loc", ()) if not _is_union_branch(p)]
     param = ".".join(loc) or None
     msg = err.get("msg", "invalid value")
+    msg = msg.removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
     return APIError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
 
 

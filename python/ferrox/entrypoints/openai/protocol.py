@@ -2,7 +2,9 @@
 
 Field names, defaults and ranges follow OpenAI's API, plus vLLM's extras (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, ...), so existing clients and
-scripts work unchanged. Unknown fields are ignored (clients send many optional ones).
+scripts work unchanged. Unknown fields are ignored (clients send many optional ones), but every
+parameter vLLM documents is declared here and either honoured with vLLM's meaning or refused with a
+400 naming it (`_REFUSED`): a vLLM user never gets a 200 that silently dropped what they asked for.
 Responses are plain dicts built in `serving_chat.py` / `serving_completion.py`: their
 shape is fixed by OpenAI's schema and a dict keeps that visible.
 
@@ -14,7 +16,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 # OpenAI caps top_logprobs at 20; vLLM allows more, but 20 keeps responses sane.
 MAX_TOP_LOGPROBS = 20
@@ -25,14 +34,48 @@ class _Base(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+# vLLM request parameters ferrox cannot honour: given with any value but their no-op default, they
+# are a 400 naming the field (pydantic reports a field validator's error under the field's name).
+_REFUSED = {
+    "use_beam_search": "beam search is not supported",
+    "length_penalty": "only applies to beam search, which is not supported",
+    "logits_processors": "custom logits processors are not supported",
+    "prompt_embeds": "prompt embeddings are not supported (send text or token ids)",
+    "mm_processor_kwargs": "this is a text-only engine (no multimodal processor)",
+    "media_io_kwargs": "this is a text-only engine (no media inputs)",
+    "kv_transfer_params": "disaggregated KV transfer is not supported",
+    "vllm_xargs": "there are no custom extensions to take extra arguments",
+    "logprob_token_ids": "logprobs of chosen token ids are not supported (use top_logprobs)",
+    "thinking_token_budget": "there is no reasoning parser to apply a thinking budget",
+    "repetition_detection": "repetition detection is not supported",
+    "watermarking": "watermarking is not supported",
+    "stream_interval": "per-request stream intervals are not supported (every step is streamed)",
+    "include_reasoning": "there is no reasoning parser: the whole output is the content",
+}
+# The value each of them may take without being refused (what vLLM does when it is not given).
+_REFUSED_DEFAULTS: dict[str, Any] = {"use_beam_search": False, "length_penalty": 1.0, "watermarking": False,
+                                     "include_reasoning": True}
+
+
+def _refuse_unsupported(cls: type, value: Any, info: ValidationInfo) -> Any:
+    name = info.field_name or ""
+    if value is None or value == _REFUSED_DEFAULTS.get(name, None) or value in ([], {}):
+        return value
+    raise ValueError(f"{_REFUSED[name]}")
+
+
 class StreamOptions(_Base):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
 class ResponseFormat(_Base):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: dict[str, Any] | None = None  # {"name", "schema", "strict"}
+    # vLLM's structural_tag: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}
+    structures: list[Any] | None = None
+    triggers: list[Any] | None = None
+    format: Any = None  # the newer form, refused by name (structured.py)
 
 
 class _SamplingFields(_Base):
@@ -60,8 +103,17 @@ class _SamplingFields(_Base):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0
-    request_id: str | None = None
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # Keep the last (truncation_side "left", the default) or first k prompt tokens; -1: max_model_len.
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0)
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    priority: int = Field(0, ge=-(2**63), le=2**63 - 1)
+    request_id: str | None = Field(None, min_length=1)
     # Structured outputs (semantics live in entrypoints/openai/structured.py).
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -69,6 +121,41 @@ class _SamplingFields(_Base):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
+    # Refused unless left at their default (see _REFUSED).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    logits_processors: list[Any] | None = None
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    logprob_token_ids: list[int] | None = None
+    thinking_token_budget: int | None = None
+    repetition_detection: dict[str, Any] | None = None
+    watermarking: bool | None = None
+    stream_interval: int | None = None
+
+    _refuse = field_validator(
+        "use_beam_search", "length_penalty", "logits_processors", "kv_transfer_params",
+        "vllm_xargs", "logprob_token_ids", "thinking_token_budget", "repetition_detection", "watermarking",
+        "stream_interval",
+    )(_refuse_unsupported)
+
+    @field_validator("guided_decoding_backend")
+    @classmethod
+    def _check_backend(cls, value: str | None) -> str | None:
+        # One backend: llguidance. Naming it (or vLLM's "auto") is fine; asking for another is not.
+        if value is not None and value not in ("auto", "guidance", "llguidance"):
+            raise ValueError(f"only the llguidance backend is available, got {value!r}")
+        return value
+
+    @field_validator("bad_words")
+    @classmethod
+    def _check_bad_words(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not all(w.strip() for w in value):
+            raise ValueError("bad words must be non-empty strings")
+        return value
 
     @field_validator("logit_bias")
     @classmethod
@@ -92,6 +179,27 @@ class _SamplingFields(_Base):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk (vLLM's stream_options.continuous_usage_stats, with include_usage)."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    # vLLM's rules: stream_options mean nothing without a stream, and prompt logprobs only come in a
+    # whole response. (`stream` is declared before both, so it is in info.data.)
+    @field_validator("stream_options")
+    @classmethod
+    def _options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("only allowed when stream is true")
+        return value
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _no_streamed_prompt_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("stream"):
+            raise ValueError("not available when stream is true")
+        return value
 
 
 # ---- chat ------------------------------------------------------------------------------------
@@ -154,6 +262,28 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # The template already holds the special tokens it wants (BOS, <|im_start|>): none added by default.
+    add_special_tokens: bool = False
+    # Template variables, as vLLM passes them (templates that do not use them render unchanged).
+    documents: list[dict[str, str]] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    # Refused unless left at their default (see _REFUSED).
+    mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
+
+    _refuse_chat = field_validator("mm_processor_kwargs", "media_io_kwargs", "include_reasoning")(_refuse_unsupported)
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs plus documents / reasoning_effort as template variables (vLLM's way:
+        reasoning_effort also switches `enable_thinking` unless the caller set it)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.documents is not None:
+            kwargs.setdefault("documents", self.documents)
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return kwargs
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -184,6 +314,10 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
+    add_special_tokens: bool = True
+    prompt_embeds: Any = None  # refused (see _REFUSED)
+
+    _refuse_completion = field_validator("prompt_embeds")(_refuse_unsupported)
 
     @field_validator("prompt")
     @classmethod

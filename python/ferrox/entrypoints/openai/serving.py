@@ -79,10 +79,38 @@ async def parse_body(request: web.Request, model: type[ModelT]) -> ModelT:
         raise bad_request(f"invalid JSON body: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
+    bad = _lone_surrogate_path(body)
+    if bad is not None:
+        raise bad_request(f"{bad}: holds a lone UTF-16 surrogate (e.g. \\ud800), which is not valid Unicode text",
+                          param=bad, code="invalid_value")
     try:
         return model.model_validate(body)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+
+
+def _lone_surrogate_path(value: Any, path: str = "") -> str | None:
+    """The field path ("messages.0.content", as pydantic spells it) of the first string holding a lone
+    surrogate, else None. JSON may escape one (`"\\ud800"`) and json.loads accepts it, but no UTF-8
+    tokenizer can encode it: refused here so every route answers 400 instead of failing later."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            sub = f"{path}.{key}" if path else str(key)
+            found = _lone_surrogate_path(key, sub) or _lone_surrogate_path(item, sub)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _lone_surrogate_path(item, f"{path}.{i}" if path else str(i))
+            if found is not None:
+                return found
+    return None
 
 
 def check_max_tokens(ctx: ServingContext, num_prompt_tokens: int, requested: int | None) -> None:
@@ -97,6 +125,64 @@ def check_max_tokens(ctx: ServingContext, num_prompt_tokens: int, requested: int
             "completion). Please reduce the prompt or max_tokens.",
             param="max_tokens", code="context_length_exceeded",
         )
+
+
+def request_ids(request: web.Request, req: Any, prefix: str) -> tuple[str, str]:
+    """(the request's id, the X-Request-Id response header). As vLLM does, the id is built on the
+    incoming X-Request-Id header, else the body's `request_id`, else a fresh uuid; the header echoes
+    what the client sent (header first, then body) and is the id itself when it sent neither."""
+    given = request.headers.get("X-Request-Id") or getattr(req, "request_id", None)
+    request_id = f"{prefix}-{given or uuid.uuid4().hex}"
+    return request_id, given or request_id
+
+
+def check_priority(ctx: ServingContext, priority: int) -> None:
+    """A priority means something only under the priority policy; under fcfs a non-zero one would be
+    silently ignored, so it is refused (as vLLM does)."""
+    policy = getattr(ctx.engine.config, "policy", "fcfs")
+    if priority != 0 and policy != "priority":
+        raise bad_request(f"priority: the server schedules with the {policy!r} policy; start it with "
+                          "--policy priority to use request priorities", param="priority")
+
+
+def truncate_prompt(ctx: ServingContext, ids: list[int], req: Any) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep the last k prompt tokens (the first k with truncation_side
+    "right"); -1 means max_model_len."""
+    k = getattr(req, "truncate_prompt_tokens", None)
+    if k is None:
+        return ids
+    if k > ctx.max_model_len:
+        raise bad_request(f"truncate_prompt_tokens: {k} is more than max_model_len ({ctx.max_model_len})",
+                          param="truncate_prompt_tokens")
+    if k == -1:
+        k = ctx.max_model_len
+    if len(ids) <= k:
+        return ids
+    return ids[:k] if req.truncation_side == "right" else ids[len(ids) - k:]
+
+
+def bad_words_allowed_ids(ctx: ServingContext, req: Any) -> list[int] | None:
+    """`bad_words` as the tokens a request may sample: every token but the words' own (each word as
+    written and with a leading space, as vLLM encodes them), intersected with allowed_token_ids.
+    vLLM bans a word's last token only after its other tokens; the sampler has no such context-dependent
+    ban, so a word that is more than one token is refused rather than half-honoured."""
+    words = getattr(req, "bad_words", None)
+    if not words:
+        return req.allowed_token_ids
+    tokenizer = ctx.engine.tokenizer
+    banned: set[int] = set()
+    for word in words:
+        for variant in (word.lstrip(), " " + word.lstrip()):
+            ids = tokenizer.encode(variant, add_special_tokens=False)
+            if len(ids) != 1:
+                raise bad_request(f"bad_words: {word!r} is {len(ids)} tokens ({variant!r}); only words that are one "
+                                  "token are supported", param="bad_words")
+            banned.add(ids[0])
+    allowed = req.allowed_token_ids if req.allowed_token_ids else range(ctx.limits.vocab_size)
+    kept = [t for t in allowed if t not in banned]
+    if not kept:
+        raise bad_request("bad_words: bans every allowed token", param="bad_words")
+    return kept
 
 
 def validate_request(ctx: ServingContext, prompt_token_ids: list[int], params: SamplingParams,
@@ -118,8 +204,15 @@ def build_sampling_params(
     prompt_logprobs: int | None = None,
     structured: Any = None,
     defaults: dict[str, Any] | None = None,
+    allowed_token_ids: list[int] | None = None,
 ) -> SamplingParams:
-    """Map an OpenAI-style request onto SamplingParams (vLLM names); a bad field is a 400 naming it."""
+    """Map an OpenAI-style request onto SamplingParams (vLLM names); a bad field is a 400 naming it.
+    allowed_token_ids: the request's, narrowed by its bad_words (bad_words_allowed_ids)."""
+    if (getattr(req, "spaces_between_special_tokens", False) and not getattr(req, "skip_special_tokens", True)
+            and "spaces_between_special_tokens" in getattr(req, "model_fields_set", ())):
+        # The Rust detokenizer joins special tokens as the tokenizer decodes them, with no space.
+        raise bad_request("spaces_between_special_tokens: only false is supported with skip_special_tokens false "
+                          "(special tokens are joined without spaces)", param="spaces_between_special_tokens")
     kwargs: dict[str, Any] = dict(
         n=req.n,
         presence_penalty=req.presence_penalty,
@@ -135,6 +228,7 @@ def build_sampling_params(
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
+        allowed_token_ids=allowed_token_ids,
         structured_outputs=structured,
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
     )
@@ -194,6 +288,39 @@ def chosen_entry(position: dict[int, Logprob], token_id: int) -> Logprob:
     return position.get(token_id) or next(iter(position.values()))
 
 
+def token_text(token_id: int, lp: Logprob, as_token_ids: bool) -> str:
+    """A token as logprobs show it: its text, or "token_id:<id>" (vLLM's return_tokens_as_token_ids,
+    for tokens whose text is not valid UTF-8 on its own)."""
+    return f"token_id:{token_id}" if as_token_ids else (lp.decoded_token or "")
+
+
+def prompt_logprobs_body(prompt_logprobs: list[dict[int, Logprob] | None] | None,
+                         as_token_ids: bool = False) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs` in a response: per prompt position None (the first) or
+    {token id: {"logprob", "rank", "decoded_token"}}."""
+    if prompt_logprobs is None:
+        return None
+    return [
+        None if position is None else {
+            str(tid): {"logprob": finite(lp.logprob), "rank": lp.rank,
+                       "decoded_token": token_text(tid, lp, as_token_ids)}
+            for tid, lp in position.items()
+        }
+        for position in prompt_logprobs
+    ]
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict[str, Any]:
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    if cached:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
+
+
 # ---- SSE -----------------------------------------------------------------------------------------
 
 
@@ -219,10 +346,11 @@ async def send_stream_error(resp: web.StreamResponse, exc: Exception) -> None:
     await send_sse(resp, from_exception(exc).openai_body())
 
 
-async def start_sse(request: web.Request) -> web.StreamResponse:
+async def start_sse(request: web.Request, headers: Mapping[str, str] | None = None) -> web.StreamResponse:
     resp = web.StreamResponse(
         status=200,
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"},
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive",
+                 **(headers or {})},
     )
     await resp.prepare(request)
     return resp
@@ -234,5 +362,6 @@ async def send_sse(resp: web.StreamResponse, payload: Any, event: str | None = N
     await resp.write(head + b"data: " + data + b"\n\n")
 
 
-def json_response(body: Any, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=msgspec.json.encode(body), content_type="application/json")
+def json_response(body: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=msgspec.json.encode(body), content_type="application/json",
+                        headers=headers)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -15,30 +16,39 @@ from ferrox.entrypoints.openai.protocol import ChatCompletionRequest
 from ferrox.entrypoints.openai.serving import (
     CHAT_FIELDS,
     ServingContext,
+    bad_words_allowed_ids,
     build_sampling_params,
     check_max_tokens,
+    check_priority,
     chosen_entry,
     finite,
     first_output,
     json_response,
-    new_id,
     parse_body,
+    prompt_logprobs_body,
     render_chat,
+    request_ids,
     send_sse,
     send_stream_error,
     start_sse,
+    token_text,
     top_entries,
+    truncate_prompt,
+    usage_body,
     validate_request,
 )
 from ferrox.entrypoints.openai.structured import build_structured_outputs
 from ferrox.errors import FerroxError
 from ferrox.outputs import CompletionOutput, RequestOutput
 
+logger = logging.getLogger("ferrox.entrypoints.openai")
+
 
 async def create_chat_completion(ctx: ServingContext, request: web.Request) -> web.StreamResponse:
     req = await parse_body(request, ChatCompletionRequest)
     ctx.check_model(req.model)
     ctx.check_engine()
+    check_priority(ctx, req.priority)
     try:
         tool_hooks.validate_tools(req)
         structured = build_structured_outputs(req) or tool_hooks.tool_constraint(req)
@@ -50,17 +60,22 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
     check_max_tokens(ctx, len(prompt_ids), req.requested_max_tokens)
     params = build_sampling_params(
         req, max_tokens=req.requested_max_tokens, logprobs=req.num_logprobs, stream=req.stream,
-        structured=structured, defaults=ctx.engine.generation_defaults,
+        prompt_logprobs=req.prompt_logprobs, structured=structured, defaults=ctx.engine.generation_defaults,
+        allowed_token_ids=bad_words_allowed_ids(ctx, req),
     )
     validate_request(ctx, prompt_ids, params, CHAT_FIELDS)
-    request_id = new_id("chatcmpl")
+    request_id, header_id = request_ids(request, req, "chatcmpl")
+    headers = {"X-Request-Id": header_id}
+    if req.user is not None:  # OpenAI's end-user tag: no effect on the output, kept for the operator's logs
+        logger.debug("request %s from user %r", request_id, req.user)
     prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
     echo = (messages[-1].get("content") or "") if req.echo and messages else ""
     if req.stream:
-        return await _stream(ctx, request, req, prompt, params, request_id, echo, template)
+        return await _stream(ctx, request, req, prompt, params, request_id, echo, template, headers)
     final: RequestOutput | None = None
     try:
-        async with contextlib.aclosing(ctx.engine.generate(prompt, params, request_id, priority=req.priority)) as gen:
+        async with contextlib.aclosing(ctx.engine.generate(prompt, params, request_id, priority=req.priority,
+                                                             cache_salt=req.cache_salt)) as gen:
             async for out in gen:
                 final = out
     except (FerroxError, ValueError) as exc:
@@ -70,34 +85,46 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
     for comp in final.outputs:
         content, tool_calls = tool_hooks.parse_tool_calls(echo + comp.text, req, template=template)
         message: dict[str, Any] = {"role": "assistant", "content": content}
-        finish_reason = comp.finish_reason
         if tool_calls:
             message["tool_calls"] = tool_calls
-            finish_reason = "tool_calls"
-        choices.append({
+        choice: dict[str, Any] = {
             "index": comp.index,
             "message": message,
-            "logprobs": _chat_logprobs(comp, req.top_logprobs or 0) if req.logprobs else None,
-            "finish_reason": finish_reason,
+            "logprobs": _chat_logprobs(comp, req) if req.logprobs else None,
+            "finish_reason": _finish_reason(comp.finish_reason, bool(tool_calls)),
             "stop_reason": comp.stop_reason,
-        })
+        }
+        if req.return_token_ids:
+            choice["token_ids"] = comp.token_ids
+        choices.append(choice)
     completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-    return json_response({
+    body: dict[str, Any] = {
         "id": request_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": ctx.model_name,
         "choices": choices,
-        "usage": _usage(len(prompt_ids), completion_tokens, final.num_cached_tokens),
+        "usage": usage_body(len(prompt_ids), completion_tokens, final.num_cached_tokens),
         "system_fingerprint": None,
-    })
+    }
+    if req.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_body(final.prompt_logprobs, bool(req.return_tokens_as_token_ids))
+    if req.return_token_ids:
+        body["prompt_token_ids"] = prompt_ids
+    return json_response(body, headers=headers)
+
+
+def _finish_reason(engine_reason: str | None, tools_called: bool) -> str | None:
+    """"tool_calls" only for a choice that ended by itself with a call: a call cut short by max_tokens
+    (its arguments truncated) stays "length", and an aborted one keeps its reason."""
+    return "tool_calls" if tools_called and engine_reason == "stop" else engine_reason
 
 
 @dataclass(slots=True)
 class _ChatPrompt:
     messages: list[dict[str, Any]]  # as rendered (tools folded in for templates without tool support)
     template: str | None  # the template used, which picks the tool-call parser
-    text: str
+    text: str | None  # None when truncate_prompt_tokens cut the rendered text
     token_ids: list[int]
 
 
@@ -115,17 +142,24 @@ def _render_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> _ChatProm
         continue_final_message=req.continue_final_message,
         tools=use_tools,
         chat_template=req.chat_template,
-        template_kwargs=req.chat_template_kwargs,
+        template_kwargs=req.template_kwargs(),
     )
-    # The template already holds the special tokens (BOS, <|im_start|>): do not add them twice.
-    return _ChatPrompt(messages, template, text, ctx.engine.tokenizer.encode(text, add_special_tokens=False))
+    # The template already holds the special tokens (BOS, <|im_start|>): add_special_tokens is off
+    # unless the request turns it on, as in vLLM.
+    ids = ctx.engine.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+    truncated = truncate_prompt(ctx, ids, req)
+    # A truncated prompt is no longer the rendered text: the engine then takes the ids alone.
+    return _ChatPrompt(messages, template, text if truncated is ids else None, truncated)
 
 
 async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletionRequest, prompt: dict[str, Any],
-                  params: Any, request_id: str, echo: str, template: str | None = None) -> web.StreamResponse:
+                  params: Any, request_id: str, echo: str, template: str | None,
+                  headers: dict[str, str]) -> web.StreamResponse:
     created = int(time.time())
     include_usage = req.include_usage
     num_prompt = len(prompt["prompt_token_ids"])
+    completion_tokens = 0
+    cached = 0
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -133,23 +167,28 @@ async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletion
             "model": ctx.model_name, "choices": choices,
         }
         if include_usage:
+            # continuous_usage_stats: every chunk says the usage so far; otherwise only the last one.
+            if usage is None and req.continuous_usage:
+                usage = usage_body(num_prompt, completion_tokens, cached)
             body["usage"] = usage
         return body
 
-    gen = ctx.engine.generate(prompt, params, request_id, priority=req.priority)
+    gen = ctx.engine.generate(prompt, params, request_id, priority=req.priority,
+                                                             cache_salt=req.cache_salt)
     # Pull the first output before sending headers, so a rejected request is still a plain 4xx/503.
     first = await first_output(gen, "messages", CHAT_FIELDS)
 
     # With tools, text deltas go through a per-choice tool parser (delta.tool_calls chunks).
     tool_streams = {i: tool_hooks.ToolStream(req, template=template) for i in range(req.n)} if req.tools else None
-    resp = await start_sse(request)
-    completion_tokens = 0
-    cached = 0
+    resp = await start_sse(request, headers)
     async with contextlib.aclosing(gen):
         try:
             for i in range(req.n):
                 role = {"role": "assistant", "content": echo}
-                await send_sse(resp, chunk([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}]))
+                first_chunk = chunk([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}])
+                if req.return_token_ids and i == 0:  # vLLM: the prompt's ids ride on the first chunk only
+                    first_chunk["prompt_token_ids"] = prompt["prompt_token_ids"]
+                await send_sse(resp, first_chunk)
             out = first
             while out is not None:
                 cached = out.num_cached_tokens
@@ -163,22 +202,26 @@ async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletion
                     if tool_streams is not None:
                         stream = tool_streams[comp.index]
                         delta = stream.step(comp.text, comp.finish_reason is not None) or {}
-                        if not delta and comp.finish_reason is None:
-                            continue  # text held back (a possible tool-call start)
-                        if stream.tools_called and finish_reason is not None:
-                            finish_reason = "tool_calls"
-                    choices.append({
+                        # Held-back text (a possible tool-call start) sends nothing, unless token ids
+                        # were asked for: those go out as they come.
+                        if not delta and comp.finish_reason is None and not req.return_token_ids:
+                            continue
+                        finish_reason = _finish_reason(finish_reason, stream.tools_called)
+                    choice: dict[str, Any] = {
                         "index": comp.index,
                         "delta": delta,
-                        "logprobs": _chat_logprobs(comp, req.top_logprobs or 0) if req.logprobs else None,
+                        "logprobs": _chat_logprobs(comp, req) if req.logprobs else None,
                         "finish_reason": finish_reason,
                         **({"stop_reason": comp.stop_reason} if comp.finish_reason else {}),
-                    })
+                    }
+                    if req.return_token_ids:
+                        choice["token_ids"] = comp.token_ids
+                    choices.append(choice)
                 if choices:
                     await send_sse(resp, chunk(choices))
                 out = await anext(gen, None)
             if include_usage:
-                await send_sse(resp, chunk([], _usage(num_prompt, completion_tokens, cached)))
+                await send_sse(resp, chunk([], usage_body(num_prompt, completion_tokens, cached)))
         except (FerroxError, ValueError) as exc:
             await send_stream_error(resp, exc)
         await resp.write(b"data: [DONE]\n\n")
@@ -186,30 +229,22 @@ async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletion
     return resp
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
-    usage: dict[str, Any] = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-    if cached:
-        usage["prompt_tokens_details"] = {"cached_tokens": cached}
-    return usage
-
-
-def _chat_logprobs(comp: CompletionOutput, top_n: int) -> dict[str, Any]:
+def _chat_logprobs(comp: CompletionOutput, req: ChatCompletionRequest) -> dict[str, Any]:
+    """OpenAI's chat logprobs: the sampled token with its logprob, and the top_logprobs most likely
+    tokens by rank (the sampled token is the entry itself, so it is not added to that list)."""
+    top_n = req.top_logprobs or 0
+    as_ids = bool(req.return_tokens_as_token_ids)
     content = []
     for token_id, position in zip(comp.token_ids, comp.logprobs or [], strict=False):
-        chosen = chosen_entry(position, token_id)
-        token = chosen.decoded_token or ""
+        token = token_text(token_id, chosen_entry(position, token_id), as_ids)
         content.append({
             "token": token,
-            "logprob": finite(chosen.logprob),
+            "logprob": finite(chosen_entry(position, token_id).logprob),
             "bytes": list(token.encode("utf-8")),
             "top_logprobs": [
-                {"token": lp.decoded_token or "", "logprob": finite(lp.logprob),
-                 "bytes": list((lp.decoded_token or "").encode("utf-8"))}
-                for _, lp in top_entries(position, top_n)
+                {"token": (text := token_text(tid, lp, as_ids)), "logprob": finite(lp.logprob),
+                 "bytes": list(text.encode("utf-8"))}
+                for tid, lp in top_entries(position, top_n)
             ],
         })
     return {"content": content}

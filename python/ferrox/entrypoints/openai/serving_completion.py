@@ -19,18 +19,24 @@ from ferrox.entrypoints.openai.protocol import CompletionRequest
 from ferrox.entrypoints.openai.serving import (
     COMPLETION_FIELDS,
     ServingContext,
+    bad_words_allowed_ids,
     build_sampling_params,
     check_max_tokens,
+    check_priority,
     chosen_entry,
     finite,
     first_output,
     json_response,
-    new_id,
     parse_body,
+    prompt_logprobs_body,
+    request_ids,
     send_sse,
     send_stream_error,
     start_sse,
+    token_text,
     top_entries,
+    truncate_prompt,
+    usage_body,
     validate_request,
 )
 from ferrox.entrypoints.openai.structured import build_structured_outputs
@@ -44,6 +50,7 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
     req = await parse_body(request, CompletionRequest)
     ctx.check_model(req.model)
     ctx.check_engine()
+    check_priority(ctx, req.priority)
     try:
         structured = build_structured_outputs(req)
     except ValueError as exc:  # InvalidArgumentError naming response_format / guided_json...
@@ -53,17 +60,21 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
     for p in prompts:  # 400 if any prompt cannot fit with the requested budget
         check_max_tokens(ctx, len(p["prompt_token_ids"]), req.requested_max_tokens)
     # Omitted max_tokens: None, i.e. each prompt may run up to the model's length.
+    # Echoed logprobs need the prompt's: vLLM takes an explicit prompt_logprobs, else logprobs.
+    echo_logprobs = req.echo and req.logprobs is not None and req.prompt_logprobs is None
     params = build_sampling_params(
         req, max_tokens=req.requested_max_tokens, logprobs=req.logprobs, stream=req.stream,
-        prompt_logprobs=req.logprobs if (req.echo and req.logprobs is not None) else None, structured=structured,
-        defaults=ctx.engine.generation_defaults,
+        prompt_logprobs=req.logprobs if echo_logprobs else req.prompt_logprobs, structured=structured,
+        defaults=ctx.engine.generation_defaults, allowed_token_ids=bad_words_allowed_ids(ctx, req),
     )
+    fields = COMPLETION_FIELDS if echo_logprobs else {}
     for p in prompts:  # every prompt passes the request rules before any is queued
-        validate_request(ctx, p["prompt_token_ids"], params, COMPLETION_FIELDS)
-    request_id = new_id("cmpl")
-    outputs = _merged(ctx, prompts, params, request_id, req.priority)
+        validate_request(ctx, p["prompt_token_ids"], params, fields)
+    request_id, header_id = request_ids(request, req, "cmpl")
+    headers = {"X-Request-Id": header_id}
+    outputs = _merged(ctx, prompts, params, request_id, req.priority, req.cache_salt)
     if req.stream:
-        return await _stream(ctx, request, req, prompts, outputs, request_id)
+        return await _stream(ctx, request, req, prompts, outputs, request_id, headers)
 
     finals: dict[int, RequestOutput] = {}
     try:
@@ -71,7 +82,7 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
             async for idx, out in merged:
                 finals[idx] = out
     except (FerroxError, ValueError) as exc:
-        raise from_exception(exc, default_param="prompt", rename=COMPLETION_FIELDS) from None
+        raise from_exception(exc, default_param="prompt", rename=fields) from None
     choices: list[dict[str, Any]] = []
     prompt_tokens = completion_tokens = 0
     for idx, p in enumerate(prompts):
@@ -82,17 +93,21 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
             completion_tokens += len(comp.token_ids)
             logprobs = None
             if req.logprobs is not None:
-                logprobs = _LogprobsBuilder(req.logprobs)
+                logprobs = _LogprobsBuilder(req.logprobs, bool(req.return_tokens_as_token_ids))
                 if req.echo:
                     logprobs.add_prompt(p["prompt_token_ids"], final.prompt_logprobs, ctx)
                 logprobs.add(comp.token_ids, comp.logprobs)
-            choices.append({
+            choice: dict[str, Any] = {
                 "index": idx * req.n + comp.index,
                 "text": echo_text + comp.text,
                 "logprobs": logprobs.body() if logprobs else None,
                 "finish_reason": comp.finish_reason,
                 "stop_reason": comp.stop_reason,
-            })
+            }
+            _add_vllm_extras(choice, req, p, final, first=True)
+            if req.return_token_ids:
+                choice["token_ids"] = comp.token_ids
+            choices.append(choice)
     choices.sort(key=lambda c: c["index"])
     return json_response({
         "id": request_id,
@@ -100,10 +115,21 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
         "created": int(time.time()),
         "model": ctx.model_name,
         "choices": choices,
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
+        "usage": usage_body(prompt_tokens, completion_tokens),
         "system_fingerprint": None,
-    })
+    }, headers=headers)
+
+
+def _add_vllm_extras(choice: dict[str, Any], req: CompletionRequest, prompt: dict[str, Any], out: RequestOutput,
+                     first: bool) -> None:
+    """vLLM's per-choice prompt fields: prompt_logprobs when asked for, prompt_token_ids with
+    return_token_ids (in a stream, on each choice's first chunk only)."""
+    if not first:
+        return
+    if req.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs_body(out.prompt_logprobs, bool(req.return_tokens_as_token_ids))
+    if req.return_token_ids:
+        choice["prompt_token_ids"] = prompt["prompt_token_ids"]
 
 
 def _tokenize_prompts(ctx: ServingContext, req: CompletionRequest) -> list[dict[str, Any]]:
@@ -114,30 +140,38 @@ def _tokenize_prompts(ctx: ServingContext, req: CompletionRequest) -> list[dict[
     prompts: list[dict[str, Any]] = []
     for raw in req.prompts():
         if isinstance(raw, str):
-            ids, text = tokenizer.encode(raw), raw
+            ids, text = tokenizer.encode(raw, add_special_tokens=req.add_special_tokens), raw
         else:
             ids, text = raw, None
-        prompts.append({"prompt": text, "prompt_token_ids": ids})
+        truncated = truncate_prompt(ctx, ids, req)
+        # A truncated prompt is no longer its text: echo then decodes the ids kept.
+        prompts.append({"prompt": text if truncated is ids else None, "prompt_token_ids": truncated})
     return prompts
 
 
 async def _stream(ctx: ServingContext, request: web.Request, req: CompletionRequest, prompts: list[dict[str, Any]],
-                  outputs: AsyncGenerator[tuple[int, RequestOutput], None], request_id: str) -> web.StreamResponse:
+                  outputs: AsyncGenerator[tuple[int, RequestOutput], None], request_id: str,
+                  headers: dict[str, str]) -> web.StreamResponse:
     created = int(time.time())
     n = req.n
     first = await first_output(outputs, "prompt", COMPLETION_FIELDS)
+    prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+    completion_tokens = 0
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
                                 "model": ctx.model_name, "choices": choices}
         if req.include_usage:
+            # continuous_usage_stats: every chunk says the usage so far; otherwise only the last one.
+            if usage is None and req.continuous_usage:
+                usage = usage_body(prompt_tokens, completion_tokens)
             body["usage"] = usage
         return body
 
-    resp = await start_sse(request)
+    resp = await start_sse(request, headers)
     echoed: set[int] = set()
+    started: set[int] = set()  # choices that sent their first chunk
     builders: dict[int, _LogprobsBuilder] = {}
-    completion_tokens = 0
     async with contextlib.aclosing(outputs):
         try:
             item = first
@@ -150,7 +184,8 @@ async def _stream(ctx: ServingContext, request: web.Request, req: CompletionRequ
                     text = comp.text
                     logprobs = None
                     if req.logprobs is not None:
-                        builder = builders.setdefault(index, _LogprobsBuilder(req.logprobs))
+                        builder = builders.setdefault(
+                            index, _LogprobsBuilder(req.logprobs, bool(req.return_tokens_as_token_ids)))
                         builder.reset()
                         if req.echo and index not in echoed:
                             builder.add_prompt(prompts[idx]["prompt_token_ids"], out.prompt_logprobs, ctx)
@@ -161,17 +196,19 @@ async def _stream(ctx: ServingContext, request: web.Request, req: CompletionRequ
                         echoed.add(index)
                     if not text and comp.finish_reason is None and not comp.token_ids:
                         continue
-                    choices.append({"index": index, "text": text, "logprobs": logprobs,
-                                    "finish_reason": comp.finish_reason,
-                                    **({"stop_reason": comp.stop_reason} if comp.finish_reason else {})})
+                    choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs,
+                                              "finish_reason": comp.finish_reason,
+                                              **({"stop_reason": comp.stop_reason} if comp.finish_reason else {})}
+                    _add_vllm_extras(choice, req, prompts[idx], out, first=index not in started)
+                    started.add(index)
+                    if req.return_token_ids:
+                        choice["token_ids"] = comp.token_ids
+                    choices.append(choice)
                 if choices:
                     await send_sse(resp, chunk(choices))
                 item = await anext(outputs, None)
             if req.include_usage:
-                prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
-                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                         "total_tokens": prompt_tokens + completion_tokens}
-                await send_sse(resp, chunk([], usage))
+                await send_sse(resp, chunk([], usage_body(prompt_tokens, completion_tokens)))
         except (FerroxError, ValueError) as exc:
             await send_stream_error(resp, exc)
         await resp.write(b"data: [DONE]\n\n")
@@ -180,10 +217,11 @@ async def _stream(ctx: ServingContext, request: web.Request, req: CompletionRequ
 
 
 async def _merged(ctx: ServingContext, prompts: list[dict[str, Any]], params: Any, request_id: str,
-                  priority: int) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+                  priority: int, cache_salt: str | None) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """(prompt index, output) from every prompt's generator, in arrival order."""
     if len(prompts) == 1:
-        async with contextlib.aclosing(ctx.engine.generate(prompts[0], params, request_id, priority=priority)) as g:
+        async with contextlib.aclosing(ctx.engine.generate(prompts[0], params, request_id, priority=priority,
+                                                                  cache_salt=cache_salt)) as g:
             async for out in g:
                 yield 0, out
         return
@@ -191,7 +229,8 @@ async def _merged(ctx: ServingContext, prompts: list[dict[str, Any]], params: An
 
     async def pump(idx: int, prompt: dict[str, Any]) -> None:
         try:
-            gen = ctx.engine.generate(prompt, params, f"{request_id}-{idx}", priority=priority)
+            gen = ctx.engine.generate(prompt, params, f"{request_id}-{idx}", priority=priority,
+                                      cache_salt=cache_salt)
             async with contextlib.aclosing(gen):
                 async for out in gen:
                     queue.put_nowait((idx, out))
@@ -226,8 +265,9 @@ def _prompt_text(ctx: ServingContext, prompt: dict[str, Any]) -> str:
 class _LogprobsBuilder:
     """The legacy completions logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
 
-    def __init__(self, top_n: int) -> None:
+    def __init__(self, top_n: int, as_token_ids: bool = False) -> None:
         self.top_n = top_n
+        self.as_token_ids = as_token_ids
         self.offset = 0  # text offset carried across stream chunks
         self.reset()
 
@@ -249,7 +289,9 @@ class _LogprobsBuilder:
         for i, tid in enumerate(ids):
             position = prompt_logprobs[i] if prompt_logprobs and i < len(prompt_logprobs) else None
             if position is None:
-                self._append(ctx.engine.tokenizer.decode([tid], skip_special_tokens=False), None, None)
+                text = f"token_id:{tid}" if self.as_token_ids else ctx.engine.tokenizer.decode(
+                    [tid], skip_special_tokens=False)
+                self._append(text, None, None)
             else:
                 self._add_position(tid, position)
 
@@ -259,8 +301,12 @@ class _LogprobsBuilder:
 
     def _add_position(self, tid: int, position: dict[int, Logprob]) -> None:
         chosen = chosen_entry(position, tid)
-        top = {lp.decoded_token or "": finite(lp.logprob) for _, lp in top_entries(position, self.top_n)}
-        self._append(chosen.decoded_token or "", finite(chosen.logprob), top)
+        token = token_text(tid, chosen, self.as_token_ids)
+        top = {token_text(t, lp, self.as_token_ids): finite(lp.logprob) for t, lp in top_entries(position, self.top_n)}
+        # As vLLM does, the sampled token is among top_logprobs even when it is not in the top n
+        # (so logprobs=0 still shows it there).
+        top.setdefault(token, finite(chosen.logprob))
+        self._append(token, finite(chosen.logprob), top)
 
     def body(self) -> dict[str, Any]:
         return {"tokens": self.tokens, "token_logprobs": self.token_logprobs,

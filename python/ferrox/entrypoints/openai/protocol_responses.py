@@ -1,0 +1,248 @@
+"""Request body of OpenAI's Responses API (POST /v1/responses), validated with pydantic v2.
+
+Served: text or item-list `input` (messages, function_call, function_call_output items),
+`instructions`, `max_output_tokens`, temperature / top_p, `stream`, function `tools` with
+`tool_choice` / `parallel_tool_calls`, `text.format` (text, json_object, json_schema), and
+`metadata` / `user`, which are echoed back. Everything else the API defines (stored responses,
+background mode, reasoning, hosted tools, images...) is refused with a 400 naming the field:
+ferrox never accepts a parameter it would then ignore. `to_chat_messages` gives the conversation
+in OpenAI chat's shape, so rendering and tool use go through the chat route's machinery.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+
+from ferrox.entrypoints.openai.protocol import ResponseFormat
+from ferrox.entrypoints.tool_use import ToolRequest
+
+# Top-level fields of the API that ferrox does not serve -> why (sent with a value that asks for
+# nothing, such as null, false or [], they pass).
+UNSUPPORTED_FIELDS = {
+    "previous_response_id": "ferrox stores no responses; send the whole conversation as input",
+    "store": "ferrox stores no responses (send store=false)",
+    "background": "background responses are not supported",
+    "conversation": "conversations are not supported; send the whole conversation as input",
+    "include": "no extra output data is available",
+    "reasoning": "reasoning options are not supported",
+    "prompt": "prompt templates are not supported",
+    "max_tool_calls": "max_tool_calls is not supported",
+    "top_logprobs": "logprobs are not supported on /v1/responses (use /v1/chat/completions)",
+    "service_tier": "service tiers are not supported",
+    "stream_options": "stream_options is not supported on /v1/responses",
+    "prompt_cache_key": "prompt_cache_key is not supported (prefix caching is automatic)",
+    "prompt_cache_retention": "prompt_cache_retention is not supported (prefix caching is automatic)",
+    "safety_identifier": "safety_identifier is not supported",
+    "context_management": "context_management is not supported",
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Item(BaseModel):
+    # Items echoed back from an earlier response carry keys (id, status) that change nothing.
+    model_config = ConfigDict(extra="ignore")
+
+
+class InputText(_Item):
+    type: Literal["input_text"]
+    text: str
+
+
+class OutputText(_Item):
+    type: Literal["output_text"]
+    text: str
+
+
+ContentPart = Annotated[InputText | OutputText, Field(discriminator="type")]
+
+
+class MessageItem(_Item):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[ContentPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(_Item):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(_Item):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputText]
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+
+
+def _item_kind(item: Any) -> str | None:
+    # A message may leave out its `type` ({"role": "user", "content": "hi"}, the easy form).
+    if isinstance(item, dict):
+        return item.get("type") or ("message" if "role" in item else None)
+    return getattr(item, "type", None)
+
+
+_ITEM_KINDS = ("message", "function_call", "function_call_output")
+_PART_KINDS = ("input_text", "output_text")
+
+
+def _check_items(items: Any) -> Any:
+    """Name the first item or content part of a kind ferrox does not serve (images, files, reasoning,
+    hosted-tool calls...): pydantic alone would only say that `input` is not a string."""
+    if not isinstance(items, list):
+        return items
+    for i, item in enumerate(items):
+        kind = _item_kind(item)
+        if kind not in _ITEM_KINDS:
+            raise ValueError(f"input[{i}]: item type {kind!r} is not supported (only {', '.join(_ITEM_KINDS)})")
+        content = item.get("content") if kind == "message" and isinstance(item, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            part_kind = part.get("type") if isinstance(part, dict) else None
+            if part_kind not in _PART_KINDS:
+                raise ValueError(f"input[{i}].content[{j}]: content type {part_kind!r} is not supported "
+                                 f"(only {', '.join(_PART_KINDS)})")
+    return items
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(_item_kind),
+]
+
+
+class FunctionTool(_Strict):
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    # Honoured for tool_choice "required" / a named function (decoding follows the schema); with
+    # "auto" calls are parsed from free text, as on /v1/chat/completions.
+    strict: bool | None = None
+
+    def to_chat(self) -> dict[str, Any]:
+        function: dict[str, Any] = {"name": self.name}
+        if self.description:
+            function["description"] = self.description
+        if self.parameters is not None:
+            function["parameters"] = self.parameters
+        return {"type": "function", "function": function}
+
+
+class FunctionChoice(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(_Strict):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(BaseModel):
+    # Unknown top-level fields are kept so the route can refuse them by name (see UNSUPPORTED_FIELDS).
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    model: str | None = None
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stream: bool = False
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    truncation: Literal["disabled"] | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _known_items(cls, value: Any) -> Any:
+        return _check_items(value)
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _function_tools(cls, value: Any) -> Any:
+        for i, tool in enumerate(value if isinstance(value, list) else []):
+            if isinstance(tool, dict) and tool.get("type") != "function":
+                raise ValueError(f"tools[{i}]: tool type {tool.get('type')!r} is not supported (only 'function')")
+        return value
+
+    def refused_fields(self) -> list[tuple[str, str]]:
+        """(field, why) for each field sent that ferrox does not serve, in the order sent."""
+        refused = []
+        for name, value in (self.model_extra or {}).items():
+            if value in (None, False, [], {}):
+                continue
+            refused.append((name, UNSUPPORTED_FIELDS.get(name, "unknown parameter")))
+        return refused
+
+    def to_chat_messages(self) -> list[dict[str, Any]]:
+        """instructions + input as OpenAI chat messages: consecutive function_call items join one
+        assistant message's tool_calls, function_call_output items become `role: tool` messages."""
+        out: list[dict[str, Any]] = []
+        if self.instructions:
+            out.append({"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            out.append({"role": "user", "content": self.input})
+            return out
+        for item in self.input:
+            if isinstance(item, MessageItem):
+                # Chat templates know "system"; OpenAI's "developer" plays that part.
+                role = "system" if item.role == "developer" else item.role
+                out.append({"role": role, "content": item.text()})
+            elif isinstance(item, FunctionCallItem):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                if out and out[-1]["role"] == "assistant":
+                    out[-1].setdefault("tool_calls", []).append(call)
+                else:
+                    out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            else:
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+        return out
+
+    def tool_request(self) -> ToolRequest:
+        choice = self.tool_choice
+        if isinstance(choice, FunctionChoice):
+            chat_choice: str | dict[str, Any] | None = {"type": "function", "function": {"name": choice.name}}
+        else:
+            chat_choice = choice
+        tools = [t.to_chat() for t in self.tools] if self.tools else None
+        if tools is None and chat_choice in ("auto", "none"):
+            chat_choice = None  # nothing to choose from: plain text, as OpenAI answers
+        return ToolRequest(tools, chat_choice, self.parallel_tool_calls)
+
+    def response_format(self) -> ResponseFormat | None:
+        """text.format in chat's response_format shape (the chat route's structured-output hook)."""
+        fmt = self.text.format if self.text else None
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return ResponseFormat(type="json_object")
+        spec: dict[str, Any] = {"name": fmt.name, "schema": fmt.schema_}
+        if fmt.strict is not None:
+            spec["strict"] = fmt.strict
+        return ResponseFormat(type="json_schema", json_schema=spec)

@@ -1,0 +1,261 @@
+"""POST /v1/responses: OpenAI's Responses API over the same engine.
+
+The reply becomes output items: a `message` with one `output_text` part for text, a
+`function_call` per tool call. A reply cut by max_output_tokens has status "incomplete" (with
+incomplete_details.reason "max_output_tokens"), and so has a function call whose arguments were
+cut short. Streaming sends the documented event sequence, each event with a rising
+sequence_number:
+
+    response.created, response.in_progress,
+    per item: response.output_item.added,
+      message:       response.content_part.added, response.output_text.delta*,
+                     response.output_text.done, response.content_part.done
+      function_call: response.function_call_arguments.delta*, response.function_call_arguments.done
+    response.output_item.done,
+    response.completed (or response.incomplete; response.failed after an engine error).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from ferrox.entrypoints import tool_use
+from ferrox.entrypoints.openai.errors import bad_request, from_exception
+from ferrox.entrypoints.openai.protocol_responses import ResponsesRequest
+from ferrox.entrypoints.openai.serving import (
+    ServingContext,
+    check_max_tokens,
+    first_output,
+    json_response,
+    parse_body,
+    send_sse,
+    start_sse,
+    validate_request,
+)
+from ferrox.entrypoints.openai.structured import build_structured_outputs
+from ferrox.errors import FerroxError
+from ferrox.sampling_params import RequestOutputKind, SamplingParams
+
+# Engine field name -> this route's spelling.
+RESPONSES_FIELDS = {"prompt": "input", "max_tokens": "max_output_tokens", "structured_outputs": "text.format"}
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+@dataclass(slots=True)
+class _StructuredView:
+    """What the chat route's structured-output hook reads, from text.format."""
+
+    response_format: Any
+
+
+def _constraint(req: ResponsesRequest, tools: tool_use.ToolRequest) -> Any:
+    try:
+        structured = build_structured_outputs(_StructuredView(req.response_format()))
+    except ValueError as exc:
+        raise from_exception(exc, rename={"response_format": "text.format"}) from None
+    forced = tool_use.tool_constraint(tools)
+    if structured is not None and forced is not None:
+        raise bad_request("text.format: a json format cannot be combined with a tool_choice that forces a "
+                          "function call", param="text.format")
+    return structured or forced
+
+
+def _sampling_params(ctx: ServingContext, req: ResponsesRequest, structured: Any) -> SamplingParams:
+    kwargs: dict[str, Any] = {"max_tokens": req.max_output_tokens, "structured_outputs": structured,
+                              "output_kind": RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY}
+    for name in ("temperature", "top_p"):
+        value = getattr(req, name)
+        if value is None:
+            value = ctx.engine.generation_defaults.get(name)
+        if value is not None:
+            kwargs[name] = value
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, msgspec.ValidationError) as exc:
+        raise from_exception(exc, rename=RESPONSES_FIELDS) from None
+
+
+class _Response:
+    """The response object as it grows: output items, status, usage."""
+
+    def __init__(self, ctx: ServingContext, req: ResponsesRequest, params: SamplingParams,
+                 num_prompt_tokens: int) -> None:
+        self.id = _new_id("resp")
+        self.created_at = int(time.time())
+        self.ctx, self.req, self.params = ctx, req, params
+        self.num_prompt_tokens = num_prompt_tokens
+        self.output_tokens = 0
+        self.cached_tokens = 0
+        self.items: list[dict[str, Any]] = []
+        self.status = "in_progress"
+        self.incomplete_reason: str | None = None
+        self.error: dict[str, Any] | None = None
+
+    def item(self, block: tool_use.ReplyBlock, status: str) -> dict[str, Any]:
+        if block.kind == "text":
+            return {"type": "message", "id": _new_id("msg"), "status": status, "role": "assistant",
+                    "content": [] if status == "in_progress" else [_text_part(block.text)]}
+        return {"type": "function_call", "id": "fc_" + block.call_id.removeprefix("call_"),
+                "call_id": block.call_id, "name": block.name, "arguments": block.arguments, "status": status}
+
+    def finish(self, finish_reason: str | None) -> None:
+        self.status = "completed"
+        if finish_reason == "length":
+            self.status, self.incomplete_reason = "incomplete", "max_output_tokens"
+
+    def body(self) -> dict[str, Any]:
+        req = self.req
+        fmt = req.text.format if req.text and req.text.format else None
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": self.status,
+            "model": self.ctx.model_name, "output": self.items,
+            "error": self.error,
+            "incomplete_details": {"reason": self.incomplete_reason} if self.incomplete_reason else None,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            # The values decoding used (the model's generation defaults where the request left them out).
+            "temperature": self.params.temperature, "top_p": self.params.top_p,
+            "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+            "tool_choice": _dump(req.tool_choice) if req.tool_choice is not None else "auto",
+            "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
+            "text": {"format": fmt.model_dump(exclude_none=True, by_alias=True) if fmt else {"type": "text"}},
+            "metadata": req.metadata or {}, "user": req.user, "store": False, "background": False,
+            "previous_response_id": None, "reasoning": None, "truncation": "disabled",
+            "usage": None if self.status == "in_progress" else {
+                "input_tokens": self.num_prompt_tokens,
+                "input_tokens_details": {"cached_tokens": self.cached_tokens},
+                "output_tokens": self.output_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": self.num_prompt_tokens + self.output_tokens,
+            },
+        }
+
+
+def _dump(value: Any) -> Any:
+    return value.model_dump() if hasattr(value, "model_dump") else value
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _block_status(block: tool_use.ReplyBlock, finish_reason: str | None) -> str:
+    if finish_reason == "length" and (block.kind == "text" or not block.arguments_complete):
+        return "incomplete"
+    return "completed"
+
+
+async def create_response(ctx: ServingContext, request: web.Request) -> web.StreamResponse:
+    req = await parse_body(request, ResponsesRequest)
+    refused = req.refused_fields()
+    if refused:
+        name, why = refused[0]
+        raise bad_request(f"{name}: not supported by ferrox's Responses API ({why})", param=name,
+                          code="unsupported_parameter")
+    ctx.check_model(req.model)
+    ctx.check_engine()
+    tools = req.tool_request()
+    structured = _constraint(req, tools)
+    # Rendering and encoding a long conversation takes a while: off the event loop.
+    prompt = await ctx.engine.run_in_prompt_pool(tool_use.render_prompt, ctx, req.to_chat_messages(), tools)
+    check_max_tokens(ctx, len(prompt.token_ids), req.max_output_tokens)
+    params = _sampling_params(ctx, req, structured)
+    validate_request(ctx, prompt.token_ids, params, RESPONSES_FIELDS)
+    response = _Response(ctx, req, params, len(prompt.token_ids))
+    request["request_id"] = response.id  # -> the X-Request-Id header and the access log
+    gen = ctx.engine.generate({"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}, params, response.id)
+    # Pull the first output before sending headers, so a rejected request is still a plain 4xx/503.
+    first = await first_output(gen, "input", RESPONSES_FIELDS)
+    if req.stream:
+        return await _stream(request, response, gen, first, tools, prompt.template)
+    async with contextlib.aclosing(gen):
+        final = first
+        async for later in gen:
+            final = later
+    assert final is not None
+    comp = final.outputs[0]
+    response.output_tokens = len(comp.token_ids)
+    response.cached_tokens = final.num_cached_tokens
+    blocks = tool_use.split_reply(comp.text, tools, prompt.template) or [tool_use.ReplyBlock("text")]
+    response.items = [response.item(b, _block_status(b, comp.finish_reason)) for b in blocks]
+    response.finish(comp.finish_reason)
+    return json_response(response.body())
+
+
+async def _stream(request: web.Request, response: _Response, gen: Any, first: Any,
+                  tools: tool_use.ToolRequest, template: str | None) -> web.StreamResponse:
+    resp = await start_sse(request)
+    sequence = 0
+
+    async def send(payload: dict[str, Any]) -> None:
+        nonlocal sequence
+        payload["sequence_number"] = sequence
+        sequence += 1
+        await send_sse(resp, payload, payload["type"])
+
+    stream = tool_use.BlockStream(tools, template)
+    ids: dict[int, str] = {}  # block index -> item id
+    async with contextlib.aclosing(gen):
+        try:
+            await send({"type": "response.created", "response": response.body()})
+            await send({"type": "response.in_progress", "response": response.body()})
+            out, finish_reason = first, None
+            while out is not None:
+                response.cached_tokens = out.num_cached_tokens
+                for comp in out.outputs:
+                    response.output_tokens += len(comp.token_ids)
+                    finish_reason = comp.finish_reason or finish_reason
+                    for event in stream.step(comp.text, comp.finish_reason is not None):
+                        for payload in _item_events(response, event, ids, finish_reason):
+                            await send(payload)
+                out = await anext(gen, None)
+            response.finish(finish_reason)
+            await send({"type": f"response.{response.status}", "response": response.body()})
+        except (FerroxError, ValueError) as exc:
+            error = from_exception(exc)
+            response.status, response.error = "failed", {"code": error.code or "server_error", "message": error.message}
+            await send({"type": "response.failed", "response": response.body()})
+    await resp.write_eof()
+    return resp
+
+
+def _item_events(response: _Response, event: tool_use.BlockEvent, ids: dict[int, str],
+                 finish_reason: str | None) -> list[dict[str, Any]]:
+    """One block event -> the Responses stream events it stands for."""
+    block, index = event.block, event.index
+    if event.kind == "start":
+        item = response.item(block, "in_progress")
+        ids[index] = item["id"]
+        response.items.append(item)
+        added = [{"type": "response.output_item.added", "output_index": index, "item": item}]
+        if block.kind == "text":
+            added.append({"type": "response.content_part.added", "item_id": item["id"], "output_index": index,
+                          "content_index": 0, "part": _text_part("")})
+        return added
+    where = {"item_id": ids[index], "output_index": index}
+    if event.kind == "delta":
+        if block.kind == "text":
+            return [{"type": "response.output_text.delta", **where, "content_index": 0, "delta": event.delta,
+                     "logprobs": []}]
+        return [{"type": "response.function_call_arguments.delta", **where, "delta": event.delta}]
+    done = response.item(block, _block_status(block, finish_reason))
+    done["id"] = ids[index]
+    response.items[index] = done
+    if block.kind == "text":
+        part = _text_part(block.text)
+        events = [{"type": "response.output_text.done", **where, "content_index": 0, "text": block.text,
+                   "logprobs": []},
+                  {"type": "response.content_part.done", **where, "content_index": 0, "part": part}]
+    else:
+        events = [{"type": "response.function_call_arguments.done", **where, "name": block.name,
+                   "arguments": block.arguments}]
+    return [*events, {"type": "response.output_item.done", "output_index": index, "item": done}]

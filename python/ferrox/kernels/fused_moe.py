@@ -1,0 +1,330 @@
+"""Fused mixture-of-experts FFN: every token's top-k experts in two grouped launches.
+
+An MoE layer sends each token to k of E experts (SwiGLU MLPs). Run expert by expert, a batch costs
+E small matmuls, a host sync to learn which experts have tokens, and a scatter-add. Here:
+
+Grouped path (any batch). The T*k (token, slot) pairs are sorted by expert on the device
+(`align_by_expert`); each expert's run of pairs is padded to a multiple of BLOCK_M, so every
+BLOCK_M-row block of the sorted list belongs to exactly one expert. One launch then computes
+silu(x W_gate^T) * (x W_up^T) for every block (its program reads the block's expert's w13
+slice and gathers its tokens' rows of x), and a second multiplies by w2 and by the pair's routing
+weight. The k outputs of a token are then summed (in fp32, one reduction). Pad rows point at the
+sentinel pair id T*k and are masked. The grid is the upper bound on blocks (known from shapes),
+and programs past the padded total return at once: nothing is read back on the host, so a step
+can be captured in a CUDA graph.
+
+Small-batch path (a few decode tokens). Sorting costs more launches than the work, so each
+(token, slot) pair runs matrix-vector products straight on its selected expert's rows: only the
+k selected experts' weights are read (a batch-1 step of Qwen3-30B-A3B reads 8 of 128 experts).
+The down kernel loops over the token's k slots and sums them in registers, so it writes the
+final [T, H] rows itself.
+
+Layout: w13 [E, 2*I, H] (rows [0, I) gate, [I, 2I) up), w2 [E, H, I], both row-major per expert.
+Gate and up are rounded to the activation dtype before SiLU, as the unfused torch path stores them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertBlocks:
+    """(token, slot) pairs grouped by expert, each expert's run padded to block_m rows."""
+
+    pair_ids: torch.Tensor  # [max_rows] int32: pair (token * k + slot) of each sorted row; pads hold num_pairs
+    block_expert: torch.Tensor  # [max_rows // block_m] int32: the expert of each block, -1 past the end
+    num_rows: torch.Tensor  # [1] int64: rows in use (a multiple of block_m)
+    block_m: int
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """Sort the pairs of topk_ids [T, k] by expert on the device, no host sync.
+
+    A pair's row = its expert's padded start + its rank among that expert's pairs (a stable
+    sort keeps token order inside an expert)."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    num_pairs = flat.numel()
+    device = flat.device
+    # At most min(E, pairs) experts are non-empty, each wasting under block_m rows.
+    max_rows = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    start = torch.cumsum(counts, 0) - counts
+    sorted_experts, order = torch.sort(flat, stable=True)
+    rank = torch.arange(num_pairs, device=device) - start[sorted_experts]
+    rows = padded_end[sorted_experts] - padded[sorted_experts] + rank
+    pair_ids = torch.full((max_rows,), num_pairs, dtype=torch.int32, device=device)
+    pair_ids.scatter_(0, rows, order.to(torch.int32))
+    block_starts = torch.arange(0, max_rows, block_m, device=device)
+    block_expert = torch.searchsorted(padded_end, block_starts, right=True)
+    num_rows = padded_end[-1:]
+    block_expert = torch.where(block_starts < num_rows, block_expert, -1).to(torch.int32)
+    return ExpertBlocks(pair_ids, block_expert, num_rows, block_m)
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    out_ptr,
+    a_ptr,
+    w_ptr,
+    pair_ids_ptr,
+    block_expert_ptr,
+    num_rows_ptr,
+    route_w_ptr,
+    N,
+    K,
+    num_pairs,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_om,
+    A_ROW_DIV: tl.constexpr,  # pair -> row of a: the token (k) for gate/up, the pair itself (1) for down
+    GATED: tl.constexpr,  # w rows [0, N) gate, [N, 2N) up: out = silu(gate) * up
+    ROUTED: tl.constexpr,  # out *= the pair's routing weight
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    # Blocks past the padded total (the grid is an upper bound), or of no expert.
+    if (pid_m * BLOCK_M >= tl.load(num_rows_ptr)) | (expert < 0):
+        return
+    pairs = tl.load(pair_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pairs < num_pairs
+    a_rows = a_ptr + (pairs // A_ROW_DIV).to(tl.int64)[:, None] * stride_am
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    w_cols = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        w = tl.load(w_cols + ks[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]: w^T tile
+        acc += tl.dot(a, w, input_precision=DOT_PRECISION)
+        if GATED:
+            w_up = tl.load(w_cols + N * stride_wn + ks[:, None], mask=w_mask, other=0.0)
+            acc_up += tl.dot(a, w_up, input_precision=DOT_PRECISION)
+    if GATED:
+        gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+        acc = gate / (1.0 + tl.exp(-gate)) * up
+    if ROUTED:
+        acc = acc * tl.load(route_w_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _gemv_gate_up_kernel(
+    out_ptr,
+    x_ptr,
+    w_ptr,
+    topk_ids_ptr,
+    N,
+    K,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_o,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Program (pair, n-block): silu(gate) * up of BLOCK_N columns for one (token, slot) pair."""
+    pair = tl.program_id(0)
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_x
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    w_rows = w_ptr + expert * stride_we + rows.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < K
+        x = tl.load(x_row + ks, mask=kmask, other=0.0).to(tl.float32)
+        wmask = rmask[:, None] & kmask[None, :]
+        # Each expert row is read once per step: stream it past the cache.
+        w = tl.load(w_rows + ks[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
+        w_up = tl.load(w_rows + N * stride_wn + ks[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * x[None, :]
+        acc_up += w_up.to(tl.float32) * x[None, :]
+    gate = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32)
+    up = tl.sum(acc_up, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32)
+    y = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + pair.to(tl.int64) * stride_o + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def _gemv_down_kernel(
+    out_ptr,
+    inter_ptr,
+    w_ptr,
+    topk_ids_ptr,
+    route_w_ptr,
+    N,
+    K,
+    stride_i,
+    stride_we,
+    stride_wn,
+    stride_o,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Program (token, n-block): sum over the token's k slots of weight * (w2[e] @ inter[pair])."""
+    token = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    y = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for slot in range(TOP_K):
+        pair = token * TOP_K + slot
+        expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+        route_w = tl.load(route_w_ptr + pair).to(tl.float32)
+        x_row = inter_ptr + pair.to(tl.int64) * stride_i
+        w_rows = w_ptr + expert * stride_we + rows.to(tl.int64)[:, None] * stride_wn
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            kmask = ks < K
+            x = tl.load(x_row + ks, mask=kmask, other=0.0).to(tl.float32)
+            w = tl.load(w_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            acc += w.to(tl.float32) * x[None, :]
+        # Each slot's product rounded to the activation dtype, as the grouped path stores it.
+        y += route_w * tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + token.to(tl.int64) * stride_o + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
+
+
+@dataclass(frozen=True, slots=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def choose_gemm_config(num_pairs: int, num_experts: int) -> GemmConfig:
+    """Rows per block follow the mean load per expert: small blocks waste less padding when each
+    expert sees few tokens, large ones reuse each weight tile over more rows. Not tuned on the
+    H200 yet (benches/bench_moe.py measures the result)."""
+    per_expert = num_pairs / num_experts
+    if per_expert <= 16:
+        return GemmConfig(16, 64, 64, 4, 3)
+    if per_expert <= 64:
+        return GemmConfig(32, 64, 64, 4, 3)
+    return GemmConfig(64, 128, 64, 8, 3)
+
+
+@dataclass(frozen=True, slots=True)
+class GemvConfig:
+    """Small-batch path: output rows per program of the gate/up and down kernels, K tile, warps."""
+
+    gate_up_rows: int
+    down_rows: int
+    block_k: int
+    num_warps: int
+
+
+def choose_gemv_config(hidden: int, inter: int) -> GemvConfig:
+    """Many small programs stream best (as in kernels/gemv.py). A sweep on an H200 (rows 2-8 / 1-8,
+    K tile 256-1024, 4 or 8 warps) found every config within ~10% at batch 1 of Qwen3-30B-A3B
+    (~30 us a layer, 75 MB of experts) and Mixtral-8x7B (~175 us, 705 MB, ~4 TB/s); the shapes are
+    taken so a later sweep can key on them."""
+    return GemvConfig(4, 2, 1024, 4)
+
+
+def use_small_batch_path(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """Matrix-vector products per pair while the pairs are few against the experts: a pair then
+    rarely shares its expert with another, so reading per pair costs little over reading each
+    selected expert once, and the sort's launches are saved (Qwen3-30B-A3B: up to 8 tokens,
+    Mixtral: up to 2)."""
+    return num_tokens * top_k <= max(top_k, num_experts // 2)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 tests must not silently drop to tf32 on the GPU.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+           topk_ids: torch.Tensor) -> None:
+    e, two_i, h = w13.shape
+    if x.dim() != 2 or x.shape[1] != h or x.stride(-1) != 1:
+        raise ValueError(f"x must be [tokens, {h}] with a contiguous last axis, got {tuple(x.shape)}")
+    if w2.shape != (e, h, two_i // 2) or two_i % 2:
+        raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not describe [E, 2I, H] / [E, H, I]")
+    if not (w13.is_contiguous() and w2.is_contiguous()):
+        raise ValueError("fused_moe needs contiguous expert weights")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must be "
+                         f"[{x.shape[0]}, k]")
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, *, small_batch: bool | None = None,
+              config: GemmConfig | None = None, gemv_config: GemvConfig | None = None) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for every token: [T, H] in x's dtype.
+
+    small_batch: force (True) or forbid (False) the matrix-vector path; by default
+    `use_small_batch_path` decides from the shapes."""
+    _check(x, w13, w2, topk_weights, topk_ids)
+    num_tokens, top_k = topk_ids.shape
+    num_experts, two_i, hidden = w13.shape
+    inter = two_i // 2
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    ids = topk_ids.contiguous()
+    route_w = topk_weights.to(torch.float32).contiguous()
+    num_pairs = num_tokens * top_k
+    if small_batch is None:
+        small_batch = use_small_batch_path(num_tokens, top_k, num_experts)
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    if small_batch:
+        gv = gemv_config or choose_gemv_config(hidden, inter)
+        _gemv_gate_up_kernel[(num_pairs, triton.cdiv(inter, gv.gate_up_rows))](
+            act, x, w13, ids, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+            TOP_K=top_k, BLOCK_N=gv.gate_up_rows, BLOCK_K=min(gv.block_k, triton.next_power_of_2(hidden)),
+            num_warps=gv.num_warps,
+        )
+        _gemv_down_kernel[(num_tokens, triton.cdiv(hidden, gv.down_rows))](
+            out, act, w2, ids, route_w, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+            TOP_K=top_k, BLOCK_N=gv.down_rows, BLOCK_K=min(gv.block_k, triton.next_power_of_2(inter)),
+            num_warps=gv.num_warps,
+        )
+        return out
+
+    cfg = config or choose_gemm_config(num_pairs, num_experts)
+    blocks = align_by_expert(ids, num_experts, cfg.block_m)
+    num_blocks = blocks.block_expert.shape[0]
+    precision = _dot_precision(x.dtype)
+    _grouped_gemm_kernel[(num_blocks, triton.cdiv(inter, cfg.block_n))](
+        act, x, w13, blocks.pair_ids, blocks.block_expert, blocks.num_rows, route_w, inter, hidden, num_pairs,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        A_ROW_DIV=top_k, GATED=True, ROUTED=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    routed = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    _grouped_gemm_kernel[(num_blocks, triton.cdiv(hidden, cfg.block_n))](
+        routed, act, w2, blocks.pair_ids, blocks.block_expert, blocks.num_rows, route_w, hidden, inter,
+        num_pairs, act.stride(0), w2.stride(0), w2.stride(1), routed.stride(0),
+        A_ROW_DIV=1, GATED=False, ROUTED=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    # The k weighted rows of a token: one reduction (fp32 accumulation inside torch's sum).
+    torch.sum(routed.view(num_tokens, top_k, hidden), dim=1, out=out)
+    return out

@@ -1,0 +1,117 @@
+"""The routed experts of an MoE layer: a router, top-k selection, and the experts as two stacked tensors.
+
+Checkpoints store one small MLP per expert (`experts.{e}.gate_proj/up_proj/down_proj`, Mixtral
+`w1/w3/w2`); the layer stacks them while loading, w13 [E, 2*I, H] (gate rows, then up rows) and
+w2 [E, H, I], so a step is two grouped launches (kernels/fused_moe.py) rather than E matmuls.
+Every checkpoint tensor arrives through `FusedMoE.load_expert_weight`: the one place that will
+decide which slice a rank keeps once experts are sharded or split across ranks.
+
+The implementation is chosen once, from the kernel set the model was built with (layers/ops.py):
+the Triton kernels, or a plain per-expert loop in torch (CPU, and the kernels' reference).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ferrox.layers.ops import DeviceOps, silu_and_mul_torch
+
+ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class TopKRouter(nn.Module):
+    """Router logits in float32: the weight is kept in fp32 (E x H, small) so near-tied experts are
+    ranked the same whatever the activation dtype."""
+
+    def __init__(self, hidden_size: int, num_experts: int, device: torch.device | str | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32, device=device),
+                                   requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight)
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts, keep the top k; with `renormalize` (Mixtral, Qwen3-MoE's
+    norm_topk_prob) the k weights are rescaled to sum to 1. Returns (weights float32 [T, k],
+    expert ids int64 [T, k])."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    """Per-expert loop (correct, not fast): the CPU path and the kernels' reference. One host sync
+    for the per-expert counts; experts with no tokens are skipped."""
+    num_tokens, top_k = topk_ids.shape
+    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start:start + count]
+        start += count
+        tokens = pairs // top_k
+        h = silu_and_mul_torch(F.linear(x[tokens], w13[expert]))
+        y = F.linear(h, w2[expert])
+        out.index_add_(0, tokens, y.float() * topk_weights.reshape(-1)[pairs, None].float())
+    return out.to(x.dtype)
+
+
+class FusedMoE(nn.Module):
+    """E experts of intermediate size I over hidden size H; forward(x, topk_weights, topk_ids)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype,
+                 device: torch.device | str | None, ops: DeviceOps):
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype,
+                                            device=device), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype, device=device),
+                               requires_grad=False)
+        self.impl: ExpertsFn = experts_torch
+        if ops.name == "triton":
+            from ferrox.kernels.fused_moe import fused_moe
+
+            self.impl = fused_moe
+
+    def expected_weights(self) -> set[tuple[int, str]]:
+        """(expert, shard) pairs a checkpoint must provide: gate, up and down of every expert."""
+        return {(e, shard) for e in range(self.num_experts) for shard in ("gate", "up", "down")}
+
+    def load_expert_weight(self, param_name: str, expert_id: int, shard: str, tensor: torch.Tensor) -> None:
+        """Copy one expert's checkpoint projection in: shard "gate" / "up" ([I, H], into w13's
+        halves) or "down" ([H, I], into w2). param_name is the checkpoint leaf ("weight"; a
+        quantized method would add its scales here)."""
+        if param_name != "weight":
+            raise ValueError(f"expert {expert_id} {shard}: unexpected parameter {param_name!r}")
+        if not 0 <= expert_id < self.num_experts:
+            raise ValueError(f"expert {expert_id} is out of range (the layer has {self.num_experts})")
+        inter = self.intermediate_size
+        if shard == "gate":
+            target = self.w13.data[expert_id, :inter]
+        elif shard == "up":
+            target = self.w13.data[expert_id, inter:]
+        elif shard == "down":
+            target = self.w2.data[expert_id]
+        else:
+            raise ValueError(f"unknown expert shard {shard!r} (gate, up or down)")
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(f"expert {expert_id} {shard}: checkpoint shape {tuple(tensor.shape)}, model expects "
+                             f"{tuple(target.shape)}")
+        target.copy_(tensor)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return self.impl(x, self.w13, self.w2, topk_weights, topk_ids)

@@ -1,0 +1,172 @@
+"""Verification of speculative drafts: which drafted tokens the target model keeps.
+
+A request with d drafts was computed at 1 + d positions in one forward pass; its target
+distributions p_0..p_d are the logits rows `logits_start_loc[r]:logits_start_loc[r + 1]` of the
+step (p_j predicts the token after draft j - 1; p_d, after the last draft, gives the bonus token).
+
+Greedy rows keep the longest prefix of drafts equal to the target's argmax, then add the argmax at
+the first mismatch (or at p_d when all matched): exactly the tokens plain greedy decoding produces.
+
+Sampled rows use speculative sampling (Leviathan et al. 2023; Chen et al. 2023), which leaves
+the output distributed exactly as sampling from the target alone: draft x_j, proposed with
+probability q_j(x_j), is accepted with probability min(1, p_j(x_j) / q_j(x_j)); at the first
+rejection the token is drawn from the residual normalize(max(p_j - q_j, 0)); when all d are
+accepted a bonus token is drawn from p_d. An n-gram draft is deterministic (q_j is one-hot), so it
+is accepted with probability p_j(x_j) and the residual is p_j with x_j removed.
+
+Randomness: a row with a seeded `torch.Generator` draws exactly d uniforms then one U[0,1) vector
+over the vocabulary from it, so its tokens depend only on its seed, drafts and distributions, not on
+the rest of the batch. Other rows share `default_generator`. The final draw is the exponential
+race (argmax(dist / Exp(1))), as in layers/sampler.py.
+
+Everything runs on the device of `target_probs`; the per-row draft counts are host data (they come
+from SchedulerOutput.num_draft_tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+
+@dataclass(slots=True)
+class RejectionOutput:
+    token_ids: torch.Tensor  # [num_reqs, max_drafts + 1] int64: accepted drafts, then the row's own token; -1 after
+    num_sampled: torch.Tensor  # [num_reqs] int32: accepted drafts + 1
+
+    def flat(self) -> torch.Tensor:
+        """The tokens row after row, without padding: `update_from_output`'s sampled_token_ids, with
+        `num_sampled` as its num_sampled_tokens."""
+        return self.token_ids[self.token_ids >= 0]
+
+
+def rejection_sample(
+    target_probs: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: Sequence[int] | npt.NDArray[np.int32] | torch.Tensor,
+    *,
+    draft_probs: torch.Tensor | None = None,
+    greedy: torch.Tensor | None = None,
+    generators: dict[int, torch.Generator] | None = None,
+    default_generator: torch.Generator | None = None,
+) -> RejectionOutput:
+    """target_probs: [sum(d_r + 1), V] the target's probabilities (after temperature, top-k/top-p,
+    penalties...) at each request's 1 + d_r verify positions, request after request. Greedy rows
+    are only argmax'ed, so they may hold logits instead.
+    draft_token_ids: [sum(d_r)] the drafts, request after request (SchedulerOutput.draft_token_ids).
+    num_draft_tokens: [num_reqs] d_r (host).
+    draft_probs: [sum(d_r), V] the draft model's q_j; None for deterministic (n-gram) drafts.
+    greedy: [num_reqs] bool, True for greedy rows; None: every row is sampled.
+    generators: request index -> seeded generator (on the probabilities' device)."""
+    device = target_probs.device
+    counts = torch.as_tensor(np.asarray(num_draft_tokens, dtype=np.int64))
+    num_reqs = counts.numel()
+    max_d = int(counts.max()) if num_reqs else 0
+    row_start = torch.zeros(num_reqs, dtype=torch.int64)
+    row_start[1:] = torch.cumsum(counts + 1, 0)[:-1]
+    draft_start = row_start - torch.arange(num_reqs)
+    # [num_reqs, max_d + 1] padded views: position j of request r, clamped to its bonus position.
+    j = torch.arange(max_d + 1)
+    pos = torch.minimum(j[None, :], counts[:, None])
+    target_rows = (row_start[:, None] + pos).to(device)
+    valid = (j[None, :max_d] < counts[:, None]).to(device)  # [num_reqs, max_d] real drafts
+    # Index of each padded draft in the flat arrays (padding points at some real draft: never used).
+    draft_idx = draft_start[:, None] + torch.minimum(j[None, :max_d], (counts - 1).clamp(min=0)[:, None])
+    draft_idx = draft_idx.clamp(max=max(draft_token_ids.numel() - 1, 0)).to(device)
+    drafts = draft_token_ids.to(device=device, dtype=torch.int64)
+    padded = drafts[draft_idx] if drafts.numel() else torch.zeros(num_reqs, max_d, dtype=torch.int64, device=device)
+
+    out = torch.full((num_reqs, max_d + 1), -1, dtype=torch.int64, device=device)
+    num_accepted = torch.zeros(num_reqs, dtype=torch.int64, device=device)
+    greedy_mask = torch.zeros(num_reqs, dtype=torch.bool) if greedy is None else greedy.to("cpu", torch.bool)
+    for rows, is_greedy in ((torch.nonzero(greedy_mask).flatten(), True), (torch.nonzero(~greedy_mask).flatten(), False)):
+        if rows.numel() == 0:
+            continue
+        rows_dev = rows.to(device)
+        if is_greedy:
+            accepted, token = _verify_greedy(target_probs, target_rows[rows_dev], padded[rows_dev], valid[rows_dev])
+        else:
+            gens = {i: generators[int(r)] for i, r in enumerate(rows.tolist()) if generators and int(r) in generators}
+            accepted, token = _verify_sampled(
+                target_probs, target_rows[rows_dev], padded[rows_dev], valid[rows_dev], counts[rows],
+                draft_probs, draft_idx[rows_dev], gens, default_generator)
+        num_accepted[rows_dev] = accepted
+        keep = torch.arange(max_d, device=device)[None, :] < accepted[:, None]
+        block = out[rows_dev]
+        block[:, :max_d] = torch.where(keep, padded[rows_dev], block[:, :max_d])
+        block.scatter_(1, accepted[:, None], token[:, None])
+        out[rows_dev] = block
+    return RejectionOutput(out, (num_accepted + 1).to(torch.int32))
+
+
+def _leading_true(mask: torch.Tensor) -> torch.Tensor:
+    """[R, D] bool -> [R] length of the run of True at the start of each row."""
+    if mask.shape[1] == 0:
+        return torch.zeros(mask.shape[0], dtype=torch.int64, device=mask.device)
+    return torch.cumprod(mask.to(torch.int64), dim=1).sum(dim=1)
+
+
+def _verify_greedy(target: torch.Tensor, target_rows: torch.Tensor, drafts: torch.Tensor,
+                   valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    argmax = target.argmax(dim=-1)[target_rows]  # [R, D + 1]
+    accepted = _leading_true((drafts == argmax[:, :-1]) & valid)
+    return accepted, argmax.gather(1, accepted[:, None]).squeeze(1)
+
+
+def _accept(u: torch.Tensor, p_draft: torch.Tensor, q_draft: torch.Tensor) -> torch.Tensor:
+    """Accept with probability min(1, p / q): u < p / q, written without the division (q > 0 for a
+    token the draft proposed; p = 0 is never accepted)."""
+    return u * q_draft < p_draft
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """normalize(max(p - q, 0)) per row; p itself where nothing is left (p <= q everywhere, which only
+    happens where the draft is always accepted, so the row is never used)."""
+    r = (p - q).clamp_(min=0)
+    total = r.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, r / total.clamp(min=torch.finfo(r.dtype).tiny), p)
+
+
+def _verify_sampled(target: torch.Tensor, target_rows: torch.Tensor, drafts: torch.Tensor, valid: torch.Tensor,
+                    counts: torch.Tensor, draft_probs: torch.Tensor | None, draft_idx: torch.Tensor,
+                    generators: dict[int, torch.Generator],
+                    default_generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    device, vocab = target.device, target.shape[-1]
+    num, max_d = drafts.shape
+    probs = target.float()
+    # Uniforms for acceptance: a seeded row draws exactly its d_r of them from its generator.
+    u = torch.rand(num, max_d, device=device, generator=default_generator) if max_d else torch.empty(num, 0, device=device)
+    for i, g in generators.items():
+        d = int(counts[i])
+        if d:
+            u[i, :d] = torch.rand(d, device=device, generator=g)
+    p_draft = probs[target_rows[:, :max_d], drafts]  # [R, D]
+    if draft_probs is None:
+        q_draft = torch.ones_like(p_draft)
+    else:
+        q_draft = draft_probs.float()[draft_idx, drafts]
+    accepted = _leading_true(_accept(u, p_draft, q_draft) & valid)
+    # One distribution per row at its first rejected position (residual) or its bonus position (p_d).
+    at = target_rows.gather(1, accepted[:, None]).squeeze(1)
+    p = probs[at]
+    rejected = accepted < counts.to(device)
+    if max_d:
+        pos = accepted.clamp(max=max_d - 1)
+        if draft_probs is None:
+            q = torch.zeros_like(p)
+            q.scatter_(1, drafts.gather(1, pos[:, None]), 1.0)
+        else:
+            q = draft_probs.float()[draft_idx.gather(1, pos[:, None]).squeeze(1)]
+        dist = torch.where(rejected[:, None], _residual(p, q), p)
+    else:
+        dist = p
+    # Exponential race with the row's own U[0, 1) vector (seeded rows: their generator).
+    race = torch.rand(num, vocab, device=device, generator=default_generator)
+    for i, g in generators.items():
+        race[i] = torch.rand(vocab, device=device, generator=g)
+    token = (dist / race.clamp_(min=1e-20).log_().neg_()).argmax(dim=-1)
+    return accepted, token

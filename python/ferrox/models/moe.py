@@ -1,0 +1,269 @@
+"""Mixture-of-experts families on the Llama decoder: Qwen2-MoE, Qwen3-MoE and Mixtral.
+
+The attention, norms and rotary are Llama's (llama.py: LlamaAttention, with Qwen3's per-head q/k
+norms as a switch); the MLP of a sparse layer is an MoeBlock: a router, the top-k routed experts
+(layers/fused_moe.py, the fused Triton kernels on GPU) and, for Qwen2-MoE, a shared expert
+scaled by its own sigmoid gate. Dense layers (Qwen's mlp_only_layers / decoder_sparse_step)
+keep LlamaMLP.
+
+The families differ only in switches: q/k/v bias (Qwen2-MoE), q/k norm (Qwen3-MoE), whether the
+top-k weights are renormalised (Mixtral always; Qwen as norm_topk_prob says), and checkpoint
+names (Mixtral: block_sparse_moe.experts.{e}.w1/w3/w2 for gate/up/down).
+
+A one-token decode step takes the general path: the fused decode kernels (attention/fused_decode.py)
+describe a dense MLP, so these models pass no layers to the backend's decode path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from ferrox.attention.backend import AttentionBackend, get_attention_backend
+from ferrox.attention.metadata import AttentionMetadata
+from ferrox.kernels import select_kernels
+from ferrox.layers.fused_moe import FusedMoE, TopKRouter, select_experts
+from ferrox.layers.layernorm import RMSNorm
+from ferrox.layers.linear import Linear, MergedLinear
+from ferrox.layers.ops import DeviceOps, Rope, for_device
+from ferrox.layers.rotary import RotaryEmbedding
+from ferrox.model_spec import ModelLoadError, ModelSpec, MoeSpec, UnsupportedModelError
+from ferrox.models.llama import LlamaAttention, LlamaMLP
+
+# HF names folded into a merged layer (attention, dense MLPs, the shared expert): (module, shard).
+_MERGED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+# One routed expert's tensor: <layer>.experts.<e>.<proj>.<leaf>, Qwen and Mixtral projection names.
+_EXPERT_NAME = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<leaf>\w+)$")
+_EXPERT_SHARDS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class MoeBlock(nn.Module):
+    """Routed experts (+ an optional shared expert): the MLP of a sparse decoder layer."""
+
+    def __init__(self, spec: ModelSpec, moe: MoeSpec, ops: DeviceOps, dtype, device, *, renormalize: bool):
+        super().__init__()
+        self.top_k = moe.num_experts_per_tok
+        self.renormalize = renormalize
+        self.gate = TopKRouter(spec.hidden_size, moe.num_experts, device)
+        self.experts = FusedMoE(moe.num_experts, spec.hidden_size, moe.intermediate_size, dtype=dtype, device=device,
+                                ops=ops)
+        self.shared_expert: LlamaMLP | None = None
+        self.shared_expert_gate: Linear | None = None
+        if moe.shared_expert_intermediate_size:
+            shared_spec = dataclasses.replace(spec, intermediate_size=moe.shared_expert_intermediate_size)
+            self.shared_expert = LlamaMLP(shared_spec, ops, dtype, device)
+            self.shared_expert_gate = Linear(spec.hidden_size, 1, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+class MoeDecoderLayer(nn.Module):
+    """LlamaDecoderLayer with the MLP chosen per layer (sparse or dense)."""
+
+    def __init__(self, spec: ModelSpec, index: int, backend: AttentionBackend, ops: DeviceOps, dtype, device, *,
+                 qkv_bias: bool, qk_norm: bool, renormalize: bool):
+        super().__init__()
+        moe = spec.moe
+        assert moe is not None  # MoeForCausalLM checked it
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
+        self.self_attn = LlamaAttention(spec, backend, ops, dtype, device, qkv_bias=qkv_bias,
+                                        o_bias=spec.attention_bias, qk_norm=qk_norm)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
+        self.mlp: nn.Module = (MoeBlock(spec, moe, ops, dtype, device, renormalize=renormalize)
+                               if moe.is_sparse(index) else LlamaMLP(spec, ops, dtype, device))
+
+    def forward(self, x, residual, rope: Rope, kv_cache, meta):
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, rope, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class MoeModel(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype, device, *,
+                 qkv_bias: bool, qk_norm: bool, renormalize: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            MoeDecoderLayer(spec, i, backend, ops, dtype, device, qkv_bias=qkv_bias, qk_norm=qk_norm,
+                            renormalize=renormalize) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
+        # As in LlamaModel: per-head q/k norms rotate their normed copies with the torch formula.
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, device,
+                                      for_device(device, "torch") if qk_norm else ops)
+        # No fused one-token layers (they describe a dense MLP); the path may still fuse the lm_head.
+        self.decode_path = backend.decode_path(None, self.rotary.rope_rows)
+
+    def forward(self, input_ids, positions, kv_caches, meta):
+        h = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, h.dtype)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            h, residual = layer(h, residual, rope, kv_caches[i], meta)
+        h, _ = self.norm(h, residual)
+        return h
+
+
+class MoeForCausalLM(nn.Module):
+    """The shared MoE causal LM; the registered families below set its switches."""
+
+    qk_norm = False  # Qwen3-MoE: per-head RMSNorm of q and k
+    always_renormalize = False  # Mixtral: top-k weights always sum to 1
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
+                 kernels: str | None = None):
+        """kernels: "torch" | "triton" forces a kernel set (tests run the Triton one on CPU in the
+        interpreter); by default the device's (kernels.select_kernels)."""
+        super().__init__()
+        if spec.moe is None:
+            raise UnsupportedModelError(f"config.json: {spec.architecture} needs num_experts / num_local_experts")
+        if spec.hidden_act not in ("silu", "swish"):
+            raise UnsupportedModelError(f"config.json: hidden_act {spec.hidden_act!r} is not supported (only silu)")
+        self.spec = spec
+        self.kernels = select_kernels(device, kernels)
+        self.ops = for_device(device, self.kernels)
+        self.backend = get_attention_backend(device, self.kernels)
+        renormalize = self.always_renormalize or spec.moe.norm_topk_prob
+        self.model = MoeModel(spec, self.backend, self.ops, dtype, device, qkv_bias=self.qkv_bias(spec),
+                              qk_norm=self.qk_norm, renormalize=renormalize)
+        self.lm_head = (None if spec.tie_word_embeddings else
+                        Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype, device=device))
+        self.register_buffer("lm_head_colmajor", None, persistent=False)
+
+    @staticmethod
+    def qkv_bias(spec: ModelSpec) -> bool:
+        return spec.attention_bias
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        if self.lm_head_colmajor is not None:
+            return self.lm_head_colmajor
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def finalize_weights(self) -> None:
+        """Column-major projections where the op set asks (torch on CPU), for the reason
+        LlamaForCausalLM.finalize_weights gives; each expert's matrices too."""
+        if not self.ops.column_major_weights:
+            return
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.weight.data = module.weight.data.t().contiguous().t()
+            elif isinstance(module, FusedMoE):
+                module.w13.data = module.w13.data.transpose(1, 2).contiguous().transpose(1, 2)
+                module.w2.data = module.w2.data.transpose(1, 2).contiguous().transpose(1, 2)
+        if self.lm_head is None:
+            self.lm_head_colmajor = self.model.embed_tokens.weight.data.t().contiguous().t()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm (logits: compute_logits)."""
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"kv_caches has {len(kv_caches)} tensors, the model has {len(self.model.layers)} layers")
+        self.backend.begin_forward(attn_metadata)
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.decode_path.logits(hidden, self.lm_head_weight)
+
+    def _expected_keys(self) -> set[str]:
+        """Every checkpoint piece the model needs: plain parameters by name, merged-layer shards as
+        `<module>.<leaf>#<shard>`, routed experts as `<experts>#<e>.<shard>.weight`."""
+        expected = set()
+        for name, module in self.named_modules():
+            if isinstance(module, MergedLinear):
+                leaves = ("weight", "bias") if module.bias is not None else ("weight",)
+                expected |= {f"{name}.{leaf}#{shard}" for leaf in leaves for shard in module.shard_sizes}
+            elif isinstance(module, FusedMoE):
+                expected |= {f"{name}#{e}.{shard}.weight" for e, shard in module.expected_weights()}
+            else:
+                expected |= {f"{name}.{leaf}" if name else leaf for leaf, _ in module.named_parameters(recurse=False)}
+        return expected
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named checkpoint tensors in, stacking each layer's experts; every piece must be
+        set exactly once."""
+        params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            hf_name = name
+            name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's MLP module name
+            prefix, _, leaf = name.rpartition(".")
+            parent, _, proj = prefix.rpartition(".")
+            expert = _EXPERT_NAME.match(name)
+            try:
+                if expert is not None and expert["proj"] in _EXPERT_SHARDS:
+                    module = modules.get(expert["experts"])
+                    if not isinstance(module, FusedMoE):
+                        unexpected.append(hf_name)
+                        continue
+                    shard = _EXPERT_SHARDS[expert["proj"]]
+                    module.load_expert_weight(expert["leaf"], int(expert["expert"]), shard, tensor)
+                    key = f"{expert['experts']}#{int(expert['expert'])}.{shard}.{expert['leaf']}"
+                elif proj in _MERGED:
+                    merged_name, shard = _MERGED[proj]
+                    merged = modules.get(f"{parent}.{merged_name}")
+                    if not isinstance(merged, MergedLinear):
+                        unexpected.append(hf_name)
+                        continue
+                    merged.load_shard(leaf, shard, tensor)
+                    key = f"{parent}.{merged_name}.{leaf}#{shard}"
+                else:
+                    param = params.get(name)
+                    if param is None:
+                        unexpected.append(hf_name)
+                        continue
+                    if tuple(param.shape) != tuple(tensor.shape):
+                        raise ValueError(f"checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
+                    param.data.copy_(tensor)
+                    key = name
+            except ValueError as e:
+                raise ModelLoadError(f"tensor {hf_name!r}: {e} (config.json does not match the weights?)") from e
+            loaded.add(key)
+        if unexpected:
+            raise ModelLoadError(f"checkpoint has {len(unexpected)} tensor(s) this {self.spec.architecture} does not "
+                                 f"use: {', '.join(sorted(unexpected)[:8])}")
+        missing = self._expected_keys() - loaded
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): "
+                                 f"{', '.join(sorted(m.replace('#', ' shard ') for m in missing)[:8])}")
+
+
+class Qwen2MoeForCausalLM(MoeForCausalLM):
+    """Qwen1.5-MoE / Qwen2-MoE: q/k/v bias (config `qkv_bias`, on when absent), a shared expert."""
+
+    @staticmethod
+    def qkv_bias(spec: ModelSpec) -> bool:
+        return bool(spec.hf_config.get("qkv_bias", True)) or spec.attention_bias
+
+
+class Qwen3MoeForCausalLM(MoeForCausalLM):
+    qk_norm = True
+
+
+class MixtralForCausalLM(MoeForCausalLM):
+    always_renormalize = True

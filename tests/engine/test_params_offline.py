@@ -1,0 +1,96 @@
+"""vLLM drop-in behaviour of the offline API and of the structured-output options, on the real engine
+and llguidance with the embedded model's tokenizer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import llguidance
+import pytest
+from ferrox.entrypoints.openai.protocol import ChatCompletionRequest
+from ferrox.entrypoints.openai.structured import build_structured_outputs
+from ferrox.errors import InvalidArgumentError
+from ferrox.loader.model_loader import load_generation_config
+from ferrox.loader.source import resolve_model
+from ferrox.structured.backend import grammar_text
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def test_empty_batches_return_nothing(llm):
+    assert llm.generate([]) == []
+    assert llm.chat([]) == []
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_embedded_model_ships_its_generation_defaults(llm):
+    config = load_generation_config(resolve_model(None))
+    assert config["temperature"] == 0.2 and config["top_p"] == 0.9 and config["eos_token_id"]
+    params = llm.get_default_sampling_params()
+    assert (params.temperature, params.top_p) == (0.2, 0.9)
+
+
+@pytest.fixture(scope="module")
+def ll_tokenizer(llm) -> llguidance.LLTokenizer:
+    tok = llm.engine.tokenizer
+    return llguidance.LLTokenizer(tok.to_json_str(), n_vocab=tok.vocab_size, eos_token=list(tok.eos_token_ids))
+
+
+def _constraint(**body: Any) -> str:
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **body})
+    params = build_structured_outputs(req)
+    assert params is not None
+    return grammar_text(params).grammar
+
+
+def _accepts(tokenizer: llguidance.LLTokenizer, grammar: str, text: str) -> bool:
+    """Whether the grammar lets the model write `text` (as a prefix of a valid output)."""
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    ids = tokenizer.tokenize_str(text)
+    return matcher.validate_tokens(ids) == len(ids) and not matcher.is_error()
+
+
+def test_strict_schema_allows_no_unlisted_properties(ll_tokenizer):
+    strict = _constraint(response_format={"type": "json_schema",
+                                          "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}})
+    assert _accepts(ll_tokenizer, strict, '{"a": 1}')
+    assert not _accepts(ll_tokenizer, strict, '{"a": 1, "b"')
+    nested = _constraint(guided_json={"type": "object", "properties": {"p": SCHEMA}})
+    assert not _accepts(ll_tokenizer, nested, '{"p": {"a": 1, "b"')
+    # Saying so keeps extra properties: in the schema, or with disable_additional_properties false.
+    open_schema = _constraint(guided_json={**SCHEMA, "additionalProperties": True})
+    assert _accepts(ll_tokenizer, open_schema, '{"a": 1, "b"')
+    opted = _constraint(structured_outputs={"json": SCHEMA, "disable_additional_properties": False})
+    assert _accepts(ll_tokenizer, opted, '{"a": 1, "b"')
+
+
+def test_whitespace_options(ll_tokenizer):
+    default = _constraint(structured_outputs={"json": SCHEMA})
+    assert _accepts(ll_tokenizer, default, '{"a": 1}') and not _accepts(ll_tokenizer, default, '{ "a"')
+    same = _constraint(structured_outputs={"json": SCHEMA, "disable_any_whitespace": True})
+    assert same == default
+    free = _constraint(structured_outputs={"json": SCHEMA, "disable_any_whitespace": False})
+    assert _accepts(ll_tokenizer, free, '{\n  "a" : 1\n}') and _accepts(ll_tokenizer, free, '{"a":1}')
+    pattern = _constraint(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}},
+                          structured_outputs={"whitespace_pattern": "[ ]?"})
+    assert _accepts(ll_tokenizer, pattern, '{ "a" : 1 }') and not _accepts(ll_tokenizer, pattern, '{\n')
+    legacy = _constraint(guided_json=SCHEMA, guided_whitespace_pattern="[ ]?")
+    assert legacy == pattern
+    with pytest.raises(InvalidArgumentError) as info:
+        _constraint(structured_outputs={"regex": "a+", "whitespace_pattern": " "})
+    assert info.value.param == "structured_outputs"
+
+
+def test_structural_tag(ll_tokenizer):
+    tag = {"structures": [{"begin": "<function=get>", "schema": {"type": "object",
+                                                                  "properties": {"city": {"type": "string"}}},
+                           "end": "</function>"}],
+           "triggers": ["<function="]}
+    for grammar in (_constraint(structured_outputs={"structural_tag": tag}),
+                    _constraint(response_format={"type": "structural_tag", **tag})):
+        assert _accepts(ll_tokenizer, grammar, 'Let me look. <function=get>{"city": "Paris"}</function> Done.')
+        assert not _accepts(ll_tokenizer, grammar, 'Let me look. <function=get>{"city": 3')
+        assert not _accepts(ll_tokenizer, grammar, '<function=get>{"city": "Paris", "x"')
+    with pytest.raises(InvalidArgumentError) as info:
+        _constraint(response_format={"type": "structural_tag", "format": {"type": "triggered_tags"}})
+    assert info.value.param == "response_format"
