@@ -107,6 +107,9 @@ class EngineConfig:
                                        aliases=("-pp",))
     data_parallel_size: int = _opt("engine replicas behind one API server, each with its own GPUs", 1,
                                    aliases=("-dp",))
+    enable_expert_parallel: bool = _opt(
+        "MoE models under tensor parallelism: split the experts across the ranks (E/N whole experts each) "
+        "instead of sharding every expert", False)
     distributed_executor_backend: str | None = _opt(
         "how tensor-parallel workers are started", choices=EXECUTOR_BACKENDS,
         default_help="mp when tensor_parallel_size > 1, else uni")

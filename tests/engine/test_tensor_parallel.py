@@ -38,7 +38,8 @@ def _generate(folder: str, tp: int, **kw):
     holds KV_BLOCKS blocks per rank whatever the TP size."""
     spec = load_model_spec(resolve_model(folder))
     kv_bytes = KV_BLOCKS * kv_cache_bytes_per_block(spec, 16, torch.float32, tp)
-    llm = LLM(model=folder, tensor_parallel_size=tp, kv_cache_memory=kv_bytes, max_num_batched_tokens=32, **kw)
+    llm = LLM(model=folder, tensor_parallel_size=tp, kv_cache_memory=kv_bytes, max_num_batched_tokens=32,
+              max_model_len=KV_BLOCKS * 16, **kw)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
         preemptions = llm.engine.stats()["num_preemptions"]
@@ -86,8 +87,8 @@ def test_embedded_model_tp3_matches_tp1():
     """SmolLM2 (9 query heads, 3 KV heads): 3 ranks of 3 query heads and 1 KV head each."""
     prompts = ["The capital of France is", "def fibonacci(n):"]
     params = SamplingParams(max_tokens=12, temperature=0.0)
-    ref = [o.outputs[0].token_ids for o in LLM(kv_cache_memory=64 << 20).generate(prompts, params, use_tqdm=False)]
-    llm = LLM(tensor_parallel_size=3, kv_cache_memory=64 << 20)
+    ref = [o.outputs[0].token_ids for o in LLM(kv_cache_memory=64 << 20, max_model_len=1024).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(tensor_parallel_size=3, kv_cache_memory=64 << 20, max_model_len=1024)
     try:
         out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     finally:
@@ -167,3 +168,16 @@ def test_killed_rank_fails_requests_and_the_server_exits(tmp_path):
         assert time.monotonic() - start < 40
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize(("family", "expert_parallel"), [
+    ("qwen2-moe", False),  # every expert sharded by its intermediate rows; the shared expert too
+    ("qwen3-moe", True),  # 8 experts split 4 + 4 over the ranks
+    ("mixtral", True),
+])
+def test_moe_tp2_matches_tp1(tmp_path, family, expert_parallel):
+    from tests.helpers.tiny_models import make_tiny_mixtral, make_tiny_qwen2_moe, make_tiny_qwen3_moe
+
+    makers = {"qwen2-moe": make_tiny_qwen2_moe, "qwen3-moe": make_tiny_qwen3_moe, "mixtral": make_tiny_mixtral}
+    folder = makers[family](tmp_path)
+    _assert_same(_generate(folder, 1), _generate(folder, 2, enable_expert_parallel=expert_parallel))

@@ -35,6 +35,9 @@ class TPGroup:
     size: int = 1
     device_group: Any = None
     cpu_group: Any = None
+    # MoE layers: split the experts across the ranks (each rank holds E/N whole experts) instead of
+    # sharding every expert's intermediate dimension (vLLM's --enable-expert-parallel).
+    expert_parallel: bool = False
 
     @property
     def is_driver(self) -> bool:
@@ -93,7 +96,7 @@ def use_tp_group(group: TPGroup) -> Iterator[TPGroup]:
         _current = previous
 
 
-def init_tp_group(rank: int, size: int, init_method: str, device_type: str) -> TPGroup:
+def init_tp_group(rank: int, size: int, init_method: str, device_type: str, expert_parallel: bool = False) -> TPGroup:
     """Join the process group of `size` ranks (every rank calls this with the same init_method,
     e.g. tcp://127.0.0.1:PORT). NCCL carries the forward's collectives on CUDA, gloo on CPU."""
     if size == 1:
@@ -106,7 +109,7 @@ def init_tp_group(rank: int, size: int, init_method: str, device_type: str) -> T
                             timeout=COLLECTIVE_TIMEOUT)
     world = dist.group.WORLD
     cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
-    return TPGroup(rank=rank, size=size, device_group=world, cpu_group=cpu_group)
+    return TPGroup(rank=rank, size=size, device_group=world, cpu_group=cpu_group, expert_parallel=expert_parallel)
 
 
 # Leaving the process group must not hang shutdown: NCCL's teardown can wait on a peer that is

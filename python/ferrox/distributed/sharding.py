@@ -72,13 +72,21 @@ def local_num_kv_heads(spec: ModelSpec, size: int) -> int:
     return kv_head_range(spec.num_kv_heads, size, 0)[1]
 
 
-def check_tp_shapes(spec: ModelSpec, size: int) -> None:
+def check_tp_shapes(spec: ModelSpec, size: int, expert_parallel: bool = False) -> None:
     """Fail at start, naming the numbers, when the model cannot be split `size` ways."""
     if size == 1:
         return
     even_split(spec.num_heads, size, 0, "num_attention_heads")
     kv_head_range(spec.num_kv_heads, size, 0)
     even_split(spec.intermediate_size, size, 0, "intermediate_size")
+    moe = spec.moe
+    if moe is not None:
+        if expert_parallel:
+            even_split(moe.num_experts, size, 0, "num_experts")
+        else:
+            even_split(moe.intermediate_size, size, 0, "moe_intermediate_size")
+        if moe.shared_expert_intermediate_size:
+            even_split(moe.shared_expert_intermediate_size, size, 0, "shared_expert_intermediate_size")
 
 
 def vocab_range(vocab_size: int, size: int, rank: int) -> tuple[int, int, int]:

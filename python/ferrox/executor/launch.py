@@ -52,7 +52,7 @@ def start_tensor_parallel(config: EngineConfig) -> tuple[TPGroup, Executor | Non
 
         executor = MultiprocExecutor(config)
     try:
-        tp = init_tp_group(0, size, executor.init_method, device)
+        tp = init_tp_group(0, size, executor.init_method, device, config.enable_expert_parallel)
     except BaseException:
         executor.shutdown(timeout_s=0)
         raise
@@ -66,4 +66,4 @@ def _check_model_shapes(config: EngineConfig) -> None:
     from ferrox.loader.source import resolve_model
 
     spec = load_model_spec(resolve_model(config.model))
-    check_tp_shapes(spec, config.tensor_parallel_size)
+    check_tp_shapes(spec, config.tensor_parallel_size, expert_parallel=config.enable_expert_parallel)

@@ -34,7 +34,7 @@ logger = logging.getLogger("ferrox.executor.worker")
 
 
 def run_worker(config: EngineConfig, rank: int, size: int, init_method: str, device_index: int | None = None) -> None:
-    tp = init_tp_group(rank, size, init_method, config.resolved_device())
+    tp = init_tp_group(rank, size, init_method, config.resolved_device(), config.enable_expert_parallel)
     try:
         loaded = load_everything(config, tp, device_index)
         forward = ModelForward(loaded.model, loaded.kv_caches, loaded.device, tp, Uploader(loaded.device))

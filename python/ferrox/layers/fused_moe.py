@@ -18,7 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ferrox.distributed.parallel_state import TPGroup, get_tp_group
+from ferrox.distributed.sharding import Weight, even_split, materialize, narrow, shape_of
 from ferrox.layers.ops import DeviceOps, silu_and_mul_torch
+from ferrox.model_spec import UnsupportedModelError
 
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -58,10 +61,11 @@ def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
     start = 0
     for expert, count in enumerate(counts):
-        if count == 0:
-            continue
         pairs = order[start:start + count]
         start += count
+        # Expert ids past the last one are pairs routed to another rank (expert parallelism).
+        if count == 0 or expert >= w13.shape[0]:
+            continue
         tokens = pairs // top_k
         h = silu_and_mul_torch(F.linear(x[tokens], w13[expert]))
         y = F.linear(h, w2[expert])
@@ -70,19 +74,39 @@ def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 
 
 class FusedMoE(nn.Module):
-    """E experts of intermediate size I over hidden size H; forward(x, topk_weights, topk_ids)."""
+    """E experts of intermediate size I over hidden size H; forward(x, topk_weights, topk_ids).
+
+    Under tensor parallelism (the group it is built in) either every rank holds all experts with
+    I/N of each one's intermediate rows (w13) and columns (w2), or, with the group's
+    expert_parallel, E/N whole experts. Either way a rank's output is a partial sum over its
+    share, and one all-reduce completes it (tokens are replicated across the ranks already, so
+    no all-to-all is needed)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype,
                  device: torch.device | str | None, ops: DeviceOps):
         super().__init__()
-        self.num_experts = num_experts
-        self.intermediate_size = intermediate_size
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype,
-                                            device=device), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype, device=device),
+        self.tp: TPGroup = get_tp_group()
+        tp = self.tp
+        self.num_experts = num_experts  # in the checkpoint
+        self.checkpoint_intermediate_size = intermediate_size
+        self.expert_start, self.num_local_experts = 0, num_experts
+        self.inter_start, self.intermediate_size = 0, intermediate_size  # this rank's rows of each expert
+        if tp.size > 1 and tp.expert_parallel:
+            self.expert_start, self.num_local_experts = even_split(num_experts, tp.size, tp.rank, "num_experts")
+        elif tp.size > 1:
+            self.inter_start, self.intermediate_size = even_split(intermediate_size, tp.size, tp.rank,
+                                                                  "moe_intermediate_size")
+        inter, local = self.intermediate_size, self.num_local_experts
+        self.w13 = nn.Parameter(torch.empty(local, 2 * inter, hidden_size, dtype=dtype, device=device),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(local, hidden_size, inter, dtype=dtype, device=device),
                                requires_grad=False)
         self.impl: ExpertsFn = experts_torch
         if ops.name == "triton":
+            if self.num_local_experts != num_experts:
+                # The kernel's expert sort has no "not on this rank" bucket yet.
+                raise UnsupportedModelError("expert parallelism runs with the torch kernel set only in this version "
+                                            "(the fused MoE kernel does not skip other ranks' experts yet)")
             from ferrox.kernels.fused_moe import fused_moe
 
             self.impl = fused_moe
@@ -91,27 +115,41 @@ class FusedMoE(nn.Module):
         """(expert, shard) pairs a checkpoint must provide: gate, up and down of every expert."""
         return {(e, shard) for e in range(self.num_experts) for shard in ("gate", "up", "down")}
 
-    def load_expert_weight(self, param_name: str, expert_id: int, shard: str, tensor: torch.Tensor) -> None:
+    def load_expert_weight(self, param_name: str, expert_id: int, shard: str, tensor: Weight) -> None:
         """Copy one expert's checkpoint projection in: shard "gate" / "up" ([I, H], into w13's
-        halves) or "down" ([H, I], into w2). param_name is the checkpoint leaf ("weight"; a
+        halves) or "down" ([H, I], into w2); this rank's part only. An expert held by another
+        rank (expert parallelism) is skipped. param_name is the checkpoint leaf ("weight"; a
         quantized method would add its scales here)."""
         if param_name != "weight":
             raise ValueError(f"expert {expert_id} {shard}: unexpected parameter {param_name!r}")
         if not 0 <= expert_id < self.num_experts:
             raise ValueError(f"expert {expert_id} is out of range (the layer has {self.num_experts})")
-        inter = self.intermediate_size
-        if shard == "gate":
-            target = self.w13.data[expert_id, :inter]
-        elif shard == "up":
-            target = self.w13.data[expert_id, inter:]
-        elif shard == "down":
-            target = self.w2.data[expert_id]
-        else:
+        full, hidden = self.checkpoint_intermediate_size, self.w13.shape[2]
+        expected = (hidden, full) if shard == "down" else (full, hidden)
+        if shard not in ("gate", "up", "down"):
             raise ValueError(f"unknown expert shard {shard!r} (gate, up or down)")
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise ValueError(f"expert {expert_id} {shard}: checkpoint shape {tuple(tensor.shape)}, model expects "
-                             f"{tuple(target.shape)}")
-        target.copy_(tensor)
+        if shape_of(tensor) != expected:
+            raise ValueError(f"expert {expert_id} {shard}: checkpoint shape {shape_of(tensor)}, model expects "
+                             f"{expected}")
+        local = expert_id - self.expert_start
+        if not 0 <= local < self.num_local_experts:
+            return  # another rank's expert
+        inter = self.intermediate_size
+        if inter == full:
+            value = materialize(tensor)
+        else:  # this rank's intermediate rows (gate/up) or columns (down)
+            value = narrow(tensor, 1 if shard == "down" else 0, self.inter_start, inter)
+        if shard == "gate":
+            self.w13.data[local, :inter].copy_(value)
+        elif shard == "up":
+            self.w13.data[local, inter:].copy_(value)
+        else:
+            self.w2.data[local].copy_(value)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        return self.impl(x, self.w13, self.w2, topk_weights, topk_ids)
+        if self.num_local_experts != self.num_experts:
+            # Other ranks' experts become the id past this rank's last one, which the loop skips.
+            local = topk_ids - self.expert_start
+            topk_ids = torch.where((local >= 0) & (local < self.num_local_experts), local,
+                                   torch.full_like(local, self.num_local_experts))
+        return self.tp.all_reduce(self.impl(x, self.w13, self.w2, topk_weights, topk_ids))

@@ -19,18 +19,22 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 from ferrox.attention.backend import AttentionBackend, get_attention_backend
 from ferrox.attention.metadata import AttentionMetadata
+from ferrox.distributed.parallel_state import get_tp_group
+from ferrox.distributed.sharding import check_tp_shapes, materialize
 from ferrox.kernels import select_kernels
 from ferrox.layers.fused_moe import FusedMoE, TopKRouter, select_experts
 from ferrox.layers.layernorm import RMSNorm
 from ferrox.layers.linear import Linear, MergedLinear
 from ferrox.layers.ops import DeviceOps, Rope, for_device
 from ferrox.layers.rotary import RotaryEmbedding
+from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, MoeSpec, UnsupportedModelError
 from ferrox.models.llama import LlamaAttention, LlamaMLP
 
@@ -103,8 +107,7 @@ class MoeModel(nn.Module):
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype, device, *,
                  qkv_bias: bool, qk_norm: bool, renormalize: bool):
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
             MoeDecoderLayer(spec, i, backend, ops, dtype, device, qkv_bias=qkv_bias, qk_norm=qk_norm,
                             renormalize=renormalize) for i in range(spec.num_layers))
@@ -130,6 +133,8 @@ class MoeForCausalLM(nn.Module):
 
     qk_norm = False  # Qwen3-MoE: per-head RMSNorm of q and k
     always_renormalize = False  # Mixtral: top-k weights always sum to 1
+    # Attention and dense MLPs shard as Llama's; experts are sharded or split (layers/fused_moe.py).
+    supports_tensor_parallel = True
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
@@ -141,6 +146,12 @@ class MoeForCausalLM(nn.Module):
         if spec.hidden_act not in ("silu", "swish"):
             raise UnsupportedModelError(f"config.json: hidden_act {spec.hidden_act!r} is not supported (only silu)")
         self.spec = spec
+        tp = get_tp_group()
+        if tp.size > 1 and torch.device(device).type == "cuda":
+            raise UnsupportedModelError(
+                f"tensor_parallel_size: {tp.size} with a mixture-of-experts model runs on CPU only in this version "
+                "(its sharded and expert-parallel paths are tested with gloo; the CUDA path is not verified yet)")
+        check_tp_shapes(spec, tp.size, expert_parallel=tp.expert_parallel)
         self.kernels = select_kernels(device, kernels)
         self.ops = for_device(device, self.kernels)
         self.backend = get_attention_backend(device, self.kernels)
@@ -148,7 +159,7 @@ class MoeForCausalLM(nn.Module):
         self.model = MoeModel(spec, self.backend, self.ops, dtype, device, qkv_bias=self.qkv_bias(spec),
                               qk_norm=self.qk_norm, renormalize=renormalize)
         self.lm_head = (None if spec.tie_word_embeddings else
-                        Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype, device=device))
+                        ParallelLMHead(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device))
         self.register_buffer("lm_head_colmajor", None, persistent=False)
 
     @staticmethod
@@ -167,7 +178,7 @@ class MoeForCausalLM(nn.Module):
         if not self.ops.column_major_weights:
             return
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, ParallelLMHead)):
                 module.weight.data = module.weight.data.t().contiguous().t()
             elif isinstance(module, FusedMoE):
                 module.w13.data = module.w13.data.transpose(1, 2).contiguous().transpose(1, 2)
@@ -184,7 +195,8 @@ class MoeForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.decode_path.logits(hidden, self.lm_head_weight)
+        """float32 logits; under tensor parallelism each rank's vocabulary rows, gathered."""
+        return self.model.embed_tokens.gather_logits(self.model.decode_path.logits(hidden, self.lm_head_weight))
 
     def _expected_keys(self) -> set[str]:
         """Every checkpoint piece the model needs: plain parameters by name, merged-layer shards as
@@ -200,7 +212,7 @@ class MoeForCausalLM(nn.Module):
                 expected |= {f"{name}.{leaf}" if name else leaf for leaf, _ in module.named_parameters(recurse=False)}
         return expected
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Copy HF-named checkpoint tensors in, stacking each layer's experts; every piece must be
         set exactly once."""
         params = dict(self.named_parameters())
@@ -234,12 +246,19 @@ class MoeForCausalLM(nn.Module):
                     key = f"{parent}.{merged_name}.{leaf}#{shard}"
                 else:
                     param = params.get(name)
-                    if param is None:
+                    owner = modules.get(prefix)
+                    if param is None or owner is None:
                         unexpected.append(hf_name)
                         continue
-                    if tuple(param.shape) != tuple(tensor.shape):
-                        raise ValueError(f"checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
-                    param.data.copy_(tensor)
+                    load = getattr(owner, "load_weight", None)
+                    if load is not None:  # a parallel layer: this rank's part
+                        load(leaf, tensor, None)
+                    else:  # norms, the router: replicated
+                        value = materialize(tensor)
+                        if tuple(param.shape) != tuple(value.shape):
+                            raise ValueError(f"checkpoint shape {tuple(value.shape)}, model expects "
+                                             f"{tuple(param.shape)}")
+                        param.data.copy_(value)
                     key = name
             except ValueError as e:
                 raise ModelLoadError(f"tensor {hf_name!r}: {e} (config.json does not match the weights?)") from e
