@@ -2,10 +2,12 @@
 
 Each rank is a fresh interpreter (`python -m ferrox.executor.worker_main`), so nothing of the
 parent (CUDA context, threads, the user's __main__) is forked or re-imported. A watcher thread
-waits on the processes: a rank that exits while the engine runs takes the engine down (a
-collective would otherwise wait for it forever): it is logged, and after a short grace period
-in which a failing collective may raise on its own, this process exits with status 1, so the
-front-end fails every waiting request and `ferrox serve` exits non-zero.
+waits on the processes: a rank that exits while the engine runs takes the engine down. On CPU
+the next gloo collective raises at once ("connection closed by peer"), so the step fails like
+any other engine error (LLM raises; under `ferrox serve` the core process reports it and exits,
+the front-end fails every waiting request and the server exits non-zero). On GPUs an NCCL
+collective would wait for the dead rank forever, so after a short grace period this process
+exits with status 1 itself, with the same effect under `ferrox serve`.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig) -> None:
         self.size = config.tensor_parallel_size
+        self.device_type = config.resolved_device()
         self.init_method = f"tcp://127.0.0.1:{free_port()}"
         self._closing = False
         config_json = json.dumps(dataclasses.asdict(config))
@@ -62,6 +65,8 @@ class MultiprocExecutor:
     def _rank_died(self, rank: int, pid: int, code: int) -> None:
         logger.critical("tensor-parallel rank %d (pid %d) exited with status %s while the engine was running; "
                         "the engine cannot continue without it", rank, pid, code)
+        if self.device_type != "cuda":
+            return  # gloo collectives fail by themselves (module docstring)
         time.sleep(DEATH_GRACE_S)
         if not self._closing:
             logger.critical("exiting: a tensor-parallel rank is gone")
