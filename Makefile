@@ -1,7 +1,8 @@
 # The two commands a newcomer needs (README.md):
 #   make run   set everything up, then serve the embedded default model
 #   make test  set everything up the same way, then run every check and test (Rust and Python)
-# Both are idempotent: a second run reuses the virtual environment and the cargo build.
+# Both are idempotent: a second run reuses the virtual environment and skips the native build
+# unless rust/, Cargo.toml or pyproject.toml changed (the .build-stamp file target).
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(abspath $(VENV))/bin/python
@@ -36,10 +37,15 @@ $(VENV)/.browser-stamp:
 		>/dev/null) || echo "chromium could not be installed: tests/server/test_web_page.py will skip"
 	mkdir -p $(VENV) && touch $@
 
-# Builds the native module (cargo is incremental) and installs ferrox with its runtime and test deps.
-build: $(VENV)/.deps-stamp
-	maturin develop --release --extras test,ray -q 2>&1 | grep -v "^📦\|^🔗\|^🐍\|^⚠️\|^💻" || true
+build: $(VENV)/.build-stamp
+
+# Builds the native module and installs ferrox (editable: Python edits need no rebuild) with its
+# runtime and test deps. Re-run only when the Rust sources or the package metadata change, so a
+# second `make run` / `make test` on an unchanged tree skips maturin and pip's output entirely.
+$(VENV)/.build-stamp: $(VENV)/.deps-stamp $(wildcard rust/*.rs rust/*/*.rs) Cargo.toml $(wildcard Cargo.lock) pyproject.toml
+	maturin develop --release --extras test,ray -q 2>&1 | grep -v "^📦\|^🔗\|^🐍\|^⚠️\|^💻\|^Requirement already satisfied" || true
 	$(PY) -c "import ferrox._core"
+	touch $@
 
 lint: build
 	cargo fmt --check

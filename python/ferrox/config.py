@@ -35,6 +35,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from ferrox.speculative_config import parse_speculative_config
+
 CPU_DEFAULT_MAX_MODEL_LEN = 8192
 CPU_DEFAULT_KV_CACHE_MEMORY = 2 << 30
 GPU_DEFAULT_MAX_NUM_SEQS = 512
@@ -68,8 +70,8 @@ class EngineConfig:
         default_help="the embedded SmolLM2-135M-Instruct")
     tokenizer: str | None = _opt("tokenizer folder or .gguf file", default_help="the model's own")
     dtype: str = _opt("weights/activations dtype", "auto", choices=DTYPES,
-                      default_help="auto: float32 on CPU; on GPU the checkpoint's float16/bfloat16, "
-                      "bfloat16 for a float32 checkpoint")
+                      default_help="auto: float32 on CPU (a quantized GGUF stays quantized: packed int4 "
+                      "matmuls); on GPU the checkpoint's float16/bfloat16, bfloat16 for a float32 checkpoint")
     max_model_len: int | None = _opt(
         "context length (prompt + output) per request",
         default_help=f"the model's max_position_embeddings; on CPU at most {CPU_DEFAULT_MAX_MODEL_LEN}")
@@ -116,6 +118,11 @@ class EngineConfig:
     disable_log_stats: bool = _opt(
         "turn off the periodic engine stats log line (throughput, running/waiting, KV usage, prefix-cache hit "
         "rate; every 10 s while busy)", False)
+    speculative_config: dict[str, Any] | None = _opt(
+        "speculative decoding, vLLM's spelling (a JSON object on the CLI): {\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": k, \"prompt_lookup_min\": 1, \"prompt_lookup_max\": 5} (prompt lookup) or "
+        "{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": k}; CPU only in this version",
+        default_help="off")
 
     def __post_init__(self) -> None:
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
@@ -145,6 +152,7 @@ class EngineConfig:
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        parse_speculative_config(self.speculative_config)  # raises ValueError naming the key
         for name in ("model", "tokenizer", "chat_template", "served_model_name"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):

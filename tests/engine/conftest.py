@@ -8,7 +8,9 @@ import os
 import pytest
 import torch
 
-# A small KV cache keeps start-up fast; tests that need preemption build their own engine.
+# A small KV cache keeps start-up fast; tests that need preemption build their own engine. Engines on the
+# embedded model run dtype float32 (its GGUF dequantized): the tests compare with transformers and
+# across batch shapes bit for bit, which the default quantized CPU path (bf16 activations) does not promise.
 TEST_KV_CACHE_MEMORY = 192 << 20
 
 
@@ -16,7 +18,20 @@ TEST_KV_CACHE_MEMORY = 192 << 20
 def llm():
     from ferrox import LLM
 
-    return LLM(kv_cache_memory=TEST_KV_CACHE_MEMORY, max_num_seqs=32)
+    # max_model_len within the cache's 4368 tokens: start-up refuses an engine that cannot finish one
+    # full-length request (model_setup.check_kv_capacity).
+    return LLM(dtype="float32", kv_cache_memory=TEST_KV_CACHE_MEMORY, max_model_len=4096, max_num_seqs=32)
+
+
+@pytest.fixture(scope="session")
+def kv_bound_llm():
+    """An engine whose KV cache (4368 tokens) holds less than its max_model_len (8192), built past the
+    start-up check that refuses it, for the tests of the engine's own KV-capacity request rule."""
+    from ferrox import LLM
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("ferrox.worker.model_setup.check_kv_capacity", lambda *args: None)
+        return LLM(dtype="float32", kv_cache_memory=TEST_KV_CACHE_MEMORY, max_num_seqs=32)
 
 
 @pytest.fixture(scope="session")

@@ -32,7 +32,7 @@ MIXED = [SamplingParams(temperature=0, max_tokens=4 + 3 * (i % 5)) for i in rang
 
 @pytest.fixture(scope="module")
 def async_llm():
-    llm = LLM(kv_cache_memory=TEST_KV_CACHE_MEMORY, max_num_seqs=32, async_scheduling=True)
+    llm = LLM(dtype="float32", kv_cache_memory=TEST_KV_CACHE_MEMORY, max_model_len=4096, max_num_seqs=32, async_scheduling=True)
     assert llm.engine.async_scheduling
     return llm
 
@@ -62,13 +62,14 @@ def test_async_steps_really_overlap(async_llm):
 def test_async_with_chunks_and_preemption(llm, async_llm):
     llm.reset_prefix_cache()
     expected = greedy_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
-    chunked = LLM(kv_cache_memory=64 << 20, max_num_batched_tokens=32, max_num_seqs=16, async_scheduling=True)
+    chunked = LLM(dtype="float32", kv_cache_memory=64 << 20, max_model_len=1024, max_num_batched_tokens=32, max_num_seqs=16,
+                  async_scheduling=True)
     assert greedy_ids(chunked.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
     assert_no_leaked_blocks(chunked)
 
     per_block = kv_cache_bytes_per_block(llm.engine.spec, 16, torch.float32)
     longest = max(len(llm.get_tokenizer().encode(p)) for p in PROMPTS) + GREEDY.max_tokens
-    tight = LLM(kv_cache_memory=per_block * -(-longest // 16) * 2, async_scheduling=True)
+    tight = LLM(dtype="float32", kv_cache_memory=per_block * -(-longest // 16) * 2, max_model_len=longest, async_scheduling=True)
     outs = tight.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert tight.engine.stats()["num_preemptions"] > 0
     assert greedy_ids(outs) == expected

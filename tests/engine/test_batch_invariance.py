@@ -67,7 +67,7 @@ def test_shared_system_prompt(llm):
 
 
 def test_small_prefill_chunks(llm, batch_reference):
-    chunked = LLM(kv_cache_memory=64 << 20, max_num_batched_tokens=32, max_num_seqs=16)
+    chunked = LLM(dtype="float32", kv_cache_memory=64 << 20, max_model_len=1024, max_num_batched_tokens=32, max_num_seqs=16)
     outs = chunked.generate(PROMPTS, PARAMS, use_tqdm=False)
     assert greedy_ids(outs) == batch_reference
     assert_no_leaked_blocks(chunked)
@@ -77,7 +77,7 @@ def test_preemption_by_recompute(llm, batch_reference):
     per_block = kv_cache_bytes_per_block(llm.engine.spec, 16, torch.float32)
     longest = max(len(llm.get_tokenizer().encode(p)) for p in PROMPTS) + PARAMS.max_tokens
     blocks = -(-longest // 16) * 2  # room for about two long requests, far less than 16 of them
-    tight = LLM(kv_cache_memory=per_block * blocks)
+    tight = LLM(dtype="float32", kv_cache_memory=per_block * blocks, max_model_len=longest)
     outs = tight.generate(PROMPTS, PARAMS, use_tqdm=False)
     assert tight.engine.stats()["num_preemptions"] > 0
     assert greedy_ids(outs) == batch_reference

@@ -87,8 +87,8 @@ def test_embedded_model_tp3_matches_tp1():
     """SmolLM2 (9 query heads, 3 KV heads): 3 ranks of 3 query heads and 1 KV head each."""
     prompts = ["The capital of France is", "def fibonacci(n):"]
     params = SamplingParams(max_tokens=12, temperature=0.0)
-    ref = [o.outputs[0].token_ids for o in LLM(kv_cache_memory=64 << 20, max_model_len=1024).generate(prompts, params, use_tqdm=False)]
-    llm = LLM(tensor_parallel_size=3, kv_cache_memory=64 << 20, max_model_len=1024)
+    ref = [o.outputs[0].token_ids for o in LLM(dtype="float32", kv_cache_memory=64 << 20, max_model_len=1024).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(dtype="float32", tensor_parallel_size=3, kv_cache_memory=64 << 20, max_model_len=1024)
     try:
         out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     finally:

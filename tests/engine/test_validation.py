@@ -149,7 +149,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     ("prompt", "params", "cls", "param"),
     [
         ({"prompt_token_ids": []}, GREEDY, InvalidArgumentError, "prompt"),
-        ({"prompt_token_ids": [1] * 9000}, GREEDY, PromptTooLongError, "prompt"),  # > max_model_len 8192
+        ({"prompt_token_ids": [1] * 9000}, GREEDY, PromptTooLongError, "prompt"),  # > max_model_len 4096
         ({"prompt_token_ids": [1, 49152]}, GREEDY, InvalidArgumentError, "prompt"),
         ({"prompt_token_ids": [1, -3]}, GREEDY, InvalidArgumentError, "prompt"),
         ({"prompt_token_ids": ["a"]}, GREEDY, InvalidArgumentError, "prompt_token_ids"),
@@ -198,9 +198,10 @@ def test_live_duplicate_request_id_is_refused(llm):
     _assert_clean(llm)
 
 
-def test_kv_capacity_boundary_agrees_with_rust(llm, monkeypatch):
+def test_kv_capacity_boundary_agrees_with_rust(kv_bound_llm, monkeypatch):
     """A prompt of exactly kv_capacity_tokens tokens leaves no room for output: Python refuses it
     before the scheduler sees it, and the Rust scheduler, given the same length, refuses it too."""
+    llm = kv_bound_llm
     engine = llm.engine
     kv = engine.kv_capacity_tokens
     assert kv < engine.max_model_len, "the KV cache must be the binding limit for this test"

@@ -229,8 +229,10 @@ def _randomize_norms(model) -> None:
 def export_gguf(folder, path, *, tensor_type: str = "F32", rope_freqs: list[float] | None = None) -> str:
     """Write a tiny folder (make_tiny_llama / _qwen2 / _qwen3) as a llama.cpp-style GGUF: llama.cpp
     tensor names, for llama attn_q/attn_k rows permuted the way llama.cpp's converter does, a
-    "gpt2" tokenizer from tokenizer.json, the chat template. tensor_type "F32" | "F16" | "Q8_0"
-    (2-D weights only); rope_freqs: per-frequency divisors stored as rope_freqs.weight (Llama 3.1)."""
+    "gpt2" tokenizer from tokenizer.json, the chat template. tensor_type "F32" | "F16" | "Q8_0" |
+    "Q4_0" | "Q4_1" (2-D weights only, quantized by the gguf package) or "Q4_K" | "Q6_K" (which the
+    gguf package cannot quantize: random valid blocks of weight scale ~0.02 replace the folder's
+    2-D weights, so such a file is its own reference; columns must be multiples of 256); rope_freqs: per-frequency divisors stored as rope_freqs.weight (Llama 3.1)."""
     import gguf
     import numpy as np
     from safetensors.numpy import load_file
@@ -299,7 +301,10 @@ def export_gguf(folder, path, *, tensor_type: str = "F32", rope_freqs: list[floa
             arr = permute(arr, heads)
         elif arch == "llama" and name.endswith("attn_k.weight"):
             arr = permute(arr, kv_heads)
-        if arr.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+        if arr.ndim == 2 and tensor_type in ("Q4_K", "Q6_K"):
+            seed = sum(name.encode())
+            w.add_tensor(name, random_kquant_blocks(tensor_type, *arr.shape, seed=seed), raw_dtype=qtype)
+        elif arr.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, arr)
@@ -310,3 +315,26 @@ def export_gguf(folder, path, *, tensor_type: str = "F32", rope_freqs: list[floa
     w.write_tensors_to_file()
     w.close()
     return str(path)
+
+
+def random_kquant_blocks(tensor_type: str, rows: int, cols: int, *, seed: int = 0):
+    """Random but valid Q4_K / Q6_K blocks, uint8 [rows, bytes per row]: random quants and
+    sub-block scales, with the fp16 super-block scales set so weights stay around +-0.04
+    (Q4_K: d*sc*q - dmin*m, sc and m 6-bit, q 4-bit; Q6_K: d*sc*(q - 32), sc int8, q 6-bit)."""
+    import gguf
+    import numpy as np
+
+    qtype = gguf.GGMLQuantizationType[tensor_type]
+    block, size = gguf.constants.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+
+    def f16(value: float):
+        return np.full((rows, cols // block), value, dtype=np.float16).view(np.uint8).reshape(rows, cols // block, 2)
+
+    if tensor_type == "Q4_K":  # d, dmin lead the block
+        raw[..., 0:2] = f16(0.04 / (63 * 15))
+        raw[..., 2:4] = f16(0.02 / 63)
+    else:  # Q6_K: d ends the block
+        raw[..., size - 2:size] = f16(0.04 / (128 * 32))
+    return raw.reshape(rows, -1)

@@ -19,6 +19,15 @@ prompt once); holding the siblings back until the first has output would only de
 `abort(request_id)` ends the request's generator with a final output whose unfinished choices
 say finish_reason "abort".
 
+Admission and time limits (off unless set; `ferrox serve` sets them from its flags):
+`max_num_queued_reqs` caps the samples in flight here (waiting + running, n > 1 counting n; vLLM's
+--max-num-queued-reqs): past it `generate` raises EngineOverloadedError before anything is queued,
+so an overloaded server refuses at once instead of growing its queue without bound. The count is
+taken and released in `generate` itself, with no await between the check and the count, so a burst
+cannot slip past it. `request_timeout` aborts a request that is still unfinished that many seconds
+after it arrived (a timer, so it fires even while its consumer is blocked writing to a slow
+client): the core frees its KV blocks and the generator raises RequestTimeoutError.
+
 Closing the generator early (a client disconnect cancels the handler task) aborts the
 request in the core, which frees its KV blocks on its next loop iteration.
 
@@ -54,7 +63,8 @@ from ferrox.metrics.request_stats import IterationStats, RequestTiming, StatLogg
 from ferrox.outputs import RequestOutput
 from ferrox.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["AsyncLLM", "EngineDeadError", "EngineStartupError", "RequestError", "StatLogger"]
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "EngineStartupError", "RequestError",
+           "RequestTimeoutError", "StatLogger"]
 
 logger = logging.getLogger("ferrox.engine.async_llm")
 
@@ -65,6 +75,15 @@ T = TypeVar("T")
 # Threads for prompt processing (chat rendering + encoding). Two keep one long prompt from
 # queueing every short one behind it; more buy little, as rendering holds the GIL.
 PROMPT_THREADS = 2
+
+
+class EngineOverloadedError(RuntimeError):
+    """More requests in flight than `max_num_queued_reqs` allows: retry later (HTTP 503). Not a
+    RequestError: nothing is wrong with the request itself."""
+
+
+class RequestTimeoutError(RequestError):
+    """The request ran past `request_timeout` and was aborted (its KV blocks are freed)."""
 
 
 # ---- per-request stream -----------------------------------------------------------------------
@@ -193,6 +212,9 @@ class AsyncLLM:
         # Requests whose prompt is in the prompt threads (not yet in the core) -> aborted meanwhile.
         self._tokenizing: dict[str, bool] = {}
         self._timing: dict[str, RequestTiming] = {}  # engine request id -> its clock readings
+        self.max_num_queued_reqs: int | None = None
+        self.request_timeout: float | None = None
+        self._num_in_flight = 0  # samples between generate()'s admission and its end
         self.client.on_outputs = self._on_outputs
         self.client.on_dead = self._on_dead
 
@@ -210,6 +232,11 @@ class AsyncLLM:
     @property
     def is_running(self) -> bool:
         return self.client.is_alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        """Samples admitted by `generate` and not yet ended (tokenizing, waiting or running)."""
+        return self._num_in_flight
 
     @property
     def dead_reason(self) -> str | None:
@@ -268,29 +295,55 @@ class AsyncLLM:
             raise EngineDeadError(self.client.dead)
         request_id = request_id or uuid.uuid4().hex
         validation.check_request_id(request_id, lambda rid: rid in self._streams or rid in self._tokenizing)
+        samples = sampling_params.n if sampling_params is not None else 1
+        limit = self.max_num_queued_reqs
+        if limit is not None and self._num_in_flight + samples > limit:
+            raise EngineOverloadedError(
+                f"the server is at capacity ({self._num_in_flight} requests in flight, max_num_queued_reqs={limit}); "
+                "retry later")
         if arrival_time is None:
             arrival_time = time.time()  # before tokenizing: the latency metrics include it
-        self._tokenizing[request_id] = False
+        self._num_in_flight += samples
+        timer: asyncio.TimerHandle | None = None
         try:
-            prompt_text, prompt_ids = await self._tokenize(prompt)
+            self._tokenizing[request_id] = False
+            try:
+                prompt_text, prompt_ids = await self._tokenize(prompt)
+            finally:
+                aborted = self._tokenizing.pop(request_id)
+            # No await from here to the registration: the id cannot be taken in between.
+            stream = self._add_request(prompt_text, prompt_ids, sampling_params, request_id, priority,
+                                       arrival_time, cache_salt)
+            if self.request_timeout is not None:
+                timer = asyncio.get_running_loop().call_later(
+                    max(0.0, arrival_time + self.request_timeout - time.time()), self._expire, stream)
+            try:
+                if aborted:  # abort() came while the prompt was in the prompt threads: end it the usual way
+                    await self.abort(request_id)
+                while (out := await stream.get()) is not None:
+                    if out.error is not None and not any(c.token_ids for c in out.outputs):
+                        raise RequestError(out.error)
+                    yield out
+                    if out.finished:
+                        return
+            finally:
+                if not stream.finished:
+                    self._abort_ids([stream.request_id])
+                self._streams.pop(stream.request_id, None)
         finally:
-            aborted = self._tokenizing.pop(request_id)
-        # No await from here to the registration: the id cannot be taken in between.
-        stream = self._add_request(prompt_text, prompt_ids, sampling_params, request_id, priority, arrival_time,
-                                   cache_salt)
-        try:
-            if aborted:  # abort() came while the prompt was in the prompt threads: end it the usual way
-                await self.abort(request_id)
-            while (out := await stream.get()) is not None:
-                if out.error is not None and not any(c.token_ids for c in out.outputs):
-                    raise RequestError(out.error)
-                yield out
-                if out.finished:
-                    return
-        finally:
-            if not stream.finished:
-                self._abort_ids([stream.request_id])
-            self._streams.pop(stream.request_id, None)
+            self._num_in_flight -= samples
+            if timer is not None:
+                timer.cancel()
+
+    def _expire(self, stream: _Stream) -> None:
+        """`request_timeout` passed: free the request in the core and fail its generator."""
+        if stream.finished or self._streams.get(stream.request_id) is not stream:
+            return
+        logger.warning("request %s aborted: still unfinished after request_timeout=%gs", stream.request_id,
+                       self.request_timeout)
+        self._abort_ids([stream.request_id])
+        stream.fail(RequestTimeoutError(
+            f"request aborted: it ran longer than the server's request timeout ({self.request_timeout:g} s)"))
 
     async def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
@@ -357,11 +410,11 @@ class AsyncLLM:
             if stream is not None and not stream.finished:
                 stream.end()  # unknown to the processor (already finished): nothing more to say
 
-    def shutdown(self) -> None:
+    def shutdown(self, reason: str = "engine is shutting down") -> None:
         """Stop the engine-core processes, the prompt threads and the stats log line (idempotent;
-        also runs at GC and interpreter exit)."""
+        also runs at GC and interpreter exit). Unfinished requests fail with EngineDeadError(reason)."""
         for stream in list(getattr(self, "_streams", {}).values()):
-            stream.fail(EngineDeadError("engine is shutting down"))
+            stream.fail(EngineDeadError(reason))
         if hasattr(self, "_finalizer"):
             self._finalizer()
 

@@ -13,6 +13,11 @@ One step loop serves synchronous and async scheduling (depth 0 or 1 steps left i
     report previous     update_from_output (Rust: append, detokenize, stops, free)
     (sync: finish the new step now; async: leave it in flight)
 
+Speculative decoding (`speculative_config`) rides in the same loop, with synchronous steps: the core
+puts drafts (its own n-gram proposals, or a draft model's, handed to schedule()) in the step's
+arrays, the runner verifies them (worker/spec_decode.py) and update_from_output takes a variable
+number of tokens per request.
+
 Every request kind (grammars, penalties, min_tokens, logprobs, n > 1) runs in the same loop:
 nothing switches the engine to a slower mode. It runs in-process under `LLM` and inside the
 engine-core process under `AsyncLLM`. It never raises for one bad request during `step()`: a
@@ -37,7 +42,9 @@ from ferrox.engine.protocol import EngineCoreRequest
 from ferrox.executor import Executor, start_tensor_parallel
 from ferrox.executor.launch import rank_config
 from ferrox.sampling_params import SamplingParams
+from ferrox.speculative_config import SpeculativeConfig, parse_speculative_config
 from ferrox.step_types import StepResult, StepRow
+from ferrox.worker.draft_model import DraftProposer
 from ferrox.worker.model_runner import ModelRunner, ModelRunnerOutput, StepHandle
 from ferrox.worker.model_setup import LoadedModel, load_everything
 
@@ -48,6 +55,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         start = time.perf_counter()
+        self.speculative = _check_speculative(config)
         # tensor_parallel_size > 1: ranks 1..N-1 start now and load their shards beside this one.
         config = rank_config(config)
         self.tp, self.executor = start_tensor_parallel(config)
@@ -78,6 +86,7 @@ class EngineCore:
             policy=config.policy,
             tokenizer_json=self.tokenizer_json,
             eos_token_ids=self.eos_token_ids,
+            **_speculative_scheduler_args(self.speculative),
         )
         self.runner = ModelRunner(
             loaded.model,
@@ -87,7 +96,17 @@ class EngineCore:
             device=self.device,
             seed=config.seed,
             tp=self.tp,
+            speculative=self.speculative is not None,
         )
+        # Draft-model speculation: the draft model and its twin KV cache (worker/draft_model.py).
+        self.drafter: DraftProposer | None = None
+        if self.speculative is not None and self.speculative.method == "draft_model":
+            assert self.speculative.model is not None
+            self.drafter = DraftProposer(
+                self.speculative.model, num_speculative_tokens=self.speculative.num_speculative_tokens,
+                target_vocab_size=self.vocab_size, num_blocks=loaded.num_blocks, block_size=config.block_size,
+                max_num_seqs=loaded.max_num_seqs, max_model_len=self.max_model_len, dtype=loaded.dtype,
+                device=self.device, load_format=config.load_format, seed=config.seed)
         # An engine dropped without shutdown() still releases its ranks (and the process group).
         self._finalizer = weakref.finalize(self, EngineCore._release, self.runner, self.executor, self.tp)
         self.cuda_graph_capture_s: float | None = None
@@ -100,8 +119,10 @@ class EngineCore:
                             self.runner.graph_runner.batch_sizes, self.cuda_graph_capture_s)
         self.structured: Any = None  # StructuredOutputManager, created on first constrained request
         # Async scheduling: the step launched last and not yet reported.
+        # Speculation runs synchronous steps: a request's length is unknown until its drafts are
+        # verified, so under async scheduling it would only run every other step (see _core.pyi).
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else self.device.type == "cuda")
+                                 else self.device.type == "cuda" and self.speculative is None)
         self._in_flight: StepHandle | None = None
         # The core's request slots -> request ids (the core's outputs name slots).
         self._req_of_slot: list[str | None] = []
@@ -146,6 +167,7 @@ class EngineCore:
                 # reuse cached blocks: a salt of its own id keeps its block hashes private.
                 cache_salt=request.request_id if params.prompt_logprobs is not None else request.cache_salt,
                 wait_for_grammar=wait_for_grammar,
+                allow_drafts=_drafts_allowed(params),
             )
         except BaseException:
             if wait_for_grammar:
@@ -188,12 +210,15 @@ class EngineCore:
         if self.thread_governor is not None:
             self.thread_governor.maybe_adjust()
         parts = [self._poll_structured()]
-        so = self.scheduler.schedule(keep_in_flight=self.async_scheduling)
+        drafts = self.drafter.propose() if self.drafter is not None else {}
+        so = self.scheduler.schedule(keep_in_flight=self.async_scheduling, **drafts)
         prev, self._in_flight = self._in_flight, None
         handle = None
         if so.num_reqs:
             # If launch raises, the scheduler rolls back the undelivered steps at the next schedule().
             handle = self.runner.launch(so, prev)
+            if self.drafter is not None:
+                self.drafter.shadow(so)
         needs_mask = handle is not None and self._has_constrained_rows(so)
         if handle is not None:
             # prev's tokens are still on the device (not yet handed to the core): penalties and
@@ -235,7 +260,8 @@ class EngineCore:
             if skip or result.errors:
                 dropped = set(skip) | {so.req_ids[i] for i in result.errors}
                 mask = mask & np.array([r not in dropped for r in so.req_ids], dtype=np.bool_)
-            force_stop = self.structured.accept_tokens(so.req_ids, result.sampled_token_ids, mask)
+            # Constrained requests never have drafts: their first token is their only one.
+            force_stop = self.structured.accept_tokens(so.req_ids, result.first_tokens(), mask)
         return result, force_stop
 
     def _report(self, handle: StepHandle, result: ModelRunnerOutput, force_stop: Any) -> StepResult:
@@ -244,7 +270,10 @@ class EngineCore:
         if result.errors:
             # The failed rows' samples are garbage: end those requests before the core sees them.
             failed = self._fail({handle.so.req_ids[i]: msg for i, msg in result.errors.items()})
-        outs = self.scheduler.update_from_output(result.sampled_token_ids, force_stop)
+        outs = self.scheduler.update_from_output(result.sampled_token_ids, force_stop,
+                                                 num_sampled_tokens=result.num_sampled_tokens)
+        if self.drafter is not None:
+            self.drafter.record(handle.so, outs)
         self._pending_prompt_logprobs.update(result.prompt_logprobs)
         step = self._result_of(outs)
         slots = outs.slots
@@ -335,6 +364,11 @@ class EngineCore:
                 "num_prompt_tokens", "num_generation_tokens",
             )
         }
+        if self.speculative is not None:
+            # Cumulative, vLLM's spec_decode counters (metrics/prometheus.py, metrics/log_stats.py).
+            stats.update(num_speculative_tokens=self.speculative.num_speculative_tokens, spec_num_drafts=s.num_drafts,
+                         spec_num_draft_tokens=s.num_draft_tokens, spec_num_accepted_tokens=s.num_accepted_tokens,
+                         spec_num_accepted_tokens_per_pos=list(s.num_accepted_tokens_per_pos))
         stats.update(
             kv_capacity_tokens=self.kv_capacity_tokens,
             num_kv_blocks=self.num_kv_blocks,
@@ -365,3 +399,39 @@ class EngineCore:
         destroy_tp_group(tp)  # with the other ranks, which leave the group on SHUTDOWN
         executor.shutdown()
 
+
+# ---- speculative decoding ------------------------------------------------------------------------
+def _check_speculative(config: EngineConfig) -> SpeculativeConfig | None:
+    """The parsed speculative_config, or ValueError (naming the field) for what this version cannot run:
+    it fails at start-up rather than accept the setting and ignore it."""
+    spec = parse_speculative_config(config.speculative_config)
+    if spec is None:
+        return None
+    if config.resolved_device() != "cpu":
+        raise ValueError("speculative_config: speculative decoding runs on CPU in this version; its CUDA path is "
+                         "not yet verified (leave speculative_config unset on GPU)")
+    if config.async_scheduling:
+        raise ValueError("async_scheduling: not supported with speculative_config (speculation runs synchronous "
+                         "steps; leave async_scheduling unset)")
+    if spec.method == "draft_model" and config.tensor_parallel_size > 1:
+        raise ValueError("speculative_config: method 'draft_model' runs with tensor_parallel_size 1 only in this "
+                         "version ('ngram' works with tensor parallelism)")
+    return spec
+
+
+def _speculative_scheduler_args(spec: SpeculativeConfig | None) -> dict[str, Any]:
+    if spec is None:
+        return {}
+    return dict(num_speculative_tokens=spec.num_speculative_tokens, speculative_method=spec.method,
+                prompt_lookup_min=spec.prompt_lookup_min, prompt_lookup_max=spec.prompt_lookup_max)
+
+
+def _drafts_allowed(params: SamplingParams) -> bool:
+    """Whether a request may speculate. The verifier applies a request's sampling settings at every draft
+    position by repeating its row (worker/spec_decode.py); settings that depend on the tokens before
+    the position are not handled per position, so their requests decode one token a step: grammars
+    (drafts are not checked against the grammar), penalties and min_tokens (counts change within the
+    run), and logprobs (reported for one position per step)."""
+    return (params.structured_outputs is None and params.logprobs is None and params.min_tokens == 0
+            and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
+            and params.presence_penalty == 0.0)

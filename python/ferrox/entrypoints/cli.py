@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -58,13 +59,27 @@ def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
-def _value_type(annotation: Any) -> type:
-    """`int | None` -> int, `bool` -> bool; a field type the CLI cannot parse is a TypeError."""
+def parse_json_object(text: str) -> dict[str, Any]:
+    """A dict-valued engine flag (--speculative-config) takes a JSON object, as vLLM's does."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {text!r} ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    return value
+
+
+def _value_type(annotation: Any) -> Any:
+    """`int | None` -> int, `bool` -> bool, `dict[...] | None` -> a JSON-object parser; a field type the
+    CLI cannot parse is a TypeError."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         if len(args) != 1:
             raise TypeError(f"EngineConfig field type {annotation!r} has no CLI mapping")
         annotation = args[0]
+    if typing.get_origin(annotation) is dict:
+        return parse_json_object
     if annotation not in (bool, int, float, str):
         raise TypeError(f"EngineConfig field type {annotation!r} has no CLI mapping")
     return typing.cast(type, annotation)
@@ -107,17 +122,63 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 # ---- parser ---------------------------------------------------------------------------------------
+def parse_json_list(text: str) -> list[str]:
+    """--allowed-origins '["https://a.example"]' (vLLM's JSON lists); a bare word is a list of one."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = [text]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"not a JSON list of strings: {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0: {text!r}")
+    return value
+
+
+# vLLM's --uvicorn-log-level choices -> logging levels.
+_LOG_LEVELS = {"critical": "CRITICAL", "error": "ERROR", "warning": "WARNING", "info": "INFO", "debug": "DEBUG",
+               "trace": "DEBUG"}
+
+
 def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from ferrox.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
     p = sub.add_parser(
         "serve",
         help="serve a model over an OpenAI- and Anthropic-compatible HTTP API",
-        description="Serve MODEL (a Hugging Face folder or a .gguf file; default: the embedded "
-        "SmolLM2-135M-Instruct) with the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), "
-        "the Anthropic Messages API (/v1/messages), /tokenize, /detokenize, /health, /version and "
-        "Prometheus /metrics.",
+        description="Serve MODEL (a Hugging Face folder, a .gguf file, or a model id such as org/name in the local "
+        "Hugging Face cache; default: the embedded SmolLM2-135M-Instruct) with the OpenAI API (/v1/chat/completions, "
+        "/v1/completions, /v1/responses, /v1/models), the Anthropic Messages API (/v1/messages), /tokenize, "
+        "/detokenize, /health, /version and Prometheus /metrics. vLLM's flags are accepted with vLLM's meaning; "
+        "a flag ferrox lacks is refused by name.",
         formatter_class=_HelpFormatter,
+        allow_abbrev=False,  # an unknown vLLM flag must not pass as the prefix of a ferrox one
     )
     server = p.add_argument_group("server")
+    server.add_argument("--model", dest="model_flag", metavar="MODEL",
+                        help="the model, as vLLM's --model (the positional MODEL wins when both are given) (default: MODEL)")
+    server.add_argument("--config", metavar="FILE.yaml",
+                        help="read flags from a YAML file of `flag: value` lines (vLLM's --config); flags on the "
+                        "command line win (default: none)")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
     server.add_argument("--port", type=int, default=8000, help="TCP port to listen on (0: pick a free one)")
     server.add_argument("--api-key", default=os.environ.get("FERROX_API_KEY"),
@@ -125,15 +186,76 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "/health, /metrics and /version stay open (default: $FERROX_API_KEY)")
     server.add_argument("--max-request-body-bytes", type=parse_size, default=32 << 20,
                         help="larger request bodies get HTTP 413 (accepts units: 1MiB)")
-    server.add_argument("--disable-uvicorn-access-log", "--disable-access-log", action="store_true",
-                        help="no access log line per HTTP request (vLLM's flag name; ferrox serves with aiohttp)")
-    server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                        help="logging verbosity")
+    server.add_argument("--root-path", default="",
+                        help="serve every route also under this path prefix (behind a proxy that keeps it) (default: none)")
+    server.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (PEM) (default: plain HTTP)")
+    server.add_argument("--ssl-keyfile", help="the certificate's private key (PEM) (default: in --ssl-certfile)")
+    server.add_argument("--ssl-ca-certs", help="CA certificates to verify client certificates with (default: none)")
+    server.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
+                        help="client certificates: 0 none, 1 optional, 2 required (Python's ssl.CERT_*)")
+    server.add_argument("--allowed-origins", type=parse_json_list, default=["*"],
+                        help="CORS: origins allowed, a JSON list")
+    server.add_argument("--allowed-methods", type=parse_json_list, default=["*"],
+                        help="CORS: methods allowed, a JSON list")
+    server.add_argument("--allowed-headers", type=parse_json_list, default=["*"],
+                        help="CORS: request headers allowed, a JSON list")
+    server.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    load = p.add_argument_group("load and shutdown")
+    load.add_argument("--max-num-queued-reqs", type=_positive_int,
+                      help="most requests in flight (waiting + running; n > 1 counts n, as vLLM counts them): "
+                      "past it a new request gets HTTP 503 with Retry-After at once (default: no limit)")
+    load.add_argument("--request-timeout", type=_positive_float, metavar="SECONDS",
+                      help="abort a request still running this long after it arrived, freeing its KV cache; "
+                      "its client gets an error saying so (default: none)")
+    load.add_argument("--stream-stall-timeout", type=_positive_float, metavar="SECONDS", default=60.0,
+                      help="drop a stream whose client has read nothing for this long (its writes blocked) "
+                      "and abort its request")
+    load.add_argument("--shutdown-timeout", type=_non_negative_float, metavar="SECONDS", default=0.0,
+                      help="on SIGTERM, refuse new requests (503) and let running ones finish for up to this "
+                      "long before aborting them; 0 aborts them at once (vLLM's default). A second signal "
+                      "stops waiting")
+    logs = p.add_argument_group("logging")
+    logs.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info",
+                      choices=list(_LOG_LEVELS), help="logging verbosity (trace = debug)")
+    logs.add_argument("--disable-uvicorn-access-log", "--disable-access-log", action="store_true",
+                      help="no access log line per HTTP request (vLLM's flag name; ferrox serves with aiohttp)")
+    logs.add_argument("--enable-log-requests", action="store_true", dest="enable_log_requests",
+                      help="log each API request at info: its id, route and parameters")
+    logs.add_argument("--disable-log-requests", action="store_false", dest="enable_log_requests",
+                      default=False, help="do not log requests (vLLM's older flag) (default: requests are not logged)")
+    logs.add_argument("--max-log-len", type=int, help="longest prompt string or id list a request log line shows "
+                      "in full (default: no limit)")
+    api = p.add_argument_group("API defaults")
+    api.add_argument("--response-role", default="assistant",
+                     help="role of the generated chat message when the request's add_generation_prompt is true")
+    api.add_argument("--return-tokens-as-token-ids", action="store_true",
+                     help="logprobs name tokens as 'token_id:N' unless a request says otherwise")
+    api.add_argument("--enable-prompt-tokens-details", action="store_true",
+                     help="usage.prompt_tokens_details (cached_tokens: prompt tokens found in the prefix cache) in "
+                     "every response's usage")
+    api.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help="tool_choice 'auto' (parse tool calls out of the model's text; ferrox always does, "
+                     "so this vLLM flag is accepted and changes nothing)")
+    api.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
+                     help="how tool calls are read from the model's text (default: from the chat template: "
+                     "llama3_json for Llama 3 templates, else hermes)")
+    api.add_argument("--generation-config", default="auto",
+                     help="sampling defaults: 'auto' (the model's generation_config.json), 'vllm' (none: "
+                     "temperature 1.0...), or a folder holding a generation_config.json")
+    api.add_argument("--override-generation-config", type=parse_json_object,
+                     help="a JSON object of sampling defaults laid over --generation-config's (default: none)")
+    api.add_argument("--download-dir", help="the Hugging Face cache to find model ids in (default: $HF_HUB_CACHE, "
+                     "else $HF_HOME/hub); nothing is downloaded")
     add_engine_args(p, p.add_argument_group("engine (the same arguments as LLM(...))"))
     return p
 
 
 def build_parser() -> argparse.ArgumentParser:
+    return build_parsers()[0]
+
+
+def build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """(the `ferrox` parser, its `serve` subparser)."""
     parser = argparse.ArgumentParser(
         prog="ferrox",
         description="ferrox: an LLM inference and serving engine (continuous batching over a paged KV cache, "
@@ -141,20 +263,117 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"ferrox {ferrox.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    _add_serve_parser(sub)
-    return parser
+    return parser, _add_serve_parser(sub)
+
+
+# ---- --config FILE.yaml -----------------------------------------------------------------------------
+def expand_config_file(argv: list[str]) -> list[str]:
+    """vLLM's `--config FILE.yaml`: the file's `flag: value` pairs become flags placed before the
+    command line's own, so that the command line wins. A key ferrox lacks is then refused by name
+    like any unknown flag."""
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            path, rest = argv[i + 1], argv[:i] + argv[i + 2:]
+        elif arg.startswith("--config="):
+            path, rest = arg.partition("=")[2], argv[:i] + argv[i + 1:]
+        else:
+            continue
+        at = rest.index("serve") + 1 if "serve" in rest else 0
+        return rest[:at] + config_file_args(path) + rest[at:]
+    return argv
+
+
+def config_file_args(path: str) -> list[str]:
+    try:
+        import yaml  # type: ignore[import-untyped]  # PyYAML ships no stubs (types-PyYAML)
+    except ImportError:
+        raise ValueError("--config: reading a YAML file needs PyYAML (pip install pyyaml)") from None
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"--config: cannot read {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config: {path} must hold a mapping of flag: value")
+    hints = typing.get_type_hints(EngineConfig)
+    negatable = {flag_name(f.name) for f in dataclasses.fields(EngineConfig) if _value_type(hints[f.name]) is bool}
+    args: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is None:
+            continue
+        if value is True:
+            args.append(flag)
+        elif value is False:
+            if flag in negatable:  # --x/--no-x; a plain switch is simply left off
+                args.append("--no-" + flag[2:])
+        elif isinstance(value, (list, dict)):
+            args += [flag, json.dumps(value)]
+        else:
+            args += [flag, str(value)]
+    return args
+
+
+# ---- serve ------------------------------------------------------------------------------------------
+def generation_defaults(choice: str, model_defaults: dict[str, Any], override: dict[str, Any] | None) -> dict[str, Any]:
+    """vLLM's --generation-config: 'auto' the model's, 'vllm' none, else a folder's generation_config.json;
+    then --override-generation-config on top."""
+    if choice == "auto":
+        defaults = dict(model_defaults)
+    elif choice == "vllm":
+        defaults = {}
+    else:
+        path = os.path.join(os.path.expanduser(choice), "generation_config.json")
+        try:
+            with open(path) as f:
+                defaults = {k: v for k, v in json.load(f).items() if not k.startswith("_")}
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--generation-config: expected 'auto', 'vllm' or a folder with a readable "
+                             f"generation_config.json: {exc}") from None
+    return {**defaults, **(override or {})}
 
 
 def serve(args: argparse.Namespace) -> int:
     from ferrox.engine.async_llm import AsyncLLM
-    from ferrox.entrypoints.openai.server import run_server_blocking
+    from ferrox.entrypoints.openai.server import ServerOptions, bind_socket, run_server_blocking, ssl_context
 
+    if args.model is None and args.model_flag is not None:
+        args.model = args.model_flag
+    if args.download_dir:
+        os.environ["HF_HUB_CACHE"] = args.download_dir  # the engine-core process inherits it
+    options = ServerOptions(
+        allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
+        allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
+        root_path=args.root_path.rstrip("/"), enable_log_requests=args.enable_log_requests,
+        max_log_len=args.max_log_len, response_role=args.response_role,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details, tool_call_parser=args.tool_call_parser,
+        stream_stall_timeout=args.stream_stall_timeout,
+    )
     try:
-        config = engine_config_from_args(args)
-        engine = AsyncLLM(config=config, log_level=args.log_level.upper())
-    except Exception as exc:  # a bad flag, model path or a failed engine start: say why, exit non-zero
+        # What can fail without the model fails before it loads: the port (taken?), the TLS files,
+        # the generation config folder.
+        tls = None
+        if args.ssl_certfile:
+            tls = ssl_context(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+        elif args.ssl_keyfile:
+            raise ValueError("--ssl-keyfile needs --ssl-certfile")
+        generation_defaults(args.generation_config, {}, args.override_generation_config)
+        sock = bind_socket(args.host, args.port)
+    except (OSError, ValueError) as exc:
         print(f"ferrox serve: error: {exc}", file=sys.stderr, flush=True)
         return 1
+    try:
+        config = engine_config_from_args(args)
+        engine = AsyncLLM(config=config, log_level=_LOG_LEVELS[args.log_level])
+    except Exception as exc:  # a bad flag, model path or a failed engine start: say why, exit non-zero
+        sock.close()
+        print(f"ferrox serve: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    engine.max_num_queued_reqs = args.max_num_queued_reqs
+    engine.request_timeout = args.request_timeout
+    engine.generation_defaults = generation_defaults(args.generation_config, engine.generation_defaults,
+                                                     args.override_generation_config)
 
     def on_ready(url: str) -> None:
         logger.info(
@@ -168,9 +387,10 @@ def serve(args: argparse.Namespace) -> int:
         code = run_server_blocking(
             engine, host=args.host, port=args.port, served_model_name=args.served_model_name,
             api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes, on_ready=on_ready,
-            access_log=not args.disable_uvicorn_access_log,
+            access_log=not args.disable_uvicorn_access_log, options=options, sock=sock, ssl_context=tls,
+            shutdown_timeout=args.shutdown_timeout,
         )
-    except OSError as exc:  # e.g. the port is taken
+    except OSError as exc:
         print(f"ferrox serve: error: {exc}", file=sys.stderr, flush=True)
         code = 1
     finally:
@@ -178,14 +398,32 @@ def serve(args: argparse.Namespace) -> int:
     return code
 
 
+def _refuse_unknown(parser: argparse.ArgumentParser, unknown: list[str]) -> None:
+    """argparse's "unrecognized arguments", saying which are flags ferrox does not support."""
+    flags = [a.partition("=")[0] for a in unknown if a.startswith("-")]
+    others = [a for a in unknown if not a.startswith("-")]
+    if flags:
+        parser.error(f"{', '.join(flags)}: ferrox does not support {'these flags' if len(flags) > 1 else 'this flag'} "
+                     "(README.md, \"vLLM flags\", lists vLLM's serve flags and ferrox's status; "
+                     "`ferrox serve --help` lists ferrox's)")
+    parser.error(f"unrecognized arguments: {' '.join(others)}")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    parser, serve_parser = build_parsers()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = expand_config_file(argv)
+    except ValueError as exc:
+        parser.error(str(exc))
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _refuse_unknown(serve_parser if args.command == "serve" else parser, unknown)
     if args.command is None:
         parser.print_help()
         sys.exit(2)
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        level=_LOG_LEVELS[args.log_level], format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     sys.exit(serve(args))
 

@@ -9,6 +9,11 @@
 
 Every layer loads checkpoint tensors through `load_weight(param_name, tensor, shard)`, which
 reads only this rank's part (distributed/sharding.py); with one rank that is the whole tensor.
+
+Quantized weights (layers/quant): `load_weight` also takes a `QuantizedTensor` (a GGUF tensor in
+its blocks). The layer keeps those shards and `finalize_quantized` packs them into an
+`Int4GroupWeight`, which `forward` then runs instead of F.linear; the float `weight` is emptied.
+One rank only for now (a shard of packed int4 groups is not cut yet).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from torch import nn
 
 from ferrox.distributed.parallel_state import TPGroup, get_tp_group
 from ferrox.distributed.sharding import Weight, even_split, kv_head_range, materialize, narrow, shape_of
+from ferrox.layers.quant import Int4GroupWeight, QuantizedTensor
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
@@ -40,9 +46,46 @@ class Linear(nn.Module):
         self.tp: TPGroup = get_tp_group()
         self.weight = _param((out_features, in_features), dtype, device)
         self.bias = _param((out_features,), dtype, device) if bias else None
+        # Set by finalize_quantized when the checkpoint's weight stays quantized.
+        self.quant: Int4GroupWeight | None = None
+        self._quantized_shards: dict[str, QuantizedTensor] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant(x, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    # ---- quantized weights --------------------------------------------------------------------
+    def _shard_rows(self) -> dict[str, tuple[int, int]]:
+        """shard name -> (first row in `weight`, rows): one shard, "weight", for a plain layer."""
+        return {"weight": (0, self.out_features)}
+
+    def _keep_quantized(self, param_name: str, shard: str, tensor: QuantizedTensor) -> None:
+        if param_name != "weight":
+            raise ValueError(f"{param_name}: only weights can be quantized")
+        if self.tp.size > 1:
+            raise ValueError("quantized GGUF weights run with tensor_parallel_size=1 only (load with "
+                             "dtype='float32' to dequantize them)")
+        rows = self._shard_rows()[shard][1]
+        if tuple(tensor.shape) != (rows, self.in_features):
+            raise ValueError(f"{shard}: checkpoint shape {tuple(tensor.shape)}, model expects {(rows, self.in_features)}")
+        self._quantized_shards[shard] = tensor
+
+    def finalize_quantized(self) -> None:
+        """After loading: pack the quantized shards for the int4 matmul. If some shards came as
+        floats (a GGUF may keep a tensor in F16), the quantized ones are dequantized into `weight`
+        instead, so the layer runs one matmul either way."""
+        if not self._quantized_shards:
+            return
+        shards = self._shard_rows()
+        if set(self._quantized_shards) == set(shards):
+            self.quant = Int4GroupWeight([self._quantized_shards[name].decode() for name in shards])
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+        else:
+            for name, tensor in self._quantized_shards.items():
+                start, rows = shards[name]
+                self.weight.data[start:start + rows].copy_(tensor.dequantize())
+        self._quantized_shards.clear()
 
     def _target(self, param_name: str) -> torch.Tensor:
         param = self.weight if param_name == "weight" else self.bias if param_name == "bias" else None
@@ -52,6 +95,9 @@ class Linear(nn.Module):
 
     def load_weight(self, param_name: str, tensor: Weight, shard: str | None = None) -> None:
         """Copy a checkpoint tensor (weight [out, in] or bias [out]) in; replicated: all of it."""
+        if isinstance(tensor, QuantizedTensor):
+            self._keep_quantized(param_name, "weight", tensor)
+            return
         _copy(self._target(param_name), materialize(tensor), param_name)
 
 
@@ -77,9 +123,15 @@ class MergedLinear(Linear):
             self.shard_offsets[name] = offset
             offset += size
 
+    def _shard_rows(self) -> dict[str, tuple[int, int]]:
+        return {name: (self.shard_offsets[name], size) for name, size in self.shard_sizes.items()}
+
     def load_weight(self, param_name: str, tensor: Weight, shard: str | None = None) -> None:
         if shard is None:
             raise ValueError(f"{param_name}: a merged layer loads one shard at a time ({', '.join(self.shard_sizes)})")
+        if isinstance(tensor, QuantizedTensor):
+            self._keep_quantized(param_name, shard, tensor)
+            return
         self.load_shard(param_name, shard, tensor)
 
     def load_shard(self, param_name: str, shard: str, tensor: Weight) -> None:
@@ -127,10 +179,14 @@ class RowParallelLinear(Linear):
         return self.tp.rank == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.adds_bias else None)
+        bias = self.bias if self.adds_bias else None
+        y = F.linear(x, self.weight, bias) if self.quant is None else self.quant(x, bias)
         return self.tp.all_reduce(y)
 
     def load_weight(self, param_name: str, tensor: Weight, shard: str | None = None) -> None:
+        if isinstance(tensor, QuantizedTensor):
+            super().load_weight(param_name, tensor, shard)
+            return
         shape = shape_of(tensor)
         if param_name == "weight" and self.tp.size > 1 and len(shape) == 2 and shape[1] == self.in_features * self.tp.size:
             _copy(self._target("weight"), narrow(tensor, 1, self.in_start, self.in_features), "weight")

@@ -2,7 +2,8 @@
 
 The `gguf` package does the byte-level work (memory-mapped GGUFReader, numpy dequantization).
 This module adds what ferrox needs on top: errors that name the file, llama.cpp -> Hugging Face
-tensor names, and undoing the converter's Q/K row permutation for llama-family models.
+tensor names, and undoing the converter's Q/K row permutation for llama-family models. With
+`keep_quantized`, 2-D block-quantized tensors stay in their blocks (layers/quant QuantizedTensor).
 """
 
 from __future__ import annotations
@@ -149,8 +150,10 @@ class GGUFFile:
                     f"cannot dequantize (supported: {', '.join(sorted(q.name for q in supported))})"
                 )
 
-    def iter_hf_tensors(self, n_heads: int, n_kv_heads: int) -> Iterator[tuple[str, np.ndarray]]:
-        """(HF name, float32 array) for every tensor HF models have, Q/K rows un-permuted."""
+    def iter_hf_tensors(self, n_heads: int, n_kv_heads: int, *,
+                        keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
+        """(HF name, float32 array) for every tensor HF models have, Q/K rows un-permuted.
+        keep_quantized: 2-D block-quantized tensors come as QuantizedTensor (raw blocks) instead."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
@@ -159,6 +162,9 @@ class GGUFFile:
         for t in self.reader.tensors:
             name = hf_tensor_name(t.name)
             if name is None:
+                continue
+            if keep_quantized and is_block_quantized(t):
+                yield name, self._quantized(t, n_heads, n_kv_heads, permuted)
                 continue
             try:
                 arr = dequantize(t.data, GGMLQuantizationType(t.tensor_type))
@@ -170,14 +176,48 @@ class GGUFFile:
             expected = tuple(int(d) for d in reversed(t.shape.tolist()))
             if tuple(arr.shape) != expected:
                 arr = arr.reshape(expected)
-            if permuted and t.name.endswith("attn_q.weight"):
-                arr = unpermute_qk(arr, n_heads)
-            elif permuted and t.name.endswith("attn_k.weight"):
-                arr = unpermute_qk(arr, n_kv_heads)
+            if permuted:
+                arr = self._unpermute(t.name, arr, n_heads, n_kv_heads)
             arr = np.ascontiguousarray(arr, dtype=np.float32)
             if not arr.flags.writeable:  # F32/F16 tensors can be views of the read-only memory map
                 arr = arr.copy()
             yield name, arr
+
+
+    def _unpermute(self, name: str, w: np.ndarray, n_heads: int, n_kv_heads: int) -> np.ndarray:
+        """unpermute_qk for attn_q / attn_k (other tensors pass through), once the head count is
+        known to split the rows into whole heads of two rotary halves: a corrupt head count
+        would otherwise fail in a reshape that names neither the file nor the metadata."""
+        if name.endswith("attn_q.weight"):
+            n, key = n_heads, "attention.head_count"
+        elif name.endswith("attn_k.weight"):
+            n, key = n_kv_heads, "attention.head_count_kv"
+        else:
+            return w
+        if n <= 0 or w.shape[0] % (2 * n):
+            raise ModelLoadError(f"GGUF file {self.path}: tensor {name!r} has {w.shape[0]} rows, which "
+                                 f"metadata {self.architecture}.{key} = {n} does not split into heads")
+        return unpermute_qk(w, n)
+
+    def _quantized(self, t: Any, n_heads: int, n_kv_heads: int, permuted: bool) -> Any:
+        from gguf import GGMLQuantizationType
+
+        from ferrox.layers.quant import QuantizedTensor
+
+        rows, cols = (int(d) for d in reversed(t.shape.tolist()))
+        raw = np.asarray(t.data).reshape(rows, -1)  # a view of the memory map: blocks run along rows
+        # Row permutations move whole rows of blocks, as they move rows of floats.
+        if permuted:
+            raw = self._unpermute(t.name, raw, n_heads, n_kv_heads)
+        return QuantizedTensor(GGMLQuantizationType(t.tensor_type).name, np.ascontiguousarray(raw), (rows, cols))
+
+
+def is_block_quantized(t: Any) -> bool:
+    """A 2-D tensor in a block-quantized type (Q4_1, Q6_K, ...; not F32/F16/BF16)."""
+    from gguf import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES
+
+    return len(t.shape) == 2 and GGML_QUANT_SIZES[GGMLQuantizationType(t.tensor_type)][0] > 1
 
 
 def supported_quant_types() -> frozenset:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -14,13 +16,19 @@ from ferrox.loader.model_config import load_model_spec, read_json
 from ferrox.loader.source import ModelSource
 from ferrox.model_spec import ModelSpec, UnsupportedModelError
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["load_model_spec", "load_model", "load_generation_config", "LOAD_FORMATS"]
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 
 
 def load_model(source: ModelSource, spec: ModelSpec, *, dtype: torch.dtype, device: torch.device | str,
-               load_format: str = "auto", seed: int = 0) -> nn.Module:
+               load_format: str = "auto", seed: int = 0, keep_quantized: bool = False) -> nn.Module:
+    """keep_quantized: a quantized GGUF's matrices stay in their blocks and run packed int4 matmuls
+    (layers/quant) -- on the CPU, with one rank, for models that take them; otherwise (and for every
+    other format) the weights are dequantized to `dtype` as before. The engine asks for it when the
+    dtype is "auto" (worker/model_setup.py)."""
     from ferrox.loader import weights
     from ferrox.models.registry import get_model_class
 
@@ -44,28 +52,73 @@ def load_model(source: ModelSource, spec: ModelSpec, *, dtype: torch.dtype, devi
     if tp.size > 1 and not getattr(cls, "supports_tensor_parallel", False):
         raise UnsupportedModelError(f"architecture {spec.architecture!r} does not support tensor_parallel_size > 1 "
                                     f"(got {tp.size})")
+    if tp.size > 1 and device.type == "cuda" and getattr(cls, "tensor_parallel_cpu_only", False):
+        raise UnsupportedModelError(
+            f"tensor_parallel_size: {tp.size} with {spec.architecture} runs on CPU only in this version (its sharded "
+            "and expert-parallel paths are tested with gloo; the CUDA path is not verified yet)")
     if load_format == "gguf":
         # Check quantization types before allocating anything: fail fast with the type's name.
         from ferrox.loader.gguf_file import open_gguf
 
         open_gguf(source.path).check_quant_types()
+    keep_quantized = keep_quantized and load_format == "gguf" and quantized_gguf_runs(cls, device, tp.size)
     with torch.no_grad():
         model = cls(spec, dtype, device)
         if load_format == "dummy":
             init_dummy_weights(model, seed)
         elif load_format == "gguf":
-            model.load_weights(weights.iter_gguf(source.path, spec.num_heads, spec.num_kv_heads))
+            model.load_weights(_progress(weights.iter_gguf(source.path, spec.num_heads, spec.num_kv_heads,
+                                                           keep_quantized=keep_quantized),
+                                         len(open_gguf(source.path).tensor_names)))
         elif load_format == "pt":
-            model.load_weights(weights.iter_torch_bin(source.path))
+            model.load_weights(_progress(weights.iter_torch_bin(source.path), None))
         else:
             # Under tensor parallelism each rank reads only its shard of every tensor.
-            model.load_weights(weights.iter_safetensors(source.path, lazy=tp.size > 1))
+            model.load_weights(_progress(weights.iter_safetensors(source.path, lazy=tp.size > 1),
+                                         _num_safetensors(source.path)))
         finalize = getattr(model, "finalize_weights", None)
         if finalize is not None:
             finalize()
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def quantized_gguf_runs(cls: type, device: torch.device, tp_size: int) -> bool:
+    """Whether a quantized GGUF can stay quantized: the packed int4 matmul is torch's CPU op, the
+    packed groups are not sharded across ranks yet, and the model class must take QuantizedTensors.
+    Otherwise it is dequantized (the GPU path and tensor parallelism are unchanged)."""
+    if device.type != "cpu" or not getattr(cls, "supports_quantized_gguf", False):
+        return False
+    if tp_size > 1:
+        logger.info("tensor_parallel_size=%d: dequantizing the GGUF weights (quantized ones run on one rank)",
+                    tp_size)
+        return False
+    return True
+
+
+def _progress(tensors: Iterator[tuple[str, Any]], total: int | None) -> Iterator[tuple[str, Any]]:
+    """A progress bar over the checkpoint's tensors as the model takes them (on stderr; the first
+    tensor-parallel rank only, the others load the same tensors in step)."""
+    from tqdm.auto import tqdm
+
+    return iter(tqdm(tensors, total=total, desc="Loading weights", unit="tensor", dynamic_ncols=True,
+                     disable=get_tp_group().rank != 0))
+
+
+def _num_safetensors(folder: str) -> int | None:
+    from safetensors import safe_open
+
+    from ferrox.loader import weights
+
+    try:
+        total = 0
+        for path in weights.safetensors_files(folder):
+            with safe_open(path, framework="pt", device="cpu") as f:
+                total += len(f.keys())
+        return total
+    except Exception:  # unreadable: the load itself reports it, naming the file
+        return None
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:

@@ -2,7 +2,8 @@
 
 Safetensors: one `model.safetensors`, or shards listed in `model.safetensors.index.json` (every
 shard named by the index must exist; every tensor must be where the index says).
-GGUF: dequantized to float32 by gguf_file.py, the caller casts to the run dtype.
+GGUF: dequantized to float32 by gguf_file.py, the caller casts to the run dtype; or, with
+`keep_quantized`, quantized matrices as layers/quant QuantizedTensors (raw blocks).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from ferrox.loader.errors import ModelLoadError, ModelNotFoundError
@@ -104,8 +106,8 @@ def iter_torch_bin(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
         yield from state.items()
 
 
-def iter_gguf(path: str, n_heads: int, n_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf(path: str, n_heads: int, n_kv_heads: int, *, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
     from ferrox.loader.gguf_file import open_gguf
 
-    for name, array in open_gguf(path).iter_hf_tensors(n_heads, n_kv_heads):
-        yield name, torch.from_numpy(array)
+    for name, array in open_gguf(path).iter_hf_tensors(n_heads, n_kv_heads, keep_quantized=keep_quantized):
+        yield name, torch.from_numpy(array) if isinstance(array, np.ndarray) else array

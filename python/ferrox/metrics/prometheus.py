@@ -51,6 +51,13 @@ _CORE_COUNTERS = (
     ("ferrox:generation_tokens", "num_generation_tokens", "Generation tokens processed."),
     ("ferrox:num_preemptions", "num_preemptions", "Cumulative number of preemptions."),
 )
+# Speculative decoding (vLLM's spec_decode names), only for cores that speculate. Mean acceptance
+# length = 1 + accepted / drafts; acceptance rate = accepted / draft tokens.
+_SPEC_COUNTERS = (
+    ("ferrox:spec_decode_num_drafts", "spec_num_drafts", "Number of spec decoding drafts."),
+    ("ferrox:spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Number of draft tokens."),
+    ("ferrox:spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Number of accepted tokens."),
+)
 _CORE_GAUGES = (
     ("ferrox:num_requests_running", "num_running", "Requests in the running batch."),
     ("ferrox:num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
@@ -89,6 +96,23 @@ class _CoreStatsCollector(Collector):
                 for index, stats in enumerate(self.engines):
                     family.add_metric([self.model_name, str(index)], float(stats.get(key, 0) or 0))
                 yield family
+        yield from self._spec_families()
+
+    def _spec_families(self):  # type: ignore[no-untyped-def]
+        speculating = [(i, s) for i, s in enumerate(self.engines) if s.get("num_speculative_tokens")]
+        if not speculating:
+            return
+        for name, key, doc in _SPEC_COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=LABELS)
+            for index, stats in speculating:
+                family.add_metric([self.model_name, str(index)], float(stats.get(key, 0) or 0))
+            yield family
+        per_pos = CounterMetricFamily("ferrox:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.", labels=[*LABELS, "position"])
+        for index, stats in speculating:
+            for pos, count in enumerate(stats.get("spec_num_accepted_tokens_per_pos") or []):
+                per_pos.add_metric([self.model_name, str(index), str(pos)], float(count))
+        yield per_pos
 
 
 @dataclass(slots=True)

@@ -28,6 +28,7 @@ from ferrox.layers.activation import SiluAndMul
 from ferrox.layers.layernorm import RMSNorm
 from ferrox.layers.linear import Linear, MergedLinear, QKVLinear, RowParallelLinear
 from ferrox.layers.ops import DeviceOps, Rope, for_device
+from ferrox.layers.quant import Int4GroupWeight, QuantizedTensor
 from ferrox.layers.rotary import RotaryEmbedding
 from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
@@ -161,6 +162,9 @@ class LlamaForCausalLM(nn.Module):
     # Every layer is a parallel layer: tensor_parallel_size > 1 shards it (subclasses that add
     # layers of their own, e.g. experts, set False until those are sharded too).
     supports_tensor_parallel = True
+    # load_weights takes QuantizedTensors (GGUF blocks kept quantized, layers/quant): the linear
+    # layers and the LM head run them packed, the embedding gets dequantized rows.
+    supports_quantized_gguf = True
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
@@ -182,6 +186,10 @@ class LlamaForCausalLM(nn.Module):
 
         # Column-major copy of a tied lm_head on CPU (finalize_weights); a buffer so .to() moves it.
         self.register_buffer("lm_head_colmajor", None, persistent=False)
+        # A quantized GGUF's LM head (its output.weight, or the tied token_embd.weight), packed by
+        # finalize_weights; the checkpoint tensor waits in _lm_head_blocks until then.
+        self.lm_head_quant: Int4GroupWeight | None = None
+        self._lm_head_blocks: QuantizedTensor | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -196,12 +204,20 @@ class LlamaForCausalLM(nn.Module):
         (measured on the 49152x576 lm_head: 7.4 -> 4.4 ms); batched matmuls run at the same speed
         with identical results. A tied lm_head gets its own column-major copy because the
         embedding lookup wants rows."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.finalize_quantized()
+        if self._lm_head_blocks is not None:
+            self.lm_head_quant = Int4GroupWeight([self._lm_head_blocks.decode()])
+            self._lm_head_blocks = None
+            if self.lm_head is not None:  # never loaded: the packed copy is the only one
+                self.lm_head.weight.data = torch.empty(0, dtype=self.lm_head.weight.dtype)
         if not self.ops.column_major_weights:
             return
         for module in self.modules():
-            if isinstance(module, (Linear, ParallelLMHead)):
+            if isinstance(module, (Linear, ParallelLMHead)) and module.weight.numel():
                 module.weight.data = module.weight.data.t().contiguous().t()
-        if self.lm_head is None:
+        if self.lm_head is None and self.lm_head_quant is None:
             self.lm_head_colmajor = self.model.embed_tokens.weight.data.t().contiguous().t()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -216,6 +232,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of the given rows (the decode path may run a one-row lm_head fused); under
         tensor parallelism each rank computes its vocabulary rows and every rank gets all of them."""
+        if self.lm_head_quant is not None:
+            return self.model.embed_tokens.gather_logits(self.lm_head_quant(hidden).float())
         return self.model.embed_tokens.gather_logits(self.model.decode_path.logits(hidden, self.lm_head_weight))
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
@@ -240,6 +258,14 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints store the copy anyway
+            if isinstance(tensor, QuantizedTensor) and name in ("lm_head.weight", "model.embed_tokens.weight"):
+                # The LM head runs packed (finalize_weights); the embedding looks rows up in floats.
+                if name == "lm_head.weight" or self.lm_head is None:
+                    self._lm_head_blocks = tensor
+                if name == "lm_head.weight":
+                    loaded.add(name)
+                    continue
+                tensor = tensor.dequantize()
             prefix, _, leaf = name.rpartition(".")
             parent, _, proj = prefix.rpartition(".")
             shard: str | None = None

@@ -38,6 +38,7 @@ from ferrox.step_types import Logprobs
 from ferrox.worker.input_batch import InFlight, InputBatch
 from ferrox.worker.model_forward import ModelForward, step_arrays
 from ferrox.worker.request_state import RequestState
+from ferrox.worker.spec_decode import expand_rows, verify
 from ferrox.worker.step_inputs import Uploader
 
 logger = logging.getLogger(__name__)
@@ -45,10 +46,21 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    sampled_token_ids: npt.NDArray[np.int64]  # [num_reqs], batch order
+    # [num_reqs], batch order; with num_sampled_tokens (a step that verified drafts): flat, request after
+    # request, num_sampled_tokens[i] tokens each (update_from_output's layout).
+    sampled_token_ids: npt.NDArray[np.int64]
     logprobs: dict[int, Logprobs] = field(default_factory=dict)  # batch row -> one position, rows that asked
     prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)  # request id -> complete, emitted once
     errors: dict[int, str] = field(default_factory=dict)  # batch row -> why its sampling failed
+    num_sampled_tokens: npt.NDArray[np.int32] | None = None
+
+    def first_tokens(self) -> npt.NDArray[np.int64]:
+        """[num_reqs] each request's first sampled token this step (its only one unless it had drafts:
+        requests with a grammar or logprobs never have drafts, so this is their token)."""
+        if self.num_sampled_tokens is None:
+            return self.sampled_token_ids
+        starts = np.concatenate(([0], np.cumsum(self.num_sampled_tokens)[:-1]))
+        return self.sampled_token_ids[starts]
 
 
 @dataclass(slots=True)
@@ -78,6 +90,10 @@ class StepHandle:
     # Sampling inputs built ahead of sample() (prepare_sampling), with the in-flight step they count.
     md: SamplingMetadata | None = None
     md_in_flight: InFlight | None = None
+    # Speculative decoding: drafts per request when this step verifies any (worker/spec_decode.py); then
+    # `logits` has 1 + d rows per request and `num_sampled` (set by sample()) the tokens each produced.
+    num_drafts: npt.NDArray[np.int32] | None = None
+    num_sampled: npt.NDArray[np.int32] | None = None
 
     def in_flight(self) -> InFlight:
         assert self.sampled is not None, "sample() not called"
@@ -95,8 +111,9 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         tp: TPGroup | None = None,
+        speculative: bool = False,
     ) -> None:
-        """tp: the tensor-parallel group when the model is sharded; this runner is its driver
+        """speculative: steps may carry drafts to verify (speculative decoding). tp: the tensor-parallel group when the model is sharded; this runner is its driver
         (rank 0) and sends every step to the other ranks (distributed/step_channel.py) before
         running its own shard."""
         self.model = model
@@ -116,6 +133,7 @@ class ModelRunner:
 
             top_k_top_p_kernel = prepare_extension()  # the CUDA kernel when a build is on disk
         self.sampler = Sampler(default_gen, top_k_top_p_kernel)
+        self.speculative = speculative
         self._host_tokens: list[torch.Tensor] = []  # two pinned [max batch] buffers (GPU), by step parity
         self._step_parity = 0
 
@@ -179,14 +197,29 @@ class ModelRunner:
         result = self.forward.run(so, prompt_rows, fill_holes)
         chunks = self._prompt_logprobs(prompt_jobs, result.prompt_logits)
         sample_mask = np.asarray(so.sample_mask, dtype=np.bool_)
-        return StepHandle(so, slots, self._upload("slots", slots), self.input_batch.generation[slots],
-                          sample_mask, result.logits, chunks)
+        handle = StepHandle(so, slots, self._upload("slots", slots), self.input_batch.generation[slots],
+                            sample_mask, result.logits, chunks)
+        if self.speculative:
+            num_drafts = np.asarray(so.num_draft_tokens, dtype=np.int32)
+            if num_drafts.any():
+                handle.num_drafts = num_drafts
+        return handle
 
     @torch.inference_mode()
     def prepare_sampling(self, handle: StepHandle, in_flight: InFlight | None = None) -> None:
         """Build the step's sampling inputs now (per-row work, uploads), so that a step whose
         sample waits for a grammar mask has only the mask and the draw left to do then.
         in_flight: the previous step if its tokens have not been handed to the core yet."""
+        if handle.num_drafts is not None:
+            # One metadata row per logits row: each request's row repeated over its 1 + d positions.
+            if in_flight is not None:
+                raise RuntimeError("a step with drafts was scheduled with a step in flight (speculation runs "
+                                   "synchronous steps)")
+            rows = expand_rows(handle.num_drafts)
+            handle.md = self.input_batch.sampling_metadata(
+                handle.slots[rows], handle.slots_dev.index_select(0, self._upload("spec_rows", rows)),
+                handle.sample_mask[rows], None)
+            return
         handle.md = self.input_batch.sampling_metadata(handle.slots, handle.slots_dev, handle.sample_mask, in_flight)
         handle.md_in_flight = in_flight
 
@@ -198,16 +231,21 @@ class ModelRunner:
         if handle.md is None:
             self.prepare_sampling(handle)
         logits = handle.logits
-        if grammar_bitmask is not None:
-            self._apply_grammar_bitmask(logits, grammar_bitmask)
         handle.num_logprobs = self.input_batch.num_logprobs[handle.slots].copy()
-        handle.sampled = self._sample(logits, handle)
+        if handle.num_drafts is not None:
+            if grammar_bitmask is not None:  # constrained rows have no drafts: their one row gets their mask
+                self._apply_grammar_bitmask(logits, grammar_bitmask[torch.from_numpy(expand_rows(handle.num_drafts))])
+            handle.sampled = self._verify(handle, grammar_bitmask)
+        else:
+            if grammar_bitmask is not None:
+                self._apply_grammar_bitmask(logits, grammar_bitmask)
+            handle.sampled = self._sample(logits, handle)
         if handle.sampled.logprobs is not None:
             handle.host_logprobs = _logprobs_to_host(handle.sampled.logprobs)
         if self.device.type == "cpu":
             handle.host_token_ids = handle.sampled.token_ids
             return
-        host = self._host_buffer(len(handle.slots))
+        host = self._host_buffer(int(handle.sampled.token_ids.numel()))
         host.copy_(handle.sampled.token_ids, non_blocking=True)
         handle.host_token_ids = host
         handle.done = torch.cuda.Event()
@@ -230,7 +268,8 @@ class ModelRunner:
         assert handle.sampled is not None and handle.host_token_ids is not None, "sample() not called"
         if handle.done is not None:
             handle.done.synchronize()
-        out = ModelRunnerOutput(handle.host_token_ids.numpy().copy(), errors=handle.errors)
+        out = ModelRunnerOutput(handle.host_token_ids.numpy().copy(), errors=handle.errors,
+                                num_sampled_tokens=handle.num_sampled)
         if handle.host_logprobs is not None:
             self._collect_logprobs(handle, out)
         if handle.prompt_chunks:
@@ -282,6 +321,35 @@ class ModelRunner:
             result.logprobs = compute_logprobs(logits, token_ids, max_lp)
         return result
 
+    def _verify(self, handle: StepHandle, grammar_bitmask: torch.Tensor | None) -> SamplerOutput:
+        """A step with drafts: the rejection sampler keeps each request's accepted drafts and adds one
+        token (worker/spec_decode.py). If it fails, every request falls back to its first row sampled
+        the plain way (no draft accepted: still exact), so one bad request cannot fail the others."""
+        so, num_drafts = handle.so, handle.num_drafts
+        assert num_drafts is not None and handle.md is not None
+        states = self.input_batch.states
+        generators = {}
+        for i in np.flatnonzero(handle.sample_mask).tolist():
+            state = states[int(handle.slots[i])]
+            if state is not None and state.generator is not None:
+                generators[i] = state.generator
+        try:
+            res = verify(self.sampler, handle.logits, handle.md, num_drafts=num_drafts,
+                         draft_token_ids=np.asarray(so.draft_token_ids, dtype=np.int64),
+                         logits_start_loc=np.asarray(so.logits_start_loc, dtype=np.int32),
+                         greedy=self.input_batch.greedy[handle.slots], generators=generators)
+        except Exception:
+            logger.exception("verifying speculative drafts failed; sampling this step without them")
+            first_rows = np.asarray(so.logits_start_loc[:-1], dtype=np.int64)
+            handle.logits = handle.logits.index_select(0, self._upload("spec_first_rows", first_rows))
+            handle.num_drafts = handle.md = None
+            self.prepare_sampling(handle)
+            if grammar_bitmask is not None:
+                self._apply_grammar_bitmask(handle.logits, grammar_bitmask)
+            return self._sample(handle.logits, handle)
+        handle.num_sampled = res.num_sampled
+        return SamplerOutput(res.token_ids, res.logprobs)
+
     @staticmethod
     def _row_in_flight(in_flight: InFlight | None, slot: int) -> InFlight | None:
         if in_flight is None:
@@ -305,7 +373,7 @@ class ModelRunner:
         ranks = lp.token_ranks.index_select(0, idx).tolist()
         top_ids = lp.top_token_ids.index_select(0, idx).tolist()
         top_lp = lp.top_logprobs.index_select(0, idx).tolist()
-        token_ids = out.sampled_token_ids
+        token_ids = out.first_tokens()
         for k, i in enumerate(rows):
             if i in out.errors:
                 continue

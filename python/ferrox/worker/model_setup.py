@@ -86,16 +86,23 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
         device = torch.device("cuda", tp.rank if device_index is None else device_index)
         torch.cuda.set_device(device)
     threads = CpuThreadGovernor(config.num_threads) if device.type == "cpu" else None
+    _show_progress_logs()
     source = resolve_model(config.model)
+    logger.info("model %s: %s (%s)", source.name, source.path, source.format)
     tok_source = resolve_model(config.tokenizer) if config.tokenizer is not None else source
+    logger.info("loading the tokenizer from %s", tok_source.path)
     tokenizer = _cached_tokenizer(tok_source, _mtime(tok_source.path))
     spec = _cached_spec(source, _mtime(source.path))
     dtype = resolve_dtype(config, spec, device)
     max_model_len = resolve_max_model_len(config, spec, device)
     max_num_seqs = config.resolved_max_num_seqs(device.type)
     max_num_batched_tokens = config.resolved_max_num_batched_tokens(device.type)
+    logger.info("loading the weights (%s, %s) onto %s", config.load_format, str(dtype).removeprefix("torch."), device)
     with use_tp_group(tp):
-        model = _shared_model(source, spec, dtype, device, config.load_format, config.seed, tp)
+        # dtype "auto" keeps a quantized GGUF quantized where it can run so (the CPU); an explicit
+        # dtype dequantizes it to that dtype (loader/model_loader.py).
+        model = _shared_model(source, spec, dtype, device, config.load_format, config.seed, tp,
+                              keep_quantized=config.dtype == "auto")
     generation_defaults = dict(load_generation_config(source) or {})
     eos = _eos_token_ids(tokenizer, generation_defaults)
 
@@ -113,11 +120,9 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
             f"kv_cache_memory: {kv_bytes} bytes do not hold one KV block ({per_block} bytes at block_size "
             f"{config.block_size}, dtype {dtype})"
         )
-    if (num_blocks - 1) * config.block_size < max_model_len:
-        logger.warning(
-            "the KV cache holds %d tokens, fewer than max_model_len=%d: one long request cannot finish alone",
-            (num_blocks - 1) * config.block_size, max_model_len,
-        )
+    check_kv_capacity((num_blocks - 1) * config.block_size, max_model_len, device.type)
+    logger.info("allocating the KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks - 1, config.block_size,
+                (num_blocks - 1) * per_block / 2**30)
     kv_caches = allocate_kv_caches(spec, num_blocks, config.block_size, dtype, device, tp.size)
     return LoadedModel(
         source=source, device=device, dtype=dtype, tokenizer=tokenizer, spec=spec, model=model,
@@ -127,6 +132,43 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
     )
 
 
+# Fewer whole max_model_len requests than this fit in the KV cache at once: start, with a warning.
+KV_WARN_CONCURRENCY = 2
+
+
+def check_kv_capacity(capacity_tokens: int, max_model_len: int, device_type: str) -> None:
+    """Refuse an engine that could never finish one max_model_len request (as vLLM does); warn when
+    only a few fit at once."""
+    memory_flag = "--kv-cache-memory" if device_type == "cpu" else "--gpu-memory-utilization or --kv-cache-memory"
+    if capacity_tokens < max_model_len:
+        raise ValueError(
+            f"max_model_len: the KV cache holds {capacity_tokens} tokens, fewer than max_model_len={max_model_len}, "
+            f"so one full-length request could never finish; lower --max-model-len (max_model_len=) to at most "
+            f"{capacity_tokens}, or give the KV cache more memory ({memory_flag})"
+        )
+    concurrency = capacity_tokens / max_model_len
+    if concurrency < KV_WARN_CONCURRENCY:
+        logger.warning("the KV cache holds %d tokens: %.2f requests of max_model_len=%d fit at once (raise %s or "
+                       "lower --max-model-len for more)", capacity_tokens, concurrency, max_model_len, memory_flag)
+    else:
+        logger.info("KV cache: %d tokens, %.1fx concurrency at max_model_len=%d", capacity_tokens, concurrency,
+                    max_model_len)
+
+
+def _show_progress_logs() -> None:
+    """`LLM()` in a script that configured no logging still shows its loading phases (as vLLM's logger
+    does): the "ferrox" logger gets an INFO handler of its own. A process that configured logging
+    (`ferrox serve`, pytest, an application) keeps its own setup."""
+    package = logging.getLogger("ferrox")
+    if logging.getLogger().handlers or package.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    package.addHandler(handler)
+    if package.level == logging.NOTSET:
+        package.setLevel(logging.INFO)
+
+
 # Engines in one process share the weights of the same checkpoint (inference never writes them):
 # a second LLM(...) with other scheduler settings, as tests and benchmarks build, costs no reload.
 # Weak values: the weights are freed with the last engine that uses them.
@@ -134,11 +176,13 @@ _MODELS: weakref.WeakValueDictionary[tuple[Any, ...], Any] = weakref.WeakValueDi
 
 
 def _shared_model(source: ModelSource, spec: Any, dtype: torch.dtype, device: torch.device, load_format: str,
-                  seed: int, tp: TPGroup) -> Any:
-    key = (source.path, _mtime(source.path), str(dtype), str(device), load_format, seed, tp.rank, tp.size)
+                  seed: int, tp: TPGroup, *, keep_quantized: bool = False) -> Any:
+    key = (source.path, _mtime(source.path), str(dtype), str(device), load_format, seed, tp.rank, tp.size,
+           keep_quantized)
     model = _MODELS.get(key)
     if model is None:
-        model = load_model(source, spec, dtype=dtype, device=device, load_format=load_format, seed=seed)
+        model = load_model(source, spec, dtype=dtype, device=device, load_format=load_format, seed=seed,
+                           keep_quantized=keep_quantized)
         _MODELS[key] = model
     return model
 

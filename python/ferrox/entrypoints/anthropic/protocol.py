@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from ferrox.entrypoints.openai.protocol import check_stop_sequences, check_tools
 from ferrox.entrypoints.tool_use import ToolRequest
 
 # Fields of Anthropic's API that ferrox does not serve: refused by name instead of ignored.
@@ -183,6 +184,15 @@ class MessagesRequest(_Base):
     def _check_stops(cls, value: list[str] | None) -> list[str] | None:
         if value and any(s == "" for s in value):
             raise ValueError("stop sequences must be non-empty")
+        if value:
+            check_stop_sequences(value)  # the same limits as OpenAI's `stop`
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _check_tool_sizes(cls, value: list[Tool] | None) -> list[Tool] | None:
+        if value:
+            check_tools(value, ("input_schema",))
         return value
 
     @field_validator("tools", mode="before")

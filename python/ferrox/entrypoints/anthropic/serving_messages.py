@@ -25,6 +25,7 @@ from ferrox.entrypoints.openai.errors import from_exception
 from ferrox.entrypoints.openai.serving import (
     MESSAGES_FIELDS,
     ServingContext,
+    api_error,
     check_max_tokens,
     first_output,
     json_response,
@@ -154,7 +155,7 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
                                   "usage": {"output_tokens": output_tokens}}, "message_delta")
             await send_sse(resp, {"type": "message_stop"}, "message_stop")
         except (FerroxError, ValueError) as exc:
-            await send_sse(resp, from_exception(exc).anthropic_body(), "error")
+            await send_sse(resp, api_error(exc).anthropic_body(), "error")
     await resp.write_eof()
     return resp
 

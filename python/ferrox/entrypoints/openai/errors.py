@@ -26,6 +26,7 @@ _TYPES = {
     413: ("invalid_request_error", "request_too_large"),
     500: ("internal_error", "api_error"),
     503: ("service_unavailable", "overloaded_error"),
+    504: ("timeout_error", "timeout_error"),  # --request-timeout
 }
 
 

@@ -14,6 +14,7 @@ The structured-output fields (`response_format`, `structured_outputs`, `guided_*
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import (
@@ -28,6 +29,66 @@ from pydantic import (
 # OpenAI caps top_logprobs at 20; vLLM allows more, but 20 keeps responses sane.
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128
+
+# ---- limits on the sizes a request controls ---------------------------------------------------
+# Each is far above what real use needs (and above OpenAI's own limits where it has them: 4 stop
+# sequences, 128 tools), but finite, so no one request makes every decode step, the structured-output
+# compiler or the template renderer do unbounded work. A request past one gets a 400 naming the field.
+MAX_STOP_SEQUENCES = 64  # checked against the text each step
+MAX_STOP_CHARS = 1024  # per stop string
+MAX_LOGIT_BIAS = 1024  # entries (every one is applied to every sampled row)
+MAX_TOOLS = 128  # OpenAI's limit
+MAX_SCHEMA_BYTES = 64 << 10  # a JSON schema (response format, guided_json, one tool's), as JSON text
+MAX_SCHEMA_DEPTH = 64  # nesting of objects and lists in a schema
+MAX_GRAMMAR_CHARS = 64 << 10  # guided_regex / guided_grammar text
+MAX_CHAT_TEMPLATE_CHARS = 128 << 10  # a request's own chat_template (real ones are tens of KiB)
+
+
+def json_depth(value: Any) -> int:
+    """How deeply objects and lists nest in a decoded JSON value (a scalar: 0); iterative, so any
+    depth json.loads accepted is measured without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def check_schema_size(schema: Any, what: str = "schema") -> None:
+    """ValueError when a JSON schema is past MAX_SCHEMA_BYTES or MAX_SCHEMA_DEPTH."""
+    size = len(schema.encode()) if isinstance(schema, str) else len(json.dumps(schema).encode())
+    if size > MAX_SCHEMA_BYTES:
+        raise ValueError(f"{what} is {size} bytes as JSON; at most {MAX_SCHEMA_BYTES} are accepted")
+    if not isinstance(schema, str) and json_depth(schema) > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"{what} nests {json_depth(schema)} levels deep; at most {MAX_SCHEMA_DEPTH} are accepted")
+
+
+def check_stop_sequences(stops: list[str]) -> None:
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise ValueError(f"{len(stops)} stop sequences; at most {MAX_STOP_SEQUENCES} are accepted")
+    longest = max((len(s) for s in stops), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ValueError(f"a stop sequence of {longest} characters; at most {MAX_STOP_CHARS} are accepted")
+
+
+def check_tools(tools: list[Any], schema_key: tuple[str, ...] = ("function", "parameters")) -> None:
+    """At most MAX_TOOLS tools, each one's parameters schema (found under `schema_key`) within the
+    schema limits."""
+    if len(tools) > MAX_TOOLS:
+        raise ValueError(f"{len(tools)} tools; at most {MAX_TOOLS} are accepted")
+    for i, tool in enumerate(tools):
+        schema: Any = tool
+        for key in schema_key:
+            schema = schema.get(key) if isinstance(schema, dict) else getattr(schema, key, None)
+        if schema is not None:
+            check_schema_size(schema, f"tools[{i}]'s parameters schema")
 
 
 class _Base(BaseModel):
@@ -157,11 +218,37 @@ class _SamplingFields(_Base):
             raise ValueError("bad words must be non-empty strings")
         return value
 
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if value is not None:
+            check_stop_sequences([value] if isinstance(value, str) else value)
+        return value
+
+    @field_validator("response_format", "structured_outputs", "guided_json")
+    @classmethod
+    def _check_schema_size(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, ResponseFormat):
+            if value.json_schema is not None:
+                check_schema_size(value.json_schema, "the json_schema")
+        elif value is not None:
+            check_schema_size(value, "the schema" if info.field_name == "guided_json" else "the constraint")
+        return value
+
+    @field_validator("guided_regex", "guided_grammar")
+    @classmethod
+    def _check_grammar_size(cls, value: str | None) -> str | None:
+        if value is not None and len(value) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"{len(value)} characters; at most {MAX_GRAMMAR_CHARS} are accepted")
+        return value
+
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         if value is None:
             return value
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"{len(value)} entries; at most {MAX_LOGIT_BIAS} are accepted")
         for key, bias in value.items():
             try:
                 int(key)
@@ -273,6 +360,21 @@ class ChatCompletionRequest(_SamplingFields):
     include_reasoning: bool = True
 
     _refuse_chat = field_validator("mm_processor_kwargs", "media_io_kwargs", "include_reasoning")(_refuse_unsupported)
+
+    @field_validator("tools")
+    @classmethod
+    def _check_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if value is not None:
+            check_tools(value)
+        return value
+
+    @field_validator("chat_template")
+    @classmethod
+    def _check_template_size(cls, value: str | None) -> str | None:
+        # It renders in the jinja2 sandbox (loader/chat_template.py); the size bounds its compilation.
+        if value is not None and len(value) > MAX_CHAT_TEMPLATE_CHARS:
+            raise ValueError(f"{len(value)} characters; at most {MAX_CHAT_TEMPLATE_CHARS} are accepted")
+        return value
 
     def template_kwargs(self) -> dict[str, Any]:
         """chat_template_kwargs plus documents / reasoning_effort as template variables (vLLM's way:

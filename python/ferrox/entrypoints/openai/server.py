@@ -10,15 +10,28 @@ it: our APIError, aiohttp's own HTTP errors (404 route, 405 method, 413 body), o
 logged). Handlers run with `handler_cancellation`, so a client that disconnects cancels its
 handler, which closes its generator, which aborts the request in the engine core. Each request
 leaves one access-log line (logger "ferrox.access") unless the server is built without it.
+
+ServerOptions holds what vLLM's serve flags set at this level: CORS (with preflight answers), a
+root path behind a path-prefix proxy, request logging (logger "ferrox.requests"), and the defaults
+the routes apply. Errors are logged with their request id: 4xx at debug, 5xx at error with the
+traceback. `serve` takes a socket bound before the model loaded (`bind_socket`) and optional TLS.
+
+Load and shutdown: a full engine (AsyncLLM.max_num_queued_reqs) answers 503 with Retry-After; a
+request past AsyncLLM.request_timeout 504 (in-band on a stream); SIGTERM with a shutdown timeout
+drains (`drain_middleware` refuses new API requests and counts the running ones; see `serve`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import signal
+import socket
+import ssl
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -26,7 +39,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 import ferrox
-from ferrox.engine.async_llm import AsyncLLM, EngineDeadError
+from ferrox.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestTimeoutError
 from ferrox.entrypoints import web as web_page
 from ferrox.entrypoints.anthropic.protocol import MessagesCountRequest, MessagesRequest
 from ferrox.entrypoints.anthropic.serving_messages import count_message_tokens, create_message
@@ -38,7 +51,16 @@ from ferrox.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from ferrox.entrypoints.openai.protocol_responses import ResponsesRequest
-from ferrox.entrypoints.openai.serving import ServingContext, json_response, parse_body, render_chat
+from ferrox.entrypoints.openai.serving import (
+    CTX,
+    ServerOptions,
+    ServiceUnavailable,
+    ServingContext,
+    api_error,
+    json_response,
+    parse_body,
+    render_chat,
+)
 from ferrox.entrypoints.openai.serving_chat import create_chat_completion
 from ferrox.entrypoints.openai.serving_completion import create_completion
 from ferrox.entrypoints.openai.serving_responses import create_response
@@ -48,6 +70,7 @@ from ferrox.metrics.prometheus import CONTENT_TYPE, PrometheusStatLogger
 
 logger = logging.getLogger("ferrox.server")
 access_logger = logging.getLogger("ferrox.access")
+request_logger = logging.getLogger("ferrox.requests")
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
 # Paths served without an API key (probes and scrapers carry no credentials).
@@ -58,18 +81,72 @@ _OPEN_PREFIXES = ("/static/",)
 # balancers and clients see a clear "unhealthy" rather than a refused connection.
 DEAD_ENGINE_GRACE_S = 2.0
 
-CTX = web.AppKey("ctx", ServingContext)
 METRICS = web.AppKey("metrics", PrometheusStatLogger)
 API_KEY = web.AppKey("api_key", str)
 MAX_BODY = web.AppKey("max_body", int)
 METER = web.AppKey("meter", ThroughputMeter)
 OPENAPI = web.AppKey("openapi", dict)
 
+
+OPTIONS = web.AppKey("options", ServerOptions)
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def _route_path(request: web.Request) -> str:
+    """The path without the --root-path prefix (routes answer with and without it)."""
+    root = request.app[OPTIONS].root_path
+    path = request.path
+    return path[len(root):] or "/" if root and (path == root or path.startswith(root + "/")) else path
+
+
 def _is_anthropic(request: web.Request) -> bool:
-    return request.path.startswith("/v1/messages")
+    return _route_path(request).startswith("/v1/messages")
+
+
+# Starlette's CORSMiddleware (vLLM's) answers a preflight for "*" methods with this list.
+_ALL_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
+
+
+def _cors_origin(options: ServerOptions, origin: str, credentials: bool) -> str | None:
+    """The Access-Control-Allow-Origin value for `origin`, or None when it is not allowed. With
+    credentials a wildcard is not valid CORS: the origin itself is echoed."""
+    if "*" in options.allowed_origins:
+        return origin if credentials else "*"
+    return origin if origin in options.allowed_origins else None
+
+
+@web.middleware
+async def cors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Answers CORS preflights (OPTIONS with Access-Control-Request-Method) before routing, auth and
+    the API key; other requests get their CORS headers in `_add_response_headers`."""
+    origin = request.headers.get("Origin")
+    wanted_method = request.headers.get("Access-Control-Request-Method")
+    if request.method != "OPTIONS" or origin is None or wanted_method is None:
+        return await handler(request)
+    options = request.app[OPTIONS]
+    allow_origin = _cors_origin(options, origin, options.allow_credentials)
+    methods = _ALL_METHODS if "*" in options.allowed_methods else tuple(m.upper() for m in options.allowed_methods)
+    wanted_headers = [h.strip() for h in request.headers.get("Access-Control-Request-Headers", "").split(",")
+                      if h.strip()]
+    allowed_headers = {h.lower() for h in options.allowed_headers}
+    refused = [what for what, bad in (
+        ("origin", allow_origin is None),
+        ("method", wanted_method.upper() not in methods),
+        ("headers", "*" not in allowed_headers and any(h.lower() not in allowed_headers for h in wanted_headers)),
+    ) if bad]
+    if refused:
+        return web.Response(status=400, text=f"Disallowed CORS {', '.join(refused)}")
+    headers = {
+        "Access-Control-Allow-Origin": allow_origin or origin,
+        "Access-Control-Allow-Methods": ", ".join(methods),
+        "Access-Control-Allow-Headers": ", ".join(wanted_headers if "*" in allowed_headers else options.allowed_headers),
+        "Access-Control-Max-Age": "600",
+        "Vary": "Origin",
+    }
+    if options.allow_credentials:
+        headers["Access-Control-Allow-Credentials"] = "true"
+    return web.Response(status=200, text="OK", headers=headers)
 
 
 @web.middleware
@@ -98,33 +175,54 @@ async def access_log_middleware(request: web.Request, handler: Handler) -> web.S
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    anthropic = _is_anthropic(request)
     try:
         return await handler(request)
-    except APIError as exc:
-        return exc.response(anthropic)
-    except EngineDeadError as exc:  # e.g. a prompt handed to the prompt threads during shutdown
-        return APIError(503, f"engine is not running: {exc}").response(anthropic)
-    except web.HTTPRequestEntityTooLarge:
-        return APIError(413, f"request body too large (limit {request.client_max_size} bytes)",
-                        code="request_too_large").response(anthropic)
-    except web.HTTPNotFound:
-        return APIError(404, f"no route for {request.method} {request.path}").response(anthropic)
-    except web.HTTPMethodNotAllowed as exc:
-        return APIError(405, f"method {exc.method} not allowed on {request.path}").response(anthropic)
+    except (web.HTTPRequestEntityTooLarge, web.HTTPNotFound, web.HTTPMethodNotAllowed, APIError, EngineDeadError,
+            EngineOverloadedError, RequestTimeoutError) as exc:
+        return _error_response(request, _api_error(request, exc), exc)
     except web.HTTPException:
         raise
     except (asyncio.CancelledError, ConnectionResetError):
         raise
-    except Exception:
-        logger.exception("internal error on %s %s", request.method, request.path)
-        return APIError(500, "internal server error").response(anthropic)
+    except Exception as exc:
+        return _error_response(request, APIError(500, "internal server error"), exc)
+
+
+def _api_error(request: web.Request, exc: Exception) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, (EngineOverloadedError, RequestTimeoutError)):  # 503 + Retry-After; 504
+        return api_error(exc)
+    if isinstance(exc, EngineDeadError):  # e.g. a prompt handed to the prompt threads during shutdown
+        return APIError(503, f"engine is not running: {exc}")
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        return APIError(413, f"request body too large (limit {request.client_max_size} bytes)",
+                        code="request_too_large")
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        return APIError(405, f"method {exc.method} not allowed on {request.path}")
+    return APIError(404, f"no route for {request.method} {request.path}")
+
+
+def _error_response(request: web.Request, error: APIError, cause: Exception) -> web.Response:
+    """The error in the route's API shape, logged with its request id (given to the request here when
+    its route had not named it, so the client's X-Request-Id header and the log line match): 4xx at
+    debug, 5xx at error with the traceback of what raised it."""
+    request_id = _request_id(request)
+    if request_id is None:
+        request_id = request["request_id"] = f"err-{uuid.uuid4().hex}"
+    if error.status >= 500:
+        logger.error("request %s: %s %s -> %d: %s", request_id, request.method, request.path, error.status,
+                     error, exc_info=cause)
+    else:
+        logger.debug("request %s: %s %s -> %d: %s", request_id, request.method, request.path, error.status, error)
+    return error.response(_is_anthropic(request))
 
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     api_key = request.app[API_KEY]
-    if api_key and request.path not in _OPEN_PATHS and not request.path.startswith(_OPEN_PREFIXES):
+    path = _route_path(request)
+    if api_key and path not in _OPEN_PATHS and not path.startswith(_OPEN_PREFIXES):
         given = request.headers.get("x-api-key")
         auth = request.headers.get("Authorization", "")
         if auth.lower().startswith("bearer "):
@@ -132,6 +230,28 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         if given is None or not hmac.compare_digest(given.encode(), api_key.encode()):
             raise APIError(401, "invalid or missing API key", code="invalid_api_key")
     return await handler(request)
+
+
+# A draining server asks clients to come back after this long (by then another replica has them).
+DRAIN_RETRY_AFTER_S = 5
+
+
+@web.middleware
+async def drain_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Counts the API requests in their handlers (what a drain waits for) and, once draining,
+    refuses new ones with 503 + Retry-After; probes and /metrics stay open (/health says draining)."""
+    path = _route_path(request)
+    if path in _OPEN_PATHS or path.startswith(_OPEN_PREFIXES) or request.method == "OPTIONS":
+        return await handler(request)
+    ctx = request.app[CTX]
+    if ctx.draining:
+        raise ServiceUnavailable("the server is shutting down and takes no new requests",
+                                 code="server_shutting_down", retry_after=DRAIN_RETRY_AFTER_S)
+    ctx.active_requests += 1
+    try:
+        return await handler(request)
+    finally:
+        ctx.active_requests -= 1
 
 
 @web.middleware
@@ -150,12 +270,49 @@ def _request_id(request: web.Request) -> str | None:
     return request.headers.get("X-Request-Id") or request.get("request_id")
 
 
-async def _add_request_id_header(request: web.Request, response: web.StreamResponse) -> None:
-    """X-Request-Id on every response that has one and that its route did not set itself, streams
-    included: this runs just before the headers go out, whatever the route's response type."""
+async def _add_response_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """Runs just before the headers go out, whatever the route's response type (streams included):
+    X-Request-Id on every response that has one and that its route did not set itself; the CORS
+    headers for a request from an allowed origin; the request log line (--enable-log-requests), here
+    because the route has named the request by now."""
     request_id = _request_id(request)
     if request_id and "X-Request-Id" not in response.headers:
         response.headers["X-Request-Id"] = request_id
+    options = request.app[OPTIONS]
+    origin = request.headers.get("Origin")
+    if origin is not None and "Access-Control-Allow-Origin" not in response.headers:
+        allow_origin = _cors_origin(options, origin, options.allow_credentials or "cookie" in request.headers)
+        if allow_origin is not None:
+            response.headers["Access-Control-Allow-Origin"] = allow_origin
+            if options.allow_credentials:
+                response.headers["Access-Control-Allow-Credentials"] = "true"
+            if allow_origin != "*":
+                response.headers.add("Vary", "Origin")
+    if options.enable_log_requests and request.method == "POST":
+        await _log_request(request, response.headers.get("X-Request-Id") or request_id, options.max_log_len)
+
+
+async def _log_request(request: web.Request, request_id: str | None, max_log_len: int | None) -> None:
+    """One info line per API request: its id, route and parameters (the JSON body, strings longer than
+    --max-log-len cut). The body was read by the route already (aiohttp keeps it)."""
+    try:
+        body: Any = json.loads(await request.read())
+    except ValueError:
+        body = "<not JSON>"
+    request_logger.info("request %s: %s %s %s", request_id or "-", request.method, request.path,
+                        json.dumps(_shorten(body, max_log_len), ensure_ascii=False))
+
+
+def _shorten(value: Any, limit: int | None) -> Any:
+    if isinstance(value, str):
+        return value if limit is None or len(value) <= limit else f"{value[:limit]}...<{len(value)} chars>"
+    if isinstance(value, dict):
+        return {k: _shorten(v, limit) for k, v in value.items()}
+    if isinstance(value, list):
+        if limit is not None and len(value) > limit and all(isinstance(v, int) for v in value):
+            return [*value[:limit], f"...<{len(value)} ids>"]
+        return [_shorten(v, limit) for v in value]
+    return value
 
 
 # ---- small routes ----------------------------------------------------------------------------------
@@ -181,6 +338,8 @@ async def retrieve_model(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     ctx = request.app[CTX]
     ctx.check_engine()
+    if ctx.draining:  # not ready: load balancers stop sending, the running requests finish
+        raise ServiceUnavailable("draining", code="server_shutting_down", retry_after=DRAIN_RETRY_AFTER_S)
     return web.Response(status=200)
 
 
@@ -211,8 +370,12 @@ async def openapi(request: web.Request) -> web.Response:
     """This description of the API (OpenAPI 3.1), generated from the route table."""
     cache = request.app[OPENAPI]  # the routes are fixed once serving: build it once (pydantic's schemas are slow)
     if "spec" not in cache:
-        cache["spec"] = build_openapi(request.app.router, _REQUEST_MODELS, _OPEN_PATHS,
-                                      api_key=bool(request.app[API_KEY]))
+        spec = build_openapi(request.app.router, _REQUEST_MODELS, _OPEN_PATHS, api_key=bool(request.app[API_KEY]))
+        root = request.app[OPTIONS].root_path
+        if root:  # each route once, under the prefix the clients use
+            spec["paths"] = {p: v for p, v in spec["paths"].items() if not p.startswith(root + "/")}
+            spec["servers"] = [{"url": root}]
+        cache["spec"] = spec
     return json_response(cache["spec"])
 
 
@@ -262,13 +425,15 @@ def _bind(fn: Callable[[ServingContext, web.Request], Awaitable[web.StreamRespon
 
 def build_app(engine: AsyncLLM, *, served_model_name: str | None = None, api_key: str | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              access_log: bool = True) -> web.Application:
-    middlewares = [error_middleware, body_limit_middleware, auth_middleware]
+              access_log: bool = True, options: ServerOptions | None = None) -> web.Application:
+    middlewares = [error_middleware, cors_middleware, drain_middleware, body_limit_middleware, auth_middleware]
     app = web.Application(
         middlewares=[access_log_middleware, *middlewares] if access_log else middlewares,
         client_max_size=max_request_body_bytes,
     )
-    ctx = ServingContext(engine, served_model_name)
+    options = options or ServerOptions()
+    app[OPTIONS] = options
+    ctx = ServingContext(engine, served_model_name, options)
     app[CTX] = ctx
     app[API_KEY] = api_key or ""
     app[MAX_BODY] = max_request_body_bytes
@@ -278,7 +443,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str | None = None, api_key
     app[METRICS] = stat_logger
     app[METER] = ThroughputMeter()
     app[OPENAPI] = {}
-    app.on_response_prepare.append(_add_request_id_header)
+    app.on_response_prepare.append(_add_response_headers)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", retrieve_model)
     app.router.add_post("/v1/completions", _bind(create_completion))
@@ -296,25 +461,83 @@ def build_app(engine: AsyncLLM, *, served_model_name: str | None = None, api_key
     app.router.add_get("/status", status)
     app.router.add_get("/openapi.json", openapi)
     web_page.add_routes(app.router)
+    if options.root_path:
+        _add_prefixed_routes(app.router, options.root_path)
     return app
+
+
+def _add_prefixed_routes(router: web.UrlDispatcher, root: str) -> None:
+    """Every route also under `root` (vLLM's --root-path: a proxy that forwards /root/v1/... as is)."""
+    for resource in list(router.resources()):
+        if isinstance(resource, web.StaticResource):
+            info = resource.get_info()
+            router.add_static(root + info["prefix"], info["directory"], append_version=False)
+            continue
+        for route in resource:
+            router.add_route(route.method, root + resource.canonical, route.handler)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening address, taken before the model loads so that a taken port fails at once.
+    Bound only: connections are refused, not left waiting, until the server accepts them."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+def ssl_context(certfile: str, keyfile: str | None = None, ca_certs: str | None = None,
+                cert_reqs: int = ssl.CERT_NONE) -> ssl.SSLContext:
+    """HTTPS with this certificate (vLLM's --ssl-certfile/--ssl-keyfile; --ssl-ca-certs and
+    --ssl-cert-reqs to ask clients for certificates)."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(certfile, keyfile)
+    if ca_certs:
+        context.load_verify_locations(ca_certs)
+    context.verify_mode = ssl.VerifyMode(cert_reqs)
+    return context
 
 
 async def serve(engine: AsyncLLM, *, host: str, port: int, served_model_name: str | None = None,
                 api_key: str | None = None, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-                on_ready: Callable[[str], None] | None = None, access_log: bool = True) -> int:
-    """Serve until SIGINT/SIGTERM (exit code 0) or the engine core dies (exit code 1)."""
+                on_ready: Callable[[str], None] | None = None, access_log: bool = True,
+                options: ServerOptions | None = None, sock: socket.socket | None = None,
+                ssl_context: ssl.SSLContext | None = None, shutdown_timeout: float = 0.0) -> int:
+    """Serve until a signal (exit code 0) or the engine core dies (exit code 1). sock: a socket
+    bound beforehand (bind_socket), else host:port is bound now.
+
+    SIGINT, or SIGTERM with shutdown_timeout 0 (vLLM's default), shuts down at once: running
+    requests end with an error. SIGTERM with shutdown_timeout > 0 drains first (vLLM's
+    --shutdown-timeout): new API requests get 503 and /health 503 "draining" while running ones
+    may finish for up to that many seconds; those still running then end with an error saying
+    so. A second signal during the drain stops waiting."""
     app = build_app(engine, served_model_name=served_model_name, api_key=api_key,
-                    max_request_body_bytes=max_request_body_bytes, access_log=access_log)
+                    max_request_body_bytes=max_request_body_bytes, access_log=access_log, options=options)
+    ctx = app[CTX]
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.SockSite(runner, sock or bind_socket(host, port), ssl_context=ssl_context)
     await site.start()
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
+    stop = asyncio.Event()  # shut down now
+    drain = asyncio.Event()  # stop taking requests; let the running ones finish first
     exit_code = 0
+    reason = "engine is shutting down"
 
     def on_signal(signum: int) -> None:
-        logger.info("received %s, shutting down", signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        ctx.draining = True
+        if signum == signal.SIGTERM and shutdown_timeout > 0 and not drain.is_set():
+            logger.info("received %s: draining (no new requests; %d running may finish within %gs; "
+                        "a second signal stops at once)", name, ctx.active_requests, shutdown_timeout)
+            drain.set()
+            return
+        logger.info("received %s, shutting down%s", name, " now" if drain.is_set() else "")
         stop.set()
 
     def on_engine_dead(reason: str) -> None:
@@ -329,19 +552,33 @@ async def serve(engine: AsyncLLM, *, host: str, port: int, served_model_name: st
     engine.client.ensure_reader()  # watch the core from now on, not only once a request comes
     addresses = runner.addresses  # (host, port, ...) per listening socket; port 0 resolved
     bound_port = addresses[0][1] if addresses else port
-    url = f"http://{host}:{bound_port}"
+    url = f"{'https' if ssl_context else 'http'}://{host}:{bound_port}{app[OPTIONS].root_path}"
     if on_ready is not None:
         on_ready(url)
     try:
-        await stop.wait()
+        stopped, drained = asyncio.create_task(stop.wait()), asyncio.create_task(drain.wait())
+        await asyncio.wait((stopped, drained), return_when=asyncio.FIRST_COMPLETED)
+        drained.cancel()
+        if drain.is_set() and not stop.is_set():
+            deadline = loop.time() + shutdown_timeout
+            while ctx.active_requests and not stop.is_set() and loop.time() < deadline:
+                await asyncio.wait((stopped,), timeout=0.05)
+            if ctx.active_requests:
+                logger.warning("shutting down with %d requests still running (aborted)", ctx.active_requests)
+                reason = ("the server is shutting down: the request did not finish within the shutdown timeout "
+                          f"({shutdown_timeout:g} s) and was aborted" if not stop.is_set()
+                          else "the server is shutting down (a second signal ended the drain) and aborted the request")
+            else:
+                logger.info("drained: no request left running")
+        stopped.cancel()
     finally:
-        # A second Ctrl-C (or a supervisor repeating the signal) must not interrupt the shutdown
-        # half-way and leave the core process behind: keep handling the signals until it is done.
+        # A further signal (or a supervisor repeating it) must not interrupt the shutdown half-way
+        # and leave the core process behind: keep handling the signals until it is done.
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, logger.info, "already shutting down")
         # Fail in-flight requests at once (their handlers send an error and finish), stop the
         # core process, then close the listener and connections.
-        engine.shutdown()
+        engine.shutdown(reason)
         await runner.cleanup()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

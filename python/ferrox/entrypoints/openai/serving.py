@@ -10,10 +10,13 @@ Errors name the request field at fault in OpenAI's `param`, read from the except
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
@@ -21,8 +24,9 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from ferrox.engine import validation
-from ferrox.engine.async_llm import AsyncLLM
+from ferrox.engine.async_llm import AsyncLLM, EngineOverloadedError, RequestTimeoutError
 from ferrox.entrypoints.openai.errors import APIError, bad_request, from_exception, from_validation_error
+from ferrox.entrypoints.openai.protocol import json_depth
 from ferrox.errors import FerroxError
 from ferrox.outputs import Logprob
 from ferrox.sampling_params import RequestOutputKind, SamplingParams
@@ -39,13 +43,48 @@ COMPLETION_FIELDS = {"prompt_logprobs": "logprobs"}
 MESSAGES_FIELDS = {"prompt": "messages", "stop": "stop_sequences"}
 
 
-class ServingContext:
-    """The engine and the names this server answers to."""
+logger = logging.getLogger("ferrox.server")
 
-    def __init__(self, engine: AsyncLLM, served_model_name: str | None = None) -> None:
+# Deeper JSON than any API body needs (a schema may nest MAX_SCHEMA_DEPTH levels inside one).
+MAX_BODY_DEPTH = 128
+
+# What a stream's client gets for a stall: its connection is dropped (nothing more can be sent to it).
+DEFAULT_STREAM_STALL_TIMEOUT_S = 60.0
+
+
+@dataclass(slots=True, frozen=True)
+class ServerOptions:
+    """The server-level settings of vLLM's serve flags (defaults: vLLM's)."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    root_path: str = ""  # served under this prefix too (a proxy that does not strip it)
+    enable_log_requests: bool = False
+    max_log_len: int | None = None  # longest string a request log line shows in full
+    # Defaults of the routes (vLLM's --response-role, --return-tokens-as-token-ids,
+    # --enable-prompt-tokens-details, --tool-call-parser).
+    response_role: str = "assistant"
+    return_tokens_as_token_ids: bool = False
+    enable_prompt_tokens_details: bool = False
+    tool_call_parser: str | None = None
+    # A stream whose client reads nothing for this long (its socket and aiohttp's buffer full, so a
+    # write blocks) is dropped and its request aborted, freeing its KV blocks; None: wait forever.
+    stream_stall_timeout: float | None = DEFAULT_STREAM_STALL_TIMEOUT_S
+
+
+class ServingContext:
+    """The engine, the names this server answers to, its options, and its drain state."""
+
+    def __init__(self, engine: AsyncLLM, served_model_name: str | None = None,
+                 options: ServerOptions | None = None) -> None:
         self.engine = engine
         self.model_name = served_model_name or engine.model_name
+        self.options = options or ServerOptions()
         self.created = int(time.time())
+        self.draining = False  # SIGTERM: new API requests get 503, running ones may finish
+        self.active_requests = 0  # API requests inside their handler (what a drain waits for)
 
     @property
     def max_model_len(self) -> int:
@@ -64,6 +103,44 @@ class ServingContext:
         if not self.engine.is_running:
             raise APIError(503, f"engine is not running: {self.engine.dead_reason or 'shut down'}")
 
+    def as_token_ids(self, req: Any) -> bool:
+        """return_tokens_as_token_ids: the request's, else the server's --return-tokens-as-token-ids."""
+        given = getattr(req, "return_tokens_as_token_ids", None)
+        return self.options.return_tokens_as_token_ids if given is None else bool(given)
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict[str, Any]:
+        """usage, with prompt_tokens_details only under --enable-prompt-tokens-details (as vLLM)."""
+        return usage_body(prompt_tokens, completion_tokens,
+                          cached if self.options.enable_prompt_tokens_details else None)
+
+
+class ServiceUnavailable(APIError):
+    """A 503 that tells the client when to come back (Retry-After): overload or a draining server."""
+
+    def __init__(self, message: str, *, code: str, retry_after: int = 1) -> None:
+        super().__init__(503, message, code=code)
+        self.retry_after = retry_after
+
+    def response(self, anthropic: bool = False) -> web.Response:
+        resp = super().response(anthropic)
+        resp.headers["Retry-After"] = str(self.retry_after)
+        return resp
+
+
+def api_error(exc: BaseException, *, default_param: str | None = None,
+              rename: Mapping[str, str] | None = None) -> APIError:
+    """from_exception, plus the front-end's own limits: a full server is a 503 with Retry-After, a
+    request past --request-timeout a 504 (it was aborted; nothing is wrong with its fields)."""
+    if isinstance(exc, EngineOverloadedError):
+        return ServiceUnavailable(str(exc), code="server_overloaded")
+    if isinstance(exc, RequestTimeoutError):
+        return APIError(504, str(exc), code="request_timeout")
+    return from_exception(exc, default_param=default_param, rename=rename)
+
+
+# What a stream reports in-band once its headers are out (anything else ends the connection).
+STREAM_ERRORS = (FerroxError, ValueError, EngineOverloadedError)
+
 
 async def parse_body(request: web.Request, model: type[ModelT]) -> ModelT:
     """Read and validate a JSON body; 413 past client_max_size, 400 for bad JSON or fields."""
@@ -77,8 +154,12 @@ async def parse_body(request: web.Request, model: type[ModelT]) -> ModelT:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"invalid JSON body: {exc}", code="invalid_json") from None
+    except RecursionError:  # thousands of nested brackets: json.loads gives up
+        raise bad_request(f"the request body nests deeper than {MAX_BODY_DEPTH} levels", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
+    if json_depth(body) > MAX_BODY_DEPTH:  # the checks below (and pydantic) recurse
+        raise bad_request(f"the request body nests deeper than {MAX_BODY_DEPTH} levels", code="invalid_json")
     bad = _lone_surrogate_path(body)
     if bad is not None:
         raise bad_request(f"{bad}: holds a lone UTF-16 surrogate (e.g. \\ud800), which is not valid Unicode text",
@@ -125,6 +206,26 @@ def check_max_tokens(ctx: ServingContext, num_prompt_tokens: int, requested: int
             "completion). Please reduce the prompt or max_tokens.",
             param="max_tokens", code="context_length_exceeded",
         )
+
+
+# n x max_tokens: the output one request may ask for, in multiples of the model's context. Each
+# sample is already capped at max_model_len; this bounds the product (n up to 128 long samples
+# would hold a server for one client), and is far above what n-best sampling needs.
+MAX_OUTPUT_CONTEXTS = 64
+
+
+def check_output_budget(ctx: ServingContext, samples: int, num_prompt_tokens: int, requested: int | None,
+                        max_tokens_field: str) -> None:
+    """n x max_tokens (omitted max_tokens: what the prompt leaves of max_model_len) within
+    MAX_OUTPUT_CONTEXTS x max_model_len; a 400 naming `n` past it."""
+    per_sample = requested if requested is not None else max(ctx.max_model_len - num_prompt_tokens, 1)
+    limit = MAX_OUTPUT_CONTEXTS * ctx.max_model_len
+    if samples * per_sample > limit:
+        raise bad_request(
+            f"n: {samples} samples x {per_sample} tokens ({max_tokens_field}"
+            f"{'' if requested is not None else ' unset: up to max_model_len'}) = {samples * per_sample} output "
+            f"tokens, more than one request may ask for ({limit} = {MAX_OUTPUT_CONTEXTS} x max_model_len); "
+            f"lower n or {max_tokens_field}", param="n", code="invalid_value")
 
 
 def request_ids(request: web.Request, req: Any, prefix: str) -> tuple[str, str]:
@@ -310,13 +411,14 @@ def prompt_logprobs_body(prompt_logprobs: list[dict[int, Logprob] | None] | None
     ]
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict[str, Any]:
+def usage_body(prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; prompt_tokens_details when `cached` is given (ServingContext.usage decides)."""
     usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
-    if cached:
+    if cached is not None:
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
     return usage
 
@@ -334,7 +436,7 @@ async def first_output(outputs: AsyncGenerator[T, None], default_param: str,
     except StopAsyncIteration:
         return None
     except (FerroxError, ValueError) as exc:
-        raise from_exception(exc, default_param=default_param, rename=fields) from None
+        raise api_error(exc, default_param=default_param, rename=fields) from None
     except BaseException:
         await outputs.aclose()
         raise
@@ -342,16 +444,44 @@ async def first_output(outputs: AsyncGenerator[T, None], default_param: str,
 
 async def send_stream_error(resp: web.StreamResponse, exc: Exception) -> None:
     """Headers are gone once a stream has started: report a failure in-band, as OpenAI does
-    (503 when the engine died, 400 otherwise); the caller then ends the stream with [DONE]."""
-    await send_sse(resp, from_exception(exc).openai_body())
+    (503 when the engine died, 504 past the request timeout, 400 otherwise); the caller then ends
+    the stream with [DONE]."""
+    await send_sse(resp, api_error(exc).openai_body())
+
+
+class SSEResponse(web.StreamResponse):
+    """An event stream whose writes may block for at most `stall_timeout` seconds. aiohttp blocks a
+    write while the client's socket and its own buffer are full (write back-pressure), which keeps
+    memory bounded but would let a client that stops reading hold its request, and its KV blocks,
+    for as long as it likes; past the limit the connection is dropped, which cancels the handler
+    like any disconnect and so aborts the request in the engine. Only this stream waits meanwhile:
+    the engine and other streams run on (outputs of a waiting DELTA stream are merged in AsyncLLM)."""
+
+    def __init__(self, request: web.Request, stall_timeout: float | None, headers: Mapping[str, str]) -> None:
+        super().__init__(status=200, headers=headers)
+        self.request = request
+        self.stall_timeout = stall_timeout
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self.stall_timeout is None:
+            return await super().write(data)
+        try:
+            await asyncio.wait_for(super().write(data), self.stall_timeout)
+        except TimeoutError:
+            logger.warning("dropping the stream of %s %s: its client read nothing for %gs (--stream-stall-timeout)",
+                           self.request.method, self.request.path, self.stall_timeout)
+            transport = self.request.transport
+            if transport is not None:
+                transport.abort()
+            # The same path as a client that disconnected: the handler unwinds, closing its generator.
+            raise asyncio.CancelledError() from None
 
 
 async def start_sse(request: web.Request, headers: Mapping[str, str] | None = None) -> web.StreamResponse:
-    resp = web.StreamResponse(
-        status=200,
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive",
-                 **(headers or {})},
-    )
+    ctx = request.app.get(CTX)
+    stall = ctx.options.stream_stall_timeout if ctx is not None else DEFAULT_STREAM_STALL_TIMEOUT_S
+    resp = SSEResponse(request, stall, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                        "Connection": "keep-alive", **(headers or {})})
     await resp.prepare(request)
     return resp
 
@@ -365,3 +495,6 @@ async def send_sse(resp: web.StreamResponse, payload: Any, event: str | None = N
 def json_response(body: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> web.Response:
     return web.Response(status=status, body=msgspec.json.encode(body), content_type="application/json",
                         headers=headers)
+
+
+CTX = web.AppKey("ctx", ServingContext)

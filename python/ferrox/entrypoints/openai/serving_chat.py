@@ -11,14 +11,16 @@ from typing import Any
 from aiohttp import web
 
 from ferrox.entrypoints.openai import tools as tool_hooks
-from ferrox.entrypoints.openai.errors import from_exception
 from ferrox.entrypoints.openai.protocol import ChatCompletionRequest
 from ferrox.entrypoints.openai.serving import (
     CHAT_FIELDS,
+    STREAM_ERRORS,
     ServingContext,
+    api_error,
     bad_words_allowed_ids,
     build_sampling_params,
     check_max_tokens,
+    check_output_budget,
     check_priority,
     chosen_entry,
     finite,
@@ -34,11 +36,9 @@ from ferrox.entrypoints.openai.serving import (
     token_text,
     top_entries,
     truncate_prompt,
-    usage_body,
     validate_request,
 )
 from ferrox.entrypoints.openai.structured import build_structured_outputs
-from ferrox.errors import FerroxError
 from ferrox.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger("ferrox.entrypoints.openai")
@@ -53,11 +53,13 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
         tool_hooks.validate_tools(req)
         structured = build_structured_outputs(req) or tool_hooks.tool_constraint(req)
     except ValueError as exc:  # InvalidArgumentError naming tools / tool_choice / response_format...
-        raise from_exception(exc) from None
+        raise api_error(exc) from None
     # Rendering and encoding a long conversation takes a while: off the event loop.
     chat = await ctx.engine.run_in_prompt_pool(_render_prompt, ctx, req)
     messages, template, prompt_text, prompt_ids = chat.messages, chat.template, chat.text, chat.token_ids
     check_max_tokens(ctx, len(prompt_ids), req.requested_max_tokens)
+    check_output_budget(ctx, req.n, len(prompt_ids), req.requested_max_tokens, "max_completion_tokens"
+                        if req.max_completion_tokens is not None else "max_tokens")
     params = build_sampling_params(
         req, max_tokens=req.requested_max_tokens, logprobs=req.num_logprobs, stream=req.stream,
         prompt_logprobs=req.prompt_logprobs, structured=structured, defaults=ctx.engine.generation_defaults,
@@ -78,19 +80,20 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
                                                              cache_salt=req.cache_salt)) as gen:
             async for out in gen:
                 final = out
-    except (FerroxError, ValueError) as exc:
-        raise from_exception(exc, default_param="messages", rename=CHAT_FIELDS) from None
+    except STREAM_ERRORS as exc:
+        raise api_error(exc, default_param="messages", rename=CHAT_FIELDS) from None
     assert final is not None
     choices = []
     for comp in final.outputs:
-        content, tool_calls = tool_hooks.parse_tool_calls(echo + comp.text, req, template=template)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
+        content, tool_calls = tool_hooks.parse_tool_calls(echo + comp.text, req, ctx.options.tool_call_parser,
+                                                          template=template)
+        message: dict[str, Any] = {"role": _response_role(ctx, req), "content": content}
         if tool_calls:
             message["tool_calls"] = tool_calls
         choice: dict[str, Any] = {
             "index": comp.index,
             "message": message,
-            "logprobs": _chat_logprobs(comp, req) if req.logprobs else None,
+            "logprobs": _chat_logprobs(comp, req, ctx.as_token_ids(req)) if req.logprobs else None,
             "finish_reason": _finish_reason(comp.finish_reason, bool(tool_calls)),
             "stop_reason": comp.stop_reason,
         }
@@ -104,14 +107,20 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
         "created": int(time.time()),
         "model": ctx.model_name,
         "choices": choices,
-        "usage": usage_body(len(prompt_ids), completion_tokens, final.num_cached_tokens),
+        "usage": ctx.usage(len(prompt_ids), completion_tokens, final.num_cached_tokens),
         "system_fingerprint": None,
     }
     if req.prompt_logprobs is not None:
-        body["prompt_logprobs"] = prompt_logprobs_body(final.prompt_logprobs, bool(req.return_tokens_as_token_ids))
+        body["prompt_logprobs"] = prompt_logprobs_body(final.prompt_logprobs, ctx.as_token_ids(req))
     if req.return_token_ids:
         body["prompt_token_ids"] = prompt_ids
     return json_response(body, headers=headers)
+
+
+def _response_role(ctx: ServingContext, req: ChatCompletionRequest) -> str:
+    """vLLM's rule: the server's --response-role for a new turn (add_generation_prompt), else the role
+    of the last message, which the model continues."""
+    return ctx.options.response_role if req.add_generation_prompt else req.messages[-1].role
 
 
 def _finish_reason(engine_reason: str | None, tools_called: bool) -> str | None:
@@ -169,7 +178,7 @@ async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletion
         if include_usage:
             # continuous_usage_stats: every chunk says the usage so far; otherwise only the last one.
             if usage is None and req.continuous_usage:
-                usage = usage_body(num_prompt, completion_tokens, cached)
+                usage = ctx.usage(num_prompt, completion_tokens, cached)
             body["usage"] = usage
         return body
 
@@ -179,12 +188,14 @@ async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletion
     first = await first_output(gen, "messages", CHAT_FIELDS)
 
     # With tools, text deltas go through a per-choice tool parser (delta.tool_calls chunks).
-    tool_streams = {i: tool_hooks.ToolStream(req, template=template) for i in range(req.n)} if req.tools else None
+    tool_streams = ({i: tool_hooks.ToolStream(req, ctx.options.tool_call_parser, template=template)
+                     for i in range(req.n)} if req.tools else None)
+    as_token_ids = ctx.as_token_ids(req)
     resp = await start_sse(request, headers)
     async with contextlib.aclosing(gen):
         try:
             for i in range(req.n):
-                role = {"role": "assistant", "content": echo}
+                role = {"role": _response_role(ctx, req), "content": echo}
                 first_chunk = chunk([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}])
                 if req.return_token_ids and i == 0:  # vLLM: the prompt's ids ride on the first chunk only
                     first_chunk["prompt_token_ids"] = prompt["prompt_token_ids"]
@@ -210,7 +221,7 @@ async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletion
                     choice: dict[str, Any] = {
                         "index": comp.index,
                         "delta": delta,
-                        "logprobs": _chat_logprobs(comp, req) if req.logprobs else None,
+                        "logprobs": _chat_logprobs(comp, req, as_token_ids) if req.logprobs else None,
                         "finish_reason": finish_reason,
                         **({"stop_reason": comp.stop_reason} if comp.finish_reason else {}),
                     }
@@ -221,19 +232,18 @@ async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletion
                     await send_sse(resp, chunk(choices))
                 out = await anext(gen, None)
             if include_usage:
-                await send_sse(resp, chunk([], usage_body(num_prompt, completion_tokens, cached)))
-        except (FerroxError, ValueError) as exc:
+                await send_sse(resp, chunk([], ctx.usage(num_prompt, completion_tokens, cached)))
+        except STREAM_ERRORS as exc:
             await send_stream_error(resp, exc)
         await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
 
 
-def _chat_logprobs(comp: CompletionOutput, req: ChatCompletionRequest) -> dict[str, Any]:
+def _chat_logprobs(comp: CompletionOutput, req: ChatCompletionRequest, as_ids: bool) -> dict[str, Any]:
     """OpenAI's chat logprobs: the sampled token with its logprob, and the top_logprobs most likely
     tokens by rank (the sampled token is the entry itself, so it is not added to that list)."""
     top_n = req.top_logprobs or 0
-    as_ids = bool(req.return_tokens_as_token_ids)
     content = []
     for token_id, position in zip(comp.token_ids, comp.logprobs or [], strict=False):
         token = token_text(token_id, chosen_entry(position, token_id), as_ids)

@@ -14,14 +14,16 @@ from typing import Any
 
 from aiohttp import web
 
-from ferrox.entrypoints.openai.errors import from_exception
 from ferrox.entrypoints.openai.protocol import CompletionRequest
 from ferrox.entrypoints.openai.serving import (
     COMPLETION_FIELDS,
+    STREAM_ERRORS,
     ServingContext,
+    api_error,
     bad_words_allowed_ids,
     build_sampling_params,
     check_max_tokens,
+    check_output_budget,
     check_priority,
     chosen_entry,
     finite,
@@ -36,11 +38,9 @@ from ferrox.entrypoints.openai.serving import (
     token_text,
     top_entries,
     truncate_prompt,
-    usage_body,
     validate_request,
 )
 from ferrox.entrypoints.openai.structured import build_structured_outputs
-from ferrox.errors import FerroxError
 from ferrox.outputs import Logprob, RequestOutput
 
 _END = object()
@@ -54,11 +54,14 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
     try:
         structured = build_structured_outputs(req)
     except ValueError as exc:  # InvalidArgumentError naming response_format / guided_json...
-        raise from_exception(exc) from None
+        raise api_error(exc) from None
     # Encoding long prompts takes a while: off the event loop.
     prompts = await ctx.engine.run_in_prompt_pool(_tokenize_prompts, ctx, req)
     for p in prompts:  # 400 if any prompt cannot fit with the requested budget
         check_max_tokens(ctx, len(p["prompt_token_ids"]), req.requested_max_tokens)
+    # Every prompt runs n samples: the budget is over the whole request.
+    check_output_budget(ctx, req.n * len(prompts), min(len(p["prompt_token_ids"]) for p in prompts),
+                        req.requested_max_tokens, "max_tokens")
     # Omitted max_tokens: None, i.e. each prompt may run up to the model's length.
     # Echoed logprobs need the prompt's: vLLM takes an explicit prompt_logprobs, else logprobs.
     echo_logprobs = req.echo and req.logprobs is not None and req.prompt_logprobs is None
@@ -81,19 +84,20 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
         async with contextlib.aclosing(outputs) as merged:
             async for idx, out in merged:
                 finals[idx] = out
-    except (FerroxError, ValueError) as exc:
-        raise from_exception(exc, default_param="prompt", rename=fields) from None
+    except STREAM_ERRORS as exc:
+        raise api_error(exc, default_param="prompt", rename=fields) from None
     choices: list[dict[str, Any]] = []
-    prompt_tokens = completion_tokens = 0
+    prompt_tokens = completion_tokens = cached_tokens = 0
     for idx, p in enumerate(prompts):
         final = finals[idx]
         prompt_tokens += len(p["prompt_token_ids"])
+        cached_tokens += final.num_cached_tokens
         echo_text = _prompt_text(ctx, p) if req.echo else ""
         for comp in final.outputs:
             completion_tokens += len(comp.token_ids)
             logprobs = None
             if req.logprobs is not None:
-                logprobs = _LogprobsBuilder(req.logprobs, bool(req.return_tokens_as_token_ids))
+                logprobs = _LogprobsBuilder(req.logprobs, ctx.as_token_ids(req))
                 if req.echo:
                     logprobs.add_prompt(p["prompt_token_ids"], final.prompt_logprobs, ctx)
                 logprobs.add(comp.token_ids, comp.logprobs)
@@ -104,7 +108,7 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
                 "finish_reason": comp.finish_reason,
                 "stop_reason": comp.stop_reason,
             }
-            _add_vllm_extras(choice, req, p, final, first=True)
+            _add_vllm_extras(ctx, choice, req, p, final, first=True)
             if req.return_token_ids:
                 choice["token_ids"] = comp.token_ids
             choices.append(choice)
@@ -115,19 +119,19 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
         "created": int(time.time()),
         "model": ctx.model_name,
         "choices": choices,
-        "usage": usage_body(prompt_tokens, completion_tokens),
+        "usage": ctx.usage(prompt_tokens, completion_tokens, cached_tokens),
         "system_fingerprint": None,
     }, headers=headers)
 
 
-def _add_vllm_extras(choice: dict[str, Any], req: CompletionRequest, prompt: dict[str, Any], out: RequestOutput,
-                     first: bool) -> None:
+def _add_vllm_extras(ctx: ServingContext, choice: dict[str, Any], req: CompletionRequest, prompt: dict[str, Any],
+                     out: RequestOutput, first: bool) -> None:
     """vLLM's per-choice prompt fields: prompt_logprobs when asked for, prompt_token_ids with
     return_token_ids (in a stream, on each choice's first chunk only)."""
     if not first:
         return
     if req.prompt_logprobs is not None:
-        choice["prompt_logprobs"] = prompt_logprobs_body(out.prompt_logprobs, bool(req.return_tokens_as_token_ids))
+        choice["prompt_logprobs"] = prompt_logprobs_body(out.prompt_logprobs, ctx.as_token_ids(req))
     if req.return_token_ids:
         choice["prompt_token_ids"] = prompt["prompt_token_ids"]
 
@@ -164,19 +168,21 @@ async def _stream(ctx: ServingContext, request: web.Request, req: CompletionRequ
         if req.include_usage:
             # continuous_usage_stats: every chunk says the usage so far; otherwise only the last one.
             if usage is None and req.continuous_usage:
-                usage = usage_body(prompt_tokens, completion_tokens)
+                usage = ctx.usage(prompt_tokens, completion_tokens, sum(cached.values()))
             body["usage"] = usage
         return body
 
     resp = await start_sse(request, headers)
     echoed: set[int] = set()
     started: set[int] = set()  # choices that sent their first chunk
+    cached: dict[int, int] = {}  # prompt index -> its tokens found in the prefix cache
     builders: dict[int, _LogprobsBuilder] = {}
     async with contextlib.aclosing(outputs):
         try:
             item = first
             while item is not None:
                 idx, out = item
+                cached[idx] = out.num_cached_tokens
                 choices = []
                 for comp in out.outputs:
                     index = idx * n + comp.index
@@ -185,7 +191,7 @@ async def _stream(ctx: ServingContext, request: web.Request, req: CompletionRequ
                     logprobs = None
                     if req.logprobs is not None:
                         builder = builders.setdefault(
-                            index, _LogprobsBuilder(req.logprobs, bool(req.return_tokens_as_token_ids)))
+                            index, _LogprobsBuilder(req.logprobs, ctx.as_token_ids(req)))
                         builder.reset()
                         if req.echo and index not in echoed:
                             builder.add_prompt(prompts[idx]["prompt_token_ids"], out.prompt_logprobs, ctx)
@@ -199,7 +205,7 @@ async def _stream(ctx: ServingContext, request: web.Request, req: CompletionRequ
                     choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs,
                                               "finish_reason": comp.finish_reason,
                                               **({"stop_reason": comp.stop_reason} if comp.finish_reason else {})}
-                    _add_vllm_extras(choice, req, prompts[idx], out, first=index not in started)
+                    _add_vllm_extras(ctx, choice, req, prompts[idx], out, first=index not in started)
                     started.add(index)
                     if req.return_token_ids:
                         choice["token_ids"] = comp.token_ids
@@ -208,8 +214,8 @@ async def _stream(ctx: ServingContext, request: web.Request, req: CompletionRequ
                     await send_sse(resp, chunk(choices))
                 item = await anext(outputs, None)
             if req.include_usage:
-                await send_sse(resp, chunk([], usage_body(prompt_tokens, completion_tokens)))
-        except (FerroxError, ValueError) as exc:
+                await send_sse(resp, chunk([], ctx.usage(prompt_tokens, completion_tokens, sum(cached.values()))))
+        except STREAM_ERRORS as exc:
             await send_stream_error(resp, exc)
         await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()

@@ -28,9 +28,11 @@ from aiohttp import web
 
 from ferrox.entrypoints import tool_use
 from ferrox.entrypoints.openai.errors import bad_request, from_exception
+from ferrox.entrypoints.openai.protocol import check_schema_size, check_tools
 from ferrox.entrypoints.openai.protocol_responses import ResponsesRequest
 from ferrox.entrypoints.openai.serving import (
     ServingContext,
+    api_error,
     check_max_tokens,
     first_output,
     json_response,
@@ -154,6 +156,21 @@ def _block_status(block: tool_use.ReplyBlock, finish_reason: str | None) -> str:
     return "completed"
 
 
+def _check_sizes(req: ResponsesRequest) -> None:
+    """The size limits of /v1/chat/completions (protocol.py), on this route's spelling of them."""
+    try:
+        if req.tools:
+            check_tools(req.tools, ("parameters",))
+    except ValueError as exc:
+        raise bad_request(f"tools: {exc}", param="tools") from None
+    text_format = req.text.format if req.text is not None else None
+    if text_format is not None and text_format.schema_ is not None:
+        try:
+            check_schema_size(text_format.schema_, "the schema")
+        except ValueError as exc:
+            raise bad_request(f"text.format: {exc}", param="text.format") from None
+
+
 async def create_response(ctx: ServingContext, request: web.Request) -> web.StreamResponse:
     req = await parse_body(request, ResponsesRequest)
     refused = req.refused_fields()
@@ -161,6 +178,7 @@ async def create_response(ctx: ServingContext, request: web.Request) -> web.Stre
         name, why = refused[0]
         raise bad_request(f"{name}: not supported by ferrox's Responses API ({why})", param=name,
                           code="unsupported_parameter")
+    _check_sizes(req)
     ctx.check_model(req.model)
     ctx.check_engine()
     tools = req.tool_request()
@@ -221,7 +239,7 @@ async def _stream(request: web.Request, response: _Response, gen: Any, first: An
             response.finish(finish_reason)
             await send({"type": f"response.{response.status}", "response": response.body()})
         except (FerroxError, ValueError) as exc:
-            error = from_exception(exc)
+            error = api_error(exc)
             response.status, response.error = "failed", {"code": error.code or "server_error", "message": error.message}
             await send({"type": "response.failed", "response": response.body()})
     await resp.write_eof()

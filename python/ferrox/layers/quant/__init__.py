@@ -1,0 +1,16 @@
+"""Weights that stay quantized: GGUF blocks repacked for torch's int4 CPU matmul.
+
+- gguf_blocks.py   GGUF block formats -> `GroupAffine` (w = scale * q + offset per group of 32)
+- tensor.py        `QuantizedTensor`: one GGUF tensor's raw blocks, as the loader hands it to a layer
+- int4_weight.py   `Int4GroupWeight`: the packed weight and its matmul (one or two int4 planes)
+
+Linear layers (layers/linear.py) take a `QuantizedTensor` in `load_weight` and, once loaded, run
+the packed matmul in `forward`; the loader picks this path for a quantized GGUF on the CPU when
+the dtype is "auto" (loader/model_loader.py).
+"""
+
+from ferrox.layers.quant.gguf_blocks import GroupAffine, decode_gguf
+from ferrox.layers.quant.int4_weight import Int4GroupWeight
+from ferrox.layers.quant.tensor import QuantizedTensor
+
+__all__ = ["GroupAffine", "Int4GroupWeight", "QuantizedTensor", "decode_gguf"]

@@ -1,0 +1,165 @@
+"""Draft-model speculation: a second (smaller) model with the target's vocabulary proposes k tokens
+per request per step; the core schedules them as drafts (Scheduler.schedule(draft_slots=...)) and
+the target verifies them like n-gram drafts.
+
+The draft model's KV cache is a twin of the target's: the same num_blocks and block_size, indexed by
+the same block ids, so the core's block tables serve both (the draft model has its own layers and
+heads, but the same token positions). Two passes keep it right:
+
+- shadow(so): after the target's forward pass of a step, the draft model runs over exactly the same
+  tokens, positions and slots. So every twin slot holds what the target's slot holds (the same token
+  at the same position), through prefix-cache hits (the block was computed, and shadowed, by
+  another request), preemption (recomputed, and shadowed again) and rejected drafts (overwritten
+  when the position is computed again). A twin slot is written by nothing else.
+- propose(): before the next schedule(), for each request that just sampled its last token at
+  position p (its KV not computed yet), the draft model runs k one-token steps at p, p+1, ...,
+  feeding back its own argmax. Those positions go to per-request scratch blocks past the twin
+  range (the target may not have allocated their blocks yet, and a twin slot must only ever mirror
+  the target): the partial block holding p's predecessors is copied to the first scratch block, and
+  the proposal's block table is the request's blocks before it, then its scratch blocks.
+
+Drafts are the draft model's argmax (deterministic given the context), so the verifier treats them
+like prompt-lookup drafts (draft_probs=None): exact for greedy and sampled requests alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from ferrox.attention.kv_cache import allocate_kv_caches
+from ferrox.distributed.parallel_state import get_tp_group
+from ferrox.loader.model_loader import load_model_spec
+from ferrox.loader.source import resolve_model
+from ferrox.worker.step_inputs import Uploader, attention_metadata
+
+
+@dataclass(slots=True)
+class _DraftStep:
+    """The arrays attention_metadata reads, for a proposal step (one token per request)."""
+
+    query_start_loc: npt.NDArray[np.int32]
+    seq_lens: npt.NDArray[np.int32]
+    num_scheduled_tokens: npt.NDArray[np.int32]
+    slot_mapping: npt.NDArray[np.int64]
+    block_table: npt.NDArray[np.int32]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.size)
+
+
+@dataclass(slots=True)
+class _Pending:
+    slot: int  # the core's request slot
+    token: int  # the last sampled token (its KV not computed yet)
+    position: int  # its position
+    blocks: npt.NDArray[np.int32]  # the request's block table row (covers every position before it)
+
+
+class DraftProposer:
+    def __init__(self, path: str, *, num_speculative_tokens: int, target_vocab_size: int, num_blocks: int,
+                 block_size: int, max_num_seqs: int, max_model_len: int, dtype: torch.dtype,
+                 device: torch.device, load_format: str, seed: int) -> None:
+        from ferrox.worker.model_setup import _shared_model  # the same weight sharing as the target's
+
+        source = resolve_model(path)
+        spec = load_model_spec(source)
+        if int(spec.vocab_size) != target_vocab_size:
+            raise ValueError(f"speculative_config.model: the draft model's vocabulary ({spec.vocab_size} tokens) is "
+                             f"not the target's ({target_vocab_size}); it must use the same tokenizer")
+        if int(spec.max_position_embeddings) < max_model_len:
+            raise ValueError(f"speculative_config.model: the draft model's max_position_embeddings "
+                             f"({spec.max_position_embeddings}) is below max_model_len ({max_model_len})")
+        self.k = num_speculative_tokens
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_model_len = max_model_len
+        self.device = device
+        self.model = _shared_model(source, spec, dtype, device, load_format, seed, get_tp_group())
+        # Scratch blocks per request: from the start of the block holding p to position p + k - 1.
+        self.scratch_per_req = (block_size - 1 + self.k - 1) // block_size + 1
+        self.kv_caches = allocate_kv_caches(spec, num_blocks + max_num_seqs * self.scratch_per_req, block_size,
+                                            dtype, device)
+        self.upload = Uploader(device)
+        self._pending: list[_Pending] = []
+
+    @torch.inference_mode()
+    def shadow(self, so: Any) -> None:
+        """Run the draft model over a target step's tokens: fills the twin slots (see module docs)."""
+        self.upload.next_step()
+        meta = attention_metadata(so, self.upload)
+        self.model.forward(self.upload("input_ids", so.input_ids), self.upload("positions", so.positions),
+                           self.kv_caches, meta)
+
+    def record(self, so: Any, outs: Any) -> None:
+        """After update_from_output: the requests that may get drafts next step (decode state: they just
+        sampled a token and did not finish), with what propose() needs."""
+        self._pending = []
+        row_of_slot = {int(s): i for i, s in enumerate(np.asarray(so.req_slots).tolist())}
+        offsets, tokens = outs.token_offsets, outs.token_ids
+        lengths = outs.num_prompt_tokens + outs.num_output_tokens
+        for j, slot in enumerate(outs.slots.tolist()):
+            row = row_of_slot.get(slot)
+            if outs.finish_reasons[j] or offsets[j + 1] == offsets[j] or row is None:
+                continue
+            self._pending.append(_Pending(slot, int(tokens[offsets[j + 1] - 1]), int(lengths[j]) - 1,
+                                          np.asarray(so.block_table[row], dtype=np.int32)))
+
+    def forget(self) -> None:
+        self._pending = []
+
+    @torch.inference_mode()
+    def propose(self) -> dict[str, npt.NDArray[Any]]:
+        """schedule()'s draft_slots / draft_token_ids / draft_offsets for the recorded requests ({} if none)."""
+        reqs = [r for r in self._pending if self.max_model_len - 1 - r.position > 0]
+        self._pending = []
+        if not reqs:
+            return {}
+        bs, n = self.block_size, len(reqs)
+        budget = np.array([min(self.k, self.max_model_len - 1 - r.position) for r in reqs])
+        pos0 = np.array([r.position for r in reqs], dtype=np.int64)
+        first_block = pos0 // bs
+        scratch = self.num_blocks + np.arange(n, dtype=np.int64) * self.scratch_per_req
+        # The positions before p in p's block: copied from the twin block into the first scratch block.
+        partial = np.flatnonzero(pos0 % bs)
+        if partial.size:
+            src = torch.from_numpy(np.array([reqs[i].blocks[first_block[i]] for i in partial], dtype=np.int64))
+            dst = torch.from_numpy(scratch[partial])
+            for cache in self.kv_caches:
+                cache[:, dst] = cache[:, src.to(cache.device)]
+        width = int(first_block.max()) + self.scratch_per_req
+        table = np.zeros((n, width), dtype=np.int32)
+        for i, r in enumerate(reqs):
+            fb = int(first_block[i])
+            table[i, :fb] = r.blocks[:fb]
+            table[i, fb : fb + self.scratch_per_req] = scratch[i] + np.arange(self.scratch_per_req)
+        last = np.array([r.token for r in reqs], dtype=np.int64)
+        drafts = np.zeros((n, self.k), dtype=np.int64)
+        for j in range(int(budget.max())):
+            active = np.flatnonzero(budget > j)
+            offset = pos0[active] % bs + j
+            step = _DraftStep(
+                query_start_loc=np.arange(active.size + 1, dtype=np.int32),
+                seq_lens=(pos0[active] + j + 1).astype(np.int32),
+                num_scheduled_tokens=np.ones(active.size, dtype=np.int32),
+                slot_mapping=(scratch[active] + offset // bs) * bs + offset % bs,
+                block_table=np.ascontiguousarray(table[active]),
+            )
+            self.upload.next_step()
+            meta = attention_metadata(step, self.upload)
+            hidden = self.model.forward(self.upload("input_ids", last[active]), self.upload("positions",
+                                        pos0[active] + j), self.kv_caches, meta)
+            proposed = self.model.compute_logits(hidden).argmax(dim=-1).cpu().numpy()
+            drafts[active, j] = proposed
+            last[active] = proposed
+        counts = budget.astype(np.int32)
+        return {
+            "draft_slots": np.array([r.slot for r in reqs], dtype=np.int32),
+            "draft_token_ids": np.concatenate([drafts[i, : counts[i]] for i in range(n)]),
+            "draft_offsets": np.concatenate(([0], np.cumsum(counts))).astype(np.int32),
+        }

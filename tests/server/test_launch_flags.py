@@ -1,0 +1,249 @@
+"""vLLM's launch commands: its flag spellings work with its meaning (here one live server started the
+way a vLLM user would: `python -m ferrox serve --config FILE.yaml --model ... --ssl-* --root-path ...`),
+and a flag ferrox lacks is refused at start-up by name."""
+
+from __future__ import annotations
+
+import json
+import re
+import ssl
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from ferrox.entrypoints import cli
+from ferrox.loader.source import resolve_model
+
+from tests.server.server_proc import FERROX, ROOT, ServerProcess, free_port
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(FERROX), *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def test_unknown_flags_are_refused_by_name():
+    res = run("serve", "--revision", "main", "--kv-cache-dtype=fp8")
+    assert res.returncode == 2
+    assert "--revision, --kv-cache-dtype: ferrox does not support these flags" in res.stderr
+    res = run("serve", "--tool-call-parser", "mistral")
+    assert res.returncode == 2 and "--tool-call-parser" in res.stderr and "mistral" in res.stderr
+    res = run("serve", "--enable-prefix")  # no abbreviations: a vLLM flag must not pass as the prefix of ours
+    assert res.returncode == 2 and "--enable-prefix: ferrox does not support this flag" in res.stderr
+
+
+def test_config_file_flags_come_first_so_the_command_line_wins(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text("port: 9001\nmax_model_len: 512\nenable-log-requests: true\nenable-prefix-caching: false\n"
+                    "allowed-origins: ['https://a.example']\n")
+    argv = cli.expand_config_file(["serve", "--config", str(path), "--port", "9002"])
+    args = cli.build_parser().parse_args(argv)
+    assert (args.port, args.max_model_len, args.enable_log_requests) == (9002, 512, True)
+    assert args.enable_prefix_caching is False and args.allowed_origins == ["https://a.example"]
+
+
+def test_generation_config_choices(tmp_path):
+    model = {"temperature": 0.2, "top_p": 0.9}
+    assert cli.generation_defaults("auto", model, None) == model
+    assert cli.generation_defaults("vllm", model, {"top_k": 5}) == {"top_k": 5}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "_from_model_config": True}))
+    assert cli.generation_defaults(str(tmp_path), model, None) == {"temperature": 0.0}
+    with pytest.raises(ValueError, match="--generation-config"):
+        cli.generation_defaults(str(tmp_path / "absent"), model, None)
+
+
+def _self_signed(tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+@pytest.fixture(scope="module")
+def tls_server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("launch")
+    cert, key = _self_signed(tmp)
+    (tmp / "gen").mkdir()
+    (tmp / "gen" / "generation_config.json").write_text(json.dumps({"temperature": 0.0}))
+    (tmp / "serve.yaml").write_text(
+        "served-model-name: cfg-smol\nmax-model-len: 512\nkv-cache-memory: 64MiB\nenable-log-requests: true\n"
+        "allowed-origins: ['https://app.example']\nuvicorn-log-level: debug\n")
+    port = free_port()
+    cmd = [sys.executable, "-m", "ferrox", "serve", "--config", str(tmp / "serve.yaml"),
+           "--model", resolve_model(None).path, "--port", str(port), "--ssl-certfile", str(cert),
+           "--ssl-keyfile", str(key), "--root-path", "/proxy", "--enable-auto-tool-choice",
+           "--generation-config", str(tmp / "gen"), "--disable-log-stats", "--max-log-len", "40"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.append(line.rstrip())
+            if "serving on https://" in line:
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + 240
+    while not ready.wait(0.2):
+        assert proc.poll() is None and time.monotonic() < deadline, "\n".join(log)
+    context = ssl.create_default_context(cafile=str(cert))
+    yield f"https://127.0.0.1:{port}", context, log
+    proc.terminate()
+    proc.wait(30)
+
+
+def _call(url, context, method="GET", body=None, headers=None):
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, context=context, timeout=120) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), err.read()
+
+
+def test_tls_root_path_and_config_file(tls_server):
+    base, context, log = tls_server
+    for path in ("/proxy/v1/models", "/v1/models"):  # under the root path, and as a stripping proxy forwards it
+        status, _, body = _call(base + path, context)
+        assert status == 200 and json.loads(body)["data"][0]["id"] == "cfg-smol"  # served-model-name from YAML
+    spec = json.loads(_call(base + "/proxy/openapi.json", context)[2])
+    assert spec["servers"] == [{"url": "/proxy"}] and "/v1/models" in spec["paths"]
+    assert not any(p.startswith("/proxy/") for p in spec["paths"])
+    with pytest.raises(OSError):  # plain HTTP is not served (the server drops the connection)
+        urllib.request.urlopen(base.replace("https", "http") + "/health", timeout=10)
+
+
+def test_cors_preflight_and_response_headers(tls_server):
+    base, context, _ = tls_server
+    url = base + "/proxy/v1/chat/completions"
+    asks = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type, authorization"}
+    status, headers, _ = _call(url, context, "OPTIONS", headers=asks)
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == "https://app.example"
+    assert "POST" in headers["Access-Control-Allow-Methods"]
+    assert headers["Access-Control-Allow-Headers"] == "content-type, authorization"
+    status, _, body = _call(url, context, "OPTIONS", headers={**asks, "Origin": "https://evil.example"})
+    assert status == 400 and b"origin" in body
+    status, headers, _ = _call(base + "/v1/models", context, headers={"Origin": "https://app.example"})
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == "https://app.example"
+    _, headers, _ = _call(base + "/v1/models", context, headers={"Origin": "https://evil.example"})
+    assert "Access-Control-Allow-Origin" not in headers
+
+
+def _wait_for(log, pattern, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in log:
+            if re.search(pattern, line):
+                return line
+        time.sleep(0.1)
+    raise AssertionError(f"no log line matches {pattern!r}:\n" + "\n".join(log[-40:]))
+
+
+def test_request_and_error_logs_and_generation_config(tls_server):
+    base, context, log = tls_server
+    prompt = "Once upon a time, " * 10
+    body = {"prompt": prompt, "max_tokens": 8}
+    status, headers, out = _call(base + "/proxy/v1/completions", context, "POST", body,
+                                 headers={"X-Request-Id": "launch-req-1"})
+    assert status == 200 and headers["X-Request-Id"] == "launch-req-1"
+    line = _wait_for(log, r"request launch-req-1: POST /proxy/v1/completions")
+    assert '"max_tokens": 8' in line and "...<180 chars>" in line  # parameters, prompt cut at --max-log-len
+    # --generation-config DIR (temperature 0): a request without temperature is greedy.
+    greedy = json.loads(_call(base + "/v1/completions", context, "POST", {**body, "temperature": 0})[2])
+    assert json.loads(out)["choices"][0]["text"] == greedy["choices"][0]["text"]
+    # A 4xx: logged at debug with the id its response carries.
+    status, headers, _ = _call(base + "/v1/completions", context, "POST", {"prompt": "x", "max_tokens": -1})
+    assert status == 400
+    error_id = headers["X-Request-Id"]
+    _wait_for(log, rf"DEBUG ferrox.server: request {re.escape(error_id)}: POST /v1/completions -> 400")
+
+
+KEY = "sk-ferrox-test-7d1e9c"
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+# Forces the model's text to be a Llama-3-style JSON call, which only the llama3_json parser reads
+# as a tool call (the embedded model's template picks hermes, which wants <tool_call> tags).
+LLAMA_CALL_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+                     "properties": {"name": {"const": "get_weather"}, "parameters": {
+                         "type": "object", "additionalProperties": False, "required": ["city"],
+                         "properties": {"city": {"const": "Paris"}}}}}
+
+
+def _post(base: str, path: str, body: dict, key: str | None = KEY) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(base + path, json.dumps(body).encode(), headers)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _stream(base: str, path: str, body: dict) -> list[dict]:
+    req = urllib.request.Request(base + path, json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        lines = [raw.decode().strip()[6:] for raw in resp if raw.startswith(b"data: ")]
+    assert lines[-1] == "[DONE]", lines[-3:]
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_serving_defaults_are_honoured_and_the_key_is_never_logged():
+    """--response-role, --return-tokens-as-token-ids, --enable-prompt-tokens-details and --tool-call-parser
+    with vLLM's meaning, on a server that logs every request (and debug lines) yet never the API key."""
+    srv = ServerProcess("--response-role", "bot", "--return-tokens-as-token-ids", "--enable-prompt-tokens-details",
+                        "--tool-call-parser", "llama3_json", "--api-key", KEY, "--enable-log-requests",
+                        "--log-level", "debug")
+    try:
+        base = srv.base_url
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        chat = {"messages": question, "max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+        status, body = _post(base, "/v1/chat/completions", chat)
+        assert status == 200, body
+        choice = body["choices"][0]
+        assert choice["message"]["role"] == "bot"
+        assert all(re.fullmatch(r"token_id:\d+", t["token"]) for t in choice["logprobs"]["content"]), choice
+        # The request's own field wins over the server default.
+        status, body = _post(base, "/v1/chat/completions", {**chat, "return_tokens_as_token_ids": False})
+        assert not any(t["token"].startswith("token_id:") for t in body["choices"][0]["logprobs"]["content"])
+        # A continued message keeps its own role (vLLM: the response role is for a new turn only).
+        status, body = _post(base, "/v1/chat/completions", {
+            "messages": [*question, {"role": "assistant", "content": "The capital"}], "max_tokens": 2,
+            "add_generation_prompt": False, "continue_final_message": True})
+        assert body["choices"][0]["message"]["role"] == "assistant", body
+        events = _stream(base, "/v1/chat/completions", {"messages": question, "max_tokens": 2})
+        assert events[0]["choices"][0]["delta"]["role"] == "bot"
+        # Completions: token ids in logprobs; usage always says how much of the prompt was cached.
+        prompt = "Counting blocks of cached prompt tokens, " * 6
+        status, first = _post(base, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "logprobs": 1})
+        assert status == 200, first
+        assert all(re.fullmatch(r"token_id:\d+", t) for t in first["choices"][0]["logprobs"]["tokens"])
+        assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        _, second = _post(base, "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16, second["usage"]
+        # --tool-call-parser llama3_json reads a bare JSON call.
+        status, body = _post(base, "/v1/chat/completions", {
+            "messages": question, "tools": [WEATHER_TOOL], "tool_choice": "auto", "max_tokens": 40, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "call", "schema": LLAMA_CALL_SCHEMA}}})
+        assert status == 200, body
+        calls = body["choices"][0]["message"].get("tool_calls")
+        assert calls and calls[0]["function"]["name"] == "get_weather", body
+        assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+        # A wrong key is refused; neither key appears in any log line (request log, access log, debug errors).
+        status, body = _post(base, "/v1/completions", {"prompt": "x", "max_tokens": 1}, key="sk-wrong-guess-1234")
+        assert status == 401, body
+    finally:
+        code = srv.stop()
+    log = "\n".join(srv.log)
+    assert code == 0, log[-3000:]
+    assert "ferrox.requests" in log and "ferrox.access" in log and "-> 401" in log, log[-3000:]
+    assert KEY not in log and "sk-wrong-guess-1234" not in log
