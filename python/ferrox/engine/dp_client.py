@@ -38,7 +38,7 @@ from ferrox.errors import EngineDeadError, EngineStartupError
 logger = logging.getLogger("ferrox.engine.dp_client")
 
 # Stats keys that describe the engine's shape, the same on every core: not summed.
-_SHAPE_KEYS = ("block_size", "max_model_len")
+_SHAPE_KEYS = ("block_size", "max_model_len", "num_speculative_tokens")  # the same on every core: not summed
 
 
 class DPCoreClient:
@@ -197,7 +197,13 @@ def aggregate_stats(per_engine: list[dict[str, Any]]) -> dict[str, Any]:
     merged: dict[str, Any] = {}
     for stats in per_engine:
         for key, value in stats.items():
-            if key in _SHAPE_KEYS or not isinstance(value, (int, float)) or isinstance(value, bool):
+            if key == "spec_num_accepted_tokens_per_pos" and isinstance(value, list):
+                # Accepted tokens per draft position: summed position by position across cores.
+                total = merged.setdefault(key, [])
+                total.extend([0] * (len(value) - len(total)))
+                for i, v in enumerate(value):
+                    total[i] += v
+            elif key in _SHAPE_KEYS or not isinstance(value, (int, float)) or isinstance(value, bool):
                 merged.setdefault(key, value)
             else:
                 merged[key] = merged.get(key, 0) + value
