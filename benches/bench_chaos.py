@@ -425,8 +425,8 @@ async def greedy_answers(base_url: str, model: str, max_tokens: int = 16) -> lis
 
 
 # aiohttp's "Error handling request" traceback when a handler writes to a client that has just gone:
-# a race between the write and the handler's cancellation (issue 16 report; server.py's error
-# middleware re-raises ConnectionResetError). The client is gone, so nobody gets the 500; counted apart.
+# a race between the write and the handler's cancellation. server.py's error middleware now turns it
+# into a quiet 499; still counted apart (not as a failure) should aiohttp raise it from elsewhere.
 DISCONNECT_RACE = "ClientConnectionResetError: Cannot write to closing transport"
 
 

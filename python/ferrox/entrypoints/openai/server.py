@@ -182,8 +182,14 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return _error_response(request, _api_error(request, exc), exc)
     except web.HTTPException:
         raise
-    except (asyncio.CancelledError, ConnectionResetError):
+    except asyncio.CancelledError:
         raise
+    except ConnectionResetError:
+        # The client left while its response was being written (a normal disconnect: the request's
+        # generator was closed, which aborted it in the engine). Re-raising would make aiohttp log an
+        # ERROR with a traceback; 499 ("client closed request", nginx's code) goes to the access log
+        # only, and writing it to the closed transport fails quietly.
+        return web.Response(status=499)
     except Exception as exc:
         return _error_response(request, APIError(500, "internal server error"), exc)
 
