@@ -207,12 +207,36 @@ fn table_style(decoder: &DecoderWrapper) -> Option<(TableStyle, char, bool)> {
     }
 }
 
+/// Parses a tokenizer.json without letting the tokenizers crate panic on a broken file: its
+/// deserializers `expect` in places (0.23: a syntax error inside "decoder", a malformed
+/// Precompiled normalizer), which would reach Python as pyo3's PanicException.
+fn parse_tokenizer(json: &str) -> CoreResult<Tokenizer> {
+    let error = |e: &dyn std::fmt::Display| {
+        CoreError::Tokenizer(format!("tokenizer_json: cannot parse tokenizer.json: {e}"))
+    };
+    // A syntax check first (cheap: nothing is built), so a JSON error is reported as one.
+    serde_json::from_str::<serde::de::IgnoredAny>(json).map_err(|e| error(&e))?;
+    // The last resort for valid JSON the crate still panics on. The panic hook has printed
+    // its message by then; the caller gets an error, and no state is shared with the parse.
+    match std::panic::catch_unwind(|| json.parse::<Tokenizer>()) {
+        Ok(parsed) => parsed.map_err(|e| error(&e)),
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            Err(error(&format_args!(
+                "the tokenizers crate panicked ({what})"
+            )))
+        }
+    }
+}
+
 impl TokenizerInfo {
     /// Parses the text of a tokenizer.json.
     pub fn from_json(json: &str) -> CoreResult<Self> {
-        let tok: Tokenizer = json.parse().map_err(|e| {
-            CoreError::Tokenizer(format!("tokenizer_json: cannot parse tokenizer.json: {e}"))
-        })?;
+        let tok = parse_tokenizer(json)?;
         let vocab_size = tok.get_vocab_size(true);
         let Some((style, space, strip_first_space)) = tok.get_decoder().and_then(table_style)
         else {
@@ -796,19 +820,34 @@ impl IncrementalDetokenizer {
 
     /// End of stream (finished for a reason other than a stop string): releases held text,
     /// including an incomplete trailing UTF-8 sequence as U+FFFD, as a full decode would.
+    /// That U+FFFD is new text, so it is stop-checked like a token's.
     pub fn flush(&mut self) -> String {
         let mut rest = String::new();
         self.flush_into(&mut rest);
         rest
     }
 
-    /// `flush`, appending to `out`.
-    pub fn flush_into(&mut self, out: &mut String) {
+    /// `flush`, appending to `out`. Returns the index of a stop string that the released
+    /// U+FFFD completed (the text is then cut there, as in `step`).
+    pub fn flush_into(&mut self, out: &mut String) -> Option<usize> {
+        let mut stop = None;
         if !self.stopped {
+            let new_start = self.pending.len();
             let per_byte = self.tok.per_byte_replacement();
             self.decode.utf8.end(&mut self.pending, per_byte);
+            if let Some((idx, at)) = self.stops.find(&self.pending, new_start) {
+                let end = if self.include_stop_str_in_output {
+                    at + self.stops.get(idx).len()
+                } else {
+                    at
+                };
+                self.pending.truncate(end);
+                self.stopped = true;
+                stop = Some(idx);
+            }
         }
         self.emit(self.pending.len(), out);
+        stop
     }
 
     /// Streams the first `upto` bytes of the held text into `out`.
@@ -1136,5 +1175,43 @@ pub(crate) mod tests {
             TokenizerInfo::from_json("{"),
             Err(CoreError::Tokenizer(_))
         ));
+    }
+
+    #[test]
+    fn flushed_replacement_char_is_stop_checked() {
+        // "a" then the lead byte 0xC3 (held back): the flush releases it as U+FFFD, which
+        // completes the stop string "a\u{FFFD}".
+        for include in [false, true] {
+            let stops = vec!["a\u{FFFD}".to_string()];
+            let mut d = IncrementalDetokenizer::new(info(), true, stops, include).unwrap();
+            assert_eq!(d.step(b'a' as u32, true), DetokStep::default()); // held: a stop's prefix
+            assert_eq!(d.step(0xC3, true), DetokStep::default());
+            let mut out = String::new();
+            assert_eq!(d.flush_into(&mut out), Some(0));
+            assert_eq!(out, if include { "a\u{FFFD}" } else { "" });
+            assert_eq!(d.flush(), "");
+        }
+    }
+
+    /// tokenizers 0.23 panics on these (`expect("Helper")`, `expect("Precompiled")`).
+    #[test]
+    fn files_the_tokenizers_crate_panics_on_are_a_tokenizer_error() {
+        let json = tiny_byte_level_json();
+        let decoder = r#""decoder":{"type":"ByteLevel","add_prefix_space":true,"#;
+        assert!(json.contains(decoder));
+        let syntax = json.replace(
+            decoder,
+            r#""decoder":{"type":"ByteLevel","add_prefix_space":true 1,"#,
+        );
+        let precompiled = json.replace(
+            r#""normalizer":null"#,
+            r#""normalizer":{"type":"Precompiled","precompiled_charsmap":5}"#,
+        );
+        for broken in [syntax, precompiled] {
+            match TokenizerInfo::from_json(&broken) {
+                Err(CoreError::Tokenizer(msg)) => assert!(msg.contains("tokenizer.json"), "{msg}"),
+                other => panic!("{:?}", other.err()),
+            }
+        }
     }
 }

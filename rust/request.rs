@@ -57,6 +57,10 @@ pub struct Request {
     pub id: Arc<str>,
     /// Arrival order; also tells a reused slab slot's new request from the old one.
     pub serial: u64,
+    /// Bumped at each preemption: a step scheduled before it belongs to an earlier residency
+    /// (its K/V is gone, its placeholders dropped), so a late update or a rollback of that step
+    /// must leave the resumed request alone.
+    pub residency: u32,
     pub priority: i64,
     /// Prompt tokens followed by output tokens.
     pub token_ids: Vec<u32>,

@@ -231,10 +231,22 @@ impl SlotIds {
 struct StepEntry {
     slot: usize,
     serial: u64,
+    residency: u32,
     num_tokens: usize,
     /// Of `num_tokens`, drafts after the request's last sampled token.
     num_drafts: u32,
     sample: bool,
+}
+
+impl StepEntry {
+    /// Whether this entry was scheduled for `r` as it is now: the same request in the slot, not
+    /// preempted since (a preempted request that resumed is running again, but its earlier steps
+    /// are void).
+    fn is_current(&self, r: &Request) -> bool {
+        r.serial == self.serial
+            && r.residency == self.residency
+            && r.status == RequestStatus::Running
+    }
 }
 
 pub struct Scheduler {
@@ -420,6 +432,7 @@ impl Scheduler {
         let req = Request {
             id: id.clone(),
             serial,
+            residency: 0,
             priority: r.priority,
             token_ids: r.prompt_token_ids,
             num_prompt_tokens: prompt_len,
@@ -540,6 +553,7 @@ impl Scheduler {
         // Its in-flight samples are dropped (update skips a request that is not running); it
         // samples them again after recomputing.
         req.num_output_placeholders = 0;
+        req.residency = req.residency.wrapping_add(1);
         req.status = RequestStatus::Preempted;
         self.drafts[slot].clear();
         self.stats.num_preemptions += 1;
@@ -784,6 +798,7 @@ impl Scheduler {
             step.push(StepEntry {
                 slot,
                 serial: r.serial,
+                residency: r.residency,
                 num_tokens: n,
                 num_drafts: num_drafts as u32,
                 sample,
@@ -914,7 +929,7 @@ impl Scheduler {
                     // Accepted tokens are the drafts themselves: anything else would leave K/V
                     // computed from the draft under a different token.
                     if let Some(r) = self.slab[e.slot].as_ref() {
-                        let live = r.serial == e.serial && r.status == RequestStatus::Running;
+                        let live = e.is_current(r);
                         let accepted = row[..c - 1].iter().map(|&t| t as u32);
                         let drafts = &self.drafts[e.slot];
                         let drafts = &drafts[..(c - 1).min(drafts.len())];
@@ -974,7 +989,7 @@ impl Scheduler {
             let Some(req) = self.slab[e.slot].as_mut() else {
                 continue;
             };
-            if req.serial != e.serial || req.status != RequestStatus::Running {
+            if !e.is_current(req) {
                 continue;
             }
             req.num_output_placeholders = req.num_output_placeholders.saturating_sub(1);
@@ -1070,7 +1085,7 @@ impl Scheduler {
         while let Some(step) = self.in_flight.pop_back() {
             for e in step {
                 if let Some(r) = self.slab[e.slot].as_mut() {
-                    if r.serial == e.serial && r.status == RequestStatus::Running {
+                    if e.is_current(r) {
                         r.num_computed_tokens -= e.num_tokens;
                         if e.sample {
                             r.num_output_placeholders -= 1;
@@ -1122,7 +1137,7 @@ impl Scheduler {
             .in_flight
             .iter()
             .flatten()
-            .filter(|e| e.slot == slot && e.serial == r.serial)
+            .filter(|e| e.slot == slot && e.serial == r.serial && e.residency == r.residency)
             .map(|e| e.num_tokens)
             .sum();
         if in_flight == 0 {

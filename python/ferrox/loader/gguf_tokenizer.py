@@ -16,7 +16,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from ferrox.loader.errors import UnsupportedModelError
+from ferrox.loader.errors import ModelLoadError, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,13 @@ def build_gguf_tokenizer(gguf: Any) -> Tokenizer:
     return tok
 
 
+def _bpe(gguf: Any, vocab: dict[str, int], merges: list, **options: bool) -> models.BPE:
+    try:
+        return models.BPE(vocab=vocab, merges=merges, **options)
+    except Exception as e:  # the tokenizers package raises a bare Exception ("Token `x` out of vocabulary")
+        raise ModelLoadError(f"GGUF file {gguf.path}: tokenizer.ggml.merges does not fit the vocabulary: {e}") from e
+
+
 def _byte_level_bpe(gguf: Any, tokens: list[str], pre: str) -> Tokenizer:
     merges_raw = gguf.array("tokenizer.ggml.merges")
     if not merges_raw:
@@ -94,7 +101,7 @@ def _byte_level_bpe(gguf: Any, tokens: list[str], pre: str) -> Tokenizer:
         spelled = token if set(token) <= letters else "".join(alphabet[b] for b in token.encode("utf-8"))
         vocab.setdefault(spelled, i)
     merges = [tuple(m.split(" ", 1)) for m in merges_raw]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    tok = Tokenizer(_bpe(gguf, vocab, merges, fuse_unk=False, byte_fallback=False))
     if pre in _SPLIT_REGEX:
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(_SPLIT_REGEX[pre]), behavior="isolated"),
@@ -124,7 +131,7 @@ def _sentencepiece_bpe(gguf: Any, tokens: list[str], token_types: list[int], add
     else:
         merges = _merges_from_scores(vocab, scores)
     # No unk token: byte fallback spells anything outside the vocabulary as <0xNN> pieces.
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
+    tok = Tokenizer(_bpe(gguf, vocab, merges, fuse_unk=True, byte_fallback=True))
     # "▁" stands for a space; one is prepended to the text's first piece unless it starts with one
     # (what transformers' Llama tokenizer does with a GGUF vocabulary).
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first" if add_space_prefix

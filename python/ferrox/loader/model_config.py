@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ferrox.loader.config_fields import to_float, to_int
 from ferrox.loader.errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError
 from ferrox.loader.source import ModelSource
 from ferrox.model_spec import ModelSpec, MoeSpec
@@ -42,46 +43,60 @@ def spec_from_hf_config(config: dict[str, Any], where: str) -> ModelSpec:
     if not archs or not isinstance(archs, list):
         raise ModelLoadError(f"{where}: field 'architectures' is missing (cannot tell which model class to use)")
 
-    def need(key: str) -> Any:
+    def need(key: str) -> int:
         if key not in config or config[key] is None:
             raise ModelLoadError(f"{where}: required field {key!r} is missing")
-        return config[key]
+        return to_int(config[key], f"{where}: field {key!r}")
 
-    hidden = int(need("hidden_size"))
-    heads = int(need("num_attention_heads"))
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or hidden // heads)
+    def optional(key: str, default: int) -> int:
+        value = config.get(key)
+        # null or 0 means "not set" (configs write either), as in transformers' own `or` defaults.
+        return default if value is None or value == 0 else to_int(value, f"{where}: field {key!r}")
+
+    def mapping(key: str) -> dict[str, Any] | None:
+        value = config.get(key)
+        if value and not isinstance(value, dict):
+            raise ModelLoadError(f"{where}: field {key!r} must be an object, got {value!r}")
+        return value or None
+
+    hidden = need("hidden_size")
+    heads = need("num_attention_heads")
+    kv_heads = optional("num_key_value_heads", heads)
+    if not config.get("head_dim") and hidden < heads:
+        raise ModelLoadError(f"{where}: num_attention_heads {heads} is larger than hidden_size {hidden}")
+    head_dim = optional("head_dim", hidden // heads)
     if heads % kv_heads:
         raise ModelLoadError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     # transformers >= 5 nests rope_theta and the scaling under rope_parameters.
-    rope = dict(config.get("rope_parameters") or {})
-    scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    rope = mapping("rope_parameters") or {}
+    scaling = mapping("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     theta = config.get("rope_theta")
     if theta is None:  # absent, or null beside a nested rope_parameters
         theta = rope.get("rope_theta", 10000.0)
-    max_pos = int(config.get("max_position_embeddings") or 2048)
+    max_pos = optional("max_position_embeddings", 2048)
     window = config.get("sliding_window")
-    if window and config.get("use_sliding_window", True) and int(window) < max_pos:
+    if window and config.get("use_sliding_window", True):
+        window = to_int(window, f"{where}: field 'sliding_window'")
         # Sliding-window attention is not implemented: within the window it equals full attention,
         # so cap the context there and stay exact (Mistral v0.1: 4096 of 32768).
-        max_pos = int(window)
+        max_pos = min(max_pos, window)
     dtype_name = config.get("torch_dtype") or config.get("dtype") or "float32"
     dtype = _DTYPES.get(str(dtype_name).replace("torch.", ""), torch.float32)
     return ModelSpec(
         hf_config=config,
         architecture=str(archs[0]),
-        num_layers=int(need("num_hidden_layers")),
+        num_layers=need("num_hidden_layers"),
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         hidden_size=hidden,
-        intermediate_size=int(need("intermediate_size")),
-        vocab_size=int(need("vocab_size")),
+        intermediate_size=need("intermediate_size"),
+        vocab_size=need("vocab_size"),
         max_position_embeddings=max_pos,
         dtype=dtype,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(theta),
+        rms_norm_eps=to_float(config.get("rms_norm_eps", 1e-6), f"{where}: field 'rms_norm_eps'"),
+        rope_theta=to_float(theta, f"{where}: field 'rope_theta'"),
         rope_scaling=dict(scaling) if scaling else None,
         attention_bias=bool(config.get("attention_bias", False)),
         mlp_bias=bool(config.get("mlp_bias", False)),
@@ -93,21 +108,28 @@ def spec_from_hf_config(config: dict[str, Any], where: str) -> ModelSpec:
 def _moe_spec(config: dict[str, Any], where: str) -> MoeSpec | None:
     """The experts of an MoE config, None for a dense one. Qwen names the count num_experts,
     Mixtral num_local_experts; Mixtral's experts have intermediate_size, Qwen's moe_intermediate_size."""
-    num_experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
-    if num_experts <= 0:
+    def integer(*keys: str, minimum: int = 1) -> int:
+        """The first of `keys` set (not null or 0), checked; 0 when none is."""
+        key = next((k for k in keys if config.get(k) not in (None, 0)), None)
+        return 0 if key is None else to_int(config[key], f"{where}: field {key!r}", minimum)
+
+    num_experts = integer("num_experts", "num_local_experts")
+    if num_experts == 0:
         return None
-    top_k = int(config.get("num_experts_per_tok") or 0)
+    top_k = integer("num_experts_per_tok")
     if not 0 < top_k <= num_experts:
         raise ModelLoadError(f"{where}: num_experts_per_tok {top_k} must be between 1 and the {num_experts} experts")
-    step = int(config.get("decoder_sparse_step") or 1)
+    layers = config.get("mlp_only_layers") or []
+    if not isinstance(layers, list):
+        raise ModelLoadError(f"{where}: field 'mlp_only_layers' must be a list of layer indices, got {layers!r}")
     return MoeSpec(
         num_experts=num_experts,
         num_experts_per_tok=top_k,
-        intermediate_size=int(config.get("moe_intermediate_size") or config["intermediate_size"]),
+        intermediate_size=integer("moe_intermediate_size", "intermediate_size"),
         norm_topk_prob=bool(config.get("norm_topk_prob", False)),
-        shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0),
-        decoder_sparse_step=max(step, 1),
-        mlp_only_layers=tuple(int(i) for i in config.get("mlp_only_layers") or ()),
+        shared_expert_intermediate_size=integer("shared_expert_intermediate_size"),
+        decoder_sparse_step=integer("decoder_sparse_step") or 1,
+        mlp_only_layers=tuple(to_int(i, f"{where}: field 'mlp_only_layers'", minimum=0) for i in layers),
     )
 
 
@@ -122,16 +144,31 @@ def hf_config_from_gguf(gguf: Any) -> dict[str, Any]:
             f"(supported: {', '.join(sorted(GGUF_ARCHITECTURES))})"
         )
 
+    def what(key: str) -> str:
+        return f"GGUF file {gguf.path}: metadata {key}"
+
     def need(suffix: str) -> Any:
         value = gguf.arch_key(suffix)
         if value is None:
-            raise ModelLoadError(f"GGUF file {gguf.path}: metadata {arch}.{suffix} is missing")
+            raise ModelLoadError(f"{what(f'{arch}.{suffix}')} is missing")
         return value
 
+    def integer(suffix: str, default: int | None = None) -> int:
+        """A positive integer: metadata of a corrupt file can hold any type (or a zero head count)."""
+        value = need(suffix) if default is None else gguf.arch_key(suffix) or default
+        return to_int(value, what(f"{arch}.{suffix}"))
+
+    def number(suffix: str, default: float) -> float:
+        return to_float(gguf.arch_key(suffix) or default, what(f"{arch}.{suffix}"))
+
     meta = gguf.metadata
-    heads = int(need("attention.head_count"))
-    hidden = int(need("embedding_length"))
-    head_dim = int(gguf.arch_key("attention.key_length") or gguf.arch_key("rope.dimension_count") or hidden // heads)
+    heads = integer("attention.head_count")
+    hidden = integer("embedding_length")
+    dim_key = next((k for k in ("attention.key_length", "rope.dimension_count") if gguf.arch_key(k)), None)
+    if dim_key is None and hidden < heads:
+        raise ModelLoadError(f"{what(f'{arch}.attention.head_count')} {heads} is larger than "
+                             f"{arch}.embedding_length {hidden}")
+    head_dim = integer(dim_key) if dim_key else hidden // heads
     vocab = gguf.arch_key("vocab_size")
     if vocab is None:
         tokens = gguf.reader.fields.get("tokenizer.ggml.tokens")
@@ -142,15 +179,15 @@ def hf_config_from_gguf(gguf: Any) -> dict[str, Any]:
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "model_type": arch,
         "hidden_size": hidden,
-        "intermediate_size": int(need("feed_forward_length")),
-        "num_hidden_layers": int(need("block_count")),
+        "intermediate_size": integer("feed_forward_length"),
+        "num_hidden_layers": integer("block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(gguf.arch_key("attention.head_count_kv") or heads),
+        "num_key_value_heads": integer("attention.head_count_kv", heads),
         "head_dim": head_dim,
-        "vocab_size": int(vocab),
-        "max_position_embeddings": int(gguf.arch_key("context_length") or 2048),
-        "rms_norm_eps": float(gguf.arch_key("attention.layer_norm_rms_epsilon") or 1e-6),
-        "rope_theta": float(gguf.arch_key("rope.freq_base") or 10000.0),
+        "vocab_size": to_int(vocab, what(f"{arch}.vocab_size")),
+        "max_position_embeddings": integer("context_length", 2048),
+        "rms_norm_eps": number("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": number("rope.freq_base", 10000.0),
         "tie_word_embeddings": "output.weight" not in gguf.tensor_names,
         "attention_bias": "blk.0.attn_output.bias" in gguf.tensor_names,
         "torch_dtype": _gguf_dtype(gguf),
@@ -161,12 +198,14 @@ def hf_config_from_gguf(gguf: Any) -> dict[str, Any]:
     if "rope_freqs.weight" in gguf.tensor_names:
         config["rope_scaling"] = {"rope_type": "freq_factors", "factors": gguf.float_tensor("rope_freqs.weight").tolist()}
     elif scaling_type == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
+        config["rope_scaling"] = {"rope_type": "linear",
+                                  "factor": to_float(need("rope.scaling.factor"), what(f"{arch}.rope.scaling.factor"))}
     elif scaling_type not in (None, "none"):
         raise UnsupportedModelError(f"GGUF file {gguf.path}: rope scaling {scaling_type!r} is not supported")
     for key in ("bos_token_id", "eos_token_id", "padding_token_id"):
         if f"tokenizer.ggml.{key}" in meta:
-            config[key.replace("padding", "pad")] = int(meta[f"tokenizer.ggml.{key}"])
+            config[key.replace("padding", "pad")] = to_int(meta[f"tokenizer.ggml.{key}"],
+                                                           what(f"tokenizer.ggml.{key}"), minimum=0)
     return config
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 
 from ferrox.loader.chat_template import render_chat_template
+from ferrox.loader.config_fields import to_int
 from ferrox.loader.errors import ChatTemplateError, ModelLoadError, ModelNotFoundError
 from ferrox.loader.source import ModelSource
 
@@ -159,26 +160,48 @@ def _load_hf_tokenizer(source: ModelSource) -> Tokenizer:
     special_map = optional_json("special_tokens_map.json")
     specials = {n: _token_content(tok_config.get(n)) or _token_content(special_map.get(n)) for n in _SPECIAL_NAMES}
 
-    template: str | dict[str, str] | None = tok_config.get("chat_template")
-    if isinstance(template, list):  # [{"name": "default", "template": "..."}, ...]
-        template = {t["name"]: t["template"] for t in template if isinstance(t, dict) and "name" in t}
+    template = _chat_template(tok_config.get("chat_template"), os.path.join(folder, "tokenizer_config.json"))
     jinja_path = os.path.join(folder, "chat_template.jinja")
     if os.path.isfile(jinja_path):  # transformers >= 4.49 saves the template beside the config
-        with open(jinja_path, encoding="utf-8") as f:
-            template = f.read()
+        try:
+            with open(jinja_path, encoding="utf-8") as f:
+                template = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"cannot read {jinja_path}: {e}") from e
     elif not template:
-        template = optional_json("chat_template.json").get("chat_template")
+        template = _chat_template(optional_json("chat_template.json").get("chat_template"),
+                                  os.path.join(folder, "chat_template.json"))
 
     _apply_bos_eos_flags(tok, tok_config, specials)
 
     eos: list[int] = []
-    for cfg in (optional_json("generation_config.json"), optional_json("config.json")):
-        value = cfg.get("eos_token_id")
-        eos.extend([value] if isinstance(value, int) else [v for v in value or [] if isinstance(v, int)])
+    for name in ("generation_config.json", "config.json"):
+        eos.extend(_eos_token_ids(optional_json(name).get("eos_token_id"), os.path.join(folder, name)))
     eos_token_id = tok.token_to_id(specials["eos_token"]) if specials["eos_token"] else None
     if eos_token_id is not None:
         eos.insert(0, eos_token_id)
     return Tokenizer(tok, name=source.name, special_tokens=specials, eos_token_ids=eos, chat_template=template)
+
+
+def _chat_template(value: Any, path: str) -> str | dict[str, str] | None:
+    """tokenizer_config.json's chat_template: one template, or a list of named ones
+    ([{"name": "default", "template": "..."}, ...]); transformers fails on any other shape too."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(
+            isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+            for t in value):
+        return {t["name"]: t["template"] for t in value}
+    raise ModelLoadError(f"{path}: chat_template must be a string or a list of {{\"name\": ..., \"template\": ...}} "
+                         f"objects, got {json.dumps(value)[:200]}")
+
+
+def _eos_token_ids(value: Any, path: str) -> list[int]:
+    """eos_token_id of generation_config.json / config.json: a token id, a list of them, or null."""
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    return [to_int(v, f"{path}: eos_token_id", minimum=0) for v in values]
 
 
 def _read_json_object(path: str) -> dict[str, Any]:

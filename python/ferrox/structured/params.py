@@ -31,7 +31,14 @@ class StructuredOutputsParams:
                 "structured_outputs: exactly one of json, regex, choice, grammar, json_object must be set"
                 f" (got {kinds or 'none'})"
             )
+        # The values come from request JSON: a wrong type is the client's error here (a 400 naming
+        # the field), not a TypeError deep inside llguidance. (A json value of the wrong type is
+        # refused by backend.load_schema.)
+        for name, value in (("regex", self.regex), ("grammar", self.grammar)):
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"structured_outputs.{name}: must be a string, got {type(value).__name__}")
         if self.choice is not None and (
-            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+            not isinstance(self.choice, (list, tuple)) or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
         ):
             raise ValueError("structured_outputs.choice: must be a non-empty list of non-empty strings")
