@@ -59,7 +59,7 @@ rust-test:
 	cargo test --no-default-features -q
 
 py-test: build
-	$(PY) -m pytest -q -x --timeout=600 tests
+	$(PY) -m pytest -q -x --timeout=600 --durations=15 tests
 
 wheel: $(VENV)/.deps-stamp
 	maturin build --release -o wheels

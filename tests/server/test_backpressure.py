@@ -19,6 +19,7 @@ import pytest
 from tests.server.server_proc import ServerProcess
 
 LONG = {"prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True}
+TIMEOUT_S = 8
 
 
 def post(base: str, path: str, body: dict[str, Any], timeout: float = 60) -> tuple[int, dict[str, str], Any]:
@@ -86,8 +87,9 @@ class Stream(threading.Thread):
 
 @pytest.fixture(scope="module")
 def limited():
-    # One sequence runs at a time, two may be in flight, and none may run longer than 4 s.
-    srv = ServerProcess("--max-num-seqs", "1", "--max-num-queued-reqs", "2", "--request-timeout", "4")
+    # One sequence runs at a time, two may be in flight, and none may run longer than TIMEOUT_S: long enough
+    # that on a slow box the running request is still in flight when the third arrives (4 s was not).
+    srv = ServerProcess("--max-num-seqs", "1", "--max-num-queued-reqs", "2", "--request-timeout", str(TIMEOUT_S))
     post(srv.base_url, "/v1/completions", {"prompt": "warm up", "max_tokens": 2})  # the first step is slow
     yield srv
     assert srv.stop() == 0
@@ -106,13 +108,13 @@ def test_queue_bound_503_then_timeouts_free_everything(limited):
     assert body["error"]["code"] == "server_overloaded" and "max_num_queued_reqs=2" in body["error"]["message"]
     # Both hit --request-timeout: the running one mid-stream (an in-band error, then [DONE]), the one
     # still waiting before its stream began (a plain 504).
-    running.join(20)
-    waiting.join(20)
+    running.join(30)
+    waiting.join(30)
     assert not running.is_alive() and running.lines[-1] == "[DONE]", running.lines[-2:]
     in_band = json.loads(running.lines[-2])["error"]
     assert waiting.status == 504 and not waiting.lines, (waiting.status, waiting.lines[-2:])
     for error in (in_band, waiting.error["error"]):
-        assert error["code"] == "request_timeout" and "request timeout (4 s)" in error["message"], error
+        assert error["code"] == "request_timeout" and f"request timeout ({TIMEOUT_S} s)" in error["message"], error
     wait_idle(base)
     status, _, body = post(base, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
     assert status == 200, body  # the in-flight count came back down
@@ -124,7 +126,7 @@ def test_request_timeout_without_a_stream_is_a_504(limited):
     status, _, body = post(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
                                                           "max_tokens": 900, "ignore_eos": True})
     assert status == 504, body
-    assert 3.5 < time.monotonic() - started < 12
+    assert TIMEOUT_S - 0.5 < time.monotonic() - started < TIMEOUT_S + 8
     assert "request timeout" in body["error"]["message"]
     wait_idle(base)
 
