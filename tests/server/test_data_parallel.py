@@ -115,8 +115,15 @@ def test_abort_reaches_the_owning_core(dp_server):
                     chunks += line.startswith(b"data: ")
                     if chunks == 3:
                         break
-            # One long request on each core (least loaded first).
-            running = [value(scrape(dp_server.base_url), "ferrox:num_requests_running", engine=e) for e in "01"]
+            # One long request on each core (least loaded first). A core's gauges come with its outputs
+            # at most every 0.2 s, so a scrape right after the first chunks can be stale: poll.
+            deadline = time.monotonic() + 10
+            while True:
+                running = [value(scrape(dp_server.base_url), "ferrox:num_requests_running", engine=e)
+                           for e in "01"]
+                if running == [1, 1] or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.1)
             for resp in responses:
                 resp.close()  # the client goes away mid-stream: the server aborts its request
             return running
