@@ -103,6 +103,9 @@ def _non_default(name: str) -> list[tuple[list[str], Any]]:
     if field.metadata.get("positional"):
         return [(["/models/some-model"], "/models/some-model")]
     flag = cli.flag_name(name)
+    if name == "speculative_config":  # a JSON object on the command line
+        return [([flag, '{"method": "ngram", "num_speculative_tokens": 2}'],
+                 {"method": "ngram", "num_speculative_tokens": 2})]
     choices = field.metadata.get("choices")
     if choices:
         value = next(c for c in choices if c != field.default and getattr(EngineConfig(**{name: c}), name) == c)

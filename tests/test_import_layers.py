@@ -24,6 +24,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "base": (
         "ferrox", "ferrox._core", "ferrox.errors", "ferrox.model_spec", "ferrox.sampling_params",
         "ferrox.structured.params", "ferrox.config", "ferrox.outputs", "ferrox.step_types", "ferrox.request_rules",
+        "ferrox.speculative_config",
     ),
     # Tensor-parallel groups and weight sharding: below every layer that shards.
     "distributed": ("ferrox.distributed",),
@@ -40,7 +41,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "executor": ("ferrox.executor",),
     "engine": ("ferrox.engine",),
     "metrics": ("ferrox.metrics",),
-    "entrypoints": ("ferrox.entrypoints",),
+    # `python -m ferrox`: the console script by another door.
+    "entrypoints": ("ferrox.entrypoints", "ferrox.__main__"),
 }
 
 # Low to high; groups of one tier may not import each other.
@@ -54,7 +56,9 @@ ORDER: list[tuple[str, ...]] = [
     ("structured",),
     ("worker",),
     ("executor",),
-    ("engine", "metrics"),
+    # Metrics read the step results (base) and are fed by the front-end (engine/async_llm.py).
+    ("metrics",),
+    ("engine",),
     ("entrypoints",),
 ]
 
