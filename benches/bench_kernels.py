@@ -7,7 +7,10 @@ $OUT/bench_kernels.json when OUT is set).
 
 Shapes are Llama-3.1-8B's (32 q heads / 8 kv heads, head_dim 128, hidden 4096, intermediate
 14336, vocab 128256), bf16, block size 16. Attention bandwidth is KV bytes read / time, reported
-against a device-to-device copy measured in the same run.
+against a device-to-device copy measured in the same run; attention FLOP/s count QK^T and PV over
+the causally visible positions. The sweep times the prefill kernel's launch configs (pointer
+loads at block size 16, TMA at block size 128) on an 8192-token chunk after 24576 cached tokens,
+and the split-KV decode configs x split counts at batch 1, 122k context (CUDA-graph replays).
 """
 
 from __future__ import annotations
@@ -27,13 +30,15 @@ sys.path.insert(0, str(ROOT / "tests" / "kernels"))  # PagedBatch + references, 
 
 from ferrox.attention.backend import get_attention_backend  # noqa: E402
 from ferrox.attention.metadata import AttentionMetadata  # noqa: E402
+from ferrox.attention.triton_backend import PREFILL_MIN_QUERY_LEN  # noqa: E402
 from ferrox.kernels import paged_attention as pa  # noqa: E402
+from ferrox.kernels import prefill_attention as pf  # noqa: E402
 from ferrox.kernels.activation import silu_and_mul  # noqa: E402
 from ferrox.kernels.cuda_sampling import load_extension, top_k_top_p_sample, top_k_top_p_sample_torch  # noqa: E402
 from ferrox.kernels.reshape_and_cache import reshape_and_cache  # noqa: E402
 from ferrox.kernels.rmsnorm import fused_add_rms_norm  # noqa: E402
 from ferrox.kernels.rotary import neox_cos_sin_cache, rotary_neox_  # noqa: E402
-from kernel_refs import PagedBatch, relative_error  # noqa: E402
+from kernel_refs import PagedBatch, paged_attention_ref, relative_error  # noqa: E402
 
 H, HKV, D, BLOCK = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -76,77 +81,148 @@ def kv_bytes_per_call(b: PagedBatch) -> int:
     return sum(b.seq_lens_list) * HKV * D * 2 * 2
 
 
-def _attention_case(section: str, name: str, query_lens, context_lens, copy_gbps: float) -> None:
+def _attention_case(section: str, name: str, query_lens, context_lens, copy_gbps: float, torch_ref: bool = True) -> None:
+    """The Triton backend (which picks the unified or the prefill kernel) against the torch one."""
     b = PagedBatch(query_lens, context_lens, H, HKV, D, BLOCK, DTYPE, torch.device(DEVICE))
     meta = _meta(b)
     triton_be, torch_be = get_attention_backend(DEVICE, "triton"), get_attention_backend(DEVICE, "torch")
-    ref = torch_be.forward(b.q, b.k, b.v, b.kv_cache.clone(), meta, b.scale)
     out = triton_be.forward(b.q, b.k, b.v, b.kv_cache, meta, b.scale)
-    err = relative_error(out[: b.num_actual_tokens], ref[: b.num_actual_tokens])
+    n = b.num_actual_tokens
+    ref = _reference(b)
+    err = relative_error(out[:n], ref[:n])
+    del ref
     ms = timed(lambda: triton_be.forward(b.q, b.k, b.v, b.kv_cache, meta, b.scale))
-    torch_ms = timed(lambda: torch_be.forward(b.q, b.k, b.v, b.kv_cache, meta, b.scale))
+    torch_ms = timed(lambda: torch_be.forward(b.q, b.k, b.v, b.kv_cache, meta, b.scale)) if torch_ref else None
     graph_note = ""
     if b.max_query_len == 1 and DEVICE == "cuda":
         # Eager timings of small launches include Python launch overhead; a CUDA graph replay
         # (as the engine runs decode steps) shows the GPU time alone.
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            triton_be.forward(b.q, b.k, b.v, b.kv_cache, meta, b.scale)
-        graph_ms = timed(graph.replay)
+        graph_ms = timed(_graph(lambda: triton_be.forward(b.q, b.k, b.v, b.kv_cache, meta, b.scale)).replay)
         graph_note = f"graph {graph_ms * 1e3:.0f} us ({kv_bytes_per_call(b) / graph_ms / 1e6:.0f} GB/s), "
-    kv_bytes = sum(b.seq_lens_list) * HKV * D * 2 * 2
-    flops = 0
-    for ql, ctx in zip(query_lens, context_lens, strict=True):
-        flops += 4 * H * D * (ql * ctx + ql * (ql + 1) / 2)
-    group = H // HKV
-    block_q = max(pa.DECODE_CONFIG.block_m if b.max_query_len == 1 else pa.PREFILL_CONFIG.block_m, group) // group
-    splits = pa.choose_num_splits((b.num_tokens // block_q + len(query_lens)) * HKV, b.max_seq_len, pa._num_sms(b.q.device))
-    metric = graph_note + f"{kv_bytes / ms / 1e6:.0f} GB/s KV ({kv_bytes / ms / 1e6 / copy_gbps:.0%} of copy), {flops / ms / 1e9:.1f} TFLOP/s, splits={splits}"
+    kv_bytes = kv_bytes_per_call(b)
+    flops = causal_flops(query_lens, context_lens)
+    if b.max_query_len == 1:
+        group = H // HKV
+        block_q = max(pa.DECODE_CONFIG.block_m, group) // group
+        splits = pa.choose_num_splits((b.num_tokens // block_q + len(query_lens)) * HKV, b.max_seq_len,
+                                      pa._num_sms(b.q.device))
+        kernel = f"unified, splits={splits}"
+    else:
+        kernel = "prefill kernel" if b.max_query_len >= PREFILL_MIN_QUERY_LEN else "unified"
+    metric = graph_note + (f"{kv_bytes / ms / 1e6:.0f} GB/s KV ({kv_bytes / ms / 1e6 / copy_gbps:.0%} of copy), "
+                           f"{flops / ms / 1e9:.1f} TFLOP/s, {kernel}")
     record(section, name, ms, torch_ms, metric, f"rel err {err:.1e}" + ("" if err < 2e-2 else " FAIL"))
 
 
+def causal_flops(query_lens, context_lens) -> float:
+    """QK^T and PV over the visible positions of every query (causal inside a chunk)."""
+    return sum(4 * H * D * (ql * ctx + ql * (ql + 1) / 2) for ql, ctx in zip(query_lens, context_lens, strict=True))
+
+
+def _reference(b: PagedBatch, rows_per_call: int = 1024) -> torch.Tensor:
+    """paged_attention_ref in slices of query rows (a long chunk's float32 scores would not fit)."""
+    ref = torch.empty_like(b.q, dtype=torch.float32)
+    starts = b.query_start_loc.tolist()
+    for r, seq_len in enumerate(b.seq_lens_list):
+        context = seq_len - (starts[r + 1] - starts[r])
+        for lo in range(starts[r], starts[r + 1], rows_per_call):
+            hi = min(lo + rows_per_call, starts[r + 1])
+            loc = torch.tensor([0, hi - lo], dtype=torch.int32, device=b.q.device)
+            lens = torch.tensor([context + hi - starts[r]], dtype=torch.int32, device=b.q.device)
+            ref[lo:hi] = paged_attention_ref(b.q[lo:hi], b.kv_cache, loc, lens, b.block_table[r:r + 1], b.scale)
+    return ref
+
+
+def _graph(fn) -> torch.cuda.CUDAGraph:
+    fn()  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def attention(copy_gbps: float, decode_only: bool = False) -> None:
-    for bsz, ctx in [(1, 160), (1, 1024), (1, 8192), (1, 32768), (8, 4096), (64, 2048), (256, 1024), (256, 2048)]:
+    for bsz, ctx in [(1, 160), (1, 1024), (1, 8192), (1, 32768), (1, 122880), (8, 4096), (64, 2048), (256, 1024),
+                     (256, 2048)]:
         _attention_case("attn decode", f"B={bsz} ctx={ctx}", [1] * bsz, [ctx - 1] * bsz, copy_gbps)
     if decode_only:
         return
     _attention_case("attn prefill", "1 x 2048 fresh", [2048], [0], copy_gbps)
     _attention_case("attn prefill", "4 x 512 fresh", [512] * 4, [0] * 4, copy_gbps)
     _attention_case("attn prefill", "chunk 2048 after 6144", [2048], [6144], copy_gbps)
-    _attention_case("attn mixed", "2 chunks x 512 (ctx 2k) + 128 decodes (ctx 1k)", [512, 512] + [1] * 128,
-                    [2048, 2048] + [1023] * 128, copy_gbps)
+    _attention_case("attn prefill", "chunk 8192 after 24576 (32k)", [8192], [24576], copy_gbps)
+    _attention_case("attn prefill", "chunk 8192 after 114688 (122k)", [8192], [114688], copy_gbps, torch_ref=False)
+    _attention_case("attn mixed", "2 chunks x 512 (ctx 2k) + 128 decodes (ctx 1k)", [1] * 128 + [512, 512],
+                    [1023] * 128 + [2048, 2048], copy_gbps)
 
 
-def sweep() -> None:
-    """Time launch configs of the attention kernel directly; only correct ones are reported."""
-    cases = {
-        "decode B=64 ctx=2048": ([1] * 64, [2047] * 64),
-        "decode B=1 ctx=16384": ([1], [16383]),
-        "prefill 1 x 2048": ([2048], [0]),
-        "mixed 2x512 + 128 dec": ([512, 512] + [1] * 128, [2048, 2048] + [1023] * 128),
-    }
-    decode_cfgs = [pa.AttentionLaunchConfig(16, n, w, s) for n, w, s in
-                   [(32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (64, 2, 2), (128, 8, 3), (32, 2, 3)]]
-    prefill_cfgs = [pa.AttentionLaunchConfig(m, n, w, s) for m, n, w, s in
-                    [(64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (128, 32, 4, 2), (64, 64, 4, 3), (128, 64, 4, 3),
-                     (128, 128, 8, 2), (64, 128, 4, 2)]]
-    for name, (ql, ctx) in cases.items():
-        b = PagedBatch(ql, ctx, H, HKV, D, BLOCK, DTYPE, torch.device(DEVICE))
-        reshape_and_cache(b.k, b.v, b.kv_cache, b.slot_mapping)
-        ref = get_attention_backend(DEVICE, "torch").forward(b.q, b.k, b.v, b.kv_cache.clone(), _meta(b), b.scale)
-        n = b.num_actual_tokens
-        for cfg in decode_cfgs if b.max_query_len == 1 else prefill_cfgs:
-            def run(cfg=cfg, b=b):
+# Launch configs the sweep tries: (block_m, tile_n, num_warps, num_stages). The H200 optimum of each
+# family comes first (the engine's defaults); the others were within reach or worse.
+PREFILL_SWEEP = [(256, 64, 8, 3), (256, 64, 8, 2), (128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3),
+                 (256, 128, 8, 2), (64, 64, 4, 3)]
+PREFILL_TMA_SWEEP = [(128, 64, 4, 4), (128, 64, 4, 3), (128, 128, 8, 3), (256, 64, 8, 3)]
+DECODE_SWEEP = [(16, 128, 4, 3), (16, 128, 4, 2), (16, 128, 8, 3), (16, 64, 4, 3), (16, 64, 4, 2), (16, 256, 8, 2)]
+DECODE_SPLITS = [16, 24, 33, 48, 66, 132]
+
+
+def _sweep_prefill(name: str, query_lens, context_lens, block_size: int, configs, use_tma: bool) -> None:
+    b = PagedBatch(query_lens, context_lens, H, HKV, D, block_size, DTYPE, torch.device(DEVICE))
+    reshape_and_cache(b.k, b.v, b.kv_cache, b.slot_mapping)
+    ref = _reference(b)
+    n, flops = b.num_actual_tokens, causal_flops(query_lens, context_lens)
+    runs = [(f"unified m{c.block_m} n{c.tile_n} w{c.num_warps} s{c.num_stages}",
+             lambda c=c: pa.unified_attention(b.q, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_table,
+                                              max_query_len=b.max_query_len, max_seq_len=b.max_seq_len,
+                                              scale=b.scale, config=c))
+            for c in ([pa.PREFILL_CONFIG] if not use_tma else [])]
+    for m, t, w, st in configs:
+        cfg = pf.PrefillLaunchConfig(m, t, w, st)
+        runs.append((f"prefill{' tma' if use_tma else ''} m{m} n{t} w{w} s{st}",
+                     lambda cfg=cfg: pf.prefill_attention(b.q, b.kv_cache, b.query_start_loc, b.seq_lens,
+                                                          b.block_table, scale=b.scale, config=cfg, use_tma=use_tma)))
+    for label, run in runs:
+        try:
+            err = relative_error(run()[:n], ref[:n])
+            ms = timed(run)
+        except Exception as exc:  # e.g. out of shared memory for a big tile, or no TMA on this Triton
+            record("sweep", f"{name} {label}", float("nan"), None, check=f"error {type(exc).__name__}: {exc}"[:160])
+            continue
+        record("sweep", f"{name} {label}", ms, None, f"{flops / ms / 1e9:.0f} TFLOP/s",
+               check=f"rel err {err:.1e}" + ("" if err < 2e-2 else " FAIL"))
+
+
+def _sweep_decode(name: str, batch_size: int, context: int, copy_gbps: float) -> None:
+    b = PagedBatch([1] * batch_size, [context - 1] * batch_size, H, HKV, D, BLOCK, DTYPE, torch.device(DEVICE))
+    reshape_and_cache(b.k, b.v, b.kv_cache, b.slot_mapping)
+    ref = _reference(b)
+    kv_bytes = kv_bytes_per_call(b)
+    for m, t, w, st in DECODE_SWEEP:
+        cfg = pa.AttentionLaunchConfig(m, t, w, st)
+        for splits in DECODE_SPLITS:
+            def run(cfg=cfg, splits=splits):
                 return pa.unified_attention(b.q, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_table,
-                                            max_query_len=b.max_query_len, max_seq_len=b.max_seq_len, scale=b.scale, config=cfg)
+                                            max_query_len=1, max_seq_len=b.max_seq_len, scale=b.scale, config=cfg,
+                                            num_splits=splits)
+            label = f"{name} n{t} w{w} s{st} splits={splits}"
             try:
-                err = relative_error(run()[:n], ref[:n])
-                ms = timed(run)
-            except Exception as exc:  # e.g. out of shared memory for a big tile
-                record("sweep", f"{name} {cfg}", float("nan"), None, check=f"error {type(exc).__name__}")
+                err = relative_error(run()[: b.num_actual_tokens], ref[: b.num_actual_tokens])
+                ms = timed(_graph(run).replay)
+            except Exception as exc:
+                record("sweep", label, float("nan"), None, check=f"error {type(exc).__name__}: {exc}"[:160])
                 continue
-            record("sweep", f"{name} m{cfg.block_m} n{cfg.tile_n} w{cfg.num_warps} s{cfg.num_stages}", ms, None,
+            gbps = kv_bytes / ms / 1e6
+            record("sweep", label, ms, None, f"{gbps:.0f} GB/s ({gbps / copy_gbps:.0%} of copy)",
                    check=f"rel err {err:.1e}" + ("" if err < 2e-2 else " FAIL"))
+
+
+def sweep(copy_gbps: float) -> None:
+    """Time launch configs of the attention kernels directly; every run is checked first."""
+    _sweep_prefill("chunk 8192 after 24576", [8192], [24576], BLOCK, PREFILL_SWEEP, use_tma=False)
+    _sweep_prefill("chunk 8192 after 24576 block 128", [8192], [24576], 128, PREFILL_TMA_SWEEP, use_tma=True)
+    _sweep_decode("decode B=1 ctx=122880", 1, 122880, copy_gbps)
+    _sweep_prefill("mixed 128 dec + 2x512", [1] * 128 + [512, 512], [1023] * 128 + [2048, 2048], BLOCK,
+                   PREFILL_SWEEP[:1], use_tma=False)
 
 
 def _norm_case(tokens: int, copy_gbps: float) -> None:
@@ -290,7 +366,7 @@ def main() -> None:
     sections = [("attention", lambda: attention(copy_gbps, args.decode_only)), ("elementwise", lambda: elementwise(copy_gbps)),
                 ("sampling", sampling)]
     if args.sweep:
-        sections.append(("sweep", sweep))
+        sections.append(("sweep", lambda: sweep(copy_gbps)))
     for name, fn in sections:
         if only and name not in only:
             continue

@@ -76,6 +76,9 @@ pub struct Request {
     /// Speculative decoding may propose tokens for this request (off, e.g., while a grammar
     /// constrains it and the drafts are not checked against it).
     pub allow_drafts: bool,
+    /// The LoRA adapter this request runs with (0: the base model). The scheduler caps how many
+    /// distinct adapters one step may carry (`SchedulerConfig::max_loras`).
+    pub lora_id: i64,
     pub limits: SamplingLimits,
     pub root_hash: BlockHash,
     /// Hash of every full block of `token_ids`.

@@ -56,6 +56,14 @@ pub struct SchedulerConfig {
     pub eos_token_ids: Vec<u32>,
     /// Off by default (`from_signed` leaves it off; set it with `with_speculation`).
     pub spec: SpeculativeConfig,
+    /// Most distinct LoRA adapters among the running requests (the runner's GPU slots); 0: no
+    /// cap (LoRA off, every request has lora_id 0). A waiting request whose adapter would be one
+    /// too many waits, and requests behind it with a running adapter (or none) go ahead.
+    pub max_loras: usize,
+    /// Prompts may be split across steps. Off (encoder models: attention sees the whole prompt
+    /// at once), a waiting request is admitted only when its whole remaining prompt fits the
+    /// step's remaining budget, and a prompt longer than the budget is refused at add_request.
+    pub chunked_prefill: bool,
 }
 
 impl SchedulerConfig {
@@ -103,11 +111,23 @@ impl SchedulerConfig {
             policy: policy.parse()?,
             eos_token_ids: eos,
             spec: SpeculativeConfig::default(),
+            max_loras: 0,
+            chunked_prefill: true,
         })
     }
 
     pub fn with_speculation(mut self, spec: SpeculativeConfig) -> Self {
         self.spec = spec;
+        self
+    }
+
+    pub fn with_max_loras(mut self, max_loras: usize) -> Self {
+        self.max_loras = max_loras;
+        self
+    }
+
+    pub fn with_chunked_prefill(mut self, on: bool) -> Self {
+        self.chunked_prefill = on;
         self
     }
 }
@@ -379,6 +399,16 @@ impl Scheduler {
                 format!("must be >= 0, got {}", r.lora_id),
             ));
         }
+        if !self.cfg.chunked_prefill && prompt_len > self.cfg.max_num_batched_tokens {
+            return Err(invalid(
+                "max_num_batched_tokens",
+                format!(
+                    "the prompt has {prompt_len} tokens, more than one step's budget ({}); this model \
+                     runs each prompt in one step (no chunked prefill)",
+                    self.cfg.max_num_batched_tokens
+                ),
+            ));
+        }
         if prompt_len >= self.cfg.max_model_len {
             return Err(CoreError::PromptTooLong(format!(
                 "request {:?}: the prompt has {prompt_len} tokens but max_model_len is {}; the prompt \
@@ -440,6 +470,7 @@ impl Scheduler {
             num_cached_tokens: None,
             num_output_placeholders: 0,
             allow_drafts: r.allow_drafts,
+            lora_id: r.lora_id,
             limits: SamplingLimits {
                 max_tokens,
                 min_tokens: r.min_tokens as usize,
@@ -714,6 +745,16 @@ impl Scheduler {
 
         // 2. Waiting requests, unless this step had to preempt (then memory is tight).
         if preempted.is_empty() {
+            // Adapters of the running requests (only counted when the cap is on).
+            let mut loras: Vec<i64> = Vec::new();
+            if self.cfg.max_loras > 0 {
+                for &s in &self.running {
+                    let id = self.req(s).lora_id;
+                    if id != 0 && !loras.contains(&id) {
+                        loras.push(id);
+                    }
+                }
+            }
             let mut w = 0;
             while w < self.waiting.len() && budget > 0 && self.running.len() < self.cfg.max_num_seqs
             {
@@ -723,10 +764,20 @@ impl Scheduler {
                     w += 1;
                     continue;
                 }
+                let lora = req.lora_id;
+                let new_lora = lora != 0 && self.cfg.max_loras > 0 && !loras.contains(&lora);
+                if new_lora && loras.len() >= self.cfg.max_loras {
+                    w += 1; // its adapter would not get a slot this step; others may go ahead
+                    continue;
+                }
                 let hit = self
                     .kv
                     .get_computed_blocks(&req.block_hashes, req.num_tokens());
-                let num_new = (req.num_tokens() - hit.num_tokens).min(budget);
+                let remaining = req.num_tokens() - hit.num_tokens;
+                if !self.cfg.chunked_prefill && remaining > budget {
+                    break; // keep the order: it runs whole in a later step
+                }
+                let num_new = remaining.min(budget);
                 if !self.kv.allocate_slots(
                     &mut req.kv,
                     &req.block_hashes,
@@ -748,6 +799,9 @@ impl Scheduler {
                     req.num_cached_tokens = Some(hit.num_tokens);
                 }
                 req.status = RequestStatus::Running;
+                if new_lora {
+                    loras.push(lora);
+                }
                 self.waiting.remove(w);
                 self.running.push(slot);
                 scheduled.push((slot, num_new));
@@ -1645,6 +1699,59 @@ mod tests {
         let out = s.schedule();
         assert_eq!(out.req_ids.len(), 8);
         assert_eq!(s.stats().num_waiting, 4);
+    }
+
+    #[test]
+    fn max_loras_caps_distinct_adapters_and_lets_others_pass() {
+        let mut s = Scheduler::new(
+            SchedulerConfig::from_signed(64, 4, 256, 16, 1000, true, "fcfs", &[EOS as i64])
+                .unwrap()
+                .with_max_loras(2),
+            None,
+        )
+        .unwrap();
+        for (id, lora) in [("a", 1), ("b", 2), ("c", 3), ("d", 0), ("e", 1)] {
+            let mut r = req(id, 3, 2);
+            r.lora_id = lora;
+            s.add_request(r).unwrap();
+        }
+        let (out, _) = step(&mut s, 7);
+        // c's adapter would be a third: it waits; d (base) and e (adapter 1, running) pass it.
+        assert_eq!(ids(&out.new_req_ids), vec!["a", "b", "d", "e"]);
+        let (out, _) = step(&mut s, 7); // the second token: all four finish
+        assert!(out.new_req_ids.is_empty());
+        s.check_invariants();
+        let (out, _) = step(&mut s, 7);
+        assert_eq!(ids(&out.new_req_ids), vec!["c"]);
+        s.check_invariants();
+    }
+
+    #[test]
+    fn without_chunked_prefill_prompts_run_whole() {
+        let mut s = Scheduler::new(
+            SchedulerConfig::from_signed(64, 4, 256, 16, 10, true, "fcfs", &[EOS as i64])
+                .unwrap()
+                .with_chunked_prefill(false),
+            None,
+        )
+        .unwrap();
+        let err = s.add_request(req("long", 11, 1)).unwrap_err();
+        assert!(err.to_string().contains("max_num_batched_tokens"), "{err}");
+        s.add_request(req("a", 6, 1)).unwrap();
+        let mut b = req("b", 6, 1);
+        b.prompt_token_ids = (200..206).collect(); // no prefix shared with a
+        s.add_request(b).unwrap();
+        let out = s.schedule();
+        assert_eq!(
+            out.req_ids.iter().collect::<Vec<_>>(),
+            vec!["a"],
+            "b does not fit whole: it waits"
+        );
+        assert_eq!(out.arrays.num_scheduled_tokens, vec![6]);
+        s.update_from_output(&[7], None).unwrap();
+        let out = s.schedule();
+        assert_eq!(out.req_ids.iter().collect::<Vec<_>>(), vec!["b"]);
+        s.check_invariants();
     }
 
     #[test]

@@ -106,6 +106,8 @@ def _non_default(name: str) -> list[tuple[list[str], Any]]:
     if name == "speculative_config":  # a JSON object on the command line
         return [([flag, '{"method": "ngram", "num_speculative_tokens": 2}'],
                  {"method": "ngram", "num_speculative_tokens": 2})]
+    if name == "pooler_config":
+        return [([flag, '{"pooling_type": "CLS"}'], {"pooling_type": "CLS"})]
     choices = field.metadata.get("choices")
     if choices:
         value = next(c for c in choices if c != field.default and getattr(EngineConfig(**{name: c}), name) == c)

@@ -24,7 +24,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "base": (
         "ferrox", "ferrox._core", "ferrox.errors", "ferrox.model_spec", "ferrox.sampling_params",
         "ferrox.structured.params", "ferrox.config", "ferrox.outputs", "ferrox.step_types", "ferrox.request_rules",
-        "ferrox.speculative_config",
+        "ferrox.speculative_config", "ferrox.pooling.params",
     ),
     # Tensor-parallel groups and weight sharding: below every layer that shards.
     "distributed": ("ferrox.distributed",),
@@ -33,9 +33,13 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "attention": ("ferrox.attention",),
     "models": ("ferrox.models",),
     "loader": ("ferrox.loader",),
+    # Multi-LoRA: adapters read from disk, slot buffers, the wrapped projections and their kernels.
+    "lora": ("ferrox.lora",),
     # Constrained decoding: the model runner applies its bitmasks (worker -> structured.bitmask),
     # so it sits below the worker rather than beside the engine.
     "structured": ("ferrox.structured",),
+    # Pooling models (embeddings): reading a folder's pooling, the poolers; the runner (worker) uses them.
+    "pooling": ("ferrox.pooling",),
     "worker": ("ferrox.worker",),
     # Starting and stepping the ranks of a tensor-parallel model (processes, Ray actors).
     "executor": ("ferrox.executor",),
@@ -53,7 +57,8 @@ ORDER: list[tuple[str, ...]] = [
     ("layers", "attention"),
     ("models",),
     ("loader",),
-    ("structured",),
+    ("lora",),
+    ("structured", "pooling"),
     ("worker",),
     ("executor",),
     # Metrics read the step results (base) and are fed by the front-end (engine/async_llm.py).

@@ -1,6 +1,7 @@
 """ferrox: an LLM inference and serving engine with a Rust core.
 
-Public names: LLM, AsyncLLM, SamplingParams, StructuredOutputsParams, and the exception tree
+Public names: LLM, AsyncLLM, SamplingParams, StructuredOutputsParams, PoolingParams (with the
+outputs of a pooling model, EmbeddingRequestOutput and PoolingRequestOutput), and the exception tree
 rooted at FerroxError (ferrox.errors: every error has `.param`, the request field at fault).
 Heavy modules (torch, the engine) load on first use so `import ferrox` stays fast.
 """
@@ -28,6 +29,9 @@ __all__ = [
     "AsyncLLM",
     "SamplingParams",
     "StructuredOutputsParams",
+    "PoolingParams",
+    "EmbeddingRequestOutput",
+    "PoolingRequestOutput",
     "FerroxError",
     "InvalidArgumentError",
     "PromptTooLongError",
@@ -45,11 +49,16 @@ _LAZY = {
     "AsyncLLM": "ferrox.engine.async_llm",
     "SamplingParams": "ferrox.sampling_params",
     "StructuredOutputsParams": "ferrox.structured.params",
+    "PoolingParams": "ferrox.pooling.params",
+    "EmbeddingRequestOutput": "ferrox.outputs",
+    "PoolingRequestOutput": "ferrox.outputs",
 }
 
 if TYPE_CHECKING:
     from ferrox.engine.async_llm import AsyncLLM
     from ferrox.engine.llm import LLM
+    from ferrox.outputs import EmbeddingRequestOutput, PoolingRequestOutput
+    from ferrox.pooling.params import PoolingParams
     from ferrox.sampling_params import SamplingParams
     from ferrox.structured.params import StructuredOutputsParams
 

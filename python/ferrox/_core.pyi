@@ -209,6 +209,8 @@ class Scheduler:
         speculative_method: str = "ngram",
         prompt_lookup_min: int = 1,
         prompt_lookup_max: int = 5,
+        max_loras: int = 0,
+        enable_chunked_prefill: bool = True,
     ) -> None:
         """num_blocks includes the null block (id 0), which is never handed out.
         policy: 'fcfs' or 'priority' (lower priority value first, then arrival order).
@@ -222,7 +224,11 @@ class Scheduler:
         state gets up to num_speculative_tokens drafts per step. speculative_method 'ngram': proposed in
         the core by prompt lookup (vLLM's semantics: the longest suffix of prompt + output, between
         prompt_lookup_min and prompt_lookup_max tokens, that occurred earlier, its earliest occurrence;
-        the tokens after it); 'draft_model': only drafts passed to schedule()."""
+        the tokens after it); 'draft_model': only drafts passed to schedule().
+        max_loras: the most distinct LoRA adapters (lora_id != 0) among running requests (0: no
+        cap); a waiting request whose adapter would exceed it waits while later ones may go ahead.
+        enable_chunked_prefill=False: every prompt runs whole in one step (encoder models); a
+        prompt longer than max_num_batched_tokens is rejected by add_request."""
     @property
     def block_size(self) -> int: ...
     @property

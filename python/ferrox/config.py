@@ -35,6 +35,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from ferrox.pooling.params import parse_pooler_overrides
 from ferrox.speculative_config import parse_speculative_config
 
 CPU_DEFAULT_MAX_MODEL_LEN = 8192
@@ -52,6 +53,8 @@ POLICIES = ("fcfs", "priority")
 # "mp": one worker process per extra rank on this machine; "ray": ranks as Ray actors in a placement
 # group (an existing cluster, or a local one); "uni": everything in the engine process (size 1 only).
 EXECUTOR_BACKENDS = ("mp", "ray", "uni")
+# vLLM's --runner; "auto" resolves once the architecture is known (ferrox.pooling.config.resolve_runner).
+RUNNERS = ("auto", "generate", "pooling")
 
 
 def _gib(n: int) -> str:
@@ -123,6 +126,21 @@ class EngineConfig:
         "\"num_speculative_tokens\": k, \"prompt_lookup_min\": 1, \"prompt_lookup_max\": 5} (prompt lookup) or "
         "{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": k}; CPU only in this version",
         default_help="off")
+    runner: str = _opt(
+        "what the model is run for (vLLM's --runner): 'generate' text, or 'pooling' (embeddings: /v1/embeddings, "
+        "LLM.embed); 'auto' picks pooling for encoder-only models (BertModel, RobertaModel, XLMRobertaModel) and "
+        "generate otherwise; 'pooling' on a Llama/Qwen decoder embeds with its last token", "auto", choices=RUNNERS)
+    pooler_config: dict[str, Any] | None = _opt(
+        "a pooling model's pooling, overriding what its folder declares (vLLM's --pooler-config, a JSON object): "
+        "{\"pooling_type\": \"MEAN\" | \"CLS\" | \"LAST\", \"normalize\": true | false}",
+        default_help="the folder's modules.json + 1_Pooling/config.json, else CLS (encoders) or LAST (decoders), "
+        "normalized")
+    enable_lora: bool = _opt("serve LoRA adapters over the base model (requests pick one with lora_request, or "
+                             "by name in the `model` field)", False)
+    max_loras: int = _opt("most distinct LoRA adapters in one batch (the GPU-resident adapter slots)", 1)
+    max_lora_rank: int = _opt("largest LoRA rank an adapter may have (slots are sized for it)", 16)
+    max_cpu_loras: int | None = _opt("LoRA adapters kept in CPU memory (an LRU cache behind the GPU slots)",
+                                     default_help="max_loras")
 
     def __post_init__(self) -> None:
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
@@ -153,6 +171,16 @@ class EngineConfig:
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         parse_speculative_config(self.speculative_config)  # raises ValueError naming the key
+        _choice("runner", self.runner, RUNNERS)
+        parse_pooler_overrides(self.pooler_config)  # raises ValueError naming the key
+        if self.runner == "pooling" and self.speculative_config:
+            raise ValueError("speculative_config: a pooling model generates no tokens to speculate on (leave "
+                             "speculative_config unset with runner 'pooling')")
+        _positive_int("max_loras", self.max_loras)
+        _positive_int("max_lora_rank", self.max_lora_rank)
+        _positive_int("max_cpu_loras", self.max_cpu_loras, optional=True)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras: {self.max_cpu_loras} is less than max_loras ({self.max_loras})")
         for name in ("model", "tokenizer", "chat_template", "served_model_name"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):

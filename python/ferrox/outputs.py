@@ -1,4 +1,6 @@
-"""What `LLM.generate` / `AsyncLLM.generate` hand back (vLLM-compatible shapes and names).
+"""What `LLM.generate` / `AsyncLLM.generate` hand back (vLLM-compatible shapes and names), and for a
+pooling model what `LLM.embed` / `LLM.encode` / `AsyncLLM.encode` do (EmbeddingRequestOutput,
+PoolingRequestOutput).
 
 Logprobs follow vLLM: one dict per position, token id -> `Logprob`, holding the chosen token and
 the top-N alternatives. Prompt logprobs start with None (the first prompt token has no context).
@@ -7,6 +9,9 @@ the top-N alternatives. Prompt logprobs start with None (the first prompt token 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
 
 
 @dataclass(slots=True)
@@ -55,3 +60,51 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the engine failed this request (finish_reason "error")
     extra: dict[str, object] = field(default_factory=dict)
+
+
+# ---- pooling models (LLM.embed / LLM.encode / AsyncLLM.encode), vLLM's shapes -----------------------
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    """A pooled vector. vLLM holds a torch tensor here; ferrox a float32 numpy array (`torch.from_numpy`
+    wraps it without a copy), so the front-end stays free of torch."""
+
+    data: npt.NDArray[np.float32]
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+    error: str | None = None  # set when the engine failed this request (then `outputs.data` is empty)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+
+    @staticmethod
+    def from_base(request_output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return EmbeddingRequestOutput(request_output.request_id,
+                                      EmbeddingOutput(request_output.outputs.data.tolist()),
+                                      request_output.prompt_token_ids, request_output.finished)
+
+
+# What the output processor yields for one request: a generation's or a pooling model's.
+AnyRequestOutput = RequestOutput | PoolingRequestOutput

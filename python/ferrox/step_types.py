@@ -35,6 +35,11 @@ def _i32(values: Any) -> bytes:
     return np.ascontiguousarray(values, dtype=np.int32).tobytes()
 
 
+def pooled_bytes(vector: npt.NDArray[np.float32]) -> bytes:
+    """A pooling vector as it travels (StepResult.pooled): little-endian float32, whatever the host."""
+    return np.ascontiguousarray(vector, dtype="<f4").tobytes()
+
+
 class StepResult(msgspec.Struct, array_like=True, omit_defaults=True):
     """What one engine step reports: one row per request with news, as columns.
 
@@ -57,6 +62,9 @@ class StepResult(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: dict[int, Logprobs] = msgspec.field(default_factory=dict)
     prompt_logprobs: dict[int, Logprobs] = msgspec.field(default_factory=dict)
     errors: dict[int, str] = msgspec.field(default_factory=dict)
+    # Pooling requests (ferrox.pooling): row -> its vector as little-endian float32 bytes, sent once, in
+    # the row that finishes the request.
+    pooled: dict[int, bytes] = msgspec.field(default_factory=dict)
 
     # ---- columns as numpy views -----------------------------------------------------------------
     @property
@@ -106,9 +114,22 @@ class StepResult(msgspec.Struct, array_like=True, omit_defaults=True):
                 new_logprobs=self.logprobs.get(i),
                 prompt_logprobs=self.prompt_logprobs.get(i),
                 error=self.errors.get(i),
+                pooled=self.pooled.get(i),
             )
             for i, rid in enumerate(self.req_ids)
         ]
+
+    def set_pooled(self, vectors: dict[str, npt.NDArray[np.float32]]) -> None:
+        """Attach pooling vectors (request id -> float32 vector) to their rows."""
+        for i, rid in enumerate(self.req_ids):
+            vector = vectors.get(rid)
+            if vector is not None:
+                self.pooled[i] = pooled_bytes(vector)
+
+    def pooled_vector(self, row: int) -> npt.NDArray[np.float32] | None:
+        """Row's pooling vector, a writable native float32 copy (users hand it to torch.from_numpy)."""
+        raw = self.pooled.get(row)
+        return None if raw is None else np.frombuffer(raw, dtype="<f4").astype(np.float32)
 
     # ---- building -------------------------------------------------------------------------------
     @staticmethod
@@ -147,6 +168,8 @@ class StepResult(msgspec.Struct, array_like=True, omit_defaults=True):
                 result.prompt_logprobs[i] = r.prompt_logprobs
             if r.error is not None:
                 result.errors[i] = r.error
+            if r.pooled is not None:
+                result.pooled[i] = r.pooled
         result.token_ids_raw = _i32(tokens)
         result.token_offsets_raw = _i32(token_offsets)
         result.text = "".join(texts)
@@ -176,6 +199,7 @@ class StepResult(msgspec.Struct, array_like=True, omit_defaults=True):
             out.logprobs.update({row + base_row: v for row, v in p.logprobs.items()})
             out.prompt_logprobs.update({row + base_row: v for row, v in p.prompt_logprobs.items()})
             out.errors.update({row + base_row: v for row, v in p.errors.items()})
+            out.pooled.update({row + base_row: v for row, v in p.pooled.items()})
             base_row += len(p)
             base_tok += int(p.token_offsets[-1])
             base_txt += int(p.text_offsets[-1])
@@ -202,6 +226,7 @@ class StepRow(msgspec.Struct):
     new_logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
     error: str | None = None
+    pooled: bytes | None = None  # a pooling request's vector (little-endian float32)
 
     @property
     def finished(self) -> bool:

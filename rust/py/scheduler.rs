@@ -90,6 +90,8 @@ impl PyScheduler {
         speculative_method="ngram",
         prompt_lookup_min=1,
         prompt_lookup_max=5,
+        max_loras=0,
+        enable_chunked_prefill=true,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -107,7 +109,16 @@ impl PyScheduler {
         speculative_method: &str,
         prompt_lookup_min: i64,
         prompt_lookup_max: i64,
+        max_loras: i64,
+        enable_chunked_prefill: bool,
     ) -> PyResult<Self> {
+        if max_loras < 0 {
+            return Err(crate::error::invalid(
+                "max_loras",
+                format!("must be >= 0, got {max_loras}"),
+            )
+            .into());
+        }
         let spec = SpeculativeConfig::from_signed(
             num_speculative_tokens,
             speculative_method,
@@ -124,7 +135,9 @@ impl PyScheduler {
             policy,
             &eos_token_ids,
         )?
-        .with_speculation(spec);
+        .with_speculation(spec)
+        .with_max_loras(max_loras as usize)
+        .with_chunked_prefill(enable_chunked_prefill);
         let inner = py.detach(|| Scheduler::new(cfg, tokenizer_json))?;
         Ok(PyScheduler { inner })
     }

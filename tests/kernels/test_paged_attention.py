@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ferrox.kernels import paged_attention as pa
 from ferrox.kernels.paged_attention import _num_sms, choose_num_splits, unified_attention
 from ferrox.kernels.reshape_and_cache import reshape_and_cache
 
@@ -79,8 +80,23 @@ def test_split_kv_is_chosen_and_matches_single_pass(kernel_device, seed):
 def test_heuristic_keeps_one_split_for_big_batches():
     assert choose_num_splits(num_programs=2048, max_seq_len=32768, num_sms=132) == 1
     assert choose_num_splits(num_programs=8, max_seq_len=256, num_sms=132) == 1
-    splits = choose_num_splits(num_programs=8, max_seq_len=32768, num_sms=132)
-    assert splits > 1 and splits & (splits - 1) == 0
+
+
+def test_heuristic_fills_the_gpu_at_batch_one():
+    """Batch 1 at a long context: two waves of programs on all SMs (the H200 sweep's best region),
+    and no split shorter than the minimum split length at shorter contexts."""
+    num_sms, programs = 132, 8  # one query tile x 8 KV heads
+    splits = choose_num_splits(num_programs=programs, max_seq_len=131072, num_sms=num_sms)
+    assert programs * splits >= 2 * num_sms
+    short = choose_num_splits(num_programs=programs, max_seq_len=4096, num_sms=num_sms)
+    assert 1 < short <= 4096 // pa._MIN_SPLIT_LEN
+
+
+def test_many_splits_merge_in_chunks(kernel_device, seed):
+    """More splits than the merge kernel reads per step (and more splits than KV tiles: the empty
+    ones must weigh nothing)."""
+    batch = PagedBatch([1, 1], [700, 40], 4, 2, 16, 16, torch.float32, kernel_device)
+    _check(batch, torch.float32, num_splits=pa._MERGE_CHUNK + 9)
 
 
 @pytest.mark.gpu
@@ -101,6 +117,15 @@ def test_split_kv_llama8b_long_context(cuda_device, seed, batch_size):
     batch = PagedBatch([1] * batch_size, context_lens, 32, 8, 128, 16, torch.bfloat16, cuda_device)
     assert choose_num_splits(batch_size * 8, batch.max_seq_len, _num_sms(cuda_device)) > 1
     _check(batch, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_split_kv_decode_at_122k_context(cuda_device, seed):
+    """Batch-1 decode at the issue's longest context, with the engine's heuristic split count."""
+    batch = PagedBatch([1], [122879], 32, 8, 128, 16, torch.bfloat16, cuda_device)
+    assert choose_num_splits(8, batch.max_seq_len, _num_sms(cuda_device)) > 1
+    _check(batch, torch.bfloat16)
+    _check(batch, torch.bfloat16, num_splits=3 * pa._MERGE_CHUNK + 5)  # a merge over several chunks
 
 
 @pytest.mark.gpu

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import urllib.error
 import urllib.request
 
 import aiohttp
@@ -233,3 +234,14 @@ def test_version_and_health(base_url):
 
     status, version = asyncio.run(run())
     assert status == 200 and version["version"]
+
+
+def test_generation_server_refuses_embeddings_and_runtime_lora_updates(client, base_url):
+    with pytest.raises(openai.BadRequestError, match="does not support Embeddings API"):
+        client.embeddings.create(model=client.models.list().data[0].id, input="hi")
+    # Loading adapters at run time is off unless the environment allows it (as vLLM): 404 naming the switch.
+    req = urllib.request.Request(base_url + "/v1/load_lora_adapter", json.dumps({"lora_name": "x", "lora_path": "/"}).encode(),
+                                 {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    assert err.value.code == 404 and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in err.value.read().decode()

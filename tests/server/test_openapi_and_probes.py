@@ -19,6 +19,8 @@ ROUTES = {  # what a vLLM user reaches for, and this server's own additions
     "/v1/messages/count_tokens": {"post"}, "/tokenize": {"post"}, "/detokenize": {"post"},
     "/health": {"get"}, "/ping": {"get", "post"}, "/version": {"get"}, "/metrics": {"get"},
     "/openapi.json": {"get"}, "/status": {"get"}, "/": {"get"},
+    "/v1/embeddings": {"post"}, "/pooling": {"post"},
+    "/v1/load_lora_adapter": {"post"}, "/v1/unload_lora_adapter": {"post"},
 }
 
 

@@ -7,11 +7,20 @@ split-KV merge when the heuristic splits long contexts; nothing reads device mem
 so a decode step can be captured in a CUDA graph (the runner passes max_seq_len as a fixed upper
 bound and pads slot_mapping with -1). Its decode path runs one-token steps in fused
 matrix-vector kernels (attention/fused_decode.py).
+
+Which kernel attends: a step whose longest query is shorter than PREFILL_MIN_QUERY_LEN (decode
+steps, short chunks, speculative verification) runs the unified kernel (kernels/paged_attention.py,
+split-KV for long contexts). A step with a prefill chunk at least that long runs the prefill
+kernel (kernels/prefill_attention.py, large tensor-core tiles) for its requests; the one-token
+requests that lead a mixed batch (the scheduler puts decodes first) still go to the unified
+kernel, so their single query row does not occupy a whole 128- or 256-row query tile. The split is planned once per
+step from the metadata's host copies, never from device data.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -20,12 +29,53 @@ from ferrox.attention.decode_path import DecodePath, OneTokenLayer
 from ferrox.attention.fused_decode import FusedOneTokenDecode
 from ferrox.attention.metadata import AttentionMetadata
 from ferrox.kernels.paged_attention import unified_attention
+from ferrox.kernels.prefill_attention import prefill_attention
 from ferrox.kernels.reshape_and_cache import reshape_and_cache
+
+# Steps whose longest query reaches this many tokens attend with the prefill kernel (see above).
+# Chunks shorter than this fill little of the prefill kernel's tall query tiles (256 rows = 64
+# tokens x 4 heads on Hopper); they keep the unified kernel's 64-row tiles. Measured only from
+# 512-token chunks up (benches/bench_kernels.py), so the cut is conservative.
+PREFILL_MIN_QUERY_LEN = 128
+
+
+@dataclass(frozen=True, slots=True)
+class _StepPlan:
+    """How one step's requests are divided between the two kernels."""
+
+    num_decodes: int  # leading one-token requests (rows 0..num_decodes) for the unified kernel
+    use_prefill_kernel: bool  # the remaining requests go to the prefill kernel
+    prefill_query_start_loc: torch.Tensor  # query_start_loc[num_decodes:] - num_decodes, on device
+
+
+def _plan_step(meta: AttentionMetadata) -> _StepPlan:
+    if meta.max_query_len < PREFILL_MIN_QUERY_LEN:
+        return _StepPlan(0, False, meta.query_start_loc)
+    query_lens = (meta.query_start_loc_cpu[1:] - meta.query_start_loc_cpu[:-1]).tolist()
+    num_decodes = 0
+    while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+        num_decodes += 1
+    shifted = meta.query_start_loc[num_decodes:] - num_decodes if num_decodes else meta.query_start_loc
+    return _StepPlan(num_decodes, True, shifted)
 
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cached_kv = True
+
+    def __init__(self) -> None:
+        self._meta: AttentionMetadata | None = None
+        self._plan: _StepPlan | None = None
+
+    def begin_forward(self, meta: AttentionMetadata) -> None:
+        self._plan_for(meta)
+
+    def _plan_for(self, meta: AttentionMetadata) -> _StepPlan:
+        # Planned once per step (the first layer, or begin_forward) and reused by every layer.
+        if self._meta is not meta or self._plan is None:
+            self._plan = _plan_step(meta)
+            self._meta = meta
+        return self._plan
 
     def forward(
         self,
@@ -44,16 +94,24 @@ class TritonAttentionBackend(AttentionBackend):
         return self.attend(q, kv_cache, meta, scale)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return unified_attention(
-            q,
-            kv_cache,
-            meta.query_start_loc,
-            meta.seq_lens,
-            meta.block_table,
-            max_query_len=meta.max_query_len,
-            max_seq_len=meta.max_seq_len,
-            scale=scale,
-        )
+        return self._attend(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, meta,
+                            meta.max_seq_len, scale)
+
+    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                block_table: torch.Tensor, meta: AttentionMetadata, max_seq_len: int, scale: float) -> torch.Tensor:
+        plan = self._plan_for(meta)
+        if not plan.use_prefill_kernel:
+            return unified_attention(q, kv_cache, query_start_loc, seq_lens, block_table,
+                                     max_query_len=meta.max_query_len, max_seq_len=max_seq_len, scale=scale)
+        nd = plan.num_decodes
+        if nd == 0:
+            return prefill_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale=scale)
+        out = torch.empty_like(q)
+        unified_attention(q[:nd], kv_cache, query_start_loc[: nd + 1], seq_lens[:nd], block_table[:nd],
+                          max_query_len=1, max_seq_len=max_seq_len, scale=scale, out=out[:nd])
+        prefill_attention(q[nd:], kv_cache, plan.prefill_query_start_loc, seq_lens[nd:], block_table[nd:],
+                          scale=scale, out=out[nd:])
+        return out
 
     def decode_path(self, layers: Sequence[OneTokenLayer] | None,
                     rope_rows: Callable[[torch.Tensor], torch.Tensor]) -> DecodePath:
@@ -70,13 +128,5 @@ class TritonAttentionBackend(AttentionBackend):
         query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
         rows = torch.arange(max(meta.max_query_len, 1), dtype=torch.int32, device=q.device)
         block_table = (meta.query_start_loc[:-1, None] + rows[None, :]).to(torch.int32)
-        return unified_attention(
-            q,
-            kv,
-            meta.query_start_loc,
-            query_lens.to(torch.int32),
-            block_table,
-            max_query_len=meta.max_query_len,
-            max_seq_len=meta.max_query_len,
-            scale=scale,
-        )
+        return self._attend(q, kv, meta.query_start_loc, query_lens.to(torch.int32), block_table, meta,
+                            meta.max_query_len, scale)

@@ -39,6 +39,7 @@ core and merged; the death of any core is the engine's death.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -47,7 +48,7 @@ import uuid
 import weakref
 from collections.abc import AsyncGenerator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from ferrox.config import EngineConfig
 from ferrox.engine import validation
@@ -55,16 +56,26 @@ from ferrox.engine.core_process import EngineCoreOutputs
 from ferrox.engine.defaults import default_sampling_params
 from ferrox.engine.dp_client import DPCoreClient
 from ferrox.engine.input_processor import process_prompt
+from ferrox.engine.lora_state import check_lora_request, lora_fields
 from ferrox.engine.output_processor import OutputProcessor
 from ferrox.engine.protocol import EngineCoreRequest
-from ferrox.errors import EngineDeadError, EngineStartupError, RequestError
+from ferrox.errors import EngineDeadError, EngineStartupError, InvalidArgumentError, RequestError
 from ferrox.metrics.log_stats import LoggingStatLogger
 from ferrox.metrics.request_stats import IterationStats, RequestTiming, StatLogger, finished_stats, observe
-from ferrox.outputs import RequestOutput
+from ferrox.outputs import AnyRequestOutput, PoolingRequestOutput, RequestOutput
+from ferrox.pooling.params import (
+    PoolerConfig,
+    PoolingParams,
+    pooling_sampling_params,
+    validate_pooling_request,
+)
 from ferrox.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "EngineStartupError", "RequestError",
            "RequestTimeoutError", "StatLogger"]
+
+if TYPE_CHECKING:
+    from ferrox.lora.request import LoRARequest
 
 logger = logging.getLogger("ferrox.engine.async_llm")
 
@@ -100,13 +111,14 @@ class _Stream:
     def __init__(self, request_id: str, kind: RequestOutputKind) -> None:
         self.request_id = request_id
         self.kind = kind
-        self.pending: RequestOutput | None = None
+        self.pending: AnyRequestOutput | None = None
         self.error: BaseException | None = None
         self.finished = False
         self.event = asyncio.Event()
 
-    def put(self, out: RequestOutput) -> None:
-        if self.pending is None or self.kind != RequestOutputKind.DELTA:
+    def put(self, out: AnyRequestOutput) -> None:
+        if (self.pending is None or self.kind != RequestOutputKind.DELTA or not isinstance(self.pending, RequestOutput)
+                or not isinstance(out, RequestOutput)):
             self.pending = out
         else:
             _merge_delta(self.pending, out)
@@ -124,7 +136,7 @@ class _Stream:
         self.finished = True
         self.event.set()
 
-    async def get(self) -> RequestOutput | None:
+    async def get(self) -> AnyRequestOutput | None:
         """The next output; None once the stream has ended."""
         while self.pending is None:
             if self.error is not None:
@@ -162,6 +174,9 @@ def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
 
 
 class AsyncLLM:
+    # Runner "pooling" (an embedding model; from the core's handshake): how it pools. None: generation.
+    pooler_config: PoolerConfig | None = None
+
     def __init__(self, model: str | None = None, *, log_level: str | None = None, **engine_args: Any) -> None:
         config = engine_args.pop("config", None)
         if config is None:
@@ -202,6 +217,8 @@ class AsyncLLM:
             max_logprobs=config.max_logprobs,
         )
         self.device: str = info.device
+        # Runner "pooling" (an embedding model): requests come through encode(), generate() is refused.
+        self.pooler_config = info.pooler_config
         self.generation_defaults: dict[str, Any] = dict(info.generation_defaults)
         self.chat_template: str | None = _read_template(config.chat_template)
         # The engine's latest stats: totals over its cores, each core's own under "engines".
@@ -254,6 +271,26 @@ class AsyncLLM:
         """Empty every core's prefix cache; False if any core refused (blocks still in use)."""
         return all(await self.client.call_utility("reset_prefix_cache"))
 
+    # ---- LoRA adapters (vLLM's AsyncLLM.add_lora / remove_lora / list_loras) -------------------------
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter on every engine core now. Raises InvalidArgumentError naming the file and
+        field for a bad adapter (nothing is loaded anywhere then)."""
+        check_lora_request(lora_request)
+        try:
+            await self.client.call_utility("add_lora", lora_request.lora_name, lora_request.lora_int_id,
+                                           lora_request.lora_path)
+        except RuntimeError as e:
+            # A core's refusal comes back as "TypeName: message"; the message names file and field.
+            await self.client.call_utility("remove_lora", lora_request.lora_int_id)
+            raise InvalidArgumentError(str(e).split(": ", 1)[-1], param="lora_path") from None
+        return True
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return any(await self.client.call_utility("remove_lora", lora_int_id))
+
+    async def list_loras(self) -> set[int]:
+        return {i for ids in await self.client.call_utility("list_loras") for i in ids}
+
     async def check_health(self) -> None:
         if not self.is_running:
             raise EngineDeadError(self.dead_reason or "engine is shut down")
@@ -284,13 +321,55 @@ class AsyncLLM:
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream RequestOutputs for one request: cumulative unless `sampling_params.output_kind` is
         DELTA or FINAL_ONLY. Raises RequestError for a request the engine rejects or fails,
         EngineDeadError if the core dies. After `abort()` the last output has finished=True and
         finish_reason "abort" on every choice that had not finished. cache_salt: the prompt reuses
-        cached KV blocks only of requests that gave the same salt (vLLM's meaning).
+        cached KV blocks only of requests that gave the same salt (vLLM's meaning). lora_request: the
+        LoRA adapter to run with (the engine needs enable_lora=True).
         """
+        outputs = self._run(prompt, sampling_params, request_id, priority=priority, arrival_time=arrival_time,
+                            cache_salt=cache_salt, lora_request=lora_request)
+        async with contextlib.aclosing(outputs):  # closing this generator aborts the request at once
+            async for out in outputs:
+                assert isinstance(out, RequestOutput)
+                yield out
+
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """A pooling model's vector for one prompt (vLLM's AsyncLLM.encode): one final PoolingRequestOutput.
+        Raises InvalidArgumentError naming the field for a request the model refuses (too long, dimensions
+        it does not support, a generation model), RequestError if the engine fails it."""
+        outputs = self._run(prompt, pooling_sampling_params(), request_id, priority=priority,
+                            arrival_time=arrival_time, pooling_params=pooling_params or PoolingParams())
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                assert isinstance(out, PoolingRequestOutput)
+                yield out
+
+    async def _run(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None,
+        request_id: str | None,
+        *,
+        priority: int,
+        arrival_time: float | None,
+        cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
+    ) -> AsyncGenerator[AnyRequestOutput, None]:
+        """One request from admission to its last output (generate and encode): the queue limit, the
+        prompt threads, the request timeout, and the abort when the consumer stops early."""
         if self.client.dead is not None:
             raise EngineDeadError(self.client.dead)
         request_id = request_id or uuid.uuid4().hex
@@ -313,7 +392,7 @@ class AsyncLLM:
                 aborted = self._tokenizing.pop(request_id)
             # No await from here to the registration: the id cannot be taken in between.
             stream = self._add_request(prompt_text, prompt_ids, sampling_params, request_id, priority,
-                                       arrival_time, cache_salt)
+                                       arrival_time, cache_salt, lora_request, pooling_params)
             if self.request_timeout is not None:
                 timer = asyncio.get_running_loop().call_later(
                     max(0.0, arrival_time + self.request_timeout - time.time()), self._expire, stream)
@@ -321,7 +400,8 @@ class AsyncLLM:
                 if aborted:  # abort() came while the prompt was in the prompt threads: end it the usual way
                     await self.abort(request_id)
                 while (out := await stream.get()) is not None:
-                    if out.error is not None and not any(c.token_ids for c in out.outputs):
+                    if out.error is not None and (isinstance(out, PoolingRequestOutput)
+                                                  or not any(c.token_ids for c in out.outputs)):
                         raise RequestError(out.error)
                     yield out
                     if out.finished:
@@ -334,6 +414,26 @@ class AsyncLLM:
             self._num_in_flight -= samples
             if timer is not None:
                 timer.cancel()
+
+    @property
+    def runner(self) -> str:
+        """vLLM's runner of the served model: "pooling" (embeddings) or "generate"."""
+        return "generate" if self.pooler_config is None else "pooling"
+
+    def _check_runner(self, prompt_ids: list[int], pooling_params: PoolingParams | None) -> None:
+        """A generation request on a pooling model, or the reverse, is refused naming `runner`; a pooling
+        request is checked against the model's pooling rules (ferrox.pooling.params)."""
+        if self.pooler_config is None:
+            if pooling_params is not None:
+                raise InvalidArgumentError(f"runner: {self.model_name} runs with runner 'generate': it does not pool "
+                                           "embeddings (serve it with --runner pooling to embed with it)",
+                                           param="runner")
+            return
+        if pooling_params is None:
+            raise InvalidArgumentError(f"runner: {self.model_name} runs with runner 'pooling' (an embedding model): "
+                                       "it cannot generate text", param="runner")
+        validate_pooling_request(prompt_ids, pooling_params, self.pooler_config, max_model_len=self.max_model_len,
+                                 vocab_size=self.limits.vocab_size, model_name=self.model_name)
 
     def _expire(self, stream: _Stream) -> None:
         """`request_timeout` passed: free the request in the core and fail its generator."""
@@ -359,6 +459,8 @@ class AsyncLLM:
         priority: int,
         arrival_time: float,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> _Stream:
         """Validate a tokenized request and send it to the core (synchronously: errors raise here)."""
         if self.client.dead is not None:
@@ -366,7 +468,9 @@ class AsyncLLM:
         # No params: the model's generation_config defaults, exactly as LLM.generate uses.
         params = sampling_params if sampling_params is not None else default_sampling_params(
             self.generation_defaults)
-        validation.validate_request(prompt_ids, params, self.limits)
+        self._check_runner(prompt_ids, pooling_params)
+        if pooling_params is None:
+            validation.validate_request(prompt_ids, params, self.limits)
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
@@ -374,6 +478,8 @@ class AsyncLLM:
             arrival_time=arrival_time,
             priority=priority,
             cache_salt=cache_salt,
+            **lora_fields(lora_request),
+            pooling_params=pooling_params,
         )
         core_requests = self.processor.add_request(request, prompt_text)
         stream = _Stream(request_id, params.output_kind)

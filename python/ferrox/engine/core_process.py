@@ -29,6 +29,7 @@ import msgspec
 
 from ferrox.engine.defaults import GENERATION_DEFAULT_KEYS
 from ferrox.engine.protocol import EngineCoreRequest
+from ferrox.pooling.params import PoolerConfig
 from ferrox.step_types import StepResult, StepRow
 
 logger = logging.getLogger("ferrox.engine.core_process")
@@ -62,6 +63,8 @@ class CoreInfo(msgspec.Struct):
     # generation_config.json sampling defaults (temperature, top_p, ...): the front-end applies
     # them to requests that leave those fields unset, as the offline LLM does.
     generation_defaults: dict[str, Any] = {}
+    # Runner "pooling" (an embedding model): how it pools, so the front-end checks requests without torch.
+    pooler_config: PoolerConfig | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -91,7 +94,7 @@ class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
 SAMPLING_DEFAULT_KEYS = GENERATION_DEFAULT_KEYS
 
 # Engine core methods the front-end may call by name (anything else is refused).
-UTILITY_METHODS = ("stats", "reset_prefix_cache", "ping")
+UTILITY_METHODS = ("stats", "reset_prefix_cache", "ping", "add_lora", "remove_lora", "list_loras")
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -276,6 +279,7 @@ def run_engine_core(
                 k: v for k, v in dict(getattr(core, "generation_defaults", {}) or {}).items()
                 if k in SAMPLING_DEFAULT_KEYS and isinstance(v, (int, float))
             },
+            pooler_config=getattr(core, "pooler_config", None),
         )
         loop = CoreProcLoop(core, input_addr, output_addr)
     except BaseException as exc:

@@ -38,15 +38,21 @@ import numpy as np
 from ferrox import _core
 from ferrox.config import EngineConfig
 from ferrox.distributed.parallel_state import TPGroup, destroy_tp_group
+from ferrox.engine.lora_state import EngineLoRAs, check_lora_config
 from ferrox.engine.protocol import EngineCoreRequest
+from ferrox.errors import InvalidArgumentError
 from ferrox.executor import Executor, start_tensor_parallel
 from ferrox.executor.launch import rank_config
+from ferrox.pooling.params import PoolingParams, validate_pooling_request
+from ferrox.request_rules import check_request_id
 from ferrox.sampling_params import SamplingParams
 from ferrox.speculative_config import SpeculativeConfig, parse_speculative_config
 from ferrox.step_types import StepResult, StepRow
 from ferrox.worker.draft_model import DraftProposer
 from ferrox.worker.model_runner import ModelRunner, ModelRunnerOutput, StepHandle
 from ferrox.worker.model_setup import LoadedModel, load_everything
+from ferrox.worker.pooling_runner import PoolingRunner
+from ferrox.worker.warmup import EngineLimits, WarmupReport, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +62,7 @@ class EngineCore:
         self.config = config
         start = time.perf_counter()
         self.speculative = _check_speculative(config)
+        check_lora_config(config, speculative=self.speculative is not None)
         # tensor_parallel_size > 1: ranks 1..N-1 start now and load their shards beside this one.
         config = rank_config(config)
         self.tp, self.executor = start_tensor_parallel(config)
@@ -74,30 +81,49 @@ class EngineCore:
         self.num_kv_blocks = loaded.num_blocks
         self.block_size = config.block_size
         self.thread_governor = loaded.threads  # CPU: intra-op threads follow the machine's load
+        # Runner "pooling" (ferrox.pooling, worker/pooling_runner.py): each request is one prompt pooled into a
+        # vector. Its prompts run whole (no chunked prefill), with no KV cache to reuse (no prefix caching), and
+        # end with one placeholder token, which the scheduler's length limit must leave room for.
+        self.pooler_config = loaded.pooler_config
+        pooling = self.pooler_config is not None
         self.model_name = config.served_model_name or loaded.source.name
         self.tokenizer_json: str = self.tokenizer.to_json_str()
         self.scheduler = _core.Scheduler(
             num_blocks=loaded.num_blocks,
-            max_model_len=self.max_model_len,
+            max_model_len=self.max_model_len + 1 if pooling else self.max_model_len,
             block_size=config.block_size,
             max_num_seqs=loaded.max_num_seqs,
             max_num_batched_tokens=loaded.max_num_batched_tokens,
-            enable_prefix_caching=config.enable_prefix_caching,
+            enable_prefix_caching=config.enable_prefix_caching and not pooling,
+            enable_chunked_prefill=not pooling,
             policy=config.policy,
             tokenizer_json=self.tokenizer_json,
             eos_token_ids=self.eos_token_ids,
+            max_loras=config.max_loras if config.enable_lora else 0,
             **_speculative_scheduler_args(self.speculative),
         )
-        self.runner = ModelRunner(
-            loaded.model,
-            loaded.kv_caches,
-            vocab_size=self.vocab_size,
-            eos_token_ids=self.eos_token_ids,
-            device=self.device,
-            seed=config.seed,
-            tp=self.tp,
-            speculative=self.speculative is not None,
-        )
+        # Multi-LoRA: wraps the model's projections before CUDA graphs are captured (they read the
+        # adapters' slot buffers) and hands the runner its per-step adapter index.
+        self.loras: EngineLoRAs | None = None
+        if config.enable_lora:
+            self.loras = EngineLoRAs(loaded.model, config, device=loaded.device, dtype=loaded.dtype,
+                                     max_num_tokens=max(loaded.max_num_batched_tokens, loaded.max_num_seqs))
+        self.runner: ModelRunner | PoolingRunner
+        if self.pooler_config is not None:
+            self.runner = PoolingRunner(loaded.model, loaded.kv_caches, pooler_config=self.pooler_config,
+                                        device=self.device)
+        else:
+            self.runner = ModelRunner(
+                loaded.model,
+                loaded.kv_caches,
+                vocab_size=self.vocab_size,
+                eos_token_ids=self.eos_token_ids,
+                device=self.device,
+                seed=config.seed,
+                tp=self.tp,
+                speculative=self.speculative is not None,
+                lora=self.loras,
+            )
         # Draft-model speculation: the draft model and its twin KV cache (worker/draft_model.py).
         self.drafter: DraftProposer | None = None
         if self.speculative is not None and self.speculative.method == "draft_model":
@@ -117,21 +143,29 @@ class EngineCore:
             if self.cuda_graph_capture_s is not None:
                 logger.info("CUDA graphs for decode batches %s captured in %.1f s",
                             self.runner.graph_runner.batch_sizes, self.cuda_graph_capture_s)
+        # Every kernel variant a request can reach compiles now, not inside its latency (worker/warmup.py).
+        self.warmup: WarmupReport | None = None
+        if self.device.type == "cuda" and isinstance(self.runner, ModelRunner):
+            limits = EngineLimits(max_num_seqs=loaded.max_num_seqs, max_num_batched_tokens=loaded.max_num_batched_tokens,
+                                  max_model_len=self.max_model_len, block_size=config.block_size,
+                                  num_blocks=loaded.num_blocks, cuda_graphs=self.runner.graph_runner is not None)
+            self.warmup = warm_up(self.runner, limits, vocab_size=self.vocab_size, seed=config.seed)
+            logger.info("warm-up: %s", self.warmup.summary())
         self.structured: Any = None  # StructuredOutputManager, created on first constrained request
         # Async scheduling: the step launched last and not yet reported.
         # Speculation runs synchronous steps: a request's length is unknown until its drafts are
         # verified, so under async scheduling it would only run every other step (see _core.pyi).
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else self.device.type == "cuda" and self.speculative is None)
+                                 else self.device.type == "cuda" and self.speculative is None and not pooling)
         self._in_flight: StepHandle | None = None
         # The core's request slots -> request ids (the core's outputs name slots).
         self._req_of_slot: list[str | None] = []
         self._slot_of_req: dict[str, int] = {}
         self._pending_prompt_logprobs: dict[str, Any] = {}
         logger.info(
-            "engine ready in %.1f s: model=%s device=%s dtype=%s max_model_len=%d kv_blocks=%d (%d tokens)",
-            time.perf_counter() - start, self.model_name, self.device, loaded.dtype, self.max_model_len,
-            self.num_kv_blocks, self.kv_capacity_tokens,
+            "engine ready in %.1f s (warm-up %.1f s): model=%s device=%s dtype=%s max_model_len=%d kv_blocks=%d "
+            "(%d tokens)", time.perf_counter() - start, self.warmup.seconds if self.warmup is not None else 0.0,
+            self.model_name, self.device, loaded.dtype, self.max_model_len, self.num_kv_blocks, self.kv_capacity_tokens,
         )
 
     # ---- properties -----------------------------------------------------------------------------------
@@ -142,11 +176,20 @@ class EngineCore:
     # ---- requests ---------------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
         """Validate and queue. Raises ValueError / FerroxError naming the problem; nothing is queued then."""
+        if self.pooler_config is not None or request.pooling_params is not None:
+            self._add_pooling_request(request)
+            return
         params = request.sampling_params
         prompt = request.prompt_token_ids
         self.validate_prompt(prompt, params, what=f"request {request.request_id!r}", request_id=request.request_id)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt)
         wait_for_grammar = False
+        lora_id = request.lora_int_id
+        if lora_id:
+            if self.loras is None:
+                raise InvalidArgumentError("lora_request: LoRA is not enabled on this engine (start it with "
+                                           "enable_lora=True / --enable-lora)", param="lora_request")
+            self.loras.admit(request.request_id, lora_id, request.lora_name, request.lora_path)
         if params.structured_outputs is not None:
             self._structured().submit(request.request_id, params.structured_outputs)
             wait_for_grammar = True
@@ -168,16 +211,19 @@ class EngineCore:
                 cache_salt=request.request_id if params.prompt_logprobs is not None else request.cache_salt,
                 wait_for_grammar=wait_for_grammar,
                 allow_drafts=_drafts_allowed(params),
+                lora_id=lora_id,
             )
         except BaseException:
             if wait_for_grammar:
                 self.structured.free([request.request_id])
+            if self.loras is not None:
+                self.loras.release([request.request_id])
             raise
         if slot >= len(self._req_of_slot):
             self._req_of_slot.extend([None] * (slot + 1 - len(self._req_of_slot)))
         self._req_of_slot[slot] = request.request_id
         self._slot_of_req[request.request_id] = slot
-        self.runner.add_request(slot, request.request_id, prompt, params)
+        self.runner.add_request(slot, request.request_id, prompt, params, lora_id=lora_id)
 
     def validate_prompt(
         self, prompt: list[int], params: SamplingParams, what: str | None = None, *, request_id: str | None = None
@@ -186,6 +232,10 @@ class EngineCore:
         also that no live request has that id. Raises InvalidArgumentError (param = the field)."""
         from ferrox.engine import validation
 
+        if self.pooler_config is not None:
+            raise InvalidArgumentError(f"runner: {self.model_name} runs with runner 'pooling' (an embedding model): "
+                                       "it cannot generate text; use embed() / encode() or /v1/embeddings",
+                                       param="runner")
         if request_id is not None:
             validation.check_request_id(request_id, self._slot_of_req.__contains__)
         limits = validation.RequestLimits(
@@ -195,6 +245,39 @@ class EngineCore:
             max_logprobs=self.config.max_logprobs,
         )
         validation.validate_request(prompt, params, limits, what=what)
+
+    # ---- pooling requests (runner "pooling") ------------------------------------------------------------
+    def validate_pooling_prompt(self, prompt: list[int], params: PoolingParams, what: str | None = None, *,
+                                request_id: str | None = None) -> None:
+        """A pooling request's rules (ferrox.pooling.params) against this engine; InvalidArgumentError naming
+        the field, also for a pooling request on a generation engine."""
+        if self.pooler_config is None:
+            raise InvalidArgumentError(f"runner: {self.model_name} runs with runner 'generate': it does not pool "
+                                       "embeddings (start it with runner 'pooling' to embed with it)", param="runner")
+        if request_id is not None:
+            check_request_id(request_id, self._slot_of_req.__contains__)
+        validate_pooling_request(prompt, params, self.pooler_config, max_model_len=self.max_model_len,
+                                 vocab_size=self.vocab_size, what=what, model_name=self.model_name)
+
+    def _add_pooling_request(self, request: EngineCoreRequest) -> None:
+        """A pooling request: its prompt and one placeholder token (whatever its sampling_params say:
+        ferrox.pooling.params.pooling_sampling_params), never detokenized; the runner pools the prompt in
+        the step that computes it."""
+        pooling = request.pooling_params
+        if pooling is None:
+            raise InvalidArgumentError(f"request {request.request_id!r}: {self.model_name} runs with runner 'pooling' "
+                                       "(an embedding model): it cannot generate text", param="runner")
+        prompt = request.prompt_token_ids
+        self.validate_pooling_prompt(prompt, pooling, what=f"request {request.request_id!r}",
+                                     request_id=request.request_id)
+        slot = self.scheduler.add_request(request.request_id, prompt, max_tokens=1, ignore_eos=True, detokenize=False,
+                                          priority=request.priority)
+        if slot >= len(self._req_of_slot):
+            self._req_of_slot.extend([None] * (slot + 1 - len(self._req_of_slot)))
+        self._req_of_slot[slot] = request.request_id
+        self._slot_of_req[request.request_id] = slot
+        assert isinstance(self.runner, PoolingRunner)
+        self.runner.add_request(slot, request.request_id, prompt, request.sampling_params, pooling_params=pooling)
 
     def abort_requests(self, request_ids: list[str]) -> StepResult:
         outs = self.scheduler.abort_requests(list(request_ids))
@@ -276,6 +359,8 @@ class EngineCore:
             self.drafter.record(handle.so, outs)
         self._pending_prompt_logprobs.update(result.prompt_logprobs)
         step = self._result_of(outs)
+        if result.pooled:
+            step.set_pooled(result.pooled)
         slots = outs.slots
         self.runner.append_accepted(slots, outs.token_ids, outs.token_offsets)
         if result.logprobs:
@@ -323,6 +408,8 @@ class EngineCore:
             self._pending_prompt_logprobs.pop(rid, None)
         if self.structured is not None:
             self.structured.free(list(request_ids))
+        if self.loras is not None:
+            self.loras.release(list(request_ids))
 
     # ---- structured outputs (llguidance) --------------------------------------------------------------
     def _structured(self) -> Any:
@@ -349,6 +436,26 @@ class EngineCore:
         """Nothing schedulable but grammars compiling: block until one is ready (no busy loop)."""
         if self.structured is not None:
             self.structured.wait_for_pending(timeout)
+
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ----------------------------------
+    def add_lora(self, lora_name: str, lora_int_id: int, lora_path: str) -> bool:
+        """Load an adapter now (requests naming it later start without the read); raises
+        LoRAAdapterError naming the file and field."""
+        self._loras().add(lora_name, lora_int_id, lora_path)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter (after the requests still using it finish); False if unknown."""
+        return self._loras().remove(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self._loras().list_ids()
+
+    def _loras(self) -> EngineLoRAs:
+        if self.loras is None:
+            raise InvalidArgumentError("LoRA is not enabled on this engine (start it with enable_lora=True / "
+                                       "--enable-lora)", param="enable_lora")
+        return self.loras
 
     # ---- admin ----------------------------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
@@ -388,7 +495,7 @@ class EngineCore:
             destroy_tp_group(self.tp)
 
     @staticmethod
-    def _release(runner: ModelRunner, executor: Executor | None, tp: TPGroup) -> None:
+    def _release(runner: ModelRunner | PoolingRunner, executor: Executor | None, tp: TPGroup) -> None:
         """Tell the other ranks to stop, wait for them, leave the process group."""
         if executor is None:
             return

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ferrox.config import EngineConfig
 from ferrox.engine.defaults import default_sampling_params
@@ -23,11 +23,18 @@ from ferrox.engine.input_processor import (
     process_prompt,
     render_chat,
 )
+from ferrox.engine.lora_state import check_lora_request, lora_fields
 from ferrox.engine.output_processor import OutputProcessor
 from ferrox.engine.protocol import EngineCoreRequest
-from ferrox.errors import InvalidArgumentError
-from ferrox.outputs import RequestOutput
+from ferrox.errors import InvalidArgumentError, RequestError
+from ferrox.outputs import AnyRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from ferrox.pooling.params import PoolingParams, pooling_sampling_params
 from ferrox.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from ferrox.lora.request import LoRARequest
+
+OutputT = TypeVar("OutputT", RequestOutput, PoolingRequestOutput)
 
 
 class LLM:
@@ -54,18 +61,31 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
 
+    # ---- LoRA adapters (vLLM: llm.llm_engine.add_lora / remove_lora / list_loras) -----------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        check_lora_request(lora_request)
+        return self.engine.add_lora(lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return set(self.engine.list_loras())
+
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """lora_request: one adapter for every prompt, or one (or None) per prompt (enable_lora=True)."""
         items = normalize_prompts(prompts)
         if not items:
             return []  # as vLLM: nothing asked, nothing to do (no progress bar, no engine step)
         tokenizer = self.engine.tokenizer
         processed = [process_prompt(tokenizer, p, i) for i, p in enumerate(items)]
-        return self._run(processed, sampling_params, use_tqdm)
+        return self._run(processed, sampling_params, use_tqdm, lora_request)
 
     def chat(
         self,
@@ -76,6 +96,7 @@ class LLM:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         if isinstance(messages, Sequence) and not isinstance(messages, (str, Mapping)) and len(messages) == 0:
             return []  # no conversations (as generate([])); an empty conversation inside a list is an error
@@ -94,7 +115,62 @@ class LLM:
             )
             for i, conv in enumerate(conversations)
         ]
-        return self._run(processed, sampling_params, use_tqdm)
+        return self._run(processed, sampling_params, use_tqdm, lora_request)
+
+    # ---- pooling models (runner "pooling": an embedding model) -------------------------------------------
+    def embed(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        *,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in prompt order (vLLM's LLM.embed). Prompts are texts (encoded with the
+        model's special tokens, as transformers does; never truncated: a prompt longer than max_model_len is
+        refused), {"prompt_token_ids": [...]} or lists of token ids. pooling_params: one for every prompt, or
+        one per prompt (dimensions, normalize)."""
+        outputs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm)
+        return [EmbeddingRequestOutput.from_base(out) for out in outputs]
+
+    def encode(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """The pooled vector of each prompt as a float32 array (vLLM's LLM.encode); embed() gives lists."""
+        items = normalize_prompts(prompts)
+        if not items:
+            return []
+        tokenizer = self.engine.tokenizer
+        # Texts are encoded in one batch (the tokenizer spreads it over its threads): embedding calls are
+        # many short prompts, for which encoding one by one costs as much as the model on a GPU.
+        texts = iter(tokenizer.encode_batch([p for p in items if isinstance(p, str)]))
+        processed = [ProcessedPrompt(p, next(texts)) if isinstance(p, str) else process_prompt(tokenizer, p, i)
+                     for i, p in enumerate(items)]
+        params_list = _pooling_per_prompt(pooling_params, len(processed))
+        for i, (p, pp) in enumerate(zip(processed, params_list, strict=True)):
+            self.engine.validate_pooling_prompt(p.prompt_token_ids, pp, what=f"prompts[{i}]")
+        order: dict[str, int] = {}
+        sampling = pooling_sampling_params()  # read-only in the engine: one for every request
+        try:
+            for i, (p, pp) in enumerate(zip(processed, params_list, strict=True)):
+                request_id = str(next(self._request_counter))
+                request = EngineCoreRequest(request_id, p.prompt_token_ids, sampling, arrival_time=time.time(),
+                                            pooling_params=pp)
+                self.output_processor.add_request(request, p.prompt)
+                order[request_id] = i
+                self.engine.add_request(request)
+            outputs = self._drain(order, sum(len(p.prompt_token_ids) for p in processed), use_tqdm,
+                                  PoolingRequestOutput)
+        except BaseException:
+            self._abort(list(order))
+            raise
+        for i, out in enumerate(outputs):
+            if out.error is not None:
+                raise RequestError(f"prompts[{i}]: {out.error}")
+        return outputs
 
     # ---- the offline loop ---------------------------------------------------------------------------------
     def _run(
@@ -102,8 +178,10 @@ class LLM:
         prompts: list[ProcessedPrompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         params_list = self._params_per_prompt(sampling_params, len(prompts))
+        loras = _lora_per_prompt(lora_request, len(prompts))
         # Validate every prompt before queueing any, so a bad one rejects the call cleanly.
         for i, (p, sp) in enumerate(zip(prompts, params_list, strict=True)):
             self.engine.validate_prompt(p.prompt_token_ids, sp, what=f"prompts[{i}]")
@@ -114,7 +192,8 @@ class LLM:
                 request_id = str(next(self._request_counter))
                 # Offline callers only read final results: skip building per-step outputs.
                 sp = sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-                request = EngineCoreRequest(request_id, p.prompt_token_ids, sp, arrival_time=time.time())
+                request = EngineCoreRequest(request_id, p.prompt_token_ids, sp, arrival_time=time.time(),
+                                            **lora_fields(loras[i]))
                 core_requests = self.output_processor.add_request(request, p.prompt)
                 added.append(request_id)
                 order[request_id] = i
@@ -127,13 +206,15 @@ class LLM:
             self._abort(added)
             raise
         try:
-            return self._drain(order, sum(len(p.prompt_token_ids) for p in prompts), use_tqdm)
+            return self._drain(order, sum(len(p.prompt_token_ids) for p in prompts), use_tqdm, RequestOutput)
         except BaseException:
             self._abort(list(order))  # e.g. KeyboardInterrupt: leave the engine clean for the next call
             raise
 
-    def _drain(self, order: dict[str, int], num_prompt_tokens: int, use_tqdm: bool) -> list[RequestOutput]:
-        results: list[RequestOutput | None] = [None] * len(order)
+    def _drain(self, order: dict[str, int], num_prompt_tokens: int, use_tqdm: bool,
+               kind: type[OutputT]) -> list[OutputT]:
+        """Step until every request in `order` finished; their outputs (all of `kind`) in order."""
+        results: list[OutputT | None] = [None] * len(order)
         bar = _ProgressBar(len(order), num_prompt_tokens) if use_tqdm else None
         try:
             while self.engine.has_unfinished_requests() or self.output_processor.has_unfinished_requests():
@@ -142,6 +223,7 @@ class LLM:
                     break
                 for ro in self.output_processor.process_outputs(outputs):
                     if ro.finished and ro.request_id in order:
+                        assert isinstance(ro, kind)
                         results[order[ro.request_id]] = ro
                         if bar is not None:
                             bar.done(ro)
@@ -176,6 +258,33 @@ class LLM:
         return params
 
 
+def _lora_per_prompt(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                     n: int) -> list[LoRARequest | None]:
+    if lora_request is None or not isinstance(lora_request, Sequence):
+        return [lora_request] * n
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise InvalidArgumentError(f"lora_request: got {len(loras)} for {n} prompts (give one, or one per prompt)",
+                                   param="lora_request")
+    return loras
+
+
+def _pooling_per_prompt(pooling_params: PoolingParams | Sequence[PoolingParams] | None, n: int) -> list[PoolingParams]:
+    if pooling_params is None:
+        return [PoolingParams()] * n
+    if isinstance(pooling_params, PoolingParams):
+        return [pooling_params] * n
+    params = list(pooling_params)
+    if len(params) != n:
+        raise InvalidArgumentError(f"pooling_params: got {len(params)} for {n} prompts (give one, or one per prompt)",
+                                   param="pooling_params")
+    for i, pp in enumerate(params):
+        if not isinstance(pp, PoolingParams):
+            raise InvalidArgumentError(f"pooling_params[{i}]: expected PoolingParams, got {type(pp).__name__}",
+                                       param="pooling_params")
+    return params
+
+
 class _ProgressBar:
     """tqdm over finished requests, with prompt (input) and generated (output) tokens/s."""
 
@@ -188,9 +297,10 @@ class _ProgressBar:
         self.in_tokens = 0
         self.out_tokens = 0
 
-    def done(self, ro: RequestOutput) -> None:
+    def done(self, ro: AnyRequestOutput) -> None:
         self.in_tokens += len(ro.prompt_token_ids)
-        self.out_tokens += sum(len(o.token_ids) for o in ro.outputs)
+        if isinstance(ro, RequestOutput):
+            self.out_tokens += sum(len(o.token_ids) for o in ro.outputs)
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         self.bar.set_postfix_str(
             f"input: {self.in_tokens / elapsed:.1f} toks/s, output: {self.out_tokens / elapsed:.1f} toks/s",

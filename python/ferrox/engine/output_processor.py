@@ -24,11 +24,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
+import numpy.typing as npt
 
 from ferrox.engine.protocol import EngineCoreRequest
 from ferrox.outputs import (
+    AnyRequestOutput,
     CompletionOutput,
     Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
     PromptLogprobs,
     RequestMetrics,
     RequestOutput,
@@ -76,6 +81,8 @@ class _Request:
     num_cached_tokens: int = 0
     num_finished: int = 0
     error: str | None = None
+    pooling: bool = False  # a pooling model's request: one PoolingRequestOutput, when it finishes
+    pooled: npt.NDArray[np.float32] | None = None
 
     @property
     def finished(self) -> bool:
@@ -119,6 +126,7 @@ class OutputProcessor:
             samples=samples,
             metrics=RequestMetrics(arrival_time=request.arrival_time or time.time()),
             want_prompt_logprobs=params.prompt_logprobs is not None,
+            pooling=request.pooling_params is not None,
         )
         for r in core_requests:
             self._engine_to_user[r.request_id] = request.request_id
@@ -137,12 +145,12 @@ class OutputProcessor:
                     engine_ids.append(engine_id)
         return engine_ids
 
-    def finish_aborted(self, request_ids: Iterable[str]) -> tuple[list[str], list[RequestOutput]]:
+    def finish_aborted(self, request_ids: Iterable[str]) -> tuple[list[str], list[AnyRequestOutput]]:
         """Abort user requests and say so: every unfinished sample ends with finish_reason "abort".
         Returns the engine ids to abort in the core and one final RequestOutput per known request
         (per its output kind: the last delta, or everything so far), as vLLM yields on abort."""
         engine_ids: list[str] = []
-        outputs: list[RequestOutput] = []
+        outputs: list[AnyRequestOutput] = []
         now = time.time()
         for request_id in request_ids:
             req = self._requests.get(request_id)
@@ -169,14 +177,14 @@ class OutputProcessor:
         return len(self._requests)
 
     # ---- outputs --------------------------------------------------------------------------------------
-    def process_outputs(self, results: StepResult | Iterable[StepResult]) -> list[RequestOutput]:
+    def process_outputs(self, results: StepResult | Iterable[StepResult]) -> list[AnyRequestOutput]:
         """Fold step results (columns) into request state; returns a RequestOutput for each user
         request with something to report (per its output kind), finished ones last removed."""
         now = time.time()
         touched: dict[str, _Request] = {}
         for result in [results] if isinstance(results, StepResult) else results:
             self._apply(result, now, touched)
-        out: list[RequestOutput] = []
+        out: list[AnyRequestOutput] = []
         for req in touched.values():
             ro = self._make_output(req)
             if ro is not None:
@@ -225,6 +233,10 @@ class OutputProcessor:
                 error = result.errors.get(i)
                 if error is not None:
                     req.error = error
+            if req.pooling and result.pooled:
+                vector = result.pooled_vector(i)
+                if vector is not None:
+                    req.pooled = vector
 
     def _append_logprobs(self, sample: _Sample, lp: Logprobs) -> None:
         assert sample.logprobs is not None and sample.cumulative_logprob is not None
@@ -250,7 +262,9 @@ class OutputProcessor:
             self._token_text[token_id] = text
         return text
 
-    def _make_output(self, req: _Request) -> RequestOutput | None:
+    def _make_output(self, req: _Request) -> AnyRequestOutput | None:
+        if req.pooling:
+            return self._pooling_output(req)
         kind = req.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not req.finished:
             return None
@@ -295,3 +309,17 @@ class OutputProcessor:
             metrics=req.metrics,
             error=req.error,
         )
+
+    @staticmethod
+    def _pooling_output(req: _Request) -> PoolingRequestOutput | None:
+        """Only the final output: a vector is whole or absent (an error or abort leaves it empty)."""
+        if not req.finished:
+            return None
+        data = req.pooled if req.pooled is not None else np.zeros(0, dtype=np.float32)
+        error = req.error
+        if req.pooled is None and error is None:
+            aborted = any(s.finish_reason == "abort" for s in req.samples.values())
+            error = "request aborted" if aborted else "the engine returned no vector"
+        return PoolingRequestOutput(request_id=req.request_id, outputs=PoolingOutput(data),
+                                    prompt_token_ids=req.prompt_token_ids, finished=True,
+                                    num_cached_tokens=req.num_cached_tokens, error=error)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
+from ferrox.pooling.params import PoolingParams
 from ferrox.sampling_params import SamplingParams
 from ferrox.step_types import Logprobs, StepResult, StepRow
 
@@ -23,3 +24,11 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     priority: int = 0
     # Prefix-cache isolation (vLLM's cache_salt): blocks are shared only between requests with the same salt.
     cache_salt: str | None = None
+    # Multi-LoRA (vLLM's LoRARequest, flattened): 0 = the base model. The path lets any engine core
+    # load the adapter on first use (each data-parallel core loads what its requests need).
+    lora_int_id: int = 0
+    lora_name: str | None = None
+    lora_path: str | None = None
+    # A pooling model's request (LLM.embed, /v1/embeddings): its vector instead of generated text; then
+    # sampling_params is ferrox.pooling.params.pooling_sampling_params() (one placeholder token).
+    pooling_params: PoolingParams | None = None

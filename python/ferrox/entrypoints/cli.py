@@ -167,7 +167,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="serve a model over an OpenAI- and Anthropic-compatible HTTP API",
         description="Serve MODEL (a Hugging Face folder, a .gguf file, or a model id such as org/name in the local "
         "Hugging Face cache; default: the embedded SmolLM2-135M-Instruct) with the OpenAI API (/v1/chat/completions, "
-        "/v1/completions, /v1/responses, /v1/models), the Anthropic Messages API (/v1/messages), /tokenize, "
+        "/v1/completions, /v1/responses, /v1/models; /v1/embeddings and /pooling for a pooling model, see --runner), "
+        "the Anthropic Messages API (/v1/messages), /tokenize, "
         "/detokenize, /health, /version and Prometheus /metrics. vLLM's flags are accepted with vLLM's meaning; "
         "a flag ferrox lacks is refused by name.",
         formatter_class=_HelpFormatter,
@@ -244,6 +245,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                      "temperature 1.0...), or a folder holding a generation_config.json")
     api.add_argument("--override-generation-config", type=parse_json_object,
                      help="a JSON object of sampling defaults laid over --generation-config's (default: none)")
+    api.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                     help="LoRA adapters to serve (needs --enable-lora): name=path, or a JSON object "
+                     "{\"name\": ..., \"path\": ...}; a request picks one by naming it in `model` (default: none)")
     api.add_argument("--download-dir", help="the Hugging Face cache to find model ids in (default: $HF_HUB_CACHE, "
                      "else $HF_HOME/hub); nothing is downloaded")
     add_engine_args(p, p.add_argument_group("engine (the same arguments as LLM(...))"))
@@ -336,6 +340,7 @@ def generation_defaults(choice: str, model_defaults: dict[str, Any], override: d
 def serve(args: argparse.Namespace) -> int:
     from ferrox.engine.async_llm import AsyncLLM
     from ferrox.entrypoints.openai.server import ServerOptions, bind_socket, run_server_blocking, ssl_context
+    from ferrox.entrypoints.openai.serving_lora import parse_lora_module
 
     if args.model is None and args.model_flag is not None:
         args.model = args.model_flag
@@ -351,6 +356,10 @@ def serve(args: argparse.Namespace) -> int:
         stream_stall_timeout=args.stream_stall_timeout,
     )
     try:
+        lora_modules = tuple(parse_lora_module(m) for m in args.lora_modules)
+        if lora_modules and not args.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        options = dataclasses.replace(options, lora_modules=lora_modules)
         # What can fail without the model fails before it loads: the port (taken?), the TLS files,
         # the generation config folder.
         tls = None
@@ -376,11 +385,12 @@ def serve(args: argparse.Namespace) -> int:
                                                      args.override_generation_config)
 
     def on_ready(url: str) -> None:
+        memory = (f"KV cache capacity {engine.kv_capacity_tokens} tokens" if engine.runner == "generate"
+                  else "runner pooling (embeddings; no KV cache)")
         logger.info(
-            "ready: model %s (%s) on %s, max_model_len %d, KV cache capacity %d tokens, engine core pid %s; "
-            "serving on %s",
-            engine.model_name, config.model or "embedded default", engine.device, engine.max_model_len,
-            engine.kv_capacity_tokens, engine.client.pid, url,
+            "ready: model %s (%s) on %s, max_model_len %d, %s, engine core pid %s; serving on %s",
+            engine.model_name, config.model or "embedded default", engine.device, engine.max_model_len, memory,
+            engine.client.pid, url,
         )
 
     try:

@@ -68,7 +68,9 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
     return ExpertBlocks(pair_ids, block_expert, num_rows, block_m)
 
 
-@triton.jit
+# num_pairs (tokens x k) changes every step: specialising it on "== 1" / "% 16 == 0" would compile a
+# new variant for the first step of each class (worker/warmup.py); it only bounds a mask.
+@triton.jit(do_not_specialize=["num_pairs"])
 def _grouped_gemm_kernel(
     out_ptr,
     a_ptr,

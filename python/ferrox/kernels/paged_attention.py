@@ -18,7 +18,21 @@ Split-KV (flash decoding): with few requests and long contexts the grid above le
 idle, so the KV range of each request is cut into num_splits segments handled by separate
 programs that write a partial output plus its softmax max and sum; a reduce kernel merges them.
 The split count is a runtime argument (only "split or not" is compiled in), so the many split
-counts a CUDA-graph ladder picks cost two compiled variants, not one per count.
+counts a CUDA-graph ladder picks cost two compiled variants, not one per count. At batch 1 the
+heuristic aims at two waves of programs (8 KV heads x 33 splits on 132 SMs); on an H200 at a
+122k context 32-48 splits stream KV fastest (fewer leave SMs idle, more shrink each program's
+pipelined loop and add partials). The merge loops over the partials, so the count has no compiled
+upper bound.
+
+Compiled variants. Runtime integers that vary per step (num_reqs, num_splits, the block-table
+row stride) are `do_not_specialize`; strides, head counts and block_size are fixed per engine.
+Per model (NUM_Q_PER_KV, DIM_PAD, dtype) the dispatch reaches at most four variants of the
+attention kernel -- (DECODE_CONFIG, SPLIT_KV=False) for decode-only steps, (DECODE_SPLIT_CONFIG,
+SPLIT_KV=True) for split decodes, (PREFILL_CONFIG, SPLIT_KV=False / True) for batches whose
+chunks are shorter than the backend's PREFILL_MIN_QUERY_LEN -- and one of the merge kernel
+(SPLIT_CHUNK fixed). Longer chunks run kernels/prefill_attention.py (attention/triton_backend.py
+decides). The profiling forward, which views its own k/v as a cache of one-slot blocks, adds
+block_size == 1 variants once, before the engine is ready.
 """
 
 from __future__ import annotations
@@ -49,7 +63,9 @@ def _find_request(query_start_loc_ptr, num_reqs, tile_id, BLOCK_Q: tl.constexpr)
     return lo - 1
 
 
-@triton.jit
+# Runtime integers that change from step to step are not specialised on (Triton would otherwise
+# compile a variant per "== 1" / "divisible by 16" class of each): see the module docstring.
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt", "num_splits"])
 def _paged_attention_kernel(
     out_ptr,
     partial_out_ptr,
@@ -167,7 +183,7 @@ def _paged_attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     out_ptr,
     partial_out_ptr,
@@ -178,23 +194,35 @@ def _merge_splits_kernel(
     stride_ot,
     stride_oh,
     num_splits,
-    MAX_SPLITS: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
     DIM_PAD: tl.constexpr,
 ):
+    """out = sum_s w_s o_s / sum_s w_s with w_s = l_s * 2^(m_s - max m), over num_splits partials,
+    SPLIT_CHUNK at a time (two passes: the max first, so every weight is exact)."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     base = (token * num_q_heads + head) * num_splits
-    splits = tl.arange(0, MAX_SPLITS)
-    used = splits < num_splits
+    splits = tl.arange(0, SPLIT_CHUNK)
     dims = tl.arange(0, DIM_PAD)
-    m = tl.load(partial_max_ptr + base + splits, mask=used, other=float("-inf"))
-    l_sum = tl.load(partial_sum_ptr + base + splits, mask=used, other=0.0)
-    m_max = tl.max(m, 0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    weight = l_sum * tl.exp2(m - m_max)  # empty splits: l = 0 and m = -inf -> weight 0
-    o = tl.load(partial_out_ptr + (base + splits)[:, None] * DIM_PAD + dims[None, :], mask=used[:, None], other=0.0)
-    total = tl.sum(weight, 0)
-    result = tl.sum(o * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    m_max = tl.full([SPLIT_CHUNK], float("-inf"), tl.float32)
+    for first in range(0, num_splits, SPLIT_CHUNK):
+        used = first + splits < num_splits
+        m_max = tl.maximum(m_max, tl.load(partial_max_ptr + base + first + splits, mask=used, other=float("-inf")))
+    m_top = tl.max(m_max, 0)
+    m_top = tl.where(m_top == float("-inf"), 0.0, m_top)
+    total = tl.zeros([SPLIT_CHUNK], tl.float32)
+    acc = tl.zeros([SPLIT_CHUNK, DIM_PAD], tl.float32)
+    for first in range(0, num_splits, SPLIT_CHUNK):
+        idx = first + splits
+        used = idx < num_splits
+        m = tl.load(partial_max_ptr + base + idx, mask=used, other=float("-inf"))
+        l_sum = tl.load(partial_sum_ptr + base + idx, mask=used, other=0.0)
+        weight = l_sum * tl.exp2(m - m_top)  # empty splits: l = 0 and m = -inf -> weight 0
+        o = tl.load(partial_out_ptr + (base + idx)[:, None] * DIM_PAD + dims[None, :], mask=used[:, None], other=0.0)
+        total += weight
+        acc += o * weight[:, None]
+    sum_w = tl.sum(total, 0)
+    result = tl.sum(acc, 0) / tl.where(sum_w == 0.0, 1.0, sum_w)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, result.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
 
 
@@ -207,15 +235,22 @@ class AttentionLaunchConfig:
 
 
 # Chosen on an H200 with `benches/bench_kernels.py --sweep` (benches/RESULTS.md): 64-position KV
-# tiles were best for full decode batches (98% of copy bandwidth at B=256), 128 for split-KV
-# decodes (few requests, long contexts), 64x64 tiles for prefill and mixed batches.
+# tiles were best for full decode batches (98% of copy bandwidth at B=256), 128 with 3 stages for
+# split-KV decodes (few requests, long contexts: 3.66 TB/s at B=1, 122k context, 32-48 splits;
+# 64-position tiles peak at 3.63 TB/s with 66), 64x64 tiles for mixed batches (prefill-led
+# batches go to kernels/prefill_attention.py).
 DECODE_CONFIG = AttentionLaunchConfig(block_m=16, tile_n=64, num_warps=4, num_stages=2)
-DECODE_SPLIT_CONFIG = AttentionLaunchConfig(block_m=16, tile_n=128, num_warps=4, num_stages=2)
+DECODE_SPLIT_CONFIG = AttentionLaunchConfig(block_m=16, tile_n=128, num_warps=4, num_stages=3)
 PREFILL_CONFIG = AttentionLaunchConfig(block_m=64, tile_n=64, num_warps=4, num_stages=2)
 # Split-KV only when the plain grid fills less than one wave of SMs and contexts are at least this
 # long (shorter ones finish in a few KV tiles anyway).
 _MIN_SEQ_FOR_SPLIT = 512
-_MAX_SPLITS = 32
+# Splitting aims at this many waves of programs (see the module docstring for the measurement).
+_SPLIT_WAVES = 2
+# ... but no split shorter than this many KV positions (each split costs a partial write + merge).
+_MIN_SPLIT_LEN = 256
+_MAX_SPLITS = 256
+_MERGE_CHUNK = 32  # partials the merge kernel reads per step (it loops over any num_splits)
 
 
 @lru_cache(maxsize=8)
@@ -226,14 +261,29 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
-    """Split-KV heuristic on host-known numbers only (grid size, max_seq_len): graph-safe."""
+    """Split-KV heuristic on host-known numbers only (grid size, max_seq_len): graph-safe. The
+    count is a runtime kernel argument, so any value costs no compilation."""
     if max_seq_len < _MIN_SEQ_FOR_SPLIT or num_programs >= num_sms:
         return 1
-    wanted = math.ceil(2 * num_sms / max(num_programs, 1))  # about two waves of programs
-    wanted = min(wanted, max_seq_len // 256, _MAX_SPLITS)
-    if wanted < 2:
-        return 1
-    return 1 << (wanted.bit_length() - 1)  # powers of two: few distinct split layouts
+    wanted = math.ceil(_SPLIT_WAVES * num_sms / max(num_programs, 1))
+    wanted = min(wanted, max_seq_len // _MIN_SPLIT_LEN, _MAX_SPLITS)
+    return max(wanted, 1)
+
+
+def check_attention_inputs(q: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    """The shape rules every paged-attention entry point shares; the error names the argument."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got {tuple(q.shape)}")
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], got {tuple(kv_cache.shape)}")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, cache_head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    if cache_head_dim != head_dim:
+        raise ValueError(f"q head_dim {head_dim} != kv_cache head_dim {cache_head_dim}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("q and kv_cache need a contiguous head_dim axis")
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -261,18 +311,9 @@ def unified_attention(
     AttentionMetadata device tensors. max_query_len / max_seq_len are host upper bounds that pick
     the launch shape (no device sync). Output rows past query_start_loc[-1] (padding) are
     unspecified."""
-    if q.dim() != 3:
-        raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got {tuple(q.shape)}")
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], got {tuple(kv_cache.shape)}")
+    check_attention_inputs(q, kv_cache)
     num_tokens, num_heads, head_dim = q.shape
-    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
-    if cache_head_dim != head_dim:
-        raise ValueError(f"q head_dim {head_dim} != kv_cache head_dim {cache_head_dim}")
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
-        raise ValueError("q and kv_cache need a contiguous head_dim axis")
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
     if out is None:
         out = torch.empty_like(q)
     num_reqs = seq_lens.shape[0]
@@ -346,7 +387,7 @@ def unified_attention(
             out.stride(0),
             out.stride(1),
             num_splits,
-            MAX_SPLITS=_MAX_SPLITS,
+            SPLIT_CHUNK=_MERGE_CHUNK,
             DIM_PAD=dim_pad,
         )
     return out

@@ -151,6 +151,14 @@ def _load_hf_tokenizer(source: ModelSource) -> Tokenizer:
         tok = HFTokenizer.from_file(path)
     except Exception as e:
         raise ModelLoadError(f"cannot parse {path}: {e}") from e
+    # A tokenizer.json may keep its training-time padding and truncation (all-MiniLM-L6-v2's pads
+    # every encoding to 128 [PAD]s and cuts at 128). `tokenizers` applies them on every encode;
+    # transformers' fast tokenizer does not unless asked. A prompt must be its real tokens and never
+    # be cut silently (one too long is refused, naming it), so both are off, as in transformers.
+    if tok.padding is not None:
+        tok.no_padding()
+    if tok.truncation is not None:
+        tok.no_truncation()
 
     def optional_json(name: str) -> dict[str, Any]:
         p = os.path.join(folder, name)

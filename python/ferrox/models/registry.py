@@ -28,7 +28,14 @@ SUPPORTED: dict[str, str] = {
     "Qwen3ForCausalLM": "ferrox.models.qwen:Qwen3ForCausalLM",
     "Qwen2MoeForCausalLM": "ferrox.models.moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "ferrox.models.moe:Qwen3MoeForCausalLM",
+    "BertModel": "ferrox.models.bert:BertModel",
+    "RobertaModel": "ferrox.models.bert:RobertaModel",
+    "XLMRobertaModel": "ferrox.models.bert:XLMRobertaModel",
 }
+
+# Encoders without a language-model head: they embed (runner "pooling", chosen by runner "auto") and
+# cannot generate. The decoders above embed too with runner "pooling" (pooling/config.py).
+ENCODER_ONLY_ARCHITECTURES = frozenset({"BertModel", "RobertaModel", "XLMRobertaModel"})
 
 
 def get_model_class(architectures: list[str]) -> type:

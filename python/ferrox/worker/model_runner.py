@@ -53,6 +53,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)  # request id -> complete, emitted once
     errors: dict[int, str] = field(default_factory=dict)  # batch row -> why its sampling failed
     num_sampled_tokens: npt.NDArray[np.int32] | None = None
+    # A pooling step (worker/pooling_runner.py): request id -> its float32 vector (its token is a placeholder).
+    pooled: dict[str, npt.NDArray[np.float32]] = field(default_factory=dict)
 
     def first_tokens(self) -> npt.NDArray[np.int64]:
         """[num_reqs] each request's first sampled token this step (its only one unless it had drafts:
@@ -112,6 +114,7 @@ class ModelRunner:
         seed: int = 0,
         tp: TPGroup | None = None,
         speculative: bool = False,
+        lora: Any = None,
     ) -> None:
         """speculative: steps may carry drafts to verify (speculative decoding). tp: the tensor-parallel group when the model is sharded; this runner is its driver
         (rank 0) and sends every step to the other ranks (distributed/step_channel.py) before
@@ -134,6 +137,10 @@ class ModelRunner:
             top_k_top_p_kernel = prepare_extension()  # the CUDA kernel when a build is on disk
         self.sampler = Sampler(default_gen, top_k_top_p_kernel)
         self.speculative = speculative
+        # Multi-LoRA (engine/lora_state.py EngineLoRAs): each core slot's adapter id (0: none);
+        # before every forward it gets each token's id (prepare_step) and sets the slot index.
+        self.lora = lora
+        self._lora_of_slot = np.zeros(0, dtype=np.int64)
         self._host_tokens: list[torch.Tensor] = []  # two pinned [max batch] buffers (GPU), by step parity
         self._step_parity = 0
 
@@ -153,8 +160,17 @@ class ModelRunner:
             self.channel = None
 
     # ---- persistent batch -------------------------------------------------------------------------
-    def add_request(self, slot: int, req_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, slot: int, req_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                    lora_id: int = 0) -> None:
         self.input_batch.add(slot, req_id, prompt_token_ids, params)
+        if self.lora is not None:
+            if slot >= self._lora_of_slot.size:
+                grown = np.zeros(max(2 * self._lora_of_slot.size, slot + 1, 64), dtype=np.int64)
+                grown[:self._lora_of_slot.size] = self._lora_of_slot
+                self._lora_of_slot = grown
+            self._lora_of_slot[slot] = lora_id
+        elif lora_id:
+            raise ValueError("lora_id given to a runner built without LoRA")
 
     def remove_requests(self, slots: list[int] | npt.NDArray[np.int32]) -> None:
         self.input_batch.remove(slots)
@@ -194,6 +210,8 @@ class ModelRunner:
             input_ids.index_copy_(0, self._upload("placeholder_pos", holes),
                                   prev.sampled.token_ids.index_select(0, self._upload("placeholder_src", src)))
 
+        if self.lora is not None:
+            self.lora.prepare_step(np.repeat(self._lora_of_slot[slots], np.asarray(so.num_scheduled_tokens)))
         result = self.forward.run(so, prompt_rows, fill_holes)
         chunks = self._prompt_logprobs(prompt_jobs, result.prompt_logits)
         sample_mask = np.asarray(so.sample_mask, dtype=np.bool_)

@@ -25,8 +25,11 @@ from ferrox.distributed.parallel_state import TPGroup, get_tp_group, use_tp_grou
 from ferrox.loader.model_loader import load_generation_config, load_model, load_model_spec
 from ferrox.loader.source import ModelSource, resolve_model
 from ferrox.loader.tokenizer import load_tokenizer
+from ferrox.pooling.config import pooling_max_model_len, pooling_setup, pooling_token_budget
+from ferrox.pooling.params import PoolerConfig
 from ferrox.worker.cpu_threads import CpuThreadGovernor
 from ferrox.worker.dummy_batch import decode_step, prefill_step, upload_step
+from ferrox.worker.pooling_runner import empty_kv_caches, virtual_num_blocks
 from ferrox.worker.step_inputs import Uploader
 
 logger = logging.getLogger(__name__)
@@ -51,6 +54,8 @@ class LoadedModel:
     eos_token_ids: list[int]
     generation_defaults: dict[str, Any]
     threads: CpuThreadGovernor | None  # CPU only: intra-op thread count, adjusted to the machine's load
+    # runner "pooling": how the model pools (ferrox.pooling); then kv_caches are empty and num_blocks virtual.
+    pooler_config: PoolerConfig | None = None
 
 
 def resolve_dtype(config: EngineConfig, spec: Any, device: torch.device) -> torch.dtype:
@@ -94,17 +99,34 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
     tokenizer = _cached_tokenizer(tok_source, _mtime(tok_source.path))
     spec = _cached_spec(source, _mtime(source.path))
     dtype = resolve_dtype(config, spec, device)
-    max_model_len = resolve_max_model_len(config, spec, device)
+    pooler_config = pooling_setup(config, source, spec, tp.size)  # None: a generation model
+    if pooler_config is None:
+        max_model_len = resolve_max_model_len(config, spec, device)
+    else:
+        max_model_len = pooling_max_model_len(config.max_model_len, source, spec)
     max_num_seqs = config.resolved_max_num_seqs(device.type)
     max_num_batched_tokens = config.resolved_max_num_batched_tokens(device.type)
+    if pooler_config is not None:
+        max_num_batched_tokens = pooling_token_budget(config.max_num_batched_tokens, max_num_batched_tokens,
+                                                      max_model_len)
     logger.info("loading the weights (%s, %s) onto %s", config.load_format, str(dtype).removeprefix("torch."), device)
     with use_tp_group(tp):
         # dtype "auto" keeps a quantized GGUF quantized where it can run so (the CPU); an explicit
         # dtype dequantizes it to that dtype (loader/model_loader.py).
         model = _shared_model(source, spec, dtype, device, config.load_format, config.seed, tp,
-                              keep_quantized=config.dtype == "auto")
+                              keep_quantized=config.dtype == "auto", private=config.enable_lora)
     generation_defaults = dict(load_generation_config(source) or {})
     eos = _eos_token_ids(tokenizer, generation_defaults)
+    if pooler_config is not None:
+        # No KV cache (worker/pooling_runner.py): the scheduler counts virtual blocks.
+        return LoadedModel(
+            source=source, device=device, dtype=dtype, tokenizer=tokenizer, spec=spec, model=model,
+            kv_caches=empty_kv_caches(spec.num_layers, dtype, device),
+            num_blocks=virtual_num_blocks(max_num_seqs, max_model_len, config.block_size),
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            vocab_size=int(spec.vocab_size), eos_token_ids=eos, generation_defaults={}, threads=threads,
+            pooler_config=pooler_config,
+        )
 
     per_block = kv_cache_bytes_per_block(spec, config.block_size, dtype, tp.size)
     if device.type == "cpu":
@@ -176,7 +198,11 @@ _MODELS: weakref.WeakValueDictionary[tuple[Any, ...], Any] = weakref.WeakValueDi
 
 
 def _shared_model(source: ModelSource, spec: Any, dtype: torch.dtype, device: torch.device, load_format: str,
-                  seed: int, tp: TPGroup, *, keep_quantized: bool = False) -> Any:
+                  seed: int, tp: TPGroup, *, keep_quantized: bool = False, private: bool = False) -> Any:
+    """private: a model of this engine's own (LoRA wraps its layers), neither shared nor cached."""
+    if private:
+        return load_model(source, spec, dtype=dtype, device=device, load_format=load_format, seed=seed,
+                          keep_quantized=keep_quantized)
     key = (source.path, _mtime(source.path), str(dtype), str(device), load_format, seed, tp.rank, tp.size,
            keep_quantized)
     model = _MODELS.get(key)

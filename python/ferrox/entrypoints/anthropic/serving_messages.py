@@ -110,7 +110,8 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
     validate_request(ctx, prompt.token_ids, params, MESSAGES_FIELDS)
     message_id = new_id("msg").replace("-", "_")
     request["request_id"] = message_id  # -> the X-Request-Id header and the access log
-    gen = ctx.engine.generate({"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}, params, message_id)
+    gen = ctx.engine.generate({"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}, params, message_id,
+                              lora_request=ctx.lora_request(req.model))
     # Pull the first output before sending headers, so a rejected request is still a plain 4xx/503.
     first = await first_output(gen, "messages", MESSAGES_FIELDS)
     head = {"id": message_id, "type": "message", "role": "assistant", "model": ctx.model_name}

@@ -1,7 +1,8 @@
 """The aiohttp application: routes, auth, error shapes, body limit, and the serve loop.
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /v1/responses,
-POST /v1/messages (Anthropic), POST /tokenize, POST /detokenize, GET /health, GET|POST /ping,
+POST /v1/messages (Anthropic), POST /v1/embeddings and POST /pooling (a pooling model: the generation
+routes answer 400 then, as vLLM's do), POST /tokenize, POST /detokenize, GET /health, GET|POST /ping,
 GET /version, GET /metrics, GET /openapi.json (built from this route table), and the page for
 people at / (with GET /status, the JSON its live view reads).
 
@@ -50,6 +51,7 @@ from ferrox.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from ferrox.entrypoints.openai.protocol_embeddings import EmbeddingRequest, PoolingRequest
 from ferrox.entrypoints.openai.protocol_responses import ResponsesRequest
 from ferrox.entrypoints.openai.serving import (
     CTX,
@@ -63,6 +65,8 @@ from ferrox.entrypoints.openai.serving import (
 )
 from ferrox.entrypoints.openai.serving_chat import create_chat_completion
 from ferrox.entrypoints.openai.serving_completion import create_completion
+from ferrox.entrypoints.openai.serving_embeddings import create_embedding, create_pooling, generation_only
+from ferrox.entrypoints.openai.serving_lora import LoRARegistry, load_lora_adapter, unload_lora_adapter
 from ferrox.entrypoints.openai.serving_responses import create_response
 from ferrox.entrypoints.openapi import build_openapi
 from ferrox.entrypoints.web.status import ThroughputMeter, server_status
@@ -332,13 +336,17 @@ def _model_card(ctx: ServingContext) -> dict[str, Any]:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    return json_response({"object": "list", "data": [_model_card(request.app[CTX])]})
+    ctx = request.app[CTX]
+    adapters = ctx.loras.model_cards(ctx.created, ctx.max_model_len)
+    return json_response({"object": "list", "data": [_model_card(ctx), *adapters]})
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
     ctx = request.app[CTX]
-    ctx.check_model(request.match_info["model"])
-    return json_response(_model_card(ctx))
+    name = request.match_info["model"]
+    ctx.check_model(name)
+    adapter = [card for card in ctx.loras.model_cards(ctx.created, ctx.max_model_len) if card["id"] == name]
+    return json_response(adapter[0] if adapter else _model_card(ctx))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -368,7 +376,7 @@ _REQUEST_MODELS: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
     "/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest,
     "/v1/messages/count_tokens": MessagesCountRequest, "/tokenize": TokenizeRequest,
-    "/detokenize": DetokenizeRequest,
+    "/detokenize": DetokenizeRequest, "/v1/embeddings": EmbeddingRequest, "/pooling": PoolingRequest,
 }
 
 
@@ -429,6 +437,14 @@ def _bind(fn: Callable[[ServingContext, web.Request], Awaitable[web.StreamRespon
     return handler
 
 
+def _bind_loras(fn: Callable[[LoRARegistry, web.Request], Awaitable[web.StreamResponse]]) -> Handler:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await fn(request.app[CTX].loras, request)
+
+    handler.__name__, handler.__doc__ = fn.__name__, fn.__doc__
+    return handler
+
+
 def build_app(engine: AsyncLLM, *, served_model_name: str | None = None, api_key: str | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               access_log: bool = True, options: ServerOptions | None = None) -> web.Application:
@@ -452,11 +468,15 @@ def build_app(engine: AsyncLLM, *, served_model_name: str | None = None, api_key
     app.on_response_prepare.append(_add_response_headers)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", retrieve_model)
-    app.router.add_post("/v1/completions", _bind(create_completion))
-    app.router.add_post("/v1/chat/completions", _bind(create_chat_completion))
-    app.router.add_post("/v1/responses", _bind(create_response))
-    app.router.add_post("/v1/messages", _bind(create_message))
+    app.router.add_post("/v1/completions", _bind(generation_only(create_completion, "Completions API")))
+    app.router.add_post("/v1/chat/completions", _bind(generation_only(create_chat_completion, "Chat Completions API")))
+    app.router.add_post("/v1/responses", _bind(generation_only(create_response, "Responses API")))
+    app.router.add_post("/v1/messages", _bind(generation_only(create_message, "Messages API")))
+    app.router.add_post("/v1/embeddings", _bind(create_embedding))
+    app.router.add_post("/pooling", _bind(create_pooling))
     app.router.add_post("/v1/messages/count_tokens", _bind(count_message_tokens))
+    app.router.add_post("/v1/load_lora_adapter", _bind_loras(load_lora_adapter))
+    app.router.add_post("/v1/unload_lora_adapter", _bind_loras(unload_lora_adapter))
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
@@ -525,6 +545,13 @@ async def serve(engine: AsyncLLM, *, host: str, port: int, served_model_name: st
     app = build_app(engine, served_model_name=served_model_name, api_key=api_key,
                     max_request_body_bytes=max_request_body_bytes, access_log=access_log, options=options)
     ctx = app[CTX]
+    for module in app[OPTIONS].lora_modules:  # before listening: a bad adapter stops the start
+        try:
+            await ctx.loras.load(module.name, module.path)
+        except Exception as exc:  # noqa: BLE001 - reported, then the server exits non-zero
+            logger.error("--lora-modules %s=%s: %s", module.name, module.path, getattr(exc, "message", exc))
+            engine.shutdown("--lora-modules: an adapter could not be loaded")
+            return 1
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     site = web.SockSite(runner, sock or bind_socket(host, port), ssl_context=ssl_context)

@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -27,9 +27,13 @@ from ferrox.engine import validation
 from ferrox.engine.async_llm import AsyncLLM, EngineOverloadedError, RequestTimeoutError
 from ferrox.entrypoints.openai.errors import APIError, bad_request, from_exception, from_validation_error
 from ferrox.entrypoints.openai.protocol import json_depth
+from ferrox.entrypoints.openai.serving_lora import LoRAModule, LoRARegistry
 from ferrox.errors import FerroxError
 from ferrox.outputs import Logprob
 from ferrox.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from ferrox.lora.request import LoRARequest
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 T = TypeVar("T")
@@ -72,6 +76,8 @@ class ServerOptions:
     # A stream whose client reads nothing for this long (its socket and aiohttp's buffer full, so a
     # write blocks) is dropped and its request aborted, freeing its KV blocks; None: wait forever.
     stream_stall_timeout: float | None = DEFAULT_STREAM_STALL_TIMEOUT_S
+    # --lora-modules: adapters loaded at start-up (entrypoints/openai/serving_lora.py).
+    lora_modules: tuple[LoRAModule, ...] = ()
 
 
 class ServingContext:
@@ -83,6 +89,7 @@ class ServingContext:
         self.model_name = served_model_name or engine.model_name
         self.options = options or ServerOptions()
         self.created = int(time.time())
+        self.loras = LoRARegistry(engine, self.model_name)  # adapters, by the names clients use
         self.draining = False  # SIGTERM: new API requests get 503, running ones may finish
         self.active_requests = 0  # API requests inside their handler (what a drain waits for)
 
@@ -96,8 +103,13 @@ class ServingContext:
         return self.engine.limits
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in (self.model_name, self.engine.model_name):
+        if model is not None and model not in (self.model_name, self.engine.model_name) and \
+                self.loras.get(model) is None:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model)."""
+        return self.loras.get(model)
 
     def check_engine(self) -> None:
         if not self.engine.is_running:

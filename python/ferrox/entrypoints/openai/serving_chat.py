@@ -77,7 +77,8 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
     final: RequestOutput | None = None
     try:
         async with contextlib.aclosing(ctx.engine.generate(prompt, params, request_id, priority=req.priority,
-                                                             cache_salt=req.cache_salt)) as gen:
+                                                             cache_salt=req.cache_salt,
+                                                             lora_request=ctx.lora_request(req.model))) as gen:
             async for out in gen:
                 final = out
     except STREAM_ERRORS as exc:
@@ -182,8 +183,8 @@ async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletion
             body["usage"] = usage
         return body
 
-    gen = ctx.engine.generate(prompt, params, request_id, priority=req.priority,
-                                                             cache_salt=req.cache_salt)
+    gen = ctx.engine.generate(prompt, params, request_id, priority=req.priority, cache_salt=req.cache_salt,
+                              lora_request=ctx.lora_request(req.model))
     # Pull the first output before sending headers, so a rejected request is still a plain 4xx/503.
     first = await first_output(gen, "messages", CHAT_FIELDS)
 

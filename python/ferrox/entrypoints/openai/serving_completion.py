@@ -75,7 +75,7 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
         validate_request(ctx, p["prompt_token_ids"], params, fields)
     request_id, header_id = request_ids(request, req, "cmpl")
     headers = {"X-Request-Id": header_id}
-    outputs = _merged(ctx, prompts, params, request_id, req.priority, req.cache_salt)
+    outputs = _merged(ctx, prompts, params, request_id, req.priority, req.cache_salt, ctx.lora_request(req.model))
     if req.stream:
         return await _stream(ctx, request, req, prompts, outputs, request_id, headers)
 
@@ -223,11 +223,12 @@ async def _stream(ctx: ServingContext, request: web.Request, req: CompletionRequ
 
 
 async def _merged(ctx: ServingContext, prompts: list[dict[str, Any]], params: Any, request_id: str,
-                  priority: int, cache_salt: str | None) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+                  priority: int, cache_salt: str | None,
+                  lora_request: Any = None) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """(prompt index, output) from every prompt's generator, in arrival order."""
     if len(prompts) == 1:
         async with contextlib.aclosing(ctx.engine.generate(prompts[0], params, request_id, priority=priority,
-                                                                  cache_salt=cache_salt)) as g:
+                                                           cache_salt=cache_salt, lora_request=lora_request)) as g:
             async for out in g:
                 yield 0, out
         return
@@ -236,7 +237,7 @@ async def _merged(ctx: ServingContext, prompts: list[dict[str, Any]], params: An
     async def pump(idx: int, prompt: dict[str, Any]) -> None:
         try:
             gen = ctx.engine.generate(prompt, params, f"{request_id}-{idx}", priority=priority,
-                                      cache_salt=cache_salt)
+                                      cache_salt=cache_salt, lora_request=lora_request)
             async with contextlib.aclosing(gen):
                 async for out in gen:
                     queue.put_nowait((idx, out))

@@ -190,7 +190,8 @@ async def create_response(ctx: ServingContext, request: web.Request) -> web.Stre
     validate_request(ctx, prompt.token_ids, params, RESPONSES_FIELDS)
     response = _Response(ctx, req, params, len(prompt.token_ids))
     request["request_id"] = response.id  # -> the X-Request-Id header and the access log
-    gen = ctx.engine.generate({"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}, params, response.id)
+    gen = ctx.engine.generate({"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}, params, response.id,
+                              lora_request=ctx.lora_request(req.model))
     # Pull the first output before sending headers, so a rejected request is still a plain 4xx/503.
     first = await first_output(gen, "input", RESPONSES_FIELDS)
     if req.stream:

@@ -1,0 +1,168 @@
+"""POST /v1/embeddings (OpenAI's shape) and POST /pooling (vLLM's), served by a pooling model.
+
+Every input of a request becomes one engine request (AsyncLLM.encode), all queued together, so they
+are batched with each other and with other clients' requests under the engine's token budget. Every
+input passes the pooling rules before any is queued: a request is answered whole or refused whole.
+
+    {"object": "list", "data": [{"object": "embedding", "index": i, "embedding": [...] | "<base64>"}],
+     "model": ..., "usage": {"prompt_tokens": n, "total_tokens": n}}
+
+base64 is the vector's float32 bytes, little-endian unless `endianness` says otherwise (what the openai
+client decodes: it asks for base64 by default). A generation model answers these routes, and a pooling
+model the generation routes (`generation_only`), with vLLM's 400 "The model does not support ... API".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from aiohttp import web
+
+from ferrox.entrypoints.openai.errors import APIError
+from ferrox.entrypoints.openai.protocol_embeddings import EmbeddingRequest, PoolingRequest
+from ferrox.entrypoints.openai.serving import (
+    STREAM_ERRORS,
+    ServingContext,
+    api_error,
+    check_priority,
+    json_response,
+    parse_body,
+    request_ids,
+)
+from ferrox.errors import FerroxError
+from ferrox.outputs import PoolingRequestOutput
+from ferrox.pooling.params import PoolingParams, validate_pooling_request
+
+Route = Callable[[ServingContext, web.Request], Awaitable[web.StreamResponse]]
+
+# The engine names the prompt "prompt"; these routes receive it as "input".
+INPUT_FIELDS = {"prompt": "input", "prompt_token_ids": "input"}
+
+
+def not_supported(api: str) -> APIError:
+    """vLLM's answer when the served model cannot serve a route's API."""
+    return APIError(400, f"The model does not support {api}", code="model_not_supported")
+
+
+def generation_only(route: Route, api: str) -> Route:
+    """A generation route (completions, chat, ...) that a pooling model refuses by name."""
+
+    async def handler(ctx: ServingContext, request: web.Request) -> web.StreamResponse:
+        if ctx.engine.runner == "pooling":
+            raise not_supported(api)
+        return await route(ctx, request)
+
+    handler.__name__ = getattr(route, "__name__", "handler")
+    return handler
+
+
+async def create_embedding(ctx: ServingContext, request: web.Request) -> web.Response:
+    if ctx.engine.runner != "pooling":
+        raise not_supported("Embeddings API")
+    req = await parse_body(request, EmbeddingRequest)
+    return await _serve(ctx, request, req, prefix="embd", item="embedding", key="embedding")
+
+
+async def create_pooling(ctx: ServingContext, request: web.Request) -> web.Response:
+    if ctx.engine.runner != "pooling":
+        raise not_supported("Pooling API")
+    req = await parse_body(request, PoolingRequest)
+    return await _serve(ctx, request, req, prefix="pool", item="pooling", key="data")
+
+
+async def _serve(ctx: ServingContext, request: web.Request, req: EmbeddingRequest, *, prefix: str, item: str,
+                 key: str) -> web.Response:
+    ctx.check_model(req.model)
+    ctx.check_engine()
+    check_priority(ctx, req.priority)
+    try:
+        params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
+    except FerroxError as exc:
+        raise api_error(exc) from None
+    # Encoding many or long texts takes a while: off the event loop.
+    prompts = await ctx.engine.run_in_prompt_pool(_tokenize, ctx, req)
+    _validate(ctx, prompts, params)
+    request_id, header_id = request_ids(request, req, prefix)
+    outputs = await _encode_all(ctx, prompts, params, request_id, req.priority)
+    data = [{"index": i, "object": item, key: _encode_vector(out.outputs.data, req)}
+            for i, out in enumerate(outputs)]
+    num_tokens = sum(len(ids) for ids in prompts)
+    return json_response({
+        "id": request_id,
+        "object": "list",
+        "created": int(time.time()),
+        "model": ctx.model_name,
+        "data": data,
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+    }, headers={"X-Request-Id": header_id})
+
+
+def _tokenize(ctx: ServingContext, req: EmbeddingRequest) -> list[list[int]]:
+    """Token ids of every input (blocking: runs in the engine's prompt threads). Texts are encoded in one
+    batch with the model's special tokens (add_special_tokens), as transformers encodes them."""
+    inputs = req.inputs()
+    texts = [(i, x) for i, x in enumerate(inputs) if isinstance(x, str)]
+    prompts: list[list[int]] = [x if isinstance(x, list) else [] for x in inputs]
+    if texts:
+        encoded = ctx.engine.tokenizer.encode_batch([t for _, t in texts], add_special_tokens=req.add_special_tokens)
+        for (i, _), ids in zip(texts, encoded, strict=True):
+            prompts[i] = ids
+    return prompts
+
+
+def _validate(ctx: ServingContext, prompts: list[list[int]], params: PoolingParams) -> None:
+    """The pooling rules on every input before any is queued: a 400 naming `input` (too long: OpenAI's
+    context_length_exceeded) or `dimensions`."""
+    engine = ctx.engine
+    assert engine.pooler_config is not None
+    for i, ids in enumerate(prompts):
+        try:
+            validate_pooling_request(ids, params, engine.pooler_config, max_model_len=engine.max_model_len,
+                                     vocab_size=engine.limits.vocab_size, what=f"input {i}" if len(prompts) > 1 else None,
+                                     prompt_param="input", model_name=f"model {ctx.model_name!r}")
+        except FerroxError as exc:
+            raise api_error(exc) from None
+
+
+async def _encode_all(ctx: ServingContext, prompts: list[list[int]], params: PoolingParams, request_id: str,
+                      priority: int) -> list[PoolingRequestOutput]:
+    """Every input through the engine at once; if one fails (or the client leaves), the others are
+    cancelled, which aborts them in the engine."""
+    single = len(prompts) == 1
+
+    async def one(i: int, ids: list[int]) -> PoolingRequestOutput:
+        final: PoolingRequestOutput | None = None
+        outputs = ctx.engine.encode({"prompt_token_ids": ids}, params, request_id if single else f"{request_id}-{i}",
+                                    priority=priority)
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                final = out
+        if final is None:
+            raise APIError(500, f"input {i}: the engine ended the request without a vector")
+        return final
+
+    tasks = [asyncio.ensure_future(one(i, ids)) for i, ids in enumerate(prompts)]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except STREAM_ERRORS as exc:
+        raise api_error(exc, default_param="input", rename=INPUT_FIELDS) from None
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _encode_vector(vector: npt.NDArray[np.float32], req: EmbeddingRequest) -> Any:
+    if req.encoding_format == "float":
+        return vector.tolist()
+    order = sys.byteorder if req.endianness == "native" else req.endianness
+    raw = vector.astype("<f4" if order == "little" else ">f4").tobytes()
+    return base64.b64encode(raw).decode("ascii")

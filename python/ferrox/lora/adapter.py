@@ -1,0 +1,222 @@
+"""Reading a PEFT LoRA adapter folder: adapter_config.json + adapter_model.safetensors.
+
+A LoRA adapter adds, to a linear layer y = W x, a low-rank term: y = W x + scaling * B (A x),
+A [r, in], B [out, r], scaling = lora_alpha / r (lora_alpha / sqrt(r) with use_rslora). PEFT's
+`save_pretrained` writes one A and one B per adapted module, named after the module path of the
+base model under `base_model.model.` (e.g. `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`).
+
+This file knows the PEFT format only, not any model: it returns each module's A, B and scaling as
+float32 CPU tensors. Whether the modules exist in a model, their shapes, and the rank limit are
+checked where the adapter meets the model (lora/packed.py). Config fields that change what the
+adapter computes and that ferrox does not implement are refused here by name, so an adapter never
+runs with a silently different meaning.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ferrox.errors import RequestError
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_WEIGHTS_FILE = "adapter_model.bin"
+_PREFIX = "base_model.model."
+_TENSOR_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])\.weight$")
+# Modules PEFT can adapt in a causal LM that ferrox never runs with LoRA (its delta applies to the
+# decoder layers' projections only).
+UNSUPPORTED_TARGETS = ("lm_head", "embed_tokens")
+
+
+class LoRAAdapterError(RequestError):
+    """An adapter folder ferrox cannot load: the message names the file and the field (or tensor)."""
+
+    def __init__(self, message: str, *, param: str | None = "lora_path") -> None:
+        super().__init__(message, param=param)
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAModule:
+    """One adapted module: delta(x) = scaling * (x @ lora_a.T) @ lora_b.T."""
+
+    name: str  # module path in the base model, e.g. "model.layers.0.self_attn.q_proj"
+    lora_a: torch.Tensor  # [rank, in] float32
+    lora_b: torch.Tensor  # [out, rank] float32
+    scaling: float
+    a_key: str  # the tensors' names in the weights file (for error messages)
+    b_key: str
+
+    @property
+    def rank(self) -> int:
+        return int(self.lora_a.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class PeftAdapter:
+    path: str
+    config_file: str  # full paths, for error messages
+    weights_file: str
+    r: int
+    lora_alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...] | str  # a list of names, or PEFT's regex / "all-linear" string
+    modules: dict[str, LoRAModule]  # by module path
+
+    @property
+    def max_rank(self) -> int:
+        return max(m.rank for m in self.modules.values())
+
+
+# Fields whose non-default value changes what the adapter computes, and that ferrox does not
+# implement: (field, is it in use?, what to say).
+_REFUSED: tuple[tuple[str, Any, str], ...] = (
+    ("use_dora", lambda v: bool(v), "DoRA adapters are not supported"),
+    ("bias", lambda v: v not in (None, "none"), "trained biases are not supported (only bias='none')"),
+    ("lora_bias", lambda v: bool(v), "a bias on lora_B is not supported"),
+    ("modules_to_save", lambda v: bool(v), "fully trained extra modules are not supported"),
+    ("fan_in_fan_out", lambda v: bool(v), "transposed (Conv1D-style) weights are not supported"),
+    ("layer_replication", lambda v: bool(v), "replicated layers are not supported"),
+    ("trainable_token_indices", lambda v: bool(v), "trained token embeddings are not supported"),
+    ("target_parameters", lambda v: bool(v), "LoRA on raw parameters is not supported"),
+    ("use_qalora", lambda v: bool(v), "QA-LoRA adapters are not supported"),
+    ("alora_invocation_tokens", lambda v: bool(v), "activated LoRA (aLoRA) is not supported"),
+)
+
+
+def _fail(file: str, message: str) -> LoRAAdapterError:
+    return LoRAAdapterError(f"{file}: {message}")
+
+
+def read_peft_adapter(path: str | os.PathLike[str]) -> PeftAdapter:
+    """Parse a PEFT LoRA folder into float32 CPU tensors; LoRAAdapterError names what is wrong."""
+    folder = os.fspath(path)
+    if not folder or not os.path.isdir(folder):
+        what = "no such folder" if not os.path.exists(folder) else "not a folder"
+        raise LoRAAdapterError(f"lora_path {folder!r}: {what} (a PEFT adapter is a folder with {CONFIG_FILE} "
+                               f"and {WEIGHTS_FILE})")
+    config_file = os.path.join(folder, CONFIG_FILE)
+    config = _read_config(config_file)
+    weights_file = os.path.join(folder, WEIGHTS_FILE)
+    if not os.path.isfile(weights_file):
+        pickle_file = os.path.join(folder, PICKLE_WEIGHTS_FILE)
+        if os.path.isfile(pickle_file):
+            raise _fail(pickle_file, f"pickled weights are not loaded; save the adapter as {WEIGHTS_FILE} "
+                                     "(PEFT save_pretrained(..., safe_serialization=True))")
+        raise _fail(weights_file, "missing (the adapter's weights)")
+
+    r = _positive_int(config.get("r", 8), config_file, "r")
+    alpha = _number(config.get("lora_alpha", 8), config_file, "lora_alpha")
+    use_rslora = bool(config.get("use_rslora", False))
+    rank_pattern = _pattern(config, "rank_pattern", config_file)
+    alpha_pattern = _pattern(config, "alpha_pattern", config_file)
+    for key, value in rank_pattern.items():
+        _positive_int(value, config_file, f"rank_pattern[{key!r}]")
+    for key, value in alpha_pattern.items():
+        _number(value, config_file, f"alpha_pattern[{key!r}]")
+    targets = config.get("target_modules")
+    if isinstance(targets, str):
+        target_modules: tuple[str, ...] | str = targets
+    elif isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets):
+        target_modules = tuple(targets)
+    else:
+        raise _fail(config_file, f"target_modules must be a list of module names or a regex string, got {targets!r}")
+    for name in target_modules if isinstance(target_modules, tuple) else ():
+        if name.rsplit(".", 1)[-1] in UNSUPPORTED_TARGETS:
+            raise _fail(config_file, f"target_modules {name!r}: LoRA on the LM head or the embeddings is not supported "
+                                     "(only the decoder layers' projections)")
+
+    tensors = _read_tensors(weights_file)
+    pairs: dict[str, dict[str, str]] = {}
+    for key in tensors:
+        match = _TENSOR_KEY.match(key[len(_PREFIX):]) if key.startswith(_PREFIX) else None
+        if match is None:
+            raise _fail(weights_file, f"tensor {key!r} is not a LoRA weight (expected "
+                                      f"'{_PREFIX}<module>.lora_A.weight' / '.lora_B.weight')")
+        pairs.setdefault(match["module"], {})[match["which"]] = key
+    if not pairs:
+        raise _fail(weights_file, "holds no LoRA tensors")
+
+    modules: dict[str, LoRAModule] = {}
+    for name, keys in pairs.items():
+        for which in "AB":
+            if which not in keys:
+                raise _fail(weights_file, f"module {name!r} has no lora_{which}.weight tensor")
+        a, b = tensors[keys["A"]], tensors[keys["B"]]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+            raise _fail(weights_file, f"tensors {keys['A']!r} {tuple(a.shape)} and {keys['B']!r} {tuple(b.shape)} "
+                                      "are not a LoRA pair ([r, in] and [out, r])")
+        rank_key = _pattern_key(rank_pattern, name)
+        rank = int(rank_pattern[rank_key]) if rank_key is not None else r
+        if a.shape[0] != rank:
+            field = f"rank_pattern[{rank_key!r}]" if rank_key is not None else "r"
+            raise _fail(weights_file, f"tensor {keys['A']!r} has rank {a.shape[0]}, {CONFIG_FILE} {field} says {rank}")
+        alpha_key = _pattern_key(alpha_pattern, name)
+        module_alpha = float(alpha_pattern[alpha_key]) if alpha_key is not None else alpha
+        scaling = module_alpha / (math.sqrt(rank) if use_rslora else rank)
+        modules[name] = LoRAModule(name, a.float().contiguous(), b.float().contiguous(), scaling, keys["A"], keys["B"])
+    return PeftAdapter(folder, config_file, weights_file, r, alpha, use_rslora, target_modules, modules)
+
+
+def _read_config(config_file: str) -> dict[str, Any]:
+    if not os.path.isfile(config_file):
+        raise _fail(config_file, "missing (a PEFT adapter folder needs its config)")
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _fail(config_file, f"unreadable ({e})") from e
+    if not isinstance(config, dict):
+        raise _fail(config_file, "must hold a JSON object")
+    peft_type = config.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise _fail(config_file, f"peft_type={peft_type!r} is not a LoRA adapter (only 'LORA')")
+    for field, in_use, why in _REFUSED:
+        value = config.get(field)
+        if value is not None and in_use(value):
+            raise _fail(config_file, f"{field}={value!r}: {why}")
+    return config
+
+
+def _read_tensors(weights_file: str) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(weights_file, device="cpu")
+    except (OSError, SafetensorError, ValueError, RuntimeError) as e:
+        raise _fail(weights_file, f"unreadable ({e})") from e
+
+
+def _positive_int(value: Any, file: str, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _fail(file, f"{field}={value!r} must be a positive integer")
+    return value
+
+
+def _number(value: Any, file: str, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _fail(file, f"{field}={value!r} must be a number")
+    return float(value)
+
+
+def _pattern(config: dict[str, Any], field: str, file: str) -> dict[str, Any]:
+    value = config.get(field) or {}
+    if not isinstance(value, dict):
+        raise _fail(file, f"{field} must be an object (module pattern -> value), got {value!r}")
+    return value
+
+
+def _pattern_key(patterns: dict[str, Any], module: str) -> str | None:
+    """PEFT's rule for rank_pattern / alpha_pattern: the first key that, as a regex, matches the
+    module path's tail at a dot boundary."""
+    for key in patterns:
+        if re.match(rf"(.*\.)?({key})$", module):
+            return key
+    return None

@@ -1,0 +1,194 @@
+"""LoRAManager: serve many LoRA adapters of one base model in the same batch.
+
+Built once on a loaded model, it
+- wraps every decoder layer's projections (qkv_proj, o_proj, gate_up_proj, down_proj) in a
+  LoRALinear (lora/layers.py), whose forward adds each token's adapter delta to the base output;
+- keeps added adapters in a CPU cache (LRU, max_cpu_loras), packed for this model (lora/packed.py);
+- keeps max_loras of them in GPU slots (lora/slots.py SlotTable), swapped in LRU order by copying
+  into the slot buffers in place, so CUDA graphs captured earlier stay valid;
+- before each forward, `prepare_step` turns each token's adapter id into its slot index in the
+  persistent `token_slots` buffer the wrapped layers read.
+
+An adapter id (LoRARequest.lora_int_id) is the adapter's identity; 0 is the base model.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from torch import nn
+
+from ferrox.attention.decode_path import DecodePath
+from ferrox.distributed.parallel_state import get_tp_group
+from ferrox.errors import InvalidArgumentError, UnsupportedModelError
+from ferrox.layers.linear import Linear, MergedLinear
+from ferrox.lora.adapter import LoRAAdapterError, read_peft_adapter
+from ferrox.lora.layers import LoRALinear
+from ferrox.lora.packed import PackedAdapter, ProjectionTarget, pack_adapter
+from ferrox.lora.request import LoRARequest
+from ferrox.lora.slots import SlotTable, TokenSlots
+
+# (parent module in a decoder layer, merged projection, HF module name -> its slice name (None: whole)).
+_PROJECTIONS: tuple[tuple[str, str, dict[str, str | None]], ...] = (
+    ("self_attn", "qkv_proj", {"q_proj": "q", "k_proj": "k", "v_proj": "v"}),
+    ("self_attn", "o_proj", {"o_proj": None}),
+    ("mlp", "gate_up_proj", {"gate_proj": "gate", "up_proj": "up"}),
+    ("mlp", "down_proj", {"down_proj": None}),
+)
+_REQUIRED = ("qkv_proj", "o_proj")  # every Llama-family decoder layer has these
+
+
+class LoRAManager:
+    def __init__(self, model: nn.Module, *, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None,
+                 device: torch.device | str, dtype: torch.dtype, max_num_tokens: int) -> None:
+        for field, value in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank),
+                             ("max_num_tokens", max_num_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"{field}: must be an integer >= 1, got {value!r}", param=field)
+        if max_cpu_loras is None:
+            max_cpu_loras = max_loras
+        if isinstance(max_cpu_loras, bool) or not isinstance(max_cpu_loras, int) or max_cpu_loras < max_loras:
+            raise InvalidArgumentError(f"max_cpu_loras: must be an integer >= max_loras ({max_loras}), got "
+                                       f"{max_cpu_loras!r}", param="max_cpu_loras")
+        layers = _decoder_layers(model)
+        if get_tp_group().size > 1 or any(_tp_size(layer) > 1 for layer in layers):
+            raise InvalidArgumentError("enable_lora with tensor_parallel_size > 1 is not supported yet",
+                                       param="tensor_parallel_size")
+        self.model = model
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.max_cpu_loras = max_cpu_loras
+        self.device = torch.device(device)
+        self.dtype = dtype
+        use_triton = getattr(model, "kernels", "torch") == "triton"
+        self._token_slots = TokenSlots(max_num_tokens, self.device, keep_groups=not use_triton)
+        self.layers: list[LoRALinear] = []
+        self._targets: dict[str, ProjectionTarget] = {}
+        for i, layer in enumerate(layers):
+            for parent_name, attr, hf_slices in _PROJECTIONS:
+                parent = getattr(layer, parent_name, None)
+                base = getattr(parent, attr, None)
+                if not isinstance(base, Linear):  # e.g. an MoE layer's experts in place of gate_up/down
+                    continue
+                widths = dict(base.shard_sizes) if isinstance(base, MergedLinear) else {attr: base.out_features}
+                wrapped = LoRALinear(base, widths, self._token_slots, max_loras=max_loras, max_rank=max_lora_rank,
+                                     dtype=dtype, device=self.device, use_triton=use_triton)
+                setattr(parent, attr, wrapped)
+                for s, hf_name in enumerate(hf_slices):
+                    self._targets[f"model.layers.{i}.{parent_name}.{hf_name}"] = ProjectionTarget(len(self.layers), s)
+                self.layers.append(wrapped)
+        # The fused one-token decode path (attention/fused_decode.py) reads the projections'
+        # weights directly, so it would run the base model only; every step goes through the
+        # layers instead (the general path: no fused step, logits by one matmul).
+        model.model.decode_path = DecodePath()  # type: ignore[union-attr]
+        self._cache: OrderedDict[int, PackedAdapter] = OrderedDict()  # least recently used first
+        self._slots = SlotTable(max_loras)
+
+    # ---- adapters ---------------------------------------------------------------------------------
+    def add_adapter(self, request: LoRARequest) -> None:
+        """Read, check and cache an adapter (a no-op for an id already cached). On any error
+        (LoRAAdapterError naming the file and field) nothing changes."""
+        if not isinstance(request, LoRARequest):
+            raise InvalidArgumentError(f"lora_request: expected a LoRARequest, got {type(request).__name__}",
+                                       param="lora_request")
+        if request.lora_int_id in self._cache:
+            self._cache.move_to_end(request.lora_int_id)
+            return
+        if not request.lora_path:
+            raise LoRAAdapterError(f"lora_path: adapter {request.lora_name!r} (id {request.lora_int_id}) has no "
+                                   "path to load it from")
+        adapter = read_peft_adapter(request.lora_path)
+        packed = pack_adapter(request, adapter, self.layers, self._targets, max_lora_rank=self.max_lora_rank,
+                              dtype=self.dtype, pin=self.device.type == "cuda")
+        while len(self._cache) >= self.max_cpu_loras:
+            self._drop(next(iter(self._cache)))
+        self._cache[request.lora_int_id] = packed
+
+    def remove_adapter(self, lora_int_id: int) -> bool:
+        """Forget an adapter (CPU cache and GPU slot); False if it was not there."""
+        if lora_int_id not in self._cache:
+            return False
+        self._drop(lora_int_id)
+        return True
+
+    def list_adapters(self) -> list[LoRARequest]:
+        return [packed.request for packed in self._cache.values()]
+
+    def slot_of(self, lora_int_id: int) -> int | None:
+        """The GPU slot an adapter sits in now (None: not in a slot)."""
+        return self._slots.slot_of(lora_int_id)
+
+    def _drop(self, lora_int_id: int) -> None:
+        del self._cache[lora_int_id]
+        self._slots.release(lora_int_id)
+
+    # ---- steps ------------------------------------------------------------------------------------
+    @property
+    def token_slots(self) -> torch.Tensor:
+        """int32 [max_num_tokens]: each token's slot (-1: base model); layers read [:T]."""
+        return self._token_slots.buffer
+
+    def prepare_step(self, token_lora_ids: npt.NDArray[Any]) -> None:
+        """Give the step's adapters GPU slots (copying in those that lack one) and write each
+        token's slot into `token_slots`. token_lora_ids: int [T], 0 = base model. ValueError for
+        more distinct adapters than max_loras or an id never added; then nothing changes."""
+        ids = np.asarray(token_lora_ids)
+        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+            raise ValueError(f"token_lora_ids must be a 1-D integer array, got shape {ids.shape} dtype {ids.dtype}")
+        ids = ids.astype(np.int64, copy=False)
+        if ids.size > self._token_slots.max_num_tokens:
+            raise ValueError(f"step has {ids.size} tokens, max_num_tokens is {self._token_slots.max_num_tokens}")
+        present = np.unique(ids)
+        present = present[present != 0]
+        if present.size > self.max_loras:
+            raise ValueError(f"step uses {present.size} adapters, max_loras is {self.max_loras}")
+        unknown = [int(i) for i in present if int(i) not in self._cache]
+        if unknown:
+            raise ValueError(f"adapter id(s) {unknown} not loaded (add_adapter first)")
+        adapters = [int(i) for i in present]
+        for lora_int_id in adapters:
+            self._cache.move_to_end(lora_int_id)
+        for lora_int_id, slot in self._slots.assign(adapters):
+            self._load_slot(slot, self._cache[lora_int_id])
+        slot_of_token = np.full(ids.size, -1, dtype=np.int32)
+        if adapters:
+            slot_of_id = np.array([self._slots.slot_of(i) for i in adapters], dtype=np.int32)
+            index = np.searchsorted(present, ids).clip(max=present.size - 1)
+            slot_of_token = np.where(ids == 0, -1, slot_of_id[index]).astype(np.int32)
+        self._token_slots.write(slot_of_token)
+
+    def _load_slot(self, slot: int, packed: PackedAdapter) -> None:
+        for layer, weights in zip(self.layers, packed.weights, strict=True):
+            if weights is None:
+                layer.load_slot(slot, None, None)
+            else:
+                layer.load_slot(slot, *weights)
+
+
+def _tp_size(layer: nn.Module) -> int:
+    """The tensor-parallel size a layer was built under (its row-parallel o_proj keeps the group)."""
+    return int(getattr(getattr(getattr(layer, "self_attn", None), "o_proj", None), "tp", get_tp_group()).size)
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """model.model.layers, each with self_attn.qkv_proj and self_attn.o_proj (Llama family)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers) or not hasattr(inner, "decode_path"):
+        raise UnsupportedModelError(f"enable_lora: {type(model).__name__} has no decoder layers at model.layers "
+                                    "(LoRA runs on Llama-family layouts)")
+    for i, layer in enumerate(layers):
+        attn = getattr(layer, "self_attn", None)
+        for attr in _REQUIRED:
+            proj = getattr(attn, attr, None)
+            if isinstance(proj, LoRALinear):
+                raise InvalidArgumentError("enable_lora: this model already has a LoRAManager", param="enable_lora")
+            if not isinstance(proj, Linear):
+                raise UnsupportedModelError(f"enable_lora: {type(model).__name__} layer {i} has no self_attn.{attr} "
+                                            "(LoRA runs on Llama-family layouts)")
+    return list(layers)
+

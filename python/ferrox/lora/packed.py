@@ -1,0 +1,94 @@
+"""An adapter laid out for one model: checked against the model's wrapped projections, then packed
+per wrapped layer the way a slot holds it, ready to be copied into any slot.
+
+A wrapped layer with S output slices (q/k/v: 3, gate/up: 2, o and down: 1) gets
+  lora_a [S*r, in]   slice s's A at rows [s*r, s*r + r_s) (r: the adapter's largest rank)
+  lora_b [out, r]    slice s's B at rows of its output columns, times the module's scaling
+with zeros where the adapter leaves a slice out or has a smaller rank there, in the model dtype
+(pinned when the slots live on a GPU, so a slot swap is an asynchronous copy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ferrox.lora.adapter import UNSUPPORTED_TARGETS, LoRAAdapterError, LoRAModule, PeftAdapter
+from ferrox.lora.layers import LoRALinear
+from ferrox.lora.request import LoRARequest
+
+
+@dataclass(frozen=True, slots=True)
+class ProjectionTarget:
+    """Where an HF module (e.g. model.layers.3.self_attn.k_proj) lives among the wrapped layers."""
+
+    layer: int  # index into the manager's wrapped layers
+    slice: int  # output slice of that layer
+
+
+@dataclass(frozen=True, slots=True)
+class PackedAdapter:
+    request: LoRARequest
+    rank: int
+    weights: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]  # per wrapped layer; None: untouched
+
+
+def pack_adapter(request: LoRARequest, adapter: PeftAdapter, layers: Sequence[LoRALinear],
+                 targets: dict[str, ProjectionTarget], *, max_lora_rank: int, dtype: torch.dtype,
+                 pin: bool) -> PackedAdapter:
+    """Validate `adapter` against the model (targets, rank limit, every tensor's shape) and pack it;
+    LoRAAdapterError names the file and the field or tensor at fault."""
+    _check_target_modules(adapter, targets)
+    if adapter.max_rank > max_lora_rank:
+        field = f"r={adapter.r}" if adapter.max_rank == adapter.r else f"rank_pattern rank {adapter.max_rank}"
+        raise LoRAAdapterError(f"{adapter.config_file}: {field} exceeds max_lora_rank={max_lora_rank}")
+    by_layer: dict[int, list[tuple[int, LoRAModule]]] = {}
+    for name, module in adapter.modules.items():
+        target = targets.get(name)
+        if target is None:
+            raise LoRAAdapterError(f"{adapter.weights_file}: tensor {module.a_key!r} adapts {name!r}, "
+                                   f"{_not_supported(name, targets)}")
+        layer = layers[target.layer]
+        expected_a = (module.rank, layer.in_features)
+        expected_b = (layer.slice_widths[target.slice], module.rank)
+        for key, tensor, expected in ((module.a_key, module.lora_a, expected_a), (module.b_key, module.lora_b,
+                                                                                  expected_b)):
+            if tuple(tensor.shape) != expected:
+                raise LoRAAdapterError(f"{adapter.weights_file}: tensor {key!r} shape {tuple(tensor.shape)}, model "
+                                       f"expects {expected}")
+        by_layer.setdefault(target.layer, []).append((target.slice, module))
+
+    rank = adapter.max_rank
+    weights: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(layers)
+    for index, modules in by_layer.items():
+        layer = layers[index]
+        lora_a = torch.zeros(len(layer.slice_widths) * rank, layer.in_features, dtype=dtype)
+        lora_b = torch.zeros(layer.out_features, rank, dtype=dtype)
+        for s, module in modules:
+            lo, hi = layer.slice_bounds[s], layer.slice_bounds[s + 1]
+            lora_a[s * rank:s * rank + module.rank] = module.lora_a
+            # Scaling baked into B (in float32, rounded once), so the kernels need none.
+            lora_b[lo:hi, :module.rank] = module.lora_b * module.scaling
+        weights[index] = (lora_a.pin_memory(), lora_b.pin_memory()) if pin else (lora_a, lora_b)
+    return PackedAdapter(request, rank, tuple(weights))
+
+
+def _check_target_modules(adapter: PeftAdapter, targets: dict[str, ProjectionTarget]) -> None:
+    """A list of target names must name projections this model has (a regex string is checked
+    through the tensors it produced instead)."""
+    if isinstance(adapter.target_modules, str):
+        return
+    for name in adapter.target_modules:
+        if not any(t == name or t.endswith("." + name) for t in targets):
+            raise LoRAAdapterError(f"{adapter.config_file}: target_modules {name!r}: {_not_supported(name, targets)}")
+
+
+def _not_supported(name: str, targets: dict[str, ProjectionTarget]) -> str:
+    leaf = name.rsplit(".", 1)[-1]
+    supported = ", ".join(sorted({t.rsplit(".", 1)[-1] for t in targets}))
+    if leaf in UNSUPPORTED_TARGETS:
+        return f"LoRA on the LM head or the embeddings is not supported (only {supported})"
+    return f"not a projection of this model that LoRA applies to ({supported})"
+

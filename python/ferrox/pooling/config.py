@@ -1,0 +1,189 @@
+"""Which runner a model gets ("generate" or "pooling") and how a pooling model pools, read from its
+folder the way sentence-transformers (and vLLM) read it:
+
+    modules.json                 the module list: Transformer (""), Pooling ("1_Pooling"), Normalize
+    1_Pooling/config.json        pooling_mode_mean_tokens / pooling_mode_cls_token / pooling_mode_lasttoken
+    sentence_bert_config.json    max_seq_length: the longest input the model was trained for
+    config.json                  matryoshka_dimensions / is_matryoshka (vLLM's reading)
+
+Without modules.json a model pools by vLLM's default for its kind: CLS for an encoder (BertModel and
+relatives), the last token for a decoder used as an embedder; both L2-normalised. --pooler-config
+overrides pooling_type and normalize. Anything a folder declares that ferrox cannot reproduce (max
+pooling, a Dense projection after the pooling) is refused by name rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from ferrox.config import RUNNERS, EngineConfig
+from ferrox.loader.config_fields import to_int
+from ferrox.loader.errors import ModelLoadError, UnsupportedModelError
+from ferrox.loader.model_config import read_json
+from ferrox.loader.source import ModelSource
+from ferrox.model_spec import ModelSpec
+from ferrox.models.registry import ENCODER_ONLY_ARCHITECTURES, get_model_class
+from ferrox.pooling.params import PoolerConfig, parse_pooler_overrides
+
+logger = logging.getLogger(__name__)
+
+# 1_Pooling/config.json flag -> pooling type; the other sentence-transformers modes are refused.
+_POOLING_MODES = {"pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS",
+                  "pooling_mode_lasttoken": "LAST"}
+_UNSUPPORTED_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
+                      "pooling_mode_weightedmean_tokens")
+# sentence-transformers modules that change nothing ferrox computes (the Transformer is the model itself).
+_TRANSPARENT_MODULES = ("Transformer",)
+
+
+def resolve_runner(requested: str, architecture: str) -> str:
+    """runner "auto" -> "pooling" for an encoder-only architecture, else "generate" (vLLM's --runner)."""
+    encoder = architecture in ENCODER_ONLY_ARCHITECTURES
+    if requested == "auto":
+        return "pooling" if encoder else "generate"
+    if requested == "generate" and encoder:
+        raise ValueError(f"runner: 'generate' cannot run {architecture}: it is an encoder-only model, which embeds "
+                         "text and has no language-model head (use runner 'pooling', or leave runner 'auto')")
+    if requested not in RUNNERS:
+        raise ValueError(f"runner: {requested!r} is not one of {', '.join(RUNNERS)}")
+    return requested
+
+
+def pooling_setup(config: EngineConfig, source: ModelSource, spec: ModelSpec, tp_size: int) -> PoolerConfig | None:
+    """The PoolerConfig when the engine runs the model for pooling, None for generation; a setting a
+    pooling engine cannot honour is a ValueError naming it (before any weight is read)."""
+    if resolve_runner(config.runner, spec.architecture) != "pooling":
+        return None
+    refused = (
+        ("tensor_parallel_size", tp_size > 1, "a pooling model runs on one rank in this version"),
+        ("async_scheduling", config.async_scheduling is True,
+         "pooling steps run synchronously (no sampled token feeds the next step, so there is nothing to overlap)"),
+        ("enable_lora", bool(getattr(config, "enable_lora", False)), "LoRA adapters apply to generation only"),
+    )
+    for name, bad, why in refused:
+        if bad:
+            raise ValueError(f"{name}: not supported with runner 'pooling' ({why})")
+    pooler = load_pooler_config(source, spec, config.pooler_config)
+    logger.info("runner pooling: %s pooling%s (from %s)%s", pooler.pooling_type,
+                ", normalized" if pooler.normalize else "", pooler.declared_by,
+                "; prefix caching off (every prompt is computed whole)" if config.enable_prefix_caching else "")
+    return pooler
+
+
+def pooling_token_budget(requested: int | None, default: int, max_model_len: int) -> int:
+    """A step's token budget: prompts are never split, so one step must hold the longest (vLLM's rule
+    without chunked prefill); the default grows to max_model_len, an explicit smaller value is refused."""
+    if requested is None:
+        return max(default, max_model_len)
+    if requested < max_model_len:
+        raise ValueError(f"max_num_batched_tokens: {requested} is less than max_model_len ({max_model_len}); a "
+                         "pooling model computes each prompt in one step, so the budget must hold the longest")
+    return requested
+
+
+def load_pooler_config(source: ModelSource, spec: ModelSpec, overrides: dict[str, Any] | None = None) -> PoolerConfig:
+    """The pooling the folder declares (module docstring), with --pooler-config on top."""
+    declared = _sentence_transformers_pooling(source.folder) if source.format == "hf" else None
+    if declared is None:
+        encoder = spec.architecture in ENCODER_ONLY_ARCHITECTURES
+        pooling_type, normalize = ("CLS" if encoder else "LAST"), True
+        declared_by = f"the default for {spec.architecture} (no modules.json)"
+    else:
+        pooling_type, normalize, declared_by = declared
+    extra = parse_pooler_overrides(overrides)
+    if extra:
+        pooling_type = extra.get("pooling_type", pooling_type)
+        normalize = extra.get("normalize", normalize)
+        declared_by = "pooler_config"
+    dims, is_matryoshka = _matryoshka(spec, os.path.join(source.folder, "config.json"))
+    return PoolerConfig(pooling_type=pooling_type, normalize=normalize, hidden_size=spec.hidden_size,
+                        is_matryoshka=is_matryoshka, matryoshka_dimensions=dims, declared_by=declared_by)
+
+
+def pooling_max_model_len(requested: int | None, source: ModelSource, spec: ModelSpec) -> int:
+    """The longest input: the model's positions (an encoder's own count, e.g. RoBERTa's after its pad
+    offset), capped by sentence_bert_config.json's max_seq_length as vLLM caps it; an explicit
+    max_model_len may lower it, not raise it."""
+    cls = get_model_class([spec.architecture])
+    positions = getattr(cls, "max_positions", None)
+    limit = positions(spec) if positions is not None else spec.max_position_embeddings
+    what = f"the model's {limit} positions"
+    path = os.path.join(source.folder, "sentence_bert_config.json")
+    if source.format == "hf" and os.path.isfile(path):
+        value = read_json(path).get("max_seq_length")
+        if value is not None:
+            seq_len = to_int(value, f"{path}: field 'max_seq_length'")
+            if seq_len < limit:
+                limit, what = seq_len, f"max_seq_length {seq_len} in {path}"
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"max_model_len: {requested} is more than this pooling model takes ({what})")
+    return requested
+
+
+def _sentence_transformers_pooling(folder: str) -> tuple[str, bool, str] | None:
+    """(pooling type, normalize, the file that said so) from modules.json, or None without one."""
+    path = os.path.join(folder, "modules.json")
+    if not os.path.isfile(path):
+        return None
+    modules = _read_json_list(path)
+    pooling: tuple[str, str] | None = None
+    normalize = False
+    for i, module in enumerate(modules):
+        if not isinstance(module, dict) or not isinstance(module.get("type"), str):
+            raise ModelLoadError(f"{path}: entry {i} must be an object with a 'type' string")
+        kind = module["type"].rsplit(".", 1)[-1]
+        sub = str(module.get("path") or "")
+        if kind == "Pooling":
+            pooling = (_pooling_mode(os.path.join(folder, sub, "config.json")), os.path.join(sub, "config.json"))
+        elif kind == "Normalize":
+            normalize = True
+        elif kind in _TRANSPARENT_MODULES:
+            if sub:
+                raise UnsupportedModelError(f"{path}: the Transformer module lives in {sub!r}; ferrox loads the "
+                                            "model from the folder itself")
+        else:
+            raise UnsupportedModelError(f"{path}: module {module['type']} ({sub or 'entry ' + str(i)}) is not "
+                                        "supported (ferrox applies Transformer, Pooling and Normalize modules only)")
+    if pooling is None:
+        return None
+    kind, file = pooling
+    return kind, normalize, f"modules.json + {file}"
+
+
+def _pooling_mode(path: str) -> str:
+    config = read_json(path)
+    modes = [kind for key, kind in _POOLING_MODES.items() if config.get(key)]
+    bad = [key for key in _UNSUPPORTED_MODES if config.get(key)]
+    if bad:
+        raise UnsupportedModelError(f"{path}: {', '.join(bad)} is not supported (ferrox pools by mean, CLS or the "
+                                    "last token)")
+    if len(modes) != 1:
+        raise ModelLoadError(f"{path}: exactly one of {', '.join(_POOLING_MODES)} must be true, found "
+                             f"{len(modes)}")
+    return modes[0]
+
+
+def _matryoshka(spec: ModelSpec, where: str) -> tuple[list[int] | None, bool]:
+    dims = spec.hf_config.get("matryoshka_dimensions")
+    if dims is not None:
+        if not isinstance(dims, list) or not dims:
+            raise ModelLoadError(f"{where}: field 'matryoshka_dimensions' must be a non-empty list of sizes")
+        dims = [to_int(d, f"{where}: field 'matryoshka_dimensions'") for d in dims]
+    return dims, bool(dims) or bool(spec.hf_config.get("is_matryoshka", False))
+
+
+def _read_json_list(path: str) -> list[Any]:
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot parse {path}: {e}") from e
+    if not isinstance(data, list):
+        raise ModelLoadError(f"{path} must hold a JSON list of modules, found {type(data).__name__}")
+    return data

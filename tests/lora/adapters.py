@@ -1,0 +1,54 @@
+"""PEFT LoRA adapters for tests, written by the real `peft` package on tiny transformers models, and
+the references ferrox is compared with (the adapter merged into the base weights by peft)."""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import torch
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def load_hf_model(folder: str | os.PathLike[str]) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(os.fspath(folder), dtype=torch.float32).eval()
+
+
+def make_peft_adapter(base: Any, folder: str | os.PathLike[str], *, r: int = 8, lora_alpha: float = 16,
+                      target_modules: tuple[str, ...] | list[str] | str = PROJECTIONS, seed: int = 0,
+                      **config: Any) -> str:
+    """Save a LoRA adapter of `base` (a transformers model, left untouched) in `folder`.
+    init_lora_weights=False makes B random (PEFT's default zero B would be a no-op adapter)."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = target_modules if isinstance(target_modules, str) else list(target_modules)
+    torch.manual_seed(seed)
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=targets,
+                                                           init_lora_weights=False, **config))
+    model.save_pretrained(os.fspath(folder))
+    return os.fspath(folder)
+
+
+def merged_reference(base: Any, adapter_folder: str | os.PathLike[str]) -> Any:
+    """`base` with the adapter loaded by peft and merged into its weights (merge_and_unload)."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(copy.deepcopy(base), os.fspath(adapter_folder)).merge_and_unload().eval()
+
+
+def peft_modules(base: Any, adapter_folder: str | os.PathLike[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor,
+                                                                                          float]]:
+    """module path -> (A, B, scaling) as peft loaded them (the reference for read_peft_adapter)."""
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(copy.deepcopy(base), os.fspath(adapter_folder))
+    out = {}
+    for name, module in model.base_model.model.named_modules():
+        if hasattr(module, "lora_A") and "default" in module.lora_A:
+            out[name] = (module.lora_A["default"].weight.detach(), module.lora_B["default"].weight.detach(),
+                         float(module.scaling["default"]))
+    return out

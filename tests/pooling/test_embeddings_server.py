@@ -1,0 +1,141 @@
+"""`ferrox serve` on the all-MiniLM-L6-v2 folder (a pooling model, detected from its architecture): the
+official openai client's embeddings.create against transformers, every input shape, base64 and float,
+usage, /pooling, the 400s naming the field, the generation routes refused, and the probes and pages."""
+
+from __future__ import annotations
+
+import base64
+import json
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+
+from tests.pooling.conftest import SENTENCES, cosine, hf_sentence_embeddings
+from tests.server.server_proc import ServerProcess
+
+openai = pytest.importorskip("openai")
+
+MODEL = "minilm"
+
+
+@pytest.fixture(scope="module")
+def server(minilm_folder):
+    srv = ServerProcess(minilm_folder, "--max-model-len", "256", "--served-model-name", MODEL)
+    yield srv
+    assert srv.stop() == 0, "\n".join(srv.log[-20:])
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def _post(server, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(server.base_url + path, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_openai_client_matches_transformers(client, hf_minilm):
+    """The client's default (it asks for base64 and decodes it) on a batch of sentences: cosine >= 0.999
+    with sentence-transformers' mean pooling + normalisation; usage counts the input tokens."""
+    tokenizer, model = hf_minilm
+    resp = client.embeddings.create(model=MODEL, input=SENTENCES)
+    ref = hf_sentence_embeddings(tokenizer, model, SENTENCES)
+    assert [d.index for d in resp.data] == list(range(len(SENTENCES)))
+    for item, expected in zip(resp.data, ref, strict=True):
+        assert cosine(item.embedding, expected) >= 0.999
+    num_tokens = sum(len(tokenizer(t)["input_ids"]) for t in SENTENCES)
+    assert (resp.usage.prompt_tokens, resp.usage.total_tokens) == (num_tokens, num_tokens)
+    assert resp.model == MODEL
+
+
+def test_every_input_shape_and_both_encodings(server, client, hf_minilm):
+    tokenizer, _ = hf_minilm
+    one = client.embeddings.create(model=MODEL, input=SENTENCES[0], encoding_format="float").data[0].embedding
+    ids = tokenizer(SENTENCES[0])["input_ids"]
+    by_ids = client.embeddings.create(model=MODEL, input=ids, encoding_format="float").data[0].embedding
+    np.testing.assert_allclose(by_ids, one, atol=1e-6)
+    pair = client.embeddings.create(model=MODEL, input=[ids, tokenizer(SENTENCES[1])["input_ids"]])
+    np.testing.assert_allclose(pair.data[0].embedding, one, atol=1e-6)
+    assert pair.usage.prompt_tokens == len(ids) + len(tokenizer(SENTENCES[1])["input_ids"])
+    status, body = _post(server, "/v1/embeddings", {"input": SENTENCES[0], "encoding_format": "base64"})
+    assert status == 200
+    decoded = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), dtype="<f4")
+    np.testing.assert_array_equal(decoded, np.asarray(one, dtype=np.float32))
+    assert body["object"] == "list" and body["data"][0]["object"] == "embedding"
+
+
+def test_many_inputs_in_one_request_equal_one_at_a_time(client):
+    texts = [f"sentence number {i} about {SENTENCES[i % len(SENTENCES)]}" for i in range(40)]
+    batch = client.embeddings.create(model=MODEL, input=texts).data
+    for i in (0, 17, 39):
+        alone = client.embeddings.create(model=MODEL, input=texts[i]).data[0].embedding
+        np.testing.assert_allclose(batch[i].embedding, alone, atol=2e-6)
+
+
+def test_pooling_route(server, client):
+    status, body = _post(server, "/pooling", {"model": MODEL, "input": SENTENCES[:2]})
+    assert status == 200, body
+    assert [d["object"] for d in body["data"]] == ["pooling", "pooling"]
+    embedded = client.embeddings.create(model=MODEL, input=SENTENCES[:2]).data
+    for item, ref in zip(body["data"], embedded, strict=True):
+        np.testing.assert_allclose(item["data"], ref.embedding, atol=1e-6)
+    assert body["usage"]["prompt_tokens"] > 0
+
+
+@pytest.mark.parametrize(("body", "param", "needle"), [
+    ({"input": []}, "input", "empty array"),
+    ({"input": ""}, "input", "empty string"),
+    ({"input": [1.5]}, "input", "array of token ids"),
+    ({"input": [[101, 102], []]}, "input", "input 1"),
+    ({"input": "word " * 300}, "input", "maximum context length of 256"),
+    ({"input": [[101] * 257]}, "input", "maximum context length of 256"),
+    ({"input": [101, 99999, 102]}, "input", "outside the vocabulary"),
+    ({"input": "hi", "dimensions": 64}, "dimensions", "Matryoshka"),
+    ({"input": "hi", "truncate_prompt_tokens": 8}, "truncate_prompt_tokens", "never truncated"),
+    ({"input": "hi", "encoding_format": "bytes"}, "encoding_format", ""),
+])
+def test_bad_input_is_a_400_naming_the_field(server, body, param, needle):
+    status, answer = _post(server, "/v1/embeddings", body)
+    assert status == 400, answer
+    assert answer["error"]["param"] == param, answer
+    assert needle in answer["error"]["message"]
+
+
+def test_openai_client_sees_the_error(client):
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.embeddings.create(model=MODEL, input=["fine", "word " * 300])
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="another-model", input="hi")
+
+
+def test_generation_routes_are_refused_and_probes_work(server):
+    for path, body, api in (("/v1/completions", {"prompt": "hi"}, "Completions API"),
+                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
+                             "Chat Completions API")):
+        status, answer = _post(server, path, {"model": MODEL, **body})
+        assert status == 400 and answer["error"]["message"] == f"The model does not support {api}", answer
+    for path in ("/health", "/metrics", "/", "/status", "/v1/models"):
+        with urllib.request.urlopen(server.base_url + path, timeout=10) as resp:
+            assert resp.status == 200, path
+    with urllib.request.urlopen(server.base_url + "/v1/models", timeout=10) as resp:
+        assert json.loads(resp.read())["data"][0]["id"] == MODEL
+    with urllib.request.urlopen(server.base_url + "/metrics", timeout=10) as resp:
+        assert b"ferrox:request_success_total" in resp.read()
+
+
+@torch.inference_mode()
+def test_normalize_false_gives_the_raw_mean(server, hf_minilm):
+    tokenizer, model = hf_minilm
+    status, body = _post(server, "/v1/embeddings", {"input": SENTENCES[:1], "normalize": False})
+    assert status == 200
+    expected = hf_sentence_embeddings(tokenizer, model, SENTENCES[:1], normalize=False)[0]
+    torch.testing.assert_close(torch.tensor(body["data"][0]["embedding"]), expected, atol=1e-5, rtol=1e-4)

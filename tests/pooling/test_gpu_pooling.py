@@ -1,0 +1,63 @@
+"""Pooling models on CUDA: a tiny BERT and a tiny Llama embedder (its Triton attention backend running
+without a KV cache) against transformers on the same GPU in float32, and bfloat16 close to it. GPU only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ferrox import LLM
+
+from tests.helpers import tiny_models
+from tests.pooling.conftest import cosine, make_tiny_encoder
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+TEXTS = ["the quick brown fox jumps over the lazy dog", "paris", "a man is eating food and hello world"]
+PROMPTS = [list(range(3, 90)), [5, 9, 11], list(range(100, 140))]
+
+
+@pytest.fixture(scope="module")
+def bert_folder(tmp_path_factory):
+    return make_tiny_encoder(tmp_path_factory.mktemp("bert"), pooling="mean", normalize=True)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bert_on_cuda_matches_transformers(bert_folder, dtype):
+    transformers = pytest.importorskip("transformers")
+    llm = LLM(bert_folder, device="cuda", dtype=dtype)
+    outs = llm.embed(TEXTS, use_tqdm=False)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(bert_folder)
+    model = transformers.AutoModel.from_pretrained(bert_folder, dtype=torch.float32).to("cuda").eval()
+    ref = _reference(tokenizer, model, TEXTS)
+    for out, expected in zip(outs, ref, strict=True):
+        if dtype == "float32":
+            torch.testing.assert_close(torch.tensor(out.outputs.embedding), expected, atol=1e-4, rtol=1e-3)
+        else:
+            assert cosine(out.outputs.embedding, expected) >= 0.99
+
+
+def _reference(tokenizer, model, texts):
+    """Mean pooling + normalisation (sentence-transformers' computation) on the GPU, in float32."""
+    batch = tokenizer(texts, padding=True, return_tensors="pt").to("cuda")
+    with torch.inference_mode():
+        hidden = model(**batch).last_hidden_state.float()
+    mask = batch["attention_mask"].unsqueeze(-1).float()
+    pooled = (hidden * mask).sum(1) / mask.sum(1)
+    return torch.nn.functional.normalize(pooled, dim=-1).cpu()
+
+
+def test_llama_embedder_on_cuda_without_a_kv_cache(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    folder = tiny_models.make_tiny_llama(tmp_path / "llama", hidden_size=128, num_heads=4, num_kv_heads=2)
+    llm = LLM(folder, runner="pooling", device="cuda", dtype="float32")
+    assert llm.engine.runner.kv_caches[0].numel() == 0
+    outs = llm.encode([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to("cuda").eval()
+    for ids, out in zip(PROMPTS, outs, strict=True):
+        with torch.inference_mode():
+            last = ref(torch.tensor([ids], device="cuda"), output_hidden_states=True).hidden_states[-1][0, -1]
+        expected = torch.nn.functional.normalize(last, dim=-1).cpu()
+        torch.testing.assert_close(torch.from_numpy(out.outputs.data), expected, atol=1e-4, rtol=1e-3)
