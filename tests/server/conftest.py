@@ -19,7 +19,9 @@ BODY_LIMIT = 256 * 1024
 
 @pytest.fixture(scope="session")
 def server():
-    srv = ServerProcess("--max-request-body-bytes", str(BODY_LIMIT), "--served-model-name", "smol")
+    # Some tests send their own chat templates (sandboxed); vLLM refuses those without the flag.
+    srv = ServerProcess("--max-request-body-bytes", str(BODY_LIMIT), "--served-model-name", "smol",
+                        "--trust-request-chat-template")
     yield srv
     _check_clean_ctrl_c(srv)
 

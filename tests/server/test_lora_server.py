@@ -32,8 +32,8 @@ def lora_server(tmp_path_factory):
         refs[name] = hf_greedy(merged_reference(base, folders[name]), PROMPT, 10)
     refs = {k: cut_at_eos(v, [EOS_TOKEN_ID]) for k, v in refs.items()}
     srv = ServerProcess(base_dir, "--served-model-name", "tiny", "--enable-lora", "--max-loras", "2",
-                        "--max-lora-rank", "8", "--lora-modules", f"sql={folders['sql']}",
-                        env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
+                        "--max-lora-rank", "8", "--lora-allowed-dirs", str(tmp_path_factory.getbasetemp()),
+                        "--lora-modules", f"sql={folders['sql']}", env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
     try:
         yield srv, folders, refs
     finally:
@@ -92,6 +92,16 @@ def test_bad_adapters_are_refused_by_name(lora_server, tmp_path):
         assert status == 400 and field in text, (body, status, text, "\n".join(srv.log[-30:]))
     status, text = _post(srv.base_url, "/v1/unload_lora_adapter", {"lora_name": "never-loaded"})
     assert status == 404, text
+    # Only folders under --lora-allowed-dirs, after resolving symlinks: nothing else on disk is read.
+    escape = tmp_path / "escape"
+    escape.symlink_to("/etc")
+    for path in ("/etc", str(escape), str(tmp_path / ".." / ".." / ".." / "etc")):
+        status, text = _post(srv.base_url, "/v1/load_lora_adapter", {"lora_name": "evil", "lora_path": path})
+        assert status == 403 and "lora-allowed-dirs" in text, (path, status, text)
+    # Without --trust-request-chat-template a request's own template is refused (vLLM's rule).
+    status, text = _post(srv.base_url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                                "chat_template": "{{ messages }}"})
+    assert status == 400 and "chat_template" in text, text
     # The server still serves.
     client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x")
     assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2).choices[0].text is not None

@@ -248,6 +248,11 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     api.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                      help="LoRA adapters to serve (needs --enable-lora): name=path, or a JSON object "
                      "{\"name\": ..., \"path\": ...}; a request picks one by naming it in `model` (default: none)")
+    api.add_argument("--lora-allowed-dirs", nargs="+", default=[], metavar="DIR",
+                     help="folders /v1/load_lora_adapter may load adapters from (with VLLM_ALLOW_RUNTIME_LORA_UPDATING; "
+                     "default: none, so run-time loading is refused)")
+    api.add_argument("--trust-request-chat-template", action="store_true",
+                     help="accept a request's own chat_template (rendered in a jinja2 sandbox; default: refused, as vLLM)")
     api.add_argument("--download-dir", help="the Hugging Face cache to find model ids in (default: $HF_HUB_CACHE, "
                      "else $HF_HOME/hub); nothing is downloaded")
     add_engine_args(p, p.add_argument_group("engine (the same arguments as LLM(...))"))
@@ -359,7 +364,9 @@ def serve(args: argparse.Namespace) -> int:
         lora_modules = tuple(parse_lora_module(m) for m in args.lora_modules)
         if lora_modules and not args.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
-        options = dataclasses.replace(options, lora_modules=lora_modules)
+        options = dataclasses.replace(
+            options, lora_modules=lora_modules, trust_request_chat_template=args.trust_request_chat_template,
+            lora_allowed_dirs=tuple(os.path.realpath(d) for d in args.lora_allowed_dirs))
         # What can fail without the model fails before it loads: the port (taken?), the TLS files,
         # the generation config folder.
         tls = None

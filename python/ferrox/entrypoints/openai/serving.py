@@ -78,6 +78,10 @@ class ServerOptions:
     stream_stall_timeout: float | None = DEFAULT_STREAM_STALL_TIMEOUT_S
     # --lora-modules: adapters loaded at start-up (entrypoints/openai/serving_lora.py).
     lora_modules: tuple[LoRAModule, ...] = ()
+    # --lora-allowed-dirs: the only folders /v1/load_lora_adapter may read adapters from.
+    lora_allowed_dirs: tuple[str, ...] = ()
+    # vLLM's --trust-request-chat-template: without it a request's own chat_template is refused.
+    trust_request_chat_template: bool = False
 
 
 class ServingContext:
@@ -89,7 +93,8 @@ class ServingContext:
         self.model_name = served_model_name or engine.model_name
         self.options = options or ServerOptions()
         self.created = int(time.time())
-        self.loras = LoRARegistry(engine, self.model_name)  # adapters, by the names clients use
+        # Adapters, by the names clients use.
+        self.loras = LoRARegistry(engine, self.model_name, allowed_dirs=self.options.lora_allowed_dirs)
         self.draining = False  # SIGTERM: new API requests get 503, running ones may finish
         self.active_requests = 0  # API requests inside their handler (what a drain waits for)
 

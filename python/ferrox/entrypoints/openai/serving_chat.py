@@ -11,6 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from ferrox.entrypoints.openai import tools as tool_hooks
+from ferrox.entrypoints.openai.errors import APIError
 from ferrox.entrypoints.openai.protocol import ChatCompletionRequest
 from ferrox.entrypoints.openai.serving import (
     CHAT_FIELDS,
@@ -141,6 +142,10 @@ class _ChatPrompt:
 def _render_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> _ChatPrompt:
     """The request's conversation through the chat template and the tokenizer (blocking: runs in
     the engine's prompt threads); a bad template or message is an APIError naming `messages`."""
+    if req.chat_template is not None and not ctx.options.trust_request_chat_template:
+        # vLLM's rule: a template is code (even in the jinja2 sandbox); the operator opts in.
+        raise APIError(400, "chat_template: this server does not take a request's chat template (start it with "
+                       "--trust-request-chat-template to allow one)", param="chat_template")
     messages = [m.to_template_dict() for m in req.messages]
     use_tools = req.tools if req.tool_choice != "none" else None
     # Templates without tool support (the embedded SmolLM2's) get the tools as system text.

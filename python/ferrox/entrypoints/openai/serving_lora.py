@@ -5,9 +5,11 @@
 - `/v1/models` lists each adapter (parent: the base model; root: its folder), as vLLM does.
 - `POST /v1/load_lora_adapter` {"lora_name", "lora_path"} and `POST /v1/unload_lora_adapter`
   {"lora_name"} change the set at run time. Like vLLM, only when the environment allows it
-  (VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, or FERROX_ALLOW_RUNTIME_LORA_UPDATING=true): loading reads
-  any folder the server process can read, so an operator opts in. Refused otherwise (404 naming
-  the variable). Unloading while requests run with the adapter lets them finish first.
+  (VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, or FERROX_ALLOW_RUNTIME_LORA_UPDATING=true). Refused
+  otherwise (404 naming the variable). A client names a folder on the server's disk, so loading is
+  also limited to the folders given with --lora-allowed-dirs (ferrox's own flag; none by default),
+  checked after resolving symlinks and `..`: no route reads a file outside them (403 otherwise).
+  Unloading while requests run with the adapter lets them finish first.
 """
 
 from __future__ import annotations
@@ -64,9 +66,10 @@ def runtime_updates_allowed() -> bool:
 class LoRARegistry:
     """The adapters this server answers to, by name; ids are handed out in order from 1."""
 
-    def __init__(self, engine: AsyncLLM, base_model_name: str) -> None:
+    def __init__(self, engine: AsyncLLM, base_model_name: str, *, allowed_dirs: tuple[str, ...] = ()) -> None:
         self.engine = engine
         self.base_model_name = base_model_name
+        self.allowed_dirs = tuple(os.path.realpath(d) for d in allowed_dirs)
         self.by_name: dict[str, LoRARequest] = {}
         self._next_id = 1
 
@@ -129,6 +132,16 @@ def _check_allowed(registry: LoRARegistry) -> None:
         raise APIError(400, "LoRA is not enabled on this server (start it with --enable-lora)", param="lora_name")
 
 
+def _check_inside_allowed(registry: LoRARegistry, path: str) -> None:
+    real = os.path.realpath(path)
+    if not registry.allowed_dirs:
+        raise APIError(403, "lora_path: loading adapters at run time needs --lora-allowed-dirs (the folders it may "
+                       "read from)", param="lora_path", code="forbidden")
+    if not any(os.path.commonpath([real, d]) == d for d in registry.allowed_dirs):
+        raise APIError(403, "lora_path: not inside a folder this server allows (--lora-allowed-dirs)",
+                       param="lora_path", code="forbidden")
+
+
 async def load_lora_adapter(registry: LoRARegistry, request: web.Request) -> web.Response:
     """Load a LoRA adapter folder under a name clients can put in `model` (vLLM's route)."""
     _check_allowed(registry)
@@ -137,6 +150,7 @@ async def load_lora_adapter(registry: LoRARegistry, request: web.Request) -> web
     path = body.get("lora_path")
     if not isinstance(path, str) or not path:
         raise APIError(400, "lora_path: required (the adapter's folder)", param="lora_path")
+    _check_inside_allowed(registry, path)
     await registry.load(name, path)
     return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
