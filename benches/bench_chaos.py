@@ -353,10 +353,11 @@ async def sdk_request(base_url: str, rng: random.Random, api: str, stream: bool,
 
 
 async def run_storm(base_url: str, *, requests: int, concurrency: int, seed: int = 0, max_tokens: int = 12,
-                    model: str | None = None, into: StormReport | None = None) -> StormReport:
+                    model: str | list[str] | None = None, into: StormReport | None = None) -> StormReport:
     """`requests` clients, at most `concurrency` at a time, each drawing its behaviour, API and features
     from a random generator seeded with `seed` (so a failing storm can be replayed). Outcomes are
-    appended to `into` as they come (the soak's running total) when given."""
+    appended to `into` as they come (the soak's running total) when given. A list of models (a base
+    model and its LoRA adapters' names): each client picks one."""
     rng = random.Random(seed)
     report = into if into is not None else StormReport()
     started = time.monotonic()
@@ -367,11 +368,14 @@ async def run_storm(base_url: str, *, requests: int, concurrency: int, seed: int
             async with session.get(base_url + "/v1/models") as resp:
                 model = (await resp.json())["data"][0]["id"]
 
+        models = [model] if isinstance(model, str) else list(model)
+
         async def client(i: int) -> None:
             async with sem:
                 crng = random.Random(rng.random())
                 try:
-                    report.outcomes.append(await one_request(session, base_url, crng, model, max_tokens))
+                    chosen = crng.choice(models)
+                    report.outcomes.append(await one_request(session, base_url, crng, chosen, max_tokens))
                 except Exception as exc:  # a bug in a client must show, not hide the others' results
                     report.outcomes.append(Outcome("crash", "?", "?", False, problem=repr(exc)))
 

@@ -7,7 +7,7 @@ nothing running or waiting, KV usage back to zero, every well-formed request ans
 every malformed one refused with a 4xx in its API's error shape, no 500 and no traceback in the
 server's output, and the same greedy answers as before the storm. Smaller storms run against a
 tiny Llama (4 heads, so it splits over 2 ranks) with --data-parallel-size 2 and
---tensor-parallel-size 2.
+--tensor-parallel-size 2, and with two LoRA adapters sharing one adapter slot.
 """
 
 from __future__ import annotations
@@ -32,15 +32,14 @@ _spec.loader.exec_module(chaos)
 
 
 def storm_and_check(srv: ServerProcess, *, requests: int, concurrency: int, max_tokens: int, seed: int,
-                    expect_preemption: bool) -> None:
+                    expect_preemption: bool, models: tuple[str, ...] = ("chaos",)) -> None:
     base = srv.base_url
-    model = "chaos"
     assert chaos.metric(chaos.scrape(base), "ferrox:kv_cache_usage_perc") == 0.0
-    before = asyncio.run(chaos.greedy_answers(base, model))
+    before = [asyncio.run(chaos.greedy_answers(base, m)) for m in models]
     preempted_before = chaos.metric(chaos.scrape(base), "ferrox:num_preemptions_total")
 
     report = asyncio.run(chaos.run_storm(base, requests=requests, concurrency=concurrency, seed=seed,
-                                         max_tokens=max_tokens, model=model))
+                                         max_tokens=max_tokens, model=list(models)))
     summary = chaos.summarize(report)
     assert not report.problems, summary
     # The storm really did what it claims: every behaviour drawn, every API hit, some answers.
@@ -53,7 +52,7 @@ def storm_and_check(srv: ServerProcess, *, requests: int, concurrency: int, max_
     if expect_preemption:
         assert chaos.metric(chaos.scrape(base), "ferrox:num_preemptions_total") > preempted_before, \
             "the KV cache was large enough that nothing was preempted: the storm tests less than it says"
-    assert asyncio.run(chaos.greedy_answers(base, model)) == before
+    assert [asyncio.run(chaos.greedy_answers(base, m)) for m in models] == before
     errors, _disconnect_races = chaos.server_errors(srv.log)  # the known race is reported, not failed on
     assert not errors, "\n".join(errors[:3])
     with urllib.request.urlopen(base + "/health", timeout=5) as resp:
@@ -86,5 +85,22 @@ def test_storm_with_parallelism(tiny_llama, parallel):
                         "--served-model-name", "chaos")
     try:
         storm_and_check(srv, requests=120, concurrency=32, max_tokens=40, seed=61, expect_preemption=True)
+    finally:
+        assert srv.stop() == 0
+
+
+def test_storm_with_lora_adapters(tiny_llama, tmp_path_factory):
+    """Requests spread over the base model and two adapters, one GPU slot (max_loras 1): the scheduler
+    holds back the other adapter's requests and the slot is swapped under load."""
+    from tests.lora.adapters import load_hf_model, make_peft_adapter
+
+    base = load_hf_model(tiny_llama)
+    adapters = [f"a{i}={make_peft_adapter(base, tmp_path_factory.mktemp(f'a{i}'), r=4, seed=i)}" for i in (1, 2)]
+    srv = ServerProcess(tiny_llama, "--kv-cache-memory", "512KiB", "--max-model-len", "1024", "--served-model-name",
+                        "chaos", "--enable-lora", "--max-loras", "1", "--max-lora-rank", "4", "--lora-modules",
+                        *adapters)
+    try:
+        storm_and_check(srv, requests=120, concurrency=32, max_tokens=40, seed=62, expect_preemption=True,
+                        models=("chaos", "a1", "a2"))
     finally:
         assert srv.stop() == 0
