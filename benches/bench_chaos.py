@@ -349,15 +349,92 @@ async def sdk_request(base_url: str, rng: random.Random, api: str, stream: bool,
     return out
 
 
+# ---- embeddings (a pooling server) -----------------------------------------------------------------
+
+EMBED_INPUTS = ["A man is eating food.", "Paris is the capital of France.", "paged attention", "rust and python",
+                "The quick brown fox jumps over the lazy dog."]
+
+
+async def one_embedding_request(session: aiohttp.ClientSession, base_url: str, rng: random.Random,
+                                model: str) -> Outcome:
+    """One client of an embedding model's /v1/embeddings: the same behaviours as the generation storm
+    (no streams: a vanishing client drops the connection before the answer)."""
+    behaviour = rng.choices(list(BEHAVIOURS), weights=list(BEHAVIOURS.values()))[0]
+    url = base_url + "/v1/embeddings"
+    if behaviour == "invalid":
+        raw = rng.choice([b'{"input": ["a"', json.dumps({"model": model, "input": []}).encode(),
+                          json.dumps({"model": model, "input": [1.5]}).encode(),
+                          json.dumps({"model": model, "input": " ".join(["word"] * 3000)}).encode(),
+                          json.dumps({"model": model, "input": "x", "encoding_format": "hex"}).encode(),
+                          json.dumps({"model": "no-such-model", "input": "x"}).encode()])
+        out = Outcome(behaviour, "embeddings", "malformed", False)
+        async with session.post(url, data=raw, headers={"Content-Type": "application/json"}) as resp:
+            out.status = resp.status
+            text = await resp.text(errors="replace")
+        try:
+            parsed = json.loads(text)
+        except ValueError:
+            parsed = None
+        if not (400 <= resp.status < 500 and _error_shaped("embeddings", parsed)):
+            out.problem = f"malformed body got {resp.status} {text[:200]!r} (sent {raw[:80]!r})"
+        return out
+    inputs = rng.sample(EMBED_INPUTS, rng.randint(1, 3))
+    body: dict[str, Any] = {"model": model, "input": inputs if len(inputs) > 1 or rng.random() < 0.5 else inputs[0],
+                            "encoding_format": rng.choice(["float", "base64"])}
+    out = Outcome(behaviour, "embeddings", "plain", False)
+    try:
+        if behaviour == "sdk":
+            import openai
+
+            async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0) as oc:
+                r = await oc.embeddings.create(model=model, input=inputs)
+            out.status = 200
+            if len(r.data) != len(inputs) or not all(d.embedding for d in r.data):
+                out.problem = f"sdk embeddings: {len(r.data)} vectors for {len(inputs)} inputs"
+            return out
+        if behaviour in ("abort", "vanish", "timeout"):
+            timeout = aiohttp.ClientTimeout(total=rng.uniform(0.001, 0.3))
+            try:
+                out.status, _ = await _post_and_read(session, url, body, False, timeout=timeout)
+            except (asyncio.TimeoutError, aiohttp.ClientError):
+                pass
+            return _no_5xx(out)
+        if behaviour == "slow":
+            await asyncio.sleep(rng.uniform(0.0, 0.3))
+        async with session.post(url, json=body) as resp:
+            out.status = resp.status
+            answer = await resp.json()
+        n = len(body["input"]) if isinstance(body["input"], list) else 1
+        if resp.status != 200:
+            out.problem = f"well-formed request got {resp.status}: {answer!r:.300}"
+        elif len(answer.get("data", [])) != n or answer["usage"]["prompt_tokens"] <= 0:
+            out.problem = f"expected {n} embeddings with usage: {answer!r:.300}"
+    except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+        out.problem = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+async def reference_embeddings(base_url: str, model: str) -> list[list[float]]:
+    """EMBED_INPUTS' vectors, one request each (the storm must not change them)."""
+    vectors = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        for text in EMBED_INPUTS:
+            async with session.post(base_url + "/v1/embeddings", json={"model": model, "input": text}) as resp:
+                vectors.append((await resp.json())["data"][0]["embedding"])
+    return vectors
+
+
 # ---- the storm and the checks around it ------------------------------------------------------------
 
 
 async def run_storm(base_url: str, *, requests: int, concurrency: int, seed: int = 0, max_tokens: int = 12,
-                    model: str | list[str] | None = None, into: StormReport | None = None) -> StormReport:
+                    model: str | list[str] | None = None, into: StormReport | None = None,
+                    embeddings: bool = False) -> StormReport:
     """`requests` clients, at most `concurrency` at a time, each drawing its behaviour, API and features
     from a random generator seeded with `seed` (so a failing storm can be replayed). Outcomes are
     appended to `into` as they come (the soak's running total) when given. A list of models (a base
-    model and its LoRA adapters' names): each client picks one."""
+    model and its LoRA adapters' names): each client picks one. embeddings: the server runs an
+    embedding model; clients call /v1/embeddings."""
     rng = random.Random(seed)
     report = into if into is not None else StormReport()
     started = time.monotonic()
@@ -374,8 +451,12 @@ async def run_storm(base_url: str, *, requests: int, concurrency: int, seed: int
             async with sem:
                 crng = random.Random(rng.random())
                 try:
-                    chosen = crng.choice(models)
-                    report.outcomes.append(await one_request(session, base_url, crng, chosen, max_tokens))
+                    # (One model: no draw, so a seed replays the storm it always did.)
+                    chosen = crng.choice(models) if len(models) > 1 else models[0]
+                    if embeddings:
+                        report.outcomes.append(await one_embedding_request(session, base_url, crng, chosen))
+                    else:
+                        report.outcomes.append(await one_request(session, base_url, crng, chosen, max_tokens))
                 except Exception as exc:  # a bug in a client must show, not hide the others' results
                     report.outcomes.append(Outcome("crash", "?", "?", False, problem=repr(exc)))
 

@@ -84,7 +84,7 @@ def test_storm_with_parallelism(tiny_llama, parallel):
     srv = ServerProcess(tiny_llama, *parallel, "--kv-cache-memory", "512KiB", "--max-model-len", "1024",
                         "--served-model-name", "chaos")
     try:
-        storm_and_check(srv, requests=120, concurrency=32, max_tokens=40, seed=61, expect_preemption=True)
+        storm_and_check(srv, requests=80, concurrency=32, max_tokens=40, seed=61, expect_preemption=True)
     finally:
         assert srv.stop() == 0
 
@@ -100,7 +100,34 @@ def test_storm_with_lora_adapters(tiny_llama, tmp_path_factory):
                         "chaos", "--enable-lora", "--max-loras", "1", "--max-lora-rank", "4", "--lora-modules",
                         *adapters)
     try:
-        storm_and_check(srv, requests=120, concurrency=32, max_tokens=40, seed=62, expect_preemption=True,
+        storm_and_check(srv, requests=80, concurrency=32, max_tokens=40, seed=62, expect_preemption=True,
                         models=("chaos", "a1", "a2"))
+    finally:
+        assert srv.stop() == 0
+
+
+def test_storm_on_an_embedding_model(tmp_path_factory):
+    """/v1/embeddings under the same client behaviours (vanishing, timing out, malformed, the openai
+    client); afterwards the server is idle and gives the same vectors as before."""
+    import numpy as np
+
+    from tests.pooling.conftest import make_tiny_encoder
+
+    folder = make_tiny_encoder(tmp_path_factory.mktemp("chaos-bert"), pooling="mean", normalize=True)
+    srv = ServerProcess(folder, "--served-model-name", "chaos", "--max-model-len", "48", "--max-num-seqs", "8")
+    try:
+        base = srv.base_url
+        before = asyncio.run(chaos.reference_embeddings(base, "chaos"))
+        report = asyncio.run(chaos.run_storm(base, requests=120, concurrency=32, seed=63, model="chaos",
+                                             embeddings=True))
+        summary = chaos.summarize(report)
+        assert not report.problems, summary
+        assert set(report.counts()) == set(chaos.BEHAVIOURS), summary
+        assert sum(o.status == 200 for o in report.outcomes) > 40, summary
+        settled, state = chaos.settle(base, timeout=30)
+        assert settled, f"server did not settle after the storm: {state}\n{summary}"
+        np.testing.assert_allclose(asyncio.run(chaos.reference_embeddings(base, "chaos")), before, atol=1e-5)
+        errors, _ = chaos.server_errors(srv.log)
+        assert not errors, "\n".join(errors[:3])
     finally:
         assert srv.stop() == 0

@@ -14,7 +14,7 @@ from ferrox import StructuredOutputsParams as P
 from .schemas import SCHEMAS
 from .test_manager import CASES
 
-SAMPLES = 20
+SAMPLES = 12
 
 
 def chat(text: str) -> list[dict]:
