@@ -241,17 +241,7 @@ async def one_request(session: aiohttp.ClientSession, base_url: str, rng: random
     behaviour = rng.choices(list(BEHAVIOURS), weights=list(BEHAVIOURS.values()))[0]
     if behaviour == "invalid":
         api, route, raw = malformed(rng, model)
-        out = Outcome(behaviour, api, "malformed", False)
-        async with session.post(base_url + route, data=raw, headers={"Content-Type": "application/json"}) as resp:
-            out.status = resp.status
-            text = await resp.text(errors="replace")
-        try:
-            parsed = json.loads(text)
-        except ValueError:
-            parsed = None
-        if not (400 <= resp.status < 500 and _error_shaped(api, parsed)):
-            out.problem = f"malformed body got {resp.status} {text[:200]!r} (sent {raw[:80]!r})"
-        return out
+        return await send_malformed(session, base_url + route, api, raw)
     api = rng.choice(APIS)
     feature = rng.choice(FEATURES)
     stream = rng.random() < 0.6 if behaviour not in ("vanish", "slow") else True
@@ -294,6 +284,21 @@ async def one_request(session: aiohttp.ClientSession, base_url: str, rng: random
     except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
         if behaviour not in ("timeout", "abort", "vanish"):
             out.problem = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+async def send_malformed(session: aiohttp.ClientSession, url: str, api: str, raw: bytes) -> Outcome:
+    """Post a body the server must refuse: a 4xx in the API's error shape, never anything else."""
+    out = Outcome("invalid", api, "malformed", False)
+    async with session.post(url, data=raw, headers={"Content-Type": "application/json"}) as resp:
+        out.status = resp.status
+        text = await resp.text(errors="replace")
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        parsed = None
+    if not (400 <= resp.status < 500 and _error_shaped(api, parsed)):
+        out.problem = f"malformed body got {resp.status} {text[:200]!r} (sent {raw[:80]!r})"
     return out
 
 
@@ -367,17 +372,7 @@ async def one_embedding_request(session: aiohttp.ClientSession, base_url: str, r
                           json.dumps({"model": model, "input": " ".join(["word"] * 3000)}).encode(),
                           json.dumps({"model": model, "input": "x", "encoding_format": "hex"}).encode(),
                           json.dumps({"model": "no-such-model", "input": "x"}).encode()])
-        out = Outcome(behaviour, "embeddings", "malformed", False)
-        async with session.post(url, data=raw, headers={"Content-Type": "application/json"}) as resp:
-            out.status = resp.status
-            text = await resp.text(errors="replace")
-        try:
-            parsed = json.loads(text)
-        except ValueError:
-            parsed = None
-        if not (400 <= resp.status < 500 and _error_shaped("embeddings", parsed)):
-            out.problem = f"malformed body got {resp.status} {text[:200]!r} (sent {raw[:80]!r})"
-        return out
+        return await send_malformed(session, url, "embeddings", raw)
     inputs = rng.sample(EMBED_INPUTS, rng.randint(1, 3))
     body: dict[str, Any] = {"model": model, "input": inputs if len(inputs) > 1 or rng.random() < 0.5 else inputs[0],
                             "encoding_format": rng.choice(["float", "base64"])}

@@ -149,7 +149,8 @@ def measure_matmul_tflops() -> float:
     return 2 * 8192**3 / _median_ms(lambda: a @ b, 20) / 1e9
 
 
-def _median_ms(fn, reps: int) -> float:
+def timed_ms(fn, reps: int) -> list[float]:
+    """CUDA-event times (ms) of `reps` runs of fn, after 3 untimed ones."""
     import torch
 
     for _ in range(3):
@@ -162,7 +163,12 @@ def _median_ms(fn, reps: int) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return times
+
+
+def _median_ms(fn, reps: int) -> float:
+    times = sorted(timed_ms(fn, reps))
+    return times[len(times) // 2]
 
 
 def environment() -> dict[str, str]:

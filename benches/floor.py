@@ -161,19 +161,7 @@ def _read_times_gbps(n: int, reps: int) -> dict[str, float]:
 
 def _best_ms(fn: Any, reps: int) -> float:
     """The fastest of `reps` timed runs (after 3 untimed): the bandwidth the hardware reached."""
-    import torch
-
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return min(times)
+    return min(bench_setup.timed_ms(fn, reps))
 
 
 # ---- report ---------------------------------------------------------------------------------------

@@ -119,7 +119,7 @@ def test_mixed_batches_match_peft_merged(tiny):
 
 
 def test_triton_kernel_set(tiny):
-    """The Triton kernel set (GPU path; on CPU in the interpreter child of test_lora_kernels.py)
+    """The Triton kernel set (GPU path; on CPU in tests/kernels/test_interpreter.py's child)
     against the torch kernel set, with the same adapters and batches; includes one-token steps,
     which the Triton backend would run in fused kernels without LoRA."""
     if torch.cuda.is_available() and not INTERPRETED:
@@ -127,7 +127,7 @@ def test_triton_kernel_set(tiny):
     elif INTERPRETED:
         device = torch.device("cpu")
     else:
-        pytest.skip("the Triton kernel set on CPU runs in the interpreter child (test_lora_kernels.py)")
+        pytest.skip("the Triton kernel set on CPU runs in the interpreter child (tests/kernels/test_interpreter.py)")
     folder, _, adapters = tiny
     ref_model = _ferrox_model(folder, torch.device("cpu"))
     ref = _manager(ref_model, adapters, torch.device("cpu"))

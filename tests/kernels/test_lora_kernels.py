@@ -1,16 +1,13 @@
 """Multi-LoRA Triton kernels (kernels/lora.py) against the torch path (lora/torch_delta.py).
 
-On CPU the Triton cases run in a child pytest under TRITON_INTERPRET=1 (the variable is read when
-a kernel is decorated, so it cannot be switched on in this process); on a GPU they run natively.
-The child also runs test_lora_model.py's Triton-kernel-set case.
+On CPU the Triton cases run in test_interpreter.py's child pytest under TRITON_INTERPRET=1, with
+every kernel test of this directory (and tests/lora/test_lora_model.py's Triton-kernel-set case);
+on a GPU they run natively.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,24 +16,6 @@ from ferrox.lora.torch_delta import add_lora_torch, slot_groups
 from tests.kernels.kernel_refs import relative_error
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-HERE = Path(__file__).resolve().parent
-
-
-@pytest.fixture
-def kernel_device() -> torch.device:
-    if torch.cuda.is_available() and not INTERPRETED:
-        return torch.device("cuda")
-    if INTERPRETED:
-        return torch.device("cpu")
-    pytest.skip("Triton kernels on CPU run in the interpreter child (test_lora_kernels_under_triton_interpreter)")
-
-
-@pytest.fixture
-def seed() -> int:
-    value = int(os.environ.get("FERROX_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
-    torch.manual_seed(value)
-    print(f"seed={value} (replay with FERROX_TEST_SEED={value})")
-    return value
 
 
 def _stacks(slices: list[int], in_features: int, ranks: list[int], max_rank: int, dtype, device):
@@ -164,16 +143,3 @@ def test_real_shapes_bf16(seed, kind):
     prefill[7000:] = 2
     _compare(device, tokens=8192, slices=slices, in_features=4096, ranks=[16, 8, 16, 4], max_rank=16,
              token_slots=prefill, dtype=torch.bfloat16, tolerance=2e-2)
-
-
-@pytest.mark.skipif(INTERPRETED, reason="this is the interpreter child itself")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel tests run natively")
-def test_lora_kernels_under_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    files = [str(HERE / "test_lora_kernels.py"), str(HERE / "test_lora_model.py") + "::test_triton_kernel_set"]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", *files]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=HERE.parents[1])
-    report = proc.stdout[-8000:] + proc.stderr[-4000:]
-    assert proc.returncode == 0, f"interpreted LoRA kernel tests failed:\n{report}"
-    assert " passed" in proc.stdout, report
-    print(report)
