@@ -1,7 +1,7 @@
 """Speculative decoding through the real engine (real core, real rejection sampler) on the embedded
 SmolLM2: greedy output is identical token for token with and without n-gram speculation (copy-heavy
 prompts, where drafts are accepted, and random ones, where they mostly are not); requests that may
-not speculate (logprobs, penalties) share steps with ones that do; n > 1; a seeded sampled request is
+not speculate (penalties) share steps with ones that do, and requests with logprobs speculate; n > 1; a seeded sampled request is
 reproducible; preemption and abort with drafts in flight leak no KV block; and the configuration
 errors. Stops inside accepted runs are tested on a float32 tiny model (test_spec_decode_draft.py).
 
@@ -97,7 +97,8 @@ def test_greedy_random_prompts_identical(plain, spec):
 
 
 def test_non_speculating_requests_share_steps(plain, spec):
-    """Requests with logprobs or penalties decode one token a step beside speculating ones, unchanged."""
+    """Requests with penalties decode one token a step beside speculating ones, unchanged; a request
+    with logprobs speculates and reports a logprob for every token it keeps."""
     params = [SamplingParams(temperature=0.0, max_tokens=32),
               SamplingParams(temperature=0.0, max_tokens=32, logprobs=2),
               SamplingParams(temperature=0.0, max_tokens=32, repetition_penalty=1.3)]
@@ -110,7 +111,9 @@ def test_non_speculating_requests_share_steps(plain, spec):
     assert lp_a is not None and lp_b is not None and len(lp_b) == len(lp_a)
     for step_a, step_b in zip(lp_a, lp_b, strict=True):
         assert step_a.keys() == step_b.keys()
-        assert all(abs(step_a[t].logprob - step_b[t].logprob) < 1e-4 for t in step_a)
+        # Kept drafts' logprobs come from the (1 + k)-row pass, whose bfloat16 logits (the int4 LM head)
+        # may round a step apart from the one-row pass's (exact equality: test_spec_decode_draft.py).
+        assert all(abs(step_a[t].logprob - step_b[t].logprob) <= TIE_TOLERANCE for t in step_a), (step_a, step_b)
 
 
 def test_n_greater_than_one(plain, spec):

@@ -126,3 +126,25 @@ def test_stops_inside_accepted_runs(target):
                 (a.token_ids, a.text, a.finish_reason, a.stop_reason), sp
         s = llm.engine.stats()
         assert s["spec_num_accepted_tokens"] > 0 and s["kv_cache_usage"] == 0.0, s
+
+
+def test_logprobs_of_kept_drafts_match_plain_decoding(target):
+    """A request with logprobs speculates too: every token it keeps from a run of drafts has its logprob,
+    rank and top alternatives, equal to one-step-at-a-time decoding (float32 tiny model), also when a
+    stop ends the run early; and the drafts really were accepted."""
+    plain = LLM(model=target, max_model_len=512, kv_cache_memory=4 << 20)
+    spec = drafting(target, target)
+    for sp in (SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=3),
+               SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True, logprobs=0)):
+        ref = plain.generate(PROMPTS, sp, use_tqdm=False)
+        out = spec.generate(PROMPTS, sp, use_tqdm=False)
+        for a, b in zip(ref, out, strict=True):
+            x, y = a.outputs[0], b.outputs[0]
+            assert y.token_ids == x.token_ids
+            assert y.logprobs is not None and len(y.logprobs) == len(y.token_ids) == len(x.logprobs)
+            for pa, pb in zip(x.logprobs, y.logprobs, strict=True):
+                assert pa.keys() == pb.keys()
+                for t in pa:
+                    assert abs(pa[t].logprob - pb[t].logprob) < 1e-4 and pa[t].rank == pb[t].rank
+            assert abs(x.cumulative_logprob - y.cumulative_logprob) < 1e-3
+    assert_all_accepted_and_idle(spec)

@@ -47,7 +47,7 @@ from ferrox.pooling.params import PoolingParams, validate_pooling_request
 from ferrox.request_rules import check_request_id
 from ferrox.sampling_params import SamplingParams
 from ferrox.speculative_config import SpeculativeConfig, parse_speculative_config
-from ferrox.step_types import StepResult, StepRow
+from ferrox.step_types import Logprobs, StepResult, StepRow
 from ferrox.worker.draft_model import DraftProposer
 from ferrox.worker.model_runner import ModelRunner, ModelRunnerOutput, StepHandle
 from ferrox.worker.model_setup import LoadedModel, load_everything
@@ -365,10 +365,12 @@ class EngineCore:
         self.runner.append_accepted(slots, outs.token_ids, outs.token_offsets)
         if result.logprobs:
             row_of_slot = {int(s): i for i, s in enumerate(handle.slots)}
+            offsets = outs.token_offsets
             for j, slot in enumerate(slots.tolist()):
                 lp = result.logprobs.get(row_of_slot.get(slot, -1))
                 if lp is not None:
-                    step.logprobs[j] = lp
+                    # A stop inside a run of kept drafts appends fewer tokens than were scored.
+                    step.logprobs[j] = _first_positions(lp, max(int(offsets[j + 1] - offsets[j]), 1))
         if self._pending_prompt_logprobs:
             for j, rid in enumerate(step.req_ids):
                 plp = self._pending_prompt_logprobs.pop(rid, None)
@@ -533,12 +535,18 @@ def _speculative_scheduler_args(spec: SpeculativeConfig | None) -> dict[str, Any
                 prompt_lookup_min=spec.prompt_lookup_min, prompt_lookup_max=spec.prompt_lookup_max)
 
 
+def _first_positions(lp: Logprobs, n: int) -> Logprobs:
+    if len(lp.token_ids) <= n:
+        return lp
+    return Logprobs(lp.token_ids[:n], lp.logprobs[:n], lp.ranks[:n], lp.top_token_ids[:n], lp.top_logprobs[:n])
+
+
 def _drafts_allowed(params: SamplingParams) -> bool:
     """Whether a request may speculate. The verifier applies a request's sampling settings at every draft
     position by repeating its row (worker/spec_decode.py); settings that depend on the tokens before
     the position are not handled per position, so their requests decode one token a step: grammars
     (drafts are not checked against the grammar), penalties and min_tokens (counts change within the
-    run), and logprobs (reported for one position per step)."""
-    return (params.structured_outputs is None and params.logprobs is None and params.min_tokens == 0
+    run). Logprobs are reported for every kept token."""
+    return (params.structured_outputs is None and params.min_tokens == 0
             and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
             and params.presence_penalty == 0.0)

@@ -49,7 +49,8 @@ class ModelRunnerOutput:
     # [num_reqs], batch order; with num_sampled_tokens (a step that verified drafts): flat, request after
     # request, num_sampled_tokens[i] tokens each (update_from_output's layout).
     sampled_token_ids: npt.NDArray[np.int64]
-    logprobs: dict[int, Logprobs] = field(default_factory=dict)  # batch row -> one position, rows that asked
+    # batch row -> its positions (one, or one per token kept from drafts), rows that asked
+    logprobs: dict[int, Logprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)  # request id -> complete, emitted once
     errors: dict[int, str] = field(default_factory=dict)  # batch row -> why its sampling failed
     num_sampled_tokens: npt.NDArray[np.int32] | None = None
@@ -58,7 +59,7 @@ class ModelRunnerOutput:
 
     def first_tokens(self) -> npt.NDArray[np.int64]:
         """[num_reqs] each request's first sampled token this step (its only one unless it had drafts:
-        requests with a grammar or logprobs never have drafts, so this is their token)."""
+        requests with a grammar never have drafts, so this is their token)."""
         if self.num_sampled_tokens is None:
             return self.sampled_token_ids
         starts = np.concatenate(([0], np.cumsum(self.num_sampled_tokens)[:-1]))
@@ -380,29 +381,34 @@ class ModelRunner:
                         in_flight.sample_mask[r : r + 1], in_flight.token_ids[r : r + 1])
 
     def _collect_logprobs(self, handle: StepHandle, out: ModelRunnerOutput) -> None:
+        """Each asking row's Logprobs: one position, or (a step that verified drafts) one per token it
+        kept, since the host logprobs then have a row per sampled token (spec_decode.verify)."""
         lp = handle.host_logprobs  # on the host: finish() waited for its copy
         assert lp is not None and handle.num_logprobs is not None
-        rows_np = np.flatnonzero((handle.num_logprobs >= 0) & handle.sample_mask)
-        if not rows_np.size:
+        asking = np.flatnonzero((handle.num_logprobs >= 0) & handle.sample_mask)
+        if not asking.size:
             return
-        rows = rows_np.tolist()
-        idx = torch.from_numpy(rows_np)
+        counts = out.num_sampled_tokens if out.num_sampled_tokens is not None else np.ones(len(handle.slots), np.int32)
+        starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+        flat = np.concatenate([np.arange(starts[i], starts[i] + counts[i]) for i in asking.tolist()])
+        idx = torch.from_numpy(flat)
         token_lp = lp.token_logprobs.index_select(0, idx).tolist()
         ranks = lp.token_ranks.index_select(0, idx).tolist()
         top_ids = lp.top_token_ids.index_select(0, idx).tolist()
         top_lp = lp.top_logprobs.index_select(0, idx).tolist()
-        token_ids = out.first_tokens()
-        for k, i in enumerate(rows):
-            if i in out.errors:
-                continue
-            n = int(handle.num_logprobs[i])
-            out.logprobs[i] = Logprobs(
-                token_ids=[int(token_ids[i])],
-                logprobs=[token_lp[k]],
-                ranks=[ranks[k]],
-                top_token_ids=[top_ids[k][:n]],
-                top_logprobs=[top_lp[k][:n]],
-            )
+        token_ids = out.sampled_token_ids[flat].tolist()
+        k = 0
+        for i in asking.tolist():
+            m, n = int(counts[i]), int(handle.num_logprobs[i])
+            if i not in out.errors:
+                out.logprobs[i] = Logprobs(
+                    token_ids=token_ids[k:k + m],
+                    logprobs=token_lp[k:k + m],
+                    ranks=ranks[k:k + m],
+                    top_token_ids=[t[:n] for t in top_ids[k:k + m]],
+                    top_logprobs=[t[:n] for t in top_lp[k:k + m]],
+                )
+            k += m
 
     # ---- prompt logprobs --------------------------------------------------------------------------------
     def _prompt_logprobs_jobs(self, slots: npt.NDArray[np.int32], so: Any) -> list[tuple[RequestState, int, int, int]]:

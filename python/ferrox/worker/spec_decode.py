@@ -8,9 +8,10 @@ to keep plus one token of the target's own (the correction, or the bonus when al
 Per-position sampling settings: the request's row of the persistent batch is repeated over its
 1 + d positions (`expand`), so temperature, top-k/top-p/min-p, logit_bias and allowed_token_ids apply
 at every position as they would one step at a time. Settings whose value depends on the tokens
-before the position (penalties, min_tokens), logprobs and grammars are not expanded: the engine
-adds such requests with allow_drafts=False, so they always have d = 0 here and their single row is
-exactly their non-speculative row.
+before the position (penalties, min_tokens) and grammars are not expanded: the engine adds such
+requests with allow_drafts=False, so they always have d = 0 here and their single row is exactly
+their non-speculative row. Logprobs are reported for every token a request keeps: each comes from
+the raw logits row that scored it (the row of its position), as one step at a time would.
 
 Draft tokens are deterministic given the context (prompt lookup, or a draft model's argmax), so
 verification runs with draft_probs=None: accept x with probability p(x), else draw from p without x
@@ -34,7 +35,8 @@ from ferrox.layers.sampler import LogprobsTensors, Sampler, SamplingMetadata, co
 class VerifyResult:
     token_ids: torch.Tensor  # flat: each request's accepted drafts, then its own token (update_from_output's order)
     num_sampled: npt.NDArray[np.int32]  # [num_reqs] tokens per request (1 + accepted drafts)
-    logprobs: LogprobsTensors | None  # [num_reqs] of each request's first token (rows that asked have d = 0)
+    # One row per kept token, in token_ids' order (request r's num_sampled[r] rows together).
+    logprobs: LogprobsTensors | None
 
 
 def expand_rows(num_drafts: npt.NDArray[np.int32]) -> npt.NDArray[np.int64]:
@@ -80,8 +82,13 @@ def verify(
         target, torch.from_numpy(np.ascontiguousarray(draft_token_ids, dtype=np.int64)), num_drafts,
         greedy=torch.from_numpy(np.ascontiguousarray(greedy, dtype=np.bool_)), generators=generators,
         default_generator=sampler.default_generator)
+    num_sampled = out.num_sampled.cpu().numpy()
+    token_ids = out.flat()
     logprobs = None
     if raw is not None:
-        first_rows = torch.from_numpy(logits_start_loc[:-1].astype(np.int64)).to(logits.device)
-        logprobs = compute_logprobs(raw.index_select(0, first_rows), out.token_ids[:, 0], md.max_num_logprobs or 0)
-    return VerifyResult(out.flat(), out.num_sampled.cpu().numpy(), logprobs)
+        # Token j of request r (kept drafts first, then its own) was scored by row start_loc[r] + j.
+        rows = np.concatenate([np.arange(n, dtype=np.int64) + start
+                               for start, n in zip(logits_start_loc[:-1].tolist(), num_sampled.tolist(), strict=True)])
+        logprobs = compute_logprobs(raw.index_select(0, torch.from_numpy(rows).to(logits.device)), token_ids,
+                                    md.max_num_logprobs or 0)
+    return VerifyResult(token_ids, num_sampled, logprobs)
