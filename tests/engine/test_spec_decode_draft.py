@@ -148,3 +148,33 @@ def test_logprobs_of_kept_drafts_match_plain_decoding(target):
                     assert abs(pa[t].logprob - pb[t].logprob) < 1e-4 and pa[t].rank == pb[t].rank
             assert abs(x.cumulative_logprob - y.cumulative_logprob) < 1e-3
     assert_all_accepted_and_idle(spec)
+
+
+def test_grammar_walks_the_drafts(target):
+    """Constrained requests speculate too: each verified position gets its grammar's mask after the drafts
+    before it, so a draft the grammar forbids is rejected and every kept token is allowed. Output equals
+    constrained one-step-at-a-time decoding (also where the grammar completes inside a kept run)."""
+    from ferrox.sampling_params import StructuredOutputsParams as SO
+
+    plain = LLM(model=target, max_model_len=512, kv_cache_memory=4 << 20)
+    engines = [drafting(target, target),
+               LLM(model=target, max_model_len=512, kv_cache_memory=4 << 20,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": K})]
+    cases = [SO(choice=["red apple", "green", "blue sky at night"]), SO(regex="[a-e ]{4,20}"),
+             SO(json={"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})]
+    for llm in engines:
+        for so in cases:
+            sp = SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=so)
+            a = [o.outputs[0] for o in plain.generate(PROMPTS, sp, use_tqdm=False)]
+            b = [o.outputs[0] for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+            assert [(x.token_ids, x.text, x.finish_reason) for x in b] == \
+                [(x.token_ids, x.text, x.finish_reason) for x in a], so
+        s = llm.engine.stats()
+        assert s["kv_cache_usage"] == 0.0 and s["num_free_blocks"] == s["num_total_blocks"] - 1, s
+    # Self-drafting under a permissive grammar: drafts the grammar allows are kept (not only rejected).
+    permissive = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                                structured_outputs=SO(regex="(.|\n){0,200}"))
+    self_drafting = drafting(target, target)
+    assert ids(self_drafting, sp=permissive) == ids(plain, sp=permissive)
+    s = self_drafting.engine.stats()
+    assert s["spec_num_accepted_tokens"] > 0 and s["kv_cache_usage"] == 0.0, s

@@ -317,7 +317,7 @@ class EngineCore:
         if handle is not None and needs_mask:
             # The mask needs the grammars advanced by `prev` (just done), not the core's update of
             # it, which follows: the device waits for this sample, the core's bookkeeping does not.
-            self.runner.sample(handle, self.structured.fill_bitmask(so.req_ids, so.sample_mask))
+            self.runner.sample(handle, self._grammar_bitmask(so))
         if prev is not None and done is not None:
             parts.append(self._report(prev, *done))
         if handle is not None:
@@ -326,6 +326,14 @@ class EngineCore:
             else:
                 parts.append(self._report(handle, *self._finish(handle)))
         return StepResult.concat(parts)
+
+    def _grammar_bitmask(self, so: Any) -> Any:
+        """The step's allow-bits: a row per request, or (drafts to verify) a row per verified position."""
+        num_drafts = np.asarray(so.num_draft_tokens, dtype=np.int32)
+        if self.speculative is not None and num_drafts.any():
+            return self.structured.fill_bitmask_with_drafts(so.req_ids, np.asarray(so.sample_mask), num_drafts,
+                                                            np.asarray(so.draft_token_ids, dtype=np.int64))
+        return self.structured.fill_bitmask(so.req_ids, so.sample_mask)
 
     def _has_constrained_rows(self, so: Any) -> bool:
         structured = self.structured
@@ -343,8 +351,14 @@ class EngineCore:
             if skip or result.errors:
                 dropped = set(skip) | {so.req_ids[i] for i in result.errors}
                 mask = mask & np.array([r not in dropped for r in so.req_ids], dtype=np.bool_)
-            # Constrained requests never have drafts: their first token is their only one.
-            force_stop = self.structured.accept_tokens(so.req_ids, result.first_tokens(), mask)
+            counts = result.num_sampled_tokens
+            before = counts.copy() if counts is not None else None
+            force_stop = self.structured.accept_tokens(so.req_ids, result.sampled_token_ids, mask, num_sampled=counts)
+            if before is not None and counts is not None and (counts != before).any():
+                # A grammar completed inside a run of kept drafts: its later tokens are dropped.
+                starts = np.concatenate(([0], np.cumsum(before)[:-1]))
+                keep = np.concatenate([np.arange(s, s + c) for s, c in zip(starts.tolist(), counts.tolist(), strict=True)])
+                result.sampled_token_ids = result.sampled_token_ids[keep]
         return result, force_stop
 
     def _report(self, handle: StepHandle, result: ModelRunnerOutput, force_stop: Any) -> StepResult:
@@ -544,9 +558,10 @@ def _first_positions(lp: Logprobs, n: int) -> Logprobs:
 def _drafts_allowed(params: SamplingParams) -> bool:
     """Whether a request may speculate. The verifier applies a request's sampling settings at every draft
     position by repeating its row (worker/spec_decode.py); settings that depend on the tokens before
-    the position are not handled per position, so their requests decode one token a step: grammars
-    (drafts are not checked against the grammar), penalties and min_tokens (counts change within the
-    run). Logprobs are reported for every kept token."""
-    return (params.structured_outputs is None and params.min_tokens == 0
+    the position are not handled per position, so their requests decode one token a step:
+    penalties and min_tokens (counts change within the run). A grammar walks each draft (the mask of
+    every verified position: StructuredOutputManager.fill_bitmask_with_drafts), and logprobs are
+    reported for every kept token."""
+    return (params.min_tokens == 0
             and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
             and params.presence_penalty == 0.0)

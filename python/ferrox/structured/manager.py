@@ -6,10 +6,12 @@ Life of a constrained request, as the engine core drives it:
   poll_ready()            once per step: ids whose matcher is ready -> scheduler.grammar_ready();
   take_failures()         ids whose constraint did not compile -> finish that request with an error
   fill_bitmask(ids, m)    before sampling: int32 allow-bits per batch row, or None (no constrained
-                          row this step, so free batches pay nothing)
+                          row this step, so free batches pay nothing); with speculative drafts,
+                          one row per verified position (the grammar walks each request's drafts)
   apply_bitmask(l, b)     -inf on the disallowed logits, on the logits' device
-  accept_tokens(ids, t)   after sampling: advance matchers; True where the grammar is complete, which
-                          the engine passes to update_from_output(force_stop=...)
+  accept_tokens(ids, t)   after sampling: advance matchers by each request's kept token(s); True where
+                          the grammar is complete, which the engine passes to
+                          update_from_output(force_stop=...)
   free(ids)               on finish / abort
 """
 
@@ -155,6 +157,37 @@ class StructuredOutputManager:
         self._mask_executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), row_bytes, len(req_ids))
         return bitmask
 
+    def fill_bitmask_with_drafts(self, req_ids: Sequence[str], sample_mask: npt.NDArray[np.bool_],
+                                 num_drafts: npt.NDArray[np.int32],
+                                 draft_token_ids: npt.NDArray[np.int64]) -> torch.Tensor | None:
+        """Allow-bits for a step that verifies drafts: one row per verified position (request r has
+        1 + num_drafts[r] rows, in batch order), or None when no row is constrained. A constrained
+        request's row j is its grammar's mask after its first j drafts: the verifier then rejects a
+        draft the grammar forbids (its probability is 0) and never keeps a token past it. The
+        matcher walks the drafts the grammar accepts and is rolled back to where it was."""
+        if not any(rid in self._matchers for rid in req_ids):
+            return None
+        num_rows = int(len(req_ids) + num_drafts.sum())
+        words = bitmask_words(self.vocab_size)
+        bitmask = torch.full((num_rows, words), -1, dtype=torch.int32)
+        row, first_draft = 0, 0
+        for i, request_id in enumerate(req_ids):
+            d = int(num_drafts[i])
+            matcher = self._matchers.get(request_id)
+            if matcher is not None and sample_mask[i]:
+                drafts = [int(t) for t in draft_token_ids[first_draft:first_draft + d]]
+                valid = matcher.validate_tokens(drafts) if drafts else 0
+                for j in range(valid + 1):
+                    # Rows past the first forbidden draft keep all ones: the verifier never reaches them.
+                    matcher.unsafe_compute_mask_ptr(bitmask[row + j].data_ptr(), words * 4)
+                    if j < valid:
+                        matcher.consume_token(drafts[j])
+                if valid:
+                    matcher.rollback(valid)
+            row += 1 + d
+            first_draft += d
+        return bitmask
+
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         """In place on logits [num_reqs, vocab] (any device); only constrained rows are touched."""
         apply_token_bitmask(logits, bitmask)
@@ -164,23 +197,35 @@ class StructuredOutputManager:
         req_ids: Sequence[str],
         sampled: npt.NDArray[np.int64] | Sequence[int],
         sample_mask: npt.NDArray[np.bool_] | Sequence[bool] | None = None,
+        num_sampled: npt.NDArray[np.int32] | None = None,
     ) -> npt.NDArray[np.bool_]:
-        """Advance each constrained request's matcher by its sampled token. Returns force_stop
+        """Advance each constrained request's matcher by its sampled token (or, with num_sampled from a
+        step that verified drafts, by its num_sampled[i] tokens, flat in batch order). Returns force_stop
         [num_reqs]: True where the grammar is complete (nothing but EOS may follow) so the
-        request ends with 'stop', or where the matcher broke (see error_for)."""
+        request ends with 'stop', or where the matcher broke (see error_for). Where the grammar
+        completes before a request's last kept token, num_sampled[i] is lowered in place to the
+        tokens up to that point (one-step decoding would have stopped there)."""
         force_stop = np.zeros(len(req_ids), dtype=np.bool_)
+        counts = np.ones(len(req_ids), dtype=np.int64) if num_sampled is None else num_sampled.astype(np.int64)
+        starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
         for i, request_id in enumerate(req_ids):
             matcher = self._matchers.get(request_id)
             if matcher is None or (sample_mask is not None and not sample_mask[i]):
                 continue
-            if not matcher.consume_token(int(sampled[i])):
-                # Only reachable when the mask was not applied (a bug) or a limit was hit; stop
-                # this request rather than let it produce output that breaks its constraint.
-                self._errors[request_id] = matcher.get_error() or "token rejected by the grammar"
-                logger.warning("structured output for %s stopped: %s", request_id, self._errors[request_id])
-                force_stop[i] = True
-            elif matcher.is_stopped():
-                force_stop[i] = True
+            tokens = [int(t) for t in sampled[int(starts[i]):int(starts[i] + counts[i])]]
+            for k, token in enumerate(tokens):
+                if not matcher.consume_token(token):
+                    # Only reachable when the mask was not applied (a bug) or a limit was hit; stop
+                    # this request rather than let it produce output that breaks its constraint.
+                    self._errors[request_id] = matcher.get_error() or "token rejected by the grammar"
+                    logger.warning("structured output for %s stopped: %s", request_id, self._errors[request_id])
+                    force_stop[i] = True
+                    break
+                if matcher.is_stopped():
+                    force_stop[i] = True
+                    if num_sampled is not None:
+                        num_sampled[i] = k + 1
+                    break
         return force_stop
 
     def error_for(self, request_id: str) -> str | None:

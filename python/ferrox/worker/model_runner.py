@@ -252,8 +252,8 @@ class ModelRunner:
         logits = handle.logits
         handle.num_logprobs = self.input_batch.num_logprobs[handle.slots].copy()
         if handle.num_drafts is not None:
-            if grammar_bitmask is not None:  # constrained rows have no drafts: their one row gets their mask
-                self._apply_grammar_bitmask(logits, grammar_bitmask[torch.from_numpy(expand_rows(handle.num_drafts))])
+            if grammar_bitmask is not None:  # a row per verified position (fill_bitmask_with_drafts)
+                self._apply_grammar_bitmask(logits, grammar_bitmask)
             handle.sampled = self._verify(handle, grammar_bitmask)
         else:
             if grammar_bitmask is not None:
@@ -363,8 +363,8 @@ class ModelRunner:
             handle.logits = handle.logits.index_select(0, self._upload("spec_first_rows", first_rows))
             handle.num_drafts = handle.md = None
             self.prepare_sampling(handle)
-            if grammar_bitmask is not None:
-                self._apply_grammar_bitmask(handle.logits, grammar_bitmask)
+            if grammar_bitmask is not None:  # each request's first position: its mask before any draft
+                self._apply_grammar_bitmask(handle.logits, grammar_bitmask[torch.from_numpy(first_rows)])
             return self._sample(handle.logits, handle)
         handle.num_sampled = res.num_sampled
         return SamplerOutput(res.token_ids, res.logprobs)

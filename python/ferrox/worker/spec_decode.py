@@ -8,9 +8,10 @@ to keep plus one token of the target's own (the correction, or the bonus when al
 Per-position sampling settings: the request's row of the persistent batch is repeated over its
 1 + d positions (`expand`), so temperature, top-k/top-p/min-p, logit_bias and allowed_token_ids apply
 at every position as they would one step at a time. Settings whose value depends on the tokens
-before the position (penalties, min_tokens) and grammars are not expanded: the engine adds such
-requests with allow_drafts=False, so they always have d = 0 here and their single row is exactly
-their non-speculative row. Logprobs are reported for every token a request keeps: each comes from
+before the position (penalties, min_tokens) are not expanded: the engine adds such requests with
+allow_drafts=False, so they always have d = 0 here and their single row is exactly their
+non-speculative row. A grammar's mask is per position (applied by the runner before this: the
+grammar's state after each draft, StructuredOutputManager.fill_bitmask_with_drafts). Logprobs are reported for every token a request keeps: each comes from
 the raw logits row that scored it (the row of its position), as one step at a time would.
 
 Draft tokens are deterministic given the context (prompt lookup, or a draft model's argmax), so
