@@ -242,7 +242,8 @@ def export_gguf(folder, path, *, tensor_type: str = "F32", rope_freqs: list[floa
         cfg = json.load(f)
     with open(os.path.join(folder, "tokenizer.json"), encoding="utf-8") as f:
         tok_json = json.load(f)
-    arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[
+    arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+            "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "llama"}[
         cfg["architectures"][0]]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -258,7 +259,15 @@ def export_gguf(folder, path, *, tensor_type: str = "F32", rope_freqs: list[floa
              "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
              "mlp.down_proj.weight": "ffn_down.weight", "self_attn.q_proj.bias": "attn_q.bias",
              "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
-             "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"}
+             "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+             # Mixture of experts (Mixtral's block_sparse_moe is renamed to mlp first).
+             "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+             "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+             "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+             "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight"}
+    # Routed experts: llama.cpp stacks each layer's into one [experts, rows, cols] tensor.
+    stacks = {"gate_proj": "ffn_gate_exps.weight", "w1": "ffn_gate_exps.weight", "up_proj": "ffn_up_exps.weight",
+              "w3": "ffn_up_exps.weight", "down_proj": "ffn_down_exps.weight", "w2": "ffn_down_exps.weight"}
     tensors: dict[str, np.ndarray] = {}
     for file in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
         tensors.update(load_file(os.path.join(folder, file)))
@@ -276,6 +285,20 @@ def export_gguf(folder, path, *, tensor_type: str = "F32", rope_freqs: list[floa
     w.add_value_length(head_dim)
     w.add_rope_freq_base(float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 1e4))))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    num_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if num_experts:
+        w.add_expert_count(num_experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if cfg.get("moe_intermediate_size"):
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+        experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+        for hf_name in [n for n in tensors if ".experts." in n]:
+            parts = hf_name.split(".")  # model.layers.N.<mlp|block_sparse_moe>.experts.E.<proj>.weight
+            experts.setdefault((parts[2], stacks[parts[6]]), {})[int(parts[5])] = tensors.pop(hf_name)
+        for (layer_index, stack), by_expert in experts.items():
+            tensors[f"__stack__.{layer_index}.{stack}"] = np.stack([by_expert[e] for e in sorted(by_expert)])
     w.add_vocab_size(cfg["vocab_size"])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt2")
@@ -293,9 +316,14 @@ def export_gguf(folder, path, *, tensor_type: str = "F32", rope_freqs: list[floa
     for hf_name, arr in tensors.items():
         if hf_name in names:
             name = names[hf_name]
+        elif hf_name.startswith("__stack__."):
+            _, layer_index, stack = hf_name.split(".", 2)
+            name = f"blk.{layer_index}.{stack}"
         else:
-            parts = hf_name.split(".")  # model.layers.N.<rest>
+            parts = hf_name.replace(".block_sparse_moe.", ".mlp.").split(".")  # model.layers.N.<rest>
             name = f"blk.{parts[2]}.{layer['.'.join(parts[3:])]}"
+            if name.endswith("ffn_gate_inp_shexp.weight"):
+                arr = arr.reshape(-1)  # a vector in llama.cpp's files
         arr = arr.astype(np.float32)
         if arch == "llama" and name.endswith("attn_q.weight"):
             arr = permute(arr, heads)

@@ -82,3 +82,18 @@ def test_qwen_gguf_equals_safetensors(tmp_path, arch):
     got_tokens, got = run_greedy(_load(path), PROMPTS, 4, return_prefill_logits=True)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert got_tokens == want_tokens
+
+
+@pytest.mark.parametrize("build", ["make_tiny_qwen3_moe", "make_tiny_qwen2_moe", "make_tiny_mixtral"])
+def test_moe_gguf_equals_safetensors(tmp_path, build):
+    """llama.cpp's MoE layout: experts stacked per layer ([experts, rows, cols]), the router, Qwen2-MoE's
+    shared expert and its gate vector, Mixtral as a llama file with experts; the model read from the
+    GGUF is the folder's model."""
+    folder = getattr(tiny_models, build)(tmp_path / build)
+    path = tiny_models.export_gguf(folder, tmp_path / f"{build}.gguf")
+    spec = load_model_spec(resolve_model(path))
+    assert spec.architecture == load_model_spec(resolve_model(folder)).architecture and spec.moe is not None
+    want_tokens, want = run_greedy(_load(folder), PROMPTS, 4, return_prefill_logits=True)
+    got_tokens, got = run_greedy(_load(path), PROMPTS, 4, return_prefill_logits=True)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert got_tokens == want_tokens

@@ -19,10 +19,12 @@ from ferrox.loader.errors import ModelLoadError, UnsupportedModelError
 
 # general.architecture -> the Hugging Face `architectures` entry ferrox runs it as.
 GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
+    "llama": "LlamaForCausalLM",  # MixtralForCausalLM when the file has experts (llama.expert_count)
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 
 # llama.cpp's converter permutes the rows of attn_q / attn_k for these architectures so that its
@@ -46,6 +48,19 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # Mixture of experts: the router, and Qwen2-MoE's shared expert and its gate (one row).
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+}
+# llama.cpp stacks a layer's routed experts in one 3-D tensor [experts, rows, cols]; ferrox's MoE
+# loader takes them one expert at a time, by their Hugging Face names ({e}: the expert).
+_EXPERT_STACKS = {
+    "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -62,6 +77,8 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     m = _LAYER_RE.match(gguf_name)
     if m and m.group(2) in _LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if m and m.group(2) in _EXPERT_STACKS:
+        return f"model.layers.{m.group(1)}.{_EXPERT_STACKS[m.group(2)]}"  # a template: one name per expert
     return None
 
 
@@ -181,6 +198,15 @@ class GGUFFile:
             arr = np.ascontiguousarray(arr, dtype=np.float32)
             if not arr.flags.writeable:  # F32/F16 tensors can be views of the read-only memory map
                 arr = arr.copy()
+            if "{e}" in name:  # a stack of experts
+                if arr.ndim != 3:
+                    raise ModelLoadError(f"GGUF file {self.path}: tensor {t.name!r} has shape {arr.shape}, "
+                                         "expected [experts, rows, cols]")
+                for expert in range(arr.shape[0]):
+                    yield name.format(e=expert), arr[expert]
+                continue
+            if name.endswith("shared_expert_gate.weight") and arr.ndim == 1:
+                arr = arr[None, :]  # llama.cpp keeps the shared expert's gate as a vector
             yield name, arr
 
 

@@ -179,7 +179,8 @@ def hf_config_from_gguf(gguf: Any) -> dict[str, Any]:
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "model_type": arch,
         "hidden_size": hidden,
-        "intermediate_size": integer("feed_forward_length"),
+        # An MoE file may give only its experts' size (then no layer is dense).
+        "intermediate_size": integer("feed_forward_length", gguf.arch_key("expert_feed_forward_length") or None),
         "num_hidden_layers": integer("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": integer("attention.head_count_kv", heads),
@@ -192,8 +193,10 @@ def hf_config_from_gguf(gguf: Any) -> dict[str, Any]:
         "attention_bias": "blk.0.attn_output.bias" in gguf.tensor_names,
         "torch_dtype": _gguf_dtype(gguf),
     }
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen2moe"):
         config["attention_bias"] = False  # qkv bias is implied by the architecture; o_proj has none
+    if gguf.arch_key("expert_count"):
+        config.update(_gguf_experts(gguf, arch, integer))
     scaling_type = gguf.arch_key("rope.scaling.type")
     if "rope_freqs.weight" in gguf.tensor_names:
         config["rope_scaling"] = {"rope_type": "freq_factors", "factors": gguf.float_tensor("rope_freqs.weight").tolist()}
@@ -207,6 +210,24 @@ def hf_config_from_gguf(gguf: Any) -> dict[str, Any]:
             config[key.replace("padding", "pad")] = to_int(meta[f"tokenizer.ggml.{key}"],
                                                            what(f"tokenizer.ggml.{key}"), minimum=0)
     return config
+
+
+def _gguf_experts(gguf: Any, arch: str, integer: Any) -> dict[str, Any]:
+    """The MoE keys of a GGUF's config. Top-k weights are renormalised as llama.cpp runs each family:
+    Qwen3-MoE yes, Qwen2-MoE no (Mixtral always does, whatever the config says)."""
+    experts: dict[str, Any] = {"num_experts": integer("expert_count"), "num_experts_per_tok": integer("expert_used_count")}
+    if arch == "llama":  # Mixtral: llama.cpp stores it as llama with experts of feed_forward_length
+        return {**experts, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                "num_local_experts": experts.pop("num_experts")}
+    experts["moe_intermediate_size"] = integer("expert_feed_forward_length")
+    # A layer without a router is a dense one (Qwen's mlp_only_layers; the metadata has no such key).
+    routed = {name.split(".")[1] for name in gguf.tensor_names if name.endswith(".ffn_gate_inp.weight")}
+    experts["mlp_only_layers"] = [i for i in range(integer("block_count")) if str(i) not in routed]
+    norm = gguf.arch_key("expert_weights_norm")
+    experts["norm_topk_prob"] = bool(norm) if norm is not None else arch == "qwen3moe"
+    if gguf.arch_key("expert_shared_feed_forward_length"):
+        experts["shared_expert_intermediate_size"] = integer("expert_shared_feed_forward_length")
+    return experts
 
 
 def _gguf_dtype(gguf: Any) -> str:
