@@ -38,7 +38,7 @@ from ferrox.kernels.cuda_sampling import load_extension, top_k_top_p_sample, top
 from ferrox.kernels.reshape_and_cache import reshape_and_cache  # noqa: E402
 from ferrox.kernels.rmsnorm import fused_add_rms_norm  # noqa: E402
 from ferrox.kernels.rotary import neox_cos_sin_cache, rotary_neox_  # noqa: E402
-from kernel_refs import PagedBatch, paged_attention_ref, relative_error  # noqa: E402
+from kernel_refs import PagedBatch, relative_error, sliced_paged_attention_ref  # noqa: E402
 
 H, HKV, D, BLOCK = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -88,7 +88,7 @@ def _attention_case(section: str, name: str, query_lens, context_lens, copy_gbps
     triton_be, torch_be = get_attention_backend(DEVICE, "triton"), get_attention_backend(DEVICE, "torch")
     out = triton_be.forward(b.q, b.k, b.v, b.kv_cache, meta, b.scale)
     n = b.num_actual_tokens
-    ref = _reference(b)
+    ref = sliced_paged_attention_ref(b)
     err = relative_error(out[:n], ref[:n])
     del ref
     ms = timed(lambda: triton_be.forward(b.q, b.k, b.v, b.kv_cache, meta, b.scale))
@@ -117,20 +117,6 @@ def _attention_case(section: str, name: str, query_lens, context_lens, copy_gbps
 def causal_flops(query_lens, context_lens) -> float:
     """QK^T and PV over the visible positions of every query (causal inside a chunk)."""
     return sum(4 * H * D * (ql * ctx + ql * (ql + 1) / 2) for ql, ctx in zip(query_lens, context_lens, strict=True))
-
-
-def _reference(b: PagedBatch, rows_per_call: int = 1024) -> torch.Tensor:
-    """paged_attention_ref in slices of query rows (a long chunk's float32 scores would not fit)."""
-    ref = torch.empty_like(b.q, dtype=torch.float32)
-    starts = b.query_start_loc.tolist()
-    for r, seq_len in enumerate(b.seq_lens_list):
-        context = seq_len - (starts[r + 1] - starts[r])
-        for lo in range(starts[r], starts[r + 1], rows_per_call):
-            hi = min(lo + rows_per_call, starts[r + 1])
-            loc = torch.tensor([0, hi - lo], dtype=torch.int32, device=b.q.device)
-            lens = torch.tensor([context + hi - starts[r]], dtype=torch.int32, device=b.q.device)
-            ref[lo:hi] = paged_attention_ref(b.q[lo:hi], b.kv_cache, loc, lens, b.block_table[r:r + 1], b.scale)
-    return ref
 
 
 def _graph(fn) -> torch.cuda.CUDAGraph:
@@ -169,7 +155,7 @@ DECODE_SPLITS = [16, 24, 33, 48, 66, 132]
 def _sweep_prefill(name: str, query_lens, context_lens, block_size: int, configs, use_tma: bool) -> None:
     b = PagedBatch(query_lens, context_lens, H, HKV, D, block_size, DTYPE, torch.device(DEVICE))
     reshape_and_cache(b.k, b.v, b.kv_cache, b.slot_mapping)
-    ref = _reference(b)
+    ref = sliced_paged_attention_ref(b)
     n, flops = b.num_actual_tokens, causal_flops(query_lens, context_lens)
     runs = [(f"unified m{c.block_m} n{c.tile_n} w{c.num_warps} s{c.num_stages}",
              lambda c=c: pa.unified_attention(b.q, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_table,
@@ -195,7 +181,7 @@ def _sweep_prefill(name: str, query_lens, context_lens, block_size: int, configs
 def _sweep_decode(name: str, batch_size: int, context: int, copy_gbps: float) -> None:
     b = PagedBatch([1] * batch_size, [context - 1] * batch_size, H, HKV, D, BLOCK, DTYPE, torch.device(DEVICE))
     reshape_and_cache(b.k, b.v, b.kv_cache, b.slot_mapping)
-    ref = _reference(b)
+    ref = sliced_paged_attention_ref(b)
     kv_bytes = kv_bytes_per_call(b)
     for m, t, w, st in DECODE_SWEEP:
         cfg = pa.AttentionLaunchConfig(m, t, w, st)

@@ -153,3 +153,20 @@ class PagedBatch:
         self.seq_lens = torch.tensor(self.seq_lens_list, dtype=torch.int32, device=device)
         self.block_table = table.to(device)
         self.scale = head_dim**-0.5
+
+
+def sliced_paged_attention_ref(batch: PagedBatch, rows_per_call: int = 1024) -> torch.Tensor:
+    """paged_attention_ref, request by request in slices of query rows (a query slice [a, b) of a
+    chunk is itself a request of b - a queries over context + b positions), so the float32 score
+    matrix of a long chunk at a long context stays a few GB."""
+    ref = torch.full_like(batch.q, float("nan"), dtype=torch.float32)
+    starts = batch.query_start_loc.tolist()
+    for r, seq_len in enumerate(batch.seq_lens_list):
+        context = seq_len - (starts[r + 1] - starts[r])
+        for a in range(starts[r], starts[r + 1], rows_per_call):
+            b = min(a + rows_per_call, starts[r + 1])
+            loc = torch.tensor([0, b - a], dtype=torch.int32, device=batch.q.device)
+            lens = torch.tensor([context + b - starts[r]], dtype=torch.int32, device=batch.q.device)
+            ref[a:b] = paged_attention_ref(batch.q[a:b], batch.kv_cache, loc, lens, batch.block_table[r:r + 1],
+                                           batch.scale)
+    return ref

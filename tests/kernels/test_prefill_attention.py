@@ -16,7 +16,7 @@ from ferrox.attention.triton_backend import PREFILL_MIN_QUERY_LEN
 from ferrox.kernels.prefill_attention import PrefillLaunchConfig, prefill_attention, tma_usable
 from ferrox.kernels.reshape_and_cache import reshape_and_cache
 
-from tests.kernels.kernel_refs import PagedBatch, paged_attention_ref, relative_error
+from tests.kernels.kernel_refs import PagedBatch, relative_error, sliced_paged_attention_ref
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float16: 3e-3}
 # Small tiles so tiny shapes still cross several unmasked tiles, the diagonal and a ragged end.
@@ -40,27 +40,10 @@ def _run(batch: PagedBatch, config: PrefillLaunchConfig | None, use_tma: bool | 
     return out
 
 
-def _reference(batch: PagedBatch, rows_per_call: int = 1024) -> torch.Tensor:
-    """paged_attention_ref, request by request in slices of query rows (a query slice [a, b) of a
-    chunk is itself a request of b - a queries over context + b positions), so the float32 score
-    matrix of a long chunk at a long context stays a few GB."""
-    ref = torch.full_like(batch.q, float("nan"), dtype=torch.float32)
-    starts = batch.query_start_loc.tolist()
-    for r, seq_len in enumerate(batch.seq_lens_list):
-        context = seq_len - (starts[r + 1] - starts[r])
-        for a in range(starts[r], starts[r + 1], rows_per_call):
-            b = min(a + rows_per_call, starts[r + 1])
-            loc = torch.tensor([0, b - a], dtype=torch.int32, device=batch.q.device)
-            lens = torch.tensor([context + b - starts[r]], dtype=torch.int32, device=batch.q.device)
-            ref[a:b] = paged_attention_ref(batch.q[a:b], batch.kv_cache, loc, lens, batch.block_table[r:r + 1],
-                                           batch.scale)
-    return ref
-
-
 def _check(batch: PagedBatch, dtype: torch.dtype, config: PrefillLaunchConfig | None = None,
            use_tma: bool | None = None) -> None:
     out = _run(batch, config, use_tma)
-    ref = _reference(batch)
+    ref = sliced_paged_attention_ref(batch)
     n = batch.num_actual_tokens
     assert not out[:n].isnan().any(), "attention left output rows unwritten"
     err = relative_error(out[:n], ref[:n])

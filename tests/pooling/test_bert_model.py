@@ -45,14 +45,7 @@ def test_every_token_matches_transformers_hidden_states(minilm_folder, hf_minilm
     ours = load_model(source, load_model_spec(source), dtype=torch.float32, device="cpu")
     assert isinstance(ours, BertModel)
     for texts in (SENTENCES[:3], ["same length one", "same length two"]):
-        prompts = [tokenizer(t)["input_ids"] for t in texts]
-        input_ids, positions, meta = build_step([StepRequest(p, 0, [0]) for p in prompts], 1024)
-        hidden = ours.forward(input_ids, positions, [], meta)
-        start = 0
-        for ids in prompts:
-            expected = model(torch.tensor([ids])).last_hidden_state[0]
-            torch.testing.assert_close(hidden[start:start + len(ids)], expected, atol=2e-5, rtol=1e-4)
-            start += len(ids)
+        _assert_hidden_rows_match(ours, model, [tokenizer(t)["input_ids"] for t in texts])
 
 
 def test_tiny_bert_declared_cls_pooling_without_normalize(tiny_bert_folder):
@@ -83,14 +76,7 @@ def test_tiny_roberta_positions_start_after_the_padding_index(tmp_path):
     ours = load_model(source, spec, dtype=torch.float32, device="cpu")
     assert type(ours).max_positions(spec) == 64  # 66 positions, the first two reserved (pad_token_id 1)
     model = transformers.AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
-    prompts = [[0, 7, 9, 30, 2], list(range(5, 64))]
-    input_ids, positions, meta = build_step([StepRequest(p, 0, [0]) for p in prompts], 1024)
-    hidden = ours.forward(input_ids, positions, [], meta)
-    start = 0
-    for ids in prompts:
-        expected = model(torch.tensor([ids])).last_hidden_state[0]
-        torch.testing.assert_close(hidden[start:start + len(ids)], expected, atol=2e-5, rtol=1e-4)
-        start += len(ids)
+    _assert_hidden_rows_match(ours, model, [[0, 7, 9, 30, 2], list(range(5, 64))])
     llm = LLM(folder)  # no modules.json: vLLM's default for an encoder, CLS + normalize
     assert (llm.engine.pooler_config.pooling_type, llm.engine.pooler_config.normalize) == ("CLS", True)
     assert llm.engine.max_model_len == 64
@@ -102,3 +88,14 @@ def test_an_encoder_cannot_generate(minilm_folder, minilm_llm):
     with pytest.raises(InvalidArgumentError, match="runner 'pooling'") as info:
         minilm_llm.generate(["Hello"], use_tqdm=False)
     assert info.value.param == "runner"
+
+
+def _assert_hidden_rows_match(ours, model, prompts: list[list[int]]) -> None:
+    """The prompts as one flat step through ferrox: each request's rows equal transformers' run of it alone."""
+    input_ids, positions, meta = build_step([StepRequest(p, 0, [0]) for p in prompts], 1024)
+    hidden = ours.forward(input_ids, positions, [], meta)
+    start = 0
+    for ids in prompts:
+        expected = model(torch.tensor([ids])).last_hidden_state[0]
+        torch.testing.assert_close(hidden[start:start + len(ids)], expected, atol=2e-5, rtol=1e-4)
+        start += len(ids)

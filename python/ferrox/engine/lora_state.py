@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ferrox.config import EngineConfig
 from ferrox.errors import InvalidArgumentError
 
@@ -94,9 +96,12 @@ class EngineLoRAs:
     def prepare_step(self, token_lora_ids: Any) -> None:
         """The model runner's call before each forward: reload adapters the CPU cache evicted, then
         let the manager fill its slots and the per-token slot index."""
-        resident = {r.lora_int_id for r in self.manager.list_adapters()}
-        for lora_int_id in set(token_lora_ids.tolist()) - resident - {0}:
-            self.manager.add_adapter(self._known[lora_int_id])
+        wanted = [i for i in np.unique(token_lora_ids).tolist() if i]  # a few ids, not T tokens
+        if wanted:
+            resident = {r.lora_int_id for r in self.manager.list_adapters()}
+            for lora_int_id in wanted:
+                if lora_int_id not in resident:
+                    self.manager.add_adapter(self._known[lora_int_id])
         self.manager.prepare_step(token_lora_ids)
 
     # ---- requests ---------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ rope_scaling vs rope_parameters, torch_dtype vs dtype).
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -15,6 +14,7 @@ import torch
 
 from ferrox.loader.config_fields import to_float, to_int
 from ferrox.loader.errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError
+from ferrox.loader.json_file import read_json
 from ferrox.loader.source import ModelSource
 from ferrox.model_spec import ModelSpec, MoeSpec
 
@@ -22,19 +22,6 @@ _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-
-
-def read_json(path: str) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise ModelNotFoundError(f"{path} does not exist") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"cannot parse {path}: {e}") from e
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path} must hold a JSON object, found {type(data).__name__}")
-    return data
 
 
 def spec_from_hf_config(config: dict[str, Any], where: str) -> ModelSpec:

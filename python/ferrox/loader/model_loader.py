@@ -12,7 +12,8 @@ from torch import nn
 
 from ferrox.distributed.parallel_state import get_tp_group
 from ferrox.loader.errors import ModelLoadError
-from ferrox.loader.model_config import load_model_spec, read_json
+from ferrox.loader.json_file import read_json
+from ferrox.loader.model_config import load_model_spec
 from ferrox.loader.source import ModelSource
 from ferrox.model_spec import ModelSpec, UnsupportedModelError
 

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from ferrox.loader.chat_template import render_chat_template
 from ferrox.loader.config_fields import to_int
 from ferrox.loader.errors import ChatTemplateError, ModelLoadError, ModelNotFoundError
+from ferrox.loader.json_file import read_json
 from ferrox.loader.source import ModelSource
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -162,7 +163,7 @@ def _load_hf_tokenizer(source: ModelSource) -> Tokenizer:
 
     def optional_json(name: str) -> dict[str, Any]:
         p = os.path.join(folder, name)
-        return _read_json_object(p) if os.path.isfile(p) else {}
+        return read_json(p) if os.path.isfile(p) else {}
 
     tok_config = optional_json("tokenizer_config.json")
     special_map = optional_json("special_tokens_map.json")
@@ -210,18 +211,6 @@ def _eos_token_ids(value: Any, path: str) -> list[int]:
         return []
     values = value if isinstance(value, list) else [value]
     return [to_int(v, f"{path}: eos_token_id", minimum=0) for v in values]
-
-
-def _read_json_object(path: str) -> dict[str, Any]:
-    """model_config.read_json's rules, without importing model_config (which imports torch)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"cannot parse {path}: {e}") from e
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path} must hold a JSON object, found {type(data).__name__}")
-    return data
 
 
 def _apply_bos_eos_flags(tok: HFTokenizer, tok_config: dict[str, Any], specials: dict[str, str | None]) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ferrox.loader.errors import ModelLoadError, ModelNotFoundError
-from ferrox.loader.model_config import read_json
+from ferrox.loader.json_file import read_json
 
 
 def _indexed_shards(folder: str, index_name: str) -> list[str] | None:

@@ -27,6 +27,7 @@ from torch import nn
 from ferrox.attention.metadata import AttentionMetadata
 from ferrox.distributed.sharding import materialize
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
+from ferrox.models.load_check import check_all_loaded
 
 # config.json hidden_act -> the activation (transformers' ACT2FN names).
 _ACTIVATIONS = {
@@ -204,13 +205,7 @@ class BertModel(nn.Module):
                                      f"{tuple(target.shape)} (config.json does not match the weights?)")
             target.copy_(tensor)
             loaded.add(name if shard is None else f"{name}#{_SHARD_NAMES[shard]}")
-        if unexpected:
-            raise ModelLoadError(f"checkpoint has {len(unexpected)} tensor(s) this {self.spec.architecture} does not "
-                                 f"use: {', '.join(sorted(unexpected)[:8])}")
-        missing = expected - loaded
-        if missing:
-            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): "
-                                 f"{', '.join(sorted(m.replace('#', ' shard ') for m in missing)[:8])}")
+        check_all_loaded(self.spec.architecture, unexpected, expected, loaded)
 
 
 def _map_name(hf_name: str) -> tuple[str, int | None] | None:

@@ -32,6 +32,7 @@ from ferrox.layers.quant import Int4GroupWeight, QuantizedTensor
 from ferrox.layers.rotary import RotaryEmbedding
 from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
+from ferrox.models.load_check import check_all_loaded
 
 # HF checkpoint names folded into a merged layer: (merged module, shard name).
 _MERGED = {
@@ -291,13 +292,7 @@ class LlamaForCausalLM(nn.Module):
             except ValueError as e:
                 raise ModelLoadError(f"tensor {name!r}: {e} (config.json does not match the weights?)") from e
             loaded.add(key)
-        if unexpected:
-            raise ModelLoadError(f"checkpoint has {len(unexpected)} tensor(s) this {self.spec.architecture} does not "
-                                 f"use: {', '.join(sorted(unexpected)[:8])}")
-        missing = expected - loaded
-        if missing:
-            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): "
-                                 f"{', '.join(sorted(m.replace('#', ' shard ') for m in missing)[:8])}")
+        check_all_loaded(self.spec.architecture, unexpected, expected, loaded)
 
 
 def _copy_whole(param: torch.Tensor, tensor: torch.Tensor) -> None:

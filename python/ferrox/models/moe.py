@@ -37,6 +37,7 @@ from ferrox.layers.rotary import RotaryEmbedding
 from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, MoeSpec, UnsupportedModelError
 from ferrox.models.llama import LlamaAttention, LlamaMLP
+from ferrox.models.load_check import check_all_loaded
 
 # HF names folded into a merged layer (attention, dense MLPs, the shared expert): (module, shard).
 _MERGED = {
@@ -261,13 +262,7 @@ class MoeForCausalLM(nn.Module):
             except ValueError as e:
                 raise ModelLoadError(f"tensor {hf_name!r}: {e} (config.json does not match the weights?)") from e
             loaded.add(key)
-        if unexpected:
-            raise ModelLoadError(f"checkpoint has {len(unexpected)} tensor(s) this {self.spec.architecture} does not "
-                                 f"use: {', '.join(sorted(unexpected)[:8])}")
-        missing = self._expected_keys() - loaded
-        if missing:
-            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): "
-                                 f"{', '.join(sorted(m.replace('#', ' shard ') for m in missing)[:8])}")
+        check_all_loaded(self.spec.architecture, unexpected, self._expected_keys(), loaded)
 
 
 class Qwen2MoeForCausalLM(MoeForCausalLM):

@@ -21,7 +21,7 @@ from typing import Any
 from ferrox.config import RUNNERS, EngineConfig
 from ferrox.loader.config_fields import to_int
 from ferrox.loader.errors import ModelLoadError, UnsupportedModelError
-from ferrox.loader.model_config import read_json
+from ferrox.loader.json_file import read_json
 from ferrox.loader.source import ModelSource
 from ferrox.model_spec import ModelSpec
 from ferrox.models.registry import ENCODER_ONLY_ARCHITECTURES, get_model_class
@@ -129,7 +129,7 @@ def _sentence_transformers_pooling(folder: str) -> tuple[str, bool, str] | None:
     path = os.path.join(folder, "modules.json")
     if not os.path.isfile(path):
         return None
-    modules = _read_json_list(path)
+    modules = read_json(path, list)
     pooling: tuple[str, str] | None = None
     normalize = False
     for i, module in enumerate(modules):
@@ -176,14 +176,3 @@ def _matryoshka(spec: ModelSpec, where: str) -> tuple[list[int] | None, bool]:
     return dims, bool(dims) or bool(spec.hf_config.get("is_matryoshka", False))
 
 
-def _read_json_list(path: str) -> list[Any]:
-    import json
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"cannot parse {path}: {e}") from e
-    if not isinstance(data, list):
-        raise ModelLoadError(f"{path} must hold a JSON list of modules, found {type(data).__name__}")
-    return data
