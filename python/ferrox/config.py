@@ -49,6 +49,10 @@ _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "fp1
 # Mirrors ferrox.loader.model_loader.LOAD_FORMATS (kept here so that config imports no torch).
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
+# layers/quant/config.py resolves these (tests check the two lists agree); "gguf" names a GGUF's blocks.
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "awq", "gptq", "awq_marlin", "gptq_marlin",
+                        "compressed_tensors", "gguf")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 POLICIES = ("fcfs", "priority")
 # "mp": one worker process per extra rank on this machine; "ray": ranks as Ray actors in a placement
 # group (an existing cluster, or a local one); "uni": everything in the engine process (size 1 only).
@@ -75,6 +79,14 @@ class EngineConfig:
     dtype: str = _opt("weights/activations dtype", "auto", choices=DTYPES,
                       default_help="auto: float32 on CPU (a quantized GGUF stays quantized: packed int4 "
                       "matmuls); on GPU the checkpoint's float16/bfloat16, bfloat16 for a float32 checkpoint")
+    quantization: str | None = _opt(
+        "weight quantization: 'fp8' quantizes an unquantized checkpoint at load time (FP8 E4M3, per-channel "
+        "scales, dynamic per-token activations); the others name a quantized checkpoint's layout and must match "
+        "its config.json quantization_config", choices=QUANTIZATION_METHODS, aliases=("-q",),
+        default_help="the checkpoint's quantization_config, else none")
+    kv_cache_dtype: str = _opt("KV cache element type: 'fp8' stores keys and values as FP8 E4M3 with per-layer "
+                               "scales (the checkpoint's k_scale/v_scale, else 1.0), twice the tokens per byte",
+                               "auto", choices=KV_CACHE_DTYPES, default_help="auto: the model dtype")
     max_model_len: int | None = _opt(
         "context length (prompt + output) per request",
         default_help=f"the model's max_position_embeddings; on CPU at most {CPU_DEFAULT_MAX_MODEL_LEN}")
@@ -147,6 +159,9 @@ class EngineConfig:
         _choice("dtype", self.dtype, DTYPES)
         _choice("load_format", self.load_format, LOAD_FORMATS)
         _choice("device", self.device, DEVICES)
+        if self.quantization is not None:
+            _choice("quantization", self.quantization, QUANTIZATION_METHODS)
+        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _choice("policy", self.policy, POLICIES)
         _positive_int("max_model_len", self.max_model_len, optional=True)
         _positive_int("max_num_seqs", self.max_num_seqs, optional=True)

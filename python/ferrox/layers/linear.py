@@ -14,6 +14,11 @@ Quantized weights (layers/quant): `load_weight` also takes a `QuantizedTensor` (
 its blocks). The layer keeps those shards and `finalize_quantized` packs them into an
 `Int4GroupWeight`, which `forward` then runs instead of F.linear; the float `weight` is emptied.
 One rank only for now (a shard of packed int4 groups is not cut yet).
+
+Checkpoint quantization methods (layers/quant/method.py: fp8, AWQ, GPTQ, compressed-tensors): a
+layer built inside `use_quant_config` gets a `weight_method`. Checkpoint tensors it names
+(`qweight`, `weight_scale`, ...) go to the method's `load`; `finalize_quantized` asks it for the
+runner, kept in `quant` like the GGUF one.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from torch import nn
 from ferrox.distributed.parallel_state import TPGroup, get_tp_group
 from ferrox.distributed.sharding import Weight, even_split, kv_head_range, materialize, narrow, shape_of
 from ferrox.layers.quant import Int4GroupWeight, QuantizedTensor
+from ferrox.layers.quant.method import LinearWeightMethod, get_quant_config
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
@@ -44,10 +50,15 @@ class Linear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.tp: TPGroup = get_tp_group()
-        self.weight = _param((out_features, in_features), dtype, device)
+        quant_config = get_quant_config()
+        self.weight_method: LinearWeightMethod | None = (
+            quant_config.linear_method(self) if quant_config is not None else None)
+        # A checkpoint method holds the weight in tensors of its own: the float weight stays empty.
+        float_weight = self.weight_method is None or self.weight_method.float_weight
+        self.weight = _param((out_features, in_features) if float_weight else (0,), dtype, device)
         self.bias = _param((out_features,), dtype, device) if bias else None
-        # Set by finalize_quantized when the checkpoint's weight stays quantized.
-        self.quant: Int4GroupWeight | None = None
+        # The runner (forward(x, bias)), set by finalize_quantized when the weight is quantized.
+        self.quant: nn.Module | None = None
         self._quantized_shards: dict[str, QuantizedTensor] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,10 +82,27 @@ class Linear(nn.Module):
             raise ValueError(f"{shard}: checkpoint shape {tuple(tensor.shape)}, model expects {(rows, self.in_features)}")
         self._quantized_shards[shard] = tensor
 
+    def _method_takes(self, param_name: str) -> bool:
+        method = self.weight_method
+        return method is not None and param_name in (*method.checkpoint_params, *method.optional_params)
+
+    def checkpoint_keys(self, name: str) -> set[str]:
+        """The checkpoint tensors this layer (module path `name`) needs, merged-layer shards
+        written `name.leaf#shard` (what models check after loading, models/load_check.py)."""
+        leaves = ["bias"] if self.bias is not None else []
+        method = self.weight_method
+        leaves += ["weight"] if method is None or method.float_weight else []
+        leaves += list(method.checkpoint_params) if method is not None else []
+        shards = list(self._shard_rows()) if isinstance(self, MergedLinear) else [None]
+        return {f"{name}.{leaf}" + (f"#{shard}" if shard else "") for leaf in dict.fromkeys(leaves) for shard in shards}
+
     def finalize_quantized(self) -> None:
-        """After loading: pack the quantized shards for the int4 matmul. If some shards came as
-        floats (a GGUF may keep a tensor in F16), the quantized ones are dequantized into `weight`
-        instead, so the layer runs one matmul either way."""
+        """After loading: the weight method's runner; or pack the quantized GGUF shards for the
+        int4 matmul. If some GGUF shards came as floats (a GGUF may keep a tensor in F16), the
+        quantized ones are dequantized into `weight` instead, so the layer runs one matmul either way."""
+        if self.weight_method is not None and self.quant is None:
+            self.quant = self.weight_method.finalize(self)
+            return
         if not self._quantized_shards:
             return
         shards = self._shard_rows()
@@ -95,6 +123,9 @@ class Linear(nn.Module):
 
     def load_weight(self, param_name: str, tensor: Weight, shard: str | None = None) -> None:
         """Copy a checkpoint tensor (weight [out, in] or bias [out]) in; replicated: all of it."""
+        if self._method_takes(param_name):
+            self.weight_method.load(self, param_name, tensor, shard)  # type: ignore[union-attr]
+            return
         if isinstance(tensor, QuantizedTensor):
             self._keep_quantized(param_name, "weight", tensor)
             return
@@ -129,6 +160,9 @@ class MergedLinear(Linear):
     def load_weight(self, param_name: str, tensor: Weight, shard: str | None = None) -> None:
         if shard is None:
             raise ValueError(f"{param_name}: a merged layer loads one shard at a time ({', '.join(self.shard_sizes)})")
+        if self._method_takes(param_name):
+            self.weight_method.load(self, param_name, tensor, shard)  # type: ignore[union-attr]
+            return
         if isinstance(tensor, QuantizedTensor):
             self._keep_quantized(param_name, shard, tensor)
             return
@@ -184,7 +218,7 @@ class RowParallelLinear(Linear):
         return self.tp.all_reduce(y)
 
     def load_weight(self, param_name: str, tensor: Weight, shard: str | None = None) -> None:
-        if isinstance(tensor, QuantizedTensor):
+        if isinstance(tensor, QuantizedTensor) or self._method_takes(param_name):
             super().load_weight(param_name, tensor, shard)
             return
         shape = shape_of(tensor)

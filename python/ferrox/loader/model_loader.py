@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ferrox.distributed.parallel_state import get_tp_group
+from ferrox.layers.quant.method import QuantConfig, use_quant_config
 from ferrox.loader.errors import ModelLoadError
 from ferrox.loader.json_file import read_json
 from ferrox.loader.model_config import load_model_spec
@@ -25,11 +26,15 @@ LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 
 
 def load_model(source: ModelSource, spec: ModelSpec, *, dtype: torch.dtype, device: torch.device | str,
-               load_format: str = "auto", seed: int = 0, keep_quantized: bool = False) -> nn.Module:
+               load_format: str = "auto", seed: int = 0, keep_quantized: bool = False,
+               quant_config: QuantConfig | None = None) -> nn.Module:
     """keep_quantized: a quantized GGUF's matrices stay in their blocks and run packed int4 matmuls
     (layers/quant) -- on the CPU, with one rank, for models that take them; otherwise (and for every
     other format) the weights are dequantized to `dtype` as before. The engine asks for it when the
-    dtype is "auto" (worker/model_setup.py)."""
+    dtype is "auto" (worker/model_setup.py).
+
+    quant_config: the checkpoint's (or `--quantization`'s) method (layers/quant/config.py); the
+    model's linear layers are built with it and finalized into its runners after loading."""
     from ferrox.loader import weights
     from ferrox.models.registry import get_model_class
 
@@ -67,8 +72,15 @@ def load_model(source: ModelSource, spec: ModelSpec, *, dtype: torch.dtype, devi
 
         open_gguf(source.path).check_quant_types()
     keep_quantized = keep_quantized and load_format == "gguf" and quantized_gguf_runs(cls, device, tp.size)
-    with torch.no_grad():
+    if quant_config is not None:
+        if not getattr(cls, "supports_quantization", False):
+            raise UnsupportedModelError(f"quantization {quant_config.name!r}: {spec.architecture} does not take "
+                                        "quantized weights in this version")
+        quant_config.check(spec, device, tp.size)
+        logger.info("quantization: %s", quant_config.describe())
+    with torch.no_grad(), use_quant_config(quant_config):
         model = cls(spec, dtype, device)
+    with torch.no_grad():
         if load_format == "dummy":
             init_dummy_weights(model, seed)
         elif load_format == "gguf":
@@ -137,6 +149,11 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
             param.data.zero_()
         else:
             param.data.normal_(0.0, 0.02, generator=gen)
+    # Quantized layers holding checkpoint tensors of their own (layers/quant/method.py).
+    for name, module in model.named_modules():
+        method = getattr(module, "weight_method", None)
+        if method is not None and not method.float_weight:
+            method.dummy(module, seed + _stable_hash(name))
 
 
 def _stable_hash(name: str) -> int:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ferrox.attention.backend import AttentionBackend, get_attention_backend
-from ferrox.attention.decode_path import OneTokenLayer
+from ferrox.attention.decode_path import DecodePath, OneTokenLayer
 from ferrox.attention.metadata import AttentionMetadata
 from ferrox.distributed.parallel_state import get_tp_group
 from ferrox.distributed.sharding import check_tp_shapes, materialize
@@ -166,6 +166,8 @@ class LlamaForCausalLM(nn.Module):
     # load_weights takes QuantizedTensors (GGUF blocks kept quantized, layers/quant): the linear
     # layers and the LM head run them packed, the embedding gets dequantized rows.
     supports_quantized_gguf = True
+    # Linear layers take a checkpoint quantization method (fp8, AWQ, GPTQ: layers/quant/method.py).
+    supports_quantization = True
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
@@ -208,6 +210,11 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.finalize_quantized()
+        if any(m.weight_method is not None and not m.weight_method.fused_decode
+               for m in self.modules() if isinstance(m, Linear)):
+            # The fused one-token kernels read plain (or fp8) weights; other quantized layers run
+            # their own matmuls, so one-token steps take the general path.
+            self.model.decode_path = DecodePath()
         if self._lm_head_blocks is not None:
             self.lm_head_quant = Int4GroupWeight([self._lm_head_blocks.decode()])
             self._lm_head_blocks = None
@@ -216,7 +223,8 @@ class LlamaForCausalLM(nn.Module):
         if not self.ops.column_major_weights:
             return
         for module in self.modules():
-            if isinstance(module, (Linear, ParallelLMHead)) and module.weight.numel():
+            if isinstance(module, (Linear, ParallelLMHead)) and module.weight.numel() and (
+                    getattr(module, "quant", None) is None):
                 module.weight.data = module.weight.data.t().contiguous().t()
         if self.lm_head is None and self.lm_head_quant is None:
             self.lm_head_colmajor = self.model.embed_tokens.weight.data.t().contiguous().t()
@@ -242,16 +250,12 @@ class LlamaForCausalLM(nn.Module):
         that a tensor-parallel rank reads only its shard); every parameter must be set exactly once."""
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
-        expected = set(params)
-        # Merged layers expect one tensor per shard.
-        for name, module in modules.items():
-            if isinstance(module, MergedLinear):
-                expected.discard(f"{name}.weight")
-                expected.discard(f"{name}.bias")
-                for shard_name in module.shard_sizes:
-                    expected.add(f"{name}.weight#{shard_name}")
-                    if module.bias is not None:
-                        expected.add(f"{name}.bias#{shard_name}")
+        # Linear layers name what they need (one tensor per shard of a merged layer, a quantized
+        # checkpoint's qweight/scales); every other parameter is one tensor of its own name.
+        linears = {name: m for name, m in modules.items() if isinstance(m, Linear)}
+        expected = {p for p in params if p.rpartition(".")[0] not in linears}
+        for name, linear in linears.items():
+            expected |= linear.checkpoint_keys(name)
         loaded: set[str] = set()
         unexpected: list[str] = []
         for name, tensor in weights:
@@ -273,13 +277,13 @@ class LlamaForCausalLM(nn.Module):
             if proj in _MERGED:
                 merged, shard = _MERGED[proj]
                 module = modules.get(f"{parent}.{merged}")
-                if not isinstance(module, MergedLinear):
+                if not isinstance(module, MergedLinear) or not _linear_takes(module, f"{parent}.{merged}", leaf, shard):
                     unexpected.append(name)
                     continue
                 key = f"{parent}.{merged}.{leaf}#{shard}"
             else:
                 module = modules.get(prefix)
-                if name not in params or module is None:
+                if module is None or not (name in params or _linear_takes(module, prefix, leaf, None)):
                     unexpected.append(name)
                     continue
                 key = name
@@ -293,6 +297,15 @@ class LlamaForCausalLM(nn.Module):
                 raise ModelLoadError(f"tensor {name!r}: {e} (config.json does not match the weights?)") from e
             loaded.add(key)
         check_all_loaded(self.spec.architecture, unexpected, expected, loaded)
+
+
+def _linear_takes(module: Any, name: str, leaf: str, shard: str | None) -> bool:
+    """Whether the linear layer at `name` takes checkpoint tensor `leaf` (of `shard`): one it needs,
+    or an optional one of its quantization method (fp8's static input_scale)."""
+    if not isinstance(module, Linear):
+        return False
+    optional = module.weight_method.optional_params if module.weight_method is not None else ()
+    return leaf in optional or f"{name}.{leaf}" + (f"#{shard}" if shard else "") in module.checkpoint_keys(name)
 
 
 def _copy_whole(param: torch.Tensor, tensor: torch.Tensor) -> None:

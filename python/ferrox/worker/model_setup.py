@@ -22,6 +22,8 @@ import torch
 from ferrox.attention.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from ferrox.config import CPU_DEFAULT_MAX_MODEL_LEN, EngineConfig
 from ferrox.distributed.parallel_state import TPGroup, get_tp_group, use_tp_group
+from ferrox.layers.quant.config import resolve_quant_config
+from ferrox.layers.quant.method import QuantConfig
 from ferrox.loader.model_loader import load_generation_config, load_model, load_model_spec
 from ferrox.loader.source import ModelSource, resolve_model
 from ferrox.loader.tokenizer import load_tokenizer
@@ -109,12 +111,15 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
     if pooler_config is not None:
         max_num_batched_tokens = pooling_token_budget(config.max_num_batched_tokens, max_num_batched_tokens,
                                                       max_model_len)
+    quant_config = resolve_quant_config(config.quantization, spec, is_gguf=source.format == "gguf")
     logger.info("loading the weights (%s, %s) onto %s", config.load_format, str(dtype).removeprefix("torch."), device)
     with use_tp_group(tp):
         # dtype "auto" keeps a quantized GGUF quantized where it can run so (the CPU); an explicit
         # dtype dequantizes it to that dtype (loader/model_loader.py).
         model = _shared_model(source, spec, dtype, device, config.load_format, config.seed, tp,
-                              keep_quantized=config.dtype == "auto", private=config.enable_lora)
+                              keep_quantized=config.dtype == "auto" and quant_config is None,
+                              private=config.enable_lora,
+                              quant_config=quant_config, quantization=config.quantization)
     generation_defaults = dict(load_generation_config(source) or {})
     eos = _eos_token_ids(tokenizer, generation_defaults)
     if pooler_config is not None:
@@ -198,17 +203,19 @@ _MODELS: weakref.WeakValueDictionary[tuple[Any, ...], Any] = weakref.WeakValueDi
 
 
 def _shared_model(source: ModelSource, spec: Any, dtype: torch.dtype, device: torch.device, load_format: str,
-                  seed: int, tp: TPGroup, *, keep_quantized: bool = False, private: bool = False) -> Any:
-    """private: a model of this engine's own (LoRA wraps its layers), neither shared nor cached."""
+                  seed: int, tp: TPGroup, *, keep_quantized: bool = False, private: bool = False,
+                  quant_config: QuantConfig | None = None, quantization: str | None = None) -> Any:
+    """private: a model of this engine's own (LoRA wraps its layers), neither shared nor cached.
+    quantization: the argument quant_config was resolved from (part of the cache key)."""
     if private:
         return load_model(source, spec, dtype=dtype, device=device, load_format=load_format, seed=seed,
-                          keep_quantized=keep_quantized)
+                          keep_quantized=keep_quantized, quant_config=quant_config)
     key = (source.path, _mtime(source.path), str(dtype), str(device), load_format, seed, tp.rank, tp.size,
-           keep_quantized)
+           keep_quantized, quantization)
     model = _MODELS.get(key)
     if model is None:
         model = load_model(source, spec, dtype=dtype, device=device, load_format=load_format, seed=seed,
-                           keep_quantized=keep_quantized)
+                           keep_quantized=keep_quantized, quant_config=quant_config)
         _MODELS[key] = model
     return model
 

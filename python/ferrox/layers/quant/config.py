@@ -1,0 +1,72 @@
+"""Which quantization a model runs with: the `quantization` argument against config.json's
+`quantization_config`, resolved to a `QuantConfig` (layers/quant/method.py) or None.
+
+- No argument, no `quantization_config`: None (the model dtype).
+- No argument, a `quantization_config`: the checkpoint's method, as published.
+- `quantization="fp8"` on an unquantized checkpoint: online FP8 (weights quantized at load).
+- `quantization="fp8"` on a GGUF file: its tensors dequantized to the model dtype, then online FP8.
+- Both: they must agree (vLLM's kernel-named spellings `awq_marlin` / `gptq_marlin` name the same
+  checkpoint layouts and are taken as `awq` / `gptq`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any
+
+from ferrox.layers.quant.method import QuantConfig, hf_quantization_config
+from ferrox.model_spec import ModelSpec, UnsupportedModelError
+
+logger = logging.getLogger(__name__)
+
+# method name -> "module:class"; the class has `from_hf(quantization_config) -> QuantConfig`, and
+# fp8's also `online() -> QuantConfig`.
+_METHODS = {
+    "fp8": "ferrox.layers.quant.fp8:Fp8Config",
+    "compressed-tensors": "ferrox.layers.quant.compressed_tensors:CompressedTensorsConfig",
+    "awq": "ferrox.layers.quant.awq:AWQConfig",
+    "gptq": "ferrox.layers.quant.gptq:GPTQConfig",
+}
+_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq", "compressed_tensors": "compressed-tensors"}
+# What the `quantization` argument accepts (the CLI's choices); "gguf" names a GGUF file's own blocks.
+QUANTIZATION_METHODS = (*_METHODS, *_ALIASES, "gguf")
+
+
+def _method_class(name: str) -> Any:
+    module, _, cls = _METHODS[name].partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def resolve_quant_config(quantization: str | None, spec: ModelSpec, *, is_gguf: bool = False) -> QuantConfig | None:
+    """The model's QuantConfig (None: unquantized, or a GGUF, whose blocks the GGUF loader keeps)."""
+    requested = _ALIASES.get(quantization, quantization) if quantization else None
+    if requested is not None and requested not in (*_METHODS, "gguf"):
+        raise UnsupportedModelError(f"quantization {quantization!r} is not supported (choose one of "
+                                    f"{', '.join(QUANTIZATION_METHODS)})")
+    if is_gguf:
+        if requested == "fp8":  # the GGUF's tensors are dequantized to the model dtype, then quantized
+            return _method_class("fp8").online()
+        if requested not in (None, "gguf"):
+            raise UnsupportedModelError(f"quantization {quantization!r} does not apply to a GGUF file (its "
+                                        "tensors carry their own quantization; leave quantization unset)")
+        return None
+    if requested == "gguf":
+        raise UnsupportedModelError("quantization 'gguf' needs a .gguf model file")
+    hf = hf_quantization_config(spec.hf_config)
+    if hf is None:
+        if requested is None:
+            return None
+        if requested != "fp8":
+            raise UnsupportedModelError(
+                f"quantization {quantization!r} needs a checkpoint quantized that way (its config.json has no "
+                "quantization_config); only 'fp8' quantizes an unquantized checkpoint at load time")
+        return _method_class("fp8").online()
+    method = str(hf.get("quant_method", "")).lower().replace("_", "-")
+    if method not in _METHODS:
+        raise UnsupportedModelError(f"config.json quantization_config.quant_method {hf.get('quant_method')!r} is "
+                                    f"not supported (ferrox reads {', '.join(_METHODS)} checkpoints)")
+    if requested is not None and requested != method:
+        raise UnsupportedModelError(f"quantization {quantization!r} does not match the checkpoint's "
+                                    f"quantization_config.quant_method {hf.get('quant_method')!r}")
+    return _method_class(method).from_hf(hf)
