@@ -136,7 +136,7 @@ class EngineConfig:
     speculative_config: dict[str, Any] | None = _opt(
         "speculative decoding, vLLM's spelling (a JSON object on the CLI): {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": k, \"prompt_lookup_min\": 1, \"prompt_lookup_max\": 5} (prompt lookup) or "
-        "{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": k}; CPU only in this version",
+        "{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": k}",
         default_help="off")
     runner: str = _opt(
         "what the model is run for (vLLM's --runner): 'generate' text, or 'pooling' (embeddings: /v1/embeddings, "

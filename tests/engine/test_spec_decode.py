@@ -172,7 +172,6 @@ def test_abort_with_drafts_in_flight_frees_blocks(spec):
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"device": "cuda"}, "speculative decoding runs on CPU in this version"),
     ({"async_scheduling": True}, "async_scheduling"),
 ])
 def test_unsupported_settings_fail_at_start(kwargs, message):

@@ -132,7 +132,8 @@ class EngineCore:
                 self.speculative.model, num_speculative_tokens=self.speculative.num_speculative_tokens,
                 target_vocab_size=self.vocab_size, num_blocks=loaded.num_blocks, block_size=config.block_size,
                 max_num_seqs=loaded.max_num_seqs, max_model_len=self.max_model_len, dtype=loaded.dtype,
-                device=self.device, load_format=config.load_format, seed=config.seed)
+                device=self.device, load_format=config.load_format, seed=config.seed,
+                cuda_graphs=not config.enforce_eager)
         # An engine dropped without shutdown() still releases its ranks (and the process group).
         self._finalizer = weakref.finalize(self, EngineCore._release, self.runner, self.executor, self.tp)
         self.cuda_graph_capture_s: float | None = None
@@ -530,9 +531,6 @@ def _check_speculative(config: EngineConfig) -> SpeculativeConfig | None:
     spec = parse_speculative_config(config.speculative_config)
     if spec is None:
         return None
-    if config.resolved_device() != "cpu":
-        raise ValueError("speculative_config: speculative decoding runs on CPU in this version; its CUDA path is "
-                         "not yet verified (leave speculative_config unset on GPU)")
     if config.async_scheduling:
         raise ValueError("async_scheduling: not supported with speculative_config (speculation runs synchronous "
                          "steps; leave async_scheduling unset)")

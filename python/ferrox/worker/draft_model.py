@@ -35,7 +35,13 @@ from ferrox.attention.kv_cache import allocate_kv_caches
 from ferrox.distributed.parallel_state import get_tp_group
 from ferrox.loader.model_loader import load_model_spec
 from ferrox.loader.source import resolve_model
+from ferrox.worker.cuda_graphs import CudaGraphRunner
 from ferrox.worker.step_inputs import Uploader, attention_metadata
+
+
+def scratch_blocks_per_request(block_size: int, k: int) -> int:
+    """Proposal scratch blocks of one request: from the start of the block holding p to position p + k - 1."""
+    return (block_size - 1 + k - 1) // block_size + 1
 
 
 @dataclass(slots=True)
@@ -64,7 +70,9 @@ class _Pending:
 class DraftProposer:
     def __init__(self, path: str, *, num_speculative_tokens: int, target_vocab_size: int, num_blocks: int,
                  block_size: int, max_num_seqs: int, max_model_len: int, dtype: torch.dtype,
-                 device: torch.device, load_format: str, seed: int) -> None:
+                 device: torch.device, load_format: str, seed: int, cuda_graphs: bool = False) -> None:
+        """cuda_graphs: capture the proposal steps (one token per request, the target's decode shape)
+        in CUDA graphs of their own, over the twin cache; the shadow pass runs eagerly."""
         from ferrox.worker.model_setup import _shared_model  # the same weight sharing as the target's
 
         source = resolve_model(path)
@@ -81,12 +89,16 @@ class DraftProposer:
         self.max_model_len = max_model_len
         self.device = device
         self.model = _shared_model(source, spec, dtype, device, load_format, seed, get_tp_group())
-        # Scratch blocks per request: from the start of the block holding p to position p + k - 1.
-        self.scratch_per_req = (block_size - 1 + self.k - 1) // block_size + 1
+        self.scratch_per_req = scratch_blocks_per_request(block_size, self.k)
         self.kv_caches = allocate_kv_caches(spec, num_blocks + max_num_seqs * self.scratch_per_req, block_size,
                                             dtype, device)
         self.upload = Uploader(device)
         self._pending: list[_Pending] = []
+        self.graphs: CudaGraphRunner | None = None
+        if cuda_graphs and torch.device(device).type == "cuda":
+            self.graphs = CudaGraphRunner(self.model, self.kv_caches, max_num_seqs=max_num_seqs,
+                                          max_model_len=max_model_len, block_size=block_size, device=device)
+            self.graphs.capture()
 
     @torch.inference_mode()
     def shadow(self, so: Any) -> None:
@@ -152,8 +164,11 @@ class DraftProposer:
             )
             self.upload.next_step()
             meta = attention_metadata(step, self.upload)
-            hidden = self.model.forward(self.upload("input_ids", last[active]), self.upload("positions",
-                                        pos0[active] + j), self.kv_caches, meta)
+            ids, pos = self.upload("input_ids", last[active]), self.upload("positions", pos0[active] + j)
+            if self.graphs is not None and self.graphs.can_run(meta):
+                hidden = self.graphs.run(ids, pos, meta)
+            else:
+                hidden = self.model.forward(ids, pos, self.kv_caches, meta)
             proposed = self.model.compute_logits(hidden).argmax(dim=-1).cpu().numpy()
             drafts[active, j] = proposed
             last[active] = proposed

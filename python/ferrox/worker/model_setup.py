@@ -140,6 +140,13 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
         kv_bytes = config.kv_cache_memory or profile_gpu_kv_budget(
             model, spec, dtype, device, config, max_num_batched_tokens, max_num_seqs, tp.size
         )
+    if device.type != "cpu" and config.kv_cache_memory is None:
+        # Draft-model speculation keeps a twin KV cache of the same block count (worker/draft_model.py)
+        # plus a few scratch blocks per request: in a profiled GPU budget every block costs both
+        # models' bytes. (An explicit kv_cache_memory sizes the target's cache; the twin is extra.)
+        draft_per_block, draft_scratch = _draft_kv_cost(config, dtype, tp.size, max_num_seqs)
+        kv_bytes = max(0, kv_bytes - draft_scratch * draft_per_block)
+        per_block += draft_per_block
     # Every rank holds the same block ids (of its own KV heads): the smallest budget decides.
     num_blocks = tp.min_int(kv_bytes // per_block + 1)  # + the null block, which holds nothing
     if num_blocks < 2:
@@ -157,6 +164,22 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
         max_num_batched_tokens=max_num_batched_tokens, vocab_size=int(spec.vocab_size), eos_token_ids=eos,
         generation_defaults=generation_defaults, threads=threads,
     )
+
+
+def _draft_kv_cost(config: EngineConfig, dtype: torch.dtype, tp_size: int, max_num_seqs: int) -> tuple[int, int]:
+    """Under draft-model speculation, the draft model's KV bytes per block and its scratch blocks
+    (worker/draft_model.py: a twin cache of the same block ids, plus proposal scratch per request);
+    (0, 0) otherwise. The draft runs in the target's dtype."""
+    from ferrox.speculative_config import parse_speculative_config
+    from ferrox.worker.draft_model import scratch_blocks_per_request
+
+    spec_config = parse_speculative_config(config.speculative_config)
+    if spec_config is None or spec_config.method != "draft_model" or spec_config.model is None:
+        return 0, 0
+    draft_source = resolve_model(spec_config.model)
+    draft_spec = _cached_spec(draft_source, _mtime(draft_source.path))
+    per_block = kv_cache_bytes_per_block(draft_spec, config.block_size, dtype, tp_size)
+    return per_block, max_num_seqs * scratch_blocks_per_request(config.block_size, spec_config.num_speculative_tokens)
 
 
 # Fewer whole max_model_len requests than this fit in the KV cache at once: start, with a warning.
@@ -207,6 +230,7 @@ def _shared_model(source: ModelSource, spec: Any, dtype: torch.dtype, device: to
                   quant_config: QuantConfig | None = None, quantization: str | None = None) -> Any:
     """private: a model of this engine's own (LoRA wraps its layers), neither shared nor cached.
     quantization: the argument quant_config was resolved from (part of the cache key)."""
+    keep_quantized = keep_quantized and source.format == "gguf"  # (only a GGUF has blocks to keep)
     if private:
         return load_model(source, spec, dtype=dtype, device=device, load_format=load_format, seed=seed,
                           keep_quantized=keep_quantized, quant_config=quant_config)
