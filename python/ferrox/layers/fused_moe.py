@@ -21,7 +21,6 @@ from torch import nn
 from ferrox.distributed.parallel_state import TPGroup, get_tp_group
 from ferrox.distributed.sharding import Weight, even_split, materialize, narrow, shape_of
 from ferrox.layers.ops import DeviceOps, silu_and_mul_torch
-from ferrox.model_spec import UnsupportedModelError
 
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -103,10 +102,6 @@ class FusedMoE(nn.Module):
                                requires_grad=False)
         self.impl: ExpertsFn = experts_torch
         if ops.name == "triton":
-            if self.num_local_experts != num_experts:
-                # The kernel's expert sort has no "not on this rank" bucket yet.
-                raise UnsupportedModelError("expert parallelism runs with the torch kernel set only in this version "
-                                            "(the fused MoE kernel does not skip other ranks' experts yet)")
             from ferrox.kernels.fused_moe import fused_moe
 
             self.impl = fused_moe
@@ -148,8 +143,15 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if self.num_local_experts != self.num_experts:
-            # Other ranks' experts become the id past this rank's last one, which the loop skips.
             local = topk_ids - self.expert_start
-            topk_ids = torch.where((local >= 0) & (local < self.num_local_experts), local,
-                                   torch.full_like(local, self.num_local_experts))
+            mine = (local >= 0) & (local < self.num_local_experts)
+            if self.impl is experts_torch:
+                # Other ranks' experts become the id past this rank's last one, which the loop skips.
+                topk_ids = torch.where(mine, local, torch.full_like(local, self.num_local_experts))
+            else:
+                # The fused kernel's expert sort has no "not on this rank" bucket: another rank's pair
+                # runs local expert 0 with routing weight 0, so it adds nothing (the work is wasted:
+                # a skip bucket in align_by_expert would save it).
+                topk_ids = torch.where(mine, local, torch.zeros_like(local))
+                topk_weights = torch.where(mine, topk_weights, torch.zeros_like(topk_weights))
         return self.tp.all_reduce(self.impl(x, self.w13, self.w2, topk_weights, topk_ids))

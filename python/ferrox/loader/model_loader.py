@@ -58,14 +58,6 @@ def load_model(source: ModelSource, spec: ModelSpec, *, dtype: torch.dtype, devi
     if tp.size > 1 and not getattr(cls, "supports_tensor_parallel", False):
         raise UnsupportedModelError(f"architecture {spec.architecture!r} does not support tensor_parallel_size > 1 "
                                     f"(got {tp.size})")
-    if tp.size > 1 and device.type == "cuda" and getattr(cls, "tensor_parallel_cpu_only", False):
-        raise UnsupportedModelError(
-            f"tensor_parallel_size: {tp.size} with {spec.architecture} runs on CPU only in this version (its sharded "
-            "and expert-parallel paths are tested with gloo; the CUDA path is not verified yet)")
-    if load_format == "gguf" and spec.moe is not None and device.type == "cuda":
-        raise UnsupportedModelError(
-            f"{source.path}: GGUF mixture-of-experts files run on CPU in this version (their CUDA path is not "
-            "verified yet); use the model's Hugging Face folder on GPU")
     if load_format == "gguf":
         # Check quantization types before allocating anything: fail fast with the type's name.
         from ferrox.loader.gguf_file import open_gguf

@@ -135,9 +135,8 @@ class MoeForCausalLM(nn.Module):
     qk_norm = False  # Qwen3-MoE: per-head RMSNorm of q and k
     always_renormalize = False  # Mixtral: top-k weights always sum to 1
     # Attention and dense MLPs shard as Llama's; experts are sharded or split (layers/fused_moe.py).
+    # Tested with gloo on CPU and NCCL on two GPUs (tests/engine/test_moe_gpu.py).
     supports_tensor_parallel = True
-    # ... tested with gloo on CPU; on CUDA not verified yet, so refused there (loader/model_loader.py).
-    tensor_parallel_cpu_only = True
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
