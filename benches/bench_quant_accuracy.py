@@ -1,0 +1,184 @@
+"""What quantization costs in accuracy (issue 12): mean per-token KL divergence between the
+unquantized and the quantized model's next-token distributions, and greedy agreement, over 16
+prompts x 64 tokens, on real weights (the embedded SmolLM2-135M by default).
+
+The unquantized model writes 64 greedy tokens per prompt; then every variant is teacher-forced
+through the same tokens (the real core schedules the steps, the engine's own model and KV cache run
+them, one token per step after the prompt), so both models are always compared in the same
+context. KL(reference || variant) is over the full vocabulary at each of the 16 x 64 positions;
+agreement is the share of positions where both put the same token first.
+
+    python benches/bench_quant_accuracy.py [--model PATH] [--variants fp8,fp8-kv,int4-awq] [--device cuda]
+
+Variants: fp8 (online FP8 weights, W8A8 on a GPU), fp8-kv (kv_cache_dtype="fp8"), int4-awq (the
+weights round-to-nearest quantized into an AWQ-layout folder, group 128), gguf-packed (CPU: the
+GGUF's blocks kept quantized in packed int4 matmuls, against the same file dequantized to float32).
+Targets: FP8 weights <= 0.02 nats, FP8 KV <= 0.02, int4 <= 0.1. Prints a table, the worst KL last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Explain what a hash table is.",
+    "Give me three tips for sleeping better.", "Translate 'good morning' into Spanish and German.",
+    "What is 17 times 23? Show your work.", "Write a Python function that reverses a string.",
+    "Why is the sky blue?", "Summarize the plot of Romeo and Juliet.", "List five prime numbers.",
+    "What does a CPU cache do?", "Describe a cat to someone who has never seen one.",
+    "How do vaccines work?", "Write a short story opening about a lighthouse.",
+    "What is the difference between weather and climate?", "Explain recursion with an example.",
+]
+TARGETS = {"fp8": 0.02, "fp8-kv": 0.02, "int4-awq": 0.1, "gguf-packed": None}
+
+
+@torch.inference_mode()
+def forced_logprobs(llm: Any, prompts: list[list[int]], forced: list[list[int]]) -> list[torch.Tensor]:
+    """log-softmax [len(forced[i]), vocab] of every prompt, teacher-forced through `forced`: the
+    distribution of token j given the prompt and forced[i][:j]."""
+    from ferrox import _core
+    from ferrox.worker.dummy_batch import upload_step
+    from ferrox.worker.step_inputs import Uploader
+
+    engine = llm.engine
+    model, kv = engine.runner.model, engine.runner.kv_caches
+    steps = max(len(f) for f in forced)
+    max_len = max(len(p) for p in prompts) + steps + 1
+    sched = _core.Scheduler(num_blocks=int(kv[0].shape[1]), max_model_len=max_len, block_size=engine.block_size,
+                            max_num_seqs=len(prompts), max_num_batched_tokens=sum(len(p) for p in prompts),
+                            enable_prefix_caching=False)
+    index_of_slot = {}
+    for i, p in enumerate(prompts):
+        slot = sched.add_request(str(i), np.asarray(p, dtype=np.int64), max_tokens=len(forced[i]),
+                                 ignore_eos=True, detokenize=False)
+        index_of_slot[slot] = i
+    upload = Uploader(torch.device(engine.device))
+    rows: list[list[torch.Tensor]] = [[] for _ in prompts]
+    while True:
+        so = sched.schedule()
+        if so.num_reqs == 0:
+            break
+        upload.next_step()
+        t = upload_step(so, upload)
+        hidden = model.forward(t.input_ids, t.positions, kv, t.meta)
+        logprobs = torch.log_softmax(model.compute_logits(hidden[t.logits_indices]).float(), dim=-1).cpu()
+        tokens = []
+        for r, slot in enumerate(np.asarray(so.req_slots).tolist()):
+            i = index_of_slot[slot]
+            rows[i].append(logprobs[r])
+            tokens.append(forced[i][len(rows[i]) - 1])
+        sched.update_from_output(np.asarray(tokens, dtype=np.int64))
+    return [torch.stack(r) for r in rows]
+
+
+def compare(ref: list[torch.Tensor], got: list[torch.Tensor]) -> tuple[float, float]:
+    """(mean KL(ref || got) in nats per position, share of positions with the same top token)."""
+    kls, agree, n = 0.0, 0, 0
+    for a, b in zip(ref, got, strict=True):
+        kls += float((a.exp() * (a - b)).sum(-1).clamp_min(0).sum())
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        n += a.shape[0]
+    return kls / n, agree / n
+
+
+def make_llm(model: str, device: str, **kw: Any) -> Any:
+    from ferrox import LLM
+
+    kv = dict(kv_cache_memory=1 << 30) if device == "cuda" else {}
+    return LLM(model=model, device=device, max_model_len=512, max_num_seqs=16, **kv, **kw)
+
+
+def release(llm: Any) -> None:
+    llm.engine.shutdown()
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def hf_folder_from_gguf(gguf_path: str, out_dir: str) -> str:
+    """The GGUF's weights dequantized into a Hugging Face folder (transformers reads GGUF), so a
+    checkpoint-format quantizer can start from them."""
+    import transformers
+
+    folder, name = os.path.split(gguf_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model.save_pretrained(out_dir)
+    transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
+    return out_dir
+
+
+def awq_folder(float_folder: str, out_dir: str) -> str:
+    from tests.helpers.int4_checkpoints import write_awq_checkpoint  # the tests' reference quantizer
+
+    write_awq_checkpoint(float_folder, out_dir, group_size=128)
+    return out_dir
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: the embedded SmolLM2)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--variants", default=None)
+    ap.add_argument("--tokens", type=int, default=64)
+    args = ap.parse_args()
+    from ferrox.loader.source import resolve_model
+
+    source = resolve_model(args.model)
+    on_gpu = args.device == "cuda"
+    variants = (args.variants or ("fp8,fp8-kv,int4-awq" if on_gpu else "gguf-packed,fp8-kv")).split(",")
+    dtype = "bfloat16" if on_gpu else "float32"
+    start = time.perf_counter()
+    ref_llm = make_llm(source.path, args.device, dtype=dtype)
+    tok = ref_llm.get_tokenizer()
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True))
+               for q in QUESTIONS]
+    from ferrox import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True, detokenize=False)
+    forced = [list(o.outputs[0].token_ids) for o in ref_llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                     greedy, use_tqdm=False)]
+    ref = forced_logprobs(ref_llm, prompts, forced)
+    release(ref_llm)
+    print(f"model {source.name} ({source.format}), device {args.device}, reference dtype {dtype}, "
+          f"{len(prompts)} prompts x {args.tokens} tokens")
+    print(f"{'variant':<12} {'mean KL (nats)':>15} {'greedy agreement':>17} {'target':>8}")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in variants:
+            if name == "fp8":
+                llm = make_llm(source.path, args.device, dtype=dtype, quantization="fp8")
+            elif name == "fp8-kv":
+                llm = make_llm(source.path, args.device, dtype=dtype, kv_cache_dtype="fp8")
+            elif name == "int4-awq":
+                float_dir = hf_folder_from_gguf(source.path, os.path.join(tmp, "float")) \
+                    if source.format == "gguf" else source.path
+                llm = make_llm(awq_folder(float_dir, os.path.join(tmp, "awq")), args.device, dtype=dtype)
+            elif name == "gguf-packed":
+                llm = make_llm(source.path, "cpu", dtype="auto")
+            else:
+                raise SystemExit(f"unknown variant {name!r}")
+            kl, agree = compare(ref, forced_logprobs(llm, prompts, forced))
+            release(llm)
+            target = TARGETS[name]
+            rows.append((name, kl, agree, target))
+            print(f"{name:<12} {kl:>15.5f} {agree:>17.3f} {('<= %g' % target) if target else '-':>8}")
+    print(f"({time.perf_counter() - start:.0f} s)")
+    worst = max(rows, key=lambda r: r[1])
+    print(f"worst mean KL: {worst[0]} {worst[1]:.5f} nats")
+
+
+if __name__ == "__main__":
+    main()
