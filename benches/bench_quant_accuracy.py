@@ -174,7 +174,7 @@ def main() -> None:
             release(llm)
             target = TARGETS[name]
             rows.append((name, kl, agree, target))
-            print(f"{name:<12} {kl:>15.5f} {agree:>17.3f} {('<= %g' % target) if target else '-':>8}")
+            print(f"{name:<12} {kl:>15.5f} {agree:>17.3f} {f'<= {target:g}' if target else '-':>8}")
     print(f"({time.perf_counter() - start:.0f} s)")
     worst = max(rows, key=lambda r: r[1])
     print(f"worst mean KL: {worst[0]} {worst[1]:.5f} nats")

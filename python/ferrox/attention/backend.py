@@ -11,6 +11,11 @@ Layout (see metadata.py): kv_cache[2, num_blocks, block_size, num_kv_heads, head
 An empty kv_cache (numel 0) means "no cache yet" (e.g. a profiling forward): attention then runs
 over the step's own k/v, which requires every request to start at position 0.
 
+An FP8 cache (kv_cache.dtype float8_e4m3fn, attention/kv_cache.py) stores k / k_scale and v / v_scale
+with the layer's `kv_scales` (None: 1.0); a backend attends as if over the dequantized cache, also
+for the rows it has in hand this step, so that a prompt gives the same output whether its prefix
+came from the prefix cache or not. Caches of other dtypes ignore the scales.
+
 `begin_forward(meta)` is called once per model forward before the first layer, so a backend can
 turn the metadata into its own plan (index tensors, masks) once instead of once per layer.
 
@@ -26,6 +31,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ferrox.attention.decode_path import DecodePath, OneTokenLayer
+from ferrox.attention.kv_cache import KVCacheScales
 from ferrox.attention.metadata import AttentionMetadata
 from ferrox.kernels import KERNEL_SETS, select_kernels
 
@@ -45,6 +51,7 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D] (or empty)
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: KVCacheScales | None = None,  # an FP8 cache's k/v scales (None: 1.0)
     ) -> torch.Tensor:  # [T, H, D]
         ...
 
@@ -52,7 +59,8 @@ class AttentionBackend(ABC):
     # kernel, kernels/gemv.py) say so; the model then skips the separate KV write.
     supports_cached_kv = False
 
-    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+               kv_scales: KVCacheScales | None = None) -> torch.Tensor:
         """Attention only: this step's k/v are already at `meta.slot_mapping` in kv_cache."""
         raise NotImplementedError(f"the {self.name} attention backend has no attend-only path")
 

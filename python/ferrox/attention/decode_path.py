@@ -69,6 +69,9 @@ class OneTokenLayer:
     # The tensor-parallel group (distributed/parallel_state.TPGroup) when o_proj and down_proj are
     # row-parallel: their partial products are summed by an all-reduce. None: one rank.
     tp: Any = None
+    # The attention layer's KV-cache scales (attention/kv_cache.KVCacheScales; an FP8 cache reads
+    # them). None: 1.0.
+    kv_scales: Any = None
 
 
 class DecodePath:

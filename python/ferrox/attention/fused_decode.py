@@ -9,7 +9,8 @@ path: cuBLAS GEMMs reuse each weight tile across rows.
 
 The layers come from the model (`OneTokenLayer`); a model whose layers do not fit the fused
 kernels (Qwen3: per-head q/k norms between projection and rotary) passes none and still gets
-the one-row lm_head.
+the one-row lm_head. FP8 projections (layers/quant/fp8.py) run the same kernels: their weight is
+float8 and their `weight_scale` rows go to the kernel's epilogue.
 """
 
 from __future__ import annotations
@@ -61,11 +62,12 @@ class FusedOneTokenDecode(DecodePath):
         q = qkv_rope_gemv(h, layer.qkv_proj.weight, layer.qkv_proj.bias, norm_weight=layer.input_norm.weight,
                           eps=layer.input_norm.eps, rope_row=rope_row, slot_mapping=meta.slot_mapping,
                           kv_cache=kv_cache, num_q_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
-                          head_dim=layer.head_dim)
-        o = self.backend.attend(q, kv_cache, meta, layer.scale)
+                          head_dim=layer.head_dim, weight_scale=_weight_scale(layer.qkv_proj),
+                          kv_scale=layer.kv_scales.scales if layer.kv_scales is not None else None)
+        o = self.backend.attend(q, kv_cache, meta, layer.scale, layer.kv_scales)
         h = self._row_parallel(layer, o.view(1, -1), layer.o_proj, h)
         act = gemv(h, layer.gate_up_proj.weight, layer.gate_up_proj.bias, norm_weight=layer.post_norm.weight,
-                   eps=layer.post_norm.eps, silu_mul=True)
+                   eps=layer.post_norm.eps, silu_mul=True, weight_scale=_weight_scale(layer.gate_up_proj))
         return self._row_parallel(layer, act, layer.down_proj, h)
 
     @staticmethod
@@ -74,13 +76,19 @@ class FusedOneTokenDecode(DecodePath):
         also adds the bias and the residual in its epilogue, so one all-reduce yields the sum with
         each added once, and the fusion survives sharding."""
         tp = layer.tp
+        scale = _weight_scale(proj)
         if tp is None or tp.size == 1:
-            return gemv(x, proj.weight, proj.bias, residual=h)
+            return gemv(x, proj.weight, proj.bias, residual=h, weight_scale=scale)
         if tp.rank == 0:
-            return tp.all_reduce(gemv(x, proj.weight, proj.bias, residual=h))
-        return tp.all_reduce(gemv(x, proj.weight, None))
+            return tp.all_reduce(gemv(x, proj.weight, proj.bias, residual=h, weight_scale=scale))
+        return tp.all_reduce(gemv(x, proj.weight, None, weight_scale=scale))
 
     def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         if hidden.shape[0] == 1 and fused_decode_enabled():
             return gemv(hidden.contiguous(), lm_head_weight, out_dtype=torch.float32)
         return super().logits(hidden, lm_head_weight)
+
+
+def _weight_scale(proj: ProjWeights) -> torch.Tensor | None:
+    """The per-row float32 scales of an fp8 projection (layers/quant/fp8.py), None for a float one."""
+    return getattr(proj, "weight_scale", None)

@@ -7,6 +7,12 @@ Per step (in `begin_forward`) the metadata becomes a plan, shared by every layer
   * each prefill chunk gets one SDPA call: over its own k/v with `is_causal` when it starts at
     position 0, else over its gathered cached KV with an offset causal mask.
 Per layer the work is then: two index_copy_ into the cache, a gather per group, an SDPA per group.
+
+An FP8 cache (attention/kv_cache.py) stores quantize_kv(k, k_scale) and quantize_kv(v, v_scale);
+attention runs over the stored values widened to the model's dtype (exact: every E4M3 value is a
+bf16/fp16/fp32 value) with k_scale folded into the softmax scale and v_scale applied to the
+output. A prompt chunk attends over its own rows after the same round trip, so its output does not
+depend on whether its prefix was computed now or read from the prefix cache.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ferrox.attention.backend import AttentionBackend
+from ferrox.attention.kv_cache import is_fp8_kv_cache, quantize_kv
 from ferrox.attention.metadata import AttentionMetadata
 
 
@@ -112,17 +119,28 @@ class TorchAttentionBackend(AttentionBackend):
             self._block_size = block_size
         return self._plan
 
-    def forward(self, q, k, v, kv_cache, meta, scale):
+    def forward(self, q, k, v, kv_cache, meta, scale, kv_scales=None):
         n = meta.num_actual_tokens
         has_cache = kv_cache.numel() > 0
         block_size = kv_cache.shape[2] if has_cache else 0
         plan = self._plan_for(meta, block_size)
+        out_scale = 1.0
         if has_cache:
             k_cache, v_cache = kv_cache[0], kv_cache[1]
-            num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
             slots = meta.slot_mapping[:n]
-            k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k[:n])
-            v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v[:n])
+            k_new, v_new = k[:n], v[:n]
+            if is_fp8_kv_cache(kv_cache):
+                k_scale, out_scale = (kv_scales.k_scale, kv_scales.v_scale) if kv_scales is not None else (1.0, 1.0)
+                scale = scale * k_scale
+                k_new, v_new = quantize_kv(k_new, k_scale), quantize_kv(v_new, out_scale)
+                # torch has no index_copy_ for float8 types: copy the bytes.
+                _store(k_cache.view(torch.uint8), slots, k_new.view(torch.uint8))
+                _store(v_cache.view(torch.uint8), slots, v_new.view(torch.uint8))
+                # This step's own rows as the cache holds them (a fresh prompt attends over these).
+                k, v = k_new.to(q.dtype), v_new.to(q.dtype)
+            else:
+                _store(k_cache, slots, k_new)
+                _store(v_cache, slots, v_new)
         out = None
         if plan.decode is None or plan.prefills or q.shape[0] != n:
             # Rows past num_actual_tokens (padding) are zeroed, never left as uninitialised memory.
@@ -135,19 +153,21 @@ class TorchAttentionBackend(AttentionBackend):
                 vc = v[chunk.start:chunk.end].transpose(0, 1)
                 o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                kc = _gather(k_cache, chunk.block_ids, chunk.seq_len).transpose(0, 1)
-                vc = _gather(v_cache, chunk.block_ids, chunk.seq_len).transpose(0, 1)
+                kc = _gather(k_cache, chunk.block_ids, chunk.seq_len).to(q.dtype).transpose(0, 1)
+                vc = _gather(v_cache, chunk.block_ids, chunk.seq_len).to(q.dtype).transpose(0, 1)
                 o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
-            out[chunk.start:chunk.end] = o.transpose(0, 1)
+            out[chunk.start:chunk.end] = o.transpose(0, 1) if out_scale == 1.0 else o.transpose(0, 1) * out_scale
 
         group = plan.decode
         if group is not None:
             qd = q[group.token_slice] if group.token_slice is not None else q.index_select(0, group.token_index)
             qd = qd[:, :, None, :]  # [B, H, 1, D]
-            kd = _gather_batch(k_cache, group.block_ids, group.kv_len).transpose(1, 2)  # [B, Hkv, L, D]
-            vd = _gather_batch(v_cache, group.block_ids, group.kv_len).transpose(1, 2)
+            kd = _gather_batch(k_cache, group.block_ids, group.kv_len).to(q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
+            vd = _gather_batch(v_cache, group.block_ids, group.kv_len).to(q.dtype).transpose(1, 2)
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, scale=scale, enable_gqa=True)
             o = o[:, :, 0, :]  # [B, H, D]
+            if out_scale != 1.0:
+                o = o * out_scale
             if out is None:  # decode-only step: the group's output is the whole output
                 if group.token_slice is not None and group.token_slice.start == 0 and q.shape[0] == o.shape[0]:
                     return o
@@ -157,6 +177,11 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 out.index_copy_(0, group.token_index, o)
         return out
+
+
+def _store(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """rows [T, Hkv, D] into the cache plane [blocks, block_size, Hkv, D] at flat slot ids."""
+    cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:

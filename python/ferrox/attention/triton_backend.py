@@ -6,7 +6,8 @@ together, GQA, causal within a chunk) over its paged KV. Two kernel launches per
 split-KV merge when the heuristic splits long contexts; nothing reads device memory on the host,
 so a decode step can be captured in a CUDA graph (the runner passes max_seq_len as a fixed upper
 bound and pads slot_mapping with -1). Its decode path runs one-token steps in fused
-matrix-vector kernels (attention/fused_decode.py).
+matrix-vector kernels (attention/fused_decode.py). An FP8 cache's scales (attention/kv_cache.py)
+reach every kernel as the layer's float32 (k_scale, v_scale) device tensor, read by pointer.
 
 Which kernel attends: a step whose longest query is shorter than PREFILL_MIN_QUERY_LEN (decode
 steps, short chunks, speculative verification) runs the unified kernel (kernels/paged_attention.py,
@@ -27,6 +28,7 @@ import torch
 from ferrox.attention.backend import AttentionBackend
 from ferrox.attention.decode_path import DecodePath, OneTokenLayer
 from ferrox.attention.fused_decode import FusedOneTokenDecode
+from ferrox.attention.kv_cache import KVCacheScales
 from ferrox.attention.metadata import AttentionMetadata
 from ferrox.kernels.paged_attention import unified_attention
 from ferrox.kernels.prefill_attention import prefill_attention
@@ -85,32 +87,40 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: KVCacheScales | None = None,
     ) -> torch.Tensor:
         if kv_cache.numel() == 0:
             return self._forward_without_cache(q, k, v, meta, scale)
         if meta.slot_mapping.shape[0] > k.shape[0]:
             raise ValueError(f"slot_mapping has {meta.slot_mapping.shape[0]} slots for {k.shape[0]} k/v rows")
-        reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
-        return self.attend(q, kv_cache, meta, scale)
-
-    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        kv_scale = kv_scales.scales if kv_scales is not None else None
+        reshape_and_cache(k, v, kv_cache, meta.slot_mapping, kv_scale)
         return self._attend(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, meta,
-                            meta.max_seq_len, scale)
+                            meta.max_seq_len, scale, kv_scale)
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+               kv_scales: KVCacheScales | None = None) -> torch.Tensor:
+        return self._attend(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, meta,
+                            meta.max_seq_len, scale, kv_scales.scales if kv_scales is not None else None)
 
     def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                block_table: torch.Tensor, meta: AttentionMetadata, max_seq_len: int, scale: float) -> torch.Tensor:
+                block_table: torch.Tensor, meta: AttentionMetadata, max_seq_len: int, scale: float,
+                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """kv_scale: an FP8 cache's float32 (k_scale, v_scale), read by the kernels on the device."""
         plan = self._plan_for(meta)
         if not plan.use_prefill_kernel:
             return unified_attention(q, kv_cache, query_start_loc, seq_lens, block_table,
-                                     max_query_len=meta.max_query_len, max_seq_len=max_seq_len, scale=scale)
+                                     max_query_len=meta.max_query_len, max_seq_len=max_seq_len, scale=scale,
+                                     kv_scale=kv_scale)
         nd = plan.num_decodes
         if nd == 0:
-            return prefill_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale=scale)
+            return prefill_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale=scale,
+                                     kv_scale=kv_scale)
         out = torch.empty_like(q)
         unified_attention(q[:nd], kv_cache, query_start_loc[: nd + 1], seq_lens[:nd], block_table[:nd],
-                          max_query_len=1, max_seq_len=max_seq_len, scale=scale, out=out[:nd])
+                          max_query_len=1, max_seq_len=max_seq_len, scale=scale, out=out[:nd], kv_scale=kv_scale)
         prefill_attention(q[nd:], kv_cache, plan.prefill_query_start_loc, seq_lens[nd:], block_table[nd:],
-                          scale=scale, out=out[nd:])
+                          scale=scale, out=out[nd:], kv_scale=kv_scale)
         return out
 
     def decode_path(self, layers: Sequence[OneTokenLayer] | None,

@@ -19,6 +19,12 @@ RMSNorm in one pass: out = W @ (g * h) * rsqrt(mean(h^2) + eps) -- the sum of sq
 accumulated in the same loop as the products and applied at the end, so no program waits for
 the statistic before streaming weights. (The unfused path rounds the normed vector to the
 activation dtype before the matmul; this path does not, a difference well inside bf16 noise.)
+
+FP8 weights (layers/quant/fp8.py): the weight may be float8 E4M3 with one float32 scale per row
+(`weight_scale`, HAS_W_SCALE). The input stays in the activation dtype (weight-only: no activation
+quantization at one token), each weight byte is streamed once and widened in registers, and the
+row's scale multiplies its sum in the epilogue, before bias, SiLU, residual and rotary. Roundings
+"to the activation dtype" use the input's dtype, which is the weight's on the float path.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from ferrox.attention.kv_cache import unit_kv_scales
+from ferrox.kernels.reshape_and_cache import quantize_kv_fp8
 
 
 @triton.jit
@@ -45,6 +54,7 @@ def _input_tile(x_ptr, norm_w_ptr, cols, kmask, NORM: tl.constexpr):
 def _gemv_kernel(
     out_ptr,
     w_ptr,
+    w_scale_ptr,  # float32 [N] per-row weight scales (HAS_W_SCALE: an fp8 weight)
     bias_ptr,
     x_ptr,
     res_ptr,
@@ -57,6 +67,7 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,  # rows [0, n_out) are gate, [n_out, 2 n_out) up: out = silu(gate) * up
     HAS_RESIDUAL: tl.constexpr,  # out = (W @ x) + residual, each rounded as the unfused ops round
+    HAS_W_SCALE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -84,17 +95,21 @@ def _gemv_kernel(
     if NORM:
         rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
         y = y * rstd
+    if HAS_W_SCALE:
+        y = y * tl.load(w_scale_ptr + rows, mask=rmask, other=0.0)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     if SILU_MUL:
         up = tl.sum(acc_up, axis=1)
         if NORM:
             up = up * rstd
+        if HAS_W_SCALE:
+            up = up * tl.load(w_scale_ptr + n_out + rows, mask=rmask, other=0.0)
         if HAS_BIAS:
             up += tl.load(bias_ptr + n_out + rows, mask=rmask, other=0.0).to(tl.float32)
         # Round gate and up to the activation dtype first, as the unfused path stores them.
-        gate = y.to(w_ptr.dtype.element_ty).to(tl.float32)
-        up = up.to(w_ptr.dtype.element_ty).to(tl.float32)
+        gate = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+        up = up.to(x_ptr.dtype.element_ty).to(tl.float32)
         y = gate / (1.0 + tl.exp(-gate)) * up
     if HAS_RESIDUAL:
         # The projection output in its dtype, then the add (rounded once more): bit-equal to the
@@ -109,12 +124,14 @@ def _qkv_rope_kernel(
     q_out_ptr,
     cache_ptr,
     w_ptr,
+    w_scale_ptr,  # float32 [rows] per-row weight scales (HAS_W_SCALE: an fp8 weight)
     bias_ptr,
     x_ptr,
     norm_w_ptr,
     eps,
     rope_ptr,  # this token's [cos | sin] row, float32, HALF each
     slot_ptr,
+    kv_scale_ptr,  # float32 (k_scale, v_scale) of an FP8 cache (attention/kv_cache.py)
     K,
     stride_w,
     num_q_heads,
@@ -127,6 +144,7 @@ def _qkv_rope_kernel(
     HEAD_DIM: tl.constexpr,
     NORM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_W_SCALE: tl.constexpr,
     BLOCK_P: tl.constexpr,  # rotary pairs (d, d + HEAD_DIM / 2) per program
     BLOCK_K: tl.constexpr,
 ):
@@ -158,12 +176,15 @@ def _qkv_rope_kernel(
     if NORM:
         rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
         lo, hi = lo * rstd, hi * rstd
+    if HAS_W_SCALE:
+        lo = lo * tl.load(w_scale_ptr + rows)
+        hi = hi * tl.load(w_scale_ptr + rows + HALF)
     if HAS_BIAS:
         lo += tl.load(bias_ptr + rows).to(tl.float32)
         hi += tl.load(bias_ptr + rows + HALF).to(tl.float32)
     # The projection's output in the activation dtype, as the unfused path would store it.
-    lo = lo.to(w_ptr.dtype.element_ty).to(tl.float32)
-    hi = hi.to(w_ptr.dtype.element_ty).to(tl.float32)
+    lo = lo.to(x_ptr.dtype.element_ty).to(tl.float32)
+    hi = hi.to(x_ptr.dtype.element_ty).to(tl.float32)
 
     is_kv = head >= num_q_heads
     is_v = head >= num_q_heads + num_kv_heads
@@ -186,8 +207,13 @@ def _qkv_rope_kernel(
     safe_slot = tl.maximum(slot, 0)
     dst = (cache_ptr + plane * stride_ckv + (safe_slot // block_size) * stride_cblock
            + (safe_slot % block_size) * stride_cslot + kv_head * stride_chead + pairs)
-    tl.store(dst, out_lo.to(cache_ptr.dtype.element_ty), mask=kv_mask)
-    tl.store(dst + HALF, out_hi.to(cache_ptr.dtype.element_ty), mask=kv_mask)
+    kv_lo, kv_hi = out_lo, out_hi
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        # An FP8 cache stores x / scale, saturated (kv_cache.quantize_kv's rule).
+        kv_scale = tl.load(kv_scale_ptr + plane)
+        kv_lo, kv_hi = quantize_kv_fp8(out_lo, kv_scale), quantize_kv_fp8(out_hi, kv_scale)
+    tl.store(dst, kv_lo.to(cache_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(dst + HALF, kv_hi.to(cache_ptr.dtype.element_ty), mask=kv_mask)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,23 +223,30 @@ class GemvConfig:
     num_warps: int
 
 
-def choose_config(kind: str, k: int) -> GemvConfig:
+def choose_config(kind: str, k: int, weight_bytes: int = 2) -> GemvConfig:
     """Launch configs from the sweep of benches/bench_gemv.py on an H200 (benches/RESULTS.md):
     many small programs (2 rows) stream best for plain products -- 4-10% faster than cuBLAS at
     Llama-3.1-8B's shapes; the fused variants, whose prologue re-reads the input and norm
-    weight per K tile, want more rows per program to amortise it."""
-    block_k = 1024 if k >= 1024 else triton.next_power_of_2(k)
+    weight per K tile, want more rows per program to amortise it.
+
+    FP8 weights (weight_bytes 1) keep the bytes each program streams per K tile: twice the K
+    width. The SiLU variant then doubles its warps so its two fp32 accumulators keep the
+    registers per thread of the bf16 config (derived from the bf16 sweep, not swept in fp8 yet:
+    benches/bench_fp8.py --sweep-gemv)."""
+    wide = 2 if weight_bytes == 1 else 1
+    block_k = min(1024 * wide, triton.next_power_of_2(k))
     if kind == "plain":
         # Long rows (down_proj, K = 14336) already give each program a long stream: one row each.
         return GemvConfig(1 if k > 8192 else 2, block_k, 4)
     if kind == "silu":
-        return GemvConfig(4, block_k, 4)
+        return GemvConfig(4, block_k, 4 * wide)
     if kind == "rope":
-        return GemvConfig(16, min(block_k, 512), 8)
+        return GemvConfig(16, min(block_k, 512 * wide), 8)
     raise ValueError(f"unknown gemv kind {kind!r}")
 
 
-def _check_input(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None) -> int:
+def _check_input(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None,
+                 weight_scale: torch.Tensor | None = None) -> int:
     k = weight.shape[1]
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != k or x.stride(-1) != 1:
         raise ValueError(f"x must be a contiguous [1, {k}] row, got {tuple(x.shape)} (strides {x.stride()})")
@@ -221,6 +254,12 @@ def _check_input(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tenso
         raise ValueError("gemv needs a row-major weight [N, K]")
     if norm_weight is not None and norm_weight.shape != (k,):
         raise ValueError(f"norm weight must be [{k}], got {tuple(norm_weight.shape)}")
+    if weight.dtype == torch.float8_e4m3fn and weight_scale is None:
+        raise ValueError("an fp8 weight needs its per-row weight_scale")
+    if weight_scale is not None and (weight_scale.dtype != torch.float32 or weight_scale.shape != weight.shape[:1]
+                                     or weight_scale.stride(0) != 1):
+        raise ValueError(f"weight_scale must be contiguous float32 [{weight.shape[0]}], got "
+                         f"{weight_scale.dtype} {tuple(weight_scale.shape)}")
     return k
 
 
@@ -234,12 +273,14 @@ def gemv(
     silu_mul: bool = False,
     residual: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    weight_scale: torch.Tensor | None = None,
     config: GemvConfig | None = None,
 ) -> torch.Tensor:
     """y = W @ rms_norm(x) (+ bias) [-> silu(gate) * up] [+ residual] for one token x [1, K].
+    An fp8 weight comes with weight_scale, float32 [N]: W = weight * weight_scale[:, None].
 
     Returns y [1, N] (N / 2 with silu_mul)."""
-    k = _check_input(x, weight, norm_weight)
+    k = _check_input(x, weight, norm_weight, weight_scale)
     n = weight.shape[0]
     if silu_mul and n % 2:
         raise ValueError(f"silu_mul needs an even number of rows [gate | up], got {n}")
@@ -247,12 +288,13 @@ def gemv(
     if residual is not None and (residual.shape != (1, n_out) or residual.stride(-1) != 1):
         raise ValueError(f"residual must be a contiguous [1, {n_out}] row, got {tuple(residual.shape)}")
     out = torch.empty(1, n_out, dtype=out_dtype or x.dtype, device=x.device)
-    cfg = config or choose_config("silu" if silu_mul else "plain", k)
+    cfg = config or choose_config("silu" if silu_mul else "plain", k, weight.element_size())
     _gemv_kernel[(triton.cdiv(n_out, cfg.block_n),)](
-        out, weight, bias if bias is not None else weight, x, residual if residual is not None else x,
-        norm_weight if norm_weight is not None else x, eps, n_out, k, weight.stride(0),
-        NORM=norm_weight is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
-        HAS_RESIDUAL=residual is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        out, weight, weight_scale if weight_scale is not None else x, bias if bias is not None else weight, x,
+        residual if residual is not None else x, norm_weight if norm_weight is not None else x, eps, n_out, k,
+        weight.stride(0), NORM=norm_weight is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        HAS_RESIDUAL=residual is not None, HAS_W_SCALE=weight_scale is not None, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
     )
     return out
 
@@ -270,12 +312,16 @@ def qkv_rope_gemv(
     num_q_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    weight_scale: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
     config: GemvConfig | None = None,
 ) -> torch.Tensor:
     """rms_norm(x) @ W_qkv^T (+ bias) for one token, rotated (neox, full head_dim) by `rope_row`
     ([cos | sin] float32, head_dim wide); k and v go into kv_cache [2, blocks, block_size, Hkv, D]
-    at slot_mapping[0] (-1: nowhere). Returns q [1, Hq, D]."""
-    k = _check_input(x, weight, norm_weight)
+    at slot_mapping[0] (-1: nowhere); an FP8 cache stores them divided by kv_scale, float32
+    (k_scale, v_scale) (None: 1.0). Returns q [1, Hq, D]. An fp8 weight comes with
+    weight_scale, float32 [rows] (as gemv)."""
+    k = _check_input(x, weight, norm_weight, weight_scale)
     heads = num_q_heads + 2 * num_kv_heads
     if weight.shape[0] != heads * head_dim:
         raise ValueError(f"qkv weight has {weight.shape[0]} rows, expected {heads} heads x {head_dim}")
@@ -285,15 +331,17 @@ def qkv_rope_gemv(
         raise ValueError(f"kv_cache must be [2, blocks, block_size, {num_kv_heads}, {head_dim}], "
                          f"got {tuple(kv_cache.shape)}")
     half = head_dim // 2
-    cfg = config or choose_config("rope", k)
+    cfg = config or choose_config("rope", k, weight.element_size())
     block_p = max(1, min(cfg.block_n // 2, half & -half))  # pairs: a power of two dividing half
     q = torch.empty(1, num_q_heads, head_dim, dtype=x.dtype, device=x.device)
     _qkv_rope_kernel[(heads * (half // block_p),)](
-        q, kv_cache, weight, bias if bias is not None else weight, x,
-        norm_weight if norm_weight is not None else x, eps, rope_row, slot_mapping, k, weight.stride(0),
+        q, kv_cache, weight, weight_scale if weight_scale is not None else x, bias if bias is not None else weight, x,
+        norm_weight if norm_weight is not None else x, eps, rope_row, slot_mapping,
+        kv_scale if kv_scale is not None else unit_kv_scales(x.device), k, weight.stride(0),
         num_q_heads, num_kv_heads, kv_cache.shape[2], kv_cache.stride(0), kv_cache.stride(1),
         kv_cache.stride(2), kv_cache.stride(3),
-        HEAD_DIM=head_dim, NORM=norm_weight is not None, HAS_BIAS=bias is not None, BLOCK_P=block_p,
+        HEAD_DIM=head_dim, NORM=norm_weight is not None, HAS_BIAS=bias is not None,
+        HAS_W_SCALE=weight_scale is not None, BLOCK_P=block_p,
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
     )
     return q

@@ -33,6 +33,11 @@ chunks are shorter than the backend's PREFILL_MIN_QUERY_LEN -- and one of the me
 (SPLIT_CHUNK fixed). Longer chunks run kernels/prefill_attention.py (attention/triton_backend.py
 decides). The profiling forward, which views its own k/v as a cache of one-slot blocks, adds
 block_size == 1 variants once, before the engine is ready.
+
+FP8 cache (float8_e4m3fn, attention/kv_cache.py): K/V tiles are loaded as bytes (half the traffic
+of bf16) and widened to q's dtype for the dots; k_scale, read by pointer, multiplies the softmax
+scale once per program and v_scale the program's result, so no tile is rescaled element by element.
+The cache dtype is part of the kernel's signature: an FP8 engine compiles its own variants.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ from functools import lru_cache
 import torch
 import triton
 import triton.language as tl
+
+from ferrox.attention.kv_cache import FP8_KV_DTYPE, unit_kv_scales
 
 _LOG2E = 1.4426950408889634
 
@@ -73,6 +80,7 @@ def _paged_attention_kernel(
     partial_sum_ptr,
     q_ptr,
     cache_ptr,
+    kv_scale_ptr,
     block_table_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
@@ -127,6 +135,9 @@ def _paged_attention_kernel(
         mask=row_valid[:, None] & dim_valid[None, :],
         other=0.0,
     )
+    FP8_KV: tl.constexpr = cache_ptr.dtype.element_ty == tl.float8e4nv
+    if FP8_KV:
+        scale_log2 = scale_log2 * tl.load(kv_scale_ptr)
 
     # Causal: nothing past this tile's last query is visible.
     kv_end = tl.minimum(seq_len, context_len + tl.minimum((q_tile + 1) * BLOCK_Q, query_len))
@@ -153,7 +164,7 @@ def _paged_attention_kernel(
         block = tl.load(block_row + pos // block_size, mask=pos_valid, other=0)
         slot_offset = block.to(tl.int64) * stride_cblock + (pos % block_size) * stride_cslot
         kv_mask = pos_valid[:, None] & dim_valid[None, :]
-        k = tl.load(k_base + slot_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_base + slot_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         visible = pos_valid[None, :] & (pos[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -164,12 +175,14 @@ def _paged_attention_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + slot_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + slot_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     result = acc / l_safe[:, None]
+    if FP8_KV:
+        result = result * tl.load(kv_scale_ptr + 1)
     if SPLIT_KV:
         partial = (token * num_q_heads + head) * num_splits + split
         tl.store(partial_out_ptr + partial[:, None] * DIM_PAD + dims[None, :], result, mask=row_valid[:, None])
@@ -270,8 +283,12 @@ def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
     return max(wanted, 1)
 
 
-def check_attention_inputs(q: torch.Tensor, kv_cache: torch.Tensor) -> None:
+def check_attention_inputs(q: torch.Tensor, kv_cache: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
     """The shape rules every paged-attention entry point shares; the error names the argument."""
+    if kv_scale is not None and (kv_scale.dtype != torch.float32 or kv_scale.numel() != 2):
+        raise ValueError(f"kv_scale must be float32 (k_scale, v_scale), got {kv_scale.dtype} {tuple(kv_scale.shape)}")
+    if kv_cache.dtype != q.dtype and kv_cache.dtype != FP8_KV_DTYPE:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} must be q's ({q.dtype}) or {FP8_KV_DTYPE}")
     if q.dim() != 3:
         raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got {tuple(q.shape)}")
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
@@ -304,14 +321,15 @@ def unified_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     config: AttentionLaunchConfig | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged attention of q [num_tokens, num_heads, head_dim] over kv_cache (K/V already written).
 
     query_start_loc [num_reqs + 1], seq_lens [num_reqs], block_table [num_reqs, max_blocks] are the
     AttentionMetadata device tensors. max_query_len / max_seq_len are host upper bounds that pick
     the launch shape (no device sync). Output rows past query_start_loc[-1] (padding) are
-    unspecified."""
-    check_attention_inputs(q, kv_cache)
+    unspecified. kv_scale: float32 (k_scale, v_scale) of an FP8 cache (None: 1.0)."""
+    check_attention_inputs(q, kv_cache, kv_scale)
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     if out is None:
@@ -348,6 +366,7 @@ def unified_attention(
         partial_sum,
         q,
         kv_cache,
+        kv_scale if kv_scale is not None else unit_kv_scales(q.device),
         block_table,
         seq_lens,
         query_start_loc,

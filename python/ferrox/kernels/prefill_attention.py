@@ -26,6 +26,12 @@ where attention is compute-bound rather than bandwidth-bound:
   not used: Triton's Hopper pass has been reported to fail on pointer-based loads feeding tl.dot
   (triton-lang/triton#9728), the default block size's path; it was not tried with TMA here.
 
+FP8 cache (float8_e4m3fn, attention/kv_cache.py): K/V tiles arrive as bytes (pointer or TMA loads:
+a descriptor over the float8 cache is a byte box, head_dim bytes wide, well above TMA's 16-byte
+minimum) and are widened to q's dtype for the dots; k_scale joins the softmax scale and v_scale
+the result, once per program. The dots stay in q's dtype rather than FP8 wgmma: that would also
+quantize q and the probabilities, which vLLM's fp8 KV cache does not do either.
+
 Compiled variants (everything else that varies per step is a runtime argument, and num_reqs /
 v_row_offset / stride_bt are `do_not_specialize`, so a new batch shape never compiles): one per
 (NUM_Q_PER_KV, HEAD_DIM, dtype) of the model x (launch config, USE_TMA) of `default_config`, which
@@ -41,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ferrox.attention.kv_cache import unit_kv_scales
 from ferrox.kernels.paged_attention import _LOG2E, _dot_precision, _find_request, check_attention_inputs
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
@@ -124,6 +131,7 @@ def _prefill_attention_kernel(
     out_ptr,
     q_ptr,
     cache_ptr,
+    kv_scale_ptr,
     kv_desc,
     block_table_ptr,
     seq_lens_ptr,
@@ -176,6 +184,9 @@ def _prefill_attention_kernel(
         mask=row_valid[:, None] & dim_valid[None, :],
         other=0.0,
     )
+    FP8_KV: tl.constexpr = cache_ptr.dtype.element_ty == tl.float8e4nv
+    if FP8_KV:
+        scale_log2 = scale_log2 * tl.load(kv_scale_ptr)  # k_scale > 0: the max trick below still holds
 
     first_q_pos = context_len + q_tile * BLOCK_Q
     kv_end = tl.minimum(seq_len, context_len + tl.minimum((q_tile + 1) * BLOCK_Q, query_len))
@@ -193,6 +204,7 @@ def _prefill_attention_kernel(
     for start in range(0, full_end, TILE_N):
         k, v = _load_kv_tile(kv_desc, k_base, v_base, block_row, start, full_end, block_size, v_row_offset, kv_col,
                              stride_cblock, stride_cslot, False, USE_TMA, TILE_N, HEAD_DIM, DIM_PAD)
+        k, v = k.to(q.dtype), v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
         p = tl.exp2(s * scale_log2 - m_new[:, None])
@@ -205,6 +217,7 @@ def _prefill_attention_kernel(
     for start in range(full_end, kv_end, TILE_N):
         k, v = _load_kv_tile(kv_desc, k_base, v_base, block_row, start, kv_end, block_size, v_row_offset, kv_col,
                              stride_cblock, stride_cslot, True, USE_TMA, TILE_N, HEAD_DIM, DIM_PAD)
+        k, v = k.to(q.dtype), v.to(q.dtype)
         pos = start + cols
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         visible = (pos[None, :] < kv_end) & (pos[None, :] <= q_pos[:, None])
@@ -220,6 +233,8 @@ def _prefill_attention_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     result = acc / l_safe[:, None]
+    if FP8_KV:
+        result = result * tl.load(kv_scale_ptr + 1)
     tl.store(
         out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
         result.to(out_ptr.dtype.element_ty),
@@ -252,11 +267,12 @@ def prefill_attention(
     out: torch.Tensor | None = None,
     config: PrefillLaunchConfig | None = None,
     use_tma: bool | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of q [num_tokens, num_heads, head_dim] over kv_cache (K/V already
     written), for batches led by prefill chunks. Arguments as `unified_attention` (no split-KV:
     prefill tiles already fill the GPU). use_tma: None picks TMA when `tma_usable`."""
-    check_attention_inputs(q, kv_cache)
+    check_attention_inputs(q, kv_cache, kv_scale)
     if not scale > 0.0:
         raise ValueError(f"scale must be > 0, got {scale}")
     if out is None:
@@ -287,6 +303,7 @@ def prefill_attention(
         out,
         q,
         kv_cache,
+        kv_scale if kv_scale is not None else unit_kv_scales(q.device),
         kv_desc,
         block_table,
         seq_lens,

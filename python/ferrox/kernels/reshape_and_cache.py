@@ -4,13 +4,45 @@ Layout (see ferrox.attention.metadata): kv_cache[2, num_blocks, block_size, num_
 Token t goes to block `slot // block_size`, offset `slot % block_size`. Slot -1 marks a padding
 token (CUDA-graph padding, or a token whose KV must not be stored): it is skipped, so padding never
 overwrites a live block.
+
+An FP8 cache (float8_e4m3fn, attention/kv_cache.py) stores k / k_scale and v / v_scale, saturated at
++-448, with the layer's float32 (k_scale, v_scale) read by pointer (so CUDA graphs replay the
+loaded values). The division is IEEE round-to-nearest, as torch's, so the Triton and torch writers
+store the same bytes.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+from ferrox.attention.kv_cache import unit_kv_scales
+
+# The Triton interpreter (CPU tests) converts float -> fp8 without carrying a rounded-up mantissa
+# into the exponent (0.1249 becomes 0.0625, not 0.125). There the value is first rounded to the
+# E4M3 grid in float32, so its cast is exact; compiled kernels convert in hardware (round to
+# nearest even), which needs no help.
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def quantize_kv_fp8(x, scale):
+    """fp8(clamp(x / scale, -448, 448)): the FP8 cache's write rule (attention/kv_cache.py), for
+    x of any float dtype and a float32 scale; the division rounds as torch's does."""
+    y = tl.clamp(tl.div_rn(x.to(tl.float32), scale), -448.0, 448.0)
+    if _INTERPRETED:
+        # Round to a multiple of the E4M3 ulp at y's exponent (2^-9 below the normal range) by
+        # adding and removing 1.5 * 2^23 ulps: float32 addition rounds to nearest even there. The
+        # sign is put back, so that what rounds to zero stays -0.0 when negative (as in hardware).
+        bits = y.to(tl.int32, bitcast=True)
+        exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+        magic = (((exponent + 147) << 23) | (1 << 22)).to(tl.float32, bitcast=True)
+        rounded = ((y + magic) - magic).to(tl.int32, bitcast=True)
+        y = (rounded | (bits & -2147483648)).to(tl.float32, bitcast=True)
+    return y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
 
 
 @triton.jit
@@ -19,6 +51,7 @@ def _reshape_and_cache_kernel(
     value_ptr,
     cache_ptr,
     slot_mapping_ptr,
+    kv_scale_ptr,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -47,16 +80,21 @@ def _reshape_and_cache_kernel(
     k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
     dst = cache_ptr + block.to(tl.int64) * stride_cblock + offset * stride_cslot + heads * stride_chead + dims
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        k = quantize_kv_fp8(k, tl.load(kv_scale_ptr))
+        v = quantize_kv_fp8(v, tl.load(kv_scale_ptr + 1))
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 def reshape_and_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
     """Store key/value [num_tokens, num_kv_heads, head_dim] at slot_mapping[num_tokens] (in place).
 
     Rows of key/value beyond slot_mapping's length are ignored; the head_dim axis must be contiguous.
+    kv_scale: float32 (k_scale, v_scale) on the cache's device, read by an FP8 cache (None: 1.0).
     """
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise ValueError(f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], got {tuple(kv_cache.shape)}")
@@ -68,6 +106,8 @@ def reshape_and_cache(
         )
     if key.stride(-1) != 1 or value.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("key, value and kv_cache need a contiguous head_dim axis")
+    if kv_scale is not None and (kv_scale.dtype != torch.float32 or kv_scale.numel() != 2):
+        raise ValueError(f"kv_scale must be float32 (k_scale, v_scale), got {kv_scale.dtype} {tuple(kv_scale.shape)}")
     if num_tokens == 0:
         return
     _reshape_and_cache_kernel[(num_tokens,)](
@@ -75,6 +115,7 @@ def reshape_and_cache(
         value,
         kv_cache,
         slot_mapping,
+        kv_scale if kv_scale is not None else unit_kv_scales(kv_cache.device),
         key.stride(0),
         key.stride(1),
         value.stride(0),

@@ -20,6 +20,7 @@ from torch import nn
 
 from ferrox.attention.backend import AttentionBackend, get_attention_backend
 from ferrox.attention.decode_path import DecodePath, OneTokenLayer
+from ferrox.attention.kv_cache import KVCacheScales, split_kv_scale_name
 from ferrox.attention.metadata import AttentionMetadata
 from ferrox.distributed.parallel_state import get_tp_group
 from ferrox.distributed.sharding import check_tp_shapes, materialize
@@ -62,6 +63,8 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, dtype, device, ops) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, dtype, device, ops) if qk_norm else None
         self.backend = backend
+        # An FP8 KV cache's k/v scales (the checkpoint's k_scale / v_scale, else 1.0).
+        self.kv_scales = KVCacheScales(device)
 
     def forward(self, x, rope: Rope, kv_cache, meta):
         t = x.shape[0]
@@ -76,7 +79,7 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(qkv[:, :q_size].view(t, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, q_size:q_size + kv_size].view(t, self.num_kv_heads, self.head_dim))
             q, k = rope.rotate(q, k)
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.kv_scales)
         return self.o_proj(o.reshape(t, q_size))
 
 
@@ -111,7 +114,8 @@ class LlamaDecoderLayer(nn.Module):
         return OneTokenLayer(input_norm=self.input_layernorm, qkv_proj=attn.qkv_proj, o_proj=attn.o_proj,
                              post_norm=self.post_attention_layernorm, gate_up_proj=mlp.gate_up_proj,
                              down_proj=mlp.down_proj, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
-                             head_dim=attn.head_dim, scale=attn.scale, tp=attn.o_proj.tp)
+                             head_dim=attn.head_dim, scale=attn.scale, tp=attn.o_proj.tp,
+                             kv_scales=attn.kv_scales)
 
     def forward(self, x, residual, rope: Rope, kv_cache, meta):
         if residual is None:
@@ -263,6 +267,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints store the copy anyway
+            if load_kv_scale(modules, name, tensor):
+                continue
             if isinstance(tensor, QuantizedTensor) and name in ("lm_head.weight", "model.embed_tokens.weight"):
                 # The LM head runs packed (finalize_weights); the embedding looks rows up in floats.
                 if name == "lm_head.weight" or self.lm_head is None:
@@ -297,6 +303,20 @@ class LlamaForCausalLM(nn.Module):
                 raise ModelLoadError(f"tensor {name!r}: {e} (config.json does not match the weights?)") from e
             loaded.add(key)
         check_all_loaded(self.spec.architecture, unexpected, expected, loaded)
+
+
+def load_kv_scale(modules: dict[str, nn.Module], name: str, tensor: Any) -> bool:
+    """Take checkpoint tensor `name` if it is an attention layer's FP8 KV-cache scale
+    (attention/kv_cache.py names them); whether it was one."""
+    kv_scale = split_kv_scale_name(name)
+    if kv_scale is None or not isinstance(attn := modules.get(kv_scale[0]), LlamaAttention):
+        return False
+    try:
+        if kv_scale[1] != "unused":
+            attn.kv_scales.load(kv_scale[1], materialize(tensor), name)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from e
+    return True
 
 
 def _linear_takes(module: Any, name: str, leaf: str, shard: str | None) -> bool:

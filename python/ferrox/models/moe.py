@@ -36,7 +36,7 @@ from ferrox.layers.ops import DeviceOps, Rope, for_device
 from ferrox.layers.rotary import RotaryEmbedding
 from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, MoeSpec, UnsupportedModelError
-from ferrox.models.llama import LlamaAttention, LlamaMLP
+from ferrox.models.llama import LlamaAttention, LlamaMLP, load_kv_scale
 from ferrox.models.load_check import check_all_loaded
 
 # HF names folded into a merged layer (attention, dense MLPs, the shared expert): (module, shard).
@@ -219,6 +219,8 @@ class MoeForCausalLM(nn.Module):
         unexpected: list[str] = []
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            if load_kv_scale(modules, name, tensor):  # FP8 KV-cache scales
                 continue
             hf_name = name
             name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's MLP module name

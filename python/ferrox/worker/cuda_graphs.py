@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ferrox.attention.kv_cache import zero_kv_blocks
 from ferrox.attention.metadata import AttentionMetadata
 from ferrox.worker.dummy_batch import decode_step, min_decode_blocks, upload_step
 from ferrox.worker.step_inputs import Uploader
@@ -161,8 +162,7 @@ class CudaGraphRunner:
             self.graphs[batch] = (graph, out)
         if touched:
             blocks = torch.tensor(sorted(touched), dtype=torch.int64, device=self.device)
-            for kv in self.kv_caches:
-                kv.index_fill_(1, blocks, 0)
+            zero_kv_blocks(self.kv_caches, blocks)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
         logger.info("captured %d CUDA graphs (decode batch sizes %s) in %.1f s",

@@ -19,7 +19,12 @@ from typing import Any
 
 import torch
 
-from ferrox.attention.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
+from ferrox.attention.kv_cache import (
+    allocate_kv_caches,
+    kv_cache_bytes_per_block,
+    resolve_kv_cache_dtype,
+    warn_if_uncalibrated,
+)
 from ferrox.config import CPU_DEFAULT_MAX_MODEL_LEN, EngineConfig
 from ferrox.distributed.parallel_state import TPGroup, get_tp_group, use_tp_group
 from ferrox.layers.quant.config import resolve_quant_config
@@ -101,6 +106,7 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
     tokenizer = _cached_tokenizer(tok_source, _mtime(tok_source.path))
     spec = _cached_spec(source, _mtime(source.path))
     dtype = resolve_dtype(config, spec, device)
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)  # fp8: half the bytes of bf16
     pooler_config = pooling_setup(config, source, spec, tp.size)  # None: a generation model
     if pooler_config is None:
         max_model_len = resolve_max_model_len(config, spec, device)
@@ -133,7 +139,8 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
             pooler_config=pooler_config,
         )
 
-    per_block = kv_cache_bytes_per_block(spec, config.block_size, dtype, tp.size)
+    warn_if_uncalibrated(model, kv_dtype)
+    per_block = kv_cache_bytes_per_block(spec, config.block_size, kv_dtype, tp.size)
     if device.type == "cpu":
         kv_bytes = config.resolved_cpu_kv_cache_memory()
     else:
@@ -152,12 +159,12 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
     if num_blocks < 2:
         raise ValueError(
             f"kv_cache_memory: {kv_bytes} bytes do not hold one KV block ({per_block} bytes at block_size "
-            f"{config.block_size}, dtype {dtype})"
+            f"{config.block_size}, dtype {kv_dtype})"
         )
     check_kv_capacity((num_blocks - 1) * config.block_size, max_model_len, device.type)
     logger.info("allocating the KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks - 1, config.block_size,
                 (num_blocks - 1) * per_block / 2**30)
-    kv_caches = allocate_kv_caches(spec, num_blocks, config.block_size, dtype, device, tp.size)
+    kv_caches = allocate_kv_caches(spec, num_blocks, config.block_size, kv_dtype, device, tp.size)
     return LoadedModel(
         source=source, device=device, dtype=dtype, tokenizer=tokenizer, spec=spec, model=model,
         kv_caches=kv_caches, num_blocks=num_blocks, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -284,13 +291,14 @@ def profile_gpu_kv_budget(
     """Run one forward pass at the largest step size and return the bytes left for the KV cache."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
     scratch, hidden, logits = profile_forward(model, spec, dtype, device, config.block_size, num_tokens, num_seqs,
-                                              tp_size)
+                                              tp_size, kv_dtype=kv_dtype)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     scratch_bytes = sum(t.numel() * t.element_size() for t in scratch)
     del scratch, hidden, logits
-    _compile_first_request_kernels(model, spec, dtype, device, config.block_size, tp_size)
+    _compile_first_request_kernels(model, spec, kv_dtype, device, config.block_size, tp_size)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     budget = int(config.gpu_memory_utilization * total) - (peak - scratch_bytes)
@@ -318,14 +326,17 @@ def profile_forward(
     num_tokens: int,
     num_seqs: int,
     tp_size: int = 1,
+    *,
+    kv_dtype: torch.dtype | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """The profiling pass: a forward over a dummy prefill step of num_tokens tokens in (up to)
     num_seqs requests, scheduled by a throwaway core scheduler (worker/dummy_batch.py) over a
     scratch KV cache just large enough for it, then the logits of each request's last token and
     the sampler's largest temporary. Returns (scratch KV caches, hidden states, logits); runs on
-    any device (the memory accounting around it is the caller's)."""
+    any device (the memory accounting around it is the caller's). kv_dtype: the cache's element
+    type (default: dtype), so that the kernels of the real cache compile here."""
     step = prefill_step(num_tokens, num_seqs, block_size)
-    scratch = allocate_kv_caches(spec, step.num_blocks, block_size, dtype, device, tp_size)
+    scratch = allocate_kv_caches(spec, step.num_blocks, block_size, kv_dtype or dtype, device, tp_size)
     t = upload_step(step.so, Uploader(device))
     hidden = model.forward(t.input_ids, t.positions, scratch, t.meta)
     logits = model.compute_logits(hidden.index_select(0, t.logits_indices))
@@ -334,7 +345,7 @@ def profile_forward(
 
 
 @torch.inference_mode()
-def _compile_first_request_kernels(model: Any, spec: Any, dtype: torch.dtype, device: torch.device,
+def _compile_first_request_kernels(model: Any, spec: Any, kv_dtype: torch.dtype, device: torch.device,
                                    block_size: int, tp_size: int = 1) -> None:
     """Compile now what the first request would otherwise wait ~1 s for (Triton JIT): a dummy
     decode step of batch 1 (the one-token kernels of an eager decode), its one-row logits kernel
@@ -343,7 +354,7 @@ def _compile_first_request_kernels(model: Any, spec: Any, dtype: torch.dtype, de
     from ferrox.kernels.exponential_race import exponential_race
 
     step = decode_step(1, 2, block_size)
-    scratch = allocate_kv_caches(spec, step.num_blocks, block_size, dtype, device, tp_size)  # a few blocks
+    scratch = allocate_kv_caches(spec, step.num_blocks, block_size, kv_dtype, device, tp_size)  # a few blocks
     t = upload_step(step.so, Uploader(device))
     hidden = model.forward(t.input_ids, t.positions, scratch, t.meta)
     row_logits = model.compute_logits(hidden.index_select(0, t.logits_indices))

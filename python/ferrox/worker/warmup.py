@@ -61,6 +61,7 @@ import numpy as np
 import torch
 
 from ferrox import _core
+from ferrox.attention.kv_cache import zero_kv_blocks
 from ferrox.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -500,8 +501,7 @@ def _forget_steps(runner: Any, blocks: set[int], seed: int) -> None:
     if blocks:
         ids = torch.tensor(sorted(blocks), dtype=torch.int64, device=runner.kv_caches[0].device)
         with torch.inference_mode():
-            for kv in runner.kv_caches:
-                kv.index_fill_(1, ids, 0)
+            zero_kv_blocks(runner.kv_caches, ids)
     generator = runner.sampler.default_generator
     if generator is not None:
         generator.manual_seed(seed)

@@ -1,0 +1,142 @@
+"""llm-compressor's compressed-tensors checkpoints, float8 W8A8 / W8A16 schemes: read into the FP8
+method of fp8.py (same tensors: `weight` float8_e4m3fn, `weight_scale`, `input_scale`).
+
+config.json quantization_config, the parts that decide how the model runs:
+
+    {"quant_method": "compressed-tensors", "format": "float-quantized" | "naive-quantized",
+     "config_groups": {"group_0": {"targets": ["Linear"],
+         "weights": {"num_bits": 8, "type": "float", "strategy": "channel" | "tensor", "symmetric": true},
+         "input_activations": {"num_bits": 8, "type": "float", "strategy": "token" | "tensor",
+                               "dynamic": true | false} | null}},        (null: weight-only FP8)
+     "ignore": ["lm_head", "re:..."], "kv_cache_scheme": null, "sparsity_config": {}}
+
+Every other scheme (int4/int8 "pack-quantized" / "int-quantized", block or group scales,
+asymmetric, 2:4 sparsity, transforms, per-layer scheme groups, stored KV-cache scales) is refused
+by the field that asks for it. Per-channel weight scales come as [out, 1], per-tensor as [1], in the
+model dtype; they are widened to float32 rows.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ferrox.distributed.sharding import Weight, materialize
+from ferrox.layers.quant.fp8 import Fp8CheckpointMethod, Fp8Config, refuse_kv_cache_scheme, string_list
+from ferrox.layers.quant.method import LinearWeightMethod
+from ferrox.model_spec import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from ferrox.layers.linear import Linear
+
+_WHERE = "config.json quantization_config"
+_FORMATS = ("float-quantized", "naive-quantized")
+# Top-level fields that only describe the export (ignored) and those handled below.
+_METADATA = ("quantization_status", "global_compression_ratio", "version", "provider")
+_FIELDS = ("quant_method", "format", "config_groups", "ignore", "kv_cache_scheme", "sparsity_config",
+           "transform_config", *_METADATA)
+# Fields of a weights / input_activations entry: calibration-time settings that do not change the
+# stored layout, and the ones checked below.
+_ARG_CALIBRATION = ("observer", "observer_kwargs", "scale_dtype", "zp_dtype")
+_ARG_FIELDS = ("num_bits", "type", "symmetric", "strategy", "dynamic", "group_size", "block_structure", "actorder",
+               *_ARG_CALIBRATION)
+
+
+class CompressedTensorsFp8Method(Fp8CheckpointMethod):
+    """The fp8 checkpoint method, also taking the all-zero zero points some symmetric exports store."""
+
+    def __init__(self, activations: str):
+        super().__init__(activations)
+        self.optional_params = (*self.optional_params, "weight_zero_point", "input_zero_point")
+
+    def load(self, layer: Linear, param_name: str, tensor: Weight, shard: str | None) -> None:
+        if param_name.endswith("_zero_point"):
+            if materialize(tensor).float().abs().max() != 0:
+                raise ValueError(f"{param_name} is not zero: an asymmetric scheme, which the config says it is not")
+            return
+        super().load(layer, param_name, tensor, shard)
+
+
+class CompressedTensorsConfig(Fp8Config):
+    name = "compressed-tensors"
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> CompressedTensorsConfig:
+        unknown = sorted(k for k in cfg if k not in _FIELDS and not k.startswith("_"))
+        if unknown:
+            raise UnsupportedModelError(f"{_WHERE}: field(s) {', '.join(unknown)} of compressed-tensors are not "
+                                        "supported (report the checkpoint)")
+        _check_format(cfg.get("format"), f"{_WHERE}.format")
+        refuse_kv_cache_scheme(cfg.get("kv_cache_scheme"), f"{_WHERE}.kv_cache_scheme")
+        sparsity = cfg.get("sparsity_config")
+        if sparsity and not (isinstance(sparsity, dict) and sparsity.get("format") == "dense"):
+            raise UnsupportedModelError(f"{_WHERE}.sparsity_config: sparse compressed-tensors checkpoints (2:4, "
+                                        "bitmask) are not supported")
+        if cfg.get("transform_config"):
+            raise UnsupportedModelError(f"{_WHERE}.transform_config: rotated/transformed weights are not supported")
+        groups = cfg.get("config_groups")
+        if not isinstance(groups, dict) or len(groups) != 1:
+            count = len(groups) if isinstance(groups, dict) else 0
+            raise UnsupportedModelError(f"{_WHERE}.config_groups: {count} scheme groups; ferrox runs one float8 "
+                                        "scheme over every Linear layer (per-layer schemes are not supported)")
+        (name, group), = groups.items()
+        activations = _group_activations(group, f"{_WHERE}.config_groups.{name}")
+        unquantized = [("ignore", entry) for entry in string_list(cfg.get("ignore"), f"{_WHERE}.ignore")]
+        return cls(online=False, activations=activations, unquantized=unquantized)
+
+    def linear_method(self, layer: Linear) -> LinearWeightMethod:
+        return CompressedTensorsFp8Method(self.activations)
+
+
+def _check_format(fmt: Any, where: str) -> None:
+    if fmt not in _FORMATS:
+        raise UnsupportedModelError(f"{where} {fmt!r}: only float8 compressed-tensors checkpoints "
+                                    f"({' / '.join(_FORMATS)}) are supported")
+
+
+def _group_activations(group: Any, where: str) -> str:
+    """The activations mode (fp8.ACTIVATIONS) of one scheme group, refusing what is not float8."""
+    if not isinstance(group, dict):
+        raise UnsupportedModelError(f"{where}: expected a scheme object, got {group!r}")
+    if group.get("targets") != ["Linear"]:
+        raise UnsupportedModelError(f"{where}.targets {group.get('targets')!r}: only ['Linear'] (every linear "
+                                    "layer) is supported")
+    if "format" in group and group["format"] is not None:
+        _check_format(group["format"], f"{where}.format")
+    if group.get("output_activations") is not None:
+        raise UnsupportedModelError(f"{where}.output_activations: output quantization is not supported")
+    weights = group.get("weights")
+    if not isinstance(weights, dict):
+        raise UnsupportedModelError(f"{where}.weights: expected a float8 weight scheme, got {weights!r}")
+    strategy, dynamic = _float8_args(weights, f"{where}.weights")
+    if strategy not in ("channel", "tensor") or dynamic:
+        raise UnsupportedModelError(f"{where}.weights: strategy {strategy!r}{' (dynamic)' if dynamic else ''}; "
+                                    "float8 weights need static 'channel' or 'tensor' scales")
+    inputs = group.get("input_activations")
+    if inputs is None:
+        return "weight-only"
+    strategy, dynamic = _float8_args(inputs, f"{where}.input_activations")
+    if strategy == "token" and dynamic:
+        return "dynamic-token"
+    if strategy == "tensor":
+        return "dynamic-tensor" if dynamic else "static"
+    raise UnsupportedModelError(f"{where}.input_activations: strategy {strategy!r} with dynamic={dynamic!r} is not "
+                                "supported ('token' dynamic, or 'tensor' static or dynamic)")
+
+
+def _float8_args(args: dict, where: str) -> tuple[Any, bool]:
+    """(strategy, dynamic) of a symmetric 8-bit float entry; anything else refused by field."""
+    unknown = sorted(k for k in args if k not in _ARG_FIELDS)
+    if unknown:
+        raise UnsupportedModelError(f"{where}: field(s) {', '.join(unknown)} are not supported")
+    if args.get("num_bits") != 8 or args.get("type") != "float":
+        raise UnsupportedModelError(f"{where}: {args.get('num_bits')}-bit {args.get('type')} quantization is not "
+                                    "supported (only 8-bit float, FP8 E4M3, compressed-tensors checkpoints)")
+    if args.get("symmetric", True) is not True:
+        raise UnsupportedModelError(f"{where}.symmetric: asymmetric FP8 (zero points) is not supported")
+    for key in ("group_size", "block_structure"):
+        if args.get(key) is not None:
+            raise UnsupportedModelError(f"{where}.{key} {args[key]!r}: group/block scales are not supported "
+                                        "(per-channel or per-tensor only)")
+    if args.get("actorder") not in (None, False):
+        raise UnsupportedModelError(f"{where}.actorder {args['actorder']!r} is not supported")
+    return args.get("strategy"), bool(args.get("dynamic", False))

@@ -1,0 +1,462 @@
+"""FP8 weights: float8 E4M3 with one float32 scale per output row, quantized at load from a float
+checkpoint (`quantization="fp8"`) or read from a checkpoint published in FP8.
+
+The "fp8" checkpoint layout (AutoFP8, transformers; config.json quantization_config
+{"quant_method": "fp8", "activation_scheme": "dynamic" | "static"}): per linear layer `weight`
+float8_e4m3fn [out, in], `weight_scale` per tensor (one value) or per output row, and with static
+activations `input_scale` (one value). llm-compressor's float8 layout (compressed_tensors.py) loads
+into the same method. Block-wise checkpoints (`weight_block_size`, `weight_scale_inv`) are refused.
+A merged layer (q/k/v, gate/up) writes each shard's scale into that shard's rows, so per-tensor
+scales become per-row ones without requantizing; its static input scale is the largest of its
+shards' (the scale that fits every shard's calibrated activations).
+
+How a layer multiplies (`Fp8Linear`):
+- One row (a batch-1 decode step), weight-only: activations stay in the model dtype. On CUDA the
+  one-token GEMV (kernels/gemv.py) streams each weight byte once and applies the row scale in its
+  epilogue; the fused decode path (attention/fused_decode.py) runs whole decoder layers so, reading
+  `layer.weight` (fp8) and `layer.weight_scale`. That step is weight reads, so it halves with fp8.
+- More rows, W8A8: activations quantized to fp8 per token (dynamic: each row's absmax maps to 448)
+  or with the checkpoint's input scale (static), in one Triton launch, then `torch._scaled_mm`
+  (cuBLASLt FP8 with row-wise scales, the bias in its epilogue): Hopper's FP8 tensor cores run at
+  twice the bf16 rate for prefill and large batches. The GEMV takes one row only; from two rows
+  the GEMM reads each weight tile once for all of them anyway.
+- CPU (tests, development): the same arithmetic on a dequantized copy of the weight, activations
+  rounded through fp8 in place; for correctness, not speed or memory.
+
+A request's numerics therefore depend on its step's row count (weight-only at one row, W8A8
+above), as in any engine whose decode kernel differs from its GEMM.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import nn
+
+from ferrox.distributed.sharding import Weight, materialize, narrow, shape_of
+from ferrox.kernels.gemv import gemv
+from ferrox.layers.linear import Linear, RowParallelLinear
+from ferrox.layers.quant.method import LinearWeightMethod, QuantConfig
+from ferrox.model_spec import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from ferrox.model_spec import ModelSpec
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+# An all-zero row (a padded batch row, a pruned channel) still gets a finite, nonzero scale.
+_MIN_AMAX = 1e-12
+# How activations enter the matmul: quantized per token at run time, per tensor at run time, with
+# the checkpoint's calibrated scale, or not at all (weight-only FP8).
+ACTIVATIONS = ("dynamic-token", "dynamic-tensor", "static", "weight-only")
+# load_format="dummy" for a static checkpoint: a dummy model's activations (|x| up to ~10) fit
+# under this scale (448 / 32 = 14) without saturating.
+_DUMMY_INPUT_SCALE = 1.0 / 32
+# Hopper's FP8 GEMMs in vLLM accumulate without periodic promotion too (its CUTLASS "FastAccum"
+# kernels); the accuracy benchmark (benches/bench_quant_accuracy.py) measures the result.
+_FAST_ACCUM = True
+
+
+# ---- quantizing ---------------------------------------------------------------------------------
+def quantize_per_row(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 [out, in], float32 [out]) with weight ~= q * scale[:, None]: each row's absmax maps to
+    448. Blocks of rows at a time, so the float32 temporaries stay small next to an 8B model."""
+    q = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+    scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    step = max(1, (1 << 26) // max(1, weight.shape[1]))  # 64M elements: 256 MB of float32
+    for start in range(0, weight.shape[0], step):
+        rows = weight[start:start + step].float()
+        s = rows.abs().amax(dim=1).clamp(min=_MIN_AMAX) / FP8_MAX
+        q[start:start + step] = (rows / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        scale[start:start + step] = s
+    return q, scale
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, static_scale_ptr, K, stride_x, STATIC: tl.constexpr,
+                          QMAX: tl.constexpr, MIN_AMAX: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program per row: its scale (absmax / QMAX, or the static one), then the row in fp8.
+    The second pass re-reads the row from L2; one launch instead of torch's eight."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    if STATIC:
+        scale = tl.load(static_scale_ptr)
+    else:
+        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            v = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(v))
+        scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX) / QMAX
+    tl.store(scale_ptr + row, scale)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        v = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(v / scale, -QMAX), QMAX)
+        tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
+
+
+def quantize_activations_triton(x: torch.Tensor, scale: torch.Tensor | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (fp8 [M, K], float32 [M, 1]): per token (each row's absmax maps to 448) or,
+    given `scale` (float32, one element), that scale for every row."""
+    m, k = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    row_scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_rows_kernel[(m,)](x, q, row_scale, scale if scale is not None else row_scale, k, x.stride(0),
+                                    STATIC=scale is not None, QMAX=FP8_MAX, MIN_AMAX=_MIN_AMAX,
+                                    BLOCK_K=min(2048, triton.next_power_of_2(k)), num_warps=4)
+    return q, row_scale
+
+
+def quantize_activations_torch(x: torch.Tensor, scale: torch.Tensor | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same as quantize_activations_triton in torch ops (the CPU path)."""
+    xf = x.float()
+    if scale is None:
+        row_scale = xf.abs().amax(dim=1, keepdim=True).clamp(min=_MIN_AMAX) / FP8_MAX
+    else:
+        row_scale = scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
+    return (xf / row_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), row_scale
+
+
+# ---- the runner ---------------------------------------------------------------------------------
+def scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+              bias: torch.Tensor | None, out_dtype: torch.dtype, fast_accum: bool = _FAST_ACCUM) -> torch.Tensor:
+    """(xq * x_scale) @ (w * w_scale[:, None]).T + bias in out_dtype: torch._scaled_mm with row-wise
+    scales (x_scale [M, 1], w_scale [N]; cuBLASLt on CUDA)."""
+    # Row-wise scales with a bias in the epilogue fail on an H200 (cuBLASLt: CUBLAS_STATUS_NOT_SUPPORTED,
+    # torch 2.11), so the bias is added after the matmul.
+    y = torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=out_dtype,
+                         use_fast_accum=fast_accum)
+    return y if bias is None else y + bias
+
+
+class Fp8Linear(nn.Module):
+    """y = x @ (weight * weight_scale[:, None]).T + bias, in x's dtype (see the module docstring)."""
+
+    weight: torch.Tensor  # float8_e4m3fn [out, in]
+    weight_scale: torch.Tensor  # float32 [out]
+    input_scale: torch.Tensor | None  # float32 [1], static activations only
+    dequantized: torch.Tensor | None  # CPU only: float32 [out, in]
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, *, activations: str,
+                 input_scale: torch.Tensor | None = None):
+        super().__init__()
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+        if (activations == "static") != (input_scale is not None):
+            raise ValueError("static activations need an input_scale, and only they take one")
+        if weight.dtype != FP8_DTYPE or weight_scale.dtype != torch.float32 or weight_scale.shape != weight.shape[:1]:
+            raise ValueError(f"need an fp8 weight [out, in] and float32 scales [out], got {weight.dtype} "
+                             f"{tuple(weight.shape)} and {weight_scale.dtype} {tuple(weight_scale.shape)}")
+        self.out_features, self.in_features = weight.shape
+        self.activations = activations
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("weight_scale", weight_scale, persistent=False)
+        self.register_buffer("input_scale", input_scale, persistent=False)
+        cuda = weight.device.type == "cuda"
+        # cuBLASLt's FP8 GEMM wants K and N in multiples of 16; other shapes stay weight-only.
+        self.w8a8 = activations != "weight-only" and (not cuda or (self.in_features % 16 == 0
+                                                                   and self.out_features % 16 == 0))
+        # The CPU runs FP8 for correctness (tests, development), not for speed or memory: torch widens
+        # fp8 slowly there (4 ms for a 3072 x 576 weight, 20x its float matmul), so the dequantized
+        # weight is kept beside the codes and activations are rounded through fp8 in place -- the
+        # GPU's arithmetic, at float speed.
+        self.register_buffer("dequantized", None if cuda else self.dequantize(), persistent=False)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, activations={self.activations}"
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight the layer multiplies by, [out, in] in `dtype`."""
+        return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        rows = x2.shape[0]
+        w8a8 = self.w8a8 and rows > 1
+        if self.dequantized is not None:  # CPU
+            if w8a8:
+                xq, x_scale = quantize_activations_torch(x2, self._input_scale(x2))
+                x2 = xq.float() * x_scale
+            y = F.linear(x2.to(self.dequantized.dtype), self.dequantized).to(x.dtype)
+            y = y if bias is None else y + bias
+        elif rows == 1:
+            y = gemv(x2.contiguous(), self.weight, bias, weight_scale=self.weight_scale)
+        elif not w8a8:  # weight-only FP8 (a W8A16 checkpoint, or shapes cuBLASLt refuses) in batches
+            y = F.linear(x2, self.dequantize(x.dtype), bias)
+        else:
+            xq, x_scale = quantize_activations_triton(x2, self._input_scale(x2))
+            y = scaled_mm(xq, x_scale, self.weight, self.weight_scale, bias, x.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def _input_scale(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The activations' per-tensor scale, or None for per token."""
+        if self.activations == "dynamic-tensor":
+            return (x.abs().amax().float().clamp(min=_MIN_AMAX) / FP8_MAX).reshape(1)
+        return self.input_scale
+
+
+# ---- per-layer methods --------------------------------------------------------------------------
+class _Fp8Method(LinearWeightMethod):
+    # The fused one-token kernels read `layer.weight` (fp8) and `layer.weight_scale` (float32 rows).
+    fused_decode = True
+
+    def __init__(self, activations: str):
+        self.activations = activations
+
+    def _runner(self, layer: Linear, weight: torch.Tensor, scale: torch.Tensor,
+                input_scale: torch.Tensor | None = None) -> Fp8Linear:
+        layer.weight.data = weight  # replaces (frees) the float weight of the online method
+        layer.register_buffer("weight_scale", scale, persistent=False)
+        return Fp8Linear(weight, scale, activations=self.activations, input_scale=input_scale)
+
+
+class Fp8OnlineMethod(_Fp8Method):
+    """quantization="fp8" on a float checkpoint: the layer loads its float weight as usual (its
+    tensor-parallel shard); finalize quantizes each of its rows."""
+
+    float_weight = True
+
+    def finalize(self, layer: Linear) -> nn.Module:
+        weight, scale = quantize_per_row(layer.weight.data)
+        return self._runner(layer, weight, scale)
+
+
+class Fp8CheckpointMethod(_Fp8Method):
+    """One layer's FP8 checkpoint tensors: `weight` float8_e4m3fn, `weight_scale` (one value, or
+    one per output row; any float dtype) and, for static activations, `input_scale` (one value)."""
+
+    def __init__(self, activations: str):
+        super().__init__(activations)
+        static = activations == "static"
+        self.checkpoint_params = ("weight", "weight_scale", "input_scale") if static else ("weight", "weight_scale")
+        # A dynamic-scheme checkpoint may still carry calibration scales: read, not used (as vLLM).
+        self.optional_params = () if static else ("input_scale",)
+        self._weight: torch.Tensor | None = None
+        self._scale: torch.Tensor | None = None
+        self._input_scale: float | None = None
+
+    def _tensors(self, layer: Linear) -> tuple[torch.Tensor, torch.Tensor]:
+        # Allocated at the first load: the layer is not fully built when it chooses its method.
+        if self._weight is None or self._scale is None:
+            device = layer.weight.device
+            self._weight = torch.empty(layer.out_features, layer.in_features, dtype=FP8_DTYPE, device=device)
+            self._scale = torch.empty(layer.out_features, dtype=torch.float32, device=device)
+        return self._weight, self._scale
+
+    def load(self, layer: Linear, param_name: str, tensor: Weight, shard: str | None) -> None:
+        if param_name == "input_scale":
+            value = materialize(tensor).float()
+            if value.numel() != 1 or not bool(torch.isfinite(value).all()) or float(value.max()) <= 0:
+                raise ValueError(f"input_scale must be one positive value (per-tensor), got shape "
+                                 f"{tuple(value.shape)}")
+            v = float(value.max())
+            self._input_scale = v if self._input_scale is None else max(self._input_scale, v)
+            return
+        weight, scale = self._tensors(layer)
+        dst, rows = layer._shard_rows()[shard or "weight"]
+        first, held, full = _checkpoint_rows(layer, shard)
+        if param_name == "weight":
+            value = _rank_weight(layer, tensor, first, held, full)
+            if value.dtype != FP8_DTYPE:
+                raise ValueError(f"weight is {value.dtype}, the fp8 layout stores float8_e4m3fn (a layer left "
+                                 "unquantized in an fp8 checkpoint is not supported)")
+            if tuple(value.shape) != (rows, layer.in_features):
+                raise ValueError(f"weight: checkpoint shape {shape_of(tensor)}, model expects "
+                                 f"{(full, layer.in_features * _column_split(layer))}")
+            weight[dst:dst + rows].copy_(value)
+        elif param_name == "weight_scale":
+            scale[dst:dst + rows].copy_(_row_scales(tensor, first, held, full))
+        else:
+            raise ValueError(f"{param_name}: not a tensor of the fp8 layout")
+
+    def dummy(self, layer: Linear, seed: int) -> None:
+        gen = torch.Generator(device=layer.weight.device).manual_seed(seed)
+        w = torch.empty(layer.out_features, layer.in_features, dtype=torch.bfloat16, device=layer.weight.device)
+        self._weight, self._scale = quantize_per_row(w.normal_(0.0, 0.02, generator=gen))
+        if self.activations == "static":
+            self._input_scale = _DUMMY_INPUT_SCALE
+
+    def finalize(self, layer: Linear) -> nn.Module:
+        if self._weight is None or self._scale is None:
+            raise ValueError("an fp8 layer was finalized before its checkpoint tensors were loaded")
+        input_scale = None
+        if self.activations == "static":
+            if self._input_scale is None:
+                raise ValueError("static activations: the layer's input_scale never arrived")
+            input_scale = torch.tensor([self._input_scale], dtype=torch.float32, device=self._weight.device)
+        runner = self._runner(layer, self._weight, self._scale, input_scale)
+        self._weight = self._scale = None  # the layer and its runner hold them now
+        return runner
+
+
+def _checkpoint_rows(layer: Linear, shard: str | None) -> tuple[int, int, int]:
+    """(first checkpoint row this rank holds, rows held, checkpoint rows) of `shard`."""
+    rows = getattr(layer, "checkpoint_rows", None)
+    if rows is not None and shard is not None:
+        return rows[shard]
+    return 0, layer.out_features, layer.out_features
+
+
+def _column_split(layer: Linear) -> int:
+    """How many ranks share the layer's input columns: a row-parallel layer's group size."""
+    return layer.tp.size if isinstance(layer, RowParallelLinear) else 1
+
+
+def _rank_weight(layer: Linear, tensor: Weight, first: int, held: int, full: int) -> torch.Tensor:
+    """This rank's part of a checkpoint weight (its rows of a column-parallel shard, its columns of
+    a row-parallel layer), reading only that part of a lazy safetensors slice."""
+    shape = shape_of(tensor)
+    if isinstance(layer, RowParallelLinear) and layer.tp.size > 1 and len(shape) == 2 and (
+            shape[1] == layer.in_features * layer.tp.size):
+        value = narrow(tensor, 1, layer.in_start, layer.in_features)
+    elif len(shape) == 2 and held != full and shape[0] == full:
+        value = narrow(tensor, 0, first, held)
+    else:
+        value = materialize(tensor)
+    return value.contiguous()
+
+
+def _row_scales(tensor: Weight, first: int, held: int, full: int) -> torch.Tensor:
+    """float32 [held]: a per-tensor scale repeated, or this rank's rows of per-row scales
+    ([full] or [full, 1])."""
+    value = materialize(tensor).float()
+    if value.numel() == 1:
+        return value.reshape(1).expand(held)
+    if value.dim() in (1, 2) and value.shape[0] == full and value.numel() == full:
+        return value.reshape(full)[first:first + held]
+    raise ValueError(f"weight_scale has shape {tuple(value.shape)}: expected one value (per tensor) or {full} "
+                     "(per output channel)")
+
+
+# ---- the model's config -------------------------------------------------------------------------
+_WHERE = "config.json quantization_config"
+# The fields of the "fp8" layout ferrox understands; any other is refused by name.
+_FP8_FIELDS = ("quant_method", "activation_scheme", "fmt", "weight_block_size", "ignored_layers",
+               "modules_to_not_convert", "kv_cache_scheme", "dequantize")
+_ACTIVATION_NAMES = {"dynamic-token": "dynamic per-token activations", "dynamic-tensor":
+                     "dynamic per-tensor activations", "static": "static per-tensor activations",
+                     "weight-only": "weight-only (activations unquantized)"}
+
+
+class Fp8Config(QuantConfig):
+    """FP8 E4M3 weights with per-row scales, online or from a checkpoint (see the module docstring)."""
+
+    name = "fp8"
+
+    def __init__(self, *, online: bool, activations: str, unquantized: Iterable[tuple[str, str]] = ()):
+        """unquantized: (config field, entry) of the checkpoint's modules left in float (its ignore list)."""
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+        self.online_quantization = online
+        self.activations = activations
+        self.unquantized = tuple(unquantized)
+
+    @classmethod
+    def online(cls) -> Fp8Config:
+        """quantization="fp8" on a float checkpoint (vLLM's online FP8: dynamic per-token activations)."""
+        return cls(online=True, activations="dynamic-token")
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> Fp8Config:
+        """config.json quantization_config of the "fp8" layout."""
+        unknown = sorted(k for k in cfg if k not in _FP8_FIELDS and not k.startswith("_"))
+        if unknown:
+            raise UnsupportedModelError(f"{_WHERE}: field(s) {', '.join(unknown)} of the fp8 layout are not supported "
+                                        f"(ferrox reads {', '.join(_FP8_FIELDS)}; report the checkpoint)")
+        if cfg.get("weight_block_size") is not None:
+            raise UnsupportedModelError(
+                f"{_WHERE}.weight_block_size {cfg['weight_block_size']}: block-wise FP8 (a scale per weight block, "
+                "DeepSeek-style weight_scale_inv) is not supported; ferrox runs per-tensor and per-channel FP8")
+        fmt = cfg.get("fmt", "e4m3")
+        if str(fmt).lower() != "e4m3":
+            raise UnsupportedModelError(f"{_WHERE}.fmt {fmt!r}: only E4M3 FP8 weights are supported")
+        scheme = cfg.get("activation_scheme", "dynamic")  # transformers' default
+        if scheme not in ("dynamic", "static"):
+            raise UnsupportedModelError(f"{_WHERE}.activation_scheme {scheme!r}: expected 'dynamic' or 'static'")
+        refuse_kv_cache_scheme(cfg.get("kv_cache_scheme"), f"{_WHERE}.kv_cache_scheme")
+        unquantized = []
+        for field in ("ignored_layers", "modules_to_not_convert"):
+            unquantized += [(field, entry) for entry in string_list(cfg.get(field), f"{_WHERE}.{field}")]
+        return cls(online=False, activations="static" if scheme == "static" else "dynamic-token",
+                   unquantized=unquantized)
+
+    def check(self, spec: ModelSpec, device: torch.device, tp_size: int) -> None:
+        if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            major, minor = torch.cuda.get_device_capability(device)
+            raise UnsupportedModelError(f"quantization {self.name!r}: FP8 matmuls need a GPU of compute capability "
+                                        f"8.9 or newer (Ada, Hopper); this one is {major}.{minor}")
+        check_unquantized_modules(self.unquantized, spec)
+
+    def linear_method(self, layer: Linear) -> LinearWeightMethod:
+        if self.online_quantization:
+            return Fp8OnlineMethod(self.activations)
+        return Fp8CheckpointMethod(self.activations)
+
+    def describe(self) -> str:
+        source = "quantized at load" if self.online_quantization else "checkpoint"
+        return f"{self.name} ({source}): E4M3 weights, per-channel scales, {_ACTIVATION_NAMES[self.activations]}"
+
+
+def refuse_kv_cache_scheme(scheme: object, where: str) -> None:
+    """A checkpoint's KV-cache quantization: per-tensor FP8 scales (k_scale / v_scale per attention
+    layer) are what the KV cache reads (attention/kv_cache.py: used with kv_cache_dtype='fp8', ignored
+    otherwise, as vLLM does); any other scheme is refused by name."""
+    if scheme is None:
+        return
+    if (isinstance(scheme, dict) and scheme.get("num_bits") == 8 and scheme.get("type", "float") == "float"
+            and scheme.get("strategy", "tensor") == "tensor"):
+        return
+    raise UnsupportedModelError(
+        f"{where} {scheme!r}: only per-tensor 8-bit float KV-cache scales are supported (please report this "
+        "checkpoint by name)")
+
+
+def string_list(value: object, where: str) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise UnsupportedModelError(f"{where}: expected a list of module names, got {value!r}")
+    return value
+
+
+def checkpoint_linear_names(spec: ModelSpec) -> list[str]:
+    """Checkpoint module names of the linear layers ferrox quantizes (Llama-family decoders)."""
+    names = []
+    for i in range(spec.num_layers):
+        names += [f"model.layers.{i}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        names += [f"model.layers.{i}.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    return names
+
+
+def check_unquantized_modules(entries: Iterable[tuple[str, str]], spec: ModelSpec) -> None:
+    """A checkpoint may leave modules in float (its ignore list). ferrox quantizes every decoder
+    linear layer alike (a layer chooses its weight method before it knows its name), so entries may
+    name only other modules -- lm_head, a vision tower -- and one that reaches a decoder projection
+    is refused by name. Entries: exact module names, parent modules, trailing names ("down_proj"),
+    the class name "Linear", or "re:" regexes matched from the start (compressed-tensors' rule)."""
+    names = checkpoint_linear_names(spec)
+    for field, entry in entries:
+        if entry.startswith("re:"):
+            pattern = re.compile(entry[3:])
+            hits = [n for n in names if pattern.match(n)]
+        else:
+            hits = [n for n in names if entry == "Linear" or n == entry or n.startswith(entry + ".")
+                    or n.endswith("." + entry)]
+        if hits:
+            more = f" and {len(hits) - 1} more" if len(hits) > 1 else ""
+            raise UnsupportedModelError(
+                f"{_WHERE}.{field}: {entry!r} leaves {hits[0]}{more} unquantized; ferrox quantizes every linear "
+                "layer of the model alike, so checkpoints with float decoder layers are not supported")
