@@ -114,17 +114,25 @@ def hf_folder_from_gguf(gguf_path: str, out_dir: str) -> str:
     import transformers
 
     folder, name = os.path.split(gguf_path)
+    from safetensors.torch import save_file
+
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    model.save_pretrained(out_dir)
+    # save_pretrained refuses a model read from a GGUF; its tensors and config are plain, so write them.
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
+    model.config.quantization_config = None
+    model.config.architectures = [type(model).__name__]
+    model.config.to_json_file(os.path.join(out_dir, "config.json"))
     transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
     return out_dir
 
 
 def awq_folder(float_folder: str, out_dir: str) -> str:
-    from tests.helpers.int4_checkpoints import write_awq_checkpoint  # the tests' reference quantizer
+    from tests.helpers.int4_checkpoints import make_int4_checkpoint  # the tests' reference quantizer
 
-    write_awq_checkpoint(float_folder, out_dir, group_size=128)
-    return out_dir
+    quantized, _ = make_int4_checkpoint(float_folder, out_dir, "awq", group=128)
+    return quantized
 
 
 def main() -> None:

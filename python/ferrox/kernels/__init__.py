@@ -13,6 +13,9 @@ under the Triton interpreter at tiny shapes and on the GPU at Llama-3.1-8B shape
                         background thread at a first engine start, used from the next start on),
                         torch fallback otherwise and off CUDA
 - exponential_race.py   the sampler's draw for plain temperature sampling in one pass
+- int4_matmul.py        AWQ/GPTQ int4 weights: dequantize-in-the-loop GEMV (decode) and GEMM (prefill)
+- fused_moe.py / lora.py  grouped expert matmuls; LoRA shrink/expand
+(FP8: gemv.py reads fp8 weights with per-row scales; the KV writes and attention kernels read an fp8 cache.)
 
 Modules import triton at import time (cuda_sampling.py does not); import them only where a GPU path may run.
 `select_kernels` below is the one place that maps a device to a kernel set; the layer ops

@@ -1,4 +1,11 @@
-"""Weights that stay quantized: GGUF blocks repacked for torch's int4 CPU matmul.
+"""Weights that stay quantized.
+
+Checkpoint methods (method.py: QuantConfig / LinearWeightMethod; config.py resolves which):
+- fp8.py                FP8 E4M3 weights: online (--quantization fp8) and the "fp8" checkpoint layout
+- compressed_tensors.py the compressed-tensors float8 layouts (W8A8, W8A16)
+- awq.py / gptq.py      int4 checkpoints; int4_pack.py their shared layout and runner
+
+GGUF blocks repacked for torch's int4 CPU matmul:
 
 - gguf_blocks.py   GGUF block formats -> `GroupAffine` (w = scale * q + offset per group of 32)
 - tensor.py        `QuantizedTensor`: one GGUF tensor's raw blocks, as the loader hands it to a layer

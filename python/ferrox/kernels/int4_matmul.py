@@ -1,0 +1,379 @@
+"""int4 weight-only matmuls (AWQ / GPTQ checkpoints, layers/quant/int4_pack.py): y = x @ W.T with W
+dequantized inside the kernel, so a decode step reads half a byte per weight instead of two.
+
+One layout for every checkpoint format (int4_pack.py converts AWQ and GPTQ to it once, at load):
+
+  packed  int32 [N, K/8]   K in blocks of 8T (T words per row, T a power of two dividing the group's
+                           words): word i of block b holds, in bits [4j, 4j + 4), q[n, 8T b + T j + i]
+  scales  [N, G]           fp16 / bf16 / fp32, as the checkpoint stores them (fp32 arithmetic here)
+  zeros   uint8 [N, G]     integer zero points (GPTQ v1's "+1" already applied)
+
+  W[n, k] = (q[n, k] - zeros[n, g]) * scales[n, g],  g = k // group_size
+
+Why this interleave: nibble j of a block's T words is T *consecutive* k, so the activations a nibble
+plane multiplies are one contiguous load in the same register layout as the packed words (with a
+k-sequential nibble order Triton converts every nibble's activations through shared memory, two
+barriers each, seen in the sm_90 SASS), and a block lies inside one group, so its scale and zero
+are one value per row.
+
+Three paths, by the number of rows M of x:
+
+- GEMV (decode, M <= GEMV_MAX_M): one program owns BLOCK_N rows of W for one token and streams
+  them over K in tiles of 1024-2048 weights per row. Batch-1 int4 decode on an H200 is close to
+  issue-bound (4.8 TB/s is ~37 weights per SM per clock; an SM issues 128 thread-instructions per
+  clock), so the inner loop is kept short: a nibble masked in place is OR-ed into the bits of the
+  float 2^(23 - 4j), which then reads as 2^(23 - 4j) + q exactly (one LOP3 and a subtract instead
+  of shift, and, and the quarter-rate int-to-float), then one FMA with x. Nibbles 5..7 would reach
+  the exponent bits, so the word is shifted down by 20 once for them. Scale and zero apply per 4
+  words on the partial sums, s * (sum q x - z * sum x), so nothing per weight touches them. The
+  sm_90 SASS of this loop is ~5 instructions per weight (constants re-materialised, activation
+  conversions shared by the program's 8 rows): expect the kernel at roughly 1.5x its int4 read
+  time, not at it; closing that gap needs packed fp16x2 dequantisation (inline PTX), which the
+  CPU interpreter cannot run.
+- GEMM (prefill, mid-size batches): each nibble plane of a block dequantized in registers to the
+  activation dtype and multiplied with tl.dot against the matching T columns of x (fp32
+  accumulation). Needs T >= 16 (group size >= 128, or one group); smaller groups take the
+  dequantize path at every M > GEMV_MAX_M.
+- dequantize + cuBLAS (M >= DEQUANT_MIN_M): W written out in the activation dtype, then F.linear;
+  at prefill sizes the matmul is compute-bound and the extra pass over W (~2.5 bytes per weight)
+  is a few per cent of it, while cuBLAS beats a Triton tile loop.
+
+Thresholds and launch configs are first guesses, to be set from benches/bench_int4.py's sweep on
+the H200. The GEMM's M is `do_not_specialize` and the GEMV takes its token from the grid, so a new
+batch size never compiles a new variant while serving; row strides are the layer's K and N (the
+runner passes contiguous rows), fixed per layer and left specialised, so loads stay 16-byte wide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+GEMV_MAX_M = 4
+DEQUANT_MIN_M = 1024
+MAX_INTERLEAVE = 64  # T at most (words per block row); 16 for group size 128
+
+
+@triton.jit
+def _plane(word, J: tl.constexpr):
+    """Nibble J (0..4) of `word` as the float 2^(23 - 4J) + q, exactly."""
+    magic = (150 - 4 * J) << 23  # the bits of float 2^(23 - 4J); q << 4J lands in its low mantissa
+    return ((word & (0xF << (4 * J))) | magic).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _plane_value(p, p_hi, J: tl.constexpr):
+    """q in fp32 for nibble J (0..7) of words p (p_hi = p >> 20)."""
+    if J < 5:
+        return _plane(p, J) - (1 << (23 - 4 * J))
+    else:
+        return _plane(p_hi, J - 5) - (1 << (23 - 4 * (J - 5)))
+
+
+@triton.jit
+def _plane_minus_zero(p, p_hi, zero, J: tl.constexpr):
+    """q - z in fp32 for nibble J (0..7) of words p (p_hi = p >> 20), zero [BLOCK_N, 1] in fp32."""
+    if J < 5:
+        return _plane(p, J) - (zero + (1 << (23 - 4 * J)))
+    else:
+        return _plane(p_hi, J - 5) - (zero + (1 << (23 - 4 * (J - 5))))
+
+
+@triton.jit
+def _int4_gemv_kernel(
+    out_ptr,
+    x_ptr,
+    packed_ptr,
+    scales_ptr,
+    zeros_ptr,
+    bias_ptr,
+    N,
+    KW,  # packed words per row, K / 8 (passed as is, so its divisibility is known: 16-byte masked loads)
+    stride_w,
+    stride_xm,
+    stride_om,
+    GROUP: tl.constexpr,
+    T: tl.constexpr,  # words per block row (the layout's interleave)
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr,  # words per row per K tile, a multiple of T; 4 words a thread (see the config)
+):
+    # Token-major grid: the programs of one row block for every token run side by side, so tokens
+    # after the first find the block's weights in L2.
+    m = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows[:, None] < N
+    G = tl.cdiv(KW * 8, GROUP)
+    cols = tl.arange(0, BLOCK_W)[None, :]
+    # Word c of a tile is word c % T of block c // T: its nibble j multiplies x[8T (c // T) + T j + c % T].
+    # x is loaded [1, BLOCK_W], in the packed tile's own register layout (no conversion per nibble).
+    x_row = x_ptr + m.to(tl.int64) * stride_xm + cols + (cols // T) * (7 * T)
+    w_rows = packed_ptr + rows.to(tl.int64)[:, None] * stride_w + cols
+    cols4 = tl.arange(0, BLOCK_W // 4)[None, :] * 4
+    g4 = (cols4 // T) * (8 * T)  # first k of each 4 words' block, from the tile's start
+    acc = tl.zeros([BLOCK_N, BLOCK_W // 4], dtype=tl.float32)
+    for w0 in range(0, KW, BLOCK_W):
+        wmask = cols < KW - w0
+        wmask4 = cols4 < KW - w0
+        p = tl.load(w_rows + w0, mask=rmask & wmask, other=0, eviction_policy="evict_first")
+        p_hi = p >> 20  # nibbles 5..7 moved down to 0..2
+        t = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)  # per word: sum over its 8 nibbles of q * x
+        xs = tl.zeros([1, BLOCK_W], dtype=tl.float32)  # per word: sum of the x its nibbles multiply
+        for j in tl.static_range(8):
+            xj = tl.load(x_row + 8 * w0 + j * T, mask=wmask, other=0.0).to(tl.float32)
+            xs += xj
+            t += _plane_value(p, p_hi, j) * xj
+        # A thread's 4 words lie in one block: fold them first, then one scale and zero per 4 words.
+        t4 = tl.sum(tl.reshape(t, [BLOCK_N, BLOCK_W // 4, 4]), axis=2)
+        xs4 = tl.sum(tl.reshape(xs, [1, BLOCK_W // 4, 4]), axis=2)
+        offs = rows[:, None] * G + (8 * w0 + g4) // GROUP
+        s = tl.load(scales_ptr + offs, mask=rmask & wmask4, other=0.0).to(tl.float32)
+        z = tl.load(zeros_ptr + offs, mask=rmask & wmask4, other=0).to(tl.float32)
+        acc += s * (t4 - z * xs4)
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m.to(tl.int64) * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int4_gemm_kernel(
+    out_ptr,
+    x_ptr,
+    packed_ptr,
+    scales_ptr,
+    zeros_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    stride_w,
+    stride_xm,
+    stride_om,
+    GROUP: tl.constexpr,
+    T: tl.constexpr,  # >= 16: one nibble plane is one tl.dot over T columns of x
+    HAS_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 activations (no tf32 rounding); ignored for 16-bit
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP_M: tl.constexpr,  # M tiles per band: neighbouring programs share weight tiles in L2
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    band_size = GROUP_M * num_n
+    first_m = (pid // band_size) * GROUP_M
+    band_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % band_size) % band_m
+    pid_n = (pid % band_size) // band_m
+    toks = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    tmask = toks < M
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    lanes = tl.arange(0, T)
+    w_rows = packed_ptr + rows.to(tl.int64)[:, None] * stride_w + lanes[None, :]
+    x_rows = x_ptr + toks.to(tl.int64)[:, None] * stride_xm + lanes[None, :]
+    s_rows = rows * tl.cdiv(K, GROUP)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for b in range(0, K // (8 * T)):
+        p = tl.load(w_rows + b * T, mask=rmask[:, None], other=0)
+        p_hi = p >> 20
+        g = (b * 8 * T) // GROUP
+        s = tl.load(scales_ptr + s_rows + g, mask=rmask, other=0.0).to(tl.float32)[:, None]
+        z = tl.load(zeros_ptr + s_rows + g, mask=rmask, other=0).to(tl.float32)[:, None]
+        for j in tl.static_range(8):
+            a = tl.load(x_rows + (b * 8 + j) * T, mask=tmask[:, None], other=0.0)
+            w = (_plane_minus_zero(p, p_hi, z, j) * s).to(a.dtype)
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + toks.to(tl.int64)[:, None] * stride_om + rows[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & rmask[None, :])
+
+
+@triton.jit
+def _int4_dequant_kernel(out_ptr, packed_ptr, scales_ptr, zeros_ptr, N, K, stride_w,
+                         GROUP: tl.constexpr, T: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program: BLOCK_N rows of one block (8T columns of W)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    b = tl.program_id(1)
+    lanes = tl.arange(0, T)
+    p = tl.load(packed_ptr + rows.to(tl.int64)[:, None] * stride_w + b * T + lanes[None, :], mask=rmask[:, None],
+                other=0)
+    p_hi = p >> 20
+    g = rows * tl.cdiv(K, GROUP) + (b * 8 * T) // GROUP
+    s = tl.load(scales_ptr + g, mask=rmask, other=0.0).to(tl.float32)[:, None]
+    z = tl.load(zeros_ptr + g, mask=rmask, other=0).to(tl.float32)[:, None]
+    out = out_ptr + rows.to(tl.int64)[:, None] * K + b * 8 * T + lanes[None, :]
+    for j in tl.static_range(8):
+        w = _plane_minus_zero(p, p_hi, z, j) * s
+        tl.store(out + j * T, w.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+
+
+# ---- layout ---------------------------------------------------------------------------------------------
+def interleave_words(k: int, group: int) -> int:
+    """T of the packed layout for a K x group weight: the largest power of two <= MAX_INTERLEAVE that
+    divides the group's words and K / 8, so a block (8T weights of a row) never straddles a group.
+    At least 4 (the GEMV folds 4 words of one block at a time): K and the group size must be
+    multiples of 32."""
+    words = k // 8 if group >= k else group // 8
+    t = MAX_INTERLEAVE
+    while t > 1 and (words % t or (k // 8) % t):
+        t //= 2
+    if t < 4 or k % 32:
+        raise ValueError(f"int4 weights need in_features ({k}) and group_size ({group}) divisible by 32")
+    return t
+
+
+# ---- launch configs -----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class GemvConfig:
+    block_n: int  # rows of W per program (each thread holds all of them: its activations serve them all)
+    num_warps: int  # the K tile is 128 words (1024 weights) per warp, 4 words a thread
+
+    @property
+    def block_w(self) -> int:
+        # 4 words a thread across every warp: the [1, BLOCK_W] activation loads then take the packed
+        # tile's register layout (Triton gives a tile whose columns spread over all threads, with no
+        # warp along the rows, the same layout as a row of it), so nothing converts through shared memory.
+        return 128 * self.num_warps
+
+
+@dataclass(frozen=True, slots=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+
+
+def choose_gemv_config(n: int, k: int) -> GemvConfig:
+    """8 rows per program, 2 warps (a 2048-weight K tile) when K has room for them. A 4096 x 4096
+    projection then runs 512 programs of 64 threads, each with 32 packed words (128 bytes) in flight
+    per iteration, ~32 KB per SM; each thread's activations serve its 8 rows."""
+    return GemvConfig(min(8, triton.next_power_of_2(n)), 2 if k >= 2048 else 1)
+
+
+def choose_gemm_config(m: int, dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
+    """Two tile shapes only, small batches and prefill chunks: every config is a compiled variant,
+    and the engine's warm-up reaches both classes (worker/warmup.py), so none compiles while serving.
+    fp32 activations take two pipeline stages (three of the large tile would need 216 KB of shared
+    memory, at the sm_90 limit)."""
+    stages = 2 if dtype == torch.float32 else 3
+    if m <= 64:
+        return GemmConfig(16, 64, 4, stages)
+    return GemmConfig(128, 128, 8, stages)
+
+
+# ---- entry points -------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Int4Weights:
+    """A weight in the packed layout above (what the kernels take)."""
+
+    packed: torch.Tensor  # int32 [N, K/8]
+    scales: torch.Tensor  # [N, G]
+    zeros: torch.Tensor  # uint8 [N, G]
+    group_size: int  # k per group (K for one group)
+    interleave: int  # T
+
+    @property
+    def out_features(self) -> int:
+        return self.packed.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.packed.shape[1] * 8
+
+    def check(self) -> None:
+        n, k, group, t = self.out_features, self.in_features, self.group_size, self.interleave
+        if self.packed.dtype != torch.int32 or self.packed.stride(1) != 1:
+            raise ValueError(f"packed must be int32 [N, K/8] with contiguous rows, got {self.packed.dtype} "
+                             f"{tuple(self.packed.shape)}")
+        groups = -(-k // group)
+        if self.scales.shape != (n, groups) or self.zeros.shape != (n, groups) or self.zeros.dtype != torch.uint8:
+            raise ValueError(f"scales / zeros must be [{n}, {groups}] (zeros uint8), got {tuple(self.scales.shape)} / "
+                             f"{tuple(self.zeros.shape)} {self.zeros.dtype}")
+        if not (self.scales.is_contiguous() and self.zeros.is_contiguous()):
+            raise ValueError("scales and zeros must be contiguous")
+        if t & (t - 1) or k % (8 * t) or (group < k and group % (8 * t)):
+            raise ValueError(f"interleave {t} must be a power of two with 8T dividing K ({k}) and the group ({group})")
+
+
+def _check_x(x: torch.Tensor, w: Int4Weights) -> None:
+    if x.dim() != 2 or x.shape[1] != w.in_features or x.stride(1) != 1:
+        raise ValueError(f"x must be [M, {w.in_features}] with contiguous rows, got {tuple(x.shape)} "
+                         f"(strides {x.stride()})")
+
+
+def int4_gemv(x: torch.Tensor, w: Int4Weights, bias: torch.Tensor | None = None,
+              config: GemvConfig | None = None, *, validate: bool = True) -> torch.Tensor:
+    """x [M, K] @ W.T (+ bias) -> [M, N] in x's dtype; one program per (token, row block).
+    validate=False skips the shape checks (int4_linear: the runner checked its weight once)."""
+    if validate:
+        w.check()
+        _check_x(x, w)
+    m, n, k = x.shape[0], w.out_features, w.in_features
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    cfg = config or choose_gemv_config(n, k)
+    _int4_gemv_kernel[(m, triton.cdiv(n, cfg.block_n))](
+        out, x, w.packed, w.scales, w.zeros, bias if bias is not None else w.scales, n, k // 8, w.packed.stride(0),
+        x.stride(0), out.stride(0), GROUP=w.group_size, T=w.interleave, HAS_BIAS=bias is not None,
+        BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, num_warps=cfg.num_warps,
+    )
+    return out
+
+
+def gemm_supported(w: Int4Weights) -> bool:
+    return w.interleave >= 16  # tl.dot wants K >= 16 per plane
+
+
+def int4_gemm(x: torch.Tensor, w: Int4Weights, bias: torch.Tensor | None = None,
+              config: GemmConfig | None = None, *, validate: bool = True) -> torch.Tensor:
+    """x [M, K] @ W.T (+ bias) -> [M, N] in x's dtype, planes of W dequantized in registers for tl.dot."""
+    if validate:
+        w.check()
+        _check_x(x, w)
+    if not gemm_supported(w):
+        raise ValueError(f"the int4 GEMM needs interleave >= 16 (group_size >= 128), got {w.interleave}")
+    m, n, k = x.shape[0], w.out_features, w.in_features
+    cfg = config or choose_gemm_config(m, x.dtype)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _int4_gemm_kernel[grid](
+        out, x, w.packed, w.scales, w.zeros, bias if bias is not None else w.scales, m, n, k, w.packed.stride(0),
+        x.stride(0), out.stride(0), GROUP=w.group_size, T=w.interleave, HAS_BIAS=bias is not None,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def int4_dequantize(w: Int4Weights, dtype: torch.dtype, *, validate: bool = True) -> torch.Tensor:
+    """W [N, K] in `dtype`, k in natural order."""
+    if validate:
+        w.check()
+    n, k, t = w.out_features, w.in_features, w.interleave
+    out = torch.empty(n, k, dtype=dtype, device=w.packed.device)
+    block_n = max(1, min(triton.next_power_of_2(n), 512 // t))
+    _int4_dequant_kernel[(triton.cdiv(n, block_n), k // (8 * t))](
+        out, w.packed, w.scales, w.zeros, n, k, w.packed.stride(0), GROUP=w.group_size, T=t, BLOCK_N=block_n,
+        num_warps=4,
+    )
+    return out
+
+
+def int4_linear(x: torch.Tensor, w: Int4Weights, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (contiguous rows) @ W.T (+ bias): the path for this M (module docstring). For the
+    runner's hot path: w was checked when the runner was built, x is not checked here."""
+    m = x.shape[0]
+    if m <= GEMV_MAX_M:
+        return int4_gemv(x, w, bias, validate=False)
+    if m < DEQUANT_MIN_M and gemm_supported(w):
+        return int4_gemm(x, w, bias, validate=False)
+    return F.linear(x, int4_dequantize(w, x.dtype, validate=False), bias)
