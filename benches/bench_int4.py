@@ -109,28 +109,6 @@ def run_decode(variant: str, args) -> dict[str, Any]:
 
 
 # ---- kernels -----------------------------------------------------------------------------------------
-def graph_ms(calls, replays: int = 10) -> float:
-    """Milliseconds per call: the calls captured once into a CUDA graph, replayed `replays` times."""
-    import torch
-
-    for call in calls[:2]:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays / len(calls)
-
-
 def int4_copies(n: int, k: int, total_bytes: float = 2e9):
     """Distinct random int4 weights of [n, k] (group 128), as many as fill total_bytes."""
     import torch
@@ -154,6 +132,7 @@ def int4_bytes(w) -> int:
 def kernels(rows: dict[str, Any], sweep: bool, read_gbps: float) -> None:
     import torch
     import torch.nn.functional as F
+    from bench_gemv import graph_ms  # the same CUDA-graph timing as the bf16 GEMV sweep
     from ferrox.kernels import int4_matmul as km
     from ferrox.kernels.gemv import gemv
 
