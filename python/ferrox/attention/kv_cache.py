@@ -20,18 +20,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from functools import lru_cache
 
 import torch
 from torch import nn
 
 from ferrox.distributed.sharding import local_num_kv_heads
+from ferrox.kernels import fp8_unsupported_gpu
+from ferrox.kernels.kv_fp8 import FP8_KV_DTYPE, FP8_KV_MAX
 from ferrox.model_spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 
-FP8_KV_DTYPE = torch.float8_e4m3fn
-FP8_KV_MAX = 448.0  # largest finite float8_e4m3fn
 # kv_cache_dtype values (config.KV_CACHE_DTYPES) that mean an FP8 E4M3 cache.
 _FP8_NAMES = ("fp8", "fp8_e4m3")
 
@@ -44,16 +43,11 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype,
         return model_dtype
     if kv_cache_dtype not in _FP8_NAMES:
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is unknown (choose 'auto', 'fp8' or 'fp8_e4m3')")
-    device = torch.device(device) if device is not None else None
-    if device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        major, minor = torch.cuda.get_device_capability(device)
+    old_gpu = fp8_unsupported_gpu(device) if device is not None else None
+    if old_gpu is not None:
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: FP8 E4M3 needs an sm89+ GPU (Ada, Hopper); "
-                         f"this one is sm{major}{minor}")
+                         f"this one is {old_gpu}")
     return FP8_KV_DTYPE
-
-
-def is_fp8_kv_cache(kv_cache: torch.Tensor) -> bool:
-    return kv_cache.dtype == FP8_KV_DTYPE
 
 
 def kv_cache_shape(spec: ModelSpec, num_blocks: int, block_size: int, tp_size: int = 1) -> tuple[int, ...]:
@@ -91,12 +85,6 @@ def zero_kv_blocks(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor) -
 def quantize_kv(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
     """x / scale as FP8 E4M3, saturated at +-448 (the write rule every FP8 cache writer follows)."""
     return (x.float() / scale).clamp_(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
-
-
-@lru_cache(maxsize=16)
-def unit_kv_scales(device: torch.device) -> torch.Tensor:
-    """float32 [1.0, 1.0] on `device`: the scales of a kernel call that passes none."""
-    return torch.ones(2, dtype=torch.float32, device=device)
 
 
 # Checkpoint names of an attention layer's KV-cache scales, relative to the attention module

@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from ferrox.attention.backend import AttentionBackend
-from ferrox.attention.kv_cache import is_fp8_kv_cache, quantize_kv
+from ferrox.attention.kv_cache import quantize_kv
 from ferrox.attention.metadata import AttentionMetadata
+from ferrox.kernels.kv_fp8 import is_fp8_kv_cache
 
 
 @dataclass(slots=True)

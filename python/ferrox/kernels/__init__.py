@@ -54,3 +54,15 @@ def select_kernels(device: Any, name: str | None = None) -> KernelSet:
     if name == "triton" and not triton_available():
         raise ImportError("the Triton kernels were asked for, but triton is not installed")
     return "triton" if name == "triton" else "torch"
+
+
+def fp8_unsupported_gpu(device: Any) -> str | None:
+    """None when `device` can convert to and from FP8 E4M3 (the CPU, CUDA sm89+: Ada, Hopper);
+    otherwise the GPU's compute capability, "smXY", for an error message."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return None if (major, minor) >= (8, 9) else f"sm{major}{minor}"

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ferrox.attention.kv_cache import unit_kv_scales
+from ferrox.kernels.kv_fp8 import unit_kv_scales
 from ferrox.kernels.reshape_and_cache import quantize_kv_fp8
 
 

@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ferrox.attention.kv_cache import FP8_KV_DTYPE, unit_kv_scales
+from ferrox.kernels.kv_fp8 import FP8_KV_DTYPE, unit_kv_scales
 
 _LOG2E = 1.4426950408889634
 

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ferrox.attention.kv_cache import unit_kv_scales
+from ferrox.kernels.kv_fp8 import unit_kv_scales
 from ferrox.kernels.paged_attention import _LOG2E, _dot_precision, _find_request, check_attention_inputs
 
 try:  # host-side TMA descriptors (Triton >= 3.4)

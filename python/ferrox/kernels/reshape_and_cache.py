@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ferrox.attention.kv_cache import unit_kv_scales
+from ferrox.kernels.kv_fp8 import unit_kv_scales
 
 # The Triton interpreter (CPU tests) converts float -> fp8 without carrying a rounded-up mantissa
 # into the exponent (0.1249 becomes 0.0625, not 0.125). There the value is first rounded to the
