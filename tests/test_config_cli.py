@@ -244,3 +244,10 @@ def test_llm_and_async_llm_use_the_same_defaults():
     engine._streams, engine._timing = {}, {}
     engine._add_request("hi", [1, 2, 3], None, "r1", 0, 0.0)
     assert len(sent) == 1 and sent[0].sampling_params == EXPECTED
+
+
+def test_quantization_choices_are_the_resolvers():
+    from ferrox.config import QUANTIZATION_METHODS
+    from ferrox.layers.quant.config import QUANTIZATION_METHODS as RESOLVED
+
+    assert set(QUANTIZATION_METHODS) == set(RESOLVED)

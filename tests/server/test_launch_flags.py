@@ -26,9 +26,9 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_unknown_flags_are_refused_by_name():
-    res = run("serve", "--revision", "main", "--kv-cache-dtype=fp8")
+    res = run("serve", "--revision", "main", "--uds=/tmp/ferrox.sock")
     assert res.returncode == 2
-    assert "--revision, --kv-cache-dtype: ferrox does not support these flags" in res.stderr
+    assert "--revision, --uds: ferrox does not support these flags" in res.stderr
     res = run("serve", "--tool-call-parser", "mistral")
     assert res.returncode == 2 and "--tool-call-parser" in res.stderr and "mistral" in res.stderr
     res = run("serve", "--enable-prefix")  # no abbreviations: a vLLM flag must not pass as the prefix of ours
