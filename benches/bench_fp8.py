@@ -107,7 +107,7 @@ def sweep_gemv(config: dict[str, Any]) -> list[dict[str, Any]]:
     import torch
     from bench_gemv import graph_ms
     from ferrox.kernels.gemv import GemvConfig, choose_config, gemv
-    from ferrox.layers.quant.fp8 import quantize_per_row
+    from ferrox.layers.quant.fp8_linear import quantize_per_row
 
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]

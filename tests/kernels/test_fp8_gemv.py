@@ -10,7 +10,8 @@ import torch
 from ferrox.attention.fused_decode import FusedOneTokenDecode
 from ferrox.kernels.gemv import GemvConfig, gemv, qkv_rope_gemv
 from ferrox.kernels.rotary import neox_cos_sin_cache
-from ferrox.layers.quant.fp8 import Fp8Config, Fp8Linear, quantize_activations_triton
+from ferrox.layers.quant.fp8 import Fp8Config
+from ferrox.layers.quant.fp8_linear import Fp8Linear, quantize_activations_triton
 from ferrox.layers.quant.method import use_quant_config
 from ferrox.loader.model_config import spec_from_hf_config
 from ferrox.loader.model_loader import init_dummy_weights

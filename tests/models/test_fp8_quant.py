@@ -25,7 +25,8 @@ from ferrox.distributed.sharding import CheckpointSlice
 from ferrox.errors import ModelLoadError, UnsupportedModelError
 from ferrox.layers.linear import Linear, MergedLinear, QKVLinear, RowParallelLinear
 from ferrox.layers.quant.compressed_tensors import CompressedTensorsConfig
-from ferrox.layers.quant.fp8 import Fp8Config, Fp8Linear
+from ferrox.layers.quant.fp8 import Fp8Config
+from ferrox.layers.quant.fp8_linear import Fp8Linear
 from ferrox.layers.quant.method import use_quant_config
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -218,7 +219,7 @@ def assert_matches_reference(llm: LLM, reference) -> None:
 def test_scaled_mm_call_computes_the_dequantized_product():
     """The GPU's W8A8 call (torch._scaled_mm with row-wise scales, weight transposed, bias after a
     float32 output) on torch's CPU kernel, against the product of the dequantized operands."""
-    from ferrox.layers.quant.fp8 import quantize_activations_torch, scaled_mm
+    from ferrox.layers.quant.fp8_linear import quantize_activations_torch, scaled_mm
 
     torch.manual_seed(2)
     x, w, bias = torch.randn(7, 64), torch.randn(48, 64) * 0.1, torch.randn(48)

@@ -2,6 +2,7 @@
 
 Checkpoint methods (method.py: QuantConfig / LinearWeightMethod; config.py resolves which):
 - fp8.py                FP8 E4M3 weights: online (--quantization fp8) and the "fp8" checkpoint layout
+- fp8_linear.py         the FP8 runner: one-token GEMV, W8A8 torch._scaled_mm, the activation quantizer
 - compressed_tensors.py the compressed-tensors float8 layouts (W8A8, W8A16)
 - awq.py / gptq.py      int4 checkpoints; int4_pack.py their shared layout and runner
 

@@ -1,0 +1,185 @@
+"""The FP8 linear runner: float8 E4M3 weights with one float32 scale per output row (layers/quant/fp8.py
+builds them, from a float checkpoint or an FP8 one).
+
+How a layer multiplies (`Fp8Linear`):
+- One row (a batch-1 decode step), weight-only: activations stay in the model dtype. On CUDA the
+  one-token GEMV (kernels/gemv.py) streams each weight byte once and applies the row scale in its
+  epilogue; the fused decode path (attention/fused_decode.py) runs whole decoder layers so, reading
+  `layer.weight` (fp8) and `layer.weight_scale`. That step is weight reads, so it halves with fp8.
+- More rows, W8A8: activations quantized to fp8 per token (dynamic: each row's absmax maps to 448)
+  or with the checkpoint's input scale (static), in one Triton launch, then `torch._scaled_mm`
+  (cuBLASLt FP8 with row-wise scales; the bias is added after it): Hopper's FP8 tensor cores run at
+  twice the bf16 rate for prefill and large batches. The GEMV takes one row only; from two rows
+  the GEMM reads each weight tile once for all of them anyway.
+- CPU (tests, development): the same arithmetic on a dequantized copy of the weight, activations
+  rounded through fp8 in place; for correctness, not speed or memory.
+
+A request's numerics therefore depend on its step's row count (weight-only at one row, W8A8
+above), as in any engine whose decode kernel differs from its GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import nn
+
+from ferrox.kernels.gemv import gemv
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+# An all-zero row (a padded batch row, a pruned channel) still gets a finite, nonzero scale.
+_MIN_AMAX = 1e-12
+# How activations enter the matmul: quantized per token at run time, per tensor at run time, with
+# the checkpoint's calibrated scale, or not at all (weight-only FP8).
+ACTIVATIONS = ("dynamic-token", "dynamic-tensor", "static", "weight-only")
+# Hopper's FP8 GEMMs in vLLM accumulate without periodic promotion too (its CUTLASS "FastAccum"
+# kernels); the accuracy benchmark (benches/bench_quant_accuracy.py) measures the result.
+_FAST_ACCUM = True
+
+
+# ---- quantizing ---------------------------------------------------------------------------------
+def quantize_per_row(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 [out, in], float32 [out]) with weight ~= q * scale[:, None]: each row's absmax maps to
+    448. Blocks of rows at a time, so the float32 temporaries stay small next to an 8B model."""
+    q = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+    scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    step = max(1, (1 << 26) // max(1, weight.shape[1]))  # 64M elements: 256 MB of float32
+    for start in range(0, weight.shape[0], step):
+        rows = weight[start:start + step].float()
+        s = rows.abs().amax(dim=1).clamp(min=_MIN_AMAX) / FP8_MAX
+        q[start:start + step] = (rows / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        scale[start:start + step] = s
+    return q, scale
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, static_scale_ptr, K, stride_x, STATIC: tl.constexpr,
+                          QMAX: tl.constexpr, MIN_AMAX: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program per row: its scale (absmax / QMAX, or the static one), then the row in fp8.
+    The second pass re-reads the row from L2; one launch instead of torch's eight."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    if STATIC:
+        scale = tl.load(static_scale_ptr)
+    else:
+        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            v = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(v))
+        scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX) / QMAX
+    tl.store(scale_ptr + row, scale)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        v = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(v / scale, -QMAX), QMAX)
+        tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
+
+
+def quantize_activations_triton(x: torch.Tensor, scale: torch.Tensor | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (fp8 [M, K], float32 [M, 1]): per token (each row's absmax maps to 448) or,
+    given `scale` (float32, one element), that scale for every row."""
+    m, k = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    row_scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_rows_kernel[(m,)](x, q, row_scale, scale if scale is not None else row_scale, k, x.stride(0),
+                                    STATIC=scale is not None, QMAX=FP8_MAX, MIN_AMAX=_MIN_AMAX,
+                                    BLOCK_K=min(2048, triton.next_power_of_2(k)), num_warps=4)
+    return q, row_scale
+
+
+def quantize_activations_torch(x: torch.Tensor, scale: torch.Tensor | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same as quantize_activations_triton in torch ops (the CPU path)."""
+    xf = x.float()
+    if scale is None:
+        row_scale = xf.abs().amax(dim=1, keepdim=True).clamp(min=_MIN_AMAX) / FP8_MAX
+    else:
+        row_scale = scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
+    return (xf / row_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), row_scale
+
+
+# ---- the runner ---------------------------------------------------------------------------------
+def scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+              bias: torch.Tensor | None, out_dtype: torch.dtype, fast_accum: bool = _FAST_ACCUM) -> torch.Tensor:
+    """(xq * x_scale) @ (w * w_scale[:, None]).T + bias in out_dtype: torch._scaled_mm with row-wise
+    scales (x_scale [M, 1], w_scale [N]; cuBLASLt on CUDA)."""
+    # Row-wise scales with a bias in the epilogue fail on an H200 (cuBLASLt: CUBLAS_STATUS_NOT_SUPPORTED,
+    # torch 2.11), so the bias is added after the matmul.
+    y = torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=out_dtype,
+                         use_fast_accum=fast_accum)
+    return y if bias is None else y + bias
+
+
+class Fp8Linear(nn.Module):
+    """y = x @ (weight * weight_scale[:, None]).T + bias, in x's dtype (see the module docstring)."""
+
+    weight: torch.Tensor  # float8_e4m3fn [out, in]
+    weight_scale: torch.Tensor  # float32 [out]
+    input_scale: torch.Tensor | None  # float32 [1], static activations only
+    dequantized: torch.Tensor | None  # CPU only: float32 [out, in]
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, *, activations: str,
+                 input_scale: torch.Tensor | None = None):
+        super().__init__()
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+        if (activations == "static") != (input_scale is not None):
+            raise ValueError("static activations need an input_scale, and only they take one")
+        if weight.dtype != FP8_DTYPE or weight_scale.dtype != torch.float32 or weight_scale.shape != weight.shape[:1]:
+            raise ValueError(f"need an fp8 weight [out, in] and float32 scales [out], got {weight.dtype} "
+                             f"{tuple(weight.shape)} and {weight_scale.dtype} {tuple(weight_scale.shape)}")
+        self.out_features, self.in_features = weight.shape
+        self.activations = activations
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("weight_scale", weight_scale, persistent=False)
+        self.register_buffer("input_scale", input_scale, persistent=False)
+        cuda = weight.device.type == "cuda"
+        # cuBLASLt's FP8 GEMM wants K and N in multiples of 16; other shapes stay weight-only.
+        self.w8a8 = activations != "weight-only" and (not cuda or (self.in_features % 16 == 0
+                                                                   and self.out_features % 16 == 0))
+        # The CPU runs FP8 for correctness (tests, development), not for speed or memory: torch widens
+        # fp8 slowly there (4 ms for a 3072 x 576 weight, 20x its float matmul), so the dequantized
+        # weight is kept beside the codes and activations are rounded through fp8 in place -- the
+        # GPU's arithmetic, at float speed.
+        self.register_buffer("dequantized", None if cuda else self.dequantize(), persistent=False)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, activations={self.activations}"
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight the layer multiplies by, [out, in] in `dtype`."""
+        return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        rows = x2.shape[0]
+        w8a8 = self.w8a8 and rows > 1
+        if self.dequantized is not None:  # CPU
+            if w8a8:
+                xq, x_scale = quantize_activations_torch(x2, self._input_scale(x2))
+                x2 = xq.float() * x_scale
+            y = F.linear(x2.to(self.dequantized.dtype), self.dequantized).to(x.dtype)
+            y = y if bias is None else y + bias
+        elif rows == 1:
+            y = gemv(x2.contiguous(), self.weight, bias, weight_scale=self.weight_scale)
+        elif not w8a8:  # weight-only FP8 (a W8A16 checkpoint, or shapes cuBLASLt refuses) in batches
+            y = F.linear(x2, self.dequantize(x.dtype), bias)
+        else:
+            xq, x_scale = quantize_activations_triton(x2, self._input_scale(x2))
+            y = scaled_mm(xq, x_scale, self.weight, self.weight_scale, bias, x.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def _input_scale(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The activations' per-tensor scale, or None for per token."""
+        if self.activations == "dynamic-tensor":
+            return (x.abs().amax().float().clamp(min=_MIN_AMAX) / FP8_MAX).reshape(1)
+        return self.input_scale
