@@ -18,8 +18,9 @@ import pytest
 
 from tests.server.server_proc import ServerProcess
 
-LONG = {"prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True}
-TIMEOUT_S = 8
+# LONG outlives TIMEOUT_S at any speed the CPU model reaches (2800 tokens at 100+ tok/s take 28 s).
+LONG = {"prompt": "Once upon a time", "max_tokens": 2800, "ignore_eos": True}
+TIMEOUT_S = 16
 
 
 def post(base: str, path: str, body: dict[str, Any], timeout: float = 60) -> tuple[int, dict[str, str], Any]:
@@ -88,8 +89,10 @@ class Stream(threading.Thread):
 @pytest.fixture(scope="module")
 def limited():
     # One sequence runs at a time, two may be in flight, and none may run longer than TIMEOUT_S: long enough
-    # that on a slow box the running request is still in flight when the third arrives (4 s was not).
-    srv = ServerProcess("--max-num-seqs", "1", "--max-num-queued-reqs", "2", "--request-timeout", str(TIMEOUT_S))
+    # that on a slow box the running request is still in flight when the third arrives (4 s was not, and
+    # once 8 s was not: a busy CI box took that long to report the second request waiting).
+    srv = ServerProcess("--max-num-seqs", "1", "--max-num-queued-reqs", "2", "--request-timeout", str(TIMEOUT_S),
+                        "--max-model-len", "2900")
     post(srv.base_url, "/v1/completions", {"prompt": "warm up", "max_tokens": 2})  # the first step is slow
     yield srv
     assert srv.stop() == 0
@@ -97,12 +100,13 @@ def limited():
 
 def test_queue_bound_503_then_timeouts_free_everything(limited):
     base = limited.base_url
+    sent = time.monotonic()
     running, waiting = Stream(base, LONG), Stream(base, LONG)
     assert running.first.wait(30) or waiting.first.wait(1), "no stream started"
     wait_until(lambda: metrics(base)["ferrox:num_requests_waiting"] == 1, 10, "the second request never waited")
     started = time.monotonic()
     status, headers, body = post(base, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
-    assert status == 503, body
+    assert status == 503, (f"{started - sent:.1f} s after the two streams were sent", body)
     assert time.monotonic() - started < 2, "the refusal should not wait for capacity"
     assert int(headers["Retry-After"]) >= 1
     assert body["error"]["code"] == "server_overloaded" and "max_num_queued_reqs=2" in body["error"]["message"]
@@ -124,7 +128,7 @@ def test_request_timeout_without_a_stream_is_a_504(limited):
     base = limited.base_url
     started = time.monotonic()
     status, _, body = post(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
-                                                          "max_tokens": 900, "ignore_eos": True})
+                                                          "max_tokens": 2800, "ignore_eos": True})
     assert status == 504, body
     assert TIMEOUT_S - 0.5 < time.monotonic() - started < TIMEOUT_S + 8
     assert "request timeout" in body["error"]["message"]
