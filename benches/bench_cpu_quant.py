@@ -11,9 +11,10 @@ each, as the least disturbed on a shared machine), all in one run:
 - llama.cpp (llama-cpp-python) on the same file, in a child process of the interpreter given by
   --llama-cpp-python (built into its own venv, never ferrox's); skipped when not given.
 Accuracy: 16 prompts x 64 tokens greedy from the float32 model, both models teacher-forced on
-them: mean per-token KL(float32 || quantized) of the next-token distributions, and how often the
-quantized argmax is the float32 greedy token. The float32 model is itself the dequantized Q4_1
-file, so this measures the kernel path (bfloat16 activations and scales), not the quantization.
+them (the quantized one in decode steps, as it serves): mean per-token KL(float32 || quantized) of
+the next-token distributions, and how often the quantized argmax is the float32 greedy token. The
+float32 model is itself the dequantized Q4_1 file, so this measures the kernel path (int8
+activations in the decode kernels), not the quantization.
 Ratios print last.
 """
 
@@ -108,7 +109,7 @@ def accuracy(num_prompts: int, tokens: int) -> tuple[float, float]:
     from ferrox.loader.source import resolve_model
     from ferrox.loader.tokenizer import load_tokenizer
 
-    from tests.helpers.driver import StepRequest, build_step, run_greedy
+    from tests.helpers.driver import run_greedy, teacher_forced_logprobs
 
     source = resolve_model(None)
     spec, tok = load_model_spec(source), load_tokenizer(source)
@@ -118,18 +119,10 @@ def accuracy(num_prompts: int, tokens: int) -> tuple[float, float]:
     greedy = run_greedy(ref, prompts, tokens)
     kl_sum, agree, count = 0.0, 0, 0
     for prompt, cont in zip(prompts, greedy, strict=True):
-        seq = prompt + cont
-        blocks = list(range(1, 2 + len(seq) // 16))
-        rows = torch.arange(len(prompt) - 1, len(seq) - 1)  # the rows that predict cont
-        logp = []
-        for model in (ref, quant):
-            from ferrox.attention.kv_cache import allocate_kv_caches
-
-            caches = allocate_kv_caches(spec, 2 + len(blocks), 16, torch.float32, "cpu")
-            ids, pos, meta = build_step([StepRequest(seq, 0, blocks)], 16)
-            hidden = model(ids, pos, caches, meta)
-            logp.append(torch.log_softmax(model.compute_logits(hidden[rows]), dim=-1))
-        p_ref, p_q = logp
+        # The reference in one teacher-forced prefill; the quantized model as it serves: the prompt's
+        # prefill, then one decode step per token (the Rust decoder and its int8 activations).
+        p_ref = teacher_forced_logprobs(ref, prompt, cont, decode_steps=False)
+        p_q = teacher_forced_logprobs(quant, prompt, cont, decode_steps=True)
         kl_sum += float((p_ref.exp() * (p_ref - p_q)).sum())
         agree += int((p_q.argmax(-1) == torch.tensor(cont)).sum())
         count += len(cont)

@@ -1,11 +1,13 @@
 //! ferrox's engine bookkeeping: KV block pool, prefix-hash cache, KV cache manager, request
 //! state and stop checks, the token-budget scheduler, n-gram draft proposals for speculative
-//! decoding, the incremental detokenizer, and the columnar step results.
+//! decoding, the incremental detokenizer, and the columnar step results; and `cpu`, the CPU
+//! kernels that run a quantized model's decode step.
 //! The core modules never touch Python; the PyO3 glue lives in `py/` behind the "python"
 //! feature, so `cargo test --no-default-features` runs without libpython.
 
 pub mod batch;
 pub mod block_pool;
+pub mod cpu;
 pub mod detokenizer;
 pub mod error;
 pub mod kv_cache_manager;

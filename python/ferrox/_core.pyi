@@ -346,3 +346,81 @@ class Detokenizer:
         """End of stream: release text held back for a possible stop string."""
     @property
     def output_text(self) -> str: ...
+
+# ---- CPU kernels (rust/cpu/): quantized matmul and the decode-step decoder ------------------------
+
+class CpuQuantMatrix:
+    """A weight [rows, cols] in groups of 32 columns, w = scale * q + offset, q of 4 or 8 bits."""
+
+    def __init__(
+        self,
+        q: npt.NDArray[np.uint8],
+        scale: npt.NDArray[np.float32],
+        offset: npt.NDArray[np.float32],
+        bits: int,
+    ) -> None:
+        """q: one unsigned value a byte, [rows, cols]; scale, offset: [rows, cols / 32]."""
+    @property
+    def rows(self) -> int: ...
+    @property
+    def cols(self) -> int: ...
+    @property
+    def bits(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    def matmul(
+        self,
+        x: npt.NDArray[np.float32],
+        out: npt.NDArray[np.float32],
+        bias: npt.NDArray[np.float32] | None = None,
+        accumulate: bool = False,
+    ) -> None:
+        """out (=, or += with accumulate) x @ w.T (+ bias) with int8 activations; x [m, cols], out [m, rows]."""
+    def dequantize(self) -> npt.NDArray[np.float32]:
+        """float32 [rows, cols]: the weights the product multiplies by."""
+
+class CpuDecoderLayer:
+    """One pre-norm decoder layer's weights for CpuDecoder (shapes checked here)."""
+
+    def __init__(
+        self,
+        *,
+        input_norm: npt.NDArray[np.float32],
+        post_norm: npt.NDArray[np.float32],
+        eps: float,
+        qkv: CpuQuantMatrix,
+        o: CpuQuantMatrix,
+        gate_up: CpuQuantMatrix,
+        down: CpuQuantMatrix,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        qkv_bias: npt.NDArray[np.float32] | None = None,
+        o_bias: npt.NDArray[np.float32] | None = None,
+        gate_up_bias: npt.NDArray[np.float32] | None = None,
+        down_bias: npt.NDArray[np.float32] | None = None,
+    ) -> None: ...
+
+class CpuDecoder:
+    """A model's decoder layers, run for a whole step (prefill chunks and decodes) in one call."""
+
+    def __init__(self, layers: Sequence[CpuDecoderLayer]) -> None: ...
+    def forward(
+        self,
+        h: npt.NDArray[np.float32],
+        kv_caches: Sequence[npt.NDArray[np.float32]],
+        rope: npt.NDArray[np.float32],
+        slots: npt.NDArray[np.int64],
+        query_start_loc: npt.NDArray[np.int32],
+        block_table: npt.NDArray[np.int32],
+        seq_lens: npt.NDArray[np.int32],
+    ) -> None:
+        """h [T, hidden] updated in place; kv_caches [2, blocks, block_size, kv_heads, head_dim] per
+        layer; rope [T, head_dim] ([cos | sin]); slots [T]; query_start_loc [R + 1]; block_table
+        [R, max_blocks]; seq_lens [R] (this step's tokens included)."""
+
+def cpu_set_num_threads(threads: int) -> None:
+    """The CPU kernels' thread count (the engine keeps it equal to torch's)."""
+
+def cpu_num_threads() -> int: ...

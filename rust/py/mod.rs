@@ -2,6 +2,7 @@
 //! decides anything; it converts arguments, releases the GIL around core work, and builds
 //! numpy arrays without per-element Python calls.
 
+mod cpu;
 mod detokenizer;
 pub mod errors;
 mod scheduler;
@@ -23,6 +24,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add_class::<stats::PySchedulerStats>()?;
     m.add_class::<detokenizer::PyDetokenizer>()?;
+    cpu::register(m)?;
     Ok(())
 }
 

@@ -5,11 +5,13 @@ not speculate (penalties) share steps with ones that do, and requests with logpr
 reproducible; preemption and abort with drafts in flight leak no KV block; and the configuration
 errors. Stops inside accepted runs are tested on a float32 tiny model (test_spec_decode_draft.py).
 
-"Identical" here allows one thing: the embedded model's int4 LM head returns bfloat16 logits
-(layers/quant/int4_weight.py), so its top two logits sometimes tie exactly, and the one-token and
-(1 + k)-token kernels break such a tie differently (as two thread counts can). `assert_same` accepts
-a divergence only there: the plain engine, given the common prefix, must score both tokens within
-bfloat16 rounding (two steps) of each other; the tokens before it must be identical.
+The engines run the embedded model dequantized to float32: the quantized default's decode steps
+run the Rust decoder with int8 activations while a verify step's 1 + k rows take the model's own
+layers, so the two can part by a whole int8 rounding step (kernels/cpu_quant.py); what is tested
+here is speculation, not that kernel. "Identical" then allows one thing: float32 GEMMs of a one-row
+and a (1 + k)-row step sum in different orders, so their logits may differ in the last bits, and
+`assert_same` accepts a divergence only at a near-tie: the plain engine, given the common prefix,
+must score both tokens within TIE_TOLERANCE of each other; the tokens before it must be identical.
 
 One plain and one n-gram engine for the module (the weights are shared between them)."""
 
@@ -34,21 +36,20 @@ COPY = [
 
 @pytest.fixture(scope="module")
 def plain():
-    return LLM(kv_cache_memory=KV, max_model_len=MAX_LEN)
+    return LLM(dtype="float32", kv_cache_memory=KV, max_model_len=MAX_LEN)
 
 
 @pytest.fixture(scope="module")
 def spec():
-    return LLM(kv_cache_memory=KV, max_model_len=MAX_LEN, speculative_config=SPEC)
+    return LLM(dtype="float32", kv_cache_memory=KV, max_model_len=MAX_LEN, speculative_config=SPEC)
 
 
-# bfloat16 resolution of a logit in [16, 32); a path rounds each logit by up to a step, so two paths'
-# gaps between the same two tokens differ by up to two steps.
-TIE_TOLERANCE = 2 * 0.125 + 1e-3
+# float32 sums in another order: logits of |x| < 32 move by well under 1e-3 between step shapes.
+TIE_TOLERANCE = 1e-2
 
 
 def assert_same(plain: LLM, prompt_ids: list[int], ref: list[int], out: list[int]) -> None:
-    """out == ref, or they part at an exact top-2 tie of the bfloat16 logits (see the module docs)."""
+    """out == ref, or they part at a near-tie of the top two logits (see the module docs)."""
     if out == ref:
         return
     j = next((i for i, (a, b) in enumerate(zip(ref, out, strict=False)) if a != b), None)
@@ -111,8 +112,8 @@ def test_non_speculating_requests_share_steps(plain, spec):
     assert lp_a is not None and lp_b is not None and len(lp_b) == len(lp_a)
     for step_a, step_b in zip(lp_a, lp_b, strict=True):
         assert step_a.keys() == step_b.keys()
-        # Kept drafts' logprobs come from the (1 + k)-row pass, whose bfloat16 logits (the int4 LM head)
-        # may round a step apart from the one-row pass's (exact equality: test_spec_decode_draft.py).
+        # Kept drafts' logprobs come from the (1 + k)-row pass, whose float32 sums may part from the
+        # one-row pass's in the last bits (exact equality on one kernel: test_spec_decode_draft.py).
         assert all(abs(step_a[t].logprob - step_b[t].logprob) <= TIE_TOLERANCE for t in step_a), (step_a, step_b)
 
 
@@ -127,8 +128,8 @@ def test_n_greater_than_one(plain, spec):
 def test_seeded_sampling_is_reproducible(spec):
     """The same seeded request twice gives the same tokens (its own generator draws the acceptance
     uniforms and the final race). The prefix cache is reset so both runs compute the same shapes: the
-    bfloat16 logits of the embedded model move with the step's shape. Alone vs batched is checked on a
-    float32 model (test_spec_decode_draft.py)."""
+    logits move in their last bits with the step's shape. Alone vs batched is checked on a tiny float32
+    model (test_spec_decode_draft.py)."""
     seeded = SamplingParams(temperature=0.7, top_p=0.95, seed=1234, max_tokens=40)
     runs = []
     for _ in range(2):
@@ -147,7 +148,7 @@ def test_preemption_with_drafts_is_exact_and_leaks_nothing(plain):
     prompts = [COPY[i % 3] for i in range(4)]
     ref = plain.chat(prompts, sp, use_tqdm=False)
     block_bytes = 30 * 2 * 3 * 64 * 4 * 16  # layers * (K, V) * kv heads * head_dim * fp32 * block_size
-    small = LLM(kv_cache_memory=24 * block_bytes, max_model_len=256, speculative_config=SPEC)
+    small = LLM(dtype="float32", kv_cache_memory=24 * block_bytes, max_model_len=256, speculative_config=SPEC)
     out = small.chat(prompts, sp, use_tqdm=False)
     assert_all_same(plain, ref, out)
     stats = small.engine.stats()

@@ -103,3 +103,26 @@ def run_greedy(model, prompts_ids: list[list[int]], max_new_tokens: int, *, bloc
     if return_prefill_logits:
         return out, torch.stack(last_logits)
     return out
+
+
+@torch.inference_mode()
+def teacher_forced_logprobs(model, prompt: list[int], continuation: list[int], *, decode_steps: bool,
+                            block_size: int = 16) -> torch.Tensor:
+    """float32 log-probabilities [len(continuation), vocab] of each continuation token's position,
+    the model fed the continuation whatever it would have picked. decode_steps False: one prefill of
+    prompt + continuation; True: the prompt's prefill, then one decode step per token (the path a
+    served request takes, e.g. a decode kernel of its own)."""
+    seq = prompt + continuation
+    blocks = list(range(1, 2 + len(seq) // block_size))
+    dtype = next(model.parameters()).dtype
+    caches = allocate_kv_caches(model.spec, 2 + len(blocks), block_size, dtype, "cpu")
+    if not decode_steps:
+        ids, pos, meta = build_step([StepRequest(seq, 0, blocks)], block_size)
+        rows = torch.arange(len(prompt) - 1, len(seq) - 1)
+        return torch.log_softmax(model.compute_logits(model(ids, pos, caches, meta)[rows]).float(), dim=-1)
+    ids, pos, meta = build_step([StepRequest(prompt, 0, blocks)], block_size)
+    logits = [model.compute_logits(model(ids, pos, caches, meta)[-1:])]
+    for k, token in enumerate(continuation[:-1]):
+        ids, pos, meta = build_step([StepRequest([token], len(prompt) + k, blocks)], block_size)
+        logits.append(model.compute_logits(model(ids, pos, caches, meta)))
+    return torch.log_softmax(torch.cat(logits).float(), dim=-1)

@@ -8,7 +8,8 @@ runs every decoder layer and returns the residual stream (the model applies its 
 
 `DecodePath` here is the general path: it takes no step (every op runs through the model's
 layers) and computes logits with one matmul. The Triton backend's path runs one-token steps in
-fused matrix-vector kernels (attention/fused_decode.py). FERROX_FUSED_DECODE=0 turns those off
+fused matrix-vector kernels (attention/fused_decode.py). A quantized GGUF on the CPU gets, once its
+weights are packed, a path that runs every step in the Rust kernels (attention/cpu_decode.py). FERROX_FUSED_DECODE=0 turns those off
 (A/B benchmarks, bisecting); it is read per step, so it can be flipped on a built model.
 """
 
@@ -79,7 +80,8 @@ class DecodePath:
 
     name = "general"
 
-    def takes_step(self, num_tokens: int, kv_caches: Sequence[torch.Tensor]) -> bool:
+    def takes_step(self, num_tokens: int, kv_caches: Sequence[torch.Tensor],
+                   meta: AttentionMetadata | None = None) -> bool:
         """Whether `forward` runs this step (asked before the first layer, once per forward)."""
         return False
 

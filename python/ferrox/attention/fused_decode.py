@@ -42,7 +42,8 @@ class FusedOneTokenDecode(DecodePath):
         self.layers = tuple(layers) if layers is not None else None
         self.rope_rows = rope_rows
 
-    def takes_step(self, num_tokens: int, kv_caches: Sequence[torch.Tensor]) -> bool:
+    def takes_step(self, num_tokens: int, kv_caches: Sequence[torch.Tensor],
+                   meta: AttentionMetadata | None = None) -> bool:
         # An empty KV cache (the profiling forward) has nowhere for the qkv kernel to write.
         return (self.layers is not None and num_tokens == 1 and bool(kv_caches) and kv_caches[0].numel() > 0
                 and fused_decode_enabled())

@@ -133,7 +133,8 @@ class EngineCore:
                 target_vocab_size=self.vocab_size, num_blocks=loaded.num_blocks, block_size=config.block_size,
                 max_num_seqs=loaded.max_num_seqs, max_model_len=self.max_model_len, dtype=loaded.dtype,
                 device=self.device, load_format=config.load_format, seed=config.seed,
-                cuda_graphs=not config.enforce_eager)
+                cuda_graphs=not config.enforce_eager,
+                keep_quantized=config.dtype == "auto" and config.quantization is None)
         # An engine dropped without shutdown() still releases its ranks (and the process group).
         self._finalizer = weakref.finalize(self, EngineCore._release, self.runner, self.executor, self.tp)
         self.cuda_graph_capture_s: float | None = None

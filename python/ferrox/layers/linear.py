@@ -11,9 +11,9 @@ Every layer loads checkpoint tensors through `load_weight(param_name, tensor, sh
 reads only this rank's part (distributed/sharding.py); with one rank that is the whole tensor.
 
 Quantized weights (layers/quant): `load_weight` also takes a `QuantizedTensor` (a GGUF tensor in
-its blocks). The layer keeps those shards and `finalize_quantized` packs them into an
-`Int4GroupWeight`, which `forward` then runs instead of F.linear; the float `weight` is emptied.
-One rank only for now (a shard of packed int4 groups is not cut yet).
+its blocks). The layer keeps those shards and `finalize_quantized` packs them into a
+`CpuQuantWeight` (4/8-bit groups run by the Rust CPU kernels), which `forward` then runs instead of F.linear; the float `weight` is emptied.
+One rank only for now (a shard of packed groups is not cut yet).
 
 Checkpoint quantization methods (layers/quant/method.py: fp8, AWQ, GPTQ, compressed-tensors): a
 layer built inside `use_quant_config` gets a `weight_method`. Checkpoint tensors it names
@@ -29,7 +29,7 @@ from torch import nn
 
 from ferrox.distributed.parallel_state import TPGroup, get_tp_group
 from ferrox.distributed.sharding import Weight, even_split, kv_head_range, materialize, narrow, shape_of
-from ferrox.layers.quant import Int4GroupWeight, QuantizedTensor
+from ferrox.layers.quant import CpuQuantWeight, QuantizedTensor
 from ferrox.layers.quant.method import LinearWeightMethod, get_quant_config
 
 
@@ -98,7 +98,7 @@ class Linear(nn.Module):
 
     def finalize_quantized(self) -> None:
         """After loading: the weight method's runner; or pack the quantized GGUF shards for the
-        int4 matmul. If some GGUF shards came as floats (a GGUF may keep a tensor in F16), the
+        CPU kernels. If some GGUF shards came as floats (a GGUF may keep a tensor in F16), the
         quantized ones are dequantized into `weight` instead, so the layer runs one matmul either way."""
         if self.weight_method is not None and self.quant is None:
             self.quant = self.weight_method.finalize(self)
@@ -107,7 +107,7 @@ class Linear(nn.Module):
             return
         shards = self._shard_rows()
         if set(self._quantized_shards) == set(shards):
-            self.quant = Int4GroupWeight([self._quantized_shards[name].decode() for name in shards])
+            self.quant = CpuQuantWeight([self._quantized_shards[name].decode() for name in shards])
             self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
         else:
             for name, tensor in self._quantized_shards.items():

@@ -28,7 +28,7 @@ LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 def load_model(source: ModelSource, spec: ModelSpec, *, dtype: torch.dtype, device: torch.device | str,
                load_format: str = "auto", seed: int = 0, keep_quantized: bool = False,
                quant_config: QuantConfig | None = None) -> nn.Module:
-    """keep_quantized: a quantized GGUF's matrices stay in their blocks and run packed int4 matmuls
+    """keep_quantized: a quantized GGUF's matrices stay in their blocks and run the Rust CPU kernels' quantized matmuls
     (layers/quant) -- on the CPU, with one rank, for models that take them; otherwise (and for every
     other format) the weights are dequantized to `dtype` as before. The engine asks for it when the
     dtype is "auto" (worker/model_setup.py).
@@ -94,7 +94,7 @@ def load_model(source: ModelSource, spec: ModelSpec, *, dtype: torch.dtype, devi
 
 
 def quantized_gguf_runs(cls: type, device: torch.device, tp_size: int) -> bool:
-    """Whether a quantized GGUF can stay quantized: the packed int4 matmul is torch's CPU op, the
+    """Whether a quantized GGUF can stay quantized: the quantized matmul is a CPU kernel (rust/cpu/), the
     packed groups are not sharded across ranks yet, and the model class must take QuantizedTensors.
     Otherwise it is dequantized (the GPU path and tensor parallelism are unchanged)."""
     if device.type != "cpu" or not getattr(cls, "supports_quantized_gguf", False):

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ferrox.attention.backend import AttentionBackend, get_attention_backend
+from ferrox.attention.cpu_decode import CpuQuantizedDecode
 from ferrox.attention.decode_path import DecodePath, OneTokenLayer
 from ferrox.attention.kv_cache import KVCacheScales, split_kv_scale_name
 from ferrox.attention.metadata import AttentionMetadata
@@ -29,7 +30,7 @@ from ferrox.layers.activation import SiluAndMul
 from ferrox.layers.layernorm import RMSNorm
 from ferrox.layers.linear import Linear, MergedLinear, QKVLinear, RowParallelLinear
 from ferrox.layers.ops import DeviceOps, Rope, for_device
-from ferrox.layers.quant import Int4GroupWeight, QuantizedTensor
+from ferrox.layers.quant import CpuQuantWeight, QuantizedTensor
 from ferrox.layers.rotary import RotaryEmbedding
 from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
@@ -144,13 +145,12 @@ class LlamaModel(nn.Module):
                                       for_device(device, "torch") if qk_norm else ops)
         self.qk_norm = qk_norm
         self.backend = backend
-        self.decode_path = backend.decode_path(
-            None if qk_norm else [layer.one_token_view() for layer in layers], self.rotary.rope_rows
-        )
+        self.one_token_layers = None if qk_norm else [layer.one_token_view() for layer in layers]
+        self.decode_path = backend.decode_path(self.one_token_layers, self.rotary.rope_rows)
 
     def forward(self, input_ids, positions, kv_caches, meta):
         h = self.embed_tokens(input_ids)
-        if self.decode_path.takes_step(h.shape[0], kv_caches):
+        if self.decode_path.takes_step(h.shape[0], kv_caches, meta):
             return self.norm(self.decode_path.forward(h, positions, kv_caches, meta))
         rope = self.rotary(positions, h.dtype)
         residual = None
@@ -195,7 +195,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("lm_head_colmajor", None, persistent=False)
         # A quantized GGUF's LM head (its output.weight, or the tied token_embd.weight), packed by
         # finalize_weights; the checkpoint tensor waits in _lm_head_blocks until then.
-        self.lm_head_quant: Int4GroupWeight | None = None
+        self.lm_head_quant: CpuQuantWeight | None = None
         self._lm_head_blocks: QuantizedTensor | None = None
 
     @property
@@ -219,8 +219,13 @@ class LlamaForCausalLM(nn.Module):
             # The fused one-token kernels read plain (or fp8) weights; other quantized layers run
             # their own matmuls, so one-token steps take the general path.
             self.model.decode_path = DecodePath()
+        linears = [m for m in self.model.layers.modules() if isinstance(m, Linear)]
+        if self.model.one_token_layers is not None and linears and all(
+                isinstance(m.quant, CpuQuantWeight) for m in linears):
+            # A quantized GGUF on the CPU: every step runs in the Rust decoder (attention/cpu_decode.py).
+            self.model.decode_path = CpuQuantizedDecode(self.model.one_token_layers, self.model.rotary.rope_rows)
         if self._lm_head_blocks is not None:
-            self.lm_head_quant = Int4GroupWeight([self._lm_head_blocks.decode()])
+            self.lm_head_quant = CpuQuantWeight([self._lm_head_blocks.decode()])
             self._lm_head_blocks = None
             if self.lm_head is not None:  # never loaded: the packed copy is the only one
                 self.lm_head.weight.data = torch.empty(0, dtype=self.lm_head.weight.dtype)

@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from ferrox import _core
+
 logger = logging.getLogger(__name__)
 
 # Load from other processes above which the engine drops to 1 thread, and below which it returns to
@@ -38,6 +40,12 @@ def other_load(own_threads: int) -> float:
     return max(0.0, os.getloadavg()[0] - own_threads)
 
 
+def set_threads(threads: int) -> None:
+    """torch's intra-op threads and the Rust CPU kernels' (rust/cpu/pool.rs), kept equal."""
+    torch.set_num_threads(threads)
+    _core.cpu_set_num_threads(threads)
+
+
 class CpuThreadGovernor:
     def __init__(self, num_threads: int | None) -> None:
         self.fixed = num_threads is not None
@@ -49,7 +57,7 @@ class CpuThreadGovernor:
         else:
             # At start-up the engine itself is not running yet: the whole load is somebody else's.
             threads = 1 if other_load(0) >= self.max_threads * _BUSY_ABOVE else self.max_threads
-        torch.set_num_threads(threads)
+        set_threads(threads)
         if threads < self.max_threads:
             logger.info("machine busy (load %.1f): using %d CPU thread(s)", os.getloadavg()[0], threads)
 
@@ -71,6 +79,6 @@ class CpuThreadGovernor:
         elif current == 1 and others < _IDLE_BELOW:
             target = self.max_threads
         if target != current:
-            torch.set_num_threads(target)
+            set_threads(target)
             self._last_switch = now
             logger.info("CPU threads %d -> %d (load from other processes ~%.1f)", current, target, others)

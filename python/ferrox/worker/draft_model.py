@@ -70,9 +70,12 @@ class _Pending:
 class DraftProposer:
     def __init__(self, path: str, *, num_speculative_tokens: int, target_vocab_size: int, num_blocks: int,
                  block_size: int, max_num_seqs: int, max_model_len: int, dtype: torch.dtype,
-                 device: torch.device, load_format: str, seed: int, cuda_graphs: bool = False) -> None:
+                 device: torch.device, load_format: str, seed: int, cuda_graphs: bool = False,
+                 keep_quantized: bool = False) -> None:
         """cuda_graphs: capture the proposal steps (one token per request, the target's decode shape)
-        in CUDA graphs of their own, over the twin cache; the shadow pass runs eagerly."""
+        in CUDA graphs of their own, over the twin cache; the shadow pass runs eagerly.
+        keep_quantized: a quantized GGUF draft stays quantized where it can (the target's rule, so a
+        model drafting itself shares its weights and its kernels, and every draft is accepted)."""
         from ferrox.worker.model_setup import _shared_model  # the same weight sharing as the target's
 
         source = resolve_model(path)
@@ -88,7 +91,8 @@ class DraftProposer:
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
         self.device = device
-        self.model = _shared_model(source, spec, dtype, device, load_format, seed, get_tp_group())
+        self.model = _shared_model(source, spec, dtype, device, load_format, seed, get_tp_group(),
+                                   keep_quantized=keep_quantized)
         self.scratch_per_req = scratch_blocks_per_request(block_size, self.k)
         self.kv_caches = allocate_kv_caches(spec, num_blocks + max_num_seqs * self.scratch_per_req, block_size,
                                             dtype, device)

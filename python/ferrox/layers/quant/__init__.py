@@ -6,19 +6,19 @@ Checkpoint methods (method.py: QuantConfig / LinearWeightMethod; config.py resol
 - compressed_tensors.py the compressed-tensors float8 layouts (W8A8, W8A16)
 - awq.py / gptq.py      int4 checkpoints; int4_pack.py their shared layout and runner
 
-GGUF blocks repacked for torch's int4 CPU matmul:
+GGUF blocks kept quantized on the CPU, multiplied by the Rust kernels (kernels/cpu_quant.py):
 
 - gguf_blocks.py   GGUF block formats -> `GroupAffine` (w = scale * q + offset per group of 32)
 - tensor.py        `QuantizedTensor`: one GGUF tensor's raw blocks, as the loader hands it to a layer
-- int4_weight.py   `Int4GroupWeight`: the packed weight and its matmul (one or two int4 planes)
+- cpu_weight.py    `CpuQuantWeight`: a layer's shards as one 4- or 8-bit matrix, and its matmul
 
 Linear layers (layers/linear.py) take a `QuantizedTensor` in `load_weight` and, once loaded, run
-the packed matmul in `forward`; the loader picks this path for a quantized GGUF on the CPU when
+the quantized matmul in `forward`; the loader picks this path for a quantized GGUF on the CPU when
 the dtype is "auto" (loader/model_loader.py).
 """
 
+from ferrox.layers.quant.cpu_weight import CpuQuantWeight
 from ferrox.layers.quant.gguf_blocks import GroupAffine, decode_gguf
-from ferrox.layers.quant.int4_weight import Int4GroupWeight
 from ferrox.layers.quant.tensor import QuantizedTensor
 
-__all__ = ["GroupAffine", "Int4GroupWeight", "QuantizedTensor", "decode_gguf"]
+__all__ = ["CpuQuantWeight", "GroupAffine", "QuantizedTensor", "decode_gguf"]
