@@ -14,7 +14,8 @@ Accuracy: 16 prompts x 64 tokens greedy from the float32 model, both models teac
 them (the quantized one in decode steps, as it serves): mean per-token KL(float32 || quantized) of
 the next-token distributions, and how often the quantized argmax is the float32 greedy token. The
 float32 model is itself the dequantized Q4_1 file, so this measures the kernel path (int8
-activations in the decode kernels), not the quantization.
+activations in the decode kernels), not the quantization. With --llama-cpp-python, llama.cpp is
+measured the same way (prompt, then one token a call) on the same file.
 Ratios print last.
 """
 
@@ -102,9 +103,50 @@ class LlamaCppRunner:
         self.proc.wait(timeout=30)
 
 
+# The accuracy child: teacher-forces each (prompt, continuation) of a JSON file the way a request is
+# served (the prompt in one batch, then one token a call) and saves the log-softmax of the rows that
+# predict the continuation, one array per sequence, to an .npz.
+_LLAMA_CPP_LOGPROBS = r"""
+import json, sys
+import numpy as np
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_threads=int(sys.argv[2]), n_ctx=1024, logits_all=True, verbose=False)
+out = {}
+for i, (prompt, cont) in enumerate(json.load(open(sys.argv[3]))):
+    llm.reset()
+    llm.eval(prompt)
+    for t in cont[:-1]:
+        llm.eval([t])
+    x = np.asarray(llm.scores[len(prompt) - 1:len(prompt) + len(cont) - 1], dtype=np.float64)
+    x -= x.max(-1, keepdims=True)
+    out[str(i)] = (x - np.log(np.exp(x).sum(-1, keepdims=True))).astype(np.float32)
+np.savez(sys.argv[4], **out)
+"""
+
+
+def llama_cpp_logprobs(python: str, path: str, threads: int, seqs: list) -> list[torch.Tensor]:
+    import tempfile
+
+    import numpy as np
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(f"{tmp}/seqs.json", "w") as f:
+            json.dump(seqs, f)
+        subprocess.run([python, "-c", _LLAMA_CPP_LOGPROBS, path, str(threads), f"{tmp}/seqs.json", f"{tmp}/lp.npz"],
+                       check=True)
+        data = np.load(f"{tmp}/lp.npz")
+        return [torch.from_numpy(data[str(i)]) for i in range(len(seqs))]
+
+
+def kl_and_agreement(p_ref: torch.Tensor, p_q: torch.Tensor, cont: list[int]) -> tuple[float, int]:
+    """(sum over rows of KL(ref || q), rows whose argmax is the continuation's token)."""
+    return float((p_ref.exp() * (p_ref - p_q)).sum()), int((p_q.argmax(-1) == torch.tensor(cont)).sum())
+
+
 @torch.inference_mode()
-def accuracy(num_prompts: int, tokens: int) -> tuple[float, float]:
-    """(mean KL(float32 || quantized) in nats, greedy agreement) over teacher-forced float32 greedy."""
+def accuracy(num_prompts: int, tokens: int, llama_cpp: tuple[str, str, int] | None) -> dict[str, tuple[float, float]]:
+    """engine -> (mean KL(float32 || engine) in nats, greedy agreement), teacher-forced on the float32
+    model's greedy tokens: ferrox quantized, and llama.cpp when `llama_cpp` = (python, path, threads)."""
     from ferrox.loader.model_loader import load_model, load_model_spec
     from ferrox.loader.source import resolve_model
     from ferrox.loader.tokenizer import load_tokenizer
@@ -117,16 +159,22 @@ def accuracy(num_prompts: int, tokens: int) -> tuple[float, float]:
     quant = load_model(source, spec, dtype=torch.float32, device="cpu", keep_quantized=True)
     prompts = [tok.encode(p) for p in BATCH_PROMPTS[:num_prompts]]
     greedy = run_greedy(ref, prompts, tokens)
-    kl_sum, agree, count = 0.0, 0, 0
-    for prompt, cont in zip(prompts, greedy, strict=True):
+    others = llama_cpp_logprobs(*llama_cpp, list(zip(prompts, greedy, strict=True))) if llama_cpp else None
+    sums = {"ferrox quantized": [0.0, 0], **({"llama.cpp": [0.0, 0]} if others else {})}
+    count = 0
+    for i, (prompt, cont) in enumerate(zip(prompts, greedy, strict=True)):
         # The reference in one teacher-forced prefill; the quantized model as it serves: the prompt's
         # prefill, then one decode step per token (the Rust decoder and its int8 activations).
         p_ref = teacher_forced_logprobs(ref, prompt, cont, decode_steps=False)
-        p_q = teacher_forced_logprobs(quant, prompt, cont, decode_steps=True)
-        kl_sum += float((p_ref.exp() * (p_ref - p_q)).sum())
-        agree += int((p_q.argmax(-1) == torch.tensor(cont)).sum())
+        candidates = {"ferrox quantized": teacher_forced_logprobs(quant, prompt, cont, decode_steps=True)}
+        if others:
+            candidates["llama.cpp"] = others[i]
+        for name, p_q in candidates.items():
+            kl, agree = kl_and_agreement(p_ref, p_q, cont)
+            sums[name][0] += kl
+            sums[name][1] += agree
         count += len(cont)
-    return kl_sum / count, agree / count
+    return {name: (kl / count, agree / count) for name, (kl, agree) in sums.items()}
 
 
 def main() -> None:
@@ -171,9 +219,11 @@ def main() -> None:
     for name, rate in best.items():
         print(f"| {name:<18} | {rate:>8.1f} |")
     if not args.skip_accuracy:
-        kl, agree = accuracy(args.accuracy_prompts, args.accuracy_tokens)
-        print(json.dumps({"accuracy_prompts": args.accuracy_prompts, "accuracy_tokens": args.accuracy_tokens,
-                          "mean_kl_nats": round(kl, 5), "greedy_agreement": round(agree, 4)}))
+        llama_cpp = (args.llama_cpp_python, path, threads) if "llama.cpp" in runners else None
+        for name, (kl, agree) in accuracy(args.accuracy_prompts, args.accuracy_tokens, llama_cpp).items():
+            print(json.dumps({"engine": name, "accuracy_prompts": args.accuracy_prompts,
+                              "accuracy_tokens": args.accuracy_tokens, "mean_kl_nats": round(kl, 5),
+                              "greedy_agreement": round(agree, 4)}))
     q = best["ferrox quantized"]
     print(f"cpu_quant_over_float32: {q / best['ferrox float32']:.2f}")
     print(f"cpu_quant_over_transformers: {q / best['transformers fp32']:.2f}")
