@@ -204,16 +204,21 @@ pub fn decode_layers<L: std::borrow::Borrow<DecoderLayer>>(
         ));
     }
     let tokens = h.len() / hidden;
-    let mut plan = None;
+    // Every cache has the first one's geometry, so the step's indices are checked (and the token
+    // plan built) once, against the first.
+    let first_kv = &caches[0];
     for (layer, kv) in layers.iter().map(L::borrow).zip(caches.iter()) {
         if layer.input_norm.len() != hidden
             || (kv.num_kv_heads, kv.head_dim) != (layer.num_kv_heads, layer.head_dim)
+            || (kv.k.len(), kv.v.len(), kv.block_size)
+                != (first_kv.k.len(), first_kv.v.len(), first_kv.block_size)
         {
-            return Err("the layers and caches disagree on hidden size or kv heads".into());
+            return Err(
+                "the layers and caches disagree on hidden size, kv heads or cache size".into(),
+            );
         }
-        plan = Some(batch.plan(tokens, layer.head_dim, kv)?);
     }
-    let plan = plan.expect("at least one layer");
+    let plan = batch.plan(tokens, first.borrow().head_dim, first_kv)?;
     for (layer, kv) in layers.iter().map(L::borrow).zip(caches.iter_mut()) {
         layer_forward(layer, h, kv, batch, &plan);
     }

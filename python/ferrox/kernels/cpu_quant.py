@@ -8,7 +8,8 @@ rows share its product, so outputs do not depend on batching (a float32 BLAS pat
 measured about as fast, but rounds differently from the few-row kernel, and a prompt's tokens
 would then depend on how the scheduler chunked it).
 
-The kernels run on their own threads (`set_num_threads`, kept equal to torch's by the engine).
+The kernels run on their own threads (`_core.cpu_set_num_threads`; worker/cpu_threads.py keeps
+them equal to torch's).
 """
 
 from __future__ import annotations
@@ -31,7 +32,3 @@ def quant_matmul(matrix: _core.CpuQuantMatrix, x: torch.Tensor, bias: torch.Tens
     out = torch.empty(x.shape[0], matrix.rows, dtype=torch.float32)
     matrix.matmul(x.numpy(), out.numpy(), None if bias is None else bias.to(torch.float32).contiguous().numpy())
     return out
-
-
-def set_num_threads(threads: int) -> None:
-    _core.cpu_set_num_threads(threads)
