@@ -82,7 +82,7 @@ def make_model_dir(config_path: str | os.PathLike = LLAMA_8B_CONFIG, out_dir: st
     bos = config.get("bos_token_id")
     eos = config.get("eos_token_id")
     eos_ids = eos if isinstance(eos, list) else [eos]
-    first_special = min([i for i in [bos, *eos_ids] if isinstance(i, int)] + [vocab_size])
+    first_special = first_special_id(config)
     (folder / "tokenizer.json").write_text(build_tokenizer_json(vocab_size, first_special))
     names = {i: _SPECIALS.get(i, f"<|reserved_special_token_{i - first_special}|>") for i in range(first_special, vocab_size)}
     tokenizer_config = {
@@ -101,10 +101,15 @@ def random_prompts(num: int, input_len: int, max_id: int, seed: int = 0) -> list
     return [{"prompt_token_ids": [rng.randrange(max_id) for _ in range(input_len)]} for _ in range(num)]
 
 
+# Special ids below this (Llama 2 / Mixtral: <s> 1, </s> 2) are left among the ordinary byte-level
+# tokens: the synthetic vocabulary keeps its specials above the ordinary ids (Llama 3's layout).
+_LOW_SPECIALS = 256
+
+
 def first_special_id(config: dict[str, Any]) -> int:
     eos = config.get("eos_token_id")
     ids = [config.get("bos_token_id"), *(eos if isinstance(eos, list) else [eos])]
-    return min([i for i in ids if isinstance(i, int)] + [int(config["vocab_size"])])
+    return min([i for i in ids if isinstance(i, int) and i >= _LOW_SPECIALS] + [int(config["vocab_size"])])
 
 
 def num_params(config: dict[str, Any]) -> int:

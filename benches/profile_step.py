@@ -104,14 +104,23 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=20)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max-num-seqs", type=int, default=512, help="the engine's CUDA default")
+    parser.add_argument("--quantization", choices=("fp8", "awq"), default=None,
+                        help="fp8: online FP8 weights; awq: the folder declares an int4 AWQ g128 checkpoint")
     args = parser.parse_args()
 
     from ferrox import LLM, SamplingParams
 
     config = json.loads(Path(args.config).read_text())
     max_id = bench_setup.first_special_id(config)
-    llm = LLM(model=bench_setup.make_model_dir(args.config), load_format="dummy", dtype="bfloat16",
-              max_model_len=4096, max_num_seqs=args.max_num_seqs, async_scheduling=not args.no_async)
+    folder = bench_setup.make_model_dir(args.config)
+    if args.quantization == "awq":
+        cfg = json.loads((Path(folder) / "config.json").read_text())
+        cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+                                      "version": "gemm"}
+        (Path(folder) / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(model=folder, load_format="dummy", dtype="bfloat16", max_model_len=4096,
+              max_num_seqs=args.max_num_seqs, async_scheduling=not args.no_async,
+              quantization="fp8" if args.quantization == "fp8" else None)
     llm.generate(bench_setup.random_prompts(16, 64, max_id, seed=7),
                  SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
     for batch in (int(b) for b in args.batches.split(",")):

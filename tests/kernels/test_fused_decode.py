@@ -21,6 +21,17 @@ BLOCK = 4
 DECODE_TOKENS = [11, 42, 5, 60]
 
 
+MOE = {
+    # Qwen3-MoE: q/k norms and renormalised top-3 (k not a power of two) of 6 experts, a dense
+    # first layer; Qwen2-MoE: a shared expert; Mixtral: top-2, always renormalised.
+    "Qwen3MoeForCausalLM": {"num_experts": 6, "num_experts_per_tok": 3, "moe_intermediate_size": 16,
+                            "norm_topk_prob": True, "mlp_only_layers": [0]},
+    "Qwen2MoeForCausalLM": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                            "shared_expert_intermediate_size": 24},
+    "MixtralForCausalLM": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 16},
+}
+
+
 def _config(arch: str) -> dict:
     return {
         # Small enough for the interpreter (hidden_size != heads x head_dim on purpose).
@@ -28,6 +39,7 @@ def _config(arch: str) -> dict:
         "head_dim": 16, "intermediate_size": 48, "num_hidden_layers": 2, "vocab_size": 61,
         "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "float32",
         "tie_word_embeddings": arch != "Qwen2ForCausalLM",  # one untied lm_head among the three
+        **MOE.get(arch, {}),
     }
 
 
@@ -80,14 +92,16 @@ def _count_calls(monkeypatch, name: str) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", *MOE])
 def test_one_token_path_matches_the_general_path(kernel_device, monkeypatch, arch):
     ref, fused = _models(arch, kernel_device)
     assert type(ref.model.decode_path) is DecodePath
     path = fused.model.decode_path
     assert isinstance(path, FusedOneTokenDecode)
-    takes_layers = arch != "Qwen3ForCausalLM"  # Qwen3's per-head q/k norms keep the general layers
-    assert (path.layers is not None) == takes_layers
+    assert path.layers is not None  # every family's layers fit (Qwen3's q/k norms, sparse MLPs)
+    if arch in MOE:
+        sparse = [layer.moe is not None for layer in path.layers]
+        assert sparse == ([False, True] if arch == "Qwen3MoeForCausalLM" else [True, True])
     steps = _count_calls(monkeypatch, "forward")
     heads = _count_calls(monkeypatch, "_layer")
     for prompt in ([3, 9, 27, 41, 50, 20], [7]):  # [7]: a one-token prefill takes the fused path too
@@ -95,7 +109,7 @@ def test_one_token_path_matches_the_general_path(kernel_device, monkeypatch, arc
         steps.clear()
         got = _run(fused, kernel_device, prompt)
         one_token_steps = len(DECODE_TOKENS) + (len(prompt) == 1)
-        assert len(steps) == (one_token_steps if takes_layers else 0)
+        assert len(steps) == one_token_steps
         assert len(heads) == len(steps) * 2  # two decoder layers each step
         heads.clear()
         assert relative_error(got, expected) < 1e-4

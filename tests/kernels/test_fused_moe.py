@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 from ferrox.attention.kv_cache import allocate_kv_caches
-from ferrox.kernels.fused_moe import GemmConfig, align_by_expert, fused_moe, use_small_batch_path
-from ferrox.layers.fused_moe import FusedMoE, experts_torch
+from ferrox.kernels.fused_moe import GemmConfig, align_by_expert, fused_moe, route_top_k, use_small_batch_path
+from ferrox.layers.fused_moe import FusedMoE, experts_torch, select_experts
 from ferrox.layers.ops import for_device
 from ferrox.loader.model_config import spec_from_hf_config
 from ferrox.loader.model_loader import init_dummy_weights
@@ -95,6 +95,35 @@ def test_align_by_expert_groups_pairs_in_padded_blocks(kernel_device, seed):
         real = rows[rows < num_pairs]
         assert len(real) > 0 and (flat[real] == block_expert[b]).all()
         assert torch.equal(real, real.sort().values)  # token order kept inside an expert
+
+
+@pytest.mark.parametrize("small_batch", [False, True])
+def test_fused_moe_adds_the_residual(kernel_device, seed, small_batch):
+    """The one-token decode path's h + moe(x): the sum rounded to the dtype, then the add."""
+    x = torch.randn(3, 32, device=kernel_device).to(torch.float16)
+    w13 = (torch.randn(4, 32, 32, device=kernel_device) / 32 ** 0.5).to(torch.float16)
+    w2 = (torch.randn(4, 32, 16, device=kernel_device) / 16 ** 0.5).to(torch.float16)
+    weights, ids = skewed_routing(3, 4, 2, empty=3, device=kernel_device)
+    residual = torch.randn(3, 32, device=kernel_device).to(torch.float16)
+    config = None if small_batch else SMALL_GEMM
+    plain = fused_moe(x, w13, w2, weights, ids, small_batch=small_batch, config=config)
+    out = fused_moe(x, w13, w2, weights, ids, small_batch=small_batch, config=config, residual=residual)
+    assert torch.equal(out, plain + residual)  # fp16 + fp16 rounds as the kernel's fp32 add then round
+    with pytest.raises(ValueError, match="residual"):
+        fused_moe(x, w13, w2, weights, ids, residual=residual[:2])
+
+
+@pytest.mark.parametrize(("experts", "top_k"), [(4, 1), (10, 3), (6, 2), (16, 8), (5, 5)])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_route_top_k_matches_select_experts(kernel_device, seed, experts, top_k, renormalize):
+    logits = 3 * torch.randn(7, experts, device=kernel_device)
+    weights, ids = route_top_k(logits, top_k, renormalize)
+    ref_weights, ref_ids = select_experts(logits, top_k, renormalize)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.equal(ids, ref_ids)  # both in descending probability (no ties among random logits)
+    assert relative_error(weights, ref_weights) < 1e-6
+    with pytest.raises(ValueError, match="top_k"):
+        route_top_k(logits, experts + 1, renormalize)
 
 
 def test_layer_uses_the_kernels_of_its_op_set(kernel_device, seed):

@@ -1,11 +1,13 @@
 """Fused one-token matrix-vector kernels (kernels/gemv.py) against plain torch: residual add,
-RMSNorm, bias, SiLU-and-mul, and the qkv variant's rotary + KV-cache write."""
+RMSNorm, bias, SiLU-and-mul, the qkv variant's rotary + KV-cache write, and (kernels/qk_norm_rope.py) Qwen3's
+per-head q/k norms before that rotary and write."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from ferrox.kernels.gemv import GemvConfig, gemv, qkv_rope_gemv
+from ferrox.kernels.qk_norm_rope import qk_norm_rope_cache
 from ferrox.kernels.rotary import neox_cos_sin_cache
 
 from tests.kernels.kernel_refs import relative_error, rms_norm_ref, rotary_neox_ref, silu_and_mul_ref
@@ -112,3 +114,78 @@ def test_gemv_llama8b_shapes(cuda_device, seed, dtype):
               block_size=16, num_blocks=1024)
     _qkv_case(cuda_device, dtype, hq=28, hkv=4, d=128, k=3584, bias=True, slot=77,
               block_size=16, num_blocks=8)  # Qwen2-7B: bias, K not a power of two
+
+
+def _qk_norm_case(device, dtype, *, hq, hkv, d, slot, block_size=4, num_blocks=5, cache_dtype=None, kv_scale=None):
+    """qkv -> per-head q/k RMSNorm -> rotary -> KV write. Returns (q, cache, reference q/k/v)."""
+    heads = hq + 2 * hkv
+    qkv = (3 * torch.randn(1, heads * d, device=device)).to(dtype)  # not unit RMS: the norm matters
+    gq = (1 + 0.1 * torch.randn(d, device=device)).to(dtype)
+    gk = (1 + 0.1 * torch.randn(d, device=device)).to(dtype)
+    cos_sin = neox_cos_sin_cache(d, 64, 10000.0, device=device)
+    pos = torch.randint(0, 64, (1,), device=device)
+    cache = torch.full((2, num_blocks, block_size, hkv, d), float("nan"), dtype=cache_dtype or dtype, device=device)
+    slots = torch.tensor([slot], dtype=torch.int64, device=device)
+    q = qk_norm_rope_cache(qkv, q_norm_weight=gq, k_norm_weight=gk, eps=1e-6, rope_row=cos_sin[pos[0]],
+                           slot_mapping=slots, kv_cache=cache, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                           kv_scale=kv_scale)
+    heads_view = qkv.view(heads, d)
+    ref_q = rotary_neox_ref(pos, rms_norm_ref(heads_view[:hq], gq, 1e-6)[None], cos_sin)
+    ref_k = rotary_neox_ref(pos, rms_norm_ref(heads_view[hq:hq + hkv], gk, 1e-6)[None], cos_sin)
+    return q, cache, ref_q, ref_k[0], heads_view[hq + hkv:]
+
+
+@pytest.mark.parametrize("slot", [13, -1], ids=["slot", "padding"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_qk_norm_rope_cache_tiny(kernel_device, seed, dtype, slot):
+    hq, hkv, d, block_size = 4, 2, 16, 4
+    q, cache, ref_q, ref_k, ref_v = _qk_norm_case(kernel_device, dtype, hq=hq, hkv=hkv, d=d, slot=slot,
+                                                  block_size=block_size)
+    assert q.shape == (1, hq, d) and q.dtype == dtype
+    assert relative_error(q, ref_q) < TOLERANCE[dtype]
+    written = ~cache.isnan()
+    if slot < 0:
+        assert not written.any()  # padding writes nothing
+        return
+    blk, off = divmod(slot, block_size)
+    assert written[:, blk, off].all() and written.sum() == 2 * hkv * d  # that slot and nothing else
+    assert relative_error(cache[0, blk, off], ref_k) < TOLERANCE[dtype]
+    assert torch.equal(cache[1, blk, off], ref_v)  # v unchanged
+
+
+def test_qk_norm_rope_cache_fp8(kernel_device, seed):
+    """An FP8 cache stores quantize(what a float32 cache stores), k and v with their own scales
+    (small ones: some values saturate); q does not depend on the cache."""
+    hq, hkv, d, slot, block_size = 4, 2, 16, 6, 4
+    torch.manual_seed(seed)
+    q32, cache32, ref_q, ref_k, ref_v = _qk_norm_case(kernel_device, torch.float32, hq=hq, hkv=hkv, d=d, slot=slot)
+    scales = torch.tensor([0.002, 0.02], device=kernel_device)
+    torch.manual_seed(seed)
+    q8, cache8, *_ = _qk_norm_case(kernel_device, torch.float32, hq=hq, hkv=hkv, d=d, slot=slot,
+                                   cache_dtype=torch.float8_e4m3fn, kv_scale=scales)
+    assert torch.equal(q8, q32)
+    blk, off = divmod(slot, block_size)
+    got = cache8[:, blk, off]
+    want = torch.stack([(cache32[i, blk, off] / scales[i]).clamp(-448, 448) for i in range(2)])
+    assert torch.equal(got.view(torch.uint8), want.to(torch.float8_e4m3fn).view(torch.uint8))
+    assert (got.float().abs() == 448).any(), "the test meant some values to saturate"
+    dequant = got.float() * scales[:, None, None]
+    unsaturated = got.float().abs() < 448
+    for i, ref in enumerate((ref_k, ref_v)):
+        assert relative_error(dequant[i][unsaturated[i]], ref[unsaturated[i]]) < 0.07
+    assert cache8.float().isnan().sum() == cache8.numel() - 2 * hkv * d  # nothing else written
+
+
+def test_qk_norm_rope_cache_rejects_bad_shapes(kernel_device):
+    hq, hkv, d = 2, 1, 8
+    args = dict(q_norm_weight=torch.ones(d, device=kernel_device), k_norm_weight=torch.ones(d, device=kernel_device),
+                eps=1e-6, rope_row=torch.zeros(d, device=kernel_device),
+                slot_mapping=torch.zeros(1, dtype=torch.int64, device=kernel_device),
+                kv_cache=torch.zeros(2, 1, 1, hkv, d, device=kernel_device), num_q_heads=hq, num_kv_heads=hkv,
+                head_dim=d)
+    with pytest.raises(ValueError, match=r"qkv must be a contiguous \[1, 32\]"):
+        qk_norm_rope_cache(torch.zeros(1, 31, device=kernel_device), **args)
+    with pytest.raises(ValueError, match=r"k_norm_weight must be a contiguous float \[8\]"):
+        qk_norm_rope_cache(torch.zeros(1, 32, device=kernel_device), **(args | {"k_norm_weight": torch.ones(4)}))
+    with pytest.raises(ValueError, match="head_dim must be a power of two"):
+        qk_norm_rope_cache(torch.zeros(1, 48, device=kernel_device), **(args | {"head_dim": 12}))

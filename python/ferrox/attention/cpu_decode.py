@@ -58,6 +58,7 @@ class CpuQuantizedDecode(DecodePath):
             if len(mats) != len(projs) or (layer.tp is not None and layer.tp.size > 1):
                 return False
             qkv, o, gate_up, down = mats
+            assert layer.gate_up_proj is not None and layer.down_proj is not None  # _matrix found them
             built.append(_core.CpuDecoderLayer(
                 input_norm=_floats(layer.input_norm.weight), post_norm=_floats(layer.post_norm.weight),
                 eps=float(layer.input_norm.eps), qkv=qkv, o=o, gate_up=gate_up, down=down,

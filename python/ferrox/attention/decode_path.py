@@ -48,21 +48,37 @@ class ProjWeights(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class OneTokenMoe:
+    """A mixture-of-experts MLP as the fused decode path reads it (models/moe.py MoeBlock):
+
+        x = post_norm(h);  weights, ids = top_k(softmax(router(x)))
+        h = h + sum_j weights_j * expert_{ids_j}(x)  [+ sigmoid(shared_gate(x)) * shared(x)]
+
+    `block` is the MoeBlock module: `gate` (the fp32 router, E x H), `experts` (layers/fused_moe.py
+    FusedMoE: w13, w2, its tensor-parallel share and all-reduce), `top_k`, `renormalize`, and
+    the optional `shared_expert` / `shared_expert_gate`."""
+
+    block: Any
+
+
+@dataclass(frozen=True, slots=True)
 class OneTokenLayer:
     """A pre-norm decoder layer as a fused decode path reads it:
 
         h = h + o_proj(attention(rotary(qkv_proj(input_norm(h)))))
         h = h + down_proj(silu(gate) * up),  [gate | up] = gate_up_proj(post_norm(h))
 
-    qkv_proj's rows are [q | k | v] heads, gate_up_proj's [gate | up]. The fields are the modules
-    themselves, not their tensors, so weights loaded after the model is built are the ones read."""
+    qkv_proj's rows are [q | k | v] heads, gate_up_proj's [gate | up]. Qwen3 norms each q and k
+    head (q_norm, k_norm) between the projection and rotary. A sparse layer has `moe` in place
+    of gate_up_proj / down_proj (None). The fields are the modules themselves, not their
+    tensors, so weights loaded after the model is built are the ones read."""
 
     input_norm: NormWeights
     qkv_proj: ProjWeights
     o_proj: ProjWeights
     post_norm: NormWeights
-    gate_up_proj: ProjWeights
-    down_proj: ProjWeights
+    gate_up_proj: ProjWeights | None
+    down_proj: ProjWeights | None
     num_heads: int  # this rank's heads under tensor parallelism
     num_kv_heads: int
     head_dim: int
@@ -73,6 +89,9 @@ class OneTokenLayer:
     # The attention layer's KV-cache scales (attention/kv_cache.KVCacheScales; an FP8 cache reads
     # them). None: 1.0.
     kv_scales: Any = None
+    q_norm: NormWeights | None = None
+    k_norm: NormWeights | None = None
+    moe: OneTokenMoe | None = None
 
 
 class DecodePath:

@@ -8,9 +8,18 @@ writes float32 logits (cuBLAS + a cast are two, plus split-K). Larger batches ke
 path: cuBLAS GEMMs reuse each weight tile across rows.
 
 The layers come from the model (`OneTokenLayer`); a model whose layers do not fit the fused
-kernels (Qwen3: per-head q/k norms between projection and rotary) passes none and still gets
-the one-row lm_head. FP8 projections (layers/quant/fp8.py) run the same kernels: their weight is
-float8 and their `weight_scale` rows go to the kernel's epilogue.
+kernels passes none and still gets the one-row lm_head. FP8 projections (layers/quant/fp8.py)
+run the same kernels: their weight is float8 and their `weight_scale` rows go to the kernel's
+epilogue.
+
+Qwen3's per-head q/k norms need a whole head's projection before rotary, so those layers run the
+qkv projection as a plain GEMV and the norms, rotary and KV write in a second launch
+(`qk_norm_rope_cache`). A mixture-of-experts layer (`OneTokenMoe`) replaces the MLP's two
+launches by: the post-attention norm, the router GEMV (fp32 logits), the softmax top-k in one
+launch (torch's select_experts is ~6), and the small-batch expert kernels, which read only the k
+chosen experts and add the residual in the down kernel's epilogue. Under tensor or expert
+parallelism the experts keep their layer's own forward (its all-reduce), and the residual is
+added after it.
 """
 
 from __future__ import annotations
@@ -20,9 +29,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ferrox.attention.decode_path import DecodePath, OneTokenLayer, ProjWeights, fused_decode_enabled
+from ferrox.attention.decode_path import (
+    DecodePath,
+    OneTokenLayer,
+    OneTokenMoe,
+    ProjWeights,
+    fused_decode_enabled,
+)
 from ferrox.attention.metadata import AttentionMetadata
+from ferrox.kernels.fused_moe import fused_moe, route_top_k
 from ferrox.kernels.gemv import gemv, qkv_rope_gemv
+from ferrox.kernels.qk_norm_rope import qk_norm_rope_cache
+from ferrox.kernels.rmsnorm import rms_norm
 
 if TYPE_CHECKING:
     from ferrox.attention.backend import AttentionBackend
@@ -59,17 +77,45 @@ class FusedOneTokenDecode(DecodePath):
 
     def _layer(self, layer: OneTokenLayer, h: torch.Tensor, rope_row: torch.Tensor, kv_cache: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
-        """One decoder layer in five launches; h [1, hidden] is the complete residual stream, in and out."""
-        q = qkv_rope_gemv(h, layer.qkv_proj.weight, layer.qkv_proj.bias, norm_weight=layer.input_norm.weight,
-                          eps=layer.input_norm.eps, rope_row=rope_row, slot_mapping=meta.slot_mapping,
-                          kv_cache=kv_cache, num_q_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
-                          head_dim=layer.head_dim, weight_scale=_weight_scale(layer.qkv_proj),
-                          kv_scale=layer.kv_scales.scales if layer.kv_scales is not None else None)
+        """One decoder layer in five launches (a dense Llama layer); h [1, hidden] is the complete
+        residual stream, in and out."""
+        kv_scale = layer.kv_scales.scales if layer.kv_scales is not None else None
+        if layer.q_norm is None or layer.k_norm is None:
+            q = qkv_rope_gemv(h, layer.qkv_proj.weight, layer.qkv_proj.bias, norm_weight=layer.input_norm.weight,
+                              eps=layer.input_norm.eps, rope_row=rope_row, slot_mapping=meta.slot_mapping,
+                              kv_cache=kv_cache, num_q_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
+                              head_dim=layer.head_dim, weight_scale=_weight_scale(layer.qkv_proj),
+                              kv_scale=kv_scale)
+        else:
+            qkv = gemv(h, layer.qkv_proj.weight, layer.qkv_proj.bias, norm_weight=layer.input_norm.weight,
+                       eps=layer.input_norm.eps, weight_scale=_weight_scale(layer.qkv_proj))
+            q = qk_norm_rope_cache(qkv, q_norm_weight=layer.q_norm.weight, k_norm_weight=layer.k_norm.weight,
+                                   eps=layer.q_norm.eps, rope_row=rope_row, slot_mapping=meta.slot_mapping,
+                                   kv_cache=kv_cache, num_q_heads=layer.num_heads,
+                                   num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim, kv_scale=kv_scale)
         o = self.backend.attend(q, kv_cache, meta, layer.scale, layer.kv_scales)
         h = self._row_parallel(layer, o.view(1, -1), layer.o_proj, h)
+        if layer.moe is not None:
+            return self._moe(layer, layer.moe, h)
+        assert layer.gate_up_proj is not None and layer.down_proj is not None  # a dense layer
         act = gemv(h, layer.gate_up_proj.weight, layer.gate_up_proj.bias, norm_weight=layer.post_norm.weight,
                    eps=layer.post_norm.eps, silu_mul=True, weight_scale=_weight_scale(layer.gate_up_proj))
         return self._row_parallel(layer, act, layer.down_proj, h)
+
+    @staticmethod
+    def _moe(layer: OneTokenLayer, moe: OneTokenMoe, h: torch.Tensor) -> torch.Tensor:
+        """h + the sparse MLP of post_norm(h), reading only the chosen experts."""
+        block = moe.block
+        x = rms_norm(h, layer.post_norm.weight, layer.post_norm.eps)
+        logits = gemv(x, block.gate.weight, out_dtype=torch.float32)
+        weights, ids = route_top_k(logits, block.top_k, block.renormalize)
+        experts = block.experts
+        if block.shared_expert is None and experts.tp.size == 1:
+            return fused_moe(x, experts.w13, experts.w2, weights, ids, small_batch=True, residual=h)
+        out = experts(x, weights, ids)  # a tensor-parallel share: the layer's own all-reduce
+        if block.shared_expert is not None:
+            out = out + torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+        return h + out
 
     @staticmethod
     def _row_parallel(layer: OneTokenLayer, x: torch.Tensor, proj: ProjWeights, h: torch.Tensor) -> torch.Tensor:

@@ -9,12 +9,14 @@ under the Triton interpreter at tiny shapes and on the GPU at Llama-3.1-8B shape
 - rotary.py             neox rotary embedding from a cos/sin cache (+ Llama 3.1 frequency scaling)
 - gemv.py               one-token matrix-vector products with RMSNorm / residual / SiLU / rotary +
                         KV write fused in (batch-1 decode: five launches per decoder layer)
+- qk_norm_rope.py       Qwen3's per-head q/k RMSNorm + rotary + KV write for one token (after a gemv)
 - cuda_sampling.py      top-k/top-p sampling: CUDA C++ kernel (cuda/) JIT-built once (on a
                         background thread at a first engine start, used from the next start on),
                         torch fallback otherwise and off CUDA
 - exponential_race.py   the sampler's draw for plain temperature sampling in one pass
 - int4_matmul.py        AWQ/GPTQ int4 weights: dequantize-in-the-loop GEMV (decode) and GEMM (prefill)
-- fused_moe.py / lora.py  grouped expert matmuls; LoRA shrink/expand
+- fused_moe.py / lora.py  grouped expert matmuls, the one-token expert GEMVs and top-k routing; LoRA
+                        shrink/expand
 (FP8: gemv.py reads fp8 weights with per-row scales; the KV writes and attention kernels read an fp8 cache.)
 
 Modules import triton at import time (cuda_sampling.py does not); import them only where a GPU path may run.

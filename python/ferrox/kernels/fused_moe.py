@@ -16,8 +16,9 @@ can be captured in a CUDA graph.
 Small-batch path (a few decode tokens). Sorting costs more launches than the work, so each
 (token, slot) pair runs matrix-vector products straight on its selected expert's rows: only the
 k selected experts' weights are read (a batch-1 step of Qwen3-30B-A3B reads 8 of 128 experts).
-The down kernel loops over the token's k slots and sums them in registers, so it writes the
-final [T, H] rows itself.
+The down kernel streams all of the token's k slots in one tile and sums them in registers, so it
+writes the final [T, H] rows itself (plus the residual, for the one-token decode path). That path
+(attention/fused_decode.py) also routes in one launch (`route_top_k`: softmax, top-k, renormalise).
 
 Layout: w13 [E, 2*I, H] (rows [0, I) gate, [I, 2I) up), w2 [E, H, I], both row-major per expert.
 Gate and up are rounded to the activation dtype before SiLU, as the unfused torch path stores them.
@@ -182,32 +183,103 @@ def _gemv_down_kernel(
     stride_we,
     stride_wn,
     stride_o,
+    res_ptr,
+    stride_r,
     TOP_K: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # TOP_K rounded up to a power of two
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Program (token, n-block): sum over the token's k slots of weight * (w2[e] @ inter[pair])."""
+    """Program (token, n-block): sum over the token's k slots of weight * (w2[e] @ inter[pair]),
+    plus the token's residual row with HAS_RESIDUAL (the one-token decode path's h + mlp(h)).
+
+    All k slots stream in one [BLOCK_N, slots, BLOCK_K] tile per step of K rather than one slot
+    after another: Qwen3-30B-A3B's experts are short (K = 768), and a loop over its 8 slots
+    waited on each slot's loads in turn (12.4 -> 8.4 us a layer on an H200)."""
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
-    y = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for slot in range(TOP_K):
-        pair = token * TOP_K + slot
-        expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
-        route_w = tl.load(route_w_ptr + pair).to(tl.float32)
-        x_row = inter_ptr + pair.to(tl.int64) * stride_i
-        w_rows = w_ptr + expert * stride_we + rows.to(tl.int64)[:, None] * stride_wn
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            kmask = ks < K
-            x = tl.load(x_row + ks, mask=kmask, other=0.0).to(tl.float32)
-            w = tl.load(w_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0,
-                        eviction_policy="evict_first")
-            acc += w.to(tl.float32) * x[None, :]
-        # Each slot's product rounded to the activation dtype, as the grouped path stores it.
-        y += route_w * tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32)
+    slots = tl.arange(0, BLOCK_S)
+    smask = slots < TOP_K
+    pairs = token * TOP_K + slots
+    experts = tl.load(topk_ids_ptr + pairs, mask=smask, other=0).to(tl.int64)
+    route_w = tl.load(route_w_ptr + pairs, mask=smask, other=0.0).to(tl.float32)
+    w_tile = w_ptr + experts[None, :, None] * stride_we + rows.to(tl.int64)[:, None, None] * stride_wn
+    x_rows = inter_ptr + pairs.to(tl.int64)[:, None] * stride_i
+    acc = tl.zeros([BLOCK_N, BLOCK_S, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < K
+        x = tl.load(x_rows + ks[None, :], mask=smask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        # Each expert row is read once per step: stream it past the cache.
+        w = tl.load(w_tile + ks[None, None, :],
+                    mask=rmask[:, None, None] & smask[None, :, None] & kmask[None, None, :], other=0.0,
+                    eviction_policy="evict_first")
+        acc += w.to(tl.float32) * x[None, :, :]
+    # Each slot's product rounded to the activation dtype, as the grouped path stores it.
+    per_slot = tl.sum(acc, axis=2).to(out_ptr.dtype.element_ty).to(tl.float32)
+    y = tl.sum(per_slot * route_w[None, :], axis=1)
+    if HAS_RESIDUAL:
+        # The experts' sum rounded as the unfused layer stores it, then the add (rounded once more).
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+        y += tl.load(res_ptr + token.to(tl.int64) * stride_r + rows, mask=rmask, other=0.0).to(tl.float32)
     tl.store(out_ptr + token.to(tl.int64) * stride_o + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def _route_top_k_kernel(
+    weights_ptr,
+    ids_ptr,
+    logits_ptr,
+    num_experts,
+    stride_l,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_TOP_K: tl.constexpr,  # TOP_K rounded up to a power of two (a block's length)
+):
+    """Program per token: softmax over the experts' logits, the k largest (ties: the lower expert
+    id), their probabilities (renormalised to sum 1 with RENORMALIZE)."""
+    token = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    emask = e < num_experts
+    logits = tl.load(logits_ptr + token * stride_l + e, mask=emask, other=-float("inf")).to(tl.float32)
+    top = tl.max(logits, axis=0)
+    p = tl.where(emask, tl.exp(logits - top), 0.0)
+    p = p / tl.sum(p, axis=0)
+    remaining = tl.where(emask, p, -1.0)  # probabilities are >= 0: -1 marks taken / padding
+    ks = tl.arange(0, BLOCK_TOP_K)
+    chosen_p = tl.zeros([BLOCK_TOP_K], dtype=tl.float32)
+    chosen_id = tl.zeros([BLOCK_TOP_K], dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(remaining, axis=0)
+        best_id = tl.min(tl.where(remaining == best, e, BLOCK_E), axis=0)
+        chosen_p = tl.where(ks == j, best, chosen_p)
+        chosen_id = tl.where(ks == j, best_id.to(tl.int64), chosen_id)
+        remaining = tl.where(e == best_id, -1.0, remaining)
+    if RENORMALIZE:
+        chosen_p = chosen_p / tl.sum(chosen_p, axis=0)
+    tl.store(weights_ptr + token * TOP_K + ks, chosen_p, mask=ks < TOP_K)
+    tl.store(ids_ptr + token * TOP_K + ks, chosen_id, mask=ks < TOP_K)
+
+
+def route_top_k(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """layers/fused_moe.select_experts in one launch (the torch version is ~6: softmax, topk's
+    two kernels, the renormalisation): (weights float32 [T, k], expert ids int64 [T, k])."""
+    tokens, experts = router_logits.shape
+    if not 0 < top_k <= experts:
+        raise ValueError(f"route_top_k: top_k {top_k} must be in 1..{experts} (the number of experts)")
+    if router_logits.stride(-1) != 1:
+        raise ValueError("route_top_k: router_logits must have a contiguous last axis")
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    if tokens:
+        # One warp: the k rounds of max / argmin reductions stay in shuffles (no shared-memory barriers).
+        _route_top_k_kernel[(tokens,)](weights, ids, router_logits, experts, router_logits.stride(0), TOP_K=top_k,
+                                       RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(experts),
+                                       BLOCK_TOP_K=triton.next_power_of_2(top_k), num_warps=1)
+    return weights, ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,20 +305,27 @@ def choose_gemm_config(num_pairs: int, num_experts: int) -> GemmConfig:
 
 @dataclass(frozen=True, slots=True)
 class GemvConfig:
-    """Small-batch path: output rows per program of the gate/up and down kernels, K tile, warps."""
+    """Small-batch path: rows per program and K tile of the gate/up kernel, rows per program and
+    K tile of the down kernel (whose tile spans all k slots), warps."""
 
     gate_up_rows: int
+    gate_up_block_k: int
     down_rows: int
-    block_k: int
+    down_block_k: int
     num_warps: int
 
 
-def choose_gemv_config(hidden: int, inter: int) -> GemvConfig:
-    """Many small programs stream best (as in kernels/gemv.py). A sweep on an H200 (rows 2-8 / 1-8,
-    K tile 256-1024, 4 or 8 warps) found every config within ~10% at batch 1 of Qwen3-30B-A3B
-    (~30 us a layer, 75 MB of experts) and Mixtral-8x7B (~175 us, 705 MB, ~4 TB/s); the shapes are
-    taken so a later sweep can key on them."""
-    return GemvConfig(4, 2, 1024, 4)
+def choose_gemv_config(hidden: int, inter: int, top_k: int) -> GemvConfig:
+    """From a sweep on an H200 (out of the gate/up rows 2-16, K tiles 512-2048, 4 or 8 warps, and
+    the down kernel's rows 1-8 and K tiles 128-2048; benches/RESULTS.md): gate/up streams best in
+    2-row programs over K tiles of 512 (3.1 TB/s on Qwen3-30B-A3B's short experts, 4.3 on
+    Mixtral's); the down tile holds all slots, so its rows shrink as k grows, and its K tile is
+    a power of two dividing the expert size (no masked lanes): 128 for 8 slots of Qwen3-30B-A3B's
+    768 (8.4 us against 12.4 for the per-slot loop), 2048 for Mixtral's 2 of 14336 (4.2 TB/s)."""
+    slots = triton.next_power_of_2(top_k)
+    down_rows = 1 if slots >= 4 else 2
+    down_block_k = min(inter & -inter, 128 if slots >= 8 else 2048)
+    return GemvConfig(2, min(512, triton.next_power_of_2(hidden)), down_rows, down_block_k, 4)
 
 
 def use_small_batch_path(num_tokens: int, top_k: int, num_experts: int) -> bool:
@@ -278,12 +357,17 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: t
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, small_batch: bool | None = None,
-              config: GemmConfig | None = None, gemv_config: GemvConfig | None = None) -> torch.Tensor:
+              config: GemmConfig | None = None, gemv_config: GemvConfig | None = None,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for every token: [T, H] in x's dtype.
 
     small_batch: force (True) or forbid (False) the matrix-vector path; by default
-    `use_small_batch_path` decides from the shapes."""
+    `use_small_batch_path` decides from the shapes. residual [T, H]: added to the result (the sum
+    rounded to x's dtype first, as an unfused add would see it)."""
     _check(x, w13, w2, topk_weights, topk_ids)
+    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
+        raise ValueError(f"residual must be [{x.shape[0]}, {x.shape[1]}] with a contiguous last axis, got "
+                         f"{tuple(residual.shape)}")
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
     inter = two_i // 2
@@ -297,16 +381,16 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         small_batch = use_small_batch_path(num_tokens, top_k, num_experts)
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     if small_batch:
-        gv = gemv_config or choose_gemv_config(hidden, inter)
+        gv = gemv_config or choose_gemv_config(hidden, inter, top_k)
         _gemv_gate_up_kernel[(num_pairs, triton.cdiv(inter, gv.gate_up_rows))](
             act, x, w13, ids, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-            TOP_K=top_k, BLOCK_N=gv.gate_up_rows, BLOCK_K=min(gv.block_k, triton.next_power_of_2(hidden)),
-            num_warps=gv.num_warps,
+            TOP_K=top_k, BLOCK_N=gv.gate_up_rows, BLOCK_K=gv.gate_up_block_k, num_warps=gv.num_warps,
         )
         _gemv_down_kernel[(num_tokens, triton.cdiv(hidden, gv.down_rows))](
             out, act, w2, ids, route_w, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-            TOP_K=top_k, BLOCK_N=gv.down_rows, BLOCK_K=min(gv.block_k, triton.next_power_of_2(inter)),
-            num_warps=gv.num_warps,
+            residual if residual is not None else out, residual.stride(0) if residual is not None else 0,
+            TOP_K=top_k, HAS_RESIDUAL=residual is not None, BLOCK_S=triton.next_power_of_2(top_k),
+            BLOCK_N=gv.down_rows, BLOCK_K=gv.down_block_k, num_warps=gv.num_warps,
         )
         return out
 
@@ -329,4 +413,4 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     )
     # The k weighted rows of a token: one reduction (fp32 accumulation inside torch's sum).
     torch.sum(routed.view(num_tokens, top_k, hidden), dim=1, out=out)
-    return out
+    return out if residual is None else out + residual

@@ -116,7 +116,7 @@ class LlamaDecoderLayer(nn.Module):
                              post_norm=self.post_attention_layernorm, gate_up_proj=mlp.gate_up_proj,
                              down_proj=mlp.down_proj, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
                              head_dim=attn.head_dim, scale=attn.scale, tp=attn.o_proj.tp,
-                             kv_scales=attn.kv_scales)
+                             kv_scales=attn.kv_scales, q_norm=attn.q_norm, k_norm=attn.k_norm)
 
     def forward(self, x, residual, rope: Rope, kv_cache, meta):
         if residual is None:
@@ -138,14 +138,13 @@ class LlamaModel(nn.Module):
                                     qk_norm=qk_norm) for _ in range(spec.num_layers)]
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
-        # Qwen3 (qk_norm) rotates its normed q/k copies with the torch formula on every device, and
-        # its layers do not fit the one-token kernels (they rotate inside the qkv projection, where
-        # no per-head norm can run first).
+        # Qwen3 (qk_norm) rotates its normed q/k copies with the torch formula on every device (the
+        # one-token path norms and rotates them in its own kernel: attention/fused_decode.py).
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, device,
                                       for_device(device, "torch") if qk_norm else ops)
         self.qk_norm = qk_norm
         self.backend = backend
-        self.one_token_layers = None if qk_norm else [layer.one_token_view() for layer in layers]
+        self.one_token_layers = [layer.one_token_view() for layer in layers]
         self.decode_path = backend.decode_path(self.one_token_layers, self.rotary.rope_rows)
 
     def forward(self, input_ids, positions, kv_caches, meta):
@@ -220,7 +219,7 @@ class LlamaForCausalLM(nn.Module):
             # their own matmuls, so one-token steps take the general path.
             self.model.decode_path = DecodePath()
         linears = [m for m in self.model.layers.modules() if isinstance(m, Linear)]
-        if self.model.one_token_layers is not None and linears and all(
+        if self.model.one_token_layers is not None and not self.model.qk_norm and linears and all(
                 isinstance(m.quant, CpuQuantWeight) for m in linears):
             # A quantized GGUF on the CPU: every step runs in the Rust decoder (attention/cpu_decode.py).
             self.model.decode_path = CpuQuantizedDecode(self.model.one_token_layers, self.model.rotary.rope_rows)

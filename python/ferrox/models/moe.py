@@ -10,8 +10,9 @@ The families differ only in switches: q/k/v bias (Qwen2-MoE), q/k norm (Qwen3-Mo
 top-k weights are renormalised (Mixtral always; Qwen as norm_topk_prob says), and checkpoint
 names (Mixtral: block_sparse_moe.experts.{e}.w1/w3/w2 for gate/up/down).
 
-A one-token decode step takes the general path: the fused decode kernels (attention/fused_decode.py)
-describe a dense MLP, so these models pass no layers to the backend's decode path.
+A one-token decode step takes the backend's decode path like Llama's (attention/fused_decode.py on
+the Triton backend): each layer describes itself (`one_token_view`), a sparse layer with its
+MoeBlock in place of the dense MLP's projections.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from ferrox.attention.backend import AttentionBackend, get_attention_backend
+from ferrox.attention.decode_path import OneTokenLayer, OneTokenMoe
 from ferrox.attention.metadata import AttentionMetadata
 from ferrox.distributed.parallel_state import get_tp_group
 from ferrox.distributed.sharding import check_tp_shapes, materialize
@@ -103,24 +105,37 @@ class MoeDecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
+    def one_token_view(self) -> OneTokenLayer:
+        """This layer as a fused one-token decode path reads it (attention/decode_path.py)."""
+        attn, mlp = self.self_attn, self.mlp
+        dense = mlp if isinstance(mlp, LlamaMLP) else None
+        return OneTokenLayer(input_norm=self.input_layernorm, qkv_proj=attn.qkv_proj, o_proj=attn.o_proj,
+                             post_norm=self.post_attention_layernorm,
+                             gate_up_proj=dense.gate_up_proj if dense is not None else None,
+                             down_proj=dense.down_proj if dense is not None else None, num_heads=attn.num_heads,
+                             num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, scale=attn.scale,
+                             tp=attn.o_proj.tp, kv_scales=attn.kv_scales, q_norm=attn.q_norm, k_norm=attn.k_norm,
+                             moe=OneTokenMoe(mlp) if dense is None else None)
+
 
 class MoeModel(nn.Module):
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype, device, *,
                  qkv_bias: bool, qk_norm: bool, renormalize: bool):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(
-            MoeDecoderLayer(spec, i, backend, ops, dtype, device, qkv_bias=qkv_bias, qk_norm=qk_norm,
-                            renormalize=renormalize) for i in range(spec.num_layers))
+        layers = [MoeDecoderLayer(spec, i, backend, ops, dtype, device, qkv_bias=qkv_bias, qk_norm=qk_norm,
+                                  renormalize=renormalize) for i in range(spec.num_layers)]
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
         # As in LlamaModel: per-head q/k norms rotate their normed copies with the torch formula.
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, device,
                                       for_device(device, "torch") if qk_norm else ops)
-        # No fused one-token layers (they describe a dense MLP); the path may still fuse the lm_head.
-        self.decode_path = backend.decode_path(None, self.rotary.rope_rows)
+        self.decode_path = backend.decode_path([layer.one_token_view() for layer in layers], self.rotary.rope_rows)
 
     def forward(self, input_ids, positions, kv_caches, meta):
         h = self.embed_tokens(input_ids)
+        if self.decode_path.takes_step(h.shape[0], kv_caches, meta):
+            return self.norm(self.decode_path.forward(h, positions, kv_caches, meta))
         rope = self.rotary(positions, h.dtype)
         residual = None
         for i, layer in enumerate(self.layers):
