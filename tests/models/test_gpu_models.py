@@ -60,12 +60,13 @@ def qwen2_folder(tmp_path_factory):
                                        num_kv_heads=2)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
 def test_cuda_one_token_kernels_match_transformers_and_unfused(folders, qwen2_folder, name, monkeypatch):
     """One prompt at a time, so every decode step has one token and runs the fused matrix-vector
     kernels (kernels/gemv.py: norm + qkv + rotary + KV write, o_proj, norm + gate_up + SiLU, down,
-    lm_head); float32 greedy must equal transformers' and the unfused path's, and bf16 one-token
-    logits must stay close to the unfused ones."""
+    lm_head; Qwen3: its q/k norms in kernels/qk_norm_rope.py); float32 greedy must equal
+    transformers' and the unfused path's, and bf16 one-token logits must stay close to the
+    unfused ones."""
     transformers = pytest.importorskip("transformers")
     from ferrox.attention.decode_path import fused_decode_enabled
     from ferrox.attention.fused_decode import FusedOneTokenDecode

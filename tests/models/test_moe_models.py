@@ -1,6 +1,7 @@
 """Tiny random Qwen3-MoE, Qwen2-MoE and Mixtral checkpoints written by transformers: ferrox's loader
 (per-expert tensors stacked per layer) and MoE models against transformers on the same weights,
-through the test driver and once through the whole engine with chunked prefill."""
+through the test driver and once through the whole engine with chunked prefill; on a GPU, one
+prompt at a time, so decode steps take the fused one-token path (attention/fused_decode.py)."""
 
 from __future__ import annotations
 
@@ -142,3 +143,21 @@ def test_engine_chunked_prefill_matches_transformers(tiny):
         assert ids == hf
         for i, (tok, lps) in enumerate(zip(ids, sample.logprobs, strict=True)):
             assert math.isclose(lps[tok].logprob, ref_lp[len(prompt) - 1 + i, tok].item(), abs_tol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_cuda_one_token_path_matches_transformers(tiny, name):
+    from ferrox.attention.fused_decode import FusedOneTokenDecode
+
+    folder, _, ref = tiny[name]
+    source = resolve_model(folder)
+    model = load_model(source, load_model_spec(source), dtype=torch.float32, device="cuda")
+    path = model.model.decode_path
+    assert isinstance(path, FusedOneTokenDecode) and path.layers is not None
+    assert any(layer.moe is not None for layer in path.layers)
+    eos = load_tokenizer(source).eos_token_ids
+    for ids in _prompts(folder):
+        ours = run_greedy(model, [ids], 10, block_size=16)[0]  # alone: every decode step has one token
+        assert cut_at_eos(ours, eos) == hf_greedy(ref, ids, 10), (name, ids[:5])
