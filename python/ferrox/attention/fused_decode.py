@@ -17,9 +17,10 @@ qkv projection as a plain GEMV and the norms, rotary and KV write in a second la
 (`qk_norm_rope_cache`). A mixture-of-experts layer (`OneTokenMoe`) replaces the MLP's two
 launches by: the post-attention norm, the router GEMV (fp32 logits), the softmax top-k in one
 launch (torch's select_experts is ~6), and the small-batch expert kernels, which read only the k
-chosen experts and add the residual in the down kernel's epilogue. Under tensor or expert
-parallelism the experts keep their layer's own forward (its all-reduce), and the residual is
-added after it.
+chosen experts and add the residual in the down kernel's epilogue. A shared expert (Qwen2-MoE)
+runs its layer's own forward beside them. (The models pass these layers on one rank only until
+the path has run under tensor parallelism on two GPUs; `_moe` already keeps the experts' own
+forward, with its all-reduce, there.)
 """
 
 from __future__ import annotations

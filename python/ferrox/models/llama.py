@@ -144,7 +144,11 @@ class LlamaModel(nn.Module):
                                       for_device(device, "torch") if qk_norm else ops)
         self.qk_norm = qk_norm
         self.backend = backend
-        self.one_token_layers = [layer.one_token_view() for layer in layers]
+        views = [layer.one_token_view() for layer in layers]
+        # Qwen3's q/k-norm layers take the one-token path on one rank only: under tensor parallelism
+        # (not yet run on two GPUs) they keep the general layers.
+        sharded = qk_norm and views[0].tp is not None and views[0].tp.size > 1
+        self.one_token_layers = None if sharded else views
         self.decode_path = backend.decode_path(self.one_token_layers, self.rotary.rope_rows)
 
     def forward(self, input_ids, positions, kv_caches, meta):

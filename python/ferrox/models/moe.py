@@ -130,7 +130,11 @@ class MoeModel(nn.Module):
         # As in LlamaModel: per-head q/k norms rotate their normed copies with the torch formula.
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, device,
                                       for_device(device, "torch") if qk_norm else ops)
-        self.decode_path = backend.decode_path([layer.one_token_view() for layer in layers], self.rotary.rope_rows)
+        views = [layer.one_token_view() for layer in layers]
+        # One rank only: under tensor or expert parallelism (not yet run on two GPUs) the layers keep
+        # the general path; the decode path may still fuse the lm_head.
+        sharded = views[0].tp is not None and views[0].tp.size > 1
+        self.decode_path = backend.decode_path(None if sharded else views, self.rotary.rope_rows)
 
     def forward(self, input_ids, positions, kv_caches, meta):
         h = self.embed_tokens(input_ids)
