@@ -57,14 +57,22 @@ def _qkv_case(device, dtype, *, hq, hkv, d, k, bias, slot, block_size=4, num_blo
     ref_k = rotary_neox_ref(pos, qkv[:, hq:hq + hkv], cos_sin)
     assert q.shape == (1, hq, d)
     assert relative_error(q, ref_q) < TOLERANCE[dtype]
+    written = _written_slot(cache, slot, block_size, hkv * d)
+    if written is not None:
+        assert relative_error(written[0], ref_k[0]) < TOLERANCE[dtype]
+        assert relative_error(written[1], qkv[0, hq + hkv:]) < TOLERANCE[dtype]
+
+
+def _written_slot(cache: torch.Tensor, slot: int, block_size: int, per_plane: int) -> torch.Tensor | None:
+    """The (k, v) rows a one-token kernel wrote into a NaN-filled cache at `slot`, after checking
+    that it wrote that slot and nothing else (None for padding, slot -1, which writes nothing)."""
     written = ~cache.isnan()
     if slot < 0:
-        assert not written.any()  # padding writes nothing
-        return
+        assert not written.any()
+        return None
     blk, off = divmod(slot, block_size)
-    assert written[:, blk, off].all() and written.sum() == 2 * hkv * d  # that slot and nothing else
-    assert relative_error(cache[0, blk, off], ref_k[0]) < TOLERANCE[dtype]
-    assert relative_error(cache[1, blk, off], qkv[0, hq + hkv:]) < TOLERANCE[dtype]
+    assert written[:, blk, off].all() and written.sum() == 2 * per_plane
+    return cache[:, blk, off]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -143,14 +151,10 @@ def test_qk_norm_rope_cache_tiny(kernel_device, seed, dtype, slot):
                                                   block_size=block_size)
     assert q.shape == (1, hq, d) and q.dtype == dtype
     assert relative_error(q, ref_q) < TOLERANCE[dtype]
-    written = ~cache.isnan()
-    if slot < 0:
-        assert not written.any()  # padding writes nothing
-        return
-    blk, off = divmod(slot, block_size)
-    assert written[:, blk, off].all() and written.sum() == 2 * hkv * d  # that slot and nothing else
-    assert relative_error(cache[0, blk, off], ref_k) < TOLERANCE[dtype]
-    assert torch.equal(cache[1, blk, off], ref_v)  # v unchanged
+    written = _written_slot(cache, slot, block_size, hkv * d)
+    if written is not None:
+        assert relative_error(written[0], ref_k) < TOLERANCE[dtype]
+        assert torch.equal(written[1], ref_v)  # v unchanged
 
 
 def test_qk_norm_rope_cache_fp8(kernel_device, seed):

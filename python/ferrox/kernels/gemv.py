@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ferrox.kernels.kv_fp8 import unit_kv_scales
-from ferrox.kernels.reshape_and_cache import quantize_kv_fp8
+from ferrox.kernels.reshape_and_cache import store_head_kv
 
 
 @triton.jit
@@ -186,7 +186,6 @@ def _qkv_rope_kernel(
     lo = lo.to(x_ptr.dtype.element_ty).to(tl.float32)
     hi = hi.to(x_ptr.dtype.element_ty).to(tl.float32)
 
-    is_kv = head >= num_q_heads
     is_v = head >= num_q_heads + num_kv_heads
     cos = tl.load(rope_ptr + pairs)
     sin = tl.load(rope_ptr + HALF + pairs)
@@ -200,20 +199,8 @@ def _qkv_rope_kernel(
     tl.store(q_out_ptr + rows, out_lo, mask=q_mask)
     tl.store(q_out_ptr + rows + HALF, out_hi, mask=q_mask)
 
-    slot = tl.load(slot_ptr)
-    kv_mask = pairs < tl.where(is_kv & (slot >= 0), HALF, 0)  # slot -1: padding, stores nothing
-    plane = is_v.to(tl.int64)
-    kv_head = head - num_q_heads - plane * num_kv_heads
-    safe_slot = tl.maximum(slot, 0)
-    dst = (cache_ptr + plane * stride_ckv + (safe_slot // block_size) * stride_cblock
-           + (safe_slot % block_size) * stride_cslot + kv_head * stride_chead + pairs)
-    kv_lo, kv_hi = out_lo, out_hi
-    if cache_ptr.dtype.element_ty == tl.float8e4nv:
-        # An FP8 cache stores x / scale, saturated (kv_cache.quantize_kv's rule).
-        kv_scale = tl.load(kv_scale_ptr + plane)
-        kv_lo, kv_hi = quantize_kv_fp8(out_lo, kv_scale), quantize_kv_fp8(out_hi, kv_scale)
-    tl.store(dst, kv_lo.to(cache_ptr.dtype.element_ty), mask=kv_mask)
-    tl.store(dst + HALF, kv_hi.to(cache_ptr.dtype.element_ty), mask=kv_mask)
+    store_head_kv(cache_ptr, kv_scale_ptr, slot_ptr, head, pairs, out_lo, out_hi, num_q_heads, num_kv_heads,
+                  block_size, stride_ckv, stride_cblock, stride_cslot, stride_chead, HALF)
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,6 +46,30 @@ def quantize_kv_fp8(x, scale):
 
 
 @triton.jit
+def store_head_kv(cache_ptr, kv_scale_ptr, slot_ptr, head, pairs, lo, hi, num_q_heads, num_kv_heads, block_size,
+                  stride_ckv, stride_cblock, stride_cslot, stride_chead, HALF: tl.constexpr):
+    """The one-token kernels' KV write (gemv.py's qkv kernel, qk_norm_rope.py): a program holding
+    rotary pairs `pairs` of head `head` of [q | k | v] heads, as halves lo (d) and hi (d + HALF),
+    stores k and v heads into the cache at the token's slot (slot_ptr[0]; -1: nothing); q heads
+    store nothing here."""
+    is_kv = head >= num_q_heads
+    is_v = head >= num_q_heads + num_kv_heads
+    slot = tl.load(slot_ptr).to(tl.int64)
+    # Scalar conditions become lane limits (a block mask must come from a block comparison).
+    kv_mask = pairs < tl.where(is_kv & (slot >= 0), HALF, 0)
+    plane = is_v.to(tl.int64)
+    kv_head = head - num_q_heads - plane * num_kv_heads
+    safe_slot = tl.maximum(slot, 0)
+    dst = (cache_ptr + plane * stride_ckv + (safe_slot // block_size) * stride_cblock
+           + (safe_slot % block_size) * stride_cslot + kv_head * stride_chead + pairs)
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        kv_scale = tl.load(kv_scale_ptr + plane)
+        lo, hi = quantize_kv_fp8(lo, kv_scale), quantize_kv_fp8(hi, kv_scale)
+    tl.store(dst, lo.to(cache_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(dst + HALF, hi.to(cache_ptr.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
 def _reshape_and_cache_kernel(
     key_ptr,
     value_ptr,
