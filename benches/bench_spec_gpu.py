@@ -91,9 +91,21 @@ def verify_costs(model_dir: str, context: int, ks: list[int]) -> list[tuple[str,
         t = upload_step(decode.so, upload)
         graph_ms = _time_ms(lambda: model.compute_logits(graphs.run(t.input_ids, t.positions, t.meta)))
         rows.append(("decode (1 token), CUDA graph", graph_ms, graph_ms / base))
+    from ferrox.worker.cuda_graphs import CudaGraphRunner
+
     for k in ks:
-        ms = _time_ms(forward_of(_verify_step(k, context, bs)))
+        so = _verify_step(k, context, bs)
+        ms = _time_ms(forward_of(so))
         rows.append((f"verify k={k} ({k + 1} tokens), eager", ms, ms / base))
+        # What an engine with speculative_config k replays (worker/cuda_graphs.py verify graphs).
+        verify = CudaGraphRunner(model, kv, max_num_seqs=1, max_model_len=context + 64, block_size=bs,
+                                 device=torch.device("cuda"), verify_len=k + 1)
+        verify.capture()
+        upload.next_step()
+        t = upload_step(so, upload)
+        ms = _time_ms(lambda t=t, g=verify: model.compute_logits(g.run(t.input_ids, t.positions, t.meta)))
+        rows.append((f"verify k={k} ({k + 1} tokens), CUDA graph", ms, ms / base))
+        del verify
     llm.engine.shutdown()
     del llm
     gc.collect()

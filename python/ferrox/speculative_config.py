@@ -67,3 +67,10 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
     elif model is not None:
         raise ValueError(f"speculative_config.model: method 'ngram' takes no model (got {model!r})")
     return SpeculativeConfig(method, k, lo, hi, model)
+
+
+def verify_len(value: Any) -> int:
+    """Query tokens of a speculative verify step (k drafts + the last sampled token) for the
+    speculative_config `value`, 0 without speculation: the verify CUDA graphs' shape."""
+    spec = parse_speculative_config(value)
+    return spec.num_speculative_tokens + 1 if spec is not None else 0

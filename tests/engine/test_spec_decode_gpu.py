@@ -1,7 +1,7 @@
 """Speculative decoding on a CUDA GPU (skipped without one): greedy output with n-gram and
-draft-model speculation equals greedy output without it, with CUDA graphs (the draft model's
-proposal steps replay graphs of their own) and eagerly, and a self-drafting target accepts every
-draft."""
+draft-model speculation equals greedy output without it, with CUDA graphs (verify steps replay
+graphs of their own shape, and so do the draft model's proposal steps and shadow pass) and eagerly,
+and a self-drafting target accepts every draft."""
 
 from __future__ import annotations
 
@@ -43,3 +43,6 @@ def test_speculation_keeps_greedy_output(tiny_llama, eager):
     s = draft.engine.stats()
     assert s["spec_num_accepted_tokens"] == s["spec_num_draft_tokens"] > 0  # the target drafting for itself
     assert ngram.engine.stats()["spec_num_drafts"] > 0
+    if not eager:  # verify steps replayed graphs of their own shape (worker/cuda_graphs.py)
+        graphs = ngram.engine.runner.graph_runner
+        assert graphs.verify_len == 4 and graphs.verify_graphs and graphs._rows is not None

@@ -119,3 +119,58 @@ def test_engine_greedy_tokens_same_with_and_without_graphs(cuda_device, tmp_path
         del llm
         torch.cuda.empty_cache()
     assert tokens[False] == tokens[True]
+
+
+def _verify_step(context: list[int], drafts: list[int], k: int, num_blocks: int):
+    """A speculative verify step from a throwaway core scheduler: request i has context[i] tokens of
+    context (its prompt and one sampled token) and verifies drafts[i] <= k draft tokens."""
+    import numpy as np
+    from ferrox import _core
+
+    sched = _core.Scheduler(num_blocks=num_blocks, max_model_len=1024, block_size=BLOCK, max_num_seqs=8,
+                            max_num_batched_tokens=4096, enable_prefix_caching=False, num_speculative_tokens=k,
+                            speculative_method="draft_model")
+    for i, n in enumerate(context):
+        sched.add_request(f"r{i}", np.full(n - 1, 5, dtype=np.int64), max_tokens=64, ignore_eos=True,
+                          detokenize=False)
+    prefill = sched.schedule()
+    sched.update_from_output(np.full(prefill.num_reqs, 7, dtype=np.int64))
+    slots = np.asarray(prefill.req_slots, dtype=np.int32)
+    tokens = np.concatenate([np.arange(d, dtype=np.int64) + 11 for d in drafts])
+    offsets = np.concatenate(([0], np.cumsum(drafts))).astype(np.int32)
+    so = sched.schedule(draft_slots=slots, draft_token_ids=tokens, draft_offsets=offsets)
+    assert np.asarray(so.num_scheduled_tokens).tolist() == [d + 1 for d in drafts]
+    return so
+
+
+@pytest.mark.gpu
+def test_verify_graphs_match_eager(cuda_device, seed):
+    """Speculative verify steps (k = 3: up to 4 query tokens a request) replay verify graphs, ragged
+    queries padded per request, and give the eager forward's hidden states in the step's order."""
+    from ferrox.worker.cuda_graphs import CudaGraphRunner
+
+    model, kv_caches = _tiny_llama(cuda_device)
+    runner = CudaGraphRunner(model, kv_caches, max_num_seqs=4, max_model_len=1024, block_size=BLOCK,
+                             device=cuda_device, verify_len=4)
+    runner.capture()
+    assert sorted(runner.graphs) == [1, 2, 4] and sorted(runner.verify_graphs) == [1, 2, 4]
+    assert not any(kv.any() for kv in kv_caches), "capture left its dummy K/V in the cache"
+    with torch.inference_mode():
+        for kv in kv_caches:
+            kv.normal_()
+    upload = Uploader(cuda_device)
+    for context, drafts in (([6, 18, 41], [3, 0, 2]), ([9, 33], [3, 3]), ([70], [1]), ([5, 17, 30, 2], [2, 3, 1, 0])):
+        so = _verify_step(context, drafts, 3, kv_caches[0].shape[1])
+        upload.next_step()
+        t = upload_step(so, upload)
+        assert runner.can_run(t.meta) and not t.meta.decode_only
+        ids = torch.randint(0, 1000, (t.input_ids.shape[0],), device=cuda_device)
+        with torch.inference_mode():
+            eager = model.forward(ids, t.positions, kv_caches, t.meta).clone()
+            caches_after_eager = [kv.clone() for kv in kv_caches]
+        graphed = runner.run(ids, t.positions, t.meta)
+        assert graphed.shape == eager.shape and not graphed.isnan().any()
+        assert relative_error(graphed, eager) < 2e-2
+        # The graph wrote the same K/V, up to bf16 rounding (pad rows write nothing).
+        for kv, ref in zip(kv_caches, caches_after_eager, strict=True):
+            torch.testing.assert_close(kv, ref, atol=5e-2, rtol=5e-2)

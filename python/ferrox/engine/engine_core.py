@@ -46,7 +46,7 @@ from ferrox.executor.launch import rank_config
 from ferrox.pooling.params import PoolingParams, validate_pooling_request
 from ferrox.request_rules import check_request_id
 from ferrox.sampling_params import SamplingParams
-from ferrox.speculative_config import SpeculativeConfig, parse_speculative_config
+from ferrox.speculative_config import SpeculativeConfig, parse_speculative_config, verify_len
 from ferrox.step_types import Logprobs, StepResult, StepRow
 from ferrox.worker.draft_model import DraftProposer
 from ferrox.worker.model_runner import ModelRunner, ModelRunnerOutput, StepHandle
@@ -140,7 +140,8 @@ class EngineCore:
         self.cuda_graph_capture_s: float | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.cuda_graph_capture_s = self.runner.capture_cuda_graphs(
-                max_num_seqs=loaded.max_num_seqs, max_model_len=self.max_model_len, block_size=config.block_size
+                max_num_seqs=loaded.max_num_seqs, max_model_len=self.max_model_len, block_size=config.block_size,
+                verify_len=verify_len(config.speculative_config),
             )
             if self.cuda_graph_capture_s is not None:
                 logger.info("CUDA graphs for decode batches %s captured in %.1f s",

@@ -18,6 +18,17 @@ max_model_len, so the kernel's launch shape (grid and split-KV count) is the sam
 at every replay. A decode-only step's query_start_loc is always 0..batch, so that buffer is
 filled once; host-side fields (seq_lens_cpu...) are baked in at capture, which is why only
 backends that read no host data per step (Triton) may run inside a graph.
+
+Verify graphs (speculative decoding, `verify_len` = k + 1): a verify step runs up to k + 1 query
+tokens per request (the last sampled token and its drafts). Such steps replay a second ladder of
+graphs captured with every request's query exactly verify_len tokens long. A step with shorter
+queries (fewer drafts for some requests, or a short prefill chunk) is padded per request: its
+tokens move to rows [i * verify_len, i * verify_len + q_i) of the static buffers, the pad rows get
+slot -1 (no KV write), and the request's seq_len grows by the pad, so that its real rows keep
+their causal positions (the kernel places row j of a query of length Q at seq_len - Q + j) and
+never see the pad positions, which come after them. The hidden rows are gathered back into the
+step's own layout after the replay. Pad positions may run past the request's blocks: the static
+block table has a spare zeroed block column per verify_len tokens so those reads stay inside it.
 """
 
 from __future__ import annotations
@@ -31,7 +42,13 @@ import torch
 
 from ferrox.attention.kv_cache import zero_kv_blocks
 from ferrox.attention.metadata import AttentionMetadata
-from ferrox.worker.dummy_batch import decode_step, min_decode_blocks, upload_step
+from ferrox.worker.dummy_batch import (
+    decode_step,
+    min_decode_blocks,
+    min_prefill_blocks,
+    prefill_step,
+    upload_step,
+)
 from ferrox.worker.step_inputs import Uploader
 
 logger = logging.getLogger(__name__)
@@ -67,7 +84,10 @@ class CudaGraphRunner:
         block_size: int,
         device: torch.device,
         batch_sizes: list[int] | None = None,
+        verify_len: int = 0,
     ) -> None:
+        """verify_len: k + 1 for speculative decoding with k draft tokens (also captures verify
+        graphs, module docstring), 0 for none."""
         device = torch.device(device)
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
@@ -94,26 +114,37 @@ class CudaGraphRunner:
                            "capturing up to %d instead of %d", self.num_blocks, sizes[-1], sizes[-1], wanted[-1])
         self.batch_sizes = sizes
         self.max_batch = sizes[-1]
-        max_blocks = -(-max_model_len // block_size)
+        self.verify_len = verify_len if verify_len > 1 else 0
+        # Verify batches: the ladder sizes whose dummy step (fresh prompts of verify_len tokens) fits
+        # the cache and stays within 8192 tokens (larger verify batches are rare and run eagerly).
+        self.verify_sizes = [b for b in sizes if b * self.verify_len <= 8192 and min_prefill_blocks(
+            b * self.verify_len, b, block_size) <= self.num_blocks] if self.verify_len else []
+        rows = max(self.max_batch, self.max_batch * self.verify_len)
+        max_blocks = -(-max_model_len // block_size) + (-(-self.verify_len // block_size))
         n = self.max_batch
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((rows,), -1, dtype=torch.int64, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # one token per request
+        self.verify_query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device) * self.verify_len
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._rows: torch.Tensor | None = None  # the last verify step's token -> static row map
         self.capture_seconds = 0.0
 
-    def _graph_meta(self, meta: AttentionMetadata) -> AttentionMetadata:
+    def _graph_meta(self, meta: AttentionMetadata, query_len: int = 1) -> AttentionMetadata:
         """The metadata a graph reads: that of the step staged for its capture (a ladder size, so
-        no padding), pointed at the static buffers, with the fixed max_seq_len (module docstring)."""
+        no padding), pointed at the static buffers, with the fixed max_seq_len (module docstring;
+        a verify graph's pad rows may reach query_len - 1 positions past max_model_len)."""
         n = meta.num_reqs
+        starts = self.query_start_loc if query_len == 1 else self.verify_query_start_loc
         return dataclasses.replace(
             meta,
-            max_seq_len=self.max_model_len,
-            slot_mapping=self.slot_mapping[:n],
-            query_start_loc=self.query_start_loc[: n + 1],
+            max_seq_len=self.max_model_len + query_len - 1,
+            slot_mapping=self.slot_mapping[: n * query_len],
+            query_start_loc=starts[: n + 1],
             seq_lens=self.seq_lens[:n],
             block_table=self.block_table[:n],
         )
@@ -134,6 +165,37 @@ class CudaGraphRunner:
             self.seq_lens[batch:padded].zero_()  # and attends to nothing
             self.positions[batch:padded].zero_()
         return padded
+
+    def stage_verify(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> int:
+        """Copy a step whose queries are at most verify_len tokens into the static buffers, each
+        request's tokens at its own verify_len rows (module docstring); returns the padded batch.
+        Device ops only: the token -> row map comes from query_start_loc on the device."""
+        q, batch, tokens = self.verify_len, meta.num_reqs, input_ids.shape[0]
+        padded = self.padded_verify_size(batch)
+        starts = meta.query_start_loc[:batch].to(torch.int64)
+        lens = meta.query_start_loc[1 : batch + 1].to(torch.int64) - starts
+        req = torch.repeat_interleave(torch.arange(batch, device=self.device), lens, output_size=tokens)
+        rows = req * q + torch.arange(tokens, device=self.device) - starts[req]
+        self._rows = rows
+        span = padded * q
+        self.input_ids[:span].zero_()
+        self.positions[:span].zero_()
+        self.slot_mapping[:span].fill_(-1)  # pad rows write no KV
+        self.input_ids.index_copy_(0, rows, input_ids)
+        self.positions.index_copy_(0, rows, positions)
+        self.slot_mapping.index_copy_(0, rows, meta.slot_mapping[:tokens])
+        self.seq_lens[:batch].copy_(meta.seq_lens + (q - lens).to(torch.int32), non_blocking=True)
+        self.seq_lens[batch:padded].fill_(q)  # pad requests attend over their own q rows (block 0)
+        width = meta.block_table.shape[1]
+        self.block_table[:batch, :width].copy_(meta.block_table, non_blocking=True)
+        self.block_table[:batch, width:].zero_()  # pad positions past the request's blocks read block 0
+        return padded
+
+    def padded_verify_size(self, batch: int) -> int:
+        for size in self.verify_sizes:
+            if size >= batch:
+                return size
+        raise ValueError(f"a verify batch of {batch} exceeds the largest captured size")
 
     @torch.inference_mode()
     def capture(self) -> float:
@@ -160,23 +222,39 @@ class CudaGraphRunner:
                 out = self.model.forward(*args)
             pool = graph.pool()
             self.graphs[batch] = (graph, out)
+        for batch in reversed(self.verify_sizes):
+            # Fresh prompts of exactly verify_len tokens: the verify shape, with no context needed.
+            step = prefill_step(batch * self.verify_len, batch, self.block_size, num_blocks=self.num_blocks)
+            touched.update(step.block_ids.tolist())
+            upload.next_step()
+            t = upload_step(step.so, upload)
+            self.stage_verify(t.input_ids, t.positions, t.meta)
+            args = (self.input_ids[: batch * self.verify_len], self.positions[: batch * self.verify_len],
+                    self.kv_caches, self._graph_meta(t.meta, self.verify_len))
+            self.model.forward(*args)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self.model.forward(*args)
+            pool = graph.pool()
+            self.verify_graphs[batch] = (graph, out)
         if touched:
             blocks = torch.tensor(sorted(touched), dtype=torch.int64, device=self.device)
             zero_kv_blocks(self.kv_caches, blocks)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
-        logger.info("captured %d CUDA graphs (decode batch sizes %s) in %.1f s",
-                    len(self.graphs), self.batch_sizes, self.capture_seconds)
+        logger.info("captured %d CUDA graphs (decode batch sizes %s%s) in %.1f s",
+                    len(self.graphs) + len(self.verify_graphs), self.batch_sizes,
+                    f"; verify steps of {self.verify_len} tokens, batches {self.verify_sizes}" if self.verify_graphs
+                    else "", self.capture_seconds)
         return self.capture_seconds
 
     def can_run(self, meta: AttentionMetadata) -> bool:
-        return (
-            bool(self.graphs)
-            and meta.decode_only
-            and meta.num_reqs <= self.max_batch
-            and meta.max_seq_len <= self.max_model_len
-            and meta.block_table.shape[1] <= self.block_table.shape[1]
-        )
+        fits = meta.max_seq_len <= self.max_model_len and meta.block_table.shape[1] <= self.block_table.shape[1]
+        if meta.decode_only:
+            return bool(self.graphs) and meta.num_reqs <= self.max_batch and fits
+        return (bool(self.verify_graphs) and meta.max_query_len <= self.verify_len
+                and meta.num_reqs <= self.verify_sizes[-1] and fits)
 
     def padded_size(self, batch: int) -> int:
         for size in self.batch_sizes:
@@ -186,8 +264,14 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [batch, hidden] of a decode-only step. The result is a view of the graph's
-        static output: consume it (compute logits) before the next `run`."""
+        """Hidden states [tokens, hidden] of a step `can_run` accepts. A decode step's result is a
+        view of the graph's static output: consume it (compute logits) before the next `run`."""
+        if not meta.decode_only:
+            padded = self.stage_verify(input_ids, positions, meta)
+            graph, out = self.verify_graphs[padded]
+            graph.replay()
+            assert self._rows is not None
+            return out.index_select(0, self._rows)  # back to the step's own token order
         batch = input_ids.shape[0]
         padded = self.stage(input_ids, positions, meta)
         graph, out = self.graphs[padded]

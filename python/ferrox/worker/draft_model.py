@@ -73,7 +73,7 @@ class DraftProposer:
                  device: torch.device, load_format: str, seed: int, cuda_graphs: bool = False,
                  keep_quantized: bool = False) -> None:
         """cuda_graphs: capture the proposal steps (one token per request, the target's decode shape)
-        in CUDA graphs of their own, over the twin cache; the shadow pass runs eagerly.
+        and the shadow pass's verify steps in CUDA graphs of their own, over the twin cache.
         keep_quantized: a quantized GGUF draft stays quantized where it can (the target's rule, so a
         model drafting itself shares its weights and its kernels, and every draft is accepted)."""
         from ferrox.worker.model_setup import _shared_model  # the same weight sharing as the target's
@@ -100,8 +100,10 @@ class DraftProposer:
         self._pending: list[_Pending] = []
         self.graphs: CudaGraphRunner | None = None
         if cuda_graphs and torch.device(device).type == "cuda":
+            # Verify-shaped graphs too: the shadow pass runs the target's steps, verify steps included.
             self.graphs = CudaGraphRunner(self.model, self.kv_caches, max_num_seqs=max_num_seqs,
-                                          max_model_len=max_model_len, block_size=block_size, device=device)
+                                          max_model_len=max_model_len, block_size=block_size, device=device,
+                                          verify_len=self.k + 1)
             self.graphs.capture()
 
     @torch.inference_mode()
@@ -109,8 +111,11 @@ class DraftProposer:
         """Run the draft model over a target step's tokens: fills the twin slots (see module docs)."""
         self.upload.next_step()
         meta = attention_metadata(so, self.upload)
-        self.model.forward(self.upload("input_ids", so.input_ids), self.upload("positions", so.positions),
-                           self.kv_caches, meta)
+        ids, pos = self.upload("input_ids", so.input_ids), self.upload("positions", so.positions)
+        if self.graphs is not None and self.graphs.can_run(meta):
+            self.graphs.run(ids, pos, meta)
+        else:
+            self.model.forward(ids, pos, self.kv_caches, meta)
 
     def record(self, so: Any, outs: Any) -> None:
         """After update_from_output: the requests that may get drafts next step (decode state: they just

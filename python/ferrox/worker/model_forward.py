@@ -75,18 +75,22 @@ class ModelForward:
         self.device = device
         self.tp = tp
         self.upload = upload
-        # Decode-only steps replay captured CUDA graphs when set (worker/cuda_graphs.py). None: eager.
+        # Decode-only and speculative verify steps replay captured CUDA graphs when set
+        # (worker/cuda_graphs.py). None: eager.
         self.graph_runner: Any = None
 
-    def capture_cuda_graphs(self, *, max_num_seqs: int, max_model_len: int, block_size: int) -> float | None:
-        """Capture decode graphs for the batch-size ladder; returns seconds, or None if it failed
+    def capture_cuda_graphs(self, *, max_num_seqs: int, max_model_len: int, block_size: int,
+                            verify_len: int = 0) -> float | None:
+        """Capture decode graphs for the batch-size ladder (and, with verify_len = k + 1 for k
+        speculative tokens, graphs of verify steps); returns seconds, or None if it failed
         (logged; the engine then runs eagerly). Under tensor parallelism every rank captures the
         same ladder, all-reduces included."""
         from ferrox.worker.cuda_graphs import CudaGraphRunner
 
         try:
             runner = CudaGraphRunner(self.model, self.kv_caches, max_num_seqs=max_num_seqs,
-                                     max_model_len=max_model_len, block_size=block_size, device=self.device)
+                                     max_model_len=max_model_len, block_size=block_size, device=self.device,
+                                     verify_len=verify_len)
             seconds = runner.capture()
         except Exception:
             if self.tp.size > 1:

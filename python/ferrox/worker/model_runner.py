@@ -149,10 +149,11 @@ class ModelRunner:
     def graph_runner(self) -> Any:
         return self.forward.graph_runner
 
-    def capture_cuda_graphs(self, *, max_num_seqs: int, max_model_len: int, block_size: int) -> float | None:
-        """Capture decode graphs for the batch-size ladder (ModelForward.capture_cuda_graphs)."""
+    def capture_cuda_graphs(self, *, max_num_seqs: int, max_model_len: int, block_size: int,
+                            verify_len: int = 0) -> float | None:
+        """Capture decode (and verify) graphs for the batch-size ladder (ModelForward.capture_cuda_graphs)."""
         return self.forward.capture_cuda_graphs(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                                block_size=block_size)
+                                                block_size=block_size, verify_len=verify_len)
 
     def shutdown(self) -> None:
         """Release the other tensor-parallel ranks from their step loop."""

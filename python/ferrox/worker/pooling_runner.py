@@ -75,7 +75,8 @@ class PoolingRunner:
         self._requests: dict[int, _PoolingRequest] = {}  # core request slot -> what it asked for
         self.graph_runner: Any = None  # no CUDA graphs: steps are whole prompts of any shape
 
-    def capture_cuda_graphs(self, *, max_num_seqs: int, max_model_len: int, block_size: int) -> float | None:
+    def capture_cuda_graphs(self, *, max_num_seqs: int, max_model_len: int, block_size: int,
+                            verify_len: int = 0) -> float | None:
         return None
 
     def shutdown(self) -> None:
