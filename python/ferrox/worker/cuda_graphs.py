@@ -29,6 +29,9 @@ their causal positions (the kernel places row j of a query of length Q at seq_le
 never see the pad positions, which come after them. The hidden rows are gathered back into the
 step's own layout after the replay. Pad positions may run past the request's blocks: the static
 block table has a spare zeroed block column per verify_len tokens so those reads stay inside it.
+Per-token state kept outside these buffers in step order would not follow the padding: LoRA's token
+slots (lora/slots.py) are, which is one reason LoRA and speculation are refused together
+(engine/lora_state.check_lora_config).
 """
 
 from __future__ import annotations
