@@ -3,7 +3,12 @@
 //! and its product with float activations.
 //!
 //! The product quantizes each activation row to int8 per group of 32 (scale = max|x| / 127, as
-//! llama.cpp's Q8 activations) and takes integer dot products (`simd`). Weight rows are split
+//! llama.cpp's Q8 activations) and takes integer dot products (`simd`). The product is exactly
+//! w . x~ with x~ = d * xq the rounded activations: the offset term takes the sum of x~, never the
+//! exact sum of x. Mixing the two (offset * sum(x) beside scale * d * idot) leaves the error
+//! sum_k (w_k - offset) * (x~_k - x_k): q runs 0..15 above a group's minimum, so those terms do not
+//! cancel as the centred w_k's do, and on the embedded SmolLM2 (Q4_1) it cost 5x the KL against
+//! the float model (0.016 nats against 0.003; benches/RESULTS.md). Weight rows are split
 //! among the pool's workers; each worker runs all activation rows against its weight rows, so a
 //! weight byte is read from memory once per call however many rows the batch has.
 
@@ -66,11 +71,14 @@ impl QuantizedActs {
             let amax = xg.iter().fold(0.0f32, |m, v| m.max(v.abs()));
             let d = amax / 127.0;
             let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            let mut qsum = 0i32;
             for (q, v) in qg.iter_mut().zip(xg) {
                 *q = (v * inv).round() as i8;
+                qsum += *q as i32;
             }
             acts.d[g] = d;
-            acts.sum[g] = xg.iter().sum();
+            // The sum of the rounded activations, not of x: see the module doc.
+            acts.sum[g] = d * qsum as f32;
         }
         acts
     }
@@ -299,7 +307,7 @@ mod tests {
         QuantMatrix::new(rows, cols, bits, &q, &scale, &offset).unwrap()
     }
 
-    /// x . w in f64 with x as the kernel sees it (d * xq per group), for each (i, r).
+    /// w . x~ in f64, x~ = d * xq the activations as the kernel rounds them, for each (i, r).
     fn reference(w: &QuantMatrix, x: &[f32]) -> Vec<f64> {
         let (rows, cols) = (w.rows(), w.cols());
         let acts = QuantizedActs::new(x, cols);
@@ -311,14 +319,7 @@ mod tests {
             for r in 0..rows {
                 out[i * rows + r] = (0..cols)
                     .map(|k| dense[r * cols + k] as f64 * a.d[k / GROUP] as f64 * a.q[k] as f64)
-                    .sum::<f64>()
-                    // The offset term uses the exact float sum of x, not of d * xq.
-                    + (0..cols / GROUP)
-                        .map(|g| {
-                            let o = (w.offset[r * cols / GROUP + g]) as f64;
-                            o * (a.sum[g] as f64 - a.d[g] as f64 * a.q[g * GROUP..(g + 1) * GROUP].iter().map(|&v| v as f64).sum::<f64>())
-                        })
-                        .sum::<f64>();
+                    .sum::<f64>();
             }
         }
         out
@@ -379,6 +380,42 @@ mod tests {
         w.matmul(&x, &mut acc, Some(&bias), true);
         for r in 0..16 {
             assert!((acc[r] - (10.0 + plain[r] + r as f32)).abs() < 1e-4);
+        }
+    }
+
+    /// Q4_1-like groups (w = scale * q + offset, offset about -8 scales, so q sits 0..15 above a
+    /// group's minimum): the product is the dequantized weights times the rounded activations to
+    /// float precision, the offset term included. Taking the exact sum of x in the offset term
+    /// instead (as this kernel once did) leaves offset * (sum x - d * sum xq) per group: ~0.01
+    /// here, 500x the tolerance, and on the embedded SmolLM2 5x the KL of llama.cpp's products.
+    #[test]
+    fn offset_term_uses_the_rounded_activations() {
+        let mut seed = 17;
+        let (rows, cols) = (24, 576);
+        for bits in [4, 8] {
+            let top = (1u32 << bits) as f32;
+            let q: Vec<u8> = (0..rows * cols)
+                .map(|_| (lcg(&mut seed) * top).min(top - 1.0) as u8)
+                .collect();
+            let scale: Vec<f32> = (0..rows * cols / GROUP)
+                .map(|_| 0.01 + 0.02 * lcg(&mut seed))
+                .collect();
+            let offset: Vec<f32> = scale.iter().map(|s| -(top / 2.0) * s).collect();
+            let w = QuantMatrix::new(rows, cols, bits, &q, &scale, &offset).unwrap();
+            let x: Vec<f32> = (0..2 * cols).map(|_| lcg(&mut seed) * 2.0 - 1.0).collect();
+            let want = reference(&w, &x);
+            let mut portable = QuantMatrix::new(rows, cols, bits, &q, &scale, &offset).unwrap();
+            portable.use_portable_kernel();
+            for (name, mat) in [("selected", &w), ("portable", &portable)] {
+                let mut out = vec![0.0f32; 2 * rows];
+                mat.matmul(&x, &mut out, None, false);
+                for (k, (&o, &r)) in out.iter().zip(&want).enumerate() {
+                    assert!(
+                        (o as f64 - r).abs() < 2e-5,
+                        "{name} {bits}-bit #{k}: {o} vs {r}"
+                    );
+                }
+            }
         }
     }
 

@@ -7,7 +7,8 @@
 //!   row . x = sum_g  scale_g * d_g * idot_g  +  offset_g * xsum_g
 //!
 //! with w = scale_g * q + offset_g (the weight's groups) and x ~ d_g * xq (the activation's),
-//! xsum_g the exact float sum of x over the group (so the offset term carries no rounding of x).
+//! xsum_g = d_g * sum(xq) the sum of the rounded activations over the group, so that the result
+//! is w . (d * xq) whole (quant.rs says why not the exact sum of x).
 //!
 //! 4-bit rows hold 16 bytes a group: byte j's low nibble is column j, its high nibble column
 //! j + 16 (llama.cpp's Q4_0/Q4_1 order). 8-bit rows hold signed bytes (q - 128, the offset

@@ -89,6 +89,28 @@ def test_quantized_matmul_matches_float(type_name, m):
     assert torch.equal(packed(x[-1:], bias), y[-1:])
 
 
+def _rounded_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels round it: int8 per group of 32, d = max|x| / 127, halves away from zero."""
+    g = x.reshape(*x.shape[:-1], -1, 32)
+    d = g.abs().amax(-1, keepdim=True) / 127
+    v = g * torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.sign(v) * torch.floor(v.abs() + 0.5) * d).reshape(x.shape)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_0", "Q8_0"])
+def test_quantized_matmul_is_the_weights_times_the_rounded_activations(type_name):
+    """The product is exactly w . x~ (x~ the int8-rounded activations) to float precision, the
+    groups' offset term included (llama.cpp's Q8_1 rule). An offset term over the exact sum of x
+    (this kernel's old rule) misses by offset * (sum x - sum x~) a group, ~0.01 here (300x the
+    tolerance) for Q4_1 and Q4_0, and on the embedded SmolLM2 it cost 5x llama.cpp's KL against the
+    float model. (Q8_0's signed groups have no offset: either rule gives the same there.)"""
+    rows, cols = 64, 512
+    ga = decode_gguf(type_name, _blocks(type_name, rows, cols, seed=4), (rows, cols))
+    packed, w = CpuQuantWeight([ga]), torch.from_numpy(ga.dequantize())
+    x = torch.randn(5, cols)
+    torch.testing.assert_close(packed(x), _rounded_activations(x) @ w.T, rtol=1e-5, atol=2e-5)
+
+
 def test_merged_shards_of_4_and_8_bits_run_as_one_8_bit_matrix():
     parts = [decode_gguf("Q4_1", _blocks("Q4_1", 32, 64, seed=1), (32, 64)),
              decode_gguf("Q8_0", _blocks("Q8_0", 16, 64, seed=2), (16, 64))]
@@ -224,8 +246,10 @@ def smollm_quantized(smollm_source):
 def test_embedded_model_quantized_close_to_dequantized(smollm_tokenizer, smollm_model, smollm_quantized):
     """The embedded Q4_1 SmolLM2 kept quantized answers as the dequantized one: it knows the capital
     of France, and teacher-forced on the dequantized model's greedy tokens its decode steps (the
-    Rust decoder, int8 activations) pick the same token nearly always, with a small KL (the
-    benchmark's 16 x 64 tokens measured 0.016 nats and 94% agreement)."""
+    Rust decoder, int8 activations) pick the same token nearly always, with a small KL: 0.0031
+    nats and 100% agreement here (the benchmark's 16 x 64 tokens: 0.003 nats, llama.cpp's 0.003 on
+    the same file). The offset term over the exact sum of x (the old kernel) measured 0.019 nats
+    and 94% here."""
     prompts = ["<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
                "The quick brown fox", "def fibonacci(n):", "Once upon a time"]
     ids = [smollm_tokenizer.encode(p) for p in prompts]
@@ -238,4 +262,4 @@ def test_embedded_model_quantized_close_to_dequantized(smollm_tokenizer, smollm_
         kl += float((p_ref.exp() * (p_ref - p_q)).sum())
         agree += int((p_q.argmax(-1) == torch.tensor(cont)).sum())
         count += len(cont)
-    assert kl / count < 0.05 and agree / count >= 0.85, (kl / count, agree / count)
+    assert kl / count < 0.008 and agree / count >= 0.96, (kl / count, agree / count)
