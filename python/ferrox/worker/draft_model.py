@@ -97,6 +97,9 @@ class DraftProposer:
         self.kv_caches = allocate_kv_caches(spec, num_blocks + max_num_seqs * self.scratch_per_req, block_size,
                                             dtype, device)
         self.upload = Uploader(device)
+        # One uploader per proposal round: the rounds queue on the device without waiting for one
+        # another, so a round's pinned inputs must not be restaged until propose()'s final read.
+        self._round_uploads = [Uploader(device) for _ in range(self.k)]
         self._pending: list[_Pending] = []
         self.graphs: CudaGraphRunner | None = None
         if cuda_graphs and torch.device(device).type == "cuda":
@@ -159,9 +162,16 @@ class DraftProposer:
             fb = int(first_block[i])
             table[i, :fb] = r.blocks[:fb]
             table[i, fb : fb + self.scratch_per_req] = scratch[i] + np.arange(self.scratch_per_req)
-        last = np.array([r.token for r in reqs], dtype=np.int64)
-        drafts = np.zeros((n, self.k), dtype=np.int64)
+        # Each round's token is the previous round's argmax, kept on the device: the k rounds queue
+        # back to back, and the host reads the drafts once, at the end.
+        first = self._round_uploads[0]
+        first.next_step()
+        last = first("last_tokens", np.array([r.token for r in reqs], dtype=np.int64)).clone()
+        drafts_dev = torch.zeros((self.k, n), dtype=torch.int64, device=last.device)
         for j in range(int(budget.max())):
+            upload = self._round_uploads[j]
+            if j:
+                upload.next_step()
             active = np.flatnonzero(budget > j)
             offset = pos0[active] % bs + j
             step = _DraftStep(
@@ -171,16 +181,17 @@ class DraftProposer:
                 slot_mapping=(scratch[active] + offset // bs) * bs + offset % bs,
                 block_table=np.ascontiguousarray(table[active]),
             )
-            self.upload.next_step()
-            meta = attention_metadata(step, self.upload)
-            ids, pos = self.upload("input_ids", last[active]), self.upload("positions", pos0[active] + j)
+            meta = attention_metadata(step, upload)
+            rows = upload("active", active.astype(np.int64))
+            ids, pos = last.index_select(0, rows), upload("positions", pos0[active] + j)
             if self.graphs is not None and self.graphs.can_run(meta):
                 hidden = self.graphs.run(ids, pos, meta)
             else:
                 hidden = self.model.forward(ids, pos, self.kv_caches, meta)
-            proposed = self.model.compute_logits(hidden).argmax(dim=-1).cpu().numpy()
-            drafts[active, j] = proposed
-            last[active] = proposed
+            proposed = self.model.compute_logits(hidden).argmax(dim=-1)
+            drafts_dev[j].index_copy_(0, rows, proposed)
+            last.index_copy_(0, rows, proposed)
+        drafts = drafts_dev.t().cpu().numpy()
         counts = budget.astype(np.int32)
         return {
             "draft_slots": np.array([r.slot for r in reqs], dtype=np.int32),
