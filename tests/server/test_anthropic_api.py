@@ -16,10 +16,15 @@ def client(base_url):
         yield c
 
 
+# "Answer in English.": with the system prompt alone the embedded model sits near a tie between an English
+# and a French answer (0.1 nats), which its int8-activation CPU path may tip either way.
+QUESTION = "What is the capital of France? Answer in English."
+
+
 def test_message_non_streaming(client):
     msg = client.messages.create(
         model=MODEL, max_tokens=24, **GREEDY, system="You are a helpful assistant.",
-        messages=[{"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": QUESTION}]}],
     )
     assert msg.type == "message" and msg.role == "assistant" and msg.model == MODEL
     assert msg.content[0].type == "text" and "Paris" in msg.content[0].text
@@ -27,7 +32,7 @@ def test_message_non_streaming(client):
     assert msg.usage.input_tokens > 5 and 0 < msg.usage.output_tokens <= 24
     counted = client.messages.count_tokens(
         model=MODEL, system="You are a helpful assistant.",
-        messages=[{"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": QUESTION}]}],
     )
     assert counted.input_tokens == msg.usage.input_tokens
 

@@ -9,7 +9,9 @@ import openai
 import pytest
 
 MODEL = "smol"
-QUESTION = "What is the capital of France?"
+# "Answer in English.": with this system prompt the embedded model otherwise sits near a tie between an
+# English and a French answer (0.1 nats), which its int8-activation CPU path may tip either way.
+QUESTION = "What is the capital of France? Answer in English."
 SYSTEM = "You are a helpful assistant."
 WEATHER = {
     "type": "function", "name": "get_weather", "description": "Get the current weather for a city",
