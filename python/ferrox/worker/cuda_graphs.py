@@ -217,14 +217,8 @@ class CudaGraphRunner:
             if not t.meta.decode_only or t.meta.num_reqs != batch:
                 raise RuntimeError(f"the dummy step for CUDA-graph batch {batch} is not a decode step of {batch}")
             self.stage(t.input_ids, t.positions, t.meta)  # a ladder size: nothing to pad
-            args = (self.input_ids[:batch], self.positions[:batch], self.kv_caches, self._graph_meta(t.meta))
-            self.model.forward(*args)  # warm-up: Triton compiles and cuBLAS picks kernels outside capture
-            torch.cuda.synchronize(self.device)  # also: the upload's pinned buffers are free again
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self.model.forward(*args)
-            pool = graph.pool()
-            self.graphs[batch] = (graph, out)
+            self.graphs[batch] = self._capture_one(batch, t.meta, 1, pool)
+            pool = self.graphs[batch][0].pool()
         for batch in reversed(self.verify_sizes):
             # Fresh prompts of exactly verify_len tokens: the verify shape, with no context needed.
             step = prefill_step(batch * self.verify_len, batch, self.block_size, num_blocks=self.num_blocks)
@@ -232,15 +226,8 @@ class CudaGraphRunner:
             upload.next_step()
             t = upload_step(step.so, upload)
             self.stage_verify(t.input_ids, t.positions, t.meta)
-            args = (self.input_ids[: batch * self.verify_len], self.positions[: batch * self.verify_len],
-                    self.kv_caches, self._graph_meta(t.meta, self.verify_len))
-            self.model.forward(*args)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self.model.forward(*args)
-            pool = graph.pool()
-            self.verify_graphs[batch] = (graph, out)
+            self.verify_graphs[batch] = self._capture_one(batch, t.meta, self.verify_len, pool)
+            pool = self.verify_graphs[batch][0].pool()
         if touched:
             blocks = torch.tensor(sorted(touched), dtype=torch.int64, device=self.device)
             zero_kv_blocks(self.kv_caches, blocks)
@@ -251,6 +238,19 @@ class CudaGraphRunner:
                     f"; verify steps of {self.verify_len} tokens, batches {self.verify_sizes}" if self.verify_graphs
                     else "", self.capture_seconds)
         return self.capture_seconds
+
+    def _capture_one(self, batch: int, meta: AttentionMetadata, query_len: int,
+                     pool: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Capture the forward of the step staged in the static buffers (batch requests of
+        query_len tokens each) into the shared memory pool: (graph, its static output)."""
+        tokens = batch * query_len
+        args = (self.input_ids[:tokens], self.positions[:tokens], self.kv_caches, self._graph_meta(meta, query_len))
+        self.model.forward(*args)  # warm-up: Triton compiles and cuBLAS picks kernels outside capture
+        torch.cuda.synchronize(self.device)  # also: the upload's pinned buffers are free again
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = self.model.forward(*args)
+        return graph, out
 
     def can_run(self, meta: AttentionMetadata) -> bool:
         fits = meta.max_seq_len <= self.max_model_len and meta.block_table.shape[1] <= self.block_table.shape[1]
