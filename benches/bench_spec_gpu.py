@@ -8,6 +8,8 @@
    speculation on vs off over the same batch of requests; throughput ratio (target >= 0.95).
 3. The ceiling: draft-model speculation with the target as its own draft (every draft accepted),
    batch 1, ms per output token vs plain decoding.
+4. Output that repeats (a small random Llama falls into loops, so prompt lookup is accepted):
+   n-gram speculation with async scheduling and with synchronous steps vs none, batch 1 and 16.
 
     python benches/bench_spec_gpu.py [--config benches/configs/llama-3.1-8b] [--context 512]
 
@@ -119,10 +121,11 @@ def overhead_ratio(model_dir: str, num_prompts: int, input_len: int, output_len:
     prompts = bench_setup.random_prompts(num_prompts, input_len, MAX_ID, seed=1)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True, detokenize=False)
     out: dict[str, float] = {}
-    for name, spec in (("off", None), ("ngram", {"method": "ngram", "num_speculative_tokens": k,
-                                                 "prompt_lookup_min": 2, "prompt_lookup_max": 4})):
+    ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    # Async scheduling for both (the CUDA default without speculation); "ngram_sync" with synchronous steps.
+    for name, spec, overlap in (("off", None, None), ("ngram", ngram, True), ("ngram_sync", ngram, False)):
         llm = LLM(model=model_dir, load_format="dummy", max_model_len=input_len + output_len + 16,
-                  speculative_config=spec)
+                  speculative_config=spec, async_scheduling=overlap)
         llm.generate(prompts[:8], params, use_tqdm=False)
         start = time.perf_counter()
         res = llm.generate(prompts, params, use_tqdm=False)
@@ -133,7 +136,68 @@ def overhead_ratio(model_dir: str, num_prompts: int, input_len: int, output_len:
         gc.collect()
         torch.cuda.empty_cache()
     out["ratio"] = out["ngram"] / out["off"]
+    out["ratio_sync"] = out["ngram_sync"] / out["off"]
     return out
+
+
+COPY_TEXT = ("def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n\n\n"
+             "def sub(a, b):\n    return a - b\n\n\ndef div(a, b):\n    return a / b\n")
+
+
+def copy_speedup(batch_sizes: list[int], output_len: int, k: int,
+                 model: str | None = None) -> list[tuple[int, dict[str, float]]]:
+    """n-gram speculation on a copying task: output tokens/s without speculation, with n-gram
+    speculation under async scheduling and with synchronous steps (the default with speculation),
+    and the share of drafted tokens accepted. model: a chat model asked to repeat code (the embedded
+    SmolLM2 .gguf, on the GPU machine by file); None: a small random Llama on a repeating prompt, a
+    smoke run (its output seldom repeats, so little is accepted)."""
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from ferrox import LLM, SamplingParams
+
+    from tests.helpers.tiny_models import make_tiny_llama
+
+    real = model is not None
+    if model is None:
+        model = make_tiny_llama(tempfile.mkdtemp(prefix="ferrox-spec-"), hidden_size=256, num_layers=4,
+                                intermediate_size=512, num_heads=8, num_kv_heads=4)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=not real)
+    ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}
+    llms = {name: LLM(model, device="cuda", kv_cache_memory=2 << 30, max_model_len=2048, speculative_config=spec,
+                      async_scheduling=overlap)
+            for name, spec, overlap in (("off", None, None), ("ngram", ngram, True), ("ngram_sync", ngram, False))}
+    rows = []
+    for batch in batch_sizes:
+        if real:  # a chat model asked to copy text
+            tok = next(iter(llms.values())).get_tokenizer()
+            ids = tok.encode(tok.apply_chat_template(
+                [{"role": "user", "content": "Repeat this text exactly:\n" + COPY_TEXT}], add_generation_prompt=True))
+            prompts = [{"prompt_token_ids": list(ids)} for _ in range(batch)]
+        else:
+            prompts = [{"prompt_token_ids": [40 + i % 7, 41, 42, 43] * 8} for i in range(batch)]
+        res: dict[str, float] = {}
+        tokens = {}
+        for name, llm in llms.items():
+            llm.generate(prompts[:1], params, use_tqdm=False)
+            before = llm.engine.stats()
+            best = 0.0
+            for _ in range(3):
+                start = time.perf_counter()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                best = max(best, sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start))
+            after = llm.engine.stats()
+            res[name] = best
+            if name != "off":  # accepted / drafted tokens over the timed runs
+                drafted = after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
+                accepted = after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
+                res[f"{name}_accept"] = accepted / max(drafted, 1)
+            tokens[name] = [o.outputs[0].token_ids for o in outs]
+        res["same_tokens"] = float(tokens["ngram"] == tokens["off"] == tokens["ngram_sync"])
+        rows.append((batch, res))
+    for llm in llms.values():
+        llm.engine.shutdown()
+    return rows
 
 
 def self_draft_ceiling(model_dir: str, ks: list[int], output_len: int) -> list[tuple[str, float]]:
@@ -166,7 +230,9 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--parts", default="verify,ceiling,overhead")
+    ap.add_argument("--parts", default="verify,ceiling,copy,overhead")
+    ap.add_argument("--copy-model", default=None, help="part 4 on this chat model (e.g. the embedded SmolLM2 .gguf) "
+                    "asked to copy code, instead of a small random Llama")
     args = ap.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
     model_dir = bench_setup.make_model_dir(out_dir="/tmp/bench_spec_8b")
@@ -183,11 +249,21 @@ def main() -> None:
         print(f"{'mode':<20} {'ms/token':>9} {'speed-up':>9}")
         for name, ms in rows:
             print(f"{name:<20} {ms:>9.3f} {rows[0][1] / ms:>9.2f}")
+    if "copy" in parts:
+        what = args.copy_model or "small random Llama"
+        print(f"\n4. copy-heavy output, {what}, n-gram k=4, {args.output_len} tokens per request")
+        print(f"{'batch':>5} {'off tok/s':>10} {'ngram async':>12} {'ngram sync':>11} {'async/off':>10} "
+              f"{'sync/off':>9} {'accept a/s':>11} {'same':>5}")
+        for batch, r in copy_speedup([1, 16], args.output_len, 4, args.copy_model):
+            print(f"{batch:>5} {r['off']:>10.0f} {r['ngram']:>12.0f} {r['ngram_sync']:>11.0f} "
+                  f"{r['ngram'] / r['off']:>10.2f} {r['ngram_sync'] / r['off']:>9.2f} "
+                  f"{r['ngram_accept']:>5.2f}/{r['ngram_sync_accept']:<5.2f} {bool(r['same_tokens'])!s:>5}")
     if "overhead" in parts:
         res = overhead_ratio(model_dir, args.num_prompts, args.input_len, args.output_len, 4)
         print(f"\n2. n-gram on vs off, nothing accepted (random weights), {args.num_prompts} x "
-              f"({args.input_len} in, {args.output_len} out)")
-        print(f"off {res['off']:.0f} tok/s, ngram k=4 {res['ngram']:.0f} tok/s")
+              f"({args.input_len} in, {args.output_len} out), async scheduling unless 'sync'")
+        print(f"off {res['off']:.0f} tok/s, ngram k=4 {res['ngram']:.0f} tok/s, ngram k=4 sync "
+              f"{res['ngram_sync']:.0f} tok/s (ratio {res['ratio_sync']:.3f})")
         print(f"speculation overhead (ngram/off throughput, target >= 0.95): {res['ratio']:.3f}")
 
 

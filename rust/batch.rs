@@ -79,8 +79,8 @@ pub struct BatchEntry<'a> {
     /// Sampled tokens not known yet (async scheduling): positions past `token_ids` get input id
     /// -1, which the runner replaces on the device with the previous step's sampled token.
     pub num_placeholders: usize,
-    /// Speculative tokens scheduled after the known tokens (never with placeholders): they
-    /// are the input ids of the last `drafts.len()` positions.
+    /// Speculative tokens scheduled after the known tokens and placeholders: they are the
+    /// input ids of the last `drafts.len()` positions.
     pub drafts: &'a [u32],
 }
 
@@ -167,9 +167,9 @@ impl BatchArrays {
         // placeholder (async scheduling: input id -1).
         let token_at = |e: &BatchEntry<'_>, pos: usize| match e.token_ids.get(pos) {
             Some(&t) => t as i64,
-            None => e
-                .drafts
-                .get(pos - e.token_ids.len())
+            None => (pos - e.token_ids.len())
+                .checked_sub(e.num_placeholders)
+                .and_then(|j| e.drafts.get(j))
                 .map_or(-1, |&t| t as i64),
         };
         let (input_ids, positions, slot_mapping) = if num_tokens == entries.len() {

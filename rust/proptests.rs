@@ -931,15 +931,113 @@ fn async_spec_op() -> impl Strategy<Value = AsyncSpecOp> {
     ]
 }
 
-/// A scheduled step as the engine remembers it: each row's request and drafts.
-type StepRows = Vec<(String, Vec<i64>)>;
+/// A row of a step the simulated device has run: its request, its drafts, what it produced
+/// (accepted drafts then its own token; empty for a row that samples nothing).
+#[derive(Debug, Clone)]
+struct RanRow {
+    id: String,
+    drafts: Vec<i64>,
+    produced: Vec<i64>,
+}
+
+/// The device's side of async speculation, simulated: runs a scheduled step the way the
+/// runner does (placeholders filled with the step in flight's last token, each such row
+/// shifted back by the drafts that step rejected), writes the K/V shadow, checks every
+/// position the row attends to, and decides what each row produces.
+fn run_on_device(
+    s: &Scheduler,
+    out: &crate::batch::SchedulerOutput,
+    prev: Option<&Vec<RanRow>>,
+    bs: i64,
+    kv: &mut KvShadow,
+    (token, accept): (i64, usize),
+) -> Vec<RanRow> {
+    let a = &out.arrays;
+    let mut rows = Vec::new();
+    let mut off = 0;
+    for (r, id) in out.req_ids.iter().enumerate() {
+        let d = a.num_draft_tokens[r] as usize;
+        let drafts = a.draft_token_ids[off..off + d].to_vec();
+        off += d;
+        let (lo, hi) = (
+            a.query_start_loc[r] as usize,
+            a.query_start_loc[r + 1] as usize,
+        );
+        assert_eq!(
+            &a.input_ids[hi - d..hi],
+            &drafts[..],
+            "drafts are the last inputs"
+        );
+        let mut truth = s.request_tokens(id);
+        let holes = a.input_ids[lo..hi].iter().filter(|&&t| t == -1).count();
+        let mut shift = 0;
+        if holes > 0 {
+            assert_eq!(holes, 1, "{id}: one placeholder per row");
+            assert_eq!(a.input_ids[lo], -1, "{id}: the placeholder comes first");
+            let p = prev
+                .and_then(|p| p.iter().find(|x| x.id == id))
+                .unwrap_or_else(|| panic!("{id}: placeholder without a step in flight"));
+            assert!(
+                !p.produced.is_empty(),
+                "{id}: placeholder of a row that samples nothing"
+            );
+            shift = (1 + p.drafts.len() - p.produced.len()) as i64;
+            truth.extend(p.produced.iter().map(|&t| t as u32));
+            assert_eq!(
+                a.positions[lo] - shift,
+                truth.len() as i64 - 1,
+                "{id}: the shifted placeholder position is its token's"
+            );
+        } else {
+            assert!(
+                a.positions[lo] as usize + (hi - lo) - d <= truth.len(),
+                "{id}: inputs past the known tokens"
+            );
+        }
+        truth.truncate((a.positions[lo] - shift) as usize + (hi - lo) - d);
+        truth.extend(drafts.iter().map(|&t| t as u32));
+        let digest = prefix_digests(&truth);
+        let row = &a.block_table[r * a.max_blocks..(r + 1) * a.max_blocks];
+        let slot_of = |p: i64| row[(p / bs) as usize] as i64 * bs + p % bs;
+        for t in lo..hi {
+            let p = a.positions[t] - shift;
+            if shift == 0 {
+                assert_eq!(a.slot_mapping[t], slot_of(p));
+            }
+            kv.insert(slot_of(p), digest[p as usize]);
+        }
+        for p in 0..a.seq_lens[r] as i64 - shift {
+            assert_eq!(
+                kv.get(&slot_of(p)),
+                Some(&digest[p as usize]),
+                "request {id} reads wrong K/V at {p} (shift {shift})"
+            );
+        }
+        let produced = if a.sample_mask[r] {
+            let n = accept.min(d);
+            let mut run = drafts[..n].to_vec();
+            run.push(token);
+            run
+        } else {
+            Vec::new()
+        };
+        rows.push(RanRow {
+            id: id.to_string(),
+            drafts,
+            produced,
+        });
+    }
+    rows
+}
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
 
-    /// Async scheduling with n-gram drafts: a request with drafts in flight is never scheduled
-    /// again before its update, drafts never ride on a placeholder, every accepted run lands
-    /// exactly once, failed steps roll back, and nothing leaks.
+    /// Async scheduling with n-gram drafts, the device simulated (`run_on_device`): a request
+    /// is scheduled again while its drafts are in flight, at optimistic positions that the
+    /// device shifts back by the rejected drafts; every position a row attends to then holds
+    /// its own tokens' K/V, every produced run lands exactly once, failed steps roll back, the
+    /// invariants hold after every operation, and nothing leaks.
     #[test]
     fn speculation_with_async_steps_keeps_the_invariants(
         c in cfg(),
@@ -951,19 +1049,20 @@ proptest! {
             c.num_blocks, c.block_size, 128, c.max_num_seqs, c.budget, c.caching, c.policy, &[EOS],
         ).unwrap().with_speculation(spec);
         let mut s = Scheduler::new(config, None).unwrap();
+        let bs = c.block_size;
+        let mut kv = KvShadow::new();
         let mut live: Vec<String> = Vec::new();
-        let mut in_flight: std::collections::VecDeque<StepRows> = Default::default();
+        let mut in_flight: std::collections::VecDeque<Vec<RanRow>> = Default::default();
         let mut outputs: std::collections::HashMap<String, usize> = Default::default();
         let mut failed = false;
-        let update = |s: &mut Scheduler, step: StepRows, token: i64, accept: usize,
-                      live: &mut Vec<String>, outputs: &mut std::collections::HashMap<String, usize>| {
+        let mut outcome = (1000i64, 1usize);
+        let update = |s: &mut Scheduler, step: Vec<RanRow>, live: &mut Vec<String>,
+                      outputs: &mut std::collections::HashMap<String, usize>| {
             let mut flat = Vec::new();
             let mut counts = Vec::new();
-            for (_, drafts) in &step {
-                let a = accept.min(drafts.len());
-                flat.extend_from_slice(&drafts[..a]);
-                flat.push(token);
-                counts.push(a as i32 + 1);
+            for row in &step {
+                flat.extend_from_slice(&row.produced);
+                counts.push(row.produced.len() as i32);
             }
             let outs = s.update_from_output_counts(&flat, Some(&counts), None).unwrap();
             for row in outs.rows() {
@@ -985,44 +1084,34 @@ proptest! {
                         live.push(id);
                     }
                 }
-                AsyncSpecOp::ScheduleAhead | AsyncSpecOp::Schedule => {
-                    let ahead = matches!(op, AsyncSpecOp::ScheduleAhead) && !std::mem::take(&mut failed);
+                AsyncSpecOp::ScheduleAhead | AsyncSpecOp::Schedule | AsyncSpecOp::Fail => {
+                    let ahead = !matches!(op, AsyncSpecOp::Schedule) && !std::mem::take(&mut failed);
                     if !ahead || in_flight.len() >= 2 {
                         in_flight.clear();
                     }
                     let out = s.schedule_step(ahead);
-                    let a = &out.arrays;
-                    let mut rows = Vec::new();
-                    let mut off = 0;
-                    for (r, id) in out.req_ids.iter().enumerate() {
-                        let d = a.num_draft_tokens[r] as usize;
-                        let drafts = a.draft_token_ids[off..off + d].to_vec();
-                        off += d;
-                        let (lo, hi) = (a.query_start_loc[r] as usize, a.query_start_loc[r + 1] as usize);
-                        prop_assert!(d == 0 || !a.input_ids[lo..hi].contains(&-1), "drafts on a placeholder");
-                        // A request with drafts in the step still in flight is not scheduled again.
-                        for prev in &in_flight {
-                            prop_assert!(!prev.iter().any(|(x, dr)| x == id && !dr.is_empty()),
-                                "{} scheduled with drafts in flight", id);
-                        }
-                        rows.push((id.to_string(), drafts));
+                    s.check_invariants();
+                    if matches!(op, AsyncSpecOp::Fail) {
+                        // The launch failed: nothing ran; the next schedule rolls it back.
+                        in_flight.clear();
+                        failed = true;
+                        continue;
                     }
-                    if !rows.is_empty() {
-                        in_flight.push_back(rows);
+                    let ran = run_on_device(&s, &out, in_flight.back(), bs, &mut kv, outcome);
+                    prop_assert!(out.num_tokens <= c.budget as usize, "token budget exceeded");
+                    if !ran.is_empty() {
+                        in_flight.push_back(ran);
                     }
                 }
                 AsyncSpecOp::Update { token, accept } => {
+                    outcome = (*token, *accept);
                     if failed {
                         continue;
                     }
                     match in_flight.pop_front() {
-                        Some(step) => update(&mut s, step, *token, *accept, &mut live, &mut outputs),
+                        Some(step) => update(&mut s, step, &mut live, &mut outputs),
                         None => prop_assert!(s.update_from_output(&[], None).unwrap().is_empty()),
                     }
-                }
-                AsyncSpecOp::Fail => {
-                    in_flight.clear();
-                    failed = true;
                 }
                 AsyncSpecOp::Abort { index } => {
                     if !live.is_empty() {
@@ -1035,15 +1124,20 @@ proptest! {
         }
         let mut steps = 0;
         while s.has_unfinished_requests() {
-            let out = s.schedule();
-            let mut rows = Vec::new();
-            let mut off = 0;
-            for (r, id) in out.req_ids.iter().enumerate() {
-                let d = out.arrays.num_draft_tokens[r] as usize;
-                rows.push((id.to_string(), out.arrays.draft_token_ids[off..off + d].to_vec()));
-                off += d;
+            let ahead = !std::mem::take(&mut failed);
+            if !ahead || in_flight.len() >= 2 {
+                in_flight.clear();
             }
-            update(&mut s, rows, 1001, 2, &mut live, &mut outputs);
+            let out = s.schedule_step(ahead);
+            let ran = run_on_device(&s, &out, in_flight.back(), bs, &mut kv, (1001, 2));
+            if !ran.is_empty() {
+                in_flight.push_back(ran);
+            }
+            if in_flight.len() == 2 || out.req_ids.is_empty() {
+                if let Some(step) = in_flight.pop_front() {
+                    update(&mut s, step, &mut live, &mut outputs);
+                }
+            }
             s.check_invariants();
             steps += 1;
             prop_assert!(steps < 5000, "requests never finished");

@@ -247,7 +247,7 @@ impl SlotIds {
 }
 
 /// One entry of a scheduled step, remembered for its update_from_output.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct StepEntry {
     slot: usize,
     serial: u64,
@@ -256,6 +256,9 @@ struct StepEntry {
     /// Of `num_tokens`, drafts after the request's last sampled token.
     num_drafts: u32,
     sample: bool,
+    /// The drafts themselves (empty without): the update checks the accepted ones against
+    /// them. `Scheduler::drafts` may hold a newer step's by then (async scheduling).
+    drafts: Vec<u32>,
 }
 
 impl StepEntry {
@@ -279,11 +282,20 @@ pub struct Scheduler {
     /// the engine keys its per-request state by a small dense integer instead of a string.
     slab: Vec<Option<Request>>,
     slot_ids: SlotIds,
-    /// Drafts of each slot's step in flight (empty otherwise): its input ids after the last
-    /// sampled token, kept until that step's update checks the accepted ones against them.
-    /// Kept apart from `Request` so the requests' hot fields stay as dense as without
-    /// speculation.
+    /// Drafts of each slot's newest step in flight (empty otherwise): its input ids after the
+    /// last sampled token. With async scheduling they are the assumed continuation the next
+    /// step's proposal starts from. Kept apart from `Request` so the requests' hot fields stay
+    /// as dense as without speculation.
     drafts: Vec<Vec<u32>>,
+    /// What each slot's `drafts` assumed when proposed with a step in flight (async
+    /// scheduling): the request's token count once that step is delivered and its last token
+    /// (the proposal's guess). None: proposed from delivered tokens only. The next proposal
+    /// builds on the drafts only while their assumption still holds.
+    draft_basis: Vec<Option<(usize, u32)>>,
+    /// Reused buffers for the n-gram proposer under async scheduling (the context with the
+    /// in-flight drafts appended, and the proposal).
+    ngram_context: Vec<u32>,
+    ngram_out: Vec<u32>,
     free_slots: Vec<usize>,
     by_id: HashMap<Arc<str>, usize>,
     /// Queue order: FCFS arrival (preempted ones back at the front), or (priority, arrival).
@@ -329,6 +341,9 @@ impl Scheduler {
             slab: Vec::new(),
             slot_ids: SlotIds::default(),
             drafts: Vec::new(),
+            draft_basis: Vec::new(),
+            ngram_context: Vec::new(),
+            ngram_out: Vec::new(),
             free_slots: Vec::new(),
             by_id: HashMap::new(),
             waiting: VecDeque::new(),
@@ -500,6 +515,7 @@ impl Scheduler {
         };
         if self.drafts.len() < self.slab.len() {
             self.drafts.resize_with(self.slab.len(), Vec::new);
+            self.draft_basis.resize(self.slab.len(), None);
         }
         self.slot_ids.maybe_compact();
         self.slot_ids.set(slot, &id);
@@ -615,11 +631,15 @@ impl Scheduler {
     /// exceed the token budget, and never cause a preemption (without room for them the
     /// request is scheduled without).
     ///
-    /// Async scheduling: a request whose step with drafts is still in flight is not scheduled
-    /// in the next step (how many of its tokens exist is unknown until that step's update), and
-    /// a request with a sampled token in flight gets no drafts (its last token is a placeholder,
-    /// so there is nothing to match). Correct, but it halves a speculating request's step rate,
-    /// so engines speculate with synchronous steps.
+    /// Async scheduling (n-gram drafts): the step in flight counts optimistically, as if all its
+    /// drafts will be accepted, plus its own sampled token (`num_output_placeholders` grows by
+    /// 1 + drafts). The next step's first input for the request is that last token (a
+    /// placeholder) at the position the optimistic count gives, followed by drafts proposed
+    /// from the known tokens plus the in-flight drafts (the proposal's first token guesses the
+    /// placeholder and is dropped). The runner learns on the device how many drafts were
+    /// rejected and shifts the row's positions, slots and sequence length back by that many;
+    /// the update then takes the rejected drafts out of the count. Drafts handed in (a draft
+    /// model) are used only for requests with nothing in flight.
     pub fn schedule_with_drafts(
         &mut self,
         keep_in_flight: bool,
@@ -641,64 +661,79 @@ impl Scheduler {
         let mut resumed_ids = Vec::new();
 
         // 1. Running requests, in order.
+        let mut new_drafts = std::mem::take(&mut self.ngram_out);
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let slot = self.running[i];
-            let (mut num_new, max_drafts) = {
+            let (mut num_new, max_drafts, pending) = {
                 let r = self.req(slot);
                 let pending = r.num_output_placeholders;
+                // The request's length if everything in flight is accepted.
+                let len = r.num_tokens() + pending;
                 let at_limit = pending > 0
                     && (r.num_output_tokens() + pending >= r.limits.max_tokens
-                        || r.num_tokens() + pending >= self.max_total_len);
-                // (Speculation's fields are read only when it is on: off, the loop touches what
-                // it did before.)
-                if at_limit || (spec_on && !self.drafts[slot].is_empty()) {
-                    (0, 0)
+                        || len >= self.max_total_len);
+                if at_limit {
+                    (0, 0, pending)
                 } else {
-                    let n = (r.num_tokens() + pending - r.num_computed_tokens).min(budget);
-                    let decode = || {
-                        n == 1
-                            && pending == 0
-                            && r.num_computed_tokens + 1 == r.num_tokens()
-                            && r.num_output_tokens() > 0
-                    };
-                    let d = if spec_on && r.allow_drafts && decode() {
+                    let n = (len - r.num_computed_tokens).min(budget);
+                    let decode = n == 1
+                        && r.num_computed_tokens + 1 == len
+                        && r.num_output_tokens() + pending > 0;
+                    let d = if spec_on && r.allow_drafts && decode {
                         // All d accepted plus the bonus token must stay within the limits.
                         spec.num_speculative_tokens
                             .min(budget - 1)
                             .min(
                                 r.limits
                                     .max_tokens
-                                    .saturating_sub(r.num_output_tokens() + 1),
+                                    .saturating_sub(r.num_output_tokens() + pending + 1),
                             )
-                            .min(self.max_total_len.saturating_sub(r.num_tokens() + 1))
+                            .min(self.max_total_len.saturating_sub(len + 1))
                     } else {
                         0
                     };
-                    (n, d)
+                    (n, d, pending)
                 }
             };
             if num_new == 0 {
                 i += 1;
                 continue;
             }
+            new_drafts.clear();
+            let mut basis = None;
             if max_drafts > 0 {
                 let req = self.slab[slot].as_ref().expect("live slot");
-                let out = &mut self.drafts[slot];
+                let (min_n, max_n) = (spec.prompt_lookup_min, spec.prompt_lookup_max);
                 match external.get(slot).copied().flatten() {
-                    Some(d) => out.extend_from_slice(&d[..d.len().min(max_drafts)]),
-                    None if spec.method == SpecMethod::Ngram => {
-                        ngram::propose(
-                            &req.token_ids,
-                            spec.prompt_lookup_min,
-                            spec.prompt_lookup_max,
-                            max_drafts,
-                            out,
-                        );
+                    Some(d) if pending == 0 => {
+                        new_drafts.extend_from_slice(&d[..d.len().min(max_drafts)])
                     }
-                    None => {}
+                    _ if spec.method != SpecMethod::Ngram => {}
+                    _ if pending == 0 => {
+                        ngram::propose(&req.token_ids, min_n, max_n, max_drafts, &mut new_drafts);
+                    }
+                    _ => {
+                        // The step in flight: its drafts, assumed accepted while what they
+                        // were proposed from still holds (else assumed all rejected), then its
+                        // own token, which the proposal's first token guesses.
+                        let in_flight = &self.drafts[slot];
+                        let holds = self.draft_basis[slot].is_none_or(|(len, last)| {
+                            req.token_ids.len() == len && req.token_ids.last() == Some(&last)
+                        });
+                        let ctx = &mut self.ngram_context;
+                        ctx.clear();
+                        ctx.extend_from_slice(&req.token_ids);
+                        if holds {
+                            ctx.extend_from_slice(in_flight);
+                        }
+                        if ngram::propose(ctx, min_n, max_n, max_drafts + 1, &mut new_drafts) > 0 {
+                            let guess = new_drafts.remove(0);
+                            basis = Some((ctx.len() + 1, guess));
+                        }
+                    }
                 }
-                num_new += out.len();
+                num_new += new_drafts.len();
             }
             let mut ok = false;
             loop {
@@ -713,10 +748,10 @@ impl Scheduler {
                     ok = true;
                     break;
                 }
-                if !self.drafts[slot].is_empty() {
+                if !new_drafts.is_empty() {
                     // Drafts are a bet, not a need: drop them rather than preempt for them.
-                    num_new -= self.drafts[slot].len();
-                    self.drafts[slot].clear();
+                    num_new -= new_drafts.len();
+                    new_drafts.clear();
                     continue;
                 }
                 let vpos = self.pick_victim();
@@ -737,11 +772,17 @@ impl Scheduler {
                 }
             }
             if ok {
+                if spec_on {
+                    // This step's drafts replace the in-flight step's (whose entry keeps its own).
+                    std::mem::swap(&mut self.drafts[slot], &mut new_drafts);
+                    self.draft_basis[slot] = basis;
+                }
                 scheduled.push((slot, num_new));
                 budget -= num_new;
                 i += 1;
             }
         }
+        self.ngram_out = new_drafts;
 
         // 2. Waiting requests, unless this step had to preempt (then memory is tight).
         if preempted.is_empty() {
@@ -847,7 +888,8 @@ impl Scheduler {
             let sample =
                 r.num_computed_tokens == r.num_tokens() + r.num_output_placeholders + num_drafts;
             if sample {
-                r.num_output_placeholders += 1;
+                // Optimistic: every draft accepted, plus the step's own token.
+                r.num_output_placeholders += 1 + num_drafts;
             }
             step.push(StepEntry {
                 slot,
@@ -856,6 +898,11 @@ impl Scheduler {
                 num_tokens: n,
                 num_drafts: num_drafts as u32,
                 sample,
+                drafts: if num_drafts > 0 {
+                    self.drafts[slot].clone()
+                } else {
+                    Vec::new()
+                },
             });
         }
         if !step.is_empty() {
@@ -985,8 +1032,7 @@ impl Scheduler {
                     if let Some(r) = self.slab[e.slot].as_ref() {
                         let live = e.is_current(r);
                         let accepted = row[..c - 1].iter().map(|&t| t as u32);
-                        let drafts = &self.drafts[e.slot];
-                        let drafts = &drafts[..(c - 1).min(drafts.len())];
+                        let drafts = &e.drafts[..(c - 1).min(e.drafts.len())];
                         if live && !accepted.eq(drafts.iter().copied()) {
                             return Err(invalid(
                                 "sampled_token_ids",
@@ -1046,7 +1092,9 @@ impl Scheduler {
             if !e.is_current(req) {
                 continue;
             }
-            req.num_output_placeholders = req.num_output_placeholders.saturating_sub(1);
+            req.num_output_placeholders = req
+                .num_output_placeholders
+                .saturating_sub(1 + e.num_drafts as usize);
             let tokens = row_tokens(i);
             let fs = force_stop.is_some_and(|f| f[i]);
             let finish = if let [t] = tokens {
@@ -1080,9 +1128,13 @@ impl Scheduler {
                 for n in st.num_accepted_tokens_per_pos.iter_mut().take(accepted) {
                     *n += 1;
                 }
-                self.drafts[e.slot].clear();
+                if req.num_output_placeholders == 0 {
+                    // (Otherwise they are a newer step's, still in flight.)
+                    self.drafts[e.slot].clear();
+                }
                 if finish.is_none() {
                     // The rejected drafts' K/V is not the sequence's: count it as not computed.
+                    // A step scheduled after this one is shifted back as much on the device.
                     req.num_computed_tokens -= d - accepted;
                     self.kv.truncate(&mut req.kv, req.num_computed_tokens);
                 }
@@ -1142,7 +1194,7 @@ impl Scheduler {
                     if e.is_current(r) {
                         r.num_computed_tokens -= e.num_tokens;
                         if e.sample {
-                            r.num_output_placeholders -= 1;
+                            r.num_output_placeholders -= 1 + e.num_drafts as usize;
                         }
                         if e.num_drafts > 0 {
                             self.drafts[e.slot].clear();
@@ -1360,7 +1412,7 @@ impl Scheduler {
                     r.id
                 );
                 assert!(
-                    r.num_tokens() + drafts.len() < self.max_total_len,
+                    r.num_tokens() + r.num_output_placeholders <= self.max_total_len,
                     "{}: drafts past the length limit",
                     r.id
                 );
@@ -1368,7 +1420,7 @@ impl Scheduler {
                     .in_flight
                     .iter()
                     .flatten()
-                    .any(|e| e.slot == slot && e.num_drafts as usize == drafts.len()));
+                    .any(|e| e.slot == slot && e.drafts == *drafts));
             }
             for &b in &r.kv.blocks {
                 assert_ne!(b, crate::block_pool::NULL_BLOCK);

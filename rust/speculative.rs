@@ -462,30 +462,63 @@ mod scheduler_tests {
     }
 
     #[test]
-    fn async_steps_skip_a_request_with_drafts_in_flight() {
-        let mut s = sched(64, 4, 64, 3, "draft_model");
-        let a = s.add_request(req("a", &[5, 6, 7], 20)).unwrap() as i64;
-        let b = s.add_request(req("b", &[5, 6, 8], 20)).unwrap() as i64;
-        prefill(&mut s, 9);
-        // b has no drafts this step.
-        let d = drafts(&[a], &[11, 12], &[0, 2]);
-        let first = s.schedule_with_drafts(true, Some(&d));
-        assert_eq!(first.arrays.num_draft_tokens, vec![2, 0]);
-        // Decided while `first` computes: a's length is unknown, so a is left out; b's last
-        // token is a placeholder, so it gets no drafts even when offered.
-        let d = drafts(&[a, b], &[11, 12], &[0, 1, 2]);
-        let second = s.schedule_with_drafts(true, Some(&d));
-        assert_eq!(second.req_ids.iter().collect::<Vec<_>>(), vec!["b"]);
-        assert_eq!(second.arrays.input_ids, vec![-1]);
-        assert_eq!(second.arrays.num_draft_tokens, vec![0]);
+    fn async_steps_schedule_past_drafts_in_flight_optimistically() {
+        let mut s = sched(64, 4, 64, 3, "ngram");
+        // a repeats 10 11 12 13; b never repeats (no drafts).
+        s.add_request(req("a", &[10, 11, 12, 13, 10, 11, 12], 20))
+            .unwrap();
+        s.add_request(req("b", &[5, 6, 8], 20)).unwrap();
+        prefill(&mut s, 13); // a: ...10 11 12 13, b: 5 6 8 13
+        let first = s.schedule_step(true);
+        assert_eq!(first.arrays.num_draft_tokens, vec![3, 0]);
+        assert_eq!(first.arrays.input_ids, vec![13, 10, 11, 12, 13]);
+        assert_eq!(first.arrays.positions, vec![7, 8, 9, 10, 3]);
+        // Decided while `first` computes: a counts as if its 3 drafts and its own token
+        // (guessed 13, the next in the pattern) were in: its placeholder sits at position 11
+        // and its new drafts continue the pattern after the guess. b's placeholder gets drafts
+        // from the proposal over its tokens alone (none: nothing repeats).
+        let second = s.schedule_step(true);
+        assert_eq!(second.req_ids.iter().collect::<Vec<_>>(), vec!["a", "b"]);
+        assert_eq!(second.arrays.input_ids, vec![-1, 10, 11, 12, -1]);
+        assert_eq!(second.arrays.positions, vec![11, 12, 13, 14, 4]);
+        assert_eq!(second.arrays.num_draft_tokens, vec![3, 0]);
+        assert_eq!(second.arrays.seq_lens, vec![15, 5]);
+        assert!(second.arrays.sample_mask.iter().all(|&m| m));
         s.check_invariants();
-        s.update_from_output_counts(&[11, 12, 13, 40], Some(&[3, 1]), None)
+        // first: a keeps one draft (10) and corrects to 13; the runner shifted `second`'s row
+        // of a back by the 2 rejected drafts (positions 9..12).
+        let rows = s
+            .update_from_output_counts(&[10, 13, 42], Some(&[2, 1]), None)
+            .unwrap()
+            .rows();
+        assert_eq!(rows[0].new_token_ids, vec![10, 13]);
+        s.check_invariants();
+        // Decided while `second` computes: its drafts assumed `first` kept all three and its
+        // own token was 13; it did not, so they are assumed rejected too, and the proposal
+        // builds on the delivered tokens (...13 10 13: after 13 came 10 11 12 13; 10 guesses
+        // `second`'s own token). The placeholder sits where all of `second` being accepted
+        // puts it: 10 computed + 1 + 3 drafts.
+        let third = s.schedule_step(true);
+        assert_eq!(third.arrays.input_ids[..4], [-1, 11, 12, 13]);
+        assert_eq!(third.arrays.positions[..4], [13, 14, 15, 16]);
+        // second: nothing accepted for a (its drafts were built on 10 11 12).
+        s.update_from_output_counts(&[77, 43], Some(&[1, 1]), None)
             .unwrap();
         s.check_invariants();
-        s.update_from_output(&[41], None).unwrap();
+        assert_eq!(s.request_tokens("a")[7..], [13, 10, 13, 77]);
+        assert_eq!(s.request_tokens("b")[3..], [13, 42, 43]);
+        // third: a keeps nothing either; 7 prompt + 13 10 13 77 computed, the correction 78 is next.
+        s.update_from_output_counts(&[78, 44], Some(&[1, 1]), None)
+            .unwrap();
         s.check_invariants();
-        assert_eq!(s.request_tokens("a")[3..], [9, 11, 12, 13]);
-        assert_eq!(s.request_tokens("b")[3..], [9, 40, 41]);
+        let fourth = s.schedule();
+        assert_eq!(fourth.arrays.positions[0], 11);
+        assert_eq!(fourth.arrays.input_ids[0], 78);
+        let st = s.stats();
+        assert_eq!(
+            (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens),
+            (3, 9, 1)
+        );
     }
 
     #[test]

@@ -295,10 +295,13 @@ class Scheduler:
         allowed) or not live.
         Drafts never push a request past max_tokens or the length limit (all accepted plus one more
         token fit), count against max_num_batched_tokens, and never cause a preemption (without room
-        for them the request runs without). With keep_in_flight, a request with a sampled token in
-        flight gets no drafts, and one whose step with drafts is in flight is left out of this step
-        (its length is unknown until that update): correct, but a speculating request then runs every
-        other step, so speculate with synchronous steps."""
+        for them the request runs without). With keep_in_flight (n-gram drafts), the step in flight
+        counts as if every one of its drafts will be accepted: a request with a step in flight is
+        scheduled at the position that gives, its first input is the placeholder for that step's last
+        token, and its drafts are proposed from its tokens plus the drafts in flight (the proposal's
+        first token guesses the placeholder and is dropped). The runner shifts such a row back on the
+        device by the drafts its request rejected (positions, slots, sequence length); the update then
+        takes them out of the count. Handed-in drafts go only to requests with nothing in flight."""
     def update_from_output(
         self,
         sampled_token_ids: npt.NDArray[np.int64] | npt.NDArray[np.int32],

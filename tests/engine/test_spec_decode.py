@@ -3,7 +3,7 @@ SmolLM2: greedy output is identical token for token with and without n-gram spec
 prompts, where drafts are accepted, and random ones, where they mostly are not); requests that may
 not speculate (penalties) share steps with ones that do, and requests with logprobs speculate; n > 1; a seeded sampled request is
 reproducible; preemption and abort with drafts in flight leak no KV block; and the configuration
-errors. Stops inside accepted runs are tested on a float32 tiny model (test_spec_decode_draft.py).
+errors. Each runs with synchronous steps and with async scheduling (the `spec` fixture). Stops inside accepted runs are tested on a float32 tiny model (test_spec_decode_draft.py).
 
 The engines run the embedded model dequantized to float32: the quantized default's decode steps
 run the Rust decoder with int8 activations while a verify step's 1 + k rows take the model's own
@@ -13,7 +13,7 @@ and a (1 + k)-row step sum in different orders, so their logits may differ in th
 `assert_same` accepts a divergence only at a near-tie: the plain engine, given the common prefix,
 must score both tokens within TIE_TOLERANCE of each other; the tokens before it must be identical.
 
-One plain and one n-gram engine for the module (the weights are shared between them)."""
+One plain engine and an n-gram engine per step pipeline for the module (the weights are shared)."""
 
 from __future__ import annotations
 
@@ -39,9 +39,12 @@ def plain():
     return LLM(dtype="float32", kv_cache_memory=KV, max_model_len=MAX_LEN)
 
 
-@pytest.fixture(scope="module")
-def spec():
-    return LLM(dtype="float32", kv_cache_memory=KV, max_model_len=MAX_LEN, speculative_config=SPEC)
+@pytest.fixture(scope="module", params=["sync", "async"])
+def spec(request):
+    """Both step pipelines: synchronous steps, and async scheduling, where the core schedules the next
+    step as if the drafts in flight were all accepted and the runner shifts it back on the device."""
+    return LLM(dtype="float32", kv_cache_memory=KV, max_model_len=MAX_LEN, speculative_config=SPEC,
+               async_scheduling=request.param == "async")
 
 
 # float32 sums in another order: logits of |x| < 32 move by well under 1e-3 between step shapes.
@@ -141,14 +144,17 @@ def test_seeded_sampling_is_reproducible(spec):
     assert_idle(spec)
 
 
-def test_preemption_with_drafts_is_exact_and_leaks_nothing(plain):
-    """A cache of 24 blocks for 4 requests growing to ~7 blocks each: some are preempted (their drafts
-    dropped, recomputed later) and the output is still plain greedy's."""
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preemption_with_drafts_is_exact_and_leaks_nothing(plain, async_scheduling):
+    """A cache of 20 blocks for 4 requests growing to ~7 blocks each: some are preempted (their drafts
+    dropped, recomputed later; with async scheduling also while a step with drafts is in flight) and
+    the output is still plain greedy's."""
     sp = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     prompts = [COPY[i % 3] for i in range(4)]
     ref = plain.chat(prompts, sp, use_tqdm=False)
     block_bytes = 30 * 2 * 3 * 64 * 4 * 16  # layers * (K, V) * kv heads * head_dim * fp32 * block_size
-    small = LLM(dtype="float32", kv_cache_memory=24 * block_bytes, max_model_len=256, speculative_config=SPEC)
+    small = LLM(dtype="float32", kv_cache_memory=20 * block_bytes, max_model_len=256, speculative_config=SPEC,
+                async_scheduling=async_scheduling)
     out = small.chat(prompts, sp, use_tqdm=False)
     assert_all_same(plain, ref, out)
     stats = small.engine.stats()
@@ -172,13 +178,14 @@ def test_abort_with_drafts_in_flight_frees_blocks(spec):
     assert_idle(spec)
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"async_scheduling": True}, "async_scheduling"),
-])
-def test_unsupported_settings_fail_at_start(kwargs, message):
-    with pytest.raises(ValueError, match=message) as info:
-        LLM(kv_cache_memory=KV, max_model_len=MAX_LEN, speculative_config=SPEC, **kwargs)
-    assert "speculative_config" in str(info.value) or "async_scheduling" in str(info.value)
+def test_draft_model_with_async_scheduling_fails_at_start():
+    """A draft model proposes from the verified tokens: it runs synchronous steps, and asking for
+    async scheduling with it is refused by name (n-gram drafts overlap: the `spec` fixture)."""
+    from ferrox.loader.source import resolve_model
+
+    draft = {"method": "draft_model", "model": resolve_model(None).path, "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="async_scheduling.*draft_model"):
+        LLM(kv_cache_memory=KV, max_model_len=MAX_LEN, speculative_config=draft, async_scheduling=True)
 
 
 @pytest.mark.parametrize(("config", "message"), [

@@ -40,6 +40,11 @@ def drafting(model: str, draft: str, **kw) -> LLM:
                speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": K})
 
 
+def ngram(model: str, **kw) -> LLM:
+    return LLM(model=model, max_model_len=512, kv_cache_memory=4 << 20,
+               speculative_config={"method": "ngram", "num_speculative_tokens": K}, **kw)
+
+
 def assert_all_accepted_and_idle(llm: LLM) -> None:
     s = llm.engine.stats()
     assert s["spec_num_draft_tokens"] > 0 and s["spec_num_accepted_tokens"] == s["spec_num_draft_tokens"], s
@@ -89,10 +94,12 @@ def test_draft_vocabulary_must_match(target):
 @pytest.mark.slow
 def test_ngram_with_tensor_parallelism(target):
     """TP=2 (CPU, gloo): the driver verifies, the other rank runs the same 1 + k-token forward passes
-    from the broadcast step arrays (logits_indices included)."""
+    from the broadcast step arrays (logits_indices included), with async scheduling."""
     plain = LLM(model=target, max_model_len=512, kv_cache_memory=4 << 20)
+    # Async scheduling: the driver also broadcasts how far each token moves back (the drafts the step
+    # in flight rejected); its synchronous steps are the same forward passes without that shift.
     sharded = LLM(model=target, max_model_len=512, kv_cache_memory=4 << 20, tensor_parallel_size=2,
-                  speculative_config={"method": "ngram", "num_speculative_tokens": K})
+                  speculative_config={"method": "ngram", "num_speculative_tokens": K}, async_scheduling=True)
     try:
         assert ids(sharded) == ids(plain)
         s = sharded.engine.stats()
@@ -115,9 +122,7 @@ def test_stops_inside_accepted_runs(target):
         SamplingParams(temperature=0.0, max_tokens=40, stop=[stop], include_stop_str_in_output=True),
         SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[ids_[13]]),
     ]
-    engines = [drafting(target, target),
-               LLM(model=target, max_model_len=512, kv_cache_memory=4 << 20,
-                   speculative_config={"method": "ngram", "num_speculative_tokens": K})]
+    engines = [drafting(target, target), ngram(target), ngram(target, async_scheduling=True)]
     for llm in engines:
         for sp in cases:
             a = plain.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
@@ -134,11 +139,12 @@ def test_logprobs_of_kept_drafts_match_plain_decoding(target):
     stop ends the run early; and the drafts really were accepted."""
     plain = LLM(model=target, max_model_len=512, kv_cache_memory=4 << 20)
     spec = drafting(target, target)
+    overlapped = ngram(target, async_scheduling=True)
     for sp in (SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=3),
                SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True, logprobs=0)):
         ref = plain.generate(PROMPTS, sp, use_tqdm=False)
-        out = spec.generate(PROMPTS, sp, use_tqdm=False)
-        for a, b in zip(ref, out, strict=True):
+        for a, b in zip(ref * 2, spec.generate(PROMPTS, sp, use_tqdm=False)
+                        + overlapped.generate(PROMPTS, sp, use_tqdm=False), strict=True):
             x, y = a.outputs[0], b.outputs[0]
             assert y.token_ids == x.token_ids
             assert y.logprobs is not None and len(y.logprobs) == len(y.token_ids) == len(x.logprobs)
@@ -148,6 +154,8 @@ def test_logprobs_of_kept_drafts_match_plain_decoding(target):
                     assert abs(pa[t].logprob - pb[t].logprob) < 1e-4 and pa[t].rank == pb[t].rank
             assert abs(x.cumulative_logprob - y.cumulative_logprob) < 1e-3
     assert_all_accepted_and_idle(spec)
+    s = overlapped.engine.stats()
+    assert s["spec_num_accepted_tokens"] > 0 and s["kv_cache_usage"] == 0.0, s
 
 
 def test_grammar_walks_the_drafts(target):
@@ -157,9 +165,7 @@ def test_grammar_walks_the_drafts(target):
     from ferrox.sampling_params import StructuredOutputsParams as SO
 
     plain = LLM(model=target, max_model_len=512, kv_cache_memory=4 << 20)
-    engines = [drafting(target, target),
-               LLM(model=target, max_model_len=512, kv_cache_memory=4 << 20,
-                   speculative_config={"method": "ngram", "num_speculative_tokens": K})]
+    engines = [drafting(target, target), ngram(target), ngram(target, async_scheduling=True)]
     cases = [SO(choice=["red apple", "green", "blue sky at night"]), SO(regex="[a-e ]{4,20}"),
              SO(json={"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})]
     for llm in engines:

@@ -1,5 +1,6 @@
 """Speculative decoding on a CUDA GPU (skipped without one): greedy output with n-gram and
-draft-model speculation equals greedy output without it, with CUDA graphs (verify steps replay
+draft-model speculation equals greedy output without it (n-gram with async scheduling and with
+synchronous steps, the default), with CUDA graphs (verify steps replay
 graphs of their own shape, and so do the draft model's proposal steps and shadow pass) and eagerly,
 and a self-drafting target accepts every draft."""
 
@@ -34,9 +35,15 @@ def _tokens(llm: LLM) -> list[list[int]]:
 def test_speculation_keeps_greedy_output(tiny_llama, eager):
     common = dict(device="cuda", dtype="float32", enforce_eager=eager, max_num_seqs=8, kv_cache_memory=64 << 20)
     plain = _tokens(LLM(tiny_llama, **common))
-    ngram = LLM(tiny_llama, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                "prompt_lookup_min": 1, "prompt_lookup_max": 3}, **common)
+    ngram_config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    # Async scheduling: the next step is placed as if every draft in flight were accepted and shifted
+    # back on the device. Synchronous steps (the default with speculation) for comparison.
+    ngram = LLM(tiny_llama, speculative_config=ngram_config, async_scheduling=True, **common)
     assert _tokens(ngram) == plain
+    ngram_sync = LLM(tiny_llama, speculative_config=ngram_config, **common)
+    assert not ngram_sync.engine.async_scheduling
+    assert _tokens(ngram_sync) == plain
+    assert ngram_sync.engine.stats()["spec_num_accepted_tokens"] > 0
     draft = LLM(tiny_llama, speculative_config={"method": "draft_model", "model": tiny_llama,
                                                 "num_speculative_tokens": 4}, **common)
     assert _tokens(draft) == plain

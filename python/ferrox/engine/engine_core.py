@@ -156,8 +156,12 @@ class EngineCore:
             logger.info("warm-up: %s", self.warmup.summary())
         self.structured: Any = None  # StructuredOutputManager, created on first constrained request
         # Async scheduling: the step launched last and not yet reported.
-        # Speculation runs synchronous steps: a request's length is unknown until its drafts are
-        # verified, so under async scheduling it would only run every other step (see _core.pyi).
+        # N-gram speculation can overlap (async_scheduling=True): the core schedules the next step as
+        # if every draft in flight were accepted and the runner shifts it back on the device
+        # (Scheduler docs). It is not the default: a proposal made before the step in flight is
+        # verified is accepted less often (H200, SmolLM2 copying code: 0.36 vs 0.54 of drafts), which
+        # costs more than the overlap gains wherever drafts are accepted (benches/RESULTS.md). A draft
+        # model proposes from verified tokens, so it always runs synchronous steps.
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.device.type == "cuda" and self.speculative is None and not pooling)
         self._in_flight: StepHandle | None = None
@@ -533,9 +537,10 @@ def _check_speculative(config: EngineConfig) -> SpeculativeConfig | None:
     spec = parse_speculative_config(config.speculative_config)
     if spec is None:
         return None
-    if config.async_scheduling:
-        raise ValueError("async_scheduling: not supported with speculative_config (speculation runs synchronous "
-                         "steps; leave async_scheduling unset)")
+    if config.async_scheduling and spec.method == "draft_model":
+        raise ValueError("async_scheduling: not supported with speculative_config method 'draft_model' (the draft "
+                         "model proposes from the verified tokens, so it runs synchronous steps; leave "
+                         "async_scheduling unset, or use method 'ngram', which overlaps)")
     if spec.method == "draft_model" and config.tensor_parallel_size > 1:
         raise ValueError("speculative_config: method 'draft_model' runs with tensor_parallel_size 1 only in this "
                          "version ('ngram' works with tensor parallelism)")

@@ -96,11 +96,21 @@ class StepHandle:
     # Speculative decoding: drafts per request when this step verifies any (worker/spec_decode.py); then
     # `logits` has 1 + d rows per request and `num_sampled` (set by sample()) the tokens each produced.
     num_drafts: npt.NDArray[np.int32] | None = None
-    num_sampled: npt.NDArray[np.int32] | None = None
+    # A verified step (set by sample()): [num_reqs, max_drafts + 1] tokens and [num_reqs] counts on the
+    # device, and their pinned host copies.
+    verified: torch.Tensor | None = None
+    num_sampled_dev: torch.Tensor | None = None
+    host_verified: torch.Tensor | None = None
+    host_num_sampled: torch.Tensor | None = None
+    # Set by sample(): each row's last token on the device (the next step's placeholder for it), and
+    # when the step had drafts, how many of them each row rejected ([num_reqs] int64): the core
+    # scheduled the next step as if all were accepted, so that step's row is shifted back as much.
+    last_tokens: torch.Tensor | None = None
+    rejected: torch.Tensor | None = None
 
     def in_flight(self) -> InFlight:
-        assert self.sampled is not None, "sample() not called"
-        return InFlight(self.slots, self.generations, self.sample_mask, self.sampled.token_ids)
+        assert self.last_tokens is not None, "sample() not called"
+        return InFlight(self.slots, self.generations, self.sample_mask, self.last_tokens)
 
 
 class ModelRunner:
@@ -197,11 +207,15 @@ class ModelRunner:
         prompt_jobs = self._prompt_logprobs_jobs(slots, so) if self.input_batch.wants_prompt_logprobs[slots].any() \
             else []
         prompt_rows = np.array([(job[2], job[3]) for job in prompt_jobs], dtype=np.int64).reshape(-1, 2)
+        shifted = prev is not None and prev.rejected is not None
         if self.channel is not None:
-            self.channel.send(STEP, step_arrays(so, prompt_rows))
+            self.channel.send(STEP, step_arrays(so, prompt_rows, shifted=shifted))
 
-        def fill_holes(input_ids: torch.Tensor, holes: np.ndarray) -> None:
-            if prev is None or prev.sampled is None:
+        def fill_holes(input_ids: torch.Tensor, holes: np.ndarray) -> torch.Tensor | None:
+            """Each placeholder gets its request's last token of `prev`. When `prev` verified drafts,
+            returns how far back each token of the step moves ([num_tokens] int64 on the device):
+            a row with a placeholder by the drafts its request rejected in `prev`."""
+            if prev is None or prev.last_tokens is None:
                 raise RuntimeError("input id -1 (a placeholder) in a step scheduled without one in flight")
             rows = np.searchsorted(so.query_start_loc, holes, side="right") - 1
             row_of_slot = np.full(int(max(slots.max(), prev.slots.max())) + 1, -1, dtype=np.int64)
@@ -209,12 +223,20 @@ class ModelRunner:
             src = row_of_slot[slots[rows]]
             if (src < 0).any():
                 raise RuntimeError("a placeholder's request was not in the step in flight")
-            input_ids.index_copy_(0, self._upload("placeholder_pos", holes),
-                                  prev.sampled.token_ids.index_select(0, self._upload("placeholder_src", src)))
+            src_dev = self._upload("placeholder_src", src)
+            input_ids.index_copy_(0, self._upload("placeholder_pos", holes), prev.last_tokens.index_select(0, src_dev))
+            if prev.rejected is None:
+                return None
+            # A placeholder is its row's first token: its shift covers the row's tokens after it.
+            row_shift = torch.zeros(len(slots), dtype=torch.int64, device=self.device)
+            row_shift.index_copy_(0, self._upload("placeholder_rows", rows.astype(np.int64)),
+                                  prev.rejected.index_select(0, src_dev))
+            return row_shift.repeat_interleave(self._upload("tokens_per_row", np.asarray(
+                so.num_scheduled_tokens, dtype=np.int64)), output_size=int(so.num_tokens))
 
         if self.lora is not None:
             self.lora.prepare_step(np.repeat(self._lora_of_slot[slots], np.asarray(so.num_scheduled_tokens)))
-        result = self.forward.run(so, prompt_rows, fill_holes)
+        result = self.forward.run(so, prompt_rows, fill_holes, shifted=shifted)
         chunks = self._prompt_logprobs(prompt_jobs, result.prompt_logits)
         sample_mask = np.asarray(so.sample_mask, dtype=np.bool_)
         handle = StepHandle(so, slots, self._upload("slots", slots), self.input_batch.generation[slots],
@@ -232,13 +254,12 @@ class ModelRunner:
         in_flight: the previous step if its tokens have not been handed to the core yet."""
         if handle.num_drafts is not None:
             # One metadata row per logits row: each request's row repeated over its 1 + d positions.
-            if in_flight is not None:
-                raise RuntimeError("a step with drafts was scheduled with a step in flight (speculation runs "
-                                   "synchronous steps)")
+            # (Rows whose settings count the in-flight token, penalties and min_tokens, have no drafts.)
             rows = expand_rows(handle.num_drafts)
             handle.md = self.input_batch.sampling_metadata(
                 handle.slots[rows], handle.slots_dev.index_select(0, self._upload("spec_rows", rows)),
-                handle.sample_mask[rows], None)
+                handle.sample_mask[rows], in_flight)
+            handle.md_in_flight = in_flight
             return
         handle.md = self.input_batch.sampling_metadata(handle.slots, handle.slots_dev, handle.sample_mask, in_flight)
         handle.md_in_flight = in_flight
@@ -262,12 +283,26 @@ class ModelRunner:
             handle.sampled = self._sample(logits, handle)
         if handle.sampled.logprobs is not None:
             handle.host_logprobs = _logprobs_to_host(handle.sampled.logprobs)
+        handle.last_tokens = handle.sampled.token_ids
+        drafted = np.asarray(handle.so.num_draft_tokens, dtype=np.int64) if self.speculative else None
+        if drafted is not None and drafted.any():
+            # The core counted every draft as accepted (worker docstring of `rejected`).
+            expected = self._upload("drafted", drafted)
+            if handle.verified is not None:
+                assert handle.num_sampled_dev is not None
+                handle.rejected = expected + 1 - handle.num_sampled_dev.to(torch.int64)
+            else:  # verification failed and fell back to one plain token per row
+                handle.rejected = expected
         if self.device.type == "cpu":
             handle.host_token_ids = handle.sampled.token_ids
+            handle.host_verified, handle.host_num_sampled = handle.verified, handle.num_sampled_dev
             return
         host = self._host_buffer(int(handle.sampled.token_ids.numel()))
         host.copy_(handle.sampled.token_ids, non_blocking=True)
         handle.host_token_ids = host
+        if handle.verified is not None and handle.num_sampled_dev is not None:
+            handle.host_verified = _to_pinned(handle.verified)
+            handle.host_num_sampled = _to_pinned(handle.num_sampled_dev)
         handle.done = torch.cuda.Event()
         handle.done.record()  # after every copy to the host above and in launch()
 
@@ -288,8 +323,13 @@ class ModelRunner:
         assert handle.sampled is not None and handle.host_token_ids is not None, "sample() not called"
         if handle.done is not None:
             handle.done.synchronize()
-        out = ModelRunnerOutput(handle.host_token_ids.numpy().copy(), errors=handle.errors,
-                                num_sampled_tokens=handle.num_sampled)
+        if handle.host_verified is not None and handle.host_num_sampled is not None:
+            padded = handle.host_verified.numpy()
+            counts = handle.host_num_sampled.numpy().astype(np.int32)
+            out = ModelRunnerOutput(padded[np.arange(padded.shape[1])[None, :] < counts[:, None]],
+                                    errors=handle.errors, num_sampled_tokens=counts)
+        else:
+            out = ModelRunnerOutput(handle.host_token_ids.numpy().copy(), errors=handle.errors)
         if handle.host_logprobs is not None:
             self._collect_logprobs(handle, out)
         if handle.prompt_chunks:
@@ -356,7 +396,6 @@ class ModelRunner:
         try:
             res = verify(self.sampler, handle.logits, handle.md, num_drafts=num_drafts,
                          draft_token_ids=np.asarray(so.draft_token_ids, dtype=np.int64),
-                         logits_start_loc=np.asarray(so.logits_start_loc, dtype=np.int32),
                          greedy=self.input_batch.greedy[handle.slots], generators=generators)
         except Exception:
             logger.exception("verifying speculative drafts failed; sampling this step without them")
@@ -367,8 +406,8 @@ class ModelRunner:
             if grammar_bitmask is not None:  # each request's first position: its mask before any draft
                 self._apply_grammar_bitmask(handle.logits, grammar_bitmask[torch.from_numpy(first_rows)])
             return self._sample(handle.logits, handle)
-        handle.num_sampled = res.num_sampled
-        return SamplerOutput(res.token_ids, res.logprobs)
+        handle.verified, handle.num_sampled_dev = res.token_ids, res.num_sampled
+        return SamplerOutput(res.last_tokens(), res.logprobs)
 
     @staticmethod
     def _row_in_flight(in_flight: InFlight | None, slot: int) -> InFlight | None:
@@ -392,7 +431,11 @@ class ModelRunner:
         counts = out.num_sampled_tokens if out.num_sampled_tokens is not None else np.ones(len(handle.slots), np.int32)
         starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
         flat = np.concatenate([np.arange(starts[i], starts[i] + counts[i]) for i in asking.tolist()])
-        idx = torch.from_numpy(flat)
+        # A verified step's logprobs have one row per logits row (spec_decode.verify), its tokens not.
+        lp_starts = np.asarray(handle.so.logits_start_loc[:-1], dtype=np.int64) if handle.host_verified is not None \
+            else starts
+        idx = torch.from_numpy(np.concatenate([np.arange(lp_starts[i], lp_starts[i] + counts[i])
+                                               for i in asking.tolist()]))
         token_lp = lp.token_logprobs.index_select(0, idx).tolist()
         ranks = lp.token_ranks.index_select(0, idx).tolist()
         top_ids = lp.top_token_ids.index_select(0, idx).tolist()
@@ -470,15 +513,18 @@ class ModelRunner:
                 acc.token_logprobs.clear()
 
 
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    """Queue a copy into pinned host memory (no wait; the step's event covers it)."""
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
 def _logprobs_to_host(lp: LogprobsTensors) -> LogprobsTensors:
     """Queue copies of logprob tensors into pinned host memory (no wait; the step's event covers
     them). On CPU they are already there."""
     if lp.token_logprobs.device.type == "cpu":
         return lp
 
-    def host(t: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        out.copy_(t, non_blocking=True)
-        return out
-
-    return LogprobsTensors(host(lp.token_logprobs), host(lp.token_ranks), host(lp.top_token_ids), host(lp.top_logprobs))
+    return LogprobsTensors(_to_pinned(lp.token_logprobs), _to_pinned(lp.token_ranks), _to_pinned(lp.top_token_ids),
+                           _to_pinned(lp.top_logprobs))

@@ -34,10 +34,16 @@ from ferrox.layers.sampler import LogprobsTensors, Sampler, SamplingMetadata, co
 
 @dataclass(slots=True)
 class VerifyResult:
-    token_ids: torch.Tensor  # flat: each request's accepted drafts, then its own token (update_from_output's order)
-    num_sampled: npt.NDArray[np.int32]  # [num_reqs] tokens per request (1 + accepted drafts)
-    # One row per kept token, in token_ids' order (request r's num_sampled[r] rows together).
+    # [num_reqs, max_drafts + 1] on the device: each request's accepted drafts, then its own token; -1 after.
+    token_ids: torch.Tensor
+    num_sampled: torch.Tensor  # [num_reqs] int32 on the device: tokens per request (1 + accepted drafts)
+    # One row per logits row (request r's position j at logits_start_loc[r] + j), scoring token_ids[r, j]
+    # (the rows past num_sampled[r] score a placeholder and are dropped on the host).
     logprobs: LogprobsTensors | None
+
+    def last_tokens(self) -> torch.Tensor:
+        """[num_reqs] each request's last token (what the next step's placeholder stands for)."""
+        return self.token_ids.gather(1, (self.num_sampled.to(torch.int64) - 1)[:, None]).squeeze(1)
 
 
 def expand_rows(num_drafts: npt.NDArray[np.int32]) -> npt.NDArray[np.int64]:
@@ -70,12 +76,12 @@ def verify(
     *,
     num_drafts: npt.NDArray[np.int32],
     draft_token_ids: npt.NDArray[np.int64],
-    logits_start_loc: npt.NDArray[np.int32],
     greedy: npt.NDArray[np.bool_],
     generators: dict[int, torch.Generator],
 ) -> VerifyResult:
     """logits: [sum(1 + d_r), V] raw, edited in place; md: the sampling metadata of the expanded rows.
-    greedy: [num_reqs]; generators: request index -> its seeded generator."""
+    greedy: [num_reqs]; generators: request index -> its seeded generator. Nothing here waits for the
+    device: the results stay there until the runner's copy to the host (async scheduling)."""
     raw = logits.clone() if md.max_num_logprobs is not None else None
     sampler.apply_logits_processors(logits, md)
     target = target_probs(logits, md)
@@ -83,13 +89,10 @@ def verify(
         target, torch.from_numpy(np.ascontiguousarray(draft_token_ids, dtype=np.int64)), num_drafts,
         greedy=torch.from_numpy(np.ascontiguousarray(greedy, dtype=np.bool_)), generators=generators,
         default_generator=sampler.default_generator)
-    num_sampled = out.num_sampled.cpu().numpy()
-    token_ids = out.flat()
     logprobs = None
     if raw is not None:
-        # Token j of request r (kept drafts first, then its own) was scored by row start_loc[r] + j.
-        rows = np.concatenate([np.arange(n, dtype=np.int64) + start
-                               for start, n in zip(logits_start_loc[:-1].tolist(), num_sampled.tolist(), strict=True)])
-        logprobs = compute_logprobs(raw.index_select(0, torch.from_numpy(rows).to(logits.device)), token_ids,
-                                    md.max_num_logprobs or 0)
-    return VerifyResult(token_ids, num_sampled, logprobs)
+        # Logits row start_loc[r] + j scored request r's token j: the padded tokens, laid out as the rows.
+        rows = torch.from_numpy(expand_rows(num_drafts)).to(logits.device)
+        cols = torch.from_numpy(np.concatenate([np.arange(d + 1) for d in num_drafts.tolist()])).to(logits.device)
+        logprobs = compute_logprobs(raw, out.token_ids[rows, cols].clamp(min=0), md.max_num_logprobs or 0)
+    return VerifyResult(out.token_ids, out.num_sampled, logprobs)
