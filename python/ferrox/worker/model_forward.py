@@ -55,7 +55,7 @@ class StepArrays:
 
 
 def step_arrays(so: Any, prompt_rows: np.ndarray, *, shifted: bool = False) -> dict[str, np.ndarray]:
-    """shifted: the driver will broadcast a per-token shift of the positions (ModelForward.run)."""
+    """shifted: the driver will broadcast a per-row shift of the positions (ModelForward.run)."""
     arrays = {name: np.asarray(getattr(so, name)) for name in STEP_ARRAY_NAMES}
     arrays["prompt_rows"] = prompt_rows
     arrays["shifted"] = np.array([shifted], dtype=np.bool_)
@@ -108,23 +108,23 @@ class ModelForward:
             fill_holes: Callable[[torch.Tensor, np.ndarray], torch.Tensor | None] | None = None, *,
             shifted: bool = False) -> ForwardResult:
         """step: a SchedulerOutput or StepArrays. fill_holes(input_ids, hole_positions): the
-        driver's filler of placeholder ids (None on the other ranks); it returns each token's shift
+        driver's filler of placeholder ids (None on the other ranks); it returns each row's shift
         when the step in flight verified drafts (`shifted`; the other ranks read it from `step`)."""
         upload = self.upload
         meta = attention_metadata(step, upload)
         input_ids_np = step.input_ids
         input_ids, positions = upload("input_ids", input_ids_np), upload("positions", step.positions)
         holes = np.flatnonzero(input_ids_np < 0)
-        token_shift = None
+        row_shift = None
         if holes.size:
             if fill_holes is not None:
-                token_shift = fill_holes(input_ids, holes)
+                row_shift = fill_holes(input_ids, holes)
             self.tp.broadcast(input_ids)
         if shifted or getattr(step, "shifted", False):
-            if token_shift is None:
-                token_shift = torch.zeros(int(input_ids_np.shape[0]), dtype=torch.int64, device=self.device)
-            self.tp.broadcast(token_shift)
-            positions = self._shift_back(token_shift, positions, meta, step)
+            if row_shift is None:
+                row_shift = torch.zeros(meta.num_reqs, dtype=torch.int64, device=self.device)
+            self.tp.broadcast(row_shift)
+            positions = self._shift_back(row_shift, positions, meta, step)
         if self.graph_runner is not None and self.graph_runner.can_run(meta):
             hidden = self.graph_runner.run(input_ids, positions, meta)
         else:
@@ -135,22 +135,20 @@ class ModelForward:
                          for start, count in prompt_rows.tolist()]
         return ForwardResult(hidden, logits, prompt_logits, meta)
 
-    def _shift_back(self, token_shift: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+    def _shift_back(self, row_shift: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                     step: Any) -> torch.Tensor:
         """Speculation under async scheduling: the core placed each row as if the step in flight
         accepted all its drafts; move the row's tokens back by the drafts it rejected (known only on
         the device): positions, the slots their K/V goes to, and the row's sequence length. The
         host-side max_seq_len stays an upper bound, which is all the kernels use it for."""
-        positions = positions - token_shift
         block_size = int(self.kv_caches[0].shape[2])
-        num_tokens = int(positions.shape[0])
         token_rows = torch.repeat_interleave(
             self.upload("shift_rows_tokens", np.asarray(step.num_scheduled_tokens, dtype=np.int64)),
-            output_size=num_tokens)
+            output_size=int(positions.shape[0]))
+        positions = positions - row_shift.index_select(0, token_rows)
         blocks = meta.block_table[token_rows, positions // block_size].to(torch.int64)
         meta.slot_mapping = blocks * block_size + positions % block_size
-        starts = self.upload("shift_row_starts", np.asarray(step.query_start_loc[:-1], dtype=np.int64))
-        meta.seq_lens = meta.seq_lens - token_shift.index_select(0, starts).to(meta.seq_lens.dtype)
+        meta.seq_lens = meta.seq_lens - row_shift.to(meta.seq_lens.dtype)
         if meta.seq_lens.device.type == "cpu":
             meta.seq_lens_cpu = meta.seq_lens
         return positions

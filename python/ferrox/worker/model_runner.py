@@ -94,7 +94,7 @@ class StepHandle:
     md: SamplingMetadata | None = None
     md_in_flight: InFlight | None = None
     # Speculative decoding: drafts per request when this step verifies any (worker/spec_decode.py); then
-    # `logits` has 1 + d rows per request and `num_sampled` (set by sample()) the tokens each produced.
+    # `logits` has 1 + d rows per request.
     num_drafts: npt.NDArray[np.int32] | None = None
     # A verified step (set by sample()): [num_reqs, max_drafts + 1] tokens and [num_reqs] counts on the
     # device, and their pinned host copies.
@@ -213,8 +213,8 @@ class ModelRunner:
 
         def fill_holes(input_ids: torch.Tensor, holes: np.ndarray) -> torch.Tensor | None:
             """Each placeholder gets its request's last token of `prev`. When `prev` verified drafts,
-            returns how far back each token of the step moves ([num_tokens] int64 on the device):
-            a row with a placeholder by the drafts its request rejected in `prev`."""
+            returns how far back each row of the step moves ([num_reqs] int64 on the device): a row
+            with a placeholder by the drafts its request rejected in `prev`."""
             if prev is None or prev.last_tokens is None:
                 raise RuntimeError("input id -1 (a placeholder) in a step scheduled without one in flight")
             rows = np.searchsorted(so.query_start_loc, holes, side="right") - 1
@@ -227,12 +227,11 @@ class ModelRunner:
             input_ids.index_copy_(0, self._upload("placeholder_pos", holes), prev.last_tokens.index_select(0, src_dev))
             if prev.rejected is None:
                 return None
-            # A placeholder is its row's first token: its shift covers the row's tokens after it.
+            # A placeholder is its row's first token: the whole row moves by its request's rejected drafts.
             row_shift = torch.zeros(len(slots), dtype=torch.int64, device=self.device)
             row_shift.index_copy_(0, self._upload("placeholder_rows", rows.astype(np.int64)),
                                   prev.rejected.index_select(0, src_dev))
-            return row_shift.repeat_interleave(self._upload("tokens_per_row", np.asarray(
-                so.num_scheduled_tokens, dtype=np.int64)), output_size=int(so.num_tokens))
+            return row_shift
 
         if self.lora is not None:
             self.lora.prepare_step(np.repeat(self._lora_of_slot[slots], np.asarray(so.num_scheduled_tokens)))
@@ -297,12 +296,14 @@ class ModelRunner:
             handle.host_token_ids = handle.sampled.token_ids
             handle.host_verified, handle.host_num_sampled = handle.verified, handle.num_sampled_dev
             return
-        host = self._host_buffer(int(handle.sampled.token_ids.numel()))
-        host.copy_(handle.sampled.token_ids, non_blocking=True)
-        handle.host_token_ids = host
         if handle.verified is not None and handle.num_sampled_dev is not None:
+            # finish() reads these; the last tokens stay on the device for the next step's placeholders.
             handle.host_verified = _to_pinned(handle.verified)
             handle.host_num_sampled = _to_pinned(handle.num_sampled_dev)
+        else:
+            host = self._host_buffer(int(handle.sampled.token_ids.numel()))
+            host.copy_(handle.sampled.token_ids, non_blocking=True)
+            handle.host_token_ids = host
         handle.done = torch.cuda.Event()
         handle.done.record()  # after every copy to the host above and in launch()
 
@@ -320,7 +321,8 @@ class ModelRunner:
     @torch.inference_mode()
     def finish(self, handle: StepHandle) -> ModelRunnerOutput:
         """Wait for a sampled step and do its host-side part (ids, logprobs)."""
-        assert handle.sampled is not None and handle.host_token_ids is not None, "sample() not called"
+        assert handle.sampled is not None and (handle.host_token_ids is not None or handle.host_verified is not None), \
+            "sample() not called"
         if handle.done is not None:
             handle.done.synchronize()
         if handle.host_verified is not None and handle.host_num_sampled is not None:
@@ -329,6 +331,7 @@ class ModelRunner:
             out = ModelRunnerOutput(padded[np.arange(padded.shape[1])[None, :] < counts[:, None]],
                                     errors=handle.errors, num_sampled_tokens=counts)
         else:
+            assert handle.host_token_ids is not None
             out = ModelRunnerOutput(handle.host_token_ids.numpy().copy(), errors=handle.errors)
         if handle.host_logprobs is not None:
             self._collect_logprobs(handle, out)
