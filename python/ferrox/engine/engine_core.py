@@ -8,8 +8,10 @@ One step loop serves synchronous and async scheduling (depth 0 or 1 steps left i
     schedule            Rust; keep_in_flight=True under async scheduling
     launch              inputs + forward + logits of the new step, queued on the device
     finish previous     wait for the step in flight, advance grammars by its tokens
-    sample              the new step's sampling; after `finish previous` when a row needs its
-                        grammar mask (the mask must see the previous token), else before it
+    sample              the new step's sampling; when a row needs its grammar mask (the mask must
+                        see the previous token), after `finish previous`: under async scheduling
+                        the mask fills on a thread while `report previous`, the return and the
+                        next schedule run, and the sample is queued just before the next launch
     report previous     update_from_output (Rust: append, detokenize, stops, free)
     (sync: finish the new step now; async: leave it in flight)
 
@@ -28,9 +30,11 @@ queued.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import weakref
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -165,6 +169,8 @@ class EngineCore:
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.device.type == "cuda" and self.speculative is None and not pooling)
         self._in_flight: StepHandle | None = None
+        # The step in flight and its grammar mask being filled on the mask thread (async scheduling).
+        self._masked: tuple[StepHandle, Future[Any]] | None = None
         # The core's request slots -> request ids (the core's outputs name slots).
         self._req_of_slot: list[str | None] = []
         self._slot_of_req: dict[str, int] = {}
@@ -302,6 +308,7 @@ class EngineCore:
         parts = [self._poll_structured()]
         drafts = self.drafter.propose() if self.drafter is not None else {}
         so = self.scheduler.schedule(keep_in_flight=self.async_scheduling, **drafts)
+        self._sample_masked()
         prev, self._in_flight = self._in_flight, None
         handle = None
         if so.num_reqs:
@@ -324,7 +331,12 @@ class EngineCore:
         if handle is not None and needs_mask:
             # The mask needs the grammars advanced by `prev` (just done), not the core's update of
             # it, which follows: the device waits for this sample, the core's bookkeeping does not.
-            self.runner.sample(handle, self._grammar_bitmask(so))
+            if self.async_scheduling:
+                # Filled on the mask thread while this thread reports `prev`, returns the step's
+                # outputs and schedules the next step; sampled before the next launch.
+                self._masked = (handle, self.structured.in_background(functools.partial(self._grammar_bitmask, so)))
+            else:
+                self.runner.sample(handle, self._grammar_bitmask(so))
         if prev is not None and done is not None:
             parts.append(self._report(prev, *done))
         if handle is not None:
@@ -333,6 +345,14 @@ class EngineCore:
             else:
                 parts.append(self._report(handle, *self._finish(handle)))
         return StepResult.concat(parts)
+
+    def _sample_masked(self) -> None:
+        """Queue the sampling of the step in flight whose grammar mask was being filled (its tokens
+        feed the next launch, so this comes first)."""
+        if self._masked is None:
+            return
+        (handle, mask), self._masked = self._masked, None
+        self.runner.sample(handle, mask.result())
 
     def _grammar_bitmask(self, so: Any) -> Any:
         """The step's allow-bits: a row per request, or (drafts to verify) a row per verified position."""
@@ -508,6 +528,7 @@ class EngineCore:
         return stats
 
     def shutdown(self) -> None:
+        self._masked = None
         if self.structured is not None:
             self.structured.shutdown()
         self._finalizer()

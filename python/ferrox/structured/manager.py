@@ -8,6 +8,9 @@ Life of a constrained request, as the engine core drives it:
   fill_bitmask(ids, m)    before sampling: int32 allow-bits per batch row, or None (no constrained
                           row this step, so free batches pay nothing); with speculative drafts,
                           one row per verified position (the grammar walks each request's drafts)
+  in_background(fill)     run a fill on the manager's mask thread (llguidance releases the GIL), so
+                          the engine's host work for the previous step overlaps it; until the
+                          future is waited, only that thread touches the matchers
   apply_bitmask(l, b)     -inf on the disallowed logits, on the logits' device
   accept_tokens(ids, t)   after sampling: advance matchers by each request's kept token(s); True where
                           the grammar is complete, which the engine passes to
@@ -20,7 +23,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import llguidance
 import numpy as np
@@ -32,6 +36,8 @@ from ferrox.structured.bitmask import apply_token_bitmask, bitmask_words
 from ferrox.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 class StructuredOutputManager:
@@ -58,6 +64,7 @@ class StructuredOutputManager:
         self._failures: list[tuple[str, str]] = []
         self._errors: dict[str, str] = {}  # request id -> matcher error seen in accept_tokens
         self._mask_executor = llguidance.LLExecutor()
+        self._mask_thread = cf.ThreadPoolExecutor(1, thread_name_prefix="ferrox-mask")
         self._bitmask = self._allocate(16)
         self.cache_hits = 0
         self.cache_misses = 0
@@ -157,6 +164,11 @@ class StructuredOutputManager:
         self._mask_executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), row_bytes, len(req_ids))
         return bitmask
 
+    def in_background(self, fill: Callable[[], _T]) -> cf.Future[_T]:
+        """Run `fill` (a fill_bitmask call) on the mask thread. The caller must wait for the future
+        before the next accept_tokens or fill: the matchers are not locked."""
+        return self._mask_thread.submit(fill)
+
     def fill_bitmask_with_drafts(self, req_ids: Sequence[str], sample_mask: npt.NDArray[np.bool_],
                                  num_drafts: npt.NDArray[np.int32],
                                  draft_token_ids: npt.NDArray[np.int64]) -> torch.Tensor | None:
@@ -240,3 +252,4 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._compile_pool.shutdown(wait=False, cancel_futures=True)
+        self._mask_thread.shutdown(wait=True)
