@@ -131,6 +131,9 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2)")
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--mix", action="store_true", help="the mixed workload (see above)")
+    parser.add_argument("--ab-mask-thread", action="store_true",
+                        help="run each --mix-sets row also with the grammar masks filled inline (the engine's "
+                             "fill_masks_in_background off), in the same process")
     parser.add_argument("--mix-sets", default=None,
                         help="also time these kind sets one by one (';'-separated, e.g. 'json;logprobs;penalties')")
     args = parser.parse_args()
@@ -146,7 +149,11 @@ def main() -> None:
     timed(llm, convs, free_twins(lengths))
 
     steps = StepCounter(llm.engine)
-    for kinds in (args.mix_sets.split(";") if args.mix_sets else []):
+    runs = [(kinds, True) for kinds in (args.mix_sets.split(";") if args.mix_sets else [])]
+    if args.ab_mask_thread:  # each set with the grammar masks filled on the engine thread, then beside it
+        runs = [(kinds, thread) for kinds, _ in runs for thread in (False, True)]
+    for kinds, thread in runs:
+        llm.engine.fill_masks_in_background = thread
         params = mixed(args.requests, args.max_tokens, tuple(kinds.split(",")))
         _, lengths = timed(llm, convs, params)  # warm-up
         steps.n, steps.seconds = 0, 0.0
@@ -154,8 +161,10 @@ def main() -> None:
         n_c, s_c = steps.n, steps.seconds
         steps.n, steps.seconds = 0, 0.0
         t_f, _ = timed(llm, convs, free_twins(lengths))
+        kinds = kinds if thread else f"{kinds} (mask inline)"
         print(f"kinds {kinds:<24} ratio {t_f / t_c:.3f}  steps {n_c} vs {steps.n}  "
               f"step ms {1e3 * s_c / max(n_c, 1):.2f} vs {1e3 * steps.seconds / max(steps.n, 1):.2f}")
+    llm.engine.fill_masks_in_background = True
     tps_c = tps_f = 0.0
     total = 0
     for _ in range(args.reps):  # alternate so that machine noise hits both runs alike

@@ -171,6 +171,7 @@ class EngineCore:
         self._in_flight: StepHandle | None = None
         # The step in flight and its grammar mask being filled on the mask thread (async scheduling).
         self._masked: tuple[StepHandle, Future[Any]] | None = None
+        self.fill_masks_in_background = True  # (benchmarks turn it off for an A/B in one process)
         # The core's request slots -> request ids (the core's outputs name slots).
         self._req_of_slot: list[str | None] = []
         self._slot_of_req: dict[str, int] = {}
@@ -331,7 +332,7 @@ class EngineCore:
         if handle is not None and needs_mask:
             # The mask needs the grammars advanced by `prev` (just done), not the core's update of
             # it, which follows: the device waits for this sample, the core's bookkeeping does not.
-            if self.async_scheduling:
+            if self.async_scheduling and self.fill_masks_in_background:
                 # Filled on the mask thread while this thread reports `prev`, returns the step's
                 # outputs and schedules the next step; sampled before the next launch.
                 self._masked = (handle, self.structured.in_background(functools.partial(self._grammar_bitmask, so)))
