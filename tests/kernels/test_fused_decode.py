@@ -43,9 +43,10 @@ def _config(arch: str) -> dict:
     }
 
 
-def _models(arch: str, device: torch.device):
-    """(reference on the torch kernel set, the same weights on the Triton set)."""
-    spec = spec_from_hf_config(_config(arch), "test config")
+def _models(arch: str, device: torch.device, **config):
+    """(reference on the torch kernel set, the same weights on the Triton set); config: changes to
+    _config's."""
+    spec = spec_from_hf_config(_config(arch) | config, "test config")
     cls = get_model_class([arch])
     ref = cls(spec, torch.float32, device, kernels="torch")
     init_dummy_weights(ref, seed=3)

@@ -1,14 +1,25 @@
 """Fused MoE kernels (kernels/fused_moe.py) against a per-expert torch reference: the grouped path
 and the small-batch path, uneven expert loads with an expert left empty, top-k 1, 2 and 8; the
-device-side sort; and tiny MoE models on the Triton kernel set against the torch set. On CPU
-these run in the Triton interpreter child (conftest.py); at real shapes on the GPU."""
+device-side sort; the small-batch path with the RMSNorm and the routing in its gate/up prologue
+(`fused_moe_from_logits`) against the unfused sequence, ties included, and the one-token decode
+path's `_moe` both ways; and tiny MoE models on the Triton kernel set against the torch set. On
+CPU these run in the Triton interpreter child (conftest.py); at real shapes on the GPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from ferrox.attention.fused_decode import FusedOneTokenDecode
 from ferrox.attention.kv_cache import allocate_kv_caches
-from ferrox.kernels.fused_moe import GemmConfig, align_by_expert, fused_moe, route_top_k, use_small_batch_path
+from ferrox.kernels.fused_moe import (
+    GemmConfig,
+    GemvConfig,
+    align_by_expert,
+    fused_moe,
+    fused_moe_from_logits,
+    route_top_k,
+    use_small_batch_path,
+)
 from ferrox.layers.fused_moe import FusedMoE, experts_torch, select_experts
 from ferrox.layers.ops import for_device
 from ferrox.loader.model_config import spec_from_hf_config
@@ -20,6 +31,11 @@ from tests.kernels.kernel_refs import relative_error
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 SMALL_GEMM = GemmConfig(16, 16, 16, 4, 1)  # interpreter-sized tiles (tl.dot needs 16)
+# Few, wide programs keep the interpreter quick (each gate/up program routes its token again):
+# one gate/up n-block of inter 24 (SPLIT_GEMV: three, all routing alike), two masked K steps in
+# both kernels at hidden 40.
+SMALL_GEMV = GemvConfig(gate_up_rows=32, gate_up_block_k=32, down_rows=64, down_block_k=16, num_warps=4)
+SPLIT_GEMV = GemvConfig(gate_up_rows=8, gate_up_block_k=32, down_rows=16, down_block_k=16, num_warps=4)
 
 
 def moe_ref(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
@@ -126,6 +142,97 @@ def test_route_top_k_matches_select_experts(kernel_device, seed, experts, top_k,
         route_top_k(logits, experts + 1, renormalize)
 
 
+def rms_norm_ref(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = h.double()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+
+
+def _routed_case(device, dtype, *, tokens, experts, top_k, renormalize, norm, hidden=40, inter=24, logits=None,
+                 config=SMALL_GEMV):
+    """fused_moe_from_logits against route_top_k (the same picks) and the float64 reference of
+    rms_norm -> experts -> + residual."""
+    h = torch.randn(tokens, hidden, device=device).to(dtype)
+    norm_weight = (1 + 0.3 * torch.randn(hidden, device=device)).to(dtype) if norm else None
+    w13 = (torch.randn(experts, 2 * inter, hidden, device=device) / hidden ** 0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, device=device) / inter ** 0.5).to(dtype)
+    if logits is None:
+        logits = 3 * torch.randn(tokens, experts, device=device)
+    residual = torch.randn(tokens, hidden, device=device).to(dtype)
+    out, weights, ids = fused_moe_from_logits(h, logits, w13, w2, top_k=top_k, renormalize=renormalize,
+                                              norm_weight=norm_weight, eps=1e-5, residual=residual,
+                                              gemv_config=config)
+    ref_weights, ref_ids = route_top_k(logits, top_k, renormalize)
+    assert torch.equal(ids, ref_ids) and ids.dtype == torch.int64
+    assert relative_error(weights, ref_weights) < 1e-6
+    x = rms_norm_ref(h, norm_weight, 1e-5) if norm_weight is not None else h.double()
+    ref = moe_ref(x, w13, w2, ref_weights, ref_ids) + residual.double()
+    assert out.shape == (tokens, hidden) and out.dtype == dtype
+    assert relative_error(out, ref) < TOLERANCE[dtype]
+    return ids
+
+
+# E not a power of two (6, 10, 12); k 1, 2, 8; two tokens in one launch, split over n-blocks.
+@pytest.mark.parametrize(("tokens", "experts", "top_k", "renormalize", "config"),
+                         [(1, 6, 1, False, SMALL_GEMV), (2, 10, 2, True, SPLIT_GEMV), (1, 12, 8, False, SMALL_GEMV)])
+def test_fused_moe_from_logits_routes_and_norms_in_the_gate_up_prologue(kernel_device, seed, tokens, experts,
+                                                                       top_k, renormalize, config):
+    _routed_case(kernel_device, torch.float32, tokens=tokens, experts=experts, top_k=top_k,
+                 renormalize=renormalize, norm=True, config=config)
+
+
+def test_fused_moe_from_logits_half_precision_and_no_norm(kernel_device, seed):
+    _routed_case(kernel_device, torch.bfloat16, tokens=1, experts=12, top_k=8, renormalize=True, norm=True)
+    _routed_case(kernel_device, torch.float32, tokens=1, experts=5, top_k=2, renormalize=False, norm=False)
+
+
+def test_fused_moe_from_logits_breaks_ties_as_route_top_k(kernel_device, seed):
+    """Equal logits: every program (and route_top_k) takes the lower expert id first."""
+    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0, 2.0, 1.0, 2.0]], device=kernel_device)
+    ids = _routed_case(kernel_device, torch.float32, tokens=1, experts=7, top_k=3, renormalize=True, norm=True,
+                       logits=logits)
+    assert ids.tolist() == [[1, 2, 4]]
+    ids = _routed_case(kernel_device, torch.float32, tokens=1, experts=7, top_k=5, renormalize=False, norm=True,
+                       logits=torch.zeros(1, 7, device=kernel_device))
+    assert ids.tolist() == [[0, 1, 2, 3, 4]]
+
+
+def test_fused_moe_from_logits_checks_its_inputs(kernel_device):
+    h = torch.randn(1, 16, device=kernel_device)
+    w13, w2 = torch.randn(4, 8, 16, device=kernel_device), torch.randn(4, 16, 4, device=kernel_device)
+    with pytest.raises(ValueError, match="top_k"):
+        fused_moe_from_logits(h, torch.randn(1, 4, device=kernel_device), w13, w2, top_k=5, renormalize=True)
+    with pytest.raises(ValueError, match="top_k"):
+        fused_moe_from_logits(h, torch.randn(1, 5, device=kernel_device), w13, w2, top_k=2, renormalize=True)
+    with pytest.raises(ValueError, match="norm weight"):
+        fused_moe_from_logits(h, torch.randn(1, 4, device=kernel_device), w13, w2, top_k=2, renormalize=True,
+                              norm_weight=torch.ones(8, device=kernel_device))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_moe_fused_routing_matches_the_explicit_sequence(kernel_device, seed, dtype):
+    """The decode path's _moe on a Qwen3-MoE layer: router GEMV with the norm prologue, then
+    gate/up (norm + top-k prologue) and down, against rms_norm -> router GEMV -> route_top_k ->
+    small-batch experts. (Qwen2-MoE's shared expert keeps the explicit sequence: the model test
+    below runs it.)"""
+    arch = "Qwen3MoeForCausalLM"
+    spec = spec_from_hf_config(_tiny_moe_config(arch), "test config")
+    model = get_model_class([arch])(spec, dtype, kernel_device, kernels="triton")
+    init_dummy_weights(model, seed=5)
+    view = model.model.layers[0].one_token_view()
+    assert view.moe is not None
+    with torch.no_grad():
+        view.moe.block.gate.weight.normal_(0, 0.5)  # routing far from ties
+        view.moe.block.experts.w13.normal_(0, 0.2)
+        view.moe.block.experts.w2.normal_(0, 0.2)
+        view.post_norm.weight.copy_(1 + 0.3 * torch.randn_like(view.post_norm.weight))
+    h = torch.randn(1, spec.hidden_size, device=kernel_device).to(dtype)
+    with torch.inference_mode():
+        fused = FusedOneTokenDecode._moe(view, view.moe, h)
+        explicit = FusedOneTokenDecode._moe(view, view.moe, h, fuse_routing=False)
+    assert fused.shape == h.shape and fused.dtype == dtype
+    assert relative_error(fused, explicit) < TOLERANCE[dtype]
+
+
 def test_layer_uses_the_kernels_of_its_op_set(kernel_device, seed):
     layer = FusedMoE(6, 32, 16, dtype=torch.float32, device=kernel_device, ops=for_device(kernel_device, "triton"))
     assert layer.impl is fused_moe
@@ -199,6 +306,16 @@ def test_fused_moe_real_shapes(cuda_device, seed, shape, tokens):
     if tokens <= 3:  # both paths at decode sizes
         _case(cuda_device, torch.bfloat16, tokens=tokens, experts=cfg["experts"], top_k=cfg["top_k"],
               hidden=cfg["hidden"], inter=cfg["inter"], small_batch=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(REAL))
+def test_fused_moe_from_logits_real_shapes(cuda_device, seed, shape):
+    """The one-token decode path's routed experts (norm and top-k in the gate/up prologue) at the
+    default launch config: every one of the thousands of gate/up programs picks route_top_k's k."""
+    cfg = REAL[shape]
+    _routed_case(cuda_device, torch.bfloat16, tokens=1, experts=cfg["experts"], top_k=cfg["top_k"],
+                 renormalize=True, norm=True, hidden=cfg["hidden"], inter=cfg["inter"], config=None)
 
 
 @pytest.mark.gpu

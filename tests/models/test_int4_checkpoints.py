@@ -320,3 +320,45 @@ def test_gpu_checkpoint_matches_dequantized_model(checkpoints, case, dtype):
         assert [q[0] for q in q_tokens] == [r[0] for r in r_tokens]
         agree = sum(a == b for q, r in zip(q_tokens, r_tokens, strict=True) for a, b in zip(q, r, strict=True))
         assert agree >= 0.5 * sum(len(r) for r in r_tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["awq-g128", "gptq-g32-asym", "gptq-g64-sym-actorder"])
+def test_gpu_engine_one_token_steps_take_the_fused_path(checkpoints, case, monkeypatch):
+    """The engine on CUDA, one prompt at a time (every decode step has one token), in float32: the
+    one-token steps run the fused int4 GEMVs (attention/fused_decode.py; act-order layers keep the
+    general path, layers/quant/int4_pack.py) and give the greedy tokens and logprobs of the same
+    engine with FERROX_FUSED_DECODE=0; eager, so the fused steps can be counted, then with CUDA
+    graphs (the fused steps captured) the same tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from ferrox.attention.decode_path import DecodePath
+    from ferrox.attention.fused_decode import FusedOneTokenDecode
+
+    from tests.kernels.test_fused_decode import _count_calls
+
+    qdir, _ = checkpoints(case)
+    act_order = CASES[case].get("act_order", False)
+    steps = _count_calls(monkeypatch, "forward")
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
+
+    def greedy(**engine_args) -> tuple[list[list[int]], list[list[float]], int]:
+        llm = LLM(model=qdir, dtype="float32", max_model_len=256, kv_cache_memory=64 << 20, **engine_args)
+        try:
+            assert type(llm.engine.runner.model.model.decode_path) is (DecodePath if act_order else FusedOneTokenDecode)
+            steps.clear()  # (the warm-up's steps)
+            outs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0] for p in PROMPTS]
+        finally:
+            llm.engine.shutdown()
+        logprobs = [[lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids, strict=True)] for o in outs]
+        return [list(o.token_ids) for o in outs], logprobs, len(steps)
+
+    tokens, logprobs, fused_steps = greedy(enforce_eager=True)
+    # A decode step per new token after the first, and the one-token prompt's prefill.
+    assert (fused_steps == 0) if act_order else (fused_steps >= len(PROMPTS) * (NEW_TOKENS - 1) + 1)
+    assert greedy(enforce_eager=False)[0] == tokens
+    monkeypatch.setenv("FERROX_FUSED_DECODE", "0")
+    general_tokens, general_logprobs, general_steps = greedy(enforce_eager=True)
+    assert general_steps == 0
+    assert general_tokens == tokens
+    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(general_logprobs), atol=1e-3, rtol=0)

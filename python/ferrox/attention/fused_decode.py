@@ -10,17 +10,24 @@ path: cuBLAS GEMMs reuse each weight tile across rows.
 The layers come from the model (`OneTokenLayer`); a model whose layers do not fit the fused
 kernels passes none and still gets the one-row lm_head. FP8 projections (layers/quant/fp8.py)
 run the same kernels: their weight is float8 and their `weight_scale` rows go to the kernel's
-epilogue.
+epilogue. int4 projections (AWQ / GPTQ: layers/quant/int4_pack.py, whose runner `Linear.quant`
+holds the packed weight) run the int4 GEMV (kernels/int4_matmul.py) with the same prologue and
+epilogues: the input norm, the bias, SiLU(gate) * up, the residual. It has no rotary epilogue (a
+program would need both halves of its rotary pairs, two row sets as gemv.py's qkv kernel streams),
+so their qkv GEMV writes the projected row and a second launch rotates q and k and writes the KV
+cache (`qk_norm_rope_cache` without norms): six launches a layer. Act-order int4 layers keep the
+general path (int4_pack.py says why).
 
 Qwen3's per-head q/k norms need a whole head's projection before rotary, so those layers run the
 qkv projection as a plain GEMV and the norms, rotary and KV write in a second launch
 (`qk_norm_rope_cache`). A mixture-of-experts layer (`OneTokenMoe`) replaces the MLP's two
-launches by: the post-attention norm, the router GEMV (fp32 logits), the softmax top-k in one
-launch (torch's select_experts is ~6), and the small-batch expert kernels, which read only the k
-chosen experts and add the residual in the down kernel's epilogue. A shared expert (Qwen2-MoE)
-runs its layer's own forward beside them. (The models pass these layers on one rank only until
-the path has run under tensor parallelism on two GPUs; `_moe` already keeps the experts' own
-forward, with its all-reduce, there.)
+launches by four: the router GEMV (fp32 logits) with the post-attention norm in its prologue,
+the softmax top-k (+ renormalisation) in one launch, the small-batch gate/up kernel over the k
+chosen experts with the same norm in its prologue (kernels/fused_moe.py `fused_moe_from_logits`),
+and the down kernel, which adds the residual in its epilogue. A shared expert (Qwen2-MoE) or a tensor-parallel share needs the normed vector itself:
+those layers keep the explicit sequence (rms_norm, router GEMV, `route_top_k`, experts) with the
+shared expert's or the experts' own forward, with its all-reduce. (The models pass these layers
+on one rank only until the path has run under tensor parallelism on two GPUs.)
 """
 
 from __future__ import annotations
@@ -32,16 +39,19 @@ import torch
 
 from ferrox.attention.decode_path import (
     DecodePath,
+    NormWeights,
     OneTokenLayer,
     OneTokenMoe,
     ProjWeights,
     fused_decode_enabled,
 )
 from ferrox.attention.metadata import AttentionMetadata
-from ferrox.kernels.fused_moe import fused_moe, route_top_k
+from ferrox.kernels.fused_moe import fused_moe, fused_moe_from_logits, route_top_k
 from ferrox.kernels.gemv import gemv, qkv_rope_gemv
+from ferrox.kernels.int4_matmul import Int4Weights, int4_gemv
 from ferrox.kernels.qk_norm_rope import qk_norm_rope_cache
 from ferrox.kernels.rmsnorm import rms_norm
+from ferrox.layers.quant.int4_pack import Int4Linear
 
 if TYPE_CHECKING:
     from ferrox.attention.backend import AttentionBackend
@@ -78,40 +88,51 @@ class FusedOneTokenDecode(DecodePath):
 
     def _layer(self, layer: OneTokenLayer, h: torch.Tensor, rope_row: torch.Tensor, kv_cache: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
-        """One decoder layer in five launches (a dense Llama layer); h [1, hidden] is the complete
+        """One decoder layer in five launches (a dense Llama layer; six on int4 weights, whose qkv
+        GEMV leaves rotary and the KV write to a second launch); h [1, hidden] is the complete
         residual stream, in and out."""
         kv_scale = layer.kv_scales.scales if layer.kv_scales is not None else None
-        if layer.q_norm is None or layer.k_norm is None:
-            q = qkv_rope_gemv(h, layer.qkv_proj.weight, layer.qkv_proj.bias, norm_weight=layer.input_norm.weight,
+        qkv_proj = layer.qkv_proj
+        if layer.q_norm is None and _int4_weights(qkv_proj) is None:
+            q = qkv_rope_gemv(h, qkv_proj.weight, qkv_proj.bias, norm_weight=layer.input_norm.weight,
                               eps=layer.input_norm.eps, rope_row=rope_row, slot_mapping=meta.slot_mapping,
                               kv_cache=kv_cache, num_q_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
-                              head_dim=layer.head_dim, weight_scale=_weight_scale(layer.qkv_proj),
-                              kv_scale=kv_scale)
+                              head_dim=layer.head_dim, weight_scale=_weight_scale(qkv_proj), kv_scale=kv_scale)
         else:
-            qkv = gemv(h, layer.qkv_proj.weight, layer.qkv_proj.bias, norm_weight=layer.input_norm.weight,
-                       eps=layer.input_norm.eps, weight_scale=_weight_scale(layer.qkv_proj))
-            q = qk_norm_rope_cache(qkv, q_norm_weight=layer.q_norm.weight, k_norm_weight=layer.k_norm.weight,
-                                   eps=layer.q_norm.eps, rope_row=rope_row, slot_mapping=meta.slot_mapping,
-                                   kv_cache=kv_cache, num_q_heads=layer.num_heads,
+            qkv = _project(h, qkv_proj, qkv_proj.bias, norm=layer.input_norm)
+            q_norm, k_norm = layer.q_norm, layer.k_norm  # Qwen3's per-head norms (None: rotary only)
+            q = qk_norm_rope_cache(qkv, q_norm_weight=q_norm.weight if q_norm is not None else None,
+                                   k_norm_weight=k_norm.weight if k_norm is not None else None,
+                                   eps=q_norm.eps if q_norm is not None else 0.0, rope_row=rope_row,
+                                   slot_mapping=meta.slot_mapping, kv_cache=kv_cache, num_q_heads=layer.num_heads,
                                    num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim, kv_scale=kv_scale)
         o = self.backend.attend(q, kv_cache, meta, layer.scale, layer.kv_scales)
         h = self._row_parallel(layer, o.view(1, -1), layer.o_proj, h)
         if layer.moe is not None:
             return self._moe(layer, layer.moe, h)
         assert layer.gate_up_proj is not None and layer.down_proj is not None  # a dense layer
-        act = gemv(h, layer.gate_up_proj.weight, layer.gate_up_proj.bias, norm_weight=layer.post_norm.weight,
-                   eps=layer.post_norm.eps, silu_mul=True, weight_scale=_weight_scale(layer.gate_up_proj))
+        act = _project(h, layer.gate_up_proj, layer.gate_up_proj.bias, norm=layer.post_norm, silu_mul=True)
         return self._row_parallel(layer, act, layer.down_proj, h)
 
     @staticmethod
-    def _moe(layer: OneTokenLayer, moe: OneTokenMoe, h: torch.Tensor) -> torch.Tensor:
-        """h + the sparse MLP of post_norm(h), reading only the chosen experts."""
+    def _moe(layer: OneTokenLayer, moe: OneTokenMoe, h: torch.Tensor, *, fuse_routing: bool = True) -> torch.Tensor:
+        """h + the sparse MLP of post_norm(h), reading only the chosen experts. On one rank without
+        a shared expert: 4 launches, the norm in the GEMVs' prologues; fuse_routing=False
+        (and the other layers) run the explicit sequence, 5 launches on one rank."""
         block = moe.block
-        x = rms_norm(h, layer.post_norm.weight, layer.post_norm.eps)
+        norm = layer.post_norm
+        experts = block.experts
+        plain = block.shared_expert is None and experts.tp.size == 1
+        if plain and fuse_routing:
+            logits = gemv(h, block.gate.weight, norm_weight=norm.weight, eps=norm.eps, out_dtype=torch.float32)
+            out, _, _ = fused_moe_from_logits(h, logits, experts.w13, experts.w2, top_k=block.top_k,
+                                              renormalize=block.renormalize, norm_weight=norm.weight,
+                                              eps=norm.eps, residual=h)
+            return out
+        x = rms_norm(h, norm.weight, norm.eps)
         logits = gemv(x, block.gate.weight, out_dtype=torch.float32)
         weights, ids = route_top_k(logits, block.top_k, block.renormalize)
-        experts = block.experts
-        if block.shared_expert is None and experts.tp.size == 1:
+        if plain:
             return fused_moe(x, experts.w13, experts.w2, weights, ids, small_batch=True, residual=h)
         out = experts(x, weights, ids)  # a tensor-parallel share: the layer's own all-reduce
         if block.shared_expert is not None:
@@ -124,12 +145,11 @@ class FusedOneTokenDecode(DecodePath):
         also adds the bias and the residual in its epilogue, so one all-reduce yields the sum with
         each added once, and the fusion survives sharding."""
         tp = layer.tp
-        scale = _weight_scale(proj)
         if tp is None or tp.size == 1:
-            return gemv(x, proj.weight, proj.bias, residual=h, weight_scale=scale)
+            return _project(x, proj, proj.bias, residual=h)
         if tp.rank == 0:
-            return tp.all_reduce(gemv(x, proj.weight, proj.bias, residual=h, weight_scale=scale))
-        return tp.all_reduce(gemv(x, proj.weight, None, weight_scale=scale))
+            return tp.all_reduce(_project(x, proj, proj.bias, residual=h))
+        return tp.all_reduce(_project(x, proj, None))
 
     def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         if hidden.shape[0] == 1 and fused_decode_enabled():
@@ -137,6 +157,31 @@ class FusedOneTokenDecode(DecodePath):
         return super().logits(hidden, lm_head_weight)
 
 
+def _project(x: torch.Tensor, proj: ProjWeights, bias: torch.Tensor | None, *, norm: NormWeights | None = None,
+             silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """proj(norm(x)) + bias [-> silu(gate) * up] [+ residual] for one token, in the GEMV of the
+    projection's weight: int4 (kernels/int4_matmul.py) or float / fp8 (kernels/gemv.py)."""
+    norm_weight, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
+    packed = _int4_weights(proj)
+    if packed is not None:  # (validated once, by the runner; the layer's shapes are fixed)
+        return int4_gemv(x, packed, bias, validate=False, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul,
+                         residual=residual)
+    return gemv(x, proj.weight, bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul, residual=residual,
+                weight_scale=_weight_scale(proj))
+
+
 def _weight_scale(proj: ProjWeights) -> torch.Tensor | None:
     """The per-row float32 scales of an fp8 projection (layers/quant/fp8.py), None for a float one."""
     return getattr(proj, "weight_scale", None)
+
+
+def _int4_weights(proj: ProjWeights) -> Int4Weights | None:
+    """The packed weight of an int4 projection (its runner, `Linear.quant`, an Int4Linear on the
+    kernels), None for a float or fp8 one."""
+    runner = getattr(proj, "quant", None)
+    if not isinstance(runner, Int4Linear):
+        return None
+    if not runner.kernels or runner.act_order:  # Int4LinearMethod.fused_decode keeps these off this path
+        raise ValueError(f"an int4 layer ({runner.extra_repr()}) the fused one-token kernels cannot read: "
+                         "its model takes the general path (layers/quant/int4_pack.py)")
+    return runner.weights()

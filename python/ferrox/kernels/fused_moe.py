@@ -17,8 +17,18 @@ Small-batch path (a few decode tokens). Sorting costs more launches than the wor
 (token, slot) pair runs matrix-vector products straight on its selected expert's rows: only the
 k selected experts' weights are read (a batch-1 step of Qwen3-30B-A3B reads 8 of 128 experts).
 The down kernel streams all of the token's k slots in one tile and sums them in registers, so it
-writes the final [T, H] rows itself (plus the residual, for the one-token decode path). That path
-(attention/fused_decode.py) also routes in one launch (`route_top_k`: softmax, top-k, renormalise).
+writes the final [T, H] rows itself (plus the residual, for the one-token decode path).
+
+Routing. `route_top_k` is softmax, top-k and renormalisation in one launch (torch's is ~6). In the
+one-token decode path (attention/fused_decode.py, `fused_moe_from_logits`) the layer's RMSNorm runs
+in the gate/up kernel's prologue, as in kernels/gemv.py (the sum of squares accumulated beside the
+products, rstd applied to the row sums; the normed vector is not rounded to the activation dtype
+before the products, unlike the unfused rms_norm: a difference well inside bf16 noise), so a
+sparse MLP is router GEMV (norm prologue), top-k, gate/up (norm prologue), down (+ residual): four
+launches, not five. Routing inside the gate/up prologue as well (every program picking its
+token's k experts from the logits, one writing them for the down kernel) was measured and
+dropped: the top-k then delays every program's first weight load, and the Qwen3-30B-A3B step went
+from 2.88 to 3.17 ms on an H200.
 
 Layout: w13 [E, 2*I, H] (rows [0, I) gate, [I, 2I) up), w2 [E, H, I], both row-major per expert.
 Gate and up are rounded to the activation dtype before SiLU, as the unfused torch path stores them.
@@ -141,31 +151,50 @@ def _gemv_gate_up_kernel(
     stride_we,
     stride_wn,
     stride_o,
+    norm_w_ptr,  # NORM: the RMSNorm weight [K]; x holds the un-normed rows
+    eps,
     TOP_K: tl.constexpr,
+    NORM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Program (pair, n-block): silu(gate) * up of BLOCK_N columns for one (token, slot) pair."""
+    """Program (pair, n-block): silu(gate) * up of BLOCK_N columns for one (token, slot) pair.
+
+    NORM: x = rms_norm(h) in one pass, as kernels/gemv.py: the norm weight multiplies each x
+    tile, the sum of squares of h is accumulated beside the products, and rstd scales the row
+    sums."""
     pair = tl.program_id(0)
+    token = pair // TOP_K
     expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
-    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_x
+    x_row = x_ptr + token.to(tl.int64) * stride_x
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     w_rows = w_ptr + expert * stride_we + rows.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         kmask = ks < K
-        x = tl.load(x_row + ks, mask=kmask, other=0.0).to(tl.float32)
+        h = tl.load(x_row + ks, mask=kmask, other=0.0).to(tl.float32)
+        x = h
+        if NORM:
+            x = h * tl.load(norm_w_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
         wmask = rmask[:, None] & kmask[None, :]
         # Each expert row is read once per step: stream it past the cache.
         w = tl.load(w_rows + ks[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
         w_up = tl.load(w_rows + N * stride_wn + ks[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
         acc += w.to(tl.float32) * x[None, :]
         acc_up += w_up.to(tl.float32) * x[None, :]
-    gate = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32)
-    up = tl.sum(acc_up, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32)
+        if NORM:
+            sq += h * h
+    gate = tl.sum(acc, axis=1)
+    up = tl.sum(acc_up, axis=1)
+    if NORM:
+        rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+        gate, up = gate * rstd, up * rstd
+    gate = gate.to(out_ptr.dtype.element_ty).to(tl.float32)
+    up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
     y = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(out_ptr + pair.to(tl.int64) * stride_o + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
 
@@ -228,23 +257,20 @@ def _gemv_down_kernel(
 
 
 @triton.jit
-def _route_top_k_kernel(
-    weights_ptr,
-    ids_ptr,
-    logits_ptr,
+def _top_k_of_row(
+    logits_ptr,  # one token's row
     num_experts,
-    stride_l,
     TOP_K: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_TOP_K: tl.constexpr,  # TOP_K rounded up to a power of two (a block's length)
 ):
-    """Program per token: softmax over the experts' logits, the k largest (ties: the lower expert
-    id), their probabilities (renormalised to sum 1 with RENORMALIZE)."""
-    token = tl.program_id(0).to(tl.int64)
+    """Softmax over the experts' logits, the k largest (ties: the lower expert id), their
+    probabilities (renormalised to sum 1 with RENORMALIZE): (float32 [BLOCK_TOP_K], int64
+    [BLOCK_TOP_K]), slots past TOP_K zero."""
     e = tl.arange(0, BLOCK_E)
     emask = e < num_experts
-    logits = tl.load(logits_ptr + token * stride_l + e, mask=emask, other=-float("inf")).to(tl.float32)
+    logits = tl.load(logits_ptr + e, mask=emask, other=-float("inf")).to(tl.float32)
     top = tl.max(logits, axis=0)
     p = tl.where(emask, tl.exp(logits - top), 0.0)
     p = p / tl.sum(p, axis=0)
@@ -260,6 +286,26 @@ def _route_top_k_kernel(
         remaining = tl.where(e == best_id, -1.0, remaining)
     if RENORMALIZE:
         chosen_p = chosen_p / tl.sum(chosen_p, axis=0)
+    return chosen_p, chosen_id
+
+
+@triton.jit
+def _route_top_k_kernel(
+    weights_ptr,
+    ids_ptr,
+    logits_ptr,
+    num_experts,
+    stride_l,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_TOP_K: tl.constexpr,
+):
+    """Program per token: `_top_k_of_row` of its logits."""
+    token = tl.program_id(0).to(tl.int64)
+    chosen_p, chosen_id = _top_k_of_row(logits_ptr + token * stride_l, num_experts, TOP_K, RENORMALIZE, BLOCK_E,
+                                        BLOCK_TOP_K)
+    ks = tl.arange(0, BLOCK_TOP_K)
     tl.store(weights_ptr + token * TOP_K + ks, chosen_p, mask=ks < TOP_K)
     tl.store(ids_ptr + token * TOP_K + ks, chosen_id, mask=ks < TOP_K)
 
@@ -355,6 +401,24 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: t
                          f"[{x.shape[0]}, k]")
 
 
+def _launch_gemv_down(out: torch.Tensor, act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+                      route_w: torch.Tensor, residual: torch.Tensor | None, gv: GemvConfig) -> None:
+    num_tokens, top_k = ids.shape
+    hidden, inter = w2.shape[1], w2.shape[2]
+    _gemv_down_kernel[(num_tokens, triton.cdiv(hidden, gv.down_rows))](
+        out, act, w2, ids, route_w, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        residual if residual is not None else out, residual.stride(0) if residual is not None else 0,
+        TOP_K=top_k, HAS_RESIDUAL=residual is not None, BLOCK_S=triton.next_power_of_2(top_k),
+        BLOCK_N=gv.down_rows, BLOCK_K=gv.down_block_k, num_warps=gv.num_warps,
+    )
+
+
+def _check_residual(residual: torch.Tensor | None, x: torch.Tensor) -> None:
+    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
+        raise ValueError(f"residual must be [{x.shape[0]}, {x.shape[1]}] with a contiguous last axis, got "
+                         f"{tuple(residual.shape)}")
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, small_batch: bool | None = None,
               config: GemmConfig | None = None, gemv_config: GemvConfig | None = None,
@@ -365,9 +429,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     `use_small_batch_path` decides from the shapes. residual [T, H]: added to the result (the sum
     rounded to x's dtype first, as an unfused add would see it)."""
     _check(x, w13, w2, topk_weights, topk_ids)
-    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
-        raise ValueError(f"residual must be [{x.shape[0]}, {x.shape[1]}] with a contiguous last axis, got "
-                         f"{tuple(residual.shape)}")
+    _check_residual(residual, x)
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
     inter = two_i // 2
@@ -384,14 +446,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         gv = gemv_config or choose_gemv_config(hidden, inter, top_k)
         _gemv_gate_up_kernel[(num_pairs, triton.cdiv(inter, gv.gate_up_rows))](
             act, x, w13, ids, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-            TOP_K=top_k, BLOCK_N=gv.gate_up_rows, BLOCK_K=gv.gate_up_block_k, num_warps=gv.num_warps,
+            x, 0.0, TOP_K=top_k, NORM=False, BLOCK_N=gv.gate_up_rows, BLOCK_K=gv.gate_up_block_k, num_warps=gv.num_warps,
         )
-        _gemv_down_kernel[(num_tokens, triton.cdiv(hidden, gv.down_rows))](
-            out, act, w2, ids, route_w, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-            residual if residual is not None else out, residual.stride(0) if residual is not None else 0,
-            TOP_K=top_k, HAS_RESIDUAL=residual is not None, BLOCK_S=triton.next_power_of_2(top_k),
-            BLOCK_N=gv.down_rows, BLOCK_K=gv.down_block_k, num_warps=gv.num_warps,
-        )
+        _launch_gemv_down(out, act, w2, ids, route_w, residual, gv)
         return out
 
     cfg = config or choose_gemm_config(num_pairs, num_experts)
@@ -414,3 +471,41 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     # The k weighted rows of a token: one reduction (fp32 accumulation inside torch's sum).
     torch.sum(routed.view(num_tokens, top_k, hidden), dim=1, out=out)
     return out if residual is None else out + residual
+
+
+def fused_moe_from_logits(h: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
+                          top_k: int, renormalize: bool, norm_weight: torch.Tensor | None = None,
+                          eps: float = 1e-6, residual: torch.Tensor | None = None,
+                          gemv_config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The small-batch path routed from the router's logits, in three launches:
+
+        x = rms_norm(h, norm_weight, eps)  (h itself without norm_weight)
+        weights, ids = route_top_k(router_logits, top_k, renormalize)
+        out = fused_moe(x, w13, w2, weights, ids, small_batch=True, residual=residual)
+
+    The norm runs in the gate/up kernel's prologue. Unlike rms_norm, the normed vector is not
+    rounded to h's dtype before the products (as gemv's norm prologue: a difference well inside
+    bf16 noise). Returns (out [T, H], weights float32 [T, k], ids int64 [T, k])."""
+    tokens, num_experts = router_logits.shape
+    if not 0 < top_k <= num_experts or num_experts != w13.shape[0]:
+        raise ValueError(f"router_logits {tuple(router_logits.shape)} and top_k {top_k} do not fit "
+                         f"{w13.shape[0]} experts (top_k in 1..E)")
+    if router_logits.stride(-1) != 1 or h.shape[0] != tokens:
+        raise ValueError(f"router_logits must be [{h.shape[0]}, E] with a contiguous last axis")
+    if norm_weight is not None and norm_weight.shape != (w13.shape[2],):
+        raise ValueError(f"norm weight must be [{w13.shape[2]}], got {tuple(norm_weight.shape)}")
+    weights, ids = route_top_k(router_logits, top_k, renormalize)
+    _check(h, w13, w2, weights, ids)
+    _check_residual(residual, h)
+    inter, hidden = w2.shape[2], w2.shape[1]
+    out = torch.empty(tokens, hidden, dtype=h.dtype, device=h.device)
+    if tokens == 0:
+        return out, weights, ids
+    gv = gemv_config or choose_gemv_config(hidden, inter, top_k)
+    act = torch.empty(tokens * top_k, inter, dtype=h.dtype, device=h.device)
+    _gemv_gate_up_kernel[(tokens * top_k, triton.cdiv(inter, gv.gate_up_rows))](
+        act, h, w13, ids, inter, hidden, h.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        norm_weight if norm_weight is not None else h, eps, TOP_K=top_k, NORM=norm_weight is not None, BLOCK_N=gv.gate_up_rows, BLOCK_K=gv.gate_up_block_k, num_warps=gv.num_warps,
+    )
+    _launch_gemv_down(out, act, w2, ids, weights, residual, gv)
+    return out, weights, ids

@@ -25,6 +25,10 @@ FP8 weights (layers/quant/fp8.py): the weight may be float8 E4M3 with one float3
 quantization at one token), each weight byte is streamed once and widened in registers, and the
 row's scale multiplies its sum in the epilogue, before bias, SiLU, residual and rotary. Roundings
 "to the activation dtype" use the input's dtype, which is the weight's on the float path.
+
+int4 weights (AWQ / GPTQ) take the same prologue and epilogue in the int4 GEMV (int4_matmul.py,
+flags of `_int4_gemv_kernel` sharing `_input_tile` and `_store_rows` from here); it has no rotary
+epilogue, so their qkv projection is followed by qk_norm_rope.py's rotary + KV-write launch.
 """
 
 from __future__ import annotations
@@ -48,6 +52,30 @@ def _input_tile(x_ptr, norm_w_ptr, cols, kmask, NORM: tl.constexpr):
     if NORM:
         xin = h * tl.load(norm_w_ptr + cols, mask=kmask, other=0.0).to(tl.float32)
     return xin, h
+
+
+@triton.jit
+def _store_rows(out_ptr, x_ptr, bias_ptr, res_ptr, y, up, rows, rmask, n_out, HAS_BIAS: tl.constexpr,
+               SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """The one-token GEMVs' epilogue (this module's and the int4 one, int4_matmul.py): y (and up,
+    with SILU_MUL: the up rows n_out further on) are fp32 row sums with the norm and weight scales
+    applied; add the bias, take silu(gate) * up, add the residual, store `rows` of out. Roundings
+    to the activation dtype use x's dtype."""
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    if SILU_MUL:
+        if HAS_BIAS:
+            up += tl.load(bias_ptr + n_out + rows, mask=rmask, other=0.0).to(tl.float32)
+        # Round gate and up to the activation dtype first, as the unfused path stores them.
+        gate = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+        up = up.to(x_ptr.dtype.element_ty).to(tl.float32)
+        y = gate / (1.0 + tl.exp(-gate)) * up
+    if HAS_RESIDUAL:
+        # The projection output in its dtype, then the add (rounded once more): bit-equal to the
+        # unfused linear + fused_add_rms_norm residual stream.
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+        y += tl.load(res_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
 
 
 @triton.jit
@@ -92,31 +120,19 @@ def _gemv_kernel(
         if NORM:
             sq += h * h
     y = tl.sum(acc, axis=1)
+    up = y  # (the up rows' sums with SILU_MUL)
     if NORM:
         rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
         y = y * rstd
     if HAS_W_SCALE:
         y = y * tl.load(w_scale_ptr + rows, mask=rmask, other=0.0)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     if SILU_MUL:
         up = tl.sum(acc_up, axis=1)
         if NORM:
             up = up * rstd
         if HAS_W_SCALE:
             up = up * tl.load(w_scale_ptr + n_out + rows, mask=rmask, other=0.0)
-        if HAS_BIAS:
-            up += tl.load(bias_ptr + n_out + rows, mask=rmask, other=0.0).to(tl.float32)
-        # Round gate and up to the activation dtype first, as the unfused path stores them.
-        gate = y.to(x_ptr.dtype.element_ty).to(tl.float32)
-        up = up.to(x_ptr.dtype.element_ty).to(tl.float32)
-        y = gate / (1.0 + tl.exp(-gate)) * up
-    if HAS_RESIDUAL:
-        # The projection output in its dtype, then the add (rounded once more): bit-equal to the
-        # unfused linear + fused_add_rms_norm residual stream.
-        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-        y += tl.load(res_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
+    _store_rows(out_ptr, x_ptr, bias_ptr, res_ptr, y, up, rows, rmask, n_out, HAS_BIAS, SILU_MUL, HAS_RESIDUAL)
 
 
 @triton.jit

@@ -30,6 +30,13 @@ Three paths, by the number of rows M of x:
   conversions shared by the program's 8 rows): expect the kernel at roughly 1.5x its int4 read
   time, not at it; closing that gap needs packed fp16x2 dequantisation (inline PTX), which the
   CPU interpreter cannot run.
+  The fused one-token decode path (attention/fused_decode.py) runs this kernel with gemv.py's
+  fusions, constexpr flags that are off for int4_linear (the same sm_90 PTX loop as without them):
+  NORM, the input RMSNorm in the prologue (each nibble plane's activations times the norm weight as
+  they load, their squares summed in the same loop, rstd applied to the row sums: every term, the
+  zero point's z * sum x included, is linear in x); SILU_MUL, a program streams its gate rows and
+  the up rows N further on against the same activations; HAS_RESIDUAL; the epilogue (bias, SiLU,
+  residual, roundings) is gemv.py's `_store_rows`.
 - GEMM (prefill, mid-size batches): each nibble plane of a block dequantized in registers to the
   activation dtype and multiplied with tl.dot against the matching T columns of x (fp32
   accumulation). Needs T >= 16 (group size >= 128, or one group); smaller groups take the
@@ -52,6 +59,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from ferrox.kernels.gemv import _input_tile, _store_rows
 
 GEMV_MAX_M = 4
 DEQUANT_MIN_M = 1024
@@ -84,6 +93,17 @@ def _plane_minus_zero(p, p_hi, zero, J: tl.constexpr):
 
 
 @triton.jit
+def _group_sums(t, xs4, scales_ptr, zeros_ptr, offs, mask, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """A K tile's contribution to each row: t [BLOCK_N, BLOCK_W] holds per word sum(q x), xs4 per 4
+    words sum(x). A thread's 4 words lie in one block: fold them first, then one scale and zero per
+    4 words (offs: their [N, G] offsets), s * (sum q x - z * sum x)."""
+    t4 = tl.sum(tl.reshape(t, [BLOCK_N, BLOCK_W // 4, 4]), axis=2)
+    s = tl.load(scales_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(zeros_ptr + offs, mask=mask, other=0).to(tl.float32)
+    return s * (t4 - z * xs4)
+
+
+@triton.jit
 def _int4_gemv_kernel(
     out_ptr,
     x_ptr,
@@ -91,7 +111,10 @@ def _int4_gemv_kernel(
     scales_ptr,
     zeros_ptr,
     bias_ptr,
-    N,
+    res_ptr,  # [M, N] (HAS_RESIDUAL), out's strides
+    norm_w_ptr,  # [K] RMSNorm weight (NORM)
+    eps,
+    N,  # output rows (with SILU_MUL: the gate rows; up rows are N further on)
     KW,  # packed words per row, K / 8 (passed as is, so its divisibility is known: 16-byte masked loads)
     stride_w,
     stride_xm,
@@ -99,6 +122,9 @@ def _int4_gemv_kernel(
     GROUP: tl.constexpr,
     T: tl.constexpr,  # words per block row (the layout's interleave)
     HAS_BIAS: tl.constexpr,
+    NORM: tl.constexpr,  # x -> rms_norm(x) * norm_w first (the fused one-token path, module docstring)
+    SILU_MUL: tl.constexpr,  # rows [0, N) are gate, [N, 2N) up: out = silu(gate) * up
+    HAS_RESIDUAL: tl.constexpr,  # out = (W @ x) + residual, each rounded as the unfused ops round
     BLOCK_N: tl.constexpr,
     BLOCK_W: tl.constexpr,  # words per row per K tile, a multiple of T; 4 words a thread (see the config)
 ):
@@ -111,11 +137,15 @@ def _int4_gemv_kernel(
     cols = tl.arange(0, BLOCK_W)[None, :]
     # Word c of a tile is word c % T of block c // T: its nibble j multiplies x[8T (c // T) + T j + c % T].
     # x is loaded [1, BLOCK_W], in the packed tile's own register layout (no conversion per nibble).
-    x_row = x_ptr + m.to(tl.int64) * stride_xm + cols + (cols // T) * (7 * T)
+    x_cols = cols + (cols // T) * (7 * T)
+    x_row = x_ptr + m.to(tl.int64) * stride_xm + x_cols
+    norm_row = norm_w_ptr + x_cols  # (NORM: the norm weight of each x)
     w_rows = packed_ptr + rows.to(tl.int64)[:, None] * stride_w + cols
     cols4 = tl.arange(0, BLOCK_W // 4)[None, :] * 4
     g4 = (cols4 // T) * (8 * T)  # first k of each 4 words' block, from the tile's start
     acc = tl.zeros([BLOCK_N, BLOCK_W // 4], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_W // 4], dtype=tl.float32)
+    sq = tl.zeros([1, BLOCK_W], dtype=tl.float32)
     for w0 in range(0, KW, BLOCK_W):
         wmask = cols < KW - w0
         wmask4 = cols4 < KW - w0
@@ -123,21 +153,37 @@ def _int4_gemv_kernel(
         p_hi = p >> 20  # nibbles 5..7 moved down to 0..2
         t = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)  # per word: sum over its 8 nibbles of q * x
         xs = tl.zeros([1, BLOCK_W], dtype=tl.float32)  # per word: sum of the x its nibbles multiply
+        if SILU_MUL:
+            p_up = tl.load(w_rows + N * stride_w + w0, mask=rmask & wmask, other=0, eviction_policy="evict_first")
+            p_up_hi = p_up >> 20
+            t_up = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
         for j in tl.static_range(8):
-            xj = tl.load(x_row + 8 * w0 + j * T, mask=wmask, other=0.0).to(tl.float32)
+            # With NORM, xj is x times the norm weight and h the raw x (the RMS statistic's).
+            xj, h = _input_tile(x_row, norm_row, 8 * w0 + j * T, wmask, NORM)
             xs += xj
             t += _plane_value(p, p_hi, j) * xj
-        # A thread's 4 words lie in one block: fold them first, then one scale and zero per 4 words.
-        t4 = tl.sum(tl.reshape(t, [BLOCK_N, BLOCK_W // 4, 4]), axis=2)
+            if SILU_MUL:
+                t_up += _plane_value(p_up, p_up_hi, j) * xj
+            if NORM:
+                sq += h * h
         xs4 = tl.sum(tl.reshape(xs, [1, BLOCK_W // 4, 4]), axis=2)
         offs = rows[:, None] * G + (8 * w0 + g4) // GROUP
-        s = tl.load(scales_ptr + offs, mask=rmask & wmask4, other=0.0).to(tl.float32)
-        z = tl.load(zeros_ptr + offs, mask=rmask & wmask4, other=0).to(tl.float32)
-        acc += s * (t4 - z * xs4)
+        acc += _group_sums(t, xs4, scales_ptr, zeros_ptr, offs, rmask & wmask4, BLOCK_N, BLOCK_W)
+        if SILU_MUL:
+            acc_up += _group_sums(t_up, xs4, scales_ptr, zeros_ptr, offs + N * G, rmask & wmask4, BLOCK_N, BLOCK_W)
+    # The norm's rstd scales whole row sums: every term above, the zero point's z * sum x included,
+    # is linear in x.
     y = tl.sum(acc, axis=1)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m.to(tl.int64) * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
+    up = y  # (the up rows' sums with SILU_MUL)
+    if NORM:
+        rstd = tl.rsqrt(tl.sum(sq) / (KW * 8) + eps)
+        y = y * rstd
+    if SILU_MUL:
+        up = tl.sum(acc_up, axis=1)
+        if NORM:
+            up = up * rstd
+    _store_rows(out_ptr + m.to(tl.int64) * stride_om, x_ptr, bias_ptr, res_ptr + m.to(tl.int64) * stride_om, y, up,
+                rows, rows < N, N, HAS_BIAS, SILU_MUL, HAS_RESIDUAL)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -253,11 +299,13 @@ class GemmConfig:
     group_m: int = 8
 
 
-def choose_gemv_config(n: int, k: int) -> GemvConfig:
+def choose_gemv_config(n: int, k: int, *, silu_mul: bool = False) -> GemvConfig:
     """8 rows per program, 2 warps (a 2048-weight K tile) when K has room for them. A 4096 x 4096
     projection then runs 512 programs of 64 threads, each with 32 packed words (128 bytes) in flight
-    per iteration, ~32 KB per SM; each thread's activations serve its 8 rows."""
-    return GemvConfig(min(8, triton.next_power_of_2(n)), 2 if k >= 2048 else 1)
+    per iteration, ~32 KB per SM; each thread's activations serve its 8 rows. silu_mul (n: the gate
+    rows): 4 gate rows and their 4 up rows, the same 8 rows streamed and registers held (derived,
+    not yet swept on the H200: benches/bench_int4.py)."""
+    return GemvConfig(min(4 if silu_mul else 8, triton.next_power_of_2(n)), 2 if k >= 2048 else 1)
 
 
 def choose_gemm_config(m: int, dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
@@ -312,19 +360,34 @@ def _check_x(x: torch.Tensor, w: Int4Weights) -> None:
 
 
 def int4_gemv(x: torch.Tensor, w: Int4Weights, bias: torch.Tensor | None = None,
-              config: GemvConfig | None = None, *, validate: bool = True) -> torch.Tensor:
+              config: GemvConfig | None = None, *, validate: bool = True, norm_weight: torch.Tensor | None = None,
+              eps: float = 1e-6, silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W.T (+ bias) -> [M, N] in x's dtype; one program per (token, row block).
-    validate=False skips the shape checks (int4_linear: the runner checked its weight once)."""
+    validate=False skips the weight's checks (int4_linear: the runner checked its weight once).
+
+    The fused one-token path's options (attention/fused_decode.py; kernels/gemv.py for float
+    weights): norm_weight, each token RMS-normed first, rms_norm(x) * norm_weight (eps); silu_mul,
+    W's rows are [gate | up] and the result silu(gate) * up, [M, N / 2]; residual, [M, N_out]
+    added to the result (both rounded to x's dtype, as the unfused ops store them)."""
     if validate:
         w.check()
         _check_x(x, w)
     m, n, k = x.shape[0], w.out_features, w.in_features
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    cfg = config or choose_gemv_config(n, k)
-    _int4_gemv_kernel[(m, triton.cdiv(n, cfg.block_n))](
-        out, x, w.packed, w.scales, w.zeros, bias if bias is not None else w.scales, n, k // 8, w.packed.stride(0),
-        x.stride(0), out.stride(0), GROUP=w.group_size, T=w.interleave, HAS_BIAS=bias is not None,
-        BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, num_warps=cfg.num_warps,
+    if silu_mul and n % 2:
+        raise ValueError(f"silu_mul needs an even number of rows [gate | up], got {n}")
+    n_out = n // 2 if silu_mul else n
+    if norm_weight is not None and (norm_weight.shape != (k,) or norm_weight.stride(0) != 1):
+        raise ValueError(f"norm weight must be contiguous [{k}], got {tuple(norm_weight.shape)}")
+    if residual is not None and (residual.shape != (m, n_out) or not residual.is_contiguous()):
+        raise ValueError(f"residual must be contiguous [{m}, {n_out}], got {tuple(residual.shape)}")
+    out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    cfg = config or choose_gemv_config(n_out, k, silu_mul=silu_mul)
+    _int4_gemv_kernel[(m, triton.cdiv(n_out, cfg.block_n))](
+        out, x, w.packed, w.scales, w.zeros, bias if bias is not None else w.scales,
+        residual if residual is not None else out, norm_weight if norm_weight is not None else x, eps, n_out,
+        k // 8, w.packed.stride(0), x.stride(0), out.stride(0), GROUP=w.group_size, T=w.interleave,
+        HAS_BIAS=bias is not None, NORM=norm_weight is not None, SILU_MUL=silu_mul,
+        HAS_RESIDUAL=residual is not None, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, num_warps=cfg.num_warps,
     )
     return out
 

@@ -219,8 +219,8 @@ class LlamaForCausalLM(nn.Module):
                 module.finalize_quantized()
         if any(m.weight_method is not None and not m.weight_method.fused_decode
                for m in self.modules() if isinstance(m, Linear)):
-            # The fused one-token kernels read plain (or fp8) weights; other quantized layers run
-            # their own matmuls, so one-token steps take the general path.
+            # The fused one-token kernels read plain, fp8 and int4 (kernels, no act-order) weights;
+            # other quantized layers run their own matmuls, so one-token steps take the general path.
             self.model.decode_path = DecodePath()
         linears = [m for m in self.model.layers.modules() if isinstance(m, Linear)]
         if self.model.one_token_layers is not None and not self.model.qk_norm and linears and all(
