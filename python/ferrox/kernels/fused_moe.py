@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ferrox.kernels.gemv import _input_tile, _paired_row_sums
+
 
 @dataclass(frozen=True, slots=True)
 class ExpertBlocks:
@@ -176,10 +178,7 @@ def _gemv_gate_up_kernel(
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         kmask = ks < K
-        h = tl.load(x_row + ks, mask=kmask, other=0.0).to(tl.float32)
-        x = h
-        if NORM:
-            x = h * tl.load(norm_w_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
+        x, h = _input_tile(x_row, norm_w_ptr, ks, kmask, NORM)
         wmask = rmask[:, None] & kmask[None, :]
         # Each expert row is read once per step: stream it past the cache.
         w = tl.load(w_rows + ks[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
@@ -188,11 +187,7 @@ def _gemv_gate_up_kernel(
         acc_up += w_up.to(tl.float32) * x[None, :]
         if NORM:
             sq += h * h
-    gate = tl.sum(acc, axis=1)
-    up = tl.sum(acc_up, axis=1)
-    if NORM:
-        rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
-        gate, up = gate * rstd, up * rstd
+    gate, up = _paired_row_sums(acc, acc_up, sq, K, eps, NORM)
     gate = gate.to(out_ptr.dtype.element_ty).to(tl.float32)
     up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
     y = gate / (1.0 + tl.exp(-gate)) * up

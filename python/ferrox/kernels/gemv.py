@@ -79,6 +79,18 @@ def _store_rows(out_ptr, x_ptr, bias_ptr, res_ptr, y, up, rows, rmask, n_out, HA
 
 
 @triton.jit
+def _paired_row_sums(acc_a, acc_b, sq, K, eps, NORM: tl.constexpr):
+    """The row sums of two [rows, BLOCK_K] accumulators that share an input, each times the
+    one-pass RMSNorm's rsqrt(mean(h^2) + eps) with NORM (sq: the h^2 accumulated beside them)."""
+    a = tl.sum(acc_a, axis=1)
+    b = tl.sum(acc_b, axis=1)
+    if NORM:
+        rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+        a, b = a * rstd, b * rstd
+    return a, b
+
+
+@triton.jit
 def _gemv_kernel(
     out_ptr,
     w_ptr,
@@ -187,11 +199,7 @@ def _qkv_rope_kernel(
         acc_hi += w.to(tl.float32) * xin[None, :]
         if NORM:
             sq += h * h
-    lo = tl.sum(acc_lo, axis=1)
-    hi = tl.sum(acc_hi, axis=1)
-    if NORM:
-        rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
-        lo, hi = lo * rstd, hi * rstd
+    lo, hi = _paired_row_sums(acc_lo, acc_hi, sq, K, eps, NORM)
     if HAS_W_SCALE:
         lo = lo * tl.load(w_scale_ptr + rows)
         hi = hi * tl.load(w_scale_ptr + rows + HALF)
