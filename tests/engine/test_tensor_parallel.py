@@ -125,6 +125,23 @@ def _rank_pids(parent: int) -> list[int]:
     return pids
 
 
+def test_second_engine_is_refused_while_the_first_holds_the_group(tmp_path):
+    """A second TP engine while the first is alive fails at once, naming the field, before any rank
+    of its own starts (no orphan rank process), and the first keeps serving."""
+    folder = make_tiny_llama(tmp_path / "llama")
+    first = LLM(model=folder, tensor_parallel_size=2, max_model_len=128)
+    try:
+        ranks = _rank_pids(os.getpid())
+        with pytest.raises(ValueError, match="tensor_parallel_size: a tensor-parallel engine in this process"):
+            LLM(model=folder, tensor_parallel_size=2, max_model_len=128)
+        assert _rank_pids(os.getpid()) == ranks
+        out = first.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, temperature=0.0),
+                             use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        first.engine.shutdown()
+
+
 def test_killed_rank_fails_requests_and_the_server_exits(tmp_path):
     """A rank that dies mid-request takes the engine down cleanly: the stream gets an error, the
     server exits non-zero within seconds, nothing hangs."""

@@ -96,15 +96,25 @@ def use_tp_group(group: TPGroup) -> Iterator[TPGroup]:
         _current = previous
 
 
+def check_no_tp_group() -> None:
+    """Refuse a second tensor-parallel engine while this process is in a process group (called
+    before any rank starts, so a refused engine leaves no rank process behind)."""
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "gloo":
+        raise ValueError("tensor_parallel_size: a tensor-parallel engine in this process still holds the process "
+                         "group; shut it down (llm.engine.shutdown()) before starting another")
+    raise ValueError("tensor_parallel_size: this process already ran a tensor-parallel engine on the GPU, whose "
+                     "NCCL group lives until the process exits; start the next one in a new process")
+
+
 def init_tp_group(rank: int, size: int, init_method: str, device_type: str, expert_parallel: bool = False) -> TPGroup:
     """Join the process group of `size` ranks (every rank calls this with the same init_method,
     e.g. tcp://127.0.0.1:PORT). NCCL carries the forward's collectives on CUDA, gloo on CPU."""
     if size == 1:
         return _TRIVIAL
     backend = "nccl" if device_type == "cuda" else "gloo"
-    if dist.is_initialized():
-        raise ValueError("tensor_parallel_size: this process already ran a tensor-parallel engine on the GPU, whose "
-                         "NCCL group lives until the process exits; start the next one in a new process")
+    check_no_tp_group()
     dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=COLLECTIVE_TIMEOUT)
     world = dist.group.WORLD

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Protocol
 
 from ferrox.config import EngineConfig
-from ferrox.distributed.parallel_state import TPGroup, get_tp_group, init_tp_group
+from ferrox.distributed.parallel_state import TPGroup, check_no_tp_group, get_tp_group, init_tp_group
 
 
 class Executor(Protocol):
@@ -42,6 +42,7 @@ def start_tensor_parallel(config: EngineConfig) -> tuple[TPGroup, Executor | Non
         if size > visible:
             raise ValueError(f"tensor_parallel_size: {size} exceeds the {visible} visible CUDA device(s)")
     _check_model_shapes(config)
+    check_no_tp_group()
     executor: Executor
     if config.resolved_executor_backend() == "ray":
         from ferrox.executor.ray_executor import RayExecutor
