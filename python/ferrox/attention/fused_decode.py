@@ -51,7 +51,6 @@ from ferrox.kernels.gemv import gemv, qkv_rope_gemv
 from ferrox.kernels.int4_matmul import Int4Weights, int4_gemv
 from ferrox.kernels.qk_norm_rope import qk_norm_rope_cache
 from ferrox.kernels.rmsnorm import rms_norm
-from ferrox.layers.quant.int4_pack import Int4Linear
 
 if TYPE_CHECKING:
     from ferrox.attention.backend import AttentionBackend
@@ -176,12 +175,8 @@ def _weight_scale(proj: ProjWeights) -> torch.Tensor | None:
 
 
 def _int4_weights(proj: ProjWeights) -> Int4Weights | None:
-    """The packed weight of an int4 projection (its runner, `Linear.quant`, an Int4Linear on the
-    kernels), None for a float or fp8 one."""
-    runner = getattr(proj, "quant", None)
-    if not isinstance(runner, Int4Linear):
-        return None
-    if not runner.kernels or runner.act_order:  # Int4LinearMethod.fused_decode keeps these off this path
-        raise ValueError(f"an int4 layer ({runner.extra_repr()}) the fused one-token kernels cannot read: "
-                         "its model takes the general path (layers/quant/int4_pack.py)")
-    return runner.weights()
+    """The packed weight of an int4 projection (its runner, `Linear.quant`, is an
+    layers/quant/int4_pack.Int4Linear, which says whether the fused kernels can read it), None for a
+    float or fp8 one. (Duck-typed: attention sits beside layers, not above them.)"""
+    fused_weights = getattr(getattr(proj, "quant", None), "fused_decode_weights", None)
+    return fused_weights() if fused_weights is not None else None

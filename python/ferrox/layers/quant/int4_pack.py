@@ -158,6 +158,14 @@ class Int4Linear(nn.Module):
 
         return Int4Weights(self.packed, self.scales, self.zeros, self.group_size, self.interleave)
 
+    def fused_decode_weights(self) -> Int4Weights:
+        """The packed weight for the fused one-token kernels (attention/fused_decode.py), which read
+        it in checkpoint column order on the kernels' layout only."""
+        if not self.kernels or self.act_order:  # Int4LinearMethod.fused_decode keeps these off that path
+            raise ValueError(f"an int4 layer ({self.extra_repr()}) the fused one-token kernels cannot read: "
+                             "its model takes the general path")
+        return self.weights()
+
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.weight is not None:
             return F.linear(x, self.weight, bias)
