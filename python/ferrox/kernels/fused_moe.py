@@ -252,20 +252,23 @@ def _gemv_down_kernel(
 
 
 @triton.jit
-def _top_k_of_row(
-    logits_ptr,  # one token's row
+def _route_top_k_kernel(
+    weights_ptr,
+    ids_ptr,
+    logits_ptr,
     num_experts,
+    stride_l,
     TOP_K: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_TOP_K: tl.constexpr,  # TOP_K rounded up to a power of two (a block's length)
 ):
-    """Softmax over the experts' logits, the k largest (ties: the lower expert id), their
-    probabilities (renormalised to sum 1 with RENORMALIZE): (float32 [BLOCK_TOP_K], int64
-    [BLOCK_TOP_K]), slots past TOP_K zero."""
+    """Program per token: softmax over the experts' logits, the k largest (ties: the lower expert
+    id), their probabilities (renormalised to sum 1 with RENORMALIZE)."""
+    token = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     emask = e < num_experts
-    logits = tl.load(logits_ptr + e, mask=emask, other=-float("inf")).to(tl.float32)
+    logits = tl.load(logits_ptr + token * stride_l + e, mask=emask, other=-float("inf")).to(tl.float32)
     top = tl.max(logits, axis=0)
     p = tl.where(emask, tl.exp(logits - top), 0.0)
     p = p / tl.sum(p, axis=0)
@@ -281,26 +284,6 @@ def _top_k_of_row(
         remaining = tl.where(e == best_id, -1.0, remaining)
     if RENORMALIZE:
         chosen_p = chosen_p / tl.sum(chosen_p, axis=0)
-    return chosen_p, chosen_id
-
-
-@triton.jit
-def _route_top_k_kernel(
-    weights_ptr,
-    ids_ptr,
-    logits_ptr,
-    num_experts,
-    stride_l,
-    TOP_K: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK_TOP_K: tl.constexpr,
-):
-    """Program per token: `_top_k_of_row` of its logits."""
-    token = tl.program_id(0).to(tl.int64)
-    chosen_p, chosen_id = _top_k_of_row(logits_ptr + token * stride_l, num_experts, TOP_K, RENORMALIZE, BLOCK_E,
-                                        BLOCK_TOP_K)
-    ks = tl.arange(0, BLOCK_TOP_K)
     tl.store(weights_ptr + token * TOP_K + ks, chosen_p, mask=ks < TOP_K)
     tl.store(ids_ptr + token * TOP_K + ks, chosen_id, mask=ks < TOP_K)
 
@@ -396,35 +379,23 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: t
                          f"[{x.shape[0]}, k]")
 
 
-def _launch_gemv_down(out: torch.Tensor, act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
-                      route_w: torch.Tensor, residual: torch.Tensor | None, gv: GemvConfig) -> None:
-    num_tokens, top_k = ids.shape
-    hidden, inter = w2.shape[1], w2.shape[2]
-    _gemv_down_kernel[(num_tokens, triton.cdiv(hidden, gv.down_rows))](
-        out, act, w2, ids, route_w, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        residual if residual is not None else out, residual.stride(0) if residual is not None else 0,
-        TOP_K=top_k, HAS_RESIDUAL=residual is not None, BLOCK_S=triton.next_power_of_2(top_k),
-        BLOCK_N=gv.down_rows, BLOCK_K=gv.down_block_k, num_warps=gv.num_warps,
-    )
-
-
-def _check_residual(residual: torch.Tensor | None, x: torch.Tensor) -> None:
-    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
-        raise ValueError(f"residual must be [{x.shape[0]}, {x.shape[1]}] with a contiguous last axis, got "
-                         f"{tuple(residual.shape)}")
-
-
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, small_batch: bool | None = None,
               config: GemmConfig | None = None, gemv_config: GemvConfig | None = None,
-              residual: torch.Tensor | None = None) -> torch.Tensor:
+              residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+              eps: float = 1e-6) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for every token: [T, H] in x's dtype.
 
     small_batch: force (True) or forbid (False) the matrix-vector path; by default
     `use_small_batch_path` decides from the shapes. residual [T, H]: added to the result (the sum
-    rounded to x's dtype first, as an unfused add would see it)."""
+    rounded to x's dtype first, as an unfused add would see it). norm_weight (matrix-vector path
+    only): the experts read rms_norm(x) * norm_weight, normed in the gate/up kernel's prologue."""
     _check(x, w13, w2, topk_weights, topk_ids)
-    _check_residual(residual, x)
+    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
+        raise ValueError(f"residual must be [{x.shape[0]}, {x.shape[1]}] with a contiguous last axis, got "
+                         f"{tuple(residual.shape)}")
+    if norm_weight is not None and norm_weight.shape != (w13.shape[2],):
+        raise ValueError(f"norm weight must be [{w13.shape[2]}], got {tuple(norm_weight.shape)}")
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
     inter = two_i // 2
@@ -436,14 +407,22 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     num_pairs = num_tokens * top_k
     if small_batch is None:
         small_batch = use_small_batch_path(num_tokens, top_k, num_experts)
+    if norm_weight is not None and not small_batch:
+        raise ValueError("norm_weight is taken by the matrix-vector path only (small_batch=True)")
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     if small_batch:
         gv = gemv_config or choose_gemv_config(hidden, inter, top_k)
         _gemv_gate_up_kernel[(num_pairs, triton.cdiv(inter, gv.gate_up_rows))](
             act, x, w13, ids, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-            x, 0.0, TOP_K=top_k, NORM=False, BLOCK_N=gv.gate_up_rows, BLOCK_K=gv.gate_up_block_k, num_warps=gv.num_warps,
+            norm_weight if norm_weight is not None else x, eps, TOP_K=top_k, NORM=norm_weight is not None,
+            BLOCK_N=gv.gate_up_rows, BLOCK_K=gv.gate_up_block_k, num_warps=gv.num_warps,
         )
-        _launch_gemv_down(out, act, w2, ids, route_w, residual, gv)
+        _gemv_down_kernel[(num_tokens, triton.cdiv(hidden, gv.down_rows))](
+            out, act, w2, ids, route_w, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+            residual if residual is not None else out, residual.stride(0) if residual is not None else 0,
+            TOP_K=top_k, HAS_RESIDUAL=residual is not None, BLOCK_S=triton.next_power_of_2(top_k),
+            BLOCK_N=gv.down_rows, BLOCK_K=gv.down_block_k, num_warps=gv.num_warps,
+        )
         return out
 
     cfg = config or choose_gemm_config(num_pairs, num_experts)
@@ -487,20 +466,7 @@ def fused_moe_from_logits(h: torch.Tensor, router_logits: torch.Tensor, w13: tor
                          f"{w13.shape[0]} experts (top_k in 1..E)")
     if router_logits.stride(-1) != 1 or h.shape[0] != tokens:
         raise ValueError(f"router_logits must be [{h.shape[0]}, E] with a contiguous last axis")
-    if norm_weight is not None and norm_weight.shape != (w13.shape[2],):
-        raise ValueError(f"norm weight must be [{w13.shape[2]}], got {tuple(norm_weight.shape)}")
     weights, ids = route_top_k(router_logits, top_k, renormalize)
-    _check(h, w13, w2, weights, ids)
-    _check_residual(residual, h)
-    inter, hidden = w2.shape[2], w2.shape[1]
-    out = torch.empty(tokens, hidden, dtype=h.dtype, device=h.device)
-    if tokens == 0:
-        return out, weights, ids
-    gv = gemv_config or choose_gemv_config(hidden, inter, top_k)
-    act = torch.empty(tokens * top_k, inter, dtype=h.dtype, device=h.device)
-    _gemv_gate_up_kernel[(tokens * top_k, triton.cdiv(inter, gv.gate_up_rows))](
-        act, h, w13, ids, inter, hidden, h.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        norm_weight if norm_weight is not None else h, eps, TOP_K=top_k, NORM=norm_weight is not None, BLOCK_N=gv.gate_up_rows, BLOCK_K=gv.gate_up_block_k, num_warps=gv.num_warps,
-    )
-    _launch_gemv_down(out, act, w2, ids, weights, residual, gv)
+    out = fused_moe(h, w13, w2, weights, ids, small_batch=True, gemv_config=gemv_config, residual=residual,
+                    norm_weight=norm_weight, eps=eps)
     return out, weights, ids
