@@ -145,6 +145,64 @@ def sweep_gemv(config: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def sweep_dot_gemv(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The tensor-core split-K fp8 product (kernels/fp8_dot_gemv.py) at the model's decode shapes, as
+    the one-token path calls them (norm + SiLU for gate_up, the residual for o_proj and down), over
+    its launch configs, next to gemv.py's CUDA-core fp8 kernel and the bf16 one in the same run."""
+    import torch
+    from bench_gemv import graph_ms
+    from ferrox.kernels.fp8_dot_gemv import DotGemvConfig, choose_dot_config, fp8_dot_gemv
+    from ferrox.kernels.gemv import gemv
+    from ferrox.layers.quant.fp8_linear import quantize_per_row
+
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    x = {k: torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for k in (hidden, inter)}
+    g = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
+    res = {n: torch.randn(1, n, device="cuda", dtype=torch.bfloat16) for n in (hidden,)}
+    shapes = {"qkv (plain)": ((heads + 2 * kv_heads) * head_dim, hidden, {}),
+              "o_proj+res": (hidden, heads * head_dim, {"residual": res[hidden]}),
+              "gate_up+norm+silu": (2 * inter, hidden, {"norm_weight": g, "silu_mul": True}),
+              "down+res": (hidden, inter, {"residual": res[hidden]})}
+    rows = []
+    for name, (n, k, kw) in shapes.items():
+        copies = max(2, -(-int(2e9) // (n * k)))
+        ws = [quantize_per_row(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02) for _ in range(copies)]
+        n_out = n // 2 if kw.get("silu_mul") else n
+        cuda_core_ms = graph_ms([partial(gemv, x[k], w, weight_scale=s, **kw) for w, s in ws])
+        bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(max(2, copies // 2))]
+        bf16_ms = graph_ms([partial(gemv, x[k], w, **kw) for w in bf16])
+        del bf16
+        results = []
+        for block_n in (64, 128):
+            for block_k in (128, 256, 512):
+                for split in (1, 2, 4, 8):
+                    for warps, stages in ((4, 2), (4, 3), (4, 4), (8, 3)):
+                        if k // split < block_k or (block_n == 128 and block_k == 512):
+                            continue
+                        cfg = DotGemvConfig(block_n, block_k, split, warps, stages)
+                        try:
+                            ms = graph_ms([partial(fp8_dot_gemv, x[k], w, s, config=cfg, **kw) for w, s in ws])
+                        except Exception as e:  # out of shared memory for this tile and stage count
+                            print(f"{name} {cfg}: {type(e).__name__}", flush=True)
+                            continue
+                        results.append((ms, cfg))
+        results.sort(key=lambda r: r[0])
+        chosen = choose_dot_config(n_out, k, sms)
+        chosen_ms = graph_ms([partial(fp8_dot_gemv, x[k], w, s, config=chosen, **kw) for w, s in ws])
+        gb = n * k / 1e9
+        rows.append({"shape": name, "bf16_us": bf16_ms * 1e3, "fp8_cuda_core_us": cuda_core_ms * 1e3,
+                     "fp8_cuda_core_tbps": gb / cuda_core_ms, "best": str(results[0][1]),
+                     "best_us": results[0][0] * 1e3, "best_tbps": gb / results[0][0], "chosen": str(chosen),
+                     "chosen_us": chosen_ms * 1e3, "chosen_tbps": gb / chosen_ms,
+                     "top5": [(round(ms * 1e3, 1), str(c)) for ms, c in results[:5]]})
+        print(rows[-1], flush=True)
+        del ws
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(bench_setup.LLAMA_8B_CONFIG))
@@ -158,6 +216,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-cache-gib", type=float, default=40.0, help="the same KV cache for both engines")
     parser.add_argument("--sweep-gemv", action="store_true", help="also sweep the fp8 GEMV launch configs")
+    parser.add_argument("--sweep-dot", action="store_true",
+                        help="sweep the tensor-core split-K fp8 product against the CUDA-core fp8 and bf16 GEMVs")
+    parser.add_argument("--kernels-only", action="store_true", help="the sweeps only, no engines")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
@@ -171,6 +232,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"benchmark": "fp8", **bench_setup.environment(), "model": Path(args.config).parent.name}
     if args.sweep_gemv:
         result["gemv_sweep"] = sweep_gemv(config)
+    if args.sweep_dot:
+        result["dot_sweep"] = sweep_dot_gemv(config)
+        print("| fp8 one-token product | bf16 GEMV us | fp8 CUDA-core us (TB/s) | tensor-core best | us (TB/s) "
+              "| choose_dot_config | us (TB/s) |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for r in result["dot_sweep"]:
+            print(f"| {r['shape']} | {r['bf16_us']:.1f} | {r['fp8_cuda_core_us']:.1f} ({r['fp8_cuda_core_tbps']:.2f}) "
+                  f"| {r['best']} | {r['best_us']:.1f} ({r['best_tbps']:.2f}) | {r['chosen']} "
+                  f"| {r['chosen_us']:.1f} ({r['chosen_tbps']:.2f}) |")
+    if args.kernels_only:
+        return result
     read_gbps = floor.measure_read_bandwidth_gbps()
     context = args.decode_input_len + args.decode_output_len // 2
     kv_bytes = floor.kv_bytes_read(config, context, 1, dtype_bytes=2)

@@ -197,8 +197,9 @@ def test_fp8_gemv_llama8b_shapes(cuda_device, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("activations", ["dynamic-token", "static", "dynamic-tensor", "weight-only"])
 def test_fp8_linear_on_cuda(cuda_device, seed, activations):
-    """The runner at 8B's down_proj shape: GEMV at one row, cuBLASLt W8A8 above (bias fused), against
-    the activations quantized here and the dequantized weight."""
+    """The runner at 8B's down_proj shape: the tensor-core split-K product at one row (the CUDA-core
+    GEMV for weight-only), cuBLASLt W8A8 above (bias fused), against the activations quantized here
+    and the dequantized weight."""
     n, k = 4096, 14336
     w, s, w_ref = _fp8_weight(n, k, cuda_device)
     static = torch.tensor([0.01], device=cuda_device) if activations == "static" else None
@@ -207,7 +208,7 @@ def test_fp8_linear_on_cuda(cuda_device, seed, activations):
     for rows in (1, 2, 33, 512):
         x = torch.randn(rows, k, device=cuda_device, dtype=torch.bfloat16)
         xin = x.double()
-        if rows > 1 and activations != "weight-only":
+        if activations != "weight-only":  # W8A8 at every row count (one row: fp8_dot_gemv.py)
             scale = static
             if activations == "dynamic-tensor":
                 scale = (x.float().abs().amax() / 448).reshape(1)

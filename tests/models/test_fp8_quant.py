@@ -4,10 +4,9 @@ compressed-tensors float8 layout, each run by `LLM` and compared with transforme
 dequantized weights; refusals by name; tensor-parallel shards against the unsharded layer.
 
 The reference quantizer is written here. The reference model is transformers with every decoder
-projection's weight dequantized and, in steps of more than one token (prefill), its input
-fake-quantized to fp8 per token (or with the static input scale) -- the engine's W8A8 path; a
-one-token step runs weight-only, as the engine's does. Greedy tokens must then be identical and
-logprobs equal to float32 rounding.
+projection's weight dequantized and its input fake-quantized to fp8 per token (or with the static
+input scale) -- the engine's W8A8 path, at every step size as in vLLM (one-token steps included).
+Greedy tokens must then be identical and logprobs equal to float32 rounding.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from tests.helpers.tiny_models import make_tiny_llama
 pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
 
 FP8 = torch.float8_e4m3fn
-PROMPTS = [[5, 9, 33, 7, 100, 41], list(range(40, 53)), [17]]  # [17]: a one-token prefill (weight-only)
+PROMPTS = [[5, 9, 33, 7, 100, 41], list(range(40, 53)), [17]]  # [17]: a one-token prefill
 NEW_TOKENS = 8
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MERGED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
@@ -169,10 +168,7 @@ def reference_model(float_folder: str, tensors: dict[str, torch.Tensor], activat
 
 
 def _w8a8_input(static: float | None, module, args):
-    x = args[0]
-    if x.numel() // x.shape[-1] <= 1:  # a one-token step runs weight-only
-        return None
-    return (fake_quantize(x, None if static is None else torch.tensor(static)),)
+    return (fake_quantize(args[0], None if static is None else torch.tensor(static)),)
 
 
 @torch.inference_mode()
@@ -189,8 +185,21 @@ def reference_greedy(model, prompt: list[int]) -> tuple[list[int], list[float]]:
     return tokens, logprobs
 
 
+@torch.inference_mode()
+def reference_forced(model, prompt: list[int], tokens: list[int]) -> tuple[list[float], list[float]]:
+    """The reference fed the engine's tokens: per step, its logprob of that token and its best logprob."""
+    out = model(torch.tensor([prompt]), use_cache=True)
+    chosen, best = [], []
+    for token in tokens:
+        lp = out.logits[0, -1].float().log_softmax(-1)
+        chosen.append(float(lp[token]))
+        best.append(float(lp.max()))
+        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+    return chosen, best
+
+
 def engine_greedy(llm: LLM) -> list[tuple[list[int], list[float]]]:
-    """Each prompt alone (a batch of decodes would take the W8A8 path the reference does not model)."""
+    """Each prompt alone, its greedy tokens and their logprobs."""
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
     results = []
     for prompt in PROMPTS:
@@ -409,7 +418,7 @@ def _load(layer: Linear, kind: str, tensors: dict[str, object]) -> None:
 def test_tensor_parallel_shards_match_the_whole_layer(tmp_path, kind, layout):
     """Two ranks' layers read their parts of the same safetensors file (lazy slices, as the engine's
     sharded load does); column-parallel outputs concatenate, row-parallel ones sum, to the whole
-    layer's (one row: weight-only, exact; W8A8 rows: each rank scales its own input columns)."""
+    layer's (exact, except W8A8 row-parallel ranks, which each scale their own input columns)."""
     torch.manual_seed(0)
     per_row = layout == "ct-channel"
     tensors: dict[str, torch.Tensor] = {}
@@ -443,7 +452,7 @@ def test_tensor_parallel_shards_match_the_whole_layer(tmp_path, kind, layout):
             outs = [layer(x).split(list(layer.shard_sizes.values()), dim=-1) for layer in ranks]
             got = torch.cat([torch.cat([outs[r][i] for r in range(2)], dim=-1) for i in range(len(SHARDS[kind]))],
                             dim=-1)
-        tolerance = 1e-5 if tokens == 1 or kind != "down" else 0.05
+        tolerance = 1e-5 if kind != "down" else 0.05
         torch.testing.assert_close(got, expected, atol=tolerance * expected.abs().max().item(), rtol=0)
 
 
@@ -497,7 +506,12 @@ def test_online_fp8_on_cuda(float_folder, float_weights, enforce_eager):
     finally:
         llm.engine.shutdown()
     for prompt, (tokens, logprobs) in zip(PROMPTS, got, strict=True):
-        ref_tokens, ref_logprobs = reference_greedy(reference, prompt)
-        assert tokens == ref_tokens, prompt
-        # W8A8 on cuBLASLt (fast accumulation) against a float64-ish reference: a few 1e-2 (H200).
-        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(ref_logprobs), atol=4e-2, rtol=0)
+        # W8A8 prefill on cuBLASLt (fast accumulation) differs from the CPU reference by ~1e-3, and
+        # with every step's activations rounded to fp8 such a difference moves a few input codes
+        # a step: logprobs differ by up to ~0.045 nats (H200; the fused and the layer-by-layer
+        # one-token paths alike), enough to flip a near-tie. So the reference is fed the engine's
+        # tokens, each of which must be its best up to 0.1 nats, with logprobs within 0.1.
+        ref_logprobs, ref_best = reference_forced(reference, prompt, tokens)
+        gaps = [round(b - c, 4) for b, c in zip(ref_best, ref_logprobs, strict=True)]
+        diffs = [round(a - b, 4) for a, b in zip(logprobs, ref_logprobs, strict=True)]
+        assert max(gaps) < 0.1 and max(map(abs, diffs)) < 0.1, (prompt, gaps, diffs)

@@ -46,6 +46,7 @@ from ferrox.attention.decode_path import (
     fused_decode_enabled,
 )
 from ferrox.attention.metadata import AttentionMetadata
+from ferrox.kernels.fp8_dot_gemv import fp8_dot_gemv
 from ferrox.kernels.fused_moe import fused_moe, fused_moe_from_logits, route_top_k
 from ferrox.kernels.gemv import gemv, qkv_rope_gemv
 from ferrox.kernels.int4_matmul import Int4Weights, int4_gemv
@@ -93,10 +94,12 @@ class FusedOneTokenDecode(DecodePath):
         kv_scale = layer.kv_scales.scales if layer.kv_scales is not None else None
         qkv_proj = layer.qkv_proj
         if layer.q_norm is None and _int4_weights(qkv_proj) is None:
+            w8a8, input_scale = _fp8_activations(qkv_proj)
             q = qkv_rope_gemv(h, qkv_proj.weight, qkv_proj.bias, norm_weight=layer.input_norm.weight,
                               eps=layer.input_norm.eps, rope_row=rope_row, slot_mapping=meta.slot_mapping,
                               kv_cache=kv_cache, num_q_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
-                              head_dim=layer.head_dim, weight_scale=_weight_scale(qkv_proj), kv_scale=kv_scale)
+                              head_dim=layer.head_dim, weight_scale=_weight_scale(qkv_proj), kv_scale=kv_scale,
+                              w8a8=w8a8, input_scale=input_scale)
         else:
             qkv = _project(h, qkv_proj, qkv_proj.bias, norm=layer.input_norm)
             q_norm, k_norm = layer.q_norm, layer.k_norm  # Qwen3's per-head norms (None: rotary only)
@@ -158,20 +161,33 @@ class FusedOneTokenDecode(DecodePath):
 
 def _project(x: torch.Tensor, proj: ProjWeights, bias: torch.Tensor | None, *, norm: NormWeights | None = None,
              silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """proj(norm(x)) + bias [-> silu(gate) * up] [+ residual] for one token, in the GEMV of the
-    projection's weight: int4 (kernels/int4_matmul.py) or float / fp8 (kernels/gemv.py)."""
+    """proj(norm(x)) + bias [-> silu(gate) * up] [+ residual] for one token, in the kernel of the
+    projection's weight: int4 (kernels/int4_matmul.py), fp8 with fp8 activations (tensor cores,
+    kernels/fp8_dot_gemv.py), float or weight-only fp8 (kernels/gemv.py)."""
     norm_weight, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
     packed = _int4_weights(proj)
     if packed is not None:  # (validated once, by the runner; the layer's shapes are fixed)
         return int4_gemv(x, packed, bias, validate=False, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul,
                          residual=residual)
+    w8a8, input_scale = _fp8_activations(proj)
+    weight_scale = _weight_scale(proj)
+    if w8a8 and weight_scale is not None:
+        return fp8_dot_gemv(x, proj.weight, weight_scale, bias, norm_weight=norm_weight, eps=eps,
+                            silu_mul=silu_mul, residual=residual, input_scale=input_scale)
     return gemv(x, proj.weight, bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul, residual=residual,
-                weight_scale=_weight_scale(proj))
+                weight_scale=weight_scale)
 
 
 def _weight_scale(proj: ProjWeights) -> torch.Tensor | None:
     """The per-row float32 scales of an fp8 projection (layers/quant/fp8.py), None for a float one."""
     return getattr(proj, "weight_scale", None)
+
+
+def _fp8_activations(proj: ProjWeights) -> tuple[bool, torch.Tensor | None]:
+    """(whether an fp8 projection quantizes its one-token input too, its static input scale or None);
+    (False, None) for every other weight. (Duck-typed, as `_int4_weights`.)"""
+    w8a8 = getattr(getattr(proj, "quant", None), "one_token_w8a8", None)
+    return w8a8() if w8a8 is not None else (False, None)
 
 
 def _int4_weights(proj: ProjWeights) -> Int4Weights | None:

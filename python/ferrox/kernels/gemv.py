@@ -79,6 +79,50 @@ def _store_rows(out_ptr, x_ptr, bias_ptr, res_ptr, y, up, rows, rmask, n_out, HA
 
 
 @triton.jit
+def _normed_input(x_ptr, norm_w_ptr, cols, kmask, rstd, NORM: tl.constexpr):
+    """The W8A8 kernels' input tile (fp8_dot_gemv.py, the qkv kernel here) in fp32, as the unfused
+    path hands it to the activation quantizer: with NORM, rmsnorm.py's g * round(h * rstd), rounded
+    to the activation dtype again."""
+    h = tl.load(x_ptr + cols, mask=kmask, other=0.0)
+    if NORM:
+        normed = (h.to(tl.float32) * rstd).to(h.dtype)
+        g = tl.load(norm_w_ptr + cols, mask=kmask, other=0.0).to(tl.float32)
+        h = (g * normed.to(tl.float32)).to(h.dtype)
+    return h.to(tl.float32)
+
+
+@triton.jit
+def _token_stats(x_ptr, norm_w_ptr, in_scale_ptr, K, eps, NORM: tl.constexpr, STATIC: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """(rstd, the fp8 scale of the normed input) for the W8A8 kernels' prologue: the RMSNorm
+    statistic (1 without NORM), then the scale as fp8_linear.py's activation quantizer takes it
+    (the token's absmax / 448, or the static input scale). Two passes over the input, from L2."""
+    rstd = 1.0
+    if NORM:
+        ssq = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            h = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+            ssq += h * h
+        rstd = tl.rsqrt(tl.sum(ssq) / K + eps)
+    if STATIC:
+        scale = tl.load(in_scale_ptr)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            amax = tl.maximum(amax, tl.abs(_normed_input(x_ptr, norm_w_ptr, cols, cols < K, rstd, NORM)))
+        scale = tl.maximum(tl.max(amax), 1e-12) / 448.0
+    return rstd, scale
+
+
+@triton.jit
+def _fp8_code(xn, x_scale):
+    """A normed input tile in E4M3 at the token's scale, saturating as the quantizer does."""
+    return tl.clamp(xn / x_scale, -448.0, 448.0).to(tl.float8e4nv)
+
+
+@triton.jit
 def _paired_row_sums(acc_a, acc_b, sq, K, eps, NORM: tl.constexpr):
     """The row sums of two [rows, BLOCK_K] accumulators that share an input, each times the
     one-pass RMSNorm's rsqrt(mean(h^2) + eps) with NORM (sq: the h^2 accumulated beside them)."""
@@ -160,6 +204,7 @@ def _qkv_rope_kernel(
     rope_ptr,  # this token's [cos | sin] row, float32, HALF each
     slot_ptr,
     kv_scale_ptr,  # float32 (k_scale, v_scale) of an FP8 cache (attention/kv_cache.py)
+    in_scale_ptr,  # float32 [1]: the static input scale (W8A8 and STATIC)
     K,
     stride_w,
     num_q_heads,
@@ -173,6 +218,8 @@ def _qkv_rope_kernel(
     NORM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_W_SCALE: tl.constexpr,
+    W8A8: tl.constexpr,  # the input rounded through fp8 first, as the layer's other kernels take it
+    STATIC: tl.constexpr,
     BLOCK_P: tl.constexpr,  # rotary pairs (d, d + HEAD_DIM / 2) per program
     BLOCK_K: tl.constexpr,
 ):
@@ -189,17 +236,27 @@ def _qkv_rope_kernel(
     acc_lo = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32)
     acc_hi = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32)
     sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    rstd, x_scale = 1.0, 1.0
+    if W8A8:
+        rstd, x_scale = _token_stats(x_ptr, norm_w_ptr, in_scale_ptr, K, eps, NORM, STATIC, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         kmask = cols < K
-        xin, h = _input_tile(x_ptr, norm_w_ptr, cols, kmask, NORM)
+        if W8A8:  # the value of the input's fp8 code (its scale applies to the row sums)
+            xin = _fp8_code(_normed_input(x_ptr, norm_w_ptr, cols, kmask, rstd, NORM), x_scale).to(tl.float32)
+        else:
+            xin, h = _input_tile(x_ptr, norm_w_ptr, cols, kmask, NORM)
+            if NORM:
+                sq += h * h
         w = tl.load(w_lo + cols[None, :], mask=kmask[None, :], other=0.0, eviction_policy="evict_first")
         acc_lo += w.to(tl.float32) * xin[None, :]
         w = tl.load(w_hi + cols[None, :], mask=kmask[None, :], other=0.0, eviction_policy="evict_first")
         acc_hi += w.to(tl.float32) * xin[None, :]
-        if NORM:
-            sq += h * h
-    lo, hi = _paired_row_sums(acc_lo, acc_hi, sq, K, eps, NORM)
+    if W8A8:  # the norm's rstd is in the codes already
+        lo, hi = _paired_row_sums(acc_lo, acc_hi, sq, K, eps, False)
+        lo, hi = lo * x_scale, hi * x_scale
+    else:
+        lo, hi = _paired_row_sums(acc_lo, acc_hi, sq, K, eps, NORM)
     if HAS_W_SCALE:
         lo = lo * tl.load(w_scale_ptr + rows)
         hi = hi * tl.load(w_scale_ptr + rows + HALF)
@@ -325,14 +382,19 @@ def qkv_rope_gemv(
     head_dim: int,
     weight_scale: torch.Tensor | None = None,
     kv_scale: torch.Tensor | None = None,
+    w8a8: bool = False,
+    input_scale: torch.Tensor | None = None,
     config: GemvConfig | None = None,
 ) -> torch.Tensor:
     """rms_norm(x) @ W_qkv^T (+ bias) for one token, rotated (neox, full head_dim) by `rope_row`
     ([cos | sin] float32, head_dim wide); k and v go into kv_cache [2, blocks, block_size, Hkv, D]
     at slot_mapping[0] (-1: nowhere); an FP8 cache stores them divided by kv_scale, float32
     (k_scale, v_scale) (None: 1.0). Returns q [1, Hq, D]. An fp8 weight comes with
-    weight_scale, float32 [rows] (as gemv)."""
+    weight_scale, float32 [rows] (as gemv); with w8a8 the normed input is rounded through fp8 too,
+    per token or by the static input_scale (float32 [1]), as fp8_dot_gemv.py quantizes it."""
     k = _check_input(x, weight, norm_weight, weight_scale)
+    if w8a8 and weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"w8a8 needs a float8_e4m3fn weight, got {weight.dtype}")
     heads = num_q_heads + 2 * num_kv_heads
     if weight.shape[0] != heads * head_dim:
         raise ValueError(f"qkv weight has {weight.shape[0]} rows, expected {heads} heads x {head_dim}")
@@ -348,11 +410,12 @@ def qkv_rope_gemv(
     _qkv_rope_kernel[(heads * (half // block_p),)](
         q, kv_cache, weight, weight_scale if weight_scale is not None else x, bias if bias is not None else weight, x,
         norm_weight if norm_weight is not None else x, eps, rope_row, slot_mapping,
-        kv_scale if kv_scale is not None else unit_kv_scales(x.device), k, weight.stride(0),
+        kv_scale if kv_scale is not None else unit_kv_scales(x.device),
+        input_scale if input_scale is not None else unit_kv_scales(x.device), k, weight.stride(0),
         num_q_heads, num_kv_heads, kv_cache.shape[2], kv_cache.stride(0), kv_cache.stride(1),
         kv_cache.stride(2), kv_cache.stride(3),
         HEAD_DIM=head_dim, NORM=norm_weight is not None, HAS_BIAS=bias is not None,
-        HAS_W_SCALE=weight_scale is not None, BLOCK_P=block_p,
+        HAS_W_SCALE=weight_scale is not None, W8A8=w8a8, STATIC=input_scale is not None, BLOCK_P=block_p,
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
     )
     return q

@@ -1,21 +1,19 @@
 """The FP8 linear runner: float8 E4M3 weights with one float32 scale per output row (layers/quant/fp8.py
 builds them, from a float checkpoint or an FP8 one).
 
-How a layer multiplies (`Fp8Linear`):
-- One row (a batch-1 decode step), weight-only: activations stay in the model dtype. On CUDA the
-  one-token GEMV (kernels/gemv.py) streams each weight byte once and applies the row scale in its
-  epilogue; the fused decode path (attention/fused_decode.py) runs whole decoder layers so, reading
-  `layer.weight` (fp8) and `layer.weight_scale`. That step is weight reads, so it halves with fp8.
-- More rows, W8A8: activations quantized to fp8 per token (dynamic: each row's absmax maps to 448)
-  or with the checkpoint's input scale (static), in one Triton launch, then `torch._scaled_mm`
-  (cuBLASLt FP8 with row-wise scales; the bias is added after it): Hopper's FP8 tensor cores run at
-  twice the bf16 rate for prefill and large batches. The GEMV takes one row only; from two rows
-  the GEMM reads each weight tile once for all of them anyway.
+How a layer multiplies (`Fp8Linear`), W8A8 at every row count as vLLM's FP8 layers (activations
+quantized to fp8 per token, dynamic: each row's absmax maps to 448, or with the checkpoint's input
+scale, static), except for weight-only checkpoints (W8A16), whose activations stay in the model dtype:
+- One row (a batch-1 decode step): on CUDA the tensor-core split-K product (kernels/fp8_dot_gemv.py)
+  quantizes the token inside the kernel and streams each weight byte once, the scales applied in
+  its epilogue; the fused decode path (attention/fused_decode.py) runs whole decoder layers so,
+  reading `layer.weight` (fp8), `layer.weight_scale` and `one_token_w8a8()`. Weight-only layers
+  take the CUDA-core GEMV (kernels/gemv.py), which widens each weight in registers.
+- More rows: the activations quantized in one Triton launch, then `torch._scaled_mm` (cuBLASLt FP8
+  with row-wise scales; the bias is added after it): Hopper's FP8 tensor cores run at twice the
+  bf16 rate for prefill and large batches.
 - CPU (tests, development): the same arithmetic on a dequantized copy of the weight, activations
   rounded through fp8 in place; for correctness, not speed or memory.
-
-A request's numerics therefore depend on its step's row count (weight-only at one row, W8A8
-above), as in any engine whose decode kernel differs from its GEMM.
 """
 
 from __future__ import annotations
@@ -26,6 +24,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from ferrox.kernels.fp8_dot_gemv import fp8_dot_gemv
 from ferrox.kernels.gemv import gemv
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -162,13 +161,15 @@ class Fp8Linear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         rows = x2.shape[0]
-        w8a8 = self.w8a8 and rows > 1
+        w8a8 = self.w8a8
         if self.dequantized is not None:  # CPU
             if w8a8:
                 xq, x_scale = quantize_activations_torch(x2, self._input_scale(x2))
                 x2 = xq.float() * x_scale
             y = F.linear(x2.to(self.dequantized.dtype), self.dequantized).to(x.dtype)
             y = y if bias is None else y + bias
+        elif rows == 1 and w8a8:
+            y = fp8_dot_gemv(x2.contiguous(), self.weight, self.weight_scale, bias, input_scale=self.input_scale)
         elif rows == 1:
             y = gemv(x2.contiguous(), self.weight, bias, weight_scale=self.weight_scale)
         elif not w8a8:  # weight-only FP8 (a W8A16 checkpoint, or shapes cuBLASLt refuses) in batches
@@ -177,6 +178,12 @@ class Fp8Linear(nn.Module):
             xq, x_scale = quantize_activations_triton(x2, self._input_scale(x2))
             y = scaled_mm(xq, x_scale, self.weight, self.weight_scale, bias, x.dtype)
         return y.reshape(*lead, self.out_features)
+
+    def one_token_w8a8(self) -> tuple[bool, torch.Tensor | None]:
+        """For the fused one-token kernels: whether a one-row step quantizes its activations (per
+        token, or with the static input scale, the second value; a tensor-wide dynamic scale is the
+        token's own at one row), or keeps them in the model dtype (weight-only)."""
+        return self.w8a8, self.input_scale
 
     def _input_scale(self, x: torch.Tensor) -> torch.Tensor | None:
         """The activations' per-tensor scale, or None for per token."""

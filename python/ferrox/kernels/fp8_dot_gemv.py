@@ -1,0 +1,229 @@
+"""FP8 one-token products on tensor cores, split over K: y = W @ x for one token, W float8 E4M3 [N, K]
+with per-row scales, x quantized to E4M3 with one per-token scale (W8A8, as the prefill path's
+torch._scaled_mm and vLLM's FP8 linear layers at every batch size).
+
+Why not gemv.py's CUDA-core loop: there every weight byte is widened e4m3 -> f16 -> f32 before its
+FMA, and the H200's conversion rate, not its memory, bounds the stream (~2-3 TB/s, benches/RESULTS.md).
+An E4M3 x E4M3 MMA takes the bytes as they are. The token is the MMA's narrow side, broadcast over
+its 16 columns ("swap AB": the weight rows are the wide side, so a program owns BLOCK_N rows and
+nothing is padded on the side that is read from memory); all 16 columns then hold the same fp32 sums,
+and a sum over them divided by 16 is exact.
+
+Hopper's FP8 MMAs (wgmma, from 64 rows per program) keep only part of each product's mantissa in
+the accumulator unless told otherwise (~1e-3 relative at K = 4096, measured); a change that small
+still moves the next layer's fp8 input codes across rounding boundaries, so the one-token path
+would drift from the batched one. max_num_imprecise_acc=0 makes Triton add each MMA's result into
+fp32 registers: exact sums, at a few adds per accumulator per K tile (the stream is memory-bound).
+
+With 64-128 rows per program the narrow projections (o_proj, down: N = 4096 on an 8B model) have too
+few programs for 132 SMs, so K is split: program (n, s) streams rows n over the s-th K range, writes
+its fp32 partial sums to a workspace, and the last program of each row block to arrive (an atomic
+counter per row block) adds the partials and runs the epilogue. The counters are left at zero for
+the next launch, so they live in one persistent buffer per device and CUDA-graph replays need no
+memset.
+
+Prologue: each program reads the whole input from L2 (a few KB) for the RMS statistic (NORM) and
+then the normed input's per-token scale (its absmax / 448; a static input scale, from checkpoints
+with "activation_scheme": "static", as is). Each K tile of the input is then normed and quantized
+with the roundings of the unfused path (rmsnorm.py, then fp8_linear.py's quantizer), so the fused
+and unfused one-token steps agree to the code; that costs a few operations per input element, not
+per weight.
+
+Epilogue: the weight and input scales, then gemv.py's `_store_rows` (bias, SiLU(gate) * up,
+residual, the roundings of the unfused path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ferrox.kernels.gemv import _check_input, _fp8_code, _normed_input, _store_rows, _token_stats
+
+FP8_MAX = 448.0  # the largest finite E4M3 value
+MMA_N = 16  # the narrowest side tl.dot takes: the token broadcast over it
+
+
+@triton.jit
+def _epilogue(out_ptr, x_ptr, bias_ptr, res_ptr, w_scale_ptr, y, up, x_scale, rows, rmask, n_out,
+              HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    y = y * x_scale * tl.load(w_scale_ptr + rows, mask=rmask, other=0.0)
+    if SILU_MUL:
+        up = up * x_scale * tl.load(w_scale_ptr + n_out + rows, mask=rmask, other=0.0)
+    _store_rows(out_ptr, x_ptr, bias_ptr, res_ptr, y, up, rows, rmask, n_out, HAS_BIAS, SILU_MUL, HAS_RESIDUAL)
+
+
+@triton.jit
+def _fp8_dot_gemv_kernel(
+    out_ptr,
+    w_ptr,  # float8 E4M3 [2 n_out (SILU_MUL) or n_out, K]
+    w_scale_ptr,  # float32 per row
+    bias_ptr,
+    x_ptr,  # [1, K] in the activation dtype
+    res_ptr,
+    norm_w_ptr,
+    in_scale_ptr,  # float32 [1] (STATIC)
+    part_ptr,  # float32 [SPLIT, 2, n_out] partial sums (SPLIT > 1)
+    count_ptr,  # int32 per row block, zero between launches (SPLIT > 1)
+    eps,
+    n_out,
+    K,
+    k_per_split,  # a multiple of BLOCK_K
+    stride_w,
+    NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    STATIC: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_X: tl.constexpr,  # the prologue's tile
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rstd, x_scale = _token_stats(x_ptr, norm_w_ptr, in_scale_ptr, K, eps, NORM, STATIC, BLOCK_X)
+
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < n_out
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        kmask = cols < k_hi
+        code = _fp8_code(_normed_input(x_ptr, norm_w_ptr, cols, kmask, rstd, NORM), x_scale)
+        xb = tl.broadcast_to(code[:, None], (BLOCK_K, 16))
+        wmask = rmask[:, None] & kmask[None, :]
+        w = tl.load(w_rows + cols[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
+        acc = tl.dot(w, xb, acc, max_num_imprecise_acc=0)  # exact fp32 sums (module docstring)
+        if SILU_MUL:
+            w_up = tl.load(w_rows + n_out * stride_w + cols[None, :], mask=wmask, other=0.0,
+                           eviction_policy="evict_first")
+            acc_up = tl.dot(w_up, xb, acc_up, max_num_imprecise_acc=0)
+    # Every column holds the same sums (the token broadcast): their sum over 16 is exact.
+    y = tl.sum(acc, axis=1) / 16.0
+    up = tl.sum(acc_up, axis=1) / 16.0
+
+    if SPLIT > 1:
+        tl.store(part_ptr + (pid_k * 2) * n_out + rows, y, mask=rmask)
+        if SILU_MUL:
+            tl.store(part_ptr + (pid_k * 2 + 1) * n_out + rows, up, mask=rmask)
+        # Every thread's partials are written before the count is raised (release); the last
+        # program reads the others' through L2 (.cg) after the count (acquire).
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            y = tl.zeros([BLOCK_N], dtype=tl.float32)
+            up = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for s in range(SPLIT):
+                y += tl.load(part_ptr + (s * 2) * n_out + rows, mask=rmask, other=0.0, cache_modifier=".cg")
+                if SILU_MUL:
+                    up += tl.load(part_ptr + (s * 2 + 1) * n_out + rows, mask=rmask, other=0.0,
+                                  cache_modifier=".cg")
+            tl.store(count_ptr + pid_n, 0)  # ready for the next launch
+            _epilogue(out_ptr, x_ptr, bias_ptr, res_ptr, w_scale_ptr, y, up, x_scale, rows, rmask, n_out,
+                      HAS_BIAS, SILU_MUL, HAS_RESIDUAL)
+    else:
+        _epilogue(out_ptr, x_ptr, bias_ptr, res_ptr, w_scale_ptr, y, up, x_scale, rows, rmask, n_out,
+                  HAS_BIAS, SILU_MUL, HAS_RESIDUAL)
+
+
+@dataclass(frozen=True, slots=True)
+class DotGemvConfig:
+    block_n: int  # weight rows per program (the MMA's wide side)
+    block_k: int
+    split: int  # K ranges, each finished by its own program
+    num_warps: int
+    num_stages: int = 3
+
+
+def choose_dot_config(n_out: int, k: int, num_sms: int) -> DotGemvConfig:
+    """From `bench_fp8.py --sweep-dot` on an H200 (benches/RESULTS.md): wide products with a row block
+    of 64 per SM or more (gate_up) run unsplit, 64 rows x 256 K per tile (a split only adds partial
+    sums); narrow ones (o_proj, down: N = 4096) take 128 rows x 128 K and split K until about two
+    programs run per SM, each range kept at least 512 wide."""
+    if triton.cdiv(n_out, 64) >= num_sms:
+        return DotGemvConfig(64, 256, 1, 4)
+    blocks = triton.cdiv(n_out, 128)
+    split = 1
+    while blocks * split < 2 * num_sms and k // (split * 2) >= 512:
+        split *= 2
+    return DotGemvConfig(128, 128, split, 4)
+
+
+class _Counters:
+    """One zeroed int32 buffer per device for the split-K arrival counts (each launch leaves them
+    at zero). Grown, never shrunk; never reallocated while a CUDA graph may hold it, because the
+    size needed is fixed per model and reached during warm-up."""
+
+    def __init__(self) -> None:
+        self._by_device: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device, size: int) -> torch.Tensor:
+        buf = self._by_device.get(device)
+        if buf is None or buf.numel() < size:
+            buf = torch.zeros(max(size, 1024), dtype=torch.int32, device=device)
+            self._by_device[device] = buf
+        return buf
+
+
+_COUNTERS = _Counters()
+
+
+def fp8_dot_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    silu_mul: bool = False,
+    residual: torch.Tensor | None = None,
+    input_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: DotGemvConfig | None = None,
+) -> torch.Tensor:
+    """gemv.gemv's contract for an fp8 weight (y = W @ rms_norm(x) (+ bias) [-> silu(gate) * up]
+    [+ residual], x [1, K]), with x quantized to fp8 per token (or by the static `input_scale`,
+    float32 [1]) and the product on tensor cores. Returns y [1, N] (N / 2 with silu_mul)."""
+    k = _check_input(x, weight, norm_weight, weight_scale)
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_dot_gemv needs a float8_e4m3fn weight, got {weight.dtype}")
+    n = weight.shape[0]
+    if silu_mul and n % 2:
+        raise ValueError(f"silu_mul needs an even number of rows [gate | up], got {n}")
+    n_out = n // 2 if silu_mul else n
+    if residual is not None and (residual.shape != (1, n_out) or residual.stride(-1) != 1):
+        raise ValueError(f"residual must be a contiguous [1, {n_out}] row, got {tuple(residual.shape)}")
+    if input_scale is not None and (input_scale.dtype != torch.float32 or input_scale.numel() != 1):
+        raise ValueError(f"input_scale must be one float32 value, got {input_scale.dtype} {tuple(input_scale.shape)}")
+    cfg = config or choose_dot_config(n_out, k, _num_sms(x.device))
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_per_split)
+    blocks = triton.cdiv(n_out, cfg.block_n)
+    out = torch.empty(1, n_out, dtype=out_dtype or x.dtype, device=x.device)
+    part = torch.empty(split, 2, n_out, dtype=torch.float32, device=x.device) if split > 1 else out
+    counts = _COUNTERS.get(x.device, blocks) if split > 1 else out
+    _fp8_dot_gemv_kernel[(blocks, split)](
+        out, weight, weight_scale, bias if bias is not None else weight, x,
+        residual if residual is not None else x, norm_weight if norm_weight is not None else x,
+        input_scale if input_scale is not None else weight_scale, part, counts, eps, n_out, k, k_per_split,
+        weight.stride(0), NORM=norm_weight is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        HAS_RESIDUAL=residual is not None, STATIC=input_scale is not None, SPLIT=split, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, BLOCK_X=min(1024, triton.next_power_of_2(k)), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: any count exercises the split
