@@ -61,8 +61,10 @@ lint: build
 rust-test:
 	cargo test --no-default-features -q
 
+# Two workers, each test file on one of them (its module fixtures load once): tests/conftest.py.
+PYTEST_WORKERS ?= 2
 py-test: build
-	$(PY) -m pytest -q -x --timeout=600 --durations=15 tests
+	$(PY) -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadfile --timeout=600 --durations=15 tests
 
 wheel: $(VENV)/.deps-stamp
 	maturin build --release -o wheels

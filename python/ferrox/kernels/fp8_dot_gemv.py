@@ -41,10 +41,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ferrox.kernels.gemv import _check_input, _fp8_code, _normed_input, _store_rows, _token_stats
-
-FP8_MAX = 448.0  # the largest finite E4M3 value
-MMA_N = 16  # the narrowest side tl.dot takes: the token broadcast over it
+from ferrox.kernels.gemv import (
+    _check_input,
+    _check_output,
+    _fp8_code,
+    _normed_input,
+    _store_rows,
+    _token_stats,
+)
 
 
 @triton.jit
@@ -196,12 +200,7 @@ def fp8_dot_gemv(
     k = _check_input(x, weight, norm_weight, weight_scale)
     if weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fp8_dot_gemv needs a float8_e4m3fn weight, got {weight.dtype}")
-    n = weight.shape[0]
-    if silu_mul and n % 2:
-        raise ValueError(f"silu_mul needs an even number of rows [gate | up], got {n}")
-    n_out = n // 2 if silu_mul else n
-    if residual is not None and (residual.shape != (1, n_out) or residual.stride(-1) != 1):
-        raise ValueError(f"residual must be a contiguous [1, {n_out}] row, got {tuple(residual.shape)}")
+    n_out = _check_output(weight, silu_mul, residual)
     if input_scale is not None and (input_scale.dtype != torch.float32 or input_scale.numel() != 1):
         raise ValueError(f"input_scale must be one float32 value, got {input_scale.dtype} {tuple(input_scale.shape)}")
     cfg = config or choose_dot_config(n_out, k, _num_sms(x.device))

@@ -331,6 +331,18 @@ def _check_input(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tenso
     return k
 
 
+def _check_output(weight: torch.Tensor, silu_mul: bool, residual: torch.Tensor | None) -> int:
+    """The output width: the weight's rows, half of them with silu_mul ([gate | up]); the residual
+    must be a row of it."""
+    n = weight.shape[0]
+    if silu_mul and n % 2:
+        raise ValueError(f"silu_mul needs an even number of rows [gate | up], got {n}")
+    n_out = n // 2 if silu_mul else n
+    if residual is not None and (residual.shape != (1, n_out) or residual.stride(-1) != 1):
+        raise ValueError(f"residual must be a contiguous [1, {n_out}] row, got {tuple(residual.shape)}")
+    return n_out
+
+
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -349,12 +361,7 @@ def gemv(
 
     Returns y [1, N] (N / 2 with silu_mul)."""
     k = _check_input(x, weight, norm_weight, weight_scale)
-    n = weight.shape[0]
-    if silu_mul and n % 2:
-        raise ValueError(f"silu_mul needs an even number of rows [gate | up], got {n}")
-    n_out = n // 2 if silu_mul else n
-    if residual is not None and (residual.shape != (1, n_out) or residual.stride(-1) != 1):
-        raise ValueError(f"residual must be a contiguous [1, {n_out}] row, got {tuple(residual.shape)}")
+    n_out = _check_output(weight, silu_mul, residual)
     out = torch.empty(1, n_out, dtype=out_dtype or x.dtype, device=x.device)
     cfg = config or choose_config("silu" if silu_mul else "plain", k, weight.element_size())
     _gemv_kernel[(triton.cdiv(n_out, cfg.block_n),)](
