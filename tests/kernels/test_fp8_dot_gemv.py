@@ -40,13 +40,14 @@ def _case(device, dtype, n, k, *, norm=False, residual=False, bias=False, silu=F
     assert out.shape == (1, n_out) and out.dtype == dtype and not out.isnan().any()
     # The same codes as the reference's (bf16: the roundings of the sums and the epilogue).
     assert relative_error(out, ref.to(dtype)) < (2e-2 if dtype == torch.bfloat16 else 1e-3)
-    # Against the unquantized input: what W8A8 costs.
+    # Against the unquantized input: a bound for gross errors only (e4m3 inputs cost ~3% per element,
+    # more after SiLU on small rows; the check above against the same codes is the exact one).
     exact = xin.double() @ w_ref.t() + (b.double() if b is not None else 0)
     if silu:
         exact = silu_and_mul_ref(exact.to(dtype))
     if res is not None:
         exact = exact.to(dtype) + res
-    assert relative_error(out, exact.to(dtype)) < 0.1  # e4m3 inputs: ~3% per element
+    assert relative_error(out, exact.to(dtype)) < 0.25
 
 
 # Small enough for the interpreter; block_n 16 and k 512 give several row blocks and K ranges.
