@@ -10,7 +10,7 @@ import torch
 from ferrox.kernels.fp8_dot_gemv import _COUNTERS, DotGemvConfig, fp8_dot_gemv
 
 from tests.kernels.kernel_refs import relative_error, rms_norm_ref, silu_and_mul_ref
-from tests.kernels.test_fp8_gemv import FP8, _fp8_weight
+from tests.kernels.test_fp8_gemv import FP8, gemv_inputs
 
 
 def _quantize_token_ref(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, float]:
@@ -20,12 +20,8 @@ def _quantize_token_ref(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[to
 
 
 def _case(device, dtype, n, k, *, norm=False, residual=False, bias=False, silu=False, static=False, config=None):
-    x = torch.randn(1, k, dtype=dtype, device=device)
-    g = (1 + 0.1 * torch.randn(k, device=device)).to(dtype) if norm else None
-    w, s, w_ref = _fp8_weight(n, k, device)
-    b = torch.randn(n, device=device).to(dtype) if bias else None
-    n_out = n // 2 if silu else n
-    res = torch.randn(1, n_out, dtype=dtype, device=device) if residual else None
+    x, g, w, s, w_ref, b, res, n_out = gemv_inputs(device, dtype, n, k, norm=norm, residual=residual, bias=bias,
+                                                  silu=silu)
     in_scale = torch.tensor([0.02], device=device) if static else None
     out = fp8_dot_gemv(x, w, s, b, norm_weight=g, eps=1e-5, silu_mul=silu, residual=res, input_scale=in_scale,
                        config=config)

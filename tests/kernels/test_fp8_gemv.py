@@ -41,13 +41,21 @@ def _fp8_weight(n: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor, tor
     return q, s, q.double() * s.double()[:, None]
 
 
-def _gemv_case(device, dtype, n, k, *, norm, residual, bias, silu, config=None):
+def gemv_inputs(device, dtype, n, k, *, norm, residual, bias, silu):
+    """(x, norm weight, fp8 weight, row scales, dequantized weight, bias, residual, n_out) for one
+    token; the optional ones None when off."""
     x = torch.randn(1, k, dtype=dtype, device=device)
     g = (1 + 0.1 * torch.randn(k, device=device)).to(dtype) if norm else None
     w, s, w_ref = _fp8_weight(n, k, device)
     b = torch.randn(n, device=device).to(dtype) if bias else None
     n_out = n // 2 if silu else n
     res = torch.randn(1, n_out, dtype=dtype, device=device) if residual else None
+    return x, g, w, s, w_ref, b, res, n_out
+
+
+def _gemv_case(device, dtype, n, k, *, norm, residual, bias, silu, config=None):
+    x, g, w, s, w_ref, b, res, n_out = gemv_inputs(device, dtype, n, k, norm=norm, residual=residual, bias=bias,
+                                                  silu=silu)
     out = gemv(x, w, b, norm_weight=g, eps=1e-5, silu_mul=silu, residual=res, weight_scale=s, config=config)
 
     xin = rms_norm_ref(x, g, 1e-5) if norm else x

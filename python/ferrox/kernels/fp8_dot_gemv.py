@@ -35,6 +35,7 @@ residual, the roundings of the unfused path).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -222,7 +223,9 @@ def fp8_dot_gemv(
     return out
 
 
+@functools.cache
 def _num_sms(device: torch.device) -> int:
+    """(Cached: eager one-token steps ask once per projection.)"""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # the interpreter: any count exercises the split
