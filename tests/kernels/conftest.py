@@ -94,9 +94,37 @@ def _round_like_the_gpu() -> None:
     interpreter._convert_float = convert_float
 
 
+def _widen_bf16_dot_operands() -> None:
+    """Triton's interpreter (3.9) keeps bf16 tensors as their uint16 bits (numpy has no bf16) and
+    hands them to np.matmul as they are: a tl.dot of bf16 operands multiplies integers. Here bf16
+    operands are widened to float32 first (exact: a bf16 is the top half of a float32), as the
+    tensor cores read them."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    handle = getattr(interpreter, "TensorHandle", None)
+    if builder is None or handle is None or not hasattr(builder, "create_dot"):
+        return
+    create_dot = builder.create_dot
+
+    def widened(t):
+        if t.dtype.scalar != tl.bfloat16:
+            return t
+        bits = np.ascontiguousarray(t.data).view(np.uint16).astype(np.uint32) << 16
+        return handle(bits.view(np.float32), tl.float32)
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = dot
+
+
 if INTERPRETED:
     _skip_repatching_on_device_calls()
     _round_like_the_gpu()
+    _widen_bf16_dot_operands()
 
 
 @pytest.fixture

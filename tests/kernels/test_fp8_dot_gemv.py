@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ferrox.kernels.fp8_dot_gemv import _COUNTERS, DotGemvConfig, fp8_dot_gemv
+from ferrox.kernels.fp8_dot_gemv import DotGemvConfig, fp8_dot_gemv
+from ferrox.kernels.split_k import _COUNTERS
 
 from tests.kernels.kernel_refs import relative_error, rms_norm_ref, silu_and_mul_ref
 from tests.kernels.test_fp8_gemv import FP8, gemv_inputs

@@ -15,12 +15,8 @@ still moves the next layer's fp8 input codes across rounding boundaries, so the 
 would drift from the batched one. max_num_imprecise_acc=0 makes Triton add each MMA's result into
 fp32 registers: exact sums, at a few adds per accumulator per K tile (the stream is memory-bound).
 
-With 64-128 rows per program the narrow projections (o_proj, down: N = 4096 on an 8B model) have too
-few programs for 132 SMs, so K is split: program (n, s) streams rows n over the s-th K range, writes
-its fp32 partial sums to a workspace, and the last program of each row block to arrive (an atomic
-counter per row block) adds the partials and runs the epilogue. The counters are left at zero for
-the next launch, so they live in one persistent buffer per device and CUDA-graph replays need no
-memset.
+With 64-128 rows per program the narrow projections have too few programs for 132 SMs, so K is
+split and the last-arriving program of each row block finishes the sum (split_k.py).
 
 Prologue: each program reads the whole input from L2 (a few KB) for the RMS statistic (NORM) and
 then the normed input's per-token scale (its absmax / 448; a static input scale, from checkpoints
@@ -35,7 +31,6 @@ residual, the roundings of the unfused path).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +45,7 @@ from ferrox.kernels.gemv import (
     _store_rows,
     _token_stats,
 )
+from ferrox.kernels.split_k import _merge_split_k, num_sms, split_buffers, split_for
 
 
 @triton.jit
@@ -116,22 +112,8 @@ def _fp8_dot_gemv_kernel(
     up = tl.sum(acc_up, axis=1) / 16.0
 
     if SPLIT > 1:
-        tl.store(part_ptr + (pid_k * 2) * n_out + rows, y, mask=rmask)
-        if SILU_MUL:
-            tl.store(part_ptr + (pid_k * 2 + 1) * n_out + rows, up, mask=rmask)
-        # Every thread's partials are written before the count is raised (release); the last
-        # program reads the others' through L2 (.cg) after the count (acquire).
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT - 1:
-            y = tl.zeros([BLOCK_N], dtype=tl.float32)
-            up = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for s in range(SPLIT):
-                y += tl.load(part_ptr + (s * 2) * n_out + rows, mask=rmask, other=0.0, cache_modifier=".cg")
-                if SILU_MUL:
-                    up += tl.load(part_ptr + (s * 2 + 1) * n_out + rows, mask=rmask, other=0.0,
-                                  cache_modifier=".cg")
-            tl.store(count_ptr + pid_n, 0)  # ready for the next launch
+        last, y, up = _merge_split_k(part_ptr, count_ptr, y, up, rows, rmask, n_out, pid_n, pid_k, SPLIT, SILU_MUL)
+        if last:
             _epilogue(out_ptr, x_ptr, bias_ptr, res_ptr, w_scale_ptr, y, up, x_scale, rows, rmask, n_out,
                       HAS_BIAS, SILU_MUL, HAS_RESIDUAL)
     else:
@@ -155,30 +137,7 @@ def choose_dot_config(n_out: int, k: int, num_sms: int) -> DotGemvConfig:
     programs run per SM, each range kept at least 512 wide."""
     if triton.cdiv(n_out, 64) >= num_sms:
         return DotGemvConfig(64, 256, 1, 4)
-    blocks = triton.cdiv(n_out, 128)
-    split = 1
-    while blocks * split < 2 * num_sms and k // (split * 2) >= 512:
-        split *= 2
-    return DotGemvConfig(128, 128, split, 4)
-
-
-class _Counters:
-    """One zeroed int32 buffer per device for the split-K arrival counts (each launch leaves them
-    at zero). Grown, never shrunk; never reallocated while a CUDA graph may hold it, because the
-    size needed is fixed per model and reached during warm-up."""
-
-    def __init__(self) -> None:
-        self._by_device: dict[torch.device, torch.Tensor] = {}
-
-    def get(self, device: torch.device, size: int) -> torch.Tensor:
-        buf = self._by_device.get(device)
-        if buf is None or buf.numel() < size:
-            buf = torch.zeros(max(size, 1024), dtype=torch.int32, device=device)
-            self._by_device[device] = buf
-        return buf
-
-
-_COUNTERS = _Counters()
+    return DotGemvConfig(128, 128, split_for(triton.cdiv(n_out, 128), k, num_sms, min_range=512), 4)
 
 
 def fp8_dot_gemv(
@@ -204,13 +163,12 @@ def fp8_dot_gemv(
     n_out = _check_output(weight, silu_mul, residual)
     if input_scale is not None and (input_scale.dtype != torch.float32 or input_scale.numel() != 1):
         raise ValueError(f"input_scale must be one float32 value, got {input_scale.dtype} {tuple(input_scale.shape)}")
-    cfg = config or choose_dot_config(n_out, k, _num_sms(x.device))
+    cfg = config or choose_dot_config(n_out, k, num_sms(x.device))
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
     blocks = triton.cdiv(n_out, cfg.block_n)
     out = torch.empty(1, n_out, dtype=out_dtype or x.dtype, device=x.device)
-    part = torch.empty(split, 2, n_out, dtype=torch.float32, device=x.device) if split > 1 else out
-    counts = _COUNTERS.get(x.device, blocks) if split > 1 else out
+    part, counts = split_buffers(split, blocks, n_out, out)
     _fp8_dot_gemv_kernel[(blocks, split)](
         out, weight, weight_scale, bias if bias is not None else weight, x,
         residual if residual is not None else x, norm_weight if norm_weight is not None else x,
@@ -221,11 +179,3 @@ def fp8_dot_gemv(
         num_stages=cfg.num_stages,
     )
     return out
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    """(Cached: eager one-token steps ask once per projection.)"""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: any count exercises the split

@@ -92,11 +92,9 @@ def _normed_input(x_ptr, norm_w_ptr, cols, kmask, rstd, NORM: tl.constexpr):
 
 
 @triton.jit
-def _token_stats(x_ptr, norm_w_ptr, in_scale_ptr, K, eps, NORM: tl.constexpr, STATIC: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    """(rstd, the fp8 scale of the normed input) for the W8A8 kernels' prologue: the RMSNorm
-    statistic (1 without NORM), then the scale as fp8_linear.py's activation quantizer takes it
-    (the token's absmax / 448, or the static input scale). Two passes over the input, from L2."""
+def _rms_rstd(x_ptr, K, eps, NORM: tl.constexpr, BLOCK: tl.constexpr):
+    """The RMSNorm statistic rsqrt(mean(x^2) + eps) of the token x [K] (1 without NORM), read from
+    L2 by every program of a tensor-core one-token product before its first tile."""
     rstd = 1.0
     if NORM:
         ssq = tl.zeros([BLOCK], dtype=tl.float32)
@@ -105,6 +103,16 @@ def _token_stats(x_ptr, norm_w_ptr, in_scale_ptr, K, eps, NORM: tl.constexpr, ST
             h = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
             ssq += h * h
         rstd = tl.rsqrt(tl.sum(ssq) / K + eps)
+    return rstd
+
+
+@triton.jit
+def _token_stats(x_ptr, norm_w_ptr, in_scale_ptr, K, eps, NORM: tl.constexpr, STATIC: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """(rstd, the fp8 scale of the normed input) for the W8A8 kernels' prologue: the RMSNorm
+    statistic (1 without NORM), then the scale as fp8_linear.py's activation quantizer takes it
+    (the token's absmax / 448, or the static input scale). Two passes over the input, from L2."""
+    rstd = _rms_rstd(x_ptr, K, eps, NORM, BLOCK)
     if STATIC:
         scale = tl.load(in_scale_ptr)
     else:

@@ -44,13 +44,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
 
 from ferrox.kernels.kv_fp8 import FP8_KV_DTYPE, unit_kv_scales
+from ferrox.kernels.split_k import num_sms as _num_sms
 
 _LOG2E = 1.4426950408889634
 
@@ -264,13 +264,6 @@ _SPLIT_WAVES = 2
 _MIN_SPLIT_LEN = 256
 _MAX_SPLITS = 256
 _MERGE_CHUNK = 32  # partials the merge kernel reads per step (it loops over any num_splits)
-
-
-@lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # interpreter: small, so tests exercise the split path at tiny shapes
 
 
 def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
