@@ -190,6 +190,31 @@ def test_in_flight_token_counts_before_it_reaches_the_host():
     assert md.penalties.output_counts[0].sum().item() == 0.0 and md.banned is not None
 
 
+def test_penalty_rows_grow_and_are_reused_clean():
+    """Penalty requests share one [rows, V] tensor pair (worker/penalty_rows.py): more requests than
+    its first 8 rows grow it without losing counts, a leaving request's row comes back zeroed
+    with the next request's prompt mask, and a step's tokens for every row count in one add."""
+    params = SamplingParams(temperature=0, frequency_penalty=1.0, repetition_penalty=1.5)
+    batch = _Batch([params] * 10)
+    n = len(batch.slots)
+    batch.batch.append_accepted(batch.slots, np.arange(n, dtype=np.int32) % VOCAB,
+                                np.arange(n + 1, dtype=np.int32))
+    batch.batch.append_accepted(batch.slots[:1], np.array([3, 3], dtype=np.int32), np.array([0, 2], dtype=np.int32))
+    md = batch.build()
+    assert md.penalties is not None and md.penalties.output_counts.shape == (n, VOCAB)
+    expected = torch.zeros(n, VOCAB)
+    expected[torch.arange(n), torch.arange(n) % VOCAB] = 1.0
+    expected[0, 3] += 2.0
+    assert torch.equal(md.penalties.output_counts, expected)
+    assert md.penalties.prompt_mask[:, 1:4].all() and not md.penalties.prompt_mask[:, 4:].any()
+    batch.batch.remove([9])
+    batch.batch.add(9, "again", [5], params)
+    md = batch.build()
+    assert md.penalties.output_counts[9].sum().item() == 0.0
+    assert md.penalties.prompt_mask[9].nonzero().flatten().tolist() == [5]
+    assert batch.batch.penalties.counts.shape[0] == 16  # grown once, the freed row reused
+
+
 def test_min_tokens_bans_stop_ids():
     params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[1])
     batch = _Batch([params], eos=[0])

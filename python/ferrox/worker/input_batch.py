@@ -31,6 +31,7 @@ import torch
 
 from ferrox.layers.sampler import PenaltyInputs, SamplingMetadata
 from ferrox.sampling_params import SamplingParams
+from ferrox.worker.penalty_rows import PenaltyRows, flat_indices
 from ferrox.worker.request_state import PromptLogprobsAccumulator, RequestState
 
 # (name, host array) -> the array on the device, without blocking (worker/step_inputs.Uploader).
@@ -63,6 +64,7 @@ class InputBatch:
         # Without an uploader (tests): plain copies, as the row-by-row error path uses too.
         self.upload: Upload = upload or self.plain_upload
         self.states: list[RequestState | None] = []
+        self.penalties = PenaltyRows(vocab_size, device)
         self._cap = 0
         self._grow(capacity)
 
@@ -123,7 +125,7 @@ class InputBatch:
             state.generator = torch.Generator(device=self.device)
             state.generator.manual_seed(params.seed)
         if state.has_penalties:
-            state.init_penalty_state(self.vocab_size, self.device)
+            state.penalty_row = self.penalties.acquire(prompt_token_ids)
         if params.allowed_token_ids:
             state.init_allowed_mask(self.vocab_size, self.device)
         if params.prompt_logprobs is not None:
@@ -151,6 +153,9 @@ class InputBatch:
         for slot in slots:
             s = int(slot)
             if s < self._cap:
+                state = self.states[s]
+                if state is not None and state.penalty_row is not None:
+                    self.penalties.release(state.penalty_row)
                 self.states[s] = None
                 self.per_row_work[s] = False
                 self.counts_outputs[s] = False
@@ -161,25 +166,21 @@ class InputBatch:
                         token_offsets: npt.NDArray[np.int32]) -> None:
         """Count the tokens the core accepted this step, for the rows that count them."""
         rows = np.flatnonzero(self.counts_outputs[slots])
-        counted: list[tuple[torch.Tensor, int, int]] = []  # (counts, first token, end) per penalty row
-        accepted: list[npt.NDArray[np.int32]] = []
-        n = 0
+        pen_rows: list[int] = []  # per accepted token of a penalty request: its PenaltyRows row
+        pen_tokens: list[npt.NDArray[np.int32]] = []
         for i in rows.tolist():
             state = self.states[int(slots[i])]
             if state is None:
                 continue
             toks = token_ids[token_offsets[i] : token_offsets[i + 1]]
             state.num_output_tokens += len(toks)
-            if state.output_counts is not None and len(toks):
-                counted.append((state.output_counts, n, n + len(toks)))
-                accepted.append(toks)
-                n += len(toks)
-        if counted:
-            # One upload for every penalty row's tokens, then a device-side add per row.
-            dev_tokens = self.upload("accepted_tokens", np.concatenate(accepted).astype(np.int64))
-            for counts, a, b in counted:
-                counts.index_put_((dev_tokens[a:b],), torch.ones(b - a, dtype=torch.float32, device=self.device),
-                                  accumulate=True)
+            if state.penalty_row is not None and len(toks):
+                pen_rows.extend([state.penalty_row] * len(toks))
+                pen_tokens.append(toks)
+        if pen_rows:
+            # One upload and one device-side add for every penalty request's tokens.
+            where = flat_indices(np.array(pen_rows, dtype=np.int64), np.concatenate(pen_tokens), self.vocab_size)
+            self.penalties.count(self.upload("accepted_tokens", where))
 
     # ---- one step --------------------------------------------------------------------------------
     def sampling_metadata(
@@ -213,7 +214,6 @@ class InputBatch:
 
     def _per_row(self, md: SamplingMetadata, rows: list[int], slots: npt.NDArray[np.int32],
                  sample_mask: npt.NDArray[np.bool_], in_flight: InFlight | None, upload: Upload) -> None:
-        dev = self.device
         states = [self.states[int(slots[i])] for i in rows]
         pending = in_flight.row_of_slot(self.generation) if in_flight is not None else {}
         pen_rows: list[int] = []
@@ -251,17 +251,19 @@ class InputBatch:
                 allowed_rows.append(i)
                 allowed_masks.append(state.allowed_mask)
         if pen_rows:
-            counts = torch.stack([s.output_counts for s in pen_states])  # type: ignore[misc]
+            pool_rows = upload("pen_pool_rows", np.array([s.penalty_row for s in pen_states], dtype=np.int64))
+            counts = self.penalties.counts.index_select(0, pool_rows)
             if pen_pending and in_flight is not None:
+                # The in-flight tokens of these rows count too (module docstring), on the gathered copy.
                 pairs = upload("pen_pending", np.array(pen_pending, dtype=np.int64))
                 toks = in_flight.token_ids.index_select(0, pairs[:, 1])
-                counts.index_put_((pairs[:, 0], toks), torch.ones(len(pen_pending), device=dev), accumulate=True)
+                counts.view(-1).index_add_(0, pairs[:, 0] * self.vocab_size + toks, self.penalties.ones(len(pen_pending)))
             values = upload("pen_values", np.array(
                 [[s.params.repetition_penalty, s.params.frequency_penalty, s.params.presence_penalty]
                  for s in pen_states], dtype=np.float32))
             md.penalties = PenaltyInputs(
                 rows=upload("pen_rows", np.array(pen_rows, dtype=np.int64)),
-                prompt_mask=torch.stack([s.prompt_mask for s in pen_states]),  # type: ignore[misc]
+                prompt_mask=self.penalties.prompt_mask.index_select(0, pool_rows),
                 output_counts=counts,
                 repetition=values[:, 0],
                 frequency=values[:, 1],

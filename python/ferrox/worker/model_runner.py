@@ -32,6 +32,7 @@ import torch
 
 from ferrox.distributed.parallel_state import TPGroup, get_tp_group
 from ferrox.distributed.step_channel import SHUTDOWN, STEP, StepChannel
+from ferrox.kernels.token_bitmask import apply_token_bitmask
 from ferrox.layers.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, compute_logprobs
 from ferrox.sampling_params import SamplingParams
 from ferrox.step_types import Logprobs
@@ -340,20 +341,20 @@ class ModelRunner:
         return out
 
     def _apply_grammar_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-        """Only rows with some bit cleared are unpacked: unconstrained rows (all ones) cost nothing.
-        The mask (filled on the host) and its row list reach the device through the Uploader."""
-        from ferrox.structured.bitmask import apply_bitmask_rows
-
+        """Only rows with some bit cleared are applied: unconstrained rows (all ones) cost nothing.
+        On a GPU only those rows' words are uploaded (through the Uploader) and one kernel sets
+        their disallowed logits to -inf (kernels/token_bitmask.py)."""
         words = bitmask.numpy()
         rows = np.flatnonzero((words != -1).any(axis=1))
         if not rows.size:
             return
         if logits.device.type == "cpu":
+            from ferrox.structured.bitmask import apply_bitmask_rows
+
             apply_bitmask_rows(logits, bitmask, None if rows.size == len(words) else torch.from_numpy(rows))
             return
-        dev_mask = self._upload("grammar_bitmask", words)
-        apply_bitmask_rows(logits, dev_mask, None if rows.size == len(words) else
-                           self._upload("grammar_rows", rows.astype(np.int64)))
+        apply_token_bitmask(logits, self._upload("grammar_bitmask", words if rows.size == len(words) else words[rows]),
+                            self._upload("grammar_rows", rows.astype(np.int64)))
 
     # ---- sampling -------------------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, handle: StepHandle) -> SamplerOutput:

@@ -34,9 +34,8 @@ class RequestState:
     stop_ids_for_min_tokens: list[int]  # EOS (unless ignore_eos) + stop_token_ids
     num_output_tokens: int = 0  # accepted by the core
     generator: torch.Generator | None = None  # only for seeded random sampling
-    # Built on the device only for requests that use them.
-    prompt_mask: torch.Tensor | None = None  # [V] bool, repetition penalty
-    output_counts: torch.Tensor | None = None  # [V] float32, all three penalties
+    # Device state only for requests that use it: penalties in a row of the batch's PenaltyRows.
+    penalty_row: int | None = None
     allowed_mask: torch.Tensor | None = None  # [V] bool, allowed_token_ids
     prompt_logprobs: PromptLogprobsAccumulator | None = None
 
@@ -45,15 +44,8 @@ class RequestState:
         p = self.params
         return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
-    # Masks are built on the host and copied from pinned memory without blocking: a request joins
+    # The mask is built on the host and copied from pinned memory without blocking: a request joins
     # while a step is in flight, and a blocking copy would wait for that step (see input_batch.py).
-    def init_penalty_state(self, vocab_size: int, device: torch.device) -> None:
-        self.output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
-        mask = torch.zeros(vocab_size, dtype=torch.bool)
-        if self.prompt_token_ids:
-            mask[torch.tensor(self.prompt_token_ids, dtype=torch.int64).clamp(max=vocab_size - 1)] = True
-        self.prompt_mask = _to_device(mask, device)
-
     def init_allowed_mask(self, vocab_size: int, device: torch.device) -> None:
         mask = torch.zeros(vocab_size, dtype=torch.bool)
         mask[torch.tensor(self.params.allowed_token_ids or [], dtype=torch.int64)] = True
