@@ -17,6 +17,9 @@ under the Triton interpreter at tiny shapes and on the GPU at Llama-3.1-8B shape
 - int4_matmul.py        AWQ/GPTQ int4 weights: dequantize-in-the-loop GEMV (decode) and GEMM (prefill)
 - fused_moe.py / lora.py  grouped expert matmuls, the one-token expert GEMVs and top-k routing; LoRA
                         shrink/expand
+- fp8_dot_gemv.py       FP8 one-token products on tensor cores (W8A8), split over K (split_k.py: the
+                        last-arriving program per row block finishes the sum)
+- token_bitmask.py      a grammar's allow-bits applied to the constrained rows' logits in one launch
 (FP8: gemv.py reads fp8 weights with per-row scales; the KV writes and attention kernels read an fp8 cache.)
 
 Modules import triton at import time (cuda_sampling.py does not); import them only where a GPU path may run.

@@ -32,7 +32,6 @@ import torch
 
 from ferrox.distributed.parallel_state import TPGroup, get_tp_group
 from ferrox.distributed.step_channel import SHUTDOWN, STEP, StepChannel
-from ferrox.kernels.token_bitmask import apply_token_bitmask
 from ferrox.layers.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, compute_logprobs
 from ferrox.sampling_params import SamplingParams
 from ferrox.step_types import Logprobs
@@ -353,6 +352,8 @@ class ModelRunner:
 
             apply_bitmask_rows(logits, bitmask, None if rows.size == len(words) else torch.from_numpy(rows))
             return
+        from ferrox.kernels.token_bitmask import apply_token_bitmask  # (imports triton: GPU path only)
+
         apply_token_bitmask(logits, self._upload("grammar_bitmask", words if rows.size == len(words) else words[rows]),
                             self._upload("grammar_rows", rows.astype(np.int64)))
 
