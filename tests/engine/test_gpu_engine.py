@@ -31,6 +31,21 @@ def test_gpu_float32_greedy_equals_cpu(tiny_llama):
         assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in cpu]
 
 
+def test_seeded_draws_do_not_depend_on_the_batch(tiny_llama):
+    """Seeded rows draw by (seed, steps sampled) in one launch (kernels/seeded_uniforms.py): the same
+    tokens alone, beside plain random rows (the exponential-race path) and beside a top-p row (the
+    top-k/top-p path, which redraws seeded rows by the race)."""
+    llm = LLM(tiny_llama, device="cuda", max_num_seqs=16, gpu_memory_utilization=0.3)
+    seeded = SamplingParams(temperature=1.0, seed=11, max_tokens=16, ignore_eos=True)
+    alone = llm.generate(PROMPTS[0], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    for other in (SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True),
+                  SamplingParams(temperature=1.0, top_p=0.8, max_tokens=16, ignore_eos=True)):
+        outs = llm.generate(PROMPTS, [seeded] + [other] * (len(PROMPTS) - 1), use_tqdm=False)
+        assert outs[0].outputs[0].token_ids == alone
+    reseeded = llm.generate(PROMPTS[0], seeded.clone(seed=12), use_tqdm=False)[0].outputs[0].token_ids
+    assert reseeded != alone
+
+
 def test_gpu_profiled_kv_and_sampling(tiny_llama):
     llm = LLM(tiny_llama, device="cuda", max_num_seqs=16, max_num_batched_tokens=1024,
               gpu_memory_utilization=0.3)

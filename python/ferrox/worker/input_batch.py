@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from ferrox.layers.sampler import PenaltyInputs, SamplingMetadata
+from ferrox.layers.sampler import PenaltyInputs, SamplingMetadata, SeededDraws, seed_bits
 from ferrox.sampling_params import SamplingParams
 from ferrox.worker.penalty_rows import PenaltyRows, flat_indices
 from ferrox.worker.request_state import PromptLogprobsAccumulator, RequestState
@@ -226,12 +226,15 @@ class InputBatch:
         bias_vals: list[float] = []
         allowed_rows: list[int] = []
         allowed_masks: list[torch.Tensor] = []
+        seeded: list[tuple[int, int, int]] = []  # (row, seed bits, steps sampled before)
         for i, state in zip(rows, states, strict=True):
             if state is None:
                 continue
             params = state.params
             if state.generator is not None and sample_mask[i]:
                 md.generators[i] = state.generator
+                seeded.append((i, seed_bits(params.seed or 0), state.draws))
+                state.draws += 1
             in_flight_row = pending.get(state.slot)
             if state.has_penalties:
                 if in_flight_row is not None:
@@ -250,6 +253,12 @@ class InputBatch:
             if state.allowed_mask is not None:
                 allowed_rows.append(i)
                 allowed_masks.append(state.allowed_mask)
+        if seeded and self.device.type == "cuda":
+            # Three uploads, not one [3, S] array: each column then starts 16-byte aligned whatever
+            # S is, so the kernel compiles one variant, in the warm-up.
+            cols = np.array(seeded, dtype=np.int64).T
+            md.seeded = SeededDraws(*(upload(f"seeded_{name}", np.ascontiguousarray(col))
+                                      for name, col in zip(("rows", "seeds", "counters"), cols, strict=True)))
         if pen_rows:
             pool_rows = upload("pen_pool_rows", np.array([s.penalty_row for s in pen_states], dtype=np.int64))
             counts = self.penalties.counts.index_select(0, pool_rows)

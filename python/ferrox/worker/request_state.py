@@ -34,6 +34,7 @@ class RequestState:
     stop_ids_for_min_tokens: list[int]  # EOS (unless ignore_eos) + stop_token_ids
     num_output_tokens: int = 0  # accepted by the core
     generator: torch.Generator | None = None  # only for seeded random sampling
+    draws: int = 0  # steps this seeded request has sampled (its CUDA draws' Philox counter)
     # Device state only for requests that use it: penalties in a row of the batch's PenaltyRows.
     penalty_row: int | None = None
     allowed_mask: torch.Tensor | None = None  # [V] bool, allowed_token_ids
