@@ -4,8 +4,8 @@ The exponential race picks argmax_i p_i / q_i with q_i ~ Exp(1), which is distri
 logs that is argmax_i (logits_i / T - log q_i): the softmax's normaliser is the same for every
 token of a row, so the probabilities never need to exist. Torch spends ~14 passes over the
 [batch, vocab] float32 logits on it (scale, softmax, log, neg, divide, argmax); this kernel reads
-the logits and the uniforms once (q = -log u, with u drawn by torch so seeded requests keep
-their own generators). At 512 rows x 128k vocabulary that is ~0.7 ms less per decode step on
+the logits and the uniforms once (q = -log u; the sampler draws u: the default generator for
+unseeded rows, seeded_uniforms.py for seeded ones). At 512 rows x 128k vocabulary that is ~0.7 ms less per decode step on
 an H200 (benches/RESULTS.md).
 """
 
