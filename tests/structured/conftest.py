@@ -38,5 +38,5 @@ def llm():
     structured-output test modules."""
     from ferrox import LLM
 
-    # One wave for the 220 sampled sequences of the JSON test: fewer, wider decode steps.
+    # One wave for all the sampled sequences of the JSON test: fewer, wider decode steps.
     return LLM(seed=0, max_num_seqs=256)
