@@ -17,6 +17,10 @@ prompts arriving during the run: every S seconds a C-character prompt goes to /t
 chat message, rejected as too long after tokenizing) to /v1/chat/completions, while /health is
 probed every 20 ms. Tokenizing off the event loop keeps the short requests' TTFT and the /health
 latency flat; the report adds HEALTH (ms) and the number of long prompts sent.
+
+CPU: the share of one core that this client and (when this script started the server) each
+process of the server's tree spent during the timed run, from /proc: a process near 1.0 is a
+single-threaded bottleneck of the measurement.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class RequestResult:
     e2e: float = 0.0
     itls: list[float] = field(default_factory=list)
     error: str = ""
+    sent_at: float = 0.0  # perf_counter() when the request was sent
 
 
 # ---- workload ---------------------------------------------------------------------------------------
@@ -80,7 +85,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, headers: dict[st
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     result = RequestResult(ok=False, prompt_len=len(prompt))
-    start = last = time.perf_counter()
+    start = last = result.sent_at = time.perf_counter()
     try:
         async with session.post(url, json=body, headers=headers) as resp:
             if resp.status != 200:
@@ -108,6 +113,38 @@ async def one_request(session: aiohttp.ClientSession, url: str, headers: dict[st
     except aiohttp.ClientError as exc:
         result.error = repr(exc)
     return result
+
+
+def _process_tree(root: int) -> list[int]:
+    """root and its descendants (Linux /proc; empty elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree if Path(f"/proc/{root}").exists() else []
+
+
+def _cpu_seconds(pids: list[int]) -> dict[str, float]:
+    """User + system CPU seconds so far of each process, keyed "pid name"."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in pids:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            raw = Path(f"/proc/{pid}/stat").read_text()
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            name = " ".join(a.decode(errors="replace") for a in argv[1:4])[:48]
+            fields = raw.rsplit(")", 1)[1].split()
+            out[f"{pid} {name}"] = (int(fields[11]) + int(fields[12])) / ticks
+    return out
+
+
+SERVER_PIDS: list[int] = []  # the server's process tree, when this script started it
 
 
 async def run_load(base_url: str, model: str | None, api_key: str | None, args: argparse.Namespace) -> dict[str, Any]:
@@ -138,6 +175,8 @@ async def run_load(base_url: str, model: str | None, api_key: str | None, args: 
             background = [asyncio.create_task(probe_health(session, base_url, done, health_ms)),
                           asyncio.create_task(send_long_prompts(session, base_url, headers, model, args, done,
                                                                 long_sent))]
+        server_pids = [p for root in SERVER_PIDS for p in _process_tree(root)]
+        server_cpu0, client_cpu0 = _cpu_seconds(server_pids), time.process_time()
         start = time.perf_counter()
         for prompt in prompts:
             tasks.append(asyncio.create_task(limited(prompt)))
@@ -145,9 +184,14 @@ async def run_load(base_url: str, model: str | None, api_key: str | None, args: 
                 await asyncio.sleep(rng.expovariate(args.request_rate))  # Poisson arrivals
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        cpu = {"client": (time.process_time() - client_cpu0) / duration}
+        for key, secs in _cpu_seconds(server_pids).items():
+            if key in server_cpu0:
+                cpu[f"server {key}"] = (secs - server_cpu0[key]) / duration
         done.set()
         await asyncio.gather(*background)
     summary = summarize(results, duration, model, args)
+    summary["cpu_share"] = cpu
     if args.long_prompt_chars:
         summary["health_ms"] = _pcts(health_ms, scale=1.0)
         summary["long_prompts_sent"] = len(long_sent)
@@ -231,6 +275,9 @@ def summarize(results: list[RequestResult], duration: float, model: str, args: a
         "tpot_ms": _pcts(tpots),
         "itl_ms": _pcts([x for r in ok for x in r.itls]),
         "e2e_ms": _pcts([r.e2e for r in ok]),
+        # Per request, time.perf_counter() (CLOCK_MONOTONIC, comparable with other processes' traces)
+        # when it was sent, its first token and its last token arrived (--result-json).
+        "requests": [(r.sent_at, r.sent_at + r.ttft, r.sent_at + r.e2e) for r in ok],
     }
 
 
@@ -250,6 +297,9 @@ def print_report(res: dict[str, Any]) -> None:
         v = res[key]
         print(f"{key[:-3].upper():<12}{v['mean']:>10.1f}{v['p50']:>10.1f}{v['p90']:>10.1f}{v['p99']:>10.1f}"
               f"{v['max']:>10.1f}")
+    for who, share in res.get("cpu_share", {}).items():
+        if share >= 0.01:
+            print(f"{'CPU ' + who:<58}{share:.2f} of a core")
     if res["errors"]:
         print("errors:", *res["errors"], sep="\n  ")
 
@@ -341,6 +391,7 @@ def main() -> None:
     base_url = args.base_url
     if base_url is None:
         proc, base_url = start_server(args)
+        SERVER_PIDS.append(proc.pid)
         args.compare_offline = True
     try:
         result = asyncio.run(run_load(base_url.rstrip("/"), None, args.api_key, args))

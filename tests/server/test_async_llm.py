@@ -215,3 +215,49 @@ def test_server_sse_ends_cleanly_on_abort(engine):
     assert chunks[-1] == "[DONE]", chunks[-3:]
     last = json.loads(chunks[-2])
     assert last["choices"][0]["finish_reason"] == "abort", last
+
+
+def test_short_prompt_work_runs_inline_long_work_in_the_prompt_threads(engine):
+    """Short prompts are encoded on the event loop (a hop to the prompt threads waits for the GIL
+    while the loop streams); long ones still go to the threads, and an error raised inline reaches
+    the caller unchanged either way."""
+    from ferrox.engine.input_processor import INLINE_PROMPT_SIZE, prompt_size
+
+    def where(_text: str) -> str:
+        return threading.current_thread().name
+
+    def fail(_text: str) -> None:
+        raise InvalidArgumentError("prompt: bad", param="prompt")
+
+    async def run() -> tuple[str, str, str]:
+        short, long = "Hello there", "x" * (INLINE_PROMPT_SIZE + 1)
+        inline = await engine.prompt_work(prompt_size(short), where, short)
+        pooled = await engine.prompt_work(prompt_size(long), where, long)
+        loop_thread = threading.current_thread().name
+        for text in (short, long):
+            with pytest.raises(InvalidArgumentError):
+                await engine.prompt_work(prompt_size(text), fail, text)
+        return inline, pooled, loop_thread
+
+    inline, pooled, loop_thread = asyncio.run(run())
+    assert inline == loop_thread
+    assert pooled.startswith("ferrox-prompt")
+
+
+def test_prompt_size_counts_what_must_be_encoded():
+    from ferrox.engine.input_processor import INLINE_PROMPT_SIZE, prompt_size
+    from ferrox.entrypoints.openai.protocol import ChatCompletionRequest
+
+    assert prompt_size("abcd") == 4
+    assert prompt_size([1] * 400) == 100  # token ids: checked, not encoded
+    assert prompt_size({"prompt_token_ids": [1] * 40, "prompt": "text"}) == 10 + 4
+    assert prompt_size(["ab", [1, 2, 3, 4], {"prompt": "xyz"}]) == 2 + 1 + 3
+    long = "w" * 5000
+    chat = ChatCompletionRequest(model="m", messages=[
+        {"role": "user", "content": "hi"},
+        {"role": "user", "content": [{"type": "text", "text": long}]},
+    ])
+    assert prompt_size(chat) > INLINE_PROMPT_SIZE  # a long message inside a request model counts
+    assert prompt_size(ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])) < 64
+    # A huge batch is sized only up to the limit.
+    assert INLINE_PROMPT_SIZE < prompt_size(["x" * 600] * 1_000_000) < 2 * INLINE_PROMPT_SIZE

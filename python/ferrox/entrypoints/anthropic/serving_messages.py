@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from ferrox.engine.input_processor import prompt_size
 from ferrox.entrypoints import tool_use
 from ferrox.entrypoints.anthropic.protocol import MessagesCountRequest, MessagesRequest
 from ferrox.entrypoints.openai.errors import from_exception
@@ -77,7 +78,7 @@ async def count_message_tokens(ctx: ServingContext, request: web.Request) -> web
     req = await parse_body(request, MessagesCountRequest)
     ctx.check_model(req.model)
     tool_use.tool_constraint(req.tool_request())
-    prompt = await ctx.engine.run_in_prompt_pool(_render_prompt, ctx, req)
+    prompt = await ctx.engine.prompt_work(prompt_size(req), _render_prompt, ctx, req)
     return json_response({"input_tokens": len(prompt.token_ids)})
 
 
@@ -103,8 +104,8 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
     ctx.check_engine()
     tools = req.tool_request()
     structured = tool_use.tool_constraint(tools)
-    # Rendering and encoding a long conversation takes a while: off the event loop.
-    prompt = await ctx.engine.run_in_prompt_pool(_render_prompt, ctx, req)
+    # A long conversation takes a while to render and encode: off the event loop (a short one inline).
+    prompt = await ctx.engine.prompt_work(prompt_size(req), _render_prompt, ctx, req)
     check_max_tokens(ctx, len(prompt.token_ids), req.max_tokens)
     params = _sampling_params(ctx, req, structured)
     validate_request(ctx, prompt.token_ids, params, MESSAGES_FIELDS)

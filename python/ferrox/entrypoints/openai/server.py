@@ -41,6 +41,7 @@ from pydantic import BaseModel
 
 import ferrox
 from ferrox.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestTimeoutError
+from ferrox.engine.input_processor import prompt_size
 from ferrox.entrypoints import web as web_page
 from ferrox.entrypoints.anthropic.protocol import MessagesCountRequest, MessagesRequest
 from ferrox.entrypoints.anthropic.serving_messages import count_message_tokens, create_message
@@ -401,7 +402,7 @@ async def tokenize(request: web.Request) -> web.Response:
     ctx = request.app[CTX]
     req = await parse_body(request, TokenizeRequest)
     ctx.check_model(req.model)
-    ids = await ctx.engine.run_in_prompt_pool(_tokenize, ctx, req)  # long texts: off the event loop
+    ids = await ctx.engine.prompt_work(prompt_size(req), _tokenize, ctx, req)  # long texts off the event loop
     return json_response({"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids})
 
 
@@ -418,7 +419,7 @@ async def detokenize(request: web.Request) -> web.Response:
     ctx = request.app[CTX]
     req = await parse_body(request, DetokenizeRequest)
     ctx.check_model(req.model)
-    text = await ctx.engine.run_in_prompt_pool(_detokenize, ctx, req)  # long lists: off the event loop
+    text = await ctx.engine.prompt_work(prompt_size(req), _detokenize, ctx, req)  # long lists off the event loop
     return json_response({"prompt": text})
 
 

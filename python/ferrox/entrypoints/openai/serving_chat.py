@@ -10,6 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
+from ferrox.engine.input_processor import prompt_size
 from ferrox.entrypoints.openai import tools as tool_hooks
 from ferrox.entrypoints.openai.errors import APIError
 from ferrox.entrypoints.openai.protocol import ChatCompletionRequest
@@ -55,8 +56,8 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
         structured = build_structured_outputs(req) or tool_hooks.tool_constraint(req)
     except ValueError as exc:  # InvalidArgumentError naming tools / tool_choice / response_format...
         raise api_error(exc) from None
-    # Rendering and encoding a long conversation takes a while: off the event loop.
-    chat = await ctx.engine.run_in_prompt_pool(_render_prompt, ctx, req)
+    # A long conversation takes a while to render and encode: off the event loop (a short one inline).
+    chat = await ctx.engine.prompt_work(prompt_size(req), _render_prompt, ctx, req)
     messages, template, prompt_text, prompt_ids = chat.messages, chat.template, chat.text, chat.token_ids
     check_max_tokens(ctx, len(prompt_ids), req.requested_max_tokens)
     check_output_budget(ctx, req.n, len(prompt_ids), req.requested_max_tokens, "max_completion_tokens"

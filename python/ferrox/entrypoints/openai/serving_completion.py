@@ -14,6 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
+from ferrox.engine.input_processor import prompt_size
 from ferrox.entrypoints.openai.protocol import CompletionRequest
 from ferrox.entrypoints.openai.serving import (
     COMPLETION_FIELDS,
@@ -55,8 +56,8 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
         structured = build_structured_outputs(req)
     except ValueError as exc:  # InvalidArgumentError naming response_format / guided_json...
         raise api_error(exc) from None
-    # Encoding long prompts takes a while: off the event loop.
-    prompts = await ctx.engine.run_in_prompt_pool(_tokenize_prompts, ctx, req)
+    # Encoding long prompts takes a while: off the event loop (short ones inline).
+    prompts = await ctx.engine.prompt_work(prompt_size(req), _tokenize_prompts, ctx, req)
     for p in prompts:  # 400 if any prompt cannot fit with the requested budget
         check_max_tokens(ctx, len(p["prompt_token_ids"]), req.requested_max_tokens)
     # Every prompt runs n samples: the budget is over the whole request.

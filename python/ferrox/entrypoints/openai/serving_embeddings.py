@@ -26,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 from aiohttp import web
 
+from ferrox.engine.input_processor import prompt_size
 from ferrox.entrypoints.openai.errors import APIError
 from ferrox.entrypoints.openai.protocol_embeddings import EmbeddingRequest, PoolingRequest
 from ferrox.entrypoints.openai.serving import (
@@ -87,8 +88,8 @@ async def _serve(ctx: ServingContext, request: web.Request, req: EmbeddingReques
         params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
     except FerroxError as exc:
         raise api_error(exc) from None
-    # Encoding many or long texts takes a while: off the event loop.
-    prompts = await ctx.engine.run_in_prompt_pool(_tokenize, ctx, req)
+    # Encoding many or long texts takes a while: off the event loop (a few short ones inline).
+    prompts = await ctx.engine.prompt_work(prompt_size(req), _tokenize, ctx, req)
     _validate(ctx, prompts, params)
     request_id, header_id = request_ids(request, req, prefix)
     outputs = await _encode_all(ctx, prompts, params, request_id, req.priority)

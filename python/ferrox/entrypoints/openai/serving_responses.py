@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from ferrox.engine.input_processor import prompt_size
 from ferrox.entrypoints import tool_use
 from ferrox.entrypoints.openai.errors import bad_request, from_exception
 from ferrox.entrypoints.openai.protocol import check_schema_size, check_tools
@@ -183,8 +184,8 @@ async def create_response(ctx: ServingContext, request: web.Request) -> web.Stre
     ctx.check_engine()
     tools = req.tool_request()
     structured = _constraint(req, tools)
-    # Rendering and encoding a long conversation takes a while: off the event loop.
-    prompt = await ctx.engine.run_in_prompt_pool(tool_use.render_prompt, ctx, req.to_chat_messages(), tools)
+    # A long conversation takes a while to render and encode: off the event loop (a short one inline).
+    prompt = await ctx.engine.prompt_work(prompt_size(req), tool_use.render_prompt, ctx, req.to_chat_messages(), tools)
     check_max_tokens(ctx, len(prompt.token_ids), req.max_output_tokens)
     params = _sampling_params(ctx, req, structured)
     validate_request(ctx, prompt.token_ids, params, RESPONSES_FIELDS)
