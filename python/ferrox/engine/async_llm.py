@@ -9,10 +9,10 @@ Tokenization happens here (the front-end), so the core process spends its GIL on
 prompts go to a small thread pool (`run_in_prompt_pool`), never the event loop: a 200k-character
 prompt takes tens of milliseconds to encode (and chat rendering is pure Python), which must not
 stall other requests' streams or /health. The tokenizer's encode releases the GIL. Short ones
-(`prompt_work`) run inline: while the loop is busy streaming, a pool thread waits for the GIL up
-to the interpreter's switch interval (5 ms) to start and again to hand its result back, so under
-load the hop admitted ~370 requests/s in all (H200, 512 streaming clients) while encoding a
-few hundred characters takes a fraction of a millisecond.
+(`prompt_work`) run inline: while the loop is busy streaming, a pool thread waits for the GIL to
+start and for the loop to take its result back, which cost a burst of short requests 5-7 ms each
+at the median (benches/bench_prompt_admission.py) while encoding a few hundred characters takes a
+fraction of a millisecond.
 The shared `OutputProcessor` (also used by the offline LLM) fans n > 1 out into n engine
 requests and folds the core's outputs into RequestOutputs; the single output-reader task
 hands each to its request's `_Stream`, which wakes the consumer. The n samples of a request go
