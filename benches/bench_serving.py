@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = (
@@ -80,8 +81,35 @@ async def make_prompts(session: aiohttp.ClientSession, base_url: str, headers: d
     return prompts
 
 
+class _Choice(msgspec.Struct):
+    text: str | None = None
+
+
+class _Usage(msgspec.Struct):
+    completion_tokens: int = 0
+
+
+class _Error(msgspec.Struct):
+    message: str = ""
+
+
+class _Chunk(msgspec.Struct):
+    """The fields of a streamed completion chunk that the metrics read (the rest is skipped)."""
+
+    choices: list[_Choice] = []
+    usage: _Usage | None = None
+    error: _Error | None = None
+
+
+_decode_chunk = msgspec.json.Decoder(_Chunk).decode
+
+
 async def one_request(session: aiohttp.ClientSession, url: str, headers: dict[str, str], model: str,
                       prompt: list[int], output_len: int) -> RequestResult:
+    """One streamed completion. The client is one Python process reading every stream, so it reads
+    whole socket reads at a time and decodes only the fields it needs (~3x less CPU per chunk than
+    line iteration + json.loads): at 512 streams and ~25k chunks/s a slower client falls behind the
+    server and delays the next requests itself. Chunks that arrive in one read share its time."""
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     result = RequestResult(ok=False, prompt_len=len(prompt))
@@ -91,23 +119,26 @@ async def one_request(session: aiohttp.ClientSession, url: str, headers: dict[st
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {await resp.text()}"
                 return result
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    result.error = chunk["error"]["message"]
-                    return result
+            pending = b""
+            async for data in resp.content.iter_any():
                 now = time.perf_counter()
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    if result.ttft == 0.0:
-                        result.ttft = now - start
-                    else:
-                        result.itls.append(now - last)
-                    last = now
-                if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                lines = (pending + data).split(b"\n")
+                pending = lines.pop()  # an event cut by the read: completed by the next one
+                for line in lines:
+                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                        continue
+                    chunk = _decode_chunk(line[6:])
+                    if chunk.error is not None:
+                        result.error = chunk.error.message
+                        return result
+                    if chunk.choices and chunk.choices[0].text:
+                        if result.ttft == 0.0:
+                            result.ttft = now - start
+                        else:
+                            result.itls.append(now - last)
+                        last = now
+                    if chunk.usage is not None:
+                        result.output_tokens = chunk.usage.completion_tokens
         result.e2e = time.perf_counter() - start
         result.ok = True
     except aiohttp.ClientError as exc:
@@ -299,7 +330,8 @@ def print_report(res: dict[str, Any]) -> None:
               f"{v['max']:>10.1f}")
     for who, share in res.get("cpu_share", {}).items():
         if share >= 0.01:
-            print(f"{'CPU ' + who:<58}{share:.2f} of a core")
+            per_token = share * res["duration_s"] / max(res["total_output_tokens"], 1) * 1e6
+            print(f"{'CPU ' + who:<58}{share:.2f} of a core, {per_token:.1f} us per output token")
     if res["errors"]:
         print("errors:", *res["errors"], sep="\n  ")
 
@@ -340,6 +372,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--kv-cache-memory", args.kv_cache_memory]
     if args.load_format != "auto":
         flags += ["--load-format", args.load_format]
+    if args.num_threads is not None:
+        flags += ["--num-threads", str(args.num_threads)]
     return flags
 
 
@@ -349,7 +383,7 @@ def run_offline(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str,
     from ferrox.entrypoints.cli import parse_size
 
     kwargs: dict[str, Any] = {"max_model_len": args.max_model_len, "max_num_seqs": args.max_concurrency or 256,
-                              "load_format": args.load_format}
+                              "load_format": args.load_format, "num_threads": args.num_threads}
     if args.kv_cache_memory:
         kwargs["kv_cache_memory"] = parse_size(args.kv_cache_memory)
     llm = LLM(args.model, **kwargs)
@@ -385,6 +419,9 @@ def main() -> None:
     p.add_argument("--kv-cache-memory", default="512MiB",
                    help="(own server / offline run; '' = sized from GPU memory)")
     p.add_argument("--load-format", default="auto", help="(own server / offline run) e.g. dummy")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="(own server / offline run) CPU threads of the model; 1 leaves the other core of a "
+                   "2-core box to the API server and this client")
     args = p.parse_args()
 
     proc = None

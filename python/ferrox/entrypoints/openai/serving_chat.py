@@ -172,7 +172,7 @@ async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletion
                   params: Any, request_id: str, echo: str, template: str | None,
                   headers: dict[str, str]) -> web.StreamResponse:
     created = int(time.time())
-    include_usage = req.include_usage
+    include_usage, continuous_usage = req.include_usage, req.continuous_usage
     num_prompt = len(prompt["prompt_token_ids"])
     completion_tokens = 0
     cached = 0
@@ -184,7 +184,7 @@ async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletion
         }
         if include_usage:
             # continuous_usage_stats: every chunk says the usage so far; otherwise only the last one.
-            if usage is None and req.continuous_usage:
+            if usage is None and continuous_usage:
                 usage = ctx.usage(num_prompt, completion_tokens, cached)
             body["usage"] = usage
         return body

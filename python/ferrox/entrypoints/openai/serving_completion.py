@@ -163,12 +163,14 @@ async def _stream(ctx: ServingContext, request: web.Request, req: CompletionRequ
     prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
     completion_tokens = 0
 
+    include_usage, continuous_usage = req.include_usage, req.continuous_usage
+
     def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
                                 "model": ctx.model_name, "choices": choices}
-        if req.include_usage:
+        if include_usage:
             # continuous_usage_stats: every chunk says the usage so far; otherwise only the last one.
-            if usage is None and req.continuous_usage:
+            if usage is None and continuous_usage:
                 usage = ctx.usage(prompt_tokens, completion_tokens, sum(cached.values()))
             body["usage"] = usage
         return body
@@ -214,7 +216,7 @@ async def _stream(ctx: ServingContext, request: web.Request, req: CompletionRequ
                 if choices:
                     await send_sse(resp, chunk(choices))
                 item = await anext(outputs, None)
-            if req.include_usage:
+            if include_usage:
                 await send_sse(resp, chunk([], ctx.usage(prompt_tokens, completion_tokens, sum(cached.values()))))
         except STREAM_ERRORS as exc:
             await send_stream_error(resp, exc)
