@@ -49,14 +49,13 @@ class _Sample:
 
     index: int
     want_logprobs: bool
-    text: str = ""
+    text: str = ""  # DELTA mode: only the text not sent yet (appending to the whole would copy it each step)
     token_ids: list[int] = field(default_factory=list)
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # how much of text/token_ids was already sent (DELTA mode)
-    sent_text: int = 0
+    # how much of token_ids was already sent (DELTA mode)
     sent_tokens: int = 0
     sent_finish: bool = False
 
@@ -271,7 +270,7 @@ class OutputProcessor:
         completions: list[CompletionOutput] = []
         for sample in req.samples.values():
             if kind == RequestOutputKind.DELTA:
-                new_text = sample.text[sample.sent_text :]
+                new_text = sample.text
                 new_tokens = sample.token_ids[sample.sent_tokens :]
                 newly_finished = sample.finish_reason is not None and not sample.sent_finish
                 if not new_tokens and not new_text and not newly_finished:
@@ -285,7 +284,7 @@ class OutputProcessor:
                         sample.finish_reason, sample.stop_reason,
                     )
                 )
-                sample.sent_text = len(sample.text)
+                sample.text = ""
                 sample.sent_tokens = len(sample.token_ids)
                 sample.sent_finish = sample.finish_reason is not None
             else:
