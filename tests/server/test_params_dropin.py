@@ -138,6 +138,16 @@ def test_lone_surrogate_is_a_400_naming_the_field(base_url, path):
         assert resp["type"] == "error" and field in resp["error"]["message"]
     else:
         assert_openai_error(resp, 400, field)
+    if path == COMPLETIONS:
+        # Raw UTF-8 bytes of a surrogate (ED A0 80; json.loads decodes them with surrogatepass), upper-case
+        # escapes, and a Hangul syllable whose UTF-8 also starts with ED.
+        for raw, bad in ((b'{"prompt": "a\xed\xa0\x80", "max_tokens": 2}', True),
+                         (b'{"prompt": "a\\uDC00", "max_tokens": 2}', True),
+                         ('{"prompt": "\ud55c", "max_tokens": 2}'.encode(), False)):
+            status, resp = post(base_url, path, data=raw, headers={"Content-Type": "application/json"})
+            assert (status == 400) == bad, (raw, resp)
+            if bad:
+                assert_openai_error(resp, 400, "prompt")
     # A valid surrogate pair (an emoji) is fine.
     if path == "/tokenize":
         status, resp = post(base_url, path, data=b'{"prompt": "\\ud83d\\ude00"}',

@@ -36,14 +36,20 @@ def prompt_size(prompt: Any, limit: int = INLINE_PROMPT_SIZE) -> int:
     length, token ids a quarter each (checked, not encoded), a dict, list or request model
     (prompts, chat messages and their parts, tools) what it holds. Stops counting past `limit`,
     so a huge batch of prompts costs no more to size than a small one."""
-    if isinstance(prompt, str):
+    kind = type(prompt)
+    if kind is str:
         return len(prompt)
-    if not isinstance(prompt, (Mapping, Sequence)) and hasattr(prompt, "__dict__"):
-        prompt = vars(prompt)  # a pydantic request or message: its fields
+    if prompt is None or kind in _SCALARS:  # most fields of a request model
+        return 0
+    if kind is not dict and kind is not list and kind is not tuple:
+        if isinstance(prompt, str):
+            return len(prompt)
+        if hasattr(prompt, "__dict__") and not isinstance(prompt, (Mapping, Sequence)):
+            prompt = vars(prompt)  # a pydantic request or message: its fields
     if isinstance(prompt, Mapping):
         prompt = list(prompt.values())
     if isinstance(prompt, Sequence):
-        if prompt and isinstance(prompt[0], int):
+        if prompt and type(prompt[0]) is int:
             return len(prompt) // 4
         total = 0
         for item in prompt:
@@ -52,6 +58,9 @@ def prompt_size(prompt: Any, limit: int = INLINE_PROMPT_SIZE) -> int:
                 break
         return total
     return 0
+
+
+_SCALARS = (int, float, bool)
 
 
 def normalize_prompts(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
