@@ -39,28 +39,48 @@ def prompt_size(prompt: Any, limit: int = INLINE_PROMPT_SIZE) -> int:
     kind = type(prompt)
     if kind is str:
         return len(prompt)
-    if prompt is None or kind in _SCALARS:  # most fields of a request model
-        return 0
-    if kind is not dict and kind is not list and kind is not tuple:
-        if isinstance(prompt, str):
-            return len(prompt)
-        if hasattr(prompt, "__dict__") and not isinstance(prompt, (Mapping, Sequence)):
-            prompt = vars(prompt)  # a pydantic request or message: its fields
-    if isinstance(prompt, Mapping):
-        prompt = list(prompt.values())
-    if isinstance(prompt, Sequence):
+    if kind is dict:
+        items: Any = prompt.values()
+    elif kind is list or kind is tuple:
         if prompt and type(prompt[0]) is int:
             return len(prompt) // 4
-        total = 0
-        for item in prompt:
+        items = prompt
+    elif prompt is None or kind in _SCALARS:
+        return 0
+    elif isinstance(prompt, str):
+        return len(prompt)
+    elif isinstance(prompt, Mapping):
+        items = prompt.values()
+    elif isinstance(prompt, Sequence):
+        items = list(prompt)
+        if items and isinstance(items[0], int):
+            return len(items) // 4
+    elif hasattr(prompt, "__dict__"):
+        items = vars(prompt).values()  # a pydantic request or message: its fields
+    else:
+        return 0
+    total = 0
+    for item in items:
+        kind = type(item)
+        if kind is str:
+            total += len(item)
+        elif item is not None and kind not in _SCALARS:  # most fields of a request model are scalars
             total += prompt_size(item, limit - total)
-            if total > limit:
-                break
-        return total
-    return 0
+        if total > limit:
+            break
+    return total
 
 
 _SCALARS = (int, float, bool)
+
+
+def _all_ints(values: Sequence[Any]) -> bool:
+    """Every value is exactly an int: a bool (an int subclass), a float or a numpy integer is not. One
+    pass in C (a 4k-token prompt in ~50 us instead of ~1 ms of isinstance calls)."""
+    return set(map(type, values)) <= _INT_ONLY
+
+
+_INT_ONLY = {int}
 
 
 def normalize_prompts(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
@@ -69,7 +89,7 @@ def normalize_prompts(prompts: PromptInput | Sequence[PromptInput]) -> list[Prom
         return [prompts]
     if isinstance(prompts, Sequence):
         items: list[Any] = list(prompts)  # token ids (one prompt) or prompts: told apart below
-        if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+        if items and _all_ints(items):
             return [{"prompt_token_ids": items}]
         return items
     raise InvalidArgumentError(
@@ -83,21 +103,19 @@ def process_prompt(tokenizer: Any, prompt: PromptInput, index: int = 0) -> Proce
     if isinstance(prompt, Mapping):
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, Sequence) or isinstance(ids, str) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in ids
-            ):
+            if not isinstance(ids, Sequence) or isinstance(ids, str) or not _all_ints(ids):
                 raise InvalidArgumentError(
                     f"prompts[{index}].prompt_token_ids: must be a list of integers", param="prompt_token_ids"
                 )
             text = prompt.get("prompt")
-            return ProcessedPrompt(text if isinstance(text, str) else None, [int(t) for t in ids])
+            return ProcessedPrompt(text if isinstance(text, str) else None, list(ids))
         if isinstance(prompt.get("prompt"), str):
             return ProcessedPrompt(prompt["prompt"], list(tokenizer.encode(prompt["prompt"])))
         raise InvalidArgumentError(
             f"prompts[{index}]: a dict prompt needs 'prompt' (text) or 'prompt_token_ids'", param="prompts"
         )
-    if isinstance(prompt, Sequence) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return ProcessedPrompt(None, [int(t) for t in prompt])  # a bare list of token ids
+    if isinstance(prompt, Sequence) and prompt and _all_ints(prompt):
+        return ProcessedPrompt(None, list(prompt))  # a bare list of token ids
     raise InvalidArgumentError(
         f"prompts[{index}]: expected a string, a dict or a list of token ids, got {type(prompt).__name__}",
         param="prompts",
