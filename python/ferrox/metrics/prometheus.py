@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ferrox.metrics.batch_histogram import BatchHistogram
 from ferrox.metrics.request_stats import IterationStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -159,7 +160,10 @@ class PrometheusStatLogger:
             "ferrox:prompt_tokens_cached", "Prompt tokens found in the prefix cache (not computed).",
             LABELS, registry=reg)
         self.ttft = histogram("ferrox:time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS)
-        self.itl = histogram("ferrox:inter_token_latency_seconds", "Inter-token latency in seconds.", ITL_BUCKETS)
+        # One observation per streamed token: fed a step at a time (metrics/batch_histogram.py).
+        self.itl = BatchHistogram("ferrox:inter_token_latency_seconds", "Inter-token latency in seconds.", LABELS,
+                                  ITL_BUCKETS)
+        reg.register(self.itl)
         self.e2e = histogram("ferrox:e2e_request_latency_seconds", "End-to-end request latency in seconds.",
                              REQUEST_LATENCY_BUCKETS)
         self.queue_time = histogram("ferrox:request_queue_time_seconds",
@@ -198,9 +202,9 @@ class PrometheusStatLogger:
             series.prompt_tokens_cached.inc(stats.num_cached_tokens)
         for ttft in stats.time_to_first_tokens:
             series.ttft.observe(ttft)
-        for per_token, count in stats.inter_token_latencies:
-            for _ in range(count):
-                series.itl.observe(per_token)
+        if stats.inter_token_latencies:
+            per_token, counts = zip(*stats.inter_token_latencies, strict=True)
+            self.itl.observe_many(series.itl, per_token, counts)
         for done in stats.finished:
             self.request_success.labels(self.model_name, str(stats.engine), done.finish_reason).inc()
             series.e2e.observe(done.e2e_latency)
@@ -220,12 +224,13 @@ class PrometheusStatLogger:
     def _engine(self, engine: int) -> _EngineSeries:
         while len(self._series) <= engine:
             label = (self.model_name, str(len(self._series)))
+            self.itl.ensure(label)
             prompt_hist, generation_hist = self._token_histograms()
             self._series.append(_EngineSeries(
                 prompt_tokens=self.prompt_tokens.labels(*label),
                 prompt_tokens_cached=self.prompt_tokens_cached.labels(*label),
                 ttft=self.ttft.labels(*label),
-                itl=self.itl.labels(*label),
+                itl=label,
                 e2e=self.e2e.labels(*label),
                 queue_time=self.queue_time.labels(*label),
                 prefill_time=self.prefill_time.labels(*label),
