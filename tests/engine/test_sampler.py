@@ -261,3 +261,24 @@ def test_reused_slot_gets_its_new_parameters():
     batch.batch.add(0, "same-id", [1], SamplingParams(temperature=1.0, top_k=2))
     md = batch.build()
     assert not md.all_greedy and md.top_k is not None and md.top_k.tolist() == [2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_request_joins_without_waiting_for_the_device():
+    """A request joins while a step is in flight (async scheduling): writing its sampling row must
+    not synchronize with the stream (a single-element assignment to a CUDA tensor does)."""
+    batch = InputBatch(VOCAB, [7], torch.device("cuda"), capacity=4)
+    params = [SamplingParams(temperature=0.7, top_k=3, top_p=0.9, min_p=0.05, seed=1),
+              SamplingParams(temperature=0), SamplingParams(temperature=1.0, repetition_penalty=1.2,
+                                                            allowed_token_ids=[1, 2, 3])]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for slot, p in enumerate(params):
+            batch.add(slot, f"r{slot}", [1, 2, 3], p)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert batch.temperature[:3].tolist() == pytest.approx([0.7, 1.0, 1.0])
+    assert batch.top_k[:3].tolist() == [3, VOCAB, VOCAB]
+    assert batch.greedy_dev[:3].tolist() == [False, True, False]

@@ -133,14 +133,17 @@ class InputBatch:
         self.states[slot] = state
         self.generation[slot] += 1
         self.greedy[slot] = greedy
-        self.greedy_dev[slot] = greedy
-        self.temperature[slot] = 1.0 if greedy else params.temperature
+        # The device columns are written through one-element slices: `t[slot] = value` on a CUDA
+        # tensor copies a host scalar and waits for the stream (the step in flight), a slice fills.
+        row = slice(slot, slot + 1)
+        self.greedy_dev[row] = greedy
+        self.temperature[row] = 1.0 if greedy else params.temperature
         self.uses_top_k[slot] = params.top_k > 0
-        self.top_k[slot] = min(params.top_k, self.vocab_size) if params.top_k > 0 else self.vocab_size
+        self.top_k[row] = min(params.top_k, self.vocab_size) if params.top_k > 0 else self.vocab_size
         self.uses_top_p[slot] = params.top_p < 1.0
-        self.top_p[slot] = params.top_p
+        self.top_p[row] = params.top_p
         self.uses_min_p[slot] = params.min_p > 0.0
-        self.min_p[slot] = params.min_p
+        self.min_p[row] = params.min_p
         self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
         self.wants_prompt_logprobs[slot] = params.prompt_logprobs is not None
         min_tokens = params.min_tokens > 0 and bool(stop_ids)
