@@ -91,12 +91,17 @@ def test_storm_with_parallelism(tiny_llama, parallel):
 
 def test_storm_with_lora_adapters(tiny_llama, tmp_path_factory):
     """Requests spread over the base model and two adapters, one GPU slot (max_loras 1): the scheduler
-    holds back the other adapter's requests and the slot is swapped under load."""
+    holds back the other adapter's requests and the slot is swapped under load.
+
+    Held back, a third of the clients add no KV pressure, so the cache is smaller than the other
+    storms': 768 tokens (48 blocks), still above the longest prompt (a tool request, ~500 tokens)
+    plus its 40 new tokens. At 1,024 tokens this storm preempted 7 times (idle box or beside two
+    busy loops) and failed the preemption check once on a loaded CI box; at 768: 19 idle, 13 loaded."""
     from tests.lora.adapters import load_hf_model, make_peft_adapter
 
     base = load_hf_model(tiny_llama)
     adapters = [f"a{i}={make_peft_adapter(base, tmp_path_factory.mktemp(f'a{i}'), r=4, seed=i)}" for i in (1, 2)]
-    srv = ServerProcess(tiny_llama, "--kv-cache-memory", "512KiB", "--max-model-len", "1024", "--served-model-name",
+    srv = ServerProcess(tiny_llama, "--kv-cache-memory", "384KiB", "--max-model-len", "768", "--served-model-name",
                         "chaos", "--enable-lora", "--max-loras", "1", "--max-lora-rank", "4", "--lora-modules",
                         *adapters)
     try:
