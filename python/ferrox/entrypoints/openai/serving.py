@@ -15,7 +15,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -470,11 +470,11 @@ async def first_output(outputs: AsyncGenerator[T, None], default_param: str,
         raise
 
 
-async def send_stream_error(resp: web.StreamResponse, exc: Exception) -> None:
-    """Headers are gone once a stream has started: report a failure in-band, as OpenAI does
-    (503 when the engine died, 504 past the request timeout, 400 otherwise); the caller then ends
-    the stream with [DONE]."""
-    await send_sse(resp, api_error(exc).openai_body())
+def stream_error_event(exc: Exception) -> bytes:
+    """Headers are gone once a stream has started: a failure is reported in-band, as OpenAI does
+    (503 when the engine died, 504 past the request timeout, 400 otherwise); the stream then ends
+    with [DONE]."""
+    return sse_event(api_error(exc).openai_body())
 
 
 class SSEResponse(web.StreamResponse):
@@ -491,15 +491,22 @@ class SSEResponse(web.StreamResponse):
         self.stall_timeout = stall_timeout
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
+        await self._bounded(super().write(data), len(data))
+
+    async def write_eof(self, data: bytes | bytearray | memoryview = b"") -> None:
+        """End the stream; `data` (the last events) goes out with the terminating chunk in one write."""
+        await self._bounded(super().write_eof(data), len(data))
+
+    async def _bounded(self, write: Coroutine[Any, Any, None], size: int) -> None:
         transport = self.request.transport
         if (self.stall_timeout is None or transport is None
-                or transport.get_write_buffer_size() + len(data) < transport.get_write_buffer_limits()[1]):
+                or transport.get_write_buffer_size() + size < transport.get_write_buffer_limits()[1]):
             # Below the transport's high-water mark the protocol is not paused, so the write does
             # not wait and needs no timer: a wait_for (a task and a timer handle per event) cost
             # ~10% of the server's CPU per streamed token.
-            return await super().write(data)
+            return await write
         try:
-            await asyncio.wait_for(super().write(data), self.stall_timeout)
+            await asyncio.wait_for(write, self.stall_timeout)
         except TimeoutError:
             logger.warning("dropping the stream of %s %s: its client read nothing for %gs (--stream-stall-timeout)",
                            self.request.method, self.request.path, self.stall_timeout)
@@ -519,10 +526,25 @@ async def start_sse(request: web.Request, headers: Mapping[str, str] | None = No
     return resp
 
 
-async def send_sse(resp: web.StreamResponse, payload: Any, event: str | None = None) -> None:
+def sse_event(payload: Any, event: str | None = None) -> bytes:
+    """One server-sent event: `data: <JSON>` (after `event: <name>` when named) and a blank line."""
     data = payload if isinstance(payload, bytes) else msgspec.json.encode(payload)
     head = f"event: {event}\n".encode() if event else b""
-    await resp.write(head + b"data: " + data + b"\n\n")
+    return head + b"data: " + data + b"\n\n"
+
+
+async def send_sse(resp: web.StreamResponse, payload: Any, event: str | None = None) -> None:
+    await resp.write(sse_event(payload, event))
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def end_sse(resp: web.StreamResponse, tail: list[bytes]) -> None:
+    """Write the stream's held-back last events (its final chunk, usage, [DONE]) with the end of the
+    response: one write instead of one per event plus the terminating chunk, which adds up when a
+    wave of requests finishes in the same step."""
+    await resp.write_eof(b"".join(tail))
 
 
 def json_response(body: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> web.Response:

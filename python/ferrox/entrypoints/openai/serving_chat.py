@@ -16,6 +16,7 @@ from ferrox.entrypoints.openai.errors import APIError
 from ferrox.entrypoints.openai.protocol import ChatCompletionRequest
 from ferrox.entrypoints.openai.serving import (
     CHAT_FIELDS,
+    SSE_DONE,
     STREAM_ERRORS,
     ServingContext,
     api_error,
@@ -25,6 +26,7 @@ from ferrox.entrypoints.openai.serving import (
     check_output_budget,
     check_priority,
     chosen_entry,
+    end_sse,
     finite,
     first_output,
     json_response,
@@ -33,8 +35,9 @@ from ferrox.entrypoints.openai.serving import (
     render_chat,
     request_ids,
     send_sse,
-    send_stream_error,
+    sse_event,
     start_sse,
+    stream_error_event,
     token_text,
     top_entries,
     truncate_prompt,
@@ -199,6 +202,7 @@ async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletion
                      for i in range(req.n)} if req.tools else None)
     as_token_ids = ctx.as_token_ids(req)
     resp = await start_sse(request, headers)
+    tail: list[bytes] = []  # the last events, written with the end of the response (end_sse)
     async with contextlib.aclosing(gen):
         try:
             for i in range(req.n):
@@ -236,14 +240,17 @@ async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletion
                         choice["token_ids"] = comp.token_ids
                     choices.append(choice)
                 if choices:
-                    await send_sse(resp, chunk(choices))
+                    if out.finished:  # the stream's last content chunk
+                        tail.append(sse_event(chunk(choices)))
+                    else:
+                        await send_sse(resp, chunk(choices))
                 out = await anext(gen, None)
             if include_usage:
-                await send_sse(resp, chunk([], ctx.usage(num_prompt, completion_tokens, cached)))
+                tail.append(sse_event(chunk([], ctx.usage(num_prompt, completion_tokens, cached))))
         except STREAM_ERRORS as exc:
-            await send_stream_error(resp, exc)
-        await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
+            tail.append(stream_error_event(exc))
+        tail.append(SSE_DONE)
+    await end_sse(resp, tail)
     return resp
 
 

@@ -18,6 +18,7 @@ from ferrox.engine.input_processor import prompt_size
 from ferrox.entrypoints.openai.protocol import CompletionRequest
 from ferrox.entrypoints.openai.serving import (
     COMPLETION_FIELDS,
+    SSE_DONE,
     STREAM_ERRORS,
     ServingContext,
     api_error,
@@ -27,6 +28,7 @@ from ferrox.entrypoints.openai.serving import (
     check_output_budget,
     check_priority,
     chosen_entry,
+    end_sse,
     finite,
     first_output,
     json_response,
@@ -34,8 +36,9 @@ from ferrox.entrypoints.openai.serving import (
     prompt_logprobs_body,
     request_ids,
     send_sse,
-    send_stream_error,
+    sse_event,
     start_sse,
+    stream_error_event,
     token_text,
     top_entries,
     truncate_prompt,
@@ -180,11 +183,15 @@ async def _stream(ctx: ServingContext, request: web.Request, req: CompletionRequ
     started: set[int] = set()  # choices that sent their first chunk
     cached: dict[int, int] = {}  # prompt index -> its tokens found in the prefix cache
     builders: dict[int, _LogprobsBuilder] = {}
+    finished: set[int] = set()  # prompts whose last output arrived
+    tail: list[bytes] = []  # the last events, written with the end of the response (end_sse)
     async with contextlib.aclosing(outputs):
         try:
             item = first
             while item is not None:
                 idx, out = item
+                if out.finished:
+                    finished.add(idx)
                 cached[idx] = out.num_cached_tokens
                 choices = []
                 for comp in out.outputs:
@@ -214,14 +221,17 @@ async def _stream(ctx: ServingContext, request: web.Request, req: CompletionRequ
                         choice["token_ids"] = comp.token_ids
                     choices.append(choice)
                 if choices:
-                    await send_sse(resp, chunk(choices))
+                    if len(finished) == len(prompts):  # the stream's last content chunk
+                        tail.append(sse_event(chunk(choices)))
+                    else:
+                        await send_sse(resp, chunk(choices))
                 item = await anext(outputs, None)
             if include_usage:
-                await send_sse(resp, chunk([], ctx.usage(prompt_tokens, completion_tokens, sum(cached.values()))))
+                tail.append(sse_event(chunk([], ctx.usage(prompt_tokens, completion_tokens, sum(cached.values())))))
         except STREAM_ERRORS as exc:
-            await send_stream_error(resp, exc)
-        await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
+            tail.append(stream_error_event(exc))
+        tail.append(SSE_DONE)
+    await end_sse(resp, tail)
     return resp
 
 
