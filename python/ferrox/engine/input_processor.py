@@ -115,7 +115,7 @@ def process_prompt(tokenizer: Any, prompt: PromptInput, index: int = 0) -> Proce
             f"prompts[{index}]: a dict prompt needs 'prompt' (text) or 'prompt_token_ids'", param="prompts"
         )
     if isinstance(prompt, Sequence) and prompt and _all_ints(prompt):
-        return ProcessedPrompt(None, list(prompt))  # a bare list of token ids
+        return ProcessedPrompt(None, [*prompt])  # a bare list of token ids (a str was taken above)
     raise InvalidArgumentError(
         f"prompts[{index}]: expected a string, a dict or a list of token ids, got {type(prompt).__name__}",
         param="prompts",

@@ -493,7 +493,7 @@ class SSEResponse(web.StreamResponse):
     async def write(self, data: bytes | bytearray | memoryview) -> None:
         await self._bounded(super().write(data), len(data))
 
-    async def write_eof(self, data: bytes | bytearray | memoryview = b"") -> None:
+    async def write_eof(self, data: bytes = b"") -> None:
         """End the stream; `data` (the last events) goes out with the terminating chunk in one write."""
         await self._bounded(super().write_eof(data), len(data))
 
