@@ -13,12 +13,19 @@ Observations come from the event loop and scrapes run on it too, so no lock is n
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
+
+
+@dataclass(slots=True)
+class _Series:
+    counts: npt.NDArray[np.float64]  # per bucket, not cumulative
+    total: float = 0.0  # sum of the observed values
 
 
 class BatchHistogram(Collector):
@@ -28,33 +35,31 @@ class BatchHistogram(Collector):
         self.labelnames = list(labelnames)
         self.bounds = np.asarray([*buckets, float("inf")], dtype=np.float64)
         self._le = [floatToGoString(b) for b in self.bounds]
-        # labels -> (per-bucket counts, not cumulative; sum of observed values)
-        self._series: dict[tuple[str, ...], list[npt.NDArray[np.float64] | float]] = {}
+        self._series: dict[tuple[str, ...], _Series] = {}
 
-    def ensure(self, labels: Sequence[str]) -> None:
-        """Create a series at zero, so it is exposed before its first observation."""
+    def ensure(self, labels: Sequence[str]) -> _Series:
+        """The series of `labels`, created at zero (so it is exposed before its first observation)."""
         key = tuple(labels)
-        if key not in self._series:
-            self._series[key] = [np.zeros(len(self.bounds), dtype=np.float64), 0.0]
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = _Series(np.zeros(len(self.bounds), dtype=np.float64))
+        return series
 
     def observe_many(self, labels: Sequence[str], values: npt.ArrayLike, weights: npt.ArrayLike | None = None) -> None:
         """Observe each value (`weights[i]` times when given)."""
         vals = np.asarray(values, dtype=np.float64)
         if vals.size == 0:
             return
-        self.ensure(labels)
-        series = self._series[tuple(labels)]
+        series = self.ensure(labels)
         # A value falls in the first bucket whose upper bound `le` is >= it.
         index = np.searchsorted(self.bounds, vals, side="left")
         w = None if weights is None else np.asarray(weights, dtype=np.float64)
-        counts = series[0]
-        assert isinstance(counts, np.ndarray)
-        counts += np.bincount(index, weights=w, minlength=len(self.bounds))
-        series[1] = float(series[1]) + float(vals.sum() if w is None else (vals * w).sum())
+        series.counts += np.bincount(index, weights=w, minlength=len(self.bounds))
+        series.total += float(vals.sum() if w is None else (vals * w).sum())
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for labels, (counts, total) in self._series.items():
-            cumulative = np.cumsum(counts).tolist()
-            family.add_metric(list(labels), list(zip(self._le, cumulative, strict=True)), float(total))
+        for labels, series in self._series.items():
+            cumulative = np.cumsum(series.counts).tolist()
+            family.add_metric(list(labels), list(zip(self._le, cumulative, strict=True)), series.total)
         yield family

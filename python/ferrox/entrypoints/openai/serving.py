@@ -175,10 +175,10 @@ async def parse_body(request: web.Request, model: type[ModelT]) -> ModelT:
         raise bad_request(f"the request body nests deeper than {MAX_BODY_DEPTH} levels", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
-    # The checks below walk the whole body in Python (~1 us per value: a 4k-token prompt is 4k values),
-    # so each runs only when the raw bytes allow what it looks for.
+    # The depth check (the checks below and pydantic recurse) and the surrogate check walk the whole body
+    # in Python (~1 us per value: a 4k-token prompt is 4k values), so each runs only when the raw bytes
+    # allow what it looks for.
     if raw.count(b"[") + raw.count(b"{") > MAX_BODY_DEPTH and json_depth(body) > MAX_BODY_DEPTH:
-        # The checks below (and pydantic) recurse.
         raise bad_request(f"the request body nests deeper than {MAX_BODY_DEPTH} levels", code="invalid_json")
     bad = _lone_surrogate_path(body) if _may_hold_surrogates(raw) else None
     if bad is not None:
@@ -194,8 +194,7 @@ def _may_hold_surrogates(raw: bytes) -> bool:
     """Whether json.loads could have produced a lone surrogate from these bytes: only a \\u escape
     in D800-DFFF does, or (json.loads decodes bytes with surrogatepass) UTF-8-encoded surrogates,
     which start with byte 0xED (as some Hangul syllables do too)."""
-    lower = raw.lower()
-    return b"\\ud" in lower or b"\xed" in raw
+    return b"\\ud" in raw or b"\\uD" in raw or b"\xed" in raw
 
 
 def _lone_surrogate_path(value: Any, path: str = "") -> str | None:
