@@ -24,7 +24,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "base": (
         "ferrox", "ferrox._core", "ferrox.errors", "ferrox.model_spec", "ferrox.sampling_params",
         "ferrox.structured.params", "ferrox.config", "ferrox.outputs", "ferrox.step_types", "ferrox.request_rules",
-        "ferrox.speculative_config", "ferrox.pooling.params",
+        "ferrox.speculative_config", "ferrox.pooling.params", "ferrox.gc_tuning",
     ),
     # Tensor-parallel groups and weight sharding: below every layer that shards.
     "distributed": ("ferrox.distributed",),

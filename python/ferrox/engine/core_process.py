@@ -29,6 +29,7 @@ import msgspec
 
 from ferrox.engine.defaults import GENERATION_DEFAULT_KEYS
 from ferrox.engine.protocol import EngineCoreRequest
+from ferrox.gc_tuning import freeze_startup_heap
 from ferrox.pooling.params import PoolerConfig
 from ferrox.step_types import StepResult, StepRow
 
@@ -282,6 +283,7 @@ def run_engine_core(
             pooler_config=getattr(core, "pooler_config", None),
         )
         loop = CoreProcLoop(core, input_addr, output_addr)
+        freeze_startup_heap()
     except BaseException as exc:
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         logger.debug("engine core startup failed:\n%s", traceback.format_exc())

@@ -26,6 +26,7 @@ import torch
 from ferrox.config import EngineConfig
 from ferrox.distributed.parallel_state import destroy_tp_group, init_tp_group
 from ferrox.distributed.step_channel import SHUTDOWN, StepChannel
+from ferrox.gc_tuning import freeze_startup_heap
 from ferrox.speculative_config import verify_len
 from ferrox.worker.model_forward import ModelForward, StepArrays
 from ferrox.worker.model_setup import load_everything
@@ -43,6 +44,7 @@ def run_worker(config: EngineConfig, rank: int, size: int, init_method: str, dev
             forward.capture_cuda_graphs(max_num_seqs=loaded.max_num_seqs, max_model_len=loaded.max_model_len,
                                         block_size=config.block_size, verify_len=verify_len(config.speculative_config))
         logger.info("tensor-parallel rank %d/%d ready on %s", rank, size, loaded.device)
+        freeze_startup_heap()
         _step_loop(forward, StepChannel(tp))
     finally:
         destroy_tp_group(tp)  # gloo only (see there); the caller exits right after on GPUs

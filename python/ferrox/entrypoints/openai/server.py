@@ -71,6 +71,7 @@ from ferrox.entrypoints.openai.serving_lora import LoRARegistry, load_lora_adapt
 from ferrox.entrypoints.openai.serving_responses import create_response
 from ferrox.entrypoints.openapi import build_openapi
 from ferrox.entrypoints.web.status import ThroughputMeter, server_status
+from ferrox.gc_tuning import freeze_startup_heap
 from ferrox.metrics.prometheus import CONTENT_TYPE, PrometheusStatLogger
 
 logger = logging.getLogger("ferrox.server")
@@ -587,6 +588,7 @@ async def serve(engine: AsyncLLM, *, host: str, port: int, served_model_name: st
     addresses = runner.addresses  # (host, port, ...) per listening socket; port 0 resolved
     bound_port = addresses[0][1] if addresses else port
     url = f"{'https' if ssl_context else 'http'}://{host}:{bound_port}{app[OPTIONS].root_path}"
+    freeze_startup_heap()
     if on_ready is not None:
         on_ready(url)
     try:
