@@ -110,7 +110,7 @@ class _Stream:
     DELTA outputs that pile up while the consumer is busy are merged into one, so a slow
     client costs one pending object, not a queue that grows with every step."""
 
-    __slots__ = ("request_id", "kind", "pending", "error", "finished", "event")
+    __slots__ = ("request_id", "kind", "pending", "error", "finished", "waiter")
 
     def __init__(self, request_id: str, kind: RequestOutputKind) -> None:
         self.request_id = request_id
@@ -118,7 +118,14 @@ class _Stream:
         self.pending: AnyRequestOutput | None = None
         self.error: BaseException | None = None
         self.finished = False
-        self.event = asyncio.Event()
+        # The consumer's future while it waits in get(): a bare future rather than an asyncio.Event,
+        # whose set/wait/clear cost ~1 us more per output (each streamed token of each request).
+        self.waiter: asyncio.Future[None] | None = None
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def put(self, out: AnyRequestOutput) -> None:
         if (self.pending is None or self.kind != RequestOutputKind.DELTA or not isinstance(self.pending, RequestOutput)
@@ -127,18 +134,18 @@ class _Stream:
         else:
             _merge_delta(self.pending, out)
         self.finished = out.finished
-        self.event.set()
+        self._wake()
 
     def fail(self, error: BaseException) -> None:
         if not self.finished:
             self.error = error
             self.finished = True
-            self.event.set()
+            self._wake()
 
     def end(self) -> None:
         """Finish without a further output (the request was aborted by the caller)."""
         self.finished = True
-        self.event.set()
+        self._wake()
 
     async def get(self) -> AnyRequestOutput | None:
         """The next output; None once the stream has ended."""
@@ -147,8 +154,11 @@ class _Stream:
                 raise self.error
             if self.finished:
                 return None
-            await self.event.wait()
-            self.event.clear()
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
         out, self.pending = self.pending, None
         return out
 
