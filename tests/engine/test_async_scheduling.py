@@ -240,3 +240,55 @@ def test_penalties_and_min_tokens_next_to_a_grammar_row_equal_sync(llm, async_ll
     async_llm.reset_prefix_cache()
     assert greedy_ids(async_llm.generate(prompts, params, use_tqdm=False)) == expected
     assert_no_leaked_blocks(async_llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.timeout(600)
+def test_gpu_grammar_rows_behind_a_mask_gate(tmp_path):
+    """On CUDA under async scheduling a constrained step is sampled behind a mask gate: the device,
+    not the host, waits for the grammar mask (worker/mask_gate.py). Every request kind then gives the
+    synchronous engine's tokens (float32, a tiny random Llama: the GPU machine has no embedded
+    model), and a fill that fails ends only the constrained requests of its step, with an error,
+    instead of hanging the device."""
+    from tests.helpers.tiny_models import make_tiny_llama
+
+    model = make_tiny_llama(str(tmp_path), hidden_size=128, num_layers=2)
+    kw = dict(device="cuda", dtype="float32", max_num_seqs=16, kv_cache_memory=64 << 20)
+    params = _mixed_params()
+    prompts = PROMPTS[: len(params)]
+    sync = LLM(model, **kw, async_scheduling=False)
+    expected = sync.generate(prompts, params, use_tqdm=False)
+    expected3 = sync.generate(prompts[:3], params[:3], use_tqdm=False)  # (batch shapes differ on a GPU)
+    gpu = LLM(model, **kw)
+    assert gpu.engine.async_scheduling
+    got = gpu.generate(prompts, params, use_tqdm=False)
+    gate = gpu.engine.runner._mask_gate
+    assert gate is not None and gate._seq >= 8  # the grammar rows' steps went through the gate
+    for e, g in zip(expected, got, strict=True):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in e.outputs], g.prompt
+    assert any(option.startswith(got[2].outputs[0].text) for option in ("yes", "no", "maybe"))
+    assert_no_leaked_blocks(gpu)
+
+    structured = gpu.engine.structured
+    real_fill = structured.fill_rows
+    calls = []
+
+    def failing_fill(matchers, out):
+        calls.append(len(matchers))
+        if len(calls) == 2:
+            raise RuntimeError("injected fill failure")
+        real_fill(matchers, out)
+
+    structured.fill_rows = failing_fill
+    try:
+        outs = gpu.generate(prompts[:3], params[:3], use_tqdm=False)
+    finally:
+        structured.fill_rows = real_fill
+    assert outs[0].outputs[0].token_ids == expected3[0].outputs[0].token_ids  # the free row is untouched
+    failed = [o for o in outs[1:] if o.outputs[0].finish_reason == "error"]
+    assert failed and all("injected fill failure" in (o.error or "") for o in failed)
+    assert_no_leaked_blocks(gpu)
+    # And the engine goes on.
+    again = gpu.generate(prompts[:3], params[:3], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [e.outputs[0].token_ids for e in expected3]

@@ -332,7 +332,12 @@ class EngineCore:
         if handle is not None and needs_mask:
             # The mask needs the grammars advanced by `prev` (just done), not the core's update of
             # it, which follows: the device waits for this sample, the core's bookkeeping does not.
-            if self.async_scheduling and self.fill_masks_in_background:
+            if self.async_scheduling and self.fill_masks_in_background and isinstance(self.runner, ModelRunner) \
+                    and self.runner.can_gate_masks and handle.num_drafts is None:
+                # Sampled now, behind a gate the device waits at until the mask thread has filled
+                # the mask (worker/mask_gate.py): nor the fill nor this sampling's host work waits.
+                self._sample_gated(handle, so)
+            elif self.async_scheduling and self.fill_masks_in_background:
                 # Filled on the mask thread while this thread reports `prev`, returns the step's
                 # outputs and schedules the next step; sampled before the next launch.
                 self._masked = (handle, self.structured.in_background(functools.partial(self._grammar_bitmask, so)))
@@ -346,6 +351,29 @@ class EngineCore:
             else:
                 parts.append(self._report(handle, *self._finish(handle)))
         return StepResult.concat(parts)
+
+    def _sample_gated(self, handle: StepHandle, so: Any) -> None:
+        """Queue the sampling of a constrained step behind a mask gate, and the mask's fill on the
+        mask thread. The matchers are taken here: until `_finish` waits for the fill, only the mask
+        thread touches them."""
+        assert isinstance(self.runner, ModelRunner)
+        sample_mask = handle.sample_mask
+        rows = np.array([i for i, r in enumerate(so.req_ids) if sample_mask[i] and self.structured.is_constrained(r)],
+                        dtype=np.int64)
+        if not rows.size:  # only partial prefill chunks are constrained: nothing to mask
+            self.runner.sample(handle)
+            return
+        matchers = self.structured.matchers_of([so.req_ids[i] for i in rows.tolist()])
+        pending = self.runner.open_mask_gate(rows, self.structured.mask_words)
+
+        def fill() -> None:
+            try:
+                self.structured.fill_rows(matchers, pending.host)
+            finally:
+                pending.release()  # a failed fill must not hang the device: _finish fails the rows
+
+        pending.fill = self.structured.in_background(fill)
+        self.runner.sample(handle, pending)
 
     def _sample_masked(self) -> None:
         """Queue the sampling of the step in flight whose grammar mask was being filled (its tokens
@@ -372,6 +400,13 @@ class EngineCore:
         """Wait for a launched step and advance its requests' grammars by the sampled tokens.
         Returns the runner's output and force_stop (grammar complete) for `_report`."""
         result = self.runner.finish(handle)
+        if handle.pending_mask is not None:
+            problem, rows = handle.pending_mask.problem(), handle.pending_mask.rows
+            handle.pending_mask = None
+            if problem is not None:
+                logger.error("step with grammar rows: %s; failing those requests", problem)
+                for row in rows.tolist():
+                    result.errors.setdefault(row, problem)
         force_stop = None
         if self.structured is not None and self.structured.has_active():
             so = handle.so
@@ -530,6 +565,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self._masked = None
+        if isinstance(self.runner, ModelRunner):
+            self.runner.release_mask_gates()
         if self.structured is not None:
             self.structured.shutdown()
         self._finalizer()

@@ -8,6 +8,9 @@ Life of a constrained request, as the engine core drives it:
   fill_bitmask(ids, m)    before sampling: int32 allow-bits per batch row, or None (no constrained
                           row this step, so free batches pay nothing); with speculative drafts,
                           one row per verified position (the grammar walks each request's drafts)
+  matchers_of(ids), fill_rows(matchers, out)
+                          the same for just the constrained rows, into a caller's buffer (the
+                          pinned mask the device waits for: worker/mask_gate.py)
   in_background(fill)     run a fill on the manager's mask thread (llguidance releases the GIL), so
                           the engine's host work for the previous step overlaps it; until the
                           future is waited, only that thread touches the matchers
@@ -163,6 +166,27 @@ class StructuredOutputManager:
         row_bytes = bitmask.shape[1] * 4
         self._mask_executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), row_bytes, len(req_ids))
         return bitmask
+
+    @property
+    def mask_words(self) -> int:
+        """int32 words per row of allow-bits."""
+        return bitmask_words(self.vocab_size)
+
+    def matchers_of(self, req_ids: Sequence[str]) -> list[llguidance.LLMatcher]:
+        """The constrained requests' matchers, for fill_rows on the mask thread (taken here, on the
+        engine's thread, so that a request freed meanwhile does not change what the fill reads)."""
+        return [self._matchers[r] for r in req_ids]
+
+    def fill_rows(self, matchers: Sequence[llguidance.LLMatcher], out: torch.Tensor) -> None:
+        """Write matchers[i]'s allow-bits into row i of `out` (int32 [len(matchers), words], e.g.
+        pinned memory that the device reads next), in parallel over the matchers."""
+        if out.dim() != 2 or out.shape[0] != len(matchers) or out.shape[1] != self.mask_words \
+                or out.dtype != torch.int32 or not out.is_contiguous():
+            raise ValueError(f"out must be contiguous int32 [{len(matchers)}, {self.mask_words}], "
+                             f"got {out.dtype} {tuple(out.shape)}")
+        if matchers:
+            self._mask_executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], out.data_ptr(),
+                                                        out.shape[1] * 4, len(matchers))
 
     def in_background(self, fill: Callable[[], _T]) -> cf.Future[_T]:
         """Run `fill` (a fill_bitmask call) on the mask thread. The caller must wait for the future

@@ -10,7 +10,8 @@ A step runs in four calls, so the engine core can put its host work between them
 With async scheduling the engine launches step N+1 before finishing step N (`prev`: input ids
 -1 in `so` are step N's sampled tokens, taken on the device). When a step has grammar-constrained
 rows, it samples after step N is finished, because the mask needs step N's token; the forward
-pass overlaps either way.
+pass overlaps either way. On CUDA that sampling is queued at once behind a gate
+(`open_mask_gate`, worker/mask_gate.py): the device, not the host, waits for the mask.
 
 Per-request sampling state lives in the persistent `InputBatch`, one row per core request slot.
 
@@ -36,6 +37,7 @@ from ferrox.layers.sampler import LogprobsTensors, Sampler, SamplerOutput, Sampl
 from ferrox.sampling_params import SamplingParams
 from ferrox.step_types import Logprobs
 from ferrox.worker.input_batch import InFlight, InputBatch
+from ferrox.worker.mask_gate import MaskGate, PendingMask
 from ferrox.worker.model_forward import ModelForward, step_arrays
 from ferrox.worker.request_state import RequestState
 from ferrox.worker.spec_decode import expand_rows, verify
@@ -107,6 +109,9 @@ class StepHandle:
     # scheduled the next step as if all were accepted, so that step's row is shifted back as much.
     last_tokens: torch.Tensor | None = None
     rejected: torch.Tensor | None = None
+    # Sampled behind a mask gate (open_mask_gate): the engine asks it, after finish(), whether the
+    # constrained rows really were sampled under their filled mask.
+    pending_mask: PendingMask | None = None
 
     def in_flight(self) -> InFlight:
         assert self.last_tokens is not None, "sample() not called"
@@ -154,6 +159,7 @@ class ModelRunner:
         self._lora_of_slot = np.zeros(0, dtype=np.int64)
         self._host_tokens: list[torch.Tensor] = []  # two pinned [max batch] buffers (GPU), by step parity
         self._step_parity = 0
+        self._mask_gate: MaskGate | None = None  # CUDA: created with the first gated mask
 
     @property
     def graph_runner(self) -> Any:
@@ -192,7 +198,7 @@ class ModelRunner:
         self.input_batch.append_accepted(slots, token_ids, token_offsets)
 
     # ---- one step -----------------------------------------------------------------------------------
-    def execute(self, so: Any, grammar_bitmask: torch.Tensor | None = None) -> ModelRunnerOutput:
+    def execute(self, so: Any, grammar_bitmask: torch.Tensor | PendingMask | None = None) -> ModelRunnerOutput:
         """A whole synchronous step (launch, sample, finish)."""
         handle = self.launch(so)
         self.sample(handle, grammar_bitmask)
@@ -263,16 +269,41 @@ class ModelRunner:
         handle.md = self.input_batch.sampling_metadata(handle.slots, handle.slots_dev, handle.sample_mask, in_flight)
         handle.md_in_flight = in_flight
 
+    @property
+    def can_gate_masks(self) -> bool:
+        """Whether open_mask_gate works here (CUDA: the device can wait for the host)."""
+        return self.device.type == "cuda"
+
+    def open_mask_gate(self, rows: npt.NDArray[np.int64], words: int) -> PendingMask:
+        """Queue a wait for a grammar mask of `rows` (batch rows, ascending; `words` int32 words each)
+        that a host thread fills into the returned PendingMask's pinned `host` and then releases.
+        Pass it to sample(), which can then be queued at once: the device waits, not the host."""
+        if not self.can_gate_masks:
+            raise RuntimeError(f"mask gates need a CUDA device, this runner is on {self.device}")
+        if self._mask_gate is None or self._mask_gate.words != words:
+            self._mask_gate = MaskGate(self.device, words)
+        return self._mask_gate.open(np.asarray(rows, dtype=np.int64))
+
+    def release_mask_gates(self) -> None:
+        """Let the device past every gate opened so far (shutdown: no fill will come)."""
+        if self._mask_gate is not None:
+            self._mask_gate.release_all()
+
     @torch.inference_mode()
-    def sample(self, handle: StepHandle, grammar_bitmask: torch.Tensor | None = None) -> None:
+    def sample(self, handle: StepHandle, grammar_bitmask: torch.Tensor | PendingMask | None = None) -> None:
         """Queue the step's sampling and the copy of its ids to the host. grammar_bitmask: int32
-        [num_reqs, words] allow-bits in batch order, or None. Without prepare_sampling first, the
-        sampling inputs are built here with no step in flight."""
+        [num_reqs, words] allow-bits in batch order, a gated mask of the constrained rows
+        (open_mask_gate), or None. Without prepare_sampling first, the sampling inputs are built here
+        with no step in flight."""
         if handle.md is None:
             self.prepare_sampling(handle)
+        if isinstance(grammar_bitmask, PendingMask):
+            handle.pending_mask = grammar_bitmask
         logits = handle.logits
         handle.num_logprobs = self.input_batch.num_logprobs[handle.slots].copy()
         if handle.num_drafts is not None:
+            if isinstance(grammar_bitmask, PendingMask):
+                raise ValueError("a gated grammar mask has one row per request: not for a step with drafts")
             if grammar_bitmask is not None:  # a row per verified position (fill_bitmask_with_drafts)
                 self._apply_grammar_bitmask(logits, grammar_bitmask)
             handle.sampled = self._verify(handle, grammar_bitmask)
@@ -339,10 +370,18 @@ class ModelRunner:
             self._finish_prompt_logprobs(handle.prompt_chunks, out)
         return out
 
-    def _apply_grammar_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    def _apply_grammar_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor | PendingMask) -> None:
         """Only rows with some bit cleared are applied: unconstrained rows (all ones) cost nothing.
         On a GPU only those rows' words are uploaded (through the Uploader) and one kernel sets
-        their disallowed logits to -inf (kernels/token_bitmask.py)."""
+        their disallowed logits to -inf (kernels/token_bitmask.py). A gated mask is already on its way
+        to the device, behind its gate, for just its rows."""
+        if isinstance(bitmask, PendingMask):
+            if bitmask.rows.size:
+                # (imports triton: GPU path only)
+                from ferrox.kernels.token_bitmask import apply_token_bitmask
+
+                apply_token_bitmask(logits, bitmask.device, self._upload("grammar_rows", bitmask.rows))
+            return
         words = bitmask.numpy()
         rows = np.flatnonzero((words != -1).any(axis=1))
         if not rows.size:
@@ -352,7 +391,7 @@ class ModelRunner:
 
             apply_bitmask_rows(logits, bitmask, None if rows.size == len(words) else torch.from_numpy(rows))
             return
-        from ferrox.kernels.token_bitmask import apply_token_bitmask  # (imports triton: GPU path only)
+        from ferrox.kernels.token_bitmask import apply_token_bitmask
 
         apply_token_bitmask(logits, self._upload("grammar_bitmask", words if rows.size == len(words) else words[rows]),
                             self._upload("grammar_rows", rows.astype(np.int64)))

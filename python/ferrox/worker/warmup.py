@@ -32,8 +32,8 @@ the cache holds: zeros or an earlier warm-up step's, finite either way; the engi
 and prefix cache are untouched). The requests of the steps cycle through the sampling variants
 (greedy, temperature, top-k/top-p, min-p, seeded, logprobs, prompt logprobs, penalties, logit bias
 with allowed tokens and min_tokens), their sampled tokens are counted as the core would accept them,
-and every other step applies a grammar bitmask, so the first request of each kind also finds the
-sampler's kernels loaded. Afterwards the blocks the steps wrote
+and every other step applies a grammar bitmask (every fourth through a mask gate, as async
+scheduling does), so the first request of each kind also finds the sampler's kernels loaded. Afterwards the blocks the steps wrote
 are zeroed and the sampler's default generator is reseeded, so a warmed engine samples exactly what
 an unwarmed one would.
 
@@ -482,7 +482,10 @@ def _run_step(runner: Any, step: WarmupStep, params: list[SamplingParams], bitma
         for slot, prompt, p in zip(slots.tolist(), step.prompts, params, strict=True):
             runner.add_request(slot, f"warmup-{index}-{slot}", prompt, p)
             added.append(slot)
-        out = runner.execute(step.so, bitmask)
+        mask: Any = bitmask
+        if bitmask is not None and index % 4 == 1 and getattr(runner, "can_gate_masks", False):
+            mask = _through_gate(runner, bitmask)  # the engine's path under async scheduling on CUDA
+        out = runner.execute(step.so, mask)
         # The core accepts every sampled token: count them as it would (penalties, min_tokens), so the
         # first such request does not pay for that path's first run either.
         rows = np.flatnonzero(np.asarray(step.so.sample_mask))
@@ -490,6 +493,17 @@ def _run_step(runner: Any, step: WarmupStep, params: list[SamplingParams], bitma
                                np.arange(rows.size + 1, dtype=np.int32))
     finally:
         runner.remove_requests(np.asarray(added, dtype=np.int32))
+
+
+def _through_gate(runner: Any, bitmask: torch.Tensor) -> Any:
+    """The mask's constrained rows behind a mask gate (worker/mask_gate.py), filled and released at
+    once, so that the gate's wait kernel compiles here too."""
+    words = bitmask.numpy()
+    rows = np.flatnonzero((words != -1).any(axis=1))
+    pending = runner.open_mask_gate(rows, words.shape[1])
+    pending.host.copy_(torch.from_numpy(words[rows]))
+    pending.release()
+    return pending
 
 
 def _forget_steps(runner: Any, blocks: set[int], seed: int) -> None:
