@@ -254,6 +254,19 @@ def test_top_p_candidate_path_equals_full_sort():
         assert not torch.isinf(fast[0]).any()
 
 
+def test_top_k_bound_from_the_host_leaves_rows_without_top_k_alone():
+    """The top-k cut takes its largest k from the host (SamplingMetadata.top_k_max, no device sync);
+    a row without top-k (k = vocab) in the same batch keeps every token."""
+    from ferrox.layers import logits_processors as lp
+
+    md = _Batch([SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0),
+                 SamplingParams(temperature=1.0, top_k=3)]).build()
+    assert md.top_k_max == 3 and md.top_k is not None
+    cut = lp.apply_top_k_top_p(LOGITS.repeat(3, 1), md.top_k, None, md.top_k_max)
+    assert torch.isfinite(cut).sum(dim=1).tolist() == [2, VOCAB, 3]
+    assert torch.equal(cut, lp.apply_top_k_top_p(LOGITS.repeat(3, 1), md.top_k, None))  # bound from the device
+
+
 def test_reused_slot_gets_its_new_parameters():
     batch = _Batch([SamplingParams(temperature=0)])
     assert batch.build().all_greedy
@@ -282,3 +295,39 @@ def test_a_request_joins_without_waiting_for_the_device():
     assert batch.temperature[:3].tolist() == pytest.approx([0.7, 1.0, 1.0])
     assert batch.top_k[:3].tolist() == [3, VOCAB, VOCAB]
     assert batch.greedy_dev[:3].tolist() == [False, True, False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sampling_every_kind_never_waits_for_the_device():
+    """Under async scheduling the sampler is queued while a step is in flight (and, with a grammar row,
+    behind a mask gate): no row kind may make it wait for the stream. Top-k and top-p rows on the torch
+    path (no CUDA kernel), a seeded one, min_tokens bans, penalties, logprobs, greedy, in one batch."""
+    from ferrox.worker.step_inputs import Uploader
+
+    vocab = 5000
+    dev = torch.device("cuda")
+    batch = InputBatch(vocab, [7], dev, capacity=8, upload=Uploader(dev))  # pinned uploads, as the runner's
+    params = [SamplingParams(temperature=0.7, top_k=40, top_p=0.9), SamplingParams(temperature=0),
+              SamplingParams(temperature=1.0, top_p=0.5, seed=3), SamplingParams(temperature=0.9, top_k=5, seed=4),
+              SamplingParams(temperature=1.0, min_tokens=4), SamplingParams(temperature=1.0, repetition_penalty=1.3,
+                                                                              frequency_penalty=0.2),
+              SamplingParams(temperature=0.8, logprobs=3)]
+    for slot, p in enumerate(params):
+        batch.add(slot, f"r{slot}", [1, 2, 3], p)
+    slots = np.arange(len(params), dtype=np.int32)
+    slots_dev = torch.from_numpy(slots.astype(np.int64)).cuda()
+    logits = torch.randn(len(params), vocab, device="cuda")
+    sampler = Sampler(torch.Generator(device="cuda").manual_seed(0))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        md = batch.sampling_metadata(slots, slots_dev, np.ones(len(params), dtype=np.bool_), None)
+        out = sampler(logits.clone(), md)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    tokens = out.token_ids.tolist()
+    assert tokens[1] == int(logits[1].argmax())
+    assert tokens[4] != 7  # min_tokens hides EOS
+    assert int(logits[0].topk(40).indices.eq(tokens[0]).sum()) == 1
+    assert int(logits[3].topk(5).indices.eq(tokens[3]).sum()) == 1

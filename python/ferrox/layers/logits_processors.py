@@ -47,8 +47,10 @@ def apply_token_mask(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Te
 
 
 def apply_banned_tokens(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> None:
-    """Set single (row, token) entries to -inf (min_tokens hides EOS and stop ids)."""
-    logits[rows, cols] = _NEG_INF
+    """Set single (row, token) entries to -inf (min_tokens hides EOS and stop ids). The values are
+    made on the logits' device: `logits[rows, cols] = float` copies a host scalar and, on CUDA,
+    waits for the stream (the step in flight, under async scheduling)."""
+    logits.index_put_((rows, cols), torch.full(rows.shape, _NEG_INF, dtype=logits.dtype, device=logits.device))
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -58,17 +60,24 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, _NEG_INF)
 
 
-# Top-p first looks at this many most likely tokens; rows whose nucleus is larger fall back to a full
-# sort. A full sort of a 49k vocabulary costs ~3 ms per row on CPU, a top-256 well under 0.2 ms.
+# On CPU, top-p first looks at this many most likely tokens; rows whose nucleus is larger fall back to
+# a full sort. A full sort of a 49k vocabulary costs ~3 ms per row on CPU, a top-256 well under 0.2 ms.
+# On CUDA the sort is cheap and deciding which rows need it would wait for the device (a host sync that
+# would stall async scheduling), so every top-p row is sorted there.
 _TOP_P_CANDIDATES = 256
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """top_k: [B] int64 (vocab size = off); top_p: [B] float32 (1.0 = off)."""
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                      top_k_max: int | None = None) -> torch.Tensor:
+    """top_k: [B] int64 (vocab size = off); top_p: [B] float32 (1.0 = off). top_k_max: the largest
+    top_k below the vocabulary size (SamplingMetadata.top_k_max); given, nothing here waits for the
+    device on CUDA."""
     if top_k is not None:
-        logits = _apply_top_k(logits, top_k)
+        logits = _apply_top_k(logits, top_k, top_k_max)
     if top_p is None:
         return logits
+    if logits.is_cuda:
+        return torch.where((top_p >= 1.0).unsqueeze(1), logits, _top_p_by_sort(logits, top_p))
     probs = torch.softmax(logits, dim=-1)
     k = min(_TOP_P_CANDIDATES, logits.shape[-1])
     top_probs = torch.topk(probs, k, dim=-1).values  # descending
@@ -90,12 +99,16 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return result
 
 
-def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    # a partial top-k is much cheaper than a full sort of the vocabulary
-    k_max = int(top_k.max())
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, k_max: int | None = None) -> torch.Tensor:
+    # a partial top-k (up to the largest k in use) is much cheaper than a full sort of the vocabulary
+    vocab = logits.shape[-1]
+    if k_max is None:
+        k_max = int(top_k.max())  # (waits for the device on CUDA: callers there pass the host's bound)
+    k_max = max(1, min(k_max, vocab))
     values = torch.topk(logits, k_max, dim=-1).values
-    kth = values.gather(1, (top_k - 1).clamp(max=k_max - 1).unsqueeze(1))
-    return logits.masked_fill(logits < kth, _NEG_INF)
+    kth = values.gather(1, (top_k - 1).clamp(min=0, max=k_max - 1).unsqueeze(1))
+    # Rows without a top-k (top_k = vocab) may sit above k_max: they keep every token.
+    return torch.where((top_k >= vocab).unsqueeze(1), logits, logits.masked_fill(logits < kth, _NEG_INF))
 
 
 def _top_p_by_sort(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,7 @@ class SamplingMetadata:
     greedy_rows: torch.Tensor | None = None  # [B] bool; None when all rows are random or all greedy
     temperature: torch.Tensor | None = None  # [B] float32 (1.0 on greedy rows); None if all greedy
     top_k: torch.Tensor | None = None  # [B] int64, vocab size = off
+    top_k_max: int | None = None  # the largest top_k of the rows that use one (a bound known on the host)
     top_p: torch.Tensor | None = None  # [B] float32, 1.0 = off
     min_p: torch.Tensor | None = None  # [B] float32, 0.0 = off
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> seeded generator
@@ -104,7 +105,7 @@ class Sampler:
         # Unseeded random rows draw from this one generator (seeded from the engine's seed, so
         # whole runs reproduce too).
         self.default_generator = default_generator
-        # cuda/top_k_top_p_sampling.cu when the engine chose it at start (cuda_sampling.prepare_extension),
+        # ferrox/cuda/top_k_top_p_sampling.cu when the engine chose it at start (cuda_sampling.prepare_extension),
         # fixed for the sampler's life so a seeded request always draws through the same path.
         self.top_k_top_p_kernel = top_k_top_p_kernel
 
@@ -164,12 +165,12 @@ class Sampler:
                 idx = torch.tensor(rows).pin_memory().to(logits.device, non_blocking=True)
                 top_k = None if md.top_k is None else md.top_k.index_select(0, idx)
                 top_p = None if md.top_p is None else md.top_p.index_select(0, idx)
-                seeded = lp.apply_top_k_top_p(logits.index_select(0, idx), top_k, top_p)
+                seeded = lp.apply_top_k_top_p(logits.index_select(0, idx), top_k, top_p, md.top_k_max)
                 tokens.index_copy_(0, idx, self._race(seeded, {i: md.generators[r] for i, r in enumerate(rows)},
                                                       md.seeded.renumbered() if md.seeded is not None else None))
             return tokens
         if top_cut:
-            logits = lp.apply_top_k_top_p(logits, md.top_k, md.top_p)
+            logits = lp.apply_top_k_top_p(logits, md.top_k, md.top_p, md.top_k_max)
         return self._race(logits, md.generators, md.seeded)
 
     def _race(self, logits: torch.Tensor, generators: dict[int, torch.Generator],
@@ -198,7 +199,7 @@ class Sampler:
         return u
 
     def _sample_top_k_top_p_cuda(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """cuda/top_k_top_p_sampling.cu: both cuts by radix select, then an inverse-CDF draw -- no
+        """ferrox/cuda/top_k_top_p_sampling.cu: both cuts by radix select, then an inverse-CDF draw -- no
         vocabulary sort and no host sync (the torch path syncs to size its top-k and to find rows
         whose nucleus is wide), so async scheduling keeps overlapping. Unseeded rows only (the
         caller redraws seeded ones), so every uniform comes from the default generator."""

@@ -98,6 +98,7 @@ class InputBatch:
         self.greedy_dev = dev_col(g(self, "greedy_dev", None), torch.bool, True)
         self.greedy = host_col(g(self, "greedy", None), np.bool_, 1)
         self.uses_top_k = host_col(g(self, "uses_top_k", None), np.bool_, 0)
+        self.top_k_host = host_col(g(self, "top_k_host", None), np.int64, 0)  # top_k's bound, known without a sync
         self.uses_top_p = host_col(g(self, "uses_top_p", None), np.bool_, 0)
         self.uses_min_p = host_col(g(self, "uses_min_p", None), np.bool_, 0)
         self.num_logprobs = host_col(g(self, "num_logprobs", None), np.int32, -1)
@@ -140,6 +141,7 @@ class InputBatch:
         self.temperature[row] = 1.0 if greedy else params.temperature
         self.uses_top_k[slot] = params.top_k > 0
         self.top_k[row] = min(params.top_k, self.vocab_size) if params.top_k > 0 else self.vocab_size
+        self.top_k_host[slot] = min(params.top_k, self.vocab_size) if params.top_k > 0 else self.vocab_size
         self.uses_top_p[slot] = params.top_p < 1.0
         self.top_p[row] = params.top_p
         self.uses_min_p[slot] = params.min_p > 0.0
@@ -204,8 +206,10 @@ class InputBatch:
             if greedy.any():
                 md.greedy_rows = self.greedy_dev.index_select(0, slots_dev)
             md.temperature = self.temperature.index_select(0, slots_dev)
-            if self.uses_top_k[slots].any():
+            uses_top_k = self.uses_top_k[slots]
+            if uses_top_k.any():
                 md.top_k = self.top_k.index_select(0, slots_dev)
+                md.top_k_max = int(self.top_k_host[slots][uses_top_k].max())
             if self.uses_top_p[slots].any():
                 md.top_p = self.top_p.index_select(0, slots_dev)
             if self.uses_min_p[slots].any():

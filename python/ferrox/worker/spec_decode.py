@@ -62,7 +62,7 @@ def target_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     if md.min_p is not None:
         scaled = lp.apply_min_p(scaled, md.min_p)
     if md.top_k is not None or md.top_p is not None:
-        scaled = lp.apply_top_k_top_p(scaled, md.top_k, md.top_p)
+        scaled = lp.apply_top_k_top_p(scaled, md.top_k, md.top_p, md.top_k_max)
     probs = torch.softmax(scaled, dim=-1)
     if md.greedy_rows is not None:
         return torch.where(md.greedy_rows.unsqueeze(1), logits, probs)
