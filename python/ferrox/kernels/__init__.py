@@ -10,7 +10,7 @@ under the Triton interpreter at tiny shapes and on the GPU at Llama-3.1-8B shape
 - gemv.py               one-token matrix-vector products with RMSNorm / residual / SiLU / rotary +
                         KV write fused in (batch-1 decode: five launches per decoder layer)
 - qk_norm_rope.py       Qwen3's per-head q/k RMSNorm + rotary + KV write for one token (after a gemv)
-- cuda_sampling.py      top-k/top-p sampling: CUDA C++ kernel (ferrox/cuda/) JIT-built once (on a
+- cuda_sampling.py      top-k/top-p sampling: CUDA C++ kernel (cuda/) JIT-built once (on a
                         background thread at a first engine start, used from the next start on),
                         torch fallback otherwise and off CUDA
 - exponential_race.py   the sampler's draw for plain temperature sampling in one pass

@@ -5,11 +5,11 @@ smallest set of those whose mass reaches top_p of the top-k mass (ties at either
 and draws one token by inverse CDF with the row's uniform in [0, 1). Passing the uniforms in
 keeps per-request seeds in the caller's hands (one torch.Generator per seeded request).
 
-On CUDA with a compiler present, ferrox/cuda/top_k_top_p_sampling.cu (shipped in the package) is JIT-built once with
+On CUDA with a compiler present, cuda/top_k_top_p_sampling.cu is JIT-built once with
 torch.utils.cpp_extension (cached under ~/.cache/ferrox/cuda_ext) and used: it finds both cuts
 by radix select over the float bits instead of sorting the vocabulary. An engine asks
 `prepare_extension()` once at start (see there for why a first start builds for the next one). Anywhere else (CPU, no
-nvcc, a tree without the .cu sources, or a build error, which is logged once) the sort-based torch
+nvcc, a source tree without cuda/, or a build error, which is logged once) the sort-based torch
 path below runs; both draw from the same distribution but not the same token for a given uniform
 (they walk the kept tokens in a different order).
 """
@@ -38,8 +38,7 @@ _DISABLE_ENV = "FERROX_DISABLE_CUDA_SAMPLING"
 def _cuda_source_dir() -> Path | None:
     override = os.environ.get("FERROX_CUDA_SRC")
     candidates = [Path(override)] if override else []
-    # Inside the package (python/ferrox/cuda), so that an installed wheel has the sources too.
-    candidates.append(Path(__file__).resolve().parents[1] / "cuda")
+    candidates.append(Path(__file__).resolve().parents[3] / "cuda")  # repo checkout: <root>/cuda
     for path in candidates:
         if all((path / name).is_file() for name in _CUDA_SOURCES):
             return path

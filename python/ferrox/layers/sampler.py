@@ -105,7 +105,7 @@ class Sampler:
         # Unseeded random rows draw from this one generator (seeded from the engine's seed, so
         # whole runs reproduce too).
         self.default_generator = default_generator
-        # ferrox/cuda/top_k_top_p_sampling.cu when the engine chose it at start (cuda_sampling.prepare_extension),
+        # cuda/top_k_top_p_sampling.cu when the engine chose it at start (cuda_sampling.prepare_extension),
         # fixed for the sampler's life so a seeded request always draws through the same path.
         self.top_k_top_p_kernel = top_k_top_p_kernel
 
@@ -199,7 +199,7 @@ class Sampler:
         return u
 
     def _sample_top_k_top_p_cuda(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """ferrox/cuda/top_k_top_p_sampling.cu: both cuts by radix select, then an inverse-CDF draw -- no
+        """cuda/top_k_top_p_sampling.cu: both cuts by radix select, then an inverse-CDF draw -- no
         vocabulary sort and no host sync (the torch path syncs to size its top-k and to find rows
         whose nucleus is wide), so async scheduling keeps overlapping. Unseeded rows only (the
         caller redraws seeded ones), so every uniform comes from the default generator."""
