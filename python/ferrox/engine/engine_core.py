@@ -357,14 +357,13 @@ class EngineCore:
         mask thread. The matchers are taken here: until `_finish` waits for the fill, only the mask
         thread touches them."""
         assert isinstance(self.runner, ModelRunner)
-        sample_mask = handle.sample_mask
-        rows = np.array([i for i, r in enumerate(so.req_ids) if sample_mask[i] and self.structured.is_constrained(r)],
-                        dtype=np.int64)
-        if not rows.size:  # only partial prefill chunks are constrained: nothing to mask
+        constrained = self.structured.constrained_rows(so.req_ids, handle.sample_mask)
+        if not constrained:  # only partial prefill chunks are constrained: nothing to mask
             self.runner.sample(handle)
             return
-        matchers = self.structured.matchers_of([so.req_ids[i] for i in rows.tolist()])
-        pending = self.runner.open_mask_gate(rows, self.structured.mask_words)
+        matchers = [m for m, _ in constrained]
+        pending = self.runner.open_mask_gate(np.array([i for _, i in constrained], dtype=np.int64),
+                                             self.structured.mask_words)
 
         def fill() -> None:
             try:

@@ -8,7 +8,7 @@ Life of a constrained request, as the engine core drives it:
   fill_bitmask(ids, m)    before sampling: int32 allow-bits per batch row, or None (no constrained
                           row this step, so free batches pay nothing); with speculative drafts,
                           one row per verified position (the grammar walks each request's drafts)
-  matchers_of(ids), fill_rows(matchers, out)
+  constrained_rows(ids, m), fill_rows(matchers, out)
                           the same for just the constrained rows, into a caller's buffer (the
                           pinned mask the device waits for: worker/mask_gate.py)
   in_background(fill)     run a fill on the manager's mask thread (llguidance releases the GIL), so
@@ -150,12 +150,7 @@ class StructuredOutputManager:
         """int32 [num_reqs, ceil(vocab/32)] allow-bits in batch order, rows of unconstrained
         requests (and of partial prefill chunks, whose sample is dropped) all ones. None when no
         row is constrained. The tensor is a view of a reused buffer, valid until the next call."""
-        rows = [
-            (matcher, i)
-            for i, request_id in enumerate(req_ids)
-            if (matcher := self._matchers.get(request_id)) is not None
-            and (sample_mask is None or sample_mask[i])
-        ]
+        rows = self.constrained_rows(req_ids, sample_mask)
         if not rows:
             return None
         if self._bitmask.shape[0] < len(req_ids):
@@ -172,10 +167,17 @@ class StructuredOutputManager:
         """int32 words per row of allow-bits."""
         return bitmask_words(self.vocab_size)
 
-    def matchers_of(self, req_ids: Sequence[str]) -> list[llguidance.LLMatcher]:
-        """The constrained requests' matchers, for fill_rows on the mask thread (taken here, on the
-        engine's thread, so that a request freed meanwhile does not change what the fill reads)."""
-        return [self._matchers[r] for r in req_ids]
+    def constrained_rows(
+        self, req_ids: Sequence[str], sample_mask: npt.NDArray[np.bool_] | Sequence[bool] | None = None
+    ) -> list[tuple[llguidance.LLMatcher, int]]:
+        """(matcher, batch row) of each constrained row that samples this step. Taken on the engine's
+        thread, so that a request freed while a fill runs does not change what the fill reads."""
+        return [
+            (matcher, i)
+            for i, request_id in enumerate(req_ids)
+            if (matcher := self._matchers.get(request_id)) is not None
+            and (sample_mask is None or sample_mask[i])
+        ]
 
     def fill_rows(self, matchers: Sequence[llguidance.LLMatcher], out: torch.Tensor) -> None:
         """Write matchers[i]'s allow-bits into row i of `out` (int32 [len(matchers), words], e.g.

@@ -140,8 +140,9 @@ class InputBatch:
         self.greedy_dev[row] = greedy
         self.temperature[row] = 1.0 if greedy else params.temperature
         self.uses_top_k[slot] = params.top_k > 0
-        self.top_k[row] = min(params.top_k, self.vocab_size) if params.top_k > 0 else self.vocab_size
-        self.top_k_host[slot] = min(params.top_k, self.vocab_size) if params.top_k > 0 else self.vocab_size
+        top_k = min(params.top_k, self.vocab_size) if params.top_k > 0 else self.vocab_size
+        self.top_k[row] = top_k
+        self.top_k_host[slot] = top_k
         self.uses_top_p[slot] = params.top_p < 1.0
         self.top_p[row] = params.top_p
         self.uses_min_p[slot] = params.min_p > 0.0
