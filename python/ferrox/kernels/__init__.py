@@ -21,6 +21,8 @@ under the Triton interpreter at tiny shapes and on the GPU at Llama-3.1-8B shape
                         last-arriving program per row block finishes the sum)
 - token_bitmask.py      a grammar's allow-bits applied to the constrained rows' logits in one launch
 - seeded_uniforms.py    the seeded rows' uniforms of a step in one launch (Philox at seed, steps sampled)
+- pdl.py                programmatic dependent launch (Hopper) for the one-token kernels: a kernel starts
+                        while the previous one drains and waits before reading what the step wrote
 (FP8: gemv.py reads fp8 weights with per-row scales; the KV writes and attention kernels read an fp8 cache.)
 
 Modules import triton at import time (cuda_sampling.py does not); import them only where a GPU path may run.

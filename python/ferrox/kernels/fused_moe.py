@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from ferrox.kernels.gemv import _input_tile, _paired_row_sums
+from ferrox.kernels.pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,12 +160,15 @@ def _gemv_gate_up_kernel(
     NORM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
     """Program (pair, n-block): silu(gate) * up of BLOCK_N columns for one (token, slot) pair.
 
     NORM: x = rms_norm(h) in one pass, as kernels/gemv.py: the norm weight multiplies each x
     tile, the sum of squares of h is accumulated beside the products, and rstd scales the row
     sums."""
+    pdl_launch_dependents(USE_PDL)
+    pdl_wait(USE_PDL)  # (which expert's weights to read is the router's output)
     pair = tl.program_id(0)
     token = pair // TOP_K
     expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
@@ -214,6 +218,7 @@ def _gemv_down_kernel(
     BLOCK_S: tl.constexpr,  # TOP_K rounded up to a power of two
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (token, n-block): sum over the token's k slots of weight * (w2[e] @ inter[pair]),
     plus the token's residual row with HAS_RESIDUAL (the one-token decode path's h + mlp(h)).
@@ -221,6 +226,8 @@ def _gemv_down_kernel(
     All k slots stream in one [BLOCK_N, slots, BLOCK_K] tile per step of K rather than one slot
     after another: Qwen3-30B-A3B's experts are short (K = 768), and a loop over its 8 slots
     waited on each slot's loads in turn (12.4 -> 8.4 us a layer on an H200)."""
+    pdl_launch_dependents(USE_PDL)
+    pdl_wait(USE_PDL)
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
@@ -262,9 +269,12 @@ def _route_top_k_kernel(
     RENORMALIZE: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_TOP_K: tl.constexpr,  # TOP_K rounded up to a power of two (a block's length)
+    USE_PDL: tl.constexpr,
 ):
     """Program per token: softmax over the experts' logits, the k largest (ties: the lower expert
     id), their probabilities (renormalised to sum 1 with RENORMALIZE)."""
+    pdl_launch_dependents(USE_PDL)
+    pdl_wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     emask = e < num_experts
@@ -302,7 +312,8 @@ def route_top_k(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> t
         # One warp: the k rounds of max / argmin reductions stay in shuffles (no shared-memory barriers).
         _route_top_k_kernel[(tokens,)](weights, ids, router_logits, experts, router_logits.stride(0), TOP_K=top_k,
                                        RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(experts),
-                                       BLOCK_TOP_K=triton.next_power_of_2(top_k), num_warps=1)
+                                       BLOCK_TOP_K=triton.next_power_of_2(top_k), num_warps=1,
+                                       **pdl_launch(router_logits.device))
     return weights, ids
 
 
@@ -415,13 +426,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         _gemv_gate_up_kernel[(num_pairs, triton.cdiv(inter, gv.gate_up_rows))](
             act, x, w13, ids, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
             norm_weight if norm_weight is not None else x, eps, TOP_K=top_k, NORM=norm_weight is not None,
-            BLOCK_N=gv.gate_up_rows, BLOCK_K=gv.gate_up_block_k, num_warps=gv.num_warps,
+            BLOCK_N=gv.gate_up_rows, BLOCK_K=gv.gate_up_block_k, num_warps=gv.num_warps, **pdl_launch(x.device),
         )
         _gemv_down_kernel[(num_tokens, triton.cdiv(hidden, gv.down_rows))](
             out, act, w2, ids, route_w, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
             residual if residual is not None else out, residual.stride(0) if residual is not None else 0,
             TOP_K=top_k, HAS_RESIDUAL=residual is not None, BLOCK_S=triton.next_power_of_2(top_k),
-            BLOCK_N=gv.down_rows, BLOCK_K=gv.down_block_k, num_warps=gv.num_warps,
+            BLOCK_N=gv.down_rows, BLOCK_K=gv.down_block_k, num_warps=gv.num_warps, **pdl_launch(x.device),
         )
         return out
 

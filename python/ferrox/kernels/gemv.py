@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from ferrox.kernels.kv_fp8 import unit_kv_scales
+from ferrox.kernels.pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ferrox.kernels.reshape_and_cache import store_head_kv
 
 
@@ -143,6 +144,31 @@ def _paired_row_sums(acc_a, acc_b, sq, K, eps, NORM: tl.constexpr):
 
 
 @triton.jit
+def _weight_tile(w_rows, cols, rmask, kmask, up_offset, SILU_MUL: tl.constexpr):
+    """The K-tile `cols` of the program's weight rows (and of its up rows, `up_offset` further on,
+    with SILU_MUL; otherwise the gate tile again), streamed once (evict_first)."""
+    wmask = rmask[:, None] & kmask[None, :]
+    w = tl.load(w_rows + cols[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
+    w_up = w
+    if SILU_MUL:
+        w_up = tl.load(w_rows + up_offset + cols[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
+    return w, w_up
+
+
+@triton.jit
+def _accumulate(acc, acc_up, sq, w, w_up, x_ptr, norm_w_ptr, cols, kmask, NORM: tl.constexpr,
+                SILU_MUL: tl.constexpr):
+    """Add one K tile's products to the fp32 accumulators (and h^2 for the one-pass RMSNorm)."""
+    xin, h = _input_tile(x_ptr, norm_w_ptr, cols, kmask, NORM)
+    acc += w.to(tl.float32) * xin[None, :]
+    if SILU_MUL:
+        acc_up += w_up.to(tl.float32) * xin[None, :]
+    if NORM:
+        sq += h * h
+    return acc, acc_up, sq
+
+
+@triton.jit
 def _gemv_kernel(
     out_ptr,
     w_ptr,
@@ -162,7 +188,9 @@ def _gemv_kernel(
     HAS_W_SCALE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
+    pdl_launch_dependents(USE_PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < n_out
@@ -170,19 +198,15 @@ def _gemv_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # The first weight tile is requested before waiting for the previous kernel (pdl.py).
+    cols = tl.arange(0, BLOCK_K)
+    w, w_up = _weight_tile(w_rows, cols, rmask, cols < K, n_out * stride_w, SILU_MUL)
+    pdl_wait(USE_PDL)
+    acc, acc_up, sq = _accumulate(acc, acc_up, sq, w, w_up, x_ptr, norm_w_ptr, cols, cols < K, NORM, SILU_MUL)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
-        kmask = cols < K
-        xin, h = _input_tile(x_ptr, norm_w_ptr, cols, kmask, NORM)
-        wmask = rmask[:, None] & kmask[None, :]
-        w = tl.load(w_rows + cols[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
-        acc += w.to(tl.float32) * xin[None, :]
-        if SILU_MUL:
-            w_up = tl.load(w_rows + n_out * stride_w + cols[None, :], mask=wmask, other=0.0,
-                           eviction_policy="evict_first")
-            acc_up += w_up.to(tl.float32) * xin[None, :]
-        if NORM:
-            sq += h * h
+        w, w_up = _weight_tile(w_rows, cols, rmask, cols < K, n_out * stride_w, SILU_MUL)
+        acc, acc_up, sq = _accumulate(acc, acc_up, sq, w, w_up, x_ptr, norm_w_ptr, cols, cols < K, NORM, SILU_MUL)
     y = tl.sum(acc, axis=1)
     up = y  # (the up rows' sums with SILU_MUL)
     if NORM:
@@ -197,6 +221,14 @@ def _gemv_kernel(
         if HAS_W_SCALE:
             up = up * tl.load(w_scale_ptr + n_out + rows, mask=rmask, other=0.0)
     _store_rows(out_ptr, x_ptr, bias_ptr, res_ptr, y, up, rows, rmask, n_out, HAS_BIAS, SILU_MUL, HAS_RESIDUAL)
+
+
+@triton.jit
+def _pair_tiles(w_lo, w_hi, cols, kmask):
+    """The K-tile `cols` of a program's two row sets (the halves of its rotary pairs)."""
+    wl = tl.load(w_lo + cols[None, :], mask=kmask[None, :], other=0.0, eviction_policy="evict_first")
+    wh = tl.load(w_hi + cols[None, :], mask=kmask[None, :], other=0.0, eviction_policy="evict_first")
+    return wl, wh
 
 
 @triton.jit
@@ -230,11 +262,13 @@ def _qkv_rope_kernel(
     STATIC: tl.constexpr,
     BLOCK_P: tl.constexpr,  # rotary pairs (d, d + HEAD_DIM / 2) per program
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
     """One program: BLOCK_P rotary pairs of one head of the merged q/k/v projection. Its two row
     sets are the pair's halves, so the epilogue can rotate q and k and store k and v straight
     into the paged cache at this token's slot (no separate rotary or KV-write launch)."""
     HALF: tl.constexpr = HEAD_DIM // 2
+    pdl_launch_dependents(USE_PDL)
     pid = tl.program_id(0)
     head = pid // (HALF // BLOCK_P)
     pairs = (pid % (HALF // BLOCK_P)) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -244,6 +278,10 @@ def _qkv_rope_kernel(
     acc_lo = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32)
     acc_hi = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32)
     sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    # The first weight tiles are requested before waiting for the previous kernel (pdl.py).
+    cols = tl.arange(0, BLOCK_K)
+    wl, wh = _pair_tiles(w_lo, w_hi, cols, cols < K)
+    pdl_wait(USE_PDL)
     rstd, x_scale = 1.0, 1.0
     if W8A8:
         rstd, x_scale = _token_stats(x_ptr, norm_w_ptr, in_scale_ptr, K, eps, NORM, STATIC, BLOCK_K)
@@ -256,10 +294,10 @@ def _qkv_rope_kernel(
             xin, h = _input_tile(x_ptr, norm_w_ptr, cols, kmask, NORM)
             if NORM:
                 sq += h * h
-        w = tl.load(w_lo + cols[None, :], mask=kmask[None, :], other=0.0, eviction_policy="evict_first")
-        acc_lo += w.to(tl.float32) * xin[None, :]
-        w = tl.load(w_hi + cols[None, :], mask=kmask[None, :], other=0.0, eviction_policy="evict_first")
-        acc_hi += w.to(tl.float32) * xin[None, :]
+        if k0 > 0:
+            wl, wh = _pair_tiles(w_lo, w_hi, cols, kmask)
+        acc_lo += wl.to(tl.float32) * xin[None, :]
+        acc_hi += wh.to(tl.float32) * xin[None, :]
     if W8A8:  # the norm's rstd is in the codes already
         lo, hi = _paired_row_sums(acc_lo, acc_hi, sq, K, eps, False)
         lo, hi = lo * x_scale, hi * x_scale
@@ -377,7 +415,7 @@ def gemv(
         residual if residual is not None else x, norm_weight if norm_weight is not None else x, eps, n_out, k,
         weight.stride(0), NORM=norm_weight is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         HAS_RESIDUAL=residual is not None, HAS_W_SCALE=weight_scale is not None, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, **pdl_launch(x.device),
     )
     return out
 
@@ -431,6 +469,6 @@ def qkv_rope_gemv(
         kv_cache.stride(2), kv_cache.stride(3),
         HEAD_DIM=head_dim, NORM=norm_weight is not None, HAS_BIAS=bias is not None,
         HAS_W_SCALE=weight_scale is not None, W8A8=w8a8, STATIC=input_scale is not None, BLOCK_P=block_p,
-        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, **pdl_launch(x.device),
     )
     return q

@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from ferrox.kernels.kv_fp8 import FP8_KV_DTYPE, unit_kv_scales
+from ferrox.kernels.pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ferrox.kernels.split_k import num_sms as _num_sms
 
 _LOG2E = 1.4426950408889634
@@ -106,10 +107,13 @@ def _paged_attention_kernel(
     DIM_PAD: tl.constexpr,
     SPLIT_KV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
+    pdl_launch_dependents(USE_PDL)
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    pdl_wait(USE_PDL)  # (q and this step's K/V come from the kernels before)
 
     req = _find_request(query_start_loc_ptr, num_reqs, tile_id, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + req)
@@ -209,9 +213,12 @@ def _merge_splits_kernel(
     num_splits,
     SPLIT_CHUNK: tl.constexpr,
     DIM_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """out = sum_s w_s o_s / sum_s w_s with w_s = l_s * 2^(m_s - max m), over num_splits partials,
     SPLIT_CHUNK at a time (two passes: the max first, so every weight is exact)."""
+    pdl_launch_dependents(USE_PDL)
+    pdl_wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     base = (token * num_q_heads + head) * num_splits
@@ -387,6 +394,7 @@ def unified_attention(
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **pdl_launch(q.device),
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
@@ -401,5 +409,6 @@ def unified_attention(
             num_splits,
             SPLIT_CHUNK=_MERGE_CHUNK,
             DIM_PAD=dim_pad,
+            **pdl_launch(q.device),
         )
     return out

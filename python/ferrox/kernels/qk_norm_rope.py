@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ferrox.kernels.kv_fp8 import unit_kv_scales
+from ferrox.kernels.pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ferrox.kernels.reshape_and_cache import store_head_kv
 
 
@@ -47,11 +48,14 @@ def _qk_norm_rope_cache_kernel(
     HEAD_DIM: tl.constexpr,
     QK_NORM: tl.constexpr,  # False: rotary and the KV write only (an int4 layer's qkv)
     BLOCK_HALF: tl.constexpr,  # HEAD_DIM / 2 rounded up to a power of two (the lanes)
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
     """One program: one whole head of the projected qkv row, as its two rotary halves. q and k
     heads are RMS-normed over the head (QK_NORM; rounded as RMSNorm stores its output) and rotated;
     q goes to q_out, k and v (unchanged) into the paged cache at this token's slot."""
     HALF: tl.constexpr = HEAD_DIM // 2
+    pdl_launch_dependents(USE_PDL)
+    pdl_wait(USE_PDL)
     head = tl.program_id(0)
     pairs = tl.arange(0, BLOCK_HALF)
     lanes = pairs < HALF
@@ -162,6 +166,6 @@ def qk_norm_rope_cache(
         num_q_heads, num_kv_heads, kv_cache.shape[2], kv_cache.stride(0), kv_cache.stride(1),
         kv_cache.stride(2), kv_cache.stride(3),
         HEAD_DIM=head_dim, QK_NORM=qk_norm, BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
-        num_warps=1 if head_dim <= 128 else 2,
+        num_warps=1 if head_dim <= 128 else 2, **pdl_launch(qkv.device),
     )
     return q

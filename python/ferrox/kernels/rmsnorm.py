@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ferrox.kernels.pdl import pdl_launch, pdl_launch_dependents, pdl_wait
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -29,7 +31,10 @@ def _rms_norm_kernel(
     stride_ro,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
+    pdl_launch_dependents(USE_PDL)
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -70,6 +75,7 @@ def _launch(x, residual, weight, eps, out, residual_out) -> None:
         HAS_RESIDUAL=residual is not x,
         BLOCK=block,
         num_warps=min(16, max(1, block // 256)),
+        **pdl_launch(x.device),
     )
 
 
