@@ -99,6 +99,31 @@ def test_many_splits_merge_in_chunks(kernel_device, seed):
     _check(batch, torch.float32, num_splits=pa._MERGE_CHUNK + 9)
 
 
+def _graph_shaped_decode(batch: PagedBatch, num_splits: int, max_seq_len: int) -> torch.Tensor:
+    """A decode-only step as a CUDA graph replays it: the split count and max_seq_len fixed for the
+    graph (not the batch's), and its last request a padding row (slot -1, seq_len 0)."""
+    reshape_and_cache(batch.k, batch.v, batch.kv_cache, batch.slot_mapping)
+    seq_lens = batch.seq_lens.clone()
+    seq_lens[-1] = 0
+    out = torch.full_like(batch.q, float("nan"))
+    unified_attention(batch.q, batch.kv_cache, batch.query_start_loc, seq_lens, batch.block_table, max_query_len=1,
+                      max_seq_len=max_seq_len, scale=batch.scale, out=out, num_splits=num_splits)
+    return out
+
+
+@pytest.mark.parametrize("num_splits", [3, pa._MERGE_CHUNK + 5])
+def test_decode_splits_follow_each_context_not_the_graph_bound(kernel_device, seed, num_splits):
+    """Contexts of one live split (the attention kernel writes the row, the merge leaves it), of
+    several, and a padding row: every real row matches the reference, the padding row is zeros."""
+    batch = PagedBatch([1, 1, 1, 1], [9, 700, 300, 5], 4, 2, 16, 16, torch.float32, kernel_device)
+    batch.slot_mapping[-1] = -1
+    out = _graph_shaped_decode(batch, num_splits, max_seq_len=4096)  # (this step's K/V now cached)
+    ref = paged_attention_ref(batch.q[:3], batch.kv_cache, batch.query_start_loc[:4], batch.seq_lens[:3],
+                              batch.block_table[:3], batch.scale)
+    assert relative_error(out[:3], ref) < 1e-5
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_unified_attention_llama8b_mixed_batch(cuda_device, seed, dtype):

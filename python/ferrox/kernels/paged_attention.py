@@ -18,7 +18,11 @@ Split-KV (flash decoding): with few requests and long contexts the grid above le
 idle, so the KV range of each request is cut into num_splits segments handled by separate
 programs that write a partial output plus its softmax max and sum; a reduce kernel merges them.
 The split count is a runtime argument (only "split or not" is compiled in), so the many split
-counts a CUDA-graph ladder picks cost two compiled variants, not one per count. At batch 1 the
+counts a CUDA-graph ladder picks cost two compiled variants, not one per count. A graph fixes the
+count for max_model_len, while the contexts it replays are mostly short; so in a decode-only
+batch each request's splits are at least _MIN_SPLIT_LEN positions long, the programs past its
+live splits return at once, a request with one live split is written by the attention kernel
+itself, and the merge reads only live partials (and skips the one-split rows). At batch 1 the
 heuristic aims at two waves of programs (8 KV heads x 33 splits on 132 SMs); on an H200 at a
 122k context 32-48 splits stream KV fastest (fewer leave SMs idle, more shrink each program's
 pipelined loop and add partials). The merge loops over the partials, so the count has no compiled
@@ -73,6 +77,18 @@ def _find_request(query_start_loc_ptr, num_reqs, tile_id, BLOCK_Q: tl.constexpr)
 
 # Runtime integers that change from step to step are not specialised on (Triton would otherwise
 # compile a variant per "== 1" / "divisible by 16" class of each): see the module docstring.
+@triton.jit
+def _split_len(seq_len, num_splits, TILE_N: tl.constexpr, MIN_SPLIT: tl.constexpr, DECODE_ONLY: tl.constexpr):
+    """KV positions per split of a request of seq_len tokens: whole TILE_N steps; in a decode-only
+    batch at least MIN_SPLIT, so a short context runs in fewer live splits than launched (the
+    count is fixed per CUDA graph, the contexts are not). The attention and merge kernels agree
+    on it."""
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), TILE_N) * TILE_N
+    if DECODE_ONLY:
+        split_len = tl.maximum(split_len, MIN_SPLIT)
+    return split_len
+
+
 @triton.jit(do_not_specialize=["num_reqs", "stride_bt", "num_splits"])
 def _paged_attention_kernel(
     out_ptr,
@@ -108,6 +124,8 @@ def _paged_attention_kernel(
     SPLIT_KV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
+    DECODE_ONLY: tl.constexpr = False,  # one query token per request (token i is request i)
+    MIN_SPLIT: tl.constexpr = 256,
 ):
     pdl_launch_dependents(USE_PDL)
     tile_id = tl.program_id(0)
@@ -145,9 +163,17 @@ def _paged_attention_kernel(
 
     # Causal: nothing past this tile's last query is visible.
     kv_end = tl.minimum(seq_len, context_len + tl.minimum((q_tile + 1) * BLOCK_Q, query_len))
+    alone = seq_len < 0  # (a runtime False: this program's split is the request's only one)
     if SPLIT_KV:
         # Split boundaries depend on seq_len only (not on the tile), in whole TILE_N steps.
-        split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), TILE_N) * TILE_N
+        split_len = _split_len(seq_len, num_splits, TILE_N, MIN_SPLIT, DECODE_ONLY)
+        if DECODE_ONLY:
+            live = tl.cdiv(seq_len, split_len)
+            if split >= tl.maximum(live, 1):
+                return  # past the context: nothing to write, the merge reads only live splits
+            # One live split (or none: a CUDA graph's padding row, seq_len 0, gets zeros) writes the
+            # output itself, and the merge leaves that row alone.
+            alone = live <= 1
         kv_lo = split * split_len
         kv_hi = tl.minimum(kv_end, kv_lo + split_len)
     else:
@@ -187,7 +213,7 @@ def _paged_attention_kernel(
     result = acc / l_safe[:, None]
     if FP8_KV:
         result = result * tl.load(kv_scale_ptr + 1)
-    if SPLIT_KV:
+    if SPLIT_KV and not alone:
         partial = (token * num_q_heads + head) * num_splits + split
         tl.store(partial_out_ptr + partial[:, None] * DIM_PAD + dims[None, :], result, mask=row_valid[:, None])
         tl.store(partial_max_ptr + partial, m_i, mask=row_valid)
@@ -211,30 +237,44 @@ def _merge_splits_kernel(
     stride_ot,
     stride_oh,
     num_splits,
+    seq_lens_ptr,
+    num_reqs,
     SPLIT_CHUNK: tl.constexpr,
     DIM_PAD: tl.constexpr,
     USE_PDL: tl.constexpr,
+    DECODE_ONLY: tl.constexpr = False,  # as the attention kernel's: then only live splits are read
+    TILE_N: tl.constexpr = 128,
+    MIN_SPLIT: tl.constexpr = 256,
 ):
-    """out = sum_s w_s o_s / sum_s w_s with w_s = l_s * 2^(m_s - max m), over num_splits partials,
-    SPLIT_CHUNK at a time (two passes: the max first, so every weight is exact)."""
+    """out = sum_s w_s o_s / sum_s w_s with w_s = l_s * 2^(m_s - max m), over the partials,
+    SPLIT_CHUNK at a time (two passes: the max first, so every weight is exact). In a decode-only
+    batch a request whose context fits one split was written by the attention kernel itself."""
     pdl_launch_dependents(USE_PDL)
     pdl_wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     base = (token * num_q_heads + head) * num_splits
+    live = num_splits
+    if DECODE_ONLY:
+        if token >= num_reqs:
+            return  # a padding row
+        seq_len = tl.load(seq_lens_ptr + token)
+        live = tl.cdiv(seq_len, _split_len(seq_len, num_splits, TILE_N, MIN_SPLIT, DECODE_ONLY))
+        if live <= 1:
+            return
     splits = tl.arange(0, SPLIT_CHUNK)
     dims = tl.arange(0, DIM_PAD)
     m_max = tl.full([SPLIT_CHUNK], float("-inf"), tl.float32)
-    for first in range(0, num_splits, SPLIT_CHUNK):
-        used = first + splits < num_splits
+    for first in range(0, live, SPLIT_CHUNK):
+        used = first + splits < live
         m_max = tl.maximum(m_max, tl.load(partial_max_ptr + base + first + splits, mask=used, other=float("-inf")))
     m_top = tl.max(m_max, 0)
     m_top = tl.where(m_top == float("-inf"), 0.0, m_top)
     total = tl.zeros([SPLIT_CHUNK], tl.float32)
     acc = tl.zeros([SPLIT_CHUNK, DIM_PAD], tl.float32)
-    for first in range(0, num_splits, SPLIT_CHUNK):
+    for first in range(0, live, SPLIT_CHUNK):
         idx = first + splits
-        used = idx < num_splits
+        used = idx < live
         m = tl.load(partial_max_ptr + base + idx, mask=used, other=float("-inf"))
         l_sum = tl.load(partial_sum_ptr + base + idx, mask=used, other=0.0)
         weight = l_sum * tl.exp2(m - m_top)  # empty splits: l = 0 and m = -inf -> weight 0
@@ -351,6 +391,8 @@ def unified_attention(
         raise ValueError(f"num_splits must be in 1..{_MAX_SPLITS}, got {num_splits}")
     if config is DECODE_CONFIG and num_splits > 1:
         config = DECODE_SPLIT_CONFIG  # same block_m, so num_tiles above still holds
+    # One query token per request: token i is request i, so the merge can find its context length.
+    decode_only = max_query_len <= 1 and num_tokens <= num_reqs
 
     if num_splits > 1:
         partial_out = torch.empty(num_tokens, num_heads, num_splits, dim_pad, dtype=torch.float32, device=q.device)
@@ -392,6 +434,8 @@ def unified_attention(
         DIM_PAD=dim_pad,
         SPLIT_KV=num_splits > 1,
         DOT_PRECISION=_dot_precision(q.dtype),
+        DECODE_ONLY=decode_only,
+        MIN_SPLIT=_MIN_SPLIT_LEN,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl_launch(q.device),
@@ -407,8 +451,13 @@ def unified_attention(
             out.stride(0),
             out.stride(1),
             num_splits,
+            seq_lens,
+            num_reqs,
             SPLIT_CHUNK=_MERGE_CHUNK,
             DIM_PAD=dim_pad,
+            DECODE_ONLY=decode_only,
+            TILE_N=config.tile_n,
+            MIN_SPLIT=_MIN_SPLIT_LEN,
             **pdl_launch(q.device),
         )
     return out
