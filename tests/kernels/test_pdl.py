@@ -7,7 +7,12 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from ferrox.kernels.pdl import pdl_enabled, pdl_launch, pdl_launch_dependents, pdl_wait
+from ferrox.kernels.pdl import pdl_enabled, pdl_launch, pdl_launch_dependents, pdl_wait, triton_supports_pdl
+
+
+def test_the_installed_triton_has_pdl():
+    """(The pinned toolchain has it; an older Triton makes pdl_enabled False instead of failing.)"""
+    assert triton_supports_pdl()
 
 
 def test_pdl_is_off_on_the_cpu_and_in_the_interpreter(monkeypatch):

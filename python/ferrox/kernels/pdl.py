@@ -50,12 +50,25 @@ def _device_supports_pdl(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+@functools.cache
+def triton_supports_pdl() -> bool:
+    """Whether the installed Triton has the grid-dependency ops and the launch option (3.3 and
+    later; torch 2.4-2.6 bring older ones, which then launch the kernels plainly)."""
+    try:
+        import triton.language.extra.cuda as cuda_extra
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return (hasattr(cuda_extra, "gdc_wait") and hasattr(cuda_extra, "gdc_launch_dependents")
+            and "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}))
+
+
 def pdl_enabled(device: torch.device) -> bool:
-    """Whether the one-token kernels on `device` launch with PDL: CUDA sm90+, not interpreted,
-    FERROX_PDL not "0"."""
+    """Whether the one-token kernels on `device` launch with PDL: CUDA sm90+, a Triton that has it,
+    not interpreted, FERROX_PDL not "0"."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    if os.environ.get("FERROX_PDL", "1") == "0":
+    if os.environ.get("FERROX_PDL", "1") == "0" or not triton_supports_pdl():
         return False
     return _device_supports_pdl(device.index if device.index is not None else torch.cuda.current_device())
 
