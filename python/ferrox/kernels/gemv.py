@@ -200,13 +200,15 @@ def _gemv_kernel(
     sq = tl.zeros([BLOCK_K], dtype=tl.float32)
     # The first weight tile is requested before waiting for the previous kernel (pdl.py).
     cols = tl.arange(0, BLOCK_K)
-    w, w_up = _weight_tile(w_rows, cols, rmask, cols < K, n_out * stride_w, SILU_MUL)
+    kmask = cols < K
+    w, w_up = _weight_tile(w_rows, cols, rmask, kmask, n_out * stride_w, SILU_MUL)
     pdl_wait(USE_PDL)
-    acc, acc_up, sq = _accumulate(acc, acc_up, sq, w, w_up, x_ptr, norm_w_ptr, cols, cols < K, NORM, SILU_MUL)
+    acc, acc_up, sq = _accumulate(acc, acc_up, sq, w, w_up, x_ptr, norm_w_ptr, cols, kmask, NORM, SILU_MUL)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
-        w, w_up = _weight_tile(w_rows, cols, rmask, cols < K, n_out * stride_w, SILU_MUL)
-        acc, acc_up, sq = _accumulate(acc, acc_up, sq, w, w_up, x_ptr, norm_w_ptr, cols, cols < K, NORM, SILU_MUL)
+        kmask = cols < K
+        w, w_up = _weight_tile(w_rows, cols, rmask, kmask, n_out * stride_w, SILU_MUL)
+        acc, acc_up, sq = _accumulate(acc, acc_up, sq, w, w_up, x_ptr, norm_w_ptr, cols, kmask, NORM, SILU_MUL)
     y = tl.sum(acc, axis=1)
     up = y  # (the up rows' sums with SILU_MUL)
     if NORM:

@@ -75,8 +75,6 @@ def _find_request(query_start_loc_ptr, num_reqs, tile_id, BLOCK_Q: tl.constexpr)
     return lo - 1
 
 
-# Runtime integers that change from step to step are not specialised on (Triton would otherwise
-# compile a variant per "== 1" / "divisible by 16" class of each): see the module docstring.
 @triton.jit
 def _split_len(seq_len, num_splits, TILE_N: tl.constexpr, MIN_SPLIT: tl.constexpr, DECODE_ONLY: tl.constexpr):
     """KV positions per split of a request of seq_len tokens: whole TILE_N steps; in a decode-only
@@ -89,6 +87,8 @@ def _split_len(seq_len, num_splits, TILE_N: tl.constexpr, MIN_SPLIT: tl.constexp
     return split_len
 
 
+# Runtime integers that change from step to step are not specialised on (Triton would otherwise
+# compile a variant per "== 1" / "divisible by 16" class of each): see the module docstring.
 @triton.jit(do_not_specialize=["num_reqs", "stride_bt", "num_splits"])
 def _paged_attention_kernel(
     out_ptr,

@@ -94,4 +94,3 @@ def pdl_wait(USE_PDL: tl.constexpr):
     read of anything a kernel of the step writes, and before the first write)."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-
