@@ -173,3 +173,14 @@ def test_sampler_uses_the_cuda_kernel_once_built(cuda_device, seed):
     alone = SamplingMetadata(all_greedy=False, temperature=torch.ones(1, device=cuda_device), top_k=top_k[4:5],
                              generators={0: gens[4]})
     assert sampler(logits[4:5].clone(), alone).token_ids[0] == first[4]
+
+
+def test_the_cuda_sources_ship_inside_the_package():
+    """ferrox/csrc is what pyproject's maturin `include` puts in every sdist and wheel: in a checkout
+    it must resolve to the top-level cuda/ sources, or installed packages sample on the torch path."""
+    src = cuda_sampling._cuda_source_dir()
+    assert src == cuda_sampling.PACKAGED_SOURCE_DIR
+    root = cuda_sampling.PACKAGED_SOURCE_DIR.parents[2] / "cuda"
+    if root.is_dir():  # a checkout (an installed package has only its copy)
+        for name in cuda_sampling._CUDA_SOURCES:
+            assert (src / name).read_bytes() == (root / name).read_bytes()

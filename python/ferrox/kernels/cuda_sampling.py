@@ -5,13 +5,13 @@ smallest set of those whose mass reaches top_p of the top-k mass (ties at either
 and draws one token by inverse CDF with the row's uniform in [0, 1). Passing the uniforms in
 keeps per-request seeds in the caller's hands (one torch.Generator per seeded request).
 
-On CUDA with a compiler present, cuda/top_k_top_p_sampling.cu is JIT-built once with
-torch.utils.cpp_extension (cached under ~/.cache/ferrox/cuda_ext) and used: it finds both cuts
-by radix select over the float bits instead of sorting the vocabulary. An engine asks
-`prepare_extension()` once at start (see there for why a first start builds for the next one). Anywhere else (CPU, no
-nvcc, a source tree without cuda/, or a build error, which is logged once) the sort-based torch
-path below runs; both draw from the same distribution but not the same token for a given uniform
-(they walk the kept tokens in a different order).
+On CUDA with a compiler present, cuda/top_k_top_p_sampling.cu (packaged as ferrox/csrc/, so an
+installed wheel has it too) is JIT-built once with torch.utils.cpp_extension (cached under
+~/.cache/ferrox/cuda_ext) and used: it finds both cuts by radix select over the float bits instead
+of sorting the vocabulary. An engine asks `prepare_extension()` once at start (see there for why a
+first start builds for the next one). Anywhere else (CPU, no nvcc, no sources, or a build error,
+which is logged once) the sort-based torch path below runs; both draw from the same distribution
+but not the same token for a given uniform (they walk the kept tokens in a different order).
 """
 
 from __future__ import annotations
@@ -35,10 +35,16 @@ _EXT_NAME = "ferrox_top_k_top_p_sampling"
 _DISABLE_ENV = "FERROX_DISABLE_CUDA_SAMPLING"
 
 
+# The sources live in the repository's top-level cuda/; ferrox/csrc is a symlink to it, which
+# pyproject's maturin `include` copies into every sdist and wheel, so an installed package carries
+# them too (a top-level cuda/ in a wheel would land in site-packages/cuda/, cuda-python's package).
+PACKAGED_SOURCE_DIR = Path(__file__).resolve().parents[1] / "csrc"
+
+
 def _cuda_source_dir() -> Path | None:
     override = os.environ.get("FERROX_CUDA_SRC")
     candidates = [Path(override)] if override else []
-    candidates.append(Path(__file__).resolve().parents[3] / "cuda")  # repo checkout: <root>/cuda
+    candidates.append(PACKAGED_SOURCE_DIR)
     for path in candidates:
         if all((path / name).is_file() for name in _CUDA_SOURCES):
             return path
@@ -99,7 +105,10 @@ def prepare_extension() -> Any | None:
     built = any(_build_dir().glob(f"{_EXT_NAME}*.so"))
     with _build_lock:
         if built:
-            return load_extension()
+            module = load_extension()
+            if module is not None:
+                logger.info("top-k/top-p sampling: the CUDA kernel (built in %s)", _build_dir())
+            return module
         if _build_thread is None:
             logger.info("building the CUDA top-k/top-p sampling kernel in the background for the next start")
             _build_thread = threading.Thread(target=load_extension, name="ferrox-cuda-sampling-build", daemon=True)
