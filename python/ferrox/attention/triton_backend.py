@@ -16,10 +16,16 @@ kernel (kernels/prefill_attention.py, large tensor-core tiles) for its requests;
 requests that lead a mixed batch (the scheduler puts decodes first) still go to the unified
 kernel, so their single query row does not occupy a whole 128- or 256-row query tile. The split is planned once per
 step from the metadata's host copies, never from device data.
+
+Long chunks on Hopper: when every prefill request of such a step has a chunk and a cached context
+of 0 or at least CUDNN_MIN_LEN tokens, its requests attend through cuDNN instead, one request at a
+time (kernels/cudnn_prefill.py: ~1.4x the prefill kernel's rate at long contexts). Only in
+`forward`, which has the chunk's own k/v rows; with an FP8 cache the Triton kernels keep them.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -30,9 +36,12 @@ from ferrox.attention.decode_path import DecodePath, OneTokenLayer
 from ferrox.attention.fused_decode import FusedOneTokenDecode
 from ferrox.attention.kv_cache import KVCacheScales
 from ferrox.attention.metadata import AttentionMetadata
+from ferrox.kernels import cudnn_prefill
 from ferrox.kernels.paged_attention import unified_attention
 from ferrox.kernels.prefill_attention import prefill_attention
 from ferrox.kernels.reshape_and_cache import reshape_and_cache
+
+logger = logging.getLogger(__name__)
 
 # Steps whose longest query reaches this many tokens attend with the prefill kernel (see above).
 # Chunks shorter than this fill little of the prefill kernel's tall query tiles (256 rows = 64
@@ -48,17 +57,31 @@ class _StepPlan:
     num_decodes: int  # leading one-token requests (rows 0..num_decodes) for the unified kernel
     use_prefill_kernel: bool  # the remaining requests go to the prefill kernel
     prefill_query_start_loc: torch.Tensor  # query_start_loc[num_decodes:] - num_decodes, on device
+    # When every request after the decodes can take cuDNN (see the module doc): per request, its
+    # (row, first row past it, cached context length, blocks holding that context); else empty.
+    cudnn_requests: tuple[tuple[int, int, int, int, int], ...] = ()
 
 
-def _plan_step(meta: AttentionMetadata) -> _StepPlan:
+def _plan_step(meta: AttentionMetadata, block_size: int = 0) -> _StepPlan:
+    """block_size: the cache's, when the cuDNN path is on for this backend (0: off)."""
     if meta.max_query_len < PREFILL_MIN_QUERY_LEN:
         return _StepPlan(0, False, meta.query_start_loc)
-    query_lens = (meta.query_start_loc_cpu[1:] - meta.query_start_loc_cpu[:-1]).tolist()
+    starts = meta.query_start_loc_cpu.tolist()
+    query_lens = [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)]
     num_decodes = 0
     while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
         num_decodes += 1
     shifted = meta.query_start_loc[num_decodes:] - num_decodes if num_decodes else meta.query_start_loc
-    return _StepPlan(num_decodes, True, shifted)
+    cudnn: list[tuple[int, int, int, int, int]] = []
+    if block_size:
+        seq_lens = meta.seq_lens_cpu.tolist()
+        for r in range(num_decodes, len(query_lens)):
+            context = seq_lens[r] - query_lens[r]
+            if not cudnn_prefill.takes_cudnn_path(query_lens[r], context):
+                cudnn = []
+                break
+            cudnn.append((r, starts[r], starts[r + 1], context, -(-context // block_size)))
+    return _StepPlan(num_decodes, True, shifted, tuple(cudnn))
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -68,6 +91,9 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self) -> None:
         self._meta: AttentionMetadata | None = None
         self._plan: _StepPlan | None = None
+        # The cuDNN prefill path: decided at the first forward with a cache (device, dtype, heads).
+        self._cudnn_block_size: int | None = None
+        self._cudnn_shape: tuple[int, int, int, torch.dtype, torch.device] | None = None
 
     def begin_forward(self, meta: AttentionMetadata) -> None:
         self._plan_for(meta)
@@ -75,9 +101,29 @@ class TritonAttentionBackend(AttentionBackend):
     def _plan_for(self, meta: AttentionMetadata) -> _StepPlan:
         # Planned once per step (the first layer, or begin_forward) and reused by every layer.
         if self._meta is not meta or self._plan is None:
-            self._plan = _plan_step(meta)
+            self._plan = _plan_step(meta, self._cudnn_block_size or 0)
             self._meta = meta
         return self._plan
+
+    def _decide_cudnn(self, q: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        if self._cudnn_block_size is not None:
+            return
+        on = (cudnn_prefill.cudnn_prefill_supported(q.device, kv_cache.dtype, q.shape[2])
+              and kv_cache.dtype == q.dtype and cudnn_prefill.enable_bucketed_plans())
+        self._cudnn_block_size = kv_cache.shape[2] if on else 0
+        if on:
+            self._cudnn_shape = (q.shape[1], kv_cache.shape[3], q.shape[2], q.dtype, q.device)
+        logger.info("long prefill chunks (>= %d tokens): %s", cudnn_prefill.CUDNN_MIN_LEN,
+                    "cuDNN attention" if on else "the Triton prefill kernel")
+        self._plan = None  # re-plan this step with the decision made
+
+    def warm_up_plans(self, max_query_len: int, max_model_len: int) -> int:
+        """Build the cuDNN plans every long chunk can reach (worker/warmup.py, before ready); the
+        number built, 0 when the path is off or no step has run yet."""
+        if not self._cudnn_block_size or self._cudnn_shape is None:
+            return 0
+        heads, kv_heads, head_dim, dtype, device = self._cudnn_shape
+        return cudnn_prefill.warm_up_plans(device, dtype, heads, kv_heads, head_dim, max_query_len, max_model_len)
 
     def forward(
         self,
@@ -95,6 +141,10 @@ class TritonAttentionBackend(AttentionBackend):
             raise ValueError(f"slot_mapping has {meta.slot_mapping.shape[0]} slots for {k.shape[0]} k/v rows")
         kv_scale = kv_scales.scales if kv_scales is not None else None
         reshape_and_cache(k, v, kv_cache, meta.slot_mapping, kv_scale)
+        self._decide_cudnn(q, kv_cache)
+        plan = self._plan_for(meta)
+        if plan.cudnn_requests:  # never with an FP8 cache (_decide_cudnn), whose scales apply
+            return self._attend_cudnn(q, k, v, kv_cache, meta, plan, scale)
         return self._attend(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, meta,
                             meta.max_seq_len, scale, kv_scale)
 
@@ -121,6 +171,19 @@ class TritonAttentionBackend(AttentionBackend):
                           max_query_len=1, max_seq_len=max_seq_len, scale=scale, out=out[:nd], kv_scale=kv_scale)
         prefill_attention(q[nd:], kv_cache, plan.prefill_query_start_loc, seq_lens[nd:], block_table[nd:],
                           scale=scale, out=out[nd:], kv_scale=kv_scale)
+        return out
+
+    def _attend_cudnn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                      meta: AttentionMetadata, plan: _StepPlan, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        nd = plan.num_decodes
+        if nd:
+            unified_attention(q[:nd], kv_cache, meta.query_start_loc[: nd + 1], meta.seq_lens[:nd],
+                              meta.block_table[:nd], max_query_len=1, max_seq_len=meta.max_seq_len, scale=scale,
+                              out=out[:nd])
+        for r, a, b, context, blocks in plan.cudnn_requests:
+            cudnn_prefill.cudnn_prefill_request(out[a:b], q[a:b], k[a:b], v[a:b], kv_cache,
+                                                meta.block_table[r, :blocks], context, scale)
         return out
 
     def decode_path(self, layers: Sequence[OneTokenLayer] | None,

@@ -145,7 +145,7 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
         kv_bytes = config.resolved_cpu_kv_cache_memory()
     else:
         kv_bytes = config.kv_cache_memory or profile_gpu_kv_budget(
-            model, spec, dtype, device, config, max_num_batched_tokens, max_num_seqs, tp.size
+            model, spec, dtype, device, config, max_num_batched_tokens, max_num_seqs, tp.size, max_model_len
         )
     if device.type != "cpu" and config.kv_cache_memory is None:
         # Draft-model speculation keeps a twin KV cache of the same block count (worker/draft_model.py)
@@ -287,6 +287,7 @@ def profile_gpu_kv_budget(
     num_tokens: int,
     num_seqs: int,
     tp_size: int = 1,
+    max_model_len: int | None = None,
 ) -> int:
     """Run one forward pass at the largest step size and return the bytes left for the KV cache."""
     torch.cuda.empty_cache()
@@ -302,6 +303,8 @@ def profile_gpu_kv_budget(
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     budget = int(config.gpu_memory_utilization * total) - (peak - scratch_bytes)
+    budget -= _cudnn_prefill_reserve(model, spec, dtype, kv_dtype, device, num_tokens, max_model_len or num_tokens,
+                                     tp_size)
     # Other processes on the GPU count against us too.
     budget = min(budget, free - (1 << 28))
     logger.info(
@@ -314,6 +317,21 @@ def profile_gpu_kv_budget(
             f"(weights + activations take {(peak - scratch_bytes) / 2**30:.2f} GiB of {total / 2**30:.1f} GiB)"
         )
     return budget
+
+
+def _cudnn_prefill_reserve(model: Any, spec: Any, dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device,
+                           num_tokens: int, max_model_len: int, tp_size: int) -> int:
+    """Bytes a long chunk's cuDNN attention holds beyond what the profiling pass saw (its prefill
+    is many short requests, which stay on the Triton kernel): kept out of the KV budget."""
+    from ferrox.distributed.sharding import local_num_kv_heads
+    from ferrox.kernels import cudnn_prefill
+
+    if getattr(getattr(model, "backend", None), "name", None) != "triton" or kv_dtype != dtype:
+        return 0
+    if not cudnn_prefill.cudnn_prefill_supported(device, dtype, spec.head_dim):
+        return 0
+    return cudnn_prefill.scratch_bytes(spec.num_heads // tp_size, local_num_kv_heads(spec, tp_size), spec.head_dim,
+                                       torch.empty((), dtype=dtype).element_size(), num_tokens, max_model_len)
 
 
 @torch.inference_mode()

@@ -24,6 +24,8 @@ engine reports ready:
     sampling            each sampling variant alone in a short prefill
     eager decodes       (only without CUDA graphs; captured graphs already compiled theirs) every
                         count and width class above
+    cuDNN plans         where long chunks attend through cuDNN (kernels/cudnn_prefill.py), its plan
+                        for every power-of-two chunk and context length bucket they can reach
 
 Each step is scheduled by a throwaway core `Scheduler` with prefix caching on and the engine's own
 limits, so its arrays come from the same Rust code as real steps: a context of c tokens is a real
@@ -407,9 +409,12 @@ class WarmupReport:
     steps: list[str] = field(default_factory=list)  # recipe names, in the order run
     skipped: list[str] = field(default_factory=list)  # recipe names not run, with why
     compiled: list[CompileEvent] = field(default_factory=list)
+    cudnn_plans: int = 0  # cuDNN attention plans built for long prefill chunks (kernels/cudnn_prefill.py)
 
     def summary(self) -> str:
         text = f"{len(self.steps)} steps in {self.seconds:.1f} s, {describe_compiles(self.compiled)}"
+        if self.cudnn_plans:
+            text += f", {self.cudnn_plans} cuDNN attention plans"
         return text + (f"; skipped {len(self.skipped)}" if self.skipped else "")
 
 
@@ -445,6 +450,11 @@ def warm_up(runner: Any, limits: EngineLimits, *, vocab_size: int, seed: int,
             touched.update(np.unique(np.asarray(step.so.block_table)).tolist())
             report.steps.append(recipe.name)
             logger.debug("warm-up step %r done at %.2f s", recipe.name, time.perf_counter() - start)
+        # After the steps, which decided whether long chunks go to cuDNN: its plan for every
+        # length bucket a chunk can reach (a plan is ~80 ms to build on the H200).
+        backend = getattr(getattr(runner, "model", None), "backend", None)
+        if backend is not None and hasattr(backend, "warm_up_plans"):
+            report.cudnn_plans = backend.warm_up_plans(limits.max_num_batched_tokens, limits.max_model_len)
     _forget_steps(runner, touched, seed)
     report.compiled = watch.events
     report.seconds = time.perf_counter() - start

@@ -1,0 +1,205 @@
+"""Long prefill chunks through cuDNN's fused attention on Hopper, with the Triton kernels as fallback.
+
+Why: on an H200 cuDNN's flash-attention kernels (reached through torch's
+`aten._scaled_dot_product_cudnn_attention`) run an 8192-token chunk after 114,688 cached tokens at
+~590-620 TFLOP/s where kernels/prefill_attention.py runs ~430 (benches/RESULTS.md, issue 17). cuDNN
+has no paged KV and torch's binding only aligns the causal diagonal top-left, so a request's chunk
+is attended in two parts and merged, as split-KV decoding merges its partials:
+
+- the chunk over its own K/V (this step's k/v rows, contiguous already): causal, square, so the
+  top-left diagonal is the right one;
+- the chunk over its cached context, gathered from the paged cache into one contiguous K/V
+  (~0.3 ms at 114k tokens, ~1% of that call): no mask, every cached position is visible;
+- `merge_attention_parts`: out = (o1 * e^lse1 + o2 * e^lse2) / (e^lse1 + e^lse2), one Triton launch.
+
+Graph builds. cuDNN builds an execution plan per distinct shape (70-90 ms each on the H200), which
+for chunked prefill would be one per chunk. torch's TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 (read once
+per process, at its first cuDNN attention call) rounds the sequence lengths of its plan key up to
+powers of two for batch-major contiguous ("BSHD") operands, so a server reaches a bounded set of
+plans and the engine's warm-up builds them all before ready (`warm_up_plans`). It is set here,
+when the engine enables this path, unless the user set it; with it set to 0 this path stays off.
+The plan cache is per thread: warm-up and the steps run on the engine core's thread.
+
+Used by attention/triton_backend.py for prefill requests whose chunk and cached context are both
+0 or at least CUDNN_MIN_LEN tokens long, on sm90 GPUs with a bf16/fp16 (not FP8) cache and
+head_dim <= 128; FERROX_CUDNN_PREFILL=0 turns it off. The GPU tests compare it with the Triton
+prefill kernel (tests/kernels/test_cudnn_prefill.py); the merge kernel runs under the interpreter.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+logger = logging.getLogger(__name__)
+
+# Chunks (and cached contexts) shorter than this stay on the Triton kernels: each cuDNN call costs
+# ~0.1 ms of host time and each length bucket a plan, and at 1-2k tokens the two are on par.
+CUDNN_MIN_LEN = 1024
+_AVOID_RECOMPILE = "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"
+_ENABLE = "FERROX_CUDNN_PREFILL"
+
+
+def cudnn_prefill_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether this device and cache can take the cuDNN path (measured on sm90 only)."""
+    if device.type != "cuda" or os.environ.get(_ENABLE, "1") == "0":
+        return False
+    if dtype not in (torch.bfloat16, torch.float16) or head_dim > 128 or head_dim % 8:
+        return False
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return False
+    if not torch.backends.cudnn.is_available() or (torch.backends.cudnn.version() or 0) < 90000:
+        return False
+    return hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")
+
+
+def enable_bucketed_plans() -> bool:
+    """Ask torch for power-of-two plan buckets (see the module doc); False if the user said no."""
+    if os.environ.get(_AVOID_RECOMPILE) == "0":
+        logger.info("%s=0: long prefill chunks stay on the Triton kernel", _AVOID_RECOMPILE)
+        return False
+    os.environ.setdefault(_AVOID_RECOMPILE, "1")
+    return True
+
+
+def takes_cudnn_path(query_len: int, context_len: int) -> bool:
+    return query_len >= CUDNN_MIN_LEN and (context_len == 0 or context_len >= CUDNN_MIN_LEN)
+
+
+def _bshd(x: torch.Tensor) -> torch.Tensor:
+    """[tokens, heads, D] (contiguous) as cuDNN's [1, heads, tokens, D] batch-major view."""
+    return x.unsqueeze(0).transpose(1, 2)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+    """q [T, H, D], k/v [S, Hkv, D], all contiguous -> (out [1, H, T, D] view of [T, H, D], lse [H, T])."""
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        _bshd(q), _bshd(k), _bshd(v), None, True, 0.0, causal, False, scale=scale)
+    lse = res[1]
+    return res[0], lse.as_strided((q.shape[1], q.shape[0]), (lse.stride(1), lse.stride(2)))
+
+
+@triton.jit
+def _merge_kernel(out_ptr, a_ptr, lse_a_ptr, b_ptr, lse_b_ptr, num_tokens,
+                  stride_ot, stride_oh, stride_at, stride_ah, stride_bt, stride_bh,
+                  stride_lah, stride_lat, stride_lbh, stride_lbt,
+                  HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    tile, head = tl.program_id(0), tl.program_id(1)
+    rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, DIM_PAD)
+    row_ok = rows < num_tokens
+    mask = row_ok[:, None] & (cols[None, :] < HEAD_DIM)
+    lse_a = tl.load(lse_a_ptr + head * stride_lah + rows * stride_lat, mask=row_ok, other=0.0)
+    lse_b = tl.load(lse_b_ptr + head * stride_lbh + rows * stride_lbt, mask=row_ok, other=0.0)
+    top = tl.maximum(lse_a, lse_b)
+    wa = tl.exp(lse_a - top)
+    wb = tl.exp(lse_b - top)
+    a = tl.load(a_ptr + rows[:, None] * stride_at + head * stride_ah + cols[None, :], mask=mask, other=0.0)
+    b = tl.load(b_ptr + rows[:, None] * stride_bt + head * stride_bh + cols[None, :], mask=mask, other=0.0)
+    merged = (a.to(tl.float32) * wa[:, None] + b.to(tl.float32) * wb[:, None]) / (wa + wb)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + cols[None, :],
+             merged.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def merge_attention_parts(out: torch.Tensor, a: torch.Tensor, lse_a: torch.Tensor, b: torch.Tensor,
+                          lse_b: torch.Tensor) -> torch.Tensor:
+    """out [T, H, D] = softmax-weighted union of two attention results over disjoint key sets:
+    a, b [T, H, D] (any token/head strides, unit last stride), lse_a, lse_b float32 [H, T] (any
+    strides: cuDNN's are head-major, or token-major on its ragged path; natural log of each part's
+    softmax denominator, scores scaled)."""
+    num_tokens, num_heads, head_dim = out.shape
+    for name, t in (("a", a), ("b", b)):
+        if t.shape != out.shape or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be [{num_tokens}, {num_heads}, {head_dim}] with unit last stride, "
+                             f"got {tuple(t.shape)} strides {t.stride()}")
+    for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if t.shape != (num_heads, num_tokens) or t.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32 [{num_heads}, {num_tokens}], got "
+                             f"{t.dtype} {tuple(t.shape)}")
+    if out.stride(-1) != 1:
+        raise ValueError("out needs a unit last stride")
+    block_t = 16
+    _merge_kernel[(triton.cdiv(num_tokens, block_t), num_heads)](
+        out, a, lse_a, b, lse_b, num_tokens, out.stride(0), out.stride(1), a.stride(0), a.stride(1),
+        b.stride(0), b.stride(1), lse_a.stride(0), lse_a.stride(1), lse_b.stride(0), lse_b.stride(1), HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_T=block_t,
+        num_warps=4)
+    return out
+
+
+def _gather_context(kv_cache: torch.Tensor, block_ids: torch.Tensor, context_len: int):
+    """A request's first context_len cached positions as contiguous K and V [context_len, Hkv, D]."""
+    kv = kv_cache.index_select(1, block_ids)  # [2, blocks, block_size, Hkv, D]
+    kv = kv.flatten(1, 2)[:, :context_len]
+    return kv[0], kv[1]
+
+
+def cudnn_prefill_request(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          kv_cache: torch.Tensor, block_ids: torch.Tensor, context_len: int,
+                          scale: float) -> None:
+    """One request's chunk: q [T, H, D], its own k/v [T, Hkv, D] (this step's rows), block_ids its
+    first ceil(context_len / block_size) blocks (int, on the device); writes out [T, H, D]."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # no copy unless a qkv split's view
+    own, own_lse = _attend(q, k, v, True, scale)
+    if context_len == 0:
+        out.copy_(own[0].transpose(0, 1))
+        return
+    ck, cv = _gather_context(kv_cache, block_ids, context_len)
+    ctx, ctx_lse = _attend(q, ck, cv, False, scale)
+    merge_attention_parts(out, own[0].transpose(0, 1), own_lse, ctx[0].transpose(0, 1), ctx_lse)
+
+
+def plan_buckets(max_query_len: int, max_model_len: int) -> tuple[list[int], list[int]]:
+    """The power-of-two lengths whose plans the path can reach: chunk lengths from CUDNN_MIN_LEN up to
+    the step's token budget, context lengths up to max_model_len."""
+    def ladder(top: int) -> list[int]:
+        if top < CUDNN_MIN_LEN:
+            return []
+        return [1 << e for e in range(int(math.log2(CUDNN_MIN_LEN)), (top - 1).bit_length() + 1)]
+
+    chunks = ladder(min(max_query_len, max_model_len))
+    contexts = ladder(max_model_len - CUDNN_MIN_LEN) if chunks else []
+    return chunks, contexts
+
+
+def warm_up_plans(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                  max_query_len: int, max_model_len: int) -> int:
+    """Build every plan bucket this engine can reach (one call each, on this thread); returns how many."""
+    chunks, contexts = plan_buckets(max_query_len, max_model_len)
+    if not chunks:
+        return 0
+    scale = head_dim ** -0.5
+    longest = max(max(chunks), max(contexts, default=0))
+    q_all = torch.zeros(max(chunks), num_heads, head_dim, dtype=dtype, device=device)
+    kv_all = torch.zeros(longest, num_kv_heads, head_dim, dtype=dtype, device=device)
+    built = 0
+    for t in chunks:
+        _attend(q_all[:t], kv_all[:t], kv_all[:t], True, scale)
+        built += 1
+        for s in contexts:
+            # Bucket 2^j holds the lengths in (2^(j-1), 2^j]: reachable if the shortest chunk and
+            # context of the two buckets fit in one request together.
+            if max(t // 2 + 1, CUDNN_MIN_LEN) + max(s // 2 + 1, CUDNN_MIN_LEN) <= max_model_len:
+                _attend(q_all[:t], kv_all[:s], kv_all[:s], False, scale)
+                built += 1
+    torch.cuda.synchronize(device)
+    return built
+
+
+def scratch_bytes(num_heads: int, num_kv_heads: int, head_dim: int, element_size: int, max_query_len: int,
+                  max_model_len: int) -> int:
+    """The most device memory one layer's cuDNN prefill holds beyond the Triton path's, for the KV
+    budget (worker/model_setup.py): the gathered context K/V, contiguous q/k/v copies, both parts'
+    outputs and log-sum-exps, and a margin for cuDNN's workspace."""
+    chunks, _ = plan_buckets(max_query_len, max_model_len)
+    if not chunks:
+        return 0
+    t = min(max_query_len, max_model_len)
+    context = max_model_len - CUDNN_MIN_LEN
+    row = head_dim * element_size
+    return (2 * context * num_kv_heads * row + t * (num_heads + 2 * num_kv_heads) * row
+            + 2 * t * num_heads * (row + 4) + (64 << 20))

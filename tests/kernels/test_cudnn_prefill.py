@@ -1,0 +1,146 @@
+"""Long prefill chunks through cuDNN (kernels/cudnn_prefill.py).
+
+The merge of two attention parts runs under the Triton interpreter on CPU against a float64
+softmax over the union of both key sets. On an H200 the cuDNN path runs at real shapes against the
+Triton prefill kernel and the float32 reference (ragged chunks, block tables with holes, GQA 4 and
+8, head_dim 64 and 128), and through the attention backend with decodes leading the batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ferrox.attention.triton_backend import TritonAttentionBackend, _plan_step
+from ferrox.kernels import cudnn_prefill
+from ferrox.kernels.cudnn_prefill import CUDNN_MIN_LEN, merge_attention_parts, plan_buckets
+from ferrox.kernels.prefill_attention import prefill_attention
+from ferrox.kernels.reshape_and_cache import reshape_and_cache
+
+from tests.kernels.kernel_refs import PagedBatch, relative_error, sliced_paged_attention_ref
+from tests.kernels.test_prefill_attention import _meta
+
+
+def _part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """float64 attention of q [T, H, D] over k/v [S, H, D] (no mask): (out [T, H, D], lse [H, T])."""
+    scores = torch.einsum("thd,shd->hts", q.double(), k.double()) * scale
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("hts,shd->thd", torch.softmax(scores, dim=-1), v.double())
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tokens, heads, head_dim", [(37, 3, 16), (5, 2, 24)], ids=["ragged", "dim24"])
+def test_merge_matches_attention_over_both_key_sets(kernel_device, seed, dtype, tokens, heads, head_dim):
+    q = torch.randn(tokens, heads, head_dim, device=kernel_device)
+    k = 2 * torch.randn(29, heads, head_dim, device=kernel_device)  # wide scores: the parts' lse differ
+    v = torch.randn(29, heads, head_dim, device=kernel_device)
+    scale = head_dim ** -0.5
+    a, lse_a = _part(q, k[:11], v[:11], scale)
+    b, lse_b = _part(q, k[11:], v[11:], scale)
+    expected, _ = _part(q, k, v, scale)
+    # The parts as cuDNN returns them: [1, H, T, D] over token-major storage, seen as [T, H, D].
+    a_buf = a.to(dtype).transpose(0, 1).contiguous().transpose(0, 1)  # head-major storage: other strides
+    out = torch.full((tokens, heads, head_dim), float("nan"), dtype=dtype, device=kernel_device)
+    lse_a_token_major = lse_a.float().t().contiguous().t()  # cuDNN's ragged path: [H, T] over [T, H]
+    merge_attention_parts(out, a_buf, lse_a_token_major, b.to(dtype), lse_b.float().contiguous())
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert relative_error(out.double(), expected) < tol
+
+
+def test_merge_names_the_bad_argument():
+    out = torch.empty(4, 2, 8)
+    good_lse = torch.zeros(2, 4)
+    with pytest.raises(ValueError, match="lse_b must be float32"):
+        merge_attention_parts(out, out, good_lse, out, torch.zeros(4, 2))
+    with pytest.raises(ValueError, match="a must be"):
+        merge_attention_parts(out, torch.empty(4, 2, 4), good_lse, out, good_lse)
+
+
+def test_plan_buckets_cover_every_reachable_length():
+    chunks, contexts = plan_buckets(8192, 131072)
+    assert chunks == [1024, 2048, 4096, 8192]
+    assert contexts[0] == CUDNN_MIN_LEN and contexts[-1] == 131072
+    assert plan_buckets(512, 131072) == ([], [])  # token budget below the cut: the path is never taken
+    assert plan_buckets(8192, 1500)[0] == [1024, 2048]  # a chunk can't be longer than the model
+    for query, context in ((1024, 0), (5000, 1024), (8192, 122880 - 8192)):
+        assert cudnn_prefill.takes_cudnn_path(query, context)
+    for query, context in ((1023, 0), (4096, 1023), (4096, 7)):
+        assert not cudnn_prefill.takes_cudnn_path(query, context)
+
+
+def test_step_plan_sends_a_step_to_cudnn_only_when_every_chunk_qualifies():
+    batch = PagedBatch([1, 1, 1100, 1030], [40, 8, 0, 2000], 4, 1, 16, 16, torch.float32, torch.device("cpu"))
+    plan = _plan_step(_meta(batch), block_size=16)
+    assert plan.num_decodes == 2
+    assert plan.cudnn_requests == ((2, 2, 1102, 0, 0), (3, 1102, 2132, 2000, 125))
+    assert _plan_step(_meta(batch)).cudnn_requests == ()  # off for this backend
+    mixed = PagedBatch([1, 1100, 200], [40, 0, 3000], 4, 1, 16, 16, torch.float32, torch.device("cpu"))
+    assert _plan_step(_meta(mixed), block_size=16).cudnn_requests == ()  # a short chunk keeps Triton
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+def _cudnn_or_skip(device: torch.device) -> None:
+    if not cudnn_prefill.cudnn_prefill_supported(device, torch.bfloat16, 128):
+        pytest.skip("the cuDNN prefill path needs an sm90 GPU with cuDNN 9")
+    cudnn_prefill.enable_bucketed_plans()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(32, 8, 128, 16), (32, 4, 64, 16),
+                                                                    (28, 4, 128, 128), (16, 2, 64, 32)],
+                         ids=["llama8b", "gqa8-dim64", "qwen-block128", "gqa8-block32"])
+def test_cudnn_request_matches_the_prefill_kernel(cuda_device, seed, dtype, heads, kv_heads, head_dim, block_size):
+    """Requests of ragged lengths (a fresh prompt, chunks after contexts that end mid-block) in a
+    cache whose blocks are a random permutation: every row against the float32 reference and the
+    Triton prefill kernel."""
+    _cudnn_or_skip(cuda_device)
+    query_lens, context_lens = [1500, 1100, 2048], [0, 3333, 1024]
+    batch = PagedBatch(query_lens, context_lens, heads, kv_heads, head_dim, block_size, dtype, cuda_device)
+    reshape_and_cache(batch.k, batch.v, batch.kv_cache, batch.slot_mapping)
+    ref = sliced_paged_attention_ref(batch)
+    triton_out = prefill_attention(batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens,
+                                   batch.block_table, scale=batch.scale)
+    out = torch.full_like(batch.q, float("nan"))
+    starts = batch.query_start_loc.tolist()
+    for r, context in enumerate(context_lens):
+        a, b = starts[r], starts[r + 1]
+        blocks = batch.block_table[r, : -(-context // block_size)]
+        cudnn_prefill.cudnn_prefill_request(out[a:b], batch.q[a:b], batch.k[a:b], batch.v[a:b], batch.kv_cache,
+                                            blocks, context, batch.scale)
+    assert not out.isnan().any()
+    assert relative_error(out.float(), ref) < 1.5e-2
+    assert relative_error(out.float(), triton_out.float()) < 1.5e-2
+
+
+@pytest.mark.gpu
+def test_backend_takes_cudnn_for_long_chunks_beside_decodes(cuda_device, seed, monkeypatch):
+    """Through TritonAttentionBackend.forward: decodes first, then two long chunks; the cuDNN path
+    is taken (counted) and agrees with the same backend with the path off."""
+    _cudnn_or_skip(cuda_device)
+    batch = PagedBatch([1, 1, 4096, 2000], [900, 17, 6000, 0], 32, 8, 128, 16, torch.bfloat16, cuda_device)
+    meta = _meta(batch)
+    calls: list[int] = []
+    real = cudnn_prefill.cudnn_prefill_request
+    monkeypatch.setattr(cudnn_prefill, "cudnn_prefill_request", lambda *a: (calls.append(1), real(*a))[1])
+    out = TritonAttentionBackend().forward(batch.q, batch.k, batch.v, batch.kv_cache, meta, batch.scale)
+    assert len(calls) == 2
+    monkeypatch.setenv("FERROX_CUDNN_PREFILL", "0")
+    expected = TritonAttentionBackend().forward(batch.q, batch.k, batch.v, batch.kv_cache, meta, batch.scale)
+    assert len(calls) == 2
+    assert relative_error(out.float(), expected.float()) < 1.5e-2
+    assert relative_error(out.float(), sliced_paged_attention_ref(batch)) < 1.5e-2
+
+
+@pytest.mark.gpu
+def test_warm_up_builds_the_reachable_plans(cuda_device):
+    _cudnn_or_skip(cuda_device)
+    backend = TritonAttentionBackend()
+    assert backend.warm_up_plans(8192, 16384) == 0  # no step yet: heads unknown
+    batch = PagedBatch([1024], [0], 8, 2, 64, 16, torch.bfloat16, cuda_device)
+    backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, _meta(batch), batch.scale)
+    chunks, contexts = plan_buckets(4096, 8192)
+    built = backend.warm_up_plans(4096, 8192)
+    assert len(chunks) < built <= len(chunks) * (1 + len(contexts))
