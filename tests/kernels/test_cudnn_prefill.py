@@ -56,6 +56,20 @@ def test_merge_names_the_bad_argument():
         merge_attention_parts(out, torch.empty(4, 2, 4), good_lse, out, good_lse)
 
 
+@pytest.mark.parametrize("contiguous", [True, False], ids=["cache", "strided-cache"])
+def test_gather_context_follows_the_block_table(contiguous):
+    """Runs on any device (plain torch): positions 0..context-1 of a request whose blocks are scattered."""
+    cache = torch.randn(2, 9, 4, 2, 8)
+    if not contiguous:
+        cache = torch.randn(2, 9, 4, 3, 8)[:, :, :, :2]
+    blocks = torch.tensor([5, 2, 7], dtype=torch.int32)
+    k, v = cudnn_prefill.gather_context(cache, blocks, 10)
+    assert k.is_contiguous() and v.is_contiguous() and k.shape == (10, 2, 8)
+    for pos in range(10):
+        block, offset = int(blocks[pos // 4]), pos % 4
+        assert torch.equal(k[pos], cache[0, block, offset]) and torch.equal(v[pos], cache[1, block, offset])
+
+
 def test_plan_buckets_cover_every_reachable_length():
     chunks, contexts = plan_buckets(8192, 131072)
     assert chunks == [1024, 2048, 4096, 8192]
@@ -68,14 +82,21 @@ def test_plan_buckets_cover_every_reachable_length():
         assert not cudnn_prefill.takes_cudnn_path(query, context)
 
 
-def test_step_plan_sends_a_step_to_cudnn_only_when_every_chunk_qualifies():
-    batch = PagedBatch([1, 1, 1100, 1030], [40, 8, 0, 2000], 4, 1, 16, 16, torch.float32, torch.device("cpu"))
+def test_step_plan_divides_requests_between_cudnn_and_the_prefill_kernel():
+    cpu = torch.device("cpu")
+    batch = PagedBatch([1, 1, 1100, 1030], [40, 8, 0, 2000], 4, 1, 16, 16, torch.float32, cpu)
     plan = _plan_step(_meta(batch), block_size=16)
     assert plan.num_decodes == 2
     assert plan.cudnn_requests == ((2, 2, 1102, 0, 0), (3, 1102, 2132, 2000, 125))
+    assert plan.prefill_runs == ()
     assert _plan_step(_meta(batch)).cudnn_requests == ()  # off for this backend
-    mixed = PagedBatch([1, 1100, 200], [40, 0, 3000], 4, 1, 16, 16, torch.float32, torch.device("cpu"))
-    assert _plan_step(_meta(mixed), block_size=16).cudnn_requests == ()  # a short chunk keeps Triton
+    # Short chunks (and a context under the cut) beside long ones: runs of consecutive requests.
+    mixed = PagedBatch([1, 200, 300, 1100, 1024, 5000], [40, 0, 3000, 0, 500, 4096], 4, 1, 16, 16, torch.float32, cpu)
+    plan = _plan_step(_meta(mixed), block_size=16)
+    assert [c[0] for c in plan.cudnn_requests] == [3, 5]
+    assert plan.prefill_runs == ((1, 3, 1, 501), (4, 5, 1601, 2625))
+    short = PagedBatch([1, 200, 300], [40, 0, 3000], 4, 1, 16, 16, torch.float32, cpu)
+    assert _plan_step(_meta(short), block_size=16).cudnn_requests == ()
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -117,10 +138,11 @@ def test_cudnn_request_matches_the_prefill_kernel(cuda_device, seed, dtype, head
 
 @pytest.mark.gpu
 def test_backend_takes_cudnn_for_long_chunks_beside_decodes(cuda_device, seed, monkeypatch):
-    """Through TritonAttentionBackend.forward: decodes first, then two long chunks; the cuDNN path
-    is taken (counted) and agrees with the same backend with the path off."""
+    """Through TritonAttentionBackend.forward: decodes first, then two long chunks with a short one
+    between them; the cuDNN path is taken for the long ones (counted) and the whole step agrees with
+    the same backend with the path off."""
     _cudnn_or_skip(cuda_device)
-    batch = PagedBatch([1, 1, 4096, 2000], [900, 17, 6000, 0], 32, 8, 128, 16, torch.bfloat16, cuda_device)
+    batch = PagedBatch([1, 1, 4096, 300, 2000], [900, 17, 6000, 50, 0], 32, 8, 128, 16, torch.bfloat16, cuda_device)
     meta = _meta(batch)
     calls: list[int] = []
     real = cudnn_prefill.cudnn_prefill_request

@@ -17,10 +17,11 @@ requests that lead a mixed batch (the scheduler puts decodes first) still go to 
 kernel, so their single query row does not occupy a whole 128- or 256-row query tile. The split is planned once per
 step from the metadata's host copies, never from device data.
 
-Long chunks on Hopper: when every prefill request of such a step has a chunk and a cached context
-of 0 or at least CUDNN_MIN_LEN tokens, its requests attend through cuDNN instead, one request at a
-time (kernels/cudnn_prefill.py: ~1.4x the prefill kernel's rate at long contexts). Only in
-`forward`, which has the chunk's own k/v rows; with an FP8 cache the Triton kernels keep them.
+Long chunks on Hopper: the prefill requests of such a step whose chunk and cached context are both
+0 or at least CUDNN_MIN_LEN tokens long attend through cuDNN instead, one request at a time
+(kernels/cudnn_prefill.py: ~1.4x the prefill kernel's rate at long contexts); the shorter ones
+beside them keep the prefill kernel, one launch per run of consecutive requests. Only in `forward`,
+which has the chunk's own k/v rows; with an FP8 cache the Triton kernels keep them.
 """
 
 from __future__ import annotations
@@ -57,9 +58,12 @@ class _StepPlan:
     num_decodes: int  # leading one-token requests (rows 0..num_decodes) for the unified kernel
     use_prefill_kernel: bool  # the remaining requests go to the prefill kernel
     prefill_query_start_loc: torch.Tensor  # query_start_loc[num_decodes:] - num_decodes, on device
-    # When every request after the decodes can take cuDNN (see the module doc): per request, its
-    # (row, first row past it, cached context length, blocks holding that context); else empty.
+    # The requests after the decodes that take cuDNN (see the module doc): per request, its index,
+    # first row, first row past it, cached context length and blocks holding that context.
     cudnn_requests: tuple[tuple[int, int, int, int, int], ...] = ()
+    # With cuDNN requests, the other requests after the decodes as runs of consecutive requests for
+    # the prefill kernel: (first request, request past the run, first row, row past the run).
+    prefill_runs: tuple[tuple[int, int, int, int], ...] = ()
 
 
 def _plan_step(meta: AttentionMetadata, block_size: int = 0) -> _StepPlan:
@@ -72,16 +76,23 @@ def _plan_step(meta: AttentionMetadata, block_size: int = 0) -> _StepPlan:
     while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
         num_decodes += 1
     shifted = meta.query_start_loc[num_decodes:] - num_decodes if num_decodes else meta.query_start_loc
+    if not block_size:
+        return _StepPlan(num_decodes, True, shifted)
+    seq_lens = meta.seq_lens_cpu.tolist()
     cudnn: list[tuple[int, int, int, int, int]] = []
-    if block_size:
-        seq_lens = meta.seq_lens_cpu.tolist()
-        for r in range(num_decodes, len(query_lens)):
-            context = seq_lens[r] - query_lens[r]
-            if not cudnn_prefill.takes_cudnn_path(query_lens[r], context):
-                cudnn = []
-                break
+    runs: list[list[int]] = []  # [first request, request past the run]
+    for r in range(num_decodes, len(query_lens)):
+        context = seq_lens[r] - query_lens[r]
+        if cudnn_prefill.takes_cudnn_path(query_lens[r], context):
             cudnn.append((r, starts[r], starts[r + 1], context, -(-context // block_size)))
-    return _StepPlan(num_decodes, True, shifted, tuple(cudnn))
+        elif runs and runs[-1][1] == r:
+            runs[-1][1] = r + 1
+        else:
+            runs.append([r, r + 1])
+    if not cudnn:
+        return _StepPlan(num_decodes, True, shifted)
+    return _StepPlan(num_decodes, True, shifted, tuple(cudnn),
+                     tuple((r0, r1, starts[r0], starts[r1]) for r0, r1 in runs))
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -181,6 +192,9 @@ class TritonAttentionBackend(AttentionBackend):
             unified_attention(q[:nd], kv_cache, meta.query_start_loc[: nd + 1], meta.seq_lens[:nd],
                               meta.block_table[:nd], max_query_len=1, max_seq_len=meta.max_seq_len, scale=scale,
                               out=out[:nd])
+        for r0, r1, a, b in plan.prefill_runs:  # shorter chunks beside the long ones
+            prefill_attention(q[a:b], kv_cache, meta.query_start_loc[r0:r1 + 1] - a, meta.seq_lens[r0:r1],
+                              meta.block_table[r0:r1], scale=scale, out=out[a:b])
         for r, a, b, context, blocks in plan.cudnn_requests:
             cudnn_prefill.cudnn_prefill_request(out[a:b], q[a:b], k[a:b], v[a:b], kv_cache,
                                                 meta.block_table[r, :blocks], context, scale)
