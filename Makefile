@@ -9,6 +9,12 @@ PY := $(abspath $(VENV))/bin/python
 export PYO3_PYTHON := $(PY)
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
+# pip does not byte-compile what it installs (torch alone: 1m59 -> 1m19 on the 2-core box, ~2,500 files of
+# which one process imports ~750); Python compiles a module on its first import instead and keeps the
+# result. PIP_COMPILE=0 is pip's --no-compile. PYTHONDONTWRITEBYTECODE (set on some machines) would make
+# every process compile again: every engine, server and rank process the suite starts, every `make run`.
+export PIP_COMPILE := 0
+export PYTHONDONTWRITEBYTECODE :=
 
 .PHONY: run test setup build lint rust-lint py-lint rust-checks rust-test py-test wheel bench-scheduler
 
@@ -94,11 +100,8 @@ rust-checks: rust-lint
 
 # Two workers, each test file on one of them (its module fixtures load once): tests/conftest.py.
 PYTEST_WORKERS ?= 2
-# PYTHONDONTWRITEBYTECODE (set on some machines) would make every engine, server and rank process
-# the suite starts compile ferrox's modules again; the tests let Python cache them (__pycache__ is
-# ignored by git).
 py-test: setup
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadfile --timeout=600 --durations=15 tests
+	$(PY) -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadfile --timeout=600 --durations=15 tests
 
 wheel: $(VENV)/.deps-stamp
 	maturin build --release -o wheels
