@@ -82,6 +82,14 @@ def test_plan_buckets_cover_every_reachable_length():
         assert not cudnn_prefill.takes_cudnn_path(query, context)
 
 
+def test_scratch_reserve_covers_the_largest_gather():
+    # Llama-3.1-8B heads, bf16, 8192-token chunks, 128k context: the gathered K/V alone is ~0.5 GiB.
+    reserve = cudnn_prefill.scratch_bytes(32, 8, 128, 2, 8192, 131072)
+    gathered = 2 * (131072 - CUDNN_MIN_LEN) * 8 * 128 * 2
+    assert gathered < reserve < gathered + (512 << 20)  # + q/k/v copies, two outputs, workspace
+    assert cudnn_prefill.scratch_bytes(32, 8, 128, 2, 512, 131072) == 0  # chunks never reach the cut
+
+
 def test_step_plan_divides_requests_between_cudnn_and_the_prefill_kernel():
     cpu = torch.device("cpu")
     batch = PagedBatch([1, 1, 1100, 1030], [40, 8, 0, 2000], 4, 1, 16, 16, torch.float32, cpu)
@@ -97,6 +105,26 @@ def test_step_plan_divides_requests_between_cudnn_and_the_prefill_kernel():
     assert plan.prefill_runs == ((1, 3, 1, 501), (4, 5, 1601, 2625))
     short = PagedBatch([1, 200, 300], [40, 0, 3000], 4, 1, 16, 16, torch.float32, cpu)
     assert _plan_step(_meta(short), block_size=16).cudnn_requests == ()
+
+
+def test_a_cudnn_failure_falls_back_to_the_prefill_kernel(kernel_device, seed, monkeypatch, caplog):
+    """A step whose cuDNN call raises (as cuDNN does for a shape it has no plan for) is attended by the
+    Triton kernels instead, and the backend keeps them; nothing reaches the step's requests."""
+    dtype = torch.bfloat16 if kernel_device.type == "cuda" else torch.float32
+    monkeypatch.setattr(cudnn_prefill, "CUDNN_MIN_LEN", 128)  # a chunk the interpreter runs in a second
+    batch = PagedBatch([1, 130], [9, 0], 2, 1, 16, 16, dtype, kernel_device)
+    meta = _meta(batch)
+    expected = TritonAttentionBackend().forward(batch.q, batch.k, batch.v, batch.kv_cache, meta, batch.scale)
+
+    def refuse(*args):
+        raise RuntimeError("cuDNN Frontend error: No valid execution plans built.")
+
+    monkeypatch.setattr(cudnn_prefill, "cudnn_prefill_request", refuse)
+    backend = TritonAttentionBackend()
+    backend._cudnn_block_size = 16  # the path on, as _decide_cudnn sets it on an sm90 GPU
+    out = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, meta, batch.scale)
+    assert torch.equal(out, expected)
+    assert backend._cudnn_block_size == 0 and "cuDNN attention failed" in caplog.text
 
 
 # ---------------------------------------------------------------------------------------------- GPU

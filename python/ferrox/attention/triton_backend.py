@@ -134,7 +134,15 @@ class TritonAttentionBackend(AttentionBackend):
         if not self._cudnn_block_size or self._cudnn_shape is None:
             return 0
         heads, kv_heads, head_dim, dtype, device = self._cudnn_shape
-        return cudnn_prefill.warm_up_plans(device, dtype, heads, kv_heads, head_dim, max_query_len, max_model_len)
+        try:
+            return cudnn_prefill.warm_up_plans(device, dtype, heads, kv_heads, head_dim, max_query_len,
+                                               max_model_len)
+        except RuntimeError as exc:
+            logger.warning("cuDNN attention plans failed to build (%s); long prefill chunks use the Triton "
+                           "prefill kernel", exc)
+            self._cudnn_block_size = 0
+            self._plan = None
+            return 0
 
     def forward(
         self,
@@ -155,7 +163,15 @@ class TritonAttentionBackend(AttentionBackend):
         self._decide_cudnn(q, kv_cache)
         plan = self._plan_for(meta)
         if plan.cudnn_requests:  # never with an FP8 cache (_decide_cudnn), whose scales apply
-            return self._attend_cudnn(q, k, v, kv_cache, meta, plan, scale)
+            try:
+                return self._attend_cudnn(q, k, v, kv_cache, meta, plan, scale)
+            except RuntimeError as exc:
+                # cuDNN refusing a shape (no plan for it) must not fail the step's requests: this
+                # backend keeps the Triton kernels from now on, this step included.
+                logger.warning("cuDNN attention failed (%s); long prefill chunks use the Triton prefill kernel "
+                               "from now on", exc)
+                self._cudnn_block_size = 0
+                self._plan = None
         return self._attend(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, meta,
                             meta.max_seq_len, scale, kv_scale)
 

@@ -22,8 +22,10 @@ The plan cache is per thread: warm-up and the steps run on the engine core's thr
 
 Used by attention/triton_backend.py for prefill requests whose chunk and cached context are both
 0 or at least CUDNN_MIN_LEN tokens long, on sm90 GPUs with a bf16/fp16 (not FP8) cache and
-head_dim <= 128; FERROX_CUDNN_PREFILL=0 turns it off. The GPU tests compare it with the Triton
-prefill kernel (tests/kernels/test_cudnn_prefill.py); the merge kernel runs under the interpreter.
+head_dim <= 128; FERROX_CUDNN_PREFILL=0 turns it off. Where cuDNN raises (a shape it has no plan
+for), the backend logs it and keeps the Triton kernels from then on, that step included. The GPU
+tests compare this path with the Triton prefill kernel (tests/kernels/test_cudnn_prefill.py); the
+merge kernel and the fallback also run under the interpreter.
 """
 
 from __future__ import annotations
