@@ -119,8 +119,8 @@ class TritonAttentionBackend(AttentionBackend):
     def _decide_cudnn(self, q: torch.Tensor, kv_cache: torch.Tensor) -> None:
         if self._cudnn_block_size is not None:
             return
-        on = (cudnn_prefill.cudnn_prefill_supported(q.device, kv_cache.dtype, q.shape[2])
-              and kv_cache.dtype == q.dtype and cudnn_prefill.enable_bucketed_plans())
+        on = (cudnn_prefill.cudnn_prefill_applies(q.device, q.dtype, kv_cache.dtype, q.shape[2])
+              and cudnn_prefill.enable_bucketed_plans())
         self._cudnn_block_size = kv_cache.shape[2] if on else 0
         if on:
             self._cudnn_shape = (q.shape[1], kv_cache.shape[3], q.shape[2], q.dtype, q.device)

@@ -60,6 +60,14 @@ def cudnn_prefill_supported(device: torch.device, dtype: torch.dtype, head_dim: 
     return hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")
 
 
+def cudnn_prefill_applies(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether an engine of this model dtype and KV cache dtype takes the path: the one rule both the
+    attention backend and the KV budget (worker/model_setup.py) follow. Not with an FP8 cache, whose
+    scales the cuDNN call would not apply, nor when the user set TORCH_CUDNN_SDPA_AVOID_RECOMPILE=0."""
+    return (kv_dtype == dtype and os.environ.get(_AVOID_RECOMPILE) != "0"
+            and cudnn_prefill_supported(device, dtype, head_dim))
+
+
 def enable_bucketed_plans() -> bool:
     """Ask torch for power-of-two plan buckets (see the module doc); False if the user said no."""
     if os.environ.get(_AVOID_RECOMPILE) == "0":
@@ -128,8 +136,8 @@ def merge_attention_parts(out: torch.Tensor, a: torch.Tensor, lse_a: torch.Tenso
     block_t = 16
     _merge_kernel[(triton.cdiv(num_tokens, block_t), num_heads)](
         out, a, lse_a, b, lse_b, num_tokens, out.stride(0), out.stride(1), a.stride(0), a.stride(1),
-        b.stride(0), b.stride(1), lse_a.stride(0), lse_a.stride(1), lse_b.stride(0), lse_b.stride(1), HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_T=block_t,
-        num_warps=4)
+        b.stride(0), b.stride(1), lse_a.stride(0), lse_a.stride(1), lse_b.stride(0), lse_b.stride(1),
+        HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_T=block_t, num_warps=4)
     return out
 
 

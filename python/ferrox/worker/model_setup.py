@@ -326,9 +326,9 @@ def _cudnn_prefill_reserve(model: Any, spec: Any, dtype: torch.dtype, kv_dtype: 
     from ferrox.distributed.sharding import local_num_kv_heads
     from ferrox.kernels import cudnn_prefill
 
-    if getattr(getattr(model, "backend", None), "name", None) != "triton" or kv_dtype != dtype:
+    if getattr(getattr(model, "backend", None), "name", None) != "triton":
         return 0
-    if not cudnn_prefill.cudnn_prefill_supported(device, dtype, spec.head_dim):
+    if not cudnn_prefill.cudnn_prefill_applies(device, dtype, kv_dtype, spec.head_dim):
         return 0
     return cudnn_prefill.scratch_bytes(spec.num_heads // tp_size, local_num_kv_heads(spec, tp_size), spec.head_dim,
                                        torch.empty((), dtype=dtype).element_size(), num_tokens, max_model_len)
