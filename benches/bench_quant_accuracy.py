@@ -11,8 +11,12 @@ agreement is the share of positions where both put the same token first.
     python benches/bench_quant_accuracy.py [--model PATH] [--variants fp8,fp8-kv,int4-awq] [--device cuda]
 
 Variants: fp8 (online FP8 weights, W8A8 on a GPU), fp8-kv (kv_cache_dtype="fp8"), int4-awq (the
-weights round-to-nearest quantized into an AWQ-layout folder, group 128), gguf-packed (CPU: the
-GGUF's blocks kept quantized in packed int4 matmuls, against the same file dequantized to float32).
+weights round-to-nearest quantized into an AWQ-layout folder, group 128), int4-gptq (GPTQ-calibrated
+into a GPTQ-layout folder, group 128, act-order, as GPTQModel / AutoGPTQ exports are made; the
+calibration set is the reference model's own sampled answers to CALIBRATION, none of the measured
+prompts), int4-gptq-static (the same without act-order, in the AWQ layout: what the fused one-token
+kernels run), gguf-packed (CPU: the GGUF's blocks kept quantized in packed int4 matmuls, against the
+same file dequantized to float32).
 Targets: FP8 weights <= 0.02 nats, FP8 KV <= 0.02, int4 <= 0.1. Prints a table, the worst KL last.
 """
 
@@ -41,7 +45,23 @@ QUESTIONS = [
     "How do vaccines work?", "Write a short story opening about a lighthouse.",
     "What is the difference between weather and climate?", "Explain recursion with an example.",
 ]
-TARGETS = {"fp8": 0.02, "fp8-kv": 0.02, "int4-awq": 0.1, "gguf-packed": None}
+# Calibration prompts for GPTQ: other topics and styles than QUESTIONS.
+CALIBRATION = [
+    "Tell me about the history of the printing press.", "Write a limerick about a forgetful robot.",
+    "How does a bicycle stay upright?", "Explain compound interest to a teenager.",
+    "Write a SQL query that finds the ten most recent orders.", "What are the causes of inflation?",
+    "Describe the water cycle.", "Give a recipe for a simple tomato soup.",
+    "Write a JavaScript function that debounces another function.", "Why do leaves change colour in autumn?",
+    "What is a black hole?", "Write a polite email declining a meeting.",
+    "Explain the difference between TCP and UDP.", "Summarize the causes of the First World War.",
+    "How do I change a flat tyre?", "Write a short poem about mountains at dawn.",
+    "What is photosynthesis?", "Explain big-O notation with two examples.",
+    "List some tips for learning a new language.", "What does a compiler do?",
+    "Describe how a refrigerator works.", "Write a C function that computes a factorial.",
+    "What is the Pythagorean theorem?", "Explain what a neural network is in simple words.",
+]
+TARGETS = {"fp8": 0.02, "fp8-kv": 0.02, "int4-awq": 0.1, "int4-gptq": 0.1, "int4-gptq-static": 0.1,
+           "gguf-packed": None}
 
 
 @torch.inference_mode()
@@ -135,6 +155,42 @@ def awq_folder(float_folder: str, out_dir: str) -> str:
     return quantized
 
 
+@torch.inference_mode()
+def calibration_hessians(float_folder: str, sequences: list[list[int]]) -> dict[str, torch.Tensor]:
+    """Each projection's input Hessian sum(x x^T) over the calibration sequences, from the float
+    model in transformers (float64 sums), keyed by module name as the checkpoint names it."""
+    import transformers
+
+    from tests.helpers.int4_checkpoints import LINEAR_SUFFIXES
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(float_folder, dtype=torch.float32)
+    hessians: dict[str, torch.Tensor] = {}
+
+    def hook(name: str):
+        def accumulate(_module: Any, inputs: tuple[torch.Tensor, ...]) -> None:
+            x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
+            hessians[name] = hessians.get(name, 0) + x.t() @ x
+        return accumulate
+
+    handles = [m.register_forward_pre_hook(hook(name)) for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and name.rpartition(".")[2] in LINEAR_SUFFIXES]
+    for seq in sequences:
+        model(torch.tensor([seq]))
+    for h in handles:
+        h.remove()
+    return hessians
+
+
+def gptq_folder(float_folder: str, out_dir: str, sequences: list[list[int]], *, act_order: bool) -> str:
+    from tests.helpers.int4_checkpoints import make_int4_checkpoint
+
+    hessians = calibration_hessians(float_folder, sequences)
+    fmt = "gptq" if act_order else "awq"  # the AWQ layout holds no g_idx: GPTQ in column order
+    quantized, _ = make_int4_checkpoint(float_folder, out_dir, fmt, group=128, act_order=act_order,
+                                        hessians=hessians)
+    return quantized
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: the embedded SmolLM2)")
@@ -159,6 +215,13 @@ def main() -> None:
     forced = [list(o.outputs[0].token_ids) for o in ref_llm.generate([{"prompt_token_ids": p} for p in prompts],
                                                                      greedy, use_tqdm=False)]
     ref = forced_logprobs(ref_llm, prompts, forced)
+    calibration: list[list[int]] = []
+    if any(v.startswith("int4-gptq") for v in variants):
+        cal_prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True))
+                       for q in CALIBRATION]
+        sampled = SamplingParams(temperature=0.8, seed=0, max_tokens=128, detokenize=False)
+        outs = ref_llm.generate([{"prompt_token_ids": p} for p in cal_prompts], sampled, use_tqdm=False)
+        calibration = [p + list(o.outputs[0].token_ids) for p, o in zip(cal_prompts, outs, strict=True)]
     release(ref_llm)
     print(f"model {source.name} ({source.format}), device {args.device}, reference dtype {dtype}, "
           f"{len(prompts)} prompts x {args.tokens} tokens")
@@ -170,10 +233,20 @@ def main() -> None:
                 llm = make_llm(source.path, args.device, dtype=dtype, quantization="fp8")
             elif name == "fp8-kv":
                 llm = make_llm(source.path, args.device, dtype=dtype, kv_cache_dtype="fp8")
-            elif name == "int4-awq":
-                float_dir = hf_folder_from_gguf(source.path, os.path.join(tmp, "float")) \
-                    if source.format == "gguf" else source.path
-                llm = make_llm(awq_folder(float_dir, os.path.join(tmp, "awq")), args.device, dtype=dtype)
+            elif name.startswith("int4-"):
+                float_dir = os.path.join(tmp, "float")
+                if source.format != "gguf":
+                    float_dir = source.path
+                elif not os.path.isdir(float_dir):
+                    hf_folder_from_gguf(source.path, float_dir)
+                if name == "int4-awq":
+                    folder = awq_folder(float_dir, os.path.join(tmp, name))
+                elif name in ("int4-gptq", "int4-gptq-static"):
+                    folder = gptq_folder(float_dir, os.path.join(tmp, name), calibration,
+                                         act_order=name == "int4-gptq")
+                else:
+                    raise SystemExit(f"unknown variant {name!r}")
+                llm = make_llm(folder, args.device, dtype=dtype)
             elif name == "gguf-packed":
                 llm = make_llm(source.path, "cpu", dtype="auto")
             else:

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from tests.helpers.gptq import gptq_quantize
+
 LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column of a word's 8 held in nibble 0, 1, ..., 7
 
@@ -71,8 +73,11 @@ def _pack(values: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8
     return word.to(torch.int32).movedim(-1, dim).contiguous()
 
 
-def _awq_tensors(w: torch.Tensor, group: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    codes, scales, zeros = quantize_groups(w, group, sym=False)
+def _awq_tensors(w: torch.Tensor, group: int, hessian: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    if hessian is None:
+        codes, scales, zeros = quantize_groups(w, group, sym=False)
+    else:  # AWQ's layout has no g_idx: GPTQ in the natural column order
+        codes, scales, zeros, _ = gptq_quantize(w, hessian, group, sym=False, act_order=False)
     deq = _dequantize(codes, scales, zeros, torch.arange(w.shape[1]) // (w.shape[1] if group == -1 else group))
     tensors = {"qweight": _pack(codes.t(), 1, AWQ_PACK_ORDER), "qzeros": _pack(zeros, 1, AWQ_PACK_ORDER),
                "scales": scales}
@@ -80,21 +85,32 @@ def _awq_tensors(w: torch.Tensor, group: int) -> tuple[dict[str, torch.Tensor], 
 
 
 def _gptq_tensors(w: torch.Tensor, group: int, *, sym: bool, act_order: bool, fmt: str,
-                  gen: torch.Generator) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+                  gen: torch.Generator, hessian: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     k = w.shape[1]
     size = k if group == -1 else group
-    if act_order:
+    if hessian is not None:  # calibrated: act-order from the Hessian's diagonal, as GPTQ sorts
+        codes, scales, zeros, g_idx = gptq_quantize(w, hessian, group, sym=sym, act_order=act_order)
+    elif act_order:
         perm = torch.randperm(k, generator=gen)
         g_idx = torch.empty(k, dtype=torch.int64)
         g_idx[perm] = torch.arange(k) // size
     else:
         g_idx = torch.arange(k) // size
-    codes, scales, zeros = quantize_groups(w, group, sym=sym, g_idx=g_idx)
+    if hessian is None:
+        codes, scales, zeros = quantize_groups(w, group, sym=sym, g_idx=g_idx)
     stored = (zeros - 1) & 0xF if fmt == "gptq" else zeros
     read = stored + 1 if fmt == "gptq" else stored  # what a reader computes from the stored nibble
     tensors = {"qweight": _pack(codes.t(), 0), "qzeros": _pack(stored, 1), "scales": scales,
                "g_idx": g_idx.to(torch.int32)}
     return tensors, _dequantize(codes, scales, read, g_idx)
+
+
+def _hessian_of(hessians: dict[str, torch.Tensor] | None, prefix: str) -> torch.Tensor | None:
+    if hessians is None:
+        return None
+    if prefix not in hessians:
+        raise KeyError(f"no calibration Hessian for {prefix!r}")
+    return hessians[prefix]
 
 
 def _dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor) -> torch.Tensor:
@@ -129,12 +145,15 @@ def quantization_config(fmt: str, group: int, *, sym: bool = False, act_order: b
 
 def make_int4_checkpoint(src: str, dst: str, fmt: str, *, group: int = 32, sym: bool = False,
                          act_order: bool = False, checkpoint_format: str = "gptq", zero_bias: bool = False,
-                         seed: int = 0) -> tuple[str, str]:
+                         seed: int = 0, hessians: dict[str, torch.Tensor] | None = None) -> tuple[str, str]:
     """(quantized folder, float reference folder) from the HF folder `src`, written under `dst`.
 
     Projections that read the same input (q/k/v, gate/up) share their act-order permutation, as
     GPTQ's does (it sorts columns by the input's Hessian, the same for all of them).
-    zero_bias: GPTQ only; write an all-zero `bias` for every projection (some exports do)."""
+    zero_bias: GPTQ only; write an all-zero `bias` for every projection (some exports do).
+    hessians: module name (e.g. "model.layers.0.self_attn.q_proj") -> its input Hessian sum(x x^T):
+    quantize with GPTQ (tests/helpers/gptq.py) instead of round-to-nearest; act-order then follows
+    the Hessian, not a random permutation."""
     from safetensors.torch import save_file
 
     if fmt not in ("awq", "gptq"):
@@ -149,7 +168,7 @@ def make_int4_checkpoint(src: str, dst: str, fmt: str, *, group: int = 32, sym: 
             quant[name] = ref[name] = tensor
             continue
         if fmt == "awq":
-            tensors, deq = _awq_tensors(tensor.float(), group)
+            tensors, deq = _awq_tensors(tensor.float(), group, _hessian_of(hessians, prefix))
         else:
             # One generator state per shared input: q/k/v and gate/up draw the same permutation.
             shared = prefix.rpartition(".")[0] + ("/attn" if proj in ("q_proj", "k_proj", "v_proj") else
@@ -157,7 +176,7 @@ def make_int4_checkpoint(src: str, dst: str, fmt: str, *, group: int = 32, sym: 
             gen = perms.setdefault(shared, torch.Generator().manual_seed(seed + len(perms)))
             gen_state = gen.get_state()
             tensors, deq = _gptq_tensors(tensor.float(), group, sym=sym, act_order=act_order,
-                                         fmt=checkpoint_format, gen=gen)
+                                         fmt=checkpoint_format, gen=gen, hessian=_hessian_of(hessians, prefix))
             gen.set_state(gen_state)
             if zero_bias and f"{prefix}.bias" not in weights:
                 tensors["bias"] = torch.zeros(tensor.shape[0], dtype=torch.float16)

@@ -27,7 +27,13 @@ from ferrox.loader.source import resolve_model
 from safetensors.torch import load_file, save_file
 
 from tests.helpers.driver import run_greedy
-from tests.helpers.int4_checkpoints import make_int4_checkpoint, quantization_config
+from tests.helpers.gptq import gptq_quantize
+from tests.helpers.int4_checkpoints import (
+    LINEAR_SUFFIXES,
+    make_int4_checkpoint,
+    quantization_config,
+    quantize_groups,
+)
 from tests.helpers.tiny_models import make_tiny_llama
 
 PROMPTS = [[5, 9, 33, 7, 100, 41], list(range(40, 53)), [17]]
@@ -42,7 +48,33 @@ CASES = {
     "gptq-g64-sym-actorder": dict(fmt="gptq", group=64, sym=True, act_order=True),
     "gptq-v2-per-column": dict(fmt="gptq", group=-1, checkpoint_format="gptq_v2"),
     "gptq-g32-actorder-zero-bias": dict(fmt="gptq", group=32, act_order=True, zero_bias=True),
+    # GPTQ-solved (tests/helpers/gptq.py) with calibration Hessians: act-order follows diag(H), the
+    # same permutation for q/k/v and for gate/up (they read one input), as real exports are.
+    "gptq-calibrated-g64-actorder": dict(fmt="gptq", group=64, act_order=True, calibrated=True),
+    "awq-calibrated-g32": dict(fmt="awq", group=32, calibrated=True),
 }
+
+
+def synthetic_hessians(folder: str) -> dict[str, torch.Tensor]:
+    """sum(x x^T) of correlated random inputs with uneven feature scales, one per input of each layer
+    (q/k/v share one, gate/up share one), keyed by module name."""
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    gen = torch.Generator().manual_seed(11)
+    by_input: dict[tuple[str, int], torch.Tensor] = {}
+    out = {}
+    for name, w in weights.items():
+        prefix, _, leaf = name.rpartition(".")
+        proj = prefix.rpartition(".")[2]
+        if leaf != "weight" or proj not in LINEAR_SUFFIXES:
+            continue
+        shared = (prefix.rpartition(".")[0], {"k_proj": 0, "v_proj": 0, "q_proj": 0, "up_proj": 1, "gate_proj": 1}.get(proj, proj))
+        if shared not in by_input:
+            k = w.shape[1]
+            x = torch.randn(4 * k, k, generator=gen, dtype=torch.float64) @ torch.randn(k, k, generator=gen, dtype=torch.float64)
+            x *= torch.rand(k, generator=gen, dtype=torch.float64) * 3 + 0.1
+            by_input[shared] = x.t() @ x
+        out[prefix] = by_input[shared]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +89,10 @@ def checkpoints(float_folder, tmp_path_factory):
 
     def get(name: str) -> tuple[str, str]:
         if name not in built:
-            built[name] = make_int4_checkpoint(float_folder, str(tmp_path_factory.mktemp(name)), **CASES[name])
+            case = dict(CASES[name])
+            if case.pop("calibrated", False):
+                case["hessians"] = synthetic_hessians(float_folder)
+            built[name] = make_int4_checkpoint(float_folder, str(tmp_path_factory.mktemp(name)), **case)
         return built[name]
 
     return get
@@ -95,6 +130,28 @@ def test_short_last_group(tmp_path, fmt):
     r_tokens, r_logits = run_greedy(_load(rdir), PROMPTS, 4, return_prefill_logits=True)
     torch.testing.assert_close(q_logits, r_logits, rtol=1e-4, atol=1e-4)
     assert q_tokens == r_tokens
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_reference_solver_beats_round_to_nearest(act_order):
+    """The reference GPTQ solver (what the accuracy benchmark's int4-gptq checkpoints are made with)
+    moves a layer's outputs on its calibration inputs less than round-to-nearest does, and its g_idx
+    puts `group` columns in each group."""
+    gen = torch.Generator().manual_seed(0)
+    k, n, group = 256, 48, 64
+    x = torch.randn(1024, k, generator=gen, dtype=torch.float64) @ torch.randn(k, k, generator=gen, dtype=torch.float64)
+    x *= torch.rand(k, generator=gen, dtype=torch.float64) * 3 + 0.1
+    w = torch.randn(n, k, generator=gen) * 0.05
+
+    def output_error(codes, scales, zeros, g_idx):
+        deq = (codes.double() - zeros.double()[g_idx].t()) * scales.double()[g_idx].t()
+        return float(torch.linalg.norm(x @ (deq - w.double()).t()))
+
+    codes, scales, zeros, g_idx = gptq_quantize(w, x.t() @ x, group, act_order=act_order)
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
+    assert torch.equal(torch.bincount(g_idx), torch.full((k // group,), group))
+    rtn = quantize_groups(w, group, sym=False)
+    assert output_error(codes, scales, zeros, g_idx) < 0.7 * output_error(*rtn, torch.arange(k) // group)
 
 
 def test_quantization_is_not_a_no_op(checkpoints, float_folder):
