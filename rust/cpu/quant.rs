@@ -143,7 +143,7 @@ impl QuantMatrix {
                     .collect(),
             )
         };
-        let (dot, dot4) = simd::select(bits);
+        let (dot, dot4) = simd::select(bits)?;
         Ok(QuantMatrix {
             rows,
             cols,
@@ -366,6 +366,62 @@ mod tests {
                 assert_eq!(alone, batch[i * 40..(i + 1) * 40], "{bits}-bit row {i}");
             }
         }
+    }
+
+    /// Every kernel this CPU runs (AVX-512 VNNI, AVX2, portable), on group counts that leave
+    /// every tail (1, 2, 3 groups, 16 + 1, 16 + 2 = 576 columns, 48 = 1536): each matches the
+    /// dequantized reference, and a row's result has the same bits alone and in fours.
+    #[test]
+    fn every_kernel_matches_the_reference_and_batches_bit_identically() {
+        let mut seed = 23;
+        let kernels: Vec<_> = simd::Kernel::ALL
+            .into_iter()
+            .filter(|k| k.available())
+            .collect();
+        for bits in [4, 8] {
+            for groups in [1, 2, 3, 4, 5, 15, 16, 17, 18, 33, 48] {
+                let (rows, cols, m) = (6, groups * GROUP, 9);
+                let mut w = random_matrix(rows, cols, bits, &mut seed);
+                let x: Vec<f32> = (0..m * cols).map(|_| lcg(&mut seed) * 4.0 - 2.0).collect();
+                let want = reference(&w, &x);
+                for &kernel in &kernels {
+                    let name = kernel.name();
+                    (w.dot, w.dot4) = kernel.dots(bits);
+                    let mut batch = vec![0.0f32; m * rows];
+                    w.matmul(&x, &mut batch, None, false);
+                    for (k, (&o, &r)) in batch.iter().zip(&want).enumerate() {
+                        assert!(
+                            (o as f64 - r).abs() < 1e-4 * (1.0 + r.abs()),
+                            "{name} {bits}-bit {groups} groups #{k}: {o} vs {r}"
+                        );
+                    }
+                    for i in 0..m {
+                        let mut alone = vec![0.0f32; rows];
+                        w.matmul(&x[i * cols..(i + 1) * cols], &mut alone, None, false);
+                        assert_eq!(
+                            alone,
+                            batch[i * rows..(i + 1) * rows],
+                            "{name} {bits}-bit {groups} groups row {i}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_kernel_variable_picks_a_kernel_or_names_itself() {
+        let fastest = simd::Kernel::ALL.into_iter().find(|k| k.available());
+        assert_eq!(simd::kernel_named(None).ok(), fastest);
+        assert_eq!(
+            simd::kernel_named(Some("portable")),
+            Ok(simd::Kernel::Portable)
+        );
+        let err = simd::kernel_named(Some("avx3")).unwrap_err();
+        assert!(
+            err.contains(simd::KERNEL_ENV) && err.contains("avx2"),
+            "{err}"
+        );
     }
 
     #[test]
