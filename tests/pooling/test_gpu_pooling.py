@@ -61,3 +61,28 @@ def test_llama_embedder_on_cuda_without_a_kv_cache(tmp_path):
             last = ref(torch.tensor([ids], device="cuda"), output_hidden_states=True).hidden_states[-1][0, -1]
         expected = torch.nn.functional.normalize(last, dim=-1).cpu()
         torch.testing.assert_close(torch.from_numpy(out.outputs.data), expected, atol=1e-4, rtol=1e-3)
+
+
+
+def _cuda_kernels(fn) -> list[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.key.lower() for e in prof.key_averages()]
+
+
+def test_bert_attention_builds_no_cudnn_plan_per_batch_shape(bert_folder):
+    """Every embedding batch is a new (batch, padded length): on Hopper torch picks cuDNN for masked
+    attention and builds a plan per shape (~40 ms a first call, measured on an H200). The encoder
+    keeps to the memory-efficient kernel, so batches of new shapes launch no cuDNN kernel."""
+    q = torch.randn(2, 4, 24, 32, device="cuda", dtype=torch.bfloat16)
+    mask = (torch.arange(24, device="cuda") < torch.tensor([[24], [7]], device="cuda"))[:, None, None, :]
+    plain = _cuda_kernels(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask))
+    if not any("cudnn" in k for k in plain):
+        pytest.skip(f"torch does not pick cuDNN for masked attention on this GPU: {plain}")
+    llm = LLM(bert_folder, device="cuda", dtype="bfloat16")
+    llm.embed(["warm up"], use_tqdm=False)
+    batches = [TEXTS[:1], TEXTS, [t * 3 for t in TEXTS[1:]]]
+    kernels = _cuda_kernels(lambda: [llm.embed(texts, use_tqdm=False) for texts in batches])
+    assert kernels, "the profiler saw no CUDA kernel"
+    assert not [k for k in kernels if "cudnn" in k], kernels
