@@ -39,6 +39,23 @@ def test_decoder_as_embedder_pools_the_last_token(tmp_path, family):
     assert info.value.param == "runner"
 
 
+def test_the_warm_up_step_leaves_no_trace(tmp_path, monkeypatch):
+    """A pooling engine runs one step of its own before ready (the first request then pays no lazy
+    device start or kernel compile); afterwards the engine holds no request of it and embeds exactly
+    what an engine without the warm-up embeds."""
+    folder = tiny_models.make_tiny_llama(tmp_path / "llama")
+    warm = LLM(folder, runner="pooling", max_num_seqs=2)
+    assert warm.engine.pooling_warmup_s is not None and warm.engine.pooling_warmup_s > 0
+    assert not warm.engine.runner._requests
+    monkeypatch.setenv("FERROX_WARMUP", "0")
+    cold = LLM(folder, runner="pooling", max_num_seqs=2)
+    assert cold.engine.pooling_warmup_s is None
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    for a, b in zip(warm.encode(prompts, use_tqdm=False), cold.encode(prompts, use_tqdm=False), strict=True):
+        np.testing.assert_array_equal(a.outputs.data, b.outputs.data)
+    assert warm.engine.stats()["num_prompt_tokens"] == sum(len(p) for p in PROMPTS)
+
+
 def test_continuous_batching_gives_what_one_at_a_time_gives(minilm_folder):
     """24 prompts through 4 sequences and a 256-token budget a step (the scheduler splits them over many
     steps, prompts whole) equal the same prompts embedded alone."""

@@ -56,7 +56,7 @@ from ferrox.worker.draft_model import DraftProposer
 from ferrox.worker.model_runner import ModelRunner, ModelRunnerOutput, StepHandle
 from ferrox.worker.model_setup import LoadedModel, load_everything
 from ferrox.worker.pooling_runner import PoolingRunner
-from ferrox.worker.warmup import EngineLimits, WarmupReport, warm_up
+from ferrox.worker.warmup import EngineLimits, WarmupReport, warm_up, warmup_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +158,13 @@ class EngineCore:
                                   num_blocks=loaded.num_blocks, cuda_graphs=self.runner.graph_runner is not None)
             self.warmup = warm_up(self.runner, limits, vocab_size=self.vocab_size, seed=config.seed)
             logger.info("warm-up: %s", self.warmup.summary())
+        self.pooling_warmup_s: float | None = None
+        if isinstance(self.runner, PoolingRunner) and warmup_enabled():
+            self.pooling_warmup_s = seconds = self.runner.warm_up(num_blocks=loaded.num_blocks, max_model_len=self.max_model_len,
+                                          block_size=config.block_size,
+                                          max_num_batched_tokens=loaded.max_num_batched_tokens,
+                                          vocab_size=self.vocab_size)
+            logger.info("warm-up: one pooling step in %.2f s", seconds)
         self.structured: Any = None  # StructuredOutputManager, created on first constrained request
         # Async scheduling: the step launched last and not yet reported.
         # N-gram speculation can overlap (async_scheduling=True): the core schedules the next step as

@@ -12,6 +12,8 @@ Ops:
   silu_and_mul(gate_up)                          silu(gate) * up of a merged [gate | up]
   rope(tables, positions, dtype) -> Rope         the step's rotary tables, once per forward;
                                                  Rope.rotate_qk / Rope.rotate turn q and k
+  masked_attention(q, k, v, mask)                SDPA over padded [B, H, S, D] with a key mask
+                                                 (the encoders' attention)
 
 A Triton op hands an input its kernel does not take (a 3-D view such as Qwen3's per-head q/k
 norms, a non-contiguous last axis, a residual of another dtype) to the torch formula: a shape
@@ -26,8 +28,15 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ferrox.kernels import KernelSet, select_kernels
+
+# On Hopper, torch picks cuDNN for a masked SDPA, and cuDNN builds a plan for every new (batch, padded
+# length): ~40 ms a first call, up to ~1 s, measured on an H200; every batch of an embedding server is
+# a new shape, so requests stalled long after ready. The memory-efficient kernel takes the same mask
+# with no per-shape build (~0.03 ms a call slower at MiniLM's sizes). benches/RESULTS.md.
+_MASKED_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -143,6 +152,10 @@ class DeviceOps:
         cos, sin = tables.cos_sin(positions, dtype)
         return CosSinRope(cos, sin)
 
+    def masked_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         mask: torch.Tensor | None) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
 
 class TritonOps(DeviceOps):
     """The Triton kernels: one pass per op instead of eager torch's several (3-5x faster RMSNorm on
@@ -183,6 +196,11 @@ class TritonOps(DeviceOps):
     def rope(self, tables: RopeTables, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         rows = tables.rope_rows(positions)
         return KernelRope(rows, torch.arange(positions.shape[0], device=positions.device), self._rotary_neox)
+
+    def masked_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         mask: torch.Tensor | None) -> torch.Tensor:
+        with sdpa_kernel(_MASKED_SDPA_BACKENDS):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def for_device(device: Any = None, kernels: str | None = None) -> DeviceOps:

@@ -16,7 +16,6 @@ only in its positions, which start after its padding index (pad_token_id + 1).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -24,10 +23,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ferrox.attention.metadata import AttentionMetadata
 from ferrox.distributed.sharding import materialize
+from ferrox.layers.ops import for_device
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
 from ferrox.models.load_check import check_all_loaded
 
@@ -110,17 +109,6 @@ class BertEmbeddings(nn.Module):
         return self.norm(h + self.token_type_embeddings.weight[0])
 
 
-# On Hopper, torch picks cuDNN for a masked SDPA, and cuDNN builds a plan for every new (batch, padded
-# length): ~40 ms a first call, up to ~1 s, measured on an H200, where every batch of an embedding
-# server is a new shape, so requests stalled long after ready. The memory-efficient kernel takes the
-# same mask with no per-shape build (~0.03 ms a call slower at MiniLM's sizes).
-_MASKED_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def _masked_sdpa_scope(on_cuda: bool) -> contextlib.AbstractContextManager[Any]:
-    return sdpa_kernel(_MASKED_SDPA_BACKENDS) if on_cuda else contextlib.nullcontext()
-
-
 class BertLayer(nn.Module):
     def __init__(self, spec: ModelSpec, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
@@ -134,14 +122,12 @@ class BertLayer(nn.Module):
         self.ffn_out = nn.Linear(spec.intermediate_size, hidden, dtype=dtype, device=device)
         self.ffn_norm = nn.LayerNorm(hidden, eps=eps, dtype=dtype, device=device)
         self.act = _ACTIVATIONS[spec.hidden_act]
-        self.on_cuda = torch.device(device).type == "cuda"
+        self.ops = for_device(device)
 
     def forward(self, h: torch.Tensor, batch: _PaddedBatch) -> torch.Tensor:
         t = h.shape[0]
         q, k, v = self.qkv(h).view(t, 3, self.num_heads, self.head_dim).unbind(1)
-        with _masked_sdpa_scope(self.on_cuda):
-            o = F.scaled_dot_product_attention(batch.to_padded(q), batch.to_padded(k), batch.to_padded(v),
-                                               attn_mask=batch.key_mask)
+        o = self.ops.masked_attention(batch.to_padded(q), batch.to_padded(k), batch.to_padded(v), batch.key_mask)
         h = self.attn_norm(h + self.attn_out(batch.to_flat(o)))
         return self.ffn_norm(h + self.ffn_out(self.act(self.ffn_in(h))))
 
