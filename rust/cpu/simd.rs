@@ -159,45 +159,54 @@ fn dot8_portable(q: &[u8], scale: &[f32], offset: &[f32], x: ActRow<'_>) -> f32 
     acc + offsets_dot(offset, x.sum)
 }
 
+/// The four entry points of a SIMD module (`DotFn` / `Dot4Fn` for 4- and 8-bit rows) over its
+/// `unsafe fn dot_rows::<BITS, ROWS>`.
+macro_rules! row_entry_points {
+    () => {
+        pub(super) fn dot4(q: &[u8], scale: &[f32], offset: &[f32], x: ActRow<'_>) -> f32 {
+            debug_assert!(q.len() == scale.len() * 16 && x.q.len() == scale.len() * 32);
+            // SAFETY: `Kernel::dots` hands these out only where the CPU has this module's target
+            // features (`Kernel::available`); lengths as asserted.
+            let [v] = unsafe { dot_rows::<4, 1>(q, scale, offset, [x]) };
+            v
+        }
+
+        pub(super) fn dot8(q: &[u8], scale: &[f32], offset: &[f32], x: ActRow<'_>) -> f32 {
+            debug_assert!(q.len() == scale.len() * 32 && x.q.len() == scale.len() * 32);
+            // SAFETY: as dot4.
+            let [v] = unsafe { dot_rows::<8, 1>(q, scale, offset, [x]) };
+            v
+        }
+
+        pub(super) fn dot4_rows4(
+            q: &[u8],
+            scale: &[f32],
+            offset: &[f32],
+            x: [ActRow<'_>; 4],
+        ) -> [f32; 4] {
+            // SAFETY: as dot4.
+            unsafe { dot_rows::<4, 4>(q, scale, offset, x) }
+        }
+
+        pub(super) fn dot8_rows4(
+            q: &[u8],
+            scale: &[f32],
+            offset: &[f32],
+            x: [ActRow<'_>; 4],
+        ) -> [f32; 4] {
+            // SAFETY: as dot4.
+            unsafe { dot_rows::<8, 4>(q, scale, offset, x) }
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
 
     use super::ActRow;
 
-    pub(super) fn dot4(q: &[u8], scale: &[f32], offset: &[f32], x: ActRow<'_>) -> f32 {
-        debug_assert!(q.len() == scale.len() * 16 && x.q.len() == scale.len() * 32);
-        // SAFETY: chosen by `select` only when AVX2 and FMA are present; lengths as asserted.
-        let [v] = unsafe { dot_rows::<4, 1>(q, scale, offset, [x]) };
-        v
-    }
-
-    pub(super) fn dot8(q: &[u8], scale: &[f32], offset: &[f32], x: ActRow<'_>) -> f32 {
-        debug_assert!(q.len() == scale.len() * 32 && x.q.len() == scale.len() * 32);
-        // SAFETY: as dot4.
-        let [v] = unsafe { dot_rows::<8, 1>(q, scale, offset, [x]) };
-        v
-    }
-
-    pub(super) fn dot4_rows4(
-        q: &[u8],
-        scale: &[f32],
-        offset: &[f32],
-        x: [ActRow<'_>; 4],
-    ) -> [f32; 4] {
-        // SAFETY: as dot4.
-        unsafe { dot_rows::<4, 4>(q, scale, offset, x) }
-    }
-
-    pub(super) fn dot8_rows4(
-        q: &[u8],
-        scale: &[f32],
-        offset: &[f32],
-        x: [ActRow<'_>; 4],
-    ) -> [f32; 4] {
-        // SAFETY: as dot4.
-        unsafe { dot_rows::<8, 4>(q, scale, offset, x) }
-    }
+    row_entry_points!();
 
     #[target_feature(enable = "avx2,fma")]
     unsafe fn hsum(v: __m256) -> f32 {
@@ -336,40 +345,7 @@ mod x86_512 {
 
     use super::ActRow;
 
-    pub(super) fn dot4(q: &[u8], scale: &[f32], offset: &[f32], x: ActRow<'_>) -> f32 {
-        debug_assert!(q.len() == scale.len() * 16 && x.q.len() == scale.len() * 32);
-        // SAFETY: chosen by `Kernel::dots` only when AVX-512 F/BW/VNNI are present; lengths as
-        // asserted.
-        let [v] = unsafe { dot_rows::<4, 1>(q, scale, offset, [x]) };
-        v
-    }
-
-    pub(super) fn dot8(q: &[u8], scale: &[f32], offset: &[f32], x: ActRow<'_>) -> f32 {
-        debug_assert!(q.len() == scale.len() * 32 && x.q.len() == scale.len() * 32);
-        // SAFETY: as dot4.
-        let [v] = unsafe { dot_rows::<8, 1>(q, scale, offset, [x]) };
-        v
-    }
-
-    pub(super) fn dot4_rows4(
-        q: &[u8],
-        scale: &[f32],
-        offset: &[f32],
-        x: [ActRow<'_>; 4],
-    ) -> [f32; 4] {
-        // SAFETY: as dot4.
-        unsafe { dot_rows::<4, 4>(q, scale, offset, x) }
-    }
-
-    pub(super) fn dot8_rows4(
-        q: &[u8],
-        scale: &[f32],
-        offset: &[f32],
-        x: [ActRow<'_>; 4],
-    ) -> [f32; 4] {
-        // SAFETY: as dot4.
-        unsafe { dot_rows::<8, 4>(q, scale, offset, x) }
-    }
+    row_entry_points!();
 
     /// The first `n` bits set.
     #[inline]
