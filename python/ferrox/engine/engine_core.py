@@ -160,11 +160,10 @@ class EngineCore:
             logger.info("warm-up: %s", self.warmup.summary())
         self.pooling_warmup_s: float | None = None
         if isinstance(self.runner, PoolingRunner) and warmup_enabled():
-            self.pooling_warmup_s = seconds = self.runner.warm_up(num_blocks=loaded.num_blocks, max_model_len=self.max_model_len,
-                                          block_size=config.block_size,
-                                          max_num_batched_tokens=loaded.max_num_batched_tokens,
-                                          vocab_size=self.vocab_size)
-            logger.info("warm-up: one pooling step in %.2f s", seconds)
+            self.pooling_warmup_s = self.runner.warm_up(
+                num_blocks=loaded.num_blocks, max_model_len=self.max_model_len, block_size=config.block_size,
+                max_num_batched_tokens=loaded.max_num_batched_tokens, vocab_size=self.vocab_size)
+            logger.info("warm-up: one pooling step in %.2f s", self.pooling_warmup_s)
         self.structured: Any = None  # StructuredOutputManager, created on first constrained request
         # Async scheduling: the step launched last and not yet reported.
         # N-gram speculation can overlap (async_scheduling=True): the core schedules the next step as

@@ -101,7 +101,7 @@ class PoolingRunner:
                                 enable_prefix_caching=False, enable_chunked_prefill=False)
         slots = []
         for i, n in enumerate(lengths):
-            prompt = (np.arange(1, n + 1, dtype=np.int64) % vocab_size)
+            prompt = np.arange(1, n + 1, dtype=np.int64) % vocab_size
             slot = sched.add_request(f"warm-up-{i}", prompt, max_tokens=1, ignore_eos=True, detokenize=False)
             self.add_request(slot, f"warm-up-{i}", prompt.tolist(), SamplingParams(max_tokens=1),
                              pooling_params=PoolingParams())
