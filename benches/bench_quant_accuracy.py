@@ -181,10 +181,9 @@ def calibration_hessians(float_folder: str, sequences: list[list[int]]) -> dict[
     return hessians
 
 
-def gptq_folder(float_folder: str, out_dir: str, sequences: list[list[int]], *, act_order: bool) -> str:
+def gptq_folder(float_folder: str, out_dir: str, hessians: dict[str, torch.Tensor], *, act_order: bool) -> str:
     from tests.helpers.int4_checkpoints import make_int4_checkpoint
 
-    hessians = calibration_hessians(float_folder, sequences)
     fmt = "gptq" if act_order else "awq"  # the AWQ layout holds no g_idx: GPTQ in column order
     quantized, _ = make_int4_checkpoint(float_folder, out_dir, fmt, group=128, act_order=act_order,
                                         hessians=hessians)
@@ -229,6 +228,7 @@ def main() -> None:
           f"{len(prompts)} prompts x {args.tokens} tokens")
     print(f"{'variant':<12} {'mean KL (nats)':>15} {'greedy agreement':>17} {'target':>8}")
     rows = []
+    hessians: dict[str, torch.Tensor] | None = None  # computed once, for every GPTQ variant
     with tempfile.TemporaryDirectory() as tmp:
         for name in variants:
             if name == "fp8":
@@ -244,8 +244,9 @@ def main() -> None:
                 if name == "int4-awq":
                     folder = awq_folder(float_dir, os.path.join(tmp, name))
                 elif name in ("int4-gptq", "int4-gptq-static"):
-                    folder = gptq_folder(float_dir, os.path.join(tmp, name), calibration,
-                                         act_order=name == "int4-gptq")
+                    if hessians is None:
+                        hessians = calibration_hessians(float_dir, calibration)
+                    folder = gptq_folder(float_dir, os.path.join(tmp, name), hessians, act_order=name == "int4-gptq")
                 else:
                     raise SystemExit(f"unknown variant {name!r}")
                 llm = make_llm(folder, args.device, dtype=dtype)

@@ -90,13 +90,12 @@ def _gptq_tensors(w: torch.Tensor, group: int, *, sym: bool, act_order: bool, fm
     size = k if group == -1 else group
     if hessian is not None:  # calibrated: act-order from the Hessian's diagonal, as GPTQ sorts
         codes, scales, zeros, g_idx = gptq_quantize(w, hessian, group, sym=sym, act_order=act_order)
-    elif act_order:
-        perm = torch.randperm(k, generator=gen)
-        g_idx = torch.empty(k, dtype=torch.int64)
-        g_idx[perm] = torch.arange(k) // size
     else:
         g_idx = torch.arange(k) // size
-    if hessian is None:
+        if act_order:
+            perm = torch.randperm(k, generator=gen)
+            g_idx = torch.empty(k, dtype=torch.int64)
+            g_idx[perm] = torch.arange(k) // size
         codes, scales, zeros = quantize_groups(w, group, sym=sym, g_idx=g_idx)
     stored = (zeros - 1) & 0xF if fmt == "gptq" else zeros
     read = stored + 1 if fmt == "gptq" else stored  # what a reader computes from the stored nibble
