@@ -93,30 +93,24 @@ def _plane_minus_zero(p, p_hi, zero, J: tl.constexpr):
         return _plane(p_hi, J - 5) - (zero + (1 << (23 - 4 * (J - 5))))
 
 
-# The fp16x2 inner loop (_word_dot_half2). A LOP3 spreads nibbles j and j + 4 of a word into the
-# low mantissa bits of two fp16 1024.0s: 1024 + q exactly (for the odd planes, whose nibbles sit 4
-# bits higher, 1024 + 16q). One FMA per pair turns them into q / 64 (q * 2^-6 - no rounding:
-# (1024 + q) * 2^-6 - 16, or (1024 + 16q) * 2^-10 - 1), so the eight fp16 products of a word with
-# activations as large as fp16 holds (65,504) stay finite in its two lanes' partial sums of four;
-# the fp32 row sums take the 2^6 back (_HALF2_X_SCALE, the unit of t and xs).
+# fp16x2 constants of the packed dequantisation (_word_dot_half2): 1024.0 twice (the magic whose
+# low mantissa bits a nibble fills), 1/16 twice, -64.0 twice.
 _HALF2_PTX = tl.constexpr("""{
-    .reg .b32 w8, h0, h1, h2, h3, acc, magic, s6, m16, s10, m1;
+    .reg .b32 w8, h0, h1, h2, h3, acc, magic, sixteenth, minus64;
     .reg .b16 lo, hi;
     .reg .f32 flo, fhi;
     mov.b32 magic, 0x64006400;
-    mov.b32 s6, 0x24002400;
-    mov.b32 m16, 0xCC00CC00;
-    mov.b32 s10, 0x14001400;
-    mov.b32 m1, 0xBC00BC00;
+    mov.b32 sixteenth, 0x2C002C00;
+    mov.b32 minus64, 0xD400D400;
     shr.u32 w8, $1, 8;
     lop3.b32 h0, $1, 0x000F000F, magic, 0xEA;
     lop3.b32 h1, $1, 0x00F000F0, magic, 0xEA;
     lop3.b32 h2, w8, 0x000F000F, magic, 0xEA;
     lop3.b32 h3, w8, 0x00F000F0, magic, 0xEA;
-    fma.rn.f16x2 h0, h0, s6, m16;
-    fma.rn.f16x2 h1, h1, s10, m1;
-    fma.rn.f16x2 h2, h2, s6, m16;
-    fma.rn.f16x2 h3, h3, s10, m1;
+    sub.rn.f16x2 h0, h0, magic;
+    fma.rn.f16x2 h1, h1, sixteenth, minus64;
+    sub.rn.f16x2 h2, h2, magic;
+    fma.rn.f16x2 h3, h3, sixteenth, minus64;
     mul.rn.f16x2 acc, h0, $2;
     fma.rn.f16x2 acc, h1, $3, acc;
     fma.rn.f16x2 acc, h2, $4, acc;
@@ -126,33 +120,42 @@ _HALF2_PTX = tl.constexpr("""{
     cvt.f32.f16 fhi, hi;
     add.f32 $0, flo, fhi;
 }""")
+# The activations enter the fp16 products scaled by 2^-6 (exact), so a word's four fp16 partial
+# sums of up to 15 x stay finite for |x| up to ~70,000 (bf16 activations can exceed fp16's 65,504);
+# the fp32 row sums take the 2^6 back.
 _HALF2_X_SCALE = tl.constexpr(1.0 / 64.0)
 
 
 @triton.jit
 def _half_pair(a, b):
-    """fp32 tiles a, b -> int32 words holding fp16 a in the low half and fp16 b in the high half
-    (one cvt for both), the operand layout of the fp16x2 products."""
-    return tl.inline_asm_elementwise(asm="cvt.rn.f16x2.f32 $0, $2, $1;", constraints="=r,r,r", args=[a, b],
-                                     dtype=tl.int32, is_pure=True, pack=1)
+    """fp32 tiles a, b -> int32 words holding fp16 a in the low half and fp16 b in the high half,
+    the operand layout of the fp16x2 products."""
+    lo = a.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi = b.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) << 16
+    return lo | hi
 
 
 @triton.jit
 def _word_dot_half2(p, x04, x15, x26, x37):
-    """Per packed word: the sum over its 8 nibbles of q * x / 64 in fp32, two nibbles per
-    instruction (the PTX above; x04 ... x37 the activation pairs of planes (0, 4), (1, 5), (2, 6),
-    (3, 7), _half_pair). ~16 instructions per 8 weights where the fp32 loop (_plane_value) takes
-    ~5 per weight. Inline PTX: CUDA only."""
+    """Per packed word: sum over its 8 nibbles of q * x' in fp32, two nibbles per instruction. A LOP3
+    spreads nibbles j and j + 4 into the low mantissa bits of two fp16 1024.0s (1024 + q exactly;
+    for the odd planes 1024 + 16q, taken back by an FMA with 1/16 - 64), a subtract leaves q, and
+    four fp16x2 multiply-adds against the activation pairs x04 ... x37 (_half_pair: planes (0, 4),
+    (1, 5), (2, 6), (3, 7)) sum eight products; the two halves are added in fp32. ~16 instructions
+    per 8 weights where the fp32 path (_plane_value) takes ~5 per weight. Inline PTX: CUDA only."""
     return tl.inline_asm_elementwise(asm=_HALF2_PTX, constraints="=r,r,r,r,r,r", args=[p, x04, x15, x26, x37],
                                      dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
 def _pair_tile(x_row, norm_row, k0, T: tl.constexpr, J: tl.constexpr, wmask, NORM: tl.constexpr):
-    """Planes J and J + 4 of a K tile: their (normed) activations as fp16x2 pairs and the sum of
-    the two planes, and the sum of squares of the raw activations (the RMS statistic's)."""
+    """Planes J and J + 4 of a K tile, their (normed) activations times _HALF2_X_SCALE: the fp16x2
+    pairs and the sum of the two planes; and the sum of squares of the raw activations (the RMS
+    statistic's)."""
     xa, ha = _input_tile(x_row, norm_row, k0 + J * T, wmask, NORM)
     xb, hb = _input_tile(x_row, norm_row, k0 + (J + 4) * T, wmask, NORM)
+    xa = xa * _HALF2_X_SCALE
+    xb = xb * _HALF2_X_SCALE
     return _half_pair(xa, xb), xa + xb, ha * ha + hb * hb
 
 
@@ -227,7 +230,7 @@ def _int4_gemv_kernel(
                 sq += (sq04 + sq15) + (sq26 + sq37)
             x04, x15 = tl.broadcast_to(x04, [BLOCK_N, BLOCK_W]), tl.broadcast_to(x15, [BLOCK_N, BLOCK_W])
             x26, x37 = tl.broadcast_to(x26, [BLOCK_N, BLOCK_W]), tl.broadcast_to(x37, [BLOCK_N, BLOCK_W])
-            # (t in units of _HALF2_X_SCALE, and xs4 below: the row sums take it back, once)
+            # (t and xs in units of _HALF2_X_SCALE: the row sums take it back, once)
             t = _word_dot_half2(p, x04, x15, x26, x37)
             if SILU_MUL:
                 t_up = _word_dot_half2(p_up, x04, x15, x26, x37)
@@ -248,8 +251,6 @@ def _int4_gemv_kernel(
                 if NORM:
                     sq += h * h
         xs4 = tl.sum(tl.reshape(xs, [1, BLOCK_W // 4, 4]), axis=2)
-        if HALF2:
-            xs4 = xs4 * _HALF2_X_SCALE  # (t's unit)
         offs = rows[:, None] * G + (8 * w0 + g4) // GROUP
         acc += _group_sums(t, xs4, scales_ptr, zeros_ptr, offs, rmask & wmask4, BLOCK_N, BLOCK_W)
         if SILU_MUL:
