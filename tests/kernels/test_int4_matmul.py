@@ -137,28 +137,6 @@ def test_paths_at_llama_8b_shapes(cuda_device, seed, dtype, proj):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("proj", ["qkv", "down"])
-def test_the_fp16x2_loop_matches_the_fp32_loop(cuda_device, seed, monkeypatch, dtype, proj):
-    """The GEMV's two inner loops (kernels/int4_matmul.py `_word_dot_half2` and `_plane_value`) at
-    8B shapes, with a few activations as large as the fp16x2 loop's headroom allows (a bf16 down
-    projection's input can reach thousands): both within tolerance of the float64 reference."""
-    n, k = SHAPES_8B[proj]
-    w, ref_w = _weight(n, k, 128, cuda_device)
-    x = torch.randn(1, k, device=cuda_device)
-    x[0, :: k // 16] = torch.tensor([6e4, -6e4] * 8) if dtype == torch.bfloat16 else torch.tensor([3e4, -3e4] * 8)
-    x = x.to(dtype)
-    assert km.half2_enabled(cuda_device)
-    half2 = km.int4_gemv(x, w)
-    monkeypatch.setenv("FERROX_INT4_HALF2", "0")
-    fp32_loop = km.int4_gemv(x, w)
-    ref = _ref(x, ref_w, None)
-    assert torch.isfinite(half2).all()
-    assert relative_error(half2, ref) < TOLERANCE[dtype]
-    assert relative_error(fp32_loop, ref) < TOLERANCE[dtype]
-
-
-@pytest.mark.gpu
 def test_act_order_runner_on_gpu(cuda_device, seed):
     n, k, group = 4096, 4096, 128
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)

@@ -53,7 +53,6 @@ runner passes contiguous rows), fixed per layer and left specialised, so loads s
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -93,72 +92,6 @@ def _plane_minus_zero(p, p_hi, zero, J: tl.constexpr):
         return _plane(p_hi, J - 5) - (zero + (1 << (23 - 4 * (J - 5))))
 
 
-# fp16x2 constants of the packed dequantisation (_word_dot_half2): 1024.0 twice (the magic whose
-# low mantissa bits a nibble fills), 1/16 twice, -64.0 twice.
-_HALF2_PTX = tl.constexpr("""{
-    .reg .b32 w8, h0, h1, h2, h3, acc, magic, sixteenth, minus64;
-    .reg .b16 lo, hi;
-    .reg .f32 flo, fhi;
-    mov.b32 magic, 0x64006400;
-    mov.b32 sixteenth, 0x2C002C00;
-    mov.b32 minus64, 0xD400D400;
-    shr.u32 w8, $1, 8;
-    lop3.b32 h0, $1, 0x000F000F, magic, 0xEA;
-    lop3.b32 h1, $1, 0x00F000F0, magic, 0xEA;
-    lop3.b32 h2, w8, 0x000F000F, magic, 0xEA;
-    lop3.b32 h3, w8, 0x00F000F0, magic, 0xEA;
-    sub.rn.f16x2 h0, h0, magic;
-    fma.rn.f16x2 h1, h1, sixteenth, minus64;
-    sub.rn.f16x2 h2, h2, magic;
-    fma.rn.f16x2 h3, h3, sixteenth, minus64;
-    mul.rn.f16x2 acc, h0, $2;
-    fma.rn.f16x2 acc, h1, $3, acc;
-    fma.rn.f16x2 acc, h2, $4, acc;
-    fma.rn.f16x2 acc, h3, $5, acc;
-    mov.b32 {lo, hi}, acc;
-    cvt.f32.f16 flo, lo;
-    cvt.f32.f16 fhi, hi;
-    add.f32 $0, flo, fhi;
-}""")
-# The activations enter the fp16 products scaled by 2^-6 (exact), so a word's four fp16 partial
-# sums of up to 15 x stay finite for |x| up to ~70,000 (bf16 activations can exceed fp16's 65,504);
-# the fp32 row sums take the 2^6 back.
-_HALF2_X_SCALE = tl.constexpr(1.0 / 64.0)
-
-
-@triton.jit
-def _half_pair(a, b):
-    """fp32 tiles a, b -> int32 words holding fp16 a in the low half and fp16 b in the high half,
-    the operand layout of the fp16x2 products."""
-    lo = a.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    hi = b.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) << 16
-    return lo | hi
-
-
-@triton.jit
-def _word_dot_half2(p, x04, x15, x26, x37):
-    """Per packed word: sum over its 8 nibbles of q * x' in fp32, two nibbles per instruction. A LOP3
-    spreads nibbles j and j + 4 into the low mantissa bits of two fp16 1024.0s (1024 + q exactly;
-    for the odd planes 1024 + 16q, taken back by an FMA with 1/16 - 64), a subtract leaves q, and
-    four fp16x2 multiply-adds against the activation pairs x04 ... x37 (_half_pair: planes (0, 4),
-    (1, 5), (2, 6), (3, 7)) sum eight products; the two halves are added in fp32. ~16 instructions
-    per 8 weights where the fp32 path (_plane_value) takes ~5 per weight. Inline PTX: CUDA only."""
-    return tl.inline_asm_elementwise(asm=_HALF2_PTX, constraints="=r,r,r,r,r,r", args=[p, x04, x15, x26, x37],
-                                     dtype=tl.float32, is_pure=True, pack=1)
-
-
-@triton.jit
-def _pair_tile(x_row, norm_row, k0, T: tl.constexpr, J: tl.constexpr, wmask, NORM: tl.constexpr):
-    """Planes J and J + 4 of a K tile, their (normed) activations times _HALF2_X_SCALE: the fp16x2
-    pairs and the sum of the two planes; and the sum of squares of the raw activations (the RMS
-    statistic's)."""
-    xa, ha = _input_tile(x_row, norm_row, k0 + J * T, wmask, NORM)
-    xb, hb = _input_tile(x_row, norm_row, k0 + (J + 4) * T, wmask, NORM)
-    xa = xa * _HALF2_X_SCALE
-    xb = xb * _HALF2_X_SCALE
-    return _half_pair(xa, xb), xa + xb, ha * ha + hb * hb
-
-
 @triton.jit
 def _group_sums(t, xs4, scales_ptr, zeros_ptr, offs, mask, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
     """A K tile's contribution to each row: t [BLOCK_N, BLOCK_W] holds per word sum(q x), xs4 per 4
@@ -194,7 +127,6 @@ def _int4_gemv_kernel(
     HAS_RESIDUAL: tl.constexpr,  # out = (W @ x) + residual, each rounded as the unfused ops round
     BLOCK_N: tl.constexpr,
     BLOCK_W: tl.constexpr,  # words per row per K tile, a multiple of T; 4 words a thread (see the config)
-    HALF2: tl.constexpr = False,  # the fp16x2 inner loop (_word_dot_half2; CUDA only, `half2_enabled`)
 ):
     # Token-major grid: the programs of one row block for every token run side by side, so tokens
     # after the first find the block's weights in L2.
@@ -218,38 +150,22 @@ def _int4_gemv_kernel(
         wmask = cols < KW - w0
         wmask4 = cols4 < KW - w0
         p = tl.load(w_rows + w0, mask=rmask & wmask, other=0, eviction_policy="evict_first")
+        p_hi = p >> 20  # nibbles 5..7 moved down to 0..2
+        t = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)  # per word: sum over its 8 nibbles of q * x
+        xs = tl.zeros([1, BLOCK_W], dtype=tl.float32)  # per word: sum of the x its nibbles multiply
         if SILU_MUL:
             p_up = tl.load(w_rows + N * stride_w + w0, mask=rmask & wmask, other=0, eviction_policy="evict_first")
-        if HALF2:
-            x04, xs04, sq04 = _pair_tile(x_row, norm_row, 8 * w0, T, 0, wmask, NORM)
-            x15, xs15, sq15 = _pair_tile(x_row, norm_row, 8 * w0, T, 1, wmask, NORM)
-            x26, xs26, sq26 = _pair_tile(x_row, norm_row, 8 * w0, T, 2, wmask, NORM)
-            x37, xs37, sq37 = _pair_tile(x_row, norm_row, 8 * w0, T, 3, wmask, NORM)
-            xs = (xs04 + xs15) + (xs26 + xs37)
+            p_up_hi = p_up >> 20
+            t_up = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+        for j in tl.static_range(8):
+            # With NORM, xj is x times the norm weight and h the raw x (the RMS statistic's).
+            xj, h = _input_tile(x_row, norm_row, 8 * w0 + j * T, wmask, NORM)
+            xs += xj
+            t += _plane_value(p, p_hi, j) * xj
+            if SILU_MUL:
+                t_up += _plane_value(p_up, p_up_hi, j) * xj
             if NORM:
-                sq += (sq04 + sq15) + (sq26 + sq37)
-            x04, x15 = tl.broadcast_to(x04, [BLOCK_N, BLOCK_W]), tl.broadcast_to(x15, [BLOCK_N, BLOCK_W])
-            x26, x37 = tl.broadcast_to(x26, [BLOCK_N, BLOCK_W]), tl.broadcast_to(x37, [BLOCK_N, BLOCK_W])
-            # (t and xs in units of _HALF2_X_SCALE: the row sums take it back, once)
-            t = _word_dot_half2(p, x04, x15, x26, x37)
-            if SILU_MUL:
-                t_up = _word_dot_half2(p_up, x04, x15, x26, x37)
-        else:
-            p_hi = p >> 20  # nibbles 5..7 moved down to 0..2
-            t = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)  # per word: sum over its 8 nibbles of q * x
-            xs = tl.zeros([1, BLOCK_W], dtype=tl.float32)  # per word: sum of the x its nibbles multiply
-            if SILU_MUL:
-                p_up_hi = p_up >> 20
-                t_up = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
-            for j in tl.static_range(8):
-                # With NORM, xj is x times the norm weight and h the raw x (the RMS statistic's).
-                xj, h = _input_tile(x_row, norm_row, 8 * w0 + j * T, wmask, NORM)
-                xs += xj
-                t += _plane_value(p, p_hi, j) * xj
-                if SILU_MUL:
-                    t_up += _plane_value(p_up, p_up_hi, j) * xj
-                if NORM:
-                    sq += h * h
+                sq += h * h
         xs4 = tl.sum(tl.reshape(xs, [1, BLOCK_W // 4, 4]), axis=2)
         offs = rows[:, None] * G + (8 * w0 + g4) // GROUP
         acc += _group_sums(t, xs4, scales_ptr, zeros_ptr, offs, rmask & wmask4, BLOCK_N, BLOCK_W)
@@ -259,14 +175,13 @@ def _int4_gemv_kernel(
     # is linear in x.
     y = tl.sum(acc, axis=1)
     up = y  # (the up rows' sums with SILU_MUL)
-    unit = 1.0
-    if HALF2:
-        unit = 1.0 / _HALF2_X_SCALE
     if NORM:
-        unit = unit * tl.rsqrt(tl.sum(sq) / (KW * 8) + eps)
-    y = y * unit
+        rstd = tl.rsqrt(tl.sum(sq) / (KW * 8) + eps)
+        y = y * rstd
     if SILU_MUL:
-        up = tl.sum(acc_up, axis=1) * unit
+        up = tl.sum(acc_up, axis=1)
+        if NORM:
+            up = up * rstd
     _store_rows(out_ptr + m.to(tl.int64) * stride_om, x_ptr, bias_ptr, res_ptr + m.to(tl.int64) * stride_om, y, up,
                 rows, rows < N, N, HAS_BIAS, SILU_MUL, HAS_RESIDUAL)
 
@@ -473,18 +388,8 @@ def int4_gemv(x: torch.Tensor, w: Int4Weights, bias: torch.Tensor | None = None,
         k // 8, w.packed.stride(0), x.stride(0), out.stride(0), GROUP=w.group_size, T=w.interleave,
         HAS_BIAS=bias is not None, NORM=norm_weight is not None, SILU_MUL=silu_mul,
         HAS_RESIDUAL=residual is not None, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, num_warps=cfg.num_warps,
-        HALF2=half2_enabled(x.device) and x.dtype in (torch.float16, torch.bfloat16),
     )
     return out
-
-
-def half2_enabled(device: torch.device) -> bool:
-    """Whether the GEMV on `device` takes the fp16x2 inner loop (inline PTX) for 16-bit activations:
-    CUDA, not interpreted, FERROX_INT4_HALF2 not "0" (the fp32 loop, for A/B measurements and as
-    the reference). fp32 activations always keep the fp32 loop (fp16 products would cost them
-    precision that their dtype promises)."""
-    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-            and os.environ.get("FERROX_INT4_HALF2", "1") != "0")
 
 
 def gemm_supported(w: Int4Weights) -> bool:
