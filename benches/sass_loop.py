@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import re
 import subprocess
+import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import triton
-from ferrox.kernels import gemv, int4_matmul
+from ferrox.kernels import fused_moe, gemv, int4_matmul
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -60,10 +61,11 @@ def compile_loop(case: Case) -> Counter[str]:
              if name not in case.constexprs and DIVISIBLE.match(name)}
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=case.constexprs, attrs=attrs),
                               target=TARGET, options={"num_warps": case.num_warps})
-    cubin = Path("/tmp") / f"ferrox_sass_{case.name.replace(' ', '_')}.cubin"
-    cubin.write_bytes(compiled.asm["cubin"])
-    lines = subprocess.run([_bin("nvdisasm"), "-c", str(cubin)], capture_output=True, text=True,
-                           check=True).stdout.splitlines()
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        lines = subprocess.run([_bin("nvdisasm"), "-c", cubin.name], capture_output=True, text=True,
+                               check=True).stdout.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*\.L_x_(\d+):", line))}
     loops = []
     for i, line in enumerate(lines):
@@ -99,6 +101,20 @@ def cases() -> list[Case]:
                      BLOCK_W=block_w)
         return Case(name, int4_matmul._int4_gemv_kernel, int4, flags, warps, rows * (2 if silu else 1) * block_w * 8)
 
+    # Qwen3-30B-A3B's sparse MLP at one token (hidden 2048, experts of 768, top 8): the configs it runs.
+    moe_cfg = fused_moe.choose_gemv_config(2048, 768, 8)
+    gate_up = Case("moe gate/up norm + SiLU (Qwen3-30B-A3B)", fused_moe._gemv_gate_up_kernel,
+                   {"out_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "topk_ids_ptr": "*i64",
+                    "norm_w_ptr": "*bf16", "eps": "fp32"},
+                   dict(TOP_K=8, NORM=True, BLOCK_N=moe_cfg.gate_up_rows, BLOCK_K=moe_cfg.gate_up_block_k,
+                        USE_PDL=False),
+                   moe_cfg.num_warps, 2 * moe_cfg.gate_up_rows * moe_cfg.gate_up_block_k)
+    down = Case("moe down, 8 slots + residual (Qwen3-30B-A3B)", fused_moe._gemv_down_kernel,
+                {"out_ptr": "*bf16", "inter_ptr": "*bf16", "w_ptr": "*bf16", "topk_ids_ptr": "*i64",
+                 "route_w_ptr": "*fp32", "res_ptr": "*bf16"},
+                dict(TOP_K=8, HAS_RESIDUAL=True, BLOCK_S=8, BLOCK_N=moe_cfg.down_rows, BLOCK_K=moe_cfg.down_block_k,
+                     USE_PDL=False),
+                moe_cfg.num_warps, 8 * moe_cfg.down_rows * moe_cfg.down_block_k)
     return [
         g("bf16 gemv + residual", bf16, 2, 1024, 4),
         g("bf16 gemv norm + SiLU", bf16, 4, 1024, 4, silu=True, norm=True),
@@ -106,6 +122,8 @@ def cases() -> list[Case]:
         g("fp8 gemv norm + SiLU", fp8, 4, 2048, 8, silu=True, norm=True, scale=True),
         q4("int4 gemv + residual", 8, 2),
         q4("int4 gemv norm + SiLU", 4, 2, silu=True, norm=True),
+        gate_up,
+        down,
     ]
 
 
