@@ -13,7 +13,13 @@ longest backward branch. The Triton installed here may differ from the device ma
     PYTHONPATH=python python benches/sass_loop.py
 
 Prints a table (kernel, launch config, loop instructions, weights a thread handles per iteration,
-instructions per weight, the most frequent opcodes), the figure last.
+instructions per weight; registers and spills per thread, the programs an SM holds at once, and the
+weight bytes those programs request per K-loop iteration; the most frequent opcodes), the figure last.
+
+The last column is the other side of the question: by Little's law an SM streaming its share of
+4.8 TB/s (36 GB/s) through a loaded memory latency of ~1 us needs ~36 KB of loads in flight. A kernel
+whose resident programs ask for less per iteration (and wait for it before the next, as Triton's
+loops over elementwise code do) is latency-bound whatever its instruction count.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import re
 import subprocess
 import tempfile
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import triton
@@ -36,6 +42,11 @@ TARGET = GPUTarget("cuda", 90, 32)
 DIVISIBLE = re.compile(r".*_ptr$|^K$|^KW$|^stride_.*")
 
 
+# sm_90 limits per SM (occupancy): threads, resident programs, registers (allocated per warp in
+# units of 256), shared memory (and the 1 KB the runtime reserves per program).
+SM_THREADS, SM_PROGRAMS, SM_REGS, SM_SHARED, SHARED_RESERVED = 2048, 32, 65536, 233472, 1024
+
+
 @dataclass
 class Case:
     name: str
@@ -44,15 +55,30 @@ class Case:
     constexprs: dict[str, object]
     num_warps: int
     weights_per_iteration: int  # weights a program multiplies per K-loop iteration
-    opcodes: Counter[str] = field(default_factory=Counter)
+    weight_bytes: float  # bytes per weight (bf16 2, fp8 1, int4 0.5)
+
+
+@dataclass
+class Loop:
+    opcodes: Counter[str]
+    registers: int  # per thread
+    spill_bytes: int  # local memory per thread
+    shared: int  # bytes per program
+
+    def resident_programs(self, num_warps: int) -> int:
+        threads = 32 * num_warps
+        regs_per_warp = -(-self.registers * 32 // 256) * 256
+        by_regs = SM_REGS // (regs_per_warp * num_warps) if self.registers else SM_PROGRAMS
+        return min(SM_PROGRAMS, SM_THREADS // threads, by_regs, SM_SHARED // (self.shared + SHARED_RESERVED))
 
 
 def _bin(tool: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / tool)
 
 
-def compile_loop(case: Case) -> Counter[str]:
-    """Opcode counts of the kernel's K loop (the longest backward branch of its sm_90 SASS)."""
+def compile_loop(case: Case) -> Loop:
+    """The kernel's K loop (the longest backward branch of its sm_90 SASS): opcode counts, and the
+    kernel's registers, spills and shared memory (cuobjdump's resource usage)."""
     fn = case.kernel
     signature: dict[str, str] = {}
     for name in fn.arg_names:
@@ -66,6 +92,9 @@ def compile_loop(case: Case) -> Counter[str]:
         cubin.flush()
         lines = subprocess.run([_bin("nvdisasm"), "-c", cubin.name], capture_output=True, text=True,
                                check=True).stdout.splitlines()
+        usage = subprocess.run([_bin("cuobjdump"), "--dump-resource-usage", cubin.name], capture_output=True,
+                               text=True, check=True).stdout
+    resources = {key: int(value) for key, value in re.findall(r"(REG|LOCAL|SHARED):(\d+)", usage)}
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*\.L_x_(\d+):", line))}
     loops = []
     for i, line in enumerate(lines):
@@ -80,7 +109,7 @@ def compile_loop(case: Case) -> Counter[str]:
         m = re.search(r"/\*[0-9a-f]{4,}\*/\s*(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
         if m:
             ops[m.group(1)] += 1
-    return ops
+    return Loop(ops, resources.get("REG", 0), resources.get("LOCAL", 0), resources.get("SHARED", 0))
 
 
 def cases() -> list[Case]:
@@ -93,13 +122,15 @@ def cases() -> list[Case]:
     def g(name, types, rows, block_k, warps, *, silu=False, norm=False, scale=False):
         flags = dict(NORM=norm, HAS_BIAS=False, SILU_MUL=silu, HAS_RESIDUAL=not silu, HAS_W_SCALE=scale,
                      BLOCK_N=rows, BLOCK_K=block_k, USE_PDL=False)
-        return Case(name, gemv._gemv_kernel, types, flags, warps, rows * (2 if silu else 1) * block_k)
+        return Case(name, gemv._gemv_kernel, types, flags, warps, rows * (2 if silu else 1) * block_k,
+                    1.0 if types["w_ptr"] == "*fp8e4nv" else 2.0)
 
     def q4(name, rows, warps, *, silu=False, norm=False):
         block_w = int4_matmul.GemvConfig(rows, warps).block_w
         flags = dict(GROUP=128, T=16, HAS_BIAS=False, NORM=norm, SILU_MUL=silu, HAS_RESIDUAL=not silu, BLOCK_N=rows,
                      BLOCK_W=block_w)
-        return Case(name, int4_matmul._int4_gemv_kernel, int4, flags, warps, rows * (2 if silu else 1) * block_w * 8)
+        return Case(name, int4_matmul._int4_gemv_kernel, int4, flags, warps, rows * (2 if silu else 1) * block_w * 8,
+                    0.5)
 
     # Qwen3-30B-A3B's sparse MLP at one token (hidden 2048, experts of 768, top 8): the configs it runs.
     moe_cfg = fused_moe.choose_gemv_config(2048, 768, 8)
@@ -108,13 +139,13 @@ def cases() -> list[Case]:
                     "norm_w_ptr": "*bf16", "eps": "fp32"},
                    dict(TOP_K=8, NORM=True, BLOCK_N=moe_cfg.gate_up_rows, BLOCK_K=moe_cfg.gate_up_block_k,
                         USE_PDL=False),
-                   moe_cfg.num_warps, 2 * moe_cfg.gate_up_rows * moe_cfg.gate_up_block_k)
+                   moe_cfg.num_warps, 2 * moe_cfg.gate_up_rows * moe_cfg.gate_up_block_k, 2.0)
     down = Case("moe down, 8 slots + residual (Qwen3-30B-A3B)", fused_moe._gemv_down_kernel,
                 {"out_ptr": "*bf16", "inter_ptr": "*bf16", "w_ptr": "*bf16", "topk_ids_ptr": "*i64",
                  "route_w_ptr": "*fp32", "res_ptr": "*bf16"},
                 dict(TOP_K=8, HAS_RESIDUAL=True, BLOCK_S=8, BLOCK_N=moe_cfg.down_rows, BLOCK_K=moe_cfg.down_block_k,
                      USE_PDL=False),
-                moe_cfg.num_warps, 8 * moe_cfg.down_rows * moe_cfg.down_block_k)
+                moe_cfg.num_warps, 8 * moe_cfg.down_rows * moe_cfg.down_block_k, 2.0)
     return [
         g("bf16 gemv + residual", bf16, 2, 1024, 4),
         g("bf16 gemv norm + SiLU", bf16, 4, 1024, 4, silu=True, norm=True),
@@ -130,18 +161,22 @@ def cases() -> list[Case]:
 def main() -> None:
     rows = []
     for case in cases():
-        ops = compile_loop(case)
+        loop = compile_loop(case)
         per_thread = case.weights_per_iteration / (32 * case.num_warps)
-        total = sum(ops.values())
-        rows.append((case, total, per_thread, total / per_thread, ops))
+        total = sum(loop.opcodes.values())
+        resident = loop.resident_programs(case.num_warps)
+        in_flight_kb = resident * case.weights_per_iteration * case.weight_bytes / 1024
+        rows.append((case, loop, total, per_thread, total / per_thread, resident, in_flight_kb))
     print(f"Triton {triton.__version__}, SASS for sm_90 (ptxas bundled with Triton)\n")
-    print("| kernel | warps | loop instructions | weights / thread / iteration | instructions / weight | top opcodes |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for case, total, per_thread, per_weight, ops in rows:
-        top = ", ".join(f"{op} {n}" for op, n in ops.most_common(5))
-        print(f"| {case.name} | {case.num_warps} | {total} | {per_thread:.0f} | {per_weight:.2f} | {top} |")
-    worst = max(rows, key=lambda r: r[3])
-    print(f"\nmost instructions per weight: {worst[0].name}, {worst[3]:.2f}")
+    print("| kernel | warps | loop instructions | weights / thread / iteration | instructions / weight "
+          "| registers (spilled bytes) | programs / SM | KB requested / SM / iteration | top opcodes |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for case, loop, total, per_thread, per_weight, resident, kb in rows:
+        top = ", ".join(f"{op} {n}" for op, n in loop.opcodes.most_common(4))
+        print(f"| {case.name} | {case.num_warps} | {total} | {per_thread:.0f} | {per_weight:.2f} | "
+              f"{loop.registers} ({loop.spill_bytes}) | {resident} | {kb:.0f} | {top} |")
+    worst = max(rows, key=lambda r: r[4])
+    print(f"\nmost instructions per weight: {worst[0].name}, {worst[4]:.2f}")
 
 
 if __name__ == "__main__":

@@ -16,10 +16,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
 def test_every_case_compiles_and_has_a_k_loop():
     import sass_loop
 
-    counts = {case.name: sass_loop.compile_loop(case) for case in sass_loop.cases()}
-    for name, ops in counts.items():
-        assert sum(ops.values()) > 10, name
-        assert any(op.startswith("LDG") for op in ops), f"{name}: the loop found loads no weights"
+    loops = {case.name: (case, sass_loop.compile_loop(case)) for case in sass_loop.cases()}
+    for name, (case, loop) in loops.items():
+        assert sum(loop.opcodes.values()) > 10, name
+        assert any(op.startswith("LDG") for op in loop.opcodes), f"{name}: the loop found loads no weights"
+        assert loop.registers > 0 and 1 <= loop.resident_programs(case.num_warps) <= sass_loop.SM_PROGRAMS, name
+    counts = {name: loop.opcodes for name, (_, loop) in loops.items()}
     # The int4 loop unpacks nibbles (LOP3) and multiplies in fp32; the fp8 one widens through fp16.
     assert counts["int4 gemv + residual"]["LOP3.LUT"] > 0
     assert any(op.startswith("F2FP") for op in counts["fp8 gemv (weight-only) + residual"])
