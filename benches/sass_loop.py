@@ -11,10 +11,13 @@ GPUTarget("cuda", 90) with the ptxas it bundles, and its nvdisasm lists the SASS
 longest backward branch. The Triton installed here may differ from the device machine's.
 
     PYTHONPATH=python python benches/sass_loop.py
+    # as the device machine compiles (its Triton is 3.6):
+    pip install --target /tmp/t36 --no-deps triton==3.6.0 && PYTHONPATH=/tmp/t36:python python benches/sass_loop.py
 
 Prints a table (kernel, launch config, loop instructions, weights a thread handles per iteration,
 instructions per weight; registers and spills per thread, the programs an SM holds at once, and the
-weight bytes those programs request per K-loop iteration; the most frequent opcodes), the figure last.
+weight bytes those programs have in flight -- one K-loop iteration's, or num_stages - 1 of them where
+Triton pipelines the loads of a tl.dot loop; the most frequent opcodes), the figure last.
 
 The last column is the other side of the question: by Little's law an SM streaming its share of
 4.8 TB/s (36 GB/s) through a loaded memory latency of ~1 us needs ~36 KB of loads in flight. A kernel
@@ -32,14 +35,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import triton
-from ferrox.kernels import fused_moe, gemv, int4_matmul
+from ferrox.kernels import fp8_dot_gemv, fused_moe, gemv, int4_matmul
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 TARGET = GPUTarget("cuda", 90, 32)
-# Arguments whose divisibility by 16 the launcher would see (pointers from torch, K and row strides
-# of the model's shapes): without it Triton does not vectorise the loads and the count misleads.
-DIVISIBLE = re.compile(r".*_ptr$|^K$|^KW$|^stride_.*")
+# The launcher marks every pointer (torch's allocations) and every integer argument divisible by 16
+# (at the models' shapes: sizes, strides, split ranges), and Triton vectorises loads and drops masks
+# on that knowledge; compiled without it, the count would describe another kernel.
 
 
 # sm_90 limits per SM (occupancy): threads, resident programs, registers (allocated per warp in
@@ -56,6 +59,10 @@ class Case:
     num_warps: int
     weights_per_iteration: int  # weights a program multiplies per K-loop iteration
     weight_bytes: float  # bytes per weight (bf16 2, fp8 1, int4 0.5)
+    # Iterations whose loads are in flight at once: 1 for loops over elementwise code (Triton waits
+    # for each tile), num_stages - 1 for loops whose loads feed tl.dot (software-pipelined).
+    iterations_in_flight: int = 1
+    num_stages: int = 1
 
 
 @dataclass
@@ -84,9 +91,9 @@ def compile_loop(case: Case) -> Loop:
     for name in fn.arg_names:
         signature[name] = "constexpr" if name in case.constexprs else case.types.get(name, "i32")
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if name not in case.constexprs and DIVISIBLE.match(name)}
+             if name not in case.constexprs and not signature[name].startswith("fp")}
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=case.constexprs, attrs=attrs),
-                              target=TARGET, options={"num_warps": case.num_warps})
+                              target=TARGET, options={"num_warps": case.num_warps, "num_stages": case.num_stages})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
@@ -94,7 +101,7 @@ def compile_loop(case: Case) -> Loop:
                                check=True).stdout.splitlines()
         usage = subprocess.run([_bin("cuobjdump"), "--dump-resource-usage", cubin.name], capture_output=True,
                                text=True, check=True).stdout
-    resources = {key: int(value) for key, value in re.findall(r"(REG|LOCAL|SHARED):(\d+)", usage)}
+    resources = {key: int(value) for key, value in re.findall(r"(REG|STACK|LOCAL):(\d+)", usage)}
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*\.L_x_(\d+):", line))}
     loops = []
     for i, line in enumerate(lines):
@@ -109,7 +116,10 @@ def compile_loop(case: Case) -> Loop:
         m = re.search(r"/\*[0-9a-f]{4,}\*/\s*(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
         if m:
             ops[m.group(1)] += 1
-    return Loop(ops, resources.get("REG", 0), resources.get("LOCAL", 0), resources.get("SHARED", 0))
+    # Spills land in the stack frame (STACK) or local memory; Triton's shared memory is dynamic, so it
+    # comes from the compiler's metadata, not the cubin.
+    return Loop(ops, resources.get("REG", 0), resources.get("STACK", 0) + resources.get("LOCAL", 0),
+                int(compiled.metadata.shared))
 
 
 def cases() -> list[Case]:
@@ -146,6 +156,17 @@ def cases() -> list[Case]:
                 dict(TOP_K=8, HAS_RESIDUAL=True, BLOCK_S=8, BLOCK_N=moe_cfg.down_rows, BLOCK_K=moe_cfg.down_block_k,
                      USE_PDL=False),
                 moe_cfg.num_warps, 8 * moe_cfg.down_rows * moe_cfg.down_block_k, 2.0)
+    def dot8(name, n_out, k, *, silu=False, norm=False):
+        cfg = fp8_dot_gemv.choose_dot_config(n_out, k, 132)
+        flags = dict(NORM=norm, HAS_BIAS=False, SILU_MUL=silu, HAS_RESIDUAL=not silu, STATIC=False,
+                     SPLIT=cfg.split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_X=1024)
+        types = {"out_ptr": "*bf16", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "bias_ptr": "*bf16",
+                 "x_ptr": "*bf16", "res_ptr": "*bf16", "norm_w_ptr": "*bf16", "in_scale_ptr": "*fp32",
+                 "part_ptr": "*fp32", "count_ptr": "*i32", "eps": "fp32"}
+        return Case(f"{name} ({cfg.block_n} rows x {cfg.block_k}, split {cfg.split})", fp8_dot_gemv._fp8_dot_gemv_kernel,
+                    types, flags, cfg.num_warps, cfg.block_n * cfg.block_k * (2 if silu else 1), 1.0,
+                    cfg.num_stages - 1, cfg.num_stages)
+
     return [
         g("bf16 gemv + residual", bf16, 2, 1024, 4),
         g("bf16 gemv norm + SiLU", bf16, 4, 1024, 4, silu=True, norm=True),
@@ -153,6 +174,8 @@ def cases() -> list[Case]:
         g("fp8 gemv norm + SiLU", fp8, 4, 2048, 8, silu=True, norm=True, scale=True),
         q4("int4 gemv + residual", 8, 2),
         q4("int4 gemv norm + SiLU", 4, 2, silu=True, norm=True),
+        dot8("fp8 W8A8 tensor cores, gate_up norm + SiLU", 14336, 4096, silu=True, norm=True),
+        dot8("fp8 W8A8 tensor cores, down + residual", 4096, 14336),
         gate_up,
         down,
     ]
@@ -165,11 +188,11 @@ def main() -> None:
         per_thread = case.weights_per_iteration / (32 * case.num_warps)
         total = sum(loop.opcodes.values())
         resident = loop.resident_programs(case.num_warps)
-        in_flight_kb = resident * case.weights_per_iteration * case.weight_bytes / 1024
+        in_flight_kb = resident * case.weights_per_iteration * case.weight_bytes * case.iterations_in_flight / 1024
         rows.append((case, loop, total, per_thread, total / per_thread, resident, in_flight_kb))
     print(f"Triton {triton.__version__}, SASS for sm_90 (ptxas bundled with Triton)\n")
     print("| kernel | warps | loop instructions | weights / thread / iteration | instructions / weight "
-          "| registers (spilled bytes) | programs / SM | KB requested / SM / iteration | top opcodes |")
+          "| registers (spilled bytes) | programs / SM | KB in flight / SM | top opcodes |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for case, loop, total, per_thread, per_weight, resident, kb in rows:
         top = ", ".join(f"{op} {n}" for op, n in loop.opcodes.most_common(4))
