@@ -6,9 +6,9 @@ An H200 issues 132 SMs x 128 thread-instructions a clock, ~33.5e12 a second at 1
 at the lower clocks of a power-capped GPU). Counting the inner loop's instructions tells, before any
 device time is spent, whether a kernel can reach the read floor at all. (The twentieth session cut
 the int4 loop from 5.95 to 3.82 per weight with packed fp16x2 dequantisation and gained only 4%:
-past that budget, latency and bytes in flight decide; benches/RESULTS.md.) No GPU needed: Triton compiles for
-GPUTarget("cuda", 90) with the ptxas it bundles, and its nvdisasm lists the SASS; the K loop is the
-longest backward branch. The Triton installed here may differ from the device machine's.
+within that budget, latency and bytes in flight decide; benches/RESULTS.md.) No GPU needed: Triton
+compiles for GPUTarget("cuda", 90) with the ptxas it bundles, and its nvdisasm lists the SASS; the K
+loop is the longest backward branch. The Triton installed here may differ from the device machine's.
 
     PYTHONPATH=python python benches/sass_loop.py
     # as the device machine compiles (its Triton is 3.6):
@@ -40,10 +40,6 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 TARGET = GPUTarget("cuda", 90, 32)
-# The launcher marks every pointer (torch's allocations) and every integer argument divisible by 16
-# (at the models' shapes: sizes, strides, split ranges), and Triton vectorises loads and drops masks
-# on that knowledge; compiled without it, the count would describe another kernel.
-
 
 # sm_90 limits per SM (occupancy): threads, resident programs, registers (allocated per warp in
 # units of 256), shared memory (and the 1 KB the runtime reserves per program).
@@ -90,6 +86,9 @@ def compile_loop(case: Case) -> Loop:
     signature: dict[str, str] = {}
     for name in fn.arg_names:
         signature[name] = "constexpr" if name in case.constexprs else case.types.get(name, "i32")
+    # The launcher marks every pointer (torch's allocations) and every integer argument divisible by
+    # 16 (at the models' shapes: sizes, strides, split ranges), and Triton vectorises loads and drops
+    # masks on that knowledge; compiled without it, the count would describe another kernel.
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if name not in case.constexprs and not signature[name].startswith("fp")}
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=case.constexprs, attrs=attrs),
