@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import triton
-from ferrox.kernels import fp8_dot_gemv, fused_moe, gemv, int4_matmul
+from ferrox.kernels import fp8_dot_gemv, fused_moe, gemv, int4_matmul, paged_attention
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -89,8 +89,10 @@ def compile_loop(case: Case) -> Loop:
     # The launcher marks every pointer (torch's allocations) and every integer argument divisible by
     # 16 (at the models' shapes: sizes, strides, split ranges), and Triton vectorises loads and drops
     # masks on that knowledge; compiled without it, the count would describe another kernel.
+    # (Not the arguments the kernel declares do_not_specialize: those get no attribute at launch.)
+    unspecialized = {fn.arg_names[a] if isinstance(a, int) else a for a in (fn.do_not_specialize or ())}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if name not in case.constexprs and not signature[name].startswith("fp")}
+             if name not in case.constexprs and name not in unspecialized and not signature[name].startswith("fp")}
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=case.constexprs, attrs=attrs),
                               target=TARGET, options={"num_warps": case.num_warps, "num_stages": case.num_stages})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
@@ -166,6 +168,19 @@ def cases() -> list[Case]:
                     types, flags, cfg.num_warps, cfg.block_n * cfg.block_k * (2 if silu else 1), 1.0,
                     cfg.num_stages - 1, cfg.num_stages)
 
+    # Split-KV decode attention at Llama-3.1-8B's heads (GQA 4, head_dim 128): "weights" are the K and V
+    # elements a program reads per KV tile (bf16).
+    att = paged_attention.DECODE_SPLIT_CONFIG
+    attention = Case(f"paged attention, split-KV decode ({att.tile_n}-position KV tiles)",
+                     paged_attention._paged_attention_kernel,
+                     {"out_ptr": "*bf16", "partial_out_ptr": "*fp32", "partial_max_ptr": "*fp32",
+                      "partial_sum_ptr": "*fp32", "q_ptr": "*bf16", "cache_ptr": "*bf16", "kv_scale_ptr": "*fp32",
+                      "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
+                      "scale_log2": "fp32"},
+                     dict(NUM_Q_PER_KV=4, BLOCK_Q=att.block_m // 4, BLOCK_M=att.block_m, TILE_N=att.tile_n,
+                          DIM_PAD=128, SPLIT_KV=True, DOT_PRECISION="tf32", USE_PDL=False, DECODE_ONLY=True,
+                          MIN_SPLIT=256),
+                     att.num_warps, 2 * att.tile_n * 128, 2.0, att.num_stages - 1, att.num_stages)
     return [
         g("bf16 gemv + residual", bf16, 2, 1024, 4),
         g("bf16 gemv norm + SiLU", bf16, 4, 1024, 4, silu=True, norm=True),
@@ -177,6 +192,7 @@ def cases() -> list[Case]:
         dot8("fp8 W8A8 tensor cores, down + residual", 4096, 14336),
         gate_up,
         down,
+        attention,
     ]
 
 
