@@ -17,7 +17,10 @@ loop is the longest backward branch. The Triton installed here may differ from t
 Prints a table (kernel, launch config, loop instructions, weights a thread handles per iteration,
 instructions per weight; registers and spills per thread, the programs an SM holds at once, and the
 weight bytes those programs have in flight -- one K-loop iteration's, or num_stages - 1 of them where
-Triton pipelines the loads of a tl.dot loop; the most frequent opcodes), the figure last.
+Triton pipelines the loads of a tl.dot loop; the lowest of the three ceilings below and which one it
+is; the most frequent opcodes), the figure last: how many kernels have a ceiling below the read
+bandwidth. These are upper bounds from the code alone (no launch overhead, no tail, full occupancy);
+a kernel can run well below its ceiling, never above it.
 
 The last column is the other side of the question: by Little's law an SM streaming its share of
 4.8 TB/s (36 GB/s) through a loaded memory latency of ~1 us needs ~36 KB of loads in flight. A kernel
@@ -196,6 +199,18 @@ def cases() -> list[Case]:
     ]
 
 
+# The H200 figures the ceilings are drawn from (benches/RESULTS.md): streaming-read bandwidth, and
+# thread-instructions a second (132 SMs x 128 a clock at 1.98 GHz); a loaded memory latency of ~1 us.
+READ_TBPS, ISSUE_PER_S, NUM_SMS, LATENCY_S = 4.8, 132 * 128 * 1.98e9, 132, 1e-6
+
+
+def ceilings(per_weight: float, weight_bytes: float, in_flight_kb: float) -> dict[str, float]:
+    """TB/s of weights each limit allows: the read bandwidth, instruction issue at per_weight
+    instructions a weight, and Little's law over the bytes the resident programs keep in flight."""
+    return {"read": READ_TBPS, "issue": ISSUE_PER_S / per_weight * weight_bytes / 1e12,
+            "in flight": in_flight_kb * 1024 * NUM_SMS / LATENCY_S / 1e12}
+
+
 def main() -> None:
     rows = []
     for case in cases():
@@ -204,17 +219,21 @@ def main() -> None:
         total = sum(loop.opcodes.values())
         resident = loop.resident_programs(case.num_warps)
         in_flight_kb = resident * case.weights_per_iteration * case.weight_bytes * case.iterations_in_flight / 1024
-        rows.append((case, loop, total, per_thread, total / per_thread, resident, in_flight_kb))
+        limits = ceilings(total / per_thread, case.weight_bytes, in_flight_kb)
+        rows.append((case, loop, total, per_thread, total / per_thread, resident, in_flight_kb, limits))
     print(f"Triton {triton.__version__}, SASS for sm_90 (ptxas bundled with Triton)\n")
     print("| kernel | warps | loop instructions | weights / thread / iteration | instructions / weight "
-          "| registers (spilled bytes) | programs / SM | KB in flight / SM | top opcodes |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for case, loop, total, per_thread, per_weight, resident, kb in rows:
+          "| registers (spilled bytes) | programs / SM | KB in flight / SM | ceiling TB/s (what binds) | top opcodes |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for case, loop, total, per_thread, per_weight, resident, kb, limits in rows:
         top = ", ".join(f"{op} {n}" for op, n in loop.opcodes.most_common(4))
+        binding = min(limits, key=lambda name: limits[name])
         print(f"| {case.name} | {case.num_warps} | {total} | {per_thread:.0f} | {per_weight:.2f} | "
-              f"{loop.registers} ({loop.spill_bytes}) | {resident} | {kb:.0f} | {top} |")
-    worst = max(rows, key=lambda r: r[4])
-    print(f"\nmost instructions per weight: {worst[0].name}, {worst[4]:.2f}")
+              f"{loop.registers} ({loop.spill_bytes}) | {resident} | {kb:.0f} | {limits[binding]:.1f} ({binding}) | "
+              f"{top} |")
+    below = [r for r in rows if min(r[7].values()) < READ_TBPS]
+    print(f"\nkernels whose ceiling is below the read bandwidth: {len(below)} of {len(rows)}"
+          + (f" ({', '.join(r[0].name for r in below)})" if below else ""))
 
 
 if __name__ == "__main__":
