@@ -160,6 +160,7 @@ def cases() -> list[Case]:
                 dict(TOP_K=8, HAS_RESIDUAL=True, BLOCK_S=8, BLOCK_N=moe_cfg.down_rows, BLOCK_K=moe_cfg.down_block_k,
                      USE_PDL=False),
                 moe_cfg.num_warps, 8 * moe_cfg.down_rows * moe_cfg.down_block_k, 2.0)
+
     def dot8(name, n_out, k, *, silu=False, norm=False):
         cfg = fp8_dot_gemv.choose_dot_config(n_out, k, 132)
         flags = dict(NORM=norm, HAS_BIAS=False, SILU_MUL=silu, HAS_RESIDUAL=not silu, STATIC=False,
