@@ -82,6 +82,20 @@ def test_plan_buckets_cover_every_reachable_length():
         assert not cudnn_prefill.takes_cudnn_path(query, context)
 
 
+def test_exact_plans_cover_a_long_prompt_cut_into_whole_chunks():
+    # A 122,880-token prompt in 8192-token chunks sees contexts 0, 8192, ..., 114,688: all built.
+    contexts = cudnn_prefill.exact_contexts(8192, 131072)
+    assert contexts == [j * 8192 for j in range(16)]
+    assert all(cudnn_prefill.takes_exact_plan(8192, c, 8192) for c in range(0, 122880, 8192))
+    # The last, shorter chunk, a chunk beside decodes, a prefix hit off the grid: their buckets.
+    for query, context in ((8192 - 3, 8192), (5000, 114688), (8192, 8192 + 16)):
+        assert not cudnn_prefill.takes_exact_plan(query, context, 8192)
+    assert not cudnn_prefill.takes_exact_plan(8192, 8192, 0)  # no warm-up, no exact plans
+    assert cudnn_prefill.exact_contexts(512, 131072) == []  # chunks under the cut never take cuDNN
+    assert cudnn_prefill.exact_contexts(1024, 131072) == []  # 128 plans: too many to build
+    assert cudnn_prefill.exact_contexts(8192, 4096) == []  # a chunk longer than the model
+
+
 def test_scratch_reserve_covers_the_largest_gather():
     # Llama-3.1-8B heads, bf16, 8192-token chunks, 128k context: the gathered K/V alone is ~0.5 GiB.
     reserve = cudnn_prefill.scratch_bytes(32, 8, 128, 2, 8192, 131072)
@@ -137,14 +151,16 @@ def _cudnn_or_skip(device: torch.device) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("exact", [False, True], ids=["bucketed", "exact"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(32, 8, 128, 16), (32, 4, 64, 16),
                                                                     (28, 4, 128, 128), (16, 2, 64, 32)],
                          ids=["llama8b", "gqa8-dim64", "qwen-block128", "gqa8-block32"])
-def test_cudnn_request_matches_the_prefill_kernel(cuda_device, seed, dtype, heads, kv_heads, head_dim, block_size):
+def test_cudnn_request_matches_the_prefill_kernel(cuda_device, seed, dtype, heads, kv_heads, head_dim, block_size,
+                                                  exact):
     """Requests of ragged lengths (a fresh prompt, chunks after contexts that end mid-block) in a
     cache whose blocks are a random permutation: every row against the float32 reference and the
-    Triton prefill kernel."""
+    Triton prefill kernel, with the query batch-major (a bucketed plan) and head-major (exact)."""
     _cudnn_or_skip(cuda_device)
     query_lens, context_lens = [1500, 1100, 2048], [0, 3333, 1024]
     batch = PagedBatch(query_lens, context_lens, heads, kv_heads, head_dim, block_size, dtype, cuda_device)
@@ -158,7 +174,7 @@ def test_cudnn_request_matches_the_prefill_kernel(cuda_device, seed, dtype, head
         a, b = starts[r], starts[r + 1]
         blocks = batch.block_table[r, : -(-context // block_size)]
         cudnn_prefill.cudnn_prefill_request(out[a:b], batch.q[a:b], batch.k[a:b], batch.v[a:b], batch.kv_cache,
-                                            blocks, context, batch.scale)
+                                            blocks, context, batch.scale, exact)
     assert not out.isnan().any()
     assert relative_error(out.float(), ref) < 1.5e-2
     assert relative_error(out.float(), triton_out.float()) < 1.5e-2
@@ -185,7 +201,7 @@ def test_backend_takes_cudnn_for_long_chunks_beside_decodes(cuda_device, seed, m
 
 
 @pytest.mark.gpu
-def test_warm_up_builds_the_reachable_plans(cuda_device):
+def test_warm_up_builds_the_reachable_plans(cuda_device, seed, monkeypatch):
     _cudnn_or_skip(cuda_device)
     backend = TritonAttentionBackend()
     assert backend.warm_up_plans(8192, 16384) == 0  # no step yet: heads unknown
@@ -193,4 +209,16 @@ def test_warm_up_builds_the_reachable_plans(cuda_device):
     backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, _meta(batch), batch.scale)
     chunks, contexts = plan_buckets(4096, 8192)
     built = backend.warm_up_plans(4096, 8192)
-    assert len(chunks) < built <= len(chunks) * (1 + len(contexts))
+    exact = len(cudnn_prefill.exact_contexts(4096, 8192))  # contexts 0 and 4096
+    assert exact == 2 and backend._cudnn_exact_chunk == 4096
+    assert len(chunks) + exact < built <= len(chunks) * (1 + len(contexts)) + exact
+    # A whole second chunk takes its exact plan through the backend and agrees with the Triton kernel.
+    batch = PagedBatch([4096], [4096], 8, 2, 64, 16, torch.bfloat16, cuda_device)
+    calls: list[bool] = []
+    real = cudnn_prefill.cudnn_prefill_request
+    monkeypatch.setattr(cudnn_prefill, "cudnn_prefill_request", lambda *a: (calls.append(a[-1]), real(*a))[1])
+    out = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, _meta(batch), batch.scale)
+    assert calls == [True]
+    expected = prefill_attention(batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_table,
+                                 scale=batch.scale)
+    assert relative_error(out.float(), expected.float()) < 1.5e-2

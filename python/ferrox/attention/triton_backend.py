@@ -105,6 +105,8 @@ class TritonAttentionBackend(AttentionBackend):
         # The cuDNN prefill path: decided at the first forward with a cache (device, dtype, heads).
         self._cudnn_block_size: int | None = None
         self._cudnn_shape: tuple[int, int, int, torch.dtype, torch.device] | None = None
+        # Chunks of exactly this many tokens have exact-shape cuDNN plans (warm_up_plans); 0: none.
+        self._cudnn_exact_chunk = 0
 
     def begin_forward(self, meta: AttentionMetadata) -> None:
         self._plan_for(meta)
@@ -135,8 +137,11 @@ class TritonAttentionBackend(AttentionBackend):
             return 0
         heads, kv_heads, head_dim, dtype, device = self._cudnn_shape
         try:
-            return cudnn_prefill.warm_up_plans(device, dtype, heads, kv_heads, head_dim, max_query_len,
-                                               max_model_len)
+            built = cudnn_prefill.warm_up_plans(device, dtype, heads, kv_heads, head_dim, max_query_len,
+                                                max_model_len, exact_chunk=max_query_len)
+            if cudnn_prefill.exact_contexts(max_query_len, max_model_len):
+                self._cudnn_exact_chunk = max_query_len
+            return built
         except RuntimeError as exc:
             logger.warning("cuDNN attention plans failed to build (%s); long prefill chunks use the Triton "
                            "prefill kernel", exc)
@@ -212,8 +217,9 @@ class TritonAttentionBackend(AttentionBackend):
             prefill_attention(q[a:b], kv_cache, meta.query_start_loc[r0:r1 + 1] - a, meta.seq_lens[r0:r1],
                               meta.block_table[r0:r1], scale=scale, out=out[a:b])
         for r, a, b, context, blocks in plan.cudnn_requests:
+            exact = cudnn_prefill.takes_exact_plan(b - a, context, self._cudnn_exact_chunk)
             cudnn_prefill.cudnn_prefill_request(out[a:b], q[a:b], k[a:b], v[a:b], kv_cache,
-                                                meta.block_table[r, :blocks], context, scale)
+                                                meta.block_table[r, :blocks], context, scale, exact)
         return out
 
     def decode_path(self, layers: Sequence[OneTokenLayer] | None,

@@ -20,6 +20,15 @@ plans and the engine's warm-up builds them all before ready (`warm_up_plans`). I
 when the engine enables this path, unless the user set it; with it set to 0 this path stays off.
 The plan cache is per thread: warm-up and the steps run on the engine core's thread.
 
+Exact-shape plans for whole chunks. A bucketed plan runs cuDNN's ragged path, ~6% slower than a
+plan built for the exact lengths (583 vs 611-622 TFLOP/s after 114,688 tokens on the H200,
+benches/RESULTS.md). A long prompt prefilled alone is cut into chunks of exactly the token budget
+T, so its chunks see contexts 0, T, 2T, ...: max_model_len / T shapes, few enough to build before
+ready. For those shapes the query goes in head-major ([1, H, T, D] contiguous): torch buckets only
+when every operand is batch-major, so this call gets its exact plan, the one the warm-up built
+(`exact_contexts`). Any other chunk (the prompt's last, one beside decodes, a prefix-cache hit
+that is not a multiple of T) takes its bucket.
+
 Used by attention/triton_backend.py for prefill requests whose chunk and cached context are both
 0 or at least CUDNN_MIN_LEN tokens long, on sm90 GPUs with a bf16/fp16 (not FP8) cache and
 head_dim <= 128; FERROX_CUDNN_PREFILL=0 turns it off. Where cuDNN raises (a shape it has no plan
@@ -43,6 +52,9 @@ logger = logging.getLogger(__name__)
 # Chunks (and cached contexts) shorter than this stay on the Triton kernels: each cuDNN call costs
 # ~0.1 ms of host time and each length bucket a plan, and at 1-2k tokens the two are on par.
 CUDNN_MIN_LEN = 1024
+# More exact shapes than this (a small token budget under a long max_model_len) would cost more
+# start-up than they save (~80 ms a plan): then every chunk takes its bucket.
+MAX_EXACT_PLANS = 32
 _AVOID_RECOMPILE = "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"
 _ENABLE = "FERROX_CUDNN_PREFILL"
 
@@ -81,17 +93,39 @@ def takes_cudnn_path(query_len: int, context_len: int) -> bool:
     return query_len >= CUDNN_MIN_LEN and (context_len == 0 or context_len >= CUDNN_MIN_LEN)
 
 
+def exact_contexts(chunk: int, max_model_len: int) -> list[int]:
+    """The cached-context lengths whose exact-shape plans the warm-up builds for chunks of exactly
+    `chunk` tokens (the token budget): 0, chunk, 2 * chunk, ... while the chunk still fits the model.
+    Empty when chunks that long never take this path, or when there would be too many plans."""
+    if chunk < CUDNN_MIN_LEN or chunk > max_model_len or max_model_len // chunk > MAX_EXACT_PLANS:
+        return []
+    return [j * chunk for j in range(max_model_len // chunk)]
+
+
+def takes_exact_plan(query_len: int, context_len: int, exact_chunk: int) -> bool:
+    """Whether this chunk has an exact-shape plan (exact_chunk: the chunk length the warm-up built
+    them for, 0 for none); contexts past the model never reach here."""
+    return bool(exact_chunk) and query_len == exact_chunk and context_len % exact_chunk == 0
+
+
 def _bshd(x: torch.Tensor) -> torch.Tensor:
     """[tokens, heads, D] (contiguous) as cuDNN's [1, heads, tokens, D] batch-major view."""
     return x.unsqueeze(0).transpose(1, 2)
 
 
+def _query(q: torch.Tensor, exact: bool) -> torch.Tensor:
+    """q [T, H, D] (contiguous) as cuDNN's [1, H, T, D]: a batch-major view for a bucketed plan, a
+    head-major copy for an exact-shape one (see the module doc; ~25 us for an 8192-token chunk)."""
+    return q.transpose(0, 1).contiguous().unsqueeze(0) if exact else _bshd(q)
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
-    """q [T, H, D], k/v [S, Hkv, D], all contiguous -> (out [1, H, T, D] view of [T, H, D], lse [H, T])."""
+    """q [1, H, T, D] (`_query`), k/v [S, Hkv, D] contiguous -> (out [1, H, T, D], lse [H, T]); out's
+    layout follows q's."""
     res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        _bshd(q), _bshd(k), _bshd(v), None, True, 0.0, causal, False, scale=scale)
+        q, _bshd(k), _bshd(v), None, True, 0.0, causal, False, scale=scale)
     lse = res[1]
-    return res[0], lse.as_strided((q.shape[1], q.shape[0]), (lse.stride(1), lse.stride(2)))
+    return res[0], lse.as_strided((q.shape[1], q.shape[2]), (lse.stride(1), lse.stride(2)))
 
 
 @triton.jit
@@ -156,10 +190,12 @@ def gather_context(kv_cache: torch.Tensor, block_ids: torch.Tensor, context_len:
 
 def cudnn_prefill_request(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           kv_cache: torch.Tensor, block_ids: torch.Tensor, context_len: int,
-                          scale: float) -> None:
+                          scale: float, exact: bool = False) -> None:
     """One request's chunk: q [T, H, D], its own k/v [T, Hkv, D] (this step's rows), block_ids its
-    first ceil(context_len / block_size) blocks (int, on the device); writes out [T, H, D]."""
+    first ceil(context_len / block_size) blocks (int, on the device); writes out [T, H, D]. exact:
+    the warm-up built this shape's exact plans (`takes_exact_plan`)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # no copy unless a qkv split's view
+    q = _query(q, exact)
     own, own_lse = _attend(q, k, v, True, scale)
     if context_len == 0:
         out.copy_(own[0].transpose(0, 1))
@@ -183,25 +219,35 @@ def plan_buckets(max_query_len: int, max_model_len: int) -> tuple[list[int], lis
 
 
 def warm_up_plans(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
-                  max_query_len: int, max_model_len: int) -> int:
-    """Build every plan bucket this engine can reach (one call each, on this thread); returns how many."""
+                  max_query_len: int, max_model_len: int, exact_chunk: int = 0) -> int:
+    """Build every plan bucket this engine can reach, and the exact-shape plans of chunks of
+    exactly `exact_chunk` tokens (`exact_contexts`), one call each, on this thread; returns how many."""
     chunks, contexts = plan_buckets(max_query_len, max_model_len)
     if not chunks:
         return 0
+    exact = exact_contexts(exact_chunk, max_model_len) if exact_chunk else []
     scale = head_dim ** -0.5
-    longest = max(max(chunks), max(contexts, default=0))
-    q_all = torch.zeros(max(chunks), num_heads, head_dim, dtype=dtype, device=device)
+    longest = max(chunks + contexts + exact)
+    q_all = torch.zeros(max(chunks + [exact_chunk]), num_heads, head_dim, dtype=dtype, device=device)
     kv_all = torch.zeros(longest, num_kv_heads, head_dim, dtype=dtype, device=device)
     built = 0
     for t in chunks:
-        _attend(q_all[:t], kv_all[:t], kv_all[:t], True, scale)
+        q = _query(q_all[:t], False)
+        _attend(q, kv_all[:t], kv_all[:t], True, scale)
         built += 1
         for s in contexts:
             # Bucket 2^j holds the lengths in (2^(j-1), 2^j]: reachable if the shortest chunk and
             # context of the two buckets fit in one request together.
             if max(t // 2 + 1, CUDNN_MIN_LEN) + max(s // 2 + 1, CUDNN_MIN_LEN) <= max_model_len:
-                _attend(q_all[:t], kv_all[:s], kv_all[:s], False, scale)
+                _attend(q, kv_all[:s], kv_all[:s], False, scale)
                 built += 1
+    if exact:
+        # The same operand layouts as cudnn_prefill_request's (the plan key holds every stride).
+        q = _query(q_all[:exact_chunk], True)
+        for s in exact:
+            t_or_s = s or exact_chunk
+            _attend(q, kv_all[:t_or_s], kv_all[:t_or_s], s == 0, scale)
+            built += 1
     torch.cuda.synchronize(device)
     return built
 
@@ -217,5 +263,6 @@ def scratch_bytes(num_heads: int, num_kv_heads: int, head_dim: int, element_size
     t = min(max_query_len, max_model_len)
     context = max_model_len - CUDNN_MIN_LEN
     row = head_dim * element_size
-    return (2 * context * num_kv_heads * row + t * (num_heads + 2 * num_kv_heads) * row
+    # (num_heads twice: the contiguous q and its head-major copy for an exact-shape plan)
+    return (2 * context * num_kv_heads * row + t * (2 * num_heads + 2 * num_kv_heads) * row
             + 2 * t * num_heads * (row + 4) + (64 << 20))
