@@ -100,10 +100,10 @@ def throughput(llm: Any, max_id: int, num_prompts: int, input_len: int, output_l
             "total_tokens_per_s": (out_tokens + num_prompts * input_len) / elapsed}
 
 
-def sweep_gemv(config: dict[str, Any]) -> list[dict[str, Any]]:
+def sweep_gemv(config: dict[str, Any], only: set[str] | None = None) -> list[dict[str, Any]]:
     """Every launch config of the fp8 GEMVs at the model's decode shapes (weight copies enough to
     stream from HBM, replayed in a CUDA graph as bench_gemv.py does), best first, against the one
-    choose_config picks."""
+    choose_config picks. only: the shapes to sweep (all when None)."""
     import torch
     from bench_gemv import graph_ms
     from ferrox.kernels.gemv import GemvConfig, choose_config, gemv
@@ -118,6 +118,8 @@ def sweep_gemv(config: dict[str, Any]) -> list[dict[str, Any]]:
               "gate_up+silu": (2 * inter, hidden, "silu"), "down": (hidden, inter, "plain")}
     rows = []
     for name, (n, k, kind) in shapes.items():
+        if only is not None and name not in only:
+            continue
         copies = max(2, -(-int(2e9) // (n * k)))
         ws = [quantize_per_row(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02) for _ in range(copies)]
 
@@ -135,7 +137,7 @@ def sweep_gemv(config: dict[str, Any]) -> list[dict[str, Any]]:
                     cfg = GemvConfig(block_n, block_k, warps)
                     results.append((graph_ms([partial(call, w, s, cfg) for w, s in ws]), cfg))
         results.sort(key=lambda r: r[0])
-        heuristic = choose_config(kind, k, weight_bytes=1)
+        heuristic = choose_config(kind, k, weight_bytes=1, n=n)
         heuristic_ms = graph_ms([partial(call, w, s, heuristic) for w, s in ws])
         rows.append({"shape": name, "best": str(results[0][1]), "best_us": results[0][0] * 1e3,
                      "best_tbps": n * k / results[0][0] / 1e9, "heuristic": str(heuristic),
@@ -216,6 +218,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-cache-gib", type=float, default=40.0, help="the same KV cache for both engines")
     parser.add_argument("--sweep-gemv", action="store_true", help="also sweep the fp8 GEMV launch configs")
+    parser.add_argument("--sweep-shapes", default=None,
+                        help="with --sweep-gemv: a comma list of the shapes to sweep (qkv, o_proj, gate_up+silu, down)")
     parser.add_argument("--sweep-dot", action="store_true",
                         help="sweep the tensor-core split-K fp8 product against the CUDA-core fp8 and bf16 GEMVs")
     parser.add_argument("--kernels-only", action="store_true", help="the sweeps only, no engines")
@@ -231,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model_dir = bench_setup.make_model_dir(args.config)
     result: dict[str, Any] = {"benchmark": "fp8", **bench_setup.environment(), "model": Path(args.config).parent.name}
     if args.sweep_gemv:
-        result["gemv_sweep"] = sweep_gemv(config)
+        result["gemv_sweep"] = sweep_gemv(config, set(args.sweep_shapes.split(",")) if args.sweep_shapes else None)
     if args.sweep_dot:
         result["dot_sweep"] = sweep_dot_gemv(config)
         print("| fp8 one-token product | bf16 GEMV us | fp8 CUDA-core us (TB/s) | tensor-core best | us (TB/s) "
