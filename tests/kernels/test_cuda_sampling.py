@@ -4,6 +4,9 @@ brute-force kept-set oracle, and their empirical distributions against the renor
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -77,6 +80,36 @@ def test_cpu_tensors_take_the_torch_path(seed):
     top_k, top_p = _params(4, 100, "cpu")
     u = torch.rand(4)
     assert torch.equal(top_k_top_p_sample(probs, top_k, top_p, u), top_k_top_p_sample_torch(probs, top_k, top_p, u))
+
+
+def test_a_build_lock_left_by_a_dead_build_is_removed(tmp_path):
+    """torch's JIT build waits forever on a `lock` file that a killed build left in its folder
+    (an engine that exited while its daemon thread built the kernel): the next start removes it."""
+    (tmp_path / "lock").write_text("")
+    with cuda_sampling.exclusive_build(tmp_path, wait_s=5) as ours:
+        assert ours and not (tmp_path / "lock").exists()
+
+
+def test_a_live_build_in_another_process_is_waited_for(tmp_path):
+    """While another process holds the build folder its `lock` is live: waited for (here: given up
+    after the wait) and left alone; once that process is gone, the folder is ours."""
+    (tmp_path / "lock").write_text("")
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, sys, time
+        handle = open({str(tmp_path / "ferrox-build.flock")!r}, "a")
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        print("held", flush=True)
+        time.sleep(60)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with cuda_sampling.exclusive_build(tmp_path, wait_s=0.5) as ours:
+            assert not ours and (tmp_path / "lock").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    with cuda_sampling.exclusive_build(tmp_path, wait_s=5) as ours:  # the OS dropped the dead holder's flock
+        assert ours and not (tmp_path / "lock").exists()
 
 
 def test_bad_shapes_name_the_field():

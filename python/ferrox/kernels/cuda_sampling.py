@@ -16,11 +16,15 @@ but not the same token for a given uniform (they walk the kept tokens in a diffe
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
 import sys
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -70,18 +74,59 @@ def load_extension() -> Any | None:
         os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"  # build for this GPU only: faster JIT
     build_dir = _build_dir()
     build_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        return cpp_extension.load(
-            name=_EXT_NAME,
-            sources=[str(src / name) for name in _CUDA_SOURCES],
-            extra_cuda_cflags=["-O3", "--use_fast_math"],
-            extra_cflags=["-O3"],
-            build_directory=str(build_dir),
-            verbose=False,
-        )
-    except Exception as exc:  # a broken toolchain must not take sampling down
-        logger.warning("building the CUDA sampling kernel failed (%s); using the torch path", exc)
-        return None
+    with exclusive_build(build_dir) as ours:
+        if not ours:
+            logger.warning("another process has held the CUDA sampling kernel's build folder %s for over %.0f s; "
+                           "using the torch path", build_dir, BUILD_WAIT_S)
+            return None
+        try:
+            return cpp_extension.load(
+                name=_EXT_NAME,
+                sources=[str(src / name) for name in _CUDA_SOURCES],
+                extra_cuda_cflags=["-O3", "--use_fast_math"],
+                extra_cflags=["-O3"],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
+        except Exception as exc:  # a broken toolchain must not take sampling down
+            logger.warning("building the CUDA sampling kernel failed (%s); using the torch path", exc)
+            return None
+
+
+# How long a start waits for another process's build of the kernel (one takes ~30 s on the H200).
+BUILD_WAIT_S = 300.0
+
+
+@contextmanager
+def exclusive_build(build_dir: Path, wait_s: float | None = None) -> Iterator[bool]:
+    """Hold the build folder against other ferrox processes (an flock, which the OS drops when its
+    holder dies); yields False if another process kept it for wait_s (BUILD_WAIT_S).
+
+    Why: torch's JIT build marks its folder with a plain `lock` file, removed when the build ends
+    and waited on, forever, by every other build. The kernel is built on a daemon thread, so an
+    engine that exits (or is killed) mid-build -- a short offline run, a server stopped during its
+    first start -- leaves that file behind, and every later start hung in `cpp_extension.load`.
+    While the flock is ours no live ferrox build is under way there, so a `lock` file is such a
+    leftover and is removed."""
+    deadline = time.monotonic() + (BUILD_WAIT_S if wait_s is None else wait_s)
+    with open(build_dir / "ferrox-build.flock", "a") as handle:
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    yield False
+                    return
+                time.sleep(0.2)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                logger.warning("removing %s, left by an interrupted build of the CUDA sampling kernel", stale)
+                stale.unlink(missing_ok=True)
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _build_dir() -> Path:
