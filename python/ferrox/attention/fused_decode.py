@@ -50,7 +50,6 @@ from ferrox.kernels.fp8_dot_gemv import fp8_dot_gemv
 from ferrox.kernels.fused_moe import fused_moe, fused_moe_from_logits, route_top_k
 from ferrox.kernels.gemv import gemv, qkv_rope_gemv
 from ferrox.kernels.int4_matmul import Int4Weights, int4_gemv
-from ferrox.kernels.moe_router import fused_router_supported, router_top_k
 from ferrox.kernels.qk_norm_rope import qk_norm_rope_cache
 from ferrox.kernels.rmsnorm import rms_norm
 
@@ -120,18 +119,12 @@ class FusedOneTokenDecode(DecodePath):
     @staticmethod
     def _moe(layer: OneTokenLayer, moe: OneTokenMoe, h: torch.Tensor, *, fuse_routing: bool = True) -> torch.Tensor:
         """h + the sparse MLP of post_norm(h), reading only the chosen experts. On one rank without
-        a shared expert: 3 launches, the norm in each kernel's prologue (the router's with its
-        top-k, kernels/moe_router.py; 4 where the router is too wide for it); fuse_routing=False
+        a shared expert: 4 launches, the norm in the GEMVs' prologues; fuse_routing=False
         (and the other layers) run the explicit sequence, 5 launches on one rank."""
         block = moe.block
         norm = layer.post_norm
         experts = block.experts
         plain = block.shared_expert is None and experts.tp.size == 1
-        if plain and fuse_routing and fused_router_supported(block.gate.weight.shape[0], block.gate.weight):
-            weights, ids, _ = router_top_k(h, block.gate.weight, block.top_k, block.renormalize,
-                                           norm_weight=norm.weight, eps=norm.eps)
-            return fused_moe(h, experts.w13, experts.w2, weights, ids, small_batch=True, residual=h,
-                             norm_weight=norm.weight, eps=norm.eps)
         if plain and fuse_routing:
             logits = gemv(h, block.gate.weight, norm_weight=norm.weight, eps=norm.eps, out_dtype=torch.float32)
             out, _, _ = fused_moe_from_logits(h, logits, experts.w13, experts.w2, top_k=block.top_k,

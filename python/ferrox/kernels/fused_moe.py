@@ -25,7 +25,7 @@ in the gate/up kernel's prologue, as in kernels/gemv.py (the sum of squares accu
 products, rstd applied to the row sums; the normed vector is not rounded to the activation dtype
 before the products, unlike the unfused rms_norm: a difference well inside bf16 noise), so a
 sparse MLP is router GEMV (norm prologue), top-k, gate/up (norm prologue), down (+ residual): four
-launches, not five; three where kernels/moe_router.py routes in the router GEMV's last program. Routing inside the gate/up prologue as well (every program picking its
+launches, not five. Routing inside the gate/up prologue as well (every program picking its
 token's k experts from the logits, one writing them for the down kernel) was measured and
 dropped: the top-k then delays every program's first weight load, and the Qwen3-30B-A3B step went
 from 2.88 to 3.17 ms on an H200.

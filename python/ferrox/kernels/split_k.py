@@ -41,7 +41,7 @@ def _merge_split_k(part_ptr, count_ptr, y, up, rows, rmask, n_out, pid_n, pid_k,
     return last, y, up
 
 
-class ArrivalCounters:
+class _Counters:
     """One zeroed int32 buffer per device for the arrival counts (each launch leaves them at zero).
     Grown, never shrunk; never reallocated while a CUDA graph may hold it, because the size needed
     is fixed per model and reached during warm-up."""
@@ -57,7 +57,7 @@ class ArrivalCounters:
         return buf
 
 
-_COUNTERS = ArrivalCounters()
+_COUNTERS = _Counters()
 
 
 def split_buffers(split: int, blocks: int, n_out: int, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
