@@ -137,7 +137,7 @@ def sweep_gemv(config: dict[str, Any], only: set[str] | None = None) -> list[dic
                     cfg = GemvConfig(block_n, block_k, warps)
                     results.append((graph_ms([partial(call, w, s, cfg) for w, s in ws]), cfg))
         results.sort(key=lambda r: r[0])
-        heuristic = choose_config(kind, k, weight_bytes=1, n=n)
+        heuristic = choose_config(kind, k, weight_bytes=1)
         heuristic_ms = graph_ms([partial(call, w, s, heuristic) for w, s in ws])
         rows.append({"shape": name, "best": str(results[0][1]), "best_us": results[0][0] * 1e3,
                      "best_tbps": n * k / results[0][0] / 1e9, "heuristic": str(heuristic),

@@ -83,10 +83,11 @@ def test_plan_buckets_cover_every_reachable_length():
 
 
 def test_exact_plans_cover_a_long_prompt_cut_into_whole_chunks():
-    # A 122,880-token prompt in 8192-token chunks sees contexts 0, 8192, ..., 114,688: all built.
+    # A 122,880-token prompt in 8192-token chunks sees contexts 8192, ..., 114,688: all built.
     contexts = cudnn_prefill.exact_contexts(8192, 131072)
-    assert contexts == [j * 8192 for j in range(16)]
-    assert all(cudnn_prefill.takes_exact_plan(8192, c, 8192) for c in range(0, 122880, 8192))
+    assert contexts == [j * 8192 for j in range(1, 16)]
+    assert all(cudnn_prefill.takes_exact_plan(8192, c, 8192) for c in range(8192, 122880, 8192))
+    assert not cudnn_prefill.takes_exact_plan(8192, 0, 8192)  # the first chunk: no context part
     # The last, shorter chunk, a chunk beside decodes, a prefix hit off the grid: their buckets.
     for query, context in ((8192 - 3, 8192), (5000, 114688), (8192, 8192 + 16)):
         assert not cudnn_prefill.takes_exact_plan(query, context, 8192)
@@ -209,8 +210,8 @@ def test_warm_up_builds_the_reachable_plans(cuda_device, seed, monkeypatch):
     backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, _meta(batch), batch.scale)
     chunks, contexts = plan_buckets(4096, 8192)
     built = backend.warm_up_plans(4096, 8192)
-    exact = len(cudnn_prefill.exact_contexts(4096, 8192))  # contexts 0 and 4096
-    assert exact == 2 and backend._cudnn_exact_chunk == 4096
+    exact = len(cudnn_prefill.exact_contexts(4096, 8192))  # context 4096
+    assert exact == 1 and backend._cudnn_exact_chunk == 4096
     assert len(chunks) + exact < built <= len(chunks) * (1 + len(contexts)) + exact
     # A whole second chunk takes its exact plan through the backend and agrees with the Triton kernel.
     batch = PagedBatch([4096], [4096], 8, 2, 64, 16, torch.bfloat16, cuda_device)

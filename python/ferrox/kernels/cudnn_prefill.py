@@ -20,14 +20,15 @@ plans and the engine's warm-up builds them all before ready (`warm_up_plans`). I
 when the engine enables this path, unless the user set it; with it set to 0 this path stays off.
 The plan cache is per thread: warm-up and the steps run on the engine core's thread.
 
-Exact-shape plans for whole chunks. A bucketed plan runs cuDNN's ragged path, ~6% slower than a
-plan built for the exact lengths (583 vs 611-622 TFLOP/s after 114,688 tokens on the H200,
-benches/RESULTS.md). A long prompt prefilled alone is cut into chunks of exactly the token budget
-T, so its chunks see contexts 0, T, 2T, ...: max_model_len / T shapes, few enough to build before
-ready. For those shapes the query goes in head-major ([1, H, T, D] contiguous): torch buckets only
-when every operand is batch-major, so this call gets its exact plan, the one the warm-up built
-(`exact_contexts`). Any other chunk (the prompt's last, one beside decodes, a prefix-cache hit
-that is not a multiple of T) takes its bucket.
+Exact-shape plans for the context part of whole chunks. A bucketed plan runs cuDNN's ragged path,
+~6% slower than a plan built for the exact lengths (583 vs 611-622 TFLOP/s after 114,688 tokens on
+the H200, benches/RESULTS.md). A long prompt prefilled alone is cut into chunks of exactly the
+token budget T, so its chunks see contexts T, 2T, ...: max_model_len / T shapes, few enough to
+build before ready. For those the query of the context call goes in head-major ([1, H, T, D]
+contiguous): torch buckets only when every operand is batch-major, so the call gets its exact
+plan, the one the warm-up built (`exact_contexts`). The causal part over the chunk itself keeps its
+bucket: as an exact plan it made a 32k prompt's TTFT 12% slower (twenty-first session). Any other
+chunk (the prompt's last, one beside decodes, a prefix-cache hit off the grid) takes its buckets.
 
 Used by attention/triton_backend.py for prefill requests whose chunk and cached context are both
 0 or at least CUDNN_MIN_LEN tokens long, on sm90 GPUs with a bf16/fp16 (not FP8) cache and
@@ -95,17 +96,17 @@ def takes_cudnn_path(query_len: int, context_len: int) -> bool:
 
 def exact_contexts(chunk: int, max_model_len: int) -> list[int]:
     """The cached-context lengths whose exact-shape plans the warm-up builds for chunks of exactly
-    `chunk` tokens (the token budget): 0, chunk, 2 * chunk, ... while the chunk still fits the model.
+    `chunk` tokens (the token budget): chunk, 2 * chunk, ... while the chunk still fits the model.
     Empty when chunks that long never take this path, or when there would be too many plans."""
-    if chunk < CUDNN_MIN_LEN or chunk > max_model_len or max_model_len // chunk > MAX_EXACT_PLANS:
+    if chunk < CUDNN_MIN_LEN or chunk > max_model_len or max_model_len // chunk > MAX_EXACT_PLANS + 1:
         return []
-    return [j * chunk for j in range(max_model_len // chunk)]
+    return [j * chunk for j in range(1, max_model_len // chunk)]
 
 
 def takes_exact_plan(query_len: int, context_len: int, exact_chunk: int) -> bool:
-    """Whether this chunk has an exact-shape plan (exact_chunk: the chunk length the warm-up built
-    them for, 0 for none); contexts past the model never reach here."""
-    return bool(exact_chunk) and query_len == exact_chunk and context_len % exact_chunk == 0
+    """Whether this chunk's context part has an exact-shape plan (exact_chunk: the chunk length the
+    warm-up built them for, 0 for none); contexts past the model never reach here."""
+    return bool(exact_chunk) and query_len == exact_chunk and context_len > 0 and context_len % exact_chunk == 0
 
 
 def _bshd(x: torch.Tensor) -> torch.Tensor:
@@ -193,15 +194,14 @@ def cudnn_prefill_request(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                           scale: float, exact: bool = False) -> None:
     """One request's chunk: q [T, H, D], its own k/v [T, Hkv, D] (this step's rows), block_ids its
     first ceil(context_len / block_size) blocks (int, on the device); writes out [T, H, D]. exact:
-    the warm-up built this shape's exact plans (`takes_exact_plan`)."""
+    the warm-up built the exact plan of this chunk's context part (`takes_exact_plan`)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # no copy unless a qkv split's view
-    q = _query(q, exact)
-    own, own_lse = _attend(q, k, v, True, scale)
+    own, own_lse = _attend(_query(q, False), k, v, True, scale)
     if context_len == 0:
         out.copy_(own[0].transpose(0, 1))
         return
     ck, cv = gather_context(kv_cache, block_ids, context_len)
-    ctx, ctx_lse = _attend(q, ck, cv, False, scale)
+    ctx, ctx_lse = _attend(_query(q, exact), ck, cv, False, scale)
     merge_attention_parts(out, own[0].transpose(0, 1), own_lse, ctx[0].transpose(0, 1), ctx_lse)
 
 
@@ -245,8 +245,7 @@ def warm_up_plans(device: torch.device, dtype: torch.dtype, num_heads: int, num_
         # The same operand layouts as cudnn_prefill_request's (the plan key holds every stride).
         q = _query(q_all[:exact_chunk], True)
         for s in exact:
-            t_or_s = s or exact_chunk
-            _attend(q, kv_all[:t_or_s], kv_all[:t_or_s], s == 0, scale)
+            _attend(q, kv_all[:s], kv_all[:s], False, scale)
             built += 1
     torch.cuda.synchronize(device)
     return built

@@ -339,7 +339,7 @@ class GemvConfig:
     num_warps: int
 
 
-def choose_config(kind: str, k: int, weight_bytes: int = 2, n: int = 0) -> GemvConfig:
+def choose_config(kind: str, k: int, weight_bytes: int = 2) -> GemvConfig:
     """Launch configs from the sweep of benches/bench_gemv.py on an H200 (benches/RESULTS.md):
     many small programs (2 rows) stream best for plain products -- 4-10% faster than cuBLAS at
     Llama-3.1-8B's shapes; the fused variants, whose prologue re-reads the input and norm
@@ -348,24 +348,10 @@ def choose_config(kind: str, k: int, weight_bytes: int = 2, n: int = 0) -> GemvC
     FP8 weights (weight_bytes 1) keep the bytes each program streams per K tile: twice the K
     width. The SiLU variant then doubles its warps so its two fp32 accumulators keep the
     registers per thread of the bf16 config (derived from the bf16 sweep, not swept in fp8 yet:
-    benches/bench_fp8.py --sweep-gemv).
-
-    n, the weight's rows (0: unknown), picks configs for products smaller than Llama-3.1-8B's,
-    swept at Qwen3-30B-A3B's shapes (benches/RESULTS.md): there a product is a few microseconds,
-    mostly its first load's round trip, so fewer and longer K tiles win."""
+    benches/bench_fp8.py --sweep-gemv). Configs swept at Qwen3-30B-A3B's smaller shapes were
+    faster per kernel and not per step (benches/RESULTS.md, twenty-first session)."""
     wide = 2 if weight_bytes == 1 else 1
     block_k = min(1024 * wide, triton.next_power_of_2(k))
-    if kind == "plain" and weight_bytes == 2 and n:
-        k_pow2 = triton.next_power_of_2(k)
-        if n <= 1024:
-            # A router (128 x 2048): the whole row in one K tile, one load round trip a program
-            # (2.76 -> 1.33 us on the H200).
-            return GemvConfig(8, min(2048, k_pow2), 4)
-        if n * k < 4096 * 4096:
-            # Qwen3-30B-A3B's qkv 5120 x 2048 (7.28 -> 6.48 us with 4 x 1024) and o_proj 2048 x 4096
-            # (5.83 -> 4.74 us with 4 x 2048 / 8 warps): half a row a tile, 256 columns a warp.
-            small_k = min(2048, k_pow2, max(1024, k_pow2 // 2))
-            return GemvConfig(4, small_k, max(4, small_k // 256))
     if kind == "plain":
         # Long rows (down_proj, K = 14336) already give each program a long stream: one row each.
         return GemvConfig(1 if k > 8192 else 2, block_k, 4)
@@ -426,7 +412,7 @@ def gemv(
     k = _check_input(x, weight, norm_weight, weight_scale)
     n_out = _check_output(weight, silu_mul, residual)
     out = torch.empty(1, n_out, dtype=out_dtype or x.dtype, device=x.device)
-    cfg = config or choose_config("silu" if silu_mul else "plain", k, weight.element_size(), weight.shape[0])
+    cfg = config or choose_config("silu" if silu_mul else "plain", k, weight.element_size())
     _gemv_kernel[(triton.cdiv(n_out, cfg.block_n),)](
         out, weight, weight_scale if weight_scale is not None else x, bias if bias is not None else weight, x,
         residual if residual is not None else x, norm_weight if norm_weight is not None else x, eps, n_out, k,
