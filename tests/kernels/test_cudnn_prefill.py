@@ -142,6 +142,22 @@ def test_a_cudnn_failure_falls_back_to_the_prefill_kernel(kernel_device, seed, m
     assert backend._cudnn_block_size == 0 and "cuDNN attention failed" in caplog.text
 
 
+def test_exact_plans_failing_to_build_keep_the_buckets(monkeypatch, caplog):
+    """The exact-shape plans are an extra: if cuDNN refuses them, whole chunks take their buckets and
+    the cuDNN path stays on."""
+    def refuse(*args):
+        raise RuntimeError("cuDNN Frontend error: No valid execution plans built.")
+
+    monkeypatch.setattr(cudnn_prefill, "warm_up_plans", lambda *args: 7)
+    monkeypatch.setattr(cudnn_prefill, "warm_up_exact_plans", refuse)
+    backend = TritonAttentionBackend()
+    backend._cudnn_block_size = 16  # the path on, as _decide_cudnn sets it on an sm90 GPU
+    backend._cudnn_shape = (32, 8, 128, torch.bfloat16, torch.device("cpu"))
+    assert backend.warm_up_plans(8192, 131072) == 7
+    assert backend._cudnn_block_size == 16 and backend._cudnn_exact_chunk == 0
+    assert "whole chunks take their length buckets" in caplog.text
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 

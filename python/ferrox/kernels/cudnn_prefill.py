@@ -219,16 +219,14 @@ def plan_buckets(max_query_len: int, max_model_len: int) -> tuple[list[int], lis
 
 
 def warm_up_plans(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
-                  max_query_len: int, max_model_len: int, exact_chunk: int = 0) -> int:
-    """Build every plan bucket this engine can reach, and the exact-shape plans of chunks of
-    exactly `exact_chunk` tokens (`exact_contexts`), one call each, on this thread; returns how many."""
+                  max_query_len: int, max_model_len: int) -> int:
+    """Build every plan bucket this engine can reach (one call each, on this thread); returns how many."""
     chunks, contexts = plan_buckets(max_query_len, max_model_len)
     if not chunks:
         return 0
-    exact = exact_contexts(exact_chunk, max_model_len) if exact_chunk else []
     scale = head_dim ** -0.5
-    longest = max(chunks + contexts + exact)
-    q_all = torch.zeros(max(chunks + [exact_chunk]), num_heads, head_dim, dtype=dtype, device=device)
+    longest = max(max(chunks), max(contexts, default=0))
+    q_all = torch.zeros(max(chunks), num_heads, head_dim, dtype=dtype, device=device)
     kv_all = torch.zeros(longest, num_kv_heads, head_dim, dtype=dtype, device=device)
     built = 0
     for t in chunks:
@@ -241,14 +239,23 @@ def warm_up_plans(device: torch.device, dtype: torch.dtype, num_heads: int, num_
             if max(t // 2 + 1, CUDNN_MIN_LEN) + max(s // 2 + 1, CUDNN_MIN_LEN) <= max_model_len:
                 _attend(q, kv_all[:s], kv_all[:s], False, scale)
                 built += 1
-    if exact:
-        # The same operand layouts as cudnn_prefill_request's (the plan key holds every stride).
-        q = _query(q_all[:exact_chunk], True)
-        for s in exact:
-            _attend(q, kv_all[:s], kv_all[:s], False, scale)
-            built += 1
     torch.cuda.synchronize(device)
     return built
+
+
+def warm_up_exact_plans(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                        head_dim: int, chunk: int, max_model_len: int) -> int:
+    """Build the exact-shape plans of `exact_contexts(chunk, max_model_len)` with the operand layouts
+    cudnn_prefill_request passes (the plan key holds every stride); returns how many."""
+    contexts = exact_contexts(chunk, max_model_len)
+    if not contexts:
+        return 0
+    q = _query(torch.zeros(chunk, num_heads, head_dim, dtype=dtype, device=device), True)
+    kv_all = torch.zeros(max(contexts), num_kv_heads, head_dim, dtype=dtype, device=device)
+    for s in contexts:
+        _attend(q, kv_all[:s], kv_all[:s], False, head_dim ** -0.5)
+    torch.cuda.synchronize(device)
+    return len(contexts)
 
 
 def scratch_bytes(num_heads: int, num_kv_heads: int, head_dim: int, element_size: int, max_query_len: int,
