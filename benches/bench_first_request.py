@@ -81,7 +81,7 @@ class Driver:
         self.drain()
 
 
-def shape_classes(budget: int) -> list[ShapeClass]:
+def shape_classes(budget: int, max_model_len: int) -> list[ShapeClass]:
     def single(n: int, count: int = 1, **params: Any) -> Callable[[Driver, Ids], Go]:
         def prepare(d: Driver, ids: Ids) -> Go:
             prompts = [ids(n) for _ in range(count)]
@@ -105,10 +105,14 @@ def shape_classes(budget: int) -> list[ShapeClass]:
         prompt = ids(2000)
         return lambda: [d.add(prompt)]
 
+    # Whole chunks after the first attend their contexts through cuDNN's exact-shape plans on Hopper.
+    whole = [ShapeClass(f"prompt {3 * budget} (three whole chunks)", single(3 * budget))] \
+        if 3 * budget < max_model_len else []
     return [
         ShapeClass("prompt 32", single(32)),
         ShapeClass("prompt 1000", single(1000)),
         ShapeClass(f"prompt {budget + budget // 2} (two chunks)", single(budget + budget // 2)),
+        *whole,
         ShapeClass("prefix hit: 8k context, 8 new tokens", prefix_hit(8192, 8)),
         ShapeClass("prefix hit: 8k context, 200 new tokens", prefix_hit(8192, 200)),
         ShapeClass("16 prefix hits at once: 4k context, 4 new tokens", prefix_hit(4096, 4, 16)),
@@ -123,7 +127,7 @@ def shape_classes(budget: int) -> list[ShapeClass]:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description="first-request TTFT per shape class after ready vs a second run")
     parser.add_argument("--config", default=str(bench_setup.LLAMA_8B_CONFIG))
-    parser.add_argument("--max-model-len", type=int, default=16384)
+    parser.add_argument("--max-model-len", type=int, default=32768)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-warmup", action="store_true", help="FERROX_WARMUP=0 (the start-up before issue 17)")
     parser.add_argument("--json", default=None)
@@ -152,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     total = CompileWatch()
     with total:
-        for shape in shape_classes(budget):
+        for shape in shape_classes(budget, args.max_model_len):
             times, compiled = [], []
             for _ in range(2):
                 go = shape.prepare(driver, ids)
