@@ -99,9 +99,10 @@ def exact_contexts(chunk: int, max_model_len: int) -> list[int]:
     """The cached-context lengths whose exact-shape plans the warm-up builds for chunks of exactly
     `chunk` tokens (the token budget): chunk, 2 * chunk, ... while the chunk still fits the model.
     Empty when chunks that long never take this path, or when there would be too many plans."""
-    if chunk < CUDNN_MIN_LEN or chunk > max_model_len or max_model_len // chunk > MAX_EXACT_PLANS + 1:
+    if chunk < CUDNN_MIN_LEN:
         return []
-    return [j * chunk for j in range(1, max_model_len // chunk)]
+    contexts = [j * chunk for j in range(1, max_model_len // chunk)]
+    return contexts if len(contexts) <= MAX_EXACT_PLANS else []
 
 
 def takes_exact_plan(query_len: int, context_len: int, exact_chunk: int) -> bool:
