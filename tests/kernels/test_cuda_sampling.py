@@ -112,6 +112,42 @@ def test_a_live_build_in_another_process_is_waited_for(tmp_path):
         assert ours and not (tmp_path / "lock").exists()
 
 
+def _fake_sources(folder, text: str):
+    folder.mkdir(exist_ok=True)
+    for name in cuda_sampling._CUDA_SOURCES:
+        (folder / name).write_text(f"// {name}: {text}\n")
+    return folder
+
+
+def test_a_changed_kernel_source_gets_a_build_folder_of_its_own(tmp_path, monkeypatch):
+    """An upgrade that changes the kernel must find no module on disk (so it builds in the
+    background for the next start), not rebuild in the folder of the old one on the start-up
+    thread; the same sources, reinstalled, find the folder built before."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    src = _fake_sources(tmp_path / "a", "v1")
+    first = cuda_sampling._build_dir(src)
+    same = _fake_sources(tmp_path / "b", "v1")
+    assert cuda_sampling._build_dir(same) == first
+    assert cuda_sampling._build_dir(_fake_sources(tmp_path / "a", "v2")) != first
+
+
+def test_staged_sources_keep_their_first_write_time(tmp_path):
+    """torch's build compares times: the copies it builds from are written once per content, so a
+    reinstall (same text, new file times) does not make a built module look stale."""
+    src, build = _fake_sources(tmp_path / "src", "v1"), tmp_path / "build"
+    build.mkdir()
+    staged = cuda_sampling.stage_sources(src, build)
+    assert [p.read_bytes() for p in staged] == [(src / n).read_bytes() for n in cuda_sampling._CUDA_SOURCES]
+    past = 1_000_000_000
+    for path in staged:
+        os.utime(path, (past, past))
+    _fake_sources(src, "v1")  # rewritten: same text, a new time
+    assert [p.stat().st_mtime for p in cuda_sampling.stage_sources(src, build)] == [past] * len(staged)
+    _fake_sources(src, "v2")
+    again = cuda_sampling.stage_sources(src, build)
+    assert all(p.stat().st_mtime > past and p.read_text().endswith("v2\n") for p in again)
+
+
 def test_bad_shapes_name_the_field():
     with pytest.raises(ValueError, match="top_p"):
         top_k_top_p_sample(torch.ones(2, 5), torch.zeros(2, dtype=torch.int32), torch.ones(3), torch.rand(2))

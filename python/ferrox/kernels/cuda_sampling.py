@@ -17,6 +17,7 @@ but not the same token for a given uniform (they walk the kept tokens in a diffe
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import logging
 import os
 import shutil
@@ -72,7 +73,7 @@ def load_extension() -> Any | None:
     if "TORCH_CUDA_ARCH_LIST" not in os.environ:
         major, minor = torch.cuda.get_device_capability()
         os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"  # build for this GPU only: faster JIT
-    build_dir = _build_dir()
+    build_dir = _build_dir(src)
     build_dir.mkdir(parents=True, exist_ok=True)
     with exclusive_build(build_dir) as ours:
         if not ours:
@@ -82,8 +83,8 @@ def load_extension() -> Any | None:
         try:
             return cpp_extension.load(
                 name=_EXT_NAME,
-                sources=[str(src / name) for name in _CUDA_SOURCES],
-                extra_cuda_cflags=["-O3", "--use_fast_math"],
+                sources=[str(path) for path in stage_sources(src, build_dir)],
+                extra_cuda_cflags=list(_CUDA_CFLAGS),
                 extra_cflags=["-O3"],
                 build_directory=str(build_dir),
                 verbose=False,
@@ -129,13 +130,45 @@ def exclusive_build(build_dir: Path, wait_s: float | None = None) -> Iterator[bo
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _build_dir() -> Path:
-    """Where the JIT build lives: one folder per torch / CUDA / Python / GPU architecture, under
-    TORCH_EXTENSIONS_DIR or ~/.cache/ferrox, so a later start finds the built module."""
+_CUDA_CFLAGS = ("-O3", "--use_fast_math")
+
+
+def sources_digest(src: Path) -> str:
+    """A short hash of the kernel's source texts and compiler flags: part of the build folder's name."""
+    digest = hashlib.sha256(" ".join(_CUDA_CFLAGS).encode())
+    for name in _CUDA_SOURCES:
+        digest.update(name.encode() + b"\0" + (src / name).read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def _build_dir(src: Path) -> Path:
+    """Where the JIT build lives: one folder per torch / CUDA / Python / GPU architecture and per
+    source text (`sources_digest`), under TORCH_EXTENSIONS_DIR or ~/.cache/ferrox, so a later start
+    finds the built module, and an upgrade that changes the kernel gets a folder of its own -- no
+    build on disk, so it builds in the background (`prepare_extension`), not on the start-up thread."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ferrox")
     major, minor = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
-    tag = f"torch{torch.__version__}_cu{torch.version.cuda}_py{sys.version_info.major}{sys.version_info.minor}_sm{major}{minor}"
+    tag = (f"torch{torch.__version__}_cu{torch.version.cuda}_py{sys.version_info.major}{sys.version_info.minor}"
+           f"_sm{major}{minor}_src{sources_digest(src)}")
     return Path(root) / "cuda_ext" / tag.replace("+", "-")
+
+
+def stage_sources(src: Path, build_dir: Path) -> list[Path]:
+    """The sources as copies inside build_dir, written only where absent or different, so their
+    modification times are the first build's. Why: torch's build (ninja) rebuilds when a source is
+    newer than the module, and reinstalling the same package gives its files new times; a folder
+    named for the source texts then always holds a module that is current for them."""
+    staged = build_dir / "src"
+    staged.mkdir(exist_ok=True)
+    paths = []
+    for name in _CUDA_SOURCES:
+        text, copy = (src / name).read_bytes(), staged / name
+        if not copy.is_file() or copy.read_bytes() != text:
+            tmp = copy.with_suffix(copy.suffix + ".tmp")
+            tmp.write_bytes(text)
+            tmp.replace(copy)
+        paths.append(copy)
+    return paths
 
 
 def prepare_extension() -> Any | None:
@@ -147,12 +180,13 @@ def prepare_extension() -> Any | None:
     global _build_thread
     if os.environ.get(_DISABLE_ENV) == "1" or not torch.cuda.is_available():
         return None
-    built = any(_build_dir().glob(f"{_EXT_NAME}*.so"))
+    src = _cuda_source_dir()
+    build_dir = _build_dir(src) if src is not None else None
     with _build_lock:
-        if built:
+        if build_dir is not None and any(build_dir.glob(f"{_EXT_NAME}*.so")):
             module = load_extension()
             if module is not None:
-                logger.info("top-k/top-p sampling: the CUDA kernel (built in %s)", _build_dir())
+                logger.info("top-k/top-p sampling: the CUDA kernel (built in %s)", build_dir)
             return module
         if _build_thread is None:
             logger.info("building the CUDA top-k/top-p sampling kernel in the background for the next start")
