@@ -64,6 +64,14 @@ def test_fused_prologue_and_epilogues(kernel_device, seed, config):
     _case(kernel_device, torch.bfloat16, 32, 256, static=True, residual=True, config=config)
 
 
+def test_token_wider_than_the_statistics_tile(kernel_device, seed):
+    """Inputs past token_stats_block's 4096 (down_proj's 14,336) take the prologue's two passes of
+    tiles, the narrower ones its single read: both give the reference's codes."""
+    cfg = DotGemvConfig(16, 512, 2, 4)
+    _case(kernel_device, torch.float32, 16, 4608, norm=True, residual=True, config=cfg)
+    _case(kernel_device, torch.bfloat16, 16, 4608, residual=True, config=cfg)
+
+
 def test_default_config_and_bad_input(kernel_device, seed):
     _case(kernel_device, torch.bfloat16, 96, 1024, norm=True, silu=True)
     w = torch.zeros(8, 64, dtype=FP8, device=kernel_device)

@@ -44,6 +44,7 @@ from ferrox.kernels.gemv import (
     _normed_input,
     _store_rows,
     _token_stats,
+    token_stats_block,
 )
 from ferrox.kernels.split_k import _merge_split_k, num_sms, split_buffers, split_for
 
@@ -175,7 +176,7 @@ def fp8_dot_gemv(
         input_scale if input_scale is not None else weight_scale, part, counts, eps, n_out, k, k_per_split,
         weight.stride(0), NORM=norm_weight is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         HAS_RESIDUAL=residual is not None, STATIC=input_scale is not None, SPLIT=split, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, BLOCK_X=min(1024, triton.next_power_of_2(k)), num_warps=cfg.num_warps,
+        BLOCK_K=cfg.block_k, BLOCK_X=token_stats_block(k), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     return out
