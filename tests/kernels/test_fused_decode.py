@@ -46,8 +46,8 @@ def _wide_row_tiles_when_interpreted(monkeypatch):
         return
     choose, choose_moe = gemv.choose_config, fused_moe.choose_gemv_config
 
-    def wide(kind: str, k: int, weight_bytes: int = 2) -> gemv.GemvConfig:
-        cfg = choose(kind, k, weight_bytes)
+    def wide(kind: str, k: int, weight_bytes: int = 2, w8a8: bool = False) -> gemv.GemvConfig:
+        cfg = choose(kind, k, weight_bytes, w8a8)
         return cfg if kind == "rope" else gemv.GemvConfig(16, cfg.block_k, cfg.num_warps)
 
     def wide_moe(hidden: int, inter: int, top_k: int) -> fused_moe.GemvConfig:

@@ -369,26 +369,36 @@ class GemvConfig:
     num_warps: int
 
 
-def choose_config(kind: str, k: int, weight_bytes: int = 2) -> GemvConfig:
-    """Launch configs from the sweep of benches/bench_gemv.py on an H200 (benches/RESULTS.md):
+def choose_config(kind: str, k: int, weight_bytes: int = 2, w8a8: bool = False) -> GemvConfig:
+    """Launch configs from sweeps on an H200 (benches/RESULTS.md). bf16 (benches/bench_gemv.py):
     many small programs (2 rows) stream best for plain products -- 4-10% faster than cuBLAS at
-    Llama-3.1-8B's shapes; the fused variants, whose prologue re-reads the input and norm
-    weight per K tile, want more rows per program to amortise it.
+    Llama-3.1-8B's shapes; the fused variants, whose prologue re-reads the input and norm weight per
+    K tile, want more rows per program to amortise it. Configs swept at Qwen3-30B-A3B's smaller
+    shapes were faster per kernel and not per step (twenty-first session).
 
-    FP8 weights (weight_bytes 1) keep the bytes each program streams per K tile: twice the K
-    width. The SiLU variant then doubles its warps so its two fp32 accumulators keep the
-    registers per thread of the bf16 config (derived from the bf16 sweep, not swept in fp8 yet:
-    benches/bench_fp8.py --sweep-gemv). Configs swept at Qwen3-30B-A3B's smaller shapes were
-    faster per kernel and not per step (benches/RESULTS.md, twenty-first session)."""
-    wide = 2 if weight_bytes == 1 else 1
-    block_k = min(1024 * wide, triton.next_power_of_2(k))
+    FP8 weights (weight_bytes 1; `bench_fp8.py --sweep-gemv`, twenty-second session): each fp8 weight
+    is widened in registers, so wide tiles cost registers, and at 8 warps the qkv kernel held one
+    program an SM (180 registers: 20 us for Llama-3.1-8B's qkv, 1.25 TB/s). Four warps over short
+    tiles keep three or more programs an SM: qkv + rotary 12.2 us (W8A8: the input's fp8 codes are
+    computed per tile, so 16 rows share them) or 15.6 (weight-only: 4 rows x 256), gate_up + SiLU
+    36.5 us (was 75.5), down 15.6 (21.4), o_proj 5.6 (6.5)."""
+    if weight_bytes == 1:
+        if kind == "plain":
+            return GemvConfig(4, min(1024, triton.next_power_of_2(k)), 4)
+        if kind == "silu":
+            return GemvConfig(8, min(512, triton.next_power_of_2(k)), 4)
+        if kind == "rope":
+            return GemvConfig(16, min(512, triton.next_power_of_2(k)), 4) if w8a8 else GemvConfig(
+                4, min(256, triton.next_power_of_2(k)), 2)
+        raise ValueError(f"unknown gemv kind {kind!r}")
+    block_k = min(1024, triton.next_power_of_2(k))
     if kind == "plain":
         # Long rows (down_proj, K = 14336) already give each program a long stream: one row each.
         return GemvConfig(1 if k > 8192 else 2, block_k, 4)
     if kind == "silu":
-        return GemvConfig(4, block_k, 4 * wide)
+        return GemvConfig(4, block_k, 4)
     if kind == "rope":
-        return GemvConfig(16, min(block_k, 512 * wide), 8)
+        return GemvConfig(16, min(block_k, 512), 8)
     raise ValueError(f"unknown gemv kind {kind!r}")
 
 
@@ -490,7 +500,7 @@ def qkv_rope_gemv(
         raise ValueError(f"kv_cache must be [2, blocks, block_size, {num_kv_heads}, {head_dim}], "
                          f"got {tuple(kv_cache.shape)}")
     half = head_dim // 2
-    cfg = config or choose_config("rope", k, weight.element_size())
+    cfg = config or choose_config("rope", k, weight.element_size(), w8a8)
     block_p = max(1, min(cfg.block_n // 2, half & -half))  # pairs: a power of two dividing half
     q = torch.empty(1, num_q_heads, head_dim, dtype=x.dtype, device=x.device)
     _qkv_rope_kernel[(heads * (half // block_p),)](
