@@ -11,7 +11,8 @@ scale, static), except for weight-only checkpoints (W8A16), whose activations st
   take the CUDA-core GEMV (kernels/gemv.py), which widens each weight in registers.
 - More rows: the activations quantized in one Triton launch, then `torch._scaled_mm` (cuBLASLt FP8
   with row-wise scales; the bias is added after it): Hopper's FP8 tensor cores run at twice the
-  bf16 rate for prefill and large batches.
+  bf16 rate for prefill and large batches. Weight-only layers take kernels/fp8_weight_gemm.py (each
+  weight tile widened in registers for tl.dot; dequantize + cuBLAS for prefill chunks).
 - CPU (tests, development): the same arithmetic on a dequantized copy of the weight, activations
   rounded through fp8 in place; for correctness, not speed or memory.
 """
@@ -25,6 +26,7 @@ import triton.language as tl
 from torch import nn
 
 from ferrox.kernels.fp8_dot_gemv import fp8_dot_gemv
+from ferrox.kernels.fp8_weight_gemm import fp8_weight_linear
 from ferrox.kernels.gemv import gemv
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -173,7 +175,7 @@ class Fp8Linear(nn.Module):
         elif rows == 1:
             y = gemv(x2.contiguous(), self.weight, bias, weight_scale=self.weight_scale)
         elif not w8a8:  # weight-only FP8 (a W8A16 checkpoint, or shapes cuBLASLt refuses) in batches
-            y = F.linear(x2, self.dequantize(x.dtype), bias)
+            y = fp8_weight_linear(x2.contiguous(), self.weight, self.weight_scale, bias)
         else:
             xq, x_scale = quantize_activations_triton(x2, self._input_scale(x2))
             y = scaled_mm(xq, x_scale, self.weight, self.weight_scale, bias, x.dtype)

@@ -1,0 +1,162 @@
+"""Weight-only FP8 (W8A16) products for more than one row: y = x @ (W * s)^T with W float8 E4M3
+[N, K], s float32 per output row, x [M, K] in the model dtype (activations unquantized).
+
+Why: torch has no matmul of a 16-bit input by an fp8 weight, and widening the whole weight before
+F.linear costs ~15 bytes of traffic per weight (fp8 -> fp32 -> scaled -> bf16): a batched step of
+an 8B W8A16 checkpoint took ~57 ms on the H200 where its one-token step takes 2.9 ms
+(benches/RESULTS.md, twenty-second session).
+
+- GEMM (decode batches, mid-size chunks, M < DEQUANT_MIN_M): each weight tile widened to the
+  activation dtype in registers (every E4M3 value is exact in bf16, fp16 and fp32) and multiplied
+  with tl.dot, fp32 accumulation; the row scale multiplies the sums in the epilogue, as the
+  one-token GEMV (gemv.py) applies it, so batch and one-token steps round alike.
+- dequantize + cuBLAS (M >= DEQUANT_MIN_M, prefill chunks): W written once in the activation dtype
+  by one Triton pass (3 bytes per weight), then F.linear; there the matmul is compute-bound and
+  the extra pass a few per cent of it.
+
+Two GEMM tile shapes (small batches, larger ones): each is a compiled variant and the engine's
+warm-up (worker/warmup.py) reaches both; M is `do_not_specialize`, so a new batch size compiles
+nothing while serving.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+DEQUANT_MIN_M = 1024
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_weight_gemm_kernel(
+    out_ptr,
+    x_ptr,
+    w_ptr,  # float8 E4M3 [N, K]
+    w_scale_ptr,  # float32 [N]
+    bias_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_w,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 activations (no tf32 rounding); ignored for 16-bit
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,  # M tiles per band: neighbouring programs share weight tiles in L2
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    band_size = GROUP_M * num_n
+    first_m = (pid // band_size) * GROUP_M
+    band_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % band_size) % band_m
+    pid_n = (pid % band_size) // band_m
+    toks = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    tmask = toks < M
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    cols = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + toks.to(tl.int64)[:, None] * stride_xm + cols[None, :]
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w + cols[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = (k0 + cols) < K
+        a = tl.load(x_rows + k0, mask=tmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_rows + k0, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=DOT_PRECISION)
+    acc *= tl.load(w_scale_ptr + rows, mask=rmask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + toks.to(tl.int64)[:, None] * stride_om + rows[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & rmask[None, :])
+
+
+@triton.jit
+def _dequantize_kernel(out_ptr, w_ptr, w_scale_ptr, N, K, stride_w, stride_o, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < N)[:, None] & (cols < K)[None, :]
+    w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_w + cols[None, :], mask=mask, other=0.0)
+    s = tl.load(w_scale_ptr + rows, mask=rows < N, other=0.0)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :],
+             (w.to(tl.float32) * s[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True, slots=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+
+
+def choose_gemm_config(m: int, dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
+    """Small batches read the weight once in thin row tiles (memory-bound: 16 tokens a tile, many
+    programs); larger ones take square tiles (compute-bound). fp32 activations take two stages (the
+    widened tiles are twice the bytes)."""
+    stages = 2 if dtype == torch.float32 else 4
+    if m <= 64:
+        return GemmConfig(16, 64, 256 if dtype != torch.float32 else 128, 4, stages)
+    return GemmConfig(128, 128, 64, 8, 3 if dtype != torch.float32 else 2)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2 or weight.stride(1) != 1:
+        raise ValueError(f"weight must be a row-major float8_e4m3fn [N, K], got {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
+        raise ValueError(f"x must be [M, {k}] with unit last stride, got {tuple(x.shape)} (strides {x.stride()})")
+    if weight_scale.dtype != torch.float32 or weight_scale.shape != (n,) or weight_scale.stride(0) != 1:
+        raise ValueError(f"weight_scale must be contiguous float32 [{n}], got {weight_scale.dtype} "
+                         f"{tuple(weight_scale.shape)}")
+    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
+        raise ValueError(f"bias must be contiguous [{n}], got {tuple(bias.shape)}")
+
+
+def fp8_weight_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    bias: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ (weight * weight_scale[:, None])^T (+ bias) -> [M, N] in x's dtype, the weight
+    widened tile by tile in registers."""
+    _check(x, weight, weight_scale, bias)
+    m, (n, k) = x.shape[0], weight.shape
+    cfg = config or choose_gemm_config(m, x.dtype)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _fp8_weight_gemm_kernel[grid](
+        out, x, weight, weight_scale, bias if bias is not None else weight_scale, m, n, k, x.stride(0),
+        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def fp8_dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """weight * weight_scale[:, None] in `dtype` (computed in fp32, rounded once), one pass."""
+    n, k = weight.shape
+    out = torch.empty(n, k, dtype=dtype, device=weight.device)
+    block_n, block_k = 16, 256
+    _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        out, weight, weight_scale, n, k, weight.stride(0), out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=4)
+    return out
+
+
+def fp8_weight_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The W8A16 product for M > 1 rows (x [M, K], unit last stride): the GEMM below
+    DEQUANT_MIN_M rows, dequantize + cuBLAS from there (module docstring)."""
+    if x.shape[0] < DEQUANT_MIN_M:
+        return fp8_weight_gemm(x, weight, weight_scale, bias)
+    return F.linear(x, fp8_dequantize(weight, weight_scale, x.dtype), bias)
