@@ -14,9 +14,9 @@ an 8B W8A16 checkpoint took ~57 ms on the H200 where its one-token step takes 2.
   by one Triton pass (3 bytes per weight), then F.linear; there the matmul is compute-bound and
   the extra pass a few per cent of it.
 
-Two GEMM tile shapes (small batches, larger ones): each is a compiled variant and the engine's
-warm-up (worker/warmup.py) reaches both; M is `do_not_specialize`, so a new batch size compiles
-nothing while serving.
+Three GEMM tile shapes by batch size (`choose_gemm_config`): each is a compiled variant and the
+engine's warm-up (worker/warmup.py) reaches them all; M is `do_not_specialize`, so a new batch
+size compiles nothing while serving.
 """
 
 from __future__ import annotations
@@ -102,13 +102,18 @@ class GemmConfig:
 
 
 def choose_gemm_config(m: int, dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
-    """Small batches read the weight once in thin row tiles (memory-bound: 16 tokens a tile, many
-    programs); larger ones take square tiles (compute-bound). fp32 activations take two stages (the
-    widened tiles are twice the bytes)."""
-    stages = 2 if dtype == torch.float32 else 4
-    if m <= 64:
-        return GemmConfig(16, 64, 256 if dtype != torch.float32 else 128, 4, stages)
-    return GemmConfig(128, 128, 64, 8, 3 if dtype != torch.float32 else 2)
+    """Three tile shapes, from a sweep on the H200 (benches/RESULTS.md, twenty-second session: 15
+    configs at Llama-3.1-8B's four projections, M 16-512, summed over a layer): up to 32 tokens thin
+    32-row tiles over long K steps (many programs; the small batch is bound by the weight stream),
+    up to 128 square 64-tiles, beyond that 128-tiles (compute-bound). Each is a compiled variant
+    that the warm-up's CUDA-graph sizes reach. fp32 activations take two stages (the widened
+    tiles are twice the bytes)."""
+    fp32 = dtype == torch.float32
+    if m <= 32:
+        return GemmConfig(16, 32, 128 if fp32 else 256, 4, 2 if fp32 else 4)
+    if m <= 128:
+        return GemmConfig(64, 64, 64 if fp32 else 128, 4, 2 if fp32 else 4)
+    return GemmConfig(128, 128, 64, 8, 2 if fp32 else 3)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
