@@ -185,11 +185,15 @@ def cases() -> list[Case]:
                           DIM_PAD=128, SPLIT_KV=True, DOT_PRECISION="tf32", USE_PDL=False, DECODE_ONLY=True,
                           MIN_SPLIT=256),
                      att.num_warps, 2 * att.tile_n * 128, 2.0, att.num_stages - 1, att.num_stages)
+    def chosen(name, types, kind, k, weight_bytes, **kw):
+        cfg = gemv.choose_config(kind, k, weight_bytes)
+        return g(f"{name} ({cfg.block_n} rows x {cfg.block_k})", types, cfg.block_n, cfg.block_k, cfg.num_warps, **kw)
+
     return [
-        g("bf16 gemv + residual", bf16, 2, 1024, 4),
-        g("bf16 gemv norm + SiLU", bf16, 4, 1024, 4, silu=True, norm=True),
-        g("fp8 gemv (weight-only) + residual", fp8, 2, 2048, 4, scale=True),
-        g("fp8 gemv norm + SiLU", fp8, 4, 2048, 8, silu=True, norm=True, scale=True),
+        chosen("bf16 gemv + residual", bf16, "plain", 4096, 2),
+        chosen("bf16 gemv norm + SiLU", bf16, "silu", 4096, 2, silu=True, norm=True),
+        chosen("fp8 gemv (weight-only) + residual", fp8, "plain", 4096, 1, scale=True),
+        chosen("fp8 gemv norm + SiLU", fp8, "silu", 4096, 1, silu=True, norm=True, scale=True),
         q4("int4 gemv + residual", 8, 2),
         q4("int4 gemv norm + SiLU", 4, 2, silu=True, norm=True),
         dot8("fp8 W8A8 tensor cores, gate_up norm + SiLU", 14336, 4096, silu=True, norm=True),
