@@ -5,6 +5,8 @@ CPU in the Triton interpreter child; the real shapes on the H200."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from ferrox.kernels import fp8_weight_gemm as fwg
@@ -28,15 +30,18 @@ def _case(device, dtype, m, n, k, *, bias=False, config=None):
 SMALL = GemmConfig(16, 32, 64, 4, 2, group_m=2)
 
 
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["x-w", "swapped"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gemm_against_the_dequantized_weight(kernel_device, seed, dtype):
-    _case(kernel_device, dtype, 37, 72, 200, bias=True, config=SMALL)
-    _case(kernel_device, dtype, 2, 40, 64, config=SMALL)
+def test_gemm_against_the_dequantized_weight(kernel_device, seed, dtype, swap_ab):
+    config = dataclasses.replace(SMALL, swap_ab=swap_ab)
+    _case(kernel_device, dtype, 37, 72, 200, bias=True, config=config)
+    _case(kernel_device, dtype, 2, 40, 64, config=config)
 
 
 def test_default_configs_and_the_dequantize_path(kernel_device, seed, monkeypatch):
     _case(kernel_device, torch.bfloat16, 3, 64, 256)  # the small-batch tile
-    _case(kernel_device, torch.float32, 70, 128, 64)  # the square tile
+    _case(kernel_device, torch.float32, 70, 128, 64)  # the swapped square tiles
+    _case(kernel_device, torch.bfloat16, 130, 128, 64)
     w, s, w_ref = _fp8_weight(48, 96, kernel_device)
     deq = fp8_dequantize(w, s, torch.bfloat16)
     assert torch.equal(deq, (w.float() * s[:, None]).to(torch.bfloat16))
@@ -62,7 +67,7 @@ def test_bad_input_names_the_field(kernel_device):
 
 @pytest.mark.gpu
 def test_real_shapes(cuda_device, seed):
-    for m in (2, 64, 65, 512, 1024):
+    for m in (2, 32, 33, 128, 129, 1024):
         for n, k in ((6144, 4096), (28672, 4096), (4096, 14336)):
             w, s, w_ref = _fp8_weight(n, k, cuda_device)
             x = torch.randn(m, k, device=cuda_device).to(torch.bfloat16)

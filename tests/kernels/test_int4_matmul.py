@@ -77,13 +77,15 @@ def test_gemv_tiny(kernel_device, seed, dtype):
         assert relative_error(y, _ref(x, ref_w, bias)) < TOLERANCE[dtype], (n, k, group, m)
 
 
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["x-w", "swapped"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_gemm_tiny(kernel_device, seed, dtype):
+def test_gemm_tiny(kernel_device, seed, dtype, swap_ab):
+    cfg = km.GemmConfig(block_m=16, block_n=16, num_warps=4, num_stages=2, group_m=2, swap_ab=swap_ab)
     for n, k, group, m, has_bias in [(40, 256, 128, 19, True), (24, 512, -1, 5, False)]:
         w, ref_w = _weight(n, k, group, kernel_device)
         x = torch.randn(m, k, device=kernel_device).to(dtype)
         bias = torch.randn(n, device=kernel_device).to(dtype) if has_bias else None
-        y = km.int4_gemm(x, w, bias, km.GemmConfig(block_m=16, block_n=16, num_warps=4, num_stages=2, group_m=2))
+        y = km.int4_gemm(x, w, bias, cfg)
         assert relative_error(y, _ref(x, ref_w, bias)) < TOLERANCE[dtype], (n, k, group, m)
     w, _ = _weight(8, 256, 32, kernel_device)  # interleave 4: no plane is wide enough for tl.dot
     with pytest.raises(ValueError, match="interleave"):
@@ -127,7 +129,7 @@ def test_paths_at_llama_8b_shapes(cuda_device, seed, dtype, proj):
     n, k = SHAPES_8B[proj]
     w, ref_w = _weight(n, k, 128, cuda_device)
     bias = torch.randn(n, device=cuda_device).to(dtype)
-    for m in (1, 3, 16, 200, 1500):  # GEMV, GEMV, GEMM, GEMM, dequantize + cuBLAS
+    for m in (1, 3, 16, 200, 1500):  # GEMV, GEMV, GEMM, swapped GEMM, dequantize + cuBLAS
         x = torch.randn(m, k, device=cuda_device).to(dtype)
         y = km.int4_linear(x, w, bias)
         assert relative_error(y, _ref(x, ref_w, bias)) < TOLERANCE[dtype], (proj, m)

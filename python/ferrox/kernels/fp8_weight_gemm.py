@@ -50,6 +50,7 @@ def _fp8_weight_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,  # M tiles per band: neighbouring programs share weight tiles in L2
+    SWAP_AB: tl.constexpr,  # the product as y^T = W x^T (choose_gemm_config says when)
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -66,17 +67,32 @@ def _fp8_weight_gemm_kernel(
     cols = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + toks.to(tl.int64)[:, None] * stride_xm + cols[None, :]
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w + cols[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kmask = (k0 + cols) < K
-        a = tl.load(x_rows + k0, mask=tmask[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(w_rows + k0, mask=rmask[:, None] & kmask[None, :], other=0.0)
-        acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=DOT_PRECISION)
-    acc *= tl.load(w_scale_ptr + rows, mask=rmask, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + toks.to(tl.int64)[:, None] * stride_om + rows[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & rmask[None, :])
+    if SWAP_AB:
+        # y^T = W x^T: the widened weight tile is the MMA's A operand, which Hopper's MMA reads from
+        # registers where the conversion left it; x^T, loaded as is, is the B operand.
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kmask = (k0 + cols) < K
+            a = tl.load(x_rows + k0, mask=tmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w_rows + k0, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            acc = tl.dot(w.to(a.dtype), tl.trans(a), acc, input_precision=DOT_PRECISION)
+        acc *= tl.load(w_scale_ptr + rows, mask=rmask, other=0.0)[:, None]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
+        out = out_ptr + toks.to(tl.int64)[None, :] * stride_om + rows[:, None]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & tmask[None, :])
+    else:
+        acc_t = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kmask = (k0 + cols) < K
+            a = tl.load(x_rows + k0, mask=tmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w_rows + k0, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            acc_t = tl.dot(a, tl.trans(w.to(a.dtype)), acc_t, input_precision=DOT_PRECISION)
+        acc_t *= tl.load(w_scale_ptr + rows, mask=rmask, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc_t += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + toks.to(tl.int64)[:, None] * stride_om + rows[None, :]
+        tl.store(out, acc_t.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & rmask[None, :])
 
 
 @triton.jit
@@ -99,21 +115,24 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     group_m: int = 8
+    swap_ab: bool = False  # y^T = W x^T: the widened weight tile as the MMA's register operand
 
 
 def choose_gemm_config(m: int, dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
-    """Three tile shapes, from a sweep on the H200 (benches/RESULTS.md, twenty-second session: 15
-    configs at Llama-3.1-8B's four projections, M 16-512, summed over a layer): up to 32 tokens thin
-    32-row tiles over long K steps (many programs; the small batch is bound by the weight stream),
-    up to 128 square 64-tiles, beyond that 128-tiles (compute-bound). Each is a compiled variant
-    that the warm-up's CUDA-graph sizes reach. fp32 activations take two stages (the widened
-    tiles are twice the bytes)."""
+    """Three tile shapes, from sweeps on the H200 (benches/RESULTS.md, twenty-second session: a layer
+    of Llama-3.1-8B's four products, M 16-512): up to 32 tokens thin 32-row tiles over long K steps
+    (many programs; a small batch is bound by the weight stream); beyond, the product swapped
+    (y^T = W x^T, so Hopper's warpgroup MMA takes the widened weight from registers): a layer at
+    64 tokens 307 -> 232 us, at 512 753 -> 594, while at 16-32 tokens the swap was slower (176 ->
+    220). Square 64-tiles up to 128 tokens, 128-tiles beyond (compute-bound). Each is a compiled
+    variant that the warm-up's CUDA-graph sizes reach. fp32 activations take two stages (the
+    widened tiles are twice the bytes)."""
     fp32 = dtype == torch.float32
     if m <= 32:
         return GemmConfig(16, 32, 128 if fp32 else 256, 4, 2 if fp32 else 4)
     if m <= 128:
-        return GemmConfig(64, 64, 64 if fp32 else 128, 4, 2 if fp32 else 4)
-    return GemmConfig(128, 128, 64, 8, 2 if fp32 else 3)
+        return GemmConfig(64, 64, 64 if fp32 else 128, 4, 2 if fp32 else 4, swap_ab=True)
+    return GemmConfig(128, 128, 64, 8, 2 if fp32 else 3, swap_ab=True)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -142,7 +161,8 @@ def fp8_weight_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
         out, x, weight, weight_scale, bias if bias is not None else weight_scale, m, n, k, x.stride(0),
         weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out
 

@@ -207,6 +207,7 @@ def _int4_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP_M: tl.constexpr,  # M tiles per band: neighbouring programs share weight tiles in L2
+    SWAP_AB: tl.constexpr,  # the product as y^T = W x^T (choose_gemm_config says when)
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -224,7 +225,12 @@ def _int4_gemm_kernel(
     w_rows = packed_ptr + rows.to(tl.int64)[:, None] * stride_w + lanes[None, :]
     x_rows = x_ptr + toks.to(tl.int64)[:, None] * stride_xm + lanes[None, :]
     s_rows = rows * tl.cdiv(K, GROUP)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP_AB:
+        # y^T = W x^T: the dequantized plane is the MMA's A operand, which Hopper's MMA reads from
+        # registers where the dequantization left it; x^T, loaded as is, is the B operand.
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for b in range(0, K // (8 * T)):
         p = tl.load(w_rows + b * T, mask=rmask[:, None], other=0)
         p_hi = p >> 20
@@ -234,11 +240,20 @@ def _int4_gemm_kernel(
         for j in tl.static_range(8):
             a = tl.load(x_rows + (b * 8 + j) * T, mask=tmask[:, None], other=0.0)
             w = (_plane_minus_zero(p, p_hi, z, j) * s).to(a.dtype)
-            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + toks.to(tl.int64)[:, None] * stride_om + rows[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & rmask[None, :])
+            if SWAP_AB:
+                acc = tl.dot(w, tl.trans(a), acc, input_precision=DOT_PRECISION)
+            else:
+                acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    if SWAP_AB:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
+        out = out_ptr + toks.to(tl.int64)[None, :] * stride_om + rows[:, None]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & tmask[None, :])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + toks.to(tl.int64)[:, None] * stride_om + rows[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & rmask[None, :])
 
 
 @triton.jit
@@ -297,6 +312,7 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     group_m: int = 8
+    swap_ab: bool = False  # y^T = W x^T: the dequantized plane as the MMA's register operand
 
 
 def choose_gemv_config(n: int, k: int, *, silu_mul: bool = False) -> GemvConfig:
@@ -316,7 +332,10 @@ def choose_gemm_config(m: int, dtype: torch.dtype = torch.bfloat16) -> GemmConfi
     stages = 2 if dtype == torch.float32 else 3
     if m <= 64:
         return GemmConfig(16, 64, 4, stages)
-    return GemmConfig(128, 128, 8, stages)
+    # Swapped (y^T = W x^T: Hopper's warpgroup MMA takes the dequantized plane from registers): a
+    # layer of Llama-3.1-8B's four products at 128 tokens 679 -> 496 us, at 512 1166 -> 739 on the
+    # H200; at 8-64 tokens the swap was slower (215 -> 258 at 8; benches/RESULTS.md, Dec 2).
+    return GemmConfig(128, 128, 8, stages, swap_ab=True)
 
 
 # ---- entry points -------------------------------------------------------------------------------------
@@ -412,7 +431,7 @@ def int4_gemm(x: torch.Tensor, w: Int4Weights, bias: torch.Tensor | None = None,
         out, x, w.packed, w.scales, w.zeros, bias if bias is not None else w.scales, m, n, k, w.packed.stride(0),
         x.stride(0), out.stride(0), GROUP=w.group_size, T=w.interleave, HAS_BIAS=bias is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
