@@ -9,7 +9,8 @@ an 8B W8A16 checkpoint took ~57 ms on the H200 where its one-token step takes 2.
 - GEMM (decode batches, mid-size chunks, M < DEQUANT_MIN_M): each weight tile widened to the
   activation dtype in registers (every E4M3 value is exact in bf16, fp16 and fp32) and multiplied
   with tl.dot, fp32 accumulation; the row scale multiplies the sums in the epilogue, as the
-  one-token GEMV (gemv.py) applies it, so batch and one-token steps round alike.
+  one-token GEMV (gemv.py) applies it, so batch and one-token steps round alike. From 33 rows the
+  product runs swapped, y^T = W x^T (`choose_gemm_config`).
 - dequantize + cuBLAS (M >= DEQUANT_MIN_M, prefill chunks): W written once in the activation dtype
   by one Triton pass (3 bytes per weight), then F.linear; there the matmul is compute-bound and
   the extra pass a few per cent of it.

@@ -39,8 +39,9 @@ Three paths, by the number of rows M of x:
   residual, roundings) is gemv.py's `_store_rows`.
 - GEMM (prefill, mid-size batches): each nibble plane of a block dequantized in registers to the
   activation dtype and multiplied with tl.dot against the matching T columns of x (fp32
-  accumulation). Needs T >= 16 (group size >= 128, or one group); smaller groups take the
-  dequantize path at every M > GEMV_MAX_M.
+  accumulation); from 65 rows swapped, y^T = W x^T, so Hopper's warpgroup MMA reads the plane from
+  registers (`choose_gemm_config`). Needs T >= 16 (group size >= 128, or one group); smaller groups
+  take the dequantize path at every M > GEMV_MAX_M.
 - dequantize + cuBLAS (M >= DEQUANT_MIN_M): W written out in the activation dtype, then F.linear;
   at prefill sizes the matmul is compute-bound and the extra pass over W (~2.5 bytes per weight)
   is a few per cent of it, while cuBLAS beats a Triton tile loop.
