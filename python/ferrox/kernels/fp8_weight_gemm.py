@@ -29,6 +29,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ferrox.kernels.tile_order import band_tile
+
 DEQUANT_MIN_M = 1024
 
 
@@ -53,14 +55,7 @@ def _fp8_weight_gemm_kernel(
     GROUP_M: tl.constexpr,  # M tiles per band: neighbouring programs share weight tiles in L2
     SWAP_AB: tl.constexpr,  # the product as y^T = W x^T (choose_gemm_config says when)
 ):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    band_size = GROUP_M * num_n
-    first_m = (pid // band_size) * GROUP_M
-    band_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % band_size) % band_m
-    pid_n = (pid % band_size) // band_m
+    pid_m, pid_n = band_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     toks = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     tmask = toks < M
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
