@@ -211,11 +211,7 @@ def _int4_gemm_kernel(
     GROUP_M: tl.constexpr,  # M tiles per band: neighbouring programs share weight tiles in L2
     SWAP_AB: tl.constexpr,  # the product as y^T = W x^T (choose_gemm_config says when)
 ):
-    pid_m, pid_n = band_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    toks = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    tmask = toks < M
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
+    toks, tmask, rows, rmask = band_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     lanes = tl.arange(0, T)
     w_rows = packed_ptr + rows.to(tl.int64)[:, None] * stride_w + lanes[None, :]
     x_rows = x_ptr + toks.to(tl.int64)[:, None] * stride_xm + lanes[None, :]

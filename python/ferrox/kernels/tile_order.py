@@ -14,11 +14,15 @@ import triton.language as tl
 
 
 @triton.jit
-def band_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(row tile of x, column tile of W) of program `pid` for an [M, N] output."""
+def band_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's output tile of an [M, N] product: (its token indices [BLOCK_M], their mask,
+    its weight row indices [BLOCK_N], their mask)."""
+    pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     band_size = GROUP_M * num_n
     first_m = (pid // band_size) * GROUP_M
     band_m = tl.minimum(num_m - first_m, GROUP_M)
-    return first_m + (pid % band_size) % band_m, (pid % band_size) // band_m
+    toks = (first_m + (pid % band_size) % band_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = ((pid % band_size) // band_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return toks, toks < M, rows, rows < N
