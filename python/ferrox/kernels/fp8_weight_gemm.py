@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ferrox.kernels.tile_order import band_tile
+from ferrox.kernels.tile_order import band_tile, dot_tile, per_row, store_tile, zero_tile
 
 DEQUANT_MIN_M = 1024
 
@@ -53,38 +53,22 @@ def _fp8_weight_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,  # M tiles per band: neighbouring programs share weight tiles in L2
-    SWAP_AB: tl.constexpr,  # the product as y^T = W x^T (choose_gemm_config says when)
+    SWAP_AB: tl.constexpr,  # the product as y^T = W x^T (tile_order.py; choose_gemm_config says when)
 ):
     toks, tmask, rows, rmask = band_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     cols = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + toks.to(tl.int64)[:, None] * stride_xm + cols[None, :]
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w + cols[None, :]
-    if SWAP_AB:
-        # y^T = W x^T: the widened weight tile is the MMA's A operand, which Hopper's MMA reads from
-        # registers where the conversion left it; x^T, loaded as is, is the B operand.
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kmask = (k0 + cols) < K
-            a = tl.load(x_rows + k0, mask=tmask[:, None] & kmask[None, :], other=0.0)
-            w = tl.load(w_rows + k0, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            acc = tl.dot(w.to(a.dtype), tl.trans(a), acc, input_precision=DOT_PRECISION)
-        acc *= tl.load(w_scale_ptr + rows, mask=rmask, other=0.0)[:, None]
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
-        out = out_ptr + toks.to(tl.int64)[None, :] * stride_om + rows[:, None]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & tmask[None, :])
-    else:
-        acc_t = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kmask = (k0 + cols) < K
-            a = tl.load(x_rows + k0, mask=tmask[:, None] & kmask[None, :], other=0.0)
-            w = tl.load(w_rows + k0, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            acc_t = tl.dot(a, tl.trans(w.to(a.dtype)), acc_t, input_precision=DOT_PRECISION)
-        acc_t *= tl.load(w_scale_ptr + rows, mask=rmask, other=0.0)[None, :]
-        if HAS_BIAS:
-            acc_t += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
-        out = out_ptr + toks.to(tl.int64)[:, None] * stride_om + rows[None, :]
-        tl.store(out, acc_t.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & rmask[None, :])
+    acc = zero_tile(BLOCK_M, BLOCK_N, SWAP_AB)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = (k0 + cols) < K
+        a = tl.load(x_rows + k0, mask=tmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_rows + k0, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        acc = dot_tile(a, w.to(a.dtype), acc, DOT_PRECISION, SWAP_AB)
+    acc *= per_row(tl.load(w_scale_ptr + rows, mask=rmask, other=0.0), SWAP_AB)
+    if HAS_BIAS:
+        acc += per_row(tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32), SWAP_AB)
+    store_tile(out_ptr, acc, toks, tmask, rows, rmask, stride_om, SWAP_AB)
 
 
 @triton.jit

@@ -62,7 +62,7 @@ import triton
 import triton.language as tl
 
 from ferrox.kernels.gemv import _input_tile, _store_rows
-from ferrox.kernels.tile_order import band_tile
+from ferrox.kernels.tile_order import band_tile, dot_tile, per_row, store_tile, zero_tile
 
 GEMV_MAX_M = 4
 DEQUANT_MIN_M = 1024
@@ -209,19 +209,14 @@ def _int4_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP_M: tl.constexpr,  # M tiles per band: neighbouring programs share weight tiles in L2
-    SWAP_AB: tl.constexpr,  # the product as y^T = W x^T (choose_gemm_config says when)
+    SWAP_AB: tl.constexpr,  # the product as y^T = W x^T (tile_order.py; choose_gemm_config says when)
 ):
     toks, tmask, rows, rmask = band_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     lanes = tl.arange(0, T)
     w_rows = packed_ptr + rows.to(tl.int64)[:, None] * stride_w + lanes[None, :]
     x_rows = x_ptr + toks.to(tl.int64)[:, None] * stride_xm + lanes[None, :]
     s_rows = rows * tl.cdiv(K, GROUP)
-    if SWAP_AB:
-        # y^T = W x^T: the dequantized plane is the MMA's A operand, which Hopper's MMA reads from
-        # registers where the dequantization left it; x^T, loaded as is, is the B operand.
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = zero_tile(BLOCK_M, BLOCK_N, SWAP_AB)
     for b in range(0, K // (8 * T)):
         p = tl.load(w_rows + b * T, mask=rmask[:, None], other=0)
         p_hi = p >> 20
@@ -231,20 +226,10 @@ def _int4_gemm_kernel(
         for j in tl.static_range(8):
             a = tl.load(x_rows + (b * 8 + j) * T, mask=tmask[:, None], other=0.0)
             w = (_plane_minus_zero(p, p_hi, z, j) * s).to(a.dtype)
-            if SWAP_AB:
-                acc = tl.dot(w, tl.trans(a), acc, input_precision=DOT_PRECISION)
-            else:
-                acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    if SWAP_AB:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
-        out = out_ptr + toks.to(tl.int64)[None, :] * stride_om + rows[:, None]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & tmask[None, :])
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
-        out = out_ptr + toks.to(tl.int64)[:, None] * stride_om + rows[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & rmask[None, :])
+            acc = dot_tile(a, w, acc, DOT_PRECISION, SWAP_AB)
+    if HAS_BIAS:
+        acc += per_row(tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32), SWAP_AB)
+    store_tile(out_ptr, acc, toks, tmask, rows, rmask, stride_om, SWAP_AB)
 
 
 @triton.jit
