@@ -18,7 +18,8 @@ Kernels: every timing replays a CUDA graph over enough weight copies (>= 2 GB) t
 from HBM, as in bench_gemv.py. Per projection, batch 1: the int4 GEMV (us, and its packed bytes over
 that time), bf16 cuBLAS and ferrox's bf16 gemv. Then, for gate_up, the three int4 paths and bf16
 cuBLAS across batch sizes: where the GEMV, the GEMM and dequantize + cuBLAS cross over
-(int4_matmul.GEMV_MAX_M and DEQUANT_MIN_M are set from this).
+(int4_matmul.GEMV_MAX_M is set from this; DEQUANT_MIN_M from a whole layer's four products in
+bench_weight_only_gemm.py).
 """
 
 from __future__ import annotations

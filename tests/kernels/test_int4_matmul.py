@@ -93,9 +93,13 @@ def test_gemm_tiny(kernel_device, seed, dtype, swap_ab):
 
 
 def test_dequantize_is_exact(kernel_device, seed):
-    for n, k, group in [(20, 256, 32), (8, 384, 128), (4, 256, -1), (8, 96, 64)]:
+    # Programs of one block or several (a run of blocks per row, groups changing inside it), rows
+    # past N masked, a block count the run length must shrink to divide (384: three blocks).
+    for n, k, group in [(20, 256, 32), (8, 384, 128), (4, 256, -1), (8, 96, 64), (20, 1024, 128)]:
         w, ref_w = _weight(n, k, group, kernel_device)
-        torch.testing.assert_close(km.int4_dequantize(w, torch.float32), ref_w.float(), rtol=0, atol=0)
+        for block_n, block_words in [(16, 64), (8, 16), (4, 128)]:
+            out = km.int4_dequantize(w, torch.float32, block_n=block_n, block_words=block_words)
+            torch.testing.assert_close(out, ref_w.float(), rtol=0, atol=0, msg=f"{(n, k, group, block_n, block_words)}")
 
 
 def test_runner_paths_with_act_order(kernel_device, seed, monkeypatch):

@@ -11,9 +11,12 @@ an 8B W8A16 checkpoint took ~57 ms on the H200 where its one-token step takes 2.
   with tl.dot, fp32 accumulation; the row scale multiplies the sums in the epilogue, as the
   one-token GEMV (gemv.py) applies it, so batch and one-token steps round alike. From 33 rows the
   product runs swapped, y^T = W x^T (`choose_gemm_config`).
-- dequantize + cuBLAS (M >= DEQUANT_MIN_M, prefill chunks): W written once in the activation dtype
-  by one Triton pass (3 bytes per weight), then F.linear; there the matmul is compute-bound and
-  the extra pass a few per cent of it.
+- dequantize + cuBLAS (M >= DEQUANT_MIN_M: large decode batches, prefill chunks): W written once
+  in the activation dtype by one Triton pass (3 bytes per weight at ~3.4 TB/s, a fixed ~180 us
+  per Llama-8B layer), then F.linear. The GEMM's widening grows with M, the pass does not: on the
+  H200 (benches/bench_weight_only_gemm.py, a layer's four products) the GEMM wins at 128 rows
+  (301 vs 349 us) and loses at 192 (430 vs 408) and 512 (587 vs 484), so the switch sits between.
+  The scratch W lives for one product (inside a decode CUDA graph, in the graph pool).
 
 Three GEMM tile shapes by batch size (`choose_gemm_config`): each is a compiled variant and the
 engine's warm-up (worker/warmup.py) reaches them all; M is `do_not_specialize`, so a new batch
@@ -31,7 +34,7 @@ import triton.language as tl
 
 from ferrox.kernels.tile_order import band_tile, dot_tile, per_row, store_tile, zero_tile
 
-DEQUANT_MIN_M = 1024
+DEQUANT_MIN_M = 160  # between the measured 128 (GEMM faster) and 192 (dequantize faster)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -143,14 +146,15 @@ def fp8_weight_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     return out
 
 
-def fp8_dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """weight * weight_scale[:, None] in `dtype` (computed in fp32, rounded once), one pass."""
+def fp8_dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype, *, block_n: int = 16,
+                   block_k: int = 1024, num_warps: int = 4) -> torch.Tensor:
+    """weight * weight_scale[:, None] in `dtype` (computed in fp32, rounded once), one pass; a
+    program writes block_n rows of block_k columns."""
     n, k = weight.shape
     out = torch.empty(n, k, dtype=dtype, device=weight.device)
-    block_n, block_k = 16, 256
     _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         out, weight, weight_scale, n, k, weight.stride(0), out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=4)
+        num_warps=num_warps)
     return out
 
 

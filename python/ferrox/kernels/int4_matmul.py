@@ -42,12 +42,15 @@ Three paths, by the number of rows M of x:
   accumulation); from 65 rows swapped, y^T = W x^T, so Hopper's warpgroup MMA reads the plane from
   registers (`choose_gemm_config`). Needs T >= 16 (group size >= 128, or one group); smaller groups
   take the dequantize path at every M > GEMV_MAX_M.
-- dequantize + cuBLAS (M >= DEQUANT_MIN_M): W written out in the activation dtype, then F.linear;
-  at prefill sizes the matmul is compute-bound and the extra pass over W (~2.5 bytes per weight)
-  is a few per cent of it, while cuBLAS beats a Triton tile loop.
+- dequantize + cuBLAS (M >= DEQUANT_MIN_M): W written out in the activation dtype (~3 TB/s of
+  read + write, 2.5 bytes per weight), then F.linear. The pass costs a fixed ~140 us per Llama-8B
+  layer, but the GEMM above widens every plane on CUDA cores beside its MMAs and grows with M,
+  so from 48 rows the pass and cuBLAS win (H200, a layer's four products: 330 vs 341 us at 48
+  rows, 343 vs 485 at 128, 474 vs 723 at 512; a server's 400 x (256, 256) 7,976 -> 10,829 output
+  tok/s). The scratch W lives for one product; inside a decode CUDA graph it comes from the
+  graph pool, at most the largest projection (gate_up: 235 MB in bf16).
 
-Thresholds and launch configs are first guesses, to be set from benches/bench_int4.py's sweep on
-the H200. The GEMM's M is `do_not_specialize` and the GEMV takes its token from the grid, so a new
+The GEMV's launch configs come from benches/bench_int4.py's sweep on the H200. The GEMM's M is `do_not_specialize` and the GEMV takes its token from the grid, so a new
 batch size never compiles a new variant while serving; row strides are the layer's K and N (the
 runner passes contiguous rows), fixed per layer and left specialised, so loads stay 16-byte wide.
 """
@@ -65,7 +68,7 @@ from ferrox.kernels.gemv import _input_tile, _store_rows
 from ferrox.kernels.tile_order import band_tile, dot_tile, per_row, store_tile, zero_tile
 
 GEMV_MAX_M = 4
-DEQUANT_MIN_M = 1024
+DEQUANT_MIN_M = 48  # measured crossover (benches/bench_weight_only_gemm.py): see the docstring
 MAX_INTERLEAVE = 64  # T at most (words per block row); 16 for group size 128
 
 
@@ -234,22 +237,26 @@ def _int4_gemm_kernel(
 
 @triton.jit
 def _int4_dequant_kernel(out_ptr, packed_ptr, scales_ptr, zeros_ptr, N, K, stride_w,
-                         GROUP: tl.constexpr, T: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program: BLOCK_N rows of one block (8T columns of W)."""
+                         GROUP: tl.constexpr, T: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program: BLOCK_N rows of NB consecutive blocks (8T NB columns of W). The planes of every
+    block are laid out [block, plane, word] in registers, which is W's natural column order, so each
+    row goes out as one contiguous run of 8T NB values (wide stores; writing plane by plane stored
+    2T-byte pieces and ran the pass at ~2 TB/s)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
-    b = tl.program_id(1)
-    lanes = tl.arange(0, T)
-    p = tl.load(packed_ptr + rows.to(tl.int64)[:, None] * stride_w + b * T + lanes[None, :], mask=rmask[:, None],
-                other=0)
-    p_hi = p >> 20
-    g = rows * tl.cdiv(K, GROUP) + (b * 8 * T) // GROUP
-    s = tl.load(scales_ptr + g, mask=rmask, other=0.0).to(tl.float32)[:, None]
-    z = tl.load(zeros_ptr + g, mask=rmask, other=0).to(tl.float32)[:, None]
-    out = out_ptr + rows.to(tl.int64)[:, None] * K + b * 8 * T + lanes[None, :]
-    for j in tl.static_range(8):
-        w = _plane_minus_zero(p, p_hi, z, j) * s
-        tl.store(out + j * T, w.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+    b0 = tl.program_id(1) * NB
+    p = tl.load(packed_ptr + rows.to(tl.int64)[:, None] * stride_w + b0 * T + tl.arange(0, NB * T)[None, :],
+                mask=rmask[:, None], other=0)
+    blocks = b0 + tl.arange(0, NB)
+    g = rows[:, None] * tl.cdiv(K, GROUP) + (blocks[None, :] * 8 * T) // GROUP  # a block lies in one group
+    s = tl.load(scales_ptr + g, mask=rmask[:, None], other=0.0).to(tl.float32)
+    z = tl.load(zeros_ptr + g, mask=rmask[:, None], other=0).to(tl.float32)
+    shifts = (tl.arange(0, 8) * 4)[None, None, :, None]
+    q = ((tl.reshape(p, [BLOCK_N, NB, 1, T]) >> shifts) & 0xF).to(tl.float32)  # [rows, block, plane, word]
+    w = (q - z[:, :, None, None]) * s[:, :, None, None]
+    cols = b0 * 8 * T + tl.arange(0, NB * 8 * T)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :],
+             tl.reshape(w, [BLOCK_N, NB * 8 * T]).to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
 # ---- layout ---------------------------------------------------------------------------------------------
@@ -301,7 +308,8 @@ def choose_gemv_config(n: int, k: int, *, silu_mul: bool = False) -> GemvConfig:
 
 
 def choose_gemm_config(m: int, dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
-    """Two tile shapes only, small batches and prefill chunks: every config is a compiled variant,
+    """Two tile shapes only (int4_linear takes the first: from DEQUANT_MIN_M rows it dequantizes;
+    the second serves int4_gemm called on larger batches): every config is a compiled variant,
     and the engine's warm-up reaches both classes (worker/warmup.py), so none compiles while serving.
     fp32 activations take two pipeline stages (three of the large tile would need 216 KB of shared
     memory, at the sm_90 limit)."""
@@ -412,16 +420,21 @@ def int4_gemm(x: torch.Tensor, w: Int4Weights, bias: torch.Tensor | None = None,
     return out
 
 
-def int4_dequantize(w: Int4Weights, dtype: torch.dtype, *, validate: bool = True) -> torch.Tensor:
-    """W [N, K] in `dtype`, k in natural order."""
+def int4_dequantize(w: Int4Weights, dtype: torch.dtype, *, validate: bool = True, block_n: int = 8,
+                    block_words: int = 64, num_warps: int = 4) -> torch.Tensor:
+    """W [N, K] in `dtype`, k in natural order. A program writes block_n rows of block_words packed
+    words (8 block_words columns: as many whole blocks of the layout as fit, at least one); the
+    defaults are the fastest of a sweep on the H200 (RESULTS.md, twenty-third session)."""
     if validate:
         w.check()
     n, k, t = w.out_features, w.in_features, w.interleave
+    nb, blocks = max(1, block_words // t), k // (8 * t)
+    while blocks % nb:
+        nb //= 2
     out = torch.empty(n, k, dtype=dtype, device=w.packed.device)
-    block_n = max(1, min(triton.next_power_of_2(n), 512 // t))
-    _int4_dequant_kernel[(triton.cdiv(n, block_n), k // (8 * t))](
-        out, w.packed, w.scales, w.zeros, n, k, w.packed.stride(0), GROUP=w.group_size, T=t, BLOCK_N=block_n,
-        num_warps=4,
+    _int4_dequant_kernel[(triton.cdiv(n, block_n), blocks // nb)](
+        out, w.packed, w.scales, w.zeros, n, k, w.packed.stride(0), GROUP=w.group_size, T=t, NB=nb,
+        BLOCK_N=block_n, num_warps=num_warps,
     )
     return out
 
