@@ -11,6 +11,10 @@ Written from the formats' descriptions, independently of ferrox's unpacking code
 - GPTQ: qweight [K/8, N] packs 8 consecutive input rows per int32 (row 8w + i in nibble i); qzeros
   [G, N/8] packs 8 consecutive columns; the "gptq" (v1) format stores zero - 1 masked to 4 bits, so a
   reader sees ((z - 1) & 15) + 1 (16 for a zero of 0), "gptq_v2" stores z; g_idx [K] int32;
+- compressed-tensors "pack-quantized" (llm-compressor's W4A16): weight_packed [N, K/8] packs 8
+  consecutive input columns per int32 (column 8w + i in nibble i), each the signed code (q - 8) plus
+  8; weight_scale [N, G]; asymmetric: weight_zero_point [N/8, G], the signed zero point plus 8, packed
+  8 consecutive output rows per int32; weight_g_idx [K] with actorder "group"; weight_shape [N, K];
 - act-order (desc_act): columns are quantized in a random order perm, the i-th column in that order
   joining group i // group_size, so g_idx[perm[i]] = i // group_size.
 
@@ -104,6 +108,27 @@ def _gptq_tensors(w: torch.Tensor, group: int, *, sym: bool, act_order: bool, fm
     return tensors, _dequantize(codes, scales, read, g_idx)
 
 
+def _compressed_tensors_tensors(w: torch.Tensor, group: int, *, sym: bool, act_order: bool,
+                                gen: torch.Generator) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    n, k = w.shape
+    size = k if group == -1 else group
+    g_idx = torch.arange(k) // size
+    if act_order:
+        perm = torch.randperm(k, generator=gen)
+        g_idx = torch.empty(k, dtype=torch.int64)
+        g_idx[perm] = torch.arange(k) // size
+    codes, scales, zeros = quantize_groups(w, group, sym=sym, g_idx=g_idx)
+    # The format stores signed values (code - 8, zero - 8) plus 8: the unsigned codes themselves.
+    signed_codes, signed_zeros = codes.to(torch.int64) - 8, zeros - 8
+    tensors = {"weight_packed": _pack(signed_codes + 8, 1), "weight_scale": scales.t().contiguous(),
+               "weight_shape": torch.tensor([n, k])}
+    if not sym:
+        tensors["weight_zero_point"] = _pack(signed_zeros.t() + 8, 0)
+    if act_order:
+        tensors["weight_g_idx"] = g_idx.to(torch.int32)
+    return tensors, _dequantize(codes, scales, zeros, g_idx)
+
+
 def _hessian_of(hessians: dict[str, torch.Tensor] | None, prefix: str) -> torch.Tensor | None:
     if hessians is None:
         return None
@@ -138,6 +163,16 @@ def quantization_config(fmt: str, group: int, *, sym: bool = False, act_order: b
     if fmt == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm",
                 "modules_to_not_convert": None}
+    if fmt == "ct":
+        weights = {"num_bits": 4, "type": "int", "symmetric": sym, "strategy": "channel" if group == -1 else "group",
+                   "group_size": None if group == -1 else group, "dynamic": False,
+                   "actorder": "group" if act_order else None, "block_structure": None, "observer": "minmax",
+                   "observer_kwargs": {}}
+        return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+                "version": "0.10.2", "global_compression_ratio": None, "kv_cache_scheme": None,
+                "sparsity_config": {}, "transform_config": {}, "ignore": ["lm_head"],
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                              "output_activations": None, "format": "pack-quantized"}}}
     return {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order, "sym": sym,
             "checkpoint_format": checkpoint_format, "damp_percent": 0.01, "true_sequential": True}
 
@@ -155,8 +190,8 @@ def make_int4_checkpoint(src: str, dst: str, fmt: str, *, group: int = 32, sym: 
     the Hessian, not a random permutation."""
     from safetensors.torch import save_file
 
-    if fmt not in ("awq", "gptq"):
-        raise ValueError(f"fmt must be 'awq' or 'gptq', got {fmt!r}")
+    if fmt not in ("awq", "gptq", "ct"):
+        raise ValueError(f"fmt must be 'awq', 'gptq' or 'ct' (compressed-tensors), got {fmt!r}")
     weights = _read_weights(src)
     quant, ref = {}, {}
     perms: dict[str, torch.Generator] = {}
@@ -166,19 +201,21 @@ def make_int4_checkpoint(src: str, dst: str, fmt: str, *, group: int = 32, sym: 
         if leaf != "weight" or proj not in LINEAR_SUFFIXES:
             quant[name] = ref[name] = tensor
             continue
+        # One generator state per shared input: q/k/v and gate/up draw the same act-order permutation.
+        shared = prefix.rpartition(".")[0] + ("/attn" if proj in ("q_proj", "k_proj", "v_proj") else
+                                              "/mlp" if proj in ("gate_proj", "up_proj") else "/" + proj)
+        gen = perms.setdefault(shared, torch.Generator().manual_seed(seed + len(perms)))
+        gen_state = gen.get_state()
         if fmt == "awq":
             tensors, deq = _awq_tensors(tensor.float(), group, _hessian_of(hessians, prefix))
+        elif fmt == "ct":
+            tensors, deq = _compressed_tensors_tensors(tensor.float(), group, sym=sym, act_order=act_order, gen=gen)
         else:
-            # One generator state per shared input: q/k/v and gate/up draw the same permutation.
-            shared = prefix.rpartition(".")[0] + ("/attn" if proj in ("q_proj", "k_proj", "v_proj") else
-                                                  "/mlp" if proj in ("gate_proj", "up_proj") else "/" + proj)
-            gen = perms.setdefault(shared, torch.Generator().manual_seed(seed + len(perms)))
-            gen_state = gen.get_state()
             tensors, deq = _gptq_tensors(tensor.float(), group, sym=sym, act_order=act_order,
                                          fmt=checkpoint_format, gen=gen, hessian=_hessian_of(hessians, prefix))
-            gen.set_state(gen_state)
             if zero_bias and f"{prefix}.bias" not in weights:
                 tensors["bias"] = torch.zeros(tensor.shape[0], dtype=torch.float16)
+        gen.set_state(gen_state)
         for leaf_name, value in tensors.items():
             quant[f"{prefix}.{leaf_name}"] = value
         ref[name] = deq.to(tensor.dtype)

@@ -18,6 +18,8 @@ from ferrox.distributed.parallel_state import TPGroup, use_tp_group
 from ferrox.errors import ModelLoadError, UnsupportedModelError
 from ferrox.layers.linear import Linear, QKVLinear, RowParallelLinear
 from ferrox.layers.quant.awq import AWQConfig
+from ferrox.layers.quant.compressed_tensors import CompressedTensorsScheme
+from ferrox.layers.quant.compressed_tensors_int4 import CompressedTensorsInt4Config
 from ferrox.layers.quant.config import resolve_quant_config
 from ferrox.layers.quant.gptq import GPTQConfig
 from ferrox.layers.quant.int4_pack import Int4Linear
@@ -52,6 +54,11 @@ CASES = {
     # same permutation for q/k/v and for gate/up (they read one input), as real exports are.
     "gptq-calibrated-g64-actorder": dict(fmt="gptq", group=64, act_order=True, calibrated=True),
     "awq-calibrated-g32": dict(fmt="awq", group=32, calibrated=True),
+    # llm-compressor's compressed-tensors W4A16 ("pack-quantized"), the layout most int4 checkpoints on
+    # the hub are published in now.
+    "ct-g32-sym": dict(fmt="ct", group=32, sym=True),
+    "ct-g64-asym-actorder": dict(fmt="ct", group=64, act_order=True),
+    "ct-per-channel-asym": dict(fmt="ct", group=-1),
 }
 
 
@@ -119,7 +126,7 @@ def test_checkpoint_matches_dequantized_model(checkpoints, case):
     assert q_tokens == r_tokens
 
 
-@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+@pytest.mark.parametrize("fmt", ["awq", "gptq", "ct"])
 def test_short_last_group(tmp_path, fmt):
     """Widths that are not a multiple of the group size (hidden 96, intermediate 160, groups of 64):
     the last group of each row is short, as in SmolLM2 (576 inputs) with groups of 128."""
@@ -210,6 +217,45 @@ def test_unsupported_settings_are_refused_by_name(fmt, change, field):
         cls.from_hf(cfg)
 
 
+_CT_WEIGHTS = "config_groups.group_0.weights"
+
+
+@pytest.mark.parametrize("weights,scheme,top,field", [
+    ({"num_bits": 8}, {}, {}, f"{_CT_WEIGHTS}.num_bits"),
+    ({"num_bits": 2}, {}, {}, f"{_CT_WEIGHTS}.num_bits"),
+    ({"strategy": "tensor"}, {}, {}, f"{_CT_WEIGHTS}.strategy"),
+    ({"group_size": 48}, {}, {}, f"{_CT_WEIGHTS}.group_size"),
+    ({"dynamic": True}, {}, {}, f"{_CT_WEIGHTS}.dynamic"),
+    ({"actorder": "sideways"}, {}, {}, f"{_CT_WEIGHTS}.actorder"),
+    ({"block_structure": [128, 128]}, {}, {}, f"{_CT_WEIGHTS}.block_structure"),
+    ({"zp_dtype": None, "hadamard": True}, {}, {}, _CT_WEIGHTS),
+    ({}, {"input_activations": {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}}, {},
+     "config_groups.group_0.input_activations"),
+    ({}, {"targets": ["re:.*down_proj"]}, {}, "config_groups.group_0.targets"),
+    ({}, {}, {"format": "int-quantized"}, "format"),
+    ({}, {}, {"ignore": ["lm_head", "re:.*down_proj"]}, "ignore"),
+])
+def test_compressed_tensors_int_schemes_refused_by_name(float_folder, weights, scheme, top, field):
+    cfg = quantization_config("ct", 32)
+    group = cfg["config_groups"]["group_0"]
+    cfg = {**cfg, **top, "config_groups": {"group_0": {**group, **scheme, "weights": {**group["weights"], **weights}}}}
+    spec = load_model_spec(resolve_model(float_folder))
+    with pytest.raises(UnsupportedModelError, match=f"quantization_config.{field}"):
+        CompressedTensorsScheme.from_hf(cfg).check(spec, torch.device("cpu"), 1)
+
+
+def test_compressed_tensors_settings_read():
+    for group, sym, act_order in ((128, True, False), (-1, False, True)):
+        cfg = CompressedTensorsScheme.from_hf(quantization_config("ct", group, sym=sym, act_order=act_order))
+        assert isinstance(cfg, CompressedTensorsInt4Config)
+        assert (cfg.group_size, cfg.symmetric, cfg.group_order) == (group, sym, act_order)
+    weights = quantization_config("ct", 64)["config_groups"]["group_0"]["weights"]
+    for order in ("weight", "static"):  # the order guided quantization only: nothing stored
+        cfg = CompressedTensorsScheme.from_hf(quantization_config("ct", 64) | {"config_groups": {"group_0": {
+            "targets": ["Linear"], "weights": {**weights, "actorder": order}}}})
+        assert not cfg.group_order
+
+
 def test_accepted_settings():
     assert AWQConfig.from_hf({"quant_method": "awq", "w_bit": 4, "q_group_size": 64, "version": "GEMM",
                               "modules_to_not_convert": ["lm_head"]}).group_size == 64
@@ -217,12 +263,14 @@ def test_accepted_settings():
     assert cfg.desc_act and cfg.group_size == -1 and cfg.checkpoint_format == "gptq_v2"
 
 
-def test_act_order_refuses_tensor_parallel(checkpoints):
-    qdir, _ = checkpoints("gptq-g64-sym-actorder")
+@pytest.mark.parametrize("case,words", [("gptq-g64-sym-actorder", "desc_act"),
+                                        ("ct-g64-asym-actorder", "actorder 'group'")])
+def test_act_order_refuses_tensor_parallel(checkpoints, case, words):
+    qdir, _ = checkpoints(case)
     spec = load_model_spec(resolve_model(qdir))
     config = resolve_quant_config(None, spec)
     config.check(spec, torch.device("cpu"), 1)
-    with pytest.raises(UnsupportedModelError, match="desc_act.*tensor_parallel_size"):
+    with pytest.raises(UnsupportedModelError, match=f"{words}.*tensor_parallel_size"):
         config.check(spec, torch.device("cpu"), 2)
 
 
@@ -269,6 +317,23 @@ def test_nonzero_bias_for_a_biasless_layer_is_refused(checkpoints, tmp_path):
         _load(folder)
 
 
+def test_compressed_tensors_tensors_checked_by_name(checkpoints, tmp_path):
+    """weight_shape must be the layer's; a symmetric scheme's zero points, when stored, must be zero."""
+    qdir, _ = checkpoints("ct-g32-sym")
+    name = "model.layers.1.mlp.down_proj.weight_shape"
+    folder = _edited_copy(qdir, tmp_path / "shape", lambda t: t.update({name: t[name].flip(0).contiguous()}))
+    with pytest.raises(ModelLoadError, match=r"down_proj\.weight_shape.*\[128, 256\]"):
+        _load(folder)
+    zp = "model.layers.0.mlp.down_proj.weight_zero_point"
+    for label, value in (("zero", 0), ("nonzero", 3)):
+        folder = _edited_copy(qdir, tmp_path / label, lambda t, v=value: t.update({zp: torch.full((16, 8), v, dtype=torch.int32)}))
+        if value:
+            with pytest.raises(ModelLoadError, match="weight_zero_point is not zero"):
+                _load(folder)
+        else:
+            assert isinstance(_load(folder).model.layers[0].mlp.down_proj.quant, Int4Linear)
+
+
 def test_bad_act_order_indexes_are_refused(checkpoints, tmp_path):
     """A merged layer's shards with different g_idx, and a g_idx whose groups are not all group_size
     columns, name the tensor."""
@@ -292,7 +357,11 @@ def _rank_layers(cls, config, size, *args):
     return layers
 
 
-@pytest.mark.parametrize("case", ["awq-g32", "gptq-g32-asym"])
+_PARAMS = {"awq": ("qweight", "qzeros", "scales"), "gptq": ("qweight", "qzeros", "scales", "g_idx"),
+           "ct": ("weight_packed", "weight_scale", "weight_shape")}
+
+
+@pytest.mark.parametrize("case", ["awq-g32", "gptq-g32-asym", "ct-g32-sym", "ct-per-channel-asym"])
 def test_tensor_parallel_shards_match_the_full_weight(checkpoints, case):
     """Column-parallel q/k/v (with KV heads replicated over 4 ranks) and row-parallel down_proj: each
     rank's runner computes its slice of the float reference (its rows; its input columns' partial sum)."""
@@ -300,7 +369,8 @@ def test_tensor_parallel_shards_match_the_full_weight(checkpoints, case):
     spec = load_model_spec(resolve_model(qdir))
     config = resolve_quant_config(None, spec)
     qt, rt = load_file(os.path.join(qdir, "model.safetensors")), load_file(os.path.join(rdir, "model.safetensors"))
-    params = ("qweight", "qzeros", "scales", *(("g_idx",) if CASES[case]["fmt"] == "gptq" else ()))
+    fmt, sym = CASES[case]["fmt"], CASES[case].get("sym", False)
+    params = _PARAMS[fmt] + (("weight_zero_point",) if fmt == "ct" and not sym else ())
     x_attn = torch.randn(3, spec.hidden_size)
     pre = "model.layers.1"
     for size in (2, 4):
@@ -333,15 +403,16 @@ def test_tensor_parallel_shards_match_the_full_weight(checkpoints, case):
 
 
 # ---- dummy weights ------------------------------------------------------------------------------------
-def test_dummy_weights(float_folder, tmp_path):
-    """load_format="dummy" with an AWQ config: random codes and scales with the float dummy's spread."""
+@pytest.mark.parametrize("fmt", ["awq", "ct"])
+def test_dummy_weights(float_folder, tmp_path, fmt):
+    """load_format="dummy" with an int4 config: random codes and scales with the float dummy's spread."""
     folder = tmp_path / "dummy"
     folder.mkdir()
     for f in os.listdir(float_folder):
         if not f.endswith(".safetensors"):
             (folder / f).write_bytes(open(os.path.join(float_folder, f), "rb").read())
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = quantization_config("awq", 64)
+    config["quantization_config"] = quantization_config(fmt, 64)
     (folder / "config.json").write_text(json.dumps(config))
     source = resolve_model(str(folder))
     spec = load_model_spec(source)
@@ -356,7 +427,8 @@ def test_dummy_weights(float_folder, tmp_path):
 
 # ---- GPU: the Triton kernels in the model ---------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["awq-g128", "gptq-g64-sym-actorder", "gptq-v2-per-column"])
+@pytest.mark.parametrize("case", ["awq-g128", "gptq-g64-sym-actorder", "gptq-v2-per-column", "ct-g32-sym",
+                                  "ct-g64-asym-actorder"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_gpu_checkpoint_matches_dequantized_model(checkpoints, case, dtype):
     if not torch.cuda.is_available():
@@ -380,7 +452,7 @@ def test_gpu_checkpoint_matches_dequantized_model(checkpoints, case, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["awq-g128", "gptq-g32-asym", "gptq-g64-sym-actorder"])
+@pytest.mark.parametrize("case", ["awq-g128", "gptq-g32-asym", "gptq-g64-sym-actorder", "ct-per-channel-asym"])
 def test_gpu_engine_one_token_steps_take_the_fused_path(checkpoints, case, monkeypatch):
     """The engine on CUDA, one prompt at a time (every decode step has one token), in float32: the
     one-token steps run the fused int4 GEMVs (attention/fused_decode.py; act-order layers keep the

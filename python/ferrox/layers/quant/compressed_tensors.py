@@ -10,9 +10,10 @@ config.json quantization_config, the parts that decide how the model runs:
                                "dynamic": true | false} | null}},        (null: weight-only FP8)
      "ignore": ["lm_head", "re:..."], "kv_cache_scheme": null, "sparsity_config": {}}
 
-Every other scheme (int4/int8 "pack-quantized" / "int-quantized", block or group scales,
-asymmetric, 2:4 sparsity, transforms, per-layer scheme groups, stored KV-cache scales) is refused
-by the field that asks for it. Per-channel weight scales come as [out, 1], per-tensor as [1], in the
+Int4 weight-only schemes ("pack-quantized") are read by compressed_tensors_int4.py
+(`CompressedTensorsScheme` picks). Every other scheme (int8 "int-quantized", FP8 block or group
+scales, asymmetric FP8, 2:4 sparsity, transforms, per-layer scheme groups, stored KV-cache scales) is
+refused by the field that asks for it. Per-channel weight scales come as [out, 1], per-tensor as [1], in the
 model dtype; they are widened to float32 rows.
 """
 
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ferrox.distributed.sharding import Weight, materialize
 from ferrox.layers.quant.fp8 import Fp8CheckpointMethod, Fp8Config, refuse_kv_cache_scheme, string_list
-from ferrox.layers.quant.method import LinearWeightMethod
+from ferrox.layers.quant.method import LinearWeightMethod, QuantConfig
 from ferrox.model_spec import UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ _FIELDS = ("quant_method", "format", "config_groups", "ignore", "kv_cache_scheme
 # Fields of a weights / input_activations entry: calibration-time settings that do not change the
 # stored layout, and the ones checked below.
 _ARG_CALIBRATION = ("observer", "observer_kwargs", "scale_dtype", "zp_dtype")
-_ARG_FIELDS = ("num_bits", "type", "symmetric", "strategy", "dynamic", "group_size", "block_structure", "actorder",
+ARG_FIELDS = ("num_bits", "type", "symmetric", "strategy", "dynamic", "group_size", "block_structure", "actorder",
                *_ARG_CALIBRATION)
 
 
@@ -61,30 +62,54 @@ class CompressedTensorsConfig(Fp8Config):
 
     @classmethod
     def from_hf(cls, cfg: dict) -> CompressedTensorsConfig:
-        unknown = sorted(k for k in cfg if k not in _FIELDS and not k.startswith("_"))
-        if unknown:
-            raise UnsupportedModelError(f"{_WHERE}: field(s) {', '.join(unknown)} of compressed-tensors are not "
-                                        "supported (report the checkpoint)")
+        """A float8 scheme's config (CompressedTensorsScheme.from_hf routes int schemes elsewhere)."""
+        where, group, unquantized = _one_scheme(cfg)
         _check_format(cfg.get("format"), f"{_WHERE}.format")
-        refuse_kv_cache_scheme(cfg.get("kv_cache_scheme"), f"{_WHERE}.kv_cache_scheme")
-        sparsity = cfg.get("sparsity_config")
-        if sparsity and not (isinstance(sparsity, dict) and sparsity.get("format") == "dense"):
-            raise UnsupportedModelError(f"{_WHERE}.sparsity_config: sparse compressed-tensors checkpoints (2:4, "
-                                        "bitmask) are not supported")
-        if cfg.get("transform_config"):
-            raise UnsupportedModelError(f"{_WHERE}.transform_config: rotated/transformed weights are not supported")
-        groups = cfg.get("config_groups")
-        if not isinstance(groups, dict) or len(groups) != 1:
-            count = len(groups) if isinstance(groups, dict) else 0
-            raise UnsupportedModelError(f"{_WHERE}.config_groups: {count} scheme groups; ferrox runs one float8 "
-                                        "scheme over every Linear layer (per-layer schemes are not supported)")
-        (name, group), = groups.items()
-        activations = _group_activations(group, f"{_WHERE}.config_groups.{name}")
-        unquantized = [("ignore", entry) for entry in string_list(cfg.get("ignore"), f"{_WHERE}.ignore")]
+        activations = _group_activations(group, where)
         return cls(online=False, activations=activations, unquantized=unquantized)
 
     def linear_method(self, layer: Linear) -> LinearWeightMethod:
         return CompressedTensorsFp8Method(self.activations)
+
+
+class CompressedTensorsScheme:
+    """What the resolver (layers/quant/config.py) calls for quant_method "compressed-tensors": the
+    QuantConfig of the checkpoint's one scheme, float8 (CompressedTensorsConfig above) or int4
+    weight-only (compressed_tensors_int4.py)."""
+
+    @staticmethod
+    def from_hf(cfg: dict) -> QuantConfig:
+        where, group, unquantized = _one_scheme(cfg)
+        weights = group.get("weights") if isinstance(group, dict) else None
+        if isinstance(weights, dict) and weights.get("type") == "int":
+            from ferrox.layers.quant.compressed_tensors_int4 import CompressedTensorsInt4Config
+
+            _check_targets(group, where)
+            return CompressedTensorsInt4Config.from_scheme(cfg.get("format"), group, where, unquantized)
+        return CompressedTensorsConfig.from_hf(cfg)
+
+
+def _one_scheme(cfg: dict) -> tuple[str, Any, list[tuple[str, str]]]:
+    """The checks every scheme shares; (where, the one scheme group, the ignore list's entries)."""
+    unknown = sorted(k for k in cfg if k not in _FIELDS and not k.startswith("_"))
+    if unknown:
+        raise UnsupportedModelError(f"{_WHERE}: field(s) {', '.join(unknown)} of compressed-tensors are not "
+                                    "supported (report the checkpoint)")
+    refuse_kv_cache_scheme(cfg.get("kv_cache_scheme"), f"{_WHERE}.kv_cache_scheme")
+    sparsity = cfg.get("sparsity_config")
+    if sparsity and not (isinstance(sparsity, dict) and sparsity.get("format") == "dense"):
+        raise UnsupportedModelError(f"{_WHERE}.sparsity_config: sparse compressed-tensors checkpoints (2:4, "
+                                    "bitmask) are not supported")
+    if cfg.get("transform_config"):
+        raise UnsupportedModelError(f"{_WHERE}.transform_config: rotated/transformed weights are not supported")
+    groups = cfg.get("config_groups")
+    if not isinstance(groups, dict) or len(groups) != 1:
+        count = len(groups) if isinstance(groups, dict) else 0
+        raise UnsupportedModelError(f"{_WHERE}.config_groups: {count} scheme groups; ferrox runs one scheme over "
+                                    "every Linear layer (per-layer schemes are not supported)")
+    (name, group), = groups.items()
+    unquantized = [("ignore", entry) for entry in string_list(cfg.get("ignore"), f"{_WHERE}.ignore")]
+    return f"{_WHERE}.config_groups.{name}", group, unquantized
 
 
 def _check_format(fmt: Any, where: str) -> None:
@@ -93,17 +118,21 @@ def _check_format(fmt: Any, where: str) -> None:
                                     f"({' / '.join(_FORMATS)}) are supported")
 
 
-def _group_activations(group: Any, where: str) -> str:
-    """The activations mode (fp8.ACTIVATIONS) of one scheme group, refusing what is not float8."""
+def _check_targets(group: Any, where: str) -> None:
     if not isinstance(group, dict):
         raise UnsupportedModelError(f"{where}: expected a scheme object, got {group!r}")
     if group.get("targets") != ["Linear"]:
         raise UnsupportedModelError(f"{where}.targets {group.get('targets')!r}: only ['Linear'] (every linear "
                                     "layer) is supported")
-    if "format" in group and group["format"] is not None:
-        _check_format(group["format"], f"{where}.format")
     if group.get("output_activations") is not None:
         raise UnsupportedModelError(f"{where}.output_activations: output quantization is not supported")
+
+
+def _group_activations(group: Any, where: str) -> str:
+    """The activations mode (fp8.ACTIVATIONS) of one scheme group, refusing what is not float8."""
+    _check_targets(group, where)
+    if "format" in group and group["format"] is not None:
+        _check_format(group["format"], f"{where}.format")
     weights = group.get("weights")
     if not isinstance(weights, dict):
         raise UnsupportedModelError(f"{where}.weights: expected a float8 weight scheme, got {weights!r}")
@@ -125,7 +154,7 @@ def _group_activations(group: Any, where: str) -> str:
 
 def _float8_args(args: dict, where: str) -> tuple[Any, bool]:
     """(strategy, dynamic) of a symmetric 8-bit float entry; anything else refused by field."""
-    unknown = sorted(k for k in args if k not in _ARG_FIELDS)
+    unknown = sorted(k for k in args if k not in ARG_FIELDS)
     if unknown:
         raise UnsupportedModelError(f"{where}: field(s) {', '.join(unknown)} are not supported")
     if args.get("num_bits") != 8 or args.get("type") != "float":

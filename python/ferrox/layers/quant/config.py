@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 # fp8's also `online() -> QuantConfig`.
 _METHODS = {
     "fp8": "ferrox.layers.quant.fp8:Fp8Config",
-    "compressed-tensors": "ferrox.layers.quant.compressed_tensors:CompressedTensorsConfig",
+    "compressed-tensors": "ferrox.layers.quant.compressed_tensors:CompressedTensorsScheme",
     "awq": "ferrox.layers.quant.awq:AWQConfig",
     "gptq": "ferrox.layers.quant.gptq:GPTQConfig",
 }

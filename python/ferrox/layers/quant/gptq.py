@@ -33,7 +33,6 @@ from ferrox.layers.quant.int4_pack import (
     Int4LinearMethod,
     Int4Shard,
     TensorLayout,
-    act_order,
     check_int4_shapes,
     unpack_nibbles,
 )
@@ -47,6 +46,7 @@ _FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint_format -> what to add to a st
 
 
 class GPTQLinearMethod(Int4LinearMethod):
+    g_idx_param = "g_idx"
     layouts = {
         "qweight": TensorLayout(0, "k8", 1),
         "qzeros": TensorLayout(0, "group", 1, out_packed=True),
@@ -64,22 +64,7 @@ class GPTQLinearMethod(Int4LinearMethod):
         if param_name == "bias":
             _load_bias(layer, tensor, shard)
             return
-        from ferrox.layers.linear import RowParallelLinear
-
         super().load(layer, param_name, tensor, shard)
-        if param_name != "g_idx":
-            return
-        part = self._tensors[shard or "weight"]
-        if isinstance(layer, RowParallelLinear) and layer.tp.size > 1:
-            # A row-parallel rank holds input columns from in_start on: its groups count from there.
-            part["g_idx"] = part["g_idx"] - layer.in_start // self.group_of(layer)
-        # Checked here, where the loader's error names the tensor: an act-order index, and one order for
-        # every shard of a merged layer (they read one input, so GPTQ sorted them alike).
-        act_order(part["g_idx"], self.group_of(layer), layer.in_features, "g_idx")
-        for other, tensors in self._tensors.items():
-            if other != (shard or "weight") and "g_idx" in tensors and not torch.equal(tensors["g_idx"], part["g_idx"]):
-                raise ValueError(f"g_idx differs from shard {other!r}'s: ferrox runs a merged layer's shards as one "
-                                 "matmul, with one act-order")
 
     def to_shard(self, tensors: dict[str, torch.Tensor], rows: int, k: int) -> Int4Shard:
         codes = unpack_nibbles(tensors["qweight"], 0).t().contiguous()

@@ -225,6 +225,12 @@ def _geometry(layer: Linear, shard: str | None) -> tuple[int, int, int, int, int
     return start, held, full, in_start, k_local, k_full
 
 
+def checkpoint_extent(layer: Linear, shard: str | None) -> tuple[int, int]:
+    """(output rows, input columns) of `shard`'s whole checkpoint weight, before any rank's split."""
+    _, _, full, _, _, k_full = _geometry(layer, shard)
+    return full, k_full
+
+
 def _units(in_unit: str, group: int, k_full: int) -> int:
     return {"k": 1, "k8": 8, "group": group if group < k_full else k_full}[in_unit]
 
@@ -264,6 +270,8 @@ class Int4LinearMethod(LinearWeightMethod):
     at finalize turns each shard into an `Int4Shard` (`to_shard`, per format) and all into one runner."""
 
     layouts: dict[str, TensorLayout] = {}
+    # The checkpoint's act-order index (the group of each input column), if the format has one.
+    g_idx_param: str | None = None
     # Set by finalize: the fused one-token path runs the layer when its runner is on the kernels
     # and has no act-order (the module docstring says why); the CPU's dequantized runner keeps
     # the general path.
@@ -284,6 +292,24 @@ class Int4LinearMethod(LinearWeightMethod):
     def load(self, layer: Linear, param_name: str, tensor: Weight, shard: str | None) -> None:
         part = rank_part(tensor, self.layouts[param_name], layer, shard, self.group_size, param_name)
         self._tensors.setdefault(shard or "weight", {})[param_name] = part.to(layer.weight.device)
+        if param_name == self.g_idx_param:
+            self._take_g_idx(layer, param_name, shard)
+
+    def _take_g_idx(self, layer: Linear, param_name: str, shard: str | None) -> None:
+        from ferrox.layers.linear import RowParallelLinear
+
+        part = self._tensors[shard or "weight"]
+        if isinstance(layer, RowParallelLinear) and layer.tp.size > 1:
+            # A row-parallel rank holds input columns from in_start on: its groups count from there.
+            part[param_name] = part[param_name] - layer.in_start // self.group_of(layer)
+        # Checked here, where the loader's error names the tensor: an act-order index, and one order for
+        # every shard of a merged layer (they read one input, so GPTQ sorted them alike).
+        act_order(part[param_name], self.group_of(layer), layer.in_features, param_name)
+        for other, tensors in self._tensors.items():
+            if other != (shard or "weight") and param_name in tensors and not torch.equal(tensors[param_name],
+                                                                                          part[param_name]):
+                raise ValueError(f"{param_name} differs from shard {other!r}'s: ferrox runs a merged layer's shards "
+                                 "as one matmul, with one act-order")
 
     def dummy(self, layer: Linear, seed: int) -> None:
         """Random codes, zero points 8 and scales ~0.0043, so weights have std ~0.02 like the float
