@@ -114,15 +114,16 @@ def teacher_forced_logprobs(model, prompt: list[int], continuation: list[int], *
     served request takes, e.g. a decode kernel of its own)."""
     seq = prompt + continuation
     blocks = list(range(1, 2 + len(seq) // block_size))
-    dtype = next(model.parameters()).dtype
-    caches = allocate_kv_caches(model.spec, 2 + len(blocks), block_size, dtype, "cpu")
+    param = next(model.parameters())
+    dtype, device = param.dtype, param.device
+    caches = allocate_kv_caches(model.spec, 2 + len(blocks), block_size, dtype, device)
     if not decode_steps:
-        ids, pos, meta = build_step([StepRequest(seq, 0, blocks)], block_size)
+        ids, pos, meta = build_step([StepRequest(seq, 0, blocks)], block_size, device)
         rows = torch.arange(len(prompt) - 1, len(seq) - 1)
         return torch.log_softmax(model.compute_logits(model(ids, pos, caches, meta)[rows]).float(), dim=-1)
-    ids, pos, meta = build_step([StepRequest(prompt, 0, blocks)], block_size)
+    ids, pos, meta = build_step([StepRequest(prompt, 0, blocks)], block_size, device)
     logits = [model.compute_logits(model(ids, pos, caches, meta)[-1:])]
     for k, token in enumerate(continuation[:-1]):
-        ids, pos, meta = build_step([StepRequest([token], len(prompt) + k, blocks)], block_size)
+        ids, pos, meta = build_step([StepRequest([token], len(prompt) + k, blocks)], block_size, device)
         logits.append(model.compute_logits(model(ids, pos, caches, meta)))
     return torch.log_softmax(torch.cat(logits).float(), dim=-1)

@@ -28,7 +28,7 @@ from ferrox.loader.model_loader import load_model, load_model_spec
 from ferrox.loader.source import resolve_model
 from safetensors.torch import load_file, save_file
 
-from tests.helpers.driver import run_greedy
+from tests.helpers.driver import run_greedy, teacher_forced_logprobs
 from tests.helpers.gptq import gptq_quantize
 from tests.helpers.int4_checkpoints import (
     LINEAR_SUFFIXES,
@@ -442,13 +442,21 @@ def test_gpu_checkpoint_matches_dequantized_model(checkpoints, case, dtype):
     for prompts in (batch, [[17]]):
         q_tokens, q_logits = run_greedy(quant, prompts, NEW_TOKENS, return_prefill_logits=True)
         r_tokens, r_logits = run_greedy(ref, prompts, NEW_TOKENS, return_prefill_logits=True)
-        assert (q_logits - r_logits).abs().max() <= 0.03 * r_logits.abs().max()
+        scale = r_logits.abs().max()
+        assert (q_logits - r_logits).abs().max() <= 0.03 * scale
         # Greedy tokens agree up to bf16/fp16 noise on near-ties of a random model: every first token,
-        # and most of the rest (one flipped near-tie changes the rest of its prompt's tokens; on an
-        # H200 one prompt alone kept 5 of 8).
+        # and most of the batch's rest (one flipped near-tie changes the rest of its prompt's tokens).
         assert [q[0] for q in q_tokens] == [r[0] for r in r_tokens]
-        agree = sum(a == b for q, r in zip(q_tokens, r_tokens, strict=True) for a, b in zip(q, r, strict=True))
-        assert agree >= 0.5 * sum(len(r) for r in r_tokens)
+        if len(prompts) > 1:
+            agree = sum(a == b for q, r in zip(q_tokens, r_tokens, strict=True) for a, b in zip(q, r, strict=True))
+            assert agree >= 0.5 * sum(len(r) for r in r_tokens)
+            continue
+        # One prompt alone: a single flip would decide the whole chain (an H200 kept 2 to 5 of 8), so
+        # its one-token decode steps (the GEMV) are compared teacher-forced on the reference's tokens:
+        # log-softmax within twice the logits' tolerance.
+        lq = teacher_forced_logprobs(quant, prompts[0], r_tokens[0], decode_steps=True)
+        lr = teacher_forced_logprobs(ref, prompts[0], r_tokens[0], decode_steps=True)
+        assert (lq - lr).abs().max() <= 0.06 * scale
 
 
 @pytest.mark.gpu
