@@ -88,6 +88,17 @@ def _awq_tensors(w: torch.Tensor, group: int, hessian: torch.Tensor | None) -> t
     return tensors, deq
 
 
+def _group_index(k: int, size: int, act_order: bool, gen: torch.Generator) -> torch.Tensor:
+    """The group of each input column: k // size, or with act-order the i-th column of a random
+    order joining group i // size."""
+    if not act_order:
+        return torch.arange(k) // size
+    perm = torch.randperm(k, generator=gen)
+    g_idx = torch.empty(k, dtype=torch.int64)
+    g_idx[perm] = torch.arange(k) // size
+    return g_idx
+
+
 def _gptq_tensors(w: torch.Tensor, group: int, *, sym: bool, act_order: bool, fmt: str,
                   gen: torch.Generator, hessian: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     k = w.shape[1]
@@ -95,11 +106,7 @@ def _gptq_tensors(w: torch.Tensor, group: int, *, sym: bool, act_order: bool, fm
     if hessian is not None:  # calibrated: act-order from the Hessian's diagonal, as GPTQ sorts
         codes, scales, zeros, g_idx = gptq_quantize(w, hessian, group, sym=sym, act_order=act_order)
     else:
-        g_idx = torch.arange(k) // size
-        if act_order:
-            perm = torch.randperm(k, generator=gen)
-            g_idx = torch.empty(k, dtype=torch.int64)
-            g_idx[perm] = torch.arange(k) // size
+        g_idx = _group_index(k, size, act_order, gen)
         codes, scales, zeros = quantize_groups(w, group, sym=sym, g_idx=g_idx)
     stored = (zeros - 1) & 0xF if fmt == "gptq" else zeros
     read = stored + 1 if fmt == "gptq" else stored  # what a reader computes from the stored nibble
@@ -111,12 +118,7 @@ def _gptq_tensors(w: torch.Tensor, group: int, *, sym: bool, act_order: bool, fm
 def _compressed_tensors_tensors(w: torch.Tensor, group: int, *, sym: bool, act_order: bool,
                                 gen: torch.Generator) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     n, k = w.shape
-    size = k if group == -1 else group
-    g_idx = torch.arange(k) // size
-    if act_order:
-        perm = torch.randperm(k, generator=gen)
-        g_idx = torch.empty(k, dtype=torch.int64)
-        g_idx[perm] = torch.arange(k) // size
+    g_idx = _group_index(k, k if group == -1 else group, act_order, gen)
     codes, scales, zeros = quantize_groups(w, group, sym=sym, g_idx=g_idx)
     # The format stores signed values (code - 8, zero - 8) plus 8: the unsigned codes themselves.
     signed_codes, signed_zeros = codes.to(torch.int64) - 8, zeros - 8
