@@ -66,12 +66,8 @@ def decode_child(variant: str, config_path: str, out: str, input_len: int, outpu
     from ferrox import LLM, SamplingParams
 
     config = json.loads(Path(config_path).read_text())
-    folder = bench_setup.make_model_dir(config_path)
-    if variant == "int4":
-        cfg = json.loads((Path(folder) / "config.json").read_text())
-        cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True,
-                                      "version": "gemm", "modules_to_not_convert": None}
-        (Path(folder) / "config.json").write_text(json.dumps(cfg))
+    folder = bench_setup.make_model_dir(config_path, quantization_config=bench_setup.AWQ_INT4_G128
+                                        if variant == "int4" else None)
     start = time.perf_counter()
     llm = LLM(model=folder, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8)
     ready_s = time.perf_counter() - start

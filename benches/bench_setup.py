@@ -72,12 +72,27 @@ def build_tokenizer_json(vocab_size: int, first_special: int) -> str:
     return tok.to_str()
 
 
-def make_model_dir(config_path: str | os.PathLike = LLAMA_8B_CONFIG, out_dir: str | None = None) -> str:
-    """A folder with config.json + tokenizer.json + tokenizer_config.json (temp dir unless given)."""
+# config.json quantization_config of the quantized dummy models the benchmarks load (load_format="dummy"
+# makes random weights in that layout): an AWQ int4 checkpoint, group 128, and a compressed-tensors
+# FP8 weight-only (W8A16) one.
+AWQ_INT4_G128 = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+W8A16_CHANNEL = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+                 "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                               "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
+                                                           "symmetric": True, "dynamic": False}}}}
+
+
+def make_model_dir(config_path: str | os.PathLike = LLAMA_8B_CONFIG, out_dir: str | None = None,
+                   quantization_config: dict[str, Any] | None = None) -> str:
+    """A folder with config.json (plus `quantization_config` when given) + tokenizer.json +
+    tokenizer_config.json (temp dir unless given)."""
     config = json.loads(Path(config_path).read_text())
     folder = Path(out_dir or tempfile.mkdtemp(prefix="ferrox-bench-"))
     folder.mkdir(parents=True, exist_ok=True)
-    shutil.copy(config_path, folder / "config.json")
+    if quantization_config is None:
+        shutil.copy(config_path, folder / "config.json")
+    else:
+        (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}))
     vocab_size = int(config["vocab_size"])
     bos = config.get("bos_token_id")
     eos = config.get("eos_token_id")

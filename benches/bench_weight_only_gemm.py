@@ -37,13 +37,7 @@ import bench_setup  # noqa: E402
 
 GROUP = 128
 QUANTIZATION_CONFIGS: dict[str, dict[str, Any] | None] = {
-    "bf16": None,
-    "int4": {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"},
-    "w8a16": {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
-              "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
-                                            "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
-                                                        "symmetric": True, "dynamic": False}}}},
-}
+    "bf16": None, "int4": bench_setup.AWQ_INT4_G128, "w8a16": bench_setup.W8A16_CHANNEL}
 
 
 def _mean_us(fn, iters: int = 10) -> float:
@@ -115,11 +109,8 @@ def throughput_child(kind: str, config_path: str, out: str, num_prompts: int, de
     if dequant_min_m is not None:
         km.DEQUANT_MIN_M = fwg.DEQUANT_MIN_M = dequant_min_m
     config = json.loads(Path(config_path).read_text())
-    folder = Path(bench_setup.make_model_dir(config_path))
-    quantization = QUANTIZATION_CONFIGS[kind]
-    if quantization is not None:
-        (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
-    llm = LLM(model=str(folder), load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=256)
+    folder = bench_setup.make_model_dir(config_path, quantization_config=QUANTIZATION_CONFIGS[kind])
+    llm = LLM(model=folder, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=256)
     prompts = bench_setup.random_prompts(num_prompts, 256, bench_setup.first_special_id(config), seed=7)
     params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True, detokenize=False)
     llm.generate(prompts[:8], params, use_tqdm=False)  # warm

@@ -50,9 +50,10 @@ Three paths, by the number of rows M of x:
   tok/s). The scratch W lives for one product; inside a decode CUDA graph it comes from the
   graph pool, at most the largest projection (gate_up: 235 MB in bf16).
 
-The GEMV's launch configs come from benches/bench_int4.py's sweep on the H200. The GEMM's M is `do_not_specialize` and the GEMV takes its token from the grid, so a new
-batch size never compiles a new variant while serving; row strides are the layer's K and N (the
-runner passes contiguous rows), fixed per layer and left specialised, so loads stay 16-byte wide.
+The GEMV's launch configs come from benches/bench_int4.py's sweep on the H200. The GEMM's M is
+`do_not_specialize` and the GEMV takes its token from the grid, so a new batch size never compiles a
+new variant while serving; row strides are the layer's K and N (the runner passes contiguous rows),
+fixed per layer and left specialised, so loads stay 16-byte wide.
 """
 
 from __future__ import annotations

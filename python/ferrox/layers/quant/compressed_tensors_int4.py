@@ -82,6 +82,7 @@ class CompressedTensorsInt4Method(Int4LinearMethod):
     def load(self, layer: Linear, param_name: str, tensor: Weight, shard: str | None) -> None:
         if param_name == "weight_shape":
             self._check_shape(layer, materialize(tensor), shard)
+            # Nothing to keep, but an entry, so that finalize counts the (required) tensor as arrived.
             self._tensors.setdefault(shard or "weight", {})[param_name] = torch.empty(0)
             return
         if param_name == "weight_zero_point" and self.symmetric:
