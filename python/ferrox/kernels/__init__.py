@@ -15,6 +15,7 @@ under the Triton interpreter at tiny shapes and on the GPU at Llama-3.1-8B shape
                         torch fallback otherwise and off CUDA
 - exponential_race.py   the sampler's draw for plain temperature sampling in one pass
 - int4_matmul.py        AWQ/GPTQ int4 weights: dequantize-in-the-loop GEMV (decode) and GEMM (prefill)
+- int8_gemm.py          int8 W8A8: int8 tensor-core GEMM, exact int32 sums, scales in the epilogue
 - fused_moe.py / lora.py  grouped expert matmuls, the one-token expert GEMVs and top-k routing; LoRA
                         shrink/expand
 - fp8_dot_gemv.py       FP8 one-token products on tensor cores (W8A8), split over K (split_k.py: the

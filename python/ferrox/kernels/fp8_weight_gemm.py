@@ -115,8 +115,10 @@ def choose_gemm_config(m: int, dtype: torch.dtype = torch.bfloat16) -> GemmConfi
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
-    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2 or weight.stride(1) != 1:
-        raise ValueError(f"weight must be a row-major float8_e4m3fn [N, K], got {weight.dtype} {tuple(weight.shape)}")
+    # int8 weights (layers/quant/int8_linear.py, weight-only) widen exactly too: the same kernels.
+    if weight.dtype not in (torch.float8_e4m3fn, torch.int8) or weight.dim() != 2 or weight.stride(1) != 1:
+        raise ValueError(f"weight must be a row-major float8_e4m3fn (or int8) [N, K], got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
     n, k = weight.shape
     if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
         raise ValueError(f"x must be [M, {k}] with unit last stride, got {tuple(x.shape)} (strides {x.stride()})")

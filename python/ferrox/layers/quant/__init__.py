@@ -3,7 +3,9 @@
 Checkpoint methods (method.py: QuantConfig / LinearWeightMethod; config.py resolves which):
 - fp8.py                FP8 E4M3 weights: online (--quantization fp8) and the "fp8" checkpoint layout
 - fp8_linear.py         the FP8 runner: one-token GEMV, W8A8 torch._scaled_mm, the activation quantizer
-- compressed_tensors.py the compressed-tensors float8 layouts (W8A8, W8A16)
+- compressed_tensors.py the compressed-tensors float8 layouts (W8A8, W8A16); routes int schemes to
+  compressed_tensors_int4.py (W4A16, packed) and compressed_tensors_int8.py (int8 W8A8 / W8A16)
+- int8_linear.py        the int8 runner: Triton int8 GEMM, the int8 activation quantizer
 - awq.py / gptq.py      int4 checkpoints; int4_pack.py their shared layout and runner
 
 GGUF blocks kept quantized on the CPU, multiplied by the Rust kernels (kernels/cpu_quant.py):

@@ -10,10 +10,11 @@ config.json quantization_config, the parts that decide how the model runs:
                                "dynamic": true | false} | null}},        (null: weight-only FP8)
      "ignore": ["lm_head", "re:..."], "kv_cache_scheme": null, "sparsity_config": {}}
 
-Int4 weight-only schemes ("pack-quantized") are read by compressed_tensors_int4.py
-(`CompressedTensorsScheme` picks). Every other scheme (int8 "int-quantized", FP8 block or group
-scales, asymmetric FP8, 2:4 sparsity, transforms, per-layer scheme groups, stored KV-cache scales) is
-refused by the field that asks for it. Per-channel weight scales come as [out, 1], per-tensor as [1], in the
+Int schemes go elsewhere (`CompressedTensorsScheme` picks by the format): int8 W8A8 / W8A16
+("int-quantized", "naive-quantized") to compressed_tensors_int8.py, int4 weight-only ("pack-quantized")
+to compressed_tensors_int4.py. Every other scheme (FP8 block or group scales, asymmetric FP8, 2:4
+sparsity, transforms, per-layer scheme groups, stored KV-cache scales) is refused by the field that
+asks for it. Per-channel weight scales come as [out, 1], per-tensor as [1], in the
 model dtype; they are widened to float32 rows.
 """
 
@@ -74,18 +75,23 @@ class CompressedTensorsConfig(Fp8Config):
 
 class CompressedTensorsScheme:
     """What the resolver (layers/quant/config.py) calls for quant_method "compressed-tensors": the
-    QuantConfig of the checkpoint's one scheme, float8 (CompressedTensorsConfig above) or int4
-    weight-only (compressed_tensors_int4.py)."""
+    QuantConfig of the checkpoint's one scheme, float8 (CompressedTensorsConfig above), int8 in an
+    unpacked format (compressed_tensors_int8.py) or int4 weight-only, packed
+    (compressed_tensors_int4.py, which refuses every other int format by name)."""
 
     @staticmethod
     def from_hf(cfg: dict) -> QuantConfig:
         where, group, unquantized = _one_scheme(cfg)
         weights = group.get("weights") if isinstance(group, dict) else None
         if isinstance(weights, dict) and weights.get("type") == "int":
+            from ferrox.layers.quant import compressed_tensors_int8 as int8
             from ferrox.layers.quant.compressed_tensors_int4 import CompressedTensorsInt4Config
 
             _check_targets(group, where)
-            return CompressedTensorsInt4Config.from_scheme(cfg.get("format"), group, where, unquantized)
+            fmt = cfg.get("format")
+            if fmt in int8.FORMATS:
+                return int8.CompressedTensorsInt8Config.from_scheme(fmt, group, where, unquantized)
+            return CompressedTensorsInt4Config.from_scheme(fmt, group, where, unquantized)
         return CompressedTensorsConfig.from_hf(cfg)
 
 

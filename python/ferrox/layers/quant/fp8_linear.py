@@ -57,9 +57,23 @@ def quantize_per_row(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
+def round_half_even(v):
+    """v rounded to the nearest integer, ties to even (C's rint, torch.round): floor, then up past
+    a half, or at a half when floor is odd. Exact for |v| < 2^22 in fp32. (libdevice's rint would
+    be one instruction, but the Triton interpreter runs no libdevice calls.)"""
+    f = tl.floor(v)
+    frac = v - f
+    odd = f - 2.0 * tl.floor(f * 0.5)  # 1.0 for an odd floor, else 0.0
+    return tl.where((frac > 0.5) | ((frac == 0.5) & (odd == 1.0)), f + 1.0, f)
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, static_scale_ptr, K, stride_x, STATIC: tl.constexpr,
-                          QMAX: tl.constexpr, MIN_AMAX: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One program per row: its scale (absmax / QMAX, or the static one), then the row in fp8.
+                          QMAX: tl.constexpr, MIN_AMAX: tl.constexpr, BLOCK_K: tl.constexpr,
+                          INT8: tl.constexpr):
+    """One program per row: its scale (absmax / QMAX, or the static one), then the row in fp8, or
+    with INT8 in int8 as vLLM's int8 quantizer rounds (x / scale correctly rounded, to nearest even,
+    clamped to [-128, 127]; the scale correctly rounded too: amax / 127 as the CPU divides).
     The second pass re-reads the row from L2; one launch instead of torch's eight."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
@@ -71,28 +85,38 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, static_scale_ptr, K, stride_x
             cols = k0 + tl.arange(0, BLOCK_K)
             v = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(v))
-        scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX) / QMAX
+        if INT8:
+            scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_AMAX), QMAX)
+        else:
+            scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX) / QMAX
     tl.store(scale_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         v = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(v / scale, -QMAX), QMAX)
+        if INT8:  # clamped first (to integers: the same result), so the rounding stays exact
+            q = round_half_even(tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -QMAX - 1.0), QMAX))
+        else:
+            q = tl.minimum(tl.maximum(v / scale, -QMAX), QMAX)
         tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
 
 
-def quantize_activations_triton(x: torch.Tensor, scale: torch.Tensor | None = None
-                                ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activations_triton(x: torch.Tensor, scale: torch.Tensor | None = None, *,
+                                dtype: torch.dtype = FP8_DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (fp8 [M, K], float32 [M, 1]): per token (each row's absmax maps to 448) or,
-    given `scale` (float32, one element), that scale for every row."""
+    given `scale` (float32, one element), that scale for every row. dtype=torch.int8: int8 codes
+    instead (absmax maps to 127; layers/quant/int8_linear.py)."""
+    if dtype not in (FP8_DTYPE, torch.int8):
+        raise ValueError(f"activations quantize to float8_e4m3fn or int8, not {dtype}")
     m, k = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
-    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    q = torch.empty((m, k), dtype=dtype, device=x.device)
     row_scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
         _quantize_rows_kernel[(m,)](x, q, row_scale, scale if scale is not None else row_scale, k, x.stride(0),
-                                    STATIC=scale is not None, QMAX=FP8_MAX, MIN_AMAX=_MIN_AMAX,
-                                    BLOCK_K=min(2048, triton.next_power_of_2(k)), num_warps=4)
+                                    STATIC=scale is not None, QMAX=FP8_MAX if dtype == FP8_DTYPE else 127.0,
+                                    MIN_AMAX=_MIN_AMAX, BLOCK_K=min(2048, triton.next_power_of_2(k)),
+                                    INT8=dtype == torch.int8, num_warps=4)
     return q, row_scale
 
 

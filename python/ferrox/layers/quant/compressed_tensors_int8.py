@@ -1,0 +1,231 @@
+"""llm-compressor's compressed-tensors int8 checkpoints ("W8A8" int, `format: int-quantized`, and the
+weight-only W8A16 int8 scheme): read into the int8 runner of int8_linear.py.
+
+config.json quantization_config, the parts that decide how the model runs:
+
+    {"quant_method": "compressed-tensors", "format": "int-quantized" | "naive-quantized",
+     "config_groups": {"group_0": {"targets": ["Linear"],
+         "weights": {"num_bits": 8, "type": "int", "symmetric": true, "strategy": "channel" | "tensor",
+                     "dynamic": false},
+         "input_activations": {"num_bits": 8, "type": "int", "symmetric": true,
+                               "strategy": "token" (dynamic) | "tensor" (static or dynamic)}
+                            | null}},                          (null: weight-only, W8A16)
+     "ignore": ["lm_head"]}
+
+Tensors of each linear layer: `weight` int8 [out, in]; `weight_scale` [out, 1] (channel) or [1]
+(tensor), in the model dtype or float32; `input_scale` [1] with static activations. Some symmetric
+exports also store all-zero `weight_zero_point` / `input_zero_point`: checked to be zero, then
+dropped. W = weight * weight_scale; activations rounded as vLLM rounds them (int8_linear.py).
+
+Loading and tensor-parallel sharding follow fp8.py's checkpoint method (its row helpers): a merged
+layer (q/k/v, gate/up) writes each shard's scale into that shard's rows, so per-tensor scales become
+per-row ones without requantizing, and its static input scale is the largest of its shards' (as
+vLLM takes it). Asymmetric weights or activations, group or block scales, other bit widths,
+actorder, dynamic weight scales and unknown fields are refused by the field that asks for them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ferrox.distributed.sharding import Weight, materialize, shape_of
+from ferrox.layers.quant.fp8 import (
+    _checkpoint_rows,
+    _column_split,
+    _rank_weight,
+    _row_scales,
+    check_unquantized_modules,
+)
+from ferrox.layers.quant.fp8_linear import ACTIVATIONS
+from ferrox.layers.quant.int8_linear import Int8Linear, quantize_int8_per_row
+from ferrox.layers.quant.method import LinearWeightMethod, QuantConfig
+from ferrox.model_spec import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from ferrox.layers.linear import Linear
+    from ferrox.model_spec import ModelSpec
+
+FORMATS = ("int-quantized", "naive-quantized")
+# load_format="dummy" with static activations: a dummy model's activations (|x| up to ~10) fit
+# under this scale (127 steps of 1/12) without saturating.
+_DUMMY_INPUT_SCALE = 1.0 / 12
+_ACTIVATION_NAMES = {"dynamic-token": "W8A8, activations int8 per token (dynamic)",
+                     "dynamic-tensor": "W8A8, activations int8 per tensor (dynamic)",
+                     "static": "W8A8, activations int8 with the checkpoint's static scales",
+                     "weight-only": "W8A16, activations unquantized"}
+
+
+# ---- the per-layer method -------------------------------------------------------------------------
+class CompressedTensorsInt8Method(LinearWeightMethod):
+    """One layer's int8 checkpoint tensors (module docstring), gathered into `Int8Linear`."""
+
+    # The fused one-token kernels read fp8 / int4 / float weights only: int8 layers send the model's
+    # one-token steps through the general path (models/llama.py finalize_weights).
+    fused_decode = False
+
+    def __init__(self, activations: str):
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+        self.activations = activations
+        static = activations == "static"
+        self.checkpoint_params = ("weight", "weight_scale", *(("input_scale",) if static else ()))
+        # A dynamic scheme may still carry calibration input scales (read, not used, as vLLM); symmetric
+        # exports may carry all-zero zero points.
+        self.optional_params = (*(() if static else ("input_scale",)), "weight_zero_point", "input_zero_point")
+        self._weight: torch.Tensor | None = None
+        self._scale: torch.Tensor | None = None
+        self._input_scale: float | None = None
+
+    def _tensors(self, layer: Linear) -> tuple[torch.Tensor, torch.Tensor]:
+        # Allocated at the first load: the layer is not fully built when it chooses its method.
+        if self._weight is None or self._scale is None:
+            device = layer.weight.device
+            self._weight = torch.empty(layer.out_features, layer.in_features, dtype=torch.int8, device=device)
+            self._scale = torch.empty(layer.out_features, dtype=torch.float32, device=device)
+        return self._weight, self._scale
+
+    def load(self, layer: Linear, param_name: str, tensor: Weight, shard: str | None) -> None:
+        if param_name.endswith("_zero_point"):
+            if materialize(tensor).to(torch.int64).any():
+                raise ValueError(f"{param_name} is not zero: an asymmetric scheme, which the config's symmetric = "
+                                 "true says it is not")
+            return
+        if param_name == "input_scale":
+            value = materialize(tensor).float()
+            if value.numel() != 1 or not bool(torch.isfinite(value).all()) or float(value.max()) <= 0:
+                raise ValueError(f"input_scale must be one positive value (per tensor), got shape "
+                                 f"{tuple(value.shape)}")
+            v = float(value.max())
+            self._input_scale = v if self._input_scale is None else max(self._input_scale, v)
+            return
+        weight, scale = self._tensors(layer)
+        dst, rows = layer._shard_rows()[shard or "weight"]
+        first, held, full = _checkpoint_rows(layer, shard)
+        if param_name == "weight":
+            value = _rank_weight(layer, tensor, first, held, full)
+            if value.dtype != torch.int8:
+                raise ValueError(f"weight is {value.dtype}, the int-quantized layout stores int8 (a layer left "
+                                 "unquantized in an int8 checkpoint is not supported)")
+            if tuple(value.shape) != (rows, layer.in_features):
+                raise ValueError(f"weight: checkpoint shape {shape_of(tensor)}, model expects "
+                                 f"{(full, layer.in_features * _column_split(layer))}")
+            weight[dst:dst + rows].copy_(value)
+        elif param_name == "weight_scale":
+            scale[dst:dst + rows].copy_(_row_scales(tensor, first, held, full))
+        else:
+            raise ValueError(f"{param_name}: not a tensor of the int8 layout")
+
+    def dummy(self, layer: Linear, seed: int) -> None:
+        gen = torch.Generator(device=layer.weight.device).manual_seed(seed)
+        w = torch.empty(layer.out_features, layer.in_features, dtype=torch.float32, device=layer.weight.device)
+        self._weight, self._scale = quantize_int8_per_row(w.normal_(0.0, 0.02, generator=gen))
+        if self.activations == "static":
+            self._input_scale = _DUMMY_INPUT_SCALE
+
+    def finalize(self, layer: Linear) -> nn.Module:
+        if self._weight is None or self._scale is None:
+            raise ValueError("an int8 layer was finalized before its checkpoint tensors were loaded")
+        input_scale = None
+        if self.activations == "static":
+            if self._input_scale is None:
+                raise ValueError("static activations: the layer's input_scale never arrived")
+            input_scale = torch.tensor([self._input_scale], dtype=torch.float32, device=self._weight.device)
+        runner = Int8Linear(self._weight, self._scale, activations=self.activations, input_scale=input_scale)
+        self._weight = self._scale = None  # the runner holds them now
+        return runner
+
+
+# ---- the model's config ---------------------------------------------------------------------------
+class CompressedTensorsInt8Config(QuantConfig):
+    name = "compressed-tensors"
+
+    def __init__(self, activations: str, weight_strategy: str = "channel",
+                 unquantized: tuple[tuple[str, str], ...] = ()):
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+        self.activations = activations
+        self.weight_strategy = weight_strategy
+        self.unquantized = unquantized
+
+    @classmethod
+    def from_scheme(cls, fmt: Any, scheme: dict[str, Any], where: str,
+                    unquantized: list[tuple[str, str]]) -> CompressedTensorsInt8Config:
+        """One scheme group (`where` names it; its targets checked) whose weights are ints in an
+        unpacked format; fmt: the top-level format."""
+        if fmt not in FORMATS or scheme.get("format") not in (None, *FORMATS):
+            raise UnsupportedModelError(f"config.json quantization_config.format {fmt!r} ({where}.format "
+                                        f"{scheme.get('format')!r}): int8 weights are read in the "
+                                        f"{' / '.join(map(repr, FORMATS))} formats")
+        weights = scheme["weights"]
+        _int8_args(weights, f"{where}.weights")
+        strategy = weights.get("strategy")
+        if strategy not in ("channel", "tensor"):
+            raise UnsupportedModelError(f"{where}.weights.strategy {strategy!r}: int8 weights need 'channel' or "
+                                        "'tensor' scales")
+        if weights.get("dynamic", False) is not False:
+            raise UnsupportedModelError(f"{where}.weights.dynamic {weights['dynamic']!r}: int8 weights need static "
+                                        "scales (stored in the checkpoint)")
+        return cls(_activations(scheme.get("input_activations"), f"{where}.input_activations"), strategy,
+                   tuple(unquantized))
+
+    def check(self, spec: ModelSpec, device: torch.device, tp_size: int) -> None:
+        if (device.type == "cuda" and self.activations != "weight-only"
+                and torch.cuda.get_device_capability(device) < (8, 0)):
+            major, minor = torch.cuda.get_device_capability(device)
+            raise UnsupportedModelError(f"compressed-tensors int8 W8A8: the int8 tensor-core matmuls need a GPU of "
+                                        f"compute capability 8.0 or newer; this one is {major}.{minor}")
+        check_unquantized_modules(self.unquantized, spec)
+
+    def linear_method(self, layer: Linear) -> CompressedTensorsInt8Method:
+        return CompressedTensorsInt8Method(self.activations)
+
+    def describe(self) -> str:
+        scales = "per-channel" if self.weight_strategy == "channel" else "per-tensor"
+        return f"compressed-tensors: int8 weights, {scales} scales, {_ACTIVATION_NAMES[self.activations]}"
+
+
+def _int8_args(args: Any, where: str) -> None:
+    """Refuse, by field, a weights / input_activations entry that is not symmetric 8-bit int with one
+    scale per channel, token or tensor."""
+    from ferrox.layers.quant.compressed_tensors import ARG_FIELDS  # (that module dispatches here)
+
+    if not isinstance(args, dict):
+        raise UnsupportedModelError(f"{where}: expected a quantization scheme object, got {args!r}")
+    unknown = sorted(k for k in args if k not in ARG_FIELDS)
+    if unknown:
+        raise UnsupportedModelError(f"{where}: field(s) {', '.join(unknown)} are not supported")
+    if args.get("type") != "int":
+        raise UnsupportedModelError(f"{where}.type {args.get('type')!r}: an int8 scheme quantizes weights and "
+                                    "activations to int (float activations with int weights are not supported)")
+    if args.get("num_bits") != 8:
+        raise UnsupportedModelError(f"{where}.num_bits {args.get('num_bits')!r}: the int-quantized layout holds "
+                                    "8-bit ints (4-bit int weights are read in the 'pack-quantized' format, "
+                                    "config.json quantization_config.format)")
+    if args.get("symmetric", True) is not True:
+        raise UnsupportedModelError(f"{where}.symmetric {args.get('symmetric')!r}: asymmetric int8 (zero points) is "
+                                    "not supported")
+    for key in ("group_size", "block_structure"):
+        if args.get(key) is not None:
+            raise UnsupportedModelError(f"{where}.{key} {args[key]!r}: group/block scales are not supported for "
+                                        "int8 (per-channel, per-token or per-tensor only)")
+    if args.get("actorder") not in (None, False):
+        raise UnsupportedModelError(f"{where}.actorder {args['actorder']!r}: act-order is not supported for int8")
+
+
+def _activations(inputs: Any, where: str) -> str:
+    """The activations mode (fp8_linear.ACTIVATIONS) of an input_activations entry."""
+    if inputs is None:
+        return "weight-only"
+    _int8_args(inputs, where)
+    strategy, dynamic = inputs.get("strategy"), inputs.get("dynamic", False)
+    if dynamic not in (True, False):
+        raise UnsupportedModelError(f"{where}.dynamic {dynamic!r}: expected true or false")
+    if strategy == "token" and dynamic:
+        return "dynamic-token"
+    if strategy == "tensor":
+        return "dynamic-tensor" if dynamic else "static"
+    raise UnsupportedModelError(f"{where}.strategy {strategy!r} with dynamic={dynamic!r} is not supported ('token' "
+                                "dynamic, or 'tensor' static or dynamic)")

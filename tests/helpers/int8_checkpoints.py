@@ -1,0 +1,186 @@
+"""A reference int8 quantizer for tests: llm-compressor's compressed-tensors int8 layout ("int-quantized",
+W8A8 and W8A16) written from a tiny float HF folder (tiny_models.make_tiny_llama), and the reference
+model it must match: transformers with every decoder projection's weight dequantized and its input
+fake-quantized as the scheme says.
+
+Written from the format's description, independently of ferrox's loader and runner:
+
+- weights: symmetric round-to-nearest, scale = absmax / 127 per output row ("channel", stored [out, 1])
+  or over the tensor ("tensor", stored [1]); `weight` int8 [out, in]; W = weight * scale;
+- activations: symmetric, scale = absmax / 127 per token ("token", dynamic), over the whole input
+  tensor ("tensor", dynamic), or the checkpoint's `input_scale` [1] ("tensor", static); codes
+  clamp(round_half_to_even(x / scale), -128, 127). A merged layer (q/k/v, gate/up) reads one input,
+  so vLLM (and ferrox) quantize it with the largest of its shards' static scales;
+- optional all-zero `weight_zero_point` / `input_zero_point` int8 tensors, as some exports write them.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+from typing import Any
+
+import torch
+
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MERGED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+INT8_ARGS = {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "block_structure": None,
+             "actorder": None, "observer": "minmax", "observer_kwargs": {}}
+
+
+def quantize_weight(w: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 codes [out, in], float32 scale [out, 1] ("channel") or [1] ("tensor"))."""
+    wf = w.double()
+    amax = wf.abs().amax(dim=1, keepdim=True) if strategy == "channel" else wf.abs().amax().reshape(1)
+    scale = (amax / 127).clamp(min=1e-12).float()
+    codes = torch.round(wf / scale.double()).clamp(-128, 127).to(torch.int8)
+    return codes, scale
+
+
+def fake_quantize(x: torch.Tensor, scale: float | None, per_token: bool) -> torch.Tensor:
+    """x rounded through int8 (in float32, the engine's arithmetic): per token, per tensor (scale
+    None, per_token False) or with a static scale."""
+    xf = x.float()
+    if scale is not None:
+        s = torch.tensor(scale, dtype=torch.float32)
+    elif per_token:
+        s = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127.0
+    else:
+        s = xf.abs().amax().clamp(min=1e-12) / 127.0
+    return torch.round((xf / s).clamp(-128, 127)) * s  # torch.round: half to even
+
+
+def int8_config(weights: str, activations: str | None, *, fmt: str = "int-quantized") -> dict[str, Any]:
+    """config.json quantization_config as llm-compressor writes it; activations "token" (dynamic),
+    "tensor" (dynamic), "static" (tensor) or None (weight-only)."""
+    inputs = None
+    if activations is not None:
+        inputs = {**INT8_ARGS, "strategy": "token" if activations == "token" else "tensor",
+                  "dynamic": activations != "static", "observer": None if activations != "static" else "minmax"}
+    return {
+        "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+        "version": "0.10.2", "global_compression_ratio": None, "kv_cache_scheme": None, "sparsity_config": {},
+        "transform_config": {}, "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {**INT8_ARGS, "strategy": weights,
+                                                                          "dynamic": False},
+                                      "input_activations": inputs, "output_activations": None, "format": fmt}},
+    }
+
+
+def int8_tensors(float_weights: dict[str, torch.Tensor], weights: str, *,
+                 input_scales: dict[str, float] | None = None, scale_dtype: torch.dtype = torch.bfloat16,
+                 zero_points: bool = False) -> dict[str, torch.Tensor]:
+    """The float checkpoint with every decoder projection in int8 (weight, weight_scale, and where
+    given input_scale [1]; zero_points: all-zero weight_zero_point / input_zero_point beside them)."""
+    out = {}
+    for name, w in float_weights.items():
+        module = name.rsplit(".", 1)[0]
+        if not module.endswith(PROJ) or not name.endswith(".weight"):
+            out[name] = w
+            continue
+        codes, scale = quantize_weight(w, weights)
+        out[name] = codes
+        out[f"{module}.weight_scale"] = scale.to(scale_dtype)
+        if zero_points:
+            out[f"{module}.weight_zero_point"] = torch.zeros(scale.shape, dtype=torch.int8)
+        if input_scales is not None:
+            out[f"{module}.input_scale"] = torch.tensor([input_scales[module]], dtype=torch.float32)
+            if zero_points:
+                out[f"{module}.input_zero_point"] = torch.zeros(1, dtype=torch.int8)
+    return out
+
+
+def write_checkpoint(float_folder: str, folder, quantization_config: dict, tensors: dict[str, torch.Tensor]) -> str:
+    """The float folder's tokenizer and config, with `quantization_config` and `tensors` as weights."""
+    from safetensors.torch import save_file
+
+    folder = str(folder)
+    os.makedirs(folder, exist_ok=True)
+    for name in os.listdir(float_folder):
+        if not name.endswith(".safetensors") and name != "config.json":
+            shutil.copy(os.path.join(float_folder, name), folder)
+    with open(os.path.join(float_folder, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = quantization_config
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(folder, "model.safetensors"))
+    return folder
+
+
+def calibrate_input_amax(float_folder: str, prompts: list[list[int]]) -> dict[str, float]:
+    """Each projection's largest input over `prompts` in the float model (module name -> amax)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(float_folder, dtype=torch.float32).eval()
+    amax: dict[str, float] = {}
+
+    def record(name, module, args):
+        amax[name] = max(amax.get(name, 0.0), float(args[0].abs().max()))
+
+    for name, module in model.named_modules():
+        if name.endswith(PROJ):
+            module.register_forward_pre_hook(functools.partial(record, name))
+    with torch.inference_mode():
+        for prompt in prompts:
+            model(torch.tensor([prompt]))
+    return amax
+
+
+def reference_model(float_folder: str, tensors: dict[str, torch.Tensor], activations: str | None):
+    """transformers (float32) with the dequantized projections of `tensors` and their inputs rounded
+    through int8: activations "token", "tensor" (dynamic, over the step's whole input), "static"
+    (the checkpoint's input scales, a merged layer's largest) or None (weight-only)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(float_folder, dtype=torch.float32).eval()
+    static: dict[str, float] = {}
+    for name, value in tensors.items():
+        if name.endswith(".input_scale"):
+            layer, proj = name.rsplit(".", 1)[0].rsplit(".", 1)
+            key = f"{layer}.{MERGED.get(proj, proj)}"
+            static[key] = max(static.get(key, 0.0), float(value))
+    for name, module in model.named_modules():
+        if not name.endswith(PROJ):
+            continue
+        scale = tensors[f"{name}.weight_scale"].float()
+        module.weight.data = tensors[f"{name}.weight"].float() * (scale if scale.numel() > 1 else scale.reshape(()))
+        if activations is not None:
+            layer, proj = name.rsplit(".", 1)
+            s = static[f"{layer}.{MERGED.get(proj, proj)}"] if activations == "static" else None
+            module.register_forward_pre_hook(functools.partial(_quantized_input, s, activations == "token"))
+    return model
+
+
+def _quantized_input(scale: float | None, per_token: bool, module, args):
+    return (fake_quantize(args[0], scale, per_token),)
+
+
+@torch.inference_mode()
+def reference_greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their logprobs, one token per step after the prompt (a KV cache), as the
+    engine steps a request that runs alone."""
+    out = model(torch.tensor([prompt]), use_cache=True)
+    tokens, logprobs = [], []
+    for _ in range(new_tokens):
+        lp = out.logits[0, -1].float().log_softmax(-1)
+        token = int(lp.argmax())
+        tokens.append(token)
+        logprobs.append(float(lp[token]))
+        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens, logprobs
+
+
+@torch.inference_mode()
+def reference_forced(model, prompt: list[int], tokens: list[int]) -> tuple[list[float], list[float]]:
+    """The reference fed the engine's tokens: per step, its logprob of that token and its best logprob."""
+    out = model(torch.tensor([prompt]), use_cache=True)
+    chosen, best = [], []
+    for token in tokens:
+        lp = out.logits[0, -1].float().log_softmax(-1)
+        chosen.append(float(lp[token]))
+        best.append(float(lp.max()))
+        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+    return chosen, best
