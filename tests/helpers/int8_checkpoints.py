@@ -11,7 +11,9 @@ Written from the format's description, independently of ferrox's loader and runn
   tensor ("tensor", dynamic), or the checkpoint's `input_scale` [1] ("tensor", static); codes
   clamp(round_half_to_even(x / scale), -128, 127). A merged layer (q/k/v, gate/up) reads one input,
   so vLLM (and ferrox) quantize it with the largest of its shards' static scales;
-- optional all-zero `weight_zero_point` / `input_zero_point` int8 tensors, as some exports write them.
+- optional all-zero `weight_zero_point` / `input_zero_point` int8 tensors, as some exports write them;
+- weight-only int8 may come packed ("pack-quantized"): `weight_packed` int32 [out, ceil(in / 4)], each
+  value plus 128, input 4w + i in byte i of word w, and `weight_shape` (out, in).
 """
 
 from __future__ import annotations
@@ -89,6 +91,29 @@ def int8_tensors(float_weights: dict[str, torch.Tensor], weights: str, *,
             out[f"{module}.input_scale"] = torch.tensor([input_scales[module]], dtype=torch.float32)
             if zero_points:
                 out[f"{module}.input_zero_point"] = torch.zeros(1, dtype=torch.int8)
+    return out
+
+
+def pack_int8(codes: torch.Tensor) -> torch.Tensor:
+    """int8 [out, in] -> int32 [out, ceil(in / 4)] as the 'pack-quantized' format stores 8-bit ints:
+    each value plus 128, four consecutive inputs per word, input 4w + i in bits [8i, 8i + 8)."""
+    stored = codes.to(torch.int64) + 128
+    stored = torch.nn.functional.pad(stored, (0, -stored.shape[1] % 4))
+    words = sum(stored[:, i::4] << (8 * i) for i in range(4))
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def packed_int8_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """int8_tensors' checkpoint with each projection's `weight` stored packed: `weight_packed` and
+    `weight_shape` (the weight-only W8A16 scheme in the 'pack-quantized' format)."""
+    out = {}
+    for name, value in tensors.items():
+        module = name.rsplit(".", 1)[0]
+        if name.endswith(".weight") and module.endswith(PROJ):
+            out[f"{module}.weight_packed"] = pack_int8(value)
+            out[f"{module}.weight_shape"] = torch.tensor(value.shape, dtype=torch.int64)
+        else:
+            out[name] = value
     return out
 
 

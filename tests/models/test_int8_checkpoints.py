@@ -34,6 +34,8 @@ from tests.helpers.int8_checkpoints import (
     fake_quantize,
     int8_config,
     int8_tensors,
+    pack_int8,
+    packed_int8_tensors,
     quantize_weight,
     reference_forced,
     reference_greedy,
@@ -57,6 +59,7 @@ SCHEMES = {
     "w-tensor-a-static": ("tensor", "static", "int-quantized", torch.float32, True),
     "w-channel-a-tensor": ("channel", "tensor", "int-quantized", torch.bfloat16, False),
     "w-channel-weight-only": ("channel", None, "naive-quantized", torch.bfloat16, False),
+    "w-channel-packed": ("channel", None, "pack-quantized", torch.bfloat16, False),
 }
 ACTIVATIONS = {"token": "dynamic-token", "tensor": "dynamic-tensor", "static": "static", None: "weight-only"}
 
@@ -88,8 +91,9 @@ def checkpoints(float_folder, float_weights, static_scales, tmp_path_factory):
             weights, activations, fmt, scale_dtype, zero_points = SCHEMES[case]
             tensors = int8_tensors(float_weights, weights, scale_dtype=scale_dtype, zero_points=zero_points,
                                    input_scales=static_scales if activations == "static" else None)
+            stored = packed_int8_tensors(tensors) if fmt == "pack-quantized" else tensors
             folder = write_checkpoint(float_folder, tmp_path_factory.mktemp(case), int8_config(weights, activations,
-                                                                                             fmt=fmt), tensors)
+                                                                                             fmt=fmt), stored)
             built[case] = folder, tensors
         return built[case]
 
@@ -168,7 +172,11 @@ def test_settings_read():
         for fmt in ("int-quantized", "naive-quantized"):
             cfg = CompressedTensorsScheme.from_hf(int8_config(weights, activations, fmt=fmt))
             assert isinstance(cfg, CompressedTensorsInt8Config)
-            assert (cfg.activations, cfg.weight_strategy) == (mode, weights)
+            assert (cfg.activations, cfg.weight_strategy, cfg.packed) == (mode, weights, False)
+    for weights in ("channel", "tensor"):
+        cfg = CompressedTensorsScheme.from_hf(int8_config(weights, None, fmt="pack-quantized"))
+        assert isinstance(cfg, CompressedTensorsInt8Config)
+        assert (cfg.activations, cfg.weight_strategy, cfg.packed) == ("weight-only", weights, True)
     assert CompressedTensorsScheme.from_hf(int8_config("channel", "token")).describe() == (
         "compressed-tensors: int8 weights, per-channel scales, W8A8, activations int8 per token (dynamic)")
 
@@ -221,10 +229,14 @@ def test_unsupported_settings_are_refused_by_name(float_folder, weights, inputs,
 
 
 def test_int4_and_float8_routing_is_unchanged():
-    """8-bit ints in the packed format stay the int4 reader's refusal; 4-bit in int-quantized names the
-    format; float8 schemes still read as float8."""
+    """8-bit ints in the packed format are weight-only (int8 activations refused by name); 4-bit in
+    int-quantized names the format; other bit widths in the packed format stay the int4 reader's
+    refusal."""
+    with pytest.raises(UnsupportedModelError, match=r"group_0\.input_activations: 8-bit ints in the 'pack-quantized'"):
+        CompressedTensorsScheme.from_hf(int8_config("channel", "token", fmt="pack-quantized"))
     cfg = int8_config("channel", None, fmt="pack-quantized")
-    with pytest.raises(UnsupportedModelError, match=r"weights\.num_bits 8: ferrox runs 4-bit"):
+    cfg["config_groups"]["group_0"]["weights"]["num_bits"] = 2
+    with pytest.raises(UnsupportedModelError, match=r"weights\.num_bits 2: ferrox runs 4-bit and 8-bit"):
         CompressedTensorsScheme.from_hf(cfg)
     cfg = int8_config("channel", None)
     cfg["config_groups"]["group_0"]["weights"]["num_bits"] = 4
@@ -274,6 +286,17 @@ def test_missing_and_mistyped_tensors_are_named(checkpoints, float_weights, tmp_
         _load(_edited_copy(folder, tmp_path / "scale", lambda t: t.update({ws: torch.ones(3)})))
 
 
+def test_packed_tensors_are_checked(checkpoints, tmp_path):
+    """The packed layout's weight_shape must be the layer's, and weight_packed hold its words."""
+    folder, _ = checkpoints("w-channel-packed")
+    shape = "model.layers.0.mlp.down_proj.weight_shape"
+    with pytest.raises(ModelLoadError, match=r"down_proj\.weight_shape.*the model's layer"):
+        _load(_edited_copy(folder, tmp_path / "shape", lambda t: t.update({shape: torch.tensor([7, 7])})))
+    packed = "model.layers.0.mlp.down_proj.weight_packed"
+    with pytest.raises(ModelLoadError, match=r"down_proj\.weight_packed.*words a row"):
+        _load(_edited_copy(folder, tmp_path / "words", lambda t: t.update({packed: t[packed][:, :-1].contiguous()})))
+
+
 # ---- tensor parallelism ---------------------------------------------------------------------------
 SHARDS = {"qkv": {"q": 64, "k": 32, "v": 32}, "gate_up": {"gate": 128, "up": 128}, "down": {None: 64}}
 
@@ -290,14 +313,15 @@ def _layer(kind: str, rank: int, size: int, config):
 def _load_layer(layer: Linear, kind: str, tensors: dict[str, object]) -> None:
     for shard in SHARDS[kind]:
         prefix = f"{shard}." if shard else ""
-        for leaf in ("weight", "weight_scale", "input_scale", "weight_zero_point", "bias"):
+        for leaf in ("weight", "weight_packed", "weight_shape", "weight_scale", "input_scale", "weight_zero_point",
+                     "bias"):
             if f"{prefix}{leaf}" in tensors and (leaf != "bias" or layer.bias is not None):
                 layer.load_weight(leaf, tensors[f"{prefix}{leaf}"], shard)  # type: ignore[arg-type]
     layer.finalize_quantized()
 
 
 @pytest.mark.parametrize("kind", ["qkv", "gate_up", "down"])
-@pytest.mark.parametrize("scheme", ["w-tensor-a-static", "w-channel-a-token"])
+@pytest.mark.parametrize("scheme", ["w-tensor-a-static", "w-channel-a-token", "w-channel-packed"])
 def test_tensor_parallel_shards_match_the_whole_layer(tmp_path, kind, scheme):
     """Two ranks' layers read their parts of one safetensors file (lazy slices, as the engine's sharded
     load does): column-parallel outputs concatenate to the whole layer's, per-tensor scales landing in
@@ -305,18 +329,23 @@ def test_tensor_parallel_shards_match_the_whole_layer(tmp_path, kind, scheme):
     add up to it (exactly with a static scale, to int8 rounding with per-token scales, which each
     rank takes over its own input columns)."""
     torch.manual_seed(0)
-    weights, activations = SCHEMES[scheme][:2]
+    weights, activations, fmt = SCHEMES[scheme][:3]
     tensors: dict[str, torch.Tensor] = {}
     in_features = 128 if kind == "down" else 64
     for i, (shard, rows) in enumerate(SHARDS[kind].items()):
         prefix = f"{shard}." if shard else ""
         codes, scale = quantize_weight(torch.randn(rows, in_features) * 0.1 * (i + 1), weights)
-        tensors[f"{prefix}weight"], tensors[f"{prefix}weight_scale"] = codes, scale
+        tensors[f"{prefix}weight_scale"] = scale
+        if fmt == "pack-quantized":
+            tensors[f"{prefix}weight_packed"] = pack_int8(codes)
+            tensors[f"{prefix}weight_shape"] = torch.tensor([rows, in_features])
+        else:
+            tensors[f"{prefix}weight"] = codes
         tensors[f"{prefix}weight_zero_point"] = torch.zeros(scale.shape, dtype=torch.int8)
         tensors[f"{prefix}input_scale"] = torch.tensor([0.01 * (1 + i)])
         tensors[f"{prefix}bias"] = torch.randn(rows)
     save_file(tensors, tmp_path / "layer.safetensors")
-    config = CompressedTensorsScheme.from_hf(int8_config(weights, activations))
+    config = CompressedTensorsScheme.from_hf(int8_config(weights, activations, fmt=fmt))
     whole = _layer(kind, 0, 1, config)
     _load_layer(whole, kind, tensors)
     if activations == "static":

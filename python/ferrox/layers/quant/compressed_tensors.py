@@ -10,11 +10,11 @@ config.json quantization_config, the parts that decide how the model runs:
                                "dynamic": true | false} | null}},        (null: weight-only FP8)
      "ignore": ["lm_head", "re:..."], "kv_cache_scheme": null, "sparsity_config": {}}
 
-Int schemes go elsewhere (`CompressedTensorsScheme` picks by the format): int8 W8A8 / W8A16
-("int-quantized", "naive-quantized") to compressed_tensors_int8.py, int4 weight-only ("pack-quantized")
-to compressed_tensors_int4.py. Every other scheme (FP8 block or group scales, asymmetric FP8, 2:4
-sparsity, transforms, per-layer scheme groups, stored KV-cache scales) is refused by the field that
-asks for it. Per-channel weight scales come as [out, 1], per-tensor as [1], in the
+Int schemes go elsewhere (`CompressedTensorsScheme` picks by the format and bits): int8 W8A8 / W8A16
+("int-quantized", "naive-quantized", and 8-bit "pack-quantized") to compressed_tensors_int8.py, int4
+weight-only ("pack-quantized") to compressed_tensors_int4.py. Every other scheme (FP8 block or group
+scales, asymmetric FP8, 2:4 sparsity, transforms, per-layer scheme groups, stored KV-cache scales) is
+refused by the field that asks for it. Per-channel weight scales come as [out, 1], per-tensor as [1], in the
 model dtype; they are widened to float32 rows.
 """
 
@@ -89,7 +89,7 @@ class CompressedTensorsScheme:
 
             _check_targets(group, where)
             fmt = cfg.get("format")
-            if fmt in int8.FORMATS:
+            if fmt in int8.FORMATS or (fmt == int8.PACKED_FORMAT and weights.get("num_bits") == 8):
                 return int8.CompressedTensorsInt8Config.from_scheme(fmt, group, where, unquantized)
             return CompressedTensorsInt4Config.from_scheme(fmt, group, where, unquantized)
         return CompressedTensorsConfig.from_hf(cfg)

@@ -26,8 +26,8 @@ Tensors of each linear layer (K inputs, N outputs, G = ceil(K / group_size), one
   codes and zero points the int4 runner takes as they are.
 
 actorder "weight" reorders columns only while quantizing (nothing is stored for it); "group" stores
-g_idx and runs as GPTQ's act-order does (one gather of x per call; one rank only). Every other scheme
-(8-bit or 2/3-bit ints, "tensor" or block strategies, dynamic weight scales, int activations
+g_idx and runs as GPTQ's act-order does (one gather of x per call; one rank only). 8-bit packed ints
+are read by compressed_tensors_int8.py. Every other scheme (2/3-bit ints, "tensor" or block strategies, dynamic weight scales, int activations
 (W4A8), per-layer scheme groups) is refused by the field that asks for it.
 """
 
@@ -135,8 +135,8 @@ class CompressedTensorsInt4Config(QuantConfig):
         if unknown:
             raise UnsupportedModelError(f"{where}.weights: field(s) {', '.join(unknown)} are not supported")
         if weights.get("num_bits") != 4:
-            raise UnsupportedModelError(f"{where}.weights.num_bits {weights.get('num_bits')!r}: ferrox runs 4-bit int "
-                                        "weights only (8-bit int and 2/3-bit schemes are not supported)")
+            raise UnsupportedModelError(f"{where}.weights.num_bits {weights.get('num_bits')!r}: ferrox runs 4-bit and "
+                                        "8-bit int weights (2/3-bit schemes are not supported)")
         strategy = weights.get("strategy")
         if strategy == "group":
             group = weights.get("group_size")

@@ -17,6 +17,11 @@ Tensors of each linear layer: `weight` int8 [out, in]; `weight_scale` [out, 1] (
 exports also store all-zero `weight_zero_point` / `input_zero_point`: checked to be zero, then
 dropped. W = weight * weight_scale; activations rounded as vLLM rounds them (int8_linear.py).
 
+The weight-only W8A16 int8 scheme is also published packed (`format: pack-quantized`, num_bits 8,
+input_activations null): `weight_packed` int32 [out, ceil(in / 4)], four consecutive inputs per word,
+input 4w + i in byte i, each stored as the signed value plus 128; `weight_shape` [2] = (out, in),
+checked. It is unpacked to the int8 `weight` above at load, so it runs the same weight-only kernels.
+
 Loading and tensor-parallel sharding follow fp8.py's checkpoint method (its row helpers): a merged
 layer (q/k/v, gate/up) writes each shard's scale into that shard's rows, so per-tensor scales become
 per-row ones without requantizing, and its static input scale is the largest of its shards' (as
@@ -31,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ferrox.distributed.sharding import Weight, materialize, shape_of
+from ferrox.distributed.sharding import Weight, materialize, narrow, shape_of
 from ferrox.layers.quant.fp8 import (
     _checkpoint_rows,
     _column_split,
@@ -40,6 +45,7 @@ from ferrox.layers.quant.fp8 import (
     check_unquantized_modules,
 )
 from ferrox.layers.quant.fp8_linear import ACTIVATIONS
+from ferrox.layers.quant.int4_pack import checkpoint_extent
 from ferrox.layers.quant.int8_linear import Int8Linear, quantize_int8_per_row
 from ferrox.layers.quant.method import LinearWeightMethod, QuantConfig
 from ferrox.model_spec import UnsupportedModelError
@@ -49,6 +55,9 @@ if TYPE_CHECKING:
     from ferrox.model_spec import ModelSpec
 
 FORMATS = ("int-quantized", "naive-quantized")
+PACKED_FORMAT = "pack-quantized"  # weight-only 8-bit ints, four to an int32 (module docstring)
+_PACK = 4  # int8 values per stored int32 word
+_STORED_OFFSET = 128  # what the packed format adds to every signed 8-bit value
 # load_format="dummy" with static activations: a dummy model's activations (|x| up to ~10) fit
 # under this scale (127 steps of 1/12) without saturating.
 _DUMMY_INPUT_SCALE = 1.0 / 12
@@ -66,12 +75,16 @@ class CompressedTensorsInt8Method(LinearWeightMethod):
     # one-token steps through the general path (models/llama.py finalize_weights).
     fused_decode = False
 
-    def __init__(self, activations: str):
+    def __init__(self, activations: str, packed: bool = False):
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+        if packed and activations != "weight-only":
+            raise ValueError("packed int8 weights are weight-only")
         self.activations = activations
+        self.packed = packed
         static = activations == "static"
-        self.checkpoint_params = ("weight", "weight_scale", *(("input_scale",) if static else ()))
+        weight = ("weight_packed", "weight_shape") if packed else ("weight",)
+        self.checkpoint_params = (*weight, "weight_scale", *(("input_scale",) if static else ()))
         # A dynamic scheme may still carry calibration input scales (read, not used, as vLLM); symmetric
         # exports may carry all-zero zero points.
         self.optional_params = (*(() if static else ("input_scale",)), "weight_zero_point", "input_zero_point")
@@ -101,11 +114,17 @@ class CompressedTensorsInt8Method(LinearWeightMethod):
             v = float(value.max())
             self._input_scale = v if self._input_scale is None else max(self._input_scale, v)
             return
+        if param_name == "weight_shape":
+            self._check_shape(layer, materialize(tensor), shard)
+            return
         weight, scale = self._tensors(layer)
         dst, rows = layer._shard_rows()[shard or "weight"]
         first, held, full = _checkpoint_rows(layer, shard)
-        if param_name == "weight":
-            value = _rank_weight(layer, tensor, first, held, full)
+        if param_name in ("weight", "weight_packed"):
+            if param_name == "weight_packed":
+                value = _unpack_int8(_rank_words(layer, tensor, first, held, full), layer.in_features)
+            else:
+                value = _rank_weight(layer, tensor, first, held, full)
             if value.dtype != torch.int8:
                 raise ValueError(f"weight is {value.dtype}, the int-quantized layout stores int8 (a layer left "
                                  "unquantized in an int8 checkpoint is not supported)")
@@ -117,6 +136,12 @@ class CompressedTensorsInt8Method(LinearWeightMethod):
             scale[dst:dst + rows].copy_(_row_scales(tensor, first, held, full))
         else:
             raise ValueError(f"{param_name}: not a tensor of the int8 layout")
+
+    @staticmethod
+    def _check_shape(layer: Linear, value: torch.Tensor, shard: str | None) -> None:
+        rows, k = checkpoint_extent(layer, shard)
+        if value.numel() != 2 or value.flatten().tolist() != [rows, k]:
+            raise ValueError(f"weight_shape: {value.flatten().tolist()}, the model's layer is [{rows}, {k}]")
 
     def dummy(self, layer: Linear, seed: int) -> None:
         gen = torch.Generator(device=layer.weight.device).manual_seed(seed)
@@ -143,22 +168,27 @@ class CompressedTensorsInt8Config(QuantConfig):
     name = "compressed-tensors"
 
     def __init__(self, activations: str, weight_strategy: str = "channel",
-                 unquantized: tuple[tuple[str, str], ...] = ()):
+                 unquantized: tuple[tuple[str, str], ...] = (), packed: bool = False):
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
         self.activations = activations
         self.weight_strategy = weight_strategy
         self.unquantized = unquantized
+        self.packed = packed
 
     @classmethod
     def from_scheme(cls, fmt: Any, scheme: dict[str, Any], where: str,
                     unquantized: list[tuple[str, str]]) -> CompressedTensorsInt8Config:
         """One scheme group (`where` names it; its targets checked) whose weights are ints in an
         unpacked format; fmt: the top-level format."""
-        if fmt not in FORMATS or scheme.get("format") not in (None, *FORMATS):
+        packed = fmt == PACKED_FORMAT
+        if (fmt not in FORMATS and not packed) or scheme.get("format") not in (None, fmt):
             raise UnsupportedModelError(f"config.json quantization_config.format {fmt!r} ({where}.format "
                                         f"{scheme.get('format')!r}): int8 weights are read in the "
-                                        f"{' / '.join(map(repr, FORMATS))} formats")
+                                        f"{' / '.join(map(repr, (*FORMATS, PACKED_FORMAT)))} formats")
+        if packed and scheme.get("input_activations") is not None:
+            raise UnsupportedModelError(f"{where}.input_activations: 8-bit ints in the {PACKED_FORMAT!r} format are "
+                                        "read as weight-only (W8A16) schemes; int8 activations come in 'int-quantized'")
         weights = scheme["weights"]
         _int8_args(weights, f"{where}.weights")
         strategy = weights.get("strategy")
@@ -169,7 +199,7 @@ class CompressedTensorsInt8Config(QuantConfig):
             raise UnsupportedModelError(f"{where}.weights.dynamic {weights['dynamic']!r}: int8 weights need static "
                                         "scales (stored in the checkpoint)")
         return cls(_activations(scheme.get("input_activations"), f"{where}.input_activations"), strategy,
-                   tuple(unquantized))
+                   tuple(unquantized), packed)
 
     def check(self, spec: ModelSpec, device: torch.device, tp_size: int) -> None:
         if (device.type == "cuda" and self.activations != "weight-only"
@@ -180,11 +210,42 @@ class CompressedTensorsInt8Config(QuantConfig):
         check_unquantized_modules(self.unquantized, spec)
 
     def linear_method(self, layer: Linear) -> CompressedTensorsInt8Method:
-        return CompressedTensorsInt8Method(self.activations)
+        return CompressedTensorsInt8Method(self.activations, self.packed)
 
     def describe(self) -> str:
         scales = "per-channel" if self.weight_strategy == "channel" else "per-tensor"
-        return f"compressed-tensors: int8 weights, {scales} scales, {_ACTIVATION_NAMES[self.activations]}"
+        packed = " (packed)" if self.packed else ""
+        return f"compressed-tensors: int8 weights{packed}, {scales} scales, {_ACTIVATION_NAMES[self.activations]}"
+
+
+def _rank_words(layer: Linear, tensor: Weight, first: int, held: int, full: int) -> torch.Tensor:
+    """This rank's part of a `weight_packed` tensor (int32 [rows, ceil(in / 4)]): its rows of a
+    column-parallel shard, or its input columns of a row-parallel layer (whole words: each rank's
+    first input and input count are multiples of 4)."""
+    shape = shape_of(tensor)
+    split = _column_split(layer)
+    if split > 1 and len(shape) == 2:
+        start, count = layer.in_start, layer.in_features  # type: ignore[attr-defined]
+        if start % _PACK or count % _PACK:
+            raise ValueError(f"weight_packed: a rank's {count} input columns from {start} do not fall on whole "
+                             f"words of {_PACK}")
+        return narrow(tensor, 1, start // _PACK, count // _PACK).contiguous()
+    if len(shape) == 2 and held != full and shape[0] == full:
+        return narrow(tensor, 0, first, held).contiguous()
+    return materialize(tensor).contiguous()
+
+
+def _unpack_int8(words: torch.Tensor, in_features: int) -> torch.Tensor:
+    """int32 words [rows, W] -> int8 [rows, in_features]: input 4w + i from byte i of word w, minus
+    the stored offset of 128 (the words' padding past in_features dropped)."""
+    if words.dtype != torch.int32 or words.dim() != 2:
+        raise ValueError(f"weight_packed must be int32 [out, in / {_PACK}], got {words.dtype} {tuple(words.shape)}")
+    if words.shape[1] != -(-in_features // _PACK):
+        raise ValueError(f"weight_packed has {words.shape[1]} words a row; {in_features} inputs need "
+                         f"{-(-in_features // _PACK)}")
+    shifts = torch.arange(0, 32, 8, dtype=torch.int32, device=words.device)
+    stored = (words.unsqueeze(-1) >> shifts) & 0xFF  # [rows, W, 4], each 0..255
+    return (stored.flatten(1)[:, :in_features] - _STORED_OFFSET).to(torch.int8)
 
 
 def _int8_args(args: Any, where: str) -> None:
