@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ferrox.distributed.sharding import Weight, materialize, narrow, shape_of
+from ferrox.layers.linear import RowParallelLinear
 from ferrox.layers.quant.fp8 import (
     _checkpoint_rows,
     _column_split,
@@ -223,9 +224,8 @@ def _rank_words(layer: Linear, tensor: Weight, first: int, held: int, full: int)
     column-parallel shard, or its input columns of a row-parallel layer (whole words: each rank's
     first input and input count are multiples of 4)."""
     shape = shape_of(tensor)
-    split = _column_split(layer)
-    if split > 1 and len(shape) == 2:
-        start, count = layer.in_start, layer.in_features  # type: ignore[attr-defined]
+    if isinstance(layer, RowParallelLinear) and _column_split(layer) > 1 and len(shape) == 2:
+        start, count = layer.in_start, layer.in_features
         if start % _PACK or count % _PACK:
             raise ValueError(f"weight_packed: a rank's {count} input columns from {start} do not fall on whole "
                              f"words of {_PACK}")
