@@ -221,7 +221,7 @@ _CT_WEIGHTS = "config_groups.group_0.weights"
 
 
 @pytest.mark.parametrize("weights,scheme,top,field", [
-    ({"num_bits": 8}, {}, {}, f"{_CT_WEIGHTS}.num_bits"),
+    ({"num_bits": 8}, {}, {}, f"{_CT_WEIGHTS}.symmetric"),  # to the int8 reader, which takes no zero points
     ({"num_bits": 2}, {}, {}, f"{_CT_WEIGHTS}.num_bits"),
     ({"strategy": "tensor"}, {}, {}, f"{_CT_WEIGHTS}.strategy"),
     ({"group_size": 48}, {}, {}, f"{_CT_WEIGHTS}.group_size"),

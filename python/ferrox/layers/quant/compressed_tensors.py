@@ -46,8 +46,8 @@ ARG_FIELDS = ("num_bits", "type", "symmetric", "strategy", "dynamic", "group_siz
 class CompressedTensorsFp8Method(Fp8CheckpointMethod):
     """The fp8 checkpoint method, also taking the all-zero zero points some symmetric exports store."""
 
-    def __init__(self, activations: str):
-        super().__init__(activations)
+    def __init__(self, activations: str, weight_params: tuple[str, ...] = ("weight",)):
+        super().__init__(activations, weight_params)
         self.optional_params = (*self.optional_params, "weight_zero_point", "input_zero_point")
 
     def load(self, layer: Linear, param_name: str, tensor: Weight, shard: str | None) -> None:

@@ -22,7 +22,7 @@ input_activations null): `weight_packed` int32 [out, ceil(in / 4)], four consecu
 input 4w + i in byte i, each stored as the signed value plus 128; `weight_shape` [2] = (out, in),
 checked. It is unpacked to the int8 `weight` above at load, so it runs the same weight-only kernels.
 
-Loading and tensor-parallel sharding follow fp8.py's checkpoint method (its row helpers): a merged
+Loading and tensor-parallel sharding are fp8.py's checkpoint method (subclassed, int8 codes): a merged
 layer (q/k/v, gate/up) writes each shard's scale into that shard's rows, so per-tensor scales become
 per-row ones without requantizing, and its static input scale is the largest of its shards' (as
 vLLM takes it). Asymmetric weights or activations, group or block scales, other bit widths,
@@ -38,17 +38,12 @@ from torch import nn
 
 from ferrox.distributed.sharding import Weight, materialize, narrow, shape_of
 from ferrox.layers.linear import RowParallelLinear
-from ferrox.layers.quant.fp8 import (
-    _checkpoint_rows,
-    _column_split,
-    _rank_weight,
-    _row_scales,
-    check_unquantized_modules,
-)
+from ferrox.layers.quant.compressed_tensors import ARG_FIELDS, CompressedTensorsFp8Method
+from ferrox.layers.quant.fp8 import _column_split, check_unquantized_modules
 from ferrox.layers.quant.fp8_linear import ACTIVATIONS
 from ferrox.layers.quant.int4_pack import checkpoint_extent
 from ferrox.layers.quant.int8_linear import Int8Linear, quantize_int8_per_row
-from ferrox.layers.quant.method import LinearWeightMethod, QuantConfig
+from ferrox.layers.quant.method import QuantConfig
 from ferrox.model_spec import UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -69,9 +64,14 @@ _ACTIVATION_NAMES = {"dynamic-token": "W8A8, activations int8 per token (dynamic
 
 
 # ---- the per-layer method -------------------------------------------------------------------------
-class CompressedTensorsInt8Method(LinearWeightMethod):
-    """One layer's int8 checkpoint tensors (module docstring), gathered into `Int8Linear`."""
+class CompressedTensorsInt8Method(CompressedTensorsFp8Method):
+    """One layer's int8 checkpoint tensors (module docstring), gathered into `Int8Linear`: the fp8
+    checkpoint method's loading (input scales, per-row scales, shards, all-zero zero points) with
+    int8 codes, the packed layout's unpacking, and the int8 runner."""
 
+    weight_dtype = torch.int8
+    layout = "int-quantized"
+    dummy_input_scale = _DUMMY_INPUT_SCALE
     # The fused one-token kernels read fp8 / int4 / float weights only: int8 layers send the model's
     # one-token steps through the general path (models/llama.py finalize_weights).
     fused_decode = False
@@ -81,87 +81,32 @@ class CompressedTensorsInt8Method(LinearWeightMethod):
             raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
         if packed and activations != "weight-only":
             raise ValueError("packed int8 weights are weight-only")
-        self.activations = activations
-        self.packed = packed
-        static = activations == "static"
-        weight = ("weight_packed", "weight_shape") if packed else ("weight",)
-        self.checkpoint_params = (*weight, "weight_scale", *(("input_scale",) if static else ()))
-        # A dynamic scheme may still carry calibration input scales (read, not used, as vLLM); symmetric
-        # exports may carry all-zero zero points.
-        self.optional_params = (*(() if static else ("input_scale",)), "weight_zero_point", "input_zero_point")
-        self._weight: torch.Tensor | None = None
-        self._scale: torch.Tensor | None = None
-        self._input_scale: float | None = None
-
-    def _tensors(self, layer: Linear) -> tuple[torch.Tensor, torch.Tensor]:
-        # Allocated at the first load: the layer is not fully built when it chooses its method.
-        if self._weight is None or self._scale is None:
-            device = layer.weight.device
-            self._weight = torch.empty(layer.out_features, layer.in_features, dtype=torch.int8, device=device)
-            self._scale = torch.empty(layer.out_features, dtype=torch.float32, device=device)
-        return self._weight, self._scale
+        super().__init__(activations, ("weight_packed",) if packed else ("weight",))
+        if packed:
+            self.checkpoint_params = (*self.checkpoint_params, "weight_shape")
 
     def load(self, layer: Linear, param_name: str, tensor: Weight, shard: str | None) -> None:
-        if param_name.endswith("_zero_point"):
-            if materialize(tensor).to(torch.int64).any():
-                raise ValueError(f"{param_name} is not zero: an asymmetric scheme, which the config's symmetric = "
-                                 "true says it is not")
-            return
-        if param_name == "input_scale":
-            value = materialize(tensor).float()
-            if value.numel() != 1 or not bool(torch.isfinite(value).all()) or float(value.max()) <= 0:
-                raise ValueError(f"input_scale must be one positive value (per tensor), got shape "
-                                 f"{tuple(value.shape)}")
-            v = float(value.max())
-            self._input_scale = v if self._input_scale is None else max(self._input_scale, v)
-            return
         if param_name == "weight_shape":
-            self._check_shape(layer, materialize(tensor), shard)
+            rows, k = checkpoint_extent(layer, shard)
+            value = materialize(tensor)
+            if value.numel() != 2 or value.flatten().tolist() != [rows, k]:
+                raise ValueError(f"weight_shape: {value.flatten().tolist()}, the model's layer is [{rows}, {k}]")
             return
-        weight, scale = self._tensors(layer)
-        dst, rows = layer._shard_rows()[shard or "weight"]
-        first, held, full = _checkpoint_rows(layer, shard)
-        if param_name in ("weight", "weight_packed"):
-            if param_name == "weight_packed":
-                value = _unpack_int8(_rank_words(layer, tensor, first, held, full), layer.in_features)
-            else:
-                value = _rank_weight(layer, tensor, first, held, full)
-            if value.dtype != torch.int8:
-                raise ValueError(f"weight is {value.dtype}, the int-quantized layout stores int8 (a layer left "
-                                 "unquantized in an int8 checkpoint is not supported)")
-            if tuple(value.shape) != (rows, layer.in_features):
-                raise ValueError(f"weight: checkpoint shape {shape_of(tensor)}, model expects "
-                                 f"{(full, layer.in_features * _column_split(layer))}")
-            weight[dst:dst + rows].copy_(value)
-        elif param_name == "weight_scale":
-            scale[dst:dst + rows].copy_(_row_scales(tensor, first, held, full))
-        else:
-            raise ValueError(f"{param_name}: not a tensor of the int8 layout")
+        super().load(layer, param_name, tensor, shard)
+
+    def _rank_part(self, layer: Linear, param_name: str, tensor: Weight, first: int, held: int,
+                   full: int) -> torch.Tensor:
+        if param_name == "weight_packed":
+            return _unpack_int8(_rank_words(layer, tensor, first, held, full), layer.in_features)
+        return super()._rank_part(layer, param_name, tensor, first, held, full)
 
     @staticmethod
-    def _check_shape(layer: Linear, value: torch.Tensor, shard: str | None) -> None:
-        rows, k = checkpoint_extent(layer, shard)
-        if value.numel() != 2 or value.flatten().tolist() != [rows, k]:
-            raise ValueError(f"weight_shape: {value.flatten().tolist()}, the model's layer is [{rows}, {k}]")
+    def _quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_int8_per_row(weight)
 
-    def dummy(self, layer: Linear, seed: int) -> None:
-        gen = torch.Generator(device=layer.weight.device).manual_seed(seed)
-        w = torch.empty(layer.out_features, layer.in_features, dtype=torch.float32, device=layer.weight.device)
-        self._weight, self._scale = quantize_int8_per_row(w.normal_(0.0, 0.02, generator=gen))
-        if self.activations == "static":
-            self._input_scale = _DUMMY_INPUT_SCALE
-
-    def finalize(self, layer: Linear) -> nn.Module:
-        if self._weight is None or self._scale is None:
-            raise ValueError("an int8 layer was finalized before its checkpoint tensors were loaded")
-        input_scale = None
-        if self.activations == "static":
-            if self._input_scale is None:
-                raise ValueError("static activations: the layer's input_scale never arrived")
-            input_scale = torch.tensor([self._input_scale], dtype=torch.float32, device=self._weight.device)
-        runner = Int8Linear(self._weight, self._scale, activations=self.activations, input_scale=input_scale)
-        self._weight = self._scale = None  # the runner holds them now
-        return runner
+    def _runner(self, layer: Linear, weight: torch.Tensor, scale: torch.Tensor,
+                input_scale: torch.Tensor | None = None) -> nn.Module:
+        return Int8Linear(weight, scale, activations=self.activations, input_scale=input_scale)
 
 
 # ---- the model's config ---------------------------------------------------------------------------
@@ -251,8 +196,6 @@ def _unpack_int8(words: torch.Tensor, in_features: int) -> torch.Tensor:
 def _int8_args(args: Any, where: str) -> None:
     """Refuse, by field, a weights / input_activations entry that is not symmetric 8-bit int with one
     scale per channel, token or tensor."""
-    from ferrox.layers.quant.compressed_tensors import ARG_FIELDS  # (that module dispatches here)
-
     if not isinstance(args, dict):
         raise UnsupportedModelError(f"{where}: expected a quantization scheme object, got {args!r}")
     unknown = sorted(k for k in args if k not in ARG_FIELDS)

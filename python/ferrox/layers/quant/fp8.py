@@ -50,7 +50,7 @@ class _Fp8Method(LinearWeightMethod):
         self.activations = activations
 
     def _runner(self, layer: Linear, weight: torch.Tensor, scale: torch.Tensor,
-                input_scale: torch.Tensor | None = None) -> Fp8Linear:
+                input_scale: torch.Tensor | None = None) -> nn.Module:
         layer.weight.data = weight  # replaces (frees) the float weight of the online method
         layer.register_buffer("weight_scale", scale, persistent=False)
         return Fp8Linear(weight, scale, activations=self.activations, input_scale=input_scale)
@@ -69,12 +69,19 @@ class Fp8OnlineMethod(_Fp8Method):
 
 class Fp8CheckpointMethod(_Fp8Method):
     """One layer's FP8 checkpoint tensors: `weight` float8_e4m3fn, `weight_scale` (one value, or
-    one per output row; any float dtype) and, for static activations, `input_scale` (one value)."""
+    one per output row; any float dtype) and, for static activations, `input_scale` (one value).
+    compressed_tensors_int8.py reads int8 checkpoints through the same steps, its own dtype, layout
+    name, dummy quantizer and runner in the class attributes and hooks below."""
 
-    def __init__(self, activations: str):
+    weight_dtype = FP8_DTYPE
+    layout = "fp8"  # (for messages)
+    dummy_input_scale = _DUMMY_INPUT_SCALE
+
+    def __init__(self, activations: str, weight_params: tuple[str, ...] = ("weight",)):
         super().__init__(activations)
         static = activations == "static"
-        self.checkpoint_params = ("weight", "weight_scale", "input_scale") if static else ("weight", "weight_scale")
+        self.weight_params = weight_params
+        self.checkpoint_params = (*weight_params, "weight_scale", *(("input_scale",) if static else ()))
         # A dynamic-scheme checkpoint may still carry calibration scales: read, not used (as vLLM).
         self.optional_params = () if static else ("input_scale",)
         self._weight: torch.Tensor | None = None
@@ -85,9 +92,19 @@ class Fp8CheckpointMethod(_Fp8Method):
         # Allocated at the first load: the layer is not fully built when it chooses its method.
         if self._weight is None or self._scale is None:
             device = layer.weight.device
-            self._weight = torch.empty(layer.out_features, layer.in_features, dtype=FP8_DTYPE, device=device)
+            self._weight = torch.empty(layer.out_features, layer.in_features, dtype=self.weight_dtype, device=device)
             self._scale = torch.empty(layer.out_features, dtype=torch.float32, device=device)
         return self._weight, self._scale
+
+    def _rank_part(self, layer: Linear, param_name: str, tensor: Weight, first: int, held: int,
+                   full: int) -> torch.Tensor:
+        """This rank's part of the checkpoint weight `param_name` (one of weight_params), unpacked."""
+        return _rank_weight(layer, tensor, first, held, full)
+
+    @staticmethod
+    def _quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight_dtype codes, float32 row scales) of a float weight: for dummy weights."""
+        return quantize_per_row(weight)
 
     def load(self, layer: Linear, param_name: str, tensor: Weight, shard: str | None) -> None:
         if param_name == "input_scale":
@@ -101,11 +118,12 @@ class Fp8CheckpointMethod(_Fp8Method):
         weight, scale = self._tensors(layer)
         dst, rows = layer._shard_rows()[shard or "weight"]
         first, held, full = _checkpoint_rows(layer, shard)
-        if param_name == "weight":
-            value = _rank_weight(layer, tensor, first, held, full)
-            if value.dtype != FP8_DTYPE:
-                raise ValueError(f"weight is {value.dtype}, the fp8 layout stores float8_e4m3fn (a layer left "
-                                 "unquantized in an fp8 checkpoint is not supported)")
+        if param_name in self.weight_params:
+            value = self._rank_part(layer, param_name, tensor, first, held, full)
+            if value.dtype != self.weight_dtype:
+                stores = str(self.weight_dtype).removeprefix("torch.")
+                raise ValueError(f"weight is {value.dtype}, the {self.layout} layout stores {stores} (a layer left "
+                                 f"unquantized in an {self.layout} checkpoint is not supported)")
             if tuple(value.shape) != (rows, layer.in_features):
                 raise ValueError(f"weight: checkpoint shape {shape_of(tensor)}, model expects "
                                  f"{(full, layer.in_features * _column_split(layer))}")
@@ -113,18 +131,18 @@ class Fp8CheckpointMethod(_Fp8Method):
         elif param_name == "weight_scale":
             scale[dst:dst + rows].copy_(_row_scales(tensor, first, held, full))
         else:
-            raise ValueError(f"{param_name}: not a tensor of the fp8 layout")
+            raise ValueError(f"{param_name}: not a tensor of the {self.layout} layout")
 
     def dummy(self, layer: Linear, seed: int) -> None:
         gen = torch.Generator(device=layer.weight.device).manual_seed(seed)
         w = torch.empty(layer.out_features, layer.in_features, dtype=torch.bfloat16, device=layer.weight.device)
-        self._weight, self._scale = quantize_per_row(w.normal_(0.0, 0.02, generator=gen))
+        self._weight, self._scale = self._quantize_rows(w.normal_(0.0, 0.02, generator=gen))
         if self.activations == "static":
-            self._input_scale = _DUMMY_INPUT_SCALE
+            self._input_scale = self.dummy_input_scale
 
     def finalize(self, layer: Linear) -> nn.Module:
         if self._weight is None or self._scale is None:
-            raise ValueError("an fp8 layer was finalized before its checkpoint tensors were loaded")
+            raise ValueError(f"an {self.layout} layer was finalized before its checkpoint tensors were loaded")
         input_scale = None
         if self.activations == "static":
             if self._input_scale is None:
