@@ -181,31 +181,3 @@ def reference_model(float_folder: str, tensors: dict[str, torch.Tensor], activat
 
 def _quantized_input(scale: float | None, per_token: bool, module, args):
     return (fake_quantize(args[0], scale, per_token),)
-
-
-@torch.inference_mode()
-def reference_greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[int], list[float]]:
-    """Greedy tokens and their logprobs, one token per step after the prompt (a KV cache), as the
-    engine steps a request that runs alone."""
-    out = model(torch.tensor([prompt]), use_cache=True)
-    tokens, logprobs = [], []
-    for _ in range(new_tokens):
-        lp = out.logits[0, -1].float().log_softmax(-1)
-        token = int(lp.argmax())
-        tokens.append(token)
-        logprobs.append(float(lp[token]))
-        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
-    return tokens, logprobs
-
-
-@torch.inference_mode()
-def reference_forced(model, prompt: list[int], tokens: list[int]) -> tuple[list[float], list[float]]:
-    """The reference fed the engine's tokens: per step, its logprob of that token and its best logprob."""
-    out = model(torch.tensor([prompt]), use_cache=True)
-    chosen, best = [], []
-    for token in tokens:
-        lp = out.logits[0, -1].float().log_softmax(-1)
-        chosen.append(float(lp[token]))
-        best.append(float(lp.max()))
-        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
-    return chosen, best

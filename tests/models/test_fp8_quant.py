@@ -30,6 +30,7 @@ from ferrox.layers.quant.method import use_quant_config
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from tests.helpers.hf_reference import reference_forced, reference_greedy
 from tests.helpers.tiny_models import make_tiny_llama
 
 # transformers 5 renames past_key_values; the old name keeps the reference loop working on 4.x too.
@@ -171,33 +172,6 @@ def _w8a8_input(static: float | None, module, args):
     return (fake_quantize(args[0], None if static is None else torch.tensor(static)),)
 
 
-@torch.inference_mode()
-def reference_greedy(model, prompt: list[int]) -> tuple[list[int], list[float]]:
-    """Greedy tokens and their logprobs, one token per step after the prompt (a KV cache)."""
-    out = model(torch.tensor([prompt]), use_cache=True)
-    tokens, logprobs = [], []
-    for _ in range(NEW_TOKENS):
-        lp = out.logits[0, -1].float().log_softmax(-1)
-        token = int(lp.argmax())
-        tokens.append(token)
-        logprobs.append(float(lp[token]))
-        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
-    return tokens, logprobs
-
-
-@torch.inference_mode()
-def reference_forced(model, prompt: list[int], tokens: list[int]) -> tuple[list[float], list[float]]:
-    """The reference fed the engine's tokens: per step, its logprob of that token and its best logprob."""
-    out = model(torch.tensor([prompt]), use_cache=True)
-    chosen, best = [], []
-    for token in tokens:
-        lp = out.logits[0, -1].float().log_softmax(-1)
-        chosen.append(float(lp[token]))
-        best.append(float(lp.max()))
-        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
-    return chosen, best
-
-
 def engine_greedy(llm: LLM) -> list[tuple[list[int], list[float]]]:
     """Each prompt alone, its greedy tokens and their logprobs."""
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
@@ -219,7 +193,7 @@ def assert_matches_reference(llm: LLM, reference) -> None:
     finally:
         llm.engine.shutdown()
     for prompt, (tokens, logprobs) in zip(PROMPTS, got, strict=True):
-        ref_tokens, ref_logprobs = reference_greedy(reference, prompt)
+        ref_tokens, ref_logprobs = reference_greedy(reference, prompt, NEW_TOKENS)
         assert tokens == ref_tokens, prompt
         torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(ref_logprobs), atol=1e-4, rtol=1e-4)
 

@@ -29,6 +29,7 @@ from ferrox.loader.source import resolve_model
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from tests.helpers.hf_reference import reference_forced, reference_greedy
 from tests.helpers.int8_checkpoints import (
     calibrate_input_amax,
     fake_quantize,
@@ -37,8 +38,6 @@ from tests.helpers.int8_checkpoints import (
     pack_int8,
     packed_int8_tensors,
     quantize_weight,
-    reference_forced,
-    reference_greedy,
     reference_model,
     write_checkpoint,
 )
