@@ -36,10 +36,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ferrox.distributed.sharding import Weight, materialize, narrow, shape_of
-from ferrox.layers.linear import RowParallelLinear
+from ferrox.distributed.sharding import Weight, materialize
 from ferrox.layers.quant.compressed_tensors import ARG_FIELDS, CompressedTensorsFp8Method
-from ferrox.layers.quant.fp8 import _column_split, check_unquantized_modules
+from ferrox.layers.quant.fp8 import _rank_weight, check_unquantized_modules
 from ferrox.layers.quant.fp8_linear import ACTIVATIONS
 from ferrox.layers.quant.int4_pack import checkpoint_extent
 from ferrox.layers.quant.int8_linear import Int8Linear, quantize_int8_per_row
@@ -97,7 +96,7 @@ class CompressedTensorsInt8Method(CompressedTensorsFp8Method):
     def _rank_part(self, layer: Linear, param_name: str, tensor: Weight, first: int, held: int,
                    full: int) -> torch.Tensor:
         if param_name == "weight_packed":
-            return _unpack_int8(_rank_words(layer, tensor, first, held, full), layer.in_features)
+            return _unpack_int8(_rank_weight(layer, tensor, first, held, full, _PACK), layer.in_features)
         return super()._rank_part(layer, param_name, tensor, first, held, full)
 
     @staticmethod
@@ -162,22 +161,6 @@ class CompressedTensorsInt8Config(QuantConfig):
         scales = "per-channel" if self.weight_strategy == "channel" else "per-tensor"
         packed = " (packed)" if self.packed else ""
         return f"compressed-tensors: int8 weights{packed}, {scales} scales, {_ACTIVATION_NAMES[self.activations]}"
-
-
-def _rank_words(layer: Linear, tensor: Weight, first: int, held: int, full: int) -> torch.Tensor:
-    """This rank's part of a `weight_packed` tensor (int32 [rows, ceil(in / 4)]): its rows of a
-    column-parallel shard, or its input columns of a row-parallel layer (whole words: each rank's
-    first input and input count are multiples of 4)."""
-    shape = shape_of(tensor)
-    if isinstance(layer, RowParallelLinear) and _column_split(layer) > 1 and len(shape) == 2:
-        start, count = layer.in_start, layer.in_features
-        if start % _PACK or count % _PACK:
-            raise ValueError(f"weight_packed: a rank's {count} input columns from {start} do not fall on whole "
-                             f"words of {_PACK}")
-        return narrow(tensor, 1, start // _PACK, count // _PACK).contiguous()
-    if len(shape) == 2 and held != full and shape[0] == full:
-        return narrow(tensor, 0, first, held).contiguous()
-    return materialize(tensor).contiguous()
 
 
 def _unpack_int8(words: torch.Tensor, in_features: int) -> torch.Tensor:

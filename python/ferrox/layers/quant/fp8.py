@@ -166,13 +166,20 @@ def _column_split(layer: Linear) -> int:
     return layer.tp.size if isinstance(layer, RowParallelLinear) else 1
 
 
-def _rank_weight(layer: Linear, tensor: Weight, first: int, held: int, full: int) -> torch.Tensor:
+def _rank_weight(layer: Linear, tensor: Weight, first: int, held: int, full: int, per_column: int = 1
+                 ) -> torch.Tensor:
     """This rank's part of a checkpoint weight (its rows of a column-parallel shard, its columns of
-    a row-parallel layer), reading only that part of a lazy safetensors slice."""
+    a row-parallel layer), reading only that part of a lazy safetensors slice. per_column: inputs
+    stored per column (4 for int8 packed into int32 words; each rank's inputs then start and end
+    on a whole word)."""
     shape = shape_of(tensor)
     if isinstance(layer, RowParallelLinear) and layer.tp.size > 1 and len(shape) == 2 and (
-            shape[1] == layer.in_features * layer.tp.size):
-        value = narrow(tensor, 1, layer.in_start, layer.in_features)
+            shape[1] == -(-layer.in_features * layer.tp.size // per_column)):
+        start, count = layer.in_start, layer.in_features
+        if start % per_column or count % per_column:
+            raise ValueError(f"a rank's {count} input columns from {start} do not fall on whole words of "
+                             f"{per_column}")
+        value = narrow(tensor, 1, start // per_column, count // per_column)
     elif len(shape) == 2 and held != full and shape[0] == full:
         value = narrow(tensor, 0, first, held)
     else:
