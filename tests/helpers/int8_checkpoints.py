@@ -19,14 +19,12 @@ Written from the format's description, independently of ferrox's loader and runn
 from __future__ import annotations
 
 import functools
-import json
-import os
-import shutil
 from typing import Any
 
 import torch
 
-PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from tests.helpers.quant_checkpoints import PROJ
+
 MERGED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 INT8_ARGS = {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "block_structure": None,
              "actorder": None, "observer": "minmax", "observer_kwargs": {}}
@@ -115,43 +113,6 @@ def packed_int8_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Ten
         else:
             out[name] = value
     return out
-
-
-def write_checkpoint(float_folder: str, folder, quantization_config: dict, tensors: dict[str, torch.Tensor]) -> str:
-    """The float folder's tokenizer and config, with `quantization_config` and `tensors` as weights."""
-    from safetensors.torch import save_file
-
-    folder = str(folder)
-    os.makedirs(folder, exist_ok=True)
-    for name in os.listdir(float_folder):
-        if not name.endswith(".safetensors") and name != "config.json":
-            shutil.copy(os.path.join(float_folder, name), folder)
-    with open(os.path.join(float_folder, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = quantization_config
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(config, f)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(folder, "model.safetensors"))
-    return folder
-
-
-def calibrate_input_amax(float_folder: str, prompts: list[list[int]]) -> dict[str, float]:
-    """Each projection's largest input over `prompts` in the float model (module name -> amax)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(float_folder, dtype=torch.float32).eval()
-    amax: dict[str, float] = {}
-
-    def record(name, module, args):
-        amax[name] = max(amax.get(name, 0.0), float(args[0].abs().max()))
-
-    for name, module in model.named_modules():
-        if name.endswith(PROJ):
-            module.register_forward_pre_hook(functools.partial(record, name))
-    with torch.inference_mode():
-        for prompt in prompts:
-            model(torch.tensor([prompt]))
-    return amax
 
 
 def reference_model(float_folder: str, tensors: dict[str, torch.Tensor], activations: str | None):

@@ -12,9 +12,7 @@ Greedy tokens must then be identical and logprobs equal to float32 rounding.
 from __future__ import annotations
 
 import functools
-import json
 import os
-import shutil
 
 import pytest
 import torch
@@ -30,7 +28,13 @@ from ferrox.layers.quant.method import use_quant_config
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tests.helpers.hf_reference import reference_forced, reference_greedy
+from tests.helpers.quant_checkpoints import (
+    PROJ,
+    calibrate_input_amax,
+    reference_forced,
+    reference_greedy,
+    write_checkpoint,
+)
 from tests.helpers.tiny_models import make_tiny_llama
 
 # transformers 5 renames past_key_values; the old name keeps the reference loop working on 4.x too.
@@ -39,7 +43,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarnin
 FP8 = torch.float8_e4m3fn
 PROMPTS = [[5, 9, 33, 7, 100, 41], list(range(40, 53)), [17]]  # [17]: a one-token prefill
 NEW_TOKENS = 8
-PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MERGED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 # Static input scales differ between a merged layer's shards (calibrated on the same input, they
 # would not), so the test sees which one the engine takes: the largest.
@@ -83,42 +86,12 @@ def float_weights(float_folder) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def input_amax(float_folder) -> dict[str, float]:
     """Calibration: each projection's largest input over the test prompts, in the float model."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(float_folder, dtype=torch.float32).eval()
-    amax: dict[str, float] = {}
-
-    def record(name, module, args):
-        amax[name] = max(amax.get(name, 0.0), float(args[0].abs().max()))
-
-    for name, module in model.named_modules():
-        if name.endswith(PROJ):
-            module.register_forward_pre_hook(functools.partial(record, name))
-    with torch.inference_mode():
-        for prompt in PROMPTS:
-            model(torch.tensor([prompt]))
-    return amax
+    return calibrate_input_amax(float_folder, PROMPTS)
 
 
 def static_input_scales(input_amax: dict[str, float]) -> dict[str, float]:
     return {name: amax / 448.0 * INPUT_SCALE_FACTOR.get(name.rsplit(".", 1)[1], 1.0)
             for name, amax in input_amax.items()}
-
-
-def write_checkpoint(float_folder: str, folder, quantization_config: dict, tensors: dict[str, torch.Tensor]) -> str:
-    """The float folder's tokenizer and config, with `quantization_config` and `tensors` as weights."""
-    folder = str(folder)
-    os.makedirs(folder, exist_ok=True)
-    for name in os.listdir(float_folder):
-        if not name.endswith(".safetensors") and name != "config.json":
-            shutil.copy(os.path.join(float_folder, name), folder)
-    with open(os.path.join(float_folder, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = quantization_config
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(config, f)
-    save_file(tensors, os.path.join(folder, "model.safetensors"))
-    return folder
 
 
 def quantized_tensors(float_weights, *, per_row: bool, input_scale: dict[str, float] | None = None,

@@ -29,9 +29,7 @@ from ferrox.loader.source import resolve_model
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tests.helpers.hf_reference import reference_forced, reference_greedy
 from tests.helpers.int8_checkpoints import (
-    calibrate_input_amax,
     fake_quantize,
     int8_config,
     int8_tensors,
@@ -39,6 +37,11 @@ from tests.helpers.int8_checkpoints import (
     packed_int8_tensors,
     quantize_weight,
     reference_model,
+)
+from tests.helpers.quant_checkpoints import (
+    calibrate_input_amax,
+    reference_forced,
+    reference_greedy,
     write_checkpoint,
 )
 from tests.helpers.tiny_models import make_tiny_llama
