@@ -18,14 +18,12 @@ Written from the format's description, independently of ferrox's loader and runn
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
-from tests.helpers.quant_checkpoints import PROJ
+from tests.helpers.quant_checkpoints import PROJ, dequantized_reference
 
-MERGED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 INT8_ARGS = {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "block_structure": None,
              "actorder": None, "observer": "minmax", "observer_kwargs": {}}
 
@@ -119,26 +117,7 @@ def reference_model(float_folder: str, tensors: dict[str, torch.Tensor], activat
     """transformers (float32) with the dequantized projections of `tensors` and their inputs rounded
     through int8: activations "token", "tensor" (dynamic, over the step's whole input), "static"
     (the checkpoint's input scales, a merged layer's largest) or None (weight-only)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(float_folder, dtype=torch.float32).eval()
-    static: dict[str, float] = {}
-    for name, value in tensors.items():
-        if name.endswith(".input_scale"):
-            layer, proj = name.rsplit(".", 1)[0].rsplit(".", 1)
-            key = f"{layer}.{MERGED.get(proj, proj)}"
-            static[key] = max(static.get(key, 0.0), float(value))
-    for name, module in model.named_modules():
-        if not name.endswith(PROJ):
-            continue
-        scale = tensors[f"{name}.weight_scale"].float()
-        module.weight.data = tensors[f"{name}.weight"].float() * (scale if scale.numel() > 1 else scale.reshape(()))
-        if activations is not None:
-            layer, proj = name.rsplit(".", 1)
-            s = static[f"{layer}.{MERGED.get(proj, proj)}"] if activations == "static" else None
-            module.register_forward_pre_hook(functools.partial(_quantized_input, s, activations == "token"))
-    return model
-
-
-def _quantized_input(scale: float | None, per_token: bool, module, args):
-    return (fake_quantize(args[0], scale, per_token),)
+    if activations is None:
+        return dequantized_reference(float_folder, tensors)
+    return dequantized_reference(float_folder, tensors, lambda x, static: fake_quantize(
+        x, static if activations == "static" else None, activations == "token"))

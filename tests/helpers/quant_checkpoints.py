@@ -13,6 +13,7 @@ import shutil
 import torch
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MERGED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 
 
 def write_checkpoint(float_folder: str, folder, quantization_config: dict, tensors: dict[str, torch.Tensor]) -> str:
@@ -50,6 +51,37 @@ def calibrate_input_amax(float_folder: str, prompts: list[list[int]]) -> dict[st
         for prompt in prompts:
             model(torch.tensor([prompt]))
     return amax
+
+
+def dequantized_reference(float_folder: str, tensors: dict[str, torch.Tensor], quantize_input=None):
+    """transformers (float32) with every projection's weight = `weight` * `weight_scale` of `tensors`
+    and, given quantize_input(x, static_scale), each projection's input rounded by it. static_scale
+    is the checkpoint's `input_scale` for that projection -- a merged layer (q/k/v, gate/up) reads one
+    input, so the largest of its shards', as the engines take it -- or None where none is stored."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(float_folder, dtype=torch.float32).eval()
+    static: dict[str, float] = {}
+    for name, value in tensors.items():
+        if name.endswith(".input_scale"):
+            layer, proj = name.rsplit(".", 1)[0].rsplit(".", 1)
+            key = f"{layer}.{MERGED.get(proj, proj)}"
+            static[key] = max(static.get(key, 0.0), float(value))
+    for name, module in model.named_modules():
+        if not name.endswith(PROJ):
+            continue
+        scale = tensors[f"{name}.weight_scale"].float()
+        codes = tensors[f"{name}.weight"].float()
+        module.weight.data = codes * (scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(()))
+        if quantize_input is not None:
+            layer, proj = name.rsplit(".", 1)
+            s = static.get(f"{layer}.{MERGED.get(proj, proj)}")
+            module.register_forward_pre_hook(functools.partial(_rounded_input, quantize_input, s))
+    return model
+
+
+def _rounded_input(quantize_input, static_scale: float | None, module, args):
+    return (quantize_input(args[0], static_scale),)
 
 
 @torch.inference_mode()

@@ -11,7 +11,6 @@ Greedy tokens must then be identical and logprobs equal to float32 rounding.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import pytest
@@ -31,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from tests.helpers.quant_checkpoints import (
     PROJ,
     calibrate_input_amax,
+    dequantized_reference,
     reference_forced,
     reference_greedy,
     write_checkpoint,
@@ -43,7 +43,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarnin
 FP8 = torch.float8_e4m3fn
 PROMPTS = [[5, 9, 33, 7, 100, 41], list(range(40, 53)), [17]]  # [17]: a one-token prefill
 NEW_TOKENS = 8
-MERGED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 # Static input scales differ between a merged layer's shards (calibrated on the same input, they
 # would not), so the test sees which one the engine takes: the largest.
 INPUT_SCALE_FACTOR = {"k_proj": 1.5, "v_proj": 2.0, "up_proj": 1.75}
@@ -119,30 +118,10 @@ def reference_model(float_folder: str, tensors: dict[str, torch.Tensor], activat
     """transformers with the dequantized projections of `tensors`; activations: "token" (dynamic per
     token), "static" (the checkpoint's input scales, the largest of a merged layer's shards), or
     "weight-only"."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(float_folder, dtype=torch.float32).eval()
-    static: dict[str, float] = {}
-    for name, value in tensors.items():
-        if name.endswith(".input_scale"):
-            layer, proj = _module(name).rsplit(".", 1)
-            key = f"{layer}.{MERGED.get(proj, proj)}"
-            static[key] = max(static.get(key, 0.0), float(value))
-    for name, module in model.named_modules():
-        if not name.endswith(PROJ):
-            continue
-        scale = tensors[f"{name}.weight_scale"].float()
-        codes = tensors[f"{name}.weight"].float()
-        module.weight.data = codes * (scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(()))
-        if activations != "weight-only":
-            layer, proj = name.rsplit(".", 1)
-            s = static[f"{layer}.{MERGED.get(proj, proj)}"] if activations == "static" else None
-            module.register_forward_pre_hook(functools.partial(_w8a8_input, s))
-    return model
-
-
-def _w8a8_input(static: float | None, module, args):
-    return (fake_quantize(args[0], None if static is None else torch.tensor(static)),)
+    if activations == "weight-only":
+        return dequantized_reference(float_folder, tensors)
+    return dequantized_reference(float_folder, tensors, lambda x, static: fake_quantize(
+        x, torch.tensor(static) if activations == "static" else None))
 
 
 def engine_greedy(llm: LLM) -> list[tuple[list[int], list[float]]]:
