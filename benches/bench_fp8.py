@@ -3,6 +3,7 @@ and then the fp8 one (`quantization="fp8"`: online E4M3, per-channel scales) in 
 
     python benches/bench_fp8.py                    # (a) batch-1 decode, (b) 1000 x (256 in, 256 out)
     python benches/bench_fp8.py --sweep-gemv       # first, a launch-config sweep of the fp8 GEMVs
+    python benches/bench_fp8.py --weights bf16,fp8,int8   # also an int8 W8A8 checkpoint (compressed-tensors)
 
 (a) Batch-1 decode: the median engine step (host wall time, CUDA graphs) while one request of a
     32-token prompt writes 128 tokens, next to the floor of each model: the bytes a step must read
@@ -13,7 +14,11 @@ and then the fp8 one (`quantization="fp8"`: online E4M3, per-channel scales) in 
 (b) Throughput: 1000 prompts of 256 random token ids, 256 output tokens each (ignore_eos), all
     submitted at once; output tokens/s, bf16 vs fp8. Target: fp8 >= 1.3x bf16.
 
-Both engines get the same KV cache (--kv-cache-gib), so the comparison is the weights' and not the
+`--weights ...,int8` adds a third engine: the same model as a compressed-tensors "int-quantized"
+checkpoint (int8 weights with per-channel scales, int8 activations per token, dynamic; dummy
+weights), whose floor is fp8's (one byte a weight plus its row scales).
+
+The engines get the same KV cache (--kv-cache-gib), so the comparison is the weights' and not the
 cache's, and a first engine not fully released cannot starve the second. Prints a table, then the
 figures (the two ratios) last. About 4-6 minutes on an H200.
 """
@@ -47,6 +52,18 @@ def fp8_weight_bytes_read(config: dict[str, Any], batch: int = 1) -> int:
     proj_rows = (heads + 2 * kv_heads) * head_dim + hidden + 2 * inter + hidden
     bf16 = floor.weight_bytes_read(config, batch, dtype_bytes=2)
     return bf16 - layers * proj_params * (2 - 1) + layers * proj_rows * 4 + batch * hidden * 2
+
+
+# llm-compressor's W8A8 int8 layout (layers/quant/compressed_tensors_int8.py): per-channel weight
+# scales, per-token dynamic activations, the LM head left in bf16.
+INT8_W8A8 = {
+    "quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
+    "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True, "dynamic": False},
+        "input_activations": {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True,
+                              "dynamic": True}}},
+}
 
 
 def make_llm(model_dir: str, args: argparse.Namespace, **kw: Any) -> Any:
@@ -148,13 +165,13 @@ def sweep_gemv(config: dict[str, Any], only: set[str] | None = None) -> list[dic
 
 
 def sweep_dot_gemv(config: dict[str, Any]) -> list[dict[str, Any]]:
-    """The tensor-core split-K fp8 product (kernels/fp8_dot_gemv.py) at the model's decode shapes, as
+    """The tensor-core split-K fp8 product (kernels/w8a8_dot_gemv.py) at the model's decode shapes, as
     the one-token path calls them (norm + SiLU for gate_up, the residual for o_proj and down), over
     its launch configs, next to gemv.py's CUDA-core fp8 kernel and the bf16 one in the same run."""
     import torch
     from bench_gemv import graph_ms
-    from ferrox.kernels.fp8_dot_gemv import DotGemvConfig, choose_dot_config, fp8_dot_gemv
     from ferrox.kernels.gemv import gemv
+    from ferrox.kernels.w8a8_dot_gemv import DotGemvConfig, choose_dot_config, w8a8_dot_gemv
     from ferrox.layers.quant.fp8_linear import quantize_per_row
 
     hidden, inter = config["hidden_size"], config["intermediate_size"]
@@ -186,14 +203,14 @@ def sweep_dot_gemv(config: dict[str, Any]) -> list[dict[str, Any]]:
                             continue
                         cfg = DotGemvConfig(block_n, block_k, split, warps, stages)
                         try:
-                            ms = graph_ms([partial(fp8_dot_gemv, x[k], w, s, config=cfg, **kw) for w, s in ws])
+                            ms = graph_ms([partial(w8a8_dot_gemv, x[k], w, s, config=cfg, **kw) for w, s in ws])
                         except Exception as e:  # out of shared memory for this tile and stage count
                             print(f"{name} {cfg}: {type(e).__name__}", flush=True)
                             continue
                         results.append((ms, cfg))
         results.sort(key=lambda r: r[0])
         chosen = choose_dot_config(n_out, k, sms)
-        chosen_ms = graph_ms([partial(fp8_dot_gemv, x[k], w, s, config=chosen, **kw) for w, s in ws])
+        chosen_ms = graph_ms([partial(w8a8_dot_gemv, x[k], w, s, config=chosen, **kw) for w, s in ws])
         gb = n * k / 1e9
         rows.append({"shape": name, "bf16_us": bf16_ms * 1e3, "fp8_cuda_core_us": cuda_core_ms * 1e3,
                      "fp8_cuda_core_tbps": gb / cuda_core_ms, "best": str(results[0][1]),
@@ -216,7 +233,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=512)
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--kv-cache-gib", type=float, default=40.0, help="the same KV cache for both engines")
+    parser.add_argument("--kv-cache-gib", type=float, default=40.0, help="the same KV cache for every engine")
+    parser.add_argument("--weights", default="bf16,fp8",
+                        help="engines to run, in order: a comma list of bf16, fp8, int8 (bf16 and fp8 required)")
     parser.add_argument("--sweep-gemv", action="store_true", help="also sweep the fp8 GEMV launch configs")
     parser.add_argument("--sweep-shapes", default=None,
                         help="with --sweep-gemv: a comma list of the shapes to sweep (qkv, o_proj, gate_up+silu, down)")
@@ -250,12 +269,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     read_gbps = floor.measure_read_bandwidth_gbps()
     context = args.decode_input_len + args.decode_output_len // 2
     kv_bytes = floor.kv_bytes_read(config, context, 1, dtype_bytes=2)
+    one_byte_ms = (fp8_weight_bytes_read(config) + kv_bytes) / (read_gbps * 1e6)
     floors_ms = {"bf16": floor.decode_bytes(config, context, 1, dtype_bytes=2) / (read_gbps * 1e6),
-                 "fp8": (fp8_weight_bytes_read(config) + kv_bytes) / (read_gbps * 1e6)}
+                 "fp8": one_byte_ms, "int8": one_byte_ms}
+    engines = {"bf16": (model_dir, {}), "fp8": (model_dir, {"quantization": "fp8"}),
+               "int8": (bench_setup.make_model_dir(args.config, quantization_config=INT8_W8A8), {})}
+    names = args.weights.split(",")
+    if not {"bf16", "fp8"} <= set(names) or not set(names) <= set(engines):
+        raise SystemExit(f"--weights {args.weights!r}: a comma list of {', '.join(engines)} with bf16 and fp8")
     result["read_bandwidth_gbps"] = round(read_gbps, 1)
-    for name, kw in (("bf16", {}), ("fp8", {"quantization": "fp8"})):
+    for name in names:
+        folder, kw = engines[name]
         start = time.perf_counter()
-        llm = make_llm(model_dir, args, **kw)
+        llm = make_llm(folder, args, **kw)
         ready_s = time.perf_counter() - start
         step = decode_step_ms(llm, max_id, args.decode_input_len, args.decode_output_len, args.decode_iters)
         tput = throughput(llm, max_id, args.num_prompts, args.input_len, args.output_len)
@@ -281,10 +307,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"| weights | batch-1 decode step ms | floor ms | step / floor | {args.num_prompts} x ({args.input_len} in, "
           f"{args.output_len} out) output tok/s | total tok/s | start-up s |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    for name in ("bf16", "fp8"):
+    for name in names:
         r = result[name]
         print(f"| {name} | {r['decode_step_ms']:.2f} | {r['floor_ms']:.2f} | {r['step_over_floor']:.2f} "
               f"| {r['output_tokens_per_s']:.0f} | {r['total_tokens_per_s']:.0f} | {r['startup_s']:.0f} |")
+    if "int8" in result:
+        int8 = result["int8"]
+        print(f"int8 decode step {int8['decode_step_ms']:.2f} ms = {int8['step_over_floor']:.2f}x its floor, "
+              f"{bf16['decode_step_ms'] / int8['decode_step_ms']:.2f}x faster than bf16; throughput "
+              f"{int8['output_tokens_per_s'] / bf16['output_tokens_per_s']:.2f}x bf16")
     print(f"fp8 decode step {fp8['decode_step_ms']:.2f} ms = {fp8['step_over_floor']:.2f}x its floor (target <= 1.2), "
           f"{result['decode_speedup']:.2f}x faster than bf16 (target >= 1.8); throughput {result['throughput_ratio']:.2f}x "
           f"bf16 (target >= 1.3)")

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import triton
-from ferrox.kernels import fp8_dot_gemv, fused_moe, gemv, int4_matmul, paged_attention
+from ferrox.kernels import fused_moe, gemv, int4_matmul, paged_attention, w8a8_dot_gemv
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -162,13 +162,13 @@ def cases() -> list[Case]:
                 moe_cfg.num_warps, 8 * moe_cfg.down_rows * moe_cfg.down_block_k, 2.0)
 
     def dot8(name, n_out, k, *, silu=False, norm=False):
-        cfg = fp8_dot_gemv.choose_dot_config(n_out, k, 132)
+        cfg = w8a8_dot_gemv.choose_dot_config(n_out, k, 132)
         flags = dict(NORM=norm, HAS_BIAS=False, SILU_MUL=silu, HAS_RESIDUAL=not silu, STATIC=False,
-                     SPLIT=cfg.split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_X=gemv.token_stats_block(k))
+                     INT8=False, SPLIT=cfg.split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_X=gemv.token_stats_block(k))
         types = {"out_ptr": "*bf16", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "bias_ptr": "*bf16",
                  "x_ptr": "*bf16", "res_ptr": "*bf16", "norm_w_ptr": "*bf16", "in_scale_ptr": "*fp32",
                  "part_ptr": "*fp32", "count_ptr": "*i32", "eps": "fp32"}
-        return Case(f"{name} ({cfg.block_n} rows x {cfg.block_k}, split {cfg.split})", fp8_dot_gemv._fp8_dot_gemv_kernel,
+        return Case(f"{name} ({cfg.block_n} rows x {cfg.block_k}, split {cfg.split})", w8a8_dot_gemv._w8a8_dot_gemv_kernel,
                     types, flags, cfg.num_warps, cfg.block_n * cfg.block_k * (2 if silu else 1), 1.0,
                     cfg.num_stages - 1, cfg.num_stages)
 

@@ -216,7 +216,7 @@ def test_fp8_linear_on_cuda(cuda_device, seed, activations):
     for rows in (1, 2, 33, 512):
         x = torch.randn(rows, k, device=cuda_device, dtype=torch.bfloat16)
         xin = x.double()
-        if activations != "weight-only":  # W8A8 at every row count (one row: fp8_dot_gemv.py)
+        if activations != "weight-only":  # W8A8 at every row count (one row: w8a8_dot_gemv.py)
             scale = static
             if activations == "dynamic-tensor":
                 scale = (x.float().abs().amax() / 448).reshape(1)

@@ -8,9 +8,10 @@ writes float32 logits (cuBLAS + a cast are two, plus split-K). Larger batches ke
 path: cuBLAS GEMMs reuse each weight tile across rows.
 
 The layers come from the model (`OneTokenLayer`); a model whose layers do not fit the fused
-kernels passes none and still gets the one-row lm_head. FP8 projections (layers/quant/fp8.py)
-run the same kernels: their weight is float8 and their `weight_scale` rows go to the kernel's
-epilogue. int4 projections (AWQ / GPTQ: layers/quant/int4_pack.py, whose runner `Linear.quant`
+kernels passes none and still gets the one-row lm_head. FP8 and int8 projections
+(layers/quant/fp8.py, compressed_tensors_int8.py) run the same kernels: their weight is float8 or
+int8 and their `weight_scale` rows go to the kernel's epilogue (W8A8 ones in w8a8_dot_gemv.py and
+the qkv kernel's quantizing variant). int4 projections (AWQ / GPTQ: layers/quant/int4_pack.py, whose runner `Linear.quant`
 holds the packed weight) run the int4 GEMV (kernels/int4_matmul.py) with the same prologue and
 epilogues: the input norm, the bias, SiLU(gate) * up, the residual. It has no rotary epilogue (a
 program would need both halves of its rotary pairs, two row sets as gemv.py's qkv kernel streams),
@@ -46,12 +47,12 @@ from ferrox.attention.decode_path import (
     fused_decode_enabled,
 )
 from ferrox.attention.metadata import AttentionMetadata
-from ferrox.kernels.fp8_dot_gemv import fp8_dot_gemv
 from ferrox.kernels.fused_moe import fused_moe, fused_moe_from_logits, route_top_k
 from ferrox.kernels.gemv import gemv, qkv_rope_gemv
 from ferrox.kernels.int4_matmul import Int4Weights, int4_gemv
 from ferrox.kernels.qk_norm_rope import qk_norm_rope_cache
 from ferrox.kernels.rmsnorm import rms_norm
+from ferrox.kernels.w8a8_dot_gemv import w8a8_dot_gemv
 
 if TYPE_CHECKING:
     from ferrox.attention.backend import AttentionBackend
@@ -94,7 +95,7 @@ class FusedOneTokenDecode(DecodePath):
         kv_scale = layer.kv_scales.scales if layer.kv_scales is not None else None
         qkv_proj = layer.qkv_proj
         if layer.q_norm is None and _int4_weights(qkv_proj) is None:
-            w8a8, input_scale = _fp8_activations(qkv_proj)
+            w8a8, input_scale = _w8a8_activations(qkv_proj)
             q = qkv_rope_gemv(h, qkv_proj.weight, qkv_proj.bias, norm_weight=layer.input_norm.weight,
                               eps=layer.input_norm.eps, rope_row=rope_row, slot_mapping=meta.slot_mapping,
                               kv_cache=kv_cache, num_q_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
@@ -162,29 +163,30 @@ class FusedOneTokenDecode(DecodePath):
 def _project(x: torch.Tensor, proj: ProjWeights, bias: torch.Tensor | None, *, norm: NormWeights | None = None,
              silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
     """proj(norm(x)) + bias [-> silu(gate) * up] [+ residual] for one token, in the kernel of the
-    projection's weight: int4 (kernels/int4_matmul.py), fp8 with fp8 activations (tensor cores,
-    kernels/fp8_dot_gemv.py), float or weight-only fp8 (kernels/gemv.py)."""
+    projection's weight: int4 (kernels/int4_matmul.py), fp8 or int8 with quantized activations
+    (tensor cores, kernels/w8a8_dot_gemv.py), float or weight-only fp8 / int8 (kernels/gemv.py)."""
     norm_weight, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
     packed = _int4_weights(proj)
     if packed is not None:  # (validated once, by the runner; the layer's shapes are fixed)
         return int4_gemv(x, packed, bias, validate=False, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul,
                          residual=residual)
-    w8a8, input_scale = _fp8_activations(proj)
+    w8a8, input_scale = _w8a8_activations(proj)
     weight_scale = _weight_scale(proj)
     if w8a8 and weight_scale is not None:
-        return fp8_dot_gemv(x, proj.weight, weight_scale, bias, norm_weight=norm_weight, eps=eps,
-                            silu_mul=silu_mul, residual=residual, input_scale=input_scale)
+        return w8a8_dot_gemv(x, proj.weight, weight_scale, bias, norm_weight=norm_weight, eps=eps,
+                             silu_mul=silu_mul, residual=residual, input_scale=input_scale)
     return gemv(x, proj.weight, bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul, residual=residual,
                 weight_scale=weight_scale)
 
 
 def _weight_scale(proj: ProjWeights) -> torch.Tensor | None:
-    """The per-row float32 scales of an fp8 projection (layers/quant/fp8.py), None for a float one."""
+    """The per-row float32 scales of an fp8 or int8 projection (layers/quant/fp8.py), None for a float
+    one."""
     return getattr(proj, "weight_scale", None)
 
 
-def _fp8_activations(proj: ProjWeights) -> tuple[bool, torch.Tensor | None]:
-    """(whether an fp8 projection quantizes its one-token input too, its static input scale or None);
+def _w8a8_activations(proj: ProjWeights) -> tuple[bool, torch.Tensor | None]:
+    """(whether an fp8 / int8 projection quantizes its one-token input too, its static input scale or None);
     (False, None) for every other weight. (Duck-typed, as `_int4_weights`.)"""
     w8a8 = getattr(getattr(proj, "quant", None), "one_token_w8a8", None)
     return w8a8() if w8a8 is not None else (False, None)

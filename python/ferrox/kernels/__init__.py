@@ -18,8 +18,9 @@ under the Triton interpreter at tiny shapes and on the GPU at Llama-3.1-8B shape
 - int8_gemm.py          int8 W8A8: int8 tensor-core GEMM, exact int32 sums, scales in the epilogue
 - fused_moe.py / lora.py  grouped expert matmuls, the one-token expert GEMVs and top-k routing; LoRA
                         shrink/expand
-- fp8_dot_gemv.py       FP8 one-token products on tensor cores (W8A8), split over K (split_k.py: the
-                        last-arriving program per row block finishes the sum)
+- w8a8_dot_gemv.py      FP8 and int8 one-token products on tensor cores (W8A8), split over K (split_k.py:
+                        the last-arriving program per row block finishes the sum)
+- int8_codes.py         int8 activation codes as vLLM rounds them (shared by the quantizing kernels)
 - token_bitmask.py      a grammar's allow-bits applied to the constrained rows' logits in one launch
 - seeded_uniforms.py    the seeded rows' uniforms of a step in one launch (Philox at seed, steps sampled)
 - pdl.py                programmatic dependent launch (Hopper) for the one-token kernels: a kernel starts

@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ferrox.kernels.int8_codes import int8_code, int8_scale
 from ferrox.kernels.kv_fp8 import unit_kv_scales
 from ferrox.kernels.pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ferrox.kernels.reshape_and_cache import store_head_kv
@@ -91,7 +92,7 @@ def _norm_tile(h, g, rstd, NORM: tl.constexpr):
 
 @triton.jit
 def _normed_input(x_ptr, norm_w_ptr, cols, kmask, rstd, NORM: tl.constexpr):
-    """The W8A8 kernels' input tile (fp8_dot_gemv.py, the qkv kernel here): `_norm_tile` of the
+    """The W8A8 kernels' input tile (w8a8_dot_gemv.py, the qkv kernel here): `_norm_tile` of the
     K-tile `cols`."""
     h = tl.load(x_ptr + cols, mask=kmask, other=0.0)
     g = h
@@ -117,12 +118,12 @@ def _rms_rstd(x_ptr, K, eps, NORM: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _token_stats(x_ptr, norm_w_ptr, in_scale_ptr, K, eps, NORM: tl.constexpr, STATIC: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    """(rstd, the fp8 scale of the normed input) for the W8A8 kernels' prologue: the RMSNorm
+                 INT8: tl.constexpr, BLOCK: tl.constexpr):
+    """(rstd, the fp8 or int8 scale of the normed input) for the W8A8 kernels' prologue: the RMSNorm
     statistic (1 without NORM), then the scale as fp8_linear.py's activation quantizer takes it
-    (the token's absmax / 448, or the static input scale). Every program pays this before its
-    first MMA, so a token that fits one BLOCK is read once (one L2 round trip for both); a longer
-    one in two passes of BLOCK tiles."""
+    (the token's absmax / 448, or / 127 with INT8; or the static input scale). Every program pays
+    this before its first MMA, so a token that fits one BLOCK is read once (one L2 round trip for
+    both); a longer one in two passes of BLOCK tiles."""
     if STATIC:
         return _rms_rstd(x_ptr, K, eps, NORM, BLOCK), tl.load(in_scale_ptr)
     if K <= BLOCK:
@@ -143,7 +144,11 @@ def _token_stats(x_ptr, norm_w_ptr, in_scale_ptr, K, eps, NORM: tl.constexpr, ST
             cols = k0 + tl.arange(0, BLOCK)
             amax_tile = tl.maximum(amax_tile, tl.abs(_normed_input(x_ptr, norm_w_ptr, cols, cols < K, rstd, NORM)))
         amax = tl.max(amax_tile)
-    return rstd, tl.maximum(amax, 1e-12) / 448.0
+    if INT8:
+        x_scale = int8_scale(amax, 1e-12)
+    else:
+        x_scale = tl.maximum(amax, 1e-12) / 448.0
+    return rstd, x_scale
 
 
 @triton.jit
@@ -291,6 +296,7 @@ def _qkv_rope_kernel(
     HAS_W_SCALE: tl.constexpr,
     W8A8: tl.constexpr,  # the input rounded through fp8 first, as the layer's other kernels take it
     STATIC: tl.constexpr,
+    INT8: tl.constexpr,  # W8A8 with an int8 weight: int8 codes, int32 sums (exact, as the int8 GEMM's)
     BLOCK_P: tl.constexpr,  # rotary pairs (d, d + HEAD_DIM / 2) per program
     BLOCK_K: tl.constexpr,
     BLOCK_X: tl.constexpr,  # W8A8: the token statistics' tile (token_stats_block)
@@ -307,8 +313,12 @@ def _qkv_rope_kernel(
     rows = head * HEAD_DIM + pairs
     w_lo = w_ptr + rows.to(tl.int64)[:, None] * stride_w
     w_hi = w_lo + HALF * stride_w
-    acc_lo = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32)
-    acc_hi = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32)
+    if INT8:
+        acc_lo = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.int32)
+        acc_hi = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.int32)
+    else:
+        acc_lo = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32)
+        acc_hi = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32)
     sq = tl.zeros([BLOCK_K], dtype=tl.float32)
     # The first weight tiles are requested before waiting for the previous kernel (pdl.py).
     cols = tl.arange(0, BLOCK_K)
@@ -316,23 +326,28 @@ def _qkv_rope_kernel(
     pdl_wait(USE_PDL)
     rstd, x_scale = 1.0, 1.0
     if W8A8:
-        rstd, x_scale = _token_stats(x_ptr, norm_w_ptr, in_scale_ptr, K, eps, NORM, STATIC, BLOCK_X)
+        rstd, x_scale = _token_stats(x_ptr, norm_w_ptr, in_scale_ptr, K, eps, NORM, STATIC, INT8, BLOCK_X)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         kmask = cols < K
-        if W8A8:  # the value of the input's fp8 code (its scale applies to the row sums)
-            xin = _fp8_code(_normed_input(x_ptr, norm_w_ptr, cols, kmask, rstd, NORM), x_scale).to(tl.float32)
-        else:
-            xin, h = _input_tile(x_ptr, norm_w_ptr, cols, kmask, NORM)
-            if NORM:
-                sq += h * h
         if k0 > 0:
             wl, wh = _pair_tiles(w_lo, w_hi, cols, kmask)
-        acc_lo += wl.to(tl.float32) * xin[None, :]
-        acc_hi += wh.to(tl.float32) * xin[None, :]
+        if INT8:  # int8 products summed in int32 (sign-extending a byte is cheaper than widening it to fp32)
+            xq = int8_code(_normed_input(x_ptr, norm_w_ptr, cols, kmask, rstd, NORM), x_scale).to(tl.int32)
+            acc_lo += wl.to(tl.int32) * xq[None, :]
+            acc_hi += wh.to(tl.int32) * xq[None, :]
+        else:
+            if W8A8:  # the value of the input's fp8 code (its scale applies to the row sums)
+                xin = _fp8_code(_normed_input(x_ptr, norm_w_ptr, cols, kmask, rstd, NORM), x_scale).to(tl.float32)
+            else:
+                xin, h = _input_tile(x_ptr, norm_w_ptr, cols, kmask, NORM)
+                if NORM:
+                    sq += h * h
+            acc_lo += wl.to(tl.float32) * xin[None, :]
+            acc_hi += wh.to(tl.float32) * xin[None, :]
     if W8A8:  # the norm's rstd is in the codes already
         lo, hi = _paired_row_sums(acc_lo, acc_hi, sq, K, eps, False)
-        lo, hi = lo * x_scale, hi * x_scale
+        lo, hi = lo.to(tl.float32) * x_scale, hi.to(tl.float32) * x_scale
     else:
         lo, hi = _paired_row_sums(acc_lo, acc_hi, sq, K, eps, NORM)
     if HAS_W_SCALE:
@@ -411,8 +426,8 @@ def _check_input(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tenso
         raise ValueError("gemv needs a row-major weight [N, K]")
     if norm_weight is not None and norm_weight.shape != (k,):
         raise ValueError(f"norm weight must be [{k}], got {tuple(norm_weight.shape)}")
-    if weight.dtype == torch.float8_e4m3fn and weight_scale is None:
-        raise ValueError("an fp8 weight needs its per-row weight_scale")
+    if weight.dtype in (torch.float8_e4m3fn, torch.int8) and weight_scale is None:
+        raise ValueError(f"an {weight.dtype} weight needs its per-row weight_scale")
     if weight_scale is not None and (weight_scale.dtype != torch.float32 or weight_scale.shape != weight.shape[:1]
                                      or weight_scale.stride(0) != 1):
         raise ValueError(f"weight_scale must be contiguous float32 [{weight.shape[0]}], got "
@@ -486,11 +501,12 @@ def qkv_rope_gemv(
     ([cos | sin] float32, head_dim wide); k and v go into kv_cache [2, blocks, block_size, Hkv, D]
     at slot_mapping[0] (-1: nowhere); an FP8 cache stores them divided by kv_scale, float32
     (k_scale, v_scale) (None: 1.0). Returns q [1, Hq, D]. An fp8 weight comes with
-    weight_scale, float32 [rows] (as gemv); with w8a8 the normed input is rounded through fp8 too,
-    per token or by the static input_scale (float32 [1]), as fp8_dot_gemv.py quantizes it."""
+    weight_scale, float32 [rows] (as gemv), and so does an int8 one; with w8a8 the normed input is
+    rounded through the weight's format too (fp8 or int8), per token or by the static input_scale
+    (float32 [1]), as w8a8_dot_gemv.py quantizes it."""
     k = _check_input(x, weight, norm_weight, weight_scale)
-    if w8a8 and weight.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"w8a8 needs a float8_e4m3fn weight, got {weight.dtype}")
+    if w8a8 and weight.dtype not in (torch.float8_e4m3fn, torch.int8):
+        raise ValueError(f"w8a8 needs a float8_e4m3fn or int8 weight, got {weight.dtype}")
     heads = num_q_heads + 2 * num_kv_heads
     if weight.shape[0] != heads * head_dim:
         raise ValueError(f"qkv weight has {weight.shape[0]} rows, expected {heads} heads x {head_dim}")
@@ -511,7 +527,8 @@ def qkv_rope_gemv(
         num_q_heads, num_kv_heads, kv_cache.shape[2], kv_cache.stride(0), kv_cache.stride(1),
         kv_cache.stride(2), kv_cache.stride(3),
         HEAD_DIM=head_dim, NORM=norm_weight is not None, HAS_BIAS=bias is not None,
-        HAS_W_SCALE=weight_scale is not None, W8A8=w8a8, STATIC=input_scale is not None, BLOCK_P=block_p,
+        HAS_W_SCALE=weight_scale is not None, W8A8=w8a8, STATIC=input_scale is not None,
+        INT8=w8a8 and weight.dtype == torch.int8, BLOCK_P=block_p,
         BLOCK_K=cfg.block_k, BLOCK_X=token_stats_block(k) if w8a8 else 16, num_warps=cfg.num_warps,
         **pdl_launch(x.device),
     )

@@ -28,7 +28,7 @@ GEMVs and the qkv + rotary kernel (gemv.py, which request their first weight til
 paged attention and its split merge, Qwen3's q/k norm kernel, RMSNorm, and the one-token MoE
 kernels (routing, expert gate/up, expert down). Qwen3-30B-A3B's batch-1 step, ~480 short launches,
 went 2.76 -> 2.51 ms; a dense bf16 8B step, whose launches are long, did not move (4.19 / 4.18
-ms). Not the int4 GEMV (int4_matmul.py) nor the FP8 tensor-core product (fp8_dot_gemv.py): with
+ms). Not the int4 GEMV (int4_matmul.py) nor the FP8 tensor-core product (w8a8_dot_gemv.py): with
 PDL their steps were 9% and 7% slower (3.03 -> 3.31, 3.28 -> 3.51 ms), with or without an L2
 prefetch of the first tile. (A likely reason: launched early, a kernel of many small programs is
 placed on whichever SMs have room as the previous one drains, not spread evenly.)

@@ -1,4 +1,4 @@
-"""Split-K for the one-token tensor-core products (fp8_dot_gemv.py, int4_dot_gemv.py): a narrow
+"""Split-K for the one-token tensor-core products (w8a8_dot_gemv.py): a narrow
 projection (o_proj, down: N = 4096 on an 8B model) has too few row blocks to fill an H200's 132
 SMs, so program (n, s) streams rows n over the s-th K range and the last program of each row block
 to arrive finishes the sum and runs the epilogue.
@@ -60,12 +60,14 @@ class _Counters:
 _COUNTERS = _Counters()
 
 
-def split_buffers(split: int, blocks: int, n_out: int, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(partial sums [split, 2, n_out] float32, arrival counters) for a launch with `blocks` row
-    blocks; with split 1 neither is read and `out` stands in for both."""
+def split_buffers(split: int, blocks: int, n_out: int, out: torch.Tensor,
+                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial sums [split, 2, n_out] in dtype -- the accumulators', float32 or int32 --, arrival
+    counters) for a launch with `blocks` row blocks; with split 1 neither is read and `out` stands
+    in for both."""
     if split == 1:
         return out, out
-    part = torch.empty(split, 2, n_out, dtype=torch.float32, device=out.device)
+    part = torch.empty(split, 2, n_out, dtype=dtype, device=out.device)
     return part, _COUNTERS.get(out.device, blocks)
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from ferrox.distributed.sharding import Weight, materialize
 from ferrox.layers.quant.compressed_tensors import ARG_FIELDS, CompressedTensorsFp8Method
@@ -71,9 +70,7 @@ class CompressedTensorsInt8Method(CompressedTensorsFp8Method):
     weight_dtype = torch.int8
     layout = "int-quantized"
     dummy_input_scale = _DUMMY_INPUT_SCALE
-    # The fused one-token kernels read fp8 / int4 / float weights only: int8 layers send the model's
-    # one-token steps through the general path (models/llama.py finalize_weights).
-    fused_decode = False
+    runner_class = Int8Linear  # (its weight and scales go to the layer as fp8's, for the fused kernels)
 
     def __init__(self, activations: str, packed: bool = False):
         if activations not in ACTIVATIONS:
@@ -102,10 +99,6 @@ class CompressedTensorsInt8Method(CompressedTensorsFp8Method):
     @staticmethod
     def _quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return quantize_int8_per_row(weight)
-
-    def _runner(self, layer: Linear, weight: torch.Tensor, scale: torch.Tensor,
-                input_scale: torch.Tensor | None = None) -> nn.Module:
-        return Int8Linear(weight, scale, activations=self.activations, input_scale=input_scale)
 
 
 # ---- the model's config ---------------------------------------------------------------------------

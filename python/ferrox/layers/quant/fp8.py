@@ -34,6 +34,7 @@ from ferrox.layers.quant.method import LinearWeightMethod, QuantConfig
 from ferrox.model_spec import UnsupportedModelError
 
 if TYPE_CHECKING:
+    from ferrox.layers.quant.int8_linear import Int8Linear
     from ferrox.model_spec import ModelSpec
 
 # load_format="dummy" for a static checkpoint: a dummy model's activations (|x| up to ~10) fit
@@ -43,8 +44,10 @@ _DUMMY_INPUT_SCALE = 1.0 / 32
 
 # ---- per-layer methods --------------------------------------------------------------------------
 class _Fp8Method(LinearWeightMethod):
-    # The fused one-token kernels read `layer.weight` (fp8) and `layer.weight_scale` (float32 rows).
+    # The fused one-token kernels read `layer.weight` (fp8, or int8 for the int8 subclass) and
+    # `layer.weight_scale` (float32 rows), and ask the runner `one_token_w8a8()`.
     fused_decode = True
+    runner_class: type[Fp8Linear] | type[Int8Linear] = Fp8Linear
 
     def __init__(self, activations: str):
         self.activations = activations
@@ -53,7 +56,7 @@ class _Fp8Method(LinearWeightMethod):
                 input_scale: torch.Tensor | None = None) -> nn.Module:
         layer.weight.data = weight  # replaces (frees) the float weight of the online method
         layer.register_buffer("weight_scale", scale, persistent=False)
-        return Fp8Linear(weight, scale, activations=self.activations, input_scale=input_scale)
+        return self.runner_class(weight, scale, activations=self.activations, input_scale=input_scale)
 
 
 class Fp8OnlineMethod(_Fp8Method):

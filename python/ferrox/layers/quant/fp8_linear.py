@@ -4,7 +4,7 @@ builds them, from a float checkpoint or an FP8 one).
 How a layer multiplies (`Fp8Linear`), W8A8 at every row count as vLLM's FP8 layers (activations
 quantized to fp8 per token, dynamic: each row's absmax maps to 448, or with the checkpoint's input
 scale, static), except for weight-only checkpoints (W8A16), whose activations stay in the model dtype:
-- One row (a batch-1 decode step): on CUDA the tensor-core split-K product (kernels/fp8_dot_gemv.py)
+- One row (a batch-1 decode step): on CUDA the tensor-core split-K product (kernels/w8a8_dot_gemv.py)
   quantizes the token inside the kernel and streams each weight byte once, the scales applied in
   its epilogue; the fused decode path (attention/fused_decode.py) runs whole decoder layers so,
   reading `layer.weight` (fp8), `layer.weight_scale` and `one_token_w8a8()`. Weight-only layers
@@ -25,9 +25,10 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from ferrox.kernels.fp8_dot_gemv import fp8_dot_gemv
 from ferrox.kernels.fp8_weight_gemm import fp8_weight_linear
 from ferrox.kernels.gemv import gemv
+from ferrox.kernels.int8_codes import int8_code, int8_scale
+from ferrox.kernels.w8a8_dot_gemv import w8a8_dot_gemv
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -57,17 +58,6 @@ def quantize_per_row(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def round_half_even(v):
-    """v rounded to the nearest integer, ties to even (C's rint, torch.round): floor, then up past
-    a half, or at a half when floor is odd. Exact for |v| < 2^22 in fp32. (libdevice's rint would
-    be one instruction, but the Triton interpreter runs no libdevice calls.)"""
-    f = tl.floor(v)
-    frac = v - f
-    odd = f - 2.0 * tl.floor(f * 0.5)  # 1.0 for an odd floor, else 0.0
-    return tl.where((frac > 0.5) | ((frac == 0.5) & (odd == 1.0)), f + 1.0, f)
-
-
-@triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, static_scale_ptr, K, stride_x, STATIC: tl.constexpr,
                           QMAX: tl.constexpr, MIN_AMAX: tl.constexpr, BLOCK_K: tl.constexpr,
                           INT8: tl.constexpr):
@@ -86,15 +76,15 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, static_scale_ptr, K, stride_x
             v = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(v))
         if INT8:
-            scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_AMAX), QMAX)
+            scale = int8_scale(tl.max(amax, axis=0), MIN_AMAX)
         else:
             scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX) / QMAX
     tl.store(scale_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         v = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-        if INT8:  # clamped first (to integers: the same result), so the rounding stays exact
-            q = round_half_even(tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -QMAX - 1.0), QMAX))
+        if INT8:
+            q = int8_code(v, scale)
         else:
             q = tl.minimum(tl.maximum(v / scale, -QMAX), QMAX)
         tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
@@ -195,7 +185,7 @@ class Fp8Linear(nn.Module):
             y = F.linear(x2.to(self.dequantized.dtype), self.dequantized).to(x.dtype)
             y = y if bias is None else y + bias
         elif rows == 1 and w8a8:
-            y = fp8_dot_gemv(x2.contiguous(), self.weight, self.weight_scale, bias, input_scale=self.input_scale)
+            y = w8a8_dot_gemv(x2.contiguous(), self.weight, self.weight_scale, bias, input_scale=self.input_scale)
         elif rows == 1:
             y = gemv(x2.contiguous(), self.weight, bias, weight_scale=self.weight_scale)
         elif not w8a8:  # weight-only FP8 (a W8A16 checkpoint, or shapes cuBLASLt refuses) in batches

@@ -6,9 +6,13 @@ Activations are quantized as vLLM quantizes them for int8 W8A8: symmetric, scale
 q = clamp(round_half_to_even(x / scale), -128, 127); weight-only checkpoints (W8A16) keep them in
 the model dtype. How a layer multiplies (`Int8Linear`):
 
-- CUDA, W8A8: the rows quantized in one Triton launch (fp8_linear.py's row quantizer, int8 variant),
-  then the Triton int8 GEMM (kernels/int8_gemm.py): tensor-core products with exact int32 sums and the
-  scales and bias in its epilogue, at every batch size. It reads the weight as stored, [N, K]
+- CUDA, W8A8, one row (a batch-1 decode step): the tensor-core split-K product that quantizes the
+  token itself (kernels/w8a8_dot_gemv.py, as FP8's), one launch; the fused decode path
+  (attention/fused_decode.py) runs whole decoder layers so, reading `layer.weight` (int8),
+  `layer.weight_scale` and `one_token_w8a8()`. Its row sums are the int8 GEMM's, to the bit.
+- CUDA, W8A8, more rows: the rows quantized in one Triton launch (fp8_linear.py's row quantizer, int8
+  variant), then the Triton int8 GEMM (kernels/int8_gemm.py): tensor-core products with exact int32
+  sums and the scales and bias in its epilogue. It reads the weight as stored, [N, K]
   row-major. (torch._int_mm, cuBLASLt's int8 GEMM, plus an epilogue launch measured ~2x slower at
   1024-4096 rows on an H200 and needs more than 16 rows: benches/RESULTS.md, twenty-fourth session.)
 - CUDA, weight-only: the fp8 weight-only kernels, which widen each 1-byte weight in registers (an
@@ -28,6 +32,7 @@ from torch import nn
 from ferrox.kernels.fp8_weight_gemm import fp8_weight_linear
 from ferrox.kernels.gemv import gemv
 from ferrox.kernels.int8_gemm import int8_gemm
+from ferrox.kernels.w8a8_dot_gemv import w8a8_dot_gemv
 from ferrox.layers.quant.fp8_linear import ACTIVATIONS, quantize_activations_triton
 
 INT8_MAX = 127.0
@@ -119,8 +124,15 @@ class Int8Linear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
     def _w8a8_cuda(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] == 1:  # (a per-tensor dynamic scale is the token's own at one row)
+            return w8a8_dot_gemv(x.contiguous(), self.weight, self.weight_scale, bias, input_scale=self.input_scale)
         xq, x_scale = quantize_int8_triton(x, self._input_scale(x))
         return int8_gemm(xq, x_scale, self.weight, self.weight_scale, bias, x.dtype)
+
+    def one_token_w8a8(self) -> tuple[bool, torch.Tensor | None]:
+        """For the fused one-token kernels: whether a one-row step quantizes its activations (per
+        token, or with the static input scale, the second value), or keeps them in the model dtype."""
+        return self.w8a8, self.input_scale
 
     def _input_scale(self, x: torch.Tensor) -> torch.Tensor | None:
         """The activations' per-tensor scale (float32 [1]), or None for per token."""

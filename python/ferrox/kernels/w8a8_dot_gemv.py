@@ -1,32 +1,36 @@
-"""FP8 one-token products on tensor cores, split over K: y = W @ x for one token, W float8 E4M3 [N, K]
-with per-row scales, x quantized to E4M3 with one per-token scale (W8A8, as the prefill path's
-torch._scaled_mm and vLLM's FP8 linear layers at every batch size).
+"""W8A8 one-token products on tensor cores, split over K: y = W @ x for one token, W float8 E4M3 or
+int8 [N, K] with per-row scales, x quantized to the weight's format with one per-token scale (as the
+batched paths quantize it: torch._scaled_mm for FP8, kernels/int8_gemm.py for int8, and vLLM's W8A8
+linear layers at every batch size).
 
-Why not gemv.py's CUDA-core loop: there every weight byte is widened e4m3 -> f16 -> f32 before its
-FMA, and the H200's conversion rate, not its memory, bounds the stream (~2-3 TB/s, benches/RESULTS.md).
-An E4M3 x E4M3 MMA takes the bytes as they are. The token is the MMA's narrow side, broadcast over
-its 16 columns ("swap AB": the weight rows are the wide side, so a program owns BLOCK_N rows and
-nothing is padded on the side that is read from memory); all 16 columns then hold the same fp32 sums,
-and a sum over them divided by 16 is exact.
+Why not gemv.py's CUDA-core loop: there every weight byte is widened (e4m3 -> f16 -> f32, int8 ->
+f32) before its FMA, and the H200's conversion rate, not its memory, bounds the stream (~2-3 TB/s,
+benches/RESULTS.md). An E4M3 x E4M3 or s8 x s8 MMA takes the bytes as they are. The token is the MMA's
+narrow side, broadcast over its 16 columns ("swap AB": the weight rows are the wide side, so a
+program owns BLOCK_N rows and nothing is padded on the side that is read from memory); all 16
+columns then hold the same sums: FP8 takes their sum over 16 (exact: a tree of equal fp32 values),
+int8 the first column (sixteen int32 sums could overflow).
 
 Hopper's FP8 MMAs (wgmma, from 64 rows per program) keep only part of each product's mantissa in
 the accumulator unless told otherwise (~1e-3 relative at K = 4096, measured); a change that small
 still moves the next layer's fp8 input codes across rounding boundaries, so the one-token path
 would drift from the batched one. max_num_imprecise_acc=0 makes Triton add each MMA's result into
 fp32 registers: exact sums, at a few adds per accumulator per K tile (the stream is memory-bound).
+int8 MMAs accumulate in int32, exactly; the split-K partials stay int32 too, so the row sum that
+reaches the epilogue is the int8 GEMM's to the bit.
 
 With 64-128 rows per program the narrow projections have too few programs for 132 SMs, so K is
 split and the last-arriving program of each row block finishes the sum (split_k.py).
 
 Prologue: each program reads the whole input from L2 (a few KB) for the RMS statistic (NORM) and
-then the normed input's per-token scale (its absmax / 448; a static input scale, from checkpoints
-with "activation_scheme": "static", as is). Each K tile of the input is then normed and quantized
+then the normed input's per-token scale (its absmax / 448 or / 127; a static input scale, from
+checkpoints with static activations, as is). Each K tile of the input is then normed and quantized
 with the roundings of the unfused path (rmsnorm.py, then fp8_linear.py's quantizer), so the fused
 and unfused one-token steps agree to the code; that costs a few operations per input element, not
 per weight.
 
-Epilogue: the weight and input scales, then gemv.py's `_store_rows` (bias, SiLU(gate) * up,
-residual, the roundings of the unfused path).
+Epilogue: the row sums in fp32 times the input and weight scales (in that order, as the int8 GEMM),
+then gemv.py's `_store_rows` (bias, SiLU(gate) * up, residual, the roundings of the unfused path).
 """
 
 from __future__ import annotations
@@ -46,29 +50,30 @@ from ferrox.kernels.gemv import (
     _token_stats,
     token_stats_block,
 )
+from ferrox.kernels.int8_codes import int8_code
 from ferrox.kernels.split_k import _merge_split_k, num_sms, split_buffers, split_for
 
 
 @triton.jit
 def _epilogue(out_ptr, x_ptr, bias_ptr, res_ptr, w_scale_ptr, y, up, x_scale, rows, rmask, n_out,
               HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    y = y * x_scale * tl.load(w_scale_ptr + rows, mask=rmask, other=0.0)
+    y = y.to(tl.float32) * x_scale * tl.load(w_scale_ptr + rows, mask=rmask, other=0.0)
     if SILU_MUL:
-        up = up * x_scale * tl.load(w_scale_ptr + n_out + rows, mask=rmask, other=0.0)
+        up = up.to(tl.float32) * x_scale * tl.load(w_scale_ptr + n_out + rows, mask=rmask, other=0.0)
     _store_rows(out_ptr, x_ptr, bias_ptr, res_ptr, y, up, rows, rmask, n_out, HAS_BIAS, SILU_MUL, HAS_RESIDUAL)
 
 
 @triton.jit
-def _fp8_dot_gemv_kernel(
+def _w8a8_dot_gemv_kernel(
     out_ptr,
-    w_ptr,  # float8 E4M3 [2 n_out (SILU_MUL) or n_out, K]
+    w_ptr,  # float8 E4M3 or int8 [2 n_out (SILU_MUL) or n_out, K]
     w_scale_ptr,  # float32 per row
     bias_ptr,
     x_ptr,  # [1, K] in the activation dtype
     res_ptr,
     norm_w_ptr,
     in_scale_ptr,  # float32 [1] (STATIC)
-    part_ptr,  # float32 [SPLIT, 2, n_out] partial sums (SPLIT > 1)
+    part_ptr,  # float32 (int32 with INT8) [SPLIT, 2, n_out] partial sums (SPLIT > 1)
     count_ptr,  # int32 per row block, zero between launches (SPLIT > 1)
     eps,
     n_out,
@@ -80,6 +85,7 @@ def _fp8_dot_gemv_kernel(
     SILU_MUL: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     STATIC: tl.constexpr,
+    INT8: tl.constexpr,  # int8 weight and codes, int32 sums (else E4M3, fp32 sums)
     SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -87,30 +93,49 @@ def _fp8_dot_gemv_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rstd, x_scale = _token_stats(x_ptr, norm_w_ptr, in_scale_ptr, K, eps, NORM, STATIC, BLOCK_X)
+    rstd, x_scale = _token_stats(x_ptr, norm_w_ptr, in_scale_ptr, K, eps, NORM, STATIC, INT8, BLOCK_X)
 
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < n_out
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-    acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    if INT8:
+        acc = tl.zeros([BLOCK_N, 16], dtype=tl.int32)
+        acc_up = tl.zeros([BLOCK_N, 16], dtype=tl.int32)
+    else:
+        acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         kmask = cols < k_hi
-        code = _fp8_code(_normed_input(x_ptr, norm_w_ptr, cols, kmask, rstd, NORM), x_scale)
+        xn = _normed_input(x_ptr, norm_w_ptr, cols, kmask, rstd, NORM)
+        if INT8:
+            code = int8_code(xn, x_scale).to(tl.int8)
+        else:
+            code = _fp8_code(xn, x_scale)
         xb = tl.broadcast_to(code[:, None], (BLOCK_K, 16))
         wmask = rmask[:, None] & kmask[None, :]
         w = tl.load(w_rows + cols[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
-        acc = tl.dot(w, xb, acc, max_num_imprecise_acc=0)  # exact fp32 sums (module docstring)
         if SILU_MUL:
             w_up = tl.load(w_rows + n_out * stride_w + cols[None, :], mask=wmask, other=0.0,
                            eviction_policy="evict_first")
-            acc_up = tl.dot(w_up, xb, acc_up, max_num_imprecise_acc=0)
-    # Every column holds the same sums (the token broadcast): their sum over 16 is exact.
-    y = tl.sum(acc, axis=1) / 16.0
-    up = tl.sum(acc_up, axis=1) / 16.0
+        if INT8:
+            acc = tl.dot(w, xb, acc, out_dtype=tl.int32)
+            if SILU_MUL:
+                acc_up = tl.dot(w_up, xb, acc_up, out_dtype=tl.int32)
+        else:
+            acc = tl.dot(w, xb, acc, max_num_imprecise_acc=0)  # exact fp32 sums (module docstring)
+            if SILU_MUL:
+                acc_up = tl.dot(w_up, xb, acc_up, max_num_imprecise_acc=0)
+    # Every column holds the same sums (the token broadcast; module docstring).
+    if INT8:
+        first = tl.arange(0, 16)[None, :] == 0
+        y = tl.sum(tl.where(first, acc, 0), axis=1)
+        up = tl.sum(tl.where(first, acc_up, 0), axis=1)
+    else:
+        y = tl.sum(acc, axis=1) / 16.0
+        up = tl.sum(acc_up, axis=1) / 16.0
 
     if SPLIT > 1:
         last, y, up = _merge_split_k(part_ptr, count_ptr, y, up, rows, rmask, n_out, pid_n, pid_k, SPLIT, SILU_MUL)
@@ -141,7 +166,7 @@ def choose_dot_config(n_out: int, k: int, num_sms: int) -> DotGemvConfig:
     return DotGemvConfig(128, 128, split_for(triton.cdiv(n_out, 128), k, num_sms, min_range=512), 4)
 
 
-def fp8_dot_gemv(
+def w8a8_dot_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
@@ -155,12 +180,13 @@ def fp8_dot_gemv(
     out_dtype: torch.dtype | None = None,
     config: DotGemvConfig | None = None,
 ) -> torch.Tensor:
-    """gemv.gemv's contract for an fp8 weight (y = W @ rms_norm(x) (+ bias) [-> silu(gate) * up]
-    [+ residual], x [1, K]), with x quantized to fp8 per token (or by the static `input_scale`,
-    float32 [1]) and the product on tensor cores. Returns y [1, N] (N / 2 with silu_mul)."""
+    """gemv.gemv's contract for an fp8 or int8 weight (y = W @ rms_norm(x) (+ bias) [-> silu(gate) *
+    up] [+ residual], x [1, K]), with x quantized to the weight's format per token (or by the static
+    `input_scale`, float32 [1]) and the product on tensor cores. Returns y [1, N] (N / 2 with
+    silu_mul)."""
+    if weight.dtype not in (torch.float8_e4m3fn, torch.int8):
+        raise ValueError(f"w8a8_dot_gemv needs a float8_e4m3fn or int8 weight, got {weight.dtype}")
     k = _check_input(x, weight, norm_weight, weight_scale)
-    if weight.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"fp8_dot_gemv needs a float8_e4m3fn weight, got {weight.dtype}")
     n_out = _check_output(weight, silu_mul, residual)
     if input_scale is not None and (input_scale.dtype != torch.float32 or input_scale.numel() != 1):
         raise ValueError(f"input_scale must be one float32 value, got {input_scale.dtype} {tuple(input_scale.shape)}")
@@ -169,13 +195,14 @@ def fp8_dot_gemv(
     split = triton.cdiv(k, k_per_split)
     blocks = triton.cdiv(n_out, cfg.block_n)
     out = torch.empty(1, n_out, dtype=out_dtype or x.dtype, device=x.device)
-    part, counts = split_buffers(split, blocks, n_out, out)
-    _fp8_dot_gemv_kernel[(blocks, split)](
+    int8 = weight.dtype == torch.int8
+    part, counts = split_buffers(split, blocks, n_out, out, torch.int32 if int8 else torch.float32)
+    _w8a8_dot_gemv_kernel[(blocks, split)](
         out, weight, weight_scale, bias if bias is not None else weight, x,
         residual if residual is not None else x, norm_weight if norm_weight is not None else x,
         input_scale if input_scale is not None else weight_scale, part, counts, eps, n_out, k, k_per_split,
         weight.stride(0), NORM=norm_weight is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
-        HAS_RESIDUAL=residual is not None, STATIC=input_scale is not None, SPLIT=split, BLOCK_N=cfg.block_n,
+        HAS_RESIDUAL=residual is not None, STATIC=input_scale is not None, INT8=int8, SPLIT=split, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, BLOCK_X=token_stats_block(k), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

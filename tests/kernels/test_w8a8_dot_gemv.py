@@ -1,4 +1,4 @@
-"""The tensor-core FP8 one-token product (kernels/fp8_dot_gemv.py) against torch on the dequantized
+"""The tensor-core FP8 one-token product (kernels/w8a8_dot_gemv.py) against torch on the dequantized
 weight and the fp8-quantized input (a quantizer written here): split and unsplit K, the RMSNorm
 prologue, SiLU * up, bias, residual, a static input scale; the split-K counters are left at zero for
 the next launch. Runs on CUDA, and on CPU in the Triton interpreter child."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ferrox.kernels.fp8_dot_gemv import DotGemvConfig, fp8_dot_gemv
 from ferrox.kernels.split_k import _COUNTERS
+from ferrox.kernels.w8a8_dot_gemv import DotGemvConfig, w8a8_dot_gemv
 
 from tests.kernels.kernel_refs import relative_error, rms_norm_ref, silu_and_mul_ref
 from tests.kernels.test_fp8_gemv import FP8, gemv_inputs
@@ -24,7 +24,7 @@ def _case(device, dtype, n, k, *, norm=False, residual=False, bias=False, silu=F
     x, g, w, s, w_ref, b, res, n_out = gemv_inputs(device, dtype, n, k, norm=norm, residual=residual, bias=bias,
                                                   silu=silu)
     in_scale = torch.tensor([0.02], device=device) if static else None
-    out = fp8_dot_gemv(x, w, s, b, norm_weight=g, eps=1e-5, silu_mul=silu, residual=res, input_scale=in_scale,
+    out = w8a8_dot_gemv(x, w, s, b, norm_weight=g, eps=1e-5, silu_mul=silu, residual=res, input_scale=in_scale,
                        config=config)
 
     xin = rms_norm_ref(x, g, 1e-5).float() if norm else x.float()  # (rounded to the dtype, as the kernel)
@@ -77,9 +77,9 @@ def test_default_config_and_bad_input(kernel_device, seed):
     w = torch.zeros(8, 64, dtype=FP8, device=kernel_device)
     s = torch.ones(8, device=kernel_device)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
-        fp8_dot_gemv(torch.zeros(1, 64, device=kernel_device), w.float(), s)
+        w8a8_dot_gemv(torch.zeros(1, 64, device=kernel_device), w.float(), s)
     with pytest.raises(ValueError, match="input_scale"):
-        fp8_dot_gemv(torch.zeros(1, 64, device=kernel_device), w, s, input_scale=torch.ones(2, device=kernel_device))
+        w8a8_dot_gemv(torch.zeros(1, 64, device=kernel_device), w, s, input_scale=torch.ones(2, device=kernel_device))
 
 
 @pytest.mark.gpu
