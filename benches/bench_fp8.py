@@ -3,7 +3,7 @@ and then the fp8 one (`quantization="fp8"`: online E4M3, per-channel scales) in 
 
     python benches/bench_fp8.py                    # (a) batch-1 decode, (b) 1000 x (256 in, 256 out)
     python benches/bench_fp8.py --sweep-gemv       # first, a launch-config sweep of the fp8 GEMVs
-    python benches/bench_fp8.py --weights bf16,fp8,int8   # also an int8 W8A8 checkpoint (compressed-tensors)
+    python benches/bench_fp8.py --weights bf16,fp8,int8,fp8-block   # also int8 W8A8 and block-FP8 checkpoints
 
 (a) Batch-1 decode: the median engine step (host wall time, CUDA graphs) while one request of a
     32-token prompt writes 128 tokens, next to the floor of each model: the bytes a step must read
@@ -16,7 +16,9 @@ and then the fp8 one (`quantization="fp8"`: online E4M3, per-channel scales) in 
 
 `--weights ...,int8` adds a third engine: the same model as a compressed-tensors "int-quantized"
 checkpoint (int8 weights with per-channel scales, int8 activations per token, dynamic; dummy
-weights), whose floor is fp8's (one byte a weight plus its row scales).
+weights), whose floor is fp8's (one byte a weight plus its row scales); `fp8-block` the same model as
+a block-wise FP8 checkpoint (DeepSeek / Qwen3-FP8 layout: 128 x 128 weight blocks, activations per
+token group of 128), with the same floor (row or block scales: well under 0.1% of the bytes).
 
 The engines get the same KV cache (--kv-cache-gib), so the comparison is the weights' and not the
 cache's, and a first engine not fully released cannot starve the second. Prints a table, then the
@@ -64,6 +66,10 @@ INT8_W8A8 = {
         "input_activations": {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True,
                               "dynamic": True}}},
 }
+
+
+# DeepSeek-V3's block-wise FP8 layout, as Qwen3's FP8 releases publish it (layers/quant/fp8_block.py).
+FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
 def make_llm(model_dir: str, args: argparse.Namespace, **kw: Any) -> Any:
@@ -235,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-cache-gib", type=float, default=40.0, help="the same KV cache for every engine")
     parser.add_argument("--weights", default="bf16,fp8",
-                        help="engines to run, in order: a comma list of bf16, fp8, int8 (bf16 and fp8 required)")
+                        help="engines to run, in order: a comma list of bf16, fp8, int8, fp8-block (bf16 and fp8 required)")
     parser.add_argument("--sweep-gemv", action="store_true", help="also sweep the fp8 GEMV launch configs")
     parser.add_argument("--sweep-shapes", default=None,
                         help="with --sweep-gemv: a comma list of the shapes to sweep (qkv, o_proj, gate_up+silu, down)")
@@ -271,9 +277,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     kv_bytes = floor.kv_bytes_read(config, context, 1, dtype_bytes=2)
     one_byte_ms = (fp8_weight_bytes_read(config) + kv_bytes) / (read_gbps * 1e6)
     floors_ms = {"bf16": floor.decode_bytes(config, context, 1, dtype_bytes=2) / (read_gbps * 1e6),
-                 "fp8": one_byte_ms, "int8": one_byte_ms}
+                 "fp8": one_byte_ms, "int8": one_byte_ms, "fp8-block": one_byte_ms}
     engines = {"bf16": (model_dir, {}), "fp8": (model_dir, {"quantization": "fp8"}),
-               "int8": (bench_setup.make_model_dir(args.config, quantization_config=INT8_W8A8), {})}
+               "int8": (bench_setup.make_model_dir(args.config, quantization_config=INT8_W8A8), {}),
+               "fp8-block": (bench_setup.make_model_dir(args.config, quantization_config=FP8_BLOCK), {})}
     names = args.weights.split(",")
     if not {"bf16", "fp8"} <= set(names) or not set(names) <= set(engines):
         raise SystemExit(f"--weights {args.weights!r}: a comma list of {', '.join(engines)} with bf16 and fp8")
@@ -311,11 +318,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         r = result[name]
         print(f"| {name} | {r['decode_step_ms']:.2f} | {r['floor_ms']:.2f} | {r['step_over_floor']:.2f} "
               f"| {r['output_tokens_per_s']:.0f} | {r['total_tokens_per_s']:.0f} | {r['startup_s']:.0f} |")
-    if "int8" in result:
-        int8 = result["int8"]
-        print(f"int8 decode step {int8['decode_step_ms']:.2f} ms = {int8['step_over_floor']:.2f}x its floor, "
-              f"{bf16['decode_step_ms'] / int8['decode_step_ms']:.2f}x faster than bf16; throughput "
-              f"{int8['output_tokens_per_s'] / bf16['output_tokens_per_s']:.2f}x bf16")
+    for name in ("int8", "fp8-block"):
+        if name in result:
+            r = result[name]
+            print(f"{name} decode step {r['decode_step_ms']:.2f} ms = {r['step_over_floor']:.2f}x its floor, "
+                  f"{bf16['decode_step_ms'] / r['decode_step_ms']:.2f}x faster than bf16; throughput "
+                  f"{r['output_tokens_per_s'] / bf16['output_tokens_per_s']:.2f}x bf16")
     print(f"fp8 decode step {fp8['decode_step_ms']:.2f} ms = {fp8['step_over_floor']:.2f}x its floor (target <= 1.2), "
           f"{result['decode_speedup']:.2f}x faster than bf16 (target >= 1.8); throughput {result['throughput_ratio']:.2f}x "
           f"bf16 (target >= 1.3)")

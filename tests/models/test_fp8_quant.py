@@ -239,7 +239,7 @@ def test_dummy_weights_of_an_fp8_checkpoint(tmp_path, float_folder, scheme):
 
 # ---- refusals -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("config,field", [
-    ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}, "weight_block_size"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 96]}, "weight_block_size"),
     ({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e5m2"}, "fmt"),
     ({"quant_method": "fp8", "activation_scheme": "per-group"}, "activation_scheme"),
     ({"quant_method": "fp8", "activation_scheme": "static", "kv_cache_scheme": "static"}, "kv_cache_scheme"),
@@ -269,7 +269,8 @@ def _ct(**changes):
     (_ct(weights={"num_bits": 4, "type": "int"}), "4-bit int"),
     (_ct(weights={"num_bits": 8, "type": "int"}), "8-bit int"),
     (_ct(weights={"strategy": "group", "group_size": 128}), "group_size"),
-    (_ct(weights={"strategy": "block", "block_structure": [128, 128]}), "block_structure"),
+    (_ct(weights={"strategy": "block", "block_structure": [128, 128]}), "input_activations: strategy 'token'"),
+    (_ct(weights={"strategy": "block", "block_structure": [128, 100]}), "block_structure"),
     (_ct(weights={"symmetric": False}), "symmetric"),
     (_ct(input_activations={"strategy": "token", "dynamic": False}), "input_activations"),
     (_ct(sparsity_config={"format": "sparse-24-bitmask", "sparsity_structure": "2:4"}), "sparsity_config"),

@@ -11,7 +11,9 @@ The layers come from the model (`OneTokenLayer`); a model whose layers do not fi
 kernels passes none and still gets the one-row lm_head. FP8 and int8 projections
 (layers/quant/fp8.py, compressed_tensors_int8.py) run the same kernels: their weight is float8 or
 int8 and their `weight_scale` rows go to the kernel's epilogue (W8A8 ones in w8a8_dot_gemv.py and
-the qkv kernel's quantizing variant). int4 projections (AWQ / GPTQ: layers/quant/int4_pack.py, whose runner `Linear.quant`
+the qkv kernel's quantizing variant). Block-wise FP8 projections (fp8_block.py) run w8a8_dot_gemv.py
+with their block scales (each K tile a group of the input, quantized on its own); their qkv
+projection, like int4's below, leaves rotary and the KV write to a second launch. int4 projections (AWQ / GPTQ: layers/quant/int4_pack.py, whose runner `Linear.quant`
 holds the packed weight) run the int4 GEMV (kernels/int4_matmul.py) with the same prologue and
 epilogues: the input norm, the bias, SiLU(gate) * up, the residual. It has no rotary epilogue (a
 program would need both halves of its rotary pairs, two row sets as gemv.py's qkv kernel streams),
@@ -94,7 +96,7 @@ class FusedOneTokenDecode(DecodePath):
         residual stream, in and out."""
         kv_scale = layer.kv_scales.scales if layer.kv_scales is not None else None
         qkv_proj = layer.qkv_proj
-        if layer.q_norm is None and _int4_weights(qkv_proj) is None:
+        if layer.q_norm is None and _int4_weights(qkv_proj) is None and _fp8_blocks(qkv_proj) is None:
             w8a8, input_scale = _w8a8_activations(qkv_proj)
             q = qkv_rope_gemv(h, qkv_proj.weight, qkv_proj.bias, norm_weight=layer.input_norm.weight,
                               eps=layer.input_norm.eps, rope_row=rope_row, slot_mapping=meta.slot_mapping,
@@ -170,6 +172,10 @@ def _project(x: torch.Tensor, proj: ProjWeights, bias: torch.Tensor | None, *, n
     if packed is not None:  # (validated once, by the runner; the layer's shapes are fixed)
         return int4_gemv(x, packed, bias, validate=False, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul,
                          residual=residual)
+    blocks = _fp8_blocks(proj)
+    if blocks is not None:
+        return w8a8_dot_gemv(x, proj.weight, blocks[0], bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul,
+                             residual=residual, block=blocks[1])
     w8a8, input_scale = _w8a8_activations(proj)
     weight_scale = _weight_scale(proj)
     if w8a8 and weight_scale is not None:
@@ -190,6 +196,13 @@ def _w8a8_activations(proj: ProjWeights) -> tuple[bool, torch.Tensor | None]:
     (False, None) for every other weight. (Duck-typed, as `_int4_weights`.)"""
     w8a8 = getattr(getattr(proj, "quant", None), "one_token_w8a8", None)
     return w8a8() if w8a8 is not None else (False, None)
+
+
+def _fp8_blocks(proj: ProjWeights) -> tuple[torch.Tensor, tuple[int, int]] | None:
+    """(block scales, (BN, BK)) of a block-wise FP8 projection (layers/quant/fp8_block.py), None for
+    every other weight. (Duck-typed, as `_int4_weights`.)"""
+    blocks = getattr(getattr(proj, "quant", None), "one_token_blocks", None)
+    return blocks() if blocks is not None else None
 
 
 def _int4_weights(proj: ProjWeights) -> Int4Weights | None:

@@ -418,7 +418,9 @@ def choose_config(kind: str, k: int, weight_bytes: int = 2, w8a8: bool = False) 
 
 
 def _check_input(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None,
-                 weight_scale: torch.Tensor | None = None) -> int:
+                 weight_scale: torch.Tensor | None = None, *, row_scales: bool = True) -> int:
+    """K, after checking x, the weight's layout, the norm weight and (row_scales: the per-row kind,
+    else the caller checks its own) the weight scales."""
     k = weight.shape[1]
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != k or x.stride(-1) != 1:
         raise ValueError(f"x must be a contiguous [1, {k}] row, got {tuple(x.shape)} (strides {x.stride()})")
@@ -426,6 +428,8 @@ def _check_input(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tenso
         raise ValueError("gemv needs a row-major weight [N, K]")
     if norm_weight is not None and norm_weight.shape != (k,):
         raise ValueError(f"norm weight must be [{k}], got {tuple(norm_weight.shape)}")
+    if not row_scales:
+        return k
     if weight.dtype in (torch.float8_e4m3fn, torch.int8) and weight_scale is None:
         raise ValueError(f"an {weight.dtype} weight needs its per-row weight_scale")
     if weight_scale is not None and (weight_scale.dtype != torch.float32 or weight_scale.shape != weight.shape[:1]

@@ -35,6 +35,7 @@ then gemv.py's `_store_rows` (bias, SiLU(gate) * up, residual, the roundings of 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,7 @@ from ferrox.kernels.gemv import (
     _check_output,
     _fp8_code,
     _normed_input,
+    _rms_rstd,
     _store_rows,
     _token_stats,
     token_stats_block,
@@ -56,10 +58,12 @@ from ferrox.kernels.split_k import _merge_split_k, num_sms, split_buffers, split
 
 @triton.jit
 def _epilogue(out_ptr, x_ptr, bias_ptr, res_ptr, w_scale_ptr, y, up, x_scale, rows, rmask, n_out,
-              HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    y = y.to(tl.float32) * x_scale * tl.load(w_scale_ptr + rows, mask=rmask, other=0.0)
-    if SILU_MUL:
-        up = up.to(tl.float32) * x_scale * tl.load(w_scale_ptr + n_out + rows, mask=rmask, other=0.0)
+              HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+              BLOCK_SCALES: tl.constexpr):
+    if not BLOCK_SCALES:  # (block scales were applied group by group in the K loop)
+        y = y.to(tl.float32) * x_scale * tl.load(w_scale_ptr + rows, mask=rmask, other=0.0)
+        if SILU_MUL:
+            up = up.to(tl.float32) * x_scale * tl.load(w_scale_ptr + n_out + rows, mask=rmask, other=0.0)
     _store_rows(out_ptr, x_ptr, bias_ptr, res_ptr, y, up, rows, rmask, n_out, HAS_BIAS, SILU_MUL, HAS_RESIDUAL)
 
 
@@ -67,7 +71,7 @@ def _epilogue(out_ptr, x_ptr, bias_ptr, res_ptr, w_scale_ptr, y, up, x_scale, ro
 def _w8a8_dot_gemv_kernel(
     out_ptr,
     w_ptr,  # float8 E4M3 or int8 [2 n_out (SILU_MUL) or n_out, K]
-    w_scale_ptr,  # float32 per row
+    w_scale_ptr,  # float32 per row; with BLOCK_SCALES [rows / BN, K / BLOCK_K] (a row stride_ws apart)
     bias_ptr,
     x_ptr,  # [1, K] in the activation dtype
     res_ptr,
@@ -80,12 +84,15 @@ def _w8a8_dot_gemv_kernel(
     K,
     k_per_split,  # a multiple of BLOCK_K
     stride_w,
+    stride_ws,
     NORM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     STATIC: tl.constexpr,
     INT8: tl.constexpr,  # int8 weight and codes, int32 sums (else E4M3, fp32 sums)
+    BLOCK_SCALES: tl.constexpr,  # block-wise FP8: a weight scale per BN rows x BLOCK_K, a token scale per group
+    BN: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -93,7 +100,11 @@ def _w8a8_dot_gemv_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rstd, x_scale = _token_stats(x_ptr, norm_w_ptr, in_scale_ptr, K, eps, NORM, STATIC, INT8, BLOCK_X)
+    if BLOCK_SCALES:  # (each K tile is a group with its own scale, taken in the loop)
+        rstd = _rms_rstd(x_ptr, K, eps, NORM, BLOCK_X)
+        x_scale = 1.0
+    else:
+        rstd, x_scale = _token_stats(x_ptr, norm_w_ptr, in_scale_ptr, K, eps, NORM, STATIC, INT8, BLOCK_X)
 
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < n_out
@@ -112,6 +123,9 @@ def _w8a8_dot_gemv_kernel(
         xn = _normed_input(x_ptr, norm_w_ptr, cols, kmask, rstd, NORM)
         if INT8:
             code = int8_code(xn, x_scale).to(tl.int8)
+        elif BLOCK_SCALES:  # this group's scale, as fp8_block_gemm.py's quantizer divides
+            g_scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(xn)), 1e-12), 448.0)
+            code = tl.clamp(tl.math.div_rn(xn, g_scale), -448.0, 448.0).to(tl.float8e4nv)
         else:
             code = _fp8_code(xn, x_scale)
         xb = tl.broadcast_to(code[:, None], (BLOCK_K, 16))
@@ -124,6 +138,13 @@ def _w8a8_dot_gemv_kernel(
             acc = tl.dot(w, xb, acc, out_dtype=tl.int32)
             if SILU_MUL:
                 acc_up = tl.dot(w_up, xb, acc_up, out_dtype=tl.int32)
+        elif BLOCK_SCALES:  # the group's fp32 partial sum times its two scales, as the block GEMM adds it
+            group = k0 // BLOCK_K
+            w_scale = tl.load(w_scale_ptr + (rows // BN) * stride_ws + group, mask=rmask, other=0.0)
+            acc += tl.dot(w, xb, max_num_imprecise_acc=0) * g_scale * w_scale[:, None]
+            if SILU_MUL:
+                w_scale_up = tl.load(w_scale_ptr + ((n_out + rows) // BN) * stride_ws + group, mask=rmask, other=0.0)
+                acc_up += tl.dot(w_up, xb, max_num_imprecise_acc=0) * g_scale * w_scale_up[:, None]
         else:
             acc = tl.dot(w, xb, acc, max_num_imprecise_acc=0)  # exact fp32 sums (module docstring)
             if SILU_MUL:
@@ -141,10 +162,10 @@ def _w8a8_dot_gemv_kernel(
         last, y, up = _merge_split_k(part_ptr, count_ptr, y, up, rows, rmask, n_out, pid_n, pid_k, SPLIT, SILU_MUL)
         if last:
             _epilogue(out_ptr, x_ptr, bias_ptr, res_ptr, w_scale_ptr, y, up, x_scale, rows, rmask, n_out,
-                      HAS_BIAS, SILU_MUL, HAS_RESIDUAL)
+                      HAS_BIAS, SILU_MUL, HAS_RESIDUAL, BLOCK_SCALES)
     else:
         _epilogue(out_ptr, x_ptr, bias_ptr, res_ptr, w_scale_ptr, y, up, x_scale, rows, rmask, n_out,
-                  HAS_BIAS, SILU_MUL, HAS_RESIDUAL)
+                  HAS_BIAS, SILU_MUL, HAS_RESIDUAL, BLOCK_SCALES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,20 +198,29 @@ def w8a8_dot_gemv(
     silu_mul: bool = False,
     residual: torch.Tensor | None = None,
     input_scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
     out_dtype: torch.dtype | None = None,
     config: DotGemvConfig | None = None,
 ) -> torch.Tensor:
     """gemv.gemv's contract for an fp8 or int8 weight (y = W @ rms_norm(x) (+ bias) [-> silu(gate) *
     up] [+ residual], x [1, K]), with x quantized to the weight's format per token (or by the static
     `input_scale`, float32 [1]) and the product on tensor cores. Returns y [1, N] (N / 2 with
-    silu_mul)."""
+    silu_mul). block = (BN, BK): a block-wise FP8 weight (layers/quant/fp8_block.py), weight_scale
+    float32 [ceil(N / BN), ceil(K / BK)], x quantized per group of BK inputs (fp8_block_gemm.py's
+    arithmetic; the K tile is the group)."""
     if weight.dtype not in (torch.float8_e4m3fn, torch.int8):
         raise ValueError(f"w8a8_dot_gemv needs a float8_e4m3fn or int8 weight, got {weight.dtype}")
-    k = _check_input(x, weight, norm_weight, weight_scale)
+    if block is not None:
+        _check_block_scales(weight, weight_scale, block, input_scale)
+        k = _check_input(x, weight, norm_weight, row_scales=False)
+    else:
+        k = _check_input(x, weight, norm_weight, weight_scale)
     n_out = _check_output(weight, silu_mul, residual)
     if input_scale is not None and (input_scale.dtype != torch.float32 or input_scale.numel() != 1):
         raise ValueError(f"input_scale must be one float32 value, got {input_scale.dtype} {tuple(input_scale.shape)}")
     cfg = config or choose_dot_config(n_out, k, num_sms(x.device))
+    if block is not None:  # the K tile is the group; a split must start on one
+        cfg = dataclasses.replace(cfg, block_k=block[1])
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
     blocks = triton.cdiv(n_out, cfg.block_n)
@@ -201,9 +231,23 @@ def w8a8_dot_gemv(
         out, weight, weight_scale, bias if bias is not None else weight, x,
         residual if residual is not None else x, norm_weight if norm_weight is not None else x,
         input_scale if input_scale is not None else weight_scale, part, counts, eps, n_out, k, k_per_split,
-        weight.stride(0), NORM=norm_weight is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
-        HAS_RESIDUAL=residual is not None, STATIC=input_scale is not None, INT8=int8, SPLIT=split, BLOCK_N=cfg.block_n,
+        weight.stride(0), weight_scale.stride(0), NORM=norm_weight is not None, HAS_BIAS=bias is not None,
+        SILU_MUL=silu_mul, HAS_RESIDUAL=residual is not None, STATIC=input_scale is not None, INT8=int8,
+        BLOCK_SCALES=block is not None, BN=block[0] if block is not None else 1, SPLIT=split, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, BLOCK_X=token_stats_block(k), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     return out
+
+
+def _check_block_scales(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                        input_scale: torch.Tensor | None) -> None:
+    bn, bk = block
+    if weight.dtype != torch.float8_e4m3fn or input_scale is not None:
+        raise ValueError("block scales go with a float8_e4m3fn weight and dynamic (per group) activations")
+    if bn < 16 or bk < 32 or bn & (bn - 1) or bk & (bk - 1):  # (an FP8 MMA's K is 32 or more)
+        raise ValueError(f"block must be powers of two, from 16 rows and 32 columns, got {block}")
+    blocks = (triton.cdiv(weight.shape[0], bn), triton.cdiv(weight.shape[1], bk))
+    if scale.dtype != torch.float32 or tuple(scale.shape) != blocks or scale.stride(1) != 1:
+        raise ValueError(f"block scales must be float32 {list(blocks)} with unit column stride, got {scale.dtype} "
+                         f"{tuple(scale.shape)}")

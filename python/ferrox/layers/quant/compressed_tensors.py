@@ -62,10 +62,14 @@ class CompressedTensorsConfig(Fp8Config):
     name = "compressed-tensors"
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> CompressedTensorsConfig:
-        """A float8 scheme's config (CompressedTensorsScheme.from_hf routes int schemes elsewhere)."""
+    def from_hf(cls, cfg: dict) -> QuantConfig:
+        """A float8 scheme's config (CompressedTensorsScheme.from_hf routes int schemes elsewhere); the
+        block scheme (llm-compressor's FP8_BLOCK) goes to fp8_block.py's config."""
         where, group, unquantized = _one_scheme(cfg)
         _check_format(cfg.get("format"), f"{_WHERE}.format")
+        weights = group.get("weights") if isinstance(group, dict) else None
+        if isinstance(weights, dict) and weights.get("strategy") == "block":
+            return _block_scheme(group, where, tuple(unquantized))
         activations = _group_activations(group, where)
         return cls(online=False, activations=activations, unquantized=unquantized)
 
@@ -158,8 +162,35 @@ def _group_activations(group: Any, where: str) -> str:
                                 "supported ('token' dynamic, or 'tensor' static or dynamic)")
 
 
-def _float8_args(args: dict, where: str) -> tuple[Any, bool]:
-    """(strategy, dynamic) of a symmetric 8-bit float entry; anything else refused by field."""
+def _block_scheme(group: Any, where: str, unquantized: tuple[tuple[str, str], ...]) -> QuantConfig:
+    """float8 weights in blocks (`block_structure` [BN, BK], scales stored as `weight_scale`) with
+    activations quantized per token and group of BK at run time: the block-wise FP8 of the fp8
+    layout (fp8_block.py), under compressed-tensors' names."""
+    from ferrox.layers.quant.fp8_block import Fp8BlockConfig  # (it builds on fp8.py, as this module)
+
+    _check_targets(group, where)
+    if group.get("format") is not None:
+        _check_format(group["format"], f"{where}.format")
+    weights = group["weights"]
+    _, dynamic = _float8_args(weights, f"{where}.weights", scales="block_structure")
+    if dynamic:
+        raise UnsupportedModelError(f"{where}.weights.dynamic {weights['dynamic']!r}: block scales are stored")
+    block = Fp8BlockConfig.block_size(weights.get("block_structure"), f"{where}.weights.block_structure")
+    inputs = group.get("input_activations")
+    if not isinstance(inputs, dict):
+        raise UnsupportedModelError(f"{where}.input_activations {inputs!r}: block-wise float8 weights run with "
+                                    "activations quantized per token group (weight-only blocks are not supported)")
+    strategy, dynamic = _float8_args(inputs, f"{where}.input_activations", scales="group_size")
+    if strategy != "group" or not dynamic or inputs.get("group_size") != block[1]:
+        raise UnsupportedModelError(f"{where}.input_activations: strategy {strategy!r}, dynamic {dynamic!r}, "
+                                    f"group_size {inputs.get('group_size')!r}; block-wise weights need 'group' "
+                                    f"activations, dynamic, in groups of the block's {block[1]} inputs")
+    return Fp8BlockConfig(block, unquantized, name="compressed-tensors", scale_param="weight_scale")
+
+
+def _float8_args(args: dict, where: str, scales: str | None = None) -> tuple[Any, bool]:
+    """(strategy, dynamic) of a symmetric 8-bit float entry; anything else refused by field. scales:
+    the one of group_size / block_structure the caller reads (the others must be unset)."""
     unknown = sorted(k for k in args if k not in ARG_FIELDS)
     if unknown:
         raise UnsupportedModelError(f"{where}: field(s) {', '.join(unknown)} are not supported")
@@ -169,7 +200,7 @@ def _float8_args(args: dict, where: str) -> tuple[Any, bool]:
     if args.get("symmetric", True) is not True:
         raise UnsupportedModelError(f"{where}.symmetric: asymmetric FP8 (zero points) is not supported")
     for key in ("group_size", "block_structure"):
-        if args.get(key) is not None:
+        if key != scales and args.get(key) is not None:
             raise UnsupportedModelError(f"{where}.{key} {args[key]!r}: group/block scales are not supported "
                                         "(per-channel or per-tensor only)")
     if args.get("actorder") not in (None, False):

@@ -5,7 +5,8 @@ The "fp8" checkpoint layout (AutoFP8, transformers; config.json quantization_con
 {"quant_method": "fp8", "activation_scheme": "dynamic" | "static"}): per linear layer `weight`
 float8_e4m3fn [out, in], `weight_scale` per tensor (one value) or per output row, and with static
 activations `input_scale` (one value). llm-compressor's float8 layout (compressed_tensors.py) loads
-into the same method. Block-wise checkpoints (`weight_block_size`, `weight_scale_inv`) are refused.
+into the same method. Block-wise checkpoints (`weight_block_size`, `weight_scale_inv`) load through
+fp8_block.py.
 A merged layer (q/k/v, gate/up) writes each shard's scale into that shard's rows, so per-tensor
 scales become per-row ones without requantizing; its static input scale is the largest of its
 shards' (the scale that fits every shard's calibrated activations).
@@ -231,16 +232,12 @@ class Fp8Config(QuantConfig):
         return cls(online=True, activations="dynamic-token")
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> Fp8Config:
-        """config.json quantization_config of the "fp8" layout."""
+    def from_hf(cls, cfg: dict) -> QuantConfig:
+        """config.json quantization_config of the "fp8" layout (block-wise: fp8_block.py's config)."""
         unknown = sorted(k for k in cfg if k not in _FP8_FIELDS and not k.startswith("_"))
         if unknown:
             raise UnsupportedModelError(f"{_WHERE}: field(s) {', '.join(unknown)} of the fp8 layout are not supported "
                                         f"(ferrox reads {', '.join(_FP8_FIELDS)}; report the checkpoint)")
-        if cfg.get("weight_block_size") is not None:
-            raise UnsupportedModelError(
-                f"{_WHERE}.weight_block_size {cfg['weight_block_size']}: block-wise FP8 (a scale per weight block, "
-                "DeepSeek-style weight_scale_inv) is not supported; ferrox runs per-tensor and per-channel FP8")
         fmt = cfg.get("fmt", "e4m3")
         if str(fmt).lower() != "e4m3":
             raise UnsupportedModelError(f"{_WHERE}.fmt {fmt!r}: only E4M3 FP8 weights are supported")
@@ -251,6 +248,14 @@ class Fp8Config(QuantConfig):
         unquantized = []
         for field in ("ignored_layers", "modules_to_not_convert"):
             unquantized += [(field, entry) for entry in string_list(cfg.get(field), f"{_WHERE}.{field}")]
+        if cfg.get("weight_block_size") is not None:
+            from ferrox.layers.quant.fp8_block import Fp8BlockConfig  # (it builds on this module)
+
+            if scheme != "dynamic":
+                raise UnsupportedModelError(f"{_WHERE}.activation_scheme {scheme!r} with weight_block_size: block-wise "
+                                            "FP8 quantizes activations per token group at run time ('dynamic')")
+            return Fp8BlockConfig(Fp8BlockConfig.block_size(cfg["weight_block_size"], f"{_WHERE}.weight_block_size"),
+                                  tuple(unquantized))
         return cls(online=False, activations="static" if scheme == "static" else "dynamic-token",
                    unquantized=unquantized)
 

@@ -1,0 +1,315 @@
+"""Block-wise FP8 checkpoints (layers/quant/fp8_block.py; the layout of DeepSeek-V3 and Qwen3-*-FP8)
+end to end: a tiny Llama written by tests/helpers/fp8_block_checkpoints.py with two block shapes, run
+by `LLM`, against transformers on the dequantized weights with every projection's input rounded
+through E4M3 per token and group (greedy tokens identical, logprobs to float32 rounding); settings
+and tensors refused by name; tensor-parallel shards against the whole layer; dummy weights; on a GPU,
+the engine (Triton kernels, CUDA graphs) against the same reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from ferrox import LLM, SamplingParams
+from ferrox.distributed.parallel_state import TPGroup, use_tp_group
+from ferrox.distributed.sharding import CheckpointSlice
+from ferrox.errors import ModelLoadError, UnsupportedModelError
+from ferrox.layers.linear import Linear, MergedLinear, QKVLinear, RowParallelLinear
+from ferrox.layers.quant.config import resolve_quant_config
+from ferrox.layers.quant.fp8 import Fp8Config
+from ferrox.layers.quant.fp8_block import Fp8BlockConfig, Fp8BlockLinear
+from ferrox.layers.quant.method import use_quant_config
+from ferrox.loader.model_loader import load_model, load_model_spec
+from ferrox.loader.source import resolve_model
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from tests.helpers.fp8_block_checkpoints import block_config, block_tensors, quantize_blocks, reference_model
+from tests.helpers.quant_checkpoints import reference_forced, reference_greedy, write_checkpoint
+from tests.helpers.tiny_models import make_tiny_llama
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
+
+PROMPTS = [[5, 9, 33, 7, 100, 41], list(range(40, 53)), [17]]
+NEW_TOKENS = 8
+# The tiny Llama's shards: q 64 rows, k and v 32, gate and up 128; inputs 64 (down: 128). Blocks of
+# 32 x 32 split every K into several groups; 16 x 64 gives o_proj and the qkv one group a row.
+BLOCKS = [(32, 32), (16, 64)]
+# (layout, block): the fp8 layout in both block shapes, and compressed-tensors' FP8_BLOCK scheme.
+CASES = [("fp8", BLOCKS[0]), ("fp8", BLOCKS[1]), ("compressed-tensors", BLOCKS[0])]
+SCALE_NAME = {"fp8": "weight_scale_inv", "compressed-tensors": "weight_scale"}
+
+
+def _case_id(case) -> str:
+    return f"{case[0]}-{case[1][0]}x{case[1][1]}"
+
+
+@pytest.fixture(scope="module")
+def float_folder(tmp_path_factory) -> str:
+    return make_tiny_llama(tmp_path_factory.mktemp("fp8block") / "float")
+
+
+@pytest.fixture(scope="module")
+def float_weights(float_folder) -> dict[str, torch.Tensor]:
+    return load_file(os.path.join(float_folder, "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(float_folder, float_weights, tmp_path_factory):
+    """(layout, block) -> (folder, tensors), written on first use."""
+    built: dict[tuple[str, tuple[int, int]], tuple[str, dict[str, torch.Tensor]]] = {}
+
+    def get(layout: str, block: tuple[int, int]) -> tuple[str, dict[str, torch.Tensor]]:
+        if (layout, block) not in built:
+            tensors = block_tensors(float_weights, block, SCALE_NAME[layout])
+            folder = write_checkpoint(float_folder, tmp_path_factory.mktemp(_case_id((layout, block))),
+                                      block_config(block, layout), tensors)
+            built[layout, block] = folder, tensors
+        return built[layout, block]
+
+    return get
+
+
+def make_llm(folder: str, **kw) -> LLM:
+    return LLM(model=folder, device="cpu", kv_cache_memory=8 << 20, max_model_len=256, **kw)
+
+
+def engine_greedy(llm: LLM, prompts=PROMPTS) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+    try:
+        outs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0] for p in prompts]
+    finally:
+        llm.engine.shutdown()
+    return [(list(o.token_ids), [step[t].logprob for step, t in zip(o.logprobs, o.token_ids, strict=True)])
+            for o in outs]
+
+
+# ---- end to end -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_checkpoint_matches_the_fake_quantized_reference(float_folder, checkpoints, case):
+    layout, block = case
+    folder, tensors = checkpoints(layout, block)
+    llm = make_llm(folder)
+    runners = [m.quant for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    assert runners and all(isinstance(r, Fp8BlockLinear) and r.block == block for r in runners)
+    got = engine_greedy(llm)
+    reference = reference_model(float_folder, tensors, block)
+    for prompt, (tokens, logprobs) in zip(PROMPTS, got, strict=True):
+        ref_tokens, ref_logprobs = reference_greedy(reference, prompt, NEW_TOKENS)
+        assert tokens == ref_tokens, prompt
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(ref_logprobs), atol=1e-4, rtol=1e-4)
+
+
+def test_the_fake_quantization_is_not_a_no_op(float_folder, checkpoints):
+    """The reference differs from the float model, and from a reference quantized with other blocks,
+    by more than the tolerance above (a test that passed on floats would prove nothing)."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = torch.tensor([PROMPTS[1]])
+    with torch.inference_mode():
+        logits = [m(prompt).logits[0].log_softmax(-1) for m in (
+            reference_model(float_folder, checkpoints("fp8", BLOCKS[0])[1], BLOCKS[0]),
+            reference_model(float_folder, checkpoints("fp8", BLOCKS[1])[1], BLOCKS[1]),
+            AutoModelForCausalLM.from_pretrained(float_folder, dtype=torch.float32).eval())]
+    assert (logits[0] - logits[1]).abs().max() > 1e-3
+    assert (logits[0] - logits[2]).abs().max() > 1e-3
+
+
+# ---- configs --------------------------------------------------------------------------------------
+def test_settings_read(checkpoints):
+    cfg = Fp8Config.from_hf(block_config((128, 128)))
+    assert isinstance(cfg, Fp8BlockConfig) and cfg.block == (128, 128)
+    assert cfg.describe() == ("fp8 (checkpoint): E4M3 weights, a scale per 128 x 128 block, activations per token "
+                              "and group of 128 (dynamic)")
+    for layout, name in (("fp8", "fp8"), ("compressed-tensors", "compressed-tensors")):
+        folder, _ = checkpoints(layout, BLOCKS[0])
+        spec = load_model_spec(resolve_model(folder))
+        cfg = resolve_quant_config(name, spec)  # the argument agrees with the checkpoint
+        assert isinstance(cfg, Fp8BlockConfig) and cfg.block == BLOCKS[0] and cfg.name == name
+        assert cfg.scale_param == SCALE_NAME[layout]
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"activation_scheme": "static"}, "activation_scheme"),
+    ({"weight_block_size": [128]}, "weight_block_size"),
+    ({"weight_block_size": [128, 100]}, "weight_block_size"),
+    ({"weight_block_size": [8, 8]}, "weight_block_size"),
+    ({"weight_block_size": "128x128"}, "weight_block_size"),
+    ({"fmt": "e5m2"}, "fmt"),
+    ({"block_layout": "tiles"}, r" field\(s\) block_layout"),
+])
+def test_unsupported_settings_are_refused_by_name(change, field):
+    with pytest.raises(UnsupportedModelError, match=f"quantization_config.{field}"):
+        Fp8Config.from_hf({**block_config((128, 128)), **change})
+
+
+_CT = "config_groups.group_0"
+
+
+@pytest.mark.parametrize("weights,inputs,field", [
+    ({"dynamic": True}, {}, f"{_CT}.weights.dynamic"),
+    ({"block_structure": [128, 100]}, {}, f"{_CT}.weights.block_structure"),
+    ({"group_size": 128}, {}, f"{_CT}.weights.group_size"),
+    ({}, None, f"{_CT}.input_activations"),
+    ({}, {"group_size": 64}, f"{_CT}.input_activations: .*group_size 64"),
+    ({}, {"dynamic": False}, f"{_CT}.input_activations: .*dynamic False"),
+    ({}, {"strategy": "token", "group_size": None}, f"{_CT}.input_activations: strategy 'token'"),
+    ({}, {"block_structure": [1, 128]}, f"{_CT}.input_activations.block_structure"),
+])
+def test_compressed_tensors_block_refusals(weights, inputs, field):
+    from ferrox.layers.quant.compressed_tensors import CompressedTensorsScheme
+
+    cfg = block_config((128, 128), "compressed-tensors")
+    group = cfg["config_groups"]["group_0"]
+    group["weights"].update(weights)
+    if inputs is None:
+        group["input_activations"] = None
+    else:
+        group["input_activations"].update(inputs)
+    with pytest.raises(UnsupportedModelError, match=f"quantization_config.{field}"):
+        CompressedTensorsScheme.from_hf(cfg)
+
+
+# ---- tensors --------------------------------------------------------------------------------------
+def _edited_copy(folder: str, dst, edit) -> str:
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    edit(tensors)
+    os.makedirs(dst)
+    for f in os.listdir(folder):
+        if not f.endswith(".safetensors"):
+            (dst / f).write_bytes(open(os.path.join(folder, f), "rb").read())
+    save_file(tensors, str(dst / "model.safetensors"))
+    return str(dst)
+
+
+def _load(folder: str):
+    source = resolve_model(folder)
+    spec = load_model_spec(source)
+    return load_model(source, spec, dtype=torch.float32, device="cpu", quant_config=resolve_quant_config(None, spec))
+
+
+def test_missing_and_mistyped_tensors_are_named(checkpoints, float_weights, tmp_path):
+    folder, _ = checkpoints("fp8", BLOCKS[0])
+    scale = "model.layers.1.self_attn.o_proj.weight_scale_inv"
+    with pytest.raises(ModelLoadError, match=r"missing .*o_proj\.weight_scale_inv"):
+        _load(_edited_copy(folder, tmp_path / "no-scale", lambda t: t.pop(scale)))
+    with pytest.raises(ModelLoadError, match=r"o_proj\.weight_scale_inv.*shape"):
+        _load(_edited_copy(folder, tmp_path / "scale", lambda t: t.update({scale: torch.ones(2, 3)})))
+    weight = "model.layers.1.mlp.down_proj.weight"
+    with pytest.raises(ModelLoadError, match=r"down_proj\.weight.*float8_e4m3fn"):
+        _load(_edited_copy(folder, tmp_path / "float", lambda t: t.update({weight: float_weights[weight]})))
+
+
+def test_shards_off_the_block_edges_are_refused(float_folder, float_weights, tmp_path):
+    """Blocks of 64 rows: k_proj and v_proj (32 rows each) would share a block row in the merged
+    q/k/v layer, which has one scale row per 64 of its rows: refused naming the tensor."""
+    folder = write_checkpoint(float_folder, tmp_path / "b64", block_config((64, 32)),
+                              block_tensors(float_weights, (64, 32)))
+    with pytest.raises(ModelLoadError, match=r"k_proj\.weight_scale_inv.*64-row weight blocks"):
+        _load(folder)
+
+
+# ---- tensor parallelism ---------------------------------------------------------------------------
+SHARDS = {"qkv": {"q": 64, "k": 32, "v": 32}, "gate_up": {"gate": 128, "up": 128}, "down": {None: 64}}
+
+
+def _layer(kind: str, rank: int, size: int, config):
+    with use_tp_group(TPGroup(rank=rank, size=size)), use_quant_config(config):
+        if kind == "qkv":
+            return QKVLinear(64, 4, 2, 16, bias=True, dtype=torch.float32)
+        if kind == "gate_up":
+            return MergedLinear(64, {"gate": 128, "up": 128}, bias=False, dtype=torch.float32)
+        return RowParallelLinear(128, 64, bias=True, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["qkv", "gate_up", "down"])
+def test_tensor_parallel_shards_match_the_whole_layer(tmp_path, kind):
+    """Two ranks' layers read their parts of one safetensors file (lazy slices): their block rows
+    (column parallel) or block columns (row parallel) of the scales, so column-parallel outputs
+    concatenate to the whole layer's and row-parallel partial sums add up to it (each rank's input
+    groups are the whole layer's: the cut falls on a group edge)."""
+    torch.manual_seed(0)
+    block = (16, 32)
+    tensors: dict[str, torch.Tensor] = {}
+    in_features = 128 if kind == "down" else 64
+    for i, (shard, rows) in enumerate(SHARDS[kind].items()):
+        prefix = f"{shard}." if shard else ""
+        tensors[f"{prefix}weight"], tensors[f"{prefix}weight_scale_inv"] = quantize_blocks(
+            torch.randn(rows, in_features) * 0.1 * (i + 1), block)
+        tensors[f"{prefix}bias"] = torch.randn(rows)
+    save_file(tensors, tmp_path / "layer.safetensors")
+    config = Fp8BlockConfig(block)
+
+    def load(layer: Linear, source: dict[str, object]) -> None:
+        for shard in SHARDS[kind]:
+            prefix = f"{shard}." if shard else ""
+            for leaf in ("weight", "weight_scale_inv", "bias"):
+                if leaf != "bias" or layer.bias is not None:
+                    layer.load_weight(leaf, source[f"{prefix}{leaf}"], shard)  # type: ignore[arg-type]
+        layer.finalize_quantized()
+
+    whole = _layer(kind, 0, 1, config)
+    load(whole, tensors)  # type: ignore[arg-type]
+    ranks = [_layer(kind, r, 2, config) for r in range(2)]
+    with safe_open(tmp_path / "layer.safetensors", framework="pt") as f:
+        for layer in ranks:
+            load(layer, {name: CheckpointSlice(f.get_slice(name)) for name in f.keys()})
+    for tokens in (1, 5):
+        x = torch.randn(tokens, in_features)
+        expected = whole(x)
+        if kind == "down":
+            got = sum(layer.quant(x[:, layer.in_start:layer.in_start + layer.in_features],
+                                  layer.bias if layer.adds_bias else None) for layer in ranks)
+        else:
+            outs = [layer(x).split(list(layer.shard_sizes.values()), dim=-1) for layer in ranks]
+            got = torch.cat([torch.cat([outs[r][i] for r in range(2)], dim=-1) for i in range(len(SHARDS[kind]))],
+                            dim=-1)
+        torch.testing.assert_close(got, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
+
+
+# ---- dummy weights --------------------------------------------------------------------------------
+def test_dummy_weights(float_folder, tmp_path):
+    """load_format="dummy" fills the fp8 codes and block scales with random weights (std ~0.02)."""
+    folder = write_checkpoint(float_folder, tmp_path / "dummy", block_config((32, 32)), {})
+    llm = make_llm(folder, load_format="dummy")
+    qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.quant
+    (tokens, logprobs), *_ = engine_greedy(llm)
+    assert len(tokens) == NEW_TOKENS and all(lp == lp and lp <= 0 for lp in logprobs)  # no NaN
+    assert isinstance(qkv, Fp8BlockLinear) and qkv.weight_scale_inv.shape == (4, 2)
+    assert 0.015 < float(qkv.dequantize().std()) < 0.025
+
+
+# ---- GPU ------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", CASES[:2], ids=_case_id)
+def test_gpu_engine_matches_the_reference(float_folder, checkpoints, case):
+    """The engine on CUDA in float32 (the Triton group quantizer and block GEMM at every step size,
+    CUDA graphs for decode batches): each prompt alone, then 24 at once. The GPU's float32 attention
+    and norms differ from the CPU reference's by ~1e-6, which can move an activation code now and
+    then: the reference is fed the engine's tokens, each of which must be its best up to 0.1 nats,
+    with logprobs within 0.1."""
+    layout, block = case
+    folder, tensors = checkpoints(layout, block)
+    prompts = [*PROMPTS, list(range(60, 100))]
+    batch = [[(7 * i + j * 13) % 300 + 3 for j in range(5 + i % 9)] for i in range(24)]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+    llm = LLM(model=folder, dtype="float32", max_model_len=256, kv_cache_memory=64 << 20)
+    try:
+        assert all(isinstance(m.quant, Fp8BlockLinear) and m.quant.weight.is_cuda
+                   for m in llm.engine.runner.model.modules() if isinstance(m, Linear))
+        outs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0] for p in prompts]
+        outs += [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in batch], params,
+                                                     use_tqdm=False)]
+    finally:
+        llm.engine.shutdown()
+    reference = reference_model(float_folder, tensors, block)
+    for prompt, out in zip(prompts + batch, outs, strict=True):
+        tokens = list(out.token_ids)
+        logprobs = [step[t].logprob for step, t in zip(out.logprobs, tokens, strict=True)]
+        ref_logprobs, ref_best = reference_forced(reference, prompt, tokens)
+        gaps = [round(b - c, 4) for b, c in zip(ref_best, ref_logprobs, strict=True)]
+        diffs = [round(a - b, 4) for a, b in zip(logprobs, ref_logprobs, strict=True)]
+        assert max(gaps) < 0.1 and max(map(abs, diffs)) < 0.1, (prompt, gaps, diffs)
