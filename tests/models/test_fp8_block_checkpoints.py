@@ -202,13 +202,17 @@ def test_missing_and_mistyped_tensors_are_named(checkpoints, float_weights, tmp_
         _load(_edited_copy(folder, tmp_path / "float", lambda t: t.update({weight: float_weights[weight]})))
 
 
-def test_shards_off_the_block_edges_are_refused(float_folder, float_weights, tmp_path):
+def test_shards_off_the_block_edges_are_refused(float_folder, float_weights, checkpoints, tmp_path):
     """Blocks of 64 rows: k_proj and v_proj (32 rows each) would share a block row in the merged
-    q/k/v layer, which has one scale row per 64 of its rows: refused naming the tensor."""
+    q/k/v layer, which has one scale row per 64 of its rows: refused naming the tensor. So is a
+    tensor-parallel cut inside a block (two ranks: 16 of k's 32 rows, in blocks of 32)."""
     folder = write_checkpoint(float_folder, tmp_path / "b64", block_config((64, 32)),
                               block_tensors(float_weights, (64, 32)))
     with pytest.raises(ModelLoadError, match=r"k_proj\.weight_scale_inv.*64-row weight blocks"):
         _load(folder)
+    folder, _ = checkpoints("fp8", BLOCKS[0])
+    with pytest.raises(Exception, match=r"k_proj\.weight_scale_inv.*rows 0\.\.16 of 32.*32-row weight blocks"):
+        make_llm(folder, tensor_parallel_size=2)
 
 
 # ---- tensor parallelism ---------------------------------------------------------------------------
@@ -267,6 +271,17 @@ def test_tensor_parallel_shards_match_the_whole_layer(tmp_path, kind):
             got = torch.cat([torch.cat([outs[r][i] for r in range(2)], dim=-1) for i in range(len(SHARDS[kind]))],
                             dim=-1)
         torch.testing.assert_close(got, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
+
+
+def test_tensor_parallel_engine_matches_one_rank(checkpoints):
+    """Two rank processes (gloo) run a block checkpoint as one process does: q/k/v and gate/up block
+    rows, o/down block columns. Blocks of 16 x 32: each rank's 16 k rows and 32 of o_proj's inputs are
+    whole blocks (the other shapes' cuts would fall inside one: refused, test below)."""
+    folder, _ = checkpoints("fp8", (16, 32))
+    one, two = (engine_greedy(make_llm(folder, tensor_parallel_size=tp)) for tp in (1, 2))
+    for (tokens, logprobs), (tp_tokens, tp_logprobs) in zip(one, two, strict=True):
+        assert tp_tokens == tokens
+        torch.testing.assert_close(torch.tensor(tp_logprobs), torch.tensor(logprobs), atol=1e-4, rtol=0)
 
 
 # ---- dummy weights --------------------------------------------------------------------------------
