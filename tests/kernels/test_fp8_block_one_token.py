@@ -9,18 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ferrox.attention.fused_decode import FusedOneTokenDecode
 from ferrox.kernels.fp8_block_gemm import dequantize_fp8_blocks, fp8_block_linear, quantize_fp8_groups_torch
 from ferrox.kernels.split_k import _COUNTERS
 from ferrox.kernels.w8a8_dot_gemv import DotGemvConfig, w8a8_dot_gemv
 from ferrox.layers.quant.fp8_block import Fp8BlockConfig, Fp8BlockLinear, quantize_fp8_blocks
-from ferrox.layers.quant.method import use_quant_config
-from ferrox.loader.model_config import spec_from_hf_config
-from ferrox.loader.model_loader import init_dummy_weights
-from ferrox.models.registry import get_model_class
 
 from tests.kernels.kernel_refs import relative_error, rms_norm_ref, silu_and_mul_ref
-from tests.kernels.test_fused_decode import _config, _run
+from tests.kernels.test_fused_decode import assert_fused_path_matches, quantized_models
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -88,28 +83,9 @@ def test_block_scales_bad_input(kernel_device):
 def test_fused_one_token_path_runs_block_fp8_layers(kernel_device, monkeypatch):
     """A tiny Llama with block-FP8 layers (dummy weights, 16 x 32 blocks; down's 48 inputs end on a
     short group): the Triton set takes the fused one-token path, the torch set the general one."""
-    spec = spec_from_hf_config(_config("LlamaForCausalLM"), "test config")
-    cls = get_model_class(["LlamaForCausalLM"])
-    models = []
-    for kernels in ("torch", "triton"):
-        with use_quant_config(Fp8BlockConfig((16, 32))):
-            model = cls(spec, torch.float32, kernel_device, kernels=kernels)
-        init_dummy_weights(model, seed=3)  # the same block codes in both (seeded per layer)
-        model.finalize_weights()
-        models.append(model.eval())
-    ref, fused = models
-    path = fused.model.decode_path
-    assert isinstance(path, FusedOneTokenDecode) and path.layers is not None
+    ref, fused = quantized_models(kernel_device, Fp8BlockConfig((16, 32)))
     assert isinstance(fused.model.layers[0].mlp.down_proj.quant, Fp8BlockLinear)
-    steps: list[int] = []
-    original = FusedOneTokenDecode.forward
-    monkeypatch.setattr(FusedOneTokenDecode, "forward", lambda self, *a: steps.append(1) or original(self, *a))
-    prompt = [3, 9, 27, 41, 50, 20]
-    expected = _run(ref, kernel_device, prompt)
-    got = _run(fused, kernel_device, prompt)
-    assert steps, "the fused one-token path did not run"
-    assert relative_error(got, expected) < 1e-4
-    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    assert_fused_path_matches(ref, fused, kernel_device, monkeypatch)
 
 
 @pytest.mark.gpu

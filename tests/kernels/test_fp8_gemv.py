@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ferrox.attention.fused_decode import FusedOneTokenDecode
 from ferrox.kernels.gemv import GemvConfig, gemv, qkv_rope_gemv
 from ferrox.kernels.rotary import neox_cos_sin_cache
 from ferrox.layers.quant.fp8 import Fp8Config
@@ -18,7 +17,7 @@ from ferrox.loader.model_loader import init_dummy_weights
 from ferrox.models.registry import get_model_class
 
 from tests.kernels.kernel_refs import relative_error, rms_norm_ref, rotary_neox_ref, silu_and_mul_ref
-from tests.kernels.test_fused_decode import _config, _run
+from tests.kernels.test_fused_decode import _config, assert_fused_path_matches
 
 FP8 = torch.float8_e4m3fn
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -175,19 +174,9 @@ def _fp8_models(device):
 
 def test_fused_one_token_path_runs_fp8_layers(kernel_device, monkeypatch):
     ref, fused = _fp8_models(kernel_device)
-    path = fused.model.decode_path
-    assert isinstance(path, FusedOneTokenDecode) and path.layers is not None
     qkv = fused.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == FP8 and qkv.weight_scale.dtype == torch.float32
-    steps: list[int] = []
-    original = FusedOneTokenDecode.forward
-    monkeypatch.setattr(FusedOneTokenDecode, "forward", lambda self, *a: steps.append(1) or original(self, *a))
-    prompt = [3, 9, 27, 41, 50, 20]
-    expected = _run(ref, kernel_device, prompt)
-    got = _run(fused, kernel_device, prompt)
-    assert steps, "the fused one-token path did not run"
-    assert relative_error(got, expected) < 1e-4
-    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    assert_fused_path_matches(ref, fused, kernel_device, monkeypatch)
 
 
 # ---- GPU, real shapes ---------------------------------------------------------------------------

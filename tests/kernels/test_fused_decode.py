@@ -13,6 +13,7 @@ from ferrox.attention.decode_path import DecodePath
 from ferrox.attention.fused_decode import FusedOneTokenDecode
 from ferrox.attention.kv_cache import allocate_kv_caches
 from ferrox.kernels import fused_moe, gemv
+from ferrox.layers.quant.method import use_quant_config
 from ferrox.loader.model_config import spec_from_hf_config
 from ferrox.loader.model_loader import init_dummy_weights
 from ferrox.models.registry import get_model_class
@@ -105,6 +106,35 @@ def _run(model, device: torch.device, prompt: list[int]) -> torch.Tensor:
         ids, pos, meta = build_step([StepRequest([token], len(prompt) + i, blocks)], BLOCK, device)
         rows.append(model.compute_logits(model(ids, pos, caches, meta)))
     return torch.cat(rows)
+
+
+def quantized_models(device: torch.device, quant_config) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A tiny Llama built under `quant_config` (a checkpoint method: dummy codes and scales, seeded per
+    layer, so both get the same) on the torch kernel set (general path) and on the Triton set."""
+    spec = spec_from_hf_config(_config("LlamaForCausalLM"), "test config")
+    cls = get_model_class(["LlamaForCausalLM"])
+    models = []
+    for kernels in ("torch", "triton"):
+        with use_quant_config(quant_config):
+            model = cls(spec, torch.float32, device, kernels=kernels)
+        init_dummy_weights(model, seed=3)
+        model.finalize_weights()
+        models.append(model.eval())
+    return models[0], models[1]
+
+
+def assert_fused_path_matches(ref, fused, device: torch.device, monkeypatch) -> None:
+    """The Triton model's one-token steps take the fused path, and its logits match the general
+    path's (the quantized-weight tests: fp8, int8, block fp8)."""
+    path = fused.model.decode_path
+    assert isinstance(path, FusedOneTokenDecode) and path.layers is not None
+    steps = _count_calls(monkeypatch, "forward")
+    prompt = [3, 9, 27, 41, 50, 20]
+    expected = _run(ref, device, prompt)
+    got = _run(fused, device, prompt)
+    assert steps, "the fused one-token path did not run"
+    assert relative_error(got, expected) < 1e-4
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
 def _count_calls(monkeypatch, name: str) -> list[int]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ferrox.attention.fused_decode import FusedOneTokenDecode
 from ferrox.kernels.gemv import qkv_rope_gemv
 from ferrox.kernels.int8_gemm import int8_gemm
 from ferrox.kernels.rotary import neox_cos_sin_cache
@@ -23,13 +22,9 @@ from ferrox.layers.quant.int8_linear import (
     quantize_int8_torch,
     quantize_int8_triton,
 )
-from ferrox.layers.quant.method import use_quant_config
-from ferrox.loader.model_config import spec_from_hf_config
-from ferrox.loader.model_loader import init_dummy_weights
-from ferrox.models.registry import get_model_class
 
 from tests.kernels.kernel_refs import relative_error, rms_norm_ref, rotary_neox_ref
-from tests.kernels.test_fused_decode import _config, _run
+from tests.kernels.test_fused_decode import assert_fused_path_matches, quantized_models
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -152,29 +147,10 @@ def test_int8_qkv_rope_tiny(kernel_device, seed):
 def test_fused_one_token_path_runs_int8_layers(kernel_device, monkeypatch, activations):
     """A tiny Llama with int8 W8A8 layers (dummy weights): the Triton set takes the fused one-token
     path (int8 weights in the layers' `weight`), the torch set the general one; same logits."""
-    spec = spec_from_hf_config(_config("LlamaForCausalLM"), "test config")
-    cls = get_model_class(["LlamaForCausalLM"])
-    models = []
-    for kernels in ("torch", "triton"):
-        with use_quant_config(CompressedTensorsInt8Config(activations)):
-            model = cls(spec, torch.float32, kernel_device, kernels=kernels)
-        init_dummy_weights(model, seed=3)  # the same int8 weights in both (seeded per layer)
-        model.finalize_weights()
-        models.append(model.eval())
-    ref, fused = models
-    path = fused.model.decode_path
-    assert isinstance(path, FusedOneTokenDecode) and path.layers is not None
+    ref, fused = quantized_models(kernel_device, CompressedTensorsInt8Config(activations))
     qkv = fused.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == torch.int8 and qkv.weight_scale.dtype == torch.float32
-    steps: list[int] = []
-    original = FusedOneTokenDecode.forward
-    monkeypatch.setattr(FusedOneTokenDecode, "forward", lambda self, *a: steps.append(1) or original(self, *a))
-    prompt = [3, 9, 27, 41, 50, 20]
-    expected = _run(ref, kernel_device, prompt)
-    got = _run(fused, kernel_device, prompt)
-    assert steps, "the fused one-token path did not run"
-    assert relative_error(got, expected) < 1e-4
-    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    assert_fused_path_matches(ref, fused, kernel_device, monkeypatch)
 
 
 # ---- GPU, real shapes ---------------------------------------------------------------------------

@@ -260,10 +260,7 @@ class Fp8Config(QuantConfig):
                    unquantized=unquantized)
 
     def check(self, spec: ModelSpec, device: torch.device, tp_size: int) -> None:
-        if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-            major, minor = torch.cuda.get_device_capability(device)
-            raise UnsupportedModelError(f"quantization {self.name!r}: FP8 matmuls need a GPU of compute capability "
-                                        f"8.9 or newer (Ada, Hopper); this one is {major}.{minor}")
+        check_fp8_device(self.name, device)
         check_unquantized_modules(self.unquantized, spec)
 
     def linear_method(self, layer: Linear) -> LinearWeightMethod:
@@ -274,6 +271,15 @@ class Fp8Config(QuantConfig):
     def describe(self) -> str:
         source = "quantized at load" if self.online_quantization else "checkpoint"
         return f"{self.name} ({source}): E4M3 weights, per-channel scales, {_ACTIVATION_NAMES[self.activations]}"
+
+
+def check_fp8_device(name: str, device: torch.device) -> None:
+    """FP8 tensor-core matmuls need compute capability 8.9 (Ada, Hopper) or newer; the CPU runs them
+    dequantized."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise UnsupportedModelError(f"quantization {name!r}: FP8 matmuls need a GPU of compute capability "
+                                    f"8.9 or newer (Ada, Hopper); this one is {major}.{minor}")
 
 
 def refuse_kv_cache_scheme(scheme: object, where: str) -> None:

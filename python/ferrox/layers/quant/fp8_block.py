@@ -38,7 +38,13 @@ from ferrox.kernels.fp8_block_gemm import (
 )
 from ferrox.kernels.w8a8_dot_gemv import w8a8_dot_gemv
 from ferrox.layers.linear import Linear, RowParallelLinear
-from ferrox.layers.quant.fp8 import _checkpoint_rows, _column_split, _rank_weight, check_unquantized_modules
+from ferrox.layers.quant.fp8 import (
+    _checkpoint_rows,
+    _column_split,
+    _rank_weight,
+    check_fp8_device,
+    check_unquantized_modules,
+)
 from ferrox.layers.quant.fp8_linear import FP8_DTYPE, FP8_MAX
 from ferrox.layers.quant.method import LinearWeightMethod, QuantConfig
 from ferrox.model_spec import UnsupportedModelError
@@ -226,10 +232,7 @@ class Fp8BlockConfig(QuantConfig):
         return int(value[0]), int(value[1])
 
     def check(self, spec: ModelSpec, device: torch.device, tp_size: int) -> None:
-        if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-            major, minor = torch.cuda.get_device_capability(device)
-            raise UnsupportedModelError(f"quantization {self.name!r}: FP8 matmuls need a GPU of compute capability "
-                                        f"8.9 or newer (Ada, Hopper); this one is {major}.{minor}")
+        check_fp8_device(self.name, device)
         check_unquantized_modules(self.unquantized, spec)
 
     def linear_method(self, layer: Linear) -> LinearWeightMethod:
