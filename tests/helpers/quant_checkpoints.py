@@ -34,6 +34,32 @@ def write_checkpoint(float_folder: str, folder, quantization_config: dict, tenso
     return folder
 
 
+def edited_copy(folder: str, dst, edit) -> str:
+    """A copy of checkpoint `folder` at `dst` (a new pathlib folder) whose tensors `edit(tensors)`
+    changed in place (the refusal tests: a tensor dropped, retyped, reshaped)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    edit(tensors)
+    os.makedirs(dst)
+    for name in os.listdir(folder):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(folder, name), dst)
+    save_file(tensors, os.path.join(str(dst), "model.safetensors"))
+    return str(dst)
+
+
+def load_checkpoint(folder: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """The model of `folder` loaded as the engine loads it, with its own quantization_config."""
+    from ferrox.layers.quant.config import resolve_quant_config
+    from ferrox.loader.model_loader import load_model, load_model_spec
+    from ferrox.loader.source import resolve_model
+
+    source = resolve_model(folder)
+    spec = load_model_spec(source)
+    return load_model(source, spec, dtype=dtype, device=device, quant_config=resolve_quant_config(None, spec))
+
+
 def calibrate_input_amax(float_folder: str, prompts: list[list[int]]) -> dict[str, float]:
     """Each projection's largest input over `prompts` in the float model (module name -> amax)."""
     from transformers import AutoModelForCausalLM

@@ -21,13 +21,19 @@ from ferrox.layers.quant.config import resolve_quant_config
 from ferrox.layers.quant.fp8 import Fp8Config
 from ferrox.layers.quant.fp8_block import Fp8BlockConfig, Fp8BlockLinear
 from ferrox.layers.quant.method import use_quant_config
-from ferrox.loader.model_loader import load_model, load_model_spec
+from ferrox.loader.model_loader import load_model_spec
 from ferrox.loader.source import resolve_model
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tests.helpers.fp8_block_checkpoints import block_config, block_tensors, quantize_blocks, reference_model
-from tests.helpers.quant_checkpoints import reference_forced, reference_greedy, write_checkpoint
+from tests.helpers.quant_checkpoints import (
+    edited_copy,
+    load_checkpoint,
+    reference_forced,
+    reference_greedy,
+    write_checkpoint,
+)
 from tests.helpers.tiny_models import make_tiny_llama
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
@@ -173,33 +179,16 @@ def test_compressed_tensors_block_refusals(weights, inputs, field):
 
 
 # ---- tensors --------------------------------------------------------------------------------------
-def _edited_copy(folder: str, dst, edit) -> str:
-    tensors = load_file(os.path.join(folder, "model.safetensors"))
-    edit(tensors)
-    os.makedirs(dst)
-    for f in os.listdir(folder):
-        if not f.endswith(".safetensors"):
-            (dst / f).write_bytes(open(os.path.join(folder, f), "rb").read())
-    save_file(tensors, str(dst / "model.safetensors"))
-    return str(dst)
-
-
-def _load(folder: str):
-    source = resolve_model(folder)
-    spec = load_model_spec(source)
-    return load_model(source, spec, dtype=torch.float32, device="cpu", quant_config=resolve_quant_config(None, spec))
-
-
 def test_missing_and_mistyped_tensors_are_named(checkpoints, float_weights, tmp_path):
     folder, _ = checkpoints("fp8", BLOCKS[0])
     scale = "model.layers.1.self_attn.o_proj.weight_scale_inv"
     with pytest.raises(ModelLoadError, match=r"missing .*o_proj\.weight_scale_inv"):
-        _load(_edited_copy(folder, tmp_path / "no-scale", lambda t: t.pop(scale)))
+        load_checkpoint(edited_copy(folder, tmp_path / "no-scale", lambda t: t.pop(scale)))
     with pytest.raises(ModelLoadError, match=r"o_proj\.weight_scale_inv.*shape"):
-        _load(_edited_copy(folder, tmp_path / "scale", lambda t: t.update({scale: torch.ones(2, 3)})))
+        load_checkpoint(edited_copy(folder, tmp_path / "scale", lambda t: t.update({scale: torch.ones(2, 3)})))
     weight = "model.layers.1.mlp.down_proj.weight"
     with pytest.raises(ModelLoadError, match=r"down_proj\.weight.*float8_e4m3fn"):
-        _load(_edited_copy(folder, tmp_path / "float", lambda t: t.update({weight: float_weights[weight]})))
+        load_checkpoint(edited_copy(folder, tmp_path / "float", lambda t: t.update({weight: float_weights[weight]})))
 
 
 def test_shards_off_the_block_edges_are_refused(float_folder, float_weights, checkpoints, tmp_path):
@@ -209,7 +198,7 @@ def test_shards_off_the_block_edges_are_refused(float_folder, float_weights, che
     folder = write_checkpoint(float_folder, tmp_path / "b64", block_config((64, 32)),
                               block_tensors(float_weights, (64, 32)))
     with pytest.raises(ModelLoadError, match=r"k_proj\.weight_scale_inv.*64-row weight blocks"):
-        _load(folder)
+        load_checkpoint(folder)
     folder, _ = checkpoints("fp8", BLOCKS[0])
     with pytest.raises(Exception, match=r"k_proj\.weight_scale_inv.*rows 0\.\.16 of 32.*32-row weight blocks"):
         make_llm(folder, tensor_parallel_size=2)

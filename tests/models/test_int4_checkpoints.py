@@ -36,6 +36,7 @@ from tests.helpers.int4_checkpoints import (
     quantization_config,
     quantize_groups,
 )
+from tests.helpers.quant_checkpoints import edited_copy, load_checkpoint
 from tests.helpers.tiny_models import make_tiny_llama
 
 PROMPTS = [[5, 9, 33, 7, 100, 41], list(range(40, 53)), [17]]
@@ -105,17 +106,10 @@ def checkpoints(float_folder, tmp_path_factory):
     return get
 
 
-def _load(folder: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    source = resolve_model(folder)
-    spec = load_model_spec(source)
-    return load_model(source, spec, dtype=dtype, device=device,
-                      quant_config=resolve_quant_config(None, spec))
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_checkpoint_matches_dequantized_model(checkpoints, case):
     qdir, rdir = checkpoints(case)
-    quant, ref = _load(qdir), _load(rdir)
+    quant, ref = load_checkpoint(qdir), load_checkpoint(rdir)
     linears = [m for m in quant.modules() if isinstance(m, Linear)]
     assert linears and all(isinstance(m.quant, Int4Linear) and m.weight.numel() == 0 for m in linears)
     act_order = CASES[case].get("act_order", False)
@@ -133,8 +127,8 @@ def test_short_last_group(tmp_path, fmt):
     folder = make_tiny_llama(tmp_path / "float", hidden_size=96, intermediate_size=160, num_heads=4,
                              num_kv_heads=2, num_layers=1, seed=5)
     qdir, rdir = make_int4_checkpoint(folder, str(tmp_path), fmt, group=64)
-    q_tokens, q_logits = run_greedy(_load(qdir), PROMPTS, 4, return_prefill_logits=True)
-    r_tokens, r_logits = run_greedy(_load(rdir), PROMPTS, 4, return_prefill_logits=True)
+    q_tokens, q_logits = run_greedy(load_checkpoint(qdir), PROMPTS, 4, return_prefill_logits=True)
+    r_tokens, r_logits = run_greedy(load_checkpoint(rdir), PROMPTS, 4, return_prefill_logits=True)
     torch.testing.assert_close(q_logits, r_logits, rtol=1e-4, atol=1e-4)
     assert q_tokens == r_tokens
 
@@ -295,43 +289,32 @@ def test_missing_and_misshapen_tensors_name_the_tensor(checkpoints, tmp_path):
         edit(broken)
         save_file(broken, str(folder / "model.safetensors"))
         with pytest.raises(ModelLoadError, match=r"layers\.1\.self_attn\.(k_proj\.scales|qkv_proj\.scales shard k)"):
-            _load(str(folder))
-
-
-def _edited_copy(qdir: str, folder, edit) -> str:
-    tensors = load_file(os.path.join(qdir, "model.safetensors"))
-    edit(tensors)
-    folder.mkdir()
-    for f in os.listdir(qdir):
-        if not f.endswith(".safetensors"):
-            (folder / f).write_bytes(open(os.path.join(qdir, f), "rb").read())
-    save_file(tensors, str(folder / "model.safetensors"))
-    return str(folder)
+            load_checkpoint(str(folder))
 
 
 def test_nonzero_bias_for_a_biasless_layer_is_refused(checkpoints, tmp_path):
     qdir, _ = checkpoints("gptq-g32-actorder-zero-bias")
     name = "model.layers.0.mlp.down_proj.bias"
-    folder = _edited_copy(qdir, tmp_path / "bias", lambda t: t.update({name: torch.ones_like(t[name])}))
+    folder = edited_copy(qdir, tmp_path / "bias", lambda t: t.update({name: torch.ones_like(t[name])}))
     with pytest.raises(ModelLoadError, match="down_proj.bias.*non-zero"):
-        _load(folder)
+        load_checkpoint(folder)
 
 
 def test_compressed_tensors_tensors_checked_by_name(checkpoints, tmp_path):
     """weight_shape must be the layer's; a symmetric scheme's zero points, when stored, must be zero."""
     qdir, _ = checkpoints("ct-g32-sym")
     name = "model.layers.1.mlp.down_proj.weight_shape"
-    folder = _edited_copy(qdir, tmp_path / "shape", lambda t: t.update({name: t[name].flip(0).contiguous()}))
+    folder = edited_copy(qdir, tmp_path / "shape", lambda t: t.update({name: t[name].flip(0).contiguous()}))
     with pytest.raises(ModelLoadError, match=r"down_proj\.weight_shape.*\[128, 256\]"):
-        _load(folder)
+        load_checkpoint(folder)
     zp = "model.layers.0.mlp.down_proj.weight_zero_point"
     for label, value in (("zero", 0), ("nonzero", 3)):
-        folder = _edited_copy(qdir, tmp_path / label, lambda t, v=value: t.update({zp: torch.full((16, 8), v, dtype=torch.int32)}))
+        folder = edited_copy(qdir, tmp_path / label, lambda t, v=value: t.update({zp: torch.full((16, 8), v, dtype=torch.int32)}))
         if value:
             with pytest.raises(ModelLoadError, match="weight_zero_point is not zero"):
-                _load(folder)
+                load_checkpoint(folder)
         else:
-            assert isinstance(_load(folder).model.layers[0].mlp.down_proj.quant, Int4Linear)
+            assert isinstance(load_checkpoint(folder).model.layers[0].mlp.down_proj.quant, Int4Linear)
 
 
 def test_bad_act_order_indexes_are_refused(checkpoints, tmp_path):
@@ -339,13 +322,13 @@ def test_bad_act_order_indexes_are_refused(checkpoints, tmp_path):
     columns, name the tensor."""
     qdir, _ = checkpoints("gptq-g64-sym-actorder")
     name = "model.layers.0.self_attn.k_proj.g_idx"
-    folder = _edited_copy(qdir, tmp_path / "differ", lambda t: t.update({name: t[name].flip(0).contiguous()}))
+    folder = edited_copy(qdir, tmp_path / "differ", lambda t: t.update({name: t[name].flip(0).contiguous()}))
     with pytest.raises(ModelLoadError, match=r"self_attn\.[qkv]_proj\.g_idx.*differs from shard"):
-        _load(folder)
+        load_checkpoint(folder)
     name = "model.layers.0.mlp.down_proj.g_idx"
-    folder = _edited_copy(qdir, tmp_path / "uneven", lambda t: t.update({name: torch.zeros_like(t[name])}))
+    folder = edited_copy(qdir, tmp_path / "uneven", lambda t: t.update({name: torch.zeros_like(t[name])}))
     with pytest.raises(ModelLoadError, match="down_proj.g_idx.*every group"):
-        _load(folder)
+        load_checkpoint(folder)
 
 
 # ---- tensor parallelism, layer by layer ---------------------------------------------------------------
@@ -434,7 +417,7 @@ def test_gpu_checkpoint_matches_dequantized_model(checkpoints, case, dtype):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     qdir, rdir = checkpoints(case)
-    quant, ref = _load(qdir, dtype, "cuda"), _load(rdir, dtype, "cuda")
+    quant, ref = load_checkpoint(qdir, dtype, "cuda"), load_checkpoint(rdir, dtype, "cuda")
     assert all(m.quant.kernels for m in quant.modules() if isinstance(m, Linear))
     # A batch of prompts (prefills of 1-1200 tokens: GEMM and dequantize + cuBLAS; decode steps of 5
     # tokens: GEMM), then one prompt of one token alone (prefill and decode steps of 1 token: GEMV).

@@ -24,7 +24,7 @@ from ferrox.layers.quant.compressed_tensors_int8 import CompressedTensorsInt8Con
 from ferrox.layers.quant.config import resolve_quant_config
 from ferrox.layers.quant.int8_linear import Int8Linear, quantize_int8_torch
 from ferrox.layers.quant.method import use_quant_config
-from ferrox.loader.model_loader import load_model, load_model_spec
+from ferrox.loader.model_loader import load_model_spec
 from ferrox.loader.source import resolve_model
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -40,6 +40,8 @@ from tests.helpers.int8_checkpoints import (
 )
 from tests.helpers.quant_checkpoints import (
     calibrate_input_amax,
+    edited_copy,
+    load_checkpoint,
     reference_forced,
     reference_greedy,
     write_checkpoint,
@@ -247,45 +249,28 @@ def test_int4_and_float8_routing_is_unchanged():
 
 
 # ---- tensors --------------------------------------------------------------------------------------
-def _edited_copy(folder: str, dst, edit) -> str:
-    tensors = load_file(os.path.join(folder, "model.safetensors"))
-    edit(tensors)
-    os.makedirs(dst)
-    for f in os.listdir(folder):
-        if not f.endswith(".safetensors"):
-            (dst / f).write_bytes(open(os.path.join(folder, f), "rb").read())
-    save_file(tensors, str(dst / "model.safetensors"))
-    return str(dst)
-
-
-def _load(folder: str):
-    source = resolve_model(folder)
-    spec = load_model_spec(source)
-    return load_model(source, spec, dtype=torch.float32, device="cpu", quant_config=resolve_quant_config(None, spec))
-
-
 @pytest.mark.parametrize("name,words", [
     ("model.layers.1.mlp.down_proj.weight_zero_point", r"down_proj\.weight_zero_point.*weight_zero_point is not zero"),
     ("model.layers.0.self_attn.k_proj.input_zero_point", r"k_proj\.input_zero_point.*input_zero_point is not zero"),
 ])
 def test_nonzero_zero_points_are_refused(checkpoints, tmp_path, name, words):
     folder, _ = checkpoints("w-tensor-a-static")  # stores all-zero zero points (accepted: it runs above)
-    edited = _edited_copy(folder, tmp_path / "zp", lambda t: t.update({name: torch.full_like(t[name], 3)}))
+    edited = edited_copy(folder, tmp_path / "zp", lambda t: t.update({name: torch.full_like(t[name], 3)}))
     with pytest.raises(ModelLoadError, match=words):
-        _load(edited)
+        load_checkpoint(edited)
 
 
 def test_missing_and_mistyped_tensors_are_named(checkpoints, float_weights, tmp_path):
     folder, _ = checkpoints("w-tensor-a-static")
     scale = "model.layers.1.self_attn.o_proj.input_scale"
     with pytest.raises(ModelLoadError, match=r"missing .*o_proj\.input_scale"):
-        _load(_edited_copy(folder, tmp_path / "no-input-scale", lambda t: t.pop(scale)))
+        load_checkpoint(edited_copy(folder, tmp_path / "no-input-scale", lambda t: t.pop(scale)))
     weight = "model.layers.1.mlp.down_proj.weight"
     with pytest.raises(ModelLoadError, match=r"down_proj\.weight.*int8"):
-        _load(_edited_copy(folder, tmp_path / "float", lambda t: t.update({weight: float_weights[weight]})))
+        load_checkpoint(edited_copy(folder, tmp_path / "float", lambda t: t.update({weight: float_weights[weight]})))
     ws = "model.layers.0.mlp.down_proj.weight_scale"
     with pytest.raises(ModelLoadError, match=r"down_proj\.weight_scale.*shape"):
-        _load(_edited_copy(folder, tmp_path / "scale", lambda t: t.update({ws: torch.ones(3)})))
+        load_checkpoint(edited_copy(folder, tmp_path / "scale", lambda t: t.update({ws: torch.ones(3)})))
 
 
 def test_packed_tensors_are_checked(checkpoints, tmp_path):
@@ -293,10 +278,10 @@ def test_packed_tensors_are_checked(checkpoints, tmp_path):
     folder, _ = checkpoints("w-channel-packed")
     shape = "model.layers.0.mlp.down_proj.weight_shape"
     with pytest.raises(ModelLoadError, match=r"down_proj\.weight_shape.*the model's layer"):
-        _load(_edited_copy(folder, tmp_path / "shape", lambda t: t.update({shape: torch.tensor([7, 7])})))
+        load_checkpoint(edited_copy(folder, tmp_path / "shape", lambda t: t.update({shape: torch.tensor([7, 7])})))
     packed = "model.layers.0.mlp.down_proj.weight_packed"
     with pytest.raises(ModelLoadError, match=r"down_proj\.weight_packed.*words a row"):
-        _load(_edited_copy(folder, tmp_path / "words", lambda t: t.update({packed: t[packed][:, :-1].contiguous()})))
+        load_checkpoint(edited_copy(folder, tmp_path / "words", lambda t: t.update({packed: t[packed][:, :-1].contiguous()})))
 
 
 # ---- tensor parallelism ---------------------------------------------------------------------------
