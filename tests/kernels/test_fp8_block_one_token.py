@@ -80,10 +80,12 @@ def test_block_scales_bad_input(kernel_device):
                       input_scale=torch.ones(1, device=kernel_device))
 
 
-def test_fused_one_token_path_runs_block_fp8_layers(kernel_device, monkeypatch):
-    """A tiny Llama with block-FP8 layers (dummy weights, 16 x 32 blocks; down's 48 inputs end on a
-    short group): the Triton set takes the fused one-token path, the torch set the general one."""
-    ref, fused = quantized_models(kernel_device, Fp8BlockConfig((16, 32)))
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_fused_one_token_path_runs_block_fp8_layers(kernel_device, monkeypatch, arch):
+    """A tiny Llama / Qwen3 (Qwen3-*-FP8's family: per-head q/k norms after the qkv product) with
+    block-FP8 layers (dummy weights, 16 x 32 blocks; down's 48 inputs end on a short group): the
+    Triton set takes the fused one-token path, the torch set the general one."""
+    ref, fused = quantized_models(kernel_device, Fp8BlockConfig((16, 32)), arch)
     assert isinstance(fused.model.layers[0].mlp.down_proj.quant, Fp8BlockLinear)
     assert_fused_path_matches(ref, fused, kernel_device, monkeypatch)
 

@@ -108,11 +108,12 @@ def _run(model, device: torch.device, prompt: list[int]) -> torch.Tensor:
     return torch.cat(rows)
 
 
-def quantized_models(device: torch.device, quant_config) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """A tiny Llama built under `quant_config` (a checkpoint method: dummy codes and scales, seeded per
-    layer, so both get the same) on the torch kernel set (general path) and on the Triton set."""
-    spec = spec_from_hf_config(_config("LlamaForCausalLM"), "test config")
-    cls = get_model_class(["LlamaForCausalLM"])
+def quantized_models(device: torch.device, quant_config, arch: str = "LlamaForCausalLM"
+                     ) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A tiny `arch` built under `quant_config` (a checkpoint method: dummy codes and scales, seeded
+    per layer, so both get the same) on the torch kernel set (general path) and on the Triton set."""
+    spec = spec_from_hf_config(_config(arch), "test config")
+    cls = get_model_class([arch])
     models = []
     for kernels in ("torch", "triton"):
         with use_quant_config(quant_config):
