@@ -11,6 +11,8 @@ float64, so the reference is exact to float64 rounding."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from ferrox.kernels import fp8_block_gemm as module
@@ -71,15 +73,18 @@ def _reference(xq, x_scale, w, w_scale, block, bias) -> tuple[torch.Tensor, torc
     return (y, terms) if bias is None else (y + bias.double(), terms + bias.double().abs())
 
 
-def _error(out: torch.Tensor, reference: tuple[torch.Tensor, torch.Tensor], block_k: int, k: int) -> float:
+def _error(out: torch.Tensor, reference: tuple[torch.Tensor, torch.Tensor], block_k: int, k: int,
+           fast_accum: bool = False) -> float:
     """The largest error in units of what the kernel's roundings allow (<= 1 passes):
     - fp32 output: each group's partial sum (block_k - 1 adds), its two scale products and the adds
       over the groups round once an operation, at most an ulp (2^-23) of the terms each: a bound of
       (block_k + groups + 2) ulps of the terms (typical errors are far smaller);
     - bf16 / fp16 output: that, plus the final rounding (half a step: up to 2^-8 of a bf16 value,
-      2^-11 of an fp16 one; here twice that), and fp16's subnormal steps (2^-24) near zero."""
+      2^-11 of an fp16 one; here twice that), and fp16's subnormal steps (2^-24) near zero;
+    - fast_accum (a GPU's FP8 MMA summing each group in its own accumulator, ~14 bits kept): 2^-12
+      of the terms more (the GPU tests; the interpreter sums in fp32)."""
     ref, terms = reference
-    fp32 = (block_k + -(-k // block_k) + 2) * 2.0 ** -23
+    fp32 = (block_k + -(-k // block_k) + 2) * 2.0 ** -23 + (2.0 ** -12 if fast_accum else 0.0)
     final = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[out.dtype]
     floor = 2.0 ** -24 if out.dtype == torch.float16 else 1e-30
     allowed = final * ref.abs() + (1 + final) * fp32 * terms + floor
@@ -288,19 +293,25 @@ def test_real_shapes(cuda_device, seed, n, k):
         ref_q, ref_scale = quantize_fp8_groups_torch(x, block[1])
         assert torch.equal(xq.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(x_scale, ref_scale), m
         out = fp8_block_gemm(xq, x_scale, w, w_scale, block, b)
-        assert _error(out, _reference(xq, x_scale, w, w_scale, block, b), block[1], k) <= 1, m
+        assert _error(out, _reference(xq, x_scale, w, w_scale, block, b), block[1], k, fast_accum=True) <= 1, m
         assert torch.equal(fp8_block_linear(x, w, w_scale, block, b), out), m
 
 
 @pytest.mark.gpu
 def test_real_shapes_sum_in_fp32(cuda_device, seed):
-    """fp32 output, where the FP8 MMA's partial sums show: within fp32 rounding of float64 with the
-    16-row tile and the warpgroup-MMA tiles (64 and 128 rows)."""
+    """fp32 output, where the FP8 MMA's partial sums show: with fast_accum off, within fp32 rounding
+    of float64 with the 16-row tile and the warpgroup-MMA tiles (64 and 128 rows); with it (the
+    default), within the MMA accumulator's bound."""
     block, n, k = (128, 128), 4096, 4096
     for m in (16, 256, 2048):
         xq, x_scale, w, w_scale, _ = _operands(m, n, k, block, cuda_device, None)
-        out = fp8_block_gemm(xq, x_scale, w, w_scale, block, None, torch.float32)
-        assert _error(out, _reference(xq, x_scale, w, w_scale, block, None), block[1], k) <= 1, m
+        reference = _reference(xq, x_scale, w, w_scale, block, None)
+        cfg = choose_block_gemm_config(m, n, k, block)
+        exact = fp8_block_gemm(xq, x_scale, w, w_scale, block, None, torch.float32,
+                               config=dataclasses.replace(cfg, fast_accum=False))
+        assert _error(exact, reference, block[1], k) <= 1, m
+        fast = fp8_block_gemm(xq, x_scale, w, w_scale, block, None, torch.float32, config=cfg)
+        assert _error(fast, reference, block[1], k, fast_accum=True) <= 1, m
 
 
 @pytest.mark.gpu

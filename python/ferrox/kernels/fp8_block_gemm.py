@@ -11,11 +11,13 @@ for that group, the weight block's), so they cannot wait for the epilogue as row
 fp32 partial sum, multiplied by both scales (token's, then weight's) and added to the fp32
 accumulator: the arithmetic, and the order of its roundings, of vLLM's Triton w8a8_block_fp8_matmul.
 
-Partial sums in fp32: Hopper's FP8 MMAs keep only part of each product's mantissa in their
-accumulator unless told otherwise (w8a8_dot_gemv.py's docstring). max_num_imprecise_acc=0, on a
-fresh accumulator per group, adds each MMA's result into fp32 registers, so a group's partial sum is
-an fp32 sum of its exact products (measured for w8a8_dot_gemv.py; here the GPU test
-test_real_shapes_sum_in_fp32 checks fp32 outputs against float64).
+Partial sums: Hopper's FP8 MMAs sum a group's products in an accumulator narrower than fp32 (about
+14 bits kept) unless told otherwise (w8a8_dot_gemv.py's docstring); each group's partial sum is then
+scaled and added to the fp32 accumulator, so the narrow sums span 128 products at most -- DeepSeek's
+"promotion" every 128 inputs, and what vLLM's Triton kernel does (Triton's default for FP8 dots).
+That is the default here (`fast_accum`). max_num_imprecise_acc=0 instead adds each MMA's result into
+fp32 registers (exact group sums) but waits on every MMA: with it the 8B's 400-request throughput was
+0.49x bf16's on an H200 (benches/RESULTS.md), so it stays a config switch for tests and sweeps.
 Triton's FP8 MMA wants K tiles of 32 or more: a 16-wide group widens both tiles to fp16 (exact for
 every E4M3 value) and multiplies those.
 
@@ -131,6 +133,7 @@ def _fp8_block_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP_M: tl.constexpr,  # M tiles per band: neighbouring programs share weight tiles in L2
+    FAST_ACCUM: tl.constexpr,  # the FP8 MMA's own accumulator within a group (module docstring)
 ):
     toks, tmask, rows, rmask = band_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     cols = tl.arange(0, BLOCK_K)
@@ -148,9 +151,12 @@ def _fp8_block_gemm_kernel(
         if BLOCK_K < 32:  # below the FP8 MMA's K: fp16 holds every E4M3 value exactly
             a = a.to(tl.float16)
             w = w.to(tl.float16)
-        # The group's partial sum on its own (a fresh accumulator), summed in fp32 registers rather
-        # than in the FP8 MMA's narrower accumulator (module docstring).
-        partial = tl.dot(a, tl.trans(w), max_num_imprecise_acc=0)
+        # The group's partial sum on its own (a fresh accumulator): in the FP8 MMA's accumulator, or
+        # with FAST_ACCUM off each MMA's result added in fp32 registers (module docstring).
+        if FAST_ACCUM:
+            partial = tl.dot(a, tl.trans(w))
+        else:
+            partial = tl.dot(a, tl.trans(w), max_num_imprecise_acc=0)
         x_scale = tl.load(x_scales + g, mask=tmask, other=0.0)
         w_scale = tl.load(w_scales + g, mask=rmask, other=0.0)
         acc += partial * x_scale[:, None] * w_scale[None, :]
@@ -169,6 +175,7 @@ class BlockGemmConfig:
     num_warps: int
     num_stages: int
     group_m: int = 8
+    fast_accum: bool = True  # group sums in the FP8 MMA's accumulator (module docstring)
 
 
 # Tile candidates by batch size, preferred first: the first that launches at least _FILL_PROGRAMS
@@ -246,6 +253,7 @@ def fp8_block_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor
         out, xq, x_scale, weight, w_scale, bias if bias is not None else w_scale, m, n, k, xq.stride(0),
         x_scale.stride(0), weight.stride(0), w_scale.stride(0), out.stride(0), HAS_BIAS=bias is not None,
         BN=block[0], BLOCK_K=block[1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
+        FAST_ACCUM=cfg.fast_accum,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
