@@ -164,7 +164,8 @@ def cases() -> list[Case]:
     def dot8(name, n_out, k, *, silu=False, norm=False):
         cfg = w8a8_dot_gemv.choose_dot_config(n_out, k, 132)
         flags = dict(NORM=norm, HAS_BIAS=False, SILU_MUL=silu, HAS_RESIDUAL=not silu, STATIC=False,
-                     INT8=False, SPLIT=cfg.split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_X=gemv.token_stats_block(k))
+                     INT8=False, BLOCK_SCALES=False, BN=1, SPLIT=cfg.split, BLOCK_N=cfg.block_n,
+                     BLOCK_K=cfg.block_k, BLOCK_X=gemv.token_stats_block(k))
         types = {"out_ptr": "*bf16", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "bias_ptr": "*bf16",
                  "x_ptr": "*bf16", "res_ptr": "*bf16", "norm_w_ptr": "*bf16", "in_scale_ptr": "*fp32",
                  "part_ptr": "*fp32", "count_ptr": "*i32", "eps": "fp32"}
