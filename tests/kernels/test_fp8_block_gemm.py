@@ -26,6 +26,8 @@ from ferrox.kernels.fp8_block_gemm import (
     quantize_fp8_groups_triton,
 )
 
+from tests.kernels.kernel_refs import relative_error
+
 FP8 = torch.float8_e4m3fn
 # Interpreter-sized: 32 x 32 weight blocks, N = 72 and K = 200 off them (partial last blocks),
 # 16-row token tiles, so M = 17 spans two.
@@ -217,11 +219,12 @@ def test_config_choice():
     assert {n: (c.block_m, c.block_n) for n, c in decode.items()} == {4096: (16, 32), 6144: (16, 32),
                                                                       28672: (16, 128)}
     assert choose_block_gemm_config(16, 4096, 14336, (128, 128)).block_m == 16
-    big = choose_block_gemm_config(2048, 4096, 4096, (128, 128))
-    assert (big.block_m, big.block_n) == (128, 128)
-    mid = choose_block_gemm_config(256, 4096, 4096, (128, 128))  # 128 x 128 tiles: only 64 programs
-    assert (mid.block_m, mid.block_n) == (64, 128)
-    assert choose_block_gemm_config(2048, 4096, 4096, (128, 512)).num_stages == 1
+    for m in (65, 256, 2048):  # the H200 sweep's tile (the module's table)
+        big = choose_block_gemm_config(m, 4096, 4096, (128, 128))
+        assert (big.block_m, big.block_n, big.num_warps) == (64, 128, 4)
+    mid = {n: choose_block_gemm_config(64, n, 4096, (128, 128)) for n in (4096, 28672)}
+    assert {n: (c.block_m, c.block_n) for n, c in mid.items()} == {4096: (128, 64), 28672: (64, 128)}
+    assert choose_block_gemm_config(2048, 4096, 4096, (128, 1024)).num_stages == 1
     for m in (1, 16, 17, 64, 65, 2048):
         cfg = choose_block_gemm_config(m, 4096, 4096, (128, 128))
         assert cfg.block_m >= 16 and cfg.block_n >= 16 and cfg.num_stages >= 1
@@ -311,7 +314,7 @@ def test_real_shapes_sum_in_fp32(cuda_device, seed):
                                config=dataclasses.replace(cfg, fast_accum=False))
         assert _error(exact, reference, block[1], k) <= 1, m
         fast = fp8_block_gemm(xq, x_scale, w, w_scale, block, None, torch.float32, config=cfg)
-        assert _error(fast, reference, block[1], k, fast_accum=True) <= 1, m
+        assert relative_error(fast, reference[0]) < 1e-3, m  # (the MMA's narrow sums, promoted every group)
 
 
 @pytest.mark.gpu

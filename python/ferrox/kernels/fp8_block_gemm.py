@@ -179,14 +179,16 @@ class BlockGemmConfig:
 
 
 # Tile candidates by batch size, preferred first: the first that launches at least _FILL_PROGRAMS
-# programs is taken, else the last. These are GUESSES, written without a GPU to time them: the
-# decode tiles follow int8_gemm.py's measured choice (16-row tiles, narrow in N so a 4096-row weight
-# spreads over ~128 programs), the large ones Triton's matmul tutorial. Sweep them on the target
-# (benches/) and change these tuples; nothing else depends on them.
+# programs is taken, else the last. The 17-64 and larger tiles come from an H200 sweep at
+# Llama-3.1-8B's four shapes (benches/RESULTS.md, twenty-fifth session: 8 tiles at 64, 512 and 4096
+# rows): 64 x 128 with 4 warps won or tied at 512 and 4096 rows (3-6% under the 128 x 128 / 8-warp
+# tile; 128 x 128 with 4 warps spills, 2.5x slower), and at 64 rows the 128 x 64 tile for N = 4096
+# (19 us against 24 for 32 x 64) and 64 x 128 where N fills the GPU with it. The decode tiles (2-16
+# rows; one row takes w8a8_dot_gemv.py) are int8_gemm.py's measured choice, not swept here.
 _FILL_PROGRAMS = 128  # about the H200's 132 SMs: fewer programs leave SMs idle on the weight stream
 _DECODE_TILES = (BlockGemmConfig(16, 128, 4, 4), BlockGemmConfig(16, 64, 4, 4), BlockGemmConfig(16, 32, 4, 4))
-_MID_TILES = (BlockGemmConfig(64, 128, 4, 3), BlockGemmConfig(64, 64, 4, 3), BlockGemmConfig(32, 64, 4, 3))
-_LARGE_TILES = (BlockGemmConfig(128, 128, 8, 3), BlockGemmConfig(64, 128, 4, 3))
+_MID_TILES = (BlockGemmConfig(64, 128, 4, 4), BlockGemmConfig(128, 64, 4, 4))
+_LARGE_TILES = (BlockGemmConfig(64, 128, 4, 3),)
 # Shared memory for the pipelined operand tiles, (block_m + block_n) * BK bytes a stage: blocks
 # wider than 128 get fewer stages (the H200 has 227 KB a block; the epilogue needs some).
 _STAGE_BYTES = 160 * 1024
