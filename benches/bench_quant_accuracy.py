@@ -16,7 +16,9 @@ into a GPTQ-layout folder, group 128, act-order, as GPTQModel / AutoGPTQ exports
 calibration set is the reference model's own sampled answers to CALIBRATION, none of the measured
 prompts), int4-gptq-static (the same without act-order, in the AWQ layout: what the fused one-token
 kernels run), gguf-packed (CPU: the GGUF's blocks kept quantized in packed int4 matmuls, against the
-same file dequantized to float32).
+same file dequantized to float32), int8 (compressed-tensors W8A8: int8 weights per channel, int8
+activations per token), fp8-block (block-wise FP8, DeepSeek / Qwen3-FP8 layout, activations per group
+of 128; blocks of 64 x 128 here, since SmolLM2's 192-row k/v shards cut the usual 128-row blocks).
 Targets: FP8 weights <= 0.02 nats, FP8 KV <= 0.02, int4 <= 0.1. Prints a table, the worst KL last.
 """
 
@@ -61,7 +63,8 @@ CALIBRATION = [
     "What is the Pythagorean theorem?", "Explain what a neural network is in simple words.",
 ]
 TARGETS = {"fp8": 0.02, "fp8-kv": 0.02, "int4-awq": 0.1, "int4-gptq": 0.1, "int4-gptq-static": 0.1,
-           "gguf-packed": None}
+           "gguf-packed": None, "int8": None, "fp8-block": 0.02}
+SMOLLM2_FP8_BLOCK = (64, 128)
 
 
 @torch.inference_mode()
@@ -146,6 +149,29 @@ def hf_folder_from_gguf(gguf_path: str, out_dir: str) -> str:
     model.config.to_json_file(os.path.join(out_dir, "config.json"))
     transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
     return out_dir
+
+
+def int8_folder(float_folder: str, out_dir: str) -> str:
+    """A compressed-tensors W8A8 checkpoint (the tests' reference quantizer, tests/helpers)."""
+    from safetensors.torch import load_file
+
+    from tests.helpers.int8_checkpoints import int8_config, int8_tensors
+    from tests.helpers.quant_checkpoints import write_checkpoint
+
+    weights = load_file(os.path.join(float_folder, "model.safetensors"))
+    return write_checkpoint(float_folder, out_dir, int8_config("channel", "token"), int8_tensors(weights, "channel"))
+
+
+def fp8_block_folder(float_folder: str, out_dir: str) -> str:
+    """A block-wise FP8 checkpoint (the tests' reference quantizer, tests/helpers)."""
+    from safetensors.torch import load_file
+
+    from tests.helpers.fp8_block_checkpoints import block_config, block_tensors
+    from tests.helpers.quant_checkpoints import write_checkpoint
+
+    weights = load_file(os.path.join(float_folder, "model.safetensors"))
+    return write_checkpoint(float_folder, out_dir, block_config(SMOLLM2_FP8_BLOCK),
+                            block_tensors(weights, SMOLLM2_FP8_BLOCK))
 
 
 def awq_folder(float_folder: str, out_dir: str) -> str:
@@ -235,13 +261,17 @@ def main() -> None:
                 llm = make_llm(source.path, args.device, dtype=dtype, quantization="fp8")
             elif name == "fp8-kv":
                 llm = make_llm(source.path, args.device, dtype=dtype, kv_cache_dtype="fp8")
-            elif name.startswith("int4-"):
+            elif name.startswith("int4-") or name in ("int8", "fp8-block"):
                 float_dir = os.path.join(tmp, "float")
                 if source.format != "gguf":
                     float_dir = source.path
                 elif not os.path.isdir(float_dir):
                     hf_folder_from_gguf(source.path, float_dir)
-                if name == "int4-awq":
+                if name == "int8":
+                    folder = int8_folder(float_dir, os.path.join(tmp, name))
+                elif name == "fp8-block":
+                    folder = fp8_block_folder(float_dir, os.path.join(tmp, name))
+                elif name == "int4-awq":
                     folder = awq_folder(float_dir, os.path.join(tmp, name))
                 elif name in ("int4-gptq", "int4-gptq-static"):
                     if hessians is None:
