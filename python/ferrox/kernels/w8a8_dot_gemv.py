@@ -17,7 +17,9 @@ still moves the next layer's fp8 input codes across rounding boundaries, so the 
 would drift from the batched one. max_num_imprecise_acc=0 makes Triton add each MMA's result into
 fp32 registers: exact sums, at a few adds per accumulator per K tile (the stream is memory-bound).
 int8 MMAs accumulate in int32, exactly; the split-K partials stay int32 too, so the row sum that
-reaches the epilogue is the int8 GEMM's to the bit.
+reaches the epilogue is the int8 GEMM's to the bit. Block-wise FP8 (`block`) keeps exact group sums
+here too, while the batched block GEMM lets the MMA accumulate each group (fp8_block_gemm.py says
+why), so a token's one-row and batched products differ by that accumulator's rounding.
 
 With 64-128 rows per program the narrow projections have too few programs for 132 SMs, so K is
 split and the last-arriving program of each row block finishes the sum (split_k.py).
