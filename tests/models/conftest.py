@@ -1,5 +1,6 @@
 """Shared fixtures for model tests: the embedded SmolLM2 (ferrox and transformers, loaded once per
-session) and a small transformers-reference greedy helper."""
+session), the tiny float Llama the quantized-checkpoint tests quantize (fp8, int8, block fp8; read
+only), and a small transformers-reference greedy helper."""
 
 from __future__ import annotations
 
@@ -10,6 +11,22 @@ import torch
 from ferrox.loader.model_loader import load_model, load_model_spec
 from ferrox.loader.source import ModelSource, resolve_model
 from ferrox.loader.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="session")
+def float_folder(tmp_path_factory) -> str:
+    """A tiny float Llama folder (tiny_models.make_tiny_llama's defaults), built once per session;
+    test modules that need another shape define their own."""
+    from tests.helpers.tiny_models import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("quant") / "float")
+
+
+@pytest.fixture(scope="session")
+def float_weights(float_folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(float_folder, "model.safetensors"))
 
 
 @pytest.fixture(scope="session")

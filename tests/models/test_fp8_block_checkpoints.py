@@ -8,8 +8,6 @@ the engine (Triton kernels, CUDA graphs) against the same reference.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from ferrox import LLM, SamplingParams
@@ -24,7 +22,7 @@ from ferrox.layers.quant.method import use_quant_config
 from ferrox.loader.model_loader import load_model_spec
 from ferrox.loader.source import resolve_model
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from tests.helpers.fp8_block_checkpoints import block_config, block_tensors, quantize_blocks, reference_model
 from tests.helpers.quant_checkpoints import (
@@ -34,7 +32,6 @@ from tests.helpers.quant_checkpoints import (
     reference_greedy,
     write_checkpoint,
 )
-from tests.helpers.tiny_models import make_tiny_llama
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
 
@@ -50,16 +47,6 @@ SCALE_NAME = {"fp8": "weight_scale_inv", "compressed-tensors": "weight_scale"}
 
 def _case_id(case) -> str:
     return f"{case[0]}-{case[1][0]}x{case[1][1]}"
-
-
-@pytest.fixture(scope="module")
-def float_folder(tmp_path_factory) -> str:
-    return make_tiny_llama(tmp_path_factory.mktemp("fp8block") / "float")
-
-
-@pytest.fixture(scope="module")
-def float_weights(float_folder) -> dict[str, torch.Tensor]:
-    return load_file(os.path.join(float_folder, "model.safetensors"))
 
 
 @pytest.fixture(scope="module")

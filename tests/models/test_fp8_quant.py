@@ -11,8 +11,6 @@ Greedy tokens must then be identical and logprobs equal to float32 rounding.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from ferrox import LLM, SamplingParams
@@ -25,7 +23,7 @@ from ferrox.layers.quant.fp8 import Fp8Config
 from ferrox.layers.quant.fp8_linear import Fp8Linear
 from ferrox.layers.quant.method import use_quant_config
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from tests.helpers.quant_checkpoints import (
     PROJ,
@@ -35,7 +33,6 @@ from tests.helpers.quant_checkpoints import (
     reference_greedy,
     write_checkpoint,
 )
-from tests.helpers.tiny_models import make_tiny_llama
 
 # transformers 5 renames past_key_values; the old name keeps the reference loop working on 4.x too.
 pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
@@ -72,16 +69,6 @@ def _module(tensor_name: str) -> str:
 
 
 # ---- checkpoints --------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def float_folder(tmp_path_factory) -> str:
-    return make_tiny_llama(tmp_path_factory.mktemp("fp8") / "float")
-
-
-@pytest.fixture(scope="module")
-def float_weights(float_folder) -> dict[str, torch.Tensor]:
-    return load_file(os.path.join(float_folder, "model.safetensors"))
-
-
 @pytest.fixture(scope="module")
 def input_amax(float_folder) -> dict[str, float]:
     """Calibration: each projection's largest input over the test prompts, in the float model."""

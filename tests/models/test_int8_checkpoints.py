@@ -9,8 +9,6 @@ whole layer and the two-rank engine against one rank; dummy weights.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from ferrox import LLM, SamplingParams
@@ -27,7 +25,7 @@ from ferrox.layers.quant.method import use_quant_config
 from ferrox.loader.model_loader import load_model_spec
 from ferrox.loader.source import resolve_model
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from tests.helpers.int8_checkpoints import (
     fake_quantize,
@@ -46,7 +44,6 @@ from tests.helpers.quant_checkpoints import (
     reference_greedy,
     write_checkpoint,
 )
-from tests.helpers.tiny_models import make_tiny_llama
 
 # transformers 5 renames past_key_values; the old name keeps the reference loop working on 4.x too.
 pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
@@ -66,16 +63,6 @@ SCHEMES = {
     "w-channel-packed": ("channel", None, "pack-quantized", torch.bfloat16, False),
 }
 ACTIVATIONS = {"token": "dynamic-token", "tensor": "dynamic-tensor", "static": "static", None: "weight-only"}
-
-
-@pytest.fixture(scope="module")
-def float_folder(tmp_path_factory) -> str:
-    return make_tiny_llama(tmp_path_factory.mktemp("int8") / "float")
-
-
-@pytest.fixture(scope="module")
-def float_weights(float_folder) -> dict[str, torch.Tensor]:
-    return load_file(os.path.join(float_folder, "model.safetensors"))
 
 
 @pytest.fixture(scope="module")
