@@ -29,13 +29,13 @@ from ferrox.layers.quant.fp8_linear import (
     ACTIVATIONS,
     FP8_DTYPE,
     Fp8Linear,
+    RowScaledLinear,
     quantize_per_row,
 )
 from ferrox.layers.quant.method import LinearWeightMethod, QuantConfig
 from ferrox.model_spec import UnsupportedModelError
 
 if TYPE_CHECKING:
-    from ferrox.layers.quant.int8_linear import Int8Linear
     from ferrox.model_spec import ModelSpec
 
 # load_format="dummy" for a static checkpoint: a dummy model's activations (|x| up to ~10) fit
@@ -48,7 +48,7 @@ class _Fp8Method(LinearWeightMethod):
     # The fused one-token kernels read `layer.weight` (fp8, or int8 for the int8 subclass) and
     # `layer.weight_scale` (float32 rows), and ask the runner `one_token_w8a8()`.
     fused_decode = True
-    runner_class: type[Fp8Linear] | type[Int8Linear] = Fp8Linear
+    runner_class: type[RowScaledLinear] = Fp8Linear
 
     def __init__(self, activations: str):
         self.activations = activations

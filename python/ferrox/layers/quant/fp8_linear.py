@@ -133,13 +133,21 @@ def scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale:
     return y if bias is None else y + bias
 
 
-class Fp8Linear(nn.Module):
-    """y = x @ (weight * weight_scale[:, None]).T + bias, in x's dtype (see the module docstring)."""
+class RowScaledLinear(nn.Module):
+    """What the FP8 and int8 runners share (Fp8Linear here, int8_linear.Int8Linear): 1-byte codes
+    [out, in] with one float32 scale per output row, W = weight * weight_scale[:, None]; how the
+    activations enter (ACTIVATIONS; static ones with the checkpoint's input_scale); and on the CPU,
+    which runs them for correctness (tests, development), not for speed or memory, a dequantized
+    float32 copy beside the codes: torch widens fp8 slowly there (4 ms for a 3072 x 576 weight, 20x
+    its float matmul), so activations are rounded in place and the product runs at float speed --
+    the GPU's arithmetic. Subclasses set `w8a8`: whether activations are quantized."""
 
-    weight: torch.Tensor  # float8_e4m3fn [out, in]
+    code_dtype: torch.dtype  # the weight codes' dtype
+    weight: torch.Tensor  # code_dtype [out, in]
     weight_scale: torch.Tensor  # float32 [out]
     input_scale: torch.Tensor | None  # float32 [1], static activations only
     dequantized: torch.Tensor | None  # CPU only: float32 [out, in]
+    w8a8: bool
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, *, activations: str,
                  input_scale: torch.Tensor | None = None):
@@ -148,8 +156,10 @@ class Fp8Linear(nn.Module):
             raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
         if (activations == "static") != (input_scale is not None):
             raise ValueError("static activations need an input_scale, and only they take one")
-        if weight.dtype != FP8_DTYPE or weight_scale.dtype != torch.float32 or weight_scale.shape != weight.shape[:1]:
-            raise ValueError(f"need an fp8 weight [out, in] and float32 scales [out], got {weight.dtype} "
+        if (weight.dtype != self.code_dtype or weight.dim() != 2 or weight_scale.dtype != torch.float32
+                or weight_scale.shape != weight.shape[:1]):
+            name = "fp8" if self.code_dtype == FP8_DTYPE else str(self.code_dtype).removeprefix("torch.")
+            raise ValueError(f"need an {name} weight [out, in] and float32 scales [out], got {weight.dtype} "
                              f"{tuple(weight.shape)} and {weight_scale.dtype} {tuple(weight_scale.shape)}")
         self.out_features, self.in_features = weight.shape
         self.activations = activations
@@ -157,13 +167,6 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight_scale", weight_scale, persistent=False)
         self.register_buffer("input_scale", input_scale, persistent=False)
         cuda = weight.device.type == "cuda"
-        # cuBLASLt's FP8 GEMM wants K and N in multiples of 16; other shapes stay weight-only.
-        self.w8a8 = activations != "weight-only" and (not cuda or (self.in_features % 16 == 0
-                                                                   and self.out_features % 16 == 0))
-        # The CPU runs FP8 for correctness (tests, development), not for speed or memory: torch widens
-        # fp8 slowly there (4 ms for a 3072 x 576 weight, 20x its float matmul), so the dequantized
-        # weight is kept beside the codes and activations are rounded through fp8 in place -- the
-        # GPU's arithmetic, at float speed.
         self.register_buffer("dequantized", None if cuda else self.dequantize(), persistent=False)
 
     def extra_repr(self) -> str:
@@ -172,6 +175,26 @@ class Fp8Linear(nn.Module):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the layer multiplies by, [out, in] in `dtype`."""
         return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
+
+    def one_token_w8a8(self) -> tuple[bool, torch.Tensor | None]:
+        """For the fused one-token kernels: whether a one-row step quantizes its activations (per
+        token, or with the static input scale, the second value; a tensor-wide dynamic scale is the
+        token's own at one row), or keeps them in the model dtype (weight-only)."""
+        return self.w8a8, self.input_scale
+
+
+class Fp8Linear(RowScaledLinear):
+    """y = x @ (weight * weight_scale[:, None]).T + bias, in x's dtype (see the module docstring)."""
+
+    code_dtype = FP8_DTYPE
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, *, activations: str,
+                 input_scale: torch.Tensor | None = None):
+        super().__init__(weight, weight_scale, activations=activations, input_scale=input_scale)
+        cuda = weight.device.type == "cuda"
+        # cuBLASLt's FP8 GEMM wants K and N in multiples of 16; other shapes stay weight-only.
+        self.w8a8 = activations != "weight-only" and (not cuda or (self.in_features % 16 == 0
+                                                                   and self.out_features % 16 == 0))
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -194,12 +217,6 @@ class Fp8Linear(nn.Module):
             xq, x_scale = quantize_activations_triton(x2, self._input_scale(x2))
             y = scaled_mm(xq, x_scale, self.weight, self.weight_scale, bias, x.dtype)
         return y.reshape(*lead, self.out_features)
-
-    def one_token_w8a8(self) -> tuple[bool, torch.Tensor | None]:
-        """For the fused one-token kernels: whether a one-row step quantizes its activations (per
-        token, or with the static input scale, the second value; a tensor-wide dynamic scale is the
-        token's own at one row), or keeps them in the model dtype (weight-only)."""
-        return self.w8a8, self.input_scale
 
     def _input_scale(self, x: torch.Tensor) -> torch.Tensor | None:
         """The activations' per-tensor scale, or None for per token."""

@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ferrox.kernels.fp8_weight_gemm import fp8_weight_linear
 from ferrox.kernels.gemv import gemv
 from ferrox.kernels.int8_gemm import int8_gemm
 from ferrox.kernels.w8a8_dot_gemv import w8a8_dot_gemv
-from ferrox.layers.quant.fp8_linear import ACTIVATIONS, quantize_activations_triton
+from ferrox.layers.quant.fp8_linear import RowScaledLinear, quantize_activations_triton
 
 INT8_MAX = 127.0
 _MIN_AMAX = 1e-12  # an all-zero row still gets a finite, nonzero scale (as fp8_linear's)
@@ -67,44 +66,20 @@ def quantize_int8_triton(x: torch.Tensor, scale: torch.Tensor | None = None) -> 
 
 
 # ---- the runner ---------------------------------------------------------------------------------
-class Int8Linear(nn.Module):
+class Int8Linear(RowScaledLinear):
     """y = x @ (weight * weight_scale[:, None]).T + bias, in x's dtype (see the module docstring)."""
 
-    weight: torch.Tensor  # int8 [out, in], row-major
-    weight_scale: torch.Tensor  # float32 [out]
-    input_scale: torch.Tensor | None  # float32 [1], static activations only
+    code_dtype = torch.int8
     int8_max: torch.Tensor  # 127.0, on the weight's device
-    dequantized: torch.Tensor | None  # CPU only: float32 [out, in]
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, *, activations: str,
                  input_scale: torch.Tensor | None = None):
-        super().__init__()
-        if activations not in ACTIVATIONS:
-            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
-        if (activations == "static") != (input_scale is not None):
-            raise ValueError("static activations need an input_scale, and only they take one")
-        if (weight.dtype != torch.int8 or weight.dim() != 2 or weight_scale.dtype != torch.float32
-                or weight_scale.shape != weight.shape[:1]):
-            raise ValueError(f"need an int8 weight [out, in] and float32 scales [out], got {weight.dtype} "
-                             f"{tuple(weight.shape)} and {weight_scale.dtype} {tuple(weight_scale.shape)}")
-        self.out_features, self.in_features = weight.shape
-        self.activations = activations
+        super().__init__(weight.contiguous(), weight_scale.contiguous(), activations=activations,
+                         input_scale=input_scale)
         self.w8a8 = activations != "weight-only"
-        self.register_buffer("weight", weight.contiguous(), persistent=False)
-        self.register_buffer("weight_scale", weight_scale.contiguous(), persistent=False)
-        self.register_buffer("input_scale", input_scale, persistent=False)
         # A per-tensor dynamic scale is amax / 127 divided by a tensor: on CUDA a true division, as the
         # CPU's (a Python divisor becomes a multiplication by its reciprocal there).
         self.register_buffer("int8_max", torch.tensor(INT8_MAX, device=weight.device), persistent=False)
-        cuda = weight.device.type == "cuda"
-        self.register_buffer("dequantized", None if cuda else self.dequantize(), persistent=False)
-
-    def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, activations={self.activations}"
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight the layer multiplies by, [out, in] in `dtype`."""
-        return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -128,11 +103,6 @@ class Int8Linear(nn.Module):
             return w8a8_dot_gemv(x.contiguous(), self.weight, self.weight_scale, bias, input_scale=self.input_scale)
         xq, x_scale = quantize_int8_triton(x, self._input_scale(x))
         return int8_gemm(xq, x_scale, self.weight, self.weight_scale, bias, x.dtype)
-
-    def one_token_w8a8(self) -> tuple[bool, torch.Tensor | None]:
-        """For the fused one-token kernels: whether a one-row step quantizes its activations (per
-        token, or with the static input scale, the second value), or keeps them in the model dtype."""
-        return self.w8a8, self.input_scale
 
     def _input_scale(self, x: torch.Tensor) -> torch.Tensor | None:
         """The activations' per-tensor scale (float32 [1]), or None for per token."""
