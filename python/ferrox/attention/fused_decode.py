@@ -27,7 +27,9 @@ qkv projection as a plain GEMV and the norms, rotary and KV write in a second la
 launches by four: the router GEMV (fp32 logits) with the post-attention norm in its prologue,
 the softmax top-k (+ renormalisation) in one launch, the small-batch gate/up kernel over the k
 chosen experts with the same norm in its prologue (kernels/fused_moe.py `fused_moe_from_logits`),
-and the down kernel, which adds the residual in its epilogue. A shared expert (Qwen2-MoE) or a tensor-parallel share needs the normed vector itself:
+and the down kernel, which adds the residual in its epilogue. FP8 experts (layers/quant/fp8_moe.py)
+quantize their normed input in a launch of their own, so they take the explicit sequence below
+(six launches a layer). A shared expert (Qwen2-MoE) or a tensor-parallel share needs the normed vector itself:
 those layers keep the explicit sequence (rms_norm, router GEMV, `route_top_k`, experts) with the
 shared expert's or the experts' own forward, with its all-reduce. (The models pass these layers
 on one rank only until the path has run under tensor parallelism on two GPUs.)
@@ -49,7 +51,7 @@ from ferrox.attention.decode_path import (
     fused_decode_enabled,
 )
 from ferrox.attention.metadata import AttentionMetadata
-from ferrox.kernels.fused_moe import fused_moe, fused_moe_from_logits, route_top_k
+from ferrox.kernels.fused_moe import fused_moe_from_logits, route_top_k
 from ferrox.kernels.gemv import gemv, qkv_rope_gemv
 from ferrox.kernels.int4_matmul import Int4Weights, int4_gemv
 from ferrox.kernels.qk_norm_rope import qk_norm_rope_cache
@@ -128,7 +130,9 @@ class FusedOneTokenDecode(DecodePath):
         norm = layer.post_norm
         experts = block.experts
         plain = block.shared_expert is None and experts.tp.size == 1
-        if plain and fuse_routing:
+        # FP8 experts quantize their input in a launch of its own, so the norm cannot ride in the
+        # GEMV prologue: they take the explicit sequence.
+        if plain and fuse_routing and experts.w13_scale is None:
             logits = gemv(h, block.gate.weight, norm_weight=norm.weight, eps=norm.eps, out_dtype=torch.float32)
             out, _, _ = fused_moe_from_logits(h, logits, experts.w13, experts.w2, top_k=block.top_k,
                                               renormalize=block.renormalize, norm_weight=norm.weight,
@@ -138,7 +142,7 @@ class FusedOneTokenDecode(DecodePath):
         logits = gemv(x, block.gate.weight, out_dtype=torch.float32)
         weights, ids = route_top_k(logits, block.top_k, block.renormalize)
         if plain:
-            return fused_moe(x, experts.w13, experts.w2, weights, ids, small_batch=True, residual=h)
+            return experts.run_experts(x, weights, ids, residual=h, small_batch=True)
         out = experts(x, weights, ids)  # a tensor-parallel share: the layer's own all-reduce
         if block.shared_expert is not None:
             out = out + torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)

@@ -291,13 +291,13 @@ class LlamaForCausalLM(nn.Module):
             if proj in _MERGED:
                 merged, shard = _MERGED[proj]
                 module = modules.get(f"{parent}.{merged}")
-                if not isinstance(module, MergedLinear) or not _linear_takes(module, f"{parent}.{merged}", leaf, shard):
+                if not isinstance(module, MergedLinear) or not linear_takes(module, f"{parent}.{merged}", leaf, shard):
                     unexpected.append(name)
                     continue
                 key = f"{parent}.{merged}.{leaf}#{shard}"
             else:
                 module = modules.get(prefix)
-                if module is None or not (name in params or _linear_takes(module, prefix, leaf, None)):
+                if module is None or not (name in params or linear_takes(module, prefix, leaf, None)):
                     unexpected.append(name)
                     continue
                 key = name
@@ -327,7 +327,7 @@ def load_kv_scale(modules: dict[str, nn.Module], name: str, tensor: Any) -> bool
     return True
 
 
-def _linear_takes(module: Any, name: str, leaf: str, shard: str | None) -> bool:
+def linear_takes(module: Any, name: str, leaf: str, shard: str | None) -> bool:
     """Whether the linear layer at `name` takes checkpoint tensor `leaf` (of `shard`): one it needs,
     or an optional one of its quantization method (fp8's static input_scale)."""
     if not isinstance(module, Linear):

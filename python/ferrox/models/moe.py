@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ferrox.attention.backend import AttentionBackend, get_attention_backend
-from ferrox.attention.decode_path import OneTokenLayer, OneTokenMoe
+from ferrox.attention.decode_path import DecodePath, OneTokenLayer, OneTokenMoe
 from ferrox.attention.metadata import AttentionMetadata
 from ferrox.distributed.parallel_state import get_tp_group
 from ferrox.distributed.sharding import check_tp_shapes, materialize
@@ -35,10 +35,11 @@ from ferrox.layers.fused_moe import FusedMoE, TopKRouter, select_experts
 from ferrox.layers.layernorm import RMSNorm
 from ferrox.layers.linear import Linear, MergedLinear
 from ferrox.layers.ops import DeviceOps, Rope, for_device
+from ferrox.layers.quant.method import use_quant_config
 from ferrox.layers.rotary import RotaryEmbedding
 from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, MoeSpec, UnsupportedModelError
-from ferrox.models.llama import LlamaAttention, LlamaMLP, load_kv_scale
+from ferrox.models.llama import LlamaAttention, LlamaMLP, linear_takes, load_kv_scale
 from ferrox.models.load_check import check_all_loaded
 
 # HF names folded into a merged layer (attention, dense MLPs, the shared expert): (module, shard).
@@ -70,7 +71,9 @@ class MoeBlock(nn.Module):
         if moe.shared_expert_intermediate_size:
             shared_spec = dataclasses.replace(spec, intermediate_size=moe.shared_expert_intermediate_size)
             self.shared_expert = LlamaMLP(shared_spec, ops, dtype, device)
-            self.shared_expert_gate = Linear(spec.hidden_size, 1, bias=False, dtype=dtype, device=device)
+            # A float [1, H] gate even in a quantized model (checkpoints keep it so, as vLLM reads them).
+            with use_quant_config(None):
+                self.shared_expert_gate = Linear(spec.hidden_size, 1, bias=False, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
@@ -156,6 +159,9 @@ class MoeForCausalLM(nn.Module):
     # Attention and dense MLPs shard as Llama's; experts are sharded or split (layers/fused_moe.py).
     # Tested with gloo on CPU and NCCL on two GPUs (tests/engine/test_moe_gpu.py).
     supports_tensor_parallel = True
+    # FP8 (per row, per block, online) in the linear layers and the experts; other methods are
+    # refused by the experts (QuantConfig.moe_method).
+    supports_quantization = True
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
@@ -190,14 +196,22 @@ class MoeForCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def finalize_weights(self) -> None:
-        """Column-major projections where the op set asks (torch on CPU), for the reason
-        LlamaForCausalLM.finalize_weights gives; each expert's matrices too."""
+        """Quantized layers' runners (FP8 experts: online ones quantized now); then column-major
+        float projections where the op set asks (torch on CPU), for the reason
+        LlamaForCausalLM.finalize_weights gives; each float expert's matrices too."""
+        for module in self.modules():
+            if isinstance(module, (Linear, FusedMoE)):
+                module.finalize_quantized()
+        if any(m.weight_method is not None and not m.weight_method.fused_decode
+               for m in self.modules() if isinstance(m, Linear)):
+            # As in Llama: layers that run their own matmuls send one-token steps the general way.
+            self.model.decode_path = DecodePath()
         if not self.ops.column_major_weights:
             return
         for module in self.modules():
-            if isinstance(module, (Linear, ParallelLMHead)):
+            if isinstance(module, (Linear, ParallelLMHead)) and getattr(module, "quant", None) is None:
                 module.weight.data = module.weight.data.t().contiguous().t()
-            elif isinstance(module, FusedMoE):
+            elif isinstance(module, FusedMoE) and module.w13_scale is None:
                 module.w13.data = module.w13.data.transpose(1, 2).contiguous().transpose(1, 2)
                 module.w2.data = module.w2.data.transpose(1, 2).contiguous().transpose(1, 2)
         if self.lm_head is None:
@@ -220,11 +234,10 @@ class MoeForCausalLM(nn.Module):
         `<module>.<leaf>#<shard>`, routed experts as `<experts>#<e>.<shard>.weight`."""
         expected = set()
         for name, module in self.named_modules():
-            if isinstance(module, MergedLinear):
-                leaves = ("weight", "bias") if module.bias is not None else ("weight",)
-                expected |= {f"{name}.{leaf}#{shard}" for leaf in leaves for shard in module.shard_sizes}
+            if isinstance(module, Linear):  # (a quantized one names its method's tensors)
+                expected |= module.checkpoint_keys(name)
             elif isinstance(module, FusedMoE):
-                expected |= {f"{name}#{e}.{shard}.weight" for e, shard in module.expected_weights()}
+                expected |= {f"{name}#{e}.{shard}.{leaf}" for e, shard, leaf in module.expected_weights()}
             else:
                 expected |= {f"{name}.{leaf}" if name else leaf for leaf, _ in module.named_parameters(recurse=False)}
         return expected
@@ -258,21 +271,23 @@ class MoeForCausalLM(nn.Module):
                 elif proj in _MERGED:
                     merged_name, shard = _MERGED[proj]
                     merged = modules.get(f"{parent}.{merged_name}")
-                    if not isinstance(merged, MergedLinear):
+                    if not isinstance(merged, MergedLinear) or not linear_takes(merged, f"{parent}.{merged_name}",
+                                                                                  leaf, shard):
                         unexpected.append(hf_name)
                         continue
-                    merged.load_shard(leaf, shard, tensor)
+                    merged.load_weight(leaf, tensor, shard)
                     key = f"{parent}.{merged_name}.{leaf}#{shard}"
                 else:
                     param = params.get(name)
                     owner = modules.get(prefix)
-                    if param is None or owner is None:
+                    if owner is None or not (param is not None or linear_takes(owner, prefix, leaf, None)):
                         unexpected.append(hf_name)
                         continue
                     load = getattr(owner, "load_weight", None)
-                    if load is not None:  # a parallel layer: this rank's part
+                    if load is not None:  # a parallel or quantized layer: this rank's part
                         load(leaf, tensor, None)
                     else:  # norms, the router: replicated
+                        assert param is not None
                         value = materialize(tensor)
                         if tuple(param.shape) != tuple(value.shape):
                             raise ValueError(f"checkpoint shape {tuple(value.shape)}, model expects "

@@ -36,6 +36,8 @@ from ferrox.layers.quant.method import LinearWeightMethod, QuantConfig
 from ferrox.model_spec import UnsupportedModelError
 
 if TYPE_CHECKING:
+    from ferrox.layers.fused_moe import FusedMoE
+    from ferrox.layers.quant.fp8_moe import Fp8MoeMethod
     from ferrox.model_spec import ModelSpec
 
 # load_format="dummy" for a static checkpoint: a dummy model's activations (|x| up to ~10) fit
@@ -267,6 +269,17 @@ class Fp8Config(QuantConfig):
         if self.online_quantization:
             return Fp8OnlineMethod(self.activations)
         return Fp8CheckpointMethod(self.activations)
+
+    def moe_method(self, layer: FusedMoE) -> Fp8MoeMethod:
+        """FP8 experts, a scale per row (fp8_moe.py); activations per token only (what the expert
+        kernels quantize at run time)."""
+        from ferrox.layers.quant.fp8_moe import Fp8MoeMethod
+
+        if self.activations != "dynamic-token":
+            raise UnsupportedModelError(f"quantization {self.name!r}: {_ACTIVATION_NAMES[self.activations]} are not "
+                                        "supported for mixture-of-experts layers (their experts quantize activations "
+                                        "per token at run time)")
+        return Fp8MoeMethod(None, online=self.online_quantization)
 
     def describe(self) -> str:
         source = "quantized at load" if self.online_quantization else "checkpoint"

@@ -50,6 +50,8 @@ from ferrox.layers.quant.method import LinearWeightMethod, QuantConfig
 from ferrox.model_spec import UnsupportedModelError
 
 if TYPE_CHECKING:
+    from ferrox.layers.fused_moe import FusedMoE
+    from ferrox.layers.quant.fp8_moe import Fp8MoeMethod
     from ferrox.model_spec import ModelSpec
 
 _MIN_AMAX = 1e-12
@@ -237,6 +239,15 @@ class Fp8BlockConfig(QuantConfig):
 
     def linear_method(self, layer: Linear) -> LinearWeightMethod:
         return Fp8BlockMethod(self.block, self.scale_param)
+
+    def moe_method(self, layer: FusedMoE) -> Fp8MoeMethod:
+        """The experts' blocks, loaded as the linear layers' (fp8_moe.py)."""
+        from ferrox.layers.quant.fp8_moe import Fp8MoeMethod
+
+        if self.block[1] < 32:
+            raise UnsupportedModelError(f"quantization {self.name!r}: weight blocks {list(self.block)} are too narrow "
+                                        "for the FP8 expert kernels (block_k of 32 or more: an FP8 MMA's K)")
+        return Fp8MoeMethod(self.block, online=False, scale_param=self.scale_param)
 
     def describe(self) -> str:
         return (f"{self.name} (checkpoint): E4M3 weights, a scale per {self.block[0]} x {self.block[1]} block, "

@@ -11,7 +11,8 @@ Two levels, as in the checkpoint's `quantization_config`:
 
 Models are built inside `use_quant_config(config)` (loader/model_loader.py); `Linear.__init__`
 asks `get_quant_config()` for its method, as it asks `get_tp_group()` for its shard. Layers that are
-not `Linear` (embeddings, the LM head, norms, MoE experts) stay in the model dtype.
+not `Linear` (embeddings, the LM head, norms, routers) stay in the model dtype; a mixture-of-experts
+layer's experts ask `QuantConfig.moe_method` (FP8 only: layers/quant/fp8_moe.py).
 
 A method that quantizes online (`float_weight = True`, e.g. fp8 from a bf16 checkpoint) lets the
 layer load its float `weight` as usual and quantizes it in `finalize`; a checkpoint method
@@ -28,9 +29,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ferrox.model_spec import UnsupportedModelError
+
 if TYPE_CHECKING:
     from ferrox.distributed.sharding import Weight
+    from ferrox.layers.fused_moe import FusedMoE
     from ferrox.layers.linear import Linear
+    from ferrox.layers.quant.fp8_moe import Fp8MoeMethod
     from ferrox.model_spec import ModelSpec
 
 
@@ -79,6 +84,12 @@ class QuantConfig:
         """The method of one linear layer (a fresh object: it holds that layer's tensors), or None
         to keep that layer in the model dtype."""
         raise NotImplementedError
+
+    def moe_method(self, layer: FusedMoE) -> Fp8MoeMethod | None:
+        """The method of a mixture-of-experts layer's experts (layers/fused_moe.py), or None to keep
+        them in the model dtype. Methods without expert kernels refuse by name."""
+        raise UnsupportedModelError(f"quantization {self.name!r}: mixture-of-experts layers do not take "
+                                    f"{self.name} weights in this version (FP8 ones do)")
 
     def describe(self) -> str:
         """One line for the load log."""

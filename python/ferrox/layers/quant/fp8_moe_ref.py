@@ -1,0 +1,75 @@
+"""FP8 experts in torch ops: the CPU path of an FP8 mixture-of-experts layer and the fused Triton
+kernels' reference (kernels/fused_moe.py).
+
+The experts hold float8 E4M3 weights w13 [E, 2I, H] and w2 [E, H, I] with float32 scales in one of
+two layouts (layers/quant/fp8_moe.py loads both):
+
+- per row (`block=None`): w13_scale [E, 2I], w2_scale [E, H], one scale per output row of each
+  expert; activations quantized per token (the expert input) and per (token, slot) pair (the
+  down projection's input), each row's absmax mapped to 448. vLLM's meaning of `--quantization
+  fp8` and of per-channel FP8 checkpoints with dynamic activations.
+- per block (`block=(BN, BK)`): w13_scale [E, ceil(2I / BN), ceil(H / BK)], w2_scale [E, ceil(H /
+  BN), ceil(I / BK)], a scale per BN x BK block of each expert's matrix; activations quantized per
+  row and group of BK inputs. Block-wise FP8 checkpoints (Qwen3-30B-A3B-FP8, DeepSeek's layout).
+
+Arithmetic, which the kernels follow: each product is the fake-quantized activations (codes x
+scales, float32) times the dequantized weight (codes x scales, float32), summed in float32 (the
+same value as the FP8 MMA's code products scaled per group, up to float32 rounding); gate and
+up are rounded to the activation dtype before SiLU, their product rounded again and quantized for
+the down projection, whose output is rounded to the activation dtype and then weighted by the
+routing weight and summed over a token's k slots in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ferrox.kernels.fp8_block_gemm import dequantize_fp8_blocks, quantize_fp8_groups_torch
+from ferrox.layers.ops import silu_and_mul_torch
+from ferrox.layers.quant.fp8_linear import quantize_activations_torch
+
+
+def fake_quantize(x: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """x [M, K] through FP8 and back, float32: per row (block None) or per row and group of BK."""
+    if block is None:
+        q, scale = quantize_activations_torch(x)
+        return q.float() * scale
+    group = block[1]
+    q, scale = quantize_fp8_groups_torch(x, group)
+    return q.float() * scale.repeat_interleave(group, dim=1)[:, :x.shape[1]]
+
+
+def dequantize_expert(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """One expert's matrix [N, K] in float32: codes x the row's (or the block's) scale."""
+    if block is None:
+        return weight.float() * scale.float()[:, None]
+    return dequantize_fp8_blocks(weight, scale, block, torch.float32)
+
+
+def experts_fp8_torch(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+                      w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      block: tuple[int, int] | None) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for every token, [T, H] in x's
+    dtype (module docstring). An expert id past the last local expert is a pair routed to another
+    rank (expert parallelism) and adds nothing. One host sync for the per-expert counts."""
+    num_tokens, top_k = topk_ids.shape
+    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    if num_tokens == 0:
+        return out.to(x.dtype)
+    xd = fake_quantize(x, block)
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        pairs = order[start:start + count]
+        start += count
+        if count == 0 or expert >= w13.shape[0]:
+            continue
+        tokens = pairs // top_k
+        gate_up = F.linear(xd[tokens], dequantize_expert(w13[expert], w13_scale[expert], block)).to(x.dtype)
+        act = silu_and_mul_torch(gate_up.float()).to(x.dtype)
+        y = F.linear(fake_quantize(act, block), dequantize_expert(w2[expert], w2_scale[expert], block)).to(x.dtype)
+        out.index_add_(0, tokens, y.float() * topk_weights.reshape(-1)[pairs, None].float())
+    return out.to(x.dtype)
