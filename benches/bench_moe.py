@@ -4,6 +4,7 @@ and start-up time (issue 14).
     python benches/bench_moe.py                               # Qwen3-30B-A3B, then Mixtral-8x7B (one process each)
     python benches/bench_moe.py --model qwen3-30b-a3b --enforce-eager
     python benches/bench_moe.py --model mixtral-8x7b --num-prompts 200
+    python benches/bench_moe.py --model qwen3-30b-a3b --weights bf16,fp8,fp8-block   # FP8 experts side by side
 
 Configs are the published config.json of each model, written into a folder with a synthetic
 tokenizer (bench_setup.make_model_dir), loaded with load_format="dummy" in bf16.
@@ -17,6 +18,12 @@ issue's target for Qwen3-30B-A3B is <= 1.3x.
 
 Throughput: N x (input, output) random-id prompts with ignore_eos, all at once (vLLM's offline
 benchmark), reported as total and output tokens/s.
+
+Weights (`--weights`, a comma list run side by side, one child process each): bf16; fp8
+(`quantization="fp8"`: E4M3 weights with a scale per row, activations per token); fp8-block (the
+config gains Qwen3-30B-A3B-FP8's quantization_config, 128 x 128 weight blocks, activations per
+group of 128, dummy codes and scales). An FP8 run's floor counts its quantized weights at one byte
+(the embedding, LM head and KV cache stay bf16, the routers fp32).
 
 Each model runs in a child process, so one model's engine and memory are gone before the next
 loads; the summary line comes last.
@@ -78,17 +85,31 @@ def decode_bytes(config: dict, dtype_bytes: int = 2) -> tuple[int, int]:
     return active, total
 
 
-def run_model(name: str, args: argparse.Namespace) -> dict:
+WEIGHTS = ("bf16", "fp8", "fp8-block")
+BLOCK_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+def fp8_decode_bytes(config: dict, context_len: int) -> int:
+    """Bytes a batch-1 step of an FP8 model reads: the quantized weights at one byte (floor.py counts the
+    LM head with them, so its second byte is added), the KV cache in bf16."""
+    lm_head = config["vocab_size"] * config["hidden_size"]
+    return (floor.weight_bytes_read(config, 1, dtype_bytes=1) + lm_head
+            + floor.kv_bytes_read(config, context_len, 1, dtype_bytes=2))
+
+
+def run_model(name: str, args: argparse.Namespace, weights: str = "bf16") -> dict:
     import torch
     from ferrox import LLM, SamplingParams
 
     config = CONFIGS[name]
     folder = Path(tempfile.mkdtemp(prefix=f"ferrox-bench-{name}-")) / name
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    written = {**config, "quantization_config": BLOCK_FP8} if weights == "fp8-block" else config
+    (folder / "config.json").write_text(json.dumps(written, indent=1))
     model_dir = bench_setup.make_model_dir(folder / "config.json")
     llm = LLM(model=model_dir, load_format="dummy", dtype="bfloat16", enforce_eager=args.enforce_eager,
-              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              quantization="fp8" if weights == "fp8" else None)
     ready_s = bench_setup.process_age_seconds()
     max_id = bench_setup.first_special_id(config)
     greedy = dict(temperature=0.0, ignore_eos=True, detokenize=False)
@@ -125,12 +146,14 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
     copy_floor_ms = active / (copy_gbps * 1e6)
     read_gbps = floor.measure_read_bandwidth_gbps() if on_gpu else float("nan")
     context = 32 + args.output_len_b1 // 2  # the mean KV length of the timed steps
-    honest_ms = floor.honest_floor_ms(config, context, 1, read_gbps)
+    step_bytes = floor.decode_bytes(config, context, 1) if weights == "bf16" else fp8_decode_bytes(config, context)
+    honest_ms = step_bytes / (read_gbps * 1e6)
     step_ms = statistics.median(decode_ms)
     return {
         "benchmark": "moe",
         **bench_setup.environment(),
         "model": name,
+        "weights": weights,
         "enforce_eager": args.enforce_eager,
         "startup_ready_s": round(ready_s, 2),
         "startup_first_token_s": round(first_token_s, 2),
@@ -140,7 +163,7 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
         "decode_b1_step_ms_p90": round(sorted(decode_ms)[int(0.9 * (len(decode_ms) - 1))], 3),
         # Honest floor first: bytes the step reads (no input embedding; k experts; KV) / streaming read.
         "read_bandwidth_gbps": round(read_gbps, 1),
-        "decode_b1_bytes_read_gb": round(floor.decode_bytes(config, context, 1) / 1e9, 3),
+        "decode_b1_bytes_read_gb": round(step_bytes / 1e9, 3),
         "decode_b1_honest_floor_ms": round(honest_ms, 3),
         "decode_b1_over_honest_floor": round(step_ms / honest_ms, 3),
         # The older copy floor: active weights (embedding included) / device-to-device copy bandwidth.
@@ -155,7 +178,7 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
 
 
 def summary(r: dict) -> str:
-    return (f"{r['model']}: batch-1 decode {r['decode_b1_step_ms_median']:.2f} ms vs honest floor "
+    return (f"{r['model']} {r.get('weights', 'bf16')}: batch-1 decode {r['decode_b1_step_ms_median']:.2f} ms vs honest floor "
             f"{r['decode_b1_honest_floor_ms']:.2f} ms ({r['decode_b1_bytes_read_gb']} GB read at "
             f"{r['read_bandwidth_gbps'] / 1e3:.2f} TB/s) = {r['decode_b1_over_honest_floor']}x, copy floor "
             f"{r['decode_b1_copy_floor_ms']:.2f} ms ({r['active_gb']} GB active at "
@@ -175,20 +198,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--weights", default="bf16",
+                        help=f"comma list of {', '.join(WEIGHTS)}, run side by side (module docstring)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
+    weights = args.weights.split(",")
+    if unknown := [w for w in weights if w not in WEIGHTS]:
+        parser.error(f"--weights: unknown {', '.join(unknown)} (choose from {', '.join(WEIGHTS)})")
 
-    if args.model != "all":
-        results = [run_model(args.model, args)]
+    if args.model != "all" and len(weights) == 1:
+        results = [run_model(args.model, args, weights[0])]
     else:
         results = []
-        for name in CONFIGS:  # one child process per model: its memory is freed before the next loads
-            with tempfile.NamedTemporaryFile(suffix=".json") as out:
-                # The caller's flags first: the last --model / --json win.
-                child = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:])]
-                child += ["--model", name, "--json", out.name]
-                subprocess.run(child, check=True)
-                results.extend(json.loads(Path(out.name).read_text()))
+        models = list(CONFIGS) if args.model == "all" else [args.model]
+        for name in models:  # one child process per run: its memory is freed before the next loads
+            for w in weights:
+                with tempfile.NamedTemporaryFile(suffix=".json") as out:
+                    # The caller's flags first: the last --model / --weights / --json win.
+                    child = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:])]
+                    child += ["--model", name, "--weights", w, "--json", out.name]
+                    subprocess.run(child, check=True)
+                    results.extend(json.loads(Path(out.name).read_text()))
     for r in results:
         print(json.dumps(r))
     if args.json:

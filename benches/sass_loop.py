@@ -152,13 +152,13 @@ def cases() -> list[Case]:
                    {"out_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "topk_ids_ptr": "*i64",
                     "norm_w_ptr": "*bf16", "eps": "fp32"},
                    dict(TOP_K=8, NORM=True, BLOCK_N=moe_cfg.gate_up_rows, BLOCK_K=moe_cfg.gate_up_block_k,
-                        USE_PDL=False),
+                        USE_PDL=False, FP8=False, BLOCK_SCALES=False, BN=1, BK=1),
                    moe_cfg.num_warps, 2 * moe_cfg.gate_up_rows * moe_cfg.gate_up_block_k, 2.0)
     down = Case("moe down, 8 slots + residual (Qwen3-30B-A3B)", fused_moe._gemv_down_kernel,
                 {"out_ptr": "*bf16", "inter_ptr": "*bf16", "w_ptr": "*bf16", "topk_ids_ptr": "*i64",
                  "route_w_ptr": "*fp32", "res_ptr": "*bf16"},
                 dict(TOP_K=8, HAS_RESIDUAL=True, BLOCK_S=8, BLOCK_N=moe_cfg.down_rows, BLOCK_K=moe_cfg.down_block_k,
-                     USE_PDL=False),
+                     USE_PDL=False, FP8=False, BLOCK_SCALES=False, BN=1, BK=1),
                 moe_cfg.num_warps, 8 * moe_cfg.down_rows * moe_cfg.down_block_k, 2.0)
 
     def dot8(name, n_out, k, *, silu=False, norm=False):

@@ -32,16 +32,32 @@ from 2.88 to 3.17 ms on an H200.
 
 Layout: w13 [E, 2*I, H] (rows [0, I) gate, [I, 2I) up), w2 [E, H, I], both row-major per expert.
 Gate and up are rounded to the activation dtype before SiLU, as the unfused torch path stores them.
+
+FP8 experts (W8A8; layers/quant/fp8_moe.py holds them, layers/quant/fp8_moe_ref.py is the
+reference whose arithmetic these follow): E4M3 codes with float32 scales per row of each expert
+matrix, or per (BN, BK) block. The input of each product is quantized in one launch before it
+(x per token, or per token and BK group; the gated intermediate per (token, slot) pair likewise),
+so both paths stay two launches plus two quantizations. The grouped path multiplies codes on the
+FP8 tensor cores: per-row scales multiply the accumulator after the K loop (the products summed
+in the MMA's own accumulator over all of K, as torch._scaled_mm's fast accumulation), block
+scales each BK-wide K step's partial sum (the K tile is BK, as in fp8_block_gemm.py). The small-batch path
+streams one byte per weight and multiplies in fp32 as the float path does: codes times codes with
+the row scales applied to the sums, or, with blocks, dequantized weight times fake-quantized
+input, the scales loaded per row and group (a gate/up K tile is whole groups, a down tile lies in
+one). The routed norm prologue stays float-only: with FP8 experts the caller norms x.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from ferrox.kernels.fp8_block_gemm import FP8_DTYPE, quantize_fp8_groups_triton
 from ferrox.kernels.gemv import _input_tile, _paired_row_sums
 from ferrox.kernels.pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 
@@ -107,6 +123,18 @@ def _grouped_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    # FP8 (module docstring): a and w hold E4M3 codes. a_scale: float32 per row of a, or with
+    # BLOCK_SCALES per row and BK group; w_scale: per row of each expert's w, or per BN x BK
+    # block. The groups of both are unit-stride.
+    a_scale_ptr=None,
+    w_scale_ptr=None,
+    stride_as=0,
+    stride_wse=0,
+    stride_wsn=0,
+    FP8: tl.constexpr = False,
+    BLOCK_SCALES: tl.constexpr = False,  # BLOCK_K divides BK: a K tile lies in one group
+    BN: tl.constexpr = 1,  # the weight block's rows
+    BK: tl.constexpr = 1,  # the weight block's columns, the activations' group
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -120,6 +148,16 @@ def _grouped_gemm_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     w_cols = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn
+    if FP8:
+        a_scales = a_scale_ptr + (pairs // A_ROW_DIV).to(tl.int64) * stride_as
+        w_scales = w_scale_ptr + expert.to(tl.int64) * stride_wse
+        if BLOCK_SCALES:
+            # The block row of each output column (a tile may span several blocks, or part of one).
+            w_scales_up = w_scales + ((N + cols) // BN) * stride_wsn
+            w_scales += (cols // BN) * stride_wsn
+        else:
+            w_scales_up = w_scales + (N + cols) * stride_wsn
+            w_scales += cols * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -128,10 +166,35 @@ def _grouped_gemm_kernel(
         a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & col_ok[None, :]
         w = tl.load(w_cols + ks[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]: w^T tile
-        acc += tl.dot(a, w, input_precision=DOT_PRECISION)
-        if GATED:
-            w_up = tl.load(w_cols + N * stride_wn + ks[:, None], mask=w_mask, other=0.0)
-            acc_up += tl.dot(a, w_up, input_precision=DOT_PRECISION)
+        if BLOCK_SCALES:
+            # Each group's partial sum on its own, times its two scales, added in fp32 (as
+            # fp8_block_gemm.py: the FP8 MMA's narrow accumulator spans one group at most).
+            a_s = tl.load(a_scales + k0 // BK, mask=row_ok, other=0.0)[:, None]
+            acc += tl.dot(a, w) * a_s * tl.load(w_scales + k0 // BK, mask=col_ok, other=0.0)[None, :]
+            if GATED:
+                w_up = tl.load(w_cols + N * stride_wn + ks[:, None], mask=w_mask, other=0.0)
+                w_s_up = tl.load(w_scales_up + k0 // BK, mask=col_ok, other=0.0)[None, :]
+                acc_up += tl.dot(a, w_up) * a_s * w_s_up
+        elif FP8:
+            # Row scales are constant over K: applied once, after the loop. The codes' products
+            # sum in the FP8 MMA's own accumulator over all of K (fast accumulation, as the per-row
+            # FP8 linears' torch._scaled_mm, fp8_linear.py); `acc += tl.dot(a, w)` would add each
+            # tile's result in fp32 registers instead, waiting on every MMA (fp8_block_gemm.py).
+            acc = tl.dot(a, w, acc)
+            if GATED:
+                w_up = tl.load(w_cols + N * stride_wn + ks[:, None], mask=w_mask, other=0.0)
+                acc_up = tl.dot(a, w_up, acc_up)
+        else:
+            acc += tl.dot(a, w, input_precision=DOT_PRECISION)
+            if GATED:
+                w_up = tl.load(w_cols + N * stride_wn + ks[:, None], mask=w_mask, other=0.0)
+                acc_up += tl.dot(a, w_up, input_precision=DOT_PRECISION)
+    if FP8:
+        if not BLOCK_SCALES:
+            a_s = tl.load(a_scales, mask=row_ok, other=0.0)[:, None]
+            acc = acc * a_s * tl.load(w_scales, mask=col_ok, other=0.0)[None, :]
+            if GATED:
+                acc_up = acc_up * a_s * tl.load(w_scales_up, mask=col_ok, other=0.0)[None, :]
     if GATED:
         gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
         up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -161,6 +224,18 @@ def _gemv_gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
+    # FP8 (module docstring): x and w hold E4M3 codes (no NORM). a_scale: x's, float32 per token,
+    # or with BLOCK_SCALES per token and BK group; w_scale: per row of each expert's w13, or per
+    # BN x BK block. The groups of both are unit-stride.
+    a_scale_ptr=None,
+    w_scale_ptr=None,
+    stride_as=0,
+    stride_wse=0,
+    stride_wsn=0,
+    FP8: tl.constexpr = False,
+    BLOCK_SCALES: tl.constexpr = False,  # BLOCK_K is a multiple of BK
+    BN: tl.constexpr = 1,
+    BK: tl.constexpr = 1,
 ):
     """Program (pair, n-block): silu(gate) * up of BLOCK_N columns for one (token, slot) pair.
 
@@ -176,26 +251,71 @@ def _gemv_gate_up_kernel(
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     w_rows = w_ptr + expert * stride_we + rows.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        kmask = ks < K
-        x, h = _input_tile(x_row, norm_w_ptr, ks, kmask, NORM)
-        wmask = rmask[:, None] & kmask[None, :]
-        # Each expert row is read once per step: stream it past the cache.
-        w = tl.load(w_rows + ks[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
-        w_up = tl.load(w_rows + N * stride_wn + ks[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
-        acc += w.to(tl.float32) * x[None, :]
-        acc_up += w_up.to(tl.float32) * x[None, :]
-        if NORM:
-            sq += h * h
-    gate, up = _paired_row_sums(acc, acc_up, sq, K, eps, NORM)
+    if BLOCK_SCALES:
+        gate, up = _block_scaled_gate_up(x_row, a_scale_ptr + token.to(tl.int64) * stride_as, w_rows,
+                                         w_scale_ptr + expert * stride_wse, rows, rmask, N, K, stride_wn,
+                                         stride_wsn, BN, BK, BLOCK_N, BLOCK_K)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            kmask = ks < K
+            x, h = _input_tile(x_row, norm_w_ptr, ks, kmask, NORM)
+            wmask = rmask[:, None] & kmask[None, :]
+            # Each expert row is read once per step: stream it past the cache.
+            w = tl.load(w_rows + ks[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
+            w_up = tl.load(w_rows + N * stride_wn + ks[None, :], mask=wmask, other=0.0,
+                           eviction_policy="evict_first")
+            acc += w.to(tl.float32) * x[None, :]
+            acc_up += w_up.to(tl.float32) * x[None, :]
+            if NORM:
+                sq += h * h
+        gate, up = _paired_row_sums(acc, acc_up, sq, K, eps, NORM)
+        if FP8:  # row scales are constant over K: applied to the sums of code products
+            x_s = tl.load(a_scale_ptr + token.to(tl.int64) * stride_as)
+            w_scales = w_scale_ptr + expert * stride_wse + rows * stride_wsn
+            gate *= x_s * tl.load(w_scales, mask=rmask, other=0.0)
+            up *= x_s * tl.load(w_scales + N * stride_wsn, mask=rmask, other=0.0)
     gate = gate.to(out_ptr.dtype.element_ty).to(tl.float32)
     up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
     y = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(out_ptr + pair.to(tl.int64) * stride_o + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def _block_scaled_gate_up(x_row, a_scales, w_rows, w_scales, rows, rmask, N, K, stride_wn, stride_wsn,
+                          BN: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The gate and up row sums of one pair with block-wise FP8 (x codes at a scale per BK group,
+    w codes at a scale per BN x BK block): a K tile is [BLOCK_K // BK groups, BK], so a scale is
+    loaded per row and group, not per weight, and each weight costs a multiply by its block's
+    scale beside the fused multiply-add. The products are the reference's, dequantized weight
+    times fake-quantized input (layers/quant/fp8_moe_ref.py), each rounded as it rounds them."""
+    groups = tl.arange(0, BLOCK_K // BK)
+    tile = groups[:, None] * BK + tl.arange(0, BK)[None, :]
+    w_tile = w_rows[:, :, None]
+    gate_scales = w_scales + (rows // BN).to(tl.int64)[:, None] * stride_wsn
+    up_scales = w_scales + ((N + rows) // BN).to(tl.int64)[:, None] * stride_wsn
+    acc = tl.zeros([BLOCK_N, BLOCK_K // BK, BK], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K // BK, BK], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tile
+        kmask = ks < K
+        g = k0 // BK + groups
+        gmask = g * BK < K
+        x = tl.load(x_row + ks, mask=kmask, other=0.0).to(tl.float32)
+        x = x * tl.load(a_scales + g, mask=gmask, other=0.0)[:, None]
+        smask = rmask[:, None] & gmask[None, :]
+        wmask = rmask[:, None, None] & kmask[None, :, :]
+        # Each expert row is read once per step: stream it past the cache.
+        w = tl.load(w_tile + ks[None, :, :], mask=wmask, other=0.0, eviction_policy="evict_first")
+        w_up = tl.load(w_tile + N * stride_wn + ks[None, :, :], mask=wmask, other=0.0, eviction_policy="evict_first")
+        w_s = tl.load(gate_scales + g[None, :], mask=smask, other=0.0)
+        w_s_up = tl.load(up_scales + g[None, :], mask=smask, other=0.0)
+        acc += w.to(tl.float32) * w_s[:, :, None] * x[None, :, :]
+        acc_up += w_up.to(tl.float32) * w_s_up[:, :, None] * x[None, :, :]
+    return tl.sum(tl.sum(acc, axis=2), axis=1), tl.sum(tl.sum(acc_up, axis=2), axis=1)
 
 
 @triton.jit
@@ -219,6 +339,18 @@ def _gemv_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
+    # FP8 (module docstring): inter and w hold E4M3 codes. a_scale: inter's, float32 per pair, or
+    # with BLOCK_SCALES per pair and BK group; w_scale: per row of each expert's w2, or per BN x BK
+    # block. The groups of both are unit-stride.
+    a_scale_ptr=None,
+    w_scale_ptr=None,
+    stride_as=0,
+    stride_wse=0,
+    stride_wsn=0,
+    FP8: tl.constexpr = False,
+    BLOCK_SCALES: tl.constexpr = False,  # BLOCK_K divides BK: a K tile lies in one group
+    BN: tl.constexpr = 1,
+    BK: tl.constexpr = 1,
 ):
     """Program (token, n-block): sum over the token's k slots of weight * (w2[e] @ inter[pair]),
     plus the token's residual row with HAS_RESIDUAL (the one-token decode path's h + mlp(h)).
@@ -238,6 +370,11 @@ def _gemv_down_kernel(
     route_w = tl.load(route_w_ptr + pairs, mask=smask, other=0.0).to(tl.float32)
     w_tile = w_ptr + experts[None, :, None] * stride_we + rows.to(tl.int64)[:, None, None] * stride_wn
     x_rows = inter_ptr + pairs.to(tl.int64)[:, None] * stride_i
+    if FP8:
+        a_scales = a_scale_ptr + pairs.to(tl.int64) * stride_as  # [BLOCK_S]
+        # [BLOCK_N, BLOCK_S]: each row's scale (or its block row's) in each slot's expert
+        w_scales = w_scale_ptr + experts[None, :] * stride_wse + (rows // BN).to(tl.int64)[:, None] * stride_wsn
+        scale_mask = rmask[:, None] & smask[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_S, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -247,9 +384,19 @@ def _gemv_down_kernel(
         w = tl.load(w_tile + ks[None, None, :],
                     mask=rmask[:, None, None] & smask[None, :, None] & kmask[None, None, :], other=0.0,
                     eviction_policy="evict_first")
-        acc += w.to(tl.float32) * x[None, :, :]
+        if BLOCK_SCALES:  # the tile's group: dequantized weight times fake-quantized input
+            x = x * tl.load(a_scales + k0 // BK, mask=smask, other=0.0)[:, None]
+            w_s = tl.load(w_scales + k0 // BK, mask=scale_mask, other=0.0)
+            acc += w.to(tl.float32) * w_s[:, :, None] * x[None, :, :]
+        else:
+            acc += w.to(tl.float32) * x[None, :, :]
+    per_slot = tl.sum(acc, axis=2)
+    if FP8:
+        if not BLOCK_SCALES:  # row scales are constant over K: applied to the sums of code products
+            x_s = tl.load(a_scales, mask=smask, other=0.0)
+            per_slot = per_slot * x_s[None, :] * tl.load(w_scales, mask=scale_mask, other=0.0)
     # Each slot's product rounded to the activation dtype, as the grouped path stores it.
-    per_slot = tl.sum(acc, axis=2).to(out_ptr.dtype.element_ty).to(tl.float32)
+    per_slot = per_slot.to(out_ptr.dtype.element_ty).to(tl.float32)
     y = tl.sum(per_slot * route_w[None, :], axis=1)
     if HAS_RESIDUAL:
         # The experts' sum rounded as the unfused layer stores it, then the add (rounded once more).
@@ -371,13 +518,42 @@ def use_small_batch_path(num_tokens: int, top_k: int, num_experts: int) -> bool:
     return num_tokens * top_k <= max(top_k, num_experts // 2)
 
 
+def _quantize_fp8(a: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int] | None
+                  ) -> tuple[torch.Tensor, dict[str, Any]]:
+    """a [M, K] in E4M3 codes, per row (block None) or per row and BK group, as the reference
+    quantizes it (layers/quant/fp8_moe_ref.py); and the launch arguments of the product that reads
+    it with the weight scales w_scale."""
+    # (kernels import no layer module at import time: layers/quant imports kernels)
+    from ferrox.layers.quant.fp8_linear import quantize_activations_triton
+
+    codes, scale = quantize_activations_triton(a) if block is None else quantize_fp8_groups_triton(a, block[1])
+    bn, bk = block if block is not None else (1, 1)
+    args = dict(a_scale_ptr=scale, w_scale_ptr=w_scale, stride_as=scale.stride(0), stride_wse=w_scale.stride(0),
+                stride_wsn=w_scale.stride(1), FP8=True, BLOCK_SCALES=block is not None, BN=bn, BK=bk)
+    return codes, args
+
+
+# Shared memory of the FP8 grouped GEMM's pipelined tiles, (block_m + 2 block_n) * block_k bytes a
+# stage (a, gate and up): K tiles of wide weight blocks get fewer stages (fp8_block_gemm.py likewise).
+_FP8_STAGE_BYTES = 160 * 1024
+
+
+def _fp8_gemm_config(cfg: GemmConfig, block: tuple[int, int] | None) -> GemmConfig:
+    """The grouped GEMM's tile for FP8 experts: the K tile is the weight block's BK (each group's
+    partial sum takes its own scales), or at least 32 per row (an FP8 MMA's K)."""
+    block_k = block[1] if block is not None else max(cfg.block_k, 32)
+    stages = max(1, min(cfg.num_stages, _FP8_STAGE_BYTES // ((cfg.block_m + 2 * cfg.block_n) * block_k)))
+    return dataclasses.replace(cfg, block_k=block_k, num_stages=stages)
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 tests must not silently drop to tf32 on the GPU.
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-           topk_ids: torch.Tensor) -> None:
+           topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+           block: tuple[int, int] | None = None) -> None:
     e, two_i, h = w13.shape
     if x.dim() != 2 or x.shape[1] != h or x.stride(-1) != 1:
         raise ValueError(f"x must be [tokens, {h}] with a contiguous last axis, got {tuple(x.shape)}")
@@ -388,20 +564,65 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: t
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must be "
                          f"[{x.shape[0]}, k]")
+    if w13_scale is not None or w2_scale is not None or block is not None:
+        _check_fp8(x, w13, w2, w13_scale, w2_scale, block)
+    elif FP8_DTYPE in (w13.dtype, w2.dtype):
+        raise ValueError("float8_e4m3fn expert weights need w13_scale and w2_scale")
+
+
+def _check_fp8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
+               w2_scale: torch.Tensor | None, block: tuple[int, int] | None) -> None:
+    if w13_scale is None or w2_scale is None:
+        raise ValueError(f"FP8 experts need both w13_scale and w2_scale (got only "
+                         f"{'w13_scale' if w13_scale is not None else 'w2_scale' if w2_scale is not None else 'block'})")
+    for name, w in (("w13", w13), ("w2", w2)):
+        if w.dtype != FP8_DTYPE:
+            raise ValueError(f"{name} must be float8_e4m3fn when scales are given, got {w.dtype}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be bfloat16, float16 or float32 with FP8 experts, got {x.dtype}")
+    e, two_i, h = w13.shape
+    inter = two_i // 2
+    shapes: dict[str, tuple[int, ...]]
+    if block is None:
+        shapes = {"w13_scale": (e, two_i), "w2_scale": (e, h)}
+    else:
+        if not (isinstance(block, tuple | list) and len(block) == 2
+                and all(isinstance(b, int) and b >= 16 and b & (b - 1) == 0 for b in block)):
+            raise ValueError(f"block must be (BN, BK), powers of two >= 16, got {block!r}")
+        bn, bk = block
+        if bk < 32:
+            raise ValueError(f"block: BK {bk} is below the FP8 MMA's K of 32 (the grouped GEMM's K tile is BK)")
+        if inter % bn:
+            raise ValueError(f"block: the experts' intermediate size {inter} must be a multiple of BN {bn} "
+                             "(the gate and up halves of w13 then share no block row)")
+        shapes = {"w13_scale": (e, two_i // bn, triton.cdiv(h, bk)),
+                  "w2_scale": (e, triton.cdiv(h, bn), triton.cdiv(inter, bk))}
+    for (name, shape), scale in zip(shapes.items(), (w13_scale, w2_scale), strict=True):
+        if scale.dtype != torch.float32 or tuple(scale.shape) != shape or scale.stride(-1) != 1:
+            raise ValueError(f"{name} must be float32 {list(shape)} with a unit last stride, got {scale.dtype} "
+                             f"{tuple(scale.shape)}")
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, small_batch: bool | None = None,
               config: GemmConfig | None = None, gemv_config: GemvConfig | None = None,
               residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-              eps: float = 1e-6) -> torch.Tensor:
+              eps: float = 1e-6, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              block: tuple[int, int] | None = None) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for every token: [T, H] in x's dtype.
 
     small_batch: force (True) or forbid (False) the matrix-vector path; by default
     `use_small_batch_path` decides from the shapes. residual [T, H]: added to the result (the sum
     rounded to x's dtype first, as an unfused add would see it). norm_weight (matrix-vector path
-    only): the experts read rms_norm(x) * norm_weight, normed in the gate/up kernel's prologue."""
-    _check(x, w13, w2, topk_weights, topk_ids)
+    only): the experts read rms_norm(x) * norm_weight, normed in the gate/up kernel's prologue.
+
+    FP8 experts (module docstring): w13 and w2 float8_e4m3fn with float32 w13_scale and w2_scale,
+    per row ([E, 2I], [E, H]) with block None, or per (BN, BK) block ([E, 2I / BN, ceil(H / BK)],
+    [E, ceil(H / BN), ceil(I / BK)]; I a multiple of BN, BK >= 32). No norm_weight: the caller norms."""
+    _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block)
+    fp8 = w13_scale is not None
+    if fp8 and norm_weight is not None:
+        raise ValueError("norm_weight is not taken with FP8 experts (w13_scale): norm x first")
     if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
         raise ValueError(f"residual must be [{x.shape[0]}, {x.shape[1]}] with a contiguous last axis, got "
                          f"{tuple(residual.shape)}")
@@ -421,37 +642,49 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if norm_weight is not None and not small_batch:
         raise ValueError("norm_weight is taken by the matrix-vector path only (small_batch=True)")
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    # With FP8 experts each product's input goes through FP8 first (one launch each), and the
+    # launches take the scales; float experts launch as they always have (no FP8 arguments).
+    x_in, x_fp8 = (x, {}) if w13_scale is None else _quantize_fp8(x, w13_scale, block)
     if small_batch:
         gv = gemv_config or choose_gemv_config(hidden, inter, top_k)
+        gate_up_k, down_k = gv.gate_up_block_k, gv.down_block_k
+        if block is not None:  # gate/up tiles span whole groups, a down tile lies in one
+            gate_up_k, down_k = max(gate_up_k, block[1]), min(down_k, block[1])
         _gemv_gate_up_kernel[(num_pairs, triton.cdiv(inter, gv.gate_up_rows))](
-            act, x, w13, ids, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+            act, x_in, w13, ids, inter, hidden, x_in.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
             norm_weight if norm_weight is not None else x, eps, TOP_K=top_k, NORM=norm_weight is not None,
-            BLOCK_N=gv.gate_up_rows, BLOCK_K=gv.gate_up_block_k, num_warps=gv.num_warps, **pdl_launch(x.device),
+            BLOCK_N=gv.gate_up_rows, BLOCK_K=gate_up_k, num_warps=gv.num_warps, **pdl_launch(x.device), **x_fp8,
         )
+        act_in, act_fp8 = (act, {}) if w2_scale is None else _quantize_fp8(act, w2_scale, block)
         _gemv_down_kernel[(num_tokens, triton.cdiv(hidden, gv.down_rows))](
-            out, act, w2, ids, route_w, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-            residual if residual is not None else out, residual.stride(0) if residual is not None else 0,
-            TOP_K=top_k, HAS_RESIDUAL=residual is not None, BLOCK_S=triton.next_power_of_2(top_k),
-            BLOCK_N=gv.down_rows, BLOCK_K=gv.down_block_k, num_warps=gv.num_warps, **pdl_launch(x.device),
+            out, act_in, w2, ids, route_w, hidden, inter, act_in.stride(0), w2.stride(0), w2.stride(1),
+            out.stride(0), residual if residual is not None else out,
+            residual.stride(0) if residual is not None else 0, TOP_K=top_k, HAS_RESIDUAL=residual is not None,
+            BLOCK_S=triton.next_power_of_2(top_k), BLOCK_N=gv.down_rows, BLOCK_K=down_k, num_warps=gv.num_warps,
+            **pdl_launch(x.device), **act_fp8,
         )
         return out
 
     cfg = config or choose_gemm_config(num_pairs, num_experts)
+    if fp8:
+        cfg = _fp8_gemm_config(cfg, block)
     blocks = align_by_expert(ids, num_experts, cfg.block_m)
     num_blocks = blocks.block_expert.shape[0]
     precision = _dot_precision(x.dtype)
     _grouped_gemm_kernel[(num_blocks, triton.cdiv(inter, cfg.block_n))](
-        act, x, w13, blocks.pair_ids, blocks.block_expert, blocks.num_rows, route_w, inter, hidden, num_pairs,
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        act, x_in, w13, blocks.pair_ids, blocks.block_expert, blocks.num_rows, route_w, inter, hidden, num_pairs,
+        x_in.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         A_ROW_DIV=top_k, GATED=True, ROUTED=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_K=cfg.block_k, DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **x_fp8,
     )
+    act_in, act_fp8 = (act, {}) if w2_scale is None else _quantize_fp8(act, w2_scale, block)
     routed = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _grouped_gemm_kernel[(num_blocks, triton.cdiv(hidden, cfg.block_n))](
-        routed, act, w2, blocks.pair_ids, blocks.block_expert, blocks.num_rows, route_w, hidden, inter,
-        num_pairs, act.stride(0), w2.stride(0), w2.stride(1), routed.stride(0),
+        routed, act_in, w2, blocks.pair_ids, blocks.block_expert, blocks.num_rows, route_w, hidden, inter,
+        num_pairs, act_in.stride(0), w2.stride(0), w2.stride(1), routed.stride(0),
         A_ROW_DIV=1, GATED=False, ROUTED=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **act_fp8,
     )
     # The k weighted rows of a token: one reduction (fp32 accumulation inside torch's sum).
     torch.sum(routed.view(num_tokens, top_k, hidden), dim=1, out=out)
