@@ -5,7 +5,9 @@ independently of ferrox's loader and kernels, into one of three layouts:
 
 - "block": DeepSeek-V3's / Qwen3-30B-A3B-FP8's, `weight` E4M3 and `weight_scale_inv` per BN x BK block;
 - "tensor": AutoFP8's, `weight` and one `weight_scale` per projection (per tensor);
-- "row": one scale per output row (what `quantization="fp8"` computes at load).
+- "row": one scale per output row (what `quantization="fp8"` computes at load);
+- "channel": llm-compressor's float8 layout (compressed-tensors, RedHatAI/Qwen3-30B-A3B-FP8-dynamic),
+  a `weight_scale` [out, 1] per projection, routers ignored by a regex as that checkpoint does.
 
 Every decoder projection is quantized, the experts' too (`experts.{e}.gate_proj` / `w1` ...), while
 routers and Qwen2-MoE's shared-expert gate stay float, as the published checkpoints keep them.
@@ -42,7 +44,7 @@ def quantize(w: torch.Tensor, layout: str, block: tuple[int, int] | None = None)
     amax = wf.abs().max() if layout == "tensor" else wf.abs().amax(dim=1)
     scale = amax.clamp(min=1e-12) / 448.0
     codes = (wf / (scale if layout == "tensor" else scale[:, None])).clamp(-448, 448).to(FP8)
-    return codes, scale.float()
+    return codes, (scale[:, None] if layout == "channel" else scale).float()
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
@@ -65,7 +67,19 @@ def quantized_tensors(float_weights: dict[str, torch.Tensor], layout: str, block
 
 
 def fp8_config(layout: str, block: tuple[int, int] | None = None) -> dict:
-    """config.json quantization_config of the fp8 layout (dynamic activations)."""
+    """config.json quantization_config of the fp8 layout (dynamic activations), or compressed-tensors'
+    for "channel"."""
+    if layout == "channel":
+        args = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "block_structure": None,
+                "actorder": None, "observer": "minmax", "observer_kwargs": {}}
+        return {
+            "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "ignore": ["lm_head", "re:.*mlp.gate$"], "kv_cache_scheme": None, "sparsity_config": {},
+            "config_groups": {"group_0": {
+                "targets": ["Linear"], "format": "float-quantized", "output_activations": None,
+                "weights": {**args, "strategy": "channel", "dynamic": False},
+                "input_activations": {**args, "strategy": "token", "dynamic": True, "observer": None}}},
+        }
     config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
     if layout == "block":
         assert block is not None

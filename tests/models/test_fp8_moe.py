@@ -1,9 +1,9 @@
 """FP8 mixture-of-experts models end to end (layers/quant/fp8_moe.py): tiny Qwen3-MoE, Qwen2-MoE and
 Mixtral models quantized by tests/helpers/fp8_moe_checkpoints.py -- a block-wise checkpoint (the
-Qwen3-30B-A3B-FP8 layout), an AutoFP8 per-tensor checkpoint, and `quantization="fp8"` at load --
-run by `LLM` against transformers on the dequantized weights with every projection's input (and
-the experts' intermediate) rounded through E4M3: greedy tokens identical, logprobs to float32
-rounding. Refusals by name; dummy weights; on a GPU the engine (Triton kernels, the fused decode
+Qwen3-30B-A3B-FP8 layout), an AutoFP8 per-tensor checkpoint, `quantization="fp8"` at load, and
+llm-compressor's per-channel float8 layout -- run by `LLM` against transformers on the dequantized
+weights with every projection's input (and the experts' intermediate) rounded through E4M3: greedy
+tokens identical, logprobs to float32 rounding. Refusals by name; dummy weights; on a GPU the engine (Triton kernels, the fused decode
 path, CUDA graphs) against the same reference.
 """
 
@@ -41,8 +41,10 @@ BUILDERS = {
 }
 # (family, layout, block): Qwen3-MoE's experts (32 rows) in 32 x 32 blocks; Qwen2-MoE as AutoFP8
 # writes it (a scale per tensor); Mixtral quantized at load (quantization="fp8", a scale per row).
-CASES = [("qwen3_moe", "block", (32, 32)), ("qwen2_moe", "tensor", None), ("mixtral", "row", None)]
-SCALE_NAME = {"block": "weight_scale_inv", "tensor": "weight_scale", "row": "weight_scale"}
+# Qwen3-MoE again in llm-compressor's float8 layout (a scale per channel, RedHatAI's FP8-dynamic releases).
+CASES = [("qwen3_moe", "block", (32, 32)), ("qwen2_moe", "tensor", None), ("mixtral", "row", None),
+         ("qwen3_moe", "channel", None)]
+SCALE_NAME = {"block": "weight_scale_inv", "tensor": "weight_scale", "row": "weight_scale", "channel": "weight_scale"}
 
 
 def _case_id(case) -> str:
