@@ -9,8 +9,9 @@ import pytest
 import torch
 from ferrox.kernels.gemv import GemvConfig, gemv, qkv_rope_gemv
 from ferrox.kernels.rotary import neox_cos_sin_cache
+from ferrox.kernels.row_quant import quantize_activations_triton
 from ferrox.layers.quant.fp8 import Fp8Config
-from ferrox.layers.quant.fp8_linear import Fp8Linear, quantize_activations_triton
+from ferrox.layers.quant.fp8_linear import Fp8Linear
 from ferrox.layers.quant.method import use_quant_config
 from ferrox.loader.model_config import spec_from_hf_config
 from ferrox.loader.model_loader import init_dummy_weights

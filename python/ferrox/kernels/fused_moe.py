@@ -60,6 +60,7 @@ import triton.language as tl
 from ferrox.kernels.fp8_block_gemm import FP8_DTYPE, quantize_fp8_groups_triton
 from ferrox.kernels.gemv import _input_tile, _paired_row_sums
 from ferrox.kernels.pdl import pdl_launch, pdl_launch_dependents, pdl_wait
+from ferrox.kernels.row_quant import quantize_activations_triton
 
 
 @dataclass(frozen=True, slots=True)
@@ -523,9 +524,6 @@ def _quantize_fp8(a: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int]
     """a [M, K] in E4M3 codes, per row (block None) or per row and BK group, as the reference
     quantizes it (layers/quant/fp8_moe_ref.py); and the launch arguments of the product that reads
     it with the weight scales w_scale."""
-    # (kernels import no layer module at import time: layers/quant imports kernels)
-    from ferrox.layers.quant.fp8_linear import quantize_activations_triton
-
     codes, scale = quantize_activations_triton(a) if block is None else quantize_fp8_groups_triton(a, block[1])
     bn, bk = block if block is not None else (1, 1)
     args = dict(a_scale_ptr=scale, w_scale_ptr=w_scale, stride_as=scale.stride(0), stride_wse=w_scale.stride(0),

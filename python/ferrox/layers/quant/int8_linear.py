@@ -31,8 +31,9 @@ import torch.nn.functional as F
 from ferrox.kernels.fp8_weight_gemm import fp8_weight_linear
 from ferrox.kernels.gemv import gemv
 from ferrox.kernels.int8_gemm import int8_gemm
+from ferrox.kernels.row_quant import quantize_activations_triton
 from ferrox.kernels.w8a8_dot_gemv import w8a8_dot_gemv
-from ferrox.layers.quant.fp8_linear import RowScaledLinear, quantize_activations_triton
+from ferrox.layers.quant.fp8_linear import RowScaledLinear
 
 INT8_MAX = 127.0
 _MIN_AMAX = 1e-12  # an all-zero row still gets a finite, nonzero scale (as fp8_linear's)
