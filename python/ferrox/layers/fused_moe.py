@@ -23,6 +23,7 @@ from torch import nn
 
 from ferrox.distributed.parallel_state import TPGroup, get_tp_group
 from ferrox.distributed.sharding import Weight, even_split, materialize, narrow, shape_of
+from ferrox.layers.expert_loop import per_expert
 from ferrox.layers.ops import DeviceOps, silu_and_mul_torch
 from ferrox.layers.quant.fp8_moe_ref import experts_fp8_torch
 from ferrox.layers.quant.method import get_quant_config
@@ -57,25 +58,12 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
 
 def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor) -> torch.Tensor:
-    """Per-expert loop (correct, not fast): the CPU path and the kernels' reference. One host sync
-    for the per-expert counts; experts with no tokens are skipped."""
-    num_tokens, top_k = topk_ids.shape
-    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    start = 0
-    for expert, count in enumerate(counts):
-        pairs = order[start:start + count]
-        start += count
-        # Expert ids past the last one are pairs routed to another rank (expert parallelism).
-        if count == 0 or expert >= w13.shape[0]:
-            continue
-        tokens = pairs // top_k
-        h = silu_and_mul_torch(F.linear(x[tokens], w13[expert]))
-        y = F.linear(h, w2[expert])
-        out.index_add_(0, tokens, y.float() * topk_weights.reshape(-1)[pairs, None].float())
-    return out.to(x.dtype)
+    """Per-expert loop (correct, not fast): the CPU path and the kernels' reference."""
+
+    def expert_fn(expert: int, tokens: torch.Tensor) -> torch.Tensor:
+        return F.linear(silu_and_mul_torch(F.linear(x[tokens], w13[expert])), w2[expert])
+
+    return per_expert(x, topk_weights, topk_ids, w13.shape[0], expert_fn)
 
 
 class FusedMoE(nn.Module):

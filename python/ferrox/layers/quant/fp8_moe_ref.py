@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ferrox.kernels.fp8_block_gemm import dequantize_fp8_blocks, quantize_fp8_groups_torch
+from ferrox.layers.expert_loop import per_expert
 from ferrox.layers.ops import silu_and_mul_torch
 from ferrox.layers.quant.fp8_linear import quantize_activations_torch
 
@@ -52,24 +53,14 @@ def experts_fp8_torch(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tenso
                       block: tuple[int, int] | None) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for every token, [T, H] in x's
     dtype (module docstring). An expert id past the last local expert is a pair routed to another
-    rank (expert parallelism) and adds nothing. One host sync for the per-expert counts."""
-    num_tokens, top_k = topk_ids.shape
-    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
-    if num_tokens == 0:
-        return out.to(x.dtype)
+    rank (expert parallelism) and adds nothing (layers/expert_loop.py)."""
+    if topk_ids.shape[0] == 0:
+        return torch.zeros_like(x)
     xd = fake_quantize(x, block)
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    start = 0
-    for expert, count in enumerate(counts):
-        pairs = order[start:start + count]
-        start += count
-        if count == 0 or expert >= w13.shape[0]:
-            continue
-        tokens = pairs // top_k
+
+    def expert_fn(expert: int, tokens: torch.Tensor) -> torch.Tensor:
         gate_up = F.linear(xd[tokens], dequantize_expert(w13[expert], w13_scale[expert], block)).to(x.dtype)
         act = silu_and_mul_torch(gate_up.float()).to(x.dtype)
-        y = F.linear(fake_quantize(act, block), dequantize_expert(w2[expert], w2_scale[expert], block)).to(x.dtype)
-        out.index_add_(0, tokens, y.float() * topk_weights.reshape(-1)[pairs, None].float())
-    return out.to(x.dtype)
+        return F.linear(fake_quantize(act, block), dequantize_expert(w2[expert], w2_scale[expert], block)).to(x.dtype)
+
+    return per_expert(x, topk_weights, topk_ids, w13.shape[0], expert_fn)
