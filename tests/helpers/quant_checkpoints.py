@@ -60,6 +60,28 @@ def load_checkpoint(folder: str, dtype: torch.dtype = torch.float32, device: str
     return load_model(source, spec, dtype=dtype, device=device, quant_config=resolve_quant_config(None, spec))
 
 
+def make_llm(folder: str, **kw):
+    """An `LLM` on a tiny checkpoint: a small KV cache, on the CPU unless `device` says otherwise."""
+    from ferrox import LLM
+
+    kw.setdefault("device", "cpu")
+    return LLM(model=folder, kv_cache_memory=8 << 20, max_model_len=256, **kw)
+
+
+def engine_greedy(llm, prompts: list[list[int]], new_tokens: int = 8) -> list[tuple[list[int], list[float]]]:
+    """Each prompt alone (a dynamic per-tensor scale then spans one request's tokens): its greedy
+    tokens and their logprobs. Shuts the engine down."""
+    from ferrox import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
+    try:
+        outs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0] for p in prompts]
+    finally:
+        llm.engine.shutdown()
+    return [(list(o.token_ids), [step[t].logprob for step, t in zip(o.logprobs, o.token_ids, strict=True)])
+            for o in outs]
+
+
 def calibrate_input_amax(float_folder: str, prompts: list[list[int]]) -> dict[str, float]:
     """Each projection's largest input over `prompts` in the float model (module name -> amax)."""
     from transformers import AutoModelForCausalLM

@@ -28,7 +28,9 @@ from tests.helpers.fp8_block_checkpoints import block_config, block_tensors, qua
 from tests.helpers.quant_checkpoints import (
     assert_follows_reference,
     edited_copy,
+    engine_greedy,
     load_checkpoint,
+    make_llm,
     reference_greedy,
     write_checkpoint,
 )
@@ -65,20 +67,6 @@ def checkpoints(float_folder, float_weights, tmp_path_factory):
     return get
 
 
-def make_llm(folder: str, **kw) -> LLM:
-    return LLM(model=folder, device="cpu", kv_cache_memory=8 << 20, max_model_len=256, **kw)
-
-
-def engine_greedy(llm: LLM, prompts=PROMPTS) -> list[tuple[list[int], list[float]]]:
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
-    try:
-        outs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0] for p in prompts]
-    finally:
-        llm.engine.shutdown()
-    return [(list(o.token_ids), [step[t].logprob for step, t in zip(o.logprobs, o.token_ids, strict=True)])
-            for o in outs]
-
-
 # ---- end to end -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_checkpoint_matches_the_fake_quantized_reference(float_folder, checkpoints, case):
@@ -87,7 +75,7 @@ def test_checkpoint_matches_the_fake_quantized_reference(float_folder, checkpoin
     llm = make_llm(folder)
     runners = [m.quant for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
     assert runners and all(isinstance(r, Fp8BlockLinear) and r.block == block for r in runners)
-    got = engine_greedy(llm)
+    got = engine_greedy(llm, PROMPTS)
     reference = reference_model(float_folder, tensors, block)
     for prompt, (tokens, logprobs) in zip(PROMPTS, got, strict=True):
         ref_tokens, ref_logprobs = reference_greedy(reference, prompt, NEW_TOKENS)
@@ -254,7 +242,7 @@ def test_tensor_parallel_engine_matches_one_rank(checkpoints):
     rows, o/down block columns. Blocks of 16 x 32: each rank's 16 k rows and 32 of o_proj's inputs are
     whole blocks (the other shapes' cuts would fall inside one: refused, test below)."""
     folder, _ = checkpoints("fp8", (16, 32))
-    one, two = (engine_greedy(make_llm(folder, tensor_parallel_size=tp)) for tp in (1, 2))
+    one, two = (engine_greedy(make_llm(folder, tensor_parallel_size=tp), PROMPTS) for tp in (1, 2))
     for (tokens, logprobs), (tp_tokens, tp_logprobs) in zip(one, two, strict=True):
         assert tp_tokens == tokens
         torch.testing.assert_close(torch.tensor(tp_logprobs), torch.tensor(logprobs), atol=1e-4, rtol=0)
@@ -266,7 +254,7 @@ def test_dummy_weights(float_folder, tmp_path):
     folder = write_checkpoint(float_folder, tmp_path / "dummy", block_config((32, 32)), {})
     llm = make_llm(folder, load_format="dummy")
     qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.quant
-    (tokens, logprobs), *_ = engine_greedy(llm)
+    (tokens, logprobs), *_ = engine_greedy(llm, PROMPTS)
     assert len(tokens) == NEW_TOKENS and all(lp == lp and lp <= 0 for lp in logprobs)  # no NaN
     assert isinstance(qkv, Fp8BlockLinear) and qkv.weight_scale_inv.shape == (4, 2)
     assert 0.015 < float(qkv.dequantize().std()) < 0.025

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ferrox import LLM, SamplingParams
 from ferrox.errors import ModelLoadError, UnsupportedModelError
 from ferrox.layers.fused_moe import FusedMoE
 from ferrox.layers.quant.fp8 import Fp8Config
@@ -25,7 +24,9 @@ from tests.helpers.fp8_moe_checkpoints import fp8_config, quantize, quantized_te
 from tests.helpers.quant_checkpoints import (
     assert_follows_reference,
     edited_copy,
+    engine_greedy,
     load_checkpoint,
+    make_llm,
     reference_greedy,
     write_checkpoint,
 )
@@ -86,20 +87,6 @@ def checkpoints(floats, tmp_path_factory):
     return get
 
 
-def make_llm(folder: str, **kw) -> LLM:
-    return LLM(model=folder, kv_cache_memory=8 << 20, max_model_len=256, **kw)
-
-
-def engine_greedy(llm: LLM, prompts=PROMPTS) -> list[tuple[list[int], list[float]]]:
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
-    try:
-        outs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0] for p in prompts]
-    finally:
-        llm.engine.shutdown()
-    return [(list(o.token_ids), [step[t].logprob for step, t in zip(o.logprobs, o.token_ids, strict=True)])
-            for o in outs]
-
-
 # ---- end to end -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_model_matches_the_fake_quantized_reference(floats, checkpoints, case):
@@ -107,7 +94,7 @@ def test_model_matches_the_fake_quantized_reference(floats, checkpoints, case):
     llm = make_llm(folder, device="cpu", quantization=quantization)
     experts = [m for m in llm.engine.runner.model.modules() if isinstance(m, FusedMoE)]
     assert experts and all(m.w13.dtype == torch.float8_e4m3fn and m.block == block for m in experts)
-    got = engine_greedy(llm)
+    got = engine_greedy(llm, PROMPTS)
     reference = reference_model(floats(case[0])[0], tensors, block, SCALE_NAME[case[1]])
     for prompt, (tokens, logprobs) in zip(PROMPTS, got, strict=True):
         ref_tokens, ref_logprobs = reference_greedy(reference, prompt, NEW_TOKENS)
@@ -209,7 +196,7 @@ def test_gpu_engine_follows_the_reference(floats, checkpoints, case):
     fused decode path) in float32 against the CPU reference; CUDA graphs on."""
     folder, tensors, block, quantization = checkpoints(case)
     llm = make_llm(folder, device="cuda", dtype="float32", quantization=quantization)
-    got = engine_greedy(llm)
+    got = engine_greedy(llm, PROMPTS)
     reference = reference_model(floats(case[0])[0], tensors, block, SCALE_NAME[case[1]])
     for prompt, (tokens, logprobs) in zip(PROMPTS, got, strict=True):
         assert_follows_reference(reference, prompt, tokens, logprobs)

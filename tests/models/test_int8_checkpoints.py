@@ -40,7 +40,9 @@ from tests.helpers.quant_checkpoints import (
     assert_follows_reference,
     calibrate_input_amax,
     edited_copy,
+    engine_greedy,
     load_checkpoint,
+    make_llm,
     reference_greedy,
     write_checkpoint,
 )
@@ -91,25 +93,6 @@ def checkpoints(float_folder, float_weights, static_scales, tmp_path_factory):
     return get
 
 
-def make_llm(folder: str, **kw) -> LLM:
-    return LLM(model=folder, device="cpu", kv_cache_memory=8 << 20, max_model_len=256, **kw)
-
-
-def engine_greedy(llm: LLM) -> list[tuple[list[int], list[float]]]:
-    """Each prompt alone (a dynamic per-tensor scale spans the step's tokens: one request's), its
-    greedy tokens and their logprobs."""
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
-    results = []
-    try:
-        for prompt in PROMPTS:
-            out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
-            results.append((list(out.token_ids), [step[t].logprob for step, t in zip(out.logprobs, out.token_ids,
-                                                                                       strict=True)]))
-    finally:
-        llm.engine.shutdown()
-    return results
-
-
 # ---- end to end -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", list(SCHEMES))
 def test_checkpoint_matches_the_fake_quantized_reference(float_folder, checkpoints, case):
@@ -120,7 +103,7 @@ def test_checkpoint_matches_the_fake_quantized_reference(float_folder, checkpoin
     assert runners and all(isinstance(r, Int8Linear) and r.weight.dtype == torch.int8 for r in runners)
     assert {r.activations for r in runners} == {ACTIVATIONS[SCHEMES[case][1]]}
     assert type(model.model.decode_path) is DecodePath  # (the CPU runs the general path)
-    got = engine_greedy(llm)
+    got = engine_greedy(llm, PROMPTS)
     reference = reference_model(float_folder, tensors, SCHEMES[case][1])
     for prompt, (tokens, logprobs) in zip(PROMPTS, got, strict=True):
         ref_tokens, ref_logprobs = reference_greedy(reference, prompt, NEW_TOKENS)
@@ -346,7 +329,7 @@ def test_tensor_parallel_engine_matches_one_rank(checkpoints):
     """Two rank processes (gloo) run a W8A8 static checkpoint as one process does: q/k/v and gate/up
     rows, o/down input columns, per-tensor scales and the merged layers' largest input scale."""
     folder, _ = checkpoints("w-tensor-a-static")
-    one, two = (engine_greedy(make_llm(folder, tensor_parallel_size=tp)) for tp in (1, 2))
+    one, two = (engine_greedy(make_llm(folder, tensor_parallel_size=tp), PROMPTS) for tp in (1, 2))
     for (tokens, logprobs), (tp_tokens, tp_logprobs) in zip(one, two, strict=True):
         assert tp_tokens == tokens
         torch.testing.assert_close(torch.tensor(tp_logprobs), torch.tensor(logprobs), atol=1e-4, rtol=0)
@@ -358,7 +341,7 @@ def test_dummy_weights(float_folder, tmp_path):
     folder = write_checkpoint(float_folder, tmp_path / "dummy", int8_config("tensor", "static"), {})
     llm = make_llm(folder, load_format="dummy")
     qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.quant
-    (tokens, logprobs), *_ = engine_greedy(llm)
+    (tokens, logprobs), *_ = engine_greedy(llm, PROMPTS)
     assert len(tokens) == NEW_TOKENS and all(lp == lp and lp <= 0 for lp in logprobs)  # no NaN
     assert isinstance(qkv, Int8Linear) and qkv.weight.dtype == torch.int8 and qkv.input_scale is not None
     assert 0.015 < float(qkv.dequantize().std()) < 0.025
