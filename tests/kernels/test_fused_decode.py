@@ -51,8 +51,8 @@ def _wide_row_tiles_when_interpreted(monkeypatch):
         cfg = choose(kind, k, weight_bytes, w8a8)
         return cfg if kind == "rope" else gemv.GemvConfig(16, cfg.block_k, cfg.num_warps)
 
-    def wide_moe(hidden: int, inter: int, top_k: int) -> fused_moe.GemvConfig:
-        cfg = choose_moe(hidden, inter, top_k)
+    def wide_moe(hidden: int, inter: int, top_k: int, **kw) -> fused_moe.GemvConfig:
+        cfg = choose_moe(hidden, inter, top_k, **kw)
         return fused_moe.GemvConfig(16, cfg.gate_up_block_k, 16, cfg.down_block_k, cfg.num_warps)
 
     monkeypatch.setattr(gemv, "choose_config", wide)

@@ -196,3 +196,27 @@ def test_fp8_experts_at_qwen3_30b_a3b_shapes_on_the_gpu(seed, layout, tokens):
     out = fused_moe(x, w13, w2, weights, ids, w13_scale=w13_scale, w2_scale=w2_scale, block=block)
     ref = experts_fp8_torch(x, w13, w13_scale, w2, w2_scale, weights, ids, block)
     assert_close(out, ref, device)
+
+
+def test_fp8_experts_take_their_own_matrix_vector_configs():
+    """One byte a weight: more rows a program (the H200 sweep in choose_gemv_config's docstring);
+    float experts keep theirs."""
+    from ferrox.kernels.fused_moe import choose_gemv_config
+
+    plain = choose_gemv_config(2048, 768, 8)
+    per_row = choose_gemv_config(2048, 768, 8, fp8=True)
+    blocks = choose_gemv_config(2048, 768, 8, fp8=True, block=(128, 128))
+    assert (plain.gate_up_rows, plain.down_rows) == (2, 1)
+    assert (per_row.gate_up_rows, per_row.down_rows) == (4, 1)
+    assert (blocks.gate_up_rows, blocks.down_rows) == (2, 2)
+
+
+@pytest.mark.parametrize("layout", ["per-row", "block-32x32"])
+def test_fp8_experts_with_the_default_matrix_vector_configs(kernel_device, seed, layout):
+    """The small-batch path with the configs fused_moe chooses for FP8 experts (not SMALL_GEMV)."""
+    block = LAYOUTS[layout]
+    w13, w13_scale, w2, w2_scale = fp8_experts(8, 64, 64, block, kernel_device)
+    x = torch.randn(2, 64, device=kernel_device).to(torch.bfloat16)
+    weights, ids = routing(2, 8, 2, kernel_device)
+    out = fused_moe(x, w13, w2, weights, ids, small_batch=True, w13_scale=w13_scale, w2_scale=w2_scale, block=block)
+    assert_close(out, experts_fp8_torch(x, w13, w13_scale, w2, w2_scale, weights, ids, block), kernel_device)

@@ -498,17 +498,27 @@ class GemvConfig:
     num_warps: int
 
 
-def choose_gemv_config(hidden: int, inter: int, top_k: int) -> GemvConfig:
+def choose_gemv_config(hidden: int, inter: int, top_k: int, *, fp8: bool = False,
+                       block: tuple[int, int] | None = None) -> GemvConfig:
     """From a sweep on an H200 (out of the gate/up rows 2-16, K tiles 512-2048, 4 or 8 warps, and
     the down kernel's rows 1-8 and K tiles 128-2048; benches/RESULTS.md): gate/up streams best in
     2-row programs over K tiles of 512 (3.1 TB/s on Qwen3-30B-A3B's short experts, 4.3 on
     Mixtral's); the down tile holds all slots, so its rows shrink as k grows, and its K tile is
     a power of two dividing the expert size (no masked lanes): 128 for 8 slots of Qwen3-30B-A3B's
-    768 (8.4 us against 12.4 for the per-slot loop), 2048 for Mixtral's 2 of 14336 (4.2 TB/s)."""
+    768 (8.4 us against 12.4 for the per-slot loop), 2048 for Mixtral's 2 of 14336 (4.2 TB/s).
+
+    FP8 experts (fp8, with `block` their weight blocks) stream one byte a weight, so a program
+    holds more rows for the same bytes in flight: per-row scales, gate/up programs of 4 rows; blocks
+    (whose gate/up tile also carries a scale per row and group), down programs of twice the rows.
+    Swept on an H200 at Qwen3-30B-A3B's shapes, one token, 48 layers in a CUDA graph (RESULTS.md,
+    Dec 3): 21.8 -> 19.8 us a layer per row, 25.6 -> 23.5 us with 128 x 128 blocks (bf16: 23.5)."""
     slots = triton.next_power_of_2(top_k)
     down_rows = 1 if slots >= 4 else 2
     down_block_k = min(inter & -inter, 128 if slots >= 8 else 2048)
-    return GemvConfig(2, min(512, triton.next_power_of_2(hidden)), down_rows, down_block_k, 4)
+    gate_up_rows = 4 if fp8 and block is None else 2
+    if fp8 and block is not None:
+        down_rows *= 2
+    return GemvConfig(gate_up_rows, min(512, triton.next_power_of_2(hidden)), down_rows, down_block_k, 4)
 
 
 def use_small_batch_path(num_tokens: int, top_k: int, num_experts: int) -> bool:
@@ -644,7 +654,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     # launches take the scales; float experts launch as they always have (no FP8 arguments).
     x_in, x_fp8 = (x, {}) if w13_scale is None else _quantize_fp8(x, w13_scale, block)
     if small_batch:
-        gv = gemv_config or choose_gemv_config(hidden, inter, top_k)
+        gv = gemv_config or choose_gemv_config(hidden, inter, top_k, fp8=w13_scale is not None, block=block)
         gate_up_k, down_k = gv.gate_up_block_k, gv.down_block_k
         if block is not None:  # gate/up tiles span whole groups, a down tile lies in one
             gate_up_k, down_k = max(gate_up_k, block[1]), min(down_k, block[1])
