@@ -11,18 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 from ferrox import LLM, SamplingParams
-from ferrox.distributed.parallel_state import TPGroup, use_tp_group
-from ferrox.distributed.sharding import CheckpointSlice
 from ferrox.errors import ModelLoadError, UnsupportedModelError
-from ferrox.layers.linear import Linear, MergedLinear, QKVLinear, RowParallelLinear
+from ferrox.layers.linear import Linear
 from ferrox.layers.quant.config import resolve_quant_config
 from ferrox.layers.quant.fp8 import Fp8Config
 from ferrox.layers.quant.fp8_block import Fp8BlockConfig, Fp8BlockLinear
-from ferrox.layers.quant.method import use_quant_config
 from ferrox.loader.model_loader import load_model_spec
 from ferrox.loader.source import resolve_model
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from tests.helpers.fp8_block_checkpoints import block_config, block_tensors, quantize_blocks, reference_model
 from tests.helpers.quant_checkpoints import (
@@ -34,6 +29,7 @@ from tests.helpers.quant_checkpoints import (
     reference_greedy,
     write_checkpoint,
 )
+from tests.helpers.tp_layers import SHARDS, ranks_output, whole_and_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
 
@@ -180,18 +176,6 @@ def test_shards_off_the_block_edges_are_refused(float_folder, float_weights, che
 
 
 # ---- tensor parallelism ---------------------------------------------------------------------------
-SHARDS = {"qkv": {"q": 64, "k": 32, "v": 32}, "gate_up": {"gate": 128, "up": 128}, "down": {None: 64}}
-
-
-def _layer(kind: str, rank: int, size: int, config):
-    with use_tp_group(TPGroup(rank=rank, size=size)), use_quant_config(config):
-        if kind == "qkv":
-            return QKVLinear(64, 4, 2, 16, bias=True, dtype=torch.float32)
-        if kind == "gate_up":
-            return MergedLinear(64, {"gate": 128, "up": 128}, bias=False, dtype=torch.float32)
-        return RowParallelLinear(128, 64, bias=True, dtype=torch.float32)
-
-
 @pytest.mark.parametrize("kind", ["qkv", "gate_up", "down"])
 def test_tensor_parallel_shards_match_the_whole_layer(tmp_path, kind):
     """Two ranks' layers read their parts of one safetensors file (lazy slices): their block rows
@@ -207,33 +191,11 @@ def test_tensor_parallel_shards_match_the_whole_layer(tmp_path, kind):
         tensors[f"{prefix}weight"], tensors[f"{prefix}weight_scale_inv"] = quantize_blocks(
             torch.randn(rows, in_features) * 0.1 * (i + 1), block)
         tensors[f"{prefix}bias"] = torch.randn(rows)
-    save_file(tensors, tmp_path / "layer.safetensors")
-    config = Fp8BlockConfig(block)
-
-    def load(layer: Linear, source: dict[str, object]) -> None:
-        for shard in SHARDS[kind]:
-            prefix = f"{shard}." if shard else ""
-            for leaf in ("weight", "weight_scale_inv", "bias"):
-                if leaf != "bias" or layer.bias is not None:
-                    layer.load_weight(leaf, source[f"{prefix}{leaf}"], shard)  # type: ignore[arg-type]
-        layer.finalize_quantized()
-
-    whole = _layer(kind, 0, 1, config)
-    load(whole, tensors)  # type: ignore[arg-type]
-    ranks = [_layer(kind, r, 2, config) for r in range(2)]
-    with safe_open(tmp_path / "layer.safetensors", framework="pt") as f:
-        for layer in ranks:
-            load(layer, {name: CheckpointSlice(f.get_slice(name)) for name in f.keys()})
+    whole, ranks = whole_and_ranks(kind, Fp8BlockConfig(block), tensors, tmp_path / "layer.safetensors")
     for tokens in (1, 5):
         x = torch.randn(tokens, in_features)
         expected = whole(x)
-        if kind == "down":
-            got = sum(layer.quant(x[:, layer.in_start:layer.in_start + layer.in_features],
-                                  layer.bias if layer.adds_bias else None) for layer in ranks)
-        else:
-            outs = [layer(x).split(list(layer.shard_sizes.values()), dim=-1) for layer in ranks]
-            got = torch.cat([torch.cat([outs[r][i] for r in range(2)], dim=-1) for i in range(len(SHARDS[kind]))],
-                            dim=-1)
+        got = ranks_output(kind, ranks, x)
         torch.testing.assert_close(got, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
 
 

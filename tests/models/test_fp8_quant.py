@@ -14,16 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 from ferrox import LLM, SamplingParams
-from ferrox.distributed.parallel_state import TPGroup, use_tp_group
-from ferrox.distributed.sharding import CheckpointSlice
 from ferrox.errors import ModelLoadError, UnsupportedModelError
-from ferrox.layers.linear import Linear, MergedLinear, QKVLinear, RowParallelLinear
 from ferrox.layers.quant.compressed_tensors import CompressedTensorsConfig
 from ferrox.layers.quant.fp8 import Fp8Config
 from ferrox.layers.quant.fp8_linear import Fp8Linear
-from ferrox.layers.quant.method import use_quant_config
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from tests.helpers.quant_checkpoints import (
     PROJ,
@@ -33,6 +27,7 @@ from tests.helpers.quant_checkpoints import (
     reference_greedy,
     write_checkpoint,
 )
+from tests.helpers.tp_layers import SHARDS, ranks_output, tp_layer, whole_and_ranks
 
 # transformers 5 renames past_key_values; the old name keeps the reference loop working on 4.x too.
 pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
@@ -306,27 +301,6 @@ def test_static_scheme_needs_input_scales(tmp_path, float_folder, float_weights)
 
 
 # ---- tensor parallelism (the layers of two ranks, built in this process) ------------------------
-def _layers(kind: str, rank: int, size: int, config):
-    with use_tp_group(TPGroup(rank=rank, size=size)), use_quant_config(config):
-        if kind == "qkv":
-            return QKVLinear(64, 4, 2, 16, bias=True, dtype=torch.float32)
-        if kind == "gate_up":
-            return MergedLinear(64, {"gate": 128, "up": 128}, bias=False, dtype=torch.float32)
-        return RowParallelLinear(128, 64, bias=True, dtype=torch.float32)
-
-
-SHARDS = {"qkv": {"q": 64, "k": 32, "v": 32}, "gate_up": {"gate": 128, "up": 128}, "down": {None: 64}}
-
-
-def _load(layer: Linear, kind: str, tensors: dict[str, object]) -> None:
-    for shard in SHARDS[kind]:
-        prefix = f"{shard}." if shard else ""
-        for leaf in ("weight", "weight_scale", "input_scale", "bias"):
-            if f"{prefix}{leaf}" in tensors and (leaf != "bias" or layer.bias is not None):
-                layer.load_weight(leaf, tensors[f"{prefix}{leaf}"], shard)  # type: ignore[arg-type]
-    layer.finalize_quantized()
-
-
 @pytest.mark.parametrize("kind", ["qkv", "gate_up", "down"])
 @pytest.mark.parametrize("layout", ["fp8-static-tensor", "ct-channel"])
 def test_tensor_parallel_shards_match_the_whole_layer(tmp_path, kind, layout):
@@ -344,28 +318,15 @@ def test_tensor_parallel_shards_match_the_whole_layer(tmp_path, kind, layout):
         tensors[f"{prefix}weight_scale"] = scale.reshape(-1, 1) if per_row else scale
         tensors[f"{prefix}input_scale"] = torch.tensor(0.01 * (1 + len(tensors)))
         tensors[f"{prefix}bias"] = torch.randn(rows)
-    save_file(tensors, tmp_path / "layer.safetensors")
     if per_row:
         config = CompressedTensorsConfig.from_hf(_ct())
     else:
         config = Fp8Config.from_hf({"quant_method": "fp8", "activation_scheme": "static"})
-    whole = _layers(kind, 0, 1, config)
-    _load(whole, kind, tensors)
-    ranks = [_layers(kind, r, 2, config) for r in range(2)]
-    with safe_open(tmp_path / "layer.safetensors", framework="pt") as f:
-        for layer in ranks:
-            _load(layer, kind, {name: CheckpointSlice(f.get_slice(name)) for name in f.keys()})
+    whole, ranks = whole_and_ranks(kind, config, tensors, tmp_path / "layer.safetensors")
     for tokens in (1, 5):
         x = torch.randn(tokens, in_features)
         expected = whole(x)
-        if kind == "down":
-            parts = [layer.quant(x[:, layer.in_start:layer.in_start + layer.in_features],
-                                 layer.bias if layer.adds_bias else None) for layer in ranks]
-            got = parts[0] + parts[1]
-        else:
-            outs = [layer(x).split(list(layer.shard_sizes.values()), dim=-1) for layer in ranks]
-            got = torch.cat([torch.cat([outs[r][i] for r in range(2)], dim=-1) for i in range(len(SHARDS[kind]))],
-                            dim=-1)
+        got = ranks_output(kind, ranks, x)
         tolerance = 1e-5 if kind != "down" else 0.05
         torch.testing.assert_close(got, expected, atol=tolerance * expected.abs().max().item(), rtol=0)
 
@@ -374,8 +335,8 @@ def test_online_fp8_column_shards_equal_the_whole_layer():
     """Online quantization is per row, so a column-parallel shard quantizes exactly as the whole."""
     torch.manual_seed(1)
     weight = torch.randn(256, 64) * 0.05
-    whole = _layers("gate_up", 0, 1, Fp8Config.online())
-    ranks = [_layers("gate_up", r, 2, Fp8Config.online()) for r in range(2)]
+    whole = tp_layer("gate_up", 0, 1, Fp8Config.online())
+    ranks = [tp_layer("gate_up", r, 2, Fp8Config.online()) for r in range(2)]
     for layer in (whole, *ranks):
         layer.load_weight("weight", weight[:128], "gate")
         layer.load_weight("weight", weight[128:], "up")

@@ -13,19 +13,14 @@ import pytest
 import torch
 from ferrox import LLM, SamplingParams
 from ferrox.attention.decode_path import DecodePath
-from ferrox.distributed.parallel_state import TPGroup, use_tp_group
-from ferrox.distributed.sharding import CheckpointSlice
 from ferrox.errors import ModelLoadError, UnsupportedModelError
-from ferrox.layers.linear import Linear, MergedLinear, QKVLinear, RowParallelLinear
+from ferrox.layers.linear import Linear
 from ferrox.layers.quant.compressed_tensors import CompressedTensorsScheme
 from ferrox.layers.quant.compressed_tensors_int8 import CompressedTensorsInt8Config
 from ferrox.layers.quant.config import resolve_quant_config
 from ferrox.layers.quant.int8_linear import Int8Linear, quantize_int8_torch
-from ferrox.layers.quant.method import use_quant_config
 from ferrox.loader.model_loader import load_model_spec
 from ferrox.loader.source import resolve_model
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from tests.helpers.int8_checkpoints import (
     fake_quantize,
@@ -46,6 +41,7 @@ from tests.helpers.quant_checkpoints import (
     reference_greedy,
     write_checkpoint,
 )
+from tests.helpers.tp_layers import SHARDS, ranks_output, whole_and_ranks
 
 # transformers 5 renames past_key_values; the old name keeps the reference loop working on 4.x too.
 pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
@@ -255,28 +251,6 @@ def test_packed_tensors_are_checked(checkpoints, tmp_path):
 
 
 # ---- tensor parallelism ---------------------------------------------------------------------------
-SHARDS = {"qkv": {"q": 64, "k": 32, "v": 32}, "gate_up": {"gate": 128, "up": 128}, "down": {None: 64}}
-
-
-def _layer(kind: str, rank: int, size: int, config):
-    with use_tp_group(TPGroup(rank=rank, size=size)), use_quant_config(config):
-        if kind == "qkv":
-            return QKVLinear(64, 4, 2, 16, bias=True, dtype=torch.float32)
-        if kind == "gate_up":
-            return MergedLinear(64, {"gate": 128, "up": 128}, bias=False, dtype=torch.float32)
-        return RowParallelLinear(128, 64, bias=True, dtype=torch.float32)
-
-
-def _load_layer(layer: Linear, kind: str, tensors: dict[str, object]) -> None:
-    for shard in SHARDS[kind]:
-        prefix = f"{shard}." if shard else ""
-        for leaf in ("weight", "weight_packed", "weight_shape", "weight_scale", "input_scale", "weight_zero_point",
-                     "bias"):
-            if f"{prefix}{leaf}" in tensors and (leaf != "bias" or layer.bias is not None):
-                layer.load_weight(leaf, tensors[f"{prefix}{leaf}"], shard)  # type: ignore[arg-type]
-    layer.finalize_quantized()
-
-
 @pytest.mark.parametrize("kind", ["qkv", "gate_up", "down"])
 @pytest.mark.parametrize("scheme", ["w-tensor-a-static", "w-channel-a-token", "w-channel-packed"])
 def test_tensor_parallel_shards_match_the_whole_layer(tmp_path, kind, scheme):
@@ -301,26 +275,14 @@ def test_tensor_parallel_shards_match_the_whole_layer(tmp_path, kind, scheme):
         tensors[f"{prefix}weight_zero_point"] = torch.zeros(scale.shape, dtype=torch.int8)
         tensors[f"{prefix}input_scale"] = torch.tensor([0.01 * (1 + i)])
         tensors[f"{prefix}bias"] = torch.randn(rows)
-    save_file(tensors, tmp_path / "layer.safetensors")
     config = CompressedTensorsScheme.from_hf(int8_config(weights, activations, fmt=fmt))
-    whole = _layer(kind, 0, 1, config)
-    _load_layer(whole, kind, tensors)
+    whole, ranks = whole_and_ranks(kind, config, tensors, tmp_path / "layer.safetensors")
     if activations == "static":
         assert float(whole.quant.input_scale) == pytest.approx(0.01 * len(SHARDS[kind]))
-    ranks = [_layer(kind, r, 2, config) for r in range(2)]
-    with safe_open(tmp_path / "layer.safetensors", framework="pt") as f:
-        for layer in ranks:
-            _load_layer(layer, kind, {name: CheckpointSlice(f.get_slice(name)) for name in f.keys()})
     for tokens in (1, 5):
         x = torch.randn(tokens, in_features)
         expected = whole(x)
-        if kind == "down":
-            got = sum(layer.quant(x[:, layer.in_start:layer.in_start + layer.in_features],
-                                  layer.bias if layer.adds_bias else None) for layer in ranks)
-        else:
-            outs = [layer(x).split(list(layer.shard_sizes.values()), dim=-1) for layer in ranks]
-            got = torch.cat([torch.cat([outs[r][i] for r in range(2)], dim=-1) for i in range(len(SHARDS[kind]))],
-                            dim=-1)
+        got = ranks_output(kind, ranks, x)
         tolerance = 0.05 if kind == "down" and activations == "token" else 1e-5
         torch.testing.assert_close(got, expected, atol=tolerance * expected.abs().max().item(), rtol=0)
 
