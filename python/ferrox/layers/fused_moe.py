@@ -130,12 +130,9 @@ class FusedMoE(nn.Module):
                     residual: torch.Tensor | None = None, small_batch: bool | None = None) -> torch.Tensor:
         """This rank's experts on x (ids local to the rank), the kernels of the layer's device and
         weights; the residual added (the fused decode path's h + mlp(h)). No all-reduce."""
-        if self.triton:
+        if self.triton:  # (float experts: no scales, no block)
             from ferrox.kernels.fused_moe import fused_moe
 
-            if self.w13_scale is None or self.w2_scale is None:
-                return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, residual=residual,
-                                 small_batch=small_batch)
             return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, residual=residual, small_batch=small_batch,
                              w13_scale=self.w13_scale, w2_scale=self.w2_scale, block=self.block)
         if self.w13_scale is None or self.w2_scale is None:
