@@ -156,8 +156,3 @@ class Fp8MoeMethod:
         if self.float_weight and layer.w13_scale is None:
             w13, w2 = layer.w13, layer.w2
             self._quantize_experts(layer, w13, w2)  # (the float experts are freed with the last reference)
-
-    def describe(self) -> str:
-        if self.block is None:
-            return "FP8 experts, a scale per row, activations per token"
-        return f"FP8 experts, a scale per {self.block[0]} x {self.block[1]} block, activations per group"
