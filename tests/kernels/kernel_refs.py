@@ -170,3 +170,22 @@ def sliced_paged_attention_ref(batch: PagedBatch, rows_per_call: int = 1024) -> 
             ref[a:b] = paged_attention_ref(batch.q[a:b], batch.kv_cache, loc, lens, batch.block_table[r:r + 1],
                                            batch.scale)
     return ref
+
+
+def align_by_expert_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """(pair_ids, block_expert, num_rows) of kernels/moe_align.py from torch ops: a stable sort by
+    expert, each expert's run padded to block_m rows with the sentinel pair id T*k."""
+    flat = topk_ids.reshape(-1).long().cpu()
+    num_pairs = flat.numel()
+    max_rows = -(-(num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m) * block_m
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    starts = torch.cumsum(padded, 0) - padded
+    pair_ids = torch.full((max_rows,), num_pairs, dtype=torch.int32)
+    block_expert = torch.full((max_rows // block_m,), -1, dtype=torch.int32)
+    for e in range(num_experts):
+        pairs = torch.nonzero(flat == e).flatten()  # ascending: the stable order
+        start = int(starts[e])
+        pair_ids[start:start + pairs.numel()] = pairs.int()
+        block_expert[start // block_m:(start + int(padded[e])) // block_m] = e
+    return pair_ids, block_expert, int(padded.sum())

@@ -9,7 +9,8 @@ under the Triton interpreter at tiny shapes and on the GPU at Llama-3.1-8B shape
 - rotary.py             neox rotary embedding from a cos/sin cache (+ Llama 3.1 frequency scaling)
 - gemv.py               one-token matrix-vector products with RMSNorm / residual / SiLU / rotary +
                         KV write fused in (batch-1 decode: five launches per decoder layer)
-- qk_norm_rope.py       Qwen3's per-head q/k RMSNorm + rotary + KV write for one token (after a gemv)
+- qk_norm_rope.py       Qwen3's per-head q/k RMSNorm + rotary in one launch: + KV write for one token
+                        (after a gemv), or q and k of a step's many tokens (after the qkv GEMM)
 - cuda_sampling.py      top-k/top-p sampling: CUDA C++ kernel (cuda/) JIT-built once (on a
                         background thread at a first engine start, used from the next start on),
                         torch fallback otherwise and off CUDA

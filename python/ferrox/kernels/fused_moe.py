@@ -59,6 +59,7 @@ import triton.language as tl
 
 from ferrox.kernels.fp8_block_gemm import FP8_DTYPE, quantize_fp8_groups_triton
 from ferrox.kernels.gemv import _input_tile, _paired_row_sums
+from ferrox.kernels.moe_align import align_pairs
 from ferrox.kernels.pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ferrox.kernels.row_quant import quantize_activations_triton
 
@@ -74,28 +75,10 @@ class ExpertBlocks:
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
-    """Sort the pairs of topk_ids [T, k] by expert on the device, no host sync.
-
-    A pair's row = its expert's padded start + its rank among that expert's pairs (a stable
-    sort keeps token order inside an expert)."""
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    num_pairs = flat.numel()
-    device = flat.device
-    # At most min(E, pairs) experts are non-empty, each wasting under block_m rows.
-    max_rows = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    start = torch.cumsum(counts, 0) - counts
-    sorted_experts, order = torch.sort(flat, stable=True)
-    rank = torch.arange(num_pairs, device=device) - start[sorted_experts]
-    rows = padded_end[sorted_experts] - padded[sorted_experts] + rank
-    pair_ids = torch.full((max_rows,), num_pairs, dtype=torch.int32, device=device)
-    pair_ids.scatter_(0, rows, order.to(torch.int32))
-    block_starts = torch.arange(0, max_rows, block_m, device=device)
-    block_expert = torch.searchsorted(padded_end, block_starts, right=True)
-    num_rows = padded_end[-1:]
-    block_expert = torch.where(block_starts < num_rows, block_expert, -1).to(torch.int32)
+    """Sort the pairs of topk_ids [T, k] by expert on the device, no host sync: three launches
+    (moe_align.py). A pair's row = its expert's padded start + its rank among that expert's pairs
+    (token order kept inside an expert)."""
+    pair_ids, block_expert, num_rows = align_pairs(topk_ids, num_experts, block_m)
     return ExpertBlocks(pair_ids, block_expert, num_rows, block_m)
 
 

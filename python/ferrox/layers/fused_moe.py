@@ -126,6 +126,16 @@ class FusedMoE(nn.Module):
         """Quantized experts' scale block (None: a scale per row, or float experts)."""
         return self.weight_method.block if self.weight_method is not None else None
 
+    def route(self, router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """`select_experts` on the layer's kernel set: on Triton one launch (`route_top_k`; torch's
+        softmax, topk and renormalisation are ~5), which matters in eager steps (host-bound at
+        short prompts) and in the decode graphs of 16+ tokens (48 layers of tiny kernels)."""
+        if self.triton:
+            from ferrox.kernels.fused_moe import route_top_k
+
+            return route_top_k(router_logits, top_k, renormalize)
+        return select_experts(router_logits, top_k, renormalize)
+
     def run_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                     residual: torch.Tensor | None = None, small_batch: bool | None = None) -> torch.Tensor:
         """This rank's experts on x (ids local to the rank), the kernels of the layer's device and

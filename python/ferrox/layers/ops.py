@@ -11,7 +11,8 @@ Ops:
   fused_add_rms_norm(x, residual, weight, eps)   (RMSNorm(x + residual), x + residual)
   silu_and_mul(gate_up)                          silu(gate) * up of a merged [gate | up]
   rope(tables, positions, dtype) -> Rope         the step's rotary tables, once per forward;
-                                                 Rope.rotate_qk / Rope.rotate turn q and k
+                                                 Rope.rotate_qk / Rope.rotate turn q and k,
+                                                 Rope.norm_rotate_qk norms each head first (Qwen3)
   masked_attention(q, k, v, mask)                SDPA over padded [B, H, S, D] with a key mask
                                                  (the encoders' attention)
 
@@ -84,7 +85,14 @@ class Rope(Protocol):
         ...
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D] and k [T, Hkv, D] held apart (e.g. after per-head norms)."""
+        """q [T, Hq, D] and k [T, Hkv, D] held apart."""
+        ...
+
+    def norm_rotate_qk(self, qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, q_norm_weight: torch.Tensor,
+                       k_norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3: each q and k head of qkv [T, (Hq + 2 Hkv) * D] (the projection's [q | k | v])
+        RMS-normed over its D (weights [D], one eps), then rotated. Returns new q [T, Hq, D] and
+        k [T, Hkv, D]; qkv is not changed."""
         ...
 
 
@@ -103,15 +111,21 @@ class CosSinRope:
     def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
 
+    def norm_rotate_qk(self, qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, q_norm_weight: torch.Tensor,
+                       k_norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return _norm_qk_torch(qkv, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, self.rotate)
+
 
 @dataclass(frozen=True, slots=True)
 class KernelRope:
     """The Triton kernel (kernels/rotary.py `rotary_neox_`): one launch per layer rotates q and k
-    of every head in place, in float32, instead of five elementwise kernels."""
+    of every head in place, in float32, instead of five elementwise kernels. Qwen3's q/k norms and
+    rotary are one launch too (kernels/qk_norm_rope.py `qk_norm_rope`), instead of ~25."""
 
     rows: torch.Tensor  # [T, head_dim] float32: [cos | sin] of each token's angles
     index: torch.Tensor  # [T] int64: token t reads rows[index[t]]
     kernel: Callable[..., None]
+    norm_kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
     def rotate_qk(self, qk: torch.Tensor, num_q_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotate(qk[:, :num_q_heads], qk[:, num_q_heads:])
@@ -119,6 +133,30 @@ class KernelRope:
     def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.kernel(self.index, q, k, self.rows)
         return q, k
+
+    def norm_rotate_qk(self, qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, q_norm_weight: torch.Tensor,
+                       k_norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        head_dim = q_norm_weight.shape[0]
+        # The kernel holds a head in one program's registers: a power-of-two head_dim up to 256
+        # (every Qwen3 has 128). Anything else: torch norms, then this rotary on their copies.
+        if qkv.stride(-1) == 1 and 2 <= head_dim <= 256 and not head_dim & (head_dim - 1):
+            return self.norm_kernel(qkv, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, eps=eps,
+                                    rope_rows=self.rows, rope_index=self.index, num_q_heads=num_q_heads,
+                                    num_kv_heads=num_kv_heads, head_dim=head_dim)
+        return _norm_qk_torch(qkv, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, self.rotate)
+
+
+def _norm_qk_torch(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, q_norm_weight: torch.Tensor,
+                   k_norm_weight: torch.Tensor, eps: float,
+                   rotate: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rope.norm_rotate_qk as separate ops: the torch RMSNorm over 3-D views of each head (new
+    tensors, so qkv is not changed), then `rotate`."""
+    t, head_dim = qkv.shape[0], q_norm_weight.shape[0]
+    q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
+    q = rms_norm_torch(qkv[:, :q_size].view(t, num_q_heads, head_dim), q_norm_weight, eps)
+    k = rms_norm_torch(qkv[:, q_size:q_size + kv_size].view(t, num_kv_heads, head_dim), k_norm_weight, eps)
+    return rotate(q, k)
 
 
 class DeviceOps:
@@ -166,6 +204,7 @@ class TritonOps(DeviceOps):
     def __init__(self) -> None:
         super().__init__(column_major_weights=False)  # kernels/gemv.py reads row-major weights
         from ferrox.kernels.activation import silu_and_mul
+        from ferrox.kernels.qk_norm_rope import qk_norm_rope
         from ferrox.kernels.rmsnorm import fused_add_rms_norm, rms_norm
         from ferrox.kernels.rotary import rotary_neox_
 
@@ -173,6 +212,7 @@ class TritonOps(DeviceOps):
         self._fused_add_rms_norm = fused_add_rms_norm
         self._silu_and_mul = silu_and_mul
         self._rotary_neox = rotary_neox_
+        self._qk_norm_rope = qk_norm_rope
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() == 2 and x.stride(-1) == 1:
@@ -195,7 +235,8 @@ class TritonOps(DeviceOps):
 
     def rope(self, tables: RopeTables, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         rows = tables.rope_rows(positions)
-        return KernelRope(rows, torch.arange(positions.shape[0], device=positions.device), self._rotary_neox)
+        return KernelRope(rows, torch.arange(positions.shape[0], device=positions.device), self._rotary_neox,
+                          self._qk_norm_rope)
 
     def masked_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          mask: torch.Tensor | None) -> torch.Tensor:

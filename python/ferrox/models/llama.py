@@ -77,9 +77,10 @@ class LlamaAttention(nn.Module):
             q, k = rope.rotate_qk(qkv[:, :q_size + kv_size].view(t, self.num_heads + self.num_kv_heads,
                                                                  self.head_dim), self.num_heads)
         else:
-            q = self.q_norm(qkv[:, :q_size].view(t, self.num_heads, self.head_dim))
-            k = self.k_norm(qkv[:, q_size:q_size + kv_size].view(t, self.num_kv_heads, self.head_dim))
-            q, k = rope.rotate(q, k)
+            # Qwen3: each q and k head normed, then rotated, into new q and k (one launch on the
+            # Triton set, the same kernel math as the one-token path; the torch formula on CPU).
+            q, k = rope.norm_rotate_qk(qkv, self.num_heads, self.num_kv_heads, self.q_norm.weight,
+                                       self.k_norm.weight, self.q_norm.eps)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.kv_scales)
         return self.o_proj(o.reshape(t, q_size))
 
@@ -138,10 +139,9 @@ class LlamaModel(nn.Module):
                                     qk_norm=qk_norm) for _ in range(spec.num_layers)]
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
-        # Qwen3 (qk_norm) rotates its normed q/k copies with the torch formula on every device (the
-        # one-token path norms and rotates them in its own kernel: attention/fused_decode.py).
-        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, device,
-                                      for_device(device, "torch") if qk_norm else ops)
+        # The model's op set: on the Triton set Qwen3's (qk_norm) q/k norms and rotary are one kernel
+        # (Rope.norm_rotate_qk), whose per-head math the one-token path's kernel shares.
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, device, ops)
         self.qk_norm = qk_norm
         self.backend = backend
         views = [layer.one_token_view() for layer in layers]

@@ -31,7 +31,7 @@ from ferrox.attention.metadata import AttentionMetadata
 from ferrox.distributed.parallel_state import get_tp_group
 from ferrox.distributed.sharding import check_tp_shapes, materialize
 from ferrox.kernels import select_kernels
-from ferrox.layers.fused_moe import FusedMoE, TopKRouter, select_experts
+from ferrox.layers.fused_moe import FusedMoE, TopKRouter
 from ferrox.layers.layernorm import RMSNorm
 from ferrox.layers.linear import Linear, MergedLinear
 from ferrox.layers.ops import DeviceOps, Rope, for_device
@@ -76,7 +76,7 @@ class MoeBlock(nn.Module):
                 self.shared_expert_gate = Linear(spec.hidden_size, 1, bias=False, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = self.experts.route(self.gate(x), self.top_k, self.renormalize)
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -130,9 +130,8 @@ class MoeModel(nn.Module):
                                   renormalize=renormalize) for i in range(spec.num_layers)]
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
-        # As in LlamaModel: per-head q/k norms rotate their normed copies with the torch formula.
-        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, device,
-                                      for_device(device, "torch") if qk_norm else ops)
+        # As in LlamaModel: the model's op set, so Qwen3-MoE's q/k norms and rotary are one kernel.
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, device, ops)
         views = [layer.one_token_view() for layer in layers]
         # One rank only: under tensor or expert parallelism (not yet run on two GPUs) the layers keep
         # the general path; the decode path may still fuse the lm_head.
