@@ -207,3 +207,23 @@ def test_gpu_profile_budget_and_warm_up(cuda_device):
     assert torch.isfinite(logits).all()
     slots = set(np.asarray(prefill_step(300, 7, 16).so.slot_mapping).tolist())
     assert all(_written_slots(kv.float().cpu()) == slots for kv in scratch)
+
+
+def test_step_arrays_pack_into_one_aligned_buffer():
+    """Uploader.many's layout (its CUDA copy is one of these buffers): each array at a 16-byte
+    boundary, read back through views with its own dtype and shape, empty arrays included."""
+    import numpy as np
+    from ferrox.worker.step_inputs import pack_arrays, packed_offsets, unpack_views
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(-5, 1 << 40, size=7, dtype=np.int64), rng.integers(0, 99, size=(3, 5), dtype=np.int32),
+              np.zeros((2, 0), dtype=np.int32), np.arange(3, dtype=np.int32)[::-1],
+              rng.integers(0, 1 << 30, size=(4, 9), dtype=np.int32)[:, 2:7]]
+    offsets = packed_offsets(arrays)
+    assert all(off % 16 == 0 for off in offsets) and offsets[-1] >= sum(a.nbytes for a in arrays)
+    buf = np.full(offsets[-1], 0xAB, dtype=np.uint8)
+    pack_arrays(arrays, offsets, buf)
+    views = unpack_views(torch.from_numpy(buf), arrays, offsets)
+    for a, v in zip(arrays, views, strict=True):
+        assert v.shape == a.shape and v.numpy().dtype == a.dtype and (v.numpy() == a).all()
+        assert v.data_ptr() % 16 == 0 or v.numel() == 0

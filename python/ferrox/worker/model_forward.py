@@ -24,7 +24,7 @@ import torch
 
 from ferrox.attention.metadata import AttentionMetadata
 from ferrox.distributed.parallel_state import TPGroup
-from ferrox.worker.step_inputs import Uploader, attention_metadata
+from ferrox.worker.step_inputs import Uploader, step_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -111,9 +111,9 @@ class ModelForward:
         driver's filler of placeholder ids (None on the other ranks); it returns each row's shift
         when the step in flight verified drafts (`shifted`; the other ranks read it from `step`)."""
         upload = self.upload
-        meta = attention_metadata(step, upload)
         input_ids_np = step.input_ids
-        input_ids, positions = upload("input_ids", input_ids_np), upload("positions", step.positions)
+        meta, (input_ids, positions, logits_indices) = step_tensors(step, upload, input_ids_np, step.positions,
+                                                                     step.logits_indices)
         holes = np.flatnonzero(input_ids_np < 0)
         row_shift = None
         if holes.size:
@@ -129,7 +129,7 @@ class ModelForward:
             hidden = self.graph_runner.run(input_ids, positions, meta)
         else:
             hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
-        logits = self.model.compute_logits(hidden.index_select(0, upload("logits_indices", step.logits_indices)))
+        logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
         # Now, not later: a CUDA-graph replay of the next step overwrites `hidden`.
         prompt_logits = [self.model.compute_logits(hidden[int(start):int(start) + int(count)])
                          for start, count in prompt_rows.tolist()]
