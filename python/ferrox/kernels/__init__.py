@@ -19,6 +19,9 @@ under the Triton interpreter at tiny shapes and on the GPU at Llama-3.1-8B shape
 - int8_gemm.py          int8 W8A8: int8 tensor-core GEMM, exact int32 sums, scales in the epilogue
 - fused_moe.py / lora.py  grouped expert matmuls, the one-token expert GEMVs and top-k routing; LoRA
                         shrink/expand
+- moe_align.py          the grouped MoE path's stable sort of (token, slot) pairs by expert, padded to
+                        the GEMM's block rows, in three launches
+- argmax.py             greedy sampling's argmax split over the row (a few rows of a large vocabulary)
 - w8a8_dot_gemv.py      FP8 and int8 one-token products on tensor cores (W8A8), split over K (split_k.py:
                         the last-arriving program per row block finishes the sum)
 - int8_codes.py         int8 activation codes as vLLM rounds them (shared by the quantizing kernels)
