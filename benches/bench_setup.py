@@ -110,6 +110,18 @@ def make_model_dir(config_path: str | os.PathLike = LLAMA_8B_CONFIG, out_dir: st
     return str(folder)
 
 
+def dummy_model_dir(config_path: str, moe: str | None = None) -> tuple[str, int]:
+    """(a model folder for load_format="dummy", its first special id) from config.json, or from
+    bench_moe.py's config named `moe` when given."""
+    if moe is not None:
+        import bench_moe
+
+        config_path = str(Path(tempfile.mkdtemp(prefix="ferrox-bench-config-")) / "config.json")
+        Path(config_path).write_text(json.dumps(bench_moe.CONFIGS[moe]))
+    config = json.loads(Path(config_path).read_text())
+    return make_model_dir(config_path), first_special_id(config)
+
+
 def random_prompts(num: int, input_len: int, max_id: int, seed: int = 0) -> list[dict[str, list[int]]]:
     """Token-id prompts below the special ids (vLLM's throughput benchmark uses random ids too)."""
     rng = random.Random(seed)

@@ -39,15 +39,8 @@ def main() -> None:
     import torch
     from ferrox import LLM, SamplingParams
 
-    config_path = args.config
-    if args.moe:
-        import bench_moe
-
-        config_path = str(Path(tempfile.mkdtemp()) / "config.json")
-        Path(config_path).write_text(json.dumps(bench_moe.CONFIGS[args.moe]))
-    config = json.loads(Path(config_path).read_text())
-    max_id = bench_setup.first_special_id(config)
-    llm = LLM(model=bench_setup.make_model_dir(config_path), load_format="dummy", dtype="bfloat16",
+    folder, max_id = bench_setup.dummy_model_dir(args.config, args.moe)
+    llm = LLM(model=folder, load_format="dummy", dtype="bfloat16",
               max_model_len=4096, quantization=args.quantization)
     prompts = bench_setup.random_prompts(1, 32, max_id, seed=1)
     params = SamplingParams(max_tokens=args.steps, ignore_eos=True, temperature=0.0, detokenize=False)
