@@ -130,7 +130,7 @@ def test_triton_ops_match_torch_ops(kernel_device, seed, dtype):
     gate_up = torch.randn(5, 2 * 48, dtype=dtype, device=kernel_device)
     assert relative_error(triton_ops.silu_and_mul(gate_up), torch_ops.silu_and_mul(gate_up)) < tol
 
-    heads = x.view(5, 3, 32)  # per-head norm (Qwen3 q/k norm): the torch formula, bit for bit
+    heads = x.view(5, 3, 32)  # a 3-D input (per-head norms): the torch formula, bit for bit
     head_w = weight[:32]
     assert torch.equal(triton_ops.rms_norm(heads, head_w, 1e-6), torch_ops.rms_norm(heads, head_w, 1e-6))
     other = residual.double()
