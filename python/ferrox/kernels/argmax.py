@@ -74,8 +74,10 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
                          f"{tuple(logits.shape)} (strides {logits.stride()})")
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    if rows == 0 or vocab == 0:
-        return logits.argmax(dim=-1) if vocab == 0 else out
+    if vocab == 0:
+        return logits.argmax(dim=-1)  # torch's error for an empty row
+    if rows == 0:
+        return out
     split = split_for_vocab(vocab)
     slice_len = triton.cdiv(triton.cdiv(vocab, split), _BLOCK) * _BLOCK
     part_val = torch.empty(rows * split, dtype=torch.float32, device=logits.device)

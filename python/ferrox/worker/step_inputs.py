@@ -7,6 +7,7 @@ scheduled by a throwaway core `Scheduler` so their arrays come from the same cod
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -82,17 +83,19 @@ def packed_offsets(arrays: list[np.ndarray]) -> list[int]:
 
 def pack_arrays(arrays: list[np.ndarray], offsets: list[int], out: np.ndarray) -> None:
     """Copy each array's elements into the uint8 buffer `out` at its offset."""
-    for a, off in zip(arrays, offsets, strict=False):
+    for a, off in zip(arrays, offsets[:-1], strict=True):
         out[off:off + a.nbytes].view(a.dtype)[...] = a.reshape(-1)
 
 
 def unpack_views(packed: torch.Tensor, arrays: list[np.ndarray], offsets: list[int]) -> list[torch.Tensor]:
     """Views of the uint8 tensor `packed` with each array's dtype and shape."""
     return [packed[off:off + a.nbytes].view(_torch_dtype(a.dtype)).view(a.shape)
-            for a, off in zip(arrays, offsets, strict=False)]
+            for a, off in zip(arrays, offsets[:-1], strict=True)]
 
 
+@functools.cache
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    """(Cached: asked for every array of every step.)"""
     return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
 
 
@@ -108,17 +111,18 @@ def step_tensors(so: Any, upload: Uploader, *extra: np.ndarray) -> tuple[Attenti
     qsl_np = so.query_start_loc
     seq_lens_np = so.seq_lens
     max_query_len = int(so.num_scheduled_tokens.max())
-    qsl_cpu = _as_tensor(qsl_np, torch.device("cpu"))
-    seq_lens_cpu = _as_tensor(seq_lens_np, torch.device("cpu"))
     slot_mapping, qsl, seq_lens, block_table, *rest = upload.many(
         "step", [so.slot_mapping, qsl_np, seq_lens_np, so.block_table, *extra])
+    # On CPU those are the host tensors already (wrapped, not copied).
+    qsl_cpu = qsl if dev.type == "cpu" else _as_tensor(qsl_np, torch.device("cpu"))
+    seq_lens_cpu = seq_lens if dev.type == "cpu" else _as_tensor(seq_lens_np, torch.device("cpu"))
     meta = AttentionMetadata(
         num_actual_tokens=int(so.num_tokens),
         max_query_len=max_query_len,
         max_seq_len=int(seq_lens_np.max()),
         slot_mapping=slot_mapping,
-        query_start_loc=qsl_cpu if dev.type == "cpu" else qsl,
-        seq_lens=seq_lens_cpu if dev.type == "cpu" else seq_lens,
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
         block_table=block_table,
         query_start_loc_cpu=qsl_cpu,
         seq_lens_cpu=seq_lens_cpu,
