@@ -93,6 +93,7 @@ def test_plan_covers_every_class_at_the_gpu_defaults(graphs):
     EngineLimits(8, 256, 1024, 16, 1000, True),  # small budget: wide steps become prefix hits
     EngineLimits(4, 512, 4096, 32, 2000, False),
     EngineLimits(1, 64, 300, 16, 40, False),
+    EngineLimits(256, 32, 256, 16, 4000, False),  # eager decodes whose prompts exceed the budget together
 ])
 def test_plan_fits_small_engines(limits):
     plan = warmup_plan(limits)

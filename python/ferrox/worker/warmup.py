@@ -245,8 +245,12 @@ def warmup_plan(limits: EngineLimits) -> list[Recipe]:
         return RequestShape((width - _cdiv(query, bs)) * bs + query, query)
 
     def add(name: str, *requests: RequestShape) -> None:
+        # build_step prefills the decode requests' own prompt tokens in one step first: they must fit
+        # the budget too (16 decodes of 8 tokens do not fit a 32-token budget).
+        decode_prompts = sum(r.seq_len - 1 - _context_hit(r, bs) for r in requests if r.is_decode)
         if (requests and max(r.seq_len for r in requests) <= max_seq and len(requests) <= limits.max_num_seqs
-                and sum(r.query_len for r in requests) <= budget and min(r.query_len for r in requests) >= 1):
+                and sum(r.query_len for r in requests) <= budget and min(r.query_len for r in requests) >= 1
+                and decode_prompts <= budget):
             plan.append(Recipe(name, tuple(sorted(requests, key=lambda r: not r.is_decode))))
 
     for width in SHORT_WIDTHS:
