@@ -92,7 +92,8 @@ def test_ladder_clipped_to_what_the_cache_holds(cuda_device):
 
 @pytest.mark.gpu
 def test_engine_greedy_tokens_same_with_and_without_graphs(cuda_device, tmp_path):
-    """LLM with CUDA graphs (default) and with enforce_eager give the same greedy tokens (float32)."""
+    """LLM with CUDA graphs (default) and with enforce_eager give the same greedy tokens (float32):
+    the prompts' step replays piecewise graphs, the decode steps whole ones."""
     import json
     import sys
     from pathlib import Path
@@ -115,6 +116,7 @@ def test_engine_greedy_tokens_same_with_and_without_graphs(cuda_device, tmp_path
                   enforce_eager=eager, seed=0)
         if not eager:
             assert llm.engine.runner.graph_runner is not None, "CUDA graphs were not captured"
+            assert llm.engine.runner.forward.piece_runner is not None, "piecewise graphs were not captured"
         tokens[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         del llm
         torch.cuda.empty_cache()

@@ -98,8 +98,14 @@ def _plan_step(meta: AttentionMetadata, block_size: int = 0) -> _StepPlan:
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cached_kv = True
+    # `forward` can be split out of a captured forward and run on its own into a given `out`
+    # (worker/piecewise_graphs.py): nothing it launches depends on what the graphs replay around it.
+    supports_piecewise_graphs = True
 
     def __init__(self) -> None:
+        # Set by worker/piecewise_graphs.py while it captures a forward in pieces: `forward` hands
+        # each layer's call to it instead of attending.
+        self.piecewise: Callable[..., torch.Tensor] | None = None
         self._meta: AttentionMetadata | None = None
         self._plan: _StepPlan | None = None
         # The cuDNN prefill path: decided at the first forward with a cache (device, dtype, heads).
@@ -164,7 +170,11 @@ class TritonAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         kv_scales: KVCacheScales | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """out: where the result goes (q's shape; a new tensor when None)."""
+        if self.piecewise is not None:
+            return self.piecewise(q, k, v, kv_cache, meta, scale, kv_scales)
         if kv_cache.numel() == 0:
             return self._forward_without_cache(q, k, v, meta, scale)
         if meta.slot_mapping.shape[0] > k.shape[0]:
@@ -175,7 +185,7 @@ class TritonAttentionBackend(AttentionBackend):
         plan = self._plan_for(meta)
         if plan.cudnn_requests:  # never with an FP8 cache (_decide_cudnn), whose scales apply
             try:
-                return self._attend_cudnn(q, k, v, kv_cache, meta, plan, scale)
+                return self._attend_cudnn(q, k, v, kv_cache, meta, plan, scale, out)
             except RuntimeError as exc:
                 # cuDNN refusing a shape (no plan for it) must not fail the step's requests: this
                 # backend keeps the Triton kernels from now on, this step included.
@@ -184,7 +194,7 @@ class TritonAttentionBackend(AttentionBackend):
                 self._cudnn_block_size = 0
                 self._plan = None
         return self._attend(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, meta,
-                            meta.max_seq_len, scale, kv_scale)
+                            meta.max_seq_len, scale, kv_scale, out)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                kv_scales: KVCacheScales | None = None) -> torch.Tensor:
@@ -193,18 +203,19 @@ class TritonAttentionBackend(AttentionBackend):
 
     def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                 block_table: torch.Tensor, meta: AttentionMetadata, max_seq_len: int, scale: float,
-                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                kv_scale: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """kv_scale: an FP8 cache's float32 (k_scale, v_scale), read by the kernels on the device."""
         plan = self._plan_for(meta)
         if not plan.use_prefill_kernel:
             return unified_attention(q, kv_cache, query_start_loc, seq_lens, block_table,
                                      max_query_len=meta.max_query_len, max_seq_len=max_seq_len, scale=scale,
-                                     kv_scale=kv_scale)
+                                     out=out, kv_scale=kv_scale)
         nd = plan.num_decodes
         if nd == 0:
-            return prefill_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale=scale,
+            return prefill_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale=scale, out=out,
                                      kv_scale=kv_scale)
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
         unified_attention(q[:nd], kv_cache, query_start_loc[: nd + 1], seq_lens[:nd], block_table[:nd],
                           max_query_len=1, max_seq_len=max_seq_len, scale=scale, out=out[:nd], kv_scale=kv_scale)
         prefill_attention(q[nd:], kv_cache, plan.prefill_query_start_loc, seq_lens[nd:], block_table[nd:],
@@ -212,8 +223,10 @@ class TritonAttentionBackend(AttentionBackend):
         return out
 
     def _attend_cudnn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                      meta: AttentionMetadata, plan: _StepPlan, scale: float) -> torch.Tensor:
-        out = torch.empty_like(q)
+                      meta: AttentionMetadata, plan: _StepPlan, scale: float,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            out = torch.empty_like(q)
         nd = plan.num_decodes
         if nd:
             unified_attention(q[:nd], kv_cache, meta.query_start_loc[: nd + 1], meta.seq_lens[:nd],

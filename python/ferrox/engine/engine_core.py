@@ -145,7 +145,7 @@ class EngineCore:
         if self.device.type == "cuda" and not config.enforce_eager:
             self.cuda_graph_capture_s = self.runner.capture_cuda_graphs(
                 max_num_seqs=loaded.max_num_seqs, max_model_len=self.max_model_len, block_size=config.block_size,
-                verify_len=verify_len(config.speculative_config),
+                verify_len=verify_len(config.speculative_config), max_num_batched_tokens=loaded.max_num_batched_tokens,
             )
             if self.cuda_graph_capture_s is not None:
                 logger.info("CUDA graphs for decode batches %s captured in %.1f s",

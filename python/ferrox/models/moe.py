@@ -161,6 +161,10 @@ class MoeForCausalLM(nn.Module):
     # FP8 (per row, per block, online) in the linear layers and the experts; other methods are
     # refused by the experts (QuantConfig.moe_method).
     supports_quantization = True
+    # Eager steps stay host-bound up to ~2k tokens (routing, the expert sort and the expert kernels
+    # are ~18 launches a layer: 1,024- and 2,048-token Qwen3-30B-A3B prefills both took ~55-100 ms
+    # eagerly on an H200), so piecewise CUDA graphs reach that far (worker/piecewise_graphs.py).
+    piecewise_graph_tokens = 2048
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):

@@ -81,14 +81,20 @@ class ModelForward:
         # Decode-only and speculative verify steps replay captured CUDA graphs when set
         # (worker/cuda_graphs.py). None: eager.
         self.graph_runner: Any = None
+        # Other steps of up to 512 tokens replay piecewise graphs around eager attention when set
+        # (worker/piecewise_graphs.py). None: eager.
+        self.piece_runner: Any = None
 
     def capture_cuda_graphs(self, *, max_num_seqs: int, max_model_len: int, block_size: int,
-                            verify_len: int = 0) -> float | None:
+                            verify_len: int = 0, max_num_batched_tokens: int = 0) -> float | None:
         """Capture decode graphs for the batch-size ladder (and, with verify_len = k + 1 for k
-        speculative tokens, graphs of verify steps); returns seconds, or None if it failed
-        (logged; the engine then runs eagerly). Under tensor parallelism every rank captures the
-        same ladder, all-reduces included."""
+        speculative tokens, graphs of verify steps), then piecewise graphs for other steps of up
+        to min(512, max_num_batched_tokens) tokens; returns seconds, or None if the decode graphs
+        failed (logged; the engine then runs eagerly; the piecewise graphs failing alone leaves
+        the decode graphs on). Under tensor parallelism every rank captures the same graphs,
+        all-reduces included."""
         from ferrox.worker.cuda_graphs import CudaGraphRunner
+        from ferrox.worker.piecewise_graphs import PiecewiseGraphRunner, piecewise_graphs_enabled
 
         try:
             runner = CudaGraphRunner(self.model, self.kv_caches, max_num_seqs=max_num_seqs,
@@ -101,6 +107,19 @@ class ModelForward:
             logger.exception("CUDA graph capture failed; decode steps run eagerly")
             return None
         self.graph_runner = runner
+        if not piecewise_graphs_enabled() or max_num_batched_tokens < 1:
+            return seconds
+        try:
+            pieces = PiecewiseGraphRunner(self.model, self.kv_caches, max_num_batched_tokens=max_num_batched_tokens,
+                                          block_size=block_size, device=self.device)
+            if pieces.sizes:
+                seconds += pieces.capture()
+                self.piece_runner = pieces
+        except Exception:
+            if self.tp.size > 1:
+                raise
+            logger.exception("piecewise CUDA graph capture failed; prefill and mixed steps run eagerly")
+            torch.cuda.synchronize(self.device)
         return seconds
 
     @torch.inference_mode()
@@ -127,6 +146,8 @@ class ModelForward:
             positions = self._shift_back(row_shift, positions, meta, step)
         if self.graph_runner is not None and self.graph_runner.can_run(meta):
             hidden = self.graph_runner.run(input_ids, positions, meta)
+        elif self.piece_runner is not None and self.piece_runner.can_run(meta):
+            hidden = self.piece_runner.run(input_ids, positions, meta)
         else:
             hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices))

@@ -166,10 +166,12 @@ class ModelRunner:
         return self.forward.graph_runner
 
     def capture_cuda_graphs(self, *, max_num_seqs: int, max_model_len: int, block_size: int,
-                            verify_len: int = 0) -> float | None:
-        """Capture decode (and verify) graphs for the batch-size ladder (ModelForward.capture_cuda_graphs)."""
+                            verify_len: int = 0, max_num_batched_tokens: int = 0) -> float | None:
+        """Capture decode (and verify) graphs for the batch-size ladder and piecewise graphs for
+        short prefill and mixed steps (ModelForward.capture_cuda_graphs)."""
         return self.forward.capture_cuda_graphs(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                                block_size=block_size, verify_len=verify_len)
+                                                block_size=block_size, verify_len=verify_len,
+                                                max_num_batched_tokens=max_num_batched_tokens)
 
     def shutdown(self) -> None:
         """Release the other tensor-parallel ranks from their step loop."""

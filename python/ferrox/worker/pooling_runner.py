@@ -77,7 +77,7 @@ class PoolingRunner:
         self.graph_runner: Any = None  # no CUDA graphs: steps are whole prompts of any shape
 
     def capture_cuda_graphs(self, *, max_num_seqs: int, max_model_len: int, block_size: int,
-                            verify_len: int = 0) -> float | None:
+                            verify_len: int = 0, max_num_batched_tokens: int = 0) -> float | None:
         return None
 
     def shutdown(self) -> None:

@@ -1,0 +1,93 @@
+"""PiecewiseGraphRunner: prefill and mixed steps replayed as graphs around eager attention equal the
+eager forward (GPU only), hidden states and the K/V they write."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ferrox.worker.dummy_batch import upload_step
+from ferrox.worker.piecewise_graphs import token_ladder
+from ferrox.worker.step_inputs import Uploader
+from ferrox.worker.warmup import EngineLimits, Recipe, RequestShape, build_step
+
+from tests.kernels.kernel_refs import relative_error
+from tests.kernels.test_cuda_graphs import BLOCK, _tiny_llama
+
+
+def test_token_ladder():
+    assert token_ladder(8192) == [8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+    assert token_ladder(100) == [8, 16, 32, 48, 64, 96, 100]  # the budget itself closes the ladder
+    assert token_ladder(64) == [8, 16, 32, 48, 64]
+    assert token_ladder(5) == [5]
+    assert token_ladder(0) == []
+    assert token_ladder(8192, max_tokens=48) == [8, 16, 32, 48]
+    assert token_ladder(8192, max_tokens=2048)[10:] == [512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048]
+    assert token_ladder(1000, max_tokens=2048)[-2:] == [896, 1000]
+
+
+def _steps(num_blocks: int):
+    """Steps of every kind the runner serves (decodes first, as the core schedules them): a fresh
+    prompt, several prompts, decodes beside a prefill chunk, a prefix hit beside a decode, and a
+    token count that is a ladder size exactly."""
+    limits = EngineLimits(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024, block_size=BLOCK,
+                          num_blocks=num_blocks, cuda_graphs=True)
+    recipes = [
+        Recipe("one prompt", (RequestShape(5, 5),)),
+        Recipe("three prompts", (RequestShape(13, 13), RequestShape(2, 2), RequestShape(21, 21))),
+        Recipe("decodes + prefill", (RequestShape(40, 1), RequestShape(7, 1), RequestShape(30, 30))),
+        Recipe("decode + prefix hit", (RequestShape(90, 1), RequestShape(64 + 19, 19))),
+        Recipe("exactly 32", (RequestShape(3, 1), RequestShape(31, 31))),
+    ]
+    return [(r.name, build_step(r, limits, vocab_size=1000)) for r in recipes]
+
+
+@pytest.mark.gpu
+def test_piecewise_replay_matches_eager(cuda_device, seed):
+    from ferrox.worker.piecewise_graphs import PiecewiseGraphRunner
+
+    model, kv_caches = _tiny_llama(cuda_device)
+    runner = PiecewiseGraphRunner(model, kv_caches, max_num_batched_tokens=64, block_size=BLOCK, device=cuda_device)
+    assert runner.capture() > 0 and sorted(runner.pieces) == [8, 16, 32, 48, 64]
+    assert all(len(p.graphs) == 4 and len(p.sites) == 3 for p in runner.pieces.values())  # 3 layers
+    assert not any(kv.any() for kv in kv_caches), "capture wrote K/V into the cache"
+    assert model.backend.piecewise is None  # the hook is gone after capture
+    with torch.inference_mode():
+        for kv in kv_caches:  # context for the prefix hits and decodes to attend over
+            kv.normal_()
+    upload = Uploader(cuda_device)
+    for name, step in _steps(kv_caches[0].shape[1]):
+        upload.next_step()
+        t = upload_step(step.so, upload)
+        tokens = t.input_ids.shape[0]
+        assert runner.can_run(t.meta), name
+        ids = torch.randint(0, 1000, (tokens,), device=cuda_device)
+        with torch.inference_mode():
+            before = [kv.clone() for kv in kv_caches]
+            eager = model.forward(ids, t.positions, kv_caches, t.meta).clone()
+            after_eager = [kv.clone() for kv in kv_caches]
+            for kv, old in zip(kv_caches, before, strict=True):
+                kv.copy_(old)
+        graphed = runner.run(ids, t.positions, t.meta)
+        assert graphed.shape == eager.shape and not graphed.isnan().any(), name
+        assert relative_error(graphed, eager) < 2e-2, name
+        # The same K/V rows written (up to bf16 rounding of the padded GEMMs); pad rows write nothing.
+        for kv, ref in zip(kv_caches, after_eager, strict=True):
+            torch.testing.assert_close(kv, ref, atol=5e-2, rtol=5e-2)
+        size = runner.padded_size(tokens)
+        if size > tokens:
+            assert runner.input_ids[tokens:size].eq(0).all() and runner.positions[tokens:size].eq(0).all()
+    too_long = RequestShape(65, 65)
+    assert not runner.can_run(upload_step(build_step(Recipe("long", (too_long,)), EngineLimits(
+        max_num_seqs=8, max_num_batched_tokens=128, max_model_len=1024, block_size=BLOCK,
+        num_blocks=kv_caches[0].shape[1], cuda_graphs=True), vocab_size=1000).so, upload).meta)
+
+
+@pytest.mark.gpu
+def test_piecewise_sizes_clipped_to_the_cache(cuda_device):
+    """A size whose dummy prefill does not fit the cache is not captured."""
+    from ferrox.worker.piecewise_graphs import PiecewiseGraphRunner
+
+    model, kv_caches = _tiny_llama(cuda_device)
+    small = [kv[:, :4].contiguous() for kv in kv_caches]  # 3 usable blocks: prompts of < 48 tokens
+    runner = PiecewiseGraphRunner(model, small, max_num_batched_tokens=512, block_size=BLOCK, device=cuda_device)
+    assert runner.sizes == [8, 16, 32] and runner.max_tokens == 32
