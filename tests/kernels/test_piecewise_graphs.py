@@ -25,6 +25,26 @@ def test_token_ladder():
     assert token_ladder(1000, max_tokens=2048)[-2:] == [896, 1000]
 
 
+def test_attention_buffers_fill_adjacent_views_in_one_copy():
+    """q/k/v as a fused projection's column views land in the shared buffer as they are; separate
+    tensors (Qwen3's normed q and k) too; the result is the output buffer's first t rows."""
+    from ferrox.worker.piecewise_graphs import _AttentionBuffers
+
+    t, heads, kv_heads, dim = 5, 4, 2, 8
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim)
+    fused = qkv.view(t, heads + 2 * kv_heads, dim)
+    q, k, v = fused[:, :heads], fused[:, heads:heads + kv_heads], fused[:, heads + kv_heads:]
+    bufs = _AttentionBuffers(8, q, k, v)
+    out = bufs.fill(q, k, v)
+    assert out.data_ptr() == bufs.out.data_ptr() and out.shape == (t, heads, dim)
+    assert torch.equal(bufs.qkv[:t], qkv) and not bufs.qkv[t:].any()
+    q2, k2, v2 = torch.randn(t, heads, dim), torch.randn(t, kv_heads, dim), torch.randn(t, kv_heads, dim)
+    bufs.fill(q2, k2, v2)
+    assert torch.equal(bufs.q[:t], q2) and torch.equal(bufs.k[:t], k2) and torch.equal(bufs.v[:t], v2)
+    with pytest.raises(RuntimeError, match="attention shapes differ"):
+        bufs.check(torch.randn(t, heads, 2 * dim), k2, v2)
+
+
 def _steps(num_blocks: int):
     """Steps of every kind the runner serves (decodes first, as the core schedules them): a fresh
     prompt, several prompts, decodes beside a prefill chunk, a prefix hit beside a decode, and a

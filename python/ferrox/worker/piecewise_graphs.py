@@ -14,7 +14,8 @@ Capture, per token count T of a ladder (`token_ladder`: 8 ... 512, or 2048 for t
 `piecewise_graph_tokens`, at most max_num_batched_tokens):
 the model's forward over a dummy prefill of T tokens runs once eagerly (Triton compiles, cuBLAS
 picks its kernels), then again under capture, in L + 1 pieces for L attention layers. Both times
-the backend hands each attention call to `_Recorder`, which copies q/k/v into static buffers and
+the backend hands each attention call to `_Recorder`, which copies q/k/v into static buffers
+(`_AttentionBuffers`; one copy where they are adjacent views of a fused projection's output) and
 returns the static attention output buffer as the layer's result (no attention runs, so capture
 writes no KV); under capture it also ends the current piece's graph after the copies and begins
 the next one, so o_proj onwards is captured reading that buffer. q/k/v and the output
@@ -100,6 +101,43 @@ class _Site:
     kv_scales: Any
 
 
+class _AttentionBuffers:
+    """The static attention inputs and output every layer and every captured size share: q, k and v
+    as adjacent column blocks of one [rows, (H + 2 Hkv) D] buffer (the layout of a fused qkv
+    projection's output, so a Llama-style layer, whose q/k/v are such views already, fills them
+    in one copy; Qwen3's normed q and k take three), and the output [rows, H, D]. Zeros: the
+    output rows of pad tokens must hold finite values from the start."""
+
+    def __init__(self, rows: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.shapes = (q.shape[1:], k.shape[1:], v.shape[1:])
+        widths = [q[0].numel(), k[0].numel(), v[0].numel()]
+        self.qkv = torch.zeros(rows, sum(widths), dtype=q.dtype, device=q.device)
+        q_cols, k_cols, v_cols = self.qkv.split(widths, dim=1)
+        self.q = q_cols.view(rows, *q.shape[1:])
+        self.k = k_cols.view(rows, *k.shape[1:])
+        self.v = v_cols.view(rows, *v.shape[1:])
+        self.out = torch.zeros(rows, *q.shape[1:], dtype=q.dtype, device=q.device)
+
+    def check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if (q.shape[1:], k.shape[1:], v.shape[1:]) != self.shapes or not q.dtype == k.dtype == v.dtype == self.qkv.dtype:
+            raise RuntimeError(f"attention shapes differ between layers ({tuple(q.shape)}, {tuple(k.shape)}, "
+                               f"{tuple(v.shape)} vs {self.shapes}); piecewise CUDA graphs need one shape")
+
+    def fill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Copy this layer's q/k/v in; returns the output rows [:t] for the layer's result."""
+        t, width = q.shape[0], self.qkv.shape[1]
+        size = q.element_size()
+        if (q.stride(0) == k.stride(0) == v.stride(0) == width and q[0].is_contiguous() and k[0].is_contiguous()
+                and v[0].is_contiguous() and k.data_ptr() == q.data_ptr() + q[0].numel() * size
+                and v.data_ptr() == k.data_ptr() + k[0].numel() * size):
+            self.qkv[:t].copy_(q.as_strided((t, width), (width, 1)))  # one view over all three
+        else:
+            self.q[:t].copy_(q)
+            self.k[:t].copy_(k)
+            self.v[:t].copy_(v)
+        return self.out[:t]
+
+
 class _Recorder:
     """Installed as the backend's `piecewise` hook for the two forwards of one capture: each
     attention call fills the static q/k/v buffers and returns the static output; when `capturing`,
@@ -122,10 +160,7 @@ class _Recorder:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata, scale: float, kv_scales: Any) -> torch.Tensor:
-        q_buf, k_buf, v_buf, out = self.owner.attention_buffers(q, k, v)
-        q_buf.copy_(q)  # captured: each replay of this piece fills the shared buffers
-        k_buf.copy_(k)
-        v_buf.copy_(v)
+        out = self.owner.attention_buffers(q, k, v).fill(q, k, v)  # captured: each replay refills them
         self.sites.append(_Site(kv_cache, scale, kv_scales))
         if self.capturing:
             self.end_piece()
@@ -157,27 +192,17 @@ class PiecewiseGraphRunner:
         rows = max(self.max_tokens, 1)
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
-        # q, k, v, attention output: [rows, heads, head_dim] each, made at the first attention call.
-        self._attn: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # Made at the first attention call (its shapes), in the first, eager, forward: never in a graph.
+        self._attn: _AttentionBuffers | None = None
         self.pieces: dict[int, _Pieces] = {}
         self.capture_seconds = 0.0
 
-    def attention_buffers(self, q: torch.Tensor, k: torch.Tensor,
-                          v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The shared static q, k, v and output buffers, viewed at this capture's T rows."""
-        rows = self.max_tokens
-        if self._attn is None:  # in the first (eager) forward, so never inside a graph
-            # Zeros: the output rows of pad tokens must hold finite values from the start.
-            self._attn = (torch.zeros(rows, *q.shape[1:], dtype=q.dtype, device=q.device),
-                          torch.zeros(rows, *k.shape[1:], dtype=k.dtype, device=k.device),
-                          torch.zeros(rows, *v.shape[1:], dtype=v.dtype, device=v.device),
-                          torch.zeros(rows, *q.shape[1:], dtype=q.dtype, device=q.device))
-        q_buf, k_buf, v_buf, out = self._attn
-        if q.shape[1:] != q_buf.shape[1:] or k.shape[1:] != k_buf.shape[1:] or v.shape[1:] != v_buf.shape[1:]:
-            raise RuntimeError(f"attention shapes differ between layers ({tuple(q.shape)} vs {tuple(q_buf.shape)}); "
-                               "piecewise CUDA graphs need one shape")
-        t = q.shape[0]
-        return q_buf[:t], k_buf[:t], v_buf[:t], out[:t]
+    def attention_buffers(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> _AttentionBuffers:
+        """The shared static attention buffers (made at the first call)."""
+        if self._attn is None:
+            self._attn = _AttentionBuffers(self.max_tokens, q, k, v)
+        self._attn.check(q, k, v)
+        return self._attn
 
     @torch.inference_mode()
     def capture(self) -> float:
@@ -245,17 +270,17 @@ class PiecewiseGraphRunner:
         pieces = self.pieces[size]
         self.input_ids[:t].copy_(input_ids, non_blocking=True)
         self.positions[:t].copy_(positions, non_blocking=True)
-        assert self._attn is not None  # made by the capture
-        q_buf, k_buf, v_buf, out = self._attn
+        bufs = self._attn
+        assert bufs is not None  # made by the capture
         if size > t:
             self.input_ids[t:size].zero_()
             self.positions[t:size].zero_()
-            out[t:size].zero_()  # pad rows get no attention (module docstring)
+            bufs.out[t:size].zero_()  # pad rows get no attention (module docstring)
         backend = self.backend
         backend.begin_forward(meta)
         for graph, site in zip(pieces.graphs, pieces.sites, strict=False):
             graph.replay()
-            backend.forward(q_buf[:t], k_buf[:t], v_buf[:t], site.kv_cache, meta, site.scale, site.kv_scales,
-                            out=out[:t])
+            backend.forward(bufs.q[:t], bufs.k[:t], bufs.v[:t], site.kv_cache, meta, site.scale, site.kv_scales,
+                            out=bufs.out[:t])
         pieces.graphs[-1].replay()
         return pieces.hidden[:t]
