@@ -55,9 +55,10 @@ from ferrox.worker.step_inputs import Uploader
 logger = logging.getLogger(__name__)
 
 # Token counts captured, clipped to the engine's token budget (vLLM's default capture sizes reach 512
-# too): above it a dense model's step is GPU-bound (Llama-3.1-8B: a 1,024-token prefill ~29 ms, of
-# which padding up a rung would add more than its launches cost). A model class whose eager steps stay
-# host-bound further sets `piecewise_graph_tokens` (the MoE models: 2048); rungs of at most 25% padding.
+# too): above it a dense model's step is mostly GPU time (Llama-3.1-8B: a 1,024-token prefill 26-35 ms
+# eagerly on an H200), so padding it up to a rung would cost about what its launches do. A model class
+# whose eager steps stay host-bound further sets `piecewise_graph_tokens` (the MoE models: 2048). Rungs
+# pad by at most 25% from 64 tokens on.
 MAX_PIECEWISE_TOKENS = 512
 _LADDER = (8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
 
