@@ -57,8 +57,8 @@ logger = logging.getLogger(__name__)
 # Token counts captured, clipped to the engine's token budget (vLLM's default capture sizes reach 512
 # too): above it a dense model's step is mostly GPU time (Llama-3.1-8B: a 1,024-token prefill 26-35 ms
 # eagerly on an H200), so padding it up to a rung would cost about what its launches do. A model class
-# whose eager steps stay host-bound further sets `piecewise_graph_tokens` (the MoE models: 2048). Rungs
-# pad by at most 25% from 64 tokens on.
+# whose eager steps stay host-bound further sets `piecewise_graph_tokens` (the MoE models: 2048). A step
+# pads to the next rung: by less than half its tokens up to 512, by at most a quarter past 512.
 MAX_PIECEWISE_TOKENS = 512
 _LADDER = (8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
 
