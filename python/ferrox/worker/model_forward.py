@@ -81,15 +81,15 @@ class ModelForward:
         # Decode-only and speculative verify steps replay captured CUDA graphs when set
         # (worker/cuda_graphs.py). None: eager.
         self.graph_runner: Any = None
-        # Other steps of up to 512 tokens replay piecewise graphs around eager attention when set
-        # (worker/piecewise_graphs.py). None: eager.
+        # Other steps of up to 512 tokens (2,048 on MoE models) replay piecewise graphs around eager
+        # attention when set (worker/piecewise_graphs.py). None: eager.
         self.piece_runner: Any = None
 
     def capture_cuda_graphs(self, *, max_num_seqs: int, max_model_len: int, block_size: int,
                             verify_len: int = 0, max_num_batched_tokens: int = 0) -> float | None:
         """Capture decode graphs for the batch-size ladder (and, with verify_len = k + 1 for k
         speculative tokens, graphs of verify steps), then piecewise graphs for other steps of up
-        to min(512, max_num_batched_tokens) tokens; returns seconds, or None if the decode graphs
+        to min(512 or the model's piecewise_graph_tokens, max_num_batched_tokens) tokens; returns seconds, or None if the decode graphs
         failed (logged; the engine then runs eagerly; the piecewise graphs failing alone leaves
         the decode graphs on). Under tensor parallelism every rank captures the same graphs,
         all-reduces included."""
