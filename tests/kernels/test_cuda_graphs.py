@@ -22,6 +22,14 @@ def test_batch_size_ladder():
         batch_size_ladder(0)
 
 
+def test_next_captured_size():
+    from ferrox.worker.cuda_graphs import next_captured_size
+
+    assert [next_captured_size([1, 2, 4, 8], n, "a batch of") for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    with pytest.raises(ValueError, match="a batch of 9 exceeds the largest captured size 8"):
+        next_captured_size([1, 2, 4, 8], 9, "a batch of")
+
+
 def test_capturable_batch_sizes():
     """A batch is captured only if its dummy decode step (one block per request) fits the cache."""
     assert capturable_batch_sizes(batch_size_ladder(32), 16, 10_000) == batch_size_ladder(32)

@@ -36,6 +36,7 @@ slots (lora/slots.py) are, which is one reason LoRA and speculation are refused 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import time
@@ -68,6 +69,15 @@ def batch_size_ladder(max_num_seqs: int) -> list[int]:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
     sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs, 8))
     return sorted(set(sizes + [max_num_seqs]))
+
+
+def next_captured_size(sizes: list[int], n: int, what: str) -> int:
+    """The smallest of the ascending captured `sizes` that holds n (a step pads up to it); ValueError
+    naming `what` when n exceeds them all. Shared by the decode, verify and piecewise ladders."""
+    i = bisect.bisect_left(sizes, n)
+    if i == len(sizes):
+        raise ValueError(f"{what} {n} exceeds the largest captured size {sizes[-1] if sizes else 0}")
+    return sizes[i]
 
 
 def capturable_batch_sizes(batch_sizes: list[int], block_size: int, num_blocks: int) -> list[int]:
@@ -195,10 +205,7 @@ class CudaGraphRunner:
         return padded
 
     def padded_verify_size(self, batch: int) -> int:
-        for size in self.verify_sizes:
-            if size >= batch:
-                return size
-        raise ValueError(f"a verify batch of {batch} exceeds the largest captured size")
+        return next_captured_size(self.verify_sizes, batch, "a verify batch of")
 
     @torch.inference_mode()
     def capture(self) -> float:
@@ -260,10 +267,7 @@ class CudaGraphRunner:
                 and meta.num_reqs <= self.verify_sizes[-1] and fits)
 
     def padded_size(self, batch: int) -> int:
-        for size in self.batch_sizes:
-            if size >= batch:
-                return size
-        raise ValueError(f"batch of {batch} exceeds the largest captured size {self.max_batch}")
+        return next_captured_size(self.batch_sizes, batch, "a batch of")
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

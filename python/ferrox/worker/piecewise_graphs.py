@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from ferrox.attention.metadata import AttentionMetadata
+from ferrox.worker.cuda_graphs import next_captured_size
 from ferrox.worker.dummy_batch import min_prefill_blocks, prefill_step, upload_step
 from ferrox.worker.step_inputs import Uploader
 
@@ -257,10 +258,7 @@ class PiecewiseGraphRunner:
         return bool(self.pieces) and 0 < meta.num_actual_tokens <= self.max_tokens
 
     def padded_size(self, tokens: int) -> int:
-        for size in self.sizes:
-            if size >= tokens:
-                return size
-        raise ValueError(f"a step of {tokens} tokens exceeds the largest captured size {self.max_tokens}")
+        return next_captured_size(self.sizes, tokens, "a step's token count")
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
