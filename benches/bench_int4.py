@@ -7,7 +7,7 @@ model's projection shapes. Prints a table, the figure last.
     PYTHONPATH=python python benches/bench_int4.py --skip-decode --json out.json
 
 Decode: each model runs in its own process (each takes the GPU's memory for its KV cache), with
-CUDA graphs, batch 1, 32 prompt tokens, 128 generated; the engine step is timed on the host as in
+CUDA graphs, batch 1 (--batch B: B requests at once), 32 prompt tokens, 128 generated; the engine step is timed on the host as in
 bench_latency.py (median over the decode steps of 5 runs). The int4 floor is the bytes a step must
 read over the streaming-read bandwidth measured here (floor.py): the packed weights (half a byte
 each), one fp16 scale and one 4-bit zero per group of 128 (the checkpoint's 2.5 bytes; ferrox keeps
@@ -62,14 +62,15 @@ def int4_decode_bytes(config: dict[str, Any], context_len: int, group: int = GRO
 
 
 # ---- decode (one process per model) -------------------------------------------------------------------
-def decode_child(variant: str, config_path: str, out: str, input_len: int, output_len: int, iters: int) -> None:
+def decode_child(variant: str, config_path: str, out: str, input_len: int, output_len: int, iters: int,
+                 batch: int = 1) -> None:
     from ferrox import LLM, SamplingParams
 
     config = json.loads(Path(config_path).read_text())
     folder = bench_setup.make_model_dir(config_path, quantization_config=bench_setup.AWQ_INT4_G128
                                         if variant == "int4" else None)
     start = time.perf_counter()
-    llm = LLM(model=folder, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8)
+    llm = LLM(model=folder, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=max(8, batch))
     ready_s = time.perf_counter() - start
     max_id = bench_setup.first_special_id(config)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -88,9 +89,10 @@ def decode_child(variant: str, config_path: str, out: str, input_len: int, outpu
     decode_ms: list[float] = []
     for i in range(iters):
         times.clear()
-        outs = llm.generate(bench_setup.random_prompts(1, input_len, max_id, seed=100 + i), params, use_tqdm=False)
-        if len(outs[0].outputs[0].token_ids) != output_len:
-            raise RuntimeError(f"{variant}: expected {output_len} tokens, got {len(outs[0].outputs[0].token_ids)}")
+        outs = llm.generate(bench_setup.random_prompts(batch, input_len, max_id, seed=100 + i), params,
+                            use_tqdm=False)
+        if any(len(o.outputs[0].token_ids) != output_len for o in outs):
+            raise RuntimeError(f"{variant}: expected {output_len} tokens for each of {batch} prompts")
         decode_ms.extend(times[1:])  # the first step is the prefill
     Path(out).write_text(json.dumps({"variant": variant, "ready_s": round(ready_s, 1),
                                      "decode_step_ms": statistics.median(decode_ms),
@@ -100,7 +102,8 @@ def decode_child(variant: str, config_path: str, out: str, input_len: int, outpu
 def run_decode(variant: str, args) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, __file__, "--child", variant, "--json", f.name, "--config", args.config,
-               "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--iters", str(args.iters)]
+               "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--iters", str(args.iters),
+               "--batch", str(args.batch)]
         subprocess.run(cmd, check=True)
         return json.loads(Path(f.name).read_text())
 
@@ -188,6 +191,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=1, help="requests decoding together (the floor is batch 1's)")
     parser.add_argument("--sweep", action="store_true", help="GEMV launch configs per shape")
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--skip-kernels", action="store_true")
@@ -195,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--child", choices=("int4", "bf16"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        decode_child(args.child, args.config, args.json, args.input_len, args.output_len, args.iters)
+        decode_child(args.child, args.config, args.json, args.input_len, args.output_len, args.iters, args.batch)
         return {}
 
     config = json.loads(Path(args.config).read_text())
@@ -232,13 +236,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print()
     if "decode" in rows:
         int4, bf16 = rows["decode"]["int4"], rows["decode"]["bf16"]
-        print("| Llama-3.1-8B dummy, batch 1 | decode step ms (median / p90) | floor ms | step / floor | ready s |")
+        print(f"| Llama-3.1-8B dummy, batch {args.batch} | decode step ms (median / p90) | floor ms (batch 1) | "
+              "step / floor | ready s |")
         print("| --- | --- | --- | --- | --- |")
         for name, r, fl in (("int4 AWQ g128", int4, rows["int4_floor_ms"]), ("bf16", bf16, rows["bf16_floor_ms"])):
             print(f"| {name} | {r['decode_step_ms']:.3f} / {r['decode_step_ms_p90']:.3f} | {fl:.3f} | "
                   f"{r['decode_step_ms'] / fl:.2f} | {r['ready_s']} |")
         print()
-        print(f"int4 AWQ Llama-3.1-8B batch-1 decode step {int4['decode_step_ms']:.3f} ms = "
+        print(f"int4 AWQ Llama-3.1-8B batch-{args.batch} decode step {int4['decode_step_ms']:.3f} ms = "
               f"{int4['decode_step_ms'] / rows['int4_floor_ms']:.2f}x the int4 floor ({rows['int4_floor_ms']:.3f} ms, "
               f"{rows['int4_bytes_read_gb']} GB at {read_gbps / 1e3:.2f} TB/s; target <= 1.3x), "
               f"{bf16['decode_step_ms'] / int4['decode_step_ms']:.2f}x faster than bf16 ({bf16['decode_step_ms']:.3f} ms)")

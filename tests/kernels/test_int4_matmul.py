@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from ferrox.kernels import int4_matmul as km
+from ferrox.kernels.int4_gemv_cuda import pack_mma
 from ferrox.layers.quant.int4_pack import Int4Linear, dequantize_codes, pack_interleaved, unpack_nibbles
 
 from tests.kernels.kernel_refs import relative_error
@@ -15,18 +16,22 @@ from tests.kernels.kernel_refs import relative_error
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
-def _weight(n: int, k: int, group: int, device, *, gen: torch.Generator | None = None):
-    """(Int4Weights, float64 W [n, k]): random codes, zero points 0..16, scales ~0.01 (fp16)."""
+def _weight(n: int, k: int, group: int, device, *, gen: torch.Generator | None = None, mma: bool = False,
+            scale_dtype: torch.dtype = torch.float16):
+    """(Int4Weights, float64 W [n, k]): random codes, zero points 0..16, scales ~0.01 (fp16). mma: with
+    the tensor-core GEMV's layout too (kernels/int4_gemv_cuda.py), so one-token products on a GPU
+    take that kernel."""
     group = k if group == -1 else group
     groups = -(-k // group)
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
-    scales = (0.005 + 0.01 * torch.rand(groups, n, generator=gen)).to(torch.float16)
+    scales = (0.005 + 0.01 * torch.rand(groups, n, generator=gen)).to(scale_dtype)
     zeros = torch.randint(0, 17, (groups, n), dtype=torch.uint8, generator=gen)
     w = dequantize_codes(codes, scales, zeros, group).double()
     t = km.interleave_words(k, group)
     packed = pack_interleaved(codes, t)
     weights = km.Int4Weights(packed.to(device), scales.t().contiguous().to(device),
-                             zeros.t().contiguous().to(device), min(group, k), t)
+                             zeros.t().contiguous().to(device), min(group, k), t,
+                             pack_mma(codes).to(device) if mma else None)
     return weights, w.to(device)
 
 

@@ -16,7 +16,9 @@ k-sequential nibble order Triton converts every nibble's activations through sha
 barriers each, seen in the sm_90 SASS), and a block lies inside one group, so its scale and zero
 are one value per row.
 
-Three paths, by the number of rows M of x:
+Three paths, by the number of rows M of x (and a fourth, on GPUs with tensor cores: products of 2-16
+rows of a weight that also carries int4_gemv_cuda.py's layout run that CUDA kernel, which costs about
+what one row costs; `int4_linear` checks it first):
 
 - GEMV (decode, M <= GEMV_MAX_M): one program owns BLOCK_N rows of W for one token and streams
   them over K in tiles of 1024-2048 weights per row. Batch-1 int4 decode on an H200 is close to
@@ -65,6 +67,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ferrox.kernels import int4_gemv_cuda
 from ferrox.kernels.gemv import _input_tile, _store_rows
 from ferrox.kernels.tile_order import band_tile, dot_tile, per_row, store_tile, zero_tile
 
@@ -333,6 +336,7 @@ class Int4Weights:
     zeros: torch.Tensor  # uint8 [N, G]
     group_size: int  # k per group (K for one group)
     interleave: int  # T
+    mma: torch.Tensor | None = None  # the codes again, for 2-16 token products on tensor cores (int4_gemv_cuda.py)
 
     @property
     def out_features(self) -> int:
@@ -444,6 +448,8 @@ def int4_linear(x: torch.Tensor, w: Int4Weights, bias: torch.Tensor | None = Non
     """x [M, K] (contiguous rows) @ W.T (+ bias): the path for this M (module docstring). For the
     runner's hot path: w was checked when the runner was built, x is not checked here."""
     m = x.shape[0]
+    if w.mma is not None and int4_gemv_cuda.supported(x, w.mma, w.scales, bias):  # 2-16 tokens
+        return int4_gemv_cuda.int4_mma_product(x, w.mma, w.scales, w.zeros, w.group_size, bias)
     if m <= GEMV_MAX_M:
         return int4_gemv(x, w, bias, validate=False)
     if m < DEQUANT_MIN_M and gemm_supported(w):

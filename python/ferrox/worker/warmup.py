@@ -64,6 +64,7 @@ import torch
 
 from ferrox import _core
 from ferrox.attention.kv_cache import zero_kv_blocks
+from ferrox.kernels import nvrtc
 from ferrox.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ class CompileEvent:
 class CompileWatch:
     """Records every kernel compilation while active (a context manager; nests and chains with hooks
     already installed): a Triton JIT miss of the in-memory cache, which compiles or loads from the
-    disk cache, and a new torch.compile graph.
+    disk cache, a new torch.compile graph, and an NVRTC module built or loaded (kernels/nvrtc.py).
 
         with CompileWatch() as watch:
             serve(...)
@@ -138,9 +139,14 @@ class CompileWatch:
             setattr(self._holder, pre_name, pre)
             setattr(self._holder, post_name, post)
         self._dynamo_graphs = _dynamo_graph_count()
+        nvrtc.add_build_listener(self._nvrtc_built)
         return self
 
+    def _nvrtc_built(self, module: str, seconds: float) -> None:
+        self.events.append(CompileEvent(f"nvrtc:{module}", "cubin", seconds))
+
     def __exit__(self, *exc: object) -> None:
+        nvrtc.remove_build_listener(self._nvrtc_built)
         if self._holder is not None:
             _, pre_name, post_name = _jit_hook_slots()
             setattr(self._holder, pre_name, self._saved[0])

@@ -119,6 +119,7 @@ class Int4Linear(nn.Module):
     one). kernels=False keeps W dequantized in `dtype` instead."""
 
     packed: torch.Tensor  # (the kernels' layout, kernels=True)
+    mma: torch.Tensor | None  # the codes again for the tensor-core one-token GEMV (kernels/int4_gemv_cuda.py)
     scales: torch.Tensor
     zeros: torch.Tensor
     perm: torch.Tensor | None
@@ -140,13 +141,14 @@ class Int4Linear(nn.Module):
             self.register_buffer("zeros", zeros.t().contiguous())
             self.register_buffer("perm", perm)
             self.register_buffer("weight", None)
+            self.register_buffer("mma", _mma_layout(codes, self.group_size))
             self.weights().check()
         else:
             w = dequantize_codes(codes, scales, zeros, self.group_size)
             if perm is not None:  # back to checkpoint column order: x needs no gather
                 w = torch.empty_like(w).index_copy_(1, perm, w)
             self.register_buffer("weight", w.to(dtype))
-            for name in ("packed", "scales", "zeros", "perm"):
+            for name in ("packed", "scales", "zeros", "perm", "mma"):
                 self.register_buffer(name, None)
 
     def extra_repr(self) -> str:
@@ -156,7 +158,7 @@ class Int4Linear(nn.Module):
     def weights(self) -> Int4Weights:
         from ferrox.kernels.int4_matmul import Int4Weights
 
-        return Int4Weights(self.packed, self.scales, self.zeros, self.group_size, self.interleave)
+        return Int4Weights(self.packed, self.scales, self.zeros, self.group_size, self.interleave, self.mma)
 
     def fused_decode_weights(self) -> Int4Weights:
         """The packed weight for the fused one-token kernels (attention/fused_decode.py), which read
@@ -177,6 +179,18 @@ class Int4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         x2 = x2.index_select(1, self.perm) if self.perm is not None else x2.contiguous()
         return int4_linear(x2, self.weights(), bias).reshape(*lead, self.out_features)
+
+
+def _mma_layout(codes: torch.Tensor, group: int) -> torch.Tensor | None:
+    """The tensor-core GEMV's copy of the codes (int4_gemv_cuda.pack_mma) where that kernel can run, else
+    None. Packed a band of row tiles at a time: the repacking's int64 temporaries are 8x the codes."""
+    from ferrox.kernels import int4_gemv_cuda
+
+    n, k = codes.shape
+    if not codes.is_cuda or not int4_gemv_cuda.enabled() or not int4_gemv_cuda.layout_supported(n, k, group):
+        return None
+    band = 16 * 256
+    return torch.cat([int4_gemv_cuda.pack_mma(codes[i:i + band]) for i in range(0, n, band)])
 
 
 def build_int4_linear(shards: Sequence[Int4Shard], group_size: int, *, dtype: torch.dtype, what: str) -> Int4Linear:

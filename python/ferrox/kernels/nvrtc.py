@@ -1,0 +1,179 @@
+"""CUDA C++ kernels compiled at run time with NVRTC and launched through the driver API.
+
+Why not torch's cpp_extension (cuda_sampling.py uses it): that needs nvcc and a host compiler,
+takes ~30 s per build, and its output is tied to the torch C++ ABI. A kernel here is one .cu file
+without headers, compiled by NVRTC (a library torch's CUDA wheels already bring, as does the
+`cuda-bindings` package torch depends on) to a cubin for the GPU at hand in about a second, then
+loaded with `cuModuleLoadData` and launched with `cuLaunchKernel` on torch's current stream (so a
+CUDA-graph capture records it like any other kernel). Compiled cubins are kept on disk
+(~/.cache/ferrox/nvrtc, or $FERROX_CACHE_DIR/nvrtc), keyed by the source, the options, the GPU
+architecture and NVRTC's version, so a restart loads them instead of compiling.
+
+Every build of a module (a compile or a disk-cache load, like a Triton JIT miss) is reported to
+the listeners registered with `add_build_listener`: worker/warmup.py's CompileWatch counts them,
+so "nothing compiles after ready" covers these kernels too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+BuildListener = Callable[[str, float], None]  # (module name, seconds)
+_listeners: list[BuildListener] = []
+_lock = threading.Lock()
+
+
+def add_build_listener(fn: BuildListener) -> None:
+    _listeners.append(fn)
+
+
+def remove_build_listener(fn: BuildListener) -> None:
+    if fn in _listeners:
+        _listeners.remove(fn)
+
+
+class NvrtcError(RuntimeError):
+    pass
+
+
+@lru_cache(maxsize=1)
+def bindings() -> tuple[Any, Any] | None:
+    """(cuda.bindings.driver, cuda.bindings.nvrtc), or None where cuda-bindings is missing."""
+    try:
+        from cuda.bindings import driver, nvrtc
+    except ImportError:
+        return None
+    return driver, nvrtc
+
+
+def _check(result: Any, what: str) -> Any:
+    """cuda-bindings calls return (status, *values): raise on a failed status, return the values."""
+    if not isinstance(result, tuple):
+        result = (result,)
+    status, values = result[0], result[1:]
+    if int(status) != 0:
+        raise NvrtcError(f"{what} failed: {status!r}")
+    return values[0] if len(values) == 1 else values
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("FERROX_CACHE_DIR")
+    return (Path(root) if root else Path.home() / ".cache" / "ferrox") / "nvrtc"
+
+
+def compile_cubin(source: str, arch: str, options: Sequence[str] = (), name: str = "kernel.cu") -> bytes:
+    """The cubin of `source` for `arch` ("sm_90"), from the disk cache or compiled now."""
+    libs = bindings()
+    if libs is None:
+        raise NvrtcError("cuda-bindings is not installed")
+    _, nvrtc = libs
+    version = _check(nvrtc.nvrtcVersion(), "nvrtcVersion")
+    opts = [f"--gpu-architecture={arch}", "--std=c++17", *options]
+    key = hashlib.sha256("\0".join([source, *opts, repr(version)]).encode()).hexdigest()[:32]
+    path = _cache_dir() / f"{Path(name).stem}-{key}.cubin"
+    try:
+        return path.read_bytes()
+    except OSError:
+        pass
+    prog = _check(nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []), "nvrtcCreateProgram")
+    try:
+        encoded = [o.encode() for o in opts]
+        status = nvrtc.nvrtcCompileProgram(prog, len(encoded), encoded)[0]
+        if int(status) != 0:
+            size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+            log = b" " * size
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise NvrtcError(f"NVRTC could not compile {name} for {arch}:\n{log.decode(errors='replace')}")
+        size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+        cubin = b" " * size
+        _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    try:  # write-then-rename: a concurrent reader never sees half a file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(cubin)
+        os.replace(tmp, path)
+    except OSError as exc:
+        logger.warning("could not cache %s: %s", path, exc)
+    return cubin
+
+
+def device_arch(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+@dataclass
+class CudaModule:
+    """A .cu source and the kernels it defines, loaded once per CUDA device on first use."""
+
+    name: str
+    source: str
+    options: tuple[str, ...] = ()
+    _functions: dict[tuple[int, str], Any] = field(default_factory=dict)
+    _modules: dict[int, Any] = field(default_factory=dict)
+
+    def function(self, device: torch.device, kernel: str) -> Any:
+        """The kernel's handle on `device` (the module compiled or loaded on first use)."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        fn = self._functions.get((index, kernel))
+        if fn is None:
+            fn = self._load(index, kernel)
+        return fn
+
+    def _load(self, index: int, kernel: str) -> Any:
+        libs = bindings()
+        if libs is None:
+            raise NvrtcError("cuda-bindings is not installed")
+        driver = libs[0]
+        with _lock, torch.cuda.device(index):
+            module = self._modules.get(index)
+            if module is None:
+                start = time.perf_counter()
+                cubin = compile_cubin(self.source, device_arch(torch.device("cuda", index)), self.options, self.name)
+                _make_context_current(driver, index)
+                module = _check(driver.cuModuleLoadData(cubin), f"cuModuleLoadData({self.name})")
+                self._modules[index] = module
+                seconds = time.perf_counter() - start
+                for listener in list(_listeners):
+                    listener(self.name, seconds)
+            fn = _check(driver.cuModuleGetFunction(module, kernel.encode()), f"cuModuleGetFunction({kernel})")
+            self._functions[(index, kernel)] = fn
+            return fn
+
+
+def _make_context_current(driver: Any, index: int) -> None:
+    """Make torch's context of device `index` (the primary one) current on this thread: a module loads
+    into the current context, and torch's kernels and streams live in the primary one."""
+    torch.empty(1, device=torch.device("cuda", index))  # the runtime makes the primary context current
+    if not int(_check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")):
+        primary = _check(driver.cuDevicePrimaryCtxRetain(_check(driver.cuDeviceGet(index), "cuDeviceGet")),
+                         "cuDevicePrimaryCtxRetain")
+        _check(driver.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
+
+
+# Kernel argument types, for `launch`'s (value, type) pairs.
+PTR, I32, I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+
+
+def launch(fn: Any, grid: int, block: int, args: Sequence[Any], types: Sequence[Any], stream: int) -> None:
+    """fn<<<grid, block, 0, stream>>>(*args) (a handle from `CudaModule.function`, so cuda-bindings is
+    there); `types` are the ctypes of the kernel's parameters."""
+    driver = bindings()[0]  # type: ignore[index]
+    _check(driver.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, stream, (tuple(args), tuple(types)), 0),
+           "cuLaunchKernel")
