@@ -119,7 +119,7 @@ class Int4Linear(nn.Module):
     one). kernels=False keeps W dequantized in `dtype` instead."""
 
     packed: torch.Tensor  # (the kernels' layout, kernels=True)
-    mma: torch.Tensor | None  # the codes again for the tensor-core one-token GEMV (kernels/int4_gemv_cuda.py)
+    mma: torch.Tensor | None  # the codes again, for 2-16 token products on tensor cores (kernels/int4_gemv_cuda.py)
     scales: torch.Tensor
     zeros: torch.Tensor
     perm: torch.Tensor | None
@@ -182,7 +182,7 @@ class Int4Linear(nn.Module):
 
 
 def _mma_layout(codes: torch.Tensor, group: int) -> torch.Tensor | None:
-    """The tensor-core GEMV's copy of the codes (int4_gemv_cuda.pack_mma) where that kernel can run, else
+    """The tensor-core kernel's copy of the codes (int4_gemv_cuda.pack_mma) where that kernel can run, else
     None. Packed a band of row tiles at a time: the repacking's int64 temporaries are 8x the codes."""
     from ferrox.kernels import int4_gemv_cuda
 
