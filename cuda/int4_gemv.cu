@@ -27,6 +27,15 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
 
+// c += a b for one m16n8k16 step, fp32 accumulation; TYPE the PTX name of the 16-bit inputs.
+#define FERROX_MMA_M16N8K16(TYPE)                                                                              \
+    static __device__ __forceinline__ void mma(float* c, const u32* a, u32 b0, u32 b1) {                      \
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE                                    \
+                     ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"                    \
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                          \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                         \
+    }
+
 struct Bf16 {
     static constexpr u32 MAGIC2 = 0x43004300u;  // two bf16 128.0: 128 + q for a nibble q in the mantissa
     static constexpr float MAGIC = 128.f;
@@ -38,22 +47,12 @@ struct Bf16 {
         asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
         return r;
     }
-    static __device__ __forceinline__ u32 pair(float f) {  // f rounded, in both halves
-        const u32 h = round(f);
-        return h | (h << 16);
-    }
     static __device__ __forceinline__ u32 add2(u32 a, u32 b) {  // a + b per half (exact here: small integers)
         u32 d;
         asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(0x3f803f80u), "r"(b));
         return d;
     }
-    static __device__ __forceinline__ void mma(float* c, const u32* a, u32 b0, u32 b1) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-            "{%0, %1, %2, %3};"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
+    FERROX_MMA_M16N8K16("bf16")
 };
 
 struct F16 {
@@ -70,27 +69,24 @@ struct F16 {
         asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
         return r;
     }
-    static __device__ __forceinline__ u32 pair(float f) {
-        const u32 h = round(f);
-        return h | (h << 16);
-    }
     static __device__ __forceinline__ u32 add2(u32 a, u32 b) {
         u32 d;
         asm("add.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
         return d;
     }
-    static __device__ __forceinline__ void mma(float* c, const u32* a, u32 b0, u32 b1) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-            "{%0, %1, %2, %3};"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
+    FERROX_MMA_M16N8K16("f16")
 };
 
 struct F32 {  // scales only
     static __device__ __forceinline__ float load(const void* p, long i) { return ((const float*)p)[i]; }
 };
+
+// f rounded to A's dtype, in both 16-bit halves.
+template <class A>
+static __device__ __forceinline__ u32 pair(float f) {
+    const u32 h = A::round(f);
+    return h | (h << 16);
+}
 
 // 16 bytes of weights, read once: no L1 allocation, first out of L2.
 static __device__ __forceinline__ uint4 load_stream(const uint4* p, unsigned long long policy) {
@@ -165,7 +161,7 @@ static __device__ __forceinline__ void int4_gemv_mma(u16* __restrict__ out, cons
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         sc[h] = S::load(scales, sz_row[h] + first_grp);
-        nz[h] = A::pair(-(A::MAGIC + (float)zeros[sz_row[h] + first_grp]));
+        nz[h] = pair<A>(-(A::MAGIC + (float)zeros[sz_row[h] + first_grp]));
     }
     for (int kt = kt0; kt < kt1; kt += STAGES) {
 #pragma unroll
@@ -197,7 +193,7 @@ static __device__ __forceinline__ void int4_gemv_mma(u16* __restrict__ out, cons
 #pragma unroll
                         for (int h = 0; h < 2; ++h) {
                             sc[h] = S::load(scales, sz_row[h] + next);
-                            nz[h] = A::pair(-(A::MAGIC + (float)zeros[sz_row[h] + next]));
+                            nz[h] = pair<A>(-(A::MAGIC + (float)zeros[sz_row[h] + next]));
                         }
                         ++grp;
                         until_fold = steps_per_group;

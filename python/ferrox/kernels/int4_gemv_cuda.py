@@ -130,9 +130,10 @@ def enabled() -> bool:
 def supported(x: torch.Tensor, mma: torch.Tensor | None, scales: torch.Tensor,
               bias: torch.Tensor | None) -> bool:
     """Whether the kernel takes this product (the module docstring); the caller checked shapes."""
-    if mma is None or not x.is_cuda or x.dtype not in _ACT or scales.dtype not in _SCALE:
+    # (The token count first: int4_linear asks on every product, one-token ones included.)
+    if not MIN_TOKENS <= x.shape[0] <= MAX_TOKENS or mma is None or not x.is_cuda:
         return False
-    if not MIN_TOKENS <= x.shape[0] <= MAX_TOKENS or (bias is not None and bias.dtype != x.dtype):
+    if x.dtype not in _ACT or scales.dtype not in _SCALE or (bias is not None and bias.dtype != x.dtype):
         return False
     if x.data_ptr() % 4 or x.stride(0) % 2 or x.stride(1) != 1:
         return False  # 4-byte activation loads (pairs)
