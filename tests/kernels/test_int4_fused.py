@@ -24,8 +24,8 @@ from tests.kernels.test_gemv import _written_slot
 from tests.kernels.test_int4_matmul import TOLERANCE, _ref, _weight
 
 
-def _fused_case(device, dtype, n, k, group, *, m=1, norm, bias, silu, residual, config=None):
-    w, ref_w = _weight(n, k, group, device)
+def _fused_case(device, dtype, n, k, group, *, m=1, norm, bias, silu, residual, config=None, mma=False):
+    w, ref_w = _weight(n, k, group, device, mma=mma)
     x = torch.randn(m, k, device=device).to(dtype)
     g = (1 + 0.1 * torch.randn(k, device=device)).to(dtype) if norm else None
     b = torch.randn(n, device=device).to(dtype) if bias else None
@@ -59,13 +59,16 @@ def test_fused_int4_gemv_tiny(kernel_device, seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mma", [False, True], ids=["triton", "tensor-cores"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_fused_int4_gemv_llama8b_shapes(cuda_device, seed, dtype):
-    _fused_case(cuda_device, dtype, 6144, 4096, 128, norm=True, bias=False, silu=False, residual=False)  # qkv
-    _fused_case(cuda_device, dtype, 4096, 4096, 128, norm=False, bias=False, silu=False, residual=True)  # o_proj
-    _fused_case(cuda_device, dtype, 28672, 4096, 128, norm=True, bias=False, silu=True, residual=False)  # gate_up
-    _fused_case(cuda_device, dtype, 4096, 14336, 128, norm=False, bias=False, silu=False, residual=True)  # down
-    _fused_case(cuda_device, dtype, 4608, 3584, 128, norm=True, bias=True, silu=False, residual=False)  # Qwen2-7B qkv
+def test_fused_int4_gemv_llama8b_shapes(cuda_device, seed, dtype, mma):
+    """mma: the weights carry the tensor-core stream, so int4_gemv runs kernels/int4_gemv_cuda.py's kernel."""
+    kw = dict(mma=mma)
+    _fused_case(cuda_device, dtype, 6144, 4096, 128, norm=True, bias=False, silu=False, residual=False, **kw)  # qkv
+    _fused_case(cuda_device, dtype, 4096, 4096, 128, norm=False, bias=False, silu=False, residual=True, **kw)  # o
+    _fused_case(cuda_device, dtype, 28672, 4096, 128, norm=True, bias=False, silu=True, residual=False, **kw)  # gate_up
+    _fused_case(cuda_device, dtype, 4096, 14336, 128, norm=False, bias=False, silu=False, residual=True, **kw)  # down
+    _fused_case(cuda_device, dtype, 4608, 3584, 128, norm=True, bias=True, silu=False, residual=False, **kw)  # Qwen2
 
 
 def test_fused_int4_gemv_rejects_bad_shapes(kernel_device):

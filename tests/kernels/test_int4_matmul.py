@@ -19,8 +19,8 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 def _weight(n: int, k: int, group: int, device, *, gen: torch.Generator | None = None, mma: bool = False,
             scale_dtype: torch.dtype = torch.float16):
     """(Int4Weights, float64 W [n, k]): random codes, zero points 0..16, scales ~0.01 (fp16). mma: with
-    the tensor-core GEMV's layout too (kernels/int4_gemv_cuda.py), so one-token products on a GPU
-    take that kernel."""
+    the tensor-core kernel's stream too (kernels/int4_gemv_cuda.py), so decode products on a GPU take
+    that kernel."""
     group = k if group == -1 else group
     groups = -(-k // group)
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
@@ -31,7 +31,7 @@ def _weight(n: int, k: int, group: int, device, *, gen: torch.Generator | None =
     packed = pack_interleaved(codes, t)
     weights = km.Int4Weights(packed.to(device), scales.t().contiguous().to(device),
                              zeros.t().contiguous().to(device), min(group, k), t,
-                             pack_mma(codes).to(device) if mma else None)
+                             pack_mma(codes, scales.t(), zeros.t(), group).to(device) if mma else None)
     return weights, w.to(device)
 
 

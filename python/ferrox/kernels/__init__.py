@@ -16,7 +16,8 @@ under the Triton interpreter at tiny shapes and on the GPU at Llama-3.1-8B shape
                         torch fallback otherwise and off CUDA
 - exponential_race.py   the sampler's draw for plain temperature sampling in one pass
 - int4_matmul.py        AWQ/GPTQ int4 weights: dequantize-in-the-loop GEMV (decode) and GEMM (prefill)
-- int4_gemv_cuda.py     int4 products of 2-16 tokens on tensor cores: cuda/int4_gemv.cu and its weight layout
+- int4_gemv_cuda.py     int4 decode products (1-16 tokens, the one-token fusions) on tensor cores:
+                        cuda/int4_gemv.cu and its weight stream
 - nvrtc.py              CUDA C++ sources compiled at run time by NVRTC (disk-cached cubins), launched on
                         torch's stream through cuda-bindings' driver API
 - int8_gemm.py          int8 W8A8: int8 tensor-core GEMM, exact int32 sums, scales in the epilogue

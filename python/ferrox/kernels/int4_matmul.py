@@ -16,9 +16,10 @@ k-sequential nibble order Triton converts every nibble's activations through sha
 barriers each, seen in the sm_90 SASS), and a block lies inside one group, so its scale and zero
 are one value per row.
 
-Three paths, by the number of rows M of x (and a fourth, on GPUs with tensor cores: products of 2-16
-rows of a weight that also carries int4_gemv_cuda.py's layout run that CUDA kernel, which costs about
-what one row costs; `int4_linear` checks it first):
+Three paths, by the number of rows M of x (and a fourth, on GPUs with tensor cores: products of 1-16
+rows of a weight that also carries int4_gemv_cuda.py's stream run that CUDA kernel, which streams the
+weights faster than the GEMV below and costs about what one row costs up to 8; `int4_linear` and
+`int4_gemv` check it first):
 
 - GEMV (decode, M <= GEMV_MAX_M): one program owns BLOCK_N rows of W for one token and streams
   them over K in tiles of 1024-2048 weights per row. Batch-1 int4 decode on an H200 is close to
@@ -336,7 +337,7 @@ class Int4Weights:
     zeros: torch.Tensor  # uint8 [N, G]
     group_size: int  # k per group (K for one group)
     interleave: int  # T
-    mma: torch.Tensor | None = None  # the codes again, for 2-16 token products on tensor cores (int4_gemv_cuda.py)
+    mma: torch.Tensor | None = None  # the codes again, for 1-16 token products on tensor cores (int4_gemv_cuda.py)
 
     @property
     def out_features(self) -> int:
@@ -370,8 +371,10 @@ def _check_x(x: torch.Tensor, w: Int4Weights) -> None:
 def int4_gemv(x: torch.Tensor, w: Int4Weights, bias: torch.Tensor | None = None,
               config: GemvConfig | None = None, *, validate: bool = True, norm_weight: torch.Tensor | None = None,
               eps: float = 1e-6, silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ W.T (+ bias) -> [M, N] in x's dtype; one program per (token, row block).
-    validate=False skips the weight's checks (int4_linear: the runner checked its weight once).
+    """x [M, K] @ W.T (+ bias) -> [M, N] in x's dtype; one program per (token, row block), or, for a
+    weight carrying the tensor-core stream on a GPU (and no explicit config), int4_gemv_cuda's kernel
+    with the same fusions. validate=False skips the weight's checks (int4_linear: the runner checked its
+    weight once).
 
     The fused one-token path's options (attention/fused_decode.py; kernels/gemv.py for float
     weights): norm_weight, each token RMS-normed first, rms_norm(x) * norm_weight (eps); silu_mul,
@@ -388,6 +391,10 @@ def int4_gemv(x: torch.Tensor, w: Int4Weights, bias: torch.Tensor | None = None,
         raise ValueError(f"norm weight must be contiguous [{k}], got {tuple(norm_weight.shape)}")
     if residual is not None and (residual.shape != (m, n_out) or not residual.is_contiguous()):
         raise ValueError(f"residual must be contiguous [{m}, {n_out}], got {tuple(residual.shape)}")
+    if config is None and w.mma is not None and int4_gemv_cuda.supported(
+            x, w.mma, w.scales, bias, norm_weight=norm_weight, silu_mul=silu_mul, residual=residual):
+        return int4_gemv_cuda.int4_mma_product(x, w, bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul,
+                                               residual=residual)
     out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     cfg = config or choose_gemv_config(n_out, k, silu_mul=silu_mul)
     _int4_gemv_kernel[(m, triton.cdiv(n_out, cfg.block_n))](
@@ -448,8 +455,8 @@ def int4_linear(x: torch.Tensor, w: Int4Weights, bias: torch.Tensor | None = Non
     """x [M, K] (contiguous rows) @ W.T (+ bias): the path for this M (module docstring). For the
     runner's hot path: w was checked when the runner was built, x is not checked here."""
     m = x.shape[0]
-    if w.mma is not None and int4_gemv_cuda.supported(x, w.mma, w.scales, bias):  # 2-16 tokens
-        return int4_gemv_cuda.int4_mma_product(x, w.mma, w.scales, w.zeros, w.group_size, bias)
+    if w.mma is not None and int4_gemv_cuda.supported(x, w.mma, w.scales, bias):  # 1-16 tokens
+        return int4_gemv_cuda.int4_mma_product(x, w, bias)
     if m <= GEMV_MAX_M:
         return int4_gemv(x, w, bias, validate=False)
     if m < DEQUANT_MIN_M and gemm_supported(w):

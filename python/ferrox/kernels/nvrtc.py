@@ -168,12 +168,25 @@ def _make_context_current(driver: Any, index: int) -> None:
 
 
 # Kernel argument types, for `launch`'s (value, type) pairs.
-PTR, I32, I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+PTR, I32, I64, U32, F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_uint32, ctypes.c_float
 
 
-def launch(fn: Any, grid: int, block: int, args: Sequence[Any], types: Sequence[Any], stream: int) -> None:
+def launch(fn: Any, grid: int, block: int, args: Sequence[Any], types: Sequence[Any], stream: int, *,
+           pdl: bool = False) -> None:
     """fn<<<grid, block, 0, stream>>>(*args) (a handle from `CudaModule.function`, so cuda-bindings is
-    there); `types` are the ctypes of the kernel's parameters."""
+    there); `types` are the ctypes of the kernel's parameters. pdl: launched with programmatic dependent
+    launch (kernels/pdl.py: the kernel must follow its rules)."""
     driver = bindings()[0]  # type: ignore[index]
-    _check(driver.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, stream, (tuple(args), tuple(types)), 0),
-           "cuLaunchKernel")
+    params = (tuple(args), tuple(types))
+    if not pdl:
+        _check(driver.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, stream, params, 0), "cuLaunchKernel")
+        return
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid, 1, 1
+    config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
+    config.sharedMemBytes, config.hStream = 0, stream
+    config.attrs, config.numAttrs = [attr], 1
+    _check(driver.cuLaunchKernelEx(config, fn, params, 0), "cuLaunchKernelEx")

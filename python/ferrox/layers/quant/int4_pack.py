@@ -119,7 +119,7 @@ class Int4Linear(nn.Module):
     one). kernels=False keeps W dequantized in `dtype` instead."""
 
     packed: torch.Tensor  # (the kernels' layout, kernels=True)
-    mma: torch.Tensor | None  # the codes again, for 2-16 token products on tensor cores (kernels/int4_gemv_cuda.py)
+    mma: torch.Tensor | None  # the codes again, for 1-16 token products on tensor cores (kernels/int4_gemv_cuda.py)
     scales: torch.Tensor
     zeros: torch.Tensor
     perm: torch.Tensor | None
@@ -141,7 +141,7 @@ class Int4Linear(nn.Module):
             self.register_buffer("zeros", zeros.t().contiguous())
             self.register_buffer("perm", perm)
             self.register_buffer("weight", None)
-            self.register_buffer("mma", _mma_layout(codes, self.group_size))
+            self.register_buffer("mma", _mma_layout(codes, self.scales, self.zeros, self.group_size))
             self.weights().check()
         else:
             w = dequantize_codes(codes, scales, zeros, self.group_size)
@@ -181,16 +181,19 @@ class Int4Linear(nn.Module):
         return int4_linear(x2, self.weights(), bias).reshape(*lead, self.out_features)
 
 
-def _mma_layout(codes: torch.Tensor, group: int) -> torch.Tensor | None:
-    """The tensor-core kernel's copy of the codes (int4_gemv_cuda.pack_mma) where that kernel can run, else
-    None. Packed a band of row tiles at a time: the repacking's int64 temporaries are 8x the codes."""
+def _mma_layout(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> torch.Tensor | None:
+    """The tensor-core kernel's stream (int4_gemv_cuda.pack_mma: the codes again, with each group's scales
+    and zero points; scales, zeros [N, G]) where that kernel can run, else None. Packed a band of row tiles
+    at a time: the repacking's int64 temporaries are 8x the codes."""
     from ferrox.kernels import int4_gemv_cuda
 
     n, k = codes.shape
-    if not codes.is_cuda or not int4_gemv_cuda.enabled() or not int4_gemv_cuda.layout_supported(n, k, group):
+    if (not codes.is_cuda or not int4_gemv_cuda.enabled() or not int4_gemv_cuda.layout_supported(n, k, group)
+            or scales.dtype not in (torch.float16, torch.bfloat16) or int(zeros.max()) > 16):
         return None
     band = 16 * 256
-    return torch.cat([int4_gemv_cuda.pack_mma(codes[i:i + band]) for i in range(0, n, band)])
+    return torch.cat([int4_gemv_cuda.pack_mma(codes[i:i + band], scales[i:i + band], zeros[i:i + band], group)
+                      for i in range(0, n, band)])
 
 
 def build_int4_linear(shards: Sequence[Int4Shard], group_size: int, *, dtype: torch.dtype, what: str) -> Int4Linear:
