@@ -6,14 +6,14 @@
 // bandwidth, whatever the number of requests. A LOP3 turns two nibbles into two bf16 (fp16) values
 // 128 + q (1024 + q) exactly -- the magic-number trick --, one packed add of -(magic + z) leaves q - z
 // (an exact small integer), and one mma.sync m16n8k16 multiplies 16 rows x 16 k of those against 8
-// token columns (two MMAs for 9-16 tokens). Each group's fp32 sums are scaled once, at the group's end.
+// token columns (two MMAs for 9-16 tokens). Each k tile's fp32 sums are scaled by its group's scale.
 // The weights go in exactly; the activations, already in the MMA's dtype, are not rounded again.
 //
 // What bounds it (ncu on the H200, benches/RESULTS.md): a decode product is short (8-60 MB, a few
 // microseconds), so every load whose latency is not hidden shows. Each k tile therefore arrives as one
 // unit, STAGES tiles ahead of its use: the weight words, the activations it multiplies and its group's
 // scales and zero points. The packing makes each of those one wide load per lane, and the loop does
-// no per-step bookkeeping (a fold check per tile, not per k16 step).
+// no per-step bookkeeping (one fold per tile, no counters).
 //
 // The stream (int4_gemv_cuda.pack_mma), per 16-row tile, per group of the input: the group's k tiles
 // (64 k each) of [32 lanes][4 words], then the group's metadata [8][2] words (g; rows g, g + 8): scale
@@ -27,8 +27,9 @@
 //
 // Work split: a block owns one tile of 16 output rows for every token; its WARPS warps split the k
 // tiles evenly (a warp that ends inside a group folds what it has with that group's scale: the scale
-// is linear). The epilogue sums the warps' fragments in shared memory and adds the bias. No headers:
-// NVRTC compiles this file alone; 16-bit floats are bit patterns converted by PTX.
+// is linear). The epilogue sums the warps' fragments in shared memory, adds the bias and applies the
+// one-token path's fusions (Fuse below). No headers: NVRTC compiles this file alone; 16-bit floats are
+// bit patterns converted by PTX.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -149,13 +150,14 @@ enum Fuse : int {
 };
 
 // One k tile's loads: the lane's weight words and its group's metadata (rows g, g + 8) for each of the
-// block's RT row tiles, its activations per token column tile, and with NORM the norm weights.
-template <int RT, int NT, bool NW>
+// block's RT row tiles, its activations per token column tile, and with NORM the norm weights (n0, n1:
+// never written without it, so never live in registers).
+template <int RT, int NT>
 struct Stage {
     uint4 w[RT];
     uint2 meta[RT];
     uint4 x0[NT], x1[NT];
-    uint4 n0[1], n1[1];  // (NW: the norm weights; unused otherwise, so never live in registers)
+    uint4 n0, n1;
 };
 
 template <class A, class S, int NT, int WARPS, int STAGES, int FUSE>
@@ -199,11 +201,11 @@ static __device__ __forceinline__ void int4_gemv_mma(u16* __restrict__ out, cons
     const uint2* mp = (const uint2*)(base + g0 * gstride + tpg * 32) + g;
     // STAGES + 1 slots: a tile's loads go into the slot the previous tile freed, so no stage is copied
     // between registers (the loop below is unrolled over one turn of the ring).
-    Stage<RT, NT, HAS_NORM> ring[STAGES + 1];
+    Stage<RT, NT> ring[STAGES + 1];
     // A tile's loads in two parts: what no kernel of the step writes (weights, metadata, norm weights),
     // and the activations, which the previous kernel may still be writing under programmatic dependent
     // launch (kernels/pdl.py): the prologue requests its weight tiles first, waits, then the activations.
-    auto issue_weights = [&](Stage<RT, NT, HAS_NORM>& st) {
+    auto issue_weights = [&](Stage<RT, NT>& st) {
         if (lkt < kt1) {
 #pragma unroll
             for (int r = 0; r < RT; ++r) {
@@ -211,8 +213,8 @@ static __device__ __forceinline__ void int4_gemv_mma(u16* __restrict__ out, cons
                 st.meta[r] = load_shared8(mp + r * 2 * up_words);
             }
             if constexpr (HAS_NORM) {
-                st.n0[0] = load_shared16(np);
-                st.n1[0] = load_shared16(np + 8);
+                st.n0 = load_shared16(np);
+                st.n1 = load_shared16(np + 8);
                 np += 64;
             }
         }
@@ -221,7 +223,7 @@ static __device__ __forceinline__ void int4_gemv_mma(u16* __restrict__ out, cons
         if (++li == tpg) li = 0, wp += 4, mp += 2 * gstride;
     };
     int xkt = kt0;
-    auto issue_x = [&](Stage<RT, NT, HAS_NORM>& st) {
+    auto issue_x = [&](Stage<RT, NT>& st) {
         if (xkt < kt1) {
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
@@ -232,7 +234,7 @@ static __device__ __forceinline__ void int4_gemv_mma(u16* __restrict__ out, cons
         }
         ++xkt;
     };
-    auto issue = [&](Stage<RT, NT, HAS_NORM>& st) {
+    auto issue = [&](Stage<RT, NT>& st) {
         issue_weights(st);
         issue_x(st);
     };
@@ -263,7 +265,7 @@ static __device__ __forceinline__ void int4_gemv_mma(u16* __restrict__ out, cons
         for (int s = 0; s <= STAGES; ++s) {
             if (kt + s < kt1) {
                 issue(ring[(s + STAGES) % (STAGES + 1)]);
-                const Stage<RT, NT, HAS_NORM>& cur = ring[s];
+                const Stage<RT, NT>& cur = ring[s];
                 // B fragments, per step: words (2 step, 2 step + 1) of the lane's 16 activations.
                 u32 xb[NT][8];
 #pragma unroll
@@ -274,8 +276,7 @@ static __device__ __forceinline__ void int4_gemv_mma(u16* __restrict__ out, cons
                     for (int i = 0; i < 8; ++i) xb[n][i] = v[i];
                 }
                 if constexpr (HAS_NORM) {
-                    const u32 nv[8] = {cur.n0[0].x, cur.n0[0].y, cur.n0[0].z, cur.n0[0].w,
-                                       cur.n1[0].x, cur.n1[0].y, cur.n1[0].z, cur.n1[0].w};
+                    const u32 nv[8] = {cur.n0.x, cur.n0.y, cur.n0.z, cur.n0.w, cur.n1.x, cur.n1.y, cur.n1.z, cur.n1.w};
 #pragma unroll
                     for (int step = 0; step < 4; ++step) {
                         // A = this lane's token in row g (rows g + 8 empty), B = the same token: D[g][g].

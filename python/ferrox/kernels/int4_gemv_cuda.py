@@ -3,16 +3,16 @@
 A decode step reads each weight once, so its products should cost the weight bytes over the read
 bandwidth whatever the number of requests. int4_matmul's Triton GEMV runs one program per token (a
 Llama-3.1-8B layer's four products: 69 us at one token, 214 us at four) and from 5 tokens its GEMM
-dequantizes every weight on CUDA cores per 16-row tile (181 us at eight). This kernel: 57 us a layer
-at one token, 58 at eight, 77 at sixteen (H200, benches/RESULTS.md; the .cu header says how).
-int4_matmul.int4_linear hands it every product of 1-16 tokens, and int4_gemv the fused one-token
-path's (attention/fused_decode.py): the input RMSNorm in the loop, silu(gate) * up and the residual
-in the epilogue.
+dequantizes every weight on CUDA cores per 16-row tile (181 us at eight). This kernel: 48 us a layer
+at one token, 66 at sixteen; the fused one-token layer 51 us against the Triton GEMV's 76 (H200,
+benches/RESULTS.md; the .cu header says how). int4_matmul.int4_linear hands it every product of 1-16
+tokens, and int4_gemv the fused one-token path's (attention/fused_decode.py): the input RMSNorm in
+the loop, silu(gate) * up and the residual in the epilogue.
 
 It reads its own stream (`pack_mma`, built when an int4 layer is loaded on a GPU that can run it:
 layers/quant/int4_pack.py): the codes in MMA fragment order with each group's scales and zero points
-beside them. The layer keeps int4_matmul's layout too (prefill and batches above 16 read it): +0.5 byte
-per weight.
+beside them. The layer keeps int4_matmul's layout too (prefill and batches above 16 read it): +0.53 byte
+per weight at group 128.
 
 Taken when `Int4Weights.mma` is set and `supported` agrees: bf16 / fp16 activations, fp16 / bf16 scales,
 K a multiple of 64, groups of a multiple of 64 dividing K (or one group), zero points up to 16; and
