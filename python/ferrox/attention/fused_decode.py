@@ -14,8 +14,9 @@ int8 and their `weight_scale` rows go to the kernel's epilogue (W8A8 ones in w8a
 the qkv kernel's quantizing variant). Block-wise FP8 projections (fp8_block.py) run w8a8_dot_gemv.py
 with their block scales (each K tile a group of the input, quantized on its own); their qkv
 projection, like int4's below, leaves rotary and the KV write to a second launch. int4 projections (AWQ / GPTQ: layers/quant/int4_pack.py, whose runner `Linear.quant`
-holds the packed weight) run the int4 GEMV (kernels/int4_matmul.py) with the same prologue and
-epilogues: the input norm, the bias, SiLU(gate) * up, the residual. It has no rotary epilogue (a
+holds the packed weight) run the int4 GEMV (kernels/int4_matmul.py; on a GPU with tensor cores, the
+CUDA kernel of int4_gemv_cuda.py it routes to) with the same prologue and epilogues: the input norm,
+the bias, SiLU(gate) * up, the residual. It has no rotary epilogue (a
 program would need both halves of its rotary pairs, two row sets as gemv.py's qkv kernel streams),
 so their qkv GEMV writes the projected row and a second launch rotates q and k and writes the KV
 cache (`qk_norm_rope_cache` without norms): six launches a layer. Act-order int4 layers keep the
