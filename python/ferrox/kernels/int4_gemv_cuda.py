@@ -112,17 +112,13 @@ def pack_mma(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, gro
     each) then its metadata ([8][2] words: scale bits << 16 | zero). Rows padded with code 0, scale 0."""
     n, k = codes.shape
     group = min(group, k)
-    if not layout_supported(n, k, group):
-        raise ValueError(f"the tensor-core int4 layout needs in_features ({k}) divisible by 64 and groups "
-                         f"({group}) of a multiple of 64 that divide it")
-    if scales.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"the tensor-core int4 layout keeps 16-bit scales, got {scales.dtype}")
+    problem = stream_problem(n, k, group, scales, zeros)
+    if problem is not None:
+        raise ValueError(problem)
     groups = k // group
     if scales.shape != (n, groups) or zeros.shape != (n, groups):
         raise ValueError(f"scales {tuple(scales.shape)} / zeros {tuple(zeros.shape)} for a [{n}, {k}] weight "
                          f"in groups of {group}: expected [{n}, {groups}]")
-    if int(zeros.max()) > 16:
-        raise ValueError(f"int4 zero points above 16 ({int(zeros.max())}) do not fit the kernel's metadata")
     tiles = -(-n // 16)
     pad = tiles * 16 - n
     if pad:
@@ -145,6 +141,19 @@ def pack_mma(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, gro
     meta = meta.view(tiles, 2, 8, groups).permute(0, 3, 2, 1).reshape(tiles, groups, 16)  # [g][rows g, g + 8]
     stream = torch.cat([words, meta], dim=2)
     return torch.where(stream >= 2**31, stream - 2**32, stream).to(torch.int32).contiguous()
+
+
+def stream_problem(n: int, k: int, group: int, scales: torch.Tensor, zeros: torch.Tensor) -> str | None:
+    """Why `pack_mma` cannot hold this weight (its shape, group size, scale dtype or zero points), or None."""
+    if not layout_supported(n, k, group):
+        return (f"the tensor-core int4 layout needs in_features ({k}) divisible by 64 and groups ({group}) of a "
+                "multiple of 64 that divide it")
+    if scales.dtype not in _SCALE:
+        return f"the tensor-core int4 layout keeps 16-bit scales, got {scales.dtype}"
+    top = int(zeros.max())
+    if top > 16:
+        return f"int4 zero points above 16 ({top}) do not fit the kernel's metadata"
+    return None
 
 
 def layout_supported(n: int, k: int, group: int) -> bool:

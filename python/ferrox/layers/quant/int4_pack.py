@@ -188,8 +188,8 @@ def _mma_layout(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
     from ferrox.kernels import int4_gemv_cuda
 
     n, k = codes.shape
-    if (not codes.is_cuda or not int4_gemv_cuda.enabled() or not int4_gemv_cuda.layout_supported(n, k, group)
-            or scales.dtype not in (torch.float16, torch.bfloat16) or int(zeros.max()) > 16):
+    group = min(group, k)
+    if not codes.is_cuda or not int4_gemv_cuda.enabled() or int4_gemv_cuda.stream_problem(n, k, group, scales, zeros):
         return None
     band = 16 * 256
     return torch.cat([int4_gemv_cuda.pack_mma(codes[i:i + band], scales[i:i + band], zeros[i:i + band], group)
