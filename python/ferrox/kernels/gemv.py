@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ferrox.kernels import dense_gemv_cuda
 from ferrox.kernels.int8_codes import int8_code, int8_scale
 from ferrox.kernels.kv_fp8 import unit_kv_scales
 from ferrox.kernels.pdl import pdl_launch, pdl_launch_dependents, pdl_wait
@@ -470,6 +471,13 @@ def gemv(
     Returns y [1, N] (N / 2 with silu_mul)."""
     k = _check_input(x, weight, norm_weight, weight_scale)
     n_out = _check_output(weight, silu_mul, residual)
+    # 16-bit weights on a GPU with tensor cores: dense_gemv_cuda.py's kernel (weight-only fp8 stays here:
+    # that kernel's fp8 path quantizes the input).
+    if (config is None and weight_scale is None and x.is_cuda
+            and dense_gemv_cuda.supported(x, weight, bias=bias, norm_weight=norm_weight, residual=residual,
+                                          silu_mul=silu_mul, out_dtype=out_dtype)):
+        return dense_gemv_cuda.dense_mma_product(x, weight, bias, norm_weight=norm_weight, eps=eps,
+                                                 silu_mul=silu_mul, residual=residual, out_dtype=out_dtype)
     out = torch.empty(1, n_out, dtype=out_dtype or x.dtype, device=x.device)
     cfg = config or choose_config("silu" if silu_mul else "plain", k, weight.element_size())
     _gemv_kernel[(triton.cdiv(n_out, cfg.block_n),)](
@@ -520,6 +528,17 @@ def qkv_rope_gemv(
         raise ValueError(f"kv_cache must be [2, blocks, block_size, {num_kv_heads}, {head_dim}], "
                          f"got {tuple(kv_cache.shape)}")
     half = head_dim // 2
+    if (config is None and x.is_cuda
+            and dense_gemv_cuda.qkv_rope_supported(x, weight, weight_scale=weight_scale, bias=bias,
+                                                   norm_weight=norm_weight, slot_mapping=slot_mapping,
+                                                   kv_cache=kv_cache, head_dim=head_dim, w8a8=w8a8,
+                                                   input_scale=input_scale)):
+        assert norm_weight is not None
+        return dense_gemv_cuda.dense_qkv_rope(
+            x, weight, bias, weight_scale=weight_scale, norm_weight=norm_weight, eps=eps, rope_row=rope_row,
+            slot_mapping=slot_mapping, kv_cache=kv_cache, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, kv_scale=kv_scale if kv_scale is not None else unit_kv_scales(x.device),
+            input_scale=input_scale)
     cfg = config or choose_config("rope", k, weight.element_size(), w8a8)
     block_p = max(1, min(cfg.block_n // 2, half & -half))  # pairs: a power of two dividing half
     q = torch.empty(1, num_q_heads, head_dim, dtype=x.dtype, device=x.device)

@@ -167,19 +167,47 @@ def _make_context_current(driver: Any, index: int) -> None:
         _check(driver.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
 
 
+_DEFAULT_SHARED = 48 * 1024  # what a launch may ask for without the kernel's opt-in, static included
+_STATIC_SHARED_MAX = 8 * 1024  # more static shared memory than any kernel here declares
+_shared_allowed: dict[int, int] = {}
+
+
+def allow_shared(fn: Any, nbytes: int) -> None:
+    """Let kernel `fn` launch with `nbytes` of dynamic shared memory: past 48 KB with its static shared
+    memory a kernel must opt in (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES), once per kernel and size."""
+    if nbytes <= _DEFAULT_SHARED - _STATIC_SHARED_MAX:
+        return
+    key = int(fn)
+    if _shared_allowed.get(key, 0) >= nbytes:
+        return
+    driver = bindings()[0]  # type: ignore[index]
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    _check(driver.cuFuncSetAttribute(fn, attr, nbytes), "cuFuncSetAttribute")
+    _shared_allowed[key] = nbytes
+
+
+def blocks_per_sm(fn: Any, threads: int, shared: int) -> int:
+    """How many blocks of `threads` threads with `shared` bytes of dynamic shared memory fit on one SM
+    at once (registers, shared memory, threads: the driver's occupancy calculator)."""
+    driver = bindings()[0]  # type: ignore[index]
+    return int(_check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, threads, shared),
+                      "cuOccupancyMaxActiveBlocksPerMultiprocessor"))
+
+
 # Kernel argument types, for `launch`'s (value, type) pairs.
 PTR, I32, I64, U32, F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_uint32, ctypes.c_float
 
 
 def launch(fn: Any, grid: int, block: int, args: Sequence[Any], types: Sequence[Any], stream: int, *,
-           pdl: bool = False) -> None:
-    """fn<<<grid, block, 0, stream>>>(*args) (a handle from `CudaModule.function`, so cuda-bindings is
-    there); `types` are the ctypes of the kernel's parameters. pdl: launched with programmatic dependent
-    launch (kernels/pdl.py: the kernel must follow its rules)."""
+           pdl: bool = False, shared: int = 0) -> None:
+    """fn<<<grid, block, shared, stream>>>(*args) (a handle from `CudaModule.function`, so cuda-bindings is
+    there); `types` are the ctypes of the kernel's parameters; shared: dynamic shared memory in bytes
+    (past 48 KB after `allow_shared`). pdl: launched with programmatic dependent launch
+    (kernels/pdl.py: the kernel must follow its rules)."""
     driver = bindings()[0]  # type: ignore[index]
     params = (tuple(args), tuple(types))
     if not pdl:
-        _check(driver.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, stream, params, 0), "cuLaunchKernel")
+        _check(driver.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, shared, stream, params, 0), "cuLaunchKernel")
         return
     attr = driver.CUlaunchAttribute()
     attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
@@ -187,6 +215,6 @@ def launch(fn: Any, grid: int, block: int, args: Sequence[Any], types: Sequence[
     config = driver.CUlaunchConfig()
     config.gridDimX, config.gridDimY, config.gridDimZ = grid, 1, 1
     config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
-    config.sharedMemBytes, config.hStream = 0, stream
+    config.sharedMemBytes, config.hStream = shared, stream
     config.attrs, config.numAttrs = [attr], 1
     _check(driver.cuLaunchKernelEx(config, fn, params, 0), "cuLaunchKernelEx")

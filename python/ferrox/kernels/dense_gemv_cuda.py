@@ -1,0 +1,308 @@
+"""Decode products (1-8 tokens) on tensor cores for weights kept as they load: cuda/dense_gemv.cu, compiled
+by NVRTC (nvrtc.py).
+
+A decode step reads each weight once, so a product should cost its weight bytes over the read bandwidth.
+gemv.py's Triton GEMV widens every weight on CUDA cores (bf16: 3.4-4.4 TB/s on an H200 at Llama-3.1-8B's
+shapes, the narrow products slowest), and w8a8_dot_gemv.py's FP8 product runs warpgroup MMAs over
+64-128-row programs that split K to fill the GPU (1.9-3.6 TB/s). This kernel gives each tile of 16 rows
+to mma.sync straight from the layer's own [N, K] weight (the .cu header says how): bf16 / fp16 weights
+against the activations, E4M3 weights against the token's fp8 codes (W8A8: quantized per token in the
+prologue, or by the static input scale, as `w8a8_dot_gemv` quantizes it). The one-token path's fusions
+ride along: the input RMSNorm, silu(gate) * up, the residual, rotary + the KV-cache write, fp32 logits.
+Measured (benches/RESULTS.md): FP8 qkv 13.2 -> 10.0 us, o_proj 8.0 -> 6.3, gate_up 33.0 -> 32.2, down
+20.7 -> 17.6; bf16 o_proj 9.8 -> 8.7, down 28.3 -> 27.3, the LM head 239 -> 232.
+
+`gemv.gemv`, `gemv.qkv_rope_gemv` and `w8a8_dot_gemv.w8a8_dot_gemv` hand it every call `supported` /
+`qkv_rope_supported` accept (their contracts are this module's): FP8 W8A8 products of every kind, and
+16-bit products but norm + SiLU and qkv + rotary (FUSIONS_16 says why). Everything else -- the CPU, the
+Triton interpreter, fp32 activations, fp8 weight-only or block-scaled layers, int8 -- keeps the Triton
+kernels. FERROX_DENSE_MMA=0 turns it off (A/B runs).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cache, lru_cache
+
+import torch
+
+from ferrox.kernels import nvrtc
+from ferrox.kernels.nvrtc import F32, I32, I64, PTR
+from ferrox.kernels.pdl import pdl_enabled
+
+SOURCE_NAME = "dense_gemv.cu"
+_ENV = "FERROX_DENSE_MMA"
+_ACT = {torch.bfloat16: "Bf16", torch.float16: "F16"}
+FP8 = torch.float8_e4m3fn
+MAX_TOKENS = 8  # one MMA column tile
+UNIT_BYTES = 64  # a row's bytes per unit: four lanes x 16 (the .cu header)
+# The staged tokens share a block's shared memory with the warps' rings: up to 96 KB of them (Llama-3.1-8B's
+# down_proj input is 28 KB in bf16).
+_TOKEN_LIMIT = 96 * 1024
+
+# The .cu's Fuse flags. The one-token path asks for qkv (norm, rotary and the KV write into a 16-bit or
+# E4M3 cache; the norm alone where Qwen3's q/k norms follow), o_proj and down (residual), gate_up (norm,
+# silu(gate) * up); the LM head and the MoE router for fp32 out (the router with the norm). 16-bit weights
+# leave gate_up and qkv + rotary to gemv.py's Triton kernels, which measured faster there (Llama-3.1-8B,
+# H200: 54.7 against 55.8 us, 14.2 against 14.5; benches/RESULTS.md): those are not compiled for them.
+NORM, SILU_MUL, RESIDUAL, OUT_F32, ROPE, KV_FP8 = 1, 2, 4, 8, 16, 32
+FUSIONS_FP8 = (0, NORM, RESIDUAL, NORM | SILU_MUL, ROPE | NORM, ROPE | NORM | KV_FP8)
+FUSIONS_16 = (0, NORM, RESIDUAL, OUT_F32, NORM | OUT_F32)
+
+
+@dataclass(frozen=True, slots=True)
+class DenseGemvConfig:
+    warps: int  # per block; they take the row's stages in turn
+    chunks: int  # 64-byte units of each row a warp loads per stage
+    stages: int  # the depth of each warp's shared-memory ring (stages - 1 in flight)
+
+    def ring_bytes(self, pairs: bool) -> int:
+        """Shared memory for the warps' rings (pairs: two row tiles a block, SILU_MUL or ROPE)."""
+        return self.warps * self.stages * (2 if pairs else 1) * 2 * self.chunks * 512
+
+
+CONFIGS: tuple[DenseGemvConfig, ...] = (DenseGemvConfig(16, 2, 2), DenseGemvConfig(8, 2, 3), DenseGemvConfig(8, 4, 2))
+_FEW_TILES = 264  # (an H200 has 132 SMs)
+
+
+def choose_config(row_tiles: int, kbytes: int, fp8: bool = False) -> DenseGemvConfig:
+    """From `bench_dense_gemv.py --sweep` on an H200 (Llama-3.1-8B, benches/RESULTS.md): few row tiles
+    (o_proj, down: 256) take 16 warps a block over two-unit stages (fp8 o_proj 6.3 us, down 17.6; bf16
+    8.7, 27.8); many take 8 warps, with three two-unit stages for fp8 (qkv + rotary 10.0, gate_up 32.2)
+    or two four-unit ones for 16-bit weights (the LM head 232 us). Where a stage does not divide a row's
+    bytes, one-unit stages."""
+    if row_tiles < _FEW_TILES:
+        cfg = CONFIGS[0]
+    else:
+        cfg = CONFIGS[1] if fp8 else CONFIGS[2]
+    if kbytes % (UNIT_BYTES * cfg.chunks):
+        cfg = DenseGemvConfig(cfg.warps, 1, cfg.stages)
+    return cfg
+
+
+def kernel_name(act: str, fp8: bool, cfg: DenseGemvConfig, fuse: int) -> str:
+    return f"ferrox_dense_{act.lower()}_{'e4m3' if fp8 else 'w16'}_w{cfg.warps}_c{cfg.chunks}_s{cfg.stages}_f{fuse}"
+
+
+def module_source(act: str, fp8: bool, base: str, configs: tuple[DenseGemvConfig, ...] = CONFIGS) -> str:
+    """The .cu text plus one FERROX_DENSE_GEMV line per kernel this dtype pair can launch."""
+    lines = [base]
+    for cfg in configs:
+        for fuse in FUSIONS_FP8 if fp8 else FUSIONS_16:
+            lines.append(f"FERROX_DENSE_GEMV({kernel_name(act, fp8, cfg, fuse)}, {act}, {str(fp8).lower()}, "
+                         f"{cfg.warps}, {cfg.chunks}, {cfg.stages}, {fuse})")
+    return "\n".join(lines) + "\n"
+
+
+@lru_cache(maxsize=1)
+def _base_source() -> str | None:
+    from ferrox.kernels.cuda_sampling import PACKAGED_SOURCE_DIR
+
+    path = PACKAGED_SOURCE_DIR / SOURCE_NAME
+    return path.read_text() if path.is_file() else None
+
+
+@cache
+def _module(act: str, fp8: bool, configs: tuple[DenseGemvConfig, ...] = CONFIGS) -> nvrtc.CudaModule:
+    base = _base_source()
+    assert base is not None
+    suffix = "" if configs == CONFIGS else f"_{abs(hash(configs)) % 10**8}"
+    return nvrtc.CudaModule(f"dense_gemv_{act.lower()}_{'e4m3' if fp8 else 'w16'}{suffix}",
+                            module_source(act, fp8, base, configs))
+
+
+@cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def enabled() -> bool:
+    """The switch and the prerequisites (read on every call: tests and A/B runs flip the switch)."""
+    return (os.environ.get(_ENV, "1") != "0" and os.environ.get("TRITON_INTERPRET") != "1"
+            and nvrtc.bindings() is not None and _base_source() is not None)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and (t.dim() == 1 or t.shape[0] == 1
+                                                            or t.stride(0) * t.element_size() % 16 == 0)
+
+
+def supported(x: torch.Tensor, weight: torch.Tensor, *, weight_scale: torch.Tensor | None = None,
+              bias: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+              residual: torch.Tensor | None = None, silu_mul: bool = False, input_scale: torch.Tensor | None = None,
+              out_dtype: torch.dtype | None = None) -> bool:
+    """Whether the kernel takes this product (the callers checked shapes): a [M <= 8, K] CUDA input in
+    bf16 / fp16, and a weight in that dtype or (W8A8) E4M3 with float32 row scales, laid out for 16-byte
+    loads; the fusions compiled for its kind."""
+    if not x.is_cuda or x.dim() != 2 or not 1 <= x.shape[0] <= MAX_TOKENS or x.dtype not in _ACT:
+        return False
+    fp8 = weight.dtype == FP8
+    if not fp8 and (weight.dtype != x.dtype or weight_scale is not None or input_scale is not None):
+        return False
+    if fp8 and (weight_scale is None or weight_scale.dtype != torch.float32 or not weight_scale.is_contiguous()
+                or weight_scale.shape != weight.shape[:1]):
+        return False
+    if input_scale is not None and (input_scale.dtype != torch.float32 or input_scale.numel() != 1):
+        return False
+    k = x.shape[1]
+    kbytes = k * weight.element_size()
+    if weight.dim() != 2 or weight.shape[1] != k or kbytes % UNIT_BYTES or x.shape[0] * kbytes > _TOKEN_LIMIT:
+        return False
+    if not (_aligned(x) and _aligned(weight)):
+        return False
+    fuse = ((NORM if norm_weight is not None else 0) | (SILU_MUL if silu_mul else 0)
+            | (RESIDUAL if residual is not None else 0)
+            | (OUT_F32 if out_dtype == torch.float32 and x.dtype != torch.float32 else 0))
+    if out_dtype not in (None, x.dtype, torch.float32) or fuse not in (FUSIONS_FP8 if fp8 else FUSIONS_16):
+        return False
+    if silu_mul and weight.shape[0] % 2:
+        return False
+    for t in (bias, norm_weight, residual):
+        if t is not None and t.dtype != x.dtype:
+            return False
+    if norm_weight is not None and not _aligned(norm_weight):
+        return False
+    if residual is not None and residual.stride(-1) != 1:
+        return False
+    if bias is not None and not bias.is_contiguous():
+        return False
+    if not enabled():
+        return False
+    cap = _capability(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    return cap >= ((8, 9) if fp8 else (8, 0))  # E4M3 mma.sync from Ada on; bf16 from Ampere
+
+
+def _shared_bytes(cfg: DenseGemvConfig, token_bytes: int, pairs: bool) -> int:
+    """The launch's dynamic shared memory: the staged tokens, the warps' rings and the epilogue's partial
+    sums [warps][row tiles x 16][8] fp32."""
+    return -(-token_bytes // 16) * 16 + cfg.ring_bytes(pairs) + cfg.warps * (2 if pairs else 1) * 16 * 8 * 4
+
+
+def _grid(fn: object, cfg: DenseGemvConfig, shared: int, tiles: int, device: torch.device) -> int:
+    """Persistent blocks: as many as fit on the GPU at once, then as few as keep every block's share of the
+    tiles equal (896 tiles on room for 396 blocks: 299 blocks of 3 tiles, not 3 rounds of which the last
+    runs a quarter full)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if shared > _shared_optin(index):
+        raise ValueError(f"{cfg} needs {shared} bytes of shared memory a block; the GPU allows "
+                         f"{_shared_optin(index)}")
+    nvrtc.allow_shared(fn, shared)
+    room = _blocks_per_sm(fn, 32 * cfg.warps, shared) * _num_sms(index)
+    per_block = -(-tiles // max(1, room))
+    return -(-tiles // per_block)
+
+
+@cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@cache
+def _shared_optin(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).shared_memory_per_block_optin) - 2048  # (static reductions)
+
+
+_occupancy: dict[tuple[int, int, int], int] = {}
+
+
+def _blocks_per_sm(fn: object, threads: int, shared: int) -> int:
+    key = (int(fn), threads, shared)  # type: ignore[call-overload]
+    if key not in _occupancy:
+        _occupancy[key] = max(1, nvrtc.blocks_per_sm(fn, threads, shared))
+    return _occupancy[key]
+
+
+_TYPES = (PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I32, I64, I64, I64, PTR, F32, PTR, PTR, I64,
+          PTR, PTR, PTR, PTR, I32, I32, I32, I32, I64, I64, I64, I64)
+_NO_KV_WRITE = (0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)  # (rope, slot, cache, kv_scale, half, ..., strides)
+
+
+def dense_mma_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                      weight_scale: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                      eps: float = 1e-6, silu_mul: bool = False, residual: torch.Tensor | None = None,
+                      input_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                      config: DenseGemvConfig | None = None, pdl: bool | None = None) -> torch.Tensor:
+    """y = W @ rms_norm(x) (+ bias) [-> silu(gate) * up] [+ residual] for x [M, K], M <= 8, in x's dtype
+    (or float32 out): gemv.gemv's contract. An E4M3 weight comes with weight_scale (float32 [N]) and
+    multiplies x's fp8 codes, per token at absmax / 448 or at input_scale (w8a8_dot_gemv's contract).
+    pdl: launch with programmatic dependent launch (None: where kernels/pdl.py enables it). The caller
+    checked `supported`."""
+    m, k = x.shape
+    fp8 = weight.dtype == FP8
+    n = weight.shape[0] // (2 if silu_mul else 1)
+    out_f32 = out_dtype == torch.float32
+    fuse = ((NORM if norm_weight is not None else 0) | (SILU_MUL if silu_mul else 0)
+            | (RESIDUAL if residual is not None else 0) | (OUT_F32 if out_f32 else 0))
+    kbytes = k * weight.element_size()
+    row_tiles = -(-n // 16)
+    cfg = config or choose_config(row_tiles, kbytes, fp8)
+    if kbytes % (UNIT_BYTES * cfg.chunks):
+        raise ValueError(f"config {cfg}: a stage of {UNIT_BYTES * cfg.chunks} bytes does not divide a row's "
+                         f"{kbytes}")
+    act = _ACT[x.dtype]
+    module = _module(act, fp8, CONFIGS if cfg in CONFIGS else (cfg,))
+    fn = module.function(x.device, kernel_name(act, fp8, cfg, fuse))
+    out = torch.empty(m, n, dtype=torch.float32 if out_f32 else x.dtype, device=x.device)
+    shared = _shared_bytes(cfg, m * kbytes, silu_mul)
+    grid = _grid(fn, cfg, shared, row_tiles, x.device)
+    args = (out.data_ptr(), x.data_ptr(), weight.data_ptr(), weight_scale.data_ptr() if weight_scale is not None else 0,
+            bias.data_ptr() if bias is not None else 0, m, n, k, row_tiles, x.stride(0), weight.stride(0) * weight.element_size(),
+            out.stride(0), norm_weight.data_ptr() if norm_weight is not None else 0, eps,
+            input_scale.data_ptr() if input_scale is not None else 0,
+            residual.data_ptr() if residual is not None else 0, residual.stride(0) if residual is not None else 0,
+            *_NO_KV_WRITE)
+    nvrtc.launch(fn, grid, 32 * cfg.warps, args, _TYPES,
+                 torch.cuda.current_stream(x.device).cuda_stream, pdl=pdl_enabled(x.device) if pdl is None else pdl,
+                 shared=shared)
+    return out
+
+
+def qkv_rope_supported(x: torch.Tensor, weight: torch.Tensor, *, weight_scale: torch.Tensor | None,
+                       bias: torch.Tensor | None, norm_weight: torch.Tensor | None, slot_mapping: torch.Tensor,
+                       kv_cache: torch.Tensor, head_dim: int, w8a8: bool, input_scale: torch.Tensor | None) -> bool:
+    """Whether `dense_qkv_rope` takes gemv.qkv_rope_gemv's call (which checked the shapes): one token,
+    the norm, rotary halves of whole 16-row tiles, an int64 slot, a cache in the activation dtype or E4M3,
+    and an E4M3 weight with its input quantized too (W8A8; 16-bit and weight-only fp8 weights stay on
+    Triton: FUSIONS_16)."""
+    if x.shape[0] != 1 or norm_weight is None or (head_dim // 2) % 16 or slot_mapping.dtype != torch.int64:
+        return False
+    if kv_cache.dtype not in (x.dtype, FP8) or weight.dtype != FP8 or not w8a8:
+        return False
+    return supported(x, weight, weight_scale=weight_scale, bias=bias, norm_weight=norm_weight,
+                     input_scale=input_scale)
+
+
+def dense_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
+                   weight_scale: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, rope_row: torch.Tensor,
+                   slot_mapping: torch.Tensor, kv_cache: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+                   head_dim: int, kv_scale: torch.Tensor, input_scale: torch.Tensor | None = None,
+                   config: DenseGemvConfig | None = None, pdl: bool | None = None) -> torch.Tensor:
+    """gemv.qkv_rope_gemv's contract on this kernel (the caller checked `qkv_rope_supported`; kv_scale:
+    float32 (k_scale, v_scale), ones for a 16-bit cache). A block owns 16 rotary pairs of one head: its two
+    row tiles are their halves. Returns q [1, Hq, D]."""
+    k = x.shape[1]
+    fp8 = weight.dtype == FP8
+    rows = weight.shape[0]
+    half = head_dim // 2
+    fuse = ROPE | NORM | (KV_FP8 if kv_cache.dtype == FP8 else 0)
+    kbytes = k * weight.element_size()
+    row_tiles = rows // 32  # blocks: 16 pairs each
+    cfg = config or choose_config(row_tiles, kbytes, fp8)
+    act = _ACT[x.dtype]
+    module = _module(act, fp8, CONFIGS if cfg in CONFIGS else (cfg,))
+    fn = module.function(x.device, kernel_name(act, fp8, cfg, fuse))
+    q = torch.empty(1, num_q_heads, head_dim, dtype=x.dtype, device=x.device)
+    shared = _shared_bytes(cfg, kbytes, True)
+    grid = _grid(fn, cfg, shared, row_tiles, x.device)
+    args = (q.data_ptr(), x.data_ptr(), weight.data_ptr(), weight_scale.data_ptr() if weight_scale is not None else 0,
+            bias.data_ptr() if bias is not None else 0, 1, rows, k, row_tiles, x.stride(0),
+            weight.stride(0) * weight.element_size(),
+            0, norm_weight.data_ptr(), eps, input_scale.data_ptr() if input_scale is not None else 0, 0, 0,
+            rope_row.data_ptr(), slot_mapping.data_ptr(), kv_cache.data_ptr(), kv_scale.data_ptr(), half,
+            num_q_heads, num_kv_heads, kv_cache.shape[2], kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+            kv_cache.stride(3))
+    nvrtc.launch(fn, grid, 32 * cfg.warps, args, _TYPES,
+                 torch.cuda.current_stream(x.device).cuda_stream, pdl=pdl_enabled(x.device) if pdl is None else pdl,
+                 shared=shared)
+    return q

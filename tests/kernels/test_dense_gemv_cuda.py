@@ -1,0 +1,199 @@
+"""The tensor-core decode product for weights as they load (kernels/dense_gemv_cuda.py, cuda/dense_gemv.cu)
+against float64 references: bf16 / fp16 weights against the activations, E4M3 weights against the token's
+fp8 codes (W8A8, the quantizer written here), every compiled config at edge shapes (1-8 tokens, rows
+that end inside a tile, a K range per warp that is empty or short), the fusions, and the routing of
+gemv.gemv / w8a8_dot_gemv through it. On the CPU: the module compiles for Hopper and the kernel refuses
+what it cannot take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ferrox.kernels import dense_gemv_cuda, nvrtc
+from ferrox.kernels.dense_gemv_cuda import CONFIGS, DenseGemvConfig, dense_mma_product, supported
+
+from tests.kernels.kernel_refs import relative_error, rms_norm_ref, silu_and_mul_ref
+from tests.kernels.test_fp8_gemv import FP8, quantize_rows_ref
+
+
+@pytest.mark.skipif(nvrtc.bindings() is None, reason="cuda-bindings (NVRTC) not installed")
+@pytest.mark.parametrize("act,fp8", [("Bf16", True), ("F16", False)])
+def test_module_compiles_for_hopper(tmp_path, monkeypatch, act, fp8):
+    monkeypatch.setenv("FERROX_CACHE_DIR", str(tmp_path))
+    source = dense_gemv_cuda._base_source()
+    assert source is not None
+    cubin = nvrtc.compile_cubin(dense_gemv_cuda.module_source(act, fp8, source), "sm_90", (), "dense_gemv.cu")
+    assert cubin[:4] == b"\x7fELF"
+    for cfg in CONFIGS:
+        for fuse in dense_gemv_cuda.FUSIONS_FP8 if fp8 else dense_gemv_cuda.FUSIONS_16:
+            assert dense_gemv_cuda.kernel_name(act, fp8, cfg, fuse).encode() in cubin
+
+
+def test_refuses_what_it_cannot_take():
+    w = torch.zeros(32, 64, dtype=torch.bfloat16)
+    assert not supported(torch.zeros(1, 64, dtype=torch.bfloat16), w)  # the CPU
+    # A stage must divide a row's bytes: four 64-byte units do not divide 96 bf16 (192 bytes) -> one.
+    assert dense_gemv_cuda.choose_config(1000, 192).chunks == 1
+    assert dense_gemv_cuda.choose_config(1000, 8192).chunks == 4
+    assert dense_gemv_cuda.choose_config(1000, 8192, fp8=True).chunks == 2
+
+
+def _weight16(n, k, dtype, device):
+    w = (torch.randn(n, k, device=device) / k ** 0.5).to(dtype)
+    return w, w.double()
+
+
+def _weight8(n, k, device):
+    w = torch.randn(n, k, device=device) / k ** 0.5 * (1 + torch.rand(n, 1, device=device) * 4)
+    q, s = quantize_rows_ref(w)
+    return q, s, q.double() * s.double()[:, None]
+
+
+def _codes_ref(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Each token row [M, K] (already normed and rounded) as the value of its fp8 code times its scale."""
+    xf = x.float()
+    s = (scale.float().expand(x.shape[0], 1) if scale is not None
+         else xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0)
+    return (xf / s).clamp(-448, 448).to(FP8).double() * s.double()
+
+
+def _case(device, dtype, n, k, m, *, fp8, norm=False, silu=False, residual=False, bias=False, static=False,
+          out_f32=False, config=None):
+    x = torch.randn(m, k, dtype=dtype, device=device)
+    g = (1 + 0.1 * torch.randn(k, device=device)).to(dtype) if norm else None
+    if fp8:
+        w, s, w_ref = _weight8(n, k, device)
+    else:
+        (w, w_ref), s = _weight16(n, k, dtype, device), None
+    b = torch.randn(n, device=device).to(dtype) if bias else None
+    n_out = n // 2 if silu else n
+    res = torch.randn(m, n_out, dtype=dtype, device=device) if residual else None
+    in_scale = torch.tensor([0.02], device=device) if static else None
+    out_dtype = torch.float32 if out_f32 else None
+    assert supported(x, w, weight_scale=s, bias=b, norm_weight=g, residual=res, silu_mul=silu, input_scale=in_scale,
+                     out_dtype=out_dtype)
+    out = dense_mma_product(x, w, b, weight_scale=s, norm_weight=g, eps=1e-5, silu_mul=silu, residual=res,
+                            input_scale=in_scale, out_dtype=out_dtype, config=config)
+
+    xin = torch.cat([rms_norm_ref(x[i:i + 1], g, 1e-5) for i in range(m)]) if norm else x
+    xin = _codes_ref(xin, in_scale) if fp8 else xin.double()
+    ref = xin @ w_ref.t() + (b.double() if b is not None else 0)
+    if silu:
+        ref = silu_and_mul_ref(ref.to(dtype))
+    if res is not None:
+        ref = ref.to(dtype) + res
+    assert out.shape == (m, n_out) and out.dtype == (torch.float32 if out_f32 else dtype)
+    assert not out.isnan().any()
+    # (fp8: a code can round the other way where the reference's norm differs in its last bit)
+    tol = (3e-2 if fp8 else 2e-2) if dtype == torch.bfloat16 else 1e-2 if fp8 else 4e-3
+    err = relative_error(out.float(), ref.float())
+    assert err < tol, (m, n, k, config, err)
+
+
+SWEEP = (*CONFIGS, DenseGemvConfig(4, 1, 2), DenseGemvConfig(16, 1, 3), DenseGemvConfig(4, 4, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [True, False], ids=["e4m3", "w16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_every_config_at_the_edges(cuda_device, seed, fp8, dtype):
+    eb = 1 if fp8 else 2
+    for cfg in SWEEP:
+        # K: one unit, a few (more warps than stages: empty ranges), a ragged split; rows inside a tile.
+        for k_units in (cfg.chunks, 3 * cfg.chunks, 37 * cfg.chunks):
+            k = k_units * 64 // eb
+            for m in (1, 3, 8):
+                _case(cuda_device, dtype, 40, k, m, fp8=fp8, config=cfg)
+        _case(cuda_device, dtype, 1000, 4096, 1, fp8=fp8, bias=True, config=cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [True, False], ids=["e4m3", "w16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fusions(cuda_device, seed, fp8, dtype):
+    for cfg in CONFIGS:
+        for m in (1, 5):
+            if fp8:  # (16-bit weights leave norm + SiLU to the Triton GEMV: FUSIONS_16)
+                _case(cuda_device, dtype, 96, 1024, m, fp8=True, norm=True, silu=True, bias=True, config=cfg)
+            _case(cuda_device, dtype, 80, 2048, m, fp8=fp8, residual=True, config=cfg)
+            _case(cuda_device, dtype, 48, 512, m, fp8=fp8, norm=True, config=cfg)
+            if fp8:
+                _case(cuda_device, dtype, 64, 1024, m, fp8=True, static=True, residual=True, config=cfg)
+            else:
+                _case(cuda_device, dtype, 64, 1024, m, fp8=False, out_f32=True, config=cfg)
+                _case(cuda_device, dtype, 64, 1024, m, fp8=False, norm=True, out_f32=True, config=cfg)
+
+
+@pytest.mark.gpu
+def test_llama_8b_shapes_route_through_the_kernel(cuda_device, seed, monkeypatch):
+    """gemv.gemv and w8a8_dot_gemv at Llama-3.1-8B's one-token shapes take the kernel (counted: every FP8
+    product, the 16-bit ones but gate_up) and agree with the Triton kernels they replace
+    (FERROX_DENSE_MMA=0)."""
+    from ferrox.kernels.gemv import gemv
+    from ferrox.kernels.w8a8_dot_gemv import w8a8_dot_gemv
+
+    calls = []
+    real = dense_gemv_cuda.dense_mma_product
+    monkeypatch.setattr(dense_gemv_cuda, "dense_mma_product", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    dt = torch.bfloat16
+    g = (1 + 0.1 * torch.randn(4096, device=cuda_device)).to(dt)
+    for n, k, kw in [(28672, 4096, dict(silu_mul=True, norm=True)), (4096, 14336, dict(residual=True)),
+                     (4096, 4096, dict(residual=True)), (6144, 4096, dict(norm=True)), (128256, 4096, dict(f32=True))]:
+        x = torch.randn(1, k, dtype=dt, device=cuda_device)
+        res = torch.randn(1, n, dtype=dt, device=cuda_device) if kw.get("residual") else None
+        args = dict(norm_weight=g if kw.get("norm") else None, eps=1e-5, silu_mul=bool(kw.get("silu_mul")),
+                    residual=res)
+        w16 = (torch.randn(n, k, device=cuda_device) / k ** 0.5).to(dt)
+        results = []
+        for switch in ("1", "0"):
+            monkeypatch.setenv("FERROX_DENSE_MMA", switch)
+            results.append(gemv(x, w16, out_dtype=torch.float32 if kw.get("f32") else None, **args))
+        assert relative_error(results[0].float(), results[1].float()) < 1e-2
+        if kw.get("f32"):
+            continue
+        w8, s = quantize_rows_ref(w16.float())
+        results = []
+        for switch in ("1", "0"):
+            monkeypatch.setenv("FERROX_DENSE_MMA", switch)
+            results.append(w8a8_dot_gemv(x, w8, s, **args))
+        assert relative_error(results[0].float(), results[1].float()) < 2e-2
+        del w16, w8
+    assert len(calls) == 8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_fp8", [False, True], ids=["cache16", "cache-e4m3"])
+def test_qkv_rope_matches_the_triton_kernel(cuda_device, seed, monkeypatch, cache_fp8):
+    """qkv_rope_gemv of a W8A8 FP8 weight through the kernel's ROPE epilogue (q rotated out, k rotated and v
+    into the paged cache at the slot, nothing for slot -1) against its Triton kernel: head dims 64 and 128,
+    GQA 4 and 8; a 16-bit weight keeps the Triton kernel."""
+    from ferrox.kernels.gemv import qkv_rope_gemv
+
+    dt = torch.bfloat16
+    for hq, hkv, d, k in ((8, 2, 64, 512), (32, 4, 128, 1024)):
+        rows = (hq + 2 * hkv) * d
+        x = torch.randn(1, k, dtype=dt, device=cuda_device)
+        g = (1 + 0.1 * torch.randn(k, device=cuda_device)).to(dt)
+        w, s, _ = _weight8(rows, k, cuda_device)
+        b = torch.randn(rows, device=cuda_device).to(dt)
+        rope = torch.randn(d, device=cuda_device)
+        scales = torch.tensor([0.05, 0.03], device=cuda_device) if cache_fp8 else None
+        for slot in (37, -1):
+            outs = []
+            for switch in ("1", "0"):
+                monkeypatch.setenv("FERROX_DENSE_MMA", switch)
+                cache = torch.zeros(2, 6, 8, hkv, d, device=cuda_device, dtype=FP8 if cache_fp8 else dt)
+                q = qkv_rope_gemv(x, w, b, norm_weight=g, eps=1e-5, rope_row=rope,
+                                  slot_mapping=torch.tensor([slot], device=cuda_device), kv_cache=cache,
+                                  num_q_heads=hq, num_kv_heads=hkv, head_dim=d, weight_scale=s, kv_scale=scales,
+                                  w8a8=True)
+                outs.append((q.float(), cache.float()))
+            (q1, c1), (q0, c0) = outs
+            assert relative_error(q1, q0) < 2e-2
+            if slot < 0:
+                assert not c1.any()
+            else:
+                written = c0[:, slot // 8, slot % 8]
+                assert written.abs().sum() > 0 and relative_error(c1[:, slot // 8, slot % 8], written) < 3e-2
+                c1[:, slot // 8, slot % 8] = 0
+                assert not c1.any()  # nothing else written
