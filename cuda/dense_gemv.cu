@@ -47,6 +47,15 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
 
+// d += a b for one m16n8k16 step, fp32 accumulation; TYPE the PTX name of the 16-bit inputs.
+#define FERROX_DENSE_MMA16(TYPE)                                                                              \
+    static __device__ __forceinline__ void mma16(float* d, const u32* a, u32 b0, u32 b1) {                   \
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE                                 \
+                     ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"                  \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                        \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                        \
+    }
+
 // The activation dtypes (16-bit floats as bit patterns converted by PTX; no headers under NVRTC).
 struct Bf16 {
     static __device__ __forceinline__ float to_float(u16 v) { return __uint_as_float(((u32)v) << 16); }
@@ -55,12 +64,7 @@ struct Bf16 {
         asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
         return r;
     }
-    static __device__ __forceinline__ void mma16(float* d, const u32* a, u32 b0, u32 b1) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                     "{%8, %9}, {%0, %1, %2, %3};"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
+    FERROX_DENSE_MMA16("bf16")
 };
 
 struct F16 {
@@ -74,12 +78,7 @@ struct F16 {
         asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
         return r;
     }
-    static __device__ __forceinline__ void mma16(float* d, const u32* a, u32 b0, u32 b1) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                     "{%8, %9}, {%0, %1, %2, %3};"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
+    FERROX_DENSE_MMA16("f16")
 };
 
 // d = a b for one m16n8k32 E4M3 step, from a zero accumulator (the header's "FP8 sums").
