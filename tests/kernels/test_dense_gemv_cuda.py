@@ -36,6 +36,16 @@ def test_refuses_what_it_cannot_take():
     assert dense_gemv_cuda.choose_config(1000, 192).chunks == 1
     assert dense_gemv_cuda.choose_config(1000, 8192).chunks == 4
     assert dense_gemv_cuda.choose_config(1000, 8192, fp8=True).chunks == 2
+    assert dense_gemv_cuda.few_token_product(torch.zeros(4, 64, dtype=torch.bfloat16), w) is None  # the CPU
+
+
+def test_batch_rows_by_weight_kind(monkeypatch):
+    monkeypatch.delenv("FERROX_DENSE_MMA_ROWS", raising=False)
+    assert (dense_gemv_cuda.batch_rows(False), dense_gemv_cuda.batch_rows(True)) == (8, 4)
+    monkeypatch.setenv("FERROX_DENSE_MMA_ROWS", "1")  # the A/B switch: batches to cuBLAS
+    assert (dense_gemv_cuda.batch_rows(False), dense_gemv_cuda.batch_rows(True)) == (1, 1)
+    monkeypatch.setenv("FERROX_DENSE_MMA_ROWS", "32")  # never past one MMA's columns
+    assert dense_gemv_cuda.batch_rows(True) == 8
 
 
 def _weight16(n, k, dtype, device):
@@ -159,6 +169,61 @@ def test_llama_8b_shapes_route_through_the_kernel(cuda_device, seed, monkeypatch
         assert relative_error(results[0].float(), results[1].float()) < 2e-2
         del w16, w8
     assert len(calls) == 8
+
+
+@pytest.mark.gpu
+def test_batches_of_few_rows_route_through_the_kernel(cuda_device, seed, monkeypatch):
+    """Linear layers and the LM head hand batches of 2-8 rows to the kernel (counted; FP8 layers 2-4), not
+    cuBLAS, and agree with F.linear; 1 and 9 rows, and inputs past the kernel's shared memory, stay on
+    F.linear; FERROX_DENSE_MMA_ROWS=1 turns the routing off."""
+    from ferrox.attention.decode_path import DecodePath
+    from ferrox.layers.linear import Linear, RowParallelLinear
+
+    calls = []
+    real = dense_gemv_cuda.dense_mma_product
+    monkeypatch.setattr(dense_gemv_cuda, "dense_mma_product", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    dt = torch.bfloat16
+    for cls, n, k, bias in ((Linear, 3072, 1024, True), (RowParallelLinear, 1024, 3072, False)):
+        layer = cls(k, n, bias=bias, dtype=dt, device=cuda_device)
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(n, k, device=cuda_device) / k ** 0.5)
+            if bias:
+                layer.bias.copy_(torch.randn(n, device=cuda_device))
+        for lead in ((2,), (5,), (8,), (2, 3), (1,), (9,)):
+            x = torch.randn(*lead, k, dtype=dt, device=cuda_device)
+            calls.clear()
+            out = layer(x)
+            ref = torch.nn.functional.linear(x.double(), layer.weight.double(),
+                                             layer.bias.double() if bias else None)
+            assert out.shape == (*lead, n) and out.dtype == dt
+            assert relative_error(out.float(), ref.float()) < 1e-2, (cls.__name__, lead)
+            assert len(calls) == (1 if 2 <= x.numel() // k <= 8 else 0), (cls.__name__, lead)
+    # Llama-3.1-8B's down_proj input: 4 bf16 rows of 14336 are past the staged tokens' limit.
+    wide = Linear(14336, 64, bias=False, dtype=dt, device=cuda_device)
+    calls.clear()
+    wide(torch.randn(4, 14336, dtype=dt, device=cuda_device))
+    assert calls == []
+    # The LM head: fp32 logits of 3 rows.
+    w = (torch.randn(5000, 512, device=cuda_device) / 512 ** 0.5).to(dt)
+    hidden = torch.randn(3, 512, dtype=dt, device=cuda_device)
+    calls.clear()
+    logits = DecodePath().logits(hidden, w)
+    assert logits.dtype == torch.float32 and logits.shape == (3, 5000) and len(calls) == 1
+    assert relative_error(logits, (hidden.double() @ w.double().t()).float()) < 1e-2
+    # FP8 W8A8 layers: up to 4 rows (dense_gemv_cuda._BATCH_ROWS); test_fp8_gemv checks their values.
+    from ferrox.layers.quant.fp8_linear import Fp8Linear
+
+    w8, s8 = quantize_rows_ref(torch.randn(1024, 2048, device=cuda_device) / 2048 ** 0.5)
+    fp8_layer = Fp8Linear(w8, s8, activations="dynamic-token")
+    for m, taken in ((2, 1), (4, 1), (5, 0), (8, 0)):
+        calls.clear()
+        assert fp8_layer(torch.randn(m, 2048, dtype=dt, device=cuda_device)).shape == (m, 1024)
+        assert len(calls) == taken, m
+    monkeypatch.setenv("FERROX_DENSE_MMA_ROWS", "1")
+    calls.clear()
+    DecodePath().logits(hidden, w)
+    layer(torch.randn(4, 3072, dtype=dt, device=cuda_device))
+    assert calls == []
 
 
 @pytest.mark.gpu

@@ -203,7 +203,7 @@ def test_fp8_linear_on_cuda(cuda_device, seed, activations):
     static = torch.tensor([0.01], device=cuda_device) if activations == "static" else None
     layer = Fp8Linear(w, s, activations=activations, input_scale=static)
     bias = torch.randn(n, device=cuda_device, dtype=torch.bfloat16)
-    for rows in (1, 2, 33, 512):
+    for rows in (1, 2, 4, 5, 33, 512):  # (2-4: dense_gemv_cuda's few-token product)
         x = torch.randn(rows, k, device=cuda_device, dtype=torch.bfloat16)
         xin = x.double()
         if activations != "weight-only":  # W8A8 at every row count (one row: w8a8_dot_gemv.py)

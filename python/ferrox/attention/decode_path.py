@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ferrox.attention.metadata import AttentionMetadata
+from ferrox.kernels import dense_gemv_cuda
 
 
 def fused_decode_enabled() -> bool:
@@ -110,5 +111,10 @@ class DecodePath:
         raise NotImplementedError(f"the {self.name} decode path takes no step itself")
 
     def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        """float32 logits [rows, vocab] of hidden [rows, hidden_size]."""
+        """float32 logits [rows, vocab] of hidden [rows, hidden_size] (a few rows on a GPU: the tensor-core
+        product for few tokens, its sums stored as float32)."""
+        if hidden.is_cuda and 2 <= hidden.shape[0] <= dense_gemv_cuda.MAX_TOKENS:
+            logits = dense_gemv_cuda.few_token_product(hidden, lm_head_weight, out_dtype=torch.float32)
+            if logits is not None:
+                return logits
         return F.linear(hidden, lm_head_weight).float()

@@ -16,7 +16,8 @@ Measured (benches/RESULTS.md): FP8 qkv 13.2 -> 10.0 us, o_proj 8.0 -> 6.3, gate_
 `qkv_rope_supported` accept (their contracts are this module's): FP8 W8A8 products of every kind, and
 16-bit products but norm + SiLU and qkv + rotary (FUSIONS_16 says why). Everything else -- the CPU, the
 Triton interpreter, fp32 activations, fp8 weight-only or block-scaled layers, int8 -- keeps the Triton
-kernels. FERROX_DENSE_MMA=0 turns it off (A/B runs).
+kernels. Linear layers hand it their batches of 2-8 rows (`few_token_product`) in place of cuBLAS.
+FERROX_DENSE_MMA=0 turns it off, FERROX_DENSE_MMA_ROWS=1 only for batches (A/B runs).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ferrox.kernels.pdl import pdl_enabled
 
 SOURCE_NAME = "dense_gemv.cu"
 _ENV = "FERROX_DENSE_MMA"
+_ROWS_ENV = "FERROX_DENSE_MMA_ROWS"
 _ACT = {torch.bfloat16: "Bf16", torch.float16: "F16"}
 FP8 = torch.float8_e4m3fn
 MAX_TOKENS = 8  # one MMA column tile
@@ -171,6 +173,44 @@ def supported(x: torch.Tensor, weight: torch.Tensor, *, weight_scale: torch.Tens
         return False
     cap = _capability(x.device.index if x.device.index is not None else torch.cuda.current_device())
     return cap >= ((8, 9) if fp8 else (8, 0))  # E4M3 mma.sync from Ada on; bf16 from Ampere
+
+
+# The most rows a batched product hands this kernel, by weight kind. Measured on an H200 (Llama-3.1-8B,
+# benches/bench_small_batch.py, benches/RESULTS.md): decode steps of 2 / 4 / 8 requests against cuBLAS,
+# bf16 1.14x / 1.06x / 1.01x, FP8 1.55x / 1.34x / 0.97x. At 8 FP8 tokens the prologue (every block
+# quantizes all 8) and their shared memory (fewer blocks an SM) cost more than cuBLASLt's GEMM; decode
+# batches of 5-8 run in the graph of 8, so FP8 stops at 4.
+_BATCH_ROWS = {False: MAX_TOKENS, True: 4}
+
+
+def batch_rows(fp8: bool) -> int:
+    """The most rows a batched product (`few_token_product`: 2+ rows, no fusions) of this weight kind
+    hands the kernel: _BATCH_ROWS, or FERROX_DENSE_MMA_ROWS for both kinds (1 leaves every batch to
+    cuBLAS: A/B runs). Read when a product is issued, so an engine takes it at start-up, when its CUDA
+    graphs are captured."""
+    env = os.environ.get(_ROWS_ENV)
+    return min(MAX_TOKENS, int(env)) if env else _BATCH_ROWS[fp8]
+
+
+def few_token_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                      weight_scale: torch.Tensor | None = None,
+                      input_scale: torch.Tensor | None = None,
+                      out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """A linear layer's product for a batch of 2 to `batch_rows()` rows x [M, K] (decode batches of a few
+    requests, speculative verify steps, short prompts), or None where the kernel does not take it (the
+    caller runs cuBLAS). Why: cuBLAS(Lt) runs a few-row product as a GEMM tiled for many rows (and FP8
+    through a separate quantizing launch first), while this kernel streams the weight at about the
+    one-token rate for up to 8 tokens (an MMA's n columns; `batch_rows` says how many it takes) and,
+    under PDL, starts reading it before the previous kernel ends. bf16 / fp16 weights in x's dtype, or
+    E4M3 with float32 row scales against x's per-token codes (input_scale: a static or tensor-wide scale
+    instead); out_dtype float32 for logits."""
+    if not 2 <= x.shape[0] <= batch_rows(weight.dtype == FP8) or not x.is_cuda:
+        return None
+    x = x.contiguous()
+    if not supported(x, weight, weight_scale=weight_scale, bias=bias, input_scale=input_scale, out_dtype=out_dtype):
+        return None
+    return dense_mma_product(x, weight, bias, weight_scale=weight_scale, input_scale=input_scale,
+                             out_dtype=out_dtype)
 
 
 def _shared_bytes(cfg: DenseGemvConfig, token_bytes: int, pairs: bool) -> int:

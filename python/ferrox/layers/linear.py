@@ -29,6 +29,7 @@ from torch import nn
 
 from ferrox.distributed.parallel_state import TPGroup, get_tp_group
 from ferrox.distributed.sharding import Weight, even_split, kv_head_range, materialize, narrow, shape_of
+from ferrox.kernels import dense_gemv_cuda
 from ferrox.layers.quant import CpuQuantWeight, QuantizedTensor
 from ferrox.layers.quant.method import LinearWeightMethod, get_quant_config
 
@@ -41,6 +42,16 @@ def _copy(target: torch.Tensor, value: torch.Tensor, what: str) -> None:
     if tuple(value.shape) != tuple(target.shape):
         raise ValueError(f"{what}: checkpoint shape {tuple(value.shape)}, model expects {tuple(target.shape)}")
     target.copy_(value)
+
+
+def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias for a 16-bit (or float32) weight: batches of 2-8 rows on a GPU through the
+    tensor-core product for few tokens (kernels/dense_gemv_cuda.py), everything else through F.linear."""
+    if x.is_cuda and 2 <= x.numel() // x.shape[-1] <= dense_gemv_cuda.MAX_TOKENS:
+        y = dense_gemv_cuda.few_token_product(x.reshape(-1, x.shape[-1]), weight, bias)
+        if y is not None:
+            return y.reshape(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
 
 
 class Linear(nn.Module):
@@ -64,7 +75,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             return self.quant(x, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return float_linear(x, self.weight, self.bias)
 
     # ---- quantized weights --------------------------------------------------------------------
     def _shard_rows(self) -> dict[str, tuple[int, int]]:
@@ -214,7 +225,7 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.adds_bias else None
-        y = F.linear(x, self.weight, bias) if self.quant is None else self.quant(x, bias)
+        y = float_linear(x, self.weight, bias) if self.quant is None else self.quant(x, bias)
         return self.tp.all_reduce(y)
 
     def load_weight(self, param_name: str, tensor: Weight, shard: str | None = None) -> None:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ferrox.kernels import dense_gemv_cuda
 from ferrox.kernels.fp8_weight_gemm import fp8_weight_linear
 from ferrox.kernels.gemv import gemv
 from ferrox.kernels.row_quant import _MIN_AMAX, FP8_DTYPE, FP8_MAX, quantize_activations_triton
@@ -155,8 +156,15 @@ class Fp8Linear(RowScaledLinear):
         elif not w8a8:  # weight-only FP8 (a W8A16 checkpoint, or shapes cuBLASLt refuses) in batches
             y = fp8_weight_linear(x2.contiguous(), self.weight, self.weight_scale, bias)
         else:
-            xq, x_scale = quantize_activations_triton(x2, self._input_scale(x2))
-            y = scaled_mm(xq, x_scale, self.weight, self.weight_scale, bias, x.dtype)
+            # A few rows (decode batches, verify steps): the tensor-core product quantizes them itself.
+            in_scale = self._input_scale(x2)
+            few = dense_gemv_cuda.few_token_product(x2, self.weight, bias, weight_scale=self.weight_scale,
+                                                    input_scale=in_scale)
+            if few is not None:
+                y = few
+            else:
+                xq, x_scale = quantize_activations_triton(x2, in_scale)
+                y = scaled_mm(xq, x_scale, self.weight, self.weight_scale, bias, x.dtype)
         return y.reshape(*lead, self.out_features)
 
     def _input_scale(self, x: torch.Tensor) -> torch.Tensor | None:
