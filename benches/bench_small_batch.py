@@ -91,7 +91,7 @@ def batch_step_ms(llm: Any, batch: int, max_id: int, iters: int = 2) -> float:
     return statistics.median(steps)
 
 
-def engines(args: argparse.Namespace, batches: tuple[int, ...]) -> list[dict]:
+def engines(args: argparse.Namespace, batches: tuple[int, ...], envs: list[str]) -> list[dict]:
     import gc
 
     from ferrox import LLM
@@ -99,7 +99,7 @@ def engines(args: argparse.Namespace, batches: tuple[int, ...]) -> list[dict]:
     model_dir, max_id = bench_setup.dummy_model_dir(args.config)
     out = []
     for weights in args.weights.split(","):
-        for rows_env in ("1", ""):  # batches on cuBLAS; as routed (dense_gemv_cuda._BATCH_ROWS)
+        for rows_env in envs:  # "1": batches on cuBLAS; "": as routed (dense_gemv_cuda._BATCH_ROWS)
             os.environ["FERROX_DENSE_MMA_ROWS"] = rows_env
             kw = {"quantization": "fp8"} if weights == "fp8" else {}
             llm = LLM(model=model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=64,
@@ -121,6 +121,8 @@ def main() -> None:
     parser.add_argument("--config", default=str(bench_setup.LLAMA_8B_CONFIG))
     parser.add_argument("--weights", default="bf16,fp8")
     parser.add_argument("--batches", default="1,2,4,8")
+    parser.add_argument("--rows-envs", default="1,",
+                        help="FERROX_DENSE_MMA_ROWS values, one engine each (empty: unset, as routed)")
     parser.add_argument("--skip-kernels", action="store_true")
     parser.add_argument("--skip-engines", action="store_true")
     args = parser.parse_args()
@@ -129,7 +131,8 @@ def main() -> None:
     if not args.skip_kernels:
         os.environ["FERROX_DENSE_MMA_ROWS"] = "8"  # every row count to the kernel, whatever the routing
         products(prods)
-    steps = [] if args.skip_engines else engines(args, tuple(int(b) for b in args.batches.split(",")))
+    envs = args.rows_envs.split(",")
+    steps = [] if args.skip_engines else engines(args, tuple(int(b) for b in args.batches.split(",")), envs)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "bench_small_batch.json").write_text(json.dumps({"products": prods, "steps": steps}))
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}")
@@ -143,16 +146,19 @@ def main() -> None:
             print(f"| {r['kind']} | {r['product']} | {r['mbytes']:.0f} | {r['rows']} | {r['cublas_us']:.1f} "
                   f"({r['mbytes'] / r['cublas_us']:.2f}) | {kcol} | {ratio} |")
     if steps:
-        print("\n| weights | batch | step, batches on cuBLAS (ms) | step, as routed (ms) | ratio |")
-        print("| --- | --- | --- | --- | --- |")
+        label = {"1": "batches on cuBLAS", "": "as routed"}
+        cols = [label.get(e, f"FERROX_DENSE_MMA_ROWS={e}") for e in envs]
+        print("\n| weights | batch | " + " | ".join(f"step, {c} (ms)" for c in cols) + " | cuBLAS / as routed |")
+        print("| --- | --- | " + " | ".join("---" for _ in cols) + " | --- |")
         figure = []
         for weights in args.weights.split(","):
             for b in sorted({s["batch"] for s in steps}):
-                old, new = (next(s["step_ms"] for s in steps if s["weights"] == weights and s["batch"] == b
-                                 and s["rows_env"] == env) for env in ("1", ""))
-                print(f"| {weights} | {b} | {old:.3f} | {new:.3f} | {old / new:.3f}x |")
+                ms = {e: next(s["step_ms"] for s in steps if s["weights"] == weights and s["batch"] == b
+                              and s["rows_env"] == e) for e in envs}
+                ratio = ms["1"] / ms[""] if "1" in ms and "" in ms else float("nan")
+                print(f"| {weights} | {b} | " + " | ".join(f"{ms[e]:.3f}" for e in envs) + f" | {ratio:.3f}x |")
                 if b == 4:
-                    figure.append(f"{weights} batch-4 step cuBLAS / as routed {old / new:.3f}x")
+                    figure.append(f"{weights} batch-4 step cuBLAS / as routed {ratio:.3f}x")
         print("; ".join(figure))
 
 
