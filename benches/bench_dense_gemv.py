@@ -1,6 +1,7 @@
 """One-token products at Llama-3.1-8B's decode shapes: the tensor-core kernel for weights as they load
 (kernels/dense_gemv_cuda.py) against the Triton kernels it replaces (gemv.py for bf16, w8a8_dot_gemv.py for
-FP8 W8A8), with the one-token path's fusions, on one GPU. Prints a table last, then the decoder layer's
+FP8 W8A8, and for block-wise FP8 checkpoints), with the one-token path's fusions, on one GPU. Prints a
+table last, then the decoder layer's
 four products summed, Triton / CUDA.
 
     PYTHONPATH=python python benches/bench_dense_gemv.py            # default configs, PDL on and off
@@ -132,6 +133,35 @@ def run(kind: str, sweep: bool, rows: list[dict]) -> None:
         torch.cuda.empty_cache()
 
 
+def run_block(rows: list[dict]) -> None:
+    """Block-wise FP8 (128 x 128 blocks, Qwen3-FP8 / DeepSeek layout) as the one-token path runs it (qkv
+    with the norm, rotary after): w8a8_dot_gemv(block=) on Triton (FERROX_DENSE_MMA=0) and on this kernel."""
+    from ferrox.layers.quant.fp8_block import quantize_fp8_blocks
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    g = torch.ones(HIDDEN, device=dev, dtype=dt)
+    cases = (("qkv + norm", "qkv", dict(norm_weight=g)), ("o_proj + residual", "o_proj", dict(residual=True)),
+             ("gate_up + norm + SiLU", "gate_up", dict(norm_weight=g, silu_mul=True)),
+             ("down + residual", "down", dict(residual=True)))
+    for label, shape, kw in cases:
+        n, k = SHAPES[shape]
+        x = torch.randn(1, k, device=dev, dtype=dt)
+        n_out = n // 2 if kw.get("silu_mul") else n
+        args = dict(kw, residual=torch.randn(1, n_out, device=dev, dtype=dt) if kw.get("residual") else None)
+        ws = [quantize_fp8_blocks(torch.randn(n, k, device=dev) / k ** 0.5, (128, 128)) for _ in range(_copies(n, k, 1))]
+        times = {}
+        for switch in ("0", "1"):
+            os.environ["FERROX_DENSE_MMA"] = switch
+            times[switch] = graph_ms([partial(w8a8_dot_gemv, x, w, s, eps=1e-5, block=(128, 128), **args)
+                                      for w, s in ws]) * 1e3
+        tiles = -(-n_out // 16)
+        rows.append(dict(kind="fp8-block", product=label, mbytes=n * k / 1e6, triton_us=times["0"], cuda_us=times["1"],
+                         cuda_nopdl_us=float("nan"), config=str(dense_gemv_cuda.choose_config(tiles, k, True))))
+        print(rows[-1], flush=True)
+        del ws
+        torch.cuda.empty_cache()
+
+
 def prebuild(sweep: bool) -> None:
     """Compile every module the run loads, on threads (NVRTC compiles one program per call), into the disk
     cache the loads then read."""
@@ -149,14 +179,17 @@ def prebuild(sweep: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--kinds", default="bf16,fp8")
+    parser.add_argument("--kinds", default="bf16,fp8,fp8-block")
     args = parser.parse_args()
     torch.manual_seed(0)
     prebuild(args.sweep)
     read_tbps = measure_read_bandwidth_gbps() / 1e3
     rows: list[dict] = []
     for kind in args.kinds.split(","):
-        run(kind, args.sweep, rows)
+        if kind == "fp8-block":
+            run_block(rows)
+        else:
+            run(kind, args.sweep, rows)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "bench_dense_gemv.json").write_text(json.dumps(rows, indent=1))
     print(f"\nbest streaming read {read_tbps:.2f} TB/s ({torch.cuda.get_device_name()}, torch {torch.__version__}); "

@@ -102,7 +102,12 @@ def engines(args: argparse.Namespace, batches: tuple[int, ...], envs: list[str])
         for rows_env in envs:  # "1": batches on cuBLAS; "": as routed (dense_gemv_cuda._BATCH_ROWS)
             os.environ["FERROX_DENSE_MMA_ROWS"] = rows_env
             kw = {"quantization": "fp8"} if weights == "fp8" else {}
-            llm = LLM(model=model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=64,
+            folder = model_dir
+            if weights == "fp8-block":  # a block-FP8 checkpoint's config (Qwen3-FP8 / DeepSeek layout)
+                import bench_fp8
+
+                folder = bench_setup.make_model_dir(args.config, quantization_config=bench_fp8.FP8_BLOCK)
+            llm = LLM(model=folder, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=64,
                       kv_cache_memory=int(8 << 30), **kw)
             for b in batches:
                 out.append({"weights": weights, "rows_env": rows_env, "batch": b,
@@ -119,7 +124,7 @@ def engines(args: argparse.Namespace, batches: tuple[int, ...], envs: list[str])
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(bench_setup.LLAMA_8B_CONFIG))
-    parser.add_argument("--weights", default="bf16,fp8")
+    parser.add_argument("--weights", default="bf16,fp8", help="bf16, fp8 (online), fp8-block (a block-FP8 checkpoint)")
     parser.add_argument("--batches", default="1,2,4,8")
     parser.add_argument("--rows-envs", default="1,",
                         help="FERROX_DENSE_MMA_ROWS values, one engine each (empty: unset, as routed)")

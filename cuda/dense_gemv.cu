@@ -28,7 +28,8 @@
 // memory's, not the fragments' (the loop's comments say why and how the fragments are read back).
 //
 // The token(s) are staged in shared memory by a prologue: E4M3 codes at the token's scale (its absmax /
-// 448 after the input norm, or the static input scale), or the 16-bit activations (times the norm
+// 448 after the input norm, or the static input scale; BLOCK_SCALES: each group of 128 inputs' absmax /
+// 448, the group scales staged beside the codes), or the 16-bit activations (times the norm
 // weight with NORM; rstd then scales the row sums). The weights do not depend on the previous kernel,
 // so with programmatic dependent launch (kernels/pdl.py) each warp requests its first stages before
 // `griddepcontrol.wait` and the prologue runs while they arrive.
@@ -131,6 +132,10 @@ enum Fuse : int {
     OUT_F32 = 8,   // out is float32 (the LM head's logits, the MoE router's)
     ROPE = 16,     // merged q/k/v rows: rotate q and k (neox), store q to out and k, v into the paged cache
     KV_FP8 = 32,   // with ROPE: the cache is E4M3, k and v stored divided by their scales
+    // FP8, a block-wise checkpoint (DeepSeek-V3 / Qwen3-FP8): w_scale holds one scale per block of BN rows
+    // x 128 inputs ([ceil(N / BN)][K / 128], rows stride_ws apart), each token is quantized per group of
+    // 128 inputs (the group's absmax / 448), and each group's MMA sums are folded in times its two scales.
+    BLOCK_SCALES = 64,
 };
 
 // Where ROPE puts the token's k and v: the paged cache [2, blocks, block_size, kv_heads, head_dim].
@@ -214,9 +219,11 @@ static __device__ __forceinline__ void dense_gemv(void* __restrict__ out, const 
                                                   long stride_x, long stride_w, long stride_o,
                                                   const u16* __restrict__ norm_w, float eps,
                                                   const float* __restrict__ in_scale,
-                                                  const u16* __restrict__ residual, long stride_r, const KvWrite& kv) {
+                                                  const u16* __restrict__ residual, long stride_r, const KvWrite& kv,
+                                                  int block_n, long stride_ws) {
     constexpr bool HAS_NORM = (FUSE & NORM) != 0;
     constexpr bool HAS_ROPE = (FUSE & ROPE) != 0;
+    constexpr bool HAS_BLOCK = FP8 && (FUSE & BLOCK_SCALES) != 0;
     // Row tiles per block: with SILU_MUL, gate and up (N rows apart); with ROPE, the two halves of 16
     // rotary pairs of one head (half a head apart).
     constexpr int RT = (FUSE & (SILU_MUL | ROPE)) ? 2 : 1;
@@ -232,12 +239,15 @@ static __device__ __forceinline__ void dense_gemv(void* __restrict__ out, const 
     const int n_w = stages > warp ? (stages - warp + WARPS - 1) / WARPS : 0;
     constexpr long STEP = 64L * CHUNKS * WARPS;  // bytes from one of the warp's stages to its next
 
-    // Dynamic shared memory: the staged tokens [M][kbytes], each warp's ring of STAGES stages, the
-    // epilogue's partial sums [WARPS][RT x 16 rows][8 tokens].
+    // Dynamic shared memory: the staged tokens [M][kbytes], with BLOCK_SCALES their group scales
+    // [M][K / 128], each warp's ring of STAGES stages, the epilogue's partial sums [WARPS][RT x 16 rows][8
+    // tokens].
     extern __shared__ uint4 smem[];
     u8* xs = (u8*)smem;
     constexpr int STAGE_BYTES = RT * 2 * CHUNKS * 512;  // a warp's stage: [row tile][16 rows][64 CHUNKS bytes]
-    u8* rings = xs + (((long)M * kbytes + 15) & ~15L);
+    const int groups = K >> 7;  // BLOCK_SCALES: groups of 128 inputs a token
+    float* gs = (float*)(xs + (((long)M * kbytes + 15) & ~15L));
+    u8* rings = (u8*)gs + (HAS_BLOCK ? (((long)M * groups * 4 + 15) & ~15L) : 0);
     u8* ring_s = rings + warp * STAGES * STAGE_BYTES;
     float(*part)[RT * 16][8] = (float(*)[RT * 16][8])(rings + WARPS * STAGES * STAGE_BYTES);
     __shared__ float red[3][8][WARPS];  // the prologue's reductions: sum of squares, absmax (per token)
@@ -320,8 +330,27 @@ static __device__ __forceinline__ void dense_gemv(void* __restrict__ out, const 
                         f[i] = A::to_float(A::round(A::to_float(half_of(gw, i)) * A::to_float(A::round(f[i] * rstd))));
                 }
             };
-            float scale;
-            if (in_scale != nullptr) {
+            float scale = 1.f;
+            if constexpr (HAS_BLOCK) {
+                // Per group of 128 inputs, as fp8_block_gemm.py's quantizer: a group's 16 vectors are the 16
+                // lanes of a half-warp (vecs is a multiple of 16, so both halves of a warp are in or out of
+                // the loop together), its absmax one shuffle reduction among them.
+                const unsigned half_warp = 0xffffu << (lane & 16);
+                for (int v = threadIdx.x; v < vecs; v += WARPS * 32) {
+                    float f[8];
+                    normed(v, f);
+                    float amax = 0.f;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
+#pragma unroll
+                    for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(half_warp, amax, o));
+                    const float sc = fmaxf(amax, 1e-12f) / 448.f;
+                    const u32 c0 = e4m3x2(f[0] / sc, f[1] / sc) | (e4m3x2(f[2] / sc, f[3] / sc) << 16);
+                    const u32 c1 = e4m3x2(f[4] / sc, f[5] / sc) | (e4m3x2(f[6] / sc, f[7] / sc) << 16);
+                    *(uint2*)(xs + (long)m * kbytes + 8 * v) = make_uint2(c0, c1);
+                    if ((lane & 15) == 0) gs[m * groups + (v >> 4)] = sc;
+                }
+            } else if (in_scale != nullptr) {
                 scale = *in_scale;
             } else {
                 float amax = 0.f;
@@ -333,7 +362,7 @@ static __device__ __forceinline__ void dense_gemv(void* __restrict__ out, const 
                 }
                 scale = fmaxf(block_reduce<WARPS, false>(amax, red[1][m]), 1e-12f) / 448.f;
             }
-            for (int v = threadIdx.x; v < vecs; v += WARPS * 32) {
+            for (int v = threadIdx.x; v < vecs && !HAS_BLOCK; v += WARPS * 32) {
                 float f[8];
                 normed(v, f);
                 // IEEE division, as the torch quantizer divides; satfinite clamps to +-448 as it does.
@@ -367,8 +396,10 @@ static __device__ __forceinline__ void dense_gemv(void* __restrict__ out, const 
     // last one's codes; their columns are never stored).
     const u8* xw = xs + (long)min(g, M - 1) * kbytes + 16 * t + (long)warp * 64 * CHUNKS;
     float acc[RT][2][4];  // per row tile, two chains (MMA j of a unit)
-    // One unit's two MMAs per row tile: lo / hi the lane's 16 bytes of rows g / g + 8, b its token bytes.
-    auto mma_unit = [&](int r, const uint4& lo, const uint4& hi, const uint4& b) {
+    // One unit's two MMAs per row tile: lo / hi the lane's 16 bytes of rows g / g + 8, b its token bytes;
+    // BLOCK_SCALES: s0 / s1 the unit's group scales for the lane's token columns 2t / 2t + 1 (C fragments
+    // 0, 2 / 1, 3), times the tile's weight block scale.
+    auto mma_unit = [&](int r, const uint4& lo, const uint4& hi, const uint4& b, float s0, float s1) {
         const u32 a0[4] = {lo.x, hi.x, lo.y, hi.y};
         const u32 a1[4] = {lo.z, hi.z, lo.w, hi.w};
         if constexpr (FP8) {
@@ -377,8 +408,13 @@ static __device__ __forceinline__ void dense_gemv(void* __restrict__ out, const 
             mma_e4m3(d1, a1, b.z, b.w);
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                acc[r][0][i] += d0[i];
-                acc[r][1][i] += d1[i];
+                if constexpr (HAS_BLOCK) {
+                    acc[r][0][i] = fmaf(d0[i], i & 1 ? s1 : s0, acc[r][0][i]);
+                    acc[r][1][i] = fmaf(d1[i], i & 1 ? s1 : s0, acc[r][1][i]);
+                } else {
+                    acc[r][0][i] += d0[i];
+                    acc[r][1][i] += d1[i];
+                }
             }
         } else {
             A::mma16(acc[r][0], a0, b.x, b.y);
@@ -393,6 +429,15 @@ static __device__ __forceinline__ void dense_gemv(void* __restrict__ out, const 
             for (int j = 0; j < 2; ++j)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) acc[r][j][i] = 0.f;
+        // BLOCK_SCALES: the row tiles' weight scale rows (a 16-row tile lies in one block of BN rows).
+        const float* ws_row[RT];
+        if constexpr (HAS_BLOCK) {
+            const int row0 = tile_rows<HAS_ROPE>(tile, kv).row0;
+#pragma unroll
+            for (int r = 0; r < RT; ++r) ws_row[r] = w_scale + (long)((row0 + r * (int)second) / block_n) * stride_ws;
+        }
+        const float* gs0 = gs + min(2 * t, M - 1) * groups;  // the lane's token columns' group scales
+        const float* gs1 = gs + min(2 * t + 1, M - 1) * groups;
         for (int i = 0; i < n_w; ++i, ++q) {
             __syncwarp();  // every lane is done reading the slot about to be refilled
             issue((q + STAGES - 1) % STAGES);
@@ -403,10 +448,19 @@ static __device__ __forceinline__ void dense_gemv(void* __restrict__ out, const 
             for (int c = 0; c < CHUNKS; ++c) {
                 const uint4 b = *(const uint4*)(xw + i * STEP + 64 * c);
                 const int j = 16 * swz(g, 4 * c + t);  // (rows g and g + 8 swizzle alike)
+                float a0 = 1.f, a1 = 1.f;
+                int grp = 0;
+                if constexpr (HAS_BLOCK) {  // this unit's group of 128 inputs (a unit is 64 of them)
+                    grp = (int)(((long)warp * 64 * CHUNKS + i * STEP + 64 * c) >> 7);
+                    a0 = gs0[grp];
+                    a1 = gs1[grp];
+                }
 #pragma unroll
-                for (int r = 0; r < RT; ++r)
+                for (int r = 0; r < RT; ++r) {
+                    const float wsc = HAS_BLOCK ? __ldg(ws_row[r] + grp) : 1.f;
                     mma_unit(r, *(const uint4*)(st + (r * 16 + g) * RB + j),
-                             *(const uint4*)(st + (r * 16 + g + 8) * RB + j), b);
+                             *(const uint4*)(st + (r * 16 + g + 8) * RB + j), b, a0 * wsc, a1 * wsc);
+                }
             }
         }
 
@@ -431,7 +485,7 @@ static __device__ __forceinline__ void dense_gemv(void* __restrict__ out, const 
                 y += part[v][r][m];
                 if (RT == 2) up += part[v][16 + r][m];
             }
-            if constexpr (FP8) {  // the code sums times the input's and the row's scales (w8a8_dot_gemv's order)
+            if constexpr (FP8 && !HAS_BLOCK) {  // the code sums times the input's and the row's scales (w8a8_dot_gemv's order)
                 y = y * stat[m] * w_scale[row];
                 if (RT == 2) up = up * stat[m] * w_scale[row + second];
             } else if constexpr (HAS_NORM) {
@@ -469,9 +523,10 @@ static __device__ __forceinline__ void dense_gemv(void* __restrict__ out, const 
              int tiles, long stride_x, long stride_w, long stride_o, const u16* norm_w, float eps, const float* in_scale,  \
              const u16* residual, long stride_r, const float* rope, const long long* slot, void* cache,        \
              const float* kv_scale, int half, int num_q_heads, int num_kv_heads, int block_size, long s_kv,   \
-             long s_block, long s_slot, long s_head) {                                                         \
+             long s_block, long s_slot, long s_head, int block_n, long stride_ws) {                            \
         const KvWrite kv = {rope, slot, cache, kv_scale, half, num_q_heads, num_kv_heads, block_size,          \
                             s_kv, s_block, s_slot, s_head};                                                    \
         dense_gemv<A, FP8, WARPS, CHUNKS, STAGES, FUSE>(out, x, w, w_scale, bias, M, N, K, tiles, stride_x, stride_w, \
-                                                        stride_o, norm_w, eps, in_scale, residual, stride_r, kv); \
+                                                        stride_o, norm_w, eps, in_scale, residual, stride_r, kv,  \
+                                                        block_n, stride_ws);                                   \
     }

@@ -17,15 +17,17 @@ from tests.kernels.test_fp8_gemv import FP8, quantize_rows_ref
 
 
 @pytest.mark.skipif(nvrtc.bindings() is None, reason="cuda-bindings (NVRTC) not installed")
-@pytest.mark.parametrize("act,fp8", [("Bf16", True), ("F16", False)])
-def test_module_compiles_for_hopper(tmp_path, monkeypatch, act, fp8):
+@pytest.mark.parametrize("act,fp8,block", [("Bf16", True, False), ("F16", False, False), ("Bf16", True, True)],
+                         ids=["bf16-e4m3", "f16", "bf16-e4m3-block"])
+def test_module_compiles_for_hopper(tmp_path, monkeypatch, act, fp8, block):
     monkeypatch.setenv("FERROX_CACHE_DIR", str(tmp_path))
     source = dense_gemv_cuda._base_source()
     assert source is not None
-    cubin = nvrtc.compile_cubin(dense_gemv_cuda.module_source(act, fp8, source), "sm_90", (), "dense_gemv.cu")
+    cubin = nvrtc.compile_cubin(dense_gemv_cuda.module_source(act, fp8, source, CONFIGS, block), "sm_90", (),
+                                "dense_gemv.cu")
     assert cubin[:4] == b"\x7fELF"
     for cfg in CONFIGS:
-        for fuse in dense_gemv_cuda.FUSIONS_FP8 if fp8 else dense_gemv_cuda.FUSIONS_16:
+        for fuse in dense_gemv_cuda._fusions(fp8, block):
             assert dense_gemv_cuda.kernel_name(act, fp8, cfg, fuse).encode() in cubin
 
 
@@ -37,6 +39,11 @@ def test_refuses_what_it_cannot_take():
     assert dense_gemv_cuda.choose_config(1000, 8192).chunks == 4
     assert dense_gemv_cuda.choose_config(1000, 8192, fp8=True).chunks == 2
     assert dense_gemv_cuda.few_token_product(torch.zeros(4, 64, dtype=torch.bfloat16), w) is None  # the CPU
+    # Block scales: groups of 128 inputs only, BN a multiple of 16 (checked before the device is).
+    codes = torch.zeros(32, 256, dtype=torch.float8_e4m3fn)
+    x = torch.zeros(1, 256, dtype=torch.bfloat16)
+    for block, scales in (((128, 64), torch.ones(1, 4)), ((8, 128), torch.ones(4, 2)), ((128, 128), torch.ones(1, 3))):
+        assert not supported(x, codes, weight_scale=scales, block=block)
 
 
 def test_batch_rows_by_weight_kind(monkeypatch):
@@ -262,3 +269,93 @@ def test_qkv_rope_matches_the_triton_kernel(cuda_device, seed, monkeypatch, cach
                 assert written.abs().sum() > 0 and relative_error(c1[:, slot // 8, slot % 8], written) < 3e-2
                 c1[:, slot // 8, slot % 8] = 0
                 assert not c1.any()  # nothing else written
+
+
+def _block_case(device, dtype, n, k, m, *, bn=128, norm=False, silu=False, residual=False, bias=False,
+                config=None):
+    """A block-wise FP8 weight (128-input groups, bn-row blocks) against the float64 product of the
+    dequantized weight and the input quantized per token and group (fp8_block_gemm's torch quantizer)."""
+    from ferrox.kernels.fp8_block_gemm import dequantize_fp8_blocks, quantize_fp8_groups_torch
+    from ferrox.layers.quant.fp8_block import quantize_fp8_blocks
+
+    x = torch.randn(m, k, dtype=dtype, device=device)
+    x[:, : k // 3] *= 8  # groups of very different scales
+    g = (1 + 0.1 * torch.randn(k, device=device)).to(dtype) if norm else None
+    w = torch.randn(n, k, device=device) / k ** 0.5 * (1 + torch.rand(n, 1, device=device) * 4)
+    codes, scales = quantize_fp8_blocks(w, (bn, 128))
+    w_ref = dequantize_fp8_blocks(codes, scales, (bn, 128), torch.float64)
+    b = torch.randn(n, device=device).to(dtype) if bias else None
+    n_out = n // 2 if silu else n
+    res = torch.randn(m, n_out, dtype=dtype, device=device) if residual else None
+    kw = dict(weight_scale=scales, bias=b, norm_weight=g, residual=res, silu_mul=silu, block=(bn, 128))
+    assert supported(x, codes, **kw)
+    out = dense_mma_product(x, codes, b, weight_scale=scales, norm_weight=g, eps=1e-5, silu_mul=silu, residual=res,
+                            block=(bn, 128), config=config)
+    xin = torch.cat([rms_norm_ref(x[i:i + 1], g, 1e-5) for i in range(m)]) if norm else x
+    q, s = quantize_fp8_groups_torch(xin.float(), 128)
+    xin = q.double() * s.double().repeat_interleave(128, dim=1)
+    ref = xin @ w_ref.t() + (b.double() if b is not None else 0)
+    if silu:
+        ref = silu_and_mul_ref(ref.to(dtype))
+    if res is not None:
+        ref = ref.to(dtype) + res
+    assert out.shape == (m, n_out) and out.dtype == dtype and not out.isnan().any()
+    err = relative_error(out.float(), ref.float())
+    assert err < (3e-2 if dtype == torch.bfloat16 else 1e-2), (m, n, k, bn, config, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_block_scales(cuda_device, seed, dtype):
+    """Block-wise FP8 (128-input groups): every config at edge shapes (one group, rows ending inside a
+    16-row tile and inside a block of rows, 64-row blocks), the fusions, 1-8 tokens."""
+    for cfg in SWEEP:
+        if 128 % (64 * cfg.chunks):
+            continue
+        for m in (1, 3, 8):
+            _block_case(cuda_device, dtype, 40, 128, m, config=cfg)
+            _block_case(cuda_device, dtype, 200, 128 * 5, m, bn=64, config=cfg)
+        _block_case(cuda_device, dtype, 1000, 4096, 1, bias=True, config=cfg)
+    for m in (1, 4):
+        _block_case(cuda_device, dtype, 256, 1024, m, norm=True, silu=True, bias=True)
+        _block_case(cuda_device, dtype, 272, 2048, m, residual=True)
+        _block_case(cuda_device, dtype, 96, 512, m, norm=True)
+
+
+@pytest.mark.gpu
+def test_block_fp8_layers_route_through_the_kernel(cuda_device, seed, monkeypatch):
+    """w8a8_dot_gemv(block=) and Fp8BlockLinear at 1-4 rows take the kernel (counted) and agree with the
+    Triton one-token product and the block GEMM they replace (FERROX_DENSE_MMA=0); 5 rows stay on the GEMM."""
+    from ferrox.kernels.w8a8_dot_gemv import w8a8_dot_gemv
+    from ferrox.layers.quant.fp8_block import Fp8BlockLinear, quantize_fp8_blocks
+
+    calls = []
+    real = dense_gemv_cuda.dense_mma_product
+    monkeypatch.setattr(dense_gemv_cuda, "dense_mma_product", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    dt = torch.bfloat16
+    g = (1 + 0.1 * torch.randn(4096, device=cuda_device)).to(dt)
+    for n, k, kw in [(28672, 4096, dict(silu_mul=True, norm_weight=g)), (4096, 14336, dict(residual=True)),
+                     (6144, 4096, dict(norm_weight=g))]:
+        codes, scales = quantize_fp8_blocks(torch.randn(n, k, device=cuda_device) / k ** 0.5, (128, 128))
+        x = torch.randn(1, k, dtype=dt, device=cuda_device)
+        n_out = n // 2 if kw.get("silu_mul") else n
+        args = dict(kw, residual=torch.randn(1, n_out, dtype=dt, device=cuda_device) if kw.get("residual") else None)
+        results = []
+        for switch in ("1", "0"):
+            monkeypatch.setenv("FERROX_DENSE_MMA", switch)
+            results.append(w8a8_dot_gemv(x, codes, scales, eps=1e-5, block=(128, 128), **args))
+        assert relative_error(results[0].float(), results[1].float()) < 2e-2
+    assert len(calls) == 3
+    codes, scales = quantize_fp8_blocks(torch.randn(2048, 1024, device=cuda_device) / 32, (128, 128))
+    layer = Fp8BlockLinear(codes, scales, (128, 128))
+    bias = torch.randn(2048, device=cuda_device, dtype=dt)
+    for rows, taken in ((1, 1), (2, 1), (4, 1), (5, 0)):
+        x = torch.randn(rows, 1024, dtype=dt, device=cuda_device)
+        results = []
+        calls.clear()
+        for switch in ("1", "0"):
+            monkeypatch.setenv("FERROX_DENSE_MMA", switch)
+            results.append(layer(x, bias))
+        assert len(calls) == taken, rows
+        assert results[0].shape == (rows, 2048)
+        assert relative_error(results[0].float(), results[1].float()) < 2e-2, rows

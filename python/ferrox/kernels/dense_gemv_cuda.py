@@ -13,10 +13,11 @@ Measured (benches/RESULTS.md): FP8 qkv 13.2 -> 10.0 us, o_proj 8.0 -> 6.3, gate_
 20.7 -> 17.6; bf16 o_proj 9.8 -> 8.7, down 28.3 -> 27.8, the LM head 239 -> 232.
 
 `gemv.gemv`, `gemv.qkv_rope_gemv` and `w8a8_dot_gemv.w8a8_dot_gemv` hand it every call `supported` /
-`qkv_rope_supported` accept (their contracts are this module's): FP8 W8A8 products of every kind, and
-16-bit products but norm + SiLU and qkv + rotary (FUSIONS_16 says why). Everything else -- the CPU, the
-Triton interpreter, fp32 activations, fp8 weight-only or block-scaled layers, int8 -- keeps the Triton
-kernels. Linear layers hand it their batches of 2-8 rows (`few_token_product`) in place of cuBLAS.
+`qkv_rope_supported` accept (their contracts are this module's): FP8 W8A8 products of every kind --
+per-row scales, and block-wise checkpoints with 128-input groups (BLOCK_SCALES: each group's MMA sums
+folded in times its token and weight scales) --, and 16-bit products but norm + SiLU and qkv + rotary
+(FUSIONS_16 says why). Everything else -- the CPU, the Triton interpreter, fp32 activations, fp8
+weight-only layers, other block shapes, int8 -- keeps the Triton kernels. Linear layers hand it their batches of 2-8 rows (`few_token_product`) in place of cuBLAS.
 FERROX_DENSE_MMA=0 turns it off, FERROX_DENSE_MMA_ROWS=1 only for batches (A/B runs).
 """
 
@@ -48,9 +49,14 @@ _TOKEN_LIMIT = 96 * 1024
 # silu(gate) * up); the LM head and the MoE router for fp32 out (the router with the norm). 16-bit weights
 # leave gate_up and qkv + rotary to gemv.py's Triton kernels, which measured faster there (Llama-3.1-8B,
 # H200: 54.7 against 55.8 us, 14.2 against 14.5; benches/RESULTS.md): those are not compiled for them.
-NORM, SILU_MUL, RESIDUAL, OUT_F32, ROPE, KV_FP8 = 1, 2, 4, 8, 16, 32
+NORM, SILU_MUL, RESIDUAL, OUT_F32, ROPE, KV_FP8, BLOCK_SCALES = 1, 2, 4, 8, 16, 32, 64
 FUSIONS_FP8 = (0, NORM, RESIDUAL, NORM | SILU_MUL, ROPE | NORM, ROPE | NORM | KV_FP8)
 FUSIONS_16 = (0, NORM, RESIDUAL, OUT_F32, NORM | OUT_F32)
+# Block-wise FP8 checkpoints (128-input groups), in a module of their own (only their models compile it):
+# the one-token path's qkv (the norm; rotary runs after Qwen3-style per-head norms), o_proj and down
+# (residual), gate_up (norm + SiLU), and plain products for batches.
+FUSIONS_FP8_BLOCK = (BLOCK_SCALES, BLOCK_SCALES | NORM, BLOCK_SCALES | RESIDUAL, BLOCK_SCALES | NORM | SILU_MUL)
+GROUP = 128  # a block-wise checkpoint's input group (the kernel's BLOCK_SCALES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,11 +93,17 @@ def kernel_name(act: str, fp8: bool, cfg: DenseGemvConfig, fuse: int) -> str:
     return f"ferrox_dense_{act.lower()}_{'e4m3' if fp8 else 'w16'}_w{cfg.warps}_c{cfg.chunks}_s{cfg.stages}_f{fuse}"
 
 
-def module_source(act: str, fp8: bool, base: str, configs: tuple[DenseGemvConfig, ...] = CONFIGS) -> str:
-    """The .cu text plus one FERROX_DENSE_GEMV line per kernel this dtype pair can launch."""
+def _fusions(fp8: bool, block: bool) -> tuple[int, ...]:
+    return FUSIONS_FP8_BLOCK if block else FUSIONS_FP8 if fp8 else FUSIONS_16
+
+
+def module_source(act: str, fp8: bool, base: str, configs: tuple[DenseGemvConfig, ...] = CONFIGS,
+                  block: bool = False) -> str:
+    """The .cu text plus one FERROX_DENSE_GEMV line per kernel this dtype pair (block: block-scaled FP8)
+    can launch."""
     lines = [base]
     for cfg in configs:
-        for fuse in FUSIONS_FP8 if fp8 else FUSIONS_16:
+        for fuse in _fusions(fp8, block):
             lines.append(f"FERROX_DENSE_GEMV({kernel_name(act, fp8, cfg, fuse)}, {act}, {str(fp8).lower()}, "
                          f"{cfg.warps}, {cfg.chunks}, {cfg.stages}, {fuse})")
     return "\n".join(lines) + "\n"
@@ -106,12 +118,12 @@ def _base_source() -> str | None:
 
 
 @cache
-def _module(act: str, fp8: bool, configs: tuple[DenseGemvConfig, ...] = CONFIGS) -> nvrtc.CudaModule:
+def _module(act: str, fp8: bool, configs: tuple[DenseGemvConfig, ...] = CONFIGS, block: bool = False) -> nvrtc.CudaModule:
     base = _base_source()
     assert base is not None
-    suffix = "" if configs == CONFIGS else f"_{abs(hash(configs)) % 10**8}"
+    suffix = ("_block" if block else "") + ("" if configs == CONFIGS else f"_{abs(hash(configs)) % 10**8}")
     return nvrtc.CudaModule(f"dense_gemv_{act.lower()}_{'e4m3' if fp8 else 'w16'}{suffix}",
-                            module_source(act, fp8, base, configs))
+                            module_source(act, fp8, base, configs, block))
 
 
 @cache
@@ -133,17 +145,24 @@ def _aligned(t: torch.Tensor) -> bool:
 def supported(x: torch.Tensor, weight: torch.Tensor, *, weight_scale: torch.Tensor | None = None,
               bias: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
               residual: torch.Tensor | None = None, silu_mul: bool = False, input_scale: torch.Tensor | None = None,
-              out_dtype: torch.dtype | None = None) -> bool:
+              out_dtype: torch.dtype | None = None, block: tuple[int, int] | None = None) -> bool:
     """Whether the kernel takes this product (the callers checked shapes): a [M <= 8, K] CUDA input in
-    bf16 / fp16, and a weight in that dtype or (W8A8) E4M3 with float32 row scales, laid out for 16-byte
-    loads; the fusions compiled for its kind."""
+    bf16 / fp16, and a weight in that dtype or (W8A8) E4M3 with float32 row scales -- or, with block =
+    (BN, BK), block scales [ceil(N / BN), K / BK] with BK 128 and BN a multiple of 16 --, laid out for
+    16-byte loads; the fusions compiled for its kind."""
     if not x.is_cuda or x.dim() != 2 or not 1 <= x.shape[0] <= MAX_TOKENS or x.dtype not in _ACT:
         return False
     fp8 = weight.dtype == FP8
     if not fp8 and (weight.dtype != x.dtype or weight_scale is not None or input_scale is not None):
         return False
-    if fp8 and (weight_scale is None or weight_scale.dtype != torch.float32 or not weight_scale.is_contiguous()
-                or weight_scale.shape != weight.shape[:1]):
+    if block is not None:
+        bn, bk = block
+        if (not fp8 or bk != GROUP or bn % 16 or input_scale is not None or weight_scale is None
+                or weight_scale.dtype != torch.float32 or not weight_scale.is_contiguous() or x.shape[1] % GROUP
+                or weight_scale.shape != (-(-weight.shape[0] // bn), x.shape[1] // GROUP)):
+            return False
+    elif fp8 and (weight_scale is None or weight_scale.dtype != torch.float32 or not weight_scale.is_contiguous()
+                  or weight_scale.shape != weight.shape[:1]):
         return False
     if input_scale is not None and (input_scale.dtype != torch.float32 or input_scale.numel() != 1):
         return False
@@ -156,7 +175,9 @@ def supported(x: torch.Tensor, weight: torch.Tensor, *, weight_scale: torch.Tens
     fuse = ((NORM if norm_weight is not None else 0) | (SILU_MUL if silu_mul else 0)
             | (RESIDUAL if residual is not None else 0)
             | (OUT_F32 if out_dtype == torch.float32 and x.dtype != torch.float32 else 0))
-    if out_dtype not in (None, x.dtype, torch.float32) or fuse not in (FUSIONS_FP8 if fp8 else FUSIONS_16):
+    if block is not None:
+        fuse |= BLOCK_SCALES
+    if out_dtype not in (None, x.dtype, torch.float32) or fuse not in _fusions(fp8, block is not None):
         return False
     if silu_mul and weight.shape[0] % 2:
         return False
@@ -194,8 +215,8 @@ def batch_rows(fp8: bool) -> int:
 
 def few_token_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                       weight_scale: torch.Tensor | None = None,
-                      input_scale: torch.Tensor | None = None,
-                      out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+                      input_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                      block: tuple[int, int] | None = None) -> torch.Tensor | None:
     """A linear layer's product for a batch of 2 to `batch_rows()` rows x [M, K] (decode batches of a few
     requests, speculative verify steps, short prompts), or None where the kernel does not take it (the
     caller runs cuBLAS). Why: cuBLAS(Lt) runs a few-row product as a GEMM tiled for many rows (and FP8
@@ -203,20 +224,22 @@ def few_token_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     one-token rate for up to 8 tokens (an MMA's n columns; `batch_rows` says how many it takes) and,
     under PDL, starts reading it before the previous kernel ends. bf16 / fp16 weights in x's dtype, or
     E4M3 with float32 row scales against x's per-token codes (input_scale: a static or tensor-wide scale
-    instead); out_dtype float32 for logits."""
+    instead; block (BN, 128): block scales, x quantized per group); out_dtype float32 for logits."""
     if not 2 <= x.shape[0] <= batch_rows(weight.dtype == FP8) or not x.is_cuda:
         return None
     x = x.contiguous()
-    if not supported(x, weight, weight_scale=weight_scale, bias=bias, input_scale=input_scale, out_dtype=out_dtype):
+    if not supported(x, weight, weight_scale=weight_scale, bias=bias, input_scale=input_scale, out_dtype=out_dtype,
+                     block=block):
         return None
     return dense_mma_product(x, weight, bias, weight_scale=weight_scale, input_scale=input_scale,
-                             out_dtype=out_dtype)
+                             out_dtype=out_dtype, block=block)
 
 
-def _shared_bytes(cfg: DenseGemvConfig, token_bytes: int, pairs: bool) -> int:
-    """The launch's dynamic shared memory: the staged tokens, the warps' rings and the epilogue's partial
-    sums [warps][row tiles x 16][8] fp32."""
-    return -(-token_bytes // 16) * 16 + cfg.ring_bytes(pairs) + cfg.warps * (2 if pairs else 1) * 16 * 8 * 4
+def _shared_bytes(cfg: DenseGemvConfig, token_bytes: int, pairs: bool, scale_bytes: int = 0) -> int:
+    """The launch's dynamic shared memory: the staged tokens, their group scales (block-scaled FP8), the
+    warps' rings and the epilogue's partial sums [warps][row tiles x 16][8] fp32."""
+    return (-(-token_bytes // 16) * 16 + -(-scale_bytes // 16) * 16 + cfg.ring_bytes(pairs)
+            + cfg.warps * (2 if pairs else 1) * 16 * 8 * 4)
 
 
 def _grid(fn: object, cfg: DenseGemvConfig, shared: int, tiles: int, device: torch.device) -> int:
@@ -254,7 +277,7 @@ def _blocks_per_sm(fn: object, threads: int, shared: int) -> int:
 
 
 _TYPES = (PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I32, I64, I64, I64, PTR, F32, PTR, PTR, I64,
-          PTR, PTR, PTR, PTR, I32, I32, I32, I32, I64, I64, I64, I64)
+          PTR, PTR, PTR, PTR, I32, I32, I32, I32, I64, I64, I64, I64, I32, I64)
 _NO_KV_WRITE = (0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)  # (rope, slot, cache, kv_scale, half, ..., strides)
 
 
@@ -262,10 +285,12 @@ def dense_mma_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                       weight_scale: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
                       eps: float = 1e-6, silu_mul: bool = False, residual: torch.Tensor | None = None,
                       input_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                      config: DenseGemvConfig | None = None, pdl: bool | None = None) -> torch.Tensor:
+                      block: tuple[int, int] | None = None, config: DenseGemvConfig | None = None,
+                      pdl: bool | None = None) -> torch.Tensor:
     """y = W @ rms_norm(x) (+ bias) [-> silu(gate) * up] [+ residual] for x [M, K], M <= 8, in x's dtype
     (or float32 out): gemv.gemv's contract. An E4M3 weight comes with weight_scale (float32 [N]) and
-    multiplies x's fp8 codes, per token at absmax / 448 or at input_scale (w8a8_dot_gemv's contract).
+    multiplies x's fp8 codes, per token at absmax / 448 or at input_scale (w8a8_dot_gemv's contract);
+    with block (BN, 128), weight_scale holds the block scales and x is quantized per group of 128 inputs.
     pdl: launch with programmatic dependent launch (None: where kernels/pdl.py enables it). The caller
     checked `supported`."""
     m, k = x.shape
@@ -273,7 +298,8 @@ def dense_mma_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     n = weight.shape[0] // (2 if silu_mul else 1)
     out_f32 = out_dtype == torch.float32
     fuse = ((NORM if norm_weight is not None else 0) | (SILU_MUL if silu_mul else 0)
-            | (RESIDUAL if residual is not None else 0) | (OUT_F32 if out_f32 else 0))
+            | (RESIDUAL if residual is not None else 0) | (OUT_F32 if out_f32 else 0)
+            | (BLOCK_SCALES if block is not None else 0))
     kbytes = k * weight.element_size()
     row_tiles = -(-n // 16)
     cfg = config or choose_config(row_tiles, kbytes, fp8)
@@ -281,17 +307,18 @@ def dense_mma_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         raise ValueError(f"config {cfg}: a stage of {UNIT_BYTES * cfg.chunks} bytes does not divide a row's "
                          f"{kbytes}")
     act = _ACT[x.dtype]
-    module = _module(act, fp8, CONFIGS if cfg in CONFIGS else (cfg,))
+    module = _module(act, fp8, CONFIGS if cfg in CONFIGS else (cfg,), block is not None)
     fn = module.function(x.device, kernel_name(act, fp8, cfg, fuse))
     out = torch.empty(m, n, dtype=torch.float32 if out_f32 else x.dtype, device=x.device)
-    shared = _shared_bytes(cfg, m * kbytes, silu_mul)
+    shared = _shared_bytes(cfg, m * kbytes, silu_mul, m * (k // GROUP) * 4 if block is not None else 0)
     grid = _grid(fn, cfg, shared, row_tiles, x.device)
     args = (out.data_ptr(), x.data_ptr(), weight.data_ptr(), weight_scale.data_ptr() if weight_scale is not None else 0,
             bias.data_ptr() if bias is not None else 0, m, n, k, row_tiles, x.stride(0), weight.stride(0) * weight.element_size(),
             out.stride(0), norm_weight.data_ptr() if norm_weight is not None else 0, eps,
             input_scale.data_ptr() if input_scale is not None else 0,
             residual.data_ptr() if residual is not None else 0, residual.stride(0) if residual is not None else 0,
-            *_NO_KV_WRITE)
+            *_NO_KV_WRITE, block[0] if block is not None else 0,
+            weight_scale.stride(0) if block is not None and weight_scale is not None else 0)
     nvrtc.launch(fn, grid, 32 * cfg.warps, args, _TYPES,
                  torch.cuda.current_stream(x.device).cuda_stream, pdl=pdl_enabled(x.device) if pdl is None else pdl,
                  shared=shared)
@@ -341,7 +368,7 @@ def dense_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
             0, norm_weight.data_ptr(), eps, input_scale.data_ptr() if input_scale is not None else 0, 0, 0,
             rope_row.data_ptr(), slot_mapping.data_ptr(), kv_cache.data_ptr(), kv_scale.data_ptr(), half,
             num_q_heads, num_kv_heads, kv_cache.shape[2], kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-            kv_cache.stride(3))
+            kv_cache.stride(3), 0, 0)
     nvrtc.launch(fn, grid, 32 * cfg.warps, args, _TYPES,
                  torch.cuda.current_stream(x.device).cuda_stream, pdl=pdl_enabled(x.device) if pdl is None else pdl,
                  shared=shared)

@@ -221,14 +221,15 @@ def w8a8_dot_gemv(
     n_out = _check_output(weight, silu_mul, residual)
     if input_scale is not None and (input_scale.dtype != torch.float32 or input_scale.numel() != 1):
         raise ValueError(f"input_scale must be one float32 value, got {input_scale.dtype} {tuple(input_scale.shape)}")
-    # Per-row FP8 scales on a GPU with FP8 mma.sync: dense_gemv_cuda.py's kernel (16 rows a block, no split).
-    if (config is None and block is None and x.is_cuda
+    # FP8 on a GPU with FP8 mma.sync, per-row scales or 128-input groups: dense_gemv_cuda.py's kernel (16 rows
+    # a block, no split).
+    if (config is None and x.is_cuda
             and dense_gemv_cuda.supported(x, weight, weight_scale=weight_scale, bias=bias, norm_weight=norm_weight,
                                           residual=residual, silu_mul=silu_mul, input_scale=input_scale,
-                                          out_dtype=out_dtype)):
+                                          out_dtype=out_dtype, block=block)):
         return dense_gemv_cuda.dense_mma_product(x, weight, bias, weight_scale=weight_scale, norm_weight=norm_weight,
                                                  eps=eps, silu_mul=silu_mul, residual=residual,
-                                                 input_scale=input_scale, out_dtype=out_dtype)
+                                                 input_scale=input_scale, out_dtype=out_dtype, block=block)
     cfg = config or choose_dot_config(n_out, k, num_sms(x.device))
     if block is not None and config is None and cfg.split > 1:
         # Block scales, narrow products: 64 rows x 8 K ranges measured best on an H200 (o_proj 11.1 ->

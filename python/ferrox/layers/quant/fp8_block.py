@@ -16,8 +16,9 @@ parallel) or block columns (row parallel). A cut inside a block is refused namin
 How a layer multiplies (`Fp8BlockLinear`): on CUDA the activations are quantized per group in one
 Triton launch, then a Triton FP8 tensor-core GEMM with the block scales in its K loop
 (kernels/fp8_block_gemm.py). One token takes the split-K one-token product with the block scales
-(kernels/w8a8_dot_gemv.py: each K tile a group, quantized in the kernel), and the fused decode path
-runs whole layers so (norm, SiLU, residual in its prologue and epilogues). On CPU (tests,
+(kernels/w8a8_dot_gemv.py: each K tile a group, quantized in the kernel; on a GPU with FP8 mma.sync,
+128-input groups take kernels/dense_gemv_cuda.py's product, which also takes batches of 2-4 rows), and
+the fused decode path runs whole layers so (norm, SiLU, residual in its prologue and epilogues). On CPU (tests,
 development) the same arithmetic on a dequantized float32 copy of the weight, activations rounded
 through fp8 per group in place.
 """
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferrox.distributed.sharding import Weight, materialize, narrow, shape_of
+from ferrox.kernels import dense_gemv_cuda
 from ferrox.kernels.fp8_block_gemm import (
     dequantize_fp8_blocks,
     fp8_block_linear,
@@ -113,6 +115,11 @@ class Fp8BlockLinear(nn.Module):
                 y = w8a8_dot_gemv(x.reshape(1, -1).contiguous(), self.weight, self.weight_scale_inv, bias,
                                   block=self.block)
                 return y.reshape(*x.shape[:-1], self.out_features)
+            # A few rows (decode batches, verify steps): the tensor-core product quantizes them itself.
+            few = dense_gemv_cuda.few_token_product(x.reshape(-1, self.in_features), self.weight, bias,
+                                                    weight_scale=self.weight_scale_inv, block=self.block)
+            if few is not None:
+                return few.reshape(*x.shape[:-1], self.out_features)
             return fp8_block_linear(x, self.weight, self.weight_scale_inv, self.block, bias)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
