@@ -359,3 +359,27 @@ def test_block_fp8_layers_route_through_the_kernel(cuda_device, seed, monkeypatc
         assert len(calls) == taken, rows
         assert results[0].shape == (rows, 2048)
         assert relative_error(results[0].float(), results[1].float()) < 2e-2, rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [False, True], ids=["per-token", "per-group"])
+def test_fp8_codes_bit_exact(cuda_device, seed, block):
+    """The prologue's codes are the torch quantizer's, bit for bit (its division is Markstein's, not `/`):
+    an identity weight returns each input's code times its scale, against torch's division."""
+    from ferrox.kernels.fp8_block_gemm import quantize_fp8_groups_torch
+
+    k = 1024
+    eye = torch.eye(k, device=cuda_device).to(FP8)
+    for _ in range(4):
+        x = (torch.randn(3, k, device=cuda_device) * 2.0 ** torch.randint(-12, 12, (3, k), device=cuda_device))
+        x = x.to(torch.bfloat16)
+        if block:
+            out = dense_mma_product(x, eye, weight_scale=torch.ones(k // 128, k // 128, device=cuda_device),
+                                    block=(128, 128))
+            q, s = quantize_fp8_groups_torch(x.float(), 128)
+            ref = (q.float() * s.repeat_interleave(128, dim=1)).to(torch.bfloat16)
+        else:
+            out = dense_mma_product(x, eye, weight_scale=torch.ones(k, device=cuda_device))
+            s = x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / torch.tensor(448.0, device=cuda_device)
+            ref = ((x.float() / s).clamp(-448, 448).to(FP8).float() * s).to(torch.bfloat16)
+        assert torch.equal(out, ref), (out != ref).sum().item()
