@@ -55,6 +55,16 @@ def test_batch_rows_by_weight_kind(monkeypatch):
     assert dense_gemv_cuda.batch_rows(True) == 8
 
 
+@pytest.fixture
+def mma_calls(monkeypatch) -> list:
+    """The input shape of every dense_mma_product call from here on (the calls still made): which products
+    the routing hands the kernel."""
+    calls: list = []
+    real = dense_gemv_cuda.dense_mma_product
+    monkeypatch.setattr(dense_gemv_cuda, "dense_mma_product", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    return calls
+
+
 def _weight16(n, k, dtype, device):
     w = (torch.randn(n, k, device=device) / k ** 0.5).to(dtype)
     return w, w.double()
@@ -142,16 +152,14 @@ def test_fusions(cuda_device, seed, fp8, dtype):
 
 
 @pytest.mark.gpu
-def test_llama_8b_shapes_route_through_the_kernel(cuda_device, seed, monkeypatch):
+def test_llama_8b_shapes_route_through_the_kernel(cuda_device, seed, monkeypatch, mma_calls):
     """gemv.gemv and w8a8_dot_gemv at Llama-3.1-8B's one-token shapes take the kernel (counted: every FP8
     product, the 16-bit ones but gate_up) and agree with the Triton kernels they replace
     (FERROX_DENSE_MMA=0)."""
     from ferrox.kernels.gemv import gemv
     from ferrox.kernels.w8a8_dot_gemv import w8a8_dot_gemv
 
-    calls = []
-    real = dense_gemv_cuda.dense_mma_product
-    monkeypatch.setattr(dense_gemv_cuda, "dense_mma_product", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = mma_calls
     dt = torch.bfloat16
     g = (1 + 0.1 * torch.randn(4096, device=cuda_device)).to(dt)
     for n, k, kw in [(28672, 4096, dict(silu_mul=True, norm=True)), (4096, 14336, dict(residual=True)),
@@ -179,16 +187,14 @@ def test_llama_8b_shapes_route_through_the_kernel(cuda_device, seed, monkeypatch
 
 
 @pytest.mark.gpu
-def test_batches_of_few_rows_route_through_the_kernel(cuda_device, seed, monkeypatch):
+def test_batches_of_few_rows_route_through_the_kernel(cuda_device, seed, monkeypatch, mma_calls):
     """Linear layers and the LM head hand batches of 2-8 rows to the kernel (counted; FP8 layers 2-4), not
     cuBLAS, and agree with F.linear; 1 and 9 rows, and inputs past the kernel's shared memory, stay on
     F.linear; FERROX_DENSE_MMA_ROWS=1 turns the routing off."""
     from ferrox.attention.decode_path import DecodePath
     from ferrox.layers.linear import Linear, RowParallelLinear
 
-    calls = []
-    real = dense_gemv_cuda.dense_mma_product
-    monkeypatch.setattr(dense_gemv_cuda, "dense_mma_product", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    calls = mma_calls
     dt = torch.bfloat16
     for cls, n, k, bias in ((Linear, 3072, 1024, True), (RowParallelLinear, 1024, 3072, False)):
         layer = cls(k, n, bias=bias, dtype=dt, device=cuda_device)
@@ -323,15 +329,13 @@ def test_block_scales(cuda_device, seed, dtype):
 
 
 @pytest.mark.gpu
-def test_block_fp8_layers_route_through_the_kernel(cuda_device, seed, monkeypatch):
+def test_block_fp8_layers_route_through_the_kernel(cuda_device, seed, monkeypatch, mma_calls):
     """w8a8_dot_gemv(block=) and Fp8BlockLinear at 1-4 rows take the kernel (counted) and agree with the
     Triton one-token product and the block GEMM they replace (FERROX_DENSE_MMA=0); 5 rows stay on the GEMM."""
     from ferrox.kernels.w8a8_dot_gemv import w8a8_dot_gemv
     from ferrox.layers.quant.fp8_block import Fp8BlockLinear, quantize_fp8_blocks
 
-    calls = []
-    real = dense_gemv_cuda.dense_mma_product
-    monkeypatch.setattr(dense_gemv_cuda, "dense_mma_product", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = mma_calls
     dt = torch.bfloat16
     g = (1 + 0.1 * torch.randn(4096, device=cuda_device)).to(dt)
     for n, k, kw in [(28672, 4096, dict(silu_mul=True, norm_weight=g)), (4096, 14336, dict(residual=True)),
