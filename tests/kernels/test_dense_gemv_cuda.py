@@ -211,11 +211,16 @@ def test_batches_of_few_rows_route_through_the_kernel(cuda_device, seed, monkeyp
             assert out.shape == (*lead, n) and out.dtype == dt
             assert relative_error(out.float(), ref.float()) < 1e-2, (cls.__name__, lead)
             assert len(calls) == (1 if 2 <= x.numel() // k <= 8 else 0), (cls.__name__, lead)
-    # Llama-3.1-8B's down_proj input: 4 bf16 rows of 14336 are past the staged tokens' limit.
+    # Llama-3.1-8B's down_proj input: 5 bf16 rows of 14336 (143 KB) fit beside the rings, 6 do not.
     wide = Linear(14336, 64, bias=False, dtype=dt, device=cuda_device)
-    calls.clear()
-    wide(torch.randn(4, 14336, dtype=dt, device=cuda_device))
-    assert calls == []
+    with torch.no_grad():
+        wide.weight.copy_(torch.randn(64, 14336, device=cuda_device) / 14336 ** 0.5)
+    for rows, taken in ((5, 1), (6, 0)):
+        calls.clear()
+        x = torch.randn(rows, 14336, dtype=dt, device=cuda_device)
+        out = wide(x)
+        assert len(calls) == taken, rows
+        assert relative_error(out.float(), (x.double() @ wide.weight.double().t()).float()) < 1e-2
     # The LM head: fp32 logits of 3 rows.
     w = (torch.randn(5000, 512, device=cuda_device) / 512 ** 0.5).to(dt)
     hidden = torch.randn(3, 512, dtype=dt, device=cuda_device)
@@ -387,3 +392,11 @@ def test_fp8_codes_bit_exact(cuda_device, seed, block):
             s = x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / torch.tensor(448.0, device=cuda_device)
             ref = ((x.float() / s).clamp(-448, 448).to(FP8).float() * s).to(torch.bfloat16)
         assert torch.equal(out, ref), (out != ref).sum().item()
+
+
+@pytest.mark.gpu
+def test_tokens_filling_shared_memory(cuda_device, seed):
+    """Staged tokens past 100 KB beside the rings (one block an SM): 8 FP8 tokens and 5 bf16 ones of
+    Llama-3.1-8B's down_proj input."""
+    _case(cuda_device, torch.bfloat16, 512, 14336, 8, fp8=True, residual=True)
+    _case(cuda_device, torch.bfloat16, 512, 14336, 5, fp8=False)

@@ -113,7 +113,7 @@ class DecodePath:
     def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows, vocab] of hidden [rows, hidden_size] (a few rows on a GPU: the tensor-core
         product for few tokens, its sums stored as float32)."""
-        if hidden.is_cuda and 2 <= hidden.shape[0] <= dense_gemv_cuda.MAX_TOKENS:
+        if 2 <= hidden.shape[0] <= dense_gemv_cuda.MAX_TOKENS:  # (None off a GPU)
             logits = dense_gemv_cuda.few_token_product(hidden, lm_head_weight, out_dtype=torch.float32)
             if logits is not None:
                 return logits

@@ -40,9 +40,9 @@ _ACT = {torch.bfloat16: "Bf16", torch.float16: "F16"}
 FP8 = torch.float8_e4m3fn
 MAX_TOKENS = 8  # one MMA column tile
 UNIT_BYTES = 64  # a row's bytes per unit: four lanes x 16 (the .cu header)
-# The staged tokens share a block's shared memory with the warps' rings: up to 96 KB of them (Llama-3.1-8B's
-# down_proj input is 28 KB in bf16).
-_TOKEN_LIMIT = 96 * 1024
+# The staged tokens share a block's shared memory with the warps' rings (`supported` checks the sum against
+# the GPU's limit for the config the launch will take): 8 FP8 tokens of Llama-3.1-8B's down_proj input are
+# 112 KB, 4 in bf16 the same.
 
 # The .cu's Fuse flags. The one-token path asks for qkv (norm, rotary and the KV write into a 16-bit or
 # E4M3 cache; the norm alone where Qwen3's q/k norms follow), o_proj and down (residual), gate_up (norm,
@@ -168,7 +168,7 @@ def supported(x: torch.Tensor, weight: torch.Tensor, *, weight_scale: torch.Tens
         return False
     k = x.shape[1]
     kbytes = k * weight.element_size()
-    if weight.dim() != 2 or weight.shape[1] != k or kbytes % UNIT_BYTES or x.shape[0] * kbytes > _TOKEN_LIMIT:
+    if weight.dim() != 2 or weight.shape[1] != k or kbytes % UNIT_BYTES:
         return False
     if not (_aligned(x) and _aligned(weight)):
         return False
@@ -192,8 +192,14 @@ def supported(x: torch.Tensor, weight: torch.Tensor, *, weight_scale: torch.Tens
         return False
     if not enabled():
         return False
-    cap = _capability(x.device.index if x.device.index is not None else torch.cuda.current_device())
-    return cap >= ((8, 9) if fp8 else (8, 0))  # E4M3 mma.sync from Ada on; bf16 from Ampere
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if _capability(index) < ((8, 9) if fp8 else (8, 0)):  # E4M3 mma.sync from Ada on; bf16 from Ampere
+        return False
+    # The staged tokens (and group scales) beside the rings of the config the launch takes.
+    n_out = weight.shape[0] // (2 if silu_mul else 1)
+    cfg = choose_config(-(-n_out // 16), kbytes, fp8)
+    scales = x.shape[0] * (k // GROUP) * 4 if block is not None else 0
+    return _shared_bytes(cfg, x.shape[0] * kbytes, silu_mul, scales) <= _shared_optin(index)
 
 
 # The most rows a batched product hands this kernel, by weight kind. Measured on an H200 (Llama-3.1-8B,

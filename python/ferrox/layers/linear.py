@@ -46,8 +46,9 @@ def _copy(target: torch.Tensor, value: torch.Tensor, what: str) -> None:
 
 def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight.T + bias for a 16-bit (or float32) weight: batches of 2-8 rows on a GPU through the
-    tensor-core product for few tokens (kernels/dense_gemv_cuda.py), everything else through F.linear."""
-    if x.is_cuda and 2 <= x.numel() // x.shape[-1] <= dense_gemv_cuda.MAX_TOKENS:
+    tensor-core product for few tokens (kernels/dense_gemv_cuda.py, which says None elsewhere),
+    everything else through F.linear."""
+    if 2 <= x.numel() // x.shape[-1] <= dense_gemv_cuda.MAX_TOKENS:
         y = dense_gemv_cuda.few_token_product(x.reshape(-1, x.shape[-1]), weight, bias)
         if y is not None:
             return y.reshape(*x.shape[:-1], weight.shape[0])
