@@ -312,12 +312,8 @@ def dense_mma_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if kbytes % (UNIT_BYTES * cfg.chunks):
         raise ValueError(f"config {cfg}: a stage of {UNIT_BYTES * cfg.chunks} bytes does not divide a row's "
                          f"{kbytes}")
-    act = _ACT[x.dtype]
-    module = _module(act, fp8, CONFIGS if cfg in CONFIGS else (cfg,), block is not None)
-    fn = module.function(x.device, kernel_name(act, fp8, cfg, fuse))
     out = torch.empty(m, n, dtype=torch.float32 if out_f32 else x.dtype, device=x.device)
     shared = _shared_bytes(cfg, m * kbytes, silu_mul, m * (k // GROUP) * 4 if block is not None else 0)
-    grid = _grid(fn, cfg, shared, row_tiles, x.device)
     args = (out.data_ptr(), x.data_ptr(), weight.data_ptr(), weight_scale.data_ptr() if weight_scale is not None else 0,
             bias.data_ptr() if bias is not None else 0, m, n, k, row_tiles, x.stride(0), weight.stride(0) * weight.element_size(),
             out.stride(0), norm_weight.data_ptr() if norm_weight is not None else 0, eps,
@@ -325,10 +321,21 @@ def dense_mma_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
             residual.data_ptr() if residual is not None else 0, residual.stride(0) if residual is not None else 0,
             *_NO_KV_WRITE, block[0] if block is not None else 0,
             weight_scale.stride(0) if block is not None and weight_scale is not None else 0)
-    nvrtc.launch(fn, grid, 32 * cfg.warps, args, _TYPES,
-                 torch.cuda.current_stream(x.device).cuda_stream, pdl=pdl_enabled(x.device) if pdl is None else pdl,
-                 shared=shared)
+    _launch(x, fp8, block is not None, cfg, fuse, row_tiles, shared, args, pdl)
     return out
+
+
+def _launch(x: torch.Tensor, fp8: bool, block: bool, cfg: DenseGemvConfig, fuse: int, tiles: int, shared: int,
+            args: tuple, pdl: bool | None) -> None:
+    """The kernel of (x's dtype, fp8, block, cfg, fuse) -- its module compiled or loaded on first use --
+    launched on x's stream over a persistent grid for `tiles`, with `shared` bytes of dynamic shared
+    memory (pdl None: where kernels/pdl.py enables it)."""
+    act = _ACT[x.dtype]
+    module = _module(act, fp8, CONFIGS if cfg in CONFIGS else (cfg,), block)
+    fn = module.function(x.device, kernel_name(act, fp8, cfg, fuse))
+    grid = _grid(fn, cfg, shared, tiles, x.device)
+    nvrtc.launch(fn, grid, 32 * cfg.warps, args, _TYPES, torch.cuda.current_stream(x.device).cuda_stream,
+                 pdl=pdl_enabled(x.device) if pdl is None else pdl, shared=shared)
 
 
 def qkv_rope_supported(x: torch.Tensor, weight: torch.Tensor, *, weight_scale: torch.Tensor | None,
@@ -362,12 +369,7 @@ def dense_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     kbytes = k * weight.element_size()
     row_tiles = rows // 32  # blocks: 16 pairs each
     cfg = config or choose_config(row_tiles, kbytes, fp8)
-    act = _ACT[x.dtype]
-    module = _module(act, fp8, CONFIGS if cfg in CONFIGS else (cfg,))
-    fn = module.function(x.device, kernel_name(act, fp8, cfg, fuse))
     q = torch.empty(1, num_q_heads, head_dim, dtype=x.dtype, device=x.device)
-    shared = _shared_bytes(cfg, kbytes, True)
-    grid = _grid(fn, cfg, shared, row_tiles, x.device)
     args = (q.data_ptr(), x.data_ptr(), weight.data_ptr(), weight_scale.data_ptr() if weight_scale is not None else 0,
             bias.data_ptr() if bias is not None else 0, 1, rows, k, row_tiles, x.stride(0),
             weight.stride(0) * weight.element_size(),
@@ -375,7 +377,5 @@ def dense_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
             rope_row.data_ptr(), slot_mapping.data_ptr(), kv_cache.data_ptr(), kv_scale.data_ptr(), half,
             num_q_heads, num_kv_heads, kv_cache.shape[2], kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
             kv_cache.stride(3), 0, 0)
-    nvrtc.launch(fn, grid, 32 * cfg.warps, args, _TYPES,
-                 torch.cuda.current_stream(x.device).cuda_stream, pdl=pdl_enabled(x.device) if pdl is None else pdl,
-                 shared=shared)
+    _launch(x, fp8, False, cfg, fuse, row_tiles, _shared_bytes(cfg, kbytes, True), args, pdl)
     return q
