@@ -400,3 +400,42 @@ def test_tokens_filling_shared_memory(cuda_device, seed):
     Llama-3.1-8B's down_proj input."""
     _case(cuda_device, torch.bfloat16, 512, 14336, 8, fp8=True, residual=True)
     _case(cuda_device, torch.bfloat16, 512, 14336, 5, fp8=False)
+
+
+def test_launch_arguments_follow_the_kernel_signature(monkeypatch):
+    """On the CPU, with the module and launcher stubbed: the arguments each launch passes sit where
+    FERROX_DENSE_GEMV's signature takes them (one per _TYPES entry), the fusions name the kernel, and the
+    shared memory covers the staged tokens and, for block-scaled FP8, their group scales."""
+    launches = []
+
+    class Module:
+        def function(self, device, name):
+            return name
+
+    monkeypatch.setattr(dense_gemv_cuda, "_module", lambda act, fp8, configs, block: Module())
+    monkeypatch.setattr(dense_gemv_cuda, "_grid", lambda fn, cfg, shared, tiles, device: (tiles,))
+    monkeypatch.setattr(dense_gemv_cuda, "pdl_enabled", lambda device: False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 0})())
+    monkeypatch.setattr(nvrtc, "launch", lambda fn, grid, threads, args, types, stream, pdl, shared:
+                        launches.append(dict(fn=fn, grid=grid, args=args, types=types, shared=shared)))
+    x = torch.zeros(3, 1024, dtype=torch.bfloat16)
+    g = torch.ones(1024, dtype=torch.bfloat16)
+    codes = torch.zeros(512, 1024, dtype=torch.float8_e4m3fn)
+    scales = torch.ones(4, 8)
+    out = dense_mma_product(x, codes, weight_scale=scales, norm_weight=g, silu_mul=True, block=(128, 128))
+    call = launches[-1]
+    assert out.shape == (3, 256) and len(call["args"]) == len(call["types"])
+    fuse = dense_gemv_cuda.BLOCK_SCALES | dense_gemv_cuda.NORM | dense_gemv_cuda.SILU_MUL
+    assert call["fn"].endswith(f"_f{fuse}") and "e4m3" in call["fn"]
+    args = call["args"]
+    assert args[:3] == (out.data_ptr(), x.data_ptr(), codes.data_ptr()) and args[3] == scales.data_ptr()
+    assert args[5:9] == (3, 256, 1024, 16) and args[12] == g.data_ptr()  # M, N, K, row tiles; the norm
+    assert args[-2:] == (128, 8)  # block rows, the scales' row stride
+    cfg = dense_gemv_cuda.choose_config(16, 1024, True)
+    assert call["shared"] == dense_gemv_cuda._shared_bytes(cfg, 3 * 1024, True, 3 * 8 * 4)
+    # Per-row scales: no block arguments, and the residual's pointer and stride in their places.
+    res = torch.zeros(3, 512, dtype=torch.bfloat16)
+    dense_mma_product(x, codes, weight_scale=torch.ones(512), residual=res)
+    args = launches[-1]["args"]
+    assert args[15:17] == (res.data_ptr(), 512) and args[-2:] == (0, 0)
+    assert launches[-1]["fn"].endswith(f"_f{dense_gemv_cuda.RESIDUAL}")
