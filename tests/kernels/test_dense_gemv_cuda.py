@@ -55,6 +55,14 @@ def test_batch_rows_by_weight_kind(monkeypatch):
     assert dense_gemv_cuda.batch_rows(True) == 8
 
 
+def fresh_weights_landed() -> None:
+    """Wait for the weights a test has just written. Under programmatic dependent launch the kernel requests
+    its first weight stages before `griddepcontrol.wait` (an engine's weights were written at load, long
+    before), so a weight written by the launch's predecessor in the stream -- a test's quantizer, say --
+    could be read before it lands. The inputs are read after the wait and need no such care."""
+    torch.cuda.synchronize()
+
+
 @pytest.fixture
 def mma_calls(monkeypatch) -> list:
     """The input shape of every dense_mma_product call from here on (the calls still made): which products
@@ -99,6 +107,7 @@ def _case(device, dtype, n, k, m, *, fp8, norm=False, silu=False, residual=False
     out_dtype = torch.float32 if out_f32 else None
     assert supported(x, w, weight_scale=s, bias=b, norm_weight=g, residual=res, silu_mul=silu, input_scale=in_scale,
                      out_dtype=out_dtype)
+    fresh_weights_landed()
     out = dense_mma_product(x, w, b, weight_scale=s, norm_weight=g, eps=1e-5, silu_mul=silu, residual=res,
                             input_scale=in_scale, out_dtype=out_dtype, config=config)
 
@@ -169,6 +178,7 @@ def test_llama_8b_shapes_route_through_the_kernel(cuda_device, seed, monkeypatch
         args = dict(norm_weight=g if kw.get("norm") else None, eps=1e-5, silu_mul=bool(kw.get("silu_mul")),
                     residual=res)
         w16 = (torch.randn(n, k, device=cuda_device) / k ** 0.5).to(dt)
+        fresh_weights_landed()
         results = []
         for switch in ("1", "0"):
             monkeypatch.setenv("FERROX_DENSE_MMA", switch)
@@ -177,6 +187,7 @@ def test_llama_8b_shapes_route_through_the_kernel(cuda_device, seed, monkeypatch
         if kw.get("f32"):
             continue
         w8, s = quantize_rows_ref(w16.float())
+        fresh_weights_landed()
         results = []
         for switch in ("1", "0"):
             monkeypatch.setenv("FERROX_DENSE_MMA", switch)
@@ -202,6 +213,7 @@ def test_batches_of_few_rows_route_through_the_kernel(cuda_device, seed, monkeyp
             layer.weight.copy_(torch.randn(n, k, device=cuda_device) / k ** 0.5)
             if bias:
                 layer.bias.copy_(torch.randn(n, device=cuda_device))
+        fresh_weights_landed()
         for lead in ((2,), (5,), (8,), (2, 3), (1,), (9,)):
             x = torch.randn(*lead, k, dtype=dt, device=cuda_device)
             calls.clear()
@@ -215,6 +227,7 @@ def test_batches_of_few_rows_route_through_the_kernel(cuda_device, seed, monkeyp
     wide = Linear(14336, 64, bias=False, dtype=dt, device=cuda_device)
     with torch.no_grad():
         wide.weight.copy_(torch.randn(64, 14336, device=cuda_device) / 14336 ** 0.5)
+    fresh_weights_landed()
     for rows, taken in ((5, 1), (6, 0)):
         calls.clear()
         x = torch.randn(rows, 14336, dtype=dt, device=cuda_device)
@@ -224,6 +237,7 @@ def test_batches_of_few_rows_route_through_the_kernel(cuda_device, seed, monkeyp
     # The LM head: fp32 logits of 3 rows.
     w = (torch.randn(5000, 512, device=cuda_device) / 512 ** 0.5).to(dt)
     hidden = torch.randn(3, 512, dtype=dt, device=cuda_device)
+    fresh_weights_landed()
     calls.clear()
     logits = DecodePath().logits(hidden, w)
     assert logits.dtype == torch.float32 and logits.shape == (3, 5000) and len(calls) == 1
@@ -233,6 +247,7 @@ def test_batches_of_few_rows_route_through_the_kernel(cuda_device, seed, monkeyp
 
     w8, s8 = quantize_rows_ref(torch.randn(1024, 2048, device=cuda_device) / 2048 ** 0.5)
     fp8_layer = Fp8Linear(w8, s8, activations="dynamic-token")
+    fresh_weights_landed()
     for m, taken in ((2, 1), (4, 1), (5, 0), (8, 0)):
         calls.clear()
         assert fp8_layer(torch.randn(m, 2048, dtype=dt, device=cuda_device)).shape == (m, 1024)
@@ -261,6 +276,7 @@ def test_qkv_rope_matches_the_triton_kernel(cuda_device, seed, monkeypatch, cach
         b = torch.randn(rows, device=cuda_device).to(dt)
         rope = torch.randn(d, device=cuda_device)
         scales = torch.tensor([0.05, 0.03], device=cuda_device) if cache_fp8 else None
+        fresh_weights_landed()
         for slot in (37, -1):
             outs = []
             for switch in ("1", "0"):
@@ -300,6 +316,7 @@ def _block_case(device, dtype, n, k, m, *, bn=128, norm=False, silu=False, resid
     res = torch.randn(m, n_out, dtype=dtype, device=device) if residual else None
     kw = dict(weight_scale=scales, bias=b, norm_weight=g, residual=res, silu_mul=silu, block=(bn, 128))
     assert supported(x, codes, **kw)
+    fresh_weights_landed()
     out = dense_mma_product(x, codes, b, weight_scale=scales, norm_weight=g, eps=1e-5, silu_mul=silu, residual=res,
                             block=(bn, 128), config=config)
     xin = torch.cat([rms_norm_ref(x[i:i + 1], g, 1e-5) for i in range(m)]) if norm else x
@@ -347,6 +364,7 @@ def test_block_fp8_layers_route_through_the_kernel(cuda_device, seed, monkeypatc
                      (6144, 4096, dict(norm_weight=g))]:
         codes, scales = quantize_fp8_blocks(torch.randn(n, k, device=cuda_device) / k ** 0.5, (128, 128))
         x = torch.randn(1, k, dtype=dt, device=cuda_device)
+        fresh_weights_landed()
         n_out = n // 2 if kw.get("silu_mul") else n
         args = dict(kw, residual=torch.randn(1, n_out, dtype=dt, device=cuda_device) if kw.get("residual") else None)
         results = []
@@ -358,6 +376,7 @@ def test_block_fp8_layers_route_through_the_kernel(cuda_device, seed, monkeypatc
     codes, scales = quantize_fp8_blocks(torch.randn(2048, 1024, device=cuda_device) / 32, (128, 128))
     layer = Fp8BlockLinear(codes, scales, (128, 128))
     bias = torch.randn(2048, device=cuda_device, dtype=dt)
+    fresh_weights_landed()
     for rows, taken in ((1, 1), (2, 1), (4, 1), (5, 0)):
         x = torch.randn(rows, 1024, dtype=dt, device=cuda_device)
         results = []
@@ -379,6 +398,7 @@ def test_fp8_codes_bit_exact(cuda_device, seed, block):
 
     k = 1024
     eye = torch.eye(k, device=cuda_device).to(FP8)
+    fresh_weights_landed()
     for _ in range(4):
         x = (torch.randn(3, k, device=cuda_device) * 2.0 ** torch.randint(-12, 12, (3, k), device=cuda_device))
         x = x.to(torch.bfloat16)
