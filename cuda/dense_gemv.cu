@@ -341,6 +341,15 @@ static __device__ __forceinline__ void dense_gemv(void* __restrict__ out, const 
                         f[i] = A::to_float(A::round(A::to_float(half_of(gw, i)) * A::to_float(A::round(f[i] * rstd))));
                 }
             };
+            // 8 inputs' codes at scale sc (rc its reciprocal) into the token's staged row; satfinite clamps
+            // to +-448 as the torch quantizer does.
+            auto store_codes = [&](int v, const float* f, float sc, float rc) {
+                const u32 c0 = e4m3x2(div_by(f[0], sc, rc), div_by(f[1], sc, rc)) |
+                               (e4m3x2(div_by(f[2], sc, rc), div_by(f[3], sc, rc)) << 16);
+                const u32 c1 = e4m3x2(div_by(f[4], sc, rc), div_by(f[5], sc, rc)) |
+                               (e4m3x2(div_by(f[6], sc, rc), div_by(f[7], sc, rc)) << 16);
+                *(uint2*)(xs + (long)m * kbytes + 8 * v) = make_uint2(c0, c1);
+            };
             float scale = 1.f;
             if constexpr (HAS_BLOCK) {
                 // Per group of 128 inputs, as fp8_block_gemm.py's quantizer: a group's 16 vectors are the 16
@@ -355,12 +364,8 @@ static __device__ __forceinline__ void dense_gemv(void* __restrict__ out, const 
                     for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
 #pragma unroll
                     for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(half_warp, amax, o));
-                    const float sc = fmaxf(amax, 1e-12f) / 448.f, rc = __frcp_rn(sc);
-                    const u32 c0 = e4m3x2(div_by(f[0], sc, rc), div_by(f[1], sc, rc)) |
-                                   (e4m3x2(div_by(f[2], sc, rc), div_by(f[3], sc, rc)) << 16);
-                    const u32 c1 = e4m3x2(div_by(f[4], sc, rc), div_by(f[5], sc, rc)) |
-                                   (e4m3x2(div_by(f[6], sc, rc), div_by(f[7], sc, rc)) << 16);
-                    *(uint2*)(xs + (long)m * kbytes + 8 * v) = make_uint2(c0, c1);
+                    const float sc = fmaxf(amax, 1e-12f) / 448.f;
+                    store_codes(v, f, sc, __frcp_rn(sc));
                     if ((lane & 15) == 0) gs[m * groups + (v >> 4)] = sc;
                 }
             } else if (in_scale != nullptr) {
@@ -379,12 +384,7 @@ static __device__ __forceinline__ void dense_gemv(void* __restrict__ out, const 
             for (int v = threadIdx.x; v < vecs && !HAS_BLOCK; v += WARPS * 32) {
                 float f[8];
                 normed(v, f);
-                // Correctly rounded division, as the torch quantizer divides; satfinite clamps to +-448 as it does.
-                const u32 c0 = e4m3x2(div_by(f[0], scale, rs), div_by(f[1], scale, rs)) |
-                               (e4m3x2(div_by(f[2], scale, rs), div_by(f[3], scale, rs)) << 16);
-                const u32 c1 = e4m3x2(div_by(f[4], scale, rs), div_by(f[5], scale, rs)) |
-                               (e4m3x2(div_by(f[6], scale, rs), div_by(f[7], scale, rs)) << 16);
-                *(uint2*)(xs + (long)m * kbytes + 8 * v) = make_uint2(c0, c1);
+                store_codes(v, f, scale, rs);
             }
             if (threadIdx.x == 0) stat[m] = scale;
         } else {

@@ -17,8 +17,9 @@ Measured (benches/RESULTS.md): FP8 qkv 13.2 -> 10.0 us, o_proj 8.0 -> 6.3, gate_
 per-row scales, and block-wise checkpoints with 128-input groups (BLOCK_SCALES: each group's MMA sums
 folded in times its token and weight scales) --, and 16-bit products but norm + SiLU and qkv + rotary
 (FUSIONS_16 says why). Everything else -- the CPU, the Triton interpreter, fp32 activations, fp8
-weight-only layers, other block shapes, int8 -- keeps the Triton kernels. Linear layers hand it their batches of 2-8 rows (`few_token_product`) in place of cuBLAS.
-FERROX_DENSE_MMA=0 turns it off, FERROX_DENSE_MMA_ROWS=1 only for batches (A/B runs).
+weight-only layers, other block shapes, int8 -- keeps the Triton kernels. Linear layers hand it their
+batches of a few rows (`few_token_product`) in place of cuBLAS. FERROX_DENSE_MMA=0 turns it off,
+FERROX_DENSE_MMA_ROWS=1 only for batches (A/B runs).
 """
 
 from __future__ import annotations
@@ -204,9 +205,10 @@ def supported(x: torch.Tensor, weight: torch.Tensor, *, weight_scale: torch.Tens
 
 # The most rows a batched product hands this kernel, by weight kind. Measured on an H200 (Llama-3.1-8B,
 # benches/bench_small_batch.py, benches/RESULTS.md): decode steps of 2 / 4 / 8 requests against cuBLAS,
-# bf16 1.14x / 1.06x / 1.01x, FP8 1.55x / 1.34x / 0.97x. At 8 FP8 tokens the prologue (every block
-# quantizes all 8) and their shared memory (fewer blocks an SM) cost more than cuBLASLt's GEMM; decode
-# batches of 5-8 run in the graph of 8, so FP8 stops at 4.
+# bf16 1.14x / 1.06x / 1.01x, FP8 1.55x / 1.34x / 0.97x (decode batches of 5-8 run in the graph of 8).
+# Since the prologue's Markstein division and the shared-memory check that lets 8 FP8 tokens of a
+# 14336-input product in, FP8 batch 8 measured 1.18x on the kernel (FERROX_DENSE_MMA_ROWS=8); FP8 stays
+# at 4 until a kernel test failure seen in that run is rerun (benches/RESULTS.md).
 _BATCH_ROWS = {False: MAX_TOKENS, True: 4}
 
 
