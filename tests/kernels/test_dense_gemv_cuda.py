@@ -53,6 +53,9 @@ def test_batch_rows_by_weight_kind(monkeypatch):
     assert (dense_gemv_cuda.batch_rows(False), dense_gemv_cuda.batch_rows(True)) == (1, 1)
     monkeypatch.setenv("FERROX_DENSE_MMA_ROWS", "32")  # never past one MMA's columns
     assert dense_gemv_cuda.batch_rows(True) == 8
+    monkeypatch.setenv("FERROX_DENSE_MMA_ROWS", "eight")
+    with pytest.raises(ValueError, match="FERROX_DENSE_MMA_ROWS"):
+        dense_gemv_cuda.batch_rows(False)
 
 
 def fresh_weights_landed() -> None:

@@ -218,7 +218,11 @@ def batch_rows(fp8: bool) -> int:
     cuBLAS: A/B runs). Read when a product is issued, so an engine takes it at start-up, when its CUDA
     graphs are captured."""
     env = os.environ.get(_ROWS_ENV)
-    return min(MAX_TOKENS, int(env)) if env else _BATCH_ROWS[fp8]
+    if not env:
+        return _BATCH_ROWS[fp8]
+    if not env.isdigit():
+        raise ValueError(f"{_ROWS_ENV} must be a whole number of rows (1 keeps batches on cuBLAS), got {env!r}")
+    return min(MAX_TOKENS, int(env))
 
 
 def few_token_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
