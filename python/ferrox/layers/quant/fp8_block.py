@@ -17,7 +17,7 @@ How a layer multiplies (`Fp8BlockLinear`): on CUDA the activations are quantized
 Triton launch, then a Triton FP8 tensor-core GEMM with the block scales in its K loop
 (kernels/fp8_block_gemm.py). One token takes the split-K one-token product with the block scales
 (kernels/w8a8_dot_gemv.py: each K tile a group, quantized in the kernel; on a GPU with FP8 mma.sync,
-128-input groups take kernels/dense_gemv_cuda.py's product, which also takes batches of 2-4 rows), and
+128-input groups take kernels/dense_gemv_cuda.py's product, which also takes batches of 2-8 rows), and
 the fused decode path runs whole layers so (norm, SiLU, residual in its prologue and epilogues). On CPU (tests,
 development) the same arithmetic on a dequantized float32 copy of the weight, activations rounded
 through fp8 per group in place.
