@@ -87,9 +87,11 @@ def _calls(k: int, n_out: int, fus: dict, fp8: bool):
     return triton_call, cuda_call
 
 
-def run(kind: str, sweep: bool, rows: list[dict]) -> None:
+def run(kind: str, sweep: bool, rows: list[dict], products: tuple[str, ...] = ()) -> None:
     fp8 = kind == "fp8"
     for label, shape, fus in CASES:
+        if products and shape not in products:
+            continue
         if fp8 and fus.get("f32"):
             continue  # the LM head stays bf16 in FP8 models
         n, k = SHAPES[shape]
@@ -112,7 +114,7 @@ def run(kind: str, sweep: bool, rows: list[dict]) -> None:
         os.environ["FERROX_DENSE_MMA"] = "1"
         t_cuda = graph_ms([partial(cuda_call, p) for p in ws])
         t_nopdl = graph_ms([partial(cuda_call, p, pdl=False) for p in ws])
-        tiles = n // 32 if fus.get("rope") else -(-n_out // 16)
+        tiles = -(-n_out // 16)
         row = dict(kind=kind, product=label, mbytes=n * k * elem / 1e6, triton_us=t_triton * 1e3,
                    cuda_us=t_cuda * 1e3, cuda_nopdl_us=t_nopdl * 1e3,
                    config=str(dense_gemv_cuda.choose_config(tiles, k * elem, fp8)))
@@ -180,6 +182,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--kinds", default="bf16,fp8,fp8-block")
+    parser.add_argument("--products", default="", help="a comma list of qkv, o_proj, gate_up, down, lm_head (default: all)")
     args = parser.parse_args()
     torch.manual_seed(0)
     prebuild(args.sweep)
@@ -189,7 +192,7 @@ def main() -> None:
         if kind == "fp8-block":
             run_block(rows)
         else:
-            run(kind, args.sweep, rows)
+            run(kind, args.sweep, rows, tuple(p for p in args.products.split(",") if p))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "bench_dense_gemv.json").write_text(json.dumps(rows, indent=1))
     print(f"\nbest streaming read {read_tbps:.2f} TB/s ({torch.cuda.get_device_name()}, torch {torch.__version__}); "

@@ -35,7 +35,8 @@
 // `griddepcontrol.wait` and the prologue runs while they arrive.
 //
 // Work split: a tile is 16 rows (with SILU_MUL the gate tile and its up tile N rows further on; with
-// ROPE the two halves of 16 rotary pairs) for every token. Blocks are persistent (the launcher sizes the
+// ROPE 8 rotary pairs of a head, their first halves in MMA rows 0-7 and second halves in rows 8-15, so
+// a lane's two rows g and g + 8 are one pair) for every token. Blocks are persistent (the launcher sizes the
 // grid so every block gets the same number of tiles) and stream their tiles back to back; a block's
 // WARPS warps take stages of CHUNKS units of the tile's rows in turn. After each tile the epilogue sums
 // the warps' fragments in shared memory and applies the one-token path's fusions (Fuse) while the next
@@ -212,15 +213,25 @@ struct TileRows {
     int row0, head, pair0;
 };
 
+// ROPE tiles are 8 pairs: 16 rows like every other tile (16-pair tiles, two row tiles a block, gave
+// Llama-3.1-8B's qkv 192 tiles for 132 SMs; benches/RESULTS.md).
 template <bool HAS_ROPE>
 static __device__ __forceinline__ TileRows tile_rows(int tile, const KvWrite& kv) {
     if constexpr (HAS_ROPE) {
-        const int tiles_per_head = kv.half >> 4;
+        const int tiles_per_head = kv.half >> 3;
         const int head = tile / tiles_per_head;
-        const int pair0 = (tile - head * tiles_per_head) * 16;
+        const int pair0 = (tile - head * tiles_per_head) * 8;
         return {head * 2 * kv.half + pair0, head, pair0};
     }
     return {tile * 16, 0, 0};
+}
+
+// The weight row of a tile's MMA row r (r < 16): consecutive rows, or for ROPE pair r % 8's first (r < 8)
+// or second half.
+template <bool HAS_ROPE>
+static __device__ __forceinline__ int tile_row(int row0, int r, const KvWrite& kv) {
+    if constexpr (HAS_ROPE) return row0 + (r & 7) + (r >> 3) * kv.half;
+    return row0 + r;
 }
 
 template <class A, bool FP8, int WARPS, int CHUNKS, int STAGES, int FUSE>
@@ -235,11 +246,16 @@ static __device__ __forceinline__ void dense_gemv(void* __restrict__ out, const 
     constexpr bool HAS_NORM = (FUSE & NORM) != 0;
     constexpr bool HAS_ROPE = (FUSE & ROPE) != 0;
     constexpr bool HAS_BLOCK = FP8 && (FUSE & BLOCK_SCALES) != 0;
-    // Row tiles per block: with SILU_MUL, gate and up (N rows apart); with ROPE, the two halves of 16
-    // rotary pairs of one head (half a head apart).
-    constexpr int RT = (FUSE & (SILU_MUL | ROPE)) ? 2 : 1;
+    static_assert(!(HAS_ROPE && HAS_BLOCK), "a ROPE tile spans both halves of a head: two weight blocks");
+    // Row tiles per block: with SILU_MUL, gate and up (N rows apart).
+    constexpr int RT = (FUSE & SILU_MUL) ? 2 : 1;
     constexpr int EBYTES = FP8 ? 1 : 2;
-    const long second = HAS_ROPE ? kv.half : N;  // the second row tile's offset
+    // The row an output pairs with in the epilogue, this many rows on: the up row (SILU_MUL, in the
+    // second row tile), the rotary partner (ROPE, MMA row + 8 of the same tile).
+    const long second = HAS_ROPE ? kv.half : N;
+    constexpr bool PAIRED = RT == 2 || HAS_ROPE;
+    // Outputs of a tile per token; the partner's sums lie OUTS rows on in the epilogue's part[][].
+    constexpr int OUTS = HAS_ROPE ? 8 : 16;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const long kbytes = (long)K * EBYTES;  // a row's (and a staged token's) bytes
@@ -291,7 +307,7 @@ static __device__ __forceinline__ void dense_gemv(void* __restrict__ out, const 
 #pragma unroll
                 for (int k = 0; k < 16 / RPI; ++k) {
                     const int row = k * RPI + cr;
-                    const long grow = min(lrow0 + row, N - 1) + r * second;
+                    const long grow = min(tile_row<HAS_ROPE>(lrow0, row, kv), N - 1) + r * second;
                     copy_async16(shared_address(stage + (r * 16 + row) * RB + 16 * swz(row, cj)),
                                  w + grow * stride_w + lcol, policy);
                 }
@@ -491,26 +507,26 @@ static __device__ __forceinline__ void dense_gemv(void* __restrict__ out, const 
         }
         __syncthreads();
         const TileRows tr = tile_rows<HAS_ROPE>(tile, kv);
-        for (int idx = threadIdx.x; idx < 16 * M; idx += WARPS * 32) {
-            const int r = idx & 15, m = idx >> 4;
+        for (int idx = threadIdx.x; idx < OUTS * M; idx += WARPS * 32) {
+            const int r = idx & (OUTS - 1), m = HAS_ROPE ? idx >> 3 : idx >> 4;
             const int row = tr.row0 + r;
             if (row >= N) continue;
             float y = 0.f, up = 0.f;
 #pragma unroll
             for (int v = 0; v < WARPS; ++v) {
                 y += part[v][r][m];
-                if (RT == 2) up += part[v][16 + r][m];
+                if (PAIRED) up += part[v][OUTS + r][m];
             }
             if constexpr (FP8 && !HAS_BLOCK) {  // the code sums times the input's and the row's scales (w8a8_dot_gemv's order)
                 y = y * stat[m] * w_scale[row];
-                if (RT == 2) up = up * stat[m] * w_scale[row + second];
+                if (PAIRED) up = up * stat[m] * w_scale[row + second];
             } else if constexpr (HAS_NORM) {
                 y *= stat[m];
                 up *= stat[m];
             }
             if (bias != nullptr) {
                 y += A::to_float(bias[row]);
-                if (RT == 2) up += A::to_float(bias[row + second]);
+                if (PAIRED) up += A::to_float(bias[row + second]);
             }
             if constexpr (HAS_ROPE) {  // gemv.py's qkv kernel's epilogue (one token)
                 rope_store<A, FUSE>(out, y, up, row, tr.head, tr.pair0 + r, kv);

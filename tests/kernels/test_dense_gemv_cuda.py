@@ -7,6 +7,8 @@ what it cannot take."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from ferrox.kernels import dense_gemv_cuda, nvrtc
@@ -266,30 +268,40 @@ def test_batches_of_few_rows_route_through_the_kernel(cuda_device, seed, monkeyp
 @pytest.mark.parametrize("cache_fp8", [False, True], ids=["cache16", "cache-e4m3"])
 def test_qkv_rope_matches_the_triton_kernel(cuda_device, seed, monkeypatch, cache_fp8):
     """qkv_rope_gemv of a W8A8 FP8 weight through the kernel's ROPE epilogue (q rotated out, k rotated and v
-    into the paged cache at the slot, nothing for slot -1) against its Triton kernel: head dims 64 and 128,
-    GQA 4 and 8; a 16-bit weight keeps the Triton kernel."""
+    into the paged cache at the slot, nothing for slot -1; a tile is 8 rotary pairs, both halves) against
+    its Triton kernel: head dims 64, 80 (20 pairs: tiles of 8 that do not divide 16) and 128, GQA 2, 4 and
+    8; a bf16 weight keeps the Triton kernel."""
     from ferrox.kernels.gemv import qkv_rope_gemv
 
+    taken: list = []
+    real = dense_gemv_cuda.dense_qkv_rope
+    monkeypatch.setattr(dense_gemv_cuda, "dense_qkv_rope", lambda *a, **kw: taken.append(1) or real(*a, **kw))
     dt = torch.bfloat16
-    for hq, hkv, d, k in ((8, 2, 64, 512), (32, 4, 128, 1024)):
+    for (hq, hkv, d, k), w8a8 in itertools.product(((8, 2, 64, 512), (4, 2, 80, 256), (32, 4, 128, 1024)),
+                                                   (True, False)):
         rows = (hq + 2 * hkv) * d
         x = torch.randn(1, k, dtype=dt, device=cuda_device)
         g = (1 + 0.1 * torch.randn(k, device=cuda_device)).to(dt)
-        w, s, _ = _weight8(rows, k, cuda_device)
+        if w8a8:
+            w, s, _ = _weight8(rows, k, cuda_device)
+        else:
+            (w, _), s = _weight16(rows, k, dt, cuda_device), None
         b = torch.randn(rows, device=cuda_device).to(dt)
         rope = torch.randn(d, device=cuda_device)
         scales = torch.tensor([0.05, 0.03], device=cuda_device) if cache_fp8 else None
         fresh_weights_landed()
         for slot in (37, -1):
             outs = []
+            taken.clear()
             for switch in ("1", "0"):
                 monkeypatch.setenv("FERROX_DENSE_MMA", switch)
                 cache = torch.zeros(2, 6, 8, hkv, d, device=cuda_device, dtype=FP8 if cache_fp8 else dt)
                 q = qkv_rope_gemv(x, w, b, norm_weight=g, eps=1e-5, rope_row=rope,
                                   slot_mapping=torch.tensor([slot], device=cuda_device), kv_cache=cache,
                                   num_q_heads=hq, num_kv_heads=hkv, head_dim=d, weight_scale=s, kv_scale=scales,
-                                  w8a8=True)
+                                  w8a8=w8a8)
                 outs.append((q.float(), cache.float()))
+            assert taken == ([1] if w8a8 else []), (d, slot, w8a8)
             (q1, c1), (q0, c0) = outs
             assert relative_error(q1, q0) < 2e-2
             if slot < 0:
@@ -462,3 +474,16 @@ def test_launch_arguments_follow_the_kernel_signature(monkeypatch):
     args = launches[-1]["args"]
     assert args[15:17] == (res.data_ptr(), 512) and args[-2:] == (0, 0)
     assert launches[-1]["fn"].endswith(f"_f{dense_gemv_cuda.RESIDUAL}")
+    # qkv + rotary (4 q heads, 2 kv heads of 64): a tile of 8 rotary pairs each, 16 rows.
+    qkv = torch.zeros(8 * 64, 1024, dtype=torch.float8_e4m3fn)
+    cache = torch.zeros(2, 4, 16, 2, 64, dtype=torch.bfloat16)
+    q = dense_gemv_cuda.dense_qkv_rope(x[:1], qkv, None, weight_scale=torch.ones(512), norm_weight=g, eps=1e-5,
+                                       rope_row=torch.zeros(64), slot_mapping=torch.zeros(1, dtype=torch.int64),
+                                       kv_cache=cache, num_q_heads=4, num_kv_heads=2, head_dim=64,
+                                       kv_scale=torch.ones(2))
+    call = launches[-1]
+    assert q.shape == (1, 4, 64) and len(call["args"]) == len(call["types"])
+    assert call["fn"].endswith(f"_f{dense_gemv_cuda.ROPE | dense_gemv_cuda.NORM}") and "e4m3" in call["fn"]
+    assert call["args"][5:9] == (1, 512, 1024, 32) and call["args"][21:25] == (32, 4, 2, 16)
+    cfg = dense_gemv_cuda.choose_config(32, 1024, True)
+    assert call["grid"] == (32,) and call["shared"] == dense_gemv_cuda._shared_bytes(cfg, 1024, False)

@@ -49,7 +49,8 @@ UNIT_BYTES = 64  # a row's bytes per unit: four lanes x 16 (the .cu header)
 # E4M3 cache; the norm alone where Qwen3's q/k norms follow), o_proj and down (residual), gate_up (norm,
 # silu(gate) * up); the LM head and the MoE router for fp32 out (the router with the norm). 16-bit weights
 # leave gate_up and qkv + rotary to gemv.py's Triton kernels, which measured faster there (Llama-3.1-8B,
-# H200: 54.7 against 55.8 us, 14.2 against 14.5; benches/RESULTS.md): those are not compiled for them.
+# H200: 54.7 against 55.8 us, 14.3 against 16.4 with 8-pair rotary tiles; benches/RESULTS.md): those are
+# not compiled for them.
 NORM, SILU_MUL, RESIDUAL, OUT_F32, ROPE, KV_FP8, BLOCK_SCALES = 1, 2, 4, 8, 16, 32, 64
 FUSIONS_FP8 = (0, NORM, RESIDUAL, NORM | SILU_MUL, ROPE | NORM, ROPE | NORM | KV_FP8)
 FUSIONS_16 = (0, NORM, RESIDUAL, OUT_F32, NORM | OUT_F32)
@@ -347,10 +348,10 @@ def qkv_rope_supported(x: torch.Tensor, weight: torch.Tensor, *, weight_scale: t
                        bias: torch.Tensor | None, norm_weight: torch.Tensor | None, slot_mapping: torch.Tensor,
                        kv_cache: torch.Tensor, head_dim: int, w8a8: bool, input_scale: torch.Tensor | None) -> bool:
     """Whether `dense_qkv_rope` takes gemv.qkv_rope_gemv's call (which checked the shapes): one token,
-    the norm, rotary halves of whole 16-row tiles, an int64 slot, a cache in the activation dtype or E4M3,
+    the norm, rotary halves of whole 8-pair tiles, an int64 slot, a cache in the activation dtype or E4M3,
     and an E4M3 weight with its input quantized too (W8A8; 16-bit and weight-only fp8 weights stay on
     Triton: FUSIONS_16)."""
-    if x.shape[0] != 1 or norm_weight is None or (head_dim // 2) % 16 or slot_mapping.dtype != torch.int64:
+    if x.shape[0] != 1 or norm_weight is None or (head_dim // 2) % 8 or slot_mapping.dtype != torch.int64:
         return False
     if kv_cache.dtype not in (x.dtype, FP8) or weight.dtype != FP8 or not w8a8:
         return False
@@ -364,15 +365,15 @@ def dense_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                    head_dim: int, kv_scale: torch.Tensor, input_scale: torch.Tensor | None = None,
                    config: DenseGemvConfig | None = None, pdl: bool | None = None) -> torch.Tensor:
     """gemv.qkv_rope_gemv's contract on this kernel (the caller checked `qkv_rope_supported`; kv_scale:
-    float32 (k_scale, v_scale), ones for a 16-bit cache). A block owns 16 rotary pairs of one head: its two
-    row tiles are their halves. Returns q [1, Hq, D]."""
+    float32 (k_scale, v_scale), ones for a 16-bit cache). A tile is 8 rotary pairs of one head, both
+    halves (the .cu's tile_row). Returns q [1, Hq, D]."""
     k = x.shape[1]
     fp8 = weight.dtype == FP8
     rows = weight.shape[0]
     half = head_dim // 2
     fuse = ROPE | NORM | (KV_FP8 if kv_cache.dtype == FP8 else 0)
     kbytes = k * weight.element_size()
-    row_tiles = rows // 32  # blocks: 16 pairs each
+    row_tiles = rows // 16  # 8 pairs each
     cfg = config or choose_config(row_tiles, kbytes, fp8)
     q = torch.empty(1, num_q_heads, head_dim, dtype=x.dtype, device=x.device)
     args = (q.data_ptr(), x.data_ptr(), weight.data_ptr(), weight_scale.data_ptr() if weight_scale is not None else 0,
@@ -382,5 +383,5 @@ def dense_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
             rope_row.data_ptr(), slot_mapping.data_ptr(), kv_cache.data_ptr(), kv_scale.data_ptr(), half,
             num_q_heads, num_kv_heads, kv_cache.shape[2], kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
             kv_cache.stride(3), 0, 0)
-    _launch(x, fp8, False, cfg, fuse, row_tiles, _shared_bytes(cfg, kbytes, True), args, pdl)
+    _launch(x, fp8, False, cfg, fuse, row_tiles, _shared_bytes(cfg, kbytes, False), args, pdl)
     return q
