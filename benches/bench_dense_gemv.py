@@ -135,7 +135,7 @@ def run(kind: str, sweep: bool, rows: list[dict], products: tuple[str, ...] = ()
         torch.cuda.empty_cache()
 
 
-def run_block(rows: list[dict]) -> None:
+def run_block(rows: list[dict], products: tuple[str, ...] = ()) -> None:
     """Block-wise FP8 (128 x 128 blocks, Qwen3-FP8 / DeepSeek layout) as the one-token path runs it (qkv
     with the norm, rotary after): w8a8_dot_gemv(block=) on Triton (FERROX_DENSE_MMA=0) and on this kernel."""
     from ferrox.layers.quant.fp8_block import quantize_fp8_blocks
@@ -146,6 +146,8 @@ def run_block(rows: list[dict]) -> None:
              ("gate_up + norm + SiLU", "gate_up", dict(norm_weight=g, silu_mul=True)),
              ("down + residual", "down", dict(residual=True)))
     for label, shape, kw in cases:
+        if products and shape not in products:
+            continue
         n, k = SHAPES[shape]
         x = torch.randn(1, k, device=dev, dtype=dt)
         n_out = n // 2 if kw.get("silu_mul") else n
@@ -184,15 +186,19 @@ def main() -> None:
     parser.add_argument("--kinds", default="bf16,fp8,fp8-block")
     parser.add_argument("--products", default="", help="a comma list of qkv, o_proj, gate_up, down, lm_head (default: all)")
     args = parser.parse_args()
+    products = tuple(p for p in args.products.split(",") if p)
+    unknown = sorted(set(products) - {shape for _, shape, _ in CASES})
+    if unknown:
+        parser.error(f"--products: unknown {', '.join(unknown)} (choose from {', '.join(s for _, s, _ in CASES)})")
     torch.manual_seed(0)
     prebuild(args.sweep)
     read_tbps = measure_read_bandwidth_gbps() / 1e3
     rows: list[dict] = []
     for kind in args.kinds.split(","):
         if kind == "fp8-block":
-            run_block(rows)
+            run_block(rows, products)
         else:
-            run(kind, args.sweep, rows, tuple(p for p in args.products.split(",") if p))
+            run(kind, args.sweep, rows, products)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "bench_dense_gemv.json").write_text(json.dumps(rows, indent=1))
     print(f"\nbest streaming read {read_tbps:.2f} TB/s ({torch.cuda.get_device_name()}, torch {torch.__version__}); "
