@@ -9,7 +9,7 @@ to mma.sync straight from the layer's own [N, K] weight (the .cu header says how
 against the activations, E4M3 weights against the token's fp8 codes (W8A8: quantized per token in the
 prologue, or by the static input scale, as `w8a8_dot_gemv` quantizes it). The one-token path's fusions
 ride along: the input RMSNorm, silu(gate) * up, the residual, rotary + the KV-cache write, fp32 logits.
-Measured (benches/RESULTS.md): FP8 qkv 13.2 -> 10.0 us, o_proj 8.0 -> 6.3, gate_up 33.0 -> 32.2, down
+Measured (benches/RESULTS.md): FP8 qkv 13.2 -> 9.7 us, o_proj 8.0 -> 6.3, gate_up 33.0 -> 32.2, down
 20.7 -> 17.6; bf16 o_proj 9.8 -> 8.7, down 28.3 -> 27.8, the LM head 239 -> 232.
 
 `gemv.gemv`, `gemv.qkv_rope_gemv` and `w8a8_dot_gemv.w8a8_dot_gemv` hand it every call `supported` /
