@@ -321,7 +321,9 @@ static __device__ __forceinline__ void dense_gemv(void* __restrict__ out, const 
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    // The next kernel's blocks may launch now -- but not after the qkv + rotary product, whose next
+    // kernel is attention (kernels/pdl.py says why).
+    if constexpr (!HAS_ROPE) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) issue(s);
     asm volatile("griddepcontrol.wait;" ::: "memory");  // (returns at once without PDL)

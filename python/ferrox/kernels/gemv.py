@@ -305,9 +305,11 @@ def _qkv_rope_kernel(
 ):
     """One program: BLOCK_P rotary pairs of one head of the merged q/k/v projection. Its two row
     sets are the pair's halves, so the epilogue can rotate q and k and store k and v straight
-    into the paged cache at this token's slot (no separate rotary or KV-write launch)."""
+    into the paged cache at this token's slot (no separate rotary or KV-write launch).
+
+    It never lets its dependents launch early (no `pdl_launch_dependents`, pdl.py says why): the
+    attention kernel after it starts as its programs exit."""
     HALF: tl.constexpr = HEAD_DIM // 2
-    pdl_launch_dependents(USE_PDL)
     pid = tl.program_id(0)
     head = pid // (HALF // BLOCK_P)
     pairs = (pid % (HALF // BLOCK_P)) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -556,3 +558,4 @@ def qkv_rope_gemv(
         **pdl_launch(x.device),
     )
     return q
+

@@ -16,7 +16,15 @@ The rules each kernel launched this way follows, so that nothing can race:
   "every kernel before B completed": ordering stays transitive along the stream whatever each
   kernel reads;
 - it signals `gdc_launch_dependents` at its start, so the next kernel is scheduled as soon as all
-  of this one's programs are resident (the dependents can never take an SM this kernel needs).
+  of this one's programs are resident (the dependents can never take an SM this kernel needs) --
+  except the kernels whose next kernel is decode attention (the qkv + rotary kernels of gemv.py and
+  dense_gemv.cu, Qwen3's q/k norm + rotary kernel), which never signal, so attention's programs
+  launch as theirs exit. Measured on an H200 (benches/RESULTS.md, thirty-fourth session; batch-1
+  steps, ABAB): bf16 Llama-3.1-8B 4.005 -> 3.897 ms, FP8 2.573 -> 2.547, Qwen3-30B-A3B 2.491 ->
+  2.449, int4 unchanged. Launching attention without PDL at all, or attention and its merge not
+  signalling, measured slower, as did the qkv kernel signalling after its K loop; where attention's
+  many short programs are placed while the qkv kernel still holds the SMs is the likely cause, not
+  yet profiled.
 
 A kernel launched without PDL (torch ops, cuBLAS) waits for everything before it as usual, and a
 PDL kernel after one of those simply starts when it ends. Stream capture turns the launches into

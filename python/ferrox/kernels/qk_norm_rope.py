@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ferrox.kernels.kv_fp8 import unit_kv_scales
-from ferrox.kernels.pdl import pdl_launch, pdl_launch_dependents, pdl_wait
+from ferrox.kernels.pdl import pdl_launch, pdl_wait
 from ferrox.kernels.reshape_and_cache import store_head_kv
 
 
@@ -106,7 +106,8 @@ def _qk_norm_rope_cache_kernel(
     heads are RMS-normed over the head (QK_NORM; rounded as RMSNorm stores its output) and rotated;
     q goes to q_out, k and v (unchanged) into the paged cache at this token's slot."""
     HALF: tl.constexpr = HEAD_DIM // 2
-    pdl_launch_dependents(USE_PDL)
+    # No pdl_launch_dependents: attention, which reads what this kernel writes, starts as its programs
+    # exit (pdl.py says why).
     pdl_wait(USE_PDL)
     head = tl.program_id(0)
     pairs = tl.arange(0, BLOCK_HALF)
@@ -300,3 +301,4 @@ def qk_norm_rope(
         HEAD_DIM=head_dim, BLOCK_HALF=triton.next_power_of_2(head_dim // 2), num_warps=1 if head_dim <= 128 else 2,
     )
     return q, k
+
