@@ -558,4 +558,3 @@ def qkv_rope_gemv(
         **pdl_launch(x.device),
     )
     return q
-

@@ -301,4 +301,3 @@ def qk_norm_rope(
         HEAD_DIM=head_dim, BLOCK_HALF=triton.next_power_of_2(head_dim // 2), num_warps=1 if head_dim <= 128 else 2,
     )
     return q, k
-
