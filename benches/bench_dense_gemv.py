@@ -105,8 +105,8 @@ def run(kind: str, sweep: bool, rows: list[dict], products: tuple[str, ...] = ()
         triton_call, cuda_call = _calls(k, n_out, fus, fp8)
         os.environ["FERROX_DENSE_MMA"] = "0"
         t_triton = graph_ms([partial(triton_call, p) for p in ws])
-        if not fp8 and (fus.get("rope") or fus.get("silu_mul")):
-            # Not compiled for 16-bit weights (dense_gemv_cuda.FUSIONS_16): Triton runs these.
+        if not fp8 and fus.get("silu_mul"):
+            # Not compiled for 16-bit weights (dense_gemv_cuda.FUSIONS_16): Triton runs it.
             rows.append(dict(kind=kind, product=label, mbytes=n * k * elem / 1e6, triton_us=t_triton * 1e3,
                              cuda_us=t_triton * 1e3, cuda_nopdl_us=float("nan"), config="Triton"))
             print(rows[-1], flush=True)

@@ -37,9 +37,10 @@ def test_refuses_what_it_cannot_take():
     w = torch.zeros(32, 64, dtype=torch.bfloat16)
     assert not supported(torch.zeros(1, 64, dtype=torch.bfloat16), w)  # the CPU
     # A stage must divide a row's bytes: four 64-byte units do not divide 96 bf16 (192 bytes) -> one.
-    assert dense_gemv_cuda.choose_config(1000, 192).chunks == 1
-    assert dense_gemv_cuda.choose_config(1000, 8192).chunks == 4
-    assert dense_gemv_cuda.choose_config(1000, 8192, fp8=True).chunks == 2
+    assert dense_gemv_cuda.choose_config(8000, 192).chunks == 1
+    assert dense_gemv_cuda.choose_config(8000, 8192).chunks == 4  # a 16-bit LM head
+    assert dense_gemv_cuda.choose_config(8000, 8192, fp8=True).chunks == 2
+    assert dense_gemv_cuda.choose_config(384, 8192) == dense_gemv_cuda.CONFIGS[1]  # a 16-bit qkv
     assert dense_gemv_cuda.few_token_product(torch.zeros(4, 64, dtype=torch.bfloat16), w) is None  # the CPU
     # Block scales: groups of 128 inputs only, BN a multiple of 16 (checked before the device is).
     codes = torch.zeros(32, 256, dtype=torch.float8_e4m3fn)
@@ -267,10 +268,10 @@ def test_batches_of_few_rows_route_through_the_kernel(cuda_device, seed, monkeyp
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_fp8", [False, True], ids=["cache16", "cache-e4m3"])
 def test_qkv_rope_matches_the_triton_kernel(cuda_device, seed, monkeypatch, cache_fp8):
-    """qkv_rope_gemv of a W8A8 FP8 weight through the kernel's ROPE epilogue (q rotated out, k rotated and v
-    into the paged cache at the slot, nothing for slot -1; a tile is 8 rotary pairs, both halves) against
-    its Triton kernel: head dims 64, 80 (20 pairs: tiles of 8 that do not divide 16) and 128, GQA 2, 4 and
-    8; a bf16 weight keeps the Triton kernel."""
+    """qkv_rope_gemv of a W8A8 FP8 weight and of a bf16 one through the kernel's ROPE epilogue (q rotated
+    out, k rotated and v into the paged cache at the slot, nothing for slot -1; a tile is 8 rotary pairs,
+    both halves) against its Triton kernel: head dims 64, 80 (20 pairs: tiles of 8 that do not divide 16)
+    and 128, GQA 2, 4 and 8; a bf16 weight over an E4M3 cache keeps the Triton kernel."""
     from ferrox.kernels.gemv import qkv_rope_gemv
 
     taken: list = []
@@ -301,7 +302,7 @@ def test_qkv_rope_matches_the_triton_kernel(cuda_device, seed, monkeypatch, cach
                                   num_q_heads=hq, num_kv_heads=hkv, head_dim=d, weight_scale=s, kv_scale=scales,
                                   w8a8=w8a8)
                 outs.append((q.float(), cache.float()))
-            assert taken == ([1] if w8a8 else []), (d, slot, w8a8)
+            assert taken == ([1] if w8a8 or not cache_fp8 else []), (d, slot, w8a8)
             (q1, c1), (q0, c0) = outs
             assert relative_error(q1, q0) < 2e-2
             if slot < 0:

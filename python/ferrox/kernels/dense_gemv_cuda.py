@@ -15,9 +15,9 @@ Measured (benches/RESULTS.md): FP8 qkv 13.2 -> 9.7 us, o_proj 8.0 -> 6.3, gate_u
 `gemv.gemv`, `gemv.qkv_rope_gemv` and `w8a8_dot_gemv.w8a8_dot_gemv` hand it every call `supported` /
 `qkv_rope_supported` accept (their contracts are this module's): FP8 W8A8 products of every kind --
 per-row scales, and block-wise checkpoints with 128-input groups (BLOCK_SCALES: each group's MMA sums
-folded in times its token and weight scales) --, and 16-bit products but norm + SiLU and qkv + rotary
-(FUSIONS_16 says why). Everything else -- the CPU, the Triton interpreter, fp32 activations, fp8
-weight-only layers, other block shapes, int8 -- keeps the Triton kernels. Linear layers hand it their
+folded in times its token and weight scales) --, and 16-bit products but norm + SiLU (and qkv + rotary
+into an E4M3 cache; FUSIONS_16 says why). Everything else -- the CPU, the Triton interpreter, fp32
+activations, fp8 weight-only layers, other block shapes, int8 -- keeps the Triton kernels. Linear layers hand it their
 batches of a few rows (`few_token_product`) in place of cuBLAS. FERROX_DENSE_MMA=0 turns it off,
 FERROX_DENSE_MMA_ROWS=1 only for batches (A/B runs).
 """
@@ -48,12 +48,12 @@ UNIT_BYTES = 64  # a row's bytes per unit: four lanes x 16 (the .cu header)
 # The .cu's Fuse flags. The one-token path asks for qkv (norm, rotary and the KV write into a 16-bit or
 # E4M3 cache; the norm alone where Qwen3's q/k norms follow), o_proj and down (residual), gate_up (norm,
 # silu(gate) * up); the LM head and the MoE router for fp32 out (the router with the norm). 16-bit weights
-# leave gate_up and qkv + rotary to gemv.py's Triton kernels, which measured faster there (Llama-3.1-8B,
-# H200: 54.7 against 55.8 us, 14.3 against 16.4 with 8-pair rotary tiles; benches/RESULTS.md): those are
-# not compiled for them.
+# leave gate_up to gemv.py's Triton kernel, which measured faster there (Llama-3.1-8B, H200: 54.7 against
+# 55.8 us), and take qkv + rotary into a cache of their own dtype (batch-1 step 3.87 against 3.89 ms on
+# Triton; benches/RESULTS.md); an E4M3 cache behind 16-bit weights stays on Triton.
 NORM, SILU_MUL, RESIDUAL, OUT_F32, ROPE, KV_FP8, BLOCK_SCALES = 1, 2, 4, 8, 16, 32, 64
 FUSIONS_FP8 = (0, NORM, RESIDUAL, NORM | SILU_MUL, ROPE | NORM, ROPE | NORM | KV_FP8)
-FUSIONS_16 = (0, NORM, RESIDUAL, OUT_F32, NORM | OUT_F32)
+FUSIONS_16 = (0, NORM, RESIDUAL, OUT_F32, NORM | OUT_F32, ROPE | NORM)
 # Block-wise FP8 checkpoints (128-input groups), in a module of their own (only their models compile it):
 # the one-token path's qkv (the norm; rotary runs after Qwen3-style per-head norms), o_proj and down
 # (residual), gate_up (norm + SiLU), and plain products for batches.
@@ -74,18 +74,20 @@ class DenseGemvConfig:
 
 CONFIGS: tuple[DenseGemvConfig, ...] = (DenseGemvConfig(16, 2, 2), DenseGemvConfig(8, 2, 3), DenseGemvConfig(8, 4, 2))
 _FEW_TILES = 264  # (an H200 has 132 SMs)
+_LM_HEAD_TILES = 1024  # 16-bit products this long (vocabularies) stream best in four-unit stages
 
 
 def choose_config(row_tiles: int, kbytes: int, fp8: bool = False) -> DenseGemvConfig:
     """From `bench_dense_gemv.py --sweep` on an H200 (Llama-3.1-8B, benches/RESULTS.md): few row tiles
     (o_proj, down: 256) take 16 warps a block over two-unit stages (fp8 o_proj 6.3 us, down 17.6; bf16
-    8.7, 27.8); many take 8 warps, with three two-unit stages for fp8 (qkv + rotary 10.0, gate_up 32.2)
-    or two four-unit ones for 16-bit weights (the LM head 232 us). Where a stage does not divide a row's
-    bytes, one-unit stages."""
+    8.7, 27.8); more take 8 warps over three two-unit stages (fp8 qkv + rotary 10.0, gate_up 32.2; 16-bit
+    qkv, where engine steps measured it against 8 x 4 x 2: Llama-3.1-8B 3.87 against 3.93 ms, Qwen3-30B-A3B
+    2.44 against 2.45), but 16-bit products of vocabulary length two four-unit stages (the LM head 232
+    us). Where a stage does not divide a row's bytes, one-unit stages."""
     if row_tiles < _FEW_TILES:
         cfg = CONFIGS[0]
     else:
-        cfg = CONFIGS[1] if fp8 else CONFIGS[2]
+        cfg = CONFIGS[1] if fp8 or row_tiles < _LM_HEAD_TILES else CONFIGS[2]
     if kbytes % (UNIT_BYTES * cfg.chunks):
         cfg = DenseGemvConfig(cfg.warps, 1, cfg.stages)
     return cfg
@@ -348,12 +350,16 @@ def qkv_rope_supported(x: torch.Tensor, weight: torch.Tensor, *, weight_scale: t
                        bias: torch.Tensor | None, norm_weight: torch.Tensor | None, slot_mapping: torch.Tensor,
                        kv_cache: torch.Tensor, head_dim: int, w8a8: bool, input_scale: torch.Tensor | None) -> bool:
     """Whether `dense_qkv_rope` takes gemv.qkv_rope_gemv's call (which checked the shapes): one token,
-    the norm, rotary halves of whole 8-pair tiles, an int64 slot, a cache in the activation dtype or E4M3,
-    and an E4M3 weight with its input quantized too (W8A8; 16-bit and weight-only fp8 weights stay on
-    Triton: FUSIONS_16)."""
+    the norm, rotary halves of whole 8-pair tiles, an int64 slot, and either an E4M3 weight with its
+    input quantized too (W8A8) and a cache in the activation dtype or E4M3, or a weight and a cache in
+    the activation dtype (weight-only fp8 weights, and 16-bit ones over an E4M3 cache, stay on Triton:
+    FUSIONS_16)."""
     if x.shape[0] != 1 or norm_weight is None or (head_dim // 2) % 8 or slot_mapping.dtype != torch.int64:
         return False
-    if kv_cache.dtype not in (x.dtype, FP8) or weight.dtype != FP8 or not w8a8:
+    if weight.dtype == FP8:
+        if kv_cache.dtype not in (x.dtype, FP8) or not w8a8:
+            return False
+    elif weight.dtype != x.dtype or kv_cache.dtype != x.dtype:
         return False
     return supported(x, weight, weight_scale=weight_scale, bias=bias, norm_weight=norm_weight,
                      input_scale=input_scale)
