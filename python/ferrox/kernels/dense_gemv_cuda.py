@@ -17,8 +17,8 @@ Measured (benches/RESULTS.md): FP8 qkv 13.2 -> 9.7 us, o_proj 8.0 -> 6.3, gate_u
 per-row scales, and block-wise checkpoints with 128-input groups (BLOCK_SCALES: each group's MMA sums
 folded in times its token and weight scales) --, and 16-bit products but norm + SiLU (and qkv + rotary
 into an E4M3 cache; FUSIONS_16 says why). Everything else -- the CPU, the Triton interpreter, fp32
-activations, fp8 weight-only layers, other block shapes, int8 -- keeps the Triton kernels. Linear layers hand it their
-batches of a few rows (`few_token_product`) in place of cuBLAS. FERROX_DENSE_MMA=0 turns it off,
+activations, fp8 weight-only layers, other block shapes, int8 -- keeps the Triton kernels. Linear layers
+hand it their batches of a few rows (`few_token_product`) in place of cuBLAS. FERROX_DENSE_MMA=0 turns it off,
 FERROX_DENSE_MMA_ROWS=1 only for batches (A/B runs).
 """
 
@@ -81,7 +81,7 @@ def choose_config(row_tiles: int, kbytes: int, fp8: bool = False) -> DenseGemvCo
     """From `bench_dense_gemv.py --sweep` on an H200 (Llama-3.1-8B, benches/RESULTS.md): few row tiles
     (o_proj, down: 256) take 16 warps a block over two-unit stages (fp8 o_proj 6.3 us, down 17.6; bf16
     8.7, 27.8); more take 8 warps over three two-unit stages (fp8 qkv + rotary 10.0, gate_up 32.2; 16-bit
-    qkv, where engine steps measured it against 8 x 4 x 2: Llama-3.1-8B 3.87 against 3.93 ms, Qwen3-30B-A3B
+    qkv, where engine steps measured it against 8 x 4 x 2: Llama-3.1-8B 3.88 against 3.93 ms, Qwen3-30B-A3B
     2.44 against 2.45), but 16-bit products of vocabulary length two four-unit stages (the LM head 232
     us). Where a stage does not divide a row's bytes, one-unit stages."""
     if row_tiles < _FEW_TILES:
