@@ -267,17 +267,17 @@ def test_batches_of_few_rows_route_through_the_kernel(cuda_device, seed, monkeyp
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_fp8", [False, True], ids=["cache16", "cache-e4m3"])
-def test_qkv_rope_matches_the_triton_kernel(cuda_device, seed, monkeypatch, cache_fp8):
-    """qkv_rope_gemv of a W8A8 FP8 weight and of a bf16 one through the kernel's ROPE epilogue (q rotated
-    out, k rotated and v into the paged cache at the slot, nothing for slot -1; a tile is 8 rotary pairs,
-    both halves) against its Triton kernel: head dims 64, 80 (20 pairs: tiles of 8 that do not divide 16)
-    and 128, GQA 2, 4 and 8; a bf16 weight over an E4M3 cache keeps the Triton kernel."""
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_qkv_rope_matches_the_triton_kernel(cuda_device, seed, monkeypatch, cache_fp8, dt):
+    """qkv_rope_gemv of a W8A8 FP8 weight and of a 16-bit one (bf16 and fp16 activations) through the
+    kernel's ROPE epilogue (q rotated out, k rotated and v into the paged cache at the slot, nothing for
+    slot -1; a tile is 8 rotary pairs, both halves) against its Triton kernel: head dims 64, 80 (20 pairs: tiles of 8 that do not divide 16)
+    and 128, GQA 2, 4 and 8; a 16-bit weight over an E4M3 cache keeps the Triton kernel."""
     from ferrox.kernels.gemv import qkv_rope_gemv
 
     taken: list = []
     real = dense_gemv_cuda.dense_qkv_rope
     monkeypatch.setattr(dense_gemv_cuda, "dense_qkv_rope", lambda *a, **kw: taken.append(1) or real(*a, **kw))
-    dt = torch.bfloat16
     for (hq, hkv, d, k), w8a8 in itertools.product(((8, 2, 64, 512), (4, 2, 80, 256), (32, 4, 128, 1024)),
                                                    (True, False)):
         rows = (hq + 2 * hkv) * d

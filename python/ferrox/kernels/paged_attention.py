@@ -246,9 +246,15 @@ def _merge_splits_kernel(
     TILE_N: tl.constexpr = 128,
     MIN_SPLIT: tl.constexpr = 256,
 ):
-    """out = sum_s w_s o_s / sum_s w_s with w_s = l_s * 2^(m_s - max m), over the partials,
-    SPLIT_CHUNK at a time (two passes: the max first, so every weight is exact). In a decode-only
-    batch a request whose context fits one split was written by the attention kernel itself."""
+    """out = sum_s w_s o_s / sum_s w_s with w_s = l_s * 2^(m_s - max m), over the partials. In a
+    decode-only batch a request whose context fits one split was written by the attention kernel
+    itself.
+
+    Up to SPLIT_CHUNK live partials (a B=1 graph's 33) are read in one pass: their maxima, sums and
+    outputs are requested together, so the merge waits one memory latency after its context length
+    instead of one per pass and chunk (on an H200, 33 splits: attention + merge 18.3 -> 17.5 us a layer
+    at 8k tokens of context, 27.8 -> 26.8 at 16k; benches/RESULTS.md). More partials loop, SPLIT_CHUNK
+    at a time, in two passes (the max first, so every weight is exact)."""
     pdl_launch_dependents(USE_PDL)
     pdl_wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -264,25 +270,38 @@ def _merge_splits_kernel(
             return
     splits = tl.arange(0, SPLIT_CHUNK)
     dims = tl.arange(0, DIM_PAD)
-    m_max = tl.full([SPLIT_CHUNK], float("-inf"), tl.float32)
-    for first in range(0, live, SPLIT_CHUNK):
-        used = first + splits < live
-        m_max = tl.maximum(m_max, tl.load(partial_max_ptr + base + first + splits, mask=used, other=float("-inf")))
-    m_top = tl.max(m_max, 0)
-    m_top = tl.where(m_top == float("-inf"), 0.0, m_top)
-    total = tl.zeros([SPLIT_CHUNK], tl.float32)
-    acc = tl.zeros([SPLIT_CHUNK, DIM_PAD], tl.float32)
-    for first in range(0, live, SPLIT_CHUNK):
-        idx = first + splits
-        used = idx < live
-        m = tl.load(partial_max_ptr + base + idx, mask=used, other=float("-inf"))
-        l_sum = tl.load(partial_sum_ptr + base + idx, mask=used, other=0.0)
-        weight = l_sum * tl.exp2(m - m_top)  # empty splits: l = 0 and m = -inf -> weight 0
-        o = tl.load(partial_out_ptr + (base + idx)[:, None] * DIM_PAD + dims[None, :], mask=used[:, None], other=0.0)
-        total += weight
-        acc += o * weight[:, None]
-    sum_w = tl.sum(total, 0)
-    result = tl.sum(acc, 0) / tl.where(sum_w == 0.0, 1.0, sum_w)
+    if live <= SPLIT_CHUNK:
+        used = splits < live
+        m = tl.load(partial_max_ptr + base + splits, mask=used, other=float("-inf"))
+        l_sum = tl.load(partial_sum_ptr + base + splits, mask=used, other=0.0)
+        o = tl.load(partial_out_ptr + (base + splits)[:, None] * DIM_PAD + dims[None, :], mask=used[:, None],
+                    other=0.0)
+        m_top = tl.max(m, 0)
+        weight = l_sum * tl.exp2(m - tl.where(m_top == float("-inf"), 0.0, m_top))
+        sum_w = tl.sum(weight, 0)
+        result = tl.sum(o * weight[:, None], 0) / tl.where(sum_w == 0.0, 1.0, sum_w)
+    else:
+        m_max = tl.full([SPLIT_CHUNK], float("-inf"), tl.float32)
+        for first in range(0, live, SPLIT_CHUNK):
+            used = first + splits < live
+            m_max = tl.maximum(m_max, tl.load(partial_max_ptr + base + first + splits, mask=used,
+                                              other=float("-inf")))
+        m_top = tl.max(m_max, 0)
+        m_top = tl.where(m_top == float("-inf"), 0.0, m_top)
+        total = tl.zeros([SPLIT_CHUNK], tl.float32)
+        acc = tl.zeros([SPLIT_CHUNK, DIM_PAD], tl.float32)
+        for first in range(0, live, SPLIT_CHUNK):
+            idx = first + splits
+            used = idx < live
+            m = tl.load(partial_max_ptr + base + idx, mask=used, other=float("-inf"))
+            l_sum = tl.load(partial_sum_ptr + base + idx, mask=used, other=0.0)
+            weight = l_sum * tl.exp2(m - m_top)  # empty splits: l = 0 and m = -inf -> weight 0
+            o = tl.load(partial_out_ptr + (base + idx)[:, None] * DIM_PAD + dims[None, :], mask=used[:, None],
+                        other=0.0)
+            total += weight
+            acc += o * weight[:, None]
+        sum_w = tl.sum(total, 0)
+        result = tl.sum(acc, 0) / tl.where(sum_w == 0.0, 1.0, sum_w)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, result.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
 
 
@@ -310,7 +329,7 @@ _SPLIT_WAVES = 2
 # ... but no split shorter than this many KV positions (each split costs a partial write + merge).
 _MIN_SPLIT_LEN = 256
 _MAX_SPLITS = 256
-_MERGE_CHUNK = 32  # partials the merge kernel reads per step (it loops over any num_splits)
+_MERGE_CHUNK = 64  # partials the merge reads in one pass (it loops over any num_splits)
 
 
 def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
