@@ -200,14 +200,19 @@ def test_fp8_experts_at_qwen3_30b_a3b_shapes_on_the_gpu(seed, layout, tokens):
 
 def test_fp8_experts_take_their_own_matrix_vector_configs():
     """One byte a weight: more rows a program (the H200 sweep in choose_gemv_config's docstring);
-    float experts keep theirs."""
+    float experts keep theirs: Qwen3-MoE's (k = 8) K tiles of 1024, 4 rows for one token and 1 for
+    more; Mixtral's (k = 2) 2 x 512."""
     from ferrox.kernels.fused_moe import choose_gemv_config
 
     plain = choose_gemv_config(2048, 768, 8)
+    batch = choose_gemv_config(2048, 768, 8, num_tokens=4)
+    mixtral = choose_gemv_config(4096, 14336, 2)
     per_row = choose_gemv_config(2048, 768, 8, fp8=True)
     blocks = choose_gemv_config(2048, 768, 8, fp8=True, block=(128, 128))
-    assert (plain.gate_up_rows, plain.down_rows) == (2, 1)
-    assert (per_row.gate_up_rows, per_row.down_rows) == (4, 1)
+    assert (plain.gate_up_rows, plain.gate_up_block_k, plain.down_rows) == (4, 1024, 1)
+    assert (batch.gate_up_rows, batch.gate_up_block_k, batch.down_rows) == (1, 1024, 1)
+    assert (mixtral.gate_up_rows, mixtral.gate_up_block_k, mixtral.down_rows) == (2, 512, 2)
+    assert (per_row.gate_up_rows, per_row.gate_up_block_k, per_row.down_rows) == (4, 512, 1)
     assert (blocks.gate_up_rows, blocks.down_rows) == (2, 2)
 
 

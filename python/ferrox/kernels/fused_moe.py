@@ -481,7 +481,7 @@ class GemvConfig:
     num_warps: int
 
 
-def choose_gemv_config(hidden: int, inter: int, top_k: int, *, fp8: bool = False,
+def choose_gemv_config(hidden: int, inter: int, top_k: int, *, num_tokens: int = 1, fp8: bool = False,
                        block: tuple[int, int] | None = None) -> GemvConfig:
     """From a sweep on an H200 (out of the gate/up rows 2-16, K tiles 512-2048, 4 or 8 warps, and
     the down kernel's rows 1-8 and K tiles 128-2048; benches/RESULTS.md): gate/up streams best in
@@ -494,14 +494,26 @@ def choose_gemv_config(hidden: int, inter: int, top_k: int, *, fp8: bool = False
     holds more rows for the same bytes in flight: per-row scales, gate/up programs of 4 rows; blocks
     (whose gate/up tile also carries a scale per row and group), down programs of twice the rows.
     Swept on an H200 at Qwen3-30B-A3B's shapes, one token, 48 layers in a CUDA graph (RESULTS.md,
-    Dec 3): 21.8 -> 19.8 us a layer per row, 25.6 -> 23.5 us with 128 x 128 blocks (bf16: 23.5)."""
+    Dec 3): 21.8 -> 19.8 us a layer per row, 25.6 -> 23.5 us with 128 x 128 blocks (bf16: 23.5).
+
+    Float experts of many-expert models (k >= 8: Qwen3-MoE's short experts) take K tiles of 1024,
+    one 16-byte vector of the token per thread of 4 warps, so the token's tile is in the weight
+    tile's layout as loaded (a 512 tile went through shared memory: two barriers an iteration in the
+    SASS, benches/sass_loop.py); 4 rows a program for one token, 1 for more. Measured in the engine
+    on an H200 (Qwen3-30B-A3B, ABAB, thirty-sixth session): batch-1 step 2.459 -> 2.446 ms, batch 4
+    5.527 -> 5.460, batch 8 5.542 -> 5.475 (4 x 1024 at batch 4: 5.75; 2 x 1024: 2.49 / 5.92).
+    Mixtral's shape (k = 2, long experts) keeps 2 x 512: not measured with the wider tiles."""
     slots = triton.next_power_of_2(top_k)
     down_rows = 1 if slots >= 4 else 2
     down_block_k = min(inter & -inter, 128 if slots >= 8 else 2048)
     gate_up_rows = 4 if fp8 and block is None else 2
+    gate_up_block_k = min(512, triton.next_power_of_2(hidden))
     if fp8 and block is not None:
         down_rows *= 2
-    return GemvConfig(gate_up_rows, min(512, triton.next_power_of_2(hidden)), down_rows, down_block_k, 4)
+    if not fp8 and top_k >= 8:
+        gate_up_rows = 4 if num_tokens == 1 else 1
+        gate_up_block_k = min(1024, triton.next_power_of_2(hidden))
+    return GemvConfig(gate_up_rows, gate_up_block_k, down_rows, down_block_k, 4)
 
 
 def use_small_batch_path(num_tokens: int, top_k: int, num_experts: int) -> bool:
@@ -637,7 +649,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     # launches take the scales; float experts launch as they always have (no FP8 arguments).
     x_in, x_fp8 = (x, {}) if w13_scale is None else _quantize_fp8(x, w13_scale, block)
     if small_batch:
-        gv = gemv_config or choose_gemv_config(hidden, inter, top_k, fp8=w13_scale is not None, block=block)
+        gv = gemv_config or choose_gemv_config(hidden, inter, top_k, num_tokens=num_tokens, fp8=w13_scale is not None,
+                                               block=block)
         gate_up_k, down_k = gv.gate_up_block_k, gv.down_block_k
         if block is not None:  # gate/up tiles span whole groups, a down tile lies in one
             gate_up_k, down_k = max(gate_up_k, block[1]), min(down_k, block[1])
