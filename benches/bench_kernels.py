@@ -4,13 +4,17 @@ $OUT/bench_kernels.json when OUT is set).
 
     PYTHONPATH=python python benches/bench_kernels.py            # all sections
     PYTHONPATH=python python benches/bench_kernels.py --sweep    # plus attention launch-config sweep
+    PYTHONPATH=python python benches/bench_kernels.py --only layers   # B=1 decode attention, 32 layers a graph
 
 Shapes are Llama-3.1-8B's (32 q heads / 8 kv heads, head_dim 128, hidden 4096, intermediate
 14336, vocab 128256), bf16, block size 16. Attention bandwidth is KV bytes read / time, reported
 against a device-to-device copy measured in the same run; attention FLOP/s count QK^T and PV over
 the causally visible positions. The sweep times the prefill kernel's launch configs (pointer
 loads at block size 16, TMA at block size 128) on an 8192-token chunk after 24576 cached tokens,
-and the split-KV decode configs x split counts at batch 1, 122k context (CUDA-graph replays).
+and the split-KV decode configs x split counts at batch 1, 122k context (CUDA-graph replays). The
+layers section runs batch-1 decode attention as a step does (32 layers, each its own KV, in one
+graph, 33 splits) from 160 to 122k tokens of context, beside the same launches without the split
+merge and a kernel that only reads the same KV over the same grid.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 import triton.testing
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -211,6 +216,83 @@ def sweep(copy_gbps: float) -> None:
                    PREFILL_SWEEP[:1], use_tma=False)
 
 
+@triton.jit
+def _read_kv_kernel(out_ptr, cache_ptr, table_ptr, seq_lens_ptr, num_splits, stride_ckv, stride_cblock, stride_cslot,
+                    stride_chead, TILE: tl.constexpr, DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    MIN_SPLIT: tl.constexpr):
+    """Reads what split-KV decode attention reads (one request, a program per KV head and split,
+    positions through the block table) and nothing else: the floor of that grid and layout."""
+    head = tl.program_id(0)
+    split = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr)
+    per = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), TILE) * TILE, MIN_SPLIT)
+    lo = split * per
+    hi = tl.minimum(seq_len, lo + per)
+    dims = tl.arange(0, DIM)
+    cols = tl.arange(0, TILE)
+    acc = tl.zeros([TILE, DIM], tl.float32)
+    base = cache_ptr + head * stride_chead
+    for start in range(lo, hi, TILE):
+        pos = start + cols
+        ok = pos < hi
+        block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=ok, other=0)
+        offset = block.to(tl.int64) * stride_cblock + (pos % BLOCK_SIZE) * stride_cslot
+        k = tl.load(base + offset[:, None] + dims[None, :], mask=ok[:, None])
+        v = tl.load(base + stride_ckv + offset[:, None] + dims[None, :], mask=ok[:, None])
+        acc += k.to(tl.float32) + v.to(tl.float32)
+    if lo < hi:
+        tl.store(out_ptr + head * num_splits + split, tl.sum(acc))
+
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def decode_layers(layers: int = 32, splits: int = 33) -> None:
+    """Decode attention at batch 1 as a step runs it: `layers` back to back in one CUDA graph, each
+    over its own KV cache, with the split count a 131k-token graph launches; us a layer, against the
+    same launches without the split merge and against _read_kv_kernel over the same grid."""
+    for ctx in (160, 1024, 4096, 8192, 16384, 32768, 122880):
+        _decode_layers_case(ctx, layers, splits)
+        torch.cuda.empty_cache()
+
+
+def _decode_layers_case(ctx: int, layers: int, splits: int) -> None:
+    batches = [PagedBatch([1], [ctx - 1], H, HKV, D, BLOCK, DTYPE, torch.device(DEVICE)) for _ in range(layers)]
+    for b in batches:
+        reshape_and_cache(b.k, b.v, b.kv_cache, b.slot_mapping)
+    outs = [torch.empty_like(b.q) for b in batches]
+    sink = torch.zeros(HKV * splits, device=DEVICE)
+
+    def attention_layers():
+        for b, out in zip(batches, outs, strict=True):
+            pa.unified_attention(b.q, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_table, max_query_len=1,
+                                 max_seq_len=131072, scale=b.scale, num_splits=splits, out=out)
+
+    def read_layers():
+        for b in batches:
+            c = b.kv_cache
+            _read_kv_kernel[(HKV, splits)](sink, c, b.block_table[0], b.seq_lens, splits, c.stride(0), c.stride(1),
+                                           c.stride(2), c.stride(3), TILE=64, DIM=D, BLOCK_SIZE=BLOCK,
+                                           MIN_SPLIT=pa._MIN_SPLIT_LEN, num_warps=4)
+
+    attention_layers()
+    err = relative_error(outs[0][:1], sliced_paged_attention_ref(batches[0])[:1])
+    kv_mb = ctx * HKV * D * 2 * 2 / 1e6
+    us = timed(_graph(attention_layers).replay) * 1e3 / layers
+    merge = pa._merge_splits_kernel
+    pa._merge_splits_kernel = _NoLaunch()
+    try:
+        no_merge_us = timed(_graph(attention_layers).replay) * 1e3 / layers
+    finally:
+        pa._merge_splits_kernel = merge
+    read_us = timed(_graph(read_layers).replay) * 1e3 / layers
+    record("decode layers", f"ctx={ctx}: attention + merge, a layer", us / 1e3, None,
+           f"{us:.2f} us ({kv_mb * 1e3 / us:.0f} GB/s); no merge {no_merge_us:.2f} us; read-only {read_us:.2f} us",
+           check=f"rel err {err:.1e}" + ("" if err < 2e-2 else " FAIL"))
+
+
 def _norm_case(tokens: int, copy_gbps: float) -> None:
     from ferrox.layers.layernorm import RMSNorm
     from ferrox.layers.ops import DeviceOps
@@ -341,7 +423,8 @@ def print_table() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also sweep attention launch configs")
-    parser.add_argument("--only", default="", help="comma list of sections: attention,elementwise,sampling,sweep")
+    parser.add_argument("--only", default="",
+                        help="comma list of sections: attention,elementwise,sampling,layers,sweep")
     parser.add_argument("--decode-only", action="store_true", help="attention: decode cases only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -350,7 +433,7 @@ def main() -> None:
     only = set(filter(None, args.only.split(",")))
     copy_gbps = copy_bandwidth()
     sections = [("attention", lambda: attention(copy_gbps, args.decode_only)), ("elementwise", lambda: elementwise(copy_gbps)),
-                ("sampling", sampling)]
+                ("sampling", sampling), ("layers", decode_layers)]
     if args.sweep:
         sections.append(("sweep", lambda: sweep(copy_gbps)))
     for name, fn in sections:
