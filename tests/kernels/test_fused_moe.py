@@ -198,7 +198,7 @@ def test_fused_moe_from_logits_half_precision_and_no_norm(kernel_device, seed):
 
 
 def test_fused_moe_from_logits_breaks_ties_as_route_top_k(kernel_device, seed):
-    """Equal logits: every program (and route_top_k) takes the lower expert id first."""
+    """Equal logits: route_top_k takes the lower expert id first, and the experts run are those."""
     logits = torch.tensor([[0.5, 2.0, 2.0, -1.0, 2.0, 1.0, 2.0]], device=kernel_device)
     ids = _routed_case(kernel_device, torch.float32, tokens=1, experts=7, top_k=3, renormalize=True, norm=True,
                        logits=logits)
@@ -223,7 +223,7 @@ def test_fused_moe_from_logits_checks_its_inputs(kernel_device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_token_moe_fused_routing_matches_the_explicit_sequence(kernel_device, seed, dtype):
     """The decode path's _moe on a Qwen3-MoE layer: router GEMV with the norm prologue, then
-    gate/up (norm + top-k prologue) and down, against rms_norm -> router GEMV -> route_top_k ->
+    route_top_k, gate/up (norm prologue) and down, against rms_norm -> router GEMV -> route_top_k ->
     small-batch experts. (Qwen2-MoE's shared expert keeps the explicit sequence: the model test
     below runs it.)"""
     arch = "Qwen3MoeForCausalLM"
@@ -323,8 +323,8 @@ def test_fused_moe_real_shapes(cuda_device, seed, shape, tokens):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", list(REAL))
 def test_fused_moe_from_logits_real_shapes(cuda_device, seed, shape):
-    """The one-token decode path's routed experts (norm and top-k in the gate/up prologue) at the
-    default launch config: every one of the thousands of gate/up programs picks route_top_k's k."""
+    """The one-token decode path's routed experts (the norm in the gate/up prologue) at the
+    default launch config: the thousands of gate/up programs read route_top_k's k experts."""
     cfg = REAL[shape]
     _routed_case(cuda_device, torch.bfloat16, tokens=1, experts=cfg["experts"], top_k=cfg["top_k"],
                  renormalize=True, norm=True, hidden=cfg["hidden"], inter=cfg["inter"], config=None)
