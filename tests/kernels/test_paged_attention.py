@@ -111,11 +111,23 @@ def _graph_shaped_decode(batch: PagedBatch, num_splits: int, max_seq_len: int) -
     return out
 
 
+@pytest.mark.parametrize("stale", [False, True], ids=["fresh", "nan-partials"])
 @pytest.mark.parametrize("num_splits", [3, pa._MERGE_CHUNK + 5])
-def test_decode_splits_follow_each_context_not_the_graph_bound(kernel_device, seed, num_splits):
+def test_decode_splits_follow_each_context_not_the_graph_bound(kernel_device, seed, num_splits, stale, monkeypatch):
     """Contexts of one live split (the attention kernel writes the row, the merge leaves it), of
-    several, and a padding row: every real row matches the reference, the padding row is zeros."""
+    several (300 tokens: 2 of 3 launched splits live), and a padding row: every real row matches the
+    reference, the padding row is zeros. With nan-partials the partial buffers start as NaN, as a
+    CUDA graph's pool may hand them over: the merge reads every launched partial and must drop the
+    ones past a row's live splits, which nobody wrote."""
     batch = PagedBatch([1, 1, 1, 1], [9, 700, 300, 5], 4, 2, 16, 16, torch.float32, kernel_device)
+    if stale:
+        empty = torch.empty
+
+        def nan_empty(*args, **kwargs):
+            t = empty(*args, **kwargs)
+            return t.fill_(float("nan")) if t.is_floating_point() else t
+
+        monkeypatch.setattr(torch, "empty", nan_empty)
     batch.slot_mapping[-1] = -1
     out = _graph_shaped_decode(batch, num_splits, max_seq_len=4096)  # (this step's K/V now cached)
     ref = paged_attention_ref(batch.q[:3], batch.kv_cache, batch.query_start_loc[:4], batch.seq_lens[:3],
