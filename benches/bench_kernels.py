@@ -279,7 +279,7 @@ def _decode_layers_case(ctx: int, layers: int, splits: int) -> None:
 
     attention_layers()
     err = relative_error(outs[0][:1], sliced_paged_attention_ref(batches[0])[:1])
-    kv_mb = ctx * HKV * D * 2 * 2 / 1e6
+    kv_mb = kv_bytes_per_call(batches[0]) / 1e6
     us = timed(_graph(attention_layers).replay) * 1e3 / layers
     merge = pa._merge_splits_kernel
     pa._merge_splits_kernel = _NoLaunch()
