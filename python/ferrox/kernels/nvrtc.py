@@ -198,22 +198,23 @@ def blocks_per_sm(fn: Any, threads: int, shared: int) -> int:
 PTR, I32, I64, U32, F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_uint32, ctypes.c_float
 
 
-def launch(fn: Any, grid: int, block: int, args: Sequence[Any], types: Sequence[Any], stream: int, *,
-           pdl: bool = False, shared: int = 0) -> None:
+def launch(fn: Any, grid: int | tuple[int, int, int], block: int, args: Sequence[Any], types: Sequence[Any],
+           stream: int, *, pdl: bool = False, shared: int = 0) -> None:
     """fn<<<grid, block, shared, stream>>>(*args) (a handle from `CudaModule.function`, so cuda-bindings is
-    there); `types` are the ctypes of the kernel's parameters; shared: dynamic shared memory in bytes
-    (past 48 KB after `allow_shared`). pdl: launched with programmatic dependent launch
-    (kernels/pdl.py: the kernel must follow its rules)."""
+    there); grid: blocks, or (x, y, z); `types` are the ctypes of the kernel's parameters; shared: dynamic
+    shared memory in bytes (past 48 KB after `allow_shared`). pdl: launched with programmatic dependent
+    launch (kernels/pdl.py: the kernel must follow its rules)."""
     driver = bindings()[0]  # type: ignore[index]
     params = (tuple(args), tuple(types))
+    gx, gy, gz = (grid, 1, 1) if isinstance(grid, int) else grid
     if not pdl:
-        _check(driver.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, shared, stream, params, 0), "cuLaunchKernel")
+        _check(driver.cuLaunchKernel(fn, gx, gy, gz, block, 1, 1, shared, stream, params, 0), "cuLaunchKernel")
         return
     attr = driver.CUlaunchAttribute()
     attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
     attr.value.programmaticStreamSerializationAllowed = 1
     config = driver.CUlaunchConfig()
-    config.gridDimX, config.gridDimY, config.gridDimZ = grid, 1, 1
+    config.gridDimX, config.gridDimY, config.gridDimZ = gx, gy, gz
     config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
     config.sharedMemBytes, config.hStream = shared, stream
     config.attrs, config.numAttrs = [attr], 1

@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ferrox.kernels import decode_attention_cuda
 from ferrox.kernels.kv_fp8 import FP8_KV_DTYPE, unit_kv_scales
 from ferrox.kernels.pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ferrox.kernels.split_k import num_sms as _num_sms
@@ -396,6 +397,11 @@ def unified_attention(
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         return out
+    if (config is None and num_splits is None and max_query_len <= 1 and num_tokens <= num_reqs
+            and decode_attention_cuda.supported(q, kv_cache, seq_lens, block_table, kv_scale)):
+        # Decode-only on Hopper: the CUDA kernel (its module docstring); this kernel stays the reference.
+        return decode_attention_cuda.decode_attention(q, kv_cache, seq_lens, block_table, max_seq_len=max_seq_len,
+                                                      scale=scale, out=out)
 
     group = num_heads // num_kv_heads
     if config is None:
