@@ -13,8 +13,9 @@ the causally visible positions. The sweep times the prefill kernel's launch conf
 loads at block size 16, TMA at block size 128) on an 8192-token chunk after 24576 cached tokens,
 and the split-KV decode configs x split counts at batch 1, 122k context (CUDA-graph replays). The
 layers section runs batch-1 decode attention as a step does (32 layers, each its own KV, in one
-graph, 33 splits) from 160 to 122k tokens of context, beside the same launches without the split
-merge and a kernel that only reads the same KV over the same grid.
+graph bound at 131072 tokens) from 160 to 122k tokens of context: the kernel the engine picks (the
+CUDA kernel on Hopper, kernels/decode_attention_cuda.py), beside the Triton kernel and its split
+merge (33 splits) and a Triton kernel that only reads the same KV over that grid.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ sys.path.insert(0, str(ROOT / "tests" / "kernels"))  # PagedBatch + references, 
 from ferrox.attention.backend import get_attention_backend  # noqa: E402
 from ferrox.attention.metadata import AttentionMetadata  # noqa: E402
 from ferrox.attention.triton_backend import PREFILL_MIN_QUERY_LEN  # noqa: E402
+from ferrox.kernels import decode_attention_cuda  # noqa: E402
 from ferrox.kernels import paged_attention as pa  # noqa: E402
 from ferrox.kernels import prefill_attention as pf  # noqa: E402
 from ferrox.kernels.activation import silu_and_mul  # noqa: E402
@@ -244,15 +246,10 @@ def _read_kv_kernel(out_ptr, cache_ptr, table_ptr, seq_lens_ptr, num_splits, str
         tl.store(out_ptr + head * num_splits + split, tl.sum(acc))
 
 
-class _NoLaunch:
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
-
-
 def decode_layers(layers: int = 32, splits: int = 33) -> None:
     """Decode attention at batch 1 as a step runs it: `layers` back to back in one CUDA graph, each
-    over its own KV cache, with the split count a 131k-token graph launches; us a layer, against the
-    same launches without the split merge and against _read_kv_kernel over the same grid."""
+    over its own KV cache, bound at 131072 tokens; us a layer: the engine's kernel, the Triton kernel
+    with the split count a 131k-token graph gives it, and _read_kv_kernel over that grid."""
     for ctx in (160, 1024, 4096, 8192, 16384, 32768, 122880):
         _decode_layers_case(ctx, layers, splits)
         torch.cuda.empty_cache()
@@ -264,11 +261,14 @@ def _decode_layers_case(ctx: int, layers: int, splits: int) -> None:
         reshape_and_cache(b.k, b.v, b.kv_cache, b.slot_mapping)
     outs = [torch.empty_like(b.q) for b in batches]
     sink = torch.zeros(HKV * splits, device=DEVICE)
+    ref = sliced_paged_attention_ref(batches[0])[:1]
 
-    def attention_layers():
-        for b, out in zip(batches, outs, strict=True):
-            pa.unified_attention(b.q, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_table, max_query_len=1,
-                                 max_seq_len=131072, scale=b.scale, num_splits=splits, out=out)
+    def attention_layers(num_splits: int | None):
+        def run():
+            for b, out in zip(batches, outs, strict=True):
+                pa.unified_attention(b.q, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_table, max_query_len=1,
+                                     max_seq_len=131072, scale=b.scale, num_splits=num_splits, out=out)
+        return run
 
     def read_layers():
         for b in batches:
@@ -277,20 +277,21 @@ def _decode_layers_case(ctx: int, layers: int, splits: int) -> None:
                                            c.stride(2), c.stride(3), TILE=64, DIM=D, BLOCK_SIZE=BLOCK,
                                            MIN_SPLIT=pa._MIN_SPLIT_LEN, num_warps=4)
 
-    attention_layers()
-    err = relative_error(outs[0][:1], sliced_paged_attention_ref(batches[0])[:1])
     kv_mb = kv_bytes_per_call(batches[0]) / 1e6
-    us = timed(_graph(attention_layers).replay) * 1e3 / layers
-    merge = pa._merge_splits_kernel
-    pa._merge_splits_kernel = _NoLaunch()
-    try:
-        no_merge_us = timed(_graph(attention_layers).replay) * 1e3 / layers
-    finally:
-        pa._merge_splits_kernel = merge
+    timings, errors = {}, []
+    for label, num_splits in (("engine", None), ("triton", splits)):  # num_splits set: the Triton kernel
+        run = attention_layers(num_splits)
+        run()
+        errors.append(relative_error(outs[0][:1], ref))
+        timings[label] = timed(_graph(run).replay) * 1e3 / layers
     read_us = timed(_graph(read_layers).replay) * 1e3 / layers
-    record("decode layers", f"ctx={ctx}: attention + merge, a layer", us / 1e3, None,
-           f"{us:.2f} us ({kv_mb * 1e3 / us:.0f} GB/s); no merge {no_merge_us:.2f} us; read-only {read_us:.2f} us",
-           check=f"rel err {err:.1e}" + ("" if err < 2e-2 else " FAIL"))
+    us = timings["engine"]
+    cuda = decode_attention_cuda.supported(batches[0].q, batches[0].kv_cache, batches[0].seq_lens,
+                                           batches[0].block_table, None)
+    record("decode layers", f"ctx={ctx}: {'CUDA' if cuda else 'Triton'} kernel, a layer", us / 1e3, None,
+           f"{us:.2f} us ({kv_mb * 1e3 / us:.0f} GB/s); Triton + merge {timings['triton']:.2f} us; "
+           f"read-only {read_us:.2f} us",
+           check=f"rel err {max(errors):.1e}" + ("" if max(errors) < 2e-2 else " FAIL"))
 
 
 def _norm_case(tokens: int, copy_gbps: float) -> None:

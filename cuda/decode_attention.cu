@@ -101,8 +101,8 @@ template <class T, int HEAD_DIM, int WARPS, int STAGES>
 static __device__ __forceinline__ void decode_attention(
     u16* __restrict__ out, float* __restrict__ partial_out, float* __restrict__ partial_ml, int* __restrict__ counters,
     const u16* __restrict__ q, const u16* __restrict__ cache, const int* __restrict__ block_table,
-    const int* __restrict__ seq_lens, float scale_log2, int group, int log2_block, int min_split, int signal,
-    long long stride_qt, long long stride_qh, long long stride_ot, long long stride_oh, long long stride_ckv,
+    const int* __restrict__ seq_lens, float scale_log2, int group, int log2_block, int min_split, int single_max,
+    int signal, long long stride_qt, long long stride_qh, long long stride_ot, long long stride_oh, long long stride_ckv,
     long long stride_cblock, long long stride_cslot, long long stride_chead, long long stride_bt) {
     constexpr int TILE = 16;                   // KV positions a warp takes per step: one MMA's k (PV)
     constexpr int CHUNKS = HEAD_DIM / 8;       // 16-byte chunks of a row
@@ -123,11 +123,12 @@ static __device__ __forceinline__ void decode_attention(
     asm volatile("griddepcontrol.wait;" ::: "memory");  // (returns at once without PDL)
     if (signal == 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 
-    // The split plan (kernels/decode_attention_cuda.py's `live_splits` is its host twin): whole tiles, at
-    // least min_split positions, so a short context runs in fewer splits than launched.
+    // The split plan (kernels/decode_attention_cuda.py's `live_splits` is its host twin): a context of up
+    // to single_max positions in one split (no merge), a longer one in whole tiles of at least min_split
+    // positions, so a short context runs in fewer splits than launched.
     const int seq_len = seq_lens[token];
     int split_len = (seq_len + num_splits - 1) / num_splits;
-    split_len = max((split_len + TILE - 1) / TILE * TILE, min_split);
+    split_len = seq_len <= single_max ? max(seq_len, 1) : max((split_len + TILE - 1) / TILE * TILE, min_split);
     const int live = (seq_len + split_len - 1) / split_len;
     if (split >= live) return;
     const int start = split * split_len;
@@ -348,16 +349,15 @@ static __device__ __forceinline__ void decode_attention(
     }
 }
 
-#define FERROX_DECODE_ATTENTION(NAME, T, HEAD_DIM, WARPS, STAGES)                                                \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME(                                               \
-        u16* out, float* partial_out, float* partial_ml, int* counters, const u16* q, const u16* cache,          \
-        const int* block_table, const int* seq_lens, float scale_log2, int group, int log2_block, int min_split, \
-        int signal, long long stride_qt, long long stride_qh, long long stride_ot, long long stride_oh,          \
-        long long stride_ckv, long long stride_cblock, long long stride_cslot, long long stride_chead,           \
-        long long stride_bt) {                                                                                   \
-        decode_attention<T, HEAD_DIM, WARPS, STAGES>(out, partial_out, partial_ml, counters, q, cache,           \
-                                                     block_table, seq_lens, scale_log2, group, log2_block,       \
-                                                     min_split, signal, stride_qt, stride_qh, stride_ot,         \
-                                                     stride_oh, stride_ckv, stride_cblock, stride_cslot,         \
-                                                     stride_chead, stride_bt);                                   \
+#define FERROX_DECODE_ATTENTION(NAME, T, HEAD_DIM, WARPS, STAGES)                                               \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME(                                              \
+        u16* out, float* partial_out, float* partial_ml, int* counters, const u16* q, const u16* cache,         \
+        const int* block_table, const int* seq_lens, float scale_log2, int group, int log2_block,               \
+        int min_split, int single_max, int signal, long long stride_qt, long long stride_qh,                    \
+        long long stride_ot, long long stride_oh, long long stride_ckv, long long stride_cblock,                \
+        long long stride_cslot, long long stride_chead, long long stride_bt) {                                  \
+        decode_attention<T, HEAD_DIM, WARPS, STAGES>(                                                           \
+            out, partial_out, partial_ml, counters, q, cache, block_table, seq_lens, scale_log2, group,         \
+            log2_block, min_split, single_max, signal, stride_qt, stride_qh, stride_ot, stride_oh, stride_ckv,  \
+            stride_cblock, stride_cslot, stride_chead, stride_bt);                                              \
     }

@@ -28,22 +28,26 @@ def test_module_compiles_for_hopper(tmp_path, monkeypatch, act):
 
 
 def test_split_plan():
-    """The host twin of the kernel's plan: whole tiles, at least min_split, fewer live splits than launched
-    for short contexts, none for an empty request."""
-    assert dac.live_splits(0, 33, 64) == 0
-    assert dac.live_splits(1, 33, 64) == 1
-    assert dac.live_splits(64, 33, 64) == 1
-    assert dac.live_splits(65, 33, 64) == 2
-    assert dac.live_splits(160, 33, 64) == 3
-    assert dac.live_splits(122880, 33, 64) == 33
-    assert dac.live_splits(5000, 1, 64) == 1
+    """The host twin of the kernel's plan: one split up to single_max, then whole tiles of at least
+    min_split, fewer live splits than launched for short contexts, none for an empty request."""
+    assert dac.live_splits(0, 33, 64, 0) == 0
+    assert dac.live_splits(1, 33, 64, 0) == 1
+    assert dac.live_splits(64, 33, 64, 0) == 1
+    assert dac.live_splits(65, 33, 64, 0) == 2
+    assert dac.live_splits(160, 33, 64, 0) == 3
+    assert dac.live_splits(160, 33, 64, 512) == 1
+    assert dac.live_splits(512, 16, 128, 512) == 1
+    assert dac.live_splits(513, 16, 128, 512) == 5
+    assert dac.live_splits(122880, 33, 64, 512) == 33
+    assert dac.live_splits(5000, 1, 64, 512) == 1
 
 
 def test_split_count_fills_the_gpu_only_when_it_is_not_full():
-    cfg = dac.DecodeAttentionConfig(warps=4, stages=4, min_split=64, waves=1.0, signal=2)
-    assert dac.choose_num_splits(8, 131072, cfg, 1, 132) == 16  # batch 1, 8 KV heads: one wave of 132 SMs, not 136 blocks
+    cfg = dac.DecodeAttentionConfig(warps=4, stages=4, min_split=64, single_max=0, waves=1.0, signal=2)
+    assert dac.choose_num_splits(8, 131072, cfg, 1, 132) == 16  # batch 1, 8 KV heads: one wave of 132 SMs, not 136
     assert dac.choose_num_splits(8, 100, cfg, 1, 132) == 2  # never shorter than min_split
     assert dac.choose_num_splits(1024, 131072, cfg, 1, 132) == 1
+    assert dac.choose_num_splits(8, 512, dac.CONFIG, 1, 132) == 1  # one split up to single_max: nothing to launch
 
 
 def test_refuses_what_it_cannot_take():
@@ -104,7 +108,7 @@ def _assert_close(out, batch, dtype, rows=None):
 
 
 CASES = {  # (context lengths, heads, kv heads, head dim, block size)
-    "llama8b": ([1, 15, 16, 17, 63, 64, 65, 300, 4097], 32, 8, 128, 16),
+    "llama8b": ([1, 15, 16, 17, 63, 64, 65, 300, 512, 513, 4097], 32, 8, 128, 16),
     "qwen3moe-gqa8": ([1, 160, 1000, 2049], 32, 4, 128, 16),
     "mha-d64": ([5, 130, 777], 4, 4, 64, 16),
     "gqa16-block64": ([3, 64, 65, 1500], 16, 1, 128, 64),
@@ -129,8 +133,8 @@ def test_matches_the_reference(cuda_device, seed, case, dtype):
 @pytest.mark.parametrize("warps,stages", dac._COMPILED)
 def test_every_compiled_config(cuda_device, seed, warps, stages):
     batch = _decode_batch([1, 33, 700, 9000], 32, 8, 128, 16, torch.bfloat16, cuda_device)
-    for min_split in (16, 64, 256):
-        cfg = dac.DecodeAttentionConfig(warps, stages, min_split, 1.0, 2)
+    for min_split, single_max in ((16, 0), (64, 512), (256, 0)):
+        cfg = dac.DecodeAttentionConfig(warps, stages, min_split, single_max, 1.0, 2)
         _assert_close(_cuda(batch, config=cfg), batch, torch.bfloat16)
 
 

@@ -9,8 +9,9 @@ keeps the Triton kernel, which stays the reference the tests compare against.
 
 The split plan is the Triton kernel's, with the merge inside the kernel: a launch has `num_splits` blocks a
 (token, KV head), fixed per launch shape (a CUDA graph fixes it for max_model_len), and on the device each
-request runs ceil(seq_len / split_len) of them, split_len = its share of the context rounded to whole
-16-position tiles and at least `min_split`. With one live split the block writes the output; with more,
+request runs one of them if its context is at most `single_max` positions, else ceil(seq_len / split_len),
+split_len = its share of the context rounded to whole 16-position tiles and at least `min_split` (the
+blocks past those return at once). With one live split the block writes the output; with more,
 each writes a partial and the last to finish merges them (an atomic counter a (token, KV head), which that
 block resets to zero: the counters live in one buffer a device, zero between launches).
 
@@ -46,6 +47,7 @@ class DecodeAttentionConfig:
     warps: int  # a block's warps; each streams its own tiles
     stages: int  # each warp's ring of 16-position K/V tiles (stages - 1 in flight)
     min_split: int  # KV positions a split takes at least (a multiple of TILE)
+    single_max: int  # contexts up to this long run in one split (no merge)
     waves: float  # split so that (tokens x KV heads x splits) blocks fill this many waves of the GPU
     signal: int  # where the kernel lets its dependents launch: 0 never, 1 at its start, 2 after its KV loop
 
@@ -55,9 +57,10 @@ class DecodeAttentionConfig:
 
 # Chosen on an H200 (benches/RESULTS.md, thirty-seventh session; Llama-3.1-8B heads, batch 1, 32 layers in a
 # CUDA graph bound at 131072): 8 warps x 3 stages (192 KB of rings: one block an SM, 16 splits at batch 1)
-# streamed fastest from 1k to 122k, and splits of >= 256 positions keep a short context in one block, where
-# a merge would cost more than the split saves (160 tokens: 5.7 us a layer against 8.2-8.5 with 2-3 splits).
-CONFIG = DecodeAttentionConfig(warps=8, stages=3, min_split=256, waves=1.0, signal=2)
+# streamed fastest from 1k to 122k. A merge costs ~1.5-2.5 us whatever the split count, so a context of up to
+# 512 positions runs in one block (160 tokens: 5.6 us a layer against 7.2 in two splits, 300: 6.8 against
+# 7.7 in three) and a longer one in splits of >= 128 (1k: 8.1 us against 9.6 in 256-position splits).
+CONFIG = DecodeAttentionConfig(warps=8, stages=3, min_split=128, single_max=512, waves=1.0, signal=2)
 _COMPILED = ((4, 4), (4, 3), (4, 6), (8, 3), (2, 8))  # (warps, stages) the module builds
 
 
@@ -137,10 +140,12 @@ def supported(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor, b
     return index in _counters or not torch.cuda.is_current_stream_capturing()
 
 
-def live_splits(seq_len: int, num_splits: int, min_split: int) -> int:
+def live_splits(seq_len: int, num_splits: int, min_split: int, single_max: int) -> int:
     """The kernel's split plan on the host (tests): the splits a context of seq_len positions runs in."""
     if seq_len <= 0:
         return 0
+    if seq_len <= single_max:
+        return 1
     share = math.ceil(seq_len / num_splits)
     split_len = max(math.ceil(share / TILE) * TILE, min_split)
     return -(-seq_len // split_len)
@@ -151,13 +156,13 @@ def choose_num_splits(pairs: int, max_seq_len: int, config: DecodeAttentionConfi
     """Splits a (token, KV head) so the launch fills `config.waves` waves of blocks, from host numbers only
     (graph-safe); never shorter than min_split positions for max_seq_len."""
     room = blocks_per_sm * num_sms * config.waves
-    if pairs >= room or max_seq_len <= config.min_split:
+    if pairs >= room or max_seq_len <= config.single_max:
         return 1
     wanted = int(room // pairs)  # not more: a few blocks past one wave would double the launch's time
     return max(1, min(wanted, -(-max_seq_len // config.min_split), MAX_SPLITS))
 
 
-_TYPES = (PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, F32, I32, I32, I32, I32, I64, I64, I64, I64, I64, I64, I64, I64,
+_TYPES = (PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, F32, I32, I32, I32, I32, I32, I64, I64, I64, I64, I64, I64, I64, I64,
           I64)
 _occupancy: dict[tuple[int, int, int], int] = {}
 
@@ -205,7 +210,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Te
         partial_out = partial_ml = out  # not written with one split
     args = (out.data_ptr(), partial_out.data_ptr(), partial_ml.data_ptr(), counters.data_ptr(), q.data_ptr(),
             kv_cache.data_ptr(), block_table.data_ptr(), seq_lens.data_ptr(), scale * _LOG2E, group,
-            block_size.bit_length() - 1, cfg.min_split, cfg.signal, q.stride(0), q.stride(1), out.stride(0),
+            block_size.bit_length() - 1, cfg.min_split, cfg.single_max, cfg.signal, q.stride(0), q.stride(1), out.stride(0),
             out.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
             block_table.stride(0))
     nvrtc.launch(fn, (num_splits, kv_heads, tokens), 32 * cfg.warps, args, _TYPES,
