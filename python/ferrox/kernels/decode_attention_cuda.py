@@ -102,6 +102,11 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@cache
+def _shared_optin(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).shared_memory_per_block_optin) - 1024  # (static: is_last)
+
+
 def enabled() -> bool:
     """The switch and the prerequisites (read on every call: tests and A/B runs flip the switch)."""
     return (os.environ.get(_ENV, "1") != "0" and os.environ.get("TRITON_INTERPRET") != "1"
@@ -135,6 +140,8 @@ def supported(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor, b
             or seq_lens.dtype != torch.int32):
         return False
     if q.stride(1) % 2 or q.stride(0) % 2 or not _aligned16(kv_cache):
+        return False
+    if shared_bytes(CONFIG, head_dim) > _shared_optin(index):  # 192 KB of rings: Hopper has 227
         return False
     # The counters are allocated before any capture (the graphs' warm-up forward runs first).
     return index in _counters or not torch.cuda.is_current_stream_capturing()
