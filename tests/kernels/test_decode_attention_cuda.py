@@ -182,6 +182,17 @@ def test_graph_replays_short_contexts_under_a_long_bound(cuda_device, seed):
 
 
 @pytest.mark.gpu
+def test_a_batch_that_fills_the_gpu(cuda_device, seed):
+    """200 requests x 8 KV heads, ragged contexts around the one-block limit: the engine leaves such batches to
+    the Triton kernel (`supported`), the kernel itself computes them right (one split each)."""
+    lens = torch.randint(1, 1200, (200,)).tolist()
+    batch = _decode_batch(lens, 32, 8, 128, 16, torch.bfloat16, cuda_device)
+    assert not dac.supported(batch.q, batch.kv_cache, batch.seq_lens, batch.block_table, None)
+    assert dac.supported(batch.q[:8], batch.kv_cache, batch.seq_lens[:8], batch.block_table[:8], None)
+    _assert_close(_cuda(batch), batch, torch.bfloat16)
+
+
+@pytest.mark.gpu
 def test_long_context_at_the_split_cap(cuda_device, seed):
     batch = _decode_batch([122879], 32, 8, 128, 16, torch.bfloat16, cuda_device, poison=False)
     _assert_close(_cuda(batch), batch, torch.bfloat16)

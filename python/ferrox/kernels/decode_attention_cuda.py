@@ -15,6 +15,11 @@ blocks past those return at once). With one live split the block writes the outp
 each writes a partial and the last to finish merges them (an atomic counter a (token, KV head), which that
 block resets to zero: the counters live in one buffer a device, zero between launches).
 
+Batches whose (token, KV head) pairs fill the SMs keep the Triton kernel: there the one-block-an-SM config
+starves short contexts of warps (1000 x (256, 256) throughput 1.5% lower through it). A 4-warp, two-blocks-
+an-SM config measured faster than Triton's there at the kernel level (benches/RESULTS.md, thirty-seventh
+session) but has not been run through the engine yet.
+
 FERROX_CUDA_DECODE_ATTN=0 turns it off (A/B runs).
 """
 
@@ -61,7 +66,8 @@ class DecodeAttentionConfig:
 # 512 positions runs in one block (160 tokens: 5.6 us a layer against 7.2 in two splits, 300: 6.8 against
 # 7.7 in three) and a longer one in splits of >= 128 (1k: 8.1 us against 9.6 in 256-position splits).
 CONFIG = DecodeAttentionConfig(warps=8, stages=3, min_split=128, single_max=512, waves=1.0, signal=2)
-_COMPILED = ((4, 4), (4, 3), (4, 6), (8, 3), (2, 8))  # (warps, stages) the module builds
+# (warps, stages) the module builds: CONFIG's, and the 4-warp config measured for batches (module docstring).
+_COMPILED = ((8, 3), (4, 3))
 
 
 def kernel_name(act: str, head_dim: int, warps: int, stages: int) -> str:
@@ -143,6 +149,8 @@ def supported(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor, b
         return False
     if shared_bytes(CONFIG, head_dim) > _shared_optin(index):  # 192 KB of rings: Hopper has 227
         return False
+    if q.shape[0] * kv_heads >= _num_sms(index):  # a batch that fills the GPU (the module docstring)
+        return False
     # The counters are allocated before any capture (the graphs' warm-up forward runs first).
     return index in _counters or not torch.cuda.is_current_stream_capturing()
 
@@ -193,12 +201,12 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Te
     """out[t] = attention of q[t] [heads, head_dim] over request t's first seq_lens[t] cached positions
     (token t is request t; a request of length 0 leaves its row unspecified). max_seq_len: a host upper
     bound (the split count's). The caller checked `supported`."""
-    cfg = config or CONFIG
     tokens, heads, head_dim = q.shape
     _, _, block_size, kv_heads, _ = kv_cache.shape
     group = heads // kv_heads
     act = _ACT[q.dtype]
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    cfg = config or CONFIG
     fn = _module(act).function(q.device, kernel_name(act, head_dim, cfg.warps, cfg.stages))
     shared = shared_bytes(cfg, head_dim)
     nvrtc.allow_shared(fn, shared)
