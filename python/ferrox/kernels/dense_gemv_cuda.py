@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from functools import cache, lru_cache
+from functools import cache
 
 import torch
 
@@ -113,12 +113,8 @@ def module_source(act: str, fp8: bool, base: str, configs: tuple[DenseGemvConfig
     return "\n".join(lines) + "\n"
 
 
-@lru_cache(maxsize=1)
 def _base_source() -> str | None:
-    from ferrox.kernels.cuda_sampling import PACKAGED_SOURCE_DIR
-
-    path = PACKAGED_SOURCE_DIR / SOURCE_NAME
-    return path.read_text() if path.is_file() else None
+    return nvrtc.packaged_source(SOURCE_NAME)
 
 
 @cache

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from functools import cache, lru_cache
+from functools import cache
 from typing import TYPE_CHECKING
 
 import torch
@@ -163,12 +163,8 @@ def layout_supported(n: int, k: int, group: int) -> bool:
 
 
 # ---- the module --------------------------------------------------------------------------------------
-@lru_cache(maxsize=1)
 def _base_source() -> str | None:
-    from ferrox.kernels.cuda_sampling import PACKAGED_SOURCE_DIR
-
-    path = PACKAGED_SOURCE_DIR / SOURCE_NAME
-    return path.read_text() if path.is_file() else None
+    return nvrtc.packaged_source(SOURCE_NAME)
 
 
 @cache

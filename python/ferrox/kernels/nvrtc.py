@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +111,15 @@ def compile_cubin(source: str, arch: str, options: Sequence[str] = (), name: str
     except OSError as exc:
         logger.warning("could not cache %s: %s", path, exc)
     return cubin
+
+
+@cache
+def packaged_source(name: str) -> str | None:
+    """The text of the repository's cuda/<name> as the package ships it (ferrox/csrc), or None without it."""
+    from ferrox.kernels.cuda_sampling import PACKAGED_SOURCE_DIR
+
+    path = PACKAGED_SOURCE_DIR / name
+    return path.read_text() if path.is_file() else None
 
 
 def device_arch(device: torch.device) -> str:
