@@ -8,8 +8,9 @@ slot through the block table (so any block size works), with an online softmax i
 causal mask inside the chunk: query i of a request with `query_len` new tokens sits at absolute
 position `seq_len - query_len + i`.
 
-Decode-only calls on Hopper with a 16-bit cache go to cuda/decode_attention.cu instead
-(kernels/decode_attention_cuda.py: per-warp cp.async rings and the split merge inside the kernel;
+Decode-only calls on Hopper with a 16-bit cache and fewer (request, KV head) pairs than SMs go to
+cuda/decode_attention.cu instead (kernels/decode_attention_cuda.py: per-warp cp.async rings and the
+split merge inside the kernel;
 benches/RESULTS.md, thirty-seventh session: 160 tokens of context 8.7 -> 5.6 us a layer, 122k 127.8
 -> 122.8); this kernel remains for everything else and is the reference its tests compare against.
 
