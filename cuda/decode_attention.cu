@@ -28,41 +28,29 @@ typedef unsigned short u16;
 
 #define NEG_INF __int_as_float(0xff800000u)
 
-#define FERROX_ATTN_MMA16(TYPE)                                                                                  \
-    static __device__ __forceinline__ void mma(float* d, const u32* a, u32 b0, u32 b1) {                        \
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE                                    \
-                     ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"                     \
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                           \
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                           \
-    }
+// A 16-bit element type's conversions and m16n8k16 MMA (fp32 accumulation); TYPE its PTX name.
+#define FERROX_ATTN_TYPE(NAME, TYPE)                                                                             \
+    struct NAME {                                                                                                \
+        static __device__ __forceinline__ u32 pack(float lo, float hi) {                                         \
+            u32 r;                                                                                               \
+            asm("cvt.rn." TYPE "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));                               \
+            return r;                                                                                            \
+        }                                                                                                        \
+        static __device__ __forceinline__ u16 narrow(float f) {                                                  \
+            u16 r;                                                                                               \
+            asm("cvt.rn." TYPE ".f32 %0, %1;" : "=h"(r) : "f"(f));                                               \
+            return r;                                                                                            \
+        }                                                                                                        \
+        static __device__ __forceinline__ void mma(float* d, const u32* a, u32 b0, u32 b1) {                    \
+            asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE                                \
+                         ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"                 \
+                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                       \
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                       \
+        }                                                                                                        \
+    };
 
-struct Bf16 {
-    static __device__ __forceinline__ u32 pack(float lo, float hi) {
-        u32 r;
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-        return r;
-    }
-    static __device__ __forceinline__ u16 narrow(float f) {
-        u16 r;
-        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
-        return r;
-    }
-    FERROX_ATTN_MMA16("bf16")
-};
-
-struct F16 {
-    static __device__ __forceinline__ u32 pack(float lo, float hi) {
-        u32 r;
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-        return r;
-    }
-    static __device__ __forceinline__ u16 narrow(float f) {
-        u16 r;
-        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
-        return r;
-    }
-    FERROX_ATTN_MMA16("f16")
-};
+FERROX_ATTN_TYPE(Bf16, "bf16")
+FERROX_ATTN_TYPE(F16, "f16")
 
 static __device__ __forceinline__ u32 shared_address(const void* p) {
     u32 a;

@@ -35,6 +35,7 @@ import torch
 from ferrox.kernels import nvrtc
 from ferrox.kernels.nvrtc import F32, I32, I64, PTR
 from ferrox.kernels.pdl import pdl_enabled
+from ferrox.kernels.split_k import num_sms
 
 SOURCE_NAME = "decode_attention.cu"
 _ENV = "FERROX_CUDA_DECODE_ATTN"
@@ -100,11 +101,6 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 @cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-@cache
 def _shared_optin(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).shared_memory_per_block_optin) - 1024  # (static: is_last)
 
@@ -145,7 +141,7 @@ def supported(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor, b
         return False
     if shared_bytes(CONFIG, head_dim) > _shared_optin(index):  # 192 KB of rings: Hopper has 227
         return False
-    if q.shape[0] * kv_heads >= _num_sms(index):  # a batch that fills the GPU (the module docstring)
+    if q.shape[0] * kv_heads >= num_sms(q.device):  # a batch that fills the GPU (the module docstring)
         return False
     # The counters are allocated before any capture (the graphs' warm-up forward runs first).
     return index in _counters or not torch.cuda.is_current_stream_capturing()
@@ -208,7 +204,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Te
     nvrtc.allow_shared(fn, shared)
     if num_splits is None:
         num_splits = choose_num_splits(tokens * kv_heads, max_seq_len, cfg,
-                                       _blocks_per_sm(fn, 32 * cfg.warps, shared), _num_sms(index))
+                                       _blocks_per_sm(fn, 32 * cfg.warps, shared), num_sms(q.device))
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
     counters = _counters.get(index)
