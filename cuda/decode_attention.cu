@@ -19,6 +19,15 @@
 // Shared memory rows are K/V rows (HEAD_DIM 16-bit values) with their 16-byte chunks XOR-swizzled by
 // the row's low three bits, so the eight rows an ldmatrix phase reads hit eight different bank groups.
 //
+// An FP8 (E4M3) cache (KV8; head dim 128) streams half the bytes and runs the products in fp16 (E4M3 widens
+// to fp16 exactly in one instruction; q narrows to fp16, saturating): ldmatrix cannot widen, so each lane
+// loads its own fragments' bytes. Both products' contractions may be taken in any order, so the kernel picks
+// orders that make those bytes contiguous: for S = Q K^T, lane t's four K values of k step kk (logical dims
+// 16 kk + 2t, +1, +8, +9) are bytes 32 t + 4 kk .. +3 of the row (q's fragments load with the same map);
+// for O += P V, n tile nt's column n is output dim 16 n + nt, so lane g's 16 columns are bytes 16 g .. +15
+// of a V row, and the output lands permuted back when the warps combine. k_scale folds into the softmax
+// scale, v_scale into the output.
+//
 // Programmatic dependent launch (kernels/pdl.py): the kernel waits (`griddepcontrol.wait`) before its
 // first read -- the previous kernel writes q and this step's K/V -- and signals its dependents where the
 // `signal` argument says (0 never, 1 at the start, 2 after the KV loop).
@@ -52,6 +61,45 @@ typedef unsigned short u16;
 FERROX_ATTN_TYPE(Bf16, "bf16")
 FERROX_ATTN_TYPE(F16, "f16")
 
+static __device__ __forceinline__ float widen(Bf16, u16 x) { return __uint_as_float(u32(x) << 16); }
+static __device__ __forceinline__ float widen(F16, u16 x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+    return f;
+}
+
+// Two E4M3 values (low byte first) -> fp16x2 (exact).
+static __device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 x) {
+    u32 r;
+    asm("{ .reg .b16 t; cvt.u16.u32 t, %1; cvt.rn.f16x2.e4m3x2 %0, t; }" : "=r"(r) : "r"(x));
+    return r;
+}
+
+static __device__ __forceinline__ u32 byte_perm(u32 a, u32 b, u32 selector) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(selector));
+    return r;
+}
+
+static __device__ __forceinline__ uint4 load_shared16(u32 addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}
+
+// The products' element type (the cache's, or fp16 over an FP8 cache: E4M3 widens to it exactly) and the
+// cache's element.
+template <class T, bool KV8>
+struct Mma {
+    typedef T type;
+    typedef u16 elem;
+};
+template <class T>
+struct Mma<T, true> {
+    typedef F16 type;
+    typedef unsigned char elem;
+};
+
 static __device__ __forceinline__ u32 shared_address(const void* p) {
     u32 a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
@@ -82,25 +130,30 @@ static __device__ __forceinline__ float fast_exp2(float x) {
 // Arguments (pointers to 16-bit data as u16; strides in elements).
 //   out [tokens, heads, HEAD_DIM]; partial_out [tokens, heads, num_splits, HEAD_DIM] fp32 and partial_ml
 //   [tokens, heads, num_splits, 2] (max in log2 units, sum); counters [tokens * kv_heads] int32, zero between
-//   launches. q [tokens, heads, HEAD_DIM]; cache [2, blocks, block_size, kv_heads, HEAD_DIM]; block_table
-//   [requests, max_blocks] (token t is request t); seq_lens [requests].
+//   launches. q [tokens, heads, HEAD_DIM]; cache [2, blocks, block_size, kv_heads, HEAD_DIM] (16-bit T, or
+//   E4M3 bytes when KV8); kv_scale: float32 (k_scale, v_scale) of an FP8 cache (unread otherwise);
+//   block_table [requests, max_blocks] (token t is request t); seq_lens [requests].
 //   Grid: (num_splits, kv_heads, tokens); WARPS * 32 threads.
-template <class T, int HEAD_DIM, int WARPS, int STAGES>
+template <class T, bool KV8, int HEAD_DIM, int WARPS, int STAGES>
 static __device__ __forceinline__ void decode_attention(
     u16* __restrict__ out, float* __restrict__ partial_out, float* __restrict__ partial_ml, int* __restrict__ counters,
-    const u16* __restrict__ q, const u16* __restrict__ cache, const int* __restrict__ block_table,
+    const u16* __restrict__ q, const typename Mma<T, KV8>::elem* __restrict__ cache, const float* __restrict__ kv_scale,
+    const int* __restrict__ block_table,
     const int* __restrict__ seq_lens, float scale_log2, int group, int log2_block, int min_split, int single_max,
     int signal, long long stride_qt, long long stride_qh, long long stride_ot, long long stride_oh, long long stride_ckv,
     long long stride_cblock, long long stride_cslot, long long stride_chead, long long stride_bt) {
+    using M = typename Mma<T, KV8>::type;     // the products' element type
+    constexpr int ELEM = KV8 ? 1 : 2;          // bytes a cached value
     constexpr int TILE = 16;                   // KV positions a warp takes per step: one MMA's k (PV)
-    constexpr int CHUNKS = HEAD_DIM / 8;       // 16-byte chunks of a row
-    constexpr int ROW_BYTES = HEAD_DIM * 2;
+    constexpr int ROW_BYTES = HEAD_DIM * ELEM;
+    constexpr int CHUNKS = ROW_BYTES / 16;     // 16-byte chunks of a row
     constexpr int TILE_BYTES = TILE * ROW_BYTES;
     constexpr int STAGE_BYTES = 2 * TILE_BYTES;  // K rows, then V rows
     constexpr int KSTEPS = HEAD_DIM / 16;
     constexpr int NTILES = HEAD_DIM / 8;
     constexpr int COPIES = TILE * CHUNKS / 32;   // 16-byte copies a lane makes of K (and of V) per tile
-    static_assert(CHUNKS >= 8 && COPIES >= 1, "HEAD_DIM must be a multiple of 64");
+    static_assert(CHUNKS >= 8 && COPIES >= 1, "a row must be at least 128 bytes");
+    static_assert(!KV8 || HEAD_DIM == 128, "the FP8 fragment maps are for head dim 128");
 
     extern __shared__ __align__(128) unsigned char smem[];
     const int split = blockIdx.x, kv_head = blockIdx.y, token = blockIdx.z;
@@ -134,19 +187,20 @@ static __device__ __forceinline__ void decode_attention(
 
     unsigned char* ring = smem + warp * STAGES * STAGE_BYTES;
     const u32 ring_addr = shared_address(ring);
-    const u16* k_head = cache + kv_head * stride_chead;
+    typedef typename Mma<T, KV8>::elem E;  // a cached value
+    const E* k_head = cache + kv_head * stride_chead;
 
     auto issue = [&](int i) {  // tile i of this warp into stage i % STAGES (an empty group past the end)
         if (i < my_tiles) {
             const int pos0 = tile_pos(i);
             const int block = __shfl_sync(0xffffffffu, blocks_now, i % 32);
-            const u16* base = k_head + block * stride_cblock + (pos0 & block_mask) * stride_cslot;
+            const E* base = k_head + block * stride_cblock + (pos0 & block_mask) * stride_cslot;
             const u32 stage = ring_addr + (i % STAGES) * STAGE_BYTES;
 #pragma unroll
             for (int j = 0; j < COPIES; ++j) {
                 const int c = lane + 32 * j, row = c / CHUNKS, chunk = c % CHUNKS;
                 const int bytes = pos0 + row < end ? 16 : 0;
-                const u16* src = base + (bytes ? row : 0) * stride_cslot + chunk * 8;
+                const E* src = base + (bytes ? row : 0) * stride_cslot + chunk * (16 / ELEM);
                 const u32 dst = stage + row * ROW_BYTES + ((chunk ^ (row & 7)) << 4);
                 copy_async16(dst, src, bytes);
                 copy_async16(dst + TILE_BYTES, src + stride_ckv, bytes);
@@ -167,10 +221,23 @@ static __device__ __forceinline__ void decode_attention(
         for (int kk = 0; kk < KSTEPS; ++kk) {
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
-                const int row = g + (r & 1) * 8, col = kk * 16 + 2 * t + (r >> 1) * 8;
-                qa[kk][r] = row < group ? *reinterpret_cast<const u32*>(q_tok + (h0 + row) * stride_qh + col) : 0u;
+                const int row = g + (r & 1) * 8;
+                // KV8: the dims lane t's K bytes hold (the header); else the MMA's own columns.
+                const int col = KV8 ? 32 * t + 4 * kk + (r >> 1) * 2 : kk * 16 + 2 * t + (r >> 1) * 8;
+                u32 v = row < group ? *reinterpret_cast<const u32*>(q_tok + (h0 + row) * stride_qh + col) : 0u;
+                if constexpr (KV8) {  // to fp16, saturated (a q beyond fp16's range is not a real model's)
+                    const float lo = fminf(fmaxf(widen(T(), u16(v & 0xffffu)), -65504.f), 65504.f);
+                    const float hi = fminf(fmaxf(widen(T(), u16(v >> 16)), -65504.f), 65504.f);
+                    v = F16::pack(lo, hi);
+                }
+                qa[kk][r] = v;
             }
         }
+    }
+    float v_scale = 1.f;
+    if constexpr (KV8) {
+        scale_log2 *= kv_scale[0];
+        v_scale = kv_scale[1];
     }
 
     float m[2] = {NEG_INF, NEG_INF};  // running max (log2 units) of rows g and g + 8
@@ -197,12 +264,33 @@ static __device__ __forceinline__ void decode_attention(
         const u32 k_stage = ring_addr + (i % STAGES) * STAGE_BYTES;
         const u32 v_stage = k_stage + TILE_BYTES;
         float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        if constexpr (KV8) {
+            // Rows g (positions 0-7's product) and g + 8: bytes 32 t .. +31, word kk = k step kk's four values.
+            uint4 k8[2][2];
 #pragma unroll
-        for (int kk = 0; kk < KSTEPS; ++kk) {
-            u32 b[4];
-            ldmatrix_x4(b, k_stage + k_row * ROW_BYTES + (((2 * kk + k_chunk) ^ (k_row & 7)) << 4));
-            T::mma(s[0], qa[kk], b[0], b[1]);
-            T::mma(s[1], qa[kk], b[2], b[3]);
+            for (int j = 0; j < 2; ++j) {
+                const int row = g + 8 * j;
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    k8[j][h] = load_shared16(k_stage + row * ROW_BYTES + (((2 * t + h) ^ (row & 7)) << 4));
+            }
+#pragma unroll
+            for (int kk = 0; kk < KSTEPS; ++kk) {
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const uint4& w4 = k8[j][kk / 4];
+                    const u32 w = (kk % 4 == 0) ? w4.x : (kk % 4 == 1) ? w4.y : (kk % 4 == 2) ? w4.z : w4.w;
+                    M::mma(s[j], qa[kk], e4m3x2_to_f16x2(w), e4m3x2_to_f16x2(w >> 16));
+                }
+            }
+        } else {
+#pragma unroll
+            for (int kk = 0; kk < KSTEPS; ++kk) {
+                u32 b[4];
+                ldmatrix_x4(b, k_stage + k_row * ROW_BYTES + (((2 * kk + k_chunk) ^ (k_row & 7)) << 4));
+                M::mma(s[0], qa[kk], b[0], b[1]);
+                M::mma(s[1], qa[kk], b[2], b[3]);
+            }
         }
         // s[j][0..1]: row g, positions 8j + 2t, +1; s[j][2..3]: row g + 8, the same positions.
         const int pos0 = tile_pos(i);
@@ -232,8 +320,8 @@ static __device__ __forceinline__ void decode_attention(
             const float p2 = fast_exp2(s[j][2] - m[1]), p3 = fast_exp2(s[j][3] - m[1]);
             l[0] = (j ? l[0] : l[0] * alpha[0]) + p0 + p1;
             l[1] = (j ? l[1] : l[1] * alpha[1]) + p2 + p3;
-            pa[2 * j] = T::pack(p0, p1);
-            pa[2 * j + 1] = T::pack(p2, p3);
+            pa[2 * j] = M::pack(p0, p1);
+            pa[2 * j + 1] = M::pack(p2, p3);
         }
 #pragma unroll
         for (int n = 0; n < NTILES; ++n) {
@@ -242,12 +330,38 @@ static __device__ __forceinline__ void decode_attention(
             acc[n][2] *= alpha[1];
             acc[n][3] *= alpha[1];
         }
+        if constexpr (KV8) {
+            // Rows 2t, 2t + 1, 2t + 8, 2t + 9 (the positions of lane t's P values), bytes 16 g .. +15: byte nt
+            // of each is column g of n tile nt.
+            uint4 v8[4];
 #pragma unroll
-        for (int nn = 0; nn < NTILES / 2; ++nn) {
-            u32 b[4];
-            ldmatrix_x4_trans(b, v_stage + v_row * ROW_BYTES + (((2 * nn + v_chunk) ^ (v_row & 7)) << 4));
-            T::mma(acc[2 * nn], pa, b[0], b[1]);
-            T::mma(acc[2 * nn + 1], pa, b[2], b[3]);
+            for (int r = 0; r < 4; ++r) {
+                const int row = 2 * t + (r & 1) + (r >> 1) * 8;
+                v8[r] = load_shared16(v_stage + row * ROW_BYTES + ((g ^ (row & 7)) << 4));
+            }
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {  // word w: n tiles 4w .. 4w + 3
+                const u32 a0 = w == 0 ? v8[0].x : w == 1 ? v8[0].y : w == 2 ? v8[0].z : v8[0].w;
+                const u32 a1 = w == 0 ? v8[1].x : w == 1 ? v8[1].y : w == 2 ? v8[1].z : v8[1].w;
+                const u32 a2 = w == 0 ? v8[2].x : w == 1 ? v8[2].y : w == 2 ? v8[2].z : v8[2].w;
+                const u32 a3 = w == 0 ? v8[3].x : w == 1 ? v8[3].y : w == 2 ? v8[3].z : v8[3].w;
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {  // bytes 2 half, 2 half + 1 of each word: two n tiles
+                    const u32 sel = (2 * half) | ((4 + 2 * half) << 4) | ((2 * half + 1) << 8) | ((5 + 2 * half) << 12);
+                    const u32 lo = byte_perm(a0, a1, sel), hi = byte_perm(a2, a3, sel);
+                    const int nt = 4 * w + 2 * half;
+                    M::mma(acc[nt], pa, e4m3x2_to_f16x2(lo), e4m3x2_to_f16x2(hi));
+                    M::mma(acc[nt + 1], pa, e4m3x2_to_f16x2(lo >> 16), e4m3x2_to_f16x2(hi >> 16));
+                }
+            }
+        } else {
+#pragma unroll
+            for (int nn = 0; nn < NTILES / 2; ++nn) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, v_stage + v_row * ROW_BYTES + (((2 * nn + v_chunk) ^ (v_row & 7)) << 4));
+                M::mma(acc[2 * nn], pa, b[0], b[1]);
+                M::mma(acc[2 * nn + 1], pa, b[2], b[3]);
+            }
         }
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
@@ -269,9 +383,16 @@ static __device__ __forceinline__ void decode_attention(
     }
 #pragma unroll
     for (int n = 0; n < NTILES; ++n) {
-        float* row0 = w_acc + (warp * 16 + g) * HEAD_DIM + 8 * n + 2 * t;
-        *reinterpret_cast<float2*>(row0) = make_float2(acc[n][0], acc[n][1]);
-        *reinterpret_cast<float2*>(row0 + 8 * HEAD_DIM) = make_float2(acc[n][2], acc[n][3]);
+        float* row0 = w_acc + (warp * 16 + g) * HEAD_DIM;
+        if constexpr (KV8) {  // column c of n tile n is dim NTILES c + n (the header); v_scale applies here
+            row0[2 * t * NTILES + n] = acc[n][0] * v_scale;
+            row0[(2 * t + 1) * NTILES + n] = acc[n][1] * v_scale;
+            row0[8 * HEAD_DIM + 2 * t * NTILES + n] = acc[n][2] * v_scale;
+            row0[8 * HEAD_DIM + (2 * t + 1) * NTILES + n] = acc[n][3] * v_scale;
+        } else {
+            *reinterpret_cast<float2*>(row0 + 8 * n + 2 * t) = make_float2(acc[n][0], acc[n][1]);
+            *reinterpret_cast<float2*>(row0 + 8 * HEAD_DIM + 8 * n + 2 * t) = make_float2(acc[n][2], acc[n][3]);
+        }
     }
     __syncthreads();
 
@@ -337,15 +458,17 @@ static __device__ __forceinline__ void decode_attention(
     }
 }
 
-#define FERROX_DECODE_ATTENTION(NAME, T, HEAD_DIM, WARPS, STAGES)                                               \
+#define FERROX_DECODE_ATTENTION(NAME, T, KV8, HEAD_DIM, WARPS, STAGES)                                          \
     extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME(                                              \
-        u16* out, float* partial_out, float* partial_ml, int* counters, const u16* q, const u16* cache,         \
+        u16* out, float* partial_out, float* partial_ml, int* counters, const u16* q,                           \
+        const Mma<T, KV8>::elem* cache, const float* kv_scale,                                                  \
         const int* block_table, const int* seq_lens, float scale_log2, int group, int log2_block,               \
         int min_split, int single_max, int signal, long long stride_qt, long long stride_qh,                    \
         long long stride_ot, long long stride_oh, long long stride_ckv, long long stride_cblock,                \
         long long stride_cslot, long long stride_chead, long long stride_bt) {                                  \
-        decode_attention<T, HEAD_DIM, WARPS, STAGES>(                                                           \
-            out, partial_out, partial_ml, counters, q, cache, block_table, seq_lens, scale_log2, group,         \
+        decode_attention<T, KV8, HEAD_DIM, WARPS, STAGES>(                                                      \
+            out, partial_out, partial_ml, counters, q, cache,   \
+            kv_scale, block_table, seq_lens, scale_log2, group,                                                 \
             log2_block, min_split, single_max, signal, stride_qt, stride_qh, stride_ot, stride_oh, stride_ckv,  \
             stride_cblock, stride_cslot, stride_chead, stride_bt);                                              \
     }

@@ -6,6 +6,8 @@ request (a kernel reading past a context, or trusting unwritten partials, fails)
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from ferrox.kernels import decode_attention_cuda as dac
@@ -14,6 +16,7 @@ from ferrox.kernels.cuda_sampling import PACKAGED_SOURCE_DIR
 from ferrox.kernels.paged_attention import unified_attention
 
 from tests.kernels.kernel_refs import PagedBatch, paged_attention_ref, relative_error
+from tests.kernels.test_kv_fp8 import fp8_cache, scales_tensor
 
 TOLERANCE = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3}
 
@@ -69,7 +72,9 @@ def test_takes_16_bit_caches_and_leaves_the_rest_to_triton(cuda_device):
 
     ones = torch.ones(2, device=cuda_device)
     assert dac.supported(q, cache(), lens, table, ones)  # a 16-bit cache ignores its (unit) scales
-    assert not dac.supported(q, cache(dtype=torch.float8_e4m3fn), lens, table, ones)
+    assert dac.supported(q, cache(dtype=torch.float8_e4m3fn), lens, table, ones)
+    assert not dac.supported(q[..., :64], cache(head_dim=64, dtype=torch.float8_e4m3fn), lens, table, ones)
+    assert not dac.supported(q, cache(dtype=torch.float8_e5m2), lens, table, ones)
     assert not dac.supported(q, cache(block_size=8), lens, table, None)
     assert not dac.supported(q, cache(block_size=48), lens, table, None)
     assert not dac.supported(q[..., :96], cache(head_dim=96), lens, table, None)
@@ -183,13 +188,63 @@ def test_graph_replays_short_contexts_under_a_long_bound(cuda_device, seed):
 
 @pytest.mark.gpu
 def test_a_batch_that_fills_the_gpu(cuda_device, seed):
-    """200 requests x 8 KV heads, ragged contexts around the one-block limit: the engine leaves such batches to
-    the Triton kernel (`supported`), the kernel itself computes them right (one split each)."""
+    """200 requests x 8 KV heads, ragged contexts around the one-block limit: BATCH_CONFIG's blocks, one
+    split each; 8 requests stay on CONFIG."""
     lens = torch.randint(1, 1200, (200,)).tolist()
     batch = _decode_batch(lens, 32, 8, 128, 16, torch.bfloat16, cuda_device)
-    assert not dac.supported(batch.q, batch.kv_cache, batch.seq_lens, batch.block_table, None)
-    assert dac.supported(batch.q[:8], batch.kv_cache, batch.seq_lens[:8], batch.block_table[:8], None)
+    assert dac.supported(batch.q, batch.kv_cache, batch.seq_lens, batch.block_table, None)
+    assert dac.config_for(200 * 8, cuda_device) == dac.BATCH_CONFIG
+    assert dac.config_for(8, cuda_device) == dac.CONFIG
     _assert_close(_cuda(batch), batch, torch.bfloat16)
+    assert int(dac._counters[cuda_device.index or 0].abs().sum()) == 0
+
+
+FP8_CASES = [c for c in CASES if CASES[c][3] in dac.FP8_HEAD_DIMS]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", FP8_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fp8_cache_matches_the_dequantized_reference(cuda_device, seed, case, dtype):
+    """An E4M3 cache with scales that are not powers of two (a missed or doubled one shows): the kernel
+    against attention over the dequantized cache, every split count, every compiled config, and through
+    unified_attention against the Triton kernel."""
+    lens, heads, kv_heads, head_dim, block_size = CASES[case]
+    batch = _decode_batch(lens, heads, kv_heads, head_dim, block_size, dtype, cuda_device)
+    cache, deq = fp8_cache(batch.kv_cache)
+    scales = scales_tensor(cuda_device)
+    assert dac.supported(batch.q, cache, batch.seq_lens, batch.block_table, scales)
+    ref = paged_attention_ref(batch.q, deq, batch.query_start_loc, batch.seq_lens, batch.block_table, batch.scale)
+    rows = [r for r, n in enumerate(lens) if n > 0]
+
+    def check(out):
+        assert not out[rows].isnan().any()
+        assert relative_error(out[rows], ref[rows]) < TOLERANCE[dtype]
+
+    def cuda(**kwargs):
+        return dac.decode_attention(batch.q, cache, batch.seq_lens, batch.block_table, max_seq_len=batch.max_seq_len,
+                                    scale=batch.scale, out=torch.full_like(batch.q, float("nan")), kv_scale=scales,
+                                    **kwargs)
+
+    for splits in (None, 1, 7, dac.MAX_SPLITS):
+        check(cuda(num_splits=splits))
+    for warps, stages in dac._COMPILED:
+        check(cuda(config=dac.DecodeAttentionConfig(warps, stages, 64, 512, 1.0, 2)))
+
+    def attend():
+        return unified_attention(batch.q, cache, batch.query_start_loc, batch.seq_lens, batch.block_table,
+                                 max_query_len=1, max_seq_len=batch.max_seq_len, scale=batch.scale, kv_scale=scales)
+
+    ours = attend()
+    os.environ["FERROX_CUDA_DECODE_ATTN"] = "0"
+    try:
+        triton = attend()
+    finally:
+        del os.environ["FERROX_CUDA_DECODE_ATTN"]
+    check(ours)
+    assert relative_error(ours[rows], triton[rows]) < TOLERANCE[dtype]
+    torch.cuda.synchronize()
+    assert int(dac._counters[cuda_device.index or 0].abs().sum()) == 0
 
 
 @pytest.mark.gpu

@@ -8,11 +8,11 @@ slot through the block table (so any block size works), with an online softmax i
 causal mask inside the chunk: query i of a request with `query_len` new tokens sits at absolute
 position `seq_len - query_len + i`.
 
-Decode-only calls on Hopper with a 16-bit cache and fewer (request, KV head) pairs than SMs go to
+Decode-only calls on Hopper (a 16-bit cache, or an FP8 one at head dim 128) go to
 cuda/decode_attention.cu instead (kernels/decode_attention_cuda.py: per-warp cp.async rings and the
-split merge inside the kernel;
-benches/RESULTS.md, thirty-seventh session: 160 tokens of context 8.7 -> 5.6 us a layer, 122k 127.8
--> 122.8); this kernel remains for everything else and is the reference its tests compare against.
+split merge inside the kernel; benches/RESULTS.md, thirty-seventh session: 160 tokens of context 8.7 ->
+5.6 us a layer, 122k 127.8 -> 122.8; thirty-eighth: an FP8 cache at 122k 169 -> 74); this kernel remains
+for everything else and is the reference its tests compare against.
 
 Query tiles are numbered without a host sync: request r's tiles start at
 `query_start_loc[r] // BLOCK_Q + r`, a strictly increasing sequence, so the grid is the upper
@@ -407,7 +407,7 @@ def unified_attention(
             and decode_attention_cuda.supported(q, kv_cache, seq_lens, block_table, kv_scale)):
         # Decode-only on Hopper: the CUDA kernel (its module docstring); this kernel stays the reference.
         return decode_attention_cuda.decode_attention(q, kv_cache, seq_lens, block_table, max_seq_len=max_seq_len,
-                                                      scale=scale, out=out)
+                                                      scale=scale, out=out, kv_scale=kv_scale)
 
     group = num_heads // num_kv_heads
     if config is None:
