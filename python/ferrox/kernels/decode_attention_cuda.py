@@ -217,8 +217,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Te
     kv8 = kv_cache.dtype == FP8_KV_DTYPE
     fn = _module(act).function(q.device, kernel_name(act, kv8, head_dim, cfg.warps, cfg.stages))
     shared = shared_bytes(cfg, head_dim, kv_cache.element_size())
-    if kv8 and kv_scale is None:
-        kv_scale = unit_kv_scales(q.device)
+    scales = (kv_scale if kv_scale is not None else unit_kv_scales(q.device)) if kv8 else None
     nvrtc.allow_shared(fn, shared)
     if num_splits is None:
         num_splits = choose_num_splits(tokens * kv_heads, max_seq_len, cfg,
@@ -234,7 +233,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Te
     else:
         partial_out = partial_ml = out  # not written with one split
     args = (out.data_ptr(), partial_out.data_ptr(), partial_ml.data_ptr(), counters.data_ptr(), q.data_ptr(),
-            kv_cache.data_ptr(), kv_scale.data_ptr() if kv8 else 0, block_table.data_ptr(), seq_lens.data_ptr(), scale * _LOG2E, group,
+            kv_cache.data_ptr(), scales.data_ptr() if scales is not None else 0, block_table.data_ptr(), seq_lens.data_ptr(), scale * _LOG2E, group,
             block_size.bit_length() - 1, cfg.min_split, cfg.single_max, cfg.signal, q.stride(0), q.stride(1), out.stride(0),
             out.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
             block_table.stride(0))
