@@ -88,9 +88,12 @@ def kv_bytes_read(config: dict[str, Any], context_len: int, batch: int = 1, dtyp
     return batch * context_len * bench_setup.kv_bytes_per_token(config, dtype_bytes)
 
 
-def decode_bytes(config: dict[str, Any], context_len: int, batch: int, dtype_bytes: int = 2) -> int:
-    """Bytes one decode step must read: weights without the input embedding + the KV it attends."""
-    return weight_bytes_read(config, batch, dtype_bytes) + kv_bytes_read(config, context_len, batch, dtype_bytes)
+def decode_bytes(config: dict[str, Any], context_len: int, batch: int, dtype_bytes: int = 2,
+                 kv_dtype_bytes: int | None = None) -> int:
+    """Bytes one decode step must read: weights without the input embedding + the KV it attends
+    (kv_dtype_bytes: the cache's element, 1 for an FP8 cache; None: the weights')."""
+    kv = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
+    return weight_bytes_read(config, batch, dtype_bytes) + kv_bytes_read(config, context_len, batch, kv)
 
 
 def honest_floor_ms(config: dict[str, Any], context_len: int, batch: int, read_gbps: float, *,
