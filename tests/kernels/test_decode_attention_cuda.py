@@ -195,6 +195,8 @@ def test_a_batch_that_fills_the_gpu(cuda_device, seed):
     assert dac.supported(batch.q, batch.kv_cache, batch.seq_lens, batch.block_table, None)
     assert dac.config_for(200 * 8, cuda_device) == dac.BATCH_CONFIG
     assert dac.config_for(8, cuda_device) == dac.CONFIG
+    d64 = _decode_batch(lens, 32, 8, 64, 16, torch.bfloat16, cuda_device, poison=False)
+    assert not dac.supported(d64.q, d64.kv_cache, d64.seq_lens, d64.block_table, None)  # BATCH_HEAD_DIMS
     _assert_close(_cuda(batch), batch, torch.bfloat16)
     assert int(dac._counters[cuda_device.index or 0].abs().sum()) == 0
 

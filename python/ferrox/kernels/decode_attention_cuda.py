@@ -16,7 +16,8 @@ blocks past those return at once). With one live split the block writes the outp
 each writes a partial and the last to finish merges them (an atomic counter a (token, KV head), which that
 block resets to zero: the counters live in one buffer a device, zero between launches).
 
-Batches whose (token, KV head) pairs fill the SMs run BATCH_CONFIG, 4 warps a block and two blocks an SM:
+Batches whose (token, KV head) pairs fill the SMs run BATCH_CONFIG (at head dim 128; other head dims keep
+the Triton kernel there), 4 warps a block and two blocks an SM:
 CONFIG's one block an SM starves many short contexts of warps (1000 x (256, 256) throughput 1.5% below the
 Triton kernel's through it), the 4-warp blocks beat the Triton kernel there (benches/RESULTS.md,
 thirty-seventh and thirty-eighth sessions).
@@ -73,6 +74,7 @@ CONFIG = DecodeAttentionConfig(warps=8, stages=3, min_split=128, single_max=512,
 # Batches of (token, KV head) pairs that fill the SMs (one split each): 4 warps x 3 stages, two blocks an SM,
 # 3-7% faster than the Triton kernel from 500-token contexts at batches of 64-256 (thirty-seventh session).
 BATCH_CONFIG = DecodeAttentionConfig(warps=4, stages=3, min_split=128, single_max=512, waves=1.0, signal=2)
+BATCH_HEAD_DIMS = (128,)  # where BATCH_CONFIG runs; other head dims keep the Triton kernel for such batches
 # (warps, stages) the module builds.
 _COMPILED = ((CONFIG.warps, CONFIG.stages), (BATCH_CONFIG.warps, BATCH_CONFIG.stages))
 
@@ -151,6 +153,8 @@ def supported(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor, b
         return False
     if shared_bytes(CONFIG, head_dim, kv_cache.element_size()) > _shared_optin(index):  # 192 KB: Hopper has 227
         return False
+    if q.shape[0] * kv_heads >= num_sms(q.device) and head_dim not in BATCH_HEAD_DIMS:
+        return False  # BATCH_CONFIG has been measured and run on the GPU at head dim 128 only
     # The counters are allocated before any capture (the graphs' warm-up forward runs first).
     return index in _counters or not torch.cuda.is_current_stream_capturing()
 
