@@ -16,11 +16,10 @@ blocks past those return at once). With one live split the block writes the outp
 each writes a partial and the last to finish merges them (an atomic counter a (token, KV head), which that
 block resets to zero: the counters live in one buffer a device, zero between launches).
 
-Batches whose (token, KV head) pairs fill the SMs run BATCH_CONFIG (at head dim 128; other head dims keep
-the Triton kernel there), 4 warps a block and two blocks an SM:
-CONFIG's one block an SM starves many short contexts of warps (1000 x (256, 256) throughput 1.5% below the
-Triton kernel's through it), the 4-warp blocks beat the Triton kernel there (benches/RESULTS.md,
-thirty-seventh and thirty-eighth sessions).
+Batches whose (token, KV head) pairs fill the SMs run BATCH_CONFIG, 4 warps a block and two blocks an SM
+(at head dim 128; other head dims keep the Triton kernel there): CONFIG's one block an SM starves many short
+contexts of warps (1000 x (256, 256) throughput 1.5% below the Triton kernel's through it), the 4-warp
+blocks beat the Triton kernel there (benches/RESULTS.md, thirty-seventh and thirty-eighth sessions).
 
 FERROX_CUDA_DECODE_ATTN=0 turns it off (A/B runs).
 """
