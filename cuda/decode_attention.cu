@@ -458,6 +458,8 @@ static __device__ __forceinline__ void decode_attention(
     }
 }
 
+// The cache argument is typed as its element: as `const void*` it changed the 16-bit kernels' code (188 -> 171
+// registers, 0.3-0.8 us a layer slower; benches/RESULTS.md, thirty-eighth session).
 #define FERROX_DECODE_ATTENTION(NAME, T, KV8, HEAD_DIM, WARPS, STAGES)                                          \
     extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME(                                              \
         u16* out, float* partial_out, float* partial_ml, int* counters, const u16* q,                           \
