@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferrox.pooling.params import parse_pooler_overrides
+from ferrox.reasoning.parser import REASONING_PARSERS
 from ferrox.speculative_config import parse_speculative_config
 
 CPU_DEFAULT_MAX_MODEL_LEN = 8192
@@ -153,6 +154,11 @@ class EngineConfig:
     max_lora_rank: int = _opt("largest LoRA rank an adapter may have (slots are sized for it)", 16)
     max_cpu_loras: int | None = _opt("LoRA adapters kept in CPU memory (an LRU cache behind the GPU slots)",
                                      default_help="max_loras")
+    reasoning_parser: str | None = _opt(
+        "how a reasoning model's thinking is told from its answer (vLLM's --reasoning-parser): 'deepseek_r1' "
+        "(DeepSeek-R1 and its distills, QwQ) or 'qwen3'; the chat API then returns the thinking as `reasoning`, "
+        "parses tool calls from the answer only, and structured outputs constrain the answer after `</think>`",
+        choices=REASONING_PARSERS, default_help="none: the whole output is the content")
 
     def __post_init__(self) -> None:
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
@@ -196,6 +202,11 @@ class EngineConfig:
         _positive_int("max_cpu_loras", self.max_cpu_loras, optional=True)
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras: {self.max_cpu_loras} is less than max_loras ({self.max_loras})")
+        if self.reasoning_parser is not None:
+            _choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
+            if self.runner == "pooling":
+                raise ValueError("reasoning_parser: a pooling model generates no text to parse (leave it unset "
+                                 "with runner 'pooling')")
         for name in ("model", "tokenizer", "chat_template", "served_model_name"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):

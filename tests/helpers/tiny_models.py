@@ -40,9 +40,15 @@ _CORPUS = [
 ] * 4
 
 
-def build_tokenizer(vocab_size: int = 384):
-    """A byte-level BPE (GPT-2 style) trained on a fixed corpus; specials first (ids 0..2)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+# qwen_tokens=True: Qwen3's added tokens that are text, not special (decoding keeps them), after the
+# trained vocabulary: ids 384..387 with the default vocab_size.
+QWEN_TEXT_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+
+
+def build_tokenizer(vocab_size: int = 384, qwen_tokens: bool = False):
+    """A byte-level BPE (GPT-2 style) trained on a fixed corpus; specials first (ids 0..2).
+    qwen_tokens: QWEN_TEXT_TOKENS added as single tokens, as a reasoning / tool-calling Qwen has them."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -50,6 +56,8 @@ def build_tokenizer(vocab_size: int = 384):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_CORPUS, trainer=trainer)
+    if qwen_tokens:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN_TEXT_TOKENS])
     return tok
 
 
@@ -118,12 +126,13 @@ def make_tiny_llama(folder, *, hidden_size: int = 64, num_layers: int = 2, num_h
 def make_tiny_qwen3(folder, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
                     head_dim: int = 32, intermediate_size: int = 128, max_position_embeddings: int = 2048,
                     tie_word_embeddings: bool = True, max_shard_size: str | None = None, seed: int = 0,
-                    generation: dict[str, Any] | None = None) -> str:
-    """A Qwen3 (per-head q/k RMSNorm; head_dim decoupled from hidden_size / num_heads)."""
+                    generation: dict[str, Any] | None = None, qwen_tokens: bool = False) -> str:
+    """A Qwen3 (per-head q/k RMSNorm; head_dim decoupled from hidden_size / num_heads); qwen_tokens:
+    its tokenizer has Qwen3's `<think>` / `<tool_call>` tags as single tokens (build_tokenizer)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    tok = build_tokenizer()
+    tok = build_tokenizer(qwen_tokens=qwen_tokens)
     params = _common(tok, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
                      max_position_embeddings, tie_word_embeddings)
     config = Qwen3Config(**params, head_dim=head_dim, rope_parameters={"rope_type": "default", "rope_theta": 1e6})

@@ -48,6 +48,7 @@ from ferrox.errors import InvalidArgumentError
 from ferrox.executor import Executor, start_tensor_parallel
 from ferrox.executor.launch import rank_config
 from ferrox.pooling.params import PoolingParams, validate_pooling_request
+from ferrox.reasoning import get_reasoning_parser
 from ferrox.request_rules import check_request_id
 from ferrox.sampling_params import SamplingParams
 from ferrox.speculative_config import SpeculativeConfig, parse_speculative_config, verify_len
@@ -92,6 +93,13 @@ class EngineCore:
         pooling = self.pooler_config is not None
         self.model_name = config.served_model_name or loaded.source.name
         self.tokenizer_json: str = self.tokenizer.to_json_str()
+        # --reasoning-parser: the engine needs its `</think>` to start a structured output's grammar there.
+        try:
+            self.reasoning = (get_reasoning_parser(config.reasoning_parser, self.tokenizer.token_to_id)
+                              if config.reasoning_parser else None)
+        except ValueError:
+            self._stop_ranks(timeout_s=0)
+            raise
         self.scheduler = _core.Scheduler(
             num_blocks=loaded.num_blocks,
             max_model_len=self.max_model_len + 1 if pooling else self.max_model_len,
@@ -211,7 +219,11 @@ class EngineCore:
                                            "enable_lora=True / --enable-lora)", param="lora_request")
             self.loras.admit(request.request_id, lora_id, request.lora_name, request.lora_path)
         if params.structured_outputs is not None:
-            self._structured().submit(request.request_id, params.structured_outputs)
+            # A reasoning model's constraint applies to its answer: from its `</think>` on, unless the
+            # prompt already closed the thinking (vLLM's rule).
+            gate = (self.reasoning.end_token_id if self.reasoning is not None
+                    and not self.reasoning.prompt_ends_reasoning(prompt) else None)
+            self._structured().submit(request.request_id, params.structured_outputs, gate_token=gate)
             wait_for_grammar = True
         try:
             slot = self.scheduler.add_request(

@@ -2,7 +2,9 @@
 
 Life of a constrained request, as the engine core drives it:
   submit(id, params)      compile in a thread pool (LRU cache by constraint text); the scheduler
-                          holds the request back (add_request(..., wait_for_grammar=True))
+                          holds the request back (add_request(..., wait_for_grammar=True)).
+                          gate_token (a reasoning model's `</think>`): the grammar applies only
+                          after the request samples that token; until then its rows are unmasked
   poll_ready()            once per step: ids whose matcher is ready -> scheduler.grammar_ready();
   take_failures()         ids whose constraint did not compile -> finish that request with an error
   fill_bitmask(ids, m)    before sampling: int32 allow-bits per batch row, or None (no constrained
@@ -64,6 +66,12 @@ class StructuredOutputManager:
         self._cache_size = cache_size
         self._pending: dict[str, cf.Future[llguidance.LLMatcher]] = {}
         self._matchers: dict[str, llguidance.LLMatcher] = {}
+        # Compiled, waiting for their gate token (a reasoning model still thinking): request id ->
+        # (matcher, token). They count as constrained (is_constrained), so that a step whose mask
+        # is filled after the previous step's tokens are accepted (async scheduling) sees a gate that
+        # just opened; their rows stay all ones until it does.
+        self._gated: dict[str, tuple[llguidance.LLMatcher, int]] = {}
+        self._gates: dict[str, int] = {}  # request id -> gate token, until its grammar is compiled
         self._failures: list[tuple[str, str]] = []
         self._errors: dict[str, str] = {}  # request id -> matcher error seen in accept_tokens
         self._mask_executor = llguidance.LLExecutor()
@@ -73,10 +81,11 @@ class StructuredOutputManager:
         self.cache_misses = 0
 
     # ---- compile -------------------------------------------------------------------------
-    def submit(self, request_id: str, params: StructuredOutputsParams) -> None:
+    def submit(self, request_id: str, params: StructuredOutputsParams, gate_token: int | None = None) -> None:
         """Start compiling a request's constraint. Never raises for a bad constraint: the
-        failure comes back from take_failures(), so the engine fails that request alone."""
-        if request_id in self._pending or request_id in self._matchers:
+        failure comes back from take_failures(), so the engine fails that request alone.
+        gate_token: the constraint applies from the token after the request's first gate_token."""
+        if request_id in self._pending or request_id in self._matchers or request_id in self._gated:
             raise ValueError(f"request_id: {request_id!r} already has a structured output constraint")
         try:
             text = grammar_text(params)
@@ -84,6 +93,8 @@ class StructuredOutputManager:
             self._failures.append((request_id, str(e)))
             return
         self._pending[request_id] = self._compiled_future(text)
+        if gate_token is not None:
+            self._gates[request_id] = int(gate_token)
 
     def _compiled_future(self, text: GrammarText) -> cf.Future[llguidance.LLMatcher]:
         future = self._compiled.get(text.key)
@@ -111,7 +122,12 @@ class StructuredOutputManager:
                 self._failures.append((request_id, str(error)))
                 continue
             # The cached matcher is a start state shared by all requests with this constraint.
-            self._matchers[request_id] = future.result().deep_copy()
+            matcher = future.result().deep_copy()
+            gate = self._gates.pop(request_id, None)
+            if gate is None:
+                self._matchers[request_id] = matcher
+            else:
+                self._gated[request_id] = (matcher, gate)
             ready.append(request_id)
         return ready
 
@@ -130,10 +146,14 @@ class StructuredOutputManager:
 
     # ---- per step --------------------------------------------------------------------------
     def is_constrained(self, request_id: str) -> bool:
-        return request_id in self._matchers
+        return request_id in self._matchers or request_id in self._gated
 
     def has_active(self) -> bool:
-        return bool(self._matchers)
+        return bool(self._matchers) or bool(self._gated)
+
+    def is_gated(self, request_id: str) -> bool:
+        """Compiled, but its grammar waits for the gate token (no mask on its rows yet)."""
+        return request_id in self._gated
 
     def _allocate(self, rows: int) -> torch.Tensor:
         # Pinned when a GPU exists, so the copy to the logits' device can overlap.
@@ -247,8 +267,13 @@ class StructuredOutputManager:
         counts = np.ones(len(req_ids), dtype=np.int64) if num_sampled is None else num_sampled.astype(np.int64)
         starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
         for i, request_id in enumerate(req_ids):
+            if sample_mask is not None and not sample_mask[i]:
+                continue
+            if request_id in self._gated:
+                self._open_gate(i, request_id, sampled[int(starts[i]):int(starts[i] + counts[i])], num_sampled)
+                continue
             matcher = self._matchers.get(request_id)
-            if matcher is None or (sample_mask is not None and not sample_mask[i]):
+            if matcher is None:
                 continue
             tokens = [int(t) for t in sampled[int(starts[i]):int(starts[i] + counts[i])]]
             for k, token in enumerate(tokens):
@@ -266,6 +291,20 @@ class StructuredOutputManager:
                     break
         return force_stop
 
+    def _open_gate(self, row: int, request_id: str, tokens: Sequence[int] | npt.NDArray[np.int64],
+                   num_sampled: npt.NDArray[np.int32] | None) -> None:
+        """A gated request's kept tokens: at its gate token the grammar starts (the gate token itself is
+        not the grammar's). Tokens kept after it in the same step (verified drafts) were sampled
+        without the mask, so they are dropped; the next step samples under the grammar."""
+        matcher, gate = self._gated[request_id]
+        for k, token in enumerate(tokens):
+            if int(token) == gate:
+                del self._gated[request_id]
+                self._matchers[request_id] = matcher
+                if num_sampled is not None and k + 1 < int(num_sampled[row]):
+                    num_sampled[row] = k + 1
+                return
+
     def error_for(self, request_id: str) -> str | None:
         """The matcher error that force-stopped a request, if any."""
         return self._errors.get(request_id)
@@ -273,6 +312,8 @@ class StructuredOutputManager:
     def free(self, req_ids: Sequence[str]) -> None:
         for request_id in req_ids:
             self._matchers.pop(request_id, None)
+            self._gated.pop(request_id, None)
+            self._gates.pop(request_id, None)
             self._pending.pop(request_id, None)
             self._errors.pop(request_id, None)
 

@@ -107,15 +107,13 @@ _REFUSED = {
     "kv_transfer_params": "disaggregated KV transfer is not supported",
     "vllm_xargs": "there are no custom extensions to take extra arguments",
     "logprob_token_ids": "logprobs of chosen token ids are not supported (use top_logprobs)",
-    "thinking_token_budget": "there is no reasoning parser to apply a thinking budget",
+    "thinking_token_budget": "thinking budgets are not supported (the reasoning runs to `</think>` or max_tokens)",
     "repetition_detection": "repetition detection is not supported",
     "watermarking": "watermarking is not supported",
     "stream_interval": "per-request stream intervals are not supported (every step is streamed)",
-    "include_reasoning": "there is no reasoning parser: the whole output is the content",
 }
 # The value each of them may take without being refused (what vLLM does when it is not given).
-_REFUSED_DEFAULTS: dict[str, Any] = {"use_beam_search": False, "length_penalty": 1.0, "watermarking": False,
-                                     "include_reasoning": True}
+_REFUSED_DEFAULTS: dict[str, Any] = {"use_beam_search": False, "length_penalty": 1.0, "watermarking": False}
 
 
 def _refuse_unsupported(cls: type, value: Any, info: ValidationInfo) -> Any:
@@ -354,12 +352,14 @@ class ChatCompletionRequest(_SamplingFields):
     # Template variables, as vLLM passes them (templates that do not use them render unchanged).
     documents: list[dict[str, str]] | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    # False drops the thinking (and the logprobs and token ids that would show it) from the reply;
+    # needs the server's --reasoning-parser (serving_chat.py).
+    include_reasoning: bool = True
     # Refused unless left at their default (see _REFUSED).
     mm_processor_kwargs: dict[str, Any] | None = None
     media_io_kwargs: dict[str, Any] | None = None
-    include_reasoning: bool = True
 
-    _refuse_chat = field_validator("mm_processor_kwargs", "media_io_kwargs", "include_reasoning")(_refuse_unsupported)
+    _refuse_chat = field_validator("mm_processor_kwargs", "media_io_kwargs")(_refuse_unsupported)
 
     @field_validator("tools")
     @classmethod

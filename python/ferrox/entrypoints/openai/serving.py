@@ -30,6 +30,7 @@ from ferrox.entrypoints.openai.protocol import json_depth
 from ferrox.entrypoints.openai.serving_lora import LoRAModule, LoRARegistry
 from ferrox.errors import FerroxError
 from ferrox.outputs import Logprob
+from ferrox.reasoning import ReasoningParser, get_reasoning_parser
 from ferrox.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -96,6 +97,10 @@ class ServingContext:
         # Adapters, by the names clients use.
         self.loras = LoRARegistry(engine, self.model_name, allowed_dirs=self.options.lora_allowed_dirs)
         self.draining = False  # SIGTERM: new API requests get 503, running ones may finish
+        # --reasoning-parser: the chat routes return a reasoning model's thinking apart from its answer.
+        name = engine.config.reasoning_parser if engine is not None else None  # None: a test serving no engine
+        self.reasoning: ReasoningParser | None = (get_reasoning_parser(name, engine.tokenizer.token_to_id)
+                                                  if name else None)
         self.active_requests = 0  # API requests inside their handler (what a drain waits for)
 
     @property
@@ -125,10 +130,15 @@ class ServingContext:
         given = getattr(req, "return_tokens_as_token_ids", None)
         return self.options.return_tokens_as_token_ids if given is None else bool(given)
 
-    def usage(self, prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict[str, Any]:
-        """usage, with prompt_tokens_details only under --enable-prompt-tokens-details (as vLLM)."""
-        return usage_body(prompt_tokens, completion_tokens,
-                          cached if self.options.enable_prompt_tokens_details else None)
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached: int = 0,
+              reasoning_tokens: int | None = None) -> dict[str, Any]:
+        """usage, with prompt_tokens_details only under --enable-prompt-tokens-details, and
+        completion_tokens_details.reasoning_tokens where the route counted them (as vLLM)."""
+        usage = usage_body(prompt_tokens, completion_tokens,
+                           cached if self.options.enable_prompt_tokens_details else None)
+        if reasoning_tokens is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        return usage
 
 
 class ServiceUnavailable(APIError):

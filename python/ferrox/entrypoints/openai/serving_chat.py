@@ -54,6 +54,10 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
     ctx.check_model(req.model)
     ctx.check_engine()
     check_priority(ctx, req.priority)
+    if not req.include_reasoning and ctx.reasoning is None:
+        raise APIError(400, "include_reasoning: this server has no reasoning parser, so the whole output is the "
+                       "content (start it with --reasoning-parser to tell a reasoning model's thinking apart)",
+                       param="include_reasoning")
     try:
         tool_hooks.validate_tools(req)
         structured = build_structured_outputs(req) or tool_hooks.tool_constraint(req)
@@ -90,20 +94,32 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
         raise api_error(exc, default_param="messages", rename=CHAT_FIELDS) from None
     assert final is not None
     choices = []
+    thinking = _thinking(ctx, req, prompt_ids)
+    reasoning_tokens = 0
+    show_details = _shows_details(ctx, req)
     for comp in final.outputs:
-        content, tool_calls = tool_hooks.parse_tool_calls(echo + comp.text, req, ctx.options.tool_call_parser,
+        text, reasoning = comp.text, None
+        if ctx.reasoning is not None:
+            # The answer is what follows the thinking: tool calls are parsed from it alone.
+            reasoning, answer = ctx.reasoning.split(comp.text, thinking)
+            text = answer or ""
+            reasoning_tokens += ctx.reasoning.count_reasoning_tokens(comp.token_ids, thinking)
+        content, tool_calls = tool_hooks.parse_tool_calls(echo + text, req, ctx.options.tool_call_parser,
                                                           template=template)
         message: dict[str, Any] = {"role": _response_role(ctx, req), "content": content}
+        if ctx.reasoning is not None:
+            message["content"] = content or None  # vLLM's: no answer (cut short while thinking) is null
+            _set_reasoning(message, reasoning if req.include_reasoning else None)
         if tool_calls:
             message["tool_calls"] = tool_calls
         choice: dict[str, Any] = {
             "index": comp.index,
             "message": message,
-            "logprobs": _chat_logprobs(comp, req, ctx.as_token_ids(req)) if req.logprobs else None,
+            "logprobs": _chat_logprobs(comp, req, ctx.as_token_ids(req)) if req.logprobs and show_details else None,
             "finish_reason": _finish_reason(comp.finish_reason, bool(tool_calls)),
             "stop_reason": comp.stop_reason,
         }
-        if req.return_token_ids:
+        if req.return_token_ids and show_details:
             choice["token_ids"] = comp.token_ids
         choices.append(choice)
     completion_tokens = sum(len(c.token_ids) for c in final.outputs)
@@ -113,7 +129,8 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
         "created": int(time.time()),
         "model": ctx.model_name,
         "choices": choices,
-        "usage": ctx.usage(len(prompt_ids), completion_tokens, final.num_cached_tokens),
+        "usage": ctx.usage(len(prompt_ids), completion_tokens, final.num_cached_tokens,
+                           reasoning_tokens if ctx.reasoning is not None else None),
         "system_fingerprint": None,
     }
     if req.prompt_logprobs is not None:
@@ -121,6 +138,27 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
     if req.return_token_ids:
         body["prompt_token_ids"] = prompt_ids
     return json_response(body, headers=headers)
+
+
+def _thinking(ctx: ServingContext, req: ChatCompletionRequest, prompt_ids: list[int]) -> bool:
+    """Whether the output starts in the model's thinking: the parser's rule for the request (Qwen3's
+    enable_thinking), unless the prompt already closed it -- the engine core's rule for when a
+    structured output's grammar starts, so the answer it constrains is the answer returned."""
+    return ctx.reasoning is not None and ctx.reasoning.thinks(req.template_kwargs()) \
+        and not ctx.reasoning.prompt_ends_reasoning(prompt_ids)
+
+
+def _shows_details(ctx: ServingContext, req: ChatCompletionRequest) -> bool:
+    """include_reasoning false hides the thinking, and with it the logprobs and token ids that would
+    spell it out (vLLM's rule: on every choice and chunk of the request)."""
+    return ctx.reasoning is None or req.include_reasoning
+
+
+def _set_reasoning(message: dict[str, Any], reasoning: str | None) -> None:
+    """The thinking under vLLM's name, `reasoning`, and its older one, `reasoning_content` (which
+    DeepSeek's API and many clients read)."""
+    message["reasoning"] = reasoning
+    message["reasoning_content"] = reasoning
 
 
 def _response_role(ctx: ServingContext, req: ChatCompletionRequest) -> str:
@@ -188,7 +226,7 @@ async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletion
         if include_usage:
             # continuous_usage_stats: every chunk says the usage so far; otherwise only the last one.
             if usage is None and continuous_usage:
-                usage = ctx.usage(num_prompt, completion_tokens, cached)
+                usage = ctx.usage(num_prompt, completion_tokens, cached, reasoning_tokens())
             body["usage"] = usage
         return body
 
@@ -197,10 +235,18 @@ async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletion
     # Pull the first output before sending headers, so a rejected request is still a plain 4xx/503.
     first = await first_output(gen, "messages", CHAT_FIELDS)
 
-    # With tools, text deltas go through a per-choice tool parser (delta.tool_calls chunks).
+    # With tools, text deltas go through a per-choice tool parser (delta.tool_calls chunks); with a
+    # reasoning parser, through a per-choice splitter first (the tool parser sees the answer only).
     tool_streams = ({i: tool_hooks.ToolStream(req, ctx.options.tool_call_parser, template=template)
                      for i in range(req.n)} if req.tools else None)
+    thinking = _thinking(ctx, req, prompt["prompt_token_ids"])
+    reasoning_streams = ({i: ctx.reasoning.stream(thinking) for i in range(req.n)}
+                         if ctx.reasoning is not None else None)
+    show_details = _shows_details(ctx, req)
     as_token_ids = ctx.as_token_ids(req)
+
+    def reasoning_tokens() -> int | None:
+        return sum(r.reasoning_tokens for r in reasoning_streams.values()) if reasoning_streams is not None else None
     resp = await start_sse(request, headers)
     tail: list[bytes] = []  # the last events, written with the end of the response (end_sse)
     async with contextlib.aclosing(gen):
@@ -219,24 +265,36 @@ async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletion
                     completion_tokens += len(comp.token_ids)
                     if not comp.text and not comp.token_ids and comp.finish_reason is None:
                         continue
-                    delta: dict[str, Any] = {"content": comp.text} if comp.text or comp.finish_reason is None else {}
+                    finished = comp.finish_reason is not None
+                    text, thought = comp.text, ""
+                    if reasoning_streams is not None:
+                        split = reasoning_streams[comp.index]
+                        split.count_tokens(comp.token_ids)
+                        thought, text = split.feed(comp.text, finished)
+                    delta: dict[str, Any] = {"content": text} if text or not finished else {}
                     finish_reason = comp.finish_reason
                     if tool_streams is not None:
                         stream = tool_streams[comp.index]
-                        delta = stream.step(comp.text, comp.finish_reason is not None) or {}
-                        # Held-back text (a possible tool-call start) sends nothing, unless token ids
-                        # were asked for: those go out as they come.
-                        if not delta and comp.finish_reason is None and not req.return_token_ids:
-                            continue
+                        delta = stream.step(text, finished) or {}
                         finish_reason = _finish_reason(finish_reason, stream.tools_called)
+                    if reasoning_streams is not None:
+                        if not text:
+                            delta.pop("content", None)
+                        if thought and req.include_reasoning:
+                            _set_reasoning(delta, thought)
+                    # Held-back text (a possible tool-call start or think tag) sends nothing, unless token
+                    # ids or logprobs were asked for: those go out as they come.
+                    if (tool_streams is not None or reasoning_streams is not None) and not delta and not finished \
+                            and not ((req.return_token_ids or req.logprobs) and show_details):
+                        continue
                     choice: dict[str, Any] = {
                         "index": comp.index,
                         "delta": delta,
-                        "logprobs": _chat_logprobs(comp, req, as_token_ids) if req.logprobs else None,
+                        "logprobs": _chat_logprobs(comp, req, as_token_ids) if req.logprobs and show_details else None,
                         "finish_reason": finish_reason,
                         **({"stop_reason": comp.stop_reason} if comp.finish_reason else {}),
                     }
-                    if req.return_token_ids:
+                    if req.return_token_ids and show_details:
                         choice["token_ids"] = comp.token_ids
                     choices.append(choice)
                 if choices:
@@ -246,7 +304,7 @@ async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletion
                         await send_sse(resp, chunk(choices))
                 out = await anext(gen, None)
             if include_usage:
-                tail.append(sse_event(chunk([], ctx.usage(num_prompt, completion_tokens, cached))))
+                tail.append(sse_event(chunk([], ctx.usage(num_prompt, completion_tokens, cached, reasoning_tokens()))))
         except STREAM_ERRORS as exc:
             tail.append(stream_error_event(exc))
         tail.append(SSE_DONE)

@@ -1,0 +1,145 @@
+"""`ferrox serve --reasoning-parser deepseek_r1` on a tiny random Qwen3 whose tokenizer has Qwen's
+`<think>` / `</think>` / `<tool_call>` as added text tokens, through the official `openai` client:
+the thinking comes back as `reasoning` (and `reasoning_content`) apart from the answer, streamed and
+not, with its token count in the usage; a structured output constrains the answer only (the
+grammar starts at the sampled `</think>`); tool calls are read from the answer; include_reasoning
+false hides the thinking and what would spell it out.
+
+A random model thinks as long as it samples no `</think>`: a seeded request with a logit bias on
+`</think>` gives a thinking of a few tokens, found by trying seeds (each one a few milliseconds)."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from tests.helpers.tiny_models import make_tiny_qwen3
+from tests.server.server_proc import ServerProcess
+
+MODEL = "tiny-reasoner"
+QUESTION = [{"role": "user", "content": "Is the sky blue?"}]
+END = "385"  # </think> in the tiny tokenizer (QWEN_TEXT_TOKENS after the 384 trained ids)
+# An enum: a random model would write a free string until max_tokens.
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+    "additionalProperties": False}}}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = make_tiny_qwen3(tmp_path_factory.mktemp("reasoner") / "model", qwen_tokens=True)
+    srv = ServerProcess(folder, "--reasoning-parser", "deepseek_r1", "--served-model-name", MODEL)
+    yield srv
+    assert srv.stop() == 0, "\n".join(srv.log[-30:])
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def ask(client: openai.OpenAI, **kw):
+    body = dict(model=MODEL, messages=QUESTION, max_tokens=16, temperature=1.0, logit_bias={END: 3.0})
+    body.update(kw)
+    return client.chat.completions.create(**body)
+
+
+@pytest.fixture(scope="module")
+def thinker(client) -> tuple[int, list[int]]:
+    """A seed whose answer thinks for 2 or more tokens, then closes the thinking, then answers."""
+    for seed in range(200):
+        resp = ask(client, seed=seed, extra_body={"return_token_ids": True})
+        ids = resp.choices[0].model_extra["token_ids"]
+        if ids.count(int(END)) == 1 and int(END) in ids[2:-2]:
+            return seed, ids
+    pytest.fail("no seed gives a thinking of 2+ tokens, one </think> and an answer")
+
+
+def stream_parts(client: openai.OpenAI, **kw) -> tuple[str, str, str, dict]:
+    reasoning = reasoning_content = content = ""
+    usage: dict = {}
+    for chunk in ask(client, stream=True, stream_options={"include_usage": True}, **kw):
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump()
+        for choice in chunk.choices:
+            extra = choice.delta.model_extra or {}
+            reasoning += extra.get("reasoning") or ""
+            reasoning_content += extra.get("reasoning_content") or ""
+            content += choice.delta.content or ""
+    return reasoning, reasoning_content, content, usage
+
+
+def test_thinking_returned_apart_from_the_answer(client, thinker):
+    seed, ids = thinker
+    k = ids.index(int(END))
+    resp = ask(client, seed=seed)
+    message = resp.choices[0].message
+    extra = message.model_extra
+    assert extra["reasoning"] and extra["reasoning_content"] == extra["reasoning"]
+    assert message.content and "</think>" not in message.content + extra["reasoning"]
+    assert resp.usage.completion_tokens_details.reasoning_tokens == k  # the tokens before </think>
+    assert resp.usage.completion_tokens == len(ids)
+    # Streamed, the same split of the same tokens.
+    reasoning, reasoning_content, content, usage = stream_parts(client, seed=seed)
+    assert (reasoning, content) == (extra["reasoning"], message.content)
+    assert reasoning_content == reasoning
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == k
+
+
+def test_structured_output_constrains_the_answer_only(client, thinker):
+    """The grammar waits for `</think>`: the thinking is sampled as without it (same seed, same
+    tokens), the answer after it is one of the choices."""
+    seed, ids = thinker
+    k = ids.index(int(END))
+    for stream in (False, True):
+        body = dict(seed=seed, extra_body={"guided_choice": ["yes", "no"], "return_token_ids": True})
+        if not stream:
+            resp = ask(client, **body)
+            got = resp.choices[0].model_extra["token_ids"]
+            assert got[:k + 1] == ids[:k + 1]
+            assert resp.choices[0].message.content in ("yes", "no")
+            assert resp.choices[0].finish_reason == "stop"
+            reasoning = resp.choices[0].message.model_extra["reasoning"]
+        else:
+            reasoning, _, content, _ = stream_parts(client, **body)
+            assert content in ("yes", "no")
+        assert reasoning == ask(client, seed=seed).choices[0].message.model_extra["reasoning"]
+
+
+def test_grammar_from_the_start_when_the_prompt_closed_the_thinking(client):
+    """A prompt whose last tag is `</think>` (Qwen3's empty think block for enable_thinking false)
+    has no thinking left: the grammar applies at once and the whole output is the answer."""
+    messages = [{"role": "user", "content": "Answer at once.<think></think>"}]
+    resp = ask(client, messages=messages, seed=1, extra_body={"guided_regex": "(yes|no)!"})
+    message = resp.choices[0].message
+    assert message.content in ("yes!", "no!")
+    assert message.model_extra["reasoning"] is None
+    assert resp.usage.completion_tokens_details.reasoning_tokens == 0
+
+
+def test_tool_call_read_from_the_answer(client):
+    """tool_choice required: the Hermes `<tool_call>` block is the answer after the thinking, and the
+    model's single `<tool_call>` token is text to the grammar (a Qwen tokenizer's added token)."""
+    resp = ask(client, seed=0, max_tokens=80, tools=TOOLS, tool_choice="required", logit_bias={END: 100}, parallel_tool_calls=False,
+               extra_body={"return_token_ids": True})
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
+    assert choice.model_extra["token_ids"][0] == int(END)
+    assert choice.message.model_extra["reasoning"] is None  # </think> came first: no thinking
+
+
+def test_include_reasoning_false_hides_the_thinking(client, thinker):
+    seed, _ = thinker
+    resp = ask(client, seed=seed, logprobs=True, extra_body={"include_reasoning": False, "return_token_ids": True})
+    choice = resp.choices[0]
+    assert choice.message.model_extra["reasoning"] is None
+    assert choice.message.content == ask(client, seed=seed).choices[0].message.content
+    assert choice.logprobs is None and "token_ids" not in (choice.model_extra or {})
+    reasoning, _, content, _ = stream_parts(client, seed=seed, extra_body={"include_reasoning": False})
+    assert reasoning == "" and content == choice.message.content
