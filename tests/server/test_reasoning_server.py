@@ -143,3 +143,39 @@ def test_include_reasoning_false_hides_the_thinking(client, thinker):
     assert choice.logprobs is None and "token_ids" not in (choice.model_extra or {})
     reasoning, _, content, _ = stream_parts(client, seed=seed, extra_body={"include_reasoning": False})
     assert reasoning == "" and content == choice.message.content
+
+
+# ---- Anthropic's Messages API: the thinking as a `thinking` block ---------------------------------------
+
+
+def test_anthropic_thinking_block_streamed_and_not(server):
+    """Greedy, the tiny model never samples `</think>`: the whole reply is thinking (cut by max_tokens),
+    one `thinking` block with a signature; streamed, the same text in thinking_delta events, then a
+    signature_delta, in block 0."""
+    import anthropic
+
+    with anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0) as client:
+        body = dict(model=MODEL, max_tokens=8, messages=QUESTION, extra_body={"temperature": 0})
+        msg = client.messages.create(**body)
+        assert [b.type for b in msg.content] == ["thinking"]
+        assert msg.content[0].thinking and msg.content[0].signature
+        assert msg.stop_reason == "max_tokens"
+        events = list(client.messages.create(**body, stream=True))
+        kinds = [(e.type, getattr(getattr(e, "delta", None), "type", None)) for e in events]
+        assert kinds[1] == ("content_block_start", None) and events[1].content_block.type == "thinking"
+        assert ("content_block_delta", "signature_delta") in kinds
+        thought = "".join(e.delta.thinking for e in events
+                          if e.type == "content_block_delta" and e.delta.type == "thinking_delta")
+        assert thought == msg.content[0].thinking
+        assert {e.index for e in events if e.type.startswith("content_block")} == {0}
+        # A prompt that closed the thinking: the reply is the answer, one text block; and an earlier
+        # turn's thinking block is taken back (as the template's reasoning_content).
+        history = [*QUESTION, {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "It is day.", "signature": "x"},
+            {"type": "redacted_thinking", "data": "opaque"}, {"type": "text", "text": "Yes."}]},
+            {"role": "user", "content": "Sure?<think></think>"}]
+        msg = client.messages.create(**{**body, "messages": history})
+        assert [b.type for b in msg.content] == ["text"]
+        events = list(client.messages.create(**{**body, "messages": history}, stream=True))
+        text = "".join(e.delta.text for e in events if e.type == "content_block_delta" and e.delta.type == "text_delta")
+        assert text == msg.content[0].text

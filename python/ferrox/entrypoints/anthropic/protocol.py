@@ -1,8 +1,9 @@
 """Request body of Anthropic's Messages API (POST /v1/messages), validated with pydantic v2.
 
-Content blocks served: text, tool_use (assistant turns) and tool_result (user turns). Other
-blocks (image, document, thinking...) and server tools are rejected with a 400 naming them
-rather than silently dropped. `template_messages` turns the conversation into the OpenAI chat
+Content blocks served: text, tool_use and thinking (assistant turns) and tool_result (user turns);
+an assistant's redacted_thinking is opaque and left out of the prompt (as in vLLM). Other blocks
+(image, document...) and server tools are rejected with a 400 naming them rather than silently
+dropped. `template_messages` turns the conversation into the OpenAI chat
 shape that the chat templates and the shared tool machinery (entrypoints/tool_use.py) read.
 """
 
@@ -58,9 +59,25 @@ class ToolResultBlock(_Base):
         return f"Error: {body}" if self.is_error else body
 
 
-ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+class ThinkingBlock(_Base):
+    """An earlier turn's thinking, echoed back: the chat template gets it as the message's
+    reasoning_content (Qwen3's templates keep the last turns' thinking)."""
 
-_BLOCKS_BY_ROLE = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use")}
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(_Base):
+    type: Literal["redacted_thinking"]
+    data: str = ""
+
+
+ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+                         Field(discriminator="type")]
+
+_BLOCKS_BY_ROLE = {"user": ("text", "tool_result"),
+                   "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
 
 
 def _reject_blocks(value: Any, allowed: tuple[str, ...]) -> Any:
@@ -95,6 +112,9 @@ class AnthropicMessage(_Base):
             return [{"role": self.role, "content": self.content}]
         if self.role == "assistant":
             message: dict[str, Any] = {"role": "assistant", "content": self.text()}
+            thinking = "".join(b.thinking for b in self.content if isinstance(b, ThinkingBlock))
+            if thinking:
+                message["reasoning_content"] = thinking
             calls = [{"id": b.id, "type": "function",
                       "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}}
                      for b in self.content if isinstance(b, ToolUseBlock)]

@@ -8,12 +8,17 @@ content_block_stop, then message_delta (stop_reason, usage), message_stop.
 
 Tools go through the chat route's machinery (entrypoints/tool_use.py): tool_choice "any" and
 "tool" decode under the grammar that forces a call, "auto" parses calls out of free text.
+
+With a reasoning parser (--reasoning-parser) a reasoning model's thinking comes first as a
+`thinking` block (thinking_delta events, then a signature_delta: ferrox signs nothing, the
+signature is a random id as in vLLM), and the text / tool_use blocks are read from the answer.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import uuid
 from typing import Any
 
 import msgspec
@@ -123,10 +128,17 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
                 final = later
         assert final is not None
         comp = final.outputs[0]
-        blocks = tool_use.split_reply(comp.text, tools, prompt.template)
+        answer, thought = comp.text, None
+        if ctx.reasoning is not None:
+            thought, answer_or_none = ctx.reasoning.split(comp.text, _thinking(ctx, prompt.token_ids))
+            answer = answer_or_none or ""
+        blocks = tool_use.split_reply(answer, tools, prompt.template)
         stop_reason, stop_sequence = _stop_reason(comp, any(b.kind == "tool_call" for b in blocks))
+        content = [_content_block(b) for b in blocks]
+        if thought:
+            content.insert(0, {"type": "thinking", "thinking": thought, "signature": uuid.uuid4().hex})
         return json_response({
-            **head, "content": [_content_block(b) for b in blocks] or [{"type": "text", "text": ""}],
+            **head, "content": content or [{"type": "text", "text": ""}],
             "stop_reason": stop_reason, "stop_sequence": stop_sequence,
             "usage": {"input_tokens": len(prompt.token_ids), "output_tokens": len(comp.token_ids)},
         })
@@ -134,21 +146,29 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
     resp = await start_sse(request)
     output_tokens = 0
     stream = tool_use.BlockStream(tools, prompt.template)
+    thinking = _ThinkingBlockStream(ctx, prompt.token_ids)
     async with contextlib.aclosing(gen):
         try:
             await send_sse(resp, {"type": "message_start", "message": {
                 **head, "content": [], "stop_reason": None, "stop_sequence": None,
                 "usage": {"input_tokens": len(prompt.token_ids), "output_tokens": 0}}}, "message_start")
-            if tools.tools is None:  # plain text: one text block, announced at once as before tools
-                for event in stream.open_text():
-                    await send_sse(resp, *_stream_event(event))
+            text_opened = False
             stop_reason = stop_sequence = None
             out = first
             while out is not None:
                 for comp in out.outputs:
                     output_tokens += len(comp.token_ids)
-                    for event in stream.step(comp.text, comp.finish_reason is not None):
-                        await send_sse(resp, *_stream_event(event))
+                    finished = comp.finish_reason is not None
+                    for thinking_event in thinking.step(comp.text, finished):  # the thinking block, if any
+                        await send_sse(resp, *thinking_event)
+                    answer = thinking.answer
+                    if tools.tools is None and not text_opened and thinking.over:
+                        # plain text: one text block, announced as soon as the answer may begin
+                        text_opened = True
+                        for event in stream.open_text():
+                            await send_sse(resp, *_stream_event(event, thinking.blocks))
+                    for event in stream.step(answer, finished):
+                        await send_sse(resp, *_stream_event(event, thinking.blocks))
                     if comp.finish_reason is not None:
                         stop_reason, stop_sequence = _stop_reason(comp, stream.has_tool_calls)
                 out = await anext(gen, None)
@@ -162,15 +182,60 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
     return resp
 
 
-def _stream_event(event: tool_use.BlockEvent) -> tuple[dict[str, Any], str]:
+def _stream_event(event: tool_use.BlockEvent, offset: int = 0) -> tuple[dict[str, Any], str]:
+    """An answer block's event; `offset`: blocks sent before the answer's (the thinking block)."""
     block = event.block
+    index = event.index + offset
     if event.kind == "start":
         start: dict[str, Any] = (
             {"type": "text", "text": ""} if block.kind == "text"
             else {"type": "tool_use", "id": _tool_use_id(block.call_id), "name": block.name, "input": {}})
-        return {"type": "content_block_start", "index": event.index, "content_block": start}, "content_block_start"
+        return {"type": "content_block_start", "index": index, "content_block": start}, "content_block_start"
     if event.kind == "delta":
         delta = ({"type": "text_delta", "text": event.delta} if block.kind == "text"
                  else {"type": "input_json_delta", "partial_json": event.delta})
-        return {"type": "content_block_delta", "index": event.index, "delta": delta}, "content_block_delta"
-    return {"type": "content_block_stop", "index": event.index}, "content_block_stop"
+        return {"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta"
+    return {"type": "content_block_stop", "index": index}, "content_block_stop"
+
+
+def _thinking(ctx: ServingContext, prompt_ids: list[int]) -> bool:
+    """Whether the output starts in the thinking (the chat route's rule; Anthropic requests carry no
+    chat_template_kwargs, so a qwen3 model thinks unless its prompt closed the thinking)."""
+    return ctx.reasoning is not None and ctx.reasoning.thinks(None) and not ctx.reasoning.prompt_ends_reasoning(prompt_ids)
+
+
+class _ThinkingBlockStream:
+    """A streamed reply's thinking as block 0 (start, thinking_delta*, signature_delta, stop), and the
+    answer text for the answer's blocks. Without a reasoning parser all text is the answer."""
+
+    def __init__(self, ctx: ServingContext, prompt_ids: list[int]) -> None:
+        self._split = ctx.reasoning.stream(_thinking(ctx, prompt_ids)) if ctx.reasoning is not None else None
+        self.blocks = 0  # thinking blocks sent (0 or 1): the answer's block indices start after them
+        self._open = False
+        self.answer = ""  # the answer text of the last step
+
+    @property
+    def over(self) -> bool:
+        """The answer may have begun: no parser, or the thinking ended."""
+        return self._split is None or self._split.ended
+
+    def step(self, text: str, finished: bool) -> list[tuple[dict[str, Any], str]]:
+        if self._split is None:
+            self.answer = text
+            return []
+        thought, self.answer = self._split.feed(text, finished)
+        events: list[tuple[dict[str, Any], str]] = []
+        if thought:
+            if not self._open:
+                self._open, self.blocks = True, 1
+                events.append(({"type": "content_block_start", "index": 0,
+                                "content_block": {"type": "thinking", "thinking": "", "signature": ""}},
+                               "content_block_start"))
+            events.append(({"type": "content_block_delta", "index": 0,
+                            "delta": {"type": "thinking_delta", "thinking": thought}}, "content_block_delta"))
+        if self._open and (self._split.ended or finished):
+            self._open = False
+            events.append(({"type": "content_block_delta", "index": 0,
+                            "delta": {"type": "signature_delta", "signature": uuid.uuid4().hex}}, "content_block_delta"))
+            events.append(({"type": "content_block_stop", "index": 0}, "content_block_stop"))
+        return events
