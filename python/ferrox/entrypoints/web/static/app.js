@@ -51,12 +51,15 @@ function addMessage(role, text) {
   const who = document.createElement("span");
   who.className = "who";
   who.textContent = role;
+  const thinking = document.createElement("div"); // a reasoning model's thinking (--reasoning-parser)
+  thinking.className = "thinking";
+  thinking.hidden = true;
   const body = document.createElement("span");
   body.className = "text";
   body.textContent = text;
   const meta = document.createElement("div");
   meta.className = "meta";
-  div.append(who, body, meta);
+  div.append(who, thinking, body, meta);
   $("messages").append(div);
   $("messages").scrollTop = $("messages").scrollHeight;
   return div;
@@ -103,6 +106,7 @@ async function send(text) {
   setBusy(true);
   const started = performance.now();
   let answer = "";
+  let thought = "";
   let finish = "";
   let tokens = null;
   try {
@@ -119,9 +123,13 @@ async function send(text) {
       for (const choice of chunk.choices || []) {
         if (choice.delta.content) reply.dataset.chunks = Number(reply.dataset.chunks || 0) + 1; // text deltas seen
         answer += choice.delta.content || "";
+        thought += choice.delta.reasoning || "";
         if (choice.finish_reason) finish = choice.finish_reason;
       }
       reply.querySelector(".text").textContent = answer;
+      const thinking = reply.querySelector(".thinking");
+      thinking.textContent = thought;
+      thinking.hidden = !thought;
       $("messages").scrollTop = $("messages").scrollHeight;
     }
   } catch (err) {
