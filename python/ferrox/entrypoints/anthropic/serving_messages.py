@@ -130,7 +130,7 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
         comp = final.outputs[0]
         answer, thought = comp.text, None
         if ctx.reasoning is not None:
-            thought, answer_or_none = ctx.reasoning.split(comp.text, _thinking(ctx, prompt.token_ids))
+            thought, answer_or_none = ctx.reasoning.split(comp.text, ctx.starts_thinking(prompt.token_ids))
             answer = answer_or_none or ""
         blocks = tool_use.split_reply(answer, tools, prompt.template)
         stop_reason, stop_sequence = _stop_reason(comp, any(b.kind == "tool_call" for b in blocks))
@@ -198,18 +198,12 @@ def _stream_event(event: tool_use.BlockEvent, offset: int = 0) -> tuple[dict[str
     return {"type": "content_block_stop", "index": index}, "content_block_stop"
 
 
-def _thinking(ctx: ServingContext, prompt_ids: list[int]) -> bool:
-    """Whether the output starts in the thinking (the chat route's rule; Anthropic requests carry no
-    chat_template_kwargs, so a qwen3 model thinks unless its prompt closed the thinking)."""
-    return ctx.reasoning is not None and ctx.reasoning.thinks(None) and not ctx.reasoning.prompt_ends_reasoning(prompt_ids)
-
-
 class _ThinkingBlockStream:
     """A streamed reply's thinking as block 0 (start, thinking_delta*, signature_delta, stop), and the
     answer text for the answer's blocks. Without a reasoning parser all text is the answer."""
 
     def __init__(self, ctx: ServingContext, prompt_ids: list[int]) -> None:
-        self._split = ctx.reasoning.stream(_thinking(ctx, prompt_ids)) if ctx.reasoning is not None else None
+        self._split = ctx.reasoning.stream(ctx.starts_thinking(prompt_ids)) if ctx.reasoning is not None else None
         self.blocks = 0  # thinking blocks sent (0 or 1): the answer's block indices start after them
         self._open = False
         self.answer = ""  # the answer text of the last step

@@ -130,6 +130,14 @@ class ServingContext:
         given = getattr(req, "return_tokens_as_token_ids", None)
         return self.options.return_tokens_as_token_ids if given is None else bool(given)
 
+    def starts_thinking(self, prompt_ids: list[int], template_kwargs: Mapping[str, Any] | None = None) -> bool:
+        """Whether a reply starts inside the model's thinking (--reasoning-parser): the parser's rule for
+        the request (Qwen3's enable_thinking), unless the prompt already closed the thinking -- the
+        engine core's rule for where a structured output's grammar starts, so that the answer it
+        constrains is the answer the routes return."""
+        return self.reasoning is not None and self.reasoning.thinks(template_kwargs) \
+            and not self.reasoning.prompt_ends_reasoning(prompt_ids)
+
     def usage(self, prompt_tokens: int, completion_tokens: int, cached: int = 0,
               reasoning_tokens: int | None = None) -> dict[str, Any]:
         """usage, with prompt_tokens_details only under --enable-prompt-tokens-details, and

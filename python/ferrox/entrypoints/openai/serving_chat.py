@@ -94,7 +94,7 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
         raise api_error(exc, default_param="messages", rename=CHAT_FIELDS) from None
     assert final is not None
     choices = []
-    thinking = _thinking(ctx, req, prompt_ids)
+    thinking = ctx.starts_thinking(prompt_ids, req.template_kwargs())
     reasoning_tokens = 0
     show_details = _shows_details(ctx, req)
     for comp in final.outputs:
@@ -138,14 +138,6 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
     if req.return_token_ids:
         body["prompt_token_ids"] = prompt_ids
     return json_response(body, headers=headers)
-
-
-def _thinking(ctx: ServingContext, req: ChatCompletionRequest, prompt_ids: list[int]) -> bool:
-    """Whether the output starts in the model's thinking: the parser's rule for the request (Qwen3's
-    enable_thinking), unless the prompt already closed it -- the engine core's rule for when a
-    structured output's grammar starts, so the answer it constrains is the answer returned."""
-    return ctx.reasoning is not None and ctx.reasoning.thinks(req.template_kwargs()) \
-        and not ctx.reasoning.prompt_ends_reasoning(prompt_ids)
 
 
 def _shows_details(ctx: ServingContext, req: ChatCompletionRequest) -> bool:
@@ -239,7 +231,7 @@ async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletion
     # reasoning parser, through a per-choice splitter first (the tool parser sees the answer only).
     tool_streams = ({i: tool_hooks.ToolStream(req, ctx.options.tool_call_parser, template=template)
                      for i in range(req.n)} if req.tools else None)
-    thinking = _thinking(ctx, req, prompt["prompt_token_ids"])
+    thinking = ctx.starts_thinking(prompt["prompt_token_ids"], req.template_kwargs())
     reasoning_streams = ({i: ctx.reasoning.stream(thinking) for i in range(req.n)}
                          if ctx.reasoning is not None else None)
     show_details = _shows_details(ctx, req)

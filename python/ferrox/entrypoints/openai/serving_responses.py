@@ -1,13 +1,17 @@
 """POST /v1/responses: OpenAI's Responses API over the same engine.
 
 The reply becomes output items: a `message` with one `output_text` part for text, a
-`function_call` per tool call. A reply cut by max_output_tokens has status "incomplete" (with
-incomplete_details.reason "max_output_tokens"), and so has a function call whose arguments were
-cut short. Streaming sends the documented event sequence, each event with a rising
-sequence_number:
+`function_call` per tool call. Under --reasoning-parser, a `reasoning` item with the model's
+thinking as one `reasoning_text` part comes first (none when the output has no thinking), and the
+message and calls are read from the answer after `</think>` alone; usage counts the thinking's
+tokens in output_tokens_details.reasoning_tokens. A reply cut by max_output_tokens has status
+"incomplete" (with incomplete_details.reason "max_output_tokens"), and so has a function call
+whose arguments were cut short, or a thinking cut short. Streaming sends the documented event
+sequence, each event with a rising sequence_number:
 
     response.created, response.in_progress,
     per item: response.output_item.added,
+      reasoning:     response.reasoning_text.delta*, response.reasoning_text.done
       message:       response.content_part.added, response.output_text.delta*,
                      response.output_text.done, response.content_part.done
       function_call: response.function_call_arguments.delta*, response.function_call_arguments.done
@@ -44,6 +48,7 @@ from ferrox.entrypoints.openai.serving import (
 )
 from ferrox.entrypoints.openai.structured import build_structured_outputs
 from ferrox.errors import FerroxError
+from ferrox.reasoning import ReasoningStream
 from ferrox.sampling_params import RequestOutputKind, SamplingParams
 
 # Engine field name -> this route's spelling.
@@ -98,6 +103,7 @@ class _Response:
         self.ctx, self.req, self.params = ctx, req, params
         self.num_prompt_tokens = num_prompt_tokens
         self.output_tokens = 0
+        self.reasoning_tokens = 0  # the output's tokens before `</think>` (under --reasoning-parser)
         self.cached_tokens = 0
         self.items: list[dict[str, Any]] = []
         self.status = "in_progress"
@@ -137,10 +143,22 @@ class _Response:
                 "input_tokens": self.num_prompt_tokens,
                 "input_tokens_details": {"cached_tokens": self.cached_tokens},
                 "output_tokens": self.output_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
                 "total_tokens": self.num_prompt_tokens + self.output_tokens,
             },
         }
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """The thinking as OpenAI's reasoning item (and vLLM's): the text as one reasoning_text part, no
+    summary (an in-progress item has no part yet: its text comes as reasoning_text deltas)."""
+    content = [] if status == "in_progress" else [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+
+
+def _reasoning_status(split: ReasoningStream, finish_reason: str | None) -> str:
+    """A thinking that never reached `</think>` because max_output_tokens cut it is incomplete."""
+    return "incomplete" if finish_reason == "length" and not split.ended else "completed"
 
 
 def _dump(value: Any) -> Any:
@@ -195,8 +213,9 @@ async def create_response(ctx: ServingContext, request: web.Request) -> web.Stre
                               lora_request=ctx.lora_request(req.model))
     # Pull the first output before sending headers, so a rejected request is still a plain 4xx/503.
     first = await first_output(gen, "input", RESPONSES_FIELDS)
+    thinking = ctx.starts_thinking(prompt.token_ids)  # this route has no chat_template_kwargs
     if req.stream:
-        return await _stream(request, response, gen, first, tools, prompt.template)
+        return await _stream(request, response, gen, first, tools, prompt.template, thinking)
     async with contextlib.aclosing(gen):
         final = first
         async for later in gen:
@@ -205,14 +224,25 @@ async def create_response(ctx: ServingContext, request: web.Request) -> web.Stre
     comp = final.outputs[0]
     response.output_tokens = len(comp.token_ids)
     response.cached_tokens = final.num_cached_tokens
-    blocks = tool_use.split_reply(comp.text, tools, prompt.template) or [tool_use.ReplyBlock("text")]
-    response.items = [response.item(b, _block_status(b, comp.finish_reason)) for b in blocks]
+    answer = comp.text
+    if ctx.reasoning is not None:
+        # The answer is what follows the thinking: the message and the tool calls are read from it alone.
+        split = ctx.reasoning.stream(thinking)
+        split.count_tokens(comp.token_ids)
+        reasoning, answer = split.feed(comp.text, finished=True)
+        response.reasoning_tokens = split.reasoning_tokens
+        if reasoning:
+            response.items.append(_reasoning_item(_new_id("rs"), reasoning, _reasoning_status(split, comp.finish_reason)))
+    # An empty reply is one empty message, unless the thinking was all there was (as streamed).
+    blocks = tool_use.split_reply(answer, tools, prompt.template) or \
+        ([] if response.items else [tool_use.ReplyBlock("text")])
+    response.items += [response.item(b, _block_status(b, comp.finish_reason)) for b in blocks]
     response.finish(comp.finish_reason)
     return json_response(response.body())
 
 
 async def _stream(request: web.Request, response: _Response, gen: Any, first: Any,
-                  tools: tool_use.ToolRequest, template: str | None) -> web.StreamResponse:
+                  tools: tool_use.ToolRequest, template: str | None, thinking: bool) -> web.StreamResponse:
     resp = await start_sse(request)
     sequence = 0
 
@@ -224,6 +254,9 @@ async def _stream(request: web.Request, response: _Response, gen: Any, first: An
 
     stream = tool_use.BlockStream(tools, template)
     ids: dict[int, str] = {}  # block index -> item id
+    reasoning = response.ctx.reasoning
+    split = reasoning.stream(thinking) if reasoning is not None else None
+    thought = _StreamedReasoning(response)
     async with contextlib.aclosing(gen):
         try:
             await send({"type": "response.created", "response": response.body()})
@@ -234,8 +267,18 @@ async def _stream(request: web.Request, response: _Response, gen: Any, first: An
                 for comp in out.outputs:
                     response.output_tokens += len(comp.token_ids)
                     finish_reason = comp.finish_reason or finish_reason
-                    for event in stream.step(comp.text, comp.finish_reason is not None):
-                        for payload in _item_events(response, event, ids, finish_reason):
+                    finished = comp.finish_reason is not None
+                    answer = comp.text
+                    if split is not None:
+                        # The thinking's events first (its item closes when `</think>` comes), then the
+                        # answer's, read from the text after it.
+                        split.count_tokens(comp.token_ids)
+                        response.reasoning_tokens = split.reasoning_tokens
+                        delta, answer = split.feed(comp.text, finished)
+                        for payload in thought.step(delta, split, finished, finish_reason):
+                            await send(payload)
+                    for event in stream.step(answer, finished):
+                        for payload in _item_events(response, event, ids, finish_reason, thought.items):
                             await send(payload)
                 out = await anext(gen, None)
             response.finish(finish_reason)
@@ -248,27 +291,67 @@ async def _stream(request: web.Request, response: _Response, gen: Any, first: An
     return resp
 
 
+class _StreamedReasoning:
+    """The reasoning item of a stream: added with the first thinking text (output index 0), each
+    thinking delta a reasoning_text.delta, done when the thinking ends (`</think>`) or the output does."""
+
+    def __init__(self, response: _Response) -> None:
+        self.response = response
+        self.id: str | None = None
+        self.text = ""
+        self.open = False
+
+    @property
+    def items(self) -> int:
+        """How many output items it takes: 0 for an output without thinking, else 1 (the answer's
+        items come after it)."""
+        return 0 if self.id is None else 1
+
+    def step(self, delta: str, split: ReasoningStream, finished: bool,
+             finish_reason: str | None) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if delta:
+            if self.id is None:
+                self.id, self.open = _new_id("rs"), True
+                item = _reasoning_item(self.id, "", "in_progress")
+                self.response.items.insert(0, item)  # the first item: no answer has come before it
+                events.append({"type": "response.output_item.added", "output_index": 0, "item": item})
+            self.text += delta
+            events.append({"type": "response.reasoning_text.delta", "item_id": self.id, "output_index": 0,
+                           "content_index": 0, "delta": delta})
+        if self.open and (split.ended or finished):
+            self.open = False
+            assert self.id is not None
+            done = _reasoning_item(self.id, self.text, _reasoning_status(split, finish_reason))
+            self.response.items[0] = done
+            events += [{"type": "response.reasoning_text.done", "item_id": self.id, "output_index": 0,
+                        "content_index": 0, "text": self.text},
+                       {"type": "response.output_item.done", "output_index": 0, "item": done}]
+        return events
+
+
 def _item_events(response: _Response, event: tool_use.BlockEvent, ids: dict[int, str],
-                 finish_reason: str | None) -> list[dict[str, Any]]:
-    """One block event -> the Responses stream events it stands for."""
-    block, index = event.block, event.index
+                 finish_reason: str | None, offset: int) -> list[dict[str, Any]]:
+    """One block event -> the Responses stream events it stands for; `offset` output items (the
+    reasoning item) come before the reply's blocks."""
+    block, index = event.block, event.index + offset
     if event.kind == "start":
         item = response.item(block, "in_progress")
-        ids[index] = item["id"]
+        ids[event.index] = item["id"]
         response.items.append(item)
         added = [{"type": "response.output_item.added", "output_index": index, "item": item}]
         if block.kind == "text":
             added.append({"type": "response.content_part.added", "item_id": item["id"], "output_index": index,
                           "content_index": 0, "part": _text_part("")})
         return added
-    where = {"item_id": ids[index], "output_index": index}
+    where = {"item_id": ids[event.index], "output_index": index}
     if event.kind == "delta":
         if block.kind == "text":
             return [{"type": "response.output_text.delta", **where, "content_index": 0, "delta": event.delta,
                      "logprobs": []}]
         return [{"type": "response.function_call_arguments.delta", **where, "delta": event.delta}]
     done = response.item(block, _block_status(block, finish_reason))
-    done["id"] = ids[index]
+    done["id"] = ids[event.index]
     response.items[index] = done
     if block.kind == "text":
         part = _text_part(block.text)
