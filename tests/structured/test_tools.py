@@ -162,3 +162,19 @@ def test_messages_for_plain_template_round_trip():
     ]
     assert out[3] == {"role": "tool", "content": "<tool_response>\n21 C\n</tool_response>"}
     assert "now" in tools_system_prompt(TOOLS)
+
+
+def test_required_and_named_close_objects_alike(manager):
+    """Parameters that list properties and say nothing of others take no others, under tool_choice
+    required as under a named tool (and a response_format): the same rule for every constraint."""
+    open_tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]}}}
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        constraint = tool_choice_constraint([open_tool], choice, parallel_tool_calls=False)
+        for text, finished in walk(manager, constraint, 6, seed=11):
+            assert finished, text
+            if choice == "required":
+                calls = get_tool_parser("hermes")().extract(text).tool_calls
+                assert len(calls) == 1, text
+                text = calls[0].arguments
+            assert set(json.loads(text)) == {"a"}, (choice, text)

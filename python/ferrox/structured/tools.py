@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ferrox.structured.backend import lark_string_literal
+from ferrox.structured.backend import close_objects, lark_string_literal
 from ferrox.structured.params import StructuredOutputsParams
 
 ToolChoiceMode = Literal["none", "auto", "required", "named"]
@@ -104,10 +104,12 @@ def _choice_mode(
 
 
 def call_schema(tool: FunctionTool) -> dict[str, Any]:
-    """Schema of one Hermes call body: {"name": <const>, "arguments": <parameters>}."""
+    """Schema of one Hermes call body: {"name": <const>, "arguments": <parameters>}. The parameters'
+    objects are closed as a named tool's and a response_format's are (backend.close_objects: an
+    object that lists properties takes no others unless it says so)."""
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
+        "properties": {"name": {"const": tool.name}, "arguments": close_objects(tool.parameters)},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
