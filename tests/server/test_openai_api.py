@@ -245,3 +245,17 @@ def test_generation_server_refuses_embeddings_and_runtime_lora_updates(client, b
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(req, timeout=30)
     assert err.value.code == 404 and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in err.value.read().decode()
+
+
+def test_mistral_tool_format_keeps_special_tokens(client):
+    """A chat template that writes Mistral's [TOOL_CALLS] picks the mistral tool parser, whose marker is
+    a special token: with tools in play the reply keeps special tokens (vLLM's rule), as a logit bias
+    on <|im_start|> (id 1, special) shows; without tools it does not."""
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if tools %}[TOOL_CALLS]{% endif %}<|im_start|>assistant\n")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    body = dict(model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0,
+                logit_bias={"1": 100}, extra_body={"chat_template": template})
+    kept = client.chat.completions.create(tools=tools, **body).choices[0].message
+    assert kept.content == "<|im_start|>" * 3 and not kept.tool_calls
+    assert not client.chat.completions.create(**body).choices[0].message.content

@@ -239,6 +239,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                      "so this vLLM flag is accepted and changes nothing)")
     api.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
                      help="how tool calls are read from the model's text (default: from the chat template: "
+                     "mistral for templates writing [TOOL_CALLS], qwen3_coder for <function=...><parameter=...>, "
                      "llama3_json for Llama 3 templates, else hermes)")
     api.add_argument("--generation-config", default="auto",
                      help="sampling defaults: 'auto' (the model's generation_config.json), 'vllm' (none: "

@@ -44,6 +44,12 @@ def tool_constraint(req: ToolRequest) -> StructuredOutputsParams | None:
         raise from_exception(exc) from None
 
 
+def keeps_special_tokens(req: ToolRequest, template: str | None) -> bool:
+    """Whether the reply must be decoded with its special tokens kept: the tool parser's markers
+    are special tokens (Mistral's [TOOL_CALLS]), as vLLM's mistral parser asks."""
+    return tool_hooks.needs_special_tokens(req, None, template)
+
+
 @dataclass(slots=True)
 class RenderedPrompt:
     template: str | None  # picks the tool-call parser, as on chat

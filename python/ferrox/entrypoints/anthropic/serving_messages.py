@@ -87,9 +87,10 @@ async def count_message_tokens(ctx: ServingContext, request: web.Request) -> web
     return json_response({"input_tokens": len(prompt.token_ids)})
 
 
-def _sampling_params(ctx: ServingContext, req: MessagesRequest, structured: Any) -> SamplingParams:
+def _sampling_params(ctx: ServingContext, req: MessagesRequest, structured: Any,
+                     keep_special_tokens: bool = False) -> SamplingParams:
     kwargs: dict[str, Any] = {"max_tokens": req.max_tokens, "stop": req.stop_sequences or None,
-                              "structured_outputs": structured}
+                              "structured_outputs": structured, "skip_special_tokens": not keep_special_tokens}
     for name in ("temperature", "top_p", "top_k"):
         value = getattr(req, name)
         if value is None:
@@ -112,7 +113,7 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
     # A long conversation takes a while to render and encode: off the event loop (a short one inline).
     prompt = await ctx.engine.prompt_work(prompt_size(req), _render_prompt, ctx, req)
     check_max_tokens(ctx, len(prompt.token_ids), req.max_tokens)
-    params = _sampling_params(ctx, req, structured)
+    params = _sampling_params(ctx, req, structured, tool_use.keeps_special_tokens(tools, prompt.template))
     validate_request(ctx, prompt.token_ids, params, MESSAGES_FIELDS)
     message_id = new_id("msg").replace("-", "_")
     request["request_id"] = message_id  # -> the X-Request-Id header and the access log

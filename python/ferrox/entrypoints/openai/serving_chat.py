@@ -66,6 +66,9 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
     # A long conversation takes a while to render and encode: off the event loop (a short one inline).
     chat = await ctx.engine.prompt_work(prompt_size(req), _render_prompt, ctx, req)
     messages, template, prompt_text, prompt_ids = chat.messages, chat.template, chat.text, chat.token_ids
+    if tool_hooks.needs_special_tokens(req, ctx.options.tool_call_parser, template):
+        # The parser's markers are special tokens (Mistral's [TOOL_CALLS]): kept in the text, as vLLM does.
+        req.skip_special_tokens = False
     check_max_tokens(ctx, len(prompt_ids), req.requested_max_tokens)
     check_output_budget(ctx, req.n, len(prompt_ids), req.requested_max_tokens, "max_completion_tokens"
                         if req.max_completion_tokens is not None else "max_tokens")

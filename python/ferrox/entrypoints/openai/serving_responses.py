@@ -78,9 +78,11 @@ def _constraint(req: ResponsesRequest, tools: tool_use.ToolRequest) -> Any:
     return structured or forced
 
 
-def _sampling_params(ctx: ServingContext, req: ResponsesRequest, structured: Any) -> SamplingParams:
+def _sampling_params(ctx: ServingContext, req: ResponsesRequest, structured: Any,
+                     keep_special_tokens: bool = False) -> SamplingParams:
     kwargs: dict[str, Any] = {"max_tokens": req.max_output_tokens, "structured_outputs": structured,
-                              "output_kind": RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY}
+                              "output_kind": RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
+                              "skip_special_tokens": not keep_special_tokens}
     for name in ("temperature", "top_p"):
         value = getattr(req, name)
         if value is None:
@@ -205,7 +207,7 @@ async def create_response(ctx: ServingContext, request: web.Request) -> web.Stre
     # A long conversation takes a while to render and encode: off the event loop (a short one inline).
     prompt = await ctx.engine.prompt_work(prompt_size(req), tool_use.render_prompt, ctx, req.to_chat_messages(), tools)
     check_max_tokens(ctx, len(prompt.token_ids), req.max_output_tokens)
-    params = _sampling_params(ctx, req, structured)
+    params = _sampling_params(ctx, req, structured, tool_use.keeps_special_tokens(tools, prompt.template))
     validate_request(ctx, prompt.token_ids, params, RESPONSES_FIELDS)
     response = _Response(ctx, req, params, len(prompt.token_ids))
     request["request_id"] = response.id  # -> the X-Request-Id header and the access log

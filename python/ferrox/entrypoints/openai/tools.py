@@ -75,7 +75,19 @@ def template_text(ctx: Any, chat_template: str | None, tools: list[dict[str, Any
 
 
 def _parser(request: Any, parser_name: str | None, template: str | None) -> ToolParser:
-    return get_tool_parser(parser_name or default_tool_parser(template))()
+    # The request's tools go along: some formats (qwen3_coder) need the parameter types.
+    return get_tool_parser(parser_name or default_tool_parser(template))(tools=request.tools)
+
+
+def needs_special_tokens(request: Any, parser_name: str | None = None, template: str | None = None) -> bool:
+    """Whether the parser that reads this request's reply (tool_choice "auto") needs the special
+    tokens kept in the text: then it must be generated with skip_special_tokens=False."""
+    try:
+        if _constraint(request).mode != "auto":
+            return False
+    except ValueError:  # bad tools: validate_tools reports them
+        return False
+    return get_tool_parser(parser_name or default_tool_parser(template)).needs_special_tokens
 
 
 def _openai_call(call: ToolCall) -> dict[str, Any]:

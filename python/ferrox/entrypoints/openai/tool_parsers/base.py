@@ -12,7 +12,7 @@ import json
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from ferrox.entrypoints.openai.tool_parsers.json_scan import Member, scan_object
 
@@ -132,13 +132,62 @@ def held_back(text: str, marker: str) -> int:
     return 0
 
 
-class ToolParser(ABC):
-    """One instance per response: extract() is stateless; feed()/finish() keep stream state."""
-
-    name: ClassVar[str]
+class ContentGate:
+    """Streamed content around tool calls, so that it joins (once stripped) to what extract() gives
+    when it keeps the text before the first call and, after each call, only a stretch that holds more
+    than whitespace: whitespace after a call waits, and is dropped if a call or the end follows."""
 
     def __init__(self) -> None:
+        self._after_call = False
+        self._pending = ""
+
+    def text(self, text: str) -> str:
+        """Content text arriving; returns what to send now."""
+        if not self._after_call or not text:
+            return text
+        self._pending += text
+        if not self._pending.strip():
+            return ""
+        out, self._pending, self._after_call = self._pending, "", False
+        return out
+
+    def call(self) -> None:
+        """A call starts: whitespace held since the previous one is dropped."""
+        self._pending = ""
+        self._after_call = True
+
+
+def join_content(pieces: list[str]) -> str | None:
+    """extract()'s side of ContentGate: pieces[0] is the text before the first call, pieces[i] the
+    text after call i; whitespace-only pieces after calls are dropped."""
+    joined = pieces[0] + "".join(p for p in pieces[1:] if p.strip())
+    return joined.strip() or None
+
+
+class ToolParser(ABC):
+    """One instance per response: extract() is stateless; feed()/finish() keep stream state.
+
+    `tools` are the request's OpenAI tools ([{"type": "function", "function": {...}}]); parsers
+    whose format carries untyped argument text (qwen3_coder) read the parameter schemas there."""
+
+    name: ClassVar[str]
+    # The format's markers are special tokens (Mistral's [TOOL_CALLS]): the reply must be decoded
+    # with skip_special_tokens=False for the parser to see them, as vLLM's mistral parser asks.
+    needs_special_tokens: ClassVar[bool] = False
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        self.tools = tools or []
         self.tools_called = False  # set once a streamed call has sent its name
+
+    def function_parameters(self, name: str) -> dict[str, Any]:
+        """The JSON schema `properties` of the request's function `name` ({} when unknown)."""
+        for tool in self.tools:
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if isinstance(function, dict) and function.get("name") == name:
+                parameters = function.get("parameters")
+                properties = parameters.get("properties") if isinstance(parameters, dict) else None
+                return properties if isinstance(properties, dict) else {}
+        return {}
 
     @abstractmethod
     def extract(self, text: str) -> ExtractedToolCalls: ...

@@ -5,6 +5,8 @@ This is also the format ferrox constrains `tool_choice="required"` to (structure
 
 from __future__ import annotations
 
+from typing import Any
+
 from ferrox.entrypoints.openai.tool_parsers.base import (
     CallStreamer,
     DeltaMessage,
@@ -22,8 +24,8 @@ END = "</tool_call>"
 class HermesToolParser(ToolParser):
     name = "hermes"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(tools)
         self._text = ""
         self._pos = 0  # everything before it has been sent or dropped
         self._call: CallStreamer | None = None

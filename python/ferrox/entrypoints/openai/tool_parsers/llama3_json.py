@@ -3,6 +3,8 @@ by ';', optionally after `<|python_tag|>`). Anything else is plain content."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from ferrox.entrypoints.openai.tool_parsers.base import (
     ARGUMENT_KEYS,
     CallStreamer,
@@ -30,8 +32,8 @@ def _calls_start(text: str) -> int | None:
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(tools)
         self._text = ""
         self._mode: str | None = None  # None: undecided, "content", "calls"
         self._pos = 0

@@ -5,6 +5,9 @@ from __future__ import annotations
 from ferrox.entrypoints.openai.tool_parsers.base import ToolParser
 from ferrox.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from ferrox.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
+from ferrox.entrypoints.openai.tool_parsers.mistral import MistralToolParser
+from ferrox.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
+from ferrox.entrypoints.openai.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
@@ -12,6 +15,10 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "qwen2_5": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
     "llama": Llama3JsonToolParser,
+    "mistral": MistralToolParser,
+    "qwen3_coder": Qwen3CoderToolParser,
+    "pythonic": PythonicToolParser,
+    "llama4_pythonic": PythonicToolParser,
 }
 
 
@@ -25,8 +32,16 @@ def get_tool_parser(name: str) -> type[ToolParser]:
 
 
 def default_tool_parser(chat_template: str | None) -> str:
-    """Llama 3 templates mention <|python_tag|> / ipython; everything else gets Hermes, which is
-    also what ferrox's own tool prompt (structured/tools.py) asks for."""
-    if chat_template and ("<|python_tag|>" in chat_template or "ipython" in chat_template):
+    """From what the chat template teaches the model: Mistral's templates write [TOOL_CALLS],
+    Qwen3-Coder's <function=...><parameter=...>, Llama 3's mention <|python_tag|> / ipython;
+    everything else gets Hermes, which is also what ferrox's own tool prompt (structured/tools.py)
+    asks for."""
+    if not chat_template:
+        return "hermes"
+    if "[TOOL_CALLS]" in chat_template:
+        return "mistral"
+    if "<function=" in chat_template and "<parameter=" in chat_template:
+        return "qwen3_coder"
+    if "<|python_tag|>" in chat_template or "ipython" in chat_template:
         return "llama3_json"
     return "hermes"
