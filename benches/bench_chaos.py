@@ -206,11 +206,16 @@ def judge_stream(api: str, n: int, events: list[tuple[str | None, str]]) -> str 
     kinds = [json.loads(d).get("type") for d in datas]
     if api == "messages":
         if "error" in kinds or not kinds or kinds[0] != "message_start" or kinds[-1] != "message_stop":
-            return f"bad message stream: {kinds[:2]}...{kinds[-2:]}"
+            return f"bad message stream: {kinds[:2]}...{kinds[-2:]}{_error_event(datas, kinds, 'error')}"
         return None
     if not kinds or kinds[-1] not in ("response.completed", "response.incomplete"):
-        return f"bad responses stream: ...{kinds[-3:]}"
+        return f"bad responses stream: ...{kinds[-3:]}{_error_event(datas, kinds, 'response.failed')}"
     return None
+
+
+def _error_event(datas: list[str], kinds: list[str | None], kind: str) -> str:
+    """The stream's error event, to say what went wrong (empty when it has none)."""
+    return next((f" ({d[:300]})" for d, k in zip(datas, kinds, strict=True) if k == kind), "")
 
 
 async def read_sse(resp: aiohttp.ClientResponse, *, delay: float = 0.0,

@@ -68,9 +68,21 @@ def _arguments_text(body: str, member: Member | None, complete: bool) -> str | N
     if raw.startswith('"'):
         if end is None:
             return None
-        decoded = json.loads(raw)
-        return decoded if isinstance(decoded, str) else raw
+        decoded = _json_string(raw)
+        if decoded is None:  # an invalid escape: no arguments to stream (the body is no call)
+            return None
+        return decoded
     return raw
+
+
+def _json_string(raw: str) -> str | None:
+    """A JSON string literal's value; None when it does not decode (a model may write `"\\q"`, which the
+    scanner passes as a string but JSON refuses): the parsers treat that as text, never raise."""
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, str) else None
 
 
 def call_from_body(body: str) -> ToolCall | None:
@@ -107,8 +119,8 @@ class CallStreamer:
             member = scan.member("name")
             if member is None or member.value_end is None:
                 return []
-            name = json.loads(body[member.value_start : member.value_end])
-            if not isinstance(name, str):
+            name = _json_string(body[member.value_start : member.value_end])
+            if name is None:
                 return []
             self.name = name
             deltas.append(DeltaToolCall(self.index, id=self.id, name=name, arguments=""))

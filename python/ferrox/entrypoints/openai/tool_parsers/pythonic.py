@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import json
+import warnings
 from typing import Any
 
 from ferrox.entrypoints.openai.tool_parsers.base import (
@@ -31,7 +32,9 @@ _WS = " \t\r\n"
 def _parse_call(source: str) -> ToolCall | None:
     """`name(key=literal, ...)` -> ToolCall; None for anything else."""
     try:
-        node = ast.parse(source, mode="eval").body
+        with warnings.catch_warnings():  # model text with "\q" in a string: Python warns of the escape
+            warnings.simplefilter("ignore")
+            node = ast.parse(source, mode="eval").body
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return None
     if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
