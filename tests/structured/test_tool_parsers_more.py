@@ -462,3 +462,21 @@ def test_pythonic_stream_plain_text_is_not_held():
     assert parser.feed("1] see").content == "  [1] see"  # cannot be one: out it goes
     assert parser.feed(" below").content == " below"
     assert not parser.finish() and not parser.tools_called
+
+
+def test_messages_and_responses_routes_read_calls_with_the_servers_parser():
+    """/v1/messages and /v1/responses read tool calls (whole and streamed) with --tool-call-parser, as
+    chat does, not only with the parser the chat template implies."""
+    from ferrox.entrypoints.tool_use import BlockStream, ToolRequest, split_reply
+
+    req = ToolRequest(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+                      tool_choice="auto")
+    text = '{"name": "f", "parameters": {"a": 1}}'
+    assert [b.kind for b in split_reply(text, req, None)] == ["text"]  # no template: Hermes reads no call
+    blocks = split_reply(text, req, None, "llama3_json")
+    assert [(b.kind, b.name, json.loads(b.arguments)) for b in blocks] == [("tool_call", "f", {"a": 1})]
+    stream = BlockStream(req, None, "llama3_json")
+    for piece in (text[:7], text[7:20], text[20:]):
+        stream.step(piece, False)
+    stream.step("", True)
+    assert [(b.kind, b.name, json.loads(b.arguments)) for b in stream.blocks] == [("tool_call", "f", {"a": 1})]

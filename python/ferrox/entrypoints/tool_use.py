@@ -44,10 +44,10 @@ def tool_constraint(req: ToolRequest) -> StructuredOutputsParams | None:
         raise from_exception(exc) from None
 
 
-def keeps_special_tokens(req: ToolRequest, template: str | None) -> bool:
+def keeps_special_tokens(req: ToolRequest, template: str | None, parser: str | None = None) -> bool:
     """Whether the reply must be decoded with its special tokens kept: the tool parser's markers
     are special tokens (Mistral's [TOOL_CALLS]), as vLLM's mistral parser asks."""
-    return tool_hooks.needs_special_tokens(req, None, template)
+    return tool_hooks.needs_special_tokens(req, parser, template)
 
 
 @dataclass(slots=True)
@@ -93,9 +93,10 @@ class ReplyBlock:
             return False
 
 
-def split_reply(text: str, req: ToolRequest, template: str | None) -> list[ReplyBlock]:
-    """A finished reply -> [text block?, tool call blocks...] (the chat route's parsers)."""
-    content, calls = tool_hooks.parse_tool_calls(text, req, template=template)
+def split_reply(text: str, req: ToolRequest, template: str | None, parser: str | None = None) -> list[ReplyBlock]:
+    """A finished reply -> [text block?, tool call blocks...] (the chat route's parsers: the server's
+    --tool-call-parser, else the template's)."""
+    content, calls = tool_hooks.parse_tool_calls(text, req, parser, template=template)
     blocks = [ReplyBlock("text", text=content)] if content else []
     for call in calls or []:
         function = call["function"]
@@ -120,13 +121,14 @@ class BlockStream:
 
     req: ToolRequest
     template: str | None
+    parser: str | None = None  # the server's --tool-call-parser (None: the template's)
     blocks: list[ReplyBlock] = field(default_factory=list)
     _tools: tool_hooks.ToolStream | None = None
     _open: bool = False
     _calls: dict[int, int] = field(default_factory=dict)  # parser's call index -> block index
 
     def __post_init__(self) -> None:
-        self._tools = tool_hooks.ToolStream(self.req, template=self.template)
+        self._tools = tool_hooks.ToolStream(self.req, self.parser, template=self.template)
 
     @property
     def has_tool_calls(self) -> bool:

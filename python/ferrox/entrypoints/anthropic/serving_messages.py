@@ -113,7 +113,7 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
     # A long conversation takes a while to render and encode: off the event loop (a short one inline).
     prompt = await ctx.engine.prompt_work(prompt_size(req), _render_prompt, ctx, req)
     check_max_tokens(ctx, len(prompt.token_ids), req.max_tokens)
-    params = _sampling_params(ctx, req, structured, tool_use.keeps_special_tokens(tools, prompt.template))
+    params = _sampling_params(ctx, req, structured, tool_use.keeps_special_tokens(tools, prompt.template, ctx.options.tool_call_parser))
     validate_request(ctx, prompt.token_ids, params, MESSAGES_FIELDS)
     message_id = new_id("msg").replace("-", "_")
     request["request_id"] = message_id  # -> the X-Request-Id header and the access log
@@ -133,7 +133,7 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
         if ctx.reasoning is not None:
             thought, answer_or_none = ctx.reasoning.split(comp.text, ctx.starts_thinking(prompt.token_ids))
             answer = answer_or_none or ""
-        blocks = tool_use.split_reply(answer, tools, prompt.template)
+        blocks = tool_use.split_reply(answer, tools, prompt.template, ctx.options.tool_call_parser)
         stop_reason, stop_sequence = _stop_reason(comp, any(b.kind == "tool_call" for b in blocks))
         content = [_content_block(b) for b in blocks]
         if thought:
@@ -146,7 +146,7 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
 
     resp = await start_sse(request)
     output_tokens = 0
-    stream = tool_use.BlockStream(tools, prompt.template)
+    stream = tool_use.BlockStream(tools, prompt.template, ctx.options.tool_call_parser)
     thinking = _ThinkingBlockStream(ctx, prompt.token_ids)
     async with contextlib.aclosing(gen):
         try:

@@ -207,7 +207,7 @@ async def create_response(ctx: ServingContext, request: web.Request) -> web.Stre
     # A long conversation takes a while to render and encode: off the event loop (a short one inline).
     prompt = await ctx.engine.prompt_work(prompt_size(req), tool_use.render_prompt, ctx, req.to_chat_messages(), tools)
     check_max_tokens(ctx, len(prompt.token_ids), req.max_output_tokens)
-    params = _sampling_params(ctx, req, structured, tool_use.keeps_special_tokens(tools, prompt.template))
+    params = _sampling_params(ctx, req, structured, tool_use.keeps_special_tokens(tools, prompt.template, ctx.options.tool_call_parser))
     validate_request(ctx, prompt.token_ids, params, RESPONSES_FIELDS)
     response = _Response(ctx, req, params, len(prompt.token_ids))
     request["request_id"] = response.id  # -> the X-Request-Id header and the access log
@@ -236,7 +236,7 @@ async def create_response(ctx: ServingContext, request: web.Request) -> web.Stre
         if reasoning:
             response.items.append(_reasoning_item(_new_id("rs"), reasoning, _reasoning_status(split, comp.finish_reason)))
     # An empty reply is one empty message, unless the thinking was all there was (as streamed).
-    blocks = tool_use.split_reply(answer, tools, prompt.template) or \
+    blocks = tool_use.split_reply(answer, tools, prompt.template, ctx.options.tool_call_parser) or \
         ([] if response.items else [tool_use.ReplyBlock("text")])
     response.items += [response.item(b, _block_status(b, comp.finish_reason)) for b in blocks]
     response.finish(comp.finish_reason)
@@ -254,7 +254,7 @@ async def _stream(request: web.Request, response: _Response, gen: Any, first: An
         sequence += 1
         await send_sse(resp, payload, payload["type"])
 
-    stream = tool_use.BlockStream(tools, template)
+    stream = tool_use.BlockStream(tools, template, response.ctx.options.tool_call_parser)
     ids: dict[int, str] = {}  # block index -> item id
     reasoning = response.ctx.reasoning
     split = reasoning.stream(thinking) if reasoning is not None else None
