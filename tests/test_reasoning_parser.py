@@ -92,3 +92,19 @@ def test_unknown_parser_and_missing_tags_name_the_field():
         get_reasoning_parser("granite", VOCAB.get)
     with pytest.raises(ValueError, match="reasoning_parser: 'qwen3' needs </think> as single tokens"):
         get_reasoning_parser("qwen3", {"<think>": 5}.get)
+
+
+def test_server_default_template_kwargs_decide_thinking_under_the_requests():
+    """--default-chat-template-kwargs '{"enable_thinking": false}' turns a Qwen3's thinking off for
+    every request; a request's own chat_template_kwargs win."""
+    import types
+
+    from ferrox.entrypoints.openai.serving import ServerOptions, ServingContext
+
+    options = ServerOptions(default_chat_template_kwargs=types.MappingProxyType({"enable_thinking": False}))
+    ctx = ServingContext(None, "test", options)  # type: ignore[arg-type]
+    ctx.reasoning = parser("qwen3")
+    assert not ctx.starts_thinking([1, 2])
+    assert ctx.starts_thinking([1, 2], {"enable_thinking": True})
+    assert ctx.template_kwargs({"x": 1}) == {"enable_thinking": False, "x": 1}
+    assert not ServingContext(None, "test").starts_thinking([1, 2])  # type: ignore[arg-type]  # no parser

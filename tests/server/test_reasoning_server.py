@@ -27,10 +27,18 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
     "additionalProperties": False}}}]
 
 
+# ChatML with a system line naming a template variable (--default-chat-template-kwargs sets it).
+GREETING_TEMPLATE = ("{{ '<|im_start|>system\\n' + (greeting | default('Hi')) + '<|im_end|>\\n' }}"
+                     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     folder = make_tiny_qwen3(tmp_path_factory.mktemp("reasoner") / "model", qwen_tokens=True)
-    srv = ServerProcess(folder, "--reasoning-parser", "deepseek_r1", "--served-model-name", MODEL)
+    srv = ServerProcess(folder, "--reasoning-parser", "deepseek_r1", "--served-model-name", MODEL,
+                        "--default-chat-template-kwargs", json.dumps({"greeting": "Ahoy"}),
+                        "--chat-template", GREETING_TEMPLATE)
     yield srv
     assert srv.stop() == 0, "\n".join(srv.log[-30:])
 
@@ -179,3 +187,25 @@ def test_anthropic_thinking_block_streamed_and_not(server):
         events = list(client.messages.create(**{**body, "messages": history}, stream=True))
         text = "".join(e.delta.text for e in events if e.type == "content_block_delta" and e.delta.type == "text_delta")
         assert text == msg.content[0].text
+
+
+def test_default_chat_template_kwargs_under_the_requests(server):
+    """--default-chat-template-kwargs reaches the template on every route (here /tokenize, which renders
+    as chat does); a request's chat_template_kwargs win."""
+    import urllib.request
+
+    def tokens(extra: dict) -> list[int]:
+        body = json.dumps({"model": MODEL, "messages": QUESTION, **extra}).encode()
+        req = urllib.request.Request(server.base_url + "/tokenize", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return json.loads(resp.read())["tokens"]
+
+    def text(ids: list[int]) -> str:
+        body = json.dumps({"model": MODEL, "tokens": ids}).encode()
+        req = urllib.request.Request(server.base_url + "/detokenize", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return json.loads(resp.read())["prompt"]
+
+    assert "Ahoy" in text(tokens({}))
+    overridden = text(tokens({"chat_template_kwargs": {"greeting": "Howdy"}}))
+    assert "Howdy" in overridden and "Ahoy" not in overridden

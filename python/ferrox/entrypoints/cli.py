@@ -254,6 +254,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                      "default: none, so run-time loading is refused)")
     api.add_argument("--trust-request-chat-template", action="store_true",
                      help="accept a request's own chat_template (rendered in a jinja2 sandbox; default: refused, as vLLM)")
+    api.add_argument("--default-chat-template-kwargs", type=parse_json_object, default=None,
+                     help="chat template variables for every request, as a JSON object (e.g. '{\"enable_thinking\": "
+                     "false}' for Qwen3); a request's chat_template_kwargs / reasoning_effort win (default: none)")
     api.add_argument("--download-dir", help="the Hugging Face cache to find model ids in (default: $HF_HUB_CACHE, "
                      "else $HF_HOME/hub); nothing is downloaded")
     add_engine_args(p, p.add_argument_group("engine (the same arguments as LLM(...))"))
@@ -367,6 +370,7 @@ def serve(args: argparse.Namespace) -> int:
             raise ValueError("--lora-modules needs --enable-lora")
         options = dataclasses.replace(
             options, lora_modules=lora_modules, trust_request_chat_template=args.trust_request_chat_template,
+            default_chat_template_kwargs=types.MappingProxyType(dict(args.default_chat_template_kwargs or {})),
             lora_allowed_dirs=tuple(os.path.realpath(d) for d in args.lora_allowed_dirs))
         # What can fail without the model fails before it loads: the port (taken?), the TLS files,
         # the generation config folder.

@@ -14,9 +14,10 @@ import asyncio
 import json
 import logging
 import time
+import types
 import uuid
 from collections.abc import AsyncGenerator, Coroutine, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
@@ -83,6 +84,8 @@ class ServerOptions:
     lora_allowed_dirs: tuple[str, ...] = ()
     # vLLM's --trust-request-chat-template: without it a request's own chat_template is refused.
     trust_request_chat_template: bool = False
+    # vLLM's --default-chat-template-kwargs: template variables under every request's own.
+    default_chat_template_kwargs: Mapping[str, Any] = field(default_factory=lambda: types.MappingProxyType({}))
 
 
 class ServingContext:
@@ -135,8 +138,12 @@ class ServingContext:
         the request (Qwen3's enable_thinking), unless the prompt already closed the thinking -- the
         engine core's rule for where a structured output's grammar starts, so that the answer it
         constrains is the answer the routes return."""
-        return self.reasoning is not None and self.reasoning.thinks(template_kwargs) \
+        return self.reasoning is not None and self.reasoning.thinks(self.template_kwargs(template_kwargs)) \
             and not self.reasoning.prompt_ends_reasoning(prompt_ids)
+
+    def template_kwargs(self, request_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The chat template's variables: --default-chat-template-kwargs, then the request's on top."""
+        return {**self.options.default_chat_template_kwargs, **(request_kwargs or {})}
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached: int = 0,
               reasoning_tokens: int | None = None) -> dict[str, Any]:
@@ -402,7 +409,7 @@ def render_chat(ctx: ServingContext, messages: list[dict[str, Any]], *, add_gene
             add_generation_prompt=add_generation_prompt,
             tools=tools,
             chat_template=chat_template or ctx.engine.chat_template,
-            **(template_kwargs or {}),
+            **ctx.template_kwargs(template_kwargs),
         )
     except Exception as exc:  # jinja errors, missing template: the caller's input is at fault
         raise bad_request(f"chat template: {exc}", param="messages") from None
