@@ -138,7 +138,7 @@ def test_text_format_json_schema(client):
 @pytest.mark.parametrize(("extra", "param"), [
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
     ({"store": True}, "store"),
-    ({"reasoning": {"effort": "low"}}, "reasoning"),
+    ({"reasoning": {"summary": "detailed"}}, "reasoning.summary"),
     ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
     ({"truncation": "auto"}, "truncation"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
@@ -156,3 +156,25 @@ def test_off_values_of_unserved_fields_pass(client):
     resp = client.responses.create(model=MODEL, input="hi", max_output_tokens=4, store=False, include=[],
                                    top_p=0.5, metadata={"k": "v"})
     assert resp.store is False and resp.top_p == 0.5 and resp.metadata == {"k": "v"}
+
+
+def test_reasoning_effort_and_echoed_reasoning_items():
+    """reasoning.effort is the chat template's reasoning_effort (and enable_thinking), as on chat; an
+    earlier response's reasoning item sent back in `input` goes to the following assistant turn's
+    reasoning_content (agent SDKs send the whole earlier output back)."""
+    from ferrox.entrypoints.openai.protocol_responses import ResponsesRequest
+
+    req = ResponsesRequest.model_validate({"input": [
+        {"role": "user", "content": "weather?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Look."}],
+         "encrypted_content": None, "status": "completed"},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "reasoning", "id": "rs_2", "summary": [], "content": [{"type": "reasoning_text", "text": "Sunny."}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "It is sunny."}]},
+        {"role": "user", "content": "thanks"},
+    ], "reasoning": {"effort": "none", "summary": "auto"}})
+    messages = req.to_chat_messages()
+    assert [(m["role"], m.get("reasoning_content")) for m in messages] == [
+        ("user", None), ("assistant", "Look."), ("tool", None), ("assistant", "Sunny."), ("user", None)]
+    assert req.template_kwargs() == {"reasoning_effort": "none", "enable_thinking": False}

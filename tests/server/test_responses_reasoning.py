@@ -217,3 +217,13 @@ def test_function_call_read_from_the_answer(client):
     final = events[-1].response
     assert [item.type for item in final.output] == ["reasoning", "function_call"]
     assert final.output[0].content[0].text == resp.output[0].content[0].text
+
+
+def test_output_sent_back_as_input(client, thinker, answer):
+    """An agent's next turn sends the earlier output back, reasoning item included (as the agent SDKs
+    and Codex do), with reasoning.effort: the server takes both."""
+    turn = [{"role": "user", "content": thinker[0]}, *[item.model_dump(exclude_none=True) for item in answer.output],
+            {"role": "user", "content": "And then?"}]
+    resp = client.responses.create(model=MODEL, input=turn, max_output_tokens=4, temperature=0,
+                                   reasoning={"effort": "high", "summary": "auto"})
+    assert resp.status in ("completed", "incomplete") and resp.output

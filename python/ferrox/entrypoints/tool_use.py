@@ -58,7 +58,7 @@ class RenderedPrompt:
 
 
 def render_prompt(ctx: ServingContext, messages: list[dict[str, Any]], req: ToolRequest, *,
-                  continue_final: bool = False) -> RenderedPrompt:
+                  continue_final: bool = False, template_kwargs: dict[str, Any] | None = None) -> RenderedPrompt:
     """Render OpenAI-shaped messages with the tools (blocking: call it in the prompt threads).
     `continue_final` renders a last assistant message open-ended, so the model continues it
     instead of starting a new turn (Anthropic's assistant prefill)."""
@@ -67,7 +67,7 @@ def render_prompt(ctx: ServingContext, messages: list[dict[str, Any]], req: Tool
     # Templates without tool support (the embedded SmolLM2's) get the tools as system text.
     messages, tools = tool_hooks.prepare_messages(messages, tools, template)
     text = render_chat(ctx, messages, add_generation_prompt=not continue_final,
-                       continue_final_message=continue_final, tools=tools)
+                       continue_final_message=continue_final, tools=tools, template_kwargs=template_kwargs)
     # The template holds the special tokens already (BOS, <|im_start|>): do not add them twice.
     return RenderedPrompt(template, text, ctx.engine.tokenizer.encode(text, add_special_tokens=False))
 

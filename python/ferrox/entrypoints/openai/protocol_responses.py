@@ -1,10 +1,11 @@
 """Request body of OpenAI's Responses API (POST /v1/responses), validated with pydantic v2.
 
-Served: text or item-list `input` (messages, function_call, function_call_output items),
+Served: text or item-list `input` (messages, function_call, function_call_output and reasoning items),
 `instructions`, `max_output_tokens`, temperature / top_p, `stream`, function `tools` with
 `tool_choice` / `parallel_tool_calls`, `text.format` (text, json_object, json_schema), and
-`metadata` / `user`, which are echoed back. Everything else the API defines (stored responses,
-background mode, reasoning, hosted tools, images...) is refused with a 400 naming the field:
+`metadata` / `user`, which are echoed back, and `reasoning.effort` (a chat-template variable, as
+chat's reasoning_effort). Everything else the API defines (stored responses, background mode,
+reasoning summaries, hosted tools, images...) is refused with a 400 naming the field:
 ferrox never accepts a parameter it would then ignore. `to_chat_messages` gives the conversation
 in OpenAI chat's shape, so rendering and tool use go through the chat route's machinery.
 """
@@ -26,7 +27,6 @@ UNSUPPORTED_FIELDS = {
     "background": "background responses are not supported",
     "conversation": "conversations are not supported; send the whole conversation as input",
     "include": "no extra output data is available",
-    "reasoning": "reasoning options are not supported",
     "prompt": "prompt templates are not supported",
     "max_tool_calls": "max_tool_calls is not supported",
     "top_logprobs": "logprobs are not supported on /v1/responses (use /v1/chat/completions)",
@@ -61,6 +61,38 @@ class OutputText(_Item):
 ContentPart = Annotated[InputText | OutputText, Field(discriminator="type")]
 
 
+class ReasoningText(_Item):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningItem(_Item):
+    """An earlier response's reasoning item, sent back with the rest of its output (as agent SDKs do):
+    its text goes to the template as the next assistant turn's reasoning_content. `summary` and
+    `encrypted_content` (another provider's opaque thinking) have nothing a template can read."""
+
+    type: Literal["reasoning"]
+    content: list[ReasoningText] | None = None
+
+    def text(self) -> str:
+        return "".join(part.text for part in self.content or [])
+
+
+class ReasoningOptions(_Strict):
+    """OpenAI's `reasoning`: effort becomes the chat template's reasoning_effort (and enable_thinking,
+    as chat's reasoning_effort does); summaries are not written: "auto" lets the server choose, and
+    ferrox's choice is none (the whole thinking is the reasoning item's content)."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto"] | None = None
+    generate_summary: Literal["auto"] | None = None  # the older name of summary
+
+    def template_kwargs(self) -> dict[str, Any]:
+        if self.effort is None:
+            return {}
+        return {"reasoning_effort": self.effort, "enable_thinking": self.effort != "none"}
+
+
 class MessageItem(_Item):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
@@ -93,7 +125,7 @@ def _item_kind(item: Any) -> str | None:
     return getattr(item, "type", None)
 
 
-_ITEM_KINDS = ("message", "function_call", "function_call_output")
+_ITEM_KINDS = ("message", "function_call", "function_call_output", "reasoning")
 _PART_KINDS = ("input_text", "output_text")
 
 
@@ -118,7 +150,8 @@ def _check_items(items: Any) -> Any:
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_kind),
 ]
 
@@ -174,6 +207,7 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     truncation: Literal["disabled"] | None = None
+    reasoning: ReasoningOptions | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
 
@@ -208,7 +242,11 @@ class ResponsesRequest(BaseModel):
         if isinstance(self.input, str):
             out.append({"role": "user", "content": self.input})
             return out
+        thinking = ""  # a reasoning item's text, for the assistant turn that follows it
         for item in self.input:
+            if isinstance(item, ReasoningItem):
+                thinking += item.text()
+                continue
             if isinstance(item, MessageItem):
                 # Chat templates know "system"; OpenAI's "developer" plays that part.
                 role = "system" if item.role == "developer" else item.role
@@ -216,13 +254,21 @@ class ResponsesRequest(BaseModel):
             elif isinstance(item, FunctionCallItem):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}
-                if out and out[-1]["role"] == "assistant":
+                if out and out[-1]["role"] == "assistant" and not thinking:
                     out[-1].setdefault("tool_calls", []).append(call)
                 else:
                     out.append({"role": "assistant", "content": "", "tool_calls": [call]})
             else:
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+            if out[-1]["role"] == "assistant" and thinking:
+                out[-1]["reasoning_content"] = thinking
+            if out[-1]["role"] != "assistant" or thinking:
+                thinking = ""
         return out
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's variables this request sets (reasoning.effort)."""
+        return self.reasoning.template_kwargs() if self.reasoning is not None else {}
 
     def tool_request(self) -> ToolRequest:
         choice = self.tool_choice

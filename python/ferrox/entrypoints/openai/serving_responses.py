@@ -205,7 +205,8 @@ async def create_response(ctx: ServingContext, request: web.Request) -> web.Stre
     tools = req.tool_request()
     structured = _constraint(req, tools)
     # A long conversation takes a while to render and encode: off the event loop (a short one inline).
-    prompt = await ctx.engine.prompt_work(prompt_size(req), tool_use.render_prompt, ctx, req.to_chat_messages(), tools)
+    prompt = await ctx.engine.prompt_work(prompt_size(req), tool_use.render_prompt, ctx, req.to_chat_messages(),
+                                          tools, template_kwargs=req.template_kwargs())
     check_max_tokens(ctx, len(prompt.token_ids), req.max_output_tokens)
     params = _sampling_params(ctx, req, structured, tool_use.keeps_special_tokens(tools, prompt.template, ctx.options.tool_call_parser))
     validate_request(ctx, prompt.token_ids, params, RESPONSES_FIELDS)
@@ -215,7 +216,7 @@ async def create_response(ctx: ServingContext, request: web.Request) -> web.Stre
                               lora_request=ctx.lora_request(req.model))
     # Pull the first output before sending headers, so a rejected request is still a plain 4xx/503.
     first = await first_output(gen, "input", RESPONSES_FIELDS)
-    thinking = ctx.starts_thinking(prompt.token_ids)  # this route has no chat_template_kwargs
+    thinking = ctx.starts_thinking(prompt.token_ids, req.template_kwargs())
     if req.stream:
         return await _stream(request, response, gen, first, tools, prompt.template, thinking)
     async with contextlib.aclosing(gen):
