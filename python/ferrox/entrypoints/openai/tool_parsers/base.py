@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ferrox.entrypoints.openai.tool_parsers.json_scan import Member, scan_object
+from ferrox.entrypoints.openai.tool_parsers.json_scan import Member, ObjectScan, ObjectScanner, scan_object
 
 # Keys under which models put the arguments object (Hermes/Qwen say "arguments", Llama 3 "parameters").
 ARGUMENT_KEYS = ("arguments", "parameters")
@@ -102,45 +102,119 @@ def call_from_body(body: str) -> ToolCall | None:
 
 
 class CallStreamer:
-    """Streams one call body ({"name": ..., "arguments": {...}}) as it grows."""
+    """Streams one call body ({"name": ..., "arguments": {...}}) as it grows.
+
+    update() takes only the body's new text: the scanner resumes where it stopped and the arguments go
+    out as the slice that arrived, so a call of n characters costs O(n) in deltas of any size."""
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.id = new_tool_call_id()
         self.name: str | None = None
-        self.arguments_sent = ""
+        self.arguments: Member | None = None  # the first "arguments" / "parameters" member, once seen
+        self._scanner = ObjectScanner()
+        self._members_seen = 0
+        self._name_member: Member | None = None
+        self._bad_name = False  # the name is complete and does not decode: this is no call
+        self._string_arguments = False  # the arguments are a JSON string, sent decoded once complete
+        self._sent = 0  # characters of the arguments text sent
+        self._arguments_done = False  # the arguments text is final and sent (or never will be)
 
-    def update(self, body: str) -> list[DeltaToolCall]:
-        scan = scan_object(body)
+    @property
+    def scan(self) -> ObjectScan:
+        """scan_object() of the body so far."""
+        return self._scanner.scan
+
+    @property
+    def length(self) -> int:
+        return self._scanner.length
+
+    def body(self) -> str:
+        return self._scanner.text(0, self._scanner.length)
+
+    def feed(self, text: str, begin: int = 0) -> None:
+        """The body goes on with text[begin:]."""
+        self._scanner.feed(text, begin)
+        members = self._scanner.scan.members
+        if len(members) == self._members_seen:
+            return
+        for m in members[self._members_seen :]:
+            if m.key == "name":
+                if self._name_member is None:
+                    self._name_member = m
+            elif m.key in ARGUMENT_KEYS and self.arguments is None:
+                self.arguments = m
+                self._string_arguments = self._scanner.text(m.value_start, m.value_start + 1) == '"'
+        self._members_seen = len(members)
+
+    def update(self, text: str) -> list[DeltaToolCall]:
+        """The body goes on with text: what to send now."""
+        self.feed(text)
+        return self.deltas()
+
+    def deltas(self) -> list[DeltaToolCall]:
+        """What the body so far adds to what was sent: first id and name, then arguments text."""
+        scan = self._scanner.scan
         if scan.error:
             return []
         deltas: list[DeltaToolCall] = []
         if self.name is None:
-            member = scan.member("name")
-            if member is None or member.value_end is None:
+            member = self._name_member
+            if self._bad_name or member is None or member.value_end is None:
                 return []
-            name = _json_string(body[member.value_start : member.value_end])
+            name = _json_string(self._scanner.text(member.value_start, member.value_end))
             if name is None:
+                self._bad_name = True
                 return []
             self.name = name
             deltas.append(DeltaToolCall(self.index, id=self.id, name=name, arguments=""))
-        arguments = _arguments_text(body, scan.member(*ARGUMENT_KEYS), complete=scan.end is not None)
-        if arguments is not None and len(arguments) > len(self.arguments_sent):
-            fragment = arguments[len(self.arguments_sent) :]
-            self.arguments_sent = arguments
+        fragment = self._arguments_fragment(complete=scan.end is not None)
+        if fragment:
             if deltas:
                 deltas[0].arguments = fragment
             else:
                 deltas.append(DeltaToolCall(self.index, arguments=fragment))
         return deltas
 
+    def _arguments_fragment(self, complete: bool) -> str:
+        """The arguments text (as _arguments_text reads it) that has not been sent yet."""
+        if self._arguments_done:
+            return ""
+        member = self.arguments
+        if member is None:
+            if complete:
+                self._arguments_done = True
+                return "{}"
+            return ""
+        start, end = member.value_start, member.value_end
+        if self._string_arguments:
+            if end is None:
+                return ""
+            self._arguments_done = True
+            return _json_string(self._scanner.text(start, end)) or ""
+        if end is None:
+            end = self._scanner.length
+        else:
+            self._arguments_done = True
+        if end - start <= self._sent:
+            return ""
+        fragment = self._scanner.text(start + self._sent, end)
+        self._sent = end - start
+        return fragment
+
 
 def held_back(text: str, marker: str) -> int:
     """Length of the longest suffix of text that is a proper prefix of marker: text that must
     wait, in case the marker is arriving split over several deltas."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
+    if not marker:
+        return 0
+    # The longest such suffix starts at the first marker[0], within reach, that the rest of text
+    # goes on to match (a test per place where marker[0] occurs, not per suffix length).
+    i = text.find(marker[0], len(text) - min(len(marker) - 1, len(text)))
+    while i >= 0:
+        if marker.startswith(text[i:]):
+            return len(text) - i
+        i = text.find(marker[0], i + 1)
     return 0
 
 

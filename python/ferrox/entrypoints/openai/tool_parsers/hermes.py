@@ -26,10 +26,11 @@ class HermesToolParser(ToolParser):
 
     def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         super().__init__(tools)
-        self._text = ""
-        self._pos = 0  # everything before it has been sent or dropped
+        # The text not consumed yet: a marker's first characters, held back in case the marker is
+        # arriving. The rest went out as content or into the open call's body (kept by its streamer),
+        # so no delta rescans the text before it.
+        self._tail = ""
         self._call: CallStreamer | None = None
-        self._body_start = 0
         self._num_calls = 0
         self._pending_ws = ""  # whitespace after a call: dropped unless real content follows
 
@@ -69,34 +70,35 @@ class HermesToolParser(ToolParser):
         out.content = (out.content or "") + text
 
     def feed(self, delta: str) -> DeltaMessage:
-        self._text += delta
         out = DeltaMessage()
-        text = self._text
+        text = self._tail + delta
+        pos = 0
         while True:
             if self._call is None:
-                start = text.find(START, self._pos)
+                start = text.find(START, pos)
                 if start < 0:
-                    keep = held_back(text[self._pos :], START)
-                    self._emit_content(out, text[self._pos : len(text) - keep])
-                    self._pos = len(text) - keep
+                    keep = held_back(text[pos:], START)
+                    self._emit_content(out, text[pos : len(text) - keep])
+                    self._tail = text[len(text) - keep :]
                     return out
-                self._emit_content(out, text[self._pos : start])
+                self._emit_content(out, text[pos:start])
                 self._pending_ws = ""
                 self._call = CallStreamer(self._num_calls)
-                self._body_start = self._pos = start + len(START)
+                pos = start + len(START)
                 continue
-            end = text.find(END, self._body_start)
-            body_end = end if end >= 0 else len(text) - held_back(text[self._body_start :], END)
-            out.tool_calls += self._call.update(text[self._body_start : body_end])
+            end = text.find(END, pos)
+            body_end = end if end >= 0 else len(text) - held_back(text[pos:], END)
+            out.tool_calls += self._call.update(text[pos:body_end])
             if end < 0:
+                self._tail = text[body_end:]
                 return out
-            self._close_call(out, text[self._body_start : end], closed=True)
-            self._pos = end + len(END)
+            self._close_call(out, closed=True)
+            pos = end + len(END)
 
-    def _close_call(self, out: DeltaMessage, body: str, closed: bool) -> None:
+    def _close_call(self, out: DeltaMessage, closed: bool) -> None:
         assert self._call is not None
         if self._call.name is None:  # never became a call: the text is content after all
-            self._emit_content(out, START + body + (END if closed else ""))
+            self._emit_content(out, START + self._call.body() + (END if closed else ""))
         else:
             self.tools_called = True
             self._num_calls += 1
@@ -105,10 +107,9 @@ class HermesToolParser(ToolParser):
     def finish(self) -> DeltaMessage:
         out = DeltaMessage()
         if self._call is not None:
-            body = self._text[self._body_start :]
-            out.tool_calls += self._call.update(body)
-            self._close_call(out, body, closed=False)
+            out.tool_calls += self._call.update(self._tail)
+            self._close_call(out, closed=False)
         else:
-            self._emit_content(out, self._text[self._pos :])
-        self._pos = len(self._text)
+            self._emit_content(out, self._tail)
+        self._tail = ""
         return out
