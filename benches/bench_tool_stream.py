@@ -5,6 +5,8 @@ a long string with quotes, backslashes and newlines, beside nested objects and a
 the parser in D-character deltas, as the server feeds a reply's text. Each setting is timed for the
 current parser ("new") and for the parser as it was before ("old", kept below): that one rescanned
 the whole call body with scan_object on every delta, so a call cost O(A^2 / D) in Python.
+qwen3_coder's old parser likewise reran _scan_call over the whole XML call on every delta; its call
+holds the same arguments as many small parameters (one per line of the file).
 
     python benches/bench_tool_stream.py [--sizes 1000,13000,100000] [--deltas 4,1] [--parsers hermes]
 
@@ -43,6 +45,19 @@ from ferrox.entrypoints.openai.tool_parsers.llama3_json import (
     _calls_start,
 )
 from ferrox.entrypoints.openai.tool_parsers.llama3_json import PYTHON_TAG as LLAMA_TAG
+from ferrox.entrypoints.openai.tool_parsers.qwen3_coder import (
+    _AFTER_PARAMETER,
+    _NOT_IN_NAME,
+    FUNCTION,
+    FUNCTION_END,
+    PARAMETER,
+    PARAMETER_END,
+    TOOL_CALL,
+    TOOL_CALL_END,
+    Qwen3CoderToolParser,
+    _Arguments,
+    _Call,
+)
 
 
 # ---- the old implementation: scan_object from the start of the body on every delta ----------
@@ -294,7 +309,154 @@ class OldLlama3JsonToolParser(Llama3JsonToolParser):
         return out
 
 
-OLD_PARSERS: dict[str, type[ToolParser]] = {"hermes": OldHermesToolParser, "llama3_json": OldLlama3JsonToolParser}
+# ---- qwen3_coder as it was: _scan_call from the call's start on every delta -----------------
+def _old_parameter_end(text: str, start: int, final: bool) -> int | None:
+    k = start
+    while True:
+        close = text.find(PARAMETER_END, k)
+        if close < 0:
+            return None
+        after = _old_skip_ws(text, close + len(PARAMETER_END))
+        if text.startswith(_AFTER_PARAMETER, after):
+            return close
+        if after == len(text):
+            return close if final else None
+        if not final and any(tag.startswith(text[after:]) for tag in _AFTER_PARAMETER):
+            return None
+        k = close + 1
+
+
+def old_scan_call(text: str, start: int, final: bool) -> _Call:
+    i = _old_skip_ws(text, start)
+    if not text.startswith(FUNCTION, i):
+        return _Call("open" if not final and FUNCTION.startswith(text[i:]) else "invalid")
+    name_start = i + len(FUNCTION)
+    gt = text.find(">", name_start)
+    name = text[name_start : gt if gt >= 0 else len(text)]
+    if any(c in _NOT_IN_NAME for c in name) or (gt >= 0 and not name):
+        return _Call("invalid")
+    if gt < 0:
+        return _Call("invalid" if final else "open")
+    call = _Call("open", name=name)
+
+    def close(end: int) -> _Call:
+        call.state, call.end, call.function_closed = "closed", end, True
+        return call
+
+    pos = gt + 1
+    while True:
+        p = _old_skip_ws(text, pos)
+        if text.startswith(FUNCTION_END, p):
+            call.function_closed = True
+            q = _old_skip_ws(text, p + len(FUNCTION_END))
+            if text.startswith(TOOL_CALL_END, q):
+                return close(q + len(TOOL_CALL_END))
+            if not final and TOOL_CALL_END.startswith(text[q:]):
+                return call
+            return close(p + len(FUNCTION_END))
+        if text.startswith(TOOL_CALL_END, p):
+            return close(p + len(TOOL_CALL_END))
+        if text.startswith(PARAMETER, p):
+            key_start = p + len(PARAMETER)
+            key_end = text.find(">", key_start)
+            if key_end < 0:
+                return close(len(text)) if final else call
+            value_start = key_end + 1
+            value_end = _old_parameter_end(text, value_start, final)
+            if value_end is not None:
+                call.params.append((text[key_start:key_end], text[value_start:value_end]))
+                pos = value_end + len(PARAMETER_END)
+                continue
+            if not final:
+                return call
+            function_end = text.find(FUNCTION_END, value_start)
+            if function_end >= 0:
+                call.params.append((text[key_start:key_end], text[value_start:function_end]))
+                pos = function_end
+                continue
+            value = text[value_start : len(text) - held_back(text[value_start:], PARAMETER_END)]
+            call.params.append((text[key_start:key_end], value))
+            return close(len(text))
+        found = [j for j in (text.find(tag, p) for tag in _AFTER_PARAMETER) if j >= 0]
+        if not found:
+            return close(len(text)) if final else call
+        pos = min(found)
+
+
+class OldQwen3CoderToolParser(Qwen3CoderToolParser):
+    """qwen3_coder streaming as it was (extract() is unchanged)."""
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(tools)
+        self._text = ""
+        self._pos = 0
+        self._call_start: int | None = None
+        self._old_arguments: _Arguments | None = None
+        self._params_sent = 0
+
+    def feed(self, delta: str) -> DeltaMessage:
+        self._text += delta
+        return self._old_advance(final=False)
+
+    def finish(self) -> DeltaMessage:
+        return self._old_advance(final=True)
+
+    def _old_advance(self, final: bool) -> DeltaMessage:
+        out = DeltaMessage()
+        text = self._text
+        while True:
+            if self._call_start is None:
+                tag = text.find(TOOL_CALL, self._pos)
+                if tag < 0:
+                    end = len(text) if final else len(text) - held_back(text[self._pos :], TOOL_CALL)
+                    self._content(out, text[self._pos : end])
+                    self._pos = end
+                    return out
+                self._content(out, text[self._pos : tag])
+                self._call_start = self._pos = tag + len(TOOL_CALL)
+                continue
+            call = old_scan_call(text, self._call_start, final)
+            if call.state == "invalid":
+                self._content(out, TOOL_CALL)
+                self._call_start = None
+                continue
+            self._old_stream(out, call)
+            if call.state == "open":
+                return out
+            self._pos = call.end
+            self._call_start = None
+            self._num_calls += 1
+            self._old_arguments = None
+            self._params_sent = 0
+            self._closed_sent = False
+
+    def _old_stream(self, out: DeltaMessage, call: _Call) -> None:
+        if call.name is None:
+            return
+        fragment = ""
+        first = self._old_arguments is None
+        if self._old_arguments is None:
+            self._gate.call()
+            self.tools_called = True
+            self._old_arguments = _Arguments(self.function_parameters(call.name))
+            fragment = "{"
+        for key, raw in call.params[self._params_sent :]:
+            fragment += self._old_arguments.add(key, raw)
+        self._params_sent = len(call.params)
+        if call.function_closed and not self._closed_sent:
+            fragment += "}"
+            self._closed_sent = True
+        if first:
+            out.tool_calls.append(DeltaToolCall(self._num_calls, id=new_tool_call_id(), name=call.name, arguments=fragment))
+        elif fragment:
+            out.tool_calls.append(DeltaToolCall(self._num_calls, arguments=fragment))
+
+
+OLD_PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": OldHermesToolParser,
+    "llama3_json": OldLlama3JsonToolParser,
+    "qwen3_coder": OldQwen3CoderToolParser,
+}
 
 
 # ---- the bench ------------------------------------------------------------------------------
@@ -315,9 +477,22 @@ def arguments_json(size: int, seed: int = 0) -> str:
 
 
 def call_text(parser: str, arguments: str) -> str:
+    if parser == "qwen3_coder":
+        return qwen3_call_text(arguments)
     if parser == "hermes":
         return f'Writing it.\n<tool_call>\n{{"name": "write_file", "arguments": {arguments}}}\n</tool_call>'
     return f'<|python_tag|>{{"name": "write_file", "parameters": {arguments}}}'
+
+
+def qwen3_call_text(arguments: str) -> str:
+    """The same arguments as a Qwen3-Coder call with many small parameters: the path, each line of
+    the content as a parameter of its own (some hold tag-like text), and the edits as JSON."""
+    obj = json.loads(arguments)
+    params = [("path", obj["path"])]
+    params += [(f"line_{i}", line) for i, line in enumerate(obj["content"].split("\n"))]
+    params.append(("edits", json.dumps(obj["edits"], ensure_ascii=False)))
+    body = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in params)
+    return f"Writing it.\n<tool_call>\n<function=write_file>\n{body}</function>\n</tool_call>"
 
 
 def run(parser: ToolParser, text: str, step: int) -> tuple[float, str]:
@@ -336,7 +511,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="1000,13000,100000", help="arguments sizes in characters")
     p.add_argument("--deltas", default="4,1", help="delta sizes in characters")
-    p.add_argument("--parsers", default="hermes", help="hermes and/or llama3_json")
+    p.add_argument("--parsers", default="hermes", help="hermes, llama3_json and/or qwen3_coder")
     p.add_argument("--repeat", type=int, default=3, help="runs per setting; the fastest counts")
     p.add_argument("--old-budget", type=float, default=1e8, help="characters an old run may rescan in full")
     args = p.parse_args()

@@ -1,4 +1,4 @@
-"""Streaming a tool call reads each character once (hermes, llama3_json), with the output it always had.
+"""Streaming a tool call reads each character once (hermes, llama3_json, qwen3_coder), with the output it always had.
 
 The parsers used to rescan the whole call body on every delta, which made a long call quadratic to
 stream. The reference for "the output it always had" is that implementation, kept in
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from ferrox.entrypoints.openai.tool_parsers import get_tool_parser, json_scan
+from ferrox.entrypoints.openai.tool_parsers import get_tool_parser, json_scan, qwen3_coder
 from ferrox.entrypoints.openai.tool_parsers.json_scan import ObjectScanner, scan_object
 
 from .test_tool_parsers import stream
@@ -72,6 +72,44 @@ def llama3_text(rng: random.Random) -> str:
     calls = [call_body(rng, rng.choice(["parameters", "parameters", "arguments"])) for _ in range(rng.randint(1, 3))]
     lead = rng.choice(["", "<|python_tag|>", " ", "\n<|python_tag|> "])
     return lead + rng.choice(["; ", ";", "\n", " ; "]).join(calls) + rng.choice(["", " ", ";"])
+
+
+QWEN3_TOOLS = [
+    {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "n": {"type": "integer"}, "x": {"type": "number"}, "b": {"type": "boolean"}, "o": {"type": "object"},
+        "s": {"type": "string"}, "l": {"type": ["array", "null"]}}}}},
+]
+QWEN3_VALUES = ["1", "2.5", "true", "null", "{\"a\": 1}", "[1, 2]", "{'a': None}", "text", "", " x ",
+                "</parameter>", "a</parameter>b", "</parameter>\n</parameter>", "<parameter=k>", "</function>",
+                "</tool_call>", "<tool_call>", "</para", "</function", "\n\n", "é<>"]
+QWEN3_BREAKS = ["<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "</parameter>",
+                "</parameter>\n", "</param", "</func", "<tool_c", ">", "\n", " ", "x", "\n</parameter>\n<"]
+
+
+def qwen3_text(rng: random.Random) -> str:
+    pieces = [rng.choice(["", "Let me write it.\n", "ok ", "a <toolbox> b\n", "<tool", " \n"])]
+    for _ in range(rng.randint(1, 3)):
+        name = rng.choice(["f", "f", "write_file", "g h", ""])
+        params = []
+        for _ in range(rng.randint(0, 8)):
+            key = rng.choice(["n", "x", "b", "o", "s", "l", "other", " s ", "n"])
+            value = rng.choice(QWEN3_VALUES) if rng.random() < 0.7 else rand_string(rng, 12)
+            nl = rng.choice(["\n", "\n", "", " "])
+            params.append(f"<parameter={key}>{nl}{value}{nl}</parameter>" + rng.choice(["\n", "", "  \n", " junk "]))
+        end = rng.choice(["</function>\n</tool_call>", "</function>\n</tool_call>", "</function>", "</tool_call>",
+                          "</function> x</tool_call>", ""])
+        pieces.append("<tool_call>" + rng.choice(["\n", "", " "]) + f"<function={name}>" + rng.choice(["\n", ""])
+                      + "".join(params) + end + rng.choice(["\n", "", " text after ", "\n\n"]))
+    return "".join(pieces)
+
+
+def qwen3_broken(rng: random.Random, text: str) -> str:
+    if rng.random() < 0.3:
+        text = text[: rng.randint(0, len(text))]
+    for _ in range(rng.randint(0 if len(text) else 1, 3)):
+        at = rng.randint(0, len(text))
+        text = text[:at] + rng.choice(QWEN3_BREAKS) + text[at + rng.randint(0, 2) :]
+    return text
 
 
 TEXTS = {"hermes": hermes_text, "llama3_json": llama3_text}
@@ -189,3 +227,54 @@ def test_streaming_a_long_call_reads_each_character_once(name):
     assert arguments == get_tool_parser(name)().extract(text).tool_calls[0].arguments
     assert 0 < examined <= 2 * len(text), (examined, len(text))
     assert rescans > 1000 * len(text)  # so the bound above fails for anything that rescans
+
+
+# Random values reach ast.literal_eval (Python-literal arguments), which warns on odd escapes.
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::SyntaxWarning")
+def test_qwen3_coder_stream_sends_what_the_rescanning_parser_sent():
+    """Feed by feed, valid and broken Qwen3-Coder texts: the same content and deltas as the old
+    implementation (kept in benches/bench_tool_stream.py), and the same calls as extract()."""
+    rng = random.Random("qwen3_coder")
+    old = bench_tool_stream.OLD_PARSERS["qwen3_coder"]
+    for k in range(1500):
+        text = qwen3_text(rng)
+        if rng.random() < 0.6:
+            text = qwen3_broken(rng, text)
+        tools = QWEN3_TOOLS if k % 2 else None
+        for sizes in (chunk_sizes(rng, text), [1] * len(text), [len(text) + 1]):
+            new_sent = feeds(get_tool_parser("qwen3_coder")(tools), text, sizes)
+            assert new_sent == feeds(old(tools), text, sizes), (text, sizes)
+        whole = get_tool_parser("qwen3_coder")(tools).extract(text)
+        content, calls = stream("qwen3_coder", text, chunk_sizes(rng, text)) if tools is None else (None, None)
+        if calls is not None:
+            assert [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in whole.tool_calls]
+
+
+def _qwen3_examined(text: str, parser) -> tuple[int, str]:
+    before = qwen3_coder.chars_examined()
+    arguments = ""
+    for c in text:
+        for call in parser.feed(c).tool_calls:
+            arguments += call.arguments or ""
+    for call in parser.finish().tool_calls:
+        arguments += call.arguments or ""
+    return qwen3_coder.chars_examined() - before, arguments
+
+
+@pytest.mark.parametrize("shape", ["many_parameters", "one_long_value"])
+def test_qwen3_coder_streaming_a_long_call_looks_at_each_character_a_few_times(shape):
+    """A ~50 KB call (~1000 parameters, or one long value) in 1-character deltas: the scan looks at a
+    few times the text's length in all, where rescanning the call per delta (the old parser) looks at
+    about its square over two."""
+    if shape == "many_parameters":
+        text = bench_tool_stream.call_text("qwen3_coder", bench_tool_stream.arguments_json(50_000))
+        assert text.count("<parameter=") > 900
+    else:
+        content = bench_tool_stream.json.loads(bench_tool_stream.arguments_json(50_000))["content"]
+        text = f"<tool_call>\n<function=write_file>\n<parameter=content>\n{content}\n</parameter>\n</function>\n</tool_call>"
+    examined, arguments = _qwen3_examined(text, get_tool_parser("qwen3_coder")())
+    assert arguments == get_tool_parser("qwen3_coder")().extract(text).tool_calls[0].arguments
+    assert 0 < examined <= 4 * len(text), (examined, len(text))
+    call_start = text.index("<tool_call>")
+    rescans = sum(max(0, i + 1 - call_start) for i in range(len(text)))
+    assert rescans > 1000 * len(text)  # what rescanning the call per delta looks at: the bound above fails for it

@@ -266,19 +266,64 @@ def _scan_call(text: str, start: int, final: bool) -> _Call:
         pos = min(found)
 
 
+# Characters the streaming scan has looked at (finds and whitespace skips). Tests read it
+# (chars_examined) to check that streaming a call looks at each character a bounded number of times.
+_examined = 0
+
+
+def chars_examined() -> int:
+    return _examined
+
+
+def _find(text: str, sub: str, start: int) -> int:
+    global _examined
+    j = text.find(sub, start)
+    _examined += (len(text) if j < 0 else j + len(sub)) - start
+    return j
+
+
+def _skip(text: str, i: int) -> int:
+    global _examined
+    j = _skip_ws(text, i)
+    _examined += j - i + 1
+    return j
+
+
+def _find_tag(text: str, start: int) -> int:
+    """Where the first `<parameter=`, `</function>` or `</tool_call>` at or after start begins, or -1."""
+    found = [j for j in (_find(text, tag, start) for tag in _AFTER_PARAMETER) if j >= 0]
+    return min(found) if found else -1
+
+
+_TAG_REACH = max(len(tag) for tag in _AFTER_PARAMETER) - 1  # a tag found later starts no earlier than this before the end
+
+# Where the streaming scan stands. It keeps only the text it still needs (`_buf`), and where in it
+# each search has got, so that a delta is looked at once plus at most a tag's length of held-back text.
+_CONTENT = 0  # outside calls: `_buf` is a `<tool_call>`'s first characters, held back
+_HEADER = 1  # `_buf` starts just after `<tool_call>` (it is content again if no `<function=NAME>` follows)
+_BETWEEN = 2  # between parameters: `_buf` starts where the next tag is looked for
+_KEY = 3  # `_buf` starts with `<parameter=`; the key's `>` is looked for from `_k`
+_VALUE = 4  # in a value: `_vparts` + `_buf[:_k]` is value text; `</parameter>` is looked for from `_k`
+_VALUE_CLOSE = 5  # in a value, `_buf` starts with a `</parameter>` that ends it if a tag follows; `_k`: past the blanks after it
+_FUNCTION_CLOSED = 6  # `_buf` starts just after `</function>`; `_k`: past the blanks after it
+
+
 class Qwen3CoderToolParser(ToolParser):
     name = "qwen3_coder"
 
     def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         super().__init__(tools)
-        self._text = ""
-        self._pos = 0  # everything before it has been sent or dropped
-        self._call_start: int | None = None  # just past the <tool_call> being read
+        self._buf = ""
+        self._state = _CONTENT
+        self._k = 0  # how far the current search has got in _buf
+        self._name_start: int | None = None  # in _HEADER, once `<function=` is matched
+        self._key = ""  # the parameter being read
+        self._vparts: list[str] = []  # its value's text so far, less what _buf holds
         self._num_calls = 0
         self._gate = ContentGate()
         self._arguments: _Arguments | None = None  # the open call's, once its name went out
-        self._params_sent = 0
         self._closed_sent = False
+        self._delta: DeltaToolCall | None = None  # the open call's delta in the message being built
 
     def extract(self, text: str) -> ExtractedToolCalls:
         calls: list[ToolCall] = []
@@ -307,7 +352,7 @@ class Qwen3CoderToolParser(ToolParser):
         return ExtractedToolCalls(content=join_content(pieces), tool_calls=calls)
 
     def feed(self, delta: str) -> DeltaMessage:
-        self._text += delta
+        self._buf += delta
         return self._advance(final=False)
 
     def finish(self) -> DeltaMessage:
@@ -318,52 +363,170 @@ class Qwen3CoderToolParser(ToolParser):
         if text:
             out.content = (out.content or "") + text
 
+    def _send(self, out: DeltaMessage, fragment: str) -> None:
+        """Arguments text for the open call, into its delta in this message."""
+        if self._delta is None:
+            self._delta = DeltaToolCall(self._num_calls, arguments="")
+            out.tool_calls.append(self._delta)
+        self._delta.arguments = (self._delta.arguments or "") + fragment
+
+    def _param(self, out: DeltaMessage, raw: str) -> None:
+        assert self._arguments is not None
+        fragment = self._arguments.add(self._key, raw)
+        if fragment:
+            self._send(out, fragment)
+
+    def _function_closed(self, out: DeltaMessage) -> None:
+        if not self._closed_sent:
+            self._send(out, "}")
+            self._closed_sent = True
+
+    def _close_call(self, out: DeltaMessage, rest: str) -> None:
+        """The call ends; `rest` is the text after it."""
+        self._function_closed(out)
+        self._buf, self._state, self._k = rest, _CONTENT, 0
+        self._num_calls += 1
+        self._arguments = None
+        self._closed_sent = False
+        self._delta = None
+
     def _advance(self, final: bool) -> DeltaMessage:
         out = DeltaMessage()
-        text = self._text
-        while True:
-            if self._call_start is None:
-                tag = text.find(TOOL_CALL, self._pos)
-                if tag < 0:
-                    end = len(text) if final else len(text) - held_back(text[self._pos :], TOOL_CALL)
-                    self._content(out, text[self._pos : end])
-                    self._pos = end
-                    return out
-                self._content(out, text[self._pos : tag])
-                self._call_start = self._pos = tag + len(TOOL_CALL)
-                continue
-            call = _scan_call(text, self._call_start, final)
-            if call.state == "invalid":
-                self._content(out, TOOL_CALL)  # not a call after all: scan on after the tag
-                self._call_start = None
-                continue
-            self._stream(out, call)
-            if call.state == "open":
-                return out
-            self._pos = call.end
-            self._call_start = None
-            self._num_calls += 1
-            self._arguments = None
-            self._params_sent = 0
-            self._closed_sent = False
+        self._delta = None
+        while self._step(out, final):
+            pass
+        return out
 
-    def _stream(self, out: DeltaMessage, call: _Call) -> None:
-        if call.name is None:
-            return
-        fragment = ""
-        first = self._arguments is None
-        if self._arguments is None:
-            self._gate.call()
-            self.tools_called = True
-            self._arguments = _Arguments(self.function_parameters(call.name))
-            fragment = "{"
-        for key, raw in call.params[self._params_sent :]:
-            fragment += self._arguments.add(key, raw)
-        self._params_sent = len(call.params)
-        if call.function_closed and not self._closed_sent:
-            fragment += "}"
-            self._closed_sent = True
-        if first:
-            out.tool_calls.append(DeltaToolCall(self._num_calls, id=new_tool_call_id(), name=call.name, arguments=fragment))
-        elif fragment:
-            out.tool_calls.append(DeltaToolCall(self._num_calls, arguments=fragment))
+    def _step(self, out: DeltaMessage, final: bool) -> bool:
+        """One move of the scan over _buf; False when it needs more text (or, final, is done)."""
+        buf, state = self._buf, self._state
+        if state == _CONTENT:
+            tag = _find(buf, TOOL_CALL, 0)
+            if tag < 0:
+                end = len(buf) if final else len(buf) - held_back(buf, TOOL_CALL)
+                self._content(out, buf[:end])
+                self._buf = buf[end:]
+                return False
+            self._content(out, buf[:tag])
+            self._buf, self._state, self._k, self._name_start = buf[tag + len(TOOL_CALL) :], _HEADER, 0, None
+            return True
+        if state == _HEADER:
+            return self._header(out, final)
+        if state == _BETWEEN:
+            p = _skip(buf, self._k)
+            if buf.startswith(FUNCTION_END, p):
+                self._function_closed(out)
+                self._buf, self._state, self._k = buf[p + len(FUNCTION_END) :], _FUNCTION_CLOSED, 0
+                return True
+            if buf.startswith(TOOL_CALL_END, p):  # no </function>
+                self._close_call(out, buf[p + len(TOOL_CALL_END) :])
+                return True
+            if buf.startswith(PARAMETER, p):
+                self._buf, self._state, self._k = buf[p:], _KEY, len(PARAMETER)
+                return True
+            # Anything else between parameters is skipped, up to the next tag.
+            tag = _find_tag(buf, p)
+            if tag < 0:
+                if final:
+                    self._close_call(out, "")
+                    return True
+                # Blanks and skipped text are not needed again; a tag may be arriving at the end.
+                keep = max(p, len(buf) - _TAG_REACH)
+                self._buf, self._k = buf[keep:], 0
+                return False
+            self._buf, self._k = buf[tag:], 0
+            return True
+        if state == _KEY:
+            key_end = _find(buf, ">", self._k)
+            if key_end < 0:
+                if final:
+                    self._close_call(out, "")
+                    return True
+                self._k = len(buf)
+                return False
+            self._key = buf[len(PARAMETER) : key_end]
+            self._vparts = []
+            self._buf, self._state, self._k = buf[key_end + 1 :], _VALUE, 0
+            return True
+        if state == _VALUE:
+            close = _find(buf, PARAMETER_END, self._k)
+            if close < 0:
+                if final:
+                    return self._value_cut(out)
+                cut = len(buf) - held_back(buf[self._k :], PARAMETER_END)
+                self._vparts.append(buf[:cut])
+                self._buf, self._k = buf[cut:], 0
+                return False
+            self._vparts.append(buf[:close])
+            self._buf, self._state, self._k = buf[close:], _VALUE_CLOSE, len(PARAMETER_END)
+            return True
+        if state == _VALUE_CLOSE:
+            after = self._k = _skip(buf, self._k)
+            if buf.startswith(_AFTER_PARAMETER, after) or (final and after == len(buf)):
+                self._param(out, "".join(self._vparts))
+                self._vparts = []
+                self._buf, self._state, self._k = buf[len(PARAMETER_END) :], _BETWEEN, 0
+                return True
+            if after == len(buf) or (not final and any(tag.startswith(buf[after:]) for tag in _AFTER_PARAMETER)):
+                return False  # a tag may be arriving
+            # Text inside the value: the `</parameter>` and the blanks after it are part of it.
+            self._vparts.append(buf[:after])
+            self._buf, self._state, self._k = buf[after:], _VALUE, 0
+            return True
+        assert state == _FUNCTION_CLOSED
+        q = self._k = _skip(buf, self._k)
+        if buf.startswith(TOOL_CALL_END, q):
+            self._close_call(out, buf[q + len(TOOL_CALL_END) :])
+            return True
+        if not final and TOOL_CALL_END.startswith(buf[q:]):
+            return False  # complete, but its end tag may be arriving
+        self._close_call(out, buf)
+        return True
+
+    def _header(self, out: DeltaMessage, final: bool) -> bool:
+        buf = self._buf
+        if self._name_start is None:
+            i = self._k = _skip(buf, self._k)
+            if not buf.startswith(FUNCTION, i):
+                if not final and FUNCTION.startswith(buf[i:]):
+                    return False
+                return self._not_a_call(out)
+            self._name_start = self._k = i + len(FUNCTION)
+        gt = _find(buf, ">", self._k)
+        if any(c in _NOT_IN_NAME for c in buf[self._k : gt if gt >= 0 else len(buf)]):
+            return self._not_a_call(out)
+        if gt < 0:
+            if final:
+                return self._not_a_call(out)
+            self._k = len(buf)
+            return False
+        name = buf[self._name_start : gt]
+        if not name:
+            return self._not_a_call(out)
+        self._gate.call()
+        self.tools_called = True
+        self._arguments = _Arguments(self.function_parameters(name))
+        self._delta = DeltaToolCall(self._num_calls, id=new_tool_call_id(), name=name, arguments="{")
+        out.tool_calls.append(self._delta)
+        self._buf, self._state, self._k = buf[gt + 1 :], _BETWEEN, 0
+        return True
+
+    def _not_a_call(self, out: DeltaMessage) -> bool:
+        """The `<tool_call>` starts no call: it is content, and the scan goes on after it."""
+        self._content(out, TOOL_CALL)
+        self._state, self._k = _CONTENT, 0
+        return True
+
+    def _value_cut(self, out: DeltaMessage) -> bool:
+        """The end of the text in a value that no `</parameter>` closed: it stops at the first
+        `</function>` in it, else runs to the end (cut short)."""
+        value = "".join(self._vparts) + self._buf
+        self._vparts = []
+        function_end = _find(value, FUNCTION_END, 0)
+        if function_end >= 0:
+            self._param(out, value[:function_end])
+            self._buf, self._state, self._k = value[function_end:], _BETWEEN, 0
+            return True
+        self._param(out, value[: len(value) - held_back(value, PARAMETER_END)])
+        self._close_call(out, "")
+        return True
