@@ -29,8 +29,10 @@ def test_unknown_flags_are_refused_by_name():
     res = run("serve", "--revision", "main", "--uds=/tmp/ferrox.sock")
     assert res.returncode == 2
     assert "--revision, --uds: ferrox does not support these flags" in res.stderr
-    res = run("serve", "--tool-call-parser", "mistral")
-    assert res.returncode == 2 and "--tool-call-parser" in res.stderr and "mistral" in res.stderr
+    res = run("serve", "--tool-call-parser", "xlam")  # a vLLM parser ferrox lacks
+    assert res.returncode == 2 and "--tool-call-parser" in res.stderr and "xlam" in res.stderr
+    res = run("serve", "--reasoning-parser", "granite")
+    assert res.returncode == 2 and "--reasoning-parser" in res.stderr and "granite" in res.stderr
     res = run("serve", "--enable-prefix")  # no abbreviations: a vLLM flag must not pass as the prefix of ours
     assert res.returncode == 2 and "--enable-prefix: ferrox does not support this flag" in res.stderr
 
