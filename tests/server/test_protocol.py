@@ -139,3 +139,27 @@ def test_parse_size():
     for bad in ("lots", "-1", "0", "5 parsecs"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_size(bad)
+
+
+def test_every_route_takes_the_models_sampling_defaults():
+    """The model's generation_config sampling defaults (temperature, top_p, top_k, min_p,
+    repetition_penalty) fill what a request leaves unset on /v1/messages and /v1/responses as on chat,
+    including knobs those APIs have no field for; a request's own value wins."""
+    import types
+
+    from ferrox.entrypoints.anthropic import serving_messages
+    from ferrox.entrypoints.anthropic.protocol import MessagesRequest
+    from ferrox.entrypoints.openai import serving_responses
+    from ferrox.entrypoints.openai.protocol_responses import ResponsesRequest
+    from ferrox.entrypoints.openai.serving import sampling_knobs
+
+    defaults = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1,
+                "max_new_tokens": 99, "top_k_bad": "x"}
+    ctx = types.SimpleNamespace(engine=types.SimpleNamespace(generation_defaults=defaults))
+    msg = serving_messages._sampling_params(ctx, MessagesRequest.model_validate(
+        {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "temperature": 0.3}), None)
+    assert (msg.temperature, msg.top_p, msg.top_k, msg.min_p, msg.repetition_penalty) == (0.3, 0.95, 20, 0.05, 1.1)
+    resp = serving_responses._sampling_params(ctx, ResponsesRequest.model_validate({"input": "hi", "top_p": 0.5}),
+                                              None)
+    assert (resp.temperature, resp.top_p, resp.top_k, resp.min_p, resp.repetition_penalty) == (0.6, 0.5, 20, 0.05, 1.1)
+    assert sampling_knobs({"top_k": "20"}, temperature=None) == {}  # a malformed default is skipped

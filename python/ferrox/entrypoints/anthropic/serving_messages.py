@@ -37,6 +37,7 @@ from ferrox.entrypoints.openai.serving import (
     json_response,
     new_id,
     parse_body,
+    sampling_knobs,
     send_sse,
     start_sse,
     validate_request,
@@ -91,12 +92,8 @@ def _sampling_params(ctx: ServingContext, req: MessagesRequest, structured: Any,
                      keep_special_tokens: bool = False) -> SamplingParams:
     kwargs: dict[str, Any] = {"max_tokens": req.max_tokens, "stop": req.stop_sequences or None,
                               "structured_outputs": structured, "skip_special_tokens": not keep_special_tokens}
-    for name in ("temperature", "top_p", "top_k"):
-        value = getattr(req, name)
-        if value is None:
-            value = ctx.engine.generation_defaults.get(name)
-        if value is not None:
-            kwargs[name] = value
+    kwargs.update(sampling_knobs(ctx.engine.generation_defaults, temperature=req.temperature, top_p=req.top_p,
+                                 top_k=req.top_k))
     kwargs["output_kind"] = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
     try:
         return SamplingParams(**kwargs)

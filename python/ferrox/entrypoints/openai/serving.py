@@ -26,6 +26,7 @@ from pydantic import BaseModel, ValidationError
 
 from ferrox.engine import validation
 from ferrox.engine.async_llm import AsyncLLM, EngineOverloadedError, RequestTimeoutError
+from ferrox.engine.defaults import GENERATION_DEFAULT_KEYS, generation_sampling_defaults
 from ferrox.entrypoints.openai.errors import APIError, bad_request, from_exception, from_validation_error
 from ferrox.entrypoints.openai.protocol import json_depth
 from ferrox.entrypoints.openai.serving_lora import LoRAModule, LoRARegistry
@@ -385,14 +386,7 @@ def build_sampling_params(
         structured_outputs=structured,
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
     )
-    # Unset sampling knobs take the model's generation_config defaults, else SamplingParams'
-    # (temperature 1, no truncation).
-    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
-        value = getattr(req, name)
-        if value is None and defaults:
-            value = defaults.get(name)
-        if value is not None:
-            kwargs[name] = value
+    kwargs.update(sampling_knobs(defaults, **{name: getattr(req, name) for name in GENERATION_DEFAULT_KEYS}))
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError, msgspec.ValidationError) as exc:
@@ -461,6 +455,22 @@ def prompt_logprobs_body(prompt_logprobs: list[dict[int, Logprob] | None] | None
         }
         for position in prompt_logprobs
     ]
+
+
+def sampling_knobs(defaults: Mapping[str, Any] | None, **given: Any) -> dict[str, Any]:
+    """temperature, top_p, top_k, min_p, repetition_penalty: each as the request gave it (None: not
+    given, or a field the route's API lacks), else the model's generation_config default
+    (--generation-config), else left to SamplingParams (temperature 1, no truncation). One rule
+    for every route, as vLLM applies the model's defaults on each."""
+    model = generation_sampling_defaults(defaults)
+    out: dict[str, Any] = {}
+    for name in GENERATION_DEFAULT_KEYS:
+        value = given.get(name)
+        if value is None:
+            value = model.get(name)
+        if value is not None:
+            out[name] = value
+    return out
 
 
 def usage_body(prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from ferrox.entrypoints.openai.serving import (
     first_output,
     json_response,
     parse_body,
+    sampling_knobs,
     send_sse,
     start_sse,
     validate_request,
@@ -83,12 +84,7 @@ def _sampling_params(ctx: ServingContext, req: ResponsesRequest, structured: Any
     kwargs: dict[str, Any] = {"max_tokens": req.max_output_tokens, "structured_outputs": structured,
                               "output_kind": RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
                               "skip_special_tokens": not keep_special_tokens}
-    for name in ("temperature", "top_p"):
-        value = getattr(req, name)
-        if value is None:
-            value = ctx.engine.generation_defaults.get(name)
-        if value is not None:
-            kwargs[name] = value
+    kwargs.update(sampling_knobs(ctx.engine.generation_defaults, temperature=req.temperature, top_p=req.top_p))
     try:
         return SamplingParams(**kwargs)
     except (ValueError, msgspec.ValidationError) as exc:
