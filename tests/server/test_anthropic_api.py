@@ -65,3 +65,32 @@ def test_streaming_event_sequence(client):
     assert final.content[0].text == whole.content[0].text
     assert final.stop_reason == whole.stop_reason
     assert final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_output_config_format_constrains_the_reply(client):
+    """output_config.format (Anthropic's structured outputs) holds the reply to the JSON schema, streamed
+    and not; output_config.effort reaches the template; a format beside a forcing tool_choice, or a
+    key ferrox does not know in output_config, is a 400 naming it."""
+    import json
+
+    import anthropic
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["city", "days"]}
+    body = dict(model=MODEL, max_tokens=60, messages=[{"role": "user", "content": "Plan a trip as JSON."}],
+                output_config={"format": {"type": "json_schema", "schema": schema}, "effort": "low"}, **GREEDY)
+    msg = client.messages.create(**body)
+    reply = json.loads(msg.content[0].text)
+    jsonschema.validate(reply, schema)
+    assert set(reply) == {"city", "days"}  # objects closed, as chat's response_format
+    streamed = "".join(e.delta.text for e in client.messages.create(**body, stream=True)
+                       if e.type == "content_block_delta" and e.delta.type == "text_delta")
+    assert streamed == msg.content[0].text
+    tool = {"name": "f", "input_schema": {"type": "object", "properties": {}}}
+    for extra, param in (({"tools": [tool], "tool_choice": {"type": "any"}}, "output_config.format"),
+                         ({"output_config": {"task_budget": 5}}, "output_config.task_budget")):
+        with pytest.raises(anthropic.BadRequestError) as info:
+            client.messages.create(**{**body, **extra})
+        assert param in str(info.value.body), info.value.body

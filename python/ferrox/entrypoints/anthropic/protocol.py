@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from ferrox.entrypoints.openai.protocol import check_stop_sequences, check_tools
+from ferrox.entrypoints.openai.protocol import ResponseFormat, check_stop_sequences, check_tools
 from ferrox.entrypoints.tool_use import ToolRequest
 
 # Fields of Anthropic's API that ferrox does not serve: refused by name instead of ignored.
@@ -168,6 +168,29 @@ class ToolChoice(_Base):
         return {"auto": "auto", "any": "required", "none": "none"}[self.type]
 
 
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class JSONOutputFormat(_Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Strict):
+    """Anthropic's output_config: `format` constrains the reply to a JSON schema (chat's
+    response_format json_schema, closed objects and all); `effort` is the chat template's
+    reasoning_effort, as vLLM passes it. Keys Anthropic adds later are refused by name (strict)."""
+
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: JSONOutputFormat | None = None
+
+    def response_format(self) -> ResponseFormat | None:
+        if self.format is None:
+            return None
+        return ResponseFormat(type="json_schema", json_schema={"name": "output", "schema": self.format.schema_})
+
+
 class MessagesRequest(_Base):
     model: str | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
@@ -181,6 +204,7 @@ class MessagesRequest(_Base):
     metadata: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    output_config: OutputConfig | None = None
 
     # Declared only to be refused by name (an empty value or {"type": "disabled"} asks for nothing).
     thinking: dict[str, Any] | None = Field(None, description="refused unless {'type': 'disabled'}")
@@ -258,6 +282,11 @@ class MessagesRequest(_Base):
         for message in turns:
             out.extend(message.to_openai())
         return out
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's variables this request sets (output_config.effort)."""
+        effort = self.output_config.effort if self.output_config is not None else None
+        return {"reasoning_effort": effort} if effort is not None else {}
 
     def tool_request(self) -> ToolRequest:
         if not self.tools:  # tool_choice auto / none without tools: nothing to choose from

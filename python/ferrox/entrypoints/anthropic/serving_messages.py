@@ -27,7 +27,7 @@ from aiohttp import web
 from ferrox.engine.input_processor import prompt_size
 from ferrox.entrypoints import tool_use
 from ferrox.entrypoints.anthropic.protocol import MessagesCountRequest, MessagesRequest
-from ferrox.entrypoints.openai.errors import from_exception
+from ferrox.entrypoints.openai.errors import APIError, from_exception
 from ferrox.entrypoints.openai.serving import (
     MESSAGES_FIELDS,
     ServingContext,
@@ -42,6 +42,7 @@ from ferrox.entrypoints.openai.serving import (
     start_sse,
     validate_request,
 )
+from ferrox.entrypoints.openai.structured import format_constraint
 from ferrox.errors import FerroxError
 from ferrox.outputs import CompletionOutput
 from ferrox.sampling_params import RequestOutputKind, SamplingParams
@@ -76,7 +77,8 @@ def _content_block(block: tool_use.ReplyBlock) -> dict[str, Any]:
 def _render_prompt(ctx: ServingContext, req: MessagesRequest) -> tool_use.RenderedPrompt:
     """The conversation through the chat template, tools included (blocking: runs in the engine's
     prompt threads); a bad template or message is an APIError naming `messages`."""
-    return tool_use.render_prompt(ctx, req.template_messages(), req.tool_request(), continue_final=req.prefill)
+    return tool_use.render_prompt(ctx, req.template_messages(), req.tool_request(), continue_final=req.prefill,
+                                  template_kwargs=req.template_kwargs())
 
 
 async def count_message_tokens(ctx: ServingContext, request: web.Request) -> web.StreamResponse:
@@ -101,12 +103,25 @@ def _sampling_params(ctx: ServingContext, req: MessagesRequest, structured: Any,
         raise from_exception(exc, rename=MESSAGES_FIELDS) from None
 
 
+def _constraint(req: MessagesRequest, tools: tool_use.ToolRequest) -> Any:
+    """output_config.format's JSON schema, or the grammar a forcing tool_choice asks for (not both)."""
+    try:
+        structured = format_constraint(req.output_config.response_format() if req.output_config else None)
+    except ValueError as exc:
+        raise from_exception(exc, rename={"response_format": "output_config.format"}) from None
+    forced = tool_use.tool_constraint(tools)
+    if structured is not None and forced is not None:
+        raise APIError(400, "output_config.format: a JSON format cannot be combined with a tool_choice that forces "
+                       "a tool call", param="output_config.format")
+    return structured or forced
+
+
 async def create_message(ctx: ServingContext, request: web.Request) -> web.StreamResponse:
     req = await parse_body(request, MessagesRequest)
     ctx.check_model(req.model)
     ctx.check_engine()
     tools = req.tool_request()
-    structured = tool_use.tool_constraint(tools)
+    structured = _constraint(req, tools)
     # A long conversation takes a while to render and encode: off the event loop (a short one inline).
     prompt = await ctx.engine.prompt_work(prompt_size(req), _render_prompt, ctx, req)
     check_max_tokens(ctx, len(prompt.token_ids), req.max_tokens)
@@ -128,7 +143,7 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
         comp = final.outputs[0]
         answer, thought = comp.text, None
         if ctx.reasoning is not None:
-            thought, answer_or_none = ctx.reasoning.split(comp.text, ctx.starts_thinking(prompt.token_ids))
+            thought, answer_or_none = ctx.reasoning.split(comp.text, ctx.starts_thinking(prompt.token_ids, req.template_kwargs()))
             answer = answer_or_none or ""
         blocks = tool_use.split_reply(answer, tools, prompt.template, ctx.options.tool_call_parser)
         stop_reason, stop_sequence = _stop_reason(comp, any(b.kind == "tool_call" for b in blocks))
@@ -144,7 +159,7 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
     resp = await start_sse(request)
     output_tokens = 0
     stream = tool_use.BlockStream(tools, prompt.template, ctx.options.tool_call_parser)
-    thinking = _ThinkingBlockStream(ctx, prompt.token_ids)
+    thinking = _ThinkingBlockStream(ctx, prompt.token_ids, req.template_kwargs())
     async with contextlib.aclosing(gen):
         try:
             await send_sse(resp, {"type": "message_start", "message": {
@@ -200,8 +215,9 @@ class _ThinkingBlockStream:
     """A streamed reply's thinking as block 0 (start, thinking_delta*, signature_delta, stop), and the
     answer text for the answer's blocks. Without a reasoning parser all text is the answer."""
 
-    def __init__(self, ctx: ServingContext, prompt_ids: list[int]) -> None:
-        self._split = ctx.reasoning.stream(ctx.starts_thinking(prompt_ids)) if ctx.reasoning is not None else None
+    def __init__(self, ctx: ServingContext, prompt_ids: list[int], template_kwargs: dict[str, Any]) -> None:
+        self._split = (ctx.reasoning.stream(ctx.starts_thinking(prompt_ids, template_kwargs))
+                       if ctx.reasoning is not None else None)
         self.blocks = 0  # thinking blocks sent (0 or 1): the answer's block indices start after them
         self._open = False
         self.answer = ""  # the answer text of the last step

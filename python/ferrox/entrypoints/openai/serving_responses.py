@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -47,7 +46,7 @@ from ferrox.entrypoints.openai.serving import (
     start_sse,
     validate_request,
 )
-from ferrox.entrypoints.openai.structured import build_structured_outputs
+from ferrox.entrypoints.openai.structured import format_constraint
 from ferrox.errors import FerroxError
 from ferrox.reasoning import ReasoningStream
 from ferrox.sampling_params import RequestOutputKind, SamplingParams
@@ -60,16 +59,9 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-@dataclass(slots=True)
-class _StructuredView:
-    """What the chat route's structured-output hook reads, from text.format."""
-
-    response_format: Any
-
-
 def _constraint(req: ResponsesRequest, tools: tool_use.ToolRequest) -> Any:
     try:
-        structured = build_structured_outputs(_StructuredView(req.response_format()))
+        structured = format_constraint(req.response_format())
     except ValueError as exc:
         raise from_exception(exc, rename={"response_format": "text.format"}) from None
     forced = tool_use.tool_constraint(tools)

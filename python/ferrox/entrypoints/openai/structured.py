@@ -188,3 +188,15 @@ def _make(field: str, **kwargs: Any) -> StructuredOutputsParams:
     # the field it came in as, with llguidance's message, instead of a request failing later.
     check_structured_outputs(params, field)
     return params
+
+
+def format_constraint(response_format: Any) -> StructuredOutputsParams | None:
+    """The constraint of a format given in chat's response_format shape by another API (Responses'
+    text.format, Anthropic's output_config.format); errors name `response_format`, which the caller
+    renames to its own field."""
+
+    class _View:  # what build_structured_outputs reads: this one field
+        def __init__(self, fmt: Any) -> None:
+            self.response_format = fmt
+
+    return build_structured_outputs(_View(response_format))
