@@ -19,7 +19,13 @@ HERMES_TWO_CALLS = (
 
 def stream(parser_name: str, text: str, chunks: list[int]) -> tuple[str, list[dict]]:
     """Feed text in the given chunk sizes; rebuild content and calls from the deltas alone."""
-    parser = get_tool_parser(parser_name)()
+    # OpenAI streams: the first delta of a call carries its id ("call_...") and name
+    return reassemble(get_tool_parser(parser_name)(), text, chunks, id_prefix="call_")
+
+
+def reassemble(parser, text: str, chunks: list[int], id_prefix: str = "") -> tuple[str, list[dict]]:
+    """Feed a parser text in the given chunk sizes; rebuild content and calls from the deltas alone (each
+    call's first delta carries its id, starting with id_prefix, and its name; later ones neither)."""
     content = ""
     calls: dict[int, dict] = {}
     pos = 0
@@ -33,8 +39,7 @@ def stream(parser_name: str, text: str, chunks: list[int]) -> tuple[str, list[di
         content += d.content or ""
         for tc in d.tool_calls:
             if tc.index not in calls:
-                # OpenAI streams: the first delta of a call carries its id and name
-                assert tc.id and tc.id.startswith("call_") and tc.name, tc
+                assert tc.id and tc.id.startswith(id_prefix) and tc.name, tc
                 calls[tc.index] = {"id": tc.id, "name": tc.name, "arguments": ""}
             else:
                 assert tc.id is None and tc.name is None

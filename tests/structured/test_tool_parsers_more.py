@@ -12,6 +12,8 @@ from ferrox.entrypoints.openai.tool_parsers import TOOL_PARSERS, default_tool_pa
 from ferrox.entrypoints.openai.tool_parsers.qwen3_coder import convert_parameter
 from ferrox.entrypoints.openai.tools import ToolStream, needs_special_tokens, parse_tool_calls
 
+from .test_tool_parsers import reassemble as stream
+
 WEATHER_TOOLS = [
     {
         "type": "function",
@@ -25,30 +27,6 @@ WEATHER_TOOLS = [
     },
     {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}},
 ]
-
-
-def stream(parser, text: str, chunks: list[int]) -> tuple[str, list[dict]]:
-    """Feed text in the given chunk sizes; rebuild content and calls from the deltas alone."""
-    content = ""
-    calls: dict[int, dict] = {}
-    deltas = []
-    pos = 0
-    for size in chunks:
-        deltas.append(parser.feed(text[pos : pos + size]))
-        pos += size
-    assert pos >= len(text)
-    deltas.append(parser.finish())
-    for d in deltas:
-        content += d.content or ""
-        for tc in d.tool_calls:
-            if tc.index not in calls:
-                assert tc.id and tc.name, tc  # the first delta of a call carries its id and name
-                calls[tc.index] = {"id": tc.id, "name": tc.name, "arguments": ""}
-            else:
-                assert tc.id is None and tc.name is None
-            calls[tc.index]["arguments"] += tc.arguments or ""
-    assert sorted(calls) == list(range(len(calls)))
-    return content, [calls[i] for i in sorted(calls)]
 
 
 def chunkings(text: str, seeds=(0, 1, 2)) -> list[list[int]]:
