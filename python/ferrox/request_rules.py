@@ -52,6 +52,8 @@ class RequestLimits:
     kv_capacity_tokens: int  # tokens the whole KV cache holds: (num_blocks - 1) * block_size
     vocab_size: int  # token ids must be in [0, vocab_size)
     max_logprobs: int  # largest logprobs / prompt_logprobs a request may ask for
+    # The reasoning parser's `</think>` (--reasoning-parser), or None: thinking_token_budget needs it.
+    reasoning_end_token_id: int | None = None
 
     @property
     def max_prompt_len(self) -> int:
@@ -115,9 +117,23 @@ def check_sampling_params(params: SamplingParams, limits: RequestLimits, *, num_
             raise InvalidArgumentError(
                 f"{name}: at most {limits.max_logprobs} (the engine's max_logprobs), got {value}", param=name
             )
+    if params.thinking_token_budget is not None:
+        check_thinking_budget(params, limits.reasoning_end_token_id)
     if params.max_tokens is None:  # output up to max_model_len: min_tokens must fit in what the prompt leaves
         check_min_tokens(params.min_tokens, limits.max_model_len - num_prompt_tokens,
                          bound="the room the prompt leaves within max_model_len")
+
+
+def check_thinking_budget(params: SamplingParams, end_token_id: int | None) -> None:
+    """A budget ends the thinking by forcing the reasoning parser's `</think>`: it needs a parser, and a
+    token the request may sample."""
+    if end_token_id is None:
+        raise InvalidArgumentError("thinking_token_budget: needs a reasoning parser to know where thinking ends "
+                                   "(start the engine with --reasoning-parser / reasoning_parser=...)",
+                                   param="thinking_token_budget")
+    if params.allowed_token_ids is not None and end_token_id not in params.allowed_token_ids:
+        raise InvalidArgumentError(f"thinking_token_budget: allowed_token_ids must include the end of thinking "
+                                   f"(token {end_token_id}), which the budget forces", param="thinking_token_budget")
 
 
 def check_min_tokens(min_tokens: int, max_tokens: int, *, bound: str = "max_tokens") -> None:

@@ -55,6 +55,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # At most this many tokens of thinking (a reasoning model's `<think>` section), then `</think>` is
+    # forced; needs a reasoning parser. -1 or None: no budget.
+    thinking_token_budget: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict[str, Any] | None = None
 
@@ -72,6 +75,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.stop = [self.stop]
         if self.top_k == -1:
             self.top_k = 0
+        if self.thinking_token_budget == -1:
+            self.thinking_token_budget = None
         if self.logit_bias is not None:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
@@ -98,6 +103,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, lo=1)
         _check_int("min_tokens", self.min_tokens, lo=0)
+        if self.thinking_token_budget is not None:
+            _check_int("thinking_token_budget", self.thinking_token_budget, lo=0, note=" (-1: no budget)")
         if self.max_tokens is not None:
             check_min_tokens(self.min_tokens, self.max_tokens)
         for name in ("logprobs", "prompt_logprobs"):

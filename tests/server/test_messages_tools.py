@@ -122,7 +122,8 @@ def test_assistant_prefill_is_continued(client, base_url):
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search_20250305"),
     ({"tools": [{**WEATHER, "input_schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}],
       "tool_choice": {"type": "any"}}, "tools"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ({"thinking": {"type": "adaptive", "budget_tokens": 1024}}, "budget_tokens"),
+    ({"thinking": {"type": "enabled"}}, "budget_tokens"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),
 ])
 def test_bad_tool_requests_are_400_naming_the_field(client, extra, named):
@@ -130,3 +131,13 @@ def test_bad_tool_requests_are_400_naming_the_field(client, extra, named):
     with pytest.raises(anthropic.BadRequestError) as info:
         client.messages.create(**kwargs)
     assert named in info.value.message
+
+
+def test_thinking_on_a_model_that_does_not_think(client):
+    """Claude Code sends `thinking` enabled by default; served without --reasoning-parser the model does
+    not think: the request is answered as without it (a cap it cannot exceed), no thinking block."""
+    plain = client.messages.create(model=MODEL, max_tokens=6, messages=ASK, extra_body={"temperature": 0})
+    for thinking in ({"type": "enabled", "budget_tokens": 1024}, {"type": "adaptive"}, {"type": "disabled"}):
+        msg = client.messages.create(model=MODEL, max_tokens=6, messages=ASK, thinking=thinking,
+                                     extra_body={"temperature": 0})
+        assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == plain.content[0].text

@@ -189,6 +189,60 @@ def test_anthropic_thinking_block_streamed_and_not(server):
         assert text == msg.content[0].text
 
 
+# ---- thinking_token_budget (chat) and Anthropic's thinking.budget_tokens ---------------------------------
+# The prompt opens the thinking (an assistant turn "<think>" continued, as DeepSeek-R1's template
+# ends); a bias of -100 on `</think>` keeps the model thinking, so only the budget ends it.
+OPENED = [*QUESTION, {"role": "assistant", "content": "<think>"}]
+
+
+def test_thinking_token_budget_ends_the_thinking(client):
+    body = dict(messages=OPENED, max_tokens=10, logit_bias={END: -100}, seed=3,
+                extra_body={"add_generation_prompt": False, "continue_final_message": True, "return_token_ids": True,
+                            "ignore_eos": True})
+    free = ask(client, **body)
+    assert int(END) not in free.choices[0].model_extra["token_ids"]
+    assert free.choices[0].message.content is None  # all thinking
+    cut = ask(client, **{**body, "extra_body": {**body["extra_body"], "thinking_token_budget": 3}})
+    ids = cut.choices[0].model_extra["token_ids"]
+    assert ids[:3] == free.choices[0].model_extra["token_ids"][:3] and ids[3] == int(END)
+    assert cut.usage.completion_tokens_details.reasoning_tokens == 3
+    assert cut.choices[0].message.content  # the answer comes after the forced </think>
+    reasoning, _, content, usage = stream_parts(client, **{**body, "extra_body": {**body["extra_body"],
+                                                                                  "thinking_token_budget": 3}})
+    assert (reasoning, content) == (cut.choices[0].message.model_extra["reasoning"], cut.choices[0].message.content)
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(client, extra_body={"thinking_token_budget": -5})
+    assert e.value.body["param"] == "thinking_token_budget"
+
+
+def test_anthropic_thinking_budget_tokens(server):
+    """thinking.budget_tokens is the budget; display "omitted" keeps the block without its text; disabled
+    closes the thinking at once (a budget of 0: this template opens it whatever enable_thinking says)."""
+    import anthropic
+
+    with anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0) as client:
+        body = dict(model=MODEL, max_tokens=8, messages=OPENED,
+                    extra_body={"temperature": 0})
+
+        def create(**kw):
+            return client.messages.create(**{**body, **kw})
+
+        free = create()
+        assert [b.type for b in free.content] == ["thinking"]  # greedy, it thinks to max_tokens
+        msg = create(thinking={"type": "enabled", "budget_tokens": 2})
+        assert [b.type for b in msg.content] == ["thinking", "text"], msg.content
+        assert free.content[0].thinking.startswith(msg.content[0].thinking)
+        omitted = create(thinking={"type": "enabled", "budget_tokens": 2, "display": "omitted"})
+        assert [b.type for b in omitted.content] == ["thinking", "text"] and omitted.content[0].thinking == ""
+        events = list(client.messages.create(**body, thinking={"type": "enabled", "budget_tokens": 2,
+                                                               "display": "omitted"}, stream=True))
+        assert not [e for e in events if e.type == "content_block_delta" and e.delta.type == "thinking_delta"]
+        assert [e.content_block.type for e in events if e.type == "content_block_start"] == ["thinking", "text"]
+        disabled = create(thinking={"type": "disabled"})
+        assert [b.type for b in disabled.content] == ["text"]
+        assert create(thinking={"type": "adaptive"}).content[0].type == "thinking"
+
+
 def test_default_chat_template_kwargs_under_the_requests(server):
     """--default-chat-template-kwargs reaches the template on every route (here /tokenize, which renders
     as chat does); a request's chat_template_kwargs win."""

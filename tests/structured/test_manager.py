@@ -215,3 +215,41 @@ def test_several_eos_ids_like_llama3(tokenizer_json):
         assert bits(SMOLLM2_EOS) and bits(second_eos)
     finally:
         m.shutdown()
+
+
+def test_thinking_budget_rows_in_every_fill_path(manager, tokenizer_json):
+    """A spent thinking budget's row allows `</think>` alone in each path the engine fills masks by:
+    fill_bitmask (CPU / synchronous), fill_rows (the CUDA mask gate's pinned rows), and the rows of
+    a step that verifies drafts; a grammar beside it keeps its own row."""
+    import tokenizers
+    from ferrox.structured.bitmask import unpack_bitmask
+    from ferrox.structured.thinking_budget import ThinkingBudget
+
+    seven, eight = (tokenizers.Tokenizer.from_str(tokenizer_json).token_to_id(d) for d in "78")
+
+    start, end = 100, 2047  # 2047 % 32 == 31: the word's sign bit
+    manager.add_budget("b", ThinkingBudget(1, start, end, [5, start]))
+    manager.submit("g", P(regex="[0-9]+"))
+    ready(manager, ["g"])
+    ids = ["free", "b", "g"]
+    assert manager.is_constrained("b") and not manager.is_constrained("free")
+    assert manager.fill_bitmask(ids) is not None
+    assert manager.constrained_rows(ids) == [(manager._matchers["g"], 2)]  # one token left: not forced yet
+    manager.accept_tokens(ids, np.array([1, 7, seven], dtype=np.int64))  # "b" thinks one token ("g" takes a digit)
+    assert manager.constrained_rows(ids, [True, False, True]) == [(manager._matchers["g"], 2)]  # "b" not sampling
+    rows = manager.constrained_rows(ids)
+    assert [(e if isinstance(e, int) else "matcher", i) for e, i in rows] == [(end, 1), ("matcher", 2)]
+    mask = manager.fill_bitmask(ids)
+    allowed = unpack_bitmask(mask, PADDED_VOCAB)
+    assert allowed[0].all() and allowed[1].nonzero().flatten().tolist() == [end]
+    assert 0 < int(allowed[2].sum()) < 100  # the digits' tokens
+    pinned = torch.empty((len(rows), manager.mask_words), dtype=torch.int32)
+    manager.fill_rows([e for e, _ in rows], pinned)
+    assert torch.equal(pinned[0], mask[1]) and torch.equal(pinned[1], mask[2])
+    drafts = manager.fill_bitmask_with_drafts(ids, np.ones(3, dtype=np.bool_), np.array([2, 0, 0], dtype=np.int32),
+                                              np.array([3, 4], dtype=np.int64))
+    assert drafts.shape[0] == 5 and torch.equal(drafts[3], mask[1]) and (drafts[:3] == -1).all()
+    manager.accept_tokens(ids, np.array([1, end, eight], dtype=np.int64))  # the forced `</think>`
+    assert not manager.is_constrained("b") and manager.constrained_rows(["b"]) == []
+    manager.free(ids)
+    assert not manager.has_active()

@@ -73,6 +73,7 @@ from ferrox.pooling.params import (
     pooling_sampling_params,
     validate_pooling_request,
 )
+from ferrox.reasoning.parser import END_TAG
 from ferrox.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "EngineStartupError", "RequestError",
@@ -229,6 +230,8 @@ class AsyncLLM:
             kv_capacity_tokens=info.kv_capacity_tokens,
             vocab_size=info.vocab_size or self.tokenizer.vocab_size,
             max_logprobs=config.max_logprobs,
+            # The core checked at start-up that the tokenizer has the parser's tags as tokens.
+            reasoning_end_token_id=self.tokenizer.token_to_id(END_TAG) if config.reasoning_parser else None,
         )
         self.device: str = info.device
         # Runner "pooling" (an embedding model): requests come through encode(), generate() is refused.

@@ -225,6 +225,8 @@ class EngineCore:
                     and not self.reasoning.prompt_ends_reasoning(prompt) else None)
             self._structured().submit(request.request_id, params.structured_outputs, gate_token=gate)
             wait_for_grammar = True
+        if params.thinking_token_budget is not None:
+            self._structured().add_budget(request.request_id, self._thinking_budget(params, prompt))
         try:
             slot = self.scheduler.add_request(
                 request.request_id,
@@ -246,7 +248,7 @@ class EngineCore:
                 lora_id=lora_id,
             )
         except BaseException:
-            if wait_for_grammar:
+            if wait_for_grammar or params.thinking_token_budget is not None:
                 self.structured.free([request.request_id])
             if self.loras is not None:
                 self.loras.release([request.request_id])
@@ -256,6 +258,13 @@ class EngineCore:
         self._req_of_slot[slot] = request.request_id
         self._slot_of_req[request.request_id] = slot
         self.runner.add_request(slot, request.request_id, prompt, params, lora_id=lora_id)
+
+    def _thinking_budget(self, params: SamplingParams, prompt: list[int]) -> Any:
+        from ferrox.structured.thinking_budget import ThinkingBudget
+
+        assert self.reasoning is not None and params.thinking_token_budget is not None  # validate_prompt
+        return ThinkingBudget(params.thinking_token_budget, self.reasoning.start_token_id,
+                              self.reasoning.end_token_id, prompt)
 
     def validate_prompt(
         self, prompt: list[int], params: SamplingParams, what: str | None = None, *, request_id: str | None = None
@@ -275,6 +284,7 @@ class EngineCore:
             kv_capacity_tokens=self.kv_capacity_tokens,
             vocab_size=self.vocab_size,
             max_logprobs=self.config.max_logprobs,
+            reasoning_end_token_id=self.reasoning.end_token_id if self.reasoning is not None else None,
         )
         validation.validate_request(prompt, params, limits, what=what)
 
@@ -640,9 +650,10 @@ def _drafts_allowed(params: SamplingParams) -> bool:
     """Whether a request may speculate. The verifier applies a request's sampling settings at every draft
     position by repeating its row (worker/spec_decode.py); settings that depend on the tokens before
     the position are not handled per position, so their requests decode one token a step:
-    penalties and min_tokens (counts change within the run). A grammar walks each draft (the mask of
+    penalties and min_tokens (counts change within the run), and a thinking budget (its forced `</think>`
+    is one row: structured/thinking_budget.py). A grammar walks each draft (the mask of
     every verified position: StructuredOutputManager.fill_bitmask_with_drafts), and logprobs are
     reported for every kept token."""
-    return (params.min_tokens == 0
+    return (params.min_tokens == 0 and params.thinking_token_budget is None
             and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
             and params.presence_penalty == 0.0)

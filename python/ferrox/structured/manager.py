@@ -21,6 +21,11 @@ Life of a constrained request, as the engine core drives it:
                           the grammar is complete, which the engine passes to
                           update_from_output(force_stop=...)
   free(ids)               on finish / abort
+
+A request's thinking_token_budget (structured/thinking_budget.py) rides on the same machinery:
+add_budget(id, budget) counts its kept tokens in accept_tokens, and once its thinking has used the
+budget its next mask row allows `</think>` alone. Such a request counts as constrained only when a
+forced row may be due, so budgeted requests cost the step nothing until then.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import torch
 from ferrox.structured.backend import GrammarText, compile_matcher, get_tokenizer, grammar_text
 from ferrox.structured.bitmask import apply_token_bitmask, bitmask_words
 from ferrox.structured.params import StructuredOutputsParams
+from ferrox.structured.thinking_budget import ThinkingBudget, force_row
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +78,7 @@ class StructuredOutputManager:
         # just opened; their rows stay all ones until it does.
         self._gated: dict[str, tuple[llguidance.LLMatcher, int]] = {}
         self._gates: dict[str, int] = {}  # request id -> gate token, until its grammar is compiled
+        self._budgets: dict[str, ThinkingBudget] = {}  # request id -> its thinking_token_budget
         self._failures: list[tuple[str, str]] = []
         self._errors: dict[str, str] = {}  # request id -> matcher error seen in accept_tokens
         self._mask_executor = llguidance.LLExecutor()
@@ -95,6 +102,13 @@ class StructuredOutputManager:
         self._pending[request_id] = self._compiled_future(text)
         if gate_token is not None:
             self._gates[request_id] = int(gate_token)
+
+    def add_budget(self, request_id: str, budget: ThinkingBudget) -> None:
+        """Count a request's thinking against its thinking_token_budget (and force `</think>` when
+        spent), beside or without a grammar."""
+        if request_id in self._budgets:
+            raise ValueError(f"request_id: {request_id!r} already has a thinking budget")
+        self._budgets[request_id] = budget
 
     def _compiled_future(self, text: GrammarText) -> cf.Future[llguidance.LLMatcher]:
         future = self._compiled.get(text.key)
@@ -146,10 +160,23 @@ class StructuredOutputManager:
 
     # ---- per step --------------------------------------------------------------------------
     def is_constrained(self, request_id: str) -> bool:
-        return request_id in self._matchers or request_id in self._gated
+        """Whether the request's next row may need a mask. Asked before the step in flight's tokens
+        are accepted, so a budget counts as due one token early."""
+        if request_id in self._matchers or request_id in self._gated:
+            return True
+        budget = self._budgets.get(request_id)
+        return budget is not None and budget.may_force_within(1)
 
     def has_active(self) -> bool:
-        return bool(self._matchers) or bool(self._gated)
+        """Whether any request needs its kept tokens (accept_tokens)."""
+        return bool(self._matchers) or bool(self._gated) or bool(self._budgets)
+
+    def _forced(self, request_id: str) -> int | None:
+        """The token a budget forces on the request's next row (a grammar, once it runs, rules instead)."""
+        budget = self._budgets.get(request_id)
+        if budget is None or request_id in self._matchers:
+            return None
+        return budget.forced_token()
 
     def is_gated(self, request_id: str) -> bool:
         """Compiled, but its grammar waits for the gate token (no mask on its rows yet)."""
@@ -177,10 +204,18 @@ class StructuredOutputManager:
             self._bitmask = self._allocate(max(len(req_ids), 2 * self._bitmask.shape[0]))
         bitmask = self._bitmask[: len(req_ids)]
         bitmask.fill_(-1)
-        # The executor writes row i at data_ptr + i * row_bytes, in parallel over matchers.
-        row_bytes = bitmask.shape[1] * 4
-        self._mask_executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), row_bytes, len(req_ids))
+        self._fill(rows, bitmask)
         return bitmask
+
+    def _fill(self, rows: Sequence[tuple[llguidance.LLMatcher | int, int]], out: torch.Tensor) -> None:
+        """Write each (matcher or forced token, row) entry's allow-bits into that row of `out`."""
+        matchers = [(m, i) for m, i in rows if not isinstance(m, int)]
+        if matchers:
+            # The executor writes row i at data_ptr + i * row_bytes, in parallel over matchers.
+            self._mask_executor.unsafe_compute_mask_ptr(matchers, out.data_ptr(), out.shape[1] * 4, out.shape[0])
+        for token, i in rows:
+            if isinstance(token, int):
+                force_row(out[i], token)
 
     @property
     def mask_words(self) -> int:
@@ -189,26 +224,30 @@ class StructuredOutputManager:
 
     def constrained_rows(
         self, req_ids: Sequence[str], sample_mask: npt.NDArray[np.bool_] | Sequence[bool] | None = None
-    ) -> list[tuple[llguidance.LLMatcher, int]]:
-        """(matcher, batch row) of each constrained row that samples this step. Taken on the engine's
-        thread, so that a request freed while a fill runs does not change what the fill reads."""
-        return [
-            (matcher, i)
-            for i, request_id in enumerate(req_ids)
-            if (matcher := self._matchers.get(request_id)) is not None
-            and (sample_mask is None or sample_mask[i])
-        ]
+    ) -> list[tuple[llguidance.LLMatcher | int, int]]:
+        """(matcher, batch row) of each constrained row that samples this step, or (token, batch row)
+        where a thinking budget forces that token. Taken on the engine's thread, so that a request
+        freed while a fill runs does not change what the fill reads."""
+        rows: list[tuple[llguidance.LLMatcher | int, int]] = []
+        for i, request_id in enumerate(req_ids):
+            if sample_mask is not None and not sample_mask[i]:
+                continue
+            matcher = self._matchers.get(request_id)
+            if matcher is not None:
+                rows.append((matcher, i))
+            elif self._budgets and (forced := self._forced(request_id)) is not None:
+                rows.append((forced, i))
+        return rows
 
-    def fill_rows(self, matchers: Sequence[llguidance.LLMatcher], out: torch.Tensor) -> None:
-        """Write matchers[i]'s allow-bits into row i of `out` (int32 [len(matchers), words], e.g.
-        pinned memory that the device reads next), in parallel over the matchers."""
-        if out.dim() != 2 or out.shape[0] != len(matchers) or out.shape[1] != self.mask_words \
+    def fill_rows(self, entries: Sequence[llguidance.LLMatcher | int], out: torch.Tensor) -> None:
+        """Write entries[i]'s allow-bits (a matcher's mask, or a forced token alone) into row i of `out`
+        (int32 [len(entries), words], e.g. pinned memory that the device reads next), in parallel
+        over the matchers."""
+        if out.dim() != 2 or out.shape[0] != len(entries) or out.shape[1] != self.mask_words \
                 or out.dtype != torch.int32 or not out.is_contiguous():
-            raise ValueError(f"out must be contiguous int32 [{len(matchers)}, {self.mask_words}], "
+            raise ValueError(f"out must be contiguous int32 [{len(entries)}, {self.mask_words}], "
                              f"got {out.dtype} {tuple(out.shape)}")
-        if matchers:
-            self._mask_executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], out.data_ptr(),
-                                                        out.shape[1] * 4, len(matchers))
+        self._fill([(m, i) for i, m in enumerate(entries)], out)
 
     def in_background(self, fill: Callable[[], _T]) -> cf.Future[_T]:
         """Run `fill` (a fill_bitmask call) on the mask thread. The caller must wait for the future
@@ -223,7 +262,8 @@ class StructuredOutputManager:
         request's row j is its grammar's mask after its first j drafts: the verifier then rejects a
         draft the grammar forbids (its probability is 0) and never keeps a token past it. The
         matcher walks the drafts the grammar accepts and is rolled back to where it was."""
-        if not any(rid in self._matchers for rid in req_ids):
+        forced = {rid: token for rid in req_ids if self._budgets and (token := self._forced(rid)) is not None}
+        if not forced and not any(rid in self._matchers for rid in req_ids):
             return None
         num_rows = int(len(req_ids) + num_drafts.sum())
         words = bitmask_words(self.vocab_size)
@@ -232,7 +272,10 @@ class StructuredOutputManager:
         for i, request_id in enumerate(req_ids):
             d = int(num_drafts[i])
             matcher = self._matchers.get(request_id)
-            if matcher is not None and sample_mask[i]:
+            if request_id in forced and sample_mask[i]:
+                # Budgeted requests take no drafts (d == 0): their one row allows the forced token.
+                force_row(bitmask[row], forced[request_id])
+            elif matcher is not None and sample_mask[i]:
                 drafts = [int(t) for t in draft_token_ids[first_draft:first_draft + d]]
                 valid = matcher.validate_tokens(drafts) if drafts else 0
                 for j in range(valid + 1):
@@ -269,6 +312,10 @@ class StructuredOutputManager:
         for i, request_id in enumerate(req_ids):
             if sample_mask is not None and not sample_mask[i]:
                 continue
+            budget = self._budgets.get(request_id)
+            if budget is not None:
+                for token in sampled[int(starts[i]):int(starts[i] + counts[i])]:
+                    budget.accept(int(token))
             if request_id in self._gated:
                 self._open_gate(i, request_id, sampled[int(starts[i]):int(starts[i] + counts[i])], num_sampled)
                 continue
@@ -314,6 +361,7 @@ class StructuredOutputManager:
             self._matchers.pop(request_id, None)
             self._gated.pop(request_id, None)
             self._gates.pop(request_id, None)
+            self._budgets.pop(request_id, None)
             self._pending.pop(request_id, None)
             self._errors.pop(request_id, None)
 

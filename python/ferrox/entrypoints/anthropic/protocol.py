@@ -19,7 +19,6 @@ from ferrox.entrypoints.tool_use import ToolRequest
 
 # Fields of Anthropic's API that ferrox does not serve: refused by name instead of ignored.
 UNSUPPORTED_FIELDS = {
-    "thinking": "extended thinking is not supported",
     "mcp_servers": "MCP servers are not supported",
     "container": "containers are not supported",
 }
@@ -177,6 +176,38 @@ class JSONOutputFormat(_Strict):
     schema_: dict[str, Any] = Field(alias="schema")
 
 
+class ThinkingConfig(_Strict):
+    """Anthropic's `thinking`, read for an open reasoning model (--reasoning-parser):
+    - enabled: the chat template's enable_thinking on, and `budget_tokens` the request's
+      thinking_token_budget (vLLM's rule: `</think>` is forced once the thinking used it);
+    - adaptive: enable_thinking on, the model decides how long it thinks (no budget);
+    - disabled: enable_thinking off (Qwen3's switch), and a budget of 0 for models whose template
+      opens the thinking anyway (DeepSeek-R1): it closes at once.
+    `display: "omitted"` returns thinking blocks without their text (Anthropic's meaning);
+    "summarized" returns the thinking itself: ferrox writes no summaries of an open model's thinking.
+    A model served without a reasoning parser does not think: enabled and adaptive change nothing
+    it would do, and no thinking blocks come back."""
+
+    type: Literal["enabled", "adaptive", "disabled"]
+    budget_tokens: int | None = Field(None, ge=0)
+    display: Literal["summarized", "omitted"] | None = None
+
+    @model_validator(mode="after")
+    def _budget_for_enabled(self) -> ThinkingConfig:
+        if self.type == "enabled" and self.budget_tokens is None:
+            raise ValueError("budget_tokens is required with type 'enabled'")
+        if self.type != "enabled" and self.budget_tokens is not None:
+            raise ValueError(f"budget_tokens is only for type 'enabled', not {self.type!r}")
+        return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        return {"enable_thinking": self.type != "disabled"}
+
+    def budget(self) -> int | None:
+        """The thinking_token_budget this asks for (with a reasoning parser)."""
+        return self.budget_tokens if self.type == "enabled" else 0 if self.type == "disabled" else None
+
+
 class OutputConfig(_Strict):
     """Anthropic's output_config: `format` constrains the reply to a JSON schema (chat's
     response_format json_schema, closed objects and all); `effort` is the chat template's
@@ -206,15 +237,16 @@ class MessagesRequest(_Base):
     tool_choice: ToolChoice | None = None
     output_config: OutputConfig | None = None
 
-    # Declared only to be refused by name (an empty value or {"type": "disabled"} asks for nothing).
-    thinking: dict[str, Any] | None = Field(None, description="refused unless {'type': 'disabled'}")
+    thinking: ThinkingConfig | None = None
+
+    # Declared only to be refused by name.
     mcp_servers: list[Any] | None = Field(None, description="refused when non-empty")
     container: Any = Field(None, description="refused when set")
 
-    @field_validator("thinking", "mcp_servers", "container")
+    @field_validator("mcp_servers", "container")
     @classmethod
     def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        if value and not (isinstance(value, dict) and value.get("type") == "disabled"):
+        if value:
             raise ValueError(f"{UNSUPPORTED_FIELDS[str(info.field_name)]} by ferrox")
         return None
 
@@ -284,9 +316,13 @@ class MessagesRequest(_Base):
         return out
 
     def template_kwargs(self) -> dict[str, Any]:
-        """The chat template's variables this request sets (output_config.effort)."""
+        """The chat template's variables this request sets (thinking's enable_thinking,
+        output_config.effort)."""
+        kwargs = self.thinking.template_kwargs() if self.thinking is not None else {}
         effort = self.output_config.effort if self.output_config is not None else None
-        return {"reasoning_effort": effort} if effort is not None else {}
+        if effort is not None:
+            kwargs["reasoning_effort"] = effort
+        return kwargs
 
     def tool_request(self) -> ToolRequest:
         if not self.tools:  # tool_choice auto / none without tools: nothing to choose from

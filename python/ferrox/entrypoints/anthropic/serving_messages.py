@@ -94,6 +94,9 @@ def _sampling_params(ctx: ServingContext, req: MessagesRequest, structured: Any,
                      keep_special_tokens: bool = False) -> SamplingParams:
     kwargs: dict[str, Any] = {"max_tokens": req.max_tokens, "stop": req.stop_sequences or None,
                               "structured_outputs": structured, "skip_special_tokens": not keep_special_tokens}
+    if req.thinking is not None and ctx.reasoning is not None:
+        # Without a parser the model does not think, so no budget has anything to count.
+        kwargs["thinking_token_budget"] = req.thinking.budget()
     kwargs.update(sampling_knobs(ctx.engine.generation_defaults, temperature=req.temperature, top_p=req.top_p,
                                  top_k=req.top_k))
     kwargs["output_kind"] = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
@@ -149,7 +152,8 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
         stop_reason, stop_sequence = _stop_reason(comp, any(b.kind == "tool_call" for b in blocks))
         content = [_content_block(b) for b in blocks]
         if thought:
-            content.insert(0, {"type": "thinking", "thinking": thought, "signature": uuid.uuid4().hex})
+            content.insert(0, {"type": "thinking", "thinking": "" if _omits_thinking(req) else thought,
+                               "signature": uuid.uuid4().hex})
         return json_response({
             **head, "content": content or [{"type": "text", "text": ""}],
             "stop_reason": stop_reason, "stop_sequence": stop_sequence,
@@ -159,7 +163,7 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
     resp = await start_sse(request)
     output_tokens = 0
     stream = tool_use.BlockStream(tools, prompt.template, ctx.options.tool_call_parser)
-    thinking = _ThinkingBlockStream(ctx, prompt.token_ids, req.template_kwargs())
+    thinking = _ThinkingBlockStream(ctx, prompt.token_ids, req.template_kwargs(), omit=_omits_thinking(req))
     async with contextlib.aclosing(gen):
         try:
             await send_sse(resp, {"type": "message_start", "message": {
@@ -195,6 +199,11 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
     return resp
 
 
+def _omits_thinking(req: MessagesRequest) -> bool:
+    """thinking.display "omitted": thinking blocks come back without their text (signature only)."""
+    return req.thinking is not None and req.thinking.display == "omitted"
+
+
 def _stream_event(event: tool_use.BlockEvent, offset: int = 0) -> tuple[dict[str, Any], str]:
     """An answer block's event; `offset`: blocks sent before the answer's (the thinking block)."""
     block = event.block
@@ -215,7 +224,9 @@ class _ThinkingBlockStream:
     """A streamed reply's thinking as block 0 (start, thinking_delta*, signature_delta, stop), and the
     answer text for the answer's blocks. Without a reasoning parser all text is the answer."""
 
-    def __init__(self, ctx: ServingContext, prompt_ids: list[int], template_kwargs: dict[str, Any]) -> None:
+    def __init__(self, ctx: ServingContext, prompt_ids: list[int], template_kwargs: dict[str, Any],
+                 omit: bool = False) -> None:
+        self._omit = omit  # display "omitted": the block opens and closes with no thinking_delta
         self._split = (ctx.reasoning.stream(ctx.starts_thinking(prompt_ids, template_kwargs))
                        if ctx.reasoning is not None else None)
         self.blocks = 0  # thinking blocks sent (0 or 1): the answer's block indices start after them
@@ -239,8 +250,9 @@ class _ThinkingBlockStream:
                 events.append(({"type": "content_block_start", "index": 0,
                                 "content_block": {"type": "thinking", "thinking": "", "signature": ""}},
                                "content_block_start"))
-            events.append(({"type": "content_block_delta", "index": 0,
-                            "delta": {"type": "thinking_delta", "thinking": thought}}, "content_block_delta"))
+            if not self._omit:
+                events.append(({"type": "content_block_delta", "index": 0,
+                                "delta": {"type": "thinking_delta", "thinking": thought}}, "content_block_delta"))
         if self._open and (self._split.ended or finished):
             self._open = False
             events.append(({"type": "content_block_delta", "index": 0,

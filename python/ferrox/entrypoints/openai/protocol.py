@@ -107,7 +107,6 @@ _REFUSED = {
     "kv_transfer_params": "disaggregated KV transfer is not supported",
     "vllm_xargs": "there are no custom extensions to take extra arguments",
     "logprob_token_ids": "logprobs of chosen token ids are not supported (use top_logprobs)",
-    "thinking_token_budget": "thinking budgets are not supported (the reasoning runs to `</think>` or max_tokens)",
     "repetition_detection": "repetition detection is not supported",
     "watermarking": "watermarking is not supported",
     "stream_interval": "per-request stream intervals are not supported (every step is streamed)",
@@ -187,17 +186,18 @@ class _SamplingFields(_Base):
     length_penalty: float = 1.0
     logits_processors: list[Any] | None = None
     cache_salt: str | None = None
+    # Thinking tokens before `</think>` is forced (vLLM's; needs --reasoning-parser); -1: no budget.
+    thinking_token_budget: int | None = Field(None, ge=-1)
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
     logprob_token_ids: list[int] | None = None
-    thinking_token_budget: int | None = None
     repetition_detection: dict[str, Any] | None = None
     watermarking: bool | None = None
     stream_interval: int | None = None
 
     _refuse = field_validator(
         "use_beam_search", "length_penalty", "logits_processors", "kv_transfer_params",
-        "vllm_xargs", "logprob_token_ids", "thinking_token_budget", "repetition_detection", "watermarking",
+        "vllm_xargs", "logprob_token_ids", "repetition_detection", "watermarking",
         "stream_interval",
     )(_refuse_unsupported)
 

@@ -384,6 +384,7 @@ def build_sampling_params(
         logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
         allowed_token_ids=allowed_token_ids,
         structured_outputs=structured,
+        thinking_token_budget=getattr(req, "thinking_token_budget", None),
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
     )
     kwargs.update(sampling_knobs(defaults, **{name: getattr(req, name) for name in GENERATION_DEFAULT_KEYS}))
