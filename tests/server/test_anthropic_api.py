@@ -94,3 +94,24 @@ def test_output_config_format_constrains_the_reply(client):
         with pytest.raises(anthropic.BadRequestError) as info:
             client.messages.create(**{**body, **extra})
         assert param in str(info.value.body), info.value.body
+
+
+def test_claude_codes_billing_header_is_not_in_the_prompt(client):
+    """Claude Code's first system block carries a per-request hash (cch); kept, it would change every
+    turn's first tokens and the prefix cache would never hit. The model never sees it."""
+    from ferrox.entrypoints.anthropic.protocol import MessagesRequest
+
+    def header(cch: str) -> str:
+        return f"x-anthropic-billing-header: cc_version=2.1.100.7b4; cc_entrypoint=cli; cch={cch};"
+
+    ask = [{"role": "user", "content": QUESTION}]
+    blocks = [{"type": "text", "text": header("eb6c6")}, {"type": "text", "text": "You are a coding agent."}]
+    req = MessagesRequest.model_validate({"max_tokens": 5, "messages": ask, "system": blocks})
+    assert req.template_messages()[0] == {"role": "system", "content": "You are a coding agent."}
+    inline = MessagesRequest.model_validate({"max_tokens": 5, "messages": ask,
+                                             "system": header("71fea") + "\nYou are a coding agent."})
+    assert inline.system_text() == "You are a coding agent."
+    plain = client.messages.count_tokens(model=MODEL, system="You are a coding agent.", messages=ask).input_tokens
+    for cch in ("eb6c6", "0aaa9"):
+        system = [{"type": "text", "text": header(cch)}, {"type": "text", "text": "You are a coding agent."}]
+        assert client.messages.count_tokens(model=MODEL, system=system, messages=ask).input_tokens == plain

@@ -222,6 +222,22 @@ class OutputConfig(_Strict):
         return ResponseFormat(type="json_schema", json_schema={"name": "output", "schema": self.format.schema_})
 
 
+# Claude Code starts the system prompt with a line such as
+# "x-anthropic-billing-header: cc_version=2.1.100.7b4; cc_entrypoint=cli; cch=eb6c6;" (its own block).
+# The cch value changes with every request, so kept in the prompt it would make every turn's prompt
+# differ from the previous one at its first tokens and the prefix cache would never hit: each turn
+# would prefill Claude Code's whole context (tens of thousands of tokens) again. It is billing
+# metadata for Anthropic's API, not text for the model, so it is left out (as vLLM and SGLang do).
+BILLING_HEADER = "x-anthropic-billing-header:"
+
+
+def _without_billing_header(text: str) -> str:
+    if not text.startswith(BILLING_HEADER):
+        return text
+    _, _, rest = text.partition("\n")
+    return rest
+
+
 class MessagesRequest(_Base):
     model: str | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
@@ -289,9 +305,12 @@ class MessagesRequest(_Base):
         return value
 
     def system_text(self) -> str | None:
-        if self.system is None or isinstance(self.system, str):
-            return self.system
-        return "".join(block.text for block in self.system)
+        """The system prompt the model reads: Claude Code's billing header left out (below)."""
+        if self.system is None:
+            return None
+        if isinstance(self.system, str):
+            return _without_billing_header(self.system)
+        return "".join(_without_billing_header(block.text) for block in self.system)
 
     @property
     def prefill(self) -> bool:
