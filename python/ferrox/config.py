@@ -77,6 +77,10 @@ class EngineConfig:
         "model folder (Hugging Face layout) or .gguf file", positional=True,
         default_help="the embedded SmolLM2-135M-Instruct")
     tokenizer: str | None = _opt("tokenizer folder or .gguf file", default_help="the model's own")
+    trust_remote_code: bool = _opt(
+        "vLLM's permission to run a model repository's own Python code (auto_map). ferrox's model families are "
+        "built in and it runs no code from a model folder whether or not this is set, so there is nothing for it "
+        "to allow: accepted so that vLLM command lines and LLM(...) calls run unchanged", False)
     dtype: str = _opt("weights/activations dtype", "auto", choices=DTYPES,
                       default_help="auto: float32 on CPU (a quantized GGUF stays quantized: packed int4 "
                       "matmuls); on GPU the checkpoint's float16/bfloat16, bfloat16 for a float32 checkpoint")

@@ -26,9 +26,9 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_unknown_flags_are_refused_by_name():
-    res = run("serve", "--revision", "main", "--uds=/tmp/ferrox.sock")
+    res = run("serve", "--revision", "main", "--chat-template-content-format=openai")
     assert res.returncode == 2
-    assert "--revision, --uds: ferrox does not support these flags" in res.stderr
+    assert "--revision, --chat-template-content-format: ferrox does not support these flags" in res.stderr
     res = run("serve", "--tool-call-parser", "xlam")  # a vLLM parser ferrox lacks
     assert res.returncode == 2 and "--tool-call-parser" in res.stderr and "xlam" in res.stderr
     res = run("serve", "--reasoning-parser", "granite")
@@ -78,7 +78,8 @@ def tls_server(tmp_path_factory):
     cmd = [sys.executable, "-m", "ferrox", "serve", "--config", str(tmp / "serve.yaml"),
            "--model", resolve_model(None).path, "--port", str(port), "--ssl-certfile", str(cert),
            "--ssl-keyfile", str(key), "--root-path", "/proxy", "--enable-auto-tool-choice",
-           "--generation-config", str(tmp / "gen"), "--disable-log-stats", "--max-log-len", "40"]
+           "--generation-config", str(tmp / "gen"), "--disable-log-stats", "--max-log-len", "40",
+           "--trust-remote-code"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log: list[str] = []
     ready = threading.Event()
@@ -249,3 +250,56 @@ def test_serving_defaults_are_honoured_and_the_key_is_never_logged():
     assert code == 0, log[-3000:]
     assert "ferrox.requests" in log and "ferrox.access" in log and "-> 401" in log, log[-3000:]
     assert KEY not in log and "sk-wrong-guess-1234" not in log
+
+
+def test_unix_domain_socket(tmp_path):
+    """--uds: the server listens on a Unix socket (a stale socket file left by a dead server is replaced,
+    another file is not touched), answers over it, and removes the file when it exits."""
+    import http.client
+    import signal
+    import socket
+
+    path = tmp_path / "ferrox.sock"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(path))
+    stale.close()  # the file stays, nobody listens
+    (tmp_path / "not-a-socket").write_text("keep me")
+    res = run("serve", "--uds", str(tmp_path / "not-a-socket"))
+    assert res.returncode == 1 and "is not a socket" in res.stderr
+    assert (tmp_path / "not-a-socket").read_text() == "keep me"
+
+    class UnixConnection(http.client.HTTPConnection):
+        def connect(self) -> None:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.connect(str(path))
+
+    proc = subprocess.Popen([str(FERROX), "serve", "--uds", str(path), "--max-model-len", "256",
+                             "--kv-cache-memory", "32MiB"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    log: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.append(line.rstrip())
+            if f"serving on unix:{path}" in line:
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        deadline = time.monotonic() + 240
+        while not ready.wait(0.2):
+            assert proc.poll() is None and time.monotonic() < deadline, "\n".join(log)
+        conn = UnixConnection("localhost", timeout=120)
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+        conn = UnixConnection("localhost", timeout=120)
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and json.load(resp)["usage"]["completion_tokens"] > 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, "\n".join(log)
+    assert not path.exists()

@@ -182,6 +182,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "command line win (default: none)")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
     server.add_argument("--port", type=int, default=8000, help="TCP port to listen on (0: pick a free one)")
+    server.add_argument("--uds", help="listen on this Unix domain socket path instead of --host/--port "
+                        "(default: TCP)")
     server.add_argument("--api-key", default=os.environ.get("FERROX_API_KEY"),
                         help="require this key (Authorization: Bearer KEY or x-api-key) on API routes; "
                         "/health, /metrics and /version stay open (default: $FERROX_API_KEY)")
@@ -348,7 +350,13 @@ def generation_defaults(choice: str, model_defaults: dict[str, Any], override: d
 
 def serve(args: argparse.Namespace) -> int:
     from ferrox.engine.async_llm import AsyncLLM
-    from ferrox.entrypoints.openai.server import ServerOptions, bind_socket, run_server_blocking, ssl_context
+    from ferrox.entrypoints.openai.server import (
+        ServerOptions,
+        bind_socket,
+        bind_unix_socket,
+        run_server_blocking,
+        ssl_context,
+    )
     from ferrox.entrypoints.openai.serving_lora import parse_lora_module
 
     if args.model is None and args.model_flag is not None:
@@ -380,7 +388,7 @@ def serve(args: argparse.Namespace) -> int:
         elif args.ssl_keyfile:
             raise ValueError("--ssl-keyfile needs --ssl-certfile")
         generation_defaults(args.generation_config, {}, args.override_generation_config)
-        sock = bind_socket(args.host, args.port)
+        sock = bind_unix_socket(args.uds) if args.uds else bind_socket(args.host, args.port)
     except (OSError, ValueError) as exc:
         print(f"ferrox serve: error: {exc}", file=sys.stderr, flush=True)
         return 1
@@ -389,6 +397,8 @@ def serve(args: argparse.Namespace) -> int:
         engine = AsyncLLM(config=config, log_level=_LOG_LEVELS[args.log_level])
     except Exception as exc:  # a bad flag, model path or a failed engine start: say why, exit non-zero
         sock.close()
+        if args.uds:
+            os.unlink(args.uds)
         print(f"ferrox serve: error: {exc}", file=sys.stderr, flush=True)
         return 1
     engine.max_num_queued_reqs = args.max_num_queued_reqs
@@ -417,6 +427,8 @@ def serve(args: argparse.Namespace) -> int:
         code = 1
     finally:
         engine.shutdown()
+        if args.uds and os.path.exists(args.uds):
+            os.unlink(args.uds)  # the socket file would outlive the server
     return code
 
 

@@ -25,12 +25,15 @@ drains (`drain_middleware` refuses new API requests and counts the running ones;
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
 import json
 import logging
+import os
 import signal
 import socket
 import ssl
+import stat
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -519,6 +522,30 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def bind_unix_socket(path: str) -> socket.socket:
+    """vLLM's --uds: listen on a Unix domain socket instead of host:port. A socket file left by a
+    server that is gone is replaced; any other file at the path is an error, not deleted."""
+    if os.path.exists(path):
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise OSError(errno.EEXIST, f"cannot listen on {path}: the path exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # nobody listens there: a stale socket file
+        else:
+            raise OSError(errno.EADDRINUSE, f"cannot listen on {path}: another server listens there")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot listen on {path}: {exc.strerror}") from None
+    return sock
+
+
 def ssl_context(certfile: str, keyfile: str | None = None, ca_certs: str | None = None,
                 cert_reqs: int = ssl.CERT_NONE) -> ssl.SSLContext:
     """HTTPS with this certificate (vLLM's --ssl-certfile/--ssl-keyfile; --ssl-ca-certs and
@@ -585,9 +612,12 @@ async def serve(engine: AsyncLLM, *, host: str, port: int, served_model_name: st
         loop.add_signal_handler(sig, on_signal, sig)
     engine.dead_callbacks.append(on_engine_dead)
     engine.client.ensure_reader()  # watch the core from now on, not only once a request comes
-    addresses = runner.addresses  # (host, port, ...) per listening socket; port 0 resolved
-    bound_port = addresses[0][1] if addresses else port
-    url = f"{'https' if ssl_context else 'http'}://{host}:{bound_port}{app[OPTIONS].root_path}"
+    addresses = runner.addresses  # (host, port, ...) per listening socket; port 0 resolved; a path (--uds)
+    if addresses and isinstance(addresses[0], str):
+        url = f"unix:{addresses[0]}{app[OPTIONS].root_path}"
+    else:
+        bound_port = addresses[0][1] if addresses else port
+        url = f"{'https' if ssl_context else 'http'}://{host}:{bound_port}{app[OPTIONS].root_path}"
     freeze_startup_heap()
     if on_ready is not None:
         on_ready(url)
