@@ -25,6 +25,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "ferrox", "ferrox._core", "ferrox.errors", "ferrox.model_spec", "ferrox.sampling_params",
         "ferrox.structured.params", "ferrox.config", "ferrox.outputs", "ferrox.step_types", "ferrox.request_rules",
         "ferrox.speculative_config", "ferrox.pooling.params", "ferrox.gc_tuning",
+        # Beam search's bookkeeping over the engine's outputs (the engines drive it).
+        "ferrox.beam_search",
         # Reasoning parsers: text and token ids only (the config names their choices, the engine core
         # and the routes use them).
         "ferrox.reasoning",

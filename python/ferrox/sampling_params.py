@@ -10,6 +10,7 @@ rules that need the engine's limits (vocabulary, max_logprobs, max_model_len) ar
 from __future__ import annotations
 
 import enum
+import math
 from typing import Any
 
 import msgspec
@@ -144,6 +145,26 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     def clone(self, **changes: Any) -> SamplingParams:
         return msgspec.structs.replace(self, **changes)
+
+
+class BeamSearchParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """vLLM's beam search parameters (LLM.beam_search; `use_beam_search` on the API routes, where `n` is
+    the beam width). The search itself: ferrox.beam_search."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False  # the end-of-sequence token's text in the beam's text
+
+    def __post_init__(self) -> None:
+        _check_int("beam_width", self.beam_width, lo=1)
+        _check_int("max_tokens", self.max_tokens, lo=1)
+        if not self.temperature >= 0.0:
+            raise _invalid("temperature", f"must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.length_penalty):
+            raise _invalid("length_penalty", f"must be a finite number, got {self.length_penalty}")
 
 
 def _check_int(name: str, value: Any, lo: int | None = None, note: str = "") -> None:

@@ -61,7 +61,7 @@ def post_with_headers(base_url: str, path: str, body: dict[str, Any],
 @pytest.mark.parametrize(
     ("path", "field", "value"),
     [
-        (CHAT, "use_beam_search", True),
+        (CHAT, "length_penalty", 2.0),  # only with use_beam_search
         (COMPLETIONS, "length_penalty", 0.5),
         (CHAT, "logits_processors", ["my.module:Proc"]),
         (COMPLETIONS, "prompt_embeds", "AAAA"),

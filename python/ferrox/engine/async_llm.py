@@ -54,6 +54,7 @@ from collections.abc import AsyncGenerator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
+from ferrox.beam_search import BeamSearch, check_beam_search, one_token_params, step_logprobs
 from ferrox.config import EngineConfig
 from ferrox.engine import validation
 from ferrox.engine.core_process import EngineCoreOutputs
@@ -74,7 +75,7 @@ from ferrox.pooling.params import (
     validate_pooling_request,
 )
 from ferrox.reasoning.parser import END_TAG
-from ferrox.sampling_params import RequestOutputKind, SamplingParams
+from ferrox.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "EngineStartupError", "RequestError",
            "RequestTimeoutError", "StatLogger"]
@@ -236,6 +237,7 @@ class AsyncLLM:
         self.device: str = info.device
         # Runner "pooling" (an embedding model): requests come through encode(), generate() is refused.
         self.pooler_config = info.pooler_config
+        self.eos_token_ids: list[int] = list(info.eos_token_ids)
         self.generation_defaults: dict[str, Any] = dict(info.generation_defaults)
         self.chat_template: str | None = _read_template(config.chat_template)
         # The engine's latest stats: totals over its cores, each core's own under "engines".
@@ -360,6 +362,48 @@ class AsyncLLM:
             async for out in outputs:
                 assert isinstance(out, RequestOutput)
                 yield out
+
+    async def beam_search(
+        self,
+        prompt: PromptType,
+        request_id: str,
+        params: BeamSearchParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """vLLM's beam search on the async engine (ferrox.beam_search): each step runs every live beam as a
+        one-token request (ids `{request_id}-{step}-{beam}`, sharing the prompt's cached blocks); yields
+        one final RequestOutput whose outputs are the beam_width best beams, best first. The request
+        timeout runs from the search's start; closing the generator aborts the step in flight."""
+        arrival = time.time()
+        prompt_text, prompt_ids = await self._tokenize(prompt)
+        check_beam_search(params, len(prompt_ids), max_model_len=self.max_model_len,
+                          max_logprobs=self.limits.max_logprobs)
+        search = BeamSearch(prompt_ids, params, self.eos_token_ids, lora_request)
+        step_params = one_token_params(params)
+
+        async def one(ids: list[int], rid: str) -> RequestOutput:
+            final: RequestOutput | None = None
+            async with contextlib.aclosing(self.generate({"prompt_token_ids": ids}, step_params, rid, priority=priority,
+                                                         arrival_time=arrival, cache_salt=cache_salt,
+                                                         lora_request=lora_request)) as gen:
+                async for out in gen:
+                    final = out
+            assert final is not None
+            if final.error is not None or final.outputs[0].finish_reason == "abort":
+                raise RequestError(final.error or f"request {request_id!r}: a beam step was aborted")
+            return final
+
+        while not search.done:
+            # A TaskGroup: one failed beam cancels (aborts) its siblings.
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(one(ids, f"{request_id}-{search.steps}-{i}"))
+                         for i, ids in enumerate(search.step_prompts())]
+            search.advance([step_logprobs(t.result()) for t in tasks])
+        yield search.request_output(request_id, prompt_text,
+                                    lambda ids, skip: self.tokenizer.decode(list(ids), skip_special_tokens=skip))
 
     async def encode(
         self,

@@ -66,6 +66,8 @@ class CoreInfo(msgspec.Struct):
     generation_defaults: dict[str, Any] = {}
     # Runner "pooling" (an embedding model): how it pools, so the front-end checks requests without torch.
     pooler_config: PoolerConfig | None = None
+    # The model's end-of-sequence ids (beam search ends a beam at one: ferrox.beam_search).
+    eos_token_ids: list[int] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -281,6 +283,7 @@ def run_engine_core(
                 if k in SAMPLING_DEFAULT_KEYS and isinstance(v, (int, float))
             },
             pooler_config=getattr(core, "pooler_config", None),
+            eos_token_ids=[int(t) for t in getattr(core, "eos_token_ids", ())],
         )
         loop = CoreProcLoop(core, input_addr, output_addr)
         freeze_startup_heap()

@@ -9,9 +9,16 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
+from ferrox.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    check_beam_search,
+    one_token_params,
+    step_logprobs,
+)
 from ferrox.config import EngineConfig
 from ferrox.engine.defaults import default_sampling_params
 from ferrox.engine.engine_core import EngineCore
@@ -29,7 +36,7 @@ from ferrox.engine.protocol import EngineCoreRequest
 from ferrox.errors import InvalidArgumentError, RequestError
 from ferrox.outputs import AnyRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from ferrox.pooling.params import PoolingParams, pooling_sampling_params
-from ferrox.sampling_params import RequestOutputKind, SamplingParams
+from ferrox.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from ferrox.lora.request import LoRARequest
@@ -116,6 +123,58 @@ class LLM:
             for i, conv in enumerate(conversations)
         ]
         return self._run(processed, sampling_params, use_tqdm, lora_request)
+
+    def beam_search(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: the beam_width best continuations of each prompt (ferrox.beam_search),
+        each a BeamSearchSequence whose tokens and text are the prompt's and the beam's. Each step runs
+        every live beam of up to concurrency_limit prompts (default: all) as one-token requests."""
+        if not isinstance(params, BeamSearchParams):
+            raise InvalidArgumentError(f"params: expected BeamSearchParams, got {type(params).__name__}",
+                                       param="params")
+        items = normalize_prompts(prompts)
+        tokenizer = self.engine.tokenizer
+        processed = [process_prompt(tokenizer, p, i) for i, p in enumerate(items)]
+        loras = _lora_per_prompt(lora_request, len(processed))
+        for i, p in enumerate(processed):
+            check_beam_search(params, len(p.prompt_token_ids), max_model_len=self.engine.max_model_len,
+                              max_logprobs=self.config.max_logprobs, what=f"prompts[{i}]: ")
+        searches = [BeamSearch(p.prompt_token_ids, params, self.engine.eos_token_ids, lora)
+                    for p, lora in zip(processed, loras, strict=True)]
+        limit = concurrency_limit or len(searches) or 1
+        step_params = one_token_params(params)
+        for start in range(0, len(searches), limit):
+            batch = searches[start:start + limit]
+            steps: Iterable[int] = range(params.max_tokens)
+            if use_tqdm:
+                from tqdm.auto import tqdm
+
+                steps = tqdm(steps, desc="Beam search", unit="token")
+            for _ in steps:
+                live = [s for s in batch if not s.done]
+                if not live:
+                    break
+                beams = [(s, ids, s.beams[0].lora_request) for s in live for ids in s.step_prompts()]
+                outs = self._run([ProcessedPrompt(None, ids) for _, ids, _ in beams], step_params, False,
+                                 [lora for _, _, lora in beams])
+                at = 0
+                for s in live:
+                    k = len(s.beams)
+                    s.advance([step_logprobs(o) for o in outs[at:at + k]])
+                    at += k
+        results = []
+        for s in searches:
+            best = s.best()
+            for beam in best:
+                beam.text = tokenizer.decode(beam.tokens, skip_special_tokens=True)
+            results.append(BeamSearchOutput(sequences=best))
+        return results
 
     # ---- pooling models (runner "pooling": an embedding model) -------------------------------------------
     def embed(

@@ -98,8 +98,6 @@ class _Base(BaseModel):
 # vLLM request parameters ferrox cannot honour: given with any value but their no-op default, they
 # are a 400 naming the field (pydantic reports a field validator's error under the field's name).
 _REFUSED = {
-    "use_beam_search": "beam search is not supported",
-    "length_penalty": "only applies to beam search, which is not supported",
     "logits_processors": "custom logits processors are not supported",
     "prompt_embeds": "prompt embeddings are not supported (send text or token ids)",
     "mm_processor_kwargs": "this is a text-only engine (no multimodal processor)",
@@ -112,7 +110,7 @@ _REFUSED = {
     "stream_interval": "per-request stream intervals are not supported (every step is streamed)",
 }
 # The value each of them may take without being refused (what vLLM does when it is not given).
-_REFUSED_DEFAULTS: dict[str, Any] = {"use_beam_search": False, "length_penalty": 1.0, "watermarking": False}
+_REFUSED_DEFAULTS: dict[str, Any] = {"watermarking": False}
 
 
 def _refuse_unsupported(cls: type, value: Any, info: ValidationInfo) -> Any:
@@ -181,9 +179,10 @@ class _SamplingFields(_Base):
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None
-    # Refused unless left at their default (see _REFUSED).
+    # Beam search (ferrox.beam_search): n is the beam width; length_penalty its score's exponent.
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # Refused unless left at their default (see _REFUSED).
     logits_processors: list[Any] | None = None
     cache_salt: str | None = None
     # Thinking tokens before `</think>` is forced (vLLM's; needs --reasoning-parser); -1: no budget.
@@ -196,10 +195,17 @@ class _SamplingFields(_Base):
     stream_interval: int | None = None
 
     _refuse = field_validator(
-        "use_beam_search", "length_penalty", "logits_processors", "kv_transfer_params",
+        "logits_processors", "kv_transfer_params",
         "vllm_xargs", "logprob_token_ids", "repetition_detection", "watermarking",
         "stream_interval",
     )(_refuse_unsupported)
+
+    @field_validator("length_penalty")
+    @classmethod
+    def _penalty_for_beams(cls, value: float, info: ValidationInfo) -> float:
+        if value != 1.0 and not info.data.get("use_beam_search"):
+            raise ValueError("only applies to beam search (use_beam_search: true)")
+        return value
 
     @field_validator("guided_decoding_backend")
     @classmethod

@@ -11,6 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from ferrox.engine.input_processor import prompt_size
+from ferrox.entrypoints.openai import beam_search
 from ferrox.entrypoints.openai import tools as tool_hooks
 from ferrox.entrypoints.openai.errors import APIError
 from ferrox.entrypoints.openai.protocol import ChatCompletionRequest
@@ -78,6 +79,7 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
         allowed_token_ids=bad_words_allowed_ids(ctx, req),
     )
     validate_request(ctx, prompt_ids, params, CHAT_FIELDS)
+    beams = beam_search.beam_search_params(ctx, req, len(prompt_ids), req.requested_max_tokens)
     request_id, header_id = request_ids(request, req, "chatcmpl")
     headers = {"X-Request-Id": header_id}
     if req.user is not None:  # OpenAI's end-user tag: no effect on the output, kept for the operator's logs
@@ -88,9 +90,9 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
         return await _stream(ctx, request, req, prompt, params, request_id, echo, template, headers)
     final: RequestOutput | None = None
     try:
-        async with contextlib.aclosing(ctx.engine.generate(prompt, params, request_id, priority=req.priority,
-                                                             cache_salt=req.cache_salt,
-                                                             lora_request=ctx.lora_request(req.model))) as gen:
+        async with contextlib.aclosing(beam_search.generate(ctx, prompt, params, beams, request_id,
+                                                            priority=req.priority, cache_salt=req.cache_salt,
+                                                            lora_request=ctx.lora_request(req.model))) as gen:
             async for out in gen:
                 final = out
     except STREAM_ERRORS as exc:

@@ -15,6 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from ferrox.engine.input_processor import prompt_size
+from ferrox.entrypoints.openai import beam_search
 from ferrox.entrypoints.openai.protocol import CompletionRequest
 from ferrox.entrypoints.openai.serving import (
     COMPLETION_FIELDS,
@@ -77,9 +78,14 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
     fields = COMPLETION_FIELDS if echo_logprobs else {}
     for p in prompts:  # every prompt passes the request rules before any is queued
         validate_request(ctx, p["prompt_token_ids"], params, fields)
+    # use_beam_search: one search per prompt (the same limits for each, so the shortest prompt's default
+    # max_tokens is checked against the longest).
+    beams = beam_search.beam_search_params(ctx, req, max(len(p["prompt_token_ids"]) for p in prompts),
+                                           req.requested_max_tokens)
     request_id, header_id = request_ids(request, req, "cmpl")
     headers = {"X-Request-Id": header_id}
-    outputs = _merged(ctx, prompts, params, request_id, req.priority, req.cache_salt, ctx.lora_request(req.model))
+    outputs = _merged(ctx, prompts, params, request_id, req.priority, req.cache_salt, ctx.lora_request(req.model),
+                      beams)
     if req.stream:
         return await _stream(ctx, request, req, prompts, outputs, request_id, headers)
 
@@ -236,12 +242,13 @@ async def _stream(ctx: ServingContext, request: web.Request, req: CompletionRequ
 
 
 async def _merged(ctx: ServingContext, prompts: list[dict[str, Any]], params: Any, request_id: str,
-                  priority: int, cache_salt: str | None,
-                  lora_request: Any = None) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+                  priority: int, cache_salt: str | None, lora_request: Any = None,
+                  beams: Any = None) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """(prompt index, output) from every prompt's generator, in arrival order."""
     if len(prompts) == 1:
-        async with contextlib.aclosing(ctx.engine.generate(prompts[0], params, request_id, priority=priority,
-                                                           cache_salt=cache_salt, lora_request=lora_request)) as g:
+        async with contextlib.aclosing(beam_search.generate(ctx, prompts[0], params, beams, request_id,
+                                                            priority=priority, cache_salt=cache_salt,
+                                                            lora_request=lora_request)) as g:
             async for out in g:
                 yield 0, out
         return
@@ -249,8 +256,8 @@ async def _merged(ctx: ServingContext, prompts: list[dict[str, Any]], params: An
 
     async def pump(idx: int, prompt: dict[str, Any]) -> None:
         try:
-            gen = ctx.engine.generate(prompt, params, f"{request_id}-{idx}", priority=priority,
-                                      cache_salt=cache_salt, lora_request=lora_request)
+            gen = beam_search.generate(ctx, prompt, params, beams, f"{request_id}-{idx}", priority=priority,
+                                       cache_salt=cache_salt, lora_request=lora_request)
             async with contextlib.aclosing(gen):
                 async for out in gen:
                     queue.put_nowait((idx, out))
