@@ -120,3 +120,24 @@ def test_placement_on_gpus_gives_each_core_its_devices(monkeypatch):
         place_cores(EngineConfig(device="cuda", data_parallel_size=3, tensor_parallel_size=2))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,-1,2")
     assert visible_cuda_devices() == ["0"]
+
+
+def test_a_prompt_cache_key_keeps_a_conversation_on_its_core():
+    """OpenAI's prompt_cache_key: between equally loaded cores the key decides, so one conversation's
+    turns stay together even though every conversation shares the system prompt (whose blocks would
+    send each new turn to wherever that prefix went last)."""
+    router = DPRouter(2, BLOCK)
+    system = prompt(5, 64)
+    homes = {}
+    for conv in ("a", "b", "c", "d"):
+        homes[conv] = router.route(f"{conv}0", system + [1], cache_key=conv)
+        router.release(f"{conv}0")
+    assert set(homes.values()) == {0, 1}  # new keys spread over the cores
+    for turn in range(1, 4):
+        for conv in ("a", "b", "c", "d"):
+            assert router.route(f"{conv}{turn}", system + [1, 2 + turn], cache_key=conv) == homes[conv]
+            router.release(f"{conv}{turn}")
+    # Load still comes first.
+    busy = homes["a"]
+    assert router.route("x", system, cache_key="a") == busy
+    assert router.route("y", system, cache_key="a") == 1 - busy

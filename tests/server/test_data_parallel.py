@@ -103,6 +103,30 @@ def test_shared_prefix_stays_on_one_core(dp_server):
     assert sorted(prompt_tokens) == [0, 3 * num_prompt], prompt_tokens
 
 
+def test_prompt_cache_keys_pick_the_core(dp_server):
+    """Chat requests one at a time, conversations A and B alternating: their prompts share the chat
+    template's system prompt, whose cached blocks alone would send every request to one core; the
+    prompt_cache_key sends each conversation to its own (a new key takes the next core in turn)."""
+    def per_engine(text: str) -> list[float]:
+        return [value(text, "ferrox:prompt_tokens_total", engine=e) for e in ("0", "1")]
+
+    async def run() -> int:
+        total = 0
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            for i in range(4):
+                body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                        "prompt_cache_key": f"conversation-{'AB'[i % 2]}-{id(session)}"}
+                async with session.post(dp_server.base_url + "/v1/chat/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    total += (await resp.json())["usage"]["prompt_tokens"]
+        return total
+
+    before = per_engine(scrape(dp_server.base_url))
+    total = asyncio.run(run())
+    grew = [a - b for a, b in zip(per_engine(scrape(dp_server.base_url)), before, strict=True)]
+    assert grew == [total / 2, total / 2], grew
+
+
 def test_abort_reaches_the_owning_core(dp_server):
     async def run() -> list[float]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:

@@ -178,3 +178,30 @@ def test_reasoning_effort_and_echoed_reasoning_items():
     assert [(m["role"], m.get("reasoning_content")) for m in messages] == [
         ("user", None), ("assistant", "Look."), ("tool", None), ("assistant", "Sunny."), ("user", None)]
     assert req.template_kwargs() == {"reasoning_effort": "none", "enable_thinking": False}
+
+
+def test_codex_shaped_request_fields():
+    """What Codex sends with store=false: prompt_cache_key, include ["reasoning.encrypted_content"] (ferrox's
+    reasoning items then carry their text as encrypted_content, and such an item sent back without its
+    content still reaches the template), safety_identifier. Other include values are refused by name."""
+    import pydantic
+    from ferrox.entrypoints.openai.protocol_responses import ResponsesRequest, encrypt_reasoning
+
+    base = {"input": "hi", "store": False, "prompt_cache_key": "thread-1", "safety_identifier": "u1",
+            "include": ["reasoning.encrypted_content"], "reasoning": {"effort": "low", "summary": "auto"},
+            "tool_choice": "auto", "parallel_tool_calls": True}
+    req = ResponsesRequest.model_validate(base)
+    assert req.refused_fields() == [] and req.includes_encrypted_reasoning
+    echoed = ResponsesRequest.model_validate({"input": [
+        {"role": "user", "content": "q"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": encrypt_reasoning("Think ü.")},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "A."}]},
+        {"type": "reasoning", "id": "rs_2", "summary": [], "encrypted_content": "gAAAAB-another-providers"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "B."}]},
+    ]})
+    assert [m.get("reasoning_content") for m in echoed.to_chat_messages()] == [None, "Think ü.", None]
+    with pytest.raises(pydantic.ValidationError, match="include"):
+        ResponsesRequest.model_validate({**base, "include": ["message.output_text.logprobs"]})
+    with pytest.raises(pydantic.ValidationError, match="encrypted_content"):
+        ResponsesRequest.model_validate({"input": [{"type": "reasoning", "id": "r",
+                                                     "encrypted_content": "ferrox-reasoning-v1:%%%"}]})

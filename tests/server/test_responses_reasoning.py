@@ -227,3 +227,27 @@ def test_output_sent_back_as_input(client, thinker, answer):
     resp = client.responses.create(model=MODEL, input=turn, max_output_tokens=4, temperature=0,
                                    reasoning={"effort": "high", "summary": "auto"})
     assert resp.status in ("completed", "incomplete") and resp.output
+
+
+def test_codex_request_with_encrypted_reasoning(client, thinker):
+    """Codex's request shape (store false, prompt_cache_key, include reasoning.encrypted_content, summary
+    auto): the reasoning item carries its text as encrypted_content (streamed too), and the next turn
+    may send the item back with that alone (its text reaching the template: test_responses.py)."""
+    from ferrox.entrypoints.openai.protocol_responses import ReasoningItem
+
+    extra = {"store": False, "prompt_cache_key": "thread-42", "include": ["reasoning.encrypted_content"],
+             "reasoning": {"effort": "medium", "summary": "auto"}, "parallel_tool_calls": True}
+    first = respond(client, thinker[0], **extra)
+    reasoning = first.output[0]
+    assert reasoning.type == "reasoning" and first.prompt_cache_key == "thread-42"
+    blob = reasoning.encrypted_content
+    assert ReasoningItem(type="reasoning", encrypted_content=blob).text() == reasoning.content[0].text
+    events = list(respond(client, thinker[0], stream=True, **extra))
+    done = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "reasoning"]
+    assert [item.encrypted_content for item in done] == [blob]
+    turn = [{"role": "user", "content": thinker[0]},
+            {"type": "reasoning", "id": reasoning.id, "summary": [], "encrypted_content": blob},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": first.output_text}]},
+            {"role": "user", "content": "And then?"}]
+    assert client.responses.create(model=MODEL, input=turn, max_output_tokens=2, temperature=0,
+                                   **extra).status in ("completed", "incomplete")

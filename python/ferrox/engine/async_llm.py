@@ -348,16 +348,19 @@ class AsyncLLM:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        prompt_cache_key: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream RequestOutputs for one request: cumulative unless `sampling_params.output_kind` is
         DELTA or FINAL_ONLY. Raises RequestError for a request the engine rejects or fails,
         EngineDeadError if the core dies. After `abort()` the last output has finished=True and
         finish_reason "abort" on every choice that had not finished. cache_salt: the prompt reuses
         cached KV blocks only of requests that gave the same salt (vLLM's meaning). lora_request: the
-        LoRA adapter to run with (the engine needs enable_lora=True).
+        LoRA adapter to run with (the engine needs enable_lora=True). prompt_cache_key (OpenAI's): with
+        several engine cores (data parallel), requests with one key go to the core it last went to
+        among the least loaded, where their shared prefix is cached (dp_router.py).
         """
         outputs = self._run(prompt, sampling_params, request_id, priority=priority, arrival_time=arrival_time,
-                            cache_salt=cache_salt, lora_request=lora_request)
+                            cache_salt=cache_salt, lora_request=lora_request, prompt_cache_key=prompt_cache_key)
         async with contextlib.aclosing(outputs):  # closing this generator aborts the request at once
             async for out in outputs:
                 assert isinstance(out, RequestOutput)
@@ -372,6 +375,7 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        prompt_cache_key: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """vLLM's beam search on the async engine (ferrox.beam_search): each step runs every live beam as a
         one-token request (ids `{request_id}-{step}-{beam}`, sharing the prompt's cached blocks); yields
@@ -388,7 +392,8 @@ class AsyncLLM:
             final: RequestOutput | None = None
             async with contextlib.aclosing(self.generate({"prompt_token_ids": ids}, step_params, rid, priority=priority,
                                                          arrival_time=arrival, cache_salt=cache_salt,
-                                                         lora_request=lora_request)) as gen:
+                                                         lora_request=lora_request,
+                                                         prompt_cache_key=prompt_cache_key)) as gen:
                 async for out in gen:
                     final = out
             assert final is not None
@@ -435,6 +440,7 @@ class AsyncLLM:
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
         pooling_params: PoolingParams | None = None,
+        prompt_cache_key: str | None = None,
     ) -> AsyncGenerator[AnyRequestOutput, None]:
         """One request from admission to its last output (generate and encode): the queue limit, the
         prompt threads, the request timeout, and the abort when the consumer stops early."""
@@ -460,7 +466,7 @@ class AsyncLLM:
                 aborted = self._tokenizing.pop(request_id)
             # No await from here to the registration: the id cannot be taken in between.
             stream = self._add_request(prompt_text, prompt_ids, sampling_params, request_id, priority,
-                                       arrival_time, cache_salt, lora_request, pooling_params)
+                                       arrival_time, cache_salt, lora_request, pooling_params, prompt_cache_key)
             if self.request_timeout is not None:
                 timer = asyncio.get_running_loop().call_later(
                     max(0.0, arrival_time + self.request_timeout - time.time()), self._expire, stream)
@@ -527,6 +533,7 @@ class AsyncLLM:
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
         pooling_params: PoolingParams | None = None,
+        prompt_cache_key: str | None = None,
     ) -> _Stream:
         """Validate a tokenized request and send it to the core (synchronously: errors raise here)."""
         if self.client.dead is not None:
@@ -555,7 +562,7 @@ class AsyncLLM:
             for core_request in core_requests:
                 self._timing[core_request.request_id] = RequestTiming(arrival_time, len(prompt_ids), queued_time)
             # The first sample picks the core; its siblings follow it there, to share the prompt's blocks.
-            engine = self.client.add_request(core_requests[0])
+            engine = self.client.add_request(core_requests[0], cache_key=prompt_cache_key)
             for sibling in core_requests[1:]:
                 self.client.add_request(sibling, engine)
         except BaseException:

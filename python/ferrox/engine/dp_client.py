@@ -94,12 +94,13 @@ class DPCoreClient:
         )
 
     # ---- requests -----------------------------------------------------------------------------
-    def add_request(self, request: EngineCoreRequest, engine: int | None = None) -> int:
-        """Send a request to the core `engine`, or to the one the router picks; returns the core."""
+    def add_request(self, request: EngineCoreRequest, engine: int | None = None, cache_key: str | None = None) -> int:
+        """Send a request to the core `engine`, or to the one the router picks (by the request's
+        cache_key when it has one: dp_router.py); returns the core."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         if engine is None:
-            engine = self.router.route(request.request_id, request.prompt_token_ids)
+            engine = self.router.route(request.request_id, request.prompt_token_ids, cache_key)
         else:
             self.router.assign(request.request_id, engine)
         try:

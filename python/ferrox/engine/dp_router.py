@@ -12,6 +12,11 @@ cache, and only there does the prefix come for free. The prefix is keyed by chai
 prompt's first full blocks (the same block size the cores cache by), so a shared system prompt
 maps to one core while the user turns after it differ. With no prefix known, ties rotate, so a
 sequence of one-at-a-time requests still spreads over every core (and warms every cache).
+
+A request may name its cache key (OpenAI's `prompt_cache_key`: a conversation's id, say). Then the
+key, not the prompt's blocks, decides between equally loaded cores: requests with one key go where
+the key last went, so a conversation's turns meet their cached prefix even when its system prompt is
+shared with other conversations' (whose block keys would spread them by recency).
 """
 
 from __future__ import annotations
@@ -55,14 +60,15 @@ class DPRouter:
     def load(self, engine: int) -> int:
         return self.in_flight[engine] + WAITING_WEIGHT * self.waiting[engine]
 
-    def route(self, request_id: str, prompt_token_ids: Sequence[int]) -> int:
+    def route(self, request_id: str, prompt_token_ids: Sequence[int], cache_key: str | None = None) -> int:
         """Pick a core for a new request and record it there."""
         engine = 0
         if self.num_engines > 1:
             loads = [self.load(i) for i in range(self.num_engines)]
             least = min(loads)
             tied = [i for i, load in enumerate(loads) if load == least]
-            keys = prefix_keys(prompt_token_ids, self.block_size)
+            keys = ([hash(("prompt_cache_key", cache_key))] if cache_key is not None
+                    else prefix_keys(prompt_token_ids, self.block_size))
             holder = self._prefix_holder(keys, tied) if len(tied) > 1 else tied[0]
             if holder is None:
                 holder = min(tied, key=lambda i: (i - self._next) % self.num_engines)

@@ -353,6 +353,10 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's: a cache key (the data-parallel router keeps requests with one key on the core that
+    # caches their prefix) and a stable end-user id (like user: no effect on the output, logged).
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     # The template already holds the special tokens it wants (BOS, <|im_start|>): none added by default.
     add_special_tokens: bool = False
     # Template variables, as vLLM passes them (templates that do not use them render unchanged).

@@ -12,6 +12,7 @@ in OpenAI chat's shape, so rendering and tool use go through the chat route's ma
 
 from __future__ import annotations
 
+import base64
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
@@ -26,15 +27,12 @@ UNSUPPORTED_FIELDS = {
     "store": "ferrox stores no responses (send store=false)",
     "background": "background responses are not supported",
     "conversation": "conversations are not supported; send the whole conversation as input",
-    "include": "no extra output data is available",
     "prompt": "prompt templates are not supported",
     "max_tool_calls": "max_tool_calls is not supported",
     "top_logprobs": "logprobs are not supported on /v1/responses (use /v1/chat/completions)",
     "service_tier": "service tiers are not supported",
     "stream_options": "stream_options is not supported on /v1/responses",
-    "prompt_cache_key": "prompt_cache_key is not supported (prefix caching is automatic)",
     "prompt_cache_retention": "prompt_cache_retention is not supported (prefix caching is automatic)",
-    "safety_identifier": "safety_identifier is not supported",
     "context_management": "context_management is not supported",
 }
 
@@ -66,16 +64,45 @@ class ReasoningText(_Item):
     text: str
 
 
+# include: ["reasoning.encrypted_content"] asks for the thinking in a form the client can send back
+# with store=false (Codex does). ferrox keeps nothing between requests and encrypts nothing: the
+# reasoning item's encrypted_content is its text, base64-encoded behind this marker.
+ENCRYPTED_PREFIX = "ferrox-reasoning-v1:"
+
+
+def encrypt_reasoning(text: str) -> str:
+    return ENCRYPTED_PREFIX + base64.b64encode(text.encode()).decode()
+
+
 class ReasoningItem(_Item):
     """An earlier response's reasoning item, sent back with the rest of its output (as agent SDKs do):
-    its text goes to the template as the next assistant turn's reasoning_content. `summary` and
-    `encrypted_content` (another provider's opaque thinking) have nothing a template can read."""
+    its text goes to the template as the next assistant turn's reasoning_content. Without content,
+    ferrox's own encrypted_content stands for it; `summary` and another provider's encrypted_content
+    (opaque) have nothing a template can read."""
 
     type: Literal["reasoning"]
     content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None
+
+    @field_validator("encrypted_content")
+    @classmethod
+    def _readable_if_ours(cls, value: str | None) -> str | None:
+        if value is not None and value.startswith(ENCRYPTED_PREFIX):
+            _decrypt(value)  # a 400 now rather than a failure while rendering
+        return value
 
     def text(self) -> str:
-        return "".join(part.text for part in self.content or [])
+        if self.content:
+            return "".join(part.text for part in self.content)
+        blob = self.encrypted_content or ""
+        return _decrypt(blob) if blob.startswith(ENCRYPTED_PREFIX) else ""
+
+
+def _decrypt(blob: str) -> str:
+    try:
+        return base64.b64decode(blob[len(ENCRYPTED_PREFIX):], validate=True).decode()
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError("encrypted_content: carries ferrox's marker but is not what ferrox wrote") from None
 
 
 class ReasoningOptions(_Strict):
@@ -210,11 +237,29 @@ class ResponsesRequest(BaseModel):
     reasoning: ReasoningOptions | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    # OpenAI's: a stable end-user id (like user: no effect on the output, logged); a cache key, by which
+    # the data-parallel router keeps a conversation on the core that caches its prefix.
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    # What extra output to include: ferrox has "reasoning.encrypted_content" (reasoning items carry it).
+    include: list[str] | None = None
 
     @field_validator("input", mode="before")
     @classmethod
     def _known_items(cls, value: Any) -> Any:
         return _check_items(value)
+
+    @field_validator("include")
+    @classmethod
+    def _known_includes(cls, value: list[str] | None) -> list[str] | None:
+        for entry in value or []:
+            if entry != "reasoning.encrypted_content":
+                raise ValueError(f"{entry!r} is not available (ferrox includes only 'reasoning.encrypted_content')")
+        return value
+
+    @property
+    def includes_encrypted_reasoning(self) -> bool:
+        return "reasoning.encrypted_content" in (self.include or [])
 
     @field_validator("tools", mode="before")
     @classmethod

@@ -82,8 +82,9 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
     beams = beam_search.beam_search_params(ctx, req, len(prompt_ids), req.requested_max_tokens)
     request_id, header_id = request_ids(request, req, "chatcmpl")
     headers = {"X-Request-Id": header_id}
-    if req.user is not None:  # OpenAI's end-user tag: no effect on the output, kept for the operator's logs
-        logger.debug("request %s from user %r", request_id, req.user)
+    if req.user is not None or req.safety_identifier is not None:
+        # OpenAI's end-user tags: no effect on the output, kept for the operator's logs.
+        logger.debug("request %s from user %r (safety_identifier %r)", request_id, req.user, req.safety_identifier)
     prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
     echo = (messages[-1].get("content") or "") if req.echo and messages else ""
     if req.stream:
@@ -92,7 +93,8 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
     try:
         async with contextlib.aclosing(beam_search.generate(ctx, prompt, params, beams, request_id,
                                                             priority=req.priority, cache_salt=req.cache_salt,
-                                                            lora_request=ctx.lora_request(req.model))) as gen:
+                                                            lora_request=ctx.lora_request(req.model),
+                                                            prompt_cache_key=req.prompt_cache_key)) as gen:
             async for out in gen:
                 final = out
     except STREAM_ERRORS as exc:
@@ -228,7 +230,7 @@ async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletion
         return body
 
     gen = ctx.engine.generate(prompt, params, request_id, priority=req.priority, cache_salt=req.cache_salt,
-                              lora_request=ctx.lora_request(req.model))
+                              lora_request=ctx.lora_request(req.model), prompt_cache_key=req.prompt_cache_key)
     # Pull the first output before sending headers, so a rejected request is still a plain 4xx/503.
     first = await first_output(gen, "messages", CHAT_FIELDS)
 

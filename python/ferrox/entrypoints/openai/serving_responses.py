@@ -33,7 +33,7 @@ from ferrox.engine.input_processor import prompt_size
 from ferrox.entrypoints import tool_use
 from ferrox.entrypoints.openai.errors import bad_request, from_exception
 from ferrox.entrypoints.openai.protocol import check_schema_size, check_tools
-from ferrox.entrypoints.openai.protocol_responses import ResponsesRequest
+from ferrox.entrypoints.openai.protocol_responses import ResponsesRequest, encrypt_reasoning
 from ferrox.entrypoints.openai.serving import (
     ServingContext,
     api_error,
@@ -128,6 +128,7 @@ class _Response:
             "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
             "text": {"format": fmt.model_dump(exclude_none=True, by_alias=True) if fmt else {"type": "text"}},
             "metadata": req.metadata or {}, "user": req.user, "store": False, "background": False,
+            "prompt_cache_key": req.prompt_cache_key, "safety_identifier": req.safety_identifier,
             "previous_response_id": None, "reasoning": None, "truncation": "disabled",
             "usage": None if self.status == "in_progress" else {
                 "input_tokens": self.num_prompt_tokens,
@@ -139,11 +140,15 @@ class _Response:
         }
 
 
-def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+def _reasoning_item(item_id: str, text: str, status: str, encrypted: bool = False) -> dict[str, Any]:
     """The thinking as OpenAI's reasoning item (and vLLM's): the text as one reasoning_text part, no
-    summary (an in-progress item has no part yet: its text comes as reasoning_text deltas)."""
+    summary (an in-progress item has no part yet: its text comes as reasoning_text deltas); with
+    include reasoning.encrypted_content, the text also as encrypted_content (protocol_responses.py)."""
     content = [] if status == "in_progress" else [{"type": "reasoning_text", "text": text}]
-    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+    item: dict[str, Any] = {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+    if encrypted:
+        item["encrypted_content"] = None if status == "in_progress" else encrypt_reasoning(text)
+    return item
 
 
 def _reasoning_status(split: ReasoningStream, finish_reason: str | None) -> str:
@@ -201,7 +206,7 @@ async def create_response(ctx: ServingContext, request: web.Request) -> web.Stre
     response = _Response(ctx, req, params, len(prompt.token_ids))
     request["request_id"] = response.id  # -> the X-Request-Id header and the access log
     gen = ctx.engine.generate({"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}, params, response.id,
-                              lora_request=ctx.lora_request(req.model))
+                              lora_request=ctx.lora_request(req.model), prompt_cache_key=req.prompt_cache_key)
     # Pull the first output before sending headers, so a rejected request is still a plain 4xx/503.
     first = await first_output(gen, "input", RESPONSES_FIELDS)
     thinking = ctx.starts_thinking(prompt.token_ids, req.template_kwargs())
@@ -223,7 +228,8 @@ async def create_response(ctx: ServingContext, request: web.Request) -> web.Stre
         reasoning, answer = split.feed(comp.text, finished=True)
         response.reasoning_tokens = split.reasoning_tokens
         if reasoning:
-            response.items.append(_reasoning_item(_new_id("rs"), reasoning, _reasoning_status(split, comp.finish_reason)))
+            response.items.append(_reasoning_item(_new_id("rs"), reasoning, _reasoning_status(split, comp.finish_reason),
+                                                  req.includes_encrypted_reasoning))
     # An empty reply is one empty message, unless the thinking was all there was (as streamed).
     blocks = tool_use.split_reply(answer, tools, prompt.template, ctx.options.tool_call_parser) or \
         ([] if response.items else [tool_use.ReplyBlock("text")])
@@ -304,7 +310,7 @@ class _StreamedReasoning:
         if delta:
             if self.id is None:
                 self.id, self.open = _new_id("rs"), True
-                item = _reasoning_item(self.id, "", "in_progress")
+                item = _reasoning_item(self.id, "", "in_progress", self.response.req.includes_encrypted_reasoning)
                 self.response.items.insert(0, item)  # the first item: no answer has come before it
                 events.append({"type": "response.output_item.added", "output_index": 0, "item": item})
             self.text += delta
@@ -313,7 +319,8 @@ class _StreamedReasoning:
         if self.open and (split.ended or finished):
             self.open = False
             assert self.id is not None
-            done = _reasoning_item(self.id, self.text, _reasoning_status(split, finish_reason))
+            done = _reasoning_item(self.id, self.text, _reasoning_status(split, finish_reason),
+                                   self.response.req.includes_encrypted_reasoning)
             self.response.items[0] = done
             events += [{"type": "response.reasoning_text.done", "item_id": self.id, "output_index": 0,
                         "content_index": 0, "text": self.text},
