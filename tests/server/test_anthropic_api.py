@@ -34,7 +34,9 @@ def test_message_non_streaming(client):
         model=MODEL, system="You are a helpful assistant.",
         messages=[{"role": "user", "content": [{"type": "text", "text": QUESTION}]}],
     )
-    assert counted.input_tokens == msg.usage.input_tokens
+    # Anthropic's split: computed + read from the prefix cache = the prompt.
+    assert counted.input_tokens == msg.usage.input_tokens + msg.usage.cache_read_input_tokens
+    assert msg.usage.cache_creation_input_tokens == 0
 
 
 def test_max_tokens_stop_reason(client):
@@ -65,6 +67,11 @@ def test_streaming_event_sequence(client):
     assert final.content[0].text == whole.content[0].text
     assert final.stop_reason == whole.stop_reason
     assert final.usage.output_tokens == whole.usage.output_tokens
+    # The stream came second: its prompt was read from the prefix cache, which message_start says.
+    start = events[0].message.usage
+    assert start.cache_read_input_tokens > 0
+    assert start.input_tokens + start.cache_read_input_tokens == whole.usage.input_tokens + \
+        whole.usage.cache_read_input_tokens
 
 
 def test_output_config_format_constrains_the_reply(client):
@@ -115,3 +122,10 @@ def test_claude_codes_billing_header_is_not_in_the_prompt(client):
     for cch in ("eb6c6", "0aaa9"):
         system = [{"type": "text", "text": header(cch)}, {"type": "text", "text": "You are a coding agent."}]
         assert client.messages.count_tokens(model=MODEL, system=system, messages=ask).input_tokens == plain
+    # Two turns with different hashes: the second reads the first's prompt blocks from the prefix cache.
+    long_system = "You are a coding agent. " * 40
+    usages = []
+    for cch in ("1a2b3", "4c5d6"):
+        system = [{"type": "text", "text": header(cch)}, {"type": "text", "text": long_system}]
+        usages.append(client.messages.create(model=MODEL, max_tokens=2, system=system, messages=ask).usage)
+    assert usages[1].cache_read_input_tokens >= usages[0].input_tokens + usages[0].cache_read_input_tokens - 16

@@ -157,7 +157,8 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
         return json_response({
             **head, "content": content or [{"type": "text", "text": ""}],
             "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-            "usage": {"input_tokens": len(prompt.token_ids), "output_tokens": len(comp.token_ids)},
+            "usage": {**_input_usage(len(prompt.token_ids), final.num_cached_tokens),
+                      "output_tokens": len(comp.token_ids)},
         })
 
     resp = await start_sse(request)
@@ -168,7 +169,8 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
         try:
             await send_sse(resp, {"type": "message_start", "message": {
                 **head, "content": [], "stop_reason": None, "stop_sequence": None,
-                "usage": {"input_tokens": len(prompt.token_ids), "output_tokens": 0}}}, "message_start")
+                "usage": {**_input_usage(len(prompt.token_ids), first.num_cached_tokens if first else 0),
+                          "output_tokens": 0}}}, "message_start")
             text_opened = False
             stop_reason = stop_sequence = None
             out = first
@@ -197,6 +199,15 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
             await send_sse(resp, api_error(exc).anthropic_body(), "error")
     await resp.write_eof()
     return resp
+
+
+def _input_usage(prompt_tokens: int, cached_tokens: int) -> dict[str, int]:
+    """Anthropic's split of the prompt: input_tokens are the ones computed, cache_read_input_tokens the
+    ones read from the prefix cache (their sum is the prompt, as /v1/messages/count_tokens counts it).
+    ferrox writes the cache on its own (every prompt's full blocks), never at a cache_control
+    breakpoint, so no tokens count as cache creation."""
+    return {"input_tokens": prompt_tokens - cached_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached_tokens}
 
 
 def _omits_thinking(req: MessagesRequest) -> bool:
