@@ -111,6 +111,10 @@ class EngineConfig:
         "token budget of one engine step",
         default_help=f"{GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS} on GPU, {CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS} on CPU")
     enable_prefix_caching: bool = _opt("automatic prefix caching (reuse KV blocks of shared prompt prefixes)", True)
+    enable_chunked_prefill: bool = _opt(
+        "split long prompts across steps, beside running decodes; off, each prompt is computed in one step, so "
+        "the step's token budget (max_num_batched_tokens) must hold the longest (it defaults to max_model_len then)",
+        True)
     block_size: int = _opt("tokens per KV-cache block", 16)
     policy: str = _opt("order of waiting requests: arrival (fcfs), or the request's priority field", "fcfs",
                        choices=POLICIES, aliases=("--scheduling-policy",))

@@ -107,7 +107,7 @@ class EngineCore:
             max_num_seqs=loaded.max_num_seqs,
             max_num_batched_tokens=loaded.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching and not pooling,
-            enable_chunked_prefill=not pooling,
+            enable_chunked_prefill=not pooling and config.enable_chunked_prefill,
             policy=config.policy,
             tokenizer_json=self.tokenizer_json,
             eos_token_ids=self.eos_token_ids,

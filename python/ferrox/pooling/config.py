@@ -72,14 +72,16 @@ def pooling_setup(config: EngineConfig, source: ModelSource, spec: ModelSpec, tp
     return pooler
 
 
-def pooling_token_budget(requested: int | None, default: int, max_model_len: int) -> int:
-    """A step's token budget: prompts are never split, so one step must hold the longest (vLLM's rule
-    without chunked prefill); the default grows to max_model_len, an explicit smaller value is refused."""
+def pooling_token_budget(requested: int | None, default: int, max_model_len: int,
+                         why: str = "a pooling model computes each prompt in one step") -> int:
+    """A step's token budget when prompts are never split (pooling models; enable_chunked_prefill off):
+    one step must hold the longest (vLLM's rule without chunked prefill); the default grows to
+    max_model_len, an explicit smaller value is refused."""
     if requested is None:
         return max(default, max_model_len)
     if requested < max_model_len:
-        raise ValueError(f"max_num_batched_tokens: {requested} is less than max_model_len ({max_model_len}); a "
-                         "pooling model computes each prompt in one step, so the budget must hold the longest")
+        raise ValueError(f"max_num_batched_tokens: {requested} is less than max_model_len ({max_model_len}); "
+                         f"{why}, so the budget must hold the longest")
     return requested
 
 

@@ -117,6 +117,10 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
     if pooler_config is not None:
         max_num_batched_tokens = pooling_token_budget(config.max_num_batched_tokens, max_num_batched_tokens,
                                                       max_model_len)
+    elif not config.enable_chunked_prefill:
+        max_num_batched_tokens = pooling_token_budget(
+            config.max_num_batched_tokens, max_num_batched_tokens, max_model_len,
+            why="with enable_chunked_prefill off each prompt is computed in one step")
     quant_config = resolve_quant_config(config.quantization, spec, is_gguf=source.format == "gguf")
     logger.info("loading the weights (%s, %s) onto %s", config.load_format, str(dtype).removeprefix("torch."), device)
     with use_tp_group(tp):
