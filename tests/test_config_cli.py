@@ -236,7 +236,7 @@ def test_llm_and_async_llm_use_the_same_defaults():
 
     sent: list[Any] = []
     engine = AsyncLLM.__new__(AsyncLLM)
-    engine.client = SimpleNamespace(dead=None, add_request=sent.append)
+    engine.client = SimpleNamespace(dead=None, add_request=lambda request, cache_key=None: sent.append(request))
     engine.processor = SimpleNamespace(add_request=lambda request, text: [request])
     engine.generation_defaults = {k: v for k, v in GENERATION_CONFIG.items() if isinstance(v, (int, float))}
     engine.max_model_len = 64
