@@ -4,6 +4,8 @@
 //! head_dim] float32, K plane then V plane; a token at slot s (= block * block_size + offset)
 //! keeps head g's vector at s * num_kv_heads + g.
 
+use super::attention_simd as simd;
+
 /// One layer's cache, borrowed for a step.
 pub struct LayerKv<'a> {
     pub k: &'a mut [f32],
@@ -40,30 +42,92 @@ impl LayerKv<'_> {
         scores: &mut [f32],
         out: &mut [f32],
     ) {
+        self.attend_tile(
+            &[q],
+            &[seq_len],
+            kv_head,
+            block_ids,
+            scale,
+            scores,
+            &mut [out],
+        );
+    }
+
+    /// Several query rows of one sequence that read the same kv head (a prefill chunk's
+    /// consecutive tokens times the query heads sharing `kv_head`): row j attends to the first
+    /// `lens[j]` cached tokens. Each cached k and v row is read once for all of them (not once
+    /// per query row), which is what makes a long prefill's attention compute-bound instead of
+    /// bound by re-reading the cache.
+    ///
+    /// Row j's arithmetic is that of attending alone, in the same order: its scores are the same
+    /// dot products, its max, exponentials and their sum run over positions in order, and its
+    /// output adds p * v position by position. So a token's output does not depend on which
+    /// other rows share its tile: alone, batched, chunked or decoded, it is the same to the bit.
+    /// `scores` is scratch of at least rows * max(lens).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend_tile(
+        &self,
+        queries: &[&[f32]],
+        lens: &[usize],
+        kv_head: usize,
+        block_ids: &[i32],
+        scale: f32,
+        scores: &mut [f32],
+        outs: &mut [&mut [f32]],
+    ) {
         let hd = self.head_dim;
+        let longest = lens.iter().copied().max().unwrap_or(0);
         let slot = |t: usize| {
             block_ids[t / self.block_size] as usize * self.block_size + t % self.block_size
         };
-        let mut max = f32::NEG_INFINITY;
-        for (t, s) in scores[..seq_len].iter_mut().enumerate() {
-            let at = self.row(slot(t), kv_head);
-            *s = dot(q, &self.k[at..at + hd]) * scale;
-            max = max.max(*s);
+        #[cfg(target_arch = "x86_64")]
+        if simd::enabled(hd) {
+            let at: Vec<usize> = (0..longest).map(|t| self.row(slot(t), kv_head)).collect();
+            // SAFETY: enabled() checked AVX2 + FMA and head_dim; the offsets are rows of this
+            // layer's cache (block_ids were checked by StepBatch::plan); the caller sizes scores.
+            unsafe {
+                simd::attend_tile(self.k, self.v, &at, hd, queries, lens, scale, scores, outs)
+            };
+            return;
         }
-        let mut total = 0.0f32;
-        for s in scores[..seq_len].iter_mut() {
-            *s = (*s - max).exp();
-            total += *s;
-        }
-        out.fill(0.0);
-        for (t, &p) in scores[..seq_len].iter().enumerate() {
+        let row_scores = |j: usize| j * longest..j * longest + lens[j];
+        for t in 0..longest {
             let at = self.row(slot(t), kv_head);
-            for (o, v) in out.iter_mut().zip(&self.v[at..at + hd]) {
-                *o += p * v;
+            let k = &self.k[at..at + hd];
+            for (j, q) in queries.iter().enumerate() {
+                if t < lens[j] {
+                    scores[j * longest + t] = dot(q, k) * scale;
+                }
             }
         }
-        let inv = 1.0 / total;
-        out.iter_mut().for_each(|o| *o *= inv);
+        let mut totals = Vec::with_capacity(queries.len());
+        for j in 0..queries.len() {
+            let row = &mut scores[row_scores(j)];
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+            let mut total = 0.0f32;
+            for s in row.iter_mut() {
+                *s = (*s - max).exp();
+                total += *s;
+            }
+            totals.push(total);
+            outs[j].fill(0.0);
+        }
+        for t in 0..longest {
+            let at = self.row(slot(t), kv_head);
+            let v = &self.v[at..at + hd];
+            for (j, out) in outs.iter_mut().enumerate() {
+                if t < lens[j] {
+                    let p = scores[j * longest + t];
+                    for (o, x) in out.iter_mut().zip(v) {
+                        *o += p * x;
+                    }
+                }
+            }
+        }
+        for (out, total) in outs.iter_mut().zip(totals) {
+            let inv = 1.0 / total;
+            out.iter_mut().for_each(|o| *o *= inv);
+        }
     }
 }
 
@@ -87,6 +151,74 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A tile of rows (consecutive tokens x the query heads of one kv head) gives each row exactly
+    /// what it gets alone, and both match a dense f64 softmax: lengths around multiples of 8 (the
+    /// vector kernel's position groups), blocks scattered, head_dim 64.
+    #[test]
+    fn a_tile_gives_each_row_its_result_alone() {
+        let (bs, nkv, hd) = (16, 2, 64);
+        let lens = [35usize, 36, 37, 38, 39, 40, 41];
+        let longest = *lens.iter().max().unwrap();
+        let blocks: Vec<i32> = vec![7, 2, 9];
+        let mut k = vec![0.0f32; 10 * bs * nkv * hd];
+        let mut v = k.clone();
+        let mut kv = LayerKv {
+            k: &mut k,
+            v: &mut v,
+            block_size: bs,
+            num_kv_heads: nkv,
+            head_dim: hd,
+        };
+        let val = |t: usize, i: usize, salt: usize| {
+            (((t * 31 + i * 17 + salt) % 97) as f32 - 48.0) * 0.021
+        };
+        for t in 0..longest {
+            let kt: Vec<f32> = (0..nkv * hd).map(|i| val(t, i, 1)).collect();
+            let vt: Vec<f32> = (0..nkv * hd).map(|i| val(t, i, 5)).collect();
+            kv.write(blocks[t / bs] as usize * bs + t % bs, &kt, &vt);
+        }
+        let queries: Vec<Vec<f32>> = (0..lens.len())
+            .map(|j| (0..hd).map(|i| val(j, i, 3) * 2.0).collect())
+            .collect();
+        let refs: Vec<&[f32]> = queries.iter().map(|q| q.as_slice()).collect();
+        let mut tiled = vec![vec![0.0f32; hd]; lens.len()];
+        let mut outs: Vec<&mut [f32]> = tiled.iter_mut().map(|o| o.as_mut_slice()).collect();
+        let mut scores = vec![0.0f32; lens.len() * longest];
+        kv.attend_tile(&refs, &lens, 1, &blocks, 0.125, &mut scores, &mut outs);
+        for (j, &len) in lens.iter().enumerate() {
+            let mut alone = vec![0.0f32; hd];
+            kv.attend(
+                &queries[j],
+                1,
+                &blocks,
+                len,
+                0.125,
+                &mut vec![0.0; len],
+                &mut alone,
+            );
+            assert_eq!(alone, tiled[j], "row {j}: tile and alone differ");
+            let s: Vec<f64> = (0..len)
+                .map(|t| {
+                    (0..hd)
+                        .map(|i| queries[j][i] as f64 * val(t, hd + i, 1) as f64)
+                        .sum::<f64>()
+                        * 0.125
+                })
+                .collect();
+            let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
+            for (i, &got) in tiled[j].iter().enumerate() {
+                let want: f64 = (0..len)
+                    .map(|t| (s[t] - m).exp() / z * val(t, hd + i, 5) as f64)
+                    .sum();
+                assert!(
+                    (got as f64 - want).abs() < 1e-5,
+                    "row {j} dim {i}: {got} vs {want}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn attention_over_scattered_blocks_matches_a_dense_softmax() {

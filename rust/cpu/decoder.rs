@@ -270,9 +270,15 @@ fn layer_forward(
     layer.down.apply(&act, h, true);
 }
 
-/// Every (token, query head) pair's attention over the token's causal prefix, split among the
-/// workers. All of the step's k/v are in the cache already; a token reads only positions up to its
-/// own, so prefill chunks need no mask.
+/// Consecutive tokens of one request attended together (with the query heads of one kv head):
+/// each cached k and v row is read once for the tile, not once per token.
+const QUERY_TILE: usize = 16;
+
+/// Every (token, query head) pair's attention over the token's causal prefix, in tiles of up to
+/// QUERY_TILE consecutive tokens of a request times the query heads that share a kv head, split
+/// among the workers. All of the step's k/v are in the cache already; a token reads only positions
+/// up to its own, so prefill chunks need no mask. A row's result does not depend on its tile
+/// (LayerKv::attend_tile), so tiling changes no output.
 fn attend_all(
     layer: &DecoderLayer,
     kv: &LayerKv<'_>,
@@ -284,25 +290,53 @@ fn attend_all(
     let (nh, nkv, hd) = (layer.num_heads, layer.num_kv_heads, layer.head_dim);
     let row_w = (nh + 2 * nkv) * hd;
     let group = nh / nkv;
+    // Tiles never cross requests; the costliest (longest context) first, so the workers' last
+    // pieces are small ones.
+    let mut tiles: Vec<(usize, usize)> = Vec::new();
+    let mut i = 0;
+    while i < plan.request.len() {
+        let mut end = i + 1;
+        while end < plan.request.len()
+            && end - i < QUERY_TILE
+            && plan.request[end] == plan.request[i]
+        {
+            end += 1;
+        }
+        tiles.push((i, end));
+        i = end;
+    }
+    tiles.sort_by_key(|&(_, end)| std::cmp::Reverse(plan.context[end - 1]));
     let longest = plan.context.iter().copied().max().unwrap_or(0);
     let out_ptr = SharedOut(out.as_mut_ptr());
-    par_ranges(plan.request.len() * nh, 1, |p0, p1| {
-        let mut scores = vec![0.0f32; longest];
+    par_ranges(tiles.len() * nkv, 1, |p0, p1| {
+        let mut scores = vec![0.0f32; QUERY_TILE * group * longest];
+        let mut lens = Vec::with_capacity(QUERY_TILE * group);
+        let mut queries: Vec<&[f32]> = Vec::with_capacity(QUERY_TILE * group);
         for p in p0..p1 {
-            let (i, head) = (p / nh, p % nh);
-            let r = plan.request[i];
-            let q = &qkv[i * row_w + head * hd..i * row_w + (head + 1) * hd];
+            let ((first, end), kv_head) = (tiles[p / nkv], p % nkv);
+            let r = plan.request[first];
             let blocks = &batch.block_table[r * batch.block_stride..(r + 1) * batch.block_stride];
-            // SAFETY: pair p alone writes out[p * hd .. (p + 1) * hd] (token i, head `head`).
-            let o = unsafe { std::slice::from_raw_parts_mut(out_ptr.at(p * hd), hd) };
-            kv.attend(
-                q,
-                head / group,
+            lens.clear();
+            queries.clear();
+            let mut outs: Vec<&mut [f32]> = Vec::with_capacity((end - first) * group);
+            for i in first..end {
+                for head in kv_head * group..(kv_head + 1) * group {
+                    queries.push(&qkv[i * row_w + head * hd..i * row_w + (head + 1) * hd]);
+                    lens.push(plan.context[i]);
+                    let at = (i * nh + head) * hd;
+                    // SAFETY: (token i, head) belongs to this tile and kv head alone, so only this
+                    // task writes out[at .. at + hd].
+                    outs.push(unsafe { std::slice::from_raw_parts_mut(out_ptr.at(at), hd) });
+                }
+            }
+            kv.attend_tile(
+                &queries,
+                &lens,
+                kv_head,
                 blocks,
-                plan.context[i],
                 layer.scale,
                 &mut scores,
-                o,
+                &mut outs,
             );
         }
     });

@@ -12,6 +12,7 @@
 //! Pure Rust: the Python glue is `crate::py::cpu`.
 
 pub mod attention;
+mod attention_simd;
 pub mod decoder;
 pub mod ops;
 pub mod pool;

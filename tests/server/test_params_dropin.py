@@ -19,7 +19,7 @@ from tests.server.test_errors import assert_openai_error, post
 MODEL = "smol"
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in English."}]  # (test_openai_api.py)
 GREEDY = {"temperature": 0}
 
 

@@ -124,7 +124,7 @@ def test_playground_streams_an_answer_and_stops(browser, base_url, tmp_path):
 
             await page.eval("document.getElementById('temperature').value = '0';"
                             "document.getElementById('max-tokens').value = '24'")
-            await page.type_text("#prompt", "What is the capital of France?")
+            await page.type_text("#prompt", "What is the capital of France? Answer in English.")
             await page.press_enter()
             done = "document.querySelector('.msg.assistant')?.dataset.done"
             assert await page.wait_for(done) in ("stop", "length")
@@ -133,7 +133,7 @@ def test_playground_streams_an_answer_and_stops(browser, base_url, tmp_path):
             # It came as a stream: several text deltas, not one reply at the end.
             assert int(await page.eval("document.querySelector('.msg.assistant').dataset.chunks")) > 2
             assert await page.eval("document.querySelector('.msg.user .text').textContent") == \
-                "What is the capital of France?"
+                "What is the capital of France? Answer in English."
             # The live view saw the tokens go through.
             await page.wait_for("parseFloat(document.getElementById('stat-gen-tps').textContent) > 0", timeout=10)
             await page.screenshot(tmp_path / "playground.png")

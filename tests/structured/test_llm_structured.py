@@ -79,7 +79,7 @@ def test_json_object_gives_an_object(llm):
 
 
 def test_unconstrained_requests_unchanged_by_constrained_neighbours(llm):
-    free_prompts = [chat("What is the capital of France?"), chat("Name three colors.")]
+    free_prompts = [chat("What is the capital of France? Answer in English."), chat("Name three colors.")]
     greedy = SamplingParams(temperature=0, max_tokens=24)
     alone = llm.chat(free_prompts, greedy, use_tqdm=False)
     constrained = [
