@@ -48,7 +48,10 @@ TOOL_PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "re
 # end: they must succeed. The others may end any way except with a 5xx.
 BEHAVIOURS = {"ok": 0.45, "slow": 0.08, "vanish": 0.17, "timeout": 0.07, "abort": 0.08, "invalid": 0.10,
               "sdk": 0.05}
-FEATURES = ("plain", "plain", "json", "tools", "n2", "stop")
+# "agent": what agent clients send beside the messages (Claude Code's billing line and thinking on
+# /v1/messages, Codex's prompt_cache_key / include / store on /v1/responses, a cache key on chat);
+# "beams": use_beam_search with two beams (chat and completions, not streamed).
+FEATURES = ("plain", "plain", "json", "tools", "n2", "stop", "agent", "beams")
 GREEDY_PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time", "def add(a, b):"]
 
 
@@ -114,6 +117,10 @@ def build_body(rng: random.Random, api: str, feature: str, stream: bool, model: 
             body["tools"] = [_tool(api)]
         elif feature == "stop":
             body["stop_sequences"] = ["\n", "."]
+        elif feature == "agent":
+            body["system"] = [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.1; cch={rng.getrandbits(20):05x};"},
+                              {"type": "text", "text": "You are a coding agent."}]
+            body["thinking"] = rng.choice([{"type": "enabled", "budget_tokens": 1024}, {"type": "adaptive"}])
     else:
         body = {"model": model, "input": prompt, "max_output_tokens": max_tokens, "stream": stream,
                 "temperature": temperature}
@@ -121,7 +128,14 @@ def build_body(rng: random.Random, api: str, feature: str, stream: bool, model: 
             body["text"] = {"format": {"type": "json_schema", "name": "person", "schema": SCHEMA}}
         elif feature == "tools":
             body["tools"] = [_tool(api)]
+        elif feature == "agent":
+            body.update(store=False, prompt_cache_key=f"thread-{rng.randrange(8)}",
+                        include=["reasoning.encrypted_content"], parallel_tool_calls=True)
+    if api == "chat" and feature == "agent":
+        body["prompt_cache_key"] = f"conversation-{rng.randrange(8)}"
     if api in ("chat", "completions"):
+        if feature == "beams" and not stream:
+            body.update(use_beam_search=True, n=2, temperature=0.0)
         if feature == "n2":
             body["n"] = 2
         elif feature == "stop":

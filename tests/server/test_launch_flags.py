@@ -65,6 +65,27 @@ def _self_signed(tmp_path):
     return cert, key
 
 
+def start_serving(cmd: list[str], ready_line: str) -> tuple[subprocess.Popen[str], list[str]]:
+    """Start `ferrox serve` and wait (up to 240 s) for its log line saying it serves; its log keeps
+    filling the list."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.append(line.rstrip())
+            if ready_line in line:
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + 240
+    while not ready.wait(0.2):
+        assert proc.poll() is None and time.monotonic() < deadline, "\n".join(log)
+    return proc, log
+
+
 @pytest.fixture(scope="module")
 def tls_server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("launch")
@@ -80,21 +101,7 @@ def tls_server(tmp_path_factory):
            "--ssl-keyfile", str(key), "--root-path", "/proxy", "--enable-auto-tool-choice",
            "--generation-config", str(tmp / "gen"), "--disable-log-stats", "--max-log-len", "40",
            "--trust-remote-code"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    log: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            log.append(line.rstrip())
-            if "serving on https://" in line:
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + 240
-    while not ready.wait(0.2):
-        assert proc.poll() is None and time.monotonic() < deadline, "\n".join(log)
+    proc, log = start_serving(cmd, "serving on https://")
     context = ssl.create_default_context(cafile=str(cert))
     yield f"https://127.0.0.1:{port}", context, log
     proc.terminate()
@@ -273,24 +280,9 @@ def test_unix_domain_socket(tmp_path):
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self.sock.connect(str(path))
 
-    proc = subprocess.Popen([str(FERROX), "serve", "--uds", str(path), "--max-model-len", "256",
-                             "--kv-cache-memory", "32MiB"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    log: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            log.append(line.rstrip())
-            if f"serving on unix:{path}" in line:
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
+    proc, log = start_serving([str(FERROX), "serve", "--uds", str(path), "--max-model-len", "256",
+                               "--kv-cache-memory", "32MiB"], f"serving on unix:{path}")
     try:
-        deadline = time.monotonic() + 240
-        while not ready.wait(0.2):
-            assert proc.poll() is None and time.monotonic() < deadline, "\n".join(log)
         conn = UnixConnection("localhost", timeout=120)
         conn.request("GET", "/health")
         assert conn.getresponse().status == 200
