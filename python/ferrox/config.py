@@ -77,6 +77,10 @@ class EngineConfig:
         "model folder (Hugging Face layout) or .gguf file", positional=True,
         default_help="the embedded SmolLM2-135M-Instruct")
     tokenizer: str | None = _opt("tokenizer folder or .gguf file", default_help="the model's own")
+    revision: str | None = _opt(
+        "a hub model id's version in the Hugging Face cache: a branch or tag the cache has a ref for, or a "
+        "commit (at least 7 characters) it has a snapshot of; also the tokenizer's when --tokenizer is not given",
+        default_help="refs/main, else the newest snapshot")
     trust_remote_code: bool = _opt(
         "vLLM's permission to run a model repository's own Python code (auto_map). ferrox's model families are "
         "built in and it runs no code from a model folder whether or not this is set, so there is nothing for it "

