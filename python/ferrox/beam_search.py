@@ -16,8 +16,9 @@ length counts the prompt and the beam's tokens, less a final end-of-sequence tok
 temperature), as the engine reports them; temperature only changes which token a step samples, and
 so which extra candidate it may add.
 
-`BeamSearch` is one prompt's search: it holds the beams, says what to run next (`step_prompts`)
-and takes each beam's step output (`advance`). The offline LLM and the async engine drive it.
+`BeamSearch` is one prompt's search: it holds the beams, says what to run next (`step_prompts`, each
+with `one_token_params`) and takes each beam's step output (`advance`). The offline LLM and the
+async engine drive it.
 """
 
 from __future__ import annotations
@@ -76,10 +77,6 @@ class BeamSearch:
     @property
     def done(self) -> bool:
         return not self.beams or self.steps >= self.params.max_tokens
-
-    def step_params(self) -> SamplingParams:
-        """What each beam's one-token request asks for."""
-        return one_token_params(self.params)
 
     def step_prompts(self) -> list[list[int]]:
         """The token ids of each live beam's next request, in beam order."""

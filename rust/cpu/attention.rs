@@ -6,6 +6,10 @@
 
 use super::attention_simd as simd;
 
+thread_local! {
+    static OFFSETS: std::cell::RefCell<Vec<usize>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// One layer's cache, borrowed for a step.
 pub struct LayerKv<'a> {
     pub k: &'a mut [f32],
@@ -82,12 +86,17 @@ impl LayerKv<'_> {
         };
         #[cfg(target_arch = "x86_64")]
         if simd::enabled(hd) {
-            let at: Vec<usize> = (0..longest).map(|t| self.row(slot(t), kv_head)).collect();
-            // SAFETY: enabled() checked AVX2 + FMA and head_dim; the offsets are rows of this
-            // layer's cache (block_ids were checked by StepBatch::plan); the caller sizes scores.
-            unsafe {
-                simd::attend_tile(self.k, self.v, &at, hd, queries, lens, scale, scores, outs)
-            };
+            // Each position's row offset, in a buffer each kernel thread keeps (a decode step
+            // runs a tile per request and kv head in every layer: no allocation per tile).
+            OFFSETS.with_borrow_mut(|at| {
+                at.clear();
+                at.extend((0..longest).map(|t| self.row(slot(t), kv_head)));
+                // SAFETY: enabled() checked AVX2 + FMA and head_dim; the offsets are rows of this
+                // layer's cache (block_ids were checked by StepBatch::plan); the caller sizes scores.
+                unsafe {
+                    simd::attend_tile(self.k, self.v, at, hd, queries, lens, scale, scores, outs)
+                };
+            });
             return;
         }
         let row_scores = |j: usize| j * longest..j * longest + lens[j];
@@ -152,6 +161,46 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 mod tests {
     use super::*;
 
+    fn view<'a>(
+        k: &'a mut [f32],
+        v: &'a mut [f32],
+        bs: usize,
+        nkv: usize,
+        hd: usize,
+    ) -> LayerKv<'a> {
+        LayerKv {
+            k,
+            v,
+            block_size: bs,
+            num_kv_heads: nkv,
+            head_dim: hd,
+        }
+    }
+
+    /// k and v planes of `num_blocks` blocks holding a `len`-token sequence laid out in `blocks`:
+    /// token t's row i (over all kv heads) is k_of(t, i) and v_of(t, i).
+    #[allow(clippy::too_many_arguments)]
+    fn planes(
+        num_blocks: usize,
+        bs: usize,
+        nkv: usize,
+        hd: usize,
+        blocks: &[i32],
+        len: usize,
+        k_of: impl Fn(usize, usize) -> f32,
+        v_of: impl Fn(usize, usize) -> f32,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let mut k = vec![0.0f32; num_blocks * bs * nkv * hd];
+        let mut v = k.clone();
+        let mut kv = view(&mut k, &mut v, bs, nkv, hd);
+        for t in 0..len {
+            let kt: Vec<f32> = (0..nkv * hd).map(|i| k_of(t, i)).collect();
+            let vt: Vec<f32> = (0..nkv * hd).map(|i| v_of(t, i)).collect();
+            kv.write(blocks[t / bs] as usize * bs + t % bs, &kt, &vt);
+        }
+        (k, v)
+    }
+
     /// A tile of rows (consecutive tokens x the query heads of one kv head) gives each row exactly
     /// what it gets alone, and both match a dense f64 softmax: lengths around multiples of 8 (the
     /// vector kernel's position groups), blocks scattered, head_dim 64.
@@ -161,23 +210,20 @@ mod tests {
         let lens = [35usize, 36, 37, 38, 39, 40, 41];
         let longest = *lens.iter().max().unwrap();
         let blocks: Vec<i32> = vec![7, 2, 9];
-        let mut k = vec![0.0f32; 10 * bs * nkv * hd];
-        let mut v = k.clone();
-        let mut kv = LayerKv {
-            k: &mut k,
-            v: &mut v,
-            block_size: bs,
-            num_kv_heads: nkv,
-            head_dim: hd,
-        };
         let val = |t: usize, i: usize, salt: usize| {
             (((t * 31 + i * 17 + salt) % 97) as f32 - 48.0) * 0.021
         };
-        for t in 0..longest {
-            let kt: Vec<f32> = (0..nkv * hd).map(|i| val(t, i, 1)).collect();
-            let vt: Vec<f32> = (0..nkv * hd).map(|i| val(t, i, 5)).collect();
-            kv.write(blocks[t / bs] as usize * bs + t % bs, &kt, &vt);
-        }
+        let (mut k, mut v) = planes(
+            10,
+            bs,
+            nkv,
+            hd,
+            &blocks,
+            longest,
+            |t, i| val(t, i, 1),
+            |t, i| val(t, i, 5),
+        );
+        let kv = view(&mut k, &mut v, bs, nkv, hd);
         let queries: Vec<Vec<f32>> = (0..lens.len())
             .map(|j| (0..hd).map(|i| val(j, i, 3) * 2.0).collect())
             .collect();
@@ -223,22 +269,19 @@ mod tests {
     #[test]
     fn attention_over_scattered_blocks_matches_a_dense_softmax() {
         let (bs, nkv, hd, len) = (4, 2, 8, 7);
-        let mut k = vec![0.0f32; 6 * bs * nkv * hd];
-        let mut v = k.clone();
-        let mut kv = LayerKv {
-            k: &mut k,
-            v: &mut v,
-            block_size: bs,
-            num_kv_heads: nkv,
-            head_dim: hd,
-        };
         let blocks = [5, 2]; // the sequence lives in blocks 5 then 2
         let tok = |t: usize, h: usize, j: usize| ((t * 7 + h * 3 + j) % 11) as f32 * 0.1 - 0.5;
-        for t in 0..len {
-            let kt: Vec<f32> = (0..nkv * hd).map(|i| tok(t, i / hd, i % hd)).collect();
-            let vt: Vec<f32> = kt.iter().map(|x| x * 2.0 + 1.0).collect();
-            kv.write(blocks[t / bs] as usize * bs + t % bs, &kt, &vt);
-        }
+        let (mut k, mut v) = planes(
+            6,
+            bs,
+            nkv,
+            hd,
+            &blocks,
+            len,
+            |t, i| tok(t, i / hd, i % hd),
+            |t, i| tok(t, i / hd, i % hd) * 2.0 + 1.0,
+        );
+        let kv = view(&mut k, &mut v, bs, nkv, hd);
         let q: Vec<f32> = (0..hd).map(|j| j as f32 * 0.2 - 0.6).collect();
         let mut out = vec![0.0; hd];
         kv.attend(&q, 1, &blocks, len, 0.35, &mut vec![0.0; len], &mut out);

@@ -103,25 +103,16 @@ def qwen3_text(rng: random.Random) -> str:
     return "".join(pieces)
 
 
-def qwen3_broken(rng: random.Random, text: str) -> str:
-    if rng.random() < 0.3:
-        text = text[: rng.randint(0, len(text))]
-    for _ in range(rng.randint(0 if len(text) else 1, 3)):
-        at = rng.randint(0, len(text))
-        text = text[:at] + rng.choice(QWEN3_BREAKS) + text[at + rng.randint(0, 2) :]
-    return text
-
-
 TEXTS = {"hermes": hermes_text, "llama3_json": llama3_text}
 
 
-def broken(rng: random.Random, text: str) -> str:
-    """Cut short, and/or with markers, brackets, quotes and bad escapes put in at random places."""
+def broken(rng: random.Random, text: str, breaks: list[str] = BREAKS) -> str:
+    """Cut short, and/or with markers, brackets, quotes and bad escapes (`breaks`) put in at random places."""
     if rng.random() < 0.3:
         text = text[: rng.randint(0, len(text))]
     for _ in range(rng.randint(0 if len(text) else 1, 3)):
         at = rng.randint(0, len(text))
-        text = text[:at] + rng.choice(BREAKS) + text[at + rng.randint(0, 2) :]
+        text = text[:at] + rng.choice(breaks) + text[at + rng.randint(0, 2) :]
     return text
 
 
@@ -239,7 +230,7 @@ def test_qwen3_coder_stream_sends_what_the_rescanning_parser_sent():
     for k in range(1500):
         text = qwen3_text(rng)
         if rng.random() < 0.6:
-            text = qwen3_broken(rng, text)
+            text = broken(rng, text, QWEN3_BREAKS)
         tools = QWEN3_TOOLS if k % 2 else None
         for sizes in (chunk_sizes(rng, text), [1] * len(text), [len(text) + 1]):
             new_sent = feeds(get_tool_parser("qwen3_coder")(tools), text, sizes)
