@@ -89,3 +89,29 @@ def test_limits_are_named(llm):
     with pytest.raises(InvalidArgumentError, match="length_penalty"):
         BeamSearchParams(beam_width=2, max_tokens=2, length_penalty=float("nan"))
     assert llm.beam_search([], BeamSearchParams(beam_width=2, max_tokens=2)) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_beams_on_cuda_match_the_reference(tmp_path):
+    """On the GPU's default configuration (async scheduling, CUDA-graph decode, the device sampler's
+    logprobs) in float32: the same beams and scores as the reference search on transformers."""
+    from ferrox import LLM
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.tiny_models import make_tiny_llama
+
+    folder = make_tiny_llama(str(tmp_path / "llama"), hidden_size=128, num_layers=2)
+    hf = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    llm = LLM(folder, device="cuda", dtype="float32", max_num_seqs=16, kv_cache_memory=64 << 20)
+    assert llm.engine.async_scheduling  # the default on CUDA
+    prompts = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45], [100, 9]]
+    eos = set(llm.engine.eos_token_ids)
+    for width, max_tokens in ((3, 6), (4, 5)):
+        params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=True)
+        outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
+        for prompt, out in zip(prompts, outs, strict=True):
+            want = reference_beam_search(hf, prompt, width, max_tokens, eos, 1.0, ignore_eos=True)
+            assert [s.tokens for s in out.sequences] == [w[0] for w in want], prompt
+            for seq, (_, cum) in zip(out.sequences, want, strict=True):
+                assert math.isclose(seq.cum_logprob, cum, abs_tol=2e-3)
