@@ -60,6 +60,7 @@ POLICIES = ("fcfs", "priority")
 EXECUTOR_BACKENDS = ("mp", "ray", "uni")
 # vLLM's --runner; "auto" resolves once the architecture is known (ferrox.pooling.config.resolve_runner).
 RUNNERS = ("auto", "generate", "pooling")
+TOKENIZER_MODES = ("auto", "hf")
 
 
 def _gib(n: int) -> str:
@@ -77,6 +78,10 @@ class EngineConfig:
         "model folder (Hugging Face layout) or .gguf file", positional=True,
         default_help="the embedded SmolLM2-135M-Instruct")
     tokenizer: str | None = _opt("tokenizer folder or .gguf file", default_help="the model's own")
+    tokenizer_mode: str = _opt(
+        "which tokenizer implementation: 'auto' and 'hf' are both the Hugging Face fast tokenizer (tokenizer.json, "
+        "or a GGUF's vocabulary), the only one ferrox has; vLLM's 'slow' and 'mistral' (mistral_common) are refused",
+        "auto", choices=TOKENIZER_MODES)
     revision: str | None = _opt(
         "a hub model id's version in the Hugging Face cache: a branch or tag the cache has a ref for, or a "
         "commit (at least 7 characters) it has a snapshot of; also the tokenizer's when --tokenizer is not given",
@@ -177,6 +182,7 @@ class EngineConfig:
         _choice("dtype", self.dtype, DTYPES)
         _choice("load_format", self.load_format, LOAD_FORMATS)
         _choice("device", self.device, DEVICES)
+        _choice("tokenizer_mode", self.tokenizer_mode, TOKENIZER_MODES)
         if self.quantization is not None:
             _choice("quantization", self.quantization, QUANTIZATION_METHODS)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)

@@ -47,3 +47,21 @@ def test_chat_tool_history_and_bad_tools(llm):
     assert '"arguments": {"city": "Paris"}' in out.prompt and "None" not in out.prompt
     with pytest.raises(ValueError, match=r"tools\[0\]"):
         llm.chat(MESSAGES, SamplingParams(max_tokens=1), use_tqdm=False, tools=[{"type": "function"}])
+
+
+def test_chat_template_content_format(llm):
+    """LLM.chat(chat_template_content_format=...) as vLLM's: a template that loops over a message's
+    content gets OpenAI text parts ("auto" sees the loop), "string" joins them by newlines, and a
+    non-text part is refused naming it."""
+    from ferrox.errors import ChatTemplateError
+
+    template = ("{% for m in messages %}{% for p in m.content %}{% if p is mapping %}{{ p.text }}{% else %}{{ p }}"
+                "{% endif %}|{% endfor %}{% endfor %}")
+    parts = [{"role": "user", "content": [{"type": "text", "text": "ab"}, {"type": "text", "text": "c"}]}]
+    params = SamplingParams(temperature=0, max_tokens=1)
+    (auto,) = llm.chat(parts, params, use_tqdm=False, chat_template=template)
+    (string,) = llm.chat(parts, params, use_tqdm=False, chat_template=template, chat_template_content_format="string")
+    assert (auto.prompt, string.prompt) == ("ab|c|", "a|b|\n|c|")
+    with pytest.raises(ChatTemplateError, match=r"messages\[0\]\.content\[0\]: content part type 'image_url'"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params,
+                 use_tqdm=False)

@@ -102,3 +102,61 @@ def test_named_templates_pick_tool_use(tokenizers):
     assert tok.apply_chat_template(msgs) == "D1"
     assert tok.apply_chat_template(msgs, tools=TOOLS) == "T1"
     assert tok.apply_chat_template(msgs, chat_template="tool_use", tools=[]) == "T0"
+
+
+# ---- message contents as strings or OpenAI parts (--chat-template-content-format) -------------------------
+
+PARTS_TEMPLATE = ("{% for m in messages %}{{ m.role }}:{% if m.content is string %}{{ m.content }}{% else %}"
+                  "{% for p in m.content %}[{{ p.text }}]{% endfor %}{% endif %}\n{% endfor %}")
+PARTS = [{"role": "system", "content": "Be brief."},
+         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+         {"role": "tool", "content": [{"type": "text", "text": "r1"}, {"type": "text", "text": "r2"}]}]
+
+
+@pytest.mark.parametrize(("template", "want"), [
+    ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "string"),
+    (PARTS_TEMPLATE, "openai"),
+    ("{% for message in messages %}{% for c in message['content'] | selectattr('type', 'equalto', 'text') %}"
+     "{{ c['text'] }}{% endfor %}{% endfor %}", "openai"),  # Llama 4's shape
+    ("{% for m in messages %}{% set parts = m.content %}{% for p in parts %}{{ p.text }}{% endfor %}{% endfor %}",
+     "openai"),
+    ("{% for p in messages[0]['content'] %}{{ p.text }}{% endfor %}", "openai"),  # a system message's parts
+    ("{% set loop_messages = messages[1:] %}{% for m in loop_messages %}{% for p in m.content %}{{ p.text }}"
+     "{% endfor %}{% endfor %}", "openai"),
+    # Qwen3's: the content is split, not looped over; a loop over a split string is no loop over parts.
+    ("{% for m in messages %}{% set c = m.content.split('</think>')[-1] %}{{ c }}{% endfor %}", "string"),
+    ("{% for m in messages %}{% for line in m.content.split('\\n') %}{{ line }}{% endfor %}{% endfor %}", "string"),
+    ("{% for m in messages %}{% for call in m.tool_calls %}{{ call }}{% endfor %}{% endfor %}", "string"),
+    ("{% for x in", "string"),  # does not parse: rendering says why
+])
+def test_content_format_detection(template, want):
+    from ferrox.loader.chat_template import detect_content_format
+
+    assert detect_content_format(template) == want
+
+
+def test_content_formats_render_like_transformers_given_that_shape(tokenizers):
+    ours, theirs = tokenizers
+    # openai (auto picks it for this template): strings become one text part; tool results stay strings.
+    as_parts = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]}, PARTS[1],
+                {"role": "tool", "content": "r1\nr2"}]
+    want = theirs.apply_chat_template(as_parts, chat_template=PARTS_TEMPLATE, tokenize=False)
+    assert ours.apply_chat_template(PARTS, chat_template=PARTS_TEMPLATE) == want == (
+        "system:[Be brief.]user:[a][b]tool:r1\nr2")  # (trim_blocks eats the newline after a block tag)
+    assert ours.apply_chat_template(PARTS, chat_template=PARTS_TEMPLATE, content_format="openai") == want
+    # string: text parts joined by newlines (vLLM's joiner).
+    as_strings = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a\nb"},
+                  {"role": "tool", "content": "r1\nr2"}]
+    want = theirs.apply_chat_template(as_strings, chat_template=PARTS_TEMPLATE, tokenize=False)
+    assert ours.apply_chat_template(PARTS, chat_template=PARTS_TEMPLATE, content_format="string") == want
+    assert ours.apply_chat_template(PARTS, add_generation_prompt=False) == theirs.apply_chat_template(
+        as_strings, add_generation_prompt=False, tokenize=False)  # the model's own template: string
+
+
+def test_content_format_errors_name_the_field(tokenizers):
+    ours, _ = tokenizers
+    with pytest.raises(ChatTemplateError, match="chat_template_content_format must be one of"):
+        ours.apply_chat_template(PARTS, content_format="parts")
+    image = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}}]}]
+    with pytest.raises(ChatTemplateError, match=r"messages\[0\]\.content\[1\]: content part type 'image_url'"):
+        ours.apply_chat_template(image)

@@ -26,9 +26,11 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_unknown_flags_are_refused_by_name():
-    res = run("serve", "--tokenizer-mode", "mistral", "--chat-template-content-format=openai")
+    res = run("serve", "--swap-space", "4", "--cpu-offload-gb=1")
     assert res.returncode == 2
-    assert "--tokenizer-mode, --chat-template-content-format: ferrox does not support these flags" in res.stderr
+    assert "--swap-space, --cpu-offload-gb: ferrox does not support these flags" in res.stderr
+    res = run("serve", "--tokenizer-mode", "mistral")  # a vLLM value ferrox lacks
+    assert res.returncode == 2 and "--tokenizer-mode" in res.stderr and "mistral" in res.stderr
     res = run("serve", "--tool-call-parser", "xlam")  # a vLLM parser ferrox lacks
     assert res.returncode == 2 and "--tool-call-parser" in res.stderr and "xlam" in res.stderr
     res = run("serve", "--reasoning-parser", "granite")
@@ -212,7 +214,8 @@ def test_serving_defaults_are_honoured_and_the_key_is_never_logged():
     with vLLM's meaning, on a server that logs every request (and debug lines) yet never the API key."""
     srv = ServerProcess("--response-role", "bot", "--return-tokens-as-token-ids", "--enable-prompt-tokens-details",
                         "--tool-call-parser", "llama3_json", "--api-key", KEY, "--enable-log-requests",
-                        "--log-level", "debug")
+                        "--log-level", "debug", "--chat-template-content-format", "string",
+                        "--trust-request-chat-template")
     try:
         base = srv.base_url
         question = [{"role": "user", "content": "What is the capital of France?"}]
@@ -248,6 +251,15 @@ def test_serving_defaults_are_honoured_and_the_key_is_never_logged():
         calls = body["choices"][0]["message"].get("tool_calls")
         assert calls and calls[0]["function"]["name"] == "get_weather", body
         assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+        # --chat-template-content-format string: contents are strings even for a template that loops over
+        # parts (it then loops over characters), the parts joined by newlines.
+        parts_template = ("{% for m in messages %}{% for p in m.content %}{% if p is mapping %}{{ p.text }}{% else %}"
+                          "{{ p }}{% endif %}|{% endfor %}{% endfor %}")
+        two_parts = [{"role": "user", "content": [{"type": "text", "text": "ab"}, {"type": "text", "text": "c"}]}]
+        status, body = _post(base, "/tokenize", {"messages": two_parts, "chat_template": parts_template})
+        assert status == 200, body
+        _, body = _post(base, "/detokenize", {"tokens": body["tokens"]})
+        assert body["prompt"] == "a|b|\n|c|", body
         # A wrong key is refused; neither key appears in any log line (request log, access log, debug errors).
         status, body = _post(base, "/v1/completions", {"prompt": "x", "max_tokens": 1}, key="sk-wrong-guess-1234")
         assert status == 401, body

@@ -226,6 +226,28 @@ def test_tokenize_detokenize_roundtrip(base_url):
     assert chat["count"] > tok["count"]
 
 
+# Prints a part's text, or the item a loop over a string gives (a character): shows which shape it got.
+PARTS_TEMPLATE = ("{% for m in messages %}{% for p in m.content %}{% if p is mapping %}{{ p.text }}{% else %}{{ p }}"
+                  "{% endif %}|{% endfor %}{% endfor %}")
+TWO_PARTS = [{"role": "user", "content": [{"type": "text", "text": "ab"}, {"type": "text", "text": "c"}]}]
+
+
+def rendered(base_url: str, body: dict) -> str:
+    ids = post_json(base_url, "/tokenize", body)["tokens"]
+    return post_json(base_url, "/detokenize", {"tokens": ids})["prompt"]
+
+
+def test_content_parts_reach_a_template_that_loops_over_them(base_url):
+    """--chat-template-content-format auto (the default): a template that loops over a message's content
+    gets OpenAI text parts, a plain string as one part; the model's own template gets the parts joined by
+    newlines (vLLM's joiner). Rendered through /tokenize with the request's own template (trusted here)."""
+    assert rendered(base_url, {"messages": TWO_PARTS, "chat_template": PARTS_TEMPLATE}) == "ab|c|"
+    assert rendered(base_url, {"messages": [{"role": "user", "content": "abc"}],
+                               "chat_template": PARTS_TEMPLATE}) == "abc|"
+    joined = rendered(base_url, {"messages": TWO_PARTS})
+    assert "ab\nc" in joined, joined
+
+
 def test_version_and_health(base_url):
     async def run() -> tuple[int, dict]:
         async with aiohttp.ClientSession() as session:

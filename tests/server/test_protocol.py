@@ -17,12 +17,14 @@ from pydantic import ValidationError
 MSG = [{"role": "user", "content": "hi"}]
 
 
-def test_chat_message_content_parts_flatten():
+def test_chat_message_content_parts():
     req = ChatCompletionRequest.model_validate({"messages": [
         {"role": "system", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
         {"role": "user", "content": "hi", "name": "bob"},
     ]})
-    assert req.messages[0].to_template_dict() == {"role": "system", "content": "be brief"}
+    assert req.messages[0].text() == "be \nbrief"  # vLLM's joiner
+    assert req.messages[0].to_template_dict() == {"role": "system", "content": [
+        {"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]}  # rendering shapes them
     assert req.messages[1].to_template_dict() == {"role": "user", "content": "hi", "name": "bob"}
 
 

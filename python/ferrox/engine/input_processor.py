@@ -131,6 +131,7 @@ def render_chat(
     tools: list[dict[str, Any]] | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     index: int = 0,
+    content_format: str = "auto",
 ) -> ProcessedPrompt:
     """Apply the chat template and tokenize; the template adds the special tokens it wants.
     With tools and a template that ignores them (the embedded SmolLM2's), the tools go into the
@@ -156,6 +157,7 @@ def render_chat(
         add_generation_prompt=add_generation_prompt,
         tools=tools,
         chat_template=chat_template,
+        content_format=content_format,
         **dict(chat_template_kwargs or {}),
     )
     return ProcessedPrompt(text, list(tokenizer.encode(text, add_special_tokens=False)))

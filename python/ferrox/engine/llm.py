@@ -104,7 +104,10 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template_content_format: str = "auto",
     ) -> list[RequestOutput]:
+        """chat_template_content_format: message contents as the template gets them ("auto", "string",
+        "openai": loader/chat_template.py), as vLLM's LLM.chat."""
         if isinstance(messages, Sequence) and not isinstance(messages, (str, Mapping)) and len(messages) == 0:
             return []  # no conversations (as generate([])); an empty conversation inside a list is an error
         # is_conversation_list checked the shape at run time; it returns a plain bool, so tell the
@@ -119,6 +122,7 @@ class LLM:
             render_chat(
                 self.engine.tokenizer, conv, chat_template=template, add_generation_prompt=add_generation_prompt,
                 tools=tools, chat_template_kwargs=chat_template_kwargs, index=i,
+                content_format=chat_template_content_format,
             )
             for i, conv in enumerate(conversations)
         ]

@@ -161,6 +161,7 @@ _LOG_LEVELS = {"critical": "CRITICAL", "error": "ERROR", "warning": "WARNING", "
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from ferrox.entrypoints.openai.tool_parsers import TOOL_PARSERS
+    from ferrox.loader.chat_template import CONTENT_FORMATS
 
     p = sub.add_parser(
         "serve",
@@ -256,6 +257,10 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                      "default: none, so run-time loading is refused)")
     api.add_argument("--trust-request-chat-template", action="store_true",
                      help="accept a request's own chat_template (rendered in a jinja2 sandbox; default: refused, as vLLM)")
+    api.add_argument("--chat-template-content-format", choices=list(CONTENT_FORMATS), default="auto",
+                     help="message contents as the chat template gets them: 'string' (text parts joined by "
+                     "newlines), 'openai' (a list of {\"type\": \"text\", \"text\": ...} parts) or 'auto' (openai "
+                     "for templates that loop over a message's content, else string; default)")
     api.add_argument("--default-chat-template-kwargs", type=parse_json_object, default=None,
                      help="chat template variables for every request, as a JSON object (e.g. '{\"enable_thinking\": "
                      "false}' for Qwen3); a request's chat_template_kwargs / reasoning_effort win (default: none)")
@@ -379,6 +384,7 @@ def serve(args: argparse.Namespace) -> int:
         options = dataclasses.replace(
             options, lora_modules=lora_modules, trust_request_chat_template=args.trust_request_chat_template,
             default_chat_template_kwargs=types.MappingProxyType(dict(args.default_chat_template_kwargs or {})),
+            chat_template_content_format=args.chat_template_content_format,
             lora_allowed_dirs=tuple(os.path.realpath(d) for d in args.lora_allowed_dirs))
         # What can fail without the model fails before it loads: the port (taken?), the TLS files,
         # the generation config folder.

@@ -4,6 +4,12 @@ Same environment (sandboxed, immutable; trim_blocks + lstrip_blocks; loop contro
 extras (`raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII and takes `indent`),
 the same variables (messages, tools, documents, add_generation_prompt, special tokens, caller
 kwargs), so a template written for transformers renders byte-for-byte the same here.
+
+A message's content reaches the template in one of vLLM's two shapes (--chat-template-content-format):
+"string" (text parts joined by newlines) or "openai" (a list of {"type": "text", "text": ...} parts, a
+plain string becoming one part). "auto" picks "openai" for templates that loop over a message's content
+(Llama 4's, Gemma 3's: they print each part) and "string" for the rest, by reading the template's syntax
+tree, never by rendering it.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from typing import Any
 from ferrox.loader.errors import ChatTemplateError
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+CONTENT_FORMATS = ("auto", "string", "openai")
 
 
 @lru_cache(maxsize=16)
@@ -67,6 +74,114 @@ def _generation_extension():
 _GenerationBlock = _generation_extension()
 
 
+def content_text(content: Any, where: str = "content") -> str:
+    """A message's content as one string: text parts joined by newlines (vLLM's joiner), None as ""."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise ChatTemplateError(f"{where} must be a string or a list of content parts, got {type(content).__name__}")
+    texts = []
+    for i, part in enumerate(content):
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ChatTemplateError(f"{where}[{i}]: content part type {kind!r} is not supported (only 'text' parts "
+                                    "with a 'text' string)")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _content_parts(content: Any, where: str) -> list[dict[str, str]]:
+    """A message's content as OpenAI text parts (a string is one part; None none)."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    content_text(content, where)  # the same checks
+    return [{"type": "text", "text": p} if isinstance(p, str) else {"type": "text", "text": p["text"]} for p in content]
+
+
+def _shape_contents(messages: list[dict], content_format: str) -> list[dict]:
+    """Each message's content in the template's shape. Tool results stay strings in both (vLLM's rule:
+    templates print a tool message's content whole)."""
+    out = []
+    for i, message in enumerate(messages):
+        if "content" in message:
+            where = f"messages[{i}].content"
+            if content_format == "openai" and message.get("role") != "tool":
+                message = {**message, "content": _content_parts(message["content"], where)}
+            elif not isinstance(message["content"], str):
+                message = {**message, "content": content_text(message["content"], where)}
+        out.append(message)
+    return out
+
+
+@lru_cache(maxsize=16)
+def detect_content_format(source: str) -> str:
+    """"openai" when the template loops over a message's content, else "string" (also for a template
+    that does not parse: rendering reports that error)."""
+    import jinja2
+    import jinja2.ext
+    from jinja2 import nodes
+
+    try:
+        tree = jinja2.Environment(extensions=[jinja2.ext.loopcontrols, _GenerationBlock]).parse(source)
+    except jinja2.TemplateSyntaxError:
+        return "string"
+    lists, items, contents = {"messages"}, set(), set()
+
+    def bare(node):  # `x | filter(...)` reads x
+        while isinstance(node, nodes.Filter) and node.node is not None:
+            node = node.node
+        return node
+
+    def is_list(node) -> bool:  # messages, messages[1:], loop_messages
+        node = bare(node)
+        if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+            node = bare(node.node)
+        return isinstance(node, nodes.Name) and node.name in lists
+
+    def is_item(node) -> bool:  # message, messages[0]
+        node = bare(node)
+        if isinstance(node, nodes.Name):
+            return node.name in items
+        return isinstance(node, nodes.Getitem) and not isinstance(node.arg, nodes.Slice) and is_list(node.node)
+
+    def is_content(node) -> bool:  # message['content'], message.content, a name set to one of them
+        node = bare(node)
+        if isinstance(node, nodes.Name):
+            return node.name in contents
+        if isinstance(node, nodes.Getattr):
+            return node.attr == "content" and is_item(node.node)
+        return (isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const)
+                and node.arg.value == "content" and is_item(node.node))
+
+    for _ in range(3):  # names bound later in the template can feed loops earlier in its text
+        for node in tree.find_all((nodes.Assign, nodes.For)):
+            target, value = (node.target, node.node) if isinstance(node, nodes.Assign) else (node.target, node.iter)
+            if not isinstance(target, nodes.Name):
+                continue
+            if isinstance(node, nodes.For):
+                if is_list(value):
+                    items.add(target.name)
+            elif is_list(value):
+                lists.add(target.name)
+            elif is_item(value):
+                items.add(target.name)
+            elif is_content(value):
+                contents.add(target.name)
+    return "openai" if any(is_content(loop.iter) for loop in tree.find_all(nodes.For)) else "string"
+
+
+def resolve_content_format(content_format: str, template: str) -> str:
+    if content_format not in CONTENT_FORMATS:
+        raise ChatTemplateError(f"chat_template_content_format must be one of {list(CONTENT_FORMATS)}, "
+                                f"got {content_format!r}")
+    return detect_content_format(template) if content_format == "auto" else content_format
+
+
 def _plain_messages(messages: list[dict]) -> list[dict]:
     """Copies with None-valued keys dropped: OpenAI clients send content=None / tool_calls=None,
     which templates handle as 'absent' but would print as 'None'."""
@@ -90,19 +205,22 @@ def render_chat_template(
     documents: list[dict] | None = None,
     continue_final_message: bool = False,
     special_tokens: dict[str, Any] | None = None,
+    content_format: str = "auto",
     **template_kwargs: Any,
 ) -> str:
     """Render `messages`; any template failure raises ChatTemplateError naming `template_name`.
 
     continue_final_message: leave the last (assistant) message open so generation continues it
     (the rendered text is cut right after its content), as transformers does.
+    content_format: "auto", "string" or "openai" (the module docstring).
     """
     chat = _plain_messages(messages)
     if continue_final_message:
-        if not chat or not isinstance(chat[-1].get("content"), str):
-            raise ChatTemplateError("continue_final_message needs a last message with string content")
-        final = chat[-1]["content"]
+        if not chat or chat[-1].get("content") is None:
+            raise ChatTemplateError("continue_final_message needs a last message with content")
+        final = content_text(chat[-1]["content"], f"messages[{len(chat) - 1}].content")
         chat[-1] = {**chat[-1], "content": final + _CONTINUE_TAG}
+    chat = _shape_contents(chat, resolve_content_format(content_format, template))
     context = {**(special_tokens or {}), **template_kwargs}
     try:
         compiled = compile_template(template)

@@ -102,11 +102,14 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, chat_template: str | None = None,
-                            **template_kwargs: Any) -> str:
+                            content_format: str = "auto", **template_kwargs: Any) -> str:
+        """content_format: how message contents reach the template ("auto", "string", "openai";
+        loader/chat_template.py)."""
         template = self.get_chat_template(chat_template, tools)
         return render_chat_template(template, messages, template_name=self.name,
                                     add_generation_prompt=add_generation_prompt, tools=tools,
-                                    special_tokens=self.special_tokens, **template_kwargs)
+                                    special_tokens=self.special_tokens, content_format=content_format,
+                                    **template_kwargs)
 
 
 def load_tokenizer(source: ModelSource) -> Tokenizer:

@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ferrox.loader.chat_template import content_text
 from ferrox.structured.backend import close_objects, lark_string_literal
 from ferrox.structured.params import StructuredOutputsParams
 
@@ -200,9 +201,7 @@ def messages_for_plain_template(
     for message in messages:
         role = message.get("role")
         content = message.get("content")
-        if isinstance(content, list):  # OpenAI content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        content = content or ""
+        content = content_text(content, "content")
         if role == "assistant" and message.get("tool_calls"):
             calls = []
             for call in message["tool_calls"]:

@@ -53,7 +53,7 @@ class ToolResultBlock(_Base):
         return _reject_blocks(value, ("text",))
 
     def text(self) -> str:
-        body = self.content if isinstance(self.content, str) else "".join(b.text for b in self.content or [])
+        body = self.content if isinstance(self.content, str) else "\n".join(b.text for b in self.content or [])
         # The model should know a tool failed; Anthropic's flag has no chat-template field of its own.
         return f"Error: {body}" if self.is_error else body
 
@@ -102,7 +102,8 @@ class AnthropicMessage(_Base):
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(block.text for block in self.content if isinstance(block, TextBlock))
+        # Text blocks joined by newlines, as vLLM's Messages route joins them (its OpenAI text parts).
+        return "\n".join(block.text for block in self.content if isinstance(block, TextBlock))
 
     def to_openai(self) -> list[dict[str, Any]]:
         """This turn as OpenAI chat messages: tool_use blocks become the assistant's tool_calls,
@@ -110,7 +111,8 @@ class AnthropicMessage(_Base):
         if isinstance(self.content, str):
             return [{"role": self.role, "content": self.content}]
         if self.role == "assistant":
-            message: dict[str, Any] = {"role": "assistant", "content": self.text()}
+            texts = [b.text for b in self.content if isinstance(b, TextBlock)]
+            message: dict[str, Any] = {"role": "assistant", "content": _text_content(texts)}
             thinking = "".join(b.thinking for b in self.content if isinstance(b, ThinkingBlock))
             if thinking:
                 message["reasoning_content"] = thinking
@@ -125,14 +127,22 @@ class AnthropicMessage(_Base):
         for block in self.content:
             if isinstance(block, ToolResultBlock):
                 if text:
-                    out.append({"role": "user", "content": "".join(text)})
+                    out.append({"role": "user", "content": _text_content(text)})
                     text = []
                 out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()})
             elif isinstance(block, TextBlock):
                 text.append(block.text)
         if text or not out:
-            out.append({"role": "user", "content": "".join(text)})
+            out.append({"role": "user", "content": _text_content(text)})
         return out
+
+
+def _text_content(texts: list[str]) -> str | list[dict[str, str]]:
+    """A turn's text blocks as OpenAI content: one block a string, several a list of text parts (the
+    chat template gets them joined by newlines or as parts: --chat-template-content-format)."""
+    if len(texts) == 1:
+        return texts[0]
+    return [{"type": "text", "text": t} for t in texts] if texts else ""
 
 
 class Tool(_Base):

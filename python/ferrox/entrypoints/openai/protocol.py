@@ -321,13 +321,17 @@ class ChatMessage(BaseModel):
         return value
 
     def text(self) -> str | None:
+        """The content as one string: text parts joined by newlines (vLLM's joiner)."""
         if self.content is None or isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content)
 
     def to_template_dict(self) -> dict[str, Any]:
-        """The message as chat templates expect it: content flattened to one string."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text() or ""}
+        """The message for the chat template: content a string, or its text parts as dicts (rendering
+        shapes both as the template wants them: loader/chat_template.py)."""
+        content: Any = ([{"type": "text", "text": part.text} for part in self.content]
+                        if isinstance(self.content, list) else self.content or "")
+        out: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             out["name"] = self.name
         if self.tool_calls is not None:
@@ -475,6 +479,7 @@ class TokenizeRequest(_Base):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template: str | None = None  # with messages, under the chat route's rule (--trust-request-chat-template)
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")

@@ -126,7 +126,7 @@ class MessageItem(_Item):
     content: str | list[ContentPart]
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
 
 
 class FunctionCallItem(_Item):
@@ -142,7 +142,7 @@ class FunctionCallOutputItem(_Item):
     output: str | list[InputText]
 
     def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+        return self.output if isinstance(self.output, str) else "\n".join(p.text for p in self.output)
 
 
 def _item_kind(item: Any) -> str | None:

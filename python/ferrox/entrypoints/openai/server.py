@@ -63,6 +63,7 @@ from ferrox.entrypoints.openai.serving import (
     ServiceUnavailable,
     ServingContext,
     api_error,
+    check_request_template,
     json_response,
     parse_body,
     render_chat,
@@ -412,8 +413,9 @@ async def tokenize(request: web.Request) -> web.Response:
 
 def _tokenize(ctx: ServingContext, req: TokenizeRequest) -> list[int]:
     if req.messages is not None:
+        check_request_template(ctx, req.chat_template)
         text = render_chat(ctx, [m.to_template_dict() for m in req.messages],
-                           add_generation_prompt=req.add_generation_prompt,
+                           add_generation_prompt=req.add_generation_prompt, chat_template=req.chat_template,
                            template_kwargs=req.chat_template_kwargs)
         return ctx.engine.tokenizer.encode(text, add_special_tokens=False)
     return ctx.engine.tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)

@@ -31,6 +31,7 @@ from ferrox.entrypoints.openai.errors import APIError, bad_request, from_excepti
 from ferrox.entrypoints.openai.protocol import json_depth
 from ferrox.entrypoints.openai.serving_lora import LoRAModule, LoRARegistry
 from ferrox.errors import FerroxError
+from ferrox.loader.chat_template import content_text
 from ferrox.outputs import Logprob
 from ferrox.reasoning import ReasoningParser, get_reasoning_parser
 from ferrox.sampling_params import RequestOutputKind, SamplingParams
@@ -87,6 +88,8 @@ class ServerOptions:
     trust_request_chat_template: bool = False
     # vLLM's --default-chat-template-kwargs: template variables under every request's own.
     default_chat_template_kwargs: Mapping[str, Any] = field(default_factory=lambda: types.MappingProxyType({}))
+    # vLLM's --chat-template-content-format: message contents as strings, OpenAI parts, or by the template.
+    chat_template_content_format: str = "auto"
 
 
 class ServingContext:
@@ -394,6 +397,14 @@ def build_sampling_params(
         raise from_exception(exc) from None
 
 
+def check_request_template(ctx: ServingContext, chat_template: str | None) -> None:
+    """vLLM's rule: a request's own chat template is code (even in the jinja2 sandbox); the operator
+    opts in with --trust-request-chat-template."""
+    if chat_template is not None and not ctx.options.trust_request_chat_template:
+        raise APIError(400, "chat_template: this server does not take a request's chat template (start it with "
+                       "--trust-request-chat-template to allow one)", param="chat_template")
+
+
 def render_chat(ctx: ServingContext, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
                 continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
                 chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
@@ -404,13 +415,14 @@ def render_chat(ctx: ServingContext, messages: list[dict[str, Any]], *, add_gene
             add_generation_prompt=add_generation_prompt,
             tools=tools,
             chat_template=chat_template or ctx.engine.chat_template,
+            content_format=ctx.options.chat_template_content_format,
             **ctx.template_kwargs(template_kwargs),
         )
     except Exception as exc:  # jinja errors, missing template: the caller's input is at fault
         raise bad_request(f"chat template: {exc}", param="messages") from None
     if continue_final_message and messages:
         # Let the model continue the last (assistant) message: cut what the template adds after it.
-        last = str(messages[-1].get("content") or "")
+        last = content_text(messages[-1].get("content"))
         cut = text.rfind(last) if last else -1
         if cut >= 0:
             text = text[: cut + len(last)]

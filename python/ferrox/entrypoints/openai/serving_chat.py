@@ -26,6 +26,7 @@ from ferrox.entrypoints.openai.serving import (
     check_max_tokens,
     check_output_budget,
     check_priority,
+    check_request_template,
     chosen_entry,
     end_sse,
     finite,
@@ -45,6 +46,7 @@ from ferrox.entrypoints.openai.serving import (
     validate_request,
 )
 from ferrox.entrypoints.openai.structured import build_structured_outputs
+from ferrox.loader.chat_template import content_text
 from ferrox.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger("ferrox.entrypoints.openai")
@@ -86,7 +88,7 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
         # OpenAI's end-user tags: no effect on the output, kept for the operator's logs.
         logger.debug("request %s from user %r (safety_identifier %r)", request_id, req.user, req.safety_identifier)
     prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
-    echo = (messages[-1].get("content") or "") if req.echo and messages else ""
+    echo = content_text(messages[-1].get("content")) if req.echo and messages else ""
     if req.stream:
         return await _stream(ctx, request, req, prompt, params, request_id, echo, template, headers)
     final: RequestOutput | None = None
@@ -183,10 +185,7 @@ class _ChatPrompt:
 def _render_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> _ChatPrompt:
     """The request's conversation through the chat template and the tokenizer (blocking: runs in
     the engine's prompt threads); a bad template or message is an APIError naming `messages`."""
-    if req.chat_template is not None and not ctx.options.trust_request_chat_template:
-        # vLLM's rule: a template is code (even in the jinja2 sandbox); the operator opts in.
-        raise APIError(400, "chat_template: this server does not take a request's chat template (start it with "
-                       "--trust-request-chat-template to allow one)", param="chat_template")
+    check_request_template(ctx, req.chat_template)
     messages = [m.to_template_dict() for m in req.messages]
     use_tools = req.tools if req.tool_choice != "none" else None
     # Templates without tool support (the embedded SmolLM2's) get the tools as system text.
