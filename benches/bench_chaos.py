@@ -133,6 +133,12 @@ def build_body(rng: random.Random, api: str, feature: str, stream: bool, model: 
                         include=["reasoning.encrypted_content"], parallel_tool_calls=True)
     if api == "chat" and feature == "agent":
         body["prompt_cache_key"] = f"conversation-{rng.randrange(8)}"
+        # Agent clients send a turn as several text parts (a reminder block, then the user's words).
+        body["messages"][0]["content"] = [{"type": "text", "text": "<system-reminder>be brief</system-reminder>"},
+                                          {"type": "text", "text": prompt}]
+    elif api == "messages" and feature == "agent":
+        body["messages"][0]["content"] = [{"type": "text", "text": "<system-reminder>be brief</system-reminder>"},
+                                          {"type": "text", "text": prompt}]
     if api in ("chat", "completions"):
         if feature == "beams" and not stream:
             body.update(use_beam_search=True, n=2, temperature=0.0)

@@ -283,3 +283,21 @@ def test_mistral_tool_format_keeps_special_tokens(client):
     kept = client.chat.completions.create(tools=tools, **body).choices[0].message
     assert kept.content == "<|im_start|>" * 3 and not kept.tool_calls
     assert not client.chat.completions.create(**body).choices[0].message.content
+
+
+def test_sagemaker_invocations_picks_the_api_from_the_body(base_url):
+    """/invocations (SageMaker's route, beside /ping): `messages` is a chat completion, `prompt` a
+    completion, each validated by its own route; a body naming neither is a 400."""
+    chat = post_json(base_url, "/invocations", {"messages": QUESTION, "max_tokens": 3, "temperature": 0})
+    assert chat["object"] == "chat.completion" and chat["usage"]["completion_tokens"] == 3
+    same = post_json(base_url, "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 3, "temperature": 0})
+    assert chat["choices"][0]["message"] == same["choices"][0]["message"]
+    text = post_json(base_url, "/invocations", {"prompt": "Once upon a time", "max_tokens": 2})
+    assert text["object"] == "text_completion" and len(text["choices"]) == 1
+    for body, param in (({"max_tokens": 2}, "messages"), ({"prompt": "x", "max_tokens": -1}, "max_tokens")):
+        req = urllib.request.Request(base_url + "/invocations", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=60)
+        assert err.value.code == 400
+        assert json.loads(err.value.read())["error"]["param"] == param

@@ -17,7 +17,7 @@ ROUTES = {  # what a vLLM user reaches for, and this server's own additions
     "/v1/models": {"get"}, "/v1/models/{model}": {"get"}, "/v1/completions": {"post"},
     "/v1/chat/completions": {"post"}, "/v1/responses": {"post"}, "/v1/messages": {"post"},
     "/v1/messages/count_tokens": {"post"}, "/tokenize": {"post"}, "/detokenize": {"post"},
-    "/health": {"get"}, "/ping": {"get", "post"}, "/version": {"get"}, "/metrics": {"get"},
+    "/health": {"get"}, "/ping": {"get", "post"}, "/invocations": {"post"}, "/version": {"get"}, "/metrics": {"get"},
     "/openapi.json": {"get"}, "/status": {"get"}, "/": {"get"},
     "/v1/embeddings": {"post"}, "/pooling": {"post"},
     "/v1/load_lora_adapter": {"post"}, "/v1/unload_lora_adapter": {"post"},

@@ -40,7 +40,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 import ferrox
 from ferrox.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestTimeoutError
@@ -368,6 +368,30 @@ async def ping(request: web.Request) -> web.Response:
     return await health(request)
 
 
+class _InvocationBody(BaseModel):
+    """Only what /invocations reads to pick the API; the API's own model validates the whole body."""
+
+    model_config = ConfigDict(extra="allow")
+    messages: Any = None
+    prompt: Any = None
+    input: Any = None
+
+
+async def invocations(request: web.Request) -> web.StreamResponse:
+    """SageMaker's inference route (beside /ping), as vLLM's: the body's shape picks the API -- `messages`
+    chat completions, `prompt` completions, `input` embeddings -- and that route answers it whole."""
+    body = await parse_body(request, _InvocationBody)  # (aiohttp keeps the bytes: the route reads them again)
+    ctx = request.app[CTX]
+    if body.messages is not None:
+        return await generation_only(create_chat_completion, "Chat Completions API")(ctx, request)
+    if body.prompt is not None:
+        return await generation_only(create_completion, "Completions API")(ctx, request)
+    if body.input is not None:
+        return await create_embedding(ctx, request)
+    raise APIError(400, "/invocations: the body names no API: give `messages` (chat completions), `prompt` "
+                   "(completions) or `input` (embeddings)", param="messages")
+
+
 async def version(request: web.Request) -> web.Response:
     return json_response({"version": ferrox.__version__})
 
@@ -484,6 +508,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str | None = None, api_key
     app.router.add_post("/v1/messages/count_tokens", _bind(count_message_tokens))
     app.router.add_post("/v1/load_lora_adapter", _bind_loras(load_lora_adapter))
     app.router.add_post("/v1/unload_lora_adapter", _bind_loras(unload_lora_adapter))
+    app.router.add_post("/invocations", invocations)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
