@@ -1,8 +1,9 @@
 """ferrox: an LLM inference and serving engine with a Rust core.
 
 Public names: LLM, AsyncLLM, SamplingParams, StructuredOutputsParams, PoolingParams (with the
-outputs of a pooling model, EmbeddingRequestOutput and PoolingRequestOutput), and the exception tree
-rooted at FerroxError (ferrox.errors: every error has `.param`, the request field at fault).
+outputs of a pooling model, EmbeddingRequestOutput, PoolingRequestOutput and ScoringRequestOutput), and
+the exception tree rooted at FerroxError (ferrox.errors: every error has `.param`, the request field at
+fault).
 Heavy modules (torch, the engine) load on first use so `import ferrox` stays fast.
 """
 
@@ -32,6 +33,7 @@ __all__ = [
     "PoolingParams",
     "EmbeddingRequestOutput",
     "PoolingRequestOutput",
+    "ScoringRequestOutput",
     "FerroxError",
     "InvalidArgumentError",
     "PromptTooLongError",
@@ -52,12 +54,13 @@ _LAZY = {
     "PoolingParams": "ferrox.pooling.params",
     "EmbeddingRequestOutput": "ferrox.outputs",
     "PoolingRequestOutput": "ferrox.outputs",
+    "ScoringRequestOutput": "ferrox.outputs",
 }
 
 if TYPE_CHECKING:
     from ferrox.engine.async_llm import AsyncLLM
     from ferrox.engine.llm import LLM
-    from ferrox.outputs import EmbeddingRequestOutput, PoolingRequestOutput
+    from ferrox.outputs import EmbeddingRequestOutput, PoolingRequestOutput, ScoringRequestOutput
     from ferrox.pooling.params import PoolingParams
     from ferrox.sampling_params import SamplingParams
     from ferrox.structured.params import StructuredOutputsParams

@@ -1,6 +1,6 @@
 """What `LLM.generate` / `AsyncLLM.generate` hand back (vLLM-compatible shapes and names), and for a
-pooling model what `LLM.embed` / `LLM.encode` / `AsyncLLM.encode` do (EmbeddingRequestOutput,
-PoolingRequestOutput).
+pooling model what `LLM.embed` / `LLM.encode` / `AsyncLLM.encode` / `LLM.score` do (EmbeddingRequestOutput,
+PoolingRequestOutput, ScoringRequestOutput).
 
 Logprobs follow vLLM: one dict per position, token id -> `Logprob`, holding the chosen token and
 the top-N alternatives. Prompt logprobs start with None (the first prompt token has no context).
@@ -104,6 +104,23 @@ class EmbeddingRequestOutput:
         return EmbeddingRequestOutput(request_output.request_id,
                                       EmbeddingOutput(request_output.outputs.data.tolist()),
                                       request_output.prompt_token_ids, request_output.finished)
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    score: float  # an embedding model's: the cosine similarity of the pair's two vectors
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """One scored pair (LLM.score). As vLLM's for an embedding model: the id joins the two texts' request
+    ids with "_"; prompt_token_ids are the first text's, the pad token (when the tokenizer has one), then
+    the second text's."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool
 
 
 # What the output processor yields for one request: a generation's or a pooling model's.

@@ -34,8 +34,16 @@ from ferrox.engine.lora_state import check_lora_request, lora_fields
 from ferrox.engine.output_processor import OutputProcessor
 from ferrox.engine.protocol import EngineCoreRequest
 from ferrox.errors import InvalidArgumentError, RequestError
-from ferrox.outputs import AnyRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from ferrox.outputs import (
+    AnyRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from ferrox.pooling.params import PoolingParams, pooling_sampling_params
+from ferrox.pooling.score import cosine_similarity, distinct, score_pairs
 from ferrox.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -206,15 +214,66 @@ class LLM:
         items = normalize_prompts(prompts)
         if not items:
             return []
-        tokenizer = self.engine.tokenizer
+        processed = self._pooling_prompts(items)
+        params_list = _pooling_per_prompt(pooling_params, len(processed))
+        return self._pool(processed, params_list, use_tqdm, [f"prompts[{i}]" for i in range(len(processed))])
+
+    def score(
+        self,
+        data_1: PromptInput | Sequence[PromptInput],
+        data_2: PromptInput | Sequence[PromptInput],
+        /,
+        *,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest] | None = None,
+        tokenization_kwargs: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's LLM.score for an embedding model: the cosine similarity of each pair's embeddings, one per
+        pair in order. One data_1 pairs with every data_2 (1:N), else they pair up one to one (N:N); each
+        side takes what embed() takes. Every distinct prompt is embedded once, all in one batch.
+        pooling_params: for every prompt (`dimensions` changes the vectors compared; `normalize` does not
+        change a cosine). lora_request, tokenization_kwargs and chat_template (a cross-encoder's) are
+        refused by name."""
+        for name, value in (("lora_request", lora_request), ("tokenization_kwargs", tokenization_kwargs or None),
+                            ("chat_template", chat_template)):
+            if value is not None:
+                raise InvalidArgumentError(f"{name}: not supported by score() (an embedding model embeds each text "
+                                           "as embed() does, with its special tokens, never truncated)", param=name)
+        if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+            raise InvalidArgumentError(f"pooling_params: expected one PoolingParams (it applies to every prompt), "
+                                       f"got {type(pooling_params).__name__}", param="pooling_params")
+        side_1, side_2 = _score_side(data_1, "data_1"), _score_side(data_2, "data_2")
+        pairs = score_pairs(len(side_1), len(side_2))
+        processed = self._pooling_prompts(side_1 + side_2)
+        labels = [f"data_1[{i}]" for i in range(len(side_1))] + [f"data_2[{j}]" for j in range(len(side_2))]
+        first, where = distinct([tuple(p.prompt_token_ids) for p in processed])
+        outs = self._pool([processed[i] for i in first], [pooling_params or PoolingParams()] * len(first), use_tqdm,
+                          [labels[i] for i in first])
+        pad_id = self.engine.tokenizer.pad_token_id
+        pad = [] if pad_id is None else [pad_id]
+        results = []
+        for i, j in pairs:
+            a, b = outs[where[i]], outs[where[len(side_1) + j]]
+            results.append(ScoringRequestOutput(f"{a.request_id}_{b.request_id}",
+                                                ScoringOutput(cosine_similarity(a.outputs.data, b.outputs.data)),
+                                                a.prompt_token_ids + pad + b.prompt_token_ids, True))
+        return results
+
+    def _pooling_prompts(self, items: list[PromptInput]) -> list[ProcessedPrompt]:
         # Texts are encoded in one batch (the tokenizer spreads it over its threads): embedding calls are
         # many short prompts, for which encoding one by one costs as much as the model on a GPU.
+        tokenizer = self.engine.tokenizer
         texts = iter(tokenizer.encode_batch([p for p in items if isinstance(p, str)]))
-        processed = [ProcessedPrompt(p, next(texts)) if isinstance(p, str) else process_prompt(tokenizer, p, i)
-                     for i, p in enumerate(items)]
-        params_list = _pooling_per_prompt(pooling_params, len(processed))
-        for i, (p, pp) in enumerate(zip(processed, params_list, strict=True)):
-            self.engine.validate_pooling_prompt(p.prompt_token_ids, pp, what=f"prompts[{i}]")
+        return [ProcessedPrompt(p, next(texts)) if isinstance(p, str) else process_prompt(tokenizer, p, i)
+                for i, p in enumerate(items)]
+
+    def _pool(self, processed: list[ProcessedPrompt], params_list: list[PoolingParams], use_tqdm: bool,
+              labels: list[str]) -> list[PoolingRequestOutput]:
+        """Every prompt through the engine in one batch (labels name each in errors); outputs in order."""
+        for p, pp, what in zip(processed, params_list, labels, strict=True):
+            self.engine.validate_pooling_prompt(p.prompt_token_ids, pp, what=what)
         order: dict[str, int] = {}
         sampling = pooling_sampling_params()  # read-only in the engine: one for every request
         try:
@@ -230,9 +289,9 @@ class LLM:
         except BaseException:
             self._abort(list(order))
             raise
-        for i, out in enumerate(outputs):
+        for label, out in zip(labels, outputs, strict=True):
             if out.error is not None:
-                raise RequestError(f"prompts[{i}]: {out.error}")
+                raise RequestError(f"{label}: {out.error}")
         return outputs
 
     # ---- the offline loop ---------------------------------------------------------------------------------
@@ -346,6 +405,17 @@ def _pooling_per_prompt(pooling_params: PoolingParams | Sequence[PoolingParams] 
             raise InvalidArgumentError(f"pooling_params[{i}]: expected PoolingParams, got {type(pp).__name__}",
                                        param="pooling_params")
     return params
+
+
+def _score_side(data: PromptInput | Sequence[PromptInput], name: str) -> list[PromptInput]:
+    """One side of score(): its prompts (a text, a token-id list or a dict is one prompt). vLLM's multimodal
+    inputs ({"content": [...]}) are refused by name: ferrox's embedding models read text."""
+    items = normalize_prompts(data)
+    for item in items:
+        if isinstance(item, Mapping) and "content" in item:
+            raise InvalidArgumentError(f"{name}: multimodal score inputs ({{'content': [...]}}) are not supported; "
+                                       "give texts", param=name)
+    return items
 
 
 class _ProgressBar:

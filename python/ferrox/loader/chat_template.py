@@ -159,14 +159,14 @@ def detect_content_format(source: str) -> str:
                 and node.arg.value == "content" and is_item(node.node))
 
     for _ in range(3):  # names bound later in the template can feed loops earlier in its text
-        for node in tree.find_all((nodes.Assign, nodes.For)):
-            target, value = (node.target, node.node) if isinstance(node, nodes.Assign) else (node.target, node.iter)
+        for loop in tree.find_all(nodes.For):
+            if isinstance(loop.target, nodes.Name) and is_list(loop.iter):
+                items.add(loop.target.name)
+        for assign in tree.find_all(nodes.Assign):
+            target, value = assign.target, assign.node
             if not isinstance(target, nodes.Name):
                 continue
-            if isinstance(node, nodes.For):
-                if is_list(value):
-                    items.add(target.name)
-            elif is_list(value):
+            if is_list(value):
                 lists.add(target.name)
             elif is_item(value):
                 items.add(target.name)

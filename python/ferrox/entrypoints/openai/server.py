@@ -1,10 +1,10 @@
 """The aiohttp application: routes, auth, error shapes, body limit, and the serve loop.
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /v1/responses,
-POST /v1/messages (Anthropic), POST /v1/embeddings and POST /pooling (a pooling model: the generation
-routes answer 400 then, as vLLM's do), POST /tokenize, POST /detokenize, GET /health, GET|POST /ping,
-GET /version, GET /metrics, GET /openapi.json (built from this route table), and the page for
-people at / (with GET /status, the JSON its live view reads).
+POST /v1/messages (Anthropic), POST /v1/embeddings, POST /pooling, POST /score and POST /rerank (a
+pooling model: the generation routes answer 400 then, as vLLM's do), POST /tokenize, POST /detokenize,
+GET /health, GET|POST /ping, GET /version, GET /metrics, GET /openapi.json (built from this route
+table), and the page for people at / (with GET /status, the JSON its live view reads).
 
 Every error leaves as JSON in OpenAI's shape (Anthropic's on /v1/messages), whatever raised
 it: our APIError, aiohttp's own HTTP errors (404 route, 405 method, 413 body), or a bug (500,
@@ -57,6 +57,7 @@ from ferrox.entrypoints.openai.protocol import (
 )
 from ferrox.entrypoints.openai.protocol_embeddings import EmbeddingRequest, PoolingRequest
 from ferrox.entrypoints.openai.protocol_responses import ResponsesRequest
+from ferrox.entrypoints.openai.protocol_score import RerankRequest, ScoreRequest
 from ferrox.entrypoints.openai.serving import (
     CTX,
     ServerOptions,
@@ -73,6 +74,7 @@ from ferrox.entrypoints.openai.serving_completion import create_completion
 from ferrox.entrypoints.openai.serving_embeddings import create_embedding, create_pooling, generation_only
 from ferrox.entrypoints.openai.serving_lora import LoRARegistry, load_lora_adapter, unload_lora_adapter
 from ferrox.entrypoints.openai.serving_responses import create_response
+from ferrox.entrypoints.openai.serving_score import create_rerank, create_score
 from ferrox.entrypoints.openapi import build_openapi
 from ferrox.entrypoints.web.status import ThroughputMeter, server_status
 from ferrox.gc_tuning import freeze_startup_heap
@@ -379,7 +381,8 @@ class _InvocationBody(BaseModel):
 
 async def invocations(request: web.Request) -> web.StreamResponse:
     """SageMaker's inference route (beside /ping), as vLLM's: the body's shape picks the API -- `messages`
-    chat completions, `prompt` completions, `input` embeddings -- and that route answers it whole."""
+    chat completions, `prompt` completions, `input` embeddings, `query` + `documents` rerank, `text_1` (or
+    `data_1`, `queries`) score -- and that route answers it whole."""
     body = await parse_body(request, _InvocationBody)  # (aiohttp keeps the bytes: the route reads them again)
     ctx = request.app[CTX]
     if body.messages is not None:
@@ -388,8 +391,14 @@ async def invocations(request: web.Request) -> web.StreamResponse:
         return await generation_only(create_completion, "Completions API")(ctx, request)
     if body.input is not None:
         return await create_embedding(ctx, request)
+    extra = body.model_extra or {}
+    if "query" in extra and "documents" in extra:
+        return await create_rerank(ctx, request)
+    if any(key in extra for key in ("text_1", "data_1", "queries")):
+        return await create_score(ctx, request)
     raise APIError(400, "/invocations: the body names no API: give `messages` (chat completions), `prompt` "
-                   "(completions) or `input` (embeddings)", param="messages")
+                   "(completions), `input` (embeddings), `query` + `documents` (rerank) or `text_1` / `data_1` / "
+                   "`queries` (score)", param="messages")
 
 
 async def version(request: web.Request) -> web.Response:
@@ -407,6 +416,8 @@ _REQUEST_MODELS: dict[str, type[BaseModel]] = {
     "/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest,
     "/v1/messages/count_tokens": MessagesCountRequest, "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest, "/v1/embeddings": EmbeddingRequest, "/pooling": PoolingRequest,
+    "/score": ScoreRequest, "/v1/score": ScoreRequest, "/rerank": RerankRequest, "/v1/rerank": RerankRequest,
+    "/v2/rerank": RerankRequest,
 }
 
 
@@ -505,6 +516,10 @@ def build_app(engine: AsyncLLM, *, served_model_name: str | None = None, api_key
     app.router.add_post("/v1/messages", _bind(generation_only(create_message, "Messages API")))
     app.router.add_post("/v1/embeddings", _bind(create_embedding))
     app.router.add_post("/pooling", _bind(create_pooling))
+    for path in ("/score", "/v1/score"):
+        app.router.add_post(path, _bind(create_score))
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.router.add_post(path, _bind(create_rerank))
     app.router.add_post("/v1/messages/count_tokens", _bind(count_message_tokens))
     app.router.add_post("/v1/load_lora_adapter", _bind_loras(load_lora_adapter))
     app.router.add_post("/v1/unload_lora_adapter", _bind_loras(unload_lora_adapter))

@@ -19,7 +19,7 @@ import base64
 import contextlib
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,8 +44,8 @@ from ferrox.pooling.params import PoolingParams, validate_pooling_request
 
 Route = Callable[[ServingContext, web.Request], Awaitable[web.StreamResponse]]
 
-# The engine names the prompt "prompt"; these routes receive it as "input".
-INPUT_FIELDS = {"prompt": "input", "prompt_token_ids": "input"}
+# The engine's names of the prompt; an error naming one names the field the route's inputs came in ("input").
+PROMPT_FIELDS = ("prompt", "prompt_token_ids")
 
 
 def not_supported(api: str) -> APIError:
@@ -89,10 +89,11 @@ async def _serve(ctx: ServingContext, request: web.Request, req: EmbeddingReques
     except FerroxError as exc:
         raise api_error(exc) from None
     # Encoding many or long texts takes a while: off the event loop (a few short ones inline).
-    prompts = await ctx.engine.prompt_work(prompt_size(req), _tokenize, ctx, req)
-    _validate(ctx, prompts, params)
+    inputs = req.inputs()
+    prompts = await ctx.engine.prompt_work(prompt_size(inputs), tokenize_inputs, ctx, inputs, req.add_special_tokens)
+    validate_inputs(ctx, prompts, params)
     request_id, header_id = request_ids(request, req, prefix)
-    outputs = await _encode_all(ctx, prompts, params, request_id, req.priority)
+    outputs = await encode_all(ctx, prompts, params, request_id, req.priority)
     data = [{"index": i, "object": item, key: _encode_vector(out.outputs.data, req)}
             for i, out in enumerate(outputs)]
     num_tokens = sum(len(ids) for ids in prompts)
@@ -106,37 +107,41 @@ async def _serve(ctx: ServingContext, request: web.Request, req: EmbeddingReques
     }, headers={"X-Request-Id": header_id})
 
 
-def _tokenize(ctx: ServingContext, req: EmbeddingRequest) -> list[list[int]]:
-    """Token ids of every input (blocking: runs in the engine's prompt threads). Texts are encoded in one
-    batch with the model's special tokens (add_special_tokens), as transformers encodes them."""
-    inputs = req.inputs()
+def tokenize_inputs(ctx: ServingContext, inputs: Sequence[str | list[int]],
+                    add_special_tokens: bool = True) -> list[list[int]]:
+    """Token ids of every input, a text or its token ids (blocking: runs in the engine's prompt threads).
+    Texts are encoded in one batch with the model's special tokens (add_special_tokens), as transformers
+    encodes them."""
     texts = [(i, x) for i, x in enumerate(inputs) if isinstance(x, str)]
     prompts: list[list[int]] = [x if isinstance(x, list) else [] for x in inputs]
     if texts:
-        encoded = ctx.engine.tokenizer.encode_batch([t for _, t in texts], add_special_tokens=req.add_special_tokens)
+        encoded = ctx.engine.tokenizer.encode_batch([t for _, t in texts], add_special_tokens=add_special_tokens)
         for (i, _), ids in zip(texts, encoded, strict=True):
             prompts[i] = ids
     return prompts
 
 
-def _validate(ctx: ServingContext, prompts: list[list[int]], params: PoolingParams) -> None:
+def validate_inputs(ctx: ServingContext, prompts: list[list[int]], params: PoolingParams,
+                    labels: Sequence[tuple[str, str | None]] | None = None) -> None:
     """The pooling rules on every input before any is queued: a 400 naming `input` (too long: OpenAI's
-    context_length_exceeded) or `dimensions`."""
+    context_length_exceeded) or `dimensions`. labels: each input's (field, name in messages), for routes
+    whose inputs come in other fields."""
     engine = ctx.engine
     assert engine.pooler_config is not None
     for i, ids in enumerate(prompts):
+        param, what = labels[i] if labels is not None else ("input", f"input {i}" if len(prompts) > 1 else None)
         try:
             validate_pooling_request(ids, params, engine.pooler_config, max_model_len=engine.max_model_len,
-                                     vocab_size=engine.limits.vocab_size, what=f"input {i}" if len(prompts) > 1 else None,
-                                     prompt_param="input", model_name=f"model {ctx.model_name!r}")
+                                     vocab_size=engine.limits.vocab_size, what=what, prompt_param=param,
+                                     model_name=f"model {ctx.model_name!r}")
         except FerroxError as exc:
             raise api_error(exc) from None
 
 
-async def _encode_all(ctx: ServingContext, prompts: list[list[int]], params: PoolingParams, request_id: str,
-                      priority: int) -> list[PoolingRequestOutput]:
+async def encode_all(ctx: ServingContext, prompts: list[list[int]], params: PoolingParams, request_id: str,
+                     priority: int, *, param: str = "input") -> list[PoolingRequestOutput]:
     """Every input through the engine at once; if one fails (or the client leaves), the others are
-    cancelled, which aborts them in the engine."""
+    cancelled, which aborts them in the engine. An engine error names `param`, the field of the inputs."""
     single = len(prompts) == 1
 
     async def one(i: int, ids: list[int]) -> PoolingRequestOutput:
@@ -154,7 +159,7 @@ async def _encode_all(ctx: ServingContext, prompts: list[list[int]], params: Poo
     try:
         return list(await asyncio.gather(*tasks))
     except STREAM_ERRORS as exc:
-        raise api_error(exc, default_param="input", rename=INPUT_FIELDS) from None
+        raise api_error(exc, default_param=param, rename=dict.fromkeys(PROMPT_FIELDS, param)) from None
     finally:
         for task in tasks:
             task.cancel()
