@@ -39,6 +39,21 @@ def test_bert_on_cuda_matches_transformers(bert_folder, dtype):
             assert cosine(out.outputs.embedding, expected) >= 0.99
 
 
+def test_score_on_cuda_is_the_cosine_of_transformers_embeddings(bert_folder):
+    """LLM.score on the GPU (1:N and N:N) against the cosine similarity of transformers' embeddings."""
+    transformers = pytest.importorskip("transformers")
+    llm = LLM(bert_folder, device="cuda", dtype="float32")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(bert_folder)
+    model = transformers.AutoModel.from_pretrained(bert_folder, dtype=torch.float32).to("cuda").eval()
+    ref = _reference(tokenizer, model, TEXTS)
+    one_to_many = [o.outputs.score for o in llm.score(TEXTS[0], TEXTS, use_tqdm=False)]
+    pairwise = [o.outputs.score for o in llm.score(TEXTS, TEXTS[::-1], use_tqdm=False)]
+    want_1n = [float(ref[0] @ ref[j]) for j in range(len(TEXTS))]
+    want_nn = [float(ref[i] @ ref[len(TEXTS) - 1 - i]) for i in range(len(TEXTS))]
+    assert one_to_many == pytest.approx(want_1n, abs=1e-4)
+    assert pairwise == pytest.approx(want_nn, abs=1e-4)
+
+
 def _reference(tokenizer, model, texts):
     """Mean pooling + normalisation (sentence-transformers' computation) on the GPU, in float32."""
     batch = tokenizer(texts, padding=True, return_tensors="pt").to("cuda")
