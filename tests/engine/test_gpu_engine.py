@@ -69,3 +69,24 @@ def test_gpu_profiled_kv_and_sampling(tiny_llama):
     assert len(outs[4].outputs) == 2 and all(len(o.token_ids) >= 4 for o in outs[4].outputs)
     stats = llm.engine.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"] - 1
+
+
+def test_a_second_engine_in_one_process_captures_its_graphs(tmp_path, caplog):
+    """Two engines one after the other in one process (a notebook, a test module's parametrized fixture):
+    the first, dropped but not yet collected, must not make the second's CUDA-graph captures fail (they
+    did, on the H200: the second engine then ran every step eagerly, with only an error in the log)."""
+    import logging
+
+    from tests.helpers.tiny_models import make_tiny_qwen3
+
+    folder = make_tiny_qwen3(tmp_path / "qwen3", qwen_tokens=True)
+    params = SamplingParams(temperature=1.0, seed=0, max_tokens=8, ignore_eos=True)
+    with caplog.at_level(logging.ERROR):
+        for async_scheduling in (False, True):  # as tests/engine/test_thinking_budget.py builds them
+            llm = LLM(folder, reasoning_parser="deepseek_r1", async_scheduling=async_scheduling, max_model_len=256,
+                      kv_cache_memory=16 << 20)
+            llm.generate([[5, 6, 7]] * 3, params, use_tqdm=False)
+            assert llm.engine.runner.graph_runner is not None
+            assert llm.engine.runner.forward.piece_runner is not None
+            del llm
+    assert "capture failed" not in caplog.text, caplog.text[-3000:]

@@ -37,9 +37,12 @@ slots (lora/slots.py) are, which is one reason LoRA and speculation are refused 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
+import gc
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -69,6 +72,27 @@ def batch_size_ladder(max_num_seqs: int) -> list[int]:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
     sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs, 8))
     return sorted(set(sizes + [max_num_seqs]))
+
+
+# Only this thread's forbidden calls fail a capture. In "global" mode any thread's would: the engine's
+# other threads (output, structured-output masks) and an earlier engine's, still winding down in the same
+# process, may query events or free pinned memory while graphs are captured at start-up; the capture then
+# failed and the engine ran every step eagerly (seen on the H200: a second LLM in one process).
+CAPTURE_ERROR_MODE = "thread_local"
+
+
+@contextlib.contextmanager
+def capture_guard() -> Iterator[None]:
+    """Garbage collected before the captures and not during them: an object freed by the collector mid-capture
+    (an earlier engine's graphs or pinned buffers) runs CUDA calls a capture forbids on this thread."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def next_captured_size(sizes: list[int], n: int, what: str) -> int:
@@ -212,6 +236,10 @@ class CudaGraphRunner:
         """Capture every ladder size (largest first, so smaller graphs reuse its memory pool), each
         on a dummy decode step of that size staged like a real one. The dummy steps write K/V into
         a few blocks of the (still unused) cache; those blocks are zeroed again afterwards."""
+        with capture_guard():
+            return self._capture_all()
+
+    def _capture_all(self) -> float:
         start = time.perf_counter()
         upload = Uploader(self.device)
         touched: set[int] = set()
@@ -255,7 +283,7 @@ class CudaGraphRunner:
         self.model.forward(*args)  # warm-up: Triton compiles and cuBLAS picks kernels outside capture
         torch.cuda.synchronize(self.device)  # also: the upload's pinned buffers are free again
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode=CAPTURE_ERROR_MODE):
             out = self.model.forward(*args)
         return graph, out
 

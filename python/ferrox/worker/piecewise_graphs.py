@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from ferrox.attention.metadata import AttentionMetadata
-from ferrox.worker.cuda_graphs import next_captured_size
+from ferrox.worker.cuda_graphs import CAPTURE_ERROR_MODE, capture_guard, next_captured_size
 from ferrox.worker.dummy_batch import min_prefill_blocks, prefill_step, upload_step
 from ferrox.worker.step_inputs import Uploader
 
@@ -154,7 +154,7 @@ class _Recorder:
 
     def begin_piece(self) -> None:
         graph = torch.cuda.CUDAGraph()
-        graph.capture_begin(pool=self.pool)
+        graph.capture_begin(pool=self.pool, capture_error_mode=CAPTURE_ERROR_MODE)
         self.graphs.append(graph)
 
     def end_piece(self) -> None:
@@ -210,6 +210,10 @@ class PiecewiseGraphRunner:
     def capture(self) -> float:
         """Capture every ladder size, largest first (the smaller ones reuse its pool memory). No
         attention runs, so the KV cache is not written."""
+        with capture_guard():
+            return self._capture_all()
+
+    def _capture_all(self) -> float:
         start = time.perf_counter()
         upload = Uploader(self.device)
         pool = torch.cuda.graph_pool_handle()
