@@ -62,4 +62,11 @@ class ModelSpec:
     mlp_bias: bool = False
     hidden_act: str = "silu"
     moe: MoeSpec | None = None  # set for mixture-of-experts configs
+    # The attention window config.json declares (sliding_window), when it bounds the context:
+    # ferrox has no sliding-window attention, so max_position_embeddings is already capped to it
+    # (within the window full attention is the same thing) and max_model_len errors name it.
+    sliding_window: int | None = None
+    # The softmax scale of the attention scores when it is not head_dim ** -0.5 (Granite's
+    # attention_multiplier); set by the family's model class, read by every attention path.
+    attention_scale: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)

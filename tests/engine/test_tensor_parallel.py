@@ -23,7 +23,13 @@ from ferrox.errors import UnsupportedModelError
 from ferrox.loader.model_loader import load_model_spec
 from ferrox.loader.source import resolve_model
 
-from tests.helpers.tiny_models import make_tiny_llama, make_tiny_qwen2, make_tiny_qwen3
+from tests.helpers.tiny_models import (
+    make_tiny_granite,
+    make_tiny_llama,
+    make_tiny_phi3,
+    make_tiny_qwen2,
+    make_tiny_qwen3,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -60,12 +66,20 @@ def _assert_same(reference, sharded, atol: float = 1e-4):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=atol), (a, b)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2-one-kv-head", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2-one-kv-head", "qwen3", "phi3-granite"])
 def test_tp2_matches_tp1(tmp_path, family):
     if family == "llama":
         folder = make_tiny_llama(tmp_path, tie_word_embeddings=False)
     elif family == "qwen2-one-kv-head":  # 2 ranks, 1 KV head: each rank caches a replica of it
         folder = make_tiny_qwen2(tmp_path, num_kv_heads=1)
+    elif family == "phi3-granite":
+        # Phi-3: each rank cuts its rows out of the fused qkv / gate_up tensors without reading the rest;
+        # Granite (tied): its folded multipliers are applied to each rank's slices as they are read.
+        phi3, granite = make_tiny_phi3(tmp_path / "phi3"), make_tiny_granite(tmp_path / "granite",
+                                                                             tie_word_embeddings=True)
+        _assert_same(_generate(phi3, 1), _generate(phi3, 2), atol=0.05)
+        _assert_same(_generate(granite, 1), _generate(granite, 2), atol=0.05)
+        return
     else:
         folder = make_tiny_qwen3(tmp_path)  # tied embeddings: the LM head is the embedding's shard
     _assert_same(_generate(folder, 1), _generate(folder, 2), atol=0.05)

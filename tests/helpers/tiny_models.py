@@ -162,6 +162,63 @@ def make_tiny_qwen2(folder, *, hidden_size: int = 64, num_layers: int = 2, num_h
     return _save(str(folder), model, tok, max_shard_size=None, generation=None)
 
 
+def make_tiny_phi3(folder, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+                   intermediate_size: int = 128, max_position_embeddings: int = 2048, sliding_window: int | None = None,
+                   tie_word_embeddings: bool = False, seed: int = 0, **config_fields: Any) -> str:
+    """A Phi-3 (fused qkv_proj and gate_up_proj in the checkpoint; GQA 4/2 by default, which real
+    Phi-3s do not use but which makes the q/k/v row split uneven). config_fields go to Phi3Config
+    (e.g. rope_parameters, partial_rotary_factor) and so into config.json."""
+    import torch
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    tok = build_tokenizer()
+    params = _common(tok, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
+                     max_position_embeddings, tie_word_embeddings)
+    config_fields.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})
+    config = Phi3Config(**params, sliding_window=sliding_window, original_max_position_embeddings=max_position_embeddings,
+                        resid_pdrop=0.1, embd_pdrop=0.1, attention_dropout=0.1, **config_fields)
+    torch.manual_seed(seed)
+    model = Phi3ForCausalLM(config).to(torch.float32)
+    _randomize_norms(model)
+    return _save(str(folder), model, tok, max_shard_size=None, generation=None)
+
+
+def make_tiny_granite(folder, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+                      intermediate_size: int = 128, max_position_embeddings: int = 2048,
+                      tie_word_embeddings: bool = False, embedding_multiplier: float = 12.0,
+                      residual_multiplier: float = 0.22, attention_multiplier: float = 0.0078125,
+                      logits_scaling: float = 8.0, attention_bias: bool = False, seed: int = 0) -> str:
+    """A Granite 3.x (dense): Llama with embedding / residual / attention multipliers and logits
+    scaling, by default far from 1 (and the softmax scale far from head_dim ** -0.5) so that a
+    multiplier applied wrong, or not at all, changes the tokens. attention_bias: q/k/v and o_proj
+    biases (random), so the o_proj bias fold is tested."""
+    import torch
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    tok = build_tokenizer()
+    params = _common(tok, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
+                     max_position_embeddings, tie_word_embeddings)
+    config = GraniteConfig(**params, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                           embedding_multiplier=embedding_multiplier, residual_multiplier=residual_multiplier,
+                           attention_multiplier=attention_multiplier, logits_scaling=logits_scaling,
+                           attention_bias=attention_bias)
+    torch.manual_seed(seed)
+    model = GraniteForCausalLM(config).to(torch.float32)
+    _randomize_norms(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("_proj.bias"):  # HF inits biases at 0; make them matter
+                param.normal_(0.0, 0.1)
+            elif name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
+                # The multipliers grow the embedding (x12) and shrink each layer's update (x0.22):
+                # wider projections and a narrower embedding keep the layers' part of the logits
+                # (the attention scale's included) large enough to decide tokens.
+                param.mul_(4.0)
+            elif name == "model.embed_tokens.weight":
+                param.mul_(0.25)
+    return _save(str(folder), model, tok, max_shard_size=None, generation=None)
+
+
 def _moe_model(config_cls, model_cls, tok, seed: int, *, router_std: float, **params):
     """A random MoE model: norms randomized, and a wider router so its top-k choices are far from
     ties (a near-tie would let float noise, not the code, decide the greedy tokens)."""

@@ -1,5 +1,5 @@
 """The Triton backend's one-token decode path (attention/fused_decode.py) driven through tiny Llama,
-Qwen2 and Qwen3 models built with the Triton kernel set, against the same weights on the torch
+Qwen2, Qwen3, MoE and Granite (a softmax scale of its own) models built with the Triton kernel set, against the same weights on the torch
 kernel set, and against the Triton set with FERROX_FUSED_DECODE=0. Runs on CUDA, or on CPU in the
 Triton interpreter child (see conftest.py), where `kernels="triton"` forces the GPU path."""
 
@@ -59,6 +59,12 @@ def _wide_row_tiles_when_interpreted(monkeypatch):
     monkeypatch.setattr(fused_moe, "choose_gemv_config", wide_moe)
 
 
+# Granite: a softmax scale (attention_multiplier) far from head_dim ** -0.5, which the fused path
+# must read from the layer as the general one does; the other multipliers live in the weights.
+FAMILY = {"GraniteForCausalLM": {"attention_multiplier": 0.03, "embedding_multiplier": 12.0,
+                                 "residual_multiplier": 0.22, "logits_scaling": 8.0}}
+
+
 def _config(arch: str) -> dict:
     return {
         # Small enough for the interpreter (hidden_size != heads x head_dim on purpose).
@@ -66,7 +72,7 @@ def _config(arch: str) -> dict:
         "head_dim": 16, "intermediate_size": 48, "num_hidden_layers": 2, "vocab_size": 61,
         "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "float32",
         "tie_word_embeddings": arch != "Qwen2ForCausalLM",  # one untied lm_head among the three
-        **MOE.get(arch, {}),
+        **MOE.get(arch, {}), **FAMILY.get(arch, {}),
     }
 
 
@@ -150,7 +156,7 @@ def _count_calls(monkeypatch, name: str) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", *MOE])
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", *MOE, *FAMILY])
 def test_one_token_path_matches_the_general_path(kernel_device, monkeypatch, arch):
     ref, fused = _models(arch, kernel_device)
     assert type(ref.model.decode_path) is DecodePath

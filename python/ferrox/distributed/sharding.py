@@ -3,7 +3,9 @@
 Checkpoint tensors reach a model's `load_weights` either as torch tensors (GGUF, .bin, tests) or
 as `CheckpointSlice`s (safetensors), which read from the file only the rows or columns asked
 for: a rank of a sharded model never holds a whole projection in memory. The helpers below
-(`shape_of`, `narrow`, `materialize`) accept both.
+(`shape_of`, `narrow`, `materialize`) accept both, and `row_block` / `scaled` derive from either a
+block of its rows or its values times a constant (a family that stores fused projections, or folds
+config constants into weights, at load time) without reading it.
 """
 
 from __future__ import annotations
@@ -16,20 +18,39 @@ from ferrox.model_spec import ModelSpec, UnsupportedModelError
 
 
 class CheckpointSlice:
-    """A tensor still in its safetensors file (safe_open(...).get_slice(name))."""
+    """A tensor still in its safetensors file (safe_open(...).get_slice(name)), or a view of one that
+    load_weights derived without reading it: rows [row0, row0 + shape[0]) of it (`row_block`), its
+    values times `scale` (`scaled`, read as float32 so the product is rounded once, into the model
+    dtype)."""
 
-    __slots__ = ("_slice", "shape")
+    __slots__ = ("_slice", "shape", "_row0", "_scale")
 
-    def __init__(self, file_slice: Any) -> None:
+    def __init__(self, file_slice: Any, *, row0: int = 0, shape: tuple[int, ...] | None = None,
+                 scale: float | None = None) -> None:
         self._slice = file_slice
-        self.shape = tuple(int(d) for d in file_slice.get_shape())
+        self.shape = tuple(int(d) for d in file_slice.get_shape()) if shape is None else shape
+        self._row0 = row0
+        self._scale = scale
+
+    def _read(self, index: tuple[slice, ...]) -> torch.Tensor:
+        tensor = self._slice[index]
+        return tensor if self._scale is None else tensor.float() * self._scale
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
-        index: tuple[slice, ...] = (slice(None),) * dim + (slice(start, start + length),)
-        return self._slice[index]
+        if dim == 0:
+            return self._read((slice(self._row0 + start, self._row0 + start + length),))
+        rows = slice(self._row0, self._row0 + self.shape[0])
+        return self._read((rows,) + (slice(None),) * (dim - 1) + (slice(start, start + length),))
 
     def load(self) -> torch.Tensor:
-        return self._slice[:] if self.shape else self._slice[()]
+        return self.narrow(0, 0, self.shape[0]) if self.shape else self._read(())
+
+    def rows(self, start: int, length: int) -> CheckpointSlice:
+        return CheckpointSlice(self._slice, row0=self._row0 + start, shape=(length, *self.shape[1:]), scale=self._scale)
+
+    def times(self, factor: float) -> CheckpointSlice:
+        scale = factor if self._scale is None else self._scale * factor
+        return CheckpointSlice(self._slice, row0=self._row0, shape=self.shape, scale=scale)
 
 
 Weight = Union[torch.Tensor, CheckpointSlice]
@@ -46,6 +67,17 @@ def narrow(x: Weight, dim: int, start: int, length: int) -> torch.Tensor:
 
 def materialize(x: Weight) -> torch.Tensor:
     return x.load() if isinstance(x, CheckpointSlice) else x
+
+
+def row_block(x: Weight, start: int, length: int) -> Weight:
+    """Rows [start, start + length) of x (e.g. the q rows of a fused qkv tensor), still unread if x is."""
+    return x.rows(start, length) if isinstance(x, CheckpointSlice) else x.narrow(0, start, length)
+
+
+def scaled(x: Weight, factor: float) -> Weight:
+    """x times `factor`, computed in float32 (rounded once when copied into the model dtype); still
+    unread if x is."""
+    return x.times(factor) if isinstance(x, CheckpointSlice) else x.float() * factor
 
 
 def even_split(total: int, size: int, rank: int, what: str) -> tuple[int, int]:

@@ -72,6 +72,10 @@ class Linear(nn.Module):
         # The runner (forward(x, bias)), set by finalize_quantized when the weight is quantized.
         self.quant: nn.Module | None = None
         self._quantized_shards: dict[str, QuantizedTensor] = {}
+        # A constant the model folded into this layer's weight and bias at load (Granite's
+        # residual_multiplier): a LoRA delta, which the checkpoint's layer gets before the model
+        # scales its output, is scaled by it too (lora/packed.py).
+        self.output_scale = 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:

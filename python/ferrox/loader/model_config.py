@@ -62,11 +62,15 @@ def spec_from_hf_config(config: dict[str, Any], where: str) -> ModelSpec:
         theta = rope.get("rope_theta", 10000.0)
     max_pos = optional("max_position_embeddings", 2048)
     window = config.get("sliding_window")
+    sliding_window: int | None = None
     if window and config.get("use_sliding_window", True):
         window = to_int(window, f"{where}: field 'sliding_window'")
         # Sliding-window attention is not implemented: within the window it equals full attention,
-        # so cap the context there and stay exact (Mistral v0.1: 4096 of 32768).
-        max_pos = min(max_pos, window)
+        # so cap the context there and stay exact (Mistral v0.1: 4096 of 32768; Phi-3-mini-4k: 2047
+        # of 4096). A window of W lets a token see itself and the W - 1 before it (transformers'
+        # mask: kv > q - W; vLLM's flash-attention window W - 1), so a context of W tokens is exact.
+        if window < max_pos:
+            max_pos, sliding_window = window, window
     dtype_name = config.get("torch_dtype") or config.get("dtype") or "float32"
     dtype = _DTYPES.get(str(dtype_name).replace("torch.", ""), torch.float32)
     return ModelSpec(
@@ -89,6 +93,7 @@ def spec_from_hf_config(config: dict[str, Any], where: str) -> ModelSpec:
         mlp_bias=bool(config.get("mlp_bias", False)),
         hidden_act=str(config.get("hidden_act", "silu")),
         moe=_moe_spec(config, where),
+        sliding_window=sliding_window,
     )
 
 

@@ -3,7 +3,8 @@ per wrapped layer the way a slot holds it, ready to be copied into any slot.
 
 A wrapped layer with S output slices (q/k/v: 3, gate/up: 2, o and down: 1) gets
   lora_a [S*r, in]   slice s's A at rows [s*r, s*r + r_s) (r: the adapter's largest rank)
-  lora_b [out, r]    slice s's B at rows of its output columns, times the module's scaling
+  lora_b [out, r]    slice s's B at rows of its output columns, times the module's scaling (and the
+                     layer's output_scale, a constant folded into its base weight: Granite)
 with zeros where the adapter leaves a slice out or has a smaller rank there, in the model dtype
 (pinned when the slots live on a GPU, so a slot swap is an asynchronous copy).
 """
@@ -69,8 +70,9 @@ def pack_adapter(request: LoRARequest, adapter: PeftAdapter, layers: Sequence[Lo
         for s, module in modules:
             lo, hi = layer.slice_bounds[s], layer.slice_bounds[s + 1]
             lora_a[s * rank:s * rank + module.rank] = module.lora_a
-            # Scaling baked into B (in float32, rounded once), so the kernels need none.
-            lora_b[lo:hi, :module.rank] = module.lora_b * module.scaling
+            # Scaling baked into B (in float32, rounded once), so the kernels need none; with it any
+            # constant the model folded into the base layer's weight (Linear.output_scale).
+            lora_b[lo:hi, :module.rank] = module.lora_b * (module.scaling * layer.output_scale)
         weights[index] = (lora_a.pin_memory(), lora_b.pin_memory()) if pin else (lora_a, lora_b)
     return PackedAdapter(request, rank, tuple(weights))
 

@@ -53,7 +53,8 @@ class LlamaAttention(nn.Module):
                  qkv_bias: bool, o_bias: bool, qk_norm: bool):
         super().__init__()
         self.head_dim = spec.head_dim
-        self.scale = self.head_dim ** -0.5
+        # Every attention path (backends, fused one-token, CPU Rust decode, CUDA graphs) takes this.
+        self.scale = spec.attention_scale if spec.attention_scale is not None else self.head_dim ** -0.5
         # Under tensor parallelism this rank's heads only (layers/linear.py QKVLinear).
         self.qkv_proj = QKVLinear(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, bias=qkv_bias,
                                   dtype=dtype, device=device)

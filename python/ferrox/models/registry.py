@@ -6,7 +6,9 @@ Adding a model:
      `forward(input_ids, positions, kv_caches, attn_metadata) -> hidden`, `compute_logits(hidden)`
      and `load_weights(iter of (HF name, tensor))` -- subclass LlamaForCausalLM when the family is a
      Llama variant (see qwen.py: two class attributes); mixture-of-experts families subclass
-     MoeForCausalLM (moe.py). README "Adding a model" has the rest.
+     MoeForCausalLM (moe.py). A checkpoint laid out differently can be mapped at load time: phi3.py
+     cuts fused projections by rows, granite.py folds config scalars into weights. README "Adding a
+     model" has the rest.
   2. Register it below under its config.json `architectures` name.
   3. For GGUF files, map `general.architecture` in loader/gguf_file.py (GGUF_ARCHITECTURES) and say
      whether llama.cpp permuted its Q/K rows (_PERMUTED_QK_ARCHS).
@@ -26,6 +28,8 @@ SUPPORTED: dict[str, str] = {
     "MixtralForCausalLM": "ferrox.models.moe:MixtralForCausalLM",
     "Qwen2ForCausalLM": "ferrox.models.qwen:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "ferrox.models.qwen:Qwen3ForCausalLM",
+    "Phi3ForCausalLM": "ferrox.models.phi3:Phi3ForCausalLM",
+    "GraniteForCausalLM": "ferrox.models.granite:GraniteForCausalLM",
     "Qwen2MoeForCausalLM": "ferrox.models.moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "ferrox.models.moe:Qwen3MoeForCausalLM",
     "BertModel": "ferrox.models.bert:BertModel",

@@ -77,9 +77,20 @@ def resolve_dtype(config: EngineConfig, spec: Any, device: torch.device) -> torc
 
 def resolve_max_model_len(config: EngineConfig, spec: Any, device: torch.device) -> int:
     limit = int(spec.max_position_embeddings)
+    window = getattr(spec, "sliding_window", None)
     if config.max_model_len is None:
-        return limit if device.type == "cuda" else min(limit, CPU_DEFAULT_MAX_MODEL_LEN)
+        default = limit if device.type == "cuda" else min(limit, CPU_DEFAULT_MAX_MODEL_LEN)
+        if window is not None and default == window:
+            logger.info("max_model_len %d: the model's sliding_window (config.json); ferrox attends fully, which "
+                        "equals the sliding window up to that length", window)
+        return default
     if config.max_model_len > limit:
+        if window is not None:  # (spec.max_position_embeddings is capped to it: model_config.py)
+            raise ValueError(
+                f"max_model_len: {config.max_model_len} is longer than the model's sliding_window ({window}, "
+                f"config.json); ferrox has no sliding-window attention and runs full attention, which is the "
+                f"same only while every token sees its whole context: a window of {window} lets a token see "
+                f"itself and the {window - 1} before it, so pass max_model_len <= {window}")
         raise ValueError(
             f"max_model_len: {config.max_model_len} exceeds the model's max_position_embeddings ({limit})"
         )

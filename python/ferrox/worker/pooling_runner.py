@@ -75,6 +75,9 @@ class PoolingRunner:
         self._upload = Uploader(device)
         self._requests: dict[int, _PoolingRequest] = {}  # core request slot -> what it asked for
         self.graph_runner: Any = None  # no CUDA graphs: steps are whole prompts of any shape
+        # A model that folded a constant into its final norm (Granite's logits_scaling) returns hidden
+        # states that much smaller than the checkpoint's: pooled vectors are scaled back.
+        self._hidden_scale = float(getattr(model, "hidden_states_scale", 1.0))
 
     def capture_cuda_graphs(self, *, max_num_seqs: int, max_model_len: int, block_size: int,
                             verify_len: int = 0, max_num_batched_tokens: int = 0) -> float | None:
@@ -149,6 +152,8 @@ class PoolingRunner:
         positions = self._upload("positions", so.positions)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
         pooled = pool(hidden[: meta.num_actual_tokens], meta.query_start_loc, self.pooler_config.pooling_type)
+        if self._hidden_scale != 1.0:
+            pooled = pooled * self._hidden_scale
         slots = np.asarray(so.req_slots, dtype=np.int32)
         return PoolingStep(so, slots, torch.from_numpy(slots), np.zeros(slots.size, dtype=np.int64), sample_mask,
                            torch.empty(0), [], req_ids=list(so.req_ids), pooled=pooled)

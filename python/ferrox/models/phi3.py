@@ -1,0 +1,102 @@
+"""Phi-3 (Phi-3-mini/medium 4k, Phi-4): the Llama decoder with its q/k/v and gate/up projections
+stored fused in the checkpoint.
+
+`self_attn.qkv_proj.weight` holds [q rows; k rows; v rows] and `mlp.gate_up_proj.weight` holds
+[gate rows; up rows]; ferrox's merged layers load one shard at a time, so load_weights cuts the
+fused tensors by rows into the q/k/v and gate/up names the Llama loader takes. A tensor-parallel
+rank's safetensors slice is cut without being read (distributed/sharding.row_block), so each rank
+still reads only its own rows. Everything after loading is the Llama model unchanged (fused CUDA
+one-token kernels, CPU decode, CUDA graphs, tensor parallelism, online FP8: it quantizes the split
+weights in finalize).
+
+Refused by name (config.json): long-context RoPE (`rope_scaling` "longrope" / "su": Phi-3-mini-128k,
+Phi-3.5-mini, Phi-4-mini), a `partial_rotary_factor` below 1 (Phi-4-mini), and checkpoint
+quantization (`quantization_config`: packed AWQ/GPTQ tensors, or per-tensor FP8 scales of the fused
+projections, cannot be cut by rows). `sliding_window` is honoured by capping the context
+(loader/model_config.py); the dropout fields (resid_pdrop, embd_pdrop, attention_dropout) are training-only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from ferrox.distributed.sharding import row_block, shape_of
+from ferrox.layers.quant.method import hf_quantization_config
+from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
+from ferrox.models.llama import LlamaForCausalLM
+
+# Leaves of a fused projection that are cut by rows (a Phi-3 checkpoint has weights only; a bias
+# would be cut the same way).
+_SPLIT_LEAVES = ("weight", "bias")
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    # GGUF: llama.cpp's "phi3" architecture is not mapped (loader/gguf_file.py), so no GGUF reaches here.
+    supports_quantized_gguf = False
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
+                 kernels: str | None = None):
+        check_phi3_config(spec.hf_config)
+        super().__init__(spec, dtype, device, kernels=kernels)
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        super().load_weights(self._split_fused(weights))
+
+    def _split_fused(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """The checkpoint stream with each fused qkv_proj / gate_up_proj tensor replaced by its
+        parts under the Llama names (q_proj, k_proj, v_proj / gate_proj, up_proj)."""
+        spec = self.spec
+        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        fused = {
+            "qkv_proj": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
+            "gate_up_proj": (("gate_proj", spec.intermediate_size), ("up_proj", spec.intermediate_size)),
+        }
+        for name, tensor in weights:
+            prefix, _, leaf = name.rpartition(".")
+            parent, _, proj = prefix.rpartition(".")
+            parts = fused.get(proj)
+            if parts is None or leaf not in _SPLIT_LEAVES:
+                yield name, tensor
+                continue
+            shape = shape_of(tensor)
+            rows = sum(n for _, n in parts)
+            if not shape or shape[0] != rows:
+                what = " + ".join(f"{n} {part.removesuffix('_proj')}" for part, n in parts)
+                raise ModelLoadError(f"tensor {name!r}: checkpoint shape {shape}, the model expects {rows} rows "
+                                     f"({what}) (config.json does not match the weights?)")
+            start = 0
+            for part, n in parts:
+                yield f"{parent}.{part}.{leaf}", row_block(tensor, start, n)
+                start += n
+
+
+def check_phi3_config(config: dict[str, Any]) -> None:
+    """UnsupportedModelError naming the config.json field of a Phi-3 variant ferrox cannot run exactly."""
+    def mapping(key: str) -> dict[str, Any]:
+        value = config.get(key)
+        return value if isinstance(value, dict) else {}
+
+    rope = mapping("rope_parameters")
+    scaling = mapping("rope_scaling") or rope  # transformers >= 5 writes rope_parameters only
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in (None, "default"):
+        raise UnsupportedModelError(
+            f"config.json: rope_scaling type {rope_type!r} (Phi-3's long-context RoPE: Phi-3-mini-128k, Phi-3.5-mini, "
+            "Phi-4-mini) is not supported: its short/long frequency factors switch with the sequence length; "
+            "the 4k Phi-3 models and Phi-4 (plain RoPE) run")
+    for where in (config, rope, scaling):
+        factor = where.get("partial_rotary_factor")
+        if factor is not None and float(factor) != 1.0:
+            raise UnsupportedModelError(
+                f"config.json: partial_rotary_factor {factor} (rotary on part of each head, Phi-4-mini) is not "
+                "supported: ferrox's rotary layer rotates whole heads")
+    quant = hf_quantization_config(config)
+    if quant is not None:
+        raise UnsupportedModelError(
+            f"config.json: quantization_config (quant_method {quant.get('quant_method')!r}) is not supported for "
+            "Phi3ForCausalLM: its fused qkv_proj / gate_up_proj tensors are split by rows at load, which quantized "
+            "tensors (packed columns, per-tensor scales) do not allow; load the unquantized checkpoint, with "
+            "quantization='fp8' to quantize it at load time")
