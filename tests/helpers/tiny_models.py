@@ -432,3 +432,21 @@ def random_kquant_blocks(tensor_type: str, rows: int, cols: int, *, seed: int = 
     else:  # Q6_K: d ends the block
         raw[..., size - 2:size] = f16(0.04 / (128 * 32))
     return raw.reshape(rows, -1)
+
+
+def models_with_references(root, builders: dict[str, Any]) -> dict[str, tuple[str, Any, Any]]:
+    """name -> (folder, ferrox model, transformers model), both float32 on the CPU, for each
+    `builders[name](root / name)` (the model tests' module fixtures: each family built once)."""
+    import torch
+    import transformers
+    from ferrox.loader.model_loader import load_model, load_model_spec
+    from ferrox.loader.source import resolve_model
+
+    out = {}
+    for name, build in builders.items():
+        folder = build(root / name)
+        source = resolve_model(folder)
+        model = load_model(source, load_model_spec(source), dtype=torch.float32, device="cpu")
+        ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        out[name] = (folder, model, ref)
+    return out

@@ -47,15 +47,7 @@ BUILDERS = {
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """name -> (folder, ferrox model, transformers model); built once for the module."""
-    root = tmp_path_factory.mktemp("phi3_granite")
-    out = {}
-    for name, build in BUILDERS.items():
-        folder = build(root / name)
-        source = resolve_model(folder)
-        model = load_model(source, load_model_spec(source), dtype=torch.float32, device="cpu")
-        ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        out[name] = (folder, model, ref)
-    return out
+    return tiny_models.models_with_references(tmp_path_factory.mktemp("phi3_granite"), BUILDERS)
 
 
 def _copy_with_config(folder: str, dest, **fields) -> str:
