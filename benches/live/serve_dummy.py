@@ -1,0 +1,148 @@
+"""Live `ferrox serve` of a dummy model on the GPU: the request shapes users send (raw HTTP), concurrently;
+counts errors; checks the server's log and that it exits cleanly (benches/live/README.md).
+
+    python benches/live/serve_dummy.py [--moe qwen3-30b-a3b] [--extra "--quantization fp8"]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import shlex
+import sys
+import time
+import traceback
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benches"))
+sys.path.insert(0, str(ROOT))
+import bench_setup  # noqa: E402
+
+from tests.server.server_proc import ServerProcess  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--moe", default=None)
+    p.add_argument("--extra", default="")
+    args = p.parse_args()
+    folder, _ = bench_setup.dummy_model_dir(str(bench_setup.LLAMA_8B_CONFIG), moe=args.moe)
+    t0 = time.monotonic()
+    srv = ServerProcess(folder, "--load-format", "dummy", "--served-model-name", "m", "--max-model-len", "8192",
+                        "--kv-cache-memory", "20GiB", *shlex.split(args.extra), startup_timeout=600)
+    print(f"ready in {time.monotonic() - t0:.1f} s", flush=True)
+
+    def post(path, body, stream=False):
+        req = urllib.request.Request(srv.base_url + path, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json", "anthropic-version": "2023-06-01"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return [ln for ln in resp.read().decode().splitlines() if ln] if stream else json.loads(resp.read())
+
+    msgs = [{"role": "user", "content": "hello there, tell me a story"}]
+    # Raw HTTP throughout: the openai / anthropic packages there need httpx2, which the machine lacks.
+
+    def chat():
+        r = post("/v1/chat/completions", {"model": "m", "messages": msgs, "max_tokens": 32, "temperature": 0.7})
+        assert r["choices"][0]["message"]["content"] is not None and r["usage"]["completion_tokens"] > 0
+
+    def chat_stream():
+        lines = post("/v1/chat/completions", {"model": "m", "messages": msgs, "max_tokens": 48, "stream": True,
+                                              "stream_options": {"include_usage": True}}, stream=True)
+        assert lines[-1] == "data: [DONE]" and len(lines) > 3, lines[-3:]
+
+    def completions_logprobs():
+        r = post("/v1/completions", {"model": "m", "prompt": "once upon a time", "max_tokens": 16, "logprobs": 3,
+                                     "seed": 1, "temperature": 1.0})
+        assert len(r["choices"][0]["logprobs"]["tokens"]) == 16
+
+    def beam():
+        r = post("/v1/completions", {"model": "m", "prompt": "the quick brown fox", "max_tokens": 8, "n": 3,
+                                     "use_beam_search": True, "ignore_eos": True})
+        assert len(r["choices"]) == 3
+
+    def beam_chat():
+        r = post("/v1/chat/completions", {"model": "m", "messages": msgs, "max_tokens": 6, "n": 2,
+                                          "use_beam_search": True, "length_penalty": 0.5})
+        assert len(r["choices"]) == 2
+
+    def cache_key():
+        r = post("/v1/chat/completions", {"model": "m", "messages": msgs, "max_tokens": 8, "prompt_cache_key": "s1"})
+        assert r["usage"]["completion_tokens"] > 0
+
+    def json_schema():
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                  "additionalProperties": False}
+        r = post("/v1/chat/completions", {"model": "m", "messages": msgs, "max_tokens": 40, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+        if r["choices"][0]["finish_reason"] == "stop":
+            json.loads(r["choices"][0]["message"]["content"])
+
+    def messages_thinking():
+        r = post("/v1/messages", {"model": "m", "max_tokens": 24, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "<system-reminder>x</system-reminder>"}, {"type": "text", "text": "hi"}]}],
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
+            "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=1; cch=abc;"},
+                       {"type": "text", "text": "You are helpful."}]})
+        assert r["type"] == "message" and r["usage"]["output_tokens"] > 0, r
+
+    def messages_stream():
+        lines = post("/v1/messages", {"model": "m", "max_tokens": 24, "stream": True,
+                                      "messages": [{"role": "user", "content": "hi"}]}, stream=True)
+        assert "event: message_stop" in lines, lines[-4:]
+
+    def responses():
+        r = post("/v1/responses", {"model": "m", "input": "hello", "max_output_tokens": 16, "store": False,
+                                   "prompt_cache_key": "k", "include": ["reasoning.encrypted_content"]})
+        assert r["status"] in ("completed", "incomplete"), r
+
+    def long_prompt():
+        r = post("/v1/completions", {"model": "m", "prompt": list(range(1000, 4000)), "max_tokens": 8})
+        assert r["usage"]["prompt_tokens"] == 3000
+
+    def bad_input():
+        try:
+            post("/v1/chat/completions", {"model": "m", "messages": msgs, "max_tokens": 4, "thinking_token_budget": 5})
+        except urllib.error.HTTPError as e:
+            text = e.read().decode()
+            assert e.code == 400 and "thinking_token_budget" in text, text
+            return
+        raise AssertionError("thinking_token_budget without a reasoning parser accepted")
+
+    def invocations():
+        r = post("/invocations", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                           {"type": "text", "text": "b"}]}],
+                                  "max_tokens": 4})
+        assert r["object"] == "chat.completion"
+
+    kinds = [invocations, chat, chat_stream, completions_logprobs, beam, beam_chat, cache_key, json_schema, messages_thinking,
+             messages_stream, responses, long_prompt, bad_input]
+    errors: dict[str, int] = {}
+    done = 0
+    t0 = time.monotonic()
+    with cf.ThreadPoolExecutor(48) as pool:
+        futs = {pool.submit(k): k.__name__ for _ in range(8) for k in kinds}
+        for f in cf.as_completed(futs):
+            try:
+                f.result()
+                done += 1
+            except Exception:
+                errors[futs[f]] = errors.get(futs[f], 0) + 1
+                if errors[futs[f]] == 1:
+                    print(f"--- {futs[f]}\n{traceback.format_exc()[-1500:]}", flush=True)
+    wall = time.monotonic() - t0
+    metrics = urllib.request.urlopen(srv.base_url + "/metrics", timeout=10).read().decode()
+    running = [ln for ln in metrics.splitlines() if ln.startswith(("vllm:num_requests_running", "vllm:kv_cache_usage_perc"))]
+    code = srv.stop()
+    tail = [ln for ln in srv.log if "Traceback" in ln or " ERROR " in ln]
+    print(f"{done} ok, errors {errors}, {wall:.1f} s; metrics {running}; exit {code}; error log lines {len(tail)}")
+    for ln in tail[:10]:
+        print("   ", ln)
+    return 0 if not errors and code == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
