@@ -108,6 +108,10 @@ def _non_default(name: str) -> list[tuple[list[str], Any]]:
                  {"method": "ngram", "num_speculative_tokens": 2})]
     if name == "pooler_config":
         return [([flag, '{"pooling_type": "CLS"}'], {"pooling_type": "CLS"})]
+    if name == "hf_overrides":
+        return [([flag, '{"rope_theta": 1e6}'], {"rope_theta": 1e6})]
+    if name == "served_model_name":  # one name, or several (vLLM's nargs)
+        return [([flag, "a"], "a"), ([flag, "a", "b"], ["a", "b"])]
     choices = field.metadata.get("choices")
     if choices:
         value = next(c for c in choices if c != field.default and getattr(EngineConfig(**{name: c}), name) == c)
@@ -251,3 +255,21 @@ def test_quantization_choices_are_the_resolvers():
     from ferrox.layers.quant.config import QUANTIZATION_METHODS as RESOLVED
 
     assert set(QUANTIZATION_METHODS) == set(RESOLVED)
+
+
+def test_served_model_names_and_the_model_after_them(tmp_path):
+    """Several names as vLLM takes them; `--served-model-name NAME MODEL` would read MODEL as a name
+    (and ferrox serve its embedded model): refused, naming both ways out. YAML lists expand."""
+    assert parse("m", "--served-model-name", "a", "b").served_names() == ["a", "b"]
+    assert parse("--served-model-name=a", "m").model == "m"
+    folder = tmp_path / "model"
+    folder.mkdir()
+    with pytest.raises(ValueError, match=r"--served-model-name: '.*model' looks like the model path.*put MODEL "
+                                         r"before --served-model-name, or write --served-model-name=a"):
+        parse("--served-model-name", "a", str(folder))
+    with pytest.raises(ValueError, match=r"served_model_name: must be a name or a non-empty list"):
+        EngineConfig(served_model_name=[])
+    pytest.importorskip("yaml")
+    (tmp_path / "c.yaml").write_text("served-model-name: [x, y]\nmax-model-len: 64\n")
+    args = cli.expand_config_file(["serve", "--config", str(tmp_path / "c.yaml"), "m"])
+    assert args == ["serve", "--served-model-name", "x", "y", "--max-model-len=64", "m"]

@@ -104,6 +104,11 @@ class EngineConfig:
     max_model_len: int | None = _opt(
         "context length (prompt + output) per request",
         default_help=f"the model's max_position_embeddings; on CPU at most {CPU_DEFAULT_MAX_MODEL_LEN}")
+    hf_overrides: dict[str, Any] | None = _opt(
+        "fields of the model's config.json replaced before the model is built (vLLM's --hf-overrides, a JSON "
+        "object), e.g. {\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
+        "\"original_max_position_embeddings\": 32768}} for Qwen3 past 32k tokens; each key replaces the "
+        "whole value", default_help="none")
     seed: int = _opt("engine seed (dummy weights, unseeded sampling)", 0)
     load_format: str = _opt("weight format; 'dummy' = random weights of the real architecture", "auto",
                             choices=LOAD_FORMATS)
@@ -132,8 +137,9 @@ class EngineConfig:
         "schedule step N+1 while step N computes (CPU/GPU overlap)", default_help="on for CUDA, off on CPU")
     chat_template: str | None = _opt("chat template (jinja text or a .jinja file path) overriding the model's",
                                      default_help="the model's")
-    served_model_name: str | None = _opt("model id clients use and /v1/models reports",
-                                         default_help="the model's name")
+    served_model_name: str | list[str] | None = _opt(
+        "model id(s) clients use: the server answers to each, /v1/models lists each, and responses name the "
+        "first (vLLM's nargs: --served-model-name a b)", default_help="the model's name", nargs="+")
     max_logprobs: int = _opt("largest `logprobs` / `prompt_logprobs` a request may ask for", 20)
     num_threads: int | None = _opt("CPU threads for the model (torch intra-op)", default_help="all cores torch sees")
     tensor_parallel_size: int = _opt("GPUs (or CPU processes) one model is sharded across (Megatron-style)", 1,
@@ -209,6 +215,9 @@ class EngineConfig:
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.hf_overrides is not None and (not isinstance(self.hf_overrides, dict) or not all(
+                isinstance(k, str) for k in self.hf_overrides)):
+            raise ValueError(f"hf_overrides: must be a JSON object of config.json fields, got {self.hf_overrides!r}")
         parse_speculative_config(self.speculative_config)  # raises ValueError naming the key
         _choice("runner", self.runner, RUNNERS)
         parse_pooler_overrides(self.pooler_config)  # raises ValueError naming the key
@@ -225,7 +234,13 @@ class EngineConfig:
             if self.runner == "pooling":
                 raise ValueError("reasoning_parser: a pooling model generates no text to parse (leave it unset "
                                  "with runner 'pooling')")
-        for name in ("model", "tokenizer", "chat_template", "served_model_name"):
+        if isinstance(self.served_model_name, (list, tuple)):
+            names = list(self.served_model_name)
+            if not names or not all(isinstance(n, str) and n for n in names):
+                raise ValueError(f"served_model_name: must be a name or a non-empty list of names, got {names!r}")
+            self.served_model_name = names[0] if len(names) == 1 else names
+        for name in ("model", "tokenizer", "chat_template") + (
+                () if isinstance(self.served_model_name, list) else ("served_model_name",)):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"{name}: must be a string, got {type(value).__name__}")
@@ -242,6 +257,11 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
+
+    def served_names(self) -> list[str]:
+        """--served-model-name as a list (empty: the model's own name); the first names responses."""
+        name = self.served_model_name
+        return [] if name is None else [name] if isinstance(name, str) else list(name)
 
     # ---- device-dependent defaults, resolved by the engine ------------------------------------
     def resolved_device(self) -> str:

@@ -66,6 +66,12 @@ class ModelSpec:
     # ferrox has no sliding-window attention, so max_position_embeddings is already capped to it
     # (within the window full attention is the same thing) and max_model_len errors name it.
     sliding_window: int | None = None
+    # Partial rotary (config.json partial_rotary_factor < 1, Phi-4-mini): how many dims of each head
+    # rotate; None: all. Only families that reorder q/k rows at load take it (layers/rotary.py).
+    rotary_dim: int | None = None
+    # LongRoPE's long factors are in use (the served max_model_len exceeds the original context; set
+    # by the engine before the model is built: layers/rotary.py uses_long_rope).
+    rope_long_context: bool = False
     # The softmax scale of the attention scores when it is not head_dim ** -0.5 (Granite's
     # attention_multiplier); set by the family's model class, read by every attention path.
     attention_scale: float | None = None

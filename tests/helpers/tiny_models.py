@@ -175,8 +175,9 @@ def make_tiny_phi3(folder, *, hidden_size: int = 64, num_layers: int = 2, num_he
     params = _common(tok, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
                      max_position_embeddings, tie_word_embeddings)
     config_fields.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})
-    config = Phi3Config(**params, sliding_window=sliding_window, original_max_position_embeddings=max_position_embeddings,
-                        resid_pdrop=0.1, embd_pdrop=0.1, attention_dropout=0.1, **config_fields)
+    config_fields.setdefault("original_max_position_embeddings", max_position_embeddings)
+    config = Phi3Config(**params, sliding_window=sliding_window, resid_pdrop=0.1, embd_pdrop=0.1,
+                        attention_dropout=0.1, **config_fields)
     torch.manual_seed(seed)
     model = Phi3ForCausalLM(config).to(torch.float32)
     _randomize_norms(model)
@@ -351,6 +352,11 @@ def export_gguf(folder, path, *, tensor_type: str = "F32", rope_freqs: list[floa
     w.add_value_length(head_dim)
     w.add_rope_freq_base(float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 1e4))))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if rope.get("rope_type") == "yarn":  # as llama.cpp's converter writes Qwen's YaRN
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
     num_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
     if num_experts:
         w.add_expert_count(num_experts)

@@ -1,5 +1,5 @@
 """The Triton backend's one-token decode path (attention/fused_decode.py) driven through tiny Llama,
-Qwen2, Qwen3, MoE and Granite (a softmax scale of its own) models built with the Triton kernel set, against the same weights on the torch
+Qwen2, Qwen3, MoE, Granite (a softmax scale of its own) and Phi-3 (YaRN, partial rotary) models built with the Triton kernel set, against the same weights on the torch
 kernel set, and against the Triton set with FERROX_FUSED_DECODE=0. Runs on CUDA, or on CPU in the
 Triton interpreter child (see conftest.py), where `kernels="triton"` forces the GPU path."""
 
@@ -61,8 +61,12 @@ def _wide_row_tiles_when_interpreted(monkeypatch):
 
 # Granite: a softmax scale (attention_multiplier) far from head_dim ** -0.5, which the fused path
 # must read from the layer as the general one does; the other multipliers live in the weights.
+# Phi-3 with YaRN over partial rotary: the rope rows carry cos / sin scaled by YaRN's attention factor
+# and unturned pairs, which the fused qkv kernel applies as the general path's rotary does.
 FAMILY = {"GraniteForCausalLM": {"attention_multiplier": 0.03, "embedding_multiplier": 12.0,
-                                 "residual_multiplier": 0.22, "logits_scaling": 8.0}}
+                                 "residual_multiplier": 0.22, "logits_scaling": 8.0},
+          "Phi3ForCausalLM": {"partial_rotary_factor": 0.5, "rope_scaling": {
+              "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}}
 
 
 def _config(arch: str) -> dict:

@@ -1,7 +1,7 @@
 """The model's GPU rotary path (layers/ops.py TritonOps.rope: RotaryEmbedding.rope_rows + the Triton
 rotary_neox_ kernel, rotating q and k in place inside the fused qkv tensor) equals the torch
 formula it replaces (DeviceOps.rope: cos_sin + apply_rotary), with and without Llama 3.1 frequency
-scaling. Runs on CUDA, or on CPU in the Triton interpreter child (see conftest.py)."""
+scaling, with YaRN's scaled cos / sin, and with partial rotary's unturned pairs. Runs on CUDA, or on CPU in the Triton interpreter child (see conftest.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,13 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
           "original_max_position_embeddings": 8192}
 
 
-@pytest.mark.parametrize("scaling", [None, LLAMA3])
-def test_kernel_rope_rotates_like_the_torch_formula(kernel_device, seed, scaling):
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}  # cos, sin scaled too
+
+
+@pytest.mark.parametrize("scaling, rotary_dim", [(None, None), (LLAMA3, None), (YARN, None), (YARN, 32)])
+def test_kernel_rope_rotates_like_the_torch_formula(kernel_device, seed, scaling, rotary_dim):
     triton_ops, torch_ops = for_device(kernel_device, "triton"), for_device(kernel_device, "torch")
-    rotary = RotaryEmbedding(64, 500000.0, scaling, kernel_device, triton_ops)
+    rotary = RotaryEmbedding(64, 500000.0, scaling, kernel_device, triton_ops, rotary_dim=rotary_dim)
     tokens, heads, kv_heads, head_dim = 7, 4, 2, 64
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=kernel_device)
     positions = torch.tensor([0, 1, 5, 100, 4000, 3, 17], device=kernel_device)

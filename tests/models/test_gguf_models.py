@@ -1,5 +1,5 @@
 """GGUF weight loading on tiny models: a safetensors checkpoint exported to llama.cpp's layout
-(renamed tensors, permuted Q/K rows, optional Q8_0 / rope_freqs) must give the same model as the
+(renamed tensors, permuted Q/K rows, optional Q8_0 / rope_freqs / YaRN) must give the same model as the
 safetensors original, which test_tiny_models.py ties to transformers."""
 
 from __future__ import annotations
@@ -97,3 +97,42 @@ def test_moe_gguf_equals_safetensors(tmp_path, build):
     got_tokens, got = run_greedy(_load(path), PROMPTS, 4, return_prefill_logits=True)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert got_tokens == want_tokens
+
+
+def test_yarn_gguf_equals_safetensors_and_runs_in_the_rust_decoder(tmp_path):
+    """llama.cpp's YaRN metadata (rope.scaling.type / factor / original_context_length) is the folder's
+    rope_scaling; kept quantized (Q8_0), every step runs in the Rust decoder, whose rope rows carry
+    YaRN's scaled cos and sin: close to the float model, and further from the same file without YaRN."""
+    import json
+    import os
+
+    from ferrox.attention.cpu_decode import CpuQuantizedDecode
+
+    folder = tiny_models.make_tiny_qwen2(tmp_path / "hf", seed=6)
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                 "rope_theta": 1e6}
+    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    path = tiny_models.export_gguf(folder, tmp_path / "yarn.gguf")
+    spec = load_model_spec(resolve_model(path))
+    assert spec.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    want_tokens, want = run_greedy(_load(folder), PROMPTS, 4, return_prefill_logits=True)
+    got_tokens, got = run_greedy(_load(path), PROMPTS, 4, return_prefill_logits=True)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert got_tokens == want_tokens
+
+    errors = []
+    for name, yarn in (("q8-yarn.gguf", True), ("q8-plain.gguf", False)):
+        if not yarn:
+            config["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
+            with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
+                json.dump(config, f)
+        q8 = tiny_models.export_gguf(folder, tmp_path / name, tensor_type="Q8_0")
+        source = resolve_model(q8)
+        model = load_model(source, load_model_spec(source), dtype=torch.float32, device="cpu", keep_quantized=True)
+        assert isinstance(model.model.decode_path, CpuQuantizedDecode)
+        _, logits = run_greedy(model, PROMPTS, 1, return_prefill_logits=True)
+        errors.append((logits - want).abs().max().item())
+    assert errors[0] < 0.1 * want.abs().max().item() and errors[0] < errors[1] / 3, errors

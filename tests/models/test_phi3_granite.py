@@ -139,18 +139,14 @@ def test_engine_chunked_prefill_matches_transformers(tiny):
 
 
 # ---- refusals ---------------------------------------------------------------------------------------
-LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-            "original_max_position_embeddings": 512}
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
 
 
 @pytest.mark.parametrize("name, fields, match", [
-    ("phi3", {"rope_parameters": LONGROPE}, r"config\.json: rope_scaling type 'longrope'"),
-    ("phi3", {"rope_scaling": {"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
-     r"config\.json: rope_scaling type 'su'"),
-    ("phi3", {"partial_rotary_factor": 0.75}, r"config\.json: partial_rotary_factor 0\.75"),
-    ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
-     r"config\.json: partial_rotary_factor 0\.5"),
+    ("granite", {"partial_rotary_factor": 0.5}, r"config\.json: partial_rotary_factor \(8 of 16 dims rotate\) is not "
+                                                r"supported for GraniteForCausalLM"),
+    ("granite", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+     r"config\.json: rope_scaling\.rope_type 'dynamic' is not supported"),
     ("phi3", {"quantization_config": AWQ}, r"config\.json: quantization_config \(quant_method 'awq'\).*Phi3"),
     ("granite", {"quantization_config": AWQ}, r"config\.json: quantization_config \(quant_method 'awq'\).*Granite"),
     ("granite", {"logits_scaling": 0}, r"config\.json: logits_scaling must be a positive number"),

@@ -20,7 +20,8 @@ BODY_LIMIT = 256 * 1024
 @pytest.fixture(scope="session")
 def server():
     # Some tests send their own chat templates (sandboxed); vLLM refuses those without the flag.
-    srv = ServerProcess("--max-request-body-bytes", str(BODY_LIMIT), "--served-model-name", "smol",
+    # Two names (vLLM's --served-model-name a b): responses name the first, requests may use either.
+    srv = ServerProcess("--max-request-body-bytes", str(BODY_LIMIT), "--served-model-name", "smol", "smol-alias",
                         "--trust-request-chat-template")
     yield srv
     _check_clean_ctrl_c(srv)

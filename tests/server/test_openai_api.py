@@ -32,13 +32,18 @@ def greedy_answer(client) -> openai.types.chat.ChatCompletion:
 
 
 def test_models_lists_max_model_len(client):
+    """The server runs with --served-model-name smol smol-alias: both listed, either answers, and
+    responses name the first (vLLM's rule)."""
     models = client.models.list().data
-    assert [m.id for m in models] == [MODEL]
+    assert [m.id for m in models] == [MODEL, "smol-alias"]
     assert models[0].max_model_len == MAX_MODEL_LEN
     assert models[0].object == "model"
     assert client.models.retrieve(MODEL).max_model_len == MAX_MODEL_LEN
+    assert client.models.retrieve("smol-alias").id == "smol-alias"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("no-such-model")
+    resp = client.completions.create(model="smol-alias", prompt="Hi", max_tokens=1)
+    assert resp.model == MODEL
 
 
 def test_chat_non_streaming(greedy_answer):

@@ -222,7 +222,7 @@ class AsyncLLM:
         except BaseException:
             self.shutdown()
             raise
-        self.model_name: str = config.served_model_name or info.model_name
+        self.model_name: str = (config.served_names() or [info.model_name])[0]
         self.max_model_len: int = info.max_model_len
         self.kv_capacity_tokens: int = info.kv_capacity_tokens
         # The request rules' limits (ferrox.engine.validation), checked here before a request

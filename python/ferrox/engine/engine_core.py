@@ -91,7 +91,7 @@ class EngineCore:
         # end with one placeholder token, which the scheduler's length limit must leave room for.
         self.pooler_config = loaded.pooler_config
         pooling = self.pooler_config is not None
-        self.model_name = config.served_model_name or loaded.source.name
+        self.model_name = (config.served_names() or [loaded.source.name])[0]
         self.tokenizer_json: str = self.tokenizer.to_json_str()
         # --reasoning-parser: the engine needs its `</think>` to start a structured output's grammar there.
         try:

@@ -103,7 +103,12 @@ def add_engine_args(parser: argparse.ArgumentParser, group: argparse._ArgumentGr
     for field in dataclasses.fields(EngineConfig):
         meta = field.metadata
         help_text = engine_help(field)
+        if meta.get("nargs"):  # a name or several (--served-model-name a b)
+            group.add_argument(flag_name(field.name), *meta.get("aliases", ()), dest=field.name, nargs=meta["nargs"],
+                               default=field.default, help=help_text)
+            continue
         value_type = _value_type(hints[field.name])
+
         if meta.get("positional"):
             parser.add_argument(field.name, nargs="?", type=value_type, default=field.default, help=help_text)
             continue
@@ -118,7 +123,20 @@ def add_engine_args(parser: argparse.ArgumentParser, group: argparse._ArgumentGr
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    _check_names_are_not_the_model(args)
     return EngineConfig.from_kwargs(**{name: getattr(args, name) for name in EngineConfig.field_names()})
+
+
+def _check_names_are_not_the_model(args: argparse.Namespace) -> None:
+    """`--served-model-name NAME MODEL` reads MODEL as a second name (the flag takes several, as vLLM's),
+    and ferrox, whose MODEL is optional, would then serve its embedded model under both: refuse that."""
+    names = args.served_model_name
+    if args.model is None and isinstance(names, list):
+        for name in names[1:]:
+            if os.path.exists(name) or name.endswith(".gguf"):
+                raise ValueError(f"--served-model-name: {name!r} looks like the model path, which the flag took as "
+                                 f"a second name; put MODEL before --served-model-name, or write "
+                                 f"--served-model-name={names[0]}")
 
 
 # ---- parser ---------------------------------------------------------------------------------------
@@ -316,7 +334,9 @@ def config_file_args(path: str) -> list[str]:
     if not isinstance(data, dict):
         raise ValueError(f"--config: {path} must hold a mapping of flag: value")
     hints = typing.get_type_hints(EngineConfig)
-    negatable = {flag_name(f.name) for f in dataclasses.fields(EngineConfig) if _value_type(hints[f.name]) is bool}
+    negatable = {flag_name(f.name) for f in dataclasses.fields(EngineConfig)
+                 if not f.metadata.get("nargs") and _value_type(hints[f.name]) is bool}
+    several = {flag_name(f.name) for f in dataclasses.fields(EngineConfig) if f.metadata.get("nargs")}
     args: list[str] = []
     for key, value in data.items():
         flag = "--" + str(key).replace("_", "-")
@@ -327,10 +347,14 @@ def config_file_args(path: str) -> list[str]:
         elif value is False:
             if flag in negatable:  # --x/--no-x; a plain switch is simply left off
                 args.append("--no-" + flag[2:])
+        elif isinstance(value, list) and flag in several:
+            args += [flag, *map(str, value)]
         elif isinstance(value, (list, dict)):
             args += [flag, json.dumps(value)]
         else:
-            args += [flag, str(value)]
+            # One token (`--flag=value`): a value never reads as a flag, and a flag that takes several
+            # values (--served-model-name) does not swallow the command line's MODEL after it.
+            args.append(f"{flag}={value}")
     return args
 
 

@@ -24,8 +24,10 @@ _DTYPES = {
 }
 
 
-def spec_from_hf_config(config: dict[str, Any], where: str) -> ModelSpec:
-    """Build the spec from an HF config dict; `where` names the file in errors."""
+def spec_from_hf_config(config: dict[str, Any], where: str, *, scaled_context: bool = True) -> ModelSpec:
+    """Build the spec from an HF config dict; `where` names the file in errors. scaled_context: a
+    linear or YaRN rope scaling extends the context past max_position_embeddings, as vLLM derives it
+    (config.json; a GGUF's context_length is taken as it is)."""
     archs = config.get("architectures")
     if not archs or not isinstance(archs, list):
         raise ModelLoadError(f"{where}: field 'architectures' is missing (cannot tell which model class to use)")
@@ -60,7 +62,11 @@ def spec_from_hf_config(config: dict[str, Any], where: str) -> ModelSpec:
     theta = config.get("rope_theta")
     if theta is None:  # absent, or null beside a nested rope_parameters
         theta = rope.get("rope_theta", 10000.0)
+    if scaling is not None:
+        scaling = _normalized_scaling(config, scaling)
     max_pos = optional("max_position_embeddings", 2048)
+    if scaled_context and scaling is not None:
+        max_pos = _scaled_context(scaling, max_pos, where)
     window = config.get("sliding_window")
     sliding_window: int | None = None
     if window and config.get("use_sliding_window", True):
@@ -94,7 +100,49 @@ def spec_from_hf_config(config: dict[str, Any], where: str) -> ModelSpec:
         hidden_act=str(config.get("hidden_act", "silu")),
         moe=_moe_spec(config, where),
         sliding_window=sliding_window,
+        rotary_dim=_rotary_dim(config, rope, head_dim, where),
     )
+
+
+def _normalized_scaling(config: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
+    """The rope scaling with original_max_position_embeddings inside it: Phi-3 writes it at the top
+    level of config.json, which transformers gives priority over the scaling's own."""
+    scaling = dict(scaling)
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in ("llama3", "yarn", "longrope", "su") and config.get("original_max_position_embeddings"):
+        scaling["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+    return scaling
+
+
+def _scaled_context(scaling: dict[str, Any], max_pos: int, where: str) -> int:
+    """vLLM's context for a scaled rope: linear (and dynamic) stretch max_position_embeddings by
+    `factor`; YaRN stretches original_max_position_embeddings by it (Qwen3: 32,768 x 4 = 131,072);
+    llama3 and LongRoPE configs already state the extended length."""
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in ("linear", "dynamic", "yarn") or scaling.get("factor") is None:
+        return max_pos
+    factor = to_float(scaling["factor"], f"{where}: field 'rope_scaling.factor'")
+    if factor <= 0:
+        raise ModelLoadError(f"{where}: field 'rope_scaling.factor' must be positive, got {factor}")
+    base = max_pos
+    if kind == "yarn" and scaling.get("original_max_position_embeddings"):
+        base = to_int(scaling["original_max_position_embeddings"],
+                      f"{where}: field 'rope_scaling.original_max_position_embeddings'")
+    return int(base * factor)
+
+
+def _rotary_dim(config: dict[str, Any], rope: dict[str, Any], head_dim: int, where: str) -> int | None:
+    """How many dims of a head rotate (partial_rotary_factor, at the top level or, transformers >= 5,
+    under rope_parameters, which wins as in transformers); None when all do."""
+    factor = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if factor is None:
+        return None
+    factor = to_float(factor, f"{where}: field 'partial_rotary_factor'")
+    rotary_dim = int(head_dim * factor)
+    if not 0 < factor <= 1 or rotary_dim < 2 or rotary_dim % 2:
+        raise ModelLoadError(f"{where}: field 'partial_rotary_factor' {factor} gives {rotary_dim} rotary dims of "
+                             f"the head's {head_dim}; it must be in (0, 1] and give an even number")
+    return None if rotary_dim == head_dim else rotary_dim
 
 
 def _moe_spec(config: dict[str, Any], where: str) -> MoeSpec | None:
@@ -195,6 +243,12 @@ def hf_config_from_gguf(gguf: Any) -> dict[str, Any]:
     elif scaling_type == "linear":
         config["rope_scaling"] = {"rope_type": "linear",
                                   "factor": to_float(need("rope.scaling.factor"), what(f"{arch}.rope.scaling.factor"))}
+    elif scaling_type == "yarn":
+        factor = to_float(need("rope.scaling.factor"), what(f"{arch}.rope.scaling.factor"))
+        original = integer("rope.scaling.original_context_length", config["max_position_embeddings"])
+        config["rope_scaling"] = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+        # vLLM's context for YaRN (spec_from_hf_config's _scaled_context), when the file states less.
+        config["max_position_embeddings"] = max(config["max_position_embeddings"], int(original * factor))
     elif scaling_type not in (None, "none"):
         raise UnsupportedModelError(f"GGUF file {gguf.path}: rope scaling {scaling_type!r} is not supported")
     for key in ("bos_token_id", "eos_token_id", "padding_token_id"):
@@ -233,14 +287,20 @@ def _gguf_dtype(gguf: Any) -> str:
     return "float16" if GGMLQuantizationType.F16 in types else "bfloat16"
 
 
-def load_model_spec(source: ModelSource) -> ModelSpec:
-    """The spec from config.json (HF folder) or from the GGUF metadata."""
+def load_model_spec(source: ModelSource, hf_overrides: dict[str, Any] | None = None) -> ModelSpec:
+    """The spec from config.json (HF folder) or from the GGUF metadata. hf_overrides: fields that
+    replace the config's (vLLM's --hf-overrides; each key's whole value), named in errors."""
     if source.format == "gguf":
         from ferrox.loader.gguf_file import open_gguf
 
         gguf = open_gguf(source.path)
-        return spec_from_hf_config(hf_config_from_gguf(gguf), gguf.path)
-    path = os.path.join(source.path, "config.json")
-    if not os.path.isfile(path):
-        raise ModelNotFoundError(f"model folder {source.path} has no config.json")
-    return spec_from_hf_config(read_json(path), path)
+        config, where, scaled = hf_config_from_gguf(gguf), gguf.path, False
+    else:
+        where = os.path.join(source.path, "config.json")
+        if not os.path.isfile(where):
+            raise ModelNotFoundError(f"model folder {source.path} has no config.json")
+        config, scaled = read_json(where), True
+    if hf_overrides:
+        config = {**config, **hf_overrides}
+        where = f"{where} with hf_overrides"
+    return spec_from_hf_config(config, where, scaled_context=scaled)

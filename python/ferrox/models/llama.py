@@ -31,7 +31,7 @@ from ferrox.layers.layernorm import RMSNorm
 from ferrox.layers.linear import Linear, MergedLinear, QKVLinear, RowParallelLinear
 from ferrox.layers.ops import DeviceOps, Rope, for_device
 from ferrox.layers.quant import CpuQuantWeight, QuantizedTensor
-from ferrox.layers.rotary import RotaryEmbedding
+from ferrox.layers.rotary import RotaryEmbedding, check_rotary_dim
 from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
 from ferrox.models.load_check import check_all_loaded
@@ -142,7 +142,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
         # The model's op set: on the Triton set Qwen3's (qk_norm) q/k norms and rotary are one kernel
         # (Rope.norm_rotate_qk), whose per-head math the one-token path's kernel shares.
-        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, device, ops)
+        self.rotary = RotaryEmbedding.for_spec(spec, device, ops)
         self.qk_norm = qk_norm
         self.backend = backend
         views = [layer.one_token_view() for layer in layers]
@@ -176,6 +176,8 @@ class LlamaForCausalLM(nn.Module):
     supports_quantized_gguf = True
     # Linear layers take a checkpoint quantization method (fp8, AWQ, GPTQ: layers/quant/method.py).
     supports_quantization = True
+    # load_weights puts partial-rotary q/k rows in whole-head pairs (Phi-3: layers/rotary.py).
+    reorders_partial_rotary = False
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
@@ -184,6 +186,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         check_tp_shapes(spec, get_tp_group().size)
+        check_rotary_dim(spec, self.reorders_partial_rotary)
         self.kernels = select_kernels(device, kernels)
         self.ops = for_device(device, self.kernels)
         self.backend = get_attention_backend(device, self.kernels)

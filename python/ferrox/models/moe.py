@@ -36,7 +36,7 @@ from ferrox.layers.layernorm import RMSNorm
 from ferrox.layers.linear import Linear, MergedLinear
 from ferrox.layers.ops import DeviceOps, Rope, for_device
 from ferrox.layers.quant.method import use_quant_config
-from ferrox.layers.rotary import RotaryEmbedding
+from ferrox.layers.rotary import RotaryEmbedding, check_rotary_dim
 from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, MoeSpec, UnsupportedModelError
 from ferrox.models.llama import LlamaAttention, LlamaMLP, linear_takes, load_kv_scale
@@ -131,7 +131,7 @@ class MoeModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
         # As in LlamaModel: the model's op set, so Qwen3-MoE's q/k norms and rotary are one kernel.
-        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, device, ops)
+        self.rotary = RotaryEmbedding.for_spec(spec, device, ops)
         views = [layer.one_token_view() for layer in layers]
         # One rank only: under tensor or expert parallelism (not yet run on two GPUs) the layers keep
         # the general path; the decode path may still fuse the lm_head.
@@ -178,6 +178,7 @@ class MoeForCausalLM(nn.Module):
         self.spec = spec
         tp = get_tp_group()
         check_tp_shapes(spec, tp.size, expert_parallel=tp.expert_parallel)
+        check_rotary_dim(spec, reorders_rows=False)
         self.kernels = select_kernels(device, kernels)
         self.ops = for_device(device, self.kernels)
         self.backend = get_attention_backend(device, self.kernels)

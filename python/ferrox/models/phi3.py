@@ -9,11 +9,13 @@ still reads only its own rows. Everything after loading is the Llama model uncha
 one-token kernels, CPU decode, CUDA graphs, tensor parallelism, online FP8: it quantizes the split
 weights in finalize).
 
-Refused by name (config.json): long-context RoPE (`rope_scaling` "longrope" / "su": Phi-3-mini-128k,
-Phi-3.5-mini, Phi-4-mini), a `partial_rotary_factor` below 1 (Phi-4-mini), and checkpoint
-quantization (`quantization_config`: packed AWQ/GPTQ tensors, or per-tensor FP8 scales of the fused
-projections, cannot be cut by rows). `sliding_window` is honoured by capping the context
-(loader/model_config.py); the dropout fields (resid_pdrop, embd_pdrop, attention_dropout) are training-only.
+Long-context RoPE (`rope_scaling` "longrope" / "su": Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini) and
+partial rotary (`partial_rotary_factor` < 1, Phi-4-mini) are layers/rotary.py's; for the latter the q
+and k rows of every head are reordered here while loading (`partial_rotary_order`), so every kernel
+keeps rotating whole heads. Refused by name: checkpoint quantization (`quantization_config`: packed
+AWQ/GPTQ tensors, or per-tensor FP8 scales of the fused projections, cannot be cut by rows).
+`sliding_window` is honoured by capping the context (loader/model_config.py); the dropout fields
+(resid_pdrop, embd_pdrop, attention_dropout) are training-only.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from typing import Any
 
 import torch
 
-from ferrox.distributed.sharding import row_block, shape_of
+from ferrox.distributed.sharding import materialize, row_block, shape_of
 from ferrox.layers.quant.method import hf_quantization_config
+from ferrox.layers.rotary import partial_rotary_order
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
 from ferrox.models.llama import LlamaForCausalLM
 
@@ -36,6 +39,7 @@ _SPLIT_LEAVES = ("weight", "bias")
 class Phi3ForCausalLM(LlamaForCausalLM):
     # GGUF: llama.cpp's "phi3" architecture is not mapped (loader/gguf_file.py), so no GGUF reaches here.
     supports_quantized_gguf = False
+    reorders_partial_rotary = True
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
@@ -69,30 +73,26 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                                      f"({what}) (config.json does not match the weights?)")
             start = 0
             for part, n in parts:
-                yield f"{parent}.{part}.{leaf}", row_block(tensor, start, n)
+                block = row_block(tensor, start, n)
+                if spec.rotary_dim is not None and part in ("q_proj", "k_proj"):
+                    block = self._rotary_rows(block)
+                yield f"{parent}.{part}.{leaf}", block
                 start += n
+
+    def _rotary_rows(self, rows: Any) -> torch.Tensor:
+        """q or k rows (a weight or bias, every head) with each head's rows in the order whole-head
+        rotary needs (layers/rotary.py partial_rotary_order). Read whole: a tensor-parallel rank
+        then slices its heads from the reordered tensor (the rows of one head stay together)."""
+        head_dim, rotary_dim = self.spec.head_dim, self.spec.rotary_dim
+        assert rotary_dim is not None
+        tensor = materialize(rows)
+        heads = tensor.reshape(-1, head_dim, *tensor.shape[1:])
+        order = partial_rotary_order(head_dim, rotary_dim).to(tensor.device)
+        return heads.index_select(1, order).reshape(tensor.shape)
 
 
 def check_phi3_config(config: dict[str, Any]) -> None:
     """UnsupportedModelError naming the config.json field of a Phi-3 variant ferrox cannot run exactly."""
-    def mapping(key: str) -> dict[str, Any]:
-        value = config.get(key)
-        return value if isinstance(value, dict) else {}
-
-    rope = mapping("rope_parameters")
-    scaling = mapping("rope_scaling") or rope  # transformers >= 5 writes rope_parameters only
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in (None, "default"):
-        raise UnsupportedModelError(
-            f"config.json: rope_scaling type {rope_type!r} (Phi-3's long-context RoPE: Phi-3-mini-128k, Phi-3.5-mini, "
-            "Phi-4-mini) is not supported: its short/long frequency factors switch with the sequence length; "
-            "the 4k Phi-3 models and Phi-4 (plain RoPE) run")
-    for where in (config, rope, scaling):
-        factor = where.get("partial_rotary_factor")
-        if factor is not None and float(factor) != 1.0:
-            raise UnsupportedModelError(
-                f"config.json: partial_rotary_factor {factor} (rotary on part of each head, Phi-4-mini) is not "
-                "supported: ferrox's rotary layer rotates whole heads")
     quant = hf_quantization_config(config)
     if quant is not None:
         raise UnsupportedModelError(

@@ -11,6 +11,7 @@ KV cache sizing:
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import weakref
@@ -29,6 +30,7 @@ from ferrox.config import CPU_DEFAULT_MAX_MODEL_LEN, EngineConfig
 from ferrox.distributed.parallel_state import TPGroup, get_tp_group, use_tp_group
 from ferrox.layers.quant.config import resolve_quant_config
 from ferrox.layers.quant.method import QuantConfig
+from ferrox.layers.rotary import rope_type_of, spec_for_context
 from ferrox.loader.model_loader import load_generation_config, load_model, load_model_spec
 from ferrox.loader.source import ModelSource, resolve_model
 from ferrox.loader.tokenizer import load_tokenizer
@@ -85,6 +87,11 @@ def resolve_max_model_len(config: EngineConfig, spec: Any, device: torch.device)
                         "equals the sliding window up to that length", window)
         return default
     if config.max_model_len > limit:
+        if window is None and rope_type_of(spec.rope_scaling) in ("linear", "yarn") and (
+                spec.rope_scaling.get("factor") is not None):
+            raise ValueError(
+                f"max_model_len: {config.max_model_len} exceeds the model's context ({limit} tokens, as its "
+                f"rope_scaling ({rope_type_of(spec.rope_scaling)}, factor {spec.rope_scaling['factor']}) extends it)")
         if window is not None:  # (spec.max_position_embeddings is capped to it: model_config.py)
             raise ValueError(
                 f"max_model_len: {config.max_model_len} is longer than the model's sliding_window ({window}, "
@@ -115,12 +122,14 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
     tok_source = resolve_model(config.tokenizer) if config.tokenizer is not None else source
     logger.info("loading the tokenizer from %s", tok_source.path)
     tokenizer = _cached_tokenizer(tok_source, _mtime(tok_source.path))
-    spec = _cached_spec(source, _mtime(source.path))
+    overrides = _overrides_key(config.hf_overrides)
+    spec = _cached_spec(source, _mtime(source.path), overrides)
     dtype = resolve_dtype(config, spec, device)
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)  # fp8: half the bytes of bf16
     pooler_config = pooling_setup(config, source, spec, tp.size)  # None: a generation model
     if pooler_config is None:
         max_model_len = resolve_max_model_len(config, spec, device)
+        spec = spec_for_context(spec, max_model_len)
     else:
         max_model_len = pooling_max_model_len(config.max_model_len, source, spec)
     max_num_seqs = config.resolved_max_num_seqs(device.type)
@@ -140,7 +149,8 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
         model = _shared_model(source, spec, dtype, device, config.load_format, config.seed, tp,
                               keep_quantized=config.dtype == "auto" and quant_config is None,
                               private=config.enable_lora,
-                              quant_config=quant_config, quantization=config.quantization)
+                              quant_config=quant_config, quantization=config.quantization,
+                              hf_overrides=config.hf_overrides)
     generation_defaults = dict(load_generation_config(source) or {})
     eos = _eos_token_ids(tokenizer, generation_defaults)
     if pooler_config is not None:
@@ -249,15 +259,16 @@ _MODELS: weakref.WeakValueDictionary[tuple[Any, ...], Any] = weakref.WeakValueDi
 
 def _shared_model(source: ModelSource, spec: Any, dtype: torch.dtype, device: torch.device, load_format: str,
                   seed: int, tp: TPGroup, *, keep_quantized: bool = False, private: bool = False,
-                  quant_config: QuantConfig | None = None, quantization: str | None = None) -> Any:
+                  quant_config: QuantConfig | None = None, quantization: str | None = None,
+                  hf_overrides: dict[str, Any] | None = None) -> Any:
     """private: a model of this engine's own (LoRA wraps its layers), neither shared nor cached.
-    quantization: the argument quant_config was resolved from (part of the cache key)."""
+    quantization, hf_overrides: what quant_config and spec were resolved from (part of the cache key)."""
     keep_quantized = keep_quantized and source.format == "gguf"  # (only a GGUF has blocks to keep)
     if private:
         return load_model(source, spec, dtype=dtype, device=device, load_format=load_format, seed=seed,
                           keep_quantized=keep_quantized, quant_config=quant_config)
     key = (source.path, _mtime(source.path), str(dtype), str(device), load_format, seed, tp.rank, tp.size,
-           keep_quantized, quantization)
+           keep_quantized, quantization, spec.rope_long_context, _overrides_key(hf_overrides))
     model = _MODELS.get(key)
     if model is None:
         model = load_model(source, spec, dtype=dtype, device=device, load_format=load_format, seed=seed,
@@ -272,8 +283,13 @@ def _cached_tokenizer(source: ModelSource, mtime: float) -> Any:
 
 
 @functools.lru_cache(maxsize=4)
-def _cached_spec(source: ModelSource, mtime: float) -> Any:
-    return load_model_spec(source)
+def _cached_spec(source: ModelSource, mtime: float, overrides: str = "") -> Any:
+    return load_model_spec(source, json.loads(overrides) if overrides else None)
+
+
+def _overrides_key(hf_overrides: dict[str, Any] | None) -> str:
+    """hf_overrides as a cache key (the spec's and the shared model's): canonical JSON, "" for none."""
+    return json.dumps(hf_overrides, sort_keys=True) if hf_overrides else ""
 
 
 def _mtime(path: str) -> float:

@@ -336,9 +336,9 @@ def _shorten(value: Any, limit: int | None) -> Any:
 # ---- small routes ----------------------------------------------------------------------------------
 
 
-def _model_card(ctx: ServingContext) -> dict[str, Any]:
+def _model_card(ctx: ServingContext, name: str | None = None) -> dict[str, Any]:
     return {
-        "id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "ferrox",
+        "id": name or ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "ferrox",
         "root": ctx.engine.model_name, "parent": None, "max_model_len": ctx.max_model_len,
     }
 
@@ -346,7 +346,8 @@ def _model_card(ctx: ServingContext) -> dict[str, Any]:
 async def list_models(request: web.Request) -> web.Response:
     ctx = request.app[CTX]
     adapters = ctx.loras.model_cards(ctx.created, ctx.max_model_len)
-    return json_response({"object": "list", "data": [_model_card(ctx), *adapters]})
+    # One card per --served-model-name, as vLLM lists them.
+    return json_response({"object": "list", "data": [*(_model_card(ctx, n) for n in ctx.model_names), *adapters]})
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
@@ -354,7 +355,7 @@ async def retrieve_model(request: web.Request) -> web.Response:
     name = request.match_info["model"]
     ctx.check_model(name)
     adapter = [card for card in ctx.loras.model_cards(ctx.created, ctx.max_model_len) if card["id"] == name]
-    return json_response(adapter[0] if adapter else _model_card(ctx))
+    return json_response(adapter[0] if adapter else _model_card(ctx, name if name in ctx.model_names else None))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -487,7 +488,7 @@ def _bind_loras(fn: Callable[[LoRARegistry, web.Request], Awaitable[web.StreamRe
     return handler
 
 
-def build_app(engine: AsyncLLM, *, served_model_name: str | None = None, api_key: str | None = None,
+def build_app(engine: AsyncLLM, *, served_model_name: str | list[str] | None = None, api_key: str | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               access_log: bool = True, options: ServerOptions | None = None) -> web.Application:
     middlewares = [error_middleware, cors_middleware, drain_middleware, body_limit_middleware, auth_middleware]
@@ -600,7 +601,7 @@ def ssl_context(certfile: str, keyfile: str | None = None, ca_certs: str | None 
     return context
 
 
-async def serve(engine: AsyncLLM, *, host: str, port: int, served_model_name: str | None = None,
+async def serve(engine: AsyncLLM, *, host: str, port: int, served_model_name: str | list[str] | None = None,
                 api_key: str | None = None, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
                 on_ready: Callable[[str], None] | None = None, access_log: bool = True,
                 options: ServerOptions | None = None, sock: socket.socket | None = None,

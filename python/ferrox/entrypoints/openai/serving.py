@@ -95,10 +95,13 @@ class ServerOptions:
 class ServingContext:
     """The engine, the names this server answers to, its options, and its drain state."""
 
-    def __init__(self, engine: AsyncLLM, served_model_name: str | None = None,
+    def __init__(self, engine: AsyncLLM, served_model_name: str | list[str] | None = None,
                  options: ServerOptions | None = None) -> None:
         self.engine = engine
-        self.model_name = served_model_name or engine.model_name
+        # Every --served-model-name is answered to; responses name the first (vLLM's rule).
+        names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+        self.model_names: list[str] = names or [engine.model_name]
+        self.model_name = self.model_names[0]
         self.options = options or ServerOptions()
         self.created = int(time.time())
         # Adapters, by the names clients use.
@@ -120,7 +123,7 @@ class ServingContext:
         return self.engine.limits
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in (self.model_name, self.engine.model_name) and \
+        if model is not None and model not in (*self.model_names, self.engine.model_name) and \
                 self.loras.get(model) is None:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
