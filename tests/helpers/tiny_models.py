@@ -310,7 +310,8 @@ def export_gguf(folder, path, *, tensor_type: str = "F32", rope_freqs: list[floa
     with open(os.path.join(folder, "tokenizer.json"), encoding="utf-8") as f:
         tok_json = json.load(f)
     arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-            "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "llama"}[
+            "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "llama",
+            "Phi3ForCausalLM": "phi3", "GraniteForCausalLM": "granite"}[
         cfg["architectures"][0]]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -331,7 +332,9 @@ def export_gguf(folder, path, *, tensor_type: str = "F32", rope_freqs: list[floa
              "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
              "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
              "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
-             "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight"}
+             "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+             # Phi-3 keeps its fused projections in llama.cpp's files too.
+             "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}
     # Routed experts: llama.cpp stacks each layer's into one [experts, rows, cols] tensor.
     stacks = {"gate_proj": "ffn_gate_exps.weight", "w1": "ffn_gate_exps.weight", "up_proj": "ffn_up_exps.weight",
               "w3": "ffn_up_exps.weight", "down_proj": "ffn_down_exps.weight", "w2": "ffn_down_exps.weight"}
@@ -347,12 +350,26 @@ def export_gguf(folder, path, *, tensor_type: str = "F32", rope_freqs: list[floa
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_rope_dimension_count(head_dim)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if arch == "phi3":  # as llama.cpp's Phi-3 converter: the rotary dims, no key length; LongRoPE tensors
+        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        w.add_rope_dimension_count(int(partial * head_dim))
+        w.add_rope_scaling_orig_ctx_len(cfg.get("original_max_position_embeddings") or cfg["max_position_embeddings"])
+        w.add_sliding_window(cfg.get("sliding_window") or 0)
+        if rope.get("rope_type") == "longrope":
+            w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+            w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
+    else:
+        w.add_rope_dimension_count(head_dim)
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if arch == "granite":  # llama.cpp's names for Granite's multipliers
+        w.add_embedding_scale(cfg["embedding_multiplier"])
+        w.add_residual_scale(cfg["residual_multiplier"])
+        w.add_attention_scale(cfg["attention_multiplier"])
+        w.add_logit_scale(cfg["logits_scaling"])
     w.add_rope_freq_base(float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 1e4))))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     if rope.get("rope_type") == "yarn":  # as llama.cpp's converter writes Qwen's YaRN
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(float(rope["factor"]))
@@ -397,9 +414,9 @@ def export_gguf(folder, path, *, tensor_type: str = "F32", rope_freqs: list[floa
             if name.endswith("ffn_gate_inp_shexp.weight"):
                 arr = arr.reshape(-1)  # a vector in llama.cpp's files
         arr = arr.astype(np.float32)
-        if arch == "llama" and name.endswith("attn_q.weight"):
+        if arch in ("llama", "granite") and name.endswith("attn_q.weight"):
             arr = permute(arr, heads)
-        elif arch == "llama" and name.endswith("attn_k.weight"):
+        elif arch in ("llama", "granite") and name.endswith("attn_k.weight"):
             arr = permute(arr, kv_heads)
         if arr.ndim == 2 and tensor_type in ("Q4_K", "Q6_K"):
             seed = sum(name.encode())

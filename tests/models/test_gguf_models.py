@@ -136,3 +136,58 @@ def test_yarn_gguf_equals_safetensors_and_runs_in_the_rust_decoder(tmp_path):
         _, logits = run_greedy(model, PROMPTS, 1, return_prefill_logits=True)
         errors.append((logits - want).abs().max().item())
     assert errors[0] < 0.1 * want.abs().max().item() and errors[0] < errors[1] / 3, errors
+
+
+def _phi4_mini_like(folder: str) -> str:
+    """A tiny Phi-3 folder turned Phi-4-mini-shaped: LongRoPE over half of each head's dims."""
+    import json
+    import os
+
+    path = os.path.join(folder, "config.json")
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    config.update(max_position_embeddings=256, original_max_position_embeddings=64, partial_rotary_factor=0.5,
+                  rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0, 1.2, 1.5, 2.0],
+                                   "long_factor": [1.0, 3.0, 7.0, 15.0]})
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    return folder
+
+
+@pytest.mark.parametrize("family", ["phi3", "phi4_mini", "granite"])
+def test_phi3_and_granite_gguf_equal_safetensors(tmp_path, family):
+    """llama.cpp's phi3 files (fused attn_qkv / ffn_up, the rotary dims as rope.dimension_count, LongRoPE
+    as rope_factors_* tensors) and granite files (q/k permuted as Llama's, the multipliers as *_scale
+    keys) give the folder's model."""
+    if family == "granite":
+        folder = tiny_models.make_tiny_granite(tmp_path / family, seed=8)
+    else:
+        folder = tiny_models.make_tiny_phi3(tmp_path / family, seed=8)
+        if family == "phi4_mini":
+            folder = _phi4_mini_like(folder)
+    path = tiny_models.export_gguf(folder, tmp_path / f"{family}.gguf")
+    want_spec, spec = load_model_spec(resolve_model(folder)), load_model_spec(resolve_model(path))
+    assert (spec.architecture, spec.rotary_dim, spec.head_dim) == (
+        want_spec.architecture, want_spec.rotary_dim, want_spec.head_dim)
+    if family == "phi4_mini":
+        assert spec.rotary_dim == 8 and spec.rope_scaling["rope_type"] == "longrope"
+        assert spec.rope_scaling["original_max_position_embeddings"] == 64
+    want_tokens, want = run_greedy(_load(folder), PROMPTS, 4, return_prefill_logits=True)
+    got_tokens, got = run_greedy(_load(path), PROMPTS, 4, return_prefill_logits=True)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert got_tokens == want_tokens
+
+
+def test_phi4_mini_q8_gguf_runs_in_the_rust_decoder(tmp_path):
+    """Kept quantized, the fused tensors are cut by rows of blocks and the partial-rotary q/k rows
+    reordered as whole rows of blocks; every step runs in the Rust decoder, close to the float model."""
+    from ferrox.attention.cpu_decode import CpuQuantizedDecode
+
+    folder = _phi4_mini_like(tiny_models.make_tiny_phi3(tmp_path / "phi4", seed=8))
+    path = tiny_models.export_gguf(folder, tmp_path / "q8.gguf", tensor_type="Q8_0")
+    source = resolve_model(path)
+    model = load_model(source, load_model_spec(source), dtype=torch.float32, device="cpu", keep_quantized=True)
+    assert isinstance(model.model.decode_path, CpuQuantizedDecode)
+    _, want = run_greedy(_load(folder), PROMPTS, 1, return_prefill_logits=True)
+    _, got = run_greedy(model, PROMPTS, 1, return_prefill_logits=True)
+    assert (got - want).abs().max().item() < 0.1 * want.abs().max().item()

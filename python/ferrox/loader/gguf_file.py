@@ -25,11 +25,13 @@ GGUF_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "granite": "GraniteForCausalLM",
 }
 
 # llama.cpp's converter permutes the rows of attn_q / attn_k for these architectures so that its
 # rotary kernel can use the interleaved (GPT-J) pair layout; HF models use rotate_half (NeoX) pairs.
-_PERMUTED_QK_ARCHS = {"llama", "mistral"}
+_PERMUTED_QK_ARCHS = {"llama", "mistral", "granite"}  # (llama.cpp's Granite converter is its Llama one)
 
 # Per-layer tensor names: llama.cpp suffix -> Hugging Face suffix under model.layers.N.
 _LAYER_NAMES = {
@@ -62,6 +64,11 @@ _EXPERT_STACKS = {
     "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
     "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
 }
+# Architectures whose files keep Hugging Face's fused projections: Phi-3's [q; k; v] and [gate; up]
+# rows, which models/phi3.py cuts as it does a safetensors checkpoint's.
+_ARCH_LAYER_NAMES = {
+    "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
+}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -70,11 +77,14 @@ _GLOBAL_NAMES = {
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a llama.cpp tensor, None for tensors HF models do not have."""
+def hf_tensor_name(gguf_name: str, arch: str = "") -> str | None:
+    """The Hugging Face name of a llama.cpp tensor of an `arch` file, None for tensors HF models do not
+    have (e.g. rope_factors_*, which the config's rope scaling takes instead)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.match(gguf_name)
+    if m and m.group(2) in _ARCH_LAYER_NAMES.get(arch, {}):
+        return f"model.layers.{m.group(1)}.{_ARCH_LAYER_NAMES[arch][m.group(2)]}"
     if m and m.group(2) in _LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
     if m and m.group(2) in _EXPERT_STACKS:
@@ -175,7 +185,7 @@ class GGUFFile:
         self.check_quant_types()
         permuted = self.architecture in _PERMUTED_QK_ARCHS
         for t in self.reader.tensors:
-            name = hf_tensor_name(t.name)
+            name = hf_tensor_name(t.name, self.architecture)
             if name is None:
                 continue
             if keep_quantized and is_block_quantized(t):

@@ -204,7 +204,9 @@ def hf_config_from_gguf(gguf: Any) -> dict[str, Any]:
     meta = gguf.metadata
     heads = integer("attention.head_count")
     hidden = integer("embedding_length")
-    dim_key = next((k for k in ("attention.key_length", "rope.dimension_count") if gguf.arch_key(k)), None)
+    # A Phi-3 file's rope.dimension_count is its rotary part (Phi-4-mini: 96 of 128), not the head.
+    dim_keys = ("attention.key_length",) if arch == "phi3" else ("attention.key_length", "rope.dimension_count")
+    dim_key = next((k for k in dim_keys if gguf.arch_key(k)), None)
     if dim_key is None and hidden < heads:
         raise ModelLoadError(f"{what(f'{arch}.attention.head_count')} {heads} is larger than "
                              f"{arch}.embedding_length {hidden}")
@@ -237,8 +239,18 @@ def hf_config_from_gguf(gguf: Any) -> dict[str, Any]:
         config["attention_bias"] = False  # qkv bias is implied by the architecture; o_proj has none
     if gguf.arch_key("expert_count"):
         config.update(_gguf_experts(gguf, arch, integer))
+    if arch == "phi3":
+        config.update(_gguf_phi3(gguf, config, integer))
+    if arch == "granite":
+        # llama.cpp names Granite's *_multiplier fields *_scale (models/granite.py folds them at load).
+        for key, field in (("embedding_scale", "embedding_multiplier"), ("residual_scale", "residual_multiplier"),
+                           ("attention.scale", "attention_multiplier"), ("logit_scale", "logits_scaling")):
+            if gguf.arch_key(key) is not None:
+                config[field] = to_float(gguf.arch_key(key), what(f"{arch}.{key}"))
     scaling_type = gguf.arch_key("rope.scaling.type")
-    if "rope_freqs.weight" in gguf.tensor_names:
+    if "rope_scaling" in config:
+        pass  # set by the family above (Phi-3's LongRoPE)
+    elif "rope_freqs.weight" in gguf.tensor_names:
         config["rope_scaling"] = {"rope_type": "freq_factors", "factors": gguf.float_tensor("rope_freqs.weight").tolist()}
     elif scaling_type == "linear":
         config["rope_scaling"] = {"rope_type": "linear",
@@ -274,6 +286,33 @@ def _gguf_experts(gguf: Any, arch: str, integer: Any) -> dict[str, Any]:
     if gguf.arch_key("expert_shared_feed_forward_length"):
         experts["shared_expert_intermediate_size"] = integer("expert_shared_feed_forward_length")
     return experts
+
+
+def _gguf_phi3(gguf: Any, config: dict[str, Any], integer: Any) -> dict[str, Any]:
+    """Phi-3's GGUF keys (llama.cpp's converter): partial rotary as rope.dimension_count, the sliding
+    window (0: none, Phi-4), and LongRoPE as two factor tensors beside rope.scaling.original_context_length
+    (Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini); the attention factor follows from the two lengths."""
+    out: dict[str, Any] = {}
+    head_dim = config["head_dim"]
+    rotary = integer("rope.dimension_count", head_dim)
+    if rotary != head_dim:
+        out["partial_rotary_factor"] = rotary / head_dim
+    window = gguf.arch_key("attention.sliding_window")
+    if window:
+        out["sliding_window"] = integer("attention.sliding_window")
+    original = gguf.arch_key("rope.scaling.original_context_length")
+    if original:
+        out["original_max_position_embeddings"] = integer("rope.scaling.original_context_length")
+    if "rope_factors_long.weight" in gguf.tensor_names:
+        if not original:
+            raise ModelLoadError(f"GGUF file {gguf.path}: rope_factors_long.weight without metadata "
+                                 "phi3.rope.scaling.original_context_length")
+        out["rope_scaling"] = {
+            "rope_type": "longrope", "original_max_position_embeddings": out["original_max_position_embeddings"],
+            "long_factor": gguf.float_tensor("rope_factors_long.weight").tolist(),
+            "short_factor": gguf.float_tensor("rope_factors_short.weight").tolist(),
+        }
+    return out
 
 
 def _gguf_dtype(gguf: Any) -> str:

@@ -19,8 +19,9 @@ The final hidden states are therefore those of transformers divided by `hidden_s
 pooling runner multiplies pooled vectors back (worker/pooling_runner.py).
 
 Refused by name: checkpoint quantization (config.json quantization_config: the folds would have to
-reach inside packed weights and their scales). GGUF files of llama.cpp's "granite" architecture are
-not mapped (loader/gguf_file.py) and are refused there.
+reach inside packed weights and their scales). GGUF files of llama.cpp's "granite" architecture load
+(loader/model_config.py maps its *_scale keys to these fields) dequantized to the model dtype, for
+the same reason: the CPU's kept-quantized path has no place for the folds.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class GraniteMultipliers:
 
 
 class GraniteForCausalLM(LlamaForCausalLM):
-    supports_quantized_gguf = False  # no GGUF mapping: see the module docstring
+    supports_quantized_gguf = False  # GGUF files load dequantized: see the module docstring
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ferrox.distributed.sharding import materialize, row_block, shape_of
+from ferrox.layers.quant import QuantizedTensor
 from ferrox.layers.quant.method import hf_quantization_config
 from ferrox.layers.rotary import partial_rotary_order
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
@@ -37,8 +38,9 @@ _SPLIT_LEAVES = ("weight", "bias")
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    # GGUF: llama.cpp's "phi3" architecture is not mapped (loader/gguf_file.py), so no GGUF reaches here.
-    supports_quantized_gguf = False
+    # GGUF: llama.cpp's "phi3" files keep the fused tensors (loader/gguf_file.py); kept quantized on the
+    # CPU they are cut by rows of blocks (QuantizedTensor.narrow) and run in the Rust kernels.
+    supports_quantized_gguf = True
     reorders_partial_rotary = True
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
@@ -79,16 +81,18 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 yield f"{parent}.{part}.{leaf}", block
                 start += n
 
-    def _rotary_rows(self, rows: Any) -> torch.Tensor:
+    def _rotary_rows(self, rows: Any) -> Any:
         """q or k rows (a weight or bias, every head) with each head's rows in the order whole-head
         rotary needs (layers/rotary.py partial_rotary_order). Read whole: a tensor-parallel rank
         then slices its heads from the reordered tensor (the rows of one head stay together)."""
         head_dim, rotary_dim = self.spec.head_dim, self.spec.rotary_dim
         assert rotary_dim is not None
-        tensor = materialize(rows)
-        heads = tensor.reshape(-1, head_dim, *tensor.shape[1:])
-        order = partial_rotary_order(head_dim, rotary_dim).to(tensor.device)
-        return heads.index_select(1, order).reshape(tensor.shape)
+        tensor = rows if isinstance(rows, QuantizedTensor) else materialize(rows)
+        heads = tensor.shape[0] // head_dim
+        order = (torch.arange(heads)[:, None] * head_dim + partial_rotary_order(head_dim, rotary_dim)).reshape(-1)
+        if isinstance(tensor, QuantizedTensor):  # a GGUF's rows of blocks, moved whole
+            return tensor.take_rows(order)
+        return tensor.index_select(0, order.to(tensor.device))
 
 
 def check_phi3_config(config: dict[str, Any]) -> None:

@@ -22,6 +22,16 @@ class QuantizedTensor:
     def decode(self) -> GroupAffine:
         return decode_gguf(self.type_name, self.raw, self.shape)
 
+    def narrow(self, dim: int, start: int, length: int) -> QuantizedTensor:
+        """Rows [start, start + length) (dim 0): a fused checkpoint tensor's part (Phi-3's qkv)."""
+        if dim != 0:
+            raise ValueError("a QuantizedTensor is cut by rows only (its blocks run along a row)")
+        return QuantizedTensor(self.type_name, self.raw[start:start + length], (length, self.shape[1]))
+
+    def take_rows(self, order: torch.Tensor) -> QuantizedTensor:
+        """The rows in `order` (a permutation), as index_select(0, order) of the float weight."""
+        return QuantizedTensor(self.type_name, np.ascontiguousarray(self.raw[order.numpy()]), self.shape)
+
     def dequantize(self) -> torch.Tensor:
         """float32 [rows, cols], as the `gguf` package dequantizes it (the float path's values)."""
         from gguf import GGMLQuantizationType
