@@ -1,7 +1,8 @@
 """ferrox: an LLM inference and serving engine with a Rust core.
 
 Public names: LLM, AsyncLLM, SamplingParams, StructuredOutputsParams, PoolingParams (with the
-outputs of a pooling model, EmbeddingRequestOutput, PoolingRequestOutput and ScoringRequestOutput), and
+outputs of a pooling model, EmbeddingRequestOutput, PoolingRequestOutput, ScoringRequestOutput and
+ClassificationRequestOutput), and
 the exception tree rooted at FerroxError (ferrox.errors: every error has `.param`, the request field at
 fault).
 Heavy modules (torch, the engine) load on first use so `import ferrox` stays fast.
@@ -34,6 +35,7 @@ __all__ = [
     "EmbeddingRequestOutput",
     "PoolingRequestOutput",
     "ScoringRequestOutput",
+    "ClassificationRequestOutput",
     "FerroxError",
     "InvalidArgumentError",
     "PromptTooLongError",
@@ -55,12 +57,18 @@ _LAZY = {
     "EmbeddingRequestOutput": "ferrox.outputs",
     "PoolingRequestOutput": "ferrox.outputs",
     "ScoringRequestOutput": "ferrox.outputs",
+    "ClassificationRequestOutput": "ferrox.outputs",
 }
 
 if TYPE_CHECKING:
     from ferrox.engine.async_llm import AsyncLLM
     from ferrox.engine.llm import LLM
-    from ferrox.outputs import EmbeddingRequestOutput, PoolingRequestOutput, ScoringRequestOutput
+    from ferrox.outputs import (
+        ClassificationRequestOutput,
+        EmbeddingRequestOutput,
+        PoolingRequestOutput,
+        ScoringRequestOutput,
+    )
     from ferrox.pooling.params import PoolingParams
     from ferrox.sampling_params import SamplingParams
     from ferrox.structured.params import StructuredOutputsParams

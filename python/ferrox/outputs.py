@@ -1,6 +1,6 @@
 """What `LLM.generate` / `AsyncLLM.generate` hand back (vLLM-compatible shapes and names), and for a
-pooling model what `LLM.embed` / `LLM.encode` / `AsyncLLM.encode` / `LLM.score` do (EmbeddingRequestOutput,
-PoolingRequestOutput, ScoringRequestOutput).
+pooling model what `LLM.embed` / `LLM.encode` / `AsyncLLM.encode` / `LLM.score` / `LLM.classify` do
+(EmbeddingRequestOutput, PoolingRequestOutput, ScoringRequestOutput, ClassificationRequestOutput).
 
 Logprobs follow vLLM: one dict per position, token id -> `Logprob`, holding the chosen token and
 the top-N alternatives. Prompt logprobs start with None (the first prompt token has no context).
@@ -108,19 +108,49 @@ class EmbeddingRequestOutput:
 
 @dataclass(slots=True)
 class ScoringOutput:
-    score: float  # an embedding model's: the cosine similarity of the pair's two vectors
+    # An embedding model's: the cosine similarity of the pair's two vectors; a cross-encoder's: the pair's
+    # score (its one logit through the model's activation).
+    score: float
 
 
 @dataclass(slots=True)
 class ScoringRequestOutput:
     """One scored pair (LLM.score). As vLLM's for an embedding model: the id joins the two texts' request
     ids with "_"; prompt_token_ids are the first text's, the pad token (when the tokenizer has one), then
-    the second text's."""
+    the second text's. For a cross-encoder: the pair's own request id and its pair encoding's tokens."""
 
     request_id: str
     outputs: ScoringOutput
     prompt_token_ids: list[int]
     finished: bool
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    """A sequence classifier's class scores of one text (vLLM's): softmax probabilities over several
+    labels, a sigmoid for one (pooling/classify.py), in config.json id2label order."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(slots=True)
+class ClassificationRequestOutput:
+    """One classified prompt (LLM.classify)."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool
+
+    @staticmethod
+    def from_base(request_output: PoolingRequestOutput) -> ClassificationRequestOutput:
+        return ClassificationRequestOutput(request_output.request_id,
+                                           ClassificationOutput(request_output.outputs.data.tolist()),
+                                           request_output.prompt_token_ids, request_output.finished)
 
 
 # What the output processor yields for one request: a generation's or a pooling model's.

@@ -42,6 +42,81 @@ def _wordpiece_tokenizer(folder: str) -> None:
     tok.save(os.path.join(folder, "tokenizer.json"))
 
 
+def _roberta_tokenizer(folder: str) -> None:
+    """The same tiny WordPiece vocabulary with RoBERTa's specials (<s>=0, <pad>=1, </s>=2, as its config's
+    pad/bos/eos ids) and RoBERTa's post-processor: <s> a </s> and, for a pair, <s> a </s></s> b </s>."""
+    from tokenizers import BertWordPieceTokenizer, processors
+
+    tok = BertWordPieceTokenizer(lowercase=True, unk_token="<unk>", sep_token="</s>", cls_token="<s>",
+                                 pad_token="<pad>", mask_token="<mask>")
+    tok.train_from_iterator(_CORPUS, vocab_size=120, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
+                            show_progress=False)
+    tok.post_processor = processors.RobertaProcessing(("</s>", tok.token_to_id("</s>")), ("<s>", tok.token_to_id("<s>")))
+    tok.save(os.path.join(folder, "tokenizer.json"))
+
+
+# transformers' classes of each cross-encoder family: (config, model).
+CLASSIFIER_FAMILIES = {
+    "bert": ("BertConfig", "BertForSequenceClassification"),
+    "roberta": ("RobertaConfig", "RobertaForSequenceClassification"),
+    "xlm-roberta": ("XLMRobertaConfig", "XLMRobertaForSequenceClassification"),
+}
+
+
+def make_tiny_classifier(folder, *, family: str = "bert", num_labels: int = 1, config_extra: dict | None = None,
+                         seed: int = 0) -> str:
+    """A random *ForSequenceClassification folder saved by transformers (a cross-encoder reranker when
+    num_labels is 1), with the family's tokenizer. Weights are spread wider than transformers' init (std
+    0.02, under which every input scores alike), so scores differ from pair to pair and token types move them."""
+    import transformers
+
+    folder = str(folder)
+    os.makedirs(folder, exist_ok=True)
+    config_name, model_name = CLASSIFIER_FAMILIES[family]
+    common = dict(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                  hidden_act="gelu", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=num_labels)
+    if family == "bert":
+        _wordpiece_tokenizer(folder)
+        config = transformers.BertConfig(**common, max_position_embeddings=64, type_vocab_size=2, pad_token_id=0)
+    else:
+        _roberta_tokenizer(folder)
+        config = getattr(transformers, config_name)(**common, max_position_embeddings=66, type_vocab_size=1,
+                                                    pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    if num_labels > 1:
+        config.id2label = {i: f"class_{i}" for i in range(num_labels)}
+        config.label2id = {v: k for k, v in config.id2label.items()}
+    for key, value in (config_extra or {}).items():
+        setattr(config, key, value)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "LayerNorm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+            else:
+                param.normal_(0.0, 1.0 if "embeddings" in name else 0.3)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@torch.inference_mode()
+def hf_classifier_logits(model, prompts: list[list[int]], token_types: list[list[int]] | None = None,
+                         pad_id: int = 0) -> torch.Tensor:
+    """transformers' logits [n, num_labels] of token-id prompts in one right-padded batch (as a tokenizer
+    pads), with their token types (None: all 0)."""
+    longest = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    types = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = torch.tensor(p)
+        mask[i, :len(p)] = 1
+        if token_types is not None:
+            types[i, :len(p)] = torch.tensor(token_types[i])
+    kwargs = {"token_type_ids": types} if model.config.type_vocab_size > 1 else {}
+    return model(input_ids=ids, attention_mask=mask, **kwargs).logits.float()
+
+
 def make_tiny_encoder(folder, *, family: str = "bert", pooling: str | None = "cls", normalize: bool = False,
                       max_seq_length: int | None = 48, matryoshka: list[int] | None = None, seed: int = 0) -> str:
     """A random BertModel / RobertaModel folder saved by transformers, with a WordPiece tokenizer and, when

@@ -125,6 +125,10 @@ def test_generation_routes_are_refused_and_probes_work(server):
                              "Chat Completions API")):
         status, answer = _post(server, path, {"model": MODEL, **body})
         assert status == 400 and answer["error"]["message"] == f"The model does not support {api}", answer
+    # A sequence classifier's API: an embedding model refuses it, saying what it serves instead.
+    status, answer = _post(server, "/classify", {"model": MODEL, "input": "hi"})
+    assert status == 400 and answer["error"]["message"].startswith("The model does not support Classification "
+                                                                   "API: it is an embedding model"), answer
     for path in ("/health", "/metrics", "/", "/status", "/v1/models"):
         with urllib.request.urlopen(server.base_url + path, timeout=10) as resp:
             assert resp.status == 200, path

@@ -20,7 +20,7 @@ ROUTES = {  # what a vLLM user reaches for, and this server's own additions
     "/health": {"get"}, "/ping": {"get", "post"}, "/invocations": {"post"}, "/version": {"get"}, "/metrics": {"get"},
     "/openapi.json": {"get"}, "/status": {"get"}, "/": {"get"},
     "/v1/embeddings": {"post"}, "/pooling": {"post"}, "/score": {"post"}, "/v1/score": {"post"},
-    "/rerank": {"post"}, "/v1/rerank": {"post"}, "/v2/rerank": {"post"},
+    "/rerank": {"post"}, "/v1/rerank": {"post"}, "/v2/rerank": {"post"}, "/classify": {"post"},
     "/v1/load_lora_adapter": {"post"}, "/v1/unload_lora_adapter": {"post"},
 }
 
@@ -80,9 +80,10 @@ def test_ping_and_model_by_id(base_url):
 
 
 def test_scoring_routes_refuse_a_generation_model(base_url):
-    """/score and /rerank need an embedding model: this server's generation model answers vLLM's 400."""
+    """/score, /rerank and /classify need a pooling model: this server's generation model answers vLLM's 400."""
     for path, body, api in (("/v1/score", {"text_1": "a", "text_2": ["b"]}, "Score API"),
-                            ("/rerank", {"query": "a", "documents": ["b"]}, "Rerank (Score) API")):
+                            ("/rerank", {"query": "a", "documents": ["b"]}, "Rerank (Score) API"),
+                            ("/classify", {"input": "a"}, "Classification API")):
         status, _, answer = _call(base_url, path, body)
         assert status == 400, answer
         assert json.loads(answer)["error"]["message"] == f"The model does not support {api}"

@@ -36,6 +36,7 @@ from ferrox.engine.protocol import EngineCoreRequest
 from ferrox.errors import InvalidArgumentError, RequestError
 from ferrox.outputs import (
     AnyRequestOutput,
+    ClassificationRequestOutput,
     EmbeddingRequestOutput,
     PoolingRequestOutput,
     RequestOutput,
@@ -43,7 +44,7 @@ from ferrox.outputs import (
     ScoringRequestOutput,
 )
 from ferrox.pooling.params import PoolingParams, pooling_sampling_params
-from ferrox.pooling.score import cosine_similarity, distinct, score_pairs
+from ferrox.pooling.score import cosine_similarity, distinct, pair_labels, score_pairs
 from ferrox.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -200,7 +201,7 @@ class LLM:
         model's special tokens, as transformers does; never truncated: a prompt longer than max_model_len is
         refused), {"prompt_token_ids": [...]} or lists of token ids. pooling_params: one for every prompt, or
         one per prompt (dimensions, normalize)."""
-        outputs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm)
+        outputs = self._encode(prompts, pooling_params, use_tqdm, task="embed")
         return [EmbeddingRequestOutput.from_base(out) for out in outputs]
 
     def encode(
@@ -210,12 +211,22 @@ class LLM:
         *,
         use_tqdm: bool = True,
     ) -> list[PoolingRequestOutput]:
-        """The pooled vector of each prompt as a float32 array (vLLM's LLM.encode); embed() gives lists."""
+        """The pooled output of each prompt as a float32 array (vLLM's LLM.encode): an embedding model's
+        vector (embed() gives lists), a classifier's class scores (classify() gives lists)."""
+        return self._encode(prompts, pooling_params, use_tqdm)
+
+    def _encode(self, prompts: PromptInput | Sequence[PromptInput],
+                pooling_params: PoolingParams | Sequence[PoolingParams] | None, use_tqdm: bool,
+                task: str | None = None) -> list[PoolingRequestOutput]:
+        """task: what every prompt must compute (pooling/params.py TASKS; the model refuses one it does not
+        do, naming `task`); None: what each PoolingParams says."""
         items = normalize_prompts(prompts)
         if not items:
             return []
         processed = self._pooling_prompts(items)
         params_list = _pooling_per_prompt(pooling_params, len(processed))
+        if task is not None:
+            params_list = [p.clone(task=task) for p in params_list]
         return self._pool(processed, params_list, use_tqdm, [f"prompts[{i}]" for i in range(len(processed))])
 
     def score(
@@ -230,22 +241,30 @@ class LLM:
         tokenization_kwargs: Mapping[str, Any] | None = None,
         chat_template: str | None = None,
     ) -> list[ScoringRequestOutput]:
-        """vLLM's LLM.score for an embedding model: the cosine similarity of each pair's embeddings, one per
-        pair in order. One data_1 pairs with every data_2 (1:N), else they pair up one to one (N:N); each
-        side takes what embed() takes. Every distinct prompt is embedded once, all in one batch.
-        pooling_params: for every prompt (`dimensions` changes the vectors compared; `normalize` does not
-        change a cosine). lora_request, tokenization_kwargs and chat_template (a cross-encoder's) are
-        refused by name."""
+        """vLLM's LLM.score, one ScoringRequestOutput per pair in order. One data_1 pairs with every data_2
+        (1:N), else they pair up one to one (N:N).
+
+        An embedding model: the cosine similarity of each pair's embeddings; each side takes what embed()
+        takes; every distinct prompt is embedded once, all in one batch. pooling_params: for every prompt
+        (`dimensions` changes the vectors compared; `normalize` does not change a cosine).
+        A sequence classifier (a cross-encoder reranker): each pair is read as ONE sequence, the tokenizer's
+        pair encoding (`[CLS] a [SEP] b [SEP]`, BERT's token types 0 then 1), and scored by the model's head
+        and activation (a sigmoid for one label); texts only. pooling_params: use_activation=False gives
+        the raw logit.
+        lora_request, tokenization_kwargs and chat_template are refused by name."""
         for name, value in (("lora_request", lora_request), ("tokenization_kwargs", tokenization_kwargs or None),
                             ("chat_template", chat_template)):
             if value is not None:
-                raise InvalidArgumentError(f"{name}: not supported by score() (an embedding model embeds each text "
-                                           "as embed() does, with its special tokens, never truncated)", param=name)
+                raise InvalidArgumentError(f"{name}: not supported by score() (each text is encoded with its "
+                                           "special tokens, never truncated)", param=name)
         if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
             raise InvalidArgumentError(f"pooling_params: expected one PoolingParams (it applies to every prompt), "
                                        f"got {type(pooling_params).__name__}", param="pooling_params")
         side_1, side_2 = _score_side(data_1, "data_1"), _score_side(data_2, "data_2")
         pairs = score_pairs(len(side_1), len(side_2))
+        pooler = self.engine.pooler_config
+        if pooler is not None and pooler.task == "classify":
+            return self._cross_encode(side_1, side_2, pairs, pooling_params or PoolingParams(), use_tqdm)
         processed = self._pooling_prompts(side_1 + side_2)
         labels = [f"data_1[{i}]" for i in range(len(side_1))] + [f"data_2[{j}]" for j in range(len(side_2))]
         first, where = distinct([tuple(p.prompt_token_ids) for p in processed])
@@ -260,6 +279,37 @@ class LLM:
                                                 ScoringOutput(cosine_similarity(a.outputs.data, b.outputs.data)),
                                                 a.prompt_token_ids + pad + b.prompt_token_ids, True))
         return results
+
+    def classify(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        *,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """vLLM's LLM.classify for a sequence-classification model: each prompt's class scores
+        (`.outputs.probs`, config.json id2label order: softmax over several labels, a sigmoid for one;
+        use_activation=False in pooling_params gives the logits). Prompts as embed() takes them."""
+        outputs = self._encode(prompts, pooling_params, use_tqdm, task="classify")
+        return [ClassificationRequestOutput.from_base(out) for out in outputs]
+
+    def _cross_encode(self, side_1: list[PromptInput], side_2: list[PromptInput], pairs: list[tuple[int, int]],
+                      pooling_params: PoolingParams, use_tqdm: bool) -> list[ScoringRequestOutput]:
+        """score() on a cross-encoder: every pair one request, all in one batch."""
+        texts: list[list[str]] = []
+        for name, side in (("data_1", side_1), ("data_2", side_2)):
+            for i, item in enumerate(side):
+                if not isinstance(item, str):
+                    raise InvalidArgumentError(f"{name}[{i}]: a cross-encoder scores pairs of texts (the tokenizer "
+                                               "joins them); give a text, not token ids", param=name)
+            texts.append([str(item) for item in side])
+        encoded = self.engine.tokenizer.encode_pairs([(texts[0][i], texts[1][j]) for i, j in pairs])
+        processed = [ProcessedPrompt(None, ids) for ids, _ in encoded]
+        params = [pooling_params.clone(task="score", second_text_start=start) for _, start in encoded]
+        labels = [pair_labels(len(side_1), len(side_2), i, j) for i, j in pairs]
+        outs = self._pool(processed, params, use_tqdm, labels)
+        return [ScoringRequestOutput(out.request_id, ScoringOutput(float(out.outputs.data[0])), out.prompt_token_ids,
+                                     True) for out in outs]
 
     def _pooling_prompts(self, items: list[PromptInput]) -> list[ProcessedPrompt]:
         # Texts are encoded in one batch (the tokenizer spreads it over its threads): embedding calls are

@@ -108,7 +108,6 @@ def add_engine_args(parser: argparse.ArgumentParser, group: argparse._ArgumentGr
                                default=field.default, help=help_text)
             continue
         value_type = _value_type(hints[field.name])
-
         if meta.get("positional"):
             parser.add_argument(field.name, nargs="?", type=value_type, default=field.default, help=help_text)
             continue
@@ -186,8 +185,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="serve a model over an OpenAI- and Anthropic-compatible HTTP API",
         description="Serve MODEL (a Hugging Face folder, a .gguf file, or a model id such as org/name in the local "
         "Hugging Face cache; default: the embedded SmolLM2-135M-Instruct) with the OpenAI API (/v1/chat/completions, "
-        "/v1/completions, /v1/responses, /v1/models; /v1/embeddings and /pooling for a pooling model, see --runner), "
-        "the Anthropic Messages API (/v1/messages), /tokenize, "
+        "/v1/completions, /v1/responses, /v1/models; /v1/embeddings, /pooling, /score, /rerank and /classify for a "
+        "pooling model, see --runner), the Anthropic Messages API (/v1/messages), /tokenize, "
         "/detokenize, /health, /version and Prometheus /metrics. vLLM's flags are accepted with vLLM's meaning; "
         "a flag ferrox lacks is refused by name.",
         formatter_class=_HelpFormatter,

@@ -63,6 +63,26 @@ class Tokenizer:
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
+    def encode_pairs(self, pairs: list[tuple[str, str]],
+                     add_special_tokens: bool = True) -> list[tuple[list[int], int | None]]:
+        """Each (first, second) text pair as ONE sequence, the tokenizer's pair encoding (its post-processor:
+        `[CLS] a [SEP] b [SEP]` for BERT, `<s> a </s></s> b </s>` for RoBERTa), as transformers'
+        tokenizer(text, text_pair) gives it to a cross-encoder: (token ids, where token type 1 starts, None
+        when every type is 0). The types are a run of 0s then a run of 1s in every post-processor the
+        tokenizers library has for pairs, so one index carries them (vLLM compresses them alike)."""
+        out: list[tuple[list[int], int | None]] = []
+        for a, b in pairs:
+            if not isinstance(a, str) or not isinstance(b, str):
+                raise TypeError(f"a text pair must be two str, got ({type(a).__name__}, {type(b).__name__})")
+        for enc in self._tok.encode_batch(list(pairs), add_special_tokens=add_special_tokens):
+            types = enc.type_ids
+            start = next((i for i, t in enumerate(types) if t != 0), None)
+            if start is not None and any(t != 1 for t in types[start:]):
+                raise ValueError(f"tokenizer of {self.name}: its pair encoding's token types {sorted(set(types))} "
+                                 "are not a run of 0s then a run of 1s, which ferrox cannot carry")
+            out.append((enc.ids, start))
+        return out
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -10,8 +10,9 @@ so no KV cache exists: every request attends over its own rows only. The rows ar
 [requests, longest, heads, head_dim] batch once per forward (`_PaddedBatch`), and each layer runs one
 SDPA call over it with a key mask hiding the padding, as sentence-transformers' padded batches do.
 
-token_type_ids are all 0 (one segment: an embedding prompt is a single text). RoBERTa differs from BERT
-only in its positions, which start after its padding index (pad_token_id + 1).
+token_type_ids are all 0 for an embedding prompt (one text); a cross-encoder's pair prompt passes them
+(models/bert_classifier.py). RoBERTa differs from BERT only in its positions, which start after its padding
+index (pad_token_id + 1).
 """
 
 from __future__ import annotations
@@ -104,9 +105,12 @@ class BertEmbeddings(nn.Module):
                                                   device=device)
         self.norm = nn.LayerNorm(spec.hidden_size, eps=eps, dtype=dtype, device=device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.word_embeddings(input_ids) + self.position_embeddings(positions)
-        return self.norm(h + self.token_type_embeddings.weight[0])
+        types = self.token_type_embeddings.weight[0] if token_type_ids is None else \
+            self.token_type_embeddings(token_type_ids)
+        return self.norm(h + types)
 
 
 class BertLayer(nn.Module):
@@ -168,11 +172,13 @@ class BertModel(nn.Module):
         return spec.max_position_embeddings - cls.max_position_offset(spec)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
+                attn_metadata: AttentionMetadata, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         """[T, hidden]: every token's last hidden state. kv_caches is unused (an encoder keeps none);
-        positions restart at 0 for each request (its prompt is whole in the step)."""
+        positions restart at 0 for each request (its prompt is whole in the step); token_type_ids [T]
+        (None: all 0)."""
         batch = _PaddedBatch.of(attn_metadata, input_ids.device)
-        h = self.embeddings(input_ids, positions + self.position_offset if self.position_offset else positions)
+        h = self.embeddings(input_ids, positions + self.position_offset if self.position_offset else positions,
+                            token_type_ids)
         for layer in self.layers:
             h = layer(h, batch)
         return h

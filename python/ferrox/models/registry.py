@@ -35,11 +35,18 @@ SUPPORTED: dict[str, str] = {
     "BertModel": "ferrox.models.bert:BertModel",
     "RobertaModel": "ferrox.models.bert:RobertaModel",
     "XLMRobertaModel": "ferrox.models.bert:XLMRobertaModel",
+    "BertForSequenceClassification": "ferrox.models.bert_classifier:BertForSequenceClassification",
+    "RobertaForSequenceClassification": "ferrox.models.bert_classifier:RobertaForSequenceClassification",
+    "XLMRobertaForSequenceClassification": "ferrox.models.bert_classifier:XLMRobertaForSequenceClassification",
 }
 
-# Encoders without a language-model head: they embed (runner "pooling", chosen by runner "auto") and
-# cannot generate. The decoders above embed too with runner "pooling" (pooling/config.py).
-ENCODER_ONLY_ARCHITECTURES = frozenset({"BertModel", "RobertaModel", "XLMRobertaModel"})
+# Sequence classifiers (cross-encoder rerankers): pooling models of the classify / score kind, which
+# classify a text or score a pair of texts read as one sequence (pooling/config.py).
+CLASSIFIER_ARCHITECTURES = frozenset({"BertForSequenceClassification", "RobertaForSequenceClassification",
+                                      "XLMRobertaForSequenceClassification"})
+# Encoders without a language-model head: they embed or classify (runner "pooling", chosen by runner "auto")
+# and cannot generate. The decoders above embed too with runner "pooling" (pooling/config.py).
+ENCODER_ONLY_ARCHITECTURES = frozenset({"BertModel", "RobertaModel", "XLMRobertaModel"}) | CLASSIFIER_ARCHITECTURES
 
 
 def get_model_class(architectures: list[str]) -> type:

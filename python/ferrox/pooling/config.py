@@ -8,7 +8,10 @@ folder the way sentence-transformers (and vLLM) read it:
 
 Without modules.json a model pools by vLLM's default for its kind: CLS for an encoder (BertModel and
 relatives), the last token for a decoder used as an embedder; both L2-normalised. --pooler-config
-overrides pooling_type and normalize. Anything a folder declares that ferrox cannot reproduce (max
+overrides pooling_type and normalize. A sequence classifier (a cross-encoder: *ForSequenceClassification)
+does not pool into a vector: its head reads the first token, and its config.json's id2label and activation
+settings (pooling/classify.py) make its PoolerConfig (modules.json is not read for it: the head is in the
+checkpoint); a --pooler-config is refused for it. Anything a folder declares that ferrox cannot reproduce (max
 pooling, a Dense projection after the pooling) is refused by name rather than silently dropped.
 """
 
@@ -24,7 +27,8 @@ from ferrox.loader.errors import ModelLoadError, UnsupportedModelError
 from ferrox.loader.json_file import read_json
 from ferrox.loader.source import ModelSource
 from ferrox.model_spec import ModelSpec
-from ferrox.models.registry import ENCODER_ONLY_ARCHITECTURES, get_model_class
+from ferrox.models.registry import CLASSIFIER_ARCHITECTURES, ENCODER_ONLY_ARCHITECTURES, get_model_class
+from ferrox.pooling.classify import classifier_labels, classify_activation, score_activation
 from ferrox.pooling.params import PoolerConfig, parse_pooler_overrides
 
 logger = logging.getLogger(__name__)
@@ -45,7 +49,7 @@ def resolve_runner(requested: str, architecture: str) -> str:
         return "pooling" if encoder else "generate"
     if requested == "generate" and encoder:
         raise ValueError(f"runner: 'generate' cannot run {architecture}: it is an encoder-only model, which embeds "
-                         "text and has no language-model head (use runner 'pooling', or leave runner 'auto')")
+                         "or classifies text and has no language-model head (use runner 'pooling', or leave runner 'auto')")
     if requested not in RUNNERS:
         raise ValueError(f"runner: {requested!r} is not one of {', '.join(RUNNERS)}")
     return requested
@@ -66,8 +70,9 @@ def pooling_setup(config: EngineConfig, source: ModelSource, spec: ModelSpec, tp
         if bad:
             raise ValueError(f"{name}: not supported with runner 'pooling' ({why})")
     pooler = load_pooler_config(source, spec, config.pooler_config)
-    logger.info("runner pooling: %s pooling%s (from %s)%s", pooler.pooling_type,
-                ", normalized" if pooler.normalize else "", pooler.declared_by,
+    what = (f"{pooler.pooling_type} pooling{', normalized' if pooler.normalize else ''}" if pooler.task == "embed"
+            else f"classify (scores: {pooler.classify_activation}; pair scores: {pooler.score_activation})")
+    logger.info("runner pooling: %s (from %s)%s", what, pooler.declared_by,
                 "; prefix caching off (every prompt is computed whole)" if config.enable_prefix_caching else "")
     return pooler
 
@@ -87,6 +92,8 @@ def pooling_token_budget(requested: int | None, default: int, max_model_len: int
 
 def load_pooler_config(source: ModelSource, spec: ModelSpec, overrides: dict[str, Any] | None = None) -> PoolerConfig:
     """The pooling the folder declares (module docstring), with --pooler-config on top."""
+    if spec.architecture in CLASSIFIER_ARCHITECTURES:
+        return _classifier_config(source, spec, overrides)
     declared = _sentence_transformers_pooling(source.folder) if source.format == "hf" else None
     if declared is None:
         encoder = spec.architecture in ENCODER_ONLY_ARCHITECTURES
@@ -102,6 +109,19 @@ def load_pooler_config(source: ModelSource, spec: ModelSpec, overrides: dict[str
     dims, is_matryoshka = _matryoshka(spec, os.path.join(source.folder, "config.json"))
     return PoolerConfig(pooling_type=pooling_type, normalize=normalize, hidden_size=spec.hidden_size,
                         is_matryoshka=is_matryoshka, matryoshka_dimensions=dims, declared_by=declared_by)
+
+
+def _classifier_config(source: ModelSource, spec: ModelSpec, overrides: dict[str, Any] | None) -> PoolerConfig:
+    """A sequence classifier's PoolerConfig: its labels and activations from config.json."""
+    if parse_pooler_overrides(overrides):
+        raise ValueError(f"pooler_config: not supported for {spec.architecture} (a sequence classifier's head reads "
+                         "the first token, as transformers' does)")
+    where = os.path.join(source.folder, "config.json")
+    labels = classifier_labels(spec.hf_config, where)
+    return PoolerConfig(pooling_type="CLS", normalize=False, hidden_size=spec.hidden_size, task="classify",
+                        labels=labels, classify_activation=classify_activation(spec.hf_config, len(labels)),
+                        score_activation=score_activation(spec.hf_config, len(labels), where),
+                        declared_by=f"{spec.architecture}'s classification head ({len(labels)} labels)")
 
 
 def pooling_max_model_len(requested: int | None, source: ModelSource, spec: ModelSpec) -> int:

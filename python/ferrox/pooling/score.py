@@ -1,5 +1,7 @@
 """Scoring with an embedding (bi-encoder) model, as vLLM's score and rerank APIs do for one: each text is
-embedded on its own and a pair's score is the cosine similarity of its two vectors.
+embedded on its own and a pair's score is the cosine similarity of its two vectors. (A cross-encoder reads
+each pair as one sequence instead: loader/tokenizer.py encode_pairs, models/bert_classifier.py; it shares
+the pairing rules.)
 
 The two sides pair up 1:N (one first text against every second text) or N:N (pairwise); one side empty,
 or N:M with N > 1 and N != M, is refused naming the first side's field. LLM.score and the /score and
@@ -33,6 +35,13 @@ def score_pairs(n_1: int, n_2: int, names: tuple[str, str] = ("data_1", "data_2"
             f"{first}: {n_1} texts against {n_2} in {second}; give one {first} (scored against every {second}) or "
             f"as many as {second} (scored pairwise)", param=first)
     return [(i, i) for i in range(n_1)]
+
+
+def pair_labels(n_1: int, n_2: int, i: int, j: int, names: tuple[str, str] = ("data_1", "data_2")) -> str:
+    """How errors name a cross-encoder's pair prompt (the two texts read as one sequence)."""
+    first = f"{names[0]}[{i}]" if n_1 > 1 else names[0]
+    second = f"{names[1]}[{j}]" if n_2 > 1 else names[1]
+    return f"the pair {first} + {second}"
 
 
 def distinct(keys: Sequence[Hashable]) -> tuple[list[int], list[int]]:

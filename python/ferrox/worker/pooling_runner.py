@@ -4,9 +4,11 @@ It has the step methods the engine core calls on ModelRunner (launch / prepare_s
 finish, execute, add_request / remove_requests / append_accepted, capture_cuda_graphs, shutdown), so a
 pooling request goes through the same loop and the same Rust scheduler as a generation request:
 
-    launch    the forward pass over the step's prompts, then pooling (mean / CLS / last) on the device
+    launch    the forward pass over the step's prompts, then pooling (mean / CLS / last) on the device;
+              a sequence classifier's head instead (its logits: model.classify)
     sample    queue the vectors' copy to the host (there is nothing to sample)
-    finish    wait; each request's vector as it asked (Matryoshka truncation, normalisation), and the
+    finish    wait; each request's vector as it asked (Matryoshka truncation, normalisation; a classifier's
+              logits through its activation: pooling/classify.py), and the
               placeholder token 0 for every request, which ends it in the scheduler ("length": a
               pooling request is added with max_tokens=1, never detokenized)
 
@@ -30,6 +32,7 @@ import numpy.typing as npt
 import torch
 
 from ferrox.errors import InvalidArgumentError
+from ferrox.pooling.classify import apply_activation
 from ferrox.pooling.params import PoolerConfig, PoolingParams
 from ferrox.pooling.pooler import finish_vector, pool
 from ferrox.sampling_params import SamplingParams
@@ -54,6 +57,8 @@ class _PoolingRequest:
     req_id: str
     dimensions: int | None
     normalize: bool
+    activation: str | None = None  # a classifier's (its logits -> scores); None: an embedding
+    second_text_start: int | None = None  # a cross-encoder pair's: token type 1 from here on
 
 
 @dataclass(slots=True)
@@ -78,6 +83,9 @@ class PoolingRunner:
         # A model that folded a constant into its final norm (Granite's logits_scaling) returns hidden
         # states that much smaller than the checkpoint's: pooled vectors are scaled back.
         self._hidden_scale = float(getattr(model, "hidden_states_scale", 1.0))
+        self._classifier = pooler_config.task == "classify"
+        # BERT's pair prompts need their token types; RoBERTa's one-row table makes them all alike.
+        self._token_types = bool(getattr(model, "uses_token_types", False))
 
     def capture_cuda_graphs(self, *, max_num_seqs: int, max_model_len: int, block_size: int,
                             verify_len: int = 0, max_num_batched_tokens: int = 0) -> float | None:
@@ -122,7 +130,9 @@ class PoolingRunner:
             raise InvalidArgumentError(f"request {req_id!r}: this model runs with runner 'pooling' (it embeds); a "
                                        "generation request cannot run on it", param="runner")
         self._requests[slot] = _PoolingRequest(req_id, pooling_params.dimensions,
-                                               self.pooler_config.resolve_normalize(pooling_params))
+                                               self.pooler_config.resolve_normalize(pooling_params),
+                                               self.pooler_config.activation_of(pooling_params),
+                                               pooling_params.second_text_start)
 
     def remove_requests(self, slots: list[int] | npt.NDArray[np.int32]) -> None:
         for slot in np.asarray(slots).tolist():
@@ -150,13 +160,41 @@ class PoolingRunner:
         meta = attention_metadata(so, self._upload)
         input_ids = self._upload("input_ids", so.input_ids)
         positions = self._upload("positions", so.positions)
-        hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
-        pooled = pool(hidden[: meta.num_actual_tokens], meta.query_start_loc, self.pooler_config.pooling_type)
+        slots = np.asarray(so.req_slots, dtype=np.int32)
+        types = self._step_token_types(slots, meta, len(so.input_ids))
+        if types is not None:
+            hidden = self.model.forward(input_ids, positions, self.kv_caches, meta,
+                                        token_type_ids=self._upload("token_type_ids", types))
+        else:
+            hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+        if self._classifier:
+            pooled = self.model.classify(hidden[: meta.num_actual_tokens], meta.query_start_loc)
+        else:
+            pooled = pool(hidden[: meta.num_actual_tokens], meta.query_start_loc, self.pooler_config.pooling_type)
         if self._hidden_scale != 1.0:
             pooled = pooled * self._hidden_scale
-        slots = np.asarray(so.req_slots, dtype=np.int32)
         return PoolingStep(so, slots, torch.from_numpy(slots), np.zeros(slots.size, dtype=np.int64), sample_mask,
                            torch.empty(0), [], req_ids=list(so.req_ids), pooled=pooled)
+
+    def _step_token_types(self, slots: npt.NDArray[np.int32], meta: Any,
+                          num_tokens: int) -> npt.NDArray[np.int64] | None:
+        """The step's token_type_ids (0 up to each pair's second text, 1 from it on), or None when the model
+        takes none or no request of the step is a pair. A request carries one index (its PoolingParams'
+        second_text_start) rather than an array: the tokenizer's pair types are a run of 0s then a run of 1s
+        (loader/tokenizer.py), so the Rust scheduler and the step arrays stay as they are for every model.
+        The index comes from the tokenizer, not from the first [SEP] in the ids: a first text may itself
+        hold the [SEP] token, which transformers still types 0."""
+        if not self._token_types:
+            return None
+        starts = meta.query_start_loc_cpu.tolist()
+        types: npt.NDArray[np.int64] | None = None
+        for row, slot in enumerate(slots.tolist()):
+            start = self._requests[slot].second_text_start
+            if start is not None:
+                if types is None:
+                    types = np.zeros(num_tokens, dtype=np.int64)
+                types[starts[row] + start: starts[row + 1]] = 1
+        return types
 
     def prepare_sampling(self, handle: StepHandle, in_flight: Any = None) -> None:
         """Nothing to prepare: a pooling step samples nothing."""
@@ -182,6 +220,9 @@ class PoolingRunner:
         pooled: dict[str, npt.NDArray[np.float32]] = {}
         for row, slot in enumerate(handle.slots.tolist()):
             request = self._requests[slot]
-            pooled[request.req_id] = finish_vector(vectors[row], dimensions=request.dimensions,
-                                                   normalize=request.normalize)
+            if request.activation is not None:
+                pooled[request.req_id] = apply_activation(vectors[row], request.activation)
+            else:
+                pooled[request.req_id] = finish_vector(vectors[row], dimensions=request.dimensions,
+                                                       normalize=request.normalize)
         return ModelRunnerOutput(np.zeros(handle.slots.size, dtype=np.int64), pooled=pooled)

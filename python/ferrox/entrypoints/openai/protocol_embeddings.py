@@ -108,7 +108,8 @@ class EmbeddingRequest(BaseModel):
 
 
 class PoolingRequest(EmbeddingRequest):
-    """vLLM's /pooling body: the embeddings fields plus the pooling task ("embed", or its older name
-    "encode": both give the model's pooled vector)."""
+    """vLLM's /pooling body: the embeddings fields plus the pooling task: "encode" (or none) gives the model's
+    pooled output (an embedding model's vector, a sequence classifier's class scores), "embed" and
+    "classify" ask for one kind (the other kind of model refuses it, naming `task`)."""
 
-    task: Literal["embed", "encode"] | None = None
+    task: Literal["embed", "encode", "classify"] | None = None

@@ -6,7 +6,8 @@ a 400 naming the field. /rerank takes `query` (a string) and `documents` (a stri
 `top_n` (<= 0, the default, keeps every document, as vLLM does).
 
 vLLM's other fields are honoured or refused by name: use_activation (and its older names softmax and
-activation) normalises the vectors or not, which leaves a cosine as it is; padding "do_not_pad" is what
+activation) normalises the vectors or not, which leaves a cosine as it is (a cross-encoder: its activation,
+or the raw logit when false); padding "do_not_pad" is what
 is done, "max_length" is refused; cache_salt is accepted (a pooling model keeps no prefix cache to
 share); truncate_prompt_tokens and truncation_side are refused (inputs are never truncated, as on
 /v1/embeddings); multimodal inputs ({"content": [...]}) and a non-empty mm_processor_kwargs are refused.
@@ -83,11 +84,12 @@ class BaseScoringRequest(BaseModel):
     @classmethod
     def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value:
-            raise ValueError("not supported: ferrox's embedding models read text only")
+            raise ValueError("not supported: ferrox's pooling models read text only")
         return value
 
     def normalize(self) -> bool | None:
-        """The pooling's normalisation: softmax, else activation, else use_activation (vLLM's order)."""
+        """use_activation as vLLM resolves it: softmax, else activation, else use_activation. An embedding
+        model's normalisation; a cross-encoder's activation."""
         for value in (self.softmax, self.activation, self.use_activation):
             if value is not None:
                 return value

@@ -1,8 +1,8 @@
 """The aiohttp application: routes, auth, error shapes, body limit, and the serve loop.
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /v1/responses,
-POST /v1/messages (Anthropic), POST /v1/embeddings, POST /pooling, POST /score and POST /rerank (a
-pooling model: the generation routes answer 400 then, as vLLM's do), POST /tokenize, POST /detokenize,
+POST /v1/messages (Anthropic), POST /v1/embeddings, POST /pooling, POST /score, POST /rerank and POST
+/classify (a pooling model: the generation routes answer 400 then, as vLLM's do), POST /tokenize, POST /detokenize,
 GET /health, GET|POST /ping, GET /version, GET /metrics, GET /openapi.json (built from this route
 table), and the page for people at / (with GET /status, the JSON its live view reads).
 
@@ -55,6 +55,7 @@ from ferrox.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from ferrox.entrypoints.openai.protocol_classify import ClassificationRequest
 from ferrox.entrypoints.openai.protocol_embeddings import EmbeddingRequest, PoolingRequest
 from ferrox.entrypoints.openai.protocol_responses import ResponsesRequest
 from ferrox.entrypoints.openai.protocol_score import RerankRequest, ScoreRequest
@@ -70,8 +71,14 @@ from ferrox.entrypoints.openai.serving import (
     render_chat,
 )
 from ferrox.entrypoints.openai.serving_chat import create_chat_completion
+from ferrox.entrypoints.openai.serving_classify import create_classify
 from ferrox.entrypoints.openai.serving_completion import create_completion
-from ferrox.entrypoints.openai.serving_embeddings import create_embedding, create_pooling, generation_only
+from ferrox.entrypoints.openai.serving_embeddings import (
+    create_embedding,
+    create_pooling,
+    generation_only,
+    is_classifier,
+)
 from ferrox.entrypoints.openai.serving_lora import LoRARegistry, load_lora_adapter, unload_lora_adapter
 from ferrox.entrypoints.openai.serving_responses import create_response
 from ferrox.entrypoints.openai.serving_score import create_rerank, create_score
@@ -382,8 +389,9 @@ class _InvocationBody(BaseModel):
 
 async def invocations(request: web.Request) -> web.StreamResponse:
     """SageMaker's inference route (beside /ping), as vLLM's: the body's shape picks the API -- `messages`
-    chat completions, `prompt` completions, `input` embeddings, `query` + `documents` rerank, `text_1` (or
-    `data_1`, `queries`) score -- and that route answers it whole."""
+    chat completions, `prompt` completions, `input` embeddings (classify, when the model is a sequence
+    classifier), `query` + `documents` rerank, `text_1` (or `data_1`, `queries`) score -- and that route
+    answers it whole."""
     body = await parse_body(request, _InvocationBody)  # (aiohttp keeps the bytes: the route reads them again)
     ctx = request.app[CTX]
     if body.messages is not None:
@@ -391,7 +399,7 @@ async def invocations(request: web.Request) -> web.StreamResponse:
     if body.prompt is not None:
         return await generation_only(create_completion, "Completions API")(ctx, request)
     if body.input is not None:
-        return await create_embedding(ctx, request)
+        return await (create_classify if is_classifier(ctx) else create_embedding)(ctx, request)
     extra = body.model_extra or {}
     if "query" in extra and "documents" in extra:
         return await create_rerank(ctx, request)
@@ -418,7 +426,7 @@ _REQUEST_MODELS: dict[str, type[BaseModel]] = {
     "/v1/messages/count_tokens": MessagesCountRequest, "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest, "/v1/embeddings": EmbeddingRequest, "/pooling": PoolingRequest,
     "/score": ScoreRequest, "/v1/score": ScoreRequest, "/rerank": RerankRequest, "/v1/rerank": RerankRequest,
-    "/v2/rerank": RerankRequest,
+    "/v2/rerank": RerankRequest, "/classify": ClassificationRequest,
 }
 
 
@@ -521,6 +529,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str | list[str] | None = N
         app.router.add_post(path, _bind(create_score))
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
         app.router.add_post(path, _bind(create_rerank))
+    app.router.add_post("/classify", _bind(create_classify))
     app.router.add_post("/v1/messages/count_tokens", _bind(count_message_tokens))
     app.router.add_post("/v1/load_lora_adapter", _bind_loras(load_lora_adapter))
     app.router.add_post("/v1/unload_lora_adapter", _bind_loras(unload_lora_adapter))

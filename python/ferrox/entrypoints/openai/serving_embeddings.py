@@ -48,9 +48,19 @@ Route = Callable[[ServingContext, web.Request], Awaitable[web.StreamResponse]]
 PROMPT_FIELDS = ("prompt", "prompt_token_ids")
 
 
-def not_supported(api: str) -> APIError:
-    """vLLM's answer when the served model cannot serve a route's API."""
-    return APIError(400, f"The model does not support {api}", code="model_not_supported")
+def not_supported(api: str, why: str = "") -> APIError:
+    """vLLM's answer when the served model cannot serve a route's API (why: what to use instead)."""
+    return APIError(400, f"The model does not support {api}{': ' + why if why else ''}", code="model_not_supported")
+
+
+def is_classifier(ctx: ServingContext) -> bool:
+    """The served model is a sequence classifier (a cross-encoder), not an embedding model."""
+    pooler = ctx.engine.pooler_config
+    return pooler is not None and pooler.task == "classify"
+
+
+CLASSIFIER_HINT = ("it is a sequence-classification model (a cross-encoder), which classifies texts and scores "
+                   "pairs; use /classify, /score or /rerank")
 
 
 def generation_only(route: Route, api: str) -> Route:
@@ -68,6 +78,8 @@ def generation_only(route: Route, api: str) -> Route:
 async def create_embedding(ctx: ServingContext, request: web.Request) -> web.Response:
     if ctx.engine.runner != "pooling":
         raise not_supported("Embeddings API")
+    if is_classifier(ctx):
+        raise not_supported("Embeddings API", CLASSIFIER_HINT)
     req = await parse_body(request, EmbeddingRequest)
     return await _serve(ctx, request, req, prefix="embd", item="embedding", key="embedding")
 
@@ -85,7 +97,8 @@ async def _serve(ctx: ServingContext, request: web.Request, req: EmbeddingReques
     ctx.check_engine()
     check_priority(ctx, req.priority)
     try:
-        params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
+        # /pooling's task; None: the model's own output (a classifier's class scores, an embedder's vector).
+        params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize, task=getattr(req, "task", None))
     except FerroxError as exc:
         raise api_error(exc) from None
     # Encoding many or long texts takes a while: off the event loop (a few short ones inline).
@@ -121,33 +134,35 @@ def tokenize_inputs(ctx: ServingContext, inputs: Sequence[str | list[int]],
     return prompts
 
 
-def validate_inputs(ctx: ServingContext, prompts: list[list[int]], params: PoolingParams,
+def validate_inputs(ctx: ServingContext, prompts: list[list[int]], params: PoolingParams | Sequence[PoolingParams],
                     labels: Sequence[tuple[str, str | None]] | None = None) -> None:
     """The pooling rules on every input before any is queued: a 400 naming `input` (too long: OpenAI's
-    context_length_exceeded) or `dimensions`. labels: each input's (field, name in messages), for routes
-    whose inputs come in other fields."""
+    context_length_exceeded) or `dimensions`. params: one for every input, or one each. labels: each
+    input's (field, name in messages), for routes whose inputs come in other fields."""
     engine = ctx.engine
     assert engine.pooler_config is not None
     for i, ids in enumerate(prompts):
         param, what = labels[i] if labels is not None else ("input", f"input {i}" if len(prompts) > 1 else None)
         try:
-            validate_pooling_request(ids, params, engine.pooler_config, max_model_len=engine.max_model_len,
+            validate_pooling_request(ids, params if isinstance(params, PoolingParams) else params[i],
+                                     engine.pooler_config, max_model_len=engine.max_model_len,
                                      vocab_size=engine.limits.vocab_size, what=what, prompt_param=param,
                                      model_name=f"model {ctx.model_name!r}")
         except FerroxError as exc:
             raise api_error(exc) from None
 
 
-async def encode_all(ctx: ServingContext, prompts: list[list[int]], params: PoolingParams, request_id: str,
-                     priority: int, *, param: str = "input") -> list[PoolingRequestOutput]:
-    """Every input through the engine at once; if one fails (or the client leaves), the others are
-    cancelled, which aborts them in the engine. An engine error names `param`, the field of the inputs."""
+async def encode_all(ctx: ServingContext, prompts: list[list[int]], params: PoolingParams | Sequence[PoolingParams],
+                     request_id: str, priority: int, *, param: str = "input") -> list[PoolingRequestOutput]:
+    """Every input through the engine at once (params: one for every input, or one each); if one fails (or
+    the client leaves), the others are cancelled, which aborts them in the engine. An engine error names
+    `param`, the field of the inputs."""
     single = len(prompts) == 1
 
     async def one(i: int, ids: list[int]) -> PoolingRequestOutput:
         final: PoolingRequestOutput | None = None
-        outputs = ctx.engine.encode({"prompt_token_ids": ids}, params, request_id if single else f"{request_id}-{i}",
-                                    priority=priority)
+        outputs = ctx.engine.encode({"prompt_token_ids": ids}, params if isinstance(params, PoolingParams)
+                                    else params[i], request_id if single else f"{request_id}-{i}", priority=priority)
         async with contextlib.aclosing(outputs):
             async for out in outputs:
                 final = out

@@ -13,6 +13,11 @@ pair's tokens instead (the first text's, a pad token, the second's), so its coun
 
 Rerank results are sorted by relevance_score, highest first (ties in document order), cut to top_n when
 it is positive. A generation model refuses both with vLLM's 400 "The model does not support ... API".
+
+Served by a sequence classifier (a cross-encoder reranker), each pair is ONE request instead: the two texts
+in the tokenizer's pair encoding (`[CLS] a [SEP] b [SEP]`, BERT's token types 0 then 1), scored by the
+model's head and activation (pooling/classify.py; use_activation false: the raw logit). Usage counts every
+pair's tokens, as vLLM's does.
 """
 
 from __future__ import annotations
@@ -33,20 +38,20 @@ from ferrox.entrypoints.openai.serving import (
 )
 from ferrox.entrypoints.openai.serving_embeddings import (
     encode_all,
+    is_classifier,
     not_supported,
     tokenize_inputs,
     validate_inputs,
 )
 from ferrox.errors import FerroxError
 from ferrox.pooling.params import PoolingParams
-from ferrox.pooling.score import cosine_similarity, distinct, score_pairs
+from ferrox.pooling.score import cosine_similarity, distinct, pair_labels, score_pairs
 
 Side = tuple[str, list[str]]  # a field's name and its texts
 
 
 async def create_score(ctx: ServingContext, request: web.Request) -> web.Response:
-    if ctx.engine.runner != "pooling":
-        raise not_supported("Score API")
+    _check_scorer(ctx, "Score API")
     req = await parse_body(request, ScoreRequest)
     _check(ctx, req)
     try:
@@ -68,8 +73,7 @@ async def create_score(ctx: ServingContext, request: web.Request) -> web.Respons
 
 
 async def create_rerank(ctx: ServingContext, request: web.Request) -> web.Response:
-    if ctx.engine.runner != "pooling":
-        raise not_supported("Rerank (Score) API")
+    _check_scorer(ctx, "Rerank (Score) API")
     req = await parse_body(request, RerankRequest)
     _check(ctx, req)
     documents = as_list(req.documents)
@@ -92,6 +96,16 @@ async def create_rerank(ctx: ServingContext, request: web.Request) -> web.Respon
     }, headers={"X-Request-Id": header_id})
 
 
+def _check_scorer(ctx: ServingContext, api: str) -> None:
+    """A pooling model that gives one score a pair: an embedding model, or a classifier of one label."""
+    if ctx.engine.runner != "pooling":
+        raise not_supported(api)
+    labels = ctx.engine.pooler_config.labels if is_classifier(ctx) else None  # type: ignore[union-attr]
+    if labels is not None and len(labels) != 1:
+        raise not_supported(api, f"its classification head has {len(labels)} labels, and a pair's score needs one "
+                                 "(use /classify)")
+
+
 def _check(ctx: ServingContext, req: BaseScoringRequest) -> None:
     ctx.check_model(req.model)
     ctx.check_engine()
@@ -100,7 +114,10 @@ def _check(ctx: ServingContext, req: BaseScoringRequest) -> None:
 
 async def _score(ctx: ServingContext, req: BaseScoringRequest, sides: tuple[Side, Side], pairs: list[tuple[int, int]],
                  request_id: str) -> tuple[list[float], int]:
-    """Each pair's cosine similarity, and the tokens embedded: every distinct text once."""
+    """Each pair's cosine similarity, and the tokens embedded: every distinct text once (a cross-encoder:
+    each pair's score, and every pair's tokens)."""
+    if is_classifier(ctx):
+        return await _cross_encode(ctx, req, sides, pairs, request_id)
     try:
         params = PoolingParams(normalize=req.normalize())
     except FerroxError as exc:
@@ -117,3 +134,23 @@ async def _score(ctx: ServingContext, req: BaseScoringRequest, sides: tuple[Side
     scores = [cosine_similarity(outputs[where[i]].outputs.data, outputs[where[offset + j]].outputs.data)
               for i, j in pairs]
     return scores, sum(len(ids) for ids in prompts)
+
+
+async def _cross_encode(ctx: ServingContext, req: BaseScoringRequest, sides: tuple[Side, Side],
+                        pairs: list[tuple[int, int]], request_id: str) -> tuple[list[float], int]:
+    """Each pair read as one sequence by a cross-encoder, all queued together."""
+    (first, texts_1), (second, texts_2) = sides
+    try:
+        base = PoolingParams(task="score", use_activation=req.normalize())
+    except FerroxError as exc:
+        raise api_error(exc) from None
+    texts = [(texts_1[i], texts_2[j]) for i, j in pairs]
+    encoded = await ctx.engine.prompt_work(sum(len(a) + len(b) for a, b in texts), ctx.engine.tokenizer.encode_pairs,
+                                           texts)
+    prompts = [ids for ids, _ in encoded]
+    params = [base.clone(second_text_start=start) for _, start in encoded]
+    # A pair too long names the second side's field: documents are what grows.
+    labels = [(second, pair_labels(len(texts_1), len(texts_2), i, j, (first, second))) for i, j in pairs]
+    validate_inputs(ctx, prompts, params, labels)
+    outputs = await encode_all(ctx, prompts, params, request_id, req.priority, param=second)
+    return [float(out.outputs.data[0]) for out in outputs], sum(len(ids) for ids in prompts)
