@@ -44,6 +44,7 @@ class ObjectScan:
     members: list[Member] = field(default_factory=list)
     end: int | None = None  # index just past the closing brace, once complete
     error: str | None = None  # the text cannot be (the prefix of) a JSON object
+    error_at: int | None = None  # where that shows: the text from here is no part of the object
 
     def member(self, *keys: str) -> Member | None:
         for m in self.members:
@@ -136,6 +137,7 @@ class ObjectScanner:
 
     def _fail(self, message: str, at: int) -> None:
         self.scan.error = f"{message} at offset {at}"
+        self.scan.error_at = at
         self._state = _STOPPED
 
     def _read(self, text: str, i: int, shift: int) -> int:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from ferrox.entrypoints.openai.tool_parsers.base import ToolParser
+from ferrox.entrypoints.openai.tool_parsers.granite import GraniteToolParser
+from ferrox.entrypoints.openai.tool_parsers.granite_20b_fc import Granite20bFCToolParser
 from ferrox.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from ferrox.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 from ferrox.entrypoints.openai.tool_parsers.mistral import MistralToolParser
+from ferrox.entrypoints.openai.tool_parsers.phi4_mini import Phi4MiniJsonToolParser
 from ferrox.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
 from ferrox.entrypoints.openai.tool_parsers.qwen3_coder import Qwen3CoderToolParser
+from ferrox.entrypoints.openai.tool_parsers.xlam import XLamToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
@@ -19,6 +23,10 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "qwen3_coder": Qwen3CoderToolParser,
     "pythonic": PythonicToolParser,
     "llama4_pythonic": PythonicToolParser,
+    "granite": GraniteToolParser,
+    "granite-20b-fc": Granite20bFCToolParser,
+    "phi4_mini_json": Phi4MiniJsonToolParser,
+    "xlam": XLamToolParser,
 }
 
 
@@ -33,9 +41,11 @@ def get_tool_parser(name: str) -> type[ToolParser]:
 
 def default_tool_parser(chat_template: str | None) -> str:
     """From what the chat template teaches the model: Mistral's templates write [TOOL_CALLS],
-    Qwen3-Coder's <function=...><parameter=...>, Llama 3's mention <|python_tag|> / ipython;
-    everything else gets Hermes, which is also what ferrox's own tool prompt (structured/tools.py)
-    asks for."""
+    Qwen3-Coder's <function=...><parameter=...>, Llama 3's mention <|python_tag|> / ipython, Granite
+    3.x's write <|tool_call|> before the list of calls (Granite 4's Hermes-style <tool_call>...
+    </tool_call> stays Hermes), vLLM's Phi-4-mini template asks for `functools[...]` and
+    granite-20b-functioncalling's lists the tools after <|function_call_library|>; everything else
+    gets Hermes, which is also what ferrox's own tool prompt (structured/tools.py) asks for."""
     if not chat_template:
         return "hermes"
     if "[TOOL_CALLS]" in chat_template:
@@ -44,4 +54,10 @@ def default_tool_parser(chat_template: str | None) -> str:
         return "qwen3_coder"
     if "<|python_tag|>" in chat_template or "ipython" in chat_template:
         return "llama3_json"
+    if "<|tool_call|>" in chat_template and "</tool_call>" not in chat_template:
+        return "granite"
+    if "functools" in chat_template:
+        return "phi4_mini_json"
+    if "<|function_call_library|>" in chat_template:
+        return "granite-20b-fc"
     return "hermes"
