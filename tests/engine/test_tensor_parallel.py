@@ -24,6 +24,7 @@ from ferrox.loader.model_loader import load_model_spec
 from ferrox.loader.source import resolve_model
 
 from tests.helpers.tiny_models import (
+    make_tiny_gemma2,
     make_tiny_granite,
     make_tiny_llama,
     make_tiny_phi3,
@@ -66,7 +67,7 @@ def _assert_same(reference, sharded, atol: float = 1e-4):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=atol), (a, b)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2-one-kv-head", "qwen3", "phi3-granite"])
+@pytest.mark.parametrize("family", ["llama", "qwen2-one-kv-head", "qwen3", "phi3-granite", "gemma2"])
 def test_tp2_matches_tp1(tmp_path, family):
     if family == "llama":
         folder = make_tiny_llama(tmp_path, tie_word_embeddings=False)
@@ -80,6 +81,8 @@ def test_tp2_matches_tp1(tmp_path, family):
         _assert_same(_generate(phi3, 1), _generate(phi3, 2), atol=0.05)
         _assert_same(_generate(granite, 1), _generate(granite, 2), atol=0.05)
         return
+    elif family == "gemma2":  # soft caps on each rank's heads and on the gathered logits
+        folder = make_tiny_gemma2(tmp_path, sliding_window=256)
     else:
         folder = make_tiny_qwen3(tmp_path)  # tied embeddings: the LM head is the embedding's shard
     _assert_same(_generate(folder, 1), _generate(folder, 2), atol=0.05)

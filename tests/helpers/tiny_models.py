@@ -184,6 +184,29 @@ def make_tiny_phi3(folder, *, hidden_size: int = 64, num_layers: int = 2, num_he
     return _save(str(folder), model, tok, max_shard_size=None, generation=None)
 
 
+def make_tiny_gemma2(folder, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+                     head_dim: int = 32, intermediate_size: int = 128, max_position_embeddings: int = 256,
+                     sliding_window: int = 128, query_pre_attn_scalar: int = 24, attn_softcap: float | None = 2.0,
+                     final_softcap: float | None = 3.0, seed: int = 0) -> str:
+    """A Gemma 2 (four norms a layer, GELU-tanh MLP, tied embedding scaled by sqrt(hidden)); softcaps
+    small enough that they bend these random models' scores and logits, and an attention scale of its
+    own (query_pre_attn_scalar, not head_dim)."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    tok = build_tokenizer()
+    params = _common(tok, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
+                     max_position_embeddings, True)
+    config = Gemma2Config(**params, head_dim=head_dim, sliding_window=sliding_window,
+                          query_pre_attn_scalar=query_pre_attn_scalar, attn_logit_softcapping=attn_softcap,
+                          final_logit_softcapping=final_softcap, hidden_activation="gelu_pytorch_tanh",
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(seed)
+    model = Gemma2ForCausalLM(config).to(torch.float32)
+    _randomize_norms(model)
+    return _save(str(folder), model, tok, max_shard_size=None, generation=None)
+
+
 def make_tiny_granite(folder, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
                       intermediate_size: int = 128, max_position_embeddings: int = 2048,
                       tie_word_embeddings: bool = False, embedding_multiplier: float = 12.0,

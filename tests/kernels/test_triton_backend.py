@@ -27,12 +27,16 @@ def _meta(batch: PagedBatch) -> AttentionMetadata:
     )
 
 
-def _compare(batch: PagedBatch, dtype: torch.dtype, with_cache: bool = True) -> None:
+def _compare(batch: PagedBatch, dtype: torch.dtype, with_cache: bool = True, softcap: float = 0.0) -> torch.Tensor:
+    """The two backends' outputs agree (softcap: Gemma 2's score cap on both); the reference's output."""
     meta = _meta(batch)
     ref_cache = batch.kv_cache.clone() if with_cache else batch.kv_cache[:, :0]
     cache = batch.kv_cache if with_cache else batch.kv_cache[:, :0]
-    ref = get_attention_backend(batch.q.device, "torch").forward(batch.q, batch.k, batch.v, ref_cache, meta, batch.scale)
+    torch_backend = get_attention_backend(batch.q.device, "torch")
+    torch_backend.softcap = softcap
+    ref = torch_backend.forward(batch.q, batch.k, batch.v, ref_cache, meta, batch.scale)
     triton_backend = get_attention_backend(batch.q.device, "triton")
+    triton_backend.softcap = softcap
     assert triton_backend.name == "triton"
     triton_backend.begin_forward(meta)
     out = triton_backend.forward(batch.q, batch.k, batch.v, cache, meta, batch.scale)
@@ -40,6 +44,7 @@ def _compare(batch: PagedBatch, dtype: torch.dtype, with_cache: bool = True) -> 
     assert torch.equal(cache, ref_cache), "the two backends wrote different KV caches"
     assert not out[:n].isnan().any()
     assert relative_error(out[:n], ref[:n]) < TOLERANCE[dtype]
+    return ref
 
 
 def _dtype(device: torch.device) -> torch.dtype:
@@ -63,6 +68,19 @@ def test_backend_without_cache_matches_torch_backend(kernel_device, seed):
     dtype = _dtype(kernel_device)
     batch = PagedBatch([5, 11, 3], [0, 0, 0], 4, 2, 32, 16, dtype, kernel_device)
     _compare(batch, dtype, with_cache=False)
+
+
+@pytest.mark.parametrize("query_lens, context_lens", [
+    ([1, 1, 1], [5, 90, 31]),  # decode-only: the unified kernel (the CUDA decode kernel has no cap)
+    ([1, 150, 3], [40, 20, 7]),  # a long chunk: the prefill kernel's unmasked and masked tiles
+])
+def test_backend_softcap_matches_torch_backend(kernel_device, seed, query_lens, context_lens):
+    """Gemma 2's attention logit cap (softcap * tanh(score / softcap)) in both Triton kernels."""
+    dtype = _dtype(kernel_device)
+    batch = PagedBatch(query_lens, context_lens, 4, 2, 32, 16, dtype, kernel_device)
+    capped = _compare(batch, dtype, softcap=0.7)
+    plain = _compare(batch, dtype)  # (the same inputs: rewriting the cache writes the same rows)
+    assert relative_error(capped, plain) > 10 * TOLERANCE[dtype]  # the cap matters at these scores
 
 
 def test_cuda_device_picks_triton():

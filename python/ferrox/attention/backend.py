@@ -19,6 +19,9 @@ came from the prefix cache or not. Caches of other dtypes ignore the scales.
 `begin_forward(meta)` is called once per model forward before the first layer, so a backend can
 turn the metadata into its own plan (index tensors, masks) once instead of once per layer.
 
+`softcap` (Gemma 2's attn_logit_softcapping) caps the scaled scores before the softmax; a model
+sets it on the backend it builds, and kernels without it step aside for the ones that have it.
+
 `decode_path(layers, rope_rows)` is asked once when a model is built: the object that may run a
 whole one-token step in fused kernels and that computes the logits (attention/decode_path.py).
 """
@@ -38,6 +41,9 @@ from ferrox.kernels import KERNEL_SETS, select_kernels
 
 class AttentionBackend(ABC):
     name: str = "abstract"
+    # Attention logit soft-capping (Gemma 2): scores become softcap * tanh(scores / softcap) before
+    # the softmax; 0 = none. Set once by the model that builds the backend (every layer shares it).
+    softcap: float = 0.0
 
     def begin_forward(self, meta: AttentionMetadata) -> None:  # noqa: B027 (optional hook)
         """Plan the step once per forward; backends without planning leave this empty."""

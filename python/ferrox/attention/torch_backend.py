@@ -152,11 +152,11 @@ class TorchAttentionBackend(AttentionBackend):
             if chunk.context_len == 0:
                 kc = k[chunk.start:chunk.end].transpose(0, 1)
                 vc = v[chunk.start:chunk.end].transpose(0, 1)
-                o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
+                o = _sdpa(qc, kc, vc, None, scale, self.softcap)
             else:
                 kc = _gather(k_cache, chunk.block_ids, chunk.seq_len).to(q.dtype).transpose(0, 1)
                 vc = _gather(v_cache, chunk.block_ids, chunk.seq_len).to(q.dtype).transpose(0, 1)
-                o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
+                o = _sdpa(qc, kc, vc, chunk.mask, scale, self.softcap)
             out[chunk.start:chunk.end] = o.transpose(0, 1) if out_scale == 1.0 else o.transpose(0, 1) * out_scale
 
         group = plan.decode
@@ -165,7 +165,7 @@ class TorchAttentionBackend(AttentionBackend):
             qd = qd[:, :, None, :]  # [B, H, 1, D]
             kd = _gather_batch(k_cache, group.block_ids, group.kv_len).to(q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
             vd = _gather_batch(v_cache, group.block_ids, group.kv_len).to(q.dtype).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, scale=scale, enable_gqa=True)
+            o = _sdpa(qd, kd, vd, group.mask, scale, self.softcap, causal=False)
             o = o[:, :, 0, :]  # [B, H, D]
             if out_scale != 1.0:
                 o = o * out_scale
@@ -178,6 +178,27 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 out.index_copy_(0, group.token_index, o)
         return out
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+          softcap: float, *, causal: bool = True) -> torch.Tensor:
+    """SDPA over [..., H, Lq, D] queries and [..., Hkv, Lk, D] keys/values (GQA); mask: True = attend,
+    None with `causal`: a fresh chunk's own causal mask. With softcap (Gemma 2) the scores are capped
+    before the softmax, which SDPA cannot do: the same math written out (float32 softmax)."""
+    if not softcap:
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is None and causal:
+        lq, lk = scores.shape[-2], scores.shape[-1]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
 
 
 def _store(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:

@@ -127,7 +127,9 @@ class TritonAttentionBackend(AttentionBackend):
     def _decide_cudnn(self, q: torch.Tensor, kv_cache: torch.Tensor) -> None:
         if self._cudnn_block_size is not None:
             return
-        on = (cudnn_prefill.cudnn_prefill_applies(q.device, q.dtype, kv_cache.dtype, q.shape[2])
+        # (cuDNN's attention has no score cap: a softcap model keeps the Triton prefill kernel.)
+        on = (not self.softcap
+              and cudnn_prefill.cudnn_prefill_applies(q.device, q.dtype, kv_cache.dtype, q.shape[2])
               and cudnn_prefill.enable_bucketed_plans())
         self._cudnn_block_size = kv_cache.shape[2] if on else 0
         if on:
@@ -209,17 +211,18 @@ class TritonAttentionBackend(AttentionBackend):
         if not plan.use_prefill_kernel:
             return unified_attention(q, kv_cache, query_start_loc, seq_lens, block_table,
                                      max_query_len=meta.max_query_len, max_seq_len=max_seq_len, scale=scale,
-                                     out=out, kv_scale=kv_scale)
+                                     out=out, kv_scale=kv_scale, softcap=self.softcap)
         nd = plan.num_decodes
         if nd == 0:
             return prefill_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale=scale, out=out,
-                                     kv_scale=kv_scale)
+                                     kv_scale=kv_scale, softcap=self.softcap)
         if out is None:
             out = torch.empty_like(q)
         unified_attention(q[:nd], kv_cache, query_start_loc[: nd + 1], seq_lens[:nd], block_table[:nd],
-                          max_query_len=1, max_seq_len=max_seq_len, scale=scale, out=out[:nd], kv_scale=kv_scale)
+                          max_query_len=1, max_seq_len=max_seq_len, scale=scale, out=out[:nd], kv_scale=kv_scale,
+                          softcap=self.softcap)
         prefill_attention(q[nd:], kv_cache, plan.prefill_query_start_loc, seq_lens[nd:], block_table[nd:],
-                          scale=scale, out=out[nd:], kv_scale=kv_scale)
+                          scale=scale, out=out[nd:], kv_scale=kv_scale, softcap=self.softcap)
         return out
 
     def _attend_cudnn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

@@ -68,6 +68,19 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _softcap(s, SOFTCAP: tl.constexpr):
+    """Gemma 2's score cap on log2-domain scores s = x * log2(e): cap * tanh(x / cap) * log2(e) equals
+    SOFTCAP * tanh(s / SOFTCAP) with SOFTCAP = cap * log2(e) (`softcap_log2`); the identity
+    tanh(y) = 1 - 2 / (exp(2y) + 1) saturates to +-1 without NaN at either end."""
+    return SOFTCAP * (1.0 - 2.0 / (tl.exp(2.0 * s / SOFTCAP) + 1.0))
+
+
+def softcap_log2(softcap: float) -> float:
+    """The kernels' SOFTCAP constant for an attention logit cap (0: none)."""
+    return softcap * _LOG2E if softcap else 0.0
+
+
+@triton.jit
 def _find_request(query_start_loc_ptr, num_reqs, tile_id, BLOCK_Q: tl.constexpr):
     """Largest r with query_start_loc[r] // BLOCK_Q + r <= tile_id (binary search)."""
     lo = num_reqs * 0  # a tensor, not a constexpr: loop-carried values keep one type
@@ -133,6 +146,7 @@ def _paged_attention_kernel(
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
     DECODE_ONLY: tl.constexpr = False,  # one query token per request (token i is request i)
     MIN_SPLIT: tl.constexpr = 256,
+    SOFTCAP: tl.constexpr = 0.0,  # Gemma 2's attention logit cap, as softcap_log2 gives it (0: none)
 ):
     pdl_launch_dependents(USE_PDL)
     tile_id = tl.program_id(0)
@@ -203,6 +217,8 @@ def _paged_attention_kernel(
         kv_mask = pos_valid[:, None] & dim_valid[None, :]
         k = tl.load(k_base + slot_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if SOFTCAP > 0:
+            s = _softcap(s, SOFTCAP)
         visible = pos_valid[None, :] & (pos[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
 
@@ -388,13 +404,15 @@ def unified_attention(
     num_splits: int | None = None,
     config: AttentionLaunchConfig | None = None,
     kv_scale: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Paged attention of q [num_tokens, num_heads, head_dim] over kv_cache (K/V already written).
 
     query_start_loc [num_reqs + 1], seq_lens [num_reqs], block_table [num_reqs, max_blocks] are the
     AttentionMetadata device tensors. max_query_len / max_seq_len are host upper bounds that pick
     the launch shape (no device sync). Output rows past query_start_loc[-1] (padding) are
-    unspecified. kv_scale: float32 (k_scale, v_scale) of an FP8 cache (None: 1.0)."""
+    unspecified. kv_scale: float32 (k_scale, v_scale) of an FP8 cache (None: 1.0). softcap: Gemma 2's
+    attention logit cap (0: none; the CUDA decode kernel has none, so this kernel takes those steps)."""
     check_attention_inputs(q, kv_cache, kv_scale)
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -403,7 +421,7 @@ def unified_attention(
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         return out
-    if (config is None and num_splits is None and max_query_len <= 1 and num_tokens <= num_reqs
+    if (config is None and num_splits is None and max_query_len <= 1 and num_tokens <= num_reqs and not softcap
             and decode_attention_cuda.supported(q, kv_cache, seq_lens, block_table, kv_scale)):
         # Decode-only on Hopper: the CUDA kernel (its module docstring); this kernel stays the reference.
         return decode_attention_cuda.decode_attention(q, kv_cache, seq_lens, block_table, max_seq_len=max_seq_len,
@@ -467,6 +485,7 @@ def unified_attention(
         DOT_PRECISION=_dot_precision(q.dtype),
         DECODE_ONLY=decode_only,
         MIN_SPLIT=_MIN_SPLIT_LEN,
+        SOFTCAP=softcap_log2(softcap),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl_launch(q.device),

@@ -48,7 +48,14 @@ import triton
 import triton.language as tl
 
 from ferrox.kernels.kv_fp8 import unit_kv_scales
-from ferrox.kernels.paged_attention import _LOG2E, _dot_precision, _find_request, check_attention_inputs
+from ferrox.kernels.paged_attention import (
+    _LOG2E,
+    _dot_precision,
+    _find_request,
+    _softcap,
+    check_attention_inputs,
+    softcap_log2,
+)
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -157,6 +164,7 @@ def _prefill_attention_kernel(
     DIM_PAD: tl.constexpr,
     USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr = 0.0,  # Gemma 2's attention logit cap (paged_attention.softcap_log2; 0: none)
 ):
     tile_id = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (latest) query tiles first
     kv_head = tl.program_id(1)
@@ -206,8 +214,13 @@ def _prefill_attention_kernel(
                              stride_cblock, stride_cslot, False, USE_TMA, TILE_N, HEAD_DIM, DIM_PAD)
         k, v = k.to(q.dtype), v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
-        p = tl.exp2(s * scale_log2 - m_new[:, None])
+        if SOFTCAP > 0:  # (the cap is monotonic: the row max of capped scores is the capped max)
+            s = _softcap(s * scale_log2, SOFTCAP)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
+            p = tl.exp2(s * scale_log2 - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
@@ -220,6 +233,8 @@ def _prefill_attention_kernel(
         k, v = k.to(q.dtype), v.to(q.dtype)
         pos = start + cols
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if SOFTCAP > 0:
+            s = _softcap(s, SOFTCAP)
         visible = (pos[None, :] < kv_end) & (pos[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -268,6 +283,7 @@ def prefill_attention(
     config: PrefillLaunchConfig | None = None,
     use_tma: bool | None = None,
     kv_scale: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal paged attention of q [num_tokens, num_heads, head_dim] over kv_cache (K/V already
     written), for batches led by prefill chunks. Arguments as `unified_attention` (no split-KV:
@@ -329,6 +345,7 @@ def prefill_attention(
         DIM_PAD=dim_pad,
         USE_TMA=use_tma,
         DOT_PRECISION=_dot_precision(q.dtype),
+        SOFTCAP=softcap_log2(softcap),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

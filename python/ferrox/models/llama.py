@@ -178,6 +178,8 @@ class LlamaForCausalLM(nn.Module):
     supports_quantization = True
     # load_weights puts partial-rotary q/k rows in whole-head pairs (Phi-3: layers/rotary.py).
     reorders_partial_rotary = False
+    # The decoder stack (a family with its own layer shape, Gemma 2, brings its own; same arguments).
+    model_class: type[nn.Module]
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
@@ -191,8 +193,9 @@ class LlamaForCausalLM(nn.Module):
         self.ops = for_device(device, self.kernels)
         self.backend = get_attention_backend(device, self.kernels)
         bias = spec.attention_bias
-        self.model = LlamaModel(spec, self.backend, self.ops, dtype, device, qkv_bias=bias or self.qkv_bias_always,
-                                o_bias=bias, qk_norm=self.qk_norm)
+        # (Any: LlamaModel or a family's own stack with the same attributes: layers, norm, rotary, decode_path.)
+        self.model: Any = self.model_class(spec, self.backend, self.ops, dtype, device,
+                                      qkv_bias=bias or self.qkv_bias_always, o_bias=bias, qk_norm=self.qk_norm)
         if spec.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -344,6 +347,9 @@ def _copy_whole(param: torch.Tensor, tensor: torch.Tensor) -> None:
     if tuple(param.shape) != tuple(tensor.shape):
         raise ValueError(f"checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
     param.data.copy_(tensor)
+
+
+LlamaForCausalLM.model_class = LlamaModel
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -30,6 +30,7 @@ SUPPORTED: dict[str, str] = {
     "Qwen3ForCausalLM": "ferrox.models.qwen:Qwen3ForCausalLM",
     "Phi3ForCausalLM": "ferrox.models.phi3:Phi3ForCausalLM",
     "GraniteForCausalLM": "ferrox.models.granite:GraniteForCausalLM",
+    "Gemma2ForCausalLM": "ferrox.models.gemma2:Gemma2ForCausalLM",
     "Qwen2MoeForCausalLM": "ferrox.models.moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "ferrox.models.moe:Qwen3MoeForCausalLM",
     "BertModel": "ferrox.models.bert:BertModel",
