@@ -22,6 +22,8 @@ ROUTES = {  # what a vLLM user reaches for, and this server's own additions
     "/v1/embeddings": {"post"}, "/pooling": {"post"}, "/score": {"post"}, "/v1/score": {"post"},
     "/rerank": {"post"}, "/v1/rerank": {"post"}, "/v2/rerank": {"post"}, "/classify": {"post"},
     "/v1/load_lora_adapter": {"post"}, "/v1/unload_lora_adapter": {"post"},
+    "/v1/responses/{response_id}": {"get", "delete"}, "/v1/responses/{response_id}/cancel": {"post"},
+    "/v1/responses/{response_id}/input_items": {"get"},
 }
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import urllib.error
+import urllib.request
 
 import jsonschema
 import openai
@@ -150,6 +152,22 @@ def test_unsupported_fields_are_refused_by_name(client, extra, param):
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(**kwargs)
     assert info.value.body["param"] == param, info.value.body
+
+
+def test_without_the_store_its_fields_and_routes_name_the_variable(client, base_url):
+    """The shared server runs without VLLM_ENABLE_RESPONSES_API_STORE: store / previous_response_id /
+    background are refused by name, and the store's routes answer 404, each saying how to turn it on."""
+    for extra in ({"store": True}, {"previous_response_id": "resp_1"}, {"background": True}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.responses.create(model=MODEL, input="hi", max_output_tokens=4, **extra)
+        assert info.value.body["param"] == next(iter(extra))
+        assert "VLLM_ENABLE_RESPONSES_API_STORE=1" in info.value.body["message"]
+    for method, path in (("GET", ""), ("DELETE", ""), ("POST", "/cancel"), ("GET", "/input_items")):
+        req = urllib.request.Request(f"{base_url}/v1/responses/resp_1{path}", method=method)
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=30)
+        assert err.value.code == 404
+        assert "VLLM_ENABLE_RESPONSES_API_STORE=1" in json.loads(err.value.read())["error"]["message"]
 
 
 def test_off_values_of_unserved_fields_pass(client):

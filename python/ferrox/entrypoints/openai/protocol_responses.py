@@ -4,8 +4,9 @@ Served: text or item-list `input` (messages, function_call, function_call_output
 `instructions`, `max_output_tokens`, temperature / top_p, `stream`, function `tools` with
 `tool_choice` / `parallel_tool_calls`, `text.format` (text, json_object, json_schema), and
 `metadata` / `user`, which are echoed back, and `reasoning.effort` (a chat-template variable, as
-chat's reasoning_effort). Everything else the API defines (stored responses, background mode,
-reasoning summaries, hosted tools, images...) is refused with a 400 naming the field:
+chat's reasoning_effort); `store`, `previous_response_id` and `background` when the server keeps
+responses (responses_store.py; refused by name otherwise). Everything else the API defines
+(reasoning summaries, hosted tools, images...) is refused with a 400 naming the field:
 ferrox never accepts a parameter it would then ignore. `to_chat_messages` gives the conversation
 in OpenAI chat's shape, so rendering and tool use go through the chat route's machinery.
 """
@@ -13,9 +14,10 @@ in OpenAI chat's shape, so rendering and tool use go through the chat route's ma
 from __future__ import annotations
 
 import base64
+import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, field_validator
 
 from ferrox.entrypoints.openai.protocol import ResponseFormat
 from ferrox.entrypoints.tool_use import ToolRequest
@@ -23,9 +25,6 @@ from ferrox.entrypoints.tool_use import ToolRequest
 # Top-level fields of the API that ferrox does not serve -> why (sent with a value that asks for
 # nothing, such as null, false or [], they pass).
 UNSUPPORTED_FIELDS = {
-    "previous_response_id": "ferrox stores no responses; send the whole conversation as input",
-    "store": "ferrox stores no responses (send store=false)",
-    "background": "background responses are not supported",
     "conversation": "conversations are not supported; send the whole conversation as input",
     "prompt": "prompt templates are not supported",
     "max_tool_calls": "max_tool_calls is not supported",
@@ -65,8 +64,8 @@ class ReasoningText(_Item):
 
 
 # include: ["reasoning.encrypted_content"] asks for the thinking in a form the client can send back
-# with store=false (Codex does). ferrox keeps nothing between requests and encrypts nothing: the
-# reasoning item's encrypted_content is its text, base64-encoded behind this marker.
+# with store=false (Codex does), when the server keeps nothing between requests. ferrox encrypts nothing:
+# the reasoning item's encrypted_content is its text, base64-encoded behind this marker.
 ENCRYPTED_PREFIX = "ferrox-reasoning-v1:"
 
 
@@ -183,6 +182,24 @@ InputItem = Annotated[
 ]
 
 
+_HISTORY = TypeAdapter(list[InputItem])
+
+# Id prefixes of the items ferrox lists for GET /v1/responses/{id}/input_items (OpenAI's spelling).
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def _stored_item(item: MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem) -> dict[str, Any]:
+    """An input item as a Responses item with an id and a status, the shape input_items lists (a
+    message's text content becomes one input_text part, output_text for the assistant's)."""
+    body = item.model_dump(exclude_none=True)
+    if isinstance(item, MessageItem) and isinstance(item.content, str):
+        kind = "output_text" if item.role == "assistant" else "input_text"
+        body["content"] = [{"type": kind, "text": item.content}]
+    if isinstance(item, ReasoningItem):
+        body["summary"] = []
+    return {"id": f"{_ID_PREFIXES[item.type]}_{uuid.uuid4().hex}", **body, "status": "completed"}
+
+
 class FunctionTool(_Strict):
     type: Literal["function"]
     name: str = Field(min_length=1)
@@ -243,6 +260,11 @@ class ResponsesRequest(BaseModel):
     prompt_cache_key: str | None = None
     # What extra output to include: ferrox has "reasoning.encrypted_content" (reasoning items carry it).
     include: list[str] | None = None
+    # Served only while the server keeps responses (responses_store.py); refused by name otherwise.
+    # store None is OpenAI's default, which is to store.
+    store: bool | None = None
+    previous_response_id: str | None = None
+    background: bool = False
 
     @field_validator("input", mode="before")
     @classmethod
@@ -310,6 +332,22 @@ class ResponsesRequest(BaseModel):
             if out[-1]["role"] != "assistant" or thinking:
                 thinking = ""
         return out
+
+    def own_items(self) -> list[InputItem]:
+        """The input as items (a text input is one user message)."""
+        if isinstance(self.input, str):
+            return [MessageItem(role="user", content=self.input)]
+        return list(self.input)
+
+    def stored_input_items(self) -> list[dict[str, Any]]:
+        """The input as the Responses items a store keeps and input_items lists, each with an id."""
+        return [_stored_item(item) for item in self.own_items()]
+
+    def with_history(self, history: list[dict[str, Any]]) -> ResponsesRequest:
+        """This request continuing `history` (an earlier response's items: its inputs and outputs, as
+        stored): the same request as one that sent those items before its own input, so it renders to
+        the same prompt. An output item reads as the input item it would be sent back as."""
+        return self.model_copy(update={"input": [*_HISTORY.validate_python(history), *self.own_items()]})
 
     def template_kwargs(self) -> dict[str, Any]:
         """The chat template's variables this request sets (reasoning.effort)."""

@@ -1,6 +1,7 @@
 """The aiohttp application: routes, auth, error shapes, body limit, and the serve loop.
 
-Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /v1/responses,
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (with GET and
+DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel, GET /v1/responses/{id}/input_items),
 POST /v1/messages (Anthropic), POST /v1/embeddings, POST /pooling, POST /score, POST /rerank and POST
 /classify (a pooling model: the generation routes answer 400 then, as vLLM's do), POST /tokenize, POST /detokenize,
 GET /health, GET|POST /ping, GET /version, GET /metrics, GET /openapi.json (built from this route
@@ -59,6 +60,7 @@ from ferrox.entrypoints.openai.protocol_classify import ClassificationRequest
 from ferrox.entrypoints.openai.protocol_embeddings import EmbeddingRequest, PoolingRequest
 from ferrox.entrypoints.openai.protocol_responses import ResponsesRequest
 from ferrox.entrypoints.openai.protocol_score import RerankRequest, ScoreRequest
+from ferrox.entrypoints.openai.responses_store import install as install_response_store
 from ferrox.entrypoints.openai.serving import (
     CTX,
     ServerOptions,
@@ -81,6 +83,12 @@ from ferrox.entrypoints.openai.serving_embeddings import (
 )
 from ferrox.entrypoints.openai.serving_lora import LoRARegistry, load_lora_adapter, unload_lora_adapter
 from ferrox.entrypoints.openai.serving_responses import create_response
+from ferrox.entrypoints.openai.serving_responses_store import (
+    cancel_response,
+    delete_response,
+    list_input_items,
+    retrieve_response,
+)
 from ferrox.entrypoints.openai.serving_score import create_rerank, create_score
 from ferrox.entrypoints.openapi import build_openapi
 from ferrox.entrypoints.web.status import ThroughputMeter, server_status
@@ -522,6 +530,11 @@ def build_app(engine: AsyncLLM, *, served_model_name: str | list[str] | None = N
     app.router.add_post("/v1/completions", _bind(generation_only(create_completion, "Completions API")))
     app.router.add_post("/v1/chat/completions", _bind(generation_only(create_chat_completion, "Chat Completions API")))
     app.router.add_post("/v1/responses", _bind(generation_only(create_response, "Responses API")))
+    install_response_store(app)  # stored responses (on with VLLM_ENABLE_RESPONSES_API_STORE=1)
+    app.router.add_get("/v1/responses/{response_id}", retrieve_response)
+    app.router.add_delete("/v1/responses/{response_id}", delete_response)
+    app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
+    app.router.add_get("/v1/responses/{response_id}/input_items", list_input_items)
     app.router.add_post("/v1/messages", _bind(generation_only(create_message, "Messages API")))
     app.router.add_post("/v1/embeddings", _bind(create_embedding))
     app.router.add_post("/pooling", _bind(create_pooling))

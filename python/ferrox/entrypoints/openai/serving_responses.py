@@ -17,11 +17,20 @@ sequence, each event with a rising sequence_number:
       function_call: response.function_call_arguments.delta*, response.function_call_arguments.done
     response.output_item.done,
     response.completed (or response.incomplete; response.failed after an engine error).
+
+When the server keeps responses (responses_store.py), a stored response is the object returned (a
+stream's: the one its last event carries); `previous_response_id` renders the earlier conversation
+(its inputs and outputs, reasoning and function calls included; not its instructions) before the
+input; `background` answers at once with status "queued" and generates in a task that fills the
+stored object ("in_progress", then "completed"...), which POST .../cancel cancels (the routes that
+read the store: serving_responses_store.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from typing import Any
@@ -31,9 +40,15 @@ from aiohttp import web
 
 from ferrox.engine.input_processor import prompt_size
 from ferrox.entrypoints import tool_use
-from ferrox.entrypoints.openai.errors import bad_request, from_exception
+from ferrox.entrypoints.openai.errors import APIError, bad_request, from_exception
 from ferrox.entrypoints.openai.protocol import check_schema_size, check_tools
 from ferrox.entrypoints.openai.protocol_responses import ResponsesRequest, encrypt_reasoning
+from ferrox.entrypoints.openai.responses_store import (
+    HOW_TO_ENABLE,
+    RESPONSE_STORE,
+    ResponseStore,
+    StoredResponse,
+)
 from ferrox.entrypoints.openai.serving import (
     ServingContext,
     api_error,
@@ -50,6 +65,8 @@ from ferrox.entrypoints.openai.structured import format_constraint
 from ferrox.errors import FerroxError
 from ferrox.reasoning import ReasoningStream
 from ferrox.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("ferrox.entrypoints.openai")
 
 # Engine field name -> this route's spelling.
 RESPONSES_FIELDS = {"prompt": "input", "max_tokens": "max_output_tokens", "structured_outputs": "text.format"}
@@ -87,8 +104,9 @@ class _Response:
     """The response object as it grows: output items, status, usage."""
 
     def __init__(self, ctx: ServingContext, req: ResponsesRequest, params: SamplingParams,
-                 num_prompt_tokens: int) -> None:
+                 num_prompt_tokens: int, stored: bool = False) -> None:
         self.id = _new_id("resp")
+        self.stored = stored
         self.created_at = int(time.time())
         self.ctx, self.req, self.params = ctx, req, params
         self.num_prompt_tokens = num_prompt_tokens
@@ -127,10 +145,10 @@ class _Response:
             "tool_choice": _dump(req.tool_choice) if req.tool_choice is not None else "auto",
             "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
             "text": {"format": fmt.model_dump(exclude_none=True, by_alias=True) if fmt else {"type": "text"}},
-            "metadata": req.metadata or {}, "user": req.user, "store": False, "background": False,
+            "metadata": req.metadata or {}, "user": req.user, "store": self.stored, "background": req.background,
             "prompt_cache_key": req.prompt_cache_key, "safety_identifier": req.safety_identifier,
-            "previous_response_id": None, "reasoning": None, "truncation": "disabled",
-            "usage": None if self.status == "in_progress" else {
+            "previous_response_id": req.previous_response_id, "reasoning": None, "truncation": "disabled",
+            "usage": None if self.status in ("queued", "in_progress", "cancelled") else {
                 "input_tokens": self.num_prompt_tokens,
                 "input_tokens_details": {"cached_tokens": self.cached_tokens},
                 "output_tokens": self.output_tokens,
@@ -185,6 +203,38 @@ def _check_sizes(req: ResponsesRequest) -> None:
             raise bad_request(f"text.format: {exc}", param="text.format") from None
 
 
+def _store_decision(req: ResponsesRequest, store: ResponseStore) -> bool:
+    """Whether to keep this response; refuses store / previous_response_id / background by name while
+    the store is off, and the combinations background cannot serve."""
+    if not store.enabled:
+        for name, value, otherwise in (("store", req.store, "or send store=false"),
+                                       ("previous_response_id", req.previous_response_id,
+                                        "or send the whole conversation as input"),
+                                       ("background", req.background, "or leave background out")):
+            if value:
+                raise bad_request(f"{name}: not supported by ferrox's Responses API (stored responses are off; "
+                                  f"{HOW_TO_ENABLE}, {otherwise})", param=name, code="unsupported_parameter")
+        return False
+    keep = req.store is not False  # OpenAI's default is to store, and vLLM's once its store is on
+    if req.background and not keep:
+        raise bad_request("background: a background response is fetched by id later, so it needs store "
+                          "(leave store out or send store=true)", param="background")
+    if req.background and req.stream:
+        raise bad_request("stream: not supported with background (poll GET /v1/responses/{id} instead)",
+                          param="stream", code="unsupported_parameter")
+    return keep
+
+
+def _previous(req: ResponsesRequest, store: ResponseStore) -> StoredResponse | None:
+    if req.previous_response_id is None:
+        return None
+    previous = store.require(req.previous_response_id, param="previous_response_id")
+    if previous.running:
+        raise bad_request(f"previous_response_id: response {previous.id!r} is still {previous.body['status']}; "
+                          "continue it once it has finished", param="previous_response_id")
+    return previous
+
+
 async def create_response(ctx: ServingContext, request: web.Request) -> web.StreamResponse:
     req = await parse_body(request, ResponsesRequest)
     refused = req.refused_fields()
@@ -192,50 +242,107 @@ async def create_response(ctx: ServingContext, request: web.Request) -> web.Stre
         name, why = refused[0]
         raise bad_request(f"{name}: not supported by ferrox's Responses API ({why})", param=name,
                           code="unsupported_parameter")
+    store = request.app[RESPONSE_STORE]
+    keep = _store_decision(req, store)
+    previous = _previous(req, store)
     _check_sizes(req)
     ctx.check_model(req.model)
     ctx.check_engine()
+    # Rendered as if the whole conversation had been sent: the same prompt, so the same prefix cache.
+    conversation = req.with_history(previous.history()) if previous is not None else req
     tools = req.tool_request()
     structured = _constraint(req, tools)
     # A long conversation takes a while to render and encode: off the event loop (a short one inline).
-    prompt = await ctx.engine.prompt_work(prompt_size(req), tool_use.render_prompt, ctx, req.to_chat_messages(),
-                                          tools, template_kwargs=req.template_kwargs())
+    prompt = await ctx.engine.prompt_work(prompt_size(conversation), tool_use.render_prompt, ctx,
+                                          conversation.to_chat_messages(), tools,
+                                          template_kwargs=req.template_kwargs())
     check_max_tokens(ctx, len(prompt.token_ids), req.max_output_tokens)
     params = _sampling_params(ctx, req, structured, tool_use.keeps_special_tokens(tools, prompt.template, ctx.options.tool_call_parser))
     validate_request(ctx, prompt.token_ids, params, RESPONSES_FIELDS)
-    response = _Response(ctx, req, params, len(prompt.token_ids))
+    response = _Response(ctx, req, params, len(prompt.token_ids), stored=keep)
     request["request_id"] = response.id  # -> the X-Request-Id header and the access log
+    entry = StoredResponse(response.body(), req.stored_input_items(), previous) if keep else None
     gen = ctx.engine.generate({"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}, params, response.id,
                               lora_request=ctx.lora_request(req.model), prompt_cache_key=req.prompt_cache_key)
+    thinking = ctx.starts_thinking(prompt.token_ids, req.template_kwargs())
+    finish = _Finish(tools, prompt.template, thinking)
+    if entry is not None and req.background:
+        response.status = "queued"
+        entry.body = response.body()
+        entry.task = asyncio.create_task(_run_background(entry, response, gen, finish), name=f"background {response.id}")
+        store.put(entry)
+        return json_response(entry.body)
     # Pull the first output before sending headers, so a rejected request is still a plain 4xx/503.
     first = await first_output(gen, "input", RESPONSES_FIELDS)
-    thinking = ctx.starts_thinking(prompt.token_ids, req.template_kwargs())
     if req.stream:
-        return await _stream(request, response, gen, first, tools, prompt.template, thinking)
+        result = await _stream(request, response, gen, first, tools, prompt.template, thinking)
+    else:
+        async with contextlib.aclosing(gen):
+            final = first
+            async for later in gen:
+                final = later
+        finish(response, final)
+        result = json_response(response.body())
+    if entry is not None:  # what the client got last (a stream's final event), not a half-built one
+        entry.body = response.body()
+        store.put(entry)
+    return result
+
+
+class _Finish:
+    """Turns a request's final output (FINAL_ONLY: the whole text) into the response's output items."""
+
+    def __init__(self, tools: tool_use.ToolRequest, template: str | None, thinking: bool) -> None:
+        self.tools, self.template, self.thinking = tools, template, thinking
+
+    def __call__(self, response: _Response, final: Any) -> None:
+        ctx, req = response.ctx, response.req
+        assert final is not None
+        comp = final.outputs[0]
+        response.output_tokens = len(comp.token_ids)
+        response.cached_tokens = final.num_cached_tokens
+        answer = comp.text
+        if ctx.reasoning is not None:
+            # The answer is what follows the thinking: the message and the tool calls are read from it alone.
+            split = ctx.reasoning.stream(self.thinking)
+            split.count_tokens(comp.token_ids)
+            reasoning, answer = split.feed(comp.text, finished=True)
+            response.reasoning_tokens = split.reasoning_tokens
+            if reasoning:
+                response.items.append(_reasoning_item(_new_id("rs"), reasoning,
+                                                      _reasoning_status(split, comp.finish_reason),
+                                                      req.includes_encrypted_reasoning))
+        # An empty reply is one empty message, unless the thinking was all there was (as streamed).
+        blocks = tool_use.split_reply(answer, self.tools, self.template, ctx.options.tool_call_parser) or \
+            ([] if response.items else [tool_use.ReplyBlock("text")])
+        response.items += [response.item(b, _block_status(b, comp.finish_reason)) for b in blocks]
+        response.finish(comp.finish_reason)
+
+
+async def _run_background(entry: StoredResponse, response: _Response, gen: Any, finish: _Finish) -> None:
+    """A background response's generation: the stored object is in_progress from the task's start
+    (the request is in the engine's hands; its outputs come whole at the end), then completed
+    (incomplete, failed). Cancelling the task (POST .../cancel, or the store dropping the entry)
+    closes the generator, which aborts the request and frees its KV blocks."""
+    response.status = "in_progress"
+    entry.body = response.body()
     async with contextlib.aclosing(gen):
-        final = first
-        async for later in gen:
-            final = later
-    assert final is not None
-    comp = final.outputs[0]
-    response.output_tokens = len(comp.token_ids)
-    response.cached_tokens = final.num_cached_tokens
-    answer = comp.text
-    if ctx.reasoning is not None:
-        # The answer is what follows the thinking: the message and the tool calls are read from it alone.
-        split = ctx.reasoning.stream(thinking)
-        split.count_tokens(comp.token_ids)
-        reasoning, answer = split.feed(comp.text, finished=True)
-        response.reasoning_tokens = split.reasoning_tokens
-        if reasoning:
-            response.items.append(_reasoning_item(_new_id("rs"), reasoning, _reasoning_status(split, comp.finish_reason),
-                                                  req.includes_encrypted_reasoning))
-    # An empty reply is one empty message, unless the thinking was all there was (as streamed).
-    blocks = tool_use.split_reply(answer, tools, prompt.template, ctx.options.tool_call_parser) or \
-        ([] if response.items else [tool_use.ReplyBlock("text")])
-    response.items += [response.item(b, _block_status(b, comp.finish_reason)) for b in blocks]
-    response.finish(comp.finish_reason)
-    return json_response(response.body())
+        try:
+            final = await first_output(gen, "input", RESPONSES_FIELDS)
+            async for later in gen:
+                final = later
+            finish(response, final)
+        except asyncio.CancelledError:
+            response.status = "cancelled"
+            entry.body = response.body()
+            raise
+        except Exception as exc:  # noqa: BLE001 - a task has no caller: the stored object carries the error
+            error = exc if isinstance(exc, APIError) else api_error(exc)
+            if not isinstance(exc, (APIError, FerroxError, ValueError)):
+                logger.exception("background response %s failed", response.id)
+            response.status, response.error = "failed", {"code": error.code or "server_error",
+                                                         "message": error.message}
+    entry.body = response.body()
 
 
 async def _stream(request: web.Request, response: _Response, gen: Any, first: Any,
