@@ -9,12 +9,14 @@ are re-exported here for model code.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ferrox.errors import ModelLoadError, UnsupportedModelError
 
-__all__ = ["ModelLoadError", "ModelSpec", "MoeSpec", "UnsupportedModelError"]
+__all__ = ["ModelLoadError", "ModelSpec", "MoeSpec", "UnsupportedModelError", "rope_type_of", "spec_for_context",
+           "uses_long_rope"]
 
 if TYPE_CHECKING:  # torch stays unimported: loader.source and loader.errors must load without it
     import torch
@@ -62,10 +64,15 @@ class ModelSpec:
     mlp_bias: bool = False
     hidden_act: str = "silu"
     moe: MoeSpec | None = None  # set for mixture-of-experts configs
-    # The attention window config.json declares (sliding_window), when it bounds the context:
-    # ferrox has no sliding-window attention, so max_position_embeddings is already capped to it
-    # (within the window full attention is the same thing) and max_model_len errors name it.
+    # The attention window config.json declares (sliding_window W: a token sees itself and the W - 1
+    # before it), when it is shorter than the context, and which layers use it (the rest attend
+    # fully: Gemma alternates them); None: no window.
     sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] | None = None
+    # Each layer's window as the engine serves it (0: full attention), set with the served max_model_len
+    # (spec_for_context): a window no shorter than the context changes nothing, so it stays 0 there and
+    # every kernel keeps its unwindowed path. Empty: no windows.
+    attention_windows: tuple[int, ...] = ()
     # Partial rotary (config.json partial_rotary_factor < 1, Phi-4-mini): how many dims of each head
     # rotate; None: all. Only families that reorder q/k rows at load take it (layers/rotary.py).
     rotary_dim: int | None = None
@@ -76,3 +83,35 @@ class ModelSpec:
     # attention_multiplier); set by the family's model class, read by every attention path.
     attention_scale: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def window_of(self, layer: int) -> int:
+        """Layer `layer`'s attention window as served (0: full attention)."""
+        return self.attention_windows[layer] if self.attention_windows else 0
+
+
+def rope_type_of(scaling: dict[str, Any] | None) -> str:
+    """A rope scaling's rope_type ("type" in older configs; "su" is LongRoPE's first name)."""
+    kind = str((scaling or {}).get("rope_type", (scaling or {}).get("type", "default")))
+    return "longrope" if kind == "su" else kind
+
+
+def uses_long_rope(scaling: dict[str, Any] | None, max_model_len: int) -> bool:
+    """LongRoPE's choice of factors, made once for the engine as vLLM makes it: the long factors when
+    the served context exceeds original_max_position_embeddings. (transformers switches per forward
+    on the sequence's current length, which would leave a request's cached keys rotated by the short
+    factors once it grows past that length; for requests that stay on one side the two agree.)"""
+    if rope_type_of(scaling) != "longrope":
+        return False
+    return max_model_len > int(scaling["original_max_position_embeddings"])  # type: ignore[index]
+
+
+def spec_for_context(spec: ModelSpec, max_model_len: int) -> ModelSpec:
+    """The spec a model serving max_model_len tokens is built from: LongRoPE's factors and the
+    layers' attention windows depend on it."""
+    long_context = uses_long_rope(spec.rope_scaling, max_model_len)
+    windows: tuple[int, ...] = ()
+    if spec.sliding_window is not None and spec.sliding_layers and max_model_len > spec.sliding_window:
+        windows = tuple(spec.sliding_window if sliding else 0 for sliding in spec.sliding_layers)
+    if long_context == spec.rope_long_context and windows == spec.attention_windows:
+        return spec
+    return dataclasses.replace(spec, rope_long_context=long_context, attention_windows=windows)

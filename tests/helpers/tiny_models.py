@@ -123,6 +123,23 @@ def make_tiny_llama(folder, *, hidden_size: int = 64, num_layers: int = 2, num_h
     return _save(str(folder), model, tok, max_shard_size=max_shard_size, generation=generation)
 
 
+def make_tiny_mistral(folder, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                      num_kv_heads: int = 2, intermediate_size: int = 128, max_position_embeddings: int = 2048,
+                      sliding_window: int | None = 16, seed: int = 0) -> str:
+    """A Mistral (v0.1's shape: every layer attends within sliding_window)."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    tok = build_tokenizer()
+    params = _common(tok, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
+                     max_position_embeddings, False)
+    config = MistralConfig(**params, sliding_window=sliding_window,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(seed)
+    model = MistralForCausalLM(config).to(torch.float32)
+    return _save(str(folder), model, tok, max_shard_size=None, generation=None)
+
+
 def make_tiny_qwen3(folder, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
                     head_dim: int = 32, intermediate_size: int = 128, max_position_embeddings: int = 2048,
                     tie_word_embeddings: bool = True, max_shard_size: str | None = None, seed: int = 0,

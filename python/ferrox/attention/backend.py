@@ -58,6 +58,8 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         kv_scales: KVCacheScales | None = None,  # an FP8 cache's k/v scales (None: 1.0)
+        *,
+        window: int = 0,  # the layer's sliding window: keys p - window < k <= p for a query at p (0: all)
     ) -> torch.Tensor:  # [T, H, D]
         ...
 
@@ -66,7 +68,7 @@ class AttentionBackend(ABC):
     supports_cached_kv = False
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-               kv_scales: KVCacheScales | None = None) -> torch.Tensor:
+               kv_scales: KVCacheScales | None = None, *, window: int = 0) -> torch.Tensor:
         """Attention only: this step's k/v are already at `meta.slot_mapping` in kv_cache."""
         raise NotImplementedError(f"the {self.name} attention backend has no attend-only path")
 

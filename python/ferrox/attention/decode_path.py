@@ -93,6 +93,7 @@ class OneTokenLayer:
     q_norm: NormWeights | None = None
     k_norm: NormWeights | None = None
     moe: OneTokenMoe | None = None
+    window: int = 0  # the layer's sliding window as served (0: full attention)
 
 
 class DecodePath:

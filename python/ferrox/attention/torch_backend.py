@@ -35,6 +35,7 @@ class _DecodeGroup:
     block_ids: torch.Tensor  # [B, blocks] int64, enough blocks for the longest sequence
     kv_len: int  # longest seq_len in the group: gathered KV is cut to this
     mask: torch.Tensor | None  # [B, 1, 1, kv_len] bool (True = attend), None if all lengths equal
+    lens: list[int] = field(default_factory=list)  # each row's seq_len (a sliding window's masks)
 
 
 @dataclass(slots=True)
@@ -52,6 +53,26 @@ class _Plan:
     num_tokens: int
     decode: _DecodeGroup | None = None
     prefills: list[_PrefillChunk] = field(default_factory=list)
+    # Sliding window -> (each prefill chunk's mask, the decode group's mask), built at the first layer
+    # with that window (Gemma's local layers share theirs).
+    windowed: dict[int, tuple[list[torch.Tensor], torch.Tensor | None]] = field(default_factory=dict)
+
+    def window_masks(self, window: int, device: torch.device) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Masks (True = attend) of causal attention within `window`: a query at position p sees keys
+        p - window < k <= p (itself and the window - 1 before it, as transformers and vLLM count it)."""
+        if window not in self.windowed:
+            chunks = []
+            for chunk in self.prefills:
+                q_pos = torch.arange(chunk.context_len, chunk.seq_len, device=device)[:, None]
+                kv = torch.arange(chunk.seq_len, device=device)[None, :]
+                chunks.append((kv <= q_pos) & (kv > q_pos - window))
+            decode = None
+            if self.decode is not None:
+                lens = torch.tensor(self.decode.lens, device=device)[:, None]
+                kv = torch.arange(self.decode.kv_len, device=device)[None, :]
+                decode = ((kv < lens) & (kv >= lens - window))[:, None, None, :]
+            self.windowed[window] = (chunks, decode)
+        return self.windowed[window]
 
 
 def _build_plan(meta: AttentionMetadata, block_size: int, has_cache: bool) -> _Plan:
@@ -97,6 +118,7 @@ def _build_plan(meta: AttentionMetadata, block_size: int, has_cache: bool) -> _P
             block_ids=meta.block_table[rows.to(device), :n_blocks].to(torch.int64),
             kv_len=kv_len,
             mask=mask,
+            lens=lens,
         )
     return plan
 
@@ -120,7 +142,7 @@ class TorchAttentionBackend(AttentionBackend):
             self._block_size = block_size
         return self._plan
 
-    def forward(self, q, k, v, kv_cache, meta, scale, kv_scales=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, kv_scales=None, *, window=0):
         n = meta.num_actual_tokens
         has_cache = kv_cache.numel() > 0
         block_size = kv_cache.shape[2] if has_cache else 0
@@ -147,16 +169,18 @@ class TorchAttentionBackend(AttentionBackend):
             # Rows past num_actual_tokens (padding) are zeroed, never left as uninitialised memory.
             out = torch.empty_like(q) if q.shape[0] == n else torch.zeros_like(q)
 
-        for chunk in plan.prefills:
+        chunk_masks, decode_mask = plan.window_masks(window, q.device) if window else ([], None)
+        for i, chunk in enumerate(plan.prefills):
             qc = q[chunk.start:chunk.end].transpose(0, 1)  # [H, q_len, D]
+            mask = chunk_masks[i] if window else chunk.mask
             if chunk.context_len == 0:
                 kc = k[chunk.start:chunk.end].transpose(0, 1)
                 vc = v[chunk.start:chunk.end].transpose(0, 1)
-                o = _sdpa(qc, kc, vc, None, scale, self.softcap)
+                o = _sdpa(qc, kc, vc, mask, scale, self.softcap)
             else:
                 kc = _gather(k_cache, chunk.block_ids, chunk.seq_len).to(q.dtype).transpose(0, 1)
                 vc = _gather(v_cache, chunk.block_ids, chunk.seq_len).to(q.dtype).transpose(0, 1)
-                o = _sdpa(qc, kc, vc, chunk.mask, scale, self.softcap)
+                o = _sdpa(qc, kc, vc, mask, scale, self.softcap)
             out[chunk.start:chunk.end] = o.transpose(0, 1) if out_scale == 1.0 else o.transpose(0, 1) * out_scale
 
         group = plan.decode
@@ -165,7 +189,7 @@ class TorchAttentionBackend(AttentionBackend):
             qd = qd[:, :, None, :]  # [B, H, 1, D]
             kd = _gather_batch(k_cache, group.block_ids, group.kv_len).to(q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
             vd = _gather_batch(v_cache, group.block_ids, group.kv_len).to(q.dtype).transpose(1, 2)
-            o = _sdpa(qd, kd, vd, group.mask, scale, self.softcap, causal=False)
+            o = _sdpa(qd, kd, vd, decode_mask if window else group.mask, scale, self.softcap, causal=False)
             o = o[:, :, 0, :]  # [B, H, D]
             if out_scale != 1.0:
                 o = o * out_scale

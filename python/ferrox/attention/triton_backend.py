@@ -173,19 +173,22 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         kv_scales: KVCacheScales | None = None,
         out: torch.Tensor | None = None,
+        *,
+        window: int = 0,
     ) -> torch.Tensor:
-        """out: where the result goes (q's shape; a new tensor when None)."""
+        """out: where the result goes (q's shape; a new tensor when None). window: the layer's sliding
+        window (0: full attention; the Triton kernels mask it, cuDNN and the CUDA decode kernel step aside)."""
         if self.piecewise is not None:
-            return self.piecewise(q, k, v, kv_cache, meta, scale, kv_scales)
+            return self.piecewise(q, k, v, kv_cache, meta, scale, kv_scales, window=window)
         if kv_cache.numel() == 0:
-            return self._forward_without_cache(q, k, v, meta, scale)
+            return self._forward_without_cache(q, k, v, meta, scale, window)
         if meta.slot_mapping.shape[0] > k.shape[0]:
             raise ValueError(f"slot_mapping has {meta.slot_mapping.shape[0]} slots for {k.shape[0]} k/v rows")
         kv_scale = kv_scales.scales if kv_scales is not None else None
         reshape_and_cache(k, v, kv_cache, meta.slot_mapping, kv_scale)
         self._decide_cudnn(q, kv_cache)
         plan = self._plan_for(meta)
-        if plan.cudnn_requests:  # never with an FP8 cache (_decide_cudnn), whose scales apply
+        if plan.cudnn_requests and not window:  # never with an FP8 cache (_decide_cudnn), whose scales apply
             try:
                 return self._attend_cudnn(q, k, v, kv_cache, meta, plan, scale, out)
             except RuntimeError as exc:
@@ -196,33 +199,36 @@ class TritonAttentionBackend(AttentionBackend):
                 self._cudnn_block_size = 0
                 self._plan = None
         return self._attend(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, meta,
-                            meta.max_seq_len, scale, kv_scale, out)
+                            meta.max_seq_len, scale, kv_scale, out, window)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-               kv_scales: KVCacheScales | None = None) -> torch.Tensor:
+               kv_scales: KVCacheScales | None = None, *, window: int = 0) -> torch.Tensor:
         return self._attend(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, meta,
-                            meta.max_seq_len, scale, kv_scales.scales if kv_scales is not None else None)
+                            meta.max_seq_len, scale, kv_scales.scales if kv_scales is not None else None,
+                            window=window)
 
     def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                 block_table: torch.Tensor, meta: AttentionMetadata, max_seq_len: int, scale: float,
-                kv_scale: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                kv_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                window: int = 0) -> torch.Tensor:
         """kv_scale: an FP8 cache's float32 (k_scale, v_scale), read by the kernels on the device."""
         plan = self._plan_for(meta)
+        softcap = self.softcap
         if not plan.use_prefill_kernel:
             return unified_attention(q, kv_cache, query_start_loc, seq_lens, block_table,
-                                     max_query_len=meta.max_query_len, max_seq_len=max_seq_len, scale=scale,
-                                     out=out, kv_scale=kv_scale, softcap=self.softcap)
+                                     max_query_len=meta.max_query_len, max_seq_len=max_seq_len, scale=scale, out=out,
+                                     kv_scale=kv_scale, softcap=softcap, window=window)
         nd = plan.num_decodes
         if nd == 0:
             return prefill_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale=scale, out=out,
-                                     kv_scale=kv_scale, softcap=self.softcap)
+                                     kv_scale=kv_scale, softcap=softcap, window=window)
         if out is None:
             out = torch.empty_like(q)
         unified_attention(q[:nd], kv_cache, query_start_loc[: nd + 1], seq_lens[:nd], block_table[:nd],
                           max_query_len=1, max_seq_len=max_seq_len, scale=scale, out=out[:nd], kv_scale=kv_scale,
-                          softcap=self.softcap)
+                          softcap=softcap, window=window)
         prefill_attention(q[nd:], kv_cache, plan.prefill_query_start_loc, seq_lens[nd:], block_table[nd:],
-                          scale=scale, out=out[nd:], kv_scale=kv_scale, softcap=self.softcap)
+                          scale=scale, out=out[nd:], kv_scale=kv_scale, softcap=softcap, window=window)
         return out
 
     def _attend_cudnn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -250,7 +256,8 @@ class TritonAttentionBackend(AttentionBackend):
         return FusedOneTokenDecode(self, layers, rope_rows)
 
     def _forward_without_cache(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         """No KV cache yet (the profiling forward): every request starts at position 0, so its KV is
         exactly its own k/v rows. View them as a cache of one-slot blocks, block id = token row, and
@@ -260,4 +267,4 @@ class TritonAttentionBackend(AttentionBackend):
         rows = torch.arange(max(meta.max_query_len, 1), dtype=torch.int32, device=q.device)
         block_table = (meta.query_start_loc[:-1, None] + rows[None, :]).to(torch.int32)
         return self._attend(q, kv, meta.query_start_loc, query_lens.to(torch.int32), block_table, meta,
-                            meta.max_query_len, scale)
+                            meta.max_query_len, scale, window=window)

@@ -147,6 +147,7 @@ def _paged_attention_kernel(
     DECODE_ONLY: tl.constexpr = False,  # one query token per request (token i is request i)
     MIN_SPLIT: tl.constexpr = 256,
     SOFTCAP: tl.constexpr = 0.0,  # Gemma 2's attention logit cap, as softcap_log2 gives it (0: none)
+    WINDOW: tl.constexpr = 0,  # sliding window: a query at p sees keys p - WINDOW < k <= p (0: all)
 ):
     pdl_launch_dependents(USE_PDL)
     tile_id = tl.program_id(0)
@@ -200,6 +201,8 @@ def _paged_attention_kernel(
     else:
         kv_lo = 0
         kv_hi = kv_end
+    if WINDOW > 0:  # nothing before the first query's window is visible to any row of the tile
+        kv_lo = tl.maximum(kv_lo, context_len + q_tile * BLOCK_Q - WINDOW + 1)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -220,6 +223,8 @@ def _paged_attention_kernel(
         if SOFTCAP > 0:
             s = _softcap(s, SOFTCAP)
         visible = pos_valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        if WINDOW > 0:
+            visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -405,6 +410,7 @@ def unified_attention(
     config: AttentionLaunchConfig | None = None,
     kv_scale: torch.Tensor | None = None,
     softcap: float = 0.0,
+    window: int = 0,
 ) -> torch.Tensor:
     """Paged attention of q [num_tokens, num_heads, head_dim] over kv_cache (K/V already written).
 
@@ -412,7 +418,8 @@ def unified_attention(
     AttentionMetadata device tensors. max_query_len / max_seq_len are host upper bounds that pick
     the launch shape (no device sync). Output rows past query_start_loc[-1] (padding) are
     unspecified. kv_scale: float32 (k_scale, v_scale) of an FP8 cache (None: 1.0). softcap: Gemma 2's
-    attention logit cap (0: none; the CUDA decode kernel has none, so this kernel takes those steps)."""
+    attention logit cap (0: none; the CUDA decode kernel has none, so this kernel takes those steps).
+    window: a sliding window (a query at p sees keys p - window < k <= p; 0: all), likewise."""
     check_attention_inputs(q, kv_cache, kv_scale)
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -422,7 +429,7 @@ def unified_attention(
     if num_tokens == 0 or num_reqs == 0:
         return out
     if (config is None and num_splits is None and max_query_len <= 1 and num_tokens <= num_reqs and not softcap
-            and decode_attention_cuda.supported(q, kv_cache, seq_lens, block_table, kv_scale)):
+            and not window and decode_attention_cuda.supported(q, kv_cache, seq_lens, block_table, kv_scale)):
         # Decode-only on Hopper: the CUDA kernel (its module docstring); this kernel stays the reference.
         return decode_attention_cuda.decode_attention(q, kv_cache, seq_lens, block_table, max_seq_len=max_seq_len,
                                                       scale=scale, out=out, kv_scale=kv_scale)
@@ -486,6 +493,7 @@ def unified_attention(
         DECODE_ONLY=decode_only,
         MIN_SPLIT=_MIN_SPLIT_LEN,
         SOFTCAP=softcap_log2(softcap),
+        WINDOW=window,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl_launch(q.device),

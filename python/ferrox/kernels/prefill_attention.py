@@ -165,6 +165,7 @@ def _prefill_attention_kernel(
     USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr = 0.0,  # Gemma 2's attention logit cap (paged_attention.softcap_log2; 0: none)
+    WINDOW: tl.constexpr = 0,  # sliding window: a query at p sees keys p - WINDOW < k <= p (0: all)
 ):
     tile_id = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (latest) query tiles first
     kv_head = tl.program_id(1)
@@ -200,6 +201,12 @@ def _prefill_attention_kernel(
     kv_end = tl.minimum(seq_len, context_len + tl.minimum((q_tile + 1) * BLOCK_Q, query_len))
     # Every row sees positions <= first_q_pos: whole tiles below that need no mask at all.
     full_end = (first_q_pos + 1) // TILE_N * TILE_N
+    kv_start = full_end * 0
+    if WINDOW > 0:
+        # Rows of a tile see different windows: every tile is masked, from the first row's window on
+        # (TILE_N-aligned, so a TMA tile still lies in one block).
+        kv_start = tl.maximum(first_q_pos - WINDOW + 1, 0) // TILE_N * TILE_N
+        full_end = kv_start
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -209,7 +216,7 @@ def _prefill_attention_kernel(
     kv_col = kv_head * HEAD_DIM
     block_row = block_table_ptr + req.to(tl.int64) * stride_bt
 
-    for start in range(0, full_end, TILE_N):
+    for start in range(kv_start, full_end, TILE_N):
         k, v = _load_kv_tile(kv_desc, k_base, v_base, block_row, start, full_end, block_size, v_row_offset, kv_col,
                              stride_cblock, stride_cslot, False, USE_TMA, TILE_N, HEAD_DIM, DIM_PAD)
         k, v = k.to(q.dtype), v.to(q.dtype)
@@ -236,6 +243,8 @@ def _prefill_attention_kernel(
         if SOFTCAP > 0:
             s = _softcap(s, SOFTCAP)
         visible = (pos[None, :] < kv_end) & (pos[None, :] <= q_pos[:, None])
+        if WINDOW > 0:
+            visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with nothing visible yet keeps max -inf; subtract 0 instead so exp2 gives 0, not NaN.
@@ -284,6 +293,7 @@ def prefill_attention(
     use_tma: bool | None = None,
     kv_scale: torch.Tensor | None = None,
     softcap: float = 0.0,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal paged attention of q [num_tokens, num_heads, head_dim] over kv_cache (K/V already
     written), for batches led by prefill chunks. Arguments as `unified_attention` (no split-KV:
@@ -346,6 +356,7 @@ def prefill_attention(
         USE_TMA=use_tma,
         DOT_PRECISION=_dot_precision(q.dtype),
         SOFTCAP=softcap_log2(softcap),
+        WINDOW=window,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

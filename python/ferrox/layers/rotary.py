@@ -22,7 +22,6 @@ reordering of both leaves unchanged; v and the output are not touched.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -30,7 +29,13 @@ import torch
 from torch import nn
 
 from ferrox.layers.ops import DeviceOps, Rope, apply_rotary, for_device
-from ferrox.model_spec import ModelLoadError, UnsupportedModelError
+from ferrox.model_spec import (
+    ModelLoadError,
+    UnsupportedModelError,
+    rope_type_of,
+    spec_for_context,
+    uses_long_rope,
+)
 
 if TYPE_CHECKING:
     from ferrox.model_spec import ModelSpec
@@ -47,28 +52,6 @@ class RopeAngles(NamedTuple):
 
     inv_freq: torch.Tensor  # float32 [head_dim // 2]; 0 for the pairs partial rotary leaves unrotated
     amplitude: torch.Tensor | None  # float32 [head_dim // 2] multiplying cos and sin; None: 1 everywhere
-
-
-def rope_type_of(scaling: dict | None) -> str:
-    """The scaling's rope_type ("type" in older configs; "su" is LongRoPE's first name)."""
-    kind = str((scaling or {}).get("rope_type", (scaling or {}).get("type", "default")))
-    return "longrope" if kind == "su" else kind
-
-
-def uses_long_rope(scaling: dict | None, max_model_len: int) -> bool:
-    """LongRoPE's choice of factors, made once for the engine as vLLM makes it: the long factors when
-    the served context exceeds original_max_position_embeddings. (transformers switches per forward
-    on the sequence's current length, which would leave a request's cached keys rotated by the short
-    factors once it grows past that length; for requests that stay on one side the two agree.)"""
-    if rope_type_of(scaling) != "longrope":
-        return False
-    return max_model_len > int(scaling["original_max_position_embeddings"])  # type: ignore[index]
-
-
-def spec_for_context(spec: ModelSpec, max_model_len: int) -> ModelSpec:
-    """The spec a model serving max_model_len tokens is built from (LongRoPE's factors depend on it)."""
-    long_context = uses_long_rope(spec.rope_scaling, max_model_len)
-    return spec if long_context == spec.rope_long_context else dataclasses.replace(spec, rope_long_context=long_context)
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.Tensor:

@@ -67,22 +67,22 @@ def spec_from_hf_config(config: dict[str, Any], where: str, *, scaled_context: b
     max_pos = optional("max_position_embeddings", 2048)
     if scaled_context and scaling is not None:
         max_pos = _scaled_context(scaling, max_pos, where)
+    num_layers = need("num_hidden_layers")
     window = config.get("sliding_window")
     sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] | None = None
     if window and config.get("use_sliding_window", True):
         window = to_int(window, f"{where}: field 'sliding_window'")
-        # Sliding-window attention is not implemented: within the window it equals full attention,
-        # so cap the context there and stay exact (Mistral v0.1: 4096 of 32768; Phi-3-mini-4k: 2047
-        # of 4096). A window of W lets a token see itself and the W - 1 before it (transformers'
-        # mask: kv > q - W; vLLM's flash-attention window W - 1), so a context of W tokens is exact.
+        # A window of W lets a token see itself and the W - 1 before it (transformers' mask: kv > q - W;
+        # vLLM's flash-attention window W - 1). One at least as long as the context is full attention.
         if window < max_pos:
-            max_pos, sliding_window = window, window
+            sliding_window, sliding_layers = window, _sliding_layers(config, num_layers, where)
     dtype_name = config.get("torch_dtype") or config.get("dtype") or "float32"
     dtype = _DTYPES.get(str(dtype_name).replace("torch.", ""), torch.float32)
     return ModelSpec(
         hf_config=config,
         architecture=str(archs[0]),
-        num_layers=need("num_hidden_layers"),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
@@ -100,8 +100,37 @@ def spec_from_hf_config(config: dict[str, Any], where: str, *, scaled_context: b
         hidden_act=str(config.get("hidden_act", "silu")),
         moe=_moe_spec(config, where),
         sliding_window=sliding_window,
+        sliding_layers=sliding_layers,
         rotary_dim=_rotary_dim(config, rope, head_dim, where),
     )
+
+
+def _sliding_layers(config: dict[str, Any], num_layers: int, where: str) -> tuple[bool, ...]:
+    """Which layers use the sliding window: config.json's layer_types (transformers >= 4.5x writes it),
+    else each family's rule as transformers derives it -- Gemma 2 every other layer from the first,
+    Gemma 3 all but every sliding_window_pattern-th, Qwen2 from max_window_layers on, every layer
+    otherwise (Mistral, Phi-3)."""
+    types = config.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != num_layers:
+            raise ModelLoadError(f"{where}: field 'layer_types' must list one type per layer ({num_layers}), "
+                                 f"got {types!r}")
+        unknown = set(types) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise UnsupportedModelError(f"{where}: layer_types {sorted(unknown)} are not supported "
+                                        "(sliding_attention, full_attention)")
+        return tuple(t == "sliding_attention" for t in types)
+    arch = str((config.get("architectures") or [""])[0])
+    if arch == "Gemma2ForCausalLM":
+        return tuple(i % 2 == 0 for i in range(num_layers))
+    if arch == "Gemma3ForCausalLM":
+        pattern = to_int(config.get("sliding_window_pattern", 6), f"{where}: field 'sliding_window_pattern'")
+        return tuple((i + 1) % pattern != 0 for i in range(num_layers))
+    if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
+        first = to_int(config.get("max_window_layers", num_layers), f"{where}: field 'max_window_layers'",
+                       minimum=0)
+        return tuple(i >= first for i in range(num_layers))
+    return (True,) * num_layers
 
 
 def _normalized_scaling(config: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:

@@ -13,9 +13,8 @@ that transformers' Gemma2 defines and that ferrox follows:
   kernel and cuDNN prefill have no cap and step aside), and the logits capped with
   final_logit_softcapping.
 
-Gemma 2 alternates sliding-window (4,096) and global layers over an 8,192 context; ferrox has no
-sliding-window attention, so the context is capped at the window (loader/model_config.py), where
-every layer's attention is exact. Decoding takes the general path (no fused one-token kernels:
+Gemma 2 alternates sliding-window (4,096) and global layers over an 8,192 context: each layer's window
+(ModelSpec.window_of) goes to the attention backend with its call. Decoding takes the general path (no fused one-token kernels:
 the four-norm layer is not the pre-norm shape they fuse); CUDA graphs, tensor parallelism, LoRA on
 the Llama projection names and online FP8 come with the layers.
 """
@@ -58,7 +57,7 @@ class GemmaMLP(nn.Module):
 
 class Gemma2DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, window: int = 0):
         super().__init__()
 
         def norm() -> RMSNorm:
@@ -67,7 +66,7 @@ class Gemma2DecoderLayer(nn.Module):
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
         self.self_attn = LlamaAttention(spec, backend, ops, dtype, device, qkv_bias=spec.attention_bias,
-                                        o_bias=spec.attention_bias, qk_norm=False)
+                                        o_bias=spec.attention_bias, qk_norm=False, window=window)
         self.mlp = GemmaMLP(spec, dtype, device)
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
@@ -83,8 +82,8 @@ class Gemma2Model(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
         # transformers multiplies by sqrt(hidden_size) as a tensor of the model dtype (rounded there).
         self.normalizer = float(torch.tensor(math.sqrt(spec.hidden_size), dtype=dtype))
-        self.layers = nn.ModuleList(Gemma2DecoderLayer(spec, backend, ops, dtype, device)
-                                    for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(Gemma2DecoderLayer(spec, backend, ops, dtype, device, spec.window_of(i))
+                                    for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
         self.rotary = RotaryEmbedding.for_spec(spec, device, ops)
         self.backend = backend

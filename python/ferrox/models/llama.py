@@ -50,9 +50,11 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 
 class LlamaAttention(nn.Module):
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype, device, *,
-                 qkv_bias: bool, o_bias: bool, qk_norm: bool):
+                 qkv_bias: bool, o_bias: bool, qk_norm: bool, window: int = 0):
+        """window: this layer's sliding window as served (ModelSpec.window_of; 0: full attention)."""
         super().__init__()
         self.head_dim = spec.head_dim
+        self.window = window
         # Every attention path (backends, fused one-token, CPU Rust decode, CUDA graphs) takes this.
         self.scale = spec.attention_scale if spec.attention_scale is not None else self.head_dim ** -0.5
         # Under tensor parallelism this rank's heads only (layers/linear.py QKVLinear).
@@ -82,7 +84,7 @@ class LlamaAttention(nn.Module):
             # Triton set, the same kernel math as the one-token path; the torch formula on CPU).
             q, k = rope.norm_rotate_qk(qkv, self.num_heads, self.num_kv_heads, self.q_norm.weight,
                                        self.k_norm.weight, self.q_norm.eps)
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.kv_scales)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.kv_scales, window=self.window)
         return self.o_proj(o.reshape(t, q_size))
 
 
@@ -103,11 +105,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype, device, *, qkv_bias,
-                 o_bias, qk_norm):
+                 o_bias, qk_norm, window: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
         self.self_attn = LlamaAttention(spec, backend, ops, dtype, device, qkv_bias=qkv_bias, o_bias=o_bias,
-                                        qk_norm=qk_norm)
+                                        qk_norm=qk_norm, window=window)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
         self.mlp = LlamaMLP(spec, ops, dtype, device)
 
@@ -118,7 +120,7 @@ class LlamaDecoderLayer(nn.Module):
                              post_norm=self.post_attention_layernorm, gate_up_proj=mlp.gate_up_proj,
                              down_proj=mlp.down_proj, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
                              head_dim=attn.head_dim, scale=attn.scale, tp=attn.o_proj.tp,
-                             kv_scales=attn.kv_scales, q_norm=attn.q_norm, k_norm=attn.k_norm)
+                             kv_scales=attn.kv_scales, q_norm=attn.q_norm, k_norm=attn.k_norm, window=attn.window)
 
     def forward(self, x, residual, rope: Rope, kv_cache, meta):
         if residual is None:
@@ -137,7 +139,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
         layers = [LlamaDecoderLayer(spec, backend, ops, dtype, device, qkv_bias=qkv_bias, o_bias=o_bias,
-                                    qk_norm=qk_norm) for _ in range(spec.num_layers)]
+                                    qk_norm=qk_norm, window=spec.window_of(i)) for i in range(spec.num_layers)]
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
         # The model's op set: on the Triton set Qwen3's (qk_norm) q/k norms and rotary are one kernel
@@ -230,7 +232,9 @@ class LlamaForCausalLM(nn.Module):
             # other quantized layers run their own matmuls, so one-token steps take the general path.
             self.model.decode_path = DecodePath()
         linears = [m for m in self.model.layers.modules() if isinstance(m, Linear)]
-        if self.model.one_token_layers is not None and not self.model.qk_norm and linears and all(
+        windowless = self.model.one_token_layers is not None and not any(
+            layer.window for layer in self.model.one_token_layers)  # (the Rust decoder attends fully)
+        if windowless and not self.model.qk_norm and linears and all(
                 isinstance(m.quant, CpuQuantWeight) for m in linears):
             # A quantized GGUF on the CPU: every step runs in the Rust decoder (attention/cpu_decode.py).
             self.model.decode_path = CpuQuantizedDecode(self.model.one_token_layers, self.model.rotary.rope_rows)

@@ -93,7 +93,7 @@ class MoeDecoderLayer(nn.Module):
         assert moe is not None  # MoeForCausalLM checked it
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
         self.self_attn = LlamaAttention(spec, backend, ops, dtype, device, qkv_bias=qkv_bias,
-                                        o_bias=spec.attention_bias, qk_norm=qk_norm)
+                                        o_bias=spec.attention_bias, qk_norm=qk_norm, window=spec.window_of(index))
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
         self.mlp: nn.Module = (MoeBlock(spec, moe, ops, dtype, device, renormalize=renormalize)
                                if moe.is_sparse(index) else LlamaMLP(spec, ops, dtype, device))
@@ -118,7 +118,7 @@ class MoeDecoderLayer(nn.Module):
                              down_proj=dense.down_proj if dense is not None else None, num_heads=attn.num_heads,
                              num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, scale=attn.scale,
                              tp=attn.o_proj.tp, kv_scales=attn.kv_scales, q_norm=attn.q_norm, k_norm=attn.k_norm,
-                             moe=OneTokenMoe(mlp) if dense is None else None)
+                             moe=OneTokenMoe(mlp) if dense is None else None, window=attn.window)
 
 
 class MoeModel(nn.Module):

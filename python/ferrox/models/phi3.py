@@ -14,7 +14,7 @@ partial rotary (`partial_rotary_factor` < 1, Phi-4-mini) are layers/rotary.py's;
 and k rows of every head are reordered here while loading (`partial_rotary_order`), so every kernel
 keeps rotating whole heads. Refused by name: checkpoint quantization (`quantization_config`: packed
 AWQ/GPTQ tensors, or per-tensor FP8 scales of the fused projections, cannot be cut by rows).
-`sliding_window` is honoured by capping the context (loader/model_config.py); the dropout fields
+`sliding_window` is every layer's attention window (attention backends); the dropout fields
 (resid_pdrop, embd_pdrop, attention_dropout) are training-only.
 """
 

@@ -132,8 +132,11 @@ def pooling_max_model_len(requested: int | None, source: ModelSource, spec: Mode
     positions = getattr(cls, "max_positions", None)
     limit = positions(spec) if positions is not None else spec.max_position_embeddings
     what = f"the model's {limit} positions"
-    if spec.sliding_window is not None and positions is None:
-        what = f"its sliding_window of {limit} in config.json, which ferrox's full attention equals up to that length"
+    if spec.sliding_window is not None and positions is None and spec.sliding_window < limit:
+        # A pooling model attends without windows (its spec is not built for a context: worker/model_setup.py),
+        # which is exact up to the window.
+        limit = spec.sliding_window
+        what = f"its sliding_window of {limit} in config.json, which full attention equals up to that length"
     path = os.path.join(source.folder, "sentence_bert_config.json")
     if source.format == "hf" and os.path.isfile(path):
         value = read_json(path).get("max_seq_length")

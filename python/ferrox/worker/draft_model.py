@@ -33,9 +33,9 @@ import torch
 
 from ferrox.attention.kv_cache import allocate_kv_caches
 from ferrox.distributed.parallel_state import get_tp_group
-from ferrox.layers.rotary import spec_for_context
 from ferrox.loader.model_loader import load_model_spec
 from ferrox.loader.source import resolve_model
+from ferrox.model_spec import spec_for_context
 from ferrox.worker.cuda_graphs import CudaGraphRunner
 from ferrox.worker.step_inputs import Uploader, attention_metadata
 
@@ -85,9 +85,8 @@ class DraftProposer:
             raise ValueError(f"speculative_config.model: the draft model's vocabulary ({spec.vocab_size} tokens) is "
                              f"not the target's ({target_vocab_size}); it must use the same tokenizer")
         if int(spec.max_position_embeddings) < max_model_len:
-            what = "sliding_window" if spec.sliding_window is not None else "max_position_embeddings"
-            raise ValueError(f"speculative_config.model: the draft model's {what} ({spec.max_position_embeddings}) "
-                             f"is below max_model_len ({max_model_len})")
+            raise ValueError(f"speculative_config.model: the draft model's max_position_embeddings "
+                             f"({spec.max_position_embeddings}) is below max_model_len ({max_model_len})")
         spec = spec_for_context(spec, max_model_len)
         self.k = num_speculative_tokens
         self.block_size = block_size

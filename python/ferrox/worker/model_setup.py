@@ -30,10 +30,10 @@ from ferrox.config import CPU_DEFAULT_MAX_MODEL_LEN, EngineConfig
 from ferrox.distributed.parallel_state import TPGroup, get_tp_group, use_tp_group
 from ferrox.layers.quant.config import resolve_quant_config
 from ferrox.layers.quant.method import QuantConfig
-from ferrox.layers.rotary import rope_type_of, spec_for_context
 from ferrox.loader.model_loader import load_generation_config, load_model, load_model_spec
 from ferrox.loader.source import ModelSource, resolve_model
 from ferrox.loader.tokenizer import load_tokenizer
+from ferrox.model_spec import rope_type_of, spec_for_context
 from ferrox.pooling.config import pooling_max_model_len, pooling_setup, pooling_token_budget
 from ferrox.pooling.params import PoolerConfig
 from ferrox.worker.cpu_threads import CpuThreadGovernor
@@ -79,25 +79,13 @@ def resolve_dtype(config: EngineConfig, spec: Any, device: torch.device) -> torc
 
 def resolve_max_model_len(config: EngineConfig, spec: Any, device: torch.device) -> int:
     limit = int(spec.max_position_embeddings)
-    window = getattr(spec, "sliding_window", None)
     if config.max_model_len is None:
-        default = limit if device.type == "cuda" else min(limit, CPU_DEFAULT_MAX_MODEL_LEN)
-        if window is not None and default == window:
-            logger.info("max_model_len %d: the model's sliding_window (config.json); ferrox attends fully, which "
-                        "equals the sliding window up to that length", window)
-        return default
+        return limit if device.type == "cuda" else min(limit, CPU_DEFAULT_MAX_MODEL_LEN)
     if config.max_model_len > limit:
-        if window is None and rope_type_of(spec.rope_scaling) in ("linear", "yarn") and (
-                spec.rope_scaling.get("factor") is not None):
+        if rope_type_of(spec.rope_scaling) in ("linear", "yarn") and spec.rope_scaling.get("factor") is not None:
             raise ValueError(
                 f"max_model_len: {config.max_model_len} exceeds the model's context ({limit} tokens, as its "
                 f"rope_scaling ({rope_type_of(spec.rope_scaling)}, factor {spec.rope_scaling['factor']}) extends it)")
-        if window is not None:  # (spec.max_position_embeddings is capped to it: model_config.py)
-            raise ValueError(
-                f"max_model_len: {config.max_model_len} is longer than the model's sliding_window ({window}, "
-                f"config.json); ferrox has no sliding-window attention and runs full attention, which is the "
-                f"same only while every token sees its whole context: a window of {window} lets a token see "
-                f"itself and the {window - 1} before it, so pass max_model_len <= {window}")
         raise ValueError(
             f"max_model_len: {config.max_model_len} exceeds the model's max_position_embeddings ({limit})"
         )
