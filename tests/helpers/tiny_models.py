@@ -224,6 +224,30 @@ def make_tiny_gemma2(folder, *, hidden_size: int = 64, num_layers: int = 2, num_
     return _save(str(folder), model, tok, max_shard_size=None, generation=None)
 
 
+def make_tiny_gemma3(folder, *, hidden_size: int = 64, num_layers: int = 6, num_heads: int = 4, num_kv_heads: int = 2,
+                     head_dim: int = 32, intermediate_size: int = 128, max_position_embeddings: int = 512,
+                     sliding_window: int = 16, query_pre_attn_scalar: int = 24, global_scaling: dict | None = None,
+                     seed: int = 0) -> str:
+    """A Gemma 3 text model (q/k norms; five local layers per global one, local and global RoPE apart:
+    10,000 unscaled and 1,000,000 with `global_scaling`)."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    tok = build_tokenizer()
+    params = _common(tok, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
+                     max_position_embeddings, True)
+    full = {"rope_type": "default", "rope_theta": 1_000_000.0, **(global_scaling or {})}
+    config = Gemma3TextConfig(**params, head_dim=head_dim, sliding_window=sliding_window,
+                              query_pre_attn_scalar=query_pre_attn_scalar, hidden_activation="gelu_pytorch_tanh",
+                              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                               "full_attention": full})
+    config.architectures = ["Gemma3ForCausalLM"]
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(config).to(torch.float32)
+    _randomize_norms(model)
+    return _save(str(folder), model, tok, max_shard_size=None, generation=None)
+
+
 def make_tiny_granite(folder, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
                       intermediate_size: int = 128, max_position_embeddings: int = 2048,
                       tie_word_embeddings: bool = False, embedding_multiplier: float = 12.0,

@@ -42,6 +42,12 @@ from ferrox.models.llama import LlamaAttention, LlamaForCausalLM
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
 
 
+def embedding_normalizer(hidden_size: int, dtype: torch.dtype) -> float:
+    """sqrt(hidden_size) as transformers multiplies the embeddings by it: a tensor of the model dtype
+    (rounded there: 59.75 rather than 59.87 for Gemma 2 9B in bf16)."""
+    return float(torch.tensor(math.sqrt(hidden_size), dtype=dtype))
+
+
 class GemmaMLP(nn.Module):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
@@ -57,7 +63,7 @@ class GemmaMLP(nn.Module):
 
 class Gemma2DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype,
-                 device: torch.device | str, window: int = 0):
+                 device: torch.device | str, window: int = 0, qk_norm: bool = False):
         super().__init__()
 
         def norm() -> RMSNorm:
@@ -66,7 +72,7 @@ class Gemma2DecoderLayer(nn.Module):
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
         self.self_attn = LlamaAttention(spec, backend, ops, dtype, device, qkv_bias=spec.attention_bias,
-                                        o_bias=spec.attention_bias, qk_norm=False, window=window)
+                                        o_bias=spec.attention_bias, qk_norm=qk_norm, window=window)
         self.mlp = GemmaMLP(spec, dtype, device)
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
@@ -80,8 +86,7 @@ class Gemma2Model(nn.Module):
                  device: torch.device | str, **_: Any):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
-        # transformers multiplies by sqrt(hidden_size) as a tensor of the model dtype (rounded there).
-        self.normalizer = float(torch.tensor(math.sqrt(spec.hidden_size), dtype=dtype))
+        self.normalizer = embedding_normalizer(spec.hidden_size, dtype)
         self.layers = nn.ModuleList(Gemma2DecoderLayer(spec, backend, ops, dtype, device, spec.window_of(i))
                                     for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)

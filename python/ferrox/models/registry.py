@@ -31,6 +31,7 @@ SUPPORTED: dict[str, str] = {
     "Phi3ForCausalLM": "ferrox.models.phi3:Phi3ForCausalLM",
     "GraniteForCausalLM": "ferrox.models.granite:GraniteForCausalLM",
     "Gemma2ForCausalLM": "ferrox.models.gemma2:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "ferrox.models.gemma3:Gemma3ForCausalLM",
     "Qwen2MoeForCausalLM": "ferrox.models.moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "ferrox.models.moe:Qwen3MoeForCausalLM",
     "BertModel": "ferrox.models.bert:BertModel",

@@ -1,0 +1,89 @@
+"""Gemma 3 text (Gemma3ForCausalLM: gemma-3-1b, gemma-3-270m and their -it): Gemma 2's decoder
+(models/gemma2.py: four (1 + w) norms a layer, GELU-tanh MLP, sqrt(hidden) embedding scale,
+query_pre_attn_scalar) with three changes, as transformers' Gemma3 defines them:
+
+- q and k are RMS-normed per head before rotary ((1 + w) norms too, folded with the rest);
+- local (sliding-window) layers and global layers rotate with different RoPE: the local base frequency
+  (rope_local_base_freq, 10,000) unscaled, the global rope_theta (1,000,000) with the config's
+  rope_scaling (linear 8 on the 4B+ checkpoints); transformers >= 5 writes both under rope_parameters,
+  keyed by layer type;
+- no soft caps (attn_logit_softcapping and final_logit_softcapping are null), and five local layers
+  for every global one (layer_types, or sliding_window_pattern 6), with a 512- or 1,024-token window.
+
+The multimodal checkpoints (Gemma3ForConditionalGeneration: 4B/12B/27B with vision) are another
+architecture and are refused by the registry; bidirectional attention (EmbeddingGemma) is refused here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ferrox.attention.backend import AttentionBackend
+from ferrox.layers.layernorm import RMSNorm
+from ferrox.layers.ops import DeviceOps
+from ferrox.layers.rotary import RotaryEmbedding
+from ferrox.layers.vocab_parallel import VocabParallelEmbedding
+from ferrox.model_spec import ModelSpec, UnsupportedModelError
+from ferrox.models.gemma2 import Gemma2DecoderLayer, Gemma2ForCausalLM, embedding_normalizer
+
+
+def rope_settings(config: dict[str, Any]) -> tuple[tuple[float, dict | None], tuple[float, dict | None]]:
+    """((local theta, local scaling), (global theta, global scaling)) from either config format."""
+    nested = config.get("rope_parameters")
+    if isinstance(nested, dict) and ("sliding_attention" in nested or "full_attention" in nested):
+        def part(key: str, theta: float) -> tuple[float, dict | None]:
+            params = dict(nested.get(key) or {})
+            theta = float(params.pop("rope_theta", theta))
+            kind = params.get("rope_type", params.get("type", "default"))
+            return theta, (params if kind != "default" else None)
+
+        return part("sliding_attention", 10_000.0), part("full_attention", 1_000_000.0)
+    scaling = config.get("rope_scaling")
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    local = float(config.get("rope_local_base_freq", 10_000.0))
+    return (local, None), (float(config.get("rope_theta", 1_000_000.0)), scaling if kind != "default" else None)
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype,
+                 device: torch.device | str, **_: Any):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+        self.normalizer = embedding_normalizer(spec.hidden_size, dtype)
+        self.layers = nn.ModuleList(Gemma2DecoderLayer(spec, backend, ops, dtype, device, spec.window_of(i),
+                                                       qk_norm=True) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
+        (local_theta, local_scaling), (global_theta, global_scaling) = rope_settings(spec.hf_config)
+        self.rotary_local = RotaryEmbedding(spec.head_dim, local_theta, local_scaling, device, ops)
+        self.rotary = RotaryEmbedding(spec.head_dim, global_theta, global_scaling, device, ops,
+                                      max_position_embeddings=spec.max_position_embeddings,
+                                      long_context=spec.rope_long_context)
+        sliding = spec.sliding_layers or (False,) * spec.num_layers
+        self.local = tuple(sliding)  # which layers rotate with the local RoPE (whatever the served window)
+        self.backend = backend
+        self.qk_norm = True
+        self.one_token_layers = None  # (the four-norm layer is not the pre-norm shape they fuse)
+        self.decode_path = backend.decode_path(None, self.rotary.rope_rows)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: Any) -> torch.Tensor:
+        h = self.embed_tokens(input_ids) * self.normalizer
+        rope_global = self.rotary(positions, h.dtype)
+        rope_local = self.rotary_local(positions, h.dtype) if any(self.local) else rope_global
+        for i, layer in enumerate(self.layers):
+            h = layer(h, rope_local if self.local[i] else rope_global, kv_caches[i], meta)
+        return self.norm(h)
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    model_class = Gemma3Model
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
+                 kernels: str | None = None):
+        if spec.hf_config.get("use_bidirectional_attention"):
+            raise UnsupportedModelError("config.json: use_bidirectional_attention (EmbeddingGemma) is not supported "
+                                        "for Gemma3ForCausalLM: ferrox's attention is causal")
+        super().__init__(spec, dtype, device, kernels=kernels)
