@@ -236,3 +236,37 @@ def test_hf_overrides_turn_yarn_on_as_config_json_would(variants, tmp_path):
         LLM(model=plain, kv_cache_memory=8 << 20, hf_overrides={"num_attention_heads": 3, "head_dim": 16})
     with pytest.raises(ValueError, match=r"hf_overrides: must be a JSON object"):
         LLM(model=plain, hf_overrides=["rope_scaling"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["qwen2_yarn", "qwen3_yarn", "phi3_partial_longrope"])
+def test_cuda_engine_matches_cpu_engine(variants, name):
+    """On CUDA (CUDA graphs, the rope rows with YaRN's / LongRoPE's amplitude and unturned pairs in the
+    Triton rotary kernels, Qwen3's q/k-norm + rope kernel, the fused one-token qkv kernel): float32 greedy
+    tokens equal the CPU float32 engine's, bfloat16's first tokens and first logprob close."""
+    folder = variants[name][0]
+    prompts = SHORT_PROMPTS + LONG_PROMPTS
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
+
+    def generate(llm, batch):
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs], [o.outputs[0].logprobs[0] for o in outs]
+
+    cpu = LLM(model=folder, device="cpu", dtype="float32", kv_cache_memory=32 << 20, max_model_len=256)
+    try:
+        want, want_lp = generate(cpu, prompts)
+    finally:
+        cpu.engine.shutdown()
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(model=folder, device="cuda", dtype=dtype, kv_cache_memory=256 << 20, max_model_len=256)
+        try:
+            batched, lps = generate(llm, prompts)
+            alone = [generate(llm, [p])[0][0] for p in prompts]
+        finally:
+            llm.engine.shutdown()
+        n = 8 if dtype == "float32" else 3
+        for i in range(len(prompts)):
+            assert batched[i][:n] == want[i][:n] and alone[i][:n] == want[i][:n], (dtype, i, batched[i], want[i])
+            token = want[i][0]
+            assert abs(lps[i][token].logprob - want_lp[i][token].logprob) < (1e-3 if dtype == "float32" else 0.1)
