@@ -357,6 +357,12 @@ def _randomize_norms(model) -> None:
                 param.uniform_(0.5, 1.5)
 
 
+# llama.cpp's names for Gemma's four norms (its ffn_norm is the pre-feedforward one there).
+GEMMA_NORMS = {"post_attention_layernorm.weight": "post_attention_norm.weight",
+               "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+               "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
+
+
 def export_gguf(folder, path, *, tensor_type: str = "F32", rope_freqs: list[float] | None = None) -> str:
     """Write a tiny folder (make_tiny_llama / _qwen2 / _qwen3) as a llama.cpp-style GGUF: llama.cpp
     tensor names, for llama attn_q/attn_k rows permuted the way llama.cpp's converter does, a
@@ -375,7 +381,8 @@ def export_gguf(folder, path, *, tensor_type: str = "F32", rope_freqs: list[floa
         tok_json = json.load(f)
     arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
             "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "llama",
-            "Phi3ForCausalLM": "phi3", "GraniteForCausalLM": "granite"}[
+            "Phi3ForCausalLM": "phi3", "GraniteForCausalLM": "granite", "Gemma2ForCausalLM": "gemma2",
+            "Gemma3ForCausalLM": "gemma3"}[
         cfg["architectures"][0]]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -427,12 +434,23 @@ def export_gguf(folder, path, *, tensor_type: str = "F32", rope_freqs: list[floa
         w.add_rope_dimension_count(head_dim)
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if arch in ("gemma2", "gemma3"):  # as llama.cpp's Gemma converters write them
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if cfg.get(key):
+                getattr(w, f"add_{key}")(cfg[key])
+        w.add_sliding_window(cfg["sliding_window"])
+        full = rope.get("full_attention", rope)
+        if full.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(float(full["factor"]))
     if arch == "granite":  # llama.cpp's names for Granite's multipliers
         w.add_embedding_scale(cfg["embedding_multiplier"])
         w.add_residual_scale(cfg["residual_multiplier"])
         w.add_attention_scale(cfg["attention_multiplier"])
         w.add_logit_scale(cfg["logits_scaling"])
-    w.add_rope_freq_base(float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 1e4))))
+    rope_params = cfg.get("rope_parameters") or {}
+    rope_params = rope_params.get("full_attention", rope_params)  # Gemma 3: the global layers' base
+    w.add_rope_freq_base(float(rope_params.get("rope_theta", cfg.get("rope_theta", 1e4))))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     if rope.get("rope_type") == "yarn":  # as llama.cpp's converter writes Qwen's YaRN
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
@@ -474,10 +492,13 @@ def export_gguf(folder, path, *, tensor_type: str = "F32", rope_freqs: list[floa
             name = f"blk.{layer_index}.{stack}"
         else:
             parts = hf_name.replace(".block_sparse_moe.", ".mlp.").split(".")  # model.layers.N.<rest>
-            name = f"blk.{parts[2]}.{layer['.'.join(parts[3:])]}"
+            names_here = {**layer, **GEMMA_NORMS} if arch in ("gemma2", "gemma3") else layer
+            name = f"blk.{parts[2]}.{names_here['.'.join(parts[3:])]}"
             if name.endswith("ffn_gate_inp_shexp.weight"):
                 arr = arr.reshape(-1)  # a vector in llama.cpp's files
         arr = arr.astype(np.float32)
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+            arr = arr + np.float32(1.0)  # llama.cpp's Gemma converters store 1 + w
         if arch in ("llama", "granite") and name.endswith("attn_q.weight"):
             arr = permute(arr, heads)
         elif arch in ("llama", "granite") and name.endswith("attn_k.weight"):

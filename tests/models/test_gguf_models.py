@@ -191,3 +191,61 @@ def test_phi4_mini_q8_gguf_runs_in_the_rust_decoder(tmp_path):
     _, want = run_greedy(_load(folder), PROMPTS, 1, return_prefill_logits=True)
     _, got = run_greedy(model, PROMPTS, 1, return_prefill_logits=True)
     assert (got - want).abs().max().item() < 0.1 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_gemma_gguf_equals_safetensors(tmp_path, family):
+    """llama.cpp's gemma2 / gemma3 files: norms stored as 1 + w, its names for the four norms, soft caps and
+    the sliding window as metadata, Gemma 3's global RoPE base and linear scaling (its local base fixed);
+    F32 gives the folder's model (windows on: spec_for_context); Q8_0 kept quantized (the general path over
+    the Rust kernels' quantized matmuls) is close to the same file dequantized, on two layers (random
+    deeper models with random norms magnify int8 rounding too much for a meaningful bound)."""
+    import json
+    import os
+
+    from ferrox.layers.quant import CpuQuantWeight
+    from ferrox.model_spec import spec_for_context
+
+    if family == "gemma2":
+        folder = tiny_models.make_tiny_gemma2(tmp_path / family, sliding_window=16, seed=9)
+    else:
+        folder = tiny_models.make_tiny_gemma3(tmp_path / family, sliding_window=16, seed=9,
+                                              global_scaling={"rope_type": "linear", "factor": 4.0})
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        head_dim = json.load(f)["head_dim"]
+    # The tiny models' query_pre_attn_scalar (24) is not derivable from a GGUF (llama.cpp fixes it by
+    # model size): the file's model uses head_dim, so the folder is compared with that value.
+    _set_config(folder, query_pre_attn_scalar=head_dim)
+    path = tiny_models.export_gguf(folder, tmp_path / f"{family}.gguf")
+
+    def load(p, **kw):
+        source = resolve_model(str(p))
+        return load_model(source, spec_for_context(load_model_spec(source), 256), dtype=torch.float32, device="cpu",
+                          **kw)
+
+    want_model, got_model = load(folder), load(path)
+    assert got_model.spec.attention_windows == want_model.spec.attention_windows != ()
+    want_tokens, want = run_greedy(want_model, PROMPTS, 4, return_prefill_logits=True)
+    got_tokens, got = run_greedy(got_model, PROMPTS, 4, return_prefill_logits=True)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert got_tokens == want_tokens
+    if family == "gemma3":
+        folder = tiny_models.make_tiny_gemma3(tmp_path / "two-layers", num_layers=2, sliding_window=16, seed=9)
+    q8 = tiny_models.export_gguf(folder, tmp_path / f"{family}-q8.gguf", tensor_type="Q8_0")
+    kept = load(q8, keep_quantized=True)
+    assert isinstance(kept.model.layers[0].self_attn.qkv_proj.quant, CpuQuantWeight)
+    _, close = run_greedy(kept, PROMPTS, 1, return_prefill_logits=True)
+    _, dequantized = run_greedy(load(q8), PROMPTS, 1, return_prefill_logits=True)
+    assert (close - dequantized).abs().max().item() < 0.1 * dequantized.abs().max().item()
+
+
+def _set_config(folder: str, **fields) -> None:
+    import json
+    import os
+
+    path = os.path.join(folder, "config.json")
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    config.update(fields)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f)

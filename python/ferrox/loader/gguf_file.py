@@ -27,6 +27,8 @@ GGUF_ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 
 # llama.cpp's converter permutes the rows of attn_q / attn_k for these architectures so that its
@@ -66,9 +68,19 @@ _EXPERT_STACKS = {
 }
 # Architectures whose files keep Hugging Face's fused projections: Phi-3's [q; k; v] and [gate; up]
 # rows, which models/phi3.py cuts as it does a safetensors checkpoint's.
+# Gemma's four norms a layer: llama.cpp's ffn_norm is the pre-feedforward one there (Llama's is the
+# post-attention one).
+_GEMMA_NORMS = {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 _ARCH_LAYER_NAMES = {
     "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
+    "gemma2": _GEMMA_NORMS,
+    "gemma3": _GEMMA_NORMS,
 }
+# llama.cpp's Gemma converters store every norm weight as 1 + w (its RMSNorm multiplies by the weight);
+# transformers' Gemma, which ferrox's Gemma models follow (they fold the 1 in at load), stores w.
+_NORMS_PLUS_ONE_ARCHS = {"gemma2", "gemma3"}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -215,6 +227,8 @@ class GGUFFile:
                 continue
             if name.endswith("shared_expert_gate.weight") and arr.ndim == 1:
                 arr = arr[None, :]  # llama.cpp keeps the shared expert's gate as a vector
+            if self.architecture in _NORMS_PLUS_ONE_ARCHS and name.endswith("norm.weight"):
+                arr = arr - np.float32(1.0)
             yield name, arr
 
 

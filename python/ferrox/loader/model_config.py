@@ -270,6 +270,8 @@ def hf_config_from_gguf(gguf: Any) -> dict[str, Any]:
         config.update(_gguf_experts(gguf, arch, integer))
     if arch == "phi3":
         config.update(_gguf_phi3(gguf, config, integer))
+    if arch in ("gemma2", "gemma3"):
+        config.update(_gguf_gemma(gguf, arch, config, integer))
     if arch == "granite":
         # llama.cpp names Granite's *_multiplier fields *_scale (models/granite.py folds them at load).
         for key, field in (("embedding_scale", "embedding_multiplier"), ("residual_scale", "residual_multiplier"),
@@ -341,6 +343,25 @@ def _gguf_phi3(gguf: Any, config: dict[str, Any], integer: Any) -> dict[str, Any
             "long_factor": gguf.float_tensor("rope_factors_long.weight").tolist(),
             "short_factor": gguf.float_tensor("rope_factors_short.weight").tolist(),
         }
+    return out
+
+
+def _gguf_gemma(gguf: Any, arch: str, config: dict[str, Any], integer: Any) -> dict[str, Any]:
+    """Gemma 2 / 3 keys of llama.cpp's files: the soft caps and the sliding window as metadata; the
+    attention scale, which the files do not store, as llama.cpp derives it (query_pre_attn_scalar:
+    hidden / heads for the 27B models -- 46 layers for Gemma 2, 62 for Gemma 3 -- else head_dim); Gemma 3's
+    local RoPE base, fixed at 10,000 (its global base is rope.freq_base, its scaling rope.scaling.*)."""
+    out: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh"}
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = gguf.arch_key(key)
+        if value:
+            out[key] = to_float(value, f"GGUF file {gguf.path}: metadata {arch}.{key}")
+    if gguf.arch_key("attention.sliding_window"):
+        out["sliding_window"] = integer("attention.sliding_window")
+    big = config["num_hidden_layers"] == (46 if arch == "gemma2" else 62)
+    out["query_pre_attn_scalar"] = config["hidden_size"] // config["num_attention_heads"] if big else config["head_dim"]
+    if arch == "gemma3":
+        out["rope_local_base_freq"] = 10_000.0
     return out
 
 

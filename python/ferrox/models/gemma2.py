@@ -107,7 +107,9 @@ class Gemma2Model(nn.Module):
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
     model_class = Gemma2Model
-    supports_quantized_gguf = False  # llama.cpp's gemma2 files are not mapped (loader/gguf_file.py)
+    # llama.cpp's gemma2 / gemma3 files (loader/gguf_file.py) stay quantized on the CPU: the general path
+    # over the Rust kernels' quantized matmuls (the fused Rust decoder fits the Llama layer only).
+    supports_quantized_gguf = True
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
