@@ -80,3 +80,35 @@ def cut_at_eos(tokens: list[int], eos_ids: list[int]) -> list[int]:
 @torch.inference_mode()
 def hf_last_logits(model, prompt_ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([prompt_ids], device=model.device)).logits[0, -1].float()
+
+
+def assert_cuda_engine_matches_cpu(folder: str, prompts: list[list[int]], *, max_tokens: int,
+                                   max_model_len: int) -> None:
+    """The engine on CUDA (CUDA graphs on) against the CPU float32 engine on the same folder: in float32
+    every greedy token equal, batched and one prompt at a time; in bfloat16 the first 3 tokens, and the
+    first token's logprob within 0.1 (1e-3 in float32). GPU tests of model families call it."""
+    from ferrox import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=1, ignore_eos=True)
+
+    def generate(llm, batch):
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs], [o.outputs[0].logprobs[0] for o in outs]
+
+    cpu = LLM(model=folder, device="cpu", dtype="float32", kv_cache_memory=32 << 20, max_model_len=max_model_len)
+    try:
+        want, want_lp = generate(cpu, prompts)
+    finally:
+        cpu.engine.shutdown()
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(model=folder, device="cuda", dtype=dtype, kv_cache_memory=256 << 20, max_model_len=max_model_len)
+        try:
+            batched, lps = generate(llm, prompts)
+            alone = [generate(llm, [p])[0][0] for p in prompts]
+        finally:
+            llm.engine.shutdown()
+        n = max_tokens if dtype == "float32" else 3
+        for i in range(len(prompts)):
+            assert batched[i][:n] == want[i][:n] and alone[i][:n] == want[i][:n], (dtype, i, batched[i], want[i])
+            token = want[i][0]
+            assert abs(lps[i][token].logprob - want_lp[i][token].logprob) < (1e-3 if dtype == "float32" else 0.1)

@@ -22,7 +22,7 @@ from ferrox.model_spec import ModelLoadError
 
 from tests.helpers import tiny_models
 from tests.helpers.driver import run_greedy
-from tests.models.conftest import cut_at_eos, hf_greedy, hf_last_logits
+from tests.models.conftest import assert_cuda_engine_matches_cpu, cut_at_eos, hf_greedy, hf_last_logits
 
 transformers = pytest.importorskip("transformers")
 rope_utils = pytest.importorskip("transformers.modeling_rope_utils")
@@ -246,27 +246,4 @@ def test_cuda_engine_matches_cpu_engine(variants, name):
     Triton rotary kernels, Qwen3's q/k-norm + rope kernel, the fused one-token qkv kernel): float32 greedy
     tokens equal the CPU float32 engine's, bfloat16's first tokens and first logprob close."""
     folder = variants[name][0]
-    prompts = SHORT_PROMPTS + LONG_PROMPTS
-    params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
-
-    def generate(llm, batch):
-        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs], [o.outputs[0].logprobs[0] for o in outs]
-
-    cpu = LLM(model=folder, device="cpu", dtype="float32", kv_cache_memory=32 << 20, max_model_len=256)
-    try:
-        want, want_lp = generate(cpu, prompts)
-    finally:
-        cpu.engine.shutdown()
-    for dtype in ("float32", "bfloat16"):
-        llm = LLM(model=folder, device="cuda", dtype=dtype, kv_cache_memory=256 << 20, max_model_len=256)
-        try:
-            batched, lps = generate(llm, prompts)
-            alone = [generate(llm, [p])[0][0] for p in prompts]
-        finally:
-            llm.engine.shutdown()
-        n = 8 if dtype == "float32" else 3
-        for i in range(len(prompts)):
-            assert batched[i][:n] == want[i][:n] and alone[i][:n] == want[i][:n], (dtype, i, batched[i], want[i])
-            token = want[i][0]
-            assert abs(lps[i][token].logprob - want_lp[i][token].logprob) < (1e-3 if dtype == "float32" else 0.1)
+    assert_cuda_engine_matches_cpu(folder, SHORT_PROMPTS + LONG_PROMPTS, max_tokens=8, max_model_len=256)

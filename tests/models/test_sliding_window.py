@@ -14,7 +14,7 @@ from ferrox.model_spec import spec_for_context
 
 from tests.helpers import tiny_models
 from tests.helpers.driver import run_greedy
-from tests.models.conftest import cut_at_eos, hf_greedy, hf_last_logits
+from tests.models.conftest import assert_cuda_engine_matches_cpu, cut_at_eos, hf_greedy, hf_last_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -96,26 +96,4 @@ def test_cuda_engine_matches_cpu_engine(windowed, tmp_path, name):
     else:
         folder = windowed[name][0]
     prompts = [*PROMPTS, [(13 * i + 4) % 300 + 3 for i in range(200)]]
-    params = SamplingParams(temperature=0, max_tokens=12, logprobs=1, ignore_eos=True)
-
-    def generate(llm, batch):
-        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs], [o.outputs[0].logprobs[0] for o in outs]
-
-    cpu = LLM(model=folder, device="cpu", dtype="float32", kv_cache_memory=32 << 20, max_model_len=256)
-    try:
-        want, want_lp = generate(cpu, prompts)
-    finally:
-        cpu.engine.shutdown()
-    for dtype in ("float32", "bfloat16"):
-        llm = LLM(model=folder, device="cuda", dtype=dtype, kv_cache_memory=256 << 20, max_model_len=256)
-        try:
-            batched, lps = generate(llm, prompts)
-            alone = [generate(llm, [p])[0][0] for p in prompts]
-        finally:
-            llm.engine.shutdown()
-        n = 12 if dtype == "float32" else 3
-        for i in range(len(prompts)):
-            assert batched[i][:n] == want[i][:n] and alone[i][:n] == want[i][:n], (dtype, i, batched[i], want[i])
-            token = want[i][0]
-            assert abs(lps[i][token].logprob - want_lp[i][token].logprob) < (1e-3 if dtype == "float32" else 0.1)
+    assert_cuda_engine_matches_cpu(folder, prompts, max_tokens=12, max_model_len=256)

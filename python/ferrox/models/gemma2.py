@@ -82,25 +82,34 @@ class Gemma2DecoderLayer(nn.Module):
 
 
 class Gemma2Model(nn.Module):
+    # Per-head q/k norms (Gemma 3's; models/gemma3.py).
+    gemma_qk_norm = False
+
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype,
                  device: torch.device | str, **_: Any):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
         self.normalizer = embedding_normalizer(spec.hidden_size, dtype)
-        self.layers = nn.ModuleList(Gemma2DecoderLayer(spec, backend, ops, dtype, device, spec.window_of(i))
-                                    for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(Gemma2DecoderLayer(spec, backend, ops, dtype, device, spec.window_of(i),
+                                                       qk_norm=self.gemma_qk_norm) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
-        self.rotary = RotaryEmbedding.for_spec(spec, device, ops)
+        self.rotary = self.make_rotary(spec, device, ops)
         self.backend = backend
-        self.qk_norm = False
+        self.qk_norm = self.gemma_qk_norm
         self.one_token_layers = None  # (the four-norm layer is not the pre-norm shape they fuse)
         self.decode_path = backend.decode_path(None, self.rotary.rope_rows)
+
+    def make_rotary(self, spec: ModelSpec, device: torch.device | str, ops: DeviceOps) -> RotaryEmbedding:
+        return RotaryEmbedding.for_spec(spec, device, ops)
+
+    def layer_ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> list[Rope]:
+        """Each layer's rotary for this step (one for every layer here)."""
+        return [self.rotary(positions, dtype)] * len(self.layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: Any) -> torch.Tensor:
         h = self.embed_tokens(input_ids) * self.normalizer
-        rope = self.rotary(positions, h.dtype)
-        for i, layer in enumerate(self.layers):
+        for i, (layer, rope) in enumerate(zip(self.layers, self.layer_ropes(positions, h.dtype), strict=True)):
             h = layer(h, rope, kv_caches[i], meta)
         return self.norm(h)
 

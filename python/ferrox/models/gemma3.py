@@ -19,15 +19,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
-from ferrox.attention.backend import AttentionBackend
-from ferrox.layers.layernorm import RMSNorm
-from ferrox.layers.ops import DeviceOps
+from ferrox.layers.ops import DeviceOps, Rope
 from ferrox.layers.rotary import RotaryEmbedding
-from ferrox.layers.vocab_parallel import VocabParallelEmbedding
 from ferrox.model_spec import ModelSpec, UnsupportedModelError
-from ferrox.models.gemma2 import Gemma2DecoderLayer, Gemma2ForCausalLM, embedding_normalizer
+from ferrox.models.gemma2 import Gemma2ForCausalLM, Gemma2Model
 
 
 def rope_settings(config: dict[str, Any]) -> tuple[tuple[float, dict | None], tuple[float, dict | None]]:
@@ -47,35 +43,23 @@ def rope_settings(config: dict[str, Any]) -> tuple[tuple[float, dict | None], tu
     return (local, None), (float(config.get("rope_theta", 1_000_000.0)), scaling if kind != "default" else None)
 
 
-class Gemma3Model(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype,
-                 device: torch.device | str, **_: Any):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
-        self.normalizer = embedding_normalizer(spec.hidden_size, dtype)
-        self.layers = nn.ModuleList(Gemma2DecoderLayer(spec, backend, ops, dtype, device, spec.window_of(i),
-                                                       qk_norm=True) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
+class Gemma3Model(Gemma2Model):
+    gemma_qk_norm = True
+
+    def make_rotary(self, spec: ModelSpec, device: torch.device | str, ops: DeviceOps) -> RotaryEmbedding:
+        """The global layers' rotary (returned, as `rotary`); the local layers' is kept beside it."""
         (local_theta, local_scaling), (global_theta, global_scaling) = rope_settings(spec.hf_config)
         self.rotary_local = RotaryEmbedding(spec.head_dim, local_theta, local_scaling, device, ops)
-        self.rotary = RotaryEmbedding(spec.head_dim, global_theta, global_scaling, device, ops,
-                                      max_position_embeddings=spec.max_position_embeddings,
-                                      long_context=spec.rope_long_context)
-        sliding = spec.sliding_layers or (False,) * spec.num_layers
-        self.local = tuple(sliding)  # which layers rotate with the local RoPE (whatever the served window)
-        self.backend = backend
-        self.qk_norm = True
-        self.one_token_layers = None  # (the four-norm layer is not the pre-norm shape they fuse)
-        self.decode_path = backend.decode_path(None, self.rotary.rope_rows)
+        # Which layers rotate with the local RoPE: the windowed kind, whatever window is served.
+        self.local = tuple(spec.sliding_layers or (False,) * spec.num_layers)
+        return RotaryEmbedding(spec.head_dim, global_theta, global_scaling, device, ops,
+                               max_position_embeddings=spec.max_position_embeddings,
+                               long_context=spec.rope_long_context)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: Any) -> torch.Tensor:
-        h = self.embed_tokens(input_ids) * self.normalizer
-        rope_global = self.rotary(positions, h.dtype)
-        rope_local = self.rotary_local(positions, h.dtype) if any(self.local) else rope_global
-        for i, layer in enumerate(self.layers):
-            h = layer(h, rope_local if self.local[i] else rope_global, kv_caches[i], meta)
-        return self.norm(h)
+    def layer_ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> list[Rope]:
+        rope_global = self.rotary(positions, dtype)
+        rope_local = self.rotary_local(positions, dtype) if any(self.local) else rope_global
+        return [rope_local if local else rope_global for local in self.local]
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

@@ -10,40 +10,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import field_validator
 
-from ferrox.entrypoints.openai.protocol_embeddings import EmbeddingInput, _check_input, _is_token_id
+from ferrox.entrypoints.openai.protocol_embeddings import PoolingInputRequest
 
 
-class ClassificationRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    input: EmbeddingInput
-    user: str | None = None
-    add_special_tokens: bool = True
-    priority: int = Field(0, ge=-(2**63), le=2**63 - 1)
-    request_id: str | None = Field(None, min_length=1)
+class ClassificationRequest(PoolingInputRequest):
     use_activation: bool | None = None
     softmax: bool | None = None  # vLLM's older names of use_activation
     activation: bool | None = None
     # Declared so that they are refused by name rather than ignored (see the module docstring).
-    truncate_prompt_tokens: int | None = None
     messages: list[Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
-
-    @field_validator("input", mode="before")
-    @classmethod
-    def _input_shape(cls, value: Any) -> EmbeddingInput:
-        return _check_input(value)
-
-    @field_validator("truncate_prompt_tokens")
-    @classmethod
-    def _no_truncation(cls, value: int | None) -> int | None:
-        if value is not None:
-            raise ValueError("inputs are never truncated (a longer input than the model takes is refused); shorten "
-                             "the input instead")
-        return value
 
     @field_validator("messages")
     @classmethod
@@ -65,12 +43,3 @@ class ClassificationRequest(BaseModel):
             if value is not None:
                 return value
         return None
-
-    def inputs(self) -> list[str | list[int]]:
-        """Each input: a text or one prompt's token ids."""
-        value: Any = self.input
-        if isinstance(value, str):
-            return [value]
-        if _is_token_id(value[0]):
-            return [[int(t) for t in value]]
-        return [x if isinstance(x, str) else [int(t) for t in x] for x in value]

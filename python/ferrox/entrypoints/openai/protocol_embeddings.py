@@ -51,24 +51,21 @@ def _check_input(value: Any) -> EmbeddingInput:
     raise ValueError(f"must be {shapes} (not a mix), got {value[:4]!r}{'...' if len(value) > 4 else ''}")
 
 
-class EmbeddingRequest(BaseModel):
+class PoolingInputRequest(BaseModel):
+    """What every pooling route's body shares (embeddings, /pooling, /classify): `input` in the embeddings
+    API's shapes, vLLM's request extras, and truncation refused by name."""
+
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     input: EmbeddingInput
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
     user: str | None = None
     # vLLM's extras.
     add_special_tokens: bool = True
     priority: int = Field(0, ge=-(2**63), le=2**63 - 1)
     request_id: str | None = Field(None, min_length=1)
-    normalize: bool | None = None
-    endianness: Literal["native", "little", "big"] = "native"  # of the base64 float32 bytes
-    # Declared so that they are refused by name rather than ignored (see the module docstring).
+    # Declared so that it is refused by name rather than ignored (see the module docstring).
     truncate_prompt_tokens: int | None = None
-    embed_dtype: str = "float32"
-    messages: list[Any] | None = None
 
     @field_validator("input", mode="before")
     @classmethod
@@ -83,6 +80,25 @@ class EmbeddingRequest(BaseModel):
                              "the input instead")
         return value
 
+    def inputs(self) -> list[str | list[int]]:
+        """Each input: a text or one prompt's token ids."""
+        value: Any = self.input
+        if isinstance(value, str):
+            return [value]
+        if _is_token_id(value[0]):
+            return [[int(t) for t in value]]
+        return [x if isinstance(x, str) else [int(t) for t in x] for x in value]
+
+
+class EmbeddingRequest(PoolingInputRequest):
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    normalize: bool | None = None
+    endianness: Literal["native", "little", "big"] = "native"  # of the base64 float32 bytes
+    # Declared so that they are refused by name rather than ignored (see the module docstring).
+    embed_dtype: str = "float32"
+    messages: list[Any] | None = None
+
     @field_validator("embed_dtype")
     @classmethod
     def _float32_only(cls, value: str) -> str:
@@ -96,15 +112,6 @@ class EmbeddingRequest(BaseModel):
         if value:
             raise ValueError("chat-style embedding requests are not supported (send `input`)")
         return value
-
-    def inputs(self) -> list[str | list[int]]:
-        """Each input: a text or one prompt's token ids."""
-        value: Any = self.input
-        if isinstance(value, str):
-            return [value]
-        if _is_token_id(value[0]):
-            return [[int(t) for t in value]]
-        return [x if isinstance(x, str) else [int(t) for t in x] for x in value]
 
 
 class PoolingRequest(EmbeddingRequest):
