@@ -155,7 +155,7 @@ def test_unsupported_configs_are_refused_by_name(tiny, tmp_path, name, fields, m
         LLM(model=folder, kv_cache_memory=8 << 20, max_model_len=64)
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "phi2"])
+@pytest.mark.parametrize("arch", ["gemma", "phi2"])
 def test_gguf_files_of_unmapped_architectures_are_refused_by_name(tmp_path, arch):
     """Families ferrox does not run are refused naming the file's architecture (phi3 and granite files
     load: test_gguf_models.py)."""
