@@ -247,8 +247,9 @@ class LLM:
         An embedding model: the cosine similarity of each pair's embeddings; each side takes what embed()
         takes; every distinct prompt is embedded once, all in one batch. pooling_params: for every prompt
         (`dimensions` changes the vectors compared; `normalize` does not change a cosine).
-        A sequence classifier (a cross-encoder reranker): each pair is read as ONE sequence, the tokenizer's
-        pair encoding (`[CLS] a [SEP] b [SEP]`, BERT's token types 0 then 1), and scored by the model's head
+        A sequence classifier (a cross-encoder reranker, a decoder reranker): each pair is read as ONE sequence,
+        the tokenizer's pair encoding (`[CLS] a [SEP] b [SEP]`, BERT's token types 0 then 1; the texts joined
+        into one string when config.json sets use_pad_token false, as vLLM does), and scored by the model's head
         and activation (a sigmoid for one label); texts only. pooling_params: use_activation=False gives
         the raw logit.
         lora_request, tokenization_kwargs and chat_template are refused by name."""
@@ -264,7 +265,8 @@ class LLM:
         pairs = score_pairs(len(side_1), len(side_2))
         pooler = self.engine.pooler_config
         if pooler is not None and pooler.task == "classify":
-            return self._cross_encode(side_1, side_2, pairs, pooling_params or PoolingParams(), use_tqdm)
+            return self._cross_encode(side_1, side_2, pairs, pooling_params or PoolingParams(), use_tqdm,
+                                      pooler.join_pair_texts)
         processed = self._pooling_prompts(side_1 + side_2)
         labels = [f"data_1[{i}]" for i in range(len(side_1))] + [f"data_2[{j}]" for j in range(len(side_2))]
         first, where = distinct([tuple(p.prompt_token_ids) for p in processed])
@@ -294,8 +296,9 @@ class LLM:
         return [ClassificationRequestOutput.from_base(out) for out in outputs]
 
     def _cross_encode(self, side_1: list[PromptInput], side_2: list[PromptInput], pairs: list[tuple[int, int]],
-                      pooling_params: PoolingParams, use_tqdm: bool) -> list[ScoringRequestOutput]:
-        """score() on a cross-encoder: every pair one request, all in one batch."""
+                      pooling_params: PoolingParams, use_tqdm: bool, join_texts: bool) -> list[ScoringRequestOutput]:
+        """score() on a cross-encoder: every pair one request, all in one batch (join_texts: the pair is the
+        two texts joined into one string, PoolerConfig.join_pair_texts)."""
         texts: list[list[str]] = []
         for name, side in (("data_1", side_1), ("data_2", side_2)):
             for i, item in enumerate(side):
@@ -303,7 +306,8 @@ class LLM:
                     raise InvalidArgumentError(f"{name}[{i}]: a cross-encoder scores pairs of texts (the tokenizer "
                                                "joins them); give a text, not token ids", param=name)
             texts.append([str(item) for item in side])
-        encoded = self.engine.tokenizer.encode_pairs([(texts[0][i], texts[1][j]) for i, j in pairs])
+        encoded = self.engine.tokenizer.encode_pairs([(texts[0][i], texts[1][j]) for i, j in pairs],
+                                                     join_texts=join_texts)
         processed = [ProcessedPrompt(None, ids) for ids, _ in encoded]
         params = [pooling_params.clone(task="score", second_text_start=start) for _, start in encoded]
         labels = [pair_labels(len(side_1), len(side_2), i, j) for i, j in pairs]

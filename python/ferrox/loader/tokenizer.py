@@ -63,17 +63,22 @@ class Tokenizer:
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
-    def encode_pairs(self, pairs: list[tuple[str, str]],
-                     add_special_tokens: bool = True) -> list[tuple[list[int], int | None]]:
+    def encode_pairs(self, pairs: list[tuple[str, str]], add_special_tokens: bool = True, *,
+                     join_texts: bool = False) -> list[tuple[list[int], int | None]]:
         """Each (first, second) text pair as ONE sequence, the tokenizer's pair encoding (its post-processor:
-        `[CLS] a [SEP] b [SEP]` for BERT, `<s> a </s></s> b </s>` for RoBERTa), as transformers'
-        tokenizer(text, text_pair) gives it to a cross-encoder: (token ids, where token type 1 starts, None
-        when every type is 0). The types are a run of 0s then a run of 1s in every post-processor the
-        tokenizers library has for pairs, so one index carries them (vLLM compresses them alike)."""
+        `[CLS] a [SEP] b [SEP]` for BERT, `<s> a </s></s> b </s>` for RoBERTa, `<bos> a <bos> b` for a Llama
+        3 tokenizer, the two token runs back to back for Qwen's, which adds no special tokens), as
+        transformers' tokenizer(text, text_pair) gives it to a cross-encoder: (token ids, where token type 1
+        starts, None when every type is 0). The types are a run of 0s then a run of 1s in every post-processor
+        the tokenizers library has for pairs, so one index carries them (vLLM compresses them alike).
+        join_texts: the string a + b encoded as one text instead (vLLM's rule for a model whose config.json
+        sets use_pad_token false); it has no token types."""
         out: list[tuple[list[int], int | None]] = []
         for a, b in pairs:
             if not isinstance(a, str) or not isinstance(b, str):
                 raise TypeError(f"a text pair must be two str, got ({type(a).__name__}, {type(b).__name__})")
+        if join_texts:
+            return [(ids, None) for ids in self.encode_batch([a + b for a, b in pairs], add_special_tokens)]
         for enc in self._tok.encode_batch(list(pairs), add_special_tokens=add_special_tokens):
             types = enc.type_ids
             start = next((i for i, t in enumerate(types) if t != 0), None)
@@ -253,11 +258,16 @@ def _apply_bos_eos_flags(tok: HFTokenizer, tok_config: dict[str, Any], specials:
     eos = has_eos if want_eos is None else bool(want_eos) and eos_id is not None
     if (bos, eos) == (has_bos, has_eos):
         return
-    single, special = ["$A:0"], []
+    single, pair, special = ["$A:0"], ["$B:1"], []
     if bos:
         single.insert(0, f"{specials['bos_token']}:0")
+        pair.insert(0, f"{specials['bos_token']}:1")
         special.append((specials["bos_token"], bos_id))
     if eos:
         single.append(f"{specials['eos_token']}:0")
+        pair.append(f"{specials['eos_token']}:1")
         special.append((specials["eos_token"], eos_id))
-    tok.post_processor = processors.TemplateProcessing(single=" ".join(single), special_tokens=special)
+    # The pair template as transformers builds it with the same flags (a cross-encoder's pair prompt): each
+    # text with its own specials, the second typed 1.
+    tok.post_processor = processors.TemplateProcessing(single=" ".join(single), pair=" ".join(single + pair),
+                                                       special_tokens=special)

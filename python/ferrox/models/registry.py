@@ -40,15 +40,29 @@ SUPPORTED: dict[str, str] = {
     "BertForSequenceClassification": "ferrox.models.bert_classifier:BertForSequenceClassification",
     "RobertaForSequenceClassification": "ferrox.models.bert_classifier:RobertaForSequenceClassification",
     "XLMRobertaForSequenceClassification": "ferrox.models.bert_classifier:XLMRobertaForSequenceClassification",
+    "LlamaForSequenceClassification": "ferrox.models.decoder_classifier:LlamaForSequenceClassification",
+    "MistralForSequenceClassification": "ferrox.models.decoder_classifier:MistralForSequenceClassification",
+    "Qwen2ForSequenceClassification": "ferrox.models.decoder_classifier:Qwen2ForSequenceClassification",
+    "Qwen3ForSequenceClassification": "ferrox.models.decoder_classifier:Qwen3ForSequenceClassification",
+    "Gemma2ForSequenceClassification": "ferrox.models.decoder_classifier:Gemma2ForSequenceClassification",
 }
 
-# Sequence classifiers (cross-encoder rerankers): pooling models of the classify / score kind, which
-# classify a text or score a pair of texts read as one sequence (pooling/config.py).
-CLASSIFIER_ARCHITECTURES = frozenset({"BertForSequenceClassification", "RobertaForSequenceClassification",
-                                      "XLMRobertaForSequenceClassification"})
-# Encoders without a language-model head: they embed or classify (runner "pooling", chosen by runner "auto")
-# and cannot generate. The decoders above embed too with runner "pooling" (pooling/config.py).
-ENCODER_ONLY_ARCHITECTURES = frozenset({"BertModel", "RobertaModel", "XLMRobertaModel"}) | CLASSIFIER_ARCHITECTURES
+# Sequence classifiers: pooling models of the classify / score kind, which classify a text or score a pair of
+# texts read as one sequence (pooling/config.py). The encoders' heads read the first token (cross-encoder
+# rerankers), the decoders' the last (reward models, decoder rerankers: models/decoder_classifier.py).
+ENCODER_CLASSIFIER_ARCHITECTURES = frozenset({"BertForSequenceClassification", "RobertaForSequenceClassification",
+                                              "XLMRobertaForSequenceClassification"})
+DECODER_CLASSIFIER_ARCHITECTURES = frozenset({"LlamaForSequenceClassification", "MistralForSequenceClassification",
+                                              "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification",
+                                              "Gemma2ForSequenceClassification"})
+CLASSIFIER_ARCHITECTURES = ENCODER_CLASSIFIER_ARCHITECTURES | DECODER_CLASSIFIER_ARCHITECTURES
+# Encoders (bidirectional attention): their default pooling is CLS. The causal LMs above embed too with runner
+# "pooling" (pooling/config.py), pooling the last token.
+ENCODER_ONLY_ARCHITECTURES = (frozenset({"BertModel", "RobertaModel", "XLMRobertaModel"})
+                              | ENCODER_CLASSIFIER_ARCHITECTURES)
+# Models without a language-model head: they embed or classify (runner "pooling", chosen by runner "auto")
+# and cannot generate.
+POOLING_ONLY_ARCHITECTURES = ENCODER_ONLY_ARCHITECTURES | CLASSIFIER_ARCHITECTURES
 
 
 def get_model_class(architectures: list[str]) -> type:

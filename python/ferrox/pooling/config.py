@@ -8,11 +8,13 @@ folder the way sentence-transformers (and vLLM) read it:
 
 Without modules.json a model pools by vLLM's default for its kind: CLS for an encoder (BertModel and
 relatives), the last token for a decoder used as an embedder; both L2-normalised. --pooler-config
-overrides pooling_type and normalize. A sequence classifier (a cross-encoder: *ForSequenceClassification)
-does not pool into a vector: its head reads the first token, and its config.json's id2label and activation
-settings (pooling/classify.py) make its PoolerConfig (modules.json is not read for it: the head is in the
-checkpoint); a --pooler-config is refused for it. Anything a folder declares that ferrox cannot reproduce (max
-pooling, a Dense projection after the pooling) is refused by name rather than silently dropped.
+overrides pooling_type and normalize. A sequence classifier (*ForSequenceClassification: an encoder
+cross-encoder, or a decoder reward model / reranker) does not pool into a vector: its head reads the first
+token (encoders) or the last (decoders), and its config.json's id2label, activation settings
+(pooling/classify.py) and use_pad_token (how a pair is encoded) make its PoolerConfig (modules.json is not
+read for it: the head is in the checkpoint); a --pooler-config is refused for it. Anything a folder declares
+that ferrox cannot reproduce (max pooling, a Dense projection after the pooling) is refused by name rather
+than silently dropped.
 """
 
 from __future__ import annotations
@@ -27,7 +29,13 @@ from ferrox.loader.errors import ModelLoadError, UnsupportedModelError
 from ferrox.loader.json_file import read_json
 from ferrox.loader.source import ModelSource
 from ferrox.model_spec import ModelSpec
-from ferrox.models.registry import CLASSIFIER_ARCHITECTURES, ENCODER_ONLY_ARCHITECTURES, get_model_class
+from ferrox.models.registry import (
+    CLASSIFIER_ARCHITECTURES,
+    DECODER_CLASSIFIER_ARCHITECTURES,
+    ENCODER_ONLY_ARCHITECTURES,
+    POOLING_ONLY_ARCHITECTURES,
+    get_model_class,
+)
 from ferrox.pooling.classify import classifier_labels, classify_activation, score_activation
 from ferrox.pooling.params import PoolerConfig, parse_pooler_overrides
 
@@ -43,13 +51,15 @@ _TRANSPARENT_MODULES = ("Transformer",)
 
 
 def resolve_runner(requested: str, architecture: str) -> str:
-    """runner "auto" -> "pooling" for an encoder-only architecture, else "generate" (vLLM's --runner)."""
-    encoder = architecture in ENCODER_ONLY_ARCHITECTURES
+    """runner "auto" -> "pooling" for an architecture without a language-model head (an encoder, a sequence
+    classifier), else "generate" (vLLM's --runner)."""
+    pooling_only = architecture in POOLING_ONLY_ARCHITECTURES
     if requested == "auto":
-        return "pooling" if encoder else "generate"
-    if requested == "generate" and encoder:
-        raise ValueError(f"runner: 'generate' cannot run {architecture}: it is an encoder-only model, which embeds "
-                         "or classifies text and has no language-model head (use runner 'pooling', or leave runner 'auto')")
+        return "pooling" if pooling_only else "generate"
+    if requested == "generate" and pooling_only:
+        what = "a sequence classifier" if architecture in CLASSIFIER_ARCHITECTURES else "an encoder-only model"
+        raise ValueError(f"runner: 'generate' cannot run {architecture}: it is {what}, which embeds or classifies "
+                         "text and has no language-model head (use runner 'pooling', or leave runner 'auto')")
     if requested not in RUNNERS:
         raise ValueError(f"runner: {requested!r} is not one of {', '.join(RUNNERS)}")
     return requested
@@ -112,15 +122,23 @@ def load_pooler_config(source: ModelSource, spec: ModelSpec, overrides: dict[str
 
 
 def _classifier_config(source: ModelSource, spec: ModelSpec, overrides: dict[str, Any] | None) -> PoolerConfig:
-    """A sequence classifier's PoolerConfig: its labels and activations from config.json."""
+    """A sequence classifier's PoolerConfig: its labels, activations and pair encoding from config.json."""
+    decoder = spec.architecture in DECODER_CLASSIFIER_ARCHITECTURES
     if parse_pooler_overrides(overrides):
         raise ValueError(f"pooler_config: not supported for {spec.architecture} (a sequence classifier's head reads "
-                         "the first token, as transformers' does)")
+                         f"the {'last' if decoder else 'first'} token, as transformers' does)")
     where = os.path.join(source.folder, "config.json")
     labels = classifier_labels(spec.hf_config, where)
-    return PoolerConfig(pooling_type="CLS", normalize=False, hidden_size=spec.hidden_size, task="classify",
-                        labels=labels, classify_activation=classify_activation(spec.hf_config, len(labels)),
+    # vLLM's use_pad_token (default true): false marks an "LLM as reranker" model, whose pair is the two texts
+    # joined into one string rather than the tokenizer's pair encoding.
+    use_pad_token = spec.hf_config.get("use_pad_token", True)
+    if not isinstance(use_pad_token, bool):
+        raise ModelLoadError(f"{where}: field 'use_pad_token' must be true or false, got {use_pad_token!r}")
+    return PoolerConfig(pooling_type="LAST" if decoder else "CLS", normalize=False, hidden_size=spec.hidden_size,
+                        task="classify", labels=labels,
+                        classify_activation=classify_activation(spec.hf_config, len(labels)),
                         score_activation=score_activation(spec.hf_config, len(labels), where),
+                        join_pair_texts=not use_pad_token,
                         declared_by=f"{spec.architecture}'s classification head ({len(labels)} labels)")
 
 

@@ -95,6 +95,9 @@ class PoolerConfig(msgspec.Struct, frozen=True, kw_only=True):
     labels: list[str] | None = None
     classify_activation: str = ""
     score_activation: str = ""
+    # A classifier's pair prompt (score, /score, /rerank): the tokenizer's pair encoding, or, with config.json
+    # use_pad_token false (vLLM's "LLM as reranker" models), the two texts joined into one string.
+    join_pair_texts: bool = False
 
     def task_of(self, params: PoolingParams) -> str:
         """What a request computes: "embed", "classify" or "score" (None and "encode": the model's own)."""

@@ -14,8 +14,9 @@ pair's tokens instead (the first text's, a pad token, the second's), so its coun
 Rerank results are sorted by relevance_score, highest first (ties in document order), cut to top_n when
 it is positive. A generation model refuses both with vLLM's 400 "The model does not support ... API".
 
-Served by a sequence classifier (a cross-encoder reranker), each pair is ONE request instead: the two texts
-in the tokenizer's pair encoding (`[CLS] a [SEP] b [SEP]`, BERT's token types 0 then 1), scored by the
+Served by a sequence classifier (a cross-encoder or decoder reranker), each pair is ONE request instead: the two
+texts in the tokenizer's pair encoding (`[CLS] a [SEP] b [SEP]`, BERT's token types 0 then 1; joined into one
+string when config.json sets use_pad_token false, as vLLM does), scored by the
 model's head and activation (pooling/classify.py; use_activation false: the raw logit). Usage counts every
 pair's tokens, as vLLM's does.
 """
@@ -145,8 +146,9 @@ async def _cross_encode(ctx: ServingContext, req: BaseScoringRequest, sides: tup
     except FerroxError as exc:
         raise api_error(exc) from None
     texts = [(texts_1[i], texts_2[j]) for i, j in pairs]
+    join = ctx.engine.pooler_config.join_pair_texts  # type: ignore[union-attr]
     encoded = await ctx.engine.prompt_work(sum(len(a) + len(b) for a, b in texts), ctx.engine.tokenizer.encode_pairs,
-                                           texts)
+                                           texts, join_texts=join)
     prompts = [ids for ids, _ in encoded]
     params = [base.clone(second_text_start=start) for _, start in encoded]
     # A pair too long names the second side's field: documents are what grows.
