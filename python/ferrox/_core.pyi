@@ -403,6 +403,7 @@ class CpuDecoderLayer:
         o_bias: npt.NDArray[np.float32] | None = None,
         gate_up_bias: npt.NDArray[np.float32] | None = None,
         down_bias: npt.NDArray[np.float32] | None = None,
+        window: int = 0,
     ) -> None: ...
 
 class CpuDecoder:

@@ -49,6 +49,7 @@ impl LayerKv<'_> {
         self.attend_tile(
             &[q],
             &[seq_len],
+            0,
             kv_head,
             block_ids,
             scale,
@@ -67,12 +68,15 @@ impl LayerKv<'_> {
     /// dot products, its max, exponentials and their sum run over positions in order, and its
     /// output adds p * v position by position. So a token's output does not depend on which
     /// other rows share its tile: alone, batched, chunked or decoded, it is the same to the bit.
-    /// `scores` is scratch of at least rows * max(lens).
+    /// `first`: the tile's positions start there (a sliding window's first visible position, shared
+    /// by the tile's rows: one token's query heads); row j then reads positions first .. first +
+    /// lens[j]. `scores` is scratch of at least rows * max(lens).
     #[allow(clippy::too_many_arguments)]
     pub fn attend_tile(
         &self,
         queries: &[&[f32]],
         lens: &[usize],
+        first: usize,
         kv_head: usize,
         block_ids: &[i32],
         scale: f32,
@@ -82,6 +86,7 @@ impl LayerKv<'_> {
         let hd = self.head_dim;
         let longest = lens.iter().copied().max().unwrap_or(0);
         let slot = |t: usize| {
+            let t = first + t;
             block_ids[t / self.block_size] as usize * self.block_size + t % self.block_size
         };
         #[cfg(target_arch = "x86_64")]
@@ -231,7 +236,7 @@ mod tests {
         let mut tiled = vec![vec![0.0f32; hd]; lens.len()];
         let mut outs: Vec<&mut [f32]> = tiled.iter_mut().map(|o| o.as_mut_slice()).collect();
         let mut scores = vec![0.0f32; lens.len() * longest];
-        kv.attend_tile(&refs, &lens, 1, &blocks, 0.125, &mut scores, &mut outs);
+        kv.attend_tile(&refs, &lens, 0, 1, &blocks, 0.125, &mut scores, &mut outs);
         for (j, &len) in lens.iter().enumerate() {
             let mut alone = vec![0.0f32; hd];
             kv.attend(
@@ -292,6 +297,40 @@ mod tests {
         for (j, &got) in out.iter().enumerate() {
             let want: f64 = (0..len)
                 .map(|t| s[t].exp() / z * (tok(t, 1, j) * 2.0 + 1.0) as f64)
+                .sum();
+            assert!((got as f64 - want).abs() < 1e-5, "{j}: {got} vs {want}");
+        }
+    }
+
+    #[test]
+    fn a_tile_from_a_window_start_reads_only_the_window() {
+        // Positions 3..11 of an 11-token sequence over scattered blocks (a sliding window of 8
+        // for the token at position 10): the same as a dense softmax over those positions only.
+        let (bs, nkv, hd, len, first) = (4, 1, 16, 11, 3);
+        let blocks = [7, 1, 4];
+        let tok = |t: usize, j: usize| ((t * 5 + j * 3) % 13) as f32 * 0.1 - 0.6;
+        let (mut k, mut v) = planes(8, bs, nkv, hd, &blocks, len, tok, |t, j| tok(t, j) - 0.25);
+        let kv = view(&mut k, &mut v, bs, nkv, hd);
+        let q: Vec<f32> = (0..hd).map(|j| 0.3 - j as f32 * 0.05).collect();
+        let mut out = vec![0.0; hd];
+        let mut scores = vec![0.0; len];
+        kv.attend_tile(
+            &[&q],
+            &[len - first],
+            first,
+            0,
+            &blocks,
+            0.5,
+            &mut scores,
+            &mut [&mut out],
+        );
+        let s: Vec<f64> = (first..len)
+            .map(|t| (0..hd).map(|j| (q[j] * tok(t, j)) as f64).sum::<f64>() * 0.5)
+            .collect();
+        let z: f64 = s.iter().map(|x| x.exp()).sum();
+        for (j, &got) in out.iter().enumerate() {
+            let want: f64 = (first..len)
+                .map(|t| s[t - first].exp() / z * (tok(t, j) - 0.25) as f64)
                 .sum();
             assert!((got as f64 - want).abs() < 1e-5, "{j}: {got} vs {want}");
         }

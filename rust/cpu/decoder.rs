@@ -59,6 +59,8 @@ pub struct DecoderLayer {
     pub num_kv_heads: usize,
     pub head_dim: usize,
     pub scale: f32,
+    /// Sliding window (a token at p reads positions p - window < k <= p); 0: all before it.
+    pub window: usize,
 }
 
 impl DecoderLayer {
@@ -292,13 +294,14 @@ fn attend_all(
     let group = nh / nkv;
     // Tiles never cross requests; the costliest (longest context) first, so the workers' last
     // pieces are small ones.
+    // A windowed layer's tokens start reading at different positions: one token a tile (its query
+    // heads share the start), which a window keeps cheap.
+    let tile_len = if layer.window > 0 { 1 } else { QUERY_TILE };
     let mut tiles: Vec<(usize, usize)> = Vec::new();
     let mut i = 0;
     while i < plan.request.len() {
         let mut end = i + 1;
-        while end < plan.request.len()
-            && end - i < QUERY_TILE
-            && plan.request[end] == plan.request[i]
+        while end < plan.request.len() && end - i < tile_len && plan.request[end] == plan.request[i]
         {
             end += 1;
         }
@@ -318,11 +321,17 @@ fn attend_all(
             let blocks = &batch.block_table[r * batch.block_stride..(r + 1) * batch.block_stride];
             lens.clear();
             queries.clear();
+            // (a windowed tile is one token: its window's first position)
+            let start = if layer.window > 0 {
+                plan.context[first].saturating_sub(layer.window)
+            } else {
+                0
+            };
             let mut outs: Vec<&mut [f32]> = Vec::with_capacity((end - first) * group);
             for i in first..end {
                 for head in kv_head * group..(kv_head + 1) * group {
                     queries.push(&qkv[i * row_w + head * hd..i * row_w + (head + 1) * hd]);
-                    lens.push(plan.context[i]);
+                    lens.push(plan.context[i] - start);
                     let at = (i * nh + head) * hd;
                     // SAFETY: (token i, head) belongs to this tile and kv head alone, so only this
                     // task writes out[at .. at + hd].
@@ -332,6 +341,7 @@ fn attend_all(
             kv.attend_tile(
                 &queries,
                 &lens,
+                start,
                 kv_head,
                 blocks,
                 layer.scale,

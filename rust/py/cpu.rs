@@ -163,7 +163,7 @@ pub struct PyCpuDecoderLayer {
 impl PyCpuDecoderLayer {
     #[new]
     #[pyo3(signature = (*, input_norm, post_norm, eps, qkv, o, gate_up, down, num_heads, num_kv_heads, head_dim,
-                        scale, qkv_bias=None, o_bias=None, gate_up_bias=None, down_bias=None))]
+                        scale, qkv_bias=None, o_bias=None, gate_up_bias=None, down_bias=None, window=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         input_norm: PyReadonlyArray1<'_, f32>,
@@ -181,6 +181,7 @@ impl PyCpuDecoderLayer {
         o_bias: Option<PyReadonlyArray1<'_, f32>>,
         gate_up_bias: Option<PyReadonlyArray1<'_, f32>>,
         down_bias: Option<PyReadonlyArray1<'_, f32>>,
+        window: usize,
     ) -> PyResult<Self> {
         let layer = DecoderLayer {
             input_norm: floats("input_norm", Some(input_norm))?.unwrap_or_default(),
@@ -194,6 +195,7 @@ impl PyCpuDecoderLayer {
             num_kv_heads,
             head_dim,
             scale,
+            window,
         };
         layer
             .validate()

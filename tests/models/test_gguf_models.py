@@ -249,3 +249,30 @@ def _set_config(folder: str, **fields) -> None:
     config.update(fields)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(config, f)
+
+
+def test_windowed_phi3_gguf_runs_in_the_rust_decoder(tmp_path):
+    """phi3.attention.sliding_window reaches the Rust decoder: kept quantized, every step (chunked prefill
+    over the window's edge, decodes past it) runs there, one token a tile from its window's start, close to
+    the same file dequantized through the torch backend's windowed masks, and unlike full attention."""
+    from ferrox.attention.cpu_decode import CpuQuantizedDecode
+    from ferrox.model_spec import spec_for_context
+
+    folder = tiny_models.make_tiny_phi3(tmp_path / "phi3", sliding_window=16, seed=8)
+    path = tiny_models.export_gguf(folder, tmp_path / "q8.gguf", tensor_type="Q8_0")
+    source = resolve_model(path)
+    spec = load_model_spec(source)
+    kept = load_model(source, spec_for_context(spec, 256), dtype=torch.float32, device="cpu", keep_quantized=True)
+    assert isinstance(kept.model.decode_path, CpuQuantizedDecode)
+    assert [layer.window for layer in kept.model.decode_path.layers] == [16, 16]
+    dequantized = load_model(source, spec_for_context(spec, 256), dtype=torch.float32, device="cpu")
+    full = load_model(source, spec, dtype=torch.float32, device="cpu", keep_quantized=True)
+    prompts = [list(range(3, 70)), [5, 9, 11], list(range(100, 130))]
+    got_tokens, got = run_greedy(kept, prompts, 6, block_size=8, prefill_chunk=7, return_prefill_logits=True)
+    want_tokens, want = run_greedy(dequantized, prompts, 6, block_size=8, prefill_chunk=7, return_prefill_logits=True)
+    _, unwindowed = run_greedy(full, prompts, 1, return_prefill_logits=True)
+    error = (got - want).abs().max().item()
+    assert error < 0.1 * want.abs().max().item()
+    assert (unwindowed - want).abs().max().item() > 3 * error  # the window is what they share
+    alone = [run_greedy(kept, [p], 6, block_size=8, prefill_chunk=7)[0] for p in prompts]
+    assert alone == got_tokens  # each token's arithmetic is its own (tiles of one token)

@@ -7,7 +7,8 @@ box's bandwidth) and, through eager torch, ~400 small ops around them that cost 
 reads. Here every decoder layer -- norm, qkv, rotary, KV write, paged attention, o_proj +
 residual, norm, gate_up, SiLU, down_proj + residual -- runs inside one call on the kernel threads,
 reading the 4/8-bit groups the layers already hold (layers/quant/cpu_weight.py). The model then
-applies its final norm and LM head (the same kernels, one row).
+applies its final norm and LM head (the same kernels, one row). A layer's sliding window (Phi-3's files
+carry one) goes to the Rust layer, whose attention then starts each token at its window.
 
 The path takes every step with a float32 KV cache, prefill chunks included: each token's
 arithmetic is then one code path whatever the batch, so a request's output is the same alone,
@@ -64,7 +65,8 @@ class CpuQuantizedDecode(DecodePath):
                 eps=float(layer.input_norm.eps), qkv=qkv, o=o, gate_up=gate_up, down=down,
                 num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim,
                 scale=float(layer.scale), qkv_bias=_floats(layer.qkv_proj.bias), o_bias=_floats(layer.o_proj.bias),
-                gate_up_bias=_floats(layer.gate_up_proj.bias), down_bias=_floats(layer.down_proj.bias)))
+                gate_up_bias=_floats(layer.gate_up_proj.bias), down_bias=_floats(layer.down_proj.bias),
+                window=layer.window))
         self.rust_layers = built
         self._decoder = _core.CpuDecoder(built)
         return True

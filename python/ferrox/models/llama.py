@@ -232,9 +232,7 @@ class LlamaForCausalLM(nn.Module):
             # other quantized layers run their own matmuls, so one-token steps take the general path.
             self.model.decode_path = DecodePath()
         linears = [m for m in self.model.layers.modules() if isinstance(m, Linear)]
-        windowless = self.model.one_token_layers is not None and not any(
-            layer.window for layer in self.model.one_token_layers)  # (the Rust decoder attends fully)
-        if windowless and not self.model.qk_norm and linears and all(
+        if self.model.one_token_layers is not None and not self.model.qk_norm and linears and all(
                 isinstance(m.quant, CpuQuantWeight) for m in linears):
             # A quantized GGUF on the CPU: every step runs in the Rust decoder (attention/cpu_decode.py).
             self.model.decode_path = CpuQuantizedDecode(self.model.one_token_layers, self.model.rotary.rope_rows)
