@@ -50,6 +50,8 @@ def families(tmp: Path) -> list[tuple[str, str, list[str]]]:
             ("granite", make_tiny_granite(tmp / "granite"), ["--max-model-len", "1024"]),
             ("mistral-window-64", make_tiny_mistral(tmp / "mistral", sliding_window=64), ["--max-model-len", "1024"]),
             ("gemma2", make_tiny_gemma2(tmp / "gemma2", sliding_window=64, max_position_embeddings=1024), []),
+            ("gemma2-head-dim-256", make_tiny_gemma2(tmp / "gemma2-256", head_dim=256, sliding_window=64,
+                                                     max_position_embeddings=1024), []),
             ("gemma3", make_tiny_gemma3(tmp / "gemma3", sliding_window=64, max_position_embeddings=1024), []),
             ("phi4-mini-like", phi4_mini_like(make_tiny_phi3(tmp / "phi4")), ["--max-model-len", "1024"]),
             ("qwen2-yarn", make_tiny_qwen2(tmp / "qwen2"), ["--hf-overrides", YARN, "--max-model-len", "2048"])]
