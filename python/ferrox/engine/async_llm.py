@@ -291,6 +291,14 @@ class AsyncLLM:
         """Empty every core's prefix cache; False if any core refused (blocks still in use)."""
         return all(await self.client.call_utility("reset_prefix_cache"))
 
+    async def start_profile(self) -> None:
+        """vLLM's: the torch profiler over every engine core's steps (VLLM_TORCH_PROFILER_DIR: engine/profiler.py)."""
+        await self.client.call_utility("start_profile")
+
+    async def stop_profile(self) -> None:
+        """Stop it; each core writes its trace to the folder."""
+        await self.client.call_utility("stop_profile")
+
     # ---- LoRA adapters (vLLM's AsyncLLM.add_lora / remove_lora / list_loras) -------------------------
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter on every engine core now. Raises InvalidArgumentError naming the file and

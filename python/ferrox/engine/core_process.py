@@ -97,7 +97,8 @@ class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
 SAMPLING_DEFAULT_KEYS = GENERATION_DEFAULT_KEYS
 
 # Engine core methods the front-end may call by name (anything else is refused).
-UTILITY_METHODS = ("stats", "reset_prefix_cache", "ping", "add_lora", "remove_lora", "list_loras")
+UTILITY_METHODS = ("stats", "reset_prefix_cache", "ping", "add_lora", "remove_lora", "list_loras", "start_profile",
+                   "stop_profile")
 
 _encoder = msgspec.msgpack.Encoder()
 

@@ -43,6 +43,7 @@ from ferrox import _core
 from ferrox.config import EngineConfig
 from ferrox.distributed.parallel_state import TPGroup, destroy_tp_group
 from ferrox.engine.lora_state import EngineLoRAs, check_lora_config
+from ferrox.engine.profiler import EngineProfiler
 from ferrox.engine.protocol import EngineCoreRequest
 from ferrox.errors import InvalidArgumentError
 from ferrox.executor import Executor, start_tensor_parallel
@@ -100,6 +101,7 @@ class EngineCore:
         except ValueError:
             self._stop_ranks(timeout_s=0)
             raise
+        self.profiler = EngineProfiler()  # off unless VLLM_TORCH_PROFILER_DIR is set (engine/profiler.py)
         self.scheduler = _core.Scheduler(
             num_blocks=loaded.num_blocks,
             max_model_len=self.max_model_len + 1 if pooling else self.max_model_len,
@@ -566,6 +568,13 @@ class EngineCore:
     # ---- admin ----------------------------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
+
+    def start_profile(self) -> None:
+        """The torch profiler over this process's steps (engine/profiler.py; VLLM_TORCH_PROFILER_DIR)."""
+        self.profiler.start()
+
+    def stop_profile(self) -> None:
+        self.profiler.stop()
 
     def stats(self) -> dict[str, Any]:
         s = self.scheduler.stats()

@@ -77,6 +77,14 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
 
+    def start_profile(self) -> None:
+        """vLLM's: the torch profiler over the engine's steps until stop_profile, which writes a trace to
+        VLLM_TORCH_PROFILER_DIR (profiling is off without it: engine/profiler.py)."""
+        self.engine.start_profile()
+
+    def stop_profile(self) -> None:
+        self.engine.stop_profile()
+
     # ---- LoRA adapters (vLLM: llm.llm_engine.add_lora / remove_lora / list_loras) -----------------------
     def add_lora(self, lora_request: LoRARequest) -> bool:
         check_lora_request(lora_request)

@@ -46,6 +46,7 @@ from pydantic import BaseModel, ConfigDict
 import ferrox
 from ferrox.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestTimeoutError
 from ferrox.engine.input_processor import prompt_size
+from ferrox.engine.profiler import profiler_dir
 from ferrox.entrypoints import web as web_page
 from ferrox.entrypoints.anthropic.protocol import MessagesCountRequest, MessagesRequest
 from ferrox.entrypoints.anthropic.serving_messages import count_message_tokens, create_message
@@ -422,6 +423,32 @@ async def version(request: web.Request) -> web.Response:
     return json_response({"version": ferrox.__version__})
 
 
+# ---- operator routes, on as vLLM turns them on ------------------------------------------------------
+async def start_profile(request: web.Request) -> web.Response:
+    """POST /start_profile (registered when VLLM_TORCH_PROFILER_DIR is set): the engine cores' torch profiler."""
+    await request.app[CTX].engine.start_profile()
+    return web.Response(status=200)
+
+
+async def stop_profile(request: web.Request) -> web.Response:
+    """POST /stop_profile: stop it; each engine core writes its trace into VLLM_TORCH_PROFILER_DIR."""
+    await request.app[CTX].engine.stop_profile()
+    return web.Response(status=200)
+
+
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    """POST /reset_prefix_cache (registered when VLLM_SERVER_DEV_MODE=1, as vLLM's): empty the prefix cache
+    (for benchmarks that must start cold); a 409 while requests hold cached blocks (nothing is reset then)."""
+    if not await request.app[CTX].engine.reset_prefix_cache():
+        raise APIError(409, "the prefix cache was not reset: requests still hold KV blocks (retry when idle)",
+                       code="prefix_cache_in_use")
+    return web.Response(status=200)
+
+
+def _dev_mode() -> bool:
+    return os.environ.get("VLLM_SERVER_DEV_MODE", "").strip().lower() in ("1", "true")
+
+
 async def status(request: web.Request) -> web.Response:
     """What the page's live view shows: requests running and waiting, throughput, KV-cache usage."""
     return json_response(server_status(request.app[CTX], request.app[METER]))
@@ -553,6 +580,11 @@ def build_app(engine: AsyncLLM, *, served_model_name: str | list[str] | None = N
     app.router.add_get("/ping", ping)
     app.router.add_post("/ping", ping)
     app.router.add_get("/version", version)
+    if profiler_dir() is not None:  # as vLLM: the routes exist only with the variable set
+        app.router.add_post("/start_profile", start_profile)
+        app.router.add_post("/stop_profile", stop_profile)
+    if _dev_mode():
+        app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/status", status)
     app.router.add_get("/openapi.json", openapi)
