@@ -197,3 +197,22 @@ def hf_sentence_embeddings(tokenizer, model, texts: list[str], *, pooling: str =
 def cosine(a, b) -> float:
     a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
     return float(torch.dot(a, b) / (a.norm() * b.norm()))
+
+
+def post_json(server, path: str, body: dict) -> tuple[int, dict]:
+    """(status, JSON body) of a POST to a live server (tests/server/server_proc.py), errors included."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(server.base_url + path, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def sigmoid(xs: list[float]) -> list[float]:
+    return torch.sigmoid(torch.tensor(xs)).tolist()

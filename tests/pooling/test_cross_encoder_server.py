@@ -5,14 +5,10 @@ top_n, /classify's labels and probs, /invocations and /pooling, against transfor
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
-
 import pytest
 import torch
 
-from tests.pooling.conftest import make_tiny_classifier
+from tests.pooling.conftest import make_tiny_classifier, post_json, sigmoid
 from tests.server.server_proc import ServerProcess
 
 transformers = pytest.importorskip("transformers")
@@ -48,59 +44,45 @@ def reference(folder):
     return tokenizer, logits
 
 
-def _post(server, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(server.base_url + path, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
-
-
-def _sigmoid(xs: list[float]) -> list[float]:
-    return torch.sigmoid(torch.tensor(xs)).tolist()
-
-
 def test_score_reads_each_pair_as_one_sequence(server, reference):
     """1:N on /v1/score: the sigmoid of transformers' logit of tokenizer(query, document); usage counts every
     pair's tokens. N:N on /score (text_1/text_2), and use_activation false gives the logits."""
     tokenizer, logits = reference
-    status, body = _post(server, "/v1/score", {"model": MODEL, "queries": QUERY, "documents": DOCUMENTS})
+    status, body = post_json(server, "/v1/score", {"model": MODEL, "queries": QUERY, "documents": DOCUMENTS})
     assert status == 200, body
     assert [d["index"] for d in body["data"]] == list(range(len(DOCUMENTS)))
     assert {d["object"] for d in body["data"]} == {"score"} and body["object"] == "list" and body["model"] == MODEL
-    expected = _sigmoid(logits([QUERY] * len(DOCUMENTS), DOCUMENTS))
+    expected = sigmoid(logits([QUERY] * len(DOCUMENTS), DOCUMENTS))
     assert [d["score"] for d in body["data"]] == pytest.approx(expected, abs=1e-5)
     tokens = sum(len(tokenizer(QUERY, d)["input_ids"]) for d in DOCUMENTS)
     assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] == tokens
-    status, body = _post(server, "/score", {"text_1": DOCUMENTS[:2], "text_2": [QUERY, QUERY], "use_activation": False})
+    status, body = post_json(server, "/score", {"text_1": DOCUMENTS[:2], "text_2": [QUERY, QUERY], "use_activation": False})
     assert status == 200, body
     assert [d["score"] for d in body["data"]] == pytest.approx(logits(DOCUMENTS[:2], [QUERY, QUERY]), abs=2e-5)
 
 
 def test_rerank_orders_by_the_cross_encoder(server, reference):
     _, logits = reference
-    expected = _sigmoid(logits([QUERY] * len(DOCUMENTS), DOCUMENTS))
+    expected = sigmoid(logits([QUERY] * len(DOCUMENTS), DOCUMENTS))
     order = sorted(range(len(DOCUMENTS)), key=expected.__getitem__, reverse=True)
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
-        status, body = _post(server, path, {"model": MODEL, "query": QUERY, "documents": DOCUMENTS, "top_n": 3})
+        status, body = post_json(server, path, {"model": MODEL, "query": QUERY, "documents": DOCUMENTS, "top_n": 3})
         assert status == 200, body
         assert [r["index"] for r in body["results"]] == order[:3]
         assert [r["relevance_score"] for r in body["results"]] == pytest.approx([expected[j] for j in order[:3]],
                                                                                 abs=1e-5)
         assert [r["document"]["text"] for r in body["results"]] == [DOCUMENTS[j] for j in order[:3]]
     # /invocations picks rerank from the body's shape.
-    status, body = _post(server, "/invocations", {"query": QUERY, "documents": DOCUMENTS})
+    status, body = post_json(server, "/invocations", {"query": QUERY, "documents": DOCUMENTS})
     assert status == 200 and [r["index"] for r in body["results"]] == order, body
 
 
 def test_classify_labels_and_probs(server, reference):
     tokenizer, logits = reference
-    status, body = _post(server, "/classify", {"model": MODEL, "input": DOCUMENTS})
+    status, body = post_json(server, "/classify", {"model": MODEL, "input": DOCUMENTS})
     assert status == 200, body
     assert body["object"] == "list" and body["model"] == MODEL and body["id"].startswith("classify-")
-    expected = _sigmoid(logits(DOCUMENTS))
+    expected = sigmoid(logits(DOCUMENTS))
     for i, item in enumerate(body["data"]):
         assert item["index"] == i and item["label"] == "LABEL_0" and item["num_classes"] == 1
         assert item["probs"] == pytest.approx([expected[i]], abs=1e-5)
@@ -109,11 +91,11 @@ def test_classify_labels_and_probs(server, reference):
                              "prompt_tokens_details": None}
     # Token ids are an input too; use_activation false gives the logit; /invocations and /pooling agree.
     ids = tokenizer(DOCUMENTS[1])["input_ids"]
-    status, body = _post(server, "/classify", {"input": ids, "use_activation": False})
+    status, body = post_json(server, "/classify", {"input": ids, "use_activation": False})
     assert status == 200 and body["data"][0]["probs"] == pytest.approx(logits(DOCUMENTS[1:2]), abs=2e-5), body
-    status, body = _post(server, "/invocations", {"input": DOCUMENTS[0]})
+    status, body = post_json(server, "/invocations", {"input": DOCUMENTS[0]})
     assert status == 200 and body["data"][0]["probs"] == pytest.approx(expected[:1], abs=1e-5), body
-    status, body = _post(server, "/pooling", {"input": DOCUMENTS[0]})
+    status, body = post_json(server, "/pooling", {"input": DOCUMENTS[0]})
     assert status == 200 and body["data"][0]["data"] == pytest.approx(expected[:1], abs=1e-5), body
 
 
@@ -129,15 +111,15 @@ def test_classify_labels_and_probs(server, reference):
     ("/pooling", {"input": "hi", "task": "embed"}, "task", "does not embed"),
 ])
 def test_bad_requests_name_the_field(server, path, body, param, needle):
-    status, answer = _post(server, path, body)
+    status, answer = post_json(server, path, body)
     assert status == 400, answer
     assert answer["error"]["param"] == param, answer
     assert needle in answer["error"]["message"]
 
 
 def test_embeddings_and_generation_are_refused(server):
-    status, answer = _post(server, "/v1/embeddings", {"input": "hi"})
+    status, answer = post_json(server, "/v1/embeddings", {"input": "hi"})
     assert status == 400 and answer["error"]["message"].startswith(
         "The model does not support Embeddings API: it is a sequence-classification model"), answer
-    status, answer = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    status, answer = post_json(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
     assert status == 400 and answer["error"]["message"] == "The model does not support Chat Completions API", answer

@@ -5,13 +5,10 @@ weights; generation refused. One server for the file."""
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
-
 import pytest
 import torch
 
+from tests.pooling.conftest import post_json, sigmoid
 from tests.pooling.decoder_classifiers import hf_decoder_logits, make_tiny_decoder_classifier
 from tests.server.server_proc import ServerProcess
 
@@ -47,53 +44,39 @@ def reference(folder):
     return tokenizer, logits
 
 
-def _post(server, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(server.base_url + path, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
-
-
-def _sigmoid(xs: list[float]) -> list[float]:
-    return torch.sigmoid(torch.tensor(xs)).tolist()
-
-
 def test_classify_scores_each_texts_last_token(server, reference):
     tokenizer, logits = reference
-    status, body = _post(server, "/classify", {"model": MODEL, "input": DOCUMENTS})
+    status, body = post_json(server, "/classify", {"model": MODEL, "input": DOCUMENTS})
     assert status == 200, body
-    expected = _sigmoid(logits(DOCUMENTS))
+    expected = sigmoid(logits(DOCUMENTS))
     for i, item in enumerate(body["data"]):
         assert item["index"] == i and item["label"] == "LABEL_0" and item["num_classes"] == 1
         assert item["probs"] == pytest.approx([expected[i]], abs=1e-5)
     tokens = sum(len(tokenizer(d)["input_ids"]) for d in DOCUMENTS)
     assert body["usage"]["prompt_tokens"] == tokens
-    status, body = _post(server, "/classify", {"input": DOCUMENTS[1], "use_activation": False})
+    status, body = post_json(server, "/classify", {"input": DOCUMENTS[1], "use_activation": False})
     assert status == 200 and body["data"][0]["probs"] == pytest.approx(logits(DOCUMENTS[1:2]), abs=2e-5), body
 
 
 def test_score_and_rerank_read_each_pair_as_one_sequence(server, reference):
     tokenizer, logits = reference
-    status, body = _post(server, "/score", {"model": MODEL, "text_1": QUERY, "text_2": DOCUMENTS})
+    status, body = post_json(server, "/score", {"model": MODEL, "text_1": QUERY, "text_2": DOCUMENTS})
     assert status == 200, body
-    expected = _sigmoid(logits([QUERY] * len(DOCUMENTS), DOCUMENTS))
+    expected = sigmoid(logits([QUERY] * len(DOCUMENTS), DOCUMENTS))
     assert [d["score"] for d in body["data"]] == pytest.approx(expected, abs=1e-5)
     assert len({round(s, 4) for s in expected}) == len(DOCUMENTS)  # the documents really differ
     assert body["usage"]["prompt_tokens"] == sum(len(tokenizer(QUERY, d)["input_ids"]) for d in DOCUMENTS)
-    status, body = _post(server, "/v1/score", {"queries": DOCUMENTS[:2], "documents": [QUERY, QUERY],
+    status, body = post_json(server, "/v1/score", {"queries": DOCUMENTS[:2], "documents": [QUERY, QUERY],
                                                "use_activation": False})
     assert status == 200, body
     assert [d["score"] for d in body["data"]] == pytest.approx(logits(DOCUMENTS[:2], [QUERY, QUERY]), abs=2e-5)
     order = sorted(range(len(DOCUMENTS)), key=expected.__getitem__, reverse=True)
-    status, body = _post(server, "/rerank", {"query": QUERY, "documents": DOCUMENTS, "top_n": 2})
+    status, body = post_json(server, "/rerank", {"query": QUERY, "documents": DOCUMENTS, "top_n": 2})
     assert status == 200 and [r["index"] for r in body["results"]] == order[:2], body
 
 
 def test_generation_and_embeddings_are_refused(server):
-    status, answer = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    status, answer = post_json(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
     assert status == 400 and answer["error"]["message"] == "The model does not support Completions API", answer
-    status, answer = _post(server, "/v1/embeddings", {"input": "hi"})
+    status, answer = post_json(server, "/v1/embeddings", {"input": "hi"})
     assert status == 400 and "sequence-classification model" in answer["error"]["message"], answer
