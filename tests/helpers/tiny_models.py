@@ -248,6 +248,28 @@ def make_tiny_gemma3(folder, *, hidden_size: int = 64, num_layers: int = 6, num_
     return _save(str(folder), model, tok, max_shard_size=None, generation=None)
 
 
+def make_tiny_gemma3_multimodal(folder, *, sliding_window: int = 16, seed: int = 0) -> str:
+    """A Gemma 3 multimodal checkpoint (Gemma3ForConditionalGeneration: a tiny SigLIP vision tower and
+    projector beside the language model, saved under transformers' current tensor names)."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    tok = build_tokenizer()
+    text = dict(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                sliding_window=sliding_window, query_pre_attn_scalar=24, initializer_range=0.1,
+                bos_token_id=1, eos_token_id=EOS_TOKEN_ID, pad_token_id=0)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                          image_token_index=tok.get_vocab_size() - 1, boi_token_index=3, eoi_token_index=4)
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config).to(torch.float32)
+    _randomize_norms(model)
+    return _save(str(folder), model, tok, max_shard_size=None, generation=None)
+
+
 def make_tiny_granite(folder, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
                       intermediate_size: int = 128, max_position_embeddings: int = 2048,
                       tie_word_embeddings: bool = False, embedding_multiplier: float = 12.0,

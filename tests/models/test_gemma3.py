@@ -90,3 +90,35 @@ def test_bidirectional_attention_is_refused_by_name(gemma3, tmp_path):
         json.dump(config, f)
     with pytest.raises(UnsupportedModelError, match=r"use_bidirectional_attention"):
         LLM(model=folder, kv_cache_memory=8 << 20)
+
+
+@torch.inference_mode()
+def test_multimodal_checkpoint_serves_its_language_model(tmp_path):
+    """Gemma3ForConditionalGeneration (gemma-3-4b/12b/27b-it) text-only: its language model's tensors
+    (the vision tower and projector left unread) give transformers' text-only logits and greedy tokens."""
+    folder = tiny_models.make_tiny_gemma3_multimodal(tmp_path / "mm", sliding_window=WINDOW, seed=53)
+    source = resolve_model(folder)
+    spec = load_model_spec(source)
+    assert spec.architecture == "Gemma3ForConditionalGeneration" and spec.num_layers == 6
+    model = load_model(source, spec_for_context(spec, 256), dtype=torch.float32, device="cpu")
+    ref = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    ours, logits = run_greedy(model, PROMPTS, 8, block_size=8, prefill_chunk=7, return_prefill_logits=True)
+    for i, ids in enumerate(PROMPTS):
+        torch.testing.assert_close(logits[i], hf_last_logits(ref, ids), atol=1e-4, rtol=1e-4)
+        assert cut_at_eos(ours[i], [tiny_models.EOS_TOKEN_ID]) == hf_greedy(ref, ids, 8), i
+
+
+def test_hub_style_text_config_takes_gemma3_defaults():
+    """The hub's gemma-3-4b-it config.json writes only the text fields that differ from transformers'
+    defaults; the rest are Gemma3TextConfig's."""
+    from ferrox.loader.model_config import spec_from_hf_config
+
+    config = {"architectures": ["Gemma3ForConditionalGeneration"], "torch_dtype": "bfloat16",
+              "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                              "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                              "sliding_window": 1024}}
+    spec = spec_from_hf_config(config, "config.json")
+    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.vocab_size) == (8, 4, 256, 262_208)
+    assert spec.sliding_window == 1024 and spec.sliding_layers == ((True,) * 5 + (False,)) * 5 + (True,) * 4
+    assert spec.tie_word_embeddings and spec.dtype == torch.bfloat16
+    assert rope_settings(spec.hf_config) == ((10_000.0, None), (1_000_000.0, {"factor": 8.0, "rope_type": "linear"}))

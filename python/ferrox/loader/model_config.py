@@ -24,10 +24,36 @@ _DTYPES = {
 }
 
 
+# transformers' Gemma3TextConfig defaults: the hub's Gemma 3 multimodal configs (gemma-3-4b/12b/27b-it) write
+# only the text fields that differ from them under text_config.
+_GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "sliding_window_pattern": 6, "tie_word_embeddings": True,
+}
+
+
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal checkpoint's language model config, for families ferrox serves text-only (Gemma 3's
+    Gemma3ForConditionalGeneration): text_config over the family's defaults, under the checkpoint's
+    architecture name (models/registry.py maps it to the text model)."""
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelLoadError("config.json: Gemma3ForConditionalGeneration needs a text_config object")
+    merged = {**_GEMMA3_TEXT_DEFAULTS, **text, "architectures": config["architectures"]}
+    if "torch_dtype" in config or "dtype" in config:
+        merged.setdefault("torch_dtype", config.get("torch_dtype") or config.get("dtype"))
+    return merged
+
+
 def spec_from_hf_config(config: dict[str, Any], where: str, *, scaled_context: bool = True) -> ModelSpec:
     """Build the spec from an HF config dict; `where` names the file in errors. scaled_context: a
     linear or YaRN rope scaling extends the context past max_position_embeddings, as vLLM derives it
     (config.json; a GGUF's context_length is taken as it is)."""
+    if config.get("architectures") == ["Gemma3ForConditionalGeneration"]:
+        config = _text_config(config)
     archs = config.get("architectures")
     if not archs or not isinstance(archs, list):
         raise ModelLoadError(f"{where}: field 'architectures' is missing (cannot tell which model class to use)")
@@ -123,7 +149,7 @@ def _sliding_layers(config: dict[str, Any], num_layers: int, where: str) -> tupl
     arch = str((config.get("architectures") or [""])[0])
     if arch == "Gemma2ForCausalLM":
         return tuple(i % 2 == 0 for i in range(num_layers))
-    if arch == "Gemma3ForCausalLM":
+    if arch in ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"):
         pattern = to_int(config.get("sliding_window_pattern", 6), f"{where}: field 'sliding_window_pattern'")
         return tuple((i + 1) % pattern != 0 for i in range(num_layers))
     if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):

@@ -16,6 +16,7 @@ architecture and are refused by the registry; bidirectional attention (Embedding
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -71,3 +72,30 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
             raise UnsupportedModelError("config.json: use_bidirectional_attention (EmbeddingGemma) is not supported "
                                         "for Gemma3ForCausalLM: ferrox's attention is causal")
         super().__init__(spec, dtype, device, kernels=kernels)
+
+
+# The multimodal checkpoint's tensors: its language model under one of two prefixes (transformers < 4.52
+# and since), the vision tower and projector, which a text-only engine does not load.
+_LANGUAGE_PREFIXES = ("model.language_model.", "language_model.model.")
+_VISION_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """gemma-3-4b/12b/27b-it served text-only: the language model of the multimodal checkpoint (config.json's
+    text_config over Gemma3TextConfig's defaults: loader/model_config.py); its vision tower is not loaded,
+    and requests with images are refused by name as on every ferrox model (a text-only engine)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        def language_model() -> Iterator[tuple[str, Any]]:
+            for name, tensor in weights:
+                if name.startswith(_VISION_PREFIXES):
+                    continue
+                prefix = next((p for p in _LANGUAGE_PREFIXES if name.startswith(p)), None)
+                if prefix is not None:
+                    yield "model." + name[len(prefix):], tensor
+                elif name in ("lm_head.weight", "language_model.lm_head.weight"):
+                    continue  # tied to the embedding (some exports store the copy)
+                else:
+                    yield name, tensor
+
+        super().load_weights(language_model())
