@@ -17,6 +17,7 @@ sys.path.insert(0, str(ROOT))
 from tests.helpers.tiny_models import (  # noqa: E402
     make_tiny_gemma2,
     make_tiny_gemma3,
+    make_tiny_gemma3_multimodal,
     make_tiny_granite,
     make_tiny_mistral,
     make_tiny_phi3,
@@ -53,6 +54,8 @@ def families(tmp: Path) -> list[tuple[str, str, list[str]]]:
             ("gemma2-head-dim-256", make_tiny_gemma2(tmp / "gemma2-256", head_dim=256, sliding_window=64,
                                                      max_position_embeddings=1024), []),
             ("gemma3", make_tiny_gemma3(tmp / "gemma3", sliding_window=64, max_position_embeddings=1024), []),
+            ("gemma3-multimodal-text", make_tiny_gemma3_multimodal(tmp / "gemma3mm", sliding_window=64),
+             ["--max-model-len", "512"]),
             ("phi4-mini-like", phi4_mini_like(make_tiny_phi3(tmp / "phi4")), ["--max-model-len", "1024"]),
             ("qwen2-yarn", make_tiny_qwen2(tmp / "qwen2"), ["--hf-overrides", YARN, "--max-model-len", "2048"])]
 

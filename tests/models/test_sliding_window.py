@@ -85,7 +85,7 @@ def test_engine_serves_past_the_window(windowed):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", [*BUILDERS, "gemma3", "gemma2-head-dim-256"])
+@pytest.mark.parametrize("name", [*BUILDERS, "gemma3", "gemma3-multimodal", "gemma2-head-dim-256"])
 def test_cuda_engine_matches_cpu_engine(windowed, tmp_path, name):
     """On CUDA (CUDA graphs, the Triton kernels' window and soft cap, the fused one-token path for Mistral
     and Phi-3; the CUDA decode kernel and cuDNN step aside): in float32 every greedy token equals the CPU
@@ -94,6 +94,8 @@ def test_cuda_engine_matches_cpu_engine(windowed, tmp_path, name):
     256-dim heads (twice what the Triton configs were tuned on): one variant has them."""
     if name == "gemma3":
         folder = tiny_models.make_tiny_gemma3(tmp_path / "gemma3", sliding_window=WINDOW, seed=51)
+    elif name == "gemma3-multimodal":
+        folder = tiny_models.make_tiny_gemma3_multimodal(tmp_path / "gemma3mm", sliding_window=WINDOW, seed=54)
     elif name == "gemma2-head-dim-256":
         folder = tiny_models.make_tiny_gemma2(tmp_path / "gemma2-256", head_dim=256, sliding_window=WINDOW, seed=52)
     else:
