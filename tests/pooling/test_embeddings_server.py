@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.pooling.conftest import SENTENCES, cosine, hf_sentence_embeddings
+from tests.pooling.conftest import SENTENCES, cosine, hf_sentence_embeddings, post_json
 from tests.server.server_proc import ServerProcess
 
 openai = pytest.importorskip("openai")
@@ -33,16 +33,6 @@ def server(minilm_folder):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
-
-
-def _post(server, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(server.base_url + path, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
 
 
 def test_openai_client_matches_transformers(client, hf_minilm):
@@ -68,7 +58,7 @@ def test_every_input_shape_and_both_encodings(server, client, hf_minilm):
     pair = client.embeddings.create(model=MODEL, input=[ids, tokenizer(SENTENCES[1])["input_ids"]])
     np.testing.assert_allclose(pair.data[0].embedding, one, atol=1e-6)
     assert pair.usage.prompt_tokens == len(ids) + len(tokenizer(SENTENCES[1])["input_ids"])
-    status, body = _post(server, "/v1/embeddings", {"input": SENTENCES[0], "encoding_format": "base64"})
+    status, body = post_json(server, "/v1/embeddings", {"input": SENTENCES[0], "encoding_format": "base64"})
     assert status == 200
     decoded = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), dtype="<f4")
     np.testing.assert_array_equal(decoded, np.asarray(one, dtype=np.float32))
@@ -84,7 +74,7 @@ def test_many_inputs_in_one_request_equal_one_at_a_time(client):
 
 
 def test_pooling_route(server, client):
-    status, body = _post(server, "/pooling", {"model": MODEL, "input": SENTENCES[:2]})
+    status, body = post_json(server, "/pooling", {"model": MODEL, "input": SENTENCES[:2]})
     assert status == 200, body
     assert [d["object"] for d in body["data"]] == ["pooling", "pooling"]
     embedded = client.embeddings.create(model=MODEL, input=SENTENCES[:2]).data
@@ -106,7 +96,7 @@ def test_pooling_route(server, client):
     ({"input": "hi", "encoding_format": "bytes"}, "encoding_format", ""),
 ])
 def test_bad_input_is_a_400_naming_the_field(server, body, param, needle):
-    status, answer = _post(server, "/v1/embeddings", body)
+    status, answer = post_json(server, "/v1/embeddings", body)
     assert status == 400, answer
     assert answer["error"]["param"] == param, answer
     assert needle in answer["error"]["message"]
@@ -123,10 +113,10 @@ def test_generation_routes_are_refused_and_probes_work(server):
     for path, body, api in (("/v1/completions", {"prompt": "hi"}, "Completions API"),
                             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
                              "Chat Completions API")):
-        status, answer = _post(server, path, {"model": MODEL, **body})
+        status, answer = post_json(server, path, {"model": MODEL, **body})
         assert status == 400 and answer["error"]["message"] == f"The model does not support {api}", answer
     # A sequence classifier's API: an embedding model refuses it, saying what it serves instead.
-    status, answer = _post(server, "/classify", {"model": MODEL, "input": "hi"})
+    status, answer = post_json(server, "/classify", {"model": MODEL, "input": "hi"})
     assert status == 400 and answer["error"]["message"].startswith("The model does not support Classification "
                                                                    "API: it is an embedding model"), answer
     for path in ("/health", "/metrics", "/", "/status", "/v1/models"):
@@ -141,7 +131,7 @@ def test_generation_routes_are_refused_and_probes_work(server):
 @torch.inference_mode()
 def test_normalize_false_gives_the_raw_mean(server, hf_minilm):
     tokenizer, model = hf_minilm
-    status, body = _post(server, "/v1/embeddings", {"input": SENTENCES[:1], "normalize": False})
+    status, body = post_json(server, "/v1/embeddings", {"input": SENTENCES[:1], "normalize": False})
     assert status == 200
     expected = hf_sentence_embeddings(tokenizer, model, SENTENCES[:1], normalize=False)[0]
     torch.testing.assert_close(torch.tensor(body["data"][0]["embedding"]), expected, atol=1e-5, rtol=1e-4)
@@ -169,7 +159,7 @@ def test_score_one_against_many_matches_transformers(server, hf_minilm):
     embedded once (usage and the engine's own prompt-token counter say so)."""
     tokenizer, _ = hf_minilm
     before = _prompt_tokens_counted(server)
-    status, body = _post(server, "/score", {"model": MODEL, "text_1": SENTENCES[4], "text_2": SENTENCES})
+    status, body = post_json(server, "/score", {"model": MODEL, "text_1": SENTENCES[4], "text_2": SENTENCES})
     assert status == 200, body
     assert body["id"].startswith("score-") and body["object"] == "list" and body["model"] == MODEL
     assert [(d["index"], d["object"]) for d in body["data"]] == [(i, "score") for i in range(len(SENTENCES))]
@@ -181,7 +171,7 @@ def test_score_one_against_many_matches_transformers(server, hf_minilm):
     assert body["usage"] == {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0,
                              "prompt_tokens_details": None}
     assert _prompt_tokens_counted(server) - before == num_tokens
-    _, embedded = _post(server, "/v1/embeddings", {"input": SENTENCES})
+    _, embedded = post_json(server, "/v1/embeddings", {"input": SENTENCES})
     vectors = np.array([d["embedding"] for d in embedded["data"]], dtype=np.float64)
     np.testing.assert_allclose(scores, vectors @ vectors[4], atol=1e-6)
 
@@ -192,7 +182,7 @@ def test_score_pairwise_under_each_spelling(server, hf_minilm, path, names):
     """N:N pairs the two lists up one to one, whichever of vLLM's field names carry them."""
     tokenizer, _ = hf_minilm
     first, second = SENTENCES[:3], SENTENCES[2:5]
-    status, body = _post(server, path, {names[0]: first, names[1]: second})
+    status, body = post_json(server, path, {names[0]: first, names[1]: second})
     assert status == 200, body
     np.testing.assert_allclose([d["score"] for d in body["data"]], _reference_scores(hf_minilm, first, second),
                                atol=1e-5)
@@ -205,7 +195,7 @@ def test_rerank_sorts_by_relevance_and_keeps_top_n(server, hf_minilm, path):
     tokenizer, _ = hf_minilm
     query, documents = "Which city is the capital of France?", SENTENCES
     expected = _reference_scores(hf_minilm, [query] * len(documents), documents)
-    status, body = _post(server, path, {"model": MODEL, "query": query, "documents": documents})
+    status, body = post_json(server, path, {"model": MODEL, "query": query, "documents": documents})
     assert status == 200, body
     assert body["id"].startswith("rerank-") and body["model"] == MODEL
     order = sorted(range(len(documents)), key=lambda j: expected[j], reverse=True)
@@ -216,15 +206,15 @@ def test_rerank_sorts_by_relevance_and_keeps_top_n(server, hf_minilm, path):
         assert r["relevance_score"] == pytest.approx(expected[r["index"]], abs=1e-5)
     num_tokens = sum(len(tokenizer(t)["input_ids"]) for t in [query, *documents])
     assert body["usage"] == {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
-    status, top = _post(server, path, {"query": query, "documents": documents, "top_n": 2})
+    status, top = post_json(server, path, {"query": query, "documents": documents, "top_n": 2})
     assert status == 200 and [r["index"] for r in top["results"]] == order[:2], top
     assert top["usage"] == body["usage"]  # every document is scored; top_n cuts the answer
     if path == "/rerank":  # SageMaker's /invocations takes the same body to the same route
-        status, via = _post(server, "/invocations", {"query": query, "documents": documents, "top_n": 2})
+        status, via = post_json(server, "/invocations", {"query": query, "documents": documents, "top_n": 2})
         assert status == 200 and [r["index"] for r in via["results"]] == order[:2], via
         assert [r["relevance_score"] for r in via["results"]] == pytest.approx(
             [r["relevance_score"] for r in top["results"]], abs=1e-5)  # (another batch: other float rounding)
-        status, scored = _post(server, "/invocations", {"text_1": query, "text_2": documents[:2]})
+        status, scored = post_json(server, "/invocations", {"text_1": query, "text_2": documents[:2]})
         assert status == 200 and scored["object"] == "list" and len(scored["data"]) == 2, scored
 
 
@@ -246,7 +236,7 @@ def test_rerank_sorts_by_relevance_and_keeps_top_n(server, hf_minilm, path):
     ("/rerank", {"query": "word " * 300, "documents": ["b"]}, "query", "maximum context length of 256"),
 ])
 def test_bad_score_requests_are_a_400_naming_the_field(server, path, body, param, needle):
-    status, answer = _post(server, path, body)
+    status, answer = post_json(server, path, body)
     assert status == 400, answer
     assert answer["error"]["param"] == param, answer
     assert needle in answer["error"]["message"], answer

@@ -206,6 +206,7 @@ def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     inv_freq: torch.Tensor  # a registered (non-persistent) buffer; declared so it types as a Tensor
     amplitude: torch.Tensor | None
+    amplitude_whole: torch.Tensor | None
 
     def __init__(self, head_dim: int, base: float, scaling: dict | None, device: torch.device | str | None = None,
                  ops: DeviceOps | None = None, *, rotary_dim: int | None = None,
@@ -217,6 +218,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", angles.inv_freq.to(device), persistent=False)
         amplitude = None if angles.amplitude is None else angles.amplitude.to(device)
         self.register_buffer("amplitude", amplitude, persistent=False)
+        # The same over a whole head (cos_sin's layout), made once rather than every step.
+        whole = None if amplitude is None else torch.cat((amplitude, amplitude))
+        self.register_buffer("amplitude_whole", whole, persistent=False)
         self.ops = ops if ops is not None else for_device(device)
 
     @classmethod
@@ -236,9 +240,8 @@ class RotaryEmbedding(nn.Module):
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = emb.cos(), emb.sin()
-        if self.amplitude is not None:
-            amplitude = torch.cat((self.amplitude, self.amplitude))
-            cos, sin = cos * amplitude, sin * amplitude
+        if self.amplitude_whole is not None:
+            cos, sin = cos * self.amplitude_whole, sin * self.amplitude_whole
         return cos.to(dtype), sin.to(dtype)
 
     def rope_rows(self, positions: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,6 @@ does not support Classification API".
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 from aiohttp import web
 
@@ -24,13 +22,13 @@ from ferrox.entrypoints.openai.serving import (
     ServingContext,
     api_error,
     check_priority,
-    json_response,
     parse_body,
     request_ids,
 )
 from ferrox.entrypoints.openai.serving_embeddings import (
     encode_all,
     is_classifier,
+    list_response,
     not_supported,
     tokenize_inputs,
     validate_inputs,
@@ -65,13 +63,5 @@ async def create_classify(ctx: ServingContext, request: web.Request) -> web.Resp
         best = int(np.argmax(probs))
         data.append({"index": i, "label": labels[best] if best < len(labels) else None, "probs": probs.tolist(),
                      "num_classes": int(probs.size)})
-    num_tokens = sum(len(ids) for ids in prompts)
-    return json_response({
-        "id": request_id,
-        "object": "list",
-        "created": int(time.time()),
-        "model": ctx.model_name,
-        "data": data,
-        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0,
-                  "prompt_tokens_details": None},
-    }, headers={"X-Request-Id": header_id})
+    return list_response(ctx, request_id, header_id, data, sum(len(ids) for ids in prompts), completion_tokens=0,
+                         prompt_tokens_details=None)

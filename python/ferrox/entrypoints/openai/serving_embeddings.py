@@ -109,14 +109,20 @@ async def _serve(ctx: ServingContext, request: web.Request, req: EmbeddingReques
     outputs = await encode_all(ctx, prompts, params, request_id, req.priority)
     data = [{"index": i, "object": item, key: _encode_vector(out.outputs.data, req)}
             for i, out in enumerate(outputs)]
-    num_tokens = sum(len(ids) for ids in prompts)
+    return list_response(ctx, request_id, header_id, data, sum(len(ids) for ids in prompts))
+
+
+def list_response(ctx: ServingContext, request_id: str, header_id: str, data: list[dict[str, Any]],
+                  num_tokens: int, **usage: Any) -> web.Response:
+    """A pooling route's answer: vLLM's list object with the prompt tokens as usage (`usage`: a route's
+    extra usage fields)."""
     return json_response({
         "id": request_id,
         "object": "list",
         "created": int(time.time()),
         "model": ctx.model_name,
         "data": data,
-        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, **usage},
     }, headers={"X-Request-Id": header_id})
 
 
