@@ -31,6 +31,9 @@ GROUPS: dict[str, tuple[str, ...]] = {
         # and the routes use them).
         "ferrox.reasoning",
     ),
+    # Image inputs: fetching and decoding images, pixel values, prompt placeholders, the items the core
+    # receives. Only ferrox's errors below it: the front-end, the worker and the models all use it.
+    "multimodal": ("ferrox.multimodal",),
     # Tensor-parallel groups and weight sharding: below every layer that shards.
     "distributed": ("ferrox.distributed",),
     "kernels": ("ferrox.kernels",),
@@ -57,6 +60,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
 # Low to high; groups of one tier may not import each other.
 ORDER: list[tuple[str, ...]] = [
     ("base",),
+    ("multimodal",),
     ("distributed",),
     ("kernels",),
     ("layers", "attention"),

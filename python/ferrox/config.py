@@ -67,6 +67,18 @@ def _gib(n: int) -> str:
     return f"{n / (1 << 30):g}GiB"
 
 
+def _check_mm_limits(limits: Any) -> None:
+    if limits is None:
+        return
+    if not isinstance(limits, dict):
+        raise ValueError(f"limit_mm_per_prompt: must be a JSON object like {{\"image\": 2}}, got {limits!r}")
+    for key, value in limits.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"limit_mm_per_prompt.{key}: must be a count >= 0, got {value!r}")
+        if key != "image" and value:
+            raise ValueError(f"limit_mm_per_prompt.{key}: ferrox takes images only ({key} inputs are not supported)")
+
+
 def _opt(help: str, default: Any = None, **meta: Any) -> Any:
     """A dataclass field carrying its CLI documentation (see the module docstring)."""
     return dataclasses.field(default=default, metadata={"help": help, **meta})
@@ -109,6 +121,12 @@ class EngineConfig:
         "object), e.g. {\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
         "\"original_max_position_embeddings\": 32768}} for Qwen3 past 32k tokens; each key replaces the "
         "whole value", default_help="none")
+    allowed_local_media_path: str | None = _opt(
+        "a folder whose images requests may name by file:// URL or path (vLLM's; resolved, so a link or '..' "
+        "out of it is refused)", default_help="none: local files are refused")
+    limit_mm_per_prompt: dict[str, int] | None = _opt(
+        "most images one prompt may carry, as vLLM's JSON object {\"image\": N} (other modalities only as 0)",
+        default_help="no limit but the context")
     seed: int = _opt("engine seed (dummy weights, unseeded sampling)", 0)
     load_format: str = _opt("weight format; 'dummy' = random weights of the real architecture", "auto",
                             choices=LOAD_FORMATS)
@@ -218,6 +236,7 @@ class EngineConfig:
         if self.hf_overrides is not None and (not isinstance(self.hf_overrides, dict) or not all(
                 isinstance(k, str) for k in self.hf_overrides)):
             raise ValueError(f"hf_overrides: must be a JSON object of config.json fields, got {self.hf_overrides!r}")
+        _check_mm_limits(self.limit_mm_per_prompt)
         parse_speculative_config(self.speculative_config)  # raises ValueError naming the key
         _choice("runner", self.runner, RUNNERS)
         parse_pooler_overrides(self.pooler_config)  # raises ValueError naming the key

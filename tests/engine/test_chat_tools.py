@@ -53,7 +53,7 @@ def test_chat_template_content_format(llm):
     """LLM.chat(chat_template_content_format=...) as vLLM's: a template that loops over a message's
     content gets OpenAI text parts ("auto" sees the loop), "string" joins them by newlines, and a
     non-text part is refused naming it."""
-    from ferrox.errors import ChatTemplateError
+    from ferrox.errors import InvalidArgumentError
 
     template = ("{% for m in messages %}{% for p in m.content %}{% if p is mapping %}{{ p.text }}{% else %}{{ p }}"
                 "{% endif %}|{% endfor %}{% endfor %}")
@@ -62,6 +62,10 @@ def test_chat_template_content_format(llm):
     (auto,) = llm.chat(parts, params, use_tqdm=False, chat_template=template)
     (string,) = llm.chat(parts, params, use_tqdm=False, chat_template=template, chat_template_content_format="string")
     assert (auto.prompt, string.prompt) == ("ab|c|", "a|b|\n|c|")
-    with pytest.raises(ChatTemplateError, match=r"messages\[0\]\.content\[0\]: content part type 'image_url'"):
+    with pytest.raises(InvalidArgumentError, match=r"messages\[0\]\.content\[0\]: content part type .video_url."):
+        llm.chat([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x"}}]}], params,
+                 use_tqdm=False)
+    # An image part on a text-only model is refused naming the part (multimodal/chat_parts.py).
+    with pytest.raises(InvalidArgumentError, match=r"messages\[0\]\.content\[0\]: .* takes no images"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params,
                  use_tqdm=False)

@@ -270,6 +270,75 @@ def make_tiny_gemma3_multimodal(folder, *, sliding_window: int = 16, seed: int =
     return _save(str(folder), model, tok, max_shard_size=None, generation=None)
 
 
+# A chat template that prints each part of a message (vLLM's "openai" content format), as llava-hf's do.
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<image>\n"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tiny_llava(folder, *, text: str = "llama", vision: str = "clip", image_size: int = 56,
+                    seed: int = 0) -> str:
+    """A LLaVA checkpoint (LlavaForConditionalGeneration): a tiny CLIP (llava-1.5's layout: feature layer -2,
+    class token dropped) or SigLIP ("full" strategy, last layer) tower, the projector, and a Llama or Qwen2
+    language model; `<image>` is the last token of the vocabulary; preprocessor_config.json for the
+    tower's image size; a chat template that writes `<image>` for image parts."""
+    import torch
+    from tokenizers import AddedToken
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        Qwen2Config,
+        SiglipImageProcessor,
+        SiglipVisionConfig,
+    )
+
+    tok = build_tokenizer()
+    tok.add_tokens([AddedToken("<image>", special=True, normalized=False)])
+    image_token = tok.token_to_id("<image>")
+    params = _common(tok, 64, 2, 4, 2, 128, 2048, False)
+    text_config = LlamaConfig(**params) if text == "llama" else Qwen2Config(**params)
+    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                 image_size=image_size, patch_size=14)
+    if vision == "clip":
+        vision_config: Any = CLIPVisionConfig(**tower)
+        processor: Any = CLIPImageProcessor(size={"shortest_edge": image_size},
+                                            crop_size={"height": image_size, "width": image_size})
+        layer, strategy = -2, "default"
+    else:
+        vision_config = SiglipVisionConfig(**tower)
+        processor = SiglipImageProcessor(size={"height": image_size, "width": image_size})
+        layer, strategy = -1, "full"
+    config = LlavaConfig(vision_config=vision_config, text_config=text_config, image_token_index=image_token,
+                         vision_feature_layer=layer, vision_feature_select_strategy=strategy,
+                         projector_hidden_act="gelu")
+    config.architectures = ["LlavaForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():  # the default init leaves the tower's output near zero: give images a say
+        for name, param in model.named_parameters():
+            if "vision_tower" in name or "multi_modal_projector" in name:
+                if param.dim() == 1 and "norm" in name and name.endswith("weight"):
+                    param.uniform_(0.5, 1.5)
+                else:
+                    param.normal_(0.0, 0.2 if param.dim() > 1 else 0.05)
+    _randomize_norms(model)
+    _save(str(folder), model, tok, max_shard_size=None, generation=None)
+    processor.save_pretrained(str(folder))
+    with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
+        tok_config = json.load(f)
+    tok_config["chat_template"] = LLAVA_CHAT_TEMPLATE
+    with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(tok_config, f, indent=2)
+    return str(folder)
+
+
 def make_tiny_granite(folder, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
                       intermediate_size: int = 128, max_position_embeddings: int = 2048,
                       tie_word_embeddings: bool = False, embedding_multiplier: float = 12.0,

@@ -80,6 +80,9 @@ def test_bad_message_role_and_content(base_url):
     assert status == 400 and assert_openai_error(resp, 400)["param"].startswith("messages.0")
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]
     status, resp = post(base_url, CHAT, {"messages": image})
+    assert status == 400 and "takes no images" in resp["error"]["message"]
+    audio = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]
+    status, resp = post(base_url, CHAT, {"messages": audio})
     assert status == 400 and "not supported" in resp["error"]["message"]
 
 

@@ -60,13 +60,21 @@ from ferrox.engine import validation
 from ferrox.engine.core_process import EngineCoreOutputs
 from ferrox.engine.defaults import default_sampling_params
 from ferrox.engine.dp_client import DPCoreClient
-from ferrox.engine.input_processor import INLINE_PROMPT_SIZE, process_prompt, prompt_size
+from ferrox.engine.input_processor import (
+    INLINE_PROMPT_SIZE,
+    ProcessedPrompt,
+    attach_images,
+    process_prompt,
+    prompt_size,
+    refuse_images,
+)
 from ferrox.engine.lora_state import check_lora_request, lora_fields
 from ferrox.engine.output_processor import OutputProcessor
 from ferrox.engine.protocol import EngineCoreRequest
 from ferrox.errors import EngineDeadError, EngineStartupError, InvalidArgumentError, RequestError
 from ferrox.metrics.log_stats import LoggingStatLogger
 from ferrox.metrics.request_stats import IterationStats, RequestTiming, StatLogger, finished_stats, observe
+from ferrox.multimodal.inputs import MultiModalItem
 from ferrox.outputs import AnyRequestOutput, PoolingRequestOutput, RequestOutput
 from ferrox.pooling.params import (
     PoolerConfig,
@@ -218,6 +226,8 @@ class AsyncLLM:
         try:
             # The tokenizer loads here while the core process loads the model.
             self.tokenizer = load_tokenizer(source)
+            # A model that takes images: its prompt rules (multimodal/processing.py), from config.json.
+            self.image_prompts = _image_prompts(config, self.tokenizer)
             info = self.client.wait_ready()
         except BaseException:
             self.shutdown()
@@ -327,8 +337,17 @@ class AsyncLLM:
         """(prompt text or None, token ids) for a text prompt, {"prompt": text} or
         {"prompt_token_ids": [...]}; the same rules as the offline LLM (input_processor).
         Blocking: from a coroutine, go through `run_in_prompt_pool`."""
-        processed = process_prompt(self.tokenizer, prompt)
+        processed = self.process_prompt(prompt)
+        if processed.mm_items:
+            raise InvalidArgumentError("multi_modal_data: tokenize_prompt returns ids only; pass a prompt with "
+                                       "images to generate()", param="multi_modal_data")
         return processed.prompt, processed.prompt_token_ids
+
+    def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
+        """tokenize_prompt's work, images included (vLLM's multi_modal_data: decoded, and the prompt's
+        placeholders expanded). Blocking."""
+        return attach_images(process_prompt(self.tokenizer, prompt), self.image_prompts, "prompt",
+                             model_name=self.model_name)
 
     async def prompt_work(self, size: int, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """`fn(*args, **kwargs)` for prompt work of `size` (prompt_size's units): inline when small,
@@ -391,7 +410,8 @@ class AsyncLLM:
         one final RequestOutput whose outputs are the beam_width best beams, best first. The request
         timeout runs from the search's start; closing the generator aborts the step in flight."""
         arrival = time.time()
-        prompt_text, prompt_ids = await self._tokenize(prompt)
+        processed = refuse_images(await self._tokenize(prompt), "prompt", "beam search")
+        prompt_text, prompt_ids = processed.prompt, processed.prompt_token_ids
         check_beam_search(params, len(prompt_ids), max_model_len=self.max_model_len,
                           max_logprobs=self.limits.max_logprobs)
         search = BeamSearch(prompt_ids, params, self.eos_token_ids, lora_request)
@@ -470,12 +490,15 @@ class AsyncLLM:
         try:
             self._tokenizing[request_id] = False
             try:
-                prompt_text, prompt_ids = await self._tokenize(prompt)
+                processed = await self._tokenize(prompt)
             finally:
                 aborted = self._tokenizing.pop(request_id)
+            if pooling_params is not None:
+                refuse_images(processed, "prompt", "pooling")
             # No await from here to the registration: the id cannot be taken in between.
-            stream = self._add_request(prompt_text, prompt_ids, sampling_params, request_id, priority,
-                                       arrival_time, cache_salt, lora_request, pooling_params, prompt_cache_key)
+            stream = self._add_request(processed.prompt, processed.prompt_token_ids, sampling_params, request_id,
+                                       priority, arrival_time, cache_salt, lora_request, pooling_params,
+                                       prompt_cache_key, processed.mm_items)
             if self.request_timeout is not None:
                 timer = asyncio.get_running_loop().call_later(
                     max(0.0, arrival_time + self.request_timeout - time.time()), self._expire, stream)
@@ -528,8 +551,8 @@ class AsyncLLM:
         stream.fail(RequestTimeoutError(
             f"request aborted: it ran longer than the server's request timeout ({self.request_timeout:g} s)"))
 
-    async def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        return await self.prompt_work(prompt_size(prompt), self.tokenize_prompt, prompt)
+    async def _tokenize(self, prompt: PromptType) -> ProcessedPrompt:
+        return await self.prompt_work(prompt_size(prompt), self.process_prompt, prompt)
 
     def _add_request(
         self,
@@ -543,6 +566,7 @@ class AsyncLLM:
         lora_request: LoRARequest | None = None,
         pooling_params: PoolingParams | None = None,
         prompt_cache_key: str | None = None,
+        mm_items: list[MultiModalItem] | None = None,
     ) -> _Stream:
         """Validate a tokenized request and send it to the core (synchronously: errors raise here)."""
         if self.client.dead is not None:
@@ -562,6 +586,7 @@ class AsyncLLM:
             cache_salt=cache_salt,
             **lora_fields(lora_request),
             pooling_params=pooling_params,
+            mm_inputs=mm_items,
         )
         core_requests = self.processor.add_request(request, prompt_text)
         stream = _Stream(request_id, params.output_kind)
@@ -675,3 +700,21 @@ def _read_template(chat_template: str | None) -> str | None:
         with open(chat_template, encoding="utf-8") as f:
             return f.read()
     return chat_template
+
+
+def _image_prompts(config: EngineConfig, tokenizer: Any) -> Any:
+    """The served model's image prompt rules (None: a text-only model), from its config.json as the core
+    reads it (hf_overrides applied)."""
+    import os
+
+    from ferrox.loader.json_file import read_json
+    from ferrox.loader.source import resolve_model
+    from ferrox.multimodal.processing import image_prompts_for_model
+
+    source = resolve_model(config.model, config.revision)
+    path = os.path.join(source.path, "config.json")
+    if source.format != "hf" or not os.path.isfile(path):
+        return None
+    hf_config = {**read_json(path), **(config.hf_overrides or {})}
+    return image_prompts_for_model(source.path, hf_config, tokenizer, limits=config.limit_mm_per_prompt,
+                                   allowed_local_media_path=config.allowed_local_media_path)

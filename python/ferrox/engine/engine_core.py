@@ -48,6 +48,8 @@ from ferrox.engine.protocol import EngineCoreRequest
 from ferrox.errors import InvalidArgumentError
 from ferrox.executor import Executor, start_tensor_parallel
 from ferrox.executor.launch import rank_config
+from ferrox.multimodal.inputs import cache_salt_with_images
+from ferrox.multimodal.processing import image_prompts_for_model
 from ferrox.pooling.params import PoolingParams, validate_pooling_request
 from ferrox.reasoning import get_reasoning_parser
 from ferrox.request_rules import check_request_id
@@ -57,6 +59,7 @@ from ferrox.step_types import Logprobs, StepResult, StepRow
 from ferrox.worker.draft_model import DraftProposer
 from ferrox.worker.model_runner import ModelRunner, ModelRunnerOutput, StepHandle
 from ferrox.worker.model_setup import LoadedModel, load_everything
+from ferrox.worker.multimodal import check_items
 from ferrox.worker.pooling_runner import PoolingRunner
 from ferrox.worker.warmup import EngineLimits, WarmupReport, warm_up, warmup_enabled
 
@@ -94,6 +97,10 @@ class EngineCore:
         pooling = self.pooler_config is not None
         self.model_name = (config.served_names() or [loaded.source.name])[0]
         self.tokenizer_json: str = self.tokenizer.to_json_str()
+        # A model that takes images: the offline LLM expands its prompts' images with these rules.
+        self.image_prompts = image_prompts_for_model(
+            loaded.source.path, self.spec.hf_config.get("multimodal") or {}, self.tokenizer,
+            limits=config.limit_mm_per_prompt, allowed_local_media_path=config.allowed_local_media_path)
         # --reasoning-parser: the engine needs its `</think>` to start a structured output's grammar there.
         try:
             self.reasoning = (get_reasoning_parser(config.reasoning_parser, self.tokenizer.token_to_id)
@@ -212,6 +219,8 @@ class EngineCore:
         params = request.sampling_params
         prompt = request.prompt_token_ids
         self.validate_prompt(prompt, params, what=f"request {request.request_id!r}", request_id=request.request_id)
+        if request.mm_inputs:
+            check_items(request.mm_inputs, prompt, self.runner.model, f"request {request.request_id!r}")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt)
         wait_for_grammar = False
         lora_id = request.lora_int_id
@@ -244,7 +253,8 @@ class EngineCore:
                 priority=request.priority,
                 # Prompt logprobs need every prompt position computed, so such a request must not
                 # reuse cached blocks: a salt of its own id keeps its block hashes private.
-                cache_salt=request.request_id if params.prompt_logprobs is not None else request.cache_salt,
+                cache_salt=request.request_id if params.prompt_logprobs is not None else cache_salt_with_images(
+                    request.cache_salt, request.mm_inputs),
                 wait_for_grammar=wait_for_grammar,
                 allow_drafts=_drafts_allowed(params),
                 lora_id=lora_id,
@@ -259,7 +269,8 @@ class EngineCore:
             self._req_of_slot.extend([None] * (slot + 1 - len(self._req_of_slot)))
         self._req_of_slot[slot] = request.request_id
         self._slot_of_req[request.request_id] = slot
-        self.runner.add_request(slot, request.request_id, prompt, params, lora_id=lora_id)
+        assert isinstance(self.runner, ModelRunner)  # (a pooling engine's requests went to _add_pooling_request)
+        self.runner.add_request(slot, request.request_id, prompt, params, lora_id=lora_id, images=request.mm_inputs)
 
     def _thinking_budget(self, params: SamplingParams, prompt: list[int]) -> Any:
         from ferrox.structured.thinking_budget import ThinkingBudget
@@ -308,6 +319,9 @@ class EngineCore:
         ferrox.pooling.params.pooling_sampling_params), never detokenized; the runner pools the prompt in
         the step that computes it."""
         pooling = request.pooling_params
+        if request.mm_inputs:
+            raise InvalidArgumentError(f"request {request.request_id!r}: pooling requests take no images",
+                                       param="multi_modal_data")
         if pooling is None:
             raise InvalidArgumentError(f"request {request.request_id!r}: {self.model_name} runs with runner 'pooling' "
                                        "(an embedding model): it cannot generate text", param="runner")

@@ -24,6 +24,51 @@ PromptInput = str | Mapping[str, Any] | Sequence[int]
 class ProcessedPrompt:
     prompt: str | None  # the text, when there was one
     prompt_token_ids: list[int]
+    # Images of the prompt, in order (vLLM's multi_modal_data, a chat's image parts): sources until
+    # attach_images decodes and expands them into mm_items (the engine core's MultiModalItems).
+    images: list[Any] | None = None
+    mm_items: list[Any] | None = None
+
+
+def _images_of(prompt: Mapping[str, Any], index: int) -> list[Any] | None:
+    """vLLM's {"multi_modal_data": {"image": one or a list}}; other modalities are refused by name."""
+    data = prompt.get("multi_modal_data")
+    if data is None:
+        return None
+    if not isinstance(data, Mapping):
+        raise InvalidArgumentError(f"prompts[{index}].multi_modal_data: must be a dict like {{'image': ...}}",
+                                   param="multi_modal_data")
+    for key in data:
+        if key != "image":
+            raise InvalidArgumentError(f"prompts[{index}].multi_modal_data.{key}: only images are supported",
+                                       param="multi_modal_data")
+    images = data.get("image")
+    if images is None:
+        return None
+    return list(images) if isinstance(images, (list, tuple)) else [images]
+
+
+def attach_images(processed: ProcessedPrompt, image_prompts: Any, what: str, *,
+                  model_name: str = "this model") -> ProcessedPrompt:
+    """Decode the prompt's images and expand its placeholders (multimodal/processing.py ImagePrompts).
+    A prompt without images is returned as is; images for a text-only model are refused by name."""
+    if processed.images is None:
+        return processed
+    if image_prompts is None:
+        raise InvalidArgumentError(f"{what}: {model_name} takes no images (a text-only model)",
+                                   param="multi_modal_data")
+    image_prompts.check_count(len(processed.images), what)
+    images = [image_prompts.load(source, f"{what}: image {i}") for i, source in enumerate(processed.images)]
+    ids, items = image_prompts.expand(processed.prompt_token_ids, images, what)
+    return ProcessedPrompt(processed.prompt, ids, None, items or None)
+
+
+def refuse_images(processed: ProcessedPrompt, what: str, path: str) -> ProcessedPrompt:
+    """A prompt for a path that takes no images (beam search, pooling) must not carry any: refused by
+    name rather than run without them."""
+    if processed.images is not None or processed.mm_items is not None:
+        raise InvalidArgumentError(f"{what}: {path} takes no images (multi_modal_data)", param="multi_modal_data")
+    return processed
 
 
 # Prompt work up to this size (prompt_size) runs inline on the front-end's event loop
@@ -40,6 +85,8 @@ def prompt_size(prompt: Any, limit: int = INLINE_PROMPT_SIZE) -> int:
     if kind is str:
         return len(prompt)
     if kind is dict:
+        if prompt.get("multi_modal_data") is not None:
+            return limit + 1  # images to decode and resize: never on the event loop
         items: Any = prompt.values()
     elif kind is list or kind is tuple:
         if prompt and type(prompt[0]) is int:
@@ -108,9 +155,14 @@ def process_prompt(tokenizer: Any, prompt: PromptInput, index: int = 0) -> Proce
                     f"prompts[{index}].prompt_token_ids: must be a list of integers", param="prompt_token_ids"
                 )
             text = prompt.get("prompt")
-            return ProcessedPrompt(text if isinstance(text, str) else None, list(ids))
+            if prompt.get("multi_modal_items") is not None:
+                # A front-end that expanded the prompt's images itself (the server's chat route).
+                return ProcessedPrompt(text if isinstance(text, str) else None, list(ids), None,
+                                       list(prompt["multi_modal_items"]) or None)
+            return ProcessedPrompt(text if isinstance(text, str) else None, list(ids), _images_of(prompt, index))
         if isinstance(prompt.get("prompt"), str):
-            return ProcessedPrompt(prompt["prompt"], list(tokenizer.encode(prompt["prompt"])))
+            return ProcessedPrompt(prompt["prompt"], list(tokenizer.encode(prompt["prompt"])),
+                                   _images_of(prompt, index))
         raise InvalidArgumentError(
             f"prompts[{index}]: a dict prompt needs 'prompt' (text) or 'prompt_token_ids'", param="prompts"
         )
@@ -132,10 +184,13 @@ def render_chat(
     chat_template_kwargs: Mapping[str, Any] | None = None,
     index: int = 0,
     content_format: str = "auto",
+    image_placeholder: str | None = None,
 ) -> ProcessedPrompt:
     """Apply the chat template and tokenize; the template adds the special tokens it wants.
     With tools and a template that ignores them (the embedded SmolLM2's), the tools go into the
-    system message, as the server does (structured.tools.prepare_tool_messages)."""
+    system message, as the server does (structured.tools.prepare_tool_messages). Image parts come
+    back as the prompt's `images` (for attach_images); image_placeholder: the model's (None: a
+    text-only model, whose image parts are refused)."""
     if not isinstance(messages, Sequence) or not messages:
         raise InvalidArgumentError(
             f"messages[{index}]: a conversation must be a non-empty list of messages", param="messages"
@@ -148,6 +203,15 @@ def render_chat(
     from ferrox.structured.tools import prepare_tool_messages
 
     conversation = [dict(m) for m in messages]
+    images = None
+    if any(isinstance(m.get("content"), list) for m in conversation):
+        from ferrox.loader.chat_template import resolve_content_format
+        from ferrox.multimodal.chat_parts import take_images
+
+        fmt = content_format if content_format != "auto" else resolve_content_format(
+            content_format, tokenizer.get_chat_template(chat_template, tools))
+        conversation, sources = take_images(conversation, fmt, image_placeholder)
+        images = sources or None
     if tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in conversation):
         # Resolve the template first: with tools a model may pick its "tool_use" one.
         chat_template = tokenizer.get_chat_template(chat_template, tools)
@@ -160,7 +224,7 @@ def render_chat(
         content_format=content_format,
         **dict(chat_template_kwargs or {}),
     )
-    return ProcessedPrompt(text, list(tokenizer.encode(text, add_special_tokens=False)))
+    return ProcessedPrompt(text, list(tokenizer.encode(text, add_special_tokens=False)), images)
 
 
 def is_conversation_list(messages: Any) -> bool:

@@ -25,9 +25,11 @@ from ferrox.engine.engine_core import EngineCore
 from ferrox.engine.input_processor import (
     ProcessedPrompt,
     PromptInput,
+    attach_images,
     is_conversation_list,
     normalize_prompts,
     process_prompt,
+    refuse_images,
     render_chat,
 )
 from ferrox.engine.lora_state import check_lora_request, lora_fields
@@ -108,7 +110,8 @@ class LLM:
         if not items:
             return []  # as vLLM: nothing asked, nothing to do (no progress bar, no engine step)
         tokenizer = self.engine.tokenizer
-        processed = [process_prompt(tokenizer, p, i) for i, p in enumerate(items)]
+        processed = [attach_images(process_prompt(tokenizer, p, i), self.engine.image_prompts, f"prompts[{i}]",
+                                   model_name=self.engine.model_name) for i, p in enumerate(items)]
         return self._run(processed, sampling_params, use_tqdm, lora_request)
 
     def chat(
@@ -135,12 +138,14 @@ class LLM:
         if not conversations or not conversations[0]:
             raise ValueError("messages: the conversation list is empty")
         template = chat_template if chat_template is not None else self.config.chat_template
+        images = self.engine.image_prompts
         processed = [
-            render_chat(
+            attach_images(render_chat(
                 self.engine.tokenizer, conv, chat_template=template, add_generation_prompt=add_generation_prompt,
                 tools=tools, chat_template_kwargs=chat_template_kwargs, index=i,
                 content_format=chat_template_content_format,
-            )
+                image_placeholder=images.placeholder if images is not None else None,
+            ), images, f"messages[{i}]", model_name=self.engine.model_name)
             for i, conv in enumerate(conversations)
         ]
         return self._run(processed, sampling_params, use_tqdm, lora_request)
@@ -161,7 +166,8 @@ class LLM:
                                        param="params")
         items = normalize_prompts(prompts)
         tokenizer = self.engine.tokenizer
-        processed = [process_prompt(tokenizer, p, i) for i, p in enumerate(items)]
+        processed = [refuse_images(process_prompt(tokenizer, p, i), f"prompts[{i}]", "beam search")
+                     for i, p in enumerate(items)]
         loras = _lora_per_prompt(lora_request, len(processed))
         for i, p in enumerate(processed):
             check_beam_search(params, len(p.prompt_token_ids), max_model_len=self.engine.max_model_len,
@@ -328,7 +334,8 @@ class LLM:
         # many short prompts, for which encoding one by one costs as much as the model on a GPU.
         tokenizer = self.engine.tokenizer
         texts = iter(tokenizer.encode_batch([p for p in items if isinstance(p, str)]))
-        return [ProcessedPrompt(p, next(texts)) if isinstance(p, str) else process_prompt(tokenizer, p, i)
+        return [ProcessedPrompt(p, next(texts)) if isinstance(p, str) else
+                refuse_images(process_prompt(tokenizer, p, i), f"prompts[{i}]", "pooling")
                 for i, p in enumerate(items)]
 
     def _pool(self, processed: list[ProcessedPrompt], params_list: list[PoolingParams], use_tqdm: bool,
@@ -377,7 +384,7 @@ class LLM:
                 # Offline callers only read final results: skip building per-step outputs.
                 sp = sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)
                 request = EngineCoreRequest(request_id, p.prompt_token_ids, sp, arrival_time=time.time(),
-                                            **lora_fields(loras[i]))
+                                            **lora_fields(loras[i]), mm_inputs=p.mm_items)
                 core_requests = self.output_processor.add_request(request, p.prompt)
                 added.append(request_id)
                 order[request_id] = i

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
+from ferrox.multimodal.inputs import MultiModalItem
 from ferrox.pooling.params import PoolingParams
 from ferrox.sampling_params import SamplingParams
 from ferrox.step_types import Logprobs, StepResult, StepRow
@@ -32,3 +33,6 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # A pooling model's request (LLM.embed, /v1/embeddings): its vector instead of generated text; then
     # sampling_params is ferrox.pooling.params.pooling_sampling_params() (one placeholder token).
     pooling_params: PoolingParams | None = None
+    # The prompt's images (vLLM's multi_modal_data), their placeholder runs already expanded in
+    # prompt_token_ids by the front-end (multimodal/processing.py).
+    mm_inputs: list[MultiModalItem] | None = None

@@ -35,14 +35,44 @@ _GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
 }
 
 
-def _text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """A multimodal checkpoint's language model config, for families ferrox serves text-only (Gemma 3's
-    Gemma3ForConditionalGeneration): text_config over the family's defaults, under the checkpoint's
-    architecture name (models/registry.py maps it to the text model)."""
+# transformers' text config defaults by model_type, for LLaVA's text_config (llava-hf configs write only a few
+# fields of their Vicuna / Mistral / Qwen2 language model).
+_TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"vocab_size": 32_000, "hidden_size": 4096, "intermediate_size": 11_008, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+              "rope_theta": 10_000.0, "tie_word_embeddings": False, "hidden_act": "silu"},
+    "mistral": {"vocab_size": 32_000, "hidden_size": 4096, "intermediate_size": 14_336, "num_hidden_layers": 32,
+                "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32,
+                "rms_norm_eps": 1e-6, "rope_theta": 10_000.0, "tie_word_embeddings": False, "sliding_window": 4096,
+                "hidden_act": "silu"},
+    "qwen2": {"vocab_size": 151_936, "hidden_size": 4096, "intermediate_size": 22_016, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 32_768,
+              "rms_norm_eps": 1e-6, "rope_theta": 10_000.0, "tie_word_embeddings": False,
+              "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "hidden_act": "silu"},
+    "gemma3_text": _GEMMA3_TEXT_DEFAULTS,
+}
+
+# Multimodal checkpoints: architecture -> the text model_type when text_config does not say.
+MULTIMODAL_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3_text", "LlavaForConditionalGeneration": "llama"}
+
+
+def _text_config(config: dict[str, Any], where: str) -> dict[str, Any]:
+    """A multimodal checkpoint's language model config: text_config over transformers' defaults for its
+    model_type, under the checkpoint's architecture name (models/registry.py maps it to the model class). The
+    rest of the checkpoint's config (vision_config, the image token, the projector's settings) is kept whole
+    under "multimodal" for the model and the prompt processor (multimodal/processing.py)."""
+    arch = config["architectures"][0]
     text = config.get("text_config")
+    if text is None and arch == "LlavaForConditionalGeneration":
+        text = {}  # LlavaConfig's default: a Llama
     if not isinstance(text, dict):
-        raise ModelLoadError("config.json: Gemma3ForConditionalGeneration needs a text_config object")
-    merged = {**_GEMMA3_TEXT_DEFAULTS, **text, "architectures": config["architectures"]}
+        raise ModelLoadError(f"{where}: {arch} needs a text_config object")
+    model_type = str(text.get("model_type") or MULTIMODAL_ARCHITECTURES[arch])
+    if model_type not in _TEXT_DEFAULTS:
+        raise UnsupportedModelError(f"{where}: text_config.model_type {model_type!r} of {arch} is not supported "
+                                    f"(supported: {', '.join(sorted(_TEXT_DEFAULTS))})")
+    merged = {**_TEXT_DEFAULTS[model_type], **text, "model_type": model_type, "architectures": config["architectures"],
+              "multimodal": {k: v for k, v in config.items() if k != "text_config"}}
     if "torch_dtype" in config or "dtype" in config:
         merged.setdefault("torch_dtype", config.get("torch_dtype") or config.get("dtype"))
     return merged
@@ -52,8 +82,9 @@ def spec_from_hf_config(config: dict[str, Any], where: str, *, scaled_context: b
     """Build the spec from an HF config dict; `where` names the file in errors. scaled_context: a
     linear or YaRN rope scaling extends the context past max_position_embeddings, as vLLM derives it
     (config.json; a GGUF's context_length is taken as it is)."""
-    if config.get("architectures") == ["Gemma3ForConditionalGeneration"]:
-        config = _text_config(config)
+    if isinstance(config.get("architectures"), list) and config["architectures"][:1] and (
+            config["architectures"][0] in MULTIMODAL_ARCHITECTURES):
+        config = _text_config(config, where)
     archs = config.get("architectures")
     if not archs or not isinstance(archs, list):
         raise ModelLoadError(f"{where}: field 'architectures' is missing (cannot tell which model class to use)")

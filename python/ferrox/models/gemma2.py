@@ -106,9 +106,12 @@ class Gemma2Model(nn.Module):
         """Each layer's rotary for this step (one for every layer here)."""
         return [self.rotary(positions, dtype)] * len(self.layers)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.normalizer
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: Any) -> torch.Tensor:
-        h = self.embed_tokens(input_ids) * self.normalizer
+                meta: Any, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         for i, (layer, rope) in enumerate(zip(self.layers, self.layer_ropes(positions, h.dtype), strict=True)):
             h = layer(h, rope, kv_caches[i], meta)
         return self.norm(h)

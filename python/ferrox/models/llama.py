@@ -154,8 +154,11 @@ class LlamaModel(nn.Module):
         self.one_token_layers = None if sharded else views
         self.decode_path = backend.decode_path(self.one_token_layers, self.rotary.rope_rows)
 
-    def forward(self, input_ids, positions, kv_caches, meta):
-        h = self.embed_tokens(input_ids)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds=None):
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.decode_path.takes_step(h.shape[0], kv_caches, meta):
             return self.norm(self.decode_path.forward(h, positions, kv_caches, meta))
         rope = self.rotary(positions, h.dtype)
@@ -182,6 +185,9 @@ class LlamaForCausalLM(nn.Module):
     reorders_partial_rotary = False
     # The decoder stack (a family with its own layer shape, Gemma 2, brings its own; same arguments).
     model_class: type[nn.Module]
+    # Submodules a subclass loads itself (a vision tower: models/llava.py); load_weights neither takes nor
+    # expects their parameters.
+    own_weight_prefixes: tuple[str, ...] = ()
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
@@ -251,13 +257,21 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head_colmajor = self.model.embed_tokens.weight.data.t().contiguous().t()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
+                attn_metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; logits come from compute_logits on the rows
-        that need sampling, so a long prefill never materialises [T, vocab]."""
+        that need sampling, so a long prefill never materialises [T, vocab]. inputs_embeds: the step's
+        input embeddings when some rows are not token embeddings (an image's: embed_input_ids, then
+        those rows replaced; worker/multimodal.py)."""
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"kv_caches has {len(kv_caches)} tensors, the model has {len(self.model.layers)} layers")
         self.backend.begin_forward(attn_metadata)
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        if inputs_embeds is None:
+            return self.model(input_ids, positions, kv_caches, attn_metadata)
+        return self.model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds=inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings forward() would start from (a family's embedding scale included)."""
+        return self.model.embed(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of the given rows (the decode path may run a one-row lm_head fused); under
@@ -269,8 +283,9 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Copy HF-named checkpoint tensors in (torch tensors, or safetensors slices read lazily so
         that a tensor-parallel rank reads only its shard); every parameter must be set exactly once."""
-        params = dict(self.named_parameters())
-        modules = dict(self.named_modules())
+        skip = self.own_weight_prefixes
+        params = {name: p for name, p in self.named_parameters() if not name.startswith(skip)}
+        modules = {name: m for name, m in self.named_modules() if not name.startswith(skip)}
         # Linear layers name what they need (one tensor per shard of a merged layer, a quantized
         # checkpoint's qweight/scales); every other parameter is one tensor of its own name.
         linears = {name: m for name, m in modules.items() if isinstance(m, Linear)}

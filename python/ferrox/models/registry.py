@@ -33,6 +33,7 @@ SUPPORTED: dict[str, str] = {
     "Gemma2ForCausalLM": "ferrox.models.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "ferrox.models.gemma3:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "ferrox.models.gemma3:Gemma3ForConditionalGeneration",
+    "LlavaForConditionalGeneration": "ferrox.models.llava:LlavaForConditionalGeneration",
     "Qwen2MoeForCausalLM": "ferrox.models.moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "ferrox.models.moe:Qwen3MoeForCausalLM",
     "BertModel": "ferrox.models.bert:BertModel",

@@ -34,11 +34,13 @@ import torch
 from ferrox.distributed.parallel_state import TPGroup, get_tp_group
 from ferrox.distributed.step_channel import SHUTDOWN, STEP, StepChannel
 from ferrox.layers.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, compute_logprobs
+from ferrox.multimodal.inputs import MultiModalItem
 from ferrox.sampling_params import SamplingParams
 from ferrox.step_types import Logprobs
 from ferrox.worker.input_batch import InFlight, InputBatch
 from ferrox.worker.mask_gate import MaskGate, PendingMask
 from ferrox.worker.model_forward import ModelForward, step_arrays
+from ferrox.worker.multimodal import ImageEmbeddings
 from ferrox.worker.request_state import RequestState
 from ferrox.worker.spec_decode import expand_rows, verify
 from ferrox.worker.step_inputs import Uploader
@@ -160,6 +162,8 @@ class ModelRunner:
         self._host_tokens: list[torch.Tensor] = []  # two pinned [max batch] buffers (GPU), by step parity
         self._step_parity = 0
         self._mask_gate: MaskGate | None = None  # CUDA: created with the first gated mask
+        # A model that takes images (worker/multimodal.py): their embeddings replace the placeholder rows.
+        self.images = ImageEmbeddings(model, device) if hasattr(model, "embed_multimodal") else None
 
     @property
     def graph_runner(self) -> Any:
@@ -181,8 +185,12 @@ class ModelRunner:
 
     # ---- persistent batch -------------------------------------------------------------------------
     def add_request(self, slot: int, req_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                    lora_id: int = 0) -> None:
+                    lora_id: int = 0, images: list[MultiModalItem] | None = None) -> None:
         self.input_batch.add(slot, req_id, prompt_token_ids, params)
+        if self.images is not None:
+            self.images.add(slot, images)
+        elif images:
+            raise ValueError("images given to a runner whose model takes none")
         if self.lora is not None:
             if slot >= self._lora_of_slot.size:
                 grown = np.zeros(max(2 * self._lora_of_slot.size, slot + 1, 64), dtype=np.int64)
@@ -194,6 +202,8 @@ class ModelRunner:
 
     def remove_requests(self, slots: list[int] | npt.NDArray[np.int32]) -> None:
         self.input_batch.remove(slots)
+        if self.images is not None:
+            self.images.remove(slots)
 
     def append_accepted(self, slots: npt.NDArray[np.int32], token_ids: npt.NDArray[np.int32],
                         token_offsets: npt.NDArray[np.int32]) -> None:
@@ -243,7 +253,8 @@ class ModelRunner:
 
         if self.lora is not None:
             self.lora.prepare_step(np.repeat(self._lora_of_slot[slots], np.asarray(so.num_scheduled_tokens)))
-        result = self.forward.run(so, prompt_rows, fill_holes, shifted=shifted)
+        image_rows = self.images.step_rows(so) if self.images else None
+        result = self.forward.run(so, prompt_rows, fill_holes, shifted=shifted, image_rows=image_rows)
         chunks = self._prompt_logprobs(prompt_jobs, result.prompt_logits)
         sample_mask = np.asarray(so.sample_mask, dtype=np.bool_)
         handle = StepHandle(so, slots, self._upload("slots", slots), self.input_batch.generation[slots],

@@ -100,8 +100,8 @@ class _Base(BaseModel):
 _REFUSED = {
     "logits_processors": "custom logits processors are not supported",
     "prompt_embeds": "prompt embeddings are not supported (send text or token ids)",
-    "mm_processor_kwargs": "this is a text-only engine (no multimodal processor)",
-    "media_io_kwargs": "this is a text-only engine (no media inputs)",
+    "mm_processor_kwargs": "per-request image processor arguments are not supported",
+    "media_io_kwargs": "per-request media decoding arguments are not supported",
     "kv_transfer_params": "disaggregated KV transfer is not supported",
     "vllm_xargs": "there are no custom extensions to take extra arguments",
     "logprob_token_ids": "logprobs of chosen token ids are not supported (use top_logprobs)",
@@ -301,12 +301,28 @@ class TextContentPart(_Base):
     text: str
 
 
+class ImageURL(_Base):
+    url: str
+    # OpenAI's resolution hint; vLLM takes it and the model's processor decides the resolution.
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageURLContentPart(_Base):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+    @field_validator("image_url", mode="before")
+    @classmethod
+    def _url_string(cls, value: Any) -> Any:
+        return {"url": value} if isinstance(value, str) else value  # vLLM also takes the url as a string
+
+
 class ChatMessage(BaseModel):
     # Extra keys (e.g. reasoning fields some clients echo back) pass through to the template.
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[TextContentPart | ImageURLContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
@@ -316,21 +332,24 @@ class ChatMessage(BaseModel):
     def _only_text_parts(cls, value: Any) -> Any:
         if isinstance(value, list):
             for part in value:
-                if isinstance(part, dict) and part.get("type") not in (None, "text"):
-                    raise ValueError(f"content part type {part.get('type')!r} is not supported (only 'text')")
+                if isinstance(part, dict) and part.get("type") not in (None, "text", "image_url"):
+                    raise ValueError(f"content part type {part.get('type')!r} is not supported (only 'text' and "
+                                     "'image_url')")
         return value
 
     def text(self) -> str | None:
         """The content as one string: text parts joined by newlines (vLLM's joiner)."""
         if self.content is None or isinstance(self.content, str):
             return self.content
-        return "\n".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content if isinstance(part, TextContentPart))
 
     def to_template_dict(self) -> dict[str, Any]:
-        """The message for the chat template: content a string, or its text parts as dicts (rendering
-        shapes both as the template wants them: loader/chat_template.py)."""
-        content: Any = ([{"type": "text", "text": part.text} for part in self.content]
-                        if isinstance(self.content, list) else self.content or "")
+        """The message for the chat template: content a string, or its parts as dicts (rendering
+        shapes both as the template wants them: loader/chat_template.py; image parts are taken out
+        first: multimodal/chat_parts.py)."""
+        content: Any = ([{"type": "text", "text": part.text} if isinstance(part, TextContentPart)
+                         else {"type": "image_url", "image_url": {"url": part.image_url.url}}
+                         for part in self.content] if isinstance(self.content, list) else self.content or "")
         out: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             out["name"] = self.name

@@ -45,6 +45,7 @@ from ferrox.entrypoints.openai.serving import (
     truncate_prompt,
     validate_request,
 )
+from ferrox.entrypoints.openai.serving_images import expand_images, fetch_images, take_template_images
 from ferrox.entrypoints.openai.structured import build_structured_outputs
 from ferrox.loader.chat_template import content_text
 from ferrox.outputs import CompletionOutput, RequestOutput
@@ -67,7 +68,8 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
     except ValueError as exc:  # InvalidArgumentError naming tools / tool_choice / response_format...
         raise api_error(exc) from None
     # A long conversation takes a while to render and encode: off the event loop (a short one inline).
-    chat = await ctx.engine.prompt_work(prompt_size(req), _render_prompt, ctx, req)
+    images = await fetch_images(ctx, [m.to_template_dict() for m in req.messages])
+    chat = await ctx.engine.prompt_work(prompt_size(req), _render_prompt, ctx, req, images)
     messages, template, prompt_text, prompt_ids = chat.messages, chat.template, chat.text, chat.token_ids
     if tool_hooks.needs_special_tokens(req, ctx.options.tool_call_parser, template):
         # The parser's markers are special tokens (Mistral's [TOOL_CALLS]): kept in the text, as vLLM does.
@@ -87,7 +89,11 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
     if req.user is not None or req.safety_identifier is not None:
         # OpenAI's end-user tags: no effect on the output, kept for the operator's logs.
         logger.debug("request %s from user %r (safety_identifier %r)", request_id, req.user, req.safety_identifier)
-    prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
+    prompt: dict[str, Any] = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
+    if chat.mm_items:
+        if beams is not None:
+            raise APIError(400, "use_beam_search: beam search takes no images", param="use_beam_search")
+        prompt["multi_modal_items"] = chat.mm_items
     echo = content_text(messages[-1].get("content")) if req.echo and messages else ""
     if req.stream:
         return await _stream(ctx, request, req, prompt, params, request_id, echo, template, headers)
@@ -180,16 +186,20 @@ class _ChatPrompt:
     template: str | None  # the template used, which picks the tool-call parser
     text: str | None  # None when truncate_prompt_tokens cut the rendered text
     token_ids: list[int]
+    mm_items: list[Any] | None = None  # the images, their placeholders expanded in token_ids
 
 
-def _render_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> _ChatPrompt:
+def _render_prompt(ctx: ServingContext, req: ChatCompletionRequest, images: list[Any] | None = None) -> _ChatPrompt:
     """The request's conversation through the chat template and the tokenizer (blocking: runs in
-    the engine's prompt threads); a bad template or message is an APIError naming `messages`."""
+    the engine's prompt threads); a bad template or message is an APIError naming `messages`.
+    images: the messages' image parts, fetched and decoded (serving_images.py)."""
     check_request_template(ctx, req.chat_template)
     messages = [m.to_template_dict() for m in req.messages]
     use_tools = req.tools if req.tool_choice != "none" else None
     # Templates without tool support (the embedded SmolLM2's) get the tools as system text.
     template = tool_hooks.template_text(ctx, req.chat_template, use_tools)
+    if images:
+        messages = take_template_images(ctx, messages, template)
     messages, use_tools = tool_hooks.prepare_messages(messages, use_tools, template)
     text = render_chat(
         ctx, messages,
@@ -202,6 +212,12 @@ def _render_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> _ChatProm
     # The template already holds the special tokens (BOS, <|im_start|>): add_special_tokens is off
     # unless the request turns it on, as in vLLM.
     ids = ctx.engine.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+    if images:
+        if getattr(req, "truncate_prompt_tokens", None) is not None:
+            raise APIError(400, "truncate_prompt_tokens: a prompt with images is not truncated (it could cut an "
+                           "image's tokens)", param="truncate_prompt_tokens")
+        ids, items = expand_images(ctx, ids, images)
+        return _ChatPrompt(messages, template, text, ids, items)
     truncated = truncate_prompt(ctx, ids, req)
     # A truncated prompt is no longer the rendered text: the engine then takes the ids alone.
     return _ChatPrompt(messages, template, text if truncated is ids else None, truncated)

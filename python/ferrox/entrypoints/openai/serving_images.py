@@ -1,0 +1,69 @@
+"""A request's images, fetched before its prompt renders (the chat, Anthropic messages and Responses routes).
+
+Each image part's url is fetched concurrently on the event loop (multimodal/media.py: data URLs, http(s)
+under VLLM_IMAGE_FETCH_TIMEOUT, files under --allowed-local-media-path) and decoded; a bad one is a 400
+naming its part, and nothing reaches the engine. The rendering (in the prompt threads) then takes the
+parts out of the messages and expands the prompt's placeholders with these images.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ferrox.entrypoints.openai.errors import APIError
+from ferrox.errors import InvalidArgumentError
+
+
+async def fetch_images(ctx: Any, messages: list[dict[str, Any]]) -> list[Any]:
+    """The decoded images of the messages' image parts, in prompt order ([] when there are none)."""
+    from ferrox.multimodal.chat_parts import image_sources
+    from ferrox.multimodal.media import MediaError, fetch_image, image_fetch_timeout, load_image
+
+    try:
+        sources = image_sources(messages)
+    except InvalidArgumentError as e:
+        raise APIError(400, str(e), param="messages") from None
+    if not sources:
+        return []
+    prompts = ctx.engine.image_prompts
+    if prompts is None:
+        raise APIError(400, f"{sources[0][0]}: {ctx.model_name} takes no images (a text-only model)",
+                       param="messages")
+    try:
+        prompts.check_count(len(sources), "messages", param="messages")
+    except InvalidArgumentError as e:
+        raise APIError(400, str(e), param="messages") from None
+
+    async def one(where: str, source: Any) -> Any:
+        try:
+            if not isinstance(source, str):  # an image object (offline-style callers of the same helper)
+                return load_image(source)
+            return await fetch_image(source, allowed_local_media_path=prompts.allowed_local_media_path,
+                                     timeout=image_fetch_timeout())
+        except MediaError as e:
+            raise APIError(400, f"{where}.image_url.url: {e}", param="messages") from None
+
+    return list(await asyncio.gather(*(one(where, source) for where, source in sources)))
+
+
+def take_template_images(ctx: Any, messages: list[dict[str, Any]], template: str | None) -> list[dict[str, Any]]:
+    """The messages with their image parts in the template's shape (multimodal/chat_parts.py)."""
+    from ferrox.loader.chat_template import resolve_content_format
+    from ferrox.multimodal.chat_parts import take_images
+
+    prompts = ctx.engine.image_prompts
+    try:
+        fmt = resolve_content_format(ctx.options.chat_template_content_format, template or "")
+        return take_images(messages, fmt, prompts.placeholder if prompts is not None else None, ctx.model_name)[0]
+    except (InvalidArgumentError, ValueError) as e:
+        raise APIError(400, str(e), param="messages") from None
+
+
+def expand_images(ctx: Any, ids: list[int], images: list[Any]) -> tuple[list[int], list[Any]]:
+    """(ids with each image placeholder expanded, the engine's MultiModalItems): a placeholder count that
+    does not match the images is a 400 naming messages."""
+    try:
+        return ctx.engine.image_prompts.expand(ids, images, "messages", param="messages")
+    except InvalidArgumentError as e:
+        raise APIError(400, str(e), param="messages") from None

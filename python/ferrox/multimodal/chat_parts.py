@@ -1,0 +1,88 @@
+"""A chat's image parts: taken out of the messages before the chat template renders them.
+
+OpenAI's `{"type": "image_url", "image_url": {"url": ...}}` (vLLM also takes the url as a plain string,
+and offline callers `{"type": "image_pil", "image_pil": <PIL image>}`) becomes what the template expects
+(vLLM's rules): a template that loops over a message's parts ("openai" content format: LLaVA's, Gemma
+3's) gets `{"type": "image"}` in the image's place and writes the model's placeholder itself; a
+template that prints content as one string gets each image's placeholder text on a line of its own
+before the message's text. The sources come back in prompt order, for the caller to fetch and decode.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ferrox._core import InvalidArgumentError
+
+_REFUSED = {"image_embeds": "image embeddings", "input_audio": "audio", "audio_url": "audio",
+            "video_url": "video", "file": "files"}
+
+
+def image_source(part: dict[str, Any], where: str) -> Any:
+    """The url (or PIL image) of an image part; None for a text part."""
+    kind = part.get("type")
+    if kind == "image_url":
+        url = part.get("image_url")
+        if isinstance(url, dict):
+            url = url.get("url")
+        if not isinstance(url, str) or not url:
+            raise InvalidArgumentError(f"{where}.image_url.url: an image part needs a url (https://..., "
+                                       "data:image/...;base64,...)", param="messages")
+        return url
+    if kind == "image_pil":
+        if part.get("image_pil") is None:
+            raise InvalidArgumentError(f"{where}.image_pil: missing", param="messages")
+        return part["image_pil"]
+    if kind in _REFUSED:
+        raise InvalidArgumentError(f"{where}: content part type {kind!r} is not supported ({_REFUSED[kind]} inputs); "
+                                   "send text and image_url parts", param="messages")
+    return None
+
+
+def take_images(messages: list[dict[str, Any]], content_format: str,
+                placeholder: str | None, model_name: str = "this model") -> tuple[list[dict[str, Any]], list[Any]]:
+    """(messages for the template, image sources in order). placeholder: the model's image placeholder
+    text, None for a text-only model (whose image parts are refused naming the part)."""
+    sources: list[Any] = []
+    out = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        parts: list[Any] = []
+        images = 0
+        for j, part in enumerate(content):
+            source = image_source(part, f"messages[{i}].content[{j}]") if isinstance(part, dict) else None
+            if source is None:
+                parts.append(part)
+                continue
+            if placeholder is None:
+                raise InvalidArgumentError(f"messages[{i}].content[{j}]: {model_name} takes no images (a text-only "
+                                           "model)", param="messages")
+            sources.append(source)
+            images += 1
+            parts.append({"type": "image"})
+        if not images:
+            out.append(message)
+        elif content_format == "openai":
+            out.append({**message, "content": parts})
+        else:
+            texts = [p if isinstance(p, str) else p.get("text", "") for p in parts if p != {"type": "image"}]
+            out.append({**message, "content": "\n".join([placeholder] * images + texts)})  # type: ignore[arg-type]
+    return out, sources
+
+
+def image_sources(messages: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    """(where, source) of every image part, in order (the server fetches them before rendering); refused
+    part kinds raise naming the part."""
+    found = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                where = f"messages[{i}].content[{j}]"
+                source = image_source(part, where) if isinstance(part, dict) else None
+                if source is not None:
+                    found.append((where, source))
+    return found

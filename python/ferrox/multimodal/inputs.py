@@ -1,0 +1,48 @@
+"""An image of a prompt as the engine core receives it, and the prefix-cache salt that keeps images apart.
+
+The front-end turns each image into pixel values (multimodal/image_processor.py) and the prompt's
+placeholder into the run of tokens the image's embeddings replace (multimodal/processing.py). The core
+sees only token ids: two prompts with different images have the same placeholder ids, so their KV
+blocks must not be shared. The images' hashes join the request's cache salt, which the Rust core mixes
+into every block hash: prompts with the same images in the same order still share their prefix
+(a multi-turn chat about one picture reuses its KV), others never do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+import torch
+
+
+class MultiModalItem(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One image: its placeholder run in the prompt and its pixel values (float32, C order, so the
+    struct crosses the core's socket as plain bytes)."""
+
+    offset: int  # prompt position of the first placeholder token
+    length: int  # placeholder tokens: the rows of the image's embeddings
+    pixels: bytes
+    shape: list[int]
+    hash: str
+    modality: str = "image"
+
+    @classmethod
+    def from_pixels(cls, offset: int, length: int, pixel_values: torch.Tensor, digest: str) -> MultiModalItem:
+        array = np.ascontiguousarray(pixel_values.detach().to(torch.float32).cpu().numpy())
+        return cls(offset, length, array.tobytes(), list(array.shape), digest)
+
+    def pixel_values(self) -> torch.Tensor:
+        return torch.from_numpy(np.frombuffer(self.pixels, dtype=np.float32).reshape(self.shape).copy())
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+def cache_salt_with_images(salt: str | None, items: Sequence[MultiModalItem] | None) -> str | None:
+    """The request's salt extended by its images' hashes, in prompt order (None without images)."""
+    if not items:
+        return salt
+    return f"{salt or ''}\x00images:" + ",".join(item.hash for item in items)

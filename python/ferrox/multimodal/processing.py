@@ -1,0 +1,124 @@
+"""A multimodal model's prompt rules: which token marks an image in a prompt, and what it becomes.
+
+A prompt says where each image goes with one placeholder token (LLaVA's `<image>`, written by the chat
+template or by the user). The model replaces a run of tokens with the image's embeddings, one per
+row the vision tower and projector produce, so the placeholder is expanded into that many tokens
+before the prompt reaches the engine (its length, KV blocks and positions count them), as the Hugging
+Face processors do. Built in the front-end from the model folder (config.json, preprocessor_config.json):
+the model itself lives in the engine core, maybe another process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ferrox._core import InvalidArgumentError
+from ferrox.multimodal.inputs import MultiModalItem
+
+# transformers' vision config defaults (image and patch size) by model_type, and LLaVA's default tower.
+_VISION_SIZES = {"clip_vision_model": (224, 32), "siglip_vision_model": (224, 16)}
+LLAVA_DEFAULT_VISION = {"model_type": "clip_vision_model", "intermediate_size": 4096, "hidden_size": 1024,
+                        "patch_size": 14, "image_size": 336, "num_hidden_layers": 24, "num_attention_heads": 16,
+                        "projection_dim": 768}
+
+
+def llava_vision_config(multimodal: Mapping[str, Any]) -> dict[str, Any]:
+    """A LLaVA checkpoint's vision_config as LlavaConfig reads it (a CLIP tower when unsaid)."""
+    vision = multimodal.get("vision_config")
+    if vision is None:
+        return dict(LLAVA_DEFAULT_VISION)
+    return {"model_type": "clip_vision_model", **vision}
+
+
+def llava_image_tokens(multimodal: Mapping[str, Any]) -> int:
+    """Embedding rows per image: the tower's patches, its class token (CLIP), less one under the
+    "default" feature strategy (which drops the first row)."""
+    vision = llava_vision_config(multimodal)
+    kind = vision["model_type"]
+    if kind not in _VISION_SIZES:
+        raise InvalidArgumentError(f"config.json: vision_config.model_type {kind!r} is not supported "
+                                   f"(supported: {', '.join(_VISION_SIZES)})", param="model")
+    image_size, patch_size = _VISION_SIZES[kind]
+    patches = (int(vision.get("image_size", image_size)) // int(vision.get("patch_size", patch_size))) ** 2
+    rows = patches + (1 if kind == "clip_vision_model" else 0)
+    return rows - 1 if multimodal.get("vision_feature_select_strategy", "default") == "default" else rows
+
+
+@dataclass(slots=True)
+class ImagePrompts:
+    """One model's image placeholders and pixels: `expand` makes a prompt and its images what the
+    engine core takes."""
+
+    image_token_id: int
+    tokens_per_image: int
+    placeholder: str  # the placeholder's text: what a string-content chat template gets per image
+    image_processor: Any  # multimodal.image_processor.ImageProcessor, or None: the folder has no config
+    model_dir: str
+    limit: int | None = None  # --limit-mm-per-prompt's images per prompt
+    allowed_local_media_path: str | None = None  # --allowed-local-media-path
+
+    def check_count(self, count: int, what: str, param: str = "multi_modal_data") -> None:
+        if self.limit is not None and count > self.limit:
+            raise InvalidArgumentError(f"{what}: {count} images, at most {self.limit} may be given in one prompt "
+                                       "(--limit-mm-per-prompt)", param=param)
+
+    def load(self, source: Any, what: str, param: str = "multi_modal_data") -> Any:
+        """A PIL image from a url, path, bytes or PIL image (offline callers; the server fetches
+        asynchronously with media.fetch_image)."""
+        from ferrox.multimodal.media import MediaError, image_fetch_timeout, load_image
+
+        try:
+            return load_image(source, allowed_local_media_path=self.allowed_local_media_path,
+                              timeout=image_fetch_timeout())
+        except MediaError as e:
+            raise InvalidArgumentError(f"{what}: {e}", param=param) from None
+
+    def expand(self, prompt_ids: Sequence[int], images: Sequence[Any], what: str,
+               param: str = "multi_modal_data") -> tuple[list[int], list[MultiModalItem]]:
+        """(expanded ids, one item per image). `images`: decoded PIL images, in prompt order."""
+        from ferrox.multimodal.media import image_hash
+
+        self.check_count(len(images), what, param)
+        found = sum(1 for t in prompt_ids if t == self.image_token_id)
+        if found != len(images):
+            raise InvalidArgumentError(
+                f"{what}: the prompt has {found} image placeholder(s) ({self.placeholder!r}, token "
+                f"{self.image_token_id}) for {len(images)} image(s); put one placeholder where each image goes",
+                param=param)
+        if not images:
+            return list(prompt_ids), []
+        if self.image_processor is None:
+            raise InvalidArgumentError(f"{what}: model folder {self.model_dir} has no preprocessor_config.json, "
+                                       "so its images cannot be prepared", param=param)
+        pixels = self.image_processor(list(images))
+        ids: list[int] = []
+        items: list[MultiModalItem] = []
+        for token in prompt_ids:
+            if token != self.image_token_id:
+                ids.append(token)
+                continue
+            k = len(items)
+            items.append(MultiModalItem.from_pixels(len(ids), self.tokens_per_image, pixels[k],
+                                                    image_hash(images[k])))
+            ids.extend([self.image_token_id] * self.tokens_per_image)
+        return ids, items
+
+
+def image_prompts_for_model(model_dir: str, hf_config: Mapping[str, Any], tokenizer: Any, *,
+                            limits: Mapping[str, int] | None = None,
+                            allowed_local_media_path: str | None = None) -> ImagePrompts | None:
+    """The prompt rules of a model that takes images (None for a text-only one). hf_config: config.json;
+    limits: --limit-mm-per-prompt."""
+    archs = hf_config.get("architectures") or []
+    if "LlavaForConditionalGeneration" not in archs:
+        return None
+    from ferrox.multimodal.image_processor import ImageProcessor
+
+    token_id = int(hf_config.get("image_token_index", hf_config.get("image_token_id", 32_000)))
+    placeholder = tokenizer.id_to_token(token_id) if hasattr(tokenizer, "id_to_token") else None
+    processor = ImageProcessor.from_model_dir(model_dir) if os.path.isdir(model_dir) else None
+    return ImagePrompts(token_id, llava_image_tokens(hf_config), placeholder or "<image>", processor, model_dir,
+                        (limits or {}).get("image"), allowed_local_media_path)

@@ -1,0 +1,111 @@
+"""Image embeddings in the prompt rows that take them.
+
+A request's images arrive with it (multimodal/inputs.py MultiModalItem: a placeholder run of the prompt
+and the image's pixels). A step that schedules part of such a run needs the image's embeddings for
+those rows: the vision tower and projector run over the whole image the first time any of its rows is
+scheduled (a chunked prefill may cut an image across steps), and the rows are kept until the prefill
+has passed the image's end. After a preemption the recomputed prefill encodes the image again.
+The step then starts from the token embeddings with those rows replaced (model.embed_input_ids,
+model.forward(inputs_embeds=...)), eagerly: the CUDA graphs read token ids.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ferrox._core import InvalidArgumentError
+from ferrox.multimodal.inputs import MultiModalItem
+
+
+def check_items(items: list[MultiModalItem], prompt: list[int], model: Any, what: str) -> None:
+    """A request's images against its prompt and the model, before anything is queued: runs inside the
+    prompt, in order, not overlapping, over the model's image token, with the pixel shape and row count
+    the model's tower takes (InvalidArgumentError naming multi_modal_data)."""
+    if not hasattr(model, "embed_multimodal"):
+        raise InvalidArgumentError(f"{what}: the model takes no images (a text-only model)", param="multi_modal_data")
+    end = 0
+    for k, item in enumerate(items):
+        if item.modality != "image":
+            raise InvalidArgumentError(f"{what}: item {k} is {item.modality!r}; only images are supported",
+                                       param="multi_modal_data")
+        if item.offset < end or item.length < 1 or item.end > len(prompt):
+            raise InvalidArgumentError(f"{what}: image {k}'s placeholder run [{item.offset}, {item.end}) is not "
+                                       f"inside the {len(prompt)}-token prompt after the previous image",
+                                       param="multi_modal_data")
+        if item.length != model.image_tokens:
+            raise InvalidArgumentError(f"{what}: image {k} has {item.length} placeholder tokens, the model's images "
+                                       f"take {model.image_tokens}", param="multi_modal_data")
+        if list(item.shape) != list(model.pixel_shape):
+            raise InvalidArgumentError(f"{what}: image {k}'s pixels are {list(item.shape)}, the model's vision "
+                                       f"tower takes {list(model.pixel_shape)}", param="multi_modal_data")
+        if len(item.pixels) != 4 * int(np.prod(item.shape)):
+            raise InvalidArgumentError(f"{what}: image {k}'s pixel bytes do not match its shape",
+                                       param="multi_modal_data")
+        end = item.end
+
+
+class ImageEmbeddings:
+    """The images of the runner's requests, by core slot, and the embeddings being consumed."""
+
+    def __init__(self, model: Any, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self._items: dict[int, list[MultiModalItem]] = {}
+        self._encoded: dict[tuple[int, int], torch.Tensor] = {}  # (slot, image) -> [length, hidden]
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
+    def add(self, slot: int, items: list[MultiModalItem] | None) -> None:
+        self._drop(slot)
+        if items:
+            self._items[slot] = list(items)
+
+    def remove(self, slots: Any) -> None:
+        for slot in np.asarray(slots).tolist():
+            self._drop(int(slot))
+
+    def _drop(self, slot: int) -> None:
+        items = self._items.pop(slot, None)
+        for k in range(len(items or ())):
+            self._encoded.pop((slot, k), None)
+
+    def _embeddings(self, slot: int, k: int, item: MultiModalItem) -> torch.Tensor:
+        key = (slot, k)
+        rows = self._encoded.get(key)
+        if rows is None:
+            pixels = item.pixel_values().to(self.device).unsqueeze(0)
+            rows = self.model.embed_multimodal(pixels)[0]
+            self._encoded[key] = rows
+        return rows
+
+    def step_rows(self, so: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(token rows of the step [k] int64, their embeddings [k, hidden]) for the image rows this step
+        computes, or None when it computes none."""
+        if not self._items:
+            return None
+        slots = np.asarray(so.req_slots)
+        qsl = np.asarray(so.query_start_loc)
+        positions = np.asarray(so.positions)
+        rows: list[np.ndarray] = []
+        parts: list[torch.Tensor] = []
+        for r, slot in enumerate(slots.tolist()):
+            items = self._items.get(slot)
+            if not items:
+                continue
+            start, stop = int(qsl[r]), int(qsl[r + 1])
+            first = int(positions[start])  # a row's positions run on from its first
+            last = first + stop - start
+            for k, item in enumerate(items):
+                lo, hi = max(first, item.offset), min(last, item.end)
+                if lo < hi:
+                    rows.append(np.arange(start + lo - first, start + hi - first, dtype=np.int64))
+                    parts.append(self._embeddings(slot, k, item)[lo - item.offset:hi - item.offset])
+                if item.end <= last:
+                    self._encoded.pop((slot, k), None)  # the prefill is past this image
+        if not rows:
+            return None
+        return torch.from_numpy(np.concatenate(rows)).to(self.device), torch.cat(parts)
