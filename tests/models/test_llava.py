@@ -137,3 +137,20 @@ def test_text_only_model_refuses_images(tmp_path):
     with pytest.raises(InvalidArgumentError, match=r"messages\[0\].content\[0\].*takes no images"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(img)}}]}],
                  GREEDY)
+
+
+@pytest.mark.gpu
+def test_llava_on_cuda_matches_transformers(tmp_path):
+    """The tower, projector and image rows on the device (bf16 weights would round differently from the float32
+    reference: float32 here, so the tokens must agree)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from transformers import LlavaForConditionalGeneration
+
+    folder = make_tiny_llava(tmp_path / "llava")
+    hf = LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    llm = LLM(model=folder, dtype="float32", device="cuda", max_num_batched_tokens=24)
+    img, img2 = _images()
+    out = llm.generate({"prompt": "<image> and <image>?", "multi_modal_data": {"image": [img, img2]}}, GREEDY,
+                       use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == _hf_greedy(hf, folder, out.prompt_token_ids, [img, img2])

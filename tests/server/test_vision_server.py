@@ -1,6 +1,7 @@
 """Images over HTTP (`ferrox serve` of a tiny LLaVA): the openai client's chat messages with image_url
 parts (a data URL, and an http URL the server fetches), streamed and not, the same tokens as the offline
-LLM on the same images; bad images are 400s naming the part, a text-only... and the server keeps serving."""
+LLM on the same images; Anthropic's image blocks and the Responses API's input_image parts take the same
+path; bad images are 400s naming the part, and the server keeps serving."""
 
 from __future__ import annotations
 
@@ -67,8 +68,8 @@ def _messages(url: str, n: int = 1) -> list[dict]:
     return [{"role": "user", "content": [*parts, {"type": "text", "text": "What is this?"}]}]
 
 
-def _post(base_url: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(base_url + "/v1/chat/completions", data=json.dumps(body).encode(),
+def _post(base_url: str, body: dict, path: str = "/v1/chat/completions") -> tuple[int, dict]:
+    req = urllib.request.Request(base_url + path, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=60) as resp:
@@ -113,3 +114,30 @@ def test_bad_images_are_400s_naming_the_part(vision_server):
     status, body = _post(srv.base_url, {"model": "llava", "messages": _messages(media_url + "/cat.png"),
                                         "max_tokens": 2})
     assert status == 200, body
+
+
+def test_anthropic_and_responses_images(vision_server):
+    srv, reference, png, media_url = vision_server
+    b64 = base64.b64encode(png).decode()
+    expected = reference.chat(_messages("data:image/png;base64," + b64), SamplingParams(max_tokens=8, temperature=0),
+                              use_tqdm=False)[0].outputs[0].text
+    anthropic_body = {"model": "llava", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}},
+        {"type": "text", "text": "What is this?"}]}]}
+    status, body = _post(srv.base_url, anthropic_body, "/v1/messages")
+    assert status == 200, body
+    assert body["content"][0]["text"] == expected
+    url_body = {**anthropic_body, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "url", "url": media_url + "/cat.png"}},
+        {"type": "text", "text": "What is this?"}]}]}
+    status, body = _post(srv.base_url, url_body, "/v1/messages")
+    assert status == 200 and body["content"][0]["text"] == expected, body
+    responses_body = {"model": "llava", "max_output_tokens": 8, "temperature": 0, "input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "data:image/png;base64," + b64},
+        {"type": "input_text", "text": "What is this?"}]}]}
+    status, body = _post(srv.base_url, responses_body, "/v1/responses")
+    assert status == 200, body
+    assert body["output"][-1]["content"][0]["text"] == expected
+    bad = {**responses_body, "input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}
+    status, body = _post(srv.base_url, bad, "/v1/responses")
+    assert status == 400 and "file_id" in body["error"]["message"], body

@@ -55,21 +55,39 @@ class RenderedPrompt:
     template: str | None  # picks the tool-call parser, as on chat
     text: str
     token_ids: list[int]
+    mm_items: list[Any] | None = None  # the images, their placeholders expanded in token_ids
+
+    def engine_prompt(self) -> dict[str, Any]:
+        """The prompt as AsyncLLM.generate takes it."""
+        prompt: dict[str, Any] = {"prompt": self.text, "prompt_token_ids": self.token_ids}
+        if self.mm_items:
+            prompt["multi_modal_items"] = self.mm_items
+        return prompt
 
 
 def render_prompt(ctx: ServingContext, messages: list[dict[str, Any]], req: ToolRequest, *,
-                  continue_final: bool = False, template_kwargs: dict[str, Any] | None = None) -> RenderedPrompt:
+                  continue_final: bool = False, template_kwargs: dict[str, Any] | None = None,
+                  images: list[Any] | None = None) -> RenderedPrompt:
     """Render OpenAI-shaped messages with the tools (blocking: call it in the prompt threads).
     `continue_final` renders a last assistant message open-ended, so the model continues it
-    instead of starting a new turn (Anthropic's assistant prefill)."""
+    instead of starting a new turn (Anthropic's assistant prefill). images: the messages' image
+    parts, fetched (entrypoints/openai/serving_images.py)."""
+    from ferrox.entrypoints.openai.serving_images import expand_images, take_template_images
+
     tools = req.prompt_tools
     template = tool_hooks.template_text(ctx, None, tools)
+    if images:
+        messages = take_template_images(ctx, messages, template)
     # Templates without tool support (the embedded SmolLM2's) get the tools as system text.
     messages, tools = tool_hooks.prepare_messages(messages, tools, template)
     text = render_chat(ctx, messages, add_generation_prompt=not continue_final,
                        continue_final_message=continue_final, tools=tools, template_kwargs=template_kwargs)
     # The template holds the special tokens already (BOS, <|im_start|>): do not add them twice.
-    return RenderedPrompt(template, text, ctx.engine.tokenizer.encode(text, add_special_tokens=False))
+    ids = ctx.engine.tokenizer.encode(text, add_special_tokens=False)
+    if images:
+        ids, items = expand_images(ctx, ids, images)
+        return RenderedPrompt(template, text, ids, items)
+    return RenderedPrompt(template, text, ids)
 
 
 # ---- the reply as blocks ------------------------------------------------------------------------

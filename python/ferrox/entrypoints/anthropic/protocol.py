@@ -1,8 +1,8 @@
 """Request body of Anthropic's Messages API (POST /v1/messages), validated with pydantic v2.
 
-Content blocks served: text, tool_use and thinking (assistant turns) and tool_result (user turns);
-an assistant's redacted_thinking is opaque and left out of the prompt (as in vLLM). Other blocks
-(image, document...) and server tools are rejected with a 400 naming them rather than silently
+Content blocks served: text, tool_use and thinking (assistant turns), tool_result and image (user
+turns; images for a model that takes them); an assistant's redacted_thinking is opaque and left out of
+the prompt (as in vLLM). Other blocks (document...) and server tools are rejected with a 400 naming them rather than silently
 dropped. `template_messages` turns the conversation into the OpenAI chat
 shape that the chat templates and the shared tool machinery (entrypoints/tool_use.py) read.
 """
@@ -72,10 +72,38 @@ class RedactedThinkingBlock(_Base):
     data: str = ""
 
 
-ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
-                         Field(discriminator="type")]
+class ImageSource(_Base):
+    type: Literal["base64", "url"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"] | None = None
+    data: str | None = None
+    url: str | None = None
 
-_BLOCKS_BY_ROLE = {"user": ("text", "tool_result"),
+    @model_validator(mode="after")
+    def _fields_for_type(self) -> ImageSource:
+        if self.type == "base64" and (self.data is None or self.media_type is None):
+            raise ValueError("a base64 image source needs media_type and data")
+        if self.type == "url" and not self.url:
+            raise ValueError("a url image source needs url")
+        return self
+
+
+class ImageBlock(_Base):
+    """A user turn's image: an OpenAI image_url part for the shared chat path (a base64 source as a
+    data URL), fetched and placed by the model's image rules (entrypoints/openai/serving_images.py)."""
+
+    type: Literal["image"]
+    source: ImageSource
+
+    def to_openai(self) -> dict[str, Any]:
+        src = self.source
+        url = f"data:{src.media_type};base64,{src.data}" if src.type == "base64" else src.url
+        return {"type": "image_url", "image_url": {"url": url}}
+
+
+ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+                         | ImageBlock, Field(discriminator="type")]
+
+_BLOCKS_BY_ROLE = {"user": ("text", "tool_result", "image"),
                    "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
 
 
@@ -97,6 +125,14 @@ class AnthropicMessage(_Base):
     def _blocks_for_role(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("role") in _BLOCKS_BY_ROLE:
             _reject_blocks(data.get("content"), _BLOCKS_BY_ROLE[data["role"]])
+            content = data.get("content")
+            for block in content if isinstance(content, list) else []:
+                # (pydantic's own error for a bad block would name the content's string form instead)
+                source = block.get("source") if isinstance(block, dict) and block.get("type") == "image" else None
+                if isinstance(block, dict) and block.get("type") == "image" and (
+                        not isinstance(source, dict) or source.get("type") not in ("base64", "url")):
+                    raise ValueError("image block: source must be {\"type\": \"base64\", \"media_type\", "
+                                     "\"data\"} or {\"type\": \"url\", \"url\"}")
         return data
 
     def text(self) -> str:
@@ -123,18 +159,27 @@ class AnthropicMessage(_Base):
                 message["tool_calls"] = calls
             return [message]
         out: list[dict[str, Any]] = []
-        text: list[str] = []
+        parts: list[dict[str, Any]] = []
         for block in self.content:
             if isinstance(block, ToolResultBlock):
-                if text:
-                    out.append({"role": "user", "content": _text_content(text)})
-                    text = []
+                if parts:
+                    out.append({"role": "user", "content": _user_content(parts)})
+                    parts = []
                 out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()})
             elif isinstance(block, TextBlock):
-                text.append(block.text)
-        if text or not out:
-            out.append({"role": "user", "content": _text_content(text)})
+                parts.append({"type": "text", "text": block.text})
+            elif isinstance(block, ImageBlock):
+                parts.append(block.to_openai())
+        if parts or not out:
+            out.append({"role": "user", "content": _user_content(parts)})
         return out
+
+
+def _user_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """A user turn's text and image parts as OpenAI content: one text a string, else the parts."""
+    if len(parts) == 1 and parts[0]["type"] == "text":
+        return parts[0]["text"]
+    return parts or ""
 
 
 def _text_content(texts: list[str]) -> str | list[dict[str, str]]:

@@ -42,6 +42,7 @@ from ferrox.entrypoints.openai.serving import (
     start_sse,
     validate_request,
 )
+from ferrox.entrypoints.openai.serving_images import fetch_images
 from ferrox.entrypoints.openai.structured import format_constraint
 from ferrox.errors import FerroxError
 from ferrox.outputs import CompletionOutput
@@ -74,11 +75,18 @@ def _content_block(block: tool_use.ReplyBlock) -> dict[str, Any]:
             "input": json.loads(block.arguments)}
 
 
-def _render_prompt(ctx: ServingContext, req: MessagesRequest) -> tool_use.RenderedPrompt:
+def _render_prompt(ctx: ServingContext, req: MessagesRequest, images: list[Any] | None = None
+                   ) -> tool_use.RenderedPrompt:
     """The conversation through the chat template, tools included (blocking: runs in the engine's
-    prompt threads); a bad template or message is an APIError naming `messages`."""
+    prompt threads); a bad template or message is an APIError naming `messages`. images: the user
+    turns' image blocks, fetched."""
     return tool_use.render_prompt(ctx, req.template_messages(), req.tool_request(), continue_final=req.prefill,
-                                  template_kwargs=req.template_kwargs())
+                                  template_kwargs=req.template_kwargs(), images=images)
+
+
+async def _render(ctx: ServingContext, req: MessagesRequest) -> tool_use.RenderedPrompt:
+    images = await fetch_images(ctx, req.template_messages())
+    return await ctx.engine.prompt_work(prompt_size(req), _render_prompt, ctx, req, images)
 
 
 async def count_message_tokens(ctx: ServingContext, request: web.Request) -> web.StreamResponse:
@@ -86,7 +94,7 @@ async def count_message_tokens(ctx: ServingContext, request: web.Request) -> web
     req = await parse_body(request, MessagesCountRequest)
     ctx.check_model(req.model)
     tool_use.tool_constraint(req.tool_request())
-    prompt = await ctx.engine.prompt_work(prompt_size(req), _render_prompt, ctx, req)
+    prompt = await _render(ctx, req)
     return json_response({"input_tokens": len(prompt.token_ids)})
 
 
@@ -126,13 +134,13 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
     tools = req.tool_request()
     structured = _constraint(req, tools)
     # A long conversation takes a while to render and encode: off the event loop (a short one inline).
-    prompt = await ctx.engine.prompt_work(prompt_size(req), _render_prompt, ctx, req)
+    prompt = await _render(ctx, req)
     check_max_tokens(ctx, len(prompt.token_ids), req.max_tokens)
     params = _sampling_params(ctx, req, structured, tool_use.keeps_special_tokens(tools, prompt.template, ctx.options.tool_call_parser))
     validate_request(ctx, prompt.token_ids, params, MESSAGES_FIELDS)
     message_id = new_id("msg").replace("-", "_")
     request["request_id"] = message_id  # -> the X-Request-Id header and the access log
-    gen = ctx.engine.generate({"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}, params, message_id,
+    gen = ctx.engine.generate(prompt.engine_prompt(), params, message_id,
                               lora_request=ctx.lora_request(req.model))
     # Pull the first output before sending headers, so a rejected request is still a plain 4xx/503.
     first = await first_output(gen, "messages", MESSAGES_FIELDS)

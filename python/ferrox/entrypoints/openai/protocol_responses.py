@@ -17,7 +17,16 @@ import base64
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    field_validator,
+    model_validator,
+)
 
 from ferrox.entrypoints.openai.protocol import ResponseFormat
 from ferrox.entrypoints.tool_use import ToolRequest
@@ -55,7 +64,25 @@ class OutputText(_Item):
     text: str
 
 
-ContentPart = Annotated[InputText | OutputText, Field(discriminator="type")]
+class InputImage(_Item):
+    """An image for a model that takes them: a URL or data URL (OpenAI's file_id names an uploaded file,
+    which ferrox does not store: refused)."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: Literal["auto", "low", "high"] | None = None
+
+    @model_validator(mode="after")
+    def _url_only(self) -> InputImage:
+        if self.file_id is not None:
+            raise ValueError("input_image.file_id: uploaded files are not supported (give image_url)")
+        if not self.image_url:
+            raise ValueError("input_image needs image_url")
+        return self
+
+
+ContentPart = Annotated[InputText | OutputText | InputImage, Field(discriminator="type")]
 
 
 class ReasoningText(_Item):
@@ -125,7 +152,15 @@ class MessageItem(_Item):
     content: str | list[ContentPart]
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "\n".join(
+            p.text for p in self.content if not isinstance(p, InputImage))
+
+    def chat_content(self) -> str | list[dict[str, Any]]:
+        """The content for the chat path: text, or text and image_url parts in order when it has images."""
+        if isinstance(self.content, str) or not any(isinstance(p, InputImage) for p in self.content):
+            return self.text()
+        return [{"type": "image_url", "image_url": {"url": p.image_url}} if isinstance(p, InputImage)
+                else {"type": "text", "text": p.text} for p in self.content]
 
 
 class FunctionCallItem(_Item):
@@ -152,7 +187,7 @@ def _item_kind(item: Any) -> str | None:
 
 
 _ITEM_KINDS = ("message", "function_call", "function_call_output", "reasoning")
-_PART_KINDS = ("input_text", "output_text")
+_PART_KINDS = ("input_text", "output_text", "input_image")
 
 
 def _check_items(items: Any) -> Any:
@@ -170,6 +205,9 @@ def _check_items(items: Any) -> Any:
             if part_kind not in _PART_KINDS:
                 raise ValueError(f"input[{i}].content[{j}]: content type {part_kind!r} is not supported "
                                  f"(only {', '.join(_PART_KINDS)})")
+            if part_kind == "input_image" and part.get("file_id") is not None:
+                raise ValueError(f"input[{i}].content[{j}].file_id: uploaded files are not supported (give "
+                                 "image_url: a URL or a data URL)")
     return items
 
 
@@ -317,7 +355,7 @@ class ResponsesRequest(BaseModel):
             if isinstance(item, MessageItem):
                 # Chat templates know "system"; OpenAI's "developer" plays that part.
                 role = "system" if item.role == "developer" else item.role
-                out.append({"role": role, "content": item.text()})
+                out.append({"role": role, "content": item.chat_content()})
             elif isinstance(item, FunctionCallItem):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}

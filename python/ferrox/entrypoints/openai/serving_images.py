@@ -15,25 +15,25 @@ from ferrox.entrypoints.openai.errors import APIError
 from ferrox.errors import InvalidArgumentError
 
 
-async def fetch_images(ctx: Any, messages: list[dict[str, Any]]) -> list[Any]:
-    """The decoded images of the messages' image parts, in prompt order ([] when there are none)."""
+async def fetch_images(ctx: Any, messages: list[dict[str, Any]], field: str = "messages") -> list[Any]:
+    """The decoded images of the messages' image parts, in prompt order ([] when there are none). field: the
+    request's name for its messages in errors (the Responses API's `input`)."""
     from ferrox.multimodal.chat_parts import image_sources
     from ferrox.multimodal.media import MediaError, fetch_image, image_fetch_timeout, load_image
 
     try:
-        sources = image_sources(messages)
+        sources = [(where.replace("messages", field, 1), source) for where, source in image_sources(messages)]
     except InvalidArgumentError as e:
-        raise APIError(400, str(e), param="messages") from None
+        raise APIError(400, str(e).replace("messages", field, 1), param=field) from None
     if not sources:
         return []
     prompts = ctx.engine.image_prompts
     if prompts is None:
-        raise APIError(400, f"{sources[0][0]}: {ctx.model_name} takes no images (a text-only model)",
-                       param="messages")
+        raise APIError(400, f"{sources[0][0]}: {ctx.model_name} takes no images (a text-only model)", param=field)
     try:
-        prompts.check_count(len(sources), "messages", param="messages")
+        prompts.check_count(len(sources), field, param=field)
     except InvalidArgumentError as e:
-        raise APIError(400, str(e), param="messages") from None
+        raise APIError(400, str(e), param=field) from None
 
     async def one(where: str, source: Any) -> Any:
         try:
@@ -42,7 +42,7 @@ async def fetch_images(ctx: Any, messages: list[dict[str, Any]]) -> list[Any]:
             return await fetch_image(source, allowed_local_media_path=prompts.allowed_local_media_path,
                                      timeout=image_fetch_timeout())
         except MediaError as e:
-            raise APIError(400, f"{where}.image_url.url: {e}", param="messages") from None
+            raise APIError(400, f"{where}.image_url.url: {e}", param=field) from None
 
     return list(await asyncio.gather(*(one(where, source) for where, source in sources)))
 

@@ -61,6 +61,7 @@ from ferrox.entrypoints.openai.serving import (
     start_sse,
     validate_request,
 )
+from ferrox.entrypoints.openai.serving_images import fetch_images
 from ferrox.entrypoints.openai.structured import format_constraint
 from ferrox.errors import FerroxError
 from ferrox.reasoning import ReasoningStream
@@ -253,16 +254,17 @@ async def create_response(ctx: ServingContext, request: web.Request) -> web.Stre
     tools = req.tool_request()
     structured = _constraint(req, tools)
     # A long conversation takes a while to render and encode: off the event loop (a short one inline).
-    prompt = await ctx.engine.prompt_work(prompt_size(conversation), tool_use.render_prompt, ctx,
-                                          conversation.to_chat_messages(), tools,
-                                          template_kwargs=req.template_kwargs())
+    messages = conversation.to_chat_messages()
+    images = await fetch_images(ctx, messages, "input")
+    prompt = await ctx.engine.prompt_work(prompt_size(conversation), tool_use.render_prompt, ctx, messages, tools,
+                                          template_kwargs=req.template_kwargs(), images=images)
     check_max_tokens(ctx, len(prompt.token_ids), req.max_output_tokens)
     params = _sampling_params(ctx, req, structured, tool_use.keeps_special_tokens(tools, prompt.template, ctx.options.tool_call_parser))
     validate_request(ctx, prompt.token_ids, params, RESPONSES_FIELDS)
     response = _Response(ctx, req, params, len(prompt.token_ids), stored=keep)
     request["request_id"] = response.id  # -> the X-Request-Id header and the access log
     entry = StoredResponse(response.body(), req.stored_input_items(), previous) if keep else None
-    gen = ctx.engine.generate({"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}, params, response.id,
+    gen = ctx.engine.generate(prompt.engine_prompt(), params, response.id,
                               lora_request=ctx.lora_request(req.model), prompt_cache_key=req.prompt_cache_key)
     thinking = ctx.starts_thinking(prompt.token_ids, req.template_kwargs())
     finish = _Finish(tools, prompt.template, thinking)

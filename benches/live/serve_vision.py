@@ -1,0 +1,106 @@
+"""Live `ferrox serve` of tiny LLaVA folders (a CLIP tower over a Llama, a SigLIP tower over a Qwen2) on the
+device: 24 concurrent chat requests with data-URL images (eight different images, one or two a prompt),
+Anthropic image blocks and Responses input_image parts beside them, each answer compared with the offline
+LLM's on the same images on the same device; a bad image must be a 400 and change nothing else.
+0 errors and 0 mismatches expected."""
+from __future__ import annotations
+
+import base64
+import concurrent.futures as cf
+import io
+import json
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from tests.helpers.tiny_models import make_tiny_llava  # noqa: E402
+from tests.server.server_proc import ServerProcess  # noqa: E402
+
+
+def post(base: str, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def images() -> list[tuple[object, str]]:
+    from PIL import Image
+
+    rng = np.random.default_rng(7)
+    out = []
+    for k in range(8):
+        img = Image.fromarray(rng.integers(0, 255, (40 + 9 * k, 70 - 4 * k, 3), dtype=np.uint8))
+        buf = io.BytesIO()
+        img.save(buf, format="PNG")
+        out.append((img, base64.b64encode(buf.getvalue()).decode()))
+    return out
+
+
+def main() -> int:
+    from ferrox import LLM, SamplingParams
+
+    bad = 0
+    tmp = Path(tempfile.mkdtemp())
+    pics = images()
+    for name, folder in (("llava-clip-llama", make_tiny_llava(tmp / "a")),
+                         ("llava-siglip-qwen2", make_tiny_llava(tmp / "b", text="qwen2", vision="siglip"))):
+        cases = [[k % 8] for k in range(16)] + [[k % 8, (k + 3) % 8] for k in range(8)]
+
+        def messages(ids: list[int]) -> list[dict]:
+            parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + pics[i][1]}} for i in ids]
+            return [{"role": "user", "content": [*parts, {"type": "text", "text": "What is this?"}]}]
+
+        reference = LLM(model=folder, dtype="float32")
+        expected = [o.outputs[0].text for o in reference.chat([messages(c) for c in cases],
+                                                               SamplingParams(max_tokens=12, temperature=0),
+                                                               use_tqdm=False)]
+        del reference
+        srv = ServerProcess(folder, "--served-model-name", "m", "--dtype", "float32", "--max-num-batched-tokens",
+                            "24", startup_timeout=300)  # a small budget: images cut across chunked-prefill steps
+        errors = mismatches = 0
+        with cf.ThreadPoolExecutor(16) as pool:
+            futures = [pool.submit(post, srv.base_url, "/v1/chat/completions",
+                                   {"model": "m", "messages": messages(c), "max_tokens": 12, "temperature": 0})
+                       for c in cases]
+            futures.append(pool.submit(post, srv.base_url, "/v1/messages", {
+                "model": "m", "max_tokens": 12, "temperature": 0, "messages": [{"role": "user", "content": [
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": pics[0][1]}},
+                    {"type": "text", "text": "What is this?"}]}]}))
+            futures.append(pool.submit(post, srv.base_url, "/v1/responses", {
+                "model": "m", "max_output_tokens": 12, "temperature": 0, "input": [{"role": "user", "content": [
+                    {"type": "input_image", "image_url": "data:image/png;base64," + pics[0][1]},
+                    {"type": "input_text", "text": "What is this?"}]}]}))
+            futures.append(pool.submit(post, srv.base_url, "/v1/chat/completions", {
+                "model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+                    "url": "data:image/png;base64,AAAA"}}]}], "max_tokens": 4}))
+            results = [f.result() for f in futures]
+        for k, (status, body) in enumerate(results[:len(cases)]):
+            if status != 200:
+                errors += 1
+                print(name, "error", status, body)
+            elif body["choices"][0]["message"]["content"] != expected[k]:
+                mismatches += 1
+                print(name, "mismatch", cases[k], body["choices"][0]["message"]["content"], "!=", expected[k])
+        anthropic, responses, broken = results[len(cases):]
+        extra_ok = (anthropic[0] == 200 and anthropic[1]["content"][0]["text"] == expected[0]
+                    and responses[0] == 200 and responses[1]["output"][-1]["content"][0]["text"] == expected[0]
+                    and broken[0] == 400)
+        code = srv.stop()
+        log_errors = [ln for ln in srv.log if " ERROR " in ln or "Traceback" in ln]
+        print(f"{name}: {len(cases)} chat requests, {errors} errors, {mismatches} mismatches, anthropic/responses/"
+              f"bad-image as expected {extra_ok}, exit {code}, error log lines {len(log_errors)} {log_errors[:3]}")
+        bad += errors + mismatches + (not extra_ok) + (code != 0) + len(log_errors)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
