@@ -76,6 +76,8 @@ pub struct Request {
     /// Speculative decoding may propose tokens for this request (off, e.g., while a grammar
     /// constrains it and the drafts are not checked against it).
     pub allow_drafts: bool,
+    /// Prompt ranges [start, end) computed in one step each (`cut_chunk`).
+    pub atomic_spans: Vec<(usize, usize)>,
     /// The LoRA adapter this request runs with (0: the base model). The scheduler caps how many
     /// distinct adapters one step may carry (`SchedulerConfig::max_loras`).
     pub lora_id: i64,
@@ -92,6 +94,23 @@ pub struct Request {
 pub type Finish = (FinishReason, Option<StopReason>);
 
 impl Request {
+    /// The tokens of a chunk [start, start + n) this step may compute: a chunk must not end inside an
+    /// atomic span (Gemma 3's image tokens attend to each other both ways, so every token of an image
+    /// must be in the step that computes its last one). It is cut before the span, or to nothing when it
+    /// starts inside a span it cannot finish (the span waits for a step with the budget for it).
+    pub fn cut_chunk(&self, start: usize, n: usize) -> usize {
+        let end = start + n;
+        for &(s, e) in &self.atomic_spans {
+            if s < end && end < e {
+                return s.saturating_sub(start);
+            }
+            if s >= end {
+                break;
+            }
+        }
+        n
+    }
+
     pub fn num_tokens(&self) -> usize {
         self.token_ids.len()
     }

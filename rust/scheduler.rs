@@ -171,6 +171,9 @@ pub struct NewRequest {
     pub wait_for_grammar: bool,
     /// Speculative decoding may draft tokens for it (when the scheduler speculates at all).
     pub allow_drafts: bool,
+    /// Prompt ranges [start, end) that one step computes whole (an image whose tokens attend to each
+    /// other both ways: `Request::cut_chunk`).
+    pub atomic_spans: Vec<(usize, usize)>,
 }
 
 impl NewRequest {
@@ -192,6 +195,7 @@ impl NewRequest {
             lora_id: 0,
             wait_for_grammar: false,
             allow_drafts: true,
+            atomic_spans: Vec::new(),
         }
     }
 }
@@ -424,6 +428,28 @@ impl Scheduler {
                 ),
             ));
         }
+        let mut previous_end = 0;
+        for &(start, end) in &r.atomic_spans {
+            if start < previous_end || end <= start || end > prompt_len {
+                return Err(invalid(
+                    "atomic_spans",
+                    format!(
+                        "span [{start}, {end}) must lie in the {prompt_len}-token prompt, after the one before"
+                    ),
+                ));
+            }
+            if end - start > self.cfg.max_num_batched_tokens {
+                return Err(invalid(
+                    "max_num_batched_tokens",
+                    format!(
+                        "an image of {} tokens must be computed in one step, more than one step's budget ({})",
+                        end - start,
+                        self.cfg.max_num_batched_tokens
+                    ),
+                ));
+            }
+            previous_end = end;
+        }
         if prompt_len >= self.cfg.max_model_len {
             return Err(CoreError::PromptTooLong(format!(
                 "request {:?}: the prompt has {prompt_len} tokens but max_model_len is {}; the prompt \
@@ -485,6 +511,7 @@ impl Scheduler {
             num_cached_tokens: None,
             num_output_placeholders: 0,
             allow_drafts: r.allow_drafts,
+            atomic_spans: r.atomic_spans,
             lora_id: r.lora_id,
             limits: SamplingLimits {
                 max_tokens,
@@ -676,7 +703,10 @@ impl Scheduler {
                 if at_limit {
                     (0, 0, pending)
                 } else {
-                    let n = (len - r.num_computed_tokens).min(budget);
+                    let n = r.cut_chunk(
+                        r.num_computed_tokens,
+                        (len - r.num_computed_tokens).min(budget),
+                    );
                     let decode = n == 1
                         && r.num_computed_tokens + 1 == len
                         && r.num_output_tokens() + pending > 0;
@@ -818,7 +848,10 @@ impl Scheduler {
                 if !self.cfg.chunked_prefill && remaining > budget {
                     break; // keep the order: it runs whole in a later step
                 }
-                let num_new = remaining.min(budget);
+                let num_new = req.cut_chunk(hit.num_tokens, remaining.min(budget));
+                if num_new == 0 {
+                    break; // an image that does not fit this step's budget: keep the order
+                }
                 if !self.kv.allocate_slots(
                     &mut req.kv,
                     &req.block_hashes,
@@ -1524,6 +1557,35 @@ mod tests {
         }
         assert_eq!(chunks, vec![7, 7, 6]);
         assert_eq!(masks, vec![false, false, true]);
+    }
+
+    #[test]
+    fn atomic_spans_are_computed_in_one_step() {
+        // Budget 8: a 20-token prompt with an image at [5, 11) and one at [12, 18). The first chunk
+        // stops before the first image ([0, 5)), the next takes it whole and stops before the second
+        // ([5, 12): 8 tokens would end inside it), the next the second image and the rest ([12, 20)),
+        // then a decode.
+        let mut s = sched(64, 4, 8, "fcfs");
+        let mut r = req("img", 20, 2);
+        r.atomic_spans = vec![(5, 11), (12, 18)];
+        s.add_request(r).unwrap();
+        let mut chunks = Vec::new();
+        for _ in 0..4 {
+            let (out, _) = step(&mut s, 7);
+            chunks.push(out.arrays.num_scheduled_tokens[0]);
+        }
+        assert_eq!(chunks, vec![5, 7, 8, 1]);
+        // Spans outside the prompt, overlapping or past the budget are refused.
+        for (spans, field) in [
+            (vec![(3, 25)], "atomic_spans"),
+            (vec![(4, 9), (8, 12)], "atomic_spans"),
+            (vec![(0, 9)], "max_num_batched_tokens"),
+        ] {
+            let mut bad = req("bad", 20, 2);
+            bad.atomic_spans = spans;
+            let err = s.add_request(bad).unwrap_err().to_string();
+            assert!(err.contains(field), "{err}");
+        }
     }
 
     #[test]

@@ -255,6 +255,7 @@ class Scheduler:
         lora_id: int = 0,
         wait_for_grammar: bool = False,
         allow_drafts: bool = True,
+        atomic_spans: Sequence[tuple[int, int]] = (),
     ) -> int:
         """Queue a request; returns its slot: a small integer naming it in SchedulerOutput.req_slots
         and StepOutputs.slots. A request keeps its slot while it lives (waiting, running,
@@ -266,7 +267,10 @@ class Scheduler:
         Releases the GIL for long prompts (>= 16384 tokens) while their blocks are hashed.
         wait_for_grammar: keep it waiting (other requests run) until grammar_ready() names it.
         allow_drafts: False keeps speculative decoding off for this request (e.g. while a grammar
-        constrains it and drafts are not checked against the grammar)."""
+        constrains it and drafts are not checked against the grammar).
+        atomic_spans: prompt ranges [start, end) each computed within one step (a chunk never ends
+        inside one; each must fit max_num_batched_tokens): Gemma 3's images, whose tokens attend to
+        each other both ways."""
     def grammar_ready(self, request_ids: Sequence[str]) -> None: ...
     def abort_requests(self, request_ids: Sequence[str]) -> StepOutputs:
         """Abort live requests (unknown ids are ignored); frees their blocks at once and returns a

@@ -179,6 +179,7 @@ impl PyScheduler {
         lora_id=0,
         wait_for_grammar=false,
         allow_drafts=true,
+        atomic_spans=Vec::new(),
     ))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
@@ -199,6 +200,7 @@ impl PyScheduler {
         lora_id: i64,
         wait_for_grammar: bool,
         allow_drafts: bool,
+        atomic_spans: Vec<(usize, usize)>,
     ) -> PyResult<usize> {
         let prompt = extract_token_ids("prompt_token_ids", prompt_token_ids)?;
         let stop_ids = stop_token_ids
@@ -225,6 +227,7 @@ impl PyScheduler {
                 lora_id,
                 wait_for_grammar,
                 allow_drafts,
+                atomic_spans,
             })
         };
         let slot = if long_prompt { py.detach(add)? } else { add()? };

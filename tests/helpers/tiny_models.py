@@ -339,6 +339,55 @@ def make_tiny_llava(folder, *, text: str = "llama", vision: str = "clip", image_
     return str(folder)
 
 
+GEMMA3_VISION_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+
+
+def make_tiny_gemma3_vision(folder, *, sliding_window: int = 16, seed: int = 0) -> str:
+    """A Gemma 3 multimodal checkpoint that takes images: the tokenizer has `<start_of_image>`,
+    `<end_of_image>` and `<image_soft_token>` as special tokens, a 56-pixel SigLIP tower of 4x4 patches
+    pooled to 4 tokens an image, Gemma3ImageProcessor's preprocessor_config.json, and a chat template that
+    writes `<start_of_image>` for image parts; six layers, five of them windowed."""
+    import torch
+    from tokenizers import AddedToken
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    tok = build_tokenizer()
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in GEMMA3_VISION_TOKENS])
+    boi, eoi, soft = (tok.token_to_id(t) for t in GEMMA3_VISION_TOKENS)
+    text = dict(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                sliding_window=sliding_window, query_pre_attn_scalar=24, initializer_range=0.1,
+                bos_token_id=1, eos_token_id=EOS_TOKEN_ID, pad_token_id=0)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56,
+                  patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=soft,
+                          boi_token_index=boi, eoi_token_index=eoi)
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():  # the default init leaves the image rows near zero: give images a say
+        for name, param in model.named_parameters():
+            if "vision_tower" in name or "multi_modal_projector" in name:
+                if param.dim() == 1 and "norm" in name and name.endswith("weight"):
+                    param.uniform_(-0.5, 0.5) if "soft_emb_norm" in name else param.uniform_(0.5, 1.5)
+                else:
+                    param.normal_(0.0, 0.2 if param.dim() > 1 else 0.05)
+    _randomize_norms(model)
+    _save(str(folder), model, tok, max_shard_size=None, generation=None)
+    processor = {"image_processor_type": "Gemma3ImageProcessor", "do_resize": True,
+                 "size": {"height": 56, "width": 56}, "resample": 2, "do_rescale": True, "rescale_factor": 1 / 255,
+                 "do_normalize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+                 "do_convert_rgb": True, "do_pan_and_scan": False}
+    with open(os.path.join(folder, "preprocessor_config.json"), "w", encoding="utf-8") as f:
+        json.dump(processor, f, indent=2)
+    with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
+        tok_config = json.load(f)
+    tok_config["chat_template"] = LLAVA_CHAT_TEMPLATE.replace("<image>\n", "<start_of_image>")
+    with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(tok_config, f, indent=2)
+    return str(folder)
+
+
 def make_tiny_granite(folder, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
                       intermediate_size: int = 128, max_position_embeddings: int = 2048,
                       tie_word_embeddings: bool = False, embedding_multiplier: float = 12.0,

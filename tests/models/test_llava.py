@@ -50,7 +50,7 @@ def llava(request, tmp_path_factory):
 def _hf_greedy(hf, folder, ids, images, n=8):
     from ferrox.multimodal.image_processor import ImageProcessor
 
-    pixels = ImageProcessor.from_model_dir(folder)(images)
+    pixels = torch.from_numpy(ImageProcessor.from_model_dir(folder)(images))
     with torch.no_grad():
         out = hf.generate(input_ids=torch.tensor([ids]), pixel_values=pixels, max_new_tokens=n, do_sample=False)
     return out[0, len(ids):].tolist()

@@ -208,3 +208,27 @@ def test_front_end_does_not_import_torch(tmp_path):
         result = subprocess.run([sys.executable, "-c", _NO_TORCH_SCRIPT, *args], cwd=ROOT,
                                 capture_output=True, text=True, timeout=120)
         assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_front_end_prepares_images_without_torch(tmp_path):
+    """A vision model's image rules (multimodal/processing.py: decoding, pixels, placeholder expansion) run in
+    the API server process too: still without torch."""
+    from tests.helpers.tiny_models import make_tiny_llava
+
+    folder = make_tiny_llava(tmp_path / "llava")
+    script = f"""
+import sys, json, numpy as np
+from PIL import Image
+from ferrox.loader.source import resolve_model
+from ferrox.loader.tokenizer import load_tokenizer
+from ferrox.multimodal.processing import image_prompts_for_model
+tok = load_tokenizer(resolve_model({str(folder)!r}))
+rules = image_prompts_for_model({str(folder)!r}, json.load(open({str(folder)!r} + "/config.json")), tok)
+ids, items = rules.expand(tok.encode("a <image> b"), [Image.new("RGB", (30, 20))], "prompt")
+assert len(items) == 1 and items[0].length == 16
+loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+assert not loaded, loaded
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]

@@ -33,6 +33,10 @@ class AttentionMetadata:
     query_start_loc_cpu: torch.Tensor  # int32 [num_reqs + 1]
     seq_lens_cpu: torch.Tensor  # int32 [num_reqs]
     decode_only: bool = False  # every request has query_len == 1 (CUDA-graph eligible)
+    # Request row -> position ranges [start, end) whose tokens also attend to each other's later tokens
+    # (Gemma 3's images: each image's tokens attend bidirectionally; the scheduler computes a range
+    # within one step). Only the torch backend masks it; the Triton backend hands such steps to it.
+    bidirectional: dict[int, list[tuple[int, int]]] | None = None
 
     @property
     def num_reqs(self) -> int:

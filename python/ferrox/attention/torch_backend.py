@@ -45,7 +45,9 @@ class _PrefillChunk:
     context_len: int  # tokens already cached before this chunk (0 = a fresh prompt)
     seq_len: int
     block_ids: torch.Tensor | None  # [blocks] int64, only when context_len > 0
-    mask: torch.Tensor | None  # [q_len, seq_len] bool offset-causal, only when context_len > 0
+    mask: torch.Tensor | None  # [q_len, seq_len] bool offset-causal, only when context_len > 0 (or images)
+    # [q_len, seq_len] bool: query and key in the same bidirectional range (an image), None without one.
+    both_ways: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -65,7 +67,9 @@ class _Plan:
             for chunk in self.prefills:
                 q_pos = torch.arange(chunk.context_len, chunk.seq_len, device=device)[:, None]
                 kv = torch.arange(chunk.seq_len, device=device)[None, :]
-                chunks.append((kv <= q_pos) & (kv > q_pos - window))
+                seen = kv <= q_pos if chunk.both_ways is None else (kv <= q_pos) | chunk.both_ways
+                # (Gemma 3: an image's tokens see each other both ways, within the window.)
+                chunks.append(seen & (kv > q_pos - window))
             decode = None
             if self.decode is not None:
                 lens = torch.tensor(self.decode.lens, device=device)[:, None]
@@ -95,11 +99,19 @@ def _build_plan(meta: AttentionMetadata, block_size: int, has_cache: bool) -> _P
             decode_rows.append(r)
             continue
         chunk = _PrefillChunk(start, end, context, seq_len, None, None)
+        spans = meta.bidirectional.get(r) if meta.bidirectional else None
         if context > 0:
             n_blocks = -(-seq_len // block_size)
             chunk.block_ids = meta.block_table[r, :n_blocks].to(torch.int64)
+        if context > 0 or spans:
             q_pos = torch.arange(context, seq_len, device=device)[:, None]
-            chunk.mask = torch.arange(seq_len, device=device)[None, :] <= q_pos
+            kv = torch.arange(seq_len, device=device)[None, :]
+            chunk.mask = kv <= q_pos
+            if spans:
+                chunk.both_ways = torch.zeros_like(chunk.mask)
+                for lo, hi in spans:
+                    chunk.both_ways |= (q_pos >= lo) & (q_pos < hi) & (kv >= lo) & (kv < hi)
+                chunk.mask = chunk.mask | chunk.both_ways
         plan.prefills.append(chunk)
     if decode_rows:
         rows = torch.tensor(decode_rows, dtype=torch.int64)

@@ -113,9 +113,18 @@ class TritonAttentionBackend(AttentionBackend):
         self._cudnn_shape: tuple[int, int, int, torch.dtype, torch.device] | None = None
         # Chunks of exactly this many tokens have exact-shape cuDNN plans (warm_up_plans); 0: none.
         self._cudnn_exact_chunk = 0
+        self._torch: AttentionBackend | None = None  # the reference, for steps with bidirectional ranges
 
     def begin_forward(self, meta: AttentionMetadata) -> None:
         self._plan_for(meta)
+
+    def _reference(self) -> AttentionBackend:
+        from ferrox.attention.torch_backend import TorchAttentionBackend
+
+        if self._torch is None:
+            self._torch = TorchAttentionBackend()
+        self._torch.softcap = self.softcap
+        return self._torch
 
     def _plan_for(self, meta: AttentionMetadata) -> _StepPlan:
         # Planned once per step (the first layer, or begin_forward) and reused by every layer.
@@ -180,6 +189,11 @@ class TritonAttentionBackend(AttentionBackend):
         window (0: full attention; the Triton kernels mask it, cuDNN and the CUDA decode kernel step aside)."""
         if self.piecewise is not None:
             return self.piecewise(q, k, v, kv_cache, meta, scale, kv_scales, window=window)
+        if meta.bidirectional:
+            # Gemma 3's image tokens attend to each other both ways, which the kernels do not mask: such
+            # a step (an image's prefill; eager) runs the torch reference over the same cache.
+            result = self._reference().forward(q, k, v, kv_cache, meta, scale, kv_scales, window=window)
+            return result if out is None else out.copy_(result)
         if kv_cache.numel() == 0:
             return self._forward_without_cache(q, k, v, meta, scale, window)
         if meta.slot_mapping.shape[0] > k.shape[0]:

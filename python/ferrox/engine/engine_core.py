@@ -258,6 +258,9 @@ class EngineCore:
                 wait_for_grammar=wait_for_grammar,
                 allow_drafts=_drafts_allowed(params),
                 lora_id=lora_id,
+                # Images whose tokens attend to each other both ways are computed whole in one step.
+                atomic_spans=[(item.offset, item.end) for item in request.mm_inputs or ()]
+                if getattr(self.runner.model, "bidirectional_images", False) else [],
             )
         except BaseException:
             if wait_for_grammar or params.thinking_token_budget is not None:

@@ -10,21 +10,27 @@ query_pre_attn_scalar) with three changes, as transformers' Gemma3 defines them:
 - no soft caps (attn_logit_softcapping and final_logit_softcapping are null), and five local layers
   for every global one (layer_types, or sliding_window_pattern 6), with a 512- or 1,024-token window.
 
-The multimodal checkpoints (Gemma3ForConditionalGeneration: 4B/12B/27B with vision) are another
-architecture and are refused by the registry; bidirectional attention (EmbeddingGemma) is refused here.
+The multimodal checkpoints (Gemma3ForConditionalGeneration: 4B/12B/27B with vision) add a SigLIP tower and a
+projector (below); bidirectional attention (EmbeddingGemma) is refused here.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
+from ferrox.distributed.parallel_state import get_tp_group
+from ferrox.distributed.sharding import materialize
 from ferrox.layers.ops import DeviceOps, Rope
 from ferrox.layers.rotary import RotaryEmbedding
-from ferrox.model_spec import ModelSpec, UnsupportedModelError
+from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
 from ferrox.models.gemma2 import Gemma2ForCausalLM, Gemma2Model
+from ferrox.models.vision import build_vision_tower
 
 
 def rope_settings(config: dict[str, Any]) -> tuple[tuple[float, dict | None], tuple[float, dict | None]]:
@@ -75,20 +81,87 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
 
 
 # The multimodal checkpoint's tensors: its language model under one of two prefixes (transformers < 4.52
-# and since), the vision tower and projector, which a text-only engine does not load.
+# and since), the vision tower and projector.
 _LANGUAGE_PREFIXES = ("model.language_model.", "language_model.model.")
-_VISION_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
+_VISION_RENAMES = (("model.vision_tower.", "vision_tower."), ("model.multi_modal_projector.", "multi_modal_projector."))
+
+
+class Gemma3Projector(nn.Module):
+    """transformers' Gemma3MultiModalProjector: the tower's patch grid average-pooled to
+    mm_tokens_per_image rows (64x64 patches -> 16x16 for the released checkpoints), a (1 + w) RMSNorm in
+    float32, then one matmul into the text width."""
+
+    def __init__(self, vision_hidden: int, text_hidden: int, *, eps: float, patches_per_side: int, tokens: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        side = math.isqrt(tokens)
+        if side * side != tokens or patches_per_side % side:
+            raise UnsupportedModelError(f"config.json: mm_tokens_per_image {tokens} does not pool the tower's "
+                                        f"{patches_per_side}x{patches_per_side} patches into a square grid")
+        self.mm_input_projection_weight = nn.Parameter(torch.empty(vision_hidden, text_hidden, dtype=dtype,
+                                                                   device=device))
+        self.norm_weight = nn.Parameter(torch.empty(vision_hidden, dtype=dtype, device=device))
+        self.eps = eps
+        self.patches_per_side = patches_per_side
+        self.kernel = patches_per_side // side
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        b, _, d = features.shape
+        grid = features.transpose(1, 2).reshape(b, d, self.patches_per_side, self.patches_per_side)
+        pooled = F.avg_pool2d(grid, self.kernel, self.kernel).flatten(2).transpose(1, 2)
+        x = pooled.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.norm_weight.float())
+        return torch.matmul(x.to(features.dtype), self.mm_input_projection_weight).type_as(features)
 
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
-    """gemma-3-4b/12b/27b-it served text-only: the language model of the multimodal checkpoint (config.json's
-    text_config over Gemma3TextConfig's defaults: loader/model_config.py); its vision tower is not loaded,
-    and requests with images are refused by name as on every ferrox model (a text-only engine)."""
+    """gemma-3-4b/12b/27b-it: the language model of the multimodal checkpoint (config.json's text_config over
+    Gemma3TextConfig's defaults: loader/model_config.py), a SigLIP tower (its last_hidden_state) and the
+    projector. Each image is mm_tokens_per_image rows in place of its `<image_soft_token>` run; as in
+    transformers, an image's tokens attend to each other both ways (AttentionMetadata.bidirectional, within
+    the window on local layers), so the scheduler computes each image in one step. Under tensor parallelism
+    the engine serves text only (the tower runs on one rank)."""
+
+    own_weight_prefixes = ("vision_tower.", "multi_modal_projector.")
+    bidirectional_images = True
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
+                 kernels: str | None = None):
+        super().__init__(spec, dtype, device, kernels=kernels)
+        mm = spec.hf_config.get("multimodal") or {}
+        self.takes_images = get_tp_group().size == 1
+        if not self.takes_images:
+            return
+        vision = {"model_type": "siglip_vision_model", **(mm.get("vision_config") or {})}
+        self.vision_tower = build_vision_tower(vision, dtype=dtype, device=device, feature_layer=-1,
+                                               post_layernorm=True)
+        tokens = int(mm.get("mm_tokens_per_image", 256))
+        self.multi_modal_projector = Gemma3Projector(
+            self.vision_tower.hidden_size, spec.hidden_size, eps=float(vision.get("layer_norm_eps", 1e-6)),
+            patches_per_side=self.vision_tower.image_size // self.vision_tower.patch_size, tokens=tokens,
+            dtype=dtype, device=device)
+        self.image_tokens = tokens
+        size = self.vision_tower.image_size
+        self.pixel_shape = (3, size, size)
+
+    def embed_multimodal(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[B, 3, H, W] pixels -> [B, mm_tokens_per_image, hidden] (unscaled: Gemma scales only token embeddings)."""
+        return self.multi_modal_projector(self.vision_tower(pixel_values))
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        tower: list[tuple[str, Any]] = []
+        projector: dict[str, torch.Tensor] = {}
+
         def language_model() -> Iterator[tuple[str, Any]]:
             for name, tensor in weights:
-                if name.startswith(_VISION_PREFIXES):
+                for old, new in _VISION_RENAMES:
+                    if name.startswith(old):
+                        name = new + name[len(old):]
+                if name.startswith(self.own_weight_prefixes):
+                    if self.takes_images and name.startswith("vision_tower."):
+                        tower.append((name[len("vision_tower."):], tensor))
+                    elif self.takes_images:
+                        projector[name[len("multi_modal_projector."):]] = materialize(tensor)
                     continue
                 prefix = next((p for p in _LANGUAGE_PREFIXES if name.startswith(p)), None)
                 if prefix is not None:
@@ -99,3 +172,17 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
                     yield name, tensor
 
         super().load_weights(language_model())
+        if not self.takes_images:
+            return
+        self.vision_tower.load_weights((name, materialize(t)) for name, t in tower)
+        names = {"mm_input_projection_weight": "mm_input_projection_weight", "mm_soft_emb_norm.weight": "norm_weight"}
+        if set(projector) != set(names):
+            raise ModelLoadError(f"{self.spec.architecture}: the multi_modal_projector tensors are {sorted(projector)}, "
+                                 f"expected {sorted(names)}")
+        params = dict(self.multi_modal_projector.named_parameters())
+        with torch.no_grad():
+            for name, attr in names.items():
+                if tuple(projector[name].shape) != tuple(params[attr].shape):
+                    raise ModelLoadError(f"tensor 'multi_modal_projector.{name}': shape {tuple(projector[name].shape)}"
+                                         f", the model has {tuple(params[attr].shape)} (config.json does not match?)")
+                params[attr].copy_(projector[name])

@@ -53,6 +53,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     supports_quantized_gguf = False
     supports_quantization = False
     own_weight_prefixes = ("vision_tower.", "multi_modal_projector.")
+    takes_images = True
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):

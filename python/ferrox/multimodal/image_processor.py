@@ -23,7 +23,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 from PIL import Image
 
 from ferrox.errors import ModelLoadError, UnsupportedModelError
@@ -99,13 +98,14 @@ class ImageProcessor:
         """(height, width) of every image this processor returns."""
         return self._output_size
 
-    def __call__(self, images: Sequence[Image.Image]) -> torch.Tensor:
-        """float32 [B, 3, H, W] pixel values, in the order given."""
+    def __call__(self, images: Sequence[Image.Image]) -> np.ndarray:
+        """float32 [B, 3, H, W] pixel values, in the order given (numpy: the API server process, which
+        prepares images, never imports torch; the engine core turns them into tensors)."""
         arrays = [self._one(image) for image in images]
         if not arrays:
-            return torch.empty((0, 3, *self._output_size), dtype=torch.float32)
+            return np.empty((0, 3, *self._output_size), dtype=np.float32)
         batch = np.stack(arrays).transpose(0, 3, 1, 2)  # NHWC -> NCHW
-        return torch.from_numpy(np.ascontiguousarray(batch, dtype=np.float32))
+        return np.ascontiguousarray(batch, dtype=np.float32)
 
     def _one(self, image: Image.Image) -> np.ndarray:
         """One image as float32 HWC, by transformers' steps in transformers' order."""

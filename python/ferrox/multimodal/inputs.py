@@ -11,10 +11,13 @@ into every block hash: prompts with the same images in the same order still shar
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 class MultiModalItem(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -29,11 +32,13 @@ class MultiModalItem(msgspec.Struct, array_like=True, omit_defaults=True):
     modality: str = "image"
 
     @classmethod
-    def from_pixels(cls, offset: int, length: int, pixel_values: torch.Tensor, digest: str) -> MultiModalItem:
-        array = np.ascontiguousarray(pixel_values.detach().to(torch.float32).cpu().numpy())
+    def from_pixels(cls, offset: int, length: int, pixel_values: np.ndarray, digest: str) -> MultiModalItem:
+        array = np.ascontiguousarray(pixel_values, dtype=np.float32)
         return cls(offset, length, array.tobytes(), list(array.shape), digest)
 
     def pixel_values(self) -> torch.Tensor:
+        import torch  # (the engine core's side; the front-end that builds items has no torch)
+
         return torch.from_numpy(np.frombuffer(self.pixels, dtype=np.float32).reshape(self.shape).copy())
 
     @property

@@ -78,33 +78,97 @@ class ImagePrompts:
 
     def expand(self, prompt_ids: Sequence[int], images: Sequence[Any], what: str,
                param: str = "multi_modal_data") -> tuple[list[int], list[MultiModalItem]]:
-        """(expanded ids, one item per image). `images`: decoded PIL images, in prompt order."""
+        """(expanded ids, one item per image). `images`: decoded PIL images, in prompt order. A
+        placeholder is one image token (expanded here) or a run already of the image's length."""
         from ferrox.multimodal.media import image_hash
 
         self.check_count(len(images), what, param)
-        found = sum(1 for t in prompt_ids if t == self.image_token_id)
-        if found != len(images):
+        ids = self.insert_image_runs(list(prompt_ids))
+        runs = _runs(ids, self.image_token_id)
+        if len(runs) != len(images):
             raise InvalidArgumentError(
-                f"{what}: the prompt has {found} image placeholder(s) ({self.placeholder!r}, token "
-                f"{self.image_token_id}) for {len(images)} image(s); put one placeholder where each image goes",
-                param=param)
+                f"{what}: the prompt has {len(runs)} image placeholder(s) ({self.placeholder!r}) for "
+                f"{len(images)} image(s); put one placeholder where each image goes", param=param)
         if not images:
-            return list(prompt_ids), []
+            return ids, []
+        for start, length in runs:
+            if length not in (1, self.tokens_per_image):
+                raise InvalidArgumentError(f"{what}: a run of {length} image tokens at {start}: an image takes one "
+                                           f"placeholder or exactly {self.tokens_per_image} tokens", param=param)
         if self.image_processor is None:
             raise InvalidArgumentError(f"{what}: model folder {self.model_dir} has no preprocessor_config.json, "
                                        "so its images cannot be prepared", param=param)
         pixels = self.image_processor(list(images))
-        ids: list[int] = []
+        out: list[int] = []
         items: list[MultiModalItem] = []
-        for token in prompt_ids:
-            if token != self.image_token_id:
-                ids.append(token)
-                continue
-            k = len(items)
-            items.append(MultiModalItem.from_pixels(len(ids), self.tokens_per_image, pixels[k],
-                                                    image_hash(images[k])))
-            ids.extend([self.image_token_id] * self.tokens_per_image)
-        return ids, items
+        at = 0
+        for k, (start, length) in enumerate(runs):
+            out.extend(ids[at:start])
+            items.append(MultiModalItem.from_pixels(len(out), self.tokens_per_image, pixels[k], image_hash(images[k])))
+            out.extend([self.image_token_id] * self.tokens_per_image)
+            at = start + length
+        out.extend(ids[at:])
+        return out, items
+
+    def insert_image_runs(self, ids: list[int]) -> list[int]:
+        """A family's own placeholder rewrite before the runs are read (Gemma 3's: below)."""
+        return ids
+
+
+def _runs(ids: Sequence[int], token: int) -> list[tuple[int, int]]:
+    """(start, length) of each run of `token`."""
+    runs: list[tuple[int, int]] = []
+    for i, t in enumerate(ids):
+        if t != token:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
+@dataclass(slots=True)
+class Gemma3ImagePrompts(ImagePrompts):
+    """Gemma 3: the prompt marks an image with `<start_of_image>`, which Gemma3Processor replaces by
+    "\n\n<start_of_image>" + mm_tokens_per_image x `<image_soft_token>` + "<end_of_image>\n\n" in the
+    text before tokenizing. The tokenizer splits text at its added tokens, so the same ids come from
+    re-encoding the text segments next to each image with the "\n\n" joined to them (newlines merge
+    into one token with the text's own)."""
+
+    boi_token_id: int = 0
+    eoi_token_id: int = 0
+    tokenizer: Any = None
+
+    def insert_image_runs(self, ids: list[int]) -> list[int]:
+        if self.boi_token_id not in ids:
+            return ids
+        added = set(self.tokenizer.backend.get_added_tokens_decoder())
+        out: list[int] = []
+        segment = 0  # where the current text segment (tokens since the last added token) starts in out
+        prefix = ""  # "\n\n" owed to the text after an image
+
+        def reencode(suffix: str = "") -> None:
+            text = prefix + self.tokenizer.decode(out[segment:], skip_special_tokens=False) + suffix
+            out[segment:] = self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+        for i, token in enumerate(ids):
+            expand = token == self.boi_token_id and (i + 1 >= len(ids) or ids[i + 1] != self.image_token_id)
+            if token in added or expand:
+                if expand or prefix:
+                    reencode("\n\n" if expand else "")
+                prefix = ""
+                if expand:
+                    out.extend([token, *[self.image_token_id] * self.tokens_per_image, self.eoi_token_id])
+                    prefix = "\n\n"
+                else:
+                    out.append(token)
+                segment = len(out)
+            else:
+                out.append(token)
+        if prefix:
+            reencode()
+        return out
 
 
 def image_prompts_for_model(model_dir: str, hf_config: Mapping[str, Any], tokenizer: Any, *,
@@ -113,12 +177,20 @@ def image_prompts_for_model(model_dir: str, hf_config: Mapping[str, Any], tokeni
     """The prompt rules of a model that takes images (None for a text-only one). hf_config: config.json;
     limits: --limit-mm-per-prompt."""
     archs = hf_config.get("architectures") or []
-    if "LlavaForConditionalGeneration" not in archs:
+    if "LlavaForConditionalGeneration" not in archs and "Gemma3ForConditionalGeneration" not in archs:
         return None
     from ferrox.multimodal.image_processor import ImageProcessor
 
+    processor = ImageProcessor.from_model_dir(model_dir) if os.path.isdir(model_dir) else None
+    limit = (limits or {}).get("image")
+    if "Gemma3ForConditionalGeneration" in archs:
+        token_id = int(hf_config.get("image_token_index", hf_config.get("image_token_id", 262_144)))
+        boi = int(hf_config.get("boi_token_index", 255_999))
+        return Gemma3ImagePrompts(token_id, int(hf_config.get("mm_tokens_per_image", 256)),
+                                  tokenizer.id_to_token(boi) or "<start_of_image>", processor, model_dir, limit,
+                                  allowed_local_media_path, boi, int(hf_config.get("eoi_token_index", 256_000)),
+                                  tokenizer)
     token_id = int(hf_config.get("image_token_index", hf_config.get("image_token_id", 32_000)))
     placeholder = tokenizer.id_to_token(token_id) if hasattr(tokenizer, "id_to_token") else None
-    processor = ImageProcessor.from_model_dir(model_dir) if os.path.isdir(model_dir) else None
     return ImagePrompts(token_id, llava_image_tokens(hf_config), placeholder or "<image>", processor, model_dir,
-                        (limits or {}).get("image"), allowed_local_media_path)
+                        limit, allowed_local_media_path)

@@ -24,6 +24,7 @@ import torch
 
 from ferrox.attention.metadata import AttentionMetadata
 from ferrox.distributed.parallel_state import TPGroup
+from ferrox.worker.multimodal import StepImages
 from ferrox.worker.step_inputs import Uploader, step_tensors
 
 logger = logging.getLogger(__name__)
@@ -125,12 +126,12 @@ class ModelForward:
     @torch.inference_mode()
     def run(self, step: Any, prompt_rows: np.ndarray,
             fill_holes: Callable[[torch.Tensor, np.ndarray], torch.Tensor | None] | None = None, *,
-            shifted: bool = False, image_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> ForwardResult:
+            shifted: bool = False, image_rows: StepImages | None = None) -> ForwardResult:
         """step: a SchedulerOutput or StepArrays. fill_holes(input_ids, hole_positions): the
         driver's filler of placeholder ids (None on the other ranks); it returns each row's shift
         when the step in flight verified drafts (`shifted`; the other ranks read it from `step`).
-        image_rows: (token rows, their embeddings) of images in this step (worker/multimodal.py);
-        such a step runs eagerly from its input embeddings."""
+        image_rows: the images' rows in this step (worker/multimodal.py); such a step runs eagerly from
+        its input embeddings."""
         upload = self.upload
         input_ids_np = step.input_ids
         meta, (input_ids, positions, logits_indices) = step_tensors(step, upload, input_ids_np, step.positions,
@@ -148,8 +149,8 @@ class ModelForward:
             positions = self._shift_back(row_shift, positions, meta, step)
         if image_rows is not None:
             embeds = self.model.embed_input_ids(input_ids)
-            rows, values = image_rows
-            embeds.index_copy_(0, rows, values.to(embeds.dtype))
+            embeds.index_copy_(0, image_rows.rows, image_rows.embeds.to(embeds.dtype))
+            meta.bidirectional = image_rows.bidirectional
             hidden = self.model.forward(input_ids, positions, self.kv_caches, meta, inputs_embeds=embeds)
         elif self.graph_runner is not None and self.graph_runner.can_run(meta):
             hidden = self.graph_runner.run(input_ids, positions, meta)

@@ -163,7 +163,7 @@ class ModelRunner:
         self._step_parity = 0
         self._mask_gate: MaskGate | None = None  # CUDA: created with the first gated mask
         # A model that takes images (worker/multimodal.py): their embeddings replace the placeholder rows.
-        self.images = ImageEmbeddings(model, device) if hasattr(model, "embed_multimodal") else None
+        self.images = ImageEmbeddings(model, device) if getattr(model, "takes_images", False) else None
 
     @property
     def graph_runner(self) -> Any:

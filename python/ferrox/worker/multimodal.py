@@ -11,6 +11,7 @@ model.forward(inputs_embeds=...)), eagerly: the CUDA graphs read token ids.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,8 +25,9 @@ def check_items(items: list[MultiModalItem], prompt: list[int], model: Any, what
     """A request's images against its prompt and the model, before anything is queued: runs inside the
     prompt, in order, not overlapping, over the model's image token, with the pixel shape and row count
     the model's tower takes (InvalidArgumentError naming multi_modal_data)."""
-    if not hasattr(model, "embed_multimodal"):
-        raise InvalidArgumentError(f"{what}: the model takes no images (a text-only model)", param="multi_modal_data")
+    if not getattr(model, "takes_images", False):
+        raise InvalidArgumentError(f"{what}: the model takes no images (a text-only model, or a vision model served "
+                                   "with tensor_parallel_size > 1, which serves text only)", param="multi_modal_data")
     end = 0
     for k, item in enumerate(items):
         if item.modality != "image":
@@ -82,9 +84,9 @@ class ImageEmbeddings:
             self._encoded[key] = rows
         return rows
 
-    def step_rows(self, so: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(token rows of the step [k] int64, their embeddings [k, hidden]) for the image rows this step
-        computes, or None when it computes none."""
+    def step_rows(self, so: Any) -> StepImages | None:
+        """The image rows this step computes (their embeddings, and for a model whose image tokens
+        attend both ways, each request row's image ranges), or None when it computes none."""
         if not self._items:
             return None
         slots = np.asarray(so.req_slots)
@@ -92,6 +94,7 @@ class ImageEmbeddings:
         positions = np.asarray(so.positions)
         rows: list[np.ndarray] = []
         parts: list[torch.Tensor] = []
+        spans: dict[int, list[tuple[int, int]]] = {}
         for r, slot in enumerate(slots.tolist()):
             items = self._items.get(slot)
             if not items:
@@ -104,8 +107,19 @@ class ImageEmbeddings:
                 if lo < hi:
                     rows.append(np.arange(start + lo - first, start + hi - first, dtype=np.int64))
                     parts.append(self._embeddings(slot, k, item)[lo - item.offset:hi - item.offset])
+                    spans.setdefault(r, []).append((item.offset, item.end))
                 if item.end <= last:
                     self._encoded.pop((slot, k), None)  # the prefill is past this image
         if not rows:
             return None
-        return torch.from_numpy(np.concatenate(rows)).to(self.device), torch.cat(parts)
+        both_ways = spans if getattr(self.model, "bidirectional_images", False) else None
+        return StepImages(torch.from_numpy(np.concatenate(rows)).to(self.device), torch.cat(parts), both_ways)
+
+
+@dataclass(slots=True)
+class StepImages:
+    rows: torch.Tensor  # [k] int64: the step's token rows that are image rows
+    embeds: torch.Tensor  # [k, hidden]: their embeddings
+    # Request row -> its images' position ranges, for a model whose image tokens attend to each other
+    # both ways (AttentionMetadata.bidirectional); None for causal models.
+    bidirectional: dict[int, list[tuple[int, int]]] | None
