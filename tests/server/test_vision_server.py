@@ -141,3 +141,12 @@ def test_anthropic_and_responses_images(vision_server):
     bad = {**responses_body, "input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}
     status, body = _post(srv.base_url, bad, "/v1/responses")
     assert status == 400 and "file_id" in body["error"]["message"], body
+
+
+def test_tokenize_counts_the_image_tokens(vision_server):
+    srv, reference, png, _ = vision_server
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    expected = reference.chat(_messages(url), SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_token_ids
+    status, body = _post(srv.base_url, {"model": "llava", "messages": _messages(url)}, "/tokenize")
+    assert status == 200, body
+    assert body["tokens"] == list(expected) and body["count"] == len(expected)

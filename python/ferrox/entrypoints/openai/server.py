@@ -82,6 +82,7 @@ from ferrox.entrypoints.openai.serving_embeddings import (
     generation_only,
     is_classifier,
 )
+from ferrox.entrypoints.openai.serving_images import expand_images, fetch_images, take_template_images
 from ferrox.entrypoints.openai.serving_lora import LoRARegistry, load_lora_adapter, unload_lora_adapter
 from ferrox.entrypoints.openai.serving_responses import create_response
 from ferrox.entrypoints.openai.serving_responses_store import (
@@ -91,6 +92,7 @@ from ferrox.entrypoints.openai.serving_responses_store import (
     retrieve_response,
 )
 from ferrox.entrypoints.openai.serving_score import create_rerank, create_score
+from ferrox.entrypoints.openai.tools import template_text
 from ferrox.entrypoints.openapi import build_openapi
 from ferrox.entrypoints.web.status import ThroughputMeter, server_status
 from ferrox.gc_tuning import freeze_startup_heap
@@ -486,17 +488,22 @@ async def tokenize(request: web.Request) -> web.Response:
     ctx = request.app[CTX]
     req = await parse_body(request, TokenizeRequest)
     ctx.check_model(req.model)
-    ids = await ctx.engine.prompt_work(prompt_size(req), _tokenize, ctx, req)  # long texts off the event loop
+    # A chat's images count as the tokens the model gives them (vLLM's /tokenize): fetched first.
+    images = await fetch_images(ctx, [m.to_template_dict() for m in req.messages]) if req.messages else []
+    ids = await ctx.engine.prompt_work(prompt_size(req), _tokenize, ctx, req, images)  # long texts off the loop
     return json_response({"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids})
 
 
-def _tokenize(ctx: ServingContext, req: TokenizeRequest) -> list[int]:
+def _tokenize(ctx: ServingContext, req: TokenizeRequest, images: list[Any]) -> list[int]:
     if req.messages is not None:
         check_request_template(ctx, req.chat_template)
-        text = render_chat(ctx, [m.to_template_dict() for m in req.messages],
-                           add_generation_prompt=req.add_generation_prompt, chat_template=req.chat_template,
-                           template_kwargs=req.chat_template_kwargs)
-        return ctx.engine.tokenizer.encode(text, add_special_tokens=False)
+        messages = [m.to_template_dict() for m in req.messages]
+        if images:
+            messages = take_template_images(ctx, messages, template_text(ctx, req.chat_template, None))
+        text = render_chat(ctx, messages, add_generation_prompt=req.add_generation_prompt,
+                           chat_template=req.chat_template, template_kwargs=req.chat_template_kwargs)
+        ids = ctx.engine.tokenizer.encode(text, add_special_tokens=False)
+        return expand_images(ctx, ids, images)[0] if images else ids
     return ctx.engine.tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
 
 
