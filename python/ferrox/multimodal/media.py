@@ -86,7 +86,8 @@ async def fetch_image(url: str, *, allowed_local_media_path: str | None = None,
         raise MediaError(f"an image URL must be a string, got {type(url).__name__}")
     scheme = _scheme(url)
     if scheme == "data":
-        return decode_image(decode_data_url(url))  # the bytes are here already; a decode is short
+        # A large JPEG takes tens of milliseconds to decode: off the event loop like the rest.
+        return await asyncio.to_thread(lambda: decode_image(decode_data_url(url)))
     if scheme in ("http", "https"):
         data = await _download_async(url, timeout if timeout is not None else image_fetch_timeout(), max_bytes)
         return await asyncio.to_thread(decode_image, data)
