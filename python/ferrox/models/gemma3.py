@@ -28,8 +28,9 @@ from ferrox.distributed.parallel_state import get_tp_group
 from ferrox.distributed.sharding import materialize
 from ferrox.layers.ops import DeviceOps, Rope
 from ferrox.layers.rotary import RotaryEmbedding
-from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
+from ferrox.model_spec import ModelSpec, UnsupportedModelError
 from ferrox.models.gemma2 import Gemma2ForCausalLM, Gemma2Model
+from ferrox.models.load_check import load_whole
 from ferrox.models.vision import build_vision_tower
 
 
@@ -100,7 +101,9 @@ class Gemma3Projector(nn.Module):
                                         f"{patches_per_side}x{patches_per_side} patches into a square grid")
         self.mm_input_projection_weight = nn.Parameter(torch.empty(vision_hidden, text_hidden, dtype=dtype,
                                                                    device=device))
-        self.norm_weight = nn.Parameter(torch.empty(vision_hidden, dtype=dtype, device=device))
+        # (A plain module, not an RMSNorm: Gemma's finalize_weights folds the 1 of (1 + w) into those.)
+        self.mm_soft_emb_norm = nn.Module()
+        self.mm_soft_emb_norm.weight = nn.Parameter(torch.empty(vision_hidden, dtype=dtype, device=device))
         self.eps = eps
         self.patches_per_side = patches_per_side
         self.kernel = patches_per_side // side
@@ -110,7 +113,7 @@ class Gemma3Projector(nn.Module):
         grid = features.transpose(1, 2).reshape(b, d, self.patches_per_side, self.patches_per_side)
         pooled = F.avg_pool2d(grid, self.kernel, self.kernel).flatten(2).transpose(1, 2)
         x = pooled.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.norm_weight.float())
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.mm_soft_emb_norm.weight.float())
         return torch.matmul(x.to(features.dtype), self.mm_input_projection_weight).type_as(features)
 
 
@@ -175,14 +178,4 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         if not self.takes_images:
             return
         self.vision_tower.load_weights((name, materialize(t)) for name, t in tower)
-        names = {"mm_input_projection_weight": "mm_input_projection_weight", "mm_soft_emb_norm.weight": "norm_weight"}
-        if set(projector) != set(names):
-            raise ModelLoadError(f"{self.spec.architecture}: the multi_modal_projector tensors are {sorted(projector)}, "
-                                 f"expected {sorted(names)}")
-        params = dict(self.multi_modal_projector.named_parameters())
-        with torch.no_grad():
-            for name, attr in names.items():
-                if tuple(projector[name].shape) != tuple(params[attr].shape):
-                    raise ModelLoadError(f"tensor 'multi_modal_projector.{name}': shape {tuple(projector[name].shape)}"
-                                         f", the model has {tuple(params[attr].shape)} (config.json does not match?)")
-                params[attr].copy_(projector[name])
+        load_whole(self.multi_modal_projector, projector, "multi_modal_projector", self.spec.architecture)

@@ -24,13 +24,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferrox.distributed.sharding import materialize
-from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
+from ferrox.model_spec import ModelSpec, UnsupportedModelError
 from ferrox.models.llama import LlamaForCausalLM
+from ferrox.models.load_check import load_whole
 from ferrox.models.vision import build_vision_tower
+from ferrox.models.vision.vit import ACTIVATIONS
 from ferrox.multimodal.processing import llava_image_tokens, llava_vision_config
 
-_ACTIVATIONS = {"gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-                "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "silu": F.silu, "relu": F.relu}
+_ACTIVATIONS = {**ACTIVATIONS, "silu": F.silu, "relu": F.relu}
 
 
 class LlavaProjector(nn.Module):
@@ -106,16 +107,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
 
         super().load_weights(language_model())
         self.vision_tower.load_weights((name, materialize(t)) for name, t in tower)
-        params = dict(self.multi_modal_projector.named_parameters())
-        if set(projector) != set(params):
-            raise ModelLoadError(f"{self.spec.architecture}: the multi_modal_projector tensors are "
-                                 f"{sorted(projector)}, the model has {sorted(params)}")
-        with torch.no_grad():
-            for name, param in params.items():
-                if tuple(projector[name].shape) != tuple(param.shape):
-                    raise ModelLoadError(f"tensor 'multi_modal_projector.{name}': shape {tuple(projector[name].shape)}"
-                                         f", the model has {tuple(param.shape)} (config.json does not match?)")
-                param.copy_(projector[name])
+        load_whole(self.multi_modal_projector, projector, "multi_modal_projector", self.spec.architecture)
 
 
 # Checkpoint prefix -> the name load_weights routes by (first match wins).

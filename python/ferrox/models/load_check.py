@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
 
 from ferrox.model_spec import ModelLoadError
 
@@ -17,3 +20,18 @@ def check_all_loaded(architecture: str, unexpected: list[str], expected: Iterabl
     if missing:
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): "
                              f"{', '.join(sorted(m.replace('#', ' shard ') for m in missing)[:8])}")
+
+
+def load_whole(module: nn.Module, tensors: Mapping[str, torch.Tensor], prefix: str, architecture: str) -> None:
+    """Copy each parameter of a small unsharded module (a multimodal projector) from the tensor of its name:
+    every parameter exactly once, every tensor used, shapes equal (ModelLoadError naming `prefix.name`)."""
+    params = dict(module.named_parameters())
+    if set(tensors) != set(params):
+        raise ModelLoadError(f"{architecture}: the {prefix} tensors are {sorted(tensors)}, the model has "
+                             f"{sorted(params)}")
+    with torch.no_grad():
+        for name, param in params.items():
+            if tuple(tensors[name].shape) != tuple(param.shape):
+                raise ModelLoadError(f"tensor '{prefix}.{name}': shape {tuple(tensors[name].shape)}, the model has "
+                                     f"{tuple(param.shape)} (config.json does not match?)")
+            param.copy_(tensors[name])

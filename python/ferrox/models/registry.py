@@ -34,6 +34,8 @@ SUPPORTED: dict[str, str] = {
     "Gemma3ForCausalLM": "ferrox.models.gemma3:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "ferrox.models.gemma3:Gemma3ForConditionalGeneration",
     "LlavaForConditionalGeneration": "ferrox.models.llava:LlavaForConditionalGeneration",
+    "Idefics3ForConditionalGeneration": "ferrox.models.idefics3:Idefics3ForConditionalGeneration",
+    "SmolVLMForConditionalGeneration": "ferrox.models.idefics3:SmolVLMForConditionalGeneration",
     "Qwen2MoeForCausalLM": "ferrox.models.moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "ferrox.models.moe:Qwen3MoeForCausalLM",
     "BertModel": "ferrox.models.bert:BertModel",

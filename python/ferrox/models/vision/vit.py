@@ -30,8 +30,8 @@ from torch import nn
 from ferrox.distributed.sharding import materialize
 from ferrox.errors import InvalidArgumentError, UnsupportedModelError
 
-# vision_config.hidden_act -> the activation (transformers' ACT2FN names).
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+# vision_config.hidden_act -> the activation (transformers' ACT2FN names; LLaVA's projector reads it too).
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -133,10 +133,10 @@ class VisionTower(nn.Module):
                  feature_layer: int = -1, post_layernorm: bool = False) -> None:
         super().__init__()
         cfg = {**self.config_defaults, **config}
-        act = _ACTIVATIONS.get(cfg["hidden_act"])
+        act = ACTIVATIONS.get(cfg["hidden_act"])
         if act is None:
             raise UnsupportedModelError(f"vision_config.hidden_act {cfg['hidden_act']!r} is not supported "
-                                        f"(supported: {', '.join(_ACTIVATIONS)})", param="vision_config.hidden_act")
+                                        f"(supported: {', '.join(ACTIVATIONS)})", param="vision_config.hidden_act")
         hidden, num_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         if hidden % num_heads:
             raise UnsupportedModelError(f"vision_config.hidden_size {hidden} must split evenly into "
