@@ -87,6 +87,15 @@ _LANGUAGE_PREFIXES = ("model.language_model.", "language_model.model.")
 _VISION_RENAMES = (("model.vision_tower.", "vision_tower."), ("model.multi_modal_projector.", "multi_modal_projector."))
 
 
+class _NormWeight(nn.Module):
+    """The projector norm's (1 + w) weight, under its checkpoint name. Not an RMSNorm: Gemma's finalize_weights
+    folds the 1 into those, and this norm runs in float32 as transformers' does (Gemma3Projector.forward)."""
+
+    def __init__(self, size: int, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device=device))
+
+
 class Gemma3Projector(nn.Module):
     """transformers' Gemma3MultiModalProjector: the tower's patch grid average-pooled to
     mm_tokens_per_image rows (64x64 patches -> 16x16 for the released checkpoints), a (1 + w) RMSNorm in
@@ -101,9 +110,7 @@ class Gemma3Projector(nn.Module):
                                         f"{patches_per_side}x{patches_per_side} patches into a square grid")
         self.mm_input_projection_weight = nn.Parameter(torch.empty(vision_hidden, text_hidden, dtype=dtype,
                                                                    device=device))
-        # (A plain module, not an RMSNorm: Gemma's finalize_weights folds the 1 of (1 + w) into those.)
-        self.mm_soft_emb_norm = nn.Module()
-        self.mm_soft_emb_norm.weight = nn.Parameter(torch.empty(vision_hidden, dtype=dtype, device=device))
+        self.mm_soft_emb_norm = _NormWeight(vision_hidden, dtype, device)
         self.eps = eps
         self.patches_per_side = patches_per_side
         self.kernel = patches_per_side // side
