@@ -698,3 +698,68 @@ def models_with_references(root, builders: dict[str, Any]) -> dict[str, tuple[st
         ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         out[name] = (folder, model, ref)
     return out
+
+
+IDEFICS3_TOKENS = (["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
+                   + [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)])
+
+
+def make_tiny_idefics3(folder, *, architecture: str = "Idefics3ForConditionalGeneration",
+                       do_image_splitting: bool = True, seed: int = 0) -> str:
+    """An Idefics3 (or SmolVLM) checkpoint: a 36-pixel tower of 6x6 patches (1/6 is inexact, so the
+    tower's bucketed positions are exercised), pixel shuffle by 2 (9 rows a tile) and a Llama; the
+    tokenizer has Idefics3Processor's tokens (`<image>`, `<fake_token_around_image>`, `<global-img>`,
+    `<row_r_col_c>`); Idefics3ImageProcessor's preprocessor_config.json (36-pixel tiles, images resized
+    to a 72-pixel longest edge: up to 2x2 tiles and the global one) and the processor_config.json
+    Idefics3Processor writes; a chat template that writes `<image>` for image parts."""
+    import shutil
+    import tempfile
+
+    import torch
+    from tokenizers import AddedToken
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3Processor,
+        LlamaConfig,
+        PreTrainedTokenizerFast,
+        SmolVLMConfig,
+        SmolVLMForConditionalGeneration,
+    )
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tok = build_tokenizer()
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in IDEFICS3_TOKENS])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=36,
+                  patch_size=6)
+    smol = architecture == "SmolVLMForConditionalGeneration"
+    config_cls: Any = SmolVLMConfig if smol else Idefics3Config
+    config = config_cls(text_config=LlamaConfig(**_common(tok, 64, 2, 4, 2, 128, 2048, False)).to_dict(),
+                        vision_config=vision, scale_factor=2, image_token_id=tok.token_to_id("<image>"),
+                        tie_word_embeddings=False)
+    config.architectures = [architecture]
+    torch.manual_seed(seed)
+    model = (SmolVLMForConditionalGeneration if smol else Idefics3ForConditionalGeneration)(config).to(torch.float32)
+    with torch.no_grad():  # the default init leaves the tower's output near zero: give images a say
+        for name, param in model.named_parameters():
+            if "vision_model" in name or "connector" in name:
+                if param.dim() == 1 and "norm" in name and name.endswith("weight"):
+                    param.uniform_(0.5, 1.5)
+                else:
+                    param.normal_(0.0, 0.2 if param.dim() > 1 else 0.05)
+    _randomize_norms(model)
+    _save(str(folder), model, tok, max_shard_size=None, generation=None)
+    with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
+        tok_config = json.load(f)
+    tok_config["chat_template"] = LLAVA_CHAT_TEMPLATE.replace("<image>\n", "<image>")
+    with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(tok_config, f, indent=2)
+    images = Idefics3ImageProcessorPil(size={"longest_edge": 72}, max_image_size={"longest_edge": 36},
+                                       do_image_splitting=do_image_splitting, image_mean=[0.5, 0.5, 0.5],
+                                       image_std=[0.5, 0.5, 0.5])
+    images.save_pretrained(str(folder))  # preprocessor_config.json, as transformers < 5 saved it
+    with tempfile.TemporaryDirectory() as tmp:  # processor_config.json, as transformers 5 writes it
+        processor = Idefics3Processor(images, PreTrainedTokenizerFast.from_pretrained(str(folder)), image_seq_len=9)
+        processor.save_pretrained(tmp)
+        shutil.copy(os.path.join(tmp, "processor_config.json"), os.path.join(folder, "processor_config.json"))
+    return str(folder)

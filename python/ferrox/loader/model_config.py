@@ -53,7 +53,8 @@ _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 # Multimodal checkpoints: architecture -> the text model_type when text_config does not say.
-MULTIMODAL_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3_text", "LlavaForConditionalGeneration": "llama"}
+MULTIMODAL_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3_text", "LlavaForConditionalGeneration": "llama",
+                            "Idefics3ForConditionalGeneration": "llama", "SmolVLMForConditionalGeneration": "llama"}
 
 
 def _text_config(config: dict[str, Any], where: str) -> dict[str, Any]:

@@ -24,10 +24,22 @@ import torch
 from torch import nn
 
 from ferrox.distributed.sharding import materialize
-from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
+from ferrox.model_spec import ModelSpec, UnsupportedModelError
 from ferrox.models.llama import LlamaForCausalLM
+from ferrox.models.load_check import load_whole
 from ferrox.models.vision.idefics3_vision import Idefics3VisionTower
 from ferrox.multimodal.idefics3_processing import idefics3_image_tokens
+
+
+class ModalityProjection(nn.Module):
+    """transformers' Idefics3SimpleMLP: one linear, no bias (its name gives the checkpoint's `.proj.`)."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.proj = nn.Linear(in_features, out_features, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
 
 
 class Idefics3Connector(nn.Module):
@@ -37,9 +49,7 @@ class Idefics3Connector(nn.Module):
                  device: torch.device | str):
         super().__init__()
         self.scale = scale
-        self.modality_projection = nn.Module()
-        self.modality_projection.proj = nn.Linear(vision_hidden * scale * scale, text_hidden, bias=False,
-                                                  dtype=dtype, device=device)
+        self.modality_projection = ModalityProjection(vision_hidden * scale * scale, text_hidden, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, seq, hidden = x.shape
@@ -48,7 +58,7 @@ class Idefics3Connector(nn.Module):
         # s neighbouring rows of those merge; the features of a block are ordered (row, column, hidden).
         x = x.view(b, side, side // s, hidden * s).permute(0, 2, 1, 3)
         x = x.reshape(b, side // s, side // s, hidden * s * s).permute(0, 2, 1, 3)
-        return self.modality_projection.proj(x.reshape(b, seq // (s * s), hidden * s * s))
+        return self.modality_projection(x.reshape(b, seq // (s * s), hidden * s * s))
 
 
 class Idefics3ForConditionalGeneration(LlamaForCausalLM):
@@ -96,16 +106,7 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
 
         super().load_weights(language_model())
         self.vision_model.load_weights((name, materialize(t)) for name, t in tower)
-        params = dict(self.connector.named_parameters())
-        if set(connector) != set(params):
-            raise ModelLoadError(f"{self.spec.architecture}: the connector tensors are {sorted(connector)}, the "
-                                 f"model has {sorted(params)}")
-        with torch.no_grad():
-            for name, param in params.items():
-                if tuple(connector[name].shape) != tuple(param.shape):
-                    raise ModelLoadError(f"tensor 'model.connector.{name}': shape {tuple(connector[name].shape)}, "
-                                         f"the model has {tuple(param.shape)} (config.json does not match?)")
-                param.copy_(connector[name])
+        load_whole(self.connector, connector, "model.connector", self.spec.architecture)
 
 
 class SmolVLMForConditionalGeneration(Idefics3ForConditionalGeneration):

@@ -177,12 +177,17 @@ def image_prompts_for_model(model_dir: str, hf_config: Mapping[str, Any], tokeni
     """The prompt rules of a model that takes images (None for a text-only one). hf_config: config.json;
     limits: --limit-mm-per-prompt."""
     archs = hf_config.get("architectures") or []
+    limit = (limits or {}).get("image")
+    if "Idefics3ForConditionalGeneration" in archs or "SmolVLMForConditionalGeneration" in archs:
+        from ferrox.multimodal.idefics3_processing import idefics3_image_prompts
+
+        return idefics3_image_prompts(model_dir, hf_config, tokenizer, limit=limit,
+                                      allowed_local_media_path=allowed_local_media_path)
     if "LlavaForConditionalGeneration" not in archs and "Gemma3ForConditionalGeneration" not in archs:
         return None
     from ferrox.multimodal.image_processor import ImageProcessor
 
     processor = ImageProcessor.from_model_dir(model_dir) if os.path.isdir(model_dir) else None
-    limit = (limits or {}).get("image")
     if "Gemma3ForConditionalGeneration" in archs:
         token_id = int(hf_config.get("image_token_index", hf_config.get("image_token_id", 262_144)))
         boi = int(hf_config.get("boi_token_index", 255_999))

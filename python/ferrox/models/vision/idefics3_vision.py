@@ -4,9 +4,10 @@ by its post_layernorm, with NaViT-style positions.
 
 Idefics3VisionEmbeddings places a grid of patches that may be smaller than the tower's own (a padded image)
 on the tower's position grid by bucketing each patch's fractional coordinate (i / patches) against the
-boundaries k / side. For a full tile the grid is the tower's own, but the float32 bucketing is not always
-the identity (1 / side is inexact for most sides), so the position of each patch is computed with
-transformers' float32 ops, once, at build time. ferrox feeds it full tiles only (the processor cuts
+boundaries k / side. For a full tile the grid is the tower's own, yet the float32 bucketing is not always
+the identity (sides 19, 25, 29, ... put some patches on a neighbour's position; 26, 27 and 32, the hub
+checkpoints' sides, do not), so each patch's position is computed with transformers' float32 ops, once,
+at build time. ferrox feeds it full tiles only (the processor cuts
 images into tower-sized squares: multimodal/idefics3_processing.py), so no patch is masked.
 """
 
