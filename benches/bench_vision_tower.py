@@ -25,9 +25,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    from transformers import CLIPVisionConfig, CLIPVisionModel
-
     from ferrox.models.vision import build_vision_tower
+    from transformers import CLIPVisionConfig, CLIPVisionModel
 
     torch.manual_seed(0)
     reference = CLIPVisionModel(CLIPVisionConfig(**CLIP_L_336)).eval().to(args.device)

@@ -1,5 +1,6 @@
 """Live `ferrox serve` of tiny LLaVA folders (a CLIP tower over a Llama, a SigLIP tower over a Qwen2) and a
-tiny Gemma 3 with images (bidirectional image attention: those steps take the torch attention) on the device: 24 concurrent chat requests with data-URL images (eight different images, one or two a prompt),
+tiny Gemma 3 with images (bidirectional image attention: those steps take the torch attention) and a tiny
+Idefics3 (SmolVLM's tiling: up to 2x2 tiles and a global one an image) on the device: 24 concurrent chat requests with data-URL images (eight different images, one or two a prompt),
 Anthropic image blocks and Responses input_image parts beside them, each answer compared with the offline
 LLM's on the same images on the same device; a bad image must be a 400 and change nothing else.
 0 errors and 0 mismatches expected."""
@@ -19,7 +20,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from tests.helpers.tiny_models import make_tiny_gemma3_vision, make_tiny_llava  # noqa: E402
+from tests.helpers.tiny_models import make_tiny_gemma3_vision, make_tiny_idefics3, make_tiny_llava  # noqa: E402
 from tests.server.server_proc import ServerProcess  # noqa: E402
 
 
@@ -53,7 +54,8 @@ def main() -> int:
     pics = images()
     for name, folder, extra in (("llava-clip-llama", make_tiny_llava(tmp / "a"), []),
                                 ("llava-siglip-qwen2", make_tiny_llava(tmp / "b", text="qwen2", vision="siglip"), []),
-                                ("gemma3-vision", make_tiny_gemma3_vision(tmp / "c"), ["--max-model-len", "512"])):
+                                ("gemma3-vision", make_tiny_gemma3_vision(tmp / "c"), ["--max-model-len", "512"]),
+                                ("idefics3-tiles", make_tiny_idefics3(tmp / "d"), [])):
         cases = [[k % 8] for k in range(16)] + [[k % 8, (k + 3) % 8] for k in range(8)]
 
         def messages(ids: list[int]) -> list[dict]:

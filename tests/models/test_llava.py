@@ -96,6 +96,16 @@ def test_errors_name_the_field(llava, tmp_path):
     img, img2 = _images()
     with pytest.raises(InvalidArgumentError, match=r"1 image placeholder\(s\).*for 2 image"):
         llm.generate({"prompt": "<image> two?", "multi_modal_data": {"image": [img, img2]}}, GREEDY)
+    # Side by side: two placeholders (a template may write them so), or one image already expanded (16).
+    two = llm.generate({"prompt": "<image><image>", "multi_modal_data": {"image": [img, img2]}}, GREEDY,
+                       use_tqdm=False)[0]
+    spaced = llm.generate({"prompt": "<image>\n<image>", "multi_modal_data": {"image": [img, img2]}}, GREEDY,
+                          use_tqdm=False)[0]
+    assert len(two.prompt_token_ids) == len(spaced.prompt_token_ids) - 1
+    expanded = llm.generate({"prompt": "<image>" * 16, "multi_modal_data": {"image": img}}, GREEDY, use_tqdm=False)
+    single = llm.generate({"prompt": "<image>", "multi_modal_data": {"image": img}}, GREEDY, use_tqdm=False)
+    assert expanded[0].prompt_token_ids == single[0].prompt_token_ids
+    assert expanded[0].outputs[0].token_ids == single[0].outputs[0].token_ids
     with pytest.raises(InvalidArgumentError, match="multi_modal_data.video"):
         llm.generate({"prompt": "<image>", "multi_modal_data": {"video": [img]}}, GREEDY)
     with pytest.raises(InvalidArgumentError, match="beam search takes no images"):

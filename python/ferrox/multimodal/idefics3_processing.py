@@ -211,18 +211,16 @@ class Idefics3ImagePrompts(ImagePrompts):
 
         self.check_count(len(images), what, param)
         ids = list(prompt_ids)
-        runs = _runs(ids, self.image_token_id)
-        if len(runs) != len(images):
+        # Every image token is one image's placeholder (a template may write two side by side); a prompt
+        # already holding expanded tiles has far more of them than images, and is refused by the count.
+        places = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        if len(places) != len(images):
             raise InvalidArgumentError(
-                f"{what}: the prompt has {len(runs)} image placeholder(s) ({self.placeholder!r}) for "
-                f"{len(images)} image(s); put one placeholder where each image goes", param=param)
+                f"{what}: the prompt has {len(places)} image placeholder(s) ({self.placeholder!r}) for "
+                f"{len(images)} image(s); put one placeholder where each image goes (its tiles are expanded "
+                "here)", param=param)
         if not images:
             return ids, []
-        for start, length in runs:
-            if length != 1:
-                raise InvalidArgumentError(f"{what}: a run of {length} image tokens at {start}: an image takes one "
-                                           f"{self.placeholder!r} placeholder (its tiles are expanded here)",
-                                           param=param)
         processor = self.image_processor
         if processor is None:
             raise InvalidArgumentError(f"{what}: model folder {self.model_dir} has no {PREPROCESSOR_FILE} (nor "
@@ -231,7 +229,7 @@ class Idefics3ImagePrompts(ImagePrompts):
         out: list[int] = []
         items: list[MultiModalItem] = []
         at = 0
-        for (start, _), image in zip(runs, images, strict=True):
+        for start, image in zip(places, images, strict=True):
             out.extend(ids[at:start])
             tiles, rows, cols = processor(image)
             block = self._block(rows, cols)

@@ -84,17 +84,13 @@ class ImagePrompts:
 
         self.check_count(len(images), what, param)
         ids = self.insert_image_runs(list(prompt_ids))
-        runs = _runs(ids, self.image_token_id)
+        runs = self._placeholders(ids)
         if len(runs) != len(images):
             raise InvalidArgumentError(
                 f"{what}: the prompt has {len(runs)} image placeholder(s) ({self.placeholder!r}) for "
                 f"{len(images)} image(s); put one placeholder where each image goes", param=param)
         if not images:
             return ids, []
-        for start, length in runs:
-            if length not in (1, self.tokens_per_image):
-                raise InvalidArgumentError(f"{what}: a run of {length} image tokens at {start}: an image takes one "
-                                           f"placeholder or exactly {self.tokens_per_image} tokens", param=param)
         if self.image_processor is None:
             raise InvalidArgumentError(f"{what}: model folder {self.model_dir} has no preprocessor_config.json, "
                                        "so its images cannot be prepared", param=param)
@@ -113,6 +109,17 @@ class ImagePrompts:
     def insert_image_runs(self, ids: list[int]) -> list[int]:
         """A family's own placeholder rewrite before the runs are read (Gemma 3's: below)."""
         return ids
+
+    def _placeholders(self, ids: list[int]) -> list[tuple[int, int]]:
+        """(start, length) of each image's tokens: a run of image tokens whose length is a multiple of the
+        image's is that many images already expanded; any other run is one placeholder per token (a
+        template may write two side by side)."""
+        n = self.tokens_per_image
+        out: list[tuple[int, int]] = []
+        for start, length in _runs(ids, self.image_token_id):
+            size = n if n > 1 and length % n == 0 else 1
+            out.extend((start + k, size) for k in range(0, length, size))
+        return out
 
 
 def _runs(ids: Sequence[int], token: int) -> list[tuple[int, int]]:
