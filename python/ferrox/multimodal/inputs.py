@@ -30,11 +30,14 @@ class MultiModalItem(msgspec.Struct, array_like=True, omit_defaults=True):
     shape: list[int]
     hash: str
     modality: str = "image"
+    # Qwen2-VL's (t, h, w) patch grid: its pixels are [t * h * w, patch values] patches, not a fixed image.
+    grid: list[int] | None = None
 
     @classmethod
-    def from_pixels(cls, offset: int, length: int, pixel_values: np.ndarray, digest: str) -> MultiModalItem:
+    def from_pixels(cls, offset: int, length: int, pixel_values: np.ndarray, digest: str,
+                    grid: list[int] | None = None) -> MultiModalItem:
         array = np.ascontiguousarray(pixel_values, dtype=np.float32)
-        return cls(offset, length, array.tobytes(), list(array.shape), digest)
+        return cls(offset, length, array.tobytes(), list(array.shape), digest, grid=grid)
 
     def pixel_values(self) -> torch.Tensor:
         import torch  # (the engine core's side; the front-end that builds items has no torch)

@@ -37,16 +37,24 @@ def check_items(items: list[MultiModalItem], prompt: list[int], model: Any, what
             raise InvalidArgumentError(f"{what}: image {k}'s placeholder run [{item.offset}, {item.end}) is not "
                                        f"inside the {len(prompt)}-token prompt after the previous image",
                                        param="multi_modal_data")
-        if item.length != model.image_tokens:
-            raise InvalidArgumentError(f"{what}: image {k} has {item.length} placeholder tokens, the model's images "
-                                       f"take {model.image_tokens}", param="multi_modal_data")
-        if list(item.shape) != list(model.pixel_shape):
-            raise InvalidArgumentError(f"{what}: image {k}'s pixels are {list(item.shape)}, the model's vision "
-                                       f"tower takes {list(model.pixel_shape)}", param="multi_modal_data")
+        check = getattr(model, "check_image_item", None)
+        problem = check(item) if check is not None else _fixed_size_problem(item, model)
+        if problem:
+            raise InvalidArgumentError(f"{what}: image {k}: {problem}", param="multi_modal_data")
         if len(item.pixels) != 4 * int(np.prod(item.shape)):
             raise InvalidArgumentError(f"{what}: image {k}'s pixel bytes do not match its shape",
                                        param="multi_modal_data")
         end = item.end
+
+
+def _fixed_size_problem(item: MultiModalItem, model: Any) -> str | None:
+    """What is wrong with an image item for a model whose images all have one size and token count (LLaVA,
+    Gemma 3, Idefics3's tiles); models with variable images define check_image_item instead."""
+    if item.length != model.image_tokens:
+        return f"{item.length} placeholder tokens, the model's images take {model.image_tokens}"
+    if list(item.shape) != list(model.pixel_shape):
+        return f"pixels {list(item.shape)}, the model's vision tower takes {list(model.pixel_shape)}"
+    return None
 
 
 class ImageEmbeddings:
