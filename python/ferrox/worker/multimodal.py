@@ -87,8 +87,11 @@ class ImageEmbeddings:
         key = (slot, k)
         rows = self._encoded.get(key)
         if rows is None:
-            pixels = item.pixel_values().to(self.device).unsqueeze(0)
-            rows = self.model.embed_multimodal(pixels)[0]
+            embed_item = getattr(self.model, "embed_image_item", None)  # variable-size images (Qwen2-VL)
+            if embed_item is not None:
+                rows = embed_item(item, self.device)
+            else:
+                rows = self.model.embed_multimodal(item.pixel_values().to(self.device).unsqueeze(0))[0]
             self._encoded[key] = rows
         return rows
 
