@@ -1,6 +1,7 @@
 """Live `ferrox serve` of tiny LLaVA folders (a CLIP tower over a Llama, a SigLIP tower over a Qwen2) and a
 tiny Gemma 3 with images (bidirectional image attention: those steps take the torch attention) and a tiny
-Idefics3 (SmolVLM's tiling: up to 2x2 tiles and a global one an image) on the device: 24 concurrent chat requests with data-URL images (eight different images, one or two a prompt),
+Idefics3 (SmolVLM's tiling: up to 2x2 tiles and a global one an image) and tiny Qwen2-VL / Qwen2.5-VL (images of
+their own sizes, multimodal rotary positions) on the device: 24 concurrent chat requests with data-URL images (eight different images, one or two a prompt),
 Anthropic image blocks and Responses input_image parts beside them, each answer compared with the offline
 LLM's on the same images on the same device; a bad image must be a 400 and change nothing else.
 0 errors and 0 mismatches expected."""
@@ -20,7 +21,12 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from tests.helpers.tiny_models import make_tiny_gemma3_vision, make_tiny_idefics3, make_tiny_llava  # noqa: E402
+from tests.helpers.tiny_models import (  # noqa: E402
+    make_tiny_gemma3_vision,
+    make_tiny_idefics3,
+    make_tiny_llava,
+    make_tiny_qwen2_vl,
+)
 from tests.server.server_proc import ServerProcess  # noqa: E402
 
 
@@ -55,7 +61,9 @@ def main() -> int:
     for name, folder, extra in (("llava-clip-llama", make_tiny_llava(tmp / "a"), []),
                                 ("llava-siglip-qwen2", make_tiny_llava(tmp / "b", text="qwen2", vision="siglip"), []),
                                 ("gemma3-vision", make_tiny_gemma3_vision(tmp / "c"), ["--max-model-len", "512"]),
-                                ("idefics3-tiles", make_tiny_idefics3(tmp / "d"), [])):
+                                ("idefics3-tiles", make_tiny_idefics3(tmp / "d"), []),
+                                ("qwen2-vl", make_tiny_qwen2_vl(tmp / "e"), []),
+                                ("qwen2.5-vl", make_tiny_qwen2_vl(tmp / "f", version="qwen2_5_vl"), [])):
         cases = [[k % 8] for k in range(16)] + [[k % 8, (k + 3) % 8] for k in range(8)]
 
         def messages(ids: list[int]) -> list[dict]:

@@ -388,6 +388,73 @@ def make_tiny_gemma3_vision(folder, *, sliding_window: int = 16, seed: int = 0) 
     return str(folder)
 
 
+QWEN_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+
+
+def make_tiny_qwen2_vl(folder, *, version: str = "qwen2_vl", seed: int = 0) -> str:
+    """A Qwen2-VL (or Qwen2.5-VL: version "qwen2_5_vl") checkpoint: a tiny Qwen2 with multimodal RoPE
+    (16-dim heads: mrope_section [2, 3, 3]), a two-block vision transformer of 14-pixel patches merged 2x2
+    (2.5: windowed, block 1 full), the tokenizer's vision tokens, Qwen2VLImageProcessor's
+    preprocessor_config.json (small min/max pixels: images of a few merged patches), and a chat template that
+    writes `<|vision_start|><|image_pad|><|vision_end|>` for image parts."""
+    import torch
+    from tokenizers import AddedToken
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
+
+    tok = build_tokenizer()
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_VL_TOKENS])
+    start, end, pad = (tok.token_to_id(t) for t in QWEN_VL_TOKENS)
+    text = dict(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                initializer_range=0.1, bos_token_id=1, eos_token_id=EOS_TOKEN_ID, pad_token_id=0,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    if version == "qwen2_vl":
+        vision: dict[str, Any] = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                                      spatial_merge_size=2, temporal_patch_size=2)
+        config: Any = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=pad,
+                                    vision_start_token_id=start, vision_end_token_id=end)
+        config.architectures = ["Qwen2VLForConditionalGeneration"]
+        model_cls: Any = Qwen2VLForConditionalGeneration
+    else:
+        vision = dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+        config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=pad,
+                                  vision_start_token_id=start, vision_end_token_id=end)
+        config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+        model_cls = Qwen2_5_VLForConditionalGeneration
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    with torch.no_grad():  # the default init leaves the image rows near zero: give images a say
+        for name, param in model.named_parameters():
+            if "visual" in name:
+                if param.dim() == 1 and "norm" in name and name.endswith("weight"):
+                    param.uniform_(0.5, 1.5)
+                elif param.dim() == 1 and name.endswith("weight"):
+                    param.uniform_(0.5, 1.5)  # (LayerNorm weights named ln_q / norm1)
+                else:
+                    param.normal_(0.0, 0.2 if param.dim() > 1 else 0.05)
+    _randomize_norms(model)
+    _save(str(folder), model, tok, max_shard_size=None, generation=None)
+    processor = {"image_processor_type": "Qwen2VLImageProcessor", "do_resize": True, "resample": 3,
+                 "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+                 "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+                 "do_convert_rgb": True, "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 16, "patch_size": 14,
+                 "temporal_patch_size": 2, "merge_size": 2}
+    with open(os.path.join(folder, "preprocessor_config.json"), "w", encoding="utf-8") as f:
+        json.dump(processor, f, indent=2)
+    with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
+        tok_config = json.load(f)
+    tok_config["chat_template"] = LLAVA_CHAT_TEMPLATE.replace("<image>\n", "<|vision_start|><|image_pad|><|vision_end|>")
+    with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(tok_config, f, indent=2)
+    return str(folder)
+
+
 def make_tiny_granite(folder, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
                       intermediate_size: int = 128, max_position_embeddings: int = 2048,
                       tie_word_embeddings: bool = False, embedding_multiplier: float = 12.0,

@@ -235,7 +235,7 @@ class TritonOps(DeviceOps):
 
     def rope(self, tables: RopeTables, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         rows = tables.rope_rows(positions)
-        return KernelRope(rows, torch.arange(positions.shape[0], device=positions.device), self._rotary_neox,
+        return KernelRope(rows, torch.arange(positions.shape[-1], device=positions.device), self._rotary_neox,
                           self._qk_norm_rope)
 
     def masked_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

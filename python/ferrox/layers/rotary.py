@@ -227,9 +227,17 @@ class RotaryEmbedding(nn.Module):
     def for_spec(cls, spec: ModelSpec, device: torch.device | str | None = None,
                  ops: DeviceOps | None = None) -> RotaryEmbedding:
         """The model's rotary as its config.json (and the served context, for LongRoPE) defines it."""
+        section = spec.hf_config.get("mrope_section")
+        if section:
+            return MRotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, device, ops,
+                                    section=[int(x) for x in section])
         return cls(spec.head_dim, spec.rope_theta, spec.rope_scaling, device, ops, rotary_dim=spec.rotary_dim,
                    max_position_embeddings=int(spec.hf_config.get("max_position_embeddings") or 0) or None,
                    long_context=spec.rope_long_context)
+
+    def angles(self, positions: torch.Tensor) -> torch.Tensor:
+        """float32 [T, pairs]: each token's angle for each rotary pair (positions [T])."""
+        return positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         """This step's rotary, for every layer to apply to its q and k."""
@@ -237,7 +245,7 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [T, 1, head_dim] (broadcast over heads), in the model dtype."""
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        freqs = self.angles(positions)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = emb.cos(), emb.sin()
         if self.amplitude_whole is not None:
@@ -247,8 +255,35 @@ class RotaryEmbedding(nn.Module):
     def rope_rows(self, positions: torch.Tensor) -> torch.Tensor:
         """The same angles as cos_sin as float32 rows [T, head_dim] = [cos | sin] (head_dim / 2
         each), the layout of the Triton kernels (`rotary_neox_`, and the one-token qkv kernel)."""
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        freqs = self.angles(positions)
         cos, sin = freqs.cos(), freqs.sin()
         if self.amplitude is not None:
             cos, sin = cos * self.amplitude, sin * self.amplitude
         return torch.cat((cos, sin), dim=-1)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Qwen2-VL's multimodal RoPE: positions are [3, T] (temporal, height, width), and rotary pair j turns by
+    the row its section names: the first section[0] pairs by the temporal position, the next section[1] by
+    the height, the last by the width (transformers' apply_multimodal_rotary_pos_emb). A text token's three
+    positions are equal, which is the plain rotary at that position: positions [T] are taken as such, so
+    text-only steps (and decode, with the request's position offset added: worker/mrope.py) run every
+    kernel path unchanged."""
+
+    section_rows: torch.Tensor  # [pairs] int64: the positions row (0 t, 1 h, 2 w) each pair turns by
+
+    def __init__(self, head_dim: int, base: float, scaling: dict | None, device: torch.device | str | None = None,
+                 ops: DeviceOps | None = None, *, section: list[int]):
+        super().__init__(head_dim, base, scaling, device, ops)
+        if sum(section) != head_dim // 2:
+            raise UnsupportedModelError(f"config.json: mrope_section {section} must add up to head_dim / 2 "
+                                        f"({head_dim // 2})")
+        rows = torch.cat([torch.full((n,), i, dtype=torch.int64) for i, n in enumerate(section)])
+        self.register_buffer("section_rows", rows.to(device), persistent=False)
+
+    def angles(self, positions: torch.Tensor) -> torch.Tensor:
+        if positions.dim() == 1:
+            return super().angles(positions)
+        # [3, T] -> each pair's own row of positions: [T, pairs]
+        chosen = positions.to(torch.float32).index_select(0, self.section_rows)  # [pairs, T]
+        return chosen.t() * self.inv_freq[None, :]

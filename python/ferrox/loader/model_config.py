@@ -51,10 +51,19 @@ _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
               "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "hidden_act": "silu"},
     "gemma3_text": _GEMMA3_TEXT_DEFAULTS,
 }
+# Qwen2-VL's and Qwen2.5-VL's language model (Qwen2VLTextConfig's / Qwen2_5_VLTextConfig's defaults).
+_TEXT_DEFAULTS["qwen2_vl_text"] = _TEXT_DEFAULTS["qwen2_5_vl_text"] = {
+    "vocab_size": 152_064, "hidden_size": 8192, "intermediate_size": 29_568, "num_hidden_layers": 80,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "max_position_embeddings": 32_768, "rms_norm_eps": 1e-5,
+    "rope_theta": 1_000_000.0, "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": 4096,
+    "max_window_layers": 80, "hidden_act": "silu"}
+# Checkpoints whose text fields may sit at the top level beside vision_config (transformers < 5 wrote Qwen2-VL so).
+_FLAT_TEXT = {"Qwen2VLForConditionalGeneration": "qwen2_vl_text", "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl_text"}
 
 # Multimodal checkpoints: architecture -> the text model_type when text_config does not say.
 MULTIMODAL_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3_text", "LlavaForConditionalGeneration": "llama",
-                            "Idefics3ForConditionalGeneration": "llama", "SmolVLMForConditionalGeneration": "llama"}
+                            "Idefics3ForConditionalGeneration": "llama", "SmolVLMForConditionalGeneration": "llama",
+                            **_FLAT_TEXT}
 
 
 def _text_config(config: dict[str, Any], where: str) -> dict[str, Any]:
@@ -66,17 +75,41 @@ def _text_config(config: dict[str, Any], where: str) -> dict[str, Any]:
     text = config.get("text_config")
     if text is None and arch == "LlavaForConditionalGeneration":
         text = {}  # LlavaConfig's default: a Llama
+    if text is None and arch in _FLAT_TEXT:
+        text = {k: v for k, v in config.items() if k not in ("vision_config", "model_type")}
     if not isinstance(text, dict):
         raise ModelLoadError(f"{where}: {arch} needs a text_config object")
     model_type = str(text.get("model_type") or MULTIMODAL_ARCHITECTURES[arch])
     if model_type not in _TEXT_DEFAULTS:
         raise UnsupportedModelError(f"{where}: text_config.model_type {model_type!r} of {arch} is not supported "
                                     f"(supported: {', '.join(sorted(_TEXT_DEFAULTS))})")
-    merged = {**_TEXT_DEFAULTS[model_type], **text, "model_type": model_type, "architectures": config["architectures"],
+    defaults = dict(_TEXT_DEFAULTS[model_type])
+    if isinstance(text.get("rope_parameters"), dict) and "rope_theta" in text["rope_parameters"]:
+        defaults.pop("rope_theta", None)  # transformers 5 writes the theta there: a default must not shadow it
+    merged = {**defaults, **text, "model_type": model_type, "architectures": config["architectures"],
               "multimodal": {k: v for k, v in config.items() if k != "text_config"}}
     if "torch_dtype" in config or "dtype" in config:
         merged.setdefault("torch_dtype", config.get("torch_dtype") or config.get("dtype"))
+    if arch in _FLAT_TEXT:
+        _take_mrope(merged)
     return merged
+
+
+def _take_mrope(config: dict[str, Any]) -> None:
+    """Qwen2-VL's multimodal RoPE: its mrope_section (rotary pairs turned by the temporal, height and width
+    position) moves to the config's top level, and the rope itself is the plain one it scales nothing of
+    (transformers < 5 named it rope_scaling {"type": "mrope"}; 5 puts the section in rope_parameters)."""
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = config.get(key)
+        if isinstance(rope, dict) and "mrope_section" in rope:
+            config["mrope_section"] = [int(x) for x in rope["mrope_section"]]
+            rest = {k: v for k, v in rope.items() if k != "mrope_section"}
+            if rest.get("rope_type", rest.get("type")) in ("mrope", "default", None):
+                rest = {k: v for k, v in rest.items() if k not in ("type", "rope_type")}
+                if "rope_theta" in rest:
+                    config["rope_theta"] = rest.pop("rope_theta")
+                config[key] = None if not rest else {"rope_type": "default", **rest}
+    config.setdefault("mrope_section", [16, 24, 24])  # transformers' default when the config leaves it out
 
 
 def spec_from_hf_config(config: dict[str, Any], where: str, *, scaled_context: bool = True) -> ModelSpec:

@@ -34,6 +34,8 @@ SUPPORTED: dict[str, str] = {
     "Gemma3ForCausalLM": "ferrox.models.gemma3:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "ferrox.models.gemma3:Gemma3ForConditionalGeneration",
     "LlavaForConditionalGeneration": "ferrox.models.llava:LlavaForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration": "ferrox.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration": "ferrox.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
     "Idefics3ForConditionalGeneration": "ferrox.models.idefics3:Idefics3ForConditionalGeneration",
     "SmolVLMForConditionalGeneration": "ferrox.models.idefics3:SmolVLMForConditionalGeneration",
     "Qwen2MoeForCausalLM": "ferrox.models.moe:Qwen2MoeForCausalLM",

@@ -190,6 +190,11 @@ def image_prompts_for_model(model_dir: str, hf_config: Mapping[str, Any], tokeni
 
         return idefics3_image_prompts(model_dir, hf_config, tokenizer, limit=limit,
                                       allowed_local_media_path=allowed_local_media_path)
+    if "Qwen2VLForConditionalGeneration" in archs or "Qwen2_5_VLForConditionalGeneration" in archs:
+        from ferrox.multimodal.qwen2_vl_processing import qwen_vl_image_prompts
+
+        return qwen_vl_image_prompts(model_dir, hf_config, tokenizer, limit=limit,
+                                     allowed_local_media_path=allowed_local_media_path)
     if "LlavaForConditionalGeneration" not in archs and "Gemma3ForConditionalGeneration" not in archs:
         return None
     from ferrox.multimodal.image_processor import ImageProcessor

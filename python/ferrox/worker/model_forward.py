@@ -126,12 +126,14 @@ class ModelForward:
     @torch.inference_mode()
     def run(self, step: Any, prompt_rows: np.ndarray,
             fill_holes: Callable[[torch.Tensor, np.ndarray], torch.Tensor | None] | None = None, *,
-            shifted: bool = False, image_rows: StepImages | None = None) -> ForwardResult:
+            shifted: bool = False, image_rows: StepImages | None = None,
+            rope_positions: Callable[[torch.Tensor], torch.Tensor] | None = None) -> ForwardResult:
         """step: a SchedulerOutput or StepArrays. fill_holes(input_ids, hole_positions): the
         driver's filler of placeholder ids (None on the other ranks); it returns each row's shift
         when the step in flight verified drafts (`shifted`; the other ranks read it from `step`).
         image_rows: the images' rows in this step (worker/multimodal.py); such a step runs eagerly from
-        its input embeddings."""
+        its input embeddings. rope_positions: the rotary's positions from the step's (Qwen2-VL's
+        multimodal RoPE: worker/mrope.py); [3, T] ones run eagerly too."""
         upload = self.upload
         input_ids_np = step.input_ids
         meta, (input_ids, positions, logits_indices) = step_tensors(step, upload, input_ids_np, step.positions,
@@ -147,11 +149,15 @@ class ModelForward:
                 row_shift = torch.zeros(meta.num_reqs, dtype=torch.int64, device=self.device)
             self.tp.broadcast(row_shift)
             positions = self._shift_back(row_shift, positions, meta, step)
+        if rope_positions is not None:
+            positions = rope_positions(positions)
         if image_rows is not None:
             embeds = self.model.embed_input_ids(input_ids)
             embeds.index_copy_(0, image_rows.rows, image_rows.embeds.to(embeds.dtype))
             meta.bidirectional = image_rows.bidirectional
             hidden = self.model.forward(input_ids, positions, self.kv_caches, meta, inputs_embeds=embeds)
+        elif positions.dim() > 1:  # multimodal rotary positions: the graphs take [T] positions
+            hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
         elif self.graph_runner is not None and self.graph_runner.can_run(meta):
             hidden = self.graph_runner.run(input_ids, positions, meta)
         elif self.piece_runner is not None and self.piece_runner.can_run(meta):

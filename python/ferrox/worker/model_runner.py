@@ -40,6 +40,7 @@ from ferrox.step_types import Logprobs
 from ferrox.worker.input_batch import InFlight, InputBatch
 from ferrox.worker.mask_gate import MaskGate, PendingMask
 from ferrox.worker.model_forward import ModelForward, step_arrays
+from ferrox.worker.mrope import MRopePositions
 from ferrox.worker.multimodal import ImageEmbeddings
 from ferrox.worker.request_state import RequestState
 from ferrox.worker.spec_decode import expand_rows, verify
@@ -164,6 +165,9 @@ class ModelRunner:
         self._mask_gate: MaskGate | None = None  # CUDA: created with the first gated mask
         # A model that takes images (worker/multimodal.py): their embeddings replace the placeholder rows.
         self.images = ImageEmbeddings(model, device) if getattr(model, "takes_images", False) else None
+        # Qwen2-VL: the rotary positions of requests with images (worker/mrope.py).
+        merge = getattr(model, "mrope_merge_size", 0)
+        self.mrope = MRopePositions(merge, device) if merge and self.images is not None else None
 
     @property
     def graph_runner(self) -> Any:
@@ -189,6 +193,8 @@ class ModelRunner:
         self.input_batch.add(slot, req_id, prompt_token_ids, params)
         if self.images is not None:
             self.images.add(slot, images)
+            if self.mrope is not None:
+                self.mrope.add(slot, len(prompt_token_ids), images)
         elif images:
             raise ValueError("images given to a runner whose model takes none")
         if self.lora is not None:
@@ -204,6 +210,8 @@ class ModelRunner:
         self.input_batch.remove(slots)
         if self.images is not None:
             self.images.remove(slots)
+        if self.mrope is not None:
+            self.mrope.remove(slots)
 
     def append_accepted(self, slots: npt.NDArray[np.int32], token_ids: npt.NDArray[np.int32],
                         token_offsets: npt.NDArray[np.int32]) -> None:
@@ -254,7 +262,9 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.prepare_step(np.repeat(self._lora_of_slot[slots], np.asarray(so.num_scheduled_tokens)))
         image_rows = self.images.step_rows(so) if self.images else None
-        result = self.forward.run(so, prompt_rows, fill_holes, shifted=shifted, image_rows=image_rows)
+        mrope = self.mrope
+        result = self.forward.run(so, prompt_rows, fill_holes, shifted=shifted, image_rows=image_rows,
+                                  rope_positions=(lambda p: mrope.adjust(so, p)) if mrope is not None else None)
         chunks = self._prompt_logprobs(prompt_jobs, result.prompt_logits)
         sample_mask = np.asarray(so.sample_mask, dtype=np.bool_)
         handle = StepHandle(so, slots, self._upload("slots", slots), self.input_batch.generation[slots],

@@ -1,0 +1,314 @@
+"""Qwen2-VL and Qwen2.5-VL images: their patches and the tokens each image becomes.
+
+transformers' Qwen2VLImageProcessor (the PIL one, `Qwen2VLImageProcessorPil` in transformers 5; Qwen2.5-VL
+uses the same), for one image: RGB; smart_resize picks the size (both sides multiples of
+factor = patch_size * merge_size, the area kept within [min_pixels, max_pixels], the aspect ratio as near
+as those allow), PIL resizes to it (bicubic by default), rescale in float64 then float32, normalize in
+float32 (OpenAI CLIP's mean and std by default); the image counts as temporal_patch_size identical frames,
+one temporal patch (grid_t = 1); and it is cut into P x P patches, flattened [grid_h * grid_w, C*T*P*P]
+with each merge x merge square of patches consecutive (squares row-major, patches row-major in a square;
+values in a patch C, T, P, P order).
+
+Qwen2VLProcessor replaces each `<|image_pad|>` of the text by grid_t * grid_h * grid_w / merge^2 of them (one
+per row the tower's merger gives): a number that depends on the image's size. One MultiModalItem per image
+carries its patches and its grid, which the tower needs (models/vision/qwen2_vl_vision.py). Front-end code:
+numpy and PIL only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from ferrox.errors import InvalidArgumentError, ModelLoadError, UnsupportedModelError
+from ferrox.multimodal.image_processor import to_rgb
+from ferrox.multimodal.inputs import MultiModalItem
+from ferrox.multimodal.processing import ImagePrompts, _runs
+
+ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+PREPROCESSOR_FILE = "preprocessor_config.json"
+PROCESSOR_FILE = "processor_config.json"  # transformers 5 nests the image processor's fields here
+# Qwen2VLConfig's / Qwen2_5_VLConfig's token ids.
+DEFAULT_IMAGE_TOKEN_ID = 151_655  # <|image_pad|>
+DEFAULT_VISION_START_TOKEN_ID = 151_652  # <|vision_start|>
+DEFAULT_VISION_END_TOKEN_ID = 151_653  # <|vision_end|>
+MAX_ASPECT_RATIO = 200  # smart_resize refuses longer images
+
+# The vision configs' defaults for the keys the processor must agree with (the same in both families).
+_VISION_DEFAULTS = {"patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2}
+# Qwen2VLImageProcessor's class attributes: what a field means when the file leaves it out (or sets it null).
+_PROCESSOR_DEFAULTS: dict[str, Any] = {
+    "do_resize": True, "resample": 3, "size": {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280},
+    "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "do_convert_rgb": True, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+}
+_PROCESSOR_TYPES = ("Qwen2VLImageProcessor", "Qwen2_5_VLImageProcessor")
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """transformers' smart_resize: each side rounded to a multiple of `factor`; an area over max_pixels
+    scaled down (rounding down), one under min_pixels scaled up (rounding up)."""
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ValueError(f"a {width}x{height} image is too long: its aspect ratio must be at most "
+                         f"{MAX_ASPECT_RATIO}")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+class QwenVLImageProcessor:
+    """`processor(image)` -> (float32 [grid_t * grid_h * grid_w, C*T*P*P] patches, (grid_t, grid_h, grid_w))
+    for one PIL image."""
+
+    def __init__(self, config: Mapping[str, Any], where: str = PREPROCESSOR_FILE):
+        kind = config.get("image_processor_type")
+        if kind is not None:
+            base = str(kind)
+            for suffix in ("Fast", "Pil"):
+                base = base.removesuffix(suffix)
+            if base not in _PROCESSOR_TYPES:
+                raise UnsupportedModelError(f"{where}: image_processor_type {kind!r} is not a Qwen2-VL one "
+                                            f"({', '.join(_PROCESSOR_TYPES)})")
+        fields = {**_PROCESSOR_DEFAULTS,
+                  **{k: v for k, v in config.items() if k in _PROCESSOR_DEFAULTS and v is not None}}
+        self.where = where
+        self.min_pixels, self.max_pixels = _pixel_bounds(config, fields["size"], where)
+        self.do_resize = _flag(fields, "do_resize", where)
+        if fields["resample"] not in range(6) or isinstance(fields["resample"], bool):
+            raise ModelLoadError(f"{where}: resample must be a PIL filter number 0-5, got {fields['resample']!r}")
+        self.resample = Image.Resampling(int(fields["resample"]))
+        self.do_rescale = _flag(fields, "do_rescale", where)
+        self.rescale_factor = _number(fields["rescale_factor"], "rescale_factor", where)
+        self.do_normalize = _flag(fields, "do_normalize", where)
+        self.image_mean = np.array(_per_channel(fields["image_mean"], "image_mean", where), np.float32)
+        self.image_std = np.array(_per_channel(fields["image_std"], "image_std", where), np.float32)
+        self.patch_size = _positive(fields["patch_size"], "patch_size", where)
+        self.temporal_patch_size = _positive(fields["temporal_patch_size"], "temporal_patch_size", where)
+        self.merge_size = _positive(fields["merge_size"], "merge_size", where)
+        # do_convert_rgb: every image is made RGB (the tower takes three channels).
+
+    @classmethod
+    def from_model_dir(cls, path: str | os.PathLike[str]) -> QwenVLImageProcessor | None:
+        """From preprocessor_config.json, else processor_config.json's image_processor (transformers 5
+        saves only that); None when the folder has neither."""
+        file = os.path.join(path, PREPROCESSOR_FILE)
+        if os.path.isfile(file):
+            return cls(_read_json(file), PREPROCESSOR_FILE)
+        nested = _read_json(os.path.join(path, PROCESSOR_FILE)).get("image_processor")
+        if isinstance(nested, Mapping):
+            return cls(nested, f"{PROCESSOR_FILE}: image_processor")
+        return None
+
+    def tokens(self, grid: tuple[int, int, int]) -> int:
+        """The image's rows after the tower's merger: its placeholder tokens."""
+        return grid[0] * grid[1] * grid[2] // self.merge_size**2
+
+    def __call__(self, image: Image.Image) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """ValueError: an image smart_resize refuses (too long) or, without do_resize, one whose sides are
+        not whole merged squares."""
+        image = to_rgb(image)
+        factor = self.patch_size * self.merge_size
+        if self.do_resize:
+            height, width = smart_resize(image.height, image.width, factor, self.min_pixels, self.max_pixels)
+            image = image.resize((width, height), resample=self.resample)
+        elif image.height % factor or image.width % factor:
+            raise ValueError(f"a {image.width}x{image.height} image: without do_resize its sides must be multiples "
+                             f"of {factor} (patch_size x merge_size)")
+        pixels: np.ndarray = np.asarray(image)
+        if self.do_rescale:
+            pixels = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
+        pixels = pixels.astype(np.float32, copy=False)
+        if self.do_normalize:
+            pixels = (pixels - self.image_mean) / self.image_std
+        return self._patches(pixels)
+
+    def _patches(self, pixels: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """HWC -> [grid_h * grid_w, C*T*P*P]: merge squares row-major, patches row-major within one, each
+        patch (C, T, P, P) with its T frames the same image."""
+        height, width, channels = pixels.shape
+        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
+        grid_h, grid_w = height // p, width // p
+        squares = pixels.reshape(grid_h // m, m, p, grid_w // m, m, p, channels)
+        squares = squares.transpose(0, 3, 1, 4, 6, 2, 5)  # (square row, square col, row, col, C, P, P)
+        frames = np.broadcast_to(squares[:, :, :, :, :, None], (*squares.shape[:5], t, p, p))
+        patches = np.ascontiguousarray(frames.reshape(grid_h * grid_w, channels * t * p * p), dtype=np.float32)
+        return patches, (1, grid_h, grid_w)
+
+
+@dataclass(slots=True)
+class QwenVLImagePrompts(ImagePrompts):
+    """Qwen2-VL / Qwen2.5-VL prompt rules: each `<|image_pad|>` becomes its image's tokens, a number that
+    depends on the image (tokens_per_image is 0: unused). A run of image tokens is read as one token per
+    image (placeholders side by side) or, when its length is the image's own count, that image already
+    expanded; a prompt that reads both ways, or neither, is refused."""
+
+    def expand(self, prompt_ids: Sequence[int], images: Sequence[Any], what: str,
+               param: str = "multi_modal_data") -> tuple[list[int], list[MultiModalItem]]:
+        from ferrox.multimodal.media import image_hash
+
+        self.check_count(len(images), what, param)
+        ids = list(prompt_ids)
+        runs = _runs(ids, self.image_token_id)
+        if not images and not runs:
+            return ids, []
+        processor = self.image_processor
+        if images and processor is None:
+            raise InvalidArgumentError(f"{what}: model folder {self.model_dir} has no {PREPROCESSOR_FILE} (nor "
+                                       f"an image_processor in {PROCESSOR_FILE}), so its images cannot be prepared",
+                                       param=param)
+        processed = []
+        for k, image in enumerate(images):
+            try:
+                processed.append(processor(image))
+            except ValueError as e:
+                raise InvalidArgumentError(f"{what}: image {k}: {e}", param=param) from None
+        counts = [processor.tokens(grid) for _, grid in processed]
+        spans = self._spans(runs, counts, what, param)
+        out: list[int] = []
+        items: list[MultiModalItem] = []
+        at = 0
+        for (start, length), (patches, grid), count, image in zip(spans, processed, counts, images, strict=True):
+            out.extend(ids[at:start])
+            items.append(MultiModalItem.from_pixels(len(out), count, patches, image_hash(image), grid=list(grid)))
+            out.extend([self.image_token_id] * count)
+            at = start + length
+        out.extend(ids[at:])
+        return out, items
+
+    def _spans(self, runs: list[tuple[int, int]], counts: list[int], what: str,
+               param: str) -> list[tuple[int, int]]:
+        """(start, length) of each image's placeholder: the one reading of the runs that gives every image
+        one (module rule above)."""
+        images = len(counts)
+
+        @cache
+        def readings(r: int, k: int) -> int:
+            """Readings of runs[r:] for images[k:], counted up to 2."""
+            if r == len(runs):
+                return int(k == images)
+            length = runs[r][1]
+            total = readings(r + 1, k + length) if k + length <= images else 0
+            if length > 1 and k < images and counts[k] == length:
+                total += readings(r + 1, k + 1)
+            return min(total, 2)
+
+        found = readings(0, 0)
+        pad = self.placeholder
+        if found != 1:
+            tokens = sum(n for _, n in runs)
+            reason = "can be read two ways for" if found else "do not match"
+            raise InvalidArgumentError(
+                f"{what}: the prompt's {tokens} image token(s) in {len(runs)} run(s) {reason} {images} image(s) of "
+                f"{counts} tokens; put one {pad!r} where each image goes (its tokens are expanded here)",
+                param=param)
+        spans: list[tuple[int, int]] = []
+        k = 0
+        for r, (start, length) in enumerate(runs):
+            if length > 1 and k < images and counts[k] == length and readings(r + 1, k + 1):
+                spans.append((start, length))
+                k += 1
+            else:
+                spans.extend((start + i, 1) for i in range(length))
+                k += length
+        return spans
+
+
+def qwen_vl_image_prompts(model_dir: str, hf_config: Mapping[str, Any], tokenizer: Any, *, limit: int | None,
+                          allowed_local_media_path: str | None) -> QwenVLImagePrompts:
+    """The prompt rules of a Qwen2-VL / Qwen2.5-VL folder (hf_config: config.json). The placeholder text a
+    string-content chat template gets per image is `<|vision_start|><|image_pad|><|vision_end|>`, as
+    Qwen's own templates write it."""
+    token_id = int(hf_config.get("image_token_id", DEFAULT_IMAGE_TOKEN_ID))
+    pad = tokenizer.id_to_token(token_id)
+    if pad is None:
+        raise UnsupportedModelError(f"config.json: image_token_id {token_id} is not in the tokenizer's vocabulary")
+    start = tokenizer.id_to_token(int(hf_config.get("vision_start_token_id", DEFAULT_VISION_START_TOKEN_ID)))
+    end = tokenizer.id_to_token(int(hf_config.get("vision_end_token_id", DEFAULT_VISION_END_TOKEN_ID)))
+    placeholder = f"{start}{pad}{end}" if start is not None and end is not None else pad
+    processor = QwenVLImageProcessor.from_model_dir(model_dir) if os.path.isdir(model_dir) else None
+    if processor is not None:
+        vision = {**_VISION_DEFAULTS, **{k: v for k, v in (hf_config.get("vision_config") or {}).items()
+                                         if v is not None}}
+        for ours, theirs in (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
+                             ("merge_size", "spatial_merge_size")):
+            if getattr(processor, ours) != vision[theirs]:
+                raise UnsupportedModelError(f"{processor.where}: {ours} {getattr(processor, ours)} differs from the "
+                                            f"vision tower's {theirs} {vision[theirs]} (config.json)")
+    return QwenVLImagePrompts(token_id, 0, placeholder, processor, model_dir, limit, allowed_local_media_path)
+
+
+def _pixel_bounds(config: Mapping[str, Any], size: Any, where: str) -> tuple[int, int]:
+    """(min_pixels, max_pixels): size {shortest_edge, longest_edge} as transformers 5 writes it, each
+    overridden by a top-level min_pixels / max_pixels (the hub's files); size {min_pixels, max_pixels}
+    (transformers 4.45's layout) where neither gives one."""
+    if not isinstance(size, Mapping):
+        raise UnsupportedModelError(f"{where}: size must be {{shortest_edge, longest_edge}}, got {size!r}")
+    low = config.get("min_pixels")
+    high = config.get("max_pixels")
+    low = size.get("shortest_edge", size.get("min_pixels")) if low is None else low
+    high = size.get("longest_edge", size.get("max_pixels")) if high is None else high
+    if low is None or high is None:
+        raise UnsupportedModelError(f"{where}: size must be {{shortest_edge, longest_edge}} (or min_pixels and "
+                                    f"max_pixels given), got {size!r}")
+    low, high = _positive(low, "min_pixels", where), _positive(high, "max_pixels", where)
+    if low > high:
+        raise ModelLoadError(f"{where}: min_pixels {low} is more than max_pixels {high}")
+    return low, high
+
+
+def _read_json(file: str) -> dict[str, Any]:
+    if not os.path.isfile(file):
+        return {}
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot parse {file}: {e}") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{file} must hold a JSON object, found {type(data).__name__}")
+    return data
+
+
+def _positive(value: Any, name: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ModelLoadError(f"{where}: {name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _number(value: Any, name: str, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ModelLoadError(f"{where}: {name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _flag(fields: Mapping[str, Any], name: str, where: str) -> bool:
+    value = fields[name]
+    if not isinstance(value, bool):
+        raise ModelLoadError(f"{where}: {name} must be true or false, got {value!r}")
+    return value
+
+
+def _per_channel(value: Any, name: str, where: str) -> list[float]:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = [value] * 3
+    if not isinstance(value, (list, tuple)) or len(value) != 3 or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        raise ModelLoadError(f"{where}: {name} must be 3 numbers (R, G, B), got {value!r}")
+    return [float(v) for v in value]
