@@ -32,12 +32,21 @@ class MultiModalItem(msgspec.Struct, array_like=True, omit_defaults=True):
     modality: str = "image"
     # Qwen2-VL's (t, h, w) patch grid: its pixels are [t * h * w, patch values] patches, not a fixed image.
     grid: list[int] | None = None
+    # The run's positions (from offset) that take the image's embedding rows, in order, when not all do
+    # (Pixtral's row-break tokens sit inside an image's run and keep their own embeddings). None: every one.
+    embed_positions: list[int] | None = None
 
     @classmethod
     def from_pixels(cls, offset: int, length: int, pixel_values: np.ndarray, digest: str,
-                    grid: list[int] | None = None) -> MultiModalItem:
+                    grid: list[int] | None = None, embed_positions: list[int] | None = None) -> MultiModalItem:
         array = np.ascontiguousarray(pixel_values, dtype=np.float32)
-        return cls(offset, length, array.tobytes(), list(array.shape), digest, grid=grid)
+        return cls(offset, length, array.tobytes(), list(array.shape), digest, grid=grid,
+                   embed_positions=embed_positions)
+
+    @property
+    def num_embeds(self) -> int:
+        """Embedding rows the image gives: its run's length, or the positions that take them."""
+        return self.length if self.embed_positions is None else len(self.embed_positions)
 
     def pixel_values(self) -> torch.Tensor:
         import torch  # (the engine core's side; the front-end that builds items has no torch)

@@ -38,13 +38,24 @@ def check_items(items: list[MultiModalItem], prompt: list[int], model: Any, what
                                        f"inside the {len(prompt)}-token prompt after the previous image",
                                        param="multi_modal_data")
         check = getattr(model, "check_image_item", None)
-        problem = check(item) if check is not None else _fixed_size_problem(item, model)
+        problem = _embed_positions_problem(item) or (check(item) if check is not None
+                                                     else _fixed_size_problem(item, model))
         if problem:
             raise InvalidArgumentError(f"{what}: image {k}: {problem}", param="multi_modal_data")
         if len(item.pixels) != 4 * int(np.prod(item.shape)):
             raise InvalidArgumentError(f"{what}: image {k}'s pixel bytes do not match its shape",
                                        param="multi_modal_data")
         end = item.end
+
+
+def _embed_positions_problem(item: MultiModalItem) -> str | None:
+    where = item.embed_positions
+    if where is None:
+        return None
+    if any(b <= a for a, b in zip(where[:-1], where[1:], strict=True)) or (
+            where and (where[0] < 0 or where[-1] >= item.length)):
+        return "embed_positions must rise within the image's run"
+    return None
 
 
 def _fixed_size_problem(item: MultiModalItem, model: Any) -> str | None:
@@ -92,6 +103,8 @@ class ImageEmbeddings:
                 rows = embed_item(item, self.device)
             else:
                 rows = self.model.embed_multimodal(item.pixel_values().to(self.device).unsqueeze(0))[0]
+            if rows.shape[0] != item.num_embeds:
+                raise RuntimeError(f"the model gave {rows.shape[0]} embedding rows for an image of {item.num_embeds}")
             self._encoded[key] = rows
         return rows
 
@@ -116,9 +129,16 @@ class ImageEmbeddings:
             for k, item in enumerate(items):
                 lo, hi = max(first, item.offset), min(last, item.end)
                 if lo < hi:
-                    rows.append(np.arange(start + lo - first, start + hi - first, dtype=np.int64))
-                    parts.append(self._embeddings(slot, k, item)[lo - item.offset:hi - item.offset])
                     spans.setdefault(r, []).append((item.offset, item.end))
+                    if item.embed_positions is None:
+                        rows.append(np.arange(start + lo - first, start + hi - first, dtype=np.int64))
+                        parts.append(self._embeddings(slot, k, item)[lo - item.offset:hi - item.offset])
+                    else:  # only some of the run's positions take rows (Pixtral's breaks keep theirs)
+                        where = np.asarray(item.embed_positions, dtype=np.int64)
+                        a, b = np.searchsorted(where, [lo - item.offset, hi - item.offset])
+                        if a < b:
+                            rows.append(start + item.offset + where[a:b] - first)
+                            parts.append(self._embeddings(slot, k, item)[int(a):int(b)])
                 if item.end <= last:
                     self._encoded.pop((slot, k), None)  # the prefill is past this image
         if not rows:
