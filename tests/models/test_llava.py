@@ -164,3 +164,30 @@ def test_llava_on_cuda_matches_transformers(tmp_path):
     out = llm.generate({"prompt": "<image> and <image>?", "multi_modal_data": {"image": [img, img2]}}, GREEDY,
                        use_tqdm=False)[0]
     assert list(out.outputs[0].token_ids) == _hf_greedy(hf, folder, out.prompt_token_ids, [img, img2])
+
+
+def test_abort_mid_image_frees_blocks_and_embeddings(tmp_path):
+    """An image request aborted while its image is half computed (budget 8 of its 16 rows): its KV blocks and
+    its kept embeddings are gone, and the next request with the same text but another image is its own."""
+    from ferrox.engine.input_processor import attach_images, process_prompt
+    from ferrox.engine.protocol import EngineCoreRequest
+    from tests.engine.test_batch_invariance import assert_no_leaked_blocks
+
+    folder = make_tiny_llava(tmp_path / "llava")
+    llm = LLM(model=folder, dtype="float32", device="cpu", max_num_batched_tokens=8)
+    engine = llm.engine
+    img, img2 = _images()
+    processed = attach_images(process_prompt(llm.get_tokenizer(), {"prompt": "Look: <image> ok?",
+                                                                    "multi_modal_data": {"image": img}}),
+                              engine.image_prompts, "prompt")
+    engine.add_request(EngineCoreRequest("half", processed.prompt_token_ids, GREEDY, mm_inputs=processed.mm_items))
+    for _ in range(2):  # the text, then the image's first rows
+        engine.step()
+    assert engine.runner.images._encoded  # the image was encoded and is being consumed
+    engine.abort_requests(["half"])
+    assert not engine.runner.images and not engine.runner.images._encoded
+    assert_no_leaked_blocks(llm)
+    alone = llm.generate({"prompt": "Look: <image> ok?", "multi_modal_data": {"image": img2}}, GREEDY, use_tqdm=False)
+    fresh = LLM(model=folder, dtype="float32", device="cpu").generate(
+        {"prompt": "Look: <image> ok?", "multi_modal_data": {"image": img2}}, GREEDY, use_tqdm=False)
+    assert alone[0].outputs[0].token_ids == fresh[0].outputs[0].token_ids
