@@ -171,6 +171,7 @@ def test_abort_mid_image_frees_blocks_and_embeddings(tmp_path):
     its kept embeddings are gone, and the next request with the same text but another image is its own."""
     from ferrox.engine.input_processor import attach_images, process_prompt
     from ferrox.engine.protocol import EngineCoreRequest
+
     from tests.engine.test_batch_invariance import assert_no_leaked_blocks
 
     folder = make_tiny_llava(tmp_path / "llava")
