@@ -830,3 +830,59 @@ def make_tiny_idefics3(folder, *, architecture: str = "Idefics3ForConditionalGen
         processor.save_pretrained(tmp)
         shutil.copy(os.path.join(tmp, "processor_config.json"), os.path.join(folder, "processor_config.json"))
     return str(folder)
+
+
+PIXTRAL_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+
+
+def make_tiny_mistral3(folder, *, tie_word_embeddings: bool = False, seed: int = 0) -> str:
+    """A Mistral 3 checkpoint (Mistral3ForConditionalGeneration): a tiny Mistral (16-dim heads), a two-layer
+    Pixtral tower of 4-pixel patches (SiLU, as the hub's), the projector merging 2x2 patches, the tokenizer's
+    `[IMG]` / `[IMG_BREAK]` / `[IMG_END]` special tokens, PixtralImageProcessor's preprocessor_config.json
+    (longest edge 64: at most 8x8 image rows), processor_config.json, and a chat template that writes `[IMG]`
+    for image parts."""
+    import torch
+    from tokenizers import AddedToken
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    tok = build_tokenizer()
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in PIXTRAL_TOKENS])
+    text = dict(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                rms_norm_eps=1e-5, initializer_range=0.1, bos_token_id=1, eos_token_id=EOS_TOKEN_ID, pad_token_id=0,
+                sliding_window=None, tie_word_embeddings=tie_word_embeddings)
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, head_dim=16,
+                  patch_size=4, image_size=64, hidden_act="silu")
+    config = Mistral3Config(text_config=text, vision_config=vision, image_token_index=tok.token_to_id("[IMG]"),
+                            spatial_merge_size=2, vision_feature_layer=-1, tie_word_embeddings=tie_word_embeddings)
+    config.architectures = ["Mistral3ForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = Mistral3ForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():  # the default init leaves the image rows near zero: give images a say
+        for name, param in model.named_parameters():
+            if "vision_tower" in name or "multi_modal_projector" in name:
+                if param.dim() == 1:
+                    param.uniform_(0.5, 1.5)
+                else:
+                    param.normal_(0.0, 0.2)
+    _randomize_norms(model)
+    _save(str(folder), model, tok, max_shard_size=None, generation=None)
+    mean, std = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+    files = {
+        "preprocessor_config.json": {"image_processor_type": "PixtralImageProcessor", "do_resize": True,
+                                     "resample": 3, "size": {"longest_edge": 64}, "patch_size": 4,
+                                     "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+                                     "image_mean": mean, "image_std": std, "do_convert_rgb": True},
+        "processor_config.json": {"processor_class": "PixtralProcessor", "patch_size": 4, "spatial_merge_size": 2,
+                                  "image_token": "[IMG]", "image_break_token": "[IMG_BREAK]",
+                                  "image_end_token": "[IMG_END]"},
+    }
+    for name, data in files.items():
+        with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2)
+    with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
+        tok_config = json.load(f)
+    tok_config["chat_template"] = LLAVA_CHAT_TEMPLATE.replace("<image>\n", "[IMG]")
+    with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(tok_config, f, indent=2)
+    return str(folder)

@@ -63,6 +63,7 @@ _FLAT_TEXT = {"Qwen2VLForConditionalGeneration": "qwen2_vl_text", "Qwen2_5_VLFor
 # Multimodal checkpoints: architecture -> the text model_type when text_config does not say.
 MULTIMODAL_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3_text", "LlavaForConditionalGeneration": "llama",
                             "Idefics3ForConditionalGeneration": "llama", "SmolVLMForConditionalGeneration": "llama",
+                            "Mistral3ForConditionalGeneration": "mistral",
                             **_FLAT_TEXT}
 
 

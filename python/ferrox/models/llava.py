@@ -31,19 +31,19 @@ from ferrox.models.vision import build_vision_tower
 from ferrox.models.vision.vit import ACTIVATIONS
 from ferrox.multimodal.processing import llava_image_tokens, llava_vision_config
 
-_ACTIVATIONS = {**ACTIVATIONS, "silu": F.silu, "relu": F.relu}
+PROJECTOR_ACTIVATIONS = {**ACTIVATIONS, "silu": F.silu, "relu": F.relu}
 
 
 class LlavaProjector(nn.Module):
     def __init__(self, vision_hidden: int, text_hidden: int, act: str, bias: bool, dtype: torch.dtype,
                  device: torch.device | str):
         super().__init__()
-        if act not in _ACTIVATIONS:
+        if act not in PROJECTOR_ACTIVATIONS:
             raise UnsupportedModelError(f"config.json: projector_hidden_act {act!r} is not supported "
-                                        f"(supported: {', '.join(_ACTIVATIONS)})")
+                                        f"(supported: {', '.join(PROJECTOR_ACTIVATIONS)})")
         self.linear_1 = nn.Linear(vision_hidden, text_hidden, bias=bias, dtype=dtype, device=device)
         self.linear_2 = nn.Linear(text_hidden, text_hidden, bias=bias, dtype=dtype, device=device)
-        self.act = _ACTIVATIONS[act]
+        self.act = PROJECTOR_ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(self.act(self.linear_1(x)))
@@ -94,7 +94,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
 
         def language_model() -> Iterator[tuple[str, Any]]:
             for name, tensor in weights:
-                for old, new in _RENAMES:
+                for old, new in CHECKPOINT_RENAMES:
                     if name.startswith(old):
                         name = new + name[len(old):]
                         break
@@ -111,7 +111,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
 
 
 # Checkpoint prefix -> the name load_weights routes by (first match wins).
-_RENAMES = (
+CHECKPOINT_RENAMES = (
     ("model.language_model.", "model."),
     ("language_model.model.", "model."),
     ("language_model.lm_head.", "lm_head."),

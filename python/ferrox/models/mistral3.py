@@ -1,0 +1,161 @@
+"""Mistral 3 (Mistral3ForConditionalGeneration: Mistral Small 3.1 and 3.2): a Mistral language model, the Pixtral
+vision tower (models/vision/pixtral_vision.py) and transformers' Mistral3MultiModalProjector:
+
+    features = tower(image)[vision_feature_layer]            [rows * m, cols * m] patches, row-major
+    x = norm(features)                                         RMSNorm, the text config's rms_norm_eps
+    x = patch_merger(x)                                        each m x m square of patches (m =
+                                                               spatial_merge_size) concatenated channel-major
+                                                               ([C, m, m] per square, squares row-major)
+                                                               -> merging_layer, a Linear without bias
+    rows = linear_2(act(linear_1(x)))                          one per square: rows * cols of them
+
+An image of a prompt is the layout `[IMG]` x cols then `[IMG_BREAK]`, per row, the last row ending in
+`[IMG_END]` (multimodal/pixtral_processing.py); its item's run covers the whole layout and its
+embed_positions are the `[IMG]` positions, which take the rows above in order; the breaks and the end keep
+their token embeddings. The language model then runs as it always does (causal attention throughout).
+
+Checkpoint names: the hub's layout (`language_model.model.*`, `language_model.lm_head.*`, `vision_tower.*`,
+`multi_modal_projector.*`, which transformers 5 also saves) or transformers 5's module names
+(`model.language_model.*`, `lm_head.*`, `model.vision_tower.*`, `model.multi_modal_projector.*`). Whether the
+LM head is tied is the top-level config's tie_word_embeddings when it says (transformers 5 reads that one),
+else the text config's. One rank, unquantized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ferrox.distributed.sharding import materialize
+from ferrox.model_spec import ModelSpec, UnsupportedModelError
+from ferrox.models.llama import MistralForCausalLM
+from ferrox.models.llava import CHECKPOINT_RENAMES, PROJECTOR_ACTIVATIONS
+from ferrox.models.load_check import load_whole
+from ferrox.models.vision.pixtral_vision import PixtralVisionTower, RMSNorm
+from ferrox.multimodal.inputs import MultiModalItem
+
+
+class Mistral3PatchMerger(nn.Module):
+    def __init__(self, width: int, merge: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.merge = merge
+        self.merging_layer = nn.Linear(width * merge * merge, width, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        """x [rows * m * cols * m, C] one image's patches, row-major -> [rows * cols, C] (torch's unfold order:
+        each square's values channel-major)."""
+        m = self.merge
+        squares = x.view(rows, m, cols, m, -1).permute(0, 2, 4, 1, 3).reshape(rows * cols, -1)
+        return self.merging_layer(squares)
+
+
+class Mistral3Projector(nn.Module):
+    def __init__(self, vision_hidden: int, text_hidden: int, merge: int, eps: float, act: str, bias: bool,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        if act not in PROJECTOR_ACTIVATIONS:
+            raise UnsupportedModelError(f"config.json: projector_hidden_act {act!r} is not supported "
+                                        f"(supported: {', '.join(PROJECTOR_ACTIVATIONS)})")
+        self.norm = RMSNorm(vision_hidden, eps, dtype, device)
+        self.patch_merger = Mistral3PatchMerger(vision_hidden, merge, dtype, device)
+        self.linear_1 = nn.Linear(vision_hidden, text_hidden, bias=bias, dtype=dtype, device=device)
+        self.linear_2 = nn.Linear(text_hidden, text_hidden, bias=bias, dtype=dtype, device=device)
+        self.act = PROJECTOR_ACTIVATIONS[act]
+
+    def forward(self, features: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        x = self.patch_merger(self.norm(features), rows, cols)
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+def image_layout(rows: int, cols: int) -> tuple[int, list[int]]:
+    """(run length, the `[IMG]` positions in it) of an image of rows x cols embeddings: each row is cols `[IMG]`
+    and one `[IMG_BREAK]` (the last one `[IMG_END]`)."""
+    return rows * (cols + 1), [r * (cols + 1) + c for r in range(rows) for c in range(cols)]
+
+
+def check_pixtral_item(item: MultiModalItem, channels: int, unit: int) -> str | None:
+    """What is wrong with a Pixtral image item (grid [rows, cols] of embeddings, pixels [C, rows * unit,
+    cols * unit], the rows layout), or None."""
+    if item.grid is None or len(item.grid) != 2 or min(item.grid) < 1:
+        return "no (rows, cols) grid"
+    rows, cols = item.grid
+    length, where = image_layout(rows, cols)
+    if item.length != length:
+        return f"{item.length} placeholder tokens for a {rows}x{cols} grid (its layout takes {length})"
+    if item.embed_positions != where:
+        return f"embed_positions are not the [IMG] positions of a {rows}x{cols} layout"
+    want = [channels, rows * unit, cols * unit]
+    if list(item.shape) != want:
+        return f"pixels {list(item.shape)}, the grid {item.grid} takes {want}"
+    return None
+
+
+class Mistral3ForConditionalGeneration(MistralForCausalLM):
+    supports_tensor_parallel = False
+    supports_quantized_gguf = False
+    supports_quantization = False
+    own_weight_prefixes = ("vision_tower.", "multi_modal_projector.")
+    takes_images = True
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
+                 kernels: str | None = None):
+        mm = spec.hf_config["multimodal"]
+        if spec.hf_config.get("model_type") != "mistral":
+            raise UnsupportedModelError(f"config.json: text_config.model_type {spec.hf_config.get('model_type')!r} of "
+                                        "a Mistral 3 model is not supported (mistral)")
+        if "tie_word_embeddings" in mm:
+            spec = dataclasses.replace(spec, tie_word_embeddings=bool(mm["tie_word_embeddings"]))
+        super().__init__(spec, dtype, device, kernels=kernels)
+        vision = mm.get("vision_config") or {}
+        if vision.get("model_type", "pixtral") != "pixtral":
+            raise UnsupportedModelError(f"config.json: vision_config.model_type {vision['model_type']!r} of a "
+                                        "Mistral 3 model is not supported (pixtral)")
+        layer = mm.get("vision_feature_layer", -1)
+        if not isinstance(layer, int) or isinstance(layer, bool):
+            raise UnsupportedModelError(f"config.json: vision_feature_layer {layer!r}: only one layer (an integer) "
+                                        "is supported, not a list of layers")
+        self.vision_tower = PixtralVisionTower(vision, dtype=dtype, device=device, feature_layer=layer)
+        self.merge = int(mm.get("spatial_merge_size", 2))
+        if self.merge < 1:
+            raise UnsupportedModelError(f"config.json: spatial_merge_size {self.merge} must be positive")
+        self.multi_modal_projector = Mistral3Projector(
+            self.vision_tower.hidden_size, spec.hidden_size, self.merge, spec.rms_norm_eps,
+            str(mm.get("projector_hidden_act", "gelu")), bool(mm.get("multimodal_projector_bias", False)), dtype,
+            device)
+        self._dtype = dtype
+
+    def check_image_item(self, item: MultiModalItem) -> str | None:
+        """What is wrong with an image item for this model (worker/multimodal.py check_items), or None."""
+        return check_pixtral_item(item, self.vision_tower.num_channels, self.vision_tower.patch_size * self.merge)
+
+    def embed_image_item(self, item: MultiModalItem, device: torch.device) -> torch.Tensor:
+        """[rows * cols, hidden]: the tower and projector over the image (one row per `[IMG]`)."""
+        assert item.grid is not None  # check_image_item
+        rows, cols = item.grid
+        pixels = item.pixel_values().to(device=device, dtype=self._dtype)
+        return self.multi_modal_projector(self.vision_tower([pixels]), rows, cols)
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        tower: list[tuple[str, Any]] = []
+        projector: dict[str, torch.Tensor] = {}
+
+        def language_model() -> Iterator[tuple[str, Any]]:
+            for name, tensor in weights:
+                for old, new in CHECKPOINT_RENAMES:
+                    if name.startswith(old):
+                        name = new + name[len(old):]
+                        break
+                if name.startswith("vision_tower."):
+                    tower.append((name[len("vision_tower."):], tensor))
+                elif name.startswith("multi_modal_projector."):
+                    projector[name[len("multi_modal_projector."):]] = materialize(tensor)
+                else:
+                    yield name, tensor
+
+        super().load_weights(language_model())
+        self.vision_tower.load_weights((name, materialize(t)) for name, t in tower)
+        load_whole(self.multi_modal_projector, projector, "multi_modal_projector", self.spec.architecture)
