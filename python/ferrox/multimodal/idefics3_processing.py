@@ -24,7 +24,6 @@ it takes any model's images). Front-end code: numpy and PIL only.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -35,13 +34,19 @@ import numpy as np
 from PIL import Image
 
 from ferrox.errors import InvalidArgumentError, ModelLoadError, UnsupportedModelError
+from ferrox.multimodal.config_fields import (
+    PREPROCESSOR_FILE,
+    PROCESSOR_FILE,
+    flag,
+    image_processor_fields,
+    per_channel,
+    read_json_object,
+)
 from ferrox.multimodal.image_processor import to_rgb
 from ferrox.multimodal.inputs import MultiModalItem
 from ferrox.multimodal.processing import ImagePrompts, _runs
 
 ARCHITECTURES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
-PREPROCESSOR_FILE = "preprocessor_config.json"
-PROCESSOR_FILE = "processor_config.json"  # transformers 5 nests the image processor's fields here
 FAKE_TOKEN = "<fake_token_around_image>"
 GLOBAL_TOKEN = "<global-img>"
 DEFAULT_IMAGE_TOKEN_ID = 128_257  # Idefics3Config's and SmolVLMConfig's
@@ -82,7 +87,7 @@ class Idefics3ImageProcessor:
                                         f"an Idefics3 one ({', '.join(_PROCESSOR_TYPES)})")
         fields = {**_PROCESSOR_DEFAULTS, **{k: v for k, v in config.items() if k in _PROCESSOR_DEFAULTS and v is not None}}
         self.where = where
-        self.do_resize = _flag(fields, "do_resize", where)
+        self.do_resize = flag(fields, "do_resize", where)
         size = fields["size"]
         if not isinstance(size, Mapping) or not (_positive(size.get("longest_edge")) or (
                 _positive(size.get("height")) and _positive(size.get("width")))):
@@ -95,12 +100,12 @@ class Idefics3ImageProcessor:
         if fields["resample"] not in range(6) or isinstance(fields["resample"], bool):
             raise ModelLoadError(f"{where}: resample must be a PIL filter number 0-5, got {fields['resample']!r}")
         self.resample = Image.Resampling(int(fields["resample"]))
-        self.do_rescale = _flag(fields, "do_rescale", where)
+        self.do_rescale = flag(fields, "do_rescale", where)
         self.rescale_factor = float(fields["rescale_factor"])
-        self.do_normalize = _flag(fields, "do_normalize", where)
-        self.image_mean = np.array(_per_channel(fields["image_mean"], "image_mean", where), np.float32)
-        self.image_std = np.array(_per_channel(fields["image_std"], "image_std", where), np.float32)
-        self.do_image_splitting = _flag(fields, "do_image_splitting", where)
+        self.do_normalize = flag(fields, "do_normalize", where)
+        self.image_mean = np.array(per_channel(fields["image_mean"], "image_mean", where), np.float32)
+        self.image_std = np.array(per_channel(fields["image_std"], "image_std", where), np.float32)
+        self.do_image_splitting = flag(fields, "do_image_splitting", where)
         # do_convert_rgb: every image is made RGB (the tower takes three channels); do_pad pads a batch's
         # images to one tile count, the model dropping the padding tiles: nothing to do image by image.
 
@@ -108,13 +113,8 @@ class Idefics3ImageProcessor:
     def from_model_dir(cls, path: str | os.PathLike[str]) -> Idefics3ImageProcessor | None:
         """From preprocessor_config.json, else processor_config.json's image_processor (transformers 5
         saves only that); None when the folder has neither."""
-        file = os.path.join(path, PREPROCESSOR_FILE)
-        if os.path.isfile(file):
-            return cls(_read_json(file), PREPROCESSOR_FILE)
-        nested = _read_json(os.path.join(path, PROCESSOR_FILE)).get("image_processor")
-        if isinstance(nested, Mapping):
-            return cls(nested, f"{PROCESSOR_FILE}: image_processor")
-        return None
+        found = image_processor_fields(path)
+        return cls(found[0], found[1]) if found is not None else None
 
     def __call__(self, image: Image.Image) -> tuple[np.ndarray, int, int]:
         image = to_rgb(image)
@@ -266,7 +266,7 @@ def idefics3_image_prompts(model_dir: str, multimodal: Mapping[str, Any], tokeni
     processor = None
     if os.path.isdir(model_dir):
         processor = Idefics3ImageProcessor.from_model_dir(model_dir)
-        seq_len = _read_json(os.path.join(model_dir, PROCESSOR_FILE)).get("image_seq_len")
+        seq_len = read_json_object(os.path.join(model_dir, PROCESSOR_FILE)).get("image_seq_len")
         if seq_len is not None and seq_len != tokens:
             raise UnsupportedModelError(f"{PROCESSOR_FILE}: image_seq_len {seq_len} but the model's tiles give {tokens} "
                                         "rows each ((image_size / patch_size)^2 / scale_factor^2)")
@@ -279,34 +279,7 @@ def idefics3_image_prompts(model_dir: str, multimodal: Mapping[str, Any], tokeni
                                 tokenizer)
 
 
-def _read_json(file: str) -> dict[str, Any]:
-    if not os.path.isfile(file):
-        return {}
-    try:
-        with open(file, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"cannot parse {file}: {e}") from e
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{file} must hold a JSON object, found {type(data).__name__}")
-    return data
-
 
 def _positive(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
-
-def _flag(fields: Mapping[str, Any], name: str, where: str) -> bool:
-    value = fields[name]
-    if not isinstance(value, bool):
-        raise ModelLoadError(f"{where}: {name} must be true or false, got {value!r}")
-    return value
-
-
-def _per_channel(value: Any, name: str, where: str) -> list[float]:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        value = [value] * 3
-    if not isinstance(value, (list, tuple)) or len(value) != 3 or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-        raise ModelLoadError(f"{where}: {name} must be 3 numbers (R, G, B), got {value!r}")
-    return [float(v) for v in value]

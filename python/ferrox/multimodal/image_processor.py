@@ -26,6 +26,7 @@ import numpy as np
 from PIL import Image
 
 from ferrox.errors import ModelLoadError, UnsupportedModelError
+from ferrox.multimodal.config_fields import flag, number, per_channel
 
 CONFIG_FILE = "preprocessor_config.json"
 
@@ -60,22 +61,22 @@ class ImageProcessor:
         fields: dict[str, Any] = {**_COMMON, **DEFAULTS[self.kind]}
         fields.update({k: v for k, v in config.items() if k in fields and v is not None})
 
-        self.do_resize = _flag(fields, "do_resize")
-        self.size = _size_dict(fields["size"], "size", square=_flag(fields, "default_to_square"))
+        self.do_resize = flag(fields, "do_resize", CONFIG_FILE)
+        self.size = _size_dict(fields["size"], "size", square=flag(fields, "default_to_square", CONFIG_FILE))
         self.resample = _resample(fields["resample"])
-        self.do_center_crop = _flag(fields, "do_center_crop")
+        self.do_center_crop = flag(fields, "do_center_crop", CONFIG_FILE)
         self.crop_size = None if fields["crop_size"] is None else _size_dict(fields["crop_size"], "crop_size")
-        self.do_rescale = _flag(fields, "do_rescale")
-        self.rescale_factor = _number(fields["rescale_factor"], "rescale_factor")
-        self.do_normalize = _flag(fields, "do_normalize")
-        self.image_mean = _per_channel(fields["image_mean"], "image_mean")
-        self.image_std = _per_channel(fields["image_std"], "image_std")
+        self.do_rescale = flag(fields, "do_rescale", CONFIG_FILE)
+        self.rescale_factor = number(fields["rescale_factor"], "rescale_factor", CONFIG_FILE)
+        self.do_normalize = flag(fields, "do_normalize", CONFIG_FILE)
+        self.image_mean = tuple(per_channel(fields["image_mean"], "image_mean", CONFIG_FILE))
+        self.image_std = tuple(per_channel(fields["image_std"], "image_std", CONFIG_FILE))
         # Read for completeness: an image that is not RGB is converted either way, since the vision
         # tower takes three channels (vLLM converts at load time); transformers would fail on it.
-        self.do_convert_rgb = _flag(fields, "do_convert_rgb")
+        self.do_convert_rgb = flag(fields, "do_convert_rgb", CONFIG_FILE)
         # Only Llava pads to a square; the others' do_pad pads a batch to its largest image, nothing
         # to do when every image ends at one size.
-        self.pad_to_square = self.kind == "LlavaImageProcessor" and _flag(fields, "do_pad")
+        self.pad_to_square = self.kind == "LlavaImageProcessor" and flag(fields, "do_pad", CONFIG_FILE)
         self._output_size = self._fixed_output_size()
 
     @classmethod
@@ -223,24 +224,3 @@ def _resample(value: Any) -> int:
     return int(value)
 
 
-def _flag(fields: Mapping[str, Any], field: str) -> bool:
-    value = fields[field]
-    if not isinstance(value, bool):
-        raise ModelLoadError(f"{CONFIG_FILE}: {field} must be true or false, got {value!r}")
-    return value
-
-
-def _number(value: Any, field: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ModelLoadError(f"{CONFIG_FILE}: {field} must be a number, got {value!r}")
-    return float(value)
-
-
-def _per_channel(value: Any, field: str) -> tuple[float, float, float]:
-    """Three numbers, one per RGB channel; a single number applies to all three (as transformers)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        value = [value] * 3
-    if not isinstance(value, (list, tuple)) or len(value) != 3:
-        raise ModelLoadError(f"{CONFIG_FILE}: {field} must be 3 numbers (R, G, B), got {value!r}")
-    r, g, b = (_number(v, field) for v in value)
-    return r, g, b

@@ -16,7 +16,6 @@ already expanded: it must be exactly the one its image takes. Front-end code: nu
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -27,12 +26,19 @@ import numpy as np
 from PIL import Image
 
 from ferrox.errors import InvalidArgumentError, ModelLoadError, UnsupportedModelError
+from ferrox.multimodal.config_fields import (
+    PREPROCESSOR_FILE,
+    PROCESSOR_FILE,
+    flag,
+    image_processor_fields,
+    per_channel,
+    positive_int,
+    read_json_object,
+)
 from ferrox.multimodal.image_processor import to_rgb
 from ferrox.multimodal.inputs import MultiModalItem
 from ferrox.multimodal.processing import ImagePrompts
 
-PREPROCESSOR_FILE = "preprocessor_config.json"
-PROCESSOR_FILE = "processor_config.json"  # PixtralProcessor's fields; transformers 5 nests the image processor's too
 IMAGE_TOKEN, BREAK_TOKEN, END_TOKEN = "[IMG]", "[IMG_BREAK]", "[IMG_END]"
 DEFAULT_IMAGE_TOKEN_ID = 10  # Mistral3Config's / LlavaConfig-for-Pixtral's image_token_index on the hub
 
@@ -58,33 +64,28 @@ class PixtralImageProcessor:
         self.where = where
         self.unit = unit
         self.max_height, self.max_width = _max_size(fields["size"], where)
-        self.do_resize = _flag(fields, "do_resize", where)
+        self.do_resize = flag(fields, "do_resize", where)
         if fields["resample"] not in range(6) or isinstance(fields["resample"], bool):
             raise ModelLoadError(f"{where}: resample must be a PIL filter number 0-5, got {fields['resample']!r}")
         self.resample = Image.Resampling(int(fields["resample"]))
-        if _flag(fields, "do_center_crop", where):
+        if flag(fields, "do_center_crop", where):
             raise UnsupportedModelError(f"{where}: do_center_crop is true; ferrox does not crop Pixtral images")
-        self.do_rescale = _flag(fields, "do_rescale", where)
+        self.do_rescale = flag(fields, "do_rescale", where)
         rescale = fields["rescale_factor"]
         if isinstance(rescale, bool) or not isinstance(rescale, (int, float)):
             raise ModelLoadError(f"{where}: rescale_factor must be a number, got {rescale!r}")
         self.rescale_factor = float(rescale)
-        self.do_normalize = _flag(fields, "do_normalize", where)
-        self.image_mean = np.array(_per_channel(fields["image_mean"], "image_mean", where), np.float32)
-        self.image_std = np.array(_per_channel(fields["image_std"], "image_std", where), np.float32)
+        self.do_normalize = flag(fields, "do_normalize", where)
+        self.image_mean = np.array(per_channel(fields["image_mean"], "image_mean", where), np.float32)
+        self.image_std = np.array(per_channel(fields["image_std"], "image_std", where), np.float32)
         # do_convert_rgb: every image is made RGB (the tower takes three channels).
 
     @classmethod
     def from_model_dir(cls, path: str | os.PathLike[str], unit: int) -> PixtralImageProcessor | None:
         """From preprocessor_config.json, else processor_config.json's image_processor (transformers 5 saves
         only that); None when the folder has neither."""
-        file = os.path.join(path, PREPROCESSOR_FILE)
-        if os.path.isfile(file):
-            return cls(_read_json(file), unit, PREPROCESSOR_FILE)
-        nested = _read_json(os.path.join(path, PROCESSOR_FILE)).get("image_processor")
-        if isinstance(nested, Mapping):
-            return cls(nested, unit, f"{PROCESSOR_FILE}: image_processor")
-        return None
+        found = image_processor_fields(path)
+        return cls(found[0], unit, found[1]) if found is not None else None
 
     def output_size(self, height: int, width: int) -> tuple[int, int]:
         """(height, width) after the resize: shrunk to fit the size, rounded down, then up to whole units."""
@@ -208,7 +209,7 @@ def pixtral_image_prompts(model_dir: str, hf_config: Mapping[str, Any], tokenize
     image = tokenizer.id_to_token(token_id)
     if image is None:
         raise UnsupportedModelError(f"config.json: image_token_index {token_id} is not in the tokenizer's vocabulary")
-    extra = _read_json(os.path.join(model_dir, PROCESSOR_FILE)) if os.path.isdir(model_dir) else {}
+    extra = read_json_object(os.path.join(model_dir, PROCESSOR_FILE)) if os.path.isdir(model_dir) else {}
     found = []
     for key, default in (("image_break_token", BREAK_TOKEN), ("image_end_token", END_TOKEN)):
         name = str(extra.get(key) or default)
@@ -228,43 +229,9 @@ def pixtral_image_prompts(model_dir: str, hf_config: Mapping[str, Any], tokenize
 
 def _max_size(size: Any, where: str) -> tuple[int, int]:
     if isinstance(size, Mapping) and size.get("longest_edge"):
-        edge = _positive(size["longest_edge"], "size.longest_edge", where)
+        edge = positive_int(size["longest_edge"], "size.longest_edge", where)
         return edge, edge
     if isinstance(size, Mapping) and size.get("height") and size.get("width"):
-        return _positive(size["height"], "size.height", where), _positive(size["width"], "size.width", where)
+        return positive_int(size["height"], "size.height", where), positive_int(size["width"], "size.width", where)
     raise UnsupportedModelError(f"{where}: size must be {{longest_edge}} or {{height, width}}, got {size!r}")
 
-
-def _read_json(file: str) -> dict[str, Any]:
-    if not os.path.isfile(file):
-        return {}
-    try:
-        with open(file, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"cannot parse {file}: {e}") from e
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{file} must hold a JSON object, found {type(data).__name__}")
-    return data
-
-
-def _positive(value: Any, name: str, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ModelLoadError(f"{where}: {name} must be a positive integer, got {value!r}")
-    return value
-
-
-def _flag(fields: Mapping[str, Any], name: str, where: str) -> bool:
-    value = fields[name]
-    if not isinstance(value, bool):
-        raise ModelLoadError(f"{where}: {name} must be true or false, got {value!r}")
-    return value
-
-
-def _per_channel(value: Any, name: str, where: str) -> list[float]:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        value = [value] * 3
-    if not isinstance(value, (list, tuple)) or len(value) != 3 or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-        raise ModelLoadError(f"{where}: {name} must be 3 numbers (R, G, B), got {value!r}")
-    return [float(v) for v in value]

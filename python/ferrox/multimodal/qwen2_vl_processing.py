@@ -17,7 +17,6 @@ numpy and PIL only.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -29,13 +28,20 @@ import numpy as np
 from PIL import Image
 
 from ferrox.errors import InvalidArgumentError, ModelLoadError, UnsupportedModelError
+from ferrox.multimodal.config_fields import (
+    PREPROCESSOR_FILE,
+    PROCESSOR_FILE,
+    flag,
+    image_processor_fields,
+    number,
+    per_channel,
+    positive_int,
+)
 from ferrox.multimodal.image_processor import to_rgb
 from ferrox.multimodal.inputs import MultiModalItem
 from ferrox.multimodal.processing import ImagePrompts, _runs
 
 ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
-PREPROCESSOR_FILE = "preprocessor_config.json"
-PROCESSOR_FILE = "processor_config.json"  # transformers 5 nests the image processor's fields here
 # Qwen2VLConfig's / Qwen2_5_VLConfig's token ids.
 DEFAULT_IMAGE_TOKEN_ID = 151_655  # <|image_pad|>
 DEFAULT_VISION_START_TOKEN_ID = 151_652  # <|vision_start|>
@@ -90,31 +96,26 @@ class QwenVLImageProcessor:
                   **{k: v for k, v in config.items() if k in _PROCESSOR_DEFAULTS and v is not None}}
         self.where = where
         self.min_pixels, self.max_pixels = _pixel_bounds(config, fields["size"], where)
-        self.do_resize = _flag(fields, "do_resize", where)
+        self.do_resize = flag(fields, "do_resize", where)
         if fields["resample"] not in range(6) or isinstance(fields["resample"], bool):
             raise ModelLoadError(f"{where}: resample must be a PIL filter number 0-5, got {fields['resample']!r}")
         self.resample = Image.Resampling(int(fields["resample"]))
-        self.do_rescale = _flag(fields, "do_rescale", where)
-        self.rescale_factor = _number(fields["rescale_factor"], "rescale_factor", where)
-        self.do_normalize = _flag(fields, "do_normalize", where)
-        self.image_mean = np.array(_per_channel(fields["image_mean"], "image_mean", where), np.float32)
-        self.image_std = np.array(_per_channel(fields["image_std"], "image_std", where), np.float32)
-        self.patch_size = _positive(fields["patch_size"], "patch_size", where)
-        self.temporal_patch_size = _positive(fields["temporal_patch_size"], "temporal_patch_size", where)
-        self.merge_size = _positive(fields["merge_size"], "merge_size", where)
+        self.do_rescale = flag(fields, "do_rescale", where)
+        self.rescale_factor = number(fields["rescale_factor"], "rescale_factor", where)
+        self.do_normalize = flag(fields, "do_normalize", where)
+        self.image_mean = np.array(per_channel(fields["image_mean"], "image_mean", where), np.float32)
+        self.image_std = np.array(per_channel(fields["image_std"], "image_std", where), np.float32)
+        self.patch_size = positive_int(fields["patch_size"], "patch_size", where)
+        self.temporal_patch_size = positive_int(fields["temporal_patch_size"], "temporal_patch_size", where)
+        self.merge_size = positive_int(fields["merge_size"], "merge_size", where)
         # do_convert_rgb: every image is made RGB (the tower takes three channels).
 
     @classmethod
     def from_model_dir(cls, path: str | os.PathLike[str]) -> QwenVLImageProcessor | None:
         """From preprocessor_config.json, else processor_config.json's image_processor (transformers 5
         saves only that); None when the folder has neither."""
-        file = os.path.join(path, PREPROCESSOR_FILE)
-        if os.path.isfile(file):
-            return cls(_read_json(file), PREPROCESSOR_FILE)
-        nested = _read_json(os.path.join(path, PROCESSOR_FILE)).get("image_processor")
-        if isinstance(nested, Mapping):
-            return cls(nested, f"{PROCESSOR_FILE}: image_processor")
-        return None
+        found = image_processor_fields(path)
+        return cls(found[0], found[1]) if found is not None else None
 
     def tokens(self, grid: tuple[int, int, int]) -> int:
         """The image's rows after the tower's merger: its placeholder tokens."""
@@ -267,48 +268,11 @@ def _pixel_bounds(config: Mapping[str, Any], size: Any, where: str) -> tuple[int
     if low is None or high is None:
         raise UnsupportedModelError(f"{where}: size must be {{shortest_edge, longest_edge}} (or min_pixels and "
                                     f"max_pixels given), got {size!r}")
-    low, high = _positive(low, "min_pixels", where), _positive(high, "max_pixels", where)
+    low, high = positive_int(low, "min_pixels", where), positive_int(high, "max_pixels", where)
     if low > high:
         raise ModelLoadError(f"{where}: min_pixels {low} is more than max_pixels {high}")
     return low, high
 
 
-def _read_json(file: str) -> dict[str, Any]:
-    if not os.path.isfile(file):
-        return {}
-    try:
-        with open(file, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"cannot parse {file}: {e}") from e
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{file} must hold a JSON object, found {type(data).__name__}")
-    return data
 
 
-def _positive(value: Any, name: str, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ModelLoadError(f"{where}: {name} must be a positive integer, got {value!r}")
-    return value
-
-
-def _number(value: Any, name: str, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ModelLoadError(f"{where}: {name} must be a number, got {value!r}")
-    return float(value)
-
-
-def _flag(fields: Mapping[str, Any], name: str, where: str) -> bool:
-    value = fields[name]
-    if not isinstance(value, bool):
-        raise ModelLoadError(f"{where}: {name} must be true or false, got {value!r}")
-    return value
-
-
-def _per_channel(value: Any, name: str, where: str) -> list[float]:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        value = [value] * 3
-    if not isinstance(value, (list, tuple)) or len(value) != 3 or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-        raise ModelLoadError(f"{where}: {name} must be 3 numbers (R, G, B), got {value!r}")
-    return [float(v) for v in value]
