@@ -49,7 +49,38 @@ class LlavaProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(LlamaForCausalLM):
+class LlavaLayoutWeights:
+    """load_weights of a checkpoint in LLaVA's layout (LLaVA, Mistral 3): the language model (handed to the
+    text model class's loader, next in the MRO), `vision_tower.*` to the tower's own loader,
+    `multi_modal_projector.*` whole; both name layouts (CHECKPOINT_RENAMES)."""
+
+    vision_tower: Any
+    multi_modal_projector: nn.Module
+    spec: ModelSpec
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        tower: list[tuple[str, Any]] = []
+        projector: dict[str, torch.Tensor] = {}
+
+        def language_model() -> Iterator[tuple[str, Any]]:
+            for name, tensor in weights:
+                for old, new in CHECKPOINT_RENAMES:
+                    if name.startswith(old):
+                        name = new + name[len(old):]
+                        break
+                if name.startswith("vision_tower."):
+                    tower.append((name[len("vision_tower."):], tensor))
+                elif name.startswith("multi_modal_projector."):
+                    projector[name[len("multi_modal_projector."):]] = materialize(tensor)
+                else:
+                    yield name, tensor
+
+        super().load_weights(language_model())  # type: ignore[misc]  # (the text model class, next in the MRO)
+        self.vision_tower.load_weights((name, materialize(t)) for name, t in tower)
+        load_whole(self.multi_modal_projector, projector, "multi_modal_projector", self.spec.architecture)
+
+
+class LlavaForConditionalGeneration(LlavaLayoutWeights, LlamaForCausalLM):
     supports_tensor_parallel = False
     supports_quantized_gguf = False
     supports_quantization = False
@@ -87,27 +118,6 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         if self.drop_first:
             features = features[:, 1:]
         return self.multi_modal_projector(features)
-
-    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        tower: list[tuple[str, Any]] = []
-        projector: dict[str, torch.Tensor] = {}
-
-        def language_model() -> Iterator[tuple[str, Any]]:
-            for name, tensor in weights:
-                for old, new in CHECKPOINT_RENAMES:
-                    if name.startswith(old):
-                        name = new + name[len(old):]
-                        break
-                if name.startswith("vision_tower."):
-                    tower.append((name[len("vision_tower."):], tensor))
-                elif name.startswith("multi_modal_projector."):
-                    projector[name[len("multi_modal_projector."):]] = materialize(tensor)
-                else:
-                    yield name, tensor
-
-        super().load_weights(language_model())
-        self.vision_tower.load_weights((name, materialize(t)) for name, t in tower)
-        load_whole(self.multi_modal_projector, projector, "multi_modal_projector", self.spec.architecture)
 
 
 # Checkpoint prefix -> the name load_weights routes by (first match wins).

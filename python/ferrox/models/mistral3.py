@@ -24,17 +24,13 @@ else the text config's. One rank, unquantized.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
-from typing import Any
 
 import torch
 from torch import nn
 
-from ferrox.distributed.sharding import materialize
 from ferrox.model_spec import ModelSpec, UnsupportedModelError
 from ferrox.models.llama import MistralForCausalLM
-from ferrox.models.llava import CHECKPOINT_RENAMES, PROJECTOR_ACTIVATIONS
-from ferrox.models.load_check import load_whole
+from ferrox.models.llava import PROJECTOR_ACTIVATIONS, LlavaLayoutWeights
 from ferrox.models.vision.pixtral_vision import PixtralVisionTower, RMSNorm
 from ferrox.multimodal.inputs import MultiModalItem
 
@@ -94,7 +90,7 @@ def check_pixtral_item(item: MultiModalItem, channels: int, unit: int) -> str | 
     return None
 
 
-class Mistral3ForConditionalGeneration(MistralForCausalLM):
+class Mistral3ForConditionalGeneration(LlavaLayoutWeights, MistralForCausalLM):
     supports_tensor_parallel = False
     supports_quantized_gguf = False
     supports_quantization = False
@@ -138,24 +134,3 @@ class Mistral3ForConditionalGeneration(MistralForCausalLM):
         rows, cols = item.grid
         pixels = item.pixel_values().to(device=device, dtype=self._dtype)
         return self.multi_modal_projector(self.vision_tower([pixels]), rows, cols)
-
-    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        tower: list[tuple[str, Any]] = []
-        projector: dict[str, torch.Tensor] = {}
-
-        def language_model() -> Iterator[tuple[str, Any]]:
-            for name, tensor in weights:
-                for old, new in CHECKPOINT_RENAMES:
-                    if name.startswith(old):
-                        name = new + name[len(old):]
-                        break
-                if name.startswith("vision_tower."):
-                    tower.append((name[len("vision_tower."):], tensor))
-                elif name.startswith("multi_modal_projector."):
-                    projector[name[len("multi_modal_projector."):]] = materialize(tensor)
-                else:
-                    yield name, tensor
-
-        super().load_weights(language_model())
-        self.vision_tower.load_weights((name, materialize(t)) for name, t in tower)
-        load_whole(self.multi_modal_projector, projector, "multi_modal_projector", self.spec.architecture)
