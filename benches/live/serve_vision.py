@@ -1,8 +1,8 @@
 """Live `ferrox serve` of tiny LLaVA folders (a CLIP tower over a Llama, a SigLIP tower over a Qwen2) and a
 tiny Gemma 3 with images (bidirectional image attention: those steps take the torch attention) and a tiny
 Idefics3 (SmolVLM's tiling: up to 2x2 tiles and a global one an image) and tiny Qwen2-VL / Qwen2.5-VL (images of
-their own sizes, multimodal rotary positions) and a tiny Mistral 3 (Pixtral: row-break tokens inside each image) on
-the device: 24 concurrent chat requests with data-URL images (eight different images, one or two a prompt),
+their own sizes, multimodal rotary positions) a tiny Mistral 3 (Pixtral: row-break tokens inside each image) and a tiny
+LLaVA-NeXT (anyres tiles, unpadded) on the device: 24 concurrent chat requests with data-URL images (eight different images, one or two a prompt),
 Anthropic image blocks and Responses input_image parts beside them, each answer compared with the offline
 LLM's on the same images on the same device; a bad image must be a 400 and change nothing else.
 0 errors and 0 mismatches expected."""
@@ -26,6 +26,7 @@ from tests.helpers.tiny_models import (  # noqa: E402
     make_tiny_gemma3_vision,
     make_tiny_idefics3,
     make_tiny_llava,
+    make_tiny_llava_next,
     make_tiny_mistral3,
     make_tiny_qwen2_vl,
 )
@@ -66,7 +67,8 @@ def main() -> int:
                                 ("idefics3-tiles", make_tiny_idefics3(tmp / "d"), []),
                                 ("qwen2-vl", make_tiny_qwen2_vl(tmp / "e"), []),
                                 ("qwen2.5-vl", make_tiny_qwen2_vl(tmp / "f", version="qwen2_5_vl"), []),
-                                ("mistral3-pixtral", make_tiny_mistral3(tmp / "g"), [])):
+                                ("mistral3-pixtral", make_tiny_mistral3(tmp / "g"), []),
+                                ("llava-next-anyres", make_tiny_llava_next(tmp / "h"), [])):
         cases = [[k % 8] for k in range(16)] + [[k % 8, (k + 3) % 8] for k in range(8)]
 
         def messages(ids: list[int]) -> list[dict]:

@@ -886,3 +886,55 @@ def make_tiny_mistral3(folder, *, tie_word_embeddings: bool = False, seed: int =
     with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(tok_config, f, indent=2)
     return str(folder)
+
+
+LLAVA_NEXT_PINPOINTS = [[28, 56], [56, 28], [56, 56], [84, 28]]
+
+
+def make_tiny_llava_next(folder, *, text: str = "llama", seed: int = 0) -> str:
+    """A LLaVA-NeXT checkpoint (LlavaNextForConditionalGeneration): a tiny CLIP tower of 28-pixel tiles and
+    7-pixel patches (4x4 rows a tile; feature layer -2, class token dropped), the projector, image_newline, and
+    a Llama or Mistral (no sliding window) language model; `<image>` is the last token of the vocabulary;
+    LlavaNextImageProcessor's preprocessor_config.json with small grid pinpoints (LLAVA_NEXT_PINPOINTS); the
+    LLaVA chat template."""
+    import torch
+    from tokenizers import AddedToken
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        MistralConfig,
+    )
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    tok = build_tokenizer()
+    tok.add_tokens([AddedToken("<image>", special=True, normalized=False)])
+    params = _common(tok, 64, 2, 4, 2, 128, 2048, False)
+    text_config = LlamaConfig(**params) if text == "llama" else MistralConfig(**params, sliding_window=None)
+    vision_config = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                                     image_size=28, patch_size=7)
+    config = LlavaNextConfig(vision_config=vision_config, text_config=text_config,
+                             image_token_index=tok.token_to_id("<image>"), vision_feature_layer=-2,
+                             vision_feature_select_strategy="default", projector_hidden_act="gelu",
+                             image_grid_pinpoints=LLAVA_NEXT_PINPOINTS)
+    config.architectures = ["LlavaNextForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = LlavaNextForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():  # the default init leaves the tower's output near zero: give images a say
+        for name, param in model.named_parameters():
+            if "vision_tower" in name or "multi_modal_projector" in name or "image_newline" in name:
+                if param.dim() == 1 and "norm" in name and name.endswith("weight"):
+                    param.uniform_(0.5, 1.5)
+                else:
+                    param.normal_(0.0, 0.2 if param.dim() > 1 else 0.5)
+    _randomize_norms(model)
+    _save(str(folder), model, tok, max_shard_size=None, generation=None)
+    LlavaNextImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
+                               image_grid_pinpoints=LLAVA_NEXT_PINPOINTS).save_pretrained(str(folder))
+    with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
+        tok_config = json.load(f)
+    tok_config["chat_template"] = LLAVA_CHAT_TEMPLATE
+    with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(tok_config, f, indent=2)
+    return str(folder)

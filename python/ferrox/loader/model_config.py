@@ -63,7 +63,7 @@ _FLAT_TEXT = {"Qwen2VLForConditionalGeneration": "qwen2_vl_text", "Qwen2_5_VLFor
 # Multimodal checkpoints: architecture -> the text model_type when text_config does not say.
 MULTIMODAL_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3_text", "LlavaForConditionalGeneration": "llama",
                             "Idefics3ForConditionalGeneration": "llama", "SmolVLMForConditionalGeneration": "llama",
-                            "Mistral3ForConditionalGeneration": "mistral",
+                            "Mistral3ForConditionalGeneration": "mistral", "LlavaNextForConditionalGeneration": "llama",
                             **_FLAT_TEXT}
 
 
@@ -74,8 +74,8 @@ def _text_config(config: dict[str, Any], where: str) -> dict[str, Any]:
     under "multimodal" for the model and the prompt processor (multimodal/processing.py)."""
     arch = config["architectures"][0]
     text = config.get("text_config")
-    if text is None and arch == "LlavaForConditionalGeneration":
-        text = {}  # LlavaConfig's default: a Llama
+    if text is None and arch in ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration"):
+        text = {}  # LlavaConfig's / LlavaNextConfig's default: a Llama
     if text is None and arch in _FLAT_TEXT:
         text = {k: v for k, v in config.items() if k not in ("vision_config", "model_type")}
     if not isinstance(text, dict):

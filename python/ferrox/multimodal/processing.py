@@ -195,6 +195,11 @@ def image_prompts_for_model(model_dir: str, hf_config: Mapping[str, Any], tokeni
 
         return qwen_vl_image_prompts(model_dir, hf_config, tokenizer, limit=limit,
                                      allowed_local_media_path=allowed_local_media_path)
+    if "LlavaNextForConditionalGeneration" in archs:
+        from ferrox.multimodal.llava_next_processing import llava_next_image_prompts
+
+        return llava_next_image_prompts(model_dir, hf_config, tokenizer, limit=limit,
+                                        allowed_local_media_path=allowed_local_media_path)
     if "Mistral3ForConditionalGeneration" in archs:
         from ferrox.multimodal.pixtral_processing import pixtral_image_prompts
 
