@@ -35,3 +35,18 @@ def load_whole(module: nn.Module, tensors: Mapping[str, torch.Tensor], prefix: s
                 raise ModelLoadError(f"tensor '{prefix}.{name}': shape {tuple(tensors[name].shape)}, the model has "
                                      f"{tuple(param.shape)} (config.json does not match?)")
             param.copy_(tensors[name])
+
+
+def check_tower_loaded(tower: str, unknown: Iterable[str], expected: Iterable[str], loaded: set[str]) -> None:
+    """The end of a vision tower's load_weights: UnsupportedModelError (a ValueError: the checkpoint and config do
+    not go together) naming up to 8 tensors the tower does not know, then the pieces it never got."""
+    from ferrox.model_spec import UnsupportedModelError
+
+    unknown = sorted(unknown)
+    if unknown:
+        raise UnsupportedModelError(f"checkpoint has {len(unknown)} tensor(s) the {tower} does not know: "
+                                    f"{', '.join(unknown[:8])}")
+    missing = sorted(m.replace("#", " shard ") for m in set(expected) - loaded)
+    if missing:
+        raise UnsupportedModelError(f"checkpoint is missing {len(missing)} tensor(s) of the {tower}: "
+                                    f"{', '.join(missing[:8])}")

@@ -28,6 +28,7 @@ from torch import nn
 
 from ferrox.distributed.sharding import materialize
 from ferrox.errors import InvalidArgumentError, UnsupportedModelError
+from ferrox.models.load_check import check_tower_loaded
 from ferrox.models.vision.vit import ACTIVATIONS
 
 # transformers' PixtralVisionConfig defaults for the keys read here.
@@ -219,13 +220,7 @@ class PixtralVisionTower(nn.Module):
                                             "weights?)")
             param.data.copy_(tensor.reshape(param.shape))
             loaded.add(name)
-        if unknown:
-            raise UnsupportedModelError(f"checkpoint has {len(unknown)} tensor(s) the Pixtral vision tower does not "
-                                        f"know: {', '.join(sorted(unknown)[:8])}")
-        missing = set(params) - loaded
-        if missing:
-            raise UnsupportedModelError(f"checkpoint is missing {len(missing)} tensor(s) of the Pixtral vision tower: "
-                                        f"{', '.join(sorted(missing)[:8])}")
+        check_tower_loaded("Pixtral vision tower", unknown, params, loaded)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ from torch import nn
 
 from ferrox.distributed.sharding import materialize
 from ferrox.errors import InvalidArgumentError, UnsupportedModelError
+from ferrox.models.load_check import check_tower_loaded
 from ferrox.models.vision.vit import ACTIVATIONS
 
 # transformers' Qwen2VLVisionConfig / Qwen2_5_VLVisionConfig defaults for the keys read here.
@@ -332,13 +333,7 @@ class QwenVisionTower(nn.Module):
                                             f"tower expects {shape} (vision_config does not match the weights?)")
             param.data.copy_(tensor.reshape(param.shape))
             loaded.add(name)
-        if unknown:
-            raise UnsupportedModelError(f"checkpoint has {len(unknown)} tensor(s) this {self.version} vision tower "
-                                        f"does not know: {', '.join(sorted(unknown)[:8])}")
-        missing = set(params) - loaded
-        if missing:
-            raise UnsupportedModelError(f"checkpoint is missing {len(missing)} tensor(s) of the {self.version} "
-                                        f"vision tower: {', '.join(sorted(missing)[:8])}")
+        check_tower_loaded(f"{self.version} vision tower", unknown, params, loaded)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from torch import nn
 
 from ferrox.distributed.sharding import materialize
 from ferrox.errors import InvalidArgumentError, UnsupportedModelError
+from ferrox.models.load_check import check_tower_loaded
 
 # vision_config.hidden_act -> the activation (transformers' ACT2FN names; LLaVA's projector reads it too).
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -209,14 +210,7 @@ class VisionTower(nn.Module):
             target.copy_(tensor)
             loaded.add(name if shard is None else f"{name}#{shard}")
         # UnsupportedModelError: a ModelLoadError for the loader, a ValueError for everyone else.
-        if unknown:
-            raise UnsupportedModelError(f"checkpoint has {len(unknown)} tensor(s) this {self.model_type} tower does "
-                                        f"not know: {', '.join(sorted(unknown)[:8])}")
-        missing = expected - loaded
-        if missing:
-            raise UnsupportedModelError(f"checkpoint is missing {len(missing)} tensor(s) of the "
-                                        f"{self.model_type} tower: "
-                                        f"{', '.join(sorted(m.replace('#', ' shard ') for m in missing)[:8])}")
+        check_tower_loaded(f"{self.model_type} tower", unknown, expected, loaded)
 
     def _map_name(self, ckpt_name: str) -> tuple[str, str | None] | None:
         """(parameter name, q/k/v shard or None) of a checkpoint tensor; None: skipped. A name with no
