@@ -44,7 +44,7 @@ from ferrox.multimodal.config_fields import (
 )
 from ferrox.multimodal.image_processor import to_rgb
 from ferrox.multimodal.inputs import MultiModalItem
-from ferrox.multimodal.processing import ImagePrompts, _runs
+from ferrox.multimodal.processing import ImagePrompts, token_runs
 
 ARCHITECTURES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
 FAKE_TOKEN = "<fake_token_around_image>"
@@ -234,7 +234,7 @@ class Idefics3ImagePrompts(ImagePrompts):
             tiles, rows, cols = processor(image)
             block = self._block(rows, cols)
             digest = image_hash(image)
-            for t, (offset, length) in enumerate(_runs(block, self.image_token_id)):
+            for t, (offset, length) in enumerate(token_runs(block, self.image_token_id)):
                 items.append(MultiModalItem.from_pixels(len(out) + offset, length, tiles[t], f"{digest}:{t}"))
             out.extend(block)
             at = start + 1
@@ -247,7 +247,7 @@ class Idefics3ImagePrompts(ImagePrompts):
         if block is None:
             text = image_prompt_text(rows, cols, self.tokens_per_image, self.placeholder)
             block = list(self.tokenizer.encode(text, add_special_tokens=False))
-            runs = _runs(block, self.image_token_id)
+            runs = token_runs(block, self.image_token_id)
             if len(runs) != rows * cols + 1 or any(n != self.tokens_per_image for _, n in runs):
                 raise UnsupportedModelError(f"the tokenizer does not encode {self.placeholder!r} as the image token "
                                             f"{self.image_token_id} one per placeholder")

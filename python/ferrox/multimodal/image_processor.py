@@ -62,10 +62,10 @@ class ImageProcessor:
         fields.update({k: v for k, v in config.items() if k in fields and v is not None})
 
         self.do_resize = flag(fields, "do_resize", CONFIG_FILE)
-        self.size = _size_dict(fields["size"], "size", square=flag(fields, "default_to_square", CONFIG_FILE))
-        self.resample = _resample(fields["resample"])
+        self.size = size_dict(fields["size"], "size", square=flag(fields, "default_to_square", CONFIG_FILE))
+        self.resample = resample_filter(fields["resample"])
         self.do_center_crop = flag(fields, "do_center_crop", CONFIG_FILE)
-        self.crop_size = None if fields["crop_size"] is None else _size_dict(fields["crop_size"], "crop_size")
+        self.crop_size = None if fields["crop_size"] is None else size_dict(fields["crop_size"], "crop_size")
         self.do_rescale = flag(fields, "do_rescale", CONFIG_FILE)
         self.rescale_factor = number(fields["rescale_factor"], "rescale_factor", CONFIG_FILE)
         self.do_normalize = flag(fields, "do_normalize", CONFIG_FILE)
@@ -119,7 +119,7 @@ class ImageProcessor:
         pixels: np.ndarray = np.asarray(image)
         if self.do_center_crop:
             assert self.crop_size is not None  # _fixed_output_size refused a crop without one
-            pixels = _center_crop(pixels, self.crop_size["height"], self.crop_size["width"])
+            pixels = center_crop(pixels, self.crop_size["height"], self.crop_size["width"])
         if self.do_rescale:
             pixels = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
         if self.do_normalize:
@@ -174,7 +174,7 @@ def _pad_to_square(image: Image.Image, colour: tuple[int, ...]) -> Image.Image:
     return square
 
 
-def _center_crop(pixels: np.ndarray, crop_height: int, crop_width: int) -> np.ndarray:
+def center_crop(pixels: np.ndarray, crop_height: int, crop_width: int) -> np.ndarray:
     """transformers' center_crop on HWC: offsets (size - crop) // 2; an image smaller than the crop
     is first centred on zeros (offset rounded up) so the result is always crop-sized."""
     height, width = pixels.shape[:2]
@@ -202,7 +202,7 @@ def _processor_type(config: Mapping[str, Any]) -> str:
     return kind
 
 
-def _size_dict(value: Any, field: str, square: bool = True) -> dict[str, int]:
+def size_dict(value: Any, field: str, square: bool = True) -> dict[str, int]:
     """transformers' get_size_dict: an int is a square (or, with default_to_square false, the
     shortest edge), a pair is (height, width), a dict is kept; ferrox takes the fixed-size forms."""
     if isinstance(value, int) and not isinstance(value, bool):
@@ -218,7 +218,7 @@ def _size_dict(value: Any, field: str, square: bool = True) -> dict[str, int]:
     return dict(value)
 
 
-def _resample(value: Any) -> int:
+def resample_filter(value: Any) -> int:
     if isinstance(value, bool) or value not in _PIL_FILTERS:
         raise ModelLoadError(f"{CONFIG_FILE}: resample must be a PIL filter number 0-5, got {value!r}")
     return int(value)

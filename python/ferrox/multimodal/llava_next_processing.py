@@ -34,7 +34,7 @@ from ferrox.multimodal.config_fields import (
     number,
     per_channel,
 )
-from ferrox.multimodal.image_processor import _center_crop, _resample, _size_dict, to_rgb
+from ferrox.multimodal.image_processor import center_crop, resample_filter, size_dict, to_rgb
 from ferrox.multimodal.processing import llava_image_tokens, llava_vision_config
 from ferrox.multimodal.qwen2_vl_processing import QwenVLImagePrompts
 
@@ -140,10 +140,10 @@ class LlavaNextImageProcessor:
                   **{k: v for k, v in config.items() if k in _PROCESSOR_DEFAULTS and v is not None}}
         self.where = where
         self.do_resize = flag(fields, "do_resize", where)
-        self.size = _size_dict(fields["size"], "size", square=False)
-        self.resample = Image.Resampling(_resample(fields["resample"]))
+        self.size = size_dict(fields["size"], "size", square=False)
+        self.resample = Image.Resampling(resample_filter(fields["resample"]))
         self.do_center_crop = flag(fields, "do_center_crop", where)
-        self.crop_size = _size_dict(fields["crop_size"], "crop_size")
+        self.crop_size = size_dict(fields["crop_size"], "crop_size")
         self.do_rescale = flag(fields, "do_rescale", where)
         self.rescale_factor = number(fields["rescale_factor"], "rescale_factor", where)
         self.do_normalize = flag(fields, "do_normalize", where)
@@ -224,7 +224,7 @@ class LlavaNextImageProcessor:
                 height, width = self.size["height"], self.size["width"]
             pixels = np.asarray(piece.resize((width, height), resample=self.resample))
         if self.do_center_crop:
-            pixels = _center_crop(pixels, self.crop_size["height"], self.crop_size["width"])
+            pixels = center_crop(pixels, self.crop_size["height"], self.crop_size["width"])
         if self.do_rescale:
             pixels = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
         pixels = pixels.astype(np.float32, copy=False)

@@ -116,13 +116,13 @@ class ImagePrompts:
         template may write two side by side)."""
         n = self.tokens_per_image
         out: list[tuple[int, int]] = []
-        for start, length in _runs(ids, self.image_token_id):
+        for start, length in token_runs(ids, self.image_token_id):
             size = n if n > 1 and length % n == 0 else 1
             out.extend((start + k, size) for k in range(0, length, size))
         return out
 
 
-def _runs(ids: Sequence[int], token: int) -> list[tuple[int, int]]:
+def token_runs(ids: Sequence[int], token: int) -> list[tuple[int, int]]:
     """(start, length) of each run of `token`."""
     runs: list[tuple[int, int]] = []
     for i, t in enumerate(ids):

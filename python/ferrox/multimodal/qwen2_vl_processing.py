@@ -39,7 +39,7 @@ from ferrox.multimodal.config_fields import (
 )
 from ferrox.multimodal.image_processor import to_rgb
 from ferrox.multimodal.inputs import MultiModalItem
-from ferrox.multimodal.processing import ImagePrompts, _runs
+from ferrox.multimodal.processing import ImagePrompts, token_runs
 
 ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 # Qwen2VLConfig's / Qwen2_5_VLConfig's token ids.
@@ -166,7 +166,7 @@ class QwenVLImagePrompts(ImagePrompts):
 
         self.check_count(len(images), what, param)
         ids = list(prompt_ids)
-        runs = _runs(ids, self.image_token_id)
+        runs = token_runs(ids, self.image_token_id)
         if not images and not runs:
             return ids, []
         processor = self.image_processor
