@@ -112,6 +112,8 @@ def _non_default(name: str) -> list[tuple[list[str], Any]]:
         return [([flag, '{"rope_theta": 1e6}'], {"rope_theta": 1e6})]
     if name == "limit_mm_per_prompt":
         return [([flag, '{"image": 2}'], {"image": 2})]
+    if name == "mm_processor_kwargs":
+        return [([flag, '{"max_pixels": 50176}'], {"max_pixels": 50176})]
     if name == "served_model_name":  # one name, or several (vLLM's nargs)
         return [([flag, "a"], "a"), ([flag, "a", "b"], ["a", "b"])]
     choices = field.metadata.get("choices")

@@ -127,6 +127,10 @@ class EngineConfig:
     limit_mm_per_prompt: dict[str, int] | None = _opt(
         "most images one prompt may carry, as vLLM's JSON object {\"image\": N} (other modalities only as 0)",
         default_help="no limit but the context")
+    mm_processor_kwargs: dict[str, Any] | None = _opt(
+        "image processor settings over the model folder's (vLLM's JSON object): Qwen2-VL / Qwen2.5-VL's "
+        "min_pixels and max_pixels (fewer pixels, fewer image tokens); other keys and families are refused",
+        default_help="none")
     seed: int = _opt("engine seed (dummy weights, unseeded sampling)", 0)
     load_format: str = _opt("weight format; 'dummy' = random weights of the real architecture", "auto",
                             choices=LOAD_FORMATS)
@@ -237,6 +241,8 @@ class EngineConfig:
                 isinstance(k, str) for k in self.hf_overrides)):
             raise ValueError(f"hf_overrides: must be a JSON object of config.json fields, got {self.hf_overrides!r}")
         _check_mm_limits(self.limit_mm_per_prompt)
+        if self.mm_processor_kwargs is not None and not isinstance(self.mm_processor_kwargs, dict):
+            raise ValueError(f"mm_processor_kwargs: must be a JSON object, got {self.mm_processor_kwargs!r}")
         parse_speculative_config(self.speculative_config)  # raises ValueError naming the key
         _choice("runner", self.runner, RUNNERS)
         parse_pooler_overrides(self.pooler_config)  # raises ValueError naming the key

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from ferrox import LLM, SamplingParams
+from ferrox.errors import InvalidArgumentError
 
 from tests.engine.test_batch_invariance import assert_no_leaked_blocks
 from tests.helpers.tiny_models import make_tiny_qwen2_vl
@@ -112,3 +113,24 @@ def test_on_cuda_matches_transformers(qwen):
     prompt = "Hello " + PLACEHOLDER + " and " + PLACEHOLDER + " What is this?"
     out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": img[:2]}}, GREEDY, use_tqdm=False)[0]
     assert list(out.outputs[0].token_ids) == _hf_greedy(hf, _hf_inputs(hf, _processed(llm, prompt, img[:2])))
+
+
+def test_mm_processor_kwargs_bound_the_pixels(qwen, tmp_path):
+    """vLLM's --mm-processor-kwargs: Qwen's max_pixels over the folder's, fewer image tokens, the same answer as
+    transformers given the same patches; other keys (and any key for a family that takes none) refused by name."""
+    from tests.helpers.tiny_models import make_tiny_llava
+
+    folder, hf = qwen
+    img = _images()[1]  # 100 x 50: 12 tokens under the folder's max_pixels
+    prompt = "Hi " + PLACEHOLDER + " ok"
+    small = LLM(model=folder, dtype="float32", device="cpu", mm_processor_kwargs={"max_pixels": 56 * 56})
+    full = LLM(model=folder, dtype="float32", device="cpu")
+    few, many = (_processed(llm, prompt, [img]) for llm in (small, full))
+    assert few.mm_items[0].length < many.mm_items[0].length
+    out = small.generate({"prompt": prompt, "multi_modal_data": {"image": img}}, GREEDY, use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == _hf_greedy(hf, _hf_inputs(hf, few))
+    with pytest.raises(InvalidArgumentError, match="mm_processor_kwargs.fps"):
+        LLM(model=folder, dtype="float32", device="cpu", mm_processor_kwargs={"fps": 2})
+    with pytest.raises(InvalidArgumentError, match=r"mm_processor_kwargs.max_pixels.*takes none"):
+        LLM(model=make_tiny_llava(tmp_path / "llava"), dtype="float32", device="cpu",
+            mm_processor_kwargs={"max_pixels": 100})

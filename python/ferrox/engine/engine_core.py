@@ -97,12 +97,13 @@ class EngineCore:
         pooling = self.pooler_config is not None
         self.model_name = (config.served_names() or [loaded.source.name])[0]
         self.tokenizer_json: str = self.tokenizer.to_json_str()
-        # A model that takes images: the offline LLM expands its prompts' images with these rules.
-        self.image_prompts = image_prompts_for_model(
-            loaded.source.path, self.spec.hf_config.get("multimodal") or {}, self.tokenizer,
-            limits=config.limit_mm_per_prompt, allowed_local_media_path=config.allowed_local_media_path)
         # --reasoning-parser: the engine needs its `</think>` to start a structured output's grammar there.
         try:
+            # A model that takes images: the offline LLM expands its prompts' images with these rules.
+            self.image_prompts = image_prompts_for_model(
+                loaded.source.path, self.spec.hf_config.get("multimodal") or {}, self.tokenizer,
+                limits=config.limit_mm_per_prompt, allowed_local_media_path=config.allowed_local_media_path,
+                processor_kwargs=config.mm_processor_kwargs)
             self.reasoning = (get_reasoning_parser(config.reasoning_parser, self.tokenizer.token_to_id)
                               if config.reasoning_parser else None)
         except ValueError:

@@ -178,13 +178,27 @@ class Gemma3ImagePrompts(ImagePrompts):
         return out
 
 
+# --mm-processor-kwargs: the image processor fields each family lets the operator set (vLLM passes them to the
+# Hugging Face processor; ferrox's processors read these, and refuse the rest by name).
+PROCESSOR_KWARGS = {"Qwen2VLForConditionalGeneration": ("min_pixels", "max_pixels"),
+                    "Qwen2_5_VLForConditionalGeneration": ("min_pixels", "max_pixels")}
+
+
 def image_prompts_for_model(model_dir: str, hf_config: Mapping[str, Any], tokenizer: Any, *,
                             limits: Mapping[str, int] | None = None,
-                            allowed_local_media_path: str | None = None) -> ImagePrompts | None:
+                            allowed_local_media_path: str | None = None,
+                            processor_kwargs: Mapping[str, Any] | None = None) -> ImagePrompts | None:
     """The prompt rules of a model that takes images (None for a text-only one). hf_config: config.json;
-    limits: --limit-mm-per-prompt."""
+    limits: --limit-mm-per-prompt; processor_kwargs: --mm-processor-kwargs (PROCESSOR_KWARGS)."""
     archs = hf_config.get("architectures") or []
     limit = (limits or {}).get("image")
+    if processor_kwargs:
+        allowed = next((PROCESSOR_KWARGS[a] for a in archs if a in PROCESSOR_KWARGS), ())
+        for key in processor_kwargs:
+            if key not in allowed:
+                raise InvalidArgumentError(
+                    f"mm_processor_kwargs.{key}: not an image processor setting ferrox takes for {archs[:1] or 'this model'}"
+                    + (f" (it takes {', '.join(allowed)})" if allowed else " (it takes none)"), param="mm_processor_kwargs")
     if "Idefics3ForConditionalGeneration" in archs or "SmolVLMForConditionalGeneration" in archs:
         from ferrox.multimodal.idefics3_processing import idefics3_image_prompts
 
@@ -194,7 +208,8 @@ def image_prompts_for_model(model_dir: str, hf_config: Mapping[str, Any], tokeni
         from ferrox.multimodal.qwen2_vl_processing import qwen_vl_image_prompts
 
         return qwen_vl_image_prompts(model_dir, hf_config, tokenizer, limit=limit,
-                                     allowed_local_media_path=allowed_local_media_path)
+                                     allowed_local_media_path=allowed_local_media_path,
+                                     processor_kwargs=processor_kwargs)
     if "LlavaNextForConditionalGeneration" in archs:
         from ferrox.multimodal.llava_next_processing import llava_next_image_prompts
 

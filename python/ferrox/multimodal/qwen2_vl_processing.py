@@ -111,11 +111,16 @@ class QwenVLImageProcessor:
         # do_convert_rgb: every image is made RGB (the tower takes three channels).
 
     @classmethod
-    def from_model_dir(cls, path: str | os.PathLike[str]) -> QwenVLImageProcessor | None:
+    def from_model_dir(cls, path: str | os.PathLike[str],
+                       overrides: Mapping[str, Any] | None = None) -> QwenVLImageProcessor | None:
         """From preprocessor_config.json, else processor_config.json's image_processor (transformers 5
-        saves only that); None when the folder has neither."""
+        saves only that); None when the folder has neither. overrides: --mm-processor-kwargs' fields."""
         found = image_processor_fields(path)
-        return cls(found[0], found[1]) if found is not None else None
+        if found is None:
+            return None
+        if overrides:
+            return cls({**found[0], **overrides}, f"{found[1]} with mm_processor_kwargs")
+        return cls(found[0], found[1])
 
     def tokens(self, grid: tuple[int, int, int]) -> int:
         """The image's rows after the tower's merger: its placeholder tokens."""
@@ -232,7 +237,8 @@ class QwenVLImagePrompts(ImagePrompts):
 
 
 def qwen_vl_image_prompts(model_dir: str, hf_config: Mapping[str, Any], tokenizer: Any, *, limit: int | None,
-                          allowed_local_media_path: str | None) -> QwenVLImagePrompts:
+                          allowed_local_media_path: str | None,
+                          processor_kwargs: Mapping[str, Any] | None = None) -> QwenVLImagePrompts:
     """The prompt rules of a Qwen2-VL / Qwen2.5-VL folder (hf_config: config.json). The placeholder text a
     string-content chat template gets per image is `<|vision_start|><|image_pad|><|vision_end|>`, as
     Qwen's own templates write it."""
@@ -243,7 +249,7 @@ def qwen_vl_image_prompts(model_dir: str, hf_config: Mapping[str, Any], tokenize
     start = tokenizer.id_to_token(int(hf_config.get("vision_start_token_id", DEFAULT_VISION_START_TOKEN_ID)))
     end = tokenizer.id_to_token(int(hf_config.get("vision_end_token_id", DEFAULT_VISION_END_TOKEN_ID)))
     placeholder = f"{start}{pad}{end}" if start is not None and end is not None else pad
-    processor = QwenVLImageProcessor.from_model_dir(model_dir) if os.path.isdir(model_dir) else None
+    processor = QwenVLImageProcessor.from_model_dir(model_dir, processor_kwargs) if os.path.isdir(model_dir) else None
     if processor is not None:
         vision = {**_VISION_DEFAULTS, **{k: v for k, v in (hf_config.get("vision_config") or {}).items()
                                          if v is not None}}
