@@ -321,13 +321,7 @@ def make_tiny_llava(folder, *, text: str = "llama", vision: str = "clip", image_
     config.architectures = ["LlavaForConditionalGeneration"]
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config).to(torch.float32)
-    with torch.no_grad():  # the default init leaves the tower's output near zero: give images a say
-        for name, param in model.named_parameters():
-            if "vision_tower" in name or "multi_modal_projector" in name:
-                if param.dim() == 1 and "norm" in name and name.endswith("weight"):
-                    param.uniform_(0.5, 1.5)
-                else:
-                    param.normal_(0.0, 0.2 if param.dim() > 1 else 0.05)
+    _spread_vision(model, ("vision_tower", "multi_modal_projector"))
     _randomize_norms(model)
     _save(str(folder), model, tok, max_shard_size=None, generation=None)
     processor.save_pretrained(str(folder))
@@ -365,13 +359,7 @@ def make_tiny_gemma3_vision(folder, *, sliding_window: int = 16, seed: int = 0) 
     config.architectures = ["Gemma3ForConditionalGeneration"]
     torch.manual_seed(seed)
     model = Gemma3ForConditionalGeneration(config).to(torch.float32)
-    with torch.no_grad():  # the default init leaves the image rows near zero: give images a say
-        for name, param in model.named_parameters():
-            if "vision_tower" in name or "multi_modal_projector" in name:
-                if param.dim() == 1 and "norm" in name and name.endswith("weight"):
-                    param.uniform_(-0.5, 0.5) if "soft_emb_norm" in name else param.uniform_(0.5, 1.5)
-                else:
-                    param.normal_(0.0, 0.2 if param.dim() > 1 else 0.05)
+    _spread_vision(model, ("vision_tower", "multi_modal_projector"), centred=("soft_emb_norm",))
     _randomize_norms(model)
     _save(str(folder), model, tok, max_shard_size=None, generation=None)
     processor = {"image_processor_type": "Gemma3ImageProcessor", "do_resize": True,
@@ -429,15 +417,7 @@ def make_tiny_qwen2_vl(folder, *, version: str = "qwen2_vl", seed: int = 0) -> s
         model_cls = Qwen2_5_VLForConditionalGeneration
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
-    with torch.no_grad():  # the default init leaves the image rows near zero: give images a say
-        for name, param in model.named_parameters():
-            if "visual" in name:
-                if param.dim() == 1 and "norm" in name and name.endswith("weight"):
-                    param.uniform_(0.5, 1.5)
-                elif param.dim() == 1 and name.endswith("weight"):
-                    param.uniform_(0.5, 1.5)  # (LayerNorm weights named ln_q / norm1)
-                else:
-                    param.normal_(0.0, 0.2 if param.dim() > 1 else 0.05)
+    _spread_vision(model, ("visual",), scale=lambda name, param: param.dim() == 1 and name.endswith("weight"))
     _randomize_norms(model)
     _save(str(folder), model, tok, max_shard_size=None, generation=None)
     processor = {"image_processor_type": "Qwen2VLImageProcessor", "do_resize": True, "resample": 3,
@@ -552,6 +532,27 @@ def make_tiny_mixtral(folder, *, hidden_size: int = 64, num_layers: int = 2, num
     model = _moe_model(MixtralConfig, MixtralForCausalLM, tok, seed, router_std=0.5, **params,
                        num_local_experts=num_experts, num_experts_per_tok=top_k)
     return _save(str(folder), model, tok, max_shard_size=max_shard_size, generation=None)
+
+
+def _is_scale(name: str, param: Any) -> bool:
+    return param.dim() == 1 and "norm" in name and name.endswith("weight")
+
+
+def _spread_vision(model, parts: tuple[str, ...], *, scale: Any = _is_scale, vector_std: float = 0.05,
+                   centred: tuple[str, ...] = ()) -> None:
+    """The default init leaves a vision tower's output (and so the image rows) near zero: wider random weights
+    under the names holding `parts` give images a say in the tests. Scales (`scale`) drawn around 1 (around 0
+    for `centred` names, which the model adds 1 to), other matrices N(0, 0.2), other vectors N(0, vector_std)."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not any(part in name for part in parts):
+                continue
+            if scale(name, param):
+                param.uniform_(-0.5, 0.5) if any(c in name for c in centred) else param.uniform_(0.5, 1.5)
+            else:
+                param.normal_(0.0, 0.2 if param.dim() > 1 else vector_std)
 
 
 def _randomize_norms(model) -> None:
@@ -807,13 +808,7 @@ def make_tiny_idefics3(folder, *, architecture: str = "Idefics3ForConditionalGen
     config.architectures = [architecture]
     torch.manual_seed(seed)
     model = (SmolVLMForConditionalGeneration if smol else Idefics3ForConditionalGeneration)(config).to(torch.float32)
-    with torch.no_grad():  # the default init leaves the tower's output near zero: give images a say
-        for name, param in model.named_parameters():
-            if "vision_model" in name or "connector" in name:
-                if param.dim() == 1 and "norm" in name and name.endswith("weight"):
-                    param.uniform_(0.5, 1.5)
-                else:
-                    param.normal_(0.0, 0.2 if param.dim() > 1 else 0.05)
+    _spread_vision(model, ("vision_model", "connector"))
     _randomize_norms(model)
     _save(str(folder), model, tok, max_shard_size=None, generation=None)
     with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
@@ -858,13 +853,7 @@ def make_tiny_mistral3(folder, *, tie_word_embeddings: bool = False, seed: int =
     config.architectures = ["Mistral3ForConditionalGeneration"]
     torch.manual_seed(seed)
     model = Mistral3ForConditionalGeneration(config).to(torch.float32)
-    with torch.no_grad():  # the default init leaves the image rows near zero: give images a say
-        for name, param in model.named_parameters():
-            if "vision_tower" in name or "multi_modal_projector" in name:
-                if param.dim() == 1:
-                    param.uniform_(0.5, 1.5)
-                else:
-                    param.normal_(0.0, 0.2)
+    _spread_vision(model, ("vision_tower", "multi_modal_projector"), scale=lambda name, param: param.dim() == 1)
     _randomize_norms(model)
     _save(str(folder), model, tok, max_shard_size=None, generation=None)
     mean, std = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
@@ -921,13 +910,7 @@ def make_tiny_llava_next(folder, *, text: str = "llama", seed: int = 0) -> str:
     config.architectures = ["LlavaNextForConditionalGeneration"]
     torch.manual_seed(seed)
     model = LlavaNextForConditionalGeneration(config).to(torch.float32)
-    with torch.no_grad():  # the default init leaves the tower's output near zero: give images a say
-        for name, param in model.named_parameters():
-            if "vision_tower" in name or "multi_modal_projector" in name or "image_newline" in name:
-                if param.dim() == 1 and "norm" in name and name.endswith("weight"):
-                    param.uniform_(0.5, 1.5)
-                else:
-                    param.normal_(0.0, 0.2 if param.dim() > 1 else 0.5)
+    _spread_vision(model, ("vision_tower", "multi_modal_projector", "image_newline"), vector_std=0.5)
     _randomize_norms(model)
     _save(str(folder), model, tok, max_shard_size=None, generation=None)
     LlavaNextImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},

@@ -57,6 +57,13 @@ class LlavaLayoutWeights:
     vision_tower: Any
     multi_modal_projector: nn.Module
     spec: ModelSpec
+    # What such a model is to the loader and the engine: one rank, unquantized (the tower and projector are
+    # not sharded or quantized), its own tensors kept from the text model's loader, images taken.
+    supports_tensor_parallel = False
+    supports_quantized_gguf = False
+    supports_quantization = False
+    own_weight_prefixes: tuple[str, ...] = ("vision_tower.", "multi_modal_projector.")
+    takes_images = True
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         tower: list[tuple[str, Any]] = []
@@ -81,11 +88,6 @@ class LlavaLayoutWeights:
 
 
 class LlavaForConditionalGeneration(LlavaLayoutWeights, LlamaForCausalLM):
-    supports_tensor_parallel = False
-    supports_quantized_gguf = False
-    supports_quantization = False
-    own_weight_prefixes = ("vision_tower.", "multi_modal_projector.")
-    takes_images = True
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
+from ferrox.distributed.sharding import materialize
 from ferrox.model_spec import ModelLoadError
 
 
@@ -50,3 +52,32 @@ def check_tower_loaded(tower: str, unknown: Iterable[str], expected: Iterable[st
     if missing:
         raise UnsupportedModelError(f"checkpoint is missing {len(missing)} tensor(s) of the {tower}: "
                                     f"{', '.join(missing[:8])}")
+
+
+def load_tower_tensors(module: nn.Module, weights: Iterable[tuple[str, Any]], tower: str, *,
+                       rename: Callable[[str], str] = lambda name: name, skip: tuple[str, ...] = (),
+                       conv: tuple[str, tuple[int, ...]] | None = None) -> None:
+    """A vision tower's load_weights when its parameters carry the checkpoint's names: each tensor (named
+    `rename(name)`; names ending in `skip` left out) copied into its parameter, `conv` = (name, the checkpoint's
+    shape) for the patch convolution a tower keeps as a matmul; then check_tower_loaded."""
+    params = dict(module.named_parameters())
+    loaded: set[str] = set()
+    unknown: list[str] = []
+    for ckpt_name, tensor in weights:
+        name = rename(ckpt_name)
+        if name.endswith(skip):
+            continue
+        param = params.get(name)
+        if param is None:
+            unknown.append(ckpt_name)
+            continue
+        tensor = materialize(tensor)
+        shape = conv[1] if conv is not None and name == conv[0] else tuple(param.shape)
+        if tuple(tensor.shape) not in (shape, tuple(param.shape)):
+            from ferrox.model_spec import UnsupportedModelError
+
+            raise UnsupportedModelError(f"vision tensor {ckpt_name!r}: checkpoint shape {tuple(tensor.shape)}, the "
+                                        f"{tower} expects {shape} (vision_config does not match the weights?)")
+        param.data.copy_(tensor.reshape(param.shape))
+        loaded.add(name)
+    check_tower_loaded(tower, unknown, params, loaded)

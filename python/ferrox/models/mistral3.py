@@ -91,11 +91,6 @@ def check_pixtral_item(item: MultiModalItem, channels: int, unit: int) -> str | 
 
 
 class Mistral3ForConditionalGeneration(LlavaLayoutWeights, MistralForCausalLM):
-    supports_tensor_parallel = False
-    supports_quantized_gguf = False
-    supports_quantization = False
-    own_weight_prefixes = ("vision_tower.", "multi_modal_projector.")
-    takes_images = True
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from ferrox.errors import InvalidArgumentError, ModelLoadError, UnsupportedModelError
+from ferrox.errors import ModelLoadError, UnsupportedModelError
 from ferrox.multimodal.config_fields import (
     PREPROCESSOR_FILE,
     PROCESSOR_FILE,
@@ -214,18 +214,10 @@ class Idefics3ImagePrompts(ImagePrompts):
         # Every image token is one image's placeholder (a template may write two side by side); a prompt
         # already holding expanded tiles has far more of them than images, and is refused by the count.
         places = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        if len(places) != len(images):
-            raise InvalidArgumentError(
-                f"{what}: the prompt has {len(places)} image placeholder(s) ({self.placeholder!r}) for "
-                f"{len(images)} image(s); put one placeholder where each image goes (its tiles are expanded "
-                "here)", param=param)
+        self.check_placeholders(len(places), len(images), what, param, " (its tiles are expanded here)")
         if not images:
             return ids, []
-        processor = self.image_processor
-        if processor is None:
-            raise InvalidArgumentError(f"{what}: model folder {self.model_dir} has no {PREPROCESSOR_FILE} (nor "
-                                       f"an image_processor in {PROCESSOR_FILE}), so its images cannot be prepared",
-                                       param=param)
+        processor = self.processor_for(what, param)
         out: list[int] = []
         items: list[MultiModalItem] = []
         at = 0

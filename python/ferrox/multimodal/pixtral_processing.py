@@ -140,17 +140,10 @@ class PixtralImagePrompts(ImagePrompts):
         self.check_count(len(images), what, param)
         ids = list(prompt_ids)
         spans = self._spans(ids, what, param)
-        if len(spans) != len(images):
-            raise InvalidArgumentError(
-                f"{what}: the prompt has {len(spans)} image placeholder(s) ({self.placeholder!r}) for {len(images)} "
-                f"image(s); put one placeholder where each image goes", param=param)
+        self.check_placeholders(len(spans), len(images), what, param)
         if not images:
             return ids, []
-        processor = self.image_processor
-        if processor is None:
-            raise InvalidArgumentError(f"{what}: model folder {self.model_dir} has no {PREPROCESSOR_FILE} (nor an "
-                                       f"image_processor in {PROCESSOR_FILE}), so its images cannot be prepared",
-                                       param=param)
+        processor = self.processor_for(what, param)
         out: list[int] = []
         items: list[MultiModalItem] = []
         at = 0

@@ -65,6 +65,21 @@ class ImagePrompts:
             raise InvalidArgumentError(f"{what}: {count} images, at most {self.limit} may be given in one prompt "
                                        "(--limit-mm-per-prompt)", param=param)
 
+    def check_placeholders(self, found: int, images: int, what: str, param: str, hint: str = "") -> None:
+        """One placeholder per image, or InvalidArgumentError naming both counts."""
+        if found != images:
+            raise InvalidArgumentError(
+                f"{what}: the prompt has {found} image placeholder(s) ({self.placeholder!r}) for {images} image(s); "
+                f"put one placeholder where each image goes{hint}", param=param)
+
+    def processor_for(self, what: str, param: str) -> Any:
+        """The image processor, or InvalidArgumentError: the model folder has no config to prepare images by."""
+        if self.image_processor is None:
+            raise InvalidArgumentError(f"{what}: model folder {self.model_dir} has no preprocessor_config.json (nor an "
+                                       "image_processor in processor_config.json), so its images cannot be prepared",
+                                       param=param)
+        return self.image_processor
+
     def load(self, source: Any, what: str, param: str = "multi_modal_data") -> Any:
         """A PIL image from a url, path, bytes or PIL image (offline callers; the server fetches
         asynchronously with media.fetch_image)."""
@@ -85,16 +100,10 @@ class ImagePrompts:
         self.check_count(len(images), what, param)
         ids = self.insert_image_runs(list(prompt_ids))
         runs = self._placeholders(ids)
-        if len(runs) != len(images):
-            raise InvalidArgumentError(
-                f"{what}: the prompt has {len(runs)} image placeholder(s) ({self.placeholder!r}) for "
-                f"{len(images)} image(s); put one placeholder where each image goes", param=param)
+        self.check_placeholders(len(runs), len(images), what, param)
         if not images:
             return ids, []
-        if self.image_processor is None:
-            raise InvalidArgumentError(f"{what}: model folder {self.model_dir} has no preprocessor_config.json, "
-                                       "so its images cannot be prepared", param=param)
-        pixels = self.image_processor(list(images))
+        pixels = self.processor_for(what, param)(list(images))
         out: list[int] = []
         items: list[MultiModalItem] = []
         at = 0

@@ -30,7 +30,6 @@ from PIL import Image
 from ferrox.errors import InvalidArgumentError, ModelLoadError, UnsupportedModelError
 from ferrox.multimodal.config_fields import (
     PREPROCESSOR_FILE,
-    PROCESSOR_FILE,
     flag,
     image_processor_fields,
     number,
@@ -174,11 +173,7 @@ class QwenVLImagePrompts(ImagePrompts):
         runs = token_runs(ids, self.image_token_id)
         if not images and not runs:
             return ids, []
-        processor = self.image_processor
-        if images and processor is None:
-            raise InvalidArgumentError(f"{what}: model folder {self.model_dir} has no {PREPROCESSOR_FILE} (nor "
-                                       f"an image_processor in {PROCESSOR_FILE}), so its images cannot be prepared",
-                                       param=param)
+        processor: Any = self.processor_for(what, param) if images else None
         processed = []
         for k, image in enumerate(images):
             try:

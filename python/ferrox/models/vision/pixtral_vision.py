@@ -26,9 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ferrox.distributed.sharding import materialize
 from ferrox.errors import InvalidArgumentError, UnsupportedModelError
-from ferrox.models.load_check import check_tower_loaded
+from ferrox.models.load_check import load_tower_tensors
 from ferrox.models.vision.vit import ACTIVATIONS
 
 # transformers' PixtralVisionConfig defaults for the keys read here.
@@ -200,27 +199,8 @@ class PixtralVisionTower(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Checkpoint names under `vision_tower.` (the caller strips it). Every parameter must be set; a name
         the tower does not have is an error (UnsupportedModelError, a ValueError)."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        unknown: list[str] = []
-        for name, tensor in weights:
-            if name.endswith(_UNUSED_SUFFIXES):
-                continue
-            param = params.get(name)
-            if param is None:
-                unknown.append(name)
-                continue
-            tensor = materialize(tensor)
-            shape = tuple(param.shape)
-            if name == "patch_conv.weight":
-                shape = (self.hidden_size, self.num_channels, self.patch_size, self.patch_size)
-            if tuple(tensor.shape) not in (shape, tuple(param.shape)):
-                raise UnsupportedModelError(f"vision tensor {name!r}: checkpoint shape {tuple(tensor.shape)}, the "
-                                            f"Pixtral tower expects {shape} (vision_config does not match the "
-                                            "weights?)")
-            param.data.copy_(tensor.reshape(param.shape))
-            loaded.add(name)
-        check_tower_loaded("Pixtral vision tower", unknown, params, loaded)
+        load_tower_tensors(self, weights, "Pixtral vision tower", skip=_UNUSED_SUFFIXES, conv=(
+            "patch_conv.weight", (self.hidden_size, self.num_channels, self.patch_size, self.patch_size)))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -35,9 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ferrox.distributed.sharding import materialize
 from ferrox.errors import InvalidArgumentError, UnsupportedModelError
-from ferrox.models.load_check import check_tower_loaded
+from ferrox.models.load_check import load_tower_tensors
 from ferrox.models.vision.vit import ACTIVATIONS
 
 # transformers' Qwen2VLVisionConfig / Qwen2_5_VLVisionConfig defaults for the keys read here.
@@ -311,29 +310,14 @@ class QwenVisionTower(nn.Module):
         """Checkpoint names under `visual.` (the prefix, or transformers 5's `model.visual.`, optional).
         Every parameter must be set; a name the tower does not have is an error (UnsupportedModelError,
         a ValueError)."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        unknown: list[str] = []
-        for ckpt_name, tensor in weights:
-            name = ckpt_name
+        def rename(name: str) -> str:
             for prefix in _CHECKPOINT_PREFIXES:
                 name = name.removeprefix(prefix)
-            if name.endswith(_UNUSED_SUFFIXES):
-                continue
-            param = params.get(name)
-            if param is None:
-                unknown.append(ckpt_name)
-                continue
-            tensor = materialize(tensor)
-            shape = tuple(param.shape)
-            if name == "patch_embed.proj.weight":
-                shape = (self.width, self.in_channels, self.temporal_patch_size, self.patch_size, self.patch_size)
-            if tuple(tensor.shape) not in (shape, tuple(param.shape)):
-                raise UnsupportedModelError(f"vision tensor {ckpt_name!r}: checkpoint shape {tuple(tensor.shape)}, "
-                                            f"tower expects {shape} (vision_config does not match the weights?)")
-            param.data.copy_(tensor.reshape(param.shape))
-            loaded.add(name)
-        check_tower_loaded(f"{self.version} vision tower", unknown, params, loaded)
+            return name
+
+        load_tower_tensors(self, weights, f"{self.version} vision tower", rename=rename, skip=_UNUSED_SUFFIXES,
+                           conv=("patch_embed.proj.weight", (self.width, self.in_channels, self.temporal_patch_size,
+                                                             self.patch_size, self.patch_size)))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
