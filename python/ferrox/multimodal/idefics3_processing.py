@@ -42,7 +42,7 @@ from ferrox.multimodal.config_fields import (
     per_channel,
     read_json_object,
 )
-from ferrox.multimodal.image_processor import to_rgb
+from ferrox.multimodal.image_processor import rescale_normalize, to_rgb
 from ferrox.multimodal.inputs import MultiModalItem
 from ferrox.multimodal.processing import ImagePrompts, token_runs
 
@@ -145,11 +145,8 @@ class Idefics3ImageProcessor:
     def _pixels(self, tile: Image.Image) -> np.ndarray:
         """float32 CHW, as transformers' rescale and normalize compute it."""
         pixels: np.ndarray = np.asarray(tile)
-        if self.do_rescale:
-            pixels = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        pixels = pixels.astype(np.float32, copy=False)
-        if self.do_normalize:
-            pixels = (pixels - self.image_mean) / self.image_std
+        pixels = rescale_normalize(pixels, self.rescale_factor if self.do_rescale else None,
+                                   (self.image_mean, self.image_std) if self.do_normalize else None)
         return np.ascontiguousarray(pixels.transpose(2, 0, 1), dtype=np.float32)
 
 

@@ -16,7 +16,6 @@ call ends at `output_size`: ferrox refuses configs whose output size depends on 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -26,7 +25,7 @@ import numpy as np
 from PIL import Image
 
 from ferrox.errors import ModelLoadError, UnsupportedModelError
-from ferrox.multimodal.config_fields import flag, number, per_channel
+from ferrox.multimodal.config_fields import flag, number, per_channel, read_json_object
 
 CONFIG_FILE = "preprocessor_config.json"
 
@@ -83,16 +82,7 @@ class ImageProcessor:
     def from_model_dir(cls, path: str | os.PathLike[str]) -> ImageProcessor | None:
         """The processor of a model folder's preprocessor_config.json; None when it has none."""
         file = os.path.join(path, CONFIG_FILE)
-        if not os.path.isfile(file):
-            return None
-        try:
-            with open(file, encoding="utf-8") as f:
-                config = json.load(f)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ModelLoadError(f"cannot parse {file}: {e}") from e
-        if not isinstance(config, dict):
-            raise ModelLoadError(f"{file} must hold a JSON object, found {type(config).__name__}")
-        return cls(config)
+        return cls(read_json_object(file)) if os.path.isfile(file) else None
 
     @property
     def output_size(self) -> tuple[int, int]:
@@ -120,12 +110,8 @@ class ImageProcessor:
         if self.do_center_crop:
             assert self.crop_size is not None  # _fixed_output_size refused a crop without one
             pixels = center_crop(pixels, self.crop_size["height"], self.crop_size["width"])
-        if self.do_rescale:
-            pixels = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        if self.do_normalize:
-            pixels = pixels.astype(np.float32, copy=False)
-            pixels = (pixels - np.array(self.image_mean, np.float32)) / np.array(self.image_std, np.float32)
-        return pixels
+        return rescale_normalize(pixels, self.rescale_factor if self.do_rescale else None,
+                                 (self.image_mean, self.image_std) if self.do_normalize else None)
 
     def _resized_size(self, height: int, width: int) -> tuple[int, int]:
         """transformers' get_resize_output_image_size(default_to_square=False) for shortest_edge:
@@ -150,6 +136,18 @@ class ImageProcessor:
     def __repr__(self) -> str:
         return (f"ImageProcessor({self.kind}, output_size={self.output_size}, "
                 f"resample={_PIL_FILTERS[self.resample]})")
+
+
+def rescale_normalize(pixels: np.ndarray, rescale_factor: float | None,
+                      mean_std: tuple[Any, Any] | None) -> np.ndarray:
+    """transformers' rescale (in float64, then float32) and normalize (in float32) of HWC pixels, as every
+    family's processor applies them; None skips a step."""
+    if rescale_factor is not None:
+        pixels = (pixels.astype(np.float64) * rescale_factor).astype(np.float32)
+    pixels = pixels.astype(np.float32, copy=False)
+    if mean_std is not None:
+        pixels = (pixels - np.asarray(mean_std[0], np.float32)) / np.asarray(mean_std[1], np.float32)
+    return pixels
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

@@ -34,7 +34,13 @@ from ferrox.multimodal.config_fields import (
     number,
     per_channel,
 )
-from ferrox.multimodal.image_processor import center_crop, resample_filter, size_dict, to_rgb
+from ferrox.multimodal.image_processor import (
+    center_crop,
+    resample_filter,
+    rescale_normalize,
+    size_dict,
+    to_rgb,
+)
 from ferrox.multimodal.processing import llava_image_tokens, llava_vision_config
 from ferrox.multimodal.qwen2_vl_processing import QwenVLImagePrompts
 
@@ -225,11 +231,8 @@ class LlavaNextImageProcessor:
             pixels = np.asarray(piece.resize((width, height), resample=self.resample))
         if self.do_center_crop:
             pixels = center_crop(pixels, self.crop_size["height"], self.crop_size["width"])
-        if self.do_rescale:
-            pixels = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        pixels = pixels.astype(np.float32, copy=False)
-        if self.do_normalize:
-            pixels = (pixels - self.image_mean) / self.image_std
+        pixels = rescale_normalize(pixels, self.rescale_factor if self.do_rescale else None,
+                                   (self.image_mean, self.image_std) if self.do_normalize else None)
         return pixels
 
 

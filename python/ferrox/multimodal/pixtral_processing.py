@@ -35,7 +35,7 @@ from ferrox.multimodal.config_fields import (
     positive_int,
     read_json_object,
 )
-from ferrox.multimodal.image_processor import to_rgb
+from ferrox.multimodal.image_processor import rescale_normalize, to_rgb
 from ferrox.multimodal.inputs import MultiModalItem
 from ferrox.multimodal.processing import ImagePrompts
 
@@ -109,11 +109,8 @@ class PixtralImageProcessor:
             raise ValueError(f"a {image.width}x{image.height} image: without do_resize its sides must be multiples "
                              f"of {self.unit} (patch_size x spatial_merge_size)")
         pixels: np.ndarray = np.asarray(image)
-        if self.do_rescale:
-            pixels = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        pixels = pixels.astype(np.float32, copy=False)
-        if self.do_normalize:
-            pixels = (pixels - self.image_mean) / self.image_std
+        pixels = rescale_normalize(pixels, self.rescale_factor if self.do_rescale else None,
+                                   (self.image_mean, self.image_std) if self.do_normalize else None)
         chw = np.ascontiguousarray(pixels.transpose(2, 0, 1), dtype=np.float32)
         return chw, (image.height // self.unit, image.width // self.unit)
 

@@ -36,7 +36,7 @@ from ferrox.multimodal.config_fields import (
     per_channel,
     positive_int,
 )
-from ferrox.multimodal.image_processor import to_rgb
+from ferrox.multimodal.image_processor import rescale_normalize, to_rgb
 from ferrox.multimodal.inputs import MultiModalItem
 from ferrox.multimodal.processing import ImagePrompts, token_runs
 
@@ -137,11 +137,8 @@ class QwenVLImageProcessor:
             raise ValueError(f"a {image.width}x{image.height} image: without do_resize its sides must be multiples "
                              f"of {factor} (patch_size x merge_size)")
         pixels: np.ndarray = np.asarray(image)
-        if self.do_rescale:
-            pixels = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        pixels = pixels.astype(np.float32, copy=False)
-        if self.do_normalize:
-            pixels = (pixels - self.image_mean) / self.image_std
+        pixels = rescale_normalize(pixels, self.rescale_factor if self.do_rescale else None,
+                                   (self.image_mean, self.image_std) if self.do_normalize else None)
         return self._patches(pixels)
 
     def _patches(self, pixels: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:
