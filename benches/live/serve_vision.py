@@ -1,11 +1,12 @@
 """Live `ferrox serve` of tiny LLaVA folders (a CLIP tower over a Llama, a SigLIP tower over a Qwen2) and a
 tiny Gemma 3 with images (bidirectional image attention: those steps take the torch attention) and a tiny
 Idefics3 (SmolVLM's tiling: up to 2x2 tiles and a global one an image) and tiny Qwen2-VL / Qwen2.5-VL (images of
-their own sizes, multimodal rotary positions) a tiny Mistral 3 (Pixtral: row-break tokens inside each image) and a tiny
-LLaVA-NeXT (anyres tiles, unpadded) on the device: 24 concurrent chat requests with data-URL images (eight different images, one or two a prompt),
+their own sizes, multimodal rotary positions) a tiny Mistral 3 (Pixtral: row-break tokens inside each image), a
+tiny LLaVA-NeXT (anyres tiles, unpadded) and a tiny Pixtral-12B layout (LLaVA over a Pixtral tower) on the
+device: 24 concurrent chat requests with data-URL images (eight different images, one or two a prompt),
 Anthropic image blocks and Responses input_image parts beside them, each answer compared with the offline
 LLM's on the same images on the same device; a bad image must be a 400 and change nothing else.
-0 errors and 0 mismatches expected."""
+0 errors and 0 mismatches expected. Arguments: family-name filters (all families when none)."""
 from __future__ import annotations
 
 import base64
@@ -27,6 +28,7 @@ from tests.helpers.tiny_models import (  # noqa: E402
     make_tiny_idefics3,
     make_tiny_llava,
     make_tiny_llava_next,
+    make_tiny_llava_pixtral,
     make_tiny_mistral3,
     make_tiny_qwen2_vl,
 )
@@ -58,6 +60,7 @@ def images() -> list[tuple[object, str]]:
 def main() -> int:
     from ferrox import LLM, SamplingParams
 
+    only = sys.argv[1:]  # family-name filters, so two halves can share one device in parallel
     bad = 0
     tmp = Path(tempfile.mkdtemp())
     pics = images()
@@ -68,14 +71,17 @@ def main() -> int:
                                 ("qwen2-vl", make_tiny_qwen2_vl(tmp / "e"), []),
                                 ("qwen2.5-vl", make_tiny_qwen2_vl(tmp / "f", version="qwen2_5_vl"), []),
                                 ("mistral3-pixtral", make_tiny_mistral3(tmp / "g"), []),
-                                ("llava-next-anyres", make_tiny_llava_next(tmp / "h"), [])):
+                                ("llava-next-anyres", make_tiny_llava_next(tmp / "h"), []),
+                                ("llava-pixtral", make_tiny_llava_pixtral(tmp / "i"), [])):
+        if only and not any(o in name for o in only):
+            continue
         cases = [[k % 8] for k in range(16)] + [[k % 8, (k + 3) % 8] for k in range(8)]
 
         def messages(ids: list[int]) -> list[dict]:
             parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + pics[i][1]}} for i in ids]
             return [{"role": "user", "content": [*parts, {"type": "text", "text": "What is this?"}]}]
 
-        reference = LLM(model=folder, dtype="float32")
+        reference = LLM(model=folder, dtype="float32", kv_cache_memory=128 << 20)
         expected = [o.outputs[0].text for o in reference.chat([messages(c) for c in cases],
                                                                SamplingParams(max_tokens=12, temperature=0),
                                                                use_tqdm=False)]

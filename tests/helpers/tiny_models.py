@@ -836,33 +836,53 @@ def make_tiny_mistral3(folder, *, tie_word_embeddings: bool = False, seed: int =
     `[IMG]` / `[IMG_BREAK]` / `[IMG_END]` special tokens, PixtralImageProcessor's preprocessor_config.json
     (longest edge 64: at most 8x8 image rows), processor_config.json, and a chat template that writes `[IMG]`
     for image parts."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    return _make_tiny_pixtral_model(folder, Mistral3Config, Mistral3ForConditionalGeneration, merge=2,
+                                    extra=dict(spatial_merge_size=2), tie_word_embeddings=tie_word_embeddings,
+                                    seed=seed)
+
+
+def make_tiny_llava_pixtral(folder, *, seed: int = 0) -> str:
+    """Pixtral-12B's layout at tiny size: LlavaForConditionalGeneration over the two-layer Pixtral tower of
+    make_tiny_mistral3 (no patch merging: one image row per 4-pixel patch, the "full" feature strategy), LLaVA's
+    projector, PixtralProcessor's files with spatial_merge_size 1 (longest edge 32: at most 8x8 rows)."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    return _make_tiny_pixtral_model(folder, LlavaConfig, LlavaForConditionalGeneration, merge=1,
+                                    extra=dict(vision_feature_select_strategy="full", projector_hidden_act="gelu"),
+                                    tie_word_embeddings=False, seed=seed)
+
+
+def _make_tiny_pixtral_model(folder, config_cls, model_cls, *, merge: int, extra: dict, tie_word_embeddings: bool,
+                             seed: int) -> str:
     import torch
     from tokenizers import AddedToken
-    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
     tok = build_tokenizer()
     tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in PIXTRAL_TOKENS])
-    text = dict(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
-                rms_norm_eps=1e-5, initializer_range=0.1, bos_token_id=1, eos_token_id=EOS_TOKEN_ID, pad_token_id=0,
-                sliding_window=None, tie_word_embeddings=tie_word_embeddings)
-    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, head_dim=16,
-                  patch_size=4, image_size=64, hidden_act="silu")
-    config = Mistral3Config(text_config=text, vision_config=vision, image_token_index=tok.token_to_id("[IMG]"),
-                            spatial_merge_size=2, vision_feature_layer=-1, tie_word_embeddings=tie_word_embeddings)
-    config.architectures = ["Mistral3ForConditionalGeneration"]
+    text = dict(model_type="mistral", vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=2048, rms_norm_eps=1e-5, initializer_range=0.1, bos_token_id=1,
+                eos_token_id=EOS_TOKEN_ID, pad_token_id=0, sliding_window=None,
+                tie_word_embeddings=tie_word_embeddings)
+    vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=2, head_dim=16, patch_size=4, image_size=64, hidden_act="silu")
+    config = config_cls(text_config=text, vision_config=vision, image_token_index=tok.token_to_id("[IMG]"),
+                        vision_feature_layer=-1, tie_word_embeddings=tie_word_embeddings, **extra)
+    config.architectures = [model_cls.__name__]
     torch.manual_seed(seed)
-    model = Mistral3ForConditionalGeneration(config).to(torch.float32)
+    model = model_cls(config).to(torch.float32)
     _spread_vision(model, ("vision_tower", "multi_modal_projector"), scale=lambda name, param: param.dim() == 1)
     _randomize_norms(model)
     _save(str(folder), model, tok, max_shard_size=None, generation=None)
     mean, std = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
     files = {
         "preprocessor_config.json": {"image_processor_type": "PixtralImageProcessor", "do_resize": True,
-                                     "resample": 3, "size": {"longest_edge": 64}, "patch_size": 4,
+                                     "resample": 3, "size": {"longest_edge": 32 * merge}, "patch_size": 4,
                                      "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
                                      "image_mean": mean, "image_std": std, "do_convert_rgb": True},
-        "processor_config.json": {"processor_class": "PixtralProcessor", "patch_size": 4, "spatial_merge_size": 2,
+        "processor_config.json": {"processor_class": "PixtralProcessor", "patch_size": 4, "spatial_merge_size": merge,
                                   "image_token": "[IMG]", "image_break_token": "[IMG_BREAK]",
                                   "image_end_token": "[IMG_END]"},
     }

@@ -2,7 +2,7 @@
 two-layer Pixtral tower, the projector merging 2x2 patches), images of different sizes (so different rows
 layouts), greedy tokens identical to transformers' generate on the same ids and pixels; chunked prefill
 cutting an image's layout across steps (only its `[IMG]` positions take image rows); the chat template's image
-part; the tied head; and the errors."""
+part; the tied head; and the errors. Pixtral-12B's layout (LLaVA over a Pixtral tower) the same way."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ferrox import LLM, SamplingParams
 from ferrox.errors import InvalidArgumentError
 
 from tests.engine.test_batch_invariance import assert_no_leaked_blocks
-from tests.helpers.tiny_models import make_tiny_mistral3
+from tests.helpers.tiny_models import make_tiny_llava_pixtral, make_tiny_mistral3
 
 PIL = pytest.importorskip("PIL.Image")
 
@@ -136,13 +136,49 @@ def test_item_checks(mistral3, llm):
         assert problem in check(model, msgspec.structs.replace(item, **change))  # type: ignore[arg-type]
 
 
-def test_llava_with_a_pixtral_tower_is_refused(mistral3, llm):
-    """LLaVA checkpoints whose tower is Pixtral (mistral-community/pixtral-12b) are not supported yet: refused by
-    name, not served with the wrong tower."""
-    from ferrox.errors import UnsupportedModelError
-    from ferrox.multimodal.processing import image_prompts_for_model
+@pytest.fixture(scope="module")
+def llava_pixtral(tmp_path_factory):
+    import transformers
 
-    config = {"architectures": ["LlavaForConditionalGeneration"], "image_token_index": 10,
-              "vision_config": {"model_type": "pixtral", "patch_size": 16}}
-    with pytest.raises(UnsupportedModelError, match="(?i)'pixtral(ImageProcessor)?' is not supported"):
-        image_prompts_for_model(mistral3[0], config, llm.get_tokenizer())
+    folder = make_tiny_llava_pixtral(tmp_path_factory.mktemp("llava_pixtral"))
+    hf = transformers.LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    return folder, hf
+
+
+@pytest.mark.parametrize("budget", [2048, 7], ids=["whole", "chunked-7"])
+def test_llava_over_pixtral_matches_transformers(llava_pixtral, budget):
+    """Pixtral-12B's layout (LLaVA config, Pixtral tower, no patch merging): a row per patch, the rows layout,
+    LLaVA's projector; greedy tokens as transformers' Llava on the same ids and pixels."""
+    folder, hf = llava_pixtral
+    llm = LLM(model=folder, dtype="float32", device="cpu", max_num_batched_tokens=budget, kv_cache_memory=SMALL_KV)
+    assert type(llm.engine.runner.model).__name__ == "LlavaPixtralForConditionalGeneration"
+    img = _images()
+    cases = [[img[0]], [img[2], img[1]]]
+    prompts = ["Hello " + " and ".join("[IMG]" for _ in c) + " What is this?" for c in cases]
+    outs = llm.generate([{"prompt": p, "multi_modal_data": {"image": c}} for p, c in zip(prompts, cases, strict=True)],
+                        GREEDY, use_tqdm=False)
+    for prompt, imgs, out in zip(prompts, cases, outs, strict=True):
+        processed = _processed(llm, prompt, imgs)
+        assert out.prompt_token_ids == processed.prompt_token_ids
+        # longest edge 32 over 4-pixel patches (sides floored, then whole patches): 40x24 -> 32x19 -> 8x5 rows,
+        # 9x30 -> 9x32 -> 3x8, 70x90 -> 24x32 -> 6x8
+        assert [item.grid for item in processed.mm_items] == [[[8, 5]], [[3, 8], [6, 8]]][cases.index(imgs)]
+        assert list(out.outputs[0].token_ids) == _hf_greedy(hf, processed)
+    assert _hf_greedy(hf, processed) != _hf_greedy(hf, processed, blank=True)  # the pixels matter
+    assert_no_leaked_blocks(llm)
+
+
+def test_llava_over_pixtral_refuses_the_default_strategy(llava_pixtral, tmp_path):
+    """The "default" feature strategy drops a row a Pixtral tower does not have: refused by name."""
+    import json
+    import shutil
+
+    from ferrox.errors import UnsupportedModelError
+
+    folder = tmp_path / "default"
+    shutil.copytree(llava_pixtral[0], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["vision_feature_select_strategy"] = "default"
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="vision_feature_select_strategy 'default'"):
+        LLM(model=str(folder), dtype="float32", device="cpu", kv_cache_memory=SMALL_KV)

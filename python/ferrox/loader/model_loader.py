@@ -52,7 +52,7 @@ def load_model(source: ModelSource, spec: ModelSpec, *, dtype: torch.dtype, devi
     if load_format in ("safetensors", "pt") and source.format != "hf":
         raise ModelLoadError(f"load_format {load_format!r} needs a Hugging Face folder, {source.path} is a GGUF file")
 
-    cls = get_model_class([spec.architecture])
+    cls = get_model_class([spec.architecture], spec.hf_config)
     device = torch.device(device)
     tp = get_tp_group()
     if tp.size > 1 and not getattr(cls, "supports_tensor_parallel", False):

@@ -18,6 +18,8 @@ Adding a model:
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
+from typing import Any
 
 from ferrox.model_spec import UnsupportedModelError
 
@@ -73,9 +75,24 @@ ENCODER_ONLY_ARCHITECTURES = (frozenset({"BertModel", "RobertaModel", "XLMRobert
 POOLING_ONLY_ARCHITECTURES = ENCODER_ONLY_ARCHITECTURES | CLASSIFIER_ARCHITECTURES
 
 
-def get_model_class(architectures: list[str]) -> type:
+# (architecture, vision_config.model_type) -> the class, where the tower changes how images are laid out: LLaVA
+# over a Pixtral tower (Pixtral-12B) writes Pixtral's rows layout, not a fixed run of image tokens.
+VISION_VARIANTS: dict[tuple[str, str], str] = {
+    ("LlavaForConditionalGeneration", "pixtral"): "ferrox.models.llava_pixtral:LlavaPixtralForConditionalGeneration",
+}
+
+
+def vision_model_type(hf_config: Mapping[str, Any]) -> str | None:
+    """vision_config.model_type of a multimodal checkpoint (hf_config: a ModelSpec's or config.json)."""
+    vision = (hf_config.get("multimodal") or hf_config).get("vision_config")
+    return vision.get("model_type") if isinstance(vision, Mapping) else None
+
+
+def get_model_class(architectures: list[str], hf_config: Mapping[str, Any] | None = None) -> type:
+    """The class of the first supported architecture; hf_config picks VISION_VARIANTS."""
     for arch in architectures:
-        target = SUPPORTED.get(arch)
+        target = VISION_VARIANTS.get((arch, vision_model_type(hf_config) or "")) if hf_config else None
+        target = target or SUPPORTED.get(arch)
         if target is not None:
             module, _, cls = target.partition(":")
             return getattr(importlib.import_module(module), cls)

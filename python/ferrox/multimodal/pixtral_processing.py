@@ -192,9 +192,10 @@ class PixtralImagePrompts(ImagePrompts):
 
 
 def pixtral_image_prompts(model_dir: str, hf_config: Mapping[str, Any], tokenizer: Any, *, limit: int | None,
-                          allowed_local_media_path: str | None) -> PixtralImagePrompts:
-    """The prompt rules of a Mistral 3 folder (hf_config: config.json). The unit an embedding row covers is the
-    vision tower's patch_size x spatial_merge_size; a processor_config.json that says otherwise is refused."""
+                          allowed_local_media_path: str | None, default_merge: int = 2) -> PixtralImagePrompts:
+    """The prompt rules of a Mistral 3 folder or a LLaVA one over a Pixtral tower (hf_config: config.json). The
+    unit an embedding row covers is the vision tower's patch_size x spatial_merge_size (default_merge where
+    config.json does not say); a processor_config.json that says otherwise is refused."""
     token_id = int(hf_config.get("image_token_index", hf_config.get("image_token_id", DEFAULT_IMAGE_TOKEN_ID)))
     image = tokenizer.id_to_token(token_id)
     if image is None:
@@ -207,7 +208,7 @@ def pixtral_image_prompts(model_dir: str, hf_config: Mapping[str, Any], tokenize
         if found[-1] is None:
             raise UnsupportedModelError(f"the tokenizer has no {name!r} token, which Pixtral's image layout needs")
     patch = int((hf_config.get("vision_config") or {}).get("patch_size", 14))
-    merge = int(hf_config.get("spatial_merge_size", 2))
+    merge = int(hf_config.get("spatial_merge_size", default_merge))
     for key, ours in (("patch_size", patch), ("spatial_merge_size", merge)):
         if extra.get(key) is not None and extra[key] != ours:
             raise UnsupportedModelError(f"{PROCESSOR_FILE}: {key} {extra[key]!r} differs from the model's {ours} "

@@ -224,11 +224,15 @@ def image_prompts_for_model(model_dir: str, hf_config: Mapping[str, Any], tokeni
 
         return llava_next_image_prompts(model_dir, hf_config, tokenizer, limit=limit,
                                         allowed_local_media_path=allowed_local_media_path)
-    if "Mistral3ForConditionalGeneration" in archs:
+    pixtral_llava = ("LlavaForConditionalGeneration" in archs
+                     and (hf_config.get("vision_config") or {}).get("model_type") == "pixtral")
+    if "Mistral3ForConditionalGeneration" in archs or pixtral_llava:
         from ferrox.multimodal.pixtral_processing import pixtral_image_prompts
 
+        # (LLaVA over a Pixtral tower, Pixtral-12B: a row per patch, PixtralProcessor's default merge of 1.)
         return pixtral_image_prompts(model_dir, hf_config, tokenizer, limit=limit,
-                                     allowed_local_media_path=allowed_local_media_path)
+                                     allowed_local_media_path=allowed_local_media_path,
+                                     default_merge=1 if pixtral_llava else 2)
     if "LlavaForConditionalGeneration" not in archs and "Gemma3ForConditionalGeneration" not in archs:
         return None
     from ferrox.multimodal.image_processor import ImageProcessor

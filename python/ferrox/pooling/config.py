@@ -146,7 +146,7 @@ def pooling_max_model_len(requested: int | None, source: ModelSource, spec: Mode
     """The longest input: the model's positions (an encoder's own count, e.g. RoBERTa's after its pad
     offset), capped by sentence_bert_config.json's max_seq_length as vLLM caps it; an explicit
     max_model_len may lower it, not raise it."""
-    cls = get_model_class([spec.architecture])
+    cls = get_model_class([spec.architecture], spec.hf_config)
     positions = getattr(cls, "max_positions", None)
     limit = positions(spec) if positions is not None else spec.max_position_embeddings
     what = f"the model's {limit} positions"
