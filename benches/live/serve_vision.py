@@ -2,9 +2,9 @@
 tiny Gemma 3 with images (bidirectional image attention: those steps take the torch attention) and a tiny
 Idefics3 (SmolVLM's tiling: up to 2x2 tiles and a global one an image) and tiny Qwen2-VL / Qwen2.5-VL (images of
 their own sizes, multimodal rotary positions) a tiny Mistral 3 (Pixtral: row-break tokens inside each image), a
-tiny LLaVA-NeXT (anyres tiles, unpadded) and a tiny Pixtral-12B layout (LLaVA over a Pixtral tower) on the
-device: 24 concurrent chat requests with data-URL images (eight different images, one or two a prompt),
-Anthropic image blocks and Responses input_image parts beside them, each answer compared with the offline
+tiny LLaVA-NeXT (anyres tiles, unpadded) a tiny Pixtral-12B layout (LLaVA over a Pixtral tower) and a tiny
+Qwen3-VL (interleaved multimodal rotary, DeepStack rows added inside the language model) on the device: 24
+concurrent chat requests with data-URL images (eight different images, one or two a prompt), Anthropic image blocks and Responses input_image parts beside them, each answer compared with the offline
 LLM's on the same images on the same device; a bad image must be a 400 and change nothing else.
 0 errors and 0 mismatches expected. Arguments: family-name filters (all families when none)."""
 from __future__ import annotations
@@ -32,6 +32,7 @@ from tests.helpers.tiny_models import (  # noqa: E402
     make_tiny_mistral3,
     make_tiny_qwen2_vl,
 )
+from tests.helpers.tiny_qwen3_vl import make_tiny_qwen3_vl  # noqa: E402
 from tests.server.server_proc import ServerProcess  # noqa: E402
 
 
@@ -72,7 +73,8 @@ def main() -> int:
                                 ("qwen2.5-vl", make_tiny_qwen2_vl(tmp / "f", version="qwen2_5_vl"), []),
                                 ("mistral3-pixtral", make_tiny_mistral3(tmp / "g"), []),
                                 ("llava-next-anyres", make_tiny_llava_next(tmp / "h"), []),
-                                ("llava-pixtral", make_tiny_llava_pixtral(tmp / "i"), [])):
+                                ("llava-pixtral", make_tiny_llava_pixtral(tmp / "i"), []),
+                                ("qwen3-vl-deepstack", make_tiny_qwen3_vl(tmp / "j"), [])):
         if only and not any(o in name for o in only):
             continue
         cases = [[k % 8] for k in range(16)] + [[k % 8, (k + 3) % 8] for k in range(8)]

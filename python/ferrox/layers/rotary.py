@@ -230,7 +230,8 @@ class RotaryEmbedding(nn.Module):
         section = spec.hf_config.get("mrope_section")
         if section:
             return MRotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, device, ops,
-                                    section=[int(x) for x in section])
+                                    section=[int(x) for x in section],
+                                    interleaved=bool(spec.hf_config.get("mrope_interleaved")))
         return cls(spec.head_dim, spec.rope_theta, spec.rope_scaling, device, ops, rotary_dim=spec.rotary_dim,
                    max_position_embeddings=int(spec.hf_config.get("max_position_embeddings") or 0) or None,
                    long_context=spec.rope_long_context)
@@ -268,17 +269,28 @@ class MRotaryEmbedding(RotaryEmbedding):
     the height, the last by the width (transformers' apply_multimodal_rotary_pos_emb). A text token's three
     positions are equal, which is the plain rotary at that position: positions [T] are taken as such, so
     text-only steps (and decode, with the request's position offset added: worker/mrope.py) run every
-    kernel path unchanged."""
+    kernel path unchanged.
+
+    interleaved (Qwen3-VL, transformers' Qwen3VLTextRotaryEmbedding): the rows take turns over the pairs instead,
+    pair j turning by the height when j % 3 == 1 and j < 3 * section[1], by the width when j % 3 == 2 and
+    j < 3 * section[2], by the temporal position otherwise; so every axis gets high and low frequencies."""
 
     section_rows: torch.Tensor  # [pairs] int64: the positions row (0 t, 1 h, 2 w) each pair turns by
 
     def __init__(self, head_dim: int, base: float, scaling: dict | None, device: torch.device | str | None = None,
-                 ops: DeviceOps | None = None, *, section: list[int]):
+                 ops: DeviceOps | None = None, *, section: list[int], interleaved: bool = False):
         super().__init__(head_dim, base, scaling, device, ops)
-        if sum(section) != head_dim // 2:
-            raise UnsupportedModelError(f"config.json: mrope_section {section} must add up to head_dim / 2 "
-                                        f"({head_dim // 2})")
-        rows = torch.cat([torch.full((n,), i, dtype=torch.int64) for i, n in enumerate(section)])
+        pairs = head_dim // 2
+        if sum(section) != pairs or len(section) != 3:
+            raise UnsupportedModelError(f"config.json: mrope_section {section} must be three numbers adding up to "
+                                        f"head_dim / 2 ({pairs})")
+        if interleaved:
+            j = torch.arange(pairs)
+            rows = torch.zeros(pairs, dtype=torch.int64)
+            rows[(j % 3 == 1) & (j < 3 * section[1])] = 1
+            rows[(j % 3 == 2) & (j < 3 * section[2])] = 2
+        else:
+            rows = torch.cat([torch.full((n,), i, dtype=torch.int64) for i, n in enumerate(section)])
         self.register_buffer("section_rows", rows.to(device), persistent=False)
 
     def angles(self, positions: torch.Tensor) -> torch.Tensor:

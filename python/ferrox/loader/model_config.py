@@ -57,13 +57,26 @@ _TEXT_DEFAULTS["qwen2_vl_text"] = _TEXT_DEFAULTS["qwen2_5_vl_text"] = {
     "num_attention_heads": 64, "num_key_value_heads": 8, "max_position_embeddings": 32_768, "rms_norm_eps": 1e-5,
     "rope_theta": 1_000_000.0, "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": 4096,
     "max_window_layers": 80, "hidden_act": "silu"}
+# Qwen3-VL's language model (Qwen3VLTextConfig's defaults): a Qwen3 with q/k norms and interleaved mrope.
+_TEXT_DEFAULTS["qwen3_vl_text"] = {
+    "vocab_size": 151_936, "hidden_size": 4096, "intermediate_size": 22_016, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 128_000,
+    "rms_norm_eps": 1e-6, "rope_theta": 500_000.0, "attention_bias": False, "tie_word_embeddings": False,
+    "hidden_act": "silu"}
+# Qwen3's (Qwen3Config's defaults): InternVL3.5's language model.
+_TEXT_DEFAULTS["qwen3"] = {**_TEXT_DEFAULTS["qwen2"], "vocab_size": 151_936, "intermediate_size": 22_016,
+                           "head_dim": 128, "attention_bias": False}
 # Checkpoints whose text fields may sit at the top level beside vision_config (transformers < 5 wrote Qwen2-VL so).
 _FLAT_TEXT = {"Qwen2VLForConditionalGeneration": "qwen2_vl_text", "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl_text"}
+# Multimodal-RoPE checkpoints -> transformers' mrope_section when the config leaves it out.
+_MROPE_SECTION = {"Qwen2VLForConditionalGeneration": [16, 24, 24], "Qwen2_5_VLForConditionalGeneration": [16, 24, 24],
+                  "Qwen3VLForConditionalGeneration": [24, 20, 20]}
 
 # Multimodal checkpoints: architecture -> the text model_type when text_config does not say.
 MULTIMODAL_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3_text", "LlavaForConditionalGeneration": "llama",
                             "Idefics3ForConditionalGeneration": "llama", "SmolVLMForConditionalGeneration": "llama",
                             "Mistral3ForConditionalGeneration": "mistral", "LlavaNextForConditionalGeneration": "llama",
+                            "Qwen3VLForConditionalGeneration": "qwen3_vl_text", "InternVLForConditionalGeneration": "qwen2",
                             **_FLAT_TEXT}
 
 
@@ -91,12 +104,12 @@ def _text_config(config: dict[str, Any], where: str) -> dict[str, Any]:
               "multimodal": {k: v for k, v in config.items() if k != "text_config"}}
     if "torch_dtype" in config or "dtype" in config:
         merged.setdefault("torch_dtype", config.get("torch_dtype") or config.get("dtype"))
-    if arch in _FLAT_TEXT:
-        _take_mrope(merged)
+    if arch in _MROPE_SECTION:
+        _take_mrope(merged, _MROPE_SECTION[arch])
     return merged
 
 
-def _take_mrope(config: dict[str, Any]) -> None:
+def _take_mrope(config: dict[str, Any], default_section: list[int]) -> None:
     """Qwen2-VL's multimodal RoPE: its mrope_section (rotary pairs turned by the temporal, height and width
     position) moves to the config's top level, and the rope itself is the plain one it scales nothing of
     (transformers < 5 named it rope_scaling {"type": "mrope"}; 5 puts the section in rope_parameters)."""
@@ -104,13 +117,15 @@ def _take_mrope(config: dict[str, Any]) -> None:
         rope = config.get(key)
         if isinstance(rope, dict) and "mrope_section" in rope:
             config["mrope_section"] = [int(x) for x in rope["mrope_section"]]
-            rest = {k: v for k, v in rope.items() if k != "mrope_section"}
+            if "mrope_interleaved" in rope:  # Qwen3-VL's layout (layers/rotary.py MRotaryEmbedding)
+                config["mrope_interleaved"] = rope["mrope_interleaved"]
+            rest = {k: v for k, v in rope.items() if k not in ("mrope_section", "mrope_interleaved")}
             if rest.get("rope_type", rest.get("type")) in ("mrope", "default", None):
                 rest = {k: v for k, v in rest.items() if k not in ("type", "rope_type")}
                 if "rope_theta" in rest:
                     config["rope_theta"] = rest.pop("rope_theta")
                 config[key] = None if not rest else {"rope_type": "default", **rest}
-    config.setdefault("mrope_section", [16, 24, 24])  # transformers' default when the config leaves it out
+    config.setdefault("mrope_section", default_section)  # transformers' default when the config leaves it out
 
 
 def spec_from_hf_config(config: dict[str, Any], where: str, *, scaled_context: bool = True) -> ModelSpec:

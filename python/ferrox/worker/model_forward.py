@@ -155,7 +155,8 @@ class ModelForward:
             embeds = self.model.embed_input_ids(input_ids)
             embeds.index_copy_(0, image_rows.rows, image_rows.embeds.to(embeds.dtype))
             meta.bidirectional = image_rows.bidirectional
-            hidden = self.model.forward(input_ids, positions, self.kv_caches, meta, inputs_embeds=embeds)
+            extra = {} if image_rows.deepstack is None else {"deepstack": (image_rows.rows, image_rows.deepstack)}
+            hidden = self.model.forward(input_ids, positions, self.kv_caches, meta, inputs_embeds=embeds, **extra)
         elif positions.dim() > 1:  # multimodal rotary positions: the graphs take [T] positions
             hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
         elif self.graph_runner is not None and self.graph_runner.can_run(meta):

@@ -144,7 +144,13 @@ class ImageEmbeddings:
         if not rows:
             return None
         both_ways = spans if getattr(self.model, "bidirectional_images", False) else None
-        return StepImages(torch.from_numpy(np.concatenate(rows)).to(self.device), torch.cat(parts), both_ways)
+        embeds = torch.cat(parts)
+        deepstack = None
+        layers = getattr(self.model, "deepstack_layers", 0)
+        if layers:  # Qwen3-VL: each image row carries its DeepStack rows after its own (models/qwen3_vl.py)
+            embeds, *sets = embeds.chunk(1 + layers, dim=-1)
+            deepstack = torch.stack(sets)
+        return StepImages(torch.from_numpy(np.concatenate(rows)).to(self.device), embeds, both_ways, deepstack)
 
 
 @dataclass(slots=True)
@@ -154,3 +160,6 @@ class StepImages:
     # Request row -> its images' position ranges, for a model whose image tokens attend to each other
     # both ways (AttentionMetadata.bidirectional); None for causal models.
     bidirectional: dict[int, list[tuple[int, int]]] | None
+    # [layers, k, hidden]: what a DeepStack model (Qwen3-VL) adds at these rows after each of its first decoder
+    # layers; None for other models.
+    deepstack: torch.Tensor | None = None

@@ -1,0 +1,141 @@
+"""Qwen3-VL, dense (Qwen3VLForConditionalGeneration): a Qwen3 language model (q/k norms) rotating by
+multimodal positions in the interleaved layout (layers/rotary.py MRotaryEmbedding; the positions are
+Qwen2-VL's for images: worker/mrope.py), and a vision transformer over each image's patch grid
+(models/vision/qwen3_vl_vision.py) whose merger gives one row per 2x2 patches. The prompt side is
+Qwen2-VL's with 16-pixel patches (multimodal/qwen2_vl_processing.py reads them from the folder).
+
+DeepStack: the tower also merges the hidden states of a few of its blocks (vision_config.
+deepstack_visual_indexes), one set of rows per block, and the language model adds set i to its hidden states
+at the image's tokens after decoder layer i. The path, for an image step only (those run eagerly):
+
+    embed_image_item(item)  -> [tokens, (1 + D) * hidden]: the input rows, then the D DeepStack sets side by
+                               side, so the runner's row slicing and caching (worker/multimodal.py) cut all
+                               of them alike when a chunked prefill splits the image
+    StepImages.deepstack    -> [D, k, hidden] of the step's k image rows (split off by `deepstack_layers`)
+    forward(deepstack=(rows, embeds)) -> Qwen3VLTextModel's layer loop adds embeds[i] at `rows` after layer i
+
+Text-only steps (and every step without image rows) call the plain Llama stack unchanged.
+
+Checkpoint names: `model.language_model.*`, `model.visual.*`, `lm_head.weight` (the hub's and transformers 5's
+files); `model.*` / `visual.*` load as well. tie_word_embeddings: the top-level config's, which is what
+transformers 5 ties by, else text_config's. One rank, unquantized, images only (video is refused upstream:
+an item of another modality never reaches the model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from ferrox.distributed.sharding import materialize
+from ferrox.errors import UnsupportedModelError
+from ferrox.model_spec import ModelSpec
+from ferrox.models.llama import LlamaModel
+from ferrox.models.qwen import Qwen3ForCausalLM
+from ferrox.models.qwen2_vl import Qwen2VLForConditionalGeneration
+from ferrox.multimodal.inputs import MultiModalItem
+
+_RENAMES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+
+
+class Qwen3VLTextModel(LlamaModel):
+    """The Qwen3 decoder stack with DeepStack's additions after its first layers."""
+
+    def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds=None,
+                deepstack: tuple[torch.Tensor, torch.Tensor] | None = None):
+        if deepstack is None:
+            return super().forward(input_ids, positions, kv_caches, meta, inputs_embeds=inputs_embeds)
+        rows, embeds = deepstack  # [k] step rows, [D, k, hidden]
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        rope = self.rotary(positions, h.dtype)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            h, residual = layer(h, residual, rope, kv_caches[i], meta)
+            if i < embeds.shape[0]:
+                # The layer's output is h + residual (the next norm adds them): adding to h adds to the sum.
+                h = h.index_add(0, rows, embeds[i].to(h.dtype))
+        h, _ = self.norm(h, residual)
+        return h
+
+
+class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
+    supports_tensor_parallel = False
+    supports_quantized_gguf = False
+    supports_quantization = False
+    own_weight_prefixes = ("visual.",)
+    takes_images = True
+    model_class = Qwen3VLTextModel
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
+                 kernels: str | None = None):
+        from ferrox.models.vision.qwen3_vl_vision import Qwen3VisionTower
+
+        mm = spec.hf_config["multimodal"]
+        if spec.hf_config.get("mrope_interleaved", True) is not True:
+            raise UnsupportedModelError("config.json: text_config.rope_parameters.mrope_interleaved "
+                                        f"{spec.hf_config['mrope_interleaved']!r}: Qwen3-VL's multimodal rotary is "
+                                        "interleaved (transformers applies it so whatever the flag says)",
+                                        param="text_config.rope_parameters.mrope_interleaved")
+        # transformers' Qwen3VLTextRotaryEmbedding interleaves always, the flag or not.
+        spec = dataclasses.replace(spec, hf_config={**spec.hf_config, "mrope_interleaved": True})
+        if mm.get("tie_word_embeddings") is not None:
+            spec = dataclasses.replace(spec, tie_word_embeddings=bool(mm["tie_word_embeddings"]))
+        super().__init__(spec, dtype, device, kernels=kernels)
+        self.visual = Qwen3VisionTower(mm.get("vision_config") or {}, dtype=dtype, device=device)
+        if self.visual.out_hidden_size != spec.hidden_size:
+            raise UnsupportedModelError(f"config.json: vision_config.out_hidden_size {self.visual.out_hidden_size} "
+                                        f"differs from the language model's hidden_size {spec.hidden_size}",
+                                        param="vision_config.out_hidden_size")
+        if len(self.visual.deepstack_indexes) > spec.num_layers:
+            raise UnsupportedModelError(f"config.json: {len(self.visual.deepstack_indexes)} DeepStack layers for a "
+                                        f"{spec.num_layers}-layer language model",
+                                        param="vision_config.deepstack_visual_indexes")
+        # worker/mrope.py: requests with images rotate by positions that merge this many patches a side.
+        self.mrope_merge_size = int(self.visual.spatial_merge_size)
+        self.patch_values = self.visual.patch_dim
+        # worker/multimodal.py: the image rows carry this many DeepStack sets after the input rows.
+        self.deepstack_layers = len(self.visual.deepstack_indexes)
+        self._dtype = dtype
+
+    # The same (t, h, w) grid and pixel rules as Qwen2-VL's items.
+    check_image_item = Qwen2VLForConditionalGeneration.check_image_item
+
+    def embed_image_item(self, item: MultiModalItem, device: torch.device) -> torch.Tensor:
+        """[item.length, (1 + D) * hidden]: the merger's rows, then each DeepStack merger's, side by side."""
+        assert item.grid is not None  # check_image_item
+        pixels = item.pixel_values().to(device=device, dtype=self._dtype)
+        grid = torch.tensor([item.grid], dtype=torch.int64, device=device)
+        rows, deepstack = self.visual(pixels, grid)
+        return torch.cat([rows, *deepstack], dim=-1)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_metadata: Any, inputs_embeds: torch.Tensor | None = None,
+                deepstack: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """deepstack: (the step's image rows [k], their DeepStack rows [D, k, hidden]), on image steps."""
+        if deepstack is None:
+            return super().forward(input_ids, positions, kv_caches, attn_metadata, inputs_embeds=inputs_embeds)
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"kv_caches has {len(kv_caches)} tensors, the model has {len(self.model.layers)} layers")
+        self.backend.begin_forward(attn_metadata)
+        return self.model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds=inputs_embeds,
+                          deepstack=deepstack)
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        tower: list[tuple[str, Any]] = []
+
+        def language_model() -> Iterator[tuple[str, Any]]:
+            for name, tensor in weights:
+                for old, new in _RENAMES:
+                    if name.startswith(old):
+                        name = new + name[len(old):]
+                        break
+                if name.startswith("visual."):
+                    tower.append((name[len("visual."):], tensor))
+                else:
+                    yield name, tensor
+
+        super().load_weights(language_model())
+        self.visual.load_weights((name, materialize(t)) for name, t in tower)

@@ -1,0 +1,67 @@
+"""A tiny random Qwen3-VL (Qwen3VLForConditionalGeneration, dense) in a temp folder, as transformers saves it.
+
+Sized so every Qwen3-VL-only piece decides tokens: three text layers with q/k norms and the interleaved
+multimodal rotary (mrope_section [4, 2, 2] over 8 pairs: the interleave and the tail the temporal row keeps
+both matter), a three-block vision tower of 16-pixel patches whose learned position table (4 x 4) is
+interpolated to each image's grid, and DeepStack from blocks 0 and 1 into text layers 0 and 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from tests.helpers.tiny_models import (
+    EOS_TOKEN_ID,
+    LLAVA_CHAT_TEMPLATE,
+    QWEN_VL_TOKENS,
+    _randomize_norms,
+    _save,
+    _spread_vision,
+    build_tokenizer,
+)
+
+PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def make_tiny_qwen3_vl(folder, seed: int = 0, *, text_layers: int = 3, deepstack: tuple[int, ...] = (0, 1)) -> str:
+    import torch
+    from tokenizers import AddedToken
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    tok = build_tokenizer()
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_VL_TOKENS])
+    start, end, pad = (tok.token_to_id(t) for t in QWEN_VL_TOKENS)
+    text = dict(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=text_layers,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                rms_norm_eps=1e-6, initializer_range=0.1, bos_token_id=1, eos_token_id=EOS_TOKEN_ID, pad_token_id=0,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
+                                 "mrope_interleaved": True})
+    vision: dict[str, Any] = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                                  num_position_embeddings=16, deepstack_visual_indexes=list(deepstack),
+                                  hidden_act="gelu_pytorch_tanh")
+    config: Any = Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=pad,
+                                vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=False)
+    config.architectures = ["Qwen3VLForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config).to(torch.float32)
+    _spread_vision(model, ("visual",), scale=lambda name, param: param.dim() == 1 and name.endswith("weight"))
+    _randomize_norms(model)
+    _save(str(folder), model, tok, max_shard_size=None, generation=None)
+    # Qwen3-VL's hub preprocessor_config.json layout (size in pixels, CLIP-free 0.5 mean and std), small bounds:
+    # a few merged 32-pixel squares an image.
+    processor = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
+                 "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255,
+                 "do_normalize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+                 "do_convert_rgb": True, "size": {"shortest_edge": 32 * 32 * 2, "longest_edge": 32 * 32 * 16},
+                 "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2}
+    with open(os.path.join(folder, "preprocessor_config.json"), "w", encoding="utf-8") as f:
+        json.dump(processor, f, indent=2)
+    with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
+        tok_config = json.load(f)
+    tok_config["chat_template"] = LLAVA_CHAT_TEMPLATE.replace("<image>\n", PLACEHOLDER)
+    with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(tok_config, f, indent=2)
+    return str(folder)
