@@ -3,7 +3,7 @@ tiny Gemma 3 with images (bidirectional image attention: those steps take the to
 Idefics3 (SmolVLM's tiling: up to 2x2 tiles and a global one an image) and tiny Qwen2-VL / Qwen2.5-VL (images of
 their own sizes, multimodal rotary positions) a tiny Mistral 3 (Pixtral: row-break tokens inside each image), a
 tiny LLaVA-NeXT (anyres tiles, unpadded) a tiny Pixtral-12B layout (LLaVA over a Pixtral tower) and a tiny
-Qwen3-VL (interleaved multimodal rotary, DeepStack rows added inside the language model) on the device: 24
+Qwen3-VL (interleaved multimodal rotary, DeepStack rows added inside the language model) and a tiny InternVL (tiles, pixel shuffle) on the device: 24
 concurrent chat requests with data-URL images (eight different images, one or two a prompt), Anthropic image blocks and Responses input_image parts beside them, each answer compared with the offline
 LLM's on the same images on the same device; a bad image must be a 400 and change nothing else.
 0 errors and 0 mismatches expected. Arguments: family-name filters (all families when none)."""
@@ -23,6 +23,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from tests.helpers.tiny_internvl import make_tiny_internvl  # noqa: E402
 from tests.helpers.tiny_models import (  # noqa: E402
     make_tiny_gemma3_vision,
     make_tiny_idefics3,
@@ -74,7 +75,8 @@ def main() -> int:
                                 ("mistral3-pixtral", make_tiny_mistral3(tmp / "g"), []),
                                 ("llava-next-anyres", make_tiny_llava_next(tmp / "h"), []),
                                 ("llava-pixtral", make_tiny_llava_pixtral(tmp / "i"), []),
-                                ("qwen3-vl-deepstack", make_tiny_qwen3_vl(tmp / "j"), [])):
+                                ("qwen3-vl-deepstack", make_tiny_qwen3_vl(tmp / "j"), []),
+                                ("internvl-tiles", make_tiny_internvl(tmp / "k"), [])):
         if only and not any(o in name for o in only):
             continue
         cases = [[k % 8] for k in range(16)] + [[k % 8, (k + 3) % 8] for k in range(8)]
