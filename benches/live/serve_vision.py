@@ -6,13 +6,15 @@ tiny LLaVA-NeXT (anyres tiles, unpadded) a tiny Pixtral-12B layout (LLaVA over a
 Qwen3-VL (interleaved multimodal rotary, DeepStack rows added inside the language model) and a tiny InternVL (tiles, pixel shuffle) on the device: 24
 concurrent chat requests with data-URL images (eight different images, one or two a prompt), Anthropic image blocks and Responses input_image parts beside them, each answer compared with the offline
 LLM's on the same images on the same device; a bad image must be a 400 and change nothing else.
-0 errors and 0 mismatches expected. Arguments: family-name filters (all families when none)."""
+0 errors and 0 mismatches expected. Arguments: family-name filters (all families when none); FERROX_LIVE_DTYPE=bfloat16
+serves in bf16 (mismatches then printed, not failed)."""
 from __future__ import annotations
 
 import base64
 import concurrent.futures as cf
 import io
 import json
+import os
 import sys
 import tempfile
 import urllib.error
@@ -63,6 +65,10 @@ def main() -> int:
     from ferrox import LLM, SamplingParams
 
     only = sys.argv[1:]  # family-name filters, so two halves can share one device in parallel
+    # FERROX_LIVE_DTYPE=bfloat16: the dtype people serve in. Batched bf16 sums may round differently from the
+    # offline run's, so there mismatches are counted and printed but only errors fail.
+    dtype = os.environ.get("FERROX_LIVE_DTYPE", "float32")
+    exact_only = dtype == "float32"
     bad = 0
     tmp = Path(tempfile.mkdtemp())
     pics = images()
@@ -85,12 +91,12 @@ def main() -> int:
             parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + pics[i][1]}} for i in ids]
             return [{"role": "user", "content": [*parts, {"type": "text", "text": "What is this?"}]}]
 
-        reference = LLM(model=folder, dtype="float32", kv_cache_memory=128 << 20)
+        reference = LLM(model=folder, dtype=dtype, kv_cache_memory=128 << 20)
         expected = [o.outputs[0].text for o in reference.chat([messages(c) for c in cases],
                                                                SamplingParams(max_tokens=12, temperature=0),
                                                                use_tqdm=False)]
         del reference
-        srv = ServerProcess(folder, "--served-model-name", "m", "--dtype", "float32", "--max-num-batched-tokens",
+        srv = ServerProcess(folder, "--served-model-name", "m", "--dtype", dtype, "--max-num-batched-tokens",
                             "24", *extra, startup_timeout=300)  # a small budget: images cut across chunked-prefill steps
         errors = mismatches = 0
         with cf.ThreadPoolExecutor(16) as pool:
@@ -117,14 +123,14 @@ def main() -> int:
                 mismatches += 1
                 print(name, "mismatch", cases[k], body["choices"][0]["message"]["content"], "!=", expected[k])
         anthropic, responses, broken = results[len(cases):]
-        extra_ok = (anthropic[0] == 200 and anthropic[1]["content"][0]["text"] == expected[0]
-                    and responses[0] == 200 and responses[1]["output"][-1]["content"][0]["text"] == expected[0]
-                    and broken[0] == 400)
+        extra_ok = (anthropic[0] == 200 and responses[0] == 200 and broken[0] == 400 and (not exact_only or (
+            anthropic[1]["content"][0]["text"] == expected[0]
+            and responses[1]["output"][-1]["content"][0]["text"] == expected[0])))
         code = srv.stop()
         log_errors = [ln for ln in srv.log if " ERROR " in ln or "Traceback" in ln]
         print(f"{name}: {len(cases)} chat requests, {errors} errors, {mismatches} mismatches, anthropic/responses/"
               f"bad-image as expected {extra_ok}, exit {code}, error log lines {len(log_errors)} {log_errors[:3]}")
-        bad += errors + mismatches + (not extra_ok) + (code != 0) + len(log_errors)
+        bad += errors + (mismatches if exact_only else 0) + (not extra_ok) + (code != 0) + len(log_errors)
     return 1 if bad else 0
 
 
