@@ -84,31 +84,46 @@ def hf_last_logits(model, prompt_ids: list[int]) -> torch.Tensor:
 
 def assert_cuda_engine_matches_cpu(folder: str, prompts: list[list[int]], *, max_tokens: int,
                                    max_model_len: int) -> None:
-    """The engine on CUDA (CUDA graphs on) against the CPU float32 engine on the same folder: in float32
-    every greedy token equal, batched and one prompt at a time; in bfloat16 the first 3 tokens, and the
-    first token's logprob within 0.1 (1e-3 in float32). GPU tests of model families call it."""
+    """The engine on CUDA (CUDA graphs on) against the CPU float32 engine on the same folder, batched and one
+    prompt at a time. float32: every greedy token equal, the first token's logprob within 1e-3. bfloat16: the
+    tokens agree until a near-tie (vLLM's check_logprobs_close): where they first part, each side's token is
+    among the other's top 5, so a rounding that flips two close logits passes and a wrong kernel does not;
+    the first token's logprob within 0.1. GPU tests of model families call it."""
     from ferrox import LLM, SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=1, ignore_eos=True)
+    top = 5
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=top, ignore_eos=True)
 
     def generate(llm, batch):
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs], [o.outputs[0].logprobs[0] for o in outs]
+        return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
+
+    def close(got, want, what):
+        (tokens, lps), (want_tokens, want_lps) = got, want
+        for pos, (a, b) in enumerate(zip(tokens, want_tokens, strict=True)):
+            if a != b:
+                assert a in want_lps[pos] and b in lps[pos], (what, pos, tokens, want_tokens)
+                return
+        token = want_tokens[0]
+        assert abs(lps[0][token].logprob - want_lps[0][token].logprob) < 0.1, what
 
     cpu = LLM(model=folder, device="cpu", dtype="float32", kv_cache_memory=32 << 20, max_model_len=max_model_len)
     try:
-        want, want_lp = generate(cpu, prompts)
+        want = generate(cpu, prompts)
     finally:
         cpu.engine.shutdown()
     for dtype in ("float32", "bfloat16"):
         llm = LLM(model=folder, device="cuda", dtype=dtype, kv_cache_memory=256 << 20, max_model_len=max_model_len)
         try:
-            batched, lps = generate(llm, prompts)
-            alone = [generate(llm, [p])[0][0] for p in prompts]
+            batched = generate(llm, prompts)
+            alone = [generate(llm, [p])[0] for p in prompts]
         finally:
             llm.engine.shutdown()
-        n = max_tokens if dtype == "float32" else 3
         for i in range(len(prompts)):
-            assert batched[i][:n] == want[i][:n] and alone[i][:n] == want[i][:n], (dtype, i, batched[i], want[i])
-            token = want[i][0]
-            assert abs(lps[i][token].logprob - want_lp[i][token].logprob) < (1e-3 if dtype == "float32" else 0.1)
+            if dtype == "float32":
+                assert batched[i][0] == want[i][0] and alone[i][0] == want[i][0], (dtype, i, batched[i][0], want[i][0])
+                token = want[i][0][0]
+                assert abs(batched[i][1][0][token].logprob - want[i][1][0][token].logprob) < 1e-3
+            else:
+                close(batched[i], want[i], (dtype, "batched", i))
+                close(alone[i], want[i], (dtype, "alone", i))
