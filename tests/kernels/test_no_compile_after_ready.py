@@ -255,3 +255,33 @@ def test_first_time_shapes_compile_nothing_after_ready(cuda_device, tmp_path_fac
         _first_time_traffic(llm, seed=1)
     assert watch.available
     assert not watch.events, f"{watch.summary()}:\n" + "\n".join(e.signature for e in watch.events)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen2_vl", "gemma3", "qwen3_vl"])
+def test_image_steps_compile_nothing_after_ready(cuda_device, tmp_path_factory, family):
+    """Image steps run eagerly from input embeddings (Qwen's on [3, T] multimodal rotary positions, Gemma 3's
+    through the torch attention with bidirectional image spans, Qwen3-VL's with DeepStack additions), cut across
+    chunked-prefill steps: after ready they compile no Triton kernel either."""
+    from PIL import Image
+
+    from tests.helpers import tiny_models
+    from tests.helpers.tiny_qwen3_vl import make_tiny_qwen3_vl
+
+    folder = str(tmp_path_factory.mktemp(family))
+    folder = {"qwen2_vl": tiny_models.make_tiny_qwen2_vl, "gemma3": tiny_models.make_tiny_gemma3_vision,
+              "qwen3_vl": make_tiny_qwen3_vl}[family](folder)
+    llm = LLM(folder, device="cuda", max_num_batched_tokens=64, max_model_len=1024, kv_cache_memory=256 << 20)
+    assert llm.engine.warmup is not None and llm.engine.warmup.steps
+    rng = np.random.default_rng(3)
+    images = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in ((40, 60), (90, 50), (33, 33))]
+    chats = [[{"role": "user", "content": [*({"type": "image_pil", "image_pil": im} for im in ims),
+                                           {"type": "text", "text": "What is this?"}]}]
+             for ims in ([images[0]], [images[1], images[2]], [images[2]], images)]
+    with CompileWatch() as watch:
+        outs = llm.chat(chats, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+        outs += llm.chat(chats[:1], SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True),
+                         use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    assert watch.available
+    assert not watch.events, f"{watch.summary()}:\n" + "\n".join(e.signature for e in watch.events)
