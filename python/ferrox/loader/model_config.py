@@ -77,6 +77,7 @@ MULTIMODAL_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3_text", "Ll
                             "Idefics3ForConditionalGeneration": "llama", "SmolVLMForConditionalGeneration": "llama",
                             "Mistral3ForConditionalGeneration": "mistral", "LlavaNextForConditionalGeneration": "llama",
                             "Qwen3VLForConditionalGeneration": "qwen3_vl_text", "InternVLForConditionalGeneration": "qwen2",
+                            "InternVLChatModel": "qwen2",
                             **_FLAT_TEXT}
 
 
@@ -86,22 +87,24 @@ def _text_config(config: dict[str, Any], where: str) -> dict[str, Any]:
     rest of the checkpoint's config (vision_config, the image token, the projector's settings) is kept whole
     under "multimodal" for the model and the prompt processor (multimodal/processing.py)."""
     arch = config["architectures"][0]
-    text = config.get("text_config")
+    # InternVL's remote-code layout (InternVLChatConfig) names its language model's config llm_config.
+    key = "llm_config" if arch == "InternVLChatModel" else "text_config"
+    text = config.get(key)
     if text is None and arch in ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration"):
         text = {}  # LlavaConfig's / LlavaNextConfig's default: a Llama
     if text is None and arch in _FLAT_TEXT:
         text = {k: v for k, v in config.items() if k not in ("vision_config", "model_type")}
     if not isinstance(text, dict):
-        raise ModelLoadError(f"{where}: {arch} needs a text_config object")
+        raise ModelLoadError(f"{where}: {arch} needs a {key} object")
     model_type = str(text.get("model_type") or MULTIMODAL_ARCHITECTURES[arch])
     if model_type not in _TEXT_DEFAULTS:
-        raise UnsupportedModelError(f"{where}: text_config.model_type {model_type!r} of {arch} is not supported "
+        raise UnsupportedModelError(f"{where}: {key}.model_type {model_type!r} of {arch} is not supported "
                                     f"(supported: {', '.join(sorted(_TEXT_DEFAULTS))})")
     defaults = dict(_TEXT_DEFAULTS[model_type])
     if isinstance(text.get("rope_parameters"), dict) and "rope_theta" in text["rope_parameters"]:
         defaults.pop("rope_theta", None)  # transformers 5 writes the theta there: a default must not shadow it
     merged = {**defaults, **text, "model_type": model_type, "architectures": config["architectures"],
-              "multimodal": {k: v for k, v in config.items() if k != "text_config"}}
+              "multimodal": {k: v for k, v in config.items() if k != key}}
     if "torch_dtype" in config or "dtype" in config:
         merged.setdefault("torch_dtype", config.get("torch_dtype") or config.get("dtype"))
     if arch in _MROPE_SECTION:

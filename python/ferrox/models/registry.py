@@ -42,6 +42,7 @@ SUPPORTED: dict[str, str] = {
     "Qwen2_5_VLForConditionalGeneration": "ferrox.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration": "ferrox.models.qwen3_vl:Qwen3VLForConditionalGeneration",
     "InternVLForConditionalGeneration": "ferrox.models.internvl:InternVLForConditionalGeneration",
+    "InternVLChatModel": "ferrox.models.internvl_chat:InternVLChatModel",
     "Idefics3ForConditionalGeneration": "ferrox.models.idefics3:Idefics3ForConditionalGeneration",
     "SmolVLMForConditionalGeneration": "ferrox.models.idefics3:SmolVLMForConditionalGeneration",
     "Qwen2MoeForCausalLM": "ferrox.models.moe:Qwen2MoeForCausalLM",

@@ -32,6 +32,9 @@ CONFIG_DEFAULTS: dict[str, Any] = {
     "use_qk_norm": False, "intermediate_size": 4096, "hidden_act": "gelu", "norm_type": "layer_norm",
     "layer_norm_eps": 1e-6, "image_size": 448, "patch_size": 14, "num_channels": 3, "use_mask_token": False,
     "use_absolute_position_embeddings": True, "use_mean_pooling": True,
+    # Not a transformers key: its q/k norms use 1e-6 always, InternVLChatModel's remote code layer_norm_eps
+    # (multimodal/internvl_chat_processing.py native_multimodal sets it).
+    "qk_norm_eps": 1e-6,
 }
 
 
@@ -86,9 +89,10 @@ class InternVisionAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, hidden, bias=bias, dtype=dtype, device=device)
         self.v_proj = nn.Linear(hidden, hidden, bias=bias, dtype=dtype, device=device)
         self.projection_layer = nn.Linear(hidden, hidden, dtype=dtype, device=device)
-        # transformers builds the q/k norms as RMSNorm (eps 1e-6) whatever norm_type says.
-        self.q_norm = RMSNorm(hidden, 1e-6, dtype, device) if cfg["use_qk_norm"] else None
-        self.k_norm = RMSNorm(hidden, 1e-6, dtype, device) if cfg["use_qk_norm"] else None
+        # The q/k norms are RMSNorms whatever norm_type says (transformers' and the remote code's alike).
+        eps = float(cfg["qk_norm_eps"])
+        self.q_norm = RMSNorm(hidden, eps, dtype, device) if cfg["use_qk_norm"] else None
+        self.k_norm = RMSNorm(hidden, eps, dtype, device) if cfg["use_qk_norm"] else None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         b, t, _ = h.shape
