@@ -1,13 +1,15 @@
-"""Live `ferrox serve` of tiny LLaVA folders (a CLIP tower over a Llama, a SigLIP tower over a Qwen2) and a
-tiny Gemma 3 with images (bidirectional image attention: those steps take the torch attention) and a tiny
-Idefics3 (SmolVLM's tiling: up to 2x2 tiles and a global one an image) and tiny Qwen2-VL / Qwen2.5-VL (images of
-their own sizes, multimodal rotary positions) a tiny Mistral 3 (Pixtral: row-break tokens inside each image), a
-tiny LLaVA-NeXT (anyres tiles, unpadded) a tiny Pixtral-12B layout (LLaVA over a Pixtral tower) and a tiny
-Qwen3-VL (interleaved multimodal rotary, DeepStack rows added inside the language model) and a tiny InternVL (tiles, pixel shuffle) on the device: 24
-concurrent chat requests with data-URL images (eight different images, one or two a prompt), Anthropic image blocks and Responses input_image parts beside them, each answer compared with the offline
-LLM's on the same images on the same device; a bad image must be a 400 and change nothing else.
-0 errors and 0 mismatches expected. Arguments: family-name filters (all families when none); FERROX_LIVE_DTYPE=bfloat16
-serves in bf16 (mismatches then printed, not failed)."""
+"""Live `ferrox serve` of tiny vision-language checkpoints, one family after another, on the device (or the CPU):
+LLaVA (a CLIP tower over a Llama, a SigLIP tower over a Qwen2; Pixtral-12B's layout, a Pixtral tower), LLaVA-NeXT
+(anyres tiles), Gemma 3 (bidirectional image attention: those steps take the torch attention), Idefics3
+(SmolVLM's tiling), Qwen2-VL / Qwen2.5-VL (images at their own sizes, multimodal rotary positions), Qwen3-VL
+(interleaved rotary, DeepStack rows added inside the language model), Mistral 3 (Pixtral's row-break tokens
+inside each image), InternVL (tiles, pixel shuffle; the -hf and the remote-code layouts).
+
+Each serves 24 concurrent chat requests with data-URL images (eight different images, one or two a prompt),
+Anthropic image blocks and Responses input_image parts beside them, each answer compared with the offline LLM's on
+the same images on the same device; a bad image must be a 400 and change nothing else. 0 errors and 0 mismatches
+expected. Arguments: family-name filters (all families when none). FERROX_LIVE_DTYPE=bfloat16 serves in bf16
+(mismatches then printed, not failed)."""
 from __future__ import annotations
 
 import base64
@@ -25,7 +27,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from tests.helpers.tiny_internvl import make_tiny_internvl  # noqa: E402
+from tests.helpers.tiny_internvl import make_tiny_internvl, make_tiny_internvl_chat  # noqa: E402
 from tests.helpers.tiny_models import (  # noqa: E402
     make_tiny_gemma3_vision,
     make_tiny_idefics3,
@@ -82,7 +84,8 @@ def main() -> int:
                                 ("llava-next-anyres", make_tiny_llava_next(tmp / "h"), []),
                                 ("llava-pixtral", make_tiny_llava_pixtral(tmp / "i"), []),
                                 ("qwen3-vl-deepstack", make_tiny_qwen3_vl(tmp / "j"), []),
-                                ("internvl-tiles", make_tiny_internvl(tmp / "k"), [])):
+                                ("internvl-tiles", make_tiny_internvl(tmp / "k"), []),
+                                ("internvl-chat-remote", make_tiny_internvl_chat(tmp / "l")[1], [])):
         if only and not any(o in name for o in only):
             continue
         cases = [[k % 8] for k in range(16)] + [[k % 8, (k + 3) % 8] for k in range(8)]
