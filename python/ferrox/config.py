@@ -75,8 +75,9 @@ def _check_mm_limits(limits: Any) -> None:
     for key, value in limits.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"limit_mm_per_prompt.{key}: must be a count >= 0, got {value!r}")
-        if key != "image" and value:
-            raise ValueError(f"limit_mm_per_prompt.{key}: ferrox takes images only ({key} inputs are not supported)")
+        if key not in ("image", "video") and value:
+            raise ValueError(f"limit_mm_per_prompt.{key}: ferrox takes images and videos only ({key} inputs are not "
+                             "supported)")
 
 
 def _opt(help: str, default: Any = None, **meta: Any) -> Any:
@@ -125,7 +126,8 @@ class EngineConfig:
         "a folder whose images requests may name by file:// URL or path (vLLM's; resolved, so a link or '..' "
         "out of it is refused)", default_help="none: local files are refused")
     limit_mm_per_prompt: dict[str, int] | None = _opt(
-        "most images one prompt may carry, as vLLM's JSON object {\"image\": N} (other modalities only as 0)",
+        "most images and videos one prompt may carry, as vLLM's JSON object {\"image\": N, \"video\": M} "
+        "(other modalities only as 0)",
         default_help="no limit but the context")
     mm_processor_kwargs: dict[str, Any] | None = _opt(
         "image processor settings over the model folder's (vLLM's JSON object): Qwen2-VL / Qwen2.5-VL's "

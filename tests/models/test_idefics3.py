@@ -62,7 +62,7 @@ def _processed(folder, text, images):
     """Idefics3Processor's ids, pixel_values and pixel_attention_mask for one prompt."""
     from transformers import Idefics3Processor
 
-    processor = Idefics3Processor.from_pretrained(folder)
+    processor = Idefics3Processor.from_pretrained(folder, use_fast=False)  # the PIL one ferrox reproduces
     return processor(text=[text], images=[list(images)], return_tensors="pt")
 
 

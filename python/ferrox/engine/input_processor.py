@@ -31,7 +31,9 @@ class ProcessedPrompt:
 
 
 def _images_of(prompt: Mapping[str, Any], index: int) -> list[Any] | None:
-    """vLLM's {"multi_modal_data": {"image": one or a list}}; other modalities are refused by name."""
+    """vLLM's {"multi_modal_data": {"image": one or a list, "video": one or a list}}, images then videos (each
+    pairs with its own placeholders, so the order between the two does not matter); other modalities are
+    refused by name."""
     data = prompt.get("multi_modal_data")
     if data is None:
         return None
@@ -39,35 +41,58 @@ def _images_of(prompt: Mapping[str, Any], index: int) -> list[Any] | None:
         raise InvalidArgumentError(f"prompts[{index}].multi_modal_data: must be a dict like {{'image': ...}}",
                                    param="multi_modal_data")
     for key in data:
-        if key != "image":
-            raise InvalidArgumentError(f"prompts[{index}].multi_modal_data.{key}: only images are supported",
-                                       param="multi_modal_data")
+        if key not in ("image", "video"):
+            raise InvalidArgumentError(f"prompts[{index}].multi_modal_data.{key}: only images and videos are "
+                                       "supported", param="multi_modal_data")
     images = data.get("image")
-    if images is None:
-        return None
-    return list(images) if isinstance(images, (list, tuple)) else [images]
+    media = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
+    if data.get("video") is not None:
+        from ferrox.multimodal.video import VideoSource, videos_of
+
+        media.extend(VideoSource(v) for v in videos_of(data["video"]))
+    return media or None
 
 
 def attach_images(processed: ProcessedPrompt, image_prompts: Any, what: str, *,
                   model_name: str = "this model") -> ProcessedPrompt:
-    """Decode the prompt's images and expand its placeholders (multimodal/processing.py ImagePrompts).
-    A prompt without images is returned as is; images for a text-only model are refused by name."""
+    """Decode the prompt's images and videos and expand its placeholders (multimodal/processing.py
+    ImagePrompts). A prompt without media is returned as is; images for a text-only model, and videos for
+    a family that takes none, are refused by name."""
     if processed.images is None:
         return processed
     if image_prompts is None:
         raise InvalidArgumentError(f"{what}: {model_name} takes no images (a text-only model)",
                                    param="multi_modal_data")
-    image_prompts.check_count(len(processed.images), what)
-    images = [image_prompts.load(source, f"{what}: image {i}") for i, source in enumerate(processed.images)]
-    ids, items = image_prompts.expand(processed.prompt_token_ids, images, what)
+    from ferrox.multimodal.video import load_video_source, split_media
+
+    images, videos = split_media(processed.images)
+    image_prompts.check_count(len(images), what)
+    if videos:  # an offline prompt's videos are its multi_modal_data.video; a chat's, its messages' parts
+        check_videos(image_prompts, len(videos), what if what.startswith("messages") else f"{what}.multi_modal_data.video",
+                     model_name)
+    media = [load_video_source(image_prompts, source, f"{what}: video {i}")
+             for i, source in enumerate(videos)]
+    media[:0] = [image_prompts.load(source, f"{what}: image {i}") for i, source in enumerate(images)]
+    ids, items = image_prompts.expand(processed.prompt_token_ids, media, what)
     return ProcessedPrompt(processed.prompt, ids, None, items or None)
+
+
+def check_videos(image_prompts: Any, count: int, what: str, model_name: str = "this model",
+                 param: str = "multi_modal_data") -> None:
+    """A model whose family takes videos, and no more of them than --limit-mm-per-prompt allows."""
+    if getattr(image_prompts, "video_processor", None) is None:
+        reason = getattr(image_prompts, "video_refusal", None) or (
+            f"{model_name} takes no video inputs (ferrox takes videos for Qwen2-VL and Qwen2.5-VL)")
+        raise InvalidArgumentError(f"{what}: {reason}", param=param)
+    image_prompts.check_video_count(count, what, param)
 
 
 def refuse_images(processed: ProcessedPrompt, what: str, path: str) -> ProcessedPrompt:
     """A prompt for a path that takes no images (beam search, pooling) must not carry any: refused by
     name rather than run without them."""
     if processed.images is not None or processed.mm_items is not None:
-        raise InvalidArgumentError(f"{what}: {path} takes no images (multi_modal_data)", param="multi_modal_data")
+        raise InvalidArgumentError(f"{what}: {path} takes no images or videos (multi_modal_data)",
+                                   param="multi_modal_data")
     return processed
 
 
@@ -185,12 +210,14 @@ def render_chat(
     index: int = 0,
     content_format: str = "auto",
     image_placeholder: str | None = None,
+    video_placeholder: str | None = None,
 ) -> ProcessedPrompt:
     """Apply the chat template and tokenize; the template adds the special tokens it wants.
     With tools and a template that ignores them (the embedded SmolLM2's), the tools go into the
     system message, as the server does (structured.tools.prepare_tool_messages). Image parts come
     back as the prompt's `images` (for attach_images); image_placeholder: the model's (None: a
-    text-only model, whose image parts are refused)."""
+    text-only model, whose image parts are refused); video_placeholder: its video one (None: video parts
+    are refused)."""
     if not isinstance(messages, Sequence) or not messages:
         raise InvalidArgumentError(
             f"messages[{index}]: a conversation must be a non-empty list of messages", param="messages"
@@ -210,7 +237,8 @@ def render_chat(
 
         fmt = content_format if content_format != "auto" else resolve_content_format(
             content_format, tokenizer.get_chat_template(chat_template, tools))
-        conversation, sources = take_images(conversation, fmt, image_placeholder)
+        conversation, sources = take_images(conversation, fmt, image_placeholder,
+                                            video_placeholder=video_placeholder)
         images = sources or None
     if tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in conversation):
         # Resolve the template first: with tools a model may pick its "tool_use" one.

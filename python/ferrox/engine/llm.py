@@ -145,6 +145,7 @@ class LLM:
                 tools=tools, chat_template_kwargs=chat_template_kwargs, index=i,
                 content_format=chat_template_content_format,
                 image_placeholder=images.placeholder if images is not None else None,
+                video_placeholder=getattr(images, "video_placeholder", None),
             ), images, f"messages[{i}]", model_name=self.engine.model_name)
             for i, conv in enumerate(conversations)
         ]

@@ -85,8 +85,8 @@ def content_text(content: Any, where: str = "content") -> str:
         if isinstance(part, str):
             texts.append(part)
             continue
-        if part == _IMAGE_PART:
-            continue  # an image's place (multimodal/chat_parts.py): no text
+        if part in _MEDIA_PARTS:
+            continue  # an image's or video's place (multimodal/chat_parts.py): no text
         kind = part.get("type") if isinstance(part, dict) else None
         if kind != "text" or not isinstance(part.get("text"), str):
             raise ChatTemplateError(f"{where}[{i}]: content part type {kind!r} is not supported (only 'text' parts "
@@ -104,10 +104,10 @@ def _content_parts(content: Any, where: str) -> list[dict[str, str]]:
         return [{"type": "text", "text": content}]
     content_text(content, where)  # the same checks
     return [{"type": "text", "text": p} if isinstance(p, str) else
-            dict(_IMAGE_PART) if p == _IMAGE_PART else {"type": "text", "text": p["text"]} for p in content]
+            dict(p) if p in _MEDIA_PARTS else {"type": "text", "text": p["text"]} for p in content]
 
 
-_IMAGE_PART = {"type": "image"}
+_MEDIA_PARTS = ({"type": "image"}, {"type": "video"})
 
 
 def _shape_contents(messages: list[dict], content_format: str) -> list[dict]:

@@ -3,7 +3,8 @@ language model that rotates by multimodal positions (layers/rotary.py MRotaryEmb
 worker/mrope.py), and a vision transformer over an image's native-resolution patch grid whose merger gives
 one row per 2x2 patches (models/vision/qwen2_vl_vision.py). An image is a variable number of tokens: its
 `<|image_pad|>` becomes (t * h * w) / merge^2 of them (multimodal/qwen2_vl_processing.py), and its item
-carries the (t, h, w) grid the tower and the positions need.
+carries the (t, h, w) grid the tower and the positions need. A video is the same: its `<|video_pad|>` run takes
+the tower's rows over its frames' patches (grid t > 1), and its positions space frames by second_per_grid_ts.
 
 Checkpoint names: `model.layers.*`, `visual.*`, `lm_head.weight`, as the hub's files have them (transformers 5
 saves that layout too; its in-memory `model.language_model.*` / `model.visual.*` names load as well). Whether the LM head is tied is the top-level config's
@@ -32,6 +33,7 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
     supports_quantization = False
     own_weight_prefixes = ("visual.",)
     takes_images = True
+    takes_videos = True  # a video's patches go through the same tower (its grid has t > 1)
     vision_version = "qwen2_vl"
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
@@ -49,9 +51,12 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
         self.patch_values = int(mm.get("vision_config", {}).get("in_channels", mm.get("vision_config", {}).get(
             "in_chans", 3))) * int(self.visual.temporal_patch_size) * int(self.visual.patch_size) ** 2
         self._dtype = dtype
+        # worker/mrope.py: Qwen2.5-VL spaces a video's temporal positions by seconds x this (Qwen2-VL: by 1).
+        self.mrope_tokens_per_second = (float(mm.get("vision_config", {}).get("tokens_per_second", 4))
+                                        if self.vision_version == "qwen2_5_vl" else None)
 
     def check_image_item(self, item: MultiModalItem) -> str | None:
-        """What is wrong with an image item for this model (worker/multimodal.py check_items), or None."""
+        """What is wrong with an image (or video) item for this model (worker/multimodal.py check_items), or None."""
         if item.grid is None or len(item.grid) != 3 or min(item.grid) < 1:
             return "no (t, h, w) patch grid"
         t, h, w = item.grid

@@ -1,11 +1,13 @@
-"""A chat's image parts: taken out of the messages before the chat template renders them.
+"""A chat's image and video parts: taken out of the messages before the chat template renders them.
 
 OpenAI's `{"type": "image_url", "image_url": {"url": ...}}` (vLLM also takes the url as a plain string,
 and offline callers `{"type": "image_pil", "image_pil": <PIL image>}`) becomes what the template expects
 (vLLM's rules): a template that loops over a message's parts ("openai" content format: LLaVA's, Gemma
 3's) gets `{"type": "image"}` in the image's place and writes the model's placeholder itself; a
 template that prints content as one string gets each image's placeholder text on a line of its own
-before the message's text. The sources come back in prompt order, for the caller to fetch and decode.
+before the message's text. A `{"type": "video_url", "video_url": {"url": ...}}` part does the same as
+`{"type": "video"}` and the video placeholder (multimodal/video.py loads it). The sources come back in prompt
+order, for the caller to fetch and decode.
 """
 
 from __future__ import annotations
@@ -14,13 +16,22 @@ from typing import Any
 
 from ferrox._core import InvalidArgumentError
 
-_REFUSED = {"image_embeds": "image embeddings", "input_audio": "audio", "audio_url": "audio",
-            "video_url": "video", "file": "files"}
+_REFUSED = {"image_embeds": "image embeddings", "input_audio": "audio", "audio_url": "audio", "file": "files"}
 
 
 def image_source(part: dict[str, Any], where: str) -> Any:
-    """The url (or PIL image) of an image part; None for a text part."""
+    """The url (or PIL image) of an image part, a VideoSource of a video part's url; None for a text part."""
     kind = part.get("type")
+    if kind == "video_url":
+        from ferrox.multimodal.video import VideoSource
+
+        url = part.get("video_url")
+        if isinstance(url, dict):
+            url = url.get("url")
+        if not isinstance(url, str) or not url:
+            raise InvalidArgumentError(f"{where}.video_url.url: a video part needs a url (https://..., "
+                                       "data:video/mp4;base64,...)", param="messages")
+        return VideoSource(url)
     if kind == "image_url":
         url = part.get("image_url")
         if isinstance(url, dict):
@@ -35,14 +46,18 @@ def image_source(part: dict[str, Any], where: str) -> Any:
         return part["image_pil"]
     if kind in _REFUSED:
         raise InvalidArgumentError(f"{where}: content part type {kind!r} is not supported ({_REFUSED[kind]} inputs); "
-                                   "send text and image_url parts", param="messages")
+                                   "send text, image_url and video_url parts", param="messages")
     return None
 
 
-def take_images(messages: list[dict[str, Any]], content_format: str,
-                placeholder: str | None, model_name: str = "this model") -> tuple[list[dict[str, Any]], list[Any]]:
-    """(messages for the template, image sources in order). placeholder: the model's image placeholder
-    text, None for a text-only model (whose image parts are refused naming the part)."""
+def take_images(messages: list[dict[str, Any]], content_format: str, placeholder: str | None,
+                model_name: str = "this model",
+                video_placeholder: str | None = None) -> tuple[list[dict[str, Any]], list[Any]]:
+    """(messages for the template, image and video sources in order). placeholder: the model's image
+    placeholder text, None for a text-only model (whose image parts are refused naming the part);
+    video_placeholder: its video one, None for a model that takes no videos."""
+    from ferrox.multimodal.video import VideoSource
+
     sources: list[Any] = []
     out = []
     for i, message in enumerate(messages):
@@ -51,25 +66,31 @@ def take_images(messages: list[dict[str, Any]], content_format: str,
             out.append(message)
             continue
         parts: list[Any] = []
-        images = 0
+        marks: list[str] = []  # each media part's placeholder, in order
         for j, part in enumerate(content):
             source = image_source(part, f"messages[{i}].content[{j}]") if isinstance(part, dict) else None
             if source is None:
                 parts.append(part)
                 continue
+            video = isinstance(source, VideoSource)
+            if video and video_placeholder is None:
+                raise InvalidArgumentError(f"messages[{i}].content[{j}]: content part type 'video_url': {model_name} "
+                                           "takes no video inputs (ferrox takes videos for Qwen2-VL and Qwen2.5-VL)",
+                                           param="messages")
             if placeholder is None:
                 raise InvalidArgumentError(f"messages[{i}].content[{j}]: {model_name} takes no images (a text-only "
                                            "model)", param="messages")
             sources.append(source)
-            images += 1
-            parts.append({"type": "image"})
-        if not images:
+            marks.append(video_placeholder if video else placeholder)  # type: ignore[arg-type]
+            parts.append({"type": "video" if video else "image"})
+        if not marks:
             out.append(message)
         elif content_format == "openai":
             out.append({**message, "content": parts})
         else:
-            texts = [p if isinstance(p, str) else p.get("text", "") for p in parts if p != {"type": "image"}]
-            out.append({**message, "content": "\n".join([placeholder] * images + texts)})  # type: ignore[arg-type]
+            texts = [p if isinstance(p, str) else p.get("text", "") for p in parts
+                     if p not in ({"type": "image"}, {"type": "video"})]
+            out.append({**message, "content": "\n".join(marks + texts)})
     return out, sources
 
 

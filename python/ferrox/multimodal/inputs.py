@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 class MultiModalItem(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One image: its placeholder run in the prompt and its pixel values (float32, C order, so the
+    """One image (or video: modality "video"): its placeholder run in the prompt and its pixel values (float32, C order, so the
     struct crosses the core's socket as plain bytes)."""
 
     offset: int  # prompt position of the first placeholder token
@@ -35,13 +35,16 @@ class MultiModalItem(msgspec.Struct, array_like=True, omit_defaults=True):
     # The run's positions (from offset) that take the image's embedding rows, in order, when not all do
     # (Pixtral's row-break tokens sit inside an image's run and keep their own embeddings). None: every one.
     embed_positions: list[int] | None = None
+    # Qwen2.5-VL videos: seconds one temporal patch spans (its rotary spaces frames by time). None otherwise.
+    second_per_grid_ts: float | None = None
 
     @classmethod
     def from_pixels(cls, offset: int, length: int, pixel_values: np.ndarray, digest: str,
-                    grid: list[int] | None = None, embed_positions: list[int] | None = None) -> MultiModalItem:
+                    grid: list[int] | None = None, embed_positions: list[int] | None = None, *,
+                    modality: str = "image", second_per_grid_ts: float | None = None) -> MultiModalItem:
         array = np.ascontiguousarray(pixel_values, dtype=np.float32)
-        return cls(offset, length, array.tobytes(), list(array.shape), digest, grid=grid,
-                   embed_positions=embed_positions)
+        return cls(offset, length, array.tobytes(), list(array.shape), digest, modality=modality, grid=grid,
+                   embed_positions=embed_positions, second_per_grid_ts=second_per_grid_ts)
 
     @property
     def num_embeds(self) -> int:

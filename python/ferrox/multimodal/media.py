@@ -154,11 +154,11 @@ def _scheme(url: str) -> str:
     return "" if len(scheme) == 1 else scheme
 
 
-def _local_path(url: str, scheme: str) -> str:
+def _local_path(url: str, scheme: str, what: str = "image") -> str:
     if scheme == "":
         return url
     if scheme != "file":
-        raise MediaError(f"unsupported image URL scheme {scheme!r}: use http(s)://, data:, or file://")
+        raise MediaError(f"unsupported {what} URL scheme {scheme!r}: use http(s)://, data:, or file://")
     parts = urllib.parse.urlsplit(url)
     if parts.netloc not in ("", "localhost"):
         raise MediaError(f"a file:// URL must name a file on this machine, got host {parts.netloc!r}")
@@ -181,19 +181,19 @@ def _read_local(path: str, allowed_local_media_path: str | None) -> bytes:
         raise MediaError(f"cannot read {path!r}: {e.strerror or e}") from None
 
 
-def _download(url: str, timeout: float, max_bytes: int) -> bytes:
+def _download(url: str, timeout: float, max_bytes: int, what: str = "image", env: str = TIMEOUT_ENV) -> bytes:
     """The body at `url`, read in chunks against one deadline (urllib's timeout is per socket read,
     so a server dripping bytes would otherwise hold the caller far past it)."""
     deadline = time.monotonic() + timeout
     request = urllib.request.Request(url, headers={"User-Agent": "ferrox"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            _check_length(url, response.headers.get("Content-Length"), max_bytes)
+            _check_length(url, response.headers.get("Content-Length"), max_bytes, what)
             body = bytearray()
             while chunk := response.read(_CHUNK):
                 body += chunk
                 if len(body) > max_bytes:
-                    raise MediaError(f"the image at {url} is larger than {max_bytes} bytes")
+                    raise MediaError(f"the {what} at {url} is larger than {max_bytes} bytes")
                 if time.monotonic() > deadline:
                     raise TimeoutError
             return bytes(body)
@@ -201,11 +201,12 @@ def _download(url: str, timeout: float, max_bytes: int) -> bytes:
         raise MediaError(f"fetching {url} failed: HTTP {e.code} {e.reason}") from None
     except (TimeoutError, OSError) as e:  # URLError is an OSError; socket timeouts arrive wrapped or bare
         if isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError):
-            raise MediaError(f"fetching {url} timed out after {timeout:g} s ({TIMEOUT_ENV})") from None
+            raise MediaError(f"fetching {url} timed out after {timeout:g} s ({env})") from None
         raise MediaError(f"fetching {url} failed: {getattr(e, 'reason', e)}") from None
 
 
-async def _download_async(url: str, timeout: float, max_bytes: int) -> bytes:
+async def _download_async(url: str, timeout: float, max_bytes: int, what: str = "image",
+                          env: str = TIMEOUT_ENV) -> bytes:
     import aiohttp  # the server's dependency; the offline API never needs it
 
     try:
@@ -213,20 +214,20 @@ async def _download_async(url: str, timeout: float, max_bytes: int) -> bytes:
             async with session.get(url, headers={"User-Agent": "ferrox"}) as response:
                 if response.status >= 400:
                     raise MediaError(f"fetching {url} failed: HTTP {response.status} {response.reason}")
-                _check_length(url, response.headers.get("Content-Length"), max_bytes)
+                _check_length(url, response.headers.get("Content-Length"), max_bytes, what)
                 body = bytearray()
                 async for chunk in response.content.iter_chunked(_CHUNK):
                     body += chunk
                     if len(body) > max_bytes:
-                        raise MediaError(f"the image at {url} is larger than {max_bytes} bytes")
+                        raise MediaError(f"the {what} at {url} is larger than {max_bytes} bytes")
                 return bytes(body)
     except asyncio.TimeoutError:
-        raise MediaError(f"fetching {url} timed out after {timeout:g} s ({TIMEOUT_ENV})") from None
+        raise MediaError(f"fetching {url} timed out after {timeout:g} s ({env})") from None
     except aiohttp.ClientError as e:
         raise MediaError(f"fetching {url} failed: {e}") from None
 
 
-def _check_length(url: str, header: str | None, max_bytes: int) -> None:
+def _check_length(url: str, header: str | None, max_bytes: int, what: str = "image") -> None:
     """Refuse early when the server announces a body over the cap (the read still counts bytes)."""
     if header is not None and header.isdigit() and int(header) > max_bytes:
-        raise MediaError(f"the image at {url} is larger than {max_bytes} bytes (Content-Length {header})")
+        raise MediaError(f"the {what} at {url} is larger than {max_bytes} bytes (Content-Length {header})")

@@ -12,7 +12,7 @@ values in a patch C, T, P, P order).
 Qwen2VLProcessor replaces each `<|image_pad|>` of the text by grid_t * grid_h * grid_w / merge^2 of them (one
 per row the tower's merger gives): a number that depends on the image's size. One MultiModalItem per image
 carries its patches and its grid, which the tower needs (models/vision/qwen2_vl_vision.py). Front-end code:
-numpy and PIL only.
+numpy and PIL only. Videos (`<|video_pad|>`, expanded the same way) are cut by qwen2_vl_video_processing.py.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGen
 DEFAULT_IMAGE_TOKEN_ID = 151_655  # <|image_pad|>
 DEFAULT_VISION_START_TOKEN_ID = 151_652  # <|vision_start|>
 DEFAULT_VISION_END_TOKEN_ID = 151_653  # <|vision_end|>
+DEFAULT_VIDEO_TOKEN_ID = 151_656  # <|video_pad|>
 MAX_ASPECT_RATIO = 200  # smart_resize refuses longer images
 
 # The vision configs' defaults for the keys the processor must agree with (the same in both families).
@@ -157,43 +158,95 @@ class QwenVLImageProcessor:
 @dataclass(slots=True)
 class QwenVLImagePrompts(ImagePrompts):
     """Qwen2-VL / Qwen2.5-VL prompt rules: each `<|image_pad|>` becomes its image's tokens, a number that
-    depends on the image (tokens_per_image is 0: unused). A run of image tokens is read as one token per
-    image (placeholders side by side) or, when its length is the image's own count, that image already
-    expanded; a prompt that reads both ways, or neither, is refused."""
+    depends on the image (tokens_per_image is 0: unused), and each `<|video_pad|>` its video's. A run of
+    image (video) tokens is read as one token per image (video) (placeholders side by side) or, when its
+    length is the item's own count, that item already expanded; a prompt that reads both ways, or neither,
+    is refused. Images and videos pair with their own placeholders, each in prompt order."""
+
+    video_processor: Any = None  # qwen2_vl_video_processing.QwenVLVideoProcessor; None: the family takes none
+    video_token_id: int = -1
+    video_placeholder: str | None = None  # `<|vision_start|><|video_pad|><|vision_end|>`
+    video_limit: int | None = None  # --limit-mm-per-prompt's videos per prompt
+    # Qwen2.5-VL: its items carry second_per_grid_ts (the rotary spaces a video's frames by seconds).
+    seconds_per_grid: bool = False
+    video_refusal: str | None = None  # why this family's videos are refused (Qwen3-VL's)
+
+    def check_video_count(self, count: int, what: str, param: str = "multi_modal_data") -> None:
+        if self.video_limit is not None and count > self.video_limit:
+            raise InvalidArgumentError(f"{what}: {count} videos, at most {self.video_limit} may be given in one "
+                                       "prompt (--limit-mm-per-prompt)", param=param)
 
     def expand(self, prompt_ids: Sequence[int], images: Sequence[Any], what: str,
                param: str = "multi_modal_data") -> tuple[list[int], list[MultiModalItem]]:
+        """`images`: the prompt's decoded media in order, PIL images and multimodal.video.Video frames."""
         from ferrox.multimodal.media import image_hash
+        from ferrox.multimodal.video import split_media
 
-        self.check_count(len(images), what, param)
+        stills, videos = split_media(images)
+        self.check_count(len(stills), what, param)
         ids = list(prompt_ids)
         runs = token_runs(ids, self.image_token_id)
-        if not images and not runs:
+        video_runs = token_runs(ids, self.video_token_id) if self.video_token_id >= 0 else []
+        if not images and not runs and not video_runs:
             return ids, []
-        processor: Any = self.processor_for(what, param) if images else None
-        processed = []
-        for k, image in enumerate(images):
-            try:
-                processed.append(processor(image))
-            except ValueError as e:
-                raise InvalidArgumentError(f"{what}: image {k}: {e}", param=param) from None
-        counts = [processor.tokens(grid) for _, grid in processed]
-        spans = self._spans(runs, counts, what, param)
+        # (start, length, token, item maker) of each placeholder, both modalities
+        pieces: list[tuple[int, int, int, Any]] = []
+        processed = self._processed(stills, self.processor_for(what, param) if stills else None, "image", what,
+                                    param)
+        counts = [self.image_processor.tokens(grid) for _, grid in processed] if stills else []
+        for span, (patches, grid), count, image in zip(self._spans(runs, counts, what, param), processed, counts,
+                                                        stills, strict=True):
+            pieces.append((*span, self.image_token_id,
+                           lambda at, n=count, p=patches, g=grid, i=image: MultiModalItem.from_pixels(
+                               at, n, p, image_hash(i), grid=list(g))))
+        if videos or video_runs:
+            pieces.extend(self._video_pieces(video_runs, videos, what, param))
         out: list[int] = []
         items: list[MultiModalItem] = []
         at = 0
-        for (start, length), (patches, grid), count, image in zip(spans, processed, counts, images, strict=True):
+        for start, length, token, make in sorted(pieces, key=lambda piece: piece[0]):
             out.extend(ids[at:start])
-            items.append(MultiModalItem.from_pixels(len(out), count, patches, image_hash(image), grid=list(grid)))
-            out.extend([self.image_token_id] * count)
+            item = make(len(out))
+            items.append(item)
+            out.extend([token] * item.length)
             at = start + length
         out.extend(ids[at:])
         return out, items
 
-    def _spans(self, runs: list[tuple[int, int]], counts: list[int], what: str,
-               param: str) -> list[tuple[int, int]]:
-        """(start, length) of each image's placeholder: the one reading of the runs that gives every image
-        one (module rule above)."""
+    def _video_pieces(self, runs: list[tuple[int, int]], videos: list[Any], what: str,
+                      param: str) -> list[tuple[int, int, int, Any]]:
+        if self.video_processor is None:
+            raise InvalidArgumentError(f"{what}: {self.video_refusal or 'this model takes no videos'}", param=param)
+        self.check_video_count(len(videos), what, param)
+        processed = self._processed(videos, self.video_processor, "video", what, param)
+        counts = [self.video_processor.tokens(grid) for _, grid in processed]
+        spans = self._spans(runs, counts, what, param, "video", self.video_placeholder or "")
+        pieces = []
+        for span, (patches, grid), count, video in zip(spans, processed, counts, videos, strict=True):
+            seconds = self.video_processor.second_per_grid_t(video) if self.seconds_per_grid else None
+
+            def make(at: int, n: int = count, p: Any = patches, g: Any = grid, v: Any = video,
+                     s: float | None = seconds) -> MultiModalItem:
+                return MultiModalItem.from_pixels(at, n, p, v.hash(), grid=list(g), modality="video",
+                                                  second_per_grid_ts=s)
+
+            pieces.append((*span, self.video_token_id, make))
+        return pieces
+
+    @staticmethod
+    def _processed(media: list[Any], processor: Any, kind: str, what: str, param: str) -> list[Any]:
+        out = []
+        for k, one in enumerate(media):
+            try:
+                out.append(processor(one))
+            except ValueError as e:
+                raise InvalidArgumentError(f"{what}: {kind} {k}: {e}", param=param) from None
+        return out
+
+    def _spans(self, runs: list[tuple[int, int]], counts: list[int], what: str, param: str, kind: str = "image",
+               pad: str = "") -> list[tuple[int, int]]:
+        """(start, length) of each image's (video's) placeholder: the one reading of the runs that gives every
+        item one (module rule above)."""
         images = len(counts)
 
         @cache
@@ -208,13 +261,13 @@ class QwenVLImagePrompts(ImagePrompts):
             return min(total, 2)
 
         found = readings(0, 0)
-        pad = self.placeholder
+        pad = pad or self.placeholder
         if found != 1:
             tokens = sum(n for _, n in runs)
             reason = "can be read two ways for" if found else "do not match"
             raise InvalidArgumentError(
-                f"{what}: the prompt's {tokens} image token(s) in {len(runs)} run(s) {reason} {images} image(s) of "
-                f"{counts} tokens; put one {pad!r} where each image goes (its tokens are expanded here)",
+                f"{what}: the prompt's {tokens} {kind} token(s) in {len(runs)} run(s) {reason} {images} {kind}(s) of "
+                f"{counts} tokens; put one {pad!r} where each {kind} goes (its tokens are expanded here)",
                 param=param)
         spans: list[tuple[int, int]] = []
         k = 0
@@ -230,10 +283,12 @@ class QwenVLImagePrompts(ImagePrompts):
 
 def qwen_vl_image_prompts(model_dir: str, hf_config: Mapping[str, Any], tokenizer: Any, *, limit: int | None,
                           allowed_local_media_path: str | None,
-                          processor_kwargs: Mapping[str, Any] | None = None) -> QwenVLImagePrompts:
+                          processor_kwargs: Mapping[str, Any] | None = None,
+                          video_limit: int | None = None) -> QwenVLImagePrompts:
     """The prompt rules of a Qwen2-VL / Qwen2.5-VL folder (hf_config: config.json). The placeholder text a
     string-content chat template gets per image is `<|vision_start|><|image_pad|><|vision_end|>`, as
-    Qwen's own templates write it."""
+    Qwen's own templates write it (`<|video_pad|>` for a video). Qwen3-VL shares the image rules; its
+    videos (timestamps written between frames) are refused by name."""
     token_id = int(hf_config.get("image_token_id", DEFAULT_IMAGE_TOKEN_ID))
     pad = tokenizer.id_to_token(token_id)
     if pad is None:
@@ -241,16 +296,35 @@ def qwen_vl_image_prompts(model_dir: str, hf_config: Mapping[str, Any], tokenize
     start = tokenizer.id_to_token(int(hf_config.get("vision_start_token_id", DEFAULT_VISION_START_TOKEN_ID)))
     end = tokenizer.id_to_token(int(hf_config.get("vision_end_token_id", DEFAULT_VISION_END_TOKEN_ID)))
     placeholder = f"{start}{pad}{end}" if start is not None and end is not None else pad
+    vision = {**_VISION_DEFAULTS, **{k: v for k, v in (hf_config.get("vision_config") or {}).items() if v is not None}}
     processor = QwenVLImageProcessor.from_model_dir(model_dir, processor_kwargs) if os.path.isdir(model_dir) else None
     if processor is not None:
-        vision = {**_VISION_DEFAULTS, **{k: v for k, v in (hf_config.get("vision_config") or {}).items()
-                                         if v is not None}}
         for ours, theirs in (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
                              ("merge_size", "spatial_merge_size")):
             if getattr(processor, ours) != vision[theirs]:
                 raise UnsupportedModelError(f"{processor.where}: {ours} {getattr(processor, ours)} differs from the "
                                             f"vision tower's {theirs} {vision[theirs]} (config.json)")
-    return QwenVLImagePrompts(token_id, 0, placeholder, processor, model_dir, limit, allowed_local_media_path)
+    prompts = QwenVLImagePrompts(token_id, 0, placeholder, processor, model_dir, limit, allowed_local_media_path)
+    archs = set(hf_config.get("architectures") or [])
+    if not archs & set(ARCHITECTURES):
+        prompts.video_refusal = f"{sorted(archs)[0] if archs else 'this model'} takes no video inputs in ferrox yet"
+        return prompts
+    from ferrox.multimodal.qwen2_vl_video_processing import QwenVLVideoProcessor, check_tower
+
+    video_id = int(hf_config.get("video_token_id", DEFAULT_VIDEO_TOKEN_ID))
+    video_pad = tokenizer.id_to_token(video_id)
+    video = QwenVLVideoProcessor.from_model_dir(model_dir, processor_kwargs) if os.path.isdir(model_dir) else None
+    if video_pad is None or video is None:
+        prompts.video_refusal = (f"config.json's video_token_id {video_id} is not in the tokenizer's vocabulary"
+                                 if video_pad is None else f"model folder {model_dir} has no video processor config")
+        return prompts
+    check_tower(video, vision)
+    prompts.video_processor = video
+    prompts.video_token_id = video_id
+    prompts.video_placeholder = f"{start}{video_pad}{end}" if start is not None and end is not None else video_pad
+    prompts.video_limit = video_limit
+    prompts.seconds_per_grid = "Qwen2_5_VLForConditionalGeneration" in archs
+    return prompts
 
 
 def _pixel_bounds(config: Mapping[str, Any], size: Any, where: str) -> tuple[int, int]:

@@ -167,7 +167,8 @@ class ModelRunner:
         self.images = ImageEmbeddings(model, device) if getattr(model, "takes_images", False) else None
         # Qwen2-VL: the rotary positions of requests with images (worker/mrope.py).
         merge = getattr(model, "mrope_merge_size", 0)
-        self.mrope = MRopePositions(merge, device) if merge and self.images is not None else None
+        self.mrope = (MRopePositions(merge, device, getattr(model, "mrope_tokens_per_second", None))
+                      if merge and self.images is not None else None)
 
     @property
     def graph_runner(self) -> Any:

@@ -3,7 +3,8 @@
 A Qwen2-VL prompt's tokens rotate by three positions each (temporal, height, width: layers/rotary.py
 MRotaryEmbedding). Text counts on one position for all three; an image's tokens take their patch's
 (t, h, w) offset from the position the image starts at, and the text after it resumes at that start plus
-the image's larger side in merged patches (transformers' get_rope_index). An image of 16x16 merged patches
+the image's larger side in merged patches (transformers' get_rope_index). A video's tokens take (frame, h, w) offsets the same way, Qwen2.5-VL's
+frame offsets spaced by its second_per_grid_ts x tokens_per_second. An image of 16x16 merged patches
 is 256 tokens but advances the position by 16, so every later token's rotary position is its index in the
 sequence plus the request's `delta` (negative). The KV slots, sequence lengths and causal order stay the
 core's plain positions: only what the rotary is given changes.
@@ -24,8 +25,10 @@ import torch
 from ferrox.multimodal.inputs import MultiModalItem
 
 
-def mrope_positions(prompt_len: int, items: list[MultiModalItem], merge: int) -> tuple[np.ndarray, int]:
-    """([3, prompt_len] int64 rotary positions, delta: a later token's position minus its index)."""
+def mrope_positions(prompt_len: int, items: list[MultiModalItem], merge: int,
+                    tokens_per_second: float | None = None) -> tuple[np.ndarray, int]:
+    """([3, prompt_len] int64 rotary positions, delta: a later token's position minus its index).
+    tokens_per_second: Qwen2.5-VL's, which spaces a video's temporal patches by its second_per_grid_ts."""
     pos = np.empty((3, prompt_len), dtype=np.int64)
     current = 0
     at = 0
@@ -36,27 +39,37 @@ def mrope_positions(prompt_len: int, items: list[MultiModalItem], merge: int) ->
         pos[:, at:item.offset] = np.arange(current, current + n)
         current += n
         t, h, w = item.grid[0], item.grid[1] // merge, item.grid[2] // merge
-        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+        frames = np.arange(t)
+        if item.modality == "video" and tokens_per_second is not None and item.second_per_grid_ts is not None:
+            # transformers scales in float32, then truncates
+            interval = np.float32(tokens_per_second * item.second_per_grid_ts)
+            frames = (frames.astype(np.float32) * interval).astype(np.int64)
+        tt, hh, ww = np.meshgrid(frames, np.arange(h), np.arange(w), indexing="ij")
         pos[:, item.offset:item.end] = np.stack([tt.ravel(), hh.ravel(), ww.ravel()]) + current
+        # The text after resumes past the larger side, whatever the frames' span (transformers 5's rule).
         current += max(h, w)
         at = item.end
     pos[:, at:] = np.arange(current, current + prompt_len - at)
-    return pos, current - at
+    # Generated tokens continue from the largest position of the prompt (a video's frames may reach past
+    # its text).
+    return pos, int(pos.max()) + 1 - prompt_len if prompt_len else 0
 
 
 class MRopePositions:
     """The rotary positions of the runner's requests that have images (others need none)."""
 
-    def __init__(self, merge: int, device: torch.device) -> None:
+    def __init__(self, merge: int, device: torch.device, tokens_per_second: float | None = None) -> None:
         self.merge = merge
         self.device = device
+        self.tokens_per_second = tokens_per_second
         self._prompt: dict[int, np.ndarray] = {}  # slot -> [3, prompt_len]
         self._delta: dict[int, int] = {}
 
     def add(self, slot: int, prompt_len: int, items: list[MultiModalItem] | None) -> None:
         self.remove([slot])
         if items:
-            self._prompt[slot], self._delta[slot] = mrope_positions(prompt_len, items, self.merge)
+            self._prompt[slot], self._delta[slot] = mrope_positions(prompt_len, items, self.merge,
+                                                                         self.tokens_per_second)
 
     def remove(self, slots: Any) -> None:
         for slot in np.asarray(slots).tolist():

@@ -30,9 +30,10 @@ def check_items(items: list[MultiModalItem], prompt: list[int], model: Any, what
                                    "with tensor_parallel_size > 1, which serves text only)", param="multi_modal_data")
     end = 0
     for k, item in enumerate(items):
-        if item.modality != "image":
-            raise InvalidArgumentError(f"{what}: item {k} is {item.modality!r}; only images are supported",
-                                       param="multi_modal_data")
+        if item.modality != "image" and not (item.modality == "video" and getattr(model, "takes_videos", False)):
+            raise InvalidArgumentError(f"{what}: item {k} is {item.modality!r}; the model takes "
+                                       f"{'images and videos' if getattr(model, 'takes_videos', False) else 'images'}"
+                                       " only", param="multi_modal_data")
         if item.offset < end or item.length < 1 or item.end > len(prompt):
             raise InvalidArgumentError(f"{what}: image {k}'s placeholder run [{item.offset}, {item.end}) is not "
                                        f"inside the {len(prompt)}-token prompt after the previous image",

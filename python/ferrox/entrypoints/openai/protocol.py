@@ -317,12 +317,28 @@ class ImageURLContentPart(_Base):
         return {"url": value} if isinstance(value, str) else value  # vLLM also takes the url as a string
 
 
+class VideoURL(_Base):
+    url: str
+
+
+class VideoURLContentPart(_Base):
+    """vLLM's video part: a data:video/...;base64 URL, an http(s) URL or a local file (multimodal/video.py)."""
+
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+    @field_validator("video_url", mode="before")
+    @classmethod
+    def _url_string(cls, value: Any) -> Any:
+        return {"url": value} if isinstance(value, str) else value
+
+
 class ChatMessage(BaseModel):
     # Extra keys (e.g. reasoning fields some clients echo back) pass through to the template.
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart | ImageURLContentPart] | None = None
+    content: str | list[TextContentPart | ImageURLContentPart | VideoURLContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
@@ -332,9 +348,9 @@ class ChatMessage(BaseModel):
     def _only_text_parts(cls, value: Any) -> Any:
         if isinstance(value, list):
             for part in value:
-                if isinstance(part, dict) and part.get("type") not in (None, "text", "image_url"):
-                    raise ValueError(f"content part type {part.get('type')!r} is not supported (only 'text' and "
-                                     "'image_url')")
+                if isinstance(part, dict) and part.get("type") not in (None, "text", "image_url", "video_url"):
+                    raise ValueError(f"content part type {part.get('type')!r} is not supported (only 'text', "
+                                     "'image_url' and 'video_url')")
         return value
 
     def text(self) -> str | None:
@@ -348,6 +364,8 @@ class ChatMessage(BaseModel):
         shapes both as the template wants them: loader/chat_template.py; image parts are taken out
         first: multimodal/chat_parts.py)."""
         content: Any = ([{"type": "text", "text": part.text} if isinstance(part, TextContentPart)
+                         else {"type": "video_url", "video_url": {"url": part.video_url.url}}
+                         if isinstance(part, VideoURLContentPart)
                          else {"type": "image_url", "image_url": {"url": part.image_url.url}}
                          for part in self.content] if isinstance(self.content, list) else self.content or "")
         out: dict[str, Any] = {"role": self.role, "content": content}

@@ -1,4 +1,4 @@
-"""A request's images, fetched before its prompt renders (the chat, Anthropic messages and Responses routes).
+"""A request's images and videos, fetched before its prompt renders (the chat, Anthropic messages and Responses routes).
 
 Each image part's url is fetched concurrently on the event loop (multimodal/media.py: data URLs, http(s)
 under VLLM_IMAGE_FETCH_TIMEOUT, files under --allowed-local-media-path) and decoded; a bad one is a 400
@@ -16,10 +16,13 @@ from ferrox.errors import InvalidArgumentError
 
 
 async def fetch_images(ctx: Any, messages: list[dict[str, Any]], field: str = "messages") -> list[Any]:
-    """The decoded images of the messages' image parts, in prompt order ([] when there are none). field: the
-    request's name for its messages in errors (the Responses API's `input`)."""
+    """The decoded images and videos (multimodal/video.py Video) of the messages' media parts, in prompt
+    order ([] when there are none). field: the request's name for its messages in errors (the Responses API's
+    `input`)."""
+    from ferrox.engine.input_processor import check_videos
     from ferrox.multimodal.chat_parts import image_sources
     from ferrox.multimodal.media import MediaError, fetch_image, image_fetch_timeout, load_image
+    from ferrox.multimodal.video import VideoSource, fetch_video, split_media, to_video
 
     try:
         sources = [(where.replace("messages", field, 1), source) for where, source in image_sources(messages)]
@@ -30,19 +33,28 @@ async def fetch_images(ctx: Any, messages: list[dict[str, Any]], field: str = "m
     prompts = ctx.engine.image_prompts
     if prompts is None:
         raise APIError(400, f"{sources[0][0]}: {ctx.model_name} takes no images (a text-only model)", param=field)
+    images, videos = split_media([source for _, source in sources])
     try:
-        prompts.check_count(len(sources), field, param=field)
+        prompts.check_count(len(images), field, param=field)
+        if videos:
+            first = next(where for where, source in sources if isinstance(source, VideoSource))
+            check_videos(prompts, len(videos), first, ctx.model_name, param=field)
     except InvalidArgumentError as e:
         raise APIError(400, str(e), param=field) from None
 
     async def one(where: str, source: Any) -> Any:
+        local = prompts.allowed_local_media_path
         try:
+            if isinstance(source, VideoSource):
+                if not isinstance(source.source, str):
+                    return to_video(source.source, allowed_local_media_path=local)
+                return await fetch_video(source.source, allowed_local_media_path=local)
             if not isinstance(source, str):  # an image object (offline-style callers of the same helper)
                 return load_image(source)
-            return await fetch_image(source, allowed_local_media_path=prompts.allowed_local_media_path,
-                                     timeout=image_fetch_timeout())
+            return await fetch_image(source, allowed_local_media_path=local, timeout=image_fetch_timeout())
         except MediaError as e:
-            raise APIError(400, f"{where}.image_url.url: {e}", param=field) from None
+            kind = "video_url" if isinstance(source, VideoSource) else "image_url"
+            raise APIError(400, f"{where}.{kind}.url: {e}", param=field) from None
 
     return list(await asyncio.gather(*(one(where, source) for where, source in sources)))
 
@@ -55,7 +67,8 @@ def take_template_images(ctx: Any, messages: list[dict[str, Any]], template: str
     prompts = ctx.engine.image_prompts
     try:
         fmt = resolve_content_format(ctx.options.chat_template_content_format, template or "")
-        return take_images(messages, fmt, prompts.placeholder if prompts is not None else None, ctx.model_name)[0]
+        return take_images(messages, fmt, prompts.placeholder if prompts is not None else None, ctx.model_name,
+                           video_placeholder=getattr(prompts, "video_placeholder", None))[0]
     except (InvalidArgumentError, ValueError) as e:
         raise APIError(400, str(e), param="messages") from None
 
