@@ -1,4 +1,5 @@
-"""A tiny random Qwen3-VL (Qwen3VLForConditionalGeneration, dense) in a temp folder, as transformers saves it.
+"""A tiny random Qwen3-VL (Qwen3VLForConditionalGeneration, dense) in a temp folder, as transformers saves it,
+and its mixture-of-experts sibling (Qwen3VLMoeForConditionalGeneration).
 
 Sized so every Qwen3-VL-only piece decides tokens: three text layers with q/k norms and the interleaved
 multimodal rotary (mrope_section [4, 2, 2] over 8 pairs: the interleave and the tail the temporal row keeps
@@ -25,14 +26,7 @@ from tests.helpers.tiny_models import (
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-def make_tiny_qwen3_vl(folder, seed: int = 0, *, text_layers: int = 3, deepstack: tuple[int, ...] = (0, 1)) -> str:
-    import torch
-    from tokenizers import AddedToken
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-
-    tok = build_tokenizer()
-    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_VL_TOKENS])
-    start, end, pad = (tok.token_to_id(t) for t in QWEN_VL_TOKENS)
+def _text_and_vision(tok, text_layers: int, deepstack: tuple[int, ...]) -> tuple[dict[str, Any], dict[str, Any]]:
     text = dict(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=text_layers,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
                 rms_norm_eps=1e-6, initializer_range=0.1, bos_token_id=1, eos_token_id=EOS_TOKEN_ID, pad_token_id=0,
@@ -42,6 +36,24 @@ def make_tiny_qwen3_vl(folder, seed: int = 0, *, text_layers: int = 3, deepstack
                                   patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
                                   num_position_embeddings=16, deepstack_visual_indexes=list(deepstack),
                                   hidden_act="gelu_pytorch_tanh")
+    return text, vision
+
+
+def _tokenizer():
+    from tokenizers import AddedToken
+
+    tok = build_tokenizer()
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_VL_TOKENS])
+    return tok
+
+
+def make_tiny_qwen3_vl(folder, seed: int = 0, *, text_layers: int = 3, deepstack: tuple[int, ...] = (0, 1)) -> str:
+    import torch
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    tok = _tokenizer()
+    start, end, pad = (tok.token_to_id(t) for t in QWEN_VL_TOKENS)
+    text, vision = _text_and_vision(tok, text_layers, deepstack)
     config: Any = Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=pad,
                                 vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=False)
     config.architectures = ["Qwen3VLForConditionalGeneration"]
@@ -49,6 +61,37 @@ def make_tiny_qwen3_vl(folder, seed: int = 0, *, text_layers: int = 3, deepstack
     model = Qwen3VLForConditionalGeneration(config).to(torch.float32)
     _spread_vision(model, ("visual",), scale=lambda name, param: param.dim() == 1 and name.endswith("weight"))
     _randomize_norms(model)
+    return _write(folder, model, tok)
+
+
+def make_tiny_qwen3_vl_moe(folder, seed: int = 0) -> str:
+    """Qwen3-VL-MoE: the same tower and rotary; text layers 0 and 2 sparse (6 experts of 16, top 2: 2 x 16 and
+    16 both differ from hidden 64, so fused expert tensors tell their orientation by shape), layer 1 dense
+    (mlp_only_layers). transformers 5.25 saves the experts fused as it holds them, gate_up_proj [E, 2 x I, hidden]
+    and down_proj [E, hidden, I]; the hub's files hold the transposes (hub_expert_layout writes those)."""
+    import torch
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    tok = _tokenizer()
+    start, end, pad = (tok.token_to_id(t) for t in QWEN_VL_TOKENS)
+    text, vision = _text_and_vision(tok, 3, (0, 1))
+    text.update(intermediate_size=96, moe_intermediate_size=16, num_experts=6, num_experts_per_tok=2,
+                decoder_sparse_step=1, mlp_only_layers=[1])
+    config: Any = Qwen3VLMoeConfig(text_config=text, vision_config=vision, image_token_id=pad,
+                                   vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=False)
+    config.architectures = ["Qwen3VLMoeForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = Qwen3VLMoeForConditionalGeneration(config).to(torch.float32)
+    _spread_vision(model, ("visual",), scale=lambda name, param: param.dim() == 1 and name.endswith("weight"))
+    _randomize_norms(model)
+    with torch.no_grad():  # a wide router: top-2 choices far from ties, so float noise decides no token
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.5)
+    return _write(folder, model, tok)
+
+
+def _write(folder, model, tok) -> str:
     _save(str(folder), model, tok, max_shard_size=None, generation=None)
     # Qwen3-VL's hub preprocessor_config.json layout (size in pixels, CLIP-free 0.5 mean and std), small bounds:
     # a few merged 32-pixel squares an image.
@@ -65,3 +108,21 @@ def make_tiny_qwen3_vl(folder, seed: int = 0, *, text_layers: int = 3, deepstack
     with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(tok_config, f, indent=2)
     return str(folder)
+
+
+def hub_expert_layout(folder, out) -> str:
+    """A copy of a make_tiny_qwen3_vl_moe folder with the fused experts as the hub's Qwen3-VL-MoE files store them:
+    gate_up_proj [E, hidden, 2 x I] and down_proj [E, I, hidden] (transformers transposes them on load)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(out, exist_ok=True)
+    for name in os.listdir(folder):
+        if name != "model.safetensors":
+            shutil.copy(os.path.join(folder, name), os.path.join(out, name))
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    hub = {k: v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v
+           for k, v in tensors.items()}
+    save_file(hub, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    return str(out)

@@ -63,6 +63,13 @@ _TEXT_DEFAULTS["qwen3_vl_text"] = {
     "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 128_000,
     "rms_norm_eps": 1e-6, "rope_theta": 500_000.0, "attention_bias": False, "tie_word_embeddings": False,
     "hidden_act": "silu"}
+# Qwen3-VL-MoE's language model (Qwen3VLMoeTextConfig's defaults): a Qwen3-MoE with interleaved mrope.
+_TEXT_DEFAULTS["qwen3_vl_moe_text"] = {
+    "vocab_size": 151_936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "max_position_embeddings": 128_000, "rms_norm_eps": 1e-6,
+    "rope_theta": 500_000.0, "attention_bias": False, "tie_word_embeddings": True, "hidden_act": "silu",
+    "decoder_sparse_step": 1, "moe_intermediate_size": 1408, "num_experts_per_tok": 4, "num_local_experts": 60,
+    "mlp_only_layers": []}  # (the count under the name transformers 5 saves it by, so the hub's num_experts wins)
 # Qwen3's (Qwen3Config's defaults): InternVL3.5's language model.
 _TEXT_DEFAULTS["qwen3"] = {**_TEXT_DEFAULTS["qwen2"], "vocab_size": 151_936, "intermediate_size": 22_016,
                            "head_dim": 128, "attention_bias": False}
@@ -70,7 +77,7 @@ _TEXT_DEFAULTS["qwen3"] = {**_TEXT_DEFAULTS["qwen2"], "vocab_size": 151_936, "in
 _FLAT_TEXT = {"Qwen2VLForConditionalGeneration": "qwen2_vl_text", "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl_text"}
 # Multimodal-RoPE checkpoints -> transformers' mrope_section when the config leaves it out.
 _MROPE_SECTION = {"Qwen2VLForConditionalGeneration": [16, 24, 24], "Qwen2_5_VLForConditionalGeneration": [16, 24, 24],
-                  "Qwen3VLForConditionalGeneration": [24, 20, 20]}
+                  "Qwen3VLForConditionalGeneration": [24, 20, 20], "Qwen3VLMoeForConditionalGeneration": [24, 20, 20]}
 
 # Multimodal checkpoints: architecture -> the text model_type when text_config does not say.
 MULTIMODAL_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3_text", "LlavaForConditionalGeneration": "llama",
@@ -78,6 +85,7 @@ MULTIMODAL_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3_text", "Ll
                             "Mistral3ForConditionalGeneration": "mistral", "LlavaNextForConditionalGeneration": "llama",
                             "Qwen3VLForConditionalGeneration": "qwen3_vl_text", "InternVLForConditionalGeneration": "qwen2",
                             "InternVLChatModel": "qwen2",
+                            "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe_text",
                             **_FLAT_TEXT}
 
 

@@ -165,6 +165,9 @@ class MoeForCausalLM(nn.Module):
     # are ~18 launches a layer: 1,024- and 2,048-token Qwen3-30B-A3B prefills both took ~55-100 ms
     # eagerly on an H200), so piecewise CUDA graphs reach that far (worker/piecewise_graphs.py).
     piecewise_graph_tokens = 2048
+    model_class: type[MoeModel] = MoeModel  # the decoder stack (Qwen3-VL-MoE's adds DeepStack: qwen3_vl_moe.py)
+    # Modules a subclass loads itself (a vision tower): not among the pieces load_weights expects.
+    own_weight_prefixes: tuple[str, ...] = ()
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
@@ -183,8 +186,8 @@ class MoeForCausalLM(nn.Module):
         self.ops = for_device(device, self.kernels)
         self.backend = get_attention_backend(device, self.kernels)
         renormalize = self.always_renormalize or spec.moe.norm_topk_prob
-        self.model = MoeModel(spec, self.backend, self.ops, dtype, device, qkv_bias=self.qkv_bias(spec),
-                              qk_norm=self.qk_norm, renormalize=renormalize)
+        self.model = self.model_class(spec, self.backend, self.ops, dtype, device, qkv_bias=self.qkv_bias(spec),
+                                    qk_norm=self.qk_norm, renormalize=renormalize)
         self.lm_head = (None if spec.tie_word_embeddings else
                         ParallelLMHead(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device))
         self.register_buffer("lm_head_colmajor", None, persistent=False)
@@ -238,6 +241,8 @@ class MoeForCausalLM(nn.Module):
         `<module>.<leaf>#<shard>`, routed experts as `<experts>#<e>.<shard>.weight`."""
         expected = set()
         for name, module in self.named_modules():
+            if name.startswith(self.own_weight_prefixes):
+                continue
             if isinstance(module, Linear):  # (a quantized one names its method's tensors)
                 expected |= module.checkpoint_keys(name)
             elif isinstance(module, FusedMoE):

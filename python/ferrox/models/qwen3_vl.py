@@ -14,7 +14,8 @@ at the image's tokens after decoder layer i. The path, for an image step only (t
     StepImages.deepstack    -> [D, k, hidden] of the step's k image rows (split off by `deepstack_layers`)
     forward(deepstack=(rows, embeds)) -> Qwen3VLTextModel's layer loop adds embeds[i] at `rows` after layer i
 
-Text-only steps (and every step without image rows) call the plain Llama stack unchanged.
+Text-only steps (and every step without image rows) call the plain Llama stack unchanged. The image side
+(Qwen3VLImages) is shared with Qwen3-VL-MoE (models/qwen3_vl_moe.py), whose stack is moe.py's.
 
 Checkpoint names: `model.language_model.*`, `model.visual.*`, `lm_head.weight` (the hub's and transformers 5's
 files); `model.*` / `visual.*` load as well. tie_word_embeddings: the top-level config's, which is what
@@ -41,6 +42,24 @@ from ferrox.multimodal.inputs import MultiModalItem
 _RENAMES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 
 
+def deepstack_layers(model: Any, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                     meta: Any, inputs_embeds: torch.Tensor | None,
+                     deepstack: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """A decoder stack's general layer loop (`layers`, `rotary`, `norm`: LlamaModel's and MoeModel's alike) with
+    DeepStack's set i added at the image rows after layer i; an image step only (no fused decode path)."""
+    h = model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+    rope = model.rotary(positions, h.dtype)
+    residual = None
+    for i, layer in enumerate(model.layers):
+        h, residual = layer(h, residual, rope, kv_caches[i], meta)
+        if deepstack is not None and i < deepstack[1].shape[0]:
+            rows, embeds = deepstack  # [k] step rows, [D, k, hidden]
+            # The layer's output is h + residual (the next norm adds them): adding to h adds to the sum.
+            h = h.index_add(0, rows, embeds[i].to(h.dtype))
+    h, _ = model.norm(h, residual)
+    return h
+
+
 class Qwen3VLTextModel(LlamaModel):
     """The Qwen3 decoder stack with DeepStack's additions after its first layers."""
 
@@ -48,31 +67,25 @@ class Qwen3VLTextModel(LlamaModel):
                 deepstack: tuple[torch.Tensor, torch.Tensor] | None = None):
         if deepstack is None:
             return super().forward(input_ids, positions, kv_caches, meta, inputs_embeds=inputs_embeds)
-        rows, embeds = deepstack  # [k] step rows, [D, k, hidden]
-        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        rope = self.rotary(positions, h.dtype)
-        residual = None
-        for i, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, rope, kv_caches[i], meta)
-            if i < embeds.shape[0]:
-                # The layer's output is h + residual (the next norm adds them): adding to h adds to the sum.
-                h = h.index_add(0, rows, embeds[i].to(h.dtype))
-        h, _ = self.norm(h, residual)
-        return h
+        return deepstack_layers(self, input_ids, positions, kv_caches, meta, inputs_embeds, deepstack)
 
 
-class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
+class Qwen3VLImages:
+    """Qwen3-VL's image side on a Qwen3 causal LM (dense here, mixture-of-experts in qwen3_vl_moe.py): the tower,
+    the image hooks worker/multimodal.py calls, the image-step forward with DeepStack, the checkpoint's names.
+    Listed before the language model's class, whose forward and load_weights it wraps."""
+
+    model: Any
+    backend: Any
     supports_tensor_parallel = False
     supports_quantized_gguf = False
     supports_quantization = False
-    own_weight_prefixes = ("visual.",)
+    own_weight_prefixes: tuple[str, ...] = ("visual.",)
     takes_images = True
-    model_class = Qwen3VLTextModel
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
-                 kernels: str | None = None):
-        from ferrox.models.vision.qwen3_vl_vision import Qwen3VisionTower
-
+    @staticmethod
+    def language_spec(spec: ModelSpec) -> ModelSpec:
+        """The language model's spec: the rotary always interleaved, the top-level tie_word_embeddings."""
         mm = spec.hf_config["multimodal"]
         if spec.hf_config.get("mrope_interleaved", True) is not True:
             raise UnsupportedModelError("config.json: text_config.rope_parameters.mrope_interleaved "
@@ -83,8 +96,14 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
         spec = dataclasses.replace(spec, hf_config={**spec.hf_config, "mrope_interleaved": True})
         if mm.get("tie_word_embeddings") is not None:
             spec = dataclasses.replace(spec, tie_word_embeddings=bool(mm["tie_word_embeddings"]))
-        super().__init__(spec, dtype, device, kernels=kernels)
-        self.visual = Qwen3VisionTower(mm.get("vision_config") or {}, dtype=dtype, device=device)
+        return spec
+
+    def init_images(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str) -> None:
+        """The vision tower and the hooks' settings, after the language model is built."""
+        from ferrox.models.vision.qwen3_vl_vision import Qwen3VisionTower
+
+        self.visual = Qwen3VisionTower(spec.hf_config["multimodal"].get("vision_config") or {}, dtype=dtype,
+                                       device=device)
         if self.visual.out_hidden_size != spec.hidden_size:
             raise UnsupportedModelError(f"config.json: vision_config.out_hidden_size {self.visual.out_hidden_size} "
                                         f"differs from the language model's hidden_size {spec.hidden_size}",
@@ -114,9 +133,10 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: Any, inputs_embeds: torch.Tensor | None = None,
                 deepstack: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """deepstack: (the step's image rows [k], their DeepStack rows [D, k, hidden]), on image steps."""
-        if deepstack is None:
-            return super().forward(input_ids, positions, kv_caches, attn_metadata, inputs_embeds=inputs_embeds)
+        """inputs_embeds and deepstack (the step's image rows [k], their DeepStack rows [D, k, hidden]): on image
+        steps. Every other step is the language model's own."""
+        if inputs_embeds is None:
+            return super().forward(input_ids, positions, kv_caches, attn_metadata)  # type: ignore[misc]
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"kv_caches has {len(kv_caches)} tensors, the model has {len(self.model.layers)} layers")
         self.backend.begin_forward(attn_metadata)
@@ -137,5 +157,14 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
                 else:
                     yield name, tensor
 
-        super().load_weights(language_model())
+        super().load_weights(language_model())  # type: ignore[misc]
         self.visual.load_weights((name, materialize(t)) for name, t in tower)
+
+
+class Qwen3VLForConditionalGeneration(Qwen3VLImages, Qwen3ForCausalLM):
+    model_class = Qwen3VLTextModel
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
+                 kernels: str | None = None):
+        super().__init__(self.language_spec(spec), dtype, device, kernels=kernels)
+        self.init_images(spec, dtype, device)

@@ -41,6 +41,7 @@ SUPPORTED: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "ferrox.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": "ferrox.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration": "ferrox.models.qwen3_vl:Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration": "ferrox.models.qwen3_vl_moe:Qwen3VLMoeForConditionalGeneration",
     "InternVLForConditionalGeneration": "ferrox.models.internvl:InternVLForConditionalGeneration",
     "InternVLChatModel": "ferrox.models.internvl_chat:InternVLChatModel",
     "Idefics3ForConditionalGeneration": "ferrox.models.idefics3:Idefics3ForConditionalGeneration",

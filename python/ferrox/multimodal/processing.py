@@ -191,7 +191,8 @@ class Gemma3ImagePrompts(ImagePrompts):
 # Hugging Face processor; ferrox's processors read these, and refuse the rest by name).
 PROCESSOR_KWARGS = {"Qwen2VLForConditionalGeneration": ("min_pixels", "max_pixels"),
                     "Qwen2_5_VLForConditionalGeneration": ("min_pixels", "max_pixels"),
-                    "Qwen3VLForConditionalGeneration": ("min_pixels", "max_pixels")}
+                    "Qwen3VLForConditionalGeneration": ("min_pixels", "max_pixels"),
+                    "Qwen3VLMoeForConditionalGeneration": ("min_pixels", "max_pixels")}
 
 
 def image_prompts_for_model(model_dir: str, hf_config: Mapping[str, Any], tokenizer: Any, *,
@@ -215,7 +216,8 @@ def image_prompts_for_model(model_dir: str, hf_config: Mapping[str, Any], tokeni
         return idefics3_image_prompts(model_dir, hf_config, tokenizer, limit=limit,
                                       allowed_local_media_path=allowed_local_media_path)
     if {"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-            "Qwen3VLForConditionalGeneration"} & set(archs):  # Qwen3-VL: the same rules, 16-pixel patches
+            "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"} & set(archs):
+        # Qwen3-VL (dense and MoE): the same rules, 16-pixel patches
         from ferrox.multimodal.qwen2_vl_processing import qwen_vl_image_prompts
 
         return qwen_vl_image_prompts(model_dir, hf_config, tokenizer, limit=limit,
