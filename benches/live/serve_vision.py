@@ -2,7 +2,7 @@
 LLaVA (a CLIP tower over a Llama, a SigLIP tower over a Qwen2; Pixtral-12B's layout, a Pixtral tower), LLaVA-NeXT
 (anyres tiles), Gemma 3 (bidirectional image attention: those steps take the torch attention), Idefics3
 (SmolVLM's tiling), Qwen2-VL / Qwen2.5-VL (images at their own sizes, multimodal rotary positions), Qwen3-VL
-(interleaved rotary, DeepStack rows added inside the language model), Mistral 3 (Pixtral's row-break tokens
+(interleaved rotary, DeepStack rows added inside the language model; dense and MoE), Mistral 3 (Pixtral's row-break tokens
 inside each image), InternVL (tiles, pixel shuffle; the -hf and the remote-code layouts).
 
 Each serves 24 concurrent chat requests with data-URL images (eight different images, one or two a prompt),
@@ -37,7 +37,7 @@ from tests.helpers.tiny_models import (  # noqa: E402
     make_tiny_mistral3,
     make_tiny_qwen2_vl,
 )
-from tests.helpers.tiny_qwen3_vl import make_tiny_qwen3_vl  # noqa: E402
+from tests.helpers.tiny_qwen3_vl import make_tiny_qwen3_vl, make_tiny_qwen3_vl_moe  # noqa: E402
 from tests.server.server_proc import ServerProcess  # noqa: E402
 
 
@@ -85,7 +85,8 @@ def main() -> int:
                                 ("llava-pixtral", make_tiny_llava_pixtral(tmp / "i"), []),
                                 ("qwen3-vl-deepstack", make_tiny_qwen3_vl(tmp / "j"), []),
                                 ("internvl-tiles", make_tiny_internvl(tmp / "k"), []),
-                                ("internvl-chat-remote", make_tiny_internvl_chat(tmp / "l")[1], [])):
+                                ("internvl-chat-remote", make_tiny_internvl_chat(tmp / "l")[1], []),
+                                ("qwen3-vl-moe", make_tiny_qwen3_vl_moe(tmp / "m"), [])):
         if only and not any(o in name for o in only):
             continue
         cases = [[k % 8] for k in range(16)] + [[k % 8, (k + 3) % 8] for k in range(8)]
