@@ -24,6 +24,8 @@ from tests.helpers.tiny_models import (
 )
 
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO_PAD = "<|video_pad|>"
+VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
 
 
 def _text_and_vision(tok, text_layers: int, deepstack: tuple[int, ...]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -39,32 +41,37 @@ def _text_and_vision(tok, text_layers: int, deepstack: tuple[int, ...]) -> tuple
     return text, vision
 
 
-def _tokenizer():
+def _tokenizer(video: bool = False):
     from tokenizers import AddedToken
 
     tok = build_tokenizer()
-    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_VL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_VL_TOKENS + [VIDEO_PAD] * video])
     return tok
 
 
-def make_tiny_qwen3_vl(folder, seed: int = 0, *, text_layers: int = 3, deepstack: tuple[int, ...] = (0, 1)) -> str:
+def make_tiny_qwen3_vl(folder, seed: int = 0, *, text_layers: int = 3, deepstack: tuple[int, ...] = (0, 1),
+                       video: bool = False) -> str:
+    """video: `<|video_pad|>` in the tokenizer and config.json, a video_preprocessor_config.json (the hub's
+    Qwen3-VL layout, small bounds: a few merged squares a frame) and a chat template that writes the video
+    placeholder for a video part."""
     import torch
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    tok = _tokenizer()
+    tok = _tokenizer(video)
     start, end, pad = (tok.token_to_id(t) for t in QWEN_VL_TOKENS)
     text, vision = _text_and_vision(tok, text_layers, deepstack)
+    ids = {"video_token_id": tok.token_to_id(VIDEO_PAD)} if video else {}
     config: Any = Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=pad,
-                                vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=False)
+                                vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=False, **ids)
     config.architectures = ["Qwen3VLForConditionalGeneration"]
     torch.manual_seed(seed)
     model = Qwen3VLForConditionalGeneration(config).to(torch.float32)
     _spread_vision(model, ("visual",), scale=lambda name, param: param.dim() == 1 and name.endswith("weight"))
     _randomize_norms(model)
-    return _write(folder, model, tok)
+    return _write(folder, model, tok, video)
 
 
-def make_tiny_qwen3_vl_moe(folder, seed: int = 0) -> str:
+def make_tiny_qwen3_vl_moe(folder, seed: int = 0, *, video: bool = False) -> str:
     """Qwen3-VL-MoE: the same tower and rotary; text layers 0 and 2 sparse (6 experts of 16, top 2: 2 x 16 and
     16 both differ from hidden 64, so fused expert tensors tell their orientation by shape), layer 1 dense
     (mlp_only_layers). transformers 5.25 saves the experts fused as it holds them, gate_up_proj [E, 2 x I, hidden]
@@ -72,13 +79,15 @@ def make_tiny_qwen3_vl_moe(folder, seed: int = 0) -> str:
     import torch
     from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
-    tok = _tokenizer()
+    tok = _tokenizer(video)
     start, end, pad = (tok.token_to_id(t) for t in QWEN_VL_TOKENS)
     text, vision = _text_and_vision(tok, 3, (0, 1))
+    ids = {"video_token_id": tok.token_to_id(VIDEO_PAD)} if video else {}
     text.update(intermediate_size=96, moe_intermediate_size=16, num_experts=6, num_experts_per_tok=2,
                 decoder_sparse_step=1, mlp_only_layers=[1])
     config: Any = Qwen3VLMoeConfig(text_config=text, vision_config=vision, image_token_id=pad,
-                                   vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=False)
+                                   vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=False,
+                                   **ids)
     config.architectures = ["Qwen3VLMoeForConditionalGeneration"]
     torch.manual_seed(seed)
     model = Qwen3VLMoeForConditionalGeneration(config).to(torch.float32)
@@ -88,10 +97,10 @@ def make_tiny_qwen3_vl_moe(folder, seed: int = 0) -> str:
         for name, param in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 param.normal_(0.0, 0.5)
-    return _write(folder, model, tok)
+    return _write(folder, model, tok, video)
 
 
-def _write(folder, model, tok) -> str:
+def _write(folder, model, tok, video: bool = False) -> str:
     _save(str(folder), model, tok, max_shard_size=None, generation=None)
     # Qwen3-VL's hub preprocessor_config.json layout (size in pixels, CLIP-free 0.5 mean and std), small bounds:
     # a few merged 32-pixel squares an image.
@@ -105,6 +114,16 @@ def _write(folder, model, tok) -> str:
     with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
         tok_config = json.load(f)
     tok_config["chat_template"] = LLAVA_CHAT_TEMPLATE.replace("<image>\n", PLACEHOLDER)
+    if video:
+        fields = {"video_processor_type": "Qwen3VLVideoProcessor", "processor_class": "Qwen3VLProcessor",
+                  "size": {"shortest_edge": 32 * 32 * 4, "longest_edge": 32 * 32 * 24}, "patch_size": 16,
+                  "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+                  "image_std": [0.5, 0.5, 0.5], "fps": 2, "min_frames": 4, "max_frames": 768}
+        with open(os.path.join(folder, "video_preprocessor_config.json"), "w", encoding="utf-8") as f:
+            json.dump(fields, f, indent=2)
+        tok_config["chat_template"] = tok_config["chat_template"].replace(
+            "{% elif part['type'] == 'text' %}", "{% elif part['type'] == 'video' %}" + VIDEO_PLACEHOLDER
+            + "{% elif part['type'] == 'text' %}")
     with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(tok_config, f, indent=2)
     return str(folder)

@@ -19,8 +19,12 @@ Text-only steps (and every step without image rows) call the plain Llama stack u
 
 Checkpoint names: `model.language_model.*`, `model.visual.*`, `lm_head.weight` (the hub's and transformers 5's
 files); `model.*` / `visual.*` load as well. tie_word_embeddings: the top-level config's, which is what
-transformers 5 ties by, else text_config's. One rank, unquantized, images only (video is refused upstream:
-an item of another modality never reaches the model).
+transformers 5 ties by, else text_config's. One rank, unquantized.
+
+Videos go through the same tower (grid t > 1, attention within each frame) and DeepStack. A video's item runs
+over its whole expansion, each frame's `<t seconds>` text included (multimodal/qwen2_vl_processing.py), and
+embed_positions marks the pads that take the tower's rows, as vLLM selects them; worker/mrope.py reads each
+frame's pads as a one-frame image.
 """
 
 from __future__ import annotations
@@ -119,8 +123,24 @@ class Qwen3VLImages:
         self.deepstack_layers = len(self.visual.deepstack_indexes)
         self._dtype = dtype
 
-    # The same (t, h, w) grid and pixel rules as Qwen2-VL's items.
-    check_image_item = Qwen2VLForConditionalGeneration.check_image_item
+    takes_videos = True
+
+    def check_image_item(self, item: MultiModalItem) -> str | None:
+        """Qwen2-VL's (t, h, w) grid and pixel rules on the item's pads; a video's pads one run per frame."""
+        where = item.embed_positions
+        if where is None:
+            return Qwen2VLForConditionalGeneration.check_image_item(self, item)  # type: ignore[arg-type]
+        if item.modality != "video":
+            return "only a video's run holds tokens other than its pads (its frames' timestamps)"
+        pads = MultiModalItem(item.offset, len(where), item.pixels, item.shape, item.hash, item.modality, item.grid)
+        problem = Qwen2VLForConditionalGeneration.check_image_item(self, pads)  # type: ignore[arg-type]
+        if problem:
+            return problem
+        t, h, w = item.grid or (0, 0, 0)
+        frame = h * w // self.mrope_merge_size**2
+        if any(where[f * frame + frame - 1] - where[f * frame] != frame - 1 for f in range(t)):
+            return "each frame's pads must be one run (embed_positions)"
+        return None
 
     def embed_image_item(self, item: MultiModalItem, device: torch.device) -> torch.Tensor:
         """[item.length, (1 + D) * hidden]: the merger's rows, then each DeepStack merger's, side by side."""

@@ -41,6 +41,7 @@ from ferrox.multimodal.inputs import MultiModalItem
 from ferrox.multimodal.processing import ImagePrompts, token_runs
 
 ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+QWEN3_ARCHITECTURES = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
 # Qwen2VLConfig's / Qwen2_5_VLConfig's token ids.
 DEFAULT_IMAGE_TOKEN_ID = 151_655  # <|image_pad|>
 DEFAULT_VISION_START_TOKEN_ID = 151_652  # <|vision_start|>
@@ -169,7 +170,15 @@ class QwenVLImagePrompts(ImagePrompts):
     video_limit: int | None = None  # --limit-mm-per-prompt's videos per prompt
     # Qwen2.5-VL: its items carry second_per_grid_ts (the rotary spaces a video's frames by seconds).
     seconds_per_grid: bool = False
-    video_refusal: str | None = None  # why this family's videos are refused (Qwen3-VL's)
+    video_refusal: str | None = None  # why this family's videos are refused
+    # Qwen3-VL: a video's `<|vision_start|><|video_pad|><|vision_end|>` becomes, per temporal patch, its
+    # `<t seconds>` text then that frame's pads wrapped in vision start / end (_timestamped_pieces). The text is
+    # tokenized on its own, as vLLM's token-level replacement does (transformers tokenizes it with the prompt:
+    # the same ids wherever the text before it ends a pre-token, as a chat template's newline does).
+    frame_timestamps: bool = False
+    tokenizer: Any = None  # Qwen3-VL: encodes the timestamps
+    vision_start_id: int = -1
+    vision_end_id: int = -1
 
     def check_video_count(self, count: int, what: str, param: str = "multi_modal_data") -> None:
         if self.video_limit is not None and count > self.video_limit:
@@ -189,35 +198,36 @@ class QwenVLImagePrompts(ImagePrompts):
         video_runs = token_runs(ids, self.video_token_id) if self.video_token_id >= 0 else []
         if not images and not runs and not video_runs:
             return ids, []
-        # (start, length, token, item maker) of each placeholder, both modalities
-        pieces: list[tuple[int, int, int, Any]] = []
+        # (start, length, maker) of each placeholder, both modalities; maker(offset) -> (item, its tokens)
+        pieces: list[tuple[int, int, Any]] = []
         processed = self._processed(stills, self.processor_for(what, param) if stills else None, "image", what,
                                     param)
         counts = [self.image_processor.tokens(grid) for _, grid in processed] if stills else []
         for span, (patches, grid), count, image in zip(self._spans(runs, counts, what, param), processed, counts,
                                                         stills, strict=True):
-            pieces.append((*span, self.image_token_id,
-                           lambda at, n=count, p=patches, g=grid, i=image: MultiModalItem.from_pixels(
-                               at, n, p, image_hash(i), grid=list(g))))
+            pieces.append((*span, lambda at, n=count, p=patches, g=grid, i=image: (MultiModalItem.from_pixels(
+                at, n, p, image_hash(i), grid=list(g)), [self.image_token_id] * n)))
         if videos or video_runs:
-            pieces.extend(self._video_pieces(video_runs, videos, what, param))
+            pieces.extend(self._video_pieces(video_runs, videos, what, param, ids))
         out: list[int] = []
         items: list[MultiModalItem] = []
         at = 0
-        for start, length, token, make in sorted(pieces, key=lambda piece: piece[0]):
+        for start, length, make in sorted(pieces, key=lambda piece: piece[0]):
             out.extend(ids[at:start])
-            item = make(len(out))
+            item, tokens = make(len(out))
             items.append(item)
-            out.extend([token] * item.length)
+            out.extend(tokens)
             at = start + length
         out.extend(ids[at:])
         return out, items
 
-    def _video_pieces(self, runs: list[tuple[int, int]], videos: list[Any], what: str,
-                      param: str) -> list[tuple[int, int, int, Any]]:
+    def _video_pieces(self, runs: list[tuple[int, int]], videos: list[Any], what: str, param: str,
+                      ids: list[int]) -> list[tuple[int, int, Any]]:
         if self.video_processor is None:
             raise InvalidArgumentError(f"{what}: {self.video_refusal or 'this model takes no videos'}", param=param)
         self.check_video_count(len(videos), what, param)
+        if self.frame_timestamps:
+            return self._timestamped_pieces(runs, videos, ids, what, param)
         processed = self._processed(videos, self.video_processor, "video", what, param)
         counts = [self.video_processor.tokens(grid) for _, grid in processed]
         spans = self._spans(runs, counts, what, param, "video", self.video_placeholder or "")
@@ -226,11 +236,43 @@ class QwenVLImagePrompts(ImagePrompts):
             seconds = self.video_processor.second_per_grid_t(video) if self.seconds_per_grid else None
 
             def make(at: int, n: int = count, p: Any = patches, g: Any = grid, v: Any = video,
-                     s: float | None = seconds) -> MultiModalItem:
-                return MultiModalItem.from_pixels(at, n, p, v.hash(), grid=list(g), modality="video",
-                                                  second_per_grid_ts=s)
+                     s: float | None = seconds) -> tuple[MultiModalItem, list[int]]:
+                return (MultiModalItem.from_pixels(at, n, p, v.hash(), grid=list(g), modality="video",
+                                                   second_per_grid_ts=s), [self.video_token_id] * n)
 
-            pieces.append((*span, self.video_token_id, make))
+            pieces.append((*span, make))
+        return pieces
+
+    def _timestamped_pieces(self, runs: list[tuple[int, int]], videos: list[Any], ids: list[int], what: str,
+                            param: str) -> list[tuple[int, int, Any]]:
+        """Qwen3-VL: each video's wrapped pad (three tokens) -> one item whose run holds every frame's timestamp
+        text and vision start / end, embed_positions marking the pads (as vLLM selects them). Its prompt must
+        hold the wrapped single pad: vLLM finds nothing else to replace (an already expanded video included)."""
+        wrapped = [(start - 1, 3) for start, length in runs if length == 1 and 0 < start < len(ids) - 1
+                   and ids[start - 1] == self.vision_start_id and ids[start + 1] == self.vision_end_id]
+        if len(wrapped) != len(runs) or len(runs) != len(videos):
+            raise InvalidArgumentError(
+                f"{what}: the prompt has {sum(n for _, n in runs)} video token(s) for {len(videos)} video(s); put one "
+                f"{self.video_placeholder!r} where each video goes (Qwen3-VL writes its frames' timestamps there)",
+                param=param)
+        processed = self._processed(videos, self.video_processor.prepare, "video", what, param)
+        pieces = []
+        for span, (patches, grid, seconds), video in zip(wrapped, processed, videos, strict=True):
+            pads = self.video_processor.tokens((1, *grid[1:]))
+            tokens: list[int] = []
+            where: list[int] = []
+            for t in seconds:
+                tokens += self.tokenizer.encode(f"<{t:.1f} seconds>", add_special_tokens=False)
+                tokens.append(self.vision_start_id)
+                where.extend(range(len(tokens), len(tokens) + pads))
+                tokens += [self.video_token_id] * pads + [self.vision_end_id]
+
+            def make(at: int, p: Any = patches, g: Any = grid, v: Any = video, ids: list[int] = tokens,
+                     w: list[int] = where) -> tuple[MultiModalItem, list[int]]:
+                return MultiModalItem.from_pixels(at, len(ids), p, v.hash(), grid=list(g), embed_positions=w,
+                                                  modality="video"), ids
+
+            pieces.append((*span, make))
         return pieces
 
     @staticmethod
@@ -287,8 +329,8 @@ def qwen_vl_image_prompts(model_dir: str, hf_config: Mapping[str, Any], tokenize
                           video_limit: int | None = None) -> QwenVLImagePrompts:
     """The prompt rules of a Qwen2-VL / Qwen2.5-VL folder (hf_config: config.json). The placeholder text a
     string-content chat template gets per image is `<|vision_start|><|image_pad|><|vision_end|>`, as
-    Qwen's own templates write it (`<|video_pad|>` for a video). Qwen3-VL shares the image rules; its
-    videos (timestamps written between frames) are refused by name."""
+    Qwen's own templates write it (`<|video_pad|>` for a video). Qwen3-VL shares the image rules; its videos
+    are cut by qwen3_vl_video_processing.py and written with their frames' timestamps."""
     token_id = int(hf_config.get("image_token_id", DEFAULT_IMAGE_TOKEN_ID))
     pad = tokenizer.id_to_token(token_id)
     if pad is None:
@@ -306,19 +348,30 @@ def qwen_vl_image_prompts(model_dir: str, hf_config: Mapping[str, Any], tokenize
                                             f"vision tower's {theirs} {vision[theirs]} (config.json)")
     prompts = QwenVLImagePrompts(token_id, 0, placeholder, processor, model_dir, limit, allowed_local_media_path)
     archs = set(hf_config.get("architectures") or [])
-    if not archs & set(ARCHITECTURES):
-        prompts.video_refusal = f"{sorted(archs)[0] if archs else 'this model'} takes no video inputs in ferrox yet"
+    name = sorted(archs)[0] if archs else "this model"
+    timestamps = bool(archs & set(QWEN3_ARCHITECTURES))
+    if not archs & set(ARCHITECTURES) and not timestamps:
+        prompts.video_refusal = f"{name} takes no video inputs in ferrox yet"
         return prompts
     from ferrox.multimodal.qwen2_vl_video_processing import QwenVLVideoProcessor, check_tower
+    from ferrox.multimodal.qwen3_vl_video_processing import Qwen3VLVideoProcessor
 
     video_id = int(hf_config.get("video_token_id", DEFAULT_VIDEO_TOKEN_ID))
     video_pad = tokenizer.id_to_token(video_id)
-    video = QwenVLVideoProcessor.from_model_dir(model_dir, processor_kwargs) if os.path.isdir(model_dir) else None
-    if video_pad is None or video is None:
-        prompts.video_refusal = (f"config.json's video_token_id {video_id} is not in the tokenizer's vocabulary"
-                                 if video_pad is None else f"model folder {model_dir} has no video processor config")
+    kind = Qwen3VLVideoProcessor if timestamps else QwenVLVideoProcessor
+    video = kind.from_model_dir(model_dir, processor_kwargs) if os.path.isdir(model_dir) else None
+    if video_pad is None or video is None or (timestamps and (start is None or end is None)):
+        prompts.video_refusal = f"{name} takes no video inputs from this folder: " + (
+            f"config.json's video_token_id {video_id} is not in the tokenizer's vocabulary" if video_pad is None
+            else f"model folder {model_dir} has no video processor config" if video is None
+            else "its tokenizer lacks the vision start / end tokens a video's frames are wrapped in")
         return prompts
     check_tower(video, vision)
+    if timestamps:
+        prompts.frame_timestamps = True
+        prompts.tokenizer = tokenizer
+        prompts.vision_start_id = int(hf_config.get("vision_start_token_id", DEFAULT_VISION_START_TOKEN_ID))
+        prompts.vision_end_id = int(hf_config.get("vision_end_token_id", DEFAULT_VISION_END_TOKEN_ID))
     prompts.video_processor = video
     prompts.video_token_id = video_id
     prompts.video_placeholder = f"{start}{video_pad}{end}" if start is not None and end is not None else video_pad

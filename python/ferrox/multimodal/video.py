@@ -53,6 +53,9 @@ class Video:
     fps: float | None = None  # the source's frame rate
     total_frames: int | None = None  # frames in the source (frames were picked from these)
     indices: list[int] | None = None  # the source frame of each of `frames`
+    # vLLM's metadata flag: the frames are the whole video (its loader kept every frame), for a processor that
+    # samples again (Qwen3-VL's, at its fps) to pick from. Processors that never resample ignore it.
+    do_sample_frames: bool = False
     _hash: str | None = field(default=None, repr=False)
 
     @property
@@ -67,7 +70,8 @@ class Video:
     def hash(self) -> str:
         """sha256 of the frames and the frame rate: keeps prefix-cache blocks of different videos apart."""
         if self._hash is None:
-            digest = hashlib.sha256(f"video\x00{list(self.frames.shape)}\x00{self.sampled_fps}\x00".encode())
+            digest = hashlib.sha256(f"video\x00{list(self.frames.shape)}\x00{self.sampled_fps}\x00"
+                                    f"{self.do_sample_frames}\x00".encode())
             digest.update(np.ascontiguousarray(self.frames).tobytes())
             self._hash = digest.hexdigest()
         return self._hash
@@ -175,12 +179,15 @@ def _with_metadata(frames: np.ndarray, metadata: Mapping[str, Any]) -> Video:
     fps = metadata.get("fps")
     total = metadata.get("total_num_frames")
     indices = metadata.get("frames_indices")
+    resample = metadata.get("do_sample_frames", False)
+    if not isinstance(resample, bool):
+        raise MediaError(f"video metadata do_sample_frames must be true or false, got {resample!r}")
     if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or fps <= 0):
         raise MediaError(f"video metadata fps must be a positive number, got {fps!r}")
     if indices is not None and len(indices) != len(frames):
         raise MediaError(f"video metadata frames_indices has {len(indices)} entries for {len(frames)} frames")
     return Video(frames, float(fps) if fps is not None else None, int(total) if total is not None else None,
-                 [int(i) for i in indices] if indices is not None else None)
+                 [int(i) for i in indices] if indices is not None else None, resample)
 
 
 def sample_indices(total: int, num_frames: int = NUM_FRAMES) -> list[int]:
@@ -219,7 +226,8 @@ def decode_video(data: bytes, num_frames: int = NUM_FRAMES) -> Video:
         raise MediaError(f"not a decodable video: {e}") from None
     if len(frames) != len(wanted):
         raise MediaError(f"not a decodable video: {len(frames)} of its {len(wanted)} sampled frames decoded")
-    return Video(np.stack(frames), float(rate) if rate else None, total, wanted)
+    # vLLM's loader marks a video it kept whole for the processor to sample (its do_sample_frames)
+    return Video(np.stack(frames), float(rate) if rate else None, total, wanted, len(wanted) == total)
 
 
 def load_video_source(prompts: Any, source: Any, what: str, param: str = "multi_modal_data") -> Video:

@@ -4,7 +4,9 @@ A Qwen2-VL prompt's tokens rotate by three positions each (temporal, height, wid
 MRotaryEmbedding). Text counts on one position for all three; an image's tokens take their patch's
 (t, h, w) offset from the position the image starts at, and the text after it resumes at that start plus
 the image's larger side in merged patches (transformers' get_rope_index). A video's tokens take (frame, h, w) offsets the same way, Qwen2.5-VL's
-frame offsets spaced by its second_per_grid_ts x tokens_per_second. An image of 16x16 merged patches
+frame offsets spaced by its second_per_grid_ts x tokens_per_second. A Qwen3-VL video (an item whose run holds
+its frames' timestamp text, embed_positions marking the pads) is read as one single-frame image per temporal
+patch with text between: its timestamps, not its positions, tell the frames' times. An image of 16x16 merged patches
 is 256 tokens but advances the position by 16, so every later token's rotary position is its index in the
 sequence plus the request's `delta` (negative). The KV slots, sequence lengths and causal order stay the
 core's plain positions: only what the rotary is given changes.
@@ -32,27 +34,48 @@ def mrope_positions(prompt_len: int, items: list[MultiModalItem], merge: int,
     pos = np.empty((3, prompt_len), dtype=np.int64)
     current = 0
     at = 0
-    for item in items:
-        if item.grid is None:
-            raise ValueError("a Qwen2-VL image item needs its (t, h, w) grid")
-        n = item.offset - at
-        pos[:, at:item.offset] = np.arange(current, current + n)
+    for offset, t, h, w, seconds in _vision_blocks(items, merge):
+        n = offset - at
+        pos[:, at:offset] = np.arange(current, current + n)
         current += n
-        t, h, w = item.grid[0], item.grid[1] // merge, item.grid[2] // merge
         frames = np.arange(t)
-        if item.modality == "video" and tokens_per_second is not None and item.second_per_grid_ts is not None:
+        if tokens_per_second is not None and seconds is not None:
             # transformers scales in float32, then truncates
-            interval = np.float32(tokens_per_second * item.second_per_grid_ts)
+            interval = np.float32(tokens_per_second * seconds)
             frames = (frames.astype(np.float32) * interval).astype(np.int64)
         tt, hh, ww = np.meshgrid(frames, np.arange(h), np.arange(w), indexing="ij")
-        pos[:, item.offset:item.end] = np.stack([tt.ravel(), hh.ravel(), ww.ravel()]) + current
+        end = offset + t * h * w
+        pos[:, offset:end] = np.stack([tt.ravel(), hh.ravel(), ww.ravel()]) + current
         # The text after resumes past the larger side, whatever the frames' span (transformers 5's rule).
         current += max(h, w)
-        at = item.end
+        at = end
     pos[:, at:] = np.arange(current, current + prompt_len - at)
     # Generated tokens continue from the largest position of the prompt (a video's frames may reach past
     # its text).
     return pos, int(pos.max()) + 1 - prompt_len if prompt_len else 0
+
+
+def _vision_blocks(items: list[MultiModalItem], merge: int) -> list[tuple[int, int, int, int, float | None]]:
+    """(prompt offset, t, merged h, merged w, Qwen2.5-VL's seconds per temporal patch) of each run of vision
+    tokens, in order: an item, or each frame of a Qwen3-VL video (its run's other tokens are text)."""
+    blocks: list[tuple[int, int, int, int, float | None]] = []
+    for item in items:
+        if item.grid is None:
+            raise ValueError("a Qwen2-VL image item needs its (t, h, w) grid")
+        t, h, w = item.grid[0], item.grid[1] // merge, item.grid[2] // merge
+        if item.embed_positions is None:
+            seconds = item.second_per_grid_ts if item.modality == "video" else None
+            blocks.append((item.offset, t, h, w, seconds))
+            continue
+        where = item.embed_positions
+        if item.modality != "video" or len(where) != t * h * w:
+            raise ValueError("only a Qwen3-VL video's item marks its embedding positions, one frame's pads at a time")
+        for f in range(t):
+            first = where[f * h * w]
+            if where[(f + 1) * h * w - 1] != first + h * w - 1:
+                raise ValueError(f"frame {f} of a Qwen3-VL video: its pads must be one run")
+            blocks.append((item.offset + first, 1, h, w, None))
+    return blocks
 
 
 class MRopePositions:
