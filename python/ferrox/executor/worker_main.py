@@ -30,6 +30,7 @@ from ferrox.gc_tuning import freeze_startup_heap
 from ferrox.speculative_config import verify_len
 from ferrox.worker.model_forward import ModelForward, StepArrays
 from ferrox.worker.model_setup import load_everything
+from ferrox.worker.rank_images import RankImages
 from ferrox.worker.step_inputs import Uploader
 
 logger = logging.getLogger("ferrox.executor.worker")
@@ -56,6 +57,8 @@ def _step_loop(forward: ModelForward, channel: StepChannel) -> None:
     # staging step N this rank waits for step N-2's device work (its copies out of those buffers).
     done: collections.deque[Any] = collections.deque()
     cuda = forward.device.type == "cuda"
+    # A vision model: this rank mirrors the driver's images and embeds them itself (worker/rank_images.py).
+    images = RankImages.for_model(forward.model, forward.device)
     while True:
         command, arrays = channel.recv()
         if command == SHUTDOWN:
@@ -64,7 +67,11 @@ def _step_loop(forward: ModelForward, channel: StepChannel) -> None:
             done.popleft().synchronize()
         forward.upload.next_step()
         step = StepArrays(arrays)
-        forward.run(step, step.prompt_rows)
+        if images is None:
+            forward.run(step, step.prompt_rows)
+        else:
+            image_rows, rope_positions = images.step_inputs(arrays, step)
+            forward.run(step, step.prompt_rows, image_rows=image_rows, rope_positions=rope_positions)
         if cuda:
             event = torch.cuda.Event()
             event.record()

@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ferrox.distributed.parallel_state import get_tp_group
 from ferrox.distributed.sharding import materialize
 from ferrox.layers.ops import DeviceOps, Rope
 from ferrox.layers.rotary import RotaryEmbedding
@@ -130,18 +129,17 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     projector. Each image is mm_tokens_per_image rows in place of its `<image_soft_token>` run; as in
     transformers, an image's tokens attend to each other both ways (AttentionMetadata.bidirectional, within
     the window on local layers), so the scheduler computes each image in one step. Under tensor parallelism
-    the engine serves text only (the tower runs on one rank)."""
+    the language model is sharded as Gemma 3 text is; the tower and projector load whole on every rank, and
+    each rank embeds its requests' images (worker/rank_images.py)."""
 
     own_weight_prefixes = ("vision_tower.", "multi_modal_projector.")
     bidirectional_images = True
+    takes_images = True
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
         super().__init__(spec, dtype, device, kernels=kernels)
         mm = spec.hf_config.get("multimodal") or {}
-        self.takes_images = get_tp_group().size == 1
-        if not self.takes_images:
-            return
         vision = {"model_type": "siglip_vision_model", **(mm.get("vision_config") or {})}
         self.vision_tower = build_vision_tower(vision, dtype=dtype, device=device, feature_layer=-1,
                                                post_layernorm=True)
@@ -168,9 +166,9 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
                     if name.startswith(old):
                         name = new + name[len(old):]
                 if name.startswith(self.own_weight_prefixes):
-                    if self.takes_images and name.startswith("vision_tower."):
+                    if name.startswith("vision_tower."):
                         tower.append((name[len("vision_tower."):], tensor))
-                    elif self.takes_images:
+                    else:
                         projector[name[len("multi_modal_projector."):]] = materialize(tensor)
                     continue
                 prefix = next((p for p in _LANGUAGE_PREFIXES if name.startswith(p)), None)
@@ -182,7 +180,5 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
                     yield name, tensor
 
         super().load_weights(language_model())
-        if not self.takes_images:
-            return
         self.vision_tower.load_weights((name, materialize(t)) for name, t in tower)
         load_whole(self.multi_modal_projector, projector, "multi_modal_projector", self.spec.architecture)

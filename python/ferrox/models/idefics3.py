@@ -11,7 +11,8 @@ each tile one item of image_seq_len tokens (multimodal/idefics3_processing.py).
 
 Checkpoint names: `model.vision_model.*`, `model.connector.modality_projection.proj.weight`,
 `model.text_model.*`, `lm_head.weight` (absent when tied). Whether the LM head is tied is the top-level
-config's tie_word_embeddings (transformers ties by it, not by text_config's). One rank, unquantized.
+config's tie_word_embeddings (transformers ties by it, not by text_config's). Unquantized. Under tensor parallelism the
+Llama is sharded; the tower and connector load whole on every rank (worker/rank_images.py).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class Idefics3Connector(nn.Module):
 
 
 class Idefics3ForConditionalGeneration(LlamaForCausalLM):
-    supports_tensor_parallel = False
+    supports_tensor_parallel = True  # the tower and connector are replicated (plain nn layers, loaded whole)
     supports_quantized_gguf = False
     supports_quantization = False
     own_weight_prefixes = ("vision_model.", "connector.")

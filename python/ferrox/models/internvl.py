@@ -17,8 +17,8 @@ in order, so the tower runs over all the image's tiles at once.
 Checkpoint names: LLaVA's two layouts (models/llava.py): `model.vision_tower.*`, `model.multi_modal_projector.*`,
 `model.language_model.*`, `lm_head.weight` (absent when tied), or the `vision_tower.*`, `multi_modal_projector.*`,
 `language_model.model.*`, `language_model.lm_head.*` that transformers 5 saves. Whether the LM head is tied is the top-level config's
-tie_word_embeddings (default true, as InternVLConfig's: transformers ties by it, not by text_config's). One rank,
-unquantized.
+tie_word_embeddings (default true, as InternVLConfig's: transformers ties by it, not by text_config's). Unquantized;
+tensor parallelism as LLaVA's.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ class InternVLProjector(nn.Module):
 
 
 class InternVLForConditionalGeneration(LlavaLayoutWeights, LlamaForCausalLM):
-    """LLaVA's checkpoint layout and load_weights (models/llava.py): one rank, unquantized, images taken."""
+    """LLaVA's checkpoint layout and load_weights (models/llava.py): unquantized, images taken, the
+    language model sharded under tensor parallelism and the tower replicated."""
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):

@@ -11,7 +11,8 @@ language model runs as it always does over the resulting embeddings, causal atte
 Checkpoint names come in two layouts: transformers < 4.52 (`language_model.model.*`,
 `language_model.lm_head.*`, `vision_tower.*`, `multi_modal_projector.*`) and newer ones
 (`model.language_model.*`, `lm_head.*`, `model.vision_tower.*`, `model.multi_modal_projector.*`).
-One rank, unquantized: the tower and projector are not sharded.
+Unquantized. Under tensor parallelism the language model is sharded as its text class is; the tower and
+projector load whole on every rank, and each rank embeds its requests' images (worker/rank_images.py).
 """
 
 from __future__ import annotations
@@ -57,9 +58,10 @@ class LlavaLayoutWeights:
     vision_tower: Any
     multi_modal_projector: nn.Module
     spec: ModelSpec
-    # What such a model is to the loader and the engine: one rank, unquantized (the tower and projector are
-    # not sharded or quantized), its own tensors kept from the text model's loader, images taken.
-    supports_tensor_parallel = False
+    # What such a model is to the loader and the engine: unquantized (the tower and projector are not
+    # quantized), its own tensors kept from the text model's loader, images taken. Any tensor_parallel_size
+    # the language model takes: the tower and projector are replicated (loaded whole, plain nn layers).
+    supports_tensor_parallel = True
     supports_quantized_gguf = False
     supports_quantization = False
     own_weight_prefixes: tuple[str, ...] = ("vision_tower.", "multi_modal_projector.")

@@ -12,8 +12,8 @@ so an image takes p * p + h * (w + 1) rows for its h x w unpadded map, a number 
 carries its (H, W) (`grid`), from which the layout is rebuilt. The language model (Llama, Mistral or Qwen2) runs as
 it always does over the resulting embeddings.
 
-Checkpoint names: LLaVA's two layouts, plus `image_newline` (`model.image_newline` in transformers 5's). One rank,
-unquantized.
+Checkpoint names: LLaVA's two layouts, plus `image_newline` (`model.image_newline` in transformers 5's). Unquantized;
+tensor parallelism as LLaVA's.
 """
 
 from __future__ import annotations

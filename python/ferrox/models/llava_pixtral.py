@@ -9,7 +9,7 @@ Pixtral-12B as mistral-community/pixtral-12b publishes it): a Mistral language m
 The image layout in the prompt is Pixtral's (multimodal/pixtral_processing.py with no patch merging): `[IMG]` x
 cols then `[IMG_BREAK]` per row, the last row ending in `[IMG_END]`; only the `[IMG]` positions take rows.
 models/registry.py picks this class for a LLaVA config with a Pixtral tower. Weight names: LLaVA's two layouts
-(models/llava.py). One rank, unquantized.
+(models/llava.py). Unquantized; tensor parallelism as LLaVA's.
 """
 
 from __future__ import annotations

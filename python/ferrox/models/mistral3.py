@@ -18,7 +18,7 @@ Checkpoint names: the hub's layout (`language_model.model.*`, `language_model.lm
 `multi_modal_projector.*`, which transformers 5 also saves) or transformers 5's module names
 (`model.language_model.*`, `lm_head.*`, `model.vision_tower.*`, `model.multi_modal_projector.*`). Whether the
 LM head is tied is the top-level config's tie_word_embeddings when it says (transformers 5 reads that one),
-else the text config's. One rank, unquantized.
+else the text config's. Unquantized; tensor parallelism as LLaVA's.
 """
 
 from __future__ import annotations

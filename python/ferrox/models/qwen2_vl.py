@@ -8,7 +8,8 @@ the tower's rows over its frames' patches (grid t > 1), and its positions space 
 
 Checkpoint names: `model.layers.*`, `visual.*`, `lm_head.weight`, as the hub's files have them (transformers 5
 saves that layout too; its in-memory `model.language_model.*` / `model.visual.*` names load as well). Whether the LM head is tied is the top-level config's
-tie_word_embeddings (Qwen2-VL-2B ties). One rank, unquantized.
+tie_word_embeddings (Qwen2-VL-2B ties). Unquantized. Under tensor parallelism the
+Qwen2 is sharded; the tower loads whole on every rank (worker/rank_images.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ _RENAMES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 
 
 class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
-    supports_tensor_parallel = False
+    supports_tensor_parallel = True  # the tower is replicated (plain nn layers, loaded whole)
     supports_quantized_gguf = False
     supports_quantization = False
     own_weight_prefixes = ("visual.",)

@@ -19,7 +19,7 @@ Text-only steps (and every step without image rows) call the plain Llama stack u
 
 Checkpoint names: `model.language_model.*`, `model.visual.*`, `lm_head.weight` (the hub's and transformers 5's
 files); `model.*` / `visual.*` load as well. tie_word_embeddings: the top-level config's, which is what
-transformers 5 ties by, else text_config's. One rank, unquantized.
+transformers 5 ties by, else text_config's. Unquantized (the tower replicated under tensor parallelism).
 
 Videos go through the same tower (grid t > 1, attention within each frame) and DeepStack. A video's item runs
 over its whole expansion, each frame's `<t seconds>` text included (multimodal/qwen2_vl_processing.py), and
@@ -81,7 +81,7 @@ class Qwen3VLImages:
 
     model: Any
     backend: Any
-    supports_tensor_parallel = False
+    supports_tensor_parallel = True  # the tower is replicated (plain nn layers, loaded whole: worker/rank_images.py)
     supports_quantized_gguf = False
     supports_quantization = False
     own_weight_prefixes: tuple[str, ...] = ("visual.",)

@@ -36,7 +36,8 @@ STEP_ARRAY_NAMES = ("input_ids", "positions", "slot_mapping", "query_start_loc",
 
 class StepArrays:
     """A step as the non-driver ranks receive it: SchedulerOutput's array attributes by name,
-    plus `prompt_rows` ([k, 2] start, count: the hidden rows whose logits score prompt tokens)."""
+    plus `prompt_rows` ([k, 2] start, count: the hidden rows whose logits score prompt tokens) and, for a
+    model that takes images, `req_slots` (worker/rank_images.py)."""
 
     input_ids: np.ndarray
     positions: np.ndarray
@@ -51,6 +52,7 @@ class StepArrays:
         for name in STEP_ARRAY_NAMES:
             setattr(self, name, arrays[name])
         self.prompt_rows = arrays.get("prompt_rows", np.zeros((0, 2), dtype=np.int64))
+        self.req_slots = arrays.get("req_slots", np.zeros(0, dtype=np.int32))
         self.num_tokens = int(self.input_ids.shape[0])
         self.shifted = bool(arrays.get("shifted", np.zeros(1, dtype=np.bool_))[0])
 

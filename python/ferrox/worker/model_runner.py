@@ -40,8 +40,8 @@ from ferrox.step_types import Logprobs
 from ferrox.worker.input_batch import InFlight, InputBatch
 from ferrox.worker.mask_gate import MaskGate, PendingMask
 from ferrox.worker.model_forward import ModelForward, step_arrays
-from ferrox.worker.mrope import MRopePositions
 from ferrox.worker.multimodal import ImageEmbeddings
+from ferrox.worker.rank_images import ImageEventLog, multimodal_rope
 from ferrox.worker.request_state import RequestState
 from ferrox.worker.spec_decode import expand_rows, verify
 from ferrox.worker.step_inputs import Uploader
@@ -166,9 +166,10 @@ class ModelRunner:
         # A model that takes images (worker/multimodal.py): their embeddings replace the placeholder rows.
         self.images = ImageEmbeddings(model, device) if getattr(model, "takes_images", False) else None
         # Qwen2-VL: the rotary positions of requests with images (worker/mrope.py).
-        merge = getattr(model, "mrope_merge_size", 0)
-        self.mrope = (MRopePositions(merge, device, getattr(model, "mrope_tokens_per_second", None))
-                      if merge and self.images is not None else None)
+        self.mrope = multimodal_rope(model, device) if self.images is not None else None
+        # Under tensor parallelism the other ranks embed the images too: they get the slots' changes with
+        # each step (worker/rank_images.py).
+        self._image_log = ImageEventLog() if self.images is not None and self.channel is not None else None
 
     @property
     def graph_runner(self) -> Any:
@@ -196,6 +197,8 @@ class ModelRunner:
             self.images.add(slot, images)
             if self.mrope is not None:
                 self.mrope.add(slot, len(prompt_token_ids), images)
+            if self._image_log is not None:
+                self._image_log.add(slot, len(prompt_token_ids), images)
         elif images:
             raise ValueError("images given to a runner whose model takes none")
         if self.lora is not None:
@@ -213,6 +216,8 @@ class ModelRunner:
             self.images.remove(slots)
         if self.mrope is not None:
             self.mrope.remove(slots)
+        if self._image_log is not None:
+            self._image_log.remove(slots)
 
     def append_accepted(self, slots: npt.NDArray[np.int32], token_ids: npt.NDArray[np.int32],
                         token_offsets: npt.NDArray[np.int32]) -> None:
@@ -236,7 +241,10 @@ class ModelRunner:
         prompt_rows = np.array([(job[2], job[3]) for job in prompt_jobs], dtype=np.int64).reshape(-1, 2)
         shifted = prev is not None and prev.rejected is not None
         if self.channel is not None:
-            self.channel.send(STEP, step_arrays(so, prompt_rows, shifted=shifted))
+            arrays = step_arrays(so, prompt_rows, shifted=shifted)
+            if self._image_log is not None:
+                self._image_log.drain_into(arrays, so)
+            self.channel.send(STEP, arrays)
 
         def fill_holes(input_ids: torch.Tensor, holes: np.ndarray) -> torch.Tensor | None:
             """Each placeholder gets its request's last token of `prev`. When `prev` verified drafts,

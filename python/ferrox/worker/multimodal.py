@@ -26,8 +26,7 @@ def check_items(items: list[MultiModalItem], prompt: list[int], model: Any, what
     prompt, in order, not overlapping, over the model's image token, with the pixel shape and row count
     the model's tower takes (InvalidArgumentError naming multi_modal_data)."""
     if not getattr(model, "takes_images", False):
-        raise InvalidArgumentError(f"{what}: the model takes no images (a text-only model, or a vision model served "
-                                   "with tensor_parallel_size > 1, which serves text only)", param="multi_modal_data")
+        raise InvalidArgumentError(f"{what}: the model takes no images (a text-only model)", param="multi_modal_data")
     end = 0
     for k, item in enumerate(items):
         if item.modality != "image" and not (item.modality == "video" and getattr(model, "takes_videos", False)):
