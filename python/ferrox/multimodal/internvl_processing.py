@@ -39,6 +39,10 @@ from ferrox.multimodal.image_processor import rescale_normalize, to_rgb
 from ferrox.multimodal.inputs import MultiModalItem
 from ferrox.multimodal.processing import ImagePrompts
 
+# InternVLVisionConfig's tile geometry when vision_config leaves it out (models/vision/intern_vit.py's
+# CONFIG_DEFAULTS take these: the prompt side needs them without importing the tower, or torch).
+TOWER_GEOMETRY_DEFAULTS: dict[str, Any] = {"image_size": 448, "patch_size": 14}
+
 DEFAULT_IMAGE_TOKEN_ID = 151_667  # InternVLConfig's
 # The tokens InternVLProcessor reads off the tokenizer (tokenizer_config.json's extra_special_tokens), with the
 # hub's spellings for a tokenizer that does not name them.
@@ -167,9 +171,7 @@ class InternVLImagePrompts(ImagePrompts):
 def internvl_tokens_per_tile(multimodal: Mapping[str, Any]) -> int:
     """Rows a tile gives: the tower's patches after the pixel shuffle by downsample_ratio (1 / ratio an integer
     dividing the patch grid's side), as transformers' get_image_features reshapes them."""
-    from ferrox.models.vision.intern_vit import CONFIG_DEFAULTS
-
-    vision = {**CONFIG_DEFAULTS, **(multimodal.get("vision_config") or {})}
+    vision = {**TOWER_GEOMETRY_DEFAULTS, **(multimodal.get("vision_config") or {})}
     image, patch = (v[0] if isinstance(v, (list, tuple)) else v for v in (vision["image_size"], vision["patch_size"]))
     side = int(image) // int(patch)
     scale = shuffle_scale(multimodal)
@@ -220,9 +222,7 @@ def internvl_image_prompts(model_dir: str, multimodal: Mapping[str, Any], tokeni
                                         "each image")
         ids[key] = int(found)
     if processor is not None:
-        from ferrox.models.vision.intern_vit import CONFIG_DEFAULTS
-
-        size = {**CONFIG_DEFAULTS, **(multimodal.get("vision_config") or {})}["image_size"]
+        size = {**TOWER_GEOMETRY_DEFAULTS, **(multimodal.get("vision_config") or {})}["image_size"]
         size = int(size[0] if isinstance(size, (list, tuple)) else size)
         if processor.tile != size:
             raise UnsupportedModelError(f"{processor.where}: size {processor.tile} differs from the vision tower's "

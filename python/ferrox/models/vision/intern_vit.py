@@ -25,12 +25,13 @@ from torch import nn
 from ferrox.errors import InvalidArgumentError, UnsupportedModelError
 from ferrox.models.load_check import load_tower_tensors
 from ferrox.models.vision.vit import ACTIVATIONS, _layers_to_build
+from ferrox.multimodal.internvl_processing import TOWER_GEOMETRY_DEFAULTS
 
 # InternVLVisionConfig's defaults for the keys read here.
 CONFIG_DEFAULTS: dict[str, Any] = {
     "hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "attention_bias": False,
     "use_qk_norm": False, "intermediate_size": 4096, "hidden_act": "gelu", "norm_type": "layer_norm",
-    "layer_norm_eps": 1e-6, "image_size": 448, "patch_size": 14, "num_channels": 3, "use_mask_token": False,
+    "layer_norm_eps": 1e-6, **TOWER_GEOMETRY_DEFAULTS, "num_channels": 3, "use_mask_token": False,
     "use_absolute_position_embeddings": True, "use_mean_pooling": True,
     # Not a transformers key: its q/k norms use 1e-6 always, InternVLChatModel's remote code layer_norm_eps
     # (multimodal/internvl_chat_processing.py native_multimodal sets it).
