@@ -15,7 +15,7 @@ Qwen2 is sharded; the tower loads whole on every rank (worker/rank_images.py).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -78,21 +78,28 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
         return self.visual(pixels, grid)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        tower: list[tuple[str, Any]] = []
+        load_with_visual(weights, super().load_weights, self.visual)
 
-        def language_model() -> Iterator[tuple[str, Any]]:
-            for name, tensor in weights:
-                for old, new in _RENAMES:
-                    if name.startswith(old):
-                        name = new + name[len(old):]
-                        break
-                if name.startswith("visual."):
-                    tower.append((name[len("visual."):], tensor))
-                else:
-                    yield name, tensor
 
-        super().load_weights(language_model())
-        self.visual.load_weights((name, materialize(t)) for name, t in tower)
+def load_with_visual(weights: Iterable[tuple[str, Any]], load_language_model: Callable[[Iterable[Any]], None],
+                     visual: Any) -> None:
+    """A Qwen-VL checkpoint (Qwen2-VL, 2.5-VL, 3-VL): the language model's tensors, renamed to the text class's
+    names, to load_language_model as they stream; `visual.*` whole to the tower after them."""
+    tower: list[tuple[str, Any]] = []
+
+    def language_model() -> Iterator[tuple[str, Any]]:
+        for name, tensor in weights:
+            for old, new in _RENAMES:
+                if name.startswith(old):
+                    name = new + name[len(old):]
+                    break
+            if name.startswith("visual."):
+                tower.append((name[len("visual."):], tensor))
+            else:
+                yield name, tensor
+
+    load_language_model(language_model())
+    visual.load_weights((name, materialize(t)) for name, t in tower)
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):  # noqa: N801 (transformers' name)

@@ -30,20 +30,17 @@ frame's pads as a one-frame image.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from ferrox.distributed.sharding import materialize
 from ferrox.errors import UnsupportedModelError
 from ferrox.model_spec import ModelSpec
 from ferrox.models.llama import LlamaModel
 from ferrox.models.qwen import Qwen3ForCausalLM
-from ferrox.models.qwen2_vl import Qwen2VLForConditionalGeneration
+from ferrox.models.qwen2_vl import Qwen2VLForConditionalGeneration, load_with_visual
 from ferrox.multimodal.inputs import MultiModalItem
-
-_RENAMES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 
 
 def deepstack_layers(model: Any, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -164,21 +161,7 @@ class Qwen3VLImages:
                           deepstack=deepstack)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        tower: list[tuple[str, Any]] = []
-
-        def language_model() -> Iterator[tuple[str, Any]]:
-            for name, tensor in weights:
-                for old, new in _RENAMES:
-                    if name.startswith(old):
-                        name = new + name[len(old):]
-                        break
-                if name.startswith("visual."):
-                    tower.append((name[len("visual."):], tensor))
-                else:
-                    yield name, tensor
-
-        super().load_weights(language_model())  # type: ignore[misc]
-        self.visual.load_weights((name, materialize(t)) for name, t in tower)
+        load_with_visual(weights, super().load_weights, self.visual)  # type: ignore[misc]
 
 
 class Qwen3VLForConditionalGeneration(Qwen3VLImages, Qwen3ForCausalLM):

@@ -206,12 +206,7 @@ class Idefics3ImagePrompts(ImagePrompts):
                param: str = "multi_modal_data") -> tuple[list[int], list[MultiModalItem]]:
         from ferrox.multimodal.media import image_hash
 
-        self.check_count(len(images), what, param)
-        ids = list(prompt_ids)
-        # Every image token is one image's placeholder (a template may write two side by side); a prompt
-        # already holding expanded tiles has far more of them than images, and is refused by the count.
-        places = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        self.check_placeholders(len(places), len(images), what, param, " (its tiles are expanded here)")
+        ids, places = self.tile_placeholders(prompt_ids, images, what, param)
         if not images:
             return ids, []
         processor = self.processor_for(what, param)

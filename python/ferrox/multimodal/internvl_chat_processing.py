@@ -33,6 +33,7 @@ from ferrox.errors import InvalidArgumentError, ModelLoadError, UnsupportedModel
 from ferrox.multimodal.config_fields import positive_int
 from ferrox.multimodal.image_processor import rescale_normalize, to_rgb
 from ferrox.multimodal.inputs import MultiModalItem
+from ferrox.multimodal.internvl_processing import closest_grid, internvl_tokens_per_tile
 from ferrox.multimodal.processing import ImagePrompts
 
 WHERE = "config.json"
@@ -113,18 +114,6 @@ def candidate_grids(min_tiles: int, max_tiles: int) -> list[tuple[int, int]]:
     grids = {(i, j) for n in range(min_tiles, max_tiles + 1) for i in range(1, n + 1) for j in range(1, n + 1)
              if min_tiles <= i * j <= max_tiles}
     return sorted(grids, key=lambda g: g[0] * g[1])
-
-
-def closest_grid(width: int, height: int, tile: int, grids: Sequence[tuple[int, int]]) -> tuple[int, int]:
-    aspect, area = width / height, width * height
-    best, best_diff = (1, 1), float("inf")
-    for grid in grids:
-        diff = abs(aspect - grid[0] / grid[1])
-        if diff < best_diff:
-            best, best_diff = grid, diff
-        elif diff == best_diff and area > 0.5 * tile * tile * grid[0] * grid[1]:
-            best = grid
-    return best
 
 
 class InternVLChatImageProcessor:
@@ -228,8 +217,6 @@ class InternVLChatImagePrompts(ImagePrompts):
 
 def internvl_chat_tokens_per_tile(multimodal: Mapping[str, Any]) -> int:
     """num_image_token: (image_size / patch_size)^2 * downsample_ratio^2 rows a tile."""
-    from ferrox.multimodal.internvl_processing import internvl_tokens_per_tile
-
     return internvl_tokens_per_tile(native_multimodal(multimodal))
 
 

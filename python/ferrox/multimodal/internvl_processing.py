@@ -64,6 +64,12 @@ def tiling_grid(height: int, width: int, tile: int, min_tiles: int, max_tiles: i
     """(cols, rows) of transformers' get_optimal_tiled_canvas for a square tile (the same float comparisons)."""
     grids = sorted(((w, h) for w in range(1, max_tiles + 1) for h in range(1, max_tiles + 1)
                     if min_tiles <= w * h <= max_tiles), key=lambda g: g[0] * g[1])
+    return closest_grid(width, height, tile, grids)
+
+
+def closest_grid(width: int, height: int, tile: int, grids: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """The (cols, rows) of `grids` (in their order) whose aspect is nearest the image's; a tie goes to the later
+    grid when the image covers more than half of it (InternVL's rule, in both its layouts)."""
     aspect, area = width / height, width * height
     best, best_diff = (1, 1), float("inf")
     for grid in grids:
@@ -145,10 +151,7 @@ class InternVLImagePrompts(ImagePrompts):
                param: str = "multi_modal_data") -> tuple[list[int], list[MultiModalItem]]:
         from ferrox.multimodal.media import image_hash
 
-        self.check_count(len(images), what, param)
-        ids = list(prompt_ids)
-        places = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        self.check_placeholders(len(places), len(images), what, param, " (its tiles are expanded here)")
+        ids, places = self.tile_placeholders(prompt_ids, images, what, param)
         if not images:
             return ids, []
         processor = self.processor_for(what, param)

@@ -47,15 +47,20 @@ class MediaError(InvalidArgumentError):
 
 def image_fetch_timeout() -> float:
     """Seconds an http(s) image fetch may take: $VLLM_IMAGE_FETCH_TIMEOUT, else 5 (vLLM's default)."""
-    value = os.environ.get(TIMEOUT_ENV, "").strip()
+    return fetch_timeout(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
+
+
+def fetch_timeout(env: str, default: float) -> float:
+    """Seconds from the environment variable `env` (vLLM's VLLM_*_FETCH_TIMEOUT), else `default`."""
+    value = os.environ.get(env, "").strip()
     if not value:
-        return DEFAULT_TIMEOUT_S
+        return default
     try:
         seconds = float(value)
     except ValueError:
-        raise InvalidArgumentError(f"{TIMEOUT_ENV} must be a number of seconds, got {value!r}") from None
+        raise InvalidArgumentError(f"{env} must be a number of seconds, got {value!r}") from None
     if not seconds > 0:
-        raise InvalidArgumentError(f"{TIMEOUT_ENV} must be > 0, got {value!r}")
+        raise InvalidArgumentError(f"{env} must be > 0, got {value!r}")
     return seconds
 
 

@@ -72,6 +72,17 @@ class ImagePrompts:
                 f"{what}: the prompt has {found} image placeholder(s) ({self.placeholder!r}) for {images} image(s); "
                 f"put one placeholder where each image goes{hint}", param=param)
 
+    def tile_placeholders(self, prompt_ids: Sequence[int], images: Sequence[Any], what: str,
+                          param: str) -> tuple[list[int], list[int]]:
+        """(the prompt's ids, its placeholder positions) for a family whose image is one placeholder token expanded
+        here into its tiles (Idefics3, InternVL): every image token is one image's (a template may write two side
+        by side); a prompt already holding expanded tiles has far more of them than images, refused by the count."""
+        self.check_count(len(images), what, param)
+        ids = list(prompt_ids)
+        places = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        self.check_placeholders(len(places), len(images), what, param, " (its tiles are expanded here)")
+        return ids, places
+
     def processor_for(self, what: str, param: str) -> Any:
         """The image processor, or InvalidArgumentError: the model folder has no config to prepare images by."""
         if self.image_processor is None:

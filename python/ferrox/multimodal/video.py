@@ -30,6 +30,7 @@ from ferrox.multimodal.media import (
     _read_local,
     _scheme,
     decode_data_url,
+    fetch_timeout,
 )
 
 TIMEOUT_ENV = "VLLM_VIDEO_FETCH_TIMEOUT"
@@ -79,16 +80,7 @@ class Video:
 
 def video_fetch_timeout() -> float:
     """Seconds an http(s) video fetch may take: $VLLM_VIDEO_FETCH_TIMEOUT, else 30 (vLLM's default)."""
-    value = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not value:
-        return DEFAULT_TIMEOUT_S
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise InvalidArgumentError(f"{TIMEOUT_ENV} must be a number of seconds, got {value!r}") from None
-    if not seconds > 0:
-        raise InvalidArgumentError(f"{TIMEOUT_ENV} must be > 0, got {value!r}")
-    return seconds
+    return fetch_timeout(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
 
 
 def videos_of(value: Any) -> list[Any]:
