@@ -85,6 +85,7 @@ MULTIMODAL_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3_text", "Ll
                             "Mistral3ForConditionalGeneration": "mistral", "LlavaNextForConditionalGeneration": "llama",
                             "Qwen3VLForConditionalGeneration": "qwen3_vl_text", "InternVLForConditionalGeneration": "qwen2",
                             "InternVLChatModel": "qwen2",
+                            "LlavaOnevisionForConditionalGeneration": "qwen2",
                             "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe_text",
                             **_FLAT_TEXT}
 

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ferrox.distributed.sharding import materialize
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
@@ -36,8 +37,7 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
         super().__init__(spec, dtype, device, kernels=kernels)
-        mm = spec.hf_config["multimodal"]
-        self.layout = AnyresLayout.from_config(mm)
+        self.layout = self.anyres_layout(spec.hf_config["multimodal"])
         if self.vision_tower.image_size != self.layout.tile:
             raise UnsupportedModelError(f"config.json: the vision tower's image size {self.vision_tower.image_size} "
                                         f"is not the tile size {self.layout.tile}")
@@ -45,6 +45,11 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
         self.image_newline: torch.Tensor
         self.register_buffer("image_newline", torch.zeros(spec.hidden_size, dtype=dtype, device=device))
         self._dtype = dtype
+
+    @staticmethod
+    def anyres_layout(multimodal: dict[str, Any]) -> AnyresLayout:
+        """The images' geometry by config.json (a subclass adds its family's rules)."""
+        return AnyresLayout.from_config(multimodal)
 
     def check_image_item(self, item: MultiModalItem) -> str | None:
         """What is wrong with an image item for this model (worker/multimodal.py check_items), or None."""
@@ -73,6 +78,9 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
         grid = features[1:].view(rows, cols, p, p, hidden).permute(0, 2, 1, 3, 4).reshape(rows * p, cols * p, hidden)
         top, bottom, left, right = unpadded_grid(height, width, rows * p, cols * p)
         grid = grid[top:bottom, left:right]
+        size = self.layout.scaled(bottom - top, right - left)
+        if size != (bottom - top, right - left):  # OneVision's anyres_max: a large map scaled down
+            grid = F.interpolate(grid.permute(2, 0, 1)[None], size=size, mode="bilinear")[0].permute(1, 2, 0)
         newline = self.image_newline.to(grid.dtype).expand(grid.shape[0], 1, hidden)
         return torch.cat([features[0], torch.cat([grid, newline], dim=1).reshape(-1, hidden)])
 

@@ -37,6 +37,7 @@ SUPPORTED: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "ferrox.models.gemma3:Gemma3ForConditionalGeneration",
     "LlavaForConditionalGeneration": "ferrox.models.llava:LlavaForConditionalGeneration",
     "LlavaNextForConditionalGeneration": "ferrox.models.llava_next:LlavaNextForConditionalGeneration",
+    "LlavaOnevisionForConditionalGeneration": "ferrox.models.llava_onevision:LlavaOnevisionForConditionalGeneration",
     "Mistral3ForConditionalGeneration": "ferrox.models.mistral3:Mistral3ForConditionalGeneration",
     "Qwen2VLForConditionalGeneration": "ferrox.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": "ferrox.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",

@@ -106,9 +106,11 @@ class AnyresLayout:
     tile: int
     patches: int
     pinpoints: list[list[int]]
+    # LLaVA-OneVision's "anyres_max_N": an unpadded map of more than about N tiles' rows is scaled down (scaled).
+    max_tiles: int | None = None
 
     @classmethod
-    def from_config(cls, multimodal: Mapping[str, Any]) -> AnyresLayout:
+    def from_config(cls, multimodal: Mapping[str, Any], max_tiles: int | None = None) -> AnyresLayout:
         """From config.json (its top level: multimodal); refuses a tower whose rows are not a p x p map (a CLIP
         tower under the "full" strategy keeps its class token, which transformers cannot lay out either)."""
         vision = llava_vision_config(multimodal)
@@ -120,36 +122,54 @@ class AnyresLayout:
                                         f"{patches}x{patches} map (vision_feature_select_strategy "
                                         f"{multimodal.get('vision_feature_select_strategy', 'default')!r})")
         pinpoints = parse_pinpoints(multimodal.get("image_grid_pinpoints", DEFAULT_PINPOINTS), tile, "config.json")
-        return cls(tile, patches, pinpoints)
+        return cls(tile, patches, pinpoints, max_tiles)
 
     def grid(self, height: int, width: int) -> tuple[int, int]:
         """(rows, cols) of tiles an image of height x width is cut into, besides the base one."""
         h, w = select_best_resolution(height, width, self.pinpoints)
         return h // self.tile, w // self.tile
 
+    def scaled(self, rows: int, cols: int) -> tuple[int, int]:
+        """The (rows, cols) an unpadded feature map is resized to (bilinearly): itself, unless max_tiles is set
+        and the map is more than 1.1x (per side) the rows of max_tiles tiles, when both sides are divided by
+        that ratio and floored (transformers' LlavaOnevisionModel.pack_image_features)."""
+        if self.max_tiles is None:
+            return rows, cols
+        ratio = math.sqrt(rows * cols / (self.max_tiles * self.patches**2))
+        return (int(rows // ratio), int(cols // ratio)) if ratio > 1.1 else (rows, cols)
+
     def image_tokens(self, height: int, width: int) -> int:
-        """Embedding rows of an image: its unpadded feature map, a newline per map row, the base tile."""
+        """Embedding rows of an image: its unpadded (maybe scaled) feature map, a newline per map row, the base
+        tile."""
         rows, cols = self.grid(height, width)
         top, bottom, left, right = unpadded_grid(height, width, rows * self.patches, cols * self.patches)
-        return (bottom - top) * (right - left + 1) + self.patches**2
+        h, w = self.scaled(bottom - top, right - left)
+        return h * (w + 1) + self.patches**2
 
 
 class LlavaNextImageProcessor:
     """`processor(image)` -> (float32 [1 + tiles, 3, S, S] pixels, (height, width) of the image) for one PIL
-    image (module docstring)."""
+    image (module docstring). A subclass names another processor class with other defaults (OneVision's)."""
+
+    processor_type = "LlavaNextImageProcessor"
+    defaults = _PROCESSOR_DEFAULTS
 
     def __init__(self, config: Mapping[str, Any], layout: AnyresLayout, where: str = PREPROCESSOR_FILE):
         kind = config.get("image_processor_type")
-        if kind is not None and str(kind).removesuffix("Fast").removesuffix("Pil") != "LlavaNextImageProcessor":
-            raise UnsupportedModelError(f"{where}: image_processor_type {kind!r} is not LlavaNextImageProcessor")
-        fields = {**_PROCESSOR_DEFAULTS,
-                  **{k: v for k, v in config.items() if k in _PROCESSOR_DEFAULTS and v is not None}}
+        if kind is not None and str(kind).removesuffix("Fast").removesuffix("Pil") != self.processor_type:
+            raise UnsupportedModelError(f"{where}: image_processor_type {kind!r} is not {self.processor_type}")
+        fields = {**self.defaults,
+                  **{k: v for k, v in config.items() if k in self.defaults and v is not None}}
         self.where = where
         self.do_resize = flag(fields, "do_resize", where)
         self.size = size_dict(fields["size"], "size", square=False)
         self.resample = Image.Resampling(resample_filter(fields["resample"]))
         self.do_center_crop = flag(fields, "do_center_crop", where)
-        self.crop_size = size_dict(fields["crop_size"], "crop_size")
+        crop = fields["crop_size"]
+        if crop is None:  # OneVision's default (no center crop): tiles are cut at size's side
+            side = self.size.get("height", self.size.get("shortest_edge"))
+            crop = {"height": side, "width": self.size.get("width", side)}
+        self.crop_size = size_dict(crop, "crop_size")
         self.do_rescale = flag(fields, "do_rescale", where)
         self.rescale_factor = number(fields["rescale_factor"], "rescale_factor", where)
         self.do_normalize = flag(fields, "do_normalize", where)
@@ -159,7 +179,7 @@ class LlavaNextImageProcessor:
         # to one tile count: each image here is its own item.
         base = self.size.get("shortest_edge")
         self.base_size = (base, base) if base is not None else (self.size["height"], self.size["width"])
-        self.tile = self.crop_size["height"]  # transformers' patch size: crop_size's height
+        self.tile = self.crop_size["height"]  # transformers' patch size: crop_size's height (else size's)
         self.output_tile = self._output_tile()
         self.pinpoints = parse_pinpoints(fields["image_grid_pinpoints"], self.tile, where)
         self.layout = layout
@@ -190,7 +210,7 @@ class LlavaNextImageProcessor:
             side = (self.size["height"], self.size["width"])
         if side[0] != side[1] or self.crop_size["height"] != self.crop_size["width"]:
             raise UnsupportedModelError(f"{self.where}: size {self.size}, crop_size {self.crop_size}: ferrox takes "
-                                        "LLaVA-NeXT processors whose tiles are squares of one size")
+                                        f"{self.processor_type}s whose tiles are squares of one size")
         return side[0]
 
     def tokens(self, size: tuple[int, int]) -> int:

@@ -249,6 +249,12 @@ def image_prompts_for_model(model_dir: str, hf_config: Mapping[str, Any], tokeni
 
         return llava_next_image_prompts(model_dir, hf_config, tokenizer, limit=limit,
                                         allowed_local_media_path=allowed_local_media_path)
+    if "LlavaOnevisionForConditionalGeneration" in archs:
+        from ferrox.multimodal.llava_onevision_processing import llava_onevision_image_prompts
+
+        return llava_onevision_image_prompts(model_dir, hf_config, tokenizer, limit=limit,
+                                             allowed_local_media_path=allowed_local_media_path,
+                                             video_limit=(limits or {}).get("video"))
     pixtral_llava = ("LlavaForConditionalGeneration" in archs
                      and (hf_config.get("vision_config") or {}).get("model_type") == "pixtral")
     if "Mistral3ForConditionalGeneration" in archs or pixtral_llava:
