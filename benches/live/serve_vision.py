@@ -1,9 +1,10 @@
 """Live `ferrox serve` of tiny vision-language checkpoints, one family after another, on the device (or the CPU):
 LLaVA (a CLIP tower over a Llama, a SigLIP tower over a Qwen2; Pixtral-12B's layout, a Pixtral tower), LLaVA-NeXT
-(anyres tiles), Gemma 3 (bidirectional image attention: those steps take the torch attention), Idefics3
-(SmolVLM's tiling), Qwen2-VL / Qwen2.5-VL (images at their own sizes, multimodal rotary positions), Qwen3-VL
-(interleaved rotary, DeepStack rows added inside the language model; dense and MoE), Mistral 3 (Pixtral's row-break tokens
-inside each image), InternVL (tiles, pixel shuffle; the -hf and the remote-code layouts).
+(anyres tiles) and LLaVA-OneVision (anyres_max), Gemma 3 (bidirectional image attention: those steps take the
+torch attention), Idefics3 (SmolVLM's tiling), Qwen2-VL / Qwen2.5-VL (images at their own sizes, multimodal rotary
+positions), Qwen3-VL (interleaved rotary, DeepStack rows added inside the language model; dense and MoE), Mistral 3
+(Pixtral's row-break tokens inside each image), InternVL (tiles, pixel shuffle; the -hf and the remote-code
+layouts).
 
 Each serves 24 concurrent chat requests with data-URL images (eight different images, one or two a prompt),
 Anthropic image blocks and Responses input_image parts beside them, each answer compared with the offline LLM's on
@@ -28,6 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from tests.helpers.tiny_internvl import make_tiny_internvl, make_tiny_internvl_chat  # noqa: E402
+from tests.helpers.tiny_llava_onevision import make_tiny_llava_onevision  # noqa: E402
 from tests.helpers.tiny_models import (  # noqa: E402
     make_tiny_gemma3_vision,
     make_tiny_idefics3,
@@ -86,7 +88,8 @@ def main() -> int:
                                 ("qwen3-vl-deepstack", make_tiny_qwen3_vl(tmp / "j"), []),
                                 ("internvl-tiles", make_tiny_internvl(tmp / "k"), []),
                                 ("internvl-chat-remote", make_tiny_internvl_chat(tmp / "l")[1], []),
-                                ("qwen3-vl-moe", make_tiny_qwen3_vl_moe(tmp / "m"), [])):
+                                ("qwen3-vl-moe", make_tiny_qwen3_vl_moe(tmp / "m"), []),
+                                ("llava-onevision", make_tiny_llava_onevision(tmp / "n"), [])):
         if only and not any(o in name for o in only):
             continue
         cases = [[k % 8] for k in range(16)] + [[k % 8, (k + 3) % 8] for k in range(8)]
