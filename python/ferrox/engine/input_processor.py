@@ -28,6 +28,8 @@ class ProcessedPrompt:
     # attach_images decodes and expands them into mm_items (the engine core's MultiModalItems).
     images: list[Any] | None = None
     mm_items: list[Any] | None = None
+    # vLLM's per-prompt mm_processor_kwargs: this prompt's processor settings over the server's.
+    processor_kwargs: Mapping[str, Any] | None = None
 
 
 def _images_of(prompt: Mapping[str, Any], index: int) -> list[Any] | None:
@@ -54,10 +56,20 @@ def _images_of(prompt: Mapping[str, Any], index: int) -> list[Any] | None:
 
 
 def attach_images(processed: ProcessedPrompt, image_prompts: Any, what: str, *,
-                  model_name: str = "this model") -> ProcessedPrompt:
+                  model_name: str = "this model",
+                  processor_kwargs: Mapping[str, Any] | None = None) -> ProcessedPrompt:
     """Decode the prompt's images and videos and expand its placeholders (multimodal/processing.py
     ImagePrompts). A prompt without media is returned as is; images for a text-only model, and videos for
-    a family that takes none, are refused by name."""
+    a family that takes none, are refused by name. processor_kwargs: mm_processor_kwargs for this prompt
+    (LLM.chat's), else the prompt's own; a key the model does not take is refused even without media."""
+    kwargs = processor_kwargs if processor_kwargs is not None else processed.processor_kwargs
+    if kwargs:
+        from ferrox.multimodal.processing import request_image_prompts
+
+        try:
+            image_prompts = request_image_prompts(image_prompts, kwargs, model_name)
+        except InvalidArgumentError as e:
+            raise InvalidArgumentError(f"{what}: {e}", param="mm_processor_kwargs") from None
     if processed.images is None:
         return processed
     if image_prompts is None:
@@ -184,10 +196,11 @@ def process_prompt(tokenizer: Any, prompt: PromptInput, index: int = 0) -> Proce
                 # A front-end that expanded the prompt's images itself (the server's chat route).
                 return ProcessedPrompt(text if isinstance(text, str) else None, list(ids), None,
                                        list(prompt["multi_modal_items"]) or None)
-            return ProcessedPrompt(text if isinstance(text, str) else None, list(ids), _images_of(prompt, index))
+            return ProcessedPrompt(text if isinstance(text, str) else None, list(ids), _images_of(prompt, index),
+                                   processor_kwargs=prompt.get("mm_processor_kwargs"))
         if isinstance(prompt.get("prompt"), str):
             return ProcessedPrompt(prompt["prompt"], list(tokenizer.encode(prompt["prompt"])),
-                                   _images_of(prompt, index))
+                                   _images_of(prompt, index), processor_kwargs=prompt.get("mm_processor_kwargs"))
         raise InvalidArgumentError(
             f"prompts[{index}]: a dict prompt needs 'prompt' (text) or 'prompt_token_ids'", param="prompts"
         )

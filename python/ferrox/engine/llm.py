@@ -125,9 +125,11 @@ class LLM:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         chat_template_content_format: str = "auto",
+        mm_processor_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """chat_template_content_format: message contents as the template gets them ("auto", "string",
-        "openai": loader/chat_template.py), as vLLM's LLM.chat."""
+        "openai": loader/chat_template.py), as vLLM's LLM.chat. mm_processor_kwargs: processor settings for
+        these conversations' images over the engine's (multimodal/processing.py PROCESSOR_KWARGS)."""
         if isinstance(messages, Sequence) and not isinstance(messages, (str, Mapping)) and len(messages) == 0:
             return []  # no conversations (as generate([])); an empty conversation inside a list is an error
         # is_conversation_list checked the shape at run time; it returns a plain bool, so tell the
@@ -146,7 +148,7 @@ class LLM:
                 content_format=chat_template_content_format,
                 image_placeholder=images.placeholder if images is not None else None,
                 video_placeholder=getattr(images, "video_placeholder", None),
-            ), images, f"messages[{i}]", model_name=self.engine.model_name)
+            ), images, f"messages[{i}]", model_name=self.engine.model_name, processor_kwargs=mm_processor_kwargs)
             for i, conv in enumerate(conversations)
         ]
         return self._run(processed, sampling_params, use_tqdm, lora_request)

@@ -10,6 +10,7 @@ into every block hash: prompts with the same images in the same order still shar
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -59,6 +60,16 @@ class MultiModalItem(msgspec.Struct, array_like=True, omit_defaults=True):
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+
+def seen_hash(source: str, pixel_values: np.ndarray, grid: Sequence[int] | None = None) -> str:
+    """sha256 of an item's source hash, its patch grid and the pixel values the model sees. A request's
+    mm_processor_kwargs resize the same source to other pixels (other embeddings, maybe the same placeholder
+    ids in a block): the source's hash alone would let their KV blocks be shared."""
+    array = np.ascontiguousarray(pixel_values, dtype=np.float32)
+    digest = hashlib.sha256(f"{source}\x00{list(array.shape)}\x00{list(grid or [])}\x00".encode())
+    digest.update(array.data)  # (C-contiguous: hashed in place, not copied)
+    return digest.hexdigest()
 
 
 def cache_salt_with_images(salt: str | None, items: Sequence[MultiModalItem] | None) -> str | None:

@@ -130,6 +130,14 @@ class ImagePrompts:
         """A family's own placeholder rewrite before the runs are read (Gemma 3's: below)."""
         return ids
 
+    def processor_kwargs(self) -> tuple[str, ...]:
+        """The mm_processor_kwargs keys this family's processors take (PROCESSOR_KWARGS): none by default."""
+        return ()
+
+    def with_processor_kwargs(self, kwargs: Mapping[str, Any]) -> ImagePrompts:
+        """These rules with processors that take `kwargs` (keys already checked against processor_kwargs)."""
+        raise InvalidArgumentError(f"mm_processor_kwargs: {type(self).__name__} takes none", param="mm_processor_kwargs")
+
     def _placeholders(self, ids: list[int]) -> list[tuple[int, int]]:
         """(start, length) of each image's tokens: a run of image tokens whose length is a multiple of the
         image's is that many images already expanded; any other run is one placeholder per token (a
@@ -198,12 +206,44 @@ class Gemma3ImagePrompts(ImagePrompts):
         return out
 
 
-# --mm-processor-kwargs: the image processor fields each family lets the operator set (vLLM passes them to the
-# Hugging Face processor; ferrox's processors read these, and refuse the rest by name).
+# --mm-processor-kwargs and a request's mm_processor_kwargs: the processor fields each family lets a caller set
+# (vLLM passes them to the Hugging Face processor; ferrox's processors read these, and refuse the rest by name).
+# Qwen3-VL's video processor also samples frames by fps within [min_frames, max_frames] (a video marked
+# do_sample_frames); Qwen2-VL's and Qwen2.5-VL's never sample again, so those keys would do nothing there.
 PROCESSOR_KWARGS = {"Qwen2VLForConditionalGeneration": ("min_pixels", "max_pixels"),
                     "Qwen2_5_VLForConditionalGeneration": ("min_pixels", "max_pixels"),
-                    "Qwen3VLForConditionalGeneration": ("min_pixels", "max_pixels"),
-                    "Qwen3VLMoeForConditionalGeneration": ("min_pixels", "max_pixels")}
+                    "Qwen3VLForConditionalGeneration": ("min_pixels", "max_pixels", "fps", "min_frames", "max_frames"),
+                    "Qwen3VLMoeForConditionalGeneration": ("min_pixels", "max_pixels", "fps", "min_frames",
+                                                           "max_frames")}
+
+
+def processor_kwargs_for(archs: Sequence[str]) -> tuple[str, ...]:
+    """The mm_processor_kwargs keys a model of these architectures takes (PROCESSOR_KWARGS; none for the rest)."""
+    return next((PROCESSOR_KWARGS[a] for a in archs if a in PROCESSOR_KWARGS), ())
+
+
+def check_processor_kwargs(kwargs: Mapping[str, Any], allowed: Sequence[str], model: str) -> None:
+    """InvalidArgumentError naming `mm_processor_kwargs.<key>` for the first key the model does not take."""
+    if not isinstance(kwargs, Mapping):
+        raise InvalidArgumentError(f"mm_processor_kwargs: must be an object, got {kwargs!r}",
+                                   param="mm_processor_kwargs")
+    for key in kwargs:
+        if key not in allowed:
+            raise InvalidArgumentError(
+                f"mm_processor_kwargs.{key}: not a processor setting ferrox takes for {model}"
+                + (f" (it takes {', '.join(allowed)})" if allowed else " (it takes none)"), param="mm_processor_kwargs")
+
+
+def request_image_prompts(prompts: ImagePrompts | None, kwargs: Mapping[str, Any] | None,
+                          model: str = "this model") -> ImagePrompts | None:
+    """The prompt rules for one request: `prompts` itself without mm_processor_kwargs, else rules whose
+    processors take the request's kwargs over the server's (the shared ones are never changed). A key the model
+    does not take, or a value its processor refuses, is an InvalidArgumentError naming it."""
+    if not kwargs:
+        return prompts
+    check_processor_kwargs(kwargs, prompts.processor_kwargs() if prompts is not None else (), model)
+    assert prompts is not None  # (a model without image rules takes no keys: refused above)
+    return prompts.with_processor_kwargs(kwargs)
 
 
 def image_prompts_for_model(model_dir: str, hf_config: Mapping[str, Any], tokenizer: Any, *,
@@ -215,12 +255,7 @@ def image_prompts_for_model(model_dir: str, hf_config: Mapping[str, Any], tokeni
     archs = hf_config.get("architectures") or []
     limit = (limits or {}).get("image")
     if processor_kwargs:
-        allowed = next((PROCESSOR_KWARGS[a] for a in archs if a in PROCESSOR_KWARGS), ())
-        for key in processor_kwargs:
-            if key not in allowed:
-                raise InvalidArgumentError(
-                    f"mm_processor_kwargs.{key}: not an image processor setting ferrox takes for {archs[:1] or 'this model'}"
-                    + (f" (it takes {', '.join(allowed)})" if allowed else " (it takes none)"), param="mm_processor_kwargs")
+        check_processor_kwargs(processor_kwargs, processor_kwargs_for(archs), archs[0] if archs else "this model")
     if "Idefics3ForConditionalGeneration" in archs or "SmolVLMForConditionalGeneration" in archs:
         from ferrox.multimodal.idefics3_processing import idefics3_image_prompts
 

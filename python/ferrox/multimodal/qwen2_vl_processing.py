@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any
 
@@ -37,8 +38,8 @@ from ferrox.multimodal.config_fields import (
     positive_int,
 )
 from ferrox.multimodal.image_processor import rescale_normalize, to_rgb
-from ferrox.multimodal.inputs import MultiModalItem
-from ferrox.multimodal.processing import ImagePrompts, token_runs
+from ferrox.multimodal.inputs import MultiModalItem, seen_hash
+from ferrox.multimodal.processing import ImagePrompts, processor_kwargs_for, token_runs
 
 ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 QWEN3_ARCHITECTURES = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
@@ -48,6 +49,7 @@ DEFAULT_VISION_START_TOKEN_ID = 151_652  # <|vision_start|>
 DEFAULT_VISION_END_TOKEN_ID = 151_653  # <|vision_end|>
 DEFAULT_VIDEO_TOKEN_ID = 151_656  # <|video_pad|>
 MAX_ASPECT_RATIO = 200  # smart_resize refuses longer images
+_DERIVED_CACHE_SIZE = 32  # distinct per-request mm_processor_kwargs whose processors are kept
 
 # The vision configs' defaults for the keys the processor must agree with (the same in both families).
 _VISION_DEFAULTS = {"patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2}
@@ -179,6 +181,37 @@ class QwenVLImagePrompts(ImagePrompts):
     tokenizer: Any = None  # Qwen3-VL: encodes the timestamps
     vision_start_id: int = -1
     vision_end_id: int = -1
+    allowed_kwargs: tuple[str, ...] = ()  # the mm_processor_kwargs keys the family takes (PROCESSOR_KWARGS)
+    server_kwargs: Mapping[str, Any] = field(default_factory=dict)  # --mm-processor-kwargs
+    # Rules derived for a request's mm_processor_kwargs, by those kwargs: a processor reads the folder's files.
+    _derived: dict[tuple[tuple[str, str], ...], QwenVLImagePrompts] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
+    _derived_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+
+    def processor_kwargs(self) -> tuple[str, ...]:
+        return self.allowed_kwargs
+
+    def with_processor_kwargs(self, kwargs: Mapping[str, Any]) -> QwenVLImagePrompts:
+        """A copy whose image and video processors read the folder with the server's kwargs and then the
+        request's over them; the shared processors stay as they are. Cached per distinct kwargs (a few: a
+        flood of distinct values evicts the oldest)."""
+        key = tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
+        with self._derived_lock:  # (the prompt threads derive concurrently)
+            if (found := self._derived.get(key)) is not None:
+                return found
+        merged = {**self.server_kwargs, **kwargs}
+        try:
+            image = QwenVLImageProcessor.from_model_dir(self.model_dir, merged) if self.image_processor is not None else None
+            video = (type(self.video_processor).from_model_dir(self.model_dir, merged)
+                     if self.video_processor is not None else None)
+        except (ModelLoadError, UnsupportedModelError) as e:  # a value the processor refuses (not a positive int)
+            raise InvalidArgumentError(str(e), param="mm_processor_kwargs") from None  # names the file and kwargs
+        derived = replace(self, image_processor=image, video_processor=video)
+        with self._derived_lock:
+            if len(self._derived) >= _DERIVED_CACHE_SIZE:
+                self._derived.pop(next(iter(self._derived)))
+            self._derived[key] = derived
+        return derived
 
     def check_video_count(self, count: int, what: str, param: str = "multi_modal_data") -> None:
         if self.video_limit is not None and count > self.video_limit:
@@ -206,7 +239,7 @@ class QwenVLImagePrompts(ImagePrompts):
         for span, (patches, grid), count, image in zip(self._spans(runs, counts, what, param), processed, counts,
                                                         stills, strict=True):
             pieces.append((*span, lambda at, n=count, p=patches, g=grid, i=image: (MultiModalItem.from_pixels(
-                at, n, p, image_hash(i), grid=list(g)), [self.image_token_id] * n)))
+                at, n, p, seen_hash(image_hash(i), p, g), grid=list(g)), [self.image_token_id] * n)))
         if videos or video_runs:
             pieces.extend(self._video_pieces(video_runs, videos, what, param, ids))
         out: list[int] = []
@@ -237,7 +270,7 @@ class QwenVLImagePrompts(ImagePrompts):
 
             def make(at: int, n: int = count, p: Any = patches, g: Any = grid, v: Any = video,
                      s: float | None = seconds) -> tuple[MultiModalItem, list[int]]:
-                return (MultiModalItem.from_pixels(at, n, p, v.hash(), grid=list(g), modality="video",
+                return (MultiModalItem.from_pixels(at, n, p, seen_hash(v.hash(), p, g), grid=list(g), modality="video",
                                                    second_per_grid_ts=s), [self.video_token_id] * n)
 
             pieces.append((*span, make))
@@ -269,7 +302,7 @@ class QwenVLImagePrompts(ImagePrompts):
 
             def make(at: int, p: Any = patches, g: Any = grid, v: Any = video, ids: list[int] = tokens,
                      w: list[int] = where) -> tuple[MultiModalItem, list[int]]:
-                return MultiModalItem.from_pixels(at, len(ids), p, v.hash(), grid=list(g), embed_positions=w,
+                return MultiModalItem.from_pixels(at, len(ids), p, seen_hash(v.hash(), p, g), grid=list(g), embed_positions=w,
                                                   modality="video"), ids
 
             pieces.append((*span, make))
@@ -347,6 +380,8 @@ def qwen_vl_image_prompts(model_dir: str, hf_config: Mapping[str, Any], tokenize
                 raise UnsupportedModelError(f"{processor.where}: {ours} {getattr(processor, ours)} differs from the "
                                             f"vision tower's {theirs} {vision[theirs]} (config.json)")
     prompts = QwenVLImagePrompts(token_id, 0, placeholder, processor, model_dir, limit, allowed_local_media_path)
+    prompts.allowed_kwargs = processor_kwargs_for(list(hf_config.get("architectures") or []))
+    prompts.server_kwargs = dict(processor_kwargs or {})
     archs = set(hf_config.get("architectures") or [])
     name = sorted(archs)[0] if archs else "this model"
     timestamps = bool(archs & set(QWEN3_ARCHITECTURES))

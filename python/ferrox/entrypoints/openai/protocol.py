@@ -100,7 +100,6 @@ class _Base(BaseModel):
 _REFUSED = {
     "logits_processors": "custom logits processors are not supported",
     "prompt_embeds": "prompt embeddings are not supported (send text or token ids)",
-    "mm_processor_kwargs": "per-request image processor arguments are not supported",
     "media_io_kwargs": "per-request media decoding arguments are not supported",
     "kv_transfer_params": "disaggregated KV transfer is not supported",
     "vllm_xargs": "there are no custom extensions to take extra arguments",
@@ -406,11 +405,13 @@ class ChatCompletionRequest(_SamplingFields):
     # False drops the thinking (and the logprobs and token ids that would show it) from the reply;
     # needs the server's --reasoning-parser (serving_chat.py).
     include_reasoning: bool = True
-    # Refused unless left at their default (see _REFUSED).
+    # The images' processor settings for this request over the server's --mm-processor-kwargs (the keys each
+    # family takes: multimodal/processing.py PROCESSOR_KWARGS; others are a 400 naming mm_processor_kwargs.<key>).
     mm_processor_kwargs: dict[str, Any] | None = None
+    # Refused unless left at its default (see _REFUSED).
     media_io_kwargs: dict[str, Any] | None = None
 
-    _refuse_chat = field_validator("mm_processor_kwargs", "media_io_kwargs")(_refuse_unsupported)
+    _refuse_chat = field_validator("media_io_kwargs")(_refuse_unsupported)
 
     @field_validator("tools")
     @classmethod
@@ -518,6 +519,7 @@ class TokenizeRequest(_Base):
     add_generation_prompt: bool = True
     chat_template: str | None = None  # with messages, under the chat route's rule (--trust-request-chat-template)
     chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None  # with messages: the chat route's per-request processor settings
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

@@ -82,7 +82,12 @@ from ferrox.entrypoints.openai.serving_embeddings import (
     generation_only,
     is_classifier,
 )
-from ferrox.entrypoints.openai.serving_images import expand_images, fetch_images, take_template_images
+from ferrox.entrypoints.openai.serving_images import (
+    expand_images,
+    fetch_images,
+    request_image_prompts,
+    take_template_images,
+)
 from ferrox.entrypoints.openai.serving_lora import LoRARegistry, load_lora_adapter, unload_lora_adapter
 from ferrox.entrypoints.openai.serving_responses import create_response
 from ferrox.entrypoints.openai.serving_responses_store import (
@@ -503,7 +508,8 @@ def _tokenize(ctx: ServingContext, req: TokenizeRequest, images: list[Any]) -> l
         text = render_chat(ctx, messages, add_generation_prompt=req.add_generation_prompt,
                            chat_template=req.chat_template, template_kwargs=req.chat_template_kwargs)
         ids = ctx.engine.tokenizer.encode(text, add_special_tokens=False)
-        return expand_images(ctx, ids, images)[0] if images else ids
+        prompts = request_image_prompts(ctx, req.mm_processor_kwargs)  # (checked with or without images)
+        return expand_images(ctx, ids, images, prompts)[0] if images else ids
     return ctx.engine.tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
 
 

@@ -45,7 +45,12 @@ from ferrox.entrypoints.openai.serving import (
     truncate_prompt,
     validate_request,
 )
-from ferrox.entrypoints.openai.serving_images import expand_images, fetch_images, take_template_images
+from ferrox.entrypoints.openai.serving_images import (
+    expand_images,
+    fetch_images,
+    request_image_prompts,
+    take_template_images,
+)
 from ferrox.entrypoints.openai.structured import build_structured_outputs
 from ferrox.loader.chat_template import content_text
 from ferrox.outputs import CompletionOutput, RequestOutput
@@ -194,6 +199,8 @@ def _render_prompt(ctx: ServingContext, req: ChatCompletionRequest, images: list
     the engine's prompt threads); a bad template or message is an APIError naming `messages`.
     images: the messages' image parts, fetched and decoded (serving_images.py)."""
     check_request_template(ctx, req.chat_template)
+    # Checked (and the request's processors derived) even without images: a bad key is refused, not ignored.
+    prompts = request_image_prompts(ctx, req.mm_processor_kwargs)
     messages = [m.to_template_dict() for m in req.messages]
     use_tools = req.tools if req.tool_choice != "none" else None
     # Templates without tool support (the embedded SmolLM2's) get the tools as system text.
@@ -216,7 +223,7 @@ def _render_prompt(ctx: ServingContext, req: ChatCompletionRequest, images: list
         if getattr(req, "truncate_prompt_tokens", None) is not None:
             raise APIError(400, "truncate_prompt_tokens: a prompt with images is not truncated (it could cut an "
                            "image's tokens)", param="truncate_prompt_tokens")
-        ids, items = expand_images(ctx, ids, images)
+        ids, items = expand_images(ctx, ids, images, prompts)
         return _ChatPrompt(messages, template, text, ids, items)
     truncated = truncate_prompt(ctx, ids, req)
     # A truncated prompt is no longer the rendered text: the engine then takes the ids alone.

@@ -73,10 +73,22 @@ def take_template_images(ctx: Any, messages: list[dict[str, Any]], template: str
         raise APIError(400, str(e), param="messages") from None
 
 
-def expand_images(ctx: Any, ids: list[int], images: list[Any]) -> tuple[list[int], list[Any]]:
-    """(ids with each image placeholder expanded, the engine's MultiModalItems): a placeholder count that
-    does not match the images is a 400 naming messages."""
+def request_image_prompts(ctx: Any, processor_kwargs: dict[str, Any] | None) -> Any:
+    """The server's prompt rules with a request's mm_processor_kwargs over its own (the shared rules stay as
+    they are); a key the model does not take, or a bad value, is a 400 naming mm_processor_kwargs.<key>."""
+    from ferrox.multimodal.processing import request_image_prompts as derive
+
     try:
-        return ctx.engine.image_prompts.expand(ids, images, "messages", param="messages")
+        return derive(ctx.engine.image_prompts, processor_kwargs, ctx.model_name)
+    except InvalidArgumentError as e:
+        raise APIError(400, str(e), param="mm_processor_kwargs") from None
+
+
+def expand_images(ctx: Any, ids: list[int], images: list[Any], prompts: Any = None) -> tuple[list[int], list[Any]]:
+    """(ids with each image placeholder expanded, the engine's MultiModalItems): a placeholder count that
+    does not match the images is a 400 naming messages. prompts: a request's own rules (request_image_prompts;
+    None: the server's)."""
+    try:
+        return (prompts or ctx.engine.image_prompts).expand(ids, images, "messages", param="messages")
     except InvalidArgumentError as e:
         raise APIError(400, str(e), param="messages") from None
