@@ -8,8 +8,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
@@ -19,6 +17,7 @@ from ferrox.errors import InvalidArgumentError
 from tests.engine.test_batch_invariance import assert_no_leaked_blocks
 from tests.helpers.tiny_models import make_tiny_llava, make_tiny_qwen2_vl
 from tests.server.server_proc import ServerProcess
+from tests.server.server_proc import post_json as _post
 
 PIL = pytest.importorskip("PIL.Image")
 
@@ -172,16 +171,6 @@ def test_prefix_cache_keeps_resolutions_apart(qwen):
     assert llm.generate(small, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == other.outputs[0].token_ids
     assert llm.generate(plain, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == first.outputs[0].token_ids
     assert_no_leaked_blocks(llm)
-
-
-def _post(base_url: str, body: dict, path: str = "/v1/chat/completions") -> tuple[int, dict]:
-    req = urllib.request.Request(base_url + path, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def test_server_takes_a_requests_kwargs(qwen):

@@ -7,8 +7,6 @@ ferrox does not take yet), other modalities, beam search."""
 from __future__ import annotations
 
 import base64
-import json
-import urllib.request
 
 import numpy as np
 import pytest
@@ -18,6 +16,7 @@ from ferrox.errors import InvalidArgumentError
 from tests.engine.test_batch_invariance import assert_no_leaked_blocks
 from tests.helpers.tiny_qwen2_vl_video import VIDEO_PLACEHOLDER, make_tiny_qwen2_vl_video, write_video
 from tests.server.server_proc import ServerProcess
+from tests.server.server_proc import post_json as _post
 
 av = pytest.importorskip("av")
 
@@ -109,16 +108,6 @@ def test_errors_are_named(setup, tmp_path):
         qwen3.generate({"prompt": "<|vision_start|><|video_pad|><|vision_end|>", "multi_modal_data": {"video": frames}},
                        GREEDY)
     assert_no_leaked_blocks(llm)
-
-
-def _post(base_url: str, body: dict, path: str = "/v1/chat/completions") -> tuple[int, dict]:
-    req = urllib.request.Request(base_url + path, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def test_server_video_url_matches_offline(setup):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -20,6 +21,17 @@ FERROX = Path(sys.executable).with_name("ferrox")
 # Small and quick to start on the 2-core CI box: a 128 MiB KV cache holds tens of thousands of
 # tokens of SmolLM2-135M, more than the tests use at once.
 DEFAULT_ARGS = ["--max-model-len", "1024", "--kv-cache-memory", "128MiB", "--log-level", "info"]
+
+
+def post_json(base_url: str, body: dict, path: str = "/v1/chat/completions") -> tuple[int, dict]:
+    """(HTTP status, the JSON answer) of a POST, error statuses included (raw HTTP: no client package)."""
+    req = urllib.request.Request(base_url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
 def free_port() -> int:

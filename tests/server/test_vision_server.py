@@ -8,10 +8,7 @@ from __future__ import annotations
 import base64
 import http.server
 import io
-import json
 import threading
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
@@ -19,6 +16,7 @@ from ferrox import LLM, SamplingParams
 
 from tests.helpers.tiny_models import make_tiny_llava
 from tests.server.server_proc import ServerProcess
+from tests.server.server_proc import post_json as _post
 
 openai = pytest.importorskip("openai")
 PIL = pytest.importorskip("PIL.Image")
@@ -66,16 +64,6 @@ def vision_server(tmp_path_factory):
 def _messages(url: str, n: int = 1) -> list[dict]:
     parts = [{"type": "image_url", "image_url": {"url": url}} for _ in range(n)]
     return [{"role": "user", "content": [*parts, {"type": "text", "text": "What is this?"}]}]
-
-
-def _post(base_url: str, body: dict, path: str = "/v1/chat/completions") -> tuple[int, dict]:
-    req = urllib.request.Request(base_url + path, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def test_chat_with_images_matches_offline(vision_server):

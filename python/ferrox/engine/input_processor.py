@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferrox._core import InvalidArgumentError
+from ferrox.multimodal.chat_parts import VIDEO_FAMILIES
 
 PromptInput = str | Mapping[str, Any] | Sequence[int]
 """A prompt: text, {"prompt": text}, {"prompt_token_ids": [...]} (optionally with "prompt"), or
@@ -94,7 +95,7 @@ def check_videos(image_prompts: Any, count: int, what: str, model_name: str = "t
     """A model whose family takes videos, and no more of them than --limit-mm-per-prompt allows."""
     if getattr(image_prompts, "video_processor", None) is None:
         reason = getattr(image_prompts, "video_refusal", None) or (
-            f"{model_name} takes no video inputs (ferrox takes videos for Qwen2-VL and Qwen2.5-VL)")
+            f"{model_name} takes no video inputs (ferrox takes videos for {VIDEO_FAMILIES})")
         raise InvalidArgumentError(f"{what}: {reason}", param=param)
     image_prompts.check_video_count(count, what, param)
 

@@ -18,6 +18,9 @@ from ferrox._core import InvalidArgumentError
 
 _REFUSED = {"image_embeds": "image embeddings", "input_audio": "audio", "audio_url": "audio", "file": "files"}
 
+# The families whose videos ferrox takes (the refusals name them).
+VIDEO_FAMILIES = "Qwen2-VL, Qwen2.5-VL, Qwen3-VL and LLaVA-OneVision"
+
 
 def image_source(part: dict[str, Any], where: str) -> Any:
     """The url (or PIL image) of an image part, a VideoSource of a video part's url; None for a text part."""
@@ -75,7 +78,7 @@ def take_images(messages: list[dict[str, Any]], content_format: str, placeholder
             video = isinstance(source, VideoSource)
             if video and video_placeholder is None:
                 raise InvalidArgumentError(f"messages[{i}].content[{j}]: content part type 'video_url': {model_name} "
-                                           "takes no video inputs (ferrox takes videos for Qwen2-VL and Qwen2.5-VL)",
+                                           f"takes no video inputs (ferrox takes videos for {VIDEO_FAMILIES})",
                                            param="messages")
             if placeholder is None:
                 raise InvalidArgumentError(f"messages[{i}].content[{j}]: {model_name} takes no images (a text-only "
