@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from ferrox.errors import ModelLoadError, UnsupportedModelError
+from ferrox.errors import UnsupportedModelError
 from ferrox.multimodal.config_fields import (
     PREPROCESSOR_FILE,
     PROCESSOR_FILE,
@@ -42,7 +42,7 @@ from ferrox.multimodal.config_fields import (
     per_channel,
     read_json_object,
 )
-from ferrox.multimodal.image_processor import rescale_normalize, to_rgb
+from ferrox.multimodal.image_processor import resample_filter, rescale_normalize, to_rgb
 from ferrox.multimodal.inputs import MultiModalItem
 from ferrox.multimodal.processing import ImagePrompts, token_runs
 
@@ -97,9 +97,7 @@ class Idefics3ImageProcessor:
         if not isinstance(max_size, Mapping) or not _positive(max_size.get("longest_edge")):
             raise UnsupportedModelError(f"{where}: max_image_size must be {{longest_edge: N}}, got {max_size!r}")
         self.tile = int(max_size["longest_edge"])
-        if fields["resample"] not in range(6) or isinstance(fields["resample"], bool):
-            raise ModelLoadError(f"{where}: resample must be a PIL filter number 0-5, got {fields['resample']!r}")
-        self.resample = Image.Resampling(int(fields["resample"]))
+        self.resample = Image.Resampling(resample_filter(fields["resample"], where))
         self.do_rescale = flag(fields, "do_rescale", where)
         self.rescale_factor = float(fields["rescale_factor"])
         self.do_normalize = flag(fields, "do_normalize", where)

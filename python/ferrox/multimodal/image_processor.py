@@ -216,9 +216,10 @@ def size_dict(value: Any, field: str, square: bool = True) -> dict[str, int]:
     return dict(value)
 
 
-def resample_filter(value: Any) -> int:
+def resample_filter(value: Any, where: str = CONFIG_FILE) -> int:
+    """A processor config's `resample`: a PIL filter number (0-5), or ModelLoadError naming the file."""
     if isinstance(value, bool) or value not in _PIL_FILTERS:
-        raise ModelLoadError(f"{CONFIG_FILE}: resample must be a PIL filter number 0-5, got {value!r}")
+        raise ModelLoadError(f"{where}: resample must be a PIL filter number 0-5, got {value!r}")
     return int(value)
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from ferrox.errors import ModelLoadError, UnsupportedModelError
+from ferrox.errors import UnsupportedModelError
 from ferrox.multimodal.config_fields import (
     PROCESSOR_FILE,
     flag,
@@ -35,7 +35,7 @@ from ferrox.multimodal.config_fields import (
     positive_int,
     read_json_object,
 )
-from ferrox.multimodal.image_processor import rescale_normalize, to_rgb
+from ferrox.multimodal.image_processor import resample_filter, rescale_normalize, to_rgb
 from ferrox.multimodal.inputs import MultiModalItem
 from ferrox.multimodal.processing import ImagePrompts
 
@@ -102,9 +102,7 @@ class InternVLImageProcessor:
         if not isinstance(size, Mapping) or set(size) != {"height", "width"} or size["height"] != size["width"]:
             raise UnsupportedModelError(f"{where}: size must be a square {{height, width}}, got {size!r}")
         self.tile = positive_int(size["height"], "size.height", where)
-        if fields["resample"] not in range(6) or isinstance(fields["resample"], bool):
-            raise ModelLoadError(f"{where}: resample must be a PIL filter number 0-5, got {fields['resample']!r}")
-        self.resample = Image.Resampling(int(fields["resample"]))
+        self.resample = Image.Resampling(resample_filter(fields["resample"], where))
         self.do_rescale = flag(fields, "do_rescale", where)
         self.rescale_factor = number(fields["rescale_factor"], "rescale_factor", where)
         self.do_normalize = flag(fields, "do_normalize", where)

@@ -163,7 +163,7 @@ class LlavaNextImageProcessor:
         self.where = where
         self.do_resize = flag(fields, "do_resize", where)
         self.size = size_dict(fields["size"], "size", square=False)
-        self.resample = Image.Resampling(resample_filter(fields["resample"]))
+        self.resample = Image.Resampling(resample_filter(fields["resample"], where))
         self.do_center_crop = flag(fields, "do_center_crop", where)
         crop = fields["crop_size"]
         if crop is None:  # OneVision's default (no center crop): tiles are cut at size's side

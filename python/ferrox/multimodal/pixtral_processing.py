@@ -35,7 +35,7 @@ from ferrox.multimodal.config_fields import (
     positive_int,
     read_json_object,
 )
-from ferrox.multimodal.image_processor import rescale_normalize, to_rgb
+from ferrox.multimodal.image_processor import resample_filter, rescale_normalize, to_rgb
 from ferrox.multimodal.inputs import MultiModalItem
 from ferrox.multimodal.processing import ImagePrompts
 
@@ -65,9 +65,7 @@ class PixtralImageProcessor:
         self.unit = unit
         self.max_height, self.max_width = _max_size(fields["size"], where)
         self.do_resize = flag(fields, "do_resize", where)
-        if fields["resample"] not in range(6) or isinstance(fields["resample"], bool):
-            raise ModelLoadError(f"{where}: resample must be a PIL filter number 0-5, got {fields['resample']!r}")
-        self.resample = Image.Resampling(int(fields["resample"]))
+        self.resample = Image.Resampling(resample_filter(fields["resample"], where))
         if flag(fields, "do_center_crop", where):
             raise UnsupportedModelError(f"{where}: do_center_crop is true; ferrox does not crop Pixtral images")
         self.do_rescale = flag(fields, "do_rescale", where)

@@ -37,7 +37,7 @@ from ferrox.multimodal.config_fields import (
     per_channel,
     positive_int,
 )
-from ferrox.multimodal.image_processor import rescale_normalize, to_rgb
+from ferrox.multimodal.image_processor import resample_filter, rescale_normalize, to_rgb
 from ferrox.multimodal.inputs import MultiModalItem, seen_hash
 from ferrox.multimodal.processing import ImagePrompts, processor_kwargs_for, token_runs
 
@@ -100,9 +100,7 @@ class QwenVLImageProcessor:
         self.where = where
         self.min_pixels, self.max_pixels = _pixel_bounds(config, fields["size"], where)
         self.do_resize = flag(fields, "do_resize", where)
-        if fields["resample"] not in range(6) or isinstance(fields["resample"], bool):
-            raise ModelLoadError(f"{where}: resample must be a PIL filter number 0-5, got {fields['resample']!r}")
-        self.resample = Image.Resampling(int(fields["resample"]))
+        self.resample = Image.Resampling(resample_filter(fields["resample"], where))
         self.do_rescale = flag(fields, "do_rescale", where)
         self.rescale_factor = number(fields["rescale_factor"], "rescale_factor", where)
         self.do_normalize = flag(fields, "do_normalize", where)
