@@ -271,7 +271,8 @@ def test_image_steps_compile_nothing_after_ready(cuda_device, tmp_path_factory, 
     folder = str(tmp_path_factory.mktemp(family))
     folder = {"qwen2_vl": tiny_models.make_tiny_qwen2_vl, "gemma3": tiny_models.make_tiny_gemma3_vision,
               "qwen3_vl": make_tiny_qwen3_vl}[family](folder)
-    llm = LLM(folder, device="cuda", max_num_batched_tokens=64, max_model_len=1024, kv_cache_memory=256 << 20)
+    # 512: the tiny Gemma 3 checkpoint's max_position_embeddings (the smallest of the three).
+    llm = LLM(folder, device="cuda", max_num_batched_tokens=64, max_model_len=512, kv_cache_memory=256 << 20)
     assert llm.engine.warmup is not None and llm.engine.warmup.steps
     rng = np.random.default_rng(3)
     images = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in ((40, 60), (90, 50), (33, 33))]
