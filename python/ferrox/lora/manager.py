@@ -55,6 +55,9 @@ class LoRAManager:
             raise InvalidArgumentError(f"max_cpu_loras: must be an integer >= max_loras ({max_loras}), got "
                                        f"{max_cpu_loras!r}", param="max_cpu_loras")
         layers = _decoder_layers(model)
+        refusal = getattr(model, "lora_refusal", None)  # a family whose layers LoRA cannot adapt exactly
+        if refusal:
+            raise UnsupportedModelError(f"enable_lora: {refusal}")
         if get_tp_group().size > 1 or any(_tp_size(layer) > 1 for layer in layers):
             raise InvalidArgumentError("enable_lora with tensor_parallel_size > 1 is not supported yet",
                                        param="tensor_parallel_size")

@@ -59,6 +59,11 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 class MoeBlock(nn.Module):
     """Routed experts (+ an optional shared expert): the MLP of a sparse decoder layer."""
 
+    # The fused one-token path (attention/fused_decode.py) routes with softmax top-k, as `route` does
+    # here; a block that routes otherwise (GLM-4.5's grouped sigmoid top-k: glm4_moe.py) says False,
+    # and its model's layers keep the general path.
+    fused_decode_routing = True
+
     def __init__(self, spec: ModelSpec, moe: MoeSpec, ops: DeviceOps, dtype, device, *, renormalize: bool):
         super().__init__()
         self.top_k = moe.num_experts_per_tok
@@ -75,8 +80,12 @@ class MoeBlock(nn.Module):
             with use_quant_config(None):
                 self.shared_expert_gate = Linear(spec.hidden_size, 1, bias=False, dtype=dtype, device=device)
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, expert ids [T, k]) of each token: softmax top-k of the router."""
+        return self.experts.route(self.gate(x), self.top_k, self.renormalize)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.experts.route(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = self.route(x)
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -87,7 +96,7 @@ class MoeDecoderLayer(nn.Module):
     """LlamaDecoderLayer with the MLP chosen per layer (sparse or dense)."""
 
     def __init__(self, spec: ModelSpec, index: int, backend: AttentionBackend, ops: DeviceOps, dtype, device, *,
-                 qkv_bias: bool, qk_norm: bool, renormalize: bool):
+                 qkv_bias: bool, qk_norm: bool, renormalize: bool, block_class: type[MoeBlock] = MoeBlock):
         super().__init__()
         moe = spec.moe
         assert moe is not None  # MoeForCausalLM checked it
@@ -95,7 +104,7 @@ class MoeDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(spec, backend, ops, dtype, device, qkv_bias=qkv_bias,
                                         o_bias=spec.attention_bias, qk_norm=qk_norm, window=spec.window_of(index))
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
-        self.mlp: nn.Module = (MoeBlock(spec, moe, ops, dtype, device, renormalize=renormalize)
+        self.mlp: nn.Module = (block_class(spec, moe, ops, dtype, device, renormalize=renormalize)
                                if moe.is_sparse(index) else LlamaMLP(spec, ops, dtype, device))
 
     def forward(self, x, residual, rope: Rope, kv_cache, meta):
@@ -122,12 +131,15 @@ class MoeDecoderLayer(nn.Module):
 
 
 class MoeModel(nn.Module):
+    block_class: type[MoeBlock] = MoeBlock  # the sparse layers' MLP (GLM-4.5 routes its own way: glm4_moe.py)
+
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype, device, *,
                  qkv_bias: bool, qk_norm: bool, renormalize: bool):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
         layers = [MoeDecoderLayer(spec, i, backend, ops, dtype, device, qkv_bias=qkv_bias, qk_norm=qk_norm,
-                                  renormalize=renormalize) for i in range(spec.num_layers)]
+                                  renormalize=renormalize, block_class=self.block_class)
+                  for i in range(spec.num_layers)]
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
         # As in LlamaModel: the model's op set, so Qwen3-MoE's q/k norms and rotary are one kernel.
@@ -136,7 +148,9 @@ class MoeModel(nn.Module):
         # One rank only: under tensor or expert parallelism (not yet run on two GPUs) the layers keep
         # the general path; the decode path may still fuse the lm_head.
         sharded = views[0].tp is not None and views[0].tp.size > 1
-        self.decode_path = backend.decode_path(None if sharded else views, self.rotary.rope_rows)
+        # Blocks the fused path cannot route (MoeBlock.fused_decode_routing) keep the general path too.
+        fusable = all(getattr(layer.mlp, "fused_decode_routing", True) for layer in layers)
+        self.decode_path = backend.decode_path(views if fusable and not sharded else None, self.rotary.rope_rows)
 
     def forward(self, input_ids, positions, kv_caches, meta):
         h = self.embed_tokens(input_ids)
@@ -155,6 +169,8 @@ class MoeForCausalLM(nn.Module):
 
     qk_norm = False  # Qwen3-MoE: per-head RMSNorm of q and k
     always_renormalize = False  # Mixtral: top-k weights always sum to 1
+    # load_weights puts partial-rotary q/k rows in whole-head pairs (GLM-4.5: glm4_moe.py; layers/rotary.py).
+    reorders_partial_rotary = False
     # Attention and dense MLPs shard as Llama's; experts are sharded or split (layers/fused_moe.py).
     # Tested with gloo on CPU and NCCL on two GPUs (tests/engine/test_moe_gpu.py).
     supports_tensor_parallel = True
@@ -181,7 +197,7 @@ class MoeForCausalLM(nn.Module):
         self.spec = spec
         tp = get_tp_group()
         check_tp_shapes(spec, tp.size, expert_parallel=tp.expert_parallel)
-        check_rotary_dim(spec, reorders_rows=False)
+        check_rotary_dim(spec, reorders_rows=self.reorders_partial_rotary)
         self.kernels = select_kernels(device, kernels)
         self.ops = for_device(device, self.kernels)
         self.backend = get_attention_backend(device, self.kernels)

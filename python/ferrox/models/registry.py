@@ -49,6 +49,8 @@ SUPPORTED: dict[str, str] = {
     "SmolVLMForConditionalGeneration": "ferrox.models.idefics3:SmolVLMForConditionalGeneration",
     "Qwen2MoeForCausalLM": "ferrox.models.moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "ferrox.models.moe:Qwen3MoeForCausalLM",
+    "Glm4ForCausalLM": "ferrox.models.glm4:Glm4ForCausalLM",
+    "Glm4MoeForCausalLM": "ferrox.models.glm4_moe:Glm4MoeForCausalLM",
     "BertModel": "ferrox.models.bert:BertModel",
     "RobertaModel": "ferrox.models.bert:RobertaModel",
     "XLMRobertaModel": "ferrox.models.bert:XLMRobertaModel",

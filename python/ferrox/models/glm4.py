@@ -1,0 +1,183 @@
+"""GLM-4-0414 (THUDM/GLM-4-9B-0414, GLM-4-32B-0414 and their Z1 / base variants: Glm4ForCausalLM).
+
+The Llama decoder with three differences, as transformers' Glm4 defines them:
+
+- sandwich norms: the attention output and the MLP output are each RMS-normed
+  (post_self_attn_layernorm, post_mlp_layernorm) before their residual add, beside the usual pre-norms
+  (input_layernorm, post_attention_layernorm);
+- q/k/v carry a bias (`attention_bias`, on in every released checkpoint), o_proj never does;
+- rotary over the first `partial_rotary_factor` (default 0.5, as in transformers) of each head in the
+  INTERLEAVED layout: dims (2i, 2i + 1) pair, with frequency i. ferrox's kernels rotate whole heads in
+  the half-split layout (i pairs with i + head_dim / 2), so each head's q and k rows (weights and biases)
+  are reordered while loading (`interleaved_rotary_order`): pair (2i, 2i + 1) moves to (i, i + head_dim / 2)
+  and the passed-through dims get frequency 0 (layers/rotary.py). q . k is unchanged by the same
+  permutation of both; v and the outputs are not touched.
+
+The checkpoint's fused `mlp.gate_up_proj` ([gate rows; up rows]) is cut by rows into the merged layer's
+two shards (a tensor-parallel rank reads only its rows). Decoding takes the general path: the
+four-norm layer is not the pre-norm shape the fused one-token kernels run (as Gemma 2's). Tensor
+parallelism comes with the Llama layers. Refused by name: a checkpoint `quantization_config` (the q/k rows
+are permuted at load, which packed or row-scaled tensors do not allow; `quantization="fp8"` quantizes
+the loaded weights instead), hidden_act other than silu, and LoRA (an adapter's q_proj / k_proj rows
+would need the same permutation, which lora/ does not apply).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ferrox.attention.backend import AttentionBackend
+from ferrox.distributed.sharding import materialize, row_block, shape_of
+from ferrox.layers.layernorm import RMSNorm
+from ferrox.layers.ops import DeviceOps, Rope
+from ferrox.layers.quant.method import hf_quantization_config
+from ferrox.layers.rotary import RotaryEmbedding
+from ferrox.layers.vocab_parallel import VocabParallelEmbedding
+from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
+from ferrox.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+
+# Why LoRAManager refuses these families (lora/manager.py reads a model's `lora_refusal`).
+GLM_LORA_REFUSAL = ("{arch}'s q/k rows are permuted at load for the rotary layout, and adapters' q_proj / "
+                    "k_proj rows are not; LoRA is not supported for it")
+# transformers' Glm4Config / Glm4MoeConfig default when config.json names no partial_rotary_factor.
+GLM_PARTIAL_ROTARY_FACTOR = 0.5
+# q/k rows (and GLM-4.5's per-head q/k norm weights) whose order inside each head follows the rotary layout.
+_ROTARY_ROWS = re.compile(r"\.self_attn\.(q_proj|k_proj|q_norm|k_norm)\.(weight|bias)$")
+
+
+def glm_spec(spec: ModelSpec) -> ModelSpec:
+    """The spec with GLM's rotary width: transformers takes partial_rotary_factor 0.5 when config.json
+    names none (the loader's spec then says every dim rotates)."""
+    config = spec.hf_config
+    rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
+    named = "partial_rotary_factor" in (rope or {}) or config.get("partial_rotary_factor") is not None
+    if named:
+        return spec
+    return dataclasses.replace(spec, rotary_dim=int(spec.head_dim * GLM_PARTIAL_ROTARY_FACTOR))
+
+
+def refuse_checkpoint_quantization(spec: ModelSpec) -> None:
+    quant = hf_quantization_config(spec.hf_config)
+    if quant is not None:
+        raise UnsupportedModelError(
+            f"config.json: quantization_config (quant_method {quant.get('quant_method')!r}) is not supported for "
+            f"{spec.architecture}: its q/k rows are permuted at load for the rotary layout, which quantized "
+            "tensors (packed rows, per-row scales) do not allow; load the unquantized checkpoint, with "
+            "quantization='fp8' to quantize it at load time")
+
+
+def interleaved_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """Row order, within one head, that puts the interleaved layout (dims 2i, 2i + 1 pair; the first
+    rotary_dim dims rotate) into ferrox's whole-head half-split pairs: new row j takes HF row order[j].
+    Pair i lands at (i, i + head_dim / 2); the passed-through dims fill the rest of both halves."""
+    passed = (head_dim - rotary_dim) // 2
+    return torch.cat([torch.arange(0, rotary_dim, 2), torch.arange(rotary_dim, rotary_dim + passed),
+                      torch.arange(1, rotary_dim, 2), torch.arange(rotary_dim + passed, head_dim)])
+
+
+def reorder_head_rows(tensor: Any, head_dim: int, order: torch.Tensor) -> torch.Tensor:
+    """Rows of every head of `tensor` ([heads * head_dim, ...] or one head's [head_dim] norm weight) put
+    in `order`. Read whole: a tensor-parallel rank then takes its heads from the reordered tensor (a
+    head's rows stay together)."""
+    value = materialize(tensor)
+    heads = value.shape[0] // head_dim
+    rows = (torch.arange(heads)[:, None] * head_dim + order).reshape(-1)
+    return value.index_select(0, rows.to(value.device))
+
+
+def reorder_rotary_rows(weights: Iterable[tuple[str, Any]], head_dim: int,
+                        order: torch.Tensor | None) -> Iterator[tuple[str, Any]]:
+    """The checkpoint stream with each q/k tensor's head rows in `order` (None: unchanged)."""
+    for name, tensor in weights:
+        if order is not None and _ROTARY_ROWS.search(name):
+            tensor = reorder_head_rows(tensor, head_dim, order)
+        yield name, tensor
+
+
+class Glm4DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype,
+                 device: torch.device | str):
+        super().__init__()
+
+        def norm() -> RMSNorm:
+            return RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
+
+        self.input_layernorm, self.post_self_attn_layernorm = norm(), norm()
+        self.post_attention_layernorm, self.post_mlp_layernorm = norm(), norm()
+        self.self_attn = LlamaAttention(spec, backend, ops, dtype, device, qkv_bias=spec.attention_bias, o_bias=False,
+                                        qk_norm=False)
+        self.mlp = LlamaMLP(spec, ops, dtype, device)
+
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
+        x = x + self.post_self_attn_layernorm(self.self_attn(self.input_layernorm(x), rope, kv_cache, meta))
+        return x + self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(x)))
+
+
+class Glm4Model(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype,
+                 device: torch.device | str, **_: Any):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(Glm4DecoderLayer(spec, backend, ops, dtype, device)
+                                    for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
+        self.rotary = RotaryEmbedding.for_spec(spec, device, ops)
+        self.backend = backend
+        self.qk_norm = False
+        self.one_token_layers = None  # (the four-norm layer is not the pre-norm shape they fuse)
+        self.decode_path = backend.decode_path(None, self.rotary.rope_rows)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: Any, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        rope = self.rotary(positions, h.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, rope, kv_caches[i], meta)
+        return self.norm(h)
+
+
+class Glm4ForCausalLM(LlamaForCausalLM):
+    model_class = Glm4Model
+    reorders_partial_rotary = True
+    supports_quantized_gguf = False  # (no GGUF mapping: loader/gguf_file.py)
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
+                 kernels: str | None = None):
+        refuse_checkpoint_quantization(spec)
+        spec = glm_spec(spec)
+        super().__init__(spec, dtype, device, kernels=kernels)
+        self.lora_refusal = GLM_LORA_REFUSAL.format(arch=spec.architecture)
+        self.rotary_order = interleaved_rotary_order(spec.head_dim, spec.rotary_dim or spec.head_dim)
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        super().load_weights(reorder_rotary_rows(self._split_gate_up(weights), self.spec.head_dim,
+                                                 self.rotary_order))
+
+    def _split_gate_up(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """The stream with each fused mlp.gate_up_proj tensor cut into gate_proj and up_proj rows."""
+        inter = self.spec.intermediate_size
+        for name, tensor in weights:
+            prefix, _, leaf = name.rpartition(".")
+            if not prefix.endswith(".mlp.gate_up_proj"):
+                yield name, tensor
+                continue
+            if shape_of(tensor)[:1] != (2 * inter,):
+                raise ModelLoadError(f"tensor {name!r}: checkpoint shape {shape_of(tensor)}, the model expects "
+                                     f"{2 * inter} rows ({inter} gate + {inter} up) (config.json does not match "
+                                     "the weights?)")
+            parent = prefix.removesuffix(".gate_up_proj")
+            yield f"{parent}.gate_proj.{leaf}", row_block(tensor, 0, inter)
+            yield f"{parent}.up_proj.{leaf}", row_block(tensor, inter, inter)
+
+
+__all__ = ["GLM_LORA_REFUSAL", "Glm4ForCausalLM", "glm_spec", "interleaved_rotary_order", "reorder_rotary_rows",
+           "refuse_checkpoint_quantization"]

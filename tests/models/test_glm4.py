@@ -1,0 +1,262 @@
+"""GLM-4.5 (Glm4MoeForCausalLM) and GLM-4-0414 (Glm4ForCausalLM) against transformers on tiny random
+checkpoints: greedy tokens and logits through the test driver, chunked prefill and batching, the real
+engine with a 16-token budget, the layer layout each config asks for (dense first layers, grouped
+routing, shared experts, q/k norms, partial rotary in both layouts and its default), the MTP layers
+skipped at load, the refusals by name (LoRA included), tensor-parallel shards and two gloo ranks; on a
+GPU the engine in bfloat16 with CUDA graphs against the CPU float32 engine."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+from ferrox import LLM, SamplingParams
+from ferrox.distributed.parallel_state import TPGroup, use_tp_group
+from ferrox.errors import UnsupportedModelError
+from ferrox.layers.fused_moe import FusedMoE
+from ferrox.layers.layernorm import RMSNorm
+from ferrox.layers.linear import MergedLinear, RowParallelLinear
+from ferrox.loader.model_loader import load_model, load_model_spec
+from ferrox.loader.source import resolve_model
+from ferrox.loader.weights import iter_safetensors
+from ferrox.model_spec import ModelLoadError
+from ferrox.models.glm4 import interleaved_rotary_order
+from ferrox.models.glm4_moe import Glm4MoeBlock
+from ferrox.models.llama import LlamaMLP
+from ferrox.models.registry import get_model_class
+
+from tests.helpers import tiny_glm, tiny_models
+from tests.helpers.driver import run_greedy
+from tests.models.conftest import assert_cuda_engine_matches_cpu, cut_at_eos, hf_greedy, hf_last_logits
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [[5, 9, 11], [100, 7, 300, 45, 2, 9, 77, 13], [4, 4, 4, 4, 8], list(range(3, 70))]  # 67: 5 blocks
+BUILDERS = {
+    # GLM-4.5 / 4.6: q/k norms, 4 groups of 2 experts (2 kept), a correction bias, 2.5x scaling, an MTP layer.
+    "glm4_moe": lambda d: tiny_glm.make_tiny_glm4_moe(d, seed=21),
+    # GLM-4.5-Air-like: no q/k norms, one group, no renormalisation, partial_rotary_factor left to its
+    # default, tied embeddings, two dense layers and two shared experts.
+    "glm4_moe_air": lambda d: tiny_glm.make_tiny_glm4_moe(d, num_layers=3, use_qk_norm=False, n_group=1,
+                                                          topk_group=1, norm_topk_prob=False, n_shared_experts=2,
+                                                          first_k_dense_replace=2, partial_rotary_factor=None,
+                                                          routed_scaling_factor=1.0, tie_word_embeddings=True,
+                                                          mtp_layers=0, seed=22),
+    "glm4": lambda d: tiny_glm.make_tiny_glm4(d, seed=23),
+    "glm4_default_rotary": lambda d: tiny_glm.make_tiny_glm4(d, partial_rotary_factor=None, seed=24),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """name -> (folder, ferrox model, transformers model); built once for the module."""
+    return tiny_models.models_with_references(tmp_path_factory.mktemp("glm4"), BUILDERS)
+
+
+def _copy_with_config(folder: str, dest, **fields) -> str:
+    shutil.copytree(folder, dest)
+    path = os.path.join(dest, "config.json")
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    config.update(fields)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    return str(dest)
+
+
+def _load(folder: str):
+    source = resolve_model(folder)
+    return load_model(source, load_model_spec(source), dtype=torch.float32, device="cpu")
+
+
+# ---- parity with transformers ---------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_greedy_and_logits_match_transformers(tiny, name):
+    folder, model, ref = tiny[name]
+    ours, logits = run_greedy(model, PROMPTS, 10, block_size=16, return_prefill_logits=True)
+    for i, ids in enumerate(PROMPTS):
+        torch.testing.assert_close(logits[i], hf_last_logits(ref, ids), atol=1e-4, rtol=1e-4)
+        assert cut_at_eos(ours[i], [tiny_models.EOS_TOKEN_ID]) == hf_greedy(ref, ids, 10), (name, i)
+
+
+@pytest.mark.parametrize("name", ["glm4_moe", "glm4"])
+def test_chunked_prefill_and_batching_do_not_change_tokens(tiny, name):
+    _, model, _ = tiny[name]
+    base = run_greedy(model, PROMPTS, 6)
+    assert run_greedy(model, PROMPTS, 6, block_size=8, prefill_chunk=7) == base
+    assert run_greedy(model, PROMPTS[3:], 6, block_size=32) == base[3:]  # alone == in a batch
+
+
+@pytest.mark.parametrize("name", ["glm4_moe", "glm4"])
+def test_engine_chunked_prefill_matches_transformers(tiny, name):
+    """The real engine (Rust scheduler, paged KV, sampler) with a 16-token budget: the long prompt is
+    prefilled in chunks; greedy tokens and their logprobs against transformers."""
+    folder, _, ref = tiny[name]
+    llm = LLM(model=folder, dtype="float32", kv_cache_memory=8 << 20, max_num_batched_tokens=16, max_num_seqs=4,
+              max_model_len=256)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        sample = out.outputs[0]
+        ids = list(sample.token_ids)
+        with torch.inference_mode():
+            ref_lp = torch.log_softmax(ref(torch.tensor([prompt + ids])).logits[0].double(), dim=-1)
+        assert ids == ref_lp[len(prompt) - 1:-1].argmax(-1).tolist()
+        for i, (tok, lps) in enumerate(zip(ids, sample.logprobs, strict=True)):
+            assert math.isclose(lps[tok].logprob, ref_lp[len(prompt) - 1 + i, tok].item(), abs_tol=1e-4)
+
+
+# ---- what the configs build -------------------------------------------------------------------------
+def test_layers_follow_the_config(tiny):
+    glm, air = tiny["glm4_moe"][1], tiny["glm4_moe_air"][1]
+    assert [isinstance(layer.mlp, Glm4MoeBlock) for layer in glm.model.layers] == [False, True, True]
+    assert [isinstance(layer.mlp, Glm4MoeBlock) for layer in air.model.layers] == [False, False, True]
+    block = glm.model.layers[1].mlp
+    assert (block.routing.n_group, block.routing.topk_group, block.routing.routed_scaling_factor) == (4, 2, 2.5)
+    assert block.renormalize and not air.model.layers[2].mlp.renormalize
+    assert isinstance(block.shared_experts, LlamaMLP) and block.shared_expert is None  # no Qwen-style gate
+    assert air.model.layers[2].mlp.shared_experts.down_proj.in_features == 2 * 32  # n_shared_experts=2
+    attn = glm.model.layers[0].self_attn
+    assert attn.qkv_proj.bias is not None and attn.o_proj.bias is None and attn.q_norm is not None
+    assert air.model.layers[0].self_attn.q_norm is None
+    assert glm.spec.rotary_dim == 16 and air.spec.rotary_dim == 16  # air: transformers' default 0.5
+    dense = tiny["glm4"][1].model.layers[0]
+    assert dense.self_attn.qkv_proj.bias is not None and dense.self_attn.o_proj.bias is None
+    assert tiny["glm4_default_rotary"][1].spec.rotary_dim == 16
+
+
+def test_one_token_decode_takes_the_general_layers(tiny):
+    """The fused one-token kernels route with softmax top-k: GLM-4.5's layers step aside there (the
+    path may still fuse the lm_head); GLM-4's four-norm layer is not their shape either."""
+    for name in ("glm4_moe", "glm4"):
+        spec = tiny[name][1].spec
+        model = get_model_class([spec.architecture])(spec, torch.float32, "cpu", kernels="triton")
+        assert model.model.decode_path.layers is None, name
+
+
+def test_interleaved_rotary_rows_are_reordered_at_load(tiny):
+    folder, model, _ = tiny["glm4"]
+    tensors = dict(iter_safetensors(folder))
+    order = interleaved_rotary_order(32, 16)
+    assert order[:8].tolist() == list(range(0, 16, 2)) and order[16:24].tolist() == list(range(1, 16, 2))
+    qkv = model.model.layers[1].self_attn.qkv_proj
+    q = tensors["model.layers.1.self_attn.q_proj.weight"]
+    torch.testing.assert_close(qkv.weight[32:64], q[32:64][order], rtol=0, atol=0)  # head 1
+    gate_up = tensors["model.layers.1.mlp.gate_up_proj.weight"]
+    torch.testing.assert_close(model.model.layers[1].mlp.gate_up_proj.weight, gate_up, rtol=0, atol=0)
+
+
+def test_mtp_layers_are_skipped_only_when_the_config_declares_them(tiny, tmp_path):
+    folder = tiny["glm4_moe"][0]
+    assert any(name.startswith("model.layers.3.") for name, _ in iter_safetensors(folder))  # the MTP layer
+    undeclared = _copy_with_config(folder, tmp_path / "no_mtp", num_nextn_predict_layers=0)
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.3\."):
+        _load(undeclared)
+
+
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
+
+
+@pytest.mark.parametrize("name, fields, match", [
+    ("glm4_moe", {"quantization_config": AWQ}, r"config\.json: quantization_config \(quant_method 'awq'\).*Glm4Moe"),
+    ("glm4", {"quantization_config": AWQ}, r"config\.json: quantization_config \(quant_method 'awq'\).*Glm4For"),
+    ("glm4_moe", {"scoring_func": "softmax"}, r"config\.json: scoring_func 'softmax'"),
+    ("glm4_moe", {"topk_method": "greedy"}, r"config\.json: topk_method 'greedy'"),
+    ("glm4_moe", {"n_group": 3}, r"config\.json: n_group 3 / topk_group 2"),
+    ("glm4_moe", {"hidden_act": "gelu"}, r"config\.json: hidden_act 'gelu'"),
+    ("glm4", {"hidden_act": "gelu"}, r"config\.json: hidden_act 'gelu'"),
+])
+def test_unsupported_configs_are_refused_by_name(tiny, tmp_path, name, fields, match):
+    folder = _copy_with_config(tiny[name][0], tmp_path / "edited", **fields)
+    with pytest.raises(UnsupportedModelError, match=match):
+        _load(folder)
+
+
+@pytest.mark.parametrize("name", ["glm4_moe", "glm4"])
+def test_lora_is_refused_by_name(tiny, name):
+    """An adapter's q_proj / k_proj rows would miss the rotary reordering: refused before any layer is wrapped."""
+    from ferrox.lora.manager import LoRAManager
+
+    model = tiny[name][1]
+    with pytest.raises(UnsupportedModelError, match=r"enable_lora: Glm4(Moe)?ForCausalLM's q/k rows are permuted"):
+        LoRAManager(model, max_loras=1, max_lora_rank=8, max_cpu_loras=None, device="cpu", dtype=torch.float32,
+                    max_num_tokens=64)
+
+
+# ---- tensor parallelism ----------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["glm4_moe", "glm4"])
+def test_tensor_parallel_ranks_load_their_part(tiny, name):
+    """Two ranks built in this process and loaded through lazy safetensors slices hold exactly their
+    part of the one-rank model's weights (q/k rows reordered per head before a rank takes its heads;
+    GLM-4's fused gate_up cut by rows; the experts' and shared experts' intermediate rows split)."""
+    folder, whole, _ = tiny[name]
+    spec = whole.spec
+    cls = get_model_class([spec.architecture])
+    full = dict(whole.named_modules())
+    for rank in range(2):
+        with use_tp_group(TPGroup(rank=rank, size=2)), torch.no_grad():
+            part = cls(load_model_spec(resolve_model(folder)), torch.float32, "cpu")
+            part.load_weights(iter_safetensors(folder, lazy=True))
+        kinds = set()
+        for module_name, module in part.named_modules():
+            other = full[module_name]
+            if isinstance(module, MergedLinear):
+                for shard, (start, size, _) in module.checkpoint_rows.items():
+                    mine = module.weight[module.shard_offsets[shard]:module.shard_offsets[shard] + size]
+                    theirs = other.weight[other.shard_offsets[shard] + start:other.shard_offsets[shard] + start + size]
+                    assert torch.equal(mine, theirs), (module_name, shard)
+            elif isinstance(module, RowParallelLinear):
+                assert torch.equal(module.weight, other.weight[:, module.in_start:module.in_start + module.in_features])
+            elif isinstance(module, FusedMoE):
+                inter, start = module.intermediate_size, module.inter_start
+                full_inter = other.intermediate_size
+                assert torch.equal(module.w13[:, :inter], other.w13[:, start:start + inter])
+                assert torch.equal(module.w13[:, inter:], other.w13[:, full_inter + start:full_inter + start + inter])
+                assert torch.equal(module.w2, other.w2[:, :, start:start + inter])
+            elif isinstance(module, RMSNorm) or module_name.endswith(".gate"):
+                assert all(torch.equal(p, q) for p, q in zip(module.parameters(), other.parameters(), strict=True))
+            else:
+                continue
+            kinds.add(type(module).__name__)
+        assert {"QKVLinear", "MergedLinear", "RowParallelLinear", "RMSNorm"} <= kinds, kinds
+
+
+@pytest.mark.parametrize("kw", [{}, {"enable_expert_parallel": True}])
+def test_tensor_parallel_engine_matches_one_rank(tiny, kw):
+    """Two gloo rank processes (experts sharded by intermediate rows, or split whole with expert
+    parallelism; the shared experts and dense MLPs sharded as Llama's) generate what one rank does.
+    (GLM-4's layers are Llama's sharded layers: its ranks' weights are checked above.)"""
+    folder = tiny["glm4_moe"][0]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
+    results = []
+    for tp in (1, 2):
+        llm = LLM(model=folder, dtype="float32", tensor_parallel_size=tp, kv_cache_memory=8 << 20,
+                  max_num_batched_tokens=16, max_model_len=256, **(kw if tp > 1 else {}))
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        finally:
+            llm.engine.shutdown()
+        results.append([(list(o.outputs[0].token_ids),
+                         [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)])
+                        for o in outs])
+    for (tokens, lps), (tp_tokens, tp_lps) in zip(*results, strict=True):
+        assert tp_tokens == tokens
+        assert torch.allclose(torch.tensor(tp_lps), torch.tensor(lps), atol=1e-4)
+
+
+# ---- GPU ----------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_cuda_engine_matches_cpu(tiny, name):
+    """bfloat16 on CUDA (CUDA graphs, the fused MoE kernels over grouped_topk's ids) against the CPU
+    float32 engine."""
+    folder = tiny[name][0]
+    assert_cuda_engine_matches_cpu(folder, PROMPTS, max_tokens=8, max_model_len=256)
