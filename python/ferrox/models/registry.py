@@ -51,6 +51,8 @@ SUPPORTED: dict[str, str] = {
     "Qwen3MoeForCausalLM": "ferrox.models.moe:Qwen3MoeForCausalLM",
     "Glm4ForCausalLM": "ferrox.models.glm4:Glm4ForCausalLM",
     "Glm4MoeForCausalLM": "ferrox.models.glm4_moe:Glm4MoeForCausalLM",
+    "DeepseekV2ForCausalLM": "ferrox.models.deepseek_v2:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "ferrox.models.deepseek_v2:DeepseekV3ForCausalLM",
     "BertModel": "ferrox.models.bert:BertModel",
     "RobertaModel": "ferrox.models.bert:RobertaModel",
     "XLMRobertaModel": "ferrox.models.bert:XLMRobertaModel",

@@ -99,6 +99,10 @@ class ModelForward:
         from ferrox.worker.cuda_graphs import CudaGraphRunner
         from ferrox.worker.piecewise_graphs import PiecewiseGraphRunner, piecewise_graphs_enabled
 
+        if not getattr(self.model, "supports_cuda_graphs", True):
+            # (an attention backend that plans steps on the host: DeepSeek's MLA on the torch backend)
+            logger.info("%s runs every step eagerly (no CUDA graphs)", type(self.model).__name__)
+            return None
         try:
             runner = CudaGraphRunner(self.model, self.kv_caches, max_num_seqs=max_num_seqs,
                                      max_model_len=max_model_len, block_size=block_size, device=self.device,
