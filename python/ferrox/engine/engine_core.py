@@ -280,6 +280,8 @@ class EngineCore:
         from ferrox.structured.thinking_budget import ThinkingBudget
 
         assert self.reasoning is not None and params.thinking_token_budget is not None  # validate_prompt
+        # validate_prompt refused a parser without single start / end tokens (gpt-oss's harmony).
+        assert self.reasoning.start_token_id is not None and self.reasoning.end_token_id is not None
         return ThinkingBudget(params.thinking_token_budget, self.reasoning.start_token_id,
                               self.reasoning.end_token_id, prompt)
 
@@ -303,6 +305,13 @@ class EngineCore:
             max_logprobs=self.config.max_logprobs,
             reasoning_end_token_id=self.reasoning.end_token_id if self.reasoning is not None else None,
         )
+        if self.reasoning is not None and self.reasoning.end_token_id is None:
+            # gpt-oss's thinking ends with several tokens: the grammar gate and the thinking budget take one.
+            for field in ("structured_outputs", "thinking_token_budget"):
+                if getattr(params, field) is not None:
+                    raise InvalidArgumentError(f"{field}: not supported with reasoning_parser "
+                                               f"{self.reasoning.name!r}: its thinking does not end at one token",
+                                               param=field)
         validation.validate_request(prompt, params, limits, what=what)
 
     # ---- pooling requests (runner "pooling") ------------------------------------------------------------

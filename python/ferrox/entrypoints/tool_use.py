@@ -50,6 +50,12 @@ def keeps_special_tokens(req: ToolRequest, template: str | None, parser: str | N
     return tool_hooks.needs_special_tokens(req, parser, template)
 
 
+def reads_harmony_calls(req: ToolRequest, template: str | None, parser: str | None = None) -> bool:
+    """Whether gpt-oss's tool calls reach the tool parser (the `openai_gptoss` reasoning parser keeps them
+    in the content only then)."""
+    return tool_hooks.reads_harmony_calls(req, parser, template)
+
+
 @dataclass(slots=True)
 class RenderedPrompt:
     template: str | None  # picks the tool-call parser, as on chat

@@ -16,16 +16,22 @@ a tokenizer without the tags as single tokens is refused at start-up, naming the
 
 One implementation serves both paths: `split` (a finished output) is `ReasoningStream.feed` over
 the whole text, so a streamed answer is, concatenated, exactly the non-streamed one.
+
+gpt-oss's harmony format has a parser of its own (`openai_gptoss`: reasoning/harmony.py) with the same
+interface; get_reasoning_parser returns either.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
+
+from ferrox.reasoning.harmony import NAME as HARMONY_NAME
+from ferrox.reasoning.harmony import HarmonyReasoningParser, HarmonyReasoningStream, get_harmony_parser
 
 # vLLM's names; the CLI's choices (ferrox.config imports this module, which imports no torch).
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", HARMONY_NAME)
 START_TAG = "<think>"
 END_TAG = "</think>"
 
@@ -39,18 +45,28 @@ class ReasoningParser:
     switchable: bool
     start_tag: str = START_TAG
     end_tag: str = END_TAG
+    # The tags are text tokens: the reply keeps them with skip_special_tokens (harmony's markers are not).
+    needs_special_tokens: ClassVar[bool] = False
+
+    def check_template_kwargs(self, template_kwargs: Mapping[str, Any]) -> None:
+        """Nothing to refuse: the template reads enable_thinking / reasoning_effort as it likes."""
+
+    def template_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The messages as they are (the `<think>` templates read reasoning_content themselves)."""
+        return messages
 
     def thinks(self, template_kwargs: Mapping[str, Any] | None) -> bool:
         """Whether a request's output starts inside the model's thinking (vLLM's rule per parser)."""
         return not (self.switchable and template_kwargs and template_kwargs.get("enable_thinking") is False)
 
-    def split(self, text: str, thinking: bool = True) -> tuple[str | None, str | None]:
-        """(reasoning, content) of a finished output; None for an empty part."""
+    def split(self, text: str, thinking: bool = True, tool_calls: bool = False) -> tuple[str | None, str | None]:
+        """(reasoning, content) of a finished output; None for an empty part. tool_calls: whether a
+        tool parser reads the content (harmony's parser keeps its calls then; here calls are text)."""
         stream = self.stream(thinking)
         reasoning, content = stream.feed(text, finished=True)
         return reasoning or None, content or None
 
-    def stream(self, thinking: bool = True) -> ReasoningStream:
+    def stream(self, thinking: bool = True, tool_calls: bool = False) -> ReasoningStream:
         return ReasoningStream(self, thinking)
 
     def prompt_ends_reasoning(self, prompt_token_ids: Sequence[int]) -> bool:
@@ -71,11 +87,13 @@ class ReasoningParser:
         return stream.reasoning_tokens
 
 
-def get_reasoning_parser(name: str, token_to_id: Callable[[str], int | None]) -> ReasoningParser:
+def get_reasoning_parser(name: str, token_to_id: Callable[[str], int | None]) -> AnyReasoningParser:
     """The parser `name` for a tokenizer (its token_to_id); ValueError naming reasoning_parser when the
     name is unknown or the tokenizer lacks the tags as single tokens."""
     if name not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser: {name!r} is not one of {', '.join(REASONING_PARSERS)}")
+    if name == HARMONY_NAME:
+        return get_harmony_parser(token_to_id)
     ids = {tag: token_to_id(tag) for tag in (START_TAG, END_TAG)}
     missing = [tag for tag, token in ids.items() if token is None]
     if missing:
@@ -150,3 +168,8 @@ def _tag_prefix_len(text: str, tag: str) -> int:
         if text.endswith(tag[:n]):
             return n
     return 0
+
+
+# Either kind of parser (and of its stream): what the engine and the routes hold.
+AnyReasoningParser = ReasoningParser | HarmonyReasoningParser
+AnyReasoningStream = ReasoningStream | HarmonyReasoningStream

@@ -136,7 +136,8 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
     # A long conversation takes a while to render and encode: off the event loop (a short one inline).
     prompt = await _render(ctx, req)
     check_max_tokens(ctx, len(prompt.token_ids), req.max_tokens)
-    params = _sampling_params(ctx, req, structured, tool_use.keeps_special_tokens(tools, prompt.template, ctx.options.tool_call_parser))
+    params = _sampling_params(ctx, req, structured, tool_use.keeps_special_tokens(tools, prompt.template, ctx.options.tool_call_parser)
+                              or ctx.reasoning_needs_special_tokens)
     validate_request(ctx, prompt.token_ids, params, MESSAGES_FIELDS)
     message_id = new_id("msg").replace("-", "_")
     request["request_id"] = message_id  # -> the X-Request-Id header and the access log
@@ -154,7 +155,9 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
         comp = final.outputs[0]
         answer, thought = comp.text, None
         if ctx.reasoning is not None:
-            thought, answer_or_none = ctx.reasoning.split(comp.text, ctx.starts_thinking(prompt.token_ids, req.template_kwargs()))
+            thought, answer_or_none = ctx.reasoning.split(
+                comp.text, ctx.starts_thinking(prompt.token_ids, req.template_kwargs()),
+                tool_use.reads_harmony_calls(tools, prompt.template, ctx.options.tool_call_parser))
             answer = answer_or_none or ""
         blocks = tool_use.split_reply(answer, tools, prompt.template, ctx.options.tool_call_parser)
         stop_reason, stop_sequence = _stop_reason(comp, any(b.kind == "tool_call" for b in blocks))
@@ -172,7 +175,9 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
     resp = await start_sse(request)
     output_tokens = 0
     stream = tool_use.BlockStream(tools, prompt.template, ctx.options.tool_call_parser)
-    thinking = _ThinkingBlockStream(ctx, prompt.token_ids, req.template_kwargs(), omit=_omits_thinking(req))
+    thinking = _ThinkingBlockStream(ctx, prompt.token_ids, req.template_kwargs(), omit=_omits_thinking(req),
+                                    tool_calls=tool_use.reads_harmony_calls(tools, prompt.template,
+                                                                            ctx.options.tool_call_parser))
     async with contextlib.aclosing(gen):
         try:
             await send_sse(resp, {"type": "message_start", "message": {
@@ -244,9 +249,10 @@ class _ThinkingBlockStream:
     answer text for the answer's blocks. Without a reasoning parser all text is the answer."""
 
     def __init__(self, ctx: ServingContext, prompt_ids: list[int], template_kwargs: dict[str, Any],
-                 omit: bool = False) -> None:
+                 omit: bool = False, tool_calls: bool = False) -> None:
         self._omit = omit  # display "omitted": the block opens and closes with no thinking_delta
-        self._split = (ctx.reasoning.stream(ctx.starts_thinking(prompt_ids, template_kwargs))
+        # tool_calls: gpt-oss's calls stay in the answer for the tool parser (reasoning/harmony.py).
+        self._split = (ctx.reasoning.stream(ctx.starts_thinking(prompt_ids, template_kwargs), tool_calls)
                        if ctx.reasoning is not None else None)
         self.blocks = 0  # thinking blocks sent (0 or 1): the answer's block indices start after them
         self._open = False
@@ -261,9 +267,12 @@ class _ThinkingBlockStream:
         if self._split is None:
             self.answer = text
             return []
+        answer_began = self._split.ended
         thought, self.answer = self._split.feed(text, finished)
         events: list[tuple[dict[str, Any], str]] = []
-        if thought:
+        # Block 0 comes first: thinking after the answer began (gpt-oss may think again after a
+        # preamble) is not streamed; non-streamed, it joins the one thinking block.
+        if thought and (self._open or (not self.blocks and not answer_began)):
             if not self._open:
                 self._open, self.blocks = True, 1
                 events.append(({"type": "content_block_start", "index": 0,

@@ -30,10 +30,10 @@ from ferrox.engine.defaults import GENERATION_DEFAULT_KEYS, generation_sampling_
 from ferrox.entrypoints.openai.errors import APIError, bad_request, from_exception, from_validation_error
 from ferrox.entrypoints.openai.protocol import json_depth
 from ferrox.entrypoints.openai.serving_lora import LoRAModule, LoRARegistry
-from ferrox.errors import FerroxError
+from ferrox.errors import FerroxError, InvalidArgumentError
 from ferrox.loader.chat_template import content_text
 from ferrox.outputs import Logprob
-from ferrox.reasoning import ReasoningParser, get_reasoning_parser
+from ferrox.reasoning import AnyReasoningParser, get_reasoning_parser
 from ferrox.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -109,8 +109,8 @@ class ServingContext:
         self.draining = False  # SIGTERM: new API requests get 503, running ones may finish
         # --reasoning-parser: the chat routes return a reasoning model's thinking apart from its answer.
         name = engine.config.reasoning_parser if engine is not None else None  # None: a test serving no engine
-        self.reasoning: ReasoningParser | None = (get_reasoning_parser(name, engine.tokenizer.token_to_id)
-                                                  if name else None)
+        self.reasoning: AnyReasoningParser | None = (get_reasoning_parser(name, engine.tokenizer.token_to_id)
+                                                     if name else None)
         self.active_requests = 0  # API requests inside their handler (what a drain waits for)
 
     @property
@@ -147,6 +147,12 @@ class ServingContext:
         constrains is the answer the routes return."""
         return self.reasoning is not None and self.reasoning.thinks(self.template_kwargs(template_kwargs)) \
             and not self.reasoning.prompt_ends_reasoning(prompt_ids)
+
+    @property
+    def reasoning_needs_special_tokens(self) -> bool:
+        """The reasoning parser reads special tokens (gpt-oss's harmony markers): replies are decoded
+        with skip_special_tokens=False, as the tool parsers that need them ask."""
+        return self.reasoning is not None and self.reasoning.needs_special_tokens
 
     def template_kwargs(self, request_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
         """The chat template's variables: --default-chat-template-kwargs, then the request's on top."""
@@ -350,9 +356,25 @@ def validate_request(ctx: ServingContext, prompt_token_ids: list[int], params: S
     """The engine's request rules (ferrox.engine.validation) on one tokenized prompt, before anything
     is queued: a 400 naming the field, spelled for the route by `fields`."""
     try:
+        if ctx.reasoning is not None and ctx.reasoning.end_token_id is None:
+            _check_multi_token_reasoning_end(ctx.reasoning.name, params)
         validation.validate_request(prompt_token_ids, params, ctx.limits)
     except FerroxError as exc:
         raise from_exception(exc, rename=fields) from None
+
+
+def _check_multi_token_reasoning_end(parser: str, params: SamplingParams) -> None:
+    """gpt-oss's thinking ends with several tokens (`<|channel|>final<|message|>`), where the engine's
+    grammar gate and thinking budget take one: both are refused rather than applied in the wrong place."""
+    if params.structured_outputs is not None:
+        raise InvalidArgumentError(
+            f"structured_outputs: a structured output (response_format, structured_outputs, or a tool_choice that "
+            f"forces a call) is not supported with --reasoning-parser {parser}: its thinking does not end at one "
+            "token, where the grammar would start", param="structured_outputs")
+    if params.thinking_token_budget is not None:
+        raise InvalidArgumentError(f"thinking_token_budget: not supported with --reasoning-parser {parser}: its "
+                                   "thinking does not end at one token the budget could force",
+                                   param="thinking_token_budget")
 
 
 def build_sampling_params(
@@ -412,6 +434,13 @@ def render_chat(ctx: ServingContext, messages: list[dict[str, Any]], *, add_gene
                 continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
                 chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
     """Render a conversation with the model's chat template (or the server's / request's override)."""
+    if ctx.reasoning is not None:
+        try:  # what the parser's model cannot take (gpt-oss: a reasoning_effort it does not know)
+            ctx.reasoning.check_template_kwargs(ctx.template_kwargs(template_kwargs))
+        except FerroxError as exc:
+            raise from_exception(exc) from None
+        # gpt-oss's template reads an earlier turn's thinking as `thinking` (harmony.py).
+        messages = ctx.reasoning.template_messages(messages)
     try:
         text = ctx.engine.tokenizer.apply_chat_template(
             messages,

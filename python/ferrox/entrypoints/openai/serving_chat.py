@@ -76,8 +76,9 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
     images = await fetch_images(ctx, [m.to_template_dict() for m in req.messages])
     chat = await ctx.engine.prompt_work(prompt_size(req), _render_prompt, ctx, req, images)
     messages, template, prompt_text, prompt_ids = chat.messages, chat.template, chat.text, chat.token_ids
-    if tool_hooks.needs_special_tokens(req, ctx.options.tool_call_parser, template):
-        # The parser's markers are special tokens (Mistral's [TOOL_CALLS]): kept in the text, as vLLM does.
+    if tool_hooks.needs_special_tokens(req, ctx.options.tool_call_parser, template) or ctx.reasoning_needs_special_tokens:
+        # The parser's markers are special tokens (Mistral's [TOOL_CALLS], gpt-oss's harmony): kept in the
+        # text, as vLLM does.
         req.skip_special_tokens = False
     check_max_tokens(ctx, len(prompt_ids), req.requested_max_tokens)
     check_output_budget(ctx, req.n, len(prompt_ids), req.requested_max_tokens, "max_completion_tokens"
@@ -115,13 +116,14 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
     assert final is not None
     choices = []
     thinking = ctx.starts_thinking(prompt_ids, req.template_kwargs())
+    harmony_calls = tool_hooks.reads_harmony_calls(req, ctx.options.tool_call_parser, template)
     reasoning_tokens = 0
     show_details = _shows_details(ctx, req)
     for comp in final.outputs:
         text, reasoning = comp.text, None
         if ctx.reasoning is not None:
             # The answer is what follows the thinking: tool calls are parsed from it alone.
-            reasoning, answer = ctx.reasoning.split(comp.text, thinking)
+            reasoning, answer = ctx.reasoning.split(comp.text, thinking, harmony_calls)
             text = answer or ""
             reasoning_tokens += ctx.reasoning.count_reasoning_tokens(comp.token_ids, thinking)
         content, tool_calls = tool_hooks.parse_tool_calls(echo + text, req, ctx.options.tool_call_parser,
@@ -261,7 +263,8 @@ async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletion
     tool_streams = ({i: tool_hooks.ToolStream(req, ctx.options.tool_call_parser, template=template)
                      for i in range(req.n)} if req.tools else None)
     thinking = ctx.starts_thinking(prompt["prompt_token_ids"], req.template_kwargs())
-    reasoning_streams = ({i: ctx.reasoning.stream(thinking) for i in range(req.n)}
+    harmony_calls = tool_hooks.reads_harmony_calls(req, ctx.options.tool_call_parser, template)
+    reasoning_streams = ({i: ctx.reasoning.stream(thinking, harmony_calls) for i in range(req.n)}
                          if ctx.reasoning is not None else None)
     show_details = _shows_details(ctx, req)
     as_token_ids = ctx.as_token_ids(req)

@@ -64,7 +64,7 @@ from ferrox.entrypoints.openai.serving import (
 from ferrox.entrypoints.openai.serving_images import fetch_images
 from ferrox.entrypoints.openai.structured import format_constraint
 from ferrox.errors import FerroxError
-from ferrox.reasoning import ReasoningStream
+from ferrox.reasoning import AnyReasoningStream
 from ferrox.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("ferrox.entrypoints.openai")
@@ -170,7 +170,7 @@ def _reasoning_item(item_id: str, text: str, status: str, encrypted: bool = Fals
     return item
 
 
-def _reasoning_status(split: ReasoningStream, finish_reason: str | None) -> str:
+def _reasoning_status(split: AnyReasoningStream, finish_reason: str | None) -> str:
     """A thinking that never reached `</think>` because max_output_tokens cut it is incomplete."""
     return "incomplete" if finish_reason == "length" and not split.ended else "completed"
 
@@ -259,7 +259,8 @@ async def create_response(ctx: ServingContext, request: web.Request) -> web.Stre
     prompt = await ctx.engine.prompt_work(prompt_size(conversation), tool_use.render_prompt, ctx, messages, tools,
                                           template_kwargs=req.template_kwargs(), images=images)
     check_max_tokens(ctx, len(prompt.token_ids), req.max_output_tokens)
-    params = _sampling_params(ctx, req, structured, tool_use.keeps_special_tokens(tools, prompt.template, ctx.options.tool_call_parser))
+    params = _sampling_params(ctx, req, structured, tool_use.keeps_special_tokens(tools, prompt.template, ctx.options.tool_call_parser)
+                              or ctx.reasoning_needs_special_tokens)
     validate_request(ctx, prompt.token_ids, params, RESPONSES_FIELDS)
     response = _Response(ctx, req, params, len(prompt.token_ids), stored=keep)
     request["request_id"] = response.id  # -> the X-Request-Id header and the access log
@@ -306,7 +307,8 @@ class _Finish:
         answer = comp.text
         if ctx.reasoning is not None:
             # The answer is what follows the thinking: the message and the tool calls are read from it alone.
-            split = ctx.reasoning.stream(self.thinking)
+            split = ctx.reasoning.stream(self.thinking, tool_use.reads_harmony_calls(
+                self.tools, self.template, ctx.options.tool_call_parser))
             split.count_tokens(comp.token_ids)
             reasoning, answer = split.feed(comp.text, finished=True)
             response.reasoning_tokens = split.reasoning_tokens
@@ -361,7 +363,8 @@ async def _stream(request: web.Request, response: _Response, gen: Any, first: An
     stream = tool_use.BlockStream(tools, template, response.ctx.options.tool_call_parser)
     ids: dict[int, str] = {}  # block index -> item id
     reasoning = response.ctx.reasoning
-    split = reasoning.stream(thinking) if reasoning is not None else None
+    split = (reasoning.stream(thinking, tool_use.reads_harmony_calls(tools, template, response.ctx.options.tool_call_parser))
+             if reasoning is not None else None)
     thought = _StreamedReasoning(response)
     async with contextlib.aclosing(gen):
         try:
@@ -413,10 +416,12 @@ class _StreamedReasoning:
         items come after it)."""
         return 0 if self.id is None else 1
 
-    def step(self, delta: str, split: ReasoningStream, finished: bool,
+    def step(self, delta: str, split: AnyReasoningStream, finished: bool,
              finish_reason: str | None) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
-        if delta:
+        # The reasoning item is output 0: thinking after the answer's items began (gpt-oss may think
+        # again after a preamble) is not streamed; non-streamed, it joins the one reasoning item.
+        if delta and (self.open or (self.id is None and not self.response.items)):
             if self.id is None:
                 self.id, self.open = _new_id("rs"), True
                 item = _reasoning_item(self.id, "", "in_progress", self.response.req.includes_encrypted_reasoning)

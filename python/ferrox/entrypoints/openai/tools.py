@@ -22,6 +22,7 @@ from ferrox.entrypoints.openai.tool_parsers import (
     get_tool_parser,
 )
 from ferrox.entrypoints.openai.tool_parsers.base import DeltaToolCall, new_tool_call_id
+from ferrox.entrypoints.openai.tool_parsers.openai_harmony import OpenAIHarmonyToolParser
 from ferrox.errors import InvalidArgumentError
 from ferrox.structured.backend import validate_params
 from ferrox.structured.params import StructuredOutputsParams
@@ -88,6 +89,17 @@ def needs_special_tokens(request: Any, parser_name: str | None = None, template:
     except ValueError:  # bad tools: validate_tools reports them
         return False
     return get_tool_parser(parser_name or default_tool_parser(template)).needs_special_tokens
+
+
+def reads_harmony_calls(request: Any, parser_name: str | None = None, template: str | None = None) -> bool:
+    """Whether the parser that reads this request's reply (tool_choice "auto") is gpt-oss's `openai`:
+    the `openai_gptoss` reasoning parser then passes the calls on in the content (else it drops them)."""
+    try:
+        if _constraint(request).mode != "auto":
+            return False
+    except ValueError:  # bad tools: validate_tools reports them
+        return False
+    return issubclass(get_tool_parser(parser_name or default_tool_parser(template)), OpenAIHarmonyToolParser)
 
 
 def _openai_call(call: ToolCall) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from ferrox.entrypoints.openai.tool_parsers.granite_20b_fc import Granite20bFCTo
 from ferrox.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from ferrox.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 from ferrox.entrypoints.openai.tool_parsers.mistral import MistralToolParser
+from ferrox.entrypoints.openai.tool_parsers.openai_harmony import OpenAIHarmonyToolParser
 from ferrox.entrypoints.openai.tool_parsers.phi4_mini import Phi4MiniJsonToolParser
 from ferrox.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
 from ferrox.entrypoints.openai.tool_parsers.qwen3_coder import Qwen3CoderToolParser
@@ -27,6 +28,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "granite-20b-fc": Granite20bFCToolParser,
     "phi4_mini_json": Phi4MiniJsonToolParser,
     "xlam": XLamToolParser,
+    "openai": OpenAIHarmonyToolParser,
 }
 
 
@@ -44,10 +46,13 @@ def default_tool_parser(chat_template: str | None) -> str:
     Qwen3-Coder's <function=...><parameter=...>, Llama 3's mention <|python_tag|> / ipython, Granite
     3.x's write <|tool_call|> before the list of calls (Granite 4's Hermes-style <tool_call>...
     </tool_call> stays Hermes), vLLM's Phi-4-mini template asks for `functools[...]` and
-    granite-20b-functioncalling's lists the tools after <|function_call_library|>; everything else
+    granite-20b-functioncalling's lists the tools after <|function_call_library|>, gpt-oss's write
+    harmony's <|channel|> (calls are messages `to=functions.NAME`: the `openai` parser); everything else
     gets Hermes, which is also what ferrox's own tool prompt (structured/tools.py) asks for."""
     if not chat_template:
         return "hermes"
+    if "<|channel|>" in chat_template:
+        return "openai"
     if "[TOOL_CALLS]" in chat_template:
         return "mistral"
     if "<function=" in chat_template and "<parameter=" in chat_template:
