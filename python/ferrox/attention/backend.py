@@ -22,6 +22,12 @@ turn the metadata into its own plan (index tensors, masks) once instead of once 
 `softcap` (Gemma 2's attn_logit_softcapping) caps the scaled scores before the softmax; a model
 sets it on the backend it builds, and kernels without it step aside for the ones that have it.
 
+`sinks` (gpt-oss's attention sinks) is per layer: a float32 [H] tensor of learned logits, one per
+query head, that join each query's softmax denominator (exp(sink) takes probability mass but adds no
+value: out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j))). A layer passes its own to `forward`
+/ `attend`; kernels without sinks (cuDNN prefill, the CUDA decode kernel) step aside for the ones
+that have them (the torch backend and both Triton attention kernels).
+
 `decode_path(layers, rope_rows)` is asked once when a model is built: the object that may run a
 whole one-token step in fused kernels and that computes the logits (attention/decode_path.py).
 """
@@ -60,6 +66,7 @@ class AttentionBackend(ABC):
         kv_scales: KVCacheScales | None = None,  # an FP8 cache's k/v scales (None: 1.0)
         *,
         window: int = 0,  # the layer's sliding window: keys p - window < k <= p for a query at p (0: all)
+        sinks: torch.Tensor | None = None,  # the layer's attention sinks, float32 [H] (None: none)
     ) -> torch.Tensor:  # [T, H, D]
         ...
 
@@ -68,7 +75,8 @@ class AttentionBackend(ABC):
     supports_cached_kv = False
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-               kv_scales: KVCacheScales | None = None, *, window: int = 0) -> torch.Tensor:
+               kv_scales: KVCacheScales | None = None, *, window: int = 0,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention only: this step's k/v are already at `meta.slot_mapping` in kv_cache."""
         raise NotImplementedError(f"the {self.name} attention backend has no attend-only path")
 

@@ -154,7 +154,7 @@ class TorchAttentionBackend(AttentionBackend):
             self._block_size = block_size
         return self._plan
 
-    def forward(self, q, k, v, kv_cache, meta, scale, kv_scales=None, *, window=0):
+    def forward(self, q, k, v, kv_cache, meta, scale, kv_scales=None, *, window=0, sinks=None):
         n = meta.num_actual_tokens
         has_cache = kv_cache.numel() > 0
         block_size = kv_cache.shape[2] if has_cache else 0
@@ -188,11 +188,11 @@ class TorchAttentionBackend(AttentionBackend):
             if chunk.context_len == 0:
                 kc = k[chunk.start:chunk.end].transpose(0, 1)
                 vc = v[chunk.start:chunk.end].transpose(0, 1)
-                o = _sdpa(qc, kc, vc, mask, scale, self.softcap)
+                o = _sdpa(qc, kc, vc, mask, scale, self.softcap, sinks=sinks)
             else:
                 kc = _gather(k_cache, chunk.block_ids, chunk.seq_len).to(q.dtype).transpose(0, 1)
                 vc = _gather(v_cache, chunk.block_ids, chunk.seq_len).to(q.dtype).transpose(0, 1)
-                o = _sdpa(qc, kc, vc, mask, scale, self.softcap)
+                o = _sdpa(qc, kc, vc, mask, scale, self.softcap, sinks=sinks)
             out[chunk.start:chunk.end] = o.transpose(0, 1) if out_scale == 1.0 else o.transpose(0, 1) * out_scale
 
         group = plan.decode
@@ -201,7 +201,7 @@ class TorchAttentionBackend(AttentionBackend):
             qd = qd[:, :, None, :]  # [B, H, 1, D]
             kd = _gather_batch(k_cache, group.block_ids, group.kv_len).to(q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
             vd = _gather_batch(v_cache, group.block_ids, group.kv_len).to(q.dtype).transpose(1, 2)
-            o = _sdpa(qd, kd, vd, decode_mask if window else group.mask, scale, self.softcap, causal=False)
+            o = _sdpa(qd, kd, vd, decode_mask if window else group.mask, scale, self.softcap, causal=False, sinks=sinks)
             o = o[:, :, 0, :]  # [B, H, D]
             if out_scale != 1.0:
                 o = o * out_scale
@@ -217,24 +217,32 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-          softcap: float, *, causal: bool = True) -> torch.Tensor:
+          softcap: float, *, causal: bool = True, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA over [..., H, Lq, D] queries and [..., Hkv, Lk, D] keys/values (GQA); mask: True = attend,
     None with `causal`: a fresh chunk's own causal mask. With softcap (Gemma 2) the scores are capped
-    before the softmax, which SDPA cannot do: the same math written out (float32 softmax)."""
-    if not softcap:
+    before the softmax, and with sinks (gpt-oss: a logit per head [H] in every query's denominator,
+    with no value) the softmax has an extra term, neither of which SDPA can do: the same math written
+    out (float32 softmax)."""
+    if not softcap and sinks is None:
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     group = q.shape[-3] // k.shape[-3]
     k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    scores = softcap * torch.tanh(scores / softcap)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     if mask is None and causal:
         lq, lk = scores.shape[-2], scores.shape[-1]
         mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+    if sinks is None:
+        return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+    # The sink as one more key column whose value is zero: softmax over [scores | sink], drop its column.
+    sink = sinks.float().view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    return torch.matmul(probs, v.float()).to(q.dtype)
 
 
 def _store(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:

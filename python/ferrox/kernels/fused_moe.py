@@ -45,6 +45,11 @@ streams one byte per weight and multiplies in fp32 as the float path does: codes
 the row scales applied to the sums, or, with blocks, dequantized weight times fake-quantized
 input, the scales loaded per row and group (a gate/up K tile is whole groups, a down tile lies in
 one). The routed norm prologue stays float-only: with FP8 experts the caller norms x.
+
+gpt-oss's experts (layers/fused_moe.py SwigluOai; float only): a bias per output row of each expert
+matrix is added to the fp32 sums before the rounding that the activation reads (gate/up) or before the
+routing weight (down), and ACTIVATION 1 replaces SiLU-and-mul by the clamped SwiGLU, in both paths.
+Without them the launches take no extra arguments and compile as before.
 """
 
 from __future__ import annotations
@@ -119,6 +124,14 @@ def _grouped_gemm_kernel(
     BLOCK_SCALES: tl.constexpr = False,  # BLOCK_K divides BK: a K tile lies in one group
     BN: tl.constexpr = 1,  # the weight block's rows
     BK: tl.constexpr = 1,  # the weight block's columns, the activations' group
+    # gpt-oss (module docstring): a bias per output row of each expert ([E, 2N] with GATED, else
+    # [E, N]), and the activation (ACTIVATION 1: SWIGLU_OAI with ALPHA and LIMIT).
+    bias_ptr=None,
+    stride_be=0,
+    HAS_BIAS: tl.constexpr = False,
+    ACTIVATION: tl.constexpr = 0,
+    ALPHA: tl.constexpr = 0.0,
+    LIMIT: tl.constexpr = 0.0,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -179,10 +192,18 @@ def _grouped_gemm_kernel(
             acc = acc * a_s * tl.load(w_scales, mask=col_ok, other=0.0)[None, :]
             if GATED:
                 acc_up = acc_up * a_s * tl.load(w_scales_up, mask=col_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        bias_row = bias_ptr + expert.to(tl.int64) * stride_be
+        acc += tl.load(bias_row + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_row + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
         gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
         up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
-        acc = gate / (1.0 + tl.exp(-gate)) * up
+        if ACTIVATION == 1:
+            acc = _swiglu_oai(gate, up, ALPHA, LIMIT)
+        else:
+            acc = gate / (1.0 + tl.exp(-gate)) * up
     if ROUTED:
         acc = acc * tl.load(route_w_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + cols[None, :]
@@ -220,6 +241,12 @@ def _gemv_gate_up_kernel(
     BLOCK_SCALES: tl.constexpr = False,  # BLOCK_K is a multiple of BK
     BN: tl.constexpr = 1,
     BK: tl.constexpr = 1,
+    bias_ptr=None,  # gpt-oss: as the grouped kernel's (bias [E, 2N], ACTIVATION 1: SWIGLU_OAI)
+    stride_be=0,
+    HAS_BIAS: tl.constexpr = False,
+    ACTIVATION: tl.constexpr = 0,
+    ALPHA: tl.constexpr = 0.0,
+    LIMIT: tl.constexpr = 0.0,
 ):
     """Program (pair, n-block): silu(gate) * up of BLOCK_N columns for one (token, slot) pair.
 
@@ -262,10 +289,26 @@ def _gemv_gate_up_kernel(
             w_scales = w_scale_ptr + expert * stride_wse + rows * stride_wsn
             gate *= x_s * tl.load(w_scales, mask=rmask, other=0.0)
             up *= x_s * tl.load(w_scales + N * stride_wsn, mask=rmask, other=0.0)
+    if HAS_BIAS:
+        bias_row = bias_ptr + expert * stride_be
+        gate += tl.load(bias_row + rows, mask=rmask, other=0.0).to(tl.float32)
+        up += tl.load(bias_row + N + rows, mask=rmask, other=0.0).to(tl.float32)
     gate = gate.to(out_ptr.dtype.element_ty).to(tl.float32)
     up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
-    y = gate / (1.0 + tl.exp(-gate)) * up
+    if ACTIVATION == 1:
+        y = _swiglu_oai(gate, up, ALPHA, LIMIT)
+    else:
+        y = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(out_ptr + pair.to(tl.int64) * stride_o + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def _swiglu_oai(gate, up, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    """gpt-oss's expert activation (layers/fused_moe.swiglu_oai_torch): gate clamped above at LIMIT,
+    up to [-LIMIT, LIMIT], then gate * sigmoid(ALPHA * gate) * (up + 1)."""
+    gate = tl.minimum(gate, LIMIT)
+    up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+    return gate / (1.0 + tl.exp(-ALPHA * gate)) * (up + 1.0)
 
 
 @triton.jit
@@ -335,6 +378,9 @@ def _gemv_down_kernel(
     BLOCK_SCALES: tl.constexpr = False,  # BLOCK_K divides BK: a K tile lies in one group
     BN: tl.constexpr = 1,
     BK: tl.constexpr = 1,
+    bias_ptr=None,  # gpt-oss: a bias [E, N] per expert, added to each slot's product before its weight
+    stride_be=0,
+    HAS_BIAS: tl.constexpr = False,
 ):
     """Program (token, n-block): sum over the token's k slots of weight * (w2[e] @ inter[pair]),
     plus the token's residual row with HAS_RESIDUAL (the one-token decode path's h + mlp(h)).
@@ -379,6 +425,9 @@ def _gemv_down_kernel(
         if not BLOCK_SCALES:  # row scales are constant over K: applied to the sums of code products
             x_s = tl.load(a_scales, mask=smask, other=0.0)
             per_slot = per_slot * x_s[None, :] * tl.load(w_scales, mask=scale_mask, other=0.0)
+    if HAS_BIAS:
+        per_slot += tl.load(bias_ptr + experts[None, :] * stride_be + rows.to(tl.int64)[:, None],
+                            mask=rmask[:, None] & smask[None, :], other=0.0).to(tl.float32)
     # Each slot's product rounded to the activation dtype, as the grouped path stores it.
     per_slot = per_slot.to(out_ptr.dtype.element_ty).to(tl.float32)
     y = tl.sum(per_slot * route_w[None, :], axis=1)
@@ -611,7 +660,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               config: GemmConfig | None = None, gemv_config: GemvConfig | None = None,
               residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
               eps: float = 1e-6, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-              block: tuple[int, int] | None = None) -> torch.Tensor:
+              block: tuple[int, int] | None = None, w13_bias: torch.Tensor | None = None,
+              w2_bias: torch.Tensor | None = None, swiglu_oai: tuple[float, float] | None = None) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for every token: [T, H] in x's dtype.
 
     small_batch: force (True) or forbid (False) the matrix-vector path; by default
@@ -621,8 +671,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
     FP8 experts (module docstring): w13 and w2 float8_e4m3fn with float32 w13_scale and w2_scale,
     per row ([E, 2I], [E, H]) with block None, or per (BN, BK) block ([E, 2I / BN, ceil(H / BK)],
-    [E, ceil(H / BN), ceil(I / BK)]; I a multiple of BN, BK >= 32). No norm_weight: the caller norms."""
+    [E, ceil(H / BN), ceil(I / BK)]; I a multiple of BN, BK >= 32). No norm_weight: the caller norms.
+
+    gpt-oss's experts: w13_bias [E, 2I] (gate rows, then up rows, as w13) and w2_bias [E, H] added to
+    each product; swiglu_oai (alpha, limit) in place of SiLU-and-mul (layers/fused_moe.py
+    swiglu_oai_torch). Float experts only."""
     _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block)
+    gate_up_opts, down_opts = _gpt_oss_options(w13, w2, w13_bias, w2_bias, swiglu_oai)
+    if (gate_up_opts or down_opts) and w13_scale is not None:
+        raise ValueError("expert biases and swiglu_oai are taken with float experts only")
     fp8 = w13_scale is not None
     if fp8 and norm_weight is not None:
         raise ValueError("norm_weight is not taken with FP8 experts (w13_scale): norm x first")
@@ -658,6 +715,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             act, x_in, w13, ids, inter, hidden, x_in.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
             norm_weight if norm_weight is not None else x, eps, TOP_K=top_k, NORM=norm_weight is not None,
             BLOCK_N=gv.gate_up_rows, BLOCK_K=gate_up_k, num_warps=gv.num_warps, **pdl_launch(x.device), **x_fp8,
+            **gate_up_opts,
         )
         act_in, act_fp8 = (act, {}) if w2_scale is None else _quantize_fp8(act, w2_scale, block)
         _gemv_down_kernel[(num_tokens, triton.cdiv(hidden, gv.down_rows))](
@@ -665,7 +723,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             out.stride(0), residual if residual is not None else out,
             residual.stride(0) if residual is not None else 0, TOP_K=top_k, HAS_RESIDUAL=residual is not None,
             BLOCK_S=triton.next_power_of_2(top_k), BLOCK_N=gv.down_rows, BLOCK_K=down_k, num_warps=gv.num_warps,
-            **pdl_launch(x.device), **act_fp8,
+            **pdl_launch(x.device), **act_fp8, **down_opts,
         )
         return out
 
@@ -680,6 +738,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         x_in.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         A_ROW_DIV=top_k, GATED=True, ROUTED=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **x_fp8,
+        **gate_up_opts,
     )
     act_in, act_fp8 = (act, {}) if w2_scale is None else _quantize_fp8(act, w2_scale, block)
     routed = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
@@ -688,11 +747,31 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         num_pairs, act_in.stride(0), w2.stride(0), w2.stride(1), routed.stride(0),
         A_ROW_DIV=1, GATED=False, ROUTED=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **act_fp8,
+        **act_fp8, **down_opts,
     )
     # The k weighted rows of a token: one reduction (fp32 accumulation inside torch's sum).
     torch.sum(routed.view(num_tokens, top_k, hidden), dim=1, out=out)
     return out if residual is None else out + residual
+
+
+def _gpt_oss_options(w13: torch.Tensor, w2: torch.Tensor, w13_bias: torch.Tensor | None,
+                     w2_bias: torch.Tensor | None, swiglu_oai: tuple[float, float] | None
+                     ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The gate/up and down launches' extra arguments for expert biases and gpt-oss's activation;
+    empty without them, so the other families launch (and compile) exactly as before."""
+    gate_up: dict[str, Any] = {}
+    down: dict[str, Any] = {}
+    for name, bias, shape, opts in (("w13_bias", w13_bias, (w13.shape[0], w13.shape[1]), gate_up),
+                                    ("w2_bias", w2_bias, (w2.shape[0], w2.shape[1]), down)):
+        if bias is None:
+            continue
+        if tuple(bias.shape) != shape or bias.stride(-1) != 1:
+            raise ValueError(f"{name} must be {list(shape)} with a unit last stride, got {tuple(bias.shape)}")
+        opts.update(bias_ptr=bias, stride_be=bias.stride(0), HAS_BIAS=True)
+    if swiglu_oai is not None:
+        alpha, limit = swiglu_oai
+        gate_up.update(ACTIVATION=1, ALPHA=float(alpha), LIMIT=float(limit))
+    return gate_up, down
 
 
 def fused_moe_from_logits(h: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,

@@ -48,6 +48,11 @@ FP8 cache (float8_e4m3fn, attention/kv_cache.py): K/V tiles are loaded as bytes 
 of bf16) and widened to q's dtype for the dots; k_scale, read by pointer, multiplies the softmax
 scale once per program and v_scale the program's result, so no tile is rescaled element by element.
 The cache dtype is part of the kernel's signature: an FP8 engine compiles its own variants.
+
+Attention sinks (gpt-oss; HAS_SINKS, a float32 logit per query head): each row's online softmax starts
+from the sink, max = sink and sum = 1 (`sink_init`), as if it were one more key with value 0; under
+split-KV only a request's first split starts so, and the merge weighs it in with that split's sum. The
+CUDA decode kernel has no sinks: such calls stay here. kernels/prefill_attention.py does the same.
 """
 
 from __future__ import annotations
@@ -73,6 +78,24 @@ def _softcap(s, SOFTCAP: tl.constexpr):
     SOFTCAP * tanh(s / SOFTCAP) with SOFTCAP = cap * log2(e) (`softcap_log2`); the identity
     tanh(y) = 1 - 2 / (exp(2y) + 1) saturates to +-1 without NaN at either end."""
     return SOFTCAP * (1.0 - 2.0 / (tl.exp(2.0 * s / SOFTCAP) + 1.0))
+
+
+@triton.jit
+def sink_init(sinks_ptr, head, m_i, l_i, take):
+    """Online-softmax state that starts with the attention sink (gpt-oss): a key of logit sinks[head]
+    and value 0, i.e. max = the sink (log2 domain, as the kernels' scores) and sum = exp2(0) = 1, so
+    the sink joins every row's denominator and adds nothing to the output. take: whether this
+    program carries it (one split of a request; the others keep the empty state)."""
+    sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+    return tl.where(take, sink, m_i), tl.where(take, 1.0, l_i)
+
+
+def check_sinks(sinks: torch.Tensor | None, num_heads: int) -> None:
+    """Attention sinks are float32 [num_heads], one logit per query head."""
+    if sinks is not None and (sinks.dtype != torch.float32 or tuple(sinks.shape) != (num_heads,)
+                              or not sinks.is_contiguous()):
+        raise ValueError(f"sinks must be a contiguous float32 [{num_heads}] tensor, got {sinks.dtype} "
+                         f"{tuple(sinks.shape)}")
 
 
 def softcap_log2(softcap: float) -> float:
@@ -148,6 +171,8 @@ def _paged_attention_kernel(
     MIN_SPLIT: tl.constexpr = 256,
     SOFTCAP: tl.constexpr = 0.0,  # Gemma 2's attention logit cap, as softcap_log2 gives it (0: none)
     WINDOW: tl.constexpr = 0,  # sliding window: a query at p sees keys p - WINDOW < k <= p (0: all)
+    sinks_ptr=None,  # HAS_SINKS: float32 [num_q_heads], gpt-oss's attention sinks (`sink_init`)
+    HAS_SINKS: tl.constexpr = False,
 ):
     pdl_launch_dependents(USE_PDL)
     tile_id = tl.program_id(0)
@@ -206,6 +231,8 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # a request's first split carries the sink term (the merge adds it to the others')
+        m_i, l_i = sink_init(sinks_ptr, head, m_i, l_i, split == 0)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     k_base = cache_ptr + kv_head * stride_chead
     v_base = k_base + stride_ckv
@@ -411,6 +438,7 @@ def unified_attention(
     kv_scale: torch.Tensor | None = None,
     softcap: float = 0.0,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged attention of q [num_tokens, num_heads, head_dim] over kv_cache (K/V already written).
 
@@ -419,8 +447,10 @@ def unified_attention(
     the launch shape (no device sync). Output rows past query_start_loc[-1] (padding) are
     unspecified. kv_scale: float32 (k_scale, v_scale) of an FP8 cache (None: 1.0). softcap: Gemma 2's
     attention logit cap (0: none; the CUDA decode kernel has none, so this kernel takes those steps).
-    window: a sliding window (a query at p sees keys p - window < k <= p; 0: all), likewise."""
+    window: a sliding window (a query at p sees keys p - window < k <= p; 0: all), likewise. sinks:
+    float32 [num_heads] attention sinks (gpt-oss; None: none), likewise."""
     check_attention_inputs(q, kv_cache, kv_scale)
+    check_sinks(sinks, q.shape[1])
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     if out is None:
@@ -429,7 +459,7 @@ def unified_attention(
     if num_tokens == 0 or num_reqs == 0:
         return out
     if (config is None and num_splits is None and max_query_len <= 1 and num_tokens <= num_reqs and not softcap
-            and not window and decode_attention_cuda.supported(q, kv_cache, seq_lens, block_table, kv_scale)):
+            and not window and sinks is None and decode_attention_cuda.supported(q, kv_cache, seq_lens, block_table, kv_scale)):
         # Decode-only on Hopper: the CUDA kernel (its module docstring); this kernel stays the reference.
         return decode_attention_cuda.decode_attention(q, kv_cache, seq_lens, block_table, max_seq_len=max_seq_len,
                                                       scale=scale, out=out, kv_scale=kv_scale)
@@ -494,6 +524,8 @@ def unified_attention(
         MIN_SPLIT=_MIN_SPLIT_LEN,
         SOFTCAP=softcap_log2(softcap),
         WINDOW=window,
+        sinks_ptr=sinks,
+        HAS_SINKS=sinks is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl_launch(q.device),

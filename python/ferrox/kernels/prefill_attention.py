@@ -54,6 +54,8 @@ from ferrox.kernels.paged_attention import (
     _find_request,
     _softcap,
     check_attention_inputs,
+    check_sinks,
+    sink_init,
     softcap_log2,
 )
 
@@ -166,6 +168,8 @@ def _prefill_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr = 0.0,  # Gemma 2's attention logit cap (paged_attention.softcap_log2; 0: none)
     WINDOW: tl.constexpr = 0,  # sliding window: a query at p sees keys p - WINDOW < k <= p (0: all)
+    sinks_ptr=None,  # HAS_SINKS: float32 [num_heads], gpt-oss's attention sinks (paged_attention.sink_init)
+    HAS_SINKS: tl.constexpr = False,
 ):
     tile_id = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (latest) query tiles first
     kv_head = tl.program_id(1)
@@ -210,6 +214,8 @@ def _prefill_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # (the sink's max is finite: the unmasked phase's max trick still holds)
+        m_i, l_i = sink_init(sinks_ptr, head, m_i, l_i, True)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     k_base = cache_ptr + kv_head * stride_chead
     v_base = k_base + stride_ckv
@@ -294,11 +300,13 @@ def prefill_attention(
     kv_scale: torch.Tensor | None = None,
     softcap: float = 0.0,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of q [num_tokens, num_heads, head_dim] over kv_cache (K/V already
     written), for batches led by prefill chunks. Arguments as `unified_attention` (no split-KV:
     prefill tiles already fill the GPU). use_tma: None picks TMA when `tma_usable`."""
     check_attention_inputs(q, kv_cache, kv_scale)
+    check_sinks(sinks, q.shape[1])
     if not scale > 0.0:
         raise ValueError(f"scale must be > 0, got {scale}")
     if out is None:
@@ -357,6 +365,8 @@ def prefill_attention(
         DOT_PRECISION=_dot_precision(q.dtype),
         SOFTCAP=softcap_log2(softcap),
         WINDOW=window,
+        sinks_ptr=sinks,
+        HAS_SINKS=sinks is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -11,11 +11,17 @@ the Triton kernels, or a plain per-expert loop in torch (CPU, and the kernels' r
 Quantized experts (FP8, per row or per block: layers/quant/fp8_moe.py) are held by the model's
 quantization method, which replaces w13 / w2 with their codes and adds w13_scale / w2_scale; the
 same kernels take them (the torch loop: layers/quant/fp8_moe_ref.py).
+
+gpt-oss's experts (models/gpt_oss.py) add two options, in the torch loop and the kernels alike: a
+bias per expert on both products (w13_bias [E, 2I], w2_bias [E, H]) and their own activation
+(`SwigluOai`: clamped gate and up, gate * sigmoid(alpha * gate) * (up + 1)) in place of SiLU-and-mul.
+Families without them build the layer as before and run the same code.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -56,12 +62,34 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return weights, ids
 
 
+@dataclass(frozen=True, slots=True)
+class SwigluOai:
+    """gpt-oss's expert activation (transformers' GptOssExperts._apply_gate; vLLM's "swigluoai") over
+    [gate | up]: gate clamped above at `limit`, up to [-limit, limit], then
+    gate * sigmoid(alpha * gate) * (up + 1)."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+
+def swiglu_oai_torch(gate_up: torch.Tensor, act: SwigluOai) -> torch.Tensor:
+    """SwigluOai of [..., 2I] rows (gate half first), in their dtype as transformers computes it."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=act.limit)
+    up = up.clamp(min=-act.limit, max=act.limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * act.alpha))
+
+
 def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
-    """Per-expert loop (correct, not fast): the CPU path and the kernels' reference."""
+                  topk_ids: torch.Tensor, *, w13_bias: torch.Tensor | None = None,
+                  w2_bias: torch.Tensor | None = None, activation: SwigluOai | None = None) -> torch.Tensor:
+    """Per-expert loop (correct, not fast): the CPU path and the kernels' reference. Biases and
+    the activation: gpt-oss's (module docstring); None: no bias, SiLU-and-mul."""
 
     def expert_fn(expert: int, tokens: torch.Tensor) -> torch.Tensor:
-        return F.linear(silu_and_mul_torch(F.linear(x[tokens], w13[expert])), w2[expert])
+        gate_up = F.linear(x[tokens], w13[expert], w13_bias[expert] if w13_bias is not None else None)
+        act = silu_and_mul_torch(gate_up) if activation is None else swiglu_oai_torch(gate_up, activation)
+        return F.linear(act, w2[expert], w2_bias[expert] if w2_bias is not None else None)
 
     return per_expert(x, topk_weights, topk_ids, w13.shape[0], expert_fn)
 
@@ -76,10 +104,13 @@ class FusedMoE(nn.Module):
     no all-to-all is needed)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype,
-                 device: torch.device | str | None, ops: DeviceOps):
+                 device: torch.device | str | None, ops: DeviceOps, bias: bool = False,
+                 activation: SwigluOai | None = None):
+        """bias / activation: gpt-oss's options (module docstring; float experts only)."""
         super().__init__()
         self.tp: TPGroup = get_tp_group()
         tp = self.tp
+        self.activation = activation
         self.num_experts = num_experts  # in the checkpoint
         self.checkpoint_intermediate_size = intermediate_size
         self.expert_start, self.num_local_experts = 0, num_experts
@@ -108,6 +139,15 @@ class FusedMoE(nn.Module):
                                    requires_grad=False)
         else:
             self.weight_method.allocate(self, device)
+        self.w13_bias: torch.Tensor | None = None
+        self.w2_bias: torch.Tensor | None = None
+        if bias:
+            if self.weight_method is not None:
+                raise ValueError("expert biases are supported for float experts only")
+            self.w13_bias = nn.Parameter(torch.empty(local, 2 * inter, dtype=dtype, device=device),
+                                         requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(local, hidden_size, dtype=dtype, device=device),
+                                        requires_grad=False)
         self.triton = ops.name == "triton"  # the fused kernels (else the per-expert loop)
 
     def set_expert_tensors(self, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
@@ -140,13 +180,17 @@ class FusedMoE(nn.Module):
                     residual: torch.Tensor | None = None, small_batch: bool | None = None) -> torch.Tensor:
         """This rank's experts on x (ids local to the rank), the kernels of the layer's device and
         weights; the residual added (the fused decode path's h + mlp(h)). No all-reduce."""
+        act = self.activation
         if self.triton:  # (float experts: no scales, no block)
             from ferrox.kernels.fused_moe import fused_moe
 
+            gpt_oss: dict[str, Any] = {} if self.w13_bias is None and act is None else dict(
+                w13_bias=self.w13_bias, w2_bias=self.w2_bias, swiglu_oai=(act.alpha, act.limit) if act else None)
             return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, residual=residual, small_batch=small_batch,
-                             w13_scale=self.w13_scale, w2_scale=self.w2_scale, block=self.block)
+                             w13_scale=self.w13_scale, w2_scale=self.w2_scale, block=self.block, **gpt_oss)
         if self.w13_scale is None or self.w2_scale is None:
-            out = experts_torch(x, self.w13, self.w2, topk_weights, topk_ids)
+            out = experts_torch(x, self.w13, self.w2, topk_weights, topk_ids, w13_bias=self.w13_bias,
+                                w2_bias=self.w2_bias, activation=act)
         else:
             out = experts_fp8_torch(x, self.w13, self.w13_scale, self.w2, self.w2_scale, topk_weights, topk_ids,
                                     self.block)
@@ -197,6 +241,30 @@ class FusedMoE(nn.Module):
             self.w13.data[local, inter:].copy_(value)
         else:
             self.w2.data[local].copy_(value)
+
+    def load_stacked(self, param_name: str, tensor: torch.Tensor) -> None:
+        """Every expert's tensor at once, as checkpoints that store them stacked (gpt-oss) hold them:
+        "w13" [E, 2I, H] (gate rows, then up rows), "w2" [E, H, I], "w13_bias" [E, 2I], "w2_bias"
+        [E, H]; this rank's experts and intermediate rows / columns. w2's bias is added once: by
+        rank 0 of a sharded layer (every rank's partial sum is all-reduced), by each expert's rank
+        under expert parallelism."""
+        param = getattr(self, param_name, None)
+        if param_name not in ("w13", "w2", "w13_bias", "w2_bias") or param is None:
+            raise ValueError(f"the experts have no stacked parameter {param_name!r}")
+        full, inter, hidden = self.checkpoint_intermediate_size, self.intermediate_size, self.hidden_size
+        expected = {"w13": (self.num_experts, 2 * full, hidden), "w2": (self.num_experts, hidden, full),
+                    "w13_bias": (self.num_experts, 2 * full), "w2_bias": (self.num_experts, hidden)}[param_name]
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"experts' {param_name}: checkpoint shape {tuple(tensor.shape)}, model expects {expected}")
+        value = tensor.narrow(0, self.expert_start, self.num_local_experts)
+        if inter != full and param_name in ("w13", "w13_bias"):  # this rank's gate rows and up rows
+            value = torch.cat([value.narrow(1, self.inter_start, inter),
+                               value.narrow(1, full + self.inter_start, inter)], dim=1)
+        elif inter != full and param_name == "w2":
+            value = value.narrow(2, self.inter_start, inter)
+        elif inter != full and param_name == "w2_bias" and self.tp.rank != 0:
+            value = torch.zeros_like(value)
+        param.data.copy_(value)
 
     def finalize_quantized(self) -> None:
         """After loading: an online method quantizes the float experts."""

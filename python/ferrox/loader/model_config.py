@@ -230,7 +230,7 @@ def spec_from_hf_config(config: dict[str, Any], where: str, *, scaled_context: b
 
 def _sliding_layers(config: dict[str, Any], num_layers: int, where: str) -> tuple[bool, ...]:
     """Which layers use the sliding window: config.json's layer_types (transformers >= 4.5x writes it),
-    else each family's rule as transformers derives it -- Gemma 2 every other layer from the first,
+    else each family's rule as transformers derives it -- Gemma 2 and gpt-oss every other layer from the first,
     Gemma 3 all but every sliding_window_pattern-th, Qwen2 from max_window_layers on, every layer
     otherwise (Mistral, Phi-3)."""
     types = config.get("layer_types")
@@ -244,7 +244,7 @@ def _sliding_layers(config: dict[str, Any], num_layers: int, where: str) -> tupl
                                         "(sliding_attention, full_attention)")
         return tuple(t == "sliding_attention" for t in types)
     arch = str((config.get("architectures") or [""])[0])
-    if arch == "Gemma2ForCausalLM":
+    if arch in ("Gemma2ForCausalLM", "GptOssForCausalLM"):
         return tuple(i % 2 == 0 for i in range(num_layers))
     if arch in ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"):
         pattern = to_int(config.get("sliding_window_pattern", 6), f"{where}: field 'sliding_window_pattern'")

@@ -53,6 +53,7 @@ SUPPORTED: dict[str, str] = {
     "Glm4MoeForCausalLM": "ferrox.models.glm4_moe:Glm4MoeForCausalLM",
     "DeepseekV2ForCausalLM": "ferrox.models.deepseek_v2:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "ferrox.models.deepseek_v2:DeepseekV3ForCausalLM",
+    "GptOssForCausalLM": "ferrox.models.gpt_oss:GptOssForCausalLM",
     "BertModel": "ferrox.models.bert:BertModel",
     "RobertaModel": "ferrox.models.bert:RobertaModel",
     "XLMRobertaModel": "ferrox.models.bert:XLMRobertaModel",

@@ -102,6 +102,7 @@ class _Site:
     scale: float
     kv_scales: Any
     window: int = 0  # the layer's sliding window (0: full attention)
+    sinks: torch.Tensor | None = None  # the layer's attention sinks (gpt-oss; None: none)
 
 
 class _AttentionBuffers:
@@ -162,9 +163,10 @@ class _Recorder:
         self.graphs[-1].capture_end()
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                 meta: AttentionMetadata, scale: float, kv_scales: Any, *, window: int = 0) -> torch.Tensor:
+                 meta: AttentionMetadata, scale: float, kv_scales: Any, *, window: int = 0,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         out = self.owner.attention_buffers(q, k, v).fill(q, k, v)  # captured: each replay refills them
-        self.sites.append(_Site(kv_cache, scale, kv_scales, window))
+        self.sites.append(_Site(kv_cache, scale, kv_scales, window, sinks))
         if self.capturing:
             self.end_piece()
             self.begin_piece()
@@ -285,6 +287,6 @@ class PiecewiseGraphRunner:
         for graph, site in zip(pieces.graphs, pieces.sites, strict=False):
             graph.replay()
             backend.forward(bufs.q[:t], bufs.k[:t], bufs.v[:t], site.kv_cache, meta, site.scale, site.kv_scales,
-                            out=bufs.out[:t], window=site.window)
+                            out=bufs.out[:t], window=site.window, sinks=site.sinks)
         pieces.graphs[-1].replay()
         return pieces.hidden[:t]

@@ -29,6 +29,9 @@ _METHODS = {
     "gptq": "ferrox.layers.quant.gptq:GPTQConfig",
 }
 _ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq", "compressed_tensors": "compressed-tensors"}
+# Checkpoint methods a family's own loader dequantizes to the model dtype (no kernels for them yet):
+# method -> the architectures that do. gpt-oss's MXFP4 experts: layers/quant/mxfp4.py, models/gpt_oss.py.
+DEQUANTIZED_AT_LOAD = {"mxfp4": ("GptOssForCausalLM",)}
 # What the `quantization` argument accepts (the CLI's choices); "gguf" names a GGUF file's own blocks.
 QUANTIZATION_METHODS = (*_METHODS, *_ALIASES, "gguf")
 
@@ -63,6 +66,13 @@ def resolve_quant_config(quantization: str | None, spec: ModelSpec, *, is_gguf: 
                 "quantization_config); only 'fp8' quantizes an unquantized checkpoint at load time")
         return _method_class("fp8").online()
     method = str(hf.get("quant_method", "")).lower().replace("_", "-")
+    if method in DEQUANTIZED_AT_LOAD and spec.architecture in DEQUANTIZED_AT_LOAD[method]:
+        if requested is not None:
+            raise UnsupportedModelError(f"quantization {quantization!r}: this checkpoint's "
+                                        f"quantization_config.quant_method {hf.get('quant_method')!r} is dequantized "
+                                        "at load time, and nothing else applies to it (leave quantization unset)")
+        logger.info("quantization_config.quant_method %r: dequantized to the model dtype at load time", method)
+        return None
     if method not in _METHODS:
         raise UnsupportedModelError(f"config.json quantization_config.quant_method {hf.get('quant_method')!r} is "
                                     f"not supported (ferrox reads {', '.join(_METHODS)} checkpoints)")
