@@ -1,0 +1,99 @@
+"""Live `ferrox serve` of tiny folders of the text families added in the forty-fifth session: GLM-4-0414, GLM-4.5
+(grouped sigmoid routing), DeepSeek-V2-Lite's and V3's layouts (latent attention), gpt-oss (sinks, windows, clamped
+SwiGLU experts; its MXFP4 layout too), and a harmony-speaking Llama under `--reasoning-parser openai_gptoss
+--tool-call-parser openai`. Per family: 24 concurrent greedy completions (prompts of 4 to 150 token ids, cut across
+chunked-prefill steps by --max-num-batched-tokens 24) compared with the offline LLM on the same device, plus chats
+and streams; 0 errors and (in float32) 0 mismatches expected. NAMES... filter families;
+FERROX_LIVE_DTYPE=bfloat16 counts mismatches without failing on them (near-ties of random weights)."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from tests.helpers.harmony_tokenizer import make_tiny_harmony_llama  # noqa: E402
+from tests.helpers.tiny_deepseek import make_tiny_deepseek  # noqa: E402
+from tests.helpers.tiny_glm import make_tiny_glm4, make_tiny_glm4_moe  # noqa: E402
+from tests.helpers.tiny_gpt_oss import make_tiny_gpt_oss, write_mxfp4_copy  # noqa: E402
+from tests.server.server_proc import ServerProcess  # noqa: E402
+
+
+def post(base: str, path: str, body: dict) -> tuple[int, str]:
+    req = urllib.request.Request(base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def families(tmp: Path) -> list[tuple[str, str, list[str]]]:
+    oss = make_tiny_gpt_oss(tmp / "oss")
+    return [("glm4", make_tiny_glm4(tmp / "glm4"), []),
+            ("glm4-moe", make_tiny_glm4_moe(tmp / "glm4moe"), []),
+            ("deepseek-v2-lite", make_tiny_deepseek(tmp / "dsv2", version=2, q_lora_rank=None), []),
+            ("deepseek-v3", make_tiny_deepseek(tmp / "dsv3", version=3), []),
+            ("gpt-oss", oss, []),
+            ("gpt-oss-mxfp4", write_mxfp4_copy(oss, str(tmp / "oss-mxfp4")), []),
+            ("harmony-parsers", make_tiny_harmony_llama(tmp / "harmony"),
+             ["--reasoning-parser", "openai_gptoss", "--tool-call-parser", "openai"])]
+
+
+def main() -> int:
+    from ferrox import LLM, SamplingParams
+
+    only = sys.argv[1:]
+    dtype = os.environ.get("FERROX_LIVE_DTYPE", "float32")
+    exact_only = dtype == "float32"
+    prompts = [[5 + (7 * k + j) % 90 for j in range(n)] for k, n in enumerate([4, 12, 40, 150] * 6)]
+    bad = 0
+    tmp = Path(tempfile.mkdtemp())
+    for name, folder, extra in families(tmp):
+        if only and not any(o in name for o in only):
+            continue
+        reference = LLM(model=folder, dtype=dtype, kv_cache_memory=128 << 20)
+        expected = [o.outputs[0].text for o in reference.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=12, temperature=0,
+                                                                       skip_special_tokens=False), use_tqdm=False)]
+        del reference
+        srv = ServerProcess(folder, "--served-model-name", "m", "--dtype", dtype, "--max-num-batched-tokens", "24",
+                            *extra, startup_timeout=300)
+        errors = mismatches = 0
+        with cf.ThreadPoolExecutor(16) as pool:
+            futures = [pool.submit(post, srv.base_url, "/v1/completions",
+                                   {"model": "m", "prompt": p, "max_tokens": 12, "temperature": 0,
+                                    "skip_special_tokens": False}) for p in prompts]
+            others = [pool.submit(post, srv.base_url, "/v1/chat/completions",
+                                  {"model": "m", "messages": [{"role": "user", "content": f"hi {k}"}],
+                                   "max_tokens": 16, "stream": k % 2 == 1}) for k in range(8)]
+            for k, f in enumerate(futures):
+                status, body = f.result()
+                if status != 200:
+                    errors += 1
+                    print(name, "error", status, body[:300])
+                elif json.loads(body)["choices"][0]["text"] != expected[k]:
+                    mismatches += 1
+                    print(name, "mismatch", len(prompts[k]), repr(json.loads(body)["choices"][0]["text"]), "!=",
+                          repr(expected[k]))
+            for f in others:
+                status, body = f.result()
+                if status != 200 or '"error"' in body:
+                    errors += 1
+                    print(name, "chat error", status, body[:300])
+        code = srv.stop()
+        log_errors = [ln for ln in srv.log if " ERROR " in ln or "Traceback" in ln]
+        print(f"{name}: {len(prompts)} completions + 8 chats, {errors} errors, {mismatches} mismatches, exit {code}, "
+              f"error log lines {len(log_errors)} {log_errors[:3]}")
+        bad += errors + (mismatches if exact_only else 0) + (code != 0) + len(log_errors)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
