@@ -221,9 +221,10 @@ def test_block_fp8_checkpoint_matches_the_fake_quantized_reference(block_fp8):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["v2", "v3"])
 def test_cuda_engine_matches_cpu_engine(tiny, name):
-    """On CUDA: the torch attention backend over the latent cache (no CUDA graphs: supports_cuda_graphs),
-    the Triton norms, rotary (in place on q_pe / k_pe views) and fused MoE kernels (grouped_topk's ids);
-    float32 tokens equal the CPU engine's, batched and alone; bfloat16 close. A 200-token prompt too."""
+    """On CUDA: the Triton MLA kernels over the latent cache (kernels/mla_attention.py) with the decode and
+    piecewise CUDA graphs, the Triton norms, rotary (in place on q_pe / k_pe views) and fused MoE kernels
+    (grouped_topk's ids); float32 tokens equal the CPU engine's (torch backend), batched and alone; bfloat16
+    close. A 200-token prompt too."""
     from tests.models.conftest import assert_cuda_engine_matches_cpu
 
     prompts = [*_prompts(tiny[name][0]), [(13 * i + 4) % 300 + 3 for i in range(200)]]

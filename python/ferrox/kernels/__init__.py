@@ -4,6 +4,8 @@ under the Triton interpreter at tiny shapes and on the GPU at Llama-3.1-8B shape
 - reshape_and_cache.py  K/V write into the paged cache through the slot mapping (slot -1 skipped)
 - paged_attention.py    unified paged attention for mixed prefill-chunk + decode batches (GQA,
                         causal chunks, any block size) with a split-KV path for long contexts
+- mla_attention.py      DeepSeek's latent attention (MLA) over the one-row latent cache: mixed steps, many
+                        heads a program, the 512 + 64 score split, split-KV decode; the latent write
 - rmsnorm.py            RMSNorm, fused with the residual add
 - activation.py         SiLU-and-mul of the gated MLP
 - rotary.py             neox rotary embedding from a cos/sin cache (+ Llama 3.1 frequency scaling)

@@ -20,12 +20,14 @@ vLLM read it (every published checkpoint has 1); each family's routing fields ar
 transformers reference runs (V2: softmax, greedy / group_limited_greedy; V3: sigmoid, noaux_tc), other
 values refused by name.
 
+Attention: with the Triton kernel set (CUDA) the latent attention kernels of kernels/mla_attention.py, which
+keep the decode and piecewise CUDA graphs; with the torch set (the CPU) the torch reference backend, which
+plans steps on the host and so runs without graphs (`supports_cuda_graphs`; models/mla_attention.py).
+
 Not here yet: tensor parallelism (refused by the loader: the heads would shard, the latent stay
-replicated), LoRA (refused by the adapter check: no qkv_proj), the fused one-token decode kernels, and the
-Triton attention kernels -- the model attends through the torch backend on every device (a 576-dim head
-with one KV head; see models/mla_attention.py), so on a GPU it runs without CUDA graphs
-(`supports_cuda_graphs`). The multi-token-prediction layers a config declares past num_hidden_layers
-(V3's num_nextn_predict_layers) are skipped at load, as vLLM does for the base model.
+replicated), LoRA (refused by the adapter check: no qkv_proj) and the fused one-token decode kernels. The
+multi-token-prediction layers a config declares past num_hidden_layers (V3's num_nextn_predict_layers) are
+skipped at load, as vLLM does for the base model.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ferrox.attention.backend import AttentionBackend, get_attention_backend
+from ferrox.attention.backend import AttentionBackend
 from ferrox.attention.decode_path import DecodePath
 from ferrox.attention.metadata import AttentionMetadata
 from ferrox.distributed.sharding import materialize
@@ -54,7 +56,7 @@ from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError, rope_type_of
 from ferrox.models.llama import LlamaMLP, linear_takes
 from ferrox.models.load_check import check_all_loaded
-from ferrox.models.mla_attention import MlaAttention, MlaShape
+from ferrox.models.mla_attention import MlaAttention, MlaShape, MlaTritonBackend, mla_backend
 
 _MERGED = {"gate_proj": "gate", "up_proj": "up"}  # dense MLPs and the shared experts: gate_up_proj shards
 _EXPERT_NAME = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
@@ -253,12 +255,14 @@ class DeepseekV2ForCausalLM(nn.Module):
     # Linear layers and experts take the checkpoint's method (block FP8: DeepSeek-V3's own layout);
     # kv_b_proj is dequantized for the absorption (MlaAttention.absorb_kv_b).
     supports_quantization = True
-    # The torch attention backend plans each step on the host: no CUDA graphs (worker/model_forward.py).
+    # CUDA graphs (worker/model_forward.py) need attention that plans nothing on the host: the Triton MLA
+    # kernels (set per instance in __init__); the torch backend does not qualify.
     supports_cuda_graphs = False
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
-        """kernels: "torch" | "triton" forces the layers' kernel set (the attention is always torch's)."""
+        """kernels: "torch" | "triton" forces the kernel set, the latent attention's included (tests run the
+        Triton one on CPU in the interpreter)."""
         super().__init__()
         if spec.hidden_act not in ("silu", "swish"):
             raise UnsupportedModelError(f"config.json: hidden_act {spec.hidden_act!r} is not supported (only silu)")
@@ -272,9 +276,9 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.moe = moe_config(spec, self.version)
         self.kernels = select_kernels(device, kernels)
         self.ops = for_device(device, self.kernels)
-        # Torch attention everywhere for now: the Triton kernels' 576-dim, one-KV-head tiles are untested
-        # and the cuDNN / CUDA decode paths do not take MLA (models/mla_attention.py).
-        self.backend = get_attention_backend(device, "torch")
+        # The MLA kernels with the Triton set, the torch reference otherwise (models/mla_attention.py).
+        self.backend = mla_backend(device, self.kernels, self.mla)
+        self.supports_cuda_graphs = isinstance(self.backend, MlaTritonBackend)
         self.model_dtype = dtype
         self.model = DeepseekModel(spec, self.mla, self.moe, self.backend, self.ops, dtype, device)
         self.lm_head = (None if spec.tie_word_embeddings else

@@ -10,13 +10,22 @@ expands them: W_UK is absorbed into the query and W_UV applied after attention, 
     out_h   = W_UV_h @ attention(q_h, k, v)[:kv_lora_rank]
 
 with the softmax scale of the unabsorbed scores (q_nope . k_nope + q_pe . k_pe are unchanged). Every
-request then attends MQA-style (H query heads over one KV head of 576 dims for V2/V3) through the ordinary
-attention backend, in prefill and decode alike.
+request then attends MQA-style (H query heads over one KV head of 576 dims for V2/V3), in prefill and
+decode alike, through the layer's backend (`mla_backend`):
+
+- the Triton kernel set (CUDA; the interpreter in tests): `MlaTritonBackend`, the latent attention kernels
+  of kernels/mla_attention.py (the two-part 512 + 64 score, many heads a program, split-KV decode). It
+  reads only device tensors and plans nothing on the host, so the model keeps the decode CUDA graphs
+  (worker/cuda_graphs.py), and it takes the piecewise graphs' hook (worker/piecewise_graphs.py) as the
+  Triton backend does: every kernel launch of attention happens inside `backend.forward`, which the
+  piecewise runner calls between graph pieces with the step's own metadata.
+- the torch kernel set (the CPU): the reference torch backend over the same cache.
 
 The cache: the loader shapes it [2, blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]
-(loader/model_config.py), and the same latent row is written as K and as V, so that the backends run
-unchanged. That costs twice the latent's bytes; it is still ~35x less than V3's full per-head K/V
-(128 heads x (192 + 128) dims). A K-only cache (the value read from the K plane) is future work.
+(loader/model_config.py). The torch backend writes the latent row as K and as V; the Triton kernels write
+and read only the K plane (the value is the row's first kv_lora_rank dims), so there the V plane is
+allocated and never touched. Halving the cache (a K-only layout) is future work; even doubled it is ~35x
+less than V3's full per-head K/V (128 heads x (192 + 128) dims).
 
 Rotary: DeepSeek rotates (x0, x1), (x2, x3), ... pairs ("interleaved": every V2, and V3 unless
 config.json says rope_interleave false); ferrox's rotary kernels turn (i, i + d/2) pairs. q_pe and k_pe
@@ -26,13 +35,15 @@ and nothing else reads them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ferrox.attention.backend import AttentionBackend
+from ferrox.attention.backend import AttentionBackend, get_attention_backend
 from ferrox.attention.kv_cache import KVCacheScales
+from ferrox.attention.metadata import AttentionMetadata
 from ferrox.layers.layernorm import RMSNorm
 from ferrox.layers.linear import Linear, RowParallelLinear
 from ferrox.layers.ops import DeviceOps, Rope
@@ -50,6 +61,109 @@ class MlaShape:
     v_head_dim: int
     interleaved: bool  # rotary pairs (x0, x1), (x2, x3), ... (module docstring)
     scale: float  # softmax scale: qk_head_dim ** -0.5, times YaRN's mscale_all_dim factor squared
+
+
+class MlaTritonBackend(AttentionBackend):
+    """The latent attention kernels (kernels/mla_attention.py) behind the backend interface: `forward`
+    writes the step's latent rows into the K plane and attends every request of the step (prefill chunks
+    and decodes in one launch, plus a split merge for long decodes). q [T, H, D], k the rows [T, 1, D] (v,
+    the same rows, is not read: the value is the row's first kv_lora_rank dims); the result is
+    [T, H, kv_lora_rank], or the first kv_lora_rank columns of a given `out` (the piecewise graphs'
+    q-shaped buffer), which MlaAttention reads as o[..., :kv_lora_rank] either way."""
+
+    name = "mla-triton"
+    # `forward` can run between piecewise graph pieces on its own (worker/piecewise_graphs.py): all it
+    # launches reads the step's metadata, nothing captured around it.
+    supports_piecewise_graphs = True
+
+    # A step whose longest query reaches this many tokens attends its leading one-token requests (the
+    # scheduler puts decodes first) in a launch of their own, with the decode tiles (one token, many heads a
+    # program) instead of the prefill tiles, where a decode row would leave most of its tile masked off.
+    # Planned from the metadata's host copies, once a step: never inside a CUDA graph (the decode graphs
+    # have one-token queries, the verify graphs a few tokens).
+    SEPARATE_DECODES_QUERY_LEN = 128
+
+    def __init__(self, kv_lora_rank: int) -> None:
+        self.kv_lora_rank = kv_lora_rank
+        # Set by worker/piecewise_graphs.py while it captures a forward in pieces: `forward` hands each
+        # layer's call to it instead of attending.
+        self.piecewise: Callable[..., torch.Tensor] | None = None
+        self._meta: AttentionMetadata | None = None
+        # The step's plan: (leading decodes, query_start_loc of the requests after them, from row 0).
+        self._plan: tuple[int, torch.Tensor | None] = (0, None)
+
+    def begin_forward(self, meta: AttentionMetadata) -> None:
+        self._plan_for(meta)
+
+    def _plan_for(self, meta: AttentionMetadata) -> tuple[int, torch.Tensor | None]:
+        if self._meta is not meta:
+            self._meta, self._plan = meta, (0, None)
+            # (Never while a CUDA graph is captured: the plan's device tensor would be the capture's. One
+            # launch for the whole step is as correct, only slower for the decode rows.)
+            capturing = _capturing(meta)
+            if meta.max_query_len >= self.SEPARATE_DECODES_QUERY_LEN and not capturing:
+                starts = meta.query_start_loc_cpu.tolist()
+                decodes = 0
+                while decodes + 1 < len(starts) and starts[decodes + 1] - starts[decodes] == 1:
+                    decodes += 1
+                if decodes:
+                    self._plan = (decodes, meta.query_start_loc[decodes:] - decodes)
+        return self._plan
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float, kv_scales: KVCacheScales | None = None,
+                out: torch.Tensor | None = None, *, window: int = 0,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if self.piecewise is not None:
+            return self.piecewise(q, k, v, kv_cache, meta, scale, kv_scales, window=window, sinks=sinks)
+        from ferrox.kernels.mla_attention import mla_attention, write_latent
+
+        if window or sinks is not None or self.softcap or meta.bidirectional:
+            raise ValueError("the MLA kernels have no sliding window, sinks, softcap or bidirectional ranges")
+        rank = self.kv_lora_rank
+        if kv_cache.numel() == 0:
+            # No cache yet (the profiling forward): every request starts at position 0, so its KV is its own
+            # rows; view them as a cache of one-slot blocks (block id = token row) and run the same kernel.
+            t, dim = k.shape[0], k.shape[-1]
+            cache = k.reshape(1, t, 1, 1, dim).expand(2, t, 1, 1, dim)
+            rows = torch.arange(max(meta.max_query_len, 1), dtype=torch.int32, device=q.device)
+            starts = meta.query_start_loc
+            block_table = (starts[:-1, None] + rows[None, :]).to(torch.int32)
+            query_lens = (starts[1:] - starts[:-1]).to(torch.int32)
+            return mla_attention(q, cache, starts, query_lens, block_table, kv_lora_rank=rank,
+                                 max_query_len=meta.max_query_len, max_seq_len=meta.max_query_len, scale=scale,
+                                 out=out)
+        kv_scale = kv_scales.scales if kv_scales is not None else None
+        write_latent(k, kv_cache, meta.slot_mapping, kv_scale)
+        decodes, rest_starts = self._plan_for(meta)
+        if not decodes:
+            return mla_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, kv_lora_rank=rank,
+                                 max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, scale=scale,
+                                 out=out, kv_scale=kv_scale)
+        assert rest_starts is not None
+        if out is None:
+            out = torch.empty(q.shape[0], q.shape[1], rank, dtype=q.dtype, device=q.device)
+        mla_attention(q[:decodes], kv_cache, meta.query_start_loc[:decodes + 1], meta.seq_lens[:decodes],
+                      meta.block_table[:decodes], kv_lora_rank=rank, max_query_len=1, max_seq_len=meta.max_seq_len,
+                      scale=scale, out=out[:decodes], kv_scale=kv_scale)
+        mla_attention(q[decodes:], kv_cache, rest_starts, meta.seq_lens[decodes:], meta.block_table[decodes:],
+                      kv_lora_rank=rank, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, scale=scale,
+                      out=out[decodes:], kv_scale=kv_scale)
+        return out[..., :rank]
+
+
+def _capturing(meta: AttentionMetadata) -> bool:
+    """Whether the step's device is capturing a CUDA graph now."""
+    device = meta.query_start_loc.device
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def mla_backend(device: torch.device | str, kernels: str, mla: MlaShape) -> AttentionBackend:
+    """The latent attention's backend for a model built with kernel set `kernels` (models/deepseek_v2.py):
+    the Triton MLA kernels with "triton", the torch reference otherwise."""
+    if kernels == "triton":
+        return MlaTritonBackend(mla.kv_lora_rank)
+    return get_attention_backend(device, "torch")
 
 
 def _evens_then_odds(x: torch.Tensor) -> torch.Tensor:
@@ -137,6 +251,7 @@ class MlaAttention(nn.Module):
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
         q_full = torch.cat((q_latent, q_pe.to(q_latent.dtype)), dim=-1)  # [T, H, rank + rope]
         kv = torch.cat((c_kv, k_pe[:, 0].to(c_kv.dtype)), dim=-1)[:, None, :]  # [T, 1, rank + rope]
+        # (The torch backend returns [T, H, rank + rope], the Triton kernels [T, H, rank] or a q-shaped buffer.)
         o = self.backend.forward(q_full, kv, kv, kv_cache, meta, self.scale, self.kv_scales)
         # Values are the latent: each head's output through its W_UV, [H, T, rank] @ [H, rank, v].
         out = torch.bmm(o[..., :mla.kv_lora_rank].transpose(0, 1), self.w_uv)
