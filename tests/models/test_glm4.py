@@ -179,6 +179,59 @@ def test_unsupported_configs_are_refused_by_name(tiny, tmp_path, name, fields, m
         _load(folder)
 
 
+FP8_BLOCK = (32, 32)  # the tiny heads' 32 rows: one block row a head, as GLM-4.5's 128 with 128-row blocks
+
+
+def _block_fp8_copy(float_folder: str, dest, block: tuple[int, int]) -> tuple[str, dict[str, torch.Tensor]]:
+    """GLM-4.5-FP8's published layout: every projection (attention, dense, shared and routed experts) E4M3
+    with a scale per block (`weight_scale_inv`), the router, norms and biases as they were."""
+    from safetensors.torch import load_file
+
+    from tests.helpers.fp8_block_checkpoints import quantize_blocks
+    from tests.helpers.fp8_moe_checkpoints import fp8_config
+    from tests.helpers.quant_checkpoints import write_checkpoint
+
+    tensors = {}
+    for name, w in load_file(f"{float_folder}/model.safetensors").items():
+        if name.endswith("_proj.weight"):
+            tensors[name], tensors[f"{name.rsplit('.', 1)[0]}.weight_scale_inv"] = quantize_blocks(w, block)
+        else:
+            tensors[name] = w
+    return write_checkpoint(float_folder, dest, fp8_config("block", block), tensors), tensors
+
+
+def test_block_fp8_checkpoint_follows_the_fake_quantized_reference(tiny, tmp_path):
+    """GLM-4.5-FP8 / Air-FP8 load as stored: the q/k rows reordered inside their block rows keep their block
+    scales. Logits and greedy tokens against transformers on the dequantized weights with each projection's
+    input rounded through E4M3 per token and block (tests/helpers/fp8_moe_checkpoints.py)."""
+    from tests.helpers.fp8_moe_checkpoints import reference_model
+    from tests.helpers.quant_checkpoints import load_checkpoint
+
+    float_folder = tiny["glm4_moe"][0]
+    folder, tensors = _block_fp8_copy(float_folder, tmp_path / "fp8", FP8_BLOCK)
+    model = load_checkpoint(folder)
+    attn = model.model.layers[1].self_attn
+    assert attn.qkv_proj.quant is not None and model.model.layers[1].mlp.experts.w13.dtype == torch.float8_e4m3fn
+    reference = reference_model(float_folder, {k: v for k, v in tensors.items() if not k.startswith("model.layers.3.")},
+                                FP8_BLOCK, "weight_scale_inv")
+    prompts = PROMPTS[:3]
+    ours, logits = run_greedy(model, prompts, 6, return_prefill_logits=True)
+    for i, ids in enumerate(prompts):
+        torch.testing.assert_close(logits[i], hf_last_logits(reference, ids), atol=1e-3, rtol=1e-3)
+        assert cut_at_eos(ours[i], [tiny_models.EOS_TOKEN_ID]) == hf_greedy(reference, ids, 6), i
+
+
+def test_block_fp8_across_head_blocks_and_dense_glm4_fp8_are_refused(tiny, tmp_path):
+    """16-row blocks of 32-dim heads: the rotary reordering moves rows across blocks (refused, naming the
+    block size); GLM-4-0414's fused gate_up_proj is cut by rows at load (its FP8 checkpoints are refused)."""
+    folder, _ = _block_fp8_copy(tiny["glm4_moe"][0], tmp_path / "fp8_16", (16, 16))
+    with pytest.raises(UnsupportedModelError, match=r"weight_block_size \[16, 16\]: .* across 16-row blocks"):
+        _load(folder)
+    folder, _ = _block_fp8_copy(tiny["glm4"][0], tmp_path / "glm4_fp8", FP8_BLOCK)
+    with pytest.raises(UnsupportedModelError, match=r"quantization_config \(quant_method 'fp8'\).*Glm4ForCausalLM"):
+        _load(folder)
+
+
 @pytest.mark.parametrize("name", ["glm4_moe", "glm4"])
 def test_lora_is_refused_by_name(tiny, name):
     """An adapter's q_proj / k_proj rows would miss the rotary reordering: refused before any layer is wrapped."""

@@ -62,14 +62,32 @@ def glm_spec(spec: ModelSpec) -> ModelSpec:
     return dataclasses.replace(spec, rotary_dim=int(spec.head_dim * GLM_PARTIAL_ROTARY_FACTOR))
 
 
-def refuse_checkpoint_quantization(spec: ModelSpec) -> None:
+def check_checkpoint_quantization(spec: ModelSpec, order: torch.Tensor | None, *, block_fp8: bool) -> None:
+    """A checkpoint quantization_config the permuted q/k rows allow, else UnsupportedModelError naming it.
+    block_fp8: the family takes block-wise FP8 (GLM-4.5-FP8, GLM-4.5-Air-FP8, GLM-4.6-FP8: `"quant_method":
+    "fp8"` with `weight_block_size`), where a row moves inside its block of rows and so keeps its scale:
+    allowed when `order` (the rows' order within a head) never takes a row across a block boundary (a
+    128-dim head with 128-row blocks: each head is one block row). Other layouts (packed int4 rows,
+    per-row scales) would need their scales and packing permuted too."""
     quant = hf_quantization_config(spec.hf_config)
-    if quant is not None:
+    if quant is None:
+        return
+    method, block = quant.get("quant_method"), quant.get("weight_block_size")
+    if block_fp8 and method == "fp8" and isinstance(block, list) and len(block) == 2:
+        rows = int(block[0])
+        within = torch.arange(spec.head_dim) // rows
+        if order is None or (spec.head_dim % rows == 0 and torch.equal(order // rows, within)):
+            return
         raise UnsupportedModelError(
-            f"config.json: quantization_config (quant_method {quant.get('quant_method')!r}) is not supported for "
-            f"{spec.architecture}: its q/k rows are permuted at load for the rotary layout, which quantized "
-            "tensors (packed rows, per-row scales) do not allow; load the unquantized checkpoint, with "
-            "quantization='fp8' to quantize it at load time")
+            f"config.json: quantization_config weight_block_size {block}: {spec.architecture}'s q/k rows are "
+            f"permuted at load for the rotary layout, across {rows}-row blocks of its {spec.head_dim}-dim heads, "
+            "which would separate rows from their block scales")
+    raise UnsupportedModelError(
+        f"config.json: quantization_config (quant_method {method!r}) is not supported for "
+        f"{spec.architecture}: its q/k rows are permuted at load for the rotary layout, which quantized "
+        "tensors (packed rows, per-row scales) do not allow"
+        + (" (block-wise FP8 checkpoints load)" if block_fp8 else "")
+        + "; load the unquantized checkpoint, with quantization='fp8' to quantize it at load time")
 
 
 def interleaved_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
@@ -152,11 +170,13 @@ class Glm4ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
-        refuse_checkpoint_quantization(spec)
         spec = glm_spec(spec)
+        order = interleaved_rotary_order(spec.head_dim, spec.rotary_dim or spec.head_dim)
+        # (its fused gate_up_proj is cut by rows at load, which a block scale's rows would have to follow)
+        check_checkpoint_quantization(spec, order, block_fp8=False)
         super().__init__(spec, dtype, device, kernels=kernels)
         self.lora_refusal = GLM_LORA_REFUSAL.format(arch=spec.architecture)
-        self.rotary_order = interleaved_rotary_order(spec.head_dim, spec.rotary_dim or spec.head_dim)
+        self.rotary_order = order
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         super().load_weights(reorder_rotary_rows(self._split_gate_up(weights), self.spec.head_dim,
@@ -179,5 +199,5 @@ class Glm4ForCausalLM(LlamaForCausalLM):
             yield f"{parent}.up_proj.{leaf}", row_block(tensor, inter, inter)
 
 
-__all__ = ["GLM_LORA_REFUSAL", "Glm4ForCausalLM", "glm_spec", "interleaved_rotary_order", "reorder_rotary_rows",
-           "refuse_checkpoint_quantization"]
+__all__ = ["GLM_LORA_REFUSAL", "Glm4ForCausalLM", "check_checkpoint_quantization", "glm_spec",
+           "interleaved_rotary_order", "reorder_rotary_rows"]

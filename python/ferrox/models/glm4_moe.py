@@ -20,8 +20,10 @@ What differs from Qwen-MoE, as transformers' Glm4Moe defines it:
 The checkpoints carry `num_nextn_predict_layers` multi-token-prediction layers after the last decoder
 layer (model.layers.{num_hidden_layers}...); the base model does not run them, and they are skipped at
 load as vLLM skips them. Config names come from config.json with transformers' Glm4MoeConfig defaults.
-Tensor and expert parallelism are the MoE stack's. Refused by name: a checkpoint quantization_config
-(the q/k rows are permuted at load; `quantization="fp8"` quantizes the loaded weights), a
+Tensor and expert parallelism are the MoE stack's. The published FP8 checkpoints (block-wise, 128-row blocks of
+128-dim heads) load as stored: a q/k row reordered inside its head stays in its block row, under its scale.
+Refused by name: another checkpoint quantization_config (the q/k rows are permuted at load;
+`quantization="fp8"` quantizes the loaded weights), a
 `scoring_func` other than sigmoid or a `topk_method` other than noaux_tc (DeepSeek's names, which GLM
 configs do not carry), group counts that do not divide the experts, and LoRA (the permuted q/k rows).
 """
@@ -41,7 +43,7 @@ from ferrox.layers.grouped_topk import grouped_topk
 from ferrox.layers.ops import DeviceOps
 from ferrox.layers.rotary import partial_rotary_order
 from ferrox.model_spec import ModelLoadError, ModelSpec, MoeSpec, UnsupportedModelError
-from ferrox.models.glm4 import GLM_LORA_REFUSAL, glm_spec, refuse_checkpoint_quantization, reorder_rotary_rows
+from ferrox.models.glm4 import GLM_LORA_REFUSAL, check_checkpoint_quantization, glm_spec, reorder_rotary_rows
 from ferrox.models.llama import LlamaMLP
 from ferrox.models.moe import MoeBlock, MoeForCausalLM, MoeModel
 
@@ -170,14 +172,15 @@ class Glm4MoeForCausalLM(MoeForCausalLM):
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
-        refuse_checkpoint_quantization(spec)
         spec = glm4_moe_spec(spec)
         assert spec.moe is not None
+        rotary_dim = spec.rotary_dim
+        order = None if rotary_dim is None else partial_rotary_order(spec.head_dim, rotary_dim)
+        check_checkpoint_quantization(spec, order, block_fp8=True)  # (the published FP8 checkpoints: block-wise)
         GroupedRouting.from_config(spec.hf_config, spec.moe.num_experts, spec.moe.num_experts_per_tok)  # (checks)
         super().__init__(spec, dtype, device, kernels=kernels)
         self.lora_refusal = GLM_LORA_REFUSAL.format(arch=spec.architecture)
-        rotary_dim = spec.rotary_dim
-        self.rotary_order = None if rotary_dim is None else partial_rotary_order(spec.head_dim, rotary_dim)
+        self.rotary_order = order
         self.num_mtp_layers = _int(spec.hf_config, "num_nextn_predict_layers", 0)
 
     @property
