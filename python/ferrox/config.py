@@ -133,6 +133,10 @@ class EngineConfig:
         "image processor settings over the model folder's (vLLM's JSON object): Qwen2-VL / Qwen2.5-VL's "
         "min_pixels and max_pixels (fewer pixels, fewer image tokens); other keys and families are refused",
         default_help="none")
+    enable_prompt_embeds: bool = _opt(
+        "accept prompts given as input embeddings (vLLM's: LLM.generate({\"prompt_embeds\": tensor}), /v1/completions' "
+        "prompt_embeds, base64 of torch.save bytes); off, such prompts are refused. Only for text models whose "
+        "forward takes input embeddings, without speculative decoding or tensor parallelism", False)
     seed: int = _opt("engine seed (dummy weights, unseeded sampling)", 0)
     load_format: str = _opt("weight format; 'dummy' = random weights of the real architecture", "auto",
                             choices=LOAD_FORMATS)

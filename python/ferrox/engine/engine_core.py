@@ -48,7 +48,8 @@ from ferrox.engine.protocol import EngineCoreRequest
 from ferrox.errors import InvalidArgumentError
 from ferrox.executor import Executor, start_tensor_parallel
 from ferrox.executor.launch import rank_config
-from ferrox.multimodal.inputs import cache_salt_with_images
+from ferrox.multimodal import prompt_embeds
+from ferrox.multimodal.inputs import MultiModalItem, cache_salt_with_images
 from ferrox.multimodal.processing import image_prompts_for_model
 from ferrox.pooling.params import PoolingParams, validate_pooling_request
 from ferrox.reasoning import get_reasoning_parser
@@ -59,7 +60,7 @@ from ferrox.step_types import Logprobs, StepResult, StepRow
 from ferrox.worker.draft_model import DraftProposer
 from ferrox.worker.model_runner import ModelRunner, ModelRunnerOutput, StepHandle
 from ferrox.worker.model_setup import LoadedModel, load_everything
-from ferrox.worker.multimodal import check_items
+from ferrox.worker.multimodal import ImageEmbeddings, check_items
 from ferrox.worker.pooling_runner import PoolingRunner
 from ferrox.worker.warmup import EngineLimits, WarmupReport, warm_up, warmup_enabled
 
@@ -146,6 +147,10 @@ class EngineCore:
                 speculative=self.speculative is not None,
                 lora=self.loras,
             )
+        # --enable-prompt-embeds: prompts of embeddings reach the model as rows of one item each, through the
+        # images' path (multimodal/prompt_embeds.py), which a text model's runner then needs too.
+        if config.enable_prompt_embeds:
+            self._enable_prompt_embeds(config, loaded)
         # Draft-model speculation: the draft model and its twin KV cache (worker/draft_model.py).
         self.drafter: DraftProposer | None = None
         if self.speculative is not None and self.speculative.method == "draft_model":
@@ -220,7 +225,10 @@ class EngineCore:
         params = request.sampling_params
         prompt = request.prompt_token_ids
         self.validate_prompt(prompt, params, what=f"request {request.request_id!r}", request_id=request.request_id)
-        if request.mm_inputs:
+        embeds = prompt_embeds.is_embeds(request.mm_inputs)
+        if embeds:
+            request.mm_inputs = [self._load_prompt_embeds(request)]
+        elif request.mm_inputs:
             check_items(request.mm_inputs, prompt, self.runner.model, f"request {request.request_id!r}")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt)
         wait_for_grammar = False
@@ -274,7 +282,37 @@ class EngineCore:
         self._req_of_slot[slot] = request.request_id
         self._slot_of_req[request.request_id] = slot
         assert isinstance(self.runner, ModelRunner)  # (a pooling engine's requests went to _add_pooling_request)
-        self.runner.add_request(slot, request.request_id, prompt, params, lora_id=lora_id, images=request.mm_inputs)
+        # An embeddings prompt's placeholder ids are not its tokens: the runner's penalties count none of them.
+        self.runner.add_request(slot, request.request_id, [] if embeds else prompt, params, lora_id=lora_id,
+                                images=request.mm_inputs)
+
+    def _enable_prompt_embeds(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        problem = prompt_embeds.startup_problem(
+            loaded.model, tensor_parallel_size=config.tensor_parallel_size,
+            speculative=self.speculative is not None, pooling=self.pooler_config is not None)
+        if problem is not None:
+            self._stop_ranks(timeout_s=0)
+            raise ValueError(f"enable_prompt_embeds: {problem}")
+        assert isinstance(self.runner, ModelRunner)
+        if self.runner.images is None:
+            self.runner.images = ImageEmbeddings(loaded.model, self.device)
+
+    def _load_prompt_embeds(self, request: EngineCoreRequest) -> MultiModalItem:
+        """The request's embeddings, decoded and checked (InvalidArgumentError naming prompt_embeds)."""
+        what = f"request {request.request_id!r}: prompt_embeds"
+        if not self.config.enable_prompt_embeds:
+            raise InvalidArgumentError(f"{what}: start the engine with enable_prompt_embeds=True / "
+                                       "--enable-prompt-embeds to pass prompt embeddings", param="prompt_embeds")
+        params = request.sampling_params
+        if params.prompt_logprobs is not None:
+            raise InvalidArgumentError(f"{what}: prompt_logprobs is not compatible with prompt embeddings (there are "
+                                       "no prompt tokens to score)", param="prompt_logprobs")
+        assert request.mm_inputs is not None
+        if len(request.mm_inputs) != 1:
+            raise InvalidArgumentError(f"{what}: one embeddings item per prompt, and no images with it",
+                                       param="prompt_embeds")
+        return prompt_embeds.load_item(request.mm_inputs[0], len(request.prompt_token_ids),
+                                       int(self.spec.hidden_size), what)
 
     def _thinking_budget(self, params: SamplingParams, prompt: list[int]) -> Any:
         from ferrox.structured.thinking_budget import ThinkingBudget

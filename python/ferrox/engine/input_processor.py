@@ -15,10 +15,11 @@ from typing import Any
 
 from ferrox._core import InvalidArgumentError
 from ferrox.multimodal.chat_parts import VIDEO_FAMILIES
+from ferrox.multimodal.prompt_embeds import is_embeds, item_from_tensor
 
 PromptInput = str | Mapping[str, Any] | Sequence[int]
-"""A prompt: text, {"prompt": text}, {"prompt_token_ids": [...]} (optionally with "prompt"), or
-(inside a list of prompts) a bare list of token ids."""
+"""A prompt: text, {"prompt": text}, {"prompt_token_ids": [...]} (optionally with "prompt"),
+{"prompt_embeds": tensor} (enable_prompt_embeds), or (inside a list of prompts) a bare list of token ids."""
 
 
 @dataclass(slots=True)
@@ -103,6 +104,8 @@ def check_videos(image_prompts: Any, count: int, what: str, model_name: str = "t
 def refuse_images(processed: ProcessedPrompt, what: str, path: str) -> ProcessedPrompt:
     """A prompt for a path that takes no images (beam search, pooling) must not carry any: refused by
     name rather than run without them."""
+    if is_embeds(processed.mm_items):
+        raise InvalidArgumentError(f"{what}: {path} takes no prompt embeddings (prompt_embeds)", param="prompt_embeds")
     if processed.images is not None or processed.mm_items is not None:
         raise InvalidArgumentError(f"{what}: {path} takes no images or videos (multi_modal_data)",
                                    param="multi_modal_data")
@@ -123,8 +126,8 @@ def prompt_size(prompt: Any, limit: int = INLINE_PROMPT_SIZE) -> int:
     if kind is str:
         return len(prompt)
     if kind is dict:
-        if prompt.get("multi_modal_data") is not None:
-            return limit + 1  # images to decode and resize: never on the event loop
+        if prompt.get("multi_modal_data") is not None or prompt.get("prompt_embeds") is not None:
+            return limit + 1  # images to decode and resize, a tensor to save: never on the event loop
         items: Any = prompt.values()
     elif kind is list or kind is tuple:
         if prompt and type(prompt[0]) is int:
@@ -185,6 +188,8 @@ def normalize_prompts(prompts: PromptInput | Sequence[PromptInput]) -> list[Prom
 def process_prompt(tokenizer: Any, prompt: PromptInput, index: int = 0) -> ProcessedPrompt:
     if isinstance(prompt, str):
         return ProcessedPrompt(prompt, list(tokenizer.encode(prompt)))
+    if isinstance(prompt, Mapping) and "prompt_embeds" in prompt:
+        return _embeds_prompt(prompt, index)
     if isinstance(prompt, Mapping):
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
@@ -211,6 +216,18 @@ def process_prompt(tokenizer: Any, prompt: PromptInput, index: int = 0) -> Proce
         f"prompts[{index}]: expected a string, a dict or a list of token ids, got {type(prompt).__name__}",
         param="prompts",
     )
+
+
+def _embeds_prompt(prompt: Mapping[str, Any], index: int) -> ProcessedPrompt:
+    """vLLM's EmbedsPrompt {"prompt_embeds": tensor [L, hidden] or [1, L, hidden]}: L placeholder ids and one
+    item the engine core decodes and checks (multimodal/prompt_embeds.py; refused there unless the engine
+    runs with enable_prompt_embeds)."""
+    others = sorted(k for k in ("prompt", "prompt_token_ids", "multi_modal_data") if prompt.get(k) is not None)
+    if others:
+        raise InvalidArgumentError(f"prompts[{index}]: prompt_embeds replaces the prompt's tokens; it cannot be "
+                                   f"given with {', '.join(others)}", param="prompt_embeds")
+    ids, item = item_from_tensor(prompt["prompt_embeds"], f"prompts[{index}].prompt_embeds")
+    return ProcessedPrompt(None, ids, None, [item])
 
 
 def render_chat(

@@ -36,6 +36,7 @@ from ferrox.engine.lora_state import check_lora_request, lora_fields
 from ferrox.engine.output_processor import OutputProcessor
 from ferrox.engine.protocol import EngineCoreRequest
 from ferrox.errors import InvalidArgumentError, RequestError
+from ferrox.multimodal.prompt_embeds import is_embeds
 from ferrox.outputs import (
     AnyRequestOutput,
     ClassificationRequestOutput,
@@ -378,7 +379,13 @@ class LLM:
         loras = _lora_per_prompt(lora_request, len(prompts))
         # Validate every prompt before queueing any, so a bad one rejects the call cleanly.
         for i, (p, sp) in enumerate(zip(prompts, params_list, strict=True)):
-            self.engine.validate_prompt(p.prompt_token_ids, sp, what=f"prompts[{i}]")
+            try:
+                self.engine.validate_prompt(p.prompt_token_ids, sp, what=f"prompts[{i}]")
+            except InvalidArgumentError as exc:
+                # An embeddings prompt's placeholder ids break a prompt rule (too long): the field is prompt_embeds.
+                if exc.param in ("prompt", "prompt_token_ids") and is_embeds(p.mm_items):
+                    raise type(exc)(str(exc), param="prompt_embeds") from None
+                raise
         order: dict[str, int] = {}
         added: list[str] = []
         try:

@@ -82,6 +82,9 @@ class GraniteForCausalLM(LlamaForCausalLM):
         tied = self.lm_head is None
         # transformers' final hidden states = ours * this (the final norm carries 1 / it).
         self.hidden_states_scale = multipliers.logits_scaling * (multipliers.embedding if tied else 1.0)
+        # transformers multiplies inputs_embeds by embedding_multiplier after the lookup; ferrox's embedding rows
+        # carry it, so a prompt of embeddings (get_input_embeddings() output) gets it here (worker/multimodal.py).
+        self.prompt_embeds_scale = multipliers.embedding
         for module in self.model.layers.modules():
             if isinstance(module, RowParallelLinear):  # o_proj and down_proj: the layers feeding the residual
                 module.output_scale = multipliers.residual

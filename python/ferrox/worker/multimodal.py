@@ -19,6 +19,7 @@ import torch
 
 from ferrox._core import InvalidArgumentError
 from ferrox.multimodal.inputs import MultiModalItem
+from ferrox.multimodal.prompt_embeds import EMBEDS_MODALITY
 
 
 def check_items(items: list[MultiModalItem], prompt: list[int], model: Any, what: str) -> None:
@@ -76,6 +77,7 @@ class ImageEmbeddings:
         self.device = device
         self._items: dict[int, list[MultiModalItem]] = {}
         self._encoded: dict[tuple[int, int], torch.Tensor] = {}  # (slot, image) -> [length, hidden]
+        self._dtype: torch.dtype | None = None  # the token embeddings' (prompt embeddings are cast to it)
 
     def __bool__(self) -> bool:
         return bool(self._items)
@@ -99,7 +101,9 @@ class ImageEmbeddings:
         rows = self._encoded.get(key)
         if rows is None:
             embed_item = getattr(self.model, "embed_image_item", None)  # variable-size images (Qwen2-VL)
-            if embed_item is not None:
+            if item.modality == EMBEDS_MODALITY:  # a prompt of embeddings: its rows are the encoding
+                rows = self._prompt_embeds_rows(item)
+            elif embed_item is not None:
                 rows = embed_item(item, self.device)
             else:
                 rows = self.model.embed_multimodal(item.pixel_values().to(self.device).unsqueeze(0))[0]
@@ -107,6 +111,16 @@ class ImageEmbeddings:
                 raise RuntimeError(f"the model gave {rows.shape[0]} embedding rows for an image of {item.num_embeds}")
             self._encoded[key] = rows
         return rows
+
+    def _prompt_embeds_rows(self, item: MultiModalItem) -> torch.Tensor:
+        """An embeddings prompt's rows in the model dtype, as transformers' forward(inputs_embeds=...) takes
+        them: times the family's prompt_embeds_scale where transformers scales inputs_embeds after the lookup
+        and ferrox folded that scale into its embedding weights (Granite's embedding_multiplier)."""
+        if self._dtype is None:
+            self._dtype = self.model.embed_input_ids(torch.zeros(1, dtype=torch.int64, device=self.device)).dtype
+        rows = item.pixel_values().to(device=self.device, dtype=self._dtype)
+        scale = getattr(self.model, "prompt_embeds_scale", 1.0)
+        return rows if scale == 1.0 else rows * scale
 
     def step_rows(self, so: Any) -> StepImages | None:
         """The image rows this step computes (their embeddings, and for a model whose image tokens

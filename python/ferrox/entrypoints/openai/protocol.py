@@ -99,7 +99,6 @@ class _Base(BaseModel):
 # are a 400 naming the field (pydantic reports a field validator's error under the field's name).
 _REFUSED = {
     "logits_processors": "custom logits processors are not supported",
-    "prompt_embeds": "prompt embeddings are not supported (send text or token ids)",
     "media_io_kwargs": "per-request media decoding arguments are not supported",
     "kv_transfer_params": "disaggregated KV transfer is not supported",
     "vllm_xargs": "there are no custom extensions to take extra arguments",
@@ -463,27 +462,30 @@ PromptInput = str | list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: PromptInput
+    # Optional only beside prompt_embeds (vLLM's rule: one of the two, non-empty); "" with embeddings is none.
+    prompt: PromptInput | None = None
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
     add_special_tokens: bool = True
-    prompt_embeds: Any = None  # refused (see _REFUSED)
-
-    _refuse_completion = field_validator("prompt_embeds")(_refuse_unsupported)
+    # vLLM's: base64 of torch.save bytes of a [L, hidden] tensor, or a list of them (--enable-prompt-embeds;
+    # multimodal/prompt_embeds.py). Each is a prompt of its own, before the text prompts.
+    prompt_embeds: str | list[str] | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _check_prompt(cls, value: PromptInput) -> PromptInput:
+    def _check_prompt(cls, value: PromptInput | None) -> PromptInput | None:
         # Only the shape: each prompt's own rules (empty, too long, ids outside the vocabulary) are
         # the engine's request rules (ferrox.engine.validation), applied per prompt.
-        if not isinstance(value, str) and len(value) == 0:
+        if value is not None and not isinstance(value, str) and len(value) == 0:
             raise ValueError("prompt must not be empty")
         return value
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
+        if self.prompt is None and not self.prompt_embeds:
+            raise ValueError("either prompt or prompt_embeds must be given and non-empty")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -498,9 +500,17 @@ class CompletionRequest(_SamplingFields):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    def embeds(self) -> list[str]:
+        """prompt_embeds as a list (each one prompt, one choice group)."""
+        e = self.prompt_embeds
+        return [] if e is None else [e] if isinstance(e, str) else list(e)
+
     def prompts(self) -> list[str | list[int]]:
-        """The prompt field as a list of prompts (text or token ids), one choice group each."""
+        """The prompt field as a list of prompts (text or token ids), one choice group each; beside
+        prompt_embeds an absent or "" prompt is none (vLLM's)."""
         p = self.prompt
+        if p is None or (p == "" and self.prompt_embeds):
+            return []
         if isinstance(p, str):
             return [p]
         if isinstance(p[0], int):

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from ferrox.engine.input_processor import prompt_size
 from ferrox.entrypoints.openai import beam_search
+from ferrox.entrypoints.openai.errors import bad_request
 from ferrox.entrypoints.openai.protocol import CompletionRequest
 from ferrox.entrypoints.openai.serving import (
     COMPLETION_FIELDS,
@@ -46,6 +47,8 @@ from ferrox.entrypoints.openai.serving import (
     validate_request,
 )
 from ferrox.entrypoints.openai.structured import build_structured_outputs
+from ferrox.errors import InvalidArgumentError
+from ferrox.multimodal.prompt_embeds import decode_base64, item_from_saved
 from ferrox.outputs import Logprob, RequestOutput
 
 _END = object()
@@ -56,12 +59,17 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
     ctx.check_model(req.model)
     ctx.check_engine()
     check_priority(ctx, req.priority)
+    if req.embeds():
+        _check_embeds_request(ctx, req)
     try:
         structured = build_structured_outputs(req)
     except ValueError as exc:  # InvalidArgumentError naming response_format / guided_json...
         raise api_error(exc) from None
     # Encoding long prompts takes a while: off the event loop (short ones inline).
-    prompts = await ctx.engine.prompt_work(prompt_size(req), _tokenize_prompts, ctx, req)
+    try:
+        prompts = await ctx.engine.prompt_work(prompt_size(req), _tokenize_prompts, ctx, req)
+    except InvalidArgumentError as exc:  # prompt_embeds that are not a saved tensor (read without torch here)
+        raise api_error(exc) from None
     for p in prompts:  # 400 if any prompt cannot fit with the requested budget
         check_max_tokens(ctx, len(p["prompt_token_ids"]), req.requested_max_tokens)
     # Every prompt runs n samples: the budget is over the whole request.
@@ -77,7 +85,7 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
     )
     fields = COMPLETION_FIELDS if echo_logprobs else {}
     for p in prompts:  # every prompt passes the request rules before any is queued
-        validate_request(ctx, p["prompt_token_ids"], params, fields)
+        validate_request(ctx, p["prompt_token_ids"], params, _EMBEDS_FIELDS if p.get("embeds") else fields)
     # use_beam_search: one search per prompt (the same limits for each, so the shortest prompt's default
     # max_tokens is checked against the longest).
     beams = beam_search.beam_search_params(ctx, req, max(len(p["prompt_token_ids"]) for p in prompts),
@@ -95,7 +103,7 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
             async for idx, out in merged:
                 finals[idx] = out
     except STREAM_ERRORS as exc:
-        raise api_error(exc, default_param="prompt", rename=fields) from None
+        raise api_error(exc, default_param=_error_param(req), rename=fields) from None
     choices: list[dict[str, Any]] = []
     prompt_tokens = completion_tokens = cached_tokens = 0
     for idx, p in enumerate(prompts):
@@ -134,6 +142,29 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
     }, headers=headers)
 
 
+# An embeddings prompt's request-rule errors (too long, no room for max_tokens) name prompt_embeds.
+_EMBEDS_FIELDS = {"prompt": "prompt_embeds", "prompt_token_ids": "prompt_embeds"}
+
+
+def _check_embeds_request(ctx: ServingContext, req: CompletionRequest) -> None:
+    """vLLM's rules for prompt_embeds, before anything is decoded: only with --enable-prompt-embeds, and
+    not with the parameters that need the prompt's tokens."""
+    if not getattr(getattr(ctx.engine, "config", None), "enable_prompt_embeds", False):
+        raise bad_request("You must set `--enable-prompt-embeds` to input `prompt_embeds`.", param="prompt_embeds")
+    if req.echo:
+        raise bad_request("echo is not supported with prompt_embeds (the prompt has no text)", param="echo")
+    if req.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs is not compatible with prompt_embeds", param="prompt_logprobs")
+    if req.truncate_prompt_tokens is not None:
+        raise bad_request("truncate_prompt_tokens is not supported with prompt_embeds", param="truncate_prompt_tokens")
+
+
+def _error_param(req: CompletionRequest) -> str:
+    """The field an engine error names when it names none (a request the core refused, e.g. embeddings it
+    could not load or whose hidden size is not the model's): the request's prompt field."""
+    return "prompt_embeds" if req.embeds() and not req.prompts() else "prompt"
+
+
 def _add_vllm_extras(ctx: ServingContext, choice: dict[str, Any], req: CompletionRequest, prompt: dict[str, Any],
                      out: RequestOutput, first: bool) -> None:
     """vLLM's per-choice prompt fields: prompt_logprobs when asked for, prompt_token_ids with
@@ -142,8 +173,8 @@ def _add_vllm_extras(ctx: ServingContext, choice: dict[str, Any], req: Completio
         return
     if req.prompt_logprobs is not None:
         choice["prompt_logprobs"] = prompt_logprobs_body(out.prompt_logprobs, ctx.as_token_ids(req))
-    if req.return_token_ids:
-        choice["prompt_token_ids"] = prompt["prompt_token_ids"]
+    if req.return_token_ids:  # (an embeddings prompt has no token ids: its placeholders are not sent)
+        choice["prompt_token_ids"] = None if prompt.get("embeds") else prompt["prompt_token_ids"]
 
 
 def _tokenize_prompts(ctx: ServingContext, req: CompletionRequest) -> list[dict[str, Any]]:
@@ -152,6 +183,10 @@ def _tokenize_prompts(ctx: ServingContext, req: CompletionRequest) -> list[dict[
     (validate_request)."""
     tokenizer = ctx.engine.tokenizer
     prompts: list[dict[str, Any]] = []
+    for k, encoded in enumerate(req.embeds()):  # vLLM's order: the embeddings prompts first
+        what = "prompt_embeds" if isinstance(req.prompt_embeds, str) else f"prompt_embeds[{k}]"
+        ids, item = item_from_saved(decode_base64(encoded, what), what)
+        prompts.append({"prompt": None, "prompt_token_ids": ids, "multi_modal_items": [item], "embeds": True})
     for raw in req.prompts():
         if isinstance(raw, str):
             ids, text = tokenizer.encode(raw, add_special_tokens=req.add_special_tokens), raw
@@ -168,7 +203,7 @@ async def _stream(ctx: ServingContext, request: web.Request, req: CompletionRequ
                   headers: dict[str, str]) -> web.StreamResponse:
     created = int(time.time())
     n = req.n
-    first = await first_output(outputs, "prompt", COMPLETION_FIELDS)
+    first = await first_output(outputs, _error_param(req), COMPLETION_FIELDS)
     prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
     completion_tokens = 0
 
