@@ -70,7 +70,7 @@ def _reference(q: torch.Tensor, cache_k: torch.Tensor, meta: AttentionMetadata, 
         q_pos = seq_len - (b - a) + torch.arange(b - a)
         scores = scores.masked_fill(pos[None, None, :] > q_pos[:, None, None], float("-inf"))
         out[a:b] = scores.softmax(-1) @ rows[:, :rank]
-    return out
+    return out.to(q.device)  # (compared with the kernel's output where it ran: its first GPU run compared across devices)
 
 
 MIXED = [(1, 9), (1, 40), (7, 0), (12, 5), (1, 0), (3, 70)]
