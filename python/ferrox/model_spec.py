@@ -82,6 +82,9 @@ class ModelSpec:
     # The softmax scale of the attention scores when it is not head_dim ** -0.5 (Granite's
     # attention_multiplier); set by the family's model class, read by every attention path.
     attention_scale: float | None = None
+    # Planes of the paged KV cache: 2 (K and V), or 1 where the value is read from the key row (DeepSeek's
+    # latent attention: models/mla_attention.py), which halves the cache.
+    kv_planes: int = 2
     extra: dict[str, Any] = field(default_factory=dict)
 
     def window_of(self, layer: int) -> int:

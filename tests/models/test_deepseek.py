@@ -77,6 +77,11 @@ def test_layers_and_cache_follow_the_config(tiny):
     folder, v3, _ = tiny["v3"]
     spec = load_model_spec(resolve_model(folder))
     assert (spec.num_kv_heads, spec.head_dim) == (1, 32 + 16)  # one latent row a token: [c_kv | k_pe]
+    # ... in one plane (the value is the latent): half the bytes of a K and a V plane.
+    from ferrox.attention.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
+
+    assert spec.kv_planes == 1 and allocate_kv_caches(spec, 3, 8, torch.float32, "cpu")[0].shape == (1, 3, 8, 1, 48)
+    assert kv_cache_bytes_per_block(spec, 8, torch.float32) == 8 * 48 * 4 * spec.num_layers
     sparse = [isinstance(layer.mlp, DeepseekMoe) for layer in v3.model.layers]
     assert sparse == [False, True, True]  # first_k_dense_replace 1
     moe = v3.model.layers[1].mlp.moe

@@ -51,14 +51,16 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype,
 
 
 def kv_cache_shape(spec: ModelSpec, num_blocks: int, block_size: int, tp_size: int = 1) -> tuple[int, ...]:
-    return (2, num_blocks, block_size, local_num_kv_heads(spec, tp_size), spec.head_dim)
+    """[planes, blocks, block_size, KV heads, head_dim]: planes 2 (K, V), or 1 for a model that reads its
+    values from the key rows (spec.kv_planes: DeepSeek's latent cache)."""
+    return (spec.kv_planes, num_blocks, block_size, local_num_kv_heads(spec, tp_size), spec.head_dim)
 
 
 def kv_cache_bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
     """Bytes one block costs across ALL layers (K and V) on one rank: divide free memory by this.
     dtype: the cache's element type (resolve_kv_cache_dtype), not necessarily the model's."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * block_size * local_num_kv_heads(spec, tp_size) * spec.head_dim * elem * spec.num_layers
+    return spec.kv_planes * block_size * local_num_kv_heads(spec, tp_size) * spec.head_dim * elem * spec.num_layers
 
 
 def allocate_kv_caches(

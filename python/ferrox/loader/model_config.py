@@ -173,10 +173,12 @@ def spec_from_hf_config(config: dict[str, Any], where: str, *, scaled_context: b
     if not config.get("head_dim") and hidden < heads:
         raise ModelLoadError(f"{where}: num_attention_heads {heads} is larger than hidden_size {hidden}")
     head_dim = optional("head_dim", hidden // heads)
+    kv_planes = 2
     if config.get("kv_lora_rank"):
         # Multi-head latent attention (DeepSeek-V2/V3, models/deepseek_v2.py): the paged cache holds one
-        # latent "KV head" a token, [c_kv | k_pe], whatever head counts the config names.
-        kv_heads, head_dim = 1, need("kv_lora_rank") + need("qk_rope_head_dim")
+        # latent "KV head" a token, [c_kv | k_pe], whatever head counts the config names, in one plane (the
+        # value is the latent itself: models/mla_attention.py).
+        kv_heads, head_dim, kv_planes = 1, need("kv_lora_rank") + need("qk_rope_head_dim"), 1
     if heads % kv_heads:
         raise ModelLoadError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     # transformers >= 5 nests rope_theta and the scaling under rope_parameters.
@@ -225,6 +227,7 @@ def spec_from_hf_config(config: dict[str, Any], where: str, *, scaled_context: b
         sliding_window=sliding_window,
         sliding_layers=sliding_layers,
         rotary_dim=_rotary_dim(config, rope, head_dim, where),
+        kv_planes=kv_planes,
     )
 
 

@@ -21,11 +21,11 @@ decode alike, through the layer's backend (`mla_backend`):
   piecewise runner calls between graph pieces with the step's own metadata.
 - the torch kernel set (the CPU): the reference torch backend over the same cache.
 
-The cache: the loader shapes it [2, blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]
-(loader/model_config.py). The torch backend writes the latent row as K and as V; the Triton kernels write
-and read only the K plane (the value is the row's first kv_lora_rank dims), so there the V plane is
-allocated and never touched. Halving the cache (a K-only layout) is future work; even doubled it is ~35x
-less than V3's full per-head K/V (128 heads x (192 + 128) dims).
+The cache: one plane, [1, blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim] (ModelSpec.kv_planes,
+loader/model_config.py): the value is the row's first kv_lora_rank dims, so no V plane is stored. The
+backends take it as [2, ...] with both planes the same memory (`_as_key_and_value`): the torch backend's V
+write stores the same row again in place; the Triton kernels read and write plane 0 only. ~70x less than
+V3's full per-head K/V (128 heads x (192 + 128) dims against 576 dims a token).
 
 Rotary: DeepSeek rotates (x0, x1), (x2, x3), ... pairs ("interleaved": every V2, and V3 unless
 config.json says rope_interleave false); ferrox's rotary kernels turn (i, i + d/2) pairs. q_pe and k_pe
@@ -152,6 +152,15 @@ class MlaTritonBackend(AttentionBackend):
         return out[..., :rank]
 
 
+def _as_key_and_value(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The one-plane latent cache (ModelSpec.kv_planes 1: loader/model_config.py) as the backends' [2, ...] K / V
+    layout, both planes the same memory: the value is the key row, so the torch backend's V write stores the
+    same row again in place and its V reads are the K rows; the Triton kernels read and write plane 0 only."""
+    if kv_cache.numel() == 0 or kv_cache.shape[0] == 2:
+        return kv_cache
+    return kv_cache.expand(2, -1, -1, -1, -1)
+
+
 def _capturing(meta: AttentionMetadata) -> bool:
     """Whether the step's device is capturing a CUDA graph now."""
     device = meta.query_start_loc.device
@@ -252,7 +261,7 @@ class MlaAttention(nn.Module):
         q_full = torch.cat((q_latent, q_pe.to(q_latent.dtype)), dim=-1)  # [T, H, rank + rope]
         kv = torch.cat((c_kv, k_pe[:, 0].to(c_kv.dtype)), dim=-1)[:, None, :]  # [T, 1, rank + rope]
         # (The torch backend returns [T, H, rank + rope], the Triton kernels [T, H, rank] or a q-shaped buffer.)
-        o = self.backend.forward(q_full, kv, kv, kv_cache, meta, self.scale, self.kv_scales)
+        o = self.backend.forward(q_full, kv, kv, _as_key_and_value(kv_cache), meta, self.scale, self.kv_scales)
         # Values are the latent: each head's output through its W_UV, [H, T, rank] @ [H, rank, v].
         out = torch.bmm(o[..., :mla.kv_lora_rank].transpose(0, 1), self.w_uv)
         return self.o_proj(out.transpose(0, 1).reshape(t, heads * mla.v_head_dim))
