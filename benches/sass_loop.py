@@ -152,13 +152,14 @@ def cases() -> list[Case]:
                    {"out_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "topk_ids_ptr": "*i64",
                     "norm_w_ptr": "*bf16", "eps": "fp32"},
                    dict(TOP_K=8, NORM=True, BLOCK_N=moe_cfg.gate_up_rows, BLOCK_K=moe_cfg.gate_up_block_k,
-                        USE_PDL=False, FP8=False, BLOCK_SCALES=False, BN=1, BK=1),
+                        USE_PDL=False, FP8=False, BLOCK_SCALES=False, BN=1, BK=1, HAS_BIAS=False, ACTIVATION=0,
+                        ALPHA=0.0, LIMIT=0.0),
                    moe_cfg.num_warps, 2 * moe_cfg.gate_up_rows * moe_cfg.gate_up_block_k, 2.0)
     down = Case("moe down, 8 slots + residual (Qwen3-30B-A3B)", fused_moe._gemv_down_kernel,
                 {"out_ptr": "*bf16", "inter_ptr": "*bf16", "w_ptr": "*bf16", "topk_ids_ptr": "*i64",
                  "route_w_ptr": "*fp32", "res_ptr": "*bf16"},
                 dict(TOP_K=8, HAS_RESIDUAL=True, BLOCK_S=8, BLOCK_N=moe_cfg.down_rows, BLOCK_K=moe_cfg.down_block_k,
-                     USE_PDL=False, FP8=False, BLOCK_SCALES=False, BN=1, BK=1),
+                     USE_PDL=False, FP8=False, BLOCK_SCALES=False, BN=1, BK=1, HAS_BIAS=False),
                 moe_cfg.num_warps, 8 * moe_cfg.down_rows * moe_cfg.down_block_k, 2.0)
 
     def dot8(name, n_out, k, *, silu=False, norm=False):
@@ -184,7 +185,7 @@ def cases() -> list[Case]:
                       "scale_log2": "fp32"},
                      dict(NUM_Q_PER_KV=4, BLOCK_Q=att.block_m // 4, BLOCK_M=att.block_m, TILE_N=att.tile_n,
                           DIM_PAD=128, SPLIT_KV=True, DOT_PRECISION="tf32", USE_PDL=False, DECODE_ONLY=True,
-                          MIN_SPLIT=256),
+                          MIN_SPLIT=256, HAS_SINKS=False),
                      att.num_warps, 2 * att.tile_n * 128, 2.0, att.num_stages - 1, att.num_stages)
     def chosen(name, types, kind, k, weight_bytes, **kw):
         cfg = gemv.choose_config(kind, k, weight_bytes)
