@@ -15,6 +15,9 @@ from ferrox import LLM, AsyncLLM, SamplingParams
 from ferrox.errors import InvalidArgumentError
 
 from tests.helpers import tiny_models
+from tests.helpers.tiny_deepseek import make_tiny_deepseek
+from tests.helpers.tiny_glm import make_tiny_glm4
+from tests.helpers.tiny_gpt_oss import make_tiny_gpt_oss
 from tests.helpers.tiny_models import make_tiny_llama
 
 transformers = pytest.importorskip("transformers")
@@ -140,10 +143,13 @@ def test_prompt_embeds_beside_tokens_or_prompt_logprobs_are_refused(setup):
 
 # Families whose embedding differs from a plain lookup: Granite multiplies inputs_embeds by embedding_multiplier
 # after the lookup (ferrox folds it into its rows, so the rows sent get it); Gemma's get_input_embeddings()
-# already scales by sqrt(hidden_size) (the rows are used as sent); the others as Llama.
+# already scales by sqrt(hidden_size) (the rows are used as sent); the others as Llama. And the stacks of their
+# own: the MoE stack (Qwen3-MoE), DeepSeek's latent attention, gpt-oss, GLM-4's sandwich norms.
 FAMILIES = {
     "granite": tiny_models.make_tiny_granite, "gemma2": tiny_models.make_tiny_gemma2,
     "gemma3": tiny_models.make_tiny_gemma3, "qwen3": tiny_models.make_tiny_qwen3, "phi3": tiny_models.make_tiny_phi3,
+    "qwen3_moe": tiny_models.make_tiny_qwen3_moe, "deepseek_v3": make_tiny_deepseek, "gpt_oss": make_tiny_gpt_oss,
+    "glm4": make_tiny_glm4,
 }
 
 
@@ -196,7 +202,7 @@ def test_start_up_refuses_what_cannot_take_embeddings(setup, tmp_path):
         LLM(model=folder, dtype="float32", device="cpu", enable_prompt_embeds=True, max_model_len=128,
             kv_cache_memory=8 << 20, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                                            "prompt_lookup_max": 2})
-    moe = tiny_models.make_tiny_qwen2_moe(tmp_path / "moe")
-    with pytest.raises(ValueError, match="enable_prompt_embeds: not supported for Qwen2MoeForCausalLM"):
-        LLM(model=moe, dtype="float32", device="cpu", enable_prompt_embeds=True, max_model_len=128,
+    vision = tiny_models.make_tiny_llava(tmp_path / "llava")
+    with pytest.raises(ValueError, match="enable_prompt_embeds: not supported for LlavaForConditionalGeneration"):
+        LLM(model=vision, dtype="float32", device="cpu", enable_prompt_embeds=True, max_model_len=128,
             kv_cache_memory=8 << 20)

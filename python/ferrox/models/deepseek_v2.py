@@ -239,8 +239,8 @@ class DeepseekModel(nn.Module):
                                                                   or 0) or None)
         self.decode_path = DecodePath()  # the general path (logits: one matmul)
 
-    def forward(self, input_ids, positions, kv_caches, meta):
-        h = self.embed_tokens(input_ids)
+    def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds=None):
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rotary(positions, h.dtype)
         residual = None
         for i, layer in enumerate(self.layers):
@@ -298,12 +298,17 @@ class DeepseekV2ForCausalLM(nn.Module):
                 module.absorb_kv_b(self.model_dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm (logits: compute_logits)."""
+                attn_metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm (logits: compute_logits). inputs_embeds: the step's
+        input rows (a prompt of embeddings), else the token embeddings."""
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"kv_caches has {len(kv_caches)} tensors, the model has {len(self.model.layers)} layers")
         self.backend.begin_forward(attn_metadata)
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        return self.model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds=inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings forward() starts from."""
+        return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens.gather_logits(self.model.decode_path.logits(hidden, self.lm_head_weight))

@@ -152,8 +152,10 @@ class MoeModel(nn.Module):
         fusable = all(getattr(layer.mlp, "fused_decode_routing", True) for layer in layers)
         self.decode_path = backend.decode_path(views if fusable and not sharded else None, self.rotary.rope_rows)
 
-    def forward(self, input_ids, positions, kv_caches, meta):
-        h = self.embed_tokens(input_ids)
+    def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds=None):
+        """inputs_embeds: the step's input rows when they are not all token embeddings (a prompt of embeddings:
+        multimodal/prompt_embeds.py)."""
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.decode_path.takes_step(h.shape[0], kv_caches, meta):
             return self.norm(self.decode_path.forward(h, positions, kv_caches, meta))
         rope = self.rotary(positions, h.dtype)
@@ -241,12 +243,19 @@ class MoeForCausalLM(nn.Module):
             self.lm_head_colmajor = self.model.embed_tokens.weight.data.t().contiguous().t()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm (logits: compute_logits)."""
+                attn_metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm (logits: compute_logits). inputs_embeds: the step's
+        input rows (embed_input_ids' with some replaced: worker/model_forward.py), else the token embeddings."""
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"kv_caches has {len(kv_caches)} tensors, the model has {len(self.model.layers)} layers")
         self.backend.begin_forward(attn_metadata)
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        if inputs_embeds is None:
+            return self.model(input_ids, positions, kv_caches, attn_metadata)
+        return self.model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds=inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings forward() starts from."""
+        return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits; under tensor parallelism each rank's vocabulary rows, gathered."""
