@@ -9,11 +9,9 @@ from __future__ import annotations
 import base64
 import concurrent.futures as cf
 import io
-import json
 import os
 import sys
 import tempfile
-import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -22,17 +20,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from tests.helpers.tiny_models import make_tiny_llama  # noqa: E402
-from tests.server.server_proc import ServerProcess  # noqa: E402
+from tests.server.server_proc import ServerProcess, post_json  # noqa: E402
 
 
 def post(base: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return post_json(base, body, "/v1/completions")
 
 
 def b64(tensor: torch.Tensor) -> str:

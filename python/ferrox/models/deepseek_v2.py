@@ -44,7 +44,6 @@ from torch import nn
 from ferrox.attention.backend import AttentionBackend
 from ferrox.attention.decode_path import DecodePath
 from ferrox.attention.metadata import AttentionMetadata
-from ferrox.distributed.sharding import materialize
 from ferrox.kernels import select_kernels
 from ferrox.layers.fused_moe import FusedMoE, TopKRouter
 from ferrox.layers.grouped_topk import grouped_topk
@@ -55,7 +54,7 @@ from ferrox.layers.rotary import RotaryEmbedding
 from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError, rope_type_of
 from ferrox.models.llama import LlamaMLP, linear_takes
-from ferrox.models.load_check import check_all_loaded
+from ferrox.models.load_check import check_all_loaded, load_into
 from ferrox.models.mla_attention import MlaAttention, MlaShape, MlaTritonBackend, mla_backend
 
 _MERGED = {"gate_proj": "gate", "up_proj": "up"}  # dense MLPs and the shared experts: gate_up_proj shards
@@ -359,16 +358,7 @@ class DeepseekV2ForCausalLM(nn.Module):
                     if owner is None or not (param is not None or linear_takes(owner, prefix, leaf, None)):
                         unexpected.append(name)
                         continue
-                    load = getattr(owner, "load_weight", None)
-                    if load is not None:
-                        load(leaf, tensor, None)
-                    else:  # norms, the router and its bias: whole
-                        assert param is not None
-                        value = materialize(tensor)
-                        if tuple(param.shape) != tuple(value.shape):
-                            raise ValueError(f"checkpoint shape {tuple(value.shape)}, model expects "
-                                             f"{tuple(param.shape)}")
-                        param.data.copy_(value)
+                    load_into(owner, param, leaf, tensor)
                     key = name
             except ValueError as e:
                 raise ModelLoadError(f"tensor {name!r}: {e} (config.json does not match the weights?)") from e

@@ -44,7 +44,7 @@ from ferrox.layers.rotary import RotaryEmbedding
 from ferrox.layers.vocab_parallel import VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
 from ferrox.models.llama import LlamaAttention, LlamaForCausalLM, linear_takes, load_kv_scale
-from ferrox.models.load_check import check_all_loaded
+from ferrox.models.load_check import check_all_loaded, load_into
 
 _QKV = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
 # The experts' checkpoint tensors (leaf under `<layer>.mlp.experts.`) -> the FusedMoE parameter they fill.
@@ -263,11 +263,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
                     if module is None or not (name in params or linear_takes(module, prefix, leaf, None)):
                         unexpected.append(name)
                         continue
-                    load = getattr(module, "load_weight", None)
-                    if load is not None:
-                        load(leaf, tensor, None)
-                    else:  # norms, sinks, the router: whole, cast to the parameter's dtype
-                        _copy(params[name], materialize(tensor))
+                    load_into(module, params.get(name), leaf, tensor)
                     key = name
             except ValueError as e:
                 raise ModelLoadError(f"tensor {name!r}: {e} (config.json does not match the weights?)") from e
@@ -328,8 +324,3 @@ def _set_expert_bias(experts: FusedMoE, proj: str, value: torch.Tensor) -> None:
     else:
         experts.load_stacked("w2_bias", value)
 
-
-def _copy(param: torch.Tensor, value: torch.Tensor) -> None:
-    if tuple(param.shape) != tuple(value.shape):
-        raise ValueError(f"checkpoint shape {tuple(value.shape)}, model expects {tuple(param.shape)}")
-    param.data.copy_(value)

@@ -24,6 +24,21 @@ def check_all_loaded(architecture: str, unexpected: list[str], expected: Iterabl
                              f"{', '.join(sorted(m.replace('#', ' shard ') for m in missing)[:8])}")
 
 
+def load_into(owner: nn.Module, param: torch.Tensor | None, leaf: str, tensor: Any) -> None:
+    """One checkpoint tensor into the module that holds it: a parallel or quantized layer's own load_weight
+    (this rank's part, its method's tensors), else the whole parameter (norms, routers, sinks: replicated),
+    cast to its dtype. ValueError on a shape the model does not have (the caller names the tensor)."""
+    load = getattr(owner, "load_weight", None)
+    if load is not None:
+        load(leaf, tensor, None)
+        return
+    assert param is not None  # (the caller checked that the owner takes `leaf`)
+    value = materialize(tensor)
+    if tuple(param.shape) != tuple(value.shape):
+        raise ValueError(f"checkpoint shape {tuple(value.shape)}, model expects {tuple(param.shape)}")
+    param.data.copy_(value)
+
+
 def load_whole(module: nn.Module, tensors: Mapping[str, torch.Tensor], prefix: str, architecture: str) -> None:
     """Copy each parameter of a small unsharded module (a multimodal projector) from the tensor of its name:
     every parameter exactly once, every tensor used, shapes equal (ModelLoadError naming `prefix.name`)."""

@@ -29,7 +29,7 @@ from ferrox.attention.backend import AttentionBackend, get_attention_backend
 from ferrox.attention.decode_path import DecodePath, OneTokenLayer, OneTokenMoe
 from ferrox.attention.metadata import AttentionMetadata
 from ferrox.distributed.parallel_state import get_tp_group
-from ferrox.distributed.sharding import check_tp_shapes, materialize
+from ferrox.distributed.sharding import check_tp_shapes
 from ferrox.kernels import select_kernels
 from ferrox.layers.fused_moe import FusedMoE, TopKRouter
 from ferrox.layers.layernorm import RMSNorm
@@ -40,7 +40,7 @@ from ferrox.layers.rotary import RotaryEmbedding, check_rotary_dim
 from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, MoeSpec, UnsupportedModelError
 from ferrox.models.llama import LlamaAttention, LlamaMLP, linear_takes, load_kv_scale
-from ferrox.models.load_check import check_all_loaded
+from ferrox.models.load_check import check_all_loaded, load_into
 
 # HF names folded into a merged layer (attention, dense MLPs, the shared expert): (module, shard).
 _MERGED = {
@@ -317,16 +317,7 @@ class MoeForCausalLM(nn.Module):
                     if owner is None or not (param is not None or linear_takes(owner, prefix, leaf, None)):
                         unexpected.append(hf_name)
                         continue
-                    load = getattr(owner, "load_weight", None)
-                    if load is not None:  # a parallel or quantized layer: this rank's part
-                        load(leaf, tensor, None)
-                    else:  # norms, the router: replicated
-                        assert param is not None
-                        value = materialize(tensor)
-                        if tuple(param.shape) != tuple(value.shape):
-                            raise ValueError(f"checkpoint shape {tuple(value.shape)}, model expects "
-                                             f"{tuple(param.shape)}")
-                        param.data.copy_(value)
+                    load_into(owner, param, leaf, tensor)
                     key = name
             except ValueError as e:
                 raise ModelLoadError(f"tensor {hf_name!r}: {e} (config.json does not match the weights?)") from e
