@@ -57,6 +57,12 @@ from ferrox.kernels.split_k import num_sms as _num_sms
 _LOG2E = 1.4426950408889634
 
 
+def graph_capturing(t: torch.Tensor) -> bool:
+    """Whether t's device is capturing a CUDA graph now (a step planned then must not keep device tensors
+    of the capture's own; models/mla_attention.py)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 @triton.jit
 def _find_request(query_start_loc_ptr, num_reqs, tile_id, BLOCK_Q: tl.constexpr):
     """Largest r with query_start_loc[r] // BLOCK_Q + r <= tile_id (binary search)."""

@@ -100,7 +100,9 @@ class MlaTritonBackend(AttentionBackend):
             self._meta, self._plan = meta, (0, None)
             # (Never while a CUDA graph is captured: the plan's device tensor would be the capture's. One
             # launch for the whole step is as correct, only slower for the decode rows.)
-            capturing = _capturing(meta)
+            from ferrox.kernels.mla_attention import graph_capturing
+
+            capturing = graph_capturing(meta.query_start_loc)
             if meta.max_query_len >= self.SEPARATE_DECODES_QUERY_LEN and not capturing:
                 starts = meta.query_start_loc_cpu.tolist()
                 decodes = 0
@@ -159,12 +161,6 @@ def _as_key_and_value(kv_cache: torch.Tensor) -> torch.Tensor:
     if kv_cache.numel() == 0 or kv_cache.shape[0] == 2:
         return kv_cache
     return kv_cache.expand(2, -1, -1, -1, -1)
-
-
-def _capturing(meta: AttentionMetadata) -> bool:
-    """Whether the step's device is capturing a CUDA graph now."""
-    device = meta.query_start_loc.device
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def mla_backend(device: torch.device | str, kernels: str, mla: MlaShape) -> AttentionBackend:
