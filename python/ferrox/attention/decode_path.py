@@ -94,6 +94,7 @@ class OneTokenLayer:
     k_norm: NormWeights | None = None
     moe: OneTokenMoe | None = None
     window: int = 0  # the layer's sliding window as served (0: full attention)
+    rotary: bool = True  # False: a NoPE layer (SmolLM3), q and k attend unrotated
 
 
 class DecodePath:

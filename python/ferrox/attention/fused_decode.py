@@ -76,6 +76,7 @@ class FusedOneTokenDecode(DecodePath):
         self.backend = backend
         self.layers = tuple(layers) if layers is not None else None
         self.rope_rows = rope_rows
+        self.has_nope_layers = self.layers is not None and not all(layer.rotary for layer in self.layers)
 
     def takes_step(self, num_tokens: int, kv_caches: Sequence[torch.Tensor],
                    meta: AttentionMetadata | None = None) -> bool:
@@ -88,8 +89,14 @@ class FusedOneTokenDecode(DecodePath):
         if self.layers is None:
             raise NotImplementedError("this model's layers do not take the fused one-token path")
         rope_row = self.rope_rows(positions)[0]
+        identity = rope_row
+        if self.has_nope_layers:
+            # NoPE layers (OneTokenLayer.rotary False) take the identity rotation, cos 1 and sin 0: the
+            # kernels' float32 rotary then returns q and k exactly as projected.
+            half = rope_row.shape[0] // 2
+            identity = torch.cat((torch.ones_like(rope_row[:half]), torch.zeros_like(rope_row[half:])))
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = self._layer(layer, h, rope_row, kv_cache, meta)
+            h = self._layer(layer, h, rope_row if layer.rotary else identity, kv_cache, meta)
         return h
 
     def _layer(self, layer: OneTokenLayer, h: torch.Tensor, rope_row: torch.Tensor, kv_cache: torch.Tensor,

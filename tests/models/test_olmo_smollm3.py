@@ -1,0 +1,228 @@
+"""SmolLM3 (NoPE layers), OLMo 2 (post-norms, full-width q/k norms) and OLMoE (MoE with full-width q/k norms,
+clip_qkv) against transformers on tiny random checkpoints: greedy tokens and last-prompt logits through the
+test driver, chunked prefill and batching, the real engine with a 16-token budget (long prompts prefilled in
+chunks), SmolLM3's sliding window on its NoPE layers, the one-token decode paths (under TRITON_INTERPRET=1:
+the Triton kernel set, SmolLM3's fused one-token kernels with the NoPE layer's identity rotation), the layers
+each config builds, and the refusals by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+from ferrox import LLM, SamplingParams
+from ferrox.distributed.parallel_state import TPGroup, use_tp_group
+from ferrox.errors import UnsupportedModelError
+from ferrox.loader.model_loader import load_model, load_model_spec
+from ferrox.loader.source import resolve_model
+from ferrox.loader.weights import iter_safetensors
+from ferrox.model_spec import spec_for_context
+from ferrox.models.registry import get_model_class
+
+from tests.helpers import tiny_models, tiny_olmo_smollm3
+from tests.helpers.driver import run_greedy
+from tests.models.conftest import cut_at_eos, hf_greedy, hf_last_logits
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [[5, 9, 11], [100, 7, 300, 45, 2, 9, 77, 13], [4, 4, 4, 4, 8], list(range(3, 70))]  # 67: 5 blocks
+BUILDERS = {
+    # SmolLM3-3B's layout: no_rope_layers left to transformers' default (layer 3 of 4 NoPE), tied embeddings.
+    "smollm3": lambda d: tiny_olmo_smollm3.make_tiny_smollm3(d, seed=31),
+    "olmo2": lambda d: tiny_olmo_smollm3.make_tiny_olmo2(d, attention_bias=True, seed=32),
+    "olmoe": lambda d: tiny_olmo_smollm3.make_tiny_olmoe(d, seed=33),
+    # OLMoE with renormalised top-k and q/k/v clamped (clip_qkv of OLMo-1-style configs).
+    "olmoe_clip": lambda d: tiny_olmo_smollm3.make_tiny_olmoe(d, norm_topk_prob=True, clip_qkv=0.5, top_k=3,
+                                                              seed=34),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """name -> (folder, ferrox model, transformers model); built once for the module."""
+    return tiny_models.models_with_references(tmp_path_factory.mktemp("olmo_smollm3"), BUILDERS)
+
+
+def _copy_with_config(folder: str, dest, **fields) -> str:
+    """A copy of the checkpoint with config.json fields set (None: removed)."""
+    shutil.copytree(folder, dest)
+    path = os.path.join(dest, "config.json")
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    for key, value in fields.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    return str(dest)
+
+
+def _load(folder: str, max_model_len: int = 256):
+    source = resolve_model(folder)
+    return load_model(source, spec_for_context(load_model_spec(source), max_model_len), dtype=torch.float32,
+                      device="cpu")
+
+
+def _check_parity(model, ref, name: str) -> None:
+    ours, logits = run_greedy(model, PROMPTS, 10, block_size=16, return_prefill_logits=True)
+    for i, ids in enumerate(PROMPTS):
+        torch.testing.assert_close(logits[i], hf_last_logits(ref, ids), atol=1e-4, rtol=1e-4)
+        assert cut_at_eos(ours[i], [tiny_models.EOS_TOKEN_ID]) == hf_greedy(ref, ids, 10), (name, i)
+
+
+# ---- parity with transformers ---------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_greedy_and_logits_match_transformers(tiny, name):
+    _, model, ref = tiny[name]
+    _check_parity(model, ref, name)
+
+
+@pytest.mark.parametrize("name", ["smollm3", "olmo2", "olmoe"])
+def test_chunked_prefill_and_batching_do_not_change_tokens(tiny, name):
+    _, model, _ = tiny[name]
+    base = run_greedy(model, PROMPTS, 6)
+    assert run_greedy(model, PROMPTS, 6, block_size=8, prefill_chunk=7) == base
+    assert run_greedy(model, PROMPTS[3:], 6, block_size=32) == base[3:]  # alone == in a batch
+
+
+@pytest.mark.parametrize("name", ["smollm3", "olmo2", "olmoe_clip"])
+def test_engine_chunked_prefill_matches_transformers(tiny, name):
+    """The real engine (Rust scheduler, paged KV, sampler) with a 16-token budget: the long prompt is
+    prefilled in chunks; greedy tokens and their logprobs against transformers."""
+    folder, _, ref = tiny[name]
+    llm = LLM(model=folder, dtype="float32", kv_cache_memory=8 << 20, max_num_batched_tokens=16, max_num_seqs=4,
+              max_model_len=256)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        sample = out.outputs[0]
+        ids = list(sample.token_ids)
+        with torch.inference_mode():
+            ref_lp = torch.log_softmax(ref(torch.tensor([prompt + ids])).logits[0].double(), dim=-1)
+        assert ids == ref_lp[len(prompt) - 1:-1].argmax(-1).tolist()
+        for i, (tok, lps) in enumerate(zip(ids, sample.logprobs, strict=True)):
+            assert math.isclose(lps[tok].logprob, ref_lp[len(prompt) - 1 + i, tok].item(), abs_tol=1e-4)
+
+
+# ---- SmolLM3's NoPE layers and window -----------------------------------------------------------------
+def test_smollm3_nope_layers_follow_the_config(tiny, tmp_path):
+    folder, model, ref = tiny["smollm3"]
+    assert model.model.rotary_layers == (True, True, True, False)  # transformers' default interval 4
+    # The fused one-token path's view of each layer: the NoPE one takes the identity rotation.
+    assert [view.rotary for view in model.model.one_token_layers] == [True, True, True, False]
+    # Every layer rotated (the list in config.json flipped): the outputs change, so the NoPE layer counts.
+    rotating = _load(_copy_with_config(folder, tmp_path / "all_rope", no_rope_layers=[1, 1, 1, 1]))
+    assert rotating.model.rotary_layers == (True,) * 4
+    ours, logits = run_greedy(rotating, PROMPTS[3:], 1, return_prefill_logits=True)
+    assert not torch.allclose(logits[0], hf_last_logits(ref, PROMPTS[3]), atol=1e-3)
+    # Without the list, no_rope_layer_interval decides (every 2nd layer NoPE).
+    derived = _load(_copy_with_config(folder, tmp_path / "interval", no_rope_layers=None, no_rope_layer_interval=2))
+    assert derived.model.rotary_layers == (True, False, True, False)
+
+
+def test_smollm3_sliding_window_on_its_nope_layers(tmp_path):
+    """use_sliding_window: an 8-token window on the NoPE layers (layers 1 and 3), with config.json's
+    layer_types as transformers writes them and without (derived from no_rope_layers, as transformers does)."""
+    folder = tiny_olmo_smollm3.make_tiny_smollm3(tmp_path / "window", no_rope_layers=[1, 0, 1, 0],
+                                                 use_sliding_window=True, sliding_window=8, seed=35)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        assert json.load(f)["layer_types"] == ["full_attention", "sliding_attention"] * 2
+    written = _load(folder)
+    derived = _load(_copy_with_config(folder, tmp_path / "derived", layer_types=None))
+    for model in (written, derived):
+        assert [layer.self_attn.window for layer in model.model.layers] == [0, 8, 0, 8]
+        _check_parity(model, ref, "smollm3_window")
+    # use_sliding_window false: no window, whatever sliding_window says (transformers' SmolLM3).
+    off = _load(_copy_with_config(folder, tmp_path / "off", use_sliding_window=False, layer_types=None))
+    assert [layer.self_attn.window for layer in off.model.layers] == [0] * 4
+    # Sliding layer_types with use_sliding_window false: transformers' layers and masks disagree; refused.
+    with pytest.raises(UnsupportedModelError, match="config.json: layer_types.*use_sliding_window"):
+        _load(_copy_with_config(folder, tmp_path / "mixed", use_sliding_window=False))
+
+
+# ---- the Triton kernel set (the GPU's): decode paths, and the layers under the interpreter ----------------
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _triton_model(name: str, tiny, **replace):
+    folder, model, _ = tiny[name]
+    spec = dataclasses.replace(model.spec, **replace)
+    built = get_model_class([spec.architecture])(spec, torch.float32, "cpu", kernels="triton")
+    built.load_weights(iter_safetensors(folder))
+    built.finalize_weights()
+    return built
+
+
+def test_one_token_decode_paths(tiny):
+    """The fused one-token kernels norm q/k per head and run pre-norm layers: both OLMo families step aside
+    (the path may still fuse the lm_head). SmolLM3 keeps them, its NoPE layer marked unrotated."""
+    for name in ("olmo2", "olmoe"):
+        assert _triton_model(name, tiny).model.decode_path.layers is None, name
+    layers = _triton_model("smollm3", tiny).model.decode_path.layers
+    assert [layer.rotary for layer in layers] == [True, True, True, False]
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the Triton kernel set on CPU needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("name", ["smollm3", "olmo2", "olmoe_clip"])
+def test_triton_kernel_set_matches_transformers(tiny, name, monkeypatch):
+    """Prefill through the Triton layers, decode through the fused one-token kernels where the model takes
+    them (SmolLM3: counted, so the NoPE layer's identity rotation is what is compared)."""
+    _, _, ref = tiny[name]
+    model = _triton_model(name, tiny)
+    path = model.model.decode_path
+    fused_steps = []
+    if path.layers is not None:
+        forward = path.forward
+        monkeypatch.setattr(path, "forward", lambda *a, **k: fused_steps.append(1) or forward(*a, **k))
+    # One prompt at a time (the fused path takes 1-token steps); with the fused path a second one prefilled a
+    # token a step, so its prompt logits come through the fused kernels at every position.
+    cases = [(PROMPTS[0], None)] + ([(PROMPTS[1], 1)] if path.layers is not None else [])
+    for i, (ids, chunk) in enumerate(cases):
+        ours, logits = run_greedy(model, [ids], 3, block_size=16, prefill_chunk=chunk, return_prefill_logits=True)
+        torch.testing.assert_close(logits[0], hf_last_logits(ref, ids), atol=1e-4, rtol=1e-4)
+        assert cut_at_eos(ours[0], [tiny_models.EOS_TOKEN_ID]) == hf_greedy(ref, ids, 3), (name, i)
+    assert bool(fused_steps) == (name == "smollm3")
+
+
+# ---- what the OLMo configs build ------------------------------------------------------------------------
+def test_olmo_qk_norms_span_all_heads(tiny):
+    for name, q_width in (("olmo2", 64), ("olmoe", 64)):
+        attn = tiny[name][1].model.layers[0].self_attn
+        assert attn.q_norm.weight.shape == (q_width,) and attn.k_norm.weight.shape == (2 * 16,)
+    assert tiny["olmoe_clip"][1].model.layers[0].self_attn.clip_qkv == 0.5
+    assert tiny["olmoe"][1].model.layers[0].self_attn.clip_qkv is None
+
+
+# ---- refusals by name -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(("name", "fields", "words"), [
+    ("olmo2", {"sliding_window": 16}, "sliding_window"),
+    ("olmo2", {"clip_qkv": 8.0}, "clip_qkv"),
+    ("olmo2", {"mlp_bias": True}, "mlp_bias"),
+    ("olmoe", {"sliding_window": 16}, "sliding_window"),
+    ("olmoe", {"clip_qkv": -1.0}, "clip_qkv"),
+    ("olmoe", {"shared_expert_intermediate_size": 32}, "shared_expert_intermediate_size"),
+    ("olmoe", {"head_dim": 8}, "head_dim"),
+])
+def test_unsupported_fields_are_refused_by_name(tiny, tmp_path, name, fields, words):
+    folder = _copy_with_config(tiny[name][0], tmp_path / name, **fields)
+    with pytest.raises(UnsupportedModelError, match=f"config.json.*{words}"):
+        _load(folder)
+
+
+@pytest.mark.parametrize("name", ["olmo2", "olmoe"])
+def test_tensor_parallelism_is_refused_by_name(tiny, name):
+    source = resolve_model(tiny[name][0])
+    arch = {"olmo2": "Olmo2ForCausalLM", "olmoe": "OlmoeForCausalLM"}[name]
+    with use_tp_group(TPGroup(rank=0, size=2)), pytest.raises(UnsupportedModelError, match=arch):
+        load_model(source, load_model_spec(source), dtype=torch.float32, device="cpu")
