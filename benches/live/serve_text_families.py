@@ -1,6 +1,6 @@
 """Live `ferrox serve` of tiny folders of the text families added in the forty-fifth session: GLM-4-0414, GLM-4.5
 (grouped sigmoid routing), DeepSeek-V2-Lite's and V3's layouts (latent attention), gpt-oss (sinks, windows, clamped
-SwiGLU experts; its MXFP4 layout too), and a harmony-speaking Llama under `--reasoning-parser openai_gptoss
+SwiGLU experts; its MXFP4 layout too), SmolLM3 (NoPE layers), OLMo 2 and OLMoE, and a harmony-speaking Llama under `--reasoning-parser openai_gptoss
 --tool-call-parser openai`. Per family: 24 concurrent greedy completions (prompts of 4 to 150 token ids, cut across
 chunked-prefill steps by --max-num-batched-tokens 24) compared with the offline LLM on the same device, plus chats
 and streams; 0 errors and (in float32) 0 mismatches expected. NAMES... filter families;
@@ -22,6 +22,7 @@ from tests.helpers.harmony_tokenizer import make_tiny_harmony_llama  # noqa: E40
 from tests.helpers.tiny_deepseek import make_tiny_deepseek  # noqa: E402
 from tests.helpers.tiny_glm import make_tiny_glm4, make_tiny_glm4_moe  # noqa: E402
 from tests.helpers.tiny_gpt_oss import make_tiny_gpt_oss, write_mxfp4_copy  # noqa: E402
+from tests.helpers.tiny_olmo_smollm3 import make_tiny_olmo2, make_tiny_olmoe, make_tiny_smollm3  # noqa: E402
 from tests.server.server_proc import ServerProcess  # noqa: E402
 
 
@@ -43,6 +44,9 @@ def families(tmp: Path) -> list[tuple[str, str, list[str]]]:
             # (the tiny gpt-oss's YaRN context: 64 x 4)
             ("gpt-oss", oss, ["--max-model-len", "256"]),
             ("gpt-oss-mxfp4", write_mxfp4_copy(oss, str(tmp / "oss-mxfp4")), ["--max-model-len", "256"]),
+            ("smollm3", make_tiny_smollm3(tmp / "smollm3"), []),
+            ("olmo2", make_tiny_olmo2(tmp / "olmo2"), []),
+            ("olmoe", make_tiny_olmoe(tmp / "olmoe"), []),
             ("harmony-parsers", make_tiny_harmony_llama(tmp / "harmony"),
              ["--reasoning-parser", "openai_gptoss", "--tool-call-parser", "openai"])]
 

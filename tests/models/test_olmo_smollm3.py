@@ -226,3 +226,17 @@ def test_tensor_parallelism_is_refused_by_name(tiny, name):
     arch = {"olmo2": "Olmo2ForCausalLM", "olmoe": "OlmoeForCausalLM"}[name]
     with use_tp_group(TPGroup(rank=0, size=2)), pytest.raises(UnsupportedModelError, match=arch):
         load_model(source, load_model_spec(source), dtype=torch.float32, device="cpu")
+
+
+# ---- GPU ------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["smollm3", "olmo2", "olmoe_clip"])
+def test_cuda_engine_matches_cpu_engine(tiny, name):
+    """On CUDA with CUDA graphs: SmolLM3's fused one-token decode with the identity rotation on its NoPE
+    layers, OLMo's whole-projection q/k norms on the Triton RMSNorm, OLMoE's fused expert kernels; float32
+    tokens equal the CPU engine's, bfloat16 close (tests/models/conftest.py). A 200-token prompt too."""
+    from tests.models.conftest import assert_cuda_engine_matches_cpu
+
+    prompts = [[5, 9, 11], [100, 7, 300, 45, 2, 9, 77, 13], [(13 * i + 4) % 300 + 3 for i in range(200)]]
+    assert_cuda_engine_matches_cpu(tiny[name][0], prompts, max_tokens=12, max_model_len=256)
