@@ -7,10 +7,10 @@ Norms, q/k/v biases, the routers and the correction biases are randomised (trans
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
+from tests.helpers.config_edit import edit_config
 from tests.helpers.tiny_models import _common, _randomize_norms, _save, build_tokenizer
 
 
@@ -29,18 +29,6 @@ def _randomize(model, *, router_std: float) -> None:
                 buf.normal_(0.0, 0.2)
 
 
-def _edit_config(folder: str, **fields: Any) -> None:
-    """config.json with `fields` set (None: removed; a dict under rope_parameters merged there)."""
-    path = os.path.join(folder, "config.json")
-    with open(path, encoding="utf-8") as f:
-        config = json.load(f)
-    for key, value in fields.items():
-        if value is None:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2)
 
 
 def _add_mtp_layer(folder: str, num_layers: int) -> None:
@@ -93,7 +81,7 @@ def make_tiny_glm4_moe(folder, *, hidden_size: int = 64, num_layers: int = 3, nu
     if partial_rotary_factor is None:
         rope_saved = dict(config.rope_parameters)
         rope_saved.pop("partial_rotary_factor", None)
-        _edit_config(folder, rope_parameters=rope_saved, partial_rotary_factor=None)
+        edit_config(folder, rope_parameters=rope_saved, partial_rotary_factor=None)
     if mtp_layers:
         _add_mtp_layer(folder, num_layers)
     return folder
@@ -121,5 +109,5 @@ def make_tiny_glm4(folder, *, hidden_size: int = 64, num_layers: int = 2, num_he
     if partial_rotary_factor is None:
         rope_saved = dict(config.rope_parameters)
         rope_saved.pop("partial_rotary_factor", None)
-        _edit_config(folder, rope_parameters=rope_saved, partial_rotary_factor=None)
+        edit_config(folder, rope_parameters=rope_saved, partial_rotary_factor=None)
     return folder

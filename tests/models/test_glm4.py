@@ -7,10 +7,7 @@ GPU the engine in bfloat16 with CUDA graphs against the CPU float32 engine."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import shutil
 
 import pytest
 import torch
@@ -30,6 +27,7 @@ from ferrox.models.llama import LlamaMLP
 from ferrox.models.registry import get_model_class
 
 from tests.helpers import tiny_glm, tiny_models
+from tests.helpers.config_edit import copy_with_config as _copy_with_config
 from tests.helpers.driver import run_greedy
 from tests.models.conftest import assert_cuda_engine_matches_cpu, cut_at_eos, hf_greedy, hf_last_logits
 
@@ -55,17 +53,6 @@ BUILDERS = {
 def tiny(tmp_path_factory):
     """name -> (folder, ferrox model, transformers model); built once for the module."""
     return tiny_models.models_with_references(tmp_path_factory.mktemp("glm4"), BUILDERS)
-
-
-def _copy_with_config(folder: str, dest, **fields) -> str:
-    shutil.copytree(folder, dest)
-    path = os.path.join(dest, "config.json")
-    with open(path, encoding="utf-8") as f:
-        config = json.load(f)
-    config.update(fields)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(config, f)
-    return str(dest)
 
 
 def _load(folder: str):

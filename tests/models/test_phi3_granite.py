@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -30,6 +29,7 @@ from ferrox.model_spec import ModelLoadError
 from ferrox.models.registry import get_model_class
 
 from tests.helpers import tiny_models
+from tests.helpers.config_edit import copy_with_config as _copy_with_config
 from tests.helpers.driver import StepRequest, build_step, run_greedy
 from tests.models.conftest import cut_at_eos, hf_greedy, hf_last_logits
 
@@ -48,22 +48,6 @@ BUILDERS = {
 def tiny(tmp_path_factory):
     """name -> (folder, ferrox model, transformers model); built once for the module."""
     return tiny_models.models_with_references(tmp_path_factory.mktemp("phi3_granite"), BUILDERS)
-
-
-def _copy_with_config(folder: str, dest, **fields) -> str:
-    """A copy of `folder` whose config.json has `fields` changed (None: removed)."""
-    shutil.copytree(folder, dest)
-    path = os.path.join(dest, "config.json")
-    with open(path, encoding="utf-8") as f:
-        config = json.load(f)
-    for key, value in fields.items():
-        if value is None:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(config, f)
-    return str(dest)
 
 
 def _load(folder: str, **kw):
