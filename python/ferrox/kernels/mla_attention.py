@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from ferrox.kernels.kv_fp8 import FP8_KV_DTYPE, unit_kv_scales
+from ferrox.kernels.paged_attention import _find_request, _split_len  # (the same tile and split rules)
 from ferrox.kernels.pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ferrox.kernels.reshape_and_cache import quantize_kv_fp8
 from ferrox.kernels.split_k import num_sms as _num_sms
@@ -61,30 +62,6 @@ def graph_capturing(t: torch.Tensor) -> bool:
     """Whether t's device is capturing a CUDA graph now (a step planned then must not keep device tensors
     of the capture's own; models/mla_attention.py)."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
-@triton.jit
-def _find_request(query_start_loc_ptr, num_reqs, tile_id, BLOCK_Q: tl.constexpr):
-    """Largest r with query_start_loc[r] // BLOCK_Q + r <= tile_id (binary search)."""
-    lo = num_reqs * 0
-    hi = num_reqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile_id:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
-
-
-@triton.jit
-def _split_len(seq_len, num_splits, TILE_N: tl.constexpr, MIN_SPLIT: tl.constexpr, DECODE_ONLY: tl.constexpr):
-    """KV positions per split (whole TILE_N steps; at least MIN_SPLIT in a decode-only batch). The
-    attention and merge kernels agree on it."""
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), TILE_N) * TILE_N
-    if DECODE_ONLY:
-        split_len = tl.maximum(split_len, MIN_SPLIT)
-    return split_len
 
 
 @triton.jit(do_not_specialize=["num_reqs", "stride_bt", "num_splits"])

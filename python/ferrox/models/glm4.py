@@ -37,9 +37,8 @@ from ferrox.distributed.sharding import materialize, row_block, shape_of
 from ferrox.layers.layernorm import RMSNorm
 from ferrox.layers.ops import DeviceOps, Rope
 from ferrox.layers.quant.method import hf_quantization_config
-from ferrox.layers.rotary import RotaryEmbedding
-from ferrox.layers.vocab_parallel import VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
+from ferrox.models.layer_stack import ResidualLayerStack
 from ferrox.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 # Why LoRAManager refuses these families (lora/manager.py reads a model's `lora_refusal`).
@@ -137,30 +136,8 @@ class Glm4DecoderLayer(nn.Module):
         return x + self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(x)))
 
 
-class Glm4Model(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype,
-                 device: torch.device | str, **_: Any):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(Glm4DecoderLayer(spec, backend, ops, dtype, device)
-                                    for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
-        self.rotary = RotaryEmbedding.for_spec(spec, device, ops)
-        self.backend = backend
-        self.qk_norm = False
-        self.one_token_layers = None  # (the four-norm layer is not the pre-norm shape they fuse)
-        self.decode_path = backend.decode_path(None, self.rotary.rope_rows)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: Any, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        rope = self.rotary(positions, h.dtype)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, rope, kv_caches[i], meta)
-        return self.norm(h)
+class Glm4Model(ResidualLayerStack):
+    layer_class = Glm4DecoderLayer  # (the four-norm layer is not the pre-norm shape the fused kernels run)
 
 
 class Glm4ForCausalLM(LlamaForCausalLM):

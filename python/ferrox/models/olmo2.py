@@ -34,6 +34,7 @@ from ferrox.layers.ops import DeviceOps, Rope
 from ferrox.layers.rotary import RotaryEmbedding
 from ferrox.layers.vocab_parallel import VocabParallelEmbedding
 from ferrox.model_spec import ModelSpec, UnsupportedModelError
+from ferrox.models.layer_stack import ResidualLayerStack
 from ferrox.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from ferrox.models.moe import MoeBlock, MoeDecoderLayer, MoeForCausalLM, MoeModel
 
@@ -109,30 +110,8 @@ class Olmo2DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(x))
 
 
-class Olmo2Model(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype,
-                 device: torch.device | str, **_: Any):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(Olmo2DecoderLayer(spec, backend, ops, dtype, device)
-                                    for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
-        self.rotary = RotaryEmbedding.for_spec(spec, device, ops)
-        self.backend = backend
-        self.qk_norm = True
-        self.one_token_layers = None  # (post-norm layers, full-width q/k norms: not what the fused kernels run)
-        self.decode_path = backend.decode_path(None, self.rotary.rope_rows)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: Any, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        rope = self.rotary(positions, h.dtype)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, rope, kv_caches[i], meta)
-        return self.norm(h)
+class Olmo2Model(ResidualLayerStack):
+    layer_class = Olmo2DecoderLayer  # (post-norm layers, full-width q/k norms: not what the fused kernels run)
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):
