@@ -3,7 +3,8 @@ prompts are base64 torch.save bytes of transformers' input embeddings (cut acros
 --max-num-batched-tokens 16), each answered as the same prompt's token ids are answered on that server, beside
 token-id requests and CUDA-graph decode steps; the same embeddings twice hit the prefix cache; a bad tensor is a
 400 naming prompt_embeds while the rest complete. 0 errors, 0 mismatches expected (float32; FERROX_LIVE_DTYPE
-picks another dtype, where bf16 embeddings of the bf16 lookup should still give the same tokens)."""
+picks another dtype, where bf16 embeddings of the bf16 lookup should still give the same tokens). FAMILY (argv)
+picks the tiny model: llama (default), qwen3_moe (the MoE stack) or deepseek_v3 (latent attention)."""
 from __future__ import annotations
 
 import base64
@@ -19,7 +20,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from tests.helpers.tiny_models import make_tiny_llama  # noqa: E402
+from tests.helpers.tiny_deepseek import make_tiny_deepseek  # noqa: E402
+from tests.helpers.tiny_models import make_tiny_llama, make_tiny_qwen3_moe  # noqa: E402
 from tests.server.server_proc import ServerProcess, post_json  # noqa: E402
 
 
@@ -33,11 +35,15 @@ def b64(tensor: torch.Tensor) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+FAMILIES = {"llama": make_tiny_llama, "qwen3_moe": make_tiny_qwen3_moe, "deepseek_v3": make_tiny_deepseek}
+
+
 def main() -> int:
     from transformers import AutoModelForCausalLM
 
     dtype = os.environ.get("FERROX_LIVE_DTYPE", "float32")
-    folder = make_tiny_llama(Path(tempfile.mkdtemp()) / "llama")
+    family = sys.argv[1] if len(sys.argv) > 1 else "llama"
+    folder = FAMILIES[family](Path(tempfile.mkdtemp()) / family)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
     prompts = [[5 + (11 * k + j) % 200 for j in range(n)] for k, n in enumerate([5, 23, 40, 90] * 6)]
     with torch.no_grad():
@@ -65,7 +71,7 @@ def main() -> int:
     code = srv.stop()
     log_errors = [ln for ln in srv.log if " ERROR " in ln or "Traceback" in ln]
     bad_ok = bad_status == 400 and bad_body.get("error", {}).get("param") == "prompt_embeds"
-    print(f"prompt_embeds ({dtype}): {len(prompts)} embeds + {len(prompts)} id requests, {errors} errors, "
+    print(f"prompt_embeds {family} ({dtype}): {len(prompts)} embeds + {len(prompts)} id requests, {errors} errors, "
           f"{mismatches} mismatches, bad tensor a 400 naming prompt_embeds {bad_ok}, repeat 200 {again_status == 200}, "
           f"prefix-cache hit lines {hits[:2]}, exit {code}, error log lines {len(log_errors)} {log_errors[:3]}")
     return 1 if errors or mismatches or not bad_ok or again_status != 200 or code or log_errors else 0
