@@ -20,9 +20,12 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 
 def make_tiny_deepseek(folder, *, version: int = 3, q_lora_rank: int | None = 48, num_layers: int = 3,
                        num_experts: int = 6, top_k: int = 2, n_group: int = 1, topk_group: int = 1,
-                       rope_scaling: dict[str, Any] | None = None, seed: int = 0, **fields: Any) -> str:
+                       rope_scaling: dict[str, Any] | None = None, seed: int = 0, v_head_dim: int = 24,
+                       moe_intermediate_size: int = 32, intermediate_size: int = 96, **fields: Any) -> str:
     """A DeepseekV2ForCausalLM (version 2) or DeepseekV3ForCausalLM; q_lora_rank None: V2-Lite's q_proj.
-    fields: more config fields (topk_method, routed_scaling_factor, rope_interleave, norm_topk_prob...)."""
+    v_head_dim / moe_intermediate_size / intermediate_size: sizes a tensor-parallel block-FP8 test widens so
+    that every rank's share falls on whole blocks. fields: more config fields (topk_method,
+    routed_scaling_factor, rope_interleave, norm_topk_prob...)."""
     import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -30,11 +33,12 @@ def make_tiny_deepseek(folder, *, version: int = 3, q_lora_rank: int | None = 48
                              else (DeepseekV3Config, DeepseekV3ForCausalLM))
     tok = build_tokenizer()
     max_pos = 256 if rope_scaling else 2048
-    params = _common(tok, 64, num_layers, 4, 4, 96, max_pos, False)
+    params = _common(tok, 64, num_layers, 4, 4, intermediate_size, max_pos, False)
     rope = {"rope_type": "default", "rope_theta": 10000.0, **(rope_scaling or {})}
     config = config_cls(**params, rope_parameters=rope, q_lora_rank=q_lora_rank, kv_lora_rank=32,
-                        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24, n_routed_experts=num_experts,
-                        n_shared_experts=2, num_experts_per_tok=top_k, moe_intermediate_size=32,
+                        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=v_head_dim,
+                        n_routed_experts=num_experts, n_shared_experts=2, num_experts_per_tok=top_k,
+                        moe_intermediate_size=moe_intermediate_size,
                         first_k_dense_replace=1, n_group=n_group, topk_group=topk_group, **fields)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)

@@ -17,8 +17,10 @@ import triton
 from ferrox.attention.metadata import AttentionMetadata
 from ferrox.attention.torch_backend import TorchAttentionBackend
 from ferrox.kernels.mla_attention import (
-    DECODE_CONFIG,
+    FEW_HEADS_BATCH_CONFIG,
+    MANY_HEADS_BATCH_CONFIG,
     PREFILL_CONFIG,
+    SMALL_DECODE_CONFIG,
     MlaLaunchConfig,
     mla_attention,
     write_latent,
@@ -76,7 +78,7 @@ def _reference(q: torch.Tensor, cache_k: torch.Tensor, meta: AttentionMetadata, 
 MIXED = [(1, 9), (1, 40), (7, 0), (12, 5), (1, 0), (3, 70)]
 
 
-@pytest.mark.parametrize("config", [None, DECODE_CONFIG, PREFILL_CONFIG, MlaLaunchConfig(2, 16, 16, 4, 1)],
+@pytest.mark.parametrize("config", [None, SMALL_DECODE_CONFIG, PREFILL_CONFIG, MlaLaunchConfig(2, 16, 16, 4, 1)],
                          ids=["auto", "decode-tiles", "prefill-tiles", "2-heads"])
 @pytest.mark.parametrize("heads", [16, 4])
 @pytest.mark.parametrize("requests,block_size", [(MIXED, 8), ([(20, 0), (9, 33)], 16), ([(1, 50)] * 3, 4)],
@@ -246,7 +248,8 @@ def test_kernels_compile_for_hopper(cache):
         return int(kernel.metadata.shared)
 
     ints = {"block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32"}
-    for config, decode, heads in [(mla.DECODE_CONFIG, True, 16), (mla.DECODE_CONFIG, True, 128),
+    for config, decode, heads in [(mla.SMALL_DECODE_CONFIG, True, 16), (mla.SMALL_DECODE_CONFIG, True, 128),
+                                  (mla.FEW_HEADS_BATCH_CONFIG, True, 16), (mla.MANY_HEADS_BATCH_CONFIG, True, 128),
                                   (mla.PREFILL_CONFIG, False, 128)]:
         head_tile, block_m, block_q = mla._fit(config, heads, decode)
         shared = compile_(mla._mla_attention_kernel, {"out_ptr": "*bf16", "q_ptr": "*bf16", "cache_ptr": f"*{cache}",
@@ -276,16 +279,17 @@ def _gpu_case(device, heads: int, requests: list[tuple[int, int]], dtype=torch.b
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("requests", [[(1, 1000), (1, 31), (1, 32767)], [(1, 8191)] * 4, [(1, 32767)],
+                                      [(1, 3000 + 97 * k) for k in range(32)],
                                       [(1, 17), (1, 4000), (300, 0), (200, 2000)], [(1024, 0)]],
-                         ids=["decode", "decode-8k", "decode-32k", "mixed", "prefill"])
+                         ids=["decode", "decode-8k", "decode-32k", "decode-batch-32", "mixed", "prefill"])
 def test_gpu_real_shapes(cuda_device, heads, requests):
     got, want = _gpu_case(cuda_device, heads, requests)
     assert relative_error(got, want) < 1e-2  # bf16 inputs, fp32 accumulation
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [MlaLaunchConfig(64, 64, 32, 8, 2), MlaLaunchConfig(16, 16, 64, 4, 2),
-                                    MlaLaunchConfig(8, 64, 16, 4, 3)])
+@pytest.mark.parametrize("config", [SMALL_DECODE_CONFIG, MANY_HEADS_BATCH_CONFIG, FEW_HEADS_BATCH_CONFIG,
+                                    PREFILL_CONFIG, MlaLaunchConfig(16, 16, 64, 4, 2), MlaLaunchConfig(8, 64, 16, 4, 3)])
 def test_gpu_launch_configs(cuda_device, config):
     """The configurations benches/bench_mla.py --sweep tries give the same attention."""
     got, want = _gpu_case(cuda_device, 128, [(1, 5000), (40, 900)], config=config)

@@ -119,6 +119,26 @@ def check_tp_shapes(spec: ModelSpec, size: int, expert_parallel: bool = False) -
             even_split(moe.intermediate_size, size, 0, "moe_intermediate_size")
         if moe.shared_expert_intermediate_size:
             even_split(moe.shared_expert_intermediate_size, size, 0, "shared_expert_intermediate_size")
+    _check_deepseek_experts(spec.hf_config, size, expert_parallel)
+
+
+def _check_deepseek_experts(config: dict[str, Any], size: int, expert_parallel: bool) -> None:
+    """The experts of configs that name them as DeepSeek does (n_routed_experts: DeepSeek-V2/V3, GLM-4.5;
+    ModelSpec.moe is None for them): routed ones split by count (expert parallel) or by
+    moe_intermediate_size, shared ones (one MLP of n_shared_experts x moe_intermediate_size) by their rows."""
+    routed = config.get("n_routed_experts")
+    if not isinstance(routed, int) or isinstance(routed, bool) or routed <= 0:
+        return
+    inter = config.get("moe_intermediate_size")
+    inter = inter if isinstance(inter, int) and not isinstance(inter, bool) else 0
+    if expert_parallel:
+        even_split(routed, size, 0, "n_routed_experts")
+    else:
+        even_split(inter, size, 0, "moe_intermediate_size")
+    shared = config.get("n_shared_experts")
+    if isinstance(shared, int) and not isinstance(shared, bool) and shared > 0:
+        even_split(shared * inter, size, 0, "the shared experts' intermediate size (n_shared_experts x "
+                   "moe_intermediate_size)")
 
 
 def vocab_range(vocab_size: int, size: int, rank: int) -> tuple[int, int, int]:

@@ -304,18 +304,36 @@ class MlaLaunchConfig:
     num_stages: int
 
 
-# Not yet timed (benches/bench_mla.py --sweep tries the alternatives): a decode program holds up to 32
-# heads of one token ([32, 512] fp32 accumulator over 8 warps), a prefill program 64 rows of tokens x up to
-# 16 heads (Hopper's wgmma takes 64-row tiles); 32-position latent tiles (36 KB in bf16 a stage). Compiled
-# offline for sm_90a (Triton 3.9, bf16; ptxas -v): decode with 16 heads a program 195 registers, no spills,
-# 66 KB shared; with 32 heads 255 registers and 68 bytes spilled, 84 KB; prefill 255 registers and 252
-# bytes spilled, 108 KB (64 heads a decode program, FlashMLA's tile, spills ~500 bytes). The [rows, 512]
-# fp32 accumulator and the 512-wide q operand are what fill the registers.
-DECODE_CONFIG = MlaLaunchConfig(head_tile=32, block_m=32, tile_n=32, num_warps=8, num_stages=2)
-PREFILL_CONFIG = MlaLaunchConfig(head_tile=16, block_m=64, tile_n=32, num_warps=8, num_stages=2)
+# Chosen from benches/bench_mla.py --sweep on an H100 (2026-12-05, bf16, timed as the engine's decode graphs
+# launch them: max_seq_len fixed to the model's bound, so a graph's config can depend on its batch only).
+# Decode holds HEAD_TILE heads of one token a program: 16 / 32 heads with 64-position latent tiles over 8 warps
+# when programs are few (latency-bound: V3's 128 heads, batch 1 at 32k 0.247 -> 0.096 ms with the split count
+# below), 64 heads a program for big batches of many heads (each head tile re-reads the latent: 128 heads x
+# batch 32 at 8k 0.95 -> 0.53 ms), and 16 heads over 4 warps with 32-position tiles for big batches of few heads
+# (V2-Lite batch 32 at 32k 1.36 -> 0.51 ms). Prefill: 64 rows of tokens x 16 heads (Hopper's wgmma takes 64-row
+# tiles) with 64-position tiles: 4k tokens at 128 heads 14.1 -> 10.7 ms (tile_n 128 does not fit shared memory).
+# Compiled offline for sm_90a (ptxas -v): the [rows, 512] fp32 accumulator and the 512-wide q operand fill the
+# registers (32 heads a program 255 registers and a few spilled bytes; 64 heads ~500 bytes, still the fastest
+# at those batches).
+SMALL_DECODE_CONFIG = MlaLaunchConfig(head_tile=32, block_m=32, tile_n=64, num_warps=8, num_stages=2)
+FEW_HEADS_BATCH_CONFIG = MlaLaunchConfig(head_tile=16, block_m=16, tile_n=32, num_warps=4, num_stages=2)
+MANY_HEADS_BATCH_CONFIG = MlaLaunchConfig(head_tile=64, block_m=64, tile_n=32, num_warps=8, num_stages=2)
+PREFILL_CONFIG = MlaLaunchConfig(head_tile=16, block_m=64, tile_n=64, num_warps=8, num_stages=2)
 # float32 (the engine's exactness tests): IEEE dots on the CUDA cores, tiles twice as wide in bytes; small
 # and unpipelined, so that a 512-column fp32 tile fits in shared memory whatever Triton stages there.
 FP32_CONFIG = MlaLaunchConfig(head_tile=16, block_m=16, tile_n=16, num_warps=8, num_stages=1)
+# Programs per SM a split decode aims at: two waves hide the latent loads' latency better than one (sweep:
+# V2-Lite batch 8 at 32k, 17 splits 0.37 ms, 32 splits 0.15 ms, 64 splits 0.16 ms).
+_WAVES = 2
+
+
+def choose_decode_config(num_heads: int, batch: int) -> MlaLaunchConfig:
+    """The decode launch for `batch` one-token requests of num_heads heads (module comment above)."""
+    if num_heads <= 16:
+        return SMALL_DECODE_CONFIG if batch <= 8 else FEW_HEADS_BATCH_CONFIG
+    return SMALL_DECODE_CONFIG if batch < 32 else MANY_HEADS_BATCH_CONFIG
+
+
 _MIN_SEQ_FOR_SPLIT = 512
 _MAX_SPLITS = 256
 _SPLIT_CHUNK = 16
@@ -338,11 +356,11 @@ def min_split_len(num_heads: int) -> int:
 
 
 def choose_num_splits(num_programs: int, max_seq_len: int, num_heads: int, num_sms: int) -> int:
-    """Split-KV count from host-known numbers only (graph-safe): one wave of programs, splits no shorter
-    than min_split_len."""
-    if max_seq_len < _MIN_SEQ_FOR_SPLIT or num_programs >= num_sms:
+    """Split-KV count from host-known numbers only (graph-safe): _WAVES programs an SM, splits no shorter
+    than min_split_len. num_programs: the programs with work (a decode step's tiles are its tokens)."""
+    if max_seq_len < _MIN_SEQ_FOR_SPLIT or num_programs >= _WAVES * num_sms:
         return 1
-    wanted = math.ceil(num_sms / max(num_programs, 1))
+    wanted = math.ceil(_WAVES * num_sms / max(num_programs, 1))
     return max(1, min(wanted, max_seq_len // min_split_len(num_heads), _MAX_SPLITS))
 
 
@@ -393,16 +411,19 @@ def mla_attention(
     if num_tokens == 0 or num_reqs == 0:
         return out[..., :kv_lora_rank]
 
+    decode_only = max_query_len <= 1 and num_tokens <= num_reqs  # token i is request i
     if config is None:
-        config = FP32_CONFIG if q.element_size() > 2 else DECODE_CONFIG if max_query_len <= 1 else PREFILL_CONFIG
+        config = (FP32_CONFIG if q.element_size() > 2 else choose_decode_config(num_heads, num_tokens)
+                  if max_query_len <= 1 else PREFILL_CONFIG)
     head_tile, block_m, block_q = _fit(config, num_heads, max_query_len <= 1)
     head_tiles = triton.cdiv(num_heads, head_tile)
     num_tiles = num_tokens // block_q + num_reqs
     if num_splits is None:
-        num_splits = choose_num_splits(num_tiles * head_tiles, max_seq_len, num_heads, _num_sms(q.device))
+        # (a decode-only step's tiles past its tokens hold no rows: they exit at once)
+        working = num_tokens if decode_only and block_q == 1 else num_tiles
+        num_splits = choose_num_splits(working * head_tiles, max_seq_len, num_heads, _num_sms(q.device))
     if not 1 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{_MAX_SPLITS}, got {num_splits}")
-    decode_only = max_query_len <= 1 and num_tokens <= num_reqs  # token i is request i
     latent_pad = triton.next_power_of_2(kv_lora_rank)
     min_split = max(min_split_len(num_heads), config.tile_n)
     if num_splits > 1:

@@ -24,8 +24,15 @@ Attention: with the Triton kernel set (CUDA) the latent attention kernels of ker
 keep the decode and piecewise CUDA graphs; with the torch set (the CPU) the torch reference backend, which
 plans steps on the host and so runs without graphs (`supports_cuda_graphs`; models/mla_attention.py).
 
-Not here yet: tensor parallelism (refused by the loader: the heads would shard, the latent stay
-replicated), LoRA (refused by the adapter check: no qkv_proj) and the fused one-token decode kernels. The
+Tensor parallelism (`--tensor-parallel-size`), as vLLM shards DeepSeek: the attention's query heads split
+across the ranks, the latent replicated (models/mla_attention.py); dense MLPs and the shared experts
+column / row parallel like Llama's; the routed experts each split by their intermediate rows, or with
+`--enable-expert-parallel` whole experts split across the ranks (layers/fused_moe.py); the router and
+V3's e_score_correction_bias replicated, so grouped top-k sees every expert on every rank. A block-FP8
+checkpoint's scales are cut with their weights, on block edges only (layers/quant/fp8_block.py refuses
+another cut naming the tensor).
+
+Not here yet: LoRA (refused by the adapter check: no qkv_proj) and the fused one-token decode kernels. The
 multi-token-prediction layers a config declares past num_hidden_layers (V3's num_nextn_predict_layers) are
 skipped at load, as vLLM does for the base model.
 """
@@ -44,6 +51,8 @@ from torch import nn
 from ferrox.attention.backend import AttentionBackend
 from ferrox.attention.decode_path import DecodePath
 from ferrox.attention.metadata import AttentionMetadata
+from ferrox.distributed.parallel_state import get_tp_group
+from ferrox.distributed.sharding import check_tp_shapes
 from ferrox.kernels import select_kernels
 from ferrox.layers.fused_moe import FusedMoE, TopKRouter
 from ferrox.layers.grouped_topk import grouped_topk
@@ -250,7 +259,9 @@ class DeepseekModel(nn.Module):
 
 class DeepseekV2ForCausalLM(nn.Module):
     version = 2  # which reference's routing and rotary fields (mla_shape, moe_config)
-    supports_tensor_parallel = False  # (the loader refuses tensor_parallel_size > 1 by name)
+    # Heads, dense and shared MLPs sharded, experts sharded or split, the latent replicated (module docstring).
+    # Tested with gloo on the CPU (tests/models/test_deepseek_tp.py) and NCCL on two GPUs (its gpu test).
+    supports_tensor_parallel = True
     # Linear layers and experts take the checkpoint's method (block FP8: DeepSeek-V3's own layout);
     # kv_b_proj is dequantized for the absorption (MlaAttention.absorb_kv_b).
     supports_quantization = True
@@ -270,6 +281,8 @@ class DeepseekV2ForCausalLM(nn.Module):
         if spec.rotary_dim is not None:
             raise UnsupportedModelError(f"config.json: partial_rotary_factor is not supported for {spec.architecture}")
         self.spec = spec
+        tp = get_tp_group()
+        check_tp_shapes(spec, tp.size, expert_parallel=tp.expert_parallel)
         self.num_mtp_layers = _int(spec.hf_config, "num_nextn_predict_layers", 0, minimum=0)
         self.mla = mla_shape(spec, self.version)
         self.moe = moe_config(spec, self.version)

@@ -31,6 +31,13 @@ Rotary: DeepSeek rotates (x0, x1), (x2, x3), ... pairs ("interleaved": every V2,
 config.json says rope_interleave false); ferrox's rotary kernels turn (i, i + d/2) pairs. q_pe and k_pe
 are laid out evens-then-odds before rotating: the same permutation of both leaves every q . k unchanged,
 and nothing else reads them.
+
+Tensor parallelism (as vLLM shards MLA): the query heads split across the ranks. q_proj / q_b_proj and
+kv_b_proj are column-parallel by heads (`HeadParallelLinear`: rank r holds heads [r H/N, (r+1) H/N), so
+its W_UK / W_UV are those heads' halves of kv_b_proj), o_proj row-parallel over the same heads (one
+all-reduce). q_a_proj, kv_a_proj_with_mqa and their norms are replicated: the latent is every head's, so
+every rank computes it and caches the same one-plane latent row a token for its own heads (the KV-cache
+sizing counts one latent "KV head" a rank: attention/kv_cache.py, local_num_kv_heads).
 """
 
 from __future__ import annotations
@@ -44,8 +51,10 @@ from torch import nn
 from ferrox.attention.backend import AttentionBackend, get_attention_backend
 from ferrox.attention.kv_cache import KVCacheScales
 from ferrox.attention.metadata import AttentionMetadata
+from ferrox.distributed.parallel_state import get_tp_group
+from ferrox.distributed.sharding import Weight, even_split
 from ferrox.layers.layernorm import RMSNorm
-from ferrox.layers.linear import Linear, RowParallelLinear
+from ferrox.layers.linear import Linear, MergedLinear, RowParallelLinear
 from ferrox.layers.ops import DeviceOps, Rope
 from ferrox.model_spec import ModelSpec, UnsupportedModelError
 
@@ -115,13 +124,14 @@ class MlaTritonBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, kv_scales: KVCacheScales | None = None,
                 out: torch.Tensor | None = None, *, window: int = 0,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
         if self.piecewise is not None:
             return self.piecewise(q, k, v, kv_cache, meta, scale, kv_scales, window=window, sinks=sinks)
         from ferrox.kernels.mla_attention import mla_attention, write_latent
 
-        if window or sinks is not None or self.softcap or meta.bidirectional:
-            raise ValueError("the MLA kernels have no sliding window, sinks, softcap or bidirectional ranges")
+        if window or chunk or sinks is not None or self.softcap or meta.bidirectional:
+            raise ValueError("the MLA kernels have no sliding window, attention chunks, sinks, softcap or "
+                             "bidirectional ranges")
         rank = self.kv_lora_rank
         if kv_cache.numel() == 0:
             # No cache yet (the profiling forward): every request starts at position 0, so its KV is its own
@@ -171,6 +181,29 @@ def mla_backend(device: torch.device | str, kernels: str, mla: MlaShape) -> Atte
     return get_attention_backend(device, "torch")
 
 
+class HeadParallelLinear(MergedLinear):
+    """A projection whose output rows are `per_head` rows a head, column-parallel by heads: rank r of N holds
+    heads [r H/N, (r+1) H/N) (num_heads: this rank's count). One shard, "heads", so a quantized method cuts
+    its rows and block scales as a merged layer's (a block-FP8 cut inside a block is refused by name:
+    layers/quant/fp8_block.py); loaded and keyed as a plain layer (no `#shard` in its checkpoint keys)."""
+
+    SHARD = "heads"
+
+    def __init__(self, in_features: int, num_heads: int, per_head: int, *, dtype: torch.dtype,
+                 device: torch.device | str | None = None):
+        tp = get_tp_group()
+        start, heads = even_split(num_heads, tp.size, tp.rank, "num_attention_heads")
+        self.num_heads = heads
+        rows = (start * per_head, heads * per_head, num_heads * per_head)
+        self._init_shards(in_features, {self.SHARD: rows}, bias=False, dtype=dtype, device=device)
+
+    def load_weight(self, param_name: str, tensor: Weight, shard: str | None = None) -> None:
+        super().load_weight(param_name, tensor, shard or self.SHARD)
+
+    def checkpoint_keys(self, name: str) -> set[str]:
+        return {key.removesuffix(f"#{self.SHARD}") for key in super().checkpoint_keys(name)}
+
+
 def _evens_then_odds(x: torch.Tensor) -> torch.Tensor:
     """[..., d] interleaved rotary pairs -> [x0, x2, ..., x1, x3, ...] (a new tensor)."""
     return x.unflatten(-1, (x.shape[-1] // 2, 2)).transpose(-1, -2).flatten(-2)
@@ -186,12 +219,14 @@ class MlaAttention(nn.Module):
     def __init__(self, spec: ModelSpec, mla: MlaShape, backend: AttentionBackend, ops: DeviceOps, dtype, device):
         super().__init__()
         self.mla = mla
-        self.num_heads = spec.num_heads
+        heads = spec.num_heads  # (all of them: the layers below hold this rank's share)
         qk_head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         bias = spec.attention_bias  # (as transformers: q_a_proj, kv_a_proj_with_mqa and o_proj only)
+        # Under tensor parallelism the head-parallel layers hold this rank's heads; the latent projections
+        # (q_a_proj, kv_a_proj_with_mqa) and their norms are replicated (module docstring).
         if mla.q_lora_rank is None:  # DeepSeek-V2-Lite
-            self.q_proj: Linear | None = Linear(spec.hidden_size, self.num_heads * qk_head_dim, bias=False,
-                                                dtype=dtype, device=device)
+            self.q_proj: HeadParallelLinear | None = HeadParallelLinear(spec.hidden_size, heads, qk_head_dim,
+                                                                        dtype=dtype, device=device)
             self.q_a_proj = self.q_b_proj = None
             self.q_a_layernorm: RMSNorm | None = None
         else:
@@ -199,16 +234,16 @@ class MlaAttention(nn.Module):
             self.q_a_proj = Linear(spec.hidden_size, mla.q_lora_rank, bias=bias, dtype=dtype, device=device)
             # (transformers builds the two latent norms with its default eps, 1e-6, not rms_norm_eps.)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, 1e-6, dtype, device, ops)
-            self.q_b_proj = Linear(mla.q_lora_rank, self.num_heads * qk_head_dim, bias=False, dtype=dtype,
-                                   device=device)
+            self.q_b_proj = HeadParallelLinear(mla.q_lora_rank, heads, qk_head_dim, dtype=dtype, device=device)
         self.kv_a_proj_with_mqa = Linear(spec.hidden_size, mla.kv_lora_rank + mla.qk_rope_head_dim, bias=bias,
                                          dtype=dtype, device=device)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, 1e-6, dtype, device, ops)
         # Loaded as a layer (a quantized checkpoint's method takes its tensors), then split into w_uk / w_uv
         # by absorb_kv_b and emptied: it is never run as a projection.
-        self.kv_b_proj = Linear(mla.kv_lora_rank, self.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim),
-                                bias=False, dtype=dtype, device=device)
-        self.o_proj = RowParallelLinear(self.num_heads * mla.v_head_dim, spec.hidden_size, bias=bias, dtype=dtype,
+        self.kv_b_proj = HeadParallelLinear(mla.kv_lora_rank, heads, mla.qk_nope_head_dim + mla.v_head_dim,
+                                            dtype=dtype, device=device)
+        self.num_heads = self.kv_b_proj.num_heads  # this rank's
+        self.o_proj = RowParallelLinear(heads * mla.v_head_dim, spec.hidden_size, bias=bias, dtype=dtype,
                                         device=device)
         self.register_buffer("w_uk", None, persistent=False)
         self.register_buffer("w_uv", None, persistent=False)
@@ -218,7 +253,8 @@ class MlaAttention(nn.Module):
 
     def absorb_kv_b(self, dtype: torch.dtype) -> None:
         """After loading (and the layers' finalize_quantized): kv_b_proj's weight, dequantized if its
-        checkpoint was quantized, split per head into W_UK and W_UV; kv_b_proj's own storage is freed."""
+        checkpoint was quantized, split per head into W_UK and W_UV (this rank's heads: kv_b_proj holds only
+        their rows); kv_b_proj's own storage is freed."""
         layer = self.kv_b_proj
         if layer.quant is None:
             weight = layer.weight.data
