@@ -4,7 +4,8 @@ SwiGLU experts; its MXFP4 layout too), SmolLM3 (NoPE layers), OLMo 2 and OLMoE, 
 --tool-call-parser openai`. Per family: 24 concurrent greedy completions (prompts of 4 to 150 token ids, cut across
 chunked-prefill steps by --max-num-batched-tokens 24) compared with the offline LLM on the same device, plus chats
 and streams; 0 errors and (in float32) 0 mismatches expected. NAMES... filter families;
-FERROX_LIVE_DTYPE=bfloat16 counts mismatches without failing on them (near-ties of random weights)."""
+FERROX_LIVE_DTYPE=bfloat16 counts mismatches without failing on them (near-ties of random weights);
+FERROX_LIVE_ARGS adds server flags (e.g. "--tensor-parallel-size 2": the server against the one-GPU offline LLM)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -69,7 +70,7 @@ def main() -> int:
                                                                        skip_special_tokens=False), use_tqdm=False)]
         del reference
         srv = ServerProcess(folder, "--served-model-name", "m", "--dtype", dtype, "--max-num-batched-tokens", "24",
-                            *extra, startup_timeout=300)
+                            *extra, *os.environ.get("FERROX_LIVE_ARGS", "").split(), startup_timeout=300)
         errors = mismatches = 0
         with cf.ThreadPoolExecutor(16) as pool:
             futures = [pool.submit(post, srv.base_url, "/v1/completions",
