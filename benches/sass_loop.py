@@ -153,14 +153,29 @@ def cases() -> list[Case]:
                     "norm_w_ptr": "*bf16", "eps": "fp32"},
                    dict(TOP_K=8, NORM=True, BLOCK_N=moe_cfg.gate_up_rows, BLOCK_K=moe_cfg.gate_up_block_k,
                         USE_PDL=False, FP8=False, BLOCK_SCALES=False, BN=1, BK=1, HAS_BIAS=False, ACTIVATION=0,
-                        ALPHA=0.0, LIMIT=0.0),
+                        ALPHA=0.0, LIMIT=0.0, MXFP4=False),
                    moe_cfg.num_warps, 2 * moe_cfg.gate_up_rows * moe_cfg.gate_up_block_k, 2.0)
     down = Case("moe down, 8 slots + residual (Qwen3-30B-A3B)", fused_moe._gemv_down_kernel,
                 {"out_ptr": "*bf16", "inter_ptr": "*bf16", "w_ptr": "*bf16", "topk_ids_ptr": "*i64",
                  "route_w_ptr": "*fp32", "res_ptr": "*bf16"},
                 dict(TOP_K=8, HAS_RESIDUAL=True, BLOCK_S=8, BLOCK_N=moe_cfg.down_rows, BLOCK_K=moe_cfg.down_block_k,
-                     USE_PDL=False, FP8=False, BLOCK_SCALES=False, BN=1, BK=1, HAS_BIAS=False),
+                     USE_PDL=False, FP8=False, BLOCK_SCALES=False, BN=1, BK=1, HAS_BIAS=False, MXFP4=False),
                 moe_cfg.num_warps, 8 * moe_cfg.down_rows * moe_cfg.down_block_k, 2.0)
+    # gpt-oss-20b's sparse MLP at one token with MXFP4 experts (hidden 2880, experts of 2880, top 4, biases,
+    # the clamped SwiGLU): half a byte a weight, dequantized in the loop.
+    mx_cfg = fused_moe.choose_gemv_config(2880, 2880, 4, mxfp4=True)
+    mx_types = {"out_ptr": "*bf16", "x_ptr": "*bf16", "inter_ptr": "*bf16", "w_ptr": "*u8", "w_scale_ptr": "*u8",
+                "topk_ids_ptr": "*i64", "route_w_ptr": "*fp32", "bias_ptr": "*bf16", "res_ptr": "*bf16",
+                "norm_w_ptr": "*bf16", "eps": "fp32"}
+    mx_gate_up = Case("mxfp4 moe gate/up + SwiGLU-OAI (gpt-oss-20b)", fused_moe._gemv_gate_up_kernel, mx_types,
+                      dict(TOP_K=4, NORM=False, BLOCK_N=mx_cfg.gate_up_rows, BLOCK_K=mx_cfg.gate_up_block_k,
+                           USE_PDL=False, FP8=False, BLOCK_SCALES=False, BN=1, BK=1, HAS_BIAS=True, ACTIVATION=1,
+                           ALPHA=1.702, LIMIT=7.0, MXFP4=True),
+                      mx_cfg.num_warps, 2 * mx_cfg.gate_up_rows * mx_cfg.gate_up_block_k, 0.5)
+    mx_down = Case("mxfp4 moe down, 4 slots (gpt-oss-20b)", fused_moe._gemv_down_kernel, mx_types,
+                   dict(TOP_K=4, HAS_RESIDUAL=False, BLOCK_S=4, BLOCK_N=mx_cfg.down_rows, BLOCK_K=mx_cfg.down_block_k,
+                        USE_PDL=False, FP8=False, BLOCK_SCALES=False, BN=1, BK=1, HAS_BIAS=True, MXFP4=True),
+                   mx_cfg.num_warps, 4 * mx_cfg.down_rows * mx_cfg.down_block_k, 0.5)
 
     def dot8(name, n_out, k, *, silu=False, norm=False):
         cfg = w8a8_dot_gemv.choose_dot_config(n_out, k, 132)
@@ -203,6 +218,8 @@ def cases() -> list[Case]:
         gate_up,
         down,
         attention,
+        mx_gate_up,
+        mx_down,
     ]
 
 

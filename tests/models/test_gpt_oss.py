@@ -181,9 +181,59 @@ def test_mxfp4_checkpoint_refuses_another_quantization(tiny):
     from ferrox.layers.quant.config import resolve_quant_config
 
     spec = load_model_spec(resolve_model(tiny[1]))
-    assert resolve_quant_config(None, spec) is None  # dequantized at load
-    with pytest.raises(UnsupportedModelError, match="dequantized at load"):
+    assert resolve_quant_config(None, spec) is None  # read by gpt_oss.py (kept MXFP4 on Triton, else dequantized)
+    with pytest.raises(UnsupportedModelError, match="nothing else applies"):
         resolve_quant_config("fp8", spec)
+
+
+def test_mxfp4_experts_are_dequantized_on_the_torch_kernels(tiny):
+    """On CPU (the torch loop) the experts load dequantized into float parameters, no packed tensors."""
+    experts = tiny[2].model.layers[0].mlp.experts
+    quantized = _load(tiny[1]).model.layers[0].mlp.experts
+    assert quantized.weight_method is None and quantized.w13.dtype == torch.float32
+    assert torch.equal(quantized.w13, experts.w13) and torch.equal(quantized.w2, experts.w2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_mxfp4_experts_stay_packed_and_match_dequantized_ones(tiny):
+    """On CUDA (the Triton kernels) the MXFP4 checkpoint's experts stay packed (4.25 bits a weight:
+    w13 / w2 uint8 codes and E8M0 scales) and the engine matches the same weights loaded dequantized
+    (the bf16-layout folder: the same values): float32 greedy tokens equal, bfloat16 first-token
+    logprob close."""
+    from ferrox import LLM, SamplingParams
+    from ferrox.layers.quant.mxfp4_moe import Mxfp4MoeMethod
+
+    folder, mxfp4, _, _ = tiny
+    source = resolve_model(mxfp4)
+    spec = spec_for_context(load_model_spec(source), CONTEXT)
+    packed = load_model(source, spec, dtype=torch.bfloat16, device="cuda").model.layers[0].mlp.experts
+    dense = load_model(resolve_model(folder), spec, dtype=torch.bfloat16, device="cuda").model.layers[0].mlp.experts
+    assert isinstance(packed.weight_method, Mxfp4MoeMethod) and packed.w13.dtype == torch.uint8
+    e, hidden, inter = packed.num_experts, packed.hidden_size, packed.intermediate_size
+    weights = 3 * e * hidden * inter  # gate, up and down
+    packed_bytes = sum(t.nbytes for t in (packed.w13, packed.w2, packed.w13_scale, packed.w2_scale))
+    assert packed_bytes == weights // 2 + weights // 32  # 4.25 bits a weight
+    assert dense.w13.nbytes + dense.w2.nbytes == 2 * weights
+    w13, w2 = packed.weight_method.dequantized(packed, torch.bfloat16)
+    assert torch.equal(w13, dense.w13) and torch.equal(w2, dense.w2)
+
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=5, ignore_eos=True)
+    prompts = [*PROMPTS, [(13 * i + 4) % 300 + 3 for i in range(200)]]
+    for dtype in ("float32", "bfloat16"):
+        runs = []
+        for model in (mxfp4, folder):
+            llm = LLM(model=model, device="cuda", dtype=dtype, kv_cache_memory=256 << 20, max_model_len=CONTEXT)
+            try:
+                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+                one = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)  # one-token decode
+            finally:
+                llm.engine.shutdown()
+            runs.append([(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in (*outs, *one)])
+        for i, ((tokens, lps), (want, want_lps)) in enumerate(zip(*runs, strict=True)):
+            if dtype == "float32":
+                assert tokens == want, (i, tokens, want)
+            assert abs(lps[0][want[0]].logprob - want_lps[0][want[0]].logprob) < (1e-3 if dtype == "float32" else 0.1)
 
 
 def test_mxfp4_pair_missing_its_scales_is_a_load_error(tiny):

@@ -50,6 +50,24 @@ gpt-oss's experts (layers/fused_moe.py SwigluOai; float only): a bias per output
 matrix is added to the fp32 sums before the rounding that the activation reads (gate/up) or before the
 routing weight (down), and ACTIVATION 1 replaces SiLU-and-mul by the clamped SwiGLU, in both paths.
 Without them the launches take no extra arguments and compile as before.
+
+MXFP4 experts (gpt-oss's checkpoints; layers/quant/mxfp4_moe.py holds them, layers/quant/mxfp4.py
+describes the format): weight-only, w13 [E, 2I, H / 2] and w2 [E, H, I / 2] uint8, two E2M1 codes a
+byte (the even column in the low nibble), with a uint8 E8M0 scale per 32 columns of each row
+(w13_scale [E, 2I, H / 32], w2_scale [E, H, I / 32]). The activations stay in their dtype; the weights
+are dequantized in the K loops:
+
+- small-batch path: each K tile is read as int32 words of 8 codes; `_e2m1_word_pair` moves two codes'
+  sign, exponent and mantissa bits into the two fp16 halves of a word at once, which makes each code's
+  value times 2**-14 exactly (the subnormal 0.5 included); the token's columns times those values are
+  summed per 32-column group in fp32 and each group's sum is multiplied once by 2**(scale - 113), built
+  from the bits of an fp32 exponent (`_e8m0_factor`);
+- grouped path: bf16 activations through tl.dot_scaled (Triton upcasts the e2m1 tile to bf16 for the
+  MMA: exact, a 2-bit mantissa times a power of two); fp32 and fp16 activations against the tile
+  dequantized by hand (`_load_mxfp4`), the even and odd columns as two half-K dots.
+
+Biases and the clamped SwiGLU apply as with float experts. The reference is the dequantized weights in
+the torch loop.
 """
 
 from __future__ import annotations
@@ -132,6 +150,9 @@ def _grouped_gemm_kernel(
     ACTIVATION: tl.constexpr = 0,
     ALPHA: tl.constexpr = 0.0,
     LIMIT: tl.constexpr = 0.0,
+    # MXFP4 (module docstring): w packed bytes [E, N, K / 2] (strides in bytes), w_scale uint8 [E, N,
+    # K / 32]; K a multiple of 32 and BLOCK_K of 64. a stays in its dtype (no a_scale).
+    MXFP4: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -145,6 +166,8 @@ def _grouped_gemm_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     w_cols = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn
+    if MXFP4:
+        mx_scales = w_scale_ptr + expert.to(tl.int64) * stride_wse + cols.to(tl.int64)[None, :] * stride_wsn
     if FP8:
         a_scales = a_scale_ptr + (pairs // A_ROW_DIV).to(tl.int64) * stride_as
         w_scales = w_scale_ptr + expert.to(tl.int64) * stride_wse
@@ -157,35 +180,40 @@ def _grouped_gemm_kernel(
             w_scales += cols * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w_mask = k_ok[:, None] & col_ok[None, :]
-        w = tl.load(w_cols + ks[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]: w^T tile
-        if BLOCK_SCALES:
-            # Each group's partial sum on its own, times its two scales, added in fp32 (as
-            # fp8_block_gemm.py: the FP8 MMA's narrow accumulator spans one group at most).
-            a_s = tl.load(a_scales + k0 // BK, mask=row_ok, other=0.0)[:, None]
-            acc += tl.dot(a, w) * a_s * tl.load(w_scales + k0 // BK, mask=col_ok, other=0.0)[None, :]
-            if GATED:
-                w_up = tl.load(w_cols + N * stride_wn + ks[:, None], mask=w_mask, other=0.0)
-                w_s_up = tl.load(w_scales_up + k0 // BK, mask=col_ok, other=0.0)[None, :]
-                acc_up += tl.dot(a, w_up) * a_s * w_s_up
-        elif FP8:
-            # Row scales are constant over K: applied once, after the loop. The codes' products
-            # sum in the FP8 MMA's own accumulator over all of K (fast accumulation, as the per-row
-            # FP8 linears' torch._scaled_mm, fp8_linear.py); `acc += tl.dot(a, w)` would add each
-            # tile's result in fp32 registers instead, waiting on every MMA (fp8_block_gemm.py).
-            acc = tl.dot(a, w, acc)
-            if GATED:
-                w_up = tl.load(w_cols + N * stride_wn + ks[:, None], mask=w_mask, other=0.0)
-                acc_up = tl.dot(a, w_up, acc_up)
-        else:
-            acc += tl.dot(a, w, input_precision=DOT_PRECISION)
-            if GATED:
-                w_up = tl.load(w_cols + N * stride_wn + ks[:, None], mask=w_mask, other=0.0)
-                acc_up += tl.dot(a, w_up, input_precision=DOT_PRECISION)
+    if MXFP4:
+        acc, acc_up = _mxfp4_gemm_k_loop(acc, acc_up, a_rows, row_ok, w_cols, mx_scales, col_ok, N, K, stride_wn,
+                                         stride_wsn, GATED, BLOCK_M, BLOCK_N, BLOCK_K,
+                                         DOT_PRECISION)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w_mask = k_ok[:, None] & col_ok[None, :]
+            w = tl.load(w_cols + ks[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]: w^T tile
+            if BLOCK_SCALES:
+                # Each group's partial sum on its own, times its two scales, added in fp32 (as
+                # fp8_block_gemm.py: the FP8 MMA's narrow accumulator spans one group at most).
+                a_s = tl.load(a_scales + k0 // BK, mask=row_ok, other=0.0)[:, None]
+                acc += tl.dot(a, w) * a_s * tl.load(w_scales + k0 // BK, mask=col_ok, other=0.0)[None, :]
+                if GATED:
+                    w_up = tl.load(w_cols + N * stride_wn + ks[:, None], mask=w_mask, other=0.0)
+                    w_s_up = tl.load(w_scales_up + k0 // BK, mask=col_ok, other=0.0)[None, :]
+                    acc_up += tl.dot(a, w_up) * a_s * w_s_up
+            elif FP8:
+                # Row scales are constant over K: applied once, after the loop. The codes' products
+                # sum in the FP8 MMA's own accumulator over all of K (fast accumulation, as the per-row
+                # FP8 linears' torch._scaled_mm, fp8_linear.py); `acc += tl.dot(a, w)` would add each
+                # tile's result in fp32 registers instead, waiting on every MMA (fp8_block_gemm.py).
+                acc = tl.dot(a, w, acc)
+                if GATED:
+                    w_up = tl.load(w_cols + N * stride_wn + ks[:, None], mask=w_mask, other=0.0)
+                    acc_up = tl.dot(a, w_up, acc_up)
+            else:
+                acc += tl.dot(a, w, input_precision=DOT_PRECISION)
+                if GATED:
+                    w_up = tl.load(w_cols + N * stride_wn + ks[:, None], mask=w_mask, other=0.0)
+                    acc_up += tl.dot(a, w_up, input_precision=DOT_PRECISION)
     if FP8:
         if not BLOCK_SCALES:
             a_s = tl.load(a_scales, mask=row_ok, other=0.0)[:, None]
@@ -247,6 +275,7 @@ def _gemv_gate_up_kernel(
     ACTIVATION: tl.constexpr = 0,
     ALPHA: tl.constexpr = 0.0,
     LIMIT: tl.constexpr = 0.0,
+    MXFP4: tl.constexpr = False,  # as the grouped kernel's (no NORM; BLOCK_K a multiple of 32)
 ):
     """Program (pair, n-block): silu(gate) * up of BLOCK_N columns for one (token, slot) pair.
 
@@ -262,7 +291,10 @@ def _gemv_gate_up_kernel(
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     w_rows = w_ptr + expert * stride_we + rows.to(tl.int64)[:, None] * stride_wn
-    if BLOCK_SCALES:
+    if MXFP4:
+        s_rows = w_scale_ptr + expert * stride_wse + rows.to(tl.int64)[:, None] * stride_wsn
+        gate, up = _mxfp4_gate_up(x_row, w_rows, s_rows, rmask, N, K, stride_wn, stride_wsn, BLOCK_N, BLOCK_K)
+    elif BLOCK_SCALES:
         gate, up = _block_scaled_gate_up(x_row, a_scale_ptr + token.to(tl.int64) * stride_as, w_rows,
                                          w_scale_ptr + expert * stride_wse, rows, rmask, N, K, stride_wn,
                                          stride_wsn, BN, BK, BLOCK_N, BLOCK_K)
@@ -309,6 +341,178 @@ def _swiglu_oai(gate, up, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
     gate = tl.minimum(gate, LIMIT)
     up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
     return gate / (1.0 + tl.exp(-ALPHA * gate)) * (up + 1.0)
+
+
+@triton.jit
+def _e2m1_pairs(packed):
+    """Packed bytes (two E2M1 codes each, the even column's in the low nibble) -> (even columns, odd
+    columns) in fp32, each code's value times 2**-14 (`_e8m0_factor` makes up the 2**14)."""
+    b = packed.to(tl.int32)
+    # The fp16 bits of code * 2**-14: the sign to bit 15, the two exponent bits and the mantissa bit
+    # to bits 11-9. Exponent 0 lands on the fp16 subnormals, so 0.5 (code 1) comes out exact too.
+    even = (((b & 0x08) << 12) | ((b & 0x07) << 9)).to(tl.uint16).to(tl.float16, bitcast=True)
+    odd = (((b & 0x80) << 8) | ((b & 0x70) << 5)).to(tl.uint16).to(tl.float16, bitcast=True)
+    return even.to(tl.float32), odd.to(tl.float32)
+
+
+@triton.jit
+def _e8m0_factor(scale):
+    """E8M0 scales -> 2**(scale - 127) * 2**14 in fp32, written as an exponent field (finite for
+    scales up to 240; `_e2m1_pairs` made the codes 2**14 smaller)."""
+    return ((scale.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_mxfp4(byte_ptrs, scale_ptrs, mask, scale_mask, EVICT: tl.constexpr):
+    """A tile of MXFP4 weights in fp32: `byte_ptrs` address packed bytes, `scale_ptrs` their groups'
+    E8M0 scales in a shape that broadcasts against them (a size-1 axis over each group's 16 bytes:
+    one scale load per group, not per weight). Returns (even columns, odd columns), each of the
+    bytes' shape."""
+    even, odd = _e2m1_pairs(tl.load(byte_ptrs, mask=mask, other=0, eviction_policy=EVICT))
+    factor = _e8m0_factor(tl.load(scale_ptrs, mask=scale_mask, other=0))
+    return even * factor, odd * factor
+
+
+@triton.jit
+def _mxfp4_gemm_k_loop(acc, acc_up, a_rows, row_ok, w_cols, s_cols, col_ok, N, K, stride_wn, stride_wsn,
+                       GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr):
+    """The grouped GEMM's K loop over MXFP4 weights. w_cols / s_cols: the tile's columns' first packed
+    byte and first scale ([1, BLOCK_N]).
+
+    bf16 activations: tl.dot_scaled, Triton's microscaling dot (on Hopper it upcasts the e2m1 tile to
+    bf16 in registers and runs the bf16 MMA: the same products). Built by hand, the dequantized tile
+    went through shared memory in 33 barrier-separated rounds a K step (sm_90 SASS), against 3.
+    fp32 and fp16 activations (float32 models, tests; dot_scaled's fp16 operand is not on every
+    target): each K tile's even and odd columns of a against the weight tile's two halves dequantized
+    by `_load_mxfp4` and rounded to a's dtype (exact), two half-K dots."""
+    groups_in_tile = tl.arange(0, BLOCK_K // 32)
+    s_rows = tl.trans(s_cols)  # [BLOCK_N, 1]
+    for k0 in range(0, K, BLOCK_K):
+        groups = k0 // 32 + groups_in_tile
+        g_ok = groups * 32 < K
+        ks = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
+        s_mask = col_ok[:, None] & g_ok[None, :]
+        if a.dtype == tl.bfloat16:
+            kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            w_mask = (kb < K // 2)[:, None] & col_ok[None, :]
+            w = tl.load(w_cols + kb[:, None], mask=w_mask, other=0)  # [BLOCK_K / 2, BLOCK_N] packed along K
+            scale = tl.load(s_rows + groups[None, :], mask=s_mask, other=0)  # [BLOCK_N, BLOCK_K / 32]
+            acc = tl.dot_scaled(a, None, "bf16", w, scale, "e2m1", acc)
+            if GATED:
+                w = tl.load(w_cols + N * stride_wn + kb[:, None], mask=w_mask, other=0)
+                scale = tl.load(s_rows + N * stride_wsn + groups[None, :], mask=s_mask, other=0)
+                acc_up = tl.dot_scaled(a, None, "bf16", w, scale, "e2m1", acc_up)
+        else:
+            a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
+            # The weight tile is built N-major, [BLOCK_N, BLOCK_K / 2] (each row's bytes contiguous, as
+            # a float [N, K] tile is loaded), and transposed for the dot.
+            byte = (groups[:, None] * 16 + tl.arange(0, 16)[None, :])[None, :, :]  # [1, G, 16]
+            w_rows = tl.trans(w_cols)[:, :, None] + byte
+            w_mask = s_mask[:, :, None]
+            scale = (s_rows + groups[None, :])[:, :, None]  # [BLOCK_N, G, 1]
+            even, odd = _load_mxfp4(w_rows, scale, w_mask, w_mask, "")
+            even, odd = even.to(a.dtype), odd.to(a.dtype)
+            acc = tl.dot(a_even, tl.trans(tl.reshape(even, (BLOCK_N, BLOCK_K // 2))), acc,
+                         input_precision=DOT_PRECISION)
+            acc = tl.dot(a_odd, tl.trans(tl.reshape(odd, (BLOCK_N, BLOCK_K // 2))), acc,
+                         input_precision=DOT_PRECISION)
+            if GATED:
+                even, odd = _load_mxfp4(w_rows + N * stride_wn, scale + N * stride_wsn, w_mask, w_mask, "")
+                even, odd = even.to(a.dtype), odd.to(a.dtype)
+                acc_up = tl.dot(a_even, tl.trans(tl.reshape(even, (BLOCK_N, BLOCK_K // 2))), acc_up,
+                                input_precision=DOT_PRECISION)
+                acc_up = tl.dot(a_odd, tl.trans(tl.reshape(odd, (BLOCK_N, BLOCK_K // 2))), acc_up,
+                                input_precision=DOT_PRECISION)
+    return acc, acc_up
+
+
+@triton.jit
+def _e2m1_word_pair(words, N: tl.constexpr):
+    """Columns N and N + 4 of int32 words of 8 packed codes each (nibble n of a word is its column n)
+    in fp32, each code's value times 2**-14 (`_e8m0_factor` makes up the 2**14). Both codes are moved
+    into the fp16 layout at once, one to each half of the word (the sign to bit 15 of its half, the
+    exponent and mantissa bits to bits 11-9; exponent 0 is the fp16 subnormal, so 0.5 is exact): two
+    shifts and two masks for two weights, where a byte at a time costs twice that."""
+    if N == 3:
+        magnitude = (words >> 3) & 0x0E000E00
+    else:
+        magnitude = (words << (9 - 4 * N)) & 0x0E000E00
+    bits = magnitude | ((words << (12 - 4 * N)) & -2147450880)  # (0x80008000: the halves' sign bits)
+    low = bits.to(tl.uint16).to(tl.float16, bitcast=True)
+    high = (bits >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+    return low.to(tl.float32), high.to(tl.float32)
+
+
+@triton.jit
+def _mxfp4_gate_up(x_row, w_rows, s_rows, rmask, N, K, stride_wn, stride_wsn, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    """The gate and up row sums of one pair with MXFP4 weights. A K tile is [BLOCK_K / 32 groups, 4]
+    int32 words of each row (8 codes a word); the token's columns times the codes are summed per group
+    in fp32, and each group's sum takes its scale (one multiply a group, not a weight). w_rows /
+    s_rows: each gate row's first packed byte and first scale ([BLOCK_N, 1]; rows start on 16 bytes)."""
+    groups_in_tile = tl.arange(0, BLOCK_K // 32)
+    word_in_group = tl.arange(0, 4)
+    gate_words = w_rows.to(tl.pointer_type(tl.int32))[:, :, None]
+    up_words = (w_rows + N * stride_wn).to(tl.pointer_type(tl.int32))[:, :, None]
+    acc = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        groups = k0 // 32 + groups_in_tile
+        g_ok = groups * 32 < K
+        word = (groups[:, None] * 4 + word_in_group[None, :])[None, :, :]  # [1, G, 4]
+        w_mask = rmask[:, None, None] & g_ok[None, :, None]
+        # Each expert row is read once per step: stream it past the cache.
+        gate = tl.load(gate_words + word, mask=w_mask, other=0, eviction_policy="evict_first")
+        up = tl.load(up_words + word, mask=w_mask, other=0, eviction_policy="evict_first")
+        x_cols = x_row + groups[:, None] * 32 + word_in_group[None, :] * 8  # [G, 4]: each word's first column
+        part = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
+        part_up = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
+        for n in tl.static_range(4):
+            x_low = tl.load(x_cols + n, mask=g_ok[:, None], other=0.0).to(tl.float32)[None, :, :]
+            x_high = tl.load(x_cols + n + 4, mask=g_ok[:, None], other=0.0).to(tl.float32)[None, :, :]
+            low, high = _e2m1_word_pair(gate, n)
+            part += low * x_low
+            part += high * x_high  # (two fused multiply-adds)
+            low, high = _e2m1_word_pair(up, n)
+            part_up += low * x_low
+            part_up += high * x_high  # (two fused multiply-adds)
+        s_mask = rmask[:, None] & g_ok[None, :]
+        acc += tl.sum(part, axis=2) * _e8m0_factor(tl.load(s_rows + groups[None, :], mask=s_mask, other=0))
+        acc_up += tl.sum(part_up, axis=2) * _e8m0_factor(tl.load(s_rows + N * stride_wsn + groups[None, :],
+                                                                 mask=s_mask, other=0))
+    return tl.sum(acc, axis=1), tl.sum(acc_up, axis=1)
+
+
+@triton.jit
+def _mxfp4_down_slots(x_rows, smask, w_tile, s_tile, rmask, K, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    """The down kernel's per-slot row sums [BLOCK_N, BLOCK_S] with MXFP4 weights: as _mxfp4_gate_up,
+    every slot at once. x_rows [BLOCK_S, 1]: each pair's row; w_tile / s_tile [BLOCK_N, BLOCK_S, 1]:
+    each row's first packed byte and first scale in each slot's expert."""
+    groups_in_tile = tl.arange(0, BLOCK_K // 32)
+    word_in_group = tl.arange(0, 4)
+    w_words = w_tile.to(tl.pointer_type(tl.int32))[:, :, :, None]
+    acc = tl.zeros([BLOCK_N, BLOCK_S, BLOCK_K // 32], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        groups = k0 // 32 + groups_in_tile
+        g_ok = groups * 32 < K
+        word = (groups[:, None] * 4 + word_in_group[None, :])[None, None, :, :]  # [1, 1, G, 4]
+        s_mask = (rmask[:, None] & smask[None, :])[:, :, None] & g_ok[None, None, :]
+        # Each expert row is read once per step: stream it past the cache.
+        w = tl.load(w_words + word, mask=s_mask[:, :, :, None], other=0, eviction_policy="evict_first")
+        x_cols = x_rows[:, :, None] + (groups[:, None] * 32 + word_in_group[None, :] * 8)[None, :, :]  # [S, G, 4]
+        x_mask = smask[:, None, None] & g_ok[None, :, None]
+        part = tl.zeros([BLOCK_N, BLOCK_S, BLOCK_K // 32, 4], dtype=tl.float32)
+        for n in tl.static_range(4):
+            x_low = tl.load(x_cols + n, mask=x_mask, other=0.0).to(tl.float32)[None, :, :, :]
+            x_high = tl.load(x_cols + n + 4, mask=x_mask, other=0.0).to(tl.float32)[None, :, :, :]
+            low, high = _e2m1_word_pair(w, n)
+            part += low * x_low
+            part += high * x_high  # (two fused multiply-adds)
+        acc += tl.sum(part, axis=3) * _e8m0_factor(tl.load(s_tile + groups[None, None, :], mask=s_mask, other=0))
+    return tl.sum(acc, axis=2)
 
 
 @triton.jit
@@ -381,6 +585,7 @@ def _gemv_down_kernel(
     bias_ptr=None,  # gpt-oss: a bias [E, N] per expert, added to each slot's product before its weight
     stride_be=0,
     HAS_BIAS: tl.constexpr = False,
+    MXFP4: tl.constexpr = False,  # as the grouped kernel's (BLOCK_K a multiple of 32)
 ):
     """Program (token, n-block): sum over the token's k slots of weight * (w2[e] @ inter[pair]),
     plus the token's residual row with HAS_RESIDUAL (the one-token decode path's h + mlp(h)).
@@ -405,22 +610,26 @@ def _gemv_down_kernel(
         # [BLOCK_N, BLOCK_S]: each row's scale (or its block row's) in each slot's expert
         w_scales = w_scale_ptr + experts[None, :] * stride_wse + (rows // BN).to(tl.int64)[:, None] * stride_wsn
         scale_mask = rmask[:, None] & smask[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_S, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        kmask = ks < K
-        x = tl.load(x_rows + ks[None, :], mask=smask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        # Each expert row is read once per step: stream it past the cache.
-        w = tl.load(w_tile + ks[None, None, :],
-                    mask=rmask[:, None, None] & smask[None, :, None] & kmask[None, None, :], other=0.0,
-                    eviction_policy="evict_first")
-        if BLOCK_SCALES:  # the tile's group: dequantized weight times fake-quantized input
-            x = x * tl.load(a_scales + k0 // BK, mask=smask, other=0.0)[:, None]
-            w_s = tl.load(w_scales + k0 // BK, mask=scale_mask, other=0.0)
-            acc += w.to(tl.float32) * w_s[:, :, None] * x[None, :, :]
-        else:
-            acc += w.to(tl.float32) * x[None, :, :]
-    per_slot = tl.sum(acc, axis=2)
+    if MXFP4:
+        s_tile = w_scale_ptr + experts[None, :, None] * stride_wse + rows.to(tl.int64)[:, None, None] * stride_wsn
+        per_slot = _mxfp4_down_slots(x_rows, smask, w_tile, s_tile, rmask, K, BLOCK_N, BLOCK_S, BLOCK_K)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_S, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            kmask = ks < K
+            x = tl.load(x_rows + ks[None, :], mask=smask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            # Each expert row is read once per step: stream it past the cache.
+            w = tl.load(w_tile + ks[None, None, :],
+                        mask=rmask[:, None, None] & smask[None, :, None] & kmask[None, None, :], other=0.0,
+                        eviction_policy="evict_first")
+            if BLOCK_SCALES:  # the tile's group: dequantized weight times fake-quantized input
+                x = x * tl.load(a_scales + k0 // BK, mask=smask, other=0.0)[:, None]
+                w_s = tl.load(w_scales + k0 // BK, mask=scale_mask, other=0.0)
+                acc += w.to(tl.float32) * w_s[:, :, None] * x[None, :, :]
+            else:
+                acc += w.to(tl.float32) * x[None, :, :]
+        per_slot = tl.sum(acc, axis=2)
     if FP8:
         if not BLOCK_SCALES:  # row scales are constant over K: applied to the sums of code products
             x_s = tl.load(a_scales, mask=smask, other=0.0)
@@ -531,7 +740,7 @@ class GemvConfig:
 
 
 def choose_gemv_config(hidden: int, inter: int, top_k: int, *, num_tokens: int = 1, fp8: bool = False,
-                       block: tuple[int, int] | None = None) -> GemvConfig:
+                       block: tuple[int, int] | None = None, mxfp4: bool = False) -> GemvConfig:
     """From a sweep on an H200 (out of the gate/up rows 2-16, K tiles 512-2048, 4 or 8 warps, and
     the down kernel's rows 1-8 and K tiles 128-2048; benches/RESULTS.md): gate/up streams best in
     2-row programs over K tiles of 512 (3.1 TB/s on Qwen3-30B-A3B's short experts, 4.3 on
@@ -551,7 +760,16 @@ def choose_gemv_config(hidden: int, inter: int, top_k: int, *, num_tokens: int =
     SASS, benches/sass_loop.py); 4 rows a program for one token, 1 for more. Measured in the engine
     on an H200 (Qwen3-30B-A3B, ABAB, thirty-sixth session): batch-1 step 2.459 -> 2.446 ms, batch 4
     5.527 -> 5.460, batch 8 5.542 -> 5.475 (4 x 1024 at batch 4: 5.75; 2 x 1024: 2.49 / 5.92).
-    Mixtral's shape (k = 2, long experts) keeps 2 x 512: not measured with the wider tiles."""
+    Mixtral's shape (k = 2, long experts) keeps 2 x 512: not measured with the wider tiles.
+
+    MXFP4 experts (half a byte a weight; gpt-oss's experts are 2880 wide, so a last K tile is masked):
+    gate/up programs of 4 rows x 1024 columns, down programs of 4 rows x 512 columns of each of up
+    to 4 slots: the fewest SASS instructions a weight of the tiles tried (benches/sass_loop.py, sm_90:
+    5.5 and 6.2; 2 x 1024 costs 7.4 and 8.1, the token's columns converted for fewer rows), with no
+    spills. Not measured on a GPU yet (benches/bench_mxfp4.py --sweep times the alternatives)."""
+    if mxfp4:
+        return GemvConfig(4, min(1024, max(32, triton.next_power_of_2(hidden))), 4 if top_k <= 4 else 2,
+                          min(512, max(32, triton.next_power_of_2(inter))), 4)
     slots = triton.next_power_of_2(top_k)
     down_rows = 1 if slots >= 4 else 2
     down_block_k = min(inter & -inter, 128 if slots >= 8 else 2048)
@@ -606,20 +824,47 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
            topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
            block: tuple[int, int] | None = None) -> None:
+    mxfp4 = w13.dtype == torch.uint8  # two E2M1 codes a byte along K
+    pack = 2 if mxfp4 else 1
     e, two_i, h = w13.shape
+    h *= pack
     if x.dim() != 2 or x.shape[1] != h or x.stride(-1) != 1:
         raise ValueError(f"x must be [tokens, {h}] with a contiguous last axis, got {tuple(x.shape)}")
-    if w2.shape != (e, h, two_i // 2) or two_i % 2:
-        raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not describe [E, 2I, H] / [E, H, I]")
+    if w2.shape != (e, h, two_i // 2 // pack) or two_i % 2:
+        raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not describe [E, 2I, H] / [E, H, I]"
+                         + (" (MXFP4: [E, 2I, H / 2] / [E, H, I / 2] packed bytes)" if mxfp4 else ""))
     if not (w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError("fused_moe needs contiguous expert weights")
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must be "
                          f"[{x.shape[0]}, k]")
-    if w13_scale is not None or w2_scale is not None or block is not None:
+    if mxfp4 or w2.dtype == torch.uint8:
+        _check_mxfp4(x, w13, w2, w13_scale, w2_scale, block)
+    elif w13_scale is not None or w2_scale is not None or block is not None:
         _check_fp8(x, w13, w2, w13_scale, w2_scale, block)
     elif FP8_DTYPE in (w13.dtype, w2.dtype):
         raise ValueError("float8_e4m3fn expert weights need w13_scale and w2_scale")
+
+
+def _check_mxfp4(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
+                 w2_scale: torch.Tensor | None, block: tuple[int, int] | None) -> None:
+    if w13.dtype != torch.uint8 or w2.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 experts need both w13 and w2 packed in uint8, got {w13.dtype} and {w2.dtype}")
+    if block is not None:
+        raise ValueError("block is for FP8 experts; MXFP4 scales are per 32 columns of each row")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be bfloat16, float16 or float32 with MXFP4 experts, got {x.dtype}")
+    e, two_i, h = w13.shape[0], w13.shape[1], x.shape[1]
+    inter = two_i // 2
+    if h % 32 or inter % 32:
+        raise ValueError(f"MXFP4 experts: hidden {h} and intermediate {inter} sizes must be multiples of 32 "
+                         "(a scale per 32 columns)")
+    if w13.data_ptr() % 16 or w2.data_ptr() % 16:
+        raise ValueError("MXFP4 experts must start on 16 bytes (the one-token kernels read them as int32 words)")
+    for name, scale, shape in (("w13_scale", w13_scale, (e, two_i, h // 32)), ("w2_scale", w2_scale, (e, h, inter // 32))):
+        if scale is None or scale.dtype != torch.uint8 or tuple(scale.shape) != shape or not scale.is_contiguous():
+            got = "none" if scale is None else f"{scale.dtype} {tuple(scale.shape)}"
+            raise ValueError(f"MXFP4 experts need {name} uint8 {list(shape)}, contiguous (E8M0 exponents), got {got}")
 
 
 def _check_fp8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
@@ -673,23 +918,28 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     per row ([E, 2I], [E, H]) with block None, or per (BN, BK) block ([E, 2I / BN, ceil(H / BK)],
     [E, ceil(H / BN), ceil(I / BK)]; I a multiple of BN, BK >= 32). No norm_weight: the caller norms.
 
+    MXFP4 experts (module docstring): w13 uint8 [E, 2I, H / 2] and w2 uint8 [E, H, I / 2] packed codes
+    with uint8 E8M0 w13_scale [E, 2I, H / 32] and w2_scale [E, H, I / 32]; x in its dtype. No
+    norm_weight.
+
     gpt-oss's experts: w13_bias [E, 2I] (gate rows, then up rows, as w13) and w2_bias [E, H] added to
     each product; swiglu_oai (alpha, limit) in place of SiLU-and-mul (layers/fused_moe.py
-    swiglu_oai_torch). Float experts only."""
+    swiglu_oai_torch). Float or MXFP4 experts."""
     _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block)
-    gate_up_opts, down_opts = _gpt_oss_options(w13, w2, w13_bias, w2_bias, swiglu_oai)
-    if (gate_up_opts or down_opts) and w13_scale is not None:
-        raise ValueError("expert biases and swiglu_oai are taken with float experts only")
-    fp8 = w13_scale is not None
-    if fp8 and norm_weight is not None:
-        raise ValueError("norm_weight is not taken with FP8 experts (w13_scale): norm x first")
+    mxfp4 = w13.dtype == torch.uint8
+    fp8 = w13_scale is not None and not mxfp4
+    gate_up_opts, down_opts = _gpt_oss_options(w13, w2, w13_bias, w2_bias, swiglu_oai, x.shape[1])
+    if (gate_up_opts or down_opts) and fp8:
+        raise ValueError("expert biases and swiglu_oai are taken with float or MXFP4 experts only")
+    if (fp8 or mxfp4) and norm_weight is not None:
+        raise ValueError("norm_weight is not taken with FP8 or MXFP4 experts (w13_scale): norm x first")
     if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
         raise ValueError(f"residual must be [{x.shape[0]}, {x.shape[1]}] with a contiguous last axis, got "
                          f"{tuple(residual.shape)}")
     if norm_weight is not None and norm_weight.shape != (w13.shape[2],):
         raise ValueError(f"norm weight must be [{w13.shape[2]}], got {tuple(norm_weight.shape)}")
     num_tokens, top_k = topk_ids.shape
-    num_experts, two_i, hidden = w13.shape
+    num_experts, two_i, hidden = w13.shape[0], w13.shape[1], x.shape[1]
     inter = two_i // 2
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
@@ -704,20 +954,22 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     # With FP8 experts each product's input goes through FP8 first (one launch each), and the
     # launches take the scales; float experts launch as they always have (no FP8 arguments).
-    x_in, x_fp8 = (x, {}) if w13_scale is None else _quantize_fp8(x, w13_scale, block)
+    x_in, x_fp8 = _product_input(x, w13_scale, block, fp8=fp8, mxfp4=mxfp4)
     if small_batch:
-        gv = gemv_config or choose_gemv_config(hidden, inter, top_k, num_tokens=num_tokens, fp8=w13_scale is not None,
-                                               block=block)
+        gv = gemv_config or choose_gemv_config(hidden, inter, top_k, num_tokens=num_tokens, fp8=fp8, block=block,
+                                               mxfp4=mxfp4)
         gate_up_k, down_k = gv.gate_up_block_k, gv.down_block_k
         if block is not None:  # gate/up tiles span whole groups, a down tile lies in one
             gate_up_k, down_k = max(gate_up_k, block[1]), min(down_k, block[1])
+        if mxfp4:  # K tiles of whole 32-column groups
+            gate_up_k, down_k = max(gate_up_k, 32), max(down_k, 32)
         _gemv_gate_up_kernel[(num_pairs, triton.cdiv(inter, gv.gate_up_rows))](
             act, x_in, w13, ids, inter, hidden, x_in.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
             norm_weight if norm_weight is not None else x, eps, TOP_K=top_k, NORM=norm_weight is not None,
             BLOCK_N=gv.gate_up_rows, BLOCK_K=gate_up_k, num_warps=gv.num_warps, **pdl_launch(x.device), **x_fp8,
             **gate_up_opts,
         )
-        act_in, act_fp8 = (act, {}) if w2_scale is None else _quantize_fp8(act, w2_scale, block)
+        act_in, act_fp8 = _product_input(act, w2_scale, block, fp8=fp8, mxfp4=mxfp4)
         _gemv_down_kernel[(num_tokens, triton.cdiv(hidden, gv.down_rows))](
             out, act_in, w2, ids, route_w, hidden, inter, act_in.stride(0), w2.stride(0), w2.stride(1),
             out.stride(0), residual if residual is not None else out,
@@ -730,6 +982,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     cfg = config or choose_gemm_config(num_pairs, num_experts)
     if fp8:
         cfg = _fp8_gemm_config(cfg, block)
+    elif mxfp4:  # K tiles of whole 32-column groups (each half a dot's K of 16 or more)
+        cfg = dataclasses.replace(cfg, block_k=max(cfg.block_k, 32))
     blocks = align_by_expert(ids, num_experts, cfg.block_m)
     num_blocks = blocks.block_expert.shape[0]
     precision = _dot_precision(x.dtype)
@@ -740,7 +994,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         BLOCK_K=cfg.block_k, DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **x_fp8,
         **gate_up_opts,
     )
-    act_in, act_fp8 = (act, {}) if w2_scale is None else _quantize_fp8(act, w2_scale, block)
+    act_in, act_fp8 = _product_input(act, w2_scale, block, fp8=fp8, mxfp4=mxfp4)
     routed = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _grouped_gemm_kernel[(num_blocks, triton.cdiv(hidden, cfg.block_n))](
         routed, act_in, w2, blocks.pair_ids, blocks.block_expert, blocks.num_rows, route_w, hidden, inter,
@@ -754,15 +1008,29 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     return out if residual is None else out + residual
 
 
+def _product_input(a: torch.Tensor, w_scale: torch.Tensor | None, block: tuple[int, int] | None, *, fp8: bool,
+                   mxfp4: bool) -> tuple[torch.Tensor, dict[str, Any]]:
+    """A product's input and its launch's weight-format arguments: FP8 experts quantize `a` (one
+    launch) and pass both scales; MXFP4 experts take `a` as it is and pass the E8M0 scales w_scale
+    [E, N, K / 32]; float experts pass nothing, launching (and compiling) as they always have."""
+    if fp8:
+        assert w_scale is not None  # (_check_fp8)
+        return _quantize_fp8(a, w_scale, block)
+    if mxfp4:
+        assert w_scale is not None  # (_check_mxfp4)
+        return a, dict(w_scale_ptr=w_scale, stride_wse=w_scale.stride(0), stride_wsn=w_scale.stride(1), MXFP4=True)
+    return a, {}
+
+
 def _gpt_oss_options(w13: torch.Tensor, w2: torch.Tensor, w13_bias: torch.Tensor | None,
-                     w2_bias: torch.Tensor | None, swiglu_oai: tuple[float, float] | None
+                     w2_bias: torch.Tensor | None, swiglu_oai: tuple[float, float] | None, hidden: int
                      ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The gate/up and down launches' extra arguments for expert biases and gpt-oss's activation;
     empty without them, so the other families launch (and compile) exactly as before."""
     gate_up: dict[str, Any] = {}
     down: dict[str, Any] = {}
     for name, bias, shape, opts in (("w13_bias", w13_bias, (w13.shape[0], w13.shape[1]), gate_up),
-                                    ("w2_bias", w2_bias, (w2.shape[0], w2.shape[1]), down)):
+                                    ("w2_bias", w2_bias, (w2.shape[0], hidden), down)):
         if bias is None:
             continue
         if tuple(bias.shape) != shape or bias.stride(-1) != 1:

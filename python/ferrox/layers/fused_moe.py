@@ -16,6 +16,11 @@ gpt-oss's experts (models/gpt_oss.py) add two options, in the torch loop and the
 bias per expert on both products (w13_bias [E, 2I], w2_bias [E, H]) and their own activation
 (`SwigluOai`: clamped gate and up, gate * sigmoid(alpha * gate) * (up + 1)) in place of SiLU-and-mul.
 Families without them build the layer as before and run the same code.
+
+MXFP4 experts (gpt-oss's published checkpoints, `mxfp4=True`): on a kernel set that multiplies them
+the layer holds the checkpoint's packed codes and scales (layers/quant/mxfp4_moe.py: w13 / w2 uint8 and
+uint8 w13_scale / w2_scale) and the kernels dequantize in their K loops; elsewhere the model loads the
+experts dequantized into the float parameters (`weight_method` None), as it always has.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from ferrox.layers.expert_loop import per_expert
 from ferrox.layers.ops import DeviceOps, silu_and_mul_torch
 from ferrox.layers.quant.fp8_moe_ref import experts_fp8_torch
 from ferrox.layers.quant.method import get_quant_config
+from ferrox.layers.quant.mxfp4_moe import Mxfp4MoeMethod
 
 if TYPE_CHECKING:
     from ferrox.layers.quant.fp8_moe import Fp8MoeMethod
@@ -105,8 +111,9 @@ class FusedMoE(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype,
                  device: torch.device | str | None, ops: DeviceOps, bias: bool = False,
-                 activation: SwigluOai | None = None):
-        """bias / activation: gpt-oss's options (module docstring; float experts only)."""
+                 activation: SwigluOai | None = None, mxfp4: bool = False):
+        """bias / activation: gpt-oss's options (module docstring; float or MXFP4 experts). mxfp4: the
+        checkpoint stores the experts in MXFP4 (kept so where the kernel set multiplies them)."""
         super().__init__()
         self.tp: TPGroup = get_tp_group()
         tp = self.tp
@@ -125,7 +132,12 @@ class FusedMoE(nn.Module):
         # Quantized experts (layers/quant/fp8_moe.py): the method loads and holds w13 / w2 in its
         # dtype with their scales; an online method lets the float experts load first.
         quant = get_quant_config()
-        self.weight_method: Fp8MoeMethod | None = quant.moe_method(self) if quant is not None else None
+        self.weight_method: Fp8MoeMethod | Mxfp4MoeMethod | None = (
+            quant.moe_method(self) if quant is not None else None)
+        if mxfp4:
+            if self.weight_method is not None:
+                raise ValueError("MXFP4 experts take no other quantization method")
+            self.weight_method = Mxfp4MoeMethod.for_layer(self, ops)
         self.w13_scale: torch.Tensor | None = None
         self.w2_scale: torch.Tensor | None = None
         self.w13: torch.Tensor
@@ -142,8 +154,8 @@ class FusedMoE(nn.Module):
         self.w13_bias: torch.Tensor | None = None
         self.w2_bias: torch.Tensor | None = None
         if bias:
-            if self.weight_method is not None:
-                raise ValueError("expert biases are supported for float experts only")
+            if self.weight_method is not None and not isinstance(self.weight_method, Mxfp4MoeMethod):
+                raise ValueError("expert biases are supported for float and MXFP4 experts only")
             self.w13_bias = nn.Parameter(torch.empty(local, 2 * inter, dtype=dtype, device=device),
                                          requires_grad=False)
             self.w2_bias = nn.Parameter(torch.empty(local, hidden_size, dtype=dtype, device=device),
@@ -181,14 +193,18 @@ class FusedMoE(nn.Module):
         """This rank's experts on x (ids local to the rank), the kernels of the layer's device and
         weights; the residual added (the fused decode path's h + mlp(h)). No all-reduce."""
         act = self.activation
-        if self.triton:  # (float experts: no scales, no block)
+        if self.triton:  # (float and MXFP4 experts: no block)
             from ferrox.kernels.fused_moe import fused_moe
 
             gpt_oss: dict[str, Any] = {} if self.w13_bias is None and act is None else dict(
                 w13_bias=self.w13_bias, w2_bias=self.w2_bias, swiglu_oai=(act.alpha, act.limit) if act else None)
             return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, residual=residual, small_batch=small_batch,
                              w13_scale=self.w13_scale, w2_scale=self.w2_scale, block=self.block, **gpt_oss)
-        if self.w13_scale is None or self.w2_scale is None:
+        if isinstance(self.weight_method, Mxfp4MoeMethod):  # (the kernels' reference: not built on CPU)
+            w13, w2 = self.weight_method.dequantized(self, x.dtype)
+            out = experts_torch(x, w13, w2, topk_weights, topk_ids, w13_bias=self.w13_bias, w2_bias=self.w2_bias,
+                                activation=act)
+        elif self.w13_scale is None or self.w2_scale is None:
             out = experts_torch(x, self.w13, self.w2, topk_weights, topk_ids, w13_bias=self.w13_bias,
                                 w2_bias=self.w2_bias, activation=act)
         else:

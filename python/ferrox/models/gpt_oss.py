@@ -13,14 +13,16 @@ GptOss defines it:
 - checkpoints store the experts fused: `gate_up_proj` [E, H, 2I] with gate and up INTERLEAVED along
   2I (even columns gate, odd up) and `down_proj` [E, I, H] (transformers' save_pretrained layout),
   or, as published, in MXFP4 (`*_blocks` / `*_scales` of the [E, 2I, H] / [E, H, I] matrices,
-  layers/quant/mxfp4.py), dequantized to the model dtype here while loading. Both are turned into
-  FusedMoE's w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I].
+  layers/quant/mxfp4.py). Both are turned into FusedMoE's w13 [E, 2I, H] (gate rows, then up rows)
+  and w2 [E, H, I]. MXFP4 experts stay MXFP4 where the layer's kernels multiply them (the Triton set:
+  layers/quant/mxfp4_moe.py, ~4.25 bits a weight), as vLLM serves these checkpoints; elsewhere (the
+  torch loop on CPU) they are dequantized to the model dtype here while loading.
 
 One-token decode steps take the general path (the fused one-token kernels have neither sinks nor
 expert biases); the decode path still runs a one-row lm_head. Tensor parallelism shards attention by
 heads (the sinks with them) and the experts as the other MoE families (by intermediate rows, or whole
 experts with expert parallelism; the down bias added on one rank). A checkpoint quantization other than
-MXFP4 is refused.
+MXFP4, or a `quantization` argument with an MXFP4 checkpoint (layers/quant/config.py), is refused.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from ferrox.layers.linear import Linear, MergedLinear
 from ferrox.layers.ops import DeviceOps, Rope
 from ferrox.layers.quant.method import hf_quantization_config
 from ferrox.layers.quant.mxfp4 import dequantize_mxfp4
+from ferrox.layers.quant.mxfp4_moe import Mxfp4MoeMethod
 from ferrox.layers.rotary import RotaryEmbedding
 from ferrox.layers.vocab_parallel import VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
@@ -116,7 +119,7 @@ class GptOssMLP(nn.Module):
         self.top_k = moe.num_experts_per_tok
         self.router = GptOssRouter(spec.hidden_size, moe.num_experts, device)
         self.experts = FusedMoE(moe.num_experts, spec.hidden_size, moe.intermediate_size, dtype=dtype, device=device,
-                                ops=ops, bias=True, activation=activation)
+                                ops=ops, bias=True, activation=activation, mxfp4=is_mxfp4(spec))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.router(x), self.top_k)
@@ -182,6 +185,12 @@ def swiglu_of(spec: ModelSpec) -> SwigluOai:
         raise ModelLoadError(f"config.json: swiglu_alpha / swiglu_limit must be numbers ({e})") from e
 
 
+def is_mxfp4(spec: ModelSpec) -> bool:
+    """Whether the checkpoint stores the experts in MXFP4 (config.json quantization_config)."""
+    quant = hf_quantization_config(spec.hf_config)
+    return quant is not None and str(quant.get("quant_method", "")).lower() == "mxfp4"
+
+
 def check_config(spec: ModelSpec) -> None:
     """Refuse, by name, what config.json may say that gpt-oss in ferrox does not do."""
     config = spec.hf_config
@@ -204,7 +213,7 @@ def check_config(spec: ModelSpec) -> None:
     quant = hf_quantization_config(config)
     if quant is not None and str(quant.get("quant_method", "")).lower() != "mxfp4":
         raise UnsupportedModelError(f"config.json: quantization_config.quant_method {quant.get('quant_method')!r} "
-                                    "is not supported for GptOssForCausalLM (only mxfp4, dequantized at load)")
+                                    "is not supported for GptOssForCausalLM (only mxfp4)")
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
@@ -212,7 +221,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
     # Attention (sinks with their heads) and experts (sharded or split, layers/fused_moe.py) as the MoE families.
     supports_tensor_parallel = True
     supports_quantized_gguf = False
-    supports_quantization = False  # (MXFP4 checkpoints are dequantized here, not run quantized)
+    supports_quantization = False  # (MXFP4 checkpoints are read here: kept MXFP4 or dequantized, mxfp4_moe.py)
     # As the other MoE families: eager steps stay host-bound to ~2k tokens (worker/piecewise_graphs.py).
     piecewise_graph_tokens = 2048
 
@@ -232,6 +241,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
         expected = {p for p in params if p.rpartition(".")[0] not in linears}
         for name, linear in linears.items():
             expected |= linear.checkpoint_keys(name)
+        # (MXFP4 experts are buffers, not parameters: expected all the same)
+        expected |= {f"{name}.{w}" for name, m in modules.items() if isinstance(m, FusedMoE) for w in ("w13", "w2")}
         loaded: set[str] = set()
         unexpected: list[str] = []
         pending: dict[str, dict[str, torch.Tensor]] = {}  # an MXFP4 weight waiting for its other part
@@ -287,9 +298,15 @@ class GptOssForCausalLM(LlamaForCausalLM):
                 if len(parts) < 2:
                     return None
                 del pending[f"{prefix}.{base}"]
-                # [E, rows, cols / 32, 16] + [E, rows, cols / 32] -> [E, rows, cols], rows the outputs.
-                out_major = dequantize_mxfp4(parts["_blocks"], parts["_scales"], experts.w13.dtype)
-                _set_expert_weight(experts, base, out_major, transposed=False)
+                blocks, scales = parts["_blocks"], parts["_scales"]  # [E, rows, cols / 32, 16], [E, rows, cols / 32]
+                method = experts.weight_method
+                if isinstance(method, Mxfp4MoeMethod):  # kept packed; rows are whole, so de-interleave them
+                    if base == "gate_up_proj":
+                        blocks, scales = _deinterleave(blocks, 1), _deinterleave(scales, 1)
+                    method.load_stacked(experts, _EXPERT_TENSORS[base], blocks, scales)
+                else:  # -> [E, rows, cols] in the model dtype, rows the outputs
+                    out_major = dequantize_mxfp4(blocks, scales, experts.w13.dtype)
+                    _set_expert_weight(experts, base, out_major, transposed=False)
                 return f"{prefix}.{_EXPERT_TENSORS[base]}"
         if leaf not in _EXPERT_TENSORS:
             return None

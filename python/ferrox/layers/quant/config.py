@@ -29,8 +29,9 @@ _METHODS = {
     "gptq": "ferrox.layers.quant.gptq:GPTQConfig",
 }
 _ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq", "compressed_tensors": "compressed-tensors"}
-# Checkpoint methods a family's own loader dequantizes to the model dtype (no kernels for them yet):
-# method -> the architectures that do. gpt-oss's MXFP4 experts: layers/quant/mxfp4.py, models/gpt_oss.py.
+# Checkpoint methods a family's own loader reads (no QuantConfig): method -> the architectures that do.
+# gpt-oss's MXFP4 experts: kept MXFP4 on the Triton kernels, else dequantized to the model dtype at load
+# (layers/quant/mxfp4_moe.py, models/gpt_oss.py).
 DEQUANTIZED_AT_LOAD = {"mxfp4": ("GptOssForCausalLM",)}
 # What the `quantization` argument accepts (the CLI's choices); "gguf" names a GGUF file's own blocks.
 QUANTIZATION_METHODS = (*_METHODS, *_ALIASES, "gguf")
@@ -69,9 +70,11 @@ def resolve_quant_config(quantization: str | None, spec: ModelSpec, *, is_gguf: 
     if method in DEQUANTIZED_AT_LOAD and spec.architecture in DEQUANTIZED_AT_LOAD[method]:
         if requested is not None:
             raise UnsupportedModelError(f"quantization {quantization!r}: this checkpoint's "
-                                        f"quantization_config.quant_method {hf.get('quant_method')!r} is dequantized "
-                                        "at load time, and nothing else applies to it (leave quantization unset)")
-        logger.info("quantization_config.quant_method %r: dequantized to the model dtype at load time", method)
+                                        f"quantization_config.quant_method {hf.get('quant_method')!r} is read by "
+                                        "the model's own loader, and nothing else applies to it (leave quantization "
+                                        "unset)")
+        logger.info("quantization_config.quant_method %r: read by the model's loader (kept quantized where its "
+                    "kernels take it, else dequantized to the model dtype)", method)
         return None
     if method not in _METHODS:
         raise UnsupportedModelError(f"config.json quantization_config.quant_method {hf.get('quant_method')!r} is "

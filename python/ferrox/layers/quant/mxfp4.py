@@ -8,8 +8,9 @@ A weight `W` [..., rows, cols] is stored as two tensors:
 - `W_scales` uint8 [..., rows, cols / 32]: each group's E8M0 scale, the exponent of a power of two
   with bias 127 (value = code * 2 ** (scale - 127)).
 
-E2M1 codes: sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6. ferrox multiplies these weights in the
-model dtype (no MXFP4 kernels yet): `dequantize_mxfp4` expands them once while loading.
+E2M1 codes: sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6. On the Triton kernels the experts stay in
+this form (layers/quant/mxfp4_moe.py; kernels/fused_moe.py dequantizes in its K loops); elsewhere
+`dequantize_mxfp4` expands them to the model dtype once while loading, and it is the kernels' reference.
 """
 
 from __future__ import annotations
