@@ -28,6 +28,12 @@ value: out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j))). A layer passes 
 / `attend`; kernels without sinks (cuDNN prefill, the CUDA decode kernel) step aside for the ones
 that have them (the torch backend and both Triton attention kernels).
 
+`chunk` (Llama 4's chunked local attention) is per layer, like `window`: a query at position p sees only
+the keys of its own chunk, (p // chunk) * chunk <= k <= p (0: no chunks). The torch backend masks it and
+the Triton kernels take it as a lower bound on each query's keys; cuDNN prefill, the CUDA decode kernel
+and the fused one-token path step aside for such layers. Blocks of chunks no query can see any more stay
+allocated (the KV cache manager frees nothing early for them): only the attention is local.
+
 `decode_path(layers, rope_rows)` is asked once when a model is built: the object that may run a
 whole one-token step in fused kernels and that computes the logits (attention/decode_path.py).
 """
@@ -67,6 +73,7 @@ class AttentionBackend(ABC):
         *,
         window: int = 0,  # the layer's sliding window: keys p - window < k <= p for a query at p (0: all)
         sinks: torch.Tensor | None = None,  # the layer's attention sinks, float32 [H] (None: none)
+        chunk: int = 0,  # the layer's attention chunk: keys (p // chunk) * chunk <= k <= p for a query at p (0: all)
     ) -> torch.Tensor:  # [T, H, D]
         ...
 
@@ -76,7 +83,7 @@ class AttentionBackend(ABC):
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                kv_scales: KVCacheScales | None = None, *, window: int = 0,
-               sinks: torch.Tensor | None = None) -> torch.Tensor:
+               sinks: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
         """Attention only: this step's k/v are already at `meta.slot_mapping` in kv_cache."""
         raise NotImplementedError(f"the {self.name} attention backend has no attend-only path")
 

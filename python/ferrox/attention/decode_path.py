@@ -95,6 +95,7 @@ class OneTokenLayer:
     moe: OneTokenMoe | None = None
     window: int = 0  # the layer's sliding window as served (0: full attention)
     rotary: bool = True  # False: a NoPE layer (SmolLM3), q and k attend unrotated
+    chunk: int = 0  # the layer's attention chunk (Llama 4's chunked local attention; 0: none)
 
 
 class DecodePath:

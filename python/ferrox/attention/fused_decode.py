@@ -121,7 +121,8 @@ class FusedOneTokenDecode(DecodePath):
                                    eps=q_norm.eps if q_norm is not None else 0.0, rope_row=rope_row,
                                    slot_mapping=meta.slot_mapping, kv_cache=kv_cache, num_q_heads=layer.num_heads,
                                    num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim, kv_scale=kv_scale)
-        o = self.backend.attend(q, kv_cache, meta, layer.scale, layer.kv_scales, window=layer.window)
+        o = self.backend.attend(q, kv_cache, meta, layer.scale, layer.kv_scales, window=layer.window,
+                                chunk=layer.chunk)
         h = self._row_parallel(layer, o.view(1, -1), layer.o_proj, h)
         if layer.moe is not None:
             return self._moe(layer, layer.moe, h)

@@ -55,28 +55,40 @@ class _Plan:
     num_tokens: int
     decode: _DecodeGroup | None = None
     prefills: list[_PrefillChunk] = field(default_factory=list)
-    # Sliding window -> (each prefill chunk's mask, the decode group's mask), built at the first layer
-    # with that window (Gemma's local layers share theirs).
-    windowed: dict[int, tuple[list[torch.Tensor], torch.Tensor | None]] = field(default_factory=dict)
+    # (Sliding window, attention chunk) -> (each prefill chunk's mask, the decode group's mask), built at
+    # the first layer with that pair (Gemma's local layers share theirs, Llama 4's chunked layers theirs).
+    windowed: dict[tuple[int, int], tuple[list[torch.Tensor], torch.Tensor | None]] = field(default_factory=dict)
 
-    def window_masks(self, window: int, device: torch.device) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    def window_masks(self, window: int, device: torch.device,
+                     chunk: int = 0) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Masks (True = attend) of causal attention within `window`: a query at position p sees keys
-        p - window < k <= p (itself and the window - 1 before it, as transformers and vLLM count it)."""
-        if window not in self.windowed:
+        p - window < k <= p (itself and the window - 1 before it, as transformers and vLLM count it);
+        and within `chunk` (Llama 4's chunked local attention): keys of p's own chunk,
+        (p // chunk) * chunk <= k <= p. 0: no such limit."""
+        if (window, chunk) not in self.windowed:
             chunks = []
-            for chunk in self.prefills:
-                q_pos = torch.arange(chunk.context_len, chunk.seq_len, device=device)[:, None]
-                kv = torch.arange(chunk.seq_len, device=device)[None, :]
-                seen = kv <= q_pos if chunk.both_ways is None else (kv <= q_pos) | chunk.both_ways
+            for prefill in self.prefills:
+                q_pos = torch.arange(prefill.context_len, prefill.seq_len, device=device)[:, None]
+                kv = torch.arange(prefill.seq_len, device=device)[None, :]
+                seen = kv <= q_pos if prefill.both_ways is None else (kv <= q_pos) | prefill.both_ways
                 # (Gemma 3: an image's tokens see each other both ways, within the window.)
-                chunks.append(seen & (kv > q_pos - window))
+                if window:
+                    seen = seen & (kv > q_pos - window)
+                if chunk:
+                    seen = seen & (kv >= q_pos // chunk * chunk)
+                chunks.append(seen)
             decode = None
             if self.decode is not None:
                 lens = torch.tensor(self.decode.lens, device=device)[:, None]
                 kv = torch.arange(self.decode.kv_len, device=device)[None, :]
-                decode = ((kv < lens) & (kv >= lens - window))[:, None, None, :]
-            self.windowed[window] = (chunks, decode)
-        return self.windowed[window]
+                seen = kv < lens
+                if window:
+                    seen = seen & (kv >= lens - window)
+                if chunk:  # the query sits at lens - 1
+                    seen = seen & (kv >= (lens - 1) // chunk * chunk)
+                decode = seen[:, None, None, :]
+            self.windowed[(window, chunk)] = (chunks, decode)
+        return self.windowed[(window, chunk)]
 
 
 def _build_plan(meta: AttentionMetadata, block_size: int, has_cache: bool) -> _Plan:
@@ -154,7 +166,7 @@ class TorchAttentionBackend(AttentionBackend):
             self._block_size = block_size
         return self._plan
 
-    def forward(self, q, k, v, kv_cache, meta, scale, kv_scales=None, *, window=0, sinks=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, kv_scales=None, *, window=0, sinks=None, chunk=0):
         n = meta.num_actual_tokens
         has_cache = kv_cache.numel() > 0
         block_size = kv_cache.shape[2] if has_cache else 0
@@ -181,19 +193,20 @@ class TorchAttentionBackend(AttentionBackend):
             # Rows past num_actual_tokens (padding) are zeroed, never left as uninitialised memory.
             out = torch.empty_like(q) if q.shape[0] == n else torch.zeros_like(q)
 
-        chunk_masks, decode_mask = plan.window_masks(window, q.device) if window else ([], None)
-        for i, chunk in enumerate(plan.prefills):
-            qc = q[chunk.start:chunk.end].transpose(0, 1)  # [H, q_len, D]
-            mask = chunk_masks[i] if window else chunk.mask
-            if chunk.context_len == 0:
-                kc = k[chunk.start:chunk.end].transpose(0, 1)
-                vc = v[chunk.start:chunk.end].transpose(0, 1)
+        local = bool(window or chunk)  # a sliding window or an attention chunk limits what a query sees
+        chunk_masks, decode_mask = plan.window_masks(window, q.device, chunk) if local else ([], None)
+        for i, prefill in enumerate(plan.prefills):
+            qc = q[prefill.start:prefill.end].transpose(0, 1)  # [H, q_len, D]
+            mask = chunk_masks[i] if local else prefill.mask
+            if prefill.context_len == 0:
+                kc = k[prefill.start:prefill.end].transpose(0, 1)
+                vc = v[prefill.start:prefill.end].transpose(0, 1)
                 o = _sdpa(qc, kc, vc, mask, scale, self.softcap, sinks=sinks)
             else:
-                kc = _gather(k_cache, chunk.block_ids, chunk.seq_len).to(q.dtype).transpose(0, 1)
-                vc = _gather(v_cache, chunk.block_ids, chunk.seq_len).to(q.dtype).transpose(0, 1)
+                kc = _gather(k_cache, prefill.block_ids, prefill.seq_len).to(q.dtype).transpose(0, 1)
+                vc = _gather(v_cache, prefill.block_ids, prefill.seq_len).to(q.dtype).transpose(0, 1)
                 o = _sdpa(qc, kc, vc, mask, scale, self.softcap, sinks=sinks)
-            out[chunk.start:chunk.end] = o.transpose(0, 1) if out_scale == 1.0 else o.transpose(0, 1) * out_scale
+            out[prefill.start:prefill.end] = o.transpose(0, 1) if out_scale == 1.0 else o.transpose(0, 1) * out_scale
 
         group = plan.decode
         if group is not None:
@@ -201,7 +214,7 @@ class TorchAttentionBackend(AttentionBackend):
             qd = qd[:, :, None, :]  # [B, H, 1, D]
             kd = _gather_batch(k_cache, group.block_ids, group.kv_len).to(q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
             vd = _gather_batch(v_cache, group.block_ids, group.kv_len).to(q.dtype).transpose(1, 2)
-            o = _sdpa(qd, kd, vd, decode_mask if window else group.mask, scale, self.softcap, causal=False, sinks=sinks)
+            o = _sdpa(qd, kd, vd, decode_mask if local else group.mask, scale, self.softcap, causal=False, sinks=sinks)
             o = o[:, :, 0, :]  # [B, H, D]
             if out_scale != 1.0:
                 o = o * out_scale

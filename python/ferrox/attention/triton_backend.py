@@ -21,8 +21,9 @@ Long chunks on Hopper: the prefill requests of such a step whose chunk and cache
 0 or at least CUDNN_MIN_LEN tokens long attend through cuDNN instead, one request at a time
 (kernels/cudnn_prefill.py: ~1.4x the prefill kernel's rate at long contexts); the shorter ones
 beside them keep the prefill kernel, one launch per run of consecutive requests. Only in `forward`,
-which has the chunk's own k/v rows; with an FP8 cache, a sliding window or attention sinks (gpt-oss)
-the Triton kernels keep them, and so do decodes that would otherwise take the CUDA decode kernel.
+which has the chunk's own k/v rows; with an FP8 cache, a sliding window, attention sinks (gpt-oss) or
+attention chunks (Llama 4) the Triton kernels keep them, and so do decodes that would otherwise take the
+CUDA decode kernel.
 """
 
 from __future__ import annotations
@@ -187,27 +188,32 @@ class TritonAttentionBackend(AttentionBackend):
         *,
         window: int = 0,
         sinks: torch.Tensor | None = None,
+        chunk: int = 0,
     ) -> torch.Tensor:
         """out: where the result goes (q's shape; a new tensor when None). window: the layer's sliding
         window (0: full attention; the Triton kernels mask it, cuDNN and the CUDA decode kernel step aside).
-        sinks: the layer's attention sinks (float32 [H]; likewise)."""
+        sinks: the layer's attention sinks (float32 [H]; likewise). chunk: the layer's attention chunk
+        (Llama 4; 0: none; likewise)."""
         if self.piecewise is not None:
+            if chunk:  # (the piecewise sites carry no chunk: such models capture no piecewise graphs)
+                raise ValueError("piecewise CUDA graphs do not take chunked attention layers")
             return self.piecewise(q, k, v, kv_cache, meta, scale, kv_scales, window=window, sinks=sinks)
         if meta.bidirectional:
             # Gemma 3's image tokens attend to each other both ways, which the kernels do not mask: such
             # a step (an image's prefill; eager) runs the torch reference over the same cache.
-            result = self._reference().forward(q, k, v, kv_cache, meta, scale, kv_scales, window=window, sinks=sinks)
+            result = self._reference().forward(q, k, v, kv_cache, meta, scale, kv_scales, window=window, sinks=sinks,
+                                               chunk=chunk)
             return result if out is None else out.copy_(result)
         if kv_cache.numel() == 0:
-            return self._forward_without_cache(q, k, v, meta, scale, window, sinks)
+            return self._forward_without_cache(q, k, v, meta, scale, window, sinks, chunk)
         if meta.slot_mapping.shape[0] > k.shape[0]:
             raise ValueError(f"slot_mapping has {meta.slot_mapping.shape[0]} slots for {k.shape[0]} k/v rows")
         kv_scale = kv_scales.scales if kv_scales is not None else None
         reshape_and_cache(k, v, kv_cache, meta.slot_mapping, kv_scale)
         self._decide_cudnn(q, kv_cache, sinks)
         plan = self._plan_for(meta)
-        # (cuDNN has no sliding window and no sinks: such layers keep the Triton kernels.)
-        if plan.cudnn_requests and not window and sinks is None:  # never with an FP8 cache (_decide_cudnn)
+        # (cuDNN has no sliding window, no sinks and no chunks: such layers keep the Triton kernels.)
+        if plan.cudnn_requests and not window and not chunk and sinks is None:  # never with an FP8 cache (_decide_cudnn)
             try:
                 return self._attend_cudnn(q, k, v, kv_cache, meta, plan, scale, out)
             except RuntimeError as exc:
@@ -218,37 +224,38 @@ class TritonAttentionBackend(AttentionBackend):
                 self._cudnn_block_size = 0
                 self._plan = None
         return self._attend(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, meta,
-                            meta.max_seq_len, scale, kv_scale, out, window, sinks)
+                            meta.max_seq_len, scale, kv_scale, out, window, sinks, chunk)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                kv_scales: KVCacheScales | None = None, *, window: int = 0,
-               sinks: torch.Tensor | None = None) -> torch.Tensor:
+               sinks: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
         return self._attend(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, meta,
                             meta.max_seq_len, scale, kv_scales.scales if kv_scales is not None else None,
-                            window=window, sinks=sinks)
+                            window=window, sinks=sinks, chunk=chunk)
 
     def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                 block_table: torch.Tensor, meta: AttentionMetadata, max_seq_len: int, scale: float,
                 kv_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                window: int = 0, sinks: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
         """kv_scale: an FP8 cache's float32 (k_scale, v_scale), read by the kernels on the device."""
         plan = self._plan_for(meta)
         softcap = self.softcap
         if not plan.use_prefill_kernel:
             return unified_attention(q, kv_cache, query_start_loc, seq_lens, block_table,
                                      max_query_len=meta.max_query_len, max_seq_len=max_seq_len, scale=scale, out=out,
-                                     kv_scale=kv_scale, softcap=softcap, window=window, sinks=sinks)
+                                     kv_scale=kv_scale, softcap=softcap, window=window, sinks=sinks, chunk=chunk)
         nd = plan.num_decodes
         if nd == 0:
             return prefill_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale=scale, out=out,
-                                     kv_scale=kv_scale, softcap=softcap, window=window, sinks=sinks)
+                                     kv_scale=kv_scale, softcap=softcap, window=window, sinks=sinks, chunk=chunk)
         if out is None:
             out = torch.empty_like(q)
         unified_attention(q[:nd], kv_cache, query_start_loc[: nd + 1], seq_lens[:nd], block_table[:nd],
                           max_query_len=1, max_seq_len=max_seq_len, scale=scale, out=out[:nd], kv_scale=kv_scale,
-                          softcap=softcap, window=window, sinks=sinks)
+                          softcap=softcap, window=window, sinks=sinks, chunk=chunk)
         prefill_attention(q[nd:], kv_cache, plan.prefill_query_start_loc, seq_lens[nd:], block_table[nd:],
-                          scale=scale, out=out[nd:], kv_scale=kv_scale, softcap=softcap, window=window, sinks=sinks)
+                          scale=scale, out=out[nd:], kv_scale=kv_scale, softcap=softcap, window=window, sinks=sinks,
+                          chunk=chunk)
         return out
 
     def _attend_cudnn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -277,7 +284,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def _forward_without_cache(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float,
-        window: int = 0, sinks: torch.Tensor | None = None,
+        window: int = 0, sinks: torch.Tensor | None = None, chunk: int = 0,
     ) -> torch.Tensor:
         """No KV cache yet (the profiling forward): every request starts at position 0, so its KV is
         exactly its own k/v rows. View them as a cache of one-slot blocks, block id = token row, and
@@ -287,4 +294,4 @@ class TritonAttentionBackend(AttentionBackend):
         rows = torch.arange(max(meta.max_query_len, 1), dtype=torch.int32, device=q.device)
         block_table = (meta.query_start_loc[:-1, None] + rows[None, :]).to(torch.int32)
         return self._attend(q, kv, meta.query_start_loc, query_lens.to(torch.int32), block_table, meta,
-                            meta.max_query_len, scale, window=window, sinks=sinks)
+                            meta.max_query_len, scale, window=window, sinks=sinks, chunk=chunk)

@@ -53,6 +53,10 @@ Attention sinks (gpt-oss; HAS_SINKS, a float32 logit per query head): each row's
 from the sink, max = sink and sum = 1 (`sink_init`), as if it were one more key with value 0; under
 split-KV only a request's first split starts so, and the merge weighs it in with that split's sum. The
 CUDA decode kernel has no sinks: such calls stay here. kernels/prefill_attention.py does the same.
+
+Chunked local attention (Llama 4; CHUNK, default off): a query at position p sees only the keys of its own
+chunk, (p // CHUNK) * CHUNK <= k <= p. A tile starts its KV walk at its first query's chunk and masks each
+row's own lower bound; the CUDA decode kernel has no chunks, so such calls stay here too.
 """
 
 from __future__ import annotations
@@ -173,6 +177,7 @@ def _paged_attention_kernel(
     WINDOW: tl.constexpr = 0,  # sliding window: a query at p sees keys p - WINDOW < k <= p (0: all)
     sinks_ptr=None,  # HAS_SINKS: float32 [num_q_heads], gpt-oss's attention sinks (`sink_init`)
     HAS_SINKS: tl.constexpr = False,
+    CHUNK: tl.constexpr = 0,  # chunked local attention: a query at p sees keys (p // CHUNK) * CHUNK <= k <= p (0: all)
 ):
     pdl_launch_dependents(USE_PDL)
     tile_id = tl.program_id(0)
@@ -228,6 +233,8 @@ def _paged_attention_kernel(
         kv_hi = kv_end
     if WINDOW > 0:  # nothing before the first query's window is visible to any row of the tile
         kv_lo = tl.maximum(kv_lo, context_len + q_tile * BLOCK_Q - WINDOW + 1)
+    if CHUNK > 0:  # nor anything before the first query's chunk (a split wholly before it stays empty)
+        kv_lo = tl.maximum(kv_lo, (context_len + q_tile * BLOCK_Q) // CHUNK * CHUNK)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -252,6 +259,8 @@ def _paged_attention_kernel(
         visible = pos_valid[None, :] & (pos[None, :] <= q_pos[:, None])
         if WINDOW > 0:
             visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
+        if CHUNK > 0:
+            visible = visible & (pos[None, :] >= q_pos[:, None] // CHUNK * CHUNK)
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -439,6 +448,7 @@ def unified_attention(
     softcap: float = 0.0,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """Paged attention of q [num_tokens, num_heads, head_dim] over kv_cache (K/V already written).
 
@@ -448,7 +458,8 @@ def unified_attention(
     unspecified. kv_scale: float32 (k_scale, v_scale) of an FP8 cache (None: 1.0). softcap: Gemma 2's
     attention logit cap (0: none; the CUDA decode kernel has none, so this kernel takes those steps).
     window: a sliding window (a query at p sees keys p - window < k <= p; 0: all), likewise. sinks:
-    float32 [num_heads] attention sinks (gpt-oss; None: none), likewise."""
+    float32 [num_heads] attention sinks (gpt-oss; None: none), likewise. chunk: Llama 4's chunked local
+    attention (a query at p sees keys (p // chunk) * chunk <= k <= p; 0: all), likewise."""
     check_attention_inputs(q, kv_cache, kv_scale)
     check_sinks(sinks, q.shape[1])
     num_tokens, num_heads, head_dim = q.shape
@@ -459,7 +470,7 @@ def unified_attention(
     if num_tokens == 0 or num_reqs == 0:
         return out
     if (config is None and num_splits is None and max_query_len <= 1 and num_tokens <= num_reqs and not softcap
-            and not window and sinks is None and decode_attention_cuda.supported(q, kv_cache, seq_lens, block_table, kv_scale)):
+            and not window and not chunk and sinks is None and decode_attention_cuda.supported(q, kv_cache, seq_lens, block_table, kv_scale)):
         # Decode-only on Hopper: the CUDA kernel (its module docstring); this kernel stays the reference.
         return decode_attention_cuda.decode_attention(q, kv_cache, seq_lens, block_table, max_seq_len=max_seq_len,
                                                       scale=scale, out=out, kv_scale=kv_scale)
@@ -526,6 +537,7 @@ def unified_attention(
         WINDOW=window,
         sinks_ptr=sinks,
         HAS_SINKS=sinks is not None,
+        CHUNK=chunk,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl_launch(q.device),

@@ -170,6 +170,7 @@ def _prefill_attention_kernel(
     WINDOW: tl.constexpr = 0,  # sliding window: a query at p sees keys p - WINDOW < k <= p (0: all)
     sinks_ptr=None,  # HAS_SINKS: float32 [num_heads], gpt-oss's attention sinks (paged_attention.sink_init)
     HAS_SINKS: tl.constexpr = False,
+    CHUNK: tl.constexpr = 0,  # chunked local attention: a query at p sees keys (p // CHUNK) * CHUNK <= k <= p (0: all)
 ):
     tile_id = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (latest) query tiles first
     kv_head = tl.program_id(1)
@@ -211,6 +212,17 @@ def _prefill_attention_kernel(
         # (TILE_N-aligned, so a TMA tile still lies in one block).
         kv_start = tl.maximum(first_q_pos - WINDOW + 1, 0) // TILE_N * TILE_N
         full_end = kv_start
+    if CHUNK > 0:
+        # Nothing before the first row's chunk is visible. A tile whose rows share one chunk that starts on a
+        # TILE_N boundary keeps the unmasked phase up to its first query; other tiles are masked throughout.
+        chunk_lo = first_q_pos // CHUNK * CHUNK
+        kv_start = tl.maximum(kv_start, chunk_lo // TILE_N * TILE_N)
+        last_q_pos = context_len + tl.minimum((q_tile + 1) * BLOCK_Q, query_len) - 1
+        one_chunk = (last_q_pos // CHUNK == first_q_pos // CHUNK) & (chunk_lo % TILE_N == 0)
+        if WINDOW > 0:
+            full_end = kv_start
+        else:
+            full_end = tl.where(one_chunk, tl.maximum(full_end, kv_start), kv_start)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -251,6 +263,8 @@ def _prefill_attention_kernel(
         visible = (pos[None, :] < kv_end) & (pos[None, :] <= q_pos[:, None])
         if WINDOW > 0:
             visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
+        if CHUNK > 0:
+            visible = visible & (pos[None, :] >= q_pos[:, None] // CHUNK * CHUNK)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with nothing visible yet keeps max -inf; subtract 0 instead so exp2 gives 0, not NaN.
@@ -301,6 +315,7 @@ def prefill_attention(
     softcap: float = 0.0,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """Causal paged attention of q [num_tokens, num_heads, head_dim] over kv_cache (K/V already
     written), for batches led by prefill chunks. Arguments as `unified_attention` (no split-KV:
@@ -367,6 +382,7 @@ def prefill_attention(
         WINDOW=window,
         sinks_ptr=sinks,
         HAS_SINKS=sinks is not None,
+        CHUNK=chunk,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -73,6 +73,12 @@ _TEXT_DEFAULTS["qwen3_vl_moe_text"] = {
 # Qwen3's (Qwen3Config's defaults): InternVL3.5's language model.
 _TEXT_DEFAULTS["qwen3"] = {**_TEXT_DEFAULTS["qwen2"], "vocab_size": 151_936, "intermediate_size": 22_016,
                            "head_dim": 128, "attention_bias": False}
+# Llama 4's language model (Llama4TextConfig's defaults; Scout's shape): Llama4ForConditionalGeneration.
+_TEXT_DEFAULTS["llama4_text"] = {
+    "vocab_size": 202_048, "hidden_size": 5120, "intermediate_size": 8192, "intermediate_size_mlp": 16_384,
+    "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
+    "hidden_act": "silu", "max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5, "rope_theta": 500_000.0,
+    "tie_word_embeddings": False, "num_experts_per_tok": 1, "num_local_experts": 16, "attention_chunk_size": 8192}
 # Checkpoints whose text fields may sit at the top level beside vision_config (transformers < 5 wrote Qwen2-VL so).
 _FLAT_TEXT = {"Qwen2VLForConditionalGeneration": "qwen2_vl_text", "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl_text"}
 # Multimodal-RoPE checkpoints -> transformers' mrope_section when the config leaves it out.
@@ -87,6 +93,7 @@ MULTIMODAL_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3_text", "Ll
                             "InternVLChatModel": "qwen2",
                             "LlavaOnevisionForConditionalGeneration": "qwen2",
                             "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe_text",
+                            "Llama4ForConditionalGeneration": "llama4_text",
                             **_FLAT_TEXT}
 
 

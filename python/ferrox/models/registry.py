@@ -57,6 +57,8 @@ SUPPORTED: dict[str, str] = {
     "DeepseekV2ForCausalLM": "ferrox.models.deepseek_v2:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "ferrox.models.deepseek_v2:DeepseekV3ForCausalLM",
     "GptOssForCausalLM": "ferrox.models.gpt_oss:GptOssForCausalLM",
+    "Llama4ForCausalLM": "ferrox.models.llama4:Llama4ForCausalLM",
+    "Llama4ForConditionalGeneration": "ferrox.models.llama4:Llama4ForConditionalGeneration",
     "BertModel": "ferrox.models.bert:BertModel",
     "RobertaModel": "ferrox.models.bert:RobertaModel",
     "XLMRobertaModel": "ferrox.models.bert:XLMRobertaModel",
