@@ -110,6 +110,28 @@ def make_model_dir(config_path: str | os.PathLike = LLAMA_8B_CONFIG, out_dir: st
     return str(folder)
 
 
+def _gpt_oss(layers: int, experts: int) -> dict[str, Any]:
+    """gpt-oss's published config.json (MXFP4 experts) with `layers` layers of `experts` experts."""
+    return {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880,
+        "num_hidden_layers": layers, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+        "num_local_experts": experts, "num_experts_per_tok": 4, "experts_per_token": 4, "vocab_size": 201088,
+        "rms_norm_eps": 1e-05, "rope_theta": 150000, "max_position_embeddings": 131072, "sliding_window": 128,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096},
+        "layer_types": ["sliding_attention", "full_attention"] * (layers // 2), "swiglu_limit": 7.0,
+        "attention_bias": True, "tie_word_embeddings": False, "hidden_act": "silu", "eos_token_id": 200002,
+        "pad_token_id": 199999, "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
+    }
+
+
+# Dummy-weight configs beside bench_moe.CONFIGS (served by benches/live/serve_dummy.py --moe NAME): gpt-oss's
+# two sizes with their experts in MXFP4 (kept packed on the GPU: layers/quant/mxfp4_moe.py).
+GPT_OSS_CONFIGS = {"gpt-oss-20b": _gpt_oss(24, 32), "gpt-oss-120b": _gpt_oss(36, 128)}
+
+
 def dummy_model_dir(config_path: str, moe: str | None = None) -> tuple[str, int]:
     """(a model folder for load_format="dummy", its first special id) from config.json, or from
     bench_moe.py's config named `moe` when given."""
@@ -117,7 +139,7 @@ def dummy_model_dir(config_path: str, moe: str | None = None) -> tuple[str, int]
         import bench_moe
 
         config_path = str(Path(tempfile.mkdtemp(prefix="ferrox-bench-config-")) / "config.json")
-        Path(config_path).write_text(json.dumps(bench_moe.CONFIGS[moe]))
+        Path(config_path).write_text(json.dumps(bench_moe.CONFIGS.get(moe) or GPT_OSS_CONFIGS[moe]))
     config = json.loads(Path(config_path).read_text())
     return make_model_dir(config_path), first_special_id(config)
 
