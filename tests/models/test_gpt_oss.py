@@ -208,7 +208,9 @@ def test_cuda_mxfp4_experts_stay_packed_and_match_dequantized_ones(tiny):
     source = resolve_model(mxfp4)
     spec = spec_for_context(load_model_spec(source), CONTEXT)
     packed = load_model(source, spec, dtype=torch.bfloat16, device="cuda").model.layers[0].mlp.experts
-    dense = load_model(resolve_model(folder), spec, dtype=torch.bfloat16, device="cuda").model.layers[0].mlp.experts
+    dense_source = resolve_model(folder)  # (its own spec: no quantization_config)
+    dense = load_model(dense_source, spec_for_context(load_model_spec(dense_source), CONTEXT), dtype=torch.bfloat16,
+                       device="cuda").model.layers[0].mlp.experts
     assert isinstance(packed.weight_method, Mxfp4MoeMethod) and packed.w13.dtype == torch.uint8
     e, hidden, inter = packed.num_experts, packed.hidden_size, packed.intermediate_size
     weights = 3 * e * hidden * inter  # gate, up and down
