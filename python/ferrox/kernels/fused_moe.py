@@ -763,13 +763,13 @@ def choose_gemv_config(hidden: int, inter: int, top_k: int, *, num_tokens: int =
     Mixtral's shape (k = 2, long experts) keeps 2 x 512: not measured with the wider tiles.
 
     MXFP4 experts (half a byte a weight; gpt-oss's experts are 2880 wide, so a last K tile is masked):
-    gate/up programs of 4 rows x 1024 columns, down programs of 4 rows x 512 columns of each of up
-    to 4 slots: the fewest SASS instructions a weight of the tiles tried (benches/sass_loop.py, sm_90:
-    5.5 and 6.2; 2 x 1024 costs 7.4 and 8.1, the token's columns converted for fewer rows), with no
-    spills. Not measured on a GPU yet (benches/bench_mxfp4.py --sweep times the alternatives)."""
+    gate/up programs of 4 rows x 512 columns, down programs of 8 rows x 256 columns of each of up to 4
+    slots: the fastest of the 16 pairs benches/bench_mxfp4.py --sweep timed on an H100 (gpt-oss-20b, one
+    token: 52 us a layer against 68 for 4 x 1024 / 4 x 512, the tiles with the fewest SASS instructions a
+    weight; more, shorter programs keep more of the packed bytes in flight)."""
     if mxfp4:
-        return GemvConfig(4, min(1024, max(32, triton.next_power_of_2(hidden))), 4 if top_k <= 4 else 2,
-                          min(512, max(32, triton.next_power_of_2(inter))), 4)
+        return GemvConfig(4, min(512, max(32, triton.next_power_of_2(hidden))), 8 if top_k <= 4 else 4,
+                          min(256, max(32, triton.next_power_of_2(inter))), 4)
     slots = triton.next_power_of_2(top_k)
     down_rows = 1 if slots >= 4 else 2
     down_block_k = min(inter & -inter, 128 if slots >= 8 else 2048)
