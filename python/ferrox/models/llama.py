@@ -12,7 +12,7 @@ fused kernels and computes the logits.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ from ferrox.layers.quant import CpuQuantWeight, QuantizedTensor
 from ferrox.layers.rotary import RotaryEmbedding, check_rotary_dim
 from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
-from ferrox.models.load_check import check_all_loaded
+from ferrox.models.load_check import check_all_loaded, load_into
 
 # HF checkpoint names folded into a merged layer: (merged module, shard name).
 _MERGED = {
@@ -358,6 +358,29 @@ def linear_takes(module: Any, name: str, leaf: str, shard: str | None) -> bool:
         return False
     optional = module.weight_method.optional_params if module.weight_method is not None else ()
     return leaf in optional or f"{name}.{leaf}" + (f"#{shard}" if shard else "") in module.checkpoint_keys(name)
+
+
+def load_dense_tensor(modules: Mapping[str, nn.Module], params: Mapping[str, torch.Tensor], name: str, tensor: Any,
+                      merged_names: Mapping[str, tuple[str, str]],
+                      rewrite: Callable[[Any, str], Any] | None = None) -> str | None:
+    """A checkpoint tensor that is no expert's into its place: a merged layer's shard when its projection is
+    one of `merged_names` (proj -> (merged layer, shard); `rewrite(tensor, shard)` first, when given), else the
+    module named by its prefix (models/load_check.load_into). Returns the key it loaded under (merged shards
+    `layer.leaf#shard`), None when the model has no place for it; ValueError on a shape it does not have."""
+    prefix, _, leaf = name.rpartition(".")
+    parent, _, proj = prefix.rpartition(".")
+    if proj in merged_names:
+        merged_name, shard = merged_names[proj]
+        merged = modules.get(f"{parent}.{merged_name}")
+        if not isinstance(merged, MergedLinear) or not linear_takes(merged, f"{parent}.{merged_name}", leaf, shard):
+            return None
+        merged.load_weight(leaf, rewrite(tensor, shard) if rewrite is not None else tensor, shard)
+        return f"{parent}.{merged_name}.{leaf}#{shard}"
+    owner, param = modules.get(prefix), params.get(name)
+    if owner is None or not (param is not None or linear_takes(owner, prefix, leaf, None)):
+        return None
+    load_into(owner, param, leaf, tensor)
+    return name
 
 
 def _copy_whole(param: torch.Tensor, tensor: torch.Tensor) -> None:

@@ -42,13 +42,13 @@ from ferrox.attention.kv_cache import KVCacheScales
 from ferrox.distributed.sharding import materialize
 from ferrox.layers.fused_moe import FusedMoE, TopKRouter
 from ferrox.layers.layernorm import RMSNorm
-from ferrox.layers.linear import Linear, MergedLinear, QKVLinear, RowParallelLinear
+from ferrox.layers.linear import Linear, QKVLinear, RowParallelLinear
 from ferrox.layers.ops import DeviceOps, Rope
 from ferrox.layers.rotary import RotaryEmbedding
 from ferrox.layers.vocab_parallel import VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
-from ferrox.models.llama import LlamaMLP, linear_takes, load_kv_scale
-from ferrox.models.load_check import check_all_loaded, load_into
+from ferrox.models.llama import LlamaMLP, load_dense_tensor, load_kv_scale
+from ferrox.models.load_check import check_all_loaded
 from ferrox.models.moe import MoeForCausalLM
 from ferrox.models.smollm3 import NO_ROPE
 
@@ -285,6 +285,10 @@ class Llama4ForCausalLM(MoeForCausalLM):
         loaded: set[str] = set()
         unexpected: list[str] = []
         head_dim = self.spec.head_dim
+
+        def halves(tensor: Any, shard: str) -> Any:  # q / k rows: interleaved rotary pairs -> halves (docstring)
+            return interleaved_to_halves(materialize(tensor), head_dim) if shard in ("q", "k") else tensor
+
         for hf_name, tensor in weights:
             name = hf_name
             if name.startswith(_VISION_PREFIXES):
@@ -304,25 +308,12 @@ class Llama4ForCausalLM(MoeForCausalLM):
                         continue
                     experts.load_stacked(_STACKED[leaf], materialize(tensor).transpose(1, 2))
                     key = f"{prefix}.{_STACKED[leaf]}"
-                elif proj in _MERGED:
-                    merged_name, shard = _MERGED[proj]
-                    merged = modules.get(f"{parent}.{merged_name}")
-                    if not isinstance(merged, MergedLinear) or not linear_takes(merged, f"{parent}.{merged_name}",
-                                                                                  leaf, shard):
-                        unexpected.append(hf_name)
-                        continue
-                    if shard in ("q", "k"):
-                        tensor = interleaved_to_halves(materialize(tensor), head_dim)
-                    merged.load_weight(leaf, tensor, shard)
-                    key = f"{parent}.{merged_name}.{leaf}#{shard}"
                 else:
-                    param = params.get(name)
-                    owner = modules.get(prefix)
-                    if owner is None or not (param is not None or linear_takes(owner, prefix, leaf, None)):
+                    dense_key = load_dense_tensor(modules, params, name, tensor, _MERGED, rewrite=halves)
+                    if dense_key is None:
                         unexpected.append(hf_name)
                         continue
-                    load_into(owner, param, leaf, tensor)
-                    key = name
+                    key = dense_key
             except ValueError as e:
                 raise ModelLoadError(f"tensor {hf_name!r}: {e} (config.json does not match the weights?)") from e
             loaded.add(key)

@@ -33,14 +33,14 @@ from ferrox.distributed.sharding import check_tp_shapes
 from ferrox.kernels import select_kernels
 from ferrox.layers.fused_moe import FusedMoE, TopKRouter
 from ferrox.layers.layernorm import RMSNorm
-from ferrox.layers.linear import Linear, MergedLinear
+from ferrox.layers.linear import Linear
 from ferrox.layers.ops import DeviceOps, Rope, for_device
 from ferrox.layers.quant.method import use_quant_config
 from ferrox.layers.rotary import RotaryEmbedding, check_rotary_dim
 from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, MoeSpec, UnsupportedModelError
-from ferrox.models.llama import LlamaAttention, LlamaMLP, linear_takes, load_kv_scale
-from ferrox.models.load_check import check_all_loaded, load_into
+from ferrox.models.llama import LlamaAttention, LlamaMLP, load_dense_tensor, load_kv_scale
+from ferrox.models.load_check import check_all_loaded
 
 # HF names folded into a merged layer (attention, dense MLPs, the shared expert): (module, shard).
 _MERGED = {
@@ -302,23 +302,12 @@ class MoeForCausalLM(nn.Module):
                     shard = _EXPERT_SHARDS[expert["proj"]]
                     module.load_expert_weight(expert["leaf"], int(expert["expert"]), shard, tensor)
                     key = f"{expert['experts']}#{int(expert['expert'])}.{shard}.{expert['leaf']}"
-                elif proj in _MERGED:
-                    merged_name, shard = _MERGED[proj]
-                    merged = modules.get(f"{parent}.{merged_name}")
-                    if not isinstance(merged, MergedLinear) or not linear_takes(merged, f"{parent}.{merged_name}",
-                                                                                  leaf, shard):
-                        unexpected.append(hf_name)
-                        continue
-                    merged.load_weight(leaf, tensor, shard)
-                    key = f"{parent}.{merged_name}.{leaf}#{shard}"
                 else:
-                    param = params.get(name)
-                    owner = modules.get(prefix)
-                    if owner is None or not (param is not None or linear_takes(owner, prefix, leaf, None)):
+                    dense_key = load_dense_tensor(modules, params, name, tensor, _MERGED)
+                    if dense_key is None:
                         unexpected.append(hf_name)
                         continue
-                    load_into(owner, param, leaf, tensor)
-                    key = name
+                    key = dense_key
             except ValueError as e:
                 raise ModelLoadError(f"tensor {hf_name!r}: {e} (config.json does not match the weights?)") from e
             loaded.add(key)
