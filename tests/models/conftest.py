@@ -82,6 +82,21 @@ def hf_last_logits(model, prompt_ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([prompt_ids], device=model.device)).logits[0, -1].float()
 
 
+def assert_outputs_match_transformers(ref, prompts: list[list[int]], outs, *, abs_tol: float = 1e-4) -> None:
+    """Each engine output (greedy, logprobs=1) against transformers' model `ref` run over prompt + the output:
+    every token its argmax, every sampled token's logprob within abs_tol."""
+    import math
+
+    for prompt, out in zip(prompts, outs, strict=True):
+        sample = out.outputs[0]
+        ids = list(sample.token_ids)
+        with torch.inference_mode():
+            ref_lp = torch.log_softmax(ref(torch.tensor([prompt + ids])).logits[0].double(), dim=-1)
+        assert ids == ref_lp[len(prompt) - 1:-1].argmax(-1).tolist()
+        for i, (tok, lps) in enumerate(zip(ids, sample.logprobs, strict=True)):
+            assert math.isclose(lps[tok].logprob, ref_lp[len(prompt) - 1 + i, tok].item(), abs_tol=abs_tol)
+
+
 def assert_cuda_engine_matches_cpu(folder: str, prompts: list[list[int]], *, max_tokens: int,
                                    max_model_len: int, bf16_tokens: bool = True) -> None:
     """The engine on CUDA (CUDA graphs on) against the CPU float32 engine on the same folder, batched and one

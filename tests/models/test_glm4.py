@@ -7,8 +7,6 @@ GPU the engine in bfloat16 with CUDA graphs against the CPU float32 engine."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from ferrox import LLM, SamplingParams
@@ -29,7 +27,13 @@ from ferrox.models.registry import get_model_class
 from tests.helpers import tiny_glm, tiny_models
 from tests.helpers.config_edit import copy_with_config as _copy_with_config
 from tests.helpers.driver import run_greedy
-from tests.models.conftest import assert_cuda_engine_matches_cpu, cut_at_eos, hf_greedy, hf_last_logits
+from tests.models.conftest import (
+    assert_cuda_engine_matches_cpu,
+    assert_outputs_match_transformers,
+    cut_at_eos,
+    hf_greedy,
+    hf_last_logits,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -90,14 +94,7 @@ def test_engine_chunked_prefill_matches_transformers(tiny, name):
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     finally:
         llm.engine.shutdown()
-    for prompt, out in zip(PROMPTS, outs, strict=True):
-        sample = out.outputs[0]
-        ids = list(sample.token_ids)
-        with torch.inference_mode():
-            ref_lp = torch.log_softmax(ref(torch.tensor([prompt + ids])).logits[0].double(), dim=-1)
-        assert ids == ref_lp[len(prompt) - 1:-1].argmax(-1).tolist()
-        for i, (tok, lps) in enumerate(zip(ids, sample.logprobs, strict=True)):
-            assert math.isclose(lps[tok].logprob, ref_lp[len(prompt) - 1 + i, tok].item(), abs_tol=1e-4)
+    assert_outputs_match_transformers(ref, PROMPTS, outs)
 
 
 # ---- what the configs build -------------------------------------------------------------------------

@@ -6,8 +6,6 @@ a 16-token budget and prefix-cache hits, the layer kinds each config builds, and
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from ferrox import LLM, SamplingParams
@@ -20,7 +18,7 @@ from tests.helpers import tiny_llama4
 from tests.helpers.config_edit import copy_with_config
 from tests.helpers.driver import run_greedy
 from tests.helpers.tiny_models import EOS_TOKEN_ID
-from tests.models.conftest import cut_at_eos, hf_greedy, hf_last_logits
+from tests.models.conftest import assert_outputs_match_transformers, cut_at_eos, hf_greedy, hf_last_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -97,14 +95,7 @@ def test_engine_chunked_prefill_and_prefix_cache_match_transformers(tiny, name):
 
 
 def _check_engine_against_transformers(ref, outs) -> None:
-    for prompt, out in zip(PROMPTS, outs, strict=True):
-        sample = out.outputs[0]
-        ids = list(sample.token_ids)
-        with torch.inference_mode():
-            ref_lp = torch.log_softmax(ref(torch.tensor([prompt + ids])).logits[0].double(), dim=-1)
-        assert ids == ref_lp[len(prompt) - 1:-1].argmax(-1).tolist()
-        for i, (tok, lps) in enumerate(zip(ids, sample.logprobs, strict=True)):
-            assert math.isclose(lps[tok].logprob, ref_lp[len(prompt) - 1 + i, tok].item(), abs_tol=1e-4)
+    assert_outputs_match_transformers(ref, PROMPTS, outs)
 
 
 @pytest.mark.slow

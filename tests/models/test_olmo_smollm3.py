@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 
 import pytest
@@ -26,7 +25,7 @@ from ferrox.models.registry import get_model_class
 from tests.helpers import tiny_models, tiny_olmo_smollm3
 from tests.helpers.config_edit import copy_with_config as _copy_with_config
 from tests.helpers.driver import run_greedy
-from tests.models.conftest import cut_at_eos, hf_greedy, hf_last_logits
+from tests.models.conftest import assert_outputs_match_transformers, cut_at_eos, hf_greedy, hf_last_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -88,14 +87,7 @@ def test_engine_chunked_prefill_matches_transformers(tiny, name):
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     finally:
         llm.engine.shutdown()
-    for prompt, out in zip(PROMPTS, outs, strict=True):
-        sample = out.outputs[0]
-        ids = list(sample.token_ids)
-        with torch.inference_mode():
-            ref_lp = torch.log_softmax(ref(torch.tensor([prompt + ids])).logits[0].double(), dim=-1)
-        assert ids == ref_lp[len(prompt) - 1:-1].argmax(-1).tolist()
-        for i, (tok, lps) in enumerate(zip(ids, sample.logprobs, strict=True)):
-            assert math.isclose(lps[tok].logprob, ref_lp[len(prompt) - 1 + i, tok].item(), abs_tol=1e-4)
+    assert_outputs_match_transformers(ref, PROMPTS, outs)
 
 
 # ---- SmolLM3's NoPE layers and window -----------------------------------------------------------------

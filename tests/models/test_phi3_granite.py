@@ -8,7 +8,6 @@ in bfloat16 with CUDA graphs against the CPU float32 engine."""
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import numpy as np
@@ -31,7 +30,7 @@ from ferrox.models.registry import get_model_class
 from tests.helpers import tiny_models
 from tests.helpers.config_edit import copy_with_config as _copy_with_config
 from tests.helpers.driver import StepRequest, build_step, run_greedy
-from tests.models.conftest import cut_at_eos, hf_greedy, hf_last_logits
+from tests.models.conftest import assert_outputs_match_transformers, cut_at_eos, hf_greedy, hf_last_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -109,14 +108,7 @@ def test_engine_chunked_prefill_matches_transformers(tiny):
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     finally:
         llm.engine.shutdown()
-    for prompt, out in zip(PROMPTS, outs, strict=True):
-        sample = out.outputs[0]
-        ids = list(sample.token_ids)
-        with torch.inference_mode():
-            ref_lp = torch.log_softmax(ref(torch.tensor([prompt + ids])).logits[0].double(), dim=-1)
-        assert ids == ref_lp[len(prompt) - 1:-1].argmax(-1).tolist()
-        for i, (tok, lps) in enumerate(zip(ids, sample.logprobs, strict=True)):
-            assert math.isclose(lps[tok].logprob, ref_lp[len(prompt) - 1 + i, tok].item(), abs_tol=1e-4)
+    assert_outputs_match_transformers(ref, PROMPTS, outs)
 
 
 # ---- refusals ---------------------------------------------------------------------------------------
