@@ -207,7 +207,8 @@ class EngineConfig:
                                      default_help="max_loras")
     reasoning_parser: str | None = _opt(
         "how a reasoning model's thinking is told from its answer (vLLM's --reasoning-parser): 'deepseek_r1' "
-        "(DeepSeek-R1 and its distills, QwQ), 'qwen3' or 'openai_gptoss' (gpt-oss's harmony channels); the chat API "
+        "(DeepSeek-R1 and its distills, QwQ), 'qwen3', 'glm45' (GLM-4.5 / 4.6) or 'openai_gptoss' (gpt-oss's "
+        "harmony channels); the chat API "
         "then returns the thinking as `reasoning`, parses tool calls from the answer only, and structured outputs "
         "constrain the answer after `</think>` (refused with openai_gptoss)",
         choices=REASONING_PARSERS, default_help="none: the whole output is the content")

@@ -1,4 +1,4 @@
-"""The `<think>...</think>` reasoning parsers: `deepseek_r1` and `qwen3`, with vLLM's rules.
+"""The `<think>...</think>` reasoning parsers: `deepseek_r1`, `qwen3` and `glm45`, with vLLM's rules.
 
 Both read the model's output as: optional leading whitespace and `<think>` (dropped), the
 reasoning, `</think>`, the answer. They differ in what an output without `</think>` is:
@@ -8,6 +8,10 @@ reasoning, `</think>`, the answer. They differ in what an output without `</thin
 - qwen3: Qwen3 thinks unless `chat_template_kwargs` says `enable_thinking: false` (ferrox's
   `reasoning_effort: "none"` says the same); the template then writes an empty think block into the
   prompt and the whole output is the answer. Thinking on and no `</think>`: all reasoning, as above.
+- glm45: GLM-4.5 / 4.6 have Qwen3's switch (`enable_thinking: false` puts an empty think block after
+  the prompt's last `<|assistant|>`; on, the model writes `<think>` itself), so they read as qwen3. One
+  difference: GLM's template keeps a `<think></think>` in every earlier assistant turn, so whether the
+  prompt closed the thinking is read after its last `<|assistant|>` only, as vLLM's glm45 parser does.
 
 The split works on text, so the tags must reach the text: both model families have them as
 added tokens that are not special (skip_special_tokens keeps them). The token ids are needed too:
@@ -31,9 +35,10 @@ from ferrox.reasoning.harmony import NAME as HARMONY_NAME
 from ferrox.reasoning.harmony import HarmonyReasoningParser, HarmonyReasoningStream, get_harmony_parser
 
 # vLLM's names; the CLI's choices (ferrox.config imports this module, which imports no torch).
-REASONING_PARSERS = ("deepseek_r1", "qwen3", HARMONY_NAME)
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "glm45", HARMONY_NAME)
 START_TAG = "<think>"
 END_TAG = "</think>"
+GLM_ASSISTANT = "<|assistant|>"  # where a GLM prompt's reply turn starts
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +50,8 @@ class ReasoningParser:
     switchable: bool
     start_tag: str = START_TAG
     end_tag: str = END_TAG
+    # glm45: the token that opens the reply's turn; prompt_ends_reasoning reads the prompt after it only.
+    turn_token_id: int | None = None
     # The tags are text tokens: the reply keeps them with skip_special_tokens (harmony's markers are not).
     needs_special_tokens: ClassVar[bool] = False
 
@@ -76,7 +83,7 @@ class ReasoningParser:
         for token in reversed(prompt_token_ids):
             if token == self.end_token_id:
                 return True
-            if token == self.start_token_id:
+            if token == self.start_token_id or token == self.turn_token_id:
                 return False
         return False
 
@@ -101,7 +108,9 @@ def get_reasoning_parser(name: str, token_to_id: Callable[[str], int | None]) ->
                          "tokenizer, which does not have them (is this a reasoning model?)")
     start, end = ids[START_TAG], ids[END_TAG]
     assert start is not None and end is not None
-    return ReasoningParser(name, start, end, switchable=name == "qwen3")
+    # A GLM tokenizer without <|assistant|> (a test's): the prompt is read back to its last tag, as qwen3's.
+    turn = token_to_id(GLM_ASSISTANT) if name == "glm45" else None
+    return ReasoningParser(name, start, end, switchable=name in ("qwen3", "glm45"), turn_token_id=turn)
 
 
 class ReasoningStream:

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 from ferrox.entrypoints.openai.tool_parsers.base import ToolParser
+from ferrox.entrypoints.openai.tool_parsers.deepseek_v3 import CALLS_BEGIN as DEEPSEEK_CALLS
+from ferrox.entrypoints.openai.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser, DeepSeekV31ToolParser
+from ferrox.entrypoints.openai.tool_parsers.glm45 import KEY_BEGIN as GLM_ARG_KEY
+from ferrox.entrypoints.openai.tool_parsers.glm45 import Glm45ToolParser
 from ferrox.entrypoints.openai.tool_parsers.granite import GraniteToolParser
 from ferrox.entrypoints.openai.tool_parsers.granite_20b_fc import Granite20bFCToolParser
 from ferrox.entrypoints.openai.tool_parsers.hermes import HermesToolParser
+from ferrox.entrypoints.openai.tool_parsers.kimi_k2 import SECTION_BEGIN as KIMI_SECTION
+from ferrox.entrypoints.openai.tool_parsers.kimi_k2 import KimiK2ToolParser
 from ferrox.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 from ferrox.entrypoints.openai.tool_parsers.mistral import MistralToolParser
 from ferrox.entrypoints.openai.tool_parsers.openai_harmony import OpenAIHarmonyToolParser
@@ -29,6 +35,10 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "phi4_mini_json": Phi4MiniJsonToolParser,
     "xlam": XLamToolParser,
     "openai": OpenAIHarmonyToolParser,
+    "deepseek_v3": DeepSeekV3ToolParser,
+    "deepseek_v31": DeepSeekV31ToolParser,
+    "kimi_k2": KimiK2ToolParser,
+    "glm45": Glm45ToolParser,
 }
 
 
@@ -47,10 +57,19 @@ def default_tool_parser(chat_template: str | None) -> str:
     3.x's write <|tool_call|> before the list of calls (Granite 4's Hermes-style <tool_call>...
     </tool_call> stays Hermes), vLLM's Phi-4-mini template asks for `functools[...]` and
     granite-20b-functioncalling's lists the tools after <|function_call_library|>, gpt-oss's write
-    harmony's <|channel|> (calls are messages `to=functions.NAME`: the `openai` parser); everything else
-    gets Hermes, which is also what ferrox's own tool prompt (structured/tools.py) asks for."""
+    harmony's <|channel|> (calls are messages `to=functions.NAME`: the `openai` parser); DeepSeek's write
+    <｜tool▁calls▁begin｜>, with the arguments in a ```json block up to V3-0324 / R1-0528 (`deepseek_v3`)
+    and bare from V3.1 on (`deepseek_v31`), Kimi-K2's <|tool_calls_section_begin|>, GLM-4.5's
+    <arg_key> pairs; everything else gets Hermes, which is also what ferrox's own tool prompt
+    (structured/tools.py) asks for."""
     if not chat_template:
         return "hermes"
+    if DEEPSEEK_CALLS in chat_template:
+        return "deepseek_v3" if "```json" in chat_template else "deepseek_v31"
+    if KIMI_SECTION in chat_template:
+        return "kimi_k2"
+    if GLM_ARG_KEY in chat_template and "<tool_call>" in chat_template:
+        return "glm45"
     if "<|channel|>" in chat_template:
         return "openai"
     if "[TOOL_CALLS]" in chat_template:
