@@ -207,10 +207,13 @@ class EngineConfig:
                                      default_help="max_loras")
     reasoning_parser: str | None = _opt(
         "how a reasoning model's thinking is told from its answer (vLLM's --reasoning-parser): 'deepseek_r1' "
-        "(DeepSeek-R1 and its distills, QwQ), 'qwen3', 'glm45' (GLM-4.5 / 4.6) or 'openai_gptoss' (gpt-oss's "
-        "harmony channels); the chat API "
+        "(DeepSeek-R1 and its distills, QwQ), 'qwen3', 'glm45' (GLM-4.5 / 4.6), 'deepseek_v3' (DeepSeek-V3.1 / "
+        "V3.2: thinks only with chat_template_kwargs thinking true), 'mistral' (Magistral's [THINK] / [/THINK]), "
+        "'granite' (Granite 3.2+'s 'Here is my thought process:' / 'Here is my response:' text, with thinking "
+        "true) or 'openai_gptoss' (gpt-oss's harmony channels); the chat API "
         "then returns the thinking as `reasoning`, parses tool calls from the answer only, and structured outputs "
-        "constrain the answer after `</think>` (refused with openai_gptoss)",
+        "constrain the answer after the end of thinking (refused with granite and openai_gptoss, as are "
+        "thinking budgets)",
         choices=REASONING_PARSERS, default_help="none: the whole output is the content")
 
     def __post_init__(self) -> None:

@@ -54,6 +54,9 @@ class RequestLimits:
     max_logprobs: int  # largest logprobs / prompt_logprobs a request may ask for
     # The reasoning parser's `</think>` (--reasoning-parser), or None: thinking_token_budget needs it.
     reasoning_end_token_id: int | None = None
+    # The reasoning parser's name (None: no parser). A parser whose thinking does not end at one token
+    # (gpt-oss's harmony, granite's text markers) cannot gate a grammar or force a budget's end.
+    reasoning_parser: str | None = None
 
     @property
     def max_prompt_len(self) -> int:
@@ -117,6 +120,11 @@ def check_sampling_params(params: SamplingParams, limits: RequestLimits, *, num_
             raise InvalidArgumentError(
                 f"{name}: at most {limits.max_logprobs} (the engine's max_logprobs), got {value}", param=name
             )
+    if limits.reasoning_parser is not None and limits.reasoning_end_token_id is None:
+        for field in ("structured_outputs", "thinking_token_budget"):
+            if getattr(params, field) is not None:
+                raise InvalidArgumentError(f"{field}: not supported with reasoning_parser {limits.reasoning_parser!r}: "
+                                           "its thinking does not end at one token", param=field)
     if params.thinking_token_budget is not None:
         check_thinking_budget(params, limits.reasoning_end_token_id)
     if params.max_tokens is None:  # output up to max_model_len: min_tokens must fit in what the prompt leaves

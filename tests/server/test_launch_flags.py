@@ -33,8 +33,8 @@ def test_unknown_flags_are_refused_by_name():
     assert res.returncode == 2 and "--tokenizer-mode" in res.stderr and "mistral" in res.stderr
     res = run("serve", "--tool-call-parser", "jamba")  # a vLLM parser ferrox lacks
     assert res.returncode == 2 and "--tool-call-parser" in res.stderr and "jamba" in res.stderr
-    res = run("serve", "--reasoning-parser", "granite")
-    assert res.returncode == 2 and "--reasoning-parser" in res.stderr and "granite" in res.stderr
+    res = run("serve", "--reasoning-parser", "hunyuan_a13b")  # a vLLM parser ferrox lacks
+    assert res.returncode == 2 and "--reasoning-parser" in res.stderr and "hunyuan_a13b" in res.stderr
     res = run("serve", "--enable-prefix")  # no abbreviations: a vLLM flag must not pass as the prefix of ours
     assert res.returncode == 2 and "--enable-prefix: ferrox does not support this flag" in res.stderr
 

@@ -82,7 +82,7 @@ from ferrox.pooling.params import (
     pooling_sampling_params,
     validate_pooling_request,
 )
-from ferrox.reasoning.parser import END_TAG
+from ferrox.reasoning import get_reasoning_parser
 from ferrox.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "EngineStartupError", "RequestError",
@@ -237,13 +237,16 @@ class AsyncLLM:
         self.kv_capacity_tokens: int = info.kv_capacity_tokens
         # The request rules' limits (ferrox.engine.validation), checked here before a request
         # crosses to the core process, exactly as the offline engine checks them.
+        reasoning = (get_reasoning_parser(config.reasoning_parser, self.tokenizer.token_to_id)
+                     if config.reasoning_parser else None)
         self.limits = validation.RequestLimits(
             max_model_len=info.max_model_len,
             kv_capacity_tokens=info.kv_capacity_tokens,
             vocab_size=info.vocab_size or self.tokenizer.vocab_size,
             max_logprobs=config.max_logprobs,
             # The core checked at start-up that the tokenizer has the parser's tags as tokens.
-            reasoning_end_token_id=self.tokenizer.token_to_id(END_TAG) if config.reasoning_parser else None,
+            reasoning_end_token_id=reasoning.end_token_id if reasoning is not None else None,
+            reasoning_parser=config.reasoning_parser,
         )
         self.device: str = info.device
         # Runner "pooling" (an embedding model): requests come through encode(), generate() is refused.

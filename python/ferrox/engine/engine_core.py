@@ -342,14 +342,8 @@ class EngineCore:
             vocab_size=self.vocab_size,
             max_logprobs=self.config.max_logprobs,
             reasoning_end_token_id=self.reasoning.end_token_id if self.reasoning is not None else None,
+            reasoning_parser=self.reasoning.name if self.reasoning is not None else None,
         )
-        if self.reasoning is not None and self.reasoning.end_token_id is None:
-            # gpt-oss's thinking ends with several tokens: the grammar gate and the thinking budget take one.
-            for field in ("structured_outputs", "thinking_token_budget"):
-                if getattr(params, field) is not None:
-                    raise InvalidArgumentError(f"{field}: not supported with reasoning_parser "
-                                               f"{self.reasoning.name!r}: its thinking does not end at one token",
-                                               param=field)
         validation.validate_request(prompt, params, limits, what=what)
 
     # ---- pooling requests (runner "pooling") ------------------------------------------------------------

@@ -1,7 +1,8 @@
-"""The `<think>...</think>` reasoning parsers: `deepseek_r1`, `qwen3` and `glm45`, with vLLM's rules.
+"""The marker-based reasoning parsers: `deepseek_r1`, `qwen3`, `glm45`, `deepseek_v3`, `mistral` and
+`granite`, with vLLM's rules (the markers and switches of each: families.py).
 
-Both read the model's output as: optional leading whitespace and `<think>` (dropped), the
-reasoning, `</think>`, the answer. They differ in what an output without `</think>` is:
+The `<think>` families read the model's output as: optional leading whitespace and `<think>`
+(dropped), the reasoning, `</think>`, the answer. They differ in what an output without `</think>` is:
 
 - deepseek_r1: DeepSeek-R1 and its distills (and QwQ) always think; their chat template opens the
   `<think>` in the prompt. No `</think>` means the reasoning was cut short: all of it is reasoning.
@@ -12,11 +13,17 @@ reasoning, `</think>`, the answer. They differ in what an output without `</thin
   the prompt's last `<|assistant|>`; on, the model writes `<think>` itself), so they read as qwen3. One
   difference: GLM's template keeps a `<think></think>` in every earlier assistant turn, so whether the
   prompt closed the thinking is read after its last `<|assistant|>` only, as vLLM's glm45 parser does.
+- deepseek_v3: DeepSeek-V3.1's switch is the other way round (off unless `thinking: true`); on, it
+  reads as deepseek_r1, off the whole output is the answer.
+mistral (`[THINK]` / `[/THINK]`) and granite (text markers) differ in what comes before the opening
+marker: see families.py.
 
-The split works on text, so the tags must reach the text: both model families have them as
-added tokens that are not special (skip_special_tokens keeps them). The token ids are needed too:
-the engine core counts reasoning tokens and opens a request's grammar when `</think>` is sampled;
-a tokenizer without the tags as single tokens is refused at start-up, naming the parser.
+The split works on text, so the tags must reach the text: the `<think>` families have them as added
+tokens that are not special (skip_special_tokens keeps them); Mistral's are special (the reply keeps
+special tokens: needs_special_tokens). The token ids are needed too: the engine core counts reasoning
+tokens and opens a request's grammar when the end tag is sampled; a tokenizer without the tags as
+single tokens is refused at start-up, naming the parser. Granite's markers are text: its parser has no
+ids (end_token_id None), and the engine refuses what needs them, as for gpt-oss.
 
 One implementation serves both paths: `split` (a finished output) is `ReasoningStream.feed` over
 the whole text, so a streamed answer is, concatenated, exactly the non-streamed one.
@@ -29,31 +36,32 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
+from ferrox.reasoning.families import FAMILIES, Family
 from ferrox.reasoning.harmony import NAME as HARMONY_NAME
 from ferrox.reasoning.harmony import HarmonyReasoningParser, HarmonyReasoningStream, get_harmony_parser
 
 # vLLM's names; the CLI's choices (ferrox.config imports this module, which imports no torch).
-REASONING_PARSERS = ("deepseek_r1", "qwen3", "glm45", HARMONY_NAME)
+REASONING_PARSERS = (*FAMILIES, HARMONY_NAME)
 START_TAG = "<think>"
 END_TAG = "</think>"
-GLM_ASSISTANT = "<|assistant|>"  # where a GLM prompt's reply turn starts
 
 
 @dataclass(frozen=True, slots=True)
 class ReasoningParser:
     name: str
-    start_token_id: int
-    end_token_id: int
-    # qwen3: `enable_thinking: false` in the template kwargs means the output is all answer.
-    switchable: bool
-    start_tag: str = START_TAG
-    end_tag: str = END_TAG
-    # glm45: the token that opens the reply's turn; prompt_ends_reasoning reads the prompt after it only.
+    family: Family
+    # The tags' token ids; None for text markers (granite).
+    start_token_id: int | None
+    end_token_id: int | None
+    # glm45 / mistral: the token that opens the reply's turn; prompt_ends_reasoning reads the prompt after it.
     turn_token_id: int | None = None
-    # The tags are text tokens: the reply keeps them with skip_special_tokens (harmony's markers are not).
-    needs_special_tokens: ClassVar[bool] = False
+
+    @property
+    def needs_special_tokens(self) -> bool:
+        """The tags are special tokens (Mistral's): replies keep them, or the split never sees them."""
+        return self.family.needs_special_tokens
 
     def check_template_kwargs(self, template_kwargs: Mapping[str, Any]) -> None:
         """Nothing to refuse: the template reads enable_thinking / reasoning_effort as it likes."""
@@ -64,7 +72,7 @@ class ReasoningParser:
 
     def thinks(self, template_kwargs: Mapping[str, Any] | None) -> bool:
         """Whether a request's output starts inside the model's thinking (vLLM's rule per parser)."""
-        return not (self.switchable and template_kwargs and template_kwargs.get("enable_thinking") is False)
+        return self.family.thinks(template_kwargs or {})
 
     def split(self, text: str, thinking: bool = True, tool_calls: bool = False) -> tuple[str | None, str | None]:
         """(reasoning, content) of a finished output; None for an empty part. tool_calls: whether a
@@ -77,9 +85,12 @@ class ReasoningParser:
         return ReasoningStream(self, thinking)
 
     def prompt_ends_reasoning(self, prompt_token_ids: Sequence[int]) -> bool:
-        """Whether the prompt already closed the thinking (its last tag is `</think>`: Qwen3's empty think
-        block for enable_thinking false). Otherwise a structured-output constraint waits for the
-        output's `</think>` (vLLM's rule)."""
+        """Whether the prompt already closed the thinking (its last tag is the end tag: Qwen3's empty
+        think block for enable_thinking false, DeepSeek-V3.1's `</think>` for thinking off). Otherwise
+        a structured-output constraint waits for the output's end tag (vLLM's rule). Text markers
+        (granite) have no ids: never."""
+        if self.end_token_id is None:
+            return False
         for token in reversed(prompt_token_ids):
             if token == self.end_token_id:
                 return True
@@ -101,24 +112,27 @@ def get_reasoning_parser(name: str, token_to_id: Callable[[str], int | None]) ->
         raise ValueError(f"reasoning_parser: {name!r} is not one of {', '.join(REASONING_PARSERS)}")
     if name == HARMONY_NAME:
         return get_harmony_parser(token_to_id)
-    ids = {tag: token_to_id(tag) for tag in (START_TAG, END_TAG)}
+    family = FAMILIES[name]
+    if not family.tags_are_tokens:
+        return ReasoningParser(name, family, None, None)
+    start_tag, end_tag = family.start_tags[0], family.end_tags[0]
+    ids = {tag: token_to_id(tag) for tag in (start_tag, end_tag)}
     missing = [tag for tag, token in ids.items() if token is None]
     if missing:
         raise ValueError(f"reasoning_parser: {name!r} needs {' and '.join(missing)} as single tokens of the "
                          "tokenizer, which does not have them (is this a reasoning model?)")
-    start, end = ids[START_TAG], ids[END_TAG]
-    assert start is not None and end is not None
-    # A GLM tokenizer without <|assistant|> (a test's): the prompt is read back to its last tag, as qwen3's.
-    turn = token_to_id(GLM_ASSISTANT) if name == "glm45" else None
-    return ReasoningParser(name, start, end, switchable=name in ("qwen3", "glm45"), turn_token_id=turn)
+    # A tokenizer without the turn token (a test's): the prompt is read back to its last tag, as qwen3's.
+    turn = token_to_id(family.turn_tag) if family.turn_tag is not None else None
+    return ReasoningParser(name, family, ids[start_tag], ids[end_tag], turn_token_id=turn)
 
 
 class ReasoningStream:
     """One choice's output, fed as text deltas: each feed returns (reasoning delta, content delta).
 
-    States: "start" (only whitespace or a part of `<think>` seen: held back, since a leading
-    `<think>` and the whitespace before it are dropped), "reasoning", "content". Text that could be
-    the beginning of a tag is held back until the next delta says whether it is one."""
+    States: "start" (only whitespace or a part of a start tag seen: held back, since a leading start
+    tag and the whitespace before it are dropped), "scan" (mistral's content before its `[THINK]`),
+    "reasoning", "content". Text that could be the beginning of a tag is held back until the next
+    delta says whether it is one."""
 
     __slots__ = ("parser", "state", "_pending", "reasoning_tokens", "_counting")
 
@@ -126,55 +140,82 @@ class ReasoningStream:
         self.parser = parser
         self.state = "start" if thinking else "content"
         self._pending = ""
-        self.reasoning_tokens = 0  # the output's tokens before `</think>`, tags excluded (count_tokens)
-        self._counting = thinking
+        self.reasoning_tokens = 0  # the output's tokens within the thinking, tags excluded (count_tokens)
+        # "on" (counting), "wait" (for the start tag: mistral) or "off"; text markers have no ids to count.
+        untagged = parser.family.untagged
+        self._counting = ("off" if not thinking or parser.end_token_id is None or untagged == "content"
+                          else "wait" if untagged == "scan" else "on")
 
     def count_tokens(self, token_ids: Sequence[int]) -> None:
-        """Count the reasoning tokens among the next output tokens (the count stops at `</think>`)."""
+        """Count the reasoning tokens among the next output tokens (the count stops at the end tag)."""
         for token in token_ids:
-            if not self._counting:
+            if self._counting == "off":
                 return
-            if token == self.parser.end_token_id:
-                self._counting = False
-            elif token != self.parser.start_token_id:
-                self.reasoning_tokens += 1
+            if token == self.parser.start_token_id:
+                self._counting = "on"
+            elif self._counting == "on":
+                if token == self.parser.end_token_id:
+                    self._counting = "off"
+                else:
+                    self.reasoning_tokens += 1
 
     @property
     def ended(self) -> bool:
-        """The reasoning is over (`</think>` seen, or the output never had any)."""
+        """The reasoning is over (the end tag seen, or the output never had any)."""
         return self.state == "content"
 
     def feed(self, delta: str, finished: bool = False) -> tuple[str, str]:
+        family = self.parser.family
         text, self._pending = self._pending + delta, ""
         reasoning: list[str] = []
+        content: list[str] = []
         while True:
             if self.state == "content":
-                return "".join(reasoning), text
+                content.append(text)
+                break
             if self.state == "start":
                 head = text.lstrip()
-                if head.startswith(self.parser.start_tag):
-                    text, self.state = head[len(self.parser.start_tag):], "reasoning"
+                tag = next((t for t in family.start_tags if head.startswith(t)), None)
+                if tag is not None:
+                    text, self.state = head[len(tag):], "reasoning"
                     continue
-                if not finished and self.parser.start_tag.startswith(head):  # "" or a part of the tag
+                if not finished and any(t.startswith(head) for t in family.start_tags):  # "" or a part of a tag
                     self._pending = text
-                    return "", ""
-                self.state = "reasoning"  # no opening tag: the text so far is reasoning, whitespace included
+                    break
+                self.state = family.untagged  # no opening tag: the text so far is that, whitespace included
                 continue
-            end = text.find(self.parser.end_tag)
-            if end >= 0:
-                reasoning.append(text[:end])
-                text, self.state = text[end + len(self.parser.end_tag):], "content"
+            # "scan" looks for either tag (a stray end tag is dropped), "reasoning" for the end tag.
+            tags = family.start_tags + family.end_tags if self.state == "scan" else family.end_tags
+            out = content if self.state == "scan" else reasoning
+            at, tag = _find_first(text, tags)
+            if tag is not None:
+                out.append(text[:at])
+                text = text[at + len(tag):]
+                if self.state == "reasoning":
+                    self.state = "content"
+                elif tag in family.start_tags:
+                    self.state = "reasoning"
                 continue
-            keep = len(text) - (0 if finished else _tag_prefix_len(text, self.parser.end_tag))
-            reasoning.append(text[:keep])
+            keep = len(text) - (0 if finished else _tag_prefix_len(text, tags))
+            out.append(text[:keep])
             self._pending = text[keep:]
-            return "".join(reasoning), ""
+            break
+        return "".join(reasoning), "".join(content)
 
 
-def _tag_prefix_len(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a proper beginning of `tag` (text to hold back)."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if text.endswith(tag[:n]):
+def _find_first(text: str, tags: tuple[str, ...]) -> tuple[int, str | None]:
+    """The first tag in `text` and where it starts; (-1, None) when there is none."""
+    found = [(at, tag) for tag in tags if (at := text.find(tag)) >= 0]
+    if not found:
+        return -1, None
+    at, tag = min(found, key=lambda hit: (hit[0], -len(hit[1])))
+    return at, tag
+
+
+def _tag_prefix_len(text: str, tags: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that is a proper beginning of one of `tags` (text to hold back)."""
+    for n in range(min(len(text), max(map(len, tags)) - 1), 0, -1):
+        if any(len(tag) > n and text.endswith(tag[:n]) for tag in tags):
             return n
     return 0
 

@@ -1,0 +1,78 @@
+"""What each marker-based reasoning parser reads (vLLM's names and rules), as data for parser.py.
+
+A family is: the markers that open and close the thinking, what output without an opening marker
+is, the chat-template switch that turns thinking on or off, and whether the markers are tokens.
+
+- deepseek_r1, qwen3, glm45: `<think>` / `</think>` (module docstring of parser.py).
+- deepseek_v3: DeepSeek-V3.1 / V3.2's hybrid thinking. Their template thinks only when the template
+  variable `thinking` is true (it then ends the prompt with `<think>`, else with `</think>`); vLLM's
+  parser also takes `enable_thinking: true` (which ferrox's reasoning_effort other than "none"
+  sets). Thinking on: read as deepseek_r1; off: the whole output is the answer.
+- mistral: Magistral's `[THINK]` / `[/THINK]`, control tokens of Mistral's tokenizers (so replies keep
+  special tokens). The model opens its thinking itself; output without `[THINK]` is the answer
+  (vLLM's rule), a stray `[/THINK]` is dropped. Magistral's system prompt spells out
+  `[THINK]...[/THINK]`, so whether the prompt closed the thinking is read after its last `[/INST]`.
+- granite: IBM Granite 3.2+'s plain-text markers "Here is my thought process:" and "Here is my
+  response:" (vLLM also takes "Here's"), written when the template variable `thinking` is true.
+  Output that does not open with the first marker is the answer. The markers are text, not tokens:
+  the engine's grammar gate and thinking_token_budget (one end-of-thinking token) cannot see them,
+  so both are refused with this parser, and reasoning tokens are not counted (0, as vLLM's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+THINK = ("<think>",), ("</think>",)
+MISTRAL_THINK = ("[THINK]",), ("[/THINK]",)
+GRANITE_THINK = ("Here is my thought process:", "Here's my thought process:"), \
+    ("Here is my response:", "Here's my response:")
+
+KwargsRule = Callable[[Mapping[str, Any]], bool]
+
+
+def _always(kwargs: Mapping[str, Any]) -> bool:
+    return True
+
+
+def _unless_enable_thinking_false(kwargs: Mapping[str, Any]) -> bool:
+    # qwen3 / glm45: on by default; `enable_thinking: false` (or reasoning_effort "none") turns it off.
+    return kwargs.get("enable_thinking") is not False
+
+
+def _thinking_or_enable_thinking(kwargs: Mapping[str, Any]) -> bool:
+    # deepseek_v3: off by default; vLLM's parser reads either variable as the switch.
+    return bool(kwargs.get("thinking")) or bool(kwargs.get("enable_thinking"))
+
+
+def _thinking(kwargs: Mapping[str, Any]) -> bool:
+    # granite: the template asks for the markers only with `thinking: true`.
+    return bool(kwargs.get("thinking"))
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    start_tags: tuple[str, ...]
+    end_tags: tuple[str, ...]
+    # Output not opening with a start tag is: "reasoning" (the prompt opened the thinking, R1), "content"
+    # (granite), or "scan" (mistral: content, until a `[THINK]` opens the thinking).
+    untagged: str
+    thinks: KwargsRule = _always
+    # The tags are single tokens (their ids drive the grammar gate, the budget and the token count).
+    tags_are_tokens: bool = True
+    # The tags are special tokens: the reply is decoded with skip_special_tokens=False.
+    needs_special_tokens: bool = False
+    # The token that opens the reply's turn: prompt_ends_reasoning reads the prompt after it only.
+    turn_tag: str | None = None
+
+
+FAMILIES: dict[str, Family] = {
+    "deepseek_r1": Family(*THINK, untagged="reasoning"),
+    "qwen3": Family(*THINK, untagged="reasoning", thinks=_unless_enable_thinking_false),
+    "glm45": Family(*THINK, untagged="reasoning", thinks=_unless_enable_thinking_false, turn_tag="<|assistant|>"),
+    "deepseek_v3": Family(*THINK, untagged="reasoning", thinks=_thinking_or_enable_thinking),
+    "mistral": Family(*MISTRAL_THINK, untagged="scan", needs_special_tokens=True, turn_tag="[/INST]"),
+    "granite": Family(*GRANITE_THINK, untagged="content", thinks=_thinking, tags_are_tokens=False),
+}
