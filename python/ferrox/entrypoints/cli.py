@@ -228,6 +228,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     load.add_argument("--request-timeout", type=_positive_float, metavar="SECONDS",
                       help="abort a request still running this long after it arrived, freeing its KV cache; "
                       "its client gets an error saying so (default: none)")
+    load.add_argument("--metrics-prefix", choices=("ferrox", "vllm"), default="ferrox",
+                      help="the namespace of /metrics' names: ferrox:num_requests_running..., or vllm: so that "
+                      "Prometheus queries and Grafana dashboards written for vLLM read this server unchanged")
     load.add_argument("--stream-stall-timeout", type=_positive_float, metavar="SECONDS", default=60.0,
                       help="drop a stream whose client has read nothing for this long (its writes blocked) "
                       "and abort its request")
@@ -398,7 +401,7 @@ def serve(args: argparse.Namespace) -> int:
         max_log_len=args.max_log_len, response_role=args.response_role,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details, tool_call_parser=args.tool_call_parser,
-        stream_stall_timeout=args.stream_stall_timeout,
+        stream_stall_timeout=args.stream_stall_timeout, metrics_prefix=args.metrics_prefix,
     )
     try:
         lora_modules = tuple(parse_lora_module(m) for m in args.lora_modules)

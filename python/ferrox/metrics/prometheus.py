@@ -1,4 +1,5 @@
-"""Prometheus metrics for `/metrics`, named like vLLM's (`vllm:` -> `ferrox:`) so dashboards port.
+"""Prometheus metrics for `/metrics`, named as vLLM's under a prefix: `ferrox:` by default, `vllm:` with
+`ferrox serve --metrics-prefix vllm`, so a dashboard built for vLLM reads a ferrox server unchanged.
 
 Every series carries `model_name` and `engine` (the engine core's index: "0" unless the server
 runs data-parallel cores), as vLLM labels them, so a dashboard sums over `engine` for the server
@@ -44,25 +45,27 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 DEFAULT_MAX_TOKENS_BUCKET = 1 << 20
 
 LABELS = ["model_name", "engine"]
+# The metric names' namespaces (`ferrox serve --metrics-prefix`): ferrox's own, or vLLM's for its dashboards.
+METRIC_PREFIXES = ("ferrox", "vllm")
 
-# (metric name, stats key, help) for the cores' cumulative counters.
+# (metric name without the prefix, stats key, help) for the cores' cumulative counters.
 _CORE_COUNTERS = (
-    ("ferrox:prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in tokens."),
-    ("ferrox:prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in tokens."),
-    ("ferrox:generation_tokens", "num_generation_tokens", "Generation tokens processed."),
-    ("ferrox:num_preemptions", "num_preemptions", "Cumulative number of preemptions."),
+    ("prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in tokens."),
+    ("prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in tokens."),
+    ("generation_tokens", "num_generation_tokens", "Generation tokens processed."),
+    ("num_preemptions", "num_preemptions", "Cumulative number of preemptions."),
 )
 # Speculative decoding (vLLM's spec_decode names), only for cores that speculate. Mean acceptance
 # length = 1 + accepted / drafts; acceptance rate = accepted / draft tokens.
 _SPEC_COUNTERS = (
-    ("ferrox:spec_decode_num_drafts", "spec_num_drafts", "Number of spec decoding drafts."),
-    ("ferrox:spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Number of draft tokens."),
-    ("ferrox:spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Number of accepted tokens."),
+    ("spec_decode_num_drafts", "spec_num_drafts", "Number of spec decoding drafts."),
+    ("spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Number of draft tokens."),
+    ("spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Number of accepted tokens."),
 )
 _CORE_GAUGES = (
-    ("ferrox:num_requests_running", "num_running", "Requests in the running batch."),
-    ("ferrox:num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
-    ("ferrox:kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage. 1 means 100 percent usage."),
+    ("num_requests_running", "num_running", "Requests in the running batch."),
+    ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
+    ("kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage. 1 means 100 percent usage."),
 )
 
 
@@ -86,14 +89,15 @@ def one_two_five_buckets(limit: int) -> tuple[float, ...]:
 
 
 class _CoreStatsCollector(Collector):
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, prefix: str) -> None:
         self.model_name = model_name
+        self.prefix = prefix
         self.engines: list[dict[str, Any]] = []
 
     def collect(self):  # type: ignore[no-untyped-def]
         for metrics, family_type in ((_CORE_GAUGES, GaugeMetricFamily), (_CORE_COUNTERS, CounterMetricFamily)):
             for name, key, doc in metrics:
-                family = family_type(name, doc, labels=LABELS)
+                family = family_type(f"{self.prefix}:{name}", doc, labels=LABELS)
                 for index, stats in enumerate(self.engines):
                     family.add_metric([self.model_name, str(index)], float(stats.get(key, 0) or 0))
                 yield family
@@ -104,11 +108,11 @@ class _CoreStatsCollector(Collector):
         if not speculating:
             return
         for name, key, doc in _SPEC_COUNTERS:
-            family = CounterMetricFamily(name, doc, labels=LABELS)
+            family = CounterMetricFamily(f"{self.prefix}:{name}", doc, labels=LABELS)
             for index, stats in speculating:
                 family.add_metric([self.model_name, str(index)], float(stats.get(key, 0) or 0))
             yield family
-        per_pos = CounterMetricFamily("ferrox:spec_decode_num_accepted_tokens_per_pos",
+        per_pos = CounterMetricFamily(f"{self.prefix}:spec_decode_num_accepted_tokens_per_pos",
                                       "Accepted tokens per draft position.", labels=[*LABELS, "position"])
         for index, stats in speculating:
             for pos, count in enumerate(stats.get("spec_num_accepted_tokens_per_pos") or []):
@@ -137,11 +141,14 @@ class _EngineSeries:
 class PrometheusStatLogger:
     """Implements ferrox.metrics.request_stats.StatLogger and renders the exposition text."""
 
-    def __init__(self, model_name: str, *, max_model_len: int | None = None) -> None:
+    def __init__(self, model_name: str, *, max_model_len: int | None = None, prefix: str = "ferrox") -> None:
+        if prefix not in METRIC_PREFIXES:
+            raise ValueError(f"metrics_prefix: {prefix!r} is not one of {', '.join(METRIC_PREFIXES)}")
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         self.max_model_len = max_model_len
-        self._core = _CoreStatsCollector(model_name)
+        self.prefix = prefix
+        self._core = _CoreStatsCollector(model_name, prefix)
         self.registry.register(self._core)
         self._series: list[_EngineSeries] = []
         reg = self.registry
@@ -150,35 +157,35 @@ class PrometheusStatLogger:
             return Histogram(name, doc, LABELS, buckets=buckets, registry=reg)
 
         self.request_success = Counter(
-            "ferrox:request_success", "Count of finished requests, by finish reason.",
+            f"{prefix}:request_success", "Count of finished requests, by finish reason.",
             [*LABELS, "finished_reason"], registry=reg,
         )
         self.prompt_tokens = Counter(
-            "ferrox:prompt_tokens", "Prompt tokens of the requests prefilled (whole prompts, cached part included).",
+            f"{prefix}:prompt_tokens", "Prompt tokens of the requests prefilled (whole prompts, cached part included).",
             LABELS, registry=reg)
         self.prompt_tokens_cached = Counter(
-            "ferrox:prompt_tokens_cached", "Prompt tokens found in the prefix cache (not computed).",
+            f"{prefix}:prompt_tokens_cached", "Prompt tokens found in the prefix cache (not computed).",
             LABELS, registry=reg)
-        self.ttft = histogram("ferrox:time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS)
+        self.ttft = histogram(f"{prefix}:time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS)
         # One observation per streamed token: fed a step at a time (metrics/batch_histogram.py).
-        self.itl = BatchHistogram("ferrox:inter_token_latency_seconds", "Inter-token latency in seconds.", LABELS,
+        self.itl = BatchHistogram(f"{prefix}:inter_token_latency_seconds", "Inter-token latency in seconds.", LABELS,
                                   ITL_BUCKETS)
         reg.register(self.itl)
-        self.e2e = histogram("ferrox:e2e_request_latency_seconds", "End-to-end request latency in seconds.",
+        self.e2e = histogram(f"{prefix}:e2e_request_latency_seconds", "End-to-end request latency in seconds.",
                              REQUEST_LATENCY_BUCKETS)
-        self.queue_time = histogram("ferrox:request_queue_time_seconds",
+        self.queue_time = histogram(f"{prefix}:request_queue_time_seconds",
                                     "Time a request spent waiting before its first step, in seconds.",
                                     REQUEST_LATENCY_BUCKETS)
-        self.prefill_time = histogram("ferrox:request_prefill_time_seconds",
+        self.prefill_time = histogram(f"{prefix}:request_prefill_time_seconds",
                                       "Time from a request's first step to its first token, in seconds.",
                                       REQUEST_LATENCY_BUCKETS)
-        self.decode_time = histogram("ferrox:request_decode_time_seconds",
+        self.decode_time = histogram(f"{prefix}:request_decode_time_seconds",
                                      "Time from a request's first token to its last, in seconds.",
                                      REQUEST_LATENCY_BUCKETS)
-        self.inference_time = histogram("ferrox:request_inference_time_seconds",
+        self.inference_time = histogram(f"{prefix}:request_inference_time_seconds",
                                         "Time a request spent running (prefill + decode), in seconds.",
                                         REQUEST_LATENCY_BUCKETS)
-        self.time_per_output_token = histogram("ferrox:request_time_per_output_token_seconds",
+        self.time_per_output_token = histogram(f"{prefix}:request_time_per_output_token_seconds",
                                                "Mean time per output token after the first, per request, in seconds.",
                                                ITL_BUCKETS)
         self._request_prompt_tokens: Histogram | None = None
@@ -247,9 +254,9 @@ class PrometheusStatLogger:
         if self._request_prompt_tokens is None or self._request_generation_tokens is None:
             buckets = one_two_five_buckets(self.max_model_len or DEFAULT_MAX_TOKENS_BUCKET)
             self._request_prompt_tokens = Histogram(
-                "ferrox:request_prompt_tokens", "Prompt tokens per finished request.", LABELS,
+                f"{self.prefix}:request_prompt_tokens", "Prompt tokens per finished request.", LABELS,
                 buckets=buckets, registry=self.registry)
             self._request_generation_tokens = Histogram(
-                "ferrox:request_generation_tokens", "Generation tokens per finished request.", LABELS,
+                f"{self.prefix}:request_generation_tokens", "Generation tokens per finished request.", LABELS,
                 buckets=buckets, registry=self.registry)
         return self._request_prompt_tokens, self._request_generation_tokens

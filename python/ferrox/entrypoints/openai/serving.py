@@ -80,6 +80,8 @@ class ServerOptions:
     # A stream whose client reads nothing for this long (its socket and aiohttp's buffer full, so a
     # write blocks) is dropped and its request aborted, freeing its KV blocks; None: wait forever.
     stream_stall_timeout: float | None = DEFAULT_STREAM_STALL_TIMEOUT_S
+    # /metrics names' namespace (metrics/prometheus.py): "ferrox", or "vllm" for vLLM's dashboards.
+    metrics_prefix: str = "ferrox"
     # --lora-modules: adapters loaded at start-up (entrypoints/openai/serving_lora.py).
     lora_modules: tuple[LoRAModule, ...] = ()
     # --lora-allowed-dirs: the only folders /v1/load_lora_adapter may read adapters from.
