@@ -409,15 +409,15 @@ class OldQwen3CoderToolParser(Qwen3CoderToolParser):
                 tag = text.find(TOOL_CALL, self._pos)
                 if tag < 0:
                     end = len(text) if final else len(text) - held_back(text[self._pos :], TOOL_CALL)
-                    self._content(out, text[self._pos : end])
+                    self._gate.into(out, text[self._pos : end])
                     self._pos = end
                     return out
-                self._content(out, text[self._pos : tag])
+                self._gate.into(out, text[self._pos : tag])
                 self._call_start = self._pos = tag + len(TOOL_CALL)
                 continue
             call = old_scan_call(text, self._call_start, final)
             if call.state == "invalid":
-                self._content(out, TOOL_CALL)
+                self._gate.into(out, TOOL_CALL)
                 self._call_start = None
                 continue
             self._old_stream(out, call)

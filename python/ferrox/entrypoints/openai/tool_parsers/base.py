@@ -242,6 +242,12 @@ class ContentGate:
         self._pending = ""
         self._after_call = True
 
+    def into(self, out: DeltaMessage, text: str) -> None:
+        """Content text arriving, what to send now appended to `out`'s content."""
+        text = self.text(text)
+        if text:
+            out.content = (out.content or "") + text
+
 
 def join_content(pieces: list[str]) -> str | None:
     """extract()'s side of ContentGate: pieces[0] is the text before the first call, pieces[i] the

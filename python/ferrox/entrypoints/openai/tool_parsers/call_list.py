@@ -115,11 +115,6 @@ class CallListReader:
 
     # ---- output ---------------------------------------------------------------------------------
 
-    def _content(self, out: DeltaMessage, text: str) -> None:
-        text = self._gate.text(text)
-        if text:
-            out.content = (out.content or "") + text
-
     def _send(self, out: DeltaMessage, deltas: list[DeltaToolCall]) -> None:
         for delta in deltas:
             if delta.name is not None:  # a call's first delta
@@ -144,7 +139,7 @@ class CallListReader:
     def _no_call(self, out: DeltaMessage, pending: str) -> bool:
         """The segment holds no call: its marker is content, and the text after it (the prefix, then
         pending) is read again as text, where another marker may begin a segment."""
-        self._content(out, self._marker)
+        self._gate.into(out, self._marker)
         self._buf, self._i = self._prefix[len(self._marker) :] + pending, 0
         self._prefix, self._state = "", _TEXT
         return True
@@ -179,11 +174,11 @@ class CallListReader:
         hit = _find_marker(buf, i, markers, final)
         if hit is None:
             end = len(buf) if final else len(buf) - max(held_back(buf[i:], m) for m in markers)
-            self._content(out, buf[i:end])
+            self._gate.into(out, buf[i:end])
             self._i = end
             return False
         at, marker = hit
-        self._content(out, buf[i:at])
+        self._gate.into(out, buf[i:at])
         self._i = at
         if not marker:
             return False

@@ -118,11 +118,6 @@ class MarkedCallsParser(ToolParser):
 
     # ---- the reader ------------------------------------------------------------------------------
 
-    def _content(self, out: DeltaMessage, text: str) -> None:
-        text = self._gate.text(text)
-        if text:
-            out.content = (out.content or "") + text
-
     def _advance(self, final: bool) -> DeltaMessage:
         if self._parts:
             self._text += "".join(self._parts)
@@ -160,10 +155,10 @@ class MarkedCallsParser(ToolParser):
             at = text.find(marker, max(self._pos, self._scan))
             if at < 0:
                 end = len(text) if final else len(text) - held_back(text[self._pos :], marker)
-                self._content(out, text[self._pos : end])
+                self._gate.into(out, text[self._pos : end])
                 self._pos = self._scan = end
                 return False
-            self._content(out, text[self._pos : at])
+            self._gate.into(out, text[self._pos : at])
             self._pos = self._scan = at + len(marker)
             if self.section_begin is None:
                 self._call_start, self._state = at, _CALL

@@ -253,11 +253,6 @@ class MistralToolParser(ToolParser):
     def finish(self) -> DeltaMessage:
         return self._advance(final=True)
 
-    def _content(self, out: DeltaMessage, text: str) -> None:
-        text = self._gate.text(text)
-        if text:
-            out.content = (out.content or "") + text
-
     def _advance(self, final: bool) -> DeltaMessage:
         out = DeltaMessage()
         text = self._text
@@ -266,10 +261,10 @@ class MistralToolParser(ToolParser):
                 marker = text.find(MARKER, self._pos)
                 if marker < 0:
                     end = len(text) if final else len(text) - held_back(text[self._pos :], MARKER)
-                    self._content(out, text[self._pos : end])
+                    self._gate.into(out, text[self._pos : end])
                     self._pos = end
                     return out
-                self._content(out, text[self._pos : marker])
+                self._gate.into(out, text[self._pos : marker])
                 self._segment_start = self._pos = marker + len(MARKER)
                 self._depth = _Depth(self._segment_start)
                 continue
@@ -277,7 +272,7 @@ class MistralToolParser(ToolParser):
                 return out
             seg = _scan_segment(text, self._segment_start, final)
             if seg.state == "invalid":
-                self._content(out, MARKER)  # not a call after all: scan on after the marker
+                self._gate.into(out, MARKER)  # not a call after all: scan on after the marker
                 self._segment_start = None
                 continue
             self._stream(out, text, seg)

@@ -358,11 +358,6 @@ class Qwen3CoderToolParser(ToolParser):
     def finish(self) -> DeltaMessage:
         return self._advance(final=True)
 
-    def _content(self, out: DeltaMessage, text: str) -> None:
-        text = self._gate.text(text)
-        if text:
-            out.content = (out.content or "") + text
-
     def _send(self, out: DeltaMessage, fragment: str) -> None:
         """Arguments text for the open call, into its delta in this message."""
         if self._delta is None:
@@ -404,10 +399,10 @@ class Qwen3CoderToolParser(ToolParser):
             tag = _find(buf, TOOL_CALL, 0)
             if tag < 0:
                 end = len(buf) if final else len(buf) - held_back(buf, TOOL_CALL)
-                self._content(out, buf[:end])
+                self._gate.into(out, buf[:end])
                 self._buf = buf[end:]
                 return False
-            self._content(out, buf[:tag])
+            self._gate.into(out, buf[:tag])
             self._buf, self._state, self._k, self._name_start = buf[tag + len(TOOL_CALL) :], _HEADER, 0, None
             return True
         if state == _HEADER:
@@ -513,7 +508,7 @@ class Qwen3CoderToolParser(ToolParser):
 
     def _not_a_call(self, out: DeltaMessage) -> bool:
         """The `<tool_call>` starts no call: it is content, and the scan goes on after it."""
-        self._content(out, TOOL_CALL)
+        self._gate.into(out, TOOL_CALL)
         self._state, self._k = _CONTENT, 0
         return True
 
