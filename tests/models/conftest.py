@@ -82,6 +82,20 @@ def hf_last_logits(model, prompt_ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([prompt_ids], device=model.device)).logits[0, -1].float()
 
 
+def chunked_engine_outputs(folder: str, prompts: list[list[int]], *, max_tokens: int = 8, **llm_kwargs):
+    """The real engine (Rust scheduler, paged KV, sampler) with a 16-token budget, so long prompts prefill in
+    chunks: greedy outputs with logprobs=1 for assert_outputs_match_transformers."""
+    from ferrox import LLM, SamplingParams
+
+    llm = LLM(model=folder, dtype="float32", kv_cache_memory=8 << 20, max_num_batched_tokens=16, max_num_seqs=4,
+              **llm_kwargs)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=1, ignore_eos=True)
+        return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+
+
 def assert_outputs_match_transformers(ref, prompts: list[list[int]], outs, *, abs_tol: float = 1e-4) -> None:
     """Each engine output (greedy, logprobs=1) against transformers' model `ref` run over prompt + the output:
     every token its argmax, every sampled token's logprob within abs_tol."""

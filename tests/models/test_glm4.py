@@ -30,6 +30,7 @@ from tests.helpers.driver import run_greedy
 from tests.models.conftest import (
     assert_cuda_engine_matches_cpu,
     assert_outputs_match_transformers,
+    chunked_engine_outputs,
     cut_at_eos,
     hf_greedy,
     hf_last_logits,
@@ -87,14 +88,7 @@ def test_engine_chunked_prefill_matches_transformers(tiny, name):
     """The real engine (Rust scheduler, paged KV, sampler) with a 16-token budget: the long prompt is
     prefilled in chunks; greedy tokens and their logprobs against transformers."""
     folder, _, ref = tiny[name]
-    llm = LLM(model=folder, dtype="float32", kv_cache_memory=8 << 20, max_num_batched_tokens=16, max_num_seqs=4,
-              max_model_len=256)
-    try:
-        params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    finally:
-        llm.engine.shutdown()
-    assert_outputs_match_transformers(ref, PROMPTS, outs)
+    assert_outputs_match_transformers(ref, PROMPTS, chunked_engine_outputs(folder, PROMPTS, max_model_len=256))
 
 
 # ---- what the configs build -------------------------------------------------------------------------

@@ -13,7 +13,6 @@ import os
 
 import pytest
 import torch
-from ferrox import LLM, SamplingParams
 from ferrox.distributed.parallel_state import TPGroup, use_tp_group
 from ferrox.errors import UnsupportedModelError
 from ferrox.loader.model_loader import load_model, load_model_spec
@@ -25,7 +24,13 @@ from ferrox.models.registry import get_model_class
 from tests.helpers import tiny_models, tiny_olmo_smollm3
 from tests.helpers.config_edit import copy_with_config as _copy_with_config
 from tests.helpers.driver import run_greedy
-from tests.models.conftest import assert_outputs_match_transformers, cut_at_eos, hf_greedy, hf_last_logits
+from tests.models.conftest import (
+    assert_outputs_match_transformers,
+    chunked_engine_outputs,
+    cut_at_eos,
+    hf_greedy,
+    hf_last_logits,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -80,14 +85,7 @@ def test_engine_chunked_prefill_matches_transformers(tiny, name):
     """The real engine (Rust scheduler, paged KV, sampler) with a 16-token budget: the long prompt is
     prefilled in chunks; greedy tokens and their logprobs against transformers."""
     folder, _, ref = tiny[name]
-    llm = LLM(model=folder, dtype="float32", kv_cache_memory=8 << 20, max_num_batched_tokens=16, max_num_seqs=4,
-              max_model_len=256)
-    try:
-        params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    finally:
-        llm.engine.shutdown()
-    assert_outputs_match_transformers(ref, PROMPTS, outs)
+    assert_outputs_match_transformers(ref, PROMPTS, chunked_engine_outputs(folder, PROMPTS, max_model_len=256))
 
 
 # ---- SmolLM3's NoPE layers and window -----------------------------------------------------------------

@@ -299,7 +299,6 @@ class Llama4ForCausalLM(MoeForCausalLM):
             if load_kv_scale(modules, name, tensor):
                 continue
             prefix, _, leaf = name.rpartition(".")
-            parent, _, proj = prefix.rpartition(".")
             try:
                 if prefix.endswith(".experts") and leaf in _STACKED:
                     experts = modules.get(prefix)

@@ -290,8 +290,6 @@ class MoeForCausalLM(nn.Module):
                 continue
             hf_name = name
             name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's MLP module name
-            prefix, _, leaf = name.rpartition(".")
-            parent, _, proj = prefix.rpartition(".")
             expert = _EXPERT_NAME.match(name)
             try:
                 if expert is not None and expert["proj"] in _EXPERT_SHARDS:
