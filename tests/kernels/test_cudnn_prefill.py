@@ -1,7 +1,8 @@
 """Long prefill chunks through cuDNN (kernels/cudnn_prefill.py).
 
 The merge of two attention parts runs under the Triton interpreter on CPU against a float64
-softmax over the union of both key sets. On an H200 the cuDNN path runs at real shapes against the
+softmax over the union of both key sets; the FP8 cache's gather-and-widen and scale folding run on
+CPU through the backend with cuDNN's call replaced by a torch softmax (the rest of the path real). On an H200 the cuDNN path runs at real shapes against the
 Triton prefill kernel and the float32 reference (ragged chunks, block tables with holes, GQA 4 and
 8, head_dim 64 and 128), and through the attention backend with decodes leading the batch.
 """
@@ -17,6 +18,7 @@ from ferrox.kernels.prefill_attention import prefill_attention
 from ferrox.kernels.reshape_and_cache import reshape_and_cache
 
 from tests.kernels.kernel_refs import PagedBatch, relative_error, sliced_paged_attention_ref
+from tests.kernels.test_kv_fp8 import FP8, K_SCALE, V_SCALE, fp8_cache, layer_scales, scales_tensor
 from tests.kernels.test_prefill_attention import _meta
 
 
@@ -29,8 +31,10 @@ def _part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("tokens, heads, head_dim", [(37, 3, 16), (5, 2, 24)], ids=["ragged", "dim24"])
-def test_merge_matches_attention_over_both_key_sets(kernel_device, seed, dtype, tokens, heads, head_dim):
+@pytest.mark.parametrize("tokens, heads, head_dim, out_scale", [(37, 3, 16, 1.0), (5, 2, 24, V_SCALE)],
+                         ids=["ragged", "dim24-scaled"])
+def test_merge_matches_attention_over_both_key_sets(kernel_device, seed, dtype, tokens, heads, head_dim,
+                                                     out_scale):
     q = torch.randn(tokens, heads, head_dim, device=kernel_device)
     k = 2 * torch.randn(29, heads, head_dim, device=kernel_device)  # wide scores: the parts' lse differ
     v = torch.randn(29, heads, head_dim, device=kernel_device)
@@ -42,9 +46,9 @@ def test_merge_matches_attention_over_both_key_sets(kernel_device, seed, dtype, 
     a_buf = a.to(dtype).transpose(0, 1).contiguous().transpose(0, 1)  # head-major storage: other strides
     out = torch.full((tokens, heads, head_dim), float("nan"), dtype=dtype, device=kernel_device)
     lse_a_token_major = lse_a.float().t().contiguous().t()  # cuDNN's ragged path: [H, T] over [T, H]
-    merge_attention_parts(out, a_buf, lse_a_token_major, b.to(dtype), lse_b.float().contiguous())
+    merge_attention_parts(out, a_buf, lse_a_token_major, b.to(dtype), lse_b.float().contiguous(), out_scale)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    assert relative_error(out.double(), expected) < tol
+    assert relative_error(out.double(), expected * out_scale) < tol
 
 
 def test_merge_names_the_bad_argument():
@@ -68,6 +72,59 @@ def test_gather_context_follows_the_block_table(contiguous):
     for pos in range(10):
         block, offset = int(blocks[pos // 4]), pos % 4
         assert torch.equal(k[pos], cache[0, block, offset]) and torch.equal(v[pos], cache[1, block, offset])
+
+
+def test_gather_widened_reads_an_fp8_cache_exactly():
+    """Runs on any device (plain torch): both planes of positions 0..length-1, widened without rounding."""
+    cache = (torch.randn(2, 9, 4, 2, 8) * 40).to(FP8)
+    blocks = torch.tensor([5, 2, 7], dtype=torch.int32)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        kv = cudnn_prefill.gather_widened(cache, blocks, 10, dtype)
+        assert kv.shape == (2, 10, 2, 8) and kv.dtype == dtype and kv.is_contiguous()
+        for pos in range(10):
+            block, offset = int(blocks[pos // 4]), pos % 4
+            assert torch.equal(kv[:, pos].float(), cache[:, block, offset].float())
+
+
+def _torch_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+    """cudnn_prefill._attend's contract in float64 torch (q [1, H, T, D]; k/v [S, Hkv, D]): what the
+    CPU tests put in place of the cuDNN call, to run the rest of the path."""
+    group = q.shape[1] // k.shape[1]
+    kh = k.double().transpose(0, 1).repeat_interleave(group, 0)
+    vh = v.double().transpose(0, 1).repeat_interleave(group, 0)
+    scores = q[0].double() @ kh.transpose(1, 2) * scale
+    if causal:  # square, top-left: the chunk over its own rows
+        scores = scores.masked_fill(torch.ones_like(scores[0], dtype=torch.bool).triu(1), float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ vh
+    return out.unsqueeze(0).to(q.dtype), torch.logsumexp(scores, dim=-1).float()
+
+
+def test_fp8_cache_chunks_read_the_cache_widened_with_scales_folded(kernel_device, seed, monkeypatch):
+    """An FP8 cache through the backend's cuDNN path (cuDNN's call replaced by a torch softmax): the
+    chunks' own rows and contexts are read back from the cache and widened, k_scale joins the softmax
+    scale and v_scale the output, so the step agrees with the Triton kernels over the same cache and
+    with attention over the hand-dequantized cache; both backends write the same bytes."""
+    monkeypatch.setattr(cudnn_prefill, "CUDNN_MIN_LEN", 128)  # chunks the interpreter runs in seconds
+    monkeypatch.setattr(cudnn_prefill, "_attend", _torch_attend)
+    calls: list[tuple[float, float] | None] = []
+    real = cudnn_prefill.cudnn_prefill_request
+    monkeypatch.setattr(cudnn_prefill, "cudnn_prefill_request", lambda *a: (calls.append(a[-1]), real(*a))[1])
+    batch = PagedBatch([1, 130, 140], [9, 0, 150], 4, 2, 16, 16, torch.float32, kernel_device)
+    cache, deq = fp8_cache(batch.kv_cache)
+    meta = _meta(batch)
+    off_cache, on_cache = cache.clone(), cache.clone()
+    expected = TritonAttentionBackend().forward(batch.q, batch.k, batch.v, off_cache, meta, batch.scale,
+                                                layer_scales(kernel_device))
+    backend = TritonAttentionBackend()
+    backend._cudnn_block_size = 16  # the path on, as _decide_cudnn sets it on an sm90 GPU
+    out = backend.forward(batch.q, batch.k, batch.v, on_cache, meta, batch.scale, layer_scales(kernel_device))
+    assert calls == [pytest.approx((K_SCALE, V_SCALE))] * 2  # (float32 scales as host numbers)
+    assert torch.equal(on_cache.view(torch.uint8), off_cache.view(torch.uint8))
+    assert relative_error(out, expected) < 1e-5
+    # the reference over the written cache, dequantized by hand
+    batch.kv_cache = torch.stack((on_cache[0].float() * K_SCALE, on_cache[1].float() * V_SCALE))
+    assert relative_error(out, sliced_paged_attention_ref(batch)) < 1e-5
+    assert deq.shape == batch.kv_cache.shape
 
 
 def test_plan_buckets_cover_every_reachable_length():
@@ -103,6 +160,9 @@ def test_scratch_reserve_covers_the_largest_gather():
     gathered = 2 * (131072 - CUDNN_MIN_LEN) * 8 * 128 * 2
     assert gathered < reserve < gathered + (512 << 20)  # + q/k/v copies, two outputs, workspace
     assert cudnn_prefill.scratch_bytes(32, 8, 128, 2, 512, 131072) == 0  # chunks never reach the cut
+    # An FP8 cache gathers the chunk's rows too, as bytes, then widens them: half as much again.
+    fp8 = cudnn_prefill.scratch_bytes(32, 8, 128, 2, 8192, 131072, fp8_cache=True)
+    assert fp8 - reserve >= gathered // 2
 
 
 def test_step_plan_divides_requests_between_cudnn_and_the_prefill_kernel():
@@ -198,7 +258,34 @@ def test_cudnn_request_matches_the_prefill_kernel(cuda_device, seed, dtype, head
 
 
 @pytest.mark.gpu
-def test_backend_takes_cudnn_for_long_chunks_beside_decodes(cuda_device, seed, monkeypatch):
+@pytest.mark.parametrize("exact", [False, True], ids=["bucketed", "exact"])
+def test_cudnn_request_over_an_fp8_cache(cuda_device, seed, exact):
+    """The same ragged requests over an FP8 cache: the chunk's own rows read back from the cache,
+    against the Triton prefill kernel over that cache and the float32 reference over its
+    hand-dequantized copy."""
+    _cudnn_or_skip(cuda_device)
+    query_lens, context_lens = [1500, 1100, 2048], [0, 3333, 1024]
+    batch = PagedBatch(query_lens, context_lens, 32, 8, 128, 16, torch.bfloat16, cuda_device)
+    reshape_and_cache(batch.k, batch.v, batch.kv_cache, batch.slot_mapping)
+    cache, deq = fp8_cache(batch.kv_cache)
+    triton_out = prefill_attention(batch.q, cache, batch.query_start_loc, batch.seq_lens, batch.block_table,
+                                   scale=batch.scale, kv_scale=scales_tensor(cuda_device))
+    out = torch.full_like(batch.q, float("nan"))
+    starts = batch.query_start_loc.tolist()
+    for r, context in enumerate(context_lens):
+        a, b = starts[r], starts[r + 1]
+        blocks = batch.block_table[r, : -(-(context + b - a) // 16)]
+        cudnn_prefill.cudnn_prefill_request(out[a:b], batch.q[a:b], batch.k[a:b], batch.v[a:b], cache, blocks,
+                                            context, batch.scale, exact, (K_SCALE, V_SCALE))
+    assert not out.isnan().any()
+    batch.kv_cache = deq
+    assert relative_error(out.float(), sliced_paged_attention_ref(batch)) < 1.5e-2
+    assert relative_error(out.float(), triton_out.float()) < 1.5e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+def test_backend_takes_cudnn_for_long_chunks_beside_decodes(cuda_device, seed, monkeypatch, fp8):
     """Through TritonAttentionBackend.forward: decodes first, then two long chunks with a short one
     between them; the cuDNN path is taken for the long ones (counted) and the whole step agrees with
     the same backend with the path off."""
@@ -208,12 +295,18 @@ def test_backend_takes_cudnn_for_long_chunks_beside_decodes(cuda_device, seed, m
     calls: list[int] = []
     real = cudnn_prefill.cudnn_prefill_request
     monkeypatch.setattr(cudnn_prefill, "cudnn_prefill_request", lambda *a: (calls.append(1), real(*a))[1])
-    out = TritonAttentionBackend().forward(batch.q, batch.k, batch.v, batch.kv_cache, meta, batch.scale)
+    kv_cache, scales = batch.kv_cache, None
+    if fp8:
+        kv_cache, scales = fp8_cache(batch.kv_cache)[0], layer_scales(cuda_device)
+    on_cache = kv_cache.clone()
+    out = TritonAttentionBackend().forward(batch.q, batch.k, batch.v, on_cache, meta, batch.scale, scales)
     assert len(calls) == 2
     monkeypatch.setenv("FERROX_CUDNN_PREFILL", "0")
-    expected = TritonAttentionBackend().forward(batch.q, batch.k, batch.v, batch.kv_cache, meta, batch.scale)
+    expected = TritonAttentionBackend().forward(batch.q, batch.k, batch.v, kv_cache, meta, batch.scale, scales)
     assert len(calls) == 2
     assert relative_error(out.float(), expected.float()) < 1.5e-2
+    if fp8:
+        batch.kv_cache = torch.stack((kv_cache[0].float() * K_SCALE, kv_cache[1].float() * V_SCALE))
     assert relative_error(out.float(), sliced_paged_attention_ref(batch)) < 1.5e-2
 
 

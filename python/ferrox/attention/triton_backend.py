@@ -21,9 +21,9 @@ Long chunks on Hopper: the prefill requests of such a step whose chunk and cache
 0 or at least CUDNN_MIN_LEN tokens long attend through cuDNN instead, one request at a time
 (kernels/cudnn_prefill.py: ~1.4x the prefill kernel's rate at long contexts); the shorter ones
 beside them keep the prefill kernel, one launch per run of consecutive requests. Only in `forward`,
-which has the chunk's own k/v rows; with an FP8 cache, a sliding window, attention sinks (gpt-oss) or
-attention chunks (Llama 4) the Triton kernels keep them, and so do decodes that would otherwise take the
-CUDA decode kernel.
+which has the chunk's own k/v rows (an FP8 cache's are read back from the cache, widened); with a
+sliding window, attention sinks (gpt-oss) or attention chunks (Llama 4) the Triton kernels keep them,
+and so do decodes that would otherwise take the CUDA decode kernel.
 """
 
 from __future__ import annotations
@@ -213,9 +213,9 @@ class TritonAttentionBackend(AttentionBackend):
         self._decide_cudnn(q, kv_cache, sinks)
         plan = self._plan_for(meta)
         # (cuDNN has no sliding window, no sinks and no chunks: such layers keep the Triton kernels.)
-        if plan.cudnn_requests and not window and not chunk and sinks is None:  # never with an FP8 cache (_decide_cudnn)
+        if plan.cudnn_requests and not window and not chunk and sinks is None:
             try:
-                return self._attend_cudnn(q, k, v, kv_cache, meta, plan, scale, out)
+                return self._attend_cudnn(q, k, v, kv_cache, meta, plan, scale, out, kv_scales)
             except RuntimeError as exc:
                 # cuDNN refusing a shape (no plan for it) must not fail the step's requests: this
                 # backend keeps the Triton kernels from now on, this step included.
@@ -260,21 +260,30 @@ class TritonAttentionBackend(AttentionBackend):
 
     def _attend_cudnn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                       meta: AttentionMetadata, plan: _StepPlan, scale: float,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, kv_scales: KVCacheScales | None = None) -> torch.Tensor:
         if out is None:
             out = torch.empty_like(q)
+        kv_scale = kv_scales.scales if kv_scales is not None else None
         nd = plan.num_decodes
         if nd:
             unified_attention(q[:nd], kv_cache, meta.query_start_loc[: nd + 1], meta.seq_lens[:nd],
                               meta.block_table[:nd], max_query_len=1, max_seq_len=meta.max_seq_len, scale=scale,
-                              out=out[:nd])
+                              out=out[:nd], kv_scale=kv_scale)
         for r0, r1, a, b in plan.prefill_runs:  # shorter chunks beside the long ones
             prefill_attention(q[a:b], kv_cache, meta.query_start_loc[r0:r1 + 1] - a, meta.seq_lens[r0:r1],
-                              meta.block_table[r0:r1], scale=scale, out=out[a:b])
+                              meta.block_table[r0:r1], scale=scale, out=out[a:b], kv_scale=kv_scale)
+        # An FP8 cache: the kernel reads the chunk's own rows from the cache too (their blocks as well),
+        # with the scales as host numbers (no device read per layer).
+        fp8 = kv_cache.dtype != q.dtype
+        host_scales = (kv_scales.k_scale, kv_scales.v_scale) if kv_scales is not None else (1.0, 1.0)
+        block_size = kv_cache.shape[2]
         for r, a, b, context, blocks in plan.cudnn_requests:
             exact = cudnn_prefill.takes_exact_plan(b - a, context, self._cudnn_exact_chunk)
+            if fp8:
+                blocks = -(-(context + b - a) // block_size)
             cudnn_prefill.cudnn_prefill_request(out[a:b], q[a:b], k[a:b], v[a:b], kv_cache,
-                                                meta.block_table[r, :blocks], context, scale, exact)
+                                                meta.block_table[r, :blocks], context, scale, exact,
+                                                host_scales if fp8 else None)
         return out
 
     def decode_path(self, layers: Sequence[OneTokenLayer] | None,

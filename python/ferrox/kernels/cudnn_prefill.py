@@ -31,8 +31,16 @@ The causal part over the chunk itself keeps its bucket: ~3% faster alone as an e
 measurably faster end to end, and one plan fewer. Any other chunk (the prompt's last, one beside
 decodes, a prefix-cache hit off the grid) takes its buckets.
 
+FP8 caches. cuDNN's bf16 attention cannot read E4M3 bytes, so with an FP8 cache both parts read
+the cache: the chunk's own rows (already written this step) and its context are gathered together
+as bytes and widened to the model's dtype -- exact, every E4M3 value is a bf16 and an fp16 value --,
+k_scale joins the softmax scale and v_scale multiplies the merged output, as in the Triton kernels,
+so a chunk sees the same numbers whichever kernel attends it. Without this path a long prompt over an
+FP8 cache took the Triton prefill kernel (122k-token TTFT 15.0 s against ~9.8 s for a 16-bit cache
+on the H200, benches/RESULTS.md).
+
 Used by attention/triton_backend.py for prefill requests whose chunk and cached context are both
-0 or at least CUDNN_MIN_LEN tokens long, on sm90 GPUs with a bf16/fp16 (not FP8) cache and
+0 or at least CUDNN_MIN_LEN tokens long, on sm90 GPUs with a bf16/fp16 or FP8 (E4M3) cache and
 head_dim <= 128; FERROX_CUDNN_PREFILL=0 turns it off. Where cuDNN raises (a shape it has no plan
 for), the backend logs it and keeps the Triton kernels from then on, that step included. The GPU
 tests compare this path with the Triton prefill kernel (tests/kernels/test_cudnn_prefill.py); the
@@ -48,6 +56,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from ferrox.kernels.kv_fp8 import FP8_KV_DTYPE
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +86,9 @@ def cudnn_prefill_supported(device: torch.device, dtype: torch.dtype, head_dim: 
 
 def cudnn_prefill_applies(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> bool:
     """Whether an engine of this model dtype and KV cache dtype takes the path: the one rule both the
-    attention backend and the KV budget (worker/model_setup.py) follow. Not with an FP8 cache, whose
-    scales the cuDNN call would not apply, nor when the user set TORCH_CUDNN_SDPA_AVOID_RECOMPILE=0."""
-    return (kv_dtype == dtype and os.environ.get(_AVOID_RECOMPILE) != "0"
+    attention backend and the KV budget (worker/model_setup.py) follow. A cache of the model's dtype
+    or an FP8 one (widened as it is gathered); not when the user set TORCH_CUDNN_SDPA_AVOID_RECOMPILE=0."""
+    return (kv_dtype in (dtype, FP8_KV_DTYPE) and os.environ.get(_AVOID_RECOMPILE) != "0"
             and cudnn_prefill_supported(device, dtype, head_dim))
 
 
@@ -132,7 +142,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
 
 
 @triton.jit
-def _merge_kernel(out_ptr, a_ptr, lse_a_ptr, b_ptr, lse_b_ptr, num_tokens,
+def _merge_kernel(out_ptr, a_ptr, lse_a_ptr, b_ptr, lse_b_ptr, num_tokens, out_scale,
                   stride_ot, stride_oh, stride_at, stride_ah, stride_bt, stride_bh,
                   stride_lah, stride_lat, stride_lbh, stride_lbt,
                   HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
@@ -148,17 +158,17 @@ def _merge_kernel(out_ptr, a_ptr, lse_a_ptr, b_ptr, lse_b_ptr, num_tokens,
     wb = tl.exp(lse_b - top)
     a = tl.load(a_ptr + rows[:, None] * stride_at + head * stride_ah + cols[None, :], mask=mask, other=0.0)
     b = tl.load(b_ptr + rows[:, None] * stride_bt + head * stride_bh + cols[None, :], mask=mask, other=0.0)
-    merged = (a.to(tl.float32) * wa[:, None] + b.to(tl.float32) * wb[:, None]) / (wa + wb)[:, None]
+    merged = (a.to(tl.float32) * wa[:, None] + b.to(tl.float32) * wb[:, None]) * (out_scale / (wa + wb))[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + cols[None, :],
              merged.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def merge_attention_parts(out: torch.Tensor, a: torch.Tensor, lse_a: torch.Tensor, b: torch.Tensor,
-                          lse_b: torch.Tensor) -> torch.Tensor:
+                          lse_b: torch.Tensor, out_scale: float = 1.0) -> torch.Tensor:
     """out [T, H, D] = softmax-weighted union of two attention results over disjoint key sets:
     a, b [T, H, D] (any token/head strides, unit last stride), lse_a, lse_b float32 [H, T] (any
     strides: cuDNN's are head-major, or token-major on its ragged path; natural log of each part's
-    softmax denominator, scores scaled)."""
+    softmax denominator, scores scaled), times out_scale (an FP8 cache's v_scale)."""
     num_tokens, num_heads, head_dim = out.shape
     for name, t in (("a", a), ("b", b)):
         if t.shape != out.shape or t.stride(-1) != 1:
@@ -172,39 +182,68 @@ def merge_attention_parts(out: torch.Tensor, a: torch.Tensor, lse_a: torch.Tenso
         raise ValueError("out needs a unit last stride")
     block_t = 16
     _merge_kernel[(triton.cdiv(num_tokens, block_t), num_heads)](
-        out, a, lse_a, b, lse_b, num_tokens, out.stride(0), out.stride(1), a.stride(0), a.stride(1),
+        out, a, lse_a, b, lse_b, num_tokens, float(out_scale), out.stride(0), out.stride(1), a.stride(0), a.stride(1),
         b.stride(0), b.stride(1), lse_a.stride(0), lse_a.stride(1), lse_b.stride(0), lse_b.stride(1),
         HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_T=block_t, num_warps=4)
     return out
 
 
-def gather_context(kv_cache: torch.Tensor, block_ids: torch.Tensor, context_len: int):
-    """A request's first context_len cached positions as contiguous K and V [context_len, Hkv, D].
+def _gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """The listed blocks of both planes, in order: [2, len(block_ids) * block_size, Hkv, D], contiguous.
     One index_select over the cache seen as rows of whole blocks (K's, then V's): 2.8x faster on the
     H200 than selecting along the block dimension of the 5-D cache (0.26 vs 0.72 ms at 114k tokens)."""
     planes, num_blocks, _, num_kv_heads, head_dim = kv_cache.shape
     if kv_cache.is_contiguous():
         rows = torch.cat((block_ids, block_ids + num_blocks))
-        kv = kv_cache.view(planes * num_blocks, -1).index_select(0, rows).view(planes, -1, num_kv_heads, head_dim)
-    else:
-        kv = kv_cache.index_select(1, block_ids).flatten(1, 2)
+        return kv_cache.view(planes * num_blocks, -1).index_select(0, rows).view(planes, -1, num_kv_heads, head_dim)
+    return kv_cache.index_select(1, block_ids).flatten(1, 2)
+
+
+def gather_context(kv_cache: torch.Tensor, block_ids: torch.Tensor, context_len: int):
+    """A request's first context_len cached positions as contiguous K and V [context_len, Hkv, D]."""
+    kv = _gather_blocks(kv_cache, block_ids)
     return kv[0, :context_len], kv[1, :context_len]
+
+
+def gather_widened(kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """An FP8 cache's first `length` positions of both planes widened to dtype: [2, length, Hkv, D],
+    contiguous, still unscaled (the caller applies k_scale / v_scale). The blocks move as bytes (index
+    kernels need not know the FP8 type), then one widening copy."""
+    kv = _gather_blocks(kv_cache.view(torch.uint8), block_ids)[:, :length]
+    return kv.view(kv_cache.dtype).to(dtype, memory_format=torch.contiguous_format)
 
 
 def cudnn_prefill_request(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           kv_cache: torch.Tensor, block_ids: torch.Tensor, context_len: int,
-                          scale: float, exact: bool = False) -> None:
+                          scale: float, exact: bool = False, kv_scales: tuple[float, float] | None = None) -> None:
     """One request's chunk: q [T, H, D], its own k/v [T, Hkv, D] (this step's rows), block_ids its
     first ceil(context_len / block_size) blocks (int, on the device); writes out [T, H, D]. exact:
-    the warm-up built the exact plan of this chunk's context part (`takes_exact_plan`)."""
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # no copy unless a qkv split's view
+    the warm-up built the exact plan of this chunk's context part (`takes_exact_plan`).
+
+    An FP8 cache (kv_scales: its (k_scale, v_scale) as host numbers) is read for the own rows too, so
+    block_ids must then cover the chunk as well: ceil((context_len + T) / block_size) blocks; k/v
+    are not read."""
+    q = q.contiguous()  # no copy unless a qkv split's view
+    out_scale = 1.0
+    if kv_scales is None:
+        k, v = k.contiguous(), v.contiguous()
+    else:
+        kv = gather_widened(kv_cache, block_ids, context_len + q.shape[0], q.dtype)
+        k, v = kv[0, context_len:], kv[1, context_len:]
+        scale, out_scale = scale * kv_scales[0], kv_scales[1]
     own, own_lse = _attend(_query(q, False), k, v, True, scale)
     if context_len == 0:
-        out.copy_(own[0].transpose(0, 1))
+        if out_scale == 1.0:
+            out.copy_(own[0].transpose(0, 1))
+        else:
+            torch.mul(own[0].transpose(0, 1), out_scale, out=out)
         return
-    ck, cv = gather_context(kv_cache, block_ids, context_len)
+    if kv_scales is None:
+        ck, cv = gather_context(kv_cache, block_ids, context_len)
+    else:
+        ck, cv = kv[0, :context_len], kv[1, :context_len]
     ctx, ctx_lse = _attend(_query(q, exact), ck, cv, False, scale)
-    merge_attention_parts(out, own[0].transpose(0, 1), own_lse, ctx[0].transpose(0, 1), ctx_lse)
+    merge_attention_parts(out, own[0].transpose(0, 1), own_lse, ctx[0].transpose(0, 1), ctx_lse, out_scale)
 
 
 def plan_buckets(max_query_len: int, max_model_len: int) -> tuple[list[int], list[int]]:
@@ -261,16 +300,20 @@ def warm_up_exact_plans(device: torch.device, dtype: torch.dtype, num_heads: int
 
 
 def scratch_bytes(num_heads: int, num_kv_heads: int, head_dim: int, element_size: int, max_query_len: int,
-                  max_model_len: int) -> int:
+                  max_model_len: int, fp8_cache: bool = False) -> int:
     """The most device memory one layer's cuDNN prefill holds beyond the Triton path's, for the KV
     budget (worker/model_setup.py): the gathered context K/V, contiguous q/k/v copies, both parts'
-    outputs and log-sum-exps, and a margin for cuDNN's workspace."""
+    outputs and log-sum-exps, and a margin for cuDNN's workspace. An FP8 cache gathers the chunk's
+    rows too, as bytes and then widened."""
     chunks, _ = plan_buckets(max_query_len, max_model_len)
     if not chunks:
         return 0
     t = min(max_query_len, max_model_len)
-    context = max_model_len - CUDNN_MIN_LEN
     row = head_dim * element_size
+    if fp8_cache:
+        gathered = 2 * max_model_len * num_kv_heads * head_dim * (element_size + 1)
+    else:
+        gathered = 2 * (max_model_len - CUDNN_MIN_LEN) * num_kv_heads * row
     # (num_heads twice: the contiguous q and its head-major copy for an exact-shape plan)
-    return (2 * context * num_kv_heads * row + t * (2 * num_heads + 2 * num_kv_heads) * row
+    return (gathered + t * (2 * num_heads + 2 * num_kv_heads) * row
             + 2 * t * num_heads * (row + 4) + (64 << 20))

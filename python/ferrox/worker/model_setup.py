@@ -350,7 +350,8 @@ def _cudnn_prefill_reserve(model: Any, spec: Any, dtype: torch.dtype, kv_dtype: 
     if not cudnn_prefill.cudnn_prefill_applies(device, dtype, kv_dtype, spec.head_dim):
         return 0
     return cudnn_prefill.scratch_bytes(spec.num_heads // tp_size, local_num_kv_heads(spec, tp_size), spec.head_dim,
-                                       torch.empty((), dtype=dtype).element_size(), num_tokens, max_model_len)
+                                       torch.empty((), dtype=dtype).element_size(), num_tokens, max_model_len,
+                                       fp8_cache=kv_dtype != dtype)
 
 
 @torch.inference_mode()
