@@ -28,7 +28,6 @@ figures (the two ratios) last. About 4-6 minutes on an H200.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
@@ -77,15 +76,6 @@ def make_llm(model_dir: str, args: argparse.Namespace, **kw: Any) -> Any:
 
     return LLM(model=model_dir, load_format="dummy", dtype="bfloat16", max_model_len=args.max_model_len,
                max_num_seqs=args.max_num_seqs, kv_cache_memory=int(args.kv_cache_gib * (1 << 30)), **kw)
-
-
-def release(llm: Any) -> None:
-    import torch
-
-    llm.engine.shutdown()
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def decode_step_ms(llm: Any, max_id: int, input_len: int, output_len: int, iters: int) -> float:
@@ -292,7 +282,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ready_s = time.perf_counter() - start
         step = decode_step_ms(llm, max_id, args.decode_input_len, args.decode_output_len, args.decode_iters)
         tput = throughput(llm, max_id, args.num_prompts, args.input_len, args.output_len)
-        release(llm)
+        bench_setup.release_engine(llm)
         result[name] = {"startup_s": round(ready_s, 1), "decode_step_ms": round(step, 3),
                         "floor_ms": round(floors_ms[name], 3), "step_over_floor": round(step / floors_ms[name], 3),
                         **{k: round(v, 1) for k, v in tput.items()}}

@@ -18,7 +18,6 @@ Prints a table, the figure last; --json writes the rows. Needs a CUDA GPU (< 5 m
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
@@ -36,7 +35,6 @@ KV_BYTES = {"auto": 2, "fp8": 1}  # per K/V element: bf16 / float8_e4m3fn
 
 def run_cache_dtype(model_dir: str, config: dict[str, Any], kv_cache_dtype: str, args: argparse.Namespace
                     ) -> dict[str, float]:
-    import torch
     from ferrox import LLM, SamplingParams
 
     max_model_len = -(-(args.context + args.decode_steps + 1) // 16) * 16
@@ -58,10 +56,8 @@ def run_cache_dtype(model_dir: str, config: dict[str, Any], kv_cache_dtype: str,
         tail = timer.times_ms[-max(1, args.decode_steps * 3 // 4):]
         return {"kv_tokens": capacity, "decode_step_ms": statistics.median(tail)}
     finally:
-        llm.engine.shutdown()
+        bench_setup.release_engine(llm)
         del llm
-        gc.collect()
-        torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:

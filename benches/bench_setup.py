@@ -203,6 +203,19 @@ def measure_matmul_tflops() -> float:
     return 2 * 8192**3 / _median_ms(lambda: a @ b, 20) / 1e9
 
 
+def release_engine(llm: Any) -> None:
+    """Shut an LLM's engine down and give its GPU memory back (the next engine, or a floor's buffers,
+    need what its KV cache held). The caller drops its own reference too."""
+    import gc
+
+    import torch
+
+    llm.engine.shutdown()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def timed_ms(fn, reps: int) -> list[float]:
     """CUDA-event times (ms) of `reps` runs of fn, after 3 untimed ones."""
     import torch

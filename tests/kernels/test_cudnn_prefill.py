@@ -106,9 +106,9 @@ def test_fp8_cache_chunks_read_the_cache_widened_with_scales_folded(kernel_devic
     with attention over the hand-dequantized cache; both backends write the same bytes."""
     monkeypatch.setattr(cudnn_prefill, "CUDNN_MIN_LEN", 128)  # chunks the interpreter runs in seconds
     monkeypatch.setattr(cudnn_prefill, "_attend", _torch_attend)
-    calls: list[tuple[float, float] | None] = []
+    calls: list[tuple[float, float] | None] = []  # kv_scales, the tenth argument
     real = cudnn_prefill.cudnn_prefill_request
-    monkeypatch.setattr(cudnn_prefill, "cudnn_prefill_request", lambda *a: (calls.append(a[-1]), real(*a))[1])
+    monkeypatch.setattr(cudnn_prefill, "cudnn_prefill_request", lambda *a: (calls.append(a[9]), real(*a))[1])
     batch = PagedBatch([1, 130, 140], [9, 0, 150], 4, 2, 16, 16, torch.float32, kernel_device)
     cache, deq = fp8_cache(batch.kv_cache)
     meta = _meta(batch)
@@ -326,7 +326,7 @@ def test_warm_up_builds_the_reachable_plans(cuda_device, seed, monkeypatch):
     batch = PagedBatch([4096], [4096], 8, 2, 64, 16, torch.bfloat16, cuda_device)
     calls: list[bool] = []
     real = cudnn_prefill.cudnn_prefill_request
-    monkeypatch.setattr(cudnn_prefill, "cudnn_prefill_request", lambda *a: (calls.append(a[-1]), real(*a))[1])
+    monkeypatch.setattr(cudnn_prefill, "cudnn_prefill_request", lambda *a: (calls.append(a[8]), real(*a))[1])
     out = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, _meta(batch), batch.scale)
     assert calls == [True]
     expected = prefill_attention(batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_table,
