@@ -148,6 +148,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     config = json.loads(Path(args.config).read_text())
     max_model_len = -(-(max(lengths) + args.decode_steps + 1) // args.block_size) * args.block_size
     extra = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
+    # The floors first: their buffers (8 GiB) would not fit beside the engine's KV cache on an 80 GB GPU.
+    matmul_tflops = bench_setup.measure_matmul_tflops()
+    read_gbps, read_source = read_bandwidth_gbps()
+    torch.cuda.empty_cache()  # (their buffers back to the device before the engine sizes its cache)
     llm = LLM(model=bench_setup.make_model_dir(args.config), load_format="dummy", dtype="bfloat16",
               max_model_len=max_model_len, max_num_seqs=8, enable_prefix_caching=False, block_size=args.block_size,
               kv_cache_dtype=args.kv_cache_dtype, **extra)
@@ -158,11 +162,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
     # A length listed twice runs twice (the second run shows what the first paid once).
     results = [(length, run_length(llm, config, length, args.decode_steps)) for length in lengths]
-    # The floors' buffers (8 GiB) need the memory the engine's KV cache holds (an 80 GB H100 has none left).
-    bench_setup.release_engine(llm)
-    del llm
-    matmul_tflops = bench_setup.measure_matmul_tflops()
-    read_gbps, read_source = read_bandwidth_gbps()
     rows = []
     for length, r in results:
         compute_floor_s = prefill_flops(config, length) / (matmul_tflops * 1e12)
