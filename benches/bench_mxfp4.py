@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-from ferrox.kernels.fused_moe import GemvConfig, fused_moe  # noqa: E402
+from ferrox.kernels.fused_moe import GemmConfig, GemvConfig, choose_gemm_config, fused_moe  # noqa: E402
 from ferrox.layers.quant.mxfp4 import dequantize_mxfp4  # noqa: E402
 
 HIDDEN, INTER, TOP_K = 2880, 2880, 4
@@ -61,16 +61,18 @@ def _routing(tokens: int, num_experts: int, gen: torch.Generator) -> tuple[torch
     return torch.softmax(values, dim=-1), ids
 
 
-def _run(layer: dict[str, torch.Tensor], x: torch.Tensor, weights, ids, gemv: GemvConfig | None = None):
+def _run(layer: dict[str, torch.Tensor], x: torch.Tensor, weights, ids, gemv: GemvConfig | None = None,
+         gemm: GemmConfig | None = None):
     return fused_moe(x, layer["w13"], layer["w2"], weights, ids, w13_scale=layer.get("w13_scale"),
                      w2_scale=layer.get("w2_scale"), w13_bias=layer["w13_bias"], w2_bias=layer["w2_bias"],
-                     swiglu_oai=SWIGLU, gemv_config=gemv)
+                     swiglu_oai=SWIGLU, gemv_config=gemv, config=gemm)
 
 
-def _time_layers(layers, xs, routes, gemv: GemvConfig | None = None, iters: int = 20) -> tuple[float, torch.Tensor]:
+def _time_layers(layers, xs, routes, gemv: GemvConfig | None = None, iters: int = 20,
+                 gemm: GemmConfig | None = None) -> tuple[float, torch.Tensor]:
     """(microseconds per layer, the first layer's output) of the layers captured in one CUDA graph."""
     def step():
-        return [_run(layer, x, w, i, gemv) for layer, x, (w, i) in zip(layers, xs, routes, strict=True)]
+        return [_run(layer, x, w, i, gemv, gemm) for layer, x, (w, i) in zip(layers, xs, routes, strict=True)]
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -104,6 +106,8 @@ def main() -> None:
     parser.add_argument("--models", default="20b,120b")
     parser.add_argument("--tokens", default="1,64,1024")
     parser.add_argument("--sweep", action="store_true", help="also time one-token MXFP4 tile choices")
+    parser.add_argument("--gemm-sweep", action="store_true",
+                        help="also time the grouped GEMM's configs for MXFP4 at the largest token count")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_mxfp4.py needs a CUDA GPU")
@@ -126,6 +130,8 @@ def main() -> None:
                 results[fmt][tokens] = (us, out, _one_token_bytes(layers[0], routes[0][1]) if tokens == 1 else 0)
                 if fmt == "mxfp4" and tokens == 1 and args.sweep:
                     _sweep(model, layers, xs, routes)
+                if fmt == "mxfp4" and tokens == max(token_counts) and args.gemm_sweep:
+                    _gemm_sweep(model, tokens, num_experts, layers, xs, routes)
             del layers
             torch.cuda.empty_cache()
         for tokens in token_counts:
@@ -153,6 +159,36 @@ def _sweep(model: str, layers, xs, routes) -> None:
             cfg = GemvConfig(gate_up[0], gate_up[1], down[0], down[1], 4)
             us, _ = _time_layers(layers, xs, routes, cfg, iters=10)
             print(f"  {gate_up[0]} x {gate_up[1]}, {down[0]} x {down[1]}: {us:.1f}")
+
+
+def _gemm_sweep(model: str, tokens: int, num_experts: int, layers, xs, routes) -> None:
+    """The grouped GEMM's configs (rows x columns x K tile, warps, stages) for MXFP4 experts: us per layer."""
+    base = choose_gemm_config(tokens * TOP_K, num_experts)
+    print(f"grouped GEMM configs, MXFP4, gpt-oss-{model}, {tokens} tokens (default {base}; us/layer)")
+    best = None
+    for m in (64, 128):
+        for n in (64, 128):
+            for k in (64, 128, 256):
+                for warps in (4, 8):
+                    cfg = GemmConfig(m, n, k, warps, 3)
+                    try:
+                        us, _ = _time_layers(layers, xs, routes, iters=10, gemm=cfg)
+                    except Exception as exc:  # (a tile that does not fit shared memory)
+                        print(f"  {m} x {n} x {k}, {warps} warps: {type(exc).__name__}")
+                        continue
+                    print(f"  {m} x {n} x {k}, {warps} warps: {us:.1f}")
+                    if best is None or us < best[0]:
+                        best = (us, cfg)
+    if best is not None:
+        for stages in (2, 4):
+            cfg = GemmConfig(best[1].block_m, best[1].block_n, best[1].block_k, best[1].num_warps, stages)
+            try:
+                us, _ = _time_layers(layers, xs, routes, iters=10, gemm=cfg)
+            except Exception as exc:
+                print(f"  {cfg}: {type(exc).__name__}")
+                continue
+            print(f"  {cfg}: {us:.1f}")
+        print(f"  best of the grid: {best[1]} {best[0]:.1f}")
 
 
 if __name__ == "__main__":
