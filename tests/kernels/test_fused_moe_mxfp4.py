@@ -99,10 +99,11 @@ def test_mxfp4_experts_refuse_mismatched_scales(kernel_device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 4, 64, 300])
+@pytest.mark.parametrize("tokens", [1, 4, 64, 300, 2048])
 def test_mxfp4_experts_at_gpt_oss_20b_shapes(cuda_device, tokens):
     """gpt-oss-20b's layer (hidden 2880, experts of 2880, 32 experts, top 4) in bf16 with the tiles
-    fused_moe picks, against the dequantized weights in the same kernels."""
+    fused_moe picks (each of the grouped GEMM's MXFP4 load classes), against the dequantized weights
+    in the same kernels."""
     gen = torch.Generator().manual_seed(tokens)
     experts, hidden, inter, top_k = 32, 2880, 2880, 4
     b13, s13 = _packed(gen, experts, 2 * inter, hidden)

@@ -816,6 +816,21 @@ def _fp8_gemm_config(cfg: GemmConfig, block: tuple[int, int] | None) -> GemmConf
     return dataclasses.replace(cfg, block_k=block_k, num_stages=stages)
 
 
+def _mxfp4_gemm_config(num_pairs: int, num_experts: int) -> GemmConfig:
+    """The grouped GEMM's tile for MXFP4 experts, from `benches/bench_mxfp4.py --gemm-sweep` on an
+    H100 (1024 tokens, us a gpt-oss layer, the float experts' tiles -> these): gpt-oss-20b (128 rows an
+    expert) 1472 -> 1177 with 128 x 64 tiles, gpt-oss-120b (32 rows) 2459 -> 2133 with 64 x 64, both at
+    4 warps. Hopper's dot_scaled widens each e2m1 weight tile to bf16 in registers on its way to the
+    MMA: column tiles of 64 halve that work a step against 128, and more rows reuse each widened tile.
+    Light loads (at most 16 rows an expert) keep the float tiles."""
+    per_expert = num_pairs / num_experts
+    if per_expert <= 16:
+        return choose_gemm_config(num_pairs, num_experts)
+    if per_expert <= 64:
+        return GemmConfig(64, 64, 64, 4, 3)
+    return GemmConfig(128, 64, 64, 4, 4)
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 tests must not silently drop to tf32 on the GPU.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -979,7 +994,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         )
         return out
 
-    cfg = config or choose_gemm_config(num_pairs, num_experts)
+    cfg = config or (_mxfp4_gemm_config(num_pairs, num_experts) if mxfp4 else choose_gemm_config(num_pairs, num_experts))
     if fp8:
         cfg = _fp8_gemm_config(cfg, block)
     elif mxfp4:  # K tiles of whole 32-column groups (each half a dot's K of 16 or more)
