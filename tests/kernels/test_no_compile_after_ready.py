@@ -222,6 +222,7 @@ def _first_time_traffic(llm: LLM, seed: int) -> None:
 
     long_prompt = ids(budget + budget // 2)
     run([long_prompt], params(1, 2))  # two chunks
+    run([ids(2 * budget + 10)], params(1, 2))  # whole chunks: the second's context part takes its exact cuDNN plan
     run([long_prompt[: budget + 100] + ids(5)], params(1, 2))  # prefix hit, short query
     run([long_prompt[: budget + 100] + ids(120)], params(1, 2))  # prefix hit, query past the prefill-kernel cut
     run([long_prompt[:budget] + ids(3) for _ in range(16)], params(16, 2))  # 16 hits in one step
