@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-from ferrox.kernels.fused_moe import GemmConfig, GemvConfig, choose_gemm_config, fused_moe  # noqa: E402
+from ferrox.kernels.fused_moe import GemmConfig, GemvConfig, _mxfp4_gemm_config, fused_moe  # noqa: E402
 from ferrox.layers.quant.mxfp4 import dequantize_mxfp4  # noqa: E402
 
 HIDDEN, INTER, TOP_K = 2880, 2880, 4
@@ -163,7 +163,7 @@ def _sweep(model: str, layers, xs, routes) -> None:
 
 def _gemm_sweep(model: str, tokens: int, num_experts: int, layers, xs, routes) -> None:
     """The grouped GEMM's configs (rows x columns x K tile, warps, stages) for MXFP4 experts: us per layer."""
-    base = choose_gemm_config(tokens * TOP_K, num_experts)
+    base = _mxfp4_gemm_config(tokens * TOP_K, num_experts)
     print(f"grouped GEMM configs, MXFP4, gpt-oss-{model}, {tokens} tokens (default {base}; us/layer)")
     best = None
     for m in (64, 128):
