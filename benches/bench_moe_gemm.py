@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_setup  # noqa: E402
 from ferrox.kernels.fused_moe import GemmConfig, choose_gemm_config, fused_moe  # noqa: E402
 
 MODELS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2)}
@@ -38,24 +40,8 @@ def _time(layers, xs, routes, cfg: GemmConfig | None, iters: int = 10) -> float:
         return [fused_moe(x, w13, w2, w, i, small_batch=False, config=cfg)
                 for (w13, w2), x, (w, i) in zip(layers, xs, routes, strict=True)]
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters / len(layers)
+    ms, _ = bench_setup.graph_replay_ms(step, iters)
+    return ms * 1e3 / len(layers)
 
 
 def main() -> None:

@@ -27,7 +27,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-from ferrox.kernels.fused_moe import GemmConfig, GemvConfig, _mxfp4_gemm_config, fused_moe  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_setup  # noqa: E402
+from ferrox.kernels.fused_moe import _MXFP4_TILES, GemmConfig, GemvConfig, _by_load, fused_moe  # noqa: E402
 from ferrox.layers.quant.mxfp4 import dequantize_mxfp4  # noqa: E402
 
 HIDDEN, INTER, TOP_K = 2880, 2880, 4
@@ -74,24 +76,8 @@ def _time_layers(layers, xs, routes, gemv: GemvConfig | None = None, iters: int 
     def step():
         return [_run(layer, x, w, i, gemv, gemm) for layer, x, (w, i) in zip(layers, xs, routes, strict=True)]
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):  # compile and warm up off the graph
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters / len(layers), outs[0].clone()
+    ms, outs = bench_setup.graph_replay_ms(step, iters)
+    return ms * 1e3 / len(layers), outs[0].clone()
 
 
 def _one_token_bytes(layer: dict[str, torch.Tensor], ids: torch.Tensor) -> int:
@@ -163,7 +149,7 @@ def _sweep(model: str, layers, xs, routes) -> None:
 
 def _gemm_sweep(model: str, tokens: int, num_experts: int, layers, xs, routes) -> None:
     """The grouped GEMM's configs (rows x columns x K tile, warps, stages) for MXFP4 experts: us per layer."""
-    base = _mxfp4_gemm_config(tokens * TOP_K, num_experts)
+    base = _by_load(tokens * TOP_K, num_experts, _MXFP4_TILES)
     print(f"grouped GEMM configs, MXFP4, gpt-oss-{model}, {tokens} tokens (default {base}; us/layer)")
     best = None
     for m in (64, 128):

@@ -216,6 +216,31 @@ def release_engine(llm: Any) -> None:
         torch.cuda.empty_cache()
 
 
+def graph_replay_ms(step, replays: int = 10) -> tuple[float, Any]:
+    """(milliseconds a replay, what the captured step returned): step() run twice on a side stream
+    (compiles, allocator warm-up), captured once in a CUDA graph, replayed `replays` times."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays, result
+
+
 def timed_ms(fn, reps: int) -> list[float]:
     """CUDA-event times (ms) of `reps` runs of fn, after 3 untimed ones."""
     import torch

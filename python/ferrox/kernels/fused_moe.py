@@ -715,30 +715,33 @@ class GemmConfig:
     num_stages: int
 
 
+def _by_load(num_pairs: int, num_experts: int, tiles: tuple[GemmConfig, GemmConfig, GemmConfig]) -> GemmConfig:
+    """Rows per block follow the mean load per expert: small blocks waste less padding when each
+    expert sees few tokens, large ones reuse each weight tile over more rows. tiles: for up to 16
+    rows an expert, up to 64, and more."""
+    per_expert = num_pairs / num_experts
+    return tiles[0] if per_expert <= 16 else tiles[1] if per_expert <= 64 else tiles[2]
+
+
+# 16-bit experts, from `benches/bench_moe_gemm.py` on an H100 (us a layer, the earlier tiles -> these):
+# Qwen3-30B-A3B 256 tokens (16 rows an expert) 481 -> 461, 2048 tokens 814 -> 734, 8192 tokens
+# 2300 -> 1992; Mixtral-8x7B 256 tokens (64 rows) 1230 -> 1065, 2048 tokens 3886 -> 3047, 8192 tokens
+# 16349 -> 12438 (-24%).
+_SWEPT_TILES = (GemmConfig(32, 64, 64, 4, 3), GemmConfig(64, 128, 64, 4, 3), GemmConfig(128, 128, 64, 8, 3))
+# The tiles before that sweep, kept where they were not measured against it: FP8 experts (their K tile
+# and stages then follow the weight blocks, _fp8_gemm_config) and MXFP4's light loads.
+_UNSWEPT_TILES = (GemmConfig(16, 64, 64, 4, 3), GemmConfig(32, 64, 64, 4, 3), GemmConfig(64, 128, 64, 8, 3))
+# MXFP4 experts, from `benches/bench_mxfp4.py --gemm-sweep` on an H100 (1024 tokens, us a gpt-oss layer,
+# the float experts' tiles -> these): gpt-oss-20b (128 rows an expert) 1472 -> 1177 with 128 x 64 tiles,
+# gpt-oss-120b (32 rows) 2459 -> 2133 with 64 x 64, both at 4 warps. Hopper's dot_scaled widens each
+# e2m1 weight tile to bf16 in registers on its way to the MMA: column tiles of 64 halve that work a step
+# against 128, and more rows reuse each widened tile.
+_MXFP4_TILES = (_UNSWEPT_TILES[0], GemmConfig(64, 64, 64, 4, 3), GemmConfig(128, 64, 64, 4, 4))
+
+
 def choose_gemm_config(num_pairs: int, num_experts: int) -> GemmConfig:
-    """16-bit experts. Rows per block follow the mean load per expert: small blocks waste less
-    padding when each expert sees few tokens, large ones reuse each weight tile over more rows.
-    From `benches/bench_moe_gemm.py` on an H100 (us a layer, the earlier tiles -> these):
-    Qwen3-30B-A3B 256 tokens (16 rows an expert) 481 -> 461, 2048 tokens 814 -> 734, 8192 tokens
-    2300 -> 1992; Mixtral-8x7B 256 tokens (64 rows) 1230 -> 1065, 2048 tokens 3886 -> 3047, 8192
-    tokens 16349 -> 12438 (-24%)."""
-    per_expert = num_pairs / num_experts
-    if per_expert <= 16:
-        return GemmConfig(32, 64, 64, 4, 3)
-    if per_expert <= 64:
-        return GemmConfig(64, 128, 64, 4, 3)
-    return GemmConfig(128, 128, 64, 8, 3)
-
-
-def _unswept_gemm_config(num_pairs: int, num_experts: int) -> GemmConfig:
-    """The tiles before that sweep, kept where they were not measured against it: FP8 experts
-    (their K tile and stages then follow the weight blocks, _fp8_gemm_config) and MXFP4's light loads."""
-    per_expert = num_pairs / num_experts
-    if per_expert <= 16:
-        return GemmConfig(16, 64, 64, 4, 3)
-    if per_expert <= 64:
-        return GemmConfig(32, 64, 64, 4, 3)
-    return GemmConfig(64, 128, 64, 8, 3)
+    """The grouped GEMM's tile for 16-bit experts."""
+    return _by_load(num_pairs, num_experts, _SWEPT_TILES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -828,21 +831,6 @@ def _fp8_gemm_config(cfg: GemmConfig, block: tuple[int, int] | None) -> GemmConf
     block_k = block[1] if block is not None else max(cfg.block_k, 32)
     stages = max(1, min(cfg.num_stages, _FP8_STAGE_BYTES // ((cfg.block_m + 2 * cfg.block_n) * block_k)))
     return dataclasses.replace(cfg, block_k=block_k, num_stages=stages)
-
-
-def _mxfp4_gemm_config(num_pairs: int, num_experts: int) -> GemmConfig:
-    """The grouped GEMM's tile for MXFP4 experts, from `benches/bench_mxfp4.py --gemm-sweep` on an
-    H100 (1024 tokens, us a gpt-oss layer, the float experts' tiles -> these): gpt-oss-20b (128 rows an
-    expert) 1472 -> 1177 with 128 x 64 tiles, gpt-oss-120b (32 rows) 2459 -> 2133 with 64 x 64, both at
-    4 warps. Hopper's dot_scaled widens each e2m1 weight tile to bf16 in registers on its way to the
-    MMA: column tiles of 64 halve that work a step against 128, and more rows reuse each widened tile.
-    Light loads (at most 16 rows an expert) keep the float tiles."""
-    per_expert = num_pairs / num_experts
-    if per_expert <= 16:
-        return _unswept_gemm_config(num_pairs, num_experts)
-    if per_expert <= 64:
-        return GemmConfig(64, 64, 64, 4, 3)
-    return GemmConfig(128, 64, 64, 4, 4)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -1010,10 +998,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
     if config is not None:
         cfg = config
-    elif mxfp4:
-        cfg = _mxfp4_gemm_config(num_pairs, num_experts)
     else:
-        cfg = (_unswept_gemm_config if fp8 else choose_gemm_config)(num_pairs, num_experts)
+        cfg = _by_load(num_pairs, num_experts, _MXFP4_TILES if mxfp4 else _UNSWEPT_TILES if fp8 else _SWEPT_TILES)
     if fp8:
         cfg = _fp8_gemm_config(cfg, block)
     elif mxfp4:  # K tiles of whole 32-column groups (each half a dot's K of 16 or more)
