@@ -61,6 +61,31 @@ def test_cumulative_and_delta_agree(engine):
     assert last.prompt_token_ids == engine.get_tokenizer().encode("The capital of France is")
 
 
+def test_stream_interval_gathers_delta_tokens(engine):
+    """A DELTA stream with stream_interval 4: the first output at once, then outputs of 4 tokens or
+    more (the last may be shorter), together the same tokens as a plain stream; the engine's own
+    interval is the default; a bad one is refused by name."""
+    async def run(rid: str, **kw) -> list:
+        params = greedy(14, output_kind=RequestOutputKind.DELTA)
+        return [o async for o in engine.generate("The capital of France is", params, rid, **kw)]
+
+    plain = asyncio.run(run("plain"))
+    gathered = asyncio.run(run("every4", stream_interval=4))
+    sizes = [len(o.outputs[0].token_ids) for o in gathered]
+    assert sum(sizes) == 14 and len(sizes) >= 3, sizes
+    assert all(n >= 4 for n in sizes[1:-1]), sizes
+    assert sum((o.outputs[0].token_ids for o in gathered), []) == sum((o.outputs[0].token_ids for o in plain), [])
+    assert "".join(o.outputs[0].text for o in gathered) == "".join(o.outputs[0].text for o in plain)
+    engine.stream_interval = 6
+    try:
+        sizes = [len(o.outputs[0].token_ids) for o in asyncio.run(run("engine-default"))]
+    finally:
+        engine.stream_interval = 1
+    assert sum(sizes) == 14 and all(n >= 6 for n in sizes[1:-1]), sizes
+    with pytest.raises(InvalidArgumentError, match="stream_interval"):
+        asyncio.run(run("bad", stream_interval=0))
+
+
 def test_token_id_prompt_and_n2(engine):
     async def run():
         ids = engine.get_tokenizer().encode("Hello")

@@ -210,9 +210,11 @@ def _stream(base: str, path: str, body: dict) -> list[dict]:
 
 
 def test_serving_defaults_are_honoured_and_the_key_is_never_logged():
-    """--response-role, --return-tokens-as-token-ids, --enable-prompt-tokens-details and --tool-call-parser
-    with vLLM's meaning, on a server that logs every request (and debug lines) yet never the API key."""
+    """--response-role, --return-tokens-as-token-ids, --enable-prompt-tokens-details, --tool-call-parser and
+    --stream-interval with vLLM's meaning, on a server that logs every request (and debug lines) yet never the
+    API key."""
     srv = ServerProcess("--response-role", "bot", "--return-tokens-as-token-ids", "--enable-prompt-tokens-details",
+                        "--stream-interval", "3",
                         "--tool-call-parser", "llama3_json", "--api-key", KEY, "--enable-log-requests",
                         "--log-level", "debug", "--chat-template-content-format", "string",
                         "--trust-request-chat-template")
@@ -235,6 +237,14 @@ def test_serving_defaults_are_honoured_and_the_key_is_never_logged():
         assert body["choices"][0]["message"]["role"] == "assistant", body
         events = _stream(base, "/v1/chat/completions", {"messages": question, "max_tokens": 2})
         assert events[0]["choices"][0]["delta"]["role"] == "bot"
+        # --stream-interval 3: after the first token, chunks of 3 tokens or more (the last may be shorter);
+        # a request's stream_interval wins.
+        for body, interval in (({}, 3), ({"stream_interval": 5}, 5)):
+            events = _stream(base, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 14,
+                                                       "ignore_eos": True, "logprobs": 0, **body})
+            sizes = [len(e["choices"][0]["logprobs"]["tokens"]) for e in events if e["choices"]]
+            assert sum(sizes) == 14 and len(sizes) >= 3, sizes
+            assert all(n >= interval for n in sizes[1:-1]), sizes
         # Completions: token ids in logprobs; usage always says how much of the prompt was cached.
         prompt = "Counting blocks of cached prompt tokens, " * 6
         status, first = _post(base, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "logprobs": 1})

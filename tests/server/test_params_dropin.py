@@ -75,6 +75,7 @@ def post_with_headers(base_url: str, path: str, body: dict[str, Any],
         (CHAT, "guided_decoding_backend", "xgrammar"),
         (CHAT, "truncate_prompt_tokens", 10**6),  # more than max_model_len
         (CHAT, "spaces_between_special_tokens", True),  # with skip_special_tokens false, below
+        (COMPLETIONS, "stream_interval", 0),
     ],
 )
 def test_unsupported_parameters_are_refused_by_name(base_url, path, field, value):

@@ -118,11 +118,13 @@ class _Stream:
     """Hands one request's RequestOutputs from the output reader to its consumer.
 
     DELTA outputs that pile up while the consumer is busy are merged into one, so a slow
-    client costs one pending object, not a queue that grows with every step."""
+    client costs one pending object, not a queue that grows with every step. With a stream
+    interval N > 1 (vLLM's stream_interval) a DELTA output is held until some choice has N new
+    tokens: the first output and the last go at once, the ones between carry N tokens or more."""
 
-    __slots__ = ("request_id", "kind", "pending", "error", "finished", "waiter")
+    __slots__ = ("request_id", "kind", "pending", "error", "finished", "waiter", "interval", "sent")
 
-    def __init__(self, request_id: str, kind: RequestOutputKind) -> None:
+    def __init__(self, request_id: str, kind: RequestOutputKind, interval: int = 1) -> None:
         self.request_id = request_id
         self.kind = kind
         self.pending: AnyRequestOutput | None = None
@@ -131,6 +133,18 @@ class _Stream:
         # The consumer's future while it waits in get(): a bare future rather than an asyncio.Event,
         # whose set/wait/clear cost ~1 us more per output (each streamed token of each request).
         self.waiter: asyncio.Future[None] | None = None
+        self.interval = interval
+        self.sent = False  # an output has gone to the consumer
+
+    def _ready(self) -> bool:
+        """Whether the pending output may go now (the stream interval's rule, class doc)."""
+        pending = self.pending
+        if pending is None:
+            return False
+        if (self.interval <= 1 or not self.sent or self.finished or self.kind != RequestOutputKind.DELTA
+                or not isinstance(pending, RequestOutput)):
+            return True
+        return any(len(c.token_ids) >= self.interval for c in pending.outputs)
 
     def _wake(self) -> None:
         waiter = self.waiter
@@ -144,7 +158,8 @@ class _Stream:
         else:
             _merge_delta(self.pending, out)
         self.finished = out.finished
-        self._wake()
+        if self._ready():
+            self._wake()
 
     def fail(self, error: BaseException) -> None:
         if not self.finished:
@@ -159,10 +174,10 @@ class _Stream:
 
     async def get(self) -> AnyRequestOutput | None:
         """The next output; None once the stream has ended."""
-        while self.pending is None:
-            if self.error is not None:
+        while not self._ready():
+            if self.pending is None and self.error is not None:
                 raise self.error
-            if self.finished:
+            if self.pending is None and self.finished:
                 return None
             self.waiter = asyncio.get_running_loop().create_future()
             try:
@@ -170,6 +185,7 @@ class _Stream:
             finally:
                 self.waiter = None
         out, self.pending = self.pending, None
+        self.sent = True
         return out
 
 
@@ -264,6 +280,9 @@ class AsyncLLM:
         self._timing: dict[str, RequestTiming] = {}  # engine request id -> its clock readings
         self.max_num_queued_reqs: int | None = None
         self.request_timeout: float | None = None
+        # Tokens a streamed (DELTA) output gathers before it goes out (vLLM's --stream-interval; a
+        # request's own stream_interval wins): fewer, larger chunks for many concurrent streams.
+        self.stream_interval = 1
         self._num_in_flight = 0  # samples between generate()'s admission and its end
         self.client.on_outputs = self._on_outputs
         self.client.on_dead = self._on_dead
@@ -380,9 +399,11 @@ class AsyncLLM:
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
         prompt_cache_key: str | None = None,
+        stream_interval: int | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream RequestOutputs for one request: cumulative unless `sampling_params.output_kind` is
-        DELTA or FINAL_ONLY. Raises RequestError for a request the engine rejects or fails,
+        DELTA or FINAL_ONLY. stream_interval (DELTA only; default: the engine's `stream_interval`):
+        each output but the first and the last carries at least that many new tokens. Raises RequestError for a request the engine rejects or fails,
         EngineDeadError if the core dies. After `abort()` the last output has finished=True and
         finish_reason "abort" on every choice that had not finished. cache_salt: the prompt reuses
         cached KV blocks only of requests that gave the same salt (vLLM's meaning). lora_request: the
@@ -390,8 +411,13 @@ class AsyncLLM:
         several engine cores (data parallel), requests with one key go to the core it last went to
         among the least loaded, where their shared prefix is cached (dp_router.py).
         """
+        if stream_interval is not None and (isinstance(stream_interval, bool) or not isinstance(stream_interval, int)
+                                            or stream_interval < 1):
+            raise InvalidArgumentError(f"stream_interval must be a positive integer, got {stream_interval!r}",
+                                       param="stream_interval")
         outputs = self._run(prompt, sampling_params, request_id, priority=priority, arrival_time=arrival_time,
-                            cache_salt=cache_salt, lora_request=lora_request, prompt_cache_key=prompt_cache_key)
+                            cache_salt=cache_salt, lora_request=lora_request, prompt_cache_key=prompt_cache_key,
+                            stream_interval=stream_interval)
         async with contextlib.aclosing(outputs):  # closing this generator aborts the request at once
             async for out in outputs:
                 assert isinstance(out, RequestOutput)
@@ -473,6 +499,7 @@ class AsyncLLM:
         lora_request: LoRARequest | None = None,
         pooling_params: PoolingParams | None = None,
         prompt_cache_key: str | None = None,
+        stream_interval: int | None = None,
     ) -> AsyncGenerator[AnyRequestOutput, None]:
         """One request from admission to its last output (generate and encode): the queue limit, the
         prompt threads, the request timeout, and the abort when the consumer stops early."""
@@ -502,6 +529,7 @@ class AsyncLLM:
             stream = self._add_request(processed.prompt, processed.prompt_token_ids, sampling_params, request_id,
                                        priority, arrival_time, cache_salt, lora_request, pooling_params,
                                        prompt_cache_key, processed.mm_items)
+            stream.interval = stream_interval or self.stream_interval
             if self.request_timeout is not None:
                 timer = asyncio.get_running_loop().call_later(
                     max(0.0, arrival_time + self.request_timeout - time.time()), self._expire, stream)

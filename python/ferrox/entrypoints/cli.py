@@ -225,6 +225,10 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     load.add_argument("--max-num-queued-reqs", type=_positive_int,
                       help="most requests in flight (waiting + running; n > 1 counts n, as vLLM counts them): "
                       "past it a new request gets HTTP 503 with Retry-After at once (default: no limit)")
+    load.add_argument("--stream-interval", type=_positive_int, default=1, metavar="TOKENS",
+                      help="tokens a streamed chunk gathers before it is sent (the first and the last chunk go at "
+                      "once): larger values send fewer, larger chunks, for many concurrent streams; a request's "
+                      "stream_interval wins (default: 1, every token)")
     load.add_argument("--request-timeout", type=_positive_float, metavar="SECONDS",
                       help="abort a request still running this long after it arrived, freeing its KV cache; "
                       "its client gets an error saying so (default: none)")
@@ -434,6 +438,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"ferrox serve: error: {exc}", file=sys.stderr, flush=True)
         return 1
     engine.max_num_queued_reqs = args.max_num_queued_reqs
+    engine.stream_interval = args.stream_interval
     engine.request_timeout = args.request_timeout
     engine.generation_defaults = generation_defaults(args.generation_config, engine.generation_defaults,
                                                      args.override_generation_config)

@@ -105,7 +105,6 @@ _REFUSED = {
     "logprob_token_ids": "logprobs of chosen token ids are not supported (use top_logprobs)",
     "repetition_detection": "repetition detection is not supported",
     "watermarking": "watermarking is not supported",
-    "stream_interval": "per-request stream intervals are not supported (every step is streamed)",
 }
 # The value each of them may take without being refused (what vLLM does when it is not given).
 _REFUSED_DEFAULTS: dict[str, Any] = {"watermarking": False}
@@ -190,12 +189,13 @@ class _SamplingFields(_Base):
     logprob_token_ids: list[int] | None = None
     repetition_detection: dict[str, Any] | None = None
     watermarking: bool | None = None
-    stream_interval: int | None = None
+    # Tokens a streamed chunk gathers (the first and the last chunk go at once); default: the server's
+    # --stream-interval. Non-streamed requests: no effect.
+    stream_interval: int | None = Field(None, ge=1)
 
     _refuse = field_validator(
         "logits_processors", "kv_transfer_params",
         "vllm_xargs", "logprob_token_ids", "repetition_detection", "watermarking",
-        "stream_interval",
     )(_refuse_unsupported)
 
     @field_validator("length_penalty")

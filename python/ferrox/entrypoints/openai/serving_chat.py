@@ -254,7 +254,8 @@ async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletion
         return body
 
     gen = ctx.engine.generate(prompt, params, request_id, priority=req.priority, cache_salt=req.cache_salt,
-                              lora_request=ctx.lora_request(req.model), prompt_cache_key=req.prompt_cache_key)
+                              lora_request=ctx.lora_request(req.model), prompt_cache_key=req.prompt_cache_key,
+                              stream_interval=req.stream_interval)
     # Pull the first output before sending headers, so a rejected request is still a plain 4xx/503.
     first = await first_output(gen, "messages", CHAT_FIELDS)
 

@@ -93,7 +93,7 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
     request_id, header_id = request_ids(request, req, "cmpl")
     headers = {"X-Request-Id": header_id}
     outputs = _merged(ctx, prompts, params, request_id, req.priority, req.cache_salt, ctx.lora_request(req.model),
-                      beams)
+                      beams, req.stream_interval)
     if req.stream:
         return await _stream(ctx, request, req, prompts, outputs, request_id, headers)
 
@@ -278,12 +278,15 @@ async def _stream(ctx: ServingContext, request: web.Request, req: CompletionRequ
 
 async def _merged(ctx: ServingContext, prompts: list[dict[str, Any]], params: Any, request_id: str,
                   priority: int, cache_salt: str | None, lora_request: Any = None,
-                  beams: Any = None) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+                  beams: Any = None, stream_interval: int | None = None,
+                  ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """(prompt index, output) from every prompt's generator, in arrival order."""
+    # (a beam search yields its one final output: no stream interval to apply)
+    extra = {"stream_interval": stream_interval} if beams is None and stream_interval is not None else {}
     if len(prompts) == 1:
         async with contextlib.aclosing(beam_search.generate(ctx, prompts[0], params, beams, request_id,
                                                             priority=priority, cache_salt=cache_salt,
-                                                            lora_request=lora_request)) as g:
+                                                            lora_request=lora_request, **extra)) as g:
             async for out in g:
                 yield 0, out
         return
@@ -292,7 +295,7 @@ async def _merged(ctx: ServingContext, prompts: list[dict[str, Any]], params: An
     async def pump(idx: int, prompt: dict[str, Any]) -> None:
         try:
             gen = beam_search.generate(ctx, prompt, params, beams, f"{request_id}-{idx}", priority=priority,
-                                       cache_salt=cache_salt, lora_request=lora_request)
+                                       cache_salt=cache_salt, lora_request=lora_request, **extra)
             async with contextlib.aclosing(gen):
                 async for out in gen:
                     queue.put_nowait((idx, out))
