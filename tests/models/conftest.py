@@ -82,6 +82,29 @@ def hf_last_logits(model, prompt_ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([prompt_ids], device=model.device)).logits[0, -1].float()
 
 
+def assert_greedy_and_logits_match(model, ref, prompts: list[list[int]], eos_ids: list[int], *, max_tokens: int = 10,
+                                   tol: float = 1e-4, label: object = None) -> None:
+    """The model's own forward over a paged cache (tests/helpers/driver.run_greedy) against transformers' `ref`:
+    each prompt's last-position logits within tol, and its greedy tokens (to EOS) equal to transformers'."""
+    from tests.helpers.driver import run_greedy
+
+    ours, logits = run_greedy(model, prompts, max_tokens, block_size=16, return_prefill_logits=True)
+    for i, ids in enumerate(prompts):
+        torch.testing.assert_close(logits[i], hf_last_logits(ref, ids), atol=tol, rtol=tol)
+        assert cut_at_eos(ours[i], eos_ids) == hf_greedy(ref, ids, max_tokens), (label, i)
+
+
+def assert_chunking_and_batching_keep_tokens(model, prompts: list[list[int]], alone: slice,
+                                             prefill_chunk: int = 7) -> None:
+    """Prefill chunks of prefill_chunk tokens over 8-token blocks, and prompts[alone] run without the others
+    in 32-token blocks: the same greedy tokens as the whole batch in one-chunk prefills."""
+    from tests.helpers.driver import run_greedy
+
+    base = run_greedy(model, prompts, 6)
+    assert run_greedy(model, prompts, 6, block_size=8, prefill_chunk=prefill_chunk) == base
+    assert run_greedy(model, prompts[alone], 6, block_size=32) == base[alone]
+
+
 def chunked_engine_outputs(folder: str, prompts: list[list[int]], *, max_tokens: int = 8, **llm_kwargs):
     """The real engine (Rust scheduler, paged KV, sampler) with a 16-token budget, so long prompts prefill in
     chunks: greedy outputs with logprobs=1 for assert_outputs_match_transformers."""

@@ -28,7 +28,9 @@ from tests.helpers import tiny_glm, tiny_models
 from tests.helpers.config_edit import copy_with_config as _copy_with_config
 from tests.helpers.driver import run_greedy
 from tests.models.conftest import (
+    assert_chunking_and_batching_keep_tokens,
     assert_cuda_engine_matches_cpu,
+    assert_greedy_and_logits_match,
     assert_outputs_match_transformers,
     chunked_engine_outputs,
     cut_at_eos,
@@ -69,18 +71,13 @@ def _load(folder: str):
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_greedy_and_logits_match_transformers(tiny, name):
     folder, model, ref = tiny[name]
-    ours, logits = run_greedy(model, PROMPTS, 10, block_size=16, return_prefill_logits=True)
-    for i, ids in enumerate(PROMPTS):
-        torch.testing.assert_close(logits[i], hf_last_logits(ref, ids), atol=1e-4, rtol=1e-4)
-        assert cut_at_eos(ours[i], [tiny_models.EOS_TOKEN_ID]) == hf_greedy(ref, ids, 10), (name, i)
+    assert_greedy_and_logits_match(model, ref, PROMPTS, [tiny_models.EOS_TOKEN_ID], label=name)
 
 
 @pytest.mark.parametrize("name", ["glm4_moe", "glm4"])
 def test_chunked_prefill_and_batching_do_not_change_tokens(tiny, name):
     _, model, _ = tiny[name]
-    base = run_greedy(model, PROMPTS, 6)
-    assert run_greedy(model, PROMPTS, 6, block_size=8, prefill_chunk=7) == base
-    assert run_greedy(model, PROMPTS[3:], 6, block_size=32) == base[3:]  # alone == in a batch
+    assert_chunking_and_batching_keep_tokens(model, PROMPTS, alone=slice(3, None))
 
 
 @pytest.mark.parametrize("name", ["glm4_moe", "glm4"])

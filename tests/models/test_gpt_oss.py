@@ -21,7 +21,10 @@ from ferrox.model_spec import ModelLoadError, UnsupportedModelError, spec_for_co
 
 from tests.helpers import tiny_gpt_oss
 from tests.helpers.driver import run_greedy
-from tests.models.conftest import cut_at_eos, hf_greedy, hf_last_logits
+from tests.models.conftest import (
+    assert_chunking_and_batching_keep_tokens,
+    assert_greedy_and_logits_match,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -53,17 +56,12 @@ def tiny(tmp_path_factory):
 def test_greedy_and_logits_match_transformers(tiny):
     _, _, model, ref = tiny
     assert [layer.self_attn.window for layer in model.model.layers] == [tiny_gpt_oss.WINDOW, 0, tiny_gpt_oss.WINDOW]
-    ours, logits = run_greedy(model, PROMPTS, 10, return_prefill_logits=True)
-    for i, ids in enumerate(PROMPTS):
-        torch.testing.assert_close(logits[i], hf_last_logits(ref, ids), atol=1e-4, rtol=1e-4)
-        assert cut_at_eos(ours[i], [2]) == hf_greedy(ref, ids, 10), i
+    assert_greedy_and_logits_match(model, ref, PROMPTS, [2])
 
 
 def test_chunked_prefill_and_batching_do_not_change_tokens(tiny):
     _, _, model, _ = tiny
-    base = run_greedy(model, PROMPTS, 6)
-    assert run_greedy(model, PROMPTS, 6, block_size=8, prefill_chunk=5) == base
-    assert run_greedy(model, PROMPTS[1:2], 6, block_size=32) == base[1:2]  # alone == in a batch
+    assert_chunking_and_batching_keep_tokens(model, PROMPTS, alone=slice(1, 2), prefill_chunk=5)
 
 
 def test_mxfp4_checkpoint_loads_the_same_model(tiny):

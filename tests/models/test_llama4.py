@@ -18,7 +18,12 @@ from tests.helpers import tiny_llama4
 from tests.helpers.config_edit import copy_with_config
 from tests.helpers.driver import run_greedy
 from tests.helpers.tiny_models import EOS_TOKEN_ID
-from tests.models.conftest import assert_outputs_match_transformers, cut_at_eos, hf_greedy, hf_last_logits
+from tests.models.conftest import (
+    assert_chunking_and_batching_keep_tokens,
+    assert_greedy_and_logits_match,
+    assert_outputs_match_transformers,
+    hf_last_logits,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -60,10 +65,7 @@ def _load(folder: str):
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_greedy_and_logits_match_transformers(tiny, name):
     _, model, ref = tiny[name]
-    ours, logits = run_greedy(model, PROMPTS, 10, block_size=16, return_prefill_logits=True)
-    for i, ids in enumerate(PROMPTS):
-        torch.testing.assert_close(logits[i], hf_last_logits(ref, ids), atol=1e-4, rtol=1e-4)
-        assert cut_at_eos(ours[i], [EOS_TOKEN_ID]) == hf_greedy(ref, ids, 10), (name, i)
+    assert_greedy_and_logits_match(model, ref, PROMPTS, [EOS_TOKEN_ID], label=name)
 
 
 @pytest.mark.parametrize("name", ["scout", "maverick"])
@@ -71,9 +73,7 @@ def test_chunked_prefill_and_batching_do_not_change_tokens(tiny, name):
     """Prefill chunks of 7 tokens (cached context that starts mid attention-chunk), 8-token blocks, and one
     prompt alone: the same tokens."""
     _, model, _ = tiny[name]
-    base = run_greedy(model, PROMPTS, 6)
-    assert run_greedy(model, PROMPTS, 6, block_size=8, prefill_chunk=7) == base
-    assert run_greedy(model, PROMPTS[2:], 6, block_size=32) == base[2:]
+    assert_chunking_and_batching_keep_tokens(model, PROMPTS, alone=slice(2, None))
 
 
 @pytest.mark.parametrize("name", ["scout", "multimodal"])

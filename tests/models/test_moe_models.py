@@ -19,7 +19,12 @@ from ferrox.models.moe import MoeBlock
 
 from tests.helpers import tiny_models
 from tests.helpers.driver import run_greedy
-from tests.models.conftest import cut_at_eos, hf_greedy, hf_last_logits
+from tests.models.conftest import (
+    assert_chunking_and_batching_keep_tokens,
+    assert_greedy_and_logits_match,
+    cut_at_eos,
+    hf_greedy,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,21 +56,14 @@ def _prompts(folder) -> list[list[int]]:
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_greedy_and_logits_match_transformers(tiny, name):
     folder, model, ref = tiny[name]
-    prompts = _prompts(folder)
-    ours, logits = run_greedy(model, prompts, 10, block_size=16, return_prefill_logits=True)
     eos = load_tokenizer(resolve_model(folder)).eos_token_ids
-    for i, ids in enumerate(prompts):
-        torch.testing.assert_close(logits[i], hf_last_logits(ref, ids), atol=1e-4, rtol=1e-4)
-        assert cut_at_eos(ours[i], eos) == hf_greedy(ref, ids, 10), (name, i)
+    assert_greedy_and_logits_match(model, ref, _prompts(folder), eos, label=name)
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
 def test_chunked_prefill_and_batching_do_not_change_tokens(tiny, name):
     folder, model, _ = tiny[name]
-    prompts = _prompts(folder)
-    base = run_greedy(model, prompts, 6)
-    assert run_greedy(model, prompts, 6, block_size=8, prefill_chunk=7) == base
-    assert run_greedy(model, prompts[1:2], 6, block_size=32) == base[1:2]  # alone == in a batch
+    assert_chunking_and_batching_keep_tokens(model, _prompts(folder), alone=slice(1, 2))
 
 
 def test_layers_follow_the_config(tiny):
