@@ -161,6 +161,28 @@ def test_a_rank_holds_its_heads_and_the_whole_latent(folders):
     assert kv_cache_bytes_per_block(spec, 16, torch.float32, 2) == kv_cache_bytes_per_block(spec, 16, torch.float32, 1)
 
 
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["sharded-experts", "expert-parallel"])
+def test_a_sparse_layer_sums_routed_and_shared_partials_in_one_all_reduce(folders, monkeypatch, expert_parallel):
+    """Each rank's sparse MLP adds its shared experts' partial product to its routed experts' before the one
+    all-reduce (experts_with_shared): here all_reduce is recorded and left out, so each rank returns its
+    partial, and the two partials sum to the whole layer's output."""
+    calls: list[tuple[int, ...]] = []
+
+    def record(self, x):
+        calls.append(tuple(x.shape))
+        return x
+
+    folder = folders["v2_lite"]
+    whole = _load_rank(folder, 0, 1).model.layers[1].mlp
+    ranks = [_load_rank(folder, r, 2, expert_parallel).model.layers[1].mlp for r in range(2)]
+    x = torch.randn(5, whole.experts.hidden_size, generator=torch.Generator().manual_seed(0))
+    expected = whole(x)
+    monkeypatch.setattr(TPGroup, "all_reduce", record)
+    partials = [mlp(x) for mlp in ranks]
+    assert calls == [tuple(x.shape)] * 2  # one a rank: the routed and shared experts' sum
+    torch.testing.assert_close(partials[0] + partials[1], expected, atol=1e-5, rtol=1e-5)
+
+
 def _build_rank0(folder: str, size: int, expert_parallel: bool = False, **changes):
     spec = load_model_spec(resolve_model(folder))
     spec = spec_from_hf_config({**spec.hf_config, **changes}, "config.json")

@@ -287,7 +287,10 @@ class FusedMoE(nn.Module):
         if self.weight_method is not None:
             self.weight_method.finalize(self)
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts' output summed over the ranks. residual: this rank's share of something added
+        before that one all-reduce (a shared expert's partial product: experts_with_shared)."""
         if self.num_local_experts != self.num_experts:
             local = topk_ids - self.expert_start
             mine = (local >= 0) & (local < self.num_local_experts)
@@ -300,4 +303,26 @@ class FusedMoE(nn.Module):
                 # a skip bucket in align_by_expert would save it).
                 topk_ids = torch.where(mine, local, torch.zeros_like(local))
                 topk_weights = torch.where(mine, topk_weights, torch.zeros_like(topk_weights))
-        return self.tp.all_reduce(self.run_experts(x, topk_weights, topk_ids))
+        return self.tp.all_reduce(self.run_experts(x, topk_weights, topk_ids, residual=residual))
+
+
+def experts_with_shared(experts: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                        shared_mlp: nn.Module, shared_x: torch.Tensor,
+                        shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed experts on x plus a shared-expert MLP (models/llama.py LlamaMLP) on shared_x, times shared_gate
+    (a per-token factor, Qwen2-MoE's) when given. Under tensor parallelism both are sums of per-rank partial
+    products: the shared expert's partial goes in as the routed experts' residual, so the layer all-reduces
+    once instead of twice (DeepSeek, GLM-4.5, Llama 4 and Qwen2-MoE layers; vLLM sums them the same way).
+    One rank, or a LoRA-wrapped shared down_proj (whose adapter adds after the all-reduce), keeps the
+    plain sum."""
+    from ferrox.layers.linear import RowParallelLinear
+
+    if experts.tp.size > 1 and isinstance(shared_mlp.down_proj, RowParallelLinear):
+        partial = shared_mlp(shared_x, reduce=False)
+        if shared_gate is not None:
+            partial = shared_gate * partial
+        return experts(x, topk_weights, topk_ids, residual=partial)
+    shared = shared_mlp(shared_x)
+    if shared_gate is not None:
+        shared = shared_gate * shared
+    return experts(x, topk_weights, topk_ids) + shared

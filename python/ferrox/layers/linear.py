@@ -228,10 +228,12 @@ class RowParallelLinear(Linear):
         """Whether this rank adds the bias (and a fused residual): rank 0 only, summed once."""
         return self.tp.rank == 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """reduce False: this rank's partial product (its bias share included), for a caller that adds
+        other partials before one all-reduce (layers/fused_moe.py experts_with_shared)."""
         bias = self.bias if self.adds_bias else None
         y = float_linear(x, self.weight, bias) if self.quant is None else self.quant(x, bias)
-        return self.tp.all_reduce(y)
+        return self.tp.all_reduce(y) if reduce else y
 
     def load_weight(self, param_name: str, tensor: Weight, shard: str | None = None) -> None:
         if isinstance(tensor, QuantizedTensor) or self._method_takes(param_name):

@@ -54,7 +54,7 @@ from ferrox.attention.metadata import AttentionMetadata
 from ferrox.distributed.parallel_state import get_tp_group
 from ferrox.distributed.sharding import check_tp_shapes
 from ferrox.kernels import select_kernels
-from ferrox.layers.fused_moe import FusedMoE, TopKRouter
+from ferrox.layers.fused_moe import FusedMoE, TopKRouter, experts_with_shared
 from ferrox.layers.grouped_topk import grouped_topk
 from ferrox.layers.layernorm import RMSNorm
 from ferrox.layers.linear import Linear, MergedLinear
@@ -208,8 +208,9 @@ class DeepseekMoe(nn.Module):
                                     topk_group=moe.topk_group,
                                     e_score_correction_bias=self.gate.e_score_correction_bias,
                                     routed_scaling_factor=moe.routed_scaling_factor)
-        out = self.experts(x, weights, ids)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        if self.shared_experts is None:
+            return self.experts(x, weights, ids)
+        return experts_with_shared(self.experts, x, weights, ids, self.shared_experts, x)
 
 
 class DeepseekDecoderLayer(nn.Module):

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ferrox.layers.fused_moe import TopKRouter
+from ferrox.layers.fused_moe import TopKRouter, experts_with_shared
 from ferrox.layers.grouped_topk import grouped_topk
 from ferrox.layers.ops import DeviceOps
 from ferrox.layers.rotary import partial_rotary_order
@@ -141,8 +141,10 @@ class Glm4MoeBlock(MoeBlock):
                             routed_scaling_factor=r.routed_scaling_factor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        if self.shared_experts is None:
+            return super().forward(x)
+        weights, ids = self.route(x)
+        return experts_with_shared(self.experts, x, weights, ids, self.shared_experts, x)
 
 
 class Glm4MoeModel(MoeModel):

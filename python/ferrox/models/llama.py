@@ -99,8 +99,10 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul(ops)
         self.down_proj = RowParallelLinear(inter, spec.hidden_size, bias=spec.mlp_bias, dtype=dtype, device=device)
 
-    def forward(self, x):
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x, reduce: bool = True):
+        """reduce False (a row-parallel down_proj only): this rank's partial sum, not yet all-reduced."""
+        h = self.act(self.gate_up_proj(x))
+        return self.down_proj(h) if reduce else self.down_proj(h, reduce=False)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -40,7 +40,7 @@ from torch import nn
 from ferrox.attention.backend import AttentionBackend
 from ferrox.attention.kv_cache import KVCacheScales
 from ferrox.distributed.sharding import materialize
-from ferrox.layers.fused_moe import FusedMoE, TopKRouter
+from ferrox.layers.fused_moe import FusedMoE, TopKRouter, experts_with_shared
 from ferrox.layers.layernorm import RMSNorm
 from ferrox.layers.linear import Linear, QKVLinear, RowParallelLinear
 from ferrox.layers.ops import DeviceOps, Rope
@@ -182,8 +182,7 @@ class Llama4Moe(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logit, ids = self.router(x).max(dim=-1, keepdim=True)  # top-1 (float32 logits)
         score = torch.sigmoid(logit).to(x.dtype)
-        routed = self.experts(x * score, torch.ones_like(logit), ids)
-        return self.shared_expert(x) + routed
+        return experts_with_shared(self.experts, x * score, torch.ones_like(logit), ids, self.shared_expert, x)
 
 
 class Llama4DecoderLayer(nn.Module):

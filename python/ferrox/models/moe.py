@@ -31,7 +31,7 @@ from ferrox.attention.metadata import AttentionMetadata
 from ferrox.distributed.parallel_state import get_tp_group
 from ferrox.distributed.sharding import check_tp_shapes
 from ferrox.kernels import select_kernels
-from ferrox.layers.fused_moe import FusedMoE, TopKRouter
+from ferrox.layers.fused_moe import FusedMoE, TopKRouter, experts_with_shared
 from ferrox.layers.layernorm import RMSNorm
 from ferrox.layers.linear import Linear
 from ferrox.layers.ops import DeviceOps, Rope, for_device
@@ -86,10 +86,10 @@ class MoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        out = self.experts(x, weights, ids)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        if self.shared_expert is None or self.shared_expert_gate is None:
+            return self.experts(x, weights, ids)
+        return experts_with_shared(self.experts, x, weights, ids, self.shared_expert, x,
+                                   torch.sigmoid(self.shared_expert_gate(x)))
 
 
 class MoeDecoderLayer(nn.Module):
