@@ -39,22 +39,8 @@ SHAPES = {"qkv": ((HQ + 2 * HKV) * D, HIDDEN), "o_proj": (HIDDEN, HQ * D), "gate
 
 def graph_ms(calls, replays: int = 10) -> float:
     """Milliseconds per call: the calls captured once into a graph, replayed `replays` times."""
-    for call in calls[:2]:
-        call()  # compile / pick kernels outside capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays / len(calls)
+    ms, _ = bench_setup.graph_replay_ms(lambda: [call() for call in calls], replays)
+    return ms / len(calls)
 
 
 def weights(rows: int, k: int) -> list[torch.Tensor]:
