@@ -32,6 +32,7 @@ import gc
 import json
 import os
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -352,7 +353,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
         port = s.getsockname()[1]
     # `python -m` rather than the console script: a --target install (the GPU machine) has none.
     cmd = [sys.executable, "-m", "ferrox.entrypoints.cli", "serve", *([args.model] if args.model else []),
-           "--port", str(port), "--log-level", "warning", *engine_flags(args)]
+           "--port", str(port), "--log-level", "warning", *engine_flags(args), *shlex.split(args.server_args)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -424,6 +425,8 @@ def main() -> None:
     p.add_argument("--kv-cache-memory", default="512MiB",
                    help="(own server / offline run; '' = sized from GPU memory)")
     p.add_argument("--load-format", default="auto", help="(own server / offline run) e.g. dummy")
+    p.add_argument("--server-args", default="", help="(own server) more `ferrox serve` flags, e.g. "
+                   "\"--stream-interval 8\"")
     p.add_argument("--num-threads", type=int, default=None,
                    help="(own server / offline run) CPU threads of the model; 1 leaves the other core of a "
                    "2-core box to the API server and this client")
