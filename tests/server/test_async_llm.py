@@ -84,6 +84,8 @@ def test_stream_interval_gathers_delta_tokens(engine):
     assert sum(sizes) == 14 and all(n >= 6 for n in sizes[1:-1]), sizes
     with pytest.raises(InvalidArgumentError, match="stream_interval"):
         asyncio.run(run("bad", stream_interval=0))
+    with pytest.raises(InvalidArgumentError, match="stream_interval"):  # before any process starts
+        AsyncLLM(max_model_len=512, stream_interval=0)
 
 
 def test_token_id_prompt_and_n2(engine):

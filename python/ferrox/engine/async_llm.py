@@ -217,7 +217,12 @@ class AsyncLLM:
     # Runner "pooling" (an embedding model; from the core's handshake): how it pools. None: generation.
     pooler_config: PoolerConfig | None = None
 
-    def __init__(self, model: str | None = None, *, log_level: str | None = None, **engine_args: Any) -> None:
+    def __init__(self, model: str | None = None, *, log_level: str | None = None, stream_interval: int = 1,
+                 **engine_args: Any) -> None:
+        """stream_interval: vLLM's engine argument of that name (`stream_interval` below)."""
+        if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
+            raise InvalidArgumentError(f"stream_interval must be a positive integer, got {stream_interval!r}",
+                                       param="stream_interval")
         config = engine_args.pop("config", None)
         if config is None:
             config = EngineConfig.from_kwargs(model=model, **engine_args)
@@ -282,7 +287,7 @@ class AsyncLLM:
         self.request_timeout: float | None = None
         # Tokens a streamed (DELTA) output gathers before it goes out (vLLM's --stream-interval; a
         # request's own stream_interval wins): fewer, larger chunks for many concurrent streams.
-        self.stream_interval = 1
+        self.stream_interval = stream_interval
         self._num_in_flight = 0  # samples between generate()'s admission and its end
         self.client.on_outputs = self._on_outputs
         self.client.on_dead = self._on_dead
