@@ -750,21 +750,29 @@ def random_kquant_blocks(tensor_type: str, rows: int, cols: int, *, seed: int = 
     return raw.reshape(rows, -1)
 
 
-def models_with_references(root, builders: dict[str, Any]) -> dict[str, tuple[str, Any, Any]]:
-    """name -> (folder, ferrox model, transformers model), both float32 on the CPU, for each
-    `builders[name](root / name)` (the model tests' module fixtures: each family built once)."""
+def load_float32(folder: str, **kw: Any) -> Any:
+    """A ferrox model of `folder`, float32 on the CPU (kw: load_model's own, e.g. quant_config)."""
     import torch
-    import transformers
     from ferrox.loader.model_loader import load_model, load_model_spec
     from ferrox.loader.source import resolve_model
+
+    source = resolve_model(folder)
+    return load_model(source, load_model_spec(source), dtype=torch.float32, device="cpu", **kw)
+
+
+def models_with_references(root, builders: dict[str, Any],
+                           references: dict[str, str] | None = None) -> dict[str, tuple[str, Any, Any]]:
+    """name -> (folder, ferrox model, transformers model), both float32 on the CPU, for each
+    `builders[name](root / name)` (the model tests' module fixtures: each family built once).
+    references: name -> the transformers class to load it with (default AutoModelForCausalLM)."""
+    import torch
+    import transformers
 
     out = {}
     for name, build in builders.items():
         folder = build(root / name)
-        source = resolve_model(folder)
-        model = load_model(source, load_model_spec(source), dtype=torch.float32, device="cpu")
-        ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        out[name] = (folder, model, ref)
+        cls = getattr(transformers, (references or {}).get(name, "AutoModelForCausalLM"))
+        out[name] = (folder, load_float32(folder), cls.from_pretrained(folder, dtype=torch.float32).eval())
     return out
 
 

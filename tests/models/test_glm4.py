@@ -15,7 +15,7 @@ from ferrox.errors import UnsupportedModelError
 from ferrox.layers.fused_moe import FusedMoE
 from ferrox.layers.layernorm import RMSNorm
 from ferrox.layers.linear import MergedLinear, RowParallelLinear
-from ferrox.loader.model_loader import load_model, load_model_spec
+from ferrox.loader.model_loader import load_model_spec
 from ferrox.loader.source import resolve_model
 from ferrox.loader.weights import iter_safetensors
 from ferrox.model_spec import ModelLoadError
@@ -62,9 +62,6 @@ def tiny(tmp_path_factory):
     return tiny_models.models_with_references(tmp_path_factory.mktemp("glm4"), BUILDERS)
 
 
-def _load(folder: str):
-    source = resolve_model(folder)
-    return load_model(source, load_model_spec(source), dtype=torch.float32, device="cpu")
 
 
 # ---- parity with transformers ---------------------------------------------------------------------
@@ -133,7 +130,7 @@ def test_mtp_layers_are_skipped_only_when_the_config_declares_them(tiny, tmp_pat
     assert any(name.startswith("model.layers.3.") for name, _ in iter_safetensors(folder))  # the MTP layer
     undeclared = _copy_with_config(folder, tmp_path / "no_mtp", num_nextn_predict_layers=0)
     with pytest.raises(ModelLoadError, match=r"model\.layers\.3\."):
-        _load(undeclared)
+        tiny_models.load_float32(undeclared)
 
 
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
@@ -151,7 +148,7 @@ AWQ = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "
 def test_unsupported_configs_are_refused_by_name(tiny, tmp_path, name, fields, match):
     folder = _copy_with_config(tiny[name][0], tmp_path / "edited", **fields)
     with pytest.raises(UnsupportedModelError, match=match):
-        _load(folder)
+        tiny_models.load_float32(folder)
 
 
 FP8_BLOCK = (32, 32)  # the tiny heads' 32 rows: one block row a head, as GLM-4.5's 128 with 128-row blocks
@@ -201,10 +198,10 @@ def test_block_fp8_across_head_blocks_and_dense_glm4_fp8_are_refused(tiny, tmp_p
     block size); GLM-4-0414's fused gate_up_proj is cut by rows at load (its FP8 checkpoints are refused)."""
     folder, _ = _block_fp8_copy(tiny["glm4_moe"][0], tmp_path / "fp8_16", (16, 16))
     with pytest.raises(UnsupportedModelError, match=r"weight_block_size \[16, 16\]: .* across 16-row blocks"):
-        _load(folder)
+        tiny_models.load_float32(folder)
     folder, _ = _block_fp8_copy(tiny["glm4"][0], tmp_path / "glm4_fp8", FP8_BLOCK)
     with pytest.raises(UnsupportedModelError, match=r"quantization_config \(quant_method 'fp8'\).*Glm4ForCausalLM"):
-        _load(folder)
+        tiny_models.load_float32(folder)
 
 
 @pytest.mark.parametrize("name", ["glm4_moe", "glm4"])

@@ -10,14 +10,12 @@ import pytest
 import torch
 from ferrox import LLM, SamplingParams
 from ferrox.errors import InvalidArgumentError, UnsupportedModelError
-from ferrox.loader.model_loader import load_model, load_model_spec
-from ferrox.loader.source import resolve_model
 from ferrox.models.llama4 import interleaved_to_halves
 
 from tests.helpers import tiny_llama4
 from tests.helpers.config_edit import copy_with_config
 from tests.helpers.driver import run_greedy
-from tests.helpers.tiny_models import EOS_TOKEN_ID
+from tests.helpers.tiny_models import EOS_TOKEN_ID, load_float32, models_with_references
 from tests.models.conftest import (
     assert_chunking_and_batching_keep_tokens,
     assert_greedy_and_logits_match,
@@ -44,21 +42,9 @@ BUILDERS = {
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """name -> (folder, ferrox model, transformers model), float32 on the CPU; built once for the module."""
-    root = tmp_path_factory.mktemp("llama4")
-    out = {}
-    for name, build in BUILDERS.items():
-        folder = build(root / name)
-        source = resolve_model(folder)
-        model = load_model(source, load_model_spec(source), dtype=torch.float32, device="cpu")
-        cls = (transformers.Llama4ForConditionalGeneration if name == "multimodal"
-               else transformers.Llama4ForCausalLM)
-        out[name] = (folder, model, cls.from_pretrained(folder, dtype=torch.float32).eval())
-    return out
-
-
-def _load(folder: str):
-    source = resolve_model(folder)
-    return load_model(source, load_model_spec(source), dtype=torch.float32, device="cpu")
+    references = {name: "Llama4ForConditionalGeneration" if name == "multimodal" else "Llama4ForCausalLM"
+                  for name in BUILDERS}
+    return models_with_references(tmp_path_factory.mktemp("llama4"), BUILDERS, references)
 
 
 # ---- parity with transformers ---------------------------------------------------------------------
@@ -133,7 +119,7 @@ def test_each_semantic_changes_the_output(tiny, tmp_path, edit):
     """Chunked attention, the temperature tuning and the q/k norm each decide something here: turned off in
     config.json, the logits part from transformers' (so the parity above is not vacuous)."""
     folder, _, ref = tiny["scout"]
-    model = _load(copy_with_config(folder, tmp_path / "edited", **edit))
+    model = load_float32(copy_with_config(folder, tmp_path / "edited", **edit))
     _, logits = run_greedy(model, PROMPTS[2:], 1, return_prefill_logits=True)
     assert not torch.allclose(logits[0], hf_last_logits(ref, PROMPTS[2]), atol=1e-3)
 
@@ -148,7 +134,7 @@ def test_interleaved_rows_become_halves():
 def test_top_k_above_one_is_refused_by_name(tiny, tmp_path):
     folder = copy_with_config(tiny["scout"][0], tmp_path / "top2", num_experts_per_tok=2)
     with pytest.raises(UnsupportedModelError, match="num_experts_per_tok 2"):
-        _load(folder)
+        load_float32(folder)
 
 
 def test_lora_is_refused_by_name(tiny):

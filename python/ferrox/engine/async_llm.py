@@ -189,6 +189,11 @@ class _Stream:
         return out
 
 
+def _check_stream_interval(value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgumentError(f"stream_interval must be a positive integer, got {value!r}", param="stream_interval")
+
+
 def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
     by_index = {c.index: c for c in into.outputs}
     for comp in new.outputs:
@@ -220,9 +225,7 @@ class AsyncLLM:
     def __init__(self, model: str | None = None, *, log_level: str | None = None, stream_interval: int = 1,
                  **engine_args: Any) -> None:
         """stream_interval: vLLM's engine argument of that name (`stream_interval` below)."""
-        if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
-            raise InvalidArgumentError(f"stream_interval must be a positive integer, got {stream_interval!r}",
-                                       param="stream_interval")
+        _check_stream_interval(stream_interval)
         config = engine_args.pop("config", None)
         if config is None:
             config = EngineConfig.from_kwargs(model=model, **engine_args)
@@ -416,10 +419,8 @@ class AsyncLLM:
         several engine cores (data parallel), requests with one key go to the core it last went to
         among the least loaded, where their shared prefix is cached (dp_router.py).
         """
-        if stream_interval is not None and (isinstance(stream_interval, bool) or not isinstance(stream_interval, int)
-                                            or stream_interval < 1):
-            raise InvalidArgumentError(f"stream_interval must be a positive integer, got {stream_interval!r}",
-                                       param="stream_interval")
+        if stream_interval is not None:
+            _check_stream_interval(stream_interval)
         outputs = self._run(prompt, sampling_params, request_id, priority=priority, arrival_time=arrival_time,
                             cache_salt=cache_salt, lora_request=lora_request, prompt_cache_key=prompt_cache_key,
                             stream_interval=stream_interval)

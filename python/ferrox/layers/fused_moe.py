@@ -35,6 +35,7 @@ from torch import nn
 from ferrox.distributed.parallel_state import TPGroup, get_tp_group
 from ferrox.distributed.sharding import Weight, even_split, materialize, narrow, shape_of
 from ferrox.layers.expert_loop import per_expert
+from ferrox.layers.linear import RowParallelLinear
 from ferrox.layers.ops import DeviceOps, silu_and_mul_torch
 from ferrox.layers.quant.fp8_moe_ref import experts_fp8_torch
 from ferrox.layers.quant.method import get_quant_config
@@ -315,8 +316,6 @@ def experts_with_shared(experts: FusedMoE, x: torch.Tensor, topk_weights: torch.
     once instead of twice (DeepSeek, GLM-4.5, Llama 4 and Qwen2-MoE layers; vLLM sums them the same way).
     One rank, or a LoRA-wrapped shared down_proj (whose adapter adds after the all-reduce), keeps the
     plain sum."""
-    from ferrox.layers.linear import RowParallelLinear
-
     if experts.tp.size > 1 and isinstance(shared_mlp.down_proj, RowParallelLinear):
         partial = shared_mlp(shared_x, reduce=False)
         if shared_gate is not None:
