@@ -58,13 +58,14 @@ from ferrox.layers.fused_moe import FusedMoE, TopKRouter, experts_with_shared
 from ferrox.layers.grouped_topk import grouped_topk
 from ferrox.layers.layernorm import RMSNorm
 from ferrox.layers.linear import Linear, MergedLinear
-from ferrox.layers.ops import DeviceOps, Rope, for_device
+from ferrox.layers.ops import DeviceOps, for_device
 from ferrox.layers.rotary import RotaryEmbedding
 from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError, rope_type_of
 from ferrox.models.llama import LlamaMLP, linear_takes
 from ferrox.models.load_check import check_all_loaded, load_into
 from ferrox.models.mla_attention import MlaAttention, MlaShape, MlaTritonBackend, mla_backend
+from ferrox.models.pre_norm import PreNormDecoderLayer, run_pre_norm_layers
 
 _MERGED = {"gate_proj": "gate", "up_proj": "up"}  # dense MLPs and the shared experts: gate_up_proj shards
 _EXPERT_NAME = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
@@ -213,7 +214,7 @@ class DeepseekMoe(nn.Module):
         return experts_with_shared(self.experts, x, weights, ids, self.shared_experts, x)
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(PreNormDecoderLayer):
     def __init__(self, spec: ModelSpec, index: int, mla: MlaShape, moe: DeepseekMoeConfig | None,
                  backend: AttentionBackend, ops: DeviceOps, dtype, device):
         super().__init__()
@@ -223,15 +224,6 @@ class DeepseekDecoderLayer(nn.Module):
         self.mlp: nn.Module = (DeepseekMoe(spec, moe, ops, dtype, device) if moe is not None and moe.is_sparse(index)
                                else LlamaMLP(spec, ops, dtype, device))
 
-    def forward(self, x, residual, rope: Rope, kv_cache, meta):
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, rope, kv_cache, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
 
 
 class DeepseekModel(nn.Module):
@@ -250,12 +242,7 @@ class DeepseekModel(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds=None):
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        rope = self.rotary(positions, h.dtype)
-        residual = None
-        for i, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, rope, kv_caches[i], meta)
-        h, _ = self.norm(h, residual)
-        return h
+        return run_pre_norm_layers(self.layers, self.norm, h, self.rotary(positions, h.dtype), kv_caches, meta)
 
 
 class DeepseekV2ForCausalLM(nn.Module):

@@ -48,6 +48,7 @@ from ferrox.layers.vocab_parallel import VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
 from ferrox.models.llama import LlamaAttention, LlamaForCausalLM, linear_takes, load_kv_scale
 from ferrox.models.load_check import check_all_loaded, load_into
+from ferrox.models.pre_norm import PreNormDecoderLayer, run_pre_norm_layers
 
 _QKV = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
 # The experts' checkpoint tensors (leaf under `<layer>.mlp.experts.`) -> the FusedMoE parameter they fill.
@@ -126,7 +127,7 @@ class GptOssMLP(nn.Module):
         return self.experts(x, weights, ids)
 
 
-class GptOssDecoderLayer(nn.Module):
+class GptOssDecoderLayer(PreNormDecoderLayer):
     def __init__(self, spec: ModelSpec, index: int, backend: AttentionBackend, ops: DeviceOps, dtype, device,
                  activation: SwigluOai):
         super().__init__()
@@ -135,15 +136,6 @@ class GptOssDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
         self.mlp = GptOssMLP(spec, ops, dtype, device, activation)
 
-    def forward(self, x, residual, rope: Rope, kv_cache, meta):
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, rope, kv_cache, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
 
 
 class GptOssModel(nn.Module):
@@ -167,12 +159,7 @@ class GptOssModel(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds=None):
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        rope = self.rotary(positions, h.dtype)
-        residual = None
-        for i, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, rope, kv_caches[i], meta)
-        h, _ = self.norm(h, residual)
-        return h
+        return run_pre_norm_layers(self.layers, self.norm, h, self.rotary(positions, h.dtype), kv_caches, meta)
 
 
 def swiglu_of(spec: ModelSpec) -> SwigluOai:

@@ -35,6 +35,7 @@ from ferrox.layers.rotary import RotaryEmbedding, check_rotary_dim
 from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
 from ferrox.models.load_check import check_all_loaded, load_into
+from ferrox.models.pre_norm import PreNormDecoderLayer, run_pre_norm_layers
 
 # HF checkpoint names folded into a merged layer: (merged module, shard name).
 _MERGED = {
@@ -105,7 +106,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(h) if reduce else self.down_proj(h, reduce=False)
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype, device, *, qkv_bias,
                  o_bias, qk_norm, window: int = 0):
         super().__init__()
@@ -124,15 +125,6 @@ class LlamaDecoderLayer(nn.Module):
                              head_dim=attn.head_dim, scale=attn.scale, tp=attn.o_proj.tp,
                              kv_scales=attn.kv_scales, q_norm=attn.q_norm, k_norm=attn.k_norm, window=attn.window)
 
-    def forward(self, x, residual, rope: Rope, kv_cache, meta):
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, rope, kv_cache, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -163,12 +155,7 @@ class LlamaModel(nn.Module):
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.decode_path.takes_step(h.shape[0], kv_caches, meta):
             return self.norm(self.decode_path.forward(h, positions, kv_caches, meta))
-        rope = self.rotary(positions, h.dtype)
-        residual = None
-        for i, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, rope, kv_caches[i], meta)
-        h, _ = self.norm(h, residual)
-        return h
+        return run_pre_norm_layers(self.layers, self.norm, h, self.rotary(positions, h.dtype), kv_caches, meta)
 
 
 class LlamaForCausalLM(nn.Module):

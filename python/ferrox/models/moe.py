@@ -34,13 +34,14 @@ from ferrox.kernels import select_kernels
 from ferrox.layers.fused_moe import FusedMoE, TopKRouter, experts_with_shared
 from ferrox.layers.layernorm import RMSNorm
 from ferrox.layers.linear import Linear
-from ferrox.layers.ops import DeviceOps, Rope, for_device
+from ferrox.layers.ops import DeviceOps, for_device
 from ferrox.layers.quant.method import use_quant_config
 from ferrox.layers.rotary import RotaryEmbedding, check_rotary_dim
 from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, MoeSpec, UnsupportedModelError
 from ferrox.models.llama import LlamaAttention, LlamaMLP, load_dense_tensor, load_kv_scale
 from ferrox.models.load_check import check_all_loaded
+from ferrox.models.pre_norm import PreNormDecoderLayer, run_pre_norm_layers
 
 # HF names folded into a merged layer (attention, dense MLPs, the shared expert): (module, shard).
 _MERGED = {
@@ -92,7 +93,7 @@ class MoeBlock(nn.Module):
                                    torch.sigmoid(self.shared_expert_gate(x)))
 
 
-class MoeDecoderLayer(nn.Module):
+class MoeDecoderLayer(PreNormDecoderLayer):
     """LlamaDecoderLayer with the MLP chosen per layer (sparse or dense)."""
 
     def __init__(self, spec: ModelSpec, index: int, backend: AttentionBackend, ops: DeviceOps, dtype, device, *,
@@ -107,15 +108,6 @@ class MoeDecoderLayer(nn.Module):
         self.mlp: nn.Module = (block_class(spec, moe, ops, dtype, device, renormalize=renormalize)
                                if moe.is_sparse(index) else LlamaMLP(spec, ops, dtype, device))
 
-    def forward(self, x, residual, rope: Rope, kv_cache, meta):
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, rope, kv_cache, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
 
     def one_token_view(self) -> OneTokenLayer:
         """This layer as a fused one-token decode path reads it (attention/decode_path.py)."""
@@ -158,12 +150,7 @@ class MoeModel(nn.Module):
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.decode_path.takes_step(h.shape[0], kv_caches, meta):
             return self.norm(self.decode_path.forward(h, positions, kv_caches, meta))
-        rope = self.rotary(positions, h.dtype)
-        residual = None
-        for i, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, rope, kv_caches[i], meta)
-        h, _ = self.norm(h, residual)
-        return h
+        return run_pre_norm_layers(self.layers, self.norm, h, self.rotary(positions, h.dtype), kv_caches, meta)
 
 
 class MoeForCausalLM(nn.Module):
