@@ -24,6 +24,8 @@ pub enum FinishReason {
     Stop,
     Length,
     Abort,
+    /// The output ended in a repeating pattern (`RepetitionRule`).
+    Repetition,
 }
 
 impl FinishReason {
@@ -32,6 +34,7 @@ impl FinishReason {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
             FinishReason::Abort => "abort",
+            FinishReason::Repetition => "repetition",
         }
     }
 }
@@ -41,6 +44,37 @@ impl FinishReason {
 pub enum StopReason {
     TokenId(u32),
     Str(String),
+    /// A repetition rule fired (vLLM reports it as the string "repetition_detected").
+    Repetition,
+}
+
+/// vLLM's `repetition_detection`: stop once the output ends in a pattern of `min_pattern..=max_pattern`
+/// tokens repeated `min_count` times back to back (a model stuck in a loop). Checked after the length
+/// limits, and only once min_tokens are out, as vLLM does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RepetitionRule {
+    pub min_pattern: usize,
+    pub max_pattern: usize,
+    pub min_count: usize,
+}
+
+impl RepetitionRule {
+    /// Whether `output` ends in some pattern size's `min_count` repeats. Sizes are tried from the
+    /// smallest; one whose repeats would not fit in the output ends the search (larger ones fit less).
+    pub fn fires(&self, output: &[u32]) -> bool {
+        let n = output.len();
+        for size in self.min_pattern.max(1)..=self.max_pattern {
+            let span = size * self.min_count;
+            if span > n {
+                return false;
+            }
+            let tail = &output[n - size..];
+            if (1..self.min_count).all(|k| &output[n - size * (k + 1)..n - size * k] == tail) {
+                return true;
+            }
+        }
+        false
+    }
 }
 
 /// Limits that end generation; `max_tokens` is already clipped to the room left by the prompt.
@@ -51,6 +85,7 @@ pub struct SamplingLimits {
     pub ignore_eos: bool,
     pub stop_token_ids: Vec<u32>,
     pub include_stop_str_in_output: bool,
+    pub repetition: Option<RepetitionRule>,
 }
 
 pub struct Request {
@@ -179,6 +214,11 @@ impl Request {
         {
             finish = Some((FinishReason::Length, None));
         }
+        if let (None, true, Some(rule)) = (&finish, stops_active, self.limits.repetition) {
+            if rule.fires(&self.token_ids[self.num_prompt_tokens..]) {
+                finish = Some((FinishReason::Repetition, Some(StopReason::Repetition)));
+            }
+        }
         if let Some((reason, ref stop)) = finish {
             // Text held back for a possible stop string is released, unless a stop string
             // ended the request (then the held text was the stop string itself).
@@ -190,5 +230,39 @@ impl Request {
             self.status = RequestStatus::Finished(reason);
         }
         finish
+    }
+}
+
+#[cfg(test)]
+mod repetition_tests {
+    use super::RepetitionRule;
+
+    fn rule(min_pattern: usize, max_pattern: usize, min_count: usize) -> RepetitionRule {
+        RepetitionRule {
+            min_pattern,
+            max_pattern,
+            min_count,
+        }
+    }
+
+    #[test]
+    fn fires_on_a_tail_repeated_min_count_times() {
+        assert!(rule(2, 3, 3).fires(&[1, 2, 3, 1, 2, 3, 1, 2, 3]));
+        assert!(!rule(2, 3, 3).fires(&[1, 2, 3, 1, 2, 3])); // two repeats only
+        assert!(rule(2, 5, 4).fires(&[1, 2, 1, 2, 1, 2, 1, 2]));
+        assert!(rule(1, 1, 3).fires(&[9, 7, 7, 7]));
+        assert!(!rule(1, 4, 3).fires(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]));
+    }
+
+    #[test]
+    fn looks_only_at_the_tail_and_within_its_sizes() {
+        // The repeats must end the output.
+        assert!(!rule(1, 2, 3).fires(&[5, 5, 5, 1]));
+        // A 3-token loop is not caught by sizes 1..=2.
+        assert!(!rule(1, 2, 3).fires(&[1, 2, 3, 1, 2, 3, 1, 2, 3]));
+        // Sizes below min_pattern are skipped: [.., 4, 4, 4] needs size 1.
+        assert!(!rule(2, 3, 3).fires(&[1, 4, 4, 4]));
+        // Once a size's repeats exceed the output the search stops.
+        assert!(!rule(2, 4, 3).fires(&[1, 1, 1, 1, 1]));
     }
 }

@@ -16,7 +16,7 @@ use crate::error::{invalid, CoreError, CoreResult};
 use crate::kv_cache_manager::{KvBlocks, KvCacheManager};
 use crate::ngram;
 use crate::prefix_cache::{extend_block_hashes, root_hash};
-use crate::request::{FinishReason, Request, RequestStatus, SamplingLimits};
+use crate::request::{FinishReason, RepetitionRule, Request, RequestStatus, SamplingLimits};
 use crate::speculative::{ExternalDrafts, SpecMethod, SpeculativeConfig};
 use crate::stats::SchedulerStats;
 use crate::step_outputs::{RowInfo, StepOutputs, StepOutputsBuilder};
@@ -152,6 +152,34 @@ pub fn is_token_id(v: i64) -> bool {
     (0..=i32::MAX as i64).contains(&v)
 }
 
+/// vLLM's RepetitionDetectionParams rules: sizes >= 0 with min <= max; a rule that is on (max > 0)
+/// needs min_count >= 2; min 0 means 1. None for max 0 (off).
+fn repetition_rule(
+    (min, max, count): (i64, i64, i64),
+) -> Result<Option<RepetitionRule>, CoreError> {
+    if min < 0 || max < 0 || min > max {
+        return Err(invalid(
+            "repetition_detection",
+            "max_pattern_size and min_pattern_size must be >= 0, with min_pattern_size <= max_pattern_size \
+             (both 0 turn detection off)",
+        ));
+    }
+    if max == 0 {
+        return Ok(None);
+    }
+    if count < 2 {
+        return Err(invalid(
+            "repetition_detection",
+            "min_count must be >= 2 when max_pattern_size > 0",
+        ));
+    }
+    Ok(Some(RepetitionRule {
+        min_pattern: (min as usize).max(1),
+        max_pattern: max as usize,
+        min_count: count as usize,
+    }))
+}
+
 /// A request as submitted (already converted from Python, not yet validated).
 #[derive(Debug, Clone)]
 pub struct NewRequest {
@@ -163,6 +191,8 @@ pub struct NewRequest {
     pub stop_token_ids: Vec<u32>,
     pub stop: Vec<String>,
     pub include_stop_str_in_output: bool,
+    /// `repetition_detection` as (min_pattern_size, max_pattern_size, min_count); None: off.
+    pub repetition: Option<(i64, i64, i64)>,
     pub skip_special_tokens: bool,
     pub detokenize: bool,
     pub priority: i64,
@@ -188,6 +218,7 @@ impl NewRequest {
             stop_token_ids: Vec::new(),
             stop: Vec::new(),
             include_stop_str_in_output: false,
+            repetition: None,
             skip_special_tokens: true,
             detokenize: true,
             priority: 0,
@@ -488,6 +519,7 @@ impl Scheduler {
             }
             _ => None,
         };
+        let repetition = r.repetition.map(repetition_rule).transpose()?.flatten();
         let max_tokens = (r.max_tokens as usize).min(self.max_total_len - prompt_len);
         let root = root_hash(r.lora_id as u64, r.cache_salt.as_deref());
         let mut block_hashes = Vec::with_capacity(prompt_len / self.cfg.block_size + 1);
@@ -519,6 +551,7 @@ impl Scheduler {
                 ignore_eos: r.ignore_eos,
                 stop_token_ids: r.stop_token_ids,
                 include_stop_str_in_output: r.include_stop_str_in_output,
+                repetition,
             },
             root_hash: root,
             block_hashes,

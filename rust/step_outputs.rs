@@ -11,12 +11,13 @@ use crate::request::{FinishReason, StopReason};
 /// `finish_reasons` codes: the index into this table (`ferrox._core.FINISH_REASONS`).
 /// Code 4, "error", is never produced by the core: the Python engine uses it for requests it
 /// fails itself, so all finishes share one encoding.
-pub const FINISH_REASONS: [Option<&str>; 5] = [
+pub const FINISH_REASONS: [Option<&str>; 6] = [
     None,
     Some("stop"),
     Some("length"),
     Some("abort"),
     Some("error"),
+    Some("repetition"),
 ];
 
 impl FinishReason {
@@ -26,6 +27,7 @@ impl FinishReason {
             FinishReason::Stop => 1,
             FinishReason::Length => 2,
             FinishReason::Abort => 3,
+            FinishReason::Repetition => 5,
         }
     }
 }
@@ -198,6 +200,7 @@ impl StepOutputs {
             1 => Some(FinishReason::Stop),
             2 => Some(FinishReason::Length),
             3 => Some(FinishReason::Abort),
+            5 => Some(FinishReason::Repetition),
             _ => None,
         }
     }

@@ -116,7 +116,7 @@ class SchedulerOutput:
     def draft_token_ids(self) -> npt.NDArray[np.int64]:
         """[sum(num_draft_tokens)] every request's drafts, batch order (the same ids as in input_ids)."""
 
-FINISH_REASONS: tuple[None, str, str, str, str]
+FINISH_REASONS: tuple[None, str, str, str, str, str]
 """(None, "stop", "length", "abort", "error"): the meaning of StepOutputs.finish_reasons codes. The
 core never produces 4, "error": it is the Python engine's, for requests it fails itself."""
 
@@ -155,11 +155,11 @@ class StepOutputs:
     @property
     def finish_reasons(self) -> npt.NDArray[np.uint8]:
         """[n] 0 while running, else the index of the reason in FINISH_REASONS (1 stop, 2 length,
-        3 abort)."""
+        3 abort, 5 repetition)."""
     @property
     def stop_reasons(self) -> dict[int, int | str]:
-        """{row: the stop_token_id or stop string that fired}, only for rows that stopped on one (EOS,
-        length, abort and a forced stop have none)."""
+        """{row: the stop_token_id or stop string that fired, "repetition_detected" for a repetition
+        finish}, only for rows that stopped on one (EOS, length, abort and a forced stop have none)."""
     @property
     def num_output_tokens(self) -> npt.NDArray[np.int32]:
         """[n] output tokens of each row's request so far."""
@@ -248,6 +248,7 @@ class Scheduler:
         stop_token_ids: Sequence[int] = (),
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        repetition_detection: tuple[int, int, int] | None = None,
         skip_special_tokens: bool = True,
         detokenize: bool = True,
         priority: int = 0,

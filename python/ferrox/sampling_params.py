@@ -33,6 +33,38 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2  # nothing until the request finishes, then everything
 
 
+class RepetitionDetectionParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """vLLM's `repetition_detection`: end a request whose output ends in a pattern of
+    min_pattern_size..max_pattern_size tokens repeated min_count times back to back (a model stuck in a
+    loop); it then finishes with finish_reason "repetition" and stop_reason "repetition_detected". Checked
+    after the length limits and only once min_tokens are out (the Rust core's `RepetitionRule`).
+    max_pattern_size 0 turns it off; min_pattern_size 0 means 1."""
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_pattern_size", "min_pattern_size", "min_count"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise _invalid("repetition_detection", f"{name} must be an integer, got {value!r}")
+        if self.max_pattern_size < 0 or self.min_pattern_size < 0 or self.min_pattern_size > self.max_pattern_size:
+            raise _invalid("repetition_detection", "max_pattern_size and min_pattern_size must be >= 0, with "
+                           "min_pattern_size <= max_pattern_size (both 0 turn detection off)")
+        if self.max_pattern_size > 0 and self.min_count < 2:
+            raise _invalid("repetition_detection", "min_count must be >= 2 when max_pattern_size > 0 (set "
+                           "max_pattern_size to 0 to turn detection off)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_pattern_size > 0
+
+    def as_rule(self) -> tuple[int, int, int]:
+        """(min_pattern_size, max_pattern_size, min_count), as the Rust core's add_request takes it."""
+        return (self.min_pattern_size, self.max_pattern_size, self.min_count)
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     n: int = 1
     presence_penalty: float = 0.0
@@ -59,6 +91,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # At most this many tokens of thinking (a reasoning model's `<think>` section), then `</think>` is
     # forced; needs a reasoning parser. -1 or None: no budget.
     thinking_token_budget: int | None = None
+    # Stop a request looping on a repeated pattern (RepetitionDetectionParams; a dict of its fields is taken).
+    repetition_detection: RepetitionDetectionParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict[str, Any] | None = None
 
@@ -78,6 +112,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.top_k = 0
         if self.thinking_token_budget == -1:
             self.thinking_token_budget = None
+        if isinstance(self.repetition_detection, dict):
+            unknown = set(self.repetition_detection) - {"max_pattern_size", "min_pattern_size", "min_count"}
+            if unknown:
+                raise _invalid("repetition_detection", f"unknown field(s) {sorted(unknown)}")
+            self.repetition_detection = RepetitionDetectionParams(**self.repetition_detection)
         if self.logit_bias is not None:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}

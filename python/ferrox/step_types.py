@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 # Finish codes in StepResult.finish_reasons; index = code (the Rust core's FINISH_REASONS).
-FINISH_REASONS: tuple[str | None, ...] = (None, "stop", "length", "abort", "error")
+FINISH_REASONS: tuple[str | None, ...] = (None, "stop", "length", "abort", "error", "repetition")
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR = 1, 2, 3, 4
 
 

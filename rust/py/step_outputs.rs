@@ -62,6 +62,7 @@ fn stop_reason_obj(py: Python<'_>, s: &StopReason) -> PyResult<Py<PyAny>> {
     match s {
         StopReason::TokenId(t) => t.into_py_any(py),
         StopReason::Str(s) => s.into_py_any(py),
+        StopReason::Repetition => "repetition_detected".into_py_any(py),
     }
 }
 
@@ -165,6 +166,7 @@ impl PyStepOutputs {
                 match o.stop_reason(i) {
                     Some(StopReason::TokenId(t)) => row.push_str(&format!(" ({t})")),
                     Some(StopReason::Str(s)) => row.push_str(&format!(" ({s:?})")),
+                    Some(StopReason::Repetition) => row.push_str(" (repetition_detected)"),
                     None => {}
                 }
             }

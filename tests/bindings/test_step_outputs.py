@@ -21,7 +21,7 @@ def make(**kw) -> Scheduler:
 
 def test_the_per_request_output_class_is_gone():
     assert not hasattr(_core, "RequestOutput")
-    assert FINISH_REASONS == (None, "stop", "length", "abort", "error")
+    assert FINISH_REASONS == (None, "stop", "length", "abort", "error", "repetition")
 
 
 def test_slots_are_stable_while_live_and_reused_after_finish():
@@ -152,3 +152,28 @@ def test_sampled_ids_must_fit_int32():
         s.update_from_output(np.array([2**31], dtype=np.int64))
     assert info.value.param == "sampled_token_ids"
     assert len(s.update_from_output(np.array([2**31 - 1], dtype=np.int64))) == 1
+
+
+def test_repetition_detection_finishes_a_looping_request_in_the_core():
+    """The core's stop check (vLLM's repetition_detection as (min_pattern, max_pattern, min_count)): a
+    request whose output comes to end in a 2-token pattern three times finishes there with code
+    "repetition" and stop reason "repetition_detected"; its neighbour without the rule keeps going; a
+    rule vLLM refuses is an InvalidArgumentError naming the field, and max_pattern 0 is off."""
+    s = make()
+    s.add_request("loop", [1, 2, 3], max_tokens=20, detokenize=False, repetition_detection=(1, 2, 3))
+    s.add_request("free", [1, 2, 3], max_tokens=20, detokenize=False)
+    s.add_request("off", [1, 2, 3], max_tokens=20, detokenize=False, repetition_detection=(0, 0, 0))
+    finished: dict[str, tuple[str | None, int | str | None, int]] = {}
+    for step, tok in enumerate([7, 8, 9, 8, 9, 8, 9, 8]):
+        out = s.schedule()
+        res = s.update_from_output(np.array([tok] * len(out.req_ids), dtype=np.int64))
+        for i, rid in enumerate(res.req_ids):
+            if res.finish_reasons[i]:
+                finished[rid] = (FINISH_REASONS[res.finish_reasons[i]], res.stop_reasons.get(i), step)
+    # outputs 7 8 9 8 9 8 9: [8, 9] three times ends the output at the seventh token (step 6)
+    assert finished == {"loop": ("repetition", "repetition_detected", 6)}
+    with pytest.raises(_core.InvalidArgumentError, match="min_count must be >= 2") as info:
+        s.add_request("bad", [1, 2], max_tokens=4, detokenize=False, repetition_detection=(1, 3, 1))
+    assert info.value.param == "repetition_detection"
+    with pytest.raises(_core.InvalidArgumentError, match="min_pattern_size <= max_pattern_size"):
+        s.add_request("bad2", [1, 2], max_tokens=4, detokenize=False, repetition_detection=(4, 3, 2))

@@ -335,3 +335,18 @@ def test_structured_whitespace_options(client):
         "structured_outputs": {"json": schema, "whitespace_pattern": ""}})
     text = r.choices[0].text
     assert " " not in text and "\n" not in text and json.loads(text)["n"] is not None, text
+
+
+def test_repetition_detection_ends_a_loop_or_is_a_400(base_url, client):
+    """vLLM's repetition_detection (its RepetitionDetectionParams fields): a looping greedy answer ends with
+    finish_reason "repetition" and stop_reason "repetition_detected"; a bad rule is a 400 naming the field."""
+    rule = {"max_pattern_size": 4, "min_pattern_size": 1, "min_count": 3}
+    r = client.completions.create(model=MODEL, prompt="ha ha ha ha ha ha ha ha", max_tokens=40, temperature=0,
+                                  extra_body={"repetition_detection": rule})
+    choice = r.choices[0]
+    assert choice.finish_reason == "repetition" and r.usage.completion_tokens < 40
+    assert choice.model_extra["stop_reason"] == "repetition_detected"
+    status, resp = post(base_url, CHAT, {"messages": QUESTION, "max_tokens": 4,
+                                         "repetition_detection": {"max_pattern_size": 4, "min_count": 1}})
+    assert status == 400, resp
+    assert_openai_error(resp, 400, "repetition_detection")

@@ -103,7 +103,6 @@ _REFUSED = {
     "kv_transfer_params": "disaggregated KV transfer is not supported",
     "vllm_xargs": "there are no custom extensions to take extra arguments",
     "logprob_token_ids": "logprobs of chosen token ids are not supported (use top_logprobs)",
-    "repetition_detection": "repetition detection is not supported",
     "watermarking": "watermarking is not supported",
 }
 # The value each of them may take without being refused (what vLLM does when it is not given).
@@ -187,6 +186,8 @@ class _SamplingFields(_Base):
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
     logprob_token_ids: list[int] | None = None
+    # vLLM's RepetitionDetectionParams fields (max_pattern_size, min_pattern_size, min_count): a request
+    # whose output loops on a pattern ends with finish_reason "repetition" (ferrox.sampling_params).
     repetition_detection: dict[str, Any] | None = None
     watermarking: bool | None = None
     # Tokens a streamed chunk gathers (the first and the last chunk go at once); default: the server's
@@ -195,7 +196,7 @@ class _SamplingFields(_Base):
 
     _refuse = field_validator(
         "logits_processors", "kv_transfer_params",
-        "vllm_xargs", "logprob_token_ids", "repetition_detection", "watermarking",
+        "vllm_xargs", "logprob_token_ids", "watermarking",
     )(_refuse_unsupported)
 
     @field_validator("length_penalty")

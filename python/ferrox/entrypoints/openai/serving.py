@@ -415,6 +415,7 @@ def build_sampling_params(
         allowed_token_ids=allowed_token_ids,
         structured_outputs=structured,
         thinking_token_budget=getattr(req, "thinking_token_budget", None),
+        repetition_detection=getattr(req, "repetition_detection", None),
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
     )
     kwargs.update(sampling_knobs(defaults, **{name: getattr(req, name) for name in GENERATION_DEFAULT_KEYS}))
