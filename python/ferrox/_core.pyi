@@ -117,7 +117,7 @@ class SchedulerOutput:
         """[sum(num_draft_tokens)] every request's drafts, batch order (the same ids as in input_ids)."""
 
 FINISH_REASONS: tuple[None, str, str, str, str, str]
-"""(None, "stop", "length", "abort", "error"): the meaning of StepOutputs.finish_reasons codes. The
+"""(None, "stop", "length", "abort", "error", "repetition"): the meaning of StepOutputs.finish_reasons codes. The
 core never produces 4, "error": it is the Python engine's, for requests it fails itself."""
 
 class StepOutputs:
