@@ -56,12 +56,9 @@ class RepetitionDetectionParams(msgspec.Struct, kw_only=True, omit_defaults=True
             raise _invalid("repetition_detection", "min_count must be >= 2 when max_pattern_size > 0 (set "
                            "max_pattern_size to 0 to turn detection off)")
 
-    @property
-    def enabled(self) -> bool:
-        return self.max_pattern_size > 0
-
     def as_rule(self) -> tuple[int, int, int]:
-        """(min_pattern_size, max_pattern_size, min_count), as the Rust core's add_request takes it."""
+        """(min_pattern_size, max_pattern_size, min_count), as the Rust core's add_request takes it (the core
+        reads max 0 as off and min 0 as 1)."""
         return (self.min_pattern_size, self.max_pattern_size, self.min_count)
 
 

@@ -257,8 +257,7 @@ class EngineCore:
                 stop_token_ids=params.stop_token_ids or [],
                 stop=params.stop_list,
                 include_stop_str_in_output=params.include_stop_str_in_output,
-                repetition_detection=params.repetition_detection.as_rule()
-                if params.repetition_detection is not None and params.repetition_detection.enabled else None,
+                repetition_detection=None if params.repetition_detection is None else params.repetition_detection.as_rule(),
                 skip_special_tokens=params.skip_special_tokens,
                 detokenize=params.detokenize,
                 priority=request.priority,
