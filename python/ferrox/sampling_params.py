@@ -23,6 +23,8 @@ from ferrox.structured.params import StructuredOutputsParams
 _GREEDY_EPS = 1e-5
 # OpenAI clamps logit_bias values to this range; larger values only make overflow likely.
 _MAX_ABS_LOGIT_BIAS = 100.0
+# vLLM's cap on logprob_token_ids: the sampler gathers these columns for every position of the request.
+MAX_LOGPROB_TOKEN_IDS = 128
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -79,6 +81,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     min_tokens: int = 0
     logprobs: int | None = None  # number of top alternatives returned with each sampled token
     prompt_logprobs: int | None = None
+    # vLLM's: at each generated position, the logprobs of exactly these token ids (beside the sampled
+    # token's) in place of the top `logprobs` alternatives; turns sample logprobs on by itself. [] = unset.
+    logprob_token_ids: list[int] | None = None
     detokenize: bool = True
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -109,6 +114,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.top_k = 0
         if self.thinking_token_budget == -1:
             self.thinking_token_budget = None
+        if self.logprob_token_ids is not None and len(self.logprob_token_ids) == 0:
+            self.logprob_token_ids = None  # vLLM's: an empty list keeps the natural top-k
         if isinstance(self.repetition_detection, dict):
             unknown = set(self.repetition_detection) - {"max_pattern_size", "min_pattern_size", "min_count"}
             if unknown:
@@ -154,6 +161,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                     raise _invalid("stop", f"every stop string must be a non-empty string, got {s!r}")
         _check_token_ids("stop_token_ids", self.stop_token_ids, allow_empty=True)
         _check_token_ids("allowed_token_ids", self.allowed_token_ids, allow_empty=False)
+        _check_token_ids("logprob_token_ids", self.logprob_token_ids, allow_empty=True)
+        if self.logprob_token_ids is not None and len(self.logprob_token_ids) > MAX_LOGPROB_TOKEN_IDS:
+            raise _invalid("logprob_token_ids", f"at most {MAX_LOGPROB_TOKEN_IDS} token ids, got "
+                                                f"{len(self.logprob_token_ids)}")
         if self.logit_bias is not None:
             for tok, bias in self.logit_bias.items():
                 if tok < 0:
@@ -169,6 +180,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         return self.temperature == 0.0
 
     @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives reported with each sampled token, or None when sample logprobs are off: the named
+        logprob_token_ids when given (they replace the top-N), else `logprobs`."""
+        return len(self.logprob_token_ids) if self.logprob_token_ids else self.logprobs
+
+    @property
     def stop_list(self) -> list[str]:
         return list(self.stop or [])
 
@@ -178,6 +195,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         check_token_ids_in_vocab("stop_token_ids", self.stop_token_ids or [], vocab_size)
         check_token_ids_in_vocab("allowed_token_ids", self.allowed_token_ids or [], vocab_size)
         check_token_ids_in_vocab("logit_bias", list(self.logit_bias or {}), vocab_size)
+        check_token_ids_in_vocab("logprob_token_ids", self.logprob_token_ids or [], vocab_size)
 
     def clone(self, **changes: Any) -> SamplingParams:
         return msgspec.structs.replace(self, **changes)

@@ -72,3 +72,30 @@ def test_chat_capital_of_france(llm):
         params, use_tqdm=False,
     )
     assert len(two) == 2 and two[0].outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_named_logprob_token_ids_match_transformers(llm, hf_model):
+    # vLLM's logprob_token_ids: each generated position reports exactly these ids' logprobs (the model's
+    # raw ones: not moved by the penalty) besides the sampled token's, in one batch with a top-N request.
+    named = [0, 17, 4000, 49151, 17]
+    params = [SamplingParams(temperature=0.8, seed=3, max_tokens=5, ignore_eos=True, logprob_token_ids=named,
+                             repetition_penalty=1.3),
+              SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)]
+    outs = llm.generate(["The capital of France is", "def fibonacci(n):"], params, use_tqdm=False)
+    for out, p in zip(outs, params, strict=True):
+        sample = out.outputs[0]
+        with torch.inference_mode():
+            ids = out.prompt_token_ids + sample.token_ids
+            ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].double(), dim=-1)
+        assert sample.logprobs is not None and len(sample.logprobs) == len(sample.token_ids) == 5
+        for i, (tok, lps) in enumerate(zip(sample.token_ids, sample.logprobs, strict=True)):
+            row = ref[len(out.prompt_token_ids) - 1 + i]
+            assert math.isclose(lps[tok].logprob, row[tok].item(), abs_tol=2e-3)
+            assert lps[tok].rank == int((row > row[tok]).sum()) + 1 or math.isclose(
+                row[tok].item(), row.max().item(), abs_tol=1e-4)
+            if p.logprob_token_ids:
+                assert set(lps) == set(named) | {tok}
+                for t in set(named) - {tok}:
+                    assert math.isclose(lps[t].logprob, row[t].item(), abs_tol=2e-3) and lps[t].rank is None
+            else:
+                assert set(lps) == set(torch.topk(row, 2).indices.tolist()) | {tok}

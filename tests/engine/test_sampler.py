@@ -129,6 +129,43 @@ def test_sampler_logprobs_are_raw_not_processed():
     assert out.logprobs.top_token_ids[0].tolist() == [0, 1]
 
 
+def test_named_logprob_token_ids_replace_the_top_n_on_their_rows_only():
+    # Row 0 takes the top 3, row 1 names [6, 2, 7] (vLLM's logprob_token_ids, order kept), row 2 names one
+    # id and also sets logprobs (the named ids win), row 3 asks for nothing; a penalty-free greedy batch.
+    params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0, logprob_token_ids=[6, 2, 7]),
+              SamplingParams(temperature=0, logprobs=5, logprob_token_ids=[4]), SamplingParams(temperature=0)]
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(1))
+    md = _Batch(params).build()
+    assert md.max_num_logprobs == 3 and md.logprob_token_ids is not None
+    out = Sampler()(logits.clone(), md)
+    assert out.logprobs is not None
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    ids, lps = out.logprobs.top_token_ids, out.logprobs.top_logprobs.double()
+    assert ids.shape[1] == 3
+    assert torch.equal(ids[0], torch.topk(ref[0], 3).indices)
+    assert ids[1].tolist() == [6, 2, 7] and ids[2, 0].item() == 4
+    for row in range(3):
+        assert torch.allclose(lps[row], ref[row, ids[row]], atol=1e-5)
+    # The sampled token's own logprob and rank on every row, named or not.
+    expected_rank = (ref > ref.gather(1, out.token_ids[:, None])).sum(-1) + 1
+    assert torch.equal(out.logprobs.token_ranks, expected_rank)
+    # Per-row counts the host trims to: the named rows report exactly their ids.
+    assert _Batch(params).batch.num_logprobs[:4].tolist() == [3, 3, 1, -1]
+
+
+def test_named_logprob_token_ids_wider_than_the_top_n_and_alone():
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(2))
+    named = torch.tensor([[-1, -1, -1, -1], [49, 0, 17, 49]])
+    lp = compute_logprobs(logits, torch.tensor([3, 4]), 2, named)
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    assert lp.top_token_ids.shape == (2, 4)
+    assert torch.equal(lp.top_token_ids[0, :2], torch.topk(ref[0], 2).indices)
+    assert lp.top_token_ids[1].tolist() == [49, 0, 17, 49]
+    assert torch.allclose(lp.top_logprobs[1].double(), ref[1, [49, 0, 17, 49]], atol=1e-5)
+    only_named = compute_logprobs(logits[1:], torch.tensor([4]), 0, named[1:, :3])
+    assert only_named.top_token_ids[0].tolist() == [49, 0, 17]
+
+
 def test_logit_bias_and_allowed_token_ids():
     assert set(_draw(SamplingParams(allowed_token_ids=[5, 6]), 500).tolist()) == {5, 6}
     assert set(_draw(SamplingParams(temperature=0, allowed_token_ids=[3, 6]), 4).tolist()) == {3}

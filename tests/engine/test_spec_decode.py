@@ -118,22 +118,27 @@ def test_greedy_random_prompts_identical(plain, plain_once, spec):
 
 def test_non_speculating_requests_share_steps(plain, plain_once, spec):
     """Requests with penalties decode one token a step beside speculating ones, unchanged; a request
-    with logprobs speculates and reports a logprob for every token it keeps."""
+    with logprobs (the top-N, or named logprob_token_ids) speculates and reports a logprob for every
+    token it keeps."""
     params = [SamplingParams(temperature=0.0, max_tokens=32),
               SamplingParams(temperature=0.0, max_tokens=32, logprobs=2),
-              SamplingParams(temperature=0.0, max_tokens=32, repetition_penalty=1.3)]
-    ref = plain_once("mixed", lambda: plain.chat([COPY[0]] * 3, params, use_tqdm=False))
-    out = spec.chat([COPY[0]] * 3, params, use_tqdm=False)
+              SamplingParams(temperature=0.0, max_tokens=32, repetition_penalty=1.3),
+              SamplingParams(temperature=0.0, max_tokens=32, logprob_token_ids=[17, 0, 4000])]
+    ref = plain_once("mixed", lambda: plain.chat([COPY[0]] * 4, params, use_tqdm=False))
+    out = spec.chat([COPY[0]] * 4, params, use_tqdm=False)
     assert_all_same(plain, ref, out)
-    if out[1].outputs[0].token_ids != ref[1].outputs[0].token_ids:
-        return  # parted at a tie (checked above): the logprobs after it are of other tokens
-    lp_a, lp_b = ref[1].outputs[0].logprobs, out[1].outputs[0].logprobs
-    assert lp_a is not None and lp_b is not None and len(lp_b) == len(lp_a)
-    for step_a, step_b in zip(lp_a, lp_b, strict=True):
-        assert step_a.keys() == step_b.keys()
-        # Kept drafts' logprobs come from the (1 + k)-row pass, whose float32 sums may part from the
-        # one-row pass's in the last bits (exact equality on one kernel: test_spec_decode_draft.py).
-        assert all(abs(step_a[t].logprob - step_b[t].logprob) <= TIE_TOLERANCE for t in step_a), (step_a, step_b)
+    for i in (1, 3):
+        if out[i].outputs[0].token_ids != ref[i].outputs[0].token_ids:
+            continue  # parted at a tie (checked above): the logprobs after it are of other tokens
+        lp_a, lp_b = ref[i].outputs[0].logprobs, out[i].outputs[0].logprobs
+        assert lp_a is not None and lp_b is not None and len(lp_b) == len(lp_a)
+        for step_a, step_b in zip(lp_a, lp_b, strict=True):
+            assert step_a.keys() == step_b.keys()
+            if i == 3:
+                assert {17, 0, 4000} <= step_b.keys()
+            # Kept drafts' logprobs come from the (1 + k)-row pass, whose float32 sums may part from the
+            # one-row pass's in the last bits (exact equality on one kernel: test_spec_decode_draft.py).
+            assert all(abs(step_a[t].logprob - step_b[t].logprob) <= TIE_TOLERANCE for t in step_a), (step_a, step_b)
 
 
 def test_n_greater_than_one(plain, plain_once, spec):

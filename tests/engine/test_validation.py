@@ -100,6 +100,8 @@ def test_request_id_rule():
         ({"logit_bias": {"x": 1}}, "logit_bias"),
         ({"logit_bias": {5: 101.0}}, "logit_bias"),
         ({"seed": 1.5}, "seed"),
+        ({"logprob_token_ids": [3, -1]}, "logprob_token_ids"),
+        ({"logprob_token_ids": list(range(129))}, "logprob_token_ids"),  # vLLM's cap, 128
     ],
 )
 def test_sampling_params_field_errors(kwargs, param):
@@ -156,6 +158,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
         ("Hi", GREEDY.clone(stop_token_ids=[49152]), InvalidArgumentError, "stop_token_ids"),
         ("Hi", GREEDY.clone(logit_bias={10**6: 1.0}), InvalidArgumentError, "logit_bias"),
         ("Hi", GREEDY.clone(logprobs=21), InvalidArgumentError, "logprobs"),
+        ("Hi", GREEDY.clone(logprob_token_ids=[5, 49152]), InvalidArgumentError, "logprob_token_ids"),
         ("Hi", GREEDY.clone(prompt_logprobs=21), InvalidArgumentError, "prompt_logprobs"),
         ("Hi", SamplingParams(max_tokens=None, min_tokens=9000), InvalidArgumentError, "min_tokens"),
         ("Hi", GREEDY.clone(structured_outputs=StructuredOutputsParams(json="{not json")), InvalidArgumentError,

@@ -350,3 +350,49 @@ def test_repetition_detection_ends_a_loop_or_is_a_400(base_url, client):
                                          "repetition_detection": {"max_pattern_size": 4, "min_count": 1}})
     assert status == 400, resp
     assert_openai_error(resp, 400, "repetition_detection")
+
+
+def test_logprob_token_ids_report_exactly_the_named_tokens(base_url, client):
+    """vLLM's logprob_token_ids: with logprobs on, each generated position's alternatives are these ids (in
+    the order given) instead of the top-N. Their logprobs are checked against the prompt path: the same
+    prompt with the id appended, scored by prompt_logprobs."""
+    prompt = "The capital of France is"
+    ids = post(base_url, "/tokenize", {"prompt": prompt})[1]["tokens"]
+    named = [4000, 0, 17]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, logprobs=1, **GREEDY,
+                                  extra_body={"logprob_token_ids": named, "return_tokens_as_token_ids": True})
+    lp = r.choices[0].logprobs
+    first = lp.top_logprobs[0]
+    assert set(first) == {f"token_id:{t}" for t in named} | {lp.tokens[0]}
+    for t in named:
+        status, ref = post(base_url, COMPLETIONS, {"prompt": ids + [t], "max_tokens": 1, "prompt_logprobs": 0})
+        assert status == 200, ref
+        expected = ref["choices"][0]["prompt_logprobs"][-1][str(t)]["logprob"]
+        assert abs(first[f"token_id:{t}"] - expected) < 2e-3, (t, first, expected)
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, logprobs=True,
+                                          top_logprobs=5, **GREEDY,
+                                          extra_body={"logprob_token_ids": named, "return_tokens_as_token_ids": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4
+    for entry in content:
+        assert [t.token for t in entry.top_logprobs] == [f"token_id:{t}" for t in named]
+        assert all(t.logprob <= 0 for t in entry.top_logprobs)
+    _, events = stream_events(base_url, CHAT, {"model": MODEL, "messages": QUESTION, "max_tokens": 4,
+                                                "logprobs": True, "logprob_token_ids": named, **GREEDY,
+                                                "return_tokens_as_token_ids": True})
+    streamed = [e for ev in events for c in ev["choices"] if c.get("logprobs") for e in c["logprobs"]["content"]]
+    assert [[t["token"] for t in e["top_logprobs"]] for e in streamed] == [[t.token for t in e.top_logprobs]
+                                                                          for e in content]
+    assert [round(e["logprob"], 4) for e in streamed] == [round(e.logprob, 4) for e in content]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"logprob_token_ids": [5]}, "logprob_token_ids"),  # without logprobs it would do nothing
+    ({"logprobs": True, "logprob_token_ids": [10**7]}, "logprob_token_ids"),  # outside the vocabulary
+    ({"logprobs": True, "logprob_token_ids": [-1]}, "logprob_token_ids"),
+    ({"logprobs": True, "logprob_token_ids": list(range(129))}, "logprob_token_ids"),
+])
+def test_bad_logprob_token_ids_are_a_400_naming_the_field(base_url, body, param):
+    status, resp = post(base_url, CHAT, {"messages": QUESTION, "max_tokens": 2, **body})
+    assert status == 400, resp
+    assert_openai_error(resp, 400, param)

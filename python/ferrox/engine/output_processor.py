@@ -49,6 +49,9 @@ class _Sample:
 
     index: int
     want_logprobs: bool
+    # The alternatives are the request's logprob_token_ids: their rank in the distribution is not
+    # computed (Logprob.rank None; the sampled token's own rank always is).
+    named_logprobs: bool = False
     text: str = ""  # DELTA mode: only the text not sent yet (appending to the whole would copy it each step)
     token_ids: list[int] = field(default_factory=list)
     logprobs: SampleLogprobs | None = None
@@ -114,7 +117,8 @@ class OutputProcessor:
                     msgspec.structs.replace(request, request_id=f"{i}_{request.request_id}", sampling_params=child_params)
                 )
         samples = {
-            r.request_id: _Sample(index=i, want_logprobs=params.logprobs is not None)
+            r.request_id: _Sample(index=i, want_logprobs=params.num_logprobs is not None,
+                                     named_logprobs=bool(params.logprob_token_ids))
             for i, r in enumerate(core_requests)
         }
         self._requests[request.request_id] = _Request(
@@ -239,15 +243,18 @@ class OutputProcessor:
 
     def _append_logprobs(self, sample: _Sample, lp: Logprobs) -> None:
         assert sample.logprobs is not None and sample.cumulative_logprob is not None
-        sample.logprobs.extend(self._logprob_dicts(lp))
+        sample.logprobs.extend(self._logprob_dicts(lp, ranked=not sample.named_logprobs))
         sample.cumulative_logprob += sum(lp.logprobs)
 
-    def _logprob_dicts(self, lp: Logprobs) -> list[dict[int, Logprob]]:
+    def _logprob_dicts(self, lp: Logprobs, *, ranked: bool = True) -> list[dict[int, Logprob]]:
+        """Per position {token id: Logprob}: the alternatives in order (ranked: the top-N, rank = place;
+        else named ids, rank None), then the sampled token with its own rank."""
         dicts: list[dict[int, Logprob]] = []
         for tok, logprob, rank, top_ids, top_lps in zip(
             lp.token_ids, lp.logprobs, lp.ranks, lp.top_token_ids, lp.top_logprobs, strict=True
         ):
-            d = {t: Logprob(v, r, self._decode(t)) for r, (t, v) in enumerate(zip(top_ids, top_lps, strict=True), start=1)}
+            d = {t: Logprob(v, r if ranked else None, self._decode(t))
+                 for r, (t, v) in enumerate(zip(top_ids, top_lps, strict=True), start=1)}
             d[tok] = Logprob(logprob, rank, self._decode(tok))
             dicts.append(d)
         return dicts

@@ -44,7 +44,12 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> seeded generator
     # On CUDA, the same seeded rows' draws by (seed, counter) in one launch (kernels/seeded_uniforms.py).
     seeded: SeededDraws | None = None
-    max_num_logprobs: int | None = None  # top-N for the rows that asked (others ignore theirs)
+    # None: no row wants sample logprobs; else the top-N width for the rows that asked for the top
+    # alternatives (each row keeps its own N of them).
+    max_num_logprobs: int | None = None
+    # [B, M] int64 when some row names its alternatives (vLLM's logprob_token_ids): those rows' ids,
+    # padded by repeating the first; -1 across the rows that take the top-N instead.
+    logprob_token_ids: torch.Tensor | None = None
     penalties: PenaltyInputs | None = None
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, token ids, biases
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None  # rows [R], mask [R, V] bool
@@ -86,8 +91,11 @@ class SamplerOutput:
     logprobs: LogprobsTensors | None
 
 
-def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:
-    """Logprobs of `token_ids` and the top `num_top` alternatives from raw logits [B, V]."""
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int,
+                     named: torch.Tensor | None = None) -> LogprobsTensors:
+    """Logprobs of `token_ids` and of each row's alternatives from raw logits [B, V]: the top `num_top`,
+    or on the rows of `named` ([B, M], SamplingMetadata.logprob_token_ids) that name ids, those ids'
+    own logprobs in the order given. The width is max(num_top, M); the host keeps each row's share."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))
     ranks = (logprobs > chosen).sum(dim=-1) + 1
@@ -97,6 +105,14 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
     else:
         top_ids = torch.empty((logits.shape[0], 0), dtype=torch.int64, device=logits.device)
         top_lp = torch.empty((logits.shape[0], 0), dtype=torch.float32, device=logits.device)
+    if named is not None:
+        width = max(num_top, named.shape[1])
+        # Columns past a row's own share hold token 0: gathered, then dropped on the host.
+        top_ids = torch.nn.functional.pad(top_ids, (0, width - num_top))
+        named = torch.nn.functional.pad(named, (0, width - named.shape[1]), value=0)
+        names = (named[:, :1] >= 0)
+        top_ids = torch.where(names, named, top_ids)
+        top_lp = logprobs.gather(1, top_ids)
     return LogprobsTensors(chosen.squeeze(1), ranks, top_ids, top_lp)
 
 
@@ -134,7 +150,7 @@ class Sampler:
                 token_ids = torch.where(md.greedy_rows, greedy(logits), token_ids)
         logprobs = None
         if raw is not None:
-            logprobs = compute_logprobs(raw, token_ids, md.max_num_logprobs or 0)
+            logprobs = compute_logprobs(raw, token_ids, md.max_num_logprobs or 0, md.logprob_token_ids)
         return SamplerOutput(token_ids, logprobs)
 
     @staticmethod

@@ -102,6 +102,8 @@ class InputBatch:
         self.uses_top_p = host_col(g(self, "uses_top_p", None), np.bool_, 0)
         self.uses_min_p = host_col(g(self, "uses_min_p", None), np.bool_, 0)
         self.num_logprobs = host_col(g(self, "num_logprobs", None), np.int32, -1)
+        # Rows whose alternatives are the request's logprob_token_ids rather than the top-N.
+        self.names_logprob_ids = host_col(g(self, "names_logprob_ids", None), np.bool_, 0)
         self.wants_prompt_logprobs = host_col(g(self, "wants_prompt_logprobs", None), np.bool_, 0)
         # Rows that need a Python visit per step (see module docs).
         self.per_row_work = host_col(g(self, "per_row_work", None), np.bool_, 0)
@@ -147,7 +149,9 @@ class InputBatch:
         self.top_p[row] = params.top_p
         self.uses_min_p[slot] = params.min_p > 0.0
         self.min_p[row] = params.min_p
-        self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
+        num_logprobs = params.num_logprobs
+        self.num_logprobs[slot] = -1 if num_logprobs is None else num_logprobs
+        self.names_logprob_ids[slot] = bool(params.logprob_token_ids)
         self.wants_prompt_logprobs[slot] = params.prompt_logprobs is not None
         min_tokens = params.min_tokens > 0 and bool(stop_ids)
         self.counts_outputs[slot] = state.has_penalties or min_tokens
@@ -166,6 +170,7 @@ class InputBatch:
                 self.per_row_work[s] = False
                 self.counts_outputs[s] = False
                 self.num_logprobs[s] = -1
+                self.names_logprob_ids[s] = False
                 self.wants_prompt_logprobs[s] = False
 
     def append_accepted(self, slots: npt.NDArray[np.int32], token_ids: npt.NDArray[np.int32],
@@ -200,9 +205,14 @@ class InputBatch:
         """The sampler's per-row inputs for a step whose rows are `slots` (batch order). upload:
         how per-step arrays reach the device (default: the batch's own)."""
         greedy = self.greedy[slots]
+        md = SamplingMetadata(all_greedy=bool(greedy.all()))
         lp = self.num_logprobs[slots]
-        max_lp = int(lp.max()) if lp.size and lp.max() >= 0 else None
-        md = SamplingMetadata(all_greedy=bool(greedy.all()), max_num_logprobs=max_lp)
+        if lp.size and lp.max() >= 0:
+            named = self.names_logprob_ids[slots]
+            top = lp[~named]
+            md.max_num_logprobs = max(int(top.max()), 0) if top.size else 0
+            if named.any():
+                md.logprob_token_ids = (upload or self.upload)("logprob_token_ids", self._named_ids(slots, named))
         if not md.all_greedy:
             if greedy.any():
                 md.greedy_rows = self.greedy_dev.index_select(0, slots_dev)
@@ -219,6 +229,17 @@ class InputBatch:
         if rows.size:
             self._per_row(md, rows.tolist(), slots, sample_mask, in_flight, upload or self.upload)
         return md
+
+    def _named_ids(self, slots: npt.NDArray[np.int32], named: npt.NDArray[np.bool_]) -> npt.NDArray[np.int64]:
+        """SamplingMetadata.logprob_token_ids for these rows: each naming row's ids, padded by repeating
+        its first (a valid column the host drops); -1 across the others."""
+        rows = np.flatnonzero(named).tolist()
+        lists = [self.states[int(slots[i])].params.logprob_token_ids or [0] for i in rows]  # type: ignore[union-attr]
+        out = np.full((len(slots), max(len(ids) for ids in lists)), -1, dtype=np.int64)
+        for i, ids in zip(rows, lists, strict=True):
+            out[i] = ids[0]
+            out[i, : len(ids)] = ids
+        return out
 
     def _per_row(self, md: SamplingMetadata, rows: list[int], slots: npt.NDArray[np.int32],
                  sample_mask: npt.NDArray[np.bool_], in_flight: InFlight | None, upload: Upload) -> None:

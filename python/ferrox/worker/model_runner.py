@@ -452,9 +452,8 @@ class ModelRunner:
             except Exception as e:  # noqa: BLE001 - reported per request
                 handle.errors[i] = f"sampling failed: {type(e).__name__}: {e}"
         result = SamplerOutput(token_ids, None)
-        max_lp = int(handle.num_logprobs.max()) if handle.num_logprobs is not None and handle.num_logprobs.size else -1
-        if max_lp >= 0:
-            result.logprobs = compute_logprobs(logits, token_ids, max_lp)
+        if md.max_num_logprobs is not None:
+            result.logprobs = compute_logprobs(logits, token_ids, md.max_num_logprobs, md.logprob_token_ids)
         return result
 
     def _verify(self, handle: StepHandle, grammar_bitmask: torch.Tensor | None) -> SamplerOutput:

@@ -94,5 +94,6 @@ def verify(
         # Logits row start_loc[r] + j scored request r's token j: the padded tokens, laid out as the rows.
         rows = torch.from_numpy(expand_rows(num_drafts)).to(logits.device)
         cols = torch.from_numpy(np.concatenate([np.arange(d + 1) for d in num_drafts.tolist()])).to(logits.device)
-        logprobs = compute_logprobs(raw, out.token_ids[rows, cols].clamp(min=0), md.max_num_logprobs or 0)
+        logprobs = compute_logprobs(raw, out.token_ids[rows, cols].clamp(min=0), md.max_num_logprobs or 0,
+                                    md.logprob_token_ids)
     return VerifyResult(out.token_ids, out.num_sampled, logprobs)

@@ -28,7 +28,7 @@ NOT_UNDER_BEAM_SEARCH = (
     "logit_bias", "seed", "stop", "stop_token_ids", "min_tokens", "logprobs", "top_logprobs", "prompt_logprobs",
     "allowed_token_ids", "bad_words", "response_format", "structured_outputs", "guided_json", "guided_regex",
     "guided_choice", "guided_grammar", "tools", "tool_choice", "echo", "thinking_token_budget",
-    "skip_special_tokens",
+    "skip_special_tokens", "logprob_token_ids",
 )
 
 

@@ -102,7 +102,6 @@ _REFUSED = {
     "media_io_kwargs": "per-request media decoding arguments are not supported",
     "kv_transfer_params": "disaggregated KV transfer is not supported",
     "vllm_xargs": "there are no custom extensions to take extra arguments",
-    "logprob_token_ids": "logprobs of chosen token ids are not supported (use top_logprobs)",
     "watermarking": "watermarking is not supported",
 }
 # The value each of them may take without being refused (what vLLM does when it is not given).
@@ -185,6 +184,8 @@ class _SamplingFields(_Base):
     thinking_token_budget: int | None = Field(None, ge=-1)
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
+    # vLLM's: these token ids' logprobs in place of the top alternatives at each generated position (with
+    # logprobs on; at most 128, ferrox.sampling_params). [] = unset.
     logprob_token_ids: list[int] | None = None
     # vLLM's RepetitionDetectionParams fields (max_pattern_size, min_pattern_size, min_count): a request
     # whose output loops on a pattern ends with finish_reason "repetition" (ferrox.sampling_params).
@@ -196,7 +197,7 @@ class _SamplingFields(_Base):
 
     _refuse = field_validator(
         "logits_processors", "kv_transfer_params",
-        "vllm_xargs", "logprob_token_ids", "watermarking",
+        "vllm_xargs", "watermarking",
     )(_refuse_unsupported)
 
     @field_validator("length_penalty")

@@ -408,6 +408,7 @@ def build_sampling_params(
         max_tokens=max_tokens,
         min_tokens=req.min_tokens,
         logprobs=logprobs,
+        logprob_token_ids=named_logprob_ids(req, logprobs),
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
@@ -423,6 +424,17 @@ def build_sampling_params(
         return SamplingParams(**kwargs)
     except (ValueError, TypeError, msgspec.ValidationError) as exc:
         raise from_exception(exc) from None
+
+
+def named_logprob_ids(req: Any, logprobs: int | None) -> list[int] | None:
+    """The request's logprob_token_ids (vLLM's: these ids' logprobs replace the top alternatives at each
+    generated position). As in vLLM the logprobs switch still turns the output on, so without it they
+    would do nothing: refused by name rather than ignored."""
+    ids = getattr(req, "logprob_token_ids", None)
+    if ids and logprobs is None:
+        raise bad_request("logprob_token_ids: needs logprobs (chat: \"logprobs\": true; completions: \"logprobs\": "
+                          "a number) to return anything", param="logprob_token_ids")
+    return ids or None
 
 
 def check_request_template(ctx: ServingContext, chat_template: str | None) -> None:
@@ -472,8 +484,11 @@ def finite(logprob: float) -> float:
     return logprob if logprob > _MIN_LOGPROB else _MIN_LOGPROB
 
 
-def top_entries(position: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]:
-    """The top-n alternatives at one position, by rank."""
+def top_entries(position: dict[int, Logprob], n: int, named: list[int] | None = None) -> list[tuple[int, Logprob]]:
+    """The top-n alternatives at one position, by rank; or, for a request that named them
+    (logprob_token_ids), those ids in the order given."""
+    if named:
+        return [(tid, position[tid]) for tid in dict.fromkeys(named) if tid in position]
     ranked = [(tid, lp) for tid, lp in position.items() if lp.rank is not None and lp.rank <= n]
     ranked.sort(key=lambda item: item[1].rank or 0)
     return ranked[:n]

@@ -351,7 +351,7 @@ def _chat_logprobs(comp: CompletionOutput, req: ChatCompletionRequest, as_ids: b
             "top_logprobs": [
                 {"token": (text := token_text(tid, lp, as_ids)), "logprob": finite(lp.logprob),
                  "bytes": list(text.encode("utf-8"))}
-                for tid, lp in top_entries(position, top_n)
+                for tid, lp in top_entries(position, top_n, req.logprob_token_ids)
             ],
         })
     return {"content": content}

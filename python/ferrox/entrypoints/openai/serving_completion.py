@@ -115,7 +115,7 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
             completion_tokens += len(comp.token_ids)
             logprobs = None
             if req.logprobs is not None:
-                logprobs = _LogprobsBuilder(req.logprobs, ctx.as_token_ids(req))
+                logprobs = _LogprobsBuilder(req.logprobs, ctx.as_token_ids(req), req.logprob_token_ids)
                 if req.echo:
                     logprobs.add_prompt(p["prompt_token_ids"], final.prompt_logprobs, ctx)
                 logprobs.add(comp.token_ids, comp.logprobs)
@@ -242,7 +242,7 @@ async def _stream(ctx: ServingContext, request: web.Request, req: CompletionRequ
                     logprobs = None
                     if req.logprobs is not None:
                         builder = builders.setdefault(
-                            index, _LogprobsBuilder(req.logprobs, ctx.as_token_ids(req)))
+                            index, _LogprobsBuilder(req.logprobs, ctx.as_token_ids(req), req.logprob_token_ids))
                         builder.reset()
                         if req.echo and index not in echoed:
                             builder.add_prompt(prompts[idx]["prompt_token_ids"], out.prompt_logprobs, ctx)
@@ -330,8 +330,9 @@ def _prompt_text(ctx: ServingContext, prompt: dict[str, Any]) -> str:
 class _LogprobsBuilder:
     """The legacy completions logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
 
-    def __init__(self, top_n: int, as_token_ids: bool = False) -> None:
+    def __init__(self, top_n: int, as_token_ids: bool = False, named: list[int] | None = None) -> None:
         self.top_n = top_n
+        self.named = named  # logprob_token_ids: the generated positions' alternatives (prompt ones: top_n)
         self.as_token_ids = as_token_ids
         self.offset = 0  # text offset carried across stream chunks
         self.reset()
@@ -362,12 +363,12 @@ class _LogprobsBuilder:
 
     def add(self, ids: list[int], logprobs: list[dict[int, Logprob]] | None) -> None:
         for tid, position in zip(ids, logprobs or [], strict=False):
-            self._add_position(tid, position)
+            self._add_position(tid, position, self.named)
 
-    def _add_position(self, tid: int, position: dict[int, Logprob]) -> None:
+    def _add_position(self, tid: int, position: dict[int, Logprob], named: list[int] | None = None) -> None:
         chosen = chosen_entry(position, tid)
         token = token_text(tid, chosen, self.as_token_ids)
-        top = {token_text(t, lp, self.as_token_ids): finite(lp.logprob) for t, lp in top_entries(position, self.top_n)}
+        top = {token_text(t, lp, self.as_token_ids): finite(lp.logprob) for t, lp in top_entries(position, self.top_n, named)}
         # As vLLM does, the sampled token is among top_logprobs even when it is not in the top n
         # (so logprobs=0 still shows it there).
         top.setdefault(token, finite(chosen.logprob))
