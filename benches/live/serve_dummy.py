@@ -62,6 +62,26 @@ def main() -> int:
                                      "seed": 1, "temperature": 1.0})
         assert len(r["choices"][0]["logprobs"]["tokens"]) == 16
 
+    def named_logprobs():
+        # logprob_token_ids: exactly these ids as the alternatives, their values as the prompt path scores them.
+        named = [5, 1000, 128000]
+        r = post("/v1/completions", {"model": "m", "prompt": [1000, 2000, 3000], "max_tokens": 4, "logprobs": 2,
+                                     "temperature": 0.8, "seed": 2, "logprob_token_ids": named,
+                                     "return_tokens_as_token_ids": True})
+        lp = r["choices"][0]["logprobs"]
+        for tok, top in zip(lp["tokens"], lp["top_logprobs"], strict=True):
+            assert set(top) == {f"token_id:{t}" for t in named} | {tok}, top
+        ref = post("/v1/completions", {"model": "m", "prompt": [1000, 2000, 3000, 128000], "max_tokens": 1,
+                                       "prompt_logprobs": 0})["choices"][0]["prompt_logprobs"][-1]["128000"]["logprob"]
+        assert abs(lp["top_logprobs"][0]["token_id:128000"] - ref) < 0.05, (lp["top_logprobs"][0], ref)
+        lines = post("/v1/chat/completions", {"model": "m", "messages": msgs, "max_tokens": 6, "stream": True,
+                                              "logprobs": True, "top_logprobs": 1, "logprob_token_ids": named,
+                                              "return_tokens_as_token_ids": True}, stream=True)
+        entries = [e for ln in lines if ln.startswith("data: {") for c in json.loads(ln[6:])["choices"]
+                   if c.get("logprobs") for e in c["logprobs"]["content"]]
+        assert len(entries) == 6 and all([t["token"] for t in e["top_logprobs"]] == [f"token_id:{t}" for t in named]
+                                         for e in entries), entries[:2]
+
     def beam():
         r = post("/v1/completions", {"model": "m", "prompt": "the quick brown fox", "max_tokens": 8, "n": 3,
                                      "use_beam_search": True, "ignore_eos": True})
@@ -121,7 +141,7 @@ def main() -> int:
                                   "max_tokens": 4})
         assert r["object"] == "chat.completion"
 
-    kinds = [invocations, chat, chat_stream, completions_logprobs, beam, beam_chat, cache_key, json_schema, messages_thinking,
+    kinds = [invocations, chat, chat_stream, completions_logprobs, named_logprobs, beam, beam_chat, cache_key, json_schema, messages_thinking,
              messages_stream, responses, long_prompt, bad_input]
     errors: dict[str, int] = {}
     done = 0
