@@ -82,6 +82,16 @@ def main() -> int:
         assert len(entries) == 6 and all([t["token"] for t in e["top_logprobs"]] == [f"token_id:{t}" for t in named]
                                          for e in entries), entries[:2]
 
+    def bad_words():
+        # The word the free output starts with (its first two tokens' text, re-encoded) is then never said.
+        body = {"model": "m", "prompt": [1000, 2000, 3000], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}
+        free = post("/v1/completions", body)["choices"][0]["token_ids"]
+        word = post("/detokenize", {"model": "m", "tokens": free[:2]})["prompt"].strip() or "hello"
+        seq = post("/tokenize", {"model": "m", "prompt": word, "add_special_tokens": False})["tokens"]
+        got = post("/v1/completions", {**body, "bad_words": [word]})["choices"][0]["token_ids"]
+        assert len(got) == 8 and all(got[i:i + len(seq)] != seq for i in range(len(got))), (word, seq, got)
+
     def beam():
         r = post("/v1/completions", {"model": "m", "prompt": "the quick brown fox", "max_tokens": 8, "n": 3,
                                      "use_beam_search": True, "ignore_eos": True})
@@ -141,7 +151,7 @@ def main() -> int:
                                   "max_tokens": 4})
         assert r["object"] == "chat.completion"
 
-    kinds = [invocations, chat, chat_stream, completions_logprobs, named_logprobs, beam, beam_chat, cache_key, json_schema, messages_thinking,
+    kinds = [invocations, chat, chat_stream, completions_logprobs, named_logprobs, bad_words, beam, beam_chat, cache_key, json_schema, messages_thinking,
              messages_stream, responses, long_prompt, bad_input]
     errors: dict[str, int] = {}
     done = 0

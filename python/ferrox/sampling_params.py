@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from ferrox._core import InvalidArgumentError
+from ferrox.bad_words import check_bad_words
 from ferrox.request_rules import check_min_tokens, check_token_ids_in_vocab
 from ferrox.structured.params import StructuredOutputsParams
 
@@ -89,6 +90,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    # vLLM's: words the output must not contain (ferrox.bad_words). bad_words_token_ids: their token
+    # sequences, which the engine fills in from bad_words with its tokenizer (vLLM's update_from_tokenizer).
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     # At most this many tokens of thinking (a reasoning model's `<think>` section), then `</think>` is
     # forced; needs a reasoning parser. -1 or None: no budget.
@@ -162,6 +167,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check_token_ids("stop_token_ids", self.stop_token_ids, allow_empty=True)
         _check_token_ids("allowed_token_ids", self.allowed_token_ids, allow_empty=False)
         _check_token_ids("logprob_token_ids", self.logprob_token_ids, allow_empty=True)
+        if self.bad_words is not None:
+            check_bad_words(self.bad_words)
+        for seq in self.bad_words_token_ids or []:
+            _check_token_ids("bad_words_token_ids", seq, allow_empty=False)
         if self.logprob_token_ids is not None and len(self.logprob_token_ids) > MAX_LOGPROB_TOKEN_IDS:
             raise _invalid("logprob_token_ids", f"at most {MAX_LOGPROB_TOKEN_IDS} token ids, got "
                                                 f"{len(self.logprob_token_ids)}")
@@ -196,6 +205,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         check_token_ids_in_vocab("allowed_token_ids", self.allowed_token_ids or [], vocab_size)
         check_token_ids_in_vocab("logit_bias", list(self.logit_bias or {}), vocab_size)
         check_token_ids_in_vocab("logprob_token_ids", self.logprob_token_ids or [], vocab_size)
+        for seq in self.bad_words_token_ids or []:
+            check_token_ids_in_vocab("bad_words_token_ids", seq, vocab_size)
 
     def clone(self, **changes: Any) -> SamplingParams:
         return msgspec.structs.replace(self, **changes)

@@ -71,6 +71,31 @@ def test_gpu_profiled_kv_and_sampling(tiny_llama):
     assert stats["num_free_blocks"] == stats["num_total_blocks"] - 1
 
 
+def test_bad_words_and_named_logprobs_equal_cpu(tiny_llama):
+    """bad_words of two tokens and logprob_token_ids on the GPU (async scheduling: a ban can hang on the
+    token still in flight, decided on the device) give the CPU engine's tokens and logprobs."""
+    plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    cpu = LLM(tiny_llama, device="cpu", kv_cache_memory=32 << 20)
+    free = [o.outputs[0].token_ids for o in cpu.generate(PROMPTS, plain, use_tqdm=False)]
+    # Ban, per prompt, the pair its free output holds at positions 3-4 (first met at `first`), and one
+    # token outright that the output holds later but not before that.
+    firsts = [next(k for k in range(1, 5) if ids[k - 1:k + 1] == ids[3:5]) for ids in free]
+    singles = [next((t for t in ids if t not in ids[:f + 1]), 3) for ids, f in zip(free, firsts, strict=True)]
+    params = [plain.clone(bad_words_token_ids=[ids[3:5], [t]], logprob_token_ids=[1, ids[4], 7])
+              for ids, t in zip(free, singles, strict=True)]
+    ref = cpu.generate(PROMPTS, params, use_tqdm=False)
+    gpu = LLM(tiny_llama, device="cuda", dtype="float32", max_num_seqs=8, kv_cache_memory=64 << 20)
+    assert gpu.engine.async_scheduling
+    outs = gpu.generate(PROMPTS, params, use_tqdm=False)
+    for ids, first, t, r, o in zip(free, firsts, singles, ref, outs, strict=True):
+        got = o.outputs[0].token_ids
+        assert got == r.outputs[0].token_ids
+        # The pair's second token is banned right after the first.
+        assert got[:first] == ids[:first] and got[first] != ids[first] and t not in got
+        for a, b in zip(r.outputs[0].logprobs, o.outputs[0].logprobs, strict=True):
+            assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-3 for t in a)
+
+
 def test_a_second_engine_in_one_process_captures_its_graphs(tmp_path, caplog):
     """Two engines one after the other in one process (a notebook, a test module's parametrized fixture):
     the first, dropped but not yet collected, must not make the second's CUDA-graph captures fail (they

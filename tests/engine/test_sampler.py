@@ -227,6 +227,52 @@ def test_in_flight_token_counts_before_it_reaches_the_host():
     assert md.penalties.output_counts[0].sum().item() == 0.0 and md.banned is not None
 
 
+def _banned(md: SamplingMetadata, logits_row: torch.Tensor = LOGITS) -> set[int]:
+    """The tokens the metadata's logits processors set to -inf on row 0."""
+    logits = logits_row[None].clone()
+    Sampler.apply_logits_processors(logits, md)
+    return {int(t) for t in torch.nonzero(torch.isinf(logits[0])).flatten()}
+
+
+def test_bad_words_ban_one_token_words_always_and_a_longer_word_after_its_prefix():
+    """vLLM's bad_words on their token sequences: [5] is never sampled; [2, 3, 7] bans 7 only right after
+    an output ending in 2, 3 (the output's tokens, not the prompt's: the prompt is [1, 2, 3])."""
+    params = SamplingParams(temperature=0, bad_words_token_ids=[[5], [2, 3, 7]])
+    batch = _Batch([params])
+    assert _banned(batch.build()) == {5}  # the prompt ends in 2, 3: not the output
+    batch.accept(0, 2)
+    assert _banned(batch.build()) == {5}
+    batch.accept(0, 3)
+    assert _banned(batch.build()) == {5, 7}
+    batch.accept(0, 4)
+    assert _banned(batch.build()) == {5}
+    # The greedy pick moves off a banned token: 7 is the argmax here.
+    logits = LOGITS.clone()
+    logits[7] = 10.0
+    batch.accept(0, 2)
+    batch.accept(0, 3)
+    assert Sampler()(logits[None].clone(), batch.build()).token_ids.item() == 0
+
+
+def test_bad_word_ban_hangs_on_the_in_flight_token():
+    """Async scheduling: the output's last token may still be on the device; the ban of 7 after [2, 3]
+    then depends on it, decided on the device without a sync."""
+    params = SamplingParams(temperature=0, bad_words_token_ids=[[2, 3, 7], [4, 6]])
+    batch = _Batch([params])
+    slots = np.zeros(1, dtype=np.int32)
+
+    def flight(token: int) -> InFlight:
+        return InFlight(slots, batch.batch.generation[slots].copy(), np.ones(1, dtype=np.bool_), torch.tensor([token]))
+
+    assert _banned(batch.build(flight(4))) == {6}  # [4, 6]: its prefix is the in-flight token alone
+    assert _banned(batch.build(flight(2))) == set()  # [2, 3, 7] needs two output tokens
+    batch.accept(0, 2)
+    assert _banned(batch.build(flight(3))) == {7}
+    assert _banned(batch.build(flight(5))) == set()
+    md = batch.build(flight(3))
+    assert md.banned_if is not None and md.banned is None
+
+
 def test_penalty_rows_grow_and_are_reused_clean():
     """Penalty requests share one [rows, V] tensor pair (worker/penalty_rows.py): more requests than
     its first 8 rows grow it without losing counts, a leaving request's row comes back zeroed

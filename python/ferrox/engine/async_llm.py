@@ -54,6 +54,7 @@ from collections.abc import AsyncGenerator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
+from ferrox.bad_words import with_bad_words_token_ids
 from ferrox.beam_search import BeamSearch, check_beam_search, one_token_params, step_logprobs
 from ferrox.config import EngineConfig
 from ferrox.engine import validation
@@ -614,6 +615,9 @@ class AsyncLLM:
         self._check_runner(prompt_ids, pooling_params)
         if pooling_params is None:
             validation.validate_request(prompt_ids, params, self.limits)
+            # Encoded here, so that a word list past the token bound is this call's error (the core takes them as given).
+            params = with_bad_words_token_ids(params, lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+                                              self.limits.vocab_size)
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_ids,

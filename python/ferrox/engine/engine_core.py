@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from ferrox import _core
+from ferrox.bad_words import with_bad_words_token_ids
 from ferrox.config import EngineConfig
 from ferrox.distributed.parallel_state import TPGroup, destroy_tp_group
 from ferrox.engine.lora_state import EngineLoRAs, check_lora_config
@@ -225,6 +226,7 @@ class EngineCore:
         params = request.sampling_params
         prompt = request.prompt_token_ids
         self.validate_prompt(prompt, params, what=f"request {request.request_id!r}", request_id=request.request_id)
+        params = self._with_bad_words_token_ids(params)
         embeds = prompt_embeds.is_embeds(request.mm_inputs)
         if embeds:
             request.mm_inputs = [self._load_prompt_embeds(request)]
@@ -346,6 +348,11 @@ class EngineCore:
             reasoning_parser=self.reasoning.name if self.reasoning is not None else None,
         )
         validation.validate_request(prompt, params, limits, what=what)
+        self._with_bad_words_token_ids(params)  # (their encoding's own rules: the token bound)
+
+    def _with_bad_words_token_ids(self, params: SamplingParams) -> SamplingParams:
+        return with_bad_words_token_ids(params, lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+                                        self.vocab_size)
 
     # ---- pooling requests (runner "pooling") ------------------------------------------------------------
     def validate_pooling_prompt(self, prompt: list[int], params: PoolingParams, what: str | None = None, *,
@@ -719,10 +726,12 @@ def _drafts_allowed(params: SamplingParams) -> bool:
     """Whether a request may speculate. The verifier applies a request's sampling settings at every draft
     position by repeating its row (worker/spec_decode.py); settings that depend on the tokens before
     the position are not handled per position, so their requests decode one token a step:
-    penalties and min_tokens (counts change within the run), and a thinking budget (its forced `</think>`
+    penalties and min_tokens (counts change within the run), bad words of several tokens (the ban of the
+    last waits for the others), and a thinking budget (its forced `</think>`
     is one row: structured/thinking_budget.py). A grammar walks each draft (the mask of
     every verified position: StructuredOutputManager.fill_bitmask_with_drafts), and logprobs are
     reported for every kept token."""
     return (params.min_tokens == 0 and params.thinking_token_budget is None
+            and all(len(seq) == 1 for seq in params.bad_words_token_ids or [])
             and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
             and params.presence_penalty == 0.0)

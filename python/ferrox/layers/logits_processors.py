@@ -53,6 +53,14 @@ def apply_banned_tokens(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Te
     logits.index_put_((rows, cols), torch.full(rows.shape, _NEG_INF, dtype=logits.dtype, device=logits.device))
 
 
+def apply_banned_tokens_if(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, cond: torch.Tensor) -> None:
+    """Set (row, token) entries to -inf where `cond` holds, without reading it on the host (a bad word's
+    ban that hangs on a token still on the device). Adding -inf or 0 accumulates: a pair listed twice
+    with different conditions is banned if either holds."""
+    zero = torch.zeros((), dtype=logits.dtype, device=logits.device)
+    logits.index_put_((rows, cols), torch.where(cond, _NEG_INF, zero), accumulate=True)
+
+
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """min_p: [B]; a 0 entry leaves its row unchanged."""
     probs = torch.softmax(logits, dim=-1)

@@ -54,6 +54,8 @@ class SamplingMetadata:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, token ids, biases
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None  # rows [R], mask [R, V] bool
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, token ids set to -inf
+    # rows, token ids set to -inf where the bool [N] holds (a condition computed on the device)
+    banned_if: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def seed_bits(seed: int) -> int:
@@ -166,6 +168,8 @@ class Sampler:
             lp.apply_token_mask(logits, *md.allowed)
         if md.banned is not None:
             lp.apply_banned_tokens(logits, *md.banned)
+        if md.banned_if is not None:
+            lp.apply_banned_tokens_if(logits, *md.banned_if)
 
     def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         assert md.temperature is not None

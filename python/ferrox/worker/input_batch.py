@@ -131,6 +131,7 @@ class InputBatch:
             state.penalty_row = self.penalties.acquire(prompt_token_ids)
         if params.allowed_token_ids:
             state.init_allowed_mask(self.vocab_size, self.device)
+        state.init_bad_words()
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = PromptLogprobsAccumulator(num_top=params.prompt_logprobs)
         self.states[slot] = state
@@ -154,9 +155,10 @@ class InputBatch:
         self.names_logprob_ids[slot] = bool(params.logprob_token_ids)
         self.wants_prompt_logprobs[slot] = params.prompt_logprobs is not None
         min_tokens = params.min_tokens > 0 and bool(stop_ids)
-        self.counts_outputs[slot] = state.has_penalties or min_tokens
+        self.counts_outputs[slot] = state.has_penalties or min_tokens or bool(state.bad_sequences)
         self.per_row_work[slot] = (state.generator is not None or state.has_penalties or min_tokens
-                                   or bool(params.logit_bias) or bool(params.allowed_token_ids))
+                                   or bool(params.logit_bias) or bool(params.allowed_token_ids)
+                                   or bool(params.bad_words_token_ids))
         return state
 
     def remove(self, slots: list[int] | npt.NDArray[np.int32]) -> None:
@@ -185,6 +187,8 @@ class InputBatch:
                 continue
             toks = token_ids[token_offsets[i] : token_offsets[i + 1]]
             state.num_output_tokens += len(toks)
+            if state.bad_sequences and len(toks):
+                state.note_output(toks.tolist())
             if state.penalty_row is not None and len(toks):
                 pen_rows.extend([state.penalty_row] * len(toks))
                 pen_tokens.append(toks)
@@ -230,6 +234,22 @@ class InputBatch:
             self._per_row(md, rows.tolist(), slots, sample_mask, in_flight, upload or self.upload)
         return md
 
+    @staticmethod
+    def _bad_word_ban(state: RequestState, seq: list[int], row: int, in_flight_row: int | None,
+                      ban_rows: list[int], ban_cols: list[int], maybe_bans: list[tuple[int, int, int, int]]) -> None:
+        """Ban a bad word's last token on `row` when the output so far ends with its other tokens (vLLM:
+        the output only, so not before it holds that many). The token sampled last may still be on the
+        device (in_flight_row): then the host matches the rest and the device compares that one."""
+        prefix, out = seq[:-1], state.recent_output
+        if in_flight_row is None:
+            if state.num_output_tokens >= len(prefix) and out[len(out) - len(prefix):] == prefix:
+                ban_rows.append(row)
+                ban_cols.append(seq[-1])
+            return
+        head = prefix[:-1]
+        if state.num_output_tokens + 1 >= len(prefix) and out[len(out) - len(head):] == head:
+            maybe_bans.append((row, seq[-1], prefix[-1], in_flight_row))
+
     def _named_ids(self, slots: npt.NDArray[np.int32], named: npt.NDArray[np.bool_]) -> npt.NDArray[np.int64]:
         """SamplingMetadata.logprob_token_ids for these rows: each naming row's ids, padded by repeating
         its first (a valid column the host drops); -1 across the others."""
@@ -250,6 +270,9 @@ class InputBatch:
         pen_pending: list[tuple[int, int]] = []  # (index among penalty rows, row in the in-flight step)
         ban_rows: list[int] = []
         ban_cols: list[int] = []
+        # Bans that hang on the in-flight token (a bad word whose next-to-last token is it): (row, token
+        # banned, the in-flight token that bans it, its row in the in-flight step).
+        maybe_bans: list[tuple[int, int, int, int]] = []
         bias_rows: list[int] = []
         bias_cols: list[int] = []
         bias_vals: list[float] = []
@@ -275,6 +298,11 @@ class InputBatch:
                 if produced < params.min_tokens:
                     ban_rows.extend([i] * len(state.stop_ids_for_min_tokens))
                     ban_cols.extend(state.stop_ids_for_min_tokens)
+            if state.bad_tokens:
+                ban_rows.extend([i] * len(state.bad_tokens))
+                ban_cols.extend(state.bad_tokens)
+            for seq in state.bad_sequences:
+                self._bad_word_ban(state, seq, i, in_flight_row, ban_rows, ban_cols, maybe_bans)
             for tok, bias in (params.logit_bias or {}).items():
                 bias_rows.append(i)
                 bias_cols.append(tok)
@@ -310,6 +338,10 @@ class InputBatch:
         if ban_rows:
             ban = upload("ban", np.array([ban_rows, ban_cols], dtype=np.int64))
             md.banned = (ban[0], ban[1])
+        if maybe_bans and in_flight is not None:
+            rows_cols_prev_flight = upload("maybe_bans", np.array(maybe_bans, dtype=np.int64).T.copy())
+            r, c, prev, flight = rows_cols_prev_flight
+            md.banned_if = (r, c, in_flight.token_ids.index_select(0, flight).to(torch.int64) == prev)
         if bias_rows:
             where = upload("bias_idx", np.array([bias_rows, bias_cols], dtype=np.int64))
             md.logit_bias = (where[0], where[1], upload("bias_vals", np.array(bias_vals, dtype=np.float32)))

@@ -39,6 +39,24 @@ class RequestState:
     penalty_row: int | None = None
     allowed_mask: torch.Tensor | None = None  # [V] bool, allowed_token_ids
     prompt_logprobs: PromptLogprobsAccumulator | None = None
+    # bad_words (ferrox.bad_words): one-token words' tokens, banned at every step; longer words, whose last
+    # token is banned when the accepted output ends with the rest; the output tail those need.
+    bad_tokens: list[int] = field(default_factory=list)
+    bad_sequences: list[list[int]] = field(default_factory=list)
+    recent_output: list[int] = field(default_factory=list)
+
+    def init_bad_words(self) -> None:
+        for seq in self.params.bad_words_token_ids or []:
+            if len(seq) > 1:
+                self.bad_sequences.append(seq)
+            else:
+                self.bad_tokens.append(seq[0])
+
+    def note_output(self, tokens: list[int]) -> None:
+        """Keep the accepted output's tail that the longest bad word's prefix can match."""
+        keep = max(len(seq) for seq in self.bad_sequences) - 1
+        self.recent_output.extend(tokens)
+        del self.recent_output[:-keep]
 
     @property
     def has_penalties(self) -> bool:

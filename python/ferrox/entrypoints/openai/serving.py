@@ -329,30 +329,6 @@ def truncate_prompt(ctx: ServingContext, ids: list[int], req: Any) -> list[int]:
     return ids[:k] if req.truncation_side == "right" else ids[len(ids) - k:]
 
 
-def bad_words_allowed_ids(ctx: ServingContext, req: Any) -> list[int] | None:
-    """`bad_words` as the tokens a request may sample: every token but the words' own (each word as
-    written and with a leading space, as vLLM encodes them), intersected with allowed_token_ids.
-    vLLM bans a word's last token only after its other tokens; the sampler has no such context-dependent
-    ban, so a word that is more than one token is refused rather than half-honoured."""
-    words = getattr(req, "bad_words", None)
-    if not words:
-        return req.allowed_token_ids
-    tokenizer = ctx.engine.tokenizer
-    banned: set[int] = set()
-    for word in words:
-        for variant in (word.lstrip(), " " + word.lstrip()):
-            ids = tokenizer.encode(variant, add_special_tokens=False)
-            if len(ids) != 1:
-                raise bad_request(f"bad_words: {word!r} is {len(ids)} tokens ({variant!r}); only words that are one "
-                                  "token are supported", param="bad_words")
-            banned.add(ids[0])
-    allowed = req.allowed_token_ids if req.allowed_token_ids else range(ctx.limits.vocab_size)
-    kept = [t for t in allowed if t not in banned]
-    if not kept:
-        raise bad_request("bad_words: bans every allowed token", param="bad_words")
-    return kept
-
-
 def validate_request(ctx: ServingContext, prompt_token_ids: list[int], params: SamplingParams,
                      fields: Mapping[str, str]) -> None:
     """The engine's request rules (ferrox.engine.validation) on one tokenized prompt, before anything
@@ -388,10 +364,8 @@ def build_sampling_params(
     prompt_logprobs: int | None = None,
     structured: Any = None,
     defaults: dict[str, Any] | None = None,
-    allowed_token_ids: list[int] | None = None,
 ) -> SamplingParams:
-    """Map an OpenAI-style request onto SamplingParams (vLLM names); a bad field is a 400 naming it.
-    allowed_token_ids: the request's, narrowed by its bad_words (bad_words_allowed_ids)."""
+    """Map an OpenAI-style request onto SamplingParams (vLLM names); a bad field is a 400 naming it."""
     if (getattr(req, "spaces_between_special_tokens", False) and not getattr(req, "skip_special_tokens", True)
             and "spaces_between_special_tokens" in getattr(req, "model_fields_set", ())):
         # The Rust detokenizer joins special tokens as the tokenizer decodes them, with no space.
@@ -413,7 +387,8 @@ def build_sampling_params(
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
-        allowed_token_ids=allowed_token_ids,
+        allowed_token_ids=req.allowed_token_ids,
+        bad_words=getattr(req, "bad_words", None) or None,
         structured_outputs=structured,
         thinking_token_budget=getattr(req, "thinking_token_budget", None),
         repetition_detection=getattr(req, "repetition_detection", None),

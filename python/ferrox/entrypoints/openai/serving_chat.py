@@ -21,7 +21,6 @@ from ferrox.entrypoints.openai.serving import (
     STREAM_ERRORS,
     ServingContext,
     api_error,
-    bad_words_allowed_ids,
     build_sampling_params,
     check_max_tokens,
     check_output_budget,
@@ -86,7 +85,6 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
     params = build_sampling_params(
         req, max_tokens=req.requested_max_tokens, logprobs=req.num_logprobs, stream=req.stream,
         prompt_logprobs=req.prompt_logprobs, structured=structured, defaults=ctx.engine.generation_defaults,
-        allowed_token_ids=bad_words_allowed_ids(ctx, req),
     )
     validate_request(ctx, prompt_ids, params, CHAT_FIELDS)
     beams = beam_search.beam_search_params(ctx, req, len(prompt_ids), req.requested_max_tokens)

@@ -24,7 +24,6 @@ from ferrox.entrypoints.openai.serving import (
     STREAM_ERRORS,
     ServingContext,
     api_error,
-    bad_words_allowed_ids,
     build_sampling_params,
     check_max_tokens,
     check_output_budget,
@@ -81,7 +80,7 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
     params = build_sampling_params(
         req, max_tokens=req.requested_max_tokens, logprobs=req.logprobs, stream=req.stream,
         prompt_logprobs=req.logprobs if echo_logprobs else req.prompt_logprobs, structured=structured,
-        defaults=ctx.engine.generation_defaults, allowed_token_ids=bad_words_allowed_ids(ctx, req),
+        defaults=ctx.engine.generation_defaults,
     )
     fields = COMPLETION_FIELDS if echo_logprobs else {}
     for p in prompts:  # every prompt passes the request rules before any is queued
