@@ -73,6 +73,35 @@ def test_streaming_event_sequence(client, answer):
     assert events[2].item.id == events[-2].item.id == final.output[0].id
 
 
+def test_output_text_logprobs_as_chat_reports_them(client):
+    """include ["message.output_text.logprobs"] + top_logprobs: each output token's logprob and its top
+    alternatives on the output_text part (OpenAI's shape), the same as chat's for the same prompt; a
+    stream's deltas carry them as their text comes, its done event all of them."""
+    kwargs = {"model": MODEL, "input": QUESTION, "instructions": SYSTEM, "max_output_tokens": 8, "temperature": 0,
+              "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    resp = client.responses.create(**kwargs)
+    entries = resp.output[0].content[0].logprobs
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}],
+        max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    ref = chat.choices[0].logprobs.content
+    assert len(entries) == len(ref) == resp.usage.output_tokens
+    for got, want in zip(entries, ref, strict=True):
+        assert got.token == want.token and got.bytes == want.bytes and abs(got.logprob - want.logprob) < 1e-4
+        assert [t.token for t in got.top_logprobs] == [t.token for t in want.top_logprobs]
+    events = list(client.responses.create(**kwargs, stream=True))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [lp.token for lp in done.logprobs] == [e.token for e in entries]
+    # (the end-of-sequence token brings no text, so no delta: the done event has it)
+    assert [lp.token for lp in streamed] == [e.token for e in entries][:len(streamed)] and len(streamed) >= len(entries) - 1
+    plain = client.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+    assert plain.output[0].content[0].logprobs == []
+    with pytest.raises(openai.BadRequestError) as info:  # without the include, top_logprobs would do nothing
+        client.responses.create(model=MODEL, input="hi", max_output_tokens=2, top_logprobs=3)
+    assert info.value.body["param"] == "top_logprobs"
+
+
 def test_max_output_tokens_makes_it_incomplete(client):
     resp = client.responses.create(model=MODEL, input="Tell me a long story.", max_output_tokens=5, temperature=0)
     assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
@@ -219,7 +248,7 @@ def test_codex_shaped_request_fields():
     ]})
     assert [m.get("reasoning_content") for m in echoed.to_chat_messages()] == [None, "Think ü.", None]
     with pytest.raises(pydantic.ValidationError, match="include"):
-        ResponsesRequest.model_validate({**base, "include": ["message.output_text.logprobs"]})
+        ResponsesRequest.model_validate({**base, "include": ["file_search_call.results"]})
     with pytest.raises(pydantic.ValidationError, match="encrypted_content"):
         ResponsesRequest.model_validate({"input": [{"type": "reasoning", "id": "r",
                                                      "encrypted_content": "ferrox-reasoning-v1:%%%"}]})

@@ -37,12 +37,14 @@ UNSUPPORTED_FIELDS = {
     "conversation": "conversations are not supported; send the whole conversation as input",
     "prompt": "prompt templates are not supported",
     "max_tool_calls": "max_tool_calls is not supported",
-    "top_logprobs": "logprobs are not supported on /v1/responses (use /v1/chat/completions)",
     "service_tier": "service tiers are not supported",
     "stream_options": "stream_options is not supported on /v1/responses",
     "prompt_cache_retention": "prompt_cache_retention is not supported (prefix caching is automatic)",
     "context_management": "context_management is not supported",
 }
+
+
+_INCLUDES = ("reasoning.encrypted_content", "message.output_text.logprobs")
 
 
 class _Strict(BaseModel):
@@ -296,8 +298,10 @@ class ResponsesRequest(BaseModel):
     # the data-parallel router keeps a conversation on the core that caches its prefix.
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    # What extra output to include: ferrox has "reasoning.encrypted_content" (reasoning items carry it).
+    # What extra output to include: "reasoning.encrypted_content" (reasoning items carry it) and
+    # "message.output_text.logprobs" (responses_logprobs.py), with top_logprobs alternatives per token.
     include: list[str] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     # Served only while the server keeps responses (responses_store.py); refused by name otherwise.
     # store None is OpenAI's default, which is to store.
     store: bool | None = None
@@ -313,13 +317,17 @@ class ResponsesRequest(BaseModel):
     @classmethod
     def _known_includes(cls, value: list[str] | None) -> list[str] | None:
         for entry in value or []:
-            if entry != "reasoning.encrypted_content":
-                raise ValueError(f"{entry!r} is not available (ferrox includes only 'reasoning.encrypted_content')")
+            if entry not in _INCLUDES:
+                raise ValueError(f"{entry!r} is not available (ferrox includes {' and '.join(map(repr, _INCLUDES))})")
         return value
 
     @property
     def includes_encrypted_reasoning(self) -> bool:
         return "reasoning.encrypted_content" in (self.include or [])
+
+    @property
+    def includes_output_logprobs(self) -> bool:
+        return "message.output_text.logprobs" in (self.include or [])
 
     @field_validator("tools", mode="before")
     @classmethod

@@ -43,6 +43,7 @@ from ferrox.entrypoints import tool_use
 from ferrox.entrypoints.openai.errors import APIError, bad_request, from_exception
 from ferrox.entrypoints.openai.protocol import check_schema_size, check_tools
 from ferrox.entrypoints.openai.protocol_responses import ResponsesRequest, encrypt_reasoning
+from ferrox.entrypoints.openai.responses_logprobs import OutputTextLogprobs
 from ferrox.entrypoints.openai.responses_store import (
     HOW_TO_ENABLE,
     RESPONSE_STORE,
@@ -93,7 +94,8 @@ def _sampling_params(ctx: ServingContext, req: ResponsesRequest, structured: Any
                      keep_special_tokens: bool = False) -> SamplingParams:
     kwargs: dict[str, Any] = {"max_tokens": req.max_output_tokens, "structured_outputs": structured,
                               "output_kind": RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
-                              "skip_special_tokens": not keep_special_tokens}
+                              "skip_special_tokens": not keep_special_tokens,
+                              "logprobs": (req.top_logprobs or 0) if req.includes_output_logprobs else None}
     kwargs.update(sampling_knobs(ctx.engine.generation_defaults, temperature=req.temperature, top_p=req.top_p))
     try:
         return SamplingParams(**kwargs)
@@ -118,13 +120,25 @@ class _Response:
         self.status = "in_progress"
         self.incomplete_reason: str | None = None
         self.error: dict[str, Any] | None = None
+        self._logprobs_shown = False
+        self.logprobs = (OutputTextLogprobs(req.top_logprobs or 0, ctx.as_token_ids(req))
+                         if req.includes_output_logprobs else None)
 
     def item(self, block: tool_use.ReplyBlock, status: str) -> dict[str, Any]:
         if block.kind == "text":
             return {"type": "message", "id": _new_id("msg"), "status": status, "role": "assistant",
-                    "content": [] if status == "in_progress" else [_text_part(block.text)]}
+                    "content": [] if status == "in_progress" else [self.text_part(block.text)]}
         return {"type": "function_call", "id": "fc_" + block.call_id.removeprefix("call_"),
                 "call_id": block.call_id, "name": block.name, "arguments": block.arguments, "status": status}
+
+    def text_part(self, text: str) -> dict[str, Any]:
+        """An output_text part; with logprobs asked for, the message's holds every output token's (the first
+        message's: a later one, after a tool call, holds none, so no token is reported twice)."""
+        part = _text_part(text)
+        if self.logprobs is not None and not self._logprobs_shown:
+            part["logprobs"] = self.logprobs.entries
+            self._logprobs_shown = True
+        return part
 
     def finish(self, finish_reason: str | None) -> None:
         self.status = "completed"
@@ -202,6 +216,9 @@ def _check_sizes(req: ResponsesRequest) -> None:
             check_schema_size(text_format.schema_, "the schema")
         except ValueError as exc:
             raise bad_request(f"text.format: {exc}", param="text.format") from None
+    if req.top_logprobs and not req.includes_output_logprobs:  # it would do nothing: refused, not ignored
+        raise bad_request('top_logprobs: needs include ["message.output_text.logprobs"] (the logprobs it adds to)',
+                          param="top_logprobs")
 
 
 def _store_decision(req: ResponsesRequest, store: ResponseStore) -> bool:
@@ -304,6 +321,8 @@ class _Finish:
         comp = final.outputs[0]
         response.output_tokens = len(comp.token_ids)
         response.cached_tokens = final.num_cached_tokens
+        if response.logprobs is not None:
+            response.logprobs.add(comp.token_ids, comp.logprobs)
         answer = comp.text
         if ctx.reasoning is not None:
             # The answer is what follows the thinking: the message and the tool calls are read from it alone.
@@ -375,6 +394,8 @@ async def _stream(request: web.Request, response: _Response, gen: Any, first: An
                 response.cached_tokens = out.num_cached_tokens
                 for comp in out.outputs:
                     response.output_tokens += len(comp.token_ids)
+                    if response.logprobs is not None:
+                        response.logprobs.add(comp.token_ids, comp.logprobs)
                     finish_reason = comp.finish_reason or finish_reason
                     finished = comp.finish_reason is not None
                     answer = comp.text
@@ -459,16 +480,17 @@ def _item_events(response: _Response, event: tool_use.BlockEvent, ids: dict[int,
     where = {"item_id": ids[event.index], "output_index": index}
     if event.kind == "delta":
         if block.kind == "text":
+            new = response.logprobs.take_new() if response.logprobs is not None else []
             return [{"type": "response.output_text.delta", **where, "content_index": 0, "delta": event.delta,
-                     "logprobs": []}]
+                     "logprobs": new}]
         return [{"type": "response.function_call_arguments.delta", **where, "delta": event.delta}]
     done = response.item(block, _block_status(block, finish_reason))
     done["id"] = ids[event.index]
     response.items[index] = done
     if block.kind == "text":
-        part = _text_part(block.text)
+        part = done["content"][0]
         events = [{"type": "response.output_text.done", **where, "content_index": 0, "text": block.text,
-                   "logprobs": []},
+                   "logprobs": part["logprobs"]},
                   {"type": "response.content_part.done", **where, "content_index": 0, "part": part}]
     else:
         events = [{"type": "response.function_call_arguments.done", **where, "name": block.name,
