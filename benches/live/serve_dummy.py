@@ -129,8 +129,11 @@ def main() -> int:
 
     def responses():
         r = post("/v1/responses", {"model": "m", "input": "hello", "max_output_tokens": 16, "store": False,
-                                   "prompt_cache_key": "k", "include": ["reasoning.encrypted_content"]})
+                                   "prompt_cache_key": "k", "top_logprobs": 2,
+                                   "include": ["reasoning.encrypted_content", "message.output_text.logprobs"]})
         assert r["status"] in ("completed", "incomplete"), r
+        lps = [p["logprobs"] for item in r["output"] if item["type"] == "message" for p in item["content"]][0]
+        assert len(lps) == r["usage"]["output_tokens"] and all(len(e["top_logprobs"]) == 2 for e in lps), lps[:2]
 
     def long_prompt():
         r = post("/v1/completions", {"model": "m", "prompt": list(range(1000, 4000)), "max_tokens": 8})
