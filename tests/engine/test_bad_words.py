@@ -9,7 +9,7 @@ import torch
 from ferrox import SamplingParams
 from ferrox.errors import InvalidArgumentError
 
-MAX_TOKENS = 12
+MAX_TOKENS = 8
 
 
 def _reference_sequences(tokenizer, words: list[str]) -> list[list[int]]:
@@ -41,8 +41,7 @@ def _greedy_with_bad_words(hf_model, prompt_ids: list[int], sequences: list[list
 
 @pytest.mark.parametrize(("prompt", "words"), [
     ("Write a sentence about photosynthesis:", ["Photosynthesis"]),  # two tokens, met at the output's 3rd-4th
-    ("def fibonacci(n):", ["fibonacci", " return"]),  # a two-token word, and a one-token word with a space
-    ("The capital of France is", ["Paris", "answer"]),
+    ("The capital of France is", ["Paris", " answer"]),  # one-token words, one given with its space
 ])
 def test_bad_words_match_vllms_rule_on_transformers(llm, hf_model, prompt, words):
     tokenizer = llm.get_tokenizer()
