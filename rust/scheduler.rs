@@ -64,6 +64,10 @@ pub struct SchedulerConfig {
     /// at once), a waiting request is admitted only when its whole remaining prompt fits the
     /// step's remaining budget, and a prompt longer than the budget is refused at add_request.
     pub chunked_prefill: bool,
+    /// vLLM's long_prefill_token_threshold: a prefill chunk takes at most this many of a request's
+    /// tokens per step (0: no cap beyond the budget), so one long prompt cannot fill whole steps while
+    /// shorter prompts wait. An image computed whole (an atomic span) is never cut by it.
+    pub long_prefill_token_threshold: usize,
 }
 
 impl SchedulerConfig {
@@ -113,6 +117,7 @@ impl SchedulerConfig {
             spec: SpeculativeConfig::default(),
             max_loras: 0,
             chunked_prefill: true,
+            long_prefill_token_threshold: 0,
         })
     }
 
@@ -129,6 +134,37 @@ impl SchedulerConfig {
     pub fn with_chunked_prefill(mut self, on: bool) -> Self {
         self.chunked_prefill = on;
         self
+    }
+
+    pub fn with_long_prefill_token_threshold(mut self, tokens: usize) -> Self {
+        self.long_prefill_token_threshold = tokens;
+        self
+    }
+
+    /// How many of a request's `remaining` tokens from `start` to compute this step: within the budget
+    /// and the long-prefill cap, never ending inside an image (0: the image does not fit the budget).
+    fn chunk_len(&self, r: &Request, start: usize, remaining: usize, budget: usize) -> usize {
+        let whole = remaining.min(budget);
+        let cap = self.long_prefill_token_threshold;
+        if cap == 0 || cap >= whole {
+            return r.cut_chunk(start, whole);
+        }
+        match r.cut_chunk(start, cap) {
+            // The cap ends inside an image that starts here: the image goes whole (if the budget holds it).
+            0 => {
+                let image_end = r
+                    .atomic_spans
+                    .iter()
+                    .find(|&&(s, e)| s <= start && start < e)
+                    .map_or(start, |&(_, e)| e);
+                if image_end - start <= whole {
+                    image_end - start
+                } else {
+                    0
+                }
+            }
+            n => n,
+        }
     }
 }
 
@@ -736,9 +772,11 @@ impl Scheduler {
                 if at_limit {
                     (0, 0, pending)
                 } else {
-                    let n = r.cut_chunk(
+                    let n = self.cfg.chunk_len(
+                        r,
                         r.num_computed_tokens,
-                        (len - r.num_computed_tokens).min(budget),
+                        len - r.num_computed_tokens,
+                        budget,
                     );
                     let decode = n == 1
                         && r.num_computed_tokens + 1 == len
@@ -881,7 +919,7 @@ impl Scheduler {
                 if !self.cfg.chunked_prefill && remaining > budget {
                     break; // keep the order: it runs whole in a later step
                 }
-                let num_new = req.cut_chunk(hit.num_tokens, remaining.min(budget));
+                let num_new = self.cfg.chunk_len(req, hit.num_tokens, remaining, budget);
                 if num_new == 0 {
                     break; // an image that does not fit this step's budget: keep the order
                 }
@@ -1898,6 +1936,48 @@ mod tests {
         s.update_from_output(&[7], None).unwrap();
         let out = s.schedule();
         assert_eq!(out.req_ids.iter().collect::<Vec<_>>(), vec!["b"]);
+        s.check_invariants();
+    }
+
+    #[test]
+    fn long_prefill_threshold_caps_each_prefill_chunk_but_not_an_image() {
+        let mut s = Scheduler::new(
+            SchedulerConfig::from_signed(64, 4, 256, 16, 32, true, "fcfs", &[EOS as i64])
+                .unwrap()
+                .with_long_prefill_token_threshold(6),
+            None,
+        )
+        .unwrap();
+        s.add_request(req("long", 20, 2)).unwrap();
+        let mut b = req("b", 9, 2);
+        b.prompt_token_ids = (200..209).collect();
+        s.add_request(b).unwrap();
+        // Both prompts share the step, six tokens each (the budget of 32 would take them whole).
+        let (out, _) = step(&mut s, 7);
+        assert_eq!(out.arrays.num_scheduled_tokens, vec![6, 6]);
+        let (out, res) = step(&mut s, 7);
+        assert_eq!(out.arrays.num_scheduled_tokens, vec![6, 3]);
+        assert_eq!(res.len(), 1, "b's prompt is done: it samples");
+        // The running decode takes one token; the long prompt's last chunks stay within the cap.
+        let (out, _) = step(&mut s, 7);
+        assert_eq!(out.arrays.num_scheduled_tokens, vec![6, 1]);
+        let (out, _) = step(&mut s, 7);
+        assert_eq!(out.arrays.num_scheduled_tokens, vec![2]);
+        // An image of 10 tokens (an atomic span) is computed whole, past the cap of 6.
+        let mut img = req("img", 16, 1);
+        img.prompt_token_ids = (300..316).collect();
+        img.atomic_spans = vec![(2, 12)];
+        s.add_request(img).unwrap();
+        let (out, _) = step(&mut s, 7);
+        assert_eq!(
+            out.arrays.num_scheduled_tokens,
+            vec![1, 2],
+            "long's last token, img's text before the image"
+        );
+        let (out, _) = step(&mut s, 7);
+        assert_eq!(out.arrays.num_scheduled_tokens, vec![10]);
+        let (out, _) = step(&mut s, 7);
+        assert_eq!(out.arrays.num_scheduled_tokens, vec![4]);
         s.check_invariants();
     }
 

@@ -211,6 +211,7 @@ class Scheduler:
         prompt_lookup_max: int = 5,
         max_loras: int = 0,
         enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         """num_blocks includes the null block (id 0), which is never handed out.
         policy: 'fcfs' or 'priority' (lower priority value first, then arrival order).
@@ -228,7 +229,9 @@ class Scheduler:
         max_loras: the most distinct LoRA adapters (lora_id != 0) among running requests (0: no
         cap); a waiting request whose adapter would exceed it waits while later ones may go ahead.
         enable_chunked_prefill=False: every prompt runs whole in one step (encoder models); a
-        prompt longer than max_num_batched_tokens is rejected by add_request."""
+        prompt longer than max_num_batched_tokens is rejected by add_request.
+        long_prefill_token_threshold > 0: a prefill chunk takes at most that many of a request's tokens
+        per step (vLLM's; an image computed whole is not cut by it)."""
     @property
     def block_size(self) -> int: ...
     @property

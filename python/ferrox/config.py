@@ -157,6 +157,9 @@ class EngineConfig:
         "split long prompts across steps, beside running decodes; off, each prompt is computed in one step, so "
         "the step's token budget (max_num_batched_tokens) must hold the longest (it defaults to max_model_len then)",
         True)
+    long_prefill_token_threshold: int = _opt(
+        "at most this many of one request's prompt tokens per step (vLLM's; 0: off): a long prompt then shares "
+        "steps with shorter ones instead of filling them (an image computed whole is not cut)", 0)
     block_size: int = _opt("tokens per KV-cache block", 16)
     policy: str = _opt("order of waiting requests: arrival (fcfs), or the request's priority field", "fcfs",
                        choices=POLICIES, aliases=("--scheduling-policy",))
@@ -231,6 +234,13 @@ class EngineConfig:
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens, optional=True)
         _positive_int("kv_cache_memory", self.kv_cache_memory, optional=True)
         _positive_int("block_size", self.block_size)
+        if isinstance(self.long_prefill_token_threshold, bool) or not isinstance(self.long_prefill_token_threshold, int) \
+                or self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold: must be an integer >= 0 (0: off), got "
+                             f"{self.long_prefill_token_threshold!r}")
+        if self.long_prefill_token_threshold and (not self.enable_chunked_prefill or self.runner == "pooling"):
+            raise ValueError("long_prefill_token_threshold: caps prefill chunks, so it needs chunked prefill (it is "
+                             "off with enable_chunked_prefill false and for pooling models)")
         _positive_int("max_logprobs", self.max_logprobs)
         _positive_int("num_threads", self.num_threads, optional=True)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)

@@ -92,6 +92,7 @@ impl PyScheduler {
         prompt_lookup_max=5,
         max_loras=0,
         enable_chunked_prefill=true,
+        long_prefill_token_threshold=0,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -111,7 +112,22 @@ impl PyScheduler {
         prompt_lookup_max: i64,
         max_loras: i64,
         enable_chunked_prefill: bool,
+        long_prefill_token_threshold: i64,
     ) -> PyResult<Self> {
+        if long_prefill_token_threshold < 0 {
+            return Err(crate::error::invalid(
+                "long_prefill_token_threshold",
+                format!("must be >= 0 (0: off), got {long_prefill_token_threshold}"),
+            )
+            .into());
+        }
+        if long_prefill_token_threshold > 0 && !enable_chunked_prefill {
+            return Err(crate::error::invalid(
+                "long_prefill_token_threshold",
+                "caps prefill chunks: it needs enable_chunked_prefill",
+            )
+            .into());
+        }
         if max_loras < 0 {
             return Err(crate::error::invalid(
                 "max_loras",
@@ -137,7 +153,8 @@ impl PyScheduler {
         )?
         .with_speculation(spec)
         .with_max_loras(max_loras as usize)
-        .with_chunked_prefill(enable_chunked_prefill);
+        .with_chunked_prefill(enable_chunked_prefill)
+        .with_long_prefill_token_threshold(long_prefill_token_threshold as usize);
         let inner = py.detach(|| Scheduler::new(cfg, tokenizer_json))?;
         Ok(PyScheduler { inner })
     }

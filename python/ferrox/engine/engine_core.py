@@ -120,6 +120,7 @@ class EngineCore:
             max_num_batched_tokens=loaded.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching and not pooling,
             enable_chunked_prefill=not pooling and config.enable_chunked_prefill,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
             policy=config.policy,
             tokenizer_json=self.tokenizer_json,
             eos_token_ids=self.eos_token_ids,
