@@ -55,6 +55,10 @@ QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "awq", "gptq", "awq_marlin"
                         "compressed_tensors", "gguf")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 POLICIES = ("fcfs", "priority")
+# vLLM's --logprobs-mode: what a reported logprob is. raw_*: the model's logits before any sampling
+# setting; processed_*: the logits the draw sees (layers/sampler.py processed_logits). *_logprobs:
+# log-softmaxed; *_logits: as they are.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 # "mp": one worker process per extra rank on this machine; "ray": ranks as Ray actors in a placement
 # group (an existing cluster, or a local one); "uni": everything in the engine process (size 1 only).
 EXECUTOR_BACKENDS = ("mp", "ray", "uni")
@@ -172,6 +176,10 @@ class EngineConfig:
         "model id(s) clients use: the server answers to each, /v1/models lists each, and responses name the "
         "first (vLLM's nargs: --served-model-name a b)", default_help="the model's name", nargs="+")
     max_logprobs: int = _opt("largest `logprobs` / `prompt_logprobs` a request may ask for", 20)
+    logprobs_mode: str = _opt(
+        "what logprobs report (vLLM's): raw_logprobs, the model's; raw_logits, its logits; processed_logprobs / "
+        "processed_logits, after penalties, bias, masks, temperature, min-p and top-k/top-p (what the draw saw)",
+        "raw_logprobs", choices=LOGPROBS_MODES)
     num_threads: int | None = _opt("CPU threads for the model (torch intra-op)", default_help="all cores torch sees")
     tensor_parallel_size: int = _opt("GPUs (or CPU processes) one model is sharded across (Megatron-style)", 1,
                                      aliases=("-tp",))
@@ -229,6 +237,7 @@ class EngineConfig:
             _choice("quantization", self.quantization, QUANTIZATION_METHODS)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _choice("policy", self.policy, POLICIES)
+        _choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
         _positive_int("max_model_len", self.max_model_len, optional=True)
         _positive_int("max_num_seqs", self.max_num_seqs, optional=True)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens, optional=True)

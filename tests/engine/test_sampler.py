@@ -166,6 +166,33 @@ def test_named_logprob_token_ids_wider_than_the_top_n_and_alone():
     assert only_named.top_token_ids[0].tolist() == [49, 0, 17]
 
 
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
+def test_logprobs_modes(mode):
+    """vLLM's --logprobs-mode on one greedy row with a logit bias and one random row (temperature 0.5,
+    top-k 3): raw_* read the model's logits, processed_* the ones the draw saw (bias; then temperature
+    and top-k on the random row, the dropped tokens -inf); *_logits report them without log-softmax."""
+    params = [SamplingParams(temperature=0, logprobs=2, logit_bias={7: 50.0}),
+              SamplingParams(temperature=0.5, top_k=3, logprobs=2, seed=1)]
+    logits = torch.stack([LOGITS, LOGITS.flip(0)])
+    out = Sampler(torch.Generator().manual_seed(0), logprobs_mode=mode)(logits.clone(), _Batch(params).build())
+    seen = logits.clone()
+    if mode.startswith("processed"):
+        seen[0, 7] += 50.0
+        seen[1] = seen[1] / 0.5
+        seen[1, torch.argsort(seen[1], descending=True)[3:]] = float("-inf")
+    expect = torch.log_softmax(seen, dim=-1) if mode.endswith("logprobs") else seen
+    assert out.logprobs is not None
+    got = out.logprobs.token_logprobs
+    assert torch.allclose(got, expect.gather(1, out.token_ids[:, None]).squeeze(1), atol=1e-5), (got, expect)
+    assert torch.allclose(out.logprobs.top_logprobs, torch.topk(expect, 2).values, atol=1e-5)
+    assert out.token_ids[0].item() == 7 and out.token_ids[1].item() in set(torch.topk(LOGITS.flip(0), 3).indices.tolist())
+
+
+def test_unknown_logprobs_mode_is_refused():
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        Sampler(logprobs_mode="raw")
+
+
 def test_logit_bias_and_allowed_token_ids():
     assert set(_draw(SamplingParams(allowed_token_ids=[5, 6]), 500).tolist()) == {5, 6}
     assert set(_draw(SamplingParams(temperature=0, allowed_token_ids=[3, 6]), 4).tolist()) == {3}

@@ -148,6 +148,7 @@ class EngineCore:
                 tp=self.tp,
                 speculative=self.speculative is not None,
                 lora=self.loras,
+                logprobs_mode=config.logprobs_mode,
             )
         # --enable-prompt-embeds: prompts of embeddings reach the model as rows of one item each, through the
         # images' path (multimodal/prompt_embeds.py), which a text model's runner then needs too.

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ferrox.config import LOGPROBS_MODES
 from ferrox.kernels import cuda_sampling
 from ferrox.layers import logits_processors as lp
 
@@ -94,11 +95,12 @@ class SamplerOutput:
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int,
-                     named: torch.Tensor | None = None) -> LogprobsTensors:
-    """Logprobs of `token_ids` and of each row's alternatives from raw logits [B, V]: the top `num_top`,
+                     named: torch.Tensor | None = None, *, normalize: bool = True) -> LogprobsTensors:
+    """Logprobs of `token_ids` and of each row's alternatives from logits [B, V]: the top `num_top`,
     or on the rows of `named` ([B, M], SamplingMetadata.logprob_token_ids) that name ids, those ids'
-    own logprobs in the order given. The width is max(num_top, M); the host keeps each row's share."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    own logprobs in the order given. The width is max(num_top, M); the host keeps each row's share.
+    normalize=False: the logits' own values (the *_logits modes; the same order, so the same ranks)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1) if normalize else logits.float()
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))
     ranks = (logprobs > chosen).sum(dim=-1) + 1
     if num_top > 0:
@@ -118,6 +120,22 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
     return LogprobsTensors(chosen.squeeze(1), ranks, top_ids, top_lp)
 
 
+def processed_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The logits a draw sees, from logits the processors already edited (penalties, bias, masks): on
+    random rows divided by the temperature, then min-p and top-k/top-p (dropped tokens -inf), as the
+    sampler applies them; greedy rows (temperature 1, no truncation) unchanged. A new tensor unless
+    every row is greedy."""
+    if md.all_greedy:
+        return logits
+    assert md.temperature is not None
+    scaled = logits / md.temperature.unsqueeze(1)
+    if md.min_p is not None:
+        scaled = lp.apply_min_p(scaled, md.min_p)
+    if md.top_k is not None or md.top_p is not None:
+        scaled = lp.apply_top_k_top_p(scaled, md.top_k, md.top_p, md.top_k_max)
+    return scaled
+
+
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax. A few rows of a large vocabulary on CUDA take the split-row kernel
     (kernels/argmax.py), where it measured faster than torch's reduction on an H200 (GPU time,
@@ -133,7 +151,11 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, default_generator: torch.Generator | None = None, top_k_top_p_kernel: Any | None = None) -> None:
+    def __init__(self, default_generator: torch.Generator | None = None, top_k_top_p_kernel: Any | None = None,
+                 logprobs_mode: str = "raw_logprobs") -> None:
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode: must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
+        self.logprobs_mode = logprobs_mode
         # Unseeded random rows draw from this one generator (seeded from the engine's seed, so
         # whole runs reproduce too).
         self.default_generator = default_generator
@@ -142,8 +164,11 @@ class Sampler:
         self.top_k_top_p_kernel = top_k_top_p_kernel
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        raw = logits.clone() if md.max_num_logprobs is not None else None
+        want = md.max_num_logprobs is not None
+        scored = logits.clone() if want and self.raw_logprobs else None
         self.apply_logits_processors(logits, md)
+        if want and scored is None:
+            scored = processed_logits(logits, md)
         if md.all_greedy:
             token_ids = greedy(logits)
         else:
@@ -151,9 +176,19 @@ class Sampler:
             if md.greedy_rows is not None:
                 token_ids = torch.where(md.greedy_rows, greedy(logits), token_ids)
         logprobs = None
-        if raw is not None:
-            logprobs = compute_logprobs(raw, token_ids, md.max_num_logprobs or 0, md.logprob_token_ids)
+        if scored is not None:
+            logprobs = self.logprobs(scored, token_ids, md)
         return SamplerOutput(token_ids, logprobs)
+
+    @property
+    def raw_logprobs(self) -> bool:
+        """Whether reported logprobs come from the logits before the processors (else after, processed_logits)."""
+        return self.logprobs_mode.startswith("raw")
+
+    def logprobs(self, scored: torch.Tensor, token_ids: torch.Tensor, md: SamplingMetadata) -> LogprobsTensors:
+        """The reported logprobs from the logits the mode reads (raw, or processed_logits)."""
+        return compute_logprobs(scored, token_ids, md.max_num_logprobs or 0, md.logprob_token_ids,
+                                normalize=self.logprobs_mode.endswith("logprobs"))
 
     @staticmethod
     def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> None:

@@ -134,6 +134,7 @@ class ModelRunner:
         tp: TPGroup | None = None,
         speculative: bool = False,
         lora: Any = None,
+        logprobs_mode: str = "raw_logprobs",
     ) -> None:
         """speculative: steps may carry drafts to verify (speculative decoding). tp: the tensor-parallel group when the model is sharded; this runner is its driver
         (rank 0) and sends every step to the other ranks (distributed/step_channel.py) before
@@ -154,7 +155,7 @@ class ModelRunner:
             from ferrox.kernels.cuda_sampling import prepare_extension
 
             top_k_top_p_kernel = prepare_extension()  # the CUDA kernel when a build is on disk
-        self.sampler = Sampler(default_gen, top_k_top_p_kernel)
+        self.sampler = Sampler(default_gen, top_k_top_p_kernel, logprobs_mode)
         self.speculative = speculative
         # Multi-LoRA (engine/lora_state.py EngineLoRAs): each core slot's adapter id (0: none);
         # before every forward it gets each token's id (prepare_step) and sets the slot index.
@@ -453,7 +454,7 @@ class ModelRunner:
                 handle.errors[i] = f"sampling failed: {type(e).__name__}: {e}"
         result = SamplerOutput(token_ids, None)
         if md.max_num_logprobs is not None:
-            result.logprobs = compute_logprobs(logits, token_ids, md.max_num_logprobs, md.logprob_token_ids)
+            result.logprobs = self.sampler.logprobs(logits, token_ids, md)
         return result
 
     def _verify(self, handle: StepHandle, grammar_bitmask: torch.Tensor | None) -> SamplerOutput:
@@ -557,7 +558,9 @@ class ModelRunner:
                 prompt = state.prompt_token_ids
                 targets = self._upload(f"prompt_targets_{k}",
                                        np.array(prompt[start_pos + 1 : start_pos + 1 + count], dtype=np.int64))
-                lp = _logprobs_to_host(compute_logprobs(job_logits, targets, acc.num_top))
+                # Prompt positions take no sampling settings: raw and processed modes agree (vLLM's).
+                lp = _logprobs_to_host(compute_logprobs(job_logits, targets, acc.num_top,
+                                                        normalize=self.sampler.logprobs_mode.endswith("logprobs")))
                 chunks.append(_PromptLogprobsChunk(state, start_pos, lp))
             else:
                 chunks.append(_PromptLogprobsChunk(state, start_pos, None))

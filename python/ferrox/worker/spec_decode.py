@@ -27,9 +27,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from ferrox.layers import logits_processors as lp
 from ferrox.layers.rejection_sampler import rejection_sample
-from ferrox.layers.sampler import LogprobsTensors, Sampler, SamplingMetadata, compute_logprobs
+from ferrox.layers.sampler import LogprobsTensors, Sampler, SamplingMetadata, processed_logits
 
 
 @dataclass(slots=True)
@@ -57,13 +56,7 @@ def target_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     the processed logits themselves on greedy rows (argmax'ed as the plain sampler does)."""
     if md.all_greedy:
         return logits
-    assert md.temperature is not None
-    scaled = logits / md.temperature.unsqueeze(1)
-    if md.min_p is not None:
-        scaled = lp.apply_min_p(scaled, md.min_p)
-    if md.top_k is not None or md.top_p is not None:
-        scaled = lp.apply_top_k_top_p(scaled, md.top_k, md.top_p, md.top_k_max)
-    probs = torch.softmax(scaled, dim=-1)
+    probs = torch.softmax(processed_logits(logits, md), dim=-1)
     if md.greedy_rows is not None:
         return torch.where(md.greedy_rows.unsqueeze(1), logits, probs)
     return probs
@@ -82,18 +75,20 @@ def verify(
     """logits: [sum(1 + d_r), V] raw, edited in place; md: the sampling metadata of the expanded rows.
     greedy: [num_reqs]; generators: request index -> its seeded generator. Nothing here waits for the
     device: the results stay there until the runner's copy to the host (async scheduling)."""
-    raw = logits.clone() if md.max_num_logprobs is not None else None
+    want = md.max_num_logprobs is not None
+    scored = logits.clone() if want and sampler.raw_logprobs else None
     sampler.apply_logits_processors(logits, md)
+    if want and scored is None:
+        scored = processed_logits(logits, md)
     target = target_probs(logits, md)
     out = rejection_sample(
         target, torch.from_numpy(np.ascontiguousarray(draft_token_ids, dtype=np.int64)), num_drafts,
         greedy=torch.from_numpy(np.ascontiguousarray(greedy, dtype=np.bool_)), generators=generators,
         default_generator=sampler.default_generator)
     logprobs = None
-    if raw is not None:
+    if scored is not None:
         # Logits row start_loc[r] + j scored request r's token j: the padded tokens, laid out as the rows.
         rows = torch.from_numpy(expand_rows(num_drafts)).to(logits.device)
         cols = torch.from_numpy(np.concatenate([np.arange(d + 1) for d in num_drafts.tolist()])).to(logits.device)
-        logprobs = compute_logprobs(raw, out.token_ids[rows, cols].clamp(min=0), md.max_num_logprobs or 0,
-                                    md.logprob_token_ids)
+        logprobs = sampler.logprobs(scored, out.token_ids[rows, cols].clamp(min=0), md)
     return VerifyResult(out.token_ids, out.num_sampled, logprobs)
