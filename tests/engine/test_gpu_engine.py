@@ -96,6 +96,24 @@ def test_bad_words_and_named_logprobs_equal_cpu(tiny_llama):
             assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-3 for t in a)
 
 
+def test_processed_logprobs_equal_cpu(tiny_llama):
+    """--logprobs-mode processed_logprobs on the GPU: a penalized greedy row and a random top-k row report
+    what their draw saw, as the CPU engine does (the greedy row's tokens too)."""
+    params = [SamplingParams(temperature=0, max_tokens=8, logprobs=3, repetition_penalty=1.4, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_k=5, max_tokens=8, logprobs=3, ignore_eos=True)]
+    cpu = LLM(tiny_llama, device="cpu", kv_cache_memory=32 << 20, logprobs_mode="processed_logprobs")
+    gpu = LLM(tiny_llama, device="cuda", dtype="float32", max_num_seqs=8, kv_cache_memory=64 << 20,
+              logprobs_mode="processed_logprobs")
+    ref = cpu.generate(PROMPTS[:2], params, use_tqdm=False)
+    outs = gpu.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    for a, b in zip(ref[0].outputs[0].logprobs, outs[0].outputs[0].logprobs, strict=True):
+        assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-3 for t in a)
+    for pos in outs[1].outputs[0].logprobs:  # top-k 5: five finite alternatives at most, the rest -inf
+        assert sum(v.logprob > float("-inf") for v in pos.values()) <= 5 and all(v.rank <= 5 for v in pos.values()
+                                                                                  if v.rank is not None)
+
+
 def test_a_second_engine_in_one_process_captures_its_graphs(tmp_path, caplog):
     """Two engines one after the other in one process (a notebook, a test module's parametrized fixture):
     the first, dropped but not yet collected, must not make the second's CUDA-graph captures fail (they
