@@ -63,10 +63,11 @@ def main() -> int:
         assert len(r["choices"][0]["logprobs"]["tokens"]) == 16
 
     def named_logprobs():
-        # logprob_token_ids: exactly these ids as the alternatives, their values as the prompt path scores them.
+        # logprob_token_ids: exactly these ids as the alternatives, their values as the prompt path scores them
+        # (greedy: the same under --logprobs-mode processed_logprobs).
         named = [5, 1000, 128000]
         r = post("/v1/completions", {"model": "m", "prompt": [1000, 2000, 3000], "max_tokens": 4, "logprobs": 2,
-                                     "temperature": 0.8, "seed": 2, "logprob_token_ids": named,
+                                     "temperature": 0, "logprob_token_ids": named,
                                      "return_tokens_as_token_ids": True})
         lp = r["choices"][0]["logprobs"]
         for tok, top in zip(lp["tokens"], lp["top_logprobs"], strict=True):
