@@ -157,11 +157,20 @@ def test_each_flag_round_trips(name):
 def test_existing_aliases_and_parsing_kept():
     assert parse("--scheduling-policy", "priority").policy == "priority"
     assert parse("--kv-cache-memory", "4GiB").kv_cache_memory == 4 << 30
+    assert parse("--kv-cache-memory-bytes", "1073741824").kv_cache_memory == 1 << 30  # vLLM's spelling
     assert parse("--dtype", "bf16").dtype == "bfloat16"
     assert parse("--enable-prefix-caching").enable_prefix_caching is True
     assert parse("model.gguf", "--max-num-seqs", "8").model == "model.gguf"
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["serve", "--kv-cache-memory", "lots"])
+
+
+def test_vllm_engine_argument_names():
+    """LLM(**kwargs) takes vLLM's names where ferrox's field has another; both at once is refused."""
+    config = EngineConfig.from_kwargs(scheduling_policy="priority", kv_cache_memory_bytes=1 << 28)
+    assert (config.policy, config.kv_cache_memory) == ("priority", 1 << 28)
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        EngineConfig.from_kwargs(scheduling_policy="priority", policy="fcfs")
 
 
 # ---- --help: each default once, the real device-dependent numbers ---------------------------------

@@ -55,6 +55,9 @@ QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "awq", "gptq", "awq_marlin"
                         "compressed_tensors", "gguf")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 POLICIES = ("fcfs", "priority")
+# vLLM's engine-argument names where ferrox's field has another (LLM(scheduling_policy=...), and the
+# flag spellings through each field's aliases).
+_VLLM_KWARGS = {"scheduling_policy": "policy", "kv_cache_memory_bytes": "kv_cache_memory"}
 # vLLM's --logprobs-mode: what a reported logprob is. raw_*: the model's logits before any sampling
 # setting; processed_*: the logits the draw sees (layers/sampler.py processed_logits). *_logprobs:
 # log-softmaxed; *_logits: as they are.
@@ -147,7 +150,7 @@ class EngineConfig:
     device: str = _opt("where to run", "auto", choices=DEVICES, default_help="auto: cuda when available, else cpu")
     gpu_memory_utilization: float = _opt("fraction of GPU memory for weights, activations and KV cache", 0.9)
     kv_cache_memory: int | None = _opt(
-        "KV cache size in bytes (the CLI accepts units: 512MiB, 4GiB)", size=True,
+        "KV cache size in bytes (the CLI accepts units: 512MiB, 4GiB)", size=True, aliases=("--kv-cache-memory-bytes",),
         default_help=f"on CPU {_gib(CPU_DEFAULT_KV_CACHE_MEMORY)} capped at half the available memory; "
         "on GPU sized from --gpu-memory-utilization after a profiling pass")
     max_num_seqs: int | None = _opt(
@@ -303,6 +306,11 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from keyword arguments (LLM(**kw), CLI flags); an unknown name is a ValueError."""
+        for vllm_name, name in _VLLM_KWARGS.items():
+            if vllm_name in kwargs:
+                if name in kwargs:
+                    raise ValueError(f"{vllm_name}: give it or {name}, not both (the same setting)")
+                kwargs[name] = kwargs.pop(vllm_name)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
