@@ -7,6 +7,7 @@ from typing import Any
 
 import llguidance
 import pytest
+from ferrox import LLM
 from ferrox.entrypoints.openai.protocol import ChatCompletionRequest
 from ferrox.entrypoints.openai.structured import build_structured_outputs
 from ferrox.errors import InvalidArgumentError
@@ -28,6 +29,17 @@ def test_embedded_model_ships_its_generation_defaults(llm):
     assert config["temperature"] == 0.2 and config["top_p"] == 0.9 and config["eos_token_id"]
     params = llm.get_default_sampling_params()
     assert (params.temperature, params.top_p) == (0.2, 0.9)
+
+
+def test_generation_config_engine_arguments():
+    """vLLM's generation_config / override_generation_config engine arguments on the offline LLM: 'vllm'
+    drops the model's defaults, the override lays its own on top; a bad one fails before the model loads."""
+    llm = LLM(dtype="float32", kv_cache_memory=64 << 20, max_model_len=512, generation_config="vllm",
+              override_generation_config={"top_k": 7})
+    params = llm.get_default_sampling_params()
+    assert (params.temperature, params.top_p, params.top_k) == (1.0, 1.0, 7)
+    with pytest.raises(ValueError, match="generation_config"):
+        LLM(generation_config="/nowhere")
 
 
 @pytest.fixture(scope="module")

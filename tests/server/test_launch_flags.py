@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from ferrox.engine.defaults import resolve_generation_defaults
 from ferrox.entrypoints import cli
 from ferrox.loader.source import resolve_model
 
@@ -51,12 +52,12 @@ def test_config_file_flags_come_first_so_the_command_line_wins(tmp_path):
 
 def test_generation_config_choices(tmp_path):
     model = {"temperature": 0.2, "top_p": 0.9}
-    assert cli.generation_defaults("auto", model, None) == model
-    assert cli.generation_defaults("vllm", model, {"top_k": 5}) == {"top_k": 5}
+    assert resolve_generation_defaults("auto", model, None) == model
+    assert resolve_generation_defaults("vllm", model, {"top_k": 5}) == {"top_k": 5}
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "_from_model_config": True}))
-    assert cli.generation_defaults(str(tmp_path), model, None) == {"temperature": 0.0}
-    with pytest.raises(ValueError, match="--generation-config"):
-        cli.generation_defaults(str(tmp_path / "absent"), model, None)
+    assert resolve_generation_defaults(str(tmp_path), model, None) == {"temperature": 0.0}
+    with pytest.raises(ValueError, match="generation_config"):
+        resolve_generation_defaults(str(tmp_path / "absent"), model, None)
 
 
 def _self_signed(tmp_path):

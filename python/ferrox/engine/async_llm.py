@@ -59,7 +59,7 @@ from ferrox.beam_search import BeamSearch, check_beam_search, one_token_params, 
 from ferrox.config import EngineConfig
 from ferrox.engine import validation
 from ferrox.engine.core_process import EngineCoreOutputs
-from ferrox.engine.defaults import default_sampling_params
+from ferrox.engine.defaults import default_sampling_params, resolve_generation_defaults
 from ferrox.engine.dp_client import DPCoreClient
 from ferrox.engine.input_processor import (
     INLINE_PROMPT_SIZE,
@@ -224,9 +224,12 @@ class AsyncLLM:
     pooler_config: PoolerConfig | None = None
 
     def __init__(self, model: str | None = None, *, log_level: str | None = None, stream_interval: int = 1,
+                 generation_config: str = "auto", override_generation_config: dict[str, Any] | None = None,
                  **engine_args: Any) -> None:
-        """stream_interval: vLLM's engine argument of that name (`stream_interval` below)."""
+        """stream_interval, generation_config, override_generation_config: vLLM's engine arguments of those
+        names (`stream_interval` below; the requests' default sampling parameters, engine/defaults.py)."""
         _check_stream_interval(stream_interval)
+        resolve_generation_defaults(generation_config, {}, override_generation_config)  # a bad one fails first
         config = engine_args.pop("config", None)
         if config is None:
             config = EngineConfig.from_kwargs(model=model, **engine_args)
@@ -277,7 +280,8 @@ class AsyncLLM:
         # Runner "pooling" (an embedding model): requests come through encode(), generate() is refused.
         self.pooler_config = info.pooler_config
         self.eos_token_ids: list[int] = list(info.eos_token_ids)
-        self.generation_defaults: dict[str, Any] = dict(info.generation_defaults)
+        self.generation_defaults: dict[str, Any] = resolve_generation_defaults(
+            generation_config, info.generation_defaults, override_generation_config)
         self.chat_template: str | None = _read_template(config.chat_template)
         # The engine's latest stats: totals over its cores, each core's own under "engines".
         self.last_stats: dict[str, Any] = dict(info.stats)

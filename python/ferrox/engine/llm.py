@@ -20,7 +20,7 @@ from ferrox.beam_search import (
     step_logprobs,
 )
 from ferrox.config import EngineConfig
-from ferrox.engine.defaults import default_sampling_params
+from ferrox.engine.defaults import default_sampling_params, resolve_generation_defaults
 from ferrox.engine.engine_core import EngineCore
 from ferrox.engine.input_processor import (
     ProcessedPrompt,
@@ -57,7 +57,11 @@ OutputT = TypeVar("OutputT", RequestOutput, PoolingRequestOutput)
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+    def __init__(self, model: str | None = None, *, generation_config: str = "auto",
+                 override_generation_config: dict[str, Any] | None = None, **engine_args: Any) -> None:
+        """generation_config / override_generation_config: vLLM's engine arguments of those names (the
+        requests' default sampling parameters: ferrox.engine.defaults.resolve_generation_defaults)."""
+        resolve_generation_defaults(generation_config, {}, override_generation_config)  # a bad one fails first
         self.config = EngineConfig.from_kwargs(model=model, **engine_args)
         if self.config.data_parallel_size > 1:
             # As in vLLM, offline data parallelism is one process per replica; this LLM is one engine.
@@ -67,6 +71,8 @@ class LLM:
                 "AsyncLLM(data_parallel_size=N), or one LLM per GPU in separate processes (CUDA_VISIBLE_DEVICES)",
                 param="data_parallel_size")
         self.engine = EngineCore(self.config)
+        self.engine.generation_defaults = resolve_generation_defaults(
+            generation_config, self.engine.generation_defaults, override_generation_config)
         self.output_processor = OutputProcessor(self.engine.tokenizer)
         self._request_counter = itertools.count()
 

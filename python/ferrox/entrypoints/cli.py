@@ -25,6 +25,7 @@ from typing import Any
 
 import ferrox
 from ferrox.config import EngineConfig  # imports no torch: the API server process stays torch-free
+from ferrox.engine.defaults import resolve_generation_defaults
 
 logger = logging.getLogger("ferrox.serve")
 
@@ -365,24 +366,6 @@ def config_file_args(path: str) -> list[str]:
 
 
 # ---- serve ------------------------------------------------------------------------------------------
-def generation_defaults(choice: str, model_defaults: dict[str, Any], override: dict[str, Any] | None) -> dict[str, Any]:
-    """vLLM's --generation-config: 'auto' the model's, 'vllm' none, else a folder's generation_config.json;
-    then --override-generation-config on top."""
-    if choice == "auto":
-        defaults = dict(model_defaults)
-    elif choice == "vllm":
-        defaults = {}
-    else:
-        path = os.path.join(os.path.expanduser(choice), "generation_config.json")
-        try:
-            with open(path) as f:
-                defaults = {k: v for k, v in json.load(f).items() if not k.startswith("_")}
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"--generation-config: expected 'auto', 'vllm' or a folder with a readable "
-                             f"generation_config.json: {exc}") from None
-    return {**defaults, **(override or {})}
-
-
 def serve(args: argparse.Namespace) -> int:
     from ferrox.engine.async_llm import AsyncLLM
     from ferrox.entrypoints.openai.server import (
@@ -423,7 +406,7 @@ def serve(args: argparse.Namespace) -> int:
             tls = ssl_context(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
         elif args.ssl_keyfile:
             raise ValueError("--ssl-keyfile needs --ssl-certfile")
-        generation_defaults(args.generation_config, {}, args.override_generation_config)
+        resolve_generation_defaults(args.generation_config, {}, args.override_generation_config)
         sock = bind_unix_socket(args.uds) if args.uds else bind_socket(args.host, args.port)
     except (OSError, ValueError) as exc:
         print(f"ferrox serve: error: {exc}", file=sys.stderr, flush=True)
@@ -440,8 +423,8 @@ def serve(args: argparse.Namespace) -> int:
     engine.max_num_queued_reqs = args.max_num_queued_reqs
     engine.stream_interval = args.stream_interval
     engine.request_timeout = args.request_timeout
-    engine.generation_defaults = generation_defaults(args.generation_config, engine.generation_defaults,
-                                                     args.override_generation_config)
+    engine.generation_defaults = resolve_generation_defaults(args.generation_config, engine.generation_defaults,
+                                                             args.override_generation_config)
 
     def on_ready(url: str) -> None:
         memory = (f"KV cache capacity {engine.kv_capacity_tokens} tokens" if engine.runner == "generate"
