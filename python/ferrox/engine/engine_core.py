@@ -228,7 +228,7 @@ class EngineCore:
         params = request.sampling_params
         prompt = request.prompt_token_ids
         self.validate_prompt(prompt, params, what=f"request {request.request_id!r}", request_id=request.request_id)
-        params = self._with_bad_words_token_ids(params)
+        params = self.encode_bad_words(params)  # (the fronts encode them already: then as given)
         embeds = prompt_embeds.is_embeds(request.mm_inputs)
         if embeds:
             request.mm_inputs = [self._load_prompt_embeds(request)]
@@ -350,9 +350,10 @@ class EngineCore:
             reasoning_parser=self.reasoning.name if self.reasoning is not None else None,
         )
         validation.validate_request(prompt, params, limits, what=what)
-        self._with_bad_words_token_ids(params)  # (their encoding's own rules: the token bound)
 
-    def _with_bad_words_token_ids(self, params: SamplingParams) -> SamplingParams:
+    def encode_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """params with bad_words encoded by this engine's tokenizer (ferrox.bad_words; a 400-class error past
+        their token bound); as given when there are none or they are encoded already."""
         return with_bad_words_token_ids(params, lambda text: self.tokenizer.encode(text, add_special_tokens=False),
                                         self.vocab_size)
 

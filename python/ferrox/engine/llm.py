@@ -382,6 +382,12 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         params_list = self._params_per_prompt(sampling_params, len(prompts))
+        # bad_words encoded once per distinct params (a batch usually shares one), before any is queued.
+        encoded: dict[int, SamplingParams] = {}
+        for sp in params_list:
+            if id(sp) not in encoded:
+                encoded[id(sp)] = self.engine.encode_bad_words(sp)
+        params_list = [encoded[id(sp)] for sp in params_list]
         loras = _lora_per_prompt(lora_request, len(prompts))
         # Validate every prompt before queueing any, so a bad one rejects the call cleanly.
         for i, (p, sp) in enumerate(zip(prompts, params_list, strict=True)):

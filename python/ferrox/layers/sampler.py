@@ -164,11 +164,7 @@ class Sampler:
         self.top_k_top_p_kernel = top_k_top_p_kernel
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        want = md.max_num_logprobs is not None
-        scored = logits.clone() if want and self.raw_logprobs else None
-        self.apply_logits_processors(logits, md)
-        if want and scored is None:
-            scored = processed_logits(logits, md)
+        scored = self.process(logits, md)
         if md.all_greedy:
             token_ids = greedy(logits)
         else:
@@ -180,15 +176,25 @@ class Sampler:
             logprobs = self.logprobs(scored, token_ids, md)
         return SamplerOutput(token_ids, logprobs)
 
+    def process(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor | None:
+        """Apply the logits processors to `logits` in place; return the logits the logprobs mode reads
+        (a copy of the raw ones, or processed_logits), or None when no row wants logprobs."""
+        want = md.max_num_logprobs is not None
+        scored = logits.clone() if want and self.logprobs_mode.startswith("raw") else None
+        self.apply_logits_processors(logits, md)
+        if want and scored is None:
+            scored = processed_logits(logits, md)
+        return scored
+
     @property
-    def raw_logprobs(self) -> bool:
-        """Whether reported logprobs come from the logits before the processors (else after, processed_logits)."""
-        return self.logprobs_mode.startswith("raw")
+    def normalized(self) -> bool:
+        """Whether reported values are log-softmaxed (the *_logprobs modes) or the logits as they are."""
+        return self.logprobs_mode.endswith("logprobs")
 
     def logprobs(self, scored: torch.Tensor, token_ids: torch.Tensor, md: SamplingMetadata) -> LogprobsTensors:
-        """The reported logprobs from the logits the mode reads (raw, or processed_logits)."""
+        """The reported logprobs from the logits the mode reads (Sampler.process)."""
         return compute_logprobs(scored, token_ids, md.max_num_logprobs or 0, md.logprob_token_ids,
-                                normalize=self.logprobs_mode.endswith("logprobs"))
+                                normalize=self.normalized)
 
     @staticmethod
     def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> None:

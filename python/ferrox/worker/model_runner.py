@@ -560,7 +560,7 @@ class ModelRunner:
                                        np.array(prompt[start_pos + 1 : start_pos + 1 + count], dtype=np.int64))
                 # Prompt positions take no sampling settings: raw and processed modes agree (vLLM's).
                 lp = _logprobs_to_host(compute_logprobs(job_logits, targets, acc.num_top,
-                                                        normalize=self.sampler.logprobs_mode.endswith("logprobs")))
+                                                        normalize=self.sampler.normalized))
                 chunks.append(_PromptLogprobsChunk(state, start_pos, lp))
             else:
                 chunks.append(_PromptLogprobsChunk(state, start_pos, None))

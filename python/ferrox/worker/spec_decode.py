@@ -75,11 +75,7 @@ def verify(
     """logits: [sum(1 + d_r), V] raw, edited in place; md: the sampling metadata of the expanded rows.
     greedy: [num_reqs]; generators: request index -> its seeded generator. Nothing here waits for the
     device: the results stay there until the runner's copy to the host (async scheduling)."""
-    want = md.max_num_logprobs is not None
-    scored = logits.clone() if want and sampler.raw_logprobs else None
-    sampler.apply_logits_processors(logits, md)
-    if want and scored is None:
-        scored = processed_logits(logits, md)
+    scored = sampler.process(logits, md)
     target = target_probs(logits, md)
     out = rejection_sample(
         target, torch.from_numpy(np.ascontiguousarray(draft_token_ids, dtype=np.int64)), num_drafts,
