@@ -1424,6 +1424,25 @@ impl Scheduler {
         self.kv.reset_prefix_cache()
     }
 
+    /// Sleep mode's "keep" (the KV cache is about to be discarded): every running request is
+    /// preempted by recompute, back to the front of the waiting queue in its running order, its
+    /// blocks freed; once scheduled again it recomputes its prompt and output. Only with no step
+    /// in flight, so no runner holds a sample of theirs to drop: unlike a preemption inside
+    /// schedule(), these are not reported in the next output's `preempted_req_ids`.
+    pub fn preempt_all(&mut self) -> CoreResult<usize> {
+        if !self.in_flight.is_empty() {
+            return Err(CoreError::InvalidArgument {
+                param: "preempt_all".into(),
+                message: "preempt_all: a step is still in flight (update it first)".into(),
+            });
+        }
+        let running = std::mem::take(&mut self.running);
+        for &slot in running.iter().rev() {
+            self.preempt(slot);
+        }
+        Ok(running.len())
+    }
+
     pub fn request_block_ids(&self, id: &str) -> CoreResult<Vec<u32>> {
         match self.by_id.get(id) {
             Some(&slot) => Ok(self.req(slot).kv.blocks.clone()),
@@ -1853,6 +1872,37 @@ mod tests {
             (res[1].finish_reason, res[1].num_output_tokens),
             (Some(FinishReason::Stop), 1)
         );
+    }
+
+    #[test]
+    fn preempt_all_requeues_running_requests_in_order_and_they_recompute() {
+        let mut s = sched(64, 4, 64, "fcfs");
+        s.add_request(req("a", 6, 8)).unwrap();
+        s.add_request(req("b", 6, 8)).unwrap();
+        s.add_request(req("c", 6, 8)).unwrap();
+        s.schedule();
+        s.update_from_output(&[7, 7, 7], None).unwrap();
+        let out = s.schedule();
+        assert!(s.preempt_all().is_err(), "refused with a step in flight");
+        s.update_from_output(&vec![7; out.req_ids.len()], None)
+            .unwrap();
+        let free_before = s.stats().num_free_blocks;
+        assert_eq!(s.preempt_all().unwrap(), 3);
+        s.check_invariants();
+        assert!(
+            s.stats().num_free_blocks > free_before,
+            "their blocks went back"
+        );
+        assert_eq!(s.stats().num_running, 0);
+        assert!(s.reset_prefix_cache(), "nothing holds a block any more");
+        // Scheduled again in the old order, each recomputing prompt + the 2 tokens it had.
+        let out = s.schedule();
+        assert_eq!(out.req_ids.iter().collect::<Vec<_>>(), vec!["a", "b", "c"]);
+        assert!(out.preempted_req_ids.is_empty());
+        for id in ["a", "b", "c"] {
+            let r = s.req(s.by_id[id]);
+            assert_eq!(r.num_computed_tokens, 8, "{id} recomputes its 6 + 2 tokens");
+        }
     }
 
     #[test]

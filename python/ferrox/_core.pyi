@@ -334,6 +334,9 @@ class Scheduler:
     def num_unfinished_requests(self) -> int: ...
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block hash; False (nothing done) while any block is in use."""
+    def preempt_all(self) -> int:
+        """Preempt every running request by recompute (sleep mode's "keep"); how many. Raises
+        ValueError while a step is in flight."""
     def stats(self) -> SchedulerStats: ...
     def request_block_ids(self, request_id: str) -> list[int]:
         """Blocks held by a live request (for tests and debugging)."""

@@ -171,6 +171,10 @@ class EngineConfig:
     policy: str = _opt("order of waiting requests: arrival (fcfs), or the request's priority field", "fcfs",
                        choices=POLICIES, aliases=("--scheduling-policy",))
     enforce_eager: bool = _opt("disable CUDA graphs (run every step eagerly)", False)
+    enable_sleep_mode: bool = _opt(
+        "allow sleep / wake_up (vLLM's): sleep(level=1) gives the GPU memory of the weights (kept in host memory) "
+        "and of the KV cache (discarded) back until wake_up, without a reload; the server's /sleep, /wake_up and "
+        "/is_sleeping with VLLM_SERVER_DEV_MODE=1. Needs the torch-memory-saver package on CUDA", False)
     async_scheduling: bool | None = _opt(
         "schedule step N+1 while step N computes (CPU/GPU overlap)", default_help="on for CUDA, off on CPU")
     chat_template: str | None = _opt("chat template (jinja text or a .jinja file path) overriding the model's",

@@ -325,6 +325,10 @@ impl PyScheduler {
         self.inner.reset_prefix_cache()
     }
 
+    fn preempt_all(&mut self) -> PyResult<usize> {
+        Ok(self.inner.preempt_all()?)
+    }
+
     fn stats(&self) -> PySchedulerStats {
         self.inner.stats().into()
     }

@@ -236,3 +236,21 @@ def test_fp8_moe_tp2_matches_tp1(tmp_path, expert_parallel):
     tensors = quantized_tensors(load_file(f"{floats}/model.safetensors"), "block", (32, 32), "weight_scale_inv")
     folder = write_checkpoint(floats, tmp_path / "fp8", fp8_config("block", (32, 32)), tensors)
     _assert_same(_generate(folder, 1), _generate(folder, 2, enable_expert_parallel=expert_parallel), atol=0.05)
+
+
+def test_sleep_mode_reaches_every_rank(tmp_path):
+    """sleep / wake_up under tensor parallelism: the other rank drops and restores its KV cache with the
+    driver (distributed/step_channel.py SLEEP / WAKE), and the greedy tokens are those of before."""
+    folder = make_tiny_llama(tmp_path / "llama")
+    llm = LLM(model=folder, tensor_parallel_size=2, max_model_len=128, enable_sleep_mode=True)
+    try:
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+        before = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        for tags in (None, ["kv_cache"]):
+            llm.sleep(level=1, tags=tags)
+            assert llm.is_sleeping()
+            llm.wake_up()
+            after = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+            assert after == before
+    finally:
+        llm.engine.shutdown()

@@ -46,8 +46,6 @@ class CpuQuantizedDecode(DecodePath):
         self._decoder: _core.CpuDecoder | None = None
         self.rust_layers: list[_core.CpuDecoderLayer] = []  # what the decoder runs (tests run them one by one)
         self._usable: bool | None = None  # decided at the first step
-        self._views_key: tuple[int, int] | None = None
-        self._views: list | None = None
 
     def _build(self) -> bool:
         assert self.layers is not None
@@ -83,20 +81,14 @@ class CpuQuantizedDecode(DecodePath):
             self._usable = self._build()
         return self._usable
 
-    def _cache_views(self, kv_caches: Sequence[torch.Tensor]) -> list:
-        # numpy views of the caches (shared memory), made once: the caches live as long as the engine.
-        key = (id(kv_caches), kv_caches[0].data_ptr())
-        if key != self._views_key or self._views is None:
-            self._views = [c.numpy() for c in kv_caches]
-            self._views_key = key
-        return self._views
-
     def forward(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         assert self._decoder is not None, "takes_step builds the decoder"
         h = h.to(torch.float32).contiguous()
         n = meta.num_actual_tokens
-        self._decoder.forward(h.numpy(), self._cache_views(kv_caches), self.rope_rows(positions).contiguous().numpy(),
+        # numpy views of the caches (shared memory), made per step (~1 us a layer): a view kept would keep a
+        # cache's storage alive after sleep mode drops it (worker/sleep_memory.py).
+        self._decoder.forward(h.numpy(), [c.numpy() for c in kv_caches], self.rope_rows(positions).contiguous().numpy(),
                               meta.slot_mapping[:n].contiguous().numpy(), meta.query_start_loc.contiguous().numpy(),
                               meta.block_table.contiguous().numpy(), meta.seq_lens.contiguous().numpy())
         return h

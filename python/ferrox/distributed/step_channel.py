@@ -19,6 +19,8 @@ from ferrox.distributed.parallel_state import TPGroup
 
 STEP = 1  # run the forward pass of these arrays
 SHUTDOWN = 2  # leave the worker loop
+SLEEP = 3  # release the memory of these tags ("tags": indices into ferrox.sleep_mode.TAGS), then a barrier
+WAKE = 4  # take that memory again
 
 
 class StepChannel:

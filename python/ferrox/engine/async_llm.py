@@ -85,6 +85,7 @@ from ferrox.pooling.params import (
 )
 from ferrox.reasoning import get_reasoning_parser
 from ferrox.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from ferrox.sleep_mode import sleep_tags, wake_tags
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "EngineStartupError", "RequestError",
            "RequestTimeoutError", "StatLogger"]
@@ -335,6 +336,25 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         """Empty every core's prefix cache; False if any core refused (blocks still in use)."""
         return all(await self.client.call_utility("reset_prefix_cache"))
+
+    # ---- sleep mode (vLLM's; enable_sleep_mode: ferrox/sleep_mode.py) ----------------------------------------
+    async def sleep(self, level: int = 1, mode: str = "abort", tags: list[str] | None = None) -> None:
+        """Stop scheduling and give the device memory back (level 1: weights to host memory, KV cache
+        discarded). mode: what happens to the requests in flight: "abort" them (finish_reason "abort"),
+        "wait" for them to finish (this returns then), or "keep" them (they recompute their tokens after
+        the wake-up and go on). Requests submitted while asleep wait for wake_up."""
+        sleep_tags(self.config.enable_sleep_mode, level, mode, tags)  # a bad argument fails here, by name
+        await self.client.call_utility("sleep", level, mode, list(tags) if tags is not None else None,
+                                       timeout_s=None)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the memory again (default: all; tags=["weights"] / ["kv_cache"] one part) and resume
+        scheduling once nothing sleeps."""
+        which = wake_tags(self.config.enable_sleep_mode, tags)
+        await self.client.call_utility("wake_up", list(which) if which is not None else None, timeout_s=None)
+
+    async def is_sleeping(self) -> bool:
+        return any(await self.client.call_utility("is_sleeping"))
 
     async def start_profile(self) -> None:
         """vLLM's: the torch profiler over every engine core's steps (VLLM_TORCH_PROFILER_DIR: engine/profiler.py)."""

@@ -158,7 +158,7 @@ class CoreClient:
             with contextlib.suppress(EngineDeadError):
                 self._send(cp.ABORT, list(request_ids))
 
-    async def call_utility(self, method: str, *args: Any, timeout_s: float = 30.0) -> Any:
+    async def call_utility(self, method: str, *args: Any, timeout_s: float | None = 30.0) -> Any:
         self.ensure_reader()
         call_id = next(self._call_ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()

@@ -31,6 +31,7 @@ from ferrox.engine.defaults import GENERATION_DEFAULT_KEYS
 from ferrox.engine.protocol import EngineCoreRequest
 from ferrox.gc_tuning import freeze_startup_heap
 from ferrox.pooling.params import PoolerConfig
+from ferrox.sleep_mode import sleep_tags
 from ferrox.step_types import StepResult, StepRow
 
 logger = logging.getLogger("ferrox.engine.core_process")
@@ -98,7 +99,7 @@ SAMPLING_DEFAULT_KEYS = GENERATION_DEFAULT_KEYS
 
 # Engine core methods the front-end may call by name (anything else is refused).
 UTILITY_METHODS = ("stats", "reset_prefix_cache", "ping", "add_lora", "remove_lora", "list_loras", "start_profile",
-                   "stop_profile")
+                   "stop_profile", "sleep", "wake_up", "is_sleeping")
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -129,40 +130,104 @@ class CoreProcLoop:
         self.last_stats_time = 0.0
         self.parent_pid = os.getppid()
         self.running = True
+        # sleep(mode="wait") while requests run: the call, answered once they finish; requests that
+        # arrive meanwhile are held here, not scheduled, and queued behind the sleep.
+        self.pending_sleep: UtilityCall | None = None
+        self.held: list[EngineCoreRequest] = []
 
     # ---- input -----------------------------------------------------------------------------
     def _handle(self, kind: bytes, payload: bytes) -> list[StepResult]:
         """Apply one input message; returns outputs it produced at once (errors, aborts)."""
         if kind == ADD:
             request = self.decode_request.decode(payload)
-            try:
-                self.core.add_request(request)
-            except Exception as exc:  # a bad request fails alone; the loop goes on
-                return [_error_result(request.request_id, exc)]
-            return []
+            if self.pending_sleep is not None:
+                self.held.append(request)
+                return []
+            return self._add(request)
         if kind == ABORT:
-            return [self.core.abort_requests(self.decode_ids.decode(payload))]
+            ids = self.decode_ids.decode(payload)
+            if self.held:
+                dropped = set(ids)
+                self.held = [r for r in self.held if r.request_id not in dropped]
+            return [self.core.abort_requests(ids)]
         if kind == UTILITY:
-            self._utility(self.decode_call.decode(payload))
-            return []
+            return self._utility(self.decode_call.decode(payload))
         if kind == b"STOP":
             self.running = False
             return []
         logger.error("engine core: unknown message kind %r ignored", kind)
         return []
 
-    def _utility(self, call: UtilityCall) -> None:
+    def _add(self, request: EngineCoreRequest) -> list[StepResult]:
+        try:
+            self.core.add_request(request)
+        except Exception as exc:  # a bad request fails alone; the loop goes on
+            return [_error_result(request.request_id, exc)]
+        return []
+
+    def _utility(self, call: UtilityCall) -> list[StepResult]:
+        """Run one utility call and answer it; returns outputs it produced (sleep's aborted requests)."""
         result = UtilityResult(call.call_id)
+        outputs: list[StepResult] = []
         try:
             if call.method not in UTILITY_METHODS:
                 raise ValueError(f"unknown utility method {call.method!r}")
             if call.method == "ping":
                 result.result = "pong"
+            elif call.method == "sleep":
+                if self.pending_sleep is not None:
+                    raise ValueError("sleep: a sleep(mode='wait') is already waiting for its requests to finish")
+                mode = call.args[1] if len(call.args) > 1 else "abort"
+                if mode == "wait" and self.core.paused:
+                    # Already asleep: the requests it would wait for cannot finish; they are kept.
+                    call.args = [call.args[0], "keep", *call.args[2:]]
+                elif mode == "wait" and self.core.has_unfinished_requests():
+                    sleep_tags(self.core.sleep_memory is not None, *call.args)  # refuse bad arguments now
+                    self.pending_sleep = call  # answered by _sleep_when_drained
+                    return []
+                outputs.append(self.core.sleep(*call.args))
+            elif call.method == "wake_up":
+                self.core.wake_up(*call.args)
+                outputs.extend(self._cancel_pending_sleep())
             else:
                 result.result = getattr(self.core, call.method)(*call.args)
         except Exception as exc:
             result.error = f"{type(exc).__name__}: {exc}"
+        self._send(outputs, time.time(), idle=False)  # before the answer: a caller sees its effects first
         self.output.send_multipart([UTILITY_RESULT, encode(result)], copy=False)
+        return []
+
+    def _sleep_when_drained(self) -> list[StepResult]:
+        """sleep(mode="wait"): sleep once the requests it waited for are done, then queue the held ones."""
+        call = self.pending_sleep
+        if call is None or self.core.has_unfinished_requests():
+            return []
+        self.pending_sleep = None
+        result = UtilityResult(call.call_id)
+        outputs: list[StepResult] = []
+        try:
+            outputs.append(self.core.sleep(*call.args))
+        except Exception as exc:
+            result.error = f"{type(exc).__name__}: {exc}"
+        outputs.extend(self._queue_held())
+        self._send(outputs, time.time(), idle=False)
+        self.output.send_multipart([UTILITY_RESULT, encode(result)], copy=False)
+        return []
+
+    def _queue_held(self) -> list[StepResult]:
+        """The requests held back while a sleep waited go to the engine (asleep, they wait there)."""
+        held, self.held = self.held, []
+        return [out for request in held for out in self._add(request)]
+
+    def _cancel_pending_sleep(self) -> list[StepResult]:
+        """wake_up while a sleep(mode="wait") waits: that sleep is called off (answered with an error)."""
+        call, self.pending_sleep = self.pending_sleep, None
+        if call is None:
+            return []
+        self.output.send_multipart([UTILITY_RESULT, encode(UtilityResult(
+            call.call_id, error="InvalidArgumentError: sleep: called off by a wake_up before its requests finished"))],
+            copy=False)
+        return self._queue_held()
 
     def _drain(self, timeout_ms: int | None) -> list[StepResult]:
         """Read every pending input message; wait up to timeout_ms for the first one."""
@@ -181,12 +246,14 @@ class CoreProcLoop:
     # ---- the loop ----------------------------------------------------------------------------
     def run(self) -> None:
         while self.running:
-            busy = self.core.has_unfinished_requests()
+            busy = self._runnable()
             outputs = self._drain(0 if busy else IDLE_POLL_MS)
             if not self.running:
                 break
             step_start = time.time()
-            if self.core.has_unfinished_requests():
+            if self.pending_sleep is not None:
+                outputs.extend(self._sleep_when_drained())
+            if self._runnable():
                 step_result = self.core.step()
                 if len(step_result):
                     outputs.append(step_result)
@@ -200,7 +267,11 @@ class CoreProcLoop:
                     logger.error("engine core: parent process is gone, exiting")
                     return
                 continue
-            self._send(outputs, step_start, idle=not self.core.has_unfinished_requests())
+            self._send(outputs, step_start, idle=not self._runnable())
+
+    def _runnable(self) -> bool:
+        """Requests to step, and the engine awake (asleep, they wait for wake_up)."""
+        return self.core.has_unfinished_requests() and not self.core.paused
 
     def _send(self, outputs: list[StepResult], step_start: float, idle: bool) -> None:
         now = time.time()

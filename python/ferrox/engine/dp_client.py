@@ -123,13 +123,14 @@ class DPCoreClient:
     def engine_of(self, request_id: str) -> int | None:
         return self.router.owner(request_id)
 
-    async def call_utility(self, method: str, *args: Any, timeout_s: float = 30.0) -> list[Any]:
+    async def call_utility(self, method: str, *args: Any, timeout_s: float | None = 30.0) -> list[Any]:
         """Call `method` on every core; their answers in core order."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         calls = (core.call_utility(method, *args, timeout_s=timeout_s) for core in self.cores)
         results = list(await asyncio.gather(*calls))
-        if method == "reset_prefix_cache" and all(results):
+        # An emptied prefix cache (a sleep discards the KV cache too): the router's prefix map is stale.
+        if method == "sleep" or method == "reset_prefix_cache" and all(results):
             self.router.forget_prefixes()
         return results
 

@@ -56,6 +56,7 @@ from ferrox.pooling.params import PoolingParams, validate_pooling_request
 from ferrox.reasoning import get_reasoning_parser
 from ferrox.request_rules import check_request_id
 from ferrox.sampling_params import SamplingParams
+from ferrox.sleep_mode import KV_CACHE, TAGS, sleep_tags, wake_tags
 from ferrox.speculative_config import SpeculativeConfig, parse_speculative_config, verify_len
 from ferrox.step_types import Logprobs, StepResult, StepRow
 from ferrox.worker.draft_model import DraftProposer
@@ -208,6 +209,9 @@ class EngineCore:
         self._req_of_slot: list[str | None] = []
         self._slot_of_req: dict[str, int] = {}
         self._pending_prompt_logprobs: dict[str, Any] = {}
+        # Sleep mode (ferrox/sleep_mode.py): the memory regions, and whether scheduling is paused.
+        self.sleep_memory = loaded.sleep_memory
+        self._paused = False
         logger.info(
             "engine ready in %.1f s (warm-up %.1f s): model=%s device=%s dtype=%s max_model_len=%d kv_blocks=%d "
             "(%d tokens)", time.perf_counter() - start, self.warmup.seconds if self.warmup is not None else 0.0,
@@ -404,6 +408,8 @@ class EngineCore:
 
     # ---- the step ---------------------------------------------------------------------------------------
     def step(self) -> StepResult:
+        if self._paused:
+            return StepResult()  # asleep: requests wait (their memory may be unmapped)
         if self.thread_governor is not None:
             self.thread_governor.maybe_adjust()
         parts = [self._poll_structured()]
@@ -634,6 +640,72 @@ class EngineCore:
             raise InvalidArgumentError("LoRA is not enabled on this engine (start it with enable_lora=True / "
                                        "--enable-lora)", param="enable_lora")
         return self.loras
+
+    # ---- sleep mode (vLLM's sleep / wake_up / is_sleeping; ferrox/sleep_mode.py) ------------------------
+    @property
+    def paused(self) -> bool:
+        """Asleep (at any level): step() runs nothing until wake_up."""
+        return self._paused
+
+    def is_sleeping(self) -> bool:
+        return self._paused
+
+    def sleep(self, level: int = 1, mode: str = "abort", tags: list[str] | None = None) -> StepResult:
+        """Stop scheduling and release the memory of the level's (or the given) tags. mode "abort" finishes
+        every unfinished request with finish_reason "abort" (returned); "wait" needs none to be left (the
+        core process holds new ones back until they are: engine/core_process.py); "keep" preempts the
+        running ones, which recompute their tokens after the wake-up. Returns the outputs this
+        produced, the last in-flight step's included."""
+        release = sleep_tags(self.sleep_memory is not None, level, mode, tags)
+        parts = []
+        unfinished = list(self._slot_of_req)
+        if mode == "abort" and unfinished:
+            parts.append(self.abort_requests(unfinished))
+        elif mode == "wait" and unfinished:
+            raise InvalidArgumentError(f"mode: 'wait' but {len(unfinished)} request(s) are unfinished", param="mode")
+        # Async scheduling: the step still in flight reports now (its rows of aborted requests are dropped).
+        parts.extend(self._settle_in_flight())
+        self._paused = True
+        assert self.sleep_memory is not None  # (sleep_tags refused an engine without it)
+        todo = [t for t in release if t not in self.sleep_memory.asleep]
+        if mode == "keep" and KV_CACHE in todo:
+            # Their KV blocks are about to be discarded: recomputed after the wake-up (preemption by recompute).
+            self.scheduler.preempt_all()
+        if KV_CACHE in todo and not self.scheduler.reset_prefix_cache():
+            raise RuntimeError("sleep: the prefix cache could not be reset (KV blocks still in use)")
+        if todo:
+            channel = getattr(self.runner, "channel", None)
+            if channel is not None:  # the other tensor-parallel ranks release theirs (executor/worker_main.py)
+                import torch.distributed as dist
+
+                from ferrox.distributed.step_channel import SLEEP
+                channel.send(SLEEP, {"tags": np.array([TAGS.index(t) for t in todo], dtype=np.int64)})
+                dist.barrier(group=self.tp.cpu_group)
+            self.sleep_memory.sleep(todo)
+        logger.info("asleep (level %d%s): %s released", level, f", tags {list(tags)}" if tags else "",
+                    "+".join(todo) or "nothing")
+        return StepResult.concat(parts)
+
+    def _settle_in_flight(self) -> list[StepResult]:
+        """Async scheduling: finish and report the step in flight without scheduling another."""
+        self._sample_masked()
+        prev, self._in_flight = self._in_flight, None
+        return [] if prev is None else [self._report(prev, *self._finish(prev))]
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the tags' memory again (default: all); scheduling resumes once no tag sleeps."""
+        which = wake_tags(self.sleep_memory is not None, tags)
+        assert self.sleep_memory is not None
+        todo = [t for t in (TAGS if which is None else which) if t in self.sleep_memory.asleep]
+        if todo:
+            channel = getattr(self.runner, "channel", None)
+            if channel is not None:
+                from ferrox.distributed.step_channel import WAKE
+                channel.send(WAKE, {"tags": np.array([TAGS.index(t) for t in todo], dtype=np.int64)})
+            self.sleep_memory.wake(todo)
+        self._paused = bool(self.sleep_memory.asleep)
+        logger.info("wake-up: %s restored%s", "+".join(todo) or "nothing",
+                    f"; still asleep: {'+'.join(sorted(self.sleep_memory.asleep))}" if self._paused else "")
 
     # ---- admin ----------------------------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:

@@ -86,6 +86,21 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
 
+    # ---- sleep mode (vLLM's; enable_sleep_mode=True: ferrox/sleep_mode.py) -----------------------------------
+    def sleep(self, level: int = 1, mode: str = "abort", tags: list[str] | None = None) -> None:
+        """Give the device memory back: level 1 keeps the weights in host memory and discards the KV
+        cache; level 0 only pauses; tags=["kv_cache"] discards the KV cache alone. Until wake_up,
+        generate() and the other calls refuse to run."""
+        self.engine.sleep(level, mode, tags)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the memory again (default: all of it; tags=["weights"] or ["kv_cache"] one part)."""
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """True from sleep() until every released tag is awake again."""
+        return self.engine.is_sleeping()
+
     def start_profile(self) -> None:
         """vLLM's: the torch profiler over the engine's steps until stop_profile, which writes a trace to
         VLLM_TORCH_PROFILER_DIR (profiling is off without it: engine/profiler.py)."""
@@ -427,6 +442,8 @@ class LLM:
     def _drain(self, order: dict[str, int], num_prompt_tokens: int, use_tqdm: bool,
                kind: type[OutputT]) -> list[OutputT]:
         """Step until every request in `order` finished; their outputs (all of `kind`) in order."""
+        if self.engine.paused:
+            raise RuntimeError("the engine is asleep (LLM.sleep): call LLM.wake_up() before running requests")
         results: list[OutputT | None] = [None] * len(order)
         bar = _ProgressBar(len(order), num_prompt_tokens) if use_tqdm else None
         try:

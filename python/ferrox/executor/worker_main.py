@@ -25,12 +25,14 @@ import torch
 
 from ferrox.config import EngineConfig
 from ferrox.distributed.parallel_state import destroy_tp_group, init_tp_group
-from ferrox.distributed.step_channel import SHUTDOWN, StepChannel
+from ferrox.distributed.step_channel import SHUTDOWN, SLEEP, WAKE, StepChannel
 from ferrox.gc_tuning import freeze_startup_heap
+from ferrox.sleep_mode import TAGS
 from ferrox.speculative_config import verify_len
 from ferrox.worker.model_forward import ModelForward, StepArrays
 from ferrox.worker.model_setup import load_everything
 from ferrox.worker.rank_images import RankImages
+from ferrox.worker.sleep_memory import SleepMemory
 from ferrox.worker.step_inputs import Uploader
 
 logger = logging.getLogger("ferrox.executor.worker")
@@ -47,12 +49,12 @@ def run_worker(config: EngineConfig, rank: int, size: int, init_method: str, dev
                                         max_num_batched_tokens=loaded.max_num_batched_tokens)
         logger.info("tensor-parallel rank %d/%d ready on %s", rank, size, loaded.device)
         freeze_startup_heap()
-        _step_loop(forward, StepChannel(tp))
+        _step_loop(forward, StepChannel(tp), loaded.sleep_memory)
     finally:
         destroy_tp_group(tp)  # gloo only (see there); the caller exits right after on GPUs
 
 
-def _step_loop(forward: ModelForward, channel: StepChannel) -> None:
+def _step_loop(forward: ModelForward, channel: StepChannel, sleep_memory: SleepMemory | None = None) -> None:
     # The Uploader alternates two pinned buffer sets; nothing here reads results back, so before
     # staging step N this rank waits for step N-2's device work (its copies out of those buffers).
     done: collections.deque[Any] = collections.deque()
@@ -63,6 +65,17 @@ def _step_loop(forward: ModelForward, channel: StepChannel) -> None:
         command, arrays = channel.recv()
         if command == SHUTDOWN:
             return
+        if command in (SLEEP, WAKE):
+            # Sleep mode (worker/sleep_memory.py): the driver's sleep or wake_up, tag for tag.
+            assert sleep_memory is not None, "the driver sleeps only with enable_sleep_mode"
+            tags = [TAGS[i] for i in arrays["tags"].tolist()]
+            done.clear()
+            if command == SLEEP:
+                sleep_memory.sleep(tags)
+                torch.distributed.barrier(group=channel.tp.cpu_group)  # the driver returns once all ranks freed it
+            else:
+                sleep_memory.wake(tags)
+            continue
         if cuda and len(done) >= 2:
             done.popleft().synchronize()
         forward.upload.next_step()

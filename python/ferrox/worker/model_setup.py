@@ -10,6 +10,7 @@ KV cache sizing:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -36,9 +37,11 @@ from ferrox.loader.tokenizer import load_tokenizer
 from ferrox.model_spec import rope_type_of, spec_for_context
 from ferrox.pooling.config import pooling_max_model_len, pooling_setup, pooling_token_budget
 from ferrox.pooling.params import PoolerConfig
+from ferrox.sleep_mode import KV_CACHE, WEIGHTS
 from ferrox.worker.cpu_threads import CpuThreadGovernor
 from ferrox.worker.dummy_batch import decode_step, prefill_step, upload_step
 from ferrox.worker.pooling_runner import empty_kv_caches, virtual_num_blocks
+from ferrox.worker.sleep_memory import SleepMemory
 from ferrox.worker.step_inputs import Uploader
 
 logger = logging.getLogger(__name__)
@@ -65,6 +68,8 @@ class LoadedModel:
     threads: CpuThreadGovernor | None  # CPU only: intra-op thread count, adjusted to the machine's load
     # runner "pooling": how the model pools (ferrox.pooling); then kv_caches are empty and num_blocks virtual.
     pooler_config: PoolerConfig | None = None
+    # enable_sleep_mode: the regions the weights and the KV cache were allocated in (worker/sleep_memory.py).
+    sleep_memory: SleepMemory | None = None
 
 
 def resolve_dtype(config: EngineConfig, spec: Any, device: torch.device) -> torch.dtype:
@@ -131,12 +136,14 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
             why="with enable_chunked_prefill off each prompt is computed in one step")
     quant_config = resolve_quant_config(config.quantization, spec, is_gguf=source.format == "gguf")
     logger.info("loading the weights (%s, %s) onto %s", config.load_format, str(dtype).removeprefix("torch."), device)
-    with use_tp_group(tp):
+    # Sleep mode releases this engine's weights: they must be its own, allocated in its region.
+    sleep_memory = SleepMemory(device) if config.enable_sleep_mode else None
+    with use_tp_group(tp), _region(sleep_memory, WEIGHTS):
         # dtype "auto" keeps a quantized GGUF quantized where it can run so (the CPU); an explicit
         # dtype dequantizes it to that dtype (loader/model_loader.py).
         model = _shared_model(source, spec, dtype, device, config.load_format, config.seed, tp,
                               keep_quantized=config.dtype == "auto" and quant_config is None,
-                              private=config.enable_lora,
+                              private=config.enable_lora or sleep_memory is not None,
                               quant_config=quant_config, quantization=config.quantization,
                               hf_overrides=config.hf_overrides)
     generation_defaults = dict(load_generation_config(source) or {})
@@ -149,7 +156,7 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
             num_blocks=virtual_num_blocks(max_num_seqs, max_model_len, config.block_size),
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             vocab_size=int(spec.vocab_size), eos_token_ids=eos, generation_defaults={}, threads=threads,
-            pooler_config=pooler_config,
+            pooler_config=pooler_config, sleep_memory=sleep_memory,
         )
 
     warn_if_uncalibrated(model, kv_dtype)
@@ -177,13 +184,20 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
     check_kv_capacity((num_blocks - 1) * config.block_size, max_model_len, device.type)
     logger.info("allocating the KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks - 1, config.block_size,
                 (num_blocks - 1) * per_block / 2**30)
-    kv_caches = allocate_kv_caches(spec, num_blocks, config.block_size, kv_dtype, device, tp.size)
+    with _region(sleep_memory, KV_CACHE):
+        kv_caches = allocate_kv_caches(spec, num_blocks, config.block_size, kv_dtype, device, tp.size)
+    if sleep_memory is not None:
+        sleep_memory.kv_caches = kv_caches
     return LoadedModel(
         source=source, device=device, dtype=dtype, tokenizer=tokenizer, spec=spec, model=model,
         kv_caches=kv_caches, num_blocks=num_blocks, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, vocab_size=int(spec.vocab_size), eos_token_ids=eos,
-        generation_defaults=generation_defaults, threads=threads,
+        generation_defaults=generation_defaults, threads=threads, sleep_memory=sleep_memory,
     )
+
+
+def _region(sleep_memory: SleepMemory | None, tag: str) -> Any:
+    return contextlib.nullcontext() if sleep_memory is None else sleep_memory.region(tag)
 
 
 def _draft_kv_cost(config: EngineConfig, dtype: torch.dtype, tp_size: int, max_num_seqs: int) -> tuple[int, int]:

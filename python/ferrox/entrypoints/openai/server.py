@@ -50,6 +50,7 @@ from ferrox.engine.profiler import profiler_dir
 from ferrox.entrypoints import web as web_page
 from ferrox.entrypoints.anthropic.protocol import MessagesCountRequest, MessagesRequest
 from ferrox.entrypoints.anthropic.serving_messages import count_message_tokens, create_message
+from ferrox.entrypoints.openai import serving_sleep
 from ferrox.entrypoints.openai.errors import APIError
 from ferrox.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -598,6 +599,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str | list[str] | None = N
         app.router.add_post("/stop_profile", stop_profile)
     if _dev_mode():
         app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
+        serving_sleep.add_routes(app.router)  # /sleep, /wake_up, /is_sleeping
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/status", status)
     app.router.add_get("/openapi.json", openapi)

@@ -1,0 +1,56 @@
+"""vLLM's sleep-mode routes, registered (as vLLM's) only with VLLM_SERVER_DEV_MODE=1, since they
+let any client take the model off the GPU:
+
+- `POST /sleep?level=1` (level 0, 1; `mode=abort|wait|keep` for the requests in flight; `tags=kv_cache`,
+  repeatable, instead of a level): stop scheduling and give the GPU memory back.
+- `POST /wake_up` (`tags=weights` / `tags=kv_cache` for one part): take it again.
+- `GET /is_sleeping`: `{"is_sleeping": true|false}`.
+
+The rules and the memory are the engine's (ferrox/sleep_mode.py, worker/sleep_memory.py); a bad
+argument or an engine started without --enable-sleep-mode is a 400 naming the parameter.
+Requests that arrive while the engine sleeps wait for the wake-up.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from ferrox.entrypoints.openai.errors import bad_request, from_exception
+from ferrox.entrypoints.openai.serving import CTX
+from ferrox.errors import InvalidArgumentError
+
+
+def _tags(request: web.Request) -> list[str] | None:
+    tags = [t for value in request.query.getall("tags", []) for t in value.split(",") if t]
+    return tags or None
+
+
+async def sleep(request: web.Request) -> web.Response:
+    raw = request.query.get("level", "1")
+    try:
+        level = int(raw)
+    except ValueError:
+        raise bad_request(f"level: must be an integer, got {raw!r}", param="level") from None
+    try:
+        await request.app[CTX].engine.sleep(level, request.query.get("mode", "abort"), _tags(request))
+    except InvalidArgumentError as exc:
+        raise from_exception(exc) from None
+    return web.Response(status=200)
+
+
+async def wake_up(request: web.Request) -> web.Response:
+    try:
+        await request.app[CTX].engine.wake_up(_tags(request))
+    except InvalidArgumentError as exc:
+        raise from_exception(exc) from None
+    return web.Response(status=200)
+
+
+async def is_sleeping(request: web.Request) -> web.Response:
+    return web.json_response({"is_sleeping": await request.app[CTX].engine.is_sleeping()})
+
+
+def add_routes(router: web.UrlDispatcher) -> None:
+    router.add_post("/sleep", sleep)
+    router.add_post("/wake_up", wake_up)
+    router.add_get("/is_sleeping", is_sleeping)
