@@ -56,6 +56,18 @@ def is_sleeping(base: str) -> bool:
     return bool(body["is_sleeping"])
 
 
+def sleep_states(base: str) -> dict[str, float]:
+    """/metrics' engine_sleep_state series of engine 0 (ferrox: or vllm: prefix), by sleep_state."""
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    states = {}
+    for line in text.splitlines():
+        if ":engine_sleep_state{" in line and 'engine="0"' in line:
+            state = line.split('sleep_state="')[1].split('"')[0]
+            states[state] = float(line.rsplit(" ", 1)[1])
+    return states
+
+
 def check_abort_then_queue_until_wake(base: str, model: str) -> None:
     with cf.ThreadPoolExecutor(2) as pool:
         long = pool.submit(completion, base, model, 900, True)
@@ -64,6 +76,7 @@ def check_abort_then_queue_until_wake(base: str, model: str) -> None:
         assert status == 200
         assert long.result(timeout=60)["finish_reason"] == "abort"  # mode=abort (the default)
         assert is_sleeping(base)
+        assert sleep_states(base) == {"awake": 0.0, "weights_offloaded": 1.0, "discard_all": 0.0}
         queued = pool.submit(completion, base, model, 8)
         time.sleep(1.5)
         assert not queued.done(), "a request sent while asleep must wait for the wake-up"
@@ -71,6 +84,7 @@ def check_abort_then_queue_until_wake(base: str, model: str) -> None:
         assert status == 200 and is_sleeping(base) and not queued.done()
         status, _ = call(base, "POST", "/wake_up")
         assert status == 200 and not is_sleeping(base)
+        assert sleep_states(base) == {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}
         assert queued.result(timeout=120) == {"finish_reason": "length", "tokens": 8}
 
 

@@ -193,7 +193,8 @@ class CoreProcLoop:
                 result.result = getattr(self.core, call.method)(*call.args)
         except Exception as exc:
             result.error = f"{type(exc).__name__}: {exc}"
-        self._send(outputs, time.time(), idle=False)  # before the answer: a caller sees its effects first
+        # Before the answer (a caller sees its effects first); a sleep state change with fresh stats (/metrics).
+        self._send(outputs, time.time(), idle=call.method in ("sleep", "wake_up"))
         self.output.send_multipart([UTILITY_RESULT, encode(result)], copy=False)
         return []
 
@@ -210,7 +211,7 @@ class CoreProcLoop:
         except Exception as exc:
             result.error = f"{type(exc).__name__}: {exc}"
         outputs.extend(self._queue_held())
-        self._send(outputs, time.time(), idle=False)
+        self._send(outputs, time.time(), idle=True)
         self.output.send_multipart([UTILITY_RESULT, encode(result)], copy=False)
         return []
 

@@ -56,7 +56,7 @@ from ferrox.pooling.params import PoolingParams, validate_pooling_request
 from ferrox.reasoning import get_reasoning_parser
 from ferrox.request_rules import check_request_id
 from ferrox.sampling_params import SamplingParams
-from ferrox.sleep_mode import KV_CACHE, TAGS, sleep_tags, wake_tags
+from ferrox.sleep_mode import KV_CACHE, TAGS, WEIGHTS, sleep_tags, wake_tags
 from ferrox.speculative_config import SpeculativeConfig, parse_speculative_config, verify_len
 from ferrox.step_types import Logprobs, StepResult, StepRow
 from ferrox.worker.draft_model import DraftProposer
@@ -733,6 +733,8 @@ class EngineCore:
             stats.update(num_speculative_tokens=self.speculative.num_speculative_tokens, spec_num_drafts=s.num_drafts,
                          spec_num_draft_tokens=s.num_draft_tokens, spec_num_accepted_tokens=s.num_accepted_tokens,
                          spec_num_accepted_tokens_per_pos=list(s.num_accepted_tokens_per_pos))
+        if self.sleep_memory is not None:  # vLLM's engine_sleep_state gauge (metrics/prometheus.py)
+            stats.update(is_sleeping=self._paused, weights_offloaded=WEIGHTS in self.sleep_memory.asleep)
         stats.update(
             kv_capacity_tokens=self.kv_capacity_tokens,
             num_kv_blocks=self.num_kv_blocks,

@@ -102,6 +102,25 @@ class _CoreStatsCollector(Collector):
                     family.add_metric([self.model_name, str(index)], float(stats.get(key, 0) or 0))
                 yield family
         yield from self._spec_families()
+        yield from self._sleep_family()
+
+    def _sleep_family(self):  # type: ignore[no-untyped-def]
+        """vLLM's engine_sleep_state, for engines started with sleep mode: one series per state, 1 for the
+        engine's (awake; weights_offloaded: level 1's weights in host memory; discard_all: level 2, which
+        ferrox refuses, so always 0). Asleep with the weights in place (level 0, the KV cache alone):
+        every series 0, as vLLM's."""
+        sleepers = [(i, s) for i, s in enumerate(self.engines) if "is_sleeping" in s]
+        if not sleepers:
+            return
+        family = GaugeMetricFamily(f"{self.prefix}:engine_sleep_state", "Engine sleep state; awake = 0 means the "
+                                   "engine is sleeping; weights_offloaded = 1 means sleep level 1.",
+                                   labels=[*LABELS, "sleep_state"])
+        for index, stats in sleepers:
+            states = {"awake": not stats["is_sleeping"], "weights_offloaded": bool(stats.get("weights_offloaded")),
+                      "discard_all": False}
+            for state, on in states.items():
+                family.add_metric([self.model_name, str(index), state], float(on))
+        yield family
 
     def _spec_families(self):  # type: ignore[no-untyped-def]
         speculating = [(i, s) for i, s in enumerate(self.engines) if s.get("num_speculative_tokens")]
