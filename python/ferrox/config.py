@@ -153,6 +153,9 @@ class EngineConfig:
         "KV cache size in bytes (the CLI accepts units: 512MiB, 4GiB)", size=True, aliases=("--kv-cache-memory-bytes",),
         default_help=f"on CPU {_gib(CPU_DEFAULT_KV_CACHE_MEMORY)} capped at half the available memory; "
         "on GPU sized from --gpu-memory-utilization after a profiling pass")
+    num_gpu_blocks_override: int | None = _opt(
+        "the KV cache's block count, the null block included, instead of the one the memory budget gives (vLLM's: "
+        "for tests of preemption and of small caches; also on CPU)", default_help="from the memory budget")
     max_num_seqs: int | None = _opt(
         "most requests in the running batch",
         default_help=f"{GPU_DEFAULT_MAX_NUM_SEQS} on GPU, {CPU_DEFAULT_MAX_NUM_SEQS} on CPU")
@@ -197,6 +200,9 @@ class EngineConfig:
     enable_expert_parallel: bool = _opt(
         "MoE models under tensor parallelism: split the experts across the ranks (E/N whole experts each) "
         "instead of sharding every expert", False)
+    disable_custom_all_reduce: bool = _opt(
+        "vLLM's switch from its custom all-reduce kernel to NCCL's; ferrox's tensor-parallel all-reduce always "
+        "is NCCL's (gloo on CPU), so it holds with or without this", False)
     distributed_executor_backend: str | None = _opt(
         "how tensor-parallel workers are started", choices=EXECUTOR_BACKENDS,
         default_help="mp when tensor_parallel_size > 1, else uni")
@@ -249,6 +255,10 @@ class EngineConfig:
         _positive_int("max_num_seqs", self.max_num_seqs, optional=True)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens, optional=True)
         _positive_int("kv_cache_memory", self.kv_cache_memory, optional=True)
+        _positive_int("num_gpu_blocks_override", self.num_gpu_blocks_override, optional=True)
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError(f"num_gpu_blocks_override: {self.num_gpu_blocks_override} leaves no block for tokens "
+                             "(one is the null block)")
         _positive_int("block_size", self.block_size)
         if isinstance(self.long_prefill_token_threshold, bool) or not isinstance(self.long_prefill_token_threshold, int) \
                 or self.long_prefill_token_threshold < 0:

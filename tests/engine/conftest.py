@@ -30,7 +30,7 @@ def kv_bound_llm():
     from ferrox import LLM
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("ferrox.worker.model_setup.check_kv_capacity", lambda *args: None)
+        patch.setattr("ferrox.worker.model_setup.check_kv_capacity", lambda *args, **kwargs: None)
         return LLM(dtype="float32", kv_cache_memory=TEST_KV_CACHE_MEMORY, max_num_seqs=32)
 
 

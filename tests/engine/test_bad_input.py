@@ -99,7 +99,7 @@ def test_prompt_larger_than_the_whole_kv_cache(llm, monkeypatch):
     per_block = kv_cache_bytes_per_block(llm.engine.spec, 16, torch.float32)
     # Start-up refuses a cache smaller than max_model_len (model_setup.check_kv_capacity); past that
     # check, the request rule that names kv_cache_memory is what stands.
-    monkeypatch.setattr("ferrox.worker.model_setup.check_kv_capacity", lambda *args: None)
+    monkeypatch.setattr("ferrox.worker.model_setup.check_kv_capacity", lambda *args, **kwargs: None)
     tiny = LLM(kv_cache_memory=3 * per_block)  # 48 tokens
     assert tiny.engine.kv_capacity_tokens == 48
     with pytest.raises(ferrox.PromptTooLongError, match=r"prompts\[1\].*kv_cache_memory"):

@@ -210,17 +210,39 @@ def _stream(base: str, path: str, body: dict) -> list[dict]:
     return [json.loads(line) for line in lines[:-1]]
 
 
+def _server_load(base: str) -> int:
+    with urllib.request.urlopen(base + "/load", timeout=30) as resp:  # open: no API key
+        return json.loads(resp.read())["server_load"]
+
+
 def test_serving_defaults_are_honoured_and_the_key_is_never_logged():
-    """--response-role, --return-tokens-as-token-ids, --enable-prompt-tokens-details, --tool-call-parser and
-    --stream-interval with vLLM's meaning, on a server that logs every request (and debug lines) yet never the
-    API key."""
+    """--response-role, --return-tokens-as-token-ids, --enable-prompt-tokens-details, --tool-call-parser,
+    --stream-interval, --enable-force-include-usage, --enable-server-load-tracking, --disable-fastapi-docs and
+    --num-gpu-blocks-override with vLLM's meaning, on a server that logs every request (and debug lines) yet
+    never the API key."""
     srv = ServerProcess("--response-role", "bot", "--return-tokens-as-token-ids", "--enable-prompt-tokens-details",
                         "--stream-interval", "3",
                         "--tool-call-parser", "llama3_json", "--api-key", KEY, "--enable-log-requests",
                         "--log-level", "debug", "--chat-template-content-format", "string",
-                        "--trust-request-chat-template")
+                        "--trust-request-chat-template", "--enable-force-include-usage",
+                        "--enable-server-load-tracking", "--disable-fastapi-docs", "--enable-request-id-headers",
+                        "--num-gpu-blocks-override", "400", "--disable-custom-all-reduce")
     try:
         base = srv.base_url
+        # --disable-fastapi-docs: no /openapi.json; /load counts the model routes' requests in flight.
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(base + "/openapi.json", timeout=30)
+        assert err.value.code == 404
+        assert _server_load(base) == 0
+        running = threading.Thread(target=_stream, args=(base, "/v1/completions", {
+            "prompt": "Once upon a time", "max_tokens": 600, "ignore_eos": True}))
+        running.start()
+        deadline = time.monotonic() + 60
+        while _server_load(base) != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _server_load(base) == 1
+        running.join(timeout=300)
+        assert _server_load(base) == 0
         question = [{"role": "user", "content": "What is the capital of France?"}]
         chat = {"messages": question, "max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 2}
         status, body = _post(base, "/v1/chat/completions", chat)
@@ -246,6 +268,8 @@ def test_serving_defaults_are_honoured_and_the_key_is_never_logged():
             sizes = [len(e["choices"][0]["logprobs"]["tokens"]) for e in events if e["choices"]]
             assert sum(sizes) == 14 and len(sizes) >= 3, sizes
             assert all(n >= interval for n in sizes[1:-1]), sizes
+            # --enable-force-include-usage: a usage chunk last, though no stream_options asked for it.
+            assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 14, events[-1]
         # Completions: token ids in logprobs; usage always says how much of the prompt was cached.
         prompt = "Counting blocks of cached prompt tokens, " * 6
         status, first = _post(base, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "logprobs": 1})
@@ -279,6 +303,7 @@ def test_serving_defaults_are_honoured_and_the_key_is_never_logged():
     log = "\n".join(srv.log)
     assert code == 0, log[-3000:]
     assert "ferrox.requests" in log and "ferrox.access" in log and "-> 401" in log, log[-3000:]
+    assert "num_gpu_blocks_override: 400 KV blocks" in log
     assert KEY not in log and "sk-wrong-guess-1234" not in log
 
 

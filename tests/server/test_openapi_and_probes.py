@@ -18,7 +18,7 @@ ROUTES = {  # what a vLLM user reaches for, and this server's own additions
     "/v1/chat/completions": {"post"}, "/v1/responses": {"post"}, "/v1/messages": {"post"},
     "/v1/messages/count_tokens": {"post"}, "/tokenize": {"post"}, "/detokenize": {"post"},
     "/health": {"get"}, "/ping": {"get", "post"}, "/invocations": {"post"}, "/version": {"get"}, "/metrics": {"get"},
-    "/openapi.json": {"get"}, "/status": {"get"}, "/": {"get"},
+    "/openapi.json": {"get"}, "/status": {"get"}, "/": {"get"}, "/load": {"get"},
     "/v1/embeddings": {"post"}, "/pooling": {"post"}, "/score": {"post"}, "/v1/score": {"post"},
     "/rerank": {"post"}, "/v1/rerank": {"post"}, "/v2/rerank": {"post"}, "/classify": {"post"},
     "/v1/load_lora_adapter": {"post"}, "/v1/unload_lora_adapter": {"post"},

@@ -239,6 +239,10 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     load.add_argument("--stream-stall-timeout", type=_positive_float, metavar="SECONDS", default=60.0,
                       help="drop a stream whose client has read nothing for this long (its writes blocked) "
                       "and abort its request")
+    load.add_argument("--enable-server-load-tracking", action="store_true",
+                      help="count the requests in the model routes (chat, completions, Responses, Messages, "
+                      "embeddings, pooling, score, rerank, classify) for GET /load's server_load (vLLM's; "
+                      "without it /load says 0)")
     load.add_argument("--shutdown-timeout", type=_non_negative_float, metavar="SECONDS", default=0.0,
                       help="on SIGTERM, refuse new requests (503) and let running ones finish for up to this "
                       "long before aborting them; 0 aborts them at once (vLLM's default). A second signal "
@@ -262,6 +266,15 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     api.add_argument("--enable-prompt-tokens-details", action="store_true",
                      help="usage.prompt_tokens_details (cached_tokens: prompt tokens found in the prefix cache) in "
                      "every response's usage")
+    api.add_argument("--enable-force-include-usage", action="store_true",
+                     help="streamed chat and completions end with a usage chunk even when the request's "
+                     "stream_options does not ask for one (vLLM's)")
+    api.add_argument("--enable-request-id-headers", action="store_true",
+                     help="vLLM's switch for an X-Request-Id header on responses; ferrox always sends one (the "
+                     "client's own X-Request-Id, else the request's id), so it is on with or without this")
+    api.add_argument("--disable-fastapi-docs", action="store_true",
+                     help="do not serve /openapi.json (vLLM's flag, which also drops its Swagger UI and ReDoc "
+                     "pages; ferrox has none)")
     api.add_argument("--enable-auto-tool-choice", action="store_true",
                      help="tool_choice 'auto' (parse tool calls out of the model's text; ferrox always does, "
                      "so this vLLM flag is accepted and changes nothing)")
@@ -398,6 +411,9 @@ def serve(args: argparse.Namespace) -> int:
             options, lora_modules=lora_modules, trust_request_chat_template=args.trust_request_chat_template,
             default_chat_template_kwargs=types.MappingProxyType(dict(args.default_chat_template_kwargs or {})),
             chat_template_content_format=args.chat_template_content_format,
+            enable_force_include_usage=args.enable_force_include_usage,
+            enable_server_load_tracking=args.enable_server_load_tracking,
+            disable_fastapi_docs=args.disable_fastapi_docs,
             lora_allowed_dirs=tuple(os.path.realpath(d) for d in args.lora_allowed_dirs))
         # What can fail without the model fails before it loads: the port (taken?), the TLS files,
         # the generation config folder.

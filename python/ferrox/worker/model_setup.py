@@ -37,7 +37,7 @@ from ferrox.loader.tokenizer import load_tokenizer
 from ferrox.model_spec import rope_type_of, spec_for_context
 from ferrox.pooling.config import pooling_max_model_len, pooling_setup, pooling_token_budget
 from ferrox.pooling.params import PoolerConfig
-from ferrox.sleep_mode import KV_CACHE, WEIGHTS
+from ferrox.sleep_mode import KV_CACHE
 from ferrox.worker.cpu_threads import CpuThreadGovernor
 from ferrox.worker.dummy_batch import decode_step, prefill_step, upload_step
 from ferrox.worker.pooling_runner import empty_kv_caches, virtual_num_blocks
@@ -138,7 +138,7 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
     logger.info("loading the weights (%s, %s) onto %s", config.load_format, str(dtype).removeprefix("torch."), device)
     # Sleep mode releases this engine's weights: they must be its own, allocated in its region.
     sleep_memory = SleepMemory(device) if config.enable_sleep_mode else None
-    with use_tp_group(tp), _region(sleep_memory, WEIGHTS):
+    with use_tp_group(tp):
         # dtype "auto" keeps a quantized GGUF quantized where it can run so (the CPU); an explicit
         # dtype dequantizes it to that dtype (loader/model_loader.py).
         model = _shared_model(source, spec, dtype, device, config.load_format, config.seed, tp,
@@ -146,10 +146,15 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
                               private=config.enable_lora or sleep_memory is not None,
                               quant_config=quant_config, quantization=config.quantization,
                               hf_overrides=config.hf_overrides)
+    if sleep_memory is not None:
+        sleep_memory.adopt(model)
     generation_defaults = dict(load_generation_config(source) or {})
     eos = _eos_token_ids(tokenizer, generation_defaults)
     if pooler_config is not None:
         # No KV cache (worker/pooling_runner.py): the scheduler counts virtual blocks.
+        if config.num_gpu_blocks_override is not None:
+            raise ValueError("num_gpu_blocks_override: a pooling model keeps no KV cache here (its prompts run whole "
+                             "each step), so there are no blocks to count")
         return LoadedModel(
             source=source, device=device, dtype=dtype, tokenizer=tokenizer, spec=spec, model=model,
             kv_caches=empty_kv_caches(spec.num_layers, dtype, device),
@@ -176,12 +181,17 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
         per_block += draft_per_block
     # Every rank holds the same block ids (of its own KV heads): the smallest budget decides.
     num_blocks = tp.min_int(kv_bytes // per_block + 1)  # + the null block, which holds nothing
+    if config.num_gpu_blocks_override is not None:
+        logger.info("num_gpu_blocks_override: %d KV blocks instead of the %d the budget gives",
+                    config.num_gpu_blocks_override, num_blocks)
+        num_blocks = config.num_gpu_blocks_override
     if num_blocks < 2:
         raise ValueError(
             f"kv_cache_memory: {kv_bytes} bytes do not hold one KV block ({per_block} bytes at block_size "
             f"{config.block_size}, dtype {kv_dtype})"
         )
-    check_kv_capacity((num_blocks - 1) * config.block_size, max_model_len, device.type)
+    check_kv_capacity((num_blocks - 1) * config.block_size, max_model_len, device.type,
+                      block_count_override=config.num_gpu_blocks_override is not None)
     logger.info("allocating the KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks - 1, config.block_size,
                 (num_blocks - 1) * per_block / 2**30)
     with _region(sleep_memory, KV_CACHE):
@@ -220,10 +230,13 @@ def _draft_kv_cost(config: EngineConfig, dtype: torch.dtype, tp_size: int, max_n
 KV_WARN_CONCURRENCY = 2
 
 
-def check_kv_capacity(capacity_tokens: int, max_model_len: int, device_type: str) -> None:
+def check_kv_capacity(capacity_tokens: int, max_model_len: int, device_type: str, *,
+                      block_count_override: bool = False) -> None:
     """Refuse an engine that could never finish one max_model_len request (as vLLM does); warn when
     only a few fit at once."""
     memory_flag = "--kv-cache-memory" if device_type == "cpu" else "--gpu-memory-utilization or --kv-cache-memory"
+    if block_count_override:
+        memory_flag = "--num-gpu-blocks-override"
     if capacity_tokens < max_model_len:
         raise ValueError(
             f"max_model_len: the KV cache holds {capacity_tokens} tokens, fewer than max_model_len={max_model_len}, "

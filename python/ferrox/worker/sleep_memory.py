@@ -1,7 +1,7 @@
 """The device memory sleep mode gives back and takes again (ferrox/sleep_mode.py has the rules).
 
-On CUDA the weights and the KV cache are allocated inside torch_memory_saver regions (the
-library SGLang uses for the same purpose): torch's caching allocator gets that memory through
+On CUDA the KV cache is allocated inside a torch_memory_saver region (the library SGLang uses
+for the same purpose), and the loaded weights are moved into one (`adopt`): torch's caching allocator gets that memory through
 CUDA's virtual-memory API, so a pause unmaps the physical pages while the virtual addresses stay
 reserved, and a resume maps fresh pages at the same addresses. Every pointer taken before the
 sleep stays valid after it: the captured CUDA graphs, the tensors the layers hold, cuDNN plans.
@@ -11,8 +11,7 @@ not, and is zeroed on wake-up (allocate_kv_caches' rule: padded lanes must not r
 An engine's regions stay with the process after the engine is dropped (the library keeps one memory
 pool per tag), so a process that builds engines one after another should not enable sleep mode on
 each. What stays on the device while asleep: activations and workspaces allocated after loading, CUDA
-graphs' memory pools, LoRA slots. Tensors freed inside a region while loading (an FP8 model's
-bf16 originals) stay cached in that region's pool, so they are paused and copied too.
+graphs' memory pools, LoRA slots, a draft model.
 
 On CPU there is no device memory: the weights already are in host memory (what level 1 asks),
 and the KV cache tensors are pointed at an empty storage on sleep (the old one freed) and at a
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 
 from ferrox.sleep_mode import KV_CACHE, TAGS, WEIGHTS
+from ferrox.worker.tensor_walk import module_tensors, move_storages
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,23 @@ class SleepMemory:
             return
         with torch.cuda.device(self.device), self._saver.region(tag=self._tag[tag], enable_cpu_backup=tag == WEIGHTS):
             yield
+
+    def adopt(self, model: torch.nn.Module) -> None:
+        """Move the loaded model's tensors into the weights' region (worker/tensor_walk.py says why they are
+        not loaded there directly)."""
+        if self._saver is None:
+            return  # CPU: the weights stay where they are (level 1 keeps them in host memory anyway)
+        tensors = module_tensors(model, "cuda")
+        before = torch.cuda.memory_allocated(self.device)
+        with self.region(WEIGHTS):
+            moved = move_storages(tensors)
+        torch.cuda.empty_cache()  # what the load freed on the way goes back to the device
+        # Storages some unreached holder still uses exist twice now (still valid, not released by a sleep).
+        doubled = torch.cuda.memory_allocated(self.device) - before
+        logger.info("sleep mode: %.2f GiB of weights in a releasable region", moved / 2**30)
+        if doubled > 0.01 * max(moved, 1):
+            logger.warning("sleep mode: %.2f GiB of the weights stay outside the releasable region (held by "
+                           "tensors the model walk did not reach)", doubled / 2**30)
 
     def sleep(self, tags: Iterable[str]) -> int:
         """Release the tags' memory (those not asleep already); returns the bytes freed on the device."""

@@ -111,7 +111,13 @@ request_logger = logging.getLogger("ferrox.requests")
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
 # Paths served without an API key (probes and scrapers carry no credentials).
 # The page (/, /static/...) and its /status are open too: it asks for the key itself, for the API calls.
-_OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", "/openapi.json", "/", "/status"})
+_OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", "/openapi.json", "/", "/status", "/load"})
+# The routes whose requests run the model, which vLLM's --enable-server-load-tracking counts (GET /load).
+LOAD_TRACKED_PATHS = frozenset({
+    "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/responses/{response_id}",
+    "/v1/responses/{response_id}/cancel", "/v1/messages", "/v1/embeddings", "/pooling", "/classify", "/score",
+    "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/invocations",
+})
 _OPEN_PREFIXES = ("/static/",)
 # After the engine core dies, keep answering (503) this long before exiting, so load
 # balancers and clients see a clear "unhealthy" rather than a refused connection.
@@ -289,11 +295,14 @@ async def drain_middleware(request: web.Request, handler: Handler) -> web.Stream
     if ctx.draining:
         raise ServiceUnavailable("the server is shutting down and takes no new requests",
                                  code="server_shutting_down", retry_after=DRAIN_RETRY_AFTER_S)
+    tracked = ctx.options.enable_server_load_tracking and path in LOAD_TRACKED_PATHS
     ctx.active_requests += 1
+    ctx.server_load += tracked
     try:
         return await handler(request)
     finally:
         ctx.active_requests -= 1
+        ctx.server_load -= tracked
 
 
 @web.middleware
@@ -442,6 +451,12 @@ async def stop_profile(request: web.Request) -> web.Response:
     """POST /stop_profile: stop it; each engine core writes its trace into VLLM_TORCH_PROFILER_DIR."""
     await request.app[CTX].engine.stop_profile()
     return web.Response(status=200)
+
+
+async def load(request: web.Request) -> web.Response:
+    """GET /load (vLLM's): {"server_load": requests now in the model routes}; counted only with
+    --enable-server-load-tracking (0 otherwise, as vLLM)."""
+    return web.json_response({"server_load": request.app[CTX].server_load})
 
 
 async def reset_prefix_cache(request: web.Request) -> web.Response:
@@ -602,7 +617,9 @@ def build_app(engine: AsyncLLM, *, served_model_name: str | list[str] | None = N
         serving_sleep.add_routes(app.router)  # /sleep, /wake_up, /is_sleeping
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/status", status)
-    app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/load", load)
+    if not options.disable_fastapi_docs:
+        app.router.add_get("/openapi.json", openapi)
     web_page.add_routes(app.router)
     if options.root_path:
         _add_prefixed_routes(app.router, options.root_path)

@@ -92,6 +92,13 @@ class ServerOptions:
     default_chat_template_kwargs: Mapping[str, Any] = field(default_factory=lambda: types.MappingProxyType({}))
     # vLLM's --chat-template-content-format: message contents as strings, OpenAI parts, or by the template.
     chat_template_content_format: str = "auto"
+    # vLLM's --enable-force-include-usage: streamed chat and completions end with a usage chunk whether or not
+    # the request's stream_options asked for one.
+    enable_force_include_usage: bool = False
+    # vLLM's --enable-server-load-tracking: GET /load counts the requests in the model routes.
+    enable_server_load_tracking: bool = False
+    # vLLM's --disable-fastapi-docs: no /openapi.json (ferrox serves no Swagger UI or ReDoc pages).
+    disable_fastapi_docs: bool = False
 
 
 class ServingContext:
@@ -114,6 +121,7 @@ class ServingContext:
         self.reasoning: AnyReasoningParser | None = (get_reasoning_parser(name, engine.tokenizer.token_to_id)
                                                      if name else None)
         self.active_requests = 0  # API requests inside their handler (what a drain waits for)
+        self.server_load = 0  # of those, the ones on LOAD_TRACKED_PATHS (GET /load, with the flag)
 
     @property
     def max_model_len(self) -> int:

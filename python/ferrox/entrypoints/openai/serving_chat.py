@@ -234,7 +234,9 @@ async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletion
                   params: Any, request_id: str, echo: str, template: str | None,
                   headers: dict[str, str]) -> web.StreamResponse:
     created = int(time.time())
-    include_usage, continuous_usage = req.include_usage, req.continuous_usage
+    # --enable-force-include-usage: the usage chunk comes even when stream_options did not ask (vLLM's rule).
+    include_usage = req.include_usage or ctx.options.enable_force_include_usage
+    continuous_usage = req.continuous_usage
     num_prompt = len(prompt["prompt_token_ids"])
     completion_tokens = 0
     cached = 0

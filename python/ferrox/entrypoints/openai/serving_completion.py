@@ -206,7 +206,9 @@ async def _stream(ctx: ServingContext, request: web.Request, req: CompletionRequ
     prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
     completion_tokens = 0
 
-    include_usage, continuous_usage = req.include_usage, req.continuous_usage
+    # --enable-force-include-usage: the usage chunk comes even when stream_options did not ask (vLLM's rule).
+    include_usage = req.include_usage or ctx.options.enable_force_include_usage
+    continuous_usage = req.continuous_usage
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
