@@ -9,7 +9,7 @@
 use std::hint::black_box;
 
 use _core::block_pool::BlockPool;
-use _core::prefix_cache::{extend_block_hashes, hash_block, root_hash};
+use _core::prefix_cache::{extend_block_hashes, hash_block, root_hash, HashAlgo};
 use _core::scheduler::{NewRequest, Scheduler, SchedulerConfig};
 use criterion::{criterion_group, Criterion};
 
@@ -43,19 +43,24 @@ fn block_pool(c: &mut Criterion) {
 }
 
 fn prefix_hashing(c: &mut Criterion) {
-    let root = root_hash(0, None);
-    let block: Vec<u32> = (0..16).map(|i| i * 7919).collect();
-    c.bench_function("hash_block 16 tokens", |b| {
-        b.iter(|| hash_block(black_box(root), black_box(&block)))
-    });
-    let prompt: Vec<u32> = (0..4096).map(|i| (i * 2654435761u32) % 49152).collect();
-    let mut hashes = Vec::with_capacity(256);
-    c.bench_function("block hashes of a 4096-token prompt (256 blocks)", |b| {
-        b.iter(|| {
-            hashes.clear();
-            extend_block_hashes(root, black_box(&prompt), 16, &mut hashes);
-        })
-    });
+    for (name, algo) in [("sha256", HashAlgo::Sha256), ("xxh3", HashAlgo::Xxh3)] {
+        let root = root_hash(algo, 0, None);
+        let block: Vec<u32> = (0..16).map(|i| i * 7919).collect();
+        c.bench_function(&format!("hash_block 16 tokens ({name})"), |b| {
+            b.iter(|| hash_block(algo, black_box(root), black_box(&block)))
+        });
+        let prompt: Vec<u32> = (0..4096).map(|i| (i * 2654435761u32) % 49152).collect();
+        let mut hashes = Vec::with_capacity(256);
+        c.bench_function(
+            &format!("block hashes of a 4096-token prompt (256 blocks, {name})"),
+            |b| {
+                b.iter(|| {
+                    hashes.clear();
+                    extend_block_hashes(algo, root, black_box(&prompt), 16, &mut hashes);
+                })
+            },
+        );
+    }
 }
 
 /// xorshift64*: a fixed pseudo-random stream, no extra dependency.

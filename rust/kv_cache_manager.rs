@@ -195,11 +195,12 @@ impl KvCacheManager {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::prefix_cache::{extend_block_hashes, root_hash};
+    use crate::prefix_cache::{extend_block_hashes, root_hash, HashAlgo};
 
     fn hashes(tokens: &[u32], bs: usize) -> Vec<BlockHash> {
         let mut h = Vec::new();
-        extend_block_hashes(root_hash(0, None), tokens, bs, &mut h);
+        let algo = HashAlgo::default();
+        extend_block_hashes(algo, root_hash(algo, 0, None), tokens, bs, &mut h);
         h
     }
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::kv_cache_manager::KvBlocks;
-use crate::prefix_cache::{extend_block_hashes, BlockHash};
+use crate::prefix_cache::{extend_block_hashes, BlockHash, HashAlgo};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RequestStatus {
@@ -118,6 +118,8 @@ pub struct Request {
     pub lora_id: i64,
     pub limits: SamplingLimits,
     pub root_hash: BlockHash,
+    /// The scheduler's block hash function (its config's), for the blocks this request completes.
+    pub hash_algo: HashAlgo,
     /// Hash of every full block of `token_ids`.
     pub block_hashes: Vec<BlockHash>,
     pub kv: KvBlocks,
@@ -180,6 +182,7 @@ impl Request {
     ) -> Option<Finish> {
         self.token_ids.push(token);
         extend_block_hashes(
+            self.hash_algo,
             self.root_hash,
             &self.token_ids,
             block_size,

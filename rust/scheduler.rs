@@ -15,7 +15,7 @@ use crate::detokenizer::{IncrementalDetokenizer, StopSet, TokenizerInfo};
 use crate::error::{invalid, CoreError, CoreResult};
 use crate::kv_cache_manager::{KvBlocks, KvCacheManager};
 use crate::ngram;
-use crate::prefix_cache::{extend_block_hashes, root_hash};
+use crate::prefix_cache::{extend_block_hashes, root_hash, HashAlgo};
 use crate::request::{FinishReason, RepetitionRule, Request, RequestStatus, SamplingLimits};
 use crate::speculative::{ExternalDrafts, SpecMethod, SpeculativeConfig};
 use crate::stats::SchedulerStats;
@@ -68,6 +68,8 @@ pub struct SchedulerConfig {
     /// tokens per step (0: no cap beyond the budget), so one long prompt cannot fill whole steps while
     /// shorter prompts wait. An image computed whole (an atomic span) is never cut by it.
     pub long_prefill_token_threshold: usize,
+    /// The prefix cache's block hash (prefix_cache.rs; vLLM's --prefix-caching-hash-algo).
+    pub hash_algo: HashAlgo,
 }
 
 impl SchedulerConfig {
@@ -118,7 +120,13 @@ impl SchedulerConfig {
             max_loras: 0,
             chunked_prefill: true,
             long_prefill_token_threshold: 0,
+            hash_algo: HashAlgo::default(),
         })
+    }
+
+    pub fn with_hash_algo(mut self, algo: HashAlgo) -> Self {
+        self.hash_algo = algo;
+        self
     }
 
     pub fn with_speculation(mut self, spec: SpeculativeConfig) -> Self {
@@ -557,9 +565,11 @@ impl Scheduler {
         };
         let repetition = r.repetition.map(repetition_rule).transpose()?.flatten();
         let max_tokens = (r.max_tokens as usize).min(self.max_total_len - prompt_len);
-        let root = root_hash(r.lora_id as u64, r.cache_salt.as_deref());
+        let algo = self.cfg.hash_algo;
+        let root = root_hash(algo, r.lora_id as u64, r.cache_salt.as_deref());
         let mut block_hashes = Vec::with_capacity(prompt_len / self.cfg.block_size + 1);
         extend_block_hashes(
+            algo,
             root,
             &r.prompt_token_ids,
             self.cfg.block_size,
@@ -590,6 +600,7 @@ impl Scheduler {
                 repetition,
             },
             root_hash: root,
+            hash_algo: algo,
             block_hashes,
             kv: KvBlocks::default(),
             detok,

@@ -212,6 +212,7 @@ class Scheduler:
         max_loras: int = 0,
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
+        prefix_caching_hash_algo: str = "sha256",
     ) -> None:
         """num_blocks includes the null block (id 0), which is never handed out.
         policy: 'fcfs' or 'priority' (lower priority value first, then arrival order).
@@ -231,7 +232,9 @@ class Scheduler:
         enable_chunked_prefill=False: every prompt runs whole in one step (encoder models); a
         prompt longer than max_num_batched_tokens is rejected by add_request.
         long_prefill_token_threshold > 0: a prefill chunk takes at most that many of a request's tokens
-        per step (vLLM's; an image computed whole is not cut by it)."""
+        per step (vLLM's; an image computed whole is not cut by it).
+        prefix_caching_hash_algo: the block hash, 'sha256' (truncated to 128 bits; crafted prompts cannot
+        collide) or 'xxhash' (xxh3-128, cheaper, not collision-resistant); '_cbor' spellings alias them."""
     @property
     def block_size(self) -> int: ...
     @property

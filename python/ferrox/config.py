@@ -55,6 +55,8 @@ QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "awq", "gptq", "awq_marlin"
                         "compressed_tensors", "gguf")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 POLICIES = ("fcfs", "priority")
+# rust/prefix_cache.rs HashAlgo::parse (vLLM's --prefix-caching-hash-algo names).
+PREFIX_HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 # vLLM's engine-argument names where ferrox's field has another (LLM(scheduling_policy=...), and the
 # flag spellings through each field's aliases).
 _VLLM_KWARGS = {"scheduling_policy": "policy", "kv_cache_memory_bytes": "kv_cache_memory"}
@@ -163,6 +165,11 @@ class EngineConfig:
         "token budget of one engine step",
         default_help=f"{GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS} on GPU, {CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS} on CPU")
     enable_prefix_caching: bool = _opt("automatic prefix caching (reuse KV blocks of shared prompt prefixes)", True)
+    prefix_caching_hash_algo: str = _opt(
+        "the hash naming cached KV blocks (vLLM's): 'sha256' (truncated to 128 bits), which crafted prompts cannot "
+        "collide, so one tenant cannot be served another's blocks; 'xxhash' (xxh3-128), cheaper, for prompts from "
+        "one trusted party; the '_cbor' spellings name the same functions (ferrox's hashes are identical in every "
+        "process and never exposed)", "sha256", choices=PREFIX_HASH_ALGOS)
     enable_chunked_prefill: bool = _opt(
         "split long prompts across steps, beside running decodes; off, each prompt is computed in one step, so "
         "the step's token budget (max_num_batched_tokens) must hold the longest (it defaults to max_model_len then)",
@@ -250,6 +257,7 @@ class EngineConfig:
             _choice("quantization", self.quantization, QUANTIZATION_METHODS)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _choice("policy", self.policy, POLICIES)
+        _choice("prefix_caching_hash_algo", self.prefix_caching_hash_algo, PREFIX_HASH_ALGOS)
         _choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
         _positive_int("max_model_len", self.max_model_len, optional=True)
         _positive_int("max_num_seqs", self.max_num_seqs, optional=True)

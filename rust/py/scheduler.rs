@@ -6,6 +6,7 @@ use super::scheduler_output::PySchedulerOutput;
 use super::stats::PySchedulerStats;
 use super::step_outputs::PyStepOutputs;
 use crate::error::invalid;
+use crate::prefix_cache::HashAlgo;
 use crate::scheduler::{NewRequest, Scheduler, SchedulerConfig};
 use crate::speculative::{ExternalDrafts, SpeculativeConfig};
 
@@ -93,6 +94,7 @@ impl PyScheduler {
         max_loras=0,
         enable_chunked_prefill=true,
         long_prefill_token_threshold=0,
+        prefix_caching_hash_algo="sha256",
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -113,7 +115,16 @@ impl PyScheduler {
         max_loras: i64,
         enable_chunked_prefill: bool,
         long_prefill_token_threshold: i64,
+        prefix_caching_hash_algo: &str,
     ) -> PyResult<Self> {
+        let hash_algo = HashAlgo::parse(prefix_caching_hash_algo).ok_or_else(|| {
+            crate::error::invalid(
+                "prefix_caching_hash_algo",
+                format!(
+                    "{prefix_caching_hash_algo:?} is not one of sha256, sha256_cbor, xxhash, xxhash_cbor"
+                ),
+            )
+        })?;
         if long_prefill_token_threshold < 0 {
             return Err(crate::error::invalid(
                 "long_prefill_token_threshold",
@@ -154,7 +165,8 @@ impl PyScheduler {
         .with_speculation(spec)
         .with_max_loras(max_loras as usize)
         .with_chunked_prefill(enable_chunked_prefill)
-        .with_long_prefill_token_threshold(long_prefill_token_threshold as usize);
+        .with_long_prefill_token_threshold(long_prefill_token_threshold as usize)
+        .with_hash_algo(hash_algo);
         let inner = py.detach(|| Scheduler::new(cfg, tokenizer_json))?;
         Ok(PyScheduler { inner })
     }

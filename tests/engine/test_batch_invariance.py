@@ -39,7 +39,13 @@ def test_alone_equals_batch(llm, batch_reference):
     assert_no_leaked_blocks(llm)
 
 
-def test_prefix_cache_hits_give_the_same_output(llm, batch_reference):
+@pytest.mark.parametrize("hash_algo", ["sha256", "xxhash"])
+def test_prefix_cache_hits_give_the_same_output(llm, batch_reference, hash_algo):
+    """Under either block hash (--prefix-caching-hash-algo; the session engine has the default, sha256; an
+    engine sharing its weights takes xxhash)."""
+    if hash_algo != llm.config.prefix_caching_hash_algo:
+        llm = LLM(dtype="float32", kv_cache_memory=llm.config.kv_cache_memory, max_model_len=4096, max_num_seqs=32,
+                  prefix_caching_hash_algo=hash_algo)
     long_prompt = max(range(len(PROMPTS)), key=lambda i: len(PROMPTS[i]))
     llm.generate(PROMPTS[long_prompt], PARAMS, use_tqdm=False)  # caches its full prompt blocks
     before = llm.engine.stats()["prefix_cache_hits"]

@@ -82,6 +82,8 @@ def test_check_vocab():
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
         ({"policy": "lifo"}, "policy"),
+        ({"prefix_caching_hash_algo": "md5"}, "prefix_caching_hash_algo"),
+        ({"num_gpu_blocks_override": 1}, "num_gpu_blocks_override"),
     ],
 )
 def test_bad_engine_config_names_the_field(kwargs, field):

@@ -122,6 +122,7 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching and not pooling,
             enable_chunked_prefill=not pooling and config.enable_chunked_prefill,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
+            prefix_caching_hash_algo=config.prefix_caching_hash_algo,
             policy=config.policy,
             tokenizer_json=self.tokenizer_json,
             eos_token_ids=self.eos_token_ids,
