@@ -1,6 +1,7 @@
 """Live sleep mode on the GPU: `ferrox serve --enable-sleep-mode` of a dummy Llama-3.1-8B with
 VLLM_SERVER_DEV_MODE=1; the device memory /sleep gives back (read from another process), the same greedy
-text after /wake_up, and the server tests' checks (abort, queued requests, wait mode, bad arguments).
+text after /wake_up, and the server tests' checks (abort, queued requests, wait and keep modes, level 2 with
+/collective_rpc reload_weights, bad arguments).
 
     python benches/live/serve_sleep.py [--extra "--kv-cache-dtype fp8"]
 """
@@ -26,6 +27,7 @@ from tests.server.test_sleep_server import (  # noqa: E402
     check_abort_then_queue_until_wake,
     check_bad_arguments,
     check_keep_mode,
+    check_level_2_and_reload,
     check_wait_mode,
     is_sleeping,
 )
@@ -70,7 +72,7 @@ def main() -> int:
         print(f"greedy text equal after wake_up: {before == after}", flush=True)
         failures += before != after
         failures += asleep - awake < 30  # the weights (~15 GiB) and the KV cache (20 GiB)
-        for check in (check_abort_then_queue_until_wake, check_wait_mode, check_keep_mode):
+        for check in (check_abort_then_queue_until_wake, check_wait_mode, check_keep_mode, check_level_2_and_reload):
             try:
                 check(srv.base_url, "m")
                 print(f"{check.__name__}: ok", flush=True)

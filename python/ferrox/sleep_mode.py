@@ -9,10 +9,10 @@ the same things with the same words (and the front-end without importing torch).
 Levels, as vLLM's:
 - 0: pause scheduling only; nothing is released.
 - 1: the weights go to host memory (copied back on wake-up), the KV cache is discarded.
-- 2: the weights are discarded too, for a reload or an in-place update. ferrox has neither
-     (vLLM's collective_rpc("reload_weights") or a weight-transfer API), so after a wake-up
-     nothing could put weights back: level 2, and sleeping the "weights" tag by name (which
-     discards them the same way), are refused rather than left to produce garbage.
+- 2: the weights are discarded too: after `wake_up(tags=["weights"])` their memory holds garbage
+     until `collective_rpc("reload_weights")` reads the checkpoint into it again (vLLM's flow for a
+     new model version; then `wake_up(tags=["kv_cache"])`). Sleeping the "weights" tag by name
+     discards them the same way. Until the reload nothing is scheduled: requests wait.
 Modes (what happens to requests in flight when sleep is called): "abort" them (the default),
 "wait" for them to finish (requests arriving meanwhile wait for the wake-up), or "keep" them:
 they stop where they are and, since the KV cache is discarded, recompute their tokens after
@@ -31,7 +31,8 @@ TAGS = (WEIGHTS, KV_CACHE)
 LEVELS = (0, 1, 2)
 MODES = ("abort", "wait", "keep")
 
-_LEVEL_TAGS = {0: (), 1: TAGS}
+# vLLM's collective_rpc methods ferrox has (its workers' other methods do not exist here).
+RPC_METHODS = ("reload_weights",)
 
 
 def _check_enabled(enabled: bool) -> None:
@@ -54,31 +55,30 @@ def _tag_list(tags: Iterable[str] | str | None, what: str) -> tuple[str, ...] | 
     return tuple(out)
 
 
-def sleep_tags(enabled: bool, level: int = 1, mode: str = "abort",
-               tags: Iterable[str] | str | None = None) -> tuple[str, ...]:
-    """The memory tags a sleep(level, mode, tags) call releases (tags, when given, replace the level's
-    preset, as vLLM's). Raises InvalidArgumentError naming the argument."""
+def sleep_plan(enabled: bool, level: int = 1, mode: str = "abort",
+               tags: Iterable[str] | str | None = None) -> tuple[tuple[str, ...], bool]:
+    """(the memory tags a sleep(level, mode, tags) call releases, whether the weights among them keep a
+    host copy). Tags, when given, replace the level's preset and discard what they name, as vLLM's.
+    Raises InvalidArgumentError naming the argument."""
     _check_enabled(enabled)
     if isinstance(level, bool) or not isinstance(level, int) or level not in LEVELS:
         raise InvalidArgumentError(f"level: must be 0, 1 or 2, got {level!r}", param="level")
     if mode not in MODES:
         raise InvalidArgumentError(f"mode: {mode!r} is not one of {', '.join(MODES)}", param="mode")
     chosen = _tag_list(tags, "tags")
-    if chosen is None:
-        if level == 2:
-            raise InvalidArgumentError(
-                "level: 2 discards the weights for a reload or an update, and ferrox has neither (no "
-                "collective_rpc('reload_weights'), no weight transfer); use level 1, which keeps a host copy of "
-                "the weights and restores it on wake_up", param="level")
-        return _LEVEL_TAGS[level]
-    if WEIGHTS in chosen:
-        raise InvalidArgumentError(
-            "tags: sleeping 'weights' by tag discards them (vLLM's meaning) and ferrox cannot reload them; use "
-            "level=1 (weights kept in host memory) or tags=['kv_cache']", param="tags")
-    return chosen
+    if chosen is not None:
+        return chosen, False
+    return ((), False) if level == 0 else (TAGS, level == 1)
 
 
 def wake_tags(enabled: bool, tags: Iterable[str] | str | None = None) -> tuple[str, ...] | None:
     """The tags a wake_up(tags) call restores (None: every sleeping one, and scheduling resumes)."""
     _check_enabled(enabled)
     return _tag_list(tags, "tags")
+
+
+def check_rpc(method: str) -> None:
+    """vLLM's collective_rpc, for the methods ferrox has (RPC_METHODS)."""
+    if method not in RPC_METHODS:
+        raise InvalidArgumentError(f"method: {method!r} is not a worker method ferrox has (it has "
+                                   f"{', '.join(RPC_METHODS)})", param="method")

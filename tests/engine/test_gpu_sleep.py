@@ -55,3 +55,19 @@ def test_sleep_under_fp8_kv_cache(tiny_llama):
     llm.sleep(level=1)
     llm.wake_up()
     assert _tokens(llm) == before
+
+
+def test_level_2_and_reload_weights_in_place(tiny_llama):
+    """Level 2 discards the weights' GPU memory with the KV cache (no host copy); reload_weights reads the
+    checkpoint into the same addresses, so the captured CUDA graphs replay with the right weights."""
+    llm = LLM(tiny_llama, device="cuda", enable_sleep_mode=True, kv_cache_memory=256 << 20, max_num_seqs=8)
+    before = _tokens(llm)
+    weights = llm.engine.sleeper.memory.weights
+    pointers = [t.data_ptr() for t in weights]
+    llm.sleep(level=2)
+    assert llm.engine.stats()["discard_all"] is True
+    llm.wake_up(tags=["weights"])
+    assert llm.collective_rpc("reload_weights") == [None]
+    llm.wake_up(tags=["kv_cache"])
+    assert [t.data_ptr() for t in weights] == pointers
+    assert _tokens(llm) == before

@@ -29,7 +29,7 @@ def _tokens(llm: LLM) -> list[list[int]]:
 
 
 def _kv_bytes(llm: LLM) -> int:
-    return sum(kv.untyped_storage().nbytes() for kv in llm.engine.sleep_memory.kv_caches)
+    return sum(kv.untyped_storage().nbytes() for kv in llm.engine.sleeper.memory.kv_caches)
 
 
 def test_sleep_drops_the_kv_cache_and_wake_up_restores_the_engine(sleepy):
@@ -105,12 +105,49 @@ def test_keep_recomputes_requests_after_the_wake_up_and_abort_ends_them(sleepy):
     assert_no_leaked_blocks(sleepy)
 
 
+def test_level_2_discards_the_weights_until_reload_weights(sleepy):
+    """vLLM's level-2 flow: sleep(level=2), wake_up(tags=["weights"]), collective_rpc("reload_weights"),
+    wake_up(tags=["kv_cache"]); the weights' memory is gone in between (here host memory: the CPU path) and
+    nothing runs until the reload."""
+    before = _tokens(sleepy)
+    weights = sleepy.engine.sleeper.memory.weights
+    full = sum(t.untyped_storage().nbytes() for t in weights)
+    sleepy.sleep(level=2)
+    assert sum(t.untyped_storage().nbytes() for t in weights) == 0 and _kv_bytes(sleepy) == 0
+    assert sleepy.engine.stats()["discard_all"] is True
+    with pytest.raises(InvalidArgumentError):
+        sleepy.collective_rpc("reload_weights", args=(1,))  # (no arguments)
+    sleepy.wake_up(tags=["weights"])
+    with pytest.raises(RuntimeError, match="reload_weights"):
+        sleepy.generate(PROMPTS[0], GREEDY, use_tqdm=False)  # awake weights, but discarded: garbage until reload
+    assert sleepy.collective_rpc("reload_weights") == [None]
+    assert sum(t.untyped_storage().nbytes() for t in weights) == full
+    assert sleepy.is_sleeping() and sleepy.engine.paused  # the KV cache still sleeps
+    sleepy.wake_up(tags=["kv_cache"])
+    assert not sleepy.is_sleeping() and _tokens(sleepy) == before
+    # Sleeping the weights by tag discards them too; reload_weights also runs on an awake engine.
+    sleepy.sleep(tags=["weights"])
+    sleepy.wake_up()
+    assert sleepy.engine.paused and not sleepy.is_sleeping()
+    sleepy.collective_rpc("reload_weights")
+    assert not sleepy.engine.paused and _tokens(sleepy) == before
+    sleepy.collective_rpc("reload_weights")
+    assert _tokens(sleepy) == before
+    assert_no_leaked_blocks(sleepy)
+
+
 def test_sleep_arguments_are_checked_by_name(sleepy, llm):
     with pytest.raises(InvalidArgumentError) as err:
         llm.sleep()  # started without enable_sleep_mode
     assert err.value.param == "enable_sleep_mode"
-    for kwargs, param in ((dict(level=2), "level"), (dict(level=True), "level"), (dict(mode="later"), "mode"),
-                          (dict(tags=["weights"]), "tags"), (dict(tags=["gpu"]), "tags")):
+    with pytest.raises(InvalidArgumentError) as err:
+        llm.collective_rpc("reload_weights")  # the weights are not kept reloadable without it
+    assert err.value.param == "method"
+    with pytest.raises(InvalidArgumentError) as err:
+        sleepy.collective_rpc("init_device")  # a vLLM worker method ferrox lacks
+    assert err.value.param == "method"
+    for kwargs, param in ((dict(level=3), "level"), (dict(level=True), "level"), (dict(mode="later"), "mode"),
+                          (dict(tags=["gpu"]), "tags")):
         with pytest.raises(InvalidArgumentError) as err:
             sleepy.sleep(**kwargs)
         assert err.value.param == param, kwargs
@@ -118,3 +155,20 @@ def test_sleep_arguments_are_checked_by_name(sleepy, llm):
         sleepy.wake_up(tags=["gpu"])
     assert err.value.param == "tags"
     assert not sleepy.is_sleeping()
+
+
+def test_a_quantized_gguf_on_cpu_keeps_its_weights(sleepy):
+    """The default CPU engine keeps the GGUF's blocks packed in Rust objects: no tensors to discard or read
+    again, so level 2, the weights tag and reload_weights are refused by name; level 1 works."""
+    quantized = LLM(enable_sleep_mode=True, kv_cache_memory=32 << 20, max_model_len=512)
+    for kwargs, param in ((dict(level=2), "level"), (dict(tags=["weights"]), "tags")):
+        with pytest.raises(InvalidArgumentError) as err:
+            quantized.sleep(**kwargs)
+        assert err.value.param == param
+    with pytest.raises(InvalidArgumentError) as err:
+        quantized.collective_rpc("reload_weights")
+    assert err.value.param == "method"
+    before = quantized.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    quantized.sleep(level=1)
+    quantized.wake_up()
+    assert quantized.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == before

@@ -239,8 +239,9 @@ def test_fp8_moe_tp2_matches_tp1(tmp_path, expert_parallel):
 
 
 def test_sleep_mode_reaches_every_rank(tmp_path):
-    """sleep / wake_up under tensor parallelism: the other rank drops and restores its KV cache with the
-    driver (distributed/step_channel.py SLEEP / WAKE), and the greedy tokens are those of before."""
+    """sleep / wake_up / reload_weights under tensor parallelism: the other rank drops and restores its KV
+    cache and weights with the driver (distributed/step_channel.py SLEEP / WAKE / RELOAD), and the greedy
+    tokens are those of before."""
     folder = make_tiny_llama(tmp_path / "llama")
     llm = LLM(model=folder, tensor_parallel_size=2, max_model_len=128, enable_sleep_mode=True)
     try:
@@ -252,5 +253,11 @@ def test_sleep_mode_reaches_every_rank(tmp_path):
             llm.wake_up()
             after = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
             assert after == before
+        # Level 2: every rank discards its shard, and reads it again on reload_weights.
+        llm.sleep(level=2)
+        llm.wake_up(tags=["weights"])
+        assert llm.collective_rpc("reload_weights") == [None, None]
+        llm.wake_up(tags=["kv_cache"])
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == before
     finally:
         llm.engine.shutdown()

@@ -1,5 +1,6 @@
 """Sleep mode through a live `ferrox serve --enable-sleep-mode` (VLLM_SERVER_DEV_MODE=1, as vLLM's routes):
-/sleep aborts, waits for or keeps the requests in flight, requests sent while asleep wait for /wake_up and
+/sleep aborts, waits for or keeps the requests in flight, level 2 discards the weights until
+/collective_rpc reloads them, requests sent while asleep wait for /wake_up and
 then complete, /is_sleeping follows, bad arguments are 400s naming the parameter. The checks are
 functions of a base URL: benches/live/serve_sleep.py runs the same ones against a GPU server."""
 
@@ -134,9 +135,30 @@ def check_keep_mode(base: str, model: str, max_tokens: int = 200) -> None:
     assert events[-1][1]["usage"]["completion_tokens"] == max_tokens
 
 
+def check_level_2_and_reload(base: str, model: str) -> None:
+    """vLLM's level-2 flow over HTTP: the weights discarded, woken, read again by /collective_rpc, then the KV
+    cache woken; the same greedy text as before."""
+    def text() -> str:
+        status, body = call(base, "POST", "/v1/completions", {"model": model, "prompt": "The history of",
+                                                              "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+        assert status == 200 and body is not None, body
+        return body["choices"][0]["text"]
+
+    before = text()
+    assert call(base, "POST", "/sleep?level=2")[0] == 200
+    assert sleep_states(base) == {"awake": 0.0, "weights_offloaded": 0.0, "discard_all": 1.0}
+    assert call(base, "POST", "/wake_up?tags=weights")[0] == 200
+    status, body = call(base, "POST", "/collective_rpc", {"method": "init_device"})
+    assert status == 400 and body is not None and body["error"]["param"] == "method"
+    status, body = call(base, "POST", "/collective_rpc", {"method": "reload_weights"})
+    assert status == 200 and body is not None and body["results"] == [None], body
+    assert call(base, "POST", "/wake_up?tags=kv_cache")[0] == 200 and not is_sleeping(base)
+    assert sleep_states(base) == {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}
+    assert text() == before
+
+
 def check_bad_arguments(base: str) -> None:
-    for query, param in (("level=2", "level"), ("level=x", "level"), ("mode=later", "mode"),
-                         ("tags=weights", "tags"), ("tags=gpu", "tags")):
+    for query, param in (("level=3", "level"), ("level=x", "level"), ("mode=later", "mode"), ("tags=gpu", "tags")):
         status, body = call(base, "POST", f"/sleep?{query}")
         assert status == 400 and body is not None and body["error"]["param"] == param, (query, body)
     status, body = call(base, "POST", "/wake_up?tags=nope")
@@ -146,7 +168,9 @@ def check_bad_arguments(base: str) -> None:
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--enable-sleep-mode", "--served-model-name", "m", env=DEV)
+    # float32: the embedded GGUF dequantized, whose weights level 2 can discard and reload (quantized, they are
+    # packed in Rust objects: tests/engine/test_sleep_mode.py checks that refusal).
+    srv = ServerProcess("--enable-sleep-mode", "--served-model-name", "m", "--dtype", "float32", env=DEV)
     yield srv
     srv.stop()
 
@@ -161,6 +185,10 @@ def test_sleep_mode_wait_lets_running_requests_finish(server):
 
 def test_sleep_mode_keep_resumes_requests_after_wake_up(server):
     check_keep_mode(server.base_url, "m")
+
+
+def test_level_2_discards_and_collective_rpc_reloads_the_weights(server):
+    check_level_2_and_reload(server.base_url, "m")
 
 
 def test_bad_sleep_arguments_are_400s_naming_the_parameter(server):

@@ -19,8 +19,9 @@ from ferrox.distributed.parallel_state import TPGroup
 
 STEP = 1  # run the forward pass of these arrays
 SHUTDOWN = 2  # leave the worker loop
-SLEEP = 3  # release the memory of these tags ("tags": indices into ferrox.sleep_mode.TAGS), then a barrier
+SLEEP = 3  # release the memory of these tags (worker/sleep_control.py tag_array), then a barrier
 WAKE = 4  # take that memory again
+RELOAD = 5  # read the weights again from the checkpoint (reload_weights), then a barrier
 
 
 class StepChannel:

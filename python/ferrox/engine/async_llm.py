@@ -85,7 +85,7 @@ from ferrox.pooling.params import (
 )
 from ferrox.reasoning import get_reasoning_parser
 from ferrox.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
-from ferrox.sleep_mode import sleep_tags, wake_tags
+from ferrox.sleep_mode import check_rpc, sleep_plan, wake_tags
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "EngineStartupError", "RequestError",
            "RequestTimeoutError", "StatLogger"]
@@ -343,7 +343,7 @@ class AsyncLLM:
         discarded). mode: what happens to the requests in flight: "abort" them (finish_reason "abort"),
         "wait" for them to finish (this returns then), or "keep" them (they recompute their tokens after
         the wake-up and go on). Requests submitted while asleep wait for wake_up."""
-        sleep_tags(self.config.enable_sleep_mode, level, mode, tags)  # a bad argument fails here, by name
+        sleep_plan(self.config.enable_sleep_mode, level, mode, tags)  # a bad argument fails here, by name
         await self.client.call_utility("sleep", level, mode, list(tags) if tags is not None else None,
                                        timeout_s=None)
 
@@ -355,6 +355,16 @@ class AsyncLLM:
 
     async def is_sleeping(self) -> bool:
         return any(await self.client.call_utility("is_sleeping"))
+
+    async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple[Any, ...] = (),
+                             kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """vLLM's, for the worker methods ferrox has: "reload_weights" (after sleep(level=2) and
+        wake_up(tags=["weights"]), the checkpoint read again into the weights). Every engine core's
+        ranks' results, in order."""
+        check_rpc(method)
+        results = await self.client.call_utility("collective_rpc", method, timeout, list(args), kwargs or {},
+                                                  timeout_s=timeout)
+        return [r for core in results for r in core]
 
     async def start_profile(self) -> None:
         """vLLM's: the torch profiler over every engine core's steps (VLLM_TORCH_PROFILER_DIR: engine/profiler.py)."""

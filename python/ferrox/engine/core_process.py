@@ -31,7 +31,7 @@ from ferrox.engine.defaults import GENERATION_DEFAULT_KEYS
 from ferrox.engine.protocol import EngineCoreRequest
 from ferrox.gc_tuning import freeze_startup_heap
 from ferrox.pooling.params import PoolerConfig
-from ferrox.sleep_mode import sleep_tags
+from ferrox.sleep_mode import sleep_plan
 from ferrox.step_types import StepResult, StepRow
 
 logger = logging.getLogger("ferrox.engine.core_process")
@@ -99,7 +99,7 @@ SAMPLING_DEFAULT_KEYS = GENERATION_DEFAULT_KEYS
 
 # Engine core methods the front-end may call by name (anything else is refused).
 UTILITY_METHODS = ("stats", "reset_prefix_cache", "ping", "add_lora", "remove_lora", "list_loras", "start_profile",
-                   "stop_profile", "sleep", "wake_up", "is_sleeping")
+                   "stop_profile", "sleep", "wake_up", "is_sleeping", "collective_rpc")
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -182,7 +182,7 @@ class CoreProcLoop:
                     # Already asleep: the requests it would wait for cannot finish; they are kept.
                     call.args = [call.args[0], "keep", *call.args[2:]]
                 elif mode == "wait" and self.core.has_unfinished_requests():
-                    sleep_tags(self.core.sleep_memory is not None, *call.args)  # refuse bad arguments now
+                    sleep_plan(self.core.sleeper is not None, *call.args)  # refuse bad arguments now
                     self.pending_sleep = call  # answered by _sleep_when_drained
                     return []
                 outputs.append(self.core.sleep(*call.args))

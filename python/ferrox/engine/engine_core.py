@@ -56,7 +56,7 @@ from ferrox.pooling.params import PoolingParams, validate_pooling_request
 from ferrox.reasoning import get_reasoning_parser
 from ferrox.request_rules import check_request_id
 from ferrox.sampling_params import SamplingParams
-from ferrox.sleep_mode import KV_CACHE, TAGS, WEIGHTS, sleep_tags, wake_tags
+from ferrox.sleep_mode import KV_CACHE, WEIGHTS, check_rpc, sleep_plan, wake_tags
 from ferrox.speculative_config import SpeculativeConfig, parse_speculative_config, verify_len
 from ferrox.step_types import Logprobs, StepResult, StepRow
 from ferrox.worker.draft_model import DraftProposer
@@ -64,6 +64,7 @@ from ferrox.worker.model_runner import ModelRunner, ModelRunnerOutput, StepHandl
 from ferrox.worker.model_setup import LoadedModel, load_everything
 from ferrox.worker.multimodal import ImageEmbeddings, check_items
 from ferrox.worker.pooling_runner import PoolingRunner
+from ferrox.worker.sleep_control import SleepControl
 from ferrox.worker.warmup import EngineLimits, WarmupReport, warm_up, warmup_enabled
 
 logger = logging.getLogger(__name__)
@@ -210,9 +211,12 @@ class EngineCore:
         self._req_of_slot: list[str | None] = []
         self._slot_of_req: dict[str, int] = {}
         self._pending_prompt_logprobs: dict[str, Any] = {}
-        # Sleep mode (ferrox/sleep_mode.py): the memory regions, and whether scheduling is paused.
-        self.sleep_memory = loaded.sleep_memory
-        self._paused = False
+        # Sleep mode (ferrox/sleep_mode.py): the memory regions across the ranks, and whether scheduling is paused.
+        self.sleeper: SleepControl | None = None
+        if loaded.sleep_memory is not None:
+            assert loaded.reload_model is not None
+            self.sleeper = SleepControl(loaded.sleep_memory, loaded.reload_model,
+                                        getattr(self.runner, "channel", None), self.tp)
         logger.info(
             "engine ready in %.1f s (warm-up %.1f s): model=%s device=%s dtype=%s max_model_len=%d kv_blocks=%d "
             "(%d tokens)", time.perf_counter() - start, self.warmup.seconds if self.warmup is not None else 0.0,
@@ -409,7 +413,7 @@ class EngineCore:
 
     # ---- the step ---------------------------------------------------------------------------------------
     def step(self) -> StepResult:
-        if self._paused:
+        if self.paused:
             return StepResult()  # asleep: requests wait (their memory may be unmapped)
         if self.thread_governor is not None:
             self.thread_governor.maybe_adjust()
@@ -642,14 +646,14 @@ class EngineCore:
                                        "--enable-lora)", param="enable_lora")
         return self.loras
 
-    # ---- sleep mode (vLLM's sleep / wake_up / is_sleeping; ferrox/sleep_mode.py) ------------------------
+    # ---- sleep mode (vLLM's sleep / wake_up / is_sleeping / reload_weights; ferrox/sleep_mode.py) --------
     @property
     def paused(self) -> bool:
-        """Asleep (at any level): step() runs nothing until wake_up."""
-        return self._paused
+        """Asleep (at any level), or the weights discarded and not yet reloaded: step() runs nothing."""
+        return self.sleeper is not None and self.sleeper.paused
 
     def is_sleeping(self) -> bool:
-        return self._paused
+        return self.sleeper is not None and self.sleeper.sleeping
 
     def sleep(self, level: int = 1, mode: str = "abort", tags: list[str] | None = None) -> StepResult:
         """Stop scheduling and release the memory of the level's (or the given) tags. mode "abort" finishes
@@ -657,7 +661,13 @@ class EngineCore:
         core process holds new ones back until they are: engine/core_process.py); "keep" preempts the
         running ones, which recompute their tokens after the wake-up. Returns the outputs this
         produced, the last in-flight step's included."""
-        release = sleep_tags(self.sleep_memory is not None, level, mode, tags)
+        release, offload = sleep_plan(self.sleeper is not None, level, mode, tags)
+        assert self.sleeper is not None  # (sleep_plan refused an engine without it)
+        if WEIGHTS in release and not offload and not self.sleeper.memory.reloadable:
+            raise InvalidArgumentError(
+                f"{'tags' if tags else 'level'}: discarding the weights needs reload_weights, which a quantized GGUF "
+                "on CPU (matrices packed in Rust) cannot do; use level 1, or dtype='float32'",
+                param="tags" if tags else "level")
         parts = []
         unfinished = list(self._slot_of_req)
         if mode == "abort" and unfinished:
@@ -666,25 +676,16 @@ class EngineCore:
             raise InvalidArgumentError(f"mode: 'wait' but {len(unfinished)} request(s) are unfinished", param="mode")
         # Async scheduling: the step still in flight reports now (its rows of aborted requests are dropped).
         parts.extend(self._settle_in_flight())
-        self._paused = True
-        assert self.sleep_memory is not None  # (sleep_tags refused an engine without it)
-        todo = [t for t in release if t not in self.sleep_memory.asleep]
-        if mode == "keep" and KV_CACHE in todo:
-            # Their KV blocks are about to be discarded: recomputed after the wake-up (preemption by recompute).
-            self.scheduler.preempt_all()
-        if KV_CACHE in todo and not self.scheduler.reset_prefix_cache():
-            raise RuntimeError("sleep: the prefix cache could not be reset (KV blocks still in use)")
-        if todo:
-            channel = getattr(self.runner, "channel", None)
-            if channel is not None:  # the other tensor-parallel ranks release theirs (executor/worker_main.py)
-                import torch.distributed as dist
-
-                from ferrox.distributed.step_channel import SLEEP
-                channel.send(SLEEP, {"tags": np.array([TAGS.index(t) for t in todo], dtype=np.int64)})
-                dist.barrier(group=self.tp.cpu_group)
-            self.sleep_memory.sleep(todo)
-        logger.info("asleep (level %d%s): %s released", level, f", tags {list(tags)}" if tags else "",
-                    "+".join(todo) or "nothing")
+        if KV_CACHE in release and KV_CACHE not in self.sleeper.memory.asleep:
+            if mode == "keep":
+                # Their KV blocks are about to be discarded: recomputed after the wake-up (preemption by recompute).
+                self.scheduler.preempt_all()
+            if not self.scheduler.reset_prefix_cache():
+                raise RuntimeError("sleep: the prefix cache could not be reset (KV blocks still in use)")
+        self.sleeper.sleep(list(release), offload)
+        logger.info("asleep (level %d%s): %s released%s", level, f", tags {list(tags)}" if tags else "",
+                    "+".join(release) or "nothing", "" if offload or WEIGHTS not in release else
+                    " (weights discarded: collective_rpc('reload_weights') after the wake-up)")
         return StepResult.concat(parts)
 
     def _settle_in_flight(self) -> list[StepResult]:
@@ -694,19 +695,30 @@ class EngineCore:
         return [] if prev is None else [self._report(prev, *self._finish(prev))]
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Take the tags' memory again (default: all); scheduling resumes once no tag sleeps."""
-        which = wake_tags(self.sleep_memory is not None, tags)
-        assert self.sleep_memory is not None
-        todo = [t for t in (TAGS if which is None else which) if t in self.sleep_memory.asleep]
-        if todo:
-            channel = getattr(self.runner, "channel", None)
-            if channel is not None:
-                from ferrox.distributed.step_channel import WAKE
-                channel.send(WAKE, {"tags": np.array([TAGS.index(t) for t in todo], dtype=np.int64)})
-            self.sleep_memory.wake(todo)
-        self._paused = bool(self.sleep_memory.asleep)
-        logger.info("wake-up: %s restored%s", "+".join(todo) or "nothing",
-                    f"; still asleep: {'+'.join(sorted(self.sleep_memory.asleep))}" if self._paused else "")
+        """Take the tags' memory again (default: all); scheduling resumes once no tag sleeps (and discarded
+        weights were reloaded)."""
+        which = wake_tags(self.sleeper is not None, tags)
+        assert self.sleeper is not None
+        woken = self.sleeper.wake(which)
+        logger.info("wake-up: %s restored%s", "+".join(woken) or "nothing",
+                    f"; still asleep: {'+'.join(sorted(self.sleeper.memory.asleep))}" if self.sleeper.sleeping
+                    else "")
+
+    def collective_rpc(self, method: str, timeout: float | None = None, args: list[Any] | None = None,
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """vLLM's collective_rpc for the worker methods ferrox has: "reload_weights" (the checkpoint read
+        again into the served weights, on every rank). One result per rank."""
+        check_rpc(method)
+        if args or kwargs:
+            raise InvalidArgumentError(f"args: {method} takes no arguments", param="args")
+        if self.sleeper is None:
+            raise InvalidArgumentError(f"method: {method} needs enable_sleep_mode=True (ferrox serve "
+                                       "--enable-sleep-mode), which keeps the weights reloadable", param="method")
+        if self.loras is not None or not self.sleeper.memory.reloadable:
+            raise InvalidArgumentError(f"method: {method} with LoRA enabled (wrapped layers) or a quantized GGUF on "
+                                       "CPU (matrices packed in Rust) is not supported", param="method")
+        self.sleeper.reload_weights()
+        return [None] * self.tp.size
 
     # ---- admin ----------------------------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
@@ -734,8 +746,10 @@ class EngineCore:
             stats.update(num_speculative_tokens=self.speculative.num_speculative_tokens, spec_num_drafts=s.num_drafts,
                          spec_num_draft_tokens=s.num_draft_tokens, spec_num_accepted_tokens=s.num_accepted_tokens,
                          spec_num_accepted_tokens_per_pos=list(s.num_accepted_tokens_per_pos))
-        if self.sleep_memory is not None:  # vLLM's engine_sleep_state gauge (metrics/prometheus.py)
-            stats.update(is_sleeping=self._paused, weights_offloaded=WEIGHTS in self.sleep_memory.asleep)
+        if self.sleeper is not None:  # vLLM's engine_sleep_state gauge (metrics/prometheus.py)
+            memory = self.sleeper.memory
+            stats.update(is_sleeping=self.sleeper.sleeping, discard_all=memory.weights_discarded,
+                         weights_offloaded=WEIGHTS in memory.asleep and not memory.weights_discarded)
         stats.update(
             kv_capacity_tokens=self.kv_capacity_tokens,
             num_kv_blocks=self.num_kv_blocks,

@@ -89,8 +89,9 @@ class LLM:
     # ---- sleep mode (vLLM's; enable_sleep_mode=True: ferrox/sleep_mode.py) -----------------------------------
     def sleep(self, level: int = 1, mode: str = "abort", tags: list[str] | None = None) -> None:
         """Give the device memory back: level 1 keeps the weights in host memory and discards the KV
-        cache; level 0 only pauses; tags=["kv_cache"] discards the KV cache alone. Until wake_up,
-        generate() and the other calls refuse to run."""
+        cache; level 2 discards both (then wake_up(tags=["weights"]), collective_rpc("reload_weights"),
+        wake_up(tags=["kv_cache"])); level 0 only pauses; tags=[...] discards what they name. Until the
+        wake-up (and the reload), generate() and the other calls refuse to run."""
         self.engine.sleep(level, mode, tags)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -100,6 +101,13 @@ class LLM:
     def is_sleeping(self) -> bool:
         """True from sleep() until every released tag is awake again."""
         return self.engine.is_sleeping()
+
+    def collective_rpc(self, method: str, timeout: float | None = None, args: tuple[Any, ...] = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """vLLM's, for the worker methods ferrox has: "reload_weights" reads the checkpoint again into the
+        served weights (after sleep(level=2) and wake_up(tags=["weights"]); enable_sleep_mode). One
+        result per tensor-parallel rank."""
+        return self.engine.collective_rpc(method, timeout, list(args), kwargs)
 
     def start_profile(self) -> None:
         """vLLM's: the torch profiler over the engine's steps until stop_profile, which writes a trace to
@@ -443,7 +451,10 @@ class LLM:
                kind: type[OutputT]) -> list[OutputT]:
         """Step until every request in `order` finished; their outputs (all of `kind`) in order."""
         if self.engine.paused:
-            raise RuntimeError("the engine is asleep (LLM.sleep): call LLM.wake_up() before running requests")
+            raise RuntimeError("the engine is asleep (LLM.sleep): call LLM.wake_up() before running requests"
+                               + (", and collective_rpc('reload_weights'): the sleep discarded the weights"
+                                  if self.engine.sleeper is not None and self.engine.sleeper.memory.weights_discarded
+                                  else ""))
         results: list[OutputT | None] = [None] * len(order)
         bar = _ProgressBar(len(order), num_prompt_tokens) if use_tqdm else None
         try:

@@ -19,19 +19,20 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ferrox.config import EngineConfig
 from ferrox.distributed.parallel_state import destroy_tp_group, init_tp_group
-from ferrox.distributed.step_channel import SHUTDOWN, SLEEP, WAKE, StepChannel
+from ferrox.distributed.step_channel import RELOAD, SHUTDOWN, SLEEP, WAKE, StepChannel
 from ferrox.gc_tuning import freeze_startup_heap
-from ferrox.sleep_mode import TAGS
 from ferrox.speculative_config import verify_len
 from ferrox.worker.model_forward import ModelForward, StepArrays
 from ferrox.worker.model_setup import load_everything
 from ferrox.worker.rank_images import RankImages
+from ferrox.worker.sleep_control import reload_into, tags_of
 from ferrox.worker.sleep_memory import SleepMemory
 from ferrox.worker.step_inputs import Uploader
 
@@ -49,12 +50,13 @@ def run_worker(config: EngineConfig, rank: int, size: int, init_method: str, dev
                                         max_num_batched_tokens=loaded.max_num_batched_tokens)
         logger.info("tensor-parallel rank %d/%d ready on %s", rank, size, loaded.device)
         freeze_startup_heap()
-        _step_loop(forward, StepChannel(tp), loaded.sleep_memory)
+        _step_loop(forward, StepChannel(tp), loaded.sleep_memory, loaded.reload_model)
     finally:
         destroy_tp_group(tp)  # gloo only (see there); the caller exits right after on GPUs
 
 
-def _step_loop(forward: ModelForward, channel: StepChannel, sleep_memory: SleepMemory | None = None) -> None:
+def _step_loop(forward: ModelForward, channel: StepChannel, sleep_memory: SleepMemory | None = None,
+               reload_model: Callable[[], Any] | None = None) -> None:
     # The Uploader alternates two pinned buffer sets; nothing here reads results back, so before
     # staging step N this rank waits for step N-2's device work (its copies out of those buffers).
     done: collections.deque[Any] = collections.deque()
@@ -65,16 +67,18 @@ def _step_loop(forward: ModelForward, channel: StepChannel, sleep_memory: SleepM
         command, arrays = channel.recv()
         if command == SHUTDOWN:
             return
-        if command in (SLEEP, WAKE):
-            # Sleep mode (worker/sleep_memory.py): the driver's sleep or wake_up, tag for tag.
-            assert sleep_memory is not None, "the driver sleeps only with enable_sleep_mode"
-            tags = [TAGS[i] for i in arrays["tags"].tolist()]
+        if command in (SLEEP, WAKE, RELOAD):
+            # Sleep mode (worker/sleep_control.py): the driver's sleep, wake_up or reload_weights, here.
+            assert sleep_memory is not None and reload_model is not None, "only with enable_sleep_mode"
             done.clear()
+            if command == WAKE:
+                sleep_memory.wake(tags_of(arrays)[0])
+                continue
             if command == SLEEP:
-                sleep_memory.sleep(tags)
-                torch.distributed.barrier(group=channel.tp.cpu_group)  # the driver returns once all ranks freed it
+                sleep_memory.sleep(*tags_of(arrays))
             else:
-                sleep_memory.wake(tags)
+                reload_into(sleep_memory, reload_model)
+            torch.distributed.barrier(group=channel.tp.cpu_group)  # the driver returns once every rank is done
             continue
         if cuda and len(done) >= 2:
             done.popleft().synchronize()

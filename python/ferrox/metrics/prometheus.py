@@ -106,8 +106,8 @@ class _CoreStatsCollector(Collector):
 
     def _sleep_family(self):  # type: ignore[no-untyped-def]
         """vLLM's engine_sleep_state, for engines started with sleep mode: one series per state, 1 for the
-        engine's (awake; weights_offloaded: level 1's weights in host memory; discard_all: level 2, which
-        ferrox refuses, so always 0). Asleep with the weights in place (level 0, the KV cache alone):
+        engine's (awake; weights_offloaded: level 1's weights in host memory; discard_all: level 2's weights
+        discarded, until reload_weights). Asleep with the weights in place (level 0, the KV cache alone):
         every series 0, as vLLM's."""
         sleepers = [(i, s) for i, s in enumerate(self.engines) if "is_sleeping" in s]
         if not sleepers:
@@ -117,7 +117,7 @@ class _CoreStatsCollector(Collector):
                                    labels=[*LABELS, "sleep_state"])
         for index, stats in sleepers:
             states = {"awake": not stats["is_sleeping"], "weights_offloaded": bool(stats.get("weights_offloaded")),
-                      "discard_all": False}
+                      "discard_all": bool(stats.get("discard_all"))}
             for state, on in states.items():
                 family.add_metric([self.model_name, str(index), state], float(on))
         yield family

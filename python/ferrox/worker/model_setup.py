@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,8 +69,10 @@ class LoadedModel:
     threads: CpuThreadGovernor | None  # CPU only: intra-op thread count, adjusted to the machine's load
     # runner "pooling": how the model pools (ferrox.pooling); then kv_caches are empty and num_blocks virtual.
     pooler_config: PoolerConfig | None = None
-    # enable_sleep_mode: the regions the weights and the KV cache were allocated in (worker/sleep_memory.py).
+    # enable_sleep_mode: the regions the weights and the KV cache were allocated in (worker/sleep_memory.py),
+    # and the same model loaded again, for reload_weights (worker/sleep_control.py).
     sleep_memory: SleepMemory | None = None
+    reload_model: Callable[[], Any] | None = None
 
 
 def resolve_dtype(config: EngineConfig, spec: Any, device: torch.device) -> torch.dtype:
@@ -138,16 +141,22 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
     logger.info("loading the weights (%s, %s) onto %s", config.load_format, str(dtype).removeprefix("torch."), device)
     # Sleep mode releases this engine's weights: they must be its own, allocated in its region.
     sleep_memory = SleepMemory(device) if config.enable_sleep_mode else None
+    # dtype "auto" keeps a quantized GGUF quantized where it can run so (the CPU); an explicit
+    # dtype dequantizes it to that dtype (loader/model_loader.py).
+    load = functools.partial(_shared_model, source, spec, dtype, device, config.load_format, config.seed, tp,
+                             keep_quantized=config.dtype == "auto" and quant_config is None,
+                             private=config.enable_lora or sleep_memory is not None,
+                             quant_config=quant_config, quantization=config.quantization,
+                             hf_overrides=config.hf_overrides)
     with use_tp_group(tp):
-        # dtype "auto" keeps a quantized GGUF quantized where it can run so (the CPU); an explicit
-        # dtype dequantizes it to that dtype (loader/model_loader.py).
-        model = _shared_model(source, spec, dtype, device, config.load_format, config.seed, tp,
-                              keep_quantized=config.dtype == "auto" and quant_config is None,
-                              private=config.enable_lora or sleep_memory is not None,
-                              quant_config=quant_config, quantization=config.quantization,
-                              hf_overrides=config.hf_overrides)
+        model = load()
+    reload_model = None
     if sleep_memory is not None:
         sleep_memory.adopt(model)
+
+        def reload_model() -> Any:
+            with use_tp_group(tp):
+                return load()
     generation_defaults = dict(load_generation_config(source) or {})
     eos = _eos_token_ids(tokenizer, generation_defaults)
     if pooler_config is not None:
@@ -161,7 +170,7 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
             num_blocks=virtual_num_blocks(max_num_seqs, max_model_len, config.block_size),
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             vocab_size=int(spec.vocab_size), eos_token_ids=eos, generation_defaults={}, threads=threads,
-            pooler_config=pooler_config, sleep_memory=sleep_memory,
+            pooler_config=pooler_config, sleep_memory=sleep_memory, reload_model=reload_model,
         )
 
     warn_if_uncalibrated(model, kv_dtype)
@@ -203,6 +212,7 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
         kv_caches=kv_caches, num_blocks=num_blocks, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, vocab_size=int(spec.vocab_size), eos_token_ids=eos,
         generation_defaults=generation_defaults, threads=threads, sleep_memory=sleep_memory,
+        reload_model=reload_model,
     )
 
 

@@ -70,11 +70,10 @@ def _slot_names(cls: type) -> Iterator[str]:
         yield from ([slots] if isinstance(slots, str) else slots)
 
 
-def move_storages(tensors: list[torch.Tensor]) -> int:
+def move_storages(tensors: list[torch.Tensor]) -> list[torch.UntypedStorage]:
     """Give each distinct storage of `tensors` a copy allocated now (under the caller's allocator
-    context) and point every tensor that used it there; returns the bytes moved."""
+    context) and point every tensor that used it there; returns the new storages."""
     moved: dict[int, torch.UntypedStorage] = {}
-    total = 0
     with torch.no_grad():
         for tensor in tensors:
             old = tensor.untyped_storage()
@@ -83,9 +82,8 @@ def move_storages(tensors: list[torch.Tensor]) -> int:
                 new = torch.empty(old.nbytes(), dtype=torch.uint8, device=tensor.device).untyped_storage()
                 new.copy_(old)
                 moved[old.data_ptr()] = new
-                total += old.nbytes()
             # (An inference tensor may change in place only in inference mode.)
             with torch.inference_mode() if tensor.is_inference() else contextlib.nullcontext():
                 tensor.set_(new, tensor.storage_offset(), tensor.size(), tensor.stride())
             del old
-    return total
+    return list(moved.values())

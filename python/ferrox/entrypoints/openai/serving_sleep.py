@@ -1,10 +1,12 @@
 """vLLM's sleep-mode routes, registered (as vLLM's) only with VLLM_SERVER_DEV_MODE=1, since they
 let any client take the model off the GPU:
 
-- `POST /sleep?level=1` (level 0, 1; `mode=abort|wait|keep` for the requests in flight; `tags=kv_cache`,
+- `POST /sleep?level=1` (level 0, 1, 2; `mode=abort|wait|keep` for the requests in flight; `tags=kv_cache`,
   repeatable, instead of a level): stop scheduling and give the GPU memory back.
 - `POST /wake_up` (`tags=weights` / `tags=kv_cache` for one part): take it again.
 - `GET /is_sleeping`: `{"is_sleeping": true|false}`.
+- `POST /collective_rpc` `{"method": "reload_weights"}`: the checkpoint read again into the weights
+  (after `/sleep?level=2` and `/wake_up?tags=weights`); other worker methods are a 400.
 
 The rules and the memory are the engine's (ferrox/sleep_mode.py, worker/sleep_memory.py); a bad
 argument or an engine started without --enable-sleep-mode is a 400 naming the parameter.
@@ -46,6 +48,23 @@ async def wake_up(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
+async def collective_rpc(request: web.Request) -> web.Response:
+    """POST /collective_rpc {"method": "reload_weights", "timeout": ..., "args": [], "kwargs": {}} (vLLM's):
+    {"results": [one per rank]}."""
+    try:
+        body = await request.json()
+    except ValueError:
+        raise bad_request("the body must be a JSON object with a `method`", param="method") from None
+    if not isinstance(body, dict) or not isinstance(body.get("method"), str):
+        raise bad_request("method: a worker method's name is required", param="method")
+    try:
+        results = await request.app[CTX].engine.collective_rpc(
+            body["method"], body.get("timeout"), tuple(body.get("args") or ()), body.get("kwargs") or None)
+    except InvalidArgumentError as exc:
+        raise from_exception(exc) from None
+    return web.json_response({"results": results})
+
+
 async def is_sleeping(request: web.Request) -> web.Response:
     return web.json_response({"is_sleeping": await request.app[CTX].engine.is_sleeping()})
 
@@ -54,3 +73,4 @@ def add_routes(router: web.UrlDispatcher) -> None:
     router.add_post("/sleep", sleep)
     router.add_post("/wake_up", wake_up)
     router.add_get("/is_sleeping", is_sleeping)
+    router.add_post("/collective_rpc", collective_rpc)
