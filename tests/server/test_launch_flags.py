@@ -217,8 +217,8 @@ def _server_load(base: str) -> int:
 
 def test_serving_defaults_are_honoured_and_the_key_is_never_logged():
     """--response-role, --return-tokens-as-token-ids, --enable-prompt-tokens-details, --tool-call-parser,
-    --stream-interval, --enable-force-include-usage, --enable-server-load-tracking, --disable-fastapi-docs and
-    --num-gpu-blocks-override with vLLM's meaning, on a server that logs every request (and debug lines) yet
+    --stream-interval, --enable-force-include-usage, --enable-server-load-tracking, --disable-fastapi-docs,
+    --enable-tokenizer-info-endpoint and --num-gpu-blocks-override with vLLM's meaning, on a server that logs every request (and debug lines) yet
     never the API key."""
     srv = ServerProcess("--response-role", "bot", "--return-tokens-as-token-ids", "--enable-prompt-tokens-details",
                         "--stream-interval", "3",
@@ -226,7 +226,8 @@ def test_serving_defaults_are_honoured_and_the_key_is_never_logged():
                         "--log-level", "debug", "--chat-template-content-format", "string",
                         "--trust-request-chat-template", "--enable-force-include-usage",
                         "--enable-server-load-tracking", "--disable-fastapi-docs", "--enable-request-id-headers",
-                        "--num-gpu-blocks-override", "400", "--disable-custom-all-reduce")
+                        "--num-gpu-blocks-override", "400", "--disable-custom-all-reduce",
+                        "--enable-tokenizer-info-endpoint")
     try:
         base = srv.base_url
         # --disable-fastapi-docs: no /openapi.json; /load counts the model routes' requests in flight.
@@ -234,6 +235,12 @@ def test_serving_defaults_are_honoured_and_the_key_is_never_logged():
             urllib.request.urlopen(base + "/openapi.json", timeout=30)
         assert err.value.code == 404
         assert _server_load(base) == 0
+        # --enable-tokenizer-info-endpoint: the embedded GGUF's tokens and template (no tokenizer_config.json).
+        req = urllib.request.Request(base + "/tokenizer_info", headers={"Authorization": f"Bearer {KEY}"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            info = json.loads(resp.read())
+        assert info["tokenizer_class"] == "PreTrainedTokenizerFast" and info["eos_token"] == "<|im_end|>", info
+        assert "<|im_start|>" in info["chat_template"]
         running = threading.Thread(target=_stream, args=(base, "/v1/completions", {
             "prompt": "Once upon a time", "max_tokens": 600, "ignore_eos": True}))
         running.start()

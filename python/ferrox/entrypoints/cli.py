@@ -272,6 +272,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     api.add_argument("--enable-request-id-headers", action="store_true",
                      help="vLLM's switch for an X-Request-Id header on responses; ferrox always sends one (the "
                      "client's own X-Request-Id, else the request's id), so it is on with or without this")
+    api.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                     help="serve GET /tokenizer_info: the tokenizer's configuration and the chat template "
+                     "(vLLM's; off by default since it exposes them)")
     api.add_argument("--disable-fastapi-docs", action="store_true",
                      help="do not serve /openapi.json (vLLM's flag, which also drops its Swagger UI and ReDoc "
                      "pages; ferrox has none)")
@@ -414,6 +417,7 @@ def serve(args: argparse.Namespace) -> int:
             enable_force_include_usage=args.enable_force_include_usage,
             enable_server_load_tracking=args.enable_server_load_tracking,
             disable_fastapi_docs=args.disable_fastapi_docs,
+            enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
             lora_allowed_dirs=tuple(os.path.realpath(d) for d in args.lora_allowed_dirs))
         # What can fail without the model fails before it loads: the port (taken?), the TLS files,
         # the generation config folder.

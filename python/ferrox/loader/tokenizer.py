@@ -35,9 +35,12 @@ class Tokenizer:
         special_tokens: dict[str, str | None],
         eos_token_ids: list[int],
         chat_template: str | dict[str, str] | None = None,
+        config: dict[str, Any] | None = None,
     ):
         self._tok = tokenizer
         self.name = name  # the model's name, used in error messages
+        # tokenizer_config.json as the folder has it ({} for a GGUF): what vLLM's /tokenizer_info reports.
+        self.config: dict[str, Any] = dict(config or {})
         self.special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
         self.bos_token = self.special_tokens.get("bos_token")
         self.eos_token = self.special_tokens.get("eos_token")
@@ -217,7 +220,8 @@ def _load_hf_tokenizer(source: ModelSource) -> Tokenizer:
     eos_token_id = tok.token_to_id(specials["eos_token"]) if specials["eos_token"] else None
     if eos_token_id is not None:
         eos.insert(0, eos_token_id)
-    return Tokenizer(tok, name=source.name, special_tokens=specials, eos_token_ids=eos, chat_template=template)
+    return Tokenizer(tok, name=source.name, special_tokens=specials, eos_token_ids=eos, chat_template=template,
+                     config=tok_config)
 
 
 def _chat_template(value: Any, path: str) -> str | dict[str, str] | None:

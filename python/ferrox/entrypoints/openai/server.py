@@ -98,6 +98,7 @@ from ferrox.entrypoints.openai.serving_responses_store import (
     retrieve_response,
 )
 from ferrox.entrypoints.openai.serving_score import create_rerank, create_score
+from ferrox.entrypoints.openai.serving_tokenizer_info import get_tokenizer_info
 from ferrox.entrypoints.openai.tools import template_text
 from ferrox.entrypoints.openapi import build_openapi
 from ferrox.entrypoints.web.status import ThroughputMeter, server_status
@@ -618,6 +619,8 @@ def build_app(engine: AsyncLLM, *, served_model_name: str | list[str] | None = N
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/status", status)
     app.router.add_get("/load", load)
+    if options.enable_tokenizer_info_endpoint:
+        app.router.add_get("/tokenizer_info", get_tokenizer_info)
     if not options.disable_fastapi_docs:
         app.router.add_get("/openapi.json", openapi)
     web_page.add_routes(app.router)

@@ -99,6 +99,8 @@ class ServerOptions:
     enable_server_load_tracking: bool = False
     # vLLM's --disable-fastapi-docs: no /openapi.json (ferrox serves no Swagger UI or ReDoc pages).
     disable_fastapi_docs: bool = False
+    # vLLM's --enable-tokenizer-info-endpoint: GET /tokenizer_info (it shows the chat template and tokenizer config).
+    enable_tokenizer_info_endpoint: bool = False
 
 
 class ServingContext:
