@@ -15,12 +15,14 @@ import re
 import signal
 import subprocess
 import time
+import urllib.request
 
 import aiohttp
 import pytest
 
 from tests.server.server_proc import ServerProcess, pid_alive
 from tests.server.test_metrics_disconnect import scrape, value
+from tests.server.test_sleep_server import call, check_abort_then_queue_until_wake
 
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time", "def fibonacci(n):"]
 STREAM_BODY = {"prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True, "stream": True}
@@ -28,8 +30,8 @@ STREAM_BODY = {"prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": T
 
 @pytest.fixture(scope="module")
 def dp_server():
-    srv = ServerProcess("--data-parallel-size", "2", "--served-model-name", "smol",
-                        env={"FERROX_LOG_STATS_INTERVAL": "1"})
+    srv = ServerProcess("--data-parallel-size", "2", "--served-model-name", "smol", "--enable-sleep-mode",
+                        env={"FERROX_LOG_STATS_INTERVAL": "1", "VLLM_SERVER_DEV_MODE": "1"})
     yield srv
     srv.stop()
 
@@ -177,6 +179,19 @@ def test_each_core_logs_its_stats_line(dp_server):
     assert busy, lines
     assert all(re.search(r"running \d+ reqs, waiting \d+ reqs, KV cache usage [\d.]+%, prefix cache hit rate [\d.]+%",
                          ln) for ln in lines), lines[:2]
+
+
+def test_sleep_reaches_every_core(dp_server):
+    """Sleep mode's routes act on every core: both sleep (a request waits), both wake, answers unchanged."""
+    before = complete_all(dp_server.base_url, PROMPTS)
+    check_abort_then_queue_until_wake(dp_server.base_url, "smol")
+    status, _ = call(dp_server.base_url, "POST", "/sleep?level=1")
+    assert status == 200
+    with urllib.request.urlopen(dp_server.base_url + "/metrics", timeout=30) as resp:
+        awake = [ln for ln in resp.read().decode().splitlines() if ":engine_sleep_state{" in ln and '"awake"' in ln]
+    assert len(awake) == 2 and all(ln.endswith(" 0.0") for ln in awake), awake
+    assert call(dp_server.base_url, "POST", "/wake_up")[0] == 200
+    assert complete_all(dp_server.base_url, PROMPTS) == before
 
 
 def test_a_dead_core_fails_every_client_and_the_server_exits(dp_server):
