@@ -242,7 +242,7 @@ def test_serving_defaults_are_honoured_and_the_key_is_never_logged():
         assert info["tokenizer_class"] == "PreTrainedTokenizerFast" and info["eos_token"] == "<|im_end|>", info
         assert "<|im_start|>" in info["chat_template"]
         running = threading.Thread(target=_stream, args=(base, "/v1/completions", {
-            "prompt": "Once upon a time", "max_tokens": 600, "ignore_eos": True}))
+            "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}))
         running.start()
         deadline = time.monotonic() + 60
         while _server_load(base) != 1 and time.monotonic() < deadline:

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import pytest
 from ferrox.entrypoints.openai.serving_tokenizer_info import tokenizer_info
-from ferrox.loader.source import resolve_model
+from ferrox.loader.source import ModelSource
 from ferrox.loader.tokenizer import load_tokenizer
 
-from tests.helpers.tiny_models import make_tiny_llama
+from tests.helpers.tiny_models import _write_tokenizer, build_tokenizer
 
 
 def _vllm_rule(hf) -> dict:
@@ -32,7 +31,8 @@ def _vllm_rule(hf) -> dict:
 
 def test_tokenizer_info_follows_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
-    folder = make_tiny_llama(str(tmp_path / "llama"))
+    folder = str(tmp_path)
+    _write_tokenizer(folder, build_tokenizer())  # the tiny models' tokenizer files (no weights needed)
     # An added-token entry and a special token written as AddedToken objects, as transformers saves them.
     path = os.path.join(folder, "tokenizer_config.json")
     with open(path, encoding="utf-8") as f:
@@ -43,8 +43,8 @@ def test_tokenizer_info_follows_transformers(tmp_path):
                                             "rstrip": False, "single_word": False, "special": True}}
     with open(path, "w", encoding="utf-8") as f:
         json.dump(config, f)
-    shutil.rmtree(os.path.join(folder, "chat_template.jinja"), ignore_errors=True)
-    ours = tokenizer_info(load_tokenizer(resolve_model(folder)), None)
+    source = ModelSource(folder, "hf", "tiny")
+    ours = tokenizer_info(load_tokenizer(source), None)
     reference = _vllm_rule(transformers.AutoTokenizer.from_pretrained(folder))
     # (transformers' class name depends on its version; the folder declares the one any version loads)
     assert ours["tokenizer_class"] == config["tokenizer_class"]
@@ -53,4 +53,4 @@ def test_tokenizer_info_follows_transformers(tmp_path):
     assert ours["added_tokens_decoder"] == {"0": "<|endoftext|>"} == {
         str(k): v for k, v in reference["added_tokens_decoder"].items()}
     # The server's own --chat-template wins.
-    assert tokenizer_info(load_tokenizer(resolve_model(folder)), "{{ x }}")["chat_template"] == "{{ x }}"
+    assert tokenizer_info(load_tokenizer(source), "{{ x }}")["chat_template"] == "{{ x }}"

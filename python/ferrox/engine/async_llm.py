@@ -362,6 +362,9 @@ class AsyncLLM:
         wake_up(tags=["weights"]), the checkpoint read again into the weights). Every engine core's
         ranks' results, in order."""
         check_rpc(method)
+        if not self.config.enable_sleep_mode:
+            raise InvalidArgumentError(f"method: {method} needs enable_sleep_mode=True (ferrox serve "
+                                       "--enable-sleep-mode), which keeps the weights reloadable", param="method")
         results = await self.client.call_utility("collective_rpc", method, timeout, list(args), kwargs or {},
                                                   timeout_s=timeout)
         return [r for core in results for r in core]
