@@ -170,3 +170,17 @@ def test_a_quantized_gguf_on_cpu_keeps_its_weights(sleepy):
     quantized.sleep(level=1)
     quantized.wake_up()
     assert quantized.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == before
+
+
+def test_lora_engines_keep_their_weights_and_offline_rpc_takes_no_timeout(sleepy):
+    """LoRA wraps the layers after loading, so a reload could not line up: discarding the weights is refused
+    before anything sleeps (level 1 remains). The offline collective_rpc cannot bound its call: timeout is
+    refused by name."""
+    with_lora = LLM(dtype="float32", enable_sleep_mode=True, enable_lora=True, kv_cache_memory=32 << 20,
+                    max_model_len=512)
+    with pytest.raises(InvalidArgumentError) as err:
+        with_lora.sleep(level=2)
+    assert err.value.param == "level" and not with_lora.is_sleeping()
+    with pytest.raises(InvalidArgumentError) as err:
+        sleepy.collective_rpc("reload_weights", timeout=5.0)
+    assert err.value.param == "timeout"

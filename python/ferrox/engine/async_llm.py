@@ -365,8 +365,8 @@ class AsyncLLM:
         if not self.config.enable_sleep_mode:
             raise InvalidArgumentError(f"method: {method} needs enable_sleep_mode=True (ferrox serve "
                                        "--enable-sleep-mode), which keeps the weights reloadable", param="method")
-        results = await self.client.call_utility("collective_rpc", method, timeout, list(args), kwargs or {},
-                                                  timeout_s=timeout)
+        # timeout bounds the wait, as vLLM's (asyncio.TimeoutError past it).
+        results = await self.client.call_utility("collective_rpc", method, list(args), kwargs or {}, timeout_s=timeout)
         return [r for core in results for r in core]
 
     async def start_profile(self) -> None:

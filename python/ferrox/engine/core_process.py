@@ -31,7 +31,6 @@ from ferrox.engine.defaults import GENERATION_DEFAULT_KEYS
 from ferrox.engine.protocol import EngineCoreRequest
 from ferrox.gc_tuning import freeze_startup_heap
 from ferrox.pooling.params import PoolerConfig
-from ferrox.sleep_mode import sleep_plan
 from ferrox.step_types import StepResult, StepRow
 
 logger = logging.getLogger("ferrox.engine.core_process")
@@ -182,7 +181,7 @@ class CoreProcLoop:
                     # Already asleep: the requests it would wait for cannot finish; they are kept.
                     call.args = [call.args[0], "keep", *call.args[2:]]
                 elif mode == "wait" and self.core.has_unfinished_requests():
-                    sleep_plan(self.core.sleeper is not None, *call.args)  # refuse bad arguments now
+                    self.core.sleep_plan(*call.args)  # refuse bad arguments now, not once the requests finished
                     self.pending_sleep = call  # answered by _sleep_when_drained
                     return []
                 outputs.append(self.core.sleep(*call.args))

@@ -661,13 +661,8 @@ class EngineCore:
         core process holds new ones back until they are: engine/core_process.py); "keep" preempts the
         running ones, which recompute their tokens after the wake-up. Returns the outputs this
         produced, the last in-flight step's included."""
-        release, offload = sleep_plan(self.sleeper is not None, level, mode, tags)
+        release, offload = self.sleep_plan(level, mode, tags)
         assert self.sleeper is not None  # (sleep_plan refused an engine without it)
-        if WEIGHTS in release and not offload and not self.sleeper.memory.reloadable:
-            raise InvalidArgumentError(
-                f"{'tags' if tags else 'level'}: discarding the weights needs reload_weights, which a quantized GGUF "
-                "on CPU (matrices packed in Rust) cannot do; use level 1, or dtype='float32'",
-                param="tags" if tags else "level")
         parts = []
         unfinished = list(self._slot_of_req)
         if mode == "abort" and unfinished:
@@ -688,6 +683,21 @@ class EngineCore:
                     " (weights discarded: collective_rpc('reload_weights') after the wake-up)")
         return StepResult.concat(parts)
 
+    def sleep_plan(self, level: int = 1, mode: str = "abort",
+                   tags: list[str] | None = None) -> tuple[tuple[str, ...], bool]:
+        """ferrox.sleep_mode.sleep_plan for this engine: also refuses discarding weights it could not reload."""
+        release, offload = sleep_plan(self.sleeper is not None, level, mode, tags)
+        if WEIGHTS in release and not offload:
+            self._check_reloadable("tags" if tags else "level")
+        return release, offload
+
+    def _check_reloadable(self, param: str) -> None:
+        assert self.sleeper is not None
+        if self.loras is not None or not self.sleeper.memory.reloadable:
+            raise InvalidArgumentError(
+                f"{param}: discarding and reloading the weights is not supported with LoRA enabled (wrapped layers) or "
+                "for a quantized GGUF on CPU (matrices packed in Rust); use level 1 (or dtype='float32')", param=param)
+
     def _settle_in_flight(self) -> list[StepResult]:
         """Async scheduling: finish and report the step in flight without scheduling another."""
         self._sample_masked()
@@ -704,7 +714,7 @@ class EngineCore:
                     f"; still asleep: {'+'.join(sorted(self.sleeper.memory.asleep))}" if self.sleeper.sleeping
                     else "")
 
-    def collective_rpc(self, method: str, timeout: float | None = None, args: list[Any] | None = None,
+    def collective_rpc(self, method: str, args: list[Any] | None = None,
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
         """vLLM's collective_rpc for the worker methods ferrox has: "reload_weights" (the checkpoint read
         again into the served weights, on every rank). One result per rank."""
@@ -714,9 +724,7 @@ class EngineCore:
         if self.sleeper is None:
             raise InvalidArgumentError(f"method: {method} needs enable_sleep_mode=True (ferrox serve "
                                        "--enable-sleep-mode), which keeps the weights reloadable", param="method")
-        if self.loras is not None or not self.sleeper.memory.reloadable:
-            raise InvalidArgumentError(f"method: {method} with LoRA enabled (wrapped layers) or a quantized GGUF on "
-                                       "CPU (matrices packed in Rust) is not supported", param="method")
+        self._check_reloadable("method")
         self.sleeper.reload_weights()
         return [None] * self.tp.size
 

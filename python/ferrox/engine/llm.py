@@ -107,7 +107,11 @@ class LLM:
         """vLLM's, for the worker methods ferrox has: "reload_weights" reads the checkpoint again into the
         served weights (after sleep(level=2) and wake_up(tags=["weights"]); enable_sleep_mode). One
         result per tensor-parallel rank."""
-        return self.engine.collective_rpc(method, timeout, list(args), kwargs)
+        if timeout is not None:
+            # vLLM's bound on the wait; here the call runs in this thread, which nothing could interrupt.
+            raise InvalidArgumentError("timeout: the offline LLM runs the call in this thread and cannot bound it; "
+                                       "leave timeout unset (AsyncLLM.collective_rpc takes one)", param="timeout")
+        return self.engine.collective_rpc(method, list(args), kwargs)
 
     def start_profile(self) -> None:
         """vLLM's: the torch profiler over the engine's steps until stop_profile, which writes a trace to
