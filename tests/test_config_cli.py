@@ -114,6 +114,10 @@ def _non_default(name: str) -> list[tuple[list[str], Any]]:
         return [([flag, '{"image": 2}'], {"image": 2})]
     if name == "mm_processor_kwargs":
         return [([flag, '{"max_pixels": 50176}'], {"max_pixels": 50176})]
+    if name == "compilation_config":
+        return [([flag, '{"cudagraph_mode": "FULL_DECODE_ONLY"}'], {"cudagraph_mode": "FULL_DECODE_ONLY"})]
+    if name == "cudagraph_capture_sizes":  # integers, several (vLLM's nargs)
+        return [([flag, "1", "2", "4"], [1, 2, 4])]
     if name == "served_model_name":  # one name, or several (vLLM's nargs)
         return [([flag, "a"], "a"), ([flag, "a", "b"], ["a", "b"])]
     choices = field.metadata.get("choices")

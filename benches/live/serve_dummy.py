@@ -176,6 +176,9 @@ def main() -> int:
     running = [ln for ln in metrics.splitlines() if ln.startswith(("vllm:num_requests_running", "vllm:kv_cache_usage_perc"))]
     code = srv.stop()
     tail = [ln for ln in srv.log if "Traceback" in ln or " ERROR " in ln]
+    for ln in srv.log:
+        if "CUDA graphs captured" in ln:
+            print("   ", ln.strip()[-160:])
     print(f"{done} ok, errors {errors}, {wall:.1f} s; metrics {running}; exit {code}; error log lines {len(tail)}")
     for ln in tail[:10]:
         print("   ", ln)

@@ -35,6 +35,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from ferrox.compilation_config import GraphPlan, graph_plan
 from ferrox.pooling.params import parse_pooler_overrides
 from ferrox.reasoning.parser import REASONING_PARSERS
 from ferrox.speculative_config import parse_speculative_config
@@ -181,6 +182,22 @@ class EngineConfig:
     policy: str = _opt("order of waiting requests: arrival (fcfs), or the request's priority field", "fcfs",
                        choices=POLICIES, aliases=("--scheduling-policy",))
     enforce_eager: bool = _opt("disable CUDA graphs (run every step eagerly)", False)
+    compilation_config: dict[str, Any] | None = _opt(
+        "vLLM's compilation settings, a JSON object (-cc; LLM(compilation_config=3) is a mode): ferrox runs no "
+        "torch.compile, so it takes the keys that choose CUDA graphs, with vLLM's meaning -- cudagraph_mode "
+        "FULL_AND_PIECEWISE (whole decode steps + piecewise graphs around attention for the others), "
+        "FULL_DECODE_ONLY, PIECEWISE or NONE; cudagraph_capture_sizes; max_cudagraph_capture_size; mode 3 "
+        "(VLLM_COMPILE) or 0 (NONE: no piecewise graphs); custom_ops ['all'] -- and refuses the others by name "
+        "(ferrox/compilation_config.py)", aliases=("-cc",),
+        default_help="FULL_AND_PIECEWISE at ferrox's own sizes")
+    cudagraph_capture_sizes: list[int] | None = _opt(
+        "the step sizes (tokens) to capture CUDA graphs for (vLLM's): decode graphs take those up to "
+        "max_num_seqs, piecewise graphs those up to max_num_batched_tokens; larger steps run eagerly",
+        nargs="+", item_type=int,
+        default_help="decode 1, 2, 4, 8, 16, 24, ... max_num_seqs; piecewise 8 ... 512 (2048 for MoE models)")
+    max_cudagraph_capture_size: int | None = _opt(
+        "the largest step size captured (vLLM's): caps both ladders (and raises the piecewise one to it); with "
+        "cudagraph_capture_sizes it must be their largest", default_help="the ladders' own tops")
     enable_sleep_mode: bool = _opt(
         "allow sleep / wake_up (vLLM's): sleep(level=1) gives the GPU memory of the weights (kept in host memory) "
         "and of the KV cache (discarded) back until wake_up, without a reload; the server's /sleep, /wake_up and "
@@ -268,6 +285,9 @@ class EngineConfig:
             raise ValueError(f"num_gpu_blocks_override: {self.num_gpu_blocks_override} leaves no block for tokens "
                              "(one is the null block)")
         _positive_int("block_size", self.block_size)
+        if isinstance(self.compilation_config, int) and not isinstance(self.compilation_config, bool):
+            self.compilation_config = {"mode": self.compilation_config}  # vLLM's shorthand: a mode
+        self.graph_plan()  # raises ValueError naming the key or flag
         if isinstance(self.long_prefill_token_threshold, bool) or not isinstance(self.long_prefill_token_threshold, int) \
                 or self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold: must be an integer >= 0 (0: off), got "
@@ -301,6 +321,8 @@ class EngineConfig:
         parse_speculative_config(self.speculative_config)  # raises ValueError naming the key
         _choice("runner", self.runner, RUNNERS)
         parse_pooler_overrides(self.pooler_config)  # raises ValueError naming the key
+        if self.runner == "pooling":
+            self.check_graphs_for_pooling()
         if self.runner == "pooling" and self.speculative_config:
             raise ValueError("speculative_config: a pooling model generates no tokens to speculate on (leave "
                              "speculative_config unset with runner 'pooling')")
@@ -347,6 +369,21 @@ class EngineConfig:
         """--served-model-name as a list (empty: the model's own name); the first names responses."""
         name = self.served_model_name
         return [] if name is None else [name] if isinstance(name, str) else list(name)
+
+    def graph_plan(self, log: bool = False) -> GraphPlan:
+        """Which CUDA graphs the engine captures (ferrox/compilation_config.py)."""
+        return graph_plan(self.compilation_config, cudagraph_capture_sizes=self.cudagraph_capture_sizes,
+                          max_cudagraph_capture_size=self.max_cudagraph_capture_size,
+                          enforce_eager=self.enforce_eager, log=log)
+
+    def check_graphs_for_pooling(self) -> None:
+        """A pooling model runs every step eagerly (whole prompts of any shape): CUDA-graph settings asked
+        of one are refused by name rather than ignored."""
+        asked = self.compilation_config or self.cudagraph_capture_sizes or self.max_cudagraph_capture_size
+        if asked and self.graph_plan().any:
+            raise ValueError("compilation_config / cudagraph_capture_sizes / max_cudagraph_capture_size: a pooling "
+                             "model runs its steps without CUDA graphs (whole prompts of any shape); leave them "
+                             "unset or set cudagraph_mode NONE")
 
     # ---- device-dependent defaults, resolved by the engine ------------------------------------
     def resolved_device(self) -> str:

@@ -139,7 +139,7 @@ def test_num_gpu_blocks_override_sizes_the_cuda_cache(tiny_llama):
     """vLLM's num_gpu_blocks_override: the cache gets exactly that many blocks instead of the profiled count,
     and generation runs in it (a request that outgrows it preempts, as with any small cache)."""
     llm = LLM(tiny_llama, device="cuda", num_gpu_blocks_override=24, max_model_len=256, max_num_seqs=8)
-    assert llm.engine.num_kv_blocks == 24 and llm.engine.sleep_memory is None
+    assert llm.engine.num_kv_blocks == 24 and llm.engine.sleeper is None
     assert int(llm.engine.runner.kv_caches[0].shape[1]) == 24
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 64 for o in outs)

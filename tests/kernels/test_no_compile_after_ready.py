@@ -42,20 +42,22 @@ def _cls(n: int) -> str:
 
 def _limits(engine, *, cuda_graphs: bool) -> EngineLimits:
     sched = engine.config
-    return EngineLimits(max_num_seqs=sched.resolved_max_num_seqs(engine.device.type),
+    max_num_seqs = sched.resolved_max_num_seqs(engine.device.type)
+    return EngineLimits(max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=sched.resolved_max_num_batched_tokens(engine.device.type),
                         max_model_len=engine.max_model_len, block_size=engine.block_size,
-                        num_blocks=engine.num_kv_blocks, cuda_graphs=cuda_graphs)
+                        num_blocks=engine.num_kv_blocks, decode_graph_max=max_num_seqs if cuda_graphs else 0)
 
 
 # ---- the plan (CPU) ------------------------------------------------------------------------------
 @cpu_only
-@pytest.mark.parametrize("graphs", [True, False])
-def test_plan_covers_every_class_at_the_gpu_defaults(graphs):
+@pytest.mark.parametrize("graph_max", [512, 0, 4], ids=["graphs", "eager", "graphs-to-4"])
+def test_plan_covers_every_class_at_the_gpu_defaults(graph_max):
     """At the GPU defaults (512 sequences, 8192-token budget, 128k context) the steps the core
     schedules cover every (request count, block-table width) class, unsplit and split-KV, short and
-    long queries, long prompts and mixed steps; eager decodes only without CUDA graphs."""
-    limits = EngineLimits(512, 8192, 131072, 16, 1 << 20, graphs)
+    long queries, long prompts and mixed steps; eager decodes of the request counts no CUDA graph holds
+    (all without graphs; past 4 with cudagraph_capture_sizes 1 2 4: the first past them and 16)."""
+    limits = EngineLimits(512, 8192, 131072, 16, 1 << 20, graph_max)
     short, long_, chunks, mixed, decodes = set(), set(), [], set(), set()
     for recipe in warmup_plan(limits):
         step = build_step(recipe, limits, vocab_size=128256)  # raises if the core scheduled anything else
@@ -85,15 +87,17 @@ def test_plan_covers_every_class_at_the_gpu_defaults(graphs):
     assert sorted(chunks) == [0, 8192]  # a whole-budget prompt, then its next chunk
     assert {m[:3] for m in mixed if m[0]} == {(True, False, False), (True, False, True), (True, True, True)}
     assert (False, False, False, False) in mixed and any(m[3] for m in mixed)  # short, and split-KV context
-    assert decodes == (set() if graphs else every)
+    eager = {"1", "other", "16k"} if graph_max == 0 else {"other", "16k"} if graph_max == 4 else set()
+    assert decodes == {(n, w) for n, w in every if n in eager}
 
 
 @cpu_only
 @pytest.mark.parametrize("limits", [
-    EngineLimits(8, 256, 1024, 16, 1000, True),  # small budget: wide steps become prefix hits
-    EngineLimits(4, 512, 4096, 32, 2000, False),
-    EngineLimits(1, 64, 300, 16, 40, False),
-    EngineLimits(256, 32, 256, 16, 4000, False),  # eager decodes whose prompts exceed the budget together
+    EngineLimits(8, 256, 1024, 16, 1000, 8),  # small budget: wide steps become prefix hits
+    EngineLimits(4, 512, 4096, 32, 2000, 0),
+    EngineLimits(1, 64, 300, 16, 40, 0),
+    EngineLimits(256, 32, 256, 16, 4000, 0),  # eager decodes whose prompts exceed the budget together
+    EngineLimits(64, 512, 4096, 16, 4000, 4),  # graphs up to 4 requests (cudagraph_capture_sizes 1 2 4)
 ])
 def test_plan_fits_small_engines(limits):
     plan = warmup_plan(limits)
@@ -238,18 +242,21 @@ def _first_time_traffic(llm: LLM, seed: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("eager", [False, True])
-def test_first_time_shapes_compile_nothing_after_ready(cuda_device, tmp_path_factory, eager):
+@pytest.mark.parametrize("graphs", ["all", "eager", "to-4"])
+def test_first_time_shapes_compile_nothing_after_ready(cuda_device, tmp_path_factory, graphs):
     """Serve shapes this process has never run after the engine is ready: no Triton kernel (and no
-    torch.compile graph) compiles. The two engines have different head layouts, so the second does
-    not find the first's variants in the in-memory JIT cache."""
+    torch.compile graph) compiles -- with CUDA graphs, without, and with decode graphs for 1-4 requests
+    only (cudagraph_capture_sizes: larger decode steps run eagerly). The engines have different head
+    layouts, so none finds another's variants in the in-memory JIT cache."""
     from tests.helpers.tiny_models import make_tiny_llama
 
-    shape = dict(hidden_size=192, num_heads=6) if eager else dict(hidden_size=256, num_heads=8)
+    shape = {"all": dict(hidden_size=256, num_heads=8), "eager": dict(hidden_size=192, num_heads=6),
+             "to-4": dict(hidden_size=320, num_heads=10)}[graphs]
     folder = make_tiny_llama(str(tmp_path_factory.mktemp("warm")), num_layers=2, num_kv_heads=2,
                              intermediate_size=256, max_position_embeddings=8192, **shape)
-    llm = LLM(folder, device="cuda", enforce_eager=eager, max_num_seqs=64, max_num_batched_tokens=2048,
-              max_model_len=8192, kv_cache_memory=1 << 30)
+    sizes = dict(cudagraph_capture_sizes=[1, 2, 4]) if graphs == "to-4" else {}
+    llm = LLM(folder, device="cuda", enforce_eager=graphs == "eager", max_num_seqs=64, max_num_batched_tokens=2048,
+              max_model_len=8192, kv_cache_memory=1 << 30, **sizes)
     report = llm.engine.warmup
     assert report is not None and report.steps and not report.skipped, report
     with CompileWatch() as watch:

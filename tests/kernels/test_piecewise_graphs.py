@@ -50,7 +50,7 @@ def _steps(num_blocks: int):
     prompt, several prompts, decodes beside a prefill chunk, a prefix hit beside a decode, and a
     token count that is a ladder size exactly."""
     limits = EngineLimits(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024, block_size=BLOCK,
-                          num_blocks=num_blocks, cuda_graphs=True)
+                          num_blocks=num_blocks, decode_graph_max=8)
     recipes = [
         Recipe("one prompt", (RequestShape(5, 5),)),
         Recipe("three prompts", (RequestShape(13, 13), RequestShape(2, 2), RequestShape(21, 21))),
@@ -99,7 +99,7 @@ def test_piecewise_replay_matches_eager(cuda_device, seed):
     too_long = RequestShape(65, 65)
     assert not runner.can_run(upload_step(build_step(Recipe("long", (too_long,)), EngineLimits(
         max_num_seqs=8, max_num_batched_tokens=128, max_model_len=1024, block_size=BLOCK,
-        num_blocks=kv_caches[0].shape[1], cuda_graphs=True), vocab_size=1000).so, upload).meta)
+        num_blocks=kv_caches[0].shape[1], decode_graph_max=8), vocab_size=1000).so, upload).meta)
 
 
 @pytest.mark.gpu

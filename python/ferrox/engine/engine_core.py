@@ -138,6 +138,7 @@ class EngineCore:
                                      max_num_tokens=max(loaded.max_num_batched_tokens, loaded.max_num_seqs))
         self.runner: ModelRunner | PoolingRunner
         if self.pooler_config is not None:
+            config.check_graphs_for_pooling()  # (runner 'auto' resolved to pooling)
             self.runner = PoolingRunner(loaded.model, loaded.kv_caches, pooler_config=self.pooler_config,
                                         device=self.device)
         else:
@@ -166,25 +167,29 @@ class EngineCore:
                 target_vocab_size=self.vocab_size, num_blocks=loaded.num_blocks, block_size=config.block_size,
                 max_num_seqs=loaded.max_num_seqs, max_model_len=self.max_model_len, dtype=loaded.dtype,
                 device=self.device, load_format=config.load_format, seed=config.seed,
-                cuda_graphs=not config.enforce_eager,
+                cuda_graphs=config.graph_plan().decode,
                 keep_quantized=config.dtype == "auto" and config.quantization is None)
         # An engine dropped without shutdown() still releases its ranks (and the process group).
         self._finalizer = weakref.finalize(self, EngineCore._release, self.runner, self.executor, self.tp)
         self.cuda_graph_capture_s: float | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        plan = config.graph_plan(log=self.device.type == "cuda")
+        if self.device.type == "cuda" and plan.any:
             self.cuda_graph_capture_s = self.runner.capture_cuda_graphs(
                 max_num_seqs=loaded.max_num_seqs, max_model_len=self.max_model_len, block_size=config.block_size,
                 verify_len=verify_len(config.speculative_config), max_num_batched_tokens=loaded.max_num_batched_tokens,
+                plan=plan,
             )
             if self.cuda_graph_capture_s is not None:
-                logger.info("CUDA graphs for decode batches %s captured in %.1f s",
-                            self.runner.graph_runner.batch_sizes, self.cuda_graph_capture_s)
+                logger.info("CUDA graphs captured in %.1f s: decode batches %s, piecewise token counts %s",
+                            self.cuda_graph_capture_s, self.runner.decode_graph_sizes(),
+                            self.runner.piecewise_graph_sizes())
         # Every kernel variant a request can reach compiles now, not inside its latency (worker/warmup.py).
         self.warmup: WarmupReport | None = None
         if self.device.type == "cuda" and isinstance(self.runner, ModelRunner):
             limits = EngineLimits(max_num_seqs=loaded.max_num_seqs, max_num_batched_tokens=loaded.max_num_batched_tokens,
                                   max_model_len=self.max_model_len, block_size=config.block_size,
-                                  num_blocks=loaded.num_blocks, cuda_graphs=self.runner.graph_runner is not None)
+                                  num_blocks=loaded.num_blocks,
+                                  decode_graph_max=max(self.runner.decode_graph_sizes(), default=0))
             self.warmup = warm_up(self.runner, limits, vocab_size=self.vocab_size, seed=config.seed)
             logger.info("warm-up: %s", self.warmup.summary())
         self.pooling_warmup_s: float | None = None

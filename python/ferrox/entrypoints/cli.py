@@ -106,7 +106,7 @@ def add_engine_args(parser: argparse.ArgumentParser, group: argparse._ArgumentGr
         help_text = engine_help(field)
         if meta.get("nargs"):  # a name or several (--served-model-name a b)
             group.add_argument(flag_name(field.name), *meta.get("aliases", ()), dest=field.name, nargs=meta["nargs"],
-                               default=field.default, help=help_text)
+                               type=meta.get("item_type", str), default=field.default, help=help_text)
             continue
         value_type = _value_type(hints[field.name])
         if meta.get("positional"):

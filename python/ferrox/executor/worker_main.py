@@ -44,10 +44,11 @@ def run_worker(config: EngineConfig, rank: int, size: int, init_method: str, dev
     try:
         loaded = load_everything(config, tp, device_index)
         forward = ModelForward(loaded.model, loaded.kv_caches, loaded.device, tp, Uploader(loaded.device))
-        if loaded.device.type == "cuda" and not config.enforce_eager:
+        plan = config.graph_plan()
+        if loaded.device.type == "cuda" and plan.any:
             forward.capture_cuda_graphs(max_num_seqs=loaded.max_num_seqs, max_model_len=loaded.max_model_len,
                                         block_size=config.block_size, verify_len=verify_len(config.speculative_config),
-                                        max_num_batched_tokens=loaded.max_num_batched_tokens)
+                                        max_num_batched_tokens=loaded.max_num_batched_tokens, plan=plan)
         logger.info("tensor-parallel rank %d/%d ready on %s", rank, size, loaded.device)
         freeze_startup_heap()
         _step_loop(forward, StepChannel(tp), loaded.sleep_memory, loaded.reload_model)

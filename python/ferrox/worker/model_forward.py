@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ferrox.attention.metadata import AttentionMetadata
+from ferrox.compilation_config import GraphPlan
 from ferrox.distributed.parallel_state import TPGroup
 from ferrox.worker.multimodal import StepImages
 from ferrox.worker.step_inputs import Uploader, step_tensors
@@ -89,36 +90,51 @@ class ModelForward:
         self.piece_runner: Any = None
 
     def capture_cuda_graphs(self, *, max_num_seqs: int, max_model_len: int, block_size: int,
-                            verify_len: int = 0, max_num_batched_tokens: int = 0) -> float | None:
-        """Capture decode graphs for the batch-size ladder (and, with verify_len = k + 1 for k
-        speculative tokens, graphs of verify steps), then piecewise graphs for other steps of up
-        to min(512 or the model's piecewise_graph_tokens, max_num_batched_tokens) tokens; returns seconds, or None if the decode graphs
-        failed (logged; the engine then runs eagerly; the piecewise graphs failing alone leaves
-        the decode graphs on). Under tensor parallelism every rank captures the same graphs,
-        all-reduces included."""
-        from ferrox.worker.cuda_graphs import CudaGraphRunner
-        from ferrox.worker.piecewise_graphs import PiecewiseGraphRunner, piecewise_graphs_enabled
+                            verify_len: int = 0, max_num_batched_tokens: int = 0,
+                            plan: GraphPlan | None = None) -> float | None:
+        """Capture what the plan asks for (ferrox/compilation_config.py; None: both kinds at ferrox's sizes):
+        decode graphs for the batch-size ladder (and, with verify_len = k + 1 for k speculative tokens,
+        graphs of verify steps), then piecewise graphs for other steps of up to min(512 or the model's
+        piecewise_graph_tokens, max_num_batched_tokens) tokens -- or the plan's sizes. Returns seconds, or
+        None if the decode graphs failed (logged; the engine then runs eagerly; the piecewise graphs
+        failing alone leaves the decode graphs on). Under tensor parallelism every rank captures the same
+        graphs, all-reduces included."""
+        from ferrox.worker.cuda_graphs import CudaGraphRunner, batch_size_ladder
+        from ferrox.worker.piecewise_graphs import (
+            PiecewiseGraphRunner,
+            piecewise_graphs_enabled,
+            token_ladder,
+        )
 
+        plan = plan or GraphPlan()
         if not getattr(self.model, "supports_cuda_graphs", True):
             # (an attention backend that plans steps on the host: DeepSeek's MLA on the torch backend)
             logger.info("%s runs every step eagerly (no CUDA graphs)", type(self.model).__name__)
             return None
-        try:
-            runner = CudaGraphRunner(self.model, self.kv_caches, max_num_seqs=max_num_seqs,
-                                     max_model_len=max_model_len, block_size=block_size, device=self.device,
-                                     verify_len=verify_len)
-            seconds = runner.capture()
-        except Exception:
-            if self.tp.size > 1:
-                raise  # the other ranks would wait in a collective this rank never joins
-            logger.exception("CUDA graph capture failed; decode steps run eagerly")
-            return None
-        self.graph_runner = runner
-        if not piecewise_graphs_enabled() or max_num_batched_tokens < 1:
+        seconds = 0.0
+        decode_sizes = ([s for s in plan.sizes if s <= max_num_seqs] if plan.sizes is not None
+                        else batch_size_ladder(min(max_num_seqs, plan.max_size)) if plan.max_size is not None else None)
+        if plan.decode and decode_sizes != []:
+            try:
+                runner = CudaGraphRunner(self.model, self.kv_caches, max_num_seqs=max_num_seqs,
+                                         max_model_len=max_model_len, block_size=block_size, device=self.device,
+                                         verify_len=verify_len, batch_sizes=decode_sizes)
+                seconds = runner.capture()
+            except Exception:
+                if self.tp.size > 1:
+                    raise  # the other ranks would wait in a collective this rank never joins
+                logger.exception("CUDA graph capture failed; decode steps run eagerly")
+                return None
+            self.graph_runner = runner
+        if not plan.piecewise or not piecewise_graphs_enabled() or max_num_batched_tokens < 1:
+            return seconds
+        piece_sizes = ([s for s in plan.sizes if s <= max_num_batched_tokens] if plan.sizes is not None
+                       else token_ladder(max_num_batched_tokens, plan.max_size) if plan.max_size is not None else None)
+        if piece_sizes == []:
             return seconds
         try:
             pieces = PiecewiseGraphRunner(self.model, self.kv_caches, max_num_batched_tokens=max_num_batched_tokens,
-                                          block_size=block_size, device=self.device)
+                                          block_size=block_size, device=self.device, sizes=piece_sizes)
             if pieces.sizes:
                 seconds += pieces.capture()
                 self.piece_runner = pieces
@@ -128,6 +144,14 @@ class ModelForward:
             logger.exception("piecewise CUDA graph capture failed; prefill and mixed steps run eagerly")
             torch.cuda.synchronize(self.device)
         return seconds
+
+    def decode_graph_sizes(self) -> list[int]:
+        """The decode batch sizes captured (empty: none)."""
+        return list(self.graph_runner.batch_sizes) if self.graph_runner is not None else []
+
+    def piecewise_graph_sizes(self) -> list[int]:
+        """The token counts of the piecewise graphs captured (empty: none)."""
+        return list(self.piece_runner.sizes) if self.piece_runner is not None else []
 
     @torch.inference_mode()
     def run(self, step: Any, prompt_rows: np.ndarray,

@@ -31,6 +31,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from ferrox.compilation_config import GraphPlan
 from ferrox.distributed.parallel_state import TPGroup, get_tp_group
 from ferrox.distributed.step_channel import SHUTDOWN, STEP, StepChannel
 from ferrox.layers.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, compute_logprobs
@@ -177,12 +178,19 @@ class ModelRunner:
         return self.forward.graph_runner
 
     def capture_cuda_graphs(self, *, max_num_seqs: int, max_model_len: int, block_size: int,
-                            verify_len: int = 0, max_num_batched_tokens: int = 0) -> float | None:
-        """Capture decode (and verify) graphs for the batch-size ladder and piecewise graphs for
-        short prefill and mixed steps (ModelForward.capture_cuda_graphs)."""
+                            verify_len: int = 0, max_num_batched_tokens: int = 0,
+                            plan: GraphPlan | None = None) -> float | None:
+        """Capture decode (and verify) graphs and piecewise graphs for short prefill and mixed steps, as
+        the plan says (ModelForward.capture_cuda_graphs)."""
         return self.forward.capture_cuda_graphs(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                                 block_size=block_size, verify_len=verify_len,
-                                                max_num_batched_tokens=max_num_batched_tokens)
+                                                max_num_batched_tokens=max_num_batched_tokens, plan=plan)
+
+    def decode_graph_sizes(self) -> list[int]:
+        return self.forward.decode_graph_sizes()
+
+    def piecewise_graph_sizes(self) -> list[int]:
+        return self.forward.piecewise_graph_sizes()
 
     def shutdown(self) -> None:
         """Release the other tensor-parallel ranks from their step loop."""

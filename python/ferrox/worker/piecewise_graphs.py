@@ -191,8 +191,10 @@ class PiecewiseGraphRunner:
         num_blocks = int(kv_caches[0].shape[1])
         top = getattr(model, "piecewise_graph_tokens", MAX_PIECEWISE_TOKENS)
         wanted = sizes if sizes is not None else token_ladder(max_num_batched_tokens, top)
+        # Not one token: a one-token forward takes the fused one-token path (attention/fused_decode.py),
+        # which has no attention call to cut a graph around; a one-token step pads to the next size.
         self.sizes = sorted(s for s in set(wanted)
-                            if min_prefill_blocks(s, _dummy_prompts(s), block_size) <= num_blocks)
+                            if s > 1 and min_prefill_blocks(s, _dummy_prompts(s), block_size) <= num_blocks)
         self.max_tokens = self.sizes[-1] if self.sizes else 0
         rows = max(self.max_tokens, 1)
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)

@@ -88,8 +88,14 @@ class PoolingRunner:
         self._token_types = bool(getattr(model, "uses_token_types", False))
 
     def capture_cuda_graphs(self, *, max_num_seqs: int, max_model_len: int, block_size: int,
-                            verify_len: int = 0, max_num_batched_tokens: int = 0) -> float | None:
+                            verify_len: int = 0, max_num_batched_tokens: int = 0, plan: Any = None) -> float | None:
         return None
+
+    def decode_graph_sizes(self) -> list[int]:
+        return []
+
+    def piecewise_graph_sizes(self) -> list[int]:
+        return []
 
     def shutdown(self) -> None:
         """Nothing to release: a pooling model runs on one rank."""

@@ -210,7 +210,9 @@ class EngineLimits:
     max_model_len: int
     block_size: int
     num_blocks: int  # of the engine's KV cache, null block included
-    cuda_graphs: bool  # decode-only steps replay captured graphs (no eager decode steps to warm)
+    # The largest decode batch that replays a captured graph (0: none): larger decode steps run eagerly
+    # (or through piecewise graphs with eager attention) and are warmed like any other shape class.
+    decode_graph_max: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,11 +292,13 @@ def warmup_plan(limits: EngineLimits) -> list[Recipe]:
     if long_widths:
         shape = hit(long_widths[0], LONG_QUERY_LENS[-1])
         add("mixed: long decode + prefix hit", RequestShape(shape.seq_len, 1), shape)
-    if not limits.cuda_graphs:
-        for width in (*SHORT_WIDTHS, *long_widths):
-            seq = short_seq(width) if width in SHORT_WIDTHS else width * bs - 1
-            for n in counts:
-                add(f"decode {n}x{seq}", *[RequestShape(seq, 1)] * n)
+    eager_counts = [n for n in counts if n > limits.decode_graph_max]
+    if limits.decode_graph_max and eager_counts and eager_counts[0] != counts[0]:
+        eager_counts.insert(0, limits.decode_graph_max + 1)  # the first batch past the graphs
+    for width in (*SHORT_WIDTHS, *long_widths):
+        seq = short_seq(width) if width in SHORT_WIDTHS else width * bs - 1
+        for n in eager_counts:
+            add(f"decode {n}x{seq}", *[RequestShape(seq, 1)] * n)
     return plan
 
 
