@@ -49,3 +49,18 @@ def test_modes_capture_what_they_name(tiny_llama, cpu_tokens, kwargs, decode, pi
     # 5 prompts: decode batches of 5 and fewer (past 2 or 4 eager where those are the graphs' top)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == cpu_tokens
+
+
+def test_capture_sizes_reach_verify_and_draft_graphs(tiny_llama, cpu_tokens):
+    """With a draft model, the target's verify graphs and the draft's own graphs take the decode sizes too;
+    larger batches (5 prompts) verify and draft eagerly, with the same greedy tokens."""
+    llm = LLM(tiny_llama, device="cuda", dtype="float32", max_num_seqs=8, kv_cache_memory=64 << 20,
+              cudagraph_capture_sizes=[1, 2], speculative_config={"method": "draft_model", "model": tiny_llama,
+                                                                  "num_speculative_tokens": 3})
+    assert llm.engine.runner.graph_runner.batch_sizes == [1, 2]
+    assert llm.engine.runner.graph_runner.verify_sizes == [1, 2]
+    assert llm.engine.drafter is not None and llm.engine.drafter.graphs.batch_sizes == [1, 2]
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == cpu_tokens
+    one = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert one[0].outputs[0].token_ids == cpu_tokens[0]  # batch 1: the graphs

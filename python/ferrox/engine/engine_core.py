@@ -59,6 +59,7 @@ from ferrox.sampling_params import SamplingParams
 from ferrox.sleep_mode import KV_CACHE, WEIGHTS, check_rpc, sleep_plan, wake_tags
 from ferrox.speculative_config import SpeculativeConfig, parse_speculative_config, verify_len
 from ferrox.step_types import Logprobs, StepResult, StepRow
+from ferrox.worker.cuda_graphs import decode_capture_sizes
 from ferrox.worker.draft_model import DraftProposer
 from ferrox.worker.model_runner import ModelRunner, ModelRunnerOutput, StepHandle
 from ferrox.worker.model_setup import LoadedModel, load_everything
@@ -168,6 +169,7 @@ class EngineCore:
                 max_num_seqs=loaded.max_num_seqs, max_model_len=self.max_model_len, dtype=loaded.dtype,
                 device=self.device, load_format=config.load_format, seed=config.seed,
                 cuda_graphs=config.graph_plan().decode,
+                graph_sizes=decode_capture_sizes(config.graph_plan(), loaded.max_num_seqs),
                 keep_quantized=config.dtype == "auto" and config.quantization is None)
         # An engine dropped without shutdown() still releases its ranks (and the process group).
         self._finalizer = weakref.finalize(self, EngineCore._release, self.runner, self.executor, self.tp)

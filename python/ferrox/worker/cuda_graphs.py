@@ -49,6 +49,7 @@ import torch
 
 from ferrox.attention.kv_cache import zero_kv_blocks
 from ferrox.attention.metadata import AttentionMetadata
+from ferrox.compilation_config import GraphPlan
 from ferrox.worker.dummy_batch import (
     decode_step,
     min_decode_blocks,
@@ -72,6 +73,16 @@ def batch_size_ladder(max_num_seqs: int) -> list[int]:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
     sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs, 8))
     return sorted(set(sizes + [max_num_seqs]))
+
+
+def decode_capture_sizes(plan: GraphPlan, max_num_seqs: int) -> list[int] | None:
+    """The decode batch sizes a plan (ferrox/compilation_config.py) asks to capture: its explicit sizes up to
+    max_num_seqs, the ladder up to its largest size, or None for the ladder up to max_num_seqs."""
+    if plan.sizes is not None:
+        return [s for s in plan.sizes if s <= max_num_seqs]
+    if plan.max_size is not None:
+        return batch_size_ladder(min(max_num_seqs, plan.max_size))
+    return None
 
 
 # Only this thread's forbidden calls fail a capture. In "global" mode any thread's would: the engine's

@@ -72,9 +72,10 @@ class DraftProposer:
     def __init__(self, path: str, *, num_speculative_tokens: int, target_vocab_size: int, num_blocks: int,
                  block_size: int, max_num_seqs: int, max_model_len: int, dtype: torch.dtype,
                  device: torch.device, load_format: str, seed: int, cuda_graphs: bool = False,
-                 keep_quantized: bool = False) -> None:
+                 graph_sizes: list[int] | None = None, keep_quantized: bool = False) -> None:
         """cuda_graphs: capture the proposal steps (one token per request, the target's decode shape)
-        and the shadow pass's verify steps in CUDA graphs of their own, over the twin cache.
+        and the shadow pass's verify steps in CUDA graphs of their own, over the twin cache, at the
+        target's decode batch sizes (graph_sizes; None: the ladder up to max_num_seqs).
         keep_quantized: a quantized GGUF draft stays quantized where it can (the target's rule, so a
         model drafting itself shares its weights and its kernels, and every draft is accepted)."""
         from ferrox.worker.model_setup import _shared_model  # the same weight sharing as the target's
@@ -104,11 +105,11 @@ class DraftProposer:
         self._round_uploads = [Uploader(device) for _ in range(self.k)]
         self._pending: list[_Pending] = []
         self.graphs: CudaGraphRunner | None = None
-        if cuda_graphs and torch.device(device).type == "cuda":
+        if cuda_graphs and graph_sizes != [] and torch.device(device).type == "cuda":
             # Verify-shaped graphs too: the shadow pass runs the target's steps, verify steps included.
             self.graphs = CudaGraphRunner(self.model, self.kv_caches, max_num_seqs=max_num_seqs,
                                           max_model_len=max_model_len, block_size=block_size, device=device,
-                                          verify_len=self.k + 1)
+                                          verify_len=self.k + 1, batch_sizes=graph_sizes)
             self.graphs.capture()
 
     @torch.inference_mode()

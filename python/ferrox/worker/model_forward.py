@@ -99,7 +99,7 @@ class ModelForward:
         None if the decode graphs failed (logged; the engine then runs eagerly; the piecewise graphs
         failing alone leaves the decode graphs on). Under tensor parallelism every rank captures the same
         graphs, all-reduces included."""
-        from ferrox.worker.cuda_graphs import CudaGraphRunner, batch_size_ladder
+        from ferrox.worker.cuda_graphs import CudaGraphRunner, decode_capture_sizes
         from ferrox.worker.piecewise_graphs import (
             PiecewiseGraphRunner,
             piecewise_graphs_enabled,
@@ -112,8 +112,7 @@ class ModelForward:
             logger.info("%s runs every step eagerly (no CUDA graphs)", type(self.model).__name__)
             return None
         seconds = 0.0
-        decode_sizes = ([s for s in plan.sizes if s <= max_num_seqs] if plan.sizes is not None
-                        else batch_size_ladder(min(max_num_seqs, plan.max_size)) if plan.max_size is not None else None)
+        decode_sizes = decode_capture_sizes(plan, max_num_seqs)
         if plan.decode and decode_sizes != []:
             try:
                 runner = CudaGraphRunner(self.model, self.kv_caches, max_num_seqs=max_num_seqs,
