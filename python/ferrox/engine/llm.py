@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -33,6 +34,7 @@ from ferrox.engine.input_processor import (
     render_chat,
 )
 from ferrox.engine.lora_state import check_lora_request, lora_fields
+from ferrox.engine.offline_stats import OfflineStats
 from ferrox.engine.output_processor import OutputProcessor
 from ferrox.engine.protocol import EngineCoreRequest
 from ferrox.errors import InvalidArgumentError, RequestError
@@ -52,6 +54,7 @@ from ferrox.sampling_params import BeamSearchParams, RequestOutputKind, Sampling
 
 if TYPE_CHECKING:
     from ferrox.lora.request import LoRARequest
+    from ferrox.metrics.reader import Metric
 
 OutputT = TypeVar("OutputT", RequestOutput, PoolingRequestOutput)
 
@@ -62,6 +65,7 @@ class LLM:
         """generation_config / override_generation_config: vLLM's engine arguments of those names (the
         requests' default sampling parameters: ferrox.engine.defaults.resolve_generation_defaults)."""
         resolve_generation_defaults(generation_config, {}, override_generation_config)  # a bad one fails first
+        engine_args.setdefault("disable_log_stats", True)  # vLLM's LLM default (a server's is False)
         self.config = EngineConfig.from_kwargs(model=model, **engine_args)
         if self.config.data_parallel_size > 1:
             # As in vLLM, offline data parallelism is one process per replica; this LLM is one engine.
@@ -75,6 +79,11 @@ class LLM:
             generation_config, self.engine.generation_defaults, override_generation_config)
         self.output_processor = OutputProcessor(self.engine.tokenizer)
         self._request_counter = itertools.count()
+        # disable_log_stats=False: the periodic stats line and the metrics get_metrics() reads.
+        self._stats: OfflineStats | None = None
+        if not self.config.disable_log_stats:
+            self._stats = OfflineStats(self.engine.model_name, self.engine.max_model_len)
+            weakref.finalize(self, self._stats.close)
 
     # ---- public API -----------------------------------------------------------------------------------
     def get_tokenizer(self) -> Any:
@@ -85,6 +94,15 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's: a snapshot of the engine's Prometheus metrics under their `vllm:` names, as objects
+        (ferrox.metrics.reader: Counter, Gauge, Histogram, Vector), for an LLM made with
+        disable_log_stats=False."""
+        if self._stats is None:
+            raise RuntimeError("get_metrics: stat logging is off (the LLM default, as in vLLM); create the LLM "
+                               "with disable_log_stats=False")
+        return self._stats.metrics()
 
     # ---- sleep mode (vLLM's; enable_sleep_mode=True: ferrox/sleep_mode.py) -----------------------------------
     def sleep(self, level: int = 1, mode: str = "abort", tags: list[str] | None = None) -> None:
@@ -389,7 +407,7 @@ class LLM:
                                             pooling_params=pp)
                 self.output_processor.add_request(request, p.prompt)
                 order[request_id] = i
-                self.engine.add_request(request)
+                self._submit(request)
             outputs = self._drain(order, sum(len(p.prompt_token_ids) for p in processed), use_tqdm,
                                   PoolingRequestOutput)
         except BaseException:
@@ -441,7 +459,7 @@ class LLM:
                 # in the prefix cache when it allocates them for the first sample, so the siblings
                 # scheduled after it in the same step hit them and the prompt is computed once.
                 for r in core_requests:
-                    self.engine.add_request(r)
+                    self._submit(r)
         except BaseException:
             self._abort(added)
             raise
@@ -463,7 +481,10 @@ class LLM:
         bar = _ProgressBar(len(order), num_prompt_tokens) if use_tqdm else None
         try:
             while self.engine.has_unfinished_requests() or self.output_processor.has_unfinished_requests():
+                step_start = time.time()
                 outputs = self.engine.step()
+                if self._stats is not None:
+                    self._stats.step(outputs, step_start, self.engine.stats())
                 if not outputs and not self.engine.has_unfinished_requests():
                     break
                 for ro in self.output_processor.process_outputs(outputs):
@@ -486,6 +507,13 @@ class LLM:
         engine_ids = self.output_processor.abort_requests(request_ids)
         if engine_ids:
             self.engine.abort_requests(engine_ids)
+            if self._stats is not None:
+                self._stats.aborted(engine_ids)
+
+    def _submit(self, request: EngineCoreRequest) -> None:
+        self.engine.add_request(request)
+        if self._stats is not None:
+            self._stats.add(request.request_id, request.arrival_time, len(request.prompt_token_ids))
 
     def _params_per_prompt(
         self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int

@@ -1,0 +1,75 @@
+"""`LLM.get_metrics()` (vLLM's): with disable_log_stats=False the offline engine keeps vLLM's Prometheus
+metrics (ferrox/engine/offline_stats.py) and returns them as vLLM's reader objects (ferrox/metrics/reader.py);
+with the LLM default (True, as vLLM's) it refuses by name. A real tiny model and the real core."""
+
+from __future__ import annotations
+
+import pytest
+from ferrox import LLM, SamplingParams
+from ferrox.metrics.reader import Counter, Gauge, Histogram, Vector, snapshot
+from prometheus_client import CollectorRegistry
+from prometheus_client import Counter as PromCounter
+from prometheus_client import Gauge as PromGauge
+from prometheus_client import Histogram as PromHistogram
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from tests.helpers.tiny_models import make_tiny_llama
+
+    return make_tiny_llama(str(tmp_path_factory.mktemp("llama")))
+
+
+def _by_name(metrics, name, **labels):
+    return [m for m in metrics if m.name == name and all(m.labels.get(k) == v for k, v in labels.items())]
+
+
+def test_reader_turns_families_into_vllm_objects():
+    reg = CollectorRegistry()
+    PromCounter("vllm:things", "doc", ["engine"], registry=reg).labels("0").inc(3)
+    PromGauge("vllm:level", "doc", registry=reg).set(0.5)
+    PromGauge("other:level", "doc", registry=reg).set(9)  # another prefix: not read
+    hist = PromHistogram("vllm:latency_seconds", "doc", ["engine"], buckets=(0.1, 1.0), registry=reg)
+    for value in (0.05, 0.5, 5.0):
+        hist.labels("0").observe(value)
+    per_pos = PromCounter("vllm:spec_decode_num_accepted_tokens_per_pos", "doc", ["engine", "position"],
+                          registry=reg)
+    per_pos.labels("0", "1").inc(2)
+    per_pos.labels("0", "0").inc(5)
+    got = snapshot(reg)
+    assert Counter("vllm:things", {"engine": "0"}, 3) in got
+    assert Gauge("vllm:level", {}, 0.5) in got and not _by_name(got, "other:level")
+    assert Histogram("vllm:latency_seconds", {"engine": "0"}, 3, 5.55,
+                     {"0.1": 1, "1.0": 2, "+Inf": 3}) in got
+    assert Vector("vllm:spec_decode_num_accepted_tokens_per_pos", {"engine": "0"}, [5, 2]) in got
+
+
+def test_get_metrics_after_generate(tiny_llama):
+    llm = LLM(tiny_llama, device="cpu", kv_cache_memory=16 << 20, disable_log_stats=False,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 2})
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11], [12, 13, 14, 15, 16]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    metrics = llm.get_metrics()
+    labels = {"model_name": llm.engine.model_name, "engine": "0"}
+    assert _by_name(metrics, "vllm:request_success", finished_reason="length", **labels)[0].value == 3
+    assert _by_name(metrics, "vllm:prompt_tokens", **labels)[0].value == sum(map(len, prompts))
+    assert _by_name(metrics, "vllm:generation_tokens", **labels)[0].value == generated == 18
+    ttft = _by_name(metrics, "vllm:time_to_first_token_seconds", **labels)[0]
+    assert isinstance(ttft, Histogram) and ttft.count == 3 and ttft.buckets["+Inf"] == 3 and ttft.sum > 0
+    e2e = _by_name(metrics, "vllm:e2e_request_latency_seconds", **labels)[0]
+    assert e2e.count == 3
+    running = _by_name(metrics, "vllm:num_requests_running", **labels)[0]
+    assert isinstance(running, Gauge) and running.value == 0
+    per_pos = _by_name(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos", **labels)
+    assert len(per_pos) == 1 and isinstance(per_pos[0], Vector) and len(per_pos[0].values) == 2
+    assert all(m.name.startswith("vllm:") for m in metrics)
+
+
+def test_get_metrics_refused_by_default(tiny_llama):
+    llm = LLM(tiny_llama, device="cpu", kv_cache_memory=16 << 20)
+    assert llm.config.disable_log_stats is True  # vLLM's LLM default
+    with pytest.raises(RuntimeError, match="disable_log_stats=False"):
+        llm.get_metrics()
