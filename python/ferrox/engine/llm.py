@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import time
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ferrox.beam_search import (
@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from ferrox.metrics.reader import Metric
 
 OutputT = TypeVar("OutputT", RequestOutput, PoolingRequestOutput)
+R = TypeVar("R")
 
 
 class LLM:
@@ -130,6 +131,20 @@ class LLM:
             raise InvalidArgumentError("timeout: the offline LLM runs the call in this thread and cannot bound it; "
                                        "leave timeout unset (AsyncLLM.collective_rpc takes one)", param="timeout")
         return self.engine.collective_rpc(method, list(args), kwargs)
+
+    def apply_model(self, func: Callable[[Any], R]) -> list[R]:
+        """vLLM's: func(model) on each worker's model (a torch nn.Module of ferrox's own layers), one result
+        per worker -- to inspect it, or change its weights in place (then reset_prefix_cache(): cached KV was
+        computed with the old ones; in-place changes keep the addresses CUDA graphs read). One worker here:
+        under tensor parallelism the other ranks' models live in their own processes, refused by name."""
+        if self.config.tensor_parallel_size > 1:
+            raise InvalidArgumentError(
+                f"tensor_parallel_size: apply_model runs func in this process, and {self.config.tensor_parallel_size} "
+                "ranks hold their shards in processes of their own", param="tensor_parallel_size")
+        if self.engine.is_sleeping():
+            raise RuntimeError("the engine is asleep (LLM.sleep): call LLM.wake_up() before apply_model (the "
+                               "weights' memory may be released)")
+        return [func(self.engine.runner.model)]
 
     def start_profile(self) -> None:
         """vLLM's: the torch profiler over the engine's steps until stop_profile, which writes a trace to

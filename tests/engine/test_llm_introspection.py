@@ -1,4 +1,4 @@
-"""`LLM.get_metrics()` (vLLM's): with disable_log_stats=False the offline engine keeps vLLM's Prometheus
+"""`LLM.get_metrics()` and `LLM.apply_model()` (vLLM's). get_metrics: with disable_log_stats=False the offline engine keeps vLLM's Prometheus
 metrics (ferrox/engine/offline_stats.py) and returns them as vLLM's reader objects (ferrox/metrics/reader.py);
 with the LLM default (True, as vLLM's) it refuses by name. A real tiny model and the real core."""
 
@@ -73,3 +73,35 @@ def test_get_metrics_refused_by_default(tiny_llama):
     assert llm.config.disable_log_stats is True  # vLLM's LLM default
     with pytest.raises(RuntimeError, match="disable_log_stats=False"):
         llm.get_metrics()
+
+
+def test_apply_model_runs_on_the_model_and_can_change_weights(tiny_llama):
+    """vLLM's LLM.apply_model: func(model) on the one worker's model; an in-place weight change shows in the
+    next generate (after reset_prefix_cache), and restoring it brings the old tokens back."""
+    import torch
+
+    llm = LLM(tiny_llama, device="cpu", kv_cache_memory=16 << 20)
+    assert llm.apply_model(lambda m: isinstance(m, torch.nn.Module)) == [True]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = [{"prompt_token_ids": [5, 6, 7]}]
+    before = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    (saved,) = llm.apply_model(lambda m: {n: p.detach().clone() for n, p in m.named_parameters()})
+
+    def scramble(model):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(-1.5)
+
+    llm.apply_model(scramble)
+    assert llm.reset_prefix_cache()
+    changed = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert changed != before
+
+    def restore(model):
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(saved[n])
+
+    llm.apply_model(restore)
+    llm.reset_prefix_cache()
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == before
