@@ -1,6 +1,7 @@
-"""`LLM.get_metrics()` and `LLM.apply_model()` (vLLM's). get_metrics: with disable_log_stats=False the offline engine keeps vLLM's Prometheus
-metrics (ferrox/engine/offline_stats.py) and returns them as vLLM's reader objects (ferrox/metrics/reader.py);
-with the LLM default (True, as vLLM's) it refuses by name. A real tiny model and the real core."""
+"""`LLM.get_metrics()` and `LLM.apply_model()` (vLLM's). get_metrics: with disable_log_stats=False the
+offline engine keeps vLLM's Prometheus metrics (ferrox/engine/offline_stats.py) and returns them as vLLM's
+reader objects (ferrox/metrics/reader.py); with the LLM default (True, as vLLM's) it refuses by name.
+apply_model: func(model) on the engine's model. A real tiny model and the real core."""
 
 from __future__ import annotations
 
