@@ -3,6 +3,7 @@ and llguidance with the embedded model's tokenizer."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import llguidance
@@ -106,3 +107,37 @@ def test_structural_tag(ll_tokenizer):
     with pytest.raises(InvalidArgumentError) as info:
         _constraint(response_format={"type": "structural_tag", "format": {"type": "triggered_tags"}})
     assert info.value.param == "response_format"
+
+
+def test_offline_params_take_vllms_options(llm, ll_tokenizer):
+    """StructuredOutputsParams' own option fields (vLLM's offline spelling) mean what the request fields do:
+    the same grammar as the server's hook builds, and refusals naming the option."""
+    from ferrox import SamplingParams
+    from ferrox.structured.params import StructuredOutputsParams as Params
+
+    tag = {"structures": [{"begin": "<f>", "schema": SCHEMA, "end": "</f>"}], "triggers": ["<f>"]}
+    for body, params in (
+        ({"json": SCHEMA, "disable_any_whitespace": False}, Params(json=SCHEMA, disable_any_whitespace=False)),
+        ({"json": SCHEMA, "disable_additional_properties": False},
+         Params(json=SCHEMA, disable_additional_properties=False)),
+        ({"json": SCHEMA, "whitespace_pattern": "[ ]?"}, Params(json=SCHEMA, whitespace_pattern="[ ]?")),
+        ({"json": SCHEMA, "disable_any_whitespace": True}, Params(json=SCHEMA, disable_any_whitespace=True)),
+        ({"json_object": True, "disable_any_whitespace": False},
+         Params(json_object=True, disable_any_whitespace=False)),
+        ({"structural_tag": tag}, Params(structural_tag=tag)),
+        ({"structural_tag": tag, "disable_any_whitespace": False},
+         Params(structural_tag=json.dumps(tag), disable_any_whitespace=False)),  # vLLM's JSON-text form too
+    ):
+        assert grammar_text(params).grammar == _constraint(structured_outputs=body), body
+    assert grammar_text(Params(json=SCHEMA, disable_fallback=True)).grammar == _constraint(structured_outputs={
+        "json": SCHEMA})
+    for kwargs, name in ((dict(regex="a+", disable_any_whitespace=False), "disable_any_whitespace"),
+                         (dict(choice=["a"], disable_additional_properties=True), "disable_additional_properties"),
+                         (dict(json=SCHEMA, disable_any_whitespace="no"), "disable_any_whitespace")):
+        with pytest.raises(ValueError, match=f"structured_outputs.{name}"):
+            Params(**kwargs)
+    # End to end: the offline engine writes JSON in the free layout it was allowed.
+    free = SamplingParams(temperature=0, max_tokens=24,
+                          structured_outputs=Params(json=SCHEMA, disable_any_whitespace=False))
+    text = llm.generate(["Give me a JSON object with a number a."], free, use_tqdm=False)[0].outputs[0].text
+    assert _accepts(ll_tokenizer, grammar_text(Params(json=SCHEMA, disable_any_whitespace=False)).grammar, text)

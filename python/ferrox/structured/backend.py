@@ -12,6 +12,7 @@ Three steps, kept apart so each can be cached or run off the engine loop:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -115,6 +116,7 @@ def json_schema_grammar(schema: dict | str, field: str = "structured_outputs.jso
 def grammar_text(params: StructuredOutputsParams) -> GrammarText:
     """The llguidance grammar for one constraint. Raises ValueError naming the field when the
     input is malformed before llguidance even sees it (e.g. a schema that is not JSON)."""
+    params = _fold_options(params)
     if params.json is not None:
         return json_schema_grammar(params.json)
     if params.json_object:
@@ -150,6 +152,26 @@ def grammar_text(params: StructuredOutputsParams) -> GrammarText:
             field="structured_outputs.grammar",
         )
     raise ValueError("structured_outputs: no constraint set")  # unreachable: params validates itself
+
+
+def _fold_options(params: StructuredOutputsParams) -> StructuredOutputsParams:
+    """A constraint with vLLM's JSON options (or a structural tag) as the plain json / grammar constraint they
+    amount to (structured/json_options.py); one without them as it is."""
+    from ferrox.structured import json_options
+
+    if (params.structural_tag is None and params.disable_any_whitespace is None and params.whitespace_pattern is None
+            and params.disable_additional_properties is None):
+        return params
+    x_guidance = json_options.whitespace_options(params.disable_any_whitespace, params.whitespace_pattern)
+    additional = None if params.disable_additional_properties in (None, True) else True
+    if params.structural_tag is not None:
+        return StructuredOutputsParams(grammar=json_options.structural_tag_grammar(
+            params.structural_tag, "structured_outputs.structural_tag", x_guidance, additional is True))
+    if not x_guidance and additional is None:  # the options ask for ferrox's defaults
+        return dataclasses.replace(params, disable_any_whitespace=None, disable_additional_properties=None)
+    schema = params.json if params.json is not None else {"type": "object"}
+    return StructuredOutputsParams(json=json_options.with_options(schema, "structured_outputs.json", x_guidance,
+                                                                  additional))
 
 
 def validate_params(params: StructuredOutputsParams, field: str | None = None) -> GrammarText:

@@ -22,20 +22,15 @@ they apply to JSON constraints only and are refused with any other kind.
 
 from __future__ import annotations
 
-import json
 from typing import Any
-
-from llguidance import StructTag
 
 from ferrox._core import InvalidArgumentError
 from ferrox.engine.validation import check_structured_outputs
-from ferrox.structured.backend import close_objects, load_schema
+from ferrox.structured.json_options import structural_tag_grammar, whitespace_options, with_options
 from ferrox.structured.params import StructuredOutputsParams
 
 _KIND_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 _OPTION_KEYS = ("disable_any_whitespace", "whitespace_pattern", "disable_additional_properties", "disable_fallback")
-# ferrox's JSON layout (backend.JSON_COMPILE_OPTIONS), for schemas inside Lark grammars.
-_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def build_structured_outputs(request: Any) -> StructuredOutputsParams | None:
@@ -99,84 +94,25 @@ def build_structured_outputs(request: Any) -> StructuredOutputsParams | None:
     return _make(field, **_apply_options(field, kwargs, options))
 
 
-def _json_options(options: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's whitespace options as llguidance JSON options (x-guidance); {} for ferrox's default."""
-    pattern = options.get("whitespace_pattern")
-    if pattern is not None:
-        if options.get("disable_any_whitespace"):
-            raise InvalidArgumentError("structured_outputs.whitespace_pattern: cannot be combined with "
-                                       "disable_any_whitespace true", param="structured_outputs")
-        return {"whitespace_pattern": pattern, "item_separator": ",", "key_separator": ":"}
-    if options.get("disable_any_whitespace") is False:
-        return {"whitespace_flexible": True, "item_separator": ",", "key_separator": ":"}
-    return {}
-
-
-def _with_options(schema: Any, field: str, x_guidance: dict[str, Any], additional: bool | None) -> dict[str, Any]:
-    """A JSON schema with the request's whitespace options and additionalProperties default (None:
-    the backend's, closed) folded in."""
-    out = load_schema(schema, field)
-    if additional is not None:
-        out = close_objects(out, additional)
-    if x_guidance:
-        out = {**out, "x-guidance": {**(out.get("x-guidance") or {}), **x_guidance}}
-    return out
-
-
 def _apply_options(field: str, kwargs: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
-    x_guidance = _json_options(options)
-    additional = None if options.get("disable_additional_properties", True) else True
-    if "structural_tag" in kwargs:
-        return {"grammar": _structural_tag(kwargs["structural_tag"], field, x_guidance, additional is None)}
-    if not x_guidance and additional is None:
-        return kwargs
-    if "json" in kwargs:
-        return {"json": _with_options(kwargs["json"], field, x_guidance, additional)}
-    if kwargs.get("json_object"):
-        return {"json": _with_options({"type": "object"}, field, x_guidance, None)}
+    try:
+        x_guidance = whitespace_options(options.get("disable_any_whitespace"), options.get("whitespace_pattern"))
+        additional = None if options.get("disable_additional_properties", True) else True
+        if "structural_tag" in kwargs:
+            return {"grammar": structural_tag_grammar(kwargs["structural_tag"], field, x_guidance, additional is True)}
+        if not x_guidance and additional is None:
+            return kwargs
+        if "json" in kwargs:
+            return {"json": with_options(kwargs["json"], field, x_guidance, additional)}
+        if kwargs.get("json_object"):
+            return {"json": with_options({"type": "object"}, field, x_guidance, None)}
+    except ValueError as exc:
+        param = "structured_outputs" if str(exc).startswith("structured_outputs") else field
+        raise InvalidArgumentError(str(exc), param=param) from None
     key = next(k for k in options if k in ("disable_any_whitespace", "whitespace_pattern",
                                            "disable_additional_properties"))
     raise InvalidArgumentError(f"structured_outputs.{key}: applies to JSON constraints only, not "
                                f"{next(iter(kwargs))}", param="structured_outputs")
-
-
-def _structural_tag(spec: Any, field: str, x_guidance: dict[str, Any], closed: bool) -> str:
-    """vLLM's structural tag ({"structures": [{"begin", "schema", "end"}], "triggers": [...]}, or
-    its JSON text) as a Lark grammar: free text in which each structure, once the model writes a
-    trigger, is forced to its begin text, a JSON value of its schema, and its end text."""
-    if isinstance(spec, str):
-        try:
-            spec = json.loads(spec)
-        except json.JSONDecodeError as exc:
-            raise InvalidArgumentError(f"{field}: structural_tag is not valid JSON: {exc}", param=field) from None
-    if not isinstance(spec, dict):
-        raise InvalidArgumentError(f"{field}: structural_tag must be an object", param=field)
-    if spec.get("format") is not None:
-        raise InvalidArgumentError(f"{field}: only the structural_tag form with structures and triggers is "
-                                   "supported (not format)", param=field)
-    structures, triggers = spec.get("structures"), spec.get("triggers")
-    if not isinstance(structures, list) or not structures or not isinstance(triggers, list) or not all(
-            isinstance(t, str) and t for t in triggers):
-        raise InvalidArgumentError(f"{field}: structural_tag needs a non-empty structures list and a list of "
-                                   "non-empty trigger strings", param=field)
-    tags = []
-    for i, s in enumerate(structures):
-        if not isinstance(s, dict) or not isinstance(s.get("begin"), str) or not isinstance(s.get("end"), str):
-            raise InvalidArgumentError(f"{field}: structures[{i}] needs begin and end strings and a schema",
-                                       param=field)
-        trigger = next((t for t in triggers if s["begin"].startswith(t)), None)
-        if trigger is None:
-            raise InvalidArgumentError(f"{field}: structures[{i}].begin {s['begin']!r} starts with none of the "
-                                       "triggers", param=field)
-        try:
-            # The same JSON as a json_schema constraint (closed objects, ferrox's compact separators
-            # unless the request chose its whitespace), given in the schema: %json blocks read it there.
-            schema = _with_options(s.get("schema", {}), f"{field}: structures[{i}].schema",
-                                   x_guidance or _COMPACT, not closed)
-        except ValueError as exc:
-            raise InvalidArgumentError(str(exc), param=field) from None
-        tags.append(StructTag(trigger=trigger, begin=s["begin"], grammar=schema, end=s["end"]))
-    return StructTag.to_grammar(tags)
 
 
 def _make(field: str, **kwargs: Any) -> StructuredOutputsParams:
