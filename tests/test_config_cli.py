@@ -116,6 +116,8 @@ def _non_default(name: str) -> list[tuple[list[str], Any]]:
         return [([flag, '{"max_pixels": 50176}'], {"max_pixels": 50176})]
     if name == "compilation_config":
         return [([flag, '{"cudagraph_mode": "FULL_DECODE_ONLY"}'], {"cudagraph_mode": "FULL_DECODE_ONLY"})]
+    if name == "structured_outputs_config":
+        return [([flag, '{"backend": "guidance"}'], {"backend": "guidance"})]
     if name == "cudagraph_capture_sizes":  # integers, several (vLLM's nargs)
         return [([flag, "1", "2", "4"], [1, 2, 4])]
     if name == "served_model_name":  # one name, or several (vLLM's nargs)

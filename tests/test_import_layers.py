@@ -25,7 +25,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "ferrox", "ferrox._core", "ferrox.errors", "ferrox.model_spec", "ferrox.sampling_params",
         "ferrox.structured.params", "ferrox.config", "ferrox.outputs", "ferrox.step_types", "ferrox.request_rules",
         "ferrox.bad_words", "ferrox.sleep_mode",
-        "ferrox.speculative_config", "ferrox.compilation_config", "ferrox.pooling.params", "ferrox.pooling.classify", "ferrox.gc_tuning",
+        "ferrox.speculative_config", "ferrox.compilation_config", "ferrox.structured_outputs_config",
+        "ferrox.pooling.params", "ferrox.pooling.classify", "ferrox.gc_tuning",
         # Beam search's bookkeeping over the engine's outputs (the engines drive it).
         "ferrox.beam_search",
         # Reasoning parsers: text and token ids only (the config names their choices, the engine core

@@ -39,6 +39,7 @@ from ferrox.compilation_config import GraphPlan, graph_plan
 from ferrox.pooling.params import parse_pooler_overrides
 from ferrox.reasoning.parser import REASONING_PARSERS
 from ferrox.speculative_config import parse_speculative_config
+from ferrox.structured_outputs_config import parse_structured_outputs_config
 
 CPU_DEFAULT_MAX_MODEL_LEN = 8192
 CPU_DEFAULT_KV_CACHE_MEMORY = 2 << 30
@@ -264,6 +265,13 @@ class EngineConfig:
         "thinking budgets)",
         choices=REASONING_PARSERS, default_help="none: the whole output is the content")
 
+    structured_outputs_config: dict[str, Any] | None = _opt(
+        "vLLM's engine-level structured-output settings, a JSON object: backend 'auto' or 'guidance' (ferrox's "
+        "one backend, llguidance; xgrammar, outlines, lm-format-enforcer refused), disable_any_whitespace and "
+        "disable_additional_properties as the default of requests that do not set them, reasoning_parser (as "
+        "--reasoning-parser), enable_in_reasoning (constrain the thinking too), disable_fallback "
+        "(ferrox/structured_outputs_config.py)", default_help="guidance, ferrox's JSON defaults")
+
     def __post_init__(self) -> None:
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
         _choice("dtype", self.dtype, DTYPES)
@@ -331,6 +339,12 @@ class EngineConfig:
         _positive_int("max_cpu_loras", self.max_cpu_loras, optional=True)
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras: {self.max_cpu_loras} is less than max_loras ({self.max_loras})")
+        so_parser = parse_structured_outputs_config(self.structured_outputs_config).reasoning_parser
+        if so_parser is not None:
+            if self.reasoning_parser is not None and self.reasoning_parser != so_parser:
+                raise ValueError(f"structured_outputs_config.reasoning_parser: {so_parser!r} differs from "
+                                 f"reasoning_parser {self.reasoning_parser!r}; give it once")
+            self.reasoning_parser = so_parser
         if self.reasoning_parser is not None:
             _choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
             if self.runner == "pooling":

@@ -141,3 +141,50 @@ def test_offline_params_take_vllms_options(llm, ll_tokenizer):
                           structured_outputs=Params(json=SCHEMA, disable_any_whitespace=False))
     text = llm.generate(["Give me a JSON object with a number a."], free, use_tqdm=False)[0].outputs[0].text
     assert _accepts(ll_tokenizer, grammar_text(Params(json=SCHEMA, disable_any_whitespace=False)).grammar, text)
+
+
+def test_structured_outputs_config_sets_request_defaults():
+    """vLLM's engine-level structured_outputs_config: its JSON options are the default of requests that leave
+    them unset (a request's own value wins); other backends and unknown keys are refused by name."""
+    from ferrox.config import EngineConfig
+    from ferrox.structured.params import StructuredOutputsParams as Params
+    from ferrox.structured_outputs_config import parse_structured_outputs_config, with_defaults
+
+    defaults = parse_structured_outputs_config({"backend": "guidance", "disable_any_whitespace": False,
+                                                "disable_additional_properties": False, "disable_fallback": True})
+    free = with_defaults(Params(json=SCHEMA), defaults)
+    assert (free.disable_any_whitespace, free.disable_additional_properties) == (False, False)
+    assert with_defaults(Params(json=SCHEMA, disable_any_whitespace=True), defaults).disable_any_whitespace is True
+    assert with_defaults(Params(json=SCHEMA, whitespace_pattern=" ?"), defaults).disable_any_whitespace is None
+    assert with_defaults(Params(regex="a+"), defaults) == Params(regex="a+")  # not JSON: untouched
+    for value, key in (({"backend": "xgrammar"}, "backend"), ({"backend": "magic"}, "backend"),
+                       ({"guided": 1}, "guided"), ({"enable_in_reasoning": "yes"}, "enable_in_reasoning"),
+                       ({"reasoning_parser_plugin": "/x.py"}, "reasoning_parser_plugin"),
+                       ({"reasoning_parser": "qwen3", "backend": "auto"}, None)):
+        if key is None:
+            assert EngineConfig(structured_outputs_config=value).reasoning_parser == "qwen3"
+            continue
+        with pytest.raises(ValueError, match=f"structured_outputs_config.{key}"):
+            EngineConfig(structured_outputs_config=value)
+    with pytest.raises(ValueError, match="structured_outputs_config.reasoning_parser"):
+        EngineConfig(structured_outputs_config={"reasoning_parser": "qwen3"}, reasoning_parser="deepseek_r1")
+
+
+def test_structured_outputs_config_defaults_reach_the_engine(tmp_path):
+    """End to end on a tiny model: with disable_any_whitespace false server-wide, a JSON request without the
+    option may write free whitespace (its matcher accepts it), where the default layout does not."""
+    from ferrox import SamplingParams
+    from ferrox.structured.params import StructuredOutputsParams as Params
+
+    from tests.helpers.tiny_models import make_tiny_llama
+
+    model = make_tiny_llama(tmp_path / "m")
+    llm = LLM(model, device="cpu", kv_cache_memory=16 << 20,
+              structured_outputs_config={"disable_any_whitespace": False})
+    manager = llm.engine._structured()
+    seen = []
+    real = manager.submit
+    manager.submit = lambda rid, params, **kw: seen.append(params) or real(rid, params, **kw)
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, structured_outputs=Params(
+        json=SCHEMA)), use_tqdm=False)
+    assert seen[0].disable_any_whitespace is False

@@ -56,3 +56,14 @@ def test_a_tokenizer_without_the_tags_is_refused(tmp_path):
     folder = make_tiny_qwen3(tmp_path / "model")
     with pytest.raises(ValueError, match="reasoning_parser: 'qwen3' needs <think> and </think> as single tokens"):
         LLM(folder, reasoning_parser="qwen3", max_model_len=256, kv_cache_memory=16 << 20)
+
+
+def test_enable_in_reasoning_constrains_the_thinking_too(folder):
+    """structured_outputs_config's enable_in_reasoning (vLLM's): the grammar holds from the first token, so a
+    model that would think first answers at once; its reasoning_parser key is --reasoning-parser."""
+    llm = LLM(folder, structured_outputs_config={"backend": "guidance", "reasoning_parser": "deepseek_r1",
+                                                 "enable_in_reasoning": True},
+              max_model_len=256, kv_cache_memory=16 << 20)
+    assert llm.config.reasoning_parser == "deepseek_r1"
+    for out in llm.generate([{"prompt_token_ids": PROMPT}] * 4, [params(s, True) for s in range(4)], use_tqdm=False):
+        assert END not in out.outputs[0].token_ids and out.outputs[0].text in ("yes", "no")

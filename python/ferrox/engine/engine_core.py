@@ -59,6 +59,7 @@ from ferrox.sampling_params import SamplingParams
 from ferrox.sleep_mode import KV_CACHE, WEIGHTS, check_rpc, sleep_plan, wake_tags
 from ferrox.speculative_config import SpeculativeConfig, parse_speculative_config, verify_len
 from ferrox.step_types import Logprobs, StepResult, StepRow
+from ferrox.structured_outputs_config import parse_structured_outputs_config, with_defaults
 from ferrox.worker.cuda_graphs import decode_capture_sizes
 from ferrox.worker.draft_model import DraftProposer
 from ferrox.worker.model_runner import ModelRunner, ModelRunnerOutput, StepHandle
@@ -111,6 +112,8 @@ class EngineCore:
                 processor_kwargs=config.mm_processor_kwargs)
             self.reasoning = (get_reasoning_parser(config.reasoning_parser, self.tokenizer.token_to_id)
                               if config.reasoning_parser else None)
+            # structured_outputs_config: the JSON options' server-wide defaults, whether thinking is constrained.
+            self.so_defaults = parse_structured_outputs_config(config.structured_outputs_config)
         except ValueError:
             self._stop_ranks(timeout_s=0)
             raise
@@ -260,10 +263,12 @@ class EngineCore:
             self.loras.admit(request.request_id, lora_id, request.lora_name, request.lora_path)
         if params.structured_outputs is not None:
             # A reasoning model's constraint applies to its answer: from its `</think>` on, unless the
-            # prompt already closed the thinking (vLLM's rule).
-            gate = (self.reasoning.end_token_id if self.reasoning is not None
+            # prompt already closed the thinking (vLLM's rule), or structured_outputs_config's
+            # enable_in_reasoning constrains the thinking too.
+            gate = (self.reasoning.end_token_id if self.reasoning is not None and not self.so_defaults.enable_in_reasoning
                     and not self.reasoning.prompt_ends_reasoning(prompt) else None)
-            self._structured().submit(request.request_id, params.structured_outputs, gate_token=gate)
+            self._structured().submit(request.request_id, with_defaults(params.structured_outputs, self.so_defaults),
+                                      gate_token=gate)
             wait_for_grammar = True
         if params.thinking_token_budget is not None:
             self._structured().add_budget(request.request_id, self._thinking_budget(params, prompt))

@@ -45,6 +45,9 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.{name}: must be true or false, got {value!r}")
         if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
             raise ValueError("structured_outputs.whitespace_pattern: must be a string (a regex)")
+        if self.whitespace_pattern is not None and self.disable_any_whitespace:
+            raise ValueError("structured_outputs.whitespace_pattern: cannot be combined with disable_any_whitespace "
+                             "true")
         options = [n for n in ("disable_any_whitespace", "whitespace_pattern", "disable_additional_properties")
                    if getattr(self, n) is not None]
         if options and kinds[0] not in ("json", "json_object", "structural_tag"):

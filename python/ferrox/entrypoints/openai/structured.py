@@ -16,8 +16,9 @@ vLLM's options ride along with whichever constraint the request has:
     gives JSON Schema's own default (extra properties allowed).
   - `structured_outputs.disable_fallback`: ferrox has one backend and never falls back, so either
     value holds.
-The whitespace options go into the schema's "x-guidance" object, llguidance's per-schema options;
-they apply to JSON constraints only and are refused with any other kind.
+They become StructuredOutputsParams' own fields (its check refuses them with a constraint that is not
+JSON), which the grammar is built from (structured/json_options.py), so the offline API's params and the
+request fields mean the same.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from typing import Any
 
 from ferrox._core import InvalidArgumentError
 from ferrox.engine.validation import check_structured_outputs
-from ferrox.structured.json_options import structural_tag_grammar, whitespace_options, with_options
 from ferrox.structured.params import StructuredOutputsParams
 
 _KIND_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -95,30 +95,17 @@ def build_structured_outputs(request: Any) -> StructuredOutputsParams | None:
 
 
 def _apply_options(field: str, kwargs: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
-    try:
-        x_guidance = whitespace_options(options.get("disable_any_whitespace"), options.get("whitespace_pattern"))
-        additional = None if options.get("disable_additional_properties", True) else True
-        if "structural_tag" in kwargs:
-            return {"grammar": structural_tag_grammar(kwargs["structural_tag"], field, x_guidance, additional is True)}
-        if not x_guidance and additional is None:
-            return kwargs
-        if "json" in kwargs:
-            return {"json": with_options(kwargs["json"], field, x_guidance, additional)}
-        if kwargs.get("json_object"):
-            return {"json": with_options({"type": "object"}, field, x_guidance, None)}
-    except ValueError as exc:
-        param = "structured_outputs" if str(exc).startswith("structured_outputs") else field
-        raise InvalidArgumentError(str(exc), param=param) from None
-    key = next(k for k in options if k in ("disable_any_whitespace", "whitespace_pattern",
-                                           "disable_additional_properties"))
-    raise InvalidArgumentError(f"structured_outputs.{key}: applies to JSON constraints only, not "
-                               f"{next(iter(kwargs))}", param="structured_outputs")
+    """The constraint with the request's options as its own fields: StructuredOutputsParams checks them and
+    folds them into the grammar (structured/json_options.py), as it does for the offline API's."""
+    return {**kwargs, **options}
 
 
 def _make(field: str, **kwargs: Any) -> StructuredOutputsParams:
     try:
         params = StructuredOutputsParams(**kwargs)
     except ValueError as exc:
+        if str(exc).startswith("structured_outputs."):  # one of vLLM's options, which come in structured_outputs
+            raise InvalidArgumentError(str(exc), param="structured_outputs") from None
         raise InvalidArgumentError(f"{field}: {exc}", param=field) from None
     # Compile-check now (no tokenizer needed, cached): a bad schema/regex/grammar is a 400 naming
     # the field it came in as, with llguidance's message, instead of a request failing later.
