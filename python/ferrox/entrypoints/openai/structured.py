@@ -104,7 +104,8 @@ def _make(field: str, **kwargs: Any) -> StructuredOutputsParams:
     try:
         params = StructuredOutputsParams(**kwargs)
     except ValueError as exc:
-        if str(exc).startswith("structured_outputs."):  # one of vLLM's options, which come in structured_outputs
+        if str(exc).startswith(tuple(f"structured_outputs.{k}:" for k in _OPTION_KEYS)):
+            # one of vLLM's options, which come in structured_outputs
             raise InvalidArgumentError(str(exc), param="structured_outputs") from None
         raise InvalidArgumentError(f"{field}: {exc}", param=field) from None
     # Compile-check now (no tokenizer needed, cached): a bad schema/regex/grammar is a 400 naming
