@@ -109,6 +109,17 @@ def test_plan_fits_small_engines(limits):
         assert max(np.asarray(step.so.seq_lens)) < limits.max_model_len
 
 
+@cpu_only
+@pytest.mark.parametrize("graph_max", [0, 4, 15, 64])
+def test_plan_names_each_step_once(graph_max):
+    """Decode steps past the captured graphs are planned once each, the first batch past them included
+    (graphs to 15: 16 is that batch and one of the usual counts)."""
+    names = [r.name for r in warmup_plan(EngineLimits(64, 8192, 4096, 16, 1 << 20, graph_max))]
+    assert len(names) == len(set(names))
+    decodes = {int(n.split()[1].split("x")[0]) for n in names if n.startswith("decode ")}
+    assert decodes == {0: {1, 2, 16}, 4: {5, 16}, 15: {16}, 64: set()}[graph_max]
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     from tests.helpers.tiny_models import make_tiny_llama

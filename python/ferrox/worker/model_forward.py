@@ -102,8 +102,8 @@ class ModelForward:
         from ferrox.worker.cuda_graphs import CudaGraphRunner, decode_capture_sizes
         from ferrox.worker.piecewise_graphs import (
             PiecewiseGraphRunner,
+            piecewise_capture_sizes,
             piecewise_graphs_enabled,
-            token_ladder,
         )
 
         plan = plan or GraphPlan()
@@ -127,8 +127,7 @@ class ModelForward:
             self.graph_runner = runner
         if not plan.piecewise or not piecewise_graphs_enabled() or max_num_batched_tokens < 1:
             return seconds
-        piece_sizes = ([s for s in plan.sizes if s <= max_num_batched_tokens] if plan.sizes is not None
-                       else token_ladder(max_num_batched_tokens, plan.max_size) if plan.max_size is not None else None)
+        piece_sizes = piecewise_capture_sizes(plan, max_num_batched_tokens)
         if piece_sizes == []:
             return seconds
         try:

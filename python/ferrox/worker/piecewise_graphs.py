@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from ferrox.attention.metadata import AttentionMetadata
+from ferrox.compilation_config import GraphPlan
 from ferrox.worker.cuda_graphs import CAPTURE_ERROR_MODE, capture_guard, next_captured_size
 from ferrox.worker.dummy_batch import min_prefill_blocks, prefill_step, upload_step
 from ferrox.worker.step_inputs import Uploader
@@ -83,6 +84,16 @@ def token_ladder(max_num_batched_tokens: int, max_tokens: int = MAX_PIECEWISE_TO
         return []
     sizes = [s for s in _LADDER if s < top]
     return sizes + [top]
+
+
+def piecewise_capture_sizes(plan: GraphPlan, max_num_batched_tokens: int) -> list[int] | None:
+    """The token counts a plan (ferrox/compilation_config.py) asks to capture piecewise: its explicit sizes up
+    to the token budget, the ladder up to its largest size, or None for the ladder up to the model's top."""
+    if plan.sizes is not None:
+        return [s for s in plan.sizes if s <= max_num_batched_tokens]
+    if plan.max_size is not None:
+        return token_ladder(max_num_batched_tokens, plan.max_size)
+    return None
 
 
 @dataclass(slots=True)

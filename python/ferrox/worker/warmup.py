@@ -293,8 +293,9 @@ def warmup_plan(limits: EngineLimits) -> list[Recipe]:
         shape = hit(long_widths[0], LONG_QUERY_LENS[-1])
         add("mixed: long decode + prefix hit", RequestShape(shape.seq_len, 1), shape)
     eager_counts = [n for n in counts if n > limits.decode_graph_max]
-    if limits.decode_graph_max and eager_counts and eager_counts[0] != counts[0]:
-        eager_counts.insert(0, limits.decode_graph_max + 1)  # the first batch past the graphs
+    first_past = limits.decode_graph_max + 1  # the first decode batch past the graphs
+    if limits.decode_graph_max and eager_counts and first_past not in eager_counts:
+        eager_counts.insert(0, first_past)
     for width in (*SHORT_WIDTHS, *long_widths):
         seq = short_seq(width) if width in SHORT_WIDTHS else width * bs - 1
         for n in eager_counts:
