@@ -1,6 +1,6 @@
 """vLLM's compilation_config, --cudagraph-capture-sizes and --max-cudagraph-capture-size (ferrox/compilation_config.py):
 which CUDA graphs each setting asks for, vLLM's overrides, refusals by name, and the flags on the CLI, in a
-YAML --config and in LLM(...). The graphs themselves are captured on CUDA (tests/engine/test_cuda_graph_modes.py)."""
+YAML --config and in LLM(...). The graphs themselves are captured on CUDA (tests/engine/test_gpu_engine.py)."""
 
 from __future__ import annotations
 

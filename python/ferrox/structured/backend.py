@@ -45,16 +45,21 @@ class GrammarText:
     field: str  # the request field it came from, for error messages
 
 
+def load_json_object(value: Any, field: str, what: str) -> dict[str, Any]:
+    """A JSON object given as a dict or as its JSON text, as a dict (ValueError naming `field` and `what` it is)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{field}: {what} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{field}: {what} must be an object, got {type(value).__name__}")
+    return value
+
+
 def load_schema(schema: dict | str, field: str) -> dict[str, Any]:
     """A JSON schema given as a dict or as its JSON text, as a dict (ValueError naming `field`)."""
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{field}: not valid JSON: {e}") from None
-    if not isinstance(schema, dict):
-        raise ValueError(f"{field}: a JSON schema must be an object, got {type(schema).__name__}")
-    return schema
+    return load_json_object(schema, field, "a JSON schema")
 
 
 def _schema_text(schema: dict | str, field: str) -> str:

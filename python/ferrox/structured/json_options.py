@@ -14,12 +14,11 @@ constraint means the same whichever way it came in. Errors are ValueErrors; call
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from llguidance import StructTag
 
-from ferrox.structured.backend import close_objects, load_schema
+from ferrox.structured.backend import close_objects, load_json_object, load_schema
 
 # ferrox's JSON layout (backend.JSON_COMPILE_OPTIONS), for schemas inside Lark grammars.
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -53,13 +52,7 @@ def structural_tag_grammar(spec: Any, field: str, x_guidance: dict[str, Any], op
     """vLLM's structural tag ({"structures": [{"begin", "schema", "end"}], "triggers": [...]}, or its JSON
     text) as a Lark grammar: free text in which each structure, once the model writes a trigger, is forced
     to its begin text, a JSON value of its schema, and its end text."""
-    if isinstance(spec, str):
-        try:
-            spec = json.loads(spec)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{field}: structural_tag is not valid JSON: {exc}") from None
-    if not isinstance(spec, dict):
-        raise ValueError(f"{field}: structural_tag must be an object")
+    spec = load_json_object(spec, field, "structural_tag")
     if spec.get("format") is not None:
         raise ValueError(f"{field}: only the structural_tag form with structures and triggers is supported "
                          "(not format)")
