@@ -110,3 +110,4 @@ def test_pooling_models_refuse_graph_settings():
     with pytest.raises(ValueError, match="pooling"):
         EngineConfig(runner="pooling", cudagraph_capture_sizes=[1, 2])
     EngineConfig(runner="pooling", compilation_config={"cudagraph_mode": "NONE"})  # no graphs: as it runs
+

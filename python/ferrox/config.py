@@ -183,6 +183,10 @@ class EngineConfig:
     policy: str = _opt("order of waiting requests: arrival (fcfs), or the request's priority field", "fcfs",
                        choices=POLICIES, aliases=("--scheduling-policy",))
     enforce_eager: bool = _opt("disable CUDA graphs (run every step eagerly)", False)
+    cpu_offload_gb: float = _opt(
+        "GiB of each GPU's weights to keep in host memory, read by the GPU in place at every step (vLLM's): a "
+        "model larger than the GPU runs, slower by the bytes streamed over the host link; 0: none "
+        "(loader/cpu_offload.py)", 0.0)
     compilation_config: dict[str, Any] | None = _opt(
         "vLLM's compilation settings, a JSON object (-cc; LLM(compilation_config=3) is a mode): ferrox runs no "
         "torch.compile, so it takes the keys that choose CUDA graphs, with vLLM's meaning -- cudagraph_mode "
@@ -293,6 +297,15 @@ class EngineConfig:
             raise ValueError(f"num_gpu_blocks_override: {self.num_gpu_blocks_override} leaves no block for tokens "
                              "(one is the null block)")
         _positive_int("block_size", self.block_size)
+        if isinstance(self.cpu_offload_gb, bool) or not isinstance(self.cpu_offload_gb, (int, float)) \
+                or not self.cpu_offload_gb >= 0:
+            raise ValueError(f"cpu_offload_gb: must be a number of GiB >= 0, got {self.cpu_offload_gb!r}")
+        if self.cpu_offload_gb and self.enable_sleep_mode:
+            raise ValueError("cpu_offload_gb: sleep mode moves the weights into a device region of its own; the two "
+                             "cannot be combined")
+        if self.cpu_offload_gb and self.quantization == "fp8":
+            raise ValueError("cpu_offload_gb: quantization 'fp8' converts every weight after loading into new device "
+                             "tensors, so nothing would stay offloaded; use an FP8 checkpoint or no offload")
         if isinstance(self.compilation_config, int) and not isinstance(self.compilation_config, bool):
             self.compilation_config = {"mode": self.compilation_config}  # vLLM's shorthand: a mode
         self.graph_plan()  # raises ValueError naming the key or flag

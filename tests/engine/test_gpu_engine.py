@@ -191,3 +191,23 @@ def test_capture_sizes_reach_verify_and_draft_graphs(tiny_llama, cpu_tokens):
     assert [o.outputs[0].token_ids for o in outs] == cpu_tokens
     one = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert one[0].outputs[0].token_ids == cpu_tokens[0]  # batch 1: the graphs
+
+
+# ---- vLLM's cpu_offload_gb (loader/cpu_offload.py): parameters in host memory the GPU reads in place.
+@pytest.mark.parametrize("gib", [0.0005, 10.0], ids=["some", "all"])
+def test_cpu_offload_keeps_greedy_tokens(tiny_llama, cpu_tokens, gib):
+    from ferrox.loader.cpu_offload import is_host_mapped, offloaded_bytes
+
+    llm = LLM(tiny_llama, device="cuda", dtype="float32", max_num_seqs=8, kv_cache_memory=64 << 20, cpu_offload_gb=gib)
+    model = llm.engine.runner.model
+    params = list(model.parameters())
+    total = sum(p.numel() * p.element_size() for p in params)
+    offloaded = offloaded_bytes(model)
+    assert 0 < offloaded <= gib * (1 << 30)
+    assert is_host_mapped(params[0])  # the first registered (the embedding) goes first
+    if gib == 10.0:
+        assert offloaded == total and all(is_host_mapped(p) for p in params)
+    else:
+        assert offloaded < total
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == cpu_tokens  # CUDA graphs read host memory too

@@ -27,15 +27,19 @@ LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 
 def load_model(source: ModelSource, spec: ModelSpec, *, dtype: torch.dtype, device: torch.device | str,
                load_format: str = "auto", seed: int = 0, keep_quantized: bool = False,
-               quant_config: QuantConfig | None = None) -> nn.Module:
+               quant_config: QuantConfig | None = None, cpu_offload_bytes: int = 0) -> nn.Module:
     """keep_quantized: a quantized GGUF's matrices stay in their blocks and run the Rust CPU kernels' quantized matmuls
     (layers/quant) -- on the CPU, with one rank, for models that take them; otherwise (and for every
     other format) the weights are dequantized to `dtype` as before. The engine asks for it when the
     dtype is "auto" (worker/model_setup.py).
 
     quant_config: the checkpoint's (or `--quantization`'s) method (layers/quant/config.py); the
-    model's linear layers are built with it and finalized into its runners after loading."""
+    model's linear layers are built with it and finalized into its runners after loading.
+
+    cpu_offload_bytes: vLLM's cpu_offload_gb, in bytes: the first parameters the model registers, up to
+    that many bytes, live in host memory the GPU reads in place (loader/cpu_offload.py)."""
     from ferrox.loader import weights
+    from ferrox.loader.cpu_offload import GIB, offloaded_bytes, offloading
     from ferrox.models.registry import get_model_class
 
     if load_format not in LOAD_FORMATS:
@@ -70,7 +74,7 @@ def load_model(source: ModelSource, spec: ModelSpec, *, dtype: torch.dtype, devi
                                         "quantized weights in this version")
         quant_config.check(spec, device, tp.size)
         logger.info("quantization: %s", quant_config.describe())
-    with torch.no_grad(), use_quant_config(quant_config):
+    with torch.no_grad(), use_quant_config(quant_config), offloading(cpu_offload_bytes, device):
         model = cls(spec, dtype, device)
     with torch.no_grad():
         if load_format == "dummy":
@@ -88,6 +92,9 @@ def load_model(source: ModelSource, spec: ModelSpec, *, dtype: torch.dtype, devi
         finalize = getattr(model, "finalize_weights", None)
         if finalize is not None:
             finalize()
+    if cpu_offload_bytes:
+        logger.info("cpu_offload_gb: %.2f GiB of the weights in host memory (asked %.2f; weights a quantization "
+                    "repacked after loading live on the device)", offloaded_bytes(model) / GIB, cpu_offload_bytes / GIB)
     model.eval()
     model.requires_grad_(False)
     return model

@@ -143,9 +143,14 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
     sleep_memory = SleepMemory(device) if config.enable_sleep_mode else None
     # dtype "auto" keeps a quantized GGUF quantized where it can run so (the CPU); an explicit
     # dtype dequantizes it to that dtype (loader/model_loader.py).
+    offload = int(config.cpu_offload_gb * (1 << 30))
+    if offload and device.type != "cuda":
+        raise ValueError("cpu_offload_gb: offloads GPU weights to host memory; on the CPU the model already runs "
+                         "from it")
     load = functools.partial(_shared_model, source, spec, dtype, device, config.load_format, config.seed, tp,
                              keep_quantized=config.dtype == "auto" and quant_config is None,
-                             private=config.enable_lora or sleep_memory is not None,
+                             private=config.enable_lora or sleep_memory is not None or bool(offload),
+                             cpu_offload_bytes=offload,
                              quant_config=quant_config, quantization=config.quantization,
                              hf_overrides=config.hf_overrides)
     with use_tp_group(tp):
@@ -285,13 +290,13 @@ _MODELS: weakref.WeakValueDictionary[tuple[Any, ...], Any] = weakref.WeakValueDi
 def _shared_model(source: ModelSource, spec: Any, dtype: torch.dtype, device: torch.device, load_format: str,
                   seed: int, tp: TPGroup, *, keep_quantized: bool = False, private: bool = False,
                   quant_config: QuantConfig | None = None, quantization: str | None = None,
-                  hf_overrides: dict[str, Any] | None = None) -> Any:
+                  hf_overrides: dict[str, Any] | None = None, cpu_offload_bytes: int = 0) -> Any:
     """private: a model of this engine's own (LoRA wraps its layers), neither shared nor cached.
     quantization, hf_overrides: what quant_config and spec were resolved from (part of the cache key)."""
     keep_quantized = keep_quantized and source.format == "gguf"  # (only a GGUF has blocks to keep)
     if private:
         return load_model(source, spec, dtype=dtype, device=device, load_format=load_format, seed=seed,
-                          keep_quantized=keep_quantized, quant_config=quant_config)
+                          keep_quantized=keep_quantized, quant_config=quant_config, cpu_offload_bytes=cpu_offload_bytes)
     key = (source.path, _mtime(source.path), str(dtype), str(device), load_format, seed, tp.rank, tp.size,
            keep_quantized, quantization, spec.rope_long_context, _overrides_key(hf_overrides))
     model = _MODELS.get(key)
