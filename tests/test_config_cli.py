@@ -292,3 +292,23 @@ def test_served_model_names_and_the_model_after_them(tmp_path):
     (tmp_path / "c.yaml").write_text("served-model-name: [x, y]\nmax-model-len: 64\n")
     args = cli.expand_config_file(["serve", "--config", str(tmp_path / "c.yaml"), "m"])
     assert args == ["serve", "--served-model-name", "x", "y", "--max-model-len=64", "m"]
+
+
+def test_dotted_keys_of_json_flags():
+    """vLLM's `--json-flag.key value` spelling: keys gather (nested by dots, values as JSON where they parse)
+    over the flag's whole object, into one argument, for the engine's JSON flags and the server's."""
+    argv = cli.expand_dotted_json_args([
+        "serve", "m", "--compilation-config.cudagraph_mode", "FULL_DECODE_ONLY", "-cc.cudagraph_capture_sizes=[1,2]",
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
+        "--speculative-config.num_speculative_tokens=3", "--hf-overrides.rope_scaling.factor", "2.0",
+        "--override-generation-config.temperature", "0.5", "--port", "9000"])
+    args = cli.build_parser().parse_args(argv)
+    config = cli.engine_config_from_args(args)
+    assert config.compilation_config == {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2]}
+    assert config.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
+    assert config.hf_overrides == {"rope_scaling": {"factor": 2.0}}
+    assert args.override_generation_config == {"temperature": 0.5} and args.port == 9000
+    plain = ["serve", "-cc", '{"mode": 3}']
+    assert cli.expand_dotted_json_args(plain) == plain  # nothing dotted: untouched
+    with pytest.raises(ValueError, match="needs a value"):
+        cli.expand_dotted_json_args(["serve", "--compilation-config.mode"])

@@ -483,12 +483,86 @@ def _refuse_unknown(parser: argparse.ArgumentParser, unknown: list[str]) -> None
     parser.error(f"unrecognized arguments: {' '.join(others)}")
 
 
+# ---- --json-flag.key value ---------------------------------------------------------------------------
+_SERVER_JSON_FLAGS = ("--override-generation-config", "--default-chat-template-kwargs")
+
+
+def json_flags() -> dict[str, str]:
+    """Every spelling of a flag that takes a JSON object (aliases included) -> its long name."""
+    hints = typing.get_type_hints(EngineConfig)
+    names: dict[str, str] = {flag: flag for flag in _SERVER_JSON_FLAGS}
+    for field in dataclasses.fields(EngineConfig):
+        if not field.metadata.get("nargs") and _value_type(hints[field.name]) is parse_json_object:
+            long = flag_name(field.name)
+            for spelling in (long, *field.metadata.get("aliases", ())):
+                names[spelling] = long
+    return names
+
+
+def expand_dotted_json_args(argv: list[str]) -> list[str]:
+    """vLLM's dotted spelling of a JSON-object flag: `--compilation-config.cudagraph_mode FULL_DECODE_ONLY`,
+    `-cc.mode=0`, `--speculative-config.num_speculative_tokens 3` set one key (a dot per level of nesting;
+    the value read as JSON where it parses, else as text). A flag's keys gather, over its JSON object if the
+    command line gives one too, into one `--flag JSON` argument where the flag first appears."""
+    spellings = json_flags()
+
+    def split(arg: str) -> tuple[str | None, str, str | None]:  # (long flag, dotted path, "=" value)
+        name, eq, text = arg.partition("=")
+        head, _, path = name.partition(".")
+        return spellings.get(head), path, text if eq else None
+
+    dotted = {long for long, path, _ in map(split, argv) if long and path}
+    if not dotted:
+        return argv
+    out: list[str] = []
+    objects: dict[str, dict[str, Any]] = {}
+    i = 0
+    while i < len(argv):
+        long, path, text = split(argv[i])
+        if long not in dotted:
+            out.append(argv[i])
+            i += 1
+            continue
+        if text is None:
+            if i + 1 == len(argv):
+                raise ValueError(f"{argv[i]}: needs a value")
+            text, i = argv[i + 1], i + 1
+        i += 1
+        if long not in objects:
+            objects[long] = {}
+            out += [long, long]  # the second is the JSON's place, filled in below
+        if not path:  # the whole object: the dotted keys go over it
+            objects[long] = _deep_merge(parse_json_object(text), objects[long])
+            continue
+        try:
+            value: Any = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        node = objects[long]
+        *parents, last = path.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"{long}.{path}: {key} already has a value that is not an object")
+        node[last] = value
+    for long, obj in objects.items():
+        out[out.index(long) + 1] = json.dumps(obj)
+    return out
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser, serve_parser = build_parsers()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        argv = expand_config_file(argv)
-    except ValueError as exc:
+        argv = expand_dotted_json_args(expand_config_file(argv))
+    except (ValueError, argparse.ArgumentTypeError) as exc:
         parser.error(str(exc))
     args, unknown = parser.parse_known_args(argv)
     if unknown:
