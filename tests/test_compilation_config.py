@@ -111,3 +111,23 @@ def test_pooling_models_refuse_graph_settings():
         EngineConfig(runner="pooling", cudagraph_capture_sizes=[1, 2])
     EngineConfig(runner="pooling", compilation_config={"cudagraph_mode": "NONE"})  # no graphs: as it runs
 
+
+
+@pytest.mark.parametrize("argv,want", [
+    (["-O0"], GraphPlan(False, False)),
+    (["-O1"], GraphPlan(False, True)),
+    (["-O2"], GraphPlan(True, True)),
+    (["-O", "3"], GraphPlan(True, True)),
+    (["--optimization-level", "0", "-cc", '{"cudagraph_mode": "FULL_DECODE_ONLY"}'], GraphPlan(True, False)),
+    (["-O1", "-cc", '{"cudagraph_mode": "FULL_AND_PIECEWISE"}'], GraphPlan(True, True)),  # what cc says wins
+    (["-O0", "-cc", '{"mode": 3}'], GraphPlan(False, False)),  # O0's cudagraph_mode NONE stays
+])
+def test_optimization_levels(argv, want):
+    """vLLM's -O0 ... -O3: defaults for what compilation_config leaves unset (O0: no graphs, O1: piecewise,
+    O2 / O3: both kinds)."""
+    assert _parse(["model", *argv]).graph_plan() == want
+
+
+def test_optimization_level_refused_outside_0_to_3():
+    with pytest.raises(ValueError, match="optimization_level"):
+        EngineConfig(optimization_level=4)

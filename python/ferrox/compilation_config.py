@@ -23,6 +23,8 @@ vLLM's meaning; every other key is refused by name (not accepted and ignored).
   (vLLM's consistency check); alone it caps ferrox's own ladders (decode: 1, 2, 4, 8, 16, 24, ...;
   piecewise: 8 ... 512, or 2,048 for MoE models), and raises the piecewise one up to it.
 - `custom_ops`: ["all"] is what ferrox does (its kernels are all custom); anything else is refused.
+- optimization_level (`-O0` ... `-O3`, vLLM's; 2 the default): the defaults of what compilation_config leaves
+  unset -- 0 no torch.compile mode and no CUDA graphs, 1 PIECEWISE, 2 and 3 FULL_AND_PIECEWISE.
 - enforce_eager: no graphs, whatever the rest says (vLLM's override).
 """
 
@@ -76,9 +78,14 @@ def _positive(value: Any, what: str) -> int:
     return value
 
 
+# optimization level -> (mode, cudagraph_mode) where compilation_config does not say (vLLM's presets)
+LEVEL_DEFAULTS = {0: (0, "NONE"), 1: (VLLM_COMPILE, "PIECEWISE"), 2: (VLLM_COMPILE, "FULL_AND_PIECEWISE"),
+                  3: (VLLM_COMPILE, "FULL_AND_PIECEWISE")}
+
+
 def graph_plan(compilation_config: dict[str, Any] | int | None = None, *,
                cudagraph_capture_sizes: list[int] | None = None, max_cudagraph_capture_size: int | None = None,
-               enforce_eager: bool = False, log: bool = False) -> GraphPlan:
+               enforce_eager: bool = False, optimization_level: int = 2, log: bool = False) -> GraphPlan:
     """The plan these settings ask for; ValueError naming the key or flag that ferrox cannot honour.
     An int compilation_config is a mode (vLLM's shorthand). log: log vLLM's overrides (once per engine)."""
     cc: dict[str, Any]
@@ -96,14 +103,17 @@ def graph_plan(compilation_config: dict[str, Any] | int | None = None, *,
             raise ValueError(
                 f"compilation_config.{key}: not supported: ferrox runs no torch.compile (its kernels are fused by "
                 f"hand), so it takes only the keys that choose CUDA graphs: {', '.join(KEYS)}")
-    mode, mode_key = VLLM_COMPILE, "mode"
+    if isinstance(optimization_level, bool) or optimization_level not in LEVEL_DEFAULTS:
+        raise ValueError(f"optimization_level: must be 0, 1, 2 or 3, got {optimization_level!r}")
+    mode, level_cg_mode = LEVEL_DEFAULTS[optimization_level]
+    mode_key = "mode"
     for key in ("level", "mode"):  # mode wins over its deprecated spelling, as in vLLM
         if cc.get(key) is not None:
             mode, mode_key = _mode(cc[key], key), key
     if mode in (1, 2):
         raise ValueError(f"compilation_config.{mode_key}: {mode} asks for torch.compile, which ferrox does not run; "
                          "use 3 (VLLM_COMPILE, the default: ferrox's fused kernels and piecewise CUDA graphs) or 0")
-    cg_mode = cc.get("cudagraph_mode") or "FULL_AND_PIECEWISE"
+    cg_mode = cc.get("cudagraph_mode") or level_cg_mode
     if not isinstance(cg_mode, str) or cg_mode.upper() not in CUDAGRAPH_MODES:
         raise ValueError(f"compilation_config.cudagraph_mode: {cg_mode!r} is not one of {', '.join(CUDAGRAPH_MODES)}")
     cg_mode = cg_mode.upper()

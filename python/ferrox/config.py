@@ -195,6 +195,9 @@ class EngineConfig:
         "(VLLM_COMPILE) or 0 (NONE: no piecewise graphs); custom_ops ['all'] -- and refuses the others by name "
         "(ferrox/compilation_config.py)", aliases=("-cc",),
         default_help="FULL_AND_PIECEWISE at ferrox's own sizes")
+    optimization_level: int = _opt(
+        "vLLM's -O0 ... -O3: the defaults of what compilation_config leaves unset -- 0 no CUDA graphs, 1 piecewise "
+        "graphs only, 2 and 3 whole decode steps + piecewise graphs", 2, aliases=("-O",))
     cudagraph_capture_sizes: list[int] | None = _opt(
         "the step sizes (tokens) to capture CUDA graphs for (vLLM's): decode graphs take those up to "
         "max_num_seqs, piecewise graphs those up to max_num_batched_tokens; larger steps run eagerly",
@@ -401,7 +404,7 @@ class EngineConfig:
         """Which CUDA graphs the engine captures (ferrox/compilation_config.py)."""
         return graph_plan(self.compilation_config, cudagraph_capture_sizes=self.cudagraph_capture_sizes,
                           max_cudagraph_capture_size=self.max_cudagraph_capture_size,
-                          enforce_eager=self.enforce_eager, log=log)
+                          enforce_eager=self.enforce_eager, optimization_level=self.optimization_level, log=log)
 
     def check_graphs_for_pooling(self) -> None:
         """A pooling model runs every step eagerly (whole prompts of any shape): CUDA-graph settings asked
