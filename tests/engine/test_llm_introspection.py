@@ -66,6 +66,12 @@ def test_get_metrics_after_generate(tiny_llama):
     assert isinstance(running, Gauge) and running.value == 0
     per_pos = _by_name(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos", **labels)
     assert len(per_pos) == 1 and isinstance(per_pos[0], Vector) and len(per_pos[0].values) == 2
+    steps = _by_name(metrics, "vllm:iteration_tokens_total", **labels)[0]  # tokens computed per engine step
+    assert isinstance(steps, Histogram) and steps.count >= 6 and steps.sum == sum(map(len, prompts)) + generated
+    (cache,) = _by_name(metrics, "vllm:cache_config_info")
+    assert cache.value == 1 and cache.labels["engine"] == "0" and cache.labels["block_size"] == "16"
+    assert cache.labels["num_gpu_blocks"] == str(llm.engine.num_kv_blocks)
+    assert cache.labels["enable_prefix_caching"] == "True" and cache.labels["cache_dtype"] == "auto"
     assert all(m.name.startswith("vllm:") for m in metrics)
 
 

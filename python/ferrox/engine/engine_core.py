@@ -95,6 +95,14 @@ class EngineCore:
         self.max_model_len = loaded.max_model_len
         self.num_kv_blocks = loaded.num_blocks
         self.block_size = config.block_size
+        # vLLM's cache_config_info gauge (metrics/prometheus.py): the KV cache's settings as labels.
+        self._cache_config_info = {
+            "block_size": config.block_size, "cache_dtype": config.kv_cache_dtype,
+            "enable_prefix_caching": config.enable_prefix_caching,
+            "prefix_caching_hash_algo": config.prefix_caching_hash_algo,
+            "gpu_memory_utilization": config.gpu_memory_utilization, "num_gpu_blocks": loaded.num_blocks,
+            "num_gpu_blocks_override": config.num_gpu_blocks_override, "cpu_offload_gb": config.cpu_offload_gb,
+        }
         self.thread_governor = loaded.threads  # CPU: intra-op threads follow the machine's load
         # Runner "pooling" (ferrox.pooling, worker/pooling_runner.py): each request is one prompt pooled into a
         # vector. Its prompts run whole (no chunked prefill), with no KV cache to reuse (no prefix caching), and
@@ -775,6 +783,7 @@ class EngineCore:
             num_kv_blocks=self.num_kv_blocks,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
+            cache_config=self._cache_config_info,
         )
         return stats
 

@@ -41,6 +41,8 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# Tokens an engine step computed (vLLM's iteration_tokens_total buckets).
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # Token-count histograms go up to this when the model's context length is not known yet.
 DEFAULT_MAX_TOKENS_BUCKET = 1 << 20
 
@@ -103,6 +105,20 @@ class _CoreStatsCollector(Collector):
                 yield family
         yield from self._spec_families()
         yield from self._sleep_family()
+        yield from self._cache_config_family()
+
+    def _cache_config_family(self):  # type: ignore[no-untyped-def]
+        """vLLM's cache_config_info: the KV cache's settings as labels of a constant 1, one series per core
+        (dashboards read num_gpu_blocks from it)."""
+        configs = [(i, s["cache_config"]) for i, s in enumerate(self.engines) if isinstance(s.get("cache_config"), dict)]
+        if not configs:
+            return
+        keys = sorted(configs[0][1])
+        family = GaugeMetricFamily(f"{self.prefix}:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                   labels=[*keys, "engine"])
+        for index, config in configs:
+            family.add_metric([str(config.get(k)) for k in keys] + [str(index)], 1.0)
+        yield family
 
     def _sleep_family(self):  # type: ignore[no-untyped-def]
         """vLLM's engine_sleep_state, for engines started with sleep mode: one series per state, 1 for the
@@ -153,6 +169,7 @@ class _EngineSeries:
     decode_time: Any
     inference_time: Any
     time_per_output_token: Any
+    iteration_tokens: Any
     request_prompt_tokens: Any
     request_generation_tokens: Any
 
@@ -207,6 +224,8 @@ class PrometheusStatLogger:
         self.time_per_output_token = histogram(f"{prefix}:request_time_per_output_token_seconds",
                                                "Mean time per output token after the first, per request, in seconds.",
                                                ITL_BUCKETS)
+        self.iteration_tokens = histogram(f"{prefix}:iteration_tokens_total", "Histogram of number of tokens per "
+                                          "engine_step.", ITERATION_TOKEN_BUCKETS)
         self._request_prompt_tokens: Histogram | None = None
         self._request_generation_tokens: Histogram | None = None
 
@@ -222,6 +241,8 @@ class PrometheusStatLogger:
 
     def on_iteration(self, stats: IterationStats) -> None:
         series = self._engine(stats.engine)
+        if stats.num_prompt_tokens or stats.num_generation_tokens:
+            series.iteration_tokens.observe(stats.num_prompt_tokens + stats.num_generation_tokens)
         if stats.num_prompt_tokens:
             series.prompt_tokens.inc(stats.num_prompt_tokens)
         if stats.num_cached_tokens:
@@ -263,6 +284,7 @@ class PrometheusStatLogger:
                 decode_time=self.decode_time.labels(*label),
                 inference_time=self.inference_time.labels(*label),
                 time_per_output_token=self.time_per_output_token.labels(*label),
+                iteration_tokens=self.iteration_tokens.labels(*label),
                 request_prompt_tokens=prompt_hist.labels(*label),
                 request_generation_tokens=generation_hist.labels(*label),
             ))
