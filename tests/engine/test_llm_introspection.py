@@ -66,6 +66,9 @@ def test_get_metrics_after_generate(tiny_llama):
     assert isinstance(running, Gauge) and running.value == 0
     per_pos = _by_name(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos", **labels)
     assert len(per_pos) == 1 and isinstance(per_pos[0], Vector) and len(per_pos[0].values) == 2
+    assert _by_name(metrics, "vllm:request_params_n", **labels)[0].buckets["1.0"] == 3
+    max_tokens = _by_name(metrics, "vllm:request_params_max_tokens", **labels)[0]
+    assert max_tokens.count == 3 and max_tokens.sum == 18
     steps = _by_name(metrics, "vllm:iteration_tokens_total", **labels)[0]  # tokens computed per engine step
     assert isinstance(steps, Histogram) and steps.count >= 6 and steps.sum == sum(map(len, prompts)) + generated
     (cache,) = _by_name(metrics, "vllm:cache_config_info")

@@ -13,7 +13,8 @@ from ferrox.metrics.request_stats import FinishedRequestStats, IterationStats
 SNAPSHOT = {"num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.25, "prefix_cache_queries": 64,
             "prefix_cache_hits": 32, "num_generation_tokens": 7, "num_preemptions": 1, "num_speculative_tokens": 2,
             "spec_num_drafts": 3, "spec_num_draft_tokens": 6, "spec_num_accepted_tokens": 4,
-            "spec_num_accepted_tokens_per_pos": [3, 1]}
+            "spec_num_accepted_tokens_per_pos": [3, 1],
+            "cache_config": {"block_size": 16, "num_gpu_blocks": 1000, "cache_dtype": "auto"}}
 
 
 def _names(prefix: str) -> set[str]:
@@ -21,7 +22,7 @@ def _names(prefix: str) -> set[str]:
     prom.on_scheduler_stats(SNAPSHOT)
     done = FinishedRequestStats(engine=0, finish_reason="stop", num_prompt_tokens=5, num_generation_tokens=3,
                                 e2e_latency=0.5, queue_time=0.01, prefill_time=0.1, decode_time=0.3,
-                                inference_time=0.4, time_per_output_token=0.1)
+                                inference_time=0.4, time_per_output_token=0.1, n=2, max_tokens=16)
     prom.on_iteration(IterationStats(engine=0, num_prompt_tokens=5, num_cached_tokens=2, num_generation_tokens=3,
                                      time_to_first_tokens=[0.1], inter_token_latencies=[(0.05, 2)], finished=[done]))
     text = prom.render().decode()
@@ -38,7 +39,8 @@ def test_vllm_prefix_names_every_series_as_vllm_does():
                  "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
                  "vllm:e2e_request_latency_seconds_bucket", "vllm:request_prompt_tokens_bucket",
                  "vllm:request_generation_tokens_bucket", "vllm:prefix_cache_hits_total",
-                 "vllm:spec_decode_num_accepted_tokens_total"):
+                 "vllm:spec_decode_num_accepted_tokens_total", "vllm:iteration_tokens_total_bucket",
+                 "vllm:request_params_n_bucket", "vllm:request_params_max_tokens_bucket", "vllm:cache_config_info"):
         assert name in vllm, name
 
 

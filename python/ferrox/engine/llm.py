@@ -528,7 +528,10 @@ class LLM:
     def _submit(self, request: EngineCoreRequest) -> None:
         self.engine.add_request(request)
         if self._stats is not None:
-            self._stats.add(request.request_id, request.arrival_time, len(request.prompt_token_ids))
+            params, prompt_len = request.sampling_params, len(request.prompt_token_ids)
+            max_tokens = (None if request.pooling_params is not None else params.max_tokens
+                          if params.max_tokens is not None else self.engine.max_model_len - prompt_len)
+            self._stats.add(request.request_id, request.arrival_time, prompt_len, n=params.n, max_tokens=max_tokens)
 
     def _params_per_prompt(
         self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int

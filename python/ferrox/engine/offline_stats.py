@@ -29,8 +29,10 @@ class OfflineStats:
         self._loggers = (self.prometheus, self.logger)
         self._timing: dict[str, RequestTiming] = {}
 
-    def add(self, engine_request_id: str, arrival_time: float, num_prompt_tokens: int) -> None:
-        self._timing[engine_request_id] = RequestTiming(arrival_time, num_prompt_tokens, time.time())
+    def add(self, engine_request_id: str, arrival_time: float, num_prompt_tokens: int, *, n: int = 1,
+            max_tokens: int | None = None) -> None:
+        self._timing[engine_request_id] = RequestTiming(arrival_time, num_prompt_tokens, time.time(), n=n,
+                                                        max_tokens=max_tokens)
 
     def step(self, result: StepResult, step_start: float, core_stats: dict[str, Any]) -> None:
         now = time.time()

@@ -170,6 +170,8 @@ class _EngineSeries:
     inference_time: Any
     time_per_output_token: Any
     iteration_tokens: Any
+    params_n: Any
+    params_max_tokens: Any
     request_prompt_tokens: Any
     request_generation_tokens: Any
 
@@ -224,9 +226,12 @@ class PrometheusStatLogger:
         self.time_per_output_token = histogram(f"{prefix}:request_time_per_output_token_seconds",
                                                "Mean time per output token after the first, per request, in seconds.",
                                                ITL_BUCKETS)
+        self.params_n = histogram(f"{prefix}:request_params_n", "Histogram of the n request parameter.",
+                                  (1, 2, 5, 10, 20))
         self.iteration_tokens = histogram(f"{prefix}:iteration_tokens_total", "Histogram of number of tokens per "
                                           "engine_step.", ITERATION_TOKEN_BUCKETS)
         self._request_prompt_tokens: Histogram | None = None
+        self._request_params_max_tokens: Histogram | None = None
         self._request_generation_tokens: Histogram | None = None
 
     # ---- StatLogger -------------------------------------------------------------------------------
@@ -257,6 +262,9 @@ class PrometheusStatLogger:
             series.e2e.observe(done.e2e_latency)
             series.request_prompt_tokens.observe(done.num_prompt_tokens)
             series.request_generation_tokens.observe(done.num_generation_tokens)
+            series.params_n.observe(done.n)
+            if done.max_tokens is not None:
+                series.params_max_tokens.observe(done.max_tokens)
             for histogram, value in ((series.queue_time, done.queue_time), (series.prefill_time, done.prefill_time),
                                      (series.decode_time, done.decode_time),
                                      (series.inference_time, done.inference_time),
@@ -285,10 +293,20 @@ class PrometheusStatLogger:
                 inference_time=self.inference_time.labels(*label),
                 time_per_output_token=self.time_per_output_token.labels(*label),
                 iteration_tokens=self.iteration_tokens.labels(*label),
+                params_n=self.params_n.labels(*label),
+                params_max_tokens=self._params_max_tokens().labels(*label),
                 request_prompt_tokens=prompt_hist.labels(*label),
                 request_generation_tokens=generation_hist.labels(*label),
             ))
         return self._series[engine]
+
+    def _params_max_tokens(self) -> Histogram:
+        """Created on first use, with the token histograms' buckets (the context length is known by then)."""
+        if self._request_params_max_tokens is None:
+            self._request_params_max_tokens = Histogram(
+                f"{self.prefix}:request_params_max_tokens", "Histogram of the max_tokens request parameter.", LABELS,
+                buckets=one_two_five_buckets(self.max_model_len or DEFAULT_MAX_TOKENS_BUCKET), registry=self.registry)
+        return self._request_params_max_tokens
 
     def _token_histograms(self) -> tuple[Histogram, Histogram]:
         """Created on first use, once the context length (the largest useful bucket) is known."""

@@ -35,6 +35,8 @@ class RequestTiming:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_generation_tokens: int = 0
+    n: int = 1  # the user request's n (its samples are engine requests of their own)
+    max_tokens: int | None = None  # the request's max_tokens, resolved (None: a pooling request)
 
 
 @dataclass(slots=True)
@@ -44,6 +46,8 @@ class FinishedRequestStats:
     num_prompt_tokens: int
     num_generation_tokens: int
     e2e_latency: float
+    n: int = 1
+    max_tokens: int | None = None
     queue_time: float | None = None  # None: the request never produced a token
     prefill_time: float | None = None
     decode_time: float | None = None
@@ -111,6 +115,8 @@ def finished_stats(timing: RequestTiming, engine: int, finish_reason: str, now: 
         num_prompt_tokens=timing.num_prompt_tokens,
         num_generation_tokens=timing.num_generation_tokens,
         e2e_latency=max(0.0, now - timing.arrival_time),
+        n=timing.n,
+        max_tokens=timing.max_tokens,
     )
     first, last, scheduled = timing.first_token_time, timing.last_token_time, timing.scheduled_time
     if first is not None and last is not None and scheduled is not None:
