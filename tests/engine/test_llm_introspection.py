@@ -115,3 +115,13 @@ def test_apply_model_runs_on_the_model_and_can_change_weights(tiny_llama):
     llm.apply_model(restore)
     llm.reset_prefix_cache()
     assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == before
+
+
+def test_get_metrics_counts_a_request_of_n_samples_with_its_n(tiny_llama):
+    """A request of n = 2 becomes two engine requests; each finishes with the user request's n (2), as the
+    server's metrics count it."""
+    llm = LLM(tiny_llama, device="cpu", kv_cache_memory=16 << 20, disable_log_stats=False)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(n=2, temperature=1.0, max_tokens=3, ignore_eos=True),
+                 use_tqdm=False)
+    (n_hist,) = _by_name(llm.get_metrics(), "vllm:request_params_n")
+    assert n_hist.count == 2 and n_hist.sum == 4

@@ -74,7 +74,14 @@ from ferrox.engine.output_processor import OutputProcessor
 from ferrox.engine.protocol import EngineCoreRequest
 from ferrox.errors import EngineDeadError, EngineStartupError, InvalidArgumentError, RequestError
 from ferrox.metrics.log_stats import LoggingStatLogger
-from ferrox.metrics.request_stats import IterationStats, RequestTiming, StatLogger, finished_stats, observe
+from ferrox.metrics.request_stats import (
+    IterationStats,
+    RequestTiming,
+    StatLogger,
+    finished_stats,
+    observe,
+    request_timing,
+)
 from ferrox.multimodal.inputs import MultiModalItem
 from ferrox.outputs import AnyRequestOutput, PoolingRequestOutput, RequestOutput
 from ferrox.pooling.params import (
@@ -671,11 +678,8 @@ class AsyncLLM:
         self._streams[request_id] = stream
         try:
             queued_time = time.time()
-            max_tokens = (None if pooling_params is not None
-                          else params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids))
             for core_request in core_requests:
-                self._timing[core_request.request_id] = RequestTiming(arrival_time, len(prompt_ids), queued_time,
-                                                                      n=params.n, max_tokens=max_tokens)
+                self._timing[core_request.request_id] = request_timing(request, self.max_model_len, queued_time)
             # The first sample picks the core; its siblings follow it there, to share the prompt's blocks.
             engine = self.client.add_request(core_requests[0], cache_key=prompt_cache_key)
             for sibling in core_requests[1:]:

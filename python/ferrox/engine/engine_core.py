@@ -170,6 +170,8 @@ class EngineCore:
         # images' path (multimodal/prompt_embeds.py), which a text model's runner then needs too.
         if config.enable_prompt_embeds:
             self._enable_prompt_embeds(config, loaded)
+        # Which CUDA graphs to capture (ferrox/compilation_config.py), for the target and a draft model alike.
+        plan = config.graph_plan(log=self.device.type == "cuda")
         # Draft-model speculation: the draft model and its twin KV cache (worker/draft_model.py).
         self.drafter: DraftProposer | None = None
         if self.speculative is not None and self.speculative.method == "draft_model":
@@ -179,13 +181,11 @@ class EngineCore:
                 target_vocab_size=self.vocab_size, num_blocks=loaded.num_blocks, block_size=config.block_size,
                 max_num_seqs=loaded.max_num_seqs, max_model_len=self.max_model_len, dtype=loaded.dtype,
                 device=self.device, load_format=config.load_format, seed=config.seed,
-                cuda_graphs=config.graph_plan().decode,
-                graph_sizes=decode_capture_sizes(config.graph_plan(), loaded.max_num_seqs),
+                cuda_graphs=plan.decode, graph_sizes=decode_capture_sizes(plan, loaded.max_num_seqs),
                 keep_quantized=config.dtype == "auto" and config.quantization is None)
         # An engine dropped without shutdown() still releases its ranks (and the process group).
         self._finalizer = weakref.finalize(self, EngineCore._release, self.runner, self.executor, self.tp)
         self.cuda_graph_capture_s: float | None = None
-        plan = config.graph_plan(log=self.device.type == "cuda")
         if self.device.type == "cuda" and plan.any:
             self.cuda_graph_capture_s = self.runner.capture_cuda_graphs(
                 max_num_seqs=loaded.max_num_seqs, max_model_len=self.max_model_len, block_size=config.block_size,

@@ -422,7 +422,7 @@ class LLM:
                                             pooling_params=pp)
                 self.output_processor.add_request(request, p.prompt)
                 order[request_id] = i
-                self._submit(request)
+                self._submit(request, [request])
             outputs = self._drain(order, sum(len(p.prompt_token_ids) for p in processed), use_tqdm,
                                   PoolingRequestOutput)
         except BaseException:
@@ -473,8 +473,7 @@ class LLM:
                 # n > 1: the samples go in together. The core registers the prompt's full blocks
                 # in the prefix cache when it allocates them for the first sample, so the siblings
                 # scheduled after it in the same step hit them and the prompt is computed once.
-                for r in core_requests:
-                    self._submit(r)
+                self._submit(request, core_requests)
         except BaseException:
             self._abort(added)
             raise
@@ -525,13 +524,12 @@ class LLM:
             if self._stats is not None:
                 self._stats.aborted(engine_ids)
 
-    def _submit(self, request: EngineCoreRequest) -> None:
-        self.engine.add_request(request)
+    def _submit(self, request: EngineCoreRequest, core_requests: list[EngineCoreRequest]) -> None:
+        """The engine requests a user request became (its n samples) into the core, in order."""
+        for r in core_requests:
+            self.engine.add_request(r)
         if self._stats is not None:
-            params, prompt_len = request.sampling_params, len(request.prompt_token_ids)
-            max_tokens = (None if request.pooling_params is not None else params.max_tokens
-                          if params.max_tokens is not None else self.engine.max_model_len - prompt_len)
-            self._stats.add(request.request_id, request.arrival_time, prompt_len, n=params.n, max_tokens=max_tokens)
+            self._stats.add(request, [r.request_id for r in core_requests], self.engine.max_model_len)
 
     def _params_per_prompt(
         self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int

@@ -11,13 +11,22 @@ and speculative counters) are taken after every step.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ferrox.metrics.log_stats import LoggingStatLogger
 from ferrox.metrics.prometheus import PrometheusStatLogger
 from ferrox.metrics.reader import Metric, snapshot
-from ferrox.metrics.request_stats import IterationStats, RequestTiming, finished_stats, observe
+from ferrox.metrics.request_stats import (
+    IterationStats,
+    RequestTiming,
+    finished_stats,
+    observe,
+    request_timing,
+)
 from ferrox.step_types import StepResult
+
+if TYPE_CHECKING:
+    from ferrox.engine.protocol import EngineCoreRequest
 
 PREFIX = "vllm"  # LLM.get_metrics() reads vLLM's names, whatever a server's --metrics-prefix
 
@@ -29,10 +38,11 @@ class OfflineStats:
         self._loggers = (self.prometheus, self.logger)
         self._timing: dict[str, RequestTiming] = {}
 
-    def add(self, engine_request_id: str, arrival_time: float, num_prompt_tokens: int, *, n: int = 1,
-            max_tokens: int | None = None) -> None:
-        self._timing[engine_request_id] = RequestTiming(arrival_time, num_prompt_tokens, time.time(), n=n,
-                                                        max_tokens=max_tokens)
+    def add(self, request: EngineCoreRequest, engine_request_ids: list[str], max_model_len: int) -> None:
+        """The user request and the engine requests it became (its n samples)."""
+        queued = time.time()
+        for rid in engine_request_ids:
+            self._timing[rid] = request_timing(request, max_model_len, queued)
 
     def step(self, result: StepResult, step_start: float, core_stats: dict[str, Any]) -> None:
         now = time.time()

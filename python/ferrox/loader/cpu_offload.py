@@ -21,15 +21,12 @@ so the two are refused together (config.py).
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.nn.modules.module import register_module_parameter_registration_hook
-
-logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
 _REGISTER_PORTABLE_MAPPED = 0x03  # cudaHostRegisterPortable | cudaHostRegisterMapped

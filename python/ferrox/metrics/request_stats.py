@@ -39,6 +39,18 @@ class RequestTiming:
     max_tokens: int | None = None  # the request's max_tokens, resolved (None: a pooling request)
 
 
+def request_timing(request: Any, max_model_len: int, queued_time: float) -> RequestTiming:
+    """A fresh clock for one engine request of the user `request` (an EngineCoreRequest as the user sent it,
+    before n > 1 split it): its arrival, prompt length, n and max_tokens resolved against the context
+    (None for a pooling request)."""
+    params, prompt_len = request.sampling_params, len(request.prompt_token_ids)
+    if request.pooling_params is not None:
+        max_tokens = None
+    else:
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - prompt_len
+    return RequestTiming(request.arrival_time, prompt_len, queued_time, n=params.n, max_tokens=max_tokens)
+
+
 @dataclass(slots=True)
 class FinishedRequestStats:
     engine: int

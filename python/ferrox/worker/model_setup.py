@@ -32,6 +32,7 @@ from ferrox.config import CPU_DEFAULT_MAX_MODEL_LEN, EngineConfig
 from ferrox.distributed.parallel_state import TPGroup, get_tp_group, use_tp_group
 from ferrox.layers.quant.config import resolve_quant_config
 from ferrox.layers.quant.method import QuantConfig
+from ferrox.loader.cpu_offload import GIB
 from ferrox.loader.model_loader import load_generation_config, load_model, load_model_spec
 from ferrox.loader.source import ModelSource, resolve_model
 from ferrox.loader.tokenizer import load_tokenizer
@@ -143,7 +144,7 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
     sleep_memory = SleepMemory(device) if config.enable_sleep_mode else None
     # dtype "auto" keeps a quantized GGUF quantized where it can run so (the CPU); an explicit
     # dtype dequantizes it to that dtype (loader/model_loader.py).
-    offload = int(config.cpu_offload_gb * (1 << 30))
+    offload = int(config.cpu_offload_gb * GIB)
     if offload and device.type != "cuda":
         raise ValueError("cpu_offload_gb: offloads GPU weights to host memory; on the CPU the model already runs "
                          "from it")

@@ -91,13 +91,9 @@ def build_structured_outputs(request: Any) -> StructuredOutputsParams | None:
                                        param="structured_outputs")
         return None
     field, kwargs = found[0]
-    return _make(field, **_apply_options(field, kwargs, options))
-
-
-def _apply_options(field: str, kwargs: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
-    """The constraint with the request's options as its own fields: StructuredOutputsParams checks them and
-    folds them into the grammar (structured/json_options.py), as it does for the offline API's."""
-    return {**kwargs, **options}
+    # The options become the params' own fields: StructuredOutputsParams checks them and folds them into
+    # the grammar (structured/json_options.py), as it does for the offline API's.
+    return _make(field, **kwargs, **options)
 
 
 def _make(field: str, **kwargs: Any) -> StructuredOutputsParams:
