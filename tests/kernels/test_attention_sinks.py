@@ -102,9 +102,9 @@ def test_cudnn_and_the_cuda_decode_kernel_step_aside_for_sinks(kernel_device, mo
     ref.begin_forward(meta)
     want = ref.forward(q, k, v, cache.clone(), meta, 0.25, sinks=sinks)
     backend = TritonAttentionBackend()
-    backend._cudnn_block_size = 16  # the path on, as _decide_cudnn sets it on an sm90 GPU
+    backend._long_block_size = 16  # the path on, as _decide_long_path sets it on an sm90 GPU
     backend.begin_forward(meta)
-    assert backend._plan_for(meta).cudnn_requests  # the long chunk would take cuDNN without sinks
+    assert backend._plan_for(meta).long_requests  # the long chunk would take cuDNN without sinks
     got = backend.forward(q, k, v, cache.clone(), meta, 0.25, sinks=sinks)
     assert relative_error(got, want) < 1e-5
     q, k, v, cache, meta, sinks = _step(kernel_device, [(1, 20), (1, 9)])  # decode-only: the CUDA kernel's step
@@ -113,8 +113,8 @@ def test_cudnn_and_the_cuda_decode_kernel_step_aside_for_sinks(kernel_device, mo
     monkeypatch.setattr(cudnn_prefill, "cudnn_prefill_applies", lambda *args: True)
     monkeypatch.setattr(cudnn_prefill, "enable_bucketed_plans", lambda: True)
     fresh = TritonAttentionBackend()
-    fresh._decide_cudnn(q, cache, sinks)
-    assert fresh._cudnn_block_size == 0
+    fresh._decide_long_path(q, cache, sinks)
+    assert fresh._long_block_size == 0
 
 
 GPT_OSS = {

@@ -118,7 +118,7 @@ def test_cudnn_and_the_cuda_decode_kernel_step_aside_for_chunks(kernel_device, m
         batch = PagedBatch(query_lens, context_lens, 4, 2, 32, 16, dtype, kernel_device)
         meta = _meta(batch)
         backend = TritonAttentionBackend()
-        backend._cudnn_block_size = 16  # the path on, as _decide_cudnn sets it on an sm90 GPU
+        backend._long_block_size = 16  # the path on, as _decide_long_path sets it on an sm90 GPU
         backend.begin_forward(meta)
         got = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache.clone(), meta, batch.scale, chunk=16)
         n = batch.num_actual_tokens

@@ -116,7 +116,7 @@ def test_fp8_cache_chunks_read_the_cache_widened_with_scales_folded(kernel_devic
     expected = TritonAttentionBackend().forward(batch.q, batch.k, batch.v, off_cache, meta, batch.scale,
                                                 layer_scales(kernel_device))
     backend = TritonAttentionBackend()
-    backend._cudnn_block_size = 16  # the path on, as _decide_cudnn sets it on an sm90 GPU
+    backend._long_block_size = 16  # the path on, as _decide_long_path sets it on an sm90 GPU
     out = backend.forward(batch.q, batch.k, batch.v, on_cache, meta, batch.scale, layer_scales(kernel_device))
     assert calls == [pytest.approx((K_SCALE, V_SCALE))] * 2  # (float32 scales as host numbers)
     assert torch.equal(on_cache.view(torch.uint8), off_cache.view(torch.uint8))
@@ -170,16 +170,16 @@ def test_step_plan_divides_requests_between_cudnn_and_the_prefill_kernel():
     batch = PagedBatch([1, 1, 1100, 1030], [40, 8, 0, 2000], 4, 1, 16, 16, torch.float32, cpu)
     plan = _plan_step(_meta(batch), block_size=16)
     assert plan.num_decodes == 2
-    assert plan.cudnn_requests == ((2, 2, 1102, 0, 0), (3, 1102, 2132, 2000, 125))
+    assert plan.long_requests == ((2, 2, 1102, 0, 0), (3, 1102, 2132, 2000, 125))
     assert plan.prefill_runs == ()
-    assert _plan_step(_meta(batch)).cudnn_requests == ()  # off for this backend
+    assert _plan_step(_meta(batch)).long_requests == ()  # off for this backend
     # Short chunks (and a context under the cut) beside long ones: runs of consecutive requests.
     mixed = PagedBatch([1, 200, 300, 1100, 1024, 5000], [40, 0, 3000, 0, 500, 4096], 4, 1, 16, 16, torch.float32, cpu)
     plan = _plan_step(_meta(mixed), block_size=16)
-    assert [c[0] for c in plan.cudnn_requests] == [3, 5]
+    assert [c[0] for c in plan.long_requests] == [3, 5]
     assert plan.prefill_runs == ((1, 3, 1, 501), (4, 5, 1601, 2625))
     short = PagedBatch([1, 200, 300], [40, 0, 3000], 4, 1, 16, 16, torch.float32, cpu)
-    assert _plan_step(_meta(short), block_size=16).cudnn_requests == ()
+    assert _plan_step(_meta(short), block_size=16).long_requests == ()
 
 
 def test_a_cudnn_failure_falls_back_to_the_prefill_kernel(kernel_device, seed, monkeypatch, caplog):
@@ -196,10 +196,10 @@ def test_a_cudnn_failure_falls_back_to_the_prefill_kernel(kernel_device, seed, m
 
     monkeypatch.setattr(cudnn_prefill, "cudnn_prefill_request", refuse)
     backend = TritonAttentionBackend()
-    backend._cudnn_block_size = 16  # the path on, as _decide_cudnn sets it on an sm90 GPU
+    backend._long_block_size = 16  # the path on, as _decide_long_path sets it on an sm90 GPU
     out = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, meta, batch.scale)
     assert torch.equal(out, expected)
-    assert backend._cudnn_block_size == 0 and "cuDNN attention failed" in caplog.text
+    assert backend._long_block_size == 0 and "cuDNN attention failed" in caplog.text
 
 
 def test_exact_plans_failing_to_build_keep_the_buckets(monkeypatch, caplog):
@@ -211,10 +211,10 @@ def test_exact_plans_failing_to_build_keep_the_buckets(monkeypatch, caplog):
     monkeypatch.setattr(cudnn_prefill, "warm_up_plans", lambda *args: 7)
     monkeypatch.setattr(cudnn_prefill, "warm_up_exact_plans", refuse)
     backend = TritonAttentionBackend()
-    backend._cudnn_block_size = 16  # the path on, as _decide_cudnn sets it on an sm90 GPU
-    backend._cudnn_shape = (32, 8, 128, torch.bfloat16, torch.device("cpu"))
+    backend._long_block_size = 16  # the path on, as _decide_long_path sets it on an sm90 GPU
+    backend._long_shape = (32, 8, 128, torch.bfloat16, torch.device("cpu"))
     assert backend.warm_up_plans(8192, 131072) == 7
-    assert backend._cudnn_block_size == 16 and backend._cudnn_exact_chunk == 0
+    assert backend._long_block_size == 16 and backend._cudnn_exact_chunk == 0
     assert "whole chunks take their length buckets" in caplog.text
 
 
@@ -290,6 +290,7 @@ def test_backend_takes_cudnn_for_long_chunks_beside_decodes(cuda_device, seed, m
     between them; the cuDNN path is taken for the long ones (counted) and the whole step agrees with
     the same backend with the path off."""
     _cudnn_or_skip(cuda_device)
+    monkeypatch.setenv("FERROX_FA3_PREFILL", "0")  # (FlashAttention-3 would take these chunks first)
     batch = PagedBatch([1, 1, 4096, 300, 2000], [900, 17, 6000, 50, 0], 32, 8, 128, 16, torch.bfloat16, cuda_device)
     meta = _meta(batch)
     calls: list[int] = []
@@ -313,6 +314,7 @@ def test_backend_takes_cudnn_for_long_chunks_beside_decodes(cuda_device, seed, m
 @pytest.mark.gpu
 def test_warm_up_builds_the_reachable_plans(cuda_device, seed, monkeypatch):
     _cudnn_or_skip(cuda_device)
+    monkeypatch.setenv("FERROX_FA3_PREFILL", "0")
     backend = TritonAttentionBackend()
     assert backend.warm_up_plans(8192, 16384) == 0  # no step yet: heads unknown
     batch = PagedBatch([1024], [0], 8, 2, 64, 16, torch.bfloat16, cuda_device)

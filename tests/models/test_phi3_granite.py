@@ -298,9 +298,9 @@ def test_cuda_graphs_bf16_engine_matches_cpu_float32(tiny, name, monkeypatch):
     """The engine on CUDA with CUDA graphs: in float32 every greedy token equals the CPU float32
     engine's (one prompt at a time, so decode steps take the fused one-token kernels, and all in a
     batch); in bfloat16 the first tokens do, and the first token's logprob is close. Granite also
-    prefills a 1131-token prompt, which takes cuDNN's attention on an H200: it too must read the
-    layer's softmax scale (Granite's attention_multiplier)."""
-    from ferrox.kernels import cudnn_prefill
+    prefills a 1131-token prompt, which takes FlashAttention-3 (or cuDNN's attention without its
+    wheel) on an H200: it too must read the layer's softmax scale (Granite's attention_multiplier)."""
+    from ferrox.kernels import cudnn_prefill, fa3_prefill
 
     folder, _, _ = tiny[name]
     long = name != "phi3"  # Phi-3's context is capped at its sliding window
@@ -317,14 +317,13 @@ def test_cuda_graphs_bf16_engine_matches_cpu_float32(tiny, name, monkeypatch):
         want, want_lp = generate(cpu, prompts)
     finally:
         cpu.engine.shutdown()
-    cudnn_calls: list[int] = []
-    original = cudnn_prefill.cudnn_prefill_request
+    library_calls: list[str] = []
+    for module, name in ((cudnn_prefill, "cudnn_prefill_request"), (fa3_prefill, "fa3_prefill_request")):
+        def counted(*args, _original=getattr(module, name), _name=name, **kwargs):
+            library_calls.append(_name)
+            return _original(*args, **kwargs)
 
-    def counted(*args, **kwargs):
-        cudnn_calls.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(cudnn_prefill, "cudnn_prefill_request", counted)
+        monkeypatch.setattr(module, name, counted)
     for dtype in ("float32", "bfloat16"):
         llm = LLM(model=folder, device="cuda", dtype=dtype, kv_cache_memory=256 << 20, max_model_len=max_model_len,
                   enforce_eager=False)
@@ -340,4 +339,4 @@ def test_cuda_graphs_bf16_engine_matches_cpu_float32(tiny, name, monkeypatch):
             token = want[i][0]
             assert abs(lps[i][token].logprob - want_lp[i][token].logprob) < (1e-3 if dtype == "float32" else 0.1)
     if long and cudnn_prefill.cudnn_prefill_supported(torch.device("cuda"), torch.bfloat16, 16):
-        assert cudnn_calls, "the long bf16 prefill did not take the cuDNN path"
+        assert library_calls, "the long bf16 prefill took neither FlashAttention-3 nor cuDNN"

@@ -17,13 +17,15 @@ requests that lead a mixed batch (the scheduler puts decodes first) still go to 
 kernel, so their single query row does not occupy a whole 128- or 256-row query tile. The split is planned once per
 step from the metadata's host copies, never from device data.
 
-Long chunks on Hopper: the prefill requests of such a step whose chunk and cached context are both
-0 or at least CUDNN_MIN_LEN tokens long attend through cuDNN instead, one request at a time
-(kernels/cudnn_prefill.py: ~1.4x the prefill kernel's rate at long contexts); the shorter ones
-beside them keep the prefill kernel, one launch per run of consecutive requests. Only in `forward`,
-which has the chunk's own k/v rows (an FP8 cache's are read back from the cache, widened); with a
-sliding window, attention sinks (gpt-oss) or attention chunks (Llama 4) the Triton kernels keep them,
-and so do decodes that would otherwise take the CUDA decode kernel.
+Long chunks on Hopper: the prefill requests of such a step whose chunk is at least FA3_MIN_LEN
+tokens long attend through FlashAttention-3 instead, one request at a time (kernels/fa3_prefill.py,
+~1.1-1.3x cuDNN's rate); where its wheel is missing, those whose chunk and cached context are both 0
+or at least CUDNN_MIN_LEN tokens long attend through cuDNN (kernels/cudnn_prefill.py: ~1.4x the
+prefill kernel's rate at long contexts). The shorter ones beside them keep the prefill kernel, one
+launch per run of consecutive requests. Only in `forward`, which runs after this step's k/v rows
+are in the cache (cuDNN takes a 16-bit cache's own rows from k/v); with a sliding window, attention
+sinks (gpt-oss), attention chunks (Llama 4) or a score cap the Triton kernels keep them, and so do
+decodes that would otherwise take the CUDA decode kernel.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from ferrox.attention.decode_path import DecodePath, OneTokenLayer
 from ferrox.attention.fused_decode import FusedOneTokenDecode
 from ferrox.attention.kv_cache import KVCacheScales
 from ferrox.attention.metadata import AttentionMetadata
-from ferrox.kernels import cudnn_prefill
+from ferrox.kernels import cudnn_prefill, fa3_prefill
 from ferrox.kernels.paged_attention import unified_attention
 from ferrox.kernels.prefill_attention import prefill_attention
 from ferrox.kernels.reshape_and_cache import reshape_and_cache
@@ -60,16 +62,19 @@ class _StepPlan:
     num_decodes: int  # leading one-token requests (rows 0..num_decodes) for the unified kernel
     use_prefill_kernel: bool  # the remaining requests go to the prefill kernel
     prefill_query_start_loc: torch.Tensor  # query_start_loc[num_decodes:] - num_decodes, on device
-    # The requests after the decodes that take cuDNN (see the module doc): per request, its index,
-    # first row, first row past it, cached context length and blocks holding that context.
-    cudnn_requests: tuple[tuple[int, int, int, int, int], ...] = ()
-    # With cuDNN requests, the other requests after the decodes as runs of consecutive requests for
+    # The requests after the decodes that take FlashAttention-3 or cuDNN (see the module doc): per
+    # request, its index, first row, first row past it, cached context length and blocks holding that
+    # context.
+    long_requests: tuple[tuple[int, int, int, int, int], ...] = ()
+    # With such requests, the other requests after the decodes as runs of consecutive requests for
     # the prefill kernel: (first request, request past the run, first row, row past the run).
     prefill_runs: tuple[tuple[int, int, int, int], ...] = ()
 
 
-def _plan_step(meta: AttentionMetadata, block_size: int = 0) -> _StepPlan:
-    """block_size: the cache's, when the cuDNN path is on for this backend (0: off)."""
+def _plan_step(meta: AttentionMetadata, block_size: int = 0,
+               takes_long_path: Callable[[int, int], bool] = cudnn_prefill.takes_cudnn_path) -> _StepPlan:
+    """block_size: the cache's, when a long-chunk path is on for this backend (0: off);
+    takes_long_path(query_len, context_len): whether that path takes a request."""
     if meta.max_query_len < PREFILL_MIN_QUERY_LEN:
         return _StepPlan(0, False, meta.query_start_loc)
     starts = meta.query_start_loc_cpu.tolist()
@@ -81,19 +86,19 @@ def _plan_step(meta: AttentionMetadata, block_size: int = 0) -> _StepPlan:
     if not block_size:
         return _StepPlan(num_decodes, True, shifted)
     seq_lens = meta.seq_lens_cpu.tolist()
-    cudnn: list[tuple[int, int, int, int, int]] = []
+    long: list[tuple[int, int, int, int, int]] = []
     runs: list[list[int]] = []  # [first request, request past the run]
     for r in range(num_decodes, len(query_lens)):
         context = seq_lens[r] - query_lens[r]
-        if cudnn_prefill.takes_cudnn_path(query_lens[r], context):
-            cudnn.append((r, starts[r], starts[r + 1], context, -(-context // block_size)))
+        if takes_long_path(query_lens[r], context):
+            long.append((r, starts[r], starts[r + 1], context, -(-context // block_size)))
         elif runs and runs[-1][1] == r:
             runs[-1][1] = r + 1
         else:
             runs.append([r, r + 1])
-    if not cudnn:
+    if not long:
         return _StepPlan(num_decodes, True, shifted)
-    return _StepPlan(num_decodes, True, shifted, tuple(cudnn),
+    return _StepPlan(num_decodes, True, shifted, tuple(long),
                      tuple((r0, r1, starts[r0], starts[r1]) for r0, r1 in runs))
 
 
@@ -110,9 +115,10 @@ class TritonAttentionBackend(AttentionBackend):
         self.piecewise: Callable[..., torch.Tensor] | None = None
         self._meta: AttentionMetadata | None = None
         self._plan: _StepPlan | None = None
-        # The cuDNN prefill path: decided at the first forward with a cache (device, dtype, heads).
-        self._cudnn_block_size: int | None = None
-        self._cudnn_shape: tuple[int, int, int, torch.dtype, torch.device] | None = None
+        # The long-chunk path: decided at the first forward with a cache (device, dtype, heads).
+        self._long_block_size: int | None = None
+        self._long_kernel = "cudnn"  # or "fa3" (kernels/fa3_prefill.py), when _long_block_size is set
+        self._long_shape: tuple[int, int, int, torch.dtype, torch.device] | None = None
         # Chunks of exactly this many tokens have exact-shape cuDNN plans (warm_up_plans); 0: none.
         self._cudnn_exact_chunk = 0
         self._torch: AttentionBackend | None = None  # the reference, for steps with bidirectional ranges
@@ -131,38 +137,50 @@ class TritonAttentionBackend(AttentionBackend):
     def _plan_for(self, meta: AttentionMetadata) -> _StepPlan:
         # Planned once per step (the first layer, or begin_forward) and reused by every layer.
         if self._meta is not meta or self._plan is None:
-            self._plan = _plan_step(meta, self._cudnn_block_size or 0)
+            takes = fa3_prefill.takes_fa3_path if self._long_kernel == "fa3" else cudnn_prefill.takes_cudnn_path
+            self._plan = _plan_step(meta, self._long_block_size or 0, takes)
             self._meta = meta
         return self._plan
 
-    def _decide_cudnn(self, q: torch.Tensor, kv_cache: torch.Tensor, sinks: torch.Tensor | None = None) -> None:
-        if self._cudnn_block_size is not None:
+    def _decide_long_path(self, q: torch.Tensor, kv_cache: torch.Tensor, sinks: torch.Tensor | None = None) -> None:
+        if self._long_block_size is not None:
             return
-        # (cuDNN's attention has no score cap and no sinks: a softcap model, or one whose first layer has
-        # sinks (gpt-oss: every layer), keeps the Triton prefill kernel, and builds no cuDNN plans.)
-        on = (not self.softcap and sinks is None
-              and cudnn_prefill.cudnn_prefill_applies(q.device, q.dtype, kv_cache.dtype, q.shape[2])
-              and cudnn_prefill.enable_bucketed_plans())
-        self._cudnn_block_size = kv_cache.shape[2] if on else 0
+        # (Neither library path takes a score cap or sinks here: a softcap model, or one whose first layer
+        # has sinks (gpt-oss: every layer), keeps the Triton prefill kernel, and builds no cuDNN plans.)
+        device, dtype, head_dim = q.device, q.dtype, q.shape[2]
+        plain = not self.softcap and sinks is None
+        if plain and fa3_prefill.fa3_prefill_applies(device, dtype, kv_cache.dtype, head_dim):
+            self._long_kernel, on = "fa3", True
+        else:
+            self._long_kernel = "cudnn"
+            on = (plain and cudnn_prefill.cudnn_prefill_applies(device, dtype, kv_cache.dtype, head_dim)
+                  and cudnn_prefill.enable_bucketed_plans())
+        self._long_block_size = kv_cache.shape[2] if on else 0
         if on:
-            self._cudnn_shape = (q.shape[1], kv_cache.shape[3], q.shape[2], q.dtype, q.device)
+            self._long_shape = (q.shape[1], kv_cache.shape[3], head_dim, dtype, device)
         logger.info("long prefill chunks (>= %d tokens): %s", cudnn_prefill.CUDNN_MIN_LEN,
-                    "cuDNN attention" if on else "the Triton prefill kernel")
+                    ("FlashAttention-3" if self._long_kernel == "fa3" else "cuDNN attention") if on
+                    else "the Triton prefill kernel")
         self._plan = None  # re-plan this step with the decision made
 
     def warm_up_plans(self, max_query_len: int, max_model_len: int) -> int:
         """Build the cuDNN plans every long chunk can reach (worker/warmup.py, before ready); the
-        number built, 0 when the path is off or no step has run yet."""
-        if not self._cudnn_block_size or self._cudnn_shape is None:
+        number built, 0 when the path is off or no step has run yet. FlashAttention-3 builds none:
+        its kernels are loaded by a few calls instead."""
+        if not self._long_block_size or self._long_shape is None:
             return 0
-        heads, kv_heads, head_dim, dtype, device = self._cudnn_shape
+        heads, kv_heads, head_dim, dtype, device = self._long_shape
+        if self._long_kernel == "fa3":
+            calls = fa3_prefill.warm_up(device, dtype, heads, kv_heads, head_dim, max_query_len)
+            logger.info("FlashAttention-3 kernels loaded (%d calls)", calls)
+            return 0
         try:
             built = cudnn_prefill.warm_up_plans(device, dtype, heads, kv_heads, head_dim, max_query_len,
                                                 max_model_len)
         except RuntimeError as exc:
             logger.warning("cuDNN attention plans failed to build (%s); long prefill chunks use the Triton "
                            "prefill kernel", exc)
-            self._cudnn_block_size = 0
+            self._long_block_size = 0
             self._plan = None
             return 0
         try:  # whole chunks' exact plans: an extra (~5%), not a condition of the path
@@ -210,18 +228,18 @@ class TritonAttentionBackend(AttentionBackend):
             raise ValueError(f"slot_mapping has {meta.slot_mapping.shape[0]} slots for {k.shape[0]} k/v rows")
         kv_scale = kv_scales.scales if kv_scales is not None else None
         reshape_and_cache(k, v, kv_cache, meta.slot_mapping, kv_scale)
-        self._decide_cudnn(q, kv_cache, sinks)
+        self._decide_long_path(q, kv_cache, sinks)
         plan = self._plan_for(meta)
-        # (cuDNN has no sliding window, no sinks and no chunks: such layers keep the Triton kernels.)
-        if plan.cudnn_requests and not window and not chunk and sinks is None:
+        # (Neither library path takes a sliding window, sinks or chunks: such layers keep the Triton kernels.)
+        if plan.long_requests and not window and not chunk and sinks is None:
             try:
-                return self._attend_cudnn(q, k, v, kv_cache, meta, plan, scale, out, kv_scales)
+                return self._attend_long(q, k, v, kv_cache, meta, plan, scale, out, kv_scales)
             except RuntimeError as exc:
-                # cuDNN refusing a shape (no plan for it) must not fail the step's requests: this
-                # backend keeps the Triton kernels from now on, this step included.
-                logger.warning("cuDNN attention failed (%s); long prefill chunks use the Triton prefill kernel "
-                               "from now on", exc)
-                self._cudnn_block_size = 0
+                # A library refusing a shape (cuDNN with no plan for it) must not fail the step's
+                # requests: this backend keeps the Triton kernels from now on, this step included.
+                logger.warning("%s failed (%s); long prefill chunks use the Triton prefill kernel from now on",
+                               "FlashAttention-3" if self._long_kernel == "fa3" else "cuDNN attention", exc)
+                self._long_block_size = 0
                 self._plan = None
         return self._attend(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, meta,
                             meta.max_seq_len, scale, kv_scale, out, window, sinks, chunk)
@@ -258,9 +276,9 @@ class TritonAttentionBackend(AttentionBackend):
                           chunk=chunk)
         return out
 
-    def _attend_cudnn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                      meta: AttentionMetadata, plan: _StepPlan, scale: float,
-                      out: torch.Tensor | None = None, kv_scales: KVCacheScales | None = None) -> torch.Tensor:
+    def _attend_long(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                     meta: AttentionMetadata, plan: _StepPlan, scale: float,
+                     out: torch.Tensor | None = None, kv_scales: KVCacheScales | None = None) -> torch.Tensor:
         if out is None:
             out = torch.empty_like(q)
         kv_scale = kv_scales.scales if kv_scales is not None else None
@@ -273,11 +291,17 @@ class TritonAttentionBackend(AttentionBackend):
             prefill_attention(q[a:b], kv_cache, meta.query_start_loc[r0:r1 + 1] - a, meta.seq_lens[r0:r1],
                               meta.block_table[r0:r1], scale=scale, out=out[a:b], kv_scale=kv_scale)
         # An FP8 cache: the kernel reads the chunk's own rows from the cache too (their blocks as well),
-        # with the scales as host numbers (no device read per layer).
+        # with the scales as host numbers (no device read per layer). FlashAttention-3 always does.
         fp8 = kv_cache.dtype != q.dtype
         host_scales = (kv_scales.k_scale, kv_scales.v_scale) if kv_scales is not None else (1.0, 1.0)
         block_size = kv_cache.shape[2]
-        for r, a, b, context, blocks in plan.cudnn_requests:
+        if self._long_kernel == "fa3":
+            for r, a, b, context, _ in plan.long_requests:
+                fa3_prefill.fa3_prefill_request(out[a:b], q[a:b], kv_cache,
+                                                meta.block_table[r, :-(-(context + b - a) // block_size)],
+                                                context, scale, host_scales if fp8 else None)
+            return out
+        for r, a, b, context, blocks in plan.long_requests:
             exact = cudnn_prefill.takes_exact_plan(b - a, context, self._cudnn_exact_chunk)
             if fp8:
                 blocks = -(-(context + b - a) // block_size)

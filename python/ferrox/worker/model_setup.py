@@ -383,14 +383,17 @@ def profile_gpu_kv_budget(
 
 def _cudnn_prefill_reserve(model: Any, spec: Any, dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device,
                            num_tokens: int, max_model_len: int, tp_size: int) -> int:
-    """Bytes a long chunk's cuDNN attention holds beyond what the profiling pass saw (its prefill
-    is many short requests, which stay on the Triton kernel): kept out of the KV budget."""
+    """Bytes a long chunk's cuDNN attention or FlashAttention-3 holds beyond what the profiling pass
+    saw (its prefill is many short requests, which stay on the Triton kernel): kept out of the KV
+    budget. cuDNN's estimate serves both: FlashAttention-3 gathers the same context (plus the chunk's
+    own rows, fewer bytes than cuDNN's q copies and second output) with the same length cut."""
     from ferrox.distributed.sharding import local_num_kv_heads
-    from ferrox.kernels import cudnn_prefill
+    from ferrox.kernels import cudnn_prefill, fa3_prefill
 
     if getattr(getattr(model, "backend", None), "name", None) != "triton":
         return 0
-    if not cudnn_prefill.cudnn_prefill_applies(device, dtype, kv_dtype, spec.head_dim):
+    if not (fa3_prefill.fa3_prefill_applies(device, dtype, kv_dtype, spec.head_dim)
+            or cudnn_prefill.cudnn_prefill_applies(device, dtype, kv_dtype, spec.head_dim)):
         return 0
     return cudnn_prefill.scratch_bytes(spec.num_heads // tp_size, local_num_kv_heads(spec, tp_size), spec.head_dim,
                                        torch.empty((), dtype=dtype).element_size(), num_tokens, max_model_len,
