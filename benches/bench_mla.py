@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 from ferrox.attention.metadata import AttentionMetadata  # noqa: E402
 from ferrox.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from ferrox.kernels.mla_attention import MlaLaunchConfig, mla_attention  # noqa: E402
-from ferrox.models.mla_attention import MlaTritonBackend  # noqa: E402
+from ferrox.models.mla_attention import MlaShape, MlaTritonBackend  # noqa: E402
 
 RANK, ROPE = 512, 64
 DIM = RANK + ROPE
@@ -89,7 +89,7 @@ def _run_case(heads: int, batch: int, context: int, prefill: int, device: torch.
     q, rows, cache, meta = _case(heads, batch, context, prefill, device)
     name = f"H={heads} prefill {prefill}" if prefill else f"H={heads} decode B={batch} ctx={context}"
     row: dict = {"case": name, "heads": heads, "batch": batch, "context": context, "prefill": prefill}
-    torch_backend, mine = TorchAttentionBackend(), MlaTritonBackend(RANK)
+    torch_backend, mine = TorchAttentionBackend(), MlaTritonBackend(MlaShape(RANK, None, 128, ROPE, 128, False, (128 + ROPE) ** -0.5))
     want = None
     try:
         torch_backend.begin_forward(meta)

@@ -21,10 +21,12 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 def make_tiny_deepseek(folder, *, version: int = 3, q_lora_rank: int | None = 48, num_layers: int = 3,
                        num_experts: int = 6, top_k: int = 2, n_group: int = 1, topk_group: int = 1,
                        rope_scaling: dict[str, Any] | None = None, seed: int = 0, v_head_dim: int = 24,
-                       moe_intermediate_size: int = 32, intermediate_size: int = 96, **fields: Any) -> str:
+                       moe_intermediate_size: int = 32, intermediate_size: int = 96, qk_nope_head_dim: int = 16,
+                       qk_rope_head_dim: int = 16, kv_lora_rank: int = 32, **fields: Any) -> str:
     """A DeepseekV2ForCausalLM (version 2) or DeepseekV3ForCausalLM; q_lora_rank None: V2-Lite's q_proj.
     v_head_dim / moe_intermediate_size / intermediate_size: sizes a tensor-parallel block-FP8 test widens so
-    that every rank's share falls on whole blocks. fields: more config fields (topk_method,
+    that every rank's share falls on whole blocks; the head dims and kv_lora_rank: V2 / V3's real 128 / 64 /
+    128 for FlashAttention-3's expanded prefill (kernels/mla_prefill.py). fields: more config fields (topk_method,
     routed_scaling_factor, rope_interleave, norm_topk_prob...)."""
     import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
@@ -35,8 +37,8 @@ def make_tiny_deepseek(folder, *, version: int = 3, q_lora_rank: int | None = 48
     max_pos = 256 if rope_scaling else 2048
     params = _common(tok, 64, num_layers, 4, 4, intermediate_size, max_pos, False)
     rope = {"rope_type": "default", "rope_theta": 10000.0, **(rope_scaling or {})}
-    config = config_cls(**params, rope_parameters=rope, q_lora_rank=q_lora_rank, kv_lora_rank=32,
-                        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=v_head_dim,
+    config = config_cls(**params, rope_parameters=rope, q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank,
+                        qk_rope_head_dim=qk_rope_head_dim, qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim,
                         n_routed_experts=num_experts, n_shared_experts=2, num_experts_per_tok=top_k,
                         moe_intermediate_size=moe_intermediate_size,
                         first_k_dense_replace=1, n_group=n_group, topk_group=topk_group, **fields)

@@ -6,7 +6,7 @@ request's context and own rows from a paged cache with holes, an FP8 cache widen
 folded, the step plan, the fallback when the library raises. On an H100/H200 with the `fa3-fwd`
 wheel the real kernel runs at real shapes against the Triton prefill kernel and the float32
 reference (ragged chunks, contexts off the block grid and under the cuDNN cut, GQA 4 and 8,
-head_dim 64 and 128, block sizes 16-128), over an FP8 cache, and through the backend with decodes
+head_dim 64, 80, 128 and 256, block sizes 16-128), over an FP8 cache, and through the backend with decodes
 leading the batch.
 """
 
@@ -24,16 +24,23 @@ from tests.kernels.test_kv_fp8 import K_SCALE, V_SCALE, fp8_cache, layer_scales,
 from tests.kernels.test_prefill_attention import _meta
 
 
-def _torch_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-    """fa3_prefill._fwd's contract in float64 torch: q [1, T, H, D], k/v [1, S, Hkv, D], causal with
-    the diagonal at the bottom right (row i sees keys 0 .. S - T + i), into out [1, T, H, D]."""
+def torch_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = True,
+              out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fa3_prefill._fwd's contract in float64 torch (what the CPU tests put in place of the kernel): q [1, T,
+    H, D], k [1, S, Hkv, D], v [1, S, Hkv, Dv]; causal with the diagonal at the bottom right (row i sees keys
+    0 .. S - T + i); returns (out [1, T, H, Dv] in q's dtype, written into `out` when given, lse [1, H, T])."""
     t, s, group = q.shape[1], k.shape[1], q.shape[2] // k.shape[2]
     kh = k[0].double().repeat_interleave(group, 1)
     vh = v[0].double().repeat_interleave(group, 1)
     scores = torch.einsum("thd,shd->hts", q[0].double(), kh) * scale
-    visible = torch.arange(s)[None, :] <= (s - t + torch.arange(t))[:, None]
-    scores = scores.masked_fill(~visible.to(scores.device)[None], float("-inf"))
-    out[0].copy_(torch.einsum("hts,shd->thd", torch.softmax(scores, dim=-1), vh))
+    if causal:
+        visible = torch.arange(s)[None, :] <= (s - t + torch.arange(t))[:, None]
+        scores = scores.masked_fill(~visible.to(scores.device)[None], float("-inf"))
+    result = torch.einsum("hts,shd->thd", torch.softmax(scores, dim=-1), vh)[None]
+    if out is None:
+        out = torch.empty(result.shape, dtype=q.dtype, device=q.device)
+    out.copy_(result)
+    return out, torch.logsumexp(scores, dim=-1).float()[None]
 
 
 def _fa3_backend() -> TritonAttentionBackend:
@@ -64,9 +71,9 @@ def test_backend_fa3_path_matches_the_triton_kernels(kernel_device, seed, monkey
     monkeypatch.setattr(fa3_prefill, "FA3_MIN_LEN", 128)  # chunks the interpreter runs in seconds
     scales: list[float] = []
 
-    def fake(q, k, v, scale, out):
+    def fake(q, k, v, scale, causal, out):
         scales.append(scale)
-        _torch_fwd(q, k, v, scale, out)
+        return torch_fwd(q, k, v, scale, causal, out)
 
     monkeypatch.setattr(fa3_prefill, "_fwd", fake)
     dtype = torch.bfloat16 if kernel_device.type == "cuda" else torch.float32
@@ -138,8 +145,10 @@ def _run_requests(batch: PagedBatch, cache: torch.Tensor, context_lens: list[int
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(32, 8, 128, 16), (32, 4, 64, 16),
-                                                                    (28, 4, 128, 128), (16, 2, 64, 32)],
-                         ids=["llama8b", "gqa8-dim64", "qwen-block128", "gqa8-block32"])
+                                                                    (28, 4, 128, 128), (16, 2, 64, 32),
+                                                                    (8, 4, 256, 16), (16, 4, 80, 16)],
+                         ids=["llama8b", "gqa8-dim64", "qwen-block128", "gqa8-block32", "gemma3-dim256",
+                              "dim80-rounded-up"])
 def test_fa3_request_matches_the_prefill_kernel(cuda_device, seed, dtype, heads, kv_heads, head_dim, block_size):
     """Ragged requests (a fresh prompt, chunks after contexts ending mid-block, one under the cuDNN
     cut) over a cache whose blocks are a random permutation: every row against the float32

@@ -25,7 +25,7 @@ from ferrox.kernels.mla_attention import (
     mla_attention,
     write_latent,
 )
-from ferrox.models.mla_attention import MlaTritonBackend
+from ferrox.models.mla_attention import MlaShape, MlaTritonBackend
 
 from tests.helpers.driver import StepRequest, build_step
 from tests.kernels.kernel_refs import relative_error
@@ -183,7 +183,7 @@ def test_backend_matches_the_torch_backend(kernel_device, requests, cached):
     ref = TorchAttentionBackend()
     ref.begin_forward(meta)
     want = ref.forward(q, rows, rows, cache.clone(), meta, SCALE)[..., :rank]
-    backend = MlaTritonBackend(rank)
+    backend = MlaTritonBackend(MlaShape(rank, None, 16, rope, 16, False, SCALE))
     backend.begin_forward(meta)
     assert backend._plan[0] == (2 if meta.max_query_len >= 128 else 0)
     mine = cache.clone()

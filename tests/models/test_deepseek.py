@@ -281,3 +281,42 @@ def test_cuda_graphs_with_the_mla_kernels(tiny):
             assert [cut_at_eos(list(o.outputs[0].token_ids), eos) for o in outs] == want, eager
         finally:
             llm.engine.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_long_prefill_expanded_follows_the_absorbed_kernels(tmp_path, monkeypatch):
+    """A tiny V2-Lite with DeepSeek's real head dims (nope 128, rope 64, v 128; latent 64) on CUDA in bf16: a
+    1,500-token prompt in 600-token chunks, eager, so its first two chunks take the expanded FlashAttention-3
+    path (kernels/mla_prefill.py; counted, with their cached contexts) and the 300-token last one stays
+    absorbed; the first token's distribution agrees with the same engine with the path off."""
+    from ferrox import LLM, SamplingParams
+    from ferrox.kernels import mla_prefill
+
+    if not mla_prefill.expanded_supported(torch.device("cuda"), torch.bfloat16, torch.bfloat16, 192, 128):
+        pytest.skip("the expanded MLA prefill needs an sm90 GPU and the fa3-fwd wheel")
+    folder = make_tiny_deepseek(tmp_path / "v2", version=2, q_lora_rank=None, topk_method="greedy", seed=8,
+                                qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=64)
+    contexts: list[int] = []
+    real = mla_prefill.mla_prefill_request
+    monkeypatch.setattr(mla_prefill, "mla_prefill_request", lambda *a: (contexts.append(a[5]), real(*a))[1])
+    prompt = [(7 * i + 3) % 200 + 3 for i in range(1500)]
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=5, ignore_eos=True)
+
+    def first_logprobs():
+        llm = LLM(model=folder, device="cuda", dtype="bfloat16", kv_cache_memory=256 << 20, max_model_len=2048,
+                  max_num_batched_tokens=600, enforce_eager=True)
+        contexts.clear()  # (the warm-up's long steps take the path too)
+        try:
+            out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+            return {t: lp.logprob for t, lp in out.logprobs[0].items()}
+        finally:
+            llm.engine.shutdown()
+
+    expanded = first_logprobs()
+    assert sorted(set(contexts)) == [0, 600], contexts  # every layer, the first two chunks
+    monkeypatch.setenv("FERROX_FA3_PREFILL", "0")
+    absorbed = first_logprobs()
+    assert contexts == []
+    best = max(absorbed, key=absorbed.__getitem__)
+    assert best in expanded and abs(expanded[best] - absorbed[best]) < 0.1, (expanded, absorbed)

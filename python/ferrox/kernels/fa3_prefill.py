@@ -90,11 +90,15 @@ def takes_fa3_path(query_len: int, context_len: int) -> bool:
     return query_len >= FA3_MIN_LEN
 
 
-def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-    """FlashAttention-3 forward, causal (bottom-right): q [1, T, H, D], k/v [1, S, Hkv, D] (S >= T),
-    into out [1, T, H, D]. One split: a long chunk fills the GPU with query tiles alone (the default,
-    0, lets a heuristic split the keys too and merge)."""
-    _ops().fwd(q, k, v, out=out, softmax_scale=scale, is_causal=True, num_splits=1)
+def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = True,
+         out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashAttention-3 forward: q [1, T, H, D], k [1, S, Hkv, D], v [1, S, Hkv, Dv] (Dv = D, or 128 with
+    D = 192: DeepSeek's latent attention expanded, kernels/mla_prefill.py); causal aligns the diagonal
+    bottom-right (S >= T). Returns (out [1, T, H, Dv], written into `out` when given, and the softmax's
+    log-sum-exp [1, H, T] in float32). One split: a long chunk fills the GPU with query tiles alone (the
+    default, 0, lets a heuristic split the keys too and merge)."""
+    res = _ops().fwd(q, k, v, out=out, softmax_scale=scale, is_causal=causal, num_splits=1)
+    return res[0], res[1]
 
 
 def fa3_prefill_request(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor,
@@ -111,7 +115,7 @@ def fa3_prefill_request(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tens
     target = out if out.is_contiguous() else torch.empty_like(q, memory_format=torch.contiguous_format)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    _fwd(q.unsqueeze(0), kv[0].unsqueeze(0), kv[1].unsqueeze(0), scale, target.unsqueeze(0))
+    _fwd(q.unsqueeze(0), kv[0].unsqueeze(0), kv[1].unsqueeze(0), scale, True, target.unsqueeze(0))
     if kv_scales is not None and kv_scales[1] != 1.0:
         target.mul_(kv_scales[1])
     if target is not out:
@@ -131,7 +135,7 @@ def warm_up(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_hea
     for t in sorted({FA3_MIN_LEN, max_query_len}):
         for s in (t, 2 * t):
             q = q_all[:t].unsqueeze(0)
-            _fwd(q, kv[0, :, :s], kv[1, :, :s], head_dim ** -0.5, torch.empty_like(q))
+            _fwd(q, kv[0, :, :s], kv[1, :, :s], head_dim ** -0.5, True, torch.empty_like(q))
             calls += 1
     torch.cuda.synchronize(device)
     return calls

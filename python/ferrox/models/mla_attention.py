@@ -19,6 +19,10 @@ decode alike, through the layer's backend (`mla_backend`):
   (worker/cuda_graphs.py), and it takes the piecewise graphs' hook (worker/piecewise_graphs.py) as the
   Triton backend does: every kernel launch of attention happens inside `backend.forward`, which the
   piecewise runner calls between graph pieces with the step's own metadata.
+  Long prefill chunks of an eager step on Hopper take the expanded form instead (kernels/mla_prefill.py:
+  each cached latent expanded into the heads' own 192-dim keys and 128-dim values, FlashAttention-3
+  over them, 3.4x fewer FLOPs than absorbed); `MlaTritonBackend.expanded_requests` plans them, the
+  backend attends the step's other requests absorbed, and the layer these.
 - the torch kernel set (the CPU): the reference torch backend over the same cache.
 
 The cache: one plane, [1, blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim] (ModelSpec.kv_planes,
@@ -42,6 +46,7 @@ sizing counts one latent "KV head" a rank: attention/kv_cache.py, local_num_kv_h
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -57,6 +62,8 @@ from ferrox.layers.layernorm import RMSNorm
 from ferrox.layers.linear import Linear, MergedLinear, RowParallelLinear
 from ferrox.layers.ops import DeviceOps, Rope
 from ferrox.model_spec import ModelSpec, UnsupportedModelError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,12 +99,17 @@ class MlaTritonBackend(AttentionBackend):
     # have one-token queries, the verify graphs a few tokens).
     SEPARATE_DECODES_QUERY_LEN = 128
 
-    def __init__(self, kv_lora_rank: int) -> None:
-        self.kv_lora_rank = kv_lora_rank
+    def __init__(self, mla: MlaShape) -> None:
+        self.mla = mla
+        self.kv_lora_rank = mla.kv_lora_rank
+        # The expanded prefill path (kernels/mla_prefill.py): decided at the first forward with a cache.
+        self._expand: bool | None = None
+        self._expanded: tuple[AttentionMetadata | None, tuple[tuple[int, int, int, int], ...]] = (None, ())
         # Set by worker/piecewise_graphs.py while it captures a forward in pieces: `forward` hands each
         # layer's call to it instead of attending.
         self.piecewise: Callable[..., torch.Tensor] | None = None
         self._meta: AttentionMetadata | None = None
+        self._device: tuple[int, torch.device, torch.dtype] | None = None  # (heads, device, dtype) once a step ran
         # The step's plan: (leading decodes, query_start_loc of the requests after them, from row 0).
         self._plan: tuple[int, torch.Tensor | None] = (0, None)
 
@@ -121,10 +133,46 @@ class MlaTritonBackend(AttentionBackend):
                     self._plan = (decodes, meta.query_start_loc[decodes:] - decodes)
         return self._plan
 
+    def expanded_requests(self, meta: AttentionMetadata, dtype: torch.dtype,
+                          kv_cache: torch.Tensor) -> tuple[tuple[int, int, int, int], ...]:
+        """The requests of this step whose chunks take the expanded form (kernels/mla_prefill.py): (request,
+        first row, row past it, cached context); () when the path is off here or the forward is being
+        captured (a graph replays the absorbed kernels it captured)."""
+        from ferrox.kernels import mla_prefill
+        from ferrox.kernels.mla_attention import graph_capturing
+
+        if self.piecewise is not None or kv_cache.numel() == 0 or meta.bidirectional:
+            return ()
+        if self._expand is None:
+            mla = self.mla
+            self._expand = mla_prefill.expanded_supported(kv_cache.device, dtype, kv_cache.dtype,
+                                                          mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim)
+            logger.info("long MLA prefill chunks (>= %d tokens): %s", mla_prefill.EXPANDED_MIN_LEN,
+                        "expanded, FlashAttention-3" if self._expand else "absorbed, the Triton MLA kernels")
+        if not self._expand or graph_capturing(meta.query_start_loc):
+            return ()
+        if self._expanded[0] is not meta:
+            self._expanded = (meta, mla_prefill.plan_expanded(meta))
+        return self._expanded[1]
+
+    def warm_up_plans(self, max_query_len: int, max_model_len: int) -> int:
+        """Load the expanded path's FlashAttention-3 kernels before ready (worker/warmup.py); it builds no
+        plans, so 0."""
+        from ferrox.kernels import mla_prefill
+
+        if self._expand and self._device is not None and max_query_len >= mla_prefill.EXPANDED_MIN_LEN:
+            mla = self.mla
+            heads, device, dtype = self._device
+            mla_prefill.warm_up(device, dtype, heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim)
+        return 0
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, kv_scales: KVCacheScales | None = None,
                 out: torch.Tensor | None = None, *, window: int = 0,
-                sinks: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, chunk: int = 0,
+                skip: tuple[tuple[int, int, int, int], ...] = ()) -> torch.Tensor:
+        """skip: requests (`expanded_requests`) this call leaves unattended: their rows of the result are
+        not written (the layer attends them expanded)."""
         if self.piecewise is not None:
             return self.piecewise(q, k, v, kv_cache, meta, scale, kv_scales, window=window, sinks=sinks)
         from ferrox.kernels.mla_attention import mla_attention, write_latent
@@ -147,6 +195,9 @@ class MlaTritonBackend(AttentionBackend):
                                  out=out)
         kv_scale = kv_scales.scales if kv_scales is not None else None
         write_latent(k, kv_cache, meta.slot_mapping, kv_scale)
+        self._device = (q.shape[1], q.device, q.dtype)
+        if skip:
+            return self._attend_others(q, kv_cache, meta, skip, scale, kv_scale)
         decodes, rest_starts = self._plan_for(meta)
         if not decodes:
             return mla_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, kv_lora_rank=rank,
@@ -163,6 +214,32 @@ class MlaTritonBackend(AttentionBackend):
                       out=out[decodes:], kv_scale=kv_scale)
         return out[..., :rank]
 
+    def _attend_others(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                       skip: tuple[tuple[int, int, int, int], ...], scale: float,
+                       kv_scale: torch.Tensor | None) -> torch.Tensor:
+        """Every request but the skipped ones, one absorbed launch per run of consecutive requests."""
+        from ferrox.kernels.mla_attention import mla_attention
+
+        rank = self.kv_lora_rank
+        out = torch.empty(q.shape[0], q.shape[1], rank, dtype=q.dtype, device=q.device)
+        starts = meta.query_start_loc_cpu.tolist()
+        skipped = {r for r, *_ in skip}
+        num_reqs, r0 = len(starts) - 1, 0
+        while r0 < num_reqs:
+            if r0 in skipped:
+                r0 += 1
+                continue
+            r1 = r0
+            while r1 < num_reqs and r1 not in skipped:
+                r1 += 1
+            a, b = starts[r0], starts[r1]
+            longest = max(starts[r + 1] - starts[r] for r in range(r0, r1))
+            mla_attention(q[a:b], kv_cache, meta.query_start_loc[r0:r1 + 1] - a, meta.seq_lens[r0:r1],
+                          meta.block_table[r0:r1], kv_lora_rank=rank, max_query_len=longest,
+                          max_seq_len=meta.max_seq_len, scale=scale, out=out[a:b], kv_scale=kv_scale)
+            r0 = r1
+        return out
+
 
 def _as_key_and_value(kv_cache: torch.Tensor) -> torch.Tensor:
     """The one-plane latent cache (ModelSpec.kv_planes 1: loader/model_config.py) as the backends' [2, ...] K / V
@@ -177,7 +254,7 @@ def mla_backend(device: torch.device | str, kernels: str, mla: MlaShape) -> Atte
     """The latent attention's backend for a model built with kernel set `kernels` (models/deepseek_v2.py):
     the Triton MLA kernels with "triton", the torch reference otherwise."""
     if kernels == "triton":
-        return MlaTritonBackend(mla.kv_lora_rank)
+        return MlaTritonBackend(mla)
     return get_attention_backend(device, "torch")
 
 
@@ -292,8 +369,24 @@ class MlaAttention(nn.Module):
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
         q_full = torch.cat((q_latent, q_pe.to(q_latent.dtype)), dim=-1)  # [T, H, rank + rope]
         kv = torch.cat((c_kv, k_pe[:, 0].to(c_kv.dtype)), dim=-1)[:, None, :]  # [T, 1, rank + rope]
+        cache = _as_key_and_value(kv_cache)
+        backend = self.backend
         # (The torch backend returns [T, H, rank + rope], the Triton kernels [T, H, rank] or a q-shaped buffer.)
-        o = self.backend.forward(q_full, kv, kv, _as_key_and_value(kv_cache), meta, self.scale, self.kv_scales)
+        if isinstance(backend, MlaTritonBackend):
+            # Long chunks' rows of o are left unwritten: they are attended expanded below.
+            expanded = backend.expanded_requests(meta, q_nope.dtype, cache)
+            o = backend.forward(q_full, kv, kv, cache, meta, self.scale, self.kv_scales, skip=expanded)
+        else:
+            expanded = ()
+            o = backend.forward(q_full, kv, kv, cache, meta, self.scale, self.kv_scales)
         # Values are the latent: each head's output through its W_UV, [H, T, rank] @ [H, rank, v].
         out = torch.bmm(o[..., :mla.kv_lora_rank].transpose(0, 1), self.w_uv)
+        if expanded:
+            from ferrox.kernels.mla_prefill import mla_prefill_request
+
+            rows, block_size = out.transpose(0, 1), cache.shape[2]
+            for r, a, b, context in expanded:
+                blocks = meta.block_table[r, :-(-(context + b - a) // block_size)]
+                mla_prefill_request(rows[a:b], q_nope[a:b], q_pe[a:b], cache, blocks, context, self.w_uk, self.w_uv,
+                                    self.scale, self.kv_scales.k_scale)
         return self.o_proj(out.transpose(0, 1).reshape(t, heads * mla.v_head_dim))

@@ -365,7 +365,7 @@ def profile_gpu_kv_budget(
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     budget = int(config.gpu_memory_utilization * total) - (peak - scratch_bytes)
-    budget -= _cudnn_prefill_reserve(model, spec, dtype, kv_dtype, device, num_tokens, max_model_len or num_tokens,
+    budget -= _long_prefill_reserve(model, spec, dtype, kv_dtype, device, num_tokens, max_model_len or num_tokens,
                                      tp_size)
     # Other processes on the GPU count against us too.
     budget = min(budget, free - (1 << 28))
@@ -381,8 +381,8 @@ def profile_gpu_kv_budget(
     return budget
 
 
-def _cudnn_prefill_reserve(model: Any, spec: Any, dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device,
-                           num_tokens: int, max_model_len: int, tp_size: int) -> int:
+def _long_prefill_reserve(model: Any, spec: Any, dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device,
+                          num_tokens: int, max_model_len: int, tp_size: int) -> int:
     """Bytes a long chunk's cuDNN attention or FlashAttention-3 holds beyond what the profiling pass
     saw (its prefill is many short requests, which stay on the Triton kernel): kept out of the KV
     budget. cuDNN's estimate serves both: FlashAttention-3 gathers the same context (plus the chunk's
@@ -390,7 +390,17 @@ def _cudnn_prefill_reserve(model: Any, spec: Any, dtype: torch.dtype, kv_dtype: 
     from ferrox.distributed.sharding import local_num_kv_heads
     from ferrox.kernels import cudnn_prefill, fa3_prefill
 
-    if getattr(getattr(model, "backend", None), "name", None) != "triton":
+    backend = getattr(model, "backend", None)
+    if backend is not None and getattr(backend, "name", None) == "mla-triton":  # DeepSeek's latent attention, expanded (kernels/mla_prefill.py)
+        from ferrox.kernels import mla_prefill
+
+        mla = backend.mla
+        qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        if not mla_prefill.expanded_supported(device, dtype, kv_dtype, qk, mla.v_head_dim):
+            return 0
+        return mla_prefill.scratch_bytes(spec.num_heads // tp_size, qk, mla.qk_nope_head_dim, mla.v_head_dim,
+                                         torch.empty((), dtype=dtype).element_size(), num_tokens)
+    if getattr(backend, "name", None) != "triton":
         return 0
     if not (fa3_prefill.fa3_prefill_applies(device, dtype, kv_dtype, spec.head_dim)
             or cudnn_prefill.cudnn_prefill_applies(device, dtype, kv_dtype, spec.head_dim)):
