@@ -1480,8 +1480,23 @@ impl Scheduler {
             kv_cache_usage: pool.usage(),
             prefix_cache_queries: self.kv.prefix_queries,
             prefix_cache_hits: self.kv.prefix_hits,
+            running_lora_ids: self.distinct_loras(self.running.iter()),
+            waiting_lora_ids: self.distinct_loras(self.waiting.iter()),
             ..self.stats.clone()
         }
+    }
+
+    /// The nonzero lora_ids of these requests, each once, in order (a handful: max_loras caps the
+    /// running ones, so the linear `contains` is cheaper than a set).
+    fn distinct_loras<'a>(&self, slots: impl Iterator<Item = &'a usize>) -> Vec<i64> {
+        let mut ids: Vec<i64> = Vec::new();
+        for &slot in slots {
+            let id = self.req(slot).lora_id;
+            if id != 0 && !ids.contains(&id) {
+                ids.push(id);
+            }
+        }
+        ids
     }
 
     pub fn num_running(&self) -> usize {
@@ -1964,11 +1979,18 @@ mod tests {
         let (out, _) = step(&mut s, 7);
         // c's adapter would be a third: it waits; d (base) and e (adapter 1, running) pass it.
         assert_eq!(ids(&out.new_req_ids), vec!["a", "b", "d", "e"]);
+        // The adapters in use (vLLM's lora_requests_info): each once, the base model not named.
+        assert_eq!(s.stats().running_lora_ids, vec![1, 2]);
+        assert_eq!(s.stats().waiting_lora_ids, vec![3]);
         let (out, _) = step(&mut s, 7); // the second token: all four finish
         assert!(out.new_req_ids.is_empty());
         s.check_invariants();
         let (out, _) = step(&mut s, 7);
         assert_eq!(ids(&out.new_req_ids), vec!["c"]);
+        assert_eq!(
+            (s.stats().running_lora_ids, s.stats().waiting_lora_ids),
+            (vec![3], vec![])
+        );
         s.check_invariants();
     }
 

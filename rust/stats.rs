@@ -26,4 +26,8 @@ pub struct SchedulerStats {
     pub num_draft_tokens: u64,
     pub num_accepted_tokens: u64,
     pub num_accepted_tokens_per_pos: Vec<u64>,
+    /// The LoRA adapters (lora_id, nonzero; each once, in queue order) of the running and of the
+    /// waiting requests now: vLLM's lora_requests_info gauge, which LoRA-aware routers read.
+    pub running_lora_ids: Vec<i64>,
+    pub waiting_lora_ids: Vec<i64>,
 }

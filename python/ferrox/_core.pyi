@@ -187,6 +187,9 @@ class SchedulerStats:
     num_draft_tokens: int
     num_accepted_tokens: int  # drafts accepted by the verifier (before any stop cut the run)
     num_accepted_tokens_per_pos: list[int]  # [num_speculative_tokens] acceptances of the draft at each position
+    # The LoRA adapters (nonzero lora_id, each once, in queue order) of the running / waiting requests now.
+    running_lora_ids: list[int]
+    waiting_lora_ids: list[int]
 
 class Scheduler:
     """Not for concurrent use: one engine thread drives it (construction, schedule, update and a

@@ -20,6 +20,8 @@ pub struct PySchedulerStats {
     num_draft_tokens: u64,
     num_accepted_tokens: u64,
     num_accepted_tokens_per_pos: Vec<u64>,
+    running_lora_ids: Vec<i64>,
+    waiting_lora_ids: Vec<i64>,
 }
 
 impl From<SchedulerStats> for PySchedulerStats {
@@ -40,6 +42,8 @@ impl From<SchedulerStats> for PySchedulerStats {
             num_draft_tokens: s.num_draft_tokens,
             num_accepted_tokens: s.num_accepted_tokens,
             num_accepted_tokens_per_pos: s.num_accepted_tokens_per_pos,
+            running_lora_ids: s.running_lora_ids,
+            waiting_lora_ids: s.waiting_lora_ids,
         }
     }
 }

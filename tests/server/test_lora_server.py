@@ -110,3 +110,40 @@ def test_bad_adapters_are_refused_by_name(lora_server, tmp_path):
 def test_lora_modules_needs_enable_lora(tmp_path):
     with pytest.raises(RuntimeError, match="--lora-modules needs --enable-lora"):
         ServerProcess("--lora-modules", f"x={tmp_path}", startup_timeout=60)
+
+
+def _lora_info(base_url: str) -> list[dict[str, str]]:
+    """The label sets of /metrics' lora_requests_info series (vLLM's gauge; ferrox's default prefix)."""
+    import re
+
+    with urllib.request.urlopen(base_url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    series = [ln for ln in text.splitlines() if ln.startswith("ferrox:lora_requests_info{")]
+    return [dict(re.findall(r'(\w+)="([^"]*)"', ln.split("}")[0])) for ln in series]
+
+
+def test_metrics_name_the_adapters_in_use(lora_server):
+    """vLLM's lora_requests_info (LoRA-aware routers read it): while a request with an adapter runs, its name
+    is among the running adapters, with max_lora; once it is done, none is."""
+    import time
+
+    srv, folders, _ = lora_server
+    status, text = _post(srv.base_url, "/v1/load_lora_adapter", {"lora_name": "big2", "lora_path": folders["chat"]})
+    assert status == 200, text
+    client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(client.completions.create, model="big2", prompt=PROMPT, max_tokens=400, temperature=0,
+                              extra_body={"ignore_eos": True})
+        seen: list[dict[str, str]] = []
+        while not running.done() and not any(s.get("running_lora_adapters") == "big2" for s in seen):
+            seen = _lora_info(srv.base_url)
+            time.sleep(0.02)
+        assert any(s.get("running_lora_adapters") == "big2" for s in seen), seen
+        assert running.result().choices[0].finish_reason == "length"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        info = _lora_info(srv.base_url)
+        if info and info[0]["running_lora_adapters"] == "":
+            break
+        time.sleep(0.05)
+    assert info == [{"max_lora": "2", "waiting_lora_adapters": "", "running_lora_adapters": ""}], info

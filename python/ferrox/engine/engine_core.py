@@ -774,6 +774,9 @@ class EngineCore:
             stats.update(num_speculative_tokens=self.speculative.num_speculative_tokens, spec_num_drafts=s.num_drafts,
                          spec_num_draft_tokens=s.num_draft_tokens, spec_num_accepted_tokens=s.num_accepted_tokens,
                          spec_num_accepted_tokens_per_pos=list(s.num_accepted_tokens_per_pos))
+        if self.loras is not None:  # vLLM's lora_requests_info gauge (metrics/prometheus.py)
+            stats["lora_info"] = {"running": self.loras.names(s.running_lora_ids),
+                                  "waiting": self.loras.names(s.waiting_lora_ids), "max_lora": self.config.max_loras}
         if self.sleeper is not None:  # vLLM's engine_sleep_state gauge (metrics/prometheus.py)
             memory = self.sleeper.memory
             stats.update(is_sleeping=self.sleeper.sleeping, discard_all=memory.weights_discarded,

@@ -90,6 +90,10 @@ class EngineLoRAs:
         del self._known[lora_int_id]
         self.manager.remove_adapter(lora_int_id)
 
+    def names(self, lora_int_ids: list[int]) -> list[str]:
+        """The adapters' names (their ids for one no longer known), for metrics."""
+        return [self._known[i].lora_name if i in self._known else str(i) for i in lora_int_ids]
+
     def list_ids(self) -> list[int]:
         return sorted(i for i in self._known if i not in self._pending_removal)
 

@@ -18,6 +18,7 @@ state), so several servers in one process (tests) do not collide.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +107,23 @@ class _CoreStatsCollector(Collector):
         yield from self._spec_families()
         yield from self._sleep_family()
         yield from self._cache_config_family()
+        yield from self._lora_family()
+
+    def _lora_family(self):  # type: ignore[no-untyped-def]
+        """vLLM's lora_requests_info, for engines started with LoRA: the adapters of the running and of the
+        waiting requests now (names, comma-separated, over every core) and max_lora as labels of one series
+        whose value is the scrape's time, as vLLM sets it (LoRA-aware routers read the newest series)."""
+        infos = [s["lora_info"] for s in self.engines if isinstance(s.get("lora_info"), dict)]
+        if not infos:
+            return
+        family = GaugeMetricFamily(f"{self.prefix}:lora_requests_info", "Running stats on lora requests.",
+                                   labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+
+        def names(key: str) -> str:
+            return ",".join(dict.fromkeys(name for info in infos for name in info.get(key, ())))
+
+        family.add_metric([str(infos[0].get("max_lora", 0)), names("waiting"), names("running")], time.time())
+        yield family
 
     def _cache_config_family(self):  # type: ignore[no-untyped-def]
         """vLLM's cache_config_info: the KV cache's settings as labels of a constant 1, one series per core
