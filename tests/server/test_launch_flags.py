@@ -223,7 +223,7 @@ def test_serving_defaults_are_honoured_and_the_key_is_never_logged():
     srv = ServerProcess("--response-role", "bot", "--return-tokens-as-token-ids", "--enable-prompt-tokens-details",
                         "--stream-interval", "3",
                         "--tool-call-parser", "llama3_json", "--api-key", KEY, "--enable-log-requests",
-                        "--log-level", "debug", "--chat-template-content-format", "string",
+                        "--enable-log-outputs", "--log-level", "debug", "--chat-template-content-format", "string",
                         "--trust-request-chat-template", "--enable-force-include-usage",
                         "--enable-server-load-tracking", "--disable-fastapi-docs", "--enable-request-id-headers",
                         "--num-gpu-blocks-override", "400", "--disable-custom-all-reduce",
@@ -312,6 +312,14 @@ def test_serving_defaults_are_honoured_and_the_key_is_never_logged():
     assert "ferrox.requests" in log and "ferrox.access" in log and "-> 401" in log, log[-3000:]
     assert "num_gpu_blocks_override: 400 KV blocks" in log
     assert KEY not in log and "sk-wrong-guess-1234" not in log
+    # --enable-log-outputs: each streamed 14-token completion's whole answer once, in one line.
+    outputs = re.findall(r"response \S+: choice 0, finish_reason length, 14 tokens: .*; output_token_ids: \[(.*)\]", log)
+    assert len(outputs) == 2 and all(len(ids.split(",")) == 14 for ids in outputs), outputs
+
+
+def test_log_outputs_need_the_request_log():
+    res = run("serve", "--enable-log-outputs")
+    assert res.returncode == 1 and "--enable-log-outputs needs --enable-log-requests" in res.stderr
 
 
 def test_unix_domain_socket(tmp_path):

@@ -70,6 +70,7 @@ from ferrox.engine.input_processor import (
     refuse_images,
 )
 from ferrox.engine.lora_state import check_lora_request, lora_fields
+from ferrox.engine.output_log import OutputLog
 from ferrox.engine.output_processor import OutputProcessor
 from ferrox.engine.protocol import EngineCoreRequest
 from ferrox.errors import EngineDeadError, EngineStartupError, InvalidArgumentError, RequestError
@@ -255,6 +256,8 @@ class AsyncLLM:
         self._prompt_pool = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="ferrox-prompt")
         self.client = DPCoreClient(config, log_level=str(log_level))
         # Whoever reads the measurements: the periodic log line here; the server adds Prometheus.
+        # vLLM's --enable-log-outputs (engine/output_log.py): set by `ferrox serve`; None logs nothing.
+        self.output_log: OutputLog | None = None
         self.stat_loggers: list[StatLogger] = []
         if not config.disable_log_stats:
             self.stat_loggers.append(LoggingStatLogger())
@@ -591,6 +594,8 @@ class AsyncLLM:
                     if out.error is not None and (isinstance(out, PoolingRequestOutput)
                                                   or not any(c.token_ids for c in out.outputs)):
                         raise RequestError(out.error)
+                    if self.output_log is not None and isinstance(out, RequestOutput):
+                        self.output_log.observe(out, delta=stream.kind == RequestOutputKind.DELTA)
                     yield out
                     if out.finished:
                         return
@@ -598,6 +603,8 @@ class AsyncLLM:
                 if not stream.finished:
                     self._abort_ids([stream.request_id])
                 self._streams.pop(stream.request_id, None)
+                if self.output_log is not None:
+                    self.output_log.forget(stream.request_id)
         finally:
             self._num_in_flight -= samples
             if timer is not None:

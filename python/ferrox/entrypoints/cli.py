@@ -256,6 +256,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                       help="log each API request at info: its id, route and parameters")
     logs.add_argument("--disable-log-requests", action="store_false", dest="enable_log_requests",
                       default=False, help="do not log requests (vLLM's older flag) (default: requests are not logged)")
+    logs.add_argument("--enable-log-outputs", action="store_true",
+                      help="with --enable-log-requests, also log each finished choice's text, token ids and finish "
+                      "reason (a stream's whole answer, once)")
     logs.add_argument("--max-log-len", type=int, help="longest prompt string or id list a request log line shows "
                       "in full (default: no limit)")
     api = p.add_argument_group("API defaults")
@@ -410,6 +413,9 @@ def serve(args: argparse.Namespace) -> int:
         lora_modules = tuple(parse_lora_module(m) for m in args.lora_modules)
         if lora_modules and not args.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
+        if args.enable_log_outputs and not args.enable_log_requests:
+            raise ValueError("--enable-log-outputs needs --enable-log-requests (outputs are logged beside the "
+                             "request lines, as vLLM's request logger does)")
         options = dataclasses.replace(
             options, lora_modules=lora_modules, trust_request_chat_template=args.trust_request_chat_template,
             default_chat_template_kwargs=types.MappingProxyType(dict(args.default_chat_template_kwargs or {})),
@@ -440,6 +446,10 @@ def serve(args: argparse.Namespace) -> int:
             os.unlink(args.uds)
         print(f"ferrox serve: error: {exc}", file=sys.stderr, flush=True)
         return 1
+    if args.enable_log_outputs:
+        from ferrox.engine.output_log import OutputLog
+
+        engine.output_log = OutputLog(args.max_log_len)
     engine.max_num_queued_reqs = args.max_num_queued_reqs
     engine.stream_interval = args.stream_interval
     engine.request_timeout = args.request_timeout

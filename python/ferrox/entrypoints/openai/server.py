@@ -46,6 +46,7 @@ from pydantic import BaseModel, ConfigDict
 import ferrox
 from ferrox.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestTimeoutError
 from ferrox.engine.input_processor import prompt_size
+from ferrox.engine.output_log import shorten
 from ferrox.engine.profiler import profiler_dir
 from ferrox.entrypoints import web as web_page
 from ferrox.entrypoints.anthropic.protocol import MessagesCountRequest, MessagesRequest
@@ -352,19 +353,7 @@ async def _log_request(request: web.Request, request_id: str | None, max_log_len
     except ValueError:
         body = "<not JSON>"
     request_logger.info("request %s: %s %s %s", request_id or "-", request.method, request.path,
-                        json.dumps(_shorten(body, max_log_len), ensure_ascii=False))
-
-
-def _shorten(value: Any, limit: int | None) -> Any:
-    if isinstance(value, str):
-        return value if limit is None or len(value) <= limit else f"{value[:limit]}...<{len(value)} chars>"
-    if isinstance(value, dict):
-        return {k: _shorten(v, limit) for k, v in value.items()}
-    if isinstance(value, list):
-        if limit is not None and len(value) > limit and all(isinstance(v, int) for v in value):
-            return [*value[:limit], f"...<{len(value)} ids>"]
-        return [_shorten(v, limit) for v in value]
-    return value
+                        json.dumps(shorten(body, max_log_len), ensure_ascii=False))
 
 
 # ---- small routes ----------------------------------------------------------------------------------
