@@ -218,7 +218,7 @@ def _server_load(base: str) -> int:
 def test_serving_defaults_are_honoured_and_the_key_is_never_logged():
     """--response-role, --return-tokens-as-token-ids, --enable-prompt-tokens-details, --tool-call-parser,
     --stream-interval, --enable-force-include-usage, --enable-server-load-tracking, --disable-fastapi-docs,
-    --enable-tokenizer-info-endpoint and --num-gpu-blocks-override with vLLM's meaning, on a server that logs every request (and debug lines) yet
+    --enable-tokenizer-info-endpoint, --exclude-tools-when-tool-choice-none and --num-gpu-blocks-override with vLLM's meaning, on a server that logs every request (and debug lines) yet
     never the API key."""
     srv = ServerProcess("--response-role", "bot", "--return-tokens-as-token-ids", "--enable-prompt-tokens-details",
                         "--stream-interval", "3",
@@ -227,7 +227,7 @@ def test_serving_defaults_are_honoured_and_the_key_is_never_logged():
                         "--trust-request-chat-template", "--enable-force-include-usage",
                         "--enable-server-load-tracking", "--disable-fastapi-docs", "--enable-request-id-headers",
                         "--num-gpu-blocks-override", "400", "--disable-custom-all-reduce",
-                        "--enable-tokenizer-info-endpoint")
+                        "--enable-tokenizer-info-endpoint", "--exclude-tools-when-tool-choice-none")
     try:
         base = srv.base_url
         # --disable-fastapi-docs: no /openapi.json; /load counts the model routes' requests in flight.
@@ -293,6 +293,13 @@ def test_serving_defaults_are_honoured_and_the_key_is_never_logged():
         calls = body["choices"][0]["message"].get("tool_calls")
         assert calls and calls[0]["function"]["name"] == "get_weather", body
         assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+        # --exclude-tools-when-tool-choice-none: under tool_choice none the prompt is the one without tools.
+        prompt_tokens = []
+        for extra in ({}, {"tools": [WEATHER_TOOL], "tool_choice": "none"}, {"tools": [WEATHER_TOOL]}):
+            status, body = _post(base, "/v1/chat/completions", {"messages": question, "max_tokens": 1, **extra})
+            assert status == 200, body
+            prompt_tokens.append(body["usage"]["prompt_tokens"])
+        assert prompt_tokens[0] == prompt_tokens[1] < prompt_tokens[2] - 20, prompt_tokens
         # --chat-template-content-format string: contents are strings even for a template that loops over
         # parts (it then loops over characters), the parts joined by newlines.
         parts_template = ("{% for m in messages %}{% for p in m.content %}{% if p is mapping %}{{ p.text }}{% else %}"

@@ -275,6 +275,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     api.add_argument("--enable-request-id-headers", action="store_true",
                      help="vLLM's switch for an X-Request-Id header on responses; ferrox always sends one (the "
                      "client's own X-Request-Id, else the request's id), so it is on with or without this")
+    api.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                     help="a request's tools stay out of the prompt when its tool_choice is \"none\" (default: "
+                     "they are rendered, only never called, as vLLM's)")
     api.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                      help="serve GET /tokenizer_info: the tokenizer's configuration and the chat template "
                      "(vLLM's; off by default since it exposes them)")
@@ -424,6 +427,7 @@ def serve(args: argparse.Namespace) -> int:
             enable_server_load_tracking=args.enable_server_load_tracking,
             disable_fastapi_docs=args.disable_fastapi_docs,
             enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+            exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
             lora_allowed_dirs=tuple(os.path.realpath(d) for d in args.lora_allowed_dirs))
         # What can fail without the model fails before it loads: the port (taken?), the TLS files,
         # the generation config folder.

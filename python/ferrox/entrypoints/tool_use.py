@@ -28,10 +28,12 @@ class ToolRequest:
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
-    @property
-    def prompt_tools(self) -> list[dict[str, Any]] | None:
-        """The tools the model is told about (none when tool_choice is "none", as on chat)."""
-        return self.tools if self.tools and self.tool_choice != "none" else None
+    def prompt_tools(self, exclude_when_none: bool = False) -> list[dict[str, Any]] | None:
+        """The tools the model is told about: all of them, also under tool_choice "none" (whose reply is never
+        read for calls), unless exclude_when_none (vLLM's --exclude-tools-when-tool-choice-none), as on chat."""
+        if not self.tools or (exclude_when_none and self.tool_choice == "none"):
+            return None
+        return self.tools
 
 
 def tool_constraint(req: ToolRequest) -> StructuredOutputsParams | None:
@@ -80,7 +82,7 @@ def render_prompt(ctx: ServingContext, messages: list[dict[str, Any]], req: Tool
     parts, fetched (entrypoints/openai/serving_images.py)."""
     from ferrox.entrypoints.openai.serving_images import expand_images, take_template_images
 
-    tools = req.prompt_tools
+    tools = req.prompt_tools(ctx.options.exclude_tools_when_tool_choice_none)
     template = tool_hooks.template_text(ctx, None, tools)
     if images:
         messages = take_template_images(ctx, messages, template)

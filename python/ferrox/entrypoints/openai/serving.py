@@ -101,6 +101,8 @@ class ServerOptions:
     disable_fastapi_docs: bool = False
     # vLLM's --enable-tokenizer-info-endpoint: GET /tokenizer_info (it shows the chat template and tokenizer config).
     enable_tokenizer_info_endpoint: bool = False
+    # vLLM's --exclude-tools-when-tool-choice-none: a request's tools leave the prompt under tool_choice "none".
+    exclude_tools_when_tool_choice_none: bool = False
 
 
 class ServingContext:

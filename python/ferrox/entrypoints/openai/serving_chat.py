@@ -202,7 +202,10 @@ def _render_prompt(ctx: ServingContext, req: ChatCompletionRequest, images: list
     # Checked (and the request's processors derived) even without images: a bad key is refused, not ignored.
     prompts = request_image_prompts(ctx, req.mm_processor_kwargs)
     messages = [m.to_template_dict() for m in req.messages]
-    use_tools = req.tools if req.tool_choice != "none" else None
+    # Under tool_choice "none" the tools stay in the prompt (vLLM's default; the reply is not read for calls),
+    # unless --exclude-tools-when-tool-choice-none.
+    exclude = req.tool_choice == "none" and ctx.options.exclude_tools_when_tool_choice_none
+    use_tools = None if exclude else req.tools
     # Templates without tool support (the embedded SmolLM2's) get the tools as system text.
     template = tool_hooks.template_text(ctx, req.chat_template, use_tools)
     if images:
