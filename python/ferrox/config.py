@@ -128,6 +128,9 @@ class EngineConfig:
     max_model_len: int | None = _opt(
         "context length (prompt + output) per request",
         default_help=f"the model's max_position_embeddings; on CPU at most {CPU_DEFAULT_MAX_MODEL_LEN}")
+    disable_sliding_window: bool = _opt(
+        "serve a model with sliding-window layers (Mistral's, Gemma's, gpt-oss's...) with full attention, its "
+        "context capped to the window, as vLLM's; a model without one is unchanged", False)
     hf_overrides: dict[str, Any] | None = _opt(
         "fields of the model's config.json replaced before the model is built (vLLM's --hf-overrides, a JSON "
         "object), e.g. {\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "

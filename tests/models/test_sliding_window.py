@@ -102,3 +102,19 @@ def test_cuda_engine_matches_cpu_engine(windowed, tmp_path, name):
         folder = windowed[name][0]
     prompts = [*PROMPTS, [(13 * i + 4) % 300 + 3 for i in range(200)]]
     assert_cuda_engine_matches_cpu(folder, prompts, max_tokens=12, max_model_len=256)
+
+
+def test_disable_sliding_window_caps_the_context_at_the_window(windowed):
+    """vLLM's disable_sliding_window: the served context ends at the window (so no layer needs one) and a longer
+    max_model_len is refused by name; within it the answers are transformers'."""
+    folder, _, ref = windowed["mistral"]
+    llm = LLM(model=folder, dtype="float32", kv_cache_memory=8 << 20, disable_sliding_window=True)
+    try:
+        assert llm.engine.max_model_len == WINDOW
+        out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0, max_tokens=12,
+                                                                              ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    assert cut_at_eos(list(out[0].outputs[0].token_ids), [tiny_models.EOS_TOKEN_ID]) == hf_greedy(ref, PROMPTS[0], 12)
+    with pytest.raises(Exception, match="max_model_len: 64 exceeds the model's sliding window"):
+        LLM(model=folder, dtype="float32", kv_cache_memory=8 << 20, disable_sliding_window=True, max_model_len=64)

@@ -88,6 +88,15 @@ def resolve_dtype(config: EngineConfig, spec: Any, device: torch.device) -> torc
 
 def resolve_max_model_len(config: EngineConfig, spec: Any, device: torch.device) -> int:
     limit = int(spec.max_position_embeddings)
+    # disable_sliding_window (vLLM's): the context ends at the window, so every layer attends fully
+    # (spec_for_context then gives no layer a window: the unwindowed kernels serve them all).
+    window = spec.sliding_window if config.disable_sliding_window and spec.sliding_layers and any(
+        spec.sliding_layers) else None
+    if window is not None and window < limit:
+        limit = window
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's sliding window ({window} "
+                             "tokens), to which disable_sliding_window caps the context")
     if config.max_model_len is None:
         return limit if device.type == "cuda" else min(limit, CPU_DEFAULT_MAX_MODEL_LEN)
     if config.max_model_len > limit:
