@@ -36,6 +36,8 @@ def test_unknown_flags_are_refused_by_name():
     assert res.returncode == 2 and "--tool-call-parser" in res.stderr and "jamba" in res.stderr
     res = run("serve", "--reasoning-parser", "hunyuan_a13b")  # a vLLM parser ferrox lacks
     assert res.returncode == 2 and "--reasoning-parser" in res.stderr and "hunyuan_a13b" in res.stderr
+    res = run("serve", "--api-server-count", "2")  # vLLM's several front-end processes
+    assert res.returncode == 2 and "ferrox serves with one API server process" in res.stderr
     res = run("serve", "--enable-prefix")  # no abbreviations: a vLLM flag must not pass as the prefix of ours
     assert res.returncode == 2 and "--enable-prefix: ferrox does not support this flag" in res.stderr
 
@@ -218,7 +220,7 @@ def _server_load(base: str) -> int:
 def test_serving_defaults_are_honoured_and_the_key_is_never_logged():
     """--response-role, --return-tokens-as-token-ids, --enable-prompt-tokens-details, --tool-call-parser,
     --stream-interval, --enable-force-include-usage, --enable-server-load-tracking, --disable-fastapi-docs,
-    --enable-tokenizer-info-endpoint, --exclude-tools-when-tool-choice-none and --num-gpu-blocks-override with vLLM's meaning, on a server that logs every request (and debug lines) yet
+    --enable-tokenizer-info-endpoint, --exclude-tools-when-tool-choice-none, --log-error-stack and --num-gpu-blocks-override with vLLM's meaning, on a server that logs every request (and debug lines) yet
     never the API key."""
     srv = ServerProcess("--response-role", "bot", "--return-tokens-as-token-ids", "--enable-prompt-tokens-details",
                         "--stream-interval", "3",
@@ -227,7 +229,8 @@ def test_serving_defaults_are_honoured_and_the_key_is_never_logged():
                         "--trust-request-chat-template", "--enable-force-include-usage",
                         "--enable-server-load-tracking", "--disable-fastapi-docs", "--enable-request-id-headers",
                         "--num-gpu-blocks-override", "400", "--disable-custom-all-reduce",
-                        "--enable-tokenizer-info-endpoint", "--exclude-tools-when-tool-choice-none")
+                        "--enable-tokenizer-info-endpoint", "--exclude-tools-when-tool-choice-none",
+                        "--log-error-stack", "--api-server-count", "1")
     try:
         base = srv.base_url
         # --disable-fastapi-docs: no /openapi.json; /load counts the model routes' requests in flight.
@@ -309,6 +312,9 @@ def test_serving_defaults_are_honoured_and_the_key_is_never_logged():
         assert status == 200, body
         _, body = _post(base, "/detokenize", {"tokens": body["tokens"]})
         assert body["prompt"] == "a|b|\n|c|", body
+        # --log-error-stack: a 400 is logged at info with the stack that raised it.
+        status, body = _post(base, "/v1/completions", {"prompt": "x", "max_tokens": -1})
+        assert status == 400, body
         # A wrong key is refused; neither key appears in any log line (request log, access log, debug errors).
         status, body = _post(base, "/v1/completions", {"prompt": "x", "max_tokens": 1}, key="sk-wrong-guess-1234")
         assert status == 401, body
@@ -319,6 +325,7 @@ def test_serving_defaults_are_honoured_and_the_key_is_never_logged():
     assert "ferrox.requests" in log and "ferrox.access" in log and "-> 401" in log, log[-3000:]
     assert "num_gpu_blocks_override: 400 KV blocks" in log
     assert KEY not in log and "sk-wrong-guess-1234" not in log
+    assert re.search(r" INFO ferrox\S*: request \S+: POST /v1/completions -> 400: .*\nTraceback", log), log[-3000:]
     # --enable-log-outputs: each streamed 14-token completion's whole answer once, in one line.
     outputs = re.findall(r"response \S+: choice 0, finish_reason length, 14 tokens: .*; output_token_ids: \[(.*)\]", log)
     assert len(outputs) == 2 and all(len(ids.split(",")) == 14 for ids in outputs), outputs

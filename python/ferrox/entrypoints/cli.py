@@ -203,6 +203,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     server.add_argument("--port", type=int, default=8000, help="TCP port to listen on (0: pick a free one)")
     server.add_argument("--uds", help="listen on this Unix domain socket path instead of --host/--port "
                         "(default: TCP)")
+    server.add_argument("--api-server-count", "-asc", type=_one_api_server, default=1, metavar="1",
+                        help="API server processes: one (ferrox's front-end is one aiohttp process beside the "
+                        "engine cores; more are refused)")
     server.add_argument("--api-key", default=os.environ.get("FERROX_API_KEY"),
                         help="require this key (Authorization: Bearer KEY or x-api-key) on API routes; "
                         "/health, /metrics and /version stay open (default: $FERROX_API_KEY)")
@@ -259,6 +262,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     logs.add_argument("--enable-log-outputs", action="store_true",
                       help="with --enable-log-requests, also log each finished choice's text, token ids and finish "
                       "reason (a stream's whole answer, once)")
+    logs.add_argument("--log-error-stack", action="store_true",
+                      help="log every error response with the stack trace that raised it (4xx at info; 5xx are "
+                      "always logged with theirs)")
     logs.add_argument("--max-log-len", type=int, help="longest prompt string or id list a request log line shows "
                       "in full (default: no limit)")
     api = p.add_argument_group("API defaults")
@@ -315,6 +321,14 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                      "else $HF_HOME/hub); nothing is downloaded")
     add_engine_args(p, p.add_argument_group("engine (the same arguments as LLM(...))"))
     return p
+
+
+def _one_api_server(text: str) -> int:
+    count = int(text)
+    if count != 1:
+        raise argparse.ArgumentTypeError(f"{count}: ferrox serves with one API server process (vLLM's several "
+                                         "front-end processes are not supported)")
+    return count
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -428,6 +442,7 @@ def serve(args: argparse.Namespace) -> int:
             disable_fastapi_docs=args.disable_fastapi_docs,
             enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
             exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+            log_error_stack=args.log_error_stack,
             lora_allowed_dirs=tuple(os.path.realpath(d) for d in args.lora_allowed_dirs))
         # What can fail without the model fails before it loads: the port (taken?), the TLS files,
         # the generation config folder.

@@ -256,13 +256,17 @@ def _api_error(request: web.Request, exc: Exception) -> APIError:
 def _error_response(request: web.Request, error: APIError, cause: Exception) -> web.Response:
     """The error in the route's API shape, logged with its request id (given to the request here when
     its route had not named it, so the client's X-Request-Id header and the log line match): 4xx at
-    debug, 5xx at error with the traceback of what raised it."""
+    debug (at info with the traceback under --log-error-stack), 5xx at error with the traceback of what
+    raised it."""
     request_id = _request_id(request)
     if request_id is None:
         request_id = request["request_id"] = f"err-{uuid.uuid4().hex}"
     if error.status >= 500:
         logger.error("request %s: %s %s -> %d: %s", request_id, request.method, request.path, error.status,
                      error, exc_info=cause)
+    elif request.app[OPTIONS].log_error_stack:  # vLLM's --log-error-stack: every error response's stack
+        logger.info("request %s: %s %s -> %d: %s", request_id, request.method, request.path, error.status, error,
+                    exc_info=cause)
     else:
         logger.debug("request %s: %s %s -> %d: %s", request_id, request.method, request.path, error.status, error)
     return error.response(_is_anthropic(request))

@@ -103,6 +103,8 @@ class ServerOptions:
     enable_tokenizer_info_endpoint: bool = False
     # vLLM's --exclude-tools-when-tool-choice-none: a request's tools leave the prompt under tool_choice "none".
     exclude_tools_when_tool_choice_none: bool = False
+    # vLLM's --log-error-stack: 4xx error responses are logged at info with the stack that raised them.
+    log_error_stack: bool = False
 
 
 class ServingContext:
