@@ -12,6 +12,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
+use crate::kv_events::{external_hash, KvEvent, KvEvents};
 use crate::prefix_cache::BlockHash;
 
 pub type BlockId = u32;
@@ -57,6 +58,8 @@ pub struct BlockPool {
     tail: u32,
     num_free: usize,
     cached: HashToBlock,
+    /// What entered and left `cached` (kv_events.rs); records nothing unless switched on.
+    pub events: KvEvents,
 }
 
 impl BlockPool {
@@ -81,6 +84,7 @@ impl BlockPool {
             tail: NIL,
             num_free: 0,
             cached: HashToBlock::default(),
+            events: KvEvents::default(),
         };
         for id in 1..num_blocks as u32 {
             pool.push_back(id);
@@ -130,6 +134,7 @@ impl BlockPool {
         if n > self.num_free {
             return false;
         }
+        let mut evicted = Vec::new();
         for _ in 0..n {
             let id = self.head;
             self.unlink(id);
@@ -139,8 +144,16 @@ impl BlockPool {
             if let Some(h) = b.hash.take() {
                 // Evict: the content is about to be overwritten.
                 self.cached.remove(&h);
+                if self.events.recording() {
+                    evicted.push(external_hash(h));
+                }
             }
             out.push(id);
+        }
+        if !evicted.is_empty() {
+            self.events.push(KvEvent::Removed {
+                block_hashes: evicted,
+            });
         }
         true
     }
@@ -181,15 +194,18 @@ impl BlockPool {
     /// Registers a full, live block under `hash`. If another block already holds the same
     /// content (two requests computed the same prefix at the same time) the first one stays
     /// the cached copy and this block remains private.
-    pub fn cache_block(&mut self, id: BlockId, hash: BlockHash) {
+    /// Returns whether this block became the cached copy.
+    pub fn cache_block(&mut self, id: BlockId, hash: BlockHash) -> bool {
         debug_assert!(id != NULL_BLOCK);
         if self.blocks[id as usize].hash.is_some() {
-            return;
+            return false;
         }
         if let std::collections::hash_map::Entry::Vacant(e) = self.cached.entry(hash) {
             e.insert(id);
             self.blocks[id as usize].hash = Some(hash);
+            return true;
         }
+        false
     }
 
     /// Removes one block's hash from the cache (its content turned out not to be computed).
@@ -197,6 +213,9 @@ impl BlockPool {
         if let Some(h) = self.blocks[id as usize].hash.take() {
             if self.cached.get(&h) == Some(&id) {
                 self.cached.remove(&h);
+                self.events.push(KvEvent::Removed {
+                    block_hashes: vec![external_hash(h)],
+                });
             }
         }
     }
@@ -211,6 +230,7 @@ impl BlockPool {
         for b in &mut self.blocks {
             b.hash = None;
         }
+        self.events.push(KvEvent::Cleared);
         true
     }
 

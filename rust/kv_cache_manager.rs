@@ -3,6 +3,7 @@
 //! registers blocks in the prefix cache as they fill, and frees a request's blocks.
 
 use crate::block_pool::{BlockId, BlockPool};
+use crate::kv_events::{external_hash, KvEvent, KvEvents};
 use crate::prefix_cache::BlockHash;
 
 /// The blocks one request holds, in token order. `num_cached` of them (a prefix) are known
@@ -46,6 +47,16 @@ impl KvCacheManager {
         &self.pool
     }
 
+    /// Records KV cache events from now on (kv_events.rs).
+    pub fn record_events(&mut self) {
+        self.pool.events = KvEvents::on();
+    }
+
+    /// The KV cache events since the last call (empty while recording is off).
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        self.pool.events.take()
+    }
+
     pub fn block_size(&self) -> usize {
         self.block_size
     }
@@ -83,7 +94,9 @@ impl KvCacheManager {
     /// nothing, if the free queue cannot supply the blocks. Full blocks are registered in the
     /// prefix cache right away: their K/V is written in this step before any later step can
     /// read it, and within one step the runner writes all K/V of a layer before attention.
+    /// `tokens` and `lora_id` (the request's) name the blocks that enter the cache in its events.
     #[inline]
+    #[allow(clippy::too_many_arguments)]
     pub fn allocate_slots(
         &mut self,
         kv: &mut KvBlocks,
@@ -91,6 +104,8 @@ impl KvCacheManager {
         num_computed_tokens: usize,
         num_new_tokens: usize,
         new_computed: &[BlockId],
+        tokens: &[u32],
+        lora_id: i64,
     ) -> bool {
         let total = num_computed_tokens + num_new_tokens;
         // Fast path (most decode steps), inlined into the scheduler's loop: the last block has
@@ -103,7 +118,7 @@ impl KvCacheManager {
         {
             return true;
         }
-        self.allocate_slots_slow(kv, hashes, total, new_computed)
+        self.allocate_slots_slow(kv, hashes, total, new_computed, tokens, lora_id)
     }
 
     #[inline(never)]
@@ -113,6 +128,8 @@ impl KvCacheManager {
         hashes: &[BlockHash],
         total: usize,
         new_computed: &[BlockId],
+        tokens: &[u32],
+        lora_id: i64,
     ) -> bool {
         let required = total.div_ceil(self.block_size);
         let have = kv.blocks.len() + new_computed.len();
@@ -134,16 +151,61 @@ impl KvCacheManager {
                 .min(hashes.len())
                 .min(kv.blocks.len());
             if kv.num_cached < num_full {
-                let fresh = kv.blocks[kv.num_cached..num_full]
-                    .iter()
-                    .zip(&hashes[kv.num_cached..num_full]);
-                for (&block, &hash) in fresh {
-                    self.pool.cache_block(block, hash);
+                let first = kv.num_cached;
+                let mut stored: Option<KvEvent> = None;
+                for j in first..num_full {
+                    let cached = self.pool.cache_block(kv.blocks[j], hashes[j]);
+                    if self.pool.events.recording() {
+                        self.note_stored(&mut stored, cached, j, hashes, tokens, lora_id);
+                    }
+                }
+                if let Some(event) = stored {
+                    self.pool.events.push(event);
                 }
             }
             kv.num_cached = kv.num_cached.max(num_full);
         }
         true
+    }
+
+    /// Adds block `j` (just cached, or not: a copy of its content was cached already) to the
+    /// request's run of Stored blocks; a block not cached here ends the run, as its content's
+    /// Stored event came with the copy cached first.
+    fn note_stored(
+        &mut self,
+        run: &mut Option<KvEvent>,
+        cached: bool,
+        j: usize,
+        hashes: &[BlockHash],
+        tokens: &[u32],
+        lora_id: i64,
+    ) {
+        if !cached {
+            if let Some(event) = run.take() {
+                self.pool.events.push(event);
+            }
+            return;
+        }
+        let bs = self.block_size;
+        let block_tokens = &tokens[j * bs..(j + 1) * bs];
+        match run {
+            Some(KvEvent::Stored {
+                block_hashes,
+                token_ids,
+                ..
+            }) => {
+                block_hashes.push(external_hash(hashes[j]));
+                token_ids.extend_from_slice(block_tokens);
+            }
+            _ => {
+                *run = Some(KvEvent::Stored {
+                    block_hashes: vec![external_hash(hashes[j])],
+                    parent_block_hash: j.checked_sub(1).map(|p| external_hash(hashes[p])),
+                    token_ids: block_tokens.to_vec(),
+                    lora_id,
+                });
+            }
+        }
     }
 
     /// Releases every block of a request, last block first (see BlockPool::free).
@@ -211,14 +273,14 @@ mod tests {
         let hs = hashes(&prompt, 4);
         let mut a = KvBlocks::default();
         assert!(m.get_computed_blocks(&hs, 12).blocks.is_empty());
-        assert!(m.allocate_slots(&mut a, &hs, 0, 12, &[]));
+        assert!(m.allocate_slots(&mut a, &hs, 0, 12, &[], &[], 0));
         assert_eq!(a.blocks.len(), 3);
         // Same 12-token prompt: only 2 blocks may be reused (the last token must be computed).
         let hit = m.get_computed_blocks(&hs, 12);
         assert_eq!(hit.blocks, a.blocks[..2].to_vec());
         assert_eq!(hit.num_tokens, 8);
         let mut b = KvBlocks::default();
-        assert!(m.allocate_slots(&mut b, &hs, 8, 4, &hit.blocks));
+        assert!(m.allocate_slots(&mut b, &hs, 8, 4, &hit.blocks, &[], 0));
         assert_eq!(b.blocks[..2], a.blocks[..2]);
         assert_ne!(b.blocks[2], a.blocks[2]);
         assert_eq!(m.pool().ref_cnt(a.blocks[0]), 2);
@@ -229,11 +291,75 @@ mod tests {
     }
 
     #[test]
+    fn cache_events_name_what_entered_and_left_the_cache() {
+        use crate::kv_events::{external_hash, KvEvent};
+        // 5 usable blocks of 4 tokens; recording on.
+        let mut m = KvCacheManager::new(6, 4, true);
+        m.record_events();
+        let prompt: Vec<u32> = (0..10).collect();
+        let hs = hashes(&prompt, 4);
+        let ext: Vec<u64> = hs.iter().map(|&h| external_hash(h)).collect();
+        let mut a = KvBlocks::default();
+        // A 6-token chunk fills one block, the next chunk a second: two Stored events chained by parent.
+        assert!(m.allocate_slots(&mut a, &hs, 0, 6, &[], &prompt, 7));
+        assert!(m.allocate_slots(&mut a, &hs, 6, 4, &[], &prompt, 7));
+        assert_eq!(
+            m.take_events(),
+            vec![
+                KvEvent::Stored {
+                    block_hashes: vec![ext[0]],
+                    parent_block_hash: None,
+                    token_ids: (0..4).collect(),
+                    lora_id: 7
+                },
+                KvEvent::Stored {
+                    block_hashes: vec![ext[1]],
+                    parent_block_hash: Some(ext[0]),
+                    token_ids: (4..8).collect(),
+                    lora_id: 7
+                },
+            ]
+        );
+        assert!(m.take_events().is_empty());
+        // The same prompt again: its cached blocks are hits (no event); a copy of content already
+        // cached is not announced twice.
+        let mut b = KvBlocks::default();
+        let hit = m.get_computed_blocks(&hs, 10);
+        assert!(m.allocate_slots(&mut b, &hs, 8, 2, &hit.blocks, &prompt, 7));
+        assert!(m.take_events().is_empty());
+        m.free(&mut a);
+        m.free(&mut b);
+        // Another request takes all 5 blocks: the two cached ones are evicted, in one event.
+        let other: Vec<u32> = (100..120).collect();
+        let mut c = KvBlocks::default();
+        assert!(m.allocate_slots(&mut c, &hashes(&other, 4), 0, 19, &[], &other, 0));
+        let events = m.take_events();
+        assert!(
+            matches!(&events[0], KvEvent::Removed { block_hashes } if block_hashes.len() == 2
+            && block_hashes.contains(&ext[0]) && block_hashes.contains(&ext[1])),
+            "{events:?}"
+        );
+        assert!(
+            matches!(&events[1], KvEvent::Stored { block_hashes, parent_block_hash: None, token_ids, lora_id: 0 }
+            if block_hashes.len() == 4 && token_ids.len() == 16),
+            "{events:?}"
+        );
+        m.free(&mut c);
+        assert!(m.reset_prefix_cache());
+        assert_eq!(m.take_events(), vec![KvEvent::Cleared]);
+        // Off (the default), nothing is kept.
+        let mut quiet = KvCacheManager::new(6, 4, true);
+        let mut d = KvBlocks::default();
+        assert!(quiet.allocate_slots(&mut d, &hs, 0, 10, &[], &prompt, 0));
+        assert!(quiet.take_events().is_empty());
+    }
+
+    #[test]
     fn allocation_failure_changes_nothing() {
         let mut m = KvCacheManager::new(3, 4, true);
         let mut a = KvBlocks::default();
         let hs = hashes(&[1; 12], 4);
-        assert!(!m.allocate_slots(&mut a, &hs, 0, 12, &[]));
+        assert!(!m.allocate_slots(&mut a, &hs, 0, 12, &[], &[], 0));
         assert!(a.blocks.is_empty());
         assert_eq!(m.pool().num_free_blocks(), 2);
     }
@@ -244,14 +370,14 @@ mod tests {
         let toks = [5, 6, 7, 8, 9];
         let hs = hashes(&toks, 2);
         let mut a = KvBlocks::default();
-        assert!(m.allocate_slots(&mut a, &hs, 0, 5, &[]));
+        assert!(m.allocate_slots(&mut a, &hs, 0, 5, &[], &[], 0));
         m.free(&mut a);
         let hit = m.get_computed_blocks(&hs, 5);
         assert_eq!(hit.num_tokens, 4);
         // A different request needing all 3 blocks evicts them.
         let mut b = KvBlocks::default();
         let other = hashes(&[1, 2, 3, 4, 5, 6], 2);
-        assert!(m.allocate_slots(&mut b, &other, 0, 6, &[]));
+        assert!(m.allocate_slots(&mut b, &other, 0, 6, &[], &[], 0));
         assert_eq!(m.get_computed_blocks(&hs, 5).num_tokens, 0);
         m.pool().check_invariants();
     }
@@ -264,8 +390,8 @@ mod tests {
         let mut a = KvBlocks::default();
         // Tokens 0..4 were computed in an earlier step; 4..12 were allocated (and their full
         // blocks cached) for a step that was then taken back.
-        assert!(m.allocate_slots(&mut a, &hs, 0, 4, &[]));
-        assert!(m.allocate_slots(&mut a, &hs, 4, 8, &[]));
+        assert!(m.allocate_slots(&mut a, &hs, 0, 4, &[], &[], 0));
+        assert!(m.allocate_slots(&mut a, &hs, 4, 8, &[], &[], 0));
         assert_eq!(m.pool().num_cached_blocks(), 3);
         m.free_preempted(&mut a, 4);
         assert_eq!(m.get_computed_blocks(&hs, 12).num_tokens, 4);
@@ -278,7 +404,7 @@ mod tests {
         let mut m = KvCacheManager::new(8, 2, false);
         let hs = hashes(&[1, 2, 3, 4, 5], 2);
         let mut a = KvBlocks::default();
-        assert!(m.allocate_slots(&mut a, &hs, 0, 5, &[]));
+        assert!(m.allocate_slots(&mut a, &hs, 0, 5, &[], &[], 0));
         assert!(m.get_computed_blocks(&hs, 5).blocks.is_empty());
         assert_eq!(m.pool().num_cached_blocks(), 0);
     }

@@ -11,6 +11,7 @@ pub mod cpu;
 pub mod detokenizer;
 pub mod error;
 pub mod kv_cache_manager;
+pub mod kv_events;
 pub mod ngram;
 pub mod prefix_cache;
 pub mod request;

@@ -856,6 +856,8 @@ impl Scheduler {
                     req.num_computed_tokens,
                     num_new,
                     &[],
+                    &req.token_ids,
+                    req.lora_id,
                 ) {
                     ok = true;
                     break;
@@ -940,6 +942,8 @@ impl Scheduler {
                     hit.num_tokens,
                     num_new,
                     &hit.blocks,
+                    &req.token_ids,
+                    req.lora_id,
                 ) {
                     break; // head of the queue does not fit: keep the order, try next step
                 }
@@ -1468,6 +1472,17 @@ impl Scheduler {
 
     pub fn request_status(&self, id: &str) -> Option<RequestStatus> {
         self.by_id.get(id).map(|&s| self.req(s).status)
+    }
+
+    /// Records the prefix cache's events (blocks stored, removed, all cleared) from now on, for
+    /// `take_kv_events` (vLLM's --kv-events-config; kv_events.rs).
+    pub fn record_kv_events(&mut self) {
+        self.kv.record_events();
+    }
+
+    /// The prefix cache's events since the last call, oldest first.
+    pub fn take_kv_events(&mut self) -> Vec<crate::kv_events::KvEvent> {
+        self.kv.take_events()
     }
 
     pub fn stats(&self) -> SchedulerStats {

@@ -4,10 +4,12 @@ The step contract: per engine step Python makes exactly one `Scheduler.schedule(
 one `Scheduler.update_from_output()` call. Bulk per-step data crosses as numpy arrays that
 `torch.from_numpy` wraps without a copy; a step's results come back as one `StepOutputs` of
 columns (no Python object per request). Requests are named by their slot (`add_request`'s
-return value), a small integer the engine can index its own per-request state with.
+return value), a small integer the engine can index its own per-request state with. One optional
+call more, with vLLM's --kv-events-config only: `take_kv_events()`, once a step.
 """
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -344,6 +346,11 @@ class Scheduler:
         """Preempt every running request by recompute (sleep mode's "keep"); how many. Raises
         ValueError while a step is in flight."""
     def stats(self) -> SchedulerStats: ...
+    def record_kv_events(self) -> None:
+        """Records the prefix cache's events from now on (vLLM's --kv-events-config)."""
+    def take_kv_events(self) -> list[tuple[Any, ...]]:
+        """The prefix cache's events since the last call, oldest first: ("stored", block_hashes,
+        parent_block_hash | None, token_ids, lora_id), ("removed", block_hashes), ("cleared",)."""
     def request_block_ids(self, request_id: str) -> list[int]:
         """Blocks held by a live request (for tests and debugging)."""
 

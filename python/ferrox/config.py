@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferrox.compilation_config import GraphPlan, graph_plan
+from ferrox.kv_events_config import parse_kv_events_config
 from ferrox.pooling.params import parse_pooler_overrides
 from ferrox.reasoning.parser import REASONING_PARSERS
 from ferrox.speculative_config import parse_speculative_config
@@ -275,6 +276,11 @@ class EngineConfig:
         "thinking budgets)",
         choices=REASONING_PARSERS, default_help="none: the whole output is the content")
 
+    kv_events_config: dict[str, Any] | None = _opt(
+        "vLLM's KV cache events for KV-aware routers, a JSON object: enable_kv_cache_events, publisher ('zmq', "
+        "the default once enabled, or 'null'), endpoint (tcp://*:5557), replay_endpoint, buffer_steps, hwm, "
+        "max_queue_size, topic; blocks stored / removed / all cleared, in vLLM's msgpack format "
+        "(ferrox/engine/kv_events.py)", default_help="off")
     structured_outputs_config: dict[str, Any] | None = _opt(
         "vLLM's engine-level structured-output settings, a JSON object: backend 'auto' or 'guidance' (ferrox's "
         "one backend, llguidance; xgrammar, outlines, lm-format-enforcer refused), disable_any_whitespace and "
@@ -358,6 +364,9 @@ class EngineConfig:
         _positive_int("max_cpu_loras", self.max_cpu_loras, optional=True)
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras: {self.max_cpu_loras} is less than max_loras ({self.max_loras})")
+        if parse_kv_events_config(self.kv_events_config).enable_kv_cache_events and not self.enable_prefix_caching:
+            raise ValueError("kv_events_config.enable_kv_cache_events: the events are the prefix cache's; they need "
+                             "enable_prefix_caching")
         so_parser = parse_structured_outputs_config(self.structured_outputs_config).reasoning_parser
         if so_parser is not None:
             if self.reasoning_parser is not None and self.reasoning_parser != so_parser:

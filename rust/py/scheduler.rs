@@ -6,6 +6,7 @@ use super::scheduler_output::PySchedulerOutput;
 use super::stats::PySchedulerStats;
 use super::step_outputs::PyStepOutputs;
 use crate::error::invalid;
+use crate::kv_events::KvEvent;
 use crate::prefix_cache::HashAlgo;
 use crate::scheduler::{NewRequest, Scheduler, SchedulerConfig};
 use crate::speculative::{ExternalDrafts, SpeculativeConfig};
@@ -343,6 +344,45 @@ impl PyScheduler {
 
     fn stats(&self) -> PySchedulerStats {
         self.inner.stats().into()
+    }
+
+    /// Records the prefix cache's events from now on (vLLM's --kv-events-config).
+    fn record_kv_events(&mut self) {
+        self.inner.record_kv_events();
+    }
+
+    /// The prefix cache's events since the last call, oldest first, as tuples:
+    /// ("stored", block_hashes, parent_block_hash or None, token_ids, lora_id),
+    /// ("removed", block_hashes) and ("cleared",). Empty unless record_kv_events was called.
+    fn take_kv_events(&mut self, py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
+        self.inner
+            .take_kv_events()
+            .into_iter()
+            .map(|event| {
+                Ok(match event {
+                    KvEvent::Stored {
+                        block_hashes,
+                        parent_block_hash,
+                        token_ids,
+                        lora_id,
+                    } => (
+                        "stored",
+                        block_hashes,
+                        parent_block_hash,
+                        token_ids,
+                        lora_id,
+                    )
+                        .into_pyobject(py)?
+                        .into_any()
+                        .unbind(),
+                    KvEvent::Removed { block_hashes } => ("removed", block_hashes)
+                        .into_pyobject(py)?
+                        .into_any()
+                        .unbind(),
+                    KvEvent::Cleared => ("cleared",).into_pyobject(py)?.into_any().unbind(),
+                })
+            })
+            .collect()
     }
 
     fn request_block_ids(&self, request_id: &str) -> PyResult<Vec<u32>> {

@@ -341,7 +341,7 @@ def run_engine_core(
     try:
         from ferrox.engine.engine_core import EngineCore
 
-        core = EngineCore(config)
+        core = EngineCore(config, engine_index=engine_index or 0)
         info = CoreInfo(
             model_name=str(core.model_name),
             max_model_len=int(core.max_model_len),

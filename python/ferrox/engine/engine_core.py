@@ -43,12 +43,14 @@ from ferrox import _core
 from ferrox.bad_words import with_bad_words_token_ids
 from ferrox.config import EngineConfig
 from ferrox.distributed.parallel_state import TPGroup, destroy_tp_group
+from ferrox.engine.kv_events import ZmqEventPublisher, to_batch
 from ferrox.engine.lora_state import EngineLoRAs, check_lora_config
 from ferrox.engine.profiler import EngineProfiler
 from ferrox.engine.protocol import EngineCoreRequest
 from ferrox.errors import InvalidArgumentError
 from ferrox.executor import Executor, start_tensor_parallel
 from ferrox.executor.launch import rank_config
+from ferrox.kv_events_config import parse_kv_events_config
 from ferrox.multimodal import prompt_embeds
 from ferrox.multimodal.inputs import MultiModalItem, cache_salt_with_images
 from ferrox.multimodal.processing import image_prompts_for_model
@@ -73,7 +75,8 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
+        """engine_index: this core's data-parallel index (its KV events' rank and endpoint offset)."""
         self.config = config
         start = time.perf_counter()
         self.speculative = _check_speculative(config)
@@ -142,6 +145,13 @@ class EngineCore:
             max_loras=config.max_loras if config.enable_lora else 0,
             **_speculative_scheduler_args(self.speculative),
         )
+        # vLLM's KV cache events (engine/kv_events.py): drained from the scheduler once a step, published.
+        self.kv_events: ZmqEventPublisher | None = None
+        self._kv_events_rank = engine_index
+        events_config = parse_kv_events_config(config.kv_events_config)
+        if events_config.publishes:
+            self.scheduler.record_kv_events()
+            self.kv_events = ZmqEventPublisher(events_config, engine_index)
         # Multi-LoRA: wraps the model's projections before CUDA graphs are captured (they read the
         # adapters' slot buffers) and hands the runner its per-step adapter index.
         self.loras: EngineLoRAs | None = None
@@ -562,6 +572,8 @@ class EngineCore:
             failed = self._fail({handle.so.req_ids[i]: msg for i, msg in result.errors.items()})
         outs = self.scheduler.update_from_output(result.sampled_token_ids, force_stop,
                                                  num_sampled_tokens=result.num_sampled_tokens)
+        if self.kv_events is not None:
+            self._publish_kv_events()
         if self.drafter is not None:
             self.drafter.record(handle.so, outs)
         self._pending_prompt_logprobs.update(result.prompt_logprobs)
@@ -750,7 +762,23 @@ class EngineCore:
 
     # ---- admin ----------------------------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.reset_prefix_cache()
+        reset = self.scheduler.reset_prefix_cache()
+        if self.kv_events is not None:
+            self._publish_kv_events()  # (AllBlocksCleared, now: no step may follow soon)
+        return reset
+
+    def _publish_kv_events(self) -> None:
+        assert self.kv_events is not None
+        events = self.scheduler.take_kv_events()
+        if events:
+            names = {i: n for i, n in zip(*self._lora_names(), strict=True)}
+            self.kv_events.publish(to_batch(events, self.block_size, names, self._kv_events_rank))
+
+    def _lora_names(self) -> tuple[list[int], list[str]]:
+        if self.loras is None:
+            return [], []
+        ids = self.loras.list_ids()
+        return ids, self.loras.names(ids)
 
     def start_profile(self) -> None:
         """The torch profiler over this process's steps (engine/profiler.py; VLLM_TORCH_PROFILER_DIR)."""
@@ -792,6 +820,9 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self._masked = None
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
+            self.kv_events = None
         if isinstance(self.runner, ModelRunner):
             self.runner.release_mask_gates()
         if self.structured is not None:
