@@ -16,25 +16,23 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_setup  # noqa: E402
 from ferrox.kernels import cudnn_prefill, fa3_prefill
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 SHAPES = "8192x0,2048x6144,8192x8192,8192x24576,8192x57344,8192x114688,16384x106496,3000x1000,1024x31744"
 
 
-def _time_ms(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+def _time_ms(fn) -> float:
+    """Mean CUDA-event time of 20 calls after 3 untimed ones."""
+    return statistics.mean(bench_setup.timed_ms(fn, 20))
 
 
 def run_shape(chunk: int, context: int, device: torch.device) -> tuple[float, float, float]:

@@ -7,15 +7,21 @@ of one request, bf16, V2-Lite's 16 heads and V3's 128 (latent 512 + 64), over a 
 
 A case is HEADSxCHUNKxCONTEXT. Both paths start from the layer's q_nope / q_pe (the absorbed one multiplies
 q_nope into the latent first, as the layer does) and end with the heads' outputs [T, H, 128]; ms a call
-(mean of 5 after 2), the outputs' relative difference, and the geometric mean of absorbed / expanded last.
+(mean of 5 after 3), the outputs' relative difference, and the geometric mean of absorbed / expanded last.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import statistics
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_setup  # noqa: E402
 from ferrox.kernels import mla_prefill
 from ferrox.kernels.mla_attention import mla_attention
 
@@ -23,17 +29,9 @@ RANK, ROPE, NOPE, V, BLOCK = 512, 64, 128, 128, 16
 CASES = "16x2048x0,16x8192x0,16x8192x24576,16x8192x57344,128x2048x0,128x8192x8192"
 
 
-def _time_ms(fn, iters: int = 5) -> float:
-    for _ in range(2):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+def _time_ms(fn) -> float:
+    """Mean CUDA-event time of 5 calls after 3 untimed ones."""
+    return statistics.mean(bench_setup.timed_ms(fn, 5))
 
 
 def run_case(heads: int, chunk: int, context: int, device: torch.device) -> tuple[float, float, float]:
