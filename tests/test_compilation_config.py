@@ -37,6 +37,15 @@ def test_plans(cc, want):
     assert graph_plan(cc) == want
 
 
+def test_cuda_graph_sizes_is_vllms_older_name():
+    """One value is the largest size (the ladders up to it), several are the sizes; with the newer names too
+    it is refused by name."""
+    assert EngineConfig(cuda_graph_sizes=[8]).graph_plan() == EngineConfig(max_cudagraph_capture_size=8).graph_plan()
+    assert EngineConfig(cuda_graph_sizes=[4, 1]).graph_plan() == EngineConfig(cudagraph_capture_sizes=[1, 4]).graph_plan()
+    with pytest.raises(ValueError, match="cuda_graph_sizes: vLLM's older name"):
+        EngineConfig(cuda_graph_sizes=[8], cudagraph_capture_sizes=[1, 8]).graph_plan()
+
+
 def test_flags_and_enforce_eager():
     assert graph_plan(None, cudagraph_capture_sizes=[2, 1], max_cudagraph_capture_size=2) == GraphPlan(True, True, (1, 2), 2)
     assert graph_plan({"cudagraph_capture_sizes": [1, 2]}, cudagraph_capture_sizes=[2, 1]).sizes == (1, 2)  # the same

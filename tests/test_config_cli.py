@@ -122,6 +122,8 @@ def _non_default(name: str) -> list[tuple[list[str], Any]]:
         return [([flag, '{"topic": "kv"}'], {"topic": "kv"})]
     if name == "structured_outputs_config":
         return [([flag, '{"backend": "guidance"}'], {"backend": "guidance"})]
+    if name == "cuda_graph_sizes":  # vLLM's older name: one value (the largest) or several
+        return [([flag, "8"], [8]), ([flag, "1", "4"], [1, 4])]
     if name == "cudagraph_capture_sizes":  # integers, several (vLLM's nargs)
         return [([flag, "1", "2", "4"], [1, 2, 4])]
     if name == "served_model_name":  # one name, or several (vLLM's nargs)

@@ -210,6 +210,10 @@ class EngineConfig:
     max_cudagraph_capture_size: int | None = _opt(
         "the largest step size captured (vLLM's): caps both ladders (and raises the piecewise one to it); with "
         "cudagraph_capture_sizes it must be their largest", default_help="the ladders' own tops")
+    cuda_graph_sizes: list[int] | None = _opt(
+        "vLLM's older name for the capture sizes: one value N is the largest size (as "
+        "max_cudagraph_capture_size: the ladders 1, 2, 4, 8, 16, ... up to N), several are the sizes themselves "
+        "(as cudagraph_capture_sizes)", nargs="+", item_type=int, default_help="unset")
     enable_sleep_mode: bool = _opt(
         "allow sleep / wake_up (vLLM's): sleep(level=1) gives the GPU memory of the weights (kept in host memory) "
         "and of the KV cache (discarded) back until wake_up, without a reload; the server's /sleep, /wake_up and "
@@ -414,14 +418,21 @@ class EngineConfig:
 
     def graph_plan(self, log: bool = False) -> GraphPlan:
         """Which CUDA graphs the engine captures (ferrox/compilation_config.py)."""
-        return graph_plan(self.compilation_config, cudagraph_capture_sizes=self.cudagraph_capture_sizes,
-                          max_cudagraph_capture_size=self.max_cudagraph_capture_size,
+        sizes, top = self.cudagraph_capture_sizes, self.max_cudagraph_capture_size
+        if self.cuda_graph_sizes:
+            if sizes or top:
+                raise ValueError("cuda_graph_sizes: vLLM's older name of cudagraph_capture_sizes / "
+                                 "max_cudagraph_capture_size; give one of them")
+            sizes, top = (None, self.cuda_graph_sizes[0]) if len(self.cuda_graph_sizes) == 1 else (
+                list(self.cuda_graph_sizes), None)
+        return graph_plan(self.compilation_config, cudagraph_capture_sizes=sizes, max_cudagraph_capture_size=top,
                           enforce_eager=self.enforce_eager, optimization_level=self.optimization_level, log=log)
 
     def check_graphs_for_pooling(self) -> None:
         """A pooling model runs every step eagerly (whole prompts of any shape): CUDA-graph settings asked
         of one are refused by name rather than ignored."""
-        asked = self.compilation_config or self.cudagraph_capture_sizes or self.max_cudagraph_capture_size
+        asked = (self.compilation_config or self.cudagraph_capture_sizes or self.max_cudagraph_capture_size
+                 or self.cuda_graph_sizes)
         if asked and self.graph_plan().any:
             raise ValueError("compilation_config / cudagraph_capture_sizes / max_cudagraph_capture_size: a pooling "
                              "model runs its steps without CUDA graphs (whole prompts of any shape); leave them "
