@@ -129,6 +129,10 @@ class EngineConfig:
     max_model_len: int | None = _opt(
         "context length (prompt + output) per request",
         default_help=f"the model's max_position_embeddings; on CPU at most {CPU_DEFAULT_MAX_MODEL_LEN}")
+    skip_tokenizer_init: bool = _opt(
+        "run without a tokenizer (vLLM's): prompts are token ids, outputs token ids with empty text, and no "
+        "tokenizer file is read; text prompts, chat, stop strings, bad words and structured outputs are refused "
+        "by name (EOS ids from generation_config.json / config.json)", False)
     disable_sliding_window: bool = _opt(
         "serve a model with sliding-window layers (Mistral's, Gemma's, gpt-oss's...) with full attention, its "
         "context capped to the window, as vLLM's; a model without one is unchanged", False)
@@ -368,6 +372,11 @@ class EngineConfig:
         _positive_int("max_cpu_loras", self.max_cpu_loras, optional=True)
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras: {self.max_cpu_loras} is less than max_loras ({self.max_loras})")
+        if self.skip_tokenizer_init:
+            for name, value in (("tokenizer", self.tokenizer), ("reasoning_parser", self.reasoning_parser)):
+                if value is not None:
+                    raise ValueError(f"{name}: {value!r} needs the tokenizer, which skip_tokenizer_init leaves "
+                                     "unloaded")
         if parse_kv_events_config(self.kv_events_config).enable_kv_cache_events and not self.enable_prefix_caching:
             raise ValueError("kv_events_config.enable_kv_cache_events: the events are the prefix cache's; they need "
                              "enable_prefix_caching")

@@ -57,6 +57,8 @@ class RequestLimits:
     # The reasoning parser's name (None: no parser). A parser whose thinking does not end at one token
     # (gpt-oss's harmony, granite's text markers) cannot gate a grammar or force a budget's end.
     reasoning_parser: str | None = None
+    # False under skip_tokenizer_init (loader/no_tokenizer.py): what needs text is refused by name.
+    has_tokenizer: bool = True
 
     @property
     def max_prompt_len(self) -> int:

@@ -247,6 +247,7 @@ class AsyncLLM:
         self.config: EngineConfig = config
         log_level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
 
+        from ferrox.loader.no_tokenizer import NoTokenizer
         from ferrox.loader.source import resolve_model
         from ferrox.loader.tokenizer import load_tokenizer
 
@@ -263,8 +264,10 @@ class AsyncLLM:
             self.stat_loggers.append(LoggingStatLogger())
         self._finalizer = weakref.finalize(self, _shutdown, self.client, self._prompt_pool, list(self.stat_loggers))
         try:
-            # The tokenizer loads here while the core process loads the model.
-            self.tokenizer = load_tokenizer(source)
+            # The tokenizer loads here while the core process loads the model (none under
+            # skip_tokenizer_init: its stand-in refuses text; EOS ids and vocabulary come from the core).
+            self.tokenizer = (NoTokenizer(source.name, 0, []) if config.skip_tokenizer_init
+                              else load_tokenizer(source))
             # A model that takes images: its prompt rules (multimodal/processing.py), from config.json.
             self.image_prompts = _image_prompts(config, self.tokenizer)
             info = self.client.wait_ready()
@@ -286,6 +289,7 @@ class AsyncLLM:
             # The core checked at start-up that the tokenizer has the parser's tags as tokens.
             reasoning_end_token_id=reasoning.end_token_id if reasoning is not None else None,
             reasoning_parser=config.reasoning_parser,
+            has_tokenizer=not config.skip_tokenizer_init,
         )
         self.device: str = info.device
         # Runner "pooling" (an embedding model): requests come through encode(), generate() is refused.
@@ -297,7 +301,7 @@ class AsyncLLM:
         # The engine's latest stats: totals over its cores, each core's own under "engines".
         self.last_stats: dict[str, Any] = dict(info.stats)
         self.dead_callbacks: list[Any] = []
-        self.processor = OutputProcessor(self.tokenizer)
+        self.processor = OutputProcessor(None if config.skip_tokenizer_init else self.tokenizer)
         self._streams: dict[str, _Stream] = {}
         # Requests whose prompt is in the prompt threads (not yet in the core) -> aborted meanwhile.
         self._tokenizing: dict[str, bool] = {}

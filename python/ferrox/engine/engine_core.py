@@ -113,7 +113,7 @@ class EngineCore:
         self.pooler_config = loaded.pooler_config
         pooling = self.pooler_config is not None
         self.model_name = (config.served_names() or [loaded.source.name])[0]
-        self.tokenizer_json: str = self.tokenizer.to_json_str()
+        self.tokenizer_json: str | None = self.tokenizer.to_json_str()  # None: skip_tokenizer_init
         # --reasoning-parser: the engine needs its `</think>` to start a structured output's grammar there.
         try:
             # A model that takes images: the offline LLM expands its prompts' images with these rules.
@@ -387,12 +387,17 @@ class EngineCore:
             max_logprobs=self.config.max_logprobs,
             reasoning_end_token_id=self.reasoning.end_token_id if self.reasoning is not None else None,
             reasoning_parser=self.reasoning.name if self.reasoning is not None else None,
+            has_tokenizer=not self.config.skip_tokenizer_init,
         )
         validation.validate_request(prompt, params, limits, what=what)
 
     def encode_bad_words(self, params: SamplingParams) -> SamplingParams:
         """params with bad_words encoded by this engine's tokenizer (ferrox.bad_words; a 400-class error past
         their token bound); as given when there are none or they are encoded already."""
+        if self.config.skip_tokenizer_init:
+            from ferrox.engine import validation
+
+            validation.check_without_tokenizer(params)  # (bad_words refused by name, not by the encoder)
         return with_bad_words_token_ids(params, lambda text: self.tokenizer.encode(text, add_special_tokens=False),
                                         self.vocab_size)
 
@@ -637,6 +642,9 @@ class EngineCore:
         if self.structured is None:
             from ferrox.structured.manager import StructuredOutputManager
 
+            if self.tokenizer_json is None:  # (validation refuses such requests first)
+                raise InvalidArgumentError("structured_outputs: needs the tokenizer, which this engine runs without "
+                                           "(skip_tokenizer_init)", param="structured_outputs")
             self.structured = StructuredOutputManager(self.tokenizer_json, self.vocab_size, self.eos_token_ids)
         return self.structured
 

@@ -78,7 +78,7 @@ class LLM:
         self.engine = EngineCore(self.config)
         self.engine.generation_defaults = resolve_generation_defaults(
             generation_config, self.engine.generation_defaults, override_generation_config)
-        self.output_processor = OutputProcessor(self.engine.tokenizer)
+        self.output_processor = OutputProcessor(None if self.config.skip_tokenizer_init else self.engine.tokenizer)
         self._request_counter = itertools.count()
         # disable_log_stats=False: the periodic stats line and the metrics get_metrics() reads.
         self._stats: OfflineStats | None = None

@@ -30,6 +30,7 @@ __all__ = [
     "check_request_id",
     "check_sampling_params",
     "check_structured_outputs",
+    "check_without_tokenizer",
     "check_token_ids_in_vocab",
     "validate_request",
 ]
@@ -47,8 +48,20 @@ def validate_request(
     "request 'abc'"); `prompt_param` is the field the prompt came in as."""
     check_prompt(prompt_token_ids, limits, what=what, param=prompt_param)
     check_sampling_params(params, limits, num_prompt_tokens=len(prompt_token_ids))
+    if not limits.has_tokenizer:
+        check_without_tokenizer(params)
     if params.structured_outputs is not None:
         check_structured_outputs(params.structured_outputs)
+
+
+def check_without_tokenizer(params: SamplingParams) -> None:
+    """Under skip_tokenizer_init the engine has no text to match or constrain: the fields that need it are
+    refused by name (vLLM's engine would fail on them without a tokenizer)."""
+    for name, value in (("stop", params.stop), ("bad_words", params.bad_words),
+                        ("structured_outputs", params.structured_outputs)):
+        if value:
+            raise InvalidArgumentError(f"{name}: needs the tokenizer, which this engine runs without "
+                                       "(skip_tokenizer_init); use stop_token_ids for stops", param=name)
 
 
 def check_structured_outputs(constraint: StructuredOutputsParams, param: str = "structured_outputs") -> None:
