@@ -212,6 +212,15 @@ def _stream(base: str, path: str, body: dict) -> list[dict]:
     return [json.loads(line) for line in lines[:-1]]
 
 
+def _head_status(base: str, headers: dict[str, str]) -> int:
+    """The status of GET /health with these headers (a request head past the limits: 400)."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(base + "/health", headers=headers), timeout=30) as resp:
+            return resp.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
 def _server_load(base: str) -> int:
     with urllib.request.urlopen(base + "/load", timeout=30) as resp:  # open: no API key
         return json.loads(resp.read())["server_load"]
@@ -220,7 +229,7 @@ def _server_load(base: str) -> int:
 def test_serving_defaults_are_honoured_and_the_key_is_never_logged():
     """--response-role, --return-tokens-as-token-ids, --enable-prompt-tokens-details, --tool-call-parser,
     --stream-interval, --enable-force-include-usage, --enable-server-load-tracking, --disable-fastapi-docs,
-    --enable-tokenizer-info-endpoint, --exclude-tools-when-tool-choice-none, --log-error-stack and --num-gpu-blocks-override with vLLM's meaning, on a server that logs every request (and debug lines) yet
+    --enable-tokenizer-info-endpoint, --exclude-tools-when-tool-choice-none, --log-error-stack, the h11 limits and --num-gpu-blocks-override with vLLM's meaning, on a server that logs every request (and debug lines) yet
     never the API key."""
     srv = ServerProcess("--response-role", "bot", "--return-tokens-as-token-ids", "--enable-prompt-tokens-details",
                         "--stream-interval", "3",
@@ -230,7 +239,8 @@ def test_serving_defaults_are_honoured_and_the_key_is_never_logged():
                         "--enable-server-load-tracking", "--disable-fastapi-docs", "--enable-request-id-headers",
                         "--num-gpu-blocks-override", "400", "--disable-custom-all-reduce",
                         "--enable-tokenizer-info-endpoint", "--exclude-tools-when-tool-choice-none",
-                        "--log-error-stack", "--api-server-count", "1")
+                        "--log-error-stack", "--api-server-count", "1", "--h11-max-incomplete-event-size", "16KiB",
+                        "--h11-max-header-count", "40")
     try:
         base = srv.base_url
         # --disable-fastapi-docs: no /openapi.json; /load counts the model routes' requests in flight.
@@ -312,6 +322,11 @@ def test_serving_defaults_are_honoured_and_the_key_is_never_logged():
         assert status == 200, body
         _, body = _post(base, "/detokenize", {"tokens": body["tokens"]})
         assert body["prompt"] == "a|b|\n|c|", body
+        # --h11-max-incomplete-event-size 16KiB (a 12 KB header passes, where aiohttp's own limit is 8 KB; 20 KB does
+        # not) and --h11-max-header-count 40.
+        assert _head_status(base, {"X-Big": "a" * 12_000}) == 200
+        assert _head_status(base, {"X-Big": "a" * 20_000}) == 400
+        assert _head_status(base, {f"X-H{i}": "1" for i in range(45)}) == 400
         # --log-error-stack: a 400 is logged at info with the stack that raised it.
         status, body = _post(base, "/v1/completions", {"prompt": "x", "max_tokens": -1})
         assert status == 400, body

@@ -209,6 +209,11 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     server.add_argument("--api-key", default=os.environ.get("FERROX_API_KEY"),
                         help="require this key (Authorization: Bearer KEY or x-api-key) on API routes; "
                         "/health, /metrics and /version stay open (default: $FERROX_API_KEY)")
+    server.add_argument("--h11-max-incomplete-event-size", type=parse_size, default=4 << 20, metavar="BYTES",
+                        help="longest request head line (request line or header) the server reads, vLLM's h11 limit "
+                        "(aiohttp applies it to each line rather than their sum); longer gets HTTP 400")
+    server.add_argument("--h11-max-header-count", type=int, default=256,
+                        help="most headers a request may carry (vLLM's h11 limit); more gets HTTP 400")
     server.add_argument("--max-request-body-bytes", type=parse_size, default=32 << 20,
                         help="larger request bodies get HTTP 413 (accepts units: 1MiB)")
     server.add_argument("--root-path", default="",
@@ -443,6 +448,8 @@ def serve(args: argparse.Namespace) -> int:
             enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
             exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
             log_error_stack=args.log_error_stack,
+            h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+            h11_max_header_count=args.h11_max_header_count,
             lora_allowed_dirs=tuple(os.path.realpath(d) for d in args.lora_allowed_dirs))
         # What can fail without the model fails before it loads: the port (taken?), the TLS files,
         # the generation config folder.

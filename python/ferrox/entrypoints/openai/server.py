@@ -706,7 +706,10 @@ async def serve(engine: AsyncLLM, *, host: str, port: int, served_model_name: st
             logger.error("--lora-modules %s=%s: %s", module.name, module.path, getattr(exc, "message", exc))
             engine.shutdown("--lora-modules: an adapter could not be loaded")
             return 1
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    head = app[OPTIONS]  # (a request head past these limits gets aiohttp's 400)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
+                           max_line_size=head.h11_max_incomplete_event_size,
+                           max_field_size=head.h11_max_incomplete_event_size, max_headers=head.h11_max_header_count)
     await runner.setup()
     site = web.SockSite(runner, sock or bind_socket(host, port), ssl_context=ssl_context)
     await site.start()

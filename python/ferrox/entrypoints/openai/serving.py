@@ -105,6 +105,10 @@ class ServerOptions:
     exclude_tools_when_tool_choice_none: bool = False
     # vLLM's --log-error-stack: 4xx error responses are logged at info with the stack that raised them.
     log_error_stack: bool = False
+    # vLLM's --h11-max-incomplete-event-size / --h11-max-header-count (its defaults): the request head's limits.
+    # aiohttp bounds each line of the head (request line, every header) by the size rather than their sum.
+    h11_max_incomplete_event_size: int = 4 << 20
+    h11_max_header_count: int = 256
 
 
 class ServingContext:
