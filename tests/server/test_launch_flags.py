@@ -346,6 +346,28 @@ def test_serving_defaults_are_honoured_and_the_key_is_never_logged():
     assert len(outputs) == 2 and all(len(ids.split(",")) == 14 for ids in outputs), outputs
 
 
+def test_log_config_file_formats_the_server_and_its_core(tmp_path):
+    """--log-config-file (vLLM's; a dictConfig JSON object): the API server's lines and the engine core's
+    (another process) come out in its format; a file that is not JSON stops the start, naming the flag."""
+    config = {"version": 1, "disable_existing_loggers": False,
+              "formatters": {"tagged": {"format": "CUSTOMFMT %(levelname)s %(name)s | %(message)s"}},
+              "handlers": {"err": {"class": "logging.StreamHandler", "formatter": "tagged", "stream": "ext://sys.stderr"}},
+              "root": {"level": "INFO", "handlers": ["err"]}}
+    path = tmp_path / "logging.json"
+    path.write_text(json.dumps(config))
+    srv = ServerProcess("--log-config-file", str(path), "--max-model-len", "512", "--kv-cache-memory", "64MiB")
+    try:
+        status, _ = _post(srv.base_url, "/v1/completions", {"prompt": "x", "max_tokens": 1})
+        assert status == 200
+    finally:
+        assert srv.stop() == 0
+    assert any(ln.startswith("CUSTOMFMT INFO ferrox.engine.engine_core | engine ready") for ln in srv.log), srv.log[-20:]
+    assert any(ln.startswith("CUSTOMFMT INFO ferrox.serve | ready: model") for ln in srv.log), srv.log[-20:]
+    (tmp_path / "bad.json").write_text("{not json")
+    res = run("serve", "--log-config-file", str(tmp_path / "bad.json"))
+    assert res.returncode == 1 and "--log-config-file: logging config" in res.stderr and "not JSON" in res.stderr
+
+
 def test_log_outputs_need_the_request_log():
     res = run("serve", "--enable-log-outputs")
     assert res.returncode == 1 and "--enable-log-outputs needs --enable-log-requests" in res.stderr

@@ -30,6 +30,7 @@ import msgspec
 from ferrox.engine.defaults import GENERATION_DEFAULT_KEYS
 from ferrox.engine.protocol import EngineCoreRequest
 from ferrox.gc_tuning import freeze_startup_heap
+from ferrox.logging_config import configure_logging
 from ferrox.pooling.params import PoolerConfig
 from ferrox.step_types import StepResult, StepRow
 
@@ -332,7 +333,7 @@ def run_engine_core(
     if cpus:
         os.sched_setaffinity(0, cpus)
     tag = "core" if engine_index is None else f"core {engine_index}"
-    logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s [{tag}] %(name)s: %(message)s")
+    configure_logging(log_level, f"%(asctime)s %(levelname)s [{tag}] %(name)s: %(message)s")
 
     ctx = zmq.Context()
     handshake = ctx.socket(zmq.PUSH)

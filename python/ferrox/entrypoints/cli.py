@@ -26,6 +26,7 @@ from typing import Any
 import ferrox
 from ferrox.config import EngineConfig  # imports no torch: the API server process stays torch-free
 from ferrox.engine.defaults import resolve_generation_defaults
+from ferrox.logging_config import CONFIG_PATH_ENV, configure_logging
 
 logger = logging.getLogger("ferrox.serve")
 
@@ -267,6 +268,10 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     logs.add_argument("--enable-log-outputs", action="store_true",
                       help="with --enable-log-requests, also log each finished choice's text, token ids and finish "
                       "reason (a stream's whole answer, once)")
+    logs.add_argument("--log-config-file", metavar="FILE.json",
+                      help="a JSON object for logging.config.dictConfig (vLLM's flag; also $VLLM_LOGGING_CONFIG_PATH), "
+                      "applied in the API server and every engine core; then --log-level does not apply "
+                      "(default: ferrox's line format at --log-level)")
     logs.add_argument("--log-error-stack", action="store_true",
                       help="log every error response with the stack trace that raised it (4xx at info; 5xx are "
                       "always logged with theirs)")
@@ -606,9 +611,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.command is None:
         parser.print_help()
         sys.exit(2)
-    logging.basicConfig(
-        level=_LOG_LEVELS[args.log_level], format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    if args.log_config_file:  # (the engine cores inherit the variable: ferrox/logging_config.py)
+        os.environ[CONFIG_PATH_ENV] = args.log_config_file
+    try:
+        configure_logging(_LOG_LEVELS[args.log_level], "%(asctime)s %(levelname)s %(name)s: %(message)s")
+    except ValueError as exc:
+        source = "--log-config-file" if args.log_config_file else CONFIG_PATH_ENV
+        print(f"ferrox serve: error: {source}: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
     sys.exit(serve(args))
 
 
