@@ -184,6 +184,9 @@ class EngineConfig:
         "split long prompts across steps, beside running decodes; off, each prompt is computed in one step, so "
         "the step's token budget (max_num_batched_tokens) must hold the longest (it defaults to max_model_len then)",
         True)
+    disable_chunked_mm_input: bool = _opt(
+        "vLLM's: an image's (or video's) tokens are never split across prefill steps -- ferrox's only behaviour "
+        "(each is computed whole in one step), so the flag is always in effect", False)
     long_prefill_token_threshold: int = _opt(
         "at most this many of one request's prompt tokens per step (vLLM's; 0: off): a long prompt then shares "
         "steps with shorter ones instead of filling them (an image computed whole is not cut)", 0)
