@@ -4,11 +4,8 @@ HTTP, and everything that needs text is refused by name."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import urllib.error
-import urllib.request
 
 import pytest
 from ferrox import LLM, SamplingParams
@@ -17,7 +14,7 @@ from ferrox.errors import InvalidArgumentError
 from ferrox.structured.params import StructuredOutputsParams
 
 from tests.helpers.tiny_models import make_tiny_llama
-from tests.server.server_proc import ServerProcess
+from tests.server.server_proc import ServerProcess, post_json
 
 PROMPT = [5, 9, 11, 40, 77]
 
@@ -66,28 +63,19 @@ def test_token_ids_in_and_out_as_with_the_tokenizer(folders):
         EngineConfig(model=bare, skip_tokenizer_init=True, tokenizer=folder)
 
 
-def _post(base: str, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
 def test_server_takes_token_ids_and_refuses_text(folders):
     _, bare = folders
     srv = ServerProcess(bare, "--served-model-name", "m", "--skip-tokenizer-init")
     try:
-        status, body = _post(srv.base_url, "/v1/completions", {
+        status, body = post_json(srv.base_url, path="/v1/completions", body={
             "model": "m", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 0,
             "return_tokens_as_token_ids": True})
         assert status == 200, body
         choice = body["choices"][0]
         assert choice["text"] == "" and len(choice["logprobs"]["tokens"]) == 4, choice
-        status, body = _post(srv.base_url, "/v1/completions", {"model": "m", "prompt": "hello", "max_tokens": 2})
+        status, body = post_json(srv.base_url, path="/v1/completions", body={"model": "m", "prompt": "hello", "max_tokens": 2})
         assert status == 400 and body["error"]["param"] == "prompt" and "skip_tokenizer_init" in body["error"]["message"]
-        status, body = _post(srv.base_url, "/v1/chat/completions", {
+        status, body = post_json(srv.base_url, path="/v1/chat/completions", body={
             "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert status == 400 and "skip_tokenizer_init" in body["error"]["message"], body
     finally:
