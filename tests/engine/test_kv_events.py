@@ -105,3 +105,18 @@ def test_engine_publishes_stored_blocks_clears_and_replays(tmp_path):
     finally:
         sub.close(linger=0)
         llm.engine.shutdown()
+
+
+def test_an_endpoint_in_use_is_named(tmp_path):
+    """A second publisher on a taken endpoint stops with the setting's name, not a bare ZeroMQ error."""
+    from ferrox.engine.kv_events import ZmqEventPublisher
+    from ferrox.kv_events_config import KVEventsConfig
+
+    port = zmq.Context.instance().socket(zmq.PUB)
+    try:
+        taken = port.bind_to_random_port("tcp://*")
+        config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{taken}")
+        with pytest.raises(ValueError, match=f"kv_events_config.endpoint: tcp://\\*:{taken}"):
+            ZmqEventPublisher(config)
+    finally:
+        port.close(linger=0)

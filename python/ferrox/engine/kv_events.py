@@ -90,16 +90,24 @@ class ZmqEventPublisher:
         self._pub.set_hwm(config.hwm)
         endpoint = offset_endpoint(config.endpoint, rank)
         assert endpoint is not None
-        # A wildcard host or a local transport binds; an address of a collector elsewhere connects.
-        if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
-            self._pub.bind(endpoint)
-        else:
-            self._pub.connect(endpoint)
         self._replay = None
         replay = offset_endpoint(config.replay_endpoint, rank)
-        if replay is not None:
-            self._replay = self._ctx.socket(zmq.ROUTER)
-            self._replay.bind(replay)
+        try:
+            # A wildcard host or a local transport binds; an address of a collector elsewhere connects.
+            if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+                self._pub.bind(endpoint)
+            else:
+                self._pub.connect(endpoint)
+            if replay is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.bind(replay)
+        except zmq.ZMQError as exc:  # a port in use, a bad address: say which setting
+            self._pub.close(linger=0)
+            if self._replay is not None:
+                self._replay.close(linger=0)
+            key = "replay_endpoint" if self._replay is not None else "endpoint"
+            raise ValueError(f"kv_events_config.{key}: {replay if self._replay is not None else endpoint}: "
+                             f"{exc}") from None
         self.endpoint = endpoint
         self._topic = config.topic.encode()
         self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(maxsize=config.max_queue_size)
