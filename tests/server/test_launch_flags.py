@@ -322,6 +322,10 @@ def test_serving_defaults_are_honoured_and_the_key_is_never_logged():
         assert status == 200, body
         _, body = _post(base, "/detokenize", {"tokens": body["tokens"]})
         assert body["prompt"] == "a|b|\n|c|", body
+        # A beam search is logged once, its beams as its choices (not every one-token step of the search).
+        status, body = _post(base, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 5, "n": 2,
+                                                       "temperature": 0, "use_beam_search": True, "ignore_eos": True})
+        assert status == 200, body
         # --h11-max-incomplete-event-size 16KiB (a 12 KB header passes, where aiohttp's own limit is 8 KB; 20 KB does
         # not) and --h11-max-header-count 40.
         assert _head_status(base, {"X-Big": "a" * 12_000}) == 200
@@ -344,6 +348,9 @@ def test_serving_defaults_are_honoured_and_the_key_is_never_logged():
     # --enable-log-outputs: each streamed 14-token completion's whole answer once, in one line.
     outputs = re.findall(r"response \S+: choice 0, finish_reason length, 14 tokens: .*; output_token_ids: \[(.*)\]", log)
     assert len(outputs) == 2 and all(len(ids.split(",")) == 14 for ids in outputs), outputs
+    beams = re.findall(r"response (\S+): choice (\d), finish_reason length, 5 tokens", log)
+    assert len(beams) == 2 and {c for _, c in beams} == {"0", "1"} and beams[0][0] == beams[1][0], beams
+    assert not re.search(r"response cmpl-[0-9a-f]+-\d+-\d+: ", log)  # no line of a beam's step (id-step-beam)
 
 
 def test_log_config_file_formats_the_server_and_its_core(tmp_path):

@@ -259,6 +259,7 @@ class AsyncLLM:
         # Whoever reads the measurements: the periodic log line here; the server adds Prometheus.
         # vLLM's --enable-log-outputs (engine/output_log.py): set by `ferrox serve`; None logs nothing.
         self.output_log: OutputLog | None = None
+        self._unlogged: set[str] = set()  # request ids whose outputs it does not log (beam search's steps)
         self.stat_loggers: list[StatLogger] = []
         if not config.disable_log_stats:
             self.stat_loggers.append(LoggingStatLogger())
@@ -506,12 +507,16 @@ class AsyncLLM:
 
         async def one(ids: list[int], rid: str) -> RequestOutput:
             final: RequestOutput | None = None
-            async with contextlib.aclosing(self.generate({"prompt_token_ids": ids}, step_params, rid, priority=priority,
-                                                         arrival_time=arrival, cache_salt=cache_salt,
-                                                         lora_request=lora_request,
-                                                         prompt_cache_key=prompt_cache_key)) as gen:
-                async for out in gen:
-                    final = out
+            self._unlogged.add(rid)  # (a beam's one-token step: the search's result is what --enable-log-outputs logs)
+            try:
+                async with contextlib.aclosing(self.generate({"prompt_token_ids": ids}, step_params, rid,
+                                                             priority=priority, arrival_time=arrival,
+                                                             cache_salt=cache_salt, lora_request=lora_request,
+                                                             prompt_cache_key=prompt_cache_key)) as gen:
+                    async for out in gen:
+                        final = out
+            finally:
+                self._unlogged.discard(rid)
             assert final is not None
             if final.error is not None or final.outputs[0].finish_reason == "abort":
                 raise RequestError(final.error or f"request {request_id!r}: a beam step was aborted")
@@ -523,8 +528,11 @@ class AsyncLLM:
                 tasks = [group.create_task(one(ids, f"{request_id}-{search.steps}-{i}"))
                          for i, ids in enumerate(search.step_prompts())]
             search.advance([step_logprobs(t.result()) for t in tasks])
-        yield search.request_output(request_id, prompt_text,
-                                    lambda ids, skip: self.tokenizer.decode(list(ids), skip_special_tokens=skip))
+        result = search.request_output(request_id, prompt_text,
+                                       lambda ids, skip: self.tokenizer.decode(list(ids), skip_special_tokens=skip))
+        if self.output_log is not None:
+            self.output_log.observe(result, delta=False)
+        yield result
 
     async def encode(
         self,
@@ -598,7 +606,8 @@ class AsyncLLM:
                     if out.error is not None and (isinstance(out, PoolingRequestOutput)
                                                   or not any(c.token_ids for c in out.outputs)):
                         raise RequestError(out.error)
-                    if self.output_log is not None and isinstance(out, RequestOutput):
+                    if (self.output_log is not None and isinstance(out, RequestOutput)
+                            and stream.request_id not in self._unlogged):
                         self.output_log.observe(out, delta=stream.kind == RequestOutputKind.DELTA)
                     yield out
                     if out.finished:
