@@ -118,6 +118,8 @@ def _non_default(name: str) -> list[tuple[list[str], Any]]:
         return [([flag, '{"cudagraph_mode": "FULL_DECODE_ONLY"}'], {"cudagraph_mode": "FULL_DECODE_ONLY"})]
     if name == "optimization_level":  # 0-3
         return [([flag, "1"], 1), (["-O0"], 0)]
+    if name == "allowed_media_domains":  # host names, several (vLLM's nargs)
+        return [([flag, "a.example", "b.example"], ["a.example", "b.example"])]
     if name == "kv_events_config":
         return [([flag, '{"topic": "kv"}'], {"topic": "kv"})]
     if name == "structured_outputs_config":

@@ -144,6 +144,9 @@ class EngineConfig:
     allowed_local_media_path: str | None = _opt(
         "a folder whose images requests may name by file:// URL or path (vLLM's; resolved, so a link or '..' "
         "out of it is refused)", default_help="none: local files are refused")
+    allowed_media_domains: list[str] | None = _opt(
+        "the only hosts http(s) images and videos may be fetched from (vLLM's; exact host names), redirects then "
+        "not followed", nargs="+", default_help="any host")
     limit_mm_per_prompt: dict[str, int] | None = _opt(
         "most images and videos one prompt may carry, as vLLM's JSON object {\"image\": N, \"video\": M} "
         "(other modalities only as 0)",

@@ -18,6 +18,7 @@ from aiohttp import web
 from ferrox.errors import InvalidArgumentError
 from ferrox.multimodal.media import (
     MediaError,
+    allow_media_domains,
     decode_image,
     fetch_image,
     image_fetch_timeout,
@@ -189,13 +190,18 @@ async def _missing(_: web.Request) -> web.Response:
     return web.Response(status=404, text="no such image")
 
 
+async def _redirect(_: web.Request) -> web.Response:
+    raise web.HTTPFound("/cat.png")
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
     """An aiohttp server on 127.0.0.1 (a random port) in a thread of its own, so both the synchronous
     load_image and an asyncio.run(fetch_image(...)) in the test's thread can reach it."""
     app = web.Application()
     app.add_routes([web.get("/cat.png", _png), web.get("/big", _big), web.get("/big-chunked", _big_chunked),
-                    web.get("/slow", _slow), web.get("/missing", _missing)])
+                    web.get("/slow", _slow), web.get("/missing", _missing),
+                    web.get("/redirect", _redirect)])
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(app, shutdown_timeout=0.1)
     loop.run_until_complete(runner.setup())
@@ -263,6 +269,25 @@ def test_http_errors(server: str):
         load_image(unused)
     with pytest.raises(MediaError, match="fetching .* failed"):
         asyncio.run(fetch_image(unused))
+
+
+def test_allowed_media_domains(server: str):
+    """vLLM's --allowed-media-domains: only the listed hosts, and no redirects then (a listed host could hand
+    the fetch anywhere); without a list a redirect is followed."""
+    assert all(got.size == (8, 5) for got in _both(f"{server}/redirect"))
+    try:
+        allow_media_domains(["127.0.0.1"])
+        assert all(got.size == (8, 5) for got in _both(f"{server}/cat.png"))
+        with pytest.raises(MediaError, match="redirect .* not followed under --allowed-media-domains"):
+            load_image(f"{server}/redirect")
+        with pytest.raises(MediaError, match="redirect .* not followed under --allowed-media-domains"):
+            asyncio.run(fetch_image(f"{server}/redirect"))
+        allow_media_domains(["images.example.com"])
+        for fetch in (load_image, lambda url: asyncio.run(fetch_image(url))):
+            with pytest.raises(MediaError, match="host '127.0.0.1' is not in --allowed-media-domains"):
+                fetch(f"{server}/cat.png")
+    finally:
+        allow_media_domains(None)
 
 
 def _free_port() -> int:

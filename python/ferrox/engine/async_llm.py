@@ -254,6 +254,9 @@ class AsyncLLM:
         # Fail fast on a bad path before spawning anything.
         source = (resolve_model(config.tokenizer) if config.tokenizer is not None
                   else resolve_model(config.model, config.revision))
+        from ferrox.multimodal.media import allow_media_domains
+
+        allow_media_domains(config.allowed_media_domains)  # (the images and videos this process fetches)
         self._prompt_pool = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="ferrox-prompt")
         self.client = DPCoreClient(config, log_level=str(log_level))
         # Whoever reads the measurements: the periodic log line here; the server adds Prometheus.

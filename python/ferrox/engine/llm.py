@@ -75,6 +75,9 @@ class LLM:
                 "one engine core in this process); use `ferrox serve --data-parallel-size N` or "
                 "AsyncLLM(data_parallel_size=N), or one LLM per GPU in separate processes (CUDA_VISIBLE_DEVICES)",
                 param="data_parallel_size")
+        from ferrox.multimodal.media import allow_media_domains
+
+        allow_media_domains(self.config.allowed_media_domains)  # (the images this process fetches)
         self.engine = EngineCore(self.config)
         self.engine.generation_defaults = resolve_generation_defaults(
             generation_config, self.engine.generation_defaults, override_generation_config)

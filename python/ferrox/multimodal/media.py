@@ -45,6 +45,32 @@ class MediaError(InvalidArgumentError):
     wrong, and the caller prefixes the request field (`messages[0].content[1].image_url.url`)."""
 
 
+# vLLM's --allowed-media-domains: the only hosts http(s) media may come from (None: any). Set once per
+# process from the engine config (`allow_media_domains`); redirects are then not followed, so a listed
+# host cannot hand the fetch to another.
+_allowed_domains: frozenset[str] | None = None
+
+
+def allow_media_domains(domains: list[str] | None) -> None:
+    global _allowed_domains
+    _allowed_domains = None if domains is None else frozenset(d.lower() for d in domains)
+
+
+def _check_domain(url: str) -> None:
+    if _allowed_domains is None:
+        return
+    host = (urllib.parse.urlsplit(url).hostname or "").lower()
+    if host not in _allowed_domains:
+        raise MediaError(f"{url}: the host {host!r} is not in --allowed-media-domains "
+                         f"({', '.join(sorted(_allowed_domains))})")
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+        raise MediaError(f"fetching {req.full_url} answered a redirect ({code} to {newurl}), which is not followed "
+                         "under --allowed-media-domains")
+
+
 def image_fetch_timeout() -> float:
     """Seconds an http(s) image fetch may take: $VLLM_IMAGE_FETCH_TIMEOUT, else 5 (vLLM's default)."""
     return fetch_timeout(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
@@ -189,10 +215,12 @@ def _read_local(path: str, allowed_local_media_path: str | None) -> bytes:
 def _download(url: str, timeout: float, max_bytes: int, what: str = "image", env: str = TIMEOUT_ENV) -> bytes:
     """The body at `url`, read in chunks against one deadline (urllib's timeout is per socket read,
     so a server dripping bytes would otherwise hold the caller far past it)."""
+    _check_domain(url)
     deadline = time.monotonic() + timeout
     request = urllib.request.Request(url, headers={"User-Agent": "ferrox"})
+    opener = urllib.request.build_opener(_NoRedirect) if _allowed_domains is not None else urllib.request.build_opener()
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        with opener.open(request, timeout=timeout) as response:
             _check_length(url, response.headers.get("Content-Length"), max_bytes, what)
             body = bytearray()
             while chunk := response.read(_CHUNK):
@@ -214,9 +242,15 @@ async def _download_async(url: str, timeout: float, max_bytes: int, what: str = 
                           env: str = TIMEOUT_ENV) -> bytes:
     import aiohttp  # the server's dependency; the offline API never needs it
 
+    _check_domain(url)
+    follow = _allowed_domains is None
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout), trust_env=True) as session:
-            async with session.get(url, headers={"User-Agent": "ferrox"}) as response:
+            async with session.get(url, headers={"User-Agent": "ferrox"}, allow_redirects=follow) as response:
+                if not follow and 300 <= response.status < 400:
+                    raise MediaError(f"fetching {url} answered a redirect ({response.status} to "
+                                     f"{response.headers.get('Location')}), which is not followed under "
+                                     "--allowed-media-domains")
                 if response.status >= 400:
                     raise MediaError(f"fetching {url} failed: HTTP {response.status} {response.reason}")
                 _check_length(url, response.headers.get("Content-Length"), max_bytes, what)
