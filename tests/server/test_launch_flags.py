@@ -375,6 +375,44 @@ def test_log_config_file_formats_the_server_and_its_core(tmp_path):
     assert res.returncode == 1 and "--log-config-file: logging config" in res.stderr and "not JSON" in res.stderr
 
 
+PLUGIN = """
+import json
+
+from ferrox.entrypoints.openai.tool_parsers import ExtractedToolCalls, ToolCall, register_tool_parser
+from ferrox.entrypoints.openai.tool_parsers.hermes import HermesToolParser
+
+
+@register_tool_parser("every_reply_a_call")
+class EveryReplyACall(HermesToolParser):
+    \"\"\"A test parser: whatever the model says is a call of get_weather with the text as its city.\"\"\"
+
+    def extract(self, text):
+        return ExtractedToolCalls(None, [ToolCall(name="get_weather", arguments=json.dumps({"city": text}))])
+"""
+
+
+def test_tool_parser_plugin_registers_a_parser_the_server_uses(tmp_path):
+    """--tool-parser-plugin (vLLM's): the file's register_tool_parser names a parser --tool-call-parser then takes;
+    the chat route reads replies with it. A file that fails to load stops the start naming the flag and file."""
+    plugin = tmp_path / "my_parser.py"
+    plugin.write_text(PLUGIN)
+    srv = ServerProcess("--tool-parser-plugin", str(plugin), "--tool-call-parser", "every_reply_a_call",
+                        "--max-model-len", "512", "--kv-cache-memory", "64MiB")
+    try:
+        status, body = _post(srv.base_url, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER_TOOL],
+            "tool_choice": "auto", "max_tokens": 4, "temperature": 0})
+        assert status == 200, body
+        calls = body["choices"][0]["message"]["tool_calls"]
+        assert [c["function"]["name"] for c in calls] == ["get_weather"], body
+    finally:
+        assert srv.stop() == 0
+    broken = tmp_path / "broken.py"
+    broken.write_text("import vllm.entrypoints.openai.tool_parsers\n")
+    res = run("serve", "--tool-parser-plugin", str(broken), "--tool-call-parser", "x")
+    assert res.returncode == 2 and f"--tool-parser-plugin {broken}: loading it failed" in res.stderr, res.stderr
+
+
 def test_log_outputs_need_the_request_log():
     res = run("serve", "--enable-log-outputs")
     assert res.returncode == 1 and "--enable-log-outputs needs --enable-log-requests" in res.stderr

@@ -26,6 +26,7 @@ from typing import Any
 import ferrox
 from ferrox.config import EngineConfig  # imports no torch: the API server process stays torch-free
 from ferrox.engine.defaults import resolve_generation_defaults
+from ferrox.entrypoints.openai.tool_parsers.plugin import load_tool_parser_plugin, plugin_path
 from ferrox.logging_config import CONFIG_PATH_ENV, configure_logging
 
 logger = logging.getLogger("ferrox.serve")
@@ -307,6 +308,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                      help="how tool calls are read from the model's text (default: from the chat template: "
                      "mistral for templates writing [TOOL_CALLS], qwen3_coder for <function=...><parameter=...>, "
                      "llama3_json for Llama 3 templates, else hermes)")
+    api.add_argument("--tool-parser-plugin", metavar="FILE.py",
+                     help="a Python file run at start-up that registers tool parsers (ferrox's ToolParser with "
+                     "register_tool_parser(NAME)), which --tool-call-parser NAME then takes (default: none)")
     api.add_argument("--generation-config", default="auto",
                      help="sampling defaults: 'auto' (the model's generation_config.json), 'vllm' (none: "
                      "temperature 1.0...), or a folder holding a generation_config.json")
@@ -599,12 +603,16 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser, serve_parser = build_parsers()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         argv = expand_dotted_json_args(expand_config_file(argv))
+        # A --tool-parser-plugin registers its parsers before the parser lists --tool-call-parser's choices.
+        plugin = plugin_path(argv)
+        if plugin is not None:
+            load_tool_parser_plugin(plugin)
     except (ValueError, argparse.ArgumentTypeError) as exc:
-        parser.error(str(exc))
+        build_parsers()[0].error(str(exc))
+    parser, serve_parser = build_parsers()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         _refuse_unknown(serve_parser if args.command == "serve" else parser, unknown)

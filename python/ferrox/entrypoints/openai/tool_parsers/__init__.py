@@ -7,7 +7,12 @@ from ferrox.entrypoints.openai.tool_parsers.base import (
     ToolCall,
     ToolParser,
 )
-from ferrox.entrypoints.openai.tool_parsers.registry import TOOL_PARSERS, default_tool_parser, get_tool_parser
+from ferrox.entrypoints.openai.tool_parsers.registry import (
+    TOOL_PARSERS,
+    default_tool_parser,
+    get_tool_parser,
+    register_tool_parser,
+)
 
 __all__ = [
     "DeltaMessage",
@@ -18,4 +23,5 @@ __all__ = [
     "TOOL_PARSERS",
     "default_tool_parser",
     "get_tool_parser",
+    "register_tool_parser",
 ]

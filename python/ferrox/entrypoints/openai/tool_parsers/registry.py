@@ -42,6 +42,22 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 }
 
 
+def register_tool_parser(*names: str):  # type: ignore[no-untyped-def]
+    """Class decorator of a --tool-parser-plugin file (tool_parsers/plugin.py): the ToolParser subclass becomes
+    --tool-call-parser NAME for each name (a built-in name is replaced, as vLLM's plugins may)."""
+    if not names:
+        raise ValueError("register_tool_parser: give the parser at least one name")
+
+    def register(cls: type[ToolParser]) -> type[ToolParser]:
+        if not (isinstance(cls, type) and issubclass(cls, ToolParser)):
+            raise TypeError(f"register_tool_parser: {cls!r} is not a ToolParser subclass")
+        for name in names:
+            TOOL_PARSERS[name] = cls
+        return cls
+
+    return register
+
+
 def get_tool_parser(name: str) -> type[ToolParser]:
     parser = TOOL_PARSERS.get(name)
     if parser is None:
