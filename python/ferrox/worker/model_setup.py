@@ -126,14 +126,15 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
     _show_progress_logs()
     source = resolve_model(config.model, config.revision)
     logger.info("model %s: %s (%s)", source.name, source.path, source.format)
-    overrides = _overrides_key(config.hf_overrides)
-    spec = _cached_spec(source, _mtime(source.path), overrides)
-    if config.skip_tokenizer_init:  # token ids in and out (loader/no_tokenizer.py)
-        tokenizer: Any = no_tokenizer_for(source.name, spec.hf_config, spec.vocab_size)
-    else:
+    tokenizer: Any = None
+    if not config.skip_tokenizer_init:  # (first: a snapshot missing its tokenizer is named before its config)
         tok_source = resolve_model(config.tokenizer) if config.tokenizer is not None else source
         logger.info("loading the tokenizer from %s", tok_source.path)
         tokenizer = _cached_tokenizer(tok_source, _mtime(tok_source.path))
+    overrides = _overrides_key(config.hf_overrides)
+    spec = _cached_spec(source, _mtime(source.path), overrides)
+    if config.skip_tokenizer_init:  # token ids in and out (loader/no_tokenizer.py)
+        tokenizer = no_tokenizer_for(source.name, spec.hf_config, spec.vocab_size)
     dtype = resolve_dtype(config, spec, device)
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)  # fp8: half the bytes of bf16
     pooler_config = pooling_setup(config, source, spec, tp.size)  # None: a generation model
