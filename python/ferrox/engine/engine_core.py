@@ -779,14 +779,14 @@ class EngineCore:
         assert self.kv_events is not None
         events = self.scheduler.take_kv_events()
         if events:
-            names = {i: n for i, n in zip(*self._lora_names(), strict=True)}
-            self.kv_events.publish(to_batch(events, self.block_size, names, self._kv_events_rank))
+            self.kv_events.publish(to_batch(events, self.block_size, self._lora_names(), self._kv_events_rank))
 
-    def _lora_names(self) -> tuple[list[int], list[str]]:
+    def _lora_names(self) -> dict[int, str]:
+        """The loaded adapters' names by id (a stored block's lora_name)."""
         if self.loras is None:
-            return [], []
+            return {}
         ids = self.loras.list_ids()
-        return ids, self.loras.names(ids)
+        return dict(zip(ids, self.loras.names(ids), strict=True))
 
     def start_profile(self) -> None:
         """The torch profiler over this process's steps (engine/profiler.py; VLLM_TORCH_PROFILER_DIR)."""
