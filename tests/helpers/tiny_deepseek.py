@@ -53,3 +53,17 @@ def make_tiny_deepseek(folder, *, version: int = 3, q_lora_rank: int | None = 48
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, 0.2)
     return _save(str(folder), model, tok, max_shard_size=None, generation=None)
+
+
+def load_on_triton_kernels(folder: str, model_cls: Any, device: Any) -> Any:
+    """A tiny DeepSeek folder as a float32 model built with kernels="triton" (the MLA kernels, Triton norms,
+    rotary and fused MoE), weights loaded and finalized: what the kernel tests drive with tests.helpers.driver."""
+    import torch
+    from ferrox.loader.model_loader import load_model_spec
+    from ferrox.loader.source import resolve_model
+    from ferrox.loader.weights import iter_safetensors
+
+    model = model_cls(load_model_spec(resolve_model(folder)), torch.float32, device, kernels="triton")
+    model.load_weights(iter_safetensors(folder))
+    model.finalize_weights()
+    return model.eval()

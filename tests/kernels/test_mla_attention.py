@@ -199,23 +199,17 @@ def test_tiny_deepseek_on_triton_kernels_matches_transformers(kernel_device, tmp
     Triton norms, rotary and fused MoE) in the path; greedy tokens equal transformers', with a prompt
     prefilled in chunks over its cached context."""
     import transformers
-    from ferrox.loader.model_loader import load_model_spec
     from ferrox.loader.source import resolve_model
     from ferrox.loader.tokenizer import load_tokenizer
-    from ferrox.loader.weights import iter_safetensors
     from ferrox.models.deepseek_v2 import DeepseekV3ForCausalLM
 
     from tests.helpers.driver import run_greedy
-    from tests.helpers.tiny_deepseek import make_tiny_deepseek
+    from tests.helpers.tiny_deepseek import load_on_triton_kernels, make_tiny_deepseek
     from tests.models.conftest import cut_at_eos, hf_greedy
 
     folder = make_tiny_deepseek(tmp_path / "v3", version=3, n_group=2, topk_group=1, routed_scaling_factor=2.5,
                                 seed=5, num_layers=2)
-    spec = load_model_spec(resolve_model(folder))
-    model = DeepseekV3ForCausalLM(spec, torch.float32, kernel_device, kernels="triton")
-    model.load_weights(iter_safetensors(folder))
-    model.finalize_weights()
-    model.eval()
+    model = load_on_triton_kernels(folder, DeepseekV3ForCausalLM, kernel_device)
     assert isinstance(model.backend, MlaTritonBackend) and model.supports_cuda_graphs
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     prompts = [[5, 17, 33, 2, 9], list(range(3, 40))]

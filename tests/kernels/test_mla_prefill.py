@@ -114,14 +114,12 @@ def test_tiny_deepseek_with_the_expanded_path_matches_transformers(kernel_device
     a float64 softmax: 16-token chunks take it (the first fresh, the next after 16 and 32 cached positions,
     cut into 8-position slices), decodes stay absorbed; greedy tokens equal transformers'."""
     import transformers
-    from ferrox.loader.model_loader import load_model_spec
     from ferrox.loader.source import resolve_model
     from ferrox.loader.tokenizer import load_tokenizer
-    from ferrox.loader.weights import iter_safetensors
     from ferrox.models.deepseek_v2 import DeepseekV2ForCausalLM
 
     from tests.helpers.driver import run_greedy
-    from tests.helpers.tiny_deepseek import make_tiny_deepseek
+    from tests.helpers.tiny_deepseek import load_on_triton_kernels, make_tiny_deepseek
     from tests.models.conftest import cut_at_eos, hf_greedy
 
     calls: list[int] = []
@@ -136,11 +134,7 @@ def test_tiny_deepseek_with_the_expanded_path_matches_transformers(kernel_device
     monkeypatch.setattr(mla_prefill, "expanded_supported", lambda *args: True)
     folder = make_tiny_deepseek(tmp_path / "v2", version=2, q_lora_rank=None, topk_method="greedy", seed=3,
                                 num_layers=2, v_head_dim=24)
-    spec = load_model_spec(resolve_model(folder))
-    model = DeepseekV2ForCausalLM(spec, torch.float32, kernel_device, kernels="triton")
-    model.load_weights(iter_safetensors(folder))
-    model.finalize_weights()
-    model.eval()
+    model = load_on_triton_kernels(folder, DeepseekV2ForCausalLM, kernel_device)
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     prompts = [list(range(3, 51)), [5, 17, 33, 2, 9]]
     got = run_greedy(model, prompts, 4, block_size=8, prefill_chunk=16)

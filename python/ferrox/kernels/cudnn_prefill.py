@@ -189,12 +189,13 @@ def merge_attention_parts(out: torch.Tensor, a: torch.Tensor, lse_a: torch.Tenso
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """The listed blocks of both planes, in order: [2, len(block_ids) * block_size, Hkv, D], contiguous.
-    One index_select over the cache seen as rows of whole blocks (K's, then V's): 2.8x faster on the
-    H200 than selecting along the block dimension of the 5-D cache (0.26 vs 0.72 ms at 114k tokens)."""
+    """The listed blocks of every plane (K and V; MLA's one latent plane), in order: [planes, len(block_ids) *
+    block_size, Hkv, D], contiguous. One index_select over the cache seen as rows of whole blocks (plane by
+    plane): 2.8x faster on the H200 than selecting along the block dimension of the 5-D cache (0.26 vs 0.72
+    ms at 114k tokens)."""
     planes, num_blocks, _, num_kv_heads, head_dim = kv_cache.shape
     if kv_cache.is_contiguous():
-        rows = torch.cat((block_ids, block_ids + num_blocks))
+        rows = torch.cat([block_ids + p * num_blocks for p in range(planes)])
         return kv_cache.view(planes * num_blocks, -1).index_select(0, rows).view(planes, -1, num_kv_heads, head_dim)
     return kv_cache.index_select(1, block_ids).flatten(1, 2)
 

@@ -35,6 +35,7 @@ import logging
 import torch
 
 from ferrox.kernels import fa3_prefill
+from ferrox.kernels.cudnn_prefill import gather_blocks
 from ferrox.kernels.kv_fp8 import FP8_KV_DTYPE
 
 logger = logging.getLogger(__name__)
@@ -71,14 +72,13 @@ def plan_expanded(meta) -> tuple[tuple[int, int, int, int], ...]:
 def _latent_rows(kv_cache: torch.Tensor, block_ids: torch.Tensor, start: int, stop: int, dtype: torch.dtype,
                  k_scale: float) -> torch.Tensor:
     """Cached latent rows [stop - start, D] of positions start..stop (block_ids: the request's blocks from
-    position 0), in `dtype`; an FP8 cache's widened and scaled. One index_select over whole blocks (as
-    bytes for FP8: index kernels need not know the type)."""
-    plane = kv_cache[0]  # [blocks, block_size, 1, D]: the latent (both "planes" are this one)
-    block_size, dim = plane.shape[1], plane.shape[-1]
+    position 0), in `dtype`; an FP8 cache's widened and scaled (gathered as bytes: index kernels need not
+    know the type)."""
+    plane = kv_cache[:1]  # the latent (both "planes" of the backends' view are this one)
+    block_size, dim = plane.shape[2], plane.shape[-1]
     first, past = start // block_size, -(-stop // block_size)
     fp8 = plane.dtype == FP8_KV_DTYPE
-    source = plane.view(torch.uint8) if fp8 else plane
-    rows = source.reshape(plane.shape[0], -1).index_select(0, block_ids[first:past]).view(-1, dim)
+    rows = gather_blocks(plane.view(torch.uint8) if fp8 else plane, block_ids[first:past]).view(-1, dim)
     offset = start - first * block_size
     rows = rows[offset:offset + stop - start]
     if fp8:

@@ -138,11 +138,11 @@ class MlaTritonBackend(AttentionBackend):
         """The requests of this step whose chunks take the expanded form (kernels/mla_prefill.py): (request,
         first row, row past it, cached context); () when the path is off here or the forward is being
         captured (a graph replays the absorbed kernels it captured)."""
+        if self._expand is False or self.piecewise is not None or kv_cache.numel() == 0 or meta.bidirectional:
+            return ()  # (every layer of every step asks: the common answers come first)
         from ferrox.kernels import mla_prefill
         from ferrox.kernels.mla_attention import graph_capturing
 
-        if self.piecewise is not None or kv_cache.numel() == 0 or meta.bidirectional:
-            return ()
         if self._expand is None:
             mla = self.mla
             self._expand = mla_prefill.expanded_supported(kv_cache.device, dtype, kv_cache.dtype,
@@ -195,7 +195,8 @@ class MlaTritonBackend(AttentionBackend):
                                  out=out)
         kv_scale = kv_scales.scales if kv_scales is not None else None
         write_latent(k, kv_cache, meta.slot_mapping, kv_scale)
-        self._device = (q.shape[1], q.device, q.dtype)
+        if self._device is None:  # (for warm_up_plans)
+            self._device = (q.shape[1], q.device, q.dtype)
         if skip:
             return self._attend_others(q, kv_cache, meta, skip, scale, kv_scale)
         decodes, rest_starts = self._plan_for(meta)
