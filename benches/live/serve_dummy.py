@@ -177,7 +177,7 @@ def main() -> int:
     code = srv.stop()
     tail = [ln for ln in srv.log if "Traceback" in ln or " ERROR " in ln]
     for ln in srv.log:
-        if "CUDA graphs captured" in ln or "long prefill chunks" in ln or "FlashAttention-3" in ln:
+        if any(s in ln for s in ("CUDA graphs captured", "long prefill chunks", "FlashAttention-3", "calculate_kv_scales")):
             print("   ", ln.strip()[-160:])
     print(f"{done} ok, errors {errors}, {wall:.1f} s; metrics {running}; exit {code}; error log lines {len(tail)}")
     for ln in tail[:10]:

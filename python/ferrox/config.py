@@ -126,6 +126,10 @@ class EngineConfig:
     kv_cache_dtype: str = _opt("KV cache element type: 'fp8' stores keys and values as FP8 E4M3 with per-layer "
                                "scales (the checkpoint's k_scale/v_scale, else 1.0), twice the tokens per byte",
                                "auto", choices=KV_CACHE_DTYPES, default_help="auto: the model dtype")
+    calculate_kv_scales: bool = _opt(
+        "with kv_cache_dtype fp8: measure each layer's K/V scales on the first step that serves requests (vLLM's: "
+        "max |k| / 200, max |v| / 100, the divisors from K_SCALE_CONSTANT / V_SCALE_CONSTANT), replacing the "
+        "checkpoint's or 1.0; refused with kv_cache_dtype auto", False)
     max_model_len: int | None = _opt(
         "context length (prompt + output) per request",
         default_help=f"the model's max_position_embeddings; on CPU at most {CPU_DEFAULT_MAX_MODEL_LEN}")
@@ -311,6 +315,9 @@ class EngineConfig:
         if self.quantization is not None:
             _choice("quantization", self.quantization, QUANTIZATION_METHODS)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError("calculate_kv_scales: measures the scales of an FP8 KV cache; kv_cache_dtype is 'auto' "
+                             "(set it to 'fp8')")
         _choice("policy", self.policy, POLICIES)
         _choice("prefix_caching_hash_algo", self.prefix_caching_hash_algo, PREFIX_HASH_ALGOS)
         _choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)

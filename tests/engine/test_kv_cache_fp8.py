@@ -17,6 +17,7 @@ import pytest
 import torch
 from ferrox import LLM, SamplingParams
 
+from tests.helpers.fp8_kv_reference import prompt_logprobs_with_fp8_kv
 from tests.helpers.tiny_models import make_tiny_llama
 
 KV_MEMORY = 4 << 20
@@ -107,28 +108,8 @@ def test_fp8_greedy_output_close_to_the_float32_cache(engines):
 def _reference_with_fake_fp8_kv(folder: str, prompts: list[str], tokenizer) -> list[torch.Tensor]:
     """transformers (float32) with each layer's K (after rotary) and V rounded through FP8 at that
     layer's checkpoint scales -- what an FP8 cache stores and reads back -- before attention."""
-    transformers = pytest.importorskip("transformers")
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    def fake_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
-        return (x / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype) * scale
-
-    def attention(module, query, key, value, attention_mask, **kwargs):
-        i = module.layer_idx
-        return sdpa_attention_forward(module, query, fake_fp8(key, K_SCALES[i]), fake_fp8(value, V_SCALES[i]),
-                                      attention_mask, **kwargs)
-
-    AttentionInterface.register("ferrox_test_fp8_kv", attention)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                                              attn_implementation="ferrox_test_fp8_kv")
-    out = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([tokenizer.encode(prompt)])
-            logprobs = model(ids).logits[0].float().log_softmax(-1)
-            out.append(logprobs[:-1].gather(1, ids[0, 1:, None])[:, 0])
-    return out
+    pytest.importorskip("transformers")
+    return prompt_logprobs_with_fp8_kv(folder, prompts, tokenizer, K_SCALES, V_SCALES)
 
 
 @pytest.mark.parametrize("names", [

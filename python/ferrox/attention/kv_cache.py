@@ -10,7 +10,8 @@ float8_e4m3fn, one byte each, with a per-layer float32 scale for K and one for V
 
     stored = fp8(clamp(k / k_scale, -448, 448))        read = float(stored) * k_scale
 
-The scales come from the checkpoint when it has them (`KVCacheScales.load`), else 1.0. Readers fold
+The scales come from the checkpoint when it has them (`KVCacheScales.load`), else 1.0, unless
+`calculate_kv_scales` measures them on the first step (kv_scale_calibration.py). Readers fold
 k_scale into the softmax scale and v_scale into the output, so a dequantized K/V tile is never
 multiplied element by element. The clamp makes every writer saturate the same way (a plain cast
 of an out-of-range value is NaN in e4m3fn on some paths).
@@ -150,6 +151,9 @@ class KVCacheScales(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
         self._loaded: set[str] = set()
+        # calculate_kv_scales (kv_scale_calibration.py): armed for the next K/V write, and done.
+        self.calibrating = False
+        self.calibrated = False
 
     def load(self, kind: str, tensor: torch.Tensor, name: str) -> None:
         """kind: "k", "v" or "kv" (both); name: the checkpoint tensor, for errors."""
@@ -161,14 +165,15 @@ class KVCacheScales(nn.Module):
             raise ValueError(f"checkpoint tensor {name!r}: a KV cache scale must be positive and finite, got {value}")
         kinds = {"k": ("k",), "v": ("v",), "kv": ("k", "v")}[kind]
         for which in kinds:
-            self._set(which, value)
+            self.set_scale(which, value)
             self._loaded.add(which)
         # Only one of the two in the checkpoint: it stands for both until the other arrives.
         for other in ("k", "v"):
             if other not in self._loaded:
-                self._set(other, value)
+                self.set_scale(other, value)
 
-    def _set(self, which: str, value: float) -> None:
+    def set_scale(self, which: str, value: float) -> None:
+        """which: "k" or "v"; the device tensor (read by the kernels, graphs included) and the host copy."""
         index = 0 if which == "k" else 1
         with torch.no_grad():
             self.scales[index] = value

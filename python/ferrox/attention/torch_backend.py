@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ferrox.attention.backend import AttentionBackend
 from ferrox.attention.kv_cache import quantize_kv
+from ferrox.attention.kv_scale_calibration import calibrate_if_armed
 from ferrox.attention.metadata import AttentionMetadata
 from ferrox.kernels.kv_fp8 import is_fp8_kv_cache
 
@@ -168,6 +169,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, meta, scale, kv_scales=None, *, window=0, sinks=None, chunk=0):
         n = meta.num_actual_tokens
+        calibrate_if_armed(kv_scales, k, v, n)
         has_cache = kv_cache.numel() > 0
         block_size = kv_cache.shape[2] if has_cache else 0
         plan = self._plan_for(meta, block_size)

@@ -40,6 +40,7 @@ from ferrox.attention.backend import AttentionBackend
 from ferrox.attention.decode_path import DecodePath, OneTokenLayer
 from ferrox.attention.fused_decode import FusedOneTokenDecode
 from ferrox.attention.kv_cache import KVCacheScales
+from ferrox.attention.kv_scale_calibration import calibrate_if_armed
 from ferrox.attention.metadata import AttentionMetadata
 from ferrox.kernels import cudnn_prefill, fa3_prefill
 from ferrox.kernels.paged_attention import unified_attention
@@ -212,6 +213,7 @@ class TritonAttentionBackend(AttentionBackend):
         window (0: full attention; the Triton kernels mask it, cuDNN and the CUDA decode kernel step aside).
         sinks: the layer's attention sinks (float32 [H]; likewise). chunk: the layer's attention chunk
         (Llama 4; 0: none; likewise)."""
+        calibrate_if_armed(kv_scales, k, v, meta.num_actual_tokens)
         if self.piecewise is not None:
             if chunk:  # (the piecewise sites carry no chunk: such models capture no piecewise graphs)
                 raise ValueError("piecewise CUDA graphs do not take chunked attention layers")

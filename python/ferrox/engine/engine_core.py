@@ -215,6 +215,10 @@ class EngineCore:
                                   decode_graph_max=max(self.runner.decode_graph_sizes(), default=0))
             self.warmup = warm_up(self.runner, limits, vocab_size=self.vocab_size, seed=config.seed)
             logger.info("warm-up: %s", self.warmup.summary())
+        if config.calculate_kv_scales:
+            if not isinstance(self.runner, ModelRunner):
+                raise ValueError("calculate_kv_scales: a pooling model keeps no KV cache to scale")
+            self.runner.forward.arm_kv_scale_calibration()  # after the warm-up: the first real step measures
         self.pooling_warmup_s: float | None = None
         if isinstance(self.runner, PoolingRunner) and warmup_enabled():
             self.pooling_warmup_s = self.runner.warm_up(

@@ -55,6 +55,7 @@ from torch import nn
 
 from ferrox.attention.backend import AttentionBackend, get_attention_backend
 from ferrox.attention.kv_cache import KVCacheScales
+from ferrox.attention.kv_scale_calibration import calibrate_if_armed
 from ferrox.attention.metadata import AttentionMetadata
 from ferrox.distributed.parallel_state import get_tp_group
 from ferrox.distributed.sharding import Weight, even_split
@@ -173,6 +174,7 @@ class MlaTritonBackend(AttentionBackend):
                 skip: tuple[tuple[int, int, int, int], ...] = ()) -> torch.Tensor:
         """skip: requests (`expanded_requests`) this call leaves unattended: their rows of the result are
         not written (the layer attends them expanded)."""
+        calibrate_if_armed(kv_scales, k, v, meta.num_actual_tokens)
         if self.piecewise is not None:
             return self.piecewise(q, k, v, kv_cache, meta, scale, kv_scales, window=window, sinks=sinks)
         from ferrox.kernels.mla_attention import mla_attention, write_latent

@@ -14,6 +14,7 @@ round trip).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ferrox.attention.kv_scale_calibration import KvScaleCalibration
 from ferrox.attention.metadata import AttentionMetadata
 from ferrox.compilation_config import GraphPlan
 from ferrox.distributed.parallel_state import TPGroup
@@ -56,13 +58,18 @@ class StepArrays:
         self.req_slots = arrays.get("req_slots", np.zeros(0, dtype=np.int32))
         self.num_tokens = int(self.input_ids.shape[0])
         self.shifted = bool(arrays.get("shifted", np.zeros(1, dtype=np.bool_))[0])
+        self.calibrate_kv_scales = "calibrate_kv_scales" in arrays
 
 
-def step_arrays(so: Any, prompt_rows: np.ndarray, *, shifted: bool = False) -> dict[str, np.ndarray]:
-    """shifted: the driver will broadcast a per-row shift of the positions (ModelForward.run)."""
+def step_arrays(so: Any, prompt_rows: np.ndarray, *, shifted: bool = False,
+                calibrate_kv_scales: bool = False) -> dict[str, np.ndarray]:
+    """shifted: the driver will broadcast a per-row shift of the positions (ModelForward.run).
+    calibrate_kv_scales: the step measures the FP8 KV cache scales (attention/kv_scale_calibration.py)."""
     arrays = {name: np.asarray(getattr(so, name)) for name in STEP_ARRAY_NAMES}
     arrays["prompt_rows"] = prompt_rows
     arrays["shifted"] = np.array([shifted], dtype=np.bool_)
+    if calibrate_kv_scales:
+        arrays["calibrate_kv_scales"] = np.ones(1, dtype=np.bool_)
     return arrays
 
 
@@ -88,6 +95,17 @@ class ModelForward:
         # Other steps of up to 512 tokens (2,048 on MoE models) replay piecewise graphs around eager
         # attention when set (worker/piecewise_graphs.py). None: eager.
         self.piece_runner: Any = None
+        # calculate_kv_scales: armed on the driver after the warm-up, so the first step that serves
+        # requests measures the FP8 KV cache scales (eagerly); the other ranks are told by that step.
+        self._kv_scale_calibration: KvScaleCalibration | None = None
+
+    def arm_kv_scale_calibration(self) -> None:
+        """The next step measures the FP8 KV cache scales (attention/kv_scale_calibration.py)."""
+        self._kv_scale_calibration = KvScaleCalibration(self.model)
+
+    @property
+    def kv_scale_calibration_armed(self) -> bool:
+        return self._kv_scale_calibration is not None
 
     def capture_cuda_graphs(self, *, max_num_seqs: int, max_model_len: int, block_size: int,
                             verify_len: int = 0, max_num_batched_tokens: int = 0,
@@ -179,20 +197,28 @@ class ModelForward:
             positions = self._shift_back(row_shift, positions, meta, step)
         if rope_positions is not None:
             positions = rope_positions(positions)
-        if image_rows is not None:
-            embeds = self.model.embed_input_ids(input_ids)
-            embeds.index_copy_(0, image_rows.rows, image_rows.embeds.to(embeds.dtype))
-            meta.bidirectional = image_rows.bidirectional
-            extra = {} if image_rows.deepstack is None else {"deepstack": (image_rows.rows, image_rows.deepstack)}
-            hidden = self.model.forward(input_ids, positions, self.kv_caches, meta, inputs_embeds=embeds, **extra)
-        elif positions.dim() > 1:  # multimodal rotary positions: the graphs take [T] positions
-            hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
-        elif self.graph_runner is not None and self.graph_runner.can_run(meta):
-            hidden = self.graph_runner.run(input_ids, positions, meta)
-        elif self.piece_runner is not None and self.piece_runner.can_run(meta):
-            hidden = self.piece_runner.run(input_ids, positions, meta)
-        else:
-            hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+        calibration = self._kv_scale_calibration
+        if calibration is None and getattr(step, "calibrate_kv_scales", False):  # a rank the driver told
+            calibration = KvScaleCalibration(self.model)
+        self._kv_scale_calibration = None
+        # A measuring step runs eagerly, so every layer sees its K/V before writing them (graphs run no Python).
+        graphs = calibration is None
+        with calibration if calibration is not None else contextlib.nullcontext():
+            if image_rows is not None:
+                embeds = self.model.embed_input_ids(input_ids)
+                embeds.index_copy_(0, image_rows.rows, image_rows.embeds.to(embeds.dtype))
+                meta.bidirectional = image_rows.bidirectional
+                extra = {} if image_rows.deepstack is None else {"deepstack": (image_rows.rows, image_rows.deepstack)}
+                hidden = self.model.forward(input_ids, positions, self.kv_caches, meta, inputs_embeds=embeds,
+                                            **extra)
+            elif positions.dim() > 1:  # multimodal rotary positions: the graphs take [T] positions
+                hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+            elif graphs and self.graph_runner is not None and self.graph_runner.can_run(meta):
+                hidden = self.graph_runner.run(input_ids, positions, meta)
+            elif graphs and self.piece_runner is not None and self.piece_runner.can_run(meta):
+                hidden = self.piece_runner.run(input_ids, positions, meta)
+            else:
+                hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
         # Now, not later: a CUDA-graph replay of the next step overwrites `hidden`.
         prompt_logits = [self.model.compute_logits(hidden[int(start):int(start) + int(count)])

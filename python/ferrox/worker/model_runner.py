@@ -250,7 +250,8 @@ class ModelRunner:
         prompt_rows = np.array([(job[2], job[3]) for job in prompt_jobs], dtype=np.int64).reshape(-1, 2)
         shifted = prev is not None and prev.rejected is not None
         if self.channel is not None:
-            arrays = step_arrays(so, prompt_rows, shifted=shifted)
+            arrays = step_arrays(so, prompt_rows, shifted=shifted,
+                                 calibrate_kv_scales=self.forward.kv_scale_calibration_armed)
             if self._image_log is not None:
                 self._image_log.drain_into(arrays, so)
             self.channel.send(STEP, arrays)

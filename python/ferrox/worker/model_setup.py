@@ -164,7 +164,9 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
                          "from it")
     load = functools.partial(_shared_model, source, spec, dtype, device, config.load_format, config.seed, tp,
                              keep_quantized=config.dtype == "auto" and quant_config is None,
-                             private=config.enable_lora or sleep_memory is not None or bool(offload),
+                             # (calculate_kv_scales writes the model's KV scales: another engine's must not see them)
+                             private=config.enable_lora or sleep_memory is not None or bool(offload)
+                             or config.calculate_kv_scales,
                              cpu_offload_bytes=offload,
                              quant_config=quant_config, quantization=config.quantization,
                              hf_overrides=config.hf_overrides)
@@ -193,7 +195,8 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
             pooler_config=pooler_config, sleep_memory=sleep_memory, reload_model=reload_model,
         )
 
-    warn_if_uncalibrated(model, kv_dtype)
+    if not config.calculate_kv_scales:  # (else the first step measures them)
+        warn_if_uncalibrated(model, kv_dtype)
     per_block = kv_cache_bytes_per_block(spec, config.block_size, kv_dtype, tp.size)
     if device.type == "cpu":
         kv_bytes = config.resolved_cpu_kv_cache_memory()
