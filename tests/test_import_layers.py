@@ -30,6 +30,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "ferrox.pooling.params", "ferrox.pooling.classify", "ferrox.gc_tuning",
         # Beam search's bookkeeping over the engine's outputs (the engines drive it).
         "ferrox.beam_search",
+        # The custom logits processor interface users subclass, and its loader (engine and front-end use it).
+        "ferrox.logits_processor",
         # Reasoning parsers: text and token ids only (the config names their choices, the engine core
         # and the routes use them).
         "ferrox.reasoning",

@@ -244,6 +244,11 @@ class EngineConfig:
         "what logprobs report (vLLM's): raw_logprobs, the model's; raw_logits, its logits; processed_logprobs / "
         "processed_logits, after penalties, bias, masks, temperature, min-p and top-k/top-p (what the draw saw)",
         "raw_logprobs", choices=LOGPROBS_MODES)
+    logits_processors: list[str] | None = _opt(
+        "custom logits processor classes (vLLM's), as 'package.module:Class' (or the classes, offline): subclasses "
+        "of ferrox.logits_processor.LogitsProcessor, vLLM's V1 interface, applied to every step's logits; requests "
+        "reach them through extra_args (vllm_xargs over HTTP). Steps then run one at a time (no async "
+        "scheduling); not with speculative decoding or pooling models", nargs="+", default_help="none")
     num_threads: int | None = _opt("CPU threads for the model (torch intra-op)", default_help="all cores torch sees")
     tensor_parallel_size: int = _opt("GPUs (or CPU processes) one model is sharded across (Megatron-style)", 1,
                                      aliases=("-tp",))
@@ -315,6 +320,7 @@ class EngineConfig:
         if self.quantization is not None:
             _choice("quantization", self.quantization, QUANTIZATION_METHODS)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        self._check_logits_processors()
         if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
             raise ValueError("calculate_kv_scales: measures the scales of an FP8 KV cache; kv_cache_dtype is 'auto' "
                              "(set it to 'fp8')")
@@ -449,6 +455,28 @@ class EngineConfig:
                 list(self.cuda_graph_sizes), None)
         return graph_plan(self.compilation_config, cudagraph_capture_sizes=sizes, max_cudagraph_capture_size=top,
                           enforce_eager=self.enforce_eager, optimization_level=self.optimization_level, log=log)
+
+    def _check_logits_processors(self) -> None:
+        """Their form here (class paths or classes); they are imported by the engine (ferrox.logits_processor)."""
+        procs = self.logits_processors
+        if procs is None:
+            return
+        if isinstance(procs, (str, type)):
+            procs = self.logits_processors = [procs]
+        if not isinstance(procs, (list, tuple)) or not all(isinstance(p, (str, type)) for p in procs):
+            raise ValueError(f"logits_processors: must be a list of class paths ('package.module:Class') or classes, "
+                             f"got {procs!r}")
+        if not procs:
+            self.logits_processors = None
+            return
+        if self.speculative_config:
+            raise ValueError("logits_processors: custom logits processors see one row per request, which speculative "
+                             "decoding does not give (as in vLLM); leave speculative_config unset")
+        if self.async_scheduling:
+            raise ValueError("async_scheduling: custom logits processors need each step's tokens before the next step "
+                             "is sampled; leave async_scheduling unset (off) with logits_processors")
+        if self.runner == "pooling":
+            raise ValueError("logits_processors: a pooling model samples no tokens")
 
     def check_graphs_for_pooling(self) -> None:
         """A pooling model runs every step eagerly (whole prompts of any shape): CUDA-graph settings asked

@@ -59,6 +59,9 @@ class RequestLimits:
     reasoning_parser: str | None = None
     # False under skip_tokenizer_init (loader/no_tokenizer.py): what needs text is refused by name.
     has_tokenizer: bool = True
+    # --logits-processors' classes (ferrox/logits_processor.py): their validate_params checks each request,
+    # and only with some loaded does a request's extra_args (vllm_xargs) mean anything.
+    logits_processors: tuple[type, ...] = ()
 
     @property
     def max_prompt_len(self) -> int:

@@ -74,6 +74,7 @@ from ferrox.engine.output_log import OutputLog
 from ferrox.engine.output_processor import OutputProcessor
 from ferrox.engine.protocol import EngineCoreRequest
 from ferrox.errors import EngineDeadError, EngineStartupError, InvalidArgumentError, RequestError
+from ferrox.logits_processor import load_logits_processors
 from ferrox.metrics.log_stats import LoggingStatLogger
 from ferrox.metrics.request_stats import (
     IterationStats,
@@ -293,6 +294,7 @@ class AsyncLLM:
             reasoning_end_token_id=reasoning.end_token_id if reasoning is not None else None,
             reasoning_parser=config.reasoning_parser,
             has_tokenizer=not config.skip_tokenizer_init,
+            logits_processors=load_logits_processors(config.logits_processors),
         )
         self.device: str = info.device
         # Runner "pooling" (an embedding model): requests come through encode(), generate() is refused.

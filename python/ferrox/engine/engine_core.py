@@ -51,6 +51,7 @@ from ferrox.errors import InvalidArgumentError
 from ferrox.executor import Executor, start_tensor_parallel
 from ferrox.executor.launch import rank_config
 from ferrox.kv_events_config import parse_kv_events_config
+from ferrox.logits_processor import load_logits_processors
 from ferrox.multimodal import prompt_embeds
 from ferrox.multimodal.inputs import MultiModalItem, cache_salt_with_images
 from ferrox.multimodal.processing import image_prompts_for_model
@@ -63,6 +64,7 @@ from ferrox.speculative_config import SpeculativeConfig, parse_speculative_confi
 from ferrox.step_types import Logprobs, StepResult, StepRow
 from ferrox.structured_outputs_config import parse_structured_outputs_config, with_defaults
 from ferrox.worker.cuda_graphs import decode_capture_sizes
+from ferrox.worker.custom_logits import CustomLogitsProcessors
 from ferrox.worker.draft_model import DraftProposer
 from ferrox.worker.model_runner import ModelRunner, ModelRunnerOutput, StepHandle
 from ferrox.worker.model_setup import LoadedModel, load_everything
@@ -159,6 +161,10 @@ class EngineCore:
             self.loras = EngineLoRAs(loaded.model, config, device=loaded.device, dtype=loaded.dtype,
                                      max_num_tokens=max(loaded.max_num_batched_tokens, loaded.max_num_seqs))
         self.runner: ModelRunner | PoolingRunner
+        # --logits-processors (ferrox/logits_processor.py): loaded before the model's memory is taken to fail fast.
+        self.custom_logits_classes = load_logits_processors(config.logits_processors)
+        if self.custom_logits_classes and self.pooler_config is not None:
+            raise ValueError("logits_processors: a pooling model samples no tokens")
         if self.pooler_config is not None:
             config.check_graphs_for_pooling()  # (runner 'auto' resolved to pooling)
             self.runner = PoolingRunner(loaded.model, loaded.kv_caches, pooler_config=self.pooler_config,
@@ -175,6 +181,8 @@ class EngineCore:
                 speculative=self.speculative is not None,
                 lora=self.loras,
                 logprobs_mode=config.logprobs_mode,
+                custom_logits=(CustomLogitsProcessors(self.custom_logits_classes, config, self.device)
+                               if self.custom_logits_classes else None),
             )
         # --enable-prompt-embeds: prompts of embeddings reach the model as rows of one item each, through the
         # images' path (multimodal/prompt_embeds.py), which a text model's runner then needs too.
@@ -234,7 +242,8 @@ class EngineCore:
         # costs more than the overlap gains wherever drafts are accepted (benches/RESULTS.md). A draft
         # model proposes from verified tokens, so it always runs synchronous steps.
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else self.device.type == "cuda" and self.speculative is None and not pooling)
+                                 else self.device.type == "cuda" and self.speculative is None and not pooling
+                                 and not self.custom_logits_classes)
         self._in_flight: StepHandle | None = None
         # The step in flight and its grammar mask being filled on the mask thread (async scheduling).
         self._masked: tuple[StepHandle, Future[Any]] | None = None
@@ -392,6 +401,7 @@ class EngineCore:
             reasoning_end_token_id=self.reasoning.end_token_id if self.reasoning is not None else None,
             reasoning_parser=self.reasoning.name if self.reasoning is not None else None,
             has_tokenizer=not self.config.skip_tokenizer_init,
+            logits_processors=self.custom_logits_classes,
         )
         validation.validate_request(prompt, params, limits, what=what)
 

@@ -31,6 +31,7 @@ __all__ = [
     "check_sampling_params",
     "check_structured_outputs",
     "check_without_tokenizer",
+    "check_custom_logits_params",
     "check_token_ids_in_vocab",
     "validate_request",
 ]
@@ -52,6 +53,20 @@ def validate_request(
         check_without_tokenizer(params)
     if params.structured_outputs is not None:
         check_structured_outputs(params.structured_outputs)
+    check_custom_logits_params(params, limits)
+
+
+def check_custom_logits_params(params: SamplingParams, limits: RequestLimits) -> None:
+    """extra_args are read only by custom logits processors: refused when none is loaded; each loaded
+    processor's validate_params may refuse the request (vLLM's contract: a ValueError)."""
+    if params.extra_args and not limits.logits_processors:
+        raise InvalidArgumentError("extra_args: only custom logits processors (--logits-processors) read them, and this "
+                                   "engine loads none", param="extra_args")
+    for cls in limits.logits_processors:
+        try:
+            cls.validate_params(params)  # type: ignore[attr-defined]  # (a LogitsProcessor subclass: base module types)
+        except ValueError as exc:
+            raise InvalidArgumentError(f"extra_args: {cls.__name__}: {exc}", param="extra_args") from None
 
 
 def check_without_tokenizer(params: SamplingParams) -> None:

@@ -10,6 +10,7 @@ step, so its tokens do not depend on what else is in the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,8 @@ class SamplingMetadata:
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, token ids set to -inf
     # rows, token ids set to -inf where the bool [N] holds (a condition computed on the device)
     banned_if: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # The user's --logits-processors over the whole batch, after the built-in ones (worker/custom_logits.py).
+    custom: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def seed_bits(seed: int) -> int:
@@ -211,6 +214,8 @@ class Sampler:
             lp.apply_banned_tokens(logits, *md.banned)
         if md.banned_if is not None:
             lp.apply_banned_tokens_if(logits, *md.banned_if)
+        if md.custom is not None:
+            md.custom(logits)  # (in place)
 
     def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         assert md.temperature is not None

@@ -38,6 +38,7 @@ from ferrox.layers.sampler import LogprobsTensors, Sampler, SamplerOutput, Sampl
 from ferrox.multimodal.inputs import MultiModalItem
 from ferrox.sampling_params import SamplingParams
 from ferrox.step_types import Logprobs
+from ferrox.worker.custom_logits import CustomLogitsProcessors
 from ferrox.worker.input_batch import InFlight, InputBatch
 from ferrox.worker.mask_gate import MaskGate, PendingMask
 from ferrox.worker.model_forward import ModelForward, step_arrays
@@ -136,6 +137,7 @@ class ModelRunner:
         speculative: bool = False,
         lora: Any = None,
         logprobs_mode: str = "raw_logprobs",
+        custom_logits: CustomLogitsProcessors | None = None,
     ) -> None:
         """speculative: steps may carry drafts to verify (speculative decoding). tp: the tensor-parallel group when the model is sharded; this runner is its driver
         (rank 0) and sends every step to the other ranks (distributed/step_channel.py) before
@@ -157,6 +159,8 @@ class ModelRunner:
 
             top_k_top_p_kernel = prepare_extension()  # the CUDA kernel when a build is on disk
         self.sampler = Sampler(default_gen, top_k_top_p_kernel, logprobs_mode)
+        # --logits-processors (worker/custom_logits.py): the user's processors, told each step's rows.
+        self.custom_logits = custom_logits
         self.speculative = speculative
         # Multi-LoRA (engine/lora_state.py EngineLoRAs): each core slot's adapter id (0: none);
         # before every forward it gets each token's id (prepare_step) and sets the slot index.
@@ -202,6 +206,8 @@ class ModelRunner:
     def add_request(self, slot: int, req_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     lora_id: int = 0, images: list[MultiModalItem] | None = None) -> None:
         self.input_batch.add(slot, req_id, prompt_token_ids, params)
+        if self.custom_logits is not None:  # (prompt embeddings come with no ids: None, as vLLM's)
+            self.custom_logits.add(slot, params, list(prompt_token_ids) if prompt_token_ids else None)
         if self.images is not None:
             self.images.add(slot, images)
             if self.mrope is not None:
@@ -221,6 +227,8 @@ class ModelRunner:
 
     def remove_requests(self, slots: list[int] | npt.NDArray[np.int32]) -> None:
         self.input_batch.remove(slots)
+        if self.custom_logits is not None:
+            self.custom_logits.remove(slots)
         if self.images is not None:
             self.images.remove(slots)
         if self.mrope is not None:
@@ -406,6 +414,8 @@ class ModelRunner:
         else:
             assert handle.host_token_ids is not None
             out = ModelRunnerOutput(handle.host_token_ids.numpy().copy(), errors=handle.errors)
+            if self.custom_logits is not None:
+                self.custom_logits.record(handle.slots, handle.sample_mask, out.sampled_token_ids)
         if handle.host_logprobs is not None:
             self._collect_logprobs(handle, out)
         if handle.prompt_chunks:
@@ -443,11 +453,22 @@ class ModelRunner:
         batch = self.input_batch
         md, in_flight = handle.md, handle.md_in_flight
         assert md is not None
+        custom = self.custom_logits
+        if custom is not None:
+            try:
+                custom.begin_step(handle.slots)
+            except Exception as e:  # noqa: BLE001 - a processor sees the whole batch: every row fails
+                return self._fail_rows(handle, logits, f"logits processor update_state failed: {type(e).__name__}: {e}")
+            md.custom = custom.apply
         try:
             # The sampler edits logits in place; if it fails half-way the per-row retry below sees
             # partly processed rows, an accepted cost on an error path that never runs normally.
             return self.sampler(logits, md)
-        except Exception:
+        except Exception as e:
+            if custom is not None:
+                # The user's processors work on the whole batch, so no row can be retried without them.
+                logger.exception("sampling with custom logits processors (%s) failed", ", ".join(custom.names))
+                return self._fail_rows(handle, logits, f"sampling with logits processors failed: {type(e).__name__}: {e}")
             logger.exception("batched sampling failed; retrying row by row to isolate the failing request")
         # One bad request (e.g. a NaN row, a broken logits processor) must not fail the others.
         token_ids = torch.zeros(len(handle.slots), dtype=torch.int64, device=logits.device)
@@ -465,6 +486,12 @@ class ModelRunner:
         if md.max_num_logprobs is not None:
             result.logprobs = self.sampler.logprobs(logits, token_ids, md)
         return result
+
+    @staticmethod
+    def _fail_rows(handle: StepHandle, logits: torch.Tensor, message: str) -> SamplerOutput:
+        for i in range(len(handle.slots)):
+            handle.errors[i] = message
+        return SamplerOutput(torch.zeros(len(handle.slots), dtype=torch.int64, device=logits.device), None)
 
     def _verify(self, handle: StepHandle, grammar_bitmask: torch.Tensor | None) -> SamplerOutput:
         """A step with drafts: the rejection sampler keeps each request's accepted drafts and adds one

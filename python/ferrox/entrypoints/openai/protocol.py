@@ -101,7 +101,6 @@ _REFUSED = {
     "logits_processors": "custom logits processors are not supported",
     "media_io_kwargs": "per-request media decoding arguments are not supported",
     "kv_transfer_params": "disaggregated KV transfer is not supported",
-    "vllm_xargs": "there are no custom extensions to take extra arguments",
     "watermarking": "watermarking is not supported",
 }
 # The value each of them may take without being refused (what vLLM does when it is not given).
@@ -183,6 +182,8 @@ class _SamplingFields(_Base):
     # Thinking tokens before `</think>` is forced (vLLM's; needs --reasoning-parser); -1: no budget.
     thinking_token_budget: int | None = Field(None, ge=-1)
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's: SamplingParams.extra_args, read by custom logits processors (--logits-processors); refused
+    # without them (engine/validation.py).
     vllm_xargs: dict[str, Any] | None = None
     # vLLM's: these token ids' logprobs in place of the top alternatives at each generated position (with
     # logprobs on; at most 128, ferrox.sampling_params). [] = unset.
@@ -196,8 +197,7 @@ class _SamplingFields(_Base):
     stream_interval: int | None = Field(None, ge=1)
 
     _refuse = field_validator(
-        "logits_processors", "kv_transfer_params",
-        "vllm_xargs", "watermarking",
+        "logits_processors", "kv_transfer_params", "watermarking",
     )(_refuse_unsupported)
 
     @field_validator("length_penalty")

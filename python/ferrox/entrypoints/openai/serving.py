@@ -356,7 +356,7 @@ def validate_request(ctx: ServingContext, prompt_token_ids: list[int], params: S
             _check_multi_token_reasoning_end(ctx.reasoning.name, params)
         validation.validate_request(prompt_token_ids, params, ctx.limits)
     except FerroxError as exc:
-        raise from_exception(exc, rename=fields) from None
+        raise from_exception(exc, rename={"extra_args": "vllm_xargs", **fields}) from None
 
 
 def _check_multi_token_reasoning_end(parser: str, params: SamplingParams) -> None:
@@ -410,6 +410,7 @@ def build_sampling_params(
         structured_outputs=structured,
         thinking_token_budget=getattr(req, "thinking_token_budget", None),
         repetition_detection=getattr(req, "repetition_detection", None),
+        extra_args=getattr(req, "vllm_xargs", None) or None,
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
     )
     kwargs.update(sampling_knobs(defaults, **{name: getattr(req, name) for name in GENERATION_DEFAULT_KEYS}))
