@@ -244,6 +244,11 @@ class EngineConfig:
         "what logprobs report (vLLM's): raw_logprobs, the model's; raw_logits, its logits; processed_logprobs / "
         "processed_logits, after penalties, bias, masks, temperature, min-p and top-k/top-p (what the draw saw)",
         "raw_logprobs", choices=LOGPROBS_MODES)
+    otlp_traces_endpoint: str | None = _opt(
+        "export a span per request to this OpenTelemetry collector (vLLM's): OTLP over gRPC, or HTTP with "
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf; vLLM's llm_request spans and gen_ai.* attributes, "
+        "continuing the HTTP request's traceparent (needs pip install 'ferrox[otel]'; the server's, not the "
+        "offline LLM's)", default_help="off")
     logits_processors: list[str] | None = _opt(
         "custom logits processor classes (vLLM's), as 'package.module:Class' (or the classes, offline): subclasses "
         "of ferrox.logits_processor.LogitsProcessor, vLLM's V1 interface, applied to every step's logits; requests "

@@ -84,6 +84,7 @@ from ferrox.metrics.request_stats import (
     observe,
     request_timing,
 )
+from ferrox.metrics.tracing import RequestTracer, check_tracing_available, trace_headers_var
 from ferrox.multimodal.inputs import MultiModalItem
 from ferrox.outputs import AnyRequestOutput, PoolingRequestOutput, RequestOutput
 from ferrox.pooling.params import (
@@ -232,6 +233,8 @@ def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
 class AsyncLLM:
     # Runner "pooling" (an embedding model; from the core's handshake): how it pools. None: generation.
     pooler_config: PoolerConfig | None = None
+    # --otlp-traces-endpoint (metrics/tracing.py): spans of finished requests. None: off.
+    tracer: RequestTracer | None = None
 
     def __init__(self, model: str | None = None, *, log_level: str | None = None, stream_interval: int = 1,
                  generation_config: str = "auto", override_generation_config: dict[str, Any] | None = None,
@@ -266,6 +269,11 @@ class AsyncLLM:
         self.stat_loggers: list[StatLogger] = []
         if not config.disable_log_stats:
             self.stat_loggers.append(LoggingStatLogger())
+        # --otlp-traces-endpoint (metrics/tracing.py): a span per finished request; its name is known once ready.
+        check_tracing_available(config.otlp_traces_endpoint)
+        self.tracer = RequestTracer(config.otlp_traces_endpoint, "") if config.otlp_traces_endpoint else None
+        if self.tracer is not None:
+            self.stat_loggers.append(self.tracer)
         self._finalizer = weakref.finalize(self, _shutdown, self.client, self._prompt_pool, list(self.stat_loggers))
         try:
             # The tokenizer loads here while the core process loads the model (none under
@@ -279,6 +287,8 @@ class AsyncLLM:
             self.shutdown()
             raise
         self.model_name: str = (config.served_names() or [info.model_name])[0]
+        if self.tracer is not None:
+            self.tracer.model_name = self.model_name
         self.max_model_len: int = info.max_model_len
         self.kv_capacity_tokens: int = info.kv_capacity_tokens
         # The request rules' limits (ferrox.engine.validation), checked here before a request
@@ -465,6 +475,7 @@ class AsyncLLM:
         lora_request: LoRARequest | None = None,
         prompt_cache_key: str | None = None,
         stream_interval: int | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream RequestOutputs for one request: cumulative unless `sampling_params.output_kind` is
         DELTA or FINAL_ONLY. stream_interval (DELTA only; default: the engine's `stream_interval`):
@@ -474,13 +485,15 @@ class AsyncLLM:
         cached KV blocks only of requests that gave the same salt (vLLM's meaning). lora_request: the
         LoRA adapter to run with (the engine needs enable_lora=True). prompt_cache_key (OpenAI's): with
         several engine cores (data parallel), requests with one key go to the core it last went to
-        among the least loaded, where their shared prefix is cached (dp_router.py).
+        among the least loaded, where their shared prefix is cached (dp_router.py). trace_headers (vLLM's): the
+        W3C trace context (`traceparent`, `tracestate`) its span continues with --otlp-traces-endpoint
+        (metrics/tracing.py; default: the HTTP request's, which the server sets).
         """
         if stream_interval is not None:
             _check_stream_interval(stream_interval)
         outputs = self._run(prompt, sampling_params, request_id, priority=priority, arrival_time=arrival_time,
                             cache_salt=cache_salt, lora_request=lora_request, prompt_cache_key=prompt_cache_key,
-                            stream_interval=stream_interval)
+                            stream_interval=stream_interval, trace_headers=trace_headers)
         async with contextlib.aclosing(outputs):  # closing this generator aborts the request at once
             async for out in outputs:
                 assert isinstance(out, RequestOutput)
@@ -570,6 +583,7 @@ class AsyncLLM:
         pooling_params: PoolingParams | None = None,
         prompt_cache_key: str | None = None,
         stream_interval: int | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncGenerator[AnyRequestOutput, None]:
         """One request from admission to its last output (generate and encode): the queue limit, the
         prompt threads, the request timeout, and the abort when the consumer stops early."""
@@ -585,6 +599,10 @@ class AsyncLLM:
                 "retry later")
         if arrival_time is None:
             arrival_time = time.time()  # before tokenizing: the latency metrics include it
+        if trace_headers is None:
+            trace_headers = trace_headers_var.get()  # the HTTP request's (metrics/tracing.py)
+        if trace_headers and self.tracer is None:
+            _warn_untraced()
         self._num_in_flight += samples
         timer: asyncio.TimerHandle | None = None
         try:
@@ -598,7 +616,7 @@ class AsyncLLM:
             # No await from here to the registration: the id cannot be taken in between.
             stream = self._add_request(processed.prompt, processed.prompt_token_ids, sampling_params, request_id,
                                        priority, arrival_time, cache_salt, lora_request, pooling_params,
-                                       prompt_cache_key, processed.mm_items)
+                                       prompt_cache_key, processed.mm_items, trace_headers)
             stream.interval = stream_interval or self.stream_interval
             if self.request_timeout is not None:
                 timer = asyncio.get_running_loop().call_later(
@@ -673,6 +691,7 @@ class AsyncLLM:
         pooling_params: PoolingParams | None = None,
         prompt_cache_key: str | None = None,
         mm_items: list[MultiModalItem] | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> _Stream:
         """Validate a tokenized request and send it to the core (synchronously: errors raise here)."""
         if self.client.dead is not None:
@@ -703,7 +722,10 @@ class AsyncLLM:
         try:
             queued_time = time.time()
             for core_request in core_requests:
-                self._timing[core_request.request_id] = request_timing(request, self.max_model_len, queued_time)
+                timing = self._timing[core_request.request_id] = request_timing(request, self.max_model_len,
+                                                                                queued_time)
+                if self.tracer is not None and pooling_params is None:
+                    self.tracer.track(core_request.request_id, request_id, params, trace_headers, timing.max_tokens)
             # The first sample picks the core; its siblings follow it there, to share the prompt's blocks.
             engine = self.client.add_request(core_requests[0], cache_key=prompt_cache_key)
             for sibling in core_requests[1:]:
@@ -777,7 +799,7 @@ class AsyncLLM:
             engine = self.client.engine_of(engine_id)
             if timing is not None and engine is not None:
                 iteration = by_engine.setdefault(engine, IterationStats(engine))
-                iteration.finished.append(finished_stats(timing, engine, "abort", now))
+                iteration.finished.append(finished_stats(timing, engine, "abort", now, engine_id))
         self.client.abort(engine_ids)
         for iteration in by_engine.values():
             for stat_logger in self.stat_loggers:
@@ -788,6 +810,12 @@ class AsyncLLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+@functools.cache
+def _warn_untraced() -> None:
+    logger.warning("a request came with trace headers (traceparent), but tracing is off: start with "
+                   "--otlp-traces-endpoint to export spans")
 
 
 def _shutdown(client: DPCoreClient, prompt_pool: ThreadPoolExecutor, stat_loggers: list[StatLogger]) -> None:

@@ -75,6 +75,10 @@ class LLM:
                 "one engine core in this process); use `ferrox serve --data-parallel-size N` or "
                 "AsyncLLM(data_parallel_size=N), or one LLM per GPU in separate processes (CUDA_VISIBLE_DEVICES)",
                 param="data_parallel_size")
+        if self.config.otlp_traces_endpoint:
+            raise InvalidArgumentError("otlp_traces_endpoint: request spans are exported by the server's engine "
+                                       "(ferrox serve, AsyncLLM); the offline LLM keeps no per-request timing",
+                                       param="otlp_traces_endpoint")
         from ferrox.multimodal.media import allow_media_domains
 
         allow_media_domains(self.config.allowed_media_domains)  # (the images this process fetches)

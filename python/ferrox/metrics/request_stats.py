@@ -65,6 +65,10 @@ class FinishedRequestStats:
     decode_time: float | None = None
     inference_time: float | None = None
     time_per_output_token: float | None = None  # decode time per token after the first
+    time_to_first_token: float | None = None  # arrival -> first token
+    request_id: str = ""  # the engine request's id
+    arrival_time: float = 0.0  # seconds since the epoch, as finish_time
+    finish_time: float = 0.0
 
 
 @dataclass(slots=True)
@@ -117,10 +121,11 @@ def observe(timings: dict[str, RequestTiming], engine: int, result: StepResult, 
             iteration.num_generation_tokens += n
         if code:
             del timings[rid]
-            iteration.finished.append(finished_stats(timing, engine, FINISH_REASONS[code] or "stop", now))
+            iteration.finished.append(finished_stats(timing, engine, FINISH_REASONS[code] or "stop", now, rid))
 
 
-def finished_stats(timing: RequestTiming, engine: int, finish_reason: str, now: float) -> FinishedRequestStats:
+def finished_stats(timing: RequestTiming, engine: int, finish_reason: str, now: float,
+                   request_id: str = "") -> FinishedRequestStats:
     stats = FinishedRequestStats(
         engine=engine,
         finish_reason=finish_reason,
@@ -129,8 +134,13 @@ def finished_stats(timing: RequestTiming, engine: int, finish_reason: str, now: 
         e2e_latency=max(0.0, now - timing.arrival_time),
         n=timing.n,
         max_tokens=timing.max_tokens,
+        request_id=request_id,
+        arrival_time=timing.arrival_time,
+        finish_time=now,
     )
     first, last, scheduled = timing.first_token_time, timing.last_token_time, timing.scheduled_time
+    if first is not None:
+        stats.time_to_first_token = max(0.0, first - timing.arrival_time)
     if first is not None and last is not None and scheduled is not None:
         stats.queue_time = max(0.0, scheduled - (timing.queued_time or timing.arrival_time))
         stats.prefill_time = max(0.0, first - scheduled)

@@ -105,6 +105,7 @@ from ferrox.entrypoints.openapi import build_openapi
 from ferrox.entrypoints.web.status import ThroughputMeter, server_status
 from ferrox.gc_tuning import freeze_startup_heap
 from ferrox.metrics.prometheus import CONTENT_TYPE, PrometheusStatLogger
+from ferrox.metrics.tracing import extract_trace_headers, trace_headers_var
 
 logger = logging.getLogger("ferrox.server")
 access_logger = logging.getLogger("ferrox.access")
@@ -191,6 +192,20 @@ async def cors_middleware(request: web.Request, handler: Handler) -> web.StreamR
     if options.allow_credentials:
         headers["Access-Control-Allow-Credentials"] = "true"
     return web.Response(status=200, text="OK", headers=headers)
+
+
+@web.middleware
+async def trace_context_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The request's W3C trace headers, for the span its generation makes (metrics/tracing.py): set in this
+    request's task, where AsyncLLM.generate reads them."""
+    headers = extract_trace_headers(request.headers)
+    if not headers:
+        return await handler(request)
+    token = trace_headers_var.set(headers)
+    try:
+        return await handler(request)
+    finally:
+        trace_headers_var.reset(token)
 
 
 @web.middleware
@@ -557,7 +572,8 @@ def _bind_loras(fn: Callable[[LoRARegistry, web.Request], Awaitable[web.StreamRe
 def build_app(engine: AsyncLLM, *, served_model_name: str | list[str] | None = None, api_key: str | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               access_log: bool = True, options: ServerOptions | None = None) -> web.Application:
-    middlewares = [error_middleware, cors_middleware, drain_middleware, body_limit_middleware, auth_middleware]
+    middlewares = [error_middleware, cors_middleware, drain_middleware, body_limit_middleware, auth_middleware,
+                   trace_context_middleware]
     app = web.Application(
         middlewares=[access_log_middleware, *middlewares] if access_log else middlewares,
         client_max_size=max_request_body_bytes,
