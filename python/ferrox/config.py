@@ -111,6 +111,10 @@ class EngineConfig:
         "a hub model id's version in the Hugging Face cache: a branch or tag the cache has a ref for, or a "
         "commit (at least 7 characters) it has a snapshot of; also the tokenizer's when --tokenizer is not given",
         default_help="refs/main, else the newest snapshot")
+    tokenizer_revision: str | None = _opt(
+        "the tokenizer's version in the Hugging Face cache (vLLM's): a branch, tag or commit of --tokenizer's hub "
+        "id, or of the model's when --tokenizer is not given", default_help="--revision for the model's own "
+        "tokenizer, else refs/main")
     trust_remote_code: bool = _opt(
         "vLLM's permission to run a model repository's own Python code (auto_map). ferrox's model families are "
         "built in and it runs no code from a model folder whether or not this is set, so there is nothing for it "

@@ -119,3 +119,39 @@ def test_revision_picks_a_cached_snapshot(tmp_path, monkeypatch):
     assert len(out[0].outputs[0].token_ids) == 3
     with pytest.raises(ModelNotFoundError, match=broken):  # refs/main's snapshot is a bare config
         LLM("org/tiny", max_model_len=64, kv_cache_memory=8 << 20)
+
+
+def test_tokenizer_revision_picks_the_tokenizers_snapshot(tmp_path, monkeypatch):
+    """--tokenizer-revision (vLLM's): the version of --tokenizer's hub id (or of the model's, without
+    --tokenizer) in the cache; a revision the cache lacks, or one for a local folder, is refused naming it."""
+    import shutil
+
+    from ferrox import LLM
+    from ferrox.loader.source import resolve_tokenizer
+
+    from tests.helpers.tiny_models import make_tiny_llama
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    model = make_tiny_llama(tmp_path / "model")
+    good, broken = "0123456789abcdef", "fedcba9876543210"
+    repo = tmp_path / "cache" / "models--org--tok"
+    (repo / "snapshots" / good).mkdir(parents=True)
+    for name in os.listdir(model):
+        if name.startswith("tokenizer") or name == "special_tokens_map.json":
+            shutil.copy(os.path.join(model, name), repo / "snapshots" / good / name)
+    _snapshot(tmp_path / "cache", "org/tok", broken)  # a config alone: no tokenizer
+    (repo / "refs" / "tags").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(broken)
+    (repo / "refs" / "tags" / "v1").write_text(good)
+    assert resolve_tokenizer("org/tok", model, None, "tags/v1").path == str(repo / "snapshots" / good)
+    assert resolve_tokenizer("org/tok", model, None, None).path == str(repo / "snapshots" / broken)
+    assert resolve_tokenizer(None, "org/tok", "tags/v1", None).path == str(repo / "snapshots" / good)  # --revision
+    assert resolve_tokenizer(None, "org/tok", None, good[:8]).path == str(repo / "snapshots" / good)
+    with pytest.raises(ModelNotFoundError, match="tokenizer_revision: 'v9' of 'org/tok' is not in the"):
+        resolve_tokenizer("org/tok", model, None, "v9")
+    with pytest.raises(ModelNotFoundError, match="tokenizer_revision: 'main' applies to a Hugging Face model id"):
+        resolve_tokenizer(None, model, None, "main")
+    llm = LLM(model, tokenizer="org/tok", tokenizer_revision="tags/v1", max_model_len=64, kv_cache_memory=8 << 20)
+    assert llm.get_tokenizer().encode("hello world")
+    with pytest.raises(Exception, match=broken):  # refs/main's snapshot has no tokenizer
+        LLM(model, tokenizer="org/tok", max_model_len=64, kv_cache_memory=8 << 20)

@@ -252,13 +252,12 @@ class AsyncLLM:
         log_level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
 
         from ferrox.loader.no_tokenizer import NoTokenizer
-        from ferrox.loader.source import resolve_model
+        from ferrox.loader.source import resolve_tokenizer
         from ferrox.loader.tokenizer import load_tokenizer
         from ferrox.multimodal.media import allow_media_domains
 
         # Fail fast on a bad path before spawning anything.
-        source = (resolve_model(config.tokenizer) if config.tokenizer is not None
-                  else resolve_model(config.model, config.revision))
+        source = resolve_tokenizer(config.tokenizer, config.model, config.revision, config.tokenizer_revision)
         allow_media_domains(config.allowed_media_domains)  # (the images and videos this process fetches)
         self._prompt_pool = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="ferrox-prompt")
         self.client = DPCoreClient(config, log_level=str(log_level))

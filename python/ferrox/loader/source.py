@@ -96,7 +96,7 @@ def hf_cache_dir() -> str:
     return os.path.join(os.path.expanduser(home), "hub")
 
 
-def hf_cache_snapshot(model_id: str, revision: str | None = None) -> str | None:
+def hf_cache_snapshot(model_id: str, revision: str | None = None, param: str = "revision") -> str | None:
     """The local snapshot folder of `org/name` in the Hugging Face cache (the commit `refs/main`
     names, else the most recent snapshot), or None when the cache does not hold it. revision (vLLM's
     --revision): a branch or tag the cache has a ref for, or a commit it has a snapshot of; one it
@@ -106,7 +106,7 @@ def hf_cache_snapshot(model_id: str, revision: str | None = None) -> str | None:
     if not os.path.isdir(snapshots):
         return None
     if revision is not None:
-        return _revision_snapshot(model_id, repo, snapshots, revision)
+        return _revision_snapshot(model_id, repo, snapshots, revision, param)
     try:
         with open(os.path.join(repo, "refs", "main")) as f:
             commit = f.read().strip()
@@ -118,7 +118,7 @@ def hf_cache_snapshot(model_id: str, revision: str | None = None) -> str | None:
     return max(found, key=os.path.getmtime) if found else None
 
 
-def _revision_snapshot(model_id: str, repo: str, snapshots: str, revision: str) -> str:
+def _revision_snapshot(model_id: str, repo: str, snapshots: str, revision: str, param: str) -> str:
     commit = revision
     ref = os.path.join(repo, "refs", *revision.split("/"))
     if os.path.isfile(ref) and os.path.commonpath([ref, repo]) == repo:
@@ -130,8 +130,17 @@ def _revision_snapshot(model_id: str, repo: str, snapshots: str, revision: str) 
     if len(matches) == 1:
         return os.path.join(snapshots, matches[0])
     raise ModelNotFoundError(
-        f"revision: {revision!r} of {model_id!r} is not in the Hugging Face cache ({repo}: snapshots "
+        f"{param}: {revision!r} of {model_id!r} is not in the Hugging Face cache ({repo}: snapshots "
         f"{', '.join(held) or 'none'}); ferrox loads cached revisions only: there is no model hub download")
+
+
+def resolve_tokenizer(tokenizer: str | None, model: str | None, revision: str | None,
+                      tokenizer_revision: str | None) -> ModelSource:
+    """Where the tokenizer comes from: --tokenizer, else the model itself, at --tokenizer-revision (vLLM's), else
+    -- for the model's own tokenizer -- at the model's --revision."""
+    if tokenizer_revision is not None:
+        return resolve_model(tokenizer if tokenizer is not None else model, tokenizer_revision, "tokenizer_revision")
+    return resolve_model(tokenizer) if tokenizer is not None else resolve_model(model, revision)
 
 
 def _is_model_id(model: str) -> bool:
@@ -140,17 +149,17 @@ def _is_model_id(model: str) -> bool:
     return 1 <= len(parts) <= 2 and all(p and p not in (".", "..") for p in parts) and not model.startswith("~")
 
 
-def resolve_model(model: str | None, revision: str | None = None) -> ModelSource:
+def resolve_model(model: str | None, revision: str | None = None, param: str = "revision") -> ModelSource:
     """Turn the user's `model` argument into a ModelSource.
 
     None -> the embedded SmolLM2 GGUF; a directory -> Hugging Face folder; a *.gguf file -> GGUF;
     a model id (`org/name`) that is not a local path -> its snapshot in the Hugging Face cache
     (`revision`'s, when given), reported under the id. There is no model hub download: anything
     else is an error naming it. A revision names a hub model's version: with a local path or the
-    embedded model it is refused, not ignored.
+    embedded model it is refused, not ignored. param: the setting the revision came from, for errors.
     """
     if revision is not None and (model is None or os.path.exists(os.path.expanduser(os.fspath(model)))):
-        raise ModelNotFoundError(f"revision: {revision!r} applies to a Hugging Face model id in the cache; "
+        raise ModelNotFoundError(f"{param}: {revision!r} applies to a Hugging Face model id in the cache; "
                                  f"{'the embedded model' if model is None else repr(model)} is not one "
                                  "(a local folder or file is the version it holds)")
     if model is None:
@@ -167,7 +176,7 @@ def resolve_model(model: str | None, revision: str | None = None) -> ModelSource
             f"model path {model!r} is a file but not a .gguf; give a Hugging Face folder or a .gguf file"
         )
     model_id = os.fspath(model)
-    snapshot = hf_cache_snapshot(model_id, revision) if _is_model_id(model_id) else None
+    snapshot = hf_cache_snapshot(model_id, revision, param) if _is_model_id(model_id) else None
     if snapshot is not None:
         return _folder_source(snapshot, model_id)
     raise ModelNotFoundError(

@@ -35,7 +35,7 @@ from ferrox.layers.quant.method import QuantConfig
 from ferrox.loader.cpu_offload import GIB
 from ferrox.loader.model_loader import load_generation_config, load_model, load_model_spec
 from ferrox.loader.no_tokenizer import no_tokenizer_for
-from ferrox.loader.source import ModelSource, resolve_model
+from ferrox.loader.source import ModelSource, resolve_model, resolve_tokenizer
 from ferrox.loader.tokenizer import load_tokenizer
 from ferrox.model_spec import rope_type_of, spec_for_context
 from ferrox.pooling.config import pooling_max_model_len, pooling_setup, pooling_token_budget
@@ -128,7 +128,8 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
     logger.info("model %s: %s (%s)", source.name, source.path, source.format)
     tokenizer: Any = None
     if not config.skip_tokenizer_init:  # (first: a snapshot missing its tokenizer is named before its config)
-        tok_source = resolve_model(config.tokenizer) if config.tokenizer is not None else source
+        tok_source = (resolve_tokenizer(config.tokenizer, config.model, config.revision, config.tokenizer_revision)
+                      if config.tokenizer is not None or config.tokenizer_revision is not None else source)
         logger.info("loading the tokenizer from %s", tok_source.path)
         tokenizer = _cached_tokenizer(tok_source, _mtime(tok_source.path))
     overrides = _overrides_key(config.hf_overrides)
