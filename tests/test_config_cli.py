@@ -325,3 +325,18 @@ def test_dotted_keys_of_json_flags():
     assert cli.expand_dotted_json_args(plain) == plain  # nothing dotted: untouched
     with pytest.raises(ValueError, match="needs a value"):
         cli.expand_dotted_json_args(["serve", "--compilation-config.mode"])
+
+
+def test_swap_space_is_checked_as_vllm_checks_it(caplog):
+    """vLLM's V1 engine reserves no swap (it preempts by recompute, as ferrox): the setting is validated against
+    host memory as vLLM validates it, and reported; an unset one is vLLM's default 4 GiB, unchecked."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
+    assert parse("--swap-space", "0.5").swap_space == 0.5
+    with pytest.raises(ValueError, match="swap_space: must be a number"):
+        EngineConfig(swap_space=-1)
+    with pytest.raises(ValueError, match=r"swap_space: .* x 2 ranks\) .* is too much"):
+        EngineConfig(swap_space=total * 0.4, tensor_parallel_size=2)
+    with caplog.at_level("WARNING"):
+        EngineConfig(swap_space=total * 0.5)
+    assert "possibly too much" in caplog.text
+    EngineConfig(tensor_parallel_size=64)  # (unset: no check)

@@ -32,6 +32,8 @@ Defaults that differ by device, and why:
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +97,24 @@ def _check_mm_limits(limits: Any) -> None:
 def _opt(help: str, default: Any = None, **meta: Any) -> Any:
     """A dataclass field carrying its CLI documentation (see the module docstring)."""
     return dataclasses.field(default=default, metadata={"help": help, **meta})
+
+
+def _check_swap_space(swap_space: Any, tensor_parallel_size: Any) -> None:
+    """vLLM's check of its (V1: unused) swap space against host memory, per GPU of the node."""
+    if isinstance(swap_space, bool) or not isinstance(swap_space, (int, float)) or not swap_space >= 0:
+        raise ValueError(f"swap_space: must be a number of GiB >= 0, got {swap_space!r}")
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return  # (no sysconf: nothing to compare with)
+    ranks = tensor_parallel_size if isinstance(tensor_parallel_size, int) and tensor_parallel_size > 0 else 1
+    usage = swap_space * (1 << 30) * ranks
+    message = (f"swap_space: {usage / (1 << 30):.2f} GiB ({swap_space} GiB x {ranks} ranks) out of the "
+               f"{total / (1 << 30):.2f} GiB of host memory")
+    if usage > 0.7 * total:
+        raise ValueError(f"{message} is too much (vLLM refuses more than 70%)")
+    if usage > 0.4 * total:
+        logging.getLogger(__name__).warning("%s is possibly too much", message)
 
 
 @dataclass(slots=True)
@@ -209,6 +229,11 @@ class EngineConfig:
         "GiB of each GPU's weights to keep in host memory, read by the GPU in place at every step (vLLM's): a "
         "model larger than the GPU runs, slower by the bytes streamed over the host link; 0: none "
         "(loader/cpu_offload.py)", 0.0)
+    swap_space: float | None = _opt(
+        "vLLM's CPU swap space per GPU, GiB. vLLM's V1 engine, like ferrox, preempts by recomputing and never "
+        "swaps KV blocks to the host, so it reserves nothing: it is checked as vLLM checks it (more than 70% of "
+        "host memory across the tensor-parallel ranks is refused, more than 40% warned) and reported in "
+        "cache_config_info", default_help="4, vLLM's, unchecked")
     compilation_config: dict[str, Any] | None = _opt(
         "vLLM's compilation settings, a JSON object (-cc; LLM(compilation_config=3) is a mode): ferrox runs no "
         "torch.compile, so it takes the keys that choose CUDA graphs, with vLLM's meaning -- cudagraph_mode "
@@ -348,6 +373,8 @@ class EngineConfig:
         if isinstance(self.cpu_offload_gb, bool) or not isinstance(self.cpu_offload_gb, (int, float)) \
                 or not self.cpu_offload_gb >= 0:
             raise ValueError(f"cpu_offload_gb: must be a number of GiB >= 0, got {self.cpu_offload_gb!r}")
+        if self.swap_space is not None:
+            _check_swap_space(self.swap_space, self.tensor_parallel_size)
         if self.cpu_offload_gb and self.enable_sleep_mode:
             raise ValueError("cpu_offload_gb: sleep mode moves the weights into a device region of its own; the two "
                              "cannot be combined")

@@ -75,6 +75,7 @@ def test_get_metrics_after_generate(tiny_llama):
     assert cache.value == 1 and cache.labels["engine"] == "0" and cache.labels["block_size"] == "16"
     assert cache.labels["num_gpu_blocks"] == str(llm.engine.num_kv_blocks)
     assert cache.labels["enable_prefix_caching"] == "True" and cache.labels["cache_dtype"] == "auto"
+    assert cache.labels["swap_space"] == "4.0" and cache.labels["swap_space_bytes"] == "4294967296.0"  # vLLM's V1 rendering
     assert all(m.name.startswith("vllm:") for m in metrics)
 
 

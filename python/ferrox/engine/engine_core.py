@@ -101,12 +101,15 @@ class EngineCore:
         self.num_kv_blocks = loaded.num_blocks
         self.block_size = config.block_size
         # vLLM's cache_config_info gauge (metrics/prometheus.py): the KV cache's settings as labels.
+        swap_space = float(config.swap_space if config.swap_space is not None else 4.0)  # vLLM's default
         self._cache_config_info = {
             "block_size": config.block_size, "cache_dtype": config.kv_cache_dtype,
             "enable_prefix_caching": config.enable_prefix_caching,
             "prefix_caching_hash_algo": config.prefix_caching_hash_algo,
             "gpu_memory_utilization": config.gpu_memory_utilization, "num_gpu_blocks": loaded.num_blocks,
             "num_gpu_blocks_override": config.num_gpu_blocks_override, "cpu_offload_gb": config.cpu_offload_gb,
+            "swap_space": swap_space, "swap_space_bytes": swap_space * (1 << 30),
+            "calculate_kv_scales": config.calculate_kv_scales,
         }
         self.thread_governor = loaded.threads  # CPU: intra-op threads follow the machine's load
         # Runner "pooling" (ferrox.pooling, worker/pooling_runner.py): each request is one prompt pooled into a
