@@ -19,6 +19,10 @@ kernels run), gguf-packed (CPU: the GGUF's blocks kept quantized in packed int4 
 same file dequantized to float32), int8 (compressed-tensors W8A8: int8 weights per channel, int8
 activations per token), fp8-block (block-wise FP8, DeepSeek / Qwen3-FP8 layout, activations per group
 of 128; blocks of 64 x 128 here, since SmolLM2's 192-row k/v shards cut the usual 128-row blocks).
+llama.cpp-TYPE (with --llama-cpp-python, a Python where llama-cpp-python is installed: llama.cpp itself,
+for comparison): the GGUF requantized by llama.cpp's own quantizer to TYPE (f32, q8_0, q6_k, q5_k_m, q4_k_m,
+q4_0; q4_1 is the file as it is), run by llama.cpp teacher-forced the same way (the prompt, then one token a
+call) against the same reference; llama.cpp-f32 shows what the two implementations' arithmetic alone differs by.
 Targets: FP8 weights <= 0.02 nats, FP8 KV <= 0.02, int4 <= 0.1. Prints a table, the worst KL last.
 """
 
@@ -37,6 +41,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (bench_cpu_quant's llama.cpp child)
 
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain what a hash table is.",
@@ -216,12 +221,45 @@ def gptq_folder(float_folder: str, out_dir: str, hessians: dict[str, torch.Tenso
     return quantized
 
 
+# llama.cpp's own quantizer (llama_model_quantize), in the llama-cpp-python interpreter: input, output, ftype name.
+_LLAMA_CPP_QUANTIZE = r"""
+import ctypes, sys
+import llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = getattr(llama_cpp, "LLAMA_FTYPE_" + sys.argv[3])
+params.allow_requantize = True
+params.nthread = 2
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params)))
+"""
+_LLAMA_CPP_FTYPES = {"f32": "ALL_F32", "q8_0": "MOSTLY_Q8_0", "q6_k": "MOSTLY_Q6_K", "q5_k_m": "MOSTLY_Q5_K_M",
+                     "q4_k_m": "MOSTLY_Q4_K_M", "q4_0": "MOSTLY_Q4_0"}
+
+
+def llama_cpp_variant(python: str, gguf: str, kind: str, tmp: str, prompts: list[list[int]],
+                      forced: list[list[int]]) -> list[torch.Tensor]:
+    """llama.cpp's teacher-forced log-probabilities on the GGUF requantized to `kind` by llama.cpp itself."""
+    import subprocess
+
+    from bench_cpu_quant import llama_cpp_logprobs
+
+    path = gguf
+    if kind != "q4_1":
+        if kind not in _LLAMA_CPP_FTYPES:
+            raise SystemExit(f"llama.cpp-{kind}: choose one of q4_1, {', '.join(_LLAMA_CPP_FTYPES)}")
+        path = os.path.join(tmp, f"model-{kind}.gguf")
+        subprocess.run([python, "-c", _LLAMA_CPP_QUANTIZE, gguf, path, _LLAMA_CPP_FTYPES[kind]], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return llama_cpp_logprobs(python, path, os.cpu_count() or 1, list(zip(prompts, forced, strict=True)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: the embedded SmolLM2)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--variants", default=None)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--llama-cpp-python", default=None,
+                    help="a Python with llama-cpp-python, for the llama.cpp-TYPE variants (a GGUF model)")
     args = ap.parse_args()
     from ferrox.loader.source import resolve_model
 
@@ -282,6 +320,14 @@ def main() -> None:
                 llm = make_llm(folder, args.device, dtype=dtype)
             elif name == "gguf-packed":
                 llm = make_llm(source.path, "cpu", dtype="auto")
+            elif name.startswith("llama.cpp-"):
+                if not args.llama_cpp_python or source.format != "gguf":
+                    raise SystemExit(f"{name}: needs --llama-cpp-python and a GGUF model")
+                got = llama_cpp_variant(args.llama_cpp_python, source.path, name.split("-", 1)[1], tmp, prompts, forced)
+                kl, agree = compare(ref, got)
+                rows.append((name, kl, agree, None))
+                print(f"{name:<12} {kl:>15.5f} {agree:>17.3f} {'-':>8}")
+                continue
             else:
                 raise SystemExit(f"unknown variant {name!r}")
             kl, agree = compare(ref, forced_logprobs(llm, prompts, forced))

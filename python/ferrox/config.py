@@ -75,6 +75,11 @@ EXECUTOR_BACKENDS = ("mp", "ray", "uni")
 # vLLM's --runner; "auto" resolves once the architecture is known (ferrox.pooling.config.resolve_runner).
 RUNNERS = ("auto", "generate", "pooling")
 TOKENIZER_MODES = ("auto", "hf")
+# vLLM's --model-impl: ferrox's model families are its own ("vllm": the engine's native ones); running
+# transformers' modelling code ("transformers", "terratorch") is not something it does.
+MODEL_IMPLS = ("auto", "vllm")
+# vLLM's --config-format: a Hugging Face config.json (or a GGUF's metadata); Mistral's params.json is not read.
+CONFIG_FORMATS = ("auto", "hf")
 
 
 def _gib(n: int) -> str:
@@ -190,6 +195,19 @@ class EngineConfig:
     seed: int = _opt("engine seed (dummy weights, unseeded sampling)", 0)
     load_format: str = _opt("weight format; 'dummy' = random weights of the real architecture", "auto",
                             choices=LOAD_FORMATS)
+    model_impl: str = _opt(
+        "which model implementation (vLLM's): 'auto' and 'vllm' are the engine's own (ferrox's built-in families, "
+        "the only ones it has); 'transformers' (transformers' modelling code) is refused", "auto", choices=MODEL_IMPLS)
+    config_format: str = _opt(
+        "the model config's format (vLLM's): 'auto' and 'hf' read config.json (or a GGUF's metadata); "
+        "'mistral' (params.json) is refused", "auto", choices=CONFIG_FORMATS)
+    code_revision: str | None = _opt(
+        "vLLM's revision of a hub model's own Python code (with trust_remote_code); ferrox runs no code from a "
+        "model repository, so there is none to pick: accepted so vLLM command lines run unchanged",
+        default_help="none")
+    disable_cascade_attn: bool = _opt(
+        "vLLM's switch off of cascade attention (one attention pass over a prefix the whole batch shares); ferrox "
+        "has no cascade attention, so it is always off: accepted so vLLM command lines run unchanged", False)
     device: str = _opt("where to run", "auto", choices=DEVICES, default_help="auto: cuda when available, else cpu")
     gpu_memory_utilization: float = _opt("fraction of GPU memory for weights, activations and KV cache", 0.9)
     kv_cache_memory: int | None = _opt(
@@ -351,6 +369,8 @@ class EngineConfig:
         _choice("load_format", self.load_format, LOAD_FORMATS)
         _choice("device", self.device, DEVICES)
         _choice("tokenizer_mode", self.tokenizer_mode, TOKENIZER_MODES)
+        _choice("model_impl", self.model_impl, MODEL_IMPLS)
+        _choice("config_format", self.config_format, CONFIG_FORMATS)
         if self.quantization is not None:
             _choice("quantization", self.quantization, QUANTIZATION_METHODS)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
