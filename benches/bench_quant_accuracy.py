@@ -10,7 +10,8 @@ agreement is the share of positions where both put the same token first.
 
     python benches/bench_quant_accuracy.py [--model PATH] [--variants fp8,fp8-kv,int4-awq] [--device cuda]
 
-Variants: fp8 (online FP8 weights, W8A8 on a GPU), fp8-kv (kv_cache_dtype="fp8"), int4-awq (the
+Variants: fp8 (online FP8 weights, W8A8 on a GPU), fp8-kv (kv_cache_dtype="fp8"), fp8-kv-calc (the same with
+calculate_kv_scales: the scales measured on a first request, one CALIBRATION prompt, before the measured ones), int4-awq (the
 weights round-to-nearest quantized into an AWQ-layout folder, group 128), int4-gptq (GPTQ-calibrated
 into a GPTQ-layout folder, group 128, act-order, as GPTQModel / AutoGPTQ exports are made; the
 calibration set is the reference model's own sampled answers to CALIBRATION, none of the measured
@@ -67,7 +68,7 @@ CALIBRATION = [
     "Describe how a refrigerator works.", "Write a C function that computes a factorial.",
     "What is the Pythagorean theorem?", "Explain what a neural network is in simple words.",
 ]
-TARGETS = {"fp8": 0.02, "fp8-kv": 0.02, "int4-awq": 0.1, "int4-gptq": 0.1, "int4-gptq-static": 0.1,
+TARGETS = {"fp8": 0.02, "fp8-kv": 0.02, "fp8-kv-calc": 0.02, "int4-awq": 0.1, "int4-gptq": 0.1, "int4-gptq-static": 0.1,
            "gguf-packed": None, "int8": None, "fp8-block": 0.02}
 SMOLLM2_FP8_BLOCK = (64, 128)
 
@@ -299,6 +300,11 @@ def main() -> None:
                 llm = make_llm(source.path, args.device, dtype=dtype, quantization="fp8")
             elif name == "fp8-kv":
                 llm = make_llm(source.path, args.device, dtype=dtype, kv_cache_dtype="fp8")
+            elif name == "fp8-kv-calc":
+                llm = make_llm(source.path, args.device, dtype=dtype, kv_cache_dtype="fp8", calculate_kv_scales=True)
+                first = tok.encode(tok.apply_chat_template([{"role": "user", "content": CALIBRATION[0]}],
+                                                           add_generation_prompt=True))
+                llm.generate([{"prompt_token_ids": first}], SamplingParams(max_tokens=1), use_tqdm=False)
             elif name.startswith("int4-") or name in ("int8", "fp8-block"):
                 float_dir = os.path.join(tmp, "float")
                 if source.format != "gguf":

@@ -37,9 +37,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
-import torch
+if TYPE_CHECKING:  # (no torch at run time: the API server process loads this module to validate requests)
+    import torch
 
-if TYPE_CHECKING:
     from ferrox.sampling_params import SamplingParams
 
 __all__ = [
@@ -93,10 +93,13 @@ class LogitsProcessor(ABC):
         """Called before every step's apply; None when the batch did not change."""
 
 
-RequestLogitsProcessor = Union[  # noqa: UP007 (a runtime alias)
-    Callable[[list[int], torch.Tensor], torch.Tensor],
-    Callable[[list[int], list[int], torch.Tensor], torch.Tensor],
-]
+if TYPE_CHECKING:
+    RequestLogitsProcessor = Union[  # noqa: UP007
+        Callable[[list[int], "torch.Tensor"], "torch.Tensor"],
+        Callable[[list[int], list[int], "torch.Tensor"], "torch.Tensor"],
+    ]
+else:
+    RequestLogitsProcessor = Callable[..., Any]  # (output_ids, row) or (prompt_ids, output_ids, row) -> row
 
 
 class AdapterLogitsProcessor(LogitsProcessor):
