@@ -152,6 +152,19 @@ def test_loading_and_refusals(folder):
         bare.generate(["hi"], SamplingParams(max_tokens=2, extra_args={"force_token": 7}), use_tqdm=False)
 
 
+def test_a_failing_processor_fails_its_step_not_the_engine(folder):
+    """A processor that raises fails the requests of that step (finish_reason "error" with its error), and the
+    engine serves on with no KV block lost."""
+    llm = LLM(model=folder, max_model_len=128, kv_cache_memory=32 << 20, logits_processors=[logits_procs.Boom])
+    failed = llm.generate(["hi"], SamplingParams(max_tokens=3, extra_args={"boom": True}), use_tqdm=False)[0]
+    assert failed.outputs[0].finish_reason == "error" and failed.outputs[0].token_ids == []
+    assert failed.error == "sampling with logits processors failed: RuntimeError: boom"
+    out = llm.generate(["hi there"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4
+    stats = llm.engine.stats()
+    assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"] - 1  # no block leaked
+
+
 @pytest.mark.slow
 def test_server_passes_vllm_xargs_to_the_processors(tmp_path):
     from tests.server.server_proc import ServerProcess

@@ -108,3 +108,17 @@ class EchoPrompt(AdapterLogitsProcessor):
 
 class NotAProcessor:
     pass
+
+
+class Boom(_PerRow):
+    """Raises in apply while some row's request asked for it (extra_args {"boom": true}): a broken processor."""
+
+    key = "boom"
+
+    def state(self, value: Any, prompt_ids: list[int] | None, output_ids: list[int]) -> Any:
+        return bool(value)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if any(self.rows.values()):
+            raise RuntimeError("boom")
+        return logits
