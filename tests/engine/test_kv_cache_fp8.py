@@ -17,7 +17,7 @@ import pytest
 import torch
 from ferrox import LLM, SamplingParams
 
-from tests.helpers.fp8_kv_reference import prompt_logprobs_with_fp8_kv
+from tests.helpers.fp8_kv_reference import engine_prompt_logprobs, prompt_logprobs_with_fp8_kv
 from tests.helpers.tiny_models import make_tiny_llama
 
 KV_MEMORY = 4 << 20
@@ -62,13 +62,7 @@ def _llm(model: str, kv_cache_dtype: str, **kwargs) -> LLM:
                seed=0, **kwargs)
 
 
-def _prompt_logprobs(llm: LLM, prompts: list[str]) -> list[torch.Tensor]:
-    """Teacher-forced log-probabilities of each prompt's own tokens (positions 1..)."""
-    out = []
-    for o in llm.generate(prompts, TEACHER, use_tqdm=False):
-        ids = o.prompt_token_ids
-        out.append(torch.tensor([o.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]))
-    return out
+_prompt_logprobs = engine_prompt_logprobs  # teacher-forced log-probabilities of each prompt's own tokens
 
 
 @pytest.fixture(scope="module")

@@ -26,14 +26,13 @@ from ferrox.attention.kv_cache import KVCacheScales
 from ferrox.attention.kv_scale_calibration import KvScaleCalibration, calibrate_if_armed
 from ferrox.config import EngineConfig
 
-from tests.helpers.fp8_kv_reference import kv_head_maxima, prompt_logprobs_with_fp8_kv
+from tests.helpers.fp8_kv_reference import engine_prompt_logprobs, kv_head_maxima, prompt_logprobs_with_fp8_kv
 from tests.helpers.tiny_deepseek import make_tiny_deepseek
 from tests.helpers.tiny_models import make_tiny_llama
 
 FIRST = "The quick brown fox jumps over the lazy dog. " * 3
 PROMPTS = ["Paris is the capital of", "def add(a, b):\n    return", "Numbers: 0 1 2 3 4 5"]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-TEACHER = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +49,7 @@ def _scales(llm: LLM) -> list[tuple[float, float]]:
     return [(m.k_scale, m.v_scale) for m in llm.engine.runner.model.modules() if isinstance(m, KVCacheScales)]
 
 
-def _prompt_logprobs(llm: LLM, prompts: list[str]) -> list[torch.Tensor]:
-    out = []
-    for o in llm.generate(prompts, TEACHER, use_tqdm=False):
-        ids = o.prompt_token_ids
-        out.append(torch.tensor([o.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]))
-    return out
+_prompt_logprobs = engine_prompt_logprobs
 
 
 # ---- the measure ----------------------------------------------------------------------------------

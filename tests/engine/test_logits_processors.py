@@ -14,10 +14,7 @@
 
 from __future__ import annotations
 
-import json
 import random
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
@@ -167,19 +164,13 @@ def test_a_failing_processor_fails_its_step_not_the_engine(folder):
 
 @pytest.mark.slow
 def test_server_passes_vllm_xargs_to_the_processors(tmp_path):
-    from tests.server.server_proc import ServerProcess
+    from tests.server.server_proc import ServerProcess, post_json
 
     srv = ServerProcess("--logits-processors", "tests.helpers.logits_procs:ForceToken", "--max-model-len", "512",
                         "--kv-cache-memory", "64MiB", env={"PYTHONPATH": str(logits_procs.__file__).rsplit("/tests/", 1)[0]})
 
     def post(body):
-        req = urllib.request.Request(srv.base_url + "/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=60) as resp:
-                return resp.status, json.loads(resp.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
+        return post_json(srv.base_url, body, "/v1/completions")
 
     try:
         status, body = post({"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True,

@@ -4,6 +4,7 @@
   layer's scales before attention -- what an FP8 cache stores and reads back -- teacher-forced over a
   prompt's own tokens. A scale is a number, or a float32 [num_kv_heads] tensor (one per KV head: under
   tensor parallelism each rank has its own).
+- `engine_prompt_logprobs`: the same teacher-forced log-probabilities from a ferrox engine (prompt_logprobs).
 - `kv_head_maxima`: each layer's largest |k| and |v| per KV head over a prompt, as calculate_kv_scales'
   measuring pass meets them.
 """
@@ -22,6 +23,18 @@ def fake_fp8(x: torch.Tensor, scale: Scale) -> torch.Tensor:
     """x [batch, heads, tokens, dim] as an FP8 cache at `scale` holds it, read back."""
     s = scale.to(x.dtype).view(1, -1, 1, 1) if isinstance(scale, torch.Tensor) else scale
     return (x / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype) * s
+
+
+def engine_prompt_logprobs(llm: Any, prompts: Sequence[str]) -> list[torch.Tensor]:
+    """Per prompt: a ferrox engine's log-probabilities of its tokens 1.. (prompt_logprobs, one step)."""
+    from ferrox import SamplingParams
+
+    out = []
+    for o in llm.generate(list(prompts), SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
+                          use_tqdm=False):
+        ids = o.prompt_token_ids
+        out.append(torch.tensor([o.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]))
+    return out
 
 
 def _model(folder: str, name: str, attention: Callable[..., Any]) -> Any:
