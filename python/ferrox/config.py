@@ -448,7 +448,8 @@ class EngineConfig:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras: {self.max_cpu_loras} is less than max_loras ({self.max_loras})")
         if self.skip_tokenizer_init:
-            for name, value in (("tokenizer", self.tokenizer), ("reasoning_parser", self.reasoning_parser)):
+            for name, value in (("tokenizer", self.tokenizer), ("tokenizer_revision", self.tokenizer_revision),
+                                ("reasoning_parser", self.reasoning_parser)):
                 if value is not None:
                     raise ValueError(f"{name}: {value!r} needs the tokenizer, which skip_tokenizer_init leaves "
                                      "unloaded")

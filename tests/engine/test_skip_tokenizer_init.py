@@ -61,6 +61,8 @@ def test_token_ids_in_and_out_as_with_the_tokenizer(folders):
         llm.engine.shutdown()
     with pytest.raises(ValueError, match="tokenizer: .* needs the tokenizer"):
         EngineConfig(model=bare, skip_tokenizer_init=True, tokenizer=folder)
+    with pytest.raises(ValueError, match="tokenizer_revision: .* needs the tokenizer"):
+        EngineConfig(model=bare, skip_tokenizer_init=True, tokenizer_revision="v1")
 
 
 def test_server_takes_token_ids_and_refuses_text(folders):
