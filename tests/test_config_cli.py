@@ -128,6 +128,9 @@ def _non_default(name: str) -> list[tuple[list[str], Any]]:
         return [([flag, "8"], [8]), ([flag, "1", "4"], [1, 4])]
     if name == "cudagraph_capture_sizes":  # integers, several (vLLM's nargs)
         return [([flag, "1", "2", "4"], [1, 2, 4])]
+    if name == "reasoning_parser_plugin":  # a file, run when the config is made
+        plugin = os.path.join(os.path.dirname(__file__), "helpers", "reasoning_plugin.py")
+        return [([flag, plugin], plugin)]
     if name == "logits_processors":  # class paths, several (vLLM's nargs; imported by the engine)
         return [([flag, "pkg.mod:A", "pkg.mod.B"], ["pkg.mod:A", "pkg.mod.B"])]
     if name == "served_model_name":  # one name, or several (vLLM's nargs)

@@ -32,6 +32,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "ferrox.beam_search",
         # The custom logits processor interface users subclass, and its loader (engine and front-end use it).
         "ferrox.logits_processor",
+        # Running a plugin file a command line names (tool and reasoning parser plugins).
+        "ferrox.plugin_files",
         # Reasoning parsers: text and token ids only (the config names their choices, the engine core
         # and the routes use them).
         "ferrox.reasoning",

@@ -40,7 +40,8 @@ from typing import Any
 from ferrox.compilation_config import GraphPlan, graph_plan
 from ferrox.kv_events_config import parse_kv_events_config
 from ferrox.pooling.params import parse_pooler_overrides
-from ferrox.reasoning.parser import REASONING_PARSERS
+from ferrox.reasoning.parser import REASONING_PARSER_CHOICES, reasoning_parser_names
+from ferrox.reasoning.plugin import load_reasoning_parser_plugin
 from ferrox.speculative_config import parse_speculative_config
 from ferrox.structured_outputs_config import parse_structured_outputs_config
 
@@ -349,7 +350,10 @@ class EngineConfig:
         "then returns the thinking as `reasoning`, parses tool calls from the answer only, and structured outputs "
         "constrain the answer after the end of thinking (refused with granite and openai_gptoss, as are "
         "thinking budgets)",
-        choices=REASONING_PARSERS, default_help="none: the whole output is the content")
+        choices=REASONING_PARSER_CHOICES, default_help="none: the whole output is the content")
+    reasoning_parser_plugin: str | None = _opt(
+        "a Python file run at start-up (vLLM's) that registers reasoning parsers for --reasoning-parser: ferrox marker "
+        "families (ferrox.reasoning.plugin.register_reasoning_parser)", default_help="none")
 
     kv_events_config: dict[str, Any] | None = _opt(
         "vLLM's KV cache events for KV-aware routers, a JSON object: enable_kv_cache_events, publisher ('zmq', "
@@ -462,8 +466,15 @@ class EngineConfig:
                 raise ValueError(f"structured_outputs_config.reasoning_parser: {so_parser!r} differs from "
                                  f"reasoning_parser {self.reasoning_parser!r}; give it once")
             self.reasoning_parser = so_parser
+        so_plugin = parse_structured_outputs_config(self.structured_outputs_config).reasoning_parser_plugin
+        if so_plugin is not None:
+            if self.reasoning_parser_plugin is not None and self.reasoning_parser_plugin != so_plugin:
+                raise ValueError(f"structured_outputs_config.reasoning_parser_plugin: {so_plugin!r} differs from "
+                                 f"reasoning_parser_plugin {self.reasoning_parser_plugin!r}; give it once")
+            self.reasoning_parser_plugin = so_plugin
+        load_reasoning_parser_plugin(self.reasoning_parser_plugin)  # (its names before the check below)
         if self.reasoning_parser is not None:
-            _choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
+            _choice("reasoning_parser", self.reasoning_parser, reasoning_parser_names())
             if self.runner == "pooling":
                 raise ValueError("reasoning_parser: a pooling model generates no text to parse (leave it unset "
                                  "with runner 'pooling')")

@@ -10,7 +10,7 @@ reads it. ferrox's one structured-output backend is llguidance, which is vLLM's 
 - reasoning_parser: the same setting as --reasoning-parser (both given, they must agree).
 - enable_in_reasoning: true constrains a reasoning model's thinking too (from its first token), instead of
   only its answer after the end of thinking.
-- reasoning_parser_plugin: ferrox loads no plugins; refused unless empty.
+- reasoning_parser_plugin: the same setting as --reasoning-parser-plugin (both given, they must agree).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class StructuredOutputsDefaults:
     disable_additional_properties: bool | None = None  # None: ferrox's default (closed objects)
     enable_in_reasoning: bool = False
     reasoning_parser: str | None = None
+    reasoning_parser_plugin: str | None = None
 
 
 def parse_structured_outputs_config(value: dict[str, Any] | None) -> StructuredOutputsDefaults:
@@ -54,16 +55,16 @@ def parse_structured_outputs_config(value: dict[str, Any] | None) -> StructuredO
     for key in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties", "enable_in_reasoning"):
         if key in value and not isinstance(value[key], bool):
             raise ValueError(f"structured_outputs_config.{key}: must be true or false, got {value[key]!r}")
-    if value.get("reasoning_parser_plugin"):
-        raise ValueError("structured_outputs_config.reasoning_parser_plugin: ferrox loads no reasoning-parser "
-                         "plugins; its parsers are built in (--reasoning-parser)")
+    plugin = value.get("reasoning_parser_plugin") or None
+    if plugin is not None and not isinstance(plugin, str):
+        raise ValueError(f"structured_outputs_config.reasoning_parser_plugin: must be a file's path, got {plugin!r}")
     parser = value.get("reasoning_parser") or None
     if parser is not None and not isinstance(parser, str):
         raise ValueError(f"structured_outputs_config.reasoning_parser: must be a parser's name, got {parser!r}")
     return StructuredOutputsDefaults(disable_any_whitespace=value.get("disable_any_whitespace"),
                                      disable_additional_properties=value.get("disable_additional_properties"),
                                      enable_in_reasoning=bool(value.get("enable_in_reasoning", False)),
-                                     reasoning_parser=parser)
+                                     reasoning_parser=parser, reasoning_parser_plugin=plugin)
 
 
 def with_defaults(params: StructuredOutputsParams, defaults: StructuredOutputsDefaults) -> StructuredOutputsParams:

@@ -57,6 +57,7 @@ from ferrox.multimodal.inputs import MultiModalItem, cache_salt_with_images
 from ferrox.multimodal.processing import image_prompts_for_model
 from ferrox.pooling.params import PoolingParams, validate_pooling_request
 from ferrox.reasoning import get_reasoning_parser
+from ferrox.reasoning.plugin import load_reasoning_parser_plugin
 from ferrox.request_rules import check_request_id
 from ferrox.sampling_params import SamplingParams
 from ferrox.sleep_mode import KV_CACHE, WEIGHTS, check_rpc, sleep_plan, wake_tags
@@ -126,6 +127,8 @@ class EngineCore:
                 loaded.source.path, self.spec.hf_config.get("multimodal") or {}, self.tokenizer,
                 limits=config.limit_mm_per_prompt, allowed_local_media_path=config.allowed_local_media_path,
                 processor_kwargs=config.mm_processor_kwargs)
+            # (a config that crossed into this process did not run its plugin here: run it now)
+            load_reasoning_parser_plugin(config.reasoning_parser_plugin)
             self.reasoning = (get_reasoning_parser(config.reasoning_parser, self.tokenizer.token_to_id)
                               if config.reasoning_parser else None)
             # structured_outputs_config: the JSON options' server-wide defaults, whether thinking is constrained.

@@ -28,6 +28,9 @@ from ferrox.config import EngineConfig  # imports no torch: the API server proce
 from ferrox.engine.defaults import resolve_generation_defaults
 from ferrox.entrypoints.openai.tool_parsers.plugin import load_tool_parser_plugin, plugin_path
 from ferrox.logging_config import CONFIG_PATH_ENV, configure_logging
+from ferrox.plugin_files import flag_value
+from ferrox.reasoning.plugin import FLAG as REASONING_FLAG
+from ferrox.reasoning.plugin import load_reasoning_parser_plugin
 
 logger = logging.getLogger("ferrox.serve")
 
@@ -610,6 +613,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         plugin = plugin_path(argv)
         if plugin is not None:
             load_tool_parser_plugin(plugin)
+        # ... and a --reasoning-parser-plugin its parsers before --reasoning-parser's choices are checked.
+        load_reasoning_parser_plugin(flag_value(argv, REASONING_FLAG))
     except (ValueError, argparse.ArgumentTypeError) as exc:
         build_parsers()[0].error(str(exc))
     parser, serve_parser = build_parsers()

@@ -42,8 +42,29 @@ from ferrox.reasoning.families import FAMILIES, Family
 from ferrox.reasoning.harmony import NAME as HARMONY_NAME
 from ferrox.reasoning.harmony import HarmonyReasoningParser, HarmonyReasoningStream, get_harmony_parser
 
-# vLLM's names; the CLI's choices (ferrox.config imports this module, which imports no torch).
+# vLLM's names of ferrox's own parsers (ferrox.config imports this module, which imports no torch).
 REASONING_PARSERS = (*FAMILIES, HARMONY_NAME)
+
+
+def reasoning_parser_names() -> tuple[str, ...]:
+    """Every parser name: the built-in ones and those a --reasoning-parser-plugin registered (plugin.py)."""
+    return (*FAMILIES, HARMONY_NAME)
+
+
+class _ParserNames:
+    """The CLI's choices of --reasoning-parser, read when asked (a plugin adds names after import)."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(reasoning_parser_names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in reasoning_parser_names()
+
+    def __len__(self) -> int:
+        return len(reasoning_parser_names())
+
+
+REASONING_PARSER_CHOICES = _ParserNames()
 START_TAG = "<think>"
 END_TAG = "</think>"
 
@@ -108,8 +129,8 @@ class ReasoningParser:
 def get_reasoning_parser(name: str, token_to_id: Callable[[str], int | None]) -> AnyReasoningParser:
     """The parser `name` for a tokenizer (its token_to_id); ValueError naming reasoning_parser when the
     name is unknown or the tokenizer lacks the tags as single tokens."""
-    if name not in REASONING_PARSERS:
-        raise ValueError(f"reasoning_parser: {name!r} is not one of {', '.join(REASONING_PARSERS)}")
+    if name not in reasoning_parser_names():
+        raise ValueError(f"reasoning_parser: {name!r} is not one of {', '.join(reasoning_parser_names())}")
     if name == HARMONY_NAME:
         return get_harmony_parser(token_to_id)
     family = FAMILIES[name]
