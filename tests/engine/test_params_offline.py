@@ -159,7 +159,7 @@ def test_structured_outputs_config_sets_request_defaults():
     assert with_defaults(Params(regex="a+"), defaults) == Params(regex="a+")  # not JSON: untouched
     for value, key in (({"backend": "xgrammar"}, "backend"), ({"backend": "magic"}, "backend"),
                        ({"guided": 1}, "guided"), ({"enable_in_reasoning": "yes"}, "enable_in_reasoning"),
-                       ({"reasoning_parser_plugin": "/x.py"}, "reasoning_parser_plugin"),
+                       ({"reasoning_parser_plugin": 5}, "reasoning_parser_plugin"),
                        ({"reasoning_parser": "qwen3", "backend": "auto"}, None)):
         if key is None:
             assert EngineConfig(structured_outputs_config=value).reasoning_parser == "qwen3"
@@ -168,6 +168,8 @@ def test_structured_outputs_config_sets_request_defaults():
             EngineConfig(structured_outputs_config=value)
     with pytest.raises(ValueError, match="structured_outputs_config.reasoning_parser"):
         EngineConfig(structured_outputs_config={"reasoning_parser": "qwen3"}, reasoning_parser="deepseek_r1")
+    with pytest.raises(ValueError, match="--reasoning-parser-plugin /x.py: no such file"):  # (run as the flag's)
+        EngineConfig(structured_outputs_config={"reasoning_parser_plugin": "/x.py"})
 
 
 def test_structured_outputs_config_defaults_reach_the_engine(tmp_path):
