@@ -460,18 +460,15 @@ class EngineConfig:
         if parse_kv_events_config(self.kv_events_config).enable_kv_cache_events and not self.enable_prefix_caching:
             raise ValueError("kv_events_config.enable_kv_cache_events: the events are the prefix cache's; they need "
                              "enable_prefix_caching")
-        so_parser = parse_structured_outputs_config(self.structured_outputs_config).reasoning_parser
-        if so_parser is not None:
-            if self.reasoning_parser is not None and self.reasoning_parser != so_parser:
-                raise ValueError(f"structured_outputs_config.reasoning_parser: {so_parser!r} differs from "
-                                 f"reasoning_parser {self.reasoning_parser!r}; give it once")
-            self.reasoning_parser = so_parser
-        so_plugin = parse_structured_outputs_config(self.structured_outputs_config).reasoning_parser_plugin
-        if so_plugin is not None:
-            if self.reasoning_parser_plugin is not None and self.reasoning_parser_plugin != so_plugin:
-                raise ValueError(f"structured_outputs_config.reasoning_parser_plugin: {so_plugin!r} differs from "
-                                 f"reasoning_parser_plugin {self.reasoning_parser_plugin!r}; give it once")
-            self.reasoning_parser_plugin = so_plugin
+        # structured_outputs_config's reasoning keys are the flags of the same names: given twice, they must agree.
+        so_config = parse_structured_outputs_config(self.structured_outputs_config)
+        for name in ("reasoning_parser", "reasoning_parser_plugin"):
+            so_value, own = getattr(so_config, name), getattr(self, name)
+            if so_value is not None:
+                if own is not None and own != so_value:
+                    raise ValueError(f"structured_outputs_config.{name}: {so_value!r} differs from {name} {own!r}; "
+                                     "give it once")
+                setattr(self, name, so_value)
         load_reasoning_parser_plugin(self.reasoning_parser_plugin)  # (its names before the check below)
         if self.reasoning_parser is not None:
             _choice("reasoning_parser", self.reasoning_parser, reasoning_parser_names())

@@ -58,7 +58,8 @@ class _Traced:
     n: int
 
 
-def _exporter(endpoint: str) -> Any:
+def _exporter_class() -> Any:
+    """The OTLP span exporter of the protocol OTEL_EXPORTER_OTLP_TRACES_PROTOCOL names (gRPC by default)."""
     protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"))
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -67,7 +68,7 @@ def _exporter(endpoint: str) -> Any:
     else:
         raise ValueError(f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL={protocol!r}: ferrox exports traces over 'grpc' or "
                          "'http/protobuf'")
-    return OTLPSpanExporter(endpoint=endpoint)
+    return OTLPSpanExporter
 
 
 def check_tracing_available(endpoint: str | None) -> None:
@@ -76,7 +77,7 @@ def check_tracing_available(endpoint: str | None) -> None:
         return
     try:
         import opentelemetry.sdk.trace  # noqa: F401
-        _exporter(endpoint)
+        _exporter_class()
     except ImportError as exc:
         raise ValueError(f"otlp_traces_endpoint: tracing needs the OpenTelemetry SDK and its OTLP exporters, which "
                          f"are not installed ({exc.name}): pip install 'ferrox[otel]'") from None
@@ -93,7 +94,7 @@ class RequestTracer:
 
         self.model_name = model_name
         self._provider = TracerProvider(resource=Resource.create({"ferrox.process_id": os.getpid()}))
-        self._provider.add_span_processor(BatchSpanProcessor(_exporter(endpoint)))
+        self._provider.add_span_processor(BatchSpanProcessor(_exporter_class()(endpoint=endpoint)))
         self._tracer = self._provider.get_tracer("ferrox.engine")
         self._propagator = TraceContextTextMapPropagator()
         self._traced: dict[str, _Traced] = {}  # engine request id -> what its span says
