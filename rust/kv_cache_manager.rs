@@ -4,7 +4,7 @@
 
 use crate::block_pool::{BlockId, BlockPool};
 use crate::kv_events::{external_hash, KvEvent, KvEvents};
-use crate::prefix_cache::BlockHash;
+use crate::prefix_cache::{BlockHash, BlockHasher};
 
 /// The blocks one request holds, in token order. `num_cached` of them (a prefix) are known
 /// to be registered in the prefix cache (or were tried), so caching resumes from there.
@@ -94,7 +94,8 @@ impl KvCacheManager {
     /// nothing, if the free queue cannot supply the blocks. Full blocks are registered in the
     /// prefix cache right away: their K/V is written in this step before any later step can
     /// read it, and within one step the runner writes all K/V of a layer before attention.
-    /// `tokens` and `lora_id` (the request's) name the blocks that enter the cache in its events.
+    /// `tokens`, `lora_id` and `hasher` (the request's) describe the blocks that enter the cache in
+    /// its events (the hasher: their extra keys, under vLLM's CBOR hashes).
     #[inline]
     #[allow(clippy::too_many_arguments)]
     pub fn allocate_slots(
@@ -106,6 +107,7 @@ impl KvCacheManager {
         new_computed: &[BlockId],
         tokens: &[u32],
         lora_id: i64,
+        hasher: Option<&BlockHasher>,
     ) -> bool {
         let total = num_computed_tokens + num_new_tokens;
         // Fast path (most decode steps), inlined into the scheduler's loop: the last block has
@@ -118,10 +120,11 @@ impl KvCacheManager {
         {
             return true;
         }
-        self.allocate_slots_slow(kv, hashes, total, new_computed, tokens, lora_id)
+        self.allocate_slots_slow(kv, hashes, total, new_computed, tokens, lora_id, hasher)
     }
 
     #[inline(never)]
+    #[allow(clippy::too_many_arguments)]
     fn allocate_slots_slow(
         &mut self,
         kv: &mut KvBlocks,
@@ -130,6 +133,7 @@ impl KvCacheManager {
         new_computed: &[BlockId],
         tokens: &[u32],
         lora_id: i64,
+        hasher: Option<&BlockHasher>,
     ) -> bool {
         let required = total.div_ceil(self.block_size);
         let have = kv.blocks.len() + new_computed.len();
@@ -156,7 +160,7 @@ impl KvCacheManager {
                 for j in first..num_full {
                     let cached = self.pool.cache_block(kv.blocks[j], hashes[j]);
                     if self.pool.events.recording() {
-                        self.note_stored(&mut stored, cached, j, hashes, tokens, lora_id);
+                        self.note_stored(&mut stored, cached, j, hashes, tokens, lora_id, hasher);
                     }
                 }
                 if let Some(event) = stored {
@@ -171,6 +175,7 @@ impl KvCacheManager {
     /// Adds block `j` (just cached, or not: a copy of its content was cached already) to the
     /// request's run of Stored blocks; a block not cached here ends the run, as its content's
     /// Stored event came with the copy cached first.
+    #[allow(clippy::too_many_arguments)]
     fn note_stored(
         &mut self,
         run: &mut Option<KvEvent>,
@@ -179,6 +184,7 @@ impl KvCacheManager {
         hashes: &[BlockHash],
         tokens: &[u32],
         lora_id: i64,
+        hasher: Option<&BlockHasher>,
     ) {
         if !cached {
             if let Some(event) = run.take() {
@@ -188,14 +194,19 @@ impl KvCacheManager {
         }
         let bs = self.block_size;
         let block_tokens = &tokens[j * bs..(j + 1) * bs];
+        let keys = hasher.and_then(|h| h.event_extra_keys(j, bs));
         match run {
             Some(KvEvent::Stored {
                 block_hashes,
                 token_ids,
+                extra_keys,
                 ..
             }) => {
                 block_hashes.push(external_hash(hashes[j]));
                 token_ids.extend_from_slice(block_tokens);
+                if let (Some(all), Some(k)) = (extra_keys.as_mut(), keys) {
+                    all.push(k);
+                }
             }
             _ => {
                 *run = Some(KvEvent::Stored {
@@ -203,6 +214,7 @@ impl KvCacheManager {
                     parent_block_hash: j.checked_sub(1).map(|p| external_hash(hashes[p])),
                     token_ids: block_tokens.to_vec(),
                     lora_id,
+                    extra_keys: keys.map(|k| vec![k]),
                 });
             }
         }
@@ -273,14 +285,14 @@ mod tests {
         let hs = hashes(&prompt, 4);
         let mut a = KvBlocks::default();
         assert!(m.get_computed_blocks(&hs, 12).blocks.is_empty());
-        assert!(m.allocate_slots(&mut a, &hs, 0, 12, &[], &[], 0));
+        assert!(m.allocate_slots(&mut a, &hs, 0, 12, &[], &[], 0, None));
         assert_eq!(a.blocks.len(), 3);
         // Same 12-token prompt: only 2 blocks may be reused (the last token must be computed).
         let hit = m.get_computed_blocks(&hs, 12);
         assert_eq!(hit.blocks, a.blocks[..2].to_vec());
         assert_eq!(hit.num_tokens, 8);
         let mut b = KvBlocks::default();
-        assert!(m.allocate_slots(&mut b, &hs, 8, 4, &hit.blocks, &[], 0));
+        assert!(m.allocate_slots(&mut b, &hs, 8, 4, &hit.blocks, &[], 0, None));
         assert_eq!(b.blocks[..2], a.blocks[..2]);
         assert_ne!(b.blocks[2], a.blocks[2]);
         assert_eq!(m.pool().ref_cnt(a.blocks[0]), 2);
@@ -301,8 +313,8 @@ mod tests {
         let ext: Vec<u64> = hs.iter().map(|&h| external_hash(h)).collect();
         let mut a = KvBlocks::default();
         // A 6-token chunk fills one block, the next chunk a second: two Stored events chained by parent.
-        assert!(m.allocate_slots(&mut a, &hs, 0, 6, &[], &prompt, 7));
-        assert!(m.allocate_slots(&mut a, &hs, 6, 4, &[], &prompt, 7));
+        assert!(m.allocate_slots(&mut a, &hs, 0, 6, &[], &prompt, 7, None));
+        assert!(m.allocate_slots(&mut a, &hs, 6, 4, &[], &prompt, 7, None));
         assert_eq!(
             m.take_events(),
             vec![
@@ -310,13 +322,15 @@ mod tests {
                     block_hashes: vec![ext[0]],
                     parent_block_hash: None,
                     token_ids: (0..4).collect(),
-                    lora_id: 7
+                    lora_id: 7,
+                    extra_keys: None,
                 },
                 KvEvent::Stored {
                     block_hashes: vec![ext[1]],
                     parent_block_hash: Some(ext[0]),
                     token_ids: (4..8).collect(),
-                    lora_id: 7
+                    lora_id: 7,
+                    extra_keys: None,
                 },
             ]
         );
@@ -325,14 +339,14 @@ mod tests {
         // cached is not announced twice.
         let mut b = KvBlocks::default();
         let hit = m.get_computed_blocks(&hs, 10);
-        assert!(m.allocate_slots(&mut b, &hs, 8, 2, &hit.blocks, &prompt, 7));
+        assert!(m.allocate_slots(&mut b, &hs, 8, 2, &hit.blocks, &prompt, 7, None));
         assert!(m.take_events().is_empty());
         m.free(&mut a);
         m.free(&mut b);
         // Another request takes all 5 blocks: the two cached ones are evicted, in one event.
         let other: Vec<u32> = (100..120).collect();
         let mut c = KvBlocks::default();
-        assert!(m.allocate_slots(&mut c, &hashes(&other, 4), 0, 19, &[], &other, 0));
+        assert!(m.allocate_slots(&mut c, &hashes(&other, 4), 0, 19, &[], &other, 0, None));
         let events = m.take_events();
         assert!(
             matches!(&events[0], KvEvent::Removed { block_hashes } if block_hashes.len() == 2
@@ -340,7 +354,7 @@ mod tests {
             "{events:?}"
         );
         assert!(
-            matches!(&events[1], KvEvent::Stored { block_hashes, parent_block_hash: None, token_ids, lora_id: 0 }
+            matches!(&events[1], KvEvent::Stored { block_hashes, parent_block_hash: None, token_ids, lora_id: 0, .. }
             if block_hashes.len() == 4 && token_ids.len() == 16),
             "{events:?}"
         );
@@ -350,7 +364,7 @@ mod tests {
         // Off (the default), nothing is kept.
         let mut quiet = KvCacheManager::new(6, 4, true);
         let mut d = KvBlocks::default();
-        assert!(quiet.allocate_slots(&mut d, &hs, 0, 10, &[], &prompt, 0));
+        assert!(quiet.allocate_slots(&mut d, &hs, 0, 10, &[], &prompt, 0, None));
         assert!(quiet.take_events().is_empty());
     }
 
@@ -359,7 +373,7 @@ mod tests {
         let mut m = KvCacheManager::new(3, 4, true);
         let mut a = KvBlocks::default();
         let hs = hashes(&[1; 12], 4);
-        assert!(!m.allocate_slots(&mut a, &hs, 0, 12, &[], &[], 0));
+        assert!(!m.allocate_slots(&mut a, &hs, 0, 12, &[], &[], 0, None));
         assert!(a.blocks.is_empty());
         assert_eq!(m.pool().num_free_blocks(), 2);
     }
@@ -370,14 +384,14 @@ mod tests {
         let toks = [5, 6, 7, 8, 9];
         let hs = hashes(&toks, 2);
         let mut a = KvBlocks::default();
-        assert!(m.allocate_slots(&mut a, &hs, 0, 5, &[], &[], 0));
+        assert!(m.allocate_slots(&mut a, &hs, 0, 5, &[], &[], 0, None));
         m.free(&mut a);
         let hit = m.get_computed_blocks(&hs, 5);
         assert_eq!(hit.num_tokens, 4);
         // A different request needing all 3 blocks evicts them.
         let mut b = KvBlocks::default();
         let other = hashes(&[1, 2, 3, 4, 5, 6], 2);
-        assert!(m.allocate_slots(&mut b, &other, 0, 6, &[], &[], 0));
+        assert!(m.allocate_slots(&mut b, &other, 0, 6, &[], &[], 0, None));
         assert_eq!(m.get_computed_blocks(&hs, 5).num_tokens, 0);
         m.pool().check_invariants();
     }
@@ -390,8 +404,8 @@ mod tests {
         let mut a = KvBlocks::default();
         // Tokens 0..4 were computed in an earlier step; 4..12 were allocated (and their full
         // blocks cached) for a step that was then taken back.
-        assert!(m.allocate_slots(&mut a, &hs, 0, 4, &[], &[], 0));
-        assert!(m.allocate_slots(&mut a, &hs, 4, 8, &[], &[], 0));
+        assert!(m.allocate_slots(&mut a, &hs, 0, 4, &[], &[], 0, None));
+        assert!(m.allocate_slots(&mut a, &hs, 4, 8, &[], &[], 0, None));
         assert_eq!(m.pool().num_cached_blocks(), 3);
         m.free_preempted(&mut a, 4);
         assert_eq!(m.get_computed_blocks(&hs, 12).num_tokens, 4);
@@ -404,7 +418,7 @@ mod tests {
         let mut m = KvCacheManager::new(8, 2, false);
         let hs = hashes(&[1, 2, 3, 4, 5], 2);
         let mut a = KvBlocks::default();
-        assert!(m.allocate_slots(&mut a, &hs, 0, 5, &[], &[], 0));
+        assert!(m.allocate_slots(&mut a, &hs, 0, 5, &[], &[], 0, None));
         assert!(m.get_computed_blocks(&hs, 5).blocks.is_empty());
         assert_eq!(m.pool().num_cached_blocks(), 0);
     }

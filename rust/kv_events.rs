@@ -5,6 +5,7 @@
 //! engine core drains them once a step and publishes them (ferrox/engine/kv_events.py). Off, the
 //! recording costs a branch per cached or evicted block and nothing else.
 
+use crate::cbor_block_hash::ExtraKey;
 use crate::prefix_cache::BlockHash;
 
 /// A block's hash as consumers see it: 64 bits (msgpack integers are at most 64 bits wide), an
@@ -17,12 +18,15 @@ pub fn external_hash(hash: BlockHash) -> u64 {
 pub enum KvEvent {
     /// Consecutive full blocks of one request entered the cache: their hashes in token order, the
     /// hash of the block before the first (None: the first block of a sequence), their tokens
-    /// (block_size each, concatenated) and the request's LoRA adapter (0: none).
+    /// (block_size each, concatenated) and the request's LoRA adapter (0: none). Under vLLM's
+    /// CBOR hashes, each block's extra keys too (None: the block had none), so that consumers
+    /// can rebuild its hash; under ferrox's own hashes, None.
     Stored {
         block_hashes: Vec<u64>,
         parent_block_hash: Option<u64>,
         token_ids: Vec<u32>,
         lora_id: i64,
+        extra_keys: Option<Vec<Option<Vec<ExtraKey>>>>,
     },
     /// Cached blocks whose content was dropped (evicted for reuse, or never computed).
     Removed { block_hashes: Vec<u64> },

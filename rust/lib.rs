@@ -7,6 +7,7 @@
 
 pub mod batch;
 pub mod block_pool;
+pub mod cbor_block_hash;
 pub mod cpu;
 pub mod detokenizer;
 pub mod error;

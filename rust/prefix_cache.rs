@@ -16,9 +16,14 @@
 //!   prompts can collide. For deployments whose prompts all come from one trusted party.
 //!
 //! Both hash the same bytes: the parent's 16 bytes then the token ids as little-endian u32.
+//!
+//! vLLM's `_cbor` names (sha256_cbor, xxhash_cbor) compute vLLM's own chain instead, bit for bit,
+//! for routers that compute block keys from prompts as vLLM does (cbor_block_hash.rs).
 
 use sha2::{Digest, Sha256};
 use xxhash_rust::xxh3::{xxh3_128, Xxh3};
+
+use crate::cbor_block_hash::{BlockExtras, CborChain, CborDigest, ExtraKey, ItemSpan};
 
 /// Hash naming one full block (and, through the chain, everything before it).
 pub type BlockHash = u128;
@@ -29,18 +34,32 @@ pub enum HashAlgo {
     #[default]
     Sha256,
     Xxh3,
+    /// vLLM's chain under SHA-256 (cbor_block_hash.rs).
+    Sha256Cbor,
+    /// vLLM's chain under XXH3-128.
+    Xxh3Cbor,
 }
 
 impl HashAlgo {
-    /// vLLM's names. Its `_cbor` variants serialize a block's data with CBOR before hashing, so
-    /// that processes (and KV-event consumers) agree on the hashes; ferrox's hashes already are the
-    /// same in every process (fixed byte layout, no per-process seed) and are never exposed, so
-    /// they name the same functions.
+    /// vLLM's names. Its plain `sha256` / `xxhash` hash a pickle of the block's data, which only
+    /// Python can reproduce: ferrox names its own fixed byte layout by them (the same in every
+    /// process). The `_cbor` names are vLLM's chain exactly.
     pub fn parse(name: &str) -> Option<Self> {
         match name {
-            "sha256" | "sha256_cbor" => Some(Self::Sha256),
-            "xxhash" | "xxhash_cbor" => Some(Self::Xxh3),
+            "sha256" => Some(Self::Sha256),
+            "xxhash" => Some(Self::Xxh3),
+            "sha256_cbor" => Some(Self::Sha256Cbor),
+            "xxhash_cbor" => Some(Self::Xxh3Cbor),
             _ => None,
+        }
+    }
+
+    /// The digest under vLLM's CBOR chain, None for ferrox's own layout.
+    pub fn cbor(self) -> Option<CborDigest> {
+        match self {
+            Self::Sha256Cbor => Some(CborDigest::Sha256),
+            Self::Xxh3Cbor => Some(CborDigest::Xxh3),
+            Self::Sha256 | Self::Xxh3 => None,
         }
     }
 }
@@ -54,8 +73,8 @@ enum Hasher {
 impl Hasher {
     fn new(algo: HashAlgo) -> Self {
         match algo {
-            HashAlgo::Sha256 => Self::Sha256(Sha256::new()),
-            HashAlgo::Xxh3 => Self::Xxh3(Box::new(Xxh3::new())),
+            HashAlgo::Sha256 | HashAlgo::Sha256Cbor => Self::Sha256(Sha256::new()),
+            HashAlgo::Xxh3 | HashAlgo::Xxh3Cbor => Self::Xxh3(Box::new(Xxh3::new())),
         }
     }
 
@@ -83,8 +102,8 @@ fn truncate(digest: &[u8]) -> BlockHash {
 
 fn hash_bytes(algo: HashAlgo, bytes: &[u8]) -> BlockHash {
     match algo {
-        HashAlgo::Sha256 => truncate(&Sha256::digest(bytes)),
-        HashAlgo::Xxh3 => xxh3_128(bytes),
+        HashAlgo::Sha256 | HashAlgo::Sha256Cbor => truncate(&Sha256::digest(bytes)),
+        HashAlgo::Xxh3 | HashAlgo::Xxh3Cbor => xxh3_128(bytes),
     }
 }
 
@@ -103,6 +122,118 @@ pub fn root_hash(algo: HashAlgo, lora_id: u64, cache_salt: Option<&str>) -> Bloc
         None => h.update(&[0]),
     }
     h.finish()
+}
+
+/// Hash of a full block that overlaps multimodal items: H(parent ‖ token ids ‖ per item: its
+/// identifier's length and bytes, its offset from the block's start). The items' identifiers
+/// separate blocks whose placeholder ids are equal; blocks before the first item keep the
+/// hashes of the same text without images, so a shared system prompt stays shared (vLLM's rule).
+fn hash_block_with_items(
+    algo: HashAlgo,
+    parent: BlockHash,
+    tokens: &[u32],
+    start: usize,
+    items: &[ItemSpan],
+) -> BlockHash {
+    let mut h = Hasher::new(algo);
+    h.update(&parent.to_le_bytes());
+    for t in tokens {
+        h.update(&t.to_le_bytes());
+    }
+    for item in items {
+        h.update(&(item.identifier.len() as u64).to_le_bytes());
+        h.update(item.identifier.as_bytes());
+        h.update(&(item.offset as i64 - start as i64).to_le_bytes());
+    }
+    h.finish()
+}
+
+/// The items overlapping tokens [start, end) (items in prompt order).
+pub fn items_in(items: &[ItemSpan], start: usize, end: usize) -> &[ItemSpan] {
+    let first = items.partition_point(|i| i.offset + i.length <= start);
+    let last = items.partition_point(|i| i.offset < end);
+    &items[first..last.max(first)]
+}
+
+/// How one request names its blocks: ferrox's chain (a root folding every extra key in, then
+/// parent ‖ tokens) or vLLM's (cbor_block_hash.rs: per-block extra keys, full digests chained).
+#[derive(Clone, Debug)]
+pub enum BlockHasher {
+    Plain {
+        algo: HashAlgo,
+        root: BlockHash,
+        items: Vec<ItemSpan>,
+    },
+    Cbor(Box<CborChain>),
+}
+
+impl BlockHasher {
+    /// The hasher for a request: `extras` are its LoRA adapter's name, cache salt and multimodal
+    /// items; `cbor_root` is the process's root digest, needed by (only) the CBOR algorithms.
+    pub fn new(
+        algo: HashAlgo,
+        lora_id: u64,
+        extras: BlockExtras,
+        cbor_root: Option<&[u8]>,
+    ) -> Self {
+        match (algo.cbor(), cbor_root) {
+            (Some(digest), Some(root)) => {
+                Self::Cbor(Box::new(CborChain::new(digest, root.to_vec(), extras)))
+            }
+            (Some(_), None) => panic!("{algo:?} needs the root digest (the scheduler's hash seed)"),
+            (None, _) => Self::Plain {
+                algo,
+                root: root_hash(algo, lora_id, extras.cache_salt.as_deref()),
+                items: extras.items,
+            },
+        }
+    }
+
+    /// Extends `hashes` (this request's first `hashes.len()` block hashes) with the hashes of
+    /// every further full block of `tokens`. Called whenever tokens are appended.
+    #[inline]
+    pub fn extend(&mut self, tokens: &[u32], block_size: usize, hashes: &mut Vec<BlockHash>) {
+        // A multiplication decides "no new full block" (this runs after every token).
+        if (hashes.len() + 1) * block_size > tokens.len() {
+            return;
+        }
+        match self {
+            Self::Plain { algo, root, items } if items.is_empty() => {
+                extend_block_hashes(*algo, *root, tokens, block_size, hashes)
+            }
+            Self::Plain { algo, root, items } => {
+                while (hashes.len() + 1) * block_size <= tokens.len() {
+                    let start = hashes.len() * block_size;
+                    let end = start + block_size;
+                    let parent = hashes.last().copied().unwrap_or(*root);
+                    let block = &tokens[start..end];
+                    hashes.push(match items_in(items, start, end) {
+                        [] => hash_block(*algo, parent, block),
+                        over => hash_block_with_items(*algo, parent, block, start, over),
+                    });
+                }
+            }
+            Self::Cbor(chain) => chain.extend(tokens, block_size, hashes),
+        }
+    }
+
+    /// Block `index`'s extra keys as its KV events publish them: Some (one entry, maybe None, per
+    /// block) under vLLM's chain, whose consumers rebuild hashes from them; None under ferrox's,
+    /// whose hashes nobody outside rebuilds.
+    pub fn event_extra_keys(
+        &self,
+        index: usize,
+        block_size: usize,
+    ) -> Option<Option<Vec<ExtraKey>>> {
+        match self {
+            Self::Plain { .. } => None,
+            Self::Cbor(chain) => Some(
+                chain
+                    .extras
+                    .keys(index * block_size, (index + 1) * block_size),
+            ),
+        }
+    }
 }
 
 /// Hash of one full block: H(parent hash ‖ token ids as little-endian u32).
@@ -188,9 +319,9 @@ mod tests {
     #[test]
     fn names_parse_as_vllm_spells_them() {
         assert_eq!(HashAlgo::parse("sha256"), Some(HashAlgo::Sha256));
-        assert_eq!(HashAlgo::parse("sha256_cbor"), Some(HashAlgo::Sha256));
+        assert_eq!(HashAlgo::parse("sha256_cbor"), Some(HashAlgo::Sha256Cbor));
         assert_eq!(HashAlgo::parse("xxhash"), Some(HashAlgo::Xxh3));
-        assert_eq!(HashAlgo::parse("xxhash_cbor"), Some(HashAlgo::Xxh3));
+        assert_eq!(HashAlgo::parse("xxhash_cbor"), Some(HashAlgo::Xxh3Cbor));
         assert_eq!(HashAlgo::parse("md5"), None);
         assert_eq!(HashAlgo::default(), HashAlgo::Sha256);
     }
@@ -214,6 +345,42 @@ mod tests {
             }
             assert_eq!(hash_block(algo, r, &toks[..16]), h.finish());
         }
+    }
+
+    #[test]
+    fn items_separate_only_the_blocks_they_overlap_and_those_after() {
+        let tokens: Vec<u32> = (0..16).collect();
+        let item = |id: &str| ItemSpan {
+            identifier: id.into(),
+            offset: 5,
+            length: 4,
+        };
+        let hashes = |items: Vec<ItemSpan>| {
+            let extras = BlockExtras {
+                items,
+                ..Default::default()
+            };
+            let mut h = BlockHasher::new(HashAlgo::Sha256, 0, extras, None);
+            let mut out = Vec::new();
+            h.extend(&tokens, 4, &mut out);
+            out
+        };
+        let (none, a, b) = (
+            hashes(vec![]),
+            hashes(vec![item("a")]),
+            hashes(vec![item("b")]),
+        );
+        // Block 0 (tokens 0-3) precedes the image: shared with the text-only prompt.
+        assert_eq!(none[0], a[0]);
+        assert_eq!(a[0], b[0]);
+        // Blocks 1-2 hold the image, block 3 follows it: each differs by image.
+        for j in 1..4 {
+            assert_ne!(none[j], a[j]);
+            assert_ne!(a[j], b[j]);
+        }
+        assert_eq!(items_in(&[item("a")], 0, 5), &[] as &[ItemSpan]);
+        assert_eq!(items_in(&[item("a")], 8, 12).len(), 1);
+        assert_eq!(items_in(&[item("a")], 9, 12).len(), 0);
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::kv_cache_manager::KvBlocks;
-use crate::prefix_cache::{extend_block_hashes, BlockHash, HashAlgo};
+use crate::prefix_cache::{BlockHash, BlockHasher};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RequestStatus {
@@ -117,9 +117,9 @@ pub struct Request {
     /// distinct adapters one step may carry (`SchedulerConfig::max_loras`).
     pub lora_id: i64,
     pub limits: SamplingLimits,
-    pub root_hash: BlockHash,
-    /// The scheduler's block hash function (its config's), for the blocks this request completes.
-    pub hash_algo: HashAlgo,
+    /// Names the blocks this request completes (the scheduler's hash function, the request's
+    /// extra keys).
+    pub hasher: BlockHasher,
     /// Hash of every full block of `token_ids`.
     pub block_hashes: Vec<BlockHash>,
     pub kv: KvBlocks,
@@ -181,13 +181,8 @@ impl Request {
         text: &mut String,
     ) -> Option<Finish> {
         self.token_ids.push(token);
-        extend_block_hashes(
-            self.hash_algo,
-            self.root_hash,
-            &self.token_ids,
-            block_size,
-            &mut self.block_hashes,
-        );
+        self.hasher
+            .extend(&self.token_ids, block_size, &mut self.block_hashes);
         let n_out = self.num_output_tokens();
         let stops_active = n_out >= self.limits.min_tokens;
         let mut finish = None;

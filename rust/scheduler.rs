@@ -11,11 +11,12 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use crate::batch::{BatchArrays, BatchEntry, IdList, SchedulerOutput};
+use crate::cbor_block_hash::{none_hash, BlockExtras, HashSeed, ItemSpan};
 use crate::detokenizer::{IncrementalDetokenizer, StopSet, TokenizerInfo};
 use crate::error::{invalid, CoreError, CoreResult};
 use crate::kv_cache_manager::{KvBlocks, KvCacheManager};
 use crate::ngram;
-use crate::prefix_cache::{extend_block_hashes, root_hash, HashAlgo};
+use crate::prefix_cache::{BlockHasher, HashAlgo};
 use crate::request::{FinishReason, RepetitionRule, Request, RequestStatus, SamplingLimits};
 use crate::speculative::{ExternalDrafts, SpecMethod, SpeculativeConfig};
 use crate::stats::SchedulerStats;
@@ -70,6 +71,8 @@ pub struct SchedulerConfig {
     pub long_prefill_token_threshold: usize,
     /// The prefix cache's block hash (prefix_cache.rs; vLLM's --prefix-caching-hash-algo).
     pub hash_algo: HashAlgo,
+    /// The root digest of vLLM's CBOR chains (cbor_block_hash.rs), with those algorithms only.
+    pub hash_root: Option<Vec<u8>>,
 }
 
 impl SchedulerConfig {
@@ -121,12 +124,37 @@ impl SchedulerConfig {
             chunked_prefill: true,
             long_prefill_token_threshold: 0,
             hash_algo: HashAlgo::default(),
+            hash_root: None,
         })
     }
 
-    pub fn with_hash_algo(mut self, algo: HashAlgo) -> Self {
+    /// The block hash function; vLLM's CBOR chains also take the seed of their root
+    /// (PYTHONHASHSEED's value, or random bytes), which the other functions have no use for.
+    pub fn with_hash_algo(mut self, algo: HashAlgo, seed: Option<HashSeed>) -> CoreResult<Self> {
+        self.hash_root = match (algo.cbor(), seed) {
+            (Some(_), Some(HashSeed::Bytes(b))) if b.is_empty() => {
+                return Err(invalid(
+                    "prefix_hash_seed",
+                    "random root bytes must not be empty",
+                ));
+            }
+            (Some(digest), Some(seed)) => Some(none_hash(digest, &seed)),
+            (Some(_), None) => {
+                return Err(invalid(
+                    "prefix_hash_seed",
+                    format!("{algo:?} needs one: PYTHONHASHSEED's value, or random bytes"),
+                ))
+            }
+            (None, Some(_)) => {
+                return Err(invalid(
+                    "prefix_hash_seed",
+                    "only the sha256_cbor and xxhash_cbor hashes take a seed",
+                ))
+            }
+            (None, None) => None,
+        };
         self.hash_algo = algo;
-        self
+        Ok(self)
     }
 
     pub fn with_speculation(mut self, spec: SpeculativeConfig) -> Self {
@@ -242,6 +270,10 @@ pub struct NewRequest {
     pub priority: i64,
     pub cache_salt: Option<String>,
     pub lora_id: i64,
+    /// The adapter's name (vLLM's CBOR block hashes name the adapter by it; None without one).
+    pub lora_name: Option<String>,
+    /// The prompt's multimodal items (their identifiers separate blocks with equal placeholder ids).
+    pub mm_items: Vec<ItemSpan>,
     pub wait_for_grammar: bool,
     /// Speculative decoding may draft tokens for it (when the scheduler speculates at all).
     pub allow_drafts: bool,
@@ -268,6 +300,8 @@ impl NewRequest {
             priority: 0,
             cache_salt: None,
             lora_id: 0,
+            lora_name: None,
+            mm_items: Vec::new(),
             wait_for_grammar: false,
             allow_drafts: true,
             atomic_spans: Vec::new(),
@@ -493,6 +527,34 @@ impl Scheduler {
                 format!("must be >= 0, got {}", r.lora_id),
             ));
         }
+        if r.lora_name.is_some() && r.lora_id == 0 {
+            return Err(invalid("lora_name", "given without a lora_id"));
+        }
+        if r.lora_name.is_none() && r.lora_id != 0 && self.cfg.hash_algo.cbor().is_some() {
+            // vLLM's CBOR block hashes name the adapter by its name.
+            return Err(invalid(
+                "lora_name",
+                format!(
+                    "needed with lora_id {} under {:?}",
+                    r.lora_id, self.cfg.hash_algo
+                ),
+            ));
+        }
+        let mut item_end = 0;
+        for (i, item) in r.mm_items.iter().enumerate() {
+            if item.offset < item_end || item.length == 0 || item.offset + item.length > prompt_len
+            {
+                return Err(invalid(
+                    &format!("mm_items[{i}]"),
+                    format!(
+                        "[{}, {}) is not a non-empty run of the prompt ({prompt_len} tokens) after the previous item",
+                        item.offset,
+                        item.offset + item.length
+                    ),
+                ));
+            }
+            item_end = item.offset + item.length;
+        }
         if !self.cfg.chunked_prefill && prompt_len > self.cfg.max_num_batched_tokens {
             return Err(invalid(
                 "max_num_batched_tokens",
@@ -565,16 +627,19 @@ impl Scheduler {
         };
         let repetition = r.repetition.map(repetition_rule).transpose()?.flatten();
         let max_tokens = (r.max_tokens as usize).min(self.max_total_len - prompt_len);
-        let algo = self.cfg.hash_algo;
-        let root = root_hash(algo, r.lora_id as u64, r.cache_salt.as_deref());
-        let mut block_hashes = Vec::with_capacity(prompt_len / self.cfg.block_size + 1);
-        extend_block_hashes(
-            algo,
-            root,
-            &r.prompt_token_ids,
-            self.cfg.block_size,
-            &mut block_hashes,
+        let extras = BlockExtras {
+            lora_name: r.lora_name,
+            cache_salt: r.cache_salt,
+            items: r.mm_items,
+        };
+        let mut hasher = BlockHasher::new(
+            self.cfg.hash_algo,
+            r.lora_id as u64,
+            extras,
+            self.cfg.hash_root.as_deref(),
         );
+        let mut block_hashes = Vec::with_capacity(prompt_len / self.cfg.block_size + 1);
+        hasher.extend(&r.prompt_token_ids, self.cfg.block_size, &mut block_hashes);
         let id: Arc<str> = Arc::from(r.request_id.as_str());
         let serial = self.next_serial;
         self.next_serial += 1;
@@ -599,8 +664,7 @@ impl Scheduler {
                 include_stop_str_in_output: r.include_stop_str_in_output,
                 repetition,
             },
-            root_hash: root,
-            hash_algo: algo,
+            hasher,
             block_hashes,
             kv: KvBlocks::default(),
             detok,
@@ -858,6 +922,7 @@ impl Scheduler {
                     &[],
                     &req.token_ids,
                     req.lora_id,
+                    Some(&req.hasher),
                 ) {
                     ok = true;
                     break;
@@ -944,6 +1009,7 @@ impl Scheduler {
                     &hit.blocks,
                     &req.token_ids,
                     req.lora_id,
+                    Some(&req.hasher),
                 ) {
                     break; // head of the queue does not fit: keep the order, try next step
                 }

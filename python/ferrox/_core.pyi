@@ -218,6 +218,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
         prefix_caching_hash_algo: str = "sha256",
+        prefix_hash_seed: str | bytes | None = None,
     ) -> None:
         """num_blocks includes the null block (id 0), which is never handed out.
         policy: 'fcfs' or 'priority' (lower priority value first, then arrival order).
@@ -239,7 +240,10 @@ class Scheduler:
         long_prefill_token_threshold > 0: a prefill chunk takes at most that many of a request's tokens
         per step (vLLM's; an image computed whole is not cut by it).
         prefix_caching_hash_algo: the block hash, 'sha256' (truncated to 128 bits; crafted prompts cannot
-        collide) or 'xxhash' (xxh3-128, cheaper, not collision-resistant); '_cbor' spellings alias them."""
+        collide) or 'xxhash' (xxh3-128, cheaper, not collision-resistant); 'sha256_cbor' / 'xxhash_cbor':
+        vLLM's own block hashes, bit for bit (rust/cbor_block_hash.rs), whose root comes from
+        prefix_hash_seed (required with them only): a str (PYTHONHASHSEED's value: hashed, as vLLM) or
+        bytes (the root itself: vLLM's random bytes when PYTHONHASHSEED is unset)."""
     @property
     def block_size(self) -> int: ...
     @property
@@ -265,6 +269,8 @@ class Scheduler:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_id: int = 0,
+        lora_name: str | None = None,
+        mm_items: Sequence[tuple[str, int, int]] = (),
         wait_for_grammar: bool = False,
         allow_drafts: bool = True,
         atomic_spans: Sequence[tuple[int, int]] = (),
@@ -282,7 +288,12 @@ class Scheduler:
         constrains it and drafts are not checked against the grammar).
         atomic_spans: prompt ranges [start, end) each computed within one step (a chunk never ends
         inside one; each must fit max_num_batched_tokens): Gemma 3's images, whose tokens attend to
-        each other both ways."""
+        each other both ways.
+        cache_salt, lora_id: blocks of requests with another salt or adapter are never shared.
+        lora_name: the adapter's name (with a lora_id only; required then under the CBOR hashes, which
+        hash it as vLLM does). mm_items: (identifier, offset, length) of each multimodal item's
+        placeholder run, in prompt order: the blocks holding an item and those after it depend on its
+        identifier (blocks before the first item are shared with the same text without items)."""
     def grammar_ready(self, request_ids: Sequence[str]) -> None: ...
     def abort_requests(self, request_ids: Sequence[str]) -> StepOutputs:
         """Abort live requests (unknown ids are ignored); frees their blocks at once and returns a
@@ -350,7 +361,10 @@ class Scheduler:
         """Records the prefix cache's events from now on (vLLM's --kv-events-config)."""
     def take_kv_events(self) -> list[tuple[Any, ...]]:
         """The prefix cache's events since the last call, oldest first: ("stored", block_hashes,
-        parent_block_hash | None, token_ids, lora_id), ("removed", block_hashes), ("cleared",)."""
+        parent_block_hash | None, token_ids, lora_id, extra_keys), ("removed", block_hashes), ("cleared",).
+        extra_keys: under the CBOR hashes, one entry per block (None, or the tuple vLLM hashes: the
+        adapter's name, (identifier, offset from the block's start) per item, the salt on block 0);
+        otherwise None."""
     def request_block_ids(self, request_id: str) -> list[int]:
         """Blocks held by a live request (for tests and debugging)."""
 

@@ -228,8 +228,9 @@ class EngineConfig:
     prefix_caching_hash_algo: str = _opt(
         "the hash naming cached KV blocks (vLLM's): 'sha256' (truncated to 128 bits), which crafted prompts cannot "
         "collide, so one tenant cannot be served another's blocks; 'xxhash' (xxh3-128), cheaper, for prompts from "
-        "one trusted party; the '_cbor' spellings name the same functions (ferrox's hashes are identical in every "
-        "process and never exposed)", "sha256", choices=PREFIX_HASH_ALGOS)
+        "one trusted party; 'sha256_cbor' / 'xxhash_cbor': vLLM's own block hashes bit for bit (its CBOR chain, "
+        "rooted at PYTHONHASHSEED), which the KV events carry, for routers that compute block keys from prompts "
+        "as vLLM does (llm-d)", "sha256", choices=PREFIX_HASH_ALGOS)
     enable_chunked_prefill: bool = _opt(
         "split long prompts across steps, beside running decodes; off, each prompt is computed in one step, so "
         "the step's token budget (max_num_batched_tokens) must hold the longest (it defaults to max_model_len then)",

@@ -4,8 +4,13 @@ engine core, which starts the publisher."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
+
+# vLLM's switch between the events' two forms of a block hash: 1 (its default) the digest's low 64 bits
+# as an integer, 0 the whole digest as bytes. ferrox's cache keeps 128-bit keys, not digests: only 1.
+INT_HASHES_ENV = "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +61,22 @@ def parse_kv_events_config(raw: dict[str, Any] | None) -> KVEventsConfig:
         if endpoint is not None and (not isinstance(endpoint, str) or "://" not in endpoint):
             raise ValueError(f"kv_events_config.{key}: {endpoint!r} is not a ZeroMQ endpoint (tcp://host:port, "
                              "ipc://path or inproc://name)")
-    return KVEventsConfig(**values)
+    config = KVEventsConfig(**values)
+    if config.publishes:
+        check_int_hashes_env()
+    return config
+
+
+def check_int_hashes_env() -> None:
+    """Refuses VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 (whole digests in the events) by name."""
+    raw = os.environ.get(INT_HASHES_ENV, "1").strip()
+    try:
+        as_int = bool(int(raw))
+    except ValueError:
+        raise ValueError(f"{INT_HASHES_ENV}={raw!r}: must be 0 or 1") from None
+    if not as_int:
+        raise ValueError(f"{INT_HASHES_ENV}=0: ferrox publishes block hashes as integers only (the digest's low "
+                         "64 bits, vLLM's default form); unset it or set it to 1")
 
 
 def offset_endpoint(endpoint: str | None, rank: int) -> str | None:

@@ -5,6 +5,7 @@ use super::extract_token_ids;
 use super::scheduler_output::PySchedulerOutput;
 use super::stats::PySchedulerStats;
 use super::step_outputs::PyStepOutputs;
+use crate::cbor_block_hash::{ExtraKey, HashSeed, ItemSpan};
 use crate::error::invalid;
 use crate::kv_events::KvEvent;
 use crate::prefix_cache::HashAlgo;
@@ -96,6 +97,7 @@ impl PyScheduler {
         enable_chunked_prefill=true,
         long_prefill_token_threshold=0,
         prefix_caching_hash_algo="sha256",
+        prefix_hash_seed=None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -117,7 +119,19 @@ impl PyScheduler {
         enable_chunked_prefill: bool,
         long_prefill_token_threshold: i64,
         prefix_caching_hash_algo: &str,
+        prefix_hash_seed: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        // The root of vLLM's CBOR chains: PYTHONHASHSEED's value (str) or random bytes.
+        let seed = match prefix_hash_seed {
+            None => None,
+            Some(obj) => Some(if let Ok(text) = obj.extract::<String>() {
+                HashSeed::Text(text)
+            } else if let Ok(bytes) = obj.extract::<Vec<u8>>() {
+                HashSeed::Bytes(bytes)
+            } else {
+                return Err(invalid("prefix_hash_seed", "must be a str or bytes").into());
+            }),
+        };
         let hash_algo = HashAlgo::parse(prefix_caching_hash_algo).ok_or_else(|| {
             crate::error::invalid(
                 "prefix_caching_hash_algo",
@@ -167,7 +181,7 @@ impl PyScheduler {
         .with_max_loras(max_loras as usize)
         .with_chunked_prefill(enable_chunked_prefill)
         .with_long_prefill_token_threshold(long_prefill_token_threshold as usize)
-        .with_hash_algo(hash_algo);
+        .with_hash_algo(hash_algo, seed)?;
         let inner = py.detach(|| Scheduler::new(cfg, tokenizer_json))?;
         Ok(PyScheduler { inner })
     }
@@ -208,6 +222,8 @@ impl PyScheduler {
         priority=0,
         cache_salt=None,
         lora_id=0,
+        lora_name=None,
+        mm_items=Vec::new(),
         wait_for_grammar=false,
         allow_drafts=true,
         atomic_spans=Vec::new(),
@@ -230,6 +246,8 @@ impl PyScheduler {
         priority: i64,
         cache_salt: Option<String>,
         lora_id: i64,
+        lora_name: Option<String>,
+        mm_items: Vec<(String, usize, usize)>,
         wait_for_grammar: bool,
         allow_drafts: bool,
         atomic_spans: Vec<(usize, usize)>,
@@ -258,6 +276,15 @@ impl PyScheduler {
                 priority,
                 cache_salt,
                 lora_id,
+                lora_name,
+                mm_items: mm_items
+                    .into_iter()
+                    .map(|(identifier, offset, length)| ItemSpan {
+                        identifier,
+                        offset,
+                        length,
+                    })
+                    .collect(),
                 wait_for_grammar,
                 allow_drafts,
                 atomic_spans,
@@ -352,8 +379,10 @@ impl PyScheduler {
     }
 
     /// The prefix cache's events since the last call, oldest first, as tuples:
-    /// ("stored", block_hashes, parent_block_hash or None, token_ids, lora_id),
+    /// ("stored", block_hashes, parent_block_hash or None, token_ids, lora_id, extra_keys),
     /// ("removed", block_hashes) and ("cleared",). Empty unless record_kv_events was called.
+    /// extra_keys: under vLLM's CBOR hashes, one tuple (or None) per block, of the adapter's name,
+    /// (identifier, offset) pairs and the salt, as vLLM hashes them; otherwise None.
     fn take_kv_events(&mut self, py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
         self.inner
             .take_kv_events()
@@ -365,12 +394,19 @@ impl PyScheduler {
                         parent_block_hash,
                         token_ids,
                         lora_id,
+                        extra_keys,
                     } => (
                         "stored",
                         block_hashes,
                         parent_block_hash,
                         token_ids,
                         lora_id,
+                        extra_keys.map(|blocks| {
+                            blocks
+                                .into_iter()
+                                .map(|keys| keys.map(|k| extra_keys_tuple(py, k)))
+                                .collect::<Vec<_>>()
+                        }),
                     )
                         .into_pyobject(py)?
                         .into_any()
@@ -400,4 +436,19 @@ impl PyScheduler {
             self.inner.num_unfinished_requests() - self.inner.num_running()
         )
     }
+}
+
+/// One block's extra keys as the tuple vLLM hashes: names as str, items as (identifier, offset).
+fn extra_keys_tuple(py: Python<'_>, keys: Vec<ExtraKey>) -> Py<pyo3::types::PyTuple> {
+    let items = keys.into_iter().map(|key| match key {
+        ExtraKey::Text(text) => text.into_pyobject(py).expect("str").into_any().unbind(),
+        ExtraKey::Item(identifier, offset) => (identifier, offset)
+            .into_pyobject(py)
+            .expect("tuple")
+            .into_any()
+            .unbind(),
+    });
+    pyo3::types::PyTuple::new(py, items)
+        .expect("tuple")
+        .unbind()
 }

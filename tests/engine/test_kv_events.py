@@ -120,3 +120,44 @@ def test_an_endpoint_in_use_is_named(tmp_path):
             ZmqEventPublisher(config)
     finally:
         port.close(linger=0)
+
+
+@pytest.mark.parametrize("algo", ["sha256_cbor", "xxhash_cbor"])
+def test_cbor_hashes_are_the_numbers_vllm_publishes(tmp_path, monkeypatch, algo):
+    """--prefix-caching-hash-algo sha256_cbor / xxhash_cbor with PYTHONHASHSEED set: a real engine's events
+    name each block exactly as vLLM's do (the reference chain: tests/helpers/vllm_block_hash.py), with
+    vLLM's per-block extra_keys (None for a plain prompt) on the wire; VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0
+    (whole digests) is refused by name. (LoRA names, salts and images: tests/bindings/test_prefix_hash_cbor.py.)"""
+    from tests.helpers.vllm_block_hash import vllm_chain
+
+    monkeypatch.setenv("PYTHONHASHSEED", "42")
+    folder = make_tiny_llama(tmp_path / "llama")
+    pub = f"ipc://{tmp_path}/kv-events"
+    events = {"enable_kv_cache_events": True, "endpoint": pub, "topic": "kv"}
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
+    with pytest.raises(ValueError, match="VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0"):
+        EngineConfig(kv_events_config=events)
+    monkeypatch.delenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES")
+    llm = LLM(model=folder, dtype="float32", kv_cache_memory=8 << 20, block_size=BLOCK,
+              prefix_caching_hash_algo=algo, kv_events_config=events)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    try:
+        sub.connect(pub)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        time.sleep(0.3)
+        prompt = [(11 * i + 5) % 300 + 3 for i in range(50)]
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        stored: list[BlockStored] = []
+
+        def three_blocks(got):
+            stored[:] = [e for _, b in got for e in b.events if isinstance(e, BlockStored)]
+            return sum(len(e.block_hashes) for e in stored) >= 3
+
+        _receive(sub, msgspec.msgpack.Decoder(KVEventBatch), three_blocks)
+        want, keys = vllm_chain(algo, "42", prompt, BLOCK)
+        assert [h for e in stored for h in e.block_hashes] == want
+        assert [k for e in stored for k in e.extra_keys] == keys == [None] * 3
+    finally:
+        sub.close(linger=0)
+        llm.engine.shutdown()

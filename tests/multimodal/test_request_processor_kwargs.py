@@ -203,3 +203,27 @@ def test_server_takes_a_requests_kwargs(qwen):
         assert status == 400 and "max_pixels must be a positive integer" in err["error"]["message"], err
     finally:
         srv.stop()
+
+
+def test_text_before_an_image_is_shared_and_nothing_from_the_image_on(qwen):
+    """The blocks before an image are the same text's blocks whatever the image (vLLM's per-block extra keys):
+    a second image after the same 3-block preamble reuses exactly those 12 tokens, its answer is a fresh
+    engine's (the reset run), and the first image's request again reuses all but its last block."""
+    folder, llm = qwen
+    preamble = " ".join(["the system prompt says hello"] * 3)
+    tok = llm.get_tokenizer()
+    prompt = preamble + PLACEHOLDER + " What is this?"
+    image_at = len(tok.encode(preamble, add_special_tokens=False))
+    assert image_at >= 12
+    other = PIL.fromarray(np.random.default_rng(9).integers(0, 255, (112, 112, 3), dtype=np.uint8))
+    first, second = ({"prompt": prompt, "multi_modal_data": {"image": im}} for im in (_image(), other))
+    assert llm.reset_prefix_cache()
+    a = llm.generate(first, GREEDY, use_tqdm=False)[0]
+    b = llm.generate(second, GREEDY, use_tqdm=False)[0]
+    assert b.num_cached_tokens == image_at // 4 * 4
+    again = llm.generate(first, GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens == (len(again.prompt_token_ids) - 1) // 4 * 4
+    assert again.outputs[0].token_ids == a.outputs[0].token_ids
+    assert llm.reset_prefix_cache()
+    assert llm.generate(second, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == b.outputs[0].token_ids
+    assert_no_leaked_blocks(llm)

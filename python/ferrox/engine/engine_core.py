@@ -53,9 +53,10 @@ from ferrox.executor.launch import rank_config
 from ferrox.kv_events_config import parse_kv_events_config
 from ferrox.logits_processor import load_logits_processors
 from ferrox.multimodal import prompt_embeds
-from ferrox.multimodal.inputs import MultiModalItem, cache_salt_with_images
+from ferrox.multimodal.inputs import MultiModalItem
 from ferrox.multimodal.processing import image_prompts_for_model
 from ferrox.pooling.params import PoolingParams, validate_pooling_request
+from ferrox.prefix_hash_seed import prefix_hash_seed
 from ferrox.reasoning import get_reasoning_parser
 from ferrox.reasoning.plugin import load_reasoning_parser_plugin
 from ferrox.request_rules import check_request_id
@@ -147,6 +148,7 @@ class EngineCore:
             enable_chunked_prefill=not pooling and config.enable_chunked_prefill,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             prefix_caching_hash_algo=config.prefix_caching_hash_algo,
+            prefix_hash_seed=prefix_hash_seed(config.prefix_caching_hash_algo),
             policy=config.policy,
             tokenizer_json=self.tokenizer_json,
             eos_token_ids=self.eos_token_ids,
@@ -325,11 +327,14 @@ class EngineCore:
                 priority=request.priority,
                 # Prompt logprobs need every prompt position computed, so such a request must not
                 # reuse cached blocks: a salt of its own id keeps its block hashes private.
-                cache_salt=request.request_id if params.prompt_logprobs is not None else cache_salt_with_images(
-                    request.cache_salt, request.mm_inputs),
+                cache_salt=request.request_id if params.prompt_logprobs is not None else request.cache_salt,
                 wait_for_grammar=wait_for_grammar,
                 allow_drafts=_drafts_allowed(params),
                 lora_id=lora_id,
+                lora_name=request.lora_name if lora_id else None,
+                # Two prompts with different images have the same placeholder ids: the images' hashes
+                # separate the blocks that hold them (and those after), as vLLM's extra keys do.
+                mm_items=[(item.hash, item.offset, item.length) for item in request.mm_inputs or ()],
                 # Images whose tokens attend to each other both ways are computed whole in one step.
                 atomic_spans=[(item.offset, item.end) for item in request.mm_inputs or ()]
                 if getattr(self.runner.model, "bidirectional_images", False) else [],

@@ -4,9 +4,11 @@ ZeroMQ in vLLM's wire format, for routers that send a request to the engine alre
 The Rust scheduler records the events (rust/kv_events.rs: BlockStored when full blocks are cached,
 with their tokens and the hash of the block before them; BlockRemoved when cached blocks are evicted or
 dropped; AllBlocksCleared on reset_prefix_cache); the engine core drains them once a step
-(`Scheduler.take_kv_events`) and hands them here as one batch. Block hashes are ferrox's prefix hashes
-cut to 64 bits: opaque ids a consumer matches between a block's stored and removed events (its own
-prefix keys come from the token ids).
+(`Scheduler.take_kv_events`) and hands them here as one batch. Block hashes are the prefix hashes cut to
+64 bits. Under ferrox's own hashes (sha256, xxhash) they are opaque ids a consumer matches between a
+block's stored and removed events (its own prefix keys come from the token ids); under vLLM's
+(sha256_cbor, xxhash_cbor; rust/cbor_block_hash.rs) they are exactly the numbers vLLM publishes for the
+same blocks (with the same PYTHONHASHSEED), and each stored block's extra keys come along, as vLLM's.
 
 Wire format, as vLLM publishes it: a multipart message (topic, 8-byte big-endian sequence number,
 msgpack payload) on a PUB socket; the payload is a map {ts, events, data_parallel_rank} whose events
@@ -43,6 +45,8 @@ class BlockStored(msgspec.Struct, tag=True, omit_defaults=True):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    # vLLM's: one entry per block (its extra keys as hashed, or None), under the CBOR hashes only.
+    extra_keys: list[tuple[Any, ...] | None] | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True):
@@ -67,10 +71,11 @@ def to_batch(raw: list[tuple[Any, ...]], block_size: int, lora_names: dict[int, 
     for event in raw:
         kind = event[0]
         if kind == "stored":
-            _, hashes, parent, tokens, lora_id = event
+            _, hashes, parent, tokens, lora_id, extra_keys = event
             events.append(BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
                                       block_size=block_size, lora_id=lora_id or None, medium=MEDIUM_GPU,
-                                      lora_name=lora_names.get(lora_id) if lora_id else None))
+                                      lora_name=lora_names.get(lora_id) if lora_id else None,
+                                      extra_keys=extra_keys))
         elif kind == "removed":
             events.append(BlockRemoved(block_hashes=event[1], medium=MEDIUM_GPU))
         else:

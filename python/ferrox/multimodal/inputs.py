@@ -3,9 +3,11 @@
 The front-end turns each image into pixel values (multimodal/image_processor.py) and the prompt's
 placeholder into the run of tokens the image's embeddings replace (multimodal/processing.py). The core
 sees only token ids: two prompts with different images have the same placeholder ids, so their KV
-blocks must not be shared. The images' hashes join the request's cache salt, which the Rust core mixes
-into every block hash: prompts with the same images in the same order still share their prefix
-(a multi-turn chat about one picture reuses its KV), others never do.
+blocks must not be shared. Each image's hash and placeholder run go to the Rust core with the request
+(Scheduler.add_request's mm_items), which mixes the hash into the block holding the image and so into
+every block after it, as vLLM's extra keys do: prompts with the same images in the same places share
+their prefix (a multi-turn chat about one picture reuses its KV), a system prompt before different
+images is shared, and nothing from an image on is shared with another image.
 """
 
 from __future__ import annotations
@@ -71,9 +73,3 @@ def seen_hash(source: str, pixel_values: np.ndarray, grid: Sequence[int] | None 
     digest.update(array.data)  # (C-contiguous: hashed in place, not copied)
     return digest.hexdigest()
 
-
-def cache_salt_with_images(salt: str | None, items: Sequence[MultiModalItem] | None) -> str | None:
-    """The request's salt extended by its images' hashes, in prompt order (None without images)."""
-    if not items:
-        return salt
-    return f"{salt or ''}\x00images:" + ",".join(item.hash for item in items)

@@ -3,9 +3,9 @@
 A prompt of embeddings is one MultiModalItem of modality "embeds" covering the whole prompt (offset 0,
 length L). The core sees L placeholder token ids (for lengths and block tables); the model's forward
 starts from the item's rows instead of the placeholders' token embeddings, as it does for an image
-(worker/multimodal.py). The embeddings' sha256 joins the request's cache salt (inputs.py
-cache_salt_with_images), so the same embeddings reuse their cached prefix blocks and different ones
-of the same length never share a block.
+(worker/multimodal.py). The embeddings' sha256 is the item's identifier, which the prefix hashes of
+every block depend on (inputs.py), so the same embeddings reuse their cached prefix blocks and
+different ones of the same length never share a block.
 
 Where each step happens:
 - the API server (no torch): `decode_base64` takes the request's string to torch.save bytes, and
