@@ -101,3 +101,22 @@ def test_bad_lora_requests_are_refused_by_name(setup, tmp_path):
     assert _greedy(llm, PROMPTS[:1], adapters["a2"])[0] == setup[2]["a2"][0]
     stats = llm.engine.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"] - 1
+
+
+def test_speculative_decoding_with_adapters_matches_peft_merged(setup):
+    """LoRA with speculation, n-gram drafts and a draft model's (which runs the base weights): the drafts are
+    checked by the adapted model, so every request still gets exactly its merged model's greedy tokens,
+    while drafts were proposed and some accepted (verify steps of several tokens per request went through
+    the adapters). On CUDA the verify steps replay graphs whose padded rows the LoRA token slots follow
+    (tests/lora/test_lora_spec_gpu.py)."""
+    base_dir, adapters, refs = setup
+    names = ["a1", "base", "a2", "a1", "a2", "base", "a2", "a1"]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
+    for spec in ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2},
+                 {"method": "draft_model", "model": base_dir, "num_speculative_tokens": 2}):
+        llm = LLM(base_dir, enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=8,
+                  kv_cache_memory=16 << 20, speculative_config=spec)
+        assert _greedy(llm, prompts, [adapters.get(n) for n in names]) == [
+            refs[n][i % len(PROMPTS)] for i, n in enumerate(names)], spec["method"]
+        stats = llm.engine.stats()
+        assert stats["spec_num_draft_tokens"] > 0 and stats["spec_num_accepted_tokens"] > 0, stats

@@ -84,7 +84,7 @@ class EngineCore:
         self.config = config
         start = time.perf_counter()
         self.speculative = _check_speculative(config)
-        check_lora_config(config, speculative=self.speculative is not None)
+        check_lora_config(config)
         # tensor_parallel_size > 1: ranks 1..N-1 start now and load their shards beside this one.
         config = rank_config(config)
         self.tp, self.executor = start_tensor_parallel(config)
@@ -166,8 +166,11 @@ class EngineCore:
         # adapters' slot buffers) and hands the runner its per-step adapter index.
         self.loras: EngineLoRAs | None = None
         if config.enable_lora:
+            # (a verify step in a CUDA graph runs k + 1 rows per request: lora/slots.py relayout)
+            rows_per_request = max(1, verify_len(config.speculative_config))
             self.loras = EngineLoRAs(loaded.model, config, device=loaded.device, dtype=loaded.dtype,
-                                     max_num_tokens=max(loaded.max_num_batched_tokens, loaded.max_num_seqs))
+                                     max_num_tokens=max(loaded.max_num_batched_tokens,
+                                                        loaded.max_num_seqs * rows_per_request))
         self.runner: ModelRunner | PoolingRunner
         # --logits-processors (ferrox/logits_processor.py): loaded before the model's memory is taken to fail fast.
         self.custom_logits_classes = load_logits_processors(config.logits_processors)

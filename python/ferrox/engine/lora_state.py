@@ -44,14 +44,12 @@ def lora_fields(lora_request: LoRARequest | None) -> dict[str, Any]:
             "lora_path": lora_request.lora_path}
 
 
-def check_lora_config(config: EngineConfig, *, speculative: bool) -> None:
+def check_lora_config(config: EngineConfig) -> None:
     """Refuse by name the combinations this version does not run with LoRA."""
     if not config.enable_lora:
         return
     if config.tensor_parallel_size > 1:
         raise ValueError("enable_lora: not supported with tensor_parallel_size > 1 in this version")
-    if speculative:
-        raise ValueError("enable_lora: not supported together with speculative_config in this version")
 
 
 class EngineLoRAs:

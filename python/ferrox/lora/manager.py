@@ -88,6 +88,9 @@ class LoRAManager:
         # weights directly, so it would run the base model only; every step goes through the
         # layers instead (the general path: no fused step, logits by one matmul).
         model.model.decode_path = DecodePath()  # type: ignore[union-attr]
+        # Speculative verify steps replayed in CUDA graphs move each token to a padded row; the
+        # token slots must follow (worker/cuda_graphs.py calls the model's verify_row_hooks).
+        model.verify_row_hooks = (self._token_slots.relayout,)  # type: ignore[assignment]
         self._cache: OrderedDict[int, PackedAdapter] = OrderedDict()  # least recently used first
         self._slots = SlotTable(max_loras)
 

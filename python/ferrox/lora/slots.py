@@ -10,7 +10,9 @@
   (max_num_tokens entries) and rewritten in place each step, so a CUDA graph captured on them
   replays with the new step's slots; entries past the step's tokens hold slot -1, so a graph's
   padding rows get no delta. On the host it keeps each slot's rows for the torch path, which
-  would otherwise read the buffer back (a device sync).
+  would otherwise read the buffer back (a device sync). A speculative verify step replayed in a
+  CUDA graph moves its tokens to padded rows (worker/cuda_graphs.py): `relayout` moves the slots
+  with them, on the device.
 """
 
 from __future__ import annotations
@@ -102,6 +104,21 @@ class TokenSlots:
         if self.keep_groups:
             present = np.unique(slot_of_token[used])
             self._groups = [(int(s), self._rows(np.flatnonzero(slot_of_token == s))) for s in present]
+
+    def relayout(self, rows: torch.Tensor, span: int) -> None:
+        """Move the last step's token slots (T = rows.numel() of them, in step order) to the rows a
+        verify graph runs them in (token t at rows[t]); the other rows of the first `span` get -1.
+        Device ops only (the graph runner computed `rows` on the device)."""
+        if span > self.max_num_tokens:
+            raise ValueError(f"a verify step of {span} rows for LoRA token slots of {self.max_num_tokens}")
+        slots = self.buffer[: rows.shape[0]].clone()
+        self.buffer[:span].fill_(-1)
+        self.buffer.index_copy_(0, rows, slots)
+        sorted_slots, order = torch.sort(self.buffer[:span], stable=True)
+        self.order[:span].copy_(order)
+        self.sorted_slots[:span].copy_(sorted_slots)
+        self._dirty = max(self._dirty, span)
+        self._groups_tokens = -1  # the host's groups are in step order: the torch path reads the buffer
 
     def groups(self, num_tokens: int) -> SlotGroups | None:
         """Each slot's rows of the last step written, if it had num_tokens tokens (else None: the

@@ -29,9 +29,9 @@ their causal positions (the kernel places row j of a query of length Q at seq_le
 never see the pad positions, which come after them. The hidden rows are gathered back into the
 step's own layout after the replay. Pad positions may run past the request's blocks: the static
 block table has a spare zeroed block column per verify_len tokens so those reads stay inside it.
-Per-token state kept outside these buffers in step order would not follow the padding: LoRA's token
-slots (lora/slots.py) are, which is one reason LoRA and speculation are refused together
-(engine/lora_state.check_lora_config).
+Per-token state kept outside these buffers in step order must follow the padding: the model's
+`verify_row_hooks` (LoRA's token slots, lora/slots.py TokenSlots.relayout) are called with the
+token -> row map after each verify step is staged.
 """
 
 from __future__ import annotations
@@ -237,6 +237,8 @@ class CudaGraphRunner:
         width = meta.block_table.shape[1]
         self.block_table[:batch, :width].copy_(meta.block_table, non_blocking=True)
         self.block_table[:batch, width:].zero_()  # pad positions past the request's blocks read block 0
+        for hook in getattr(self.model, "verify_row_hooks", ()):
+            hook(rows, span)
         return padded
 
     def padded_verify_size(self, batch: int) -> int:
