@@ -10,7 +10,6 @@ non-zero on any problem.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import sys
 import tempfile
 import urllib.request
@@ -20,8 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from tests.helpers.tiny_models import make_tiny_llama  # noqa: E402
 from tests.lora.adapters import load_hf_model, make_peft_adapter  # noqa: E402
-from tests.server.server_proc import ServerProcess  # noqa: E402
-from tests.server.server_proc import post_json  # noqa: E402
+from tests.server.server_proc import ServerProcess, post_json  # noqa: E402
 
 
 def main() -> int:

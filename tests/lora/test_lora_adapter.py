@@ -277,17 +277,47 @@ def test_bad_steps_refused_and_nothing_changes(tiny):
     assert _same(_state(manager), before)
 
 
+def test_a_tensor_parallel_rank_packs_its_share(tiny):
+    """Each of 2 ranks packs its share of an adapter, cut as its layers are (lora/layers.py): column-parallel
+    q/k/v and gate/up keep all of A and their output rows of B, row-parallel o/down their input columns of A
+    and all of B; the two ranks' shares put together are the one-rank packing. (The engine under tensor
+    parallelism against PEFT: tests/lora/test_lora_tp.py.)"""
+    _, folder, _, adapters = tiny
+    request = LoRARequest("patterns", 1, adapters["patterns"])
+    whole = _manager(folder)
+    whole.add_adapter(request)
+    spec = load_model_spec(resolve_model(folder))
+    shares = []
+    for rank in range(2):
+        with use_tp_group(TPGroup(rank=rank, size=2)):  # built sharded (no collective runs here)
+            sharded = get_model_class([spec.architecture])(spec, torch.float32, "cpu")
+            manager = LoRAManager(sharded, max_loras=1, max_lora_rank=8, max_cpu_loras=None, device="cpu",
+                                  dtype=torch.float32, max_num_tokens=8)
+        manager.add_adapter(request)
+        shares.append(manager)
+    full_weights = whole._cache[1].weights
+    for i, layer in enumerate(whole.layers):
+        if full_weights[i] is None:
+            assert all(m._cache[1].weights[i] is None for m in shares)
+            continue
+        a, b = full_weights[i]
+        (a0, b0), (a1, b1) = (m._cache[1].weights[i] for m in shares)
+        if shares[0].layers[i].row_parallel:  # o_proj, down_proj
+            assert torch.equal(torch.cat([a0, a1], dim=1), a) and torch.equal(b0, b) and torch.equal(b1, b)
+        else:  # each output slice's rows, rank 0's then rank 1's
+            assert torch.equal(a0, a) and torch.equal(a1, a)
+            parts = [torch.cat([b0[lo0:hi0], b1[lo1:hi1]]) for (lo0, hi0), (lo1, hi1) in zip(
+                zip(shares[0].layers[i].slice_bounds, shares[0].layers[i].slice_bounds[1:], strict=False),
+                zip(shares[1].layers[i].slice_bounds, shares[1].layers[i].slice_bounds[1:], strict=False),
+                strict=True)]
+            assert torch.equal(torch.cat(parts), b), layer
+
+
 def test_models_lora_cannot_serve_are_refused(tiny):
     _, folder, _, _ = tiny
     with pytest.raises(UnsupportedModelError, match="no decoder layers"):
         LoRAManager(nn.Linear(2, 2), max_loras=1, max_lora_rank=8, max_cpu_loras=None, device="cpu",
                     dtype=torch.float32, max_num_tokens=8)
-    spec = load_model_spec(resolve_model(folder))
-    with use_tp_group(TPGroup(rank=0, size=2)):  # built sharded (no collective runs here)
-        sharded = get_model_class([spec.architecture])(spec, torch.float32, "cpu")
-    with pytest.raises(InvalidArgumentError, match="enable_lora with tensor_parallel_size > 1 is not supported yet"):
-        LoRAManager(sharded, max_loras=1, max_lora_rank=8, max_cpu_loras=None, device="cpu", dtype=torch.float32,
-                    max_num_tokens=8)
     with pytest.raises(InvalidArgumentError, match="max_cpu_loras") as e:
         _manager(folder, max_loras=4, max_cpu_loras=2)
     assert e.value.param == "max_cpu_loras"

@@ -52,6 +52,7 @@ from ferrox.executor import Executor, start_tensor_parallel
 from ferrox.executor.launch import rank_config
 from ferrox.kv_events_config import parse_kv_events_config
 from ferrox.logits_processor import load_logits_processors
+from ferrox.lora.manager import token_capacity
 from ferrox.multimodal import prompt_embeds
 from ferrox.multimodal.inputs import MultiModalItem
 from ferrox.multimodal.processing import image_prompts_for_model
@@ -166,11 +167,9 @@ class EngineCore:
         # adapters' slot buffers) and hands the runner its per-step adapter index.
         self.loras: EngineLoRAs | None = None
         if config.enable_lora:
-            # (a verify step in a CUDA graph runs k + 1 rows per request: lora/slots.py relayout)
-            rows_per_request = max(1, verify_len(config.speculative_config))
             self.loras = EngineLoRAs(loaded.model, config, device=loaded.device, dtype=loaded.dtype,
-                                     max_num_tokens=max(loaded.max_num_batched_tokens,
-                                                        loaded.max_num_seqs * rows_per_request))
+                                     max_num_tokens=token_capacity(loaded.max_num_batched_tokens, loaded.max_num_seqs,
+                                                                   verify_len(config.speculative_config)))
         self.runner: ModelRunner | PoolingRunner
         # --logits-processors (ferrox/logits_processor.py): loaded before the model's memory is taken to fail fast.
         self.custom_logits_classes = load_logits_processors(config.logits_processors)

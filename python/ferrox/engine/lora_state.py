@@ -23,6 +23,7 @@ from ferrox.config import EngineConfig
 from ferrox.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
+    from ferrox.lora.manager import SlotPlan
     from ferrox.lora.request import LoRARequest
 
 
@@ -45,11 +46,8 @@ def lora_fields(lora_request: LoRARequest | None) -> dict[str, Any]:
 
 
 def check_lora_config(config: EngineConfig) -> None:
-    """Refuse by name the combinations this version does not run with LoRA."""
-    if not config.enable_lora:
-        return
-    if config.tensor_parallel_size > 1:
-        raise ValueError("enable_lora: not supported with tensor_parallel_size > 1 in this version")
+    """Refuse by name the combinations this version does not run with LoRA (none left: tensor parallelism
+    shards the adapters as it shards the layers, speculation checks drafts with the adapted model)."""
 
 
 class EngineLoRAs:
@@ -95,16 +93,17 @@ class EngineLoRAs:
     def list_ids(self) -> list[int]:
         return sorted(i for i in self._known if i not in self._pending_removal)
 
-    def prepare_step(self, token_lora_ids: Any) -> None:
+    def prepare_step(self, token_lora_ids: Any) -> SlotPlan:
         """The model runner's call before each forward: reload adapters the CPU cache evicted, then
-        let the manager fill its slots and the per-token slot index."""
+        let the manager fill its slots and the per-token slot index; returns its plan for the other
+        tensor-parallel ranks."""
         wanted = [i for i in np.unique(token_lora_ids).tolist() if i]  # a few ids, not T tokens
         if wanted:
             resident = {r.lora_int_id for r in self.manager.list_adapters()}
             for lora_int_id in wanted:
                 if lora_int_id not in resident:
                     self.manager.add_adapter(self._known[lora_int_id])
-        self.manager.prepare_step(token_lora_ids)
+        return self.manager.prepare_step(token_lora_ids)
 
     # ---- requests ---------------------------------------------------------------------------------
     def admit(self, request_id: str, lora_int_id: int, lora_name: str | None, lora_path: str | None) -> None:

@@ -28,6 +28,7 @@ from ferrox.config import EngineConfig
 from ferrox.distributed.parallel_state import destroy_tp_group, init_tp_group
 from ferrox.distributed.step_channel import RELOAD, SHUTDOWN, SLEEP, WAKE, StepChannel
 from ferrox.gc_tuning import freeze_startup_heap
+from ferrox.lora.rank_plan import plan_from_arrays
 from ferrox.speculative_config import verify_len
 from ferrox.worker.model_forward import ModelForward, StepArrays
 from ferrox.worker.model_setup import load_everything
@@ -44,6 +45,16 @@ def run_worker(config: EngineConfig, rank: int, size: int, init_method: str, dev
     try:
         loaded = load_everything(config, tp, device_index)
         forward = ModelForward(loaded.model, loaded.kv_caches, loaded.device, tp, Uploader(loaded.device))
+        # Multi-LoRA: this rank's share of every adapter, in the slots the driver picks (lora/manager.py);
+        # wrapped before the graphs are captured, as on the driver.
+        loras = None
+        if config.enable_lora:
+            from ferrox.lora.manager import LoRAManager, token_capacity
+
+            loras = LoRAManager(loaded.model, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                                max_cpu_loras=config.max_cpu_loras, device=loaded.device, dtype=loaded.dtype,
+                                max_num_tokens=token_capacity(loaded.max_num_batched_tokens, loaded.max_num_seqs,
+                                                              verify_len(config.speculative_config)))
         plan = config.graph_plan()
         if loaded.device.type == "cuda" and plan.any:
             forward.capture_cuda_graphs(max_num_seqs=loaded.max_num_seqs, max_model_len=loaded.max_model_len,
@@ -51,13 +62,13 @@ def run_worker(config: EngineConfig, rank: int, size: int, init_method: str, dev
                                         max_num_batched_tokens=loaded.max_num_batched_tokens, plan=plan)
         logger.info("tensor-parallel rank %d/%d ready on %s", rank, size, loaded.device)
         freeze_startup_heap()
-        _step_loop(forward, StepChannel(tp), loaded.sleep_memory, loaded.reload_model)
+        _step_loop(forward, StepChannel(tp), loaded.sleep_memory, loaded.reload_model, loras)
     finally:
         destroy_tp_group(tp)  # gloo only (see there); the caller exits right after on GPUs
 
 
 def _step_loop(forward: ModelForward, channel: StepChannel, sleep_memory: SleepMemory | None = None,
-               reload_model: Callable[[], Any] | None = None) -> None:
+               reload_model: Callable[[], Any] | None = None, loras: Any = None) -> None:
     # The Uploader alternates two pinned buffer sets; nothing here reads results back, so before
     # staging step N this rank waits for step N-2's device work (its copies out of those buffers).
     done: collections.deque[Any] = collections.deque()
@@ -85,6 +96,8 @@ def _step_loop(forward: ModelForward, channel: StepChannel, sleep_memory: SleepM
             done.popleft().synchronize()
         forward.upload.next_step()
         step = StepArrays(arrays)
+        if loras is not None:
+            loras.follow(plan_from_arrays(arrays))
         if images is None:
             forward.run(step, step.prompt_rows)
         else:

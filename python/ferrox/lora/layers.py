@@ -7,6 +7,12 @@ the merged layer, so q/k/v (or gate/up) take one shrink and one expand launch (k
 lora/torch_delta.py for the layout and the torch path). The model file is not changed: the
 manager swaps the wrapper in for the layer, and attributes the model reads from its projections
 (num_heads, shard_sizes, weight...) pass through to the base layer.
+
+Under tensor parallelism the slot weights are this rank's share, cut as the base layer is: a
+column-parallel layer (q/k/v, gate/up) holds all of A and its own output rows of B, and its delta
+is its output shard's; a row-parallel layer (o, down) holds its input columns of A and all of B,
+so x_r A_r^T B^T is this rank's partial delta, added to the base layer's partial product before
+their one all-reduce (the sum over ranks is x A^T B^T). No extra communication either way.
 """
 
 from __future__ import annotations
@@ -17,12 +23,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from ferrox.layers.linear import Linear
+from ferrox.layers.linear import Linear, MergedLinear, RowParallelLinear
 from ferrox.lora.slots import TokenSlots
 from ferrox.lora.torch_delta import add_lora_torch, slot_groups
 
 
 class LoRALinear(nn.Module):
+    row_parallel: bool
+    a_columns: tuple[int, int, int]
+    b_rows: tuple[tuple[int, int, int], ...]
+
     def __init__(self, base_layer: Linear, slice_widths: dict[str, int], token_slots: TokenSlots, *,
                  max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device, use_triton: bool) -> None:
         super().__init__()
@@ -47,6 +57,17 @@ class LoRALinear(nn.Module):
                              persistent=False)
         self.token_slots = token_slots
         self.use_triton = use_triton
+        # How this rank's share is cut from an adapter's tensors (lora/packed.py): the input columns of
+        # A, and per output slice the rows of B, each as (first, count, checkpoint total).
+        self.row_parallel = isinstance(base_layer, RowParallelLinear)
+        local_in = int(self.in_features)
+        self.a_columns = (0, local_in, local_in)
+        if isinstance(base_layer, RowParallelLinear):
+            self.a_columns = (base_layer.in_start, local_in, local_in * base_layer.tp.size)
+        if isinstance(base_layer, MergedLinear):
+            self.b_rows = tuple(base_layer.checkpoint_rows[name] for name in self.slice_names)
+        else:
+            self.b_rows = tuple((0, w, w) for w in self.slice_widths)
 
     def __getattr__(self, name: str) -> Any:
         # nn.Module's lookup (parameters, buffers, submodules) first; then the base layer's
@@ -59,8 +80,15 @@ class LoRALinear(nn.Module):
                 raise
             return getattr(base, name)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base_layer(x)
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """reduce: a row-parallel layer's all-reduce, after the delta joins its partial product (False: the
+        partial sum for a caller that reduces later, as the base layer's own reduce=False)."""
+        if not self.row_parallel:
+            return self._add_delta(self.base_layer(x), x)
+        y = self._add_delta(self.base_layer(x, reduce=False), x)
+        return self.base_layer.tp.all_reduce(y) if reduce else y
+
+    def _add_delta(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
         slots = self.token_slots.buffer
         if self.use_triton:

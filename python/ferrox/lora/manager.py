@@ -9,12 +9,18 @@ Built once on a loaded model, it
 - before each forward, `prepare_step` turns each token's adapter id into its slot index in the
   persistent `token_slots` buffer the wrapped layers read.
 
+Under tensor parallelism every rank has a manager over its shard of the model (each packs its own
+share of an adapter: lora/layers.py). The driver's decides; it returns the step's `SlotPlan`
+(adapters copied into slots, each token's slot), which travels with the step's arrays
+(lora/rank_plan.py), and every other rank's `follow` applies it, so the slots agree rank for rank.
+
 An adapter id (LoRARequest.lora_int_id) is the adapter's identity; 0 is the base model.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,7 +29,6 @@ import torch
 from torch import nn
 
 from ferrox.attention.decode_path import DecodePath
-from ferrox.distributed.parallel_state import get_tp_group
 from ferrox.errors import InvalidArgumentError, UnsupportedModelError
 from ferrox.layers.linear import Linear, MergedLinear
 from ferrox.lora.adapter import LoRAAdapterError, read_peft_adapter
@@ -42,6 +47,20 @@ _PROJECTIONS: tuple[tuple[str, str, dict[str, str | None]], ...] = (
 _REQUIRED = ("qkv_proj", "o_proj")  # every Llama-family decoder layer has these
 
 
+@dataclass(slots=True)
+class SlotPlan:
+    """One step's slot decisions: the adapters copied into slots before it, each token's slot (-1: none)."""
+
+    loads: list[tuple[int, LoRARequest]]  # (slot, adapter)
+    slot_of_token: npt.NDArray[np.int32]
+
+
+def token_capacity(max_num_batched_tokens: int, max_num_seqs: int, verify_len: int) -> int:
+    """The token slots a step may need: its token budget, or a speculative verify step replayed in a CUDA
+    graph (verify_len = k + 1 rows per request: lora/slots.py relayout)."""
+    return max(max_num_batched_tokens, max_num_seqs * max(1, verify_len))
+
+
 class LoRAManager:
     def __init__(self, model: nn.Module, *, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None,
                  device: torch.device | str, dtype: torch.dtype, max_num_tokens: int) -> None:
@@ -58,9 +77,6 @@ class LoRAManager:
         refusal = getattr(model, "lora_refusal", None)  # a family whose layers LoRA cannot adapt exactly
         if refusal:
             raise UnsupportedModelError(f"enable_lora: {refusal}")
-        if get_tp_group().size > 1 or any(_tp_size(layer) > 1 for layer in layers):
-            raise InvalidArgumentError("enable_lora with tensor_parallel_size > 1 is not supported yet",
-                                       param="tensor_parallel_size")
         self.model = model
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
@@ -138,10 +154,11 @@ class LoRAManager:
         """int32 [max_num_tokens]: each token's slot (-1: base model); layers read [:T]."""
         return self._token_slots.buffer
 
-    def prepare_step(self, token_lora_ids: npt.NDArray[Any]) -> None:
+    def prepare_step(self, token_lora_ids: npt.NDArray[Any]) -> SlotPlan:
         """Give the step's adapters GPU slots (copying in those that lack one) and write each
         token's slot into `token_slots`. token_lora_ids: int [T], 0 = base model. ValueError for
-        more distinct adapters than max_loras or an id never added; then nothing changes."""
+        more distinct adapters than max_loras or an id never added; then nothing changes. Returns
+        what it decided, for the other tensor-parallel ranks (`follow`)."""
         ids = np.asarray(token_lora_ids)
         if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
             raise ValueError(f"token_lora_ids must be a 1-D integer array, got shape {ids.shape} dtype {ids.dtype}")
@@ -158,14 +175,26 @@ class LoRAManager:
         adapters = [int(i) for i in present]
         for lora_int_id in adapters:
             self._cache.move_to_end(lora_int_id)
+        loads = []
         for lora_int_id, slot in self._slots.assign(adapters):
             self._load_slot(slot, self._cache[lora_int_id])
+            loads.append((slot, self._cache[lora_int_id].request))
         slot_of_token = np.full(ids.size, -1, dtype=np.int32)
         if adapters:
             slot_of_id = np.array([self._slots.slot_of(i) for i in adapters], dtype=np.int32)
             index = np.searchsorted(present, ids).clip(max=present.size - 1)
             slot_of_token = np.where(ids == 0, -1, slot_of_id[index]).astype(np.int32)
         self._token_slots.write(slot_of_token)
+        return SlotPlan(loads, slot_of_token)
+
+    def follow(self, plan: SlotPlan) -> None:
+        """A non-driver tensor-parallel rank: apply the driver's decisions for this step (reading an
+        adapter's share from its folder when this rank's CPU cache lacks it)."""
+        for slot, request in plan.loads:
+            self.add_adapter(request)
+            self._cache.move_to_end(request.lora_int_id)
+            self._load_slot(slot, self._cache[request.lora_int_id])
+        self._token_slots.write(plan.slot_of_token)
 
     def _load_slot(self, slot: int, packed: PackedAdapter) -> None:
         for layer, weights in zip(self.layers, packed.weights, strict=True):
@@ -173,11 +202,6 @@ class LoRAManager:
                 layer.load_slot(slot, None, None)
             else:
                 layer.load_slot(slot, *weights)
-
-
-def _tp_size(layer: nn.Module) -> int:
-    """The tensor-parallel size a layer was built under (its row-parallel o_proj keeps the group)."""
-    return int(getattr(getattr(getattr(layer, "self_attn", None), "o_proj", None), "tp", get_tp_group()).size)
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:

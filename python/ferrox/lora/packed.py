@@ -6,7 +6,9 @@ A wrapped layer with S output slices (q/k/v: 3, gate/up: 2, o and down: 1) gets
   lora_b [out, r]    slice s's B at rows of its output columns, times the module's scaling (and the
                      layer's output_scale, a constant folded into its base weight: Granite)
 with zeros where the adapter leaves a slice out or has a smaller rank there, in the model dtype
-(pinned when the slots live on a GPU, so a slot swap is an asynchronous copy).
+(pinned when the slots live on a GPU, so a slot swap is an asynchronous copy). Under tensor parallelism
+each rank packs its share (lora/layers.py): the adapter's tensors are checked against the checkpoint's
+shapes, then cut to the layer's input columns of A and output rows of B.
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ def pack_adapter(request: LoRARequest, adapter: PeftAdapter, layers: Sequence[Lo
             raise LoRAAdapterError(f"{adapter.weights_file}: tensor {module.a_key!r} adapts {name!r}, "
                                    f"{_not_supported(name, targets)}")
         layer = layers[target.layer]
-        expected_a = (module.rank, layer.in_features)
-        expected_b = (layer.slice_widths[target.slice], module.rank)
+        expected_a = (module.rank, layer.a_columns[2])
+        expected_b = (layer.b_rows[target.slice][2], module.rank)
         for key, tensor, expected in ((module.a_key, module.lora_a, expected_a), (module.b_key, module.lora_b,
                                                                                   expected_b)):
             if tuple(tensor.shape) != expected:
@@ -67,12 +69,15 @@ def pack_adapter(request: LoRARequest, adapter: PeftAdapter, layers: Sequence[Lo
         layer = layers[index]
         lora_a = torch.zeros(len(layer.slice_widths) * rank, layer.in_features, dtype=dtype)
         lora_b = torch.zeros(layer.out_features, rank, dtype=dtype)
+        col_start, cols, _ = layer.a_columns
         for s, module in modules:
             lo, hi = layer.slice_bounds[s], layer.slice_bounds[s + 1]
-            lora_a[s * rank:s * rank + module.rank] = module.lora_a
+            row_start, rows, _ = layer.b_rows[s]
+            lora_a[s * rank:s * rank + module.rank] = module.lora_a[:, col_start:col_start + cols]
             # Scaling baked into B (in float32, rounded once), so the kernels need none; with it any
             # constant the model folded into the base layer's weight (Linear.output_scale).
-            lora_b[lo:hi, :module.rank] = module.lora_b * (module.scaling * layer.output_scale)
+            lora_b[lo:hi, :module.rank] = module.lora_b[row_start:row_start + rows] * (
+                module.scaling * layer.output_scale)
         weights[index] = (lora_a.pin_memory(), lora_b.pin_memory()) if pin else (lora_a, lora_b)
     return PackedAdapter(request, rank, tuple(weights))
 

@@ -35,6 +35,7 @@ from ferrox.compilation_config import GraphPlan
 from ferrox.distributed.parallel_state import TPGroup, get_tp_group
 from ferrox.distributed.step_channel import SHUTDOWN, STEP, StepChannel
 from ferrox.layers.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, compute_logprobs
+from ferrox.lora.rank_plan import plan_arrays
 from ferrox.multimodal.inputs import MultiModalItem
 from ferrox.sampling_params import SamplingParams
 from ferrox.step_types import Logprobs
@@ -257,11 +258,16 @@ class ModelRunner:
             else []
         prompt_rows = np.array([(job[2], job[3]) for job in prompt_jobs], dtype=np.int64).reshape(-1, 2)
         shifted = prev is not None and prev.rejected is not None
+        # LoRA first: under tensor parallelism its slot plan travels with the step (lora/rank_plan.py).
+        lora_plan = (self.lora.prepare_step(np.repeat(self._lora_of_slot[slots], np.asarray(so.num_scheduled_tokens)))
+                     if self.lora is not None else None)
         if self.channel is not None:
             arrays = step_arrays(so, prompt_rows, shifted=shifted,
                                  calibrate_kv_scales=self.forward.kv_scale_calibration_armed)
             if self._image_log is not None:
                 self._image_log.drain_into(arrays, so)
+            if lora_plan is not None:
+                arrays.update(plan_arrays(lora_plan))
             self.channel.send(STEP, arrays)
 
         def fill_holes(input_ids: torch.Tensor, holes: np.ndarray) -> torch.Tensor | None:
@@ -286,8 +292,6 @@ class ModelRunner:
                                   prev.rejected.index_select(0, src_dev))
             return row_shift
 
-        if self.lora is not None:
-            self.lora.prepare_step(np.repeat(self._lora_of_slot[slots], np.asarray(so.num_scheduled_tokens)))
         image_rows = self.images.step_rows(so) if self.images else None
         mrope = self.mrope
         result = self.forward.run(so, prompt_rows, fill_holes, shifted=shifted, image_rows=image_rows,

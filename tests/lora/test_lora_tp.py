@@ -1,0 +1,54 @@
+"""Multi-LoRA under tensor parallelism on CPU (gloo): the tiny Llama sharded over 2 rank processes, each
+holding its share of every adapter (lora/layers.py), serves a mixed batch of the base model and two PEFT
+adapters (one on every projection, one on q/v/down with rsLoRA) with exactly the greedy tokens transformers
+gives with each adapter merged, through chunked prefill; with max_loras=1 the slot is swapped between the
+adapters every few steps, the driver's slot plan followed by the other rank (lora/rank_plan.py), and with
+n-gram speculation the verify steps go through the sharded adapters too."""
+
+from __future__ import annotations
+
+import pytest
+from ferrox import LLM, SamplingParams
+from ferrox.lora.request import LoRARequest
+
+from tests.helpers.tiny_models import EOS_TOKEN_ID, make_tiny_llama
+from tests.lora.adapters import load_hf_model, make_peft_adapter, merged_reference
+from tests.models.conftest import cut_at_eos, hf_greedy
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[1, 17, 42, 99, 7, 300, 12], list(range(3, 43)), [1, 5, 6, 7, 5, 6, 7, 5, 6, 7], [1, 77, 78]]
+MAX_TOKENS = 12
+NAMES = ["a1", "base", "a2", "a1", "a2", "base", "a2", "a1"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    base_dir = make_tiny_llama(tmp_path_factory.mktemp("base"), hidden_size=64, num_layers=2)
+    base = load_hf_model(base_dir)
+    a1 = make_peft_adapter(base, tmp_path_factory.mktemp("a1"), r=8, lora_alpha=16, seed=1)
+    a2 = make_peft_adapter(base, tmp_path_factory.mktemp("a2"), r=4, lora_alpha=8, seed=2, use_rslora=True,
+                           target_modules=["q_proj", "v_proj", "down_proj"])
+    refs = {}
+    for name, model in (("base", base), ("a1", merged_reference(base, a1)), ("a2", merged_reference(base, a2))):
+        refs[name] = [cut_at_eos(hf_greedy(model, p, MAX_TOKENS), [EOS_TOKEN_ID]) for p in PROMPTS]
+    return base_dir, {"a1": LoRARequest("a1", 1, a1), "a2": LoRARequest("a2", 2, a2)}, refs
+
+
+@pytest.mark.parametrize("max_loras,spec", [(2, None), (1, {"method": "ngram", "num_speculative_tokens": 3,
+                                                           "prompt_lookup_max": 2})])
+def test_sharded_adapters_match_peft_merged(setup, max_loras, spec):
+    base_dir, adapters, refs = setup
+    llm = LLM(base_dir, tensor_parallel_size=2, device="cpu", enable_lora=True, max_loras=max_loras,
+              max_lora_rank=8, max_num_seqs=8, max_num_batched_tokens=32, kv_cache_memory=8 << 20,
+              speculative_config=spec)
+    try:
+        prompts = [{"prompt_token_ids": PROMPTS[i % len(PROMPTS)]} for i in range(len(NAMES))]
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False,
+                            lora_request=[adapters.get(n) for n in NAMES])
+        got = [cut_at_eos(list(o.outputs[0].token_ids), [EOS_TOKEN_ID]) for o in outs]
+        assert got == [refs[n][i % len(PROMPTS)] for i, n in enumerate(NAMES)]
+        if spec is not None:
+            assert llm.engine.stats()["spec_num_accepted_tokens"] > 0
+    finally:
+        llm.engine.shutdown()
