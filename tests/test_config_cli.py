@@ -114,6 +114,8 @@ def _non_default(name: str) -> list[tuple[list[str], Any]]:
         return [([flag, '{"image": 2}'], {"image": 2})]
     if name == "mm_processor_kwargs":
         return [([flag, '{"max_pixels": 50176}'], {"max_pixels": 50176})]
+    if name == "media_io_kwargs":
+        return [([flag, '{"video": {"num_frames": -1}}'], {"video": {"num_frames": -1}})]
     if name == "compilation_config":
         return [([flag, '{"cudagraph_mode": "FULL_DECODE_ONLY"}'], {"cudagraph_mode": "FULL_DECODE_ONLY"})]
     if name == "optimization_level":  # 0-3

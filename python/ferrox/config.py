@@ -39,6 +39,7 @@ from typing import Any
 
 from ferrox.compilation_config import GraphPlan, graph_plan
 from ferrox.kv_events_config import parse_kv_events_config
+from ferrox.media_io_config import parse_media_io_kwargs
 from ferrox.pooling.params import parse_pooler_overrides
 from ferrox.reasoning.parser import REASONING_PARSER_CHOICES, reasoning_parser_names
 from ferrox.reasoning.plugin import load_reasoning_parser_plugin
@@ -185,6 +186,11 @@ class EngineConfig:
         "most images and videos one prompt may carry, as vLLM's JSON object {\"image\": N, \"video\": M} "
         "(other modalities only as 0)",
         default_help="no limit but the context")
+    media_io_kwargs: dict[str, Any] | None = _opt(
+        "arguments of the media loaders by modality (vLLM's JSON object): video num_frames (the frames kept of a "
+        "file, default 32; -1: every frame, for a processor that samples by fps) and fps (at most duration * fps "
+        "frames); a chat request's media_io_kwargs go over these; other keys are refused",
+        default_help="none")
     mm_processor_kwargs: dict[str, Any] | None = _opt(
         "image processor settings over the model folder's (vLLM's JSON object): Qwen2-VL / Qwen2.5-VL's "
         "min_pixels and max_pixels (fewer pixels, fewer image tokens); other keys and families are refused",
@@ -437,6 +443,7 @@ class EngineConfig:
                 isinstance(k, str) for k in self.hf_overrides)):
             raise ValueError(f"hf_overrides: must be a JSON object of config.json fields, got {self.hf_overrides!r}")
         _check_mm_limits(self.limit_mm_per_prompt)
+        parse_media_io_kwargs(self.media_io_kwargs)  # (InvalidArgumentError is a ValueError naming the key)
         if self.mm_processor_kwargs is not None and not isinstance(self.mm_processor_kwargs, dict):
             raise ValueError(f"mm_processor_kwargs: must be a JSON object, got {self.mm_processor_kwargs!r}")
         parse_speculative_config(self.speculative_config)  # raises ValueError naming the key

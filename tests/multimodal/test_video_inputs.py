@@ -65,6 +65,32 @@ def test_decode_samples_as_vllm(tmp_path):
     assert short.sampled_fps == 5
 
 
+def test_media_io_kwargs_sample_as_vllms_loader(tmp_path):
+    """--media-io-kwargs / a request's media_io_kwargs (media_io_config.py), as vLLM's default loader reads them:
+    num_frames evenly spread (-1: every frame), fps caps the count at floor(duration * fps); bad keys named."""
+    from ferrox.errors import InvalidArgumentError
+    from ferrox.media_io_config import MediaIOOptions, parse_media_io_kwargs
+    from ferrox.multimodal.video import decode_video
+
+    data = open(write_video(str(tmp_path / "long.webm"), _colours(40), fps=10), "rb").read()  # 4 seconds
+    for options, want in ((MediaIOOptions(num_frames=4), np.linspace(0, 39, 4, dtype=int).tolist()),
+                          (MediaIOOptions(num_frames=-1), list(range(40))),
+                          (MediaIOOptions(num_frames=-1, fps=2.0), np.linspace(0, 39, 8, dtype=int).tolist()),
+                          (MediaIOOptions(num_frames=5, fps=2.0), np.linspace(0, 39, 5, dtype=int).tolist()),
+                          (MediaIOOptions(fps=0.1), [0])):  # floor(0.4) frames: at least one
+        video = decode_video(data, options)
+        assert video.indices == want, options
+        assert video.do_sample_frames == (len(want) == 40)  # kept whole: the processor samples it
+    server = parse_media_io_kwargs({"video": {"num_frames": 8}, "image": {"image_mode": "RGB"}})
+    assert parse_media_io_kwargs({"video": {"fps": 1}}, server) == MediaIOOptions(num_frames=8, fps=1.0)
+    for raw, field in (({"audio": {}}, "media_io_kwargs.audio"), ({"video": {"frame_recovery": True}},
+                                                                  "media_io_kwargs.video.frame_recovery"),
+                       ({"video": {"num_frames": 2.5}}, "media_io_kwargs.video.num_frames"),
+                       ({"image": {"image_mode": "L"}}, "media_io_kwargs.image.image_mode"), ([], "media_io_kwargs")):
+        with pytest.raises(InvalidArgumentError, match=field.replace(".", r"\.")):
+            parse_media_io_kwargs(raw)
+
+
 def test_chat_video_url_matches_offline_frames(setup):
     from ferrox.multimodal.video import decode_video
 
@@ -131,6 +157,29 @@ def test_server_video_url_matches_offline(setup):
         two = [{"role": "user", "content": _chat(_data_url(data))[0]["content"] * 2}]
         status, err = _post(srv.base_url, {"model": "qwen", "messages": two, "max_tokens": 2})
         assert status == 400 and "at most 1" in err["error"]["message"], err
+    finally:
+        srv.stop()
+
+
+def test_server_media_io_kwargs(setup):
+    """--media-io-kwargs keeps 2 of the clip's 6 frames (one temporal patch: fewer prompt tokens); a request's
+    media_io_kwargs with num_frames -1 goes over it and gets the offline default's whole clip; a bad key is a
+    400 naming it, with or without a video."""
+    folder, llm, data = setup
+    expected = llm.chat(_chat(_data_url(data)), GREEDY, use_tqdm=False)[0]
+    srv = ServerProcess(folder, "--served-model-name", "qwen", "--dtype", "float32", "--limit-mm-per-prompt",
+                        '{"video": 1}', "--media-io-kwargs", '{"video": {"num_frames": 2}}')
+    try:
+        body = {"model": "qwen", "messages": _chat(_data_url(data)), "max_tokens": GREEDY.max_tokens, "temperature": 0}
+        status, fewer = _post(srv.base_url, body)
+        assert status == 200 and fewer["usage"]["prompt_tokens"] < len(expected.prompt_token_ids), fewer
+        status, whole = _post(srv.base_url, {**body, "media_io_kwargs": {"video": {"num_frames": -1}}})
+        assert status == 200 and whole["usage"]["prompt_tokens"] == len(expected.prompt_token_ids), whole
+        assert whole["choices"][0]["message"]["content"] == expected.outputs[0].text
+        for messages in (body["messages"], [{"role": "user", "content": "hi"}]):
+            status, err = _post(srv.base_url, {**body, "messages": messages,
+                                               "media_io_kwargs": {"video": {"frame_recovery": True}}})
+            assert status == 400 and "media_io_kwargs.video.frame_recovery" in err["error"]["message"], err
     finally:
         srv.stop()
 

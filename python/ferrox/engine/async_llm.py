@@ -854,4 +854,5 @@ def _image_prompts(config: EngineConfig, tokenizer: Any) -> Any:
     hf_config = {**read_json(path), **(config.hf_overrides or {})}
     return image_prompts_for_model(source.path, hf_config, tokenizer, limits=config.limit_mm_per_prompt,
                                    allowed_local_media_path=config.allowed_local_media_path,
-                                   processor_kwargs=config.mm_processor_kwargs)
+                                   processor_kwargs=config.mm_processor_kwargs,
+                                   media_io_kwargs=config.media_io_kwargs)

@@ -128,7 +128,7 @@ class EngineCore:
             self.image_prompts = image_prompts_for_model(
                 loaded.source.path, self.spec.hf_config.get("multimodal") or {}, self.tokenizer,
                 limits=config.limit_mm_per_prompt, allowed_local_media_path=config.allowed_local_media_path,
-                processor_kwargs=config.mm_processor_kwargs)
+                processor_kwargs=config.mm_processor_kwargs, media_io_kwargs=config.media_io_kwargs)
             # (a config that crossed into this process did not run its plugin here: run it now)
             load_reasoning_parser_plugin(config.reasoning_parser_plugin)
             self.reasoning = (get_reasoning_parser(config.reasoning_parser, self.tokenizer.token_to_id)

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ferrox._core import InvalidArgumentError
+from ferrox.media_io_config import MediaIOOptions, parse_media_io_kwargs
 from ferrox.multimodal.inputs import MultiModalItem
 
 # transformers' vision config defaults (image and patch size) by model_type, and LLaVA's default tower.
@@ -59,6 +60,8 @@ class ImagePrompts:
     model_dir: str
     limit: int | None = None  # --limit-mm-per-prompt's images per prompt
     allowed_local_media_path: str | None = None  # --allowed-local-media-path
+    # --media-io-kwargs (media_io_config.py); keyword-only, so subclasses keep their positional fields
+    media_io: MediaIOOptions = field(default_factory=MediaIOOptions, kw_only=True)
 
     def check_count(self, count: int, what: str, param: str = "multi_modal_data") -> None:
         if self.limit is not None and count > self.limit:
@@ -249,9 +252,24 @@ def request_image_prompts(prompts: ImagePrompts | None, kwargs: Mapping[str, Any
 def image_prompts_for_model(model_dir: str, hf_config: Mapping[str, Any], tokenizer: Any, *,
                             limits: Mapping[str, int] | None = None,
                             allowed_local_media_path: str | None = None,
-                            processor_kwargs: Mapping[str, Any] | None = None) -> ImagePrompts | None:
+                            processor_kwargs: Mapping[str, Any] | None = None,
+                            media_io_kwargs: Mapping[str, Any] | None = None) -> ImagePrompts | None:
     """The prompt rules of a model that takes images (None for a text-only one). hf_config: config.json;
-    limits: --limit-mm-per-prompt; processor_kwargs: --mm-processor-kwargs (PROCESSOR_KWARGS)."""
+    limits: --limit-mm-per-prompt; processor_kwargs: --mm-processor-kwargs (PROCESSOR_KWARGS);
+    media_io_kwargs: --media-io-kwargs (how video files are sampled)."""
+    media_io = parse_media_io_kwargs(media_io_kwargs)
+    prompts = _image_prompts_for_model(model_dir, hf_config, tokenizer, limits=limits,
+                                       allowed_local_media_path=allowed_local_media_path,
+                                       processor_kwargs=processor_kwargs)
+    if prompts is not None:
+        prompts.media_io = media_io
+    return prompts
+
+
+def _image_prompts_for_model(model_dir: str, hf_config: Mapping[str, Any], tokenizer: Any, *,
+                             limits: Mapping[str, int] | None,
+                             allowed_local_media_path: str | None,
+                             processor_kwargs: Mapping[str, Any] | None) -> ImagePrompts | None:
     archs = hf_config.get("architectures") or []
     limit = (limits or {}).get("image")
     if processor_kwargs:

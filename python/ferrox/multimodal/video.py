@@ -5,7 +5,8 @@ optionally with vLLM's metadata dict beside it) or as an encoded file (a chat's 
 URL, http(s) under VLLM_VIDEO_FETCH_TIMEOUT, default 30 s, or a local file under
 --allowed-local-media-path; the same rules as images, multimodal/media.py). A file is decoded with PyAV
 and, as vLLM's loader does, `NUM_FRAMES` frames are picked uniformly over the whole video (every frame
-when it has fewer); the container's frame rate and the picked indices stay with the frames, since
+when it has fewer; --media-io-kwargs / a request's media_io_kwargs set the count and an fps cap:
+media_io_config.py); the container's frame rate and the picked indices stay with the frames, since
 Qwen2.5-VL's rotary positions count seconds (multimodal/qwen2_vl_processing.py).
 """
 
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ferrox.errors import InvalidArgumentError
+from ferrox.media_io_config import NUM_FRAMES, MediaIOOptions
 from ferrox.multimodal.media import (
     MediaError,
     _download,
@@ -35,7 +37,6 @@ from ferrox.multimodal.media import (
 
 TIMEOUT_ENV = "VLLM_VIDEO_FETCH_TIMEOUT"
 DEFAULT_TIMEOUT_S = 30.0  # vLLM's default
-NUM_FRAMES = 32  # frames vLLM's video loader keeps of a file
 MAX_VIDEO_BYTES = 256 * 2**20
 
 
@@ -104,8 +105,9 @@ def _is_frame(value: Any) -> bool:
 
 
 def to_video(value: Any, *, allowed_local_media_path: str | None = None, timeout: float | None = None,
-             max_bytes: int = MAX_VIDEO_BYTES) -> Video:
-    """A Video from what an offline caller passes (blocks on a download or a file)."""
+             max_bytes: int = MAX_VIDEO_BYTES, media_io: MediaIOOptions | None = None) -> Video:
+    """A Video from what an offline caller passes (blocks on a download or a file); media_io: how a file is
+    sampled (decoded frames are taken as given)."""
     if isinstance(value, Video):
         return value
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], Mapping):
@@ -113,9 +115,9 @@ def to_video(value: Any, *, allowed_local_media_path: str | None = None, timeout
     if isinstance(value, (np.ndarray, list)):
         return Video(frames_array(value))
     if isinstance(value, (bytes, bytearray, memoryview)):
-        return decode_video(_capped(bytes(value), max_bytes))
+        return decode_video(_capped(bytes(value), max_bytes), media_io)
     if isinstance(value, os.PathLike):
-        return decode_video(_capped(_read_local(os.fspath(value), allowed_local_media_path), max_bytes))
+        return decode_video(_capped(_read_local(os.fspath(value), allowed_local_media_path), max_bytes), media_io)
     if not isinstance(value, str):
         raise MediaError("a video must be uint8 frames [T, H, W, 3], a list of PIL images, (frames, metadata), "
                          f"bytes, a URL or a path, got {type(value).__name__}")
@@ -123,14 +125,15 @@ def to_video(value: Any, *, allowed_local_media_path: str | None = None, timeout
     if scheme in ("http", "https"):
         data = _download(value, timeout if timeout is not None else video_fetch_timeout(), max_bytes,
                          what="video", env=TIMEOUT_ENV)
-        return decode_video(data)
+        return decode_video(data, media_io)
     if scheme == "data":
-        return decode_video(_capped(decode_data_url(value), max_bytes))
-    return decode_video(_capped(_read_local(_local_path(value, scheme, "video"), allowed_local_media_path), max_bytes))
+        return decode_video(_capped(decode_data_url(value), max_bytes), media_io)
+    return decode_video(_capped(_read_local(_local_path(value, scheme, "video"), allowed_local_media_path), max_bytes),
+                        media_io)
 
 
 async def fetch_video(url: str, *, allowed_local_media_path: str | None = None, timeout: float | None = None,
-                      max_bytes: int = MAX_VIDEO_BYTES) -> Video:
+                      max_bytes: int = MAX_VIDEO_BYTES, media_io: MediaIOOptions | None = None) -> Video:
     """The video at `url` (server): to_video's rules, the download on aiohttp and the decode on a thread."""
     if not isinstance(url, str):
         raise MediaError(f"a video URL must be a string, got {type(url).__name__}")
@@ -138,12 +141,12 @@ async def fetch_video(url: str, *, allowed_local_media_path: str | None = None, 
     if scheme in ("http", "https"):
         data = await _download_async(url, timeout if timeout is not None else video_fetch_timeout(), max_bytes,
                                      what="video", env=TIMEOUT_ENV)
-        return await asyncio.to_thread(decode_video, data)
+        return await asyncio.to_thread(decode_video, data, media_io)
     if scheme == "data":
-        return await asyncio.to_thread(lambda: decode_video(_capped(decode_data_url(url), max_bytes)))
+        return await asyncio.to_thread(lambda: decode_video(_capped(decode_data_url(url), max_bytes), media_io))
     path = _local_path(url, scheme, "video")
     return await asyncio.to_thread(lambda: decode_video(_capped(_read_local(path, allowed_local_media_path),
-                                                                max_bytes)))
+                                                                max_bytes), media_io))
 
 
 def frames_array(frames: Any) -> np.ndarray:
@@ -182,15 +185,23 @@ def _with_metadata(frames: np.ndarray, metadata: Mapping[str, Any]) -> Video:
                  [int(i) for i in indices] if indices is not None else None, resample)
 
 
-def sample_indices(total: int, num_frames: int = NUM_FRAMES) -> list[int]:
-    """vLLM's pick: `num_frames` indices spread evenly from the first frame to the last (all when fewer)."""
-    if num_frames < 0 or total <= num_frames:
+def sample_indices(total: int, num_frames: int = NUM_FRAMES, fps: float = -1.0, rate: float | None = None) -> list[int]:
+    """vLLM's pick: `num_frames` (<= 0: all) indices spread evenly from the first frame to the last (all when
+    fewer), and with fps > 0 at most floor(duration * fps) of them (duration = total / rate), at least one."""
+    count = min(num_frames, total) if num_frames > 0 else total
+    if fps > 0:
+        duration = total / rate if rate else 0.0
+        count = min(count, int(duration * fps))
+    count = max(1, count)
+    if count == total:
         return list(range(total))
-    return np.linspace(0, total - 1, num_frames, dtype=int).tolist()
+    return np.linspace(0, total - 1, count, dtype=int).tolist()
 
 
-def decode_video(data: bytes, num_frames: int = NUM_FRAMES) -> Video:
-    """The sampled RGB frames of an encoded video (mp4, webm, ...), with its frame rate."""
+def decode_video(data: bytes, options: MediaIOOptions | None = None) -> Video:
+    """The sampled RGB frames of an encoded video (mp4, webm, ...), with its frame rate. options: the loader's
+    num_frames and fps (media_io_config.py; vLLM's defaults when None)."""
+    options = options or MediaIOOptions()
     import av
 
     try:
@@ -205,7 +216,7 @@ def decode_video(data: bytes, num_frames: int = NUM_FRAMES) -> Video:
                 total += 1
         if total == 0:
             raise MediaError("not a decodable video: no frames decode")
-        wanted = sample_indices(total, num_frames)
+        wanted = sample_indices(total, options.num_frames, options.fps, float(rate) if rate else None)
         keep = set(wanted)
         frames: list[np.ndarray] = []
         with av.open(io.BytesIO(data), mode="r") as container:
@@ -227,7 +238,7 @@ def load_video_source(prompts: Any, source: Any, what: str, param: str = "multi_
     InvalidArgumentError naming `what`."""
     try:
         return to_video(source.source if isinstance(source, VideoSource) else source,
-                        allowed_local_media_path=prompts.allowed_local_media_path)
+                        allowed_local_media_path=prompts.allowed_local_media_path, media_io=prompts.media_io)
     except MediaError as e:
         raise InvalidArgumentError(f"{what}: {e}", param=param) from None
 

@@ -99,7 +99,6 @@ class _Base(BaseModel):
 # are a 400 naming the field (pydantic reports a field validator's error under the field's name).
 _REFUSED = {
     "logits_processors": "custom logits processors are not supported",
-    "media_io_kwargs": "per-request media decoding arguments are not supported",
     "kv_transfer_params": "disaggregated KV transfer is not supported",
     "watermarking": "watermarking is not supported",
 }
@@ -409,10 +408,9 @@ class ChatCompletionRequest(_SamplingFields):
     # The images' processor settings for this request over the server's --mm-processor-kwargs (the keys each
     # family takes: multimodal/processing.py PROCESSOR_KWARGS; others are a 400 naming mm_processor_kwargs.<key>).
     mm_processor_kwargs: dict[str, Any] | None = None
-    # Refused unless left at its default (see _REFUSED).
+    # How this request's video files are sampled, over the server's --media-io-kwargs (media_io_config.py: video
+    # num_frames and fps; other keys are a 400 naming media_io_kwargs.<modality>.<key>).
     media_io_kwargs: dict[str, Any] | None = None
-
-    _refuse_chat = field_validator("media_io_kwargs")(_refuse_unsupported)
 
     @field_validator("tools")
     @classmethod

@@ -72,7 +72,8 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
     except ValueError as exc:  # InvalidArgumentError naming tools / tool_choice / response_format...
         raise api_error(exc) from None
     # A long conversation takes a while to render and encode: off the event loop (a short one inline).
-    images = await fetch_images(ctx, [m.to_template_dict() for m in req.messages])
+    images = await fetch_images(ctx, [m.to_template_dict() for m in req.messages],
+                                media_io_kwargs=req.media_io_kwargs)
     chat = await ctx.engine.prompt_work(prompt_size(req), _render_prompt, ctx, req, images)
     messages, template, prompt_text, prompt_ids = chat.messages, chat.template, chat.text, chat.token_ids
     if tool_hooks.needs_special_tokens(req, ctx.options.tool_call_parser, template) or ctx.reasoning_needs_special_tokens:

@@ -15,22 +15,28 @@ from ferrox.entrypoints.openai.errors import APIError
 from ferrox.errors import InvalidArgumentError
 
 
-async def fetch_images(ctx: Any, messages: list[dict[str, Any]], field: str = "messages") -> list[Any]:
+async def fetch_images(ctx: Any, messages: list[dict[str, Any]], field: str = "messages",
+                       media_io_kwargs: dict[str, Any] | None = None) -> list[Any]:
     """The decoded images and videos (multimodal/video.py Video) of the messages' media parts, in prompt
     order ([] when there are none). field: the request's name for its messages in errors (the Responses API's
-    `input`)."""
+    `input`). media_io_kwargs: the request's (a chat's) loader arguments over the server's --media-io-kwargs."""
     from ferrox.engine.input_processor import check_videos
+    from ferrox.media_io_config import parse_media_io_kwargs
     from ferrox.multimodal.chat_parts import image_sources
     from ferrox.multimodal.media import MediaError, fetch_image, image_fetch_timeout, load_image
     from ferrox.multimodal.video import VideoSource, fetch_video, split_media, to_video
 
+    prompts = ctx.engine.image_prompts
+    try:  # (checked with or without media: a bad value is a 400 whatever the messages hold)
+        media_io = parse_media_io_kwargs(media_io_kwargs, prompts.media_io if prompts is not None else None)
+    except InvalidArgumentError as e:
+        raise APIError(400, str(e), param="media_io_kwargs") from None
     try:
         sources = [(where.replace("messages", field, 1), source) for where, source in image_sources(messages)]
     except InvalidArgumentError as e:
         raise APIError(400, str(e).replace("messages", field, 1), param=field) from None
     if not sources:
         return []
-    prompts = ctx.engine.image_prompts
     if prompts is None:
         raise APIError(400, f"{sources[0][0]}: {ctx.model_name} takes no images (a text-only model)", param=field)
     images, videos = split_media([source for _, source in sources])
@@ -47,8 +53,8 @@ async def fetch_images(ctx: Any, messages: list[dict[str, Any]], field: str = "m
         try:
             if isinstance(source, VideoSource):
                 if not isinstance(source.source, str):
-                    return to_video(source.source, allowed_local_media_path=local)
-                return await fetch_video(source.source, allowed_local_media_path=local)
+                    return to_video(source.source, allowed_local_media_path=local, media_io=media_io)
+                return await fetch_video(source.source, allowed_local_media_path=local, media_io=media_io)
             if not isinstance(source, str):  # an image object (offline-style callers of the same helper)
                 return load_image(source)
             return await fetch_image(source, allowed_local_media_path=local, timeout=image_fetch_timeout())
