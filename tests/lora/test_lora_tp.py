@@ -52,3 +52,27 @@ def test_sharded_adapters_match_peft_merged(setup, max_loras, spec):
             assert llm.engine.stats()["spec_num_accepted_tokens"] > 0
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.gpu
+def test_sharded_adapters_on_two_gpus(setup):
+    """The same on 2 GPUs (NCCL, CUDA graphs; skipped with fewer): each request's greedy tokens equal one GPU's."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    base_dir, adapters, refs = setup
+    common = dict(device="cuda", dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=8,
+                  kv_cache_memory=64 << 20, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    prompts = [{"prompt_token_ids": PROMPTS[i % len(PROMPTS)]} for i in range(len(NAMES))]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    loras = [adapters.get(n) for n in NAMES]
+    got = {}
+    for tp in (1, 2):
+        llm = LLM(base_dir, tensor_parallel_size=tp, **common)
+        try:
+            got[tp] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False,
+                                                                        lora_request=loras)]
+        finally:
+            llm.engine.shutdown()
+    assert got[2] == got[1]
