@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use crate::block_pool::NULL_BLOCK;
+use crate::kv_cache_manager::KvTransfers;
 
 /// Request ids of a step's rows, copied into one buffer: reading them later never touches the
 /// requests, and building the list changes no reference counts (an atomic operation per row).
@@ -235,6 +236,8 @@ pub struct SchedulerOutput {
     pub preempted_req_ids: Vec<Arc<str>>,
     pub num_tokens: usize,
     pub arrays: BatchArrays,
+    /// Copies between the device cache and the host tier, issued before the forward.
+    pub transfers: KvTransfers,
 }
 
 #[cfg(test)]

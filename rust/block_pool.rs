@@ -60,6 +60,9 @@ pub struct BlockPool {
     cached: HashToBlock,
     /// What entered and left `cached` (kv_events.rs); records nothing unless switched on.
     pub events: KvEvents,
+    /// Cached blocks evicted by `allocate` (block, hash), collected while a host tier takes
+    /// them (host_tier.rs); None: not collected.
+    pub evictions: Option<Vec<(BlockId, BlockHash)>>,
 }
 
 impl BlockPool {
@@ -85,6 +88,7 @@ impl BlockPool {
             num_free: 0,
             cached: HashToBlock::default(),
             events: KvEvents::default(),
+            evictions: None,
         };
         for id in 1..num_blocks as u32 {
             pool.push_back(id);
@@ -146,6 +150,9 @@ impl BlockPool {
                 self.cached.remove(&h);
                 if self.events.recording() {
                     evicted.push(external_hash(h));
+                }
+                if let Some(ev) = self.evictions.as_mut() {
+                    ev.push((id, h));
                 }
             }
             out.push(id);

@@ -3,6 +3,7 @@
 //! registers blocks in the prefix cache as they fill, and frees a request's blocks.
 
 use crate::block_pool::{BlockId, BlockPool};
+use crate::host_tier::{HostSlot, HostTier};
 use crate::kv_events::{external_hash, KvEvent, KvEvents};
 use crate::prefix_cache::{BlockHash, BlockHasher};
 
@@ -23,6 +24,24 @@ pub struct ComputedPrefix {
     pub num_tokens: usize,
 }
 
+/// One step's copies between the device cache and the host tier (host_tier.rs), in the order
+/// the runner must issue them, before the forward: every offload, then every load.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct KvTransfers {
+    pub offload_blocks: Vec<BlockId>,
+    pub offload_slots: Vec<HostSlot>,
+    pub load_slots: Vec<HostSlot>,
+    pub load_blocks: Vec<BlockId>,
+    /// The offloaded blocks' hashes (forgotten by the tier if the step is rolled back).
+    pub offload_hashes: Vec<BlockHash>,
+}
+
+impl KvTransfers {
+    pub fn is_empty(&self) -> bool {
+        self.offload_blocks.is_empty() && self.load_blocks.is_empty()
+    }
+}
+
 pub struct KvCacheManager {
     pool: BlockPool,
     block_size: usize,
@@ -30,6 +49,11 @@ pub struct KvCacheManager {
     /// Tokens looked up in the prefix cache / found there (cumulative, for metrics).
     pub prefix_queries: u64,
     pub prefix_hits: u64,
+    /// The host tier (--kv-offloading-size), and the copies of the step being scheduled.
+    host: Option<HostTier>,
+    transfers: KvTransfers,
+    /// Tokens found in the host tier, not the device (cumulative, for metrics).
+    pub host_hits: u64,
 }
 
 impl KvCacheManager {
@@ -40,6 +64,84 @@ impl KvCacheManager {
             enable_caching,
             prefix_queries: 0,
             prefix_hits: 0,
+            host: None,
+            transfers: KvTransfers::default(),
+            host_hits: 0,
+        }
+    }
+
+    /// Adds a host tier of `num_slots` blocks (prefix caching must be on: it holds cached blocks).
+    pub fn enable_host_tier(&mut self, num_slots: usize) {
+        self.host = Some(HostTier::new(num_slots));
+        self.pool.evictions = Some(Vec::new());
+    }
+
+    pub fn host_tier(&self) -> Option<&HostTier> {
+        self.host.as_ref()
+    }
+
+    /// The host slots holding the blocks that follow a request's `device_hits` device-cache hits,
+    /// as many consecutive ones as the tier holds (never the block of its last token: at least one
+    /// token is computed). Each counts as used this step. Empty without a host tier.
+    pub fn host_prefix(
+        &mut self,
+        hashes: &[BlockHash],
+        device_hits: usize,
+        num_tokens: usize,
+    ) -> Vec<HostSlot> {
+        let Some(host) = self.host.as_mut() else {
+            return Vec::new();
+        };
+        if !self.enable_caching || num_tokens == 0 {
+            return Vec::new();
+        }
+        let max_blocks = ((num_tokens - 1) / self.block_size).min(hashes.len());
+        let mut slots = Vec::new();
+        for &h in hashes.iter().take(max_blocks).skip(device_hits) {
+            match host.lookup(h) {
+                Some(slot) => slots.push(slot),
+                None => break,
+            }
+        }
+        slots
+    }
+
+    /// Device blocks a request took for its host-tier hits: they are filled by loads this step.
+    pub fn note_loads(&mut self, slots: &[HostSlot], blocks: &[BlockId]) {
+        self.transfers.load_slots.extend_from_slice(slots);
+        self.transfers.load_blocks.extend_from_slice(blocks);
+        self.host_hits += (slots.len() * self.block_size) as u64;
+    }
+
+    /// The copies of the step just scheduled (host_tier.rs says in which order); the tier's
+    /// slots used by them may be evicted again from the next step on.
+    pub fn take_transfers(&mut self) -> KvTransfers {
+        if let Some(host) = self.host.as_mut() {
+            host.begin_step();
+        }
+        std::mem::take(&mut self.transfers)
+    }
+
+    /// A rolled-back step's offloads never ran: the tier forgets what they would have stored.
+    pub fn forget_offloads(&mut self, hashes: &[BlockHash]) {
+        if let Some(host) = self.host.as_mut() {
+            for &h in hashes {
+                host.forget(h);
+            }
+        }
+    }
+
+    /// Cached blocks the last allocation evicted go to the host tier (a copy each, this step).
+    fn offload_evicted(&mut self) {
+        let (Some(host), Some(evicted)) = (self.host.as_mut(), self.pool.evictions.as_mut()) else {
+            return;
+        };
+        for (block, hash) in evicted.drain(..) {
+            if let Some(slot) = host.reserve(hash) {
+                self.transfers.offload_blocks.push(block);
+                self.transfers.offload_slots.push(slot);
+                self.transfers.offload_hashes.push(hash);
+            }
         }
     }
 
@@ -150,6 +252,7 @@ impl KvCacheManager {
         kv.blocks.extend_from_slice(new_computed);
         let ok = self.pool.allocate(need, &mut kv.blocks);
         debug_assert!(ok);
+        self.offload_evicted();
         if self.enable_caching {
             let num_full = (total / self.block_size)
                 .min(hashes.len())
@@ -262,7 +365,13 @@ impl KvCacheManager {
     }
 
     pub fn reset_prefix_cache(&mut self) -> bool {
-        self.pool.reset_prefix_cache()
+        let ok = self.pool.reset_prefix_cache();
+        if ok {
+            if let Some(host) = self.host.as_mut() {
+                host.clear();
+            }
+        }
+        ok
     }
 }
 

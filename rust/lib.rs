@@ -11,6 +11,7 @@ pub mod cbor_block_hash;
 pub mod cpu;
 pub mod detokenizer;
 pub mod error;
+pub mod host_tier;
 pub mod kv_cache_manager;
 pub mod kv_events;
 pub mod ngram;

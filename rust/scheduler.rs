@@ -11,12 +11,13 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use crate::batch::{BatchArrays, BatchEntry, IdList, SchedulerOutput};
+use crate::block_pool::BlockId;
 use crate::cbor_block_hash::{none_hash, BlockExtras, HashSeed, ItemSpan};
 use crate::detokenizer::{IncrementalDetokenizer, StopSet, TokenizerInfo};
 use crate::error::{invalid, CoreError, CoreResult};
 use crate::kv_cache_manager::{KvBlocks, KvCacheManager};
 use crate::ngram;
-use crate::prefix_cache::{BlockHasher, HashAlgo};
+use crate::prefix_cache::{BlockHash, BlockHasher, HashAlgo};
 use crate::request::{FinishReason, RepetitionRule, Request, RequestStatus, SamplingLimits};
 use crate::speculative::{ExternalDrafts, SpecMethod, SpeculativeConfig};
 use crate::stats::SchedulerStats;
@@ -73,6 +74,8 @@ pub struct SchedulerConfig {
     pub hash_algo: HashAlgo,
     /// The root digest of vLLM's CBOR chains (cbor_block_hash.rs), with those algorithms only.
     pub hash_root: Option<Vec<u8>>,
+    /// Blocks of the prefix cache's host tier (host_tier.rs; vLLM's --kv-offloading-size); 0: none.
+    pub host_tier_blocks: usize,
 }
 
 impl SchedulerConfig {
@@ -125,6 +128,7 @@ impl SchedulerConfig {
             long_prefill_token_threshold: 0,
             hash_algo: HashAlgo::default(),
             hash_root: None,
+            host_tier_blocks: 0,
         })
     }
 
@@ -155,6 +159,11 @@ impl SchedulerConfig {
         };
         self.hash_algo = algo;
         Ok(self)
+    }
+
+    pub fn with_host_tier(mut self, blocks: usize) -> Self {
+        self.host_tier_blocks = blocks;
+        self
     }
 
     pub fn with_speculation(mut self, spec: SpeculativeConfig) -> Self {
@@ -418,6 +427,9 @@ pub struct Scheduler {
     /// Steps scheduled whose update_from_output has not come yet, oldest first: one normally,
     /// two while async scheduling overlaps the next step with the current one.
     in_flight: VecDeque<Vec<StepEntry>>,
+    /// Per step in `in_flight` (same order): the hashes its host-tier offloads store and the
+    /// device blocks its loads fill, undone if the step is rolled back.
+    in_flight_transfers: VecDeque<(Vec<BlockHash>, Vec<BlockId>)>,
     /// Blocks that requests preempted or aborted while a step of theirs was in flight had
     /// registered in the prefix cache for that step. Their K/V exists only if the step
     /// completes: a rollback treats them as unwritten (another request may have adopted one).
@@ -439,7 +451,16 @@ impl Scheduler {
             Some(j) => Some(Arc::new(TokenizerInfo::from_json(j)?)),
             None => None,
         };
-        let kv = KvCacheManager::new(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching);
+        let mut kv = KvCacheManager::new(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching);
+        if cfg.host_tier_blocks > 0 {
+            if !cfg.enable_prefix_caching {
+                return Err(invalid(
+                    "kv_offloading_size",
+                    "the host tier holds prefix-cache blocks: it needs enable_prefix_caching",
+                ));
+            }
+            kv.enable_host_tier(cfg.host_tier_blocks);
+        }
         let max_total_len = cfg.max_model_len.min((cfg.num_blocks - 1) * cfg.block_size);
         let stats = SchedulerStats {
             num_total_blocks: cfg.num_blocks,
@@ -463,6 +484,7 @@ impl Scheduler {
             running: Vec::new(),
             next_serial: 0,
             in_flight: VecDeque::new(),
+            in_flight_transfers: VecDeque::new(),
             unwritten_if_rolled_back: Vec::new(),
             finished_since_schedule: Vec::new(),
             max_total_len,
@@ -993,18 +1015,23 @@ impl Scheduler {
                 let hit = self
                     .kv
                     .get_computed_blocks(&req.block_hashes, req.num_tokens());
-                let remaining = req.num_tokens() - hit.num_tokens;
+                // Blocks after the device's hits that the host tier holds: loaded, not computed.
+                let host =
+                    self.kv
+                        .host_prefix(&req.block_hashes, hit.blocks.len(), req.num_tokens());
+                let computed = hit.num_tokens + host.len() * self.cfg.block_size;
+                let remaining = req.num_tokens() - computed;
                 if !self.cfg.chunked_prefill && remaining > budget {
                     break; // keep the order: it runs whole in a later step
                 }
-                let num_new = self.cfg.chunk_len(req, hit.num_tokens, remaining, budget);
+                let num_new = self.cfg.chunk_len(req, computed, remaining, budget);
                 if num_new == 0 {
                     break; // an image that does not fit this step's budget: keep the order
                 }
                 if !self.kv.allocate_slots(
                     &mut req.kv,
                     &req.block_hashes,
-                    hit.num_tokens,
+                    computed,
                     num_new,
                     &hit.blocks,
                     &req.token_ids,
@@ -1013,16 +1040,22 @@ impl Scheduler {
                 ) {
                     break; // head of the queue does not fit: keep the order, try next step
                 }
+                if !host.is_empty() {
+                    // The first blocks allocated after the device hits take the host copies.
+                    let first = hit.blocks.len();
+                    self.kv
+                        .note_loads(&host, &req.kv.blocks[first..first + host.len()]);
+                }
                 self.kv
                     .record_prefix_lookup(req.num_tokens(), hit.num_tokens);
-                req.num_computed_tokens = hit.num_tokens;
+                req.num_computed_tokens = computed;
                 if req.status == RequestStatus::Preempted {
                     resumed_ids.push(req.id.clone());
                 } else {
                     new_ids.push(req.id.clone());
                 }
                 if req.num_cached_tokens.is_none() {
-                    req.num_cached_tokens = Some(hit.num_tokens);
+                    req.num_cached_tokens = Some(computed);
                 }
                 req.status = RequestStatus::Running;
                 if new_lora {
@@ -1090,9 +1123,18 @@ impl Scheduler {
                 },
             });
         }
-        if !step.is_empty() {
+        let transfers = self.kv.take_transfers();
+        let step_ran = !step.is_empty();
+        if step_ran {
             // An empty step gets no update_from_output that would take it off the queue.
             self.in_flight.push_back(step);
+            self.in_flight_transfers.push_back((
+                transfers.offload_hashes.clone(),
+                transfers.load_blocks.clone(),
+            ));
+        } else if !transfers.is_empty() {
+            // No step runs, so no copy: what the offloads would have stored is not there.
+            self.kv.forget_offloads(&transfers.offload_hashes);
         }
         self.stats.num_scheduled_tokens = num_tokens;
         SchedulerOutput {
@@ -1104,6 +1146,11 @@ impl Scheduler {
             preempted_req_ids: preempted.iter().map(|&s| self.req(s).id.clone()).collect(),
             num_tokens,
             arrays,
+            transfers: if step_ran {
+                transfers
+            } else {
+                Default::default()
+            },
         }
     }
 
@@ -1233,6 +1280,7 @@ impl Scheduler {
             }
         }
         let steps = self.in_flight.pop_front().unwrap_or_default();
+        self.in_flight_transfers.pop_front();
         if self.in_flight.is_empty() {
             self.unwritten_if_rolled_back.clear();
         }
@@ -1374,6 +1422,11 @@ impl Scheduler {
         let mut unwritten = Vec::new();
         let mut touched = Vec::new();
         while let Some(step) = self.in_flight.pop_back() {
+            // Its copies never ran: nothing was stored in the host tier, no loaded block was filled.
+            if let Some((stored, loaded)) = self.in_flight_transfers.pop_back() {
+                self.kv.forget_offloads(&stored);
+                unwritten.extend_from_slice(&loaded);
+            }
             for e in step {
                 if let Some(r) = self.slab[e.slot].as_mut() {
                     if e.is_current(r) {
@@ -1561,6 +1614,8 @@ impl Scheduler {
             kv_cache_usage: pool.usage(),
             prefix_cache_queries: self.kv.prefix_queries,
             prefix_cache_hits: self.kv.prefix_hits,
+            host_cache_hits: self.kv.host_hits,
+            host_cache_blocks: self.kv.host_tier().map_or(0, |h| h.len()),
             running_lora_ids: self.distinct_loras(self.running.iter()),
             waiting_lora_ids: self.distinct_loras(self.waiting.iter()),
             ..self.stats.clone()
@@ -2337,6 +2392,110 @@ mod tests {
             s.update_from_output(&[7], None).unwrap().rows()[0].new_token_ids,
             vec![7]
         );
+    }
+
+    fn host_sched(num_blocks: usize, host_blocks: usize) -> Scheduler {
+        let cfg = SchedulerConfig::from_signed(
+            num_blocks as i64,
+            4,
+            256,
+            8,
+            64,
+            true,
+            "fcfs",
+            &[EOS as i64],
+        )
+        .unwrap()
+        .with_host_tier(host_blocks);
+        Scheduler::new(cfg, None).unwrap()
+    }
+
+    fn run_alone(s: &mut Scheduler, r: NewRequest) -> Vec<SchedulerOutput> {
+        s.add_request(r).unwrap();
+        let mut outs = Vec::new();
+        while s.has_unfinished_requests() {
+            outs.push(step(s, 7).0);
+        }
+        outs
+    }
+
+    #[test]
+    fn evicted_blocks_go_to_the_host_tier_and_come_back_as_loads() {
+        // 9 usable blocks of 4 tokens; "a" caches 3 prompt blocks, "b" (all 9 blocks) evicts them.
+        let mut s = host_sched(10, 16);
+        run_alone(&mut s, req("a", 13, 1));
+        let b = NewRequest::new("b", (500..533).collect(), 1);
+        let outs = run_alone(
+            &mut s,
+            NewRequest {
+                detokenize: false,
+                ..b
+            },
+        );
+        let offloaded: usize = outs.iter().map(|o| o.transfers.offload_blocks.len()).sum();
+        assert_eq!(offloaded, 3, "a's three cached prompt blocks");
+        let stored = outs[0].transfers.offload_slots.clone();
+        assert!(outs.iter().all(|o| o.transfers.load_blocks.is_empty()));
+        assert_eq!(s.stats().host_cache_blocks, 3);
+        // "a" again: the device no longer has its prefix, the host does: 12 tokens loaded, 1 computed.
+        s.add_request(req("a2", 13, 1)).unwrap();
+        let out = s.schedule();
+        assert_eq!(out.arrays.num_computed_tokens, vec![12]);
+        assert_eq!(out.num_tokens, 1);
+        // (the LRU free queue evicted a's last prompt block first: its slots come back reversed)
+        assert_eq!(
+            out.transfers.load_slots,
+            stored.iter().rev().copied().collect::<Vec<_>>()
+        );
+        let blocks = s.request_block_ids("a2").unwrap();
+        assert_eq!(out.transfers.load_blocks, blocks[..3].to_vec());
+        s.update_from_output(&[7], None).unwrap();
+        s.check_invariants();
+        assert_eq!(s.stats().host_cache_hits, 12);
+        // The loaded blocks are device-cache blocks again: a third copy hits them on the device.
+        s.add_request(req("a3", 13, 1)).unwrap();
+        let out = s.schedule();
+        assert_eq!(out.arrays.num_computed_tokens, vec![12]);
+        assert!(out.transfers.load_blocks.is_empty());
+        s.update_from_output(&[7], None).unwrap();
+    }
+
+    #[test]
+    fn a_rolled_back_step_undoes_its_loads_and_offloads() {
+        let mut s = host_sched(10, 16);
+        run_alone(&mut s, req("a", 13, 1));
+        run_alone(
+            &mut s,
+            NewRequest {
+                detokenize: false,
+                ..NewRequest::new("b", (500..533).collect(), 1)
+            },
+        );
+        s.add_request(req("a2", 13, 2)).unwrap();
+        let first = s.schedule();
+        assert_eq!(first.transfers.load_blocks.len(), 3);
+        // The step never ran (no update_from_output): its loads did not fill the blocks.
+        let again = s.schedule();
+        assert_eq!(
+            again.arrays.num_computed_tokens,
+            vec![0],
+            "the loaded prefix counts as not computed"
+        );
+        s.update_from_output(&[7], None).unwrap();
+        s.check_invariants();
+        // An offload whose step never ran is forgotten by the tier: nothing loads garbage later.
+        let mut t = host_sched(6, 16);
+        run_alone(&mut t, req("x", 9, 1)); // 2 cached prompt blocks
+        t.add_request(NewRequest {
+            detokenize: false,
+            ..NewRequest::new("y", (600..619).collect(), 1)
+        })
+        .unwrap();
+        let evicting = t.schedule();
+        assert_eq!(evicting.transfers.offload_blocks.len(), 2);
+        assert_eq!(t.stats().host_cache_blocks, 2);
+        let _ = t.schedule(); // rolls the first back
+        assert_eq!(t.stats().host_cache_blocks, 0);
     }
 
     #[test]

@@ -11,6 +11,9 @@ pub struct SchedulerStats {
     /// Tokens looked up in / served by the prefix cache (cumulative).
     pub prefix_cache_queries: u64,
     pub prefix_cache_hits: u64,
+    /// Tokens the host tier served (cumulative; loaded, not computed) and blocks it holds now.
+    pub host_cache_hits: u64,
+    pub host_cache_blocks: usize,
     pub num_preemptions: u64,
     /// Tokens scheduled in the last step.
     pub num_scheduled_tokens: usize,

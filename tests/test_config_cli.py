@@ -158,7 +158,7 @@ def _non_default(name: str) -> list[tuple[list[str], Any]]:
 
 # Flags ferrox takes with vLLM's spelling but only at their default value: anything else is
 # refused by name at start-up (never accepted and ignored).
-DEFAULT_ONLY = {"pipeline_parallel_size": "2"}
+DEFAULT_ONLY = {"pipeline_parallel_size": "2", "kv_offloading_backend": "lmcache"}
 # Flags that mean something only beside another: (its argv, the field it sets).
 NEEDS = {"calculate_kv_scales": (("--kv-cache-dtype", "fp8"), {"kv_cache_dtype": "fp8"})}
 

@@ -117,6 +117,18 @@ class SchedulerOutput:
     @property
     def draft_token_ids(self) -> npt.NDArray[np.int64]:
         """[sum(num_draft_tokens)] every request's drafts, batch order (the same ids as in input_ids)."""
+    # The host tier's copies this step (host_cache_blocks > 0), issued before the forward: every offload
+    # (device block -> host slot), then every load (host slot -> device block).
+    @property
+    def num_kv_transfers(self) -> int: ...
+    @property
+    def kv_offload_blocks(self) -> npt.NDArray[np.int64]: ...
+    @property
+    def kv_offload_slots(self) -> npt.NDArray[np.int64]: ...
+    @property
+    def kv_load_slots(self) -> npt.NDArray[np.int64]: ...
+    @property
+    def kv_load_blocks(self) -> npt.NDArray[np.int64]: ...
 
 FINISH_REASONS: tuple[None, str, str, str, str, str]
 """(None, "stop", "length", "abort", "error", "repetition"): the meaning of StepOutputs.finish_reasons codes. The
@@ -179,6 +191,8 @@ class SchedulerStats:
     kv_cache_usage: float  # fraction of usable blocks held by live requests, 0.0..1.0
     prefix_cache_queries: int  # tokens looked up (cumulative)
     prefix_cache_hits: int  # tokens found (cumulative)
+    host_cache_hits: int  # tokens the host tier served, loaded instead of computed (cumulative)
+    host_cache_blocks: int  # blocks the host tier holds now
     num_preemptions: int  # cumulative
     num_scheduled_tokens: int  # last step
     num_prompt_tokens: int  # cumulative tokens of prompt scheduled (prefill work)
@@ -219,6 +233,7 @@ class Scheduler:
         long_prefill_token_threshold: int = 0,
         prefix_caching_hash_algo: str = "sha256",
         prefix_hash_seed: str | bytes | None = None,
+        host_cache_blocks: int = 0,
     ) -> None:
         """num_blocks includes the null block (id 0), which is never handed out.
         policy: 'fcfs' or 'priority' (lower priority value first, then arrival order).
@@ -243,7 +258,10 @@ class Scheduler:
         collide) or 'xxhash' (xxh3-128, cheaper, not collision-resistant); 'sha256_cbor' / 'xxhash_cbor':
         vLLM's own block hashes, bit for bit (rust/cbor_block_hash.rs), whose root comes from
         prefix_hash_seed (required with them only): a str (PYTHONHASHSEED's value: hashed, as vLLM) or
-        bytes (the root itself: vLLM's random bytes when PYTHONHASHSEED is unset)."""
+        bytes (the root itself: vLLM's random bytes when PYTHONHASHSEED is unset).
+        host_cache_blocks > 0: a second tier of the prefix cache in host memory (rust/host_tier.rs; needs
+        prefix caching): cached blocks evicted from the device are offloaded to it, and prefixes it holds
+        are loaded back; each SchedulerOutput lists the step's copies (kv_offload_* then kv_load_*)."""
     @property
     def block_size(self) -> int: ...
     @property

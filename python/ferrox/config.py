@@ -124,6 +124,27 @@ def _check_swap_space(swap_space: Any, tensor_parallel_size: Any) -> None:
         logging.getLogger(__name__).warning("%s is possibly too much", message)
 
 
+def _check_kv_offloading(config: Any) -> None:
+    """--kv-offloading-size / --kv-offloading-backend (vLLM's), checked against host memory as swap_space is."""
+    if config.kv_offloading_backend != "native":
+        raise ValueError(f"kv_offloading_backend: {config.kv_offloading_backend!r} is not supported (ferrox's host "
+                         "tier is 'native'; LMCache is not there)")
+    size = config.kv_offloading_size
+    if size is None:
+        return
+    if isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0:
+        raise ValueError(f"kv_offloading_size: must be a number of GiB > 0, got {size!r}")
+    if not config.enable_prefix_caching:
+        raise ValueError("kv_offloading_size: the host tier holds prefix-cache blocks: it needs enable_prefix_caching")
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if size * (1 << 30) > 0.7 * total:
+        raise ValueError(f"kv_offloading_size: {size} GiB out of the {total / (1 << 30):.2f} GiB of host memory is "
+                         "too much (at most 70%)")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = _opt(
@@ -255,6 +276,14 @@ class EngineConfig:
         "GiB of each GPU's weights to keep in host memory, read by the GPU in place at every step (vLLM's): a "
         "model larger than the GPU runs, slower by the bytes streamed over the host link; 0: none "
         "(loader/cpu_offload.py)", 0.0)
+    kv_offloading_size: float | None = _opt(
+        "GiB of host memory (pinned) for a second tier of the prefix cache, summed over the tensor-parallel ranks "
+        "(vLLM's native KV offloading): cached blocks evicted from the device are copied there, and a prefix the "
+        "device no longer holds is copied back instead of recomputed; needs prefix caching",
+        default_help="none")
+    kv_offloading_backend: str = _opt(
+        "the offloading implementation (vLLM's): 'native' (ferrox's host tier) only; vLLM's 'lmcache' is refused",
+        "native")
     swap_space: float | None = _opt(
         "vLLM's CPU swap space per GPU, GiB. vLLM's V1 engine, like ferrox, preempts by recomputing and never "
         "swaps KV blocks to the host, so it reserves nothing: it is checked as vLLM checks it (more than 70% of "
@@ -406,6 +435,7 @@ class EngineConfig:
             raise ValueError(f"cpu_offload_gb: must be a number of GiB >= 0, got {self.cpu_offload_gb!r}")
         if self.swap_space is not None:
             _check_swap_space(self.swap_space, self.tensor_parallel_size)
+        _check_kv_offloading(self)
         if self.cpu_offload_gb and self.enable_sleep_mode:
             raise ValueError("cpu_offload_gb: sleep mode moves the weights into a device region of its own; the two "
                              "cannot be combined")

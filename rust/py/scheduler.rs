@@ -98,6 +98,7 @@ impl PyScheduler {
         long_prefill_token_threshold=0,
         prefix_caching_hash_algo="sha256",
         prefix_hash_seed=None,
+        host_cache_blocks=0,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -120,6 +121,7 @@ impl PyScheduler {
         long_prefill_token_threshold: i64,
         prefix_caching_hash_algo: &str,
         prefix_hash_seed: Option<&Bound<'_, PyAny>>,
+        host_cache_blocks: usize,
     ) -> PyResult<Self> {
         // The root of vLLM's CBOR chains: PYTHONHASHSEED's value (str) or random bytes.
         let seed = match prefix_hash_seed {
@@ -181,7 +183,8 @@ impl PyScheduler {
         .with_max_loras(max_loras as usize)
         .with_chunked_prefill(enable_chunked_prefill)
         .with_long_prefill_token_threshold(long_prefill_token_threshold as usize)
-        .with_hash_algo(hash_algo, seed)?;
+        .with_hash_algo(hash_algo, seed)?
+        .with_host_tier(host_cache_blocks);
         let inner = py.detach(|| Scheduler::new(cfg, tokenizer_json))?;
         Ok(PyScheduler { inner })
     }

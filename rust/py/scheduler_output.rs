@@ -35,6 +35,16 @@ pub struct PySchedulerOutput {
     logits_start_loc: Lazy<i32>,
     num_draft_tokens: Lazy<i32>,
     draft_token_ids: Lazy<i64>,
+    /// The step's copies between the device cache and the host tier (rust/host_tier.rs): the
+    /// runner issues every offload (device block -> host slot), then every load, before the forward.
+    kv_offload_blocks: Lazy<i64>,
+    kv_offload_slots: Lazy<i64>,
+    kv_load_slots: Lazy<i64>,
+    kv_load_blocks: Lazy<i64>,
+}
+
+fn wide(v: Vec<u32>) -> Vec<i64> {
+    v.into_iter().map(i64::from).collect()
 }
 
 /// A column kept as a Vec until Python first reads it; then copied once into a numpy array.
@@ -87,6 +97,10 @@ impl PySchedulerOutput {
             logits_start_loc: Lazy::new(a.logits_start_loc),
             num_draft_tokens: Lazy::new(a.num_draft_tokens),
             draft_token_ids: Lazy::new(a.draft_token_ids),
+            kv_offload_blocks: Lazy::new(wide(out.transfers.offload_blocks)),
+            kv_offload_slots: Lazy::new(wide(out.transfers.offload_slots)),
+            kv_load_slots: Lazy::new(wide(out.transfers.load_slots)),
+            kv_load_blocks: Lazy::new(wide(out.transfers.load_blocks)),
         })
     }
 }
@@ -184,6 +198,27 @@ impl PySchedulerOutput {
     #[getter]
     fn draft_token_ids(&self, py: Python<'_>) -> Py<PyArray1<i64>> {
         self.draft_token_ids.get(py)
+    }
+    /// Offloads + loads this step (0: nothing to copy; the arrays are then never made).
+    #[getter]
+    fn num_kv_transfers(&self) -> usize {
+        self.kv_offload_blocks.data.len() + self.kv_load_blocks.data.len()
+    }
+    #[getter]
+    fn kv_offload_blocks(&self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.kv_offload_blocks.get(py)
+    }
+    #[getter]
+    fn kv_offload_slots(&self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.kv_offload_slots.get(py)
+    }
+    #[getter]
+    fn kv_load_slots(&self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.kv_load_slots.get(py)
+    }
+    #[getter]
+    fn kv_load_blocks(&self, py: Python<'_>) -> Py<PyArray1<i64>> {
+        self.kv_load_blocks.get(py)
     }
     fn __repr__(&self) -> String {
         format!(

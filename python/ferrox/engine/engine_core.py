@@ -69,6 +69,7 @@ from ferrox.structured_outputs_config import parse_structured_outputs_config, wi
 from ferrox.worker.cuda_graphs import decode_capture_sizes
 from ferrox.worker.custom_logits import CustomLogitsProcessors
 from ferrox.worker.draft_model import DraftProposer
+from ferrox.worker.host_kv_tier import HostKvTier, block_bytes, host_tier_slots
 from ferrox.worker.model_runner import ModelRunner, ModelRunnerOutput, StepHandle
 from ferrox.worker.model_setup import LoadedModel, load_everything
 from ferrox.worker.multimodal import ImageEmbeddings, check_items
@@ -139,6 +140,11 @@ class EngineCore:
             self._stop_ranks(timeout_s=0)
             raise
         self.profiler = EngineProfiler()  # off unless VLLM_TORCH_PROFILER_DIR is set (engine/profiler.py)
+        # --kv-offloading-size: the prefix cache's host tier (rust/host_tier.rs, worker/host_kv_tier.py).
+        host_slots = host_tier_slots(config.kv_offloading_size, loaded.kv_caches, config.tensor_parallel_size)
+        if config.kv_offloading_size and not host_slots:
+            raise ValueError(f"kv_offloading_size: {config.kv_offloading_size} GiB holds no block (one block of "
+                             f"every layer takes {block_bytes(loaded.kv_caches)} bytes on each rank)")
         self.scheduler = _core.Scheduler(
             num_blocks=loaded.num_blocks,
             max_model_len=self.max_model_len + 1 if pooling else self.max_model_len,
@@ -150,6 +156,7 @@ class EngineCore:
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             prefix_caching_hash_algo=config.prefix_caching_hash_algo,
             prefix_hash_seed=prefix_hash_seed(config.prefix_caching_hash_algo),
+            host_cache_blocks=host_slots,
             policy=config.policy,
             tokenizer_json=self.tokenizer_json,
             eos_token_ids=self.eos_token_ids,
@@ -196,6 +203,11 @@ class EngineCore:
             )
         # --enable-prompt-embeds: prompts of embeddings reach the model as rows of one item each, through the
         # images' path (multimodal/prompt_embeds.py), which a text model's runner then needs too.
+        if host_slots and isinstance(self.runner, ModelRunner):
+            tier = HostKvTier(loaded.kv_caches, host_slots)
+            self.runner.forward.host_tier = tier
+            logger.info("KV offloading: a host tier of %d blocks (%.2f GiB of host memory on this rank)", host_slots,
+                        tier.nbytes / (1 << 30))
         if config.enable_prompt_embeds:
             self._enable_prompt_embeds(config, loaded)
         # Which CUDA graphs to capture (ferrox/compilation_config.py), for the target and a draft model alike.
@@ -832,6 +844,8 @@ class EngineCore:
                 "num_prompt_tokens", "num_generation_tokens",
             )
         }
+        if self.config.kv_offloading_size:  # the host tier's (rust/host_tier.rs): tokens served, blocks held
+            stats.update(host_cache_hits=s.host_cache_hits, host_cache_blocks=s.host_cache_blocks)
         if self.speculative is not None:
             # Cumulative, vLLM's spec_decode counters (metrics/prometheus.py, metrics/log_stats.py).
             stats.update(num_speculative_tokens=self.speculative.num_speculative_tokens, spec_num_drafts=s.num_drafts,

@@ -55,6 +55,13 @@ class StepArrays:
         for name in STEP_ARRAY_NAMES:
             setattr(self, name, arrays[name])
         self.prompt_rows = arrays.get("prompt_rows", np.zeros((0, 2), dtype=np.int64))
+        # The host tier's copies (worker/host_kv_tier.py), when the step has any.
+        none = np.zeros(0, dtype=np.int64)
+        self.kv_offload_blocks = arrays.get("kv_offload_blocks", none)
+        self.kv_offload_slots = arrays.get("kv_offload_slots", none)
+        self.kv_load_slots = arrays.get("kv_load_slots", none)
+        self.kv_load_blocks = arrays.get("kv_load_blocks", none)
+        self.num_kv_transfers = int(self.kv_offload_blocks.size + self.kv_load_blocks.size)
         self.req_slots = arrays.get("req_slots", np.zeros(0, dtype=np.int32))
         self.num_tokens = int(self.input_ids.shape[0])
         self.shifted = bool(arrays.get("shifted", np.zeros(1, dtype=np.bool_))[0])
@@ -95,6 +102,9 @@ class ModelForward:
         # Other steps of up to 512 tokens (2,048 on MoE models) replay piecewise graphs around eager
         # attention when set (worker/piecewise_graphs.py). None: eager.
         self.piece_runner: Any = None
+        # --kv-offloading-size: the prefix cache's host tier (worker/host_kv_tier.py), whose copies each step
+        # runs before its forward. None: no tier.
+        self.host_tier: Any = None
         # calculate_kv_scales: armed on the driver after the warm-up, so the first step that serves
         # requests measures the FP8 KV cache scales (eagerly); the other ranks are told by that step.
         self._kv_scale_calibration: KvScaleCalibration | None = None
@@ -180,6 +190,8 @@ class ModelForward:
         image_rows: the images' rows in this step (worker/multimodal.py); such a step runs eagerly from
         its input embeddings. rope_positions: the rotary's positions from the step's (Qwen2-VL's
         multimodal RoPE: worker/mrope.py); [3, T] ones run eagerly too."""
+        if self.host_tier is not None:
+            self.host_tier.apply(step)  # the core's offloads, then loads (before any layer reads the cache)
         upload = self.upload
         input_ids_np = step.input_ids
         meta, (input_ids, positions, logits_indices) = step_tensors(step, upload, input_ids_np, step.positions,

@@ -40,6 +40,7 @@ from ferrox.multimodal.inputs import MultiModalItem
 from ferrox.sampling_params import SamplingParams
 from ferrox.step_types import Logprobs
 from ferrox.worker.custom_logits import CustomLogitsProcessors
+from ferrox.worker.host_kv_tier import transfer_arrays
 from ferrox.worker.input_batch import InFlight, InputBatch
 from ferrox.worker.mask_gate import MaskGate, PendingMask
 from ferrox.worker.model_forward import ModelForward, step_arrays
@@ -268,6 +269,7 @@ class ModelRunner:
                 self._image_log.drain_into(arrays, so)
             if lora_plan is not None:
                 arrays.update(plan_arrays(lora_plan))
+            arrays.update(transfer_arrays(so))
             self.channel.send(STEP, arrays)
 
         def fill_holes(input_ids: torch.Tensor, holes: np.ndarray) -> torch.Tensor | None:

@@ -316,7 +316,11 @@ def _shared_model(source: ModelSource, spec: Any, dtype: torch.dtype, device: to
     if private:
         return load_model(source, spec, dtype=dtype, device=device, load_format=load_format, seed=seed,
                           keep_quantized=keep_quantized, quant_config=quant_config, cpu_offload_bytes=cpu_offload_bytes)
-    key = (source.path, _mtime(source.path), str(dtype), str(device), load_format, seed, tp.rank, tp.size,
+    # A sharded model's layers hold its process group: another engine's group (after the first shut down,
+    # its LLM still alive) needs its own model, or its collectives would run on the destroyed group. The
+    # cached model keeps its group object alive, so the group's id cannot be reused while the entry lives.
+    group = id(tp) if tp.size > 1 else 0
+    key = (source.path, _mtime(source.path), str(dtype), str(device), load_format, seed, tp.rank, tp.size, group,
            keep_quantized, quantization, spec.rope_long_context, _overrides_key(hf_overrides))
     model = _MODELS.get(key)
     if model is None:

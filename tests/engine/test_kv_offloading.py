@@ -1,0 +1,73 @@
+"""The prefix cache's host tier (--kv-offloading-size, vLLM's native KV offloading; rust/host_tier.rs,
+worker/host_kv_tier.py) on a real engine: a prompt whose cached blocks other prompts evicted from a small
+device cache is served again from the host copies (the host tier's hit counter moves, the device cache's
+does not) with exactly the tokens and logprobs it got when computed, which are also those of an engine
+without the tier; over 2 tensor-parallel ranks (gloo) each rank copies its own KV heads. Refusals named."""
+
+from __future__ import annotations
+
+import pytest
+from ferrox import LLM, SamplingParams
+from ferrox.config import EngineConfig
+
+from tests.helpers.tiny_models import make_tiny_llama
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+LONG = [(13 * i + 7) % 250 + 3 for i in range(70)]  # 4 full blocks of 16 + 6 tokens
+OTHERS = [[(31 * i + k) % 250 + 3 for i in range(90)] for k in range(3)]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("llama"), hidden_size=64, num_layers=2)
+
+
+def _run(llm: LLM, prompts: list[list[int]]):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                                           o.outputs[0].token_ids, strict=True)])
+            for o in outs]
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_evicted_prefix_comes_back_from_host_memory(folder, tp):
+    common = dict(dtype="float32", device="cpu", num_gpu_blocks_override=12, max_model_len=160, max_num_seqs=1,
+                  tensor_parallel_size=tp)
+    plain = LLM(folder, **common)
+    try:
+        want = _run(plain, [LONG])[0]
+    finally:
+        plain.engine.shutdown()  # (one tensor-parallel engine at a time in a process)
+    tiered = LLM(folder, kv_offloading_size=0.01, **common)
+    try:
+        first = _run(tiered, [LONG])[0]
+        for other in OTHERS:  # each needs 6 of the 11 usable blocks: LONG's cached blocks are evicted
+            _run(tiered, [other])
+        before = tiered.engine.stats()
+        assert before["host_cache_blocks"] >= 4
+        again = tiered.generate([{"prompt_token_ids": LONG}], GREEDY, use_tqdm=False)[0]
+        after = tiered.engine.stats()
+        assert after["host_cache_hits"] - before["host_cache_hits"] == 64  # 4 blocks loaded, not computed
+        assert after["prefix_cache_hits"] == before["prefix_cache_hits"]  # (none on the device)
+        assert again.num_cached_tokens == 64
+        got = (list(again.outputs[0].token_ids),
+               [lp[t].logprob for lp, t in zip(again.outputs[0].logprobs, again.outputs[0].token_ids, strict=True)])
+        assert got[0] == first[0] == want[0]
+        assert got[1] == pytest.approx(first[1], abs=1e-5) and got[1] == pytest.approx(want[1], abs=1e-5)
+        assert tiered.reset_prefix_cache() and tiered.engine.stats()["host_cache_blocks"] == 0
+    finally:
+        tiered.engine.shutdown()
+
+
+def test_settings_are_checked_by_name(folder):
+    with pytest.raises(ValueError, match="kv_offloading_size: .*enable_prefix_caching"):
+        EngineConfig(model=folder, kv_offloading_size=1, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="kv_offloading_backend: 'lmcache'"):
+        EngineConfig(model=folder, kv_offloading_size=1, kv_offloading_backend="lmcache")
+    for bad in (0, -1, "2", True):
+        with pytest.raises(ValueError, match="kv_offloading_size: must be"):
+            EngineConfig(model=folder, kv_offloading_size=bad)
+    with pytest.raises(ValueError, match="kv_offloading_size: .* host memory"):
+        EngineConfig(model=folder, kv_offloading_size=1 << 20)
+    with pytest.raises(ValueError, match="kv_offloading_size: .* holds no block"):
+        LLM(folder, dtype="float32", device="cpu", kv_offloading_size=1e-9)
