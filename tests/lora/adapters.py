@@ -52,3 +52,29 @@ def peft_modules(base: Any, adapter_folder: str | os.PathLike[str]) -> dict[str,
             out[name] = (module.lora_A["default"].weight.detach(), module.lora_B["default"].weight.detach(),
                          float(module.scaling["default"]))
     return out
+
+
+def two_adapters(tmp_path_factory: Any, *, hidden_size: int = 64, alphas: tuple[float, float] = (16, 8),
+                 rslora: bool = True) -> tuple[str, Any, dict[str, Any]]:
+    """(a tiny Llama folder, its transformers model, {"a1", "a2": LoRARequest}) for the engine tests: a1 (r 8)
+    adapts every projection, a2 (r 4) q/v/down only, with rsLoRA when `rslora`."""
+    from ferrox.lora.request import LoRARequest
+
+    from tests.helpers.tiny_models import make_tiny_llama
+
+    base_dir = make_tiny_llama(tmp_path_factory.mktemp("base"), hidden_size=hidden_size, num_layers=2)
+    base = load_hf_model(base_dir)
+    a1 = make_peft_adapter(base, tmp_path_factory.mktemp("a1"), r=8, lora_alpha=alphas[0], seed=1)
+    a2 = make_peft_adapter(base, tmp_path_factory.mktemp("a2"), r=4, lora_alpha=alphas[1], seed=2, use_rslora=rslora,
+                           target_modules=["q_proj", "v_proj", "down_proj"])
+    return base_dir, base, {"a1": LoRARequest("a1", 1, a1), "a2": LoRARequest("a2", 2, a2)}
+
+
+def merged_greedy(base: Any, adapters: dict[str, Any], prompts: list[list[int]], max_tokens: int,
+                  eos_token_id: int) -> dict[str, list[list[int]]]:
+    """Each prompt's greedy tokens (cut at EOS) from transformers with each adapter merged, and the base's."""
+    from tests.models.conftest import cut_at_eos, hf_greedy
+
+    models = {"base": base, **{name: merged_reference(base, r.lora_path) for name, r in adapters.items()}}
+    return {name: [cut_at_eos(hf_greedy(model, p, max_tokens), [eos_token_id]) for p in prompts]
+            for name, model in models.items()}

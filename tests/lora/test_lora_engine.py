@@ -9,9 +9,9 @@ from ferrox import LLM, SamplingParams
 from ferrox.errors import FerroxError
 from ferrox.lora.request import LoRARequest
 
-from tests.helpers.tiny_models import EOS_TOKEN_ID, make_tiny_llama
-from tests.lora.adapters import load_hf_model, make_peft_adapter, merged_reference
-from tests.models.conftest import cut_at_eos, hf_greedy
+from tests.helpers.tiny_models import EOS_TOKEN_ID
+from tests.lora.adapters import merged_greedy, two_adapters
+from tests.models.conftest import cut_at_eos
 
 PROMPTS = [[1, 17, 42, 99, 7, 300, 12], [1, 250, 3, 3, 81], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
            [1, 77, 78]]
@@ -20,15 +20,8 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    base_dir = make_tiny_llama(tmp_path_factory.mktemp("base"), hidden_size=64, num_layers=2)
-    base = load_hf_model(base_dir)
-    a1 = make_peft_adapter(base, tmp_path_factory.mktemp("a1"), r=8, lora_alpha=16, seed=1)
-    a2 = make_peft_adapter(base, tmp_path_factory.mktemp("a2"), r=4, lora_alpha=8, seed=2, use_rslora=True,
-                           target_modules=["q_proj", "v_proj", "down_proj"])
-    refs = {}
-    for name, model in (("base", base), ("a1", merged_reference(base, a1)), ("a2", merged_reference(base, a2))):
-        refs[name] = [cut_at_eos(hf_greedy(model, p, MAX_TOKENS), [EOS_TOKEN_ID]) for p in PROMPTS]
-    return base_dir, {"a1": LoRARequest("a1", 1, a1), "a2": LoRARequest("a2", 2, a2)}, refs
+    base_dir, base, adapters = two_adapters(tmp_path_factory)
+    return base_dir, adapters, merged_greedy(base, adapters, PROMPTS, MAX_TOKENS, EOS_TOKEN_ID)
 
 
 def _greedy(llm, prompts, loras):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 from ferrox import LLM, SamplingParams
-from ferrox.lora.request import LoRARequest
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -23,15 +22,10 @@ NAMES = ["a1", "base", "a2", "a1", "a2", "base", "a2", "a1"]
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from tests.helpers.tiny_models import make_tiny_llama
-    from tests.lora.adapters import load_hf_model, make_peft_adapter
+    from tests.lora.adapters import two_adapters
 
-    base_dir = make_tiny_llama(tmp_path_factory.mktemp("base"), hidden_size=128, num_layers=2)
-    base = load_hf_model(base_dir)
-    a1 = make_peft_adapter(base, tmp_path_factory.mktemp("a1"), r=8, lora_alpha=32, seed=1)
-    a2 = make_peft_adapter(base, tmp_path_factory.mktemp("a2"), r=4, lora_alpha=16, seed=2,
-                           target_modules=["q_proj", "v_proj", "down_proj"])
-    return base_dir, {"a1": LoRARequest("a1", 1, a1), "a2": LoRARequest("a2", 2, a2)}
+    base_dir, _, adapters = two_adapters(tmp_path_factory, hidden_size=128, alphas=(32, 16), rslora=False)
+    return base_dir, adapters
 
 
 def _tokens(llm: LLM, adapters) -> list[list[int]]:
