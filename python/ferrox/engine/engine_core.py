@@ -114,6 +114,7 @@ class EngineCore:
             "num_gpu_blocks_override": config.num_gpu_blocks_override, "cpu_offload_gb": config.cpu_offload_gb,
             "swap_space": swap_space, "swap_space_bytes": swap_space * (1 << 30),
             "calculate_kv_scales": config.calculate_kv_scales,
+            "kv_offloading_size": config.kv_offloading_size, "kv_offloading_backend": config.kv_offloading_backend,
         }
         self.thread_governor = loaded.threads  # CPU: intra-op threads follow the machine's load
         # Runner "pooling" (ferrox.pooling, worker/pooling_runner.py): each request is one prompt pooled into a
