@@ -83,8 +83,8 @@ impl HostTier {
 
     /// A slot to copy the block named `hash` into: None when the tier already holds it (then
     /// it counts as used) or every slot is in use this step. Evicts the least recently used
-    /// slot when none is free.
-    pub fn reserve(&mut self, hash: BlockHash) -> Option<HostSlot> {
+    /// slot when none is free; `evicted` gets that slot's hash.
+    pub fn reserve(&mut self, hash: BlockHash, evicted: &mut Vec<BlockHash>) -> Option<HostSlot> {
         if self.lookup(hash).is_some() {
             return None;
         }
@@ -103,6 +103,7 @@ impl HostTier {
                     .take()
                     .expect("a listed slot holds a hash");
                 self.slot_of.remove(&old);
+                evicted.push(old);
                 s
             }
         };
@@ -114,12 +115,15 @@ impl HostTier {
     }
 
     /// Drops `hash` (its copy never ran: the step was rolled back); the slot becomes free.
-    pub fn forget(&mut self, hash: BlockHash) {
-        if let Some(slot) = self.slot_of.remove(&hash) {
-            self.hash_of[slot as usize] = None;
-            self.unlink(slot);
-            self.unused.push(slot);
-        }
+    /// Whether the tier held it.
+    pub fn forget(&mut self, hash: BlockHash) -> bool {
+        let Some(slot) = self.slot_of.remove(&hash) else {
+            return false;
+        };
+        self.hash_of[slot as usize] = None;
+        self.unlink(slot);
+        self.unused.push(slot);
+        true
     }
 
     /// Forgets every block (reset_prefix_cache).
@@ -173,13 +177,18 @@ mod tests {
     #[test]
     fn stores_look_up_and_evict_least_recently_used_first() {
         let mut t = HostTier::new(2);
-        let (a, b, c) = (t.reserve(1).unwrap(), t.reserve(2).unwrap(), 0);
+        let mut ev = Vec::new();
+        let (a, b, c) = (
+            t.reserve(1, &mut ev).unwrap(),
+            t.reserve(2, &mut ev).unwrap(),
+            0,
+        );
         assert_ne!(a, b);
-        assert_eq!(t.reserve(1), None, "already held");
+        assert_eq!(t.reserve(1, &mut ev), None, "already held");
         t.begin_step();
         assert_eq!(t.lookup(1), Some(a)); // 1 is now the most recently used
-        let got = t.reserve(3).unwrap(); // evicts 2
-        assert_eq!(got, b);
+        let got = t.reserve(3, &mut ev).unwrap(); // evicts 2
+        assert_eq!((got, ev), (b, vec![2]));
         assert!(!t.contains(2) && t.contains(1) && t.contains(3));
         assert_eq!(t.len(), 2);
         let _ = c;
@@ -188,27 +197,38 @@ mod tests {
     #[test]
     fn slots_used_this_step_are_not_evicted_in_it() {
         let mut t = HostTier::new(2);
-        t.reserve(1);
-        t.reserve(2);
-        assert_eq!(t.reserve(3), None, "both slots were stored this step");
+        let mut ev = Vec::new();
+        t.reserve(1, &mut ev);
+        t.reserve(2, &mut ev);
+        assert_eq!(
+            t.reserve(3, &mut ev),
+            None,
+            "both slots were stored this step"
+        );
         t.begin_step();
         t.lookup(1);
         t.lookup(2);
-        assert_eq!(t.reserve(3), None, "both slots are being loaded this step");
+        assert_eq!(
+            t.reserve(3, &mut ev),
+            None,
+            "both slots are being loaded this step"
+        );
         t.begin_step();
-        assert!(t.reserve(3).is_some());
+        assert!(t.reserve(3, &mut ev).is_some());
     }
 
     #[test]
     fn forgotten_and_cleared_slots_are_free_again() {
         let mut t = HostTier::new(2);
-        let a = t.reserve(1).unwrap();
-        t.reserve(2);
-        t.forget(1);
+        let mut ev = Vec::new();
+        let a = t.reserve(1, &mut ev).unwrap();
+        t.reserve(2, &mut ev);
+        assert!(t.forget(1) && !t.forget(1));
         assert!(!t.contains(1) && t.len() == 1);
-        assert_eq!(t.reserve(5), Some(a));
+        assert_eq!(t.reserve(5, &mut ev), Some(a));
         t.clear();
         assert!(t.is_empty());
-        assert!(t.reserve(7).is_some() && t.reserve(8).is_some());
+        assert!(t.reserve(7, &mut ev).is_some() && t.reserve(8, &mut ev).is_some());
+        assert!(ev.is_empty());
     }
 }

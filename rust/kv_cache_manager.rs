@@ -124,10 +124,18 @@ impl KvCacheManager {
 
     /// A rolled-back step's offloads never ran: the tier forgets what they would have stored.
     pub fn forget_offloads(&mut self, hashes: &[BlockHash]) {
-        if let Some(host) = self.host.as_mut() {
-            for &h in hashes {
-                host.forget(h);
-            }
+        let Some(host) = self.host.as_mut() else {
+            return;
+        };
+        let dropped: Vec<u64> = hashes
+            .iter()
+            .filter(|&&h| host.forget(h))
+            .map(|&h| external_hash(h))
+            .collect();
+        if !dropped.is_empty() {
+            self.pool.events.push(KvEvent::HostRemoved {
+                block_hashes: dropped,
+            });
         }
     }
 
@@ -136,11 +144,24 @@ impl KvCacheManager {
         let (Some(host), Some(evicted)) = (self.host.as_mut(), self.pool.evictions.as_mut()) else {
             return;
         };
+        let first = self.transfers.offload_hashes.len();
+        let mut dropped = Vec::new();
         for (block, hash) in evicted.drain(..) {
-            if let Some(slot) = host.reserve(hash) {
+            if let Some(slot) = host.reserve(hash, &mut dropped) {
                 self.transfers.offload_blocks.push(block);
                 self.transfers.offload_slots.push(slot);
                 self.transfers.offload_hashes.push(hash);
+            }
+        }
+        if self.pool.events.recording() {
+            if !dropped.is_empty() {
+                let block_hashes = dropped.into_iter().map(external_hash).collect();
+                self.pool.events.push(KvEvent::HostRemoved { block_hashes });
+            }
+            let stored = &self.transfers.offload_hashes[first..];
+            if !stored.is_empty() {
+                let block_hashes = stored.iter().map(|&h| external_hash(h)).collect();
+                self.pool.events.push(KvEvent::HostStored { block_hashes });
             }
         }
     }

@@ -30,6 +30,11 @@ pub enum KvEvent {
     },
     /// Cached blocks whose content was dropped (evicted for reuse, or never computed).
     Removed { block_hashes: Vec<u64> },
+    /// Blocks copied into the host tier (host_tier.rs; vLLM's medium "CPU"): their hashes only,
+    /// as vLLM's offloading connector publishes them (no tokens, no parent).
+    HostStored { block_hashes: Vec<u64> },
+    /// Blocks the host tier dropped (evicted for room, or their copy never ran).
+    HostRemoved { block_hashes: Vec<u64> },
     /// Every cached block was forgotten (reset_prefix_cache).
     Cleared,
 }

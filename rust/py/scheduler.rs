@@ -383,7 +383,8 @@ impl PyScheduler {
 
     /// The prefix cache's events since the last call, oldest first, as tuples:
     /// ("stored", block_hashes, parent_block_hash or None, token_ids, lora_id, extra_keys),
-    /// ("removed", block_hashes) and ("cleared",). Empty unless record_kv_events was called.
+    /// ("removed", block_hashes), ("stored_host", block_hashes) / ("removed_host", block_hashes)
+    /// for the host tier, and ("cleared",). Empty unless record_kv_events was called.
     /// extra_keys: under vLLM's CBOR hashes, one tuple (or None) per block, of the adapter's name,
     /// (identifier, offset) pairs and the salt, as vLLM hashes them; otherwise None.
     fn take_kv_events(&mut self, py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
@@ -415,6 +416,14 @@ impl PyScheduler {
                         .into_any()
                         .unbind(),
                     KvEvent::Removed { block_hashes } => ("removed", block_hashes)
+                        .into_pyobject(py)?
+                        .into_any()
+                        .unbind(),
+                    KvEvent::HostStored { block_hashes } => ("stored_host", block_hashes)
+                        .into_pyobject(py)?
+                        .into_any()
+                        .unbind(),
+                    KvEvent::HostRemoved { block_hashes } => ("removed_host", block_hashes)
                         .into_pyobject(py)?
                         .into_any()
                         .unbind(),

@@ -71,3 +71,44 @@ def test_settings_are_checked_by_name(folder):
         EngineConfig(model=folder, kv_offloading_size=1 << 20)
     with pytest.raises(ValueError, match="kv_offloading_size: .* holds no block"):
         LLM(folder, dtype="float32", device="cpu", kv_offloading_size=1e-9)
+
+
+def test_host_tier_events_follow_vllms_offloading_connector(folder, tmp_path):
+    """With KV events on, blocks copied to the host tier are published as vLLM's offloading connector does
+    (BlockStored, medium "CPU", hashes only: no tokens, no parent), under the same hashes as their device
+    BlockStored / BlockRemoved events; a block loaded back is stored on the device again."""
+    import time
+
+    import msgspec
+    import zmq
+    from ferrox.engine.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+    pub = f"ipc://{tmp_path}/kv-events"
+    llm = LLM(folder, dtype="float32", device="cpu", num_gpu_blocks_override=12, max_model_len=160, max_num_seqs=1,
+              kv_offloading_size=0.01, kv_events_config={"enable_kv_cache_events": True, "endpoint": pub})
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    try:
+        sub.connect(pub)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        time.sleep(0.3)
+        for prompt in [LONG, *OTHERS, LONG]:
+            _run(llm, [prompt])
+        decoder, events = msgspec.msgpack.Decoder(KVEventBatch), []
+        while sub.poll(2000):
+            events += decoder.decode(sub.recv_multipart()[2]).events
+        first_gpu = next(e for e in events if isinstance(e, BlockStored) and e.medium == "GPU")
+        long_blocks = first_gpu.block_hashes[:4]  # LONG's 4 prompt blocks
+        cpu_stored = [h for e in events if isinstance(e, BlockStored) and e.medium == "CPU" for h in e.block_hashes]
+        assert set(long_blocks) <= set(cpu_stored)
+        assert all(e.token_ids == [] and e.parent_block_hash is None for e in events
+                   if isinstance(e, BlockStored) and e.medium == "CPU")
+        gpu_removed = [h for e in events if isinstance(e, BlockRemoved) and e.medium == "GPU" for h in e.block_hashes]
+        assert set(long_blocks) <= set(gpu_removed)
+        def index(medium):
+            return [i for i, e in enumerate(events) if isinstance(e, BlockStored) and e.medium == medium
+                    and long_blocks[0] in e.block_hashes]
+
+        assert index("GPU")[-1] > index("CPU")[0]  # loaded back: on the device again, after its offload
+    finally:
+        sub.close(linger=0)
+        llm.engine.shutdown()

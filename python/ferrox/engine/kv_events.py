@@ -34,6 +34,7 @@ from ferrox.kv_events_config import KVEventsConfig, offset_endpoint
 logger = logging.getLogger(__name__)
 
 MEDIUM_GPU = "GPU"  # vLLM's name for the device cache (a CPU engine's cache is its device cache too)
+MEDIUM_CPU = "CPU"  # vLLM's name for the host tier (--kv-offloading-size)
 _END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
@@ -78,6 +79,11 @@ def to_batch(raw: list[tuple[Any, ...]], block_size: int, lora_names: dict[int, 
                                       extra_keys=extra_keys))
         elif kind == "removed":
             events.append(BlockRemoved(block_hashes=event[1], medium=MEDIUM_GPU))
+        elif kind == "stored_host":  # as vLLM's offloading connector: hashes only, no tokens or parent
+            events.append(BlockStored(block_hashes=event[1], parent_block_hash=None, token_ids=[],
+                                      block_size=block_size, lora_id=None, medium=MEDIUM_CPU, lora_name=None))
+        elif kind == "removed_host":
+            events.append(BlockRemoved(block_hashes=event[1], medium=MEDIUM_CPU))
         else:
             events.append(AllBlocksCleared())
     return KVEventBatch(ts=time.time(), events=events, data_parallel_rank=rank)
