@@ -9,8 +9,9 @@ each is asked again with a short new question after it (round 2, same order). Th
 (`--kv-cache-gib`) holds a few documents, so by round 2 the first ones were evicted: without the tier they
 are recomputed, with it (`--offload-gib`) they are copied back from host memory. Both engines run in this
 process, one after the other, on the same prompts; the figure is round 2's time per request (one at a time,
-as a chat user waits for each answer: its time to first token plus 8 tokens) and their ratio. Greedy
-answers must agree between the engines (the copies are exact).
+as a chat user waits for each answer: its time to first token plus 8 tokens) and their ratio. The host
+tier's greedy answers must equal those of an engine whose device cache kept every document (both reuse
+round 1's K/V; the copies are exact), printed as "answers equal".
 """
 
 from __future__ import annotations
@@ -66,10 +67,16 @@ def main(argv: list[str] | None = None) -> dict:
     docs = [[rng.randrange(max_id) for _ in range(args.doc_len)] for _ in range(args.docs)]
     plain = run(folder, args, docs, max_id, None)
     tiered = run(folder, args, docs, max_id, args.offload_gib)
-    same = sum(a == b for a, b in zip(plain.pop("answers"), tiered.pop("answers"), strict=True))
+    # The reference for the answers: a device cache holding every document, whose round 2 reuses round 1's KV
+    # as the host tier does (recomputing a document in a longer prefill rounds differently in bf16).
+    roomy = argparse.Namespace(**{**vars(args), "kv_cache_gib": args.kv_cache_gib * 2 + args.docs * args.doc_len * 2
+                                  * bench_setup.kv_bytes_per_token(json.loads(Path(args.config).read_text())) / (1 << 30)})
+    kept = run(folder, roomy, docs, max_id, None)
+    same = sum(a == b for a, b in zip(kept.pop("answers"), tiered.pop("answers"), strict=True))
+    plain.pop("answers")
     result = {"env": bench_setup.environment(), "docs": args.docs, "doc_len": args.doc_len,
               "kv_cache_gib": args.kv_cache_gib, "offload_gib": args.offload_gib, "recompute": plain,
-              "host_tier": tiered, "same_answers": same, "speedup": plain["round2_ms"] / tiered["round2_ms"]}
+              "host_tier": tiered, "device_kept": kept, "same_answers": same, "speedup": plain["round2_ms"] / tiered["round2_ms"]}
     print(json.dumps(result, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

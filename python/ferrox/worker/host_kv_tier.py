@@ -54,6 +54,7 @@ class HostKvTier:
         self.host = [torch.zeros((c.shape[0], num_slots, *c.shape[2:]), dtype=c.dtype, pin_memory=pin)
                      for c in kv_caches]
         self.num_slots = num_slots
+        self._stages: dict[tuple[int, bool], torch.Tensor] = {}
 
     @property
     def nbytes(self) -> int:
@@ -65,13 +66,36 @@ class HostKvTier:
             return
         blocks, slots = np.asarray(step.kv_offload_blocks), np.asarray(step.kv_offload_slots)
         if blocks.size:
-            dev_idx = torch.from_numpy(blocks).to(self.device)
+            dev_idx = torch.from_numpy(blocks).to(self.device, non_blocking=True)
             host_idx = torch.from_numpy(slots)
-            for cache, host in zip(self.kv_caches, self.host, strict=True):
-                host.index_copy_(1, host_idx, cache.index_select(1, dev_idx).to("cpu"))
+            staged = [self._staging(host, blocks.size) for host in self.host]
+            for cache, stage in zip(self.kv_caches, staged, strict=True):  # gathered on the device, one copy each
+                stage.copy_(cache.index_select(1, dev_idx), non_blocking=True)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # the host rows must be there to scatter
+            for host, stage in zip(self.host, staged, strict=True):
+                host.index_copy_(1, host_idx, stage)
         slots, blocks = np.asarray(step.kv_load_slots), np.asarray(step.kv_load_blocks)
         if blocks.size:
-            dev_idx = torch.from_numpy(blocks).to(self.device)
+            dev_idx = torch.from_numpy(blocks).to(self.device, non_blocking=True)
             host_idx = torch.from_numpy(slots)
             for cache, host in zip(self.kv_caches, self.host, strict=True):
-                cache.index_copy_(1, dev_idx, host.index_select(1, host_idx).to(self.device))
+                # Gathered on the host into pinned memory, then one asynchronous copy to the device.
+                stage = torch.index_select(host, 1, host_idx, out=self._staging(host, blocks.size, load=True))
+                cache.index_copy_(1, dev_idx, stage.to(self.device, non_blocking=True))
+            if self.device.type == "cuda":
+                # The load staging is reused by the next step's loads: their copies must have read it.
+                torch.cuda.current_stream(self.device).synchronize()
+
+    def _staging(self, host: torch.Tensor, blocks: int, load: bool = False) -> torch.Tensor:
+        """A contiguous pinned [planes, blocks, ...] buffer like `host`'s rows (contiguous, so a copy from it is
+        one asynchronous transfer), kept per layer and direction and grown as needed."""
+        shape = (host.shape[0], blocks, *host.shape[2:])
+        numel = int(np.prod(shape))
+        key = (id(host), load)
+        buf = self._stages.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(max(numel, 16 * numel // blocks), dtype=host.dtype,
+                              pin_memory=self.device.type == "cuda")
+            self._stages[key] = buf
+        return buf[:numel].view(shape)
