@@ -89,13 +89,10 @@ impl KvCacheManager {
         device_hits: usize,
         num_tokens: usize,
     ) -> Vec<HostSlot> {
+        let max_blocks = self.max_prefix_blocks(hashes, num_tokens);
         let Some(host) = self.host.as_mut() else {
             return Vec::new();
         };
-        if !self.enable_caching || num_tokens == 0 {
-            return Vec::new();
-        }
-        let max_blocks = ((num_tokens - 1) / self.block_size).min(hashes.len());
         let mut slots = Vec::new();
         for &h in hashes.iter().take(max_blocks).skip(device_hits) {
             match host.lookup(h) {
@@ -189,11 +186,7 @@ impl KvCacheManager {
     /// one token must be computed so the step produces logits to sample from.
     pub fn get_computed_blocks(&self, hashes: &[BlockHash], num_tokens: usize) -> ComputedPrefix {
         let mut out = ComputedPrefix::default();
-        if !self.enable_caching || num_tokens == 0 {
-            return out;
-        }
-        let max_blocks = ((num_tokens - 1) / self.block_size).min(hashes.len());
-        for &h in &hashes[..max_blocks] {
+        for &h in &hashes[..self.max_prefix_blocks(hashes, num_tokens)] {
             match self.pool.get_cached_block(h) {
                 Some(id) => out.blocks.push(id),
                 None => break,
@@ -201,6 +194,15 @@ impl KvCacheManager {
         }
         out.num_tokens = out.blocks.len() * self.block_size;
         out
+    }
+
+    /// How many leading blocks a lookup may reuse: never the one holding the last token (at least
+    /// one token is computed, for the logits), none with caching off.
+    fn max_prefix_blocks(&self, hashes: &[BlockHash], num_tokens: usize) -> usize {
+        if !self.enable_caching || num_tokens == 0 {
+            return 0;
+        }
+        ((num_tokens - 1) / self.block_size).min(hashes.len())
     }
 
     /// Counts a prefix lookup in the hit-rate metrics (called once the request is scheduled,

@@ -198,20 +198,8 @@ impl BlockHasher {
             return;
         }
         match self {
-            Self::Plain { algo, root, items } if items.is_empty() => {
-                extend_block_hashes(*algo, *root, tokens, block_size, hashes)
-            }
             Self::Plain { algo, root, items } => {
-                while (hashes.len() + 1) * block_size <= tokens.len() {
-                    let start = hashes.len() * block_size;
-                    let end = start + block_size;
-                    let parent = hashes.last().copied().unwrap_or(*root);
-                    let block = &tokens[start..end];
-                    hashes.push(match items_in(items, start, end) {
-                        [] => hash_block(*algo, parent, block),
-                        over => hash_block_with_items(*algo, parent, block, start, over),
-                    });
-                }
+                extend_with_items(*algo, *root, items, tokens, block_size, hashes)
             }
             Self::Cbor(chain) => chain.extend(tokens, block_size, hashes),
         }
@@ -266,16 +254,30 @@ pub fn extend_block_hashes(
     block_size: usize,
     hashes: &mut Vec<BlockHash>,
 ) {
+    extend_with_items(algo, root, &[], tokens, block_size, hashes);
+}
+
+/// `extend_block_hashes` for a request with multimodal items (in prompt order): a block
+/// overlapping any is hashed with their identifiers (`hash_block_with_items`).
+fn extend_with_items(
+    algo: HashAlgo,
+    root: BlockHash,
+    items: &[ItemSpan],
+    tokens: &[u32],
+    block_size: usize,
+    hashes: &mut Vec<BlockHash>,
+) {
     // Called after every token: a multiplication decides "no new full block" (a division
     // costs tens of cycles).
     while (hashes.len() + 1) * block_size <= tokens.len() {
-        let i = hashes.len();
-        let parent = if i == 0 { root } else { hashes[i - 1] };
-        hashes.push(hash_block(
-            algo,
-            parent,
-            &tokens[i * block_size..(i + 1) * block_size],
-        ));
+        let start = hashes.len() * block_size;
+        let end = start + block_size;
+        let parent = hashes.last().copied().unwrap_or(root);
+        let block = &tokens[start..end];
+        hashes.push(match items_in(items, start, end) {
+            [] => hash_block(algo, parent, block),
+            over => hash_block_with_items(algo, parent, block, start, over),
+        });
     }
 }
 
