@@ -1,5 +1,5 @@
 """The prefix cache's host tier (--kv-offloading-size, vLLM's native KV offloading; rust/host_tier.rs,
-worker/host_kv_tier.py) on a real engine: a prompt whose cached blocks other prompts evicted from a small
+worker/host_kv_tier.py) on a real engine (on a GPU too: kernels/block_copy.py's copies): a prompt whose cached blocks other prompts evicted from a small
 device cache is served again from the host copies (the host tier's hit counter moves, the device cache's
 does not) with exactly the tokens and logprobs it got when computed, which are also those of an engine
 without the tier; over 2 tensor-parallel ranks (gloo) each rank copies its own KV heads. Refusals named."""
@@ -7,11 +7,13 @@ without the tier; over 2 tensor-parallel ranks (gloo) each rank copies its own K
 from __future__ import annotations
 
 import pytest
+import torch
 from ferrox import LLM, SamplingParams
 from ferrox.config import EngineConfig
 
 from tests.helpers.tiny_models import make_tiny_llama
 
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
 LONG = [(13 * i + 7) % 250 + 3 for i in range(70)]  # 4 full blocks of 16 + 6 tokens
 OTHERS = [[(31 * i + k) % 250 + 3 for i in range(90)] for k in range(3)]
@@ -29,9 +31,10 @@ def _run(llm: LLM, prompts: list[list[int]]):
             for o in outs]
 
 
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_evicted_prefix_comes_back_from_host_memory(folder, tp):
-    common = dict(dtype="float32", device="cpu", num_gpu_blocks_override=12, max_model_len=160, max_num_seqs=1,
+@pytest.mark.parametrize(("tp", "device"), [(1, "cpu"), pytest.param(2, "cpu", marks=pytest.mark.slow),
+                                             pytest.param(1, "cuda", marks=ON_GPU)])  # the copy kernels
+def test_evicted_prefix_comes_back_from_host_memory(folder, tp, device):
+    common = dict(dtype="float32", device=device, num_gpu_blocks_override=12, max_model_len=160, max_num_seqs=1,
                   tensor_parallel_size=tp)
     plain = LLM(folder, **common)
     try:

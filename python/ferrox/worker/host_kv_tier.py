@@ -2,15 +2,16 @@
 decides which slot holds which block): one pinned tensor per layer shaped like the device cache with a
 slot axis in place of the block axis, and the step's copies between the two.
 
-Each step's copies run before its forward, on the same stream, in the core's order: every offload (a
-device block the core evicted from its cache -> a host slot), then every load (a host slot -> a device
+Each step's copies are queued before its forward, on the same stream, in the core's order: every offload
+(a device block the core evicted from its cache -> a host slot), then every load (a host slot -> a device
 block a request took for its prefix). A device block evicted and refilled in one step is thus read before
 it is written, and the forward reads loaded blocks like computed ones. Every tensor-parallel rank runs
 the same copies on its own KV heads (the driver sends the four index arrays with the step).
 
-The copies gather the step's blocks into one tensor per layer and move it in one transfer each way. They
-wait for their own transfer (an offload's host write must land before a later step reads the slot), which
-is the cost of the host tier, paid only in steps that evict or reuse cached blocks.
+On a GPU a copy is one kernel per layer and direction that reads or writes the pinned host rows itself
+(kernels/block_copy.py): no host thread waits for it, and the stream orders a slot's write before any
+later step's read of it. The cost of the tier is the bus time of the blocks moved, paid only in steps
+that evict or reuse cached blocks. On a CPU the same copies are torch index ops.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from ferrox.kernels.block_copy import copy_blocks
 
 TRANSFER_ARRAYS = ("kv_offload_blocks", "kv_offload_slots", "kv_load_slots", "kv_load_blocks")
 
@@ -54,7 +57,6 @@ class HostKvTier:
         self.host = [torch.zeros((c.shape[0], num_slots, *c.shape[2:]), dtype=c.dtype, pin_memory=pin)
                      for c in kv_caches]
         self.num_slots = num_slots
-        self._stages: dict[tuple[int, bool], torch.Tensor] = {}
 
     @property
     def nbytes(self) -> int:
@@ -64,38 +66,20 @@ class HostKvTier:
         """Run a step's copies (a SchedulerOutput, or StepArrays on another rank), offloads first."""
         if not getattr(step, "num_kv_transfers", 0):
             return
-        blocks, slots = np.asarray(step.kv_offload_blocks), np.asarray(step.kv_offload_slots)
-        if blocks.size:
-            dev_idx = torch.from_numpy(blocks).to(self.device, non_blocking=True)
-            host_idx = torch.from_numpy(slots)
-            staged = [self._staging(host, blocks.size) for host in self.host]
-            for cache, stage in zip(self.kv_caches, staged, strict=True):  # gathered on the device, one copy each
-                stage.copy_(cache.index_select(1, dev_idx), non_blocking=True)
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()  # the host rows must be there to scatter
-            for host, stage in zip(self.host, staged, strict=True):
-                host.index_copy_(1, host_idx, stage)
-        slots, blocks = np.asarray(step.kv_load_slots), np.asarray(step.kv_load_blocks)
-        if blocks.size:
-            dev_idx = torch.from_numpy(blocks).to(self.device, non_blocking=True)
-            host_idx = torch.from_numpy(slots)
+        blocks, slots = self._indices(step.kv_offload_blocks), self._indices(step.kv_offload_slots)
+        if blocks.numel():
             for cache, host in zip(self.kv_caches, self.host, strict=True):
-                # Gathered on the host into pinned memory, then one asynchronous copy to the device.
-                stage = torch.index_select(host, 1, host_idx, out=self._staging(host, blocks.size, load=True))
-                cache.index_copy_(1, dev_idx, stage.to(self.device, non_blocking=True))
-            if self.device.type == "cuda":
-                # The load staging is reused by the next step's loads: their copies must have read it.
-                torch.cuda.current_stream(self.device).synchronize()
+                self._copy(cache, host, blocks, slots)
+        slots, blocks = self._indices(step.kv_load_slots), self._indices(step.kv_load_blocks)
+        if blocks.numel():
+            for cache, host in zip(self.kv_caches, self.host, strict=True):
+                self._copy(host, cache, slots, blocks)
 
-    def _staging(self, host: torch.Tensor, blocks: int, load: bool = False) -> torch.Tensor:
-        """A contiguous pinned [planes, blocks, ...] buffer like `host`'s rows (contiguous, so a copy from it is
-        one asynchronous transfer), kept per layer and direction and grown as needed."""
-        shape = (host.shape[0], blocks, *host.shape[2:])
-        numel = int(np.prod(shape))
-        key = (id(host), load)
-        buf = self._stages.get(key)
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(max(numel, 16 * numel // blocks), dtype=host.dtype,
-                              pin_memory=self.device.type == "cuda")
-            self._stages[key] = buf
-        return buf[:numel].view(shape)
+    def _indices(self, array: Any) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device, non_blocking=True)
+
+    def _copy(self, src: torch.Tensor, dst: torch.Tensor, src_index: torch.Tensor, dst_index: torch.Tensor) -> None:
+        if self.device.type == "cuda":
+            copy_blocks(src, dst, src_index, dst_index)  # the device reads / writes the pinned rows itself
+        else:
+            dst.index_copy_(1, dst_index, src.index_select(1, src_index))
