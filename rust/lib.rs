@@ -15,6 +15,7 @@ pub mod host_tier;
 pub mod kv_cache_manager;
 pub mod kv_events;
 pub mod ngram;
+pub mod partial_prefills;
 pub mod prefix_cache;
 pub mod request;
 pub mod scheduler;

@@ -44,6 +44,8 @@ struct Cfg {
     budget: i64,
     caching: bool,
     policy: &'static str,
+    /// Concurrent partial prefills: (max_num_partial_prefills, max_long_partial_prefills, threshold).
+    partial: Option<(usize, usize, usize)>,
 }
 
 fn cfg() -> impl Strategy<Value = Cfg> {
@@ -54,15 +56,17 @@ fn cfg() -> impl Strategy<Value = Cfg> {
         1i64..48,
         any::<bool>(),
         any::<bool>(),
+        prop::option::of((2usize..5, 1usize..3, 1usize..40)),
     )
         .prop_map(
-            |(num_blocks, block_size, max_num_seqs, budget, caching, prio)| Cfg {
+            |(num_blocks, block_size, max_num_seqs, budget, caching, prio, partial)| Cfg {
                 num_blocks,
                 block_size,
                 max_num_seqs,
                 budget,
                 caching,
                 policy: if prio { "priority" } else { "fcfs" },
+                partial,
             },
         )
 }
@@ -168,9 +172,12 @@ proptest! {
 
     #[test]
     fn invariants_hold_under_random_operations(c in cfg(), ops in prop::collection::vec(op(), 1..60)) {
-        let config = SchedulerConfig::from_signed(
+        let mut config = SchedulerConfig::from_signed(
             c.num_blocks, c.block_size, 128, c.max_num_seqs, c.budget, c.caching, c.policy, &[EOS],
         ).unwrap();
+        if let Some((max_prefills, max_long, threshold)) = c.partial {
+            config = config.with_long_prefill_token_threshold(threshold).with_partial_prefills(max_prefills, max_long).unwrap();
+        }
         let mut s = Scheduler::new(config, None).unwrap();
         let mut kv = KvShadow::new();
         let mut live: Vec<String> = Vec::new();

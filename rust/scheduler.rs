@@ -17,6 +17,7 @@ use crate::detokenizer::{IncrementalDetokenizer, StopSet, TokenizerInfo};
 use crate::error::{invalid, CoreError, CoreResult};
 use crate::kv_cache_manager::{KvBlocks, KvCacheManager};
 use crate::ngram;
+use crate::partial_prefills::{PartialPrefillLimits, PartialPrefills};
 use crate::prefix_cache::{BlockHash, BlockHasher, HashAlgo};
 use crate::request::{FinishReason, RepetitionRule, Request, RequestStatus, SamplingLimits};
 use crate::speculative::{ExternalDrafts, SpecMethod, SpeculativeConfig};
@@ -76,6 +77,9 @@ pub struct SchedulerConfig {
     pub hash_root: Option<Vec<u8>>,
     /// Blocks of the prefix cache's host tier (host_tier.rs; vLLM's --kv-offloading-size); 0: none.
     pub host_tier_blocks: usize,
+    /// vLLM's max_num_partial_prefills / max_long_partial_prefills (partial_prefills.rs); their
+    /// long_threshold is `long_prefill_token_threshold`. Off (1) by default.
+    pub partial_prefills: PartialPrefillLimits,
 }
 
 impl SchedulerConfig {
@@ -129,6 +133,7 @@ impl SchedulerConfig {
             hash_algo: HashAlgo::default(),
             hash_root: None,
             host_tier_blocks: 0,
+            partial_prefills: PartialPrefillLimits::default(),
         })
     }
 
@@ -158,6 +163,43 @@ impl SchedulerConfig {
             (None, None) => None,
         };
         self.hash_algo = algo;
+        Ok(self)
+    }
+
+    /// Concurrent partial prefills (partial_prefills.rs), after `with_long_prefill_token_threshold`:
+    /// more than one needs chunked prefill and a long-prompt threshold, and `max_long` <= `max_prefills`.
+    pub fn with_partial_prefills(
+        mut self,
+        max_prefills: usize,
+        max_long: usize,
+    ) -> CoreResult<Self> {
+        if max_prefills < 1 || max_long < 1 {
+            return Err(invalid(
+                if max_prefills < 1 {
+                    "max_num_partial_prefills"
+                } else {
+                    "max_long_partial_prefills"
+                },
+                "must be >= 1",
+            ));
+        }
+        if max_long > max_prefills {
+            return Err(invalid(
+                "max_long_partial_prefills",
+                format!("must be <= max_num_partial_prefills ({max_prefills}), got {max_long}"),
+            ));
+        }
+        if max_prefills > 1 && (!self.chunked_prefill || self.long_prefill_token_threshold == 0) {
+            return Err(invalid(
+                "max_num_partial_prefills",
+                "more than one needs chunked prefill and a long_prefill_token_threshold",
+            ));
+        }
+        self.partial_prefills = PartialPrefillLimits {
+            max_prefills,
+            max_long,
+            long_threshold: self.long_prefill_token_threshold,
+        };
         Ok(self)
     }
 
@@ -503,6 +545,25 @@ impl Scheduler {
 
     fn req(&self, slot: usize) -> &Request {
         self.slab[slot].as_ref().expect("live slot")
+    }
+
+    /// This step's partial-prefill plan from the queues as they stand (partial_prefills.rs).
+    fn plan_partial_prefills(&self) -> PartialPrefills {
+        let running = self.running.iter().map(|&s| {
+            let r = self.req(s);
+            r.num_tokens() + r.num_output_placeholders - r.num_computed_tokens
+        });
+        let waiting = self.waiting.iter().filter_map(|&s| {
+            let r = self.req(s);
+            (r.status != RequestStatus::WaitingForGrammar)
+                .then(|| r.num_tokens() - r.num_computed_tokens)
+        });
+        PartialPrefills::plan(
+            self.cfg.partial_prefills,
+            self.cfg.max_num_batched_tokens,
+            running,
+            waiting,
+        )
     }
 
     fn req_mut(&mut self, slot: usize) -> &mut Request {
@@ -853,6 +914,13 @@ impl Scheduler {
         let mut new_ids = Vec::new();
         let mut resumed_ids = Vec::new();
 
+        // Concurrent partial prefills: the share of the budget each prompt in prefill may take.
+        let mut partial = self
+            .cfg
+            .partial_prefills
+            .enabled()
+            .then(|| self.plan_partial_prefills());
+
         // 1. Running requests, in order.
         let mut new_drafts = std::mem::take(&mut self.ngram_out);
         let mut i = 0;
@@ -869,12 +937,11 @@ impl Scheduler {
                 if at_limit {
                     (0, 0, pending)
                 } else {
-                    let n = self.cfg.chunk_len(
-                        r,
-                        r.num_computed_tokens,
-                        len - r.num_computed_tokens,
-                        budget,
-                    );
+                    let remaining = len - r.num_computed_tokens;
+                    let budget = partial.map_or(budget, |p| p.chunk_budget(budget, remaining));
+                    let n = self
+                        .cfg
+                        .chunk_len(r, r.num_computed_tokens, remaining, budget);
                     let decode = n == 1
                         && r.num_computed_tokens + 1 == len
                         && r.num_output_tokens() + pending > 0;
@@ -1012,6 +1079,11 @@ impl Scheduler {
                     w += 1; // its adapter would not get a slot this step; others may go ahead
                     continue;
                 }
+                let uncomputed = req.num_tokens() - req.num_computed_tokens;
+                if partial.is_some_and(|p| !p.may_admit(uncomputed)) {
+                    w += 1; // enough long prompts are prefilling: shorter ones behind it go ahead
+                    continue;
+                }
                 let hit = self
                     .kv
                     .get_computed_blocks(&req.block_hashes, req.num_tokens());
@@ -1024,7 +1096,8 @@ impl Scheduler {
                 if !self.cfg.chunked_prefill && remaining > budget {
                     break; // keep the order: it runs whole in a later step
                 }
-                let num_new = self.cfg.chunk_len(req, computed, remaining, budget);
+                let chunk_budget = partial.map_or(budget, |p| p.chunk_budget(budget, remaining));
+                let num_new = self.cfg.chunk_len(req, computed, remaining, chunk_budget);
                 if num_new == 0 {
                     break; // an image that does not fit this step's budget: keep the order
                 }
@@ -1060,6 +1133,9 @@ impl Scheduler {
                 req.status = RequestStatus::Running;
                 if new_lora {
                     loras.push(lora);
+                }
+                if let Some(p) = partial.as_mut() {
+                    p.admitted(uncomputed);
                 }
                 self.waiting.remove(w);
                 self.running.push(slot);
@@ -2198,6 +2274,97 @@ mod tests {
         let (out, _) = step(&mut s, 7);
         assert_eq!(out.arrays.num_scheduled_tokens, vec![4]);
         s.check_invariants();
+    }
+
+    /// Two long prompts then a short one, budget 24, chunks of at most 12 (the long threshold).
+    fn partial_prefill_queue(max_prefills: usize, max_long: usize) -> Scheduler {
+        let cfg = SchedulerConfig::from_signed(128, 4, 256, 16, 24, true, "fcfs", &[EOS as i64])
+            .unwrap()
+            .with_long_prefill_token_threshold(12)
+            .with_partial_prefills(max_prefills, max_long)
+            .unwrap();
+        let mut s = Scheduler::new(cfg, None).unwrap();
+        for (i, (id, len)) in [("long1", 60), ("long2", 60), ("short", 8)]
+            .into_iter()
+            .enumerate()
+        {
+            let mut r = req(id, len, 2);
+            r.prompt_token_ids = (0..len as u32).map(|t| 100 * (i as u32 + 1) + t).collect();
+            s.add_request(r).unwrap();
+        }
+        s
+    }
+
+    #[test]
+    fn partial_prefills_let_a_short_prompt_pass_a_long_one() {
+        // Off (vLLM V1's scheduler): first come first served, the short prompt waits for the budget.
+        let mut s = partial_prefill_queue(1, 1);
+        let (out, _) = step(&mut s, 7);
+        assert_eq!(
+            out.req_ids.iter().collect::<Vec<_>>(),
+            vec!["long1", "long2"]
+        );
+        assert_eq!(out.arrays.num_scheduled_tokens, vec![12, 12]);
+        // Two at once, one of them long: long2 waits while long1 prefills, the short prompt goes
+        // ahead of it; both share the budget (12 each).
+        let mut s = partial_prefill_queue(2, 1);
+        let (out, res) = step(&mut s, 7);
+        assert_eq!(
+            out.req_ids.iter().collect::<Vec<_>>(),
+            vec!["long1", "short"]
+        );
+        assert_eq!(out.arrays.num_scheduled_tokens, vec![12, 8]);
+        assert_eq!(res.len(), 1, "the short prompt's first token");
+        for _ in 0..3 {
+            let (out, _) = step(&mut s, 7);
+            assert!(
+                !out.req_ids.iter().collect::<Vec<_>>().contains(&"long2"),
+                "long1 is still prefilling"
+            );
+        }
+        // long1's last 12 tokens are not more than the threshold: no longer long, so long2 starts.
+        let (out, _) = step(&mut s, 7);
+        assert_eq!(
+            out.req_ids.iter().collect::<Vec<_>>(),
+            vec!["long1", "long2"]
+        );
+        assert_eq!(out.arrays.num_scheduled_tokens, vec![12, 12]);
+        s.check_invariants();
+    }
+
+    #[test]
+    fn partial_prefills_share_the_budget() {
+        // Three prompts that may all prefill together (two long allowed): 24 / 3 = 8 tokens each.
+        let mut s = partial_prefill_queue(3, 2);
+        let (out, _) = step(&mut s, 7);
+        assert_eq!(
+            out.req_ids.iter().collect::<Vec<_>>(),
+            vec!["long1", "long2", "short"]
+        );
+        assert_eq!(out.arrays.num_scheduled_tokens, vec![8, 8, 8]);
+        // The short prompt decodes now; two prompts share: 24 / 2 each (the budget is gone before
+        // the decode's turn in the running order, as without partial prefills).
+        let (out, _) = step(&mut s, 7);
+        assert_eq!(out.arrays.num_scheduled_tokens, vec![12, 12]);
+    }
+
+    #[test]
+    fn partial_prefill_settings_are_checked_by_name() {
+        let base = || {
+            SchedulerConfig::from_signed(64, 4, 256, 16, 32, true, "fcfs", &[EOS as i64]).unwrap()
+        };
+        let err = |r: CoreResult<SchedulerConfig>| r.unwrap_err().to_string();
+        assert!(err(base().with_partial_prefills(2, 1)).contains("long_prefill_token_threshold"));
+        let t = || base().with_long_prefill_token_threshold(8);
+        assert!(err(t().with_partial_prefills(2, 3)).contains("max_long_partial_prefills"));
+        assert!(err(t().with_partial_prefills(0, 1)).contains("max_num_partial_prefills"));
+        assert!(
+            err(t().with_chunked_prefill(false).with_partial_prefills(2, 1))
+                .contains("chunked prefill")
+        );
+        assert!(
+            t().with_partial_prefills(4, 4).is_ok() && base().with_partial_prefills(1, 1).is_ok()
+        );
     }
 
     #[test]

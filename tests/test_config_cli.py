@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -122,6 +123,9 @@ def _non_default(name: str) -> list[tuple[list[str], Any]]:
         return [([flag, "1"], 1), (["-O0"], 0)]
     if name == "allowed_media_domains":  # host names, several (vLLM's nargs)
         return [([flag, "a.example", "b.example"], ["a.example", "b.example"])]
+    if name == "kv_transfer_config":
+        value = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 20}}
+        return [([flag, json.dumps(value)], value)]
     if name == "kv_events_config":
         return [([flag, '{"topic": "kv"}'], {"topic": "kv"})]
     if name == "structured_outputs_config":
@@ -158,9 +162,10 @@ def _non_default(name: str) -> list[tuple[list[str], Any]]:
 
 # Flags ferrox takes with vLLM's spelling but only at their default value: anything else is
 # refused by name at start-up (never accepted and ignored).
-DEFAULT_ONLY = {"pipeline_parallel_size": "2", "kv_offloading_backend": "lmcache"}
+DEFAULT_ONLY = {"pipeline_parallel_size": "2", "kv_offloading_backend": "lmcache", "mm_processor_cache_type": "shm"}
 # Flags that mean something only beside another: (its argv, the field it sets).
-NEEDS = {"calculate_kv_scales": (("--kv-cache-dtype", "fp8"), {"kv_cache_dtype": "fp8"})}
+NEEDS = {"calculate_kv_scales": (("--kv-cache-dtype", "fp8"), {"kv_cache_dtype": "fp8"}),
+         "max_long_partial_prefills": (("--max-num-partial-prefills", "8"), {"max_num_partial_prefills": 8})}
 
 
 @pytest.mark.parametrize("name", list(FIELDS))

@@ -26,7 +26,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "ferrox.structured.params", "ferrox.config", "ferrox.outputs", "ferrox.step_types", "ferrox.request_rules",
         "ferrox.bad_words", "ferrox.sleep_mode",
         "ferrox.speculative_config", "ferrox.compilation_config", "ferrox.structured_outputs_config",
-        "ferrox.kv_events_config", "ferrox.logging_config", "ferrox.prefix_hash_seed", "ferrox.media_io_config",
+        "ferrox.kv_events_config", "ferrox.kv_transfer_config", "ferrox.logging_config", "ferrox.prefix_hash_seed", "ferrox.media_io_config",
         "ferrox.pooling.params", "ferrox.pooling.classify", "ferrox.gc_tuning",
         # Beam search's bookkeeping over the engine's outputs (the engines drive it).
         "ferrox.beam_search",

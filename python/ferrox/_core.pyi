@@ -231,6 +231,8 @@ class Scheduler:
         max_loras: int = 0,
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
+        max_num_partial_prefills: int = 1,
+        max_long_partial_prefills: int = 1,
         prefix_caching_hash_algo: str = "sha256",
         prefix_hash_seed: str | bytes | None = None,
         host_cache_blocks: int = 0,
@@ -254,6 +256,9 @@ class Scheduler:
         prompt longer than max_num_batched_tokens is rejected by add_request.
         long_prefill_token_threshold > 0: a prefill chunk takes at most that many of a request's tokens
         per step (vLLM's; an image computed whole is not cut by it).
+        max_num_partial_prefills > 1 (needs the threshold): vLLM's concurrent partial prefills
+        (rust/partial_prefills.rs): the prompts that can prefill together share the step's budget, at
+        most max_long_partial_prefills of them longer than the threshold (later ones may pass those).
         prefix_caching_hash_algo: the block hash, 'sha256' (truncated to 128 bits; crafted prompts cannot
         collide) or 'xxhash' (xxh3-128, cheaper, not collision-resistant); 'sha256_cbor' / 'xxhash_cbor':
         vLLM's own block hashes, bit for bit (rust/cbor_block_hash.rs), whose root comes from

@@ -39,6 +39,7 @@ from typing import Any
 
 from ferrox.compilation_config import GraphPlan, graph_plan
 from ferrox.kv_events_config import parse_kv_events_config
+from ferrox.kv_transfer_config import parse_kv_transfer_config
 from ferrox.media_io_config import parse_media_io_kwargs
 from ferrox.pooling.params import parse_pooler_overrides
 from ferrox.reasoning.parser import REASONING_PARSER_CHOICES, reasoning_parser_names
@@ -101,6 +102,17 @@ def _check_mm_limits(limits: Any) -> None:
                              "supported)")
 
 
+def _check_mm_processor_cache(size: Any, kind: Any) -> None:
+    """--mm-processor-cache-gb / --mm-processor-cache-type (vLLM's; multimodal/processor_cache.py)."""
+    if isinstance(size, bool) or not isinstance(size, (int, float)) or not size >= 0 or size == float("inf"):
+        raise ValueError(f"mm_processor_cache_gb: must be a number of GiB >= 0 (0: no cache), got {size!r}")
+    if kind == "shm":
+        raise ValueError("mm_processor_cache_type: 'shm' shares the cache between several API-server processes "
+                         "(vLLM's --api-server-count > 1); ferrox runs one API server process, so it has only 'lru'")
+    if kind != "lru":
+        raise ValueError(f"mm_processor_cache_type: {kind!r} is not supported (ferrox's is 'lru')")
+
+
 def _opt(help: str, default: Any = None, **meta: Any) -> Any:
     """A dataclass field carrying its CLI documentation (see the module docstring)."""
     return dataclasses.field(default=default, metadata={"help": help, **meta})
@@ -124,24 +136,49 @@ def _check_swap_space(swap_space: Any, tensor_parallel_size: Any) -> None:
         logging.getLogger(__name__).warning("%s is possibly too much", message)
 
 
+def _check_partial_prefills(config: Any) -> None:
+    """vLLM's concurrent partial prefills (rust/partial_prefills.rs), checked as vLLM's SchedulerConfig does."""
+    _positive_int("max_num_partial_prefills", config.max_num_partial_prefills)
+    _positive_int("max_long_partial_prefills", config.max_long_partial_prefills)
+    if config.max_long_partial_prefills > config.max_num_partial_prefills:
+        raise ValueError(f"max_long_partial_prefills: {config.max_long_partial_prefills} is more than "
+                         f"max_num_partial_prefills ({config.max_num_partial_prefills})")
+    if config.max_num_partial_prefills > 1 and (not config.enable_chunked_prefill or config.runner == "pooling"):
+        raise ValueError("max_num_partial_prefills: prompts prefill together in chunks, so more than one needs "
+                         "chunked prefill (it is off with enable_chunked_prefill false and for pooling models)")
+
+
+def long_prefill_threshold(config: Any, max_model_len: int) -> int:
+    """The threshold the scheduler gets: vLLM's default of 4% of the context with concurrent partial prefills."""
+    if config.long_prefill_token_threshold or config.max_num_partial_prefills <= 1:
+        return config.long_prefill_token_threshold
+    return max(1, int(max_model_len * 0.04))
+
+
 def _check_kv_offloading(config: Any) -> None:
     """--kv-offloading-size / --kv-offloading-backend (vLLM's), checked against host memory as swap_space is."""
     if config.kv_offloading_backend != "native":
         raise ValueError(f"kv_offloading_backend: {config.kv_offloading_backend!r} is not supported (ferrox's host "
                          "tier is 'native'; LMCache is not there)")
-    size = config.kv_offloading_size
-    if size is None:
+    tier = parse_kv_transfer_config(config.kv_transfer_config, config.block_size)
+    if tier is not None and config.kv_offloading_size is not None:
+        raise ValueError("kv_transfer_config: sizes the host tier, as kv_offloading_size does: give one of them")
+    if tier is None and config.kv_offloading_size is None:
         return
-    if isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0:
+    name, size = ("kv_transfer_config", tier.gib) if tier is not None else ("kv_offloading_size",
+                                                                           config.kv_offloading_size)
+    if tier is None and (isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0):
         raise ValueError(f"kv_offloading_size: must be a number of GiB > 0, got {size!r}")
     if not config.enable_prefix_caching:
-        raise ValueError("kv_offloading_size: the host tier holds prefix-cache blocks: it needs enable_prefix_caching")
+        raise ValueError(f"{name}: the host tier holds prefix-cache blocks: it needs enable_prefix_caching")
+    if size is None:
+        return  # num_cpu_blocks: checked against host memory by the engine, which knows a block's bytes
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return
     if size * (1 << 30) > 0.7 * total:
-        raise ValueError(f"kv_offloading_size: {size} GiB out of the {total / (1 << 30):.2f} GiB of host memory is "
+        raise ValueError(f"{name}: {size} GiB out of the {total / (1 << 30):.2f} GiB of host memory is "
                          "too much (at most 70%)")
 
 
@@ -216,6 +253,14 @@ class EngineConfig:
         "image processor settings over the model folder's (vLLM's JSON object): Qwen2-VL / Qwen2.5-VL's "
         "min_pixels and max_pixels (fewer pixels, fewer image tokens); other keys and families are refused",
         default_help="none")
+    mm_processor_cache_gb: float = _opt(
+        "GiB of processed images and videos (the image / video processor's pixels of one item) kept, by the item's "
+        "content and the processor's settings, so a repeated one is not processed again (vLLM's; in the process that "
+        "prepares prompts: the API server, or the offline LLM's); 0: no cache", 4.0)
+    mm_processor_cache_type: str = _opt(
+        "the processor cache's kind (vLLM's): 'lru', a least-recently-used cache in the process that prepares "
+        "prompts; vLLM's 'shm' (shared memory between several API-server processes) is refused: ferrox runs one",
+        "lru")
     enable_prompt_embeds: bool = _opt(
         "accept prompts given as input embeddings (vLLM's: LLM.generate({\"prompt_embeds\": tensor}), /v1/completions' "
         "prompt_embeds, base64 of torch.save bytes); off, such prompts are refused. Only for text models whose "
@@ -268,6 +313,17 @@ class EngineConfig:
     long_prefill_token_threshold: int = _opt(
         "at most this many of one request's prompt tokens per step (vLLM's; 0: off): a long prompt then shares "
         "steps with shorter ones instead of filling them (an image computed whole is not cut)", 0)
+    max_num_partial_prefills: int = _opt(
+        "prompts that may prefill together, sharing each step's token budget (vLLM's, with the meaning its "
+        "documentation and V0 scheduler give it; its V1 scheduler does not enforce it): with more than one, a "
+        "prompt in prefill computes at most budget / n tokens a step, n being the prompts that can prefill "
+        "together, and at most --max-long-partial-prefills of them may be long, so shorter prompts pass long "
+        "ones instead of waiting behind them; --long-prefill-token-threshold then defaults to 4% of "
+        "--max-model-len; 1: off", 1)
+    max_long_partial_prefills: int = _opt(
+        "of the prompts prefilling together, how many may be long (more than --long-prefill-token-threshold "
+        "tokens still to compute; vLLM's): a long prompt queued behind them waits while prompts after it go "
+        "ahead", 1)
     block_size: int = _opt("tokens per KV-cache block", 16)
     policy: str = _opt("order of waiting requests: arrival (fcfs), or the request's priority field", "fcfs",
                        choices=POLICIES, aliases=("--scheduling-policy",))
@@ -284,6 +340,11 @@ class EngineConfig:
     kv_offloading_backend: str = _opt(
         "the offloading implementation (vLLM's): 'native' (ferrox's host tier) only; vLLM's 'lmcache' is refused",
         "native")
+    kv_transfer_config: dict[str, Any] | None = _opt(
+        "vLLM's KV connector (a JSON object): ferrox has its OffloadingConnector only, which is the host tier "
+        "--kv-offloading-size sizes ('{\"kv_connector\": \"OffloadingConnector\", \"kv_role\": \"kv_both\", "
+        "\"kv_connector_extra_config\": {\"cpu_bytes_to_use\": BYTES}}' or num_cpu_blocks per rank); "
+        "disaggregated-prefill, LMCache and storage connectors are refused", default_help="none")
     swap_space: float | None = _opt(
         "vLLM's CPU swap space per GPU, GiB. vLLM's V1 engine, like ferrox, preempts by recomputing and never "
         "swaps KV blocks to the host, so it reserves nothing: it is checked as vLLM checks it (more than 70% of "
@@ -452,6 +513,7 @@ class EngineConfig:
         if self.long_prefill_token_threshold and (not self.enable_chunked_prefill or self.runner == "pooling"):
             raise ValueError("long_prefill_token_threshold: caps prefill chunks, so it needs chunked prefill (it is "
                              "off with enable_chunked_prefill false and for pooling models)")
+        _check_partial_prefills(self)
         _positive_int("max_logprobs", self.max_logprobs)
         _positive_int("num_threads", self.num_threads, optional=True)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
@@ -476,6 +538,7 @@ class EngineConfig:
         parse_media_io_kwargs(self.media_io_kwargs)  # (InvalidArgumentError is a ValueError naming the key)
         if self.mm_processor_kwargs is not None and not isinstance(self.mm_processor_kwargs, dict):
             raise ValueError(f"mm_processor_kwargs: must be a JSON object, got {self.mm_processor_kwargs!r}")
+        _check_mm_processor_cache(self.mm_processor_cache_gb, self.mm_processor_cache_type)
         parse_speculative_config(self.speculative_config)  # raises ValueError naming the key
         _choice("runner", self.runner, RUNNERS)
         parse_pooler_overrides(self.pooler_config)  # raises ValueError naming the key

@@ -96,6 +96,8 @@ impl PyScheduler {
         max_loras=0,
         enable_chunked_prefill=true,
         long_prefill_token_threshold=0,
+        max_num_partial_prefills=1,
+        max_long_partial_prefills=1,
         prefix_caching_hash_algo="sha256",
         prefix_hash_seed=None,
         host_cache_blocks=0,
@@ -119,6 +121,8 @@ impl PyScheduler {
         max_loras: i64,
         enable_chunked_prefill: bool,
         long_prefill_token_threshold: i64,
+        max_num_partial_prefills: usize,
+        max_long_partial_prefills: usize,
         prefix_caching_hash_algo: &str,
         prefix_hash_seed: Option<&Bound<'_, PyAny>>,
         host_cache_blocks: usize,
@@ -183,6 +187,7 @@ impl PyScheduler {
         .with_max_loras(max_loras as usize)
         .with_chunked_prefill(enable_chunked_prefill)
         .with_long_prefill_token_threshold(long_prefill_token_threshold as usize)
+        .with_partial_prefills(max_num_partial_prefills, max_long_partial_prefills)?
         .with_hash_algo(hash_algo, seed)?
         .with_host_tier(host_cache_blocks);
         let inner = py.detach(|| Scheduler::new(cfg, tokenizer_json))?;

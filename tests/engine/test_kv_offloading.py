@@ -31,9 +31,16 @@ def _run(llm: LLM, prompts: list[list[int]]):
             for o in outs]
 
 
-@pytest.mark.parametrize(("tp", "device"), [(1, "cpu"), pytest.param(2, "cpu", marks=pytest.mark.slow),
-                                             pytest.param(1, "cuda", marks=ON_GPU)])  # the copy kernels
-def test_evicted_prefix_comes_back_from_host_memory(folder, tp, device):
+SIZE = {"kv_offloading_size": 0.01}
+# vLLM's longer spelling of the same tier: its OffloadingConnector (kv_transfer_config.py), 40 blocks a rank.
+CONNECTOR = {"kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                    "kv_connector_extra_config": {"num_cpu_blocks": 40}}}
+
+
+@pytest.mark.parametrize(("tp", "device", "tier"), [
+    (1, "cpu", SIZE), (1, "cpu", CONNECTOR), pytest.param(2, "cpu", SIZE, marks=pytest.mark.slow),
+    pytest.param(1, "cuda", SIZE, marks=ON_GPU)])  # (on a GPU: the copy kernels)
+def test_evicted_prefix_comes_back_from_host_memory(folder, tp, device, tier):
     common = dict(dtype="float32", device=device, num_gpu_blocks_override=12, max_model_len=160, max_num_seqs=1,
                   tensor_parallel_size=tp)
     plain = LLM(folder, **common)
@@ -41,7 +48,7 @@ def test_evicted_prefix_comes_back_from_host_memory(folder, tp, device):
         want = _run(plain, [LONG])[0]
     finally:
         plain.engine.shutdown()  # (one tensor-parallel engine at a time in a process)
-    tiered = LLM(folder, kv_offloading_size=0.01, **common)
+    tiered = LLM(folder, **tier, **common)
     try:
         first = _run(tiered, [LONG])[0]
         for other in OTHERS:  # each needs 6 of the 11 usable blocks: LONG's cached blocks are evicted
@@ -63,6 +70,31 @@ def test_evicted_prefix_comes_back_from_host_memory(folder, tp, device):
 
 
 def test_settings_are_checked_by_name(folder):
+    connector = CONNECTOR["kv_transfer_config"]
+    extra = connector["kv_connector_extra_config"]
+    bad_connectors = {
+        "kv_connector: 'NixlConnector' is not supported": {**connector, "kv_connector": "NixlConnector"},
+        "kv_role: 'kv_producer'": {**connector, "kv_role": "kv_producer"},
+        "block_size: 64": {**connector, "kv_connector_extra_config": {**extra, "block_size": 64}},
+        "kv_connector_extra_config: cpu_bytes_to_use and num_cpu_blocks": {
+            **connector, "kv_connector_extra_config": {**extra, "cpu_bytes_to_use": 1 << 30}},
+        "kv_connector_extra_config: the host tier needs a size": {**connector, "kv_connector_extra_config": {}},
+        "kv_connector_extra_config.num_cpu_blocks: must be": {**connector, "kv_connector_extra_config": {
+            "num_cpu_blocks": 0}},
+        "kv_transfer_config.kv_ip: not supported": {**connector, "kv_ip": "10.0.0.1"},
+        "eviction_policy: 'arc'": {**connector, "kv_connector_extra_config": {**extra, "eviction_policy": "arc"}},
+    }
+    for message, bad in bad_connectors.items():
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(model=folder, kv_transfer_config=bad)
+    with pytest.raises(ValueError, match="kv_transfer_config: sizes the host tier, as kv_offloading_size"):
+        EngineConfig(model=folder, kv_offloading_size=1, **CONNECTOR)
+    with pytest.raises(ValueError, match="kv_transfer_config: .*enable_prefix_caching"):
+        EngineConfig(model=folder, enable_prefix_caching=False, **CONNECTOR)
+    # cpu_bytes_to_use: bytes over every rank, as --kv-offloading-size's GiB (checked against host memory too).
+    with pytest.raises(ValueError, match="kv_transfer_config: .* host memory"):
+        EngineConfig(model=folder, kv_transfer_config={**connector, "kv_connector_extra_config": {
+            "cpu_bytes_to_use": 1 << 60, "block_size": 16}})
     with pytest.raises(ValueError, match="kv_offloading_size: .*enable_prefix_caching"):
         EngineConfig(model=folder, kv_offloading_size=1, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="kv_offloading_backend: 'lmcache'"):

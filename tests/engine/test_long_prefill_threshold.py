@@ -33,3 +33,33 @@ def test_refused_without_chunked_prefill():
         LLM(dtype="float32", enable_chunked_prefill=False, long_prefill_token_threshold=64)
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
         LLM(dtype="float32", long_prefill_token_threshold=-1)
+
+
+def test_partial_prefills_let_a_short_prompt_pass_long_ones(llm):
+    """vLLM's max_num_partial_prefills / max_long_partial_prefills (rust/partial_prefills.rs): two prompts
+    prefill together, one of them long, so a short prompt queued behind two long ones starts at once and
+    the second long one waits for the first; the tokens are those of the default engine."""
+    engine = LLM(dtype="float32", kv_cache_memory=TEST_KV_CACHE_MEMORY, max_model_len=4096, max_num_seqs=32,
+                 max_num_batched_tokens=128, max_num_partial_prefills=2, max_long_partial_prefills=1)
+    try:
+        # (The threshold defaults to 4% of the context, as vLLM's: 163 tokens of 4096; without one the core
+        # refuses max_num_partial_prefills > 1.)
+        longs = [[(i * k) % 40000 + 100 for i in range(400)] for k in (37, 41)]
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        prompts = [{"prompt_token_ids": longs[0]}, {"prompt_token_ids": longs[1]}, "Hello"]
+        outs = engine.generate(prompts, params, use_tqdm=False)
+        first = [o.metrics.first_token_time for o in outs]
+        assert first[2] < first[0] < first[1]
+        want = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
+    finally:
+        engine.engine.shutdown()
+
+
+def test_partial_prefill_settings_are_checked_by_name():
+    with pytest.raises(ValueError, match="max_long_partial_prefills: 3 is more than max_num_partial_prefills"):
+        LLM(dtype="float32", max_num_partial_prefills=2, max_long_partial_prefills=3)
+    with pytest.raises(ValueError, match="max_num_partial_prefills: .*chunked prefill"):
+        LLM(dtype="float32", enable_chunked_prefill=False, max_num_partial_prefills=2)
+    with pytest.raises(ValueError, match="max_num_partial_prefills"):
+        LLM(dtype="float32", max_num_partial_prefills=0)

@@ -312,8 +312,9 @@ class AsyncLLM:
         self.generation_defaults: dict[str, Any] = resolve_generation_defaults(
             generation_config, info.generation_defaults, override_generation_config)
         self.chat_template: str | None = _read_template(config.chat_template)
-        # The engine's latest stats: totals over its cores, each core's own under "engines".
-        self.last_stats: dict[str, Any] = dict(info.stats)
+        # The engine's latest stats: totals over its cores, each core's own under "engines"; this process's
+        # multimodal processor cache counters (mm_cache_queries / mm_cache_hits) at the top level.
+        self.last_stats: dict[str, Any] = {**info.stats, **self._front_end_stats()}
         self.dead_callbacks: list[Any] = []
         self.processor = OutputProcessor(None if config.skip_tokenizer_init else self.tokenizer)
         self._streams: dict[str, _Stream] = {}
@@ -355,7 +356,8 @@ class AsyncLLM:
 
     async def get_stats(self) -> dict[str, Any]:
         """Fresh scheduler stats (running/waiting requests, KV usage, counters), summed over the
-        engine cores; each core's own snapshot is under "engines"."""
+        engine cores; each core's own snapshot is under "engines"; with a multimodal processor cache,
+        this process's mm_cache_queries / mm_cache_hits."""
         for engine, stats in enumerate(await self.client.call_utility("stats")):
             self.client.update_stats(engine, stats)
         self._record_stats()
@@ -776,6 +778,12 @@ class AsyncLLM:
             if stream is not None:
                 stream.put(request_output)
 
+    def _front_end_stats(self) -> dict[str, Any]:
+        """Counters of what this process does itself: the multimodal processor cache's, when it has one (the
+        cores never see images before they are processed)."""
+        cache = getattr(self.image_prompts, "processor_cache", None)
+        return cache.stats() if cache is not None else {}
+
     def _on_dead(self, reason: str) -> None:
         for stream in list(self._streams.values()):
             stream.fail(EngineDeadError(reason))
@@ -783,7 +791,7 @@ class AsyncLLM:
             callback(reason)
 
     def _record_stats(self) -> None:
-        self.last_stats = self.client.aggregate_stats()
+        self.last_stats = {**self.client.aggregate_stats(), **self._front_end_stats()}
         for stat_logger in self.stat_loggers:
             stat_logger.on_scheduler_stats(self.last_stats)
 
@@ -855,4 +863,5 @@ def _image_prompts(config: EngineConfig, tokenizer: Any) -> Any:
     return image_prompts_for_model(source.path, hf_config, tokenizer, limits=config.limit_mm_per_prompt,
                                    allowed_local_media_path=config.allowed_local_media_path,
                                    processor_kwargs=config.mm_processor_kwargs,
-                                   media_io_kwargs=config.media_io_kwargs)
+                                   media_io_kwargs=config.media_io_kwargs,
+                                   processor_cache_gb=config.mm_processor_cache_gb)

@@ -41,7 +41,7 @@ import numpy as np
 
 from ferrox import _core
 from ferrox.bad_words import with_bad_words_token_ids
-from ferrox.config import EngineConfig
+from ferrox.config import EngineConfig, long_prefill_threshold
 from ferrox.distributed.parallel_state import TPGroup, destroy_tp_group
 from ferrox.engine.kv_events import ZmqEventPublisher, to_batch
 from ferrox.engine.lora_state import EngineLoRAs, check_lora_config
@@ -69,7 +69,7 @@ from ferrox.structured_outputs_config import parse_structured_outputs_config, wi
 from ferrox.worker.cuda_graphs import decode_capture_sizes
 from ferrox.worker.custom_logits import CustomLogitsProcessors
 from ferrox.worker.draft_model import DraftProposer
-from ferrox.worker.host_kv_tier import HostKvTier, block_bytes, host_tier_slots
+from ferrox.worker.host_kv_tier import HostKvTier, configured_slots
 from ferrox.worker.model_runner import ModelRunner, ModelRunnerOutput, StepHandle
 from ferrox.worker.model_setup import LoadedModel, load_everything
 from ferrox.worker.multimodal import ImageEmbeddings, check_items
@@ -130,7 +130,8 @@ class EngineCore:
             self.image_prompts = image_prompts_for_model(
                 loaded.source.path, self.spec.hf_config.get("multimodal") or {}, self.tokenizer,
                 limits=config.limit_mm_per_prompt, allowed_local_media_path=config.allowed_local_media_path,
-                processor_kwargs=config.mm_processor_kwargs, media_io_kwargs=config.media_io_kwargs)
+                processor_kwargs=config.mm_processor_kwargs, media_io_kwargs=config.media_io_kwargs,
+                processor_cache_gb=config.mm_processor_cache_gb)
             # (a config that crossed into this process did not run its plugin here: run it now)
             load_reasoning_parser_plugin(config.reasoning_parser_plugin)
             self.reasoning = (get_reasoning_parser(config.reasoning_parser, self.tokenizer.token_to_id)
@@ -142,10 +143,9 @@ class EngineCore:
             raise
         self.profiler = EngineProfiler()  # off unless VLLM_TORCH_PROFILER_DIR is set (engine/profiler.py)
         # --kv-offloading-size: the prefix cache's host tier (rust/host_tier.rs, worker/host_kv_tier.py).
-        host_slots = host_tier_slots(config.kv_offloading_size, loaded.kv_caches, config.tensor_parallel_size)
-        if config.kv_offloading_size and not host_slots:
-            raise ValueError(f"kv_offloading_size: {config.kv_offloading_size} GiB holds no block (one block of "
-                             f"every layer takes {block_bytes(loaded.kv_caches)} bytes on each rank)")
+        # (also vLLM's --kv-transfer-config with its OffloadingConnector: kv_transfer_config.py)
+        host_slots = configured_slots(config, loaded.kv_caches)
+        self.host_tier_slots = host_slots
         self.scheduler = _core.Scheduler(
             num_blocks=loaded.num_blocks,
             max_model_len=self.max_model_len + 1 if pooling else self.max_model_len,
@@ -154,7 +154,9 @@ class EngineCore:
             max_num_batched_tokens=loaded.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching and not pooling,
             enable_chunked_prefill=not pooling and config.enable_chunked_prefill,
-            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            long_prefill_token_threshold=long_prefill_threshold(config, self.max_model_len),
+            max_num_partial_prefills=config.max_num_partial_prefills,
+            max_long_partial_prefills=config.max_long_partial_prefills,
             prefix_caching_hash_algo=config.prefix_caching_hash_algo,
             prefix_hash_seed=prefix_hash_seed(config.prefix_caching_hash_algo),
             host_cache_blocks=host_slots,
@@ -845,7 +847,7 @@ class EngineCore:
                 "num_prompt_tokens", "num_generation_tokens",
             )
         }
-        if self.config.kv_offloading_size:  # the host tier's (rust/host_tier.rs): tokens served, blocks held
+        if self.host_tier_slots:  # the host tier's (rust/host_tier.rs): tokens served, blocks held
             stats.update(host_cache_hits=s.host_cache_hits, host_cache_blocks=s.host_cache_blocks)
         if self.speculative is not None:
             # Cumulative, vLLM's spec_decode counters (metrics/prometheus.py, metrics/log_stats.py).

@@ -90,7 +90,8 @@ class LLM:
         # disable_log_stats=False: the periodic stats line and the metrics get_metrics() reads.
         self._stats: OfflineStats | None = None
         if not self.config.disable_log_stats:
-            self._stats = OfflineStats(self.engine.model_name, self.engine.max_model_len)
+            self._stats = OfflineStats(self.engine.model_name, self.engine.max_model_len,
+                                       getattr(self.engine.image_prompts, "processor_cache", None))
             weakref.finalize(self, self._stats.close)
 
     # ---- public API -----------------------------------------------------------------------------------

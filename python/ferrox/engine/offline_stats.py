@@ -32,8 +32,10 @@ PREFIX = "vllm"  # LLM.get_metrics() reads vLLM's names, whatever a server's --m
 
 
 class OfflineStats:
-    def __init__(self, model_name: str, max_model_len: int) -> None:
-        self.prometheus = PrometheusStatLogger(model_name, max_model_len=max_model_len, prefix=PREFIX)
+    def __init__(self, model_name: str, max_model_len: int, mm_cache: Any = None) -> None:
+        """mm_cache: the multimodal processor cache the LLM prepares its prompts' images through, or None."""
+        self.prometheus = PrometheusStatLogger(model_name, max_model_len=max_model_len, prefix=PREFIX,
+                                               mm_cache=mm_cache)
         self.logger = LoggingStatLogger()
         self._loggers = (self.prometheus, self.logger)
         self._timing: dict[str, RequestTiming] = {}

@@ -55,11 +55,10 @@ def run_worker(config: EngineConfig, rank: int, size: int, init_method: str, dev
                                 max_cpu_loras=config.max_cpu_loras, device=loaded.device, dtype=loaded.dtype,
                                 max_num_tokens=token_capacity(loaded.max_num_batched_tokens, loaded.max_num_seqs,
                                                               verify_len(config.speculative_config)))
-        if config.kv_offloading_size:  # this rank's host tier, the driver's size (worker/host_kv_tier.py)
-            from ferrox.worker.host_kv_tier import HostKvTier, host_tier_slots
+        if config.kv_offloading_size or config.kv_transfer_config:  # this rank's host tier (worker/host_kv_tier.py)
+            from ferrox.worker.host_kv_tier import HostKvTier, configured_slots
 
-            forward.host_tier = HostKvTier(loaded.kv_caches, host_tier_slots(config.kv_offloading_size,
-                                                                              loaded.kv_caches, size))
+            forward.host_tier = HostKvTier(loaded.kv_caches, configured_slots(config, loaded.kv_caches))
         plan = config.graph_plan()
         if loaded.device.type == "cuda" and plan.any:
             forward.capture_cuda_graphs(max_num_seqs=loaded.max_num_seqs, max_model_len=loaded.max_model_len,

@@ -8,6 +8,9 @@ and splits by it to see one core. Two sources:
   hits, preemptions) come from each core's stats snapshot (sent with outputs and whenever the core
   goes idle); a custom collector turns the latest snapshots into gauges / counters at scrape time,
   so the cores' own counters are the single truth;
+- the multimodal processor cache's queries and hits (vLLM's mm_cache_queries / mm_cache_hits, in items) are
+  the front-end's own (it prepares the images: multimodal/processor_cache.py), read from the cache at scrape
+  time under engine "0"; always there, 0 without a cache, as vLLM registers them;
 - per-request counts and latencies are measured in the front-end (AsyncLLM hands each output
   batch's `IterationStats` here): prompt tokens (whole prompts, as vLLM counts them, and their
   cached part), finished requests by reason, and vLLM's request histograms.
@@ -65,6 +68,11 @@ _SPEC_COUNTERS = (
     ("spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Number of draft tokens."),
     ("spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Number of accepted tokens."),
 )
+# The front-end's multimodal processor cache (vLLM's names; counted in items): (name, attribute, help).
+_MM_CACHE_COUNTERS = (
+    ("mm_cache_queries", "queries", "Multi-modal cache queries, in terms of number of queried items."),
+    ("mm_cache_hits", "hits", "Multi-modal cache hits, in terms of number of cached items."),
+)
 _CORE_GAUGES = (
     ("num_requests_running", "num_running", "Requests in the running batch."),
     ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
@@ -96,6 +104,7 @@ class _CoreStatsCollector(Collector):
         self.model_name = model_name
         self.prefix = prefix
         self.engines: list[dict[str, Any]] = []
+        self.mm_cache: Any = None  # the front-end's ProcessorCache (its queries, hits), or None
 
     def collect(self):  # type: ignore[no-untyped-def]
         for metrics, family_type in ((_CORE_GAUGES, GaugeMetricFamily), (_CORE_COUNTERS, CounterMetricFamily)):
@@ -104,10 +113,19 @@ class _CoreStatsCollector(Collector):
                 for index, stats in enumerate(self.engines):
                     family.add_metric([self.model_name, str(index)], float(stats.get(key, 0) or 0))
                 yield family
+        yield from self._mm_cache_families()
         yield from self._spec_families()
         yield from self._sleep_family()
         yield from self._cache_config_family()
         yield from self._lora_family()
+
+    def _mm_cache_families(self):  # type: ignore[no-untyped-def]
+        """One process prepares every image (the API server, or the offline LLM), whatever the number of cores:
+        its counts are one series, engine "0"."""
+        for name, attribute, doc in _MM_CACHE_COUNTERS:
+            family = CounterMetricFamily(f"{self.prefix}:{name}", doc, labels=LABELS)
+            family.add_metric([self.model_name, "0"], float(getattr(self.mm_cache, attribute, 0) or 0))
+            yield family
 
     def _lora_family(self):  # type: ignore[no-untyped-def]
         """vLLM's lora_requests_info, for engines started with LoRA: the adapters of the running and of the
@@ -197,7 +215,9 @@ class _EngineSeries:
 class PrometheusStatLogger:
     """Implements ferrox.metrics.request_stats.StatLogger and renders the exposition text."""
 
-    def __init__(self, model_name: str, *, max_model_len: int | None = None, prefix: str = "ferrox") -> None:
+    def __init__(self, model_name: str, *, max_model_len: int | None = None, prefix: str = "ferrox",
+                 mm_cache: Any = None) -> None:
+        """mm_cache: the front-end's multimodal processor cache (its `queries` and `hits`), or None."""
         if prefix not in METRIC_PREFIXES:
             raise ValueError(f"metrics_prefix: {prefix!r} is not one of {', '.join(METRIC_PREFIXES)}")
         self.registry = CollectorRegistry(auto_describe=True)
@@ -205,6 +225,7 @@ class PrometheusStatLogger:
         self.max_model_len = max_model_len
         self.prefix = prefix
         self._core = _CoreStatsCollector(model_name, prefix)
+        self._core.mm_cache = mm_cache
         self.registry.register(self._core)
         self._series: list[_EngineSeries] = []
         reg = self.registry

@@ -213,9 +213,9 @@ class Idefics3ImagePrompts(ImagePrompts):
         at = 0
         for start, image in zip(places, images, strict=True):
             out.extend(ids[at:start])
-            tiles, rows, cols = processor(image)
-            block = self._block(rows, cols)
             digest = image_hash(image)
+            tiles, rows, cols = self.process_item(processor, image, digest)
+            block = self._block(rows, cols)
             for t, (offset, length) in enumerate(token_runs(block, self.image_token_id)):
                 items.append(MultiModalItem.from_pixels(len(out) + offset, length, tiles[t], f"{digest}:{t}"))
             out.extend(block)

@@ -98,6 +98,11 @@ class ImageProcessor:
         batch = np.stack(arrays).transpose(0, 3, 1, 2)  # NHWC -> NCHW
         return np.ascontiguousarray(batch, dtype=np.float32)
 
+    def one(self, image: Image.Image) -> np.ndarray:
+        """float32 [3, H, W]: one image's row of the batch (each image is prepared on its own, so a prompt's
+        images are processed, and cached, one by one)."""
+        return self([image])[0]
+
     def _one(self, image: Image.Image) -> np.ndarray:
         """One image as float32 HWC, by transformers' steps in transformers' order."""
         image = to_rgb(image)

@@ -172,10 +172,11 @@ class InternVLChatImagePrompts(ImagePrompts):
         out: list[int] = list(pieces[0])
         items: list[MultiModalItem] = []
         for image, piece in zip(images, pieces[1:], strict=True):
-            tiles = processor(image)
+            digest = image_hash(image)
+            tiles = self.process_item(processor, image, digest)
             length = len(tiles) * self.tokens_per_image
             out.append(self.start_id)
-            items.append(MultiModalItem.from_pixels(len(out), length, tiles, image_hash(image)))
+            items.append(MultiModalItem.from_pixels(len(out), length, tiles, digest))
             out.extend([self.image_token_id] * length)
             out.append(self.end_id)
             out.extend(piece)

@@ -158,10 +158,11 @@ class InternVLImagePrompts(ImagePrompts):
         at = 0
         for start, image in zip(places, images, strict=True):
             out.extend(ids[at:start])
-            tiles = processor(image)
+            digest = image_hash(image)
+            tiles = self.process_item(processor, image, digest)
             length = len(tiles) * self.tokens_per_image
             out.append(self.start_id)
-            items.append(MultiModalItem.from_pixels(len(out), length, tiles, image_hash(image)))
+            items.append(MultiModalItem.from_pixels(len(out), length, tiles, digest))
             out.extend([self.image_token_id] * length)
             out.append(self.end_id)
             at = start + 1

@@ -143,8 +143,9 @@ class PixtralImagePrompts(ImagePrompts):
         items: list[MultiModalItem] = []
         at = 0
         for k, ((start, length), image) in enumerate(zip(spans, images, strict=True)):
+            digest = image_hash(image)
             try:
-                pixels, (rows, cols) = processor(image)
+                pixels, (rows, cols) = self.process_item(processor, image, digest)
             except ValueError as e:
                 raise InvalidArgumentError(f"{what}: image {k}: {e}", param=param) from None
             layout = layout_ids(rows, cols, self.image_token_id, self.break_token_id, self.end_token_id)
@@ -154,7 +155,7 @@ class PixtralImagePrompts(ImagePrompts):
                                            param=param)
             out.extend(ids[at:start])
             where = [i for i, t in enumerate(layout) if t == self.image_token_id]
-            items.append(MultiModalItem.from_pixels(len(out), len(layout), pixels, image_hash(image),
+            items.append(MultiModalItem.from_pixels(len(out), len(layout), pixels, digest,
                                                     grid=[rows, cols], embed_positions=where))
             out.extend(layout)
             at = start + length

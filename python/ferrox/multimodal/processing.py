@@ -18,6 +18,7 @@ from typing import Any
 from ferrox._core import InvalidArgumentError
 from ferrox.media_io_config import MediaIOOptions, parse_media_io_kwargs
 from ferrox.multimodal.inputs import MultiModalItem
+from ferrox.multimodal.processor_cache import ProcessorCache
 
 # transformers' vision config defaults (image and patch size) by model_type, and LLaVA's default tower.
 _VISION_SIZES = {"clip_vision_model": (224, 32), "siglip_vision_model": (224, 16)}
@@ -62,6 +63,9 @@ class ImagePrompts:
     allowed_local_media_path: str | None = None  # --allowed-local-media-path
     # --media-io-kwargs (media_io_config.py); keyword-only, so subclasses keep their positional fields
     media_io: MediaIOOptions = field(default_factory=MediaIOOptions, kw_only=True)
+    # --mm-processor-cache-gb (processor_cache.py): processed items kept for a repeat; None: off. Rules derived for a
+    # request's mm_processor_kwargs share it (their processors' settings keep their entries apart).
+    processor_cache: ProcessorCache | None = field(default=None, kw_only=True)
 
     def check_count(self, count: int, what: str, param: str = "multi_modal_data") -> None:
         if self.limit is not None and count > self.limit:
@@ -94,6 +98,13 @@ class ImagePrompts:
                                        param=param)
         return self.image_processor
 
+    def process_item(self, processor: Any, item: Any, digest: str, method: str = "__call__") -> Any:
+        """`processor.<method>(item)` for one image or video (`digest`: its content's hash, media.image_hash or
+        processor_cache.video_key), through the processor cache when there is one."""
+        if self.processor_cache is None:
+            return getattr(processor, method)(item)
+        return self.processor_cache.process(processor, method, item, digest)
+
     def load(self, source: Any, what: str, param: str = "multi_modal_data") -> Any:
         """A PIL image from a url, path, bytes or PIL image (offline callers; the server fetches
         asynchronously with media.fetch_image)."""
@@ -117,13 +128,16 @@ class ImagePrompts:
         self.check_placeholders(len(runs), len(images), what, param)
         if not images:
             return ids, []
-        pixels = self.processor_for(what, param)(list(images))
+        processor = self.processor_for(what, param)
+        digests = [image_hash(image) for image in images]
+        pixels = [self.process_item(processor, image, digest, "one") for image, digest in zip(images, digests,
+                                                                                             strict=True)]
         out: list[int] = []
         items: list[MultiModalItem] = []
         at = 0
         for k, (start, length) in enumerate(runs):
             out.extend(ids[at:start])
-            items.append(MultiModalItem.from_pixels(len(out), self.tokens_per_image, pixels[k], image_hash(images[k])))
+            items.append(MultiModalItem.from_pixels(len(out), self.tokens_per_image, pixels[k], digests[k]))
             out.extend([self.image_token_id] * self.tokens_per_image)
             at = start + length
         out.extend(ids[at:])
@@ -253,16 +267,19 @@ def image_prompts_for_model(model_dir: str, hf_config: Mapping[str, Any], tokeni
                             limits: Mapping[str, int] | None = None,
                             allowed_local_media_path: str | None = None,
                             processor_kwargs: Mapping[str, Any] | None = None,
-                            media_io_kwargs: Mapping[str, Any] | None = None) -> ImagePrompts | None:
+                            media_io_kwargs: Mapping[str, Any] | None = None,
+                            processor_cache_gb: float = 0) -> ImagePrompts | None:
     """The prompt rules of a model that takes images (None for a text-only one). hf_config: config.json;
     limits: --limit-mm-per-prompt; processor_kwargs: --mm-processor-kwargs (PROCESSOR_KWARGS);
-    media_io_kwargs: --media-io-kwargs (how video files are sampled)."""
+    media_io_kwargs: --media-io-kwargs (how video files are sampled); processor_cache_gb:
+    --mm-processor-cache-gb (0: no cache; nothing to cache for a text-only model)."""
     media_io = parse_media_io_kwargs(media_io_kwargs)
     prompts = _image_prompts_for_model(model_dir, hf_config, tokenizer, limits=limits,
                                        allowed_local_media_path=allowed_local_media_path,
                                        processor_kwargs=processor_kwargs)
     if prompts is not None:
         prompts.media_io = media_io
+        prompts.processor_cache = ProcessorCache.of_gib(processor_cache_gb)
     return prompts
 
 

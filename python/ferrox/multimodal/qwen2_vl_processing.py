@@ -40,6 +40,7 @@ from ferrox.multimodal.config_fields import (
 from ferrox.multimodal.image_processor import resample_filter, rescale_normalize, to_rgb
 from ferrox.multimodal.inputs import MultiModalItem, seen_hash
 from ferrox.multimodal.processing import ImagePrompts, processor_kwargs_for, token_runs
+from ferrox.multimodal.processor_cache import video_key
 
 ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 QWEN3_ARCHITECTURES = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
@@ -231,13 +232,14 @@ class QwenVLImagePrompts(ImagePrompts):
             return ids, []
         # (start, length, maker) of each placeholder, both modalities; maker(offset) -> (item, its tokens)
         pieces: list[tuple[int, int, Any]] = []
-        processed = self._processed(stills, self.processor_for(what, param) if stills else None, "image", what,
-                                    param)
+        digests = [image_hash(image) for image in stills]
+        processed = self._processed(stills, digests, self.processor_for(what, param) if stills else None, "__call__",
+                                    "image", what, param)
         counts = [self.image_processor.tokens(grid) for _, grid in processed] if stills else []
-        for span, (patches, grid), count, image in zip(self._spans(runs, counts, what, param), processed, counts,
-                                                        stills, strict=True):
-            pieces.append((*span, lambda at, n=count, p=patches, g=grid, i=image: (MultiModalItem.from_pixels(
-                at, n, p, seen_hash(image_hash(i), p, g), grid=list(g)), [self.image_token_id] * n)))
+        for span, (patches, grid), count, digest in zip(self._spans(runs, counts, what, param), processed, counts,
+                                                         digests, strict=True):
+            pieces.append((*span, lambda at, n=count, p=patches, g=grid, d=digest: (MultiModalItem.from_pixels(
+                at, n, p, seen_hash(d, p, g), grid=list(g)), [self.image_token_id] * n)))
         if videos or video_runs:
             pieces.extend(self._video_pieces(video_runs, videos, what, param, ids))
         out: list[int] = []
@@ -259,7 +261,8 @@ class QwenVLImagePrompts(ImagePrompts):
         self.check_video_count(len(videos), what, param)
         if self.frame_timestamps:
             return self._timestamped_pieces(runs, videos, ids, what, param)
-        processed = self._processed(videos, self.video_processor, "video", what, param)
+        processed = self._processed(videos, [video_key(v) for v in videos], self.video_processor, "__call__", "video",
+                                    what, param)
         counts = [self.video_processor.tokens(grid) for _, grid in processed]
         spans = self._spans(runs, counts, what, param, "video", self.video_placeholder or "")
         pieces = []
@@ -286,7 +289,8 @@ class QwenVLImagePrompts(ImagePrompts):
                 f"{what}: the prompt has {sum(n for _, n in runs)} video token(s) for {len(videos)} video(s); put one "
                 f"{self.video_placeholder!r} where each video goes (Qwen3-VL writes its frames' timestamps there)",
                 param=param)
-        processed = self._processed(videos, self.video_processor.prepare, "video", what, param)
+        processed = self._processed(videos, [video_key(v) for v in videos], self.video_processor, "prepare", "video",
+                                    what, param)
         pieces = []
         for span, (patches, grid, seconds), video in zip(wrapped, processed, videos, strict=True):
             pads = self.video_processor.tokens((1, *grid[1:]))
@@ -306,12 +310,13 @@ class QwenVLImagePrompts(ImagePrompts):
             pieces.append((*span, make))
         return pieces
 
-    @staticmethod
-    def _processed(media: list[Any], processor: Any, kind: str, what: str, param: str) -> list[Any]:
+    def _processed(self, media: list[Any], digests: list[str], processor: Any, method: str, kind: str, what: str,
+                   param: str) -> list[Any]:
+        """`processor.<method>` of each item (through the processor cache); its ValueError names the item."""
         out = []
-        for k, one in enumerate(media):
+        for k, (one, digest) in enumerate(zip(media, digests, strict=True)):
             try:
-                out.append(processor(one))
+                out.append(self.process_item(processor, one, digest, method))
             except ValueError as e:
                 raise InvalidArgumentError(f"{what}: {kind} {k}: {e}", param=param) from None
         return out

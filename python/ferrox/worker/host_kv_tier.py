@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ferrox.kernels.block_copy import copy_blocks
+from ferrox.kv_transfer_config import parse_kv_transfer_config
 
 TRANSFER_ARRAYS = ("kv_offload_blocks", "kv_offload_slots", "kv_load_slots", "kv_load_blocks")
 
@@ -36,6 +37,21 @@ def host_tier_slots(size_gib: float | None, kv_caches: list[torch.Tensor], tp_si
     if not size_gib:
         return 0
     return int(size_gib * (1 << 30)) // max(1, tp_size) // block_bytes(kv_caches)
+
+
+def configured_slots(config: Any, kv_caches: list[torch.Tensor]) -> int:
+    """Blocks this rank's tier holds, from --kv-offloading-size or --kv-transfer-config's OffloadingConnector
+    (kv_transfer_config.py); 0 without a tier. A size that holds no block is refused naming its setting."""
+    tier = parse_kv_transfer_config(config.kv_transfer_config, config.block_size)
+    if tier is not None and tier.blocks_per_rank is not None:
+        return tier.blocks_per_rank
+    gib = tier.gib if tier is not None else config.kv_offloading_size
+    slots = host_tier_slots(gib, kv_caches, config.tensor_parallel_size)
+    if gib and not slots:
+        name = "kv_transfer_config" if tier is not None else "kv_offloading_size"
+        raise ValueError(f"{name}: {gib} GiB holds no block (one block of every layer takes "
+                         f"{block_bytes(kv_caches)} bytes on each rank)")
+    return slots
 
 
 def transfer_arrays(step: Any) -> dict[str, np.ndarray]:

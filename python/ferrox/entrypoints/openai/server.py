@@ -584,7 +584,8 @@ def build_app(engine: AsyncLLM, *, served_model_name: str | list[str] | None = N
     app[CTX] = ctx
     app[API_KEY] = api_key or ""
     app[MAX_BODY] = max_request_body_bytes
-    stat_logger = PrometheusStatLogger(ctx.model_name, prefix=options.metrics_prefix)
+    stat_logger = PrometheusStatLogger(ctx.model_name, prefix=options.metrics_prefix,
+                                       mm_cache=getattr(engine.image_prompts, "processor_cache", None))
     stat_logger.on_scheduler_stats(engine.last_stats)
     engine.stat_loggers.append(stat_logger)
     app[METRICS] = stat_logger
