@@ -104,6 +104,8 @@ pub struct Request {
     pub num_computed_tokens: usize,
     /// Prompt tokens served by the prefix cache when first scheduled (None before that).
     pub num_cached_tokens: Option<usize>,
+    /// Of those, the tokens copied in from the prefix cache's host tier (vLLM's "external" KV).
+    pub num_external_cached_tokens: usize,
     /// Tokens sampled by scheduled steps whose results have not come back yet (async
     /// scheduling: a step may be scheduled before the previous step's update_from_output).
     /// They count as tokens for scheduling; their input ids are filled in on the device.

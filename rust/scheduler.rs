@@ -735,6 +735,7 @@ impl Scheduler {
             num_prompt_tokens: prompt_len,
             num_computed_tokens: 0,
             num_cached_tokens: None,
+            num_external_cached_tokens: 0,
             num_output_placeholders: 0,
             allow_drafts: r.allow_drafts,
             atomic_spans: r.atomic_spans,
@@ -1129,6 +1130,7 @@ impl Scheduler {
                 }
                 if req.num_cached_tokens.is_none() {
                     req.num_cached_tokens = Some(computed);
+                    req.num_external_cached_tokens = host.len() * self.cfg.block_size;
                 }
                 req.status = RequestStatus::Running;
                 if new_lora {
@@ -1462,6 +1464,7 @@ impl Scheduler {
                 num_output_tokens: req.num_output_tokens(),
                 num_prompt_tokens: req.num_prompt_tokens,
                 num_cached_tokens: req.num_cached_tokens.unwrap_or(0),
+                num_external_cached_tokens: req.num_external_cached_tokens,
             };
             outputs.end_row(row, stop_reason);
         }
@@ -1615,6 +1618,7 @@ impl Scheduler {
                 num_output_tokens: r.num_output_tokens(),
                 num_prompt_tokens: r.num_prompt_tokens,
                 num_cached_tokens: r.num_cached_tokens.unwrap_or(0),
+                num_external_cached_tokens: r.num_external_cached_tokens,
             };
             outputs.end_row(row, None);
             self.release(slot);

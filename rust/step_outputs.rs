@@ -41,6 +41,7 @@ pub struct RowInfo<'a> {
     pub num_output_tokens: usize,
     pub num_prompt_tokens: usize,
     pub num_cached_tokens: usize,
+    pub num_external_cached_tokens: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -63,6 +64,8 @@ pub struct StepOutputs {
     pub num_output_tokens: Vec<i32>,
     pub num_prompt_tokens: Vec<i32>,
     pub num_cached_tokens: Vec<i32>,
+    /// Of `num_cached_tokens`, those loaded from the host tier (vLLM's external KV transfer).
+    pub num_external_cached_tokens: Vec<i32>,
 }
 
 impl Default for StepOutputs {
@@ -81,6 +84,7 @@ struct RowMeta {
     num_output_tokens: i32,
     num_prompt_tokens: i32,
     num_cached_tokens: i32,
+    num_external_cached_tokens: i32,
     finish: u8,
 }
 
@@ -143,6 +147,7 @@ impl StepOutputsBuilder {
             num_output_tokens: row.num_output_tokens as i32,
             num_prompt_tokens: row.num_prompt_tokens as i32,
             num_cached_tokens: row.num_cached_tokens as i32,
+            num_external_cached_tokens: row.num_external_cached_tokens as i32,
             finish: row.finish.map_or(0, FinishReason::code),
         });
     }
@@ -164,6 +169,7 @@ impl StepOutputsBuilder {
             num_output_tokens: column(|r| r.num_output_tokens),
             num_prompt_tokens: column(|r| r.num_prompt_tokens),
             num_cached_tokens: column(|r| r.num_cached_tokens),
+            num_external_cached_tokens: column(|r| r.num_external_cached_tokens),
             req_ids: self.req_ids,
             token_ids: self.token_ids,
             text: self.text,
@@ -260,6 +266,7 @@ mod tests {
             num_output_tokens: 1,
             num_prompt_tokens: 2,
             num_cached_tokens: 0,
+            num_external_cached_tokens: 0,
         };
         let mut o = StepOutputsBuilder::with_capacity(3);
         o.push_token(7);

@@ -182,6 +182,9 @@ class StepOutputs:
     @property
     def num_cached_tokens(self) -> npt.NDArray[np.int32]:
         """[n] prompt tokens served from the prefix cache when the request was first scheduled."""
+    @property
+    def num_external_cached_tokens(self) -> npt.NDArray[np.int32]:
+        """[n] of num_cached_tokens, those loaded from the prefix cache's host tier (vLLM's external KV)."""
 
 class SchedulerStats:
     num_running: int

@@ -65,6 +65,9 @@ class StepResult(msgspec.Struct, array_like=True, omit_defaults=True):
     # Pooling requests (ferrox.pooling): row -> its vector as little-endian float32 bytes, sent once, in
     # the row that finishes the request.
     pooled: dict[int, bytes] = msgspec.field(default_factory=dict)
+    # row -> of its num_cached_tokens, those loaded from the host tier (rows without any are left out: the tier
+    # is rare and its loads rarer than steps).
+    external_cached_tokens: dict[int, int] = msgspec.field(default_factory=dict)
 
     # ---- columns as numpy views -----------------------------------------------------------------
     @property
@@ -91,6 +94,13 @@ class StepResult(msgspec.Struct, array_like=True, omit_defaults=True):
     def num_cached_tokens(self) -> npt.NDArray[np.int32]:
         return np.frombuffer(self.num_cached_tokens_raw, dtype=np.int32)
 
+    @property
+    def num_external_cached_tokens(self) -> npt.NDArray[np.int32]:
+        column = np.zeros(len(self.req_ids), dtype=np.int32)
+        for row, n in self.external_cached_tokens.items():
+            column[row] = n
+        return column
+
     def __len__(self) -> int:
         return len(self.req_ids)
 
@@ -111,6 +121,7 @@ class StepResult(msgspec.Struct, array_like=True, omit_defaults=True):
                 stop_reason=self.stop_reasons.get(i),
                 num_prompt_tokens=npt_[i],
                 num_cached_tokens=nct[i],
+                num_external_cached_tokens=self.external_cached_tokens.get(i, 0),
                 new_logprobs=self.logprobs.get(i),
                 prompt_logprobs=self.prompt_logprobs.get(i),
                 error=self.errors.get(i),
@@ -135,7 +146,9 @@ class StepResult(msgspec.Struct, array_like=True, omit_defaults=True):
     @staticmethod
     def from_core(outputs: Any, req_ids: Sequence[str]) -> StepResult:
         """From the Rust core's `StepOutputs` (columns), with the request ids of its rows."""
+        external = np.asarray(outputs.num_external_cached_tokens)
         return StepResult(
+            external_cached_tokens={row: int(external[row]) for row in np.flatnonzero(external).tolist()},
             req_ids=list(req_ids),
             token_ids_raw=_i32(outputs.token_ids),
             token_offsets_raw=_i32(outputs.token_offsets),
@@ -170,6 +183,8 @@ class StepResult(msgspec.Struct, array_like=True, omit_defaults=True):
                 result.errors[i] = r.error
             if r.pooled is not None:
                 result.pooled[i] = r.pooled
+            if r.num_external_cached_tokens:
+                result.external_cached_tokens[i] = r.num_external_cached_tokens
         result.token_ids_raw = _i32(tokens)
         result.token_offsets_raw = _i32(token_offsets)
         result.text = "".join(texts)
@@ -200,6 +215,7 @@ class StepResult(msgspec.Struct, array_like=True, omit_defaults=True):
             out.prompt_logprobs.update({row + base_row: v for row, v in p.prompt_logprobs.items()})
             out.errors.update({row + base_row: v for row, v in p.errors.items()})
             out.pooled.update({row + base_row: v for row, v in p.pooled.items()})
+            out.external_cached_tokens.update({row + base_row: v for row, v in p.external_cached_tokens.items()})
             base_row += len(p)
             base_tok += int(p.token_offsets[-1])
             base_txt += int(p.text_offsets[-1])
@@ -223,6 +239,7 @@ class StepRow(msgspec.Struct):
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    num_external_cached_tokens: int = 0  # of num_cached_tokens, from the host tier
     new_logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
     error: str | None = None

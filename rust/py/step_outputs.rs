@@ -27,6 +27,7 @@ pub struct PyStepOutputs {
     num_output_tokens: PyOnceLock<Py<PyArray1<i32>>>,
     num_prompt_tokens: PyOnceLock<Py<PyArray1<i32>>>,
     num_cached_tokens: PyOnceLock<Py<PyArray1<i32>>>,
+    num_external_cached_tokens: PyOnceLock<Py<PyArray1<i32>>>,
 }
 
 impl From<StepOutputs> for PyStepOutputs {
@@ -44,6 +45,7 @@ impl From<StepOutputs> for PyStepOutputs {
             num_output_tokens: PyOnceLock::new(),
             num_prompt_tokens: PyOnceLock::new(),
             num_cached_tokens: PyOnceLock::new(),
+            num_external_cached_tokens: PyOnceLock::new(),
         }
     }
 }
@@ -147,6 +149,16 @@ impl PyStepOutputs {
     #[getter]
     fn num_cached_tokens(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
         column(py, &self.num_cached_tokens, &self.inner.num_cached_tokens)
+    }
+
+    /// Of num_cached_tokens, the tokens loaded from the prefix cache's host tier (vLLM's external KV).
+    #[getter]
+    fn num_external_cached_tokens(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        column(
+            py,
+            &self.num_external_cached_tokens,
+            &self.inner.num_external_cached_tokens,
+        )
     }
 
     fn __repr__(&self) -> String {

@@ -48,7 +48,7 @@ def test_evicted_prefix_comes_back_from_host_memory(folder, tp, device, tier):
         want = _run(plain, [LONG])[0]
     finally:
         plain.engine.shutdown()  # (one tensor-parallel engine at a time in a process)
-    tiered = LLM(folder, **tier, **common)
+    tiered = LLM(folder, disable_log_stats=False, **tier, **common)
     try:
         first = _run(tiered, [LONG])[0]
         for other in OTHERS:  # each needs 6 of the 11 usable blocks: LONG's cached blocks are evicted
@@ -64,6 +64,12 @@ def test_evicted_prefix_comes_back_from_host_memory(folder, tp, device, tier):
                [lp[t].logprob for lp, t in zip(again.outputs[0].logprobs, again.outputs[0].token_ids, strict=True)])
         assert got[0] == first[0] == want[0]
         assert got[1] == pytest.approx(first[1], abs=1e-5) and got[1] == pytest.approx(want[1], abs=1e-5)
+        # vLLM's metrics for its offloading connector: the tier's tokens are external hits, by source too.
+        metrics = {(m.name, m.labels.get("source")): m.value for m in tiered.get_metrics() if hasattr(m, "value")}
+        assert metrics[("vllm:external_prefix_cache_hits", None)] == 64
+        assert metrics[("vllm:external_prefix_cache_queries", None)] == metrics[("vllm:prefix_cache_queries", None)]
+        assert metrics[("vllm:prompt_tokens_by_source", "external_kv_transfer")] == 64
+        assert metrics[("vllm:prompt_tokens_by_source", "local_cache_hit")] == 0
         assert tiered.reset_prefix_cache() and tiered.engine.stats()["host_cache_blocks"] == 0
     finally:
         tiered.engine.shutdown()

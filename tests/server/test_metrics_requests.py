@@ -46,6 +46,16 @@ def test_whole_prompts_and_their_cached_part_are_counted(base_url):
     assert delta(after, middle, "ferrox:prompt_tokens_total") == num_prompt
     cached = (num_prompt - 1) // 16 * 16
     assert delta(after, middle, "ferrox:prompt_tokens_cached_total") == cached
+    # vLLM's prompt_tokens_by_source: computed, or from the device's prefix cache (no host tier here).
+    by_source = "ferrox:prompt_tokens_by_source_total"
+    assert value(middle, by_source, source="local_compute") - value(before, by_source, source="local_compute") \
+        == num_prompt
+    assert value(after, by_source, source="local_compute") - value(middle, by_source, source="local_compute") \
+        == num_prompt - cached
+    assert value(after, by_source, source="local_cache_hit") - value(middle, by_source, source="local_cache_hit") \
+        == cached
+    assert value(after, by_source, source="external_kv_transfer") == 0
+    assert "ferrox:external_prefix_cache_hits" not in after  # (registered with a host tier only, as vLLM's)
     details = second["usage"].get("prompt_tokens_details")
     if details is not None:
         assert details["cached_tokens"] == cached

@@ -848,7 +848,8 @@ class EngineCore:
             )
         }
         if self.host_tier_slots:  # the host tier's (rust/host_tier.rs): tokens served, blocks held
-            stats.update(host_cache_hits=s.host_cache_hits, host_cache_blocks=s.host_cache_blocks)
+            stats.update(host_cache_hits=s.host_cache_hits, host_cache_blocks=s.host_cache_blocks,
+                         host_cache_queries=s.prefix_cache_queries)  # (every lookup asks both tiers)
         if self.speculative is not None:
             # Cumulative, vLLM's spec_decode counters (metrics/prometheus.py, metrics/log_stats.py).
             stats.update(num_speculative_tokens=self.speculative.num_speculative_tokens, spec_num_drafts=s.num_drafts,

@@ -73,6 +73,18 @@ _MM_CACHE_COUNTERS = (
     ("mm_cache_queries", "queries", "Multi-modal cache queries, in terms of number of queried items."),
     ("mm_cache_hits", "hits", "Multi-modal cache hits, in terms of number of cached items."),
 )
+# The prefix cache's host tier (--kv-offloading-size: vLLM's OffloadingConnector, whose hits vLLM counts as its
+# KV connector's "external" prefix cache), only for cores that have one; in tokens, as the device cache's.
+_HOST_TIER_COUNTERS = (
+    ("external_prefix_cache_queries", "host_cache_queries",
+     "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of "
+     "queried tokens."),
+    ("external_prefix_cache_hits", "host_cache_hits",
+     "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of "
+     "cached tokens."),
+)
+# Where a prefilled prompt's tokens came from (vLLM's prompt_tokens_by_source "source" label values).
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 _CORE_GAUGES = (
     ("num_requests_running", "num_running", "Requests in the running batch."),
     ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
@@ -113,11 +125,21 @@ class _CoreStatsCollector(Collector):
                 for index, stats in enumerate(self.engines):
                     family.add_metric([self.model_name, str(index)], float(stats.get(key, 0) or 0))
                 yield family
+        yield from self._host_tier_families()
         yield from self._mm_cache_families()
         yield from self._spec_families()
         yield from self._sleep_family()
         yield from self._cache_config_family()
         yield from self._lora_family()
+
+    def _host_tier_families(self):  # type: ignore[no-untyped-def]
+        if not any("host_cache_hits" in stats for stats in self.engines):
+            return
+        for name, key, doc in _HOST_TIER_COUNTERS:
+            family = CounterMetricFamily(f"{self.prefix}:{name}", doc, labels=LABELS)
+            for index, stats in enumerate(self.engines):
+                family.add_metric([self.model_name, str(index)], float(stats.get(key, 0) or 0))
+            yield family
 
     def _mm_cache_families(self):  # type: ignore[no-untyped-def]
         """One process prepares every image (the API server, or the offline LLM), whatever the number of cores:
@@ -197,6 +219,7 @@ class _EngineSeries:
 
     prompt_tokens: Any
     prompt_tokens_cached: Any
+    prompt_tokens_by_source: dict[str, Any]
     ttft: Any
     itl: Any
     e2e: Any
@@ -243,6 +266,9 @@ class PrometheusStatLogger:
         self.prompt_tokens_cached = Counter(
             f"{prefix}:prompt_tokens_cached", "Prompt tokens found in the prefix cache (not computed).",
             LABELS, registry=reg)
+        self.prompt_tokens_by_source = Counter(
+            f"{prefix}:prompt_tokens_by_source", "Number of prompt tokens by source.", [*LABELS, "source"],
+            registry=reg)
         self.ttft = histogram(f"{prefix}:time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS)
         # One observation per streamed token: fed a step at a time (metrics/batch_histogram.py).
         self.itl = BatchHistogram(f"{prefix}:inter_token_latency_seconds", "Inter-token latency in seconds.", LABELS,
@@ -291,6 +317,12 @@ class PrometheusStatLogger:
             series.prompt_tokens.inc(stats.num_prompt_tokens)
         if stats.num_cached_tokens:
             series.prompt_tokens_cached.inc(stats.num_cached_tokens)
+        if stats.num_prompt_tokens:
+            external = stats.num_external_cached_tokens
+            by_source = series.prompt_tokens_by_source
+            by_source["local_compute"].inc(stats.num_prompt_tokens - stats.num_cached_tokens)
+            by_source["local_cache_hit"].inc(stats.num_cached_tokens - external)
+            by_source["external_kv_transfer"].inc(external)
         for ttft in stats.time_to_first_tokens:
             series.ttft.observe(ttft)
         if stats.inter_token_latencies:
@@ -323,6 +355,8 @@ class PrometheusStatLogger:
             self._series.append(_EngineSeries(
                 prompt_tokens=self.prompt_tokens.labels(*label),
                 prompt_tokens_cached=self.prompt_tokens_cached.labels(*label),
+                prompt_tokens_by_source={source: self.prompt_tokens_by_source.labels(*label, source)
+                                         for source in PROMPT_SOURCES},
                 ttft=self.ttft.labels(*label),
                 itl=label,
                 e2e=self.e2e.labels(*label),

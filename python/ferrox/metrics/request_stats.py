@@ -78,6 +78,8 @@ class IterationStats:
     engine: int
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # Of num_cached_tokens, those loaded from the host tier (vLLM's external KV transfer).
+    num_external_cached_tokens: int = 0
     num_generation_tokens: int = 0
     time_to_first_tokens: list[float] = field(default_factory=list)
     # (gap per token, tokens): a gap that brought several tokens is shared evenly between them
@@ -103,7 +105,9 @@ def observe(timings: dict[str, RequestTiming], engine: int, result: StepResult, 
     num_tokens = np.diff(result.token_offsets).tolist()
     finish = result.finish_reasons.tolist()
     cached = result.num_cached_tokens.tolist()
-    for rid, n, code, num_cached in zip(result.req_ids, num_tokens, finish, cached, strict=True):
+    external = result.num_external_cached_tokens.tolist()
+    for rid, n, code, num_cached, num_external in zip(result.req_ids, num_tokens, finish, cached, external,
+                                                      strict=True):
         timing = timings.get(rid)
         if timing is None:
             continue
@@ -114,6 +118,7 @@ def observe(timings: dict[str, RequestTiming], engine: int, result: StepResult, 
                 iteration.time_to_first_tokens.append(now - timing.arrival_time)
                 iteration.num_prompt_tokens += timing.num_prompt_tokens
                 iteration.num_cached_tokens += num_cached
+                iteration.num_external_cached_tokens += num_external
             elif timing.last_token_time is not None:
                 iteration.inter_token_latencies.append(((now - timing.last_token_time) / n, n))
             timing.last_token_time = now
