@@ -27,9 +27,9 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_unknown_flags_are_refused_by_name():
-    res = run("serve", "--max-parallel-loading-workers", "4", "--kv-transfer-config={}")
+    res = run("serve", "--max-parallel-loading-workers", "4", "--eplb-config={}")
     assert res.returncode == 2
-    assert "--max-parallel-loading-workers, --kv-transfer-config: ferrox does not support these flags" in res.stderr
+    assert "--max-parallel-loading-workers, --eplb-config: ferrox does not support these flags" in res.stderr
     res = run("serve", "--tokenizer-mode", "mistral")  # a vLLM value ferrox lacks
     assert res.returncode == 2 and "--tokenizer-mode" in res.stderr and "mistral" in res.stderr
     res = run("serve", "--tool-call-parser", "jamba")  # a vLLM parser ferrox lacks
