@@ -141,6 +141,10 @@ def _non_default(name: str) -> list[tuple[list[str], Any]]:
         return [([flag, "pkg.mod:A", "pkg.mod.B"], ["pkg.mod:A", "pkg.mod.B"])]
     if name == "served_model_name":  # one name, or several (vLLM's nargs)
         return [([flag, "a"], "a"), ([flag, "a", "b"], ["a", "b"])]
+    if name == "attention_backend":  # vLLM's names, any case (the device is checked by the engine)
+        return [([flag, "TRITON_ATTN"], "TRITON_ATTN"), ([flag, "torch_sdpa"], "TORCH_SDPA")]
+    if name == "moe_backend":
+        return [([flag, "triton"], "triton"), ([flag, "Triton"], "triton")]
     choices = field.metadata.get("choices")
     if choices:
         value = next(c for c in choices if c != field.default and getattr(EngineConfig(**{name: c}), name) == c)

@@ -11,6 +11,8 @@ documented default live here, in `dataclasses.field(metadata=...)`:
 - "choices": the values accepted (the same tuples `__post_init__` validates against);
 - "size": True for a byte count that the CLI accepts with units ("4GiB");
 - "aliases": extra flag spellings kept for compatibility;
+- "refuse_inverse": for a bool, why ferrox cannot do what its opposite value asks: the CLI then refuses the
+  partner spelling (--enable-x of a --disable-x field, --no-x) by name instead of accepting it;
 - "positional": True for the one field (model) taken as a positional CLI argument.
 
 Values left as None ("auto") are resolved by the engine once the model is known
@@ -44,7 +46,7 @@ from ferrox.media_io_config import parse_media_io_kwargs
 from ferrox.pooling.params import parse_pooler_overrides
 from ferrox.reasoning.parser import REASONING_PARSER_CHOICES, reasoning_parser_names
 from ferrox.reasoning.plugin import load_reasoning_parser_plugin
-from ferrox.speculative_config import parse_speculative_config
+from ferrox.speculative_config import SPEC_SHORTHANDS, parse_speculative_config, with_spec_shorthands
 from ferrox.structured_outputs_config import parse_structured_outputs_config
 
 CPU_DEFAULT_MAX_MODEL_LEN = 8192
@@ -77,12 +79,25 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 EXECUTOR_BACKENDS = ("mp", "ray", "uni")
 # vLLM's --runner; "auto" resolves once the architecture is known (ferrox.pooling.config.resolve_runner).
 RUNNERS = ("auto", "generate", "pooling")
+# vLLM's --attention-backend / --moe-backend names that are kernels ferrox has, each -> ferrox's kernel set
+# (kernels.select_kernels: "triton" on CUDA with Triton installed, "torch" otherwise; it picks the attention
+# backend and the MoE experts' path together). "triton": ferrox's Triton attention (with its CUDA decode kernel
+# and FlashAttention-3 / cuDNN for long prefill chunks where they apply) and its Triton fused-MoE kernels;
+# "torch": its torch reference (SDPA attention, a per-expert MoE loop), the CPU's. A name is honoured where it
+# is the kernel set the engine runs and refused by name elsewhere (check_kernel_backends).
+ATTENTION_BACKENDS = {"TRITON_ATTN": "triton", "TORCH_SDPA": "torch", "CPU_ATTN": "torch"}
+MOE_BACKENDS = {"triton": "triton"}
 TOKENIZER_MODES = ("auto", "hf")
 # vLLM's --model-impl: ferrox's model families are its own ("vllm": the engine's native ones); running
 # transformers' modelling code ("transformers", "terratorch") is not something it does.
 MODEL_IMPLS = ("auto", "vllm")
 # vLLM's --config-format: a Hugging Face config.json (or a GGUF's metadata); Mistral's params.json is not read.
 CONFIG_FORMATS = ("auto", "hf")
+# vLLM's --mm-encoder-tp-mode: the vision encoder's weights sharded across the tensor-parallel ranks, or whole on
+# each rank with a step's images split among them (models/vision/encoder_setup.py).
+MM_ENCODER_TP_MODES = ("weights", "data")
+# The modalities ferrox's vision models take (--limit-mm-per-prompt's keys beyond them may only be 0).
+MM_MODALITIES = ("image", "video")
 
 
 def _gib(n: int) -> str:
@@ -111,6 +126,44 @@ def _check_mm_processor_cache(size: Any, kind: Any) -> None:
                          "(vLLM's --api-server-count > 1); ferrox runs one API server process, so it has only 'lru'")
     if kind != "lru":
         raise ValueError(f"mm_processor_cache_type: {kind!r} is not supported (ferrox's is 'lru')")
+
+
+def _normalize_kernel_backends(config: Any) -> None:
+    """--attention-backend / --moe-backend as vLLM spells them (attention names in any case, 'auto' meaning
+    the device's, as None does; MoE names lower case with '_' or '-'), refused by name where ferrox has no
+    such kernels."""
+    attention = config.attention_backend
+    if attention is not None:
+        if not isinstance(attention, str):
+            raise ValueError(f"attention_backend: must be a backend name, got {attention!r}")
+        attention = None if attention.lower() == "auto" else attention.upper()
+        if attention is not None and attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend: {attention!r} is not an attention backend ferrox has; it takes "
+                             "'auto', 'TRITON_ATTN' (its Triton kernels, on CUDA) and 'TORCH_SDPA' / 'CPU_ATTN' "
+                             "(its torch backend, on the CPU)")
+        config.attention_backend = attention
+    moe = config.moe_backend
+    if not isinstance(moe, str):
+        raise ValueError(f"moe_backend: must be a backend name, got {moe!r}")
+    moe = moe.lower().replace("-", "_")
+    if moe != "auto" and moe not in MOE_BACKENDS:
+        raise ValueError(f"moe_backend: {moe!r} is not an MoE backend ferrox has; it takes 'auto' and 'triton' "
+                         "(its Triton fused-MoE kernels, on CUDA)")
+    config.moe_backend = moe
+
+
+def check_kernel_backends(config: Any, kernel_set: str, device: str) -> None:
+    """--attention-backend / --moe-backend against the kernel set the engine runs on `device`
+    (kernels.select_kernels): a name is honoured where it is that set, refused by name where it is not."""
+    for name, value, table in (("attention_backend", config.attention_backend, ATTENTION_BACKENDS),
+                               ("moe_backend", config.moe_backend, MOE_BACKENDS)):
+        wanted = table.get(value) if value is not None else None
+        if wanted is None or wanted == kernel_set:
+            continue
+        where = "on CUDA with Triton installed" if wanted == "triton" else "on the CPU"
+        runs = sorted(k for k, v in table.items() if v == kernel_set)
+        raise ValueError(f"{name}: {value!r} is ferrox's {wanted} kernels, which it runs {where}; this engine runs "
+                         f"on {device} with its {kernel_set} kernels ({', '.join(map(repr, ['auto', *runs]))})")
 
 
 def _opt(help: str, default: Any = None, **meta: Any) -> Any:
@@ -261,6 +314,19 @@ class EngineConfig:
         "the processor cache's kind (vLLM's): 'lru', a least-recently-used cache in the process that prepares "
         "prompts; vLLM's 'shm' (shared memory between several API-server processes) is refused: ferrox runs one",
         "lru")
+    language_model_only: bool = _opt(
+        "serve a vision-language model as a text model (vLLM's): every modality's limit is 0, so a request's images "
+        "and videos are refused as with --limit-mm-per-prompt '{\"image\": 0, \"video\": 0}' (the flag wins over "
+        "that one, as vLLM's), and the vision encoder and projector are neither built nor loaded (their memory "
+        "stays free; so too when --limit-mm-per-prompt alone gives every modality the model takes 0, as vLLM "
+        "does); a text-only model is unchanged", False)
+    mm_encoder_tp_mode: str = _opt(
+        "how the vision encoder runs under tensor parallelism (vLLM's): 'weights' shards its attention and MLP "
+        "weights across the ranks as the language model's are (each rank holds 1/N of them and runs every image "
+        "with them; a tower whose heads or MLP width do not split N ways falls back to 'data'); 'data' keeps the "
+        "whole encoder on every rank and splits each step's images among the ranks, their embeddings then "
+        "gathered to every rank; the projector stays whole either way. One rank: the two are the same",
+        "weights", choices=MM_ENCODER_TP_MODES)
     enable_prompt_embeds: bool = _opt(
         "accept prompts given as input embeddings (vLLM's: LLM.generate({\"prompt_embeds\": tensor}), /v1/completions' "
         "prompt_embeds, base64 of torch.save bytes); off, such prompts are refused. Only for text models whose "
@@ -280,9 +346,22 @@ class EngineConfig:
         default_help="none")
     disable_cascade_attn: bool = _opt(
         "vLLM's switch off of cascade attention (one attention pass over a prefix the whole batch shares); ferrox "
-        "has no cascade attention, so it is always off: accepted so vLLM command lines run unchanged", False)
+        "has no cascade attention, so it is always off: accepted so vLLM command lines run unchanged", False,
+        refuse_inverse="ferrox has no cascade attention to turn on (vLLM 0.34 has removed its own too)")
     device: str = _opt("where to run", "auto", choices=DEVICES, default_help="auto: cuda when available, else cpu")
-    gpu_memory_utilization: float = _opt("fraction of GPU memory for weights, activations and KV cache", 0.9)
+    attention_backend: str | None = _opt(
+        "the attention kernels (vLLM's name, any case): 'TRITON_ATTN' is ferrox's Triton attention (its CUDA "
+        "decode kernel and FlashAttention-3 / cuDNN for long prefill chunks beside it), what it runs on CUDA; "
+        "'TORCH_SDPA' / 'CPU_ATTN' its torch backend (SDPA), what it runs on the CPU; 'auto' the device's. "
+        "A name the device does not run, and vLLM's other backends (FLASH_ATTN, FLASHINFER, ROCM_*...), are "
+        "refused by name", default_help="auto")
+    moe_backend: str = _opt(
+        "the MoE experts' kernels (vLLM's name): 'triton' is ferrox's Triton fused-MoE kernels, what it runs on "
+        "CUDA; 'auto' the device's (on the CPU a per-expert torch loop). vLLM's other backends (deep_gemm, "
+        "cutlass, marlin, flashinfer_*, aiter...) are refused by name; a model without experts is unchanged",
+        "auto")
+    gpu_memory_utilization: float = _opt("fraction of GPU memory for weights, activations and KV cache", 0.9,
+                                         aliases=("--device-memory-utilization",))
     kv_cache_memory: int | None = _opt(
         "KV cache size in bytes (the CLI accepts units: 512MiB, 4GiB)", size=True, aliases=("--kv-cache-memory-bytes",),
         default_help=f"on CPU {_gib(CPU_DEFAULT_KV_CACHE_MEMORY)} capped at half the available memory; "
@@ -309,7 +388,9 @@ class EngineConfig:
         True)
     disable_chunked_mm_input: bool = _opt(
         "vLLM's: an image's (or video's) tokens are never split across prefill steps -- ferrox's only behaviour "
-        "(each is computed whole in one step), so the flag is always in effect", False)
+        "(each is computed whole in one step), so the flag is always in effect", False,
+        refuse_inverse="ferrox computes each image's (or video's) tokens whole in one step; it cannot split them "
+        "across prefill steps")
     long_prefill_token_threshold: int = _opt(
         "at most this many of one request's prompt tokens per step (vLLM's; 0: off): a long prompt then shares "
         "steps with shorter ones instead of filling them (an image computed whole is not cut)", 0)
@@ -408,10 +489,12 @@ class EngineConfig:
                                    aliases=("-dp",))
     enable_expert_parallel: bool = _opt(
         "MoE models under tensor parallelism: split the experts across the ranks (E/N whole experts each) "
-        "instead of sharding every expert", False)
+        "instead of sharding every expert", False, aliases=("-ep",))
     disable_custom_all_reduce: bool = _opt(
         "vLLM's switch from its custom all-reduce kernel to NCCL's; ferrox's tensor-parallel all-reduce always "
-        "is NCCL's (gloo on CPU), so it holds with or without this", False)
+        "is NCCL's (gloo on CPU), so it holds with or without this", False,
+        refuse_inverse="ferrox's tensor-parallel all-reduce is NCCL's (gloo on CPU); it has no custom all-reduce "
+        "kernel to turn on")
     distributed_executor_backend: str | None = _opt(
         "how tensor-parallel workers are started", choices=EXECUTOR_BACKENDS,
         default_help="mp when tensor_parallel_size > 1, else uni")
@@ -421,7 +504,8 @@ class EngineConfig:
     speculative_config: dict[str, Any] | None = _opt(
         "speculative decoding, vLLM's spelling (a JSON object on the CLI): {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": k, \"prompt_lookup_min\": 1, \"prompt_lookup_max\": 5} (prompt lookup) or "
-        "{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": k}",
+        "{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": k} (-sc; --spec-method, "
+        "--spec-model and --spec-tokens set those keys, as vLLM's)", aliases=("-sc",),
         default_help="off")
     runner: str = _opt(
         "what the model is run for (vLLM's --runner): 'generate' text, or 'pooling' (embeddings: /v1/embeddings, "
@@ -440,8 +524,9 @@ class EngineConfig:
                                      default_help="max_loras")
     reasoning_parser: str | None = _opt(
         "how a reasoning model's thinking is told from its answer (vLLM's --reasoning-parser): 'deepseek_r1' "
-        "(DeepSeek-R1 and its distills, QwQ), 'qwen3', 'glm45' (GLM-4.5 / 4.6), 'deepseek_v3' (DeepSeek-V3.1 / "
-        "V3.2: thinks only with chat_template_kwargs thinking true), 'mistral' (Magistral's [THINK] / [/THINK]), "
+        "(DeepSeek-R1 and its distills, QwQ), 'qwen3', 'glm45' / 'glm47' (GLM-4.5 / 4.6 / 4.7), 'deepseek_v3' "
+        "(DeepSeek-V3.1 / V3.2: thinks only with chat_template_kwargs thinking true), 'kimi_k2' (Kimi-K2-Thinking / "
+        "K2.5: thinks unless thinking false), 'mistral' (Magistral's [THINK] / [/THINK]), "
         "'granite' (Granite 3.2+'s 'Here is my thought process:' / 'Here is my response:' text, with thinking "
         "true) or 'openai_gptoss' (gpt-oss's harmony channels); the chat API "
         "then returns the thinking as `reasoning`, parses tool calls from the answer only, and structured outputs "
@@ -472,6 +557,9 @@ class EngineConfig:
         _choice("tokenizer_mode", self.tokenizer_mode, TOKENIZER_MODES)
         _choice("model_impl", self.model_impl, MODEL_IMPLS)
         _choice("config_format", self.config_format, CONFIG_FORMATS)
+        _normalize_kernel_backends(self)
+        if self.device == "cpu":  # (on CUDA the kernel set depends on Triton: the engine checks, check_kernel_backends)
+            check_kernel_backends(self, "torch", "cpu")
         if self.quantization is not None:
             _choice("quantization", self.quantization, QUANTIZATION_METHODS)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
@@ -535,6 +623,12 @@ class EngineConfig:
                 isinstance(k, str) for k in self.hf_overrides)):
             raise ValueError(f"hf_overrides: must be a JSON object of config.json fields, got {self.hf_overrides!r}")
         _check_mm_limits(self.limit_mm_per_prompt)
+        _choice("mm_encoder_tp_mode", self.mm_encoder_tp_mode, MM_ENCODER_TP_MODES)
+        if self.language_model_only and any((self.limit_mm_per_prompt or {}).values()):
+            # vLLM's precedence (MultiModalConfig.get_limit_per_prompt): the flag sets every limit to 0.
+            logging.getLogger(__name__).warning(
+                "language_model_only: every modality's limit is 0, over limit_mm_per_prompt %s",
+                self.limit_mm_per_prompt)
         parse_media_io_kwargs(self.media_io_kwargs)  # (InvalidArgumentError is a ValueError naming the key)
         if self.mm_processor_kwargs is not None and not isinstance(self.mm_processor_kwargs, dict):
             raise ValueError(f"mm_processor_kwargs: must be a JSON object, got {self.mm_processor_kwargs!r}")
@@ -595,6 +689,14 @@ class EngineConfig:
                 if name in kwargs:
                     raise ValueError(f"{vllm_name}: give it or {name}, not both (the same setting)")
                 kwargs[name] = kwargs.pop(vllm_name)
+        # vLLM's spec_method / spec_model / spec_tokens (--spec-*): keys of speculative_config.
+        shorthands = {name: kwargs.pop(name) for name in SPEC_SHORTHANDS if name in kwargs}
+        if any(v is not None for v in shorthands.values()):
+            kwargs["speculative_config"] = with_spec_shorthands(kwargs.get("speculative_config"), shorthands)
+        # vLLM's hub token (bool: the stored login's): ferrox downloads nothing, so no request would carry it.
+        token = kwargs.pop("hf_token", None)
+        if token is not None and not isinstance(token, (bool, str)):
+            raise ValueError(f"hf_token: must be a token string or a bool, got {type(token).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
@@ -604,6 +706,13 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
+
+    def mm_limits(self) -> dict[str, int] | None:
+        """The images and videos a prompt may carry, by modality (None: no limit but the context):
+        limit_mm_per_prompt, or 0 for every modality under language_model_only (vLLM's rule)."""
+        if self.language_model_only:
+            return {**(self.limit_mm_per_prompt or {}), **dict.fromkeys(MM_MODALITIES, 0)}
+        return self.limit_mm_per_prompt
 
     def served_names(self) -> list[str]:
         """--served-model-name as a list (empty: the model's own name); the first names responses."""

@@ -4,6 +4,7 @@
                             "prompt_lookup_max": 4, "prompt_lookup_min": 1})
     LLM(speculative_config={"method": "draft_model", "model": "/path/to/small", "num_speculative_tokens": 4})
     ferrox serve --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+    ferrox serve --spec-method ngram --spec-tokens 4      (vLLM's shorthands for those keys)
 
 EngineConfig keeps the user's dict (so it stays JSON for the tensor-parallel workers' config); this
 module turns it into a typed SpeculativeConfig, raising ValueError naming the key at fault. It imports
@@ -20,6 +21,8 @@ METHODS = ("ngram", "draft_model")
 DEFAULT_PROMPT_LOOKUP_MIN = 1
 DEFAULT_PROMPT_LOOKUP_MAX = 5
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+# vLLM's shorthand arguments (--spec-method, --spec-model, --spec-tokens) -> the key each one sets.
+SPEC_SHORTHANDS = {"spec_method": "method", "spec_model": "model", "spec_tokens": "num_speculative_tokens"}
 
 
 @dataclass(slots=True, frozen=True)
@@ -67,6 +70,25 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
     elif model is not None:
         raise ValueError(f"speculative_config.model: method 'ngram' takes no model (got {model!r})")
     return SpeculativeConfig(method, k, lo, hi, model)
+
+
+def with_spec_shorthands(value: Any, shorthands: dict[str, Any]) -> Any:
+    """`value` (speculative_config) with vLLM's --spec-method / --spec-model / --spec-tokens (LLM(spec_method=...))
+    set as its method / model / num_speculative_tokens keys, starting from {} when it is unset; a key given both
+    ways is refused, as vLLM refuses it. Shorthands that are None are left out."""
+    given = {name: v for name, v in shorthands.items() if v is not None}
+    if not given:
+        return value
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"speculative_config: must be a dict (JSON object), got {type(value).__name__}")
+    merged = dict(value or {})
+    for name, v in given.items():
+        key = SPEC_SHORTHANDS[name]
+        if key in merged:
+            raise ValueError(f"{name} (--{name.replace('_', '-')}) and speculative_config[{key!r}] are mutually "
+                             "exclusive")
+        merged[key] = v
+    return merged
 
 
 def verify_len(value: Any) -> int:

@@ -1,6 +1,7 @@
 """Vision-language models under tensor parallelism on CPU (gloo): the language model sharded over 2 rank
-processes, the vision tower and projector replicated, each rank embedding its requests' images itself
-(worker/rank_images.py). Greedy tokens with images (float32) must be those of tensor_parallel_size=1 on the
+processes, the vision tower's blocks too (--mm-encoder-tp-mode weights, the default; 'data' and the shards
+themselves: tests/engine/test_mm_encoder_tp.py), the projector whole, each rank embedding its requests' images
+itself (worker/rank_images.py). Greedy tokens with images (float32) must be those of tensor_parallel_size=1 on the
 same checkpoint (itself checked against transformers in tests/models/), with a small step budget that cuts
 an image across steps (Gemma 3's images attend both ways and are computed whole: its budget is barely
 larger than one), and no KV block left behind.
@@ -9,7 +10,8 @@ A rank that ignored the images (or embedded other rows) would disagree with the 
 layers' sums, and the tokens would change: each family's different-images prompts answer differently, so
 the images decide the tokens. End to end: LLaVA (the LLaVA layout), Qwen2-VL (multimodal rotary), Qwen3-VL
 (DeepStack), Gemma 3 (bidirectional image spans); none is marked slow (each under 20 s, the file ~40 s). The other families load on two
-in-process ranks: tower and projector whole and equal to one rank's, the language model sharded.
+in-process ranks: tower and projector loaded whole and equal to one rank's (the loader shards the tower after),
+the language model sharded.
 """
 
 from __future__ import annotations
@@ -139,7 +141,8 @@ def test_other_families_load_on_two_ranks(tmp_path, family):
 
 
 def test_unsplittable_language_model_is_refused_by_name(tmp_path):
-    """The tower is replicated whatever its shape; the language model's heads must still split."""
+    """A tower of any shape is served (one that does not split runs whole: test_mm_encoder_tp.py); the language
+    model's heads must still split."""
     from ferrox.distributed.parallel_state import TPGroup, use_tp_group
     from ferrox.errors import UnsupportedModelError
     from ferrox.loader.model_loader import load_model_spec

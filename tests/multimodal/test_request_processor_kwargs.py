@@ -184,7 +184,8 @@ def test_server_takes_a_requests_kwargs(qwen):
     offline = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
                                             {"type": "text", "text": "What is this?"}]}]
     small, full = (llm.chat(offline, GREEDY, use_tqdm=False, mm_processor_kwargs=kw)[0] for kw in (SMALL, None))
-    srv = ServerProcess(folder, "--served-model-name", "qwen", "--dtype", "float32")
+    # (vLLM's --trust-request-mm-kwargs: without it a request's kwargs are refused, tests/server/test_mm_flags.py)
+    srv = ServerProcess(folder, "--served-model-name", "qwen", "--dtype", "float32", "--trust-request-mm-kwargs")
     try:
         body = {"model": "qwen", "messages": chat, "max_tokens": GREEDY.max_tokens, "temperature": 0}
         for kwargs, want in ((SMALL, small), (None, full)):

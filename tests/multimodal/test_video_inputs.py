@@ -164,11 +164,12 @@ def test_server_video_url_matches_offline(setup):
 def test_server_media_io_kwargs(setup):
     """--media-io-kwargs keeps 2 of the clip's 6 frames (one temporal patch: fewer prompt tokens); a request's
     media_io_kwargs with num_frames -1 goes over it and gets the offline default's whole clip; a bad key is a
-    400 naming it, with or without a video."""
+    400 naming it, with or without a video. (A request's own media_io_kwargs need --trust-request-mm-kwargs, as
+    in vLLM.)"""
     folder, llm, data = setup
     expected = llm.chat(_chat(_data_url(data)), GREEDY, use_tqdm=False)[0]
     srv = ServerProcess(folder, "--served-model-name", "qwen", "--dtype", "float32", "--limit-mm-per-prompt",
-                        '{"video": 1}', "--media-io-kwargs", '{"video": {"num_frames": 2}}')
+                        '{"video": 1}', "--media-io-kwargs", '{"video": {"num_frames": 2}}', "--trust-request-mm-kwargs")
     try:
         body = {"model": "qwen", "messages": _chat(_data_url(data)), "max_tokens": GREEDY.max_tokens, "temperature": 0}
         status, fewer = _post(srv.base_url, body)

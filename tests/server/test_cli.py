@@ -9,7 +9,7 @@ from tests.server.server_proc import FERROX, ROOT
 SERVE_FLAGS = (
     "--host", "--port", "--served-model-name", "--api-key", "--max-model-len", "--max-num-seqs",
     "--max-num-batched-tokens", "--gpu-memory-utilization", "--kv-cache-memory", "--dtype", "--load-format",
-    "--device", "--block-size", "--no-enable-prefix-caching", "--enforce-eager", "--chat-template", "--seed",
+    "--device", "--block-size", "--disable-prefix-caching", "--enforce-eager", "--chat-template", "--seed",
     "--max-request-body-bytes", "--log-level",
 )
 

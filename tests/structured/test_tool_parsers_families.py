@@ -1,4 +1,4 @@
-"""The deepseek_v3, deepseek_v31, kimi_k2 and glm45 tool parsers (and the glm45 reasoning parser): whole-text
+"""The deepseek_v3, deepseek_v31, kimi_k2, glm45 and glm47 tool parsers (and the glm45 reasoning parser): whole-text
 extraction, text that is no call staying content, and streamed deltas -- cut at every character, at the
 format's markers as a tokenizer would, and at random -- giving exactly what extract gives."""
 
@@ -95,7 +95,7 @@ def calls_of(name: str, text: str, tools=None) -> tuple[str | None, list[tuple[s
 
 
 def test_registered_and_default_from_template():
-    for name in ("deepseek_v3", "deepseek_v31", "kimi_k2", "glm45"):
+    for name in ("deepseek_v3", "deepseek_v31", "kimi_k2", "glm45", "glm47"):
         assert name in TOOL_PARSERS
     # the markers each family's chat template writes when a call comes back in the conversation
     v3 = ("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] "
@@ -108,6 +108,15 @@ def test_registered_and_default_from_template():
     assert default_tool_parser(v31) == "deepseek_v31"
     assert default_tool_parser(kimi_t) == "kimi_k2"
     assert default_tool_parser(glm) == "glm45"
+    # GLM-4.7's template writes a pair with no newline inside (and says so in its tools prompt): glm47
+    glm47 = ("{{- '<tool_call>' + tc.name -}}{% for k, v in _args.items() %}<arg_key>{{ k }}</arg_key>"
+             "<arg_value>{{ v }}</arg_value>{% endfor %}</tool_call>")
+    assert default_tool_parser(glm47) == "glm47"
+    assert default_tool_parser("output the function name and arguments within the following XML format:\n"
+                               "<tool_call>{function-name}<arg_key>{arg-key-1}</arg_key><arg_value>{arg-value-1}"
+                               "</arg_value>...</tool_call>") == "glm47"
+    assert default_tool_parser("<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>\n<arg_value>"
+                               "{arg-value-1}</arg_value>\n...</tool_call>") == "glm45"  # GLM-4.5 / 4.6's
     # the defaults that were there stay
     assert default_tool_parser("<tool_call>{{ tool_call|tojson }}</tool_call>") == "hermes"
     assert default_tool_parser("<tool_call>\n<function=example>\n<parameter=x>") == "qwen3_coder"
@@ -288,6 +297,52 @@ def test_glm45_streams_like_extract():
     assert content == "bad <tool_call>x y</tool_call> tail"
 
 
+# ---- glm47 ---------------------------------------------------------------------------------------
+
+def glm47_call(name: str, pairs: dict[str, str], blank: str = "") -> str:
+    """GLM-4.7's call: no newlines; `blank` between each key and its value (GLM-4.7 may write a literal \\n)."""
+    return f"<tool_call>{name}" + "".join(
+        f"<arg_key>{k}</arg_key>{blank}<arg_value>{v}</arg_value>" for k, v in pairs.items()) + "</tool_call>"
+
+
+def test_glm47_several_typed_arguments_and_literal_newlines():
+    pairs = {"s": "42", "n": "42", "x": "2.5", "b": "true", "o": json.dumps(NESTED_VALUE, ensure_ascii=False),
+             "a": "[1, 2]", "zip": "02134", "maybe": "null", "word": "hello"}
+    want = {"s": "42", "n": 42, "x": 2.5, "b": True, "o": NESTED_VALUE, "a": [1, 2], "zip": "02134",
+            "maybe": "null", "word": "hello"}
+    for blank in ("", "\\n", "\n", " \\n\\n "):
+        text = glm47_call("f", pairs, blank)
+        assert calls_of("glm47", text, TYPED) == (None, [("f", want)]), blank
+    check_every_cut("glm47", "Sure.\n" + glm47_call("f", pairs, "\\n"), TYPED)
+    # a literal \n after the name and between pairs; a call with no arguments is its name alone
+    text = ("<tool_call>get_weather\\n<arg_key>city</arg_key>\\n<arg_value>Oslo</arg_value>\\n<arg_key>days"
+            "</arg_key><arg_value>3</arg_value>\\n</tool_call><tool_call>get_time</tool_call>")
+    assert calls_of("glm47", text, WEATHER_TOOLS) == (None, [("get_weather", {"city": "Oslo", "days": 3}),
+                                                             ("get_time", {})])
+    check_every_cut("glm47", text, WEATHER_TOOLS)
+    # a value keeps a literal \n of its own (it is the value's text)
+    assert calls_of("glm47", glm47_call("f", {"s": "a\\nb"}), TYPED) == (None, [("f", {"s": "a\\nb"})])
+    # GLM-4.5's format reads as well; glm45 keeps vLLM's glm45 rule: a literal \n is no blank there
+    assert calls_of("glm47", glm_call("get_weather", {"city": "Paris"}), WEATHER_TOOLS)[1] == [
+        ("get_weather", {"city": "Paris"})]
+    literal = glm47_call("get_weather", {"city": "Paris"}, "\\n")
+    assert calls_of("glm45", literal, WEATHER_TOOLS) == (literal, [])
+
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>get_weather<arg_key>city</arg_key>\\t<arg_value>Paris</arg_value></tool_call>",  # \t is no blank
+    "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>\\</tool_call>",
+    "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Par",  # cut short
+    "<tool_call>\\n</tool_call>",  # no name
+    "<tool_call>get weather</tool_call>",
+    "<tool_call>get_weather<arg_value>Paris</arg_value></tool_call>",  # no key
+])
+def test_glm47_malformed_calls_are_content(text):
+    result = get_tool_parser("glm47")(tools=WEATHER_TOOLS).extract(text)
+    assert result.tool_calls == [] and result.content == (text.strip() or None), text
+    check_every_cut("glm47", text, WEATHER_TOOLS)
+
+
 # ---- through the serving layer's hooks -----------------------------------------------------------
 
 
@@ -300,6 +355,7 @@ REPLIES = {
     **{name: "Checking. " + section(name, ("get_weather", '{"city": "Paris", "days": 2}'), ("get_time", "{}"))
        for name in SECTIONS},
     "glm45": "Checking. " + glm_call("get_weather", {"city": "Paris", "days": "2"}) + glm_call("get_time", {}),
+    "glm47": "Checking. " + glm47_call("get_weather", {"city": "Paris", "days": "2"}, "\\n") + "<tool_call>get_time</tool_call>",
 }
 
 
@@ -325,10 +381,11 @@ def test_through_the_tool_hooks(name):
         assert [tuple(s_calls[i]) for i in sorted(s_calls)] == [
             (c["function"]["name"], c["function"]["arguments"]) for c in calls]
     # the markers are kept in the reply's text where the tokenizer may count them special
-    assert needs_special_tokens(req, name) == (name != "glm45")
+    assert needs_special_tokens(req, name) == (name not in ("glm45", "glm47"))
     # the parser follows the chat template when none is named
     template = {"deepseek_v3": "'<｜tool▁calls▁begin｜>' '```json'", "deepseek_v31": "'<｜tool▁calls▁begin｜>'",
-                "kimi_k2": "<|tool_calls_section_begin|>", "glm45": "<tool_call>{{ n }}<arg_key>"}[name]
+                "kimi_k2": "<|tool_calls_section_begin|>", "glm45": "<tool_call>{{ n }}<arg_key>",
+                "glm47": "<tool_call>{{ n }}<arg_key>{{ k }}</arg_key><arg_value>"}[name]
     by_template = parse_tool_calls(REPLIES[name], req, None, template=template)
     assert by_template[0] == content and [c["function"] for c in by_template[1] or []] == [c["function"] for c in calls]
 

@@ -59,6 +59,25 @@ class TPGroup:
         dist.all_gather(parts, x, group=self.device_group)
         return torch.cat(parts, dim=-1)
 
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's x (the same shape and dtype on each), in rank order (the data-parallel vision
+        encoder's embeddings: worker/multimodal.py)."""
+        if self.size == 1:
+            return [x]
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x, group=self.device_group)
+        return parts
+
+    def gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's list of ints (the same length on each), host side, in rank order."""
+        if self.size == 1:
+            return [list(values)]
+        t = torch.tensor(values, dtype=torch.int64)
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(parts, t, group=self.cpu_group)
+        return [p.tolist() for p in parts]
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.size > 1:
             dist.broadcast(x, src=src, group=self.device_group)

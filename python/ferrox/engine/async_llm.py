@@ -28,9 +28,13 @@ Admission and time limits (off unless set; `ferrox serve` sets them from its fla
 --max-num-queued-reqs): past it `generate` raises EngineOverloadedError before anything is queued,
 so an overloaded server refuses at once instead of growing its queue without bound. The count is
 taken and released in `generate` itself, with no await between the check and the count, so a burst
-cannot slip past it. `request_timeout` aborts a request that is still unfinished that many seconds
-after it arrived (a timer, so it fires even while its consumer is blocked writing to a slow
-client): the core frees its KV blocks and the generator raises RequestTimeoutError.
+cannot slip past it. `max_num_queued_tokens` (vLLM's --max-num-queued-tokens, a TTFT bound) refuses the
+same way while the prompts still in prefill (admitted, no output yet; n > 1 counting each sample's
+prompt, as vLLM does) hold that many tokens or more: their whole prompt length, prefix-cache hits and
+chunks already computed included, which errs towards refusing early. `request_timeout` aborts a
+request that is still unfinished that many seconds after it arrived (a timer, so it fires even while
+its consumer is blocked writing to a slow client): the core frees its KV blocks and the generator
+raises RequestTimeoutError.
 
 Closing the generator early (a client disconnect cancels the handler task) aborts the
 request in the core, which frees its KV blocks on its next loop iteration.
@@ -115,8 +119,9 @@ PROMPT_THREADS = 2
 
 
 class EngineOverloadedError(RuntimeError):
-    """More requests in flight than `max_num_queued_reqs` allows: retry later (HTTP 503). Not a
-    RequestError: nothing is wrong with the request itself."""
+    """More requests in flight than `max_num_queued_reqs` allows, or more prompt tokens waiting for their
+    first output than `max_num_queued_tokens`: retry later (HTTP 503). Not a RequestError: nothing is
+    wrong with the request itself."""
 
 
 class RequestTimeoutError(RequestError):
@@ -322,11 +327,13 @@ class AsyncLLM:
         self._tokenizing: dict[str, bool] = {}
         self._timing: dict[str, RequestTiming] = {}  # engine request id -> its clock readings
         self.max_num_queued_reqs: int | None = None
+        self.max_num_queued_tokens: int | None = None
         self.request_timeout: float | None = None
         # Tokens a streamed (DELTA) output gathers before it goes out (vLLM's --stream-interval; a
         # request's own stream_interval wins): fewer, larger chunks for many concurrent streams.
         self.stream_interval = stream_interval
         self._num_in_flight = 0  # samples between generate()'s admission and its end
+        self._prefill_tokens = 0  # prompt tokens of the admitted requests that have no output yet (x samples)
         self.client.on_outputs = self._on_outputs
         self.client.on_dead = self._on_dead
 
@@ -598,6 +605,11 @@ class AsyncLLM:
             raise EngineOverloadedError(
                 f"the server is at capacity ({self._num_in_flight} requests in flight, max_num_queued_reqs={limit}); "
                 "retry later")
+        token_limit = self.max_num_queued_tokens
+        if token_limit is not None and self._prefill_tokens >= token_limit:
+            raise EngineOverloadedError(
+                f"the server is at its prefill backlog limit ({self._prefill_tokens} prompt tokens waiting for a "
+                f"first output, max_num_queued_tokens={token_limit}); retry later")
         if arrival_time is None:
             arrival_time = time.time()  # before tokenizing: the latency metrics include it
         if trace_headers is None:
@@ -622,10 +634,14 @@ class AsyncLLM:
             if self.request_timeout is not None:
                 timer = asyncio.get_running_loop().call_later(
                     max(0.0, arrival_time + self.request_timeout - time.time()), self._expire, stream)
+            prefill = samples * len(processed.prompt_token_ids)  # (max_num_queued_tokens: until the first output)
+            self._prefill_tokens += prefill
             try:
                 if aborted:  # abort() came while the prompt was in the prompt threads: end it the usual way
                     await self.abort(request_id)
                 while (out := await stream.get()) is not None:
+                    self._prefill_tokens -= prefill
+                    prefill = 0
                     if out.error is not None and (isinstance(out, PoolingRequestOutput)
                                                   or not any(c.token_ids for c in out.outputs)):
                         raise RequestError(out.error)
@@ -636,6 +652,7 @@ class AsyncLLM:
                     if out.finished:
                         return
             finally:
+                self._prefill_tokens -= prefill
                 if not stream.finished:
                     self._abort_ids([stream.request_id])
                 self._streams.pop(stream.request_id, None)
@@ -860,7 +877,7 @@ def _image_prompts(config: EngineConfig, tokenizer: Any) -> Any:
     if source.format != "hf" or not os.path.isfile(path):
         return None
     hf_config = {**read_json(path), **(config.hf_overrides or {})}
-    return image_prompts_for_model(source.path, hf_config, tokenizer, limits=config.limit_mm_per_prompt,
+    return image_prompts_for_model(source.path, hf_config, tokenizer, limits=config.mm_limits(),
                                    allowed_local_media_path=config.allowed_local_media_path,
                                    processor_kwargs=config.mm_processor_kwargs,
                                    media_io_kwargs=config.media_io_kwargs,

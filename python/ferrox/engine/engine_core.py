@@ -129,7 +129,7 @@ class EngineCore:
             # A model that takes images: the offline LLM expands its prompts' images with these rules.
             self.image_prompts = image_prompts_for_model(
                 loaded.source.path, self.spec.hf_config.get("multimodal") or {}, self.tokenizer,
-                limits=config.limit_mm_per_prompt, allowed_local_media_path=config.allowed_local_media_path,
+                limits=config.mm_limits(), allowed_local_media_path=config.allowed_local_media_path,
                 processor_kwargs=config.mm_processor_kwargs, media_io_kwargs=config.media_io_kwargs,
                 processor_cache_gb=config.mm_processor_cache_gb)
             # (a config that crossed into this process did not run its plugin here: run it now)
@@ -406,7 +406,7 @@ class EngineCore:
         # validate_prompt refused a parser without single start / end tokens (gpt-oss's harmony).
         assert self.reasoning.start_token_id is not None and self.reasoning.end_token_id is not None
         return ThinkingBudget(params.thinking_token_budget, self.reasoning.start_token_id,
-                              self.reasoning.end_token_id, prompt)
+                              self.reasoning.end_token_id, prompt, self.reasoning.answer_token_ids)
 
     def validate_prompt(
         self, prompt: list[int], params: SamplingParams, what: str | None = None, *, request_id: str | None = None

@@ -3,8 +3,11 @@ token ids and finish reason -- on the request log (`ferrox.requests`, where --en
 each request's parameters), so the two read as a pair by request id.
 
 A streamed request's outputs arrive as deltas: each choice's text and ids are gathered here until the
-request finishes, so the line holds the whole answer whatever the route streamed. Strings and id lists
-longer than --max-log-len are cut as the request lines cut them (`shorten`).
+request finishes, so the line holds the whole answer whatever the route streamed. With vLLM's
+--enable-log-deltas (its default; --disable-log-deltas turns it off) each delta of a streamed request is
+also logged as it goes out, one line per choice that got text or tokens ("(streaming delta)"), before the
+whole answer's line. Strings and id lists longer than --max-log-len are cut as the request lines cut
+them (`shorten`).
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ def shorten(value: Any, limit: int | None) -> Any:
 
 
 class OutputLog:
-    def __init__(self, max_log_len: int | None = None) -> None:
+    def __init__(self, max_log_len: int | None = None, log_deltas: bool = False) -> None:
         self.max_log_len = max_log_len
+        self.log_deltas = log_deltas  # vLLM's --enable-log-deltas: each streamed delta gets a line too
         # request id -> choice index -> (text so far, token ids so far)
         self._open: dict[str, dict[int, tuple[str, list[int]]]] = {}
 
@@ -44,6 +48,11 @@ class OutputLog:
             text, ids = choices.get(choice.index, ("", []))
             if delta:
                 choices[choice.index] = (text + choice.text, ids + list(choice.token_ids))
+                if self.log_deltas and (choice.text or choice.token_ids):
+                    request_logger.info("response %s (streaming delta): choice %d: %s; output_token_ids: %s",
+                                        out.request_id, choice.index,
+                                        json.dumps(shorten(choice.text, self.max_log_len), ensure_ascii=False),
+                                        shorten(list(choice.token_ids), self.max_log_len))
             else:
                 choices[choice.index] = (choice.text, list(choice.token_ids))
         if not out.finished:

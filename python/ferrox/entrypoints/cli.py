@@ -4,7 +4,8 @@
 
 Engine flags are generated from `ferrox.config.EngineConfig`'s dataclass fields (the same
 arguments as `LLM(...)`): `--` + the field name with dashes, the type from the annotation,
-bools as `--x/--no-x`, help text, choices and the documented default from the field's
+bools as `--x/--no-x` or `--enable-x/--disable-x` (SwitchAction: vLLM's partner spellings, for the
+written-out server switches too), help text, choices and the documented default from the field's
 metadata; so a field added to EngineConfig is a flag here with no second edit. Server flags
 (host, port, api key, body limit, log level) are not engine config and stay written out here.
 """
@@ -31,6 +32,7 @@ from ferrox.logging_config import CONFIG_PATH_ENV, configure_logging
 from ferrox.plugin_files import flag_value
 from ferrox.reasoning.plugin import FLAG as REASONING_FLAG
 from ferrox.reasoning.plugin import load_reasoning_parser_plugin
+from ferrox.speculative_config import SPEC_SHORTHANDS
 
 logger = logging.getLogger("ferrox.serve")
 
@@ -58,6 +60,58 @@ class _HelpFormatter(argparse.HelpFormatter):
         if "(default" in text or action.default in (None, argparse.SUPPRESS) or not action.option_strings:
             return text
         return text + " (default: %(default)s)"
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if isinstance(action, SwitchAction):  # the flag and its partner; the hidden --no-enable-x kind left out
+            return ", ".join(action.shown_option_strings)
+        return super()._format_action_invocation(action)
+
+
+class SwitchAction(argparse.Action):
+    """Every boolean flag of `ferrox serve`, with vLLM's partner spellings (its EnableDisableAction):
+    `--x` also takes `--no-x`; `--enable-x` takes `--disable-x` and `--no-enable-x`; `--disable-x` takes
+    `--enable-x` and `--no-disable-x`. A partner sets the opposite value; the last spelling given wins.
+    --help shows each flag with its partner, and leaves out the `--no-enable-x` / `--no-disable-x` ones
+    (vLLM hides them too). The serve parser registers this class for `action="store_true"`, so a switch
+    written out by hand gets its partners as the engine's generated ones do.
+
+    `refuse_inverse`: why ferrox cannot do what the opposite value asks (cascade attention, say); a
+    partner spelling then stops the parse naming itself, rather than being accepted and ignored."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, default: Any = False, required: bool = False,
+                 help: str | None = None, refuse_inverse: str | None = None, deprecated: bool = False) -> None:
+        shown_inverses: list[str] = []
+        hidden: list[str] = []
+        for flag in option_strings:
+            if not flag.startswith("--"):  # a short form (-ep) has no partner, as in vLLM
+                continue
+            for prefix, other in (("--enable-", "--disable-"), ("--disable-", "--enable-")):
+                if flag.startswith(prefix):
+                    shown_inverses.append(other + flag.removeprefix(prefix))
+                    hidden.append("--no-" + flag[2:])
+                    break
+            else:
+                shown_inverses.append("--no-" + flag[2:])
+        super().__init__([*option_strings, *shown_inverses, *hidden], dest, nargs=0, default=default,
+                         required=required, help=help)
+        # (a refused partner stays out of --help: it is there only to be refused by name)
+        self.shown_option_strings = list(option_strings) if refuse_inverse else [*option_strings, *shown_inverses]
+        self.inverse_option_strings = frozenset(shown_inverses + hidden)
+        self.refuse_inverse = refuse_inverse
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        inverse = option_string in self.inverse_option_strings
+        if inverse and self.refuse_inverse:
+            parser.error(f"{option_string}: {self.refuse_inverse}")
+        setattr(namespace, self.dest, not inverse)
+
+    def format_usage(self) -> str:
+        return " | ".join(self.shown_option_strings)
+
+    def spelling(self, value: bool) -> str:
+        """A spelling that sets `value` (--config FILE.yaml's `flag: false`)."""
+        return self.option_strings[0] if value else min(self.inverse_option_strings)
 
 
 # ---- engine flags, generated from EngineConfig ------------------------------------------------------
@@ -118,10 +172,9 @@ def add_engine_args(parser: argparse.ArgumentParser, group: argparse._ArgumentGr
             parser.add_argument(field.name, nargs="?", type=value_type, default=field.default, help=help_text)
             continue
         flags = [flag_name(field.name), *meta.get("aliases", ())]
-        if value_type is bool:
-            action = group.add_argument(*flags, dest=field.name, action=argparse.BooleanOptionalAction,
-                                        default=field.default, help=help_text)
-            action.help = help_text  # some Pythons' BooleanOptionalAction append their own default
+        if value_type is bool:  # --x / --no-x, --enable-x / --disable-x (SwitchAction)
+            group.add_argument(*flags, dest=field.name, action=SwitchAction, default=field.default, help=help_text,
+                               refuse_inverse=meta.get("refuse_inverse"))
         else:
             group.add_argument(*flags, dest=field.name, type=parse_size if meta.get("size") else value_type,
                                choices=meta.get("choices"), default=field.default, help=help_text)
@@ -129,7 +182,9 @@ def add_engine_args(parser: argparse.ArgumentParser, group: argparse._ArgumentGr
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     _check_names_are_not_the_model(args)
-    return EngineConfig.from_kwargs(**{name: getattr(args, name) for name in EngineConfig.field_names()})
+    shorthands = {name: getattr(args, name, None) for name in SPEC_SHORTHANDS}  # --spec-method ...
+    return EngineConfig.from_kwargs(**{name: getattr(args, name) for name in EngineConfig.field_names()},
+                                    **{name: value for name, value in shorthands.items() if value is not None})
 
 
 def _check_names_are_not_the_model(args: argparse.Namespace) -> None:
@@ -170,6 +225,30 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer: {text!r}")
+    return value
+
+
+def _token_count(text: str) -> int:
+    """A count of tokens >= 0 as vLLM's human-readable integers: 2048, 25.6k / 1m (x 1000s), 1K / 2M (x 1024s)."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)([kmgtKMGT]?)\s*", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a token count: {text!r} (an integer, or 1k = 1000, 1K = 1024)")
+    number, unit = match.groups()
+    if unit.isupper() and "." in number:
+        raise argparse.ArgumentTypeError(f"{text!r}: {unit} multiplies by a power of 1024, which takes whole "
+                                         f"numbers (write {number}{unit.lower()} for a power of 1000)")
+    if not unit:
+        if "." in number:
+            raise argparse.ArgumentTypeError(f"not a whole number of tokens: {text!r}")
+        return int(number)
+    power = "kmgt".index(unit.lower()) + 1
+    return int(number) * 1024 ** power if unit.isupper() else int(float(number) * 1000 ** power)
+
+
 def _non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0:
@@ -198,6 +277,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
         formatter_class=_HelpFormatter,
         allow_abbrev=False,  # an unknown vLLM flag must not pass as the prefix of a ferrox one
     )
+    p.register("action", "store_true", SwitchAction)  # every switch gets vLLM's partner spellings
     server = p.add_argument_group("server")
     server.add_argument("--model", dest="model_flag", metavar="MODEL",
                         help="the model, as vLLM's --model (the positional MODEL wins when both are given) (default: MODEL)")
@@ -228,6 +308,10 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     server.add_argument("--ssl-ca-certs", help="CA certificates to verify client certificates with (default: none)")
     server.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
                         help="client certificates: 0 none, 1 optional, 2 required (Python's ssl.CERT_*)")
+    server.add_argument("--ssl-ciphers", metavar="CIPHERS",
+                        help="the cipher suites HTTPS offers for TLS 1.2 and below, an OpenSSL cipher list (e.g. "
+                        "'ECDHE-RSA-AES256-GCM-SHA384:ECDHE-RSA-CHACHA20-POLY1305'); TLS 1.3's are not chosen this "
+                        "way (default: Python's)")
     server.add_argument("--allowed-origins", type=parse_json_list, default=["*"],
                         help="CORS: origins allowed, a JSON list")
     server.add_argument("--allowed-methods", type=parse_json_list, default=["*"],
@@ -239,6 +323,15 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     load.add_argument("--max-num-queued-reqs", type=_positive_int,
                       help="most requests in flight (waiting + running; n > 1 counts n, as vLLM counts them): "
                       "past it a new request gets HTTP 503 with Retry-After at once (default: no limit)")
+    load.add_argument("--max-num-queued-tokens", type=_token_count, metavar="TOKENS",
+                      help="a time-to-first-token bound (vLLM's): while the prompts admitted and still without a "
+                      "first output hold this many tokens or more (each whole, cached or partly computed ones "
+                      "included; n > 1 counts each sample's), a new request gets HTTP 503 with Retry-After at once; "
+                      "takes 1k = 1000, 1K = 1024 (default: no limit)")
+    load.add_argument("--sse-keep-alive-interval", type=_non_negative_int, default=0, metavar="SECONDS",
+                      help="send an SSE comment line (': keep-alive') on a /v1/chat/completions or /v1/completions "
+                      "stream idle this long -- waiting in the queue, in prefill or between tokens -- so that a "
+                      "proxy with a read timeout keeps the connection (vLLM's); 0: never")
     load.add_argument("--stream-interval", type=_positive_int, default=1, metavar="TOKENS",
                       help="tokens a streamed chunk gathers before it is sent (the first and the last chunk go at "
                       "once): larger values send fewer, larger chunks, for many concurrent streams; a request's "
@@ -265,13 +358,17 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                       choices=list(_LOG_LEVELS), help="logging verbosity (trace = debug)")
     logs.add_argument("--disable-uvicorn-access-log", "--disable-access-log", action="store_true",
                       help="no access log line per HTTP request (vLLM's flag name; ferrox serves with aiohttp)")
-    logs.add_argument("--enable-log-requests", action="store_true", dest="enable_log_requests",
+    logs.add_argument("--disable-access-log-for-endpoints", metavar="PATHS",
+                      help="comma-separated request paths that leave no access log line, e.g. '/health,/metrics' "
+                      "(matched exactly, without the query string; vLLM's) (default: none)")
+    logs.add_argument("--enable-log-requests", action="store_true",
                       help="log each API request at info: its id, route and parameters")
-    logs.add_argument("--disable-log-requests", action="store_false", dest="enable_log_requests",
-                      default=False, help="do not log requests (vLLM's older flag) (default: requests are not logged)")
     logs.add_argument("--enable-log-outputs", action="store_true",
                       help="with --enable-log-requests, also log each finished choice's text, token ids and finish "
                       "reason (a stream's whole answer, once)")
+    logs.add_argument("--enable-log-deltas", action="store_true", default=True,
+                      help="with --enable-log-outputs, also log each delta of a streamed answer as it is sent "
+                      "(vLLM's)")
     logs.add_argument("--log-config-file", metavar="FILE.json",
                       help="a JSON object for logging.config.dictConfig (vLLM's flag; also $VLLM_LOGGING_CONFIG_PATH), "
                       "applied in the API server and every engine core; then --log-level does not apply "
@@ -294,7 +391,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                      "stream_options does not ask for one (vLLM's)")
     api.add_argument("--enable-request-id-headers", action="store_true",
                      help="vLLM's switch for an X-Request-Id header on responses; ferrox always sends one (the "
-                     "client's own X-Request-Id, else the request's id), so it is on with or without this")
+                     "client's own X-Request-Id, else the request's id), so it is on with or without this",
+                     refuse_inverse="ferrox always sends X-Request-Id (the client's own, else the request's id; its "
+                     "logs and errors name requests by it) and has no switch to leave it out")
     api.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                      help="a request's tools stay out of the prompt when its tool_choice is \"none\" (default: "
                      "they are rendered, only never called, as vLLM's)")
@@ -306,7 +405,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                      "pages; ferrox has none)")
     api.add_argument("--enable-auto-tool-choice", action="store_true",
                      help="tool_choice 'auto' (parse tool calls out of the model's text; ferrox always does, "
-                     "so this vLLM flag is accepted and changes nothing)")
+                     "so this vLLM flag is accepted and changes nothing)",
+                     refuse_inverse="ferrox always parses tool calls for tool_choice 'auto'; it has no switch to "
+                     "refuse such requests, as vLLM does without --enable-auto-tool-choice")
     api.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
                      help="how tool calls are read from the model's text (default: from the chat template: "
                      "mistral for templates writing [TOOL_CALLS], qwen3_coder for <function=...><parameter=...>, "
@@ -327,6 +428,10 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                      "default: none, so run-time loading is refused)")
     api.add_argument("--trust-request-chat-template", action="store_true",
                      help="accept a request's own chat_template (rendered in a jinja2 sandbox; default: refused, as vLLM)")
+    api.add_argument("--trust-request-mm-kwargs", action="store_true",
+                     help="accept a request's own mm_processor_kwargs and media_io_kwargs (chat completions, "
+                     "/tokenize: its image processor and video loader settings over the server's; default: a "
+                     "non-empty one is refused with a 400, as vLLM)")
     api.add_argument("--chat-template-content-format", choices=list(CONTENT_FORMATS), default="auto",
                      help="message contents as the chat template gets them: 'string' (text parts joined by "
                      "newlines), 'openai' (a list of {\"type\": \"text\", \"text\": ...} parts) or 'auto' (openai "
@@ -336,7 +441,21 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                      "false}' for Qwen3); a request's chat_template_kwargs / reasoning_effort win (default: none)")
     api.add_argument("--download-dir", help="the Hugging Face cache to find model ids in (default: $HF_HUB_CACHE, "
                      "else $HF_HOME/hub); nothing is downloaded")
-    add_engine_args(p, p.add_argument_group("engine (the same arguments as LLM(...))"))
+    api.add_argument("--hf-token", nargs="?", const=True, metavar="TOKEN",
+                     help="vLLM's Hugging Face token for hub downloads (bare: the stored login's). ferrox downloads "
+                     "nothing (a model id is read from the local cache), so no request carries it; accepted so "
+                     "vLLM command lines run unchanged, and not exported to HF_TOKEN, which nothing here reads "
+                     "(default: none)")
+    engine = p.add_argument_group("engine (the same arguments as LLM(...))")
+    add_engine_args(p, engine)
+    # vLLM's shorthands for --speculative-config keys (EngineConfig.from_kwargs folds them in; also LLM(...)).
+    engine.add_argument("--spec-method", metavar="METHOD",
+                        help="--speculative-config's method ('ngram' or 'draft_model'); a key the JSON also sets is "
+                        "refused, as vLLM's (default: none)")
+    engine.add_argument("--spec-model", metavar="PATH",
+                        help="--speculative-config's model: the draft model (default: none)")
+    engine.add_argument("--spec-tokens", type=int, metavar="K",
+                        help="--speculative-config's num_speculative_tokens (default: none)")
     return p
 
 
@@ -393,9 +512,8 @@ def config_file_args(path: str) -> list[str]:
         raise ValueError(f"--config: cannot read {path}: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"--config: {path} must hold a mapping of flag: value")
-    hints = typing.get_type_hints(EngineConfig)
-    negatable = {flag_name(f.name) for f in dataclasses.fields(EngineConfig)
-                 if not f.metadata.get("nargs") and _value_type(hints[f.name]) is bool}
+    switches = {spelling: action for action in build_parsers()[1]._actions if isinstance(action, SwitchAction)
+                for spelling in action.option_strings}
     several = {flag_name(f.name) for f in dataclasses.fields(EngineConfig) if f.metadata.get("nargs")}
     args: list[str] = []
     for key, value in data.items():
@@ -405,8 +523,11 @@ def config_file_args(path: str) -> list[str]:
         if value is True:
             args.append(flag)
         elif value is False:
-            if flag in negatable:  # --x/--no-x; a plain switch is simply left off
-                args.append("--no-" + flag[2:])
+            action = switches.get(flag)
+            if action is not None and flag in action.inverse_option_strings:  # `disable-prefix-caching: false`
+                args.append(action.spelling(True))
+            elif action is not None and action.default is not False:  # (False, the default, needs no spelling)
+                args.append(action.spelling(False))
         elif isinstance(value, list) and flag in several:
             args += [flag, *map(str, value)]
         elif isinstance(value, (list, dict)):
@@ -442,6 +563,9 @@ def serve(args: argparse.Namespace) -> int:
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details, tool_call_parser=args.tool_call_parser,
         stream_stall_timeout=args.stream_stall_timeout, metrics_prefix=args.metrics_prefix,
+        access_log_excluded_paths=frozenset(
+            path.strip() for path in (args.disable_access_log_for_endpoints or "").split(",") if path.strip()),
+        sse_keep_alive_interval=float(args.sse_keep_alive_interval),
     )
     try:
         lora_modules = tuple(parse_lora_module(m) for m in args.lora_modules)
@@ -452,6 +576,7 @@ def serve(args: argparse.Namespace) -> int:
                              "request lines, as vLLM's request logger does)")
         options = dataclasses.replace(
             options, lora_modules=lora_modules, trust_request_chat_template=args.trust_request_chat_template,
+            trust_request_mm_kwargs=args.trust_request_mm_kwargs,
             default_chat_template_kwargs=types.MappingProxyType(dict(args.default_chat_template_kwargs or {})),
             chat_template_content_format=args.chat_template_content_format,
             enable_force_include_usage=args.enable_force_include_usage,
@@ -467,9 +592,10 @@ def serve(args: argparse.Namespace) -> int:
         # the generation config folder.
         tls = None
         if args.ssl_certfile:
-            tls = ssl_context(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
-        elif args.ssl_keyfile:
-            raise ValueError("--ssl-keyfile needs --ssl-certfile")
+            tls = ssl_context(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs,
+                              args.ssl_ciphers)
+        elif args.ssl_keyfile or args.ssl_ciphers:
+            raise ValueError(f"{'--ssl-keyfile' if args.ssl_keyfile else '--ssl-ciphers'} needs --ssl-certfile")
         resolve_generation_defaults(args.generation_config, {}, args.override_generation_config)
         sock = bind_unix_socket(args.uds) if args.uds else bind_socket(args.host, args.port)
     except (OSError, ValueError) as exc:
@@ -487,8 +613,9 @@ def serve(args: argparse.Namespace) -> int:
     if args.enable_log_outputs:
         from ferrox.engine.output_log import OutputLog
 
-        engine.output_log = OutputLog(args.max_log_len)
+        engine.output_log = OutputLog(args.max_log_len, log_deltas=args.enable_log_deltas)
     engine.max_num_queued_reqs = args.max_num_queued_reqs
+    engine.max_num_queued_tokens = args.max_num_queued_tokens
     engine.stream_interval = args.stream_interval
     engine.request_timeout = args.request_timeout
     engine.generation_defaults = resolve_generation_defaults(args.generation_config, engine.generation_defaults,

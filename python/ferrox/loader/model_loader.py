@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -27,7 +27,8 @@ LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 
 def load_model(source: ModelSource, spec: ModelSpec, *, dtype: torch.dtype, device: torch.device | str,
                load_format: str = "auto", seed: int = 0, keep_quantized: bool = False,
-               quant_config: QuantConfig | None = None, cpu_offload_bytes: int = 0) -> nn.Module:
+               quant_config: QuantConfig | None = None, cpu_offload_bytes: int = 0,
+               mm_limits: Mapping[str, int] | None = None, mm_encoder_tp_mode: str = "weights") -> nn.Module:
     """keep_quantized: a quantized GGUF's matrices stay in their blocks and run the Rust CPU kernels' quantized matmuls
     (layers/quant) -- on the CPU, with one rank, for models that take them; otherwise (and for every
     other format) the weights are dequantized to `dtype` as before. The engine asks for it when the
@@ -37,10 +38,21 @@ def load_model(source: ModelSource, spec: ModelSpec, *, dtype: torch.dtype, devi
     model's linear layers are built with it and finalized into its runners after loading.
 
     cpu_offload_bytes: vLLM's cpu_offload_gb, in bytes: the first parameters the model registers, up to
-    that many bytes, live in host memory the GPU reads in place (loader/cpu_offload.py)."""
+    that many bytes, live in host memory the GPU reads in place (loader/cpu_offload.py).
+
+    mm_limits: the images / videos a prompt may carry (EngineConfig.mm_limits: --limit-mm-per-prompt, 0 for all
+    under --language-model-only); a vision model none of whose modalities may be given is built and loaded
+    without its vision side. mm_encoder_tp_mode: how a vision tower runs under tensor parallelism ('weights':
+    sharded, 'data': whole, the images split among the ranks). Both: models/vision/encoder_setup.py."""
     from ferrox.loader import weights
     from ferrox.loader.cpu_offload import GIB, offloaded_bytes, offloading
     from ferrox.models.registry import get_model_class
+    from ferrox.models.vision.encoder_setup import (
+        building_text_only,
+        drop_vision_encoder,
+        place_vision_encoder,
+        text_only_model,
+    )
 
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is unknown (choose one of {', '.join(LOAD_FORMATS)})")
@@ -74,10 +86,13 @@ def load_model(source: ModelSource, spec: ModelSpec, *, dtype: torch.dtype, devi
                                         "quantized weights in this version")
         quant_config.check(spec, device, tp.size)
         logger.info("quantization: %s", quant_config.describe())
-    with torch.no_grad(), use_quant_config(quant_config), offloading(cpu_offload_bytes, device):
+    text_only = text_only_model(cls, mm_limits)
+    with (torch.no_grad(), use_quant_config(quant_config), offloading(cpu_offload_bytes, device),
+          building_text_only(text_only)):
         model = cls(spec, dtype, device)
     with torch.no_grad():
         if load_format == "dummy":
+            drop_vision_encoder(model)  # (nothing to drop unless text_only)
             init_dummy_weights(model, seed)
         elif load_format == "gguf":
             model.load_weights(_progress(weights.iter_gguf(source.path, spec.num_heads, spec.num_kv_heads,
@@ -89,6 +104,10 @@ def load_model(source: ModelSource, spec: ModelSpec, *, dtype: torch.dtype, devi
             # Under tensor parallelism each rank reads only its shard of every tensor.
             model.load_weights(_progress(weights.iter_safetensors(source.path, lazy=tp.size > 1),
                                          _num_safetensors(source.path)))
+        # Text only: the vision side was built on the meta device, where loading checked its shapes and
+        # stored nothing.
+        drop_vision_encoder(model)
+        place_vision_encoder(model, tp, mm_encoder_tp_mode)
         finalize = getattr(model, "finalize_weights", None)
         if finalize is not None:
             finalize()

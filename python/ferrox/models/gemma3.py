@@ -31,6 +31,7 @@ from ferrox.model_spec import ModelSpec, UnsupportedModelError
 from ferrox.models.gemma2 import Gemma2ForCausalLM, Gemma2Model
 from ferrox.models.load_check import load_whole
 from ferrox.models.vision import build_vision_tower
+from ferrox.models.vision.encoder_setup import vision_device
 
 
 def rope_settings(config: dict[str, Any]) -> tuple[tuple[float, dict | None], tuple[float, dict | None]]:
@@ -129,8 +130,9 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     projector. Each image is mm_tokens_per_image rows in place of its `<image_soft_token>` run; as in
     transformers, an image's tokens attend to each other both ways (AttentionMetadata.bidirectional, within
     the window on local layers), so the scheduler computes each image in one step. Under tensor parallelism
-    the language model is sharded as Gemma 3 text is; the tower and projector load whole on every rank, and
-    each rank embeds its requests' images (worker/rank_images.py)."""
+    the language model is sharded as Gemma 3 text is; the tower and projector load whole on every rank (the
+    tower's blocks then sharded under --mm-encoder-tp-mode weights: models/vision/encoder_setup.py), and each
+    rank embeds its requests' images (worker/rank_images.py)."""
 
     own_weight_prefixes = ("vision_tower.", "multi_modal_projector.")
     bidirectional_images = True
@@ -141,13 +143,13 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         super().__init__(spec, dtype, device, kernels=kernels)
         mm = spec.hf_config.get("multimodal") or {}
         vision = {"model_type": "siglip_vision_model", **(mm.get("vision_config") or {})}
-        self.vision_tower = build_vision_tower(vision, dtype=dtype, device=device, feature_layer=-1,
+        self.vision_tower = build_vision_tower(vision, dtype=dtype, device=vision_device(device), feature_layer=-1,
                                                post_layernorm=True)
         tokens = int(mm.get("mm_tokens_per_image", 256))
         self.multi_modal_projector = Gemma3Projector(
             self.vision_tower.hidden_size, spec.hidden_size, eps=float(vision.get("layer_norm_eps", 1e-6)),
             patches_per_side=self.vision_tower.image_size // self.vision_tower.patch_size, tokens=tokens,
-            dtype=dtype, device=device)
+            dtype=dtype, device=vision_device(device))
         self.image_tokens = tokens
         size = self.vision_tower.image_size
         self.pixel_shape = (3, size, size)

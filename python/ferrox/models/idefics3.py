@@ -12,7 +12,8 @@ each tile one item of image_seq_len tokens (multimodal/idefics3_processing.py).
 Checkpoint names: `model.vision_model.*`, `model.connector.modality_projection.proj.weight`,
 `model.text_model.*`, `lm_head.weight` (absent when tied). Whether the LM head is tied is the top-level
 config's tie_word_embeddings (transformers ties by it, not by text_config's). Unquantized. Under tensor parallelism the
-Llama is sharded; the tower and connector load whole on every rank (worker/rank_images.py).
+Llama is sharded; the tower and connector load whole on every rank, the tower's blocks then sharded under
+--mm-encoder-tp-mode weights (models/vision/encoder_setup.py; worker/rank_images.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ferrox.distributed.sharding import materialize
 from ferrox.model_spec import ModelSpec, UnsupportedModelError
 from ferrox.models.llama import LlamaForCausalLM
 from ferrox.models.load_check import load_whole
+from ferrox.models.vision.encoder_setup import vision_device
 from ferrox.models.vision.idefics3_vision import Idefics3VisionTower
 from ferrox.multimodal.idefics3_processing import idefics3_image_tokens
 
@@ -63,7 +65,7 @@ class Idefics3Connector(nn.Module):
 
 
 class Idefics3ForConditionalGeneration(LlamaForCausalLM):
-    supports_tensor_parallel = True  # the tower and connector are replicated (plain nn layers, loaded whole)
+    supports_tensor_parallel = True  # the tower and connector load whole (the tower's blocks sharded after)
     supports_quantized_gguf = False
     supports_quantization = False
     own_weight_prefixes = ("vision_model.", "connector.")
@@ -78,10 +80,11 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
                                         "model is not supported (llama)")
         spec = dataclasses.replace(spec, tie_word_embeddings=bool(mm.get("tie_word_embeddings", False)))
         super().__init__(spec, dtype, device, kernels=kernels)
-        self.vision_model = Idefics3VisionTower(mm.get("vision_config") or {}, dtype=dtype, device=device)
+        self.vision_model = Idefics3VisionTower(mm.get("vision_config") or {}, dtype=dtype,
+                                                device=vision_device(device))
         self.image_tokens = idefics3_image_tokens(mm)  # checks that scale_factor divides the patch grid
         self.connector = Idefics3Connector(self.vision_model.hidden_size, spec.hidden_size,
-                                           int(mm.get("scale_factor", 2)), dtype, device)
+                                           int(mm.get("scale_factor", 2)), dtype, vision_device(device))
         # What worker/multimodal.py checks a request's images (here: tiles) against.
         size = self.vision_model.image_size
         self.pixel_shape = (3, size, size)

@@ -31,6 +31,7 @@ from torch import nn
 from ferrox.model_spec import ModelSpec, UnsupportedModelError
 from ferrox.models.llama import LlamaForCausalLM
 from ferrox.models.llava import PROJECTOR_ACTIVATIONS, LlavaLayoutWeights
+from ferrox.models.vision.encoder_setup import vision_device
 from ferrox.models.vision.intern_vit import InternVisionTower
 from ferrox.multimodal.inputs import MultiModalItem
 from ferrox.multimodal.internvl_processing import internvl_tokens_per_tile, shuffle_scale
@@ -65,7 +66,7 @@ class InternVLProjector(nn.Module):
 
 class InternVLForConditionalGeneration(LlavaLayoutWeights, LlamaForCausalLM):
     """LLaVA's checkpoint layout and load_weights (models/llava.py): unquantized, images taken, the
-    language model sharded under tensor parallelism and the tower replicated."""
+    language model sharded under tensor parallelism, the tower as --mm-encoder-tp-mode says."""
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
@@ -87,13 +88,13 @@ class InternVLForConditionalGeneration(LlavaLayoutWeights, LlamaForCausalLM):
         spec = dataclasses.replace(spec, tie_word_embeddings=bool(mm.get("tie_word_embeddings", True)))
         super().__init__(spec, dtype, device, kernels=kernels)
         self._dtype = dtype
-        self.vision_tower = InternVisionTower(mm.get("vision_config") or {}, dtype=dtype, device=device,
+        self.vision_tower = InternVisionTower(mm.get("vision_config") or {}, dtype=dtype, device=vision_device(device),
                                               feature_layer=layer)
         self.scale = shuffle_scale(mm)
         self.image_tokens = internvl_tokens_per_tile(mm)  # rows a tile gives
         self.multi_modal_projector = InternVLProjector(self.vision_tower.hidden_size * self.scale ** 2,
                                                        spec.hidden_size, str(mm.get("projector_hidden_act", "gelu")),
-                                                       dtype, device)
+                                                       dtype, vision_device(device))
         size = self.vision_tower.image_size
         self.pixel_shape = (3, size, size)  # one tile's
 

@@ -12,7 +12,8 @@ Checkpoint names come in two layouts: transformers < 4.52 (`language_model.model
 `language_model.lm_head.*`, `vision_tower.*`, `multi_modal_projector.*`) and newer ones
 (`model.language_model.*`, `lm_head.*`, `model.vision_tower.*`, `model.multi_modal_projector.*`).
 Unquantized. Under tensor parallelism the language model is sharded as its text class is; the tower and
-projector load whole on every rank, and each rank embeds its requests' images (worker/rank_images.py).
+projector load whole on every rank (the tower's blocks then sharded under --mm-encoder-tp-mode weights:
+models/vision/encoder_setup.py), and each rank embeds its requests' images (worker/rank_images.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ferrox.model_spec import ModelSpec, UnsupportedModelError
 from ferrox.models.llama import LlamaForCausalLM
 from ferrox.models.load_check import load_whole
 from ferrox.models.vision import build_vision_tower
+from ferrox.models.vision.encoder_setup import vision_device
 from ferrox.models.vision.vit import ACTIVATIONS
 from ferrox.multimodal.processing import llava_image_tokens, llava_vision_config
 
@@ -60,7 +62,8 @@ class LlavaLayoutWeights:
     spec: ModelSpec
     # What such a model is to the loader and the engine: unquantized (the tower and projector are not
     # quantized), its own tensors kept from the text model's loader, images taken. Any tensor_parallel_size
-    # the language model takes: the tower and projector are replicated (loaded whole, plain nn layers).
+    # the language model takes: the tower and projector load whole (plain nn layers; the tower's blocks are
+    # sharded after loading under --mm-encoder-tp-mode weights: models/vision/encoder_setup.py).
     supports_tensor_parallel = True
     supports_quantized_gguf = False
     supports_quantization = False
@@ -106,11 +109,11 @@ class LlavaForConditionalGeneration(LlavaLayoutWeights, LlamaForCausalLM):
             raise UnsupportedModelError(f"config.json: vision_feature_layer {layer!r}: only one layer (an integer) "
                                         "is supported, not a list of layers")
         self.drop_first = mm.get("vision_feature_select_strategy", "default") == "default"
-        self.vision_tower = build_vision_tower(llava_vision_config(mm), dtype=dtype, device=device,
+        self.vision_tower = build_vision_tower(llava_vision_config(mm), dtype=dtype, device=vision_device(device),
                                                feature_layer=layer)
         self.multi_modal_projector = LlavaProjector(
             self.vision_tower.hidden_size, spec.hidden_size, str(mm.get("projector_hidden_act", "gelu")),
-            bool(mm.get("multimodal_projector_bias", True)), dtype, device)
+            bool(mm.get("multimodal_projector_bias", True)), dtype, vision_device(device))
         # What worker/multimodal.py checks a request's images against.
         self.image_tokens = llava_image_tokens(mm)
         size = self.vision_tower.image_size

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from ferrox.distributed.sharding import materialize
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
 from ferrox.models.llava import LlavaForConditionalGeneration
+from ferrox.models.vision.encoder_setup import vision_device
 from ferrox.multimodal.inputs import MultiModalItem
 from ferrox.multimodal.llava_next_processing import AnyresLayout, unpadded_grid
 
@@ -43,7 +44,7 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
                                         f"is not the tile size {self.layout.tile}")
         # A buffer, not a parameter: the language model's loader (which expects every parameter) never sees it.
         self.image_newline: torch.Tensor
-        self.register_buffer("image_newline", torch.zeros(spec.hidden_size, dtype=dtype, device=device))
+        self.register_buffer("image_newline", torch.zeros(spec.hidden_size, dtype=dtype, device=vision_device(device)))
         self._dtype = dtype
 
     @staticmethod

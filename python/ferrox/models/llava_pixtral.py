@@ -20,6 +20,7 @@ from ferrox.model_spec import ModelSpec, UnsupportedModelError
 from ferrox.models.llama import MistralForCausalLM
 from ferrox.models.llava import LlavaLayoutWeights, LlavaProjector
 from ferrox.models.mistral3 import check_pixtral_item
+from ferrox.models.vision.encoder_setup import vision_device
 from ferrox.models.vision.pixtral_vision import PixtralVisionTower
 from ferrox.multimodal.inputs import MultiModalItem
 
@@ -43,11 +44,11 @@ class LlavaPixtralForConditionalGeneration(LlavaLayoutWeights, MistralForCausalL
             raise UnsupportedModelError(f"config.json: vision_feature_layer {layer!r}: only one layer (an integer) "
                                         "is supported, not a list of layers")
         super().__init__(spec, dtype, device, kernels=kernels)
-        self.vision_tower = PixtralVisionTower(mm.get("vision_config") or {}, dtype=dtype, device=device,
+        self.vision_tower = PixtralVisionTower(mm.get("vision_config") or {}, dtype=dtype, device=vision_device(device),
                                                feature_layer=layer)
         self.multi_modal_projector = LlavaProjector(
             self.vision_tower.hidden_size, spec.hidden_size, str(mm.get("projector_hidden_act", "gelu")),
-            bool(mm.get("multimodal_projector_bias", True)), dtype, device)
+            bool(mm.get("multimodal_projector_bias", True)), dtype, vision_device(device))
         self._dtype = dtype
 
     def check_image_item(self, item: MultiModalItem) -> str | None:

@@ -31,6 +31,7 @@ from torch import nn
 from ferrox.model_spec import ModelSpec, UnsupportedModelError
 from ferrox.models.llama import MistralForCausalLM
 from ferrox.models.llava import PROJECTOR_ACTIVATIONS, LlavaLayoutWeights
+from ferrox.models.vision.encoder_setup import vision_device
 from ferrox.models.vision.pixtral_vision import PixtralVisionTower, RMSNorm
 from ferrox.multimodal.inputs import MultiModalItem
 
@@ -109,14 +110,14 @@ class Mistral3ForConditionalGeneration(LlavaLayoutWeights, MistralForCausalLM):
         if not isinstance(layer, int) or isinstance(layer, bool):
             raise UnsupportedModelError(f"config.json: vision_feature_layer {layer!r}: only one layer (an integer) "
                                         "is supported, not a list of layers")
-        self.vision_tower = PixtralVisionTower(vision, dtype=dtype, device=device, feature_layer=layer)
+        self.vision_tower = PixtralVisionTower(vision, dtype=dtype, device=vision_device(device), feature_layer=layer)
         self.merge = int(mm.get("spatial_merge_size", 2))
         if self.merge < 1:
             raise UnsupportedModelError(f"config.json: spatial_merge_size {self.merge} must be positive")
         self.multi_modal_projector = Mistral3Projector(
             self.vision_tower.hidden_size, spec.hidden_size, self.merge, spec.rms_norm_eps,
             str(mm.get("projector_hidden_act", "gelu")), bool(mm.get("multimodal_projector_bias", False)), dtype,
-            device)
+            vision_device(device))
         self._dtype = dtype
 
     def check_image_item(self, item: MultiModalItem) -> str | None:

@@ -9,7 +9,8 @@ the tower's rows over its frames' patches (grid t > 1), and its positions space 
 Checkpoint names: `model.layers.*`, `visual.*`, `lm_head.weight`, as the hub's files have them (transformers 5
 saves that layout too; its in-memory `model.language_model.*` / `model.visual.*` names load as well). Whether the LM head is tied is the top-level config's
 tie_word_embeddings (Qwen2-VL-2B ties). Unquantized. Under tensor parallelism the
-Qwen2 is sharded; the tower loads whole on every rank (worker/rank_images.py).
+Qwen2 is sharded; the tower loads whole on every rank, its blocks then sharded under --mm-encoder-tp-mode weights
+(models/vision/encoder_setup.py; worker/rank_images.py).
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ import torch
 from ferrox.distributed.sharding import materialize
 from ferrox.model_spec import ModelSpec
 from ferrox.models.qwen import Qwen2ForCausalLM
+from ferrox.models.vision.encoder_setup import vision_device
 from ferrox.multimodal.inputs import MultiModalItem
 
 _RENAMES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 
 
 class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
-    supports_tensor_parallel = True  # the tower is replicated (plain nn layers, loaded whole)
+    supports_tensor_parallel = True  # the tower loads whole (its blocks sharded after: encoder_setup.py)
     supports_quantized_gguf = False
     supports_quantization = False
     own_weight_prefixes = ("visual.",)
@@ -46,7 +48,7 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
             spec = dataclasses.replace(spec, tie_word_embeddings=bool(mm["tie_word_embeddings"]))
         super().__init__(spec, dtype, device, kernels=kernels)
         self.visual = QwenVisionTower(mm.get("vision_config") or {}, version=self.vision_version, dtype=dtype,
-                                      device=device)
+                                      device=vision_device(device))
         # worker/mrope.py: requests with images rotate by positions that merge this many patches a side.
         self.mrope_merge_size = int(self.visual.spatial_merge_size)
         self.patch_values = int(mm.get("vision_config", {}).get("in_channels", mm.get("vision_config", {}).get(

@@ -19,7 +19,8 @@ Text-only steps (and every step without image rows) call the plain Llama stack u
 
 Checkpoint names: `model.language_model.*`, `model.visual.*`, `lm_head.weight` (the hub's and transformers 5's
 files); `model.*` / `visual.*` load as well. tie_word_embeddings: the top-level config's, which is what
-transformers 5 ties by, else text_config's. Unquantized (the tower replicated under tensor parallelism).
+transformers 5 ties by, else text_config's. Unquantized (under tensor parallelism the tower loads whole, its
+blocks then sharded under --mm-encoder-tp-mode weights: models/vision/encoder_setup.py).
 
 Videos go through the same tower (grid t > 1, attention within each frame) and DeepStack. A video's item runs
 over its whole expansion, each frame's `<t seconds>` text included (multimodal/qwen2_vl_processing.py), and
@@ -40,6 +41,7 @@ from ferrox.model_spec import ModelSpec
 from ferrox.models.llama import LlamaModel
 from ferrox.models.qwen import Qwen3ForCausalLM
 from ferrox.models.qwen2_vl import Qwen2VLForConditionalGeneration, load_with_visual
+from ferrox.models.vision.encoder_setup import vision_device
 from ferrox.multimodal.inputs import MultiModalItem
 
 
@@ -78,7 +80,7 @@ class Qwen3VLImages:
 
     model: Any
     backend: Any
-    supports_tensor_parallel = True  # the tower is replicated (plain nn layers, loaded whole: worker/rank_images.py)
+    supports_tensor_parallel = True  # the tower loads whole (its blocks sharded after: encoder_setup.py)
     supports_quantized_gguf = False
     supports_quantization = False
     own_weight_prefixes: tuple[str, ...] = ("visual.",)
@@ -104,7 +106,7 @@ class Qwen3VLImages:
         from ferrox.models.vision.qwen3_vl_vision import Qwen3VisionTower
 
         self.visual = Qwen3VisionTower(spec.hf_config["multimodal"].get("vision_config") or {}, dtype=dtype,
-                                       device=device)
+                                       device=vision_device(device))
         if self.visual.out_hidden_size != spec.hidden_size:
             raise UnsupportedModelError(f"config.json: vision_config.out_hidden_size {self.visual.out_hidden_size} "
                                         f"differs from the language model's hidden_size {spec.hidden_size}",

@@ -208,7 +208,7 @@ def startup_problem(model: Any, *, tensor_parallel_size: int, speculative: bool,
     name = type(model).__name__
     if pooling:
         return "not supported with runner 'pooling' (prompts of embeddings generate text)"
-    if getattr(model, "takes_images", False):
+    if getattr(type(model), "takes_images", False):  # (served text only or not: --language-model-only)
         return f"not supported for {name} (a vision model) in this version: text models only"
     if tensor_parallel_size > 1:
         return "not supported with tensor_parallel_size > 1 in this version"

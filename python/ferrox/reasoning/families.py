@@ -3,7 +3,17 @@
 A family is: the markers that open and close the thinking, what output without an opening marker
 is, the chat-template switch that turns thinking on or off, and whether the markers are tokens.
 
-- deepseek_r1, qwen3, glm45: `<think>` / `</think>` (module docstring of parser.py).
+- deepseek_r1, qwen3, glm45: `<think>` / `</think>` (module docstring of parser.py). glm47 is vLLM's
+  second name of glm45's parser (GLM-4.7 / GLM-5: their template ends the prompt with `<|assistant|><think>`,
+  or `<|assistant|></think>` for `enable_thinking: false`). As in vLLM's parser for both names, a `<tool_call>`
+  the model writes before any `</think>` ends the thinking (the call is the answer's: the tool parser reads it).
+- kimi_k2: Kimi-K2-Thinking / K2.5 / K2.6. `<think>` / `</think>` are special tokens of Kimi's tokenizer
+  (replies keep special tokens); output without `<think>` is reasoning (K2.5's template opens it in the
+  prompt). The switch is the template variable `thinking` (on unless false: the template then writes an
+  empty think block), not enable_thinking. The model may end its thinking without `</think>` by opening its
+  tool-call section: `<|tool_calls_section_begin|>` ends the reasoning and starts the answer, where the
+  kimi_k2 tool parser reads the calls. Whether the prompt closed the thinking is read after its last
+  `<|im_assistant|>` (earlier turns keep their think blocks).
 - deepseek_v3: DeepSeek-V3.1 / V3.2's hybrid thinking. Their template thinks only when the template
   variable `thinking` is true (it then ends the prompt with `<think>`, else with `</think>`); vLLM's
   parser also takes `enable_thinking: true` (which ferrox's reasoning_effort other than "none"
@@ -26,6 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 THINK = ("<think>",), ("</think>",)
+GLM_TOOL_CALL = "<tool_call>"
+KIMI_TOOL_SECTION = "<|tool_calls_section_begin|>"
 MISTRAL_THINK = ("[THINK]",), ("[/THINK]",)
 GRANITE_THINK = ("Here is my thought process:", "Here's my thought process:"), \
     ("Here is my response:", "Here's my response:")
@@ -52,6 +64,11 @@ def _thinking(kwargs: Mapping[str, Any]) -> bool:
     return bool(kwargs.get("thinking"))
 
 
+def _unless_thinking_false(kwargs: Mapping[str, Any]) -> bool:
+    # kimi_k2: on by default; `thinking: false` turns it off (vLLM reads the value as a bool).
+    return bool(kwargs.get("thinking", True))
+
+
 @dataclass(frozen=True, slots=True)
 class Family:
     start_tags: tuple[str, ...]
@@ -66,13 +83,23 @@ class Family:
     needs_special_tokens: bool = False
     # The token that opens the reply's turn: prompt_ends_reasoning reads the prompt after it only.
     turn_tag: str | None = None
+    # Markers that end the thinking when no end tag came, and open the answer (they stay in it): a tool-call
+    # section the model starts while thinking (Kimi-K2's, GLM's `<tool_call>`).
+    answer_tags: tuple[str, ...] = ()
 
+
+# GLM-4.5 / 4.6 (glm45) and GLM-4.7 (glm47, vLLM's other name of the same parser).
+_GLM = Family(*THINK, untagged="reasoning", thinks=_unless_enable_thinking_false, turn_tag="<|assistant|>",
+              answer_tags=(GLM_TOOL_CALL,))
 
 FAMILIES: dict[str, Family] = {
     "deepseek_r1": Family(*THINK, untagged="reasoning"),
     "qwen3": Family(*THINK, untagged="reasoning", thinks=_unless_enable_thinking_false),
-    "glm45": Family(*THINK, untagged="reasoning", thinks=_unless_enable_thinking_false, turn_tag="<|assistant|>"),
+    "glm45": _GLM,
+    "glm47": _GLM,
     "deepseek_v3": Family(*THINK, untagged="reasoning", thinks=_thinking_or_enable_thinking),
     "mistral": Family(*MISTRAL_THINK, untagged="scan", needs_special_tokens=True, turn_tag="[/INST]"),
     "granite": Family(*GRANITE_THINK, untagged="content", thinks=_thinking, tags_are_tokens=False),
+    "kimi_k2": Family(*THINK, untagged="reasoning", thinks=_unless_thinking_false, needs_special_tokens=True,
+                      turn_tag="<|im_assistant|>", answer_tags=(KIMI_TOOL_SECTION,)),
 }

@@ -203,6 +203,7 @@ class HarmonyReasoningParser:
     # No single token ends the thinking: the engine's grammar gate and thinking budget refuse this parser.
     start_token_id: ClassVar[None] = None
     end_token_id: ClassVar[None] = None
+    answer_token_ids: ClassVar[tuple[int, ...]] = ()
 
     def thinks(self, template_kwargs: Mapping[str, Any] | None) -> bool:
         """gpt-oss always starts with a message header (its thinking, usually): there is no switch."""

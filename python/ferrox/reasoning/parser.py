@@ -1,5 +1,6 @@
-"""The marker-based reasoning parsers: `deepseek_r1`, `qwen3`, `glm45`, `deepseek_v3`, `mistral` and
-`granite`, with vLLM's rules (the markers and switches of each: families.py).
+"""The marker-based reasoning parsers: `deepseek_r1`, `qwen3`, `glm45` (and its other name `glm47`),
+`deepseek_v3`, `mistral`, `granite` and `kimi_k2`, with vLLM's rules (the markers and switches of each:
+families.py).
 
 The `<think>` families read the model's output as: optional leading whitespace and `<think>`
 (dropped), the reasoning, `</think>`, the answer. They differ in what an output without `</think>` is:
@@ -15,6 +16,11 @@ The `<think>` families read the model's output as: optional leading whitespace a
   prompt closed the thinking is read after its last `<|assistant|>` only, as vLLM's glm45 parser does.
 - deepseek_v3: DeepSeek-V3.1's switch is the other way round (off unless `thinking: true`); on, it
   reads as deepseek_r1, off the whole output is the answer.
+- kimi_k2: Kimi-K2-Thinking / K2.5 read as deepseek_r1 unless `thinking: false` (then all answer), with the
+  prompt read after its last `<|im_assistant|>` as glm45's after `<|assistant|>`.
+A family may also name answer tags (kimi_k2's `<|tool_calls_section_begin|>`, glm45's `<tool_call>`): a model
+that opens its tool calls while still thinking has ended its thinking there, and the tag starts the answer
+(kept in it, for the tool parser), as vLLM's parsers read it.
 mistral (`[THINK]` / `[/THINK]`) and granite (text markers) differ in what comes before the opening
 marker: see families.py.
 
@@ -78,6 +84,8 @@ class ReasoningParser:
     end_token_id: int | None
     # glm45 / mistral: the token that opens the reply's turn; prompt_ends_reasoning reads the prompt after it.
     turn_token_id: int | None = None
+    # The family's answer tags that are single tokens: they end the thinking too (count, prompt, budget).
+    answer_token_ids: tuple[int, ...] = ()
 
     @property
     def needs_special_tokens(self) -> bool:
@@ -107,13 +115,13 @@ class ReasoningParser:
 
     def prompt_ends_reasoning(self, prompt_token_ids: Sequence[int]) -> bool:
         """Whether the prompt already closed the thinking (its last tag is the end tag: Qwen3's empty
-        think block for enable_thinking false, DeepSeek-V3.1's `</think>` for thinking off). Otherwise
-        a structured-output constraint waits for the output's end tag (vLLM's rule). Text markers
-        (granite) have no ids: never."""
+        think block for enable_thinking false, DeepSeek-V3.1's `</think>` for thinking off; or an answer
+        tag, a tool-call section a prefilled reply opened). Otherwise a structured-output constraint waits
+        for the output's end tag (vLLM's rule). Text markers (granite) have no ids: never."""
         if self.end_token_id is None:
             return False
         for token in reversed(prompt_token_ids):
-            if token == self.end_token_id:
+            if token == self.end_token_id or token in self.answer_token_ids:
                 return True
             if token == self.start_token_id or token == self.turn_token_id:
                 return False
@@ -144,7 +152,9 @@ def get_reasoning_parser(name: str, token_to_id: Callable[[str], int | None]) ->
                          "tokenizer, which does not have them (is this a reasoning model?)")
     # A tokenizer without the turn token (a test's): the prompt is read back to its last tag, as qwen3's.
     turn = token_to_id(family.turn_tag) if family.turn_tag is not None else None
-    return ReasoningParser(name, family, ids[start_tag], ids[end_tag], turn_token_id=turn)
+    # Answer tags that are no single token still end the thinking in the text; only their ids are missing.
+    answer_ids = tuple(token for tag in family.answer_tags if (token := token_to_id(tag)) is not None)
+    return ReasoningParser(name, family, ids[start_tag], ids[end_tag], turn_token_id=turn, answer_token_ids=answer_ids)
 
 
 class ReasoningStream:
@@ -152,8 +162,8 @@ class ReasoningStream:
 
     States: "start" (only whitespace or a part of a start tag seen: held back, since a leading start
     tag and the whitespace before it are dropped), "scan" (mistral's content before its `[THINK]`),
-    "reasoning", "content". Text that could be the beginning of a tag is held back until the next
-    delta says whether it is one."""
+    "reasoning" (up to an end tag, dropped, or an answer tag, kept in the content), "content". Text that
+    could be the beginning of a tag is held back until the next delta says whether it is one."""
 
     __slots__ = ("parser", "state", "_pending", "reasoning_tokens", "_counting")
 
@@ -175,7 +185,7 @@ class ReasoningStream:
             if token == self.parser.start_token_id:
                 self._counting = "on"
             elif self._counting == "on":
-                if token == self.parser.end_token_id:
+                if token == self.parser.end_token_id or token in self.parser.answer_token_ids:
                     self._counting = "off"
                 else:
                     self.reasoning_tokens += 1
@@ -205,13 +215,15 @@ class ReasoningStream:
                     break
                 self.state = family.untagged  # no opening tag: the text so far is that, whitespace included
                 continue
-            # "scan" looks for either tag (a stray end tag is dropped), "reasoning" for the end tag.
-            tags = family.start_tags + family.end_tags if self.state == "scan" else family.end_tags
+            # "scan" looks for either tag (a stray end tag is dropped), "reasoning" for the end tag or an
+            # answer tag (which stays: it opens the answer).
+            tags = (family.start_tags + family.end_tags if self.state == "scan"
+                    else family.end_tags + family.answer_tags)
             out = content if self.state == "scan" else reasoning
             at, tag = _find_first(text, tags)
             if tag is not None:
                 out.append(text[:at])
-                text = text[at + len(tag):]
+                text = text[at:] if tag in family.answer_tags else text[at + len(tag):]
                 if self.state == "reasoning":
                     self.state = "content"
                 elif tag in family.start_tags:

@@ -4,8 +4,9 @@ A reasoning model thinks between `<think>` and `</think>`. With a budget of N, o
 thought N tokens its next token is forced to be `</think>` (its mask row allows that token alone), so
 the answer starts there, within max_tokens. The count starts after the last `<think>`: the prompt's
 when the prompt opens the thinking (DeepSeek-R1's template; the tokens after it count), else the one
-the model writes (Qwen3). A `</think>` the model writes itself ends the count; a later `<think>`
-starts a new one with the whole budget. A budget of 0 closes the thinking at once. No `<think>` in
+the model writes (Qwen3). A `</think>` the model writes itself ends the count, and so does an answer
+token (the parser's answer tags: Kimi-K2 opening its tool-call section while thinking, which is never
+cut by a forced `</think>`); a later `<think>` starts a new one with the whole budget. A budget of 0 closes the thinking at once. No `<think>` in
 sight, no count: a reply that does not open its thinking is not cut.
 
 The structured-output manager owns these: it sees every kept token of a constrained request
@@ -22,20 +23,22 @@ import torch
 
 
 class ThinkingBudget:
-    __slots__ = ("budget", "start_token", "end_token", "thinking", "count")
+    __slots__ = ("budget", "start_token", "end_token", "answer_tokens", "thinking", "count")
 
-    def __init__(self, budget: int, start_token: int, end_token: int, prompt_token_ids: Sequence[int]) -> None:
+    def __init__(self, budget: int, start_token: int, end_token: int, prompt_token_ids: Sequence[int],
+                 answer_tokens: Sequence[int] = ()) -> None:
         if budget < 0:
             raise ValueError(f"thinking_token_budget: must be >= 0, got {budget}")
         self.budget = budget
         self.start_token = start_token
         self.end_token = end_token
+        self.answer_tokens = frozenset(answer_tokens)  # tokens that end the thinking and start the answer
         self.thinking = False
         self.count = 0  # tokens thought since the last `<think>`
         # Where the prompt leaves off: inside the thinking when its last tag is `<think>`.
         for i in range(len(prompt_token_ids) - 1, -1, -1):
             token = prompt_token_ids[i]
-            if token == end_token:
+            if token == end_token or token in self.answer_tokens:
                 break
             if token == start_token:
                 self.thinking = True
@@ -48,7 +51,7 @@ class ThinkingBudget:
             # The count runs from the last `<think>` (vLLM's rule; Qwen3 writes its own first).
             self.thinking, self.count = True, 0
         elif self.thinking:
-            if token == self.end_token:
+            if token == self.end_token or token in self.answer_tokens:
                 self.thinking = False
             else:
                 self.count += 1

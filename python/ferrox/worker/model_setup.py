@@ -28,8 +28,9 @@ from ferrox.attention.kv_cache import (
     resolve_kv_cache_dtype,
     warn_if_uncalibrated,
 )
-from ferrox.config import CPU_DEFAULT_MAX_MODEL_LEN, EngineConfig
+from ferrox.config import CPU_DEFAULT_MAX_MODEL_LEN, EngineConfig, check_kernel_backends
 from ferrox.distributed.parallel_state import TPGroup, get_tp_group, use_tp_group
+from ferrox.kernels import select_kernels
 from ferrox.layers.quant.config import resolve_quant_config
 from ferrox.layers.quant.method import QuantConfig
 from ferrox.loader.cpu_offload import GIB
@@ -119,6 +120,8 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
     device = torch.device(config.resolved_device())
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device: 'cuda' was requested but torch sees no CUDA device")
+    # --attention-backend / --moe-backend name kernels: those of the set the model is built with (models/*.py).
+    check_kernel_backends(config, select_kernels(device), device.type)
     if device.type == "cuda" and tp.size > 1:
         device = torch.device("cuda", tp.rank if device_index is None else device_index)
         torch.cuda.set_device(device)
@@ -170,7 +173,8 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
                              or config.calculate_kv_scales,
                              cpu_offload_bytes=offload,
                              quant_config=quant_config, quantization=config.quantization,
-                             hf_overrides=config.hf_overrides)
+                             hf_overrides=config.hf_overrides, mm_limits=config.mm_limits(),
+                             mm_encoder_tp_mode=config.mm_encoder_tp_mode)
     with use_tp_group(tp):
         model = load()
     reload_model = None
@@ -309,23 +313,28 @@ _MODELS: weakref.WeakValueDictionary[tuple[Any, ...], Any] = weakref.WeakValueDi
 def _shared_model(source: ModelSource, spec: Any, dtype: torch.dtype, device: torch.device, load_format: str,
                   seed: int, tp: TPGroup, *, keep_quantized: bool = False, private: bool = False,
                   quant_config: QuantConfig | None = None, quantization: str | None = None,
-                  hf_overrides: dict[str, Any] | None = None, cpu_offload_bytes: int = 0) -> Any:
+                  hf_overrides: dict[str, Any] | None = None, cpu_offload_bytes: int = 0,
+                  mm_limits: dict[str, int] | None = None, mm_encoder_tp_mode: str = "weights") -> Any:
     """private: a model of this engine's own (LoRA wraps its layers), neither shared nor cached.
-    quantization, hf_overrides: what quant_config and spec were resolved from (part of the cache key)."""
+    quantization, hf_overrides: what quant_config and spec were resolved from (part of the cache key).
+    mm_limits, mm_encoder_tp_mode: what the vision side is built as (loader/model_loader.py load_model)."""
     keep_quantized = keep_quantized and source.format == "gguf"  # (only a GGUF has blocks to keep)
     if private:
         return load_model(source, spec, dtype=dtype, device=device, load_format=load_format, seed=seed,
-                          keep_quantized=keep_quantized, quant_config=quant_config, cpu_offload_bytes=cpu_offload_bytes)
+                          keep_quantized=keep_quantized, quant_config=quant_config, cpu_offload_bytes=cpu_offload_bytes,
+                          mm_limits=mm_limits, mm_encoder_tp_mode=mm_encoder_tp_mode)
     # A sharded model's layers hold its process group: another engine's group (after the first shut down,
     # its LLM still alive) needs its own model, or its collectives would run on the destroyed group. The
     # cached model keeps its group object alive, so the group's id cannot be reused while the entry lives.
     group = id(tp) if tp.size > 1 else 0
     key = (source.path, _mtime(source.path), str(dtype), str(device), load_format, seed, tp.rank, tp.size, group,
-           keep_quantized, quantization, spec.rope_long_context, _overrides_key(hf_overrides))
+           keep_quantized, quantization, spec.rope_long_context, _overrides_key(hf_overrides),
+           json.dumps(mm_limits, sort_keys=True), mm_encoder_tp_mode)
     model = _MODELS.get(key)
     if model is None:
         model = load_model(source, spec, dtype=dtype, device=device, load_format=load_format, seed=seed,
-                           keep_quantized=keep_quantized, quant_config=quant_config)
+                           keep_quantized=keep_quantized, quant_config=quant_config,
+                           mm_limits=mm_limits, mm_encoder_tp_mode=mm_encoder_tp_mode)
         _MODELS[key] = model
     return model
 

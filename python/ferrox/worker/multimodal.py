@@ -7,6 +7,13 @@ scheduled (a chunked prefill may cut an image across steps), and the rows are ke
 has passed the image's end. After a preemption the recomputed prefill encodes the image again.
 The step then starts from the token embeddings with those rows replaced (model.embed_input_ids,
 model.forward(inputs_embeds=...)), eagerly: the CUDA graphs read token ids.
+
+Under tensor parallelism every rank holds the same image state (worker/rank_images.py) and encodes a step's new
+images at the same point of the step, in the same order, so a tower sharded over the ranks (--mm-encoder-tp-mode
+weights) runs its collectives in step. With --mm-encoder-tp-mode data the tower is whole on every rank and the
+model carries its TP group (`mm_encoder_data_group`): each of the step's new images goes to one rank (the largest
+first, each to the least loaded rank), each rank encodes its own, and one all-gather gives every rank all their
+rows.
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ def check_items(items: list[MultiModalItem], prompt: list[int], model: Any, what
     prompt, in order, not overlapping, over the model's image token, with the pixel shape and row count
     the model's tower takes (InvalidArgumentError naming multi_modal_data)."""
     if not getattr(model, "takes_images", False):
-        raise InvalidArgumentError(f"{what}: the model takes no images (a text-only model)", param="multi_modal_data")
+        why = ("its vision encoder is not loaded: --language-model-only, or --limit-mm-per-prompt 0 for every "
+               "modality" if getattr(model, "vision_encoder_skipped", False) else "a text-only model")
+        raise InvalidArgumentError(f"{what}: the model takes no images ({why})", param="multi_modal_data")
     end = 0
     for k, item in enumerate(items):
         if item.modality != "image" and not (item.modality == "video" and getattr(model, "takes_videos", False)):
@@ -78,6 +87,8 @@ class ImageEmbeddings:
         self._items: dict[int, list[MultiModalItem]] = {}
         self._encoded: dict[tuple[int, int], torch.Tensor] = {}  # (slot, image) -> [length, hidden]
         self._dtype: torch.dtype | None = None  # the token embeddings' (prompt embeddings are cast to it)
+        self._gather_format: tuple[int, torch.dtype] | None = None  # --mm-encoder-tp-mode data: rows' width, dtype
+        self.tower_runs = 0  # images (videos) this rank ran through the vision tower
 
     def __bool__(self) -> bool:
         return bool(self._items)
@@ -96,21 +107,49 @@ class ImageEmbeddings:
         for k in range(len(items or ())):
             self._encoded.pop((slot, k), None)
 
-    def _embeddings(self, slot: int, k: int, item: MultiModalItem) -> torch.Tensor:
-        key = (slot, k)
-        rows = self._encoded.get(key)
-        if rows is None:
-            embed_item = getattr(self.model, "embed_image_item", None)  # variable-size images (Qwen2-VL)
-            if item.modality == EMBEDS_MODALITY:  # a prompt of embeddings: its rows are the encoding
-                rows = self._prompt_embeds_rows(item)
-            elif embed_item is not None:
-                rows = embed_item(item, self.device)
-            else:
-                rows = self.model.embed_multimodal(item.pixel_values().to(self.device).unsqueeze(0))[0]
-            if rows.shape[0] != item.num_embeds:
-                raise RuntimeError(f"the model gave {rows.shape[0]} embedding rows for an image of {item.num_embeds}")
-            self._encoded[key] = rows
+    def _encode_one(self, item: MultiModalItem) -> torch.Tensor:
+        embed_item = getattr(self.model, "embed_image_item", None)  # variable-size images (Qwen2-VL)
+        if item.modality == EMBEDS_MODALITY:  # a prompt of embeddings: its rows are the encoding
+            rows = self._prompt_embeds_rows(item)
+        elif embed_item is not None:
+            rows = embed_item(item, self.device)
+            self.tower_runs += 1
+        else:
+            rows = self.model.embed_multimodal(item.pixel_values().to(self.device).unsqueeze(0))[0]
+            self.tower_runs += 1
+        if rows.shape[0] != item.num_embeds:
+            raise RuntimeError(f"the model gave {rows.shape[0]} embedding rows for an image of {item.num_embeds}")
         return rows
+
+    def _encode(self, pending: list[tuple[tuple[int, int], MultiModalItem]]) -> None:
+        """Encode the step's new items (by (slot, image) key) into _encoded: here, or split among the ranks
+        under --mm-encoder-tp-mode data (module docstring)."""
+        group = getattr(self.model, "mm_encoder_data_group", None)
+        towers = [(key, item) for key, item in pending if item.modality != EMBEDS_MODALITY]
+        if group is None or group.size == 1 or not towers:
+            for key, item in pending:
+                self._encoded[key] = self._encode_one(item)
+            return
+        for key, item in pending:
+            if item.modality == EMBEDS_MODALITY:
+                self._encoded[key] = self._encode_one(item)
+        owners = assign_items([int(np.prod(item.shape)) for _, item in towers], group.size)
+        mine = [self._encode_one(item) for (_, item), owner in zip(towers, owners, strict=True) if owner == group.rank]
+        if self._gather_format is None:  # the rows' width and dtype, the same for every item: learnt once
+            local = [mine[0].shape[-1], _DTYPES.index(mine[0].dtype)] if mine else [0, 0]
+            width, dtype = max((tuple(v) for v in group.gather_ints(local)), key=lambda v: v[0])
+            self._gather_format = (int(width), _DTYPES[int(dtype)])
+        width, dtype = self._gather_format
+        counts = [sum(item.num_embeds for (_, item), owner in zip(towers, owners, strict=True) if owner == r)
+                  for r in range(group.size)]
+        buffer = torch.zeros(max(counts), width, dtype=dtype, device=self.device)
+        if mine:
+            buffer[:counts[group.rank]] = torch.cat(mine)
+        parts = group.all_gather(buffer)
+        at = [0] * group.size
+        for (key, item), owner in zip(towers, owners, strict=True):
+            self._encoded[key] = parts[owner][at[owner]:at[owner] + item.num_embeds]
+            at[owner] += item.num_embeds
 
     def _prompt_embeds_rows(self, item: MultiModalItem) -> torch.Tensor:
         """An embeddings prompt's rows in the model dtype, as transformers' forward(inputs_embeds=...) takes
@@ -130,9 +169,9 @@ class ImageEmbeddings:
         slots = np.asarray(so.req_slots)
         qsl = np.asarray(so.query_start_loc)
         positions = np.asarray(so.positions)
-        rows: list[np.ndarray] = []
-        parts: list[torch.Tensor] = []
-        spans: dict[int, list[tuple[int, int]]] = {}
+        # (request row, slot, image, item, the row's first token row and position, the image's positions in it)
+        uses: list[tuple[int, int, int, MultiModalItem, int, int, int, int]] = []
+        passed: list[tuple[int, int]] = []  # images the prefill is past after this step
         for r, slot in enumerate(slots.tolist()):
             items = self._items.get(slot)
             if not items:
@@ -143,18 +182,28 @@ class ImageEmbeddings:
             for k, item in enumerate(items):
                 lo, hi = max(first, item.offset), min(last, item.end)
                 if lo < hi:
-                    spans.setdefault(r, []).append((item.offset, item.end))
-                    if item.embed_positions is None:
-                        rows.append(np.arange(start + lo - first, start + hi - first, dtype=np.int64))
-                        parts.append(self._embeddings(slot, k, item)[lo - item.offset:hi - item.offset])
-                    else:  # only some of the run's positions take rows (Pixtral's breaks keep theirs)
-                        where = np.asarray(item.embed_positions, dtype=np.int64)
-                        a, b = np.searchsorted(where, [lo - item.offset, hi - item.offset])
-                        if a < b:
-                            rows.append(start + item.offset + where[a:b] - first)
-                            parts.append(self._embeddings(slot, k, item)[int(a):int(b)])
+                    uses.append((r, slot, k, item, start, first, lo, hi))
                 if item.end <= last:
-                    self._encoded.pop((slot, k), None)  # the prefill is past this image
+                    passed.append((slot, k))
+        # Every image whose rows the step computes, encoded now if it is new (the same list on every rank).
+        self._encode([((slot, k), item) for _, slot, k, item, *_ in uses if (slot, k) not in self._encoded])
+        rows: list[np.ndarray] = []
+        parts: list[torch.Tensor] = []
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for r, slot, k, item, start, first, lo, hi in uses:
+            spans.setdefault(r, []).append((item.offset, item.end))
+            encoded = self._encoded[(slot, k)]
+            if item.embed_positions is None:
+                rows.append(np.arange(start + lo - first, start + hi - first, dtype=np.int64))
+                parts.append(encoded[lo - item.offset:hi - item.offset])
+            else:  # only some of the run's positions take rows (Pixtral's breaks keep theirs)
+                where = np.asarray(item.embed_positions, dtype=np.int64)
+                a, b = np.searchsorted(where, [lo - item.offset, hi - item.offset])
+                if a < b:
+                    rows.append(start + item.offset + where[a:b] - first)
+                    parts.append(encoded[int(a):int(b)])
+        for key in passed:
+            self._encoded.pop(key, None)
         if not rows:
             return None
         both_ways = spans if getattr(self.model, "bidirectional_images", False) else None
@@ -165,6 +214,21 @@ class ImageEmbeddings:
             embeds, *sets = embeds.chunk(1 + layers, dim=-1)
             deepstack = torch.stack(sets)
         return StepImages(torch.from_numpy(np.concatenate(rows)).to(self.device), embeds, both_ways, deepstack)
+
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def assign_items(costs: list[int], ranks: int) -> list[int]:
+    """The rank that encodes each item (--mm-encoder-tp-mode data): the costliest first, each to the rank with
+    the least work so far (the lowest such rank on a tie), so every rank computes the same assignment."""
+    load = [0] * ranks
+    owners = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        owner = min(range(ranks), key=lambda r: load[r])
+        owners[i] = owner
+        load[owner] += costs[i]
+    return owners
 
 
 @dataclass(slots=True)

@@ -1,7 +1,8 @@
 """Images under tensor parallelism: every rank embeds the images of a step itself.
 
-A vision model's language model is sharded like its text class; its vision tower and projector are
-replicated (the families load them whole on every rank: `materialize`, never a parallel layer). Only the
+A vision model's language model is sharded like its text class; its vision tower's blocks are sharded too
+(--mm-encoder-tp-mode weights) or the tower is whole on every rank ('data'), the projector whole either way
+(models/vision/encoder_setup.py). Only the
 driver (rank 0) hears of a request's images, when the core adds the request; the other ranks see the step
 arrays alone (distributed/step_channel.py). So the driver logs every change to the slots its image state
 follows (an add: slot, prompt length and the request's MultiModalItems; a removal) and sends the log with
@@ -10,8 +11,10 @@ rank replays the log into an ImageEmbeddings and MRopePositions of its own befor
 computes the driver's image rows (the same tower over the same pixels), bidirectional spans and rotary
 positions, and takes the image path (with its embedding all-reduce) on exactly the driver's steps.
 
-Pixels travel once per request, not per step; the tower runs on every rank (vLLM's replicated-encoder
-choice), which costs compute but no per-step transfer of embeddings.
+Pixels travel once per request, not per step. Every rank runs every image through its shard of the tower
+('weights', the encoder's collectives in step because every rank encodes the same images in the same order), or
+each rank encodes its share of a step's new images and one all-gather gives all ranks their rows ('data',
+worker/multimodal.py).
 """
 
 from __future__ import annotations

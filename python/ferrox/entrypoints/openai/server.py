@@ -9,9 +9,11 @@ table), and the page for people at / (with GET /status, the JSON its live view r
 
 Every error leaves as JSON in OpenAI's shape (Anthropic's on /v1/messages), whatever raised
 it: our APIError, aiohttp's own HTTP errors (404 route, 405 method, 413 body), or a bug (500,
-logged). Handlers run with `handler_cancellation`, so a client that disconnects cancels its
+logged); a stream whose headers are out already (started early for --sse-keep-alive-interval's
+comments) gets it as its last event instead. Handlers run with `handler_cancellation`, so a client that disconnects cancels its
 handler, which closes its generator, which aborts the request in the engine core. Each request
-leaves one access-log line (logger "ferrox.access") unless the server is built without it.
+leaves one access-log line (logger "ferrox.access") unless the server is built without it or its
+path is one of ServerOptions.access_log_excluded_paths (--disable-access-log-for-endpoints).
 
 ServerOptions holds what vLLM's serve flags set at this level: CORS (with preflight answers), a
 root path behind a path-prefix proxy, request logging (logger "ferrox.requests"), and the defaults
@@ -66,14 +68,19 @@ from ferrox.entrypoints.openai.protocol_score import RerankRequest, ScoreRequest
 from ferrox.entrypoints.openai.responses_store import install as install_response_store
 from ferrox.entrypoints.openai.serving import (
     CTX,
+    SSE_DONE,
+    SSE_STARTED,
     ServerOptions,
     ServiceUnavailable,
     ServingContext,
     api_error,
+    check_request_mm_kwargs,
     check_request_template,
+    end_sse,
     json_response,
     parse_body,
     render_chat,
+    sse_event,
 )
 from ferrox.entrypoints.openai.serving_chat import create_chat_completion
 from ferrox.entrypoints.openai.serving_classify import create_classify
@@ -211,7 +218,11 @@ async def trace_context_middleware(request: web.Request, handler: Handler) -> we
 @web.middleware
 async def access_log_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """One line per request, after it ends (a stream: when it finishes). Outermost, so the status is
-    the one the client got, errors included; the id is the response's X-Request-Id when it has one."""
+    the one the client got, errors included; the id is the response's X-Request-Id when it has one.
+    A path in --disable-access-log-for-endpoints (the path as sent, or without --root-path) leaves none."""
+    excluded = request.app[OPTIONS].access_log_excluded_paths
+    if excluded and (request.path in excluded or _route_path(request) in excluded):
+        return await handler(request)
     started = time.perf_counter()
     status: int | str = "-"
     request_id: str | None = None
@@ -238,7 +249,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return await handler(request)
     except (web.HTTPRequestEntityTooLarge, web.HTTPNotFound, web.HTTPMethodNotAllowed, APIError, EngineDeadError,
             EngineOverloadedError, RequestTimeoutError) as exc:
-        return _error_response(request, _api_error(request, exc), exc)
+        return await _in_stream_if_started(request, _api_error(request, exc), exc)
     except web.HTTPException:
         raise
     except asyncio.CancelledError:
@@ -250,7 +261,22 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         # only, and writing it to the closed transport fails quietly.
         return web.Response(status=499)
     except Exception as exc:
-        return _error_response(request, APIError(500, "internal server error"), exc)
+        return await _in_stream_if_started(request, APIError(500, "internal server error"), exc)
+
+
+async def _in_stream_if_started(request: web.Request, error: APIError, cause: Exception) -> web.StreamResponse:
+    """The error response; or, for a stream whose headers went out before the error (started early to send
+    --sse-keep-alive-interval's comments: serving.first_output), the error as the stream's last event, as a
+    stream reports its later errors."""
+    response = _error_response(request, error, cause)  # (logged here either way)
+    stream = request.get(SSE_STARTED)
+    if not isinstance(stream, web.StreamResponse) or not stream.prepared:
+        return response
+    if _is_anthropic(request):
+        await end_sse(stream, [sse_event(error.anthropic_body(), "error")])
+    else:
+        await end_sse(stream, [sse_event(error.openai_body()), SSE_DONE])
+    return stream
 
 
 def _api_error(request: web.Request, exc: Exception) -> APIError:
@@ -518,6 +544,7 @@ async def tokenize(request: web.Request) -> web.Response:
     ctx = request.app[CTX]
     req = await parse_body(request, TokenizeRequest)
     ctx.check_model(req.model)
+    check_request_mm_kwargs(ctx, mm_processor_kwargs=req.mm_processor_kwargs)
     # A chat's images count as the tokens the model gives them (vLLM's /tokenize): fetched first.
     images = await fetch_images(ctx, [m.to_template_dict() for m in req.messages]) if req.messages else []
     ids = await ctx.engine.prompt_work(prompt_size(req), _tokenize, ctx, req, images)  # long texts off the loop
@@ -689,14 +716,21 @@ def bind_unix_socket(path: str) -> socket.socket:
 
 
 def ssl_context(certfile: str, keyfile: str | None = None, ca_certs: str | None = None,
-                cert_reqs: int = ssl.CERT_NONE) -> ssl.SSLContext:
+                cert_reqs: int = ssl.CERT_NONE, ciphers: str | None = None) -> ssl.SSLContext:
     """HTTPS with this certificate (vLLM's --ssl-certfile/--ssl-keyfile; --ssl-ca-certs and
-    --ssl-cert-reqs to ask clients for certificates)."""
+    --ssl-cert-reqs to ask clients for certificates; --ssl-ciphers: the TLS 1.2-and-below cipher
+    suites offered, an OpenSSL cipher list; TLS 1.3's suites are not chosen this way)."""
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(certfile, keyfile)
     if ca_certs:
         context.load_verify_locations(ca_certs)
     context.verify_mode = ssl.VerifyMode(cert_reqs)
+    if ciphers:
+        try:
+            context.set_ciphers(ciphers)
+        except ssl.SSLError:
+            raise ValueError(f"--ssl-ciphers: no cipher suite matches {ciphers!r} (an OpenSSL cipher list, e.g. "
+                             "'ECDHE-RSA-AES256-GCM-SHA384:ECDHE-RSA-CHACHA20-POLY1305')") from None
     return context
 
 

@@ -11,6 +11,7 @@ Errors name the request field at fault in OpenAI's `param`, read from the except
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -88,6 +89,9 @@ class ServerOptions:
     lora_allowed_dirs: tuple[str, ...] = ()
     # vLLM's --trust-request-chat-template: without it a request's own chat_template is refused.
     trust_request_chat_template: bool = False
+    # vLLM's --trust-request-mm-kwargs: without it a request's non-empty mm_processor_kwargs / media_io_kwargs
+    # are refused.
+    trust_request_mm_kwargs: bool = False
     # vLLM's --default-chat-template-kwargs: template variables under every request's own.
     default_chat_template_kwargs: Mapping[str, Any] = field(default_factory=lambda: types.MappingProxyType({}))
     # vLLM's --chat-template-content-format: message contents as strings, OpenAI parts, or by the template.
@@ -109,6 +113,11 @@ class ServerOptions:
     # aiohttp bounds each line of the head (request line, every header) by the size rather than their sum.
     h11_max_incomplete_event_size: int = 4 << 20
     h11_max_header_count: int = 256
+    # vLLM's --disable-access-log-for-endpoints: request paths (without the query) that leave no access-log line.
+    access_log_excluded_paths: frozenset[str] = frozenset()
+    # vLLM's --sse-keep-alive-interval: a chat or completions stream idle this many seconds gets an SSE comment
+    # line (SSE_KEEP_ALIVE), so a proxy with a read timeout keeps the connection; 0: never.
+    sse_keep_alive_interval: float = 0.0
 
 
 class ServingContext:
@@ -439,6 +448,18 @@ def check_request_template(ctx: ServingContext, chat_template: str | None) -> No
                        "--trust-request-chat-template to allow one)", param="chat_template")
 
 
+def check_request_mm_kwargs(ctx: ServingContext, **fields: dict[str, Any] | None) -> None:
+    """vLLM's rule: a request's own multimodal processor and media loader settings change how the server
+    processes inputs (and what that costs it); the operator opts in with --trust-request-mm-kwargs. A field
+    left out, null or {} is no request for them."""
+    if ctx.options.trust_request_mm_kwargs:
+        return
+    for name, value in fields.items():
+        if value:
+            raise APIError(400, f"{name}: this server does not take a request's {name} (start it with "
+                           "--trust-request-mm-kwargs to allow them)", param=name)
+
+
 def render_chat(ctx: ServingContext, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
                 continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
                 chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
@@ -546,18 +567,49 @@ def usage_body(prompt_tokens: int, completion_tokens: int, cached: int | None = 
 
 
 async def first_output(outputs: AsyncGenerator[T, None], default_param: str,
-                       fields: Mapping[str, str] | None = None) -> T | None:
+                       fields: Mapping[str, str] | None = None, *, request: web.Request | None = None,
+                       headers: Mapping[str, str] | None = None) -> T | None:
     """Pull a stream's first output before any header is sent, so a request the engine rejects is
     still a plain 4xx (naming the field; `default_param` when the error names none) or 503 rather
-    than a broken stream; None if it ends at once."""
+    than a broken stream; None if it ends at once.
+
+    With --sse-keep-alive-interval and the stream's `request` (and its `headers`), a first output slower
+    than the interval starts the stream meanwhile (start_sse with keep-alive comments), so a request
+    that waits in the queue or through a long prefill keeps its connection through a proxy's read
+    timeout, as vLLM's does; an error after that goes in-band (the error middleware writes it into
+    the started stream)."""
     try:
-        return await anext(outputs)
+        interval = _keep_alive_interval(request)
+        if request is None or not interval:
+            return await anext(outputs)
+        return await _first_with_keep_alive(outputs, request, headers, interval)
     except StopAsyncIteration:
         return None
     except (FerroxError, ValueError) as exc:
         raise api_error(exc, default_param=default_param, rename=fields) from None
     except BaseException:
         await outputs.aclose()
+        raise
+
+
+def _keep_alive_interval(request: web.Request | None) -> float:
+    ctx = request.app.get(CTX) if request is not None else None
+    return ctx.options.sse_keep_alive_interval if ctx is not None else 0.0
+
+
+async def _first_with_keep_alive(outputs: AsyncGenerator[T, None], request: web.Request,
+                                 headers: Mapping[str, str] | None, interval: float) -> T:
+    pending = asyncio.ensure_future(anext(outputs))  # (a task: waiting on it with a timeout does not cancel it)
+    try:
+        done, _ = await asyncio.wait({pending}, timeout=interval)
+        if not done:
+            stream = await start_sse(request, headers, keep_alive=True)
+            await stream.write(SSE_KEEP_ALIVE)  # the headers go out with it; the stream's own timer goes on
+        return await pending
+    except BaseException:
+        pending.cancel()  # (the handler was cancelled: the client left) the pending step ends, aborting the request
+        with contextlib.suppress(BaseException):
+            await pending
         raise
 
 
@@ -580,12 +632,33 @@ class SSEResponse(web.StreamResponse):
         super().__init__(status=200, headers=headers)
         self.request = request
         self.stall_timeout = stall_timeout
+        self._last_write = time.monotonic()
+        self._ended = False
+        self._keep_alive_sender: asyncio.Task[None] | None = None
+
+    def send_keep_alives(self, interval: float) -> None:
+        """vLLM's --sse-keep-alive-interval: an SSE comment whenever nothing was written for `interval` s."""
+        self._last_write = time.monotonic()
+        self._keep_alive_sender = asyncio.get_running_loop().create_task(self._send_keep_alives(interval))
+
+    async def _send_keep_alives(self, interval: float) -> None:
+        try:
+            while not self._ended:
+                await asyncio.sleep(self._last_write + interval - time.monotonic())
+                if not self._ended and time.monotonic() - self._last_write >= interval:
+                    await self.write(SSE_KEEP_ALIVE)
+        except Exception:  # noqa: BLE001 - the client went away: the handler finds out at its own next write
+            return
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
+        self._last_write = time.monotonic()
         await self._bounded(super().write(data), len(data))
 
     async def write_eof(self, data: bytes = b"") -> None:
         """End the stream; `data` (the last events) goes out with the terminating chunk in one write."""
+        self._ended = True
+        if self._keep_alive_sender is not None:
+            self._keep_alive_sender.cancel()
         await self._bounded(super().write_eof(data), len(data))
 
     async def _bounded(self, write: Coroutine[Any, Any, None], size: int) -> None:
@@ -608,12 +681,28 @@ class SSEResponse(web.StreamResponse):
             raise asyncio.CancelledError() from None
 
 
-async def start_sse(request: web.Request, headers: Mapping[str, str] | None = None) -> web.StreamResponse:
+# The request's stream once started (start_sse): started early (first_output), it is the one the route writes.
+SSE_STARTED = "ferrox.sse_response"
+# vLLM's SSE keep-alive: a comment line, which SSE clients skip.
+SSE_KEEP_ALIVE = b": keep-alive\n\n"
+
+
+async def start_sse(request: web.Request, headers: Mapping[str, str] | None = None, *,
+                    keep_alive: bool = False) -> SSEResponse:
+    """The request's event stream, prepared (its headers out) on the first call. keep_alive: send
+    --sse-keep-alive-interval's comments while it is idle (vLLM's: chat and completions streams)."""
+    started = request.get(SSE_STARTED)
+    if isinstance(started, SSEResponse):
+        return started
     ctx = request.app.get(CTX)
     stall = ctx.options.stream_stall_timeout if ctx is not None else DEFAULT_STREAM_STALL_TIMEOUT_S
     resp = SSEResponse(request, stall, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                         "Connection": "keep-alive", **(headers or {})})
     await resp.prepare(request)
+    request[SSE_STARTED] = resp
+    interval = _keep_alive_interval(request) if keep_alive else 0.0
+    if interval:
+        resp.send_keep_alives(interval)
     return resp
 
 

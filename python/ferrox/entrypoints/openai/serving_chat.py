@@ -25,6 +25,7 @@ from ferrox.entrypoints.openai.serving import (
     check_max_tokens,
     check_output_budget,
     check_priority,
+    check_request_mm_kwargs,
     check_request_template,
     chosen_entry,
     end_sse,
@@ -71,6 +72,7 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
         structured = build_structured_outputs(req) or tool_hooks.tool_constraint(req)
     except ValueError as exc:  # InvalidArgumentError naming tools / tool_choice / response_format...
         raise api_error(exc) from None
+    check_request_mm_kwargs(ctx, mm_processor_kwargs=req.mm_processor_kwargs, media_io_kwargs=req.media_io_kwargs)
     # A long conversation takes a while to render and encode: off the event loop (a short one inline).
     images = await fetch_images(ctx, [m.to_template_dict() for m in req.messages],
                                 media_io_kwargs=req.media_io_kwargs)
@@ -260,8 +262,9 @@ async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletion
     gen = ctx.engine.generate(prompt, params, request_id, priority=req.priority, cache_salt=req.cache_salt,
                               lora_request=ctx.lora_request(req.model), prompt_cache_key=req.prompt_cache_key,
                               stream_interval=req.stream_interval)
-    # Pull the first output before sending headers, so a rejected request is still a plain 4xx/503.
-    first = await first_output(gen, "messages", CHAT_FIELDS)
+    # Pull the first output before sending headers, so a rejected request is still a plain 4xx/503 (with
+    # --sse-keep-alive-interval a slow first output starts the stream meanwhile: serving.first_output).
+    first = await first_output(gen, "messages", CHAT_FIELDS, request=request, headers=headers)
 
     # With tools, text deltas go through a per-choice tool parser (delta.tool_calls chunks); with a
     # reasoning parser, through a per-choice splitter first (the tool parser sees the answer only).
@@ -276,7 +279,7 @@ async def _stream(ctx: ServingContext, request: web.Request, req: ChatCompletion
 
     def reasoning_tokens() -> int | None:
         return sum(r.reasoning_tokens for r in reasoning_streams.values()) if reasoning_streams is not None else None
-    resp = await start_sse(request, headers)
+    resp = await start_sse(request, headers, keep_alive=True)  # (already started if the first output was slow)
     tail: list[bytes] = []  # the last events, written with the end of the response (end_sse)
     async with contextlib.aclosing(gen):
         try:

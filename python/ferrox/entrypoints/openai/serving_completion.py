@@ -202,7 +202,7 @@ async def _stream(ctx: ServingContext, request: web.Request, req: CompletionRequ
                   headers: dict[str, str]) -> web.StreamResponse:
     created = int(time.time())
     n = req.n
-    first = await first_output(outputs, _error_param(req), COMPLETION_FIELDS)
+    first = await first_output(outputs, _error_param(req), COMPLETION_FIELDS, request=request, headers=headers)
     prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
     completion_tokens = 0
 
@@ -220,7 +220,7 @@ async def _stream(ctx: ServingContext, request: web.Request, req: CompletionRequ
             body["usage"] = usage
         return body
 
-    resp = await start_sse(request, headers)
+    resp = await start_sse(request, headers, keep_alive=True)  # (already started if the first output was slow)
     echoed: set[int] = set()
     started: set[int] = set()  # choices that sent their first chunk
     cached: dict[int, int] = {}  # prompt index -> its tokens found in the prefix cache

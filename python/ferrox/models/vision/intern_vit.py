@@ -10,7 +10,8 @@ The norms are LayerNorm or RMSNorm (vision_config.norm_type: InternViT-300M has 
 and q/k norms, an RMSNorm over the whole q and k before the heads split). lambda_1 / lambda_2 are learned
 per-channel layer scales. Tiles are always the tower's image_size (the processor cuts images so), so the
 position embeddings are never interpolated. Module names follow transformers', so a checkpoint name is a
-parameter name once the caller drops `vision_tower.`.
+parameter name once the caller drops `vision_tower.`. Built and loaded whole; under tensor parallelism with
+--mm-encoder-tp-mode weights the loader then shards its layers (`tp_blocks`, tower_tp.py: the q/k norms too).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 
 from ferrox.errors import InvalidArgumentError, UnsupportedModelError
 from ferrox.models.load_check import load_tower_tensors
+from ferrox.models.vision.tower_tp import TowerBlock
 from ferrox.models.vision.vit import ACTIVATIONS, _layers_to_build
 from ferrox.multimodal.internvl_processing import TOWER_GEOMETRY_DEFAULTS
 
@@ -195,6 +197,13 @@ class InternVisionTower(nn.Module):
         for layer in self.encoder.layer:
             h = layer(h)
         return h if self.layernorm is None else self.layernorm(h)
+
+    def tp_blocks(self) -> list[TowerBlock]:
+        """The layers --mm-encoder-tp-mode weights shards (tower_tp.py)."""
+        layers: list[Any] = list(self.encoder.layer)
+        return [TowerBlock(layer.attention, ("q_proj", "k_proj", "v_proj"), "projection_layer", layer.mlp, ("fc1",),
+                           "fc2", qk_norms=("q_norm", "k_norm") if layer.attention.q_norm is not None else ())
+                for layer in layers]
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """transformers' InternVLVisionModel names; layers past feature_layer, an unused final layernorm and the

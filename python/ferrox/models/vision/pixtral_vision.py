@@ -13,7 +13,8 @@ its maths exactly:
 An image is a variable number of patches. The output is hidden_states[feature_layer] as transformers
 counts them (0: ln_pre's output; -1 or num_hidden_layers: the last layer's), each image's rows in
 order; only the layers it needs run. Parameter names are the checkpoint's (under `vision_tower.`), except
-that the convolution's weight [E, C, P, P] is kept as a [E, C*P*P] matrix. One rank: nothing is sharded.
+that the convolution's weight [E, C, P, P] is kept as a [E, C*P*P] matrix. Built and loaded whole; under tensor
+parallelism with --mm-encoder-tp-mode weights the loader then shards its layers (`tp_blocks`, tower_tp.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch import nn
 
 from ferrox.errors import InvalidArgumentError, UnsupportedModelError
 from ferrox.models.load_check import load_tower_tensors
+from ferrox.models.vision.tower_tp import TowerBlock
 from ferrox.models.vision.vit import ACTIVATIONS
 
 # transformers' PixtralVisionConfig defaults for the keys read here.
@@ -195,6 +197,11 @@ class PixtralVisionTower(nn.Module):
         angles = torch.cat([positions[:, :1].float() * inv[:quarter], positions[:, 1:].float() * inv[quarter:]], -1)
         angles = torch.cat([angles, angles], dim=-1)
         return angles.cos(), angles.sin()
+
+    def tp_blocks(self) -> list[TowerBlock]:
+        """The layers --mm-encoder-tp-mode weights shards (tower_tp.py)."""
+        return [TowerBlock(layer.attention, ("q_proj", "k_proj", "v_proj"), "o_proj", layer.feed_forward,
+                           ("gate_proj", "up_proj"), "down_proj") for layer in self.transformer.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Checkpoint names under `vision_tower.` (the caller strips it). Every parameter must be set; a name

@@ -22,7 +22,8 @@ images' own spans in either order. Attention runs per span with F.scaled_dot_pro
 one length batched together (a 2.5 image's inner windows all have the same length).
 
 Parameter names are the checkpoint's under `visual.`, except that the patch convolution's weight
-[E, C, T, P, P] is kept as a [E, C*T*P*P] matrix. No tensor parallelism: the tower runs whole on every rank.
+[E, C, T, P, P] is kept as a [E, C*T*P*P] matrix. Built and loaded whole; under tensor parallelism with
+--mm-encoder-tp-mode weights the loader then shards its blocks (`tp_blocks`, tower_tp.py; the merger stays whole).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from torch import nn
 
 from ferrox.errors import InvalidArgumentError, UnsupportedModelError
 from ferrox.models.load_check import load_tower_tensors
+from ferrox.models.vision.tower_tp import TowerBlock
 from ferrox.models.vision.vit import ACTIVATIONS
 
 # transformers' Qwen2VLVisionConfig / Qwen2_5_VLVisionConfig defaults for the keys read here.
@@ -305,6 +307,12 @@ class QwenVisionTower(nn.Module):
 
     def _by_square(self, x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
         return x.view(-1, self.merge_unit, x.shape[-1])[order].reshape(x.shape)
+
+    def tp_blocks(self) -> list[TowerBlock]:
+        """The blocks --mm-encoder-tp-mode weights shards (tower_tp.py)."""
+        qwen2 = self.version == "qwen2_vl"
+        return [TowerBlock(block.attn, ("qkv",), "proj", block.mlp, ("fc1",) if qwen2 else ("gate_proj", "up_proj"),
+                           "fc2" if qwen2 else "down_proj") for block in self.blocks]
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Checkpoint names under `visual.` (the prefix, or transformers 5's `model.visual.`, optional).

@@ -15,7 +15,8 @@ then Linear, GELU (exact), Linear to out_hidden_size. The DeepStack rows are add
 hidden states at the image's tokens after its first len(deepstack) layers (models/qwen3_vl.py).
 
 Parameter names are the checkpoint's under `model.visual.` / `visual.`, the patch convolution's weight
-[E, C, T, P, P] kept as a [E, C*T*P*P] matrix. No tensor parallelism: the tower runs whole on every rank.
+[E, C, T, P, P] kept as a [E, C*T*P*P] matrix. Built and loaded whole; under tensor parallelism with
+--mm-encoder-tp-mode weights the loader then shards its blocks (`tp_blocks`, tower_tp.py; the mergers stay whole).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from ferrox.models.vision.qwen2_vl_vision import (
     _positive_int,
     _with_defaults,
 )
+from ferrox.models.vision.tower_tp import TowerBlock
 from ferrox.models.vision.vit import ACTIVATIONS
 
 # transformers' Qwen3VLVisionConfig defaults for the keys read here.
@@ -226,6 +228,11 @@ class Qwen3VisionTower(nn.Module):
             raise InvalidArgumentError(f"pixel_values: expected [{patches}, {self.patch_dim}] (the grids' patches, "
                                        f"C*T*P*P values each), got {list(pixel_values.shape)}", param="pixel_values")
         return grids
+
+    def tp_blocks(self) -> list[TowerBlock]:
+        """The blocks --mm-encoder-tp-mode weights shards (tower_tp.py)."""
+        return [TowerBlock(block.attn, ("qkv",), "proj", block.mlp, ("linear_fc1",), "linear_fc2")
+                for block in self.blocks]
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Checkpoint names under `visual.` (the prefix, or transformers 5's `model.visual.`, optional). Every

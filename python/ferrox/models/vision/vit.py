@@ -13,8 +13,9 @@ and post_layernorm only where the caller uses it (Gemma 3 reads SigLIP's last_hi
 LLaVA reads hidden_states[k], which does not).
 
 Module names follow transformers' so that a checkpoint name is a parameter name once `vision_model.` is
-dropped, except q/k/v, which fill thirds of one qkv_proj (one matmul instead of three). No tensor
-parallelism: the tower is small next to the language model and runs whole on every rank.
+dropped, except q/k/v, which fill thirds of one qkv_proj (one matmul instead of three). Built and loaded
+whole; under tensor parallelism with --mm-encoder-tp-mode weights the loader then shards its blocks
+(`tp_blocks`, tower_tp.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch import nn
 from ferrox.distributed.sharding import materialize
 from ferrox.errors import InvalidArgumentError, UnsupportedModelError
 from ferrox.models.load_check import check_tower_loaded
+from ferrox.models.vision.tower_tp import TowerBlock
 
 # vision_config.hidden_act -> the activation (transformers' ACT2FN names; LLaVA's projector reads it too).
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -182,6 +184,11 @@ class VisionTower(nn.Module):
         if self.post_layernorm is not None:
             h = self.post_layernorm(h)
         return h
+
+    def tp_blocks(self) -> list[TowerBlock]:
+        """The blocks --mm-encoder-tp-mode weights shards (tower_tp.py)."""
+        return [TowerBlock(layer.self_attn, ("qkv_proj",), "out_proj", layer.mlp, ("fc1",), "fc2")
+                for layer in self.encoder.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Checkpoint names as transformers' Clip/SiglipVisionModel writes them (`vision_model.` optional);

@@ -7,7 +7,8 @@
     <arg_value>3</arg_value>
     </tool_call>
 
-(GLM-4.7's template drops the newlines: `<tool_call>NAME<arg_key>...`; both read.) The chat template writes
+(GLM-4.7's template drops the newlines: `<tool_call>NAME<arg_key>...`; both read, and the `glm47` parser,
+glm47.py, also takes the literal `\\n` GLM-4.7 may write between the parts.) The chat template writes
 a string argument as its bare text and any other value as JSON, so a value's type comes from the
 request's tools, as in vLLM's parser: a parameter whose schema type is string keeps the text; any other
 (or one the tools do not describe) is read as JSON, then as JSON whose quotes were escaped, then as a
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import ast
 import json
-from typing import Any
+from typing import Any, ClassVar
 
 from ferrox.entrypoints.openai.tool_parsers.base import ToolCall
 from ferrox.entrypoints.openai.tool_parsers.marked_calls import MarkedCallsParser, skip_ws, valid_name
@@ -71,16 +72,23 @@ class Glm45ToolParser(MarkedCallsParser):
     name = "glm45"
     call_begin = CALL_BEGIN
     call_end = CALL_END
+    # What ends the function name (the first one found), besides the first <arg_key>.
+    name_ends: ClassVar[tuple[str, ...]] = ("\n",)
+
+    def skip_blanks(self, body: str, i: int) -> int:
+        """The position after the blanks from i on (between the name and the pairs, and around them)."""
+        return skip_ws(body, i)
 
     def read_call(self, body: str) -> ToolCall | None:
-        cut = min((i for i in (body.find("\n"), body.find(KEY_BEGIN)) if i >= 0), default=len(body))
+        ends = (*self.name_ends, KEY_BEGIN)
+        cut = min((i for i in (body.find(end) for end in ends) if i >= 0), default=len(body))
         name = body[:cut].strip()
         if not valid_name(name):
             return None
         properties = self.function_parameters(name)
         arguments: dict[str, Any] = {}
         raw: dict[str, str] = {}
-        i = skip_ws(body, cut)
+        i = self.skip_blanks(body, cut)
         while i < len(body):
             if not body.startswith(KEY_BEGIN, i):
                 return None
@@ -88,7 +96,7 @@ class Glm45ToolParser(MarkedCallsParser):
             if key_end < 0:
                 return None
             key = body[i + len(KEY_BEGIN) : key_end].strip()
-            i = skip_ws(body, key_end + len(KEY_END))
+            i = self.skip_blanks(body, key_end + len(KEY_END))
             if not body.startswith(VALUE_BEGIN, i):
                 return None
             value_end = body.find(VALUE_END, i)
@@ -96,5 +104,5 @@ class Glm45ToolParser(MarkedCallsParser):
                 return None
             text = body[i + len(VALUE_BEGIN) : value_end].strip()
             arguments[key], raw[key] = convert_value(text, properties.get(key)), text
-            i = skip_ws(body, value_end + len(VALUE_END))
+            i = self.skip_blanks(body, value_end + len(VALUE_END))
         return ToolCall(name=name, arguments=_arguments_json(arguments, raw))

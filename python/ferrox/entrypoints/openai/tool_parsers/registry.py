@@ -6,7 +6,10 @@ from ferrox.entrypoints.openai.tool_parsers.base import ToolParser
 from ferrox.entrypoints.openai.tool_parsers.deepseek_v3 import CALLS_BEGIN as DEEPSEEK_CALLS
 from ferrox.entrypoints.openai.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser, DeepSeekV31ToolParser
 from ferrox.entrypoints.openai.tool_parsers.glm45 import KEY_BEGIN as GLM_ARG_KEY
+from ferrox.entrypoints.openai.tool_parsers.glm45 import KEY_END as GLM_ARG_KEY_END
+from ferrox.entrypoints.openai.tool_parsers.glm45 import VALUE_BEGIN as GLM_ARG_VALUE
 from ferrox.entrypoints.openai.tool_parsers.glm45 import Glm45ToolParser
+from ferrox.entrypoints.openai.tool_parsers.glm47 import Glm47ToolParser
 from ferrox.entrypoints.openai.tool_parsers.granite import GraniteToolParser
 from ferrox.entrypoints.openai.tool_parsers.granite_20b_fc import Granite20bFCToolParser
 from ferrox.entrypoints.openai.tool_parsers.hermes import HermesToolParser
@@ -39,6 +42,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "deepseek_v31": DeepSeekV31ToolParser,
     "kimi_k2": KimiK2ToolParser,
     "glm45": Glm45ToolParser,
+    "glm47": Glm47ToolParser,
 }
 
 
@@ -76,8 +80,9 @@ def default_tool_parser(chat_template: str | None) -> str:
     harmony's <|channel|> (calls are messages `to=functions.NAME`: the `openai` parser); DeepSeek's write
     <｜tool▁calls▁begin｜>, with the arguments in a ```json block up to V3-0324 / R1-0528 (`deepseek_v3`)
     and bare from V3.1 on (`deepseek_v31`), Kimi-K2's <|tool_calls_section_begin|>, GLM-4.5's
-    <arg_key> pairs; everything else gets Hermes, which is also what ferrox's own tool prompt
-    (structured/tools.py) asks for."""
+    <arg_key> pairs (`glm45`), or GLM-4.7's, whose template writes a pair without the newline between
+    `</arg_key>` and `<arg_value>` that GLM-4.5 / 4.6's write (`glm47`); everything else gets Hermes, which
+    is also what ferrox's own tool prompt (structured/tools.py) asks for."""
     if not chat_template:
         return "hermes"
     if DEEPSEEK_CALLS in chat_template:
@@ -85,7 +90,7 @@ def default_tool_parser(chat_template: str | None) -> str:
     if KIMI_SECTION in chat_template:
         return "kimi_k2"
     if GLM_ARG_KEY in chat_template and "<tool_call>" in chat_template:
-        return "glm45"
+        return "glm47" if GLM_ARG_KEY_END + GLM_ARG_VALUE in chat_template else "glm45"
     if "<|channel|>" in chat_template:
         return "openai"
     if "[TOOL_CALLS]" in chat_template:
