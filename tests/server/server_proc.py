@@ -13,7 +13,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 FERROX = Path(sys.executable).with_name("ferrox")
@@ -110,3 +112,21 @@ class ServerProcess:
                 self.proc.wait(5)
         self._reader.join(5)
         return self.proc.returncode
+
+
+def openai_client(server: ServerProcess) -> Any:
+    """The `openai` package's client for `server` (no retries, 120 s a call): `with openai_client(srv) as c:`."""
+    import openai
+
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def served_openai_client(*args: str) -> Iterator[Any]:
+    """For a module fixture: `yield from served_openai_client(folder, flags...)` starts `ferrox serve`, yields an
+    `openai_client` for it and, after the module, stops it, asserting a clean exit (its log's tail if not)."""
+    server = ServerProcess(*args)
+    try:
+        with openai_client(server) as client:
+            yield client
+    finally:
+        assert server.stop() == 0, "\n".join(server.log[-30:])

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from tests.helpers.tiny_models import make_tiny_qwen3
-from tests.server.server_proc import ServerProcess
+from tests.server.server_proc import served_openai_client
 
 MODEL = "tiny-glm47"
 END, TOOL_CALL = 385, 386  # </think> and <tool_call> in the tiny tokenizer (after the 384 trained ids)
@@ -46,13 +46,8 @@ QUESTION = [{"role": "user", "content": "Weather in São Paulo, and the time?"}]
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     folder = make_tiny_qwen3(tmp_path_factory.mktemp("glm47") / "model", qwen_tokens=True)
-    server = ServerProcess(folder, "--reasoning-parser", "glm47", "--served-model-name", MODEL,
-                           "--chat-template", TEMPLATE)
-    try:
-        with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
-            yield c
-    finally:
-        assert server.stop() == 0, "\n".join(server.log[-30:])
+    yield from served_openai_client(folder, "--reasoning-parser", "glm47", "--served-model-name", MODEL,
+                                         "--chat-template", TEMPLATE)
 
 
 def ask(client: openai.OpenAI, **kw):

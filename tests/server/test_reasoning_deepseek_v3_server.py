@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.helpers.tiny_models import make_tiny_qwen3
-from tests.server.server_proc import ServerProcess
+from tests.server.server_proc import served_openai_client
 
 MODEL = "tiny-deepseek-v31"
 END = "385"  # </think> in the tiny tokenizer
@@ -26,13 +26,8 @@ TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['c
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     folder = make_tiny_qwen3(tmp_path_factory.mktemp("deepseek_v31") / "model", qwen_tokens=True)
-    server = ServerProcess(folder, "--reasoning-parser", "deepseek_v3", "--served-model-name", MODEL,
-                           "--chat-template", TEMPLATE)
-    try:
-        with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
-            yield c
-    finally:
-        assert server.stop() == 0, "\n".join(server.log[-30:])
+    yield from served_openai_client(folder, "--reasoning-parser", "deepseek_v3", "--served-model-name", MODEL,
+                                         "--chat-template", TEMPLATE)
 
 
 def ask(client: openai.OpenAI, thinking: bool | None = None, **kw):

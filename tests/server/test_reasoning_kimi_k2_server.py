@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from tests.helpers.tiny_models import _common, _save, build_tokenizer
-from tests.server.server_proc import ServerProcess
+from tests.server.server_proc import ServerProcess, openai_client
 
 MODEL = "tiny-kimi"
 KIMI_TOKENS = ["<think>", "</think>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
@@ -91,7 +91,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+    with openai_client(server) as c:
         yield c
 
 

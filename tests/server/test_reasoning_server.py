@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from tests.helpers.tiny_models import make_tiny_qwen3
-from tests.server.server_proc import ServerProcess
+from tests.server.server_proc import ServerProcess, openai_client
 
 MODEL = "tiny-reasoner"
 QUESTION = [{"role": "user", "content": "Is the sky blue?"}]
@@ -45,7 +45,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+    with openai_client(server) as c:
         yield c
 
 

@@ -30,7 +30,7 @@ from openai.types.responses import (
 from safetensors.torch import load_file, save_file
 
 from tests.helpers.tiny_models import make_tiny_qwen3
-from tests.server.server_proc import ServerProcess
+from tests.server.server_proc import ServerProcess, openai_client
 
 MODEL = "tiny-reasoner"
 END = 385  # </think> in the tiny tokenizer (QWEN_TEXT_TOKENS after the 384 trained ids)
@@ -59,7 +59,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+    with openai_client(server) as c:
         yield c
 
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.helpers.tiny_models import make_tiny_llama
-from tests.server.server_proc import ServerProcess
+from tests.server.server_proc import served_openai_client
 
 MODEL = "tiny-deepseek-tools"
 # The tool-call part of DeepSeek-V3's template: an assistant turn's calls written back in its format.
@@ -42,12 +42,7 @@ EXPECTED = [("get_weather", ARGUMENTS), ("get_time", "{}")]
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     folder = make_tiny_llama(tmp_path_factory.mktemp("deepseek_tools") / "model")
-    server = ServerProcess(folder, "--served-model-name", MODEL, "--chat-template", TEMPLATE)
-    try:
-        with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
-            yield c
-    finally:
-        assert server.stop() == 0, "\n".join(server.log[-30:])
+    yield from served_openai_client(folder, "--served-model-name", MODEL, "--chat-template", TEMPLATE)
 
 
 def ask(client: openai.OpenAI, **kw):
