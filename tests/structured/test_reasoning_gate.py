@@ -3,12 +3,14 @@ a tokenizer whose tags are added tokens that are text (Qwen's `<tool_call>`, `<t
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
 import pytest
 import torch
-from ferrox.structured.backend import added_tokens_as_text, compile_matcher, get_tokenizer, grammar_text
+from ferrox.structured.backend import compile_matcher, get_tokenizer, grammar_text
+from ferrox.structured.guidance_vocab import SPECIAL_NAME_PREFIX, guidance_tokenizer_json
 from ferrox.structured.manager import StructuredOutputManager
 from ferrox.structured.params import StructuredOutputsParams as P
 from ferrox.structured.tools import tool_choice_constraint
@@ -67,11 +69,12 @@ def test_added_text_tokens_are_text_to_the_grammar(tok, ids):
     for t in tok.encode("x").ids + tok.encode("<thi").ids + tok.encode("nk>y").ids:
         assert matcher.consume_token(t), matcher.get_error()
     assert matcher.is_accepting()
-    # Special tokens stay special; only the added text tokens moved into the vocabulary.
-    rewritten = added_tokens_as_text(tok.to_str())
-    import json
+    # Special tokens stay special (their names hidden from text); only the added text tokens moved into
+    # the vocabulary.
+    rewritten, special = guidance_tokenizer_json(tok.to_str())
     added = {t["content"] for t in json.loads(rewritten)["added_tokens"]}
-    assert added == {"<|endoftext|>", "<|im_start|>", "<|im_end|>"}
+    assert added == {SPECIAL_NAME_PREFIX + t for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")}
+    assert set(special) == {"<|endoftext|>", "<|im_start|>", "<|im_end|>"}
 
 
 def test_gate_opens_at_the_end_of_thinking(manager, ids):

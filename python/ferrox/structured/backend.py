@@ -24,6 +24,7 @@ from typing import Any
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
+from ferrox.structured.guidance_vocab import grammar_with_special_ids, guidance_tokenizer_json
 from ferrox.structured.params import StructuredOutputsParams
 
 # JSON is generated with the separators json.dumps uses by default and no free whitespace:
@@ -207,7 +208,8 @@ class GrammarCompileError(ValueError):
 
 def compile_matcher(tokenizer: llguidance.LLTokenizer, text: GrammarText) -> llguidance.LLMatcher:
     """Compile a grammar into a matcher in its start state (drops the GIL while compiling)."""
-    matcher = llguidance.LLMatcher(tokenizer, text.grammar, log_level=0)
+    grammar = grammar_with_special_ids(text.grammar, _SPECIAL_NAMES.get(id(tokenizer), {}))
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
     if matcher.is_error():
         raise GrammarCompileError(f"{text.field}: invalid constraint: {matcher.get_error().strip()}")
     return matcher
@@ -217,6 +219,9 @@ def compile_matcher(tokenizer: llguidance.LLTokenizer, text: GrammarText) -> llg
 # trie is read-only afterwards, so every manager and thread can share it.
 _TOKENIZERS: dict[tuple[str, int, tuple[int, ...]], llguidance.LLTokenizer] = {}
 _TOKENIZERS_LOCK = threading.Lock()
+# Each shared LLTokenizer's special tokens, name -> id (by the tokenizer's id(): both live as long as
+# the process), for grammars that name one (guidance_vocab.grammar_with_special_ids).
+_SPECIAL_NAMES: dict[int, dict[str, int]] = {}
 
 
 def get_tokenizer(
@@ -236,75 +241,10 @@ def get_tokenizer(
         tok = _TOKENIZERS.get(key)
         if tok is None:
             try:
-                tok = llguidance.LLTokenizer(added_tokens_as_text(tokenizer_json), n_vocab=int(vocab_size),
-                                             eos_token=list(key[2]))
+                text, special = guidance_tokenizer_json(tokenizer_json)
+                tok = llguidance.LLTokenizer(text, n_vocab=int(vocab_size), eos_token=list(key[2]))
             except Exception as e:
                 raise ValueError(f"tokenizer_json: llguidance cannot load this tokenizer: {e}") from None
             _TOKENIZERS[key] = tok
+            _SPECIAL_NAMES[id(tok)] = special
         return tok
-
-
-def added_tokens_as_text(tokenizer_json: str) -> str:
-    """The tokenizer.json text for llguidance, with added tokens that are not special moved into the
-    model's vocabulary.
-
-    llguidance marks every entry of `added_tokens` as a special token (text a grammar cannot
-    match), yet tokenizes a grammar's forced text with the tokenizer, which does produce them:
-    a grammar starting with the text `<tool_call>` (the Hermes tool-call constraint) then allows only
-    Qwen's added `<tool_call>` token and rejects it once sampled, failing the request. Qwen's
-    `<tool_call>` / `<think>`, DeepSeek-R1's `<think>` and the like are added tokens meant as text
-    (special false: decoding keeps them), so as vocabulary entries their bytes are text to
-    llguidance too. Special tokens (`<|im_end|>`) stay special. Only BPE vocabularies with a
-    byte-level or sentencepiece-style (U+2581 for a space) alphabet are rewritten; others unchanged."""
-    data = json.loads(tokenizer_json)
-    added = data.get("added_tokens") or []
-    model = data.get("model") or {}
-    if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict) \
-            or not any(not t.get("special", True) for t in added):
-        return tokenizer_json
-    spell = _vocab_spelling(data)
-    if spell is None:
-        return tokenizer_json
-    vocab: dict[str, int] = model["vocab"]
-    kept = []
-    for token in added:
-        piece = None if token.get("special", True) else spell(token["content"])
-        if piece is None or vocab.get(piece, token["id"]) != token["id"]:
-            kept.append(token)
-            continue
-        vocab[piece] = token["id"]
-    data["added_tokens"] = kept
-    return json.dumps(data, ensure_ascii=False)
-
-
-def _vocab_spelling(data: dict[str, Any]) -> Any:
-    """How the vocabulary spells a text: GPT-2's byte-to-character map for a byte-level BPE, U+2581
-    for spaces for a sentencepiece-style one; None for another alphabet."""
-    def kinds(part: Any) -> list[str]:
-        if not isinstance(part, dict):
-            return []
-        inner = part.get("decoders") or part.get("pretokenizers") or []
-        return [str(part.get("type"))] + [k for p in inner for k in kinds(p)]
-
-    found = set(kinds(data.get("decoder"))) | set(kinds(data.get("pre_tokenizer")))
-    if "ByteLevel" in found:
-        table = _byte_level_table()
-        return lambda text: "".join(table[b] for b in text.encode("utf-8"))
-    if "Metaspace" in found or "Replace" in found:
-        return lambda text: text.replace(" ", "\u2581")
-    return None
-
-
-@functools.lru_cache(maxsize=1)
-def _byte_level_table() -> list[str]:
-    """GPT-2's bytes_to_unicode: printable bytes stand for themselves, the other 68 map to U+0100 on."""
-    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    table = [""] * 256
-    extra = 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(0x100 + extra)
-            extra += 1
-    return table
