@@ -63,7 +63,7 @@ DEVICES = ("auto", "cpu", "cuda")
 # layers/quant/config.py resolves these (tests check the two lists agree); "gguf" names a GGUF's blocks.
 QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "awq", "gptq", "awq_marlin", "gptq_marlin",
                         "compressed_tensors", "gguf")
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3")
 POLICIES = ("fcfs", "priority")
 # rust/prefix_cache.rs HashAlgo::parse (vLLM's --prefix-caching-hash-algo names).
 PREFIX_HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
@@ -266,7 +266,8 @@ class EngineConfig:
         "its config.json quantization_config", choices=QUANTIZATION_METHODS, aliases=("-q",),
         default_help="the checkpoint's quantization_config, else none")
     kv_cache_dtype: str = _opt("KV cache element type: 'fp8' stores keys and values as FP8 E4M3 with per-layer "
-                               "scales (the checkpoint's k_scale/v_scale, else 1.0), twice the tokens per byte",
+                               "scales (the checkpoint's k_scale/v_scale, else 1.0), twice the tokens per byte; "
+                               "'bfloat16' / 'float16' name the model's dtype (refused when it is another)",
                                "auto", choices=KV_CACHE_DTYPES, default_help="auto: the model dtype")
     calculate_kv_scales: bool = _opt(
         "with kv_cache_dtype fp8: measure each layer's K/V scales on the first step that serves requests (vLLM's: "
@@ -564,9 +565,9 @@ class EngineConfig:
             _choice("quantization", self.quantization, QUANTIZATION_METHODS)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         self._check_logits_processors()
-        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
-            raise ValueError("calculate_kv_scales: measures the scales of an FP8 KV cache; kv_cache_dtype is 'auto' "
-                             "(set it to 'fp8')")
+        if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
+            raise ValueError("calculate_kv_scales: measures the scales of an FP8 KV cache; kv_cache_dtype is "
+                             f"{self.kv_cache_dtype!r} (set it to 'fp8')")
         _choice("policy", self.policy, POLICIES)
         _choice("prefix_caching_hash_algo", self.prefix_caching_hash_algo, PREFIX_HASH_ALGOS)
         _choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)

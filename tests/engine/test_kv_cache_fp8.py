@@ -183,3 +183,16 @@ def test_fp8_cache_on_cuda(scaled_folder, eager):
     for prompt, b in zip(PROMPTS, batched, strict=True):
         alone = fp8.generate([prompt], GREEDY, use_tqdm=False)[0]
         assert alone.outputs[0].token_ids[:4] == b.outputs[0].token_ids[:4]
+
+
+def test_sixteen_bit_cache_names_are_the_models_dtype(folder, engines):
+    """vLLM's kv_cache_dtype "bfloat16" / "float16": a cache in the model's dtype, as "auto" gives; the
+    other 16-bit type (or either under a float32 model) is refused naming the --dtype that would give it."""
+    bf16 = _llm(folder, "bfloat16", dtype="bfloat16")
+    assert bf16.engine.runner.kv_caches[0].dtype == torch.bfloat16
+    auto = _llm(folder, "auto", dtype="bfloat16")
+    assert [o.outputs[0].token_ids for o in bf16.generate(PROMPTS[:2], GREEDY)] == \
+        [o.outputs[0].token_ids for o in auto.generate(PROMPTS[:2], GREEDY)]
+    for cache, model in (("float16", "bfloat16"), ("bfloat16", "float32")):
+        with pytest.raises(ValueError, match=f"kv_cache_dtype '{cache}'.*--dtype {cache}"):
+            _llm(folder, cache, dtype=model)

@@ -34,16 +34,28 @@ logger = logging.getLogger(__name__)
 
 # kv_cache_dtype values (config.KV_CACHE_DTYPES) that mean an FP8 E4M3 cache.
 _FP8_NAMES = ("fp8", "fp8_e4m3")
+_SIXTEEN_BIT = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype,
                            device: torch.device | str | None = None) -> torch.dtype:
     """The cache element type for EngineConfig.kv_cache_dtype: "auto" is the model's dtype. A
-    device whose kernels cannot convert to FP8 E4M3 (CUDA before sm89) is refused by name."""
+    device whose kernels cannot convert to FP8 E4M3 (CUDA before sm89) is refused by name.
+
+    "bfloat16" / "float16" (vLLM's names for a 16-bit cache) must be the model's dtype: every attention
+    kernel reads the cache in the dtype of its queries, so a cache of the other 16-bit type is refused,
+    naming the --dtype that would give it."""
     if kv_cache_dtype == "auto":
         return model_dtype
+    if kv_cache_dtype in _SIXTEEN_BIT:
+        if _SIXTEEN_BIT[kv_cache_dtype] != model_dtype:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: the model runs in {str(model_dtype)[6:]} and "
+                             "ferrox keeps the KV cache in the model's dtype (or FP8); use --dtype "
+                             f"{kv_cache_dtype} or kv_cache_dtype 'auto'")
+        return model_dtype
     if kv_cache_dtype not in _FP8_NAMES:
-        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is unknown (choose 'auto', 'fp8' or 'fp8_e4m3')")
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is unknown (choose 'auto', 'bfloat16', 'float16', "
+                         "'fp8' or 'fp8_e4m3')")
     old_gpu = fp8_unsupported_gpu(device) if device is not None else None
     if old_gpu is not None:
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: FP8 E4M3 needs an sm89+ GPU (Ada, Hopper); "
