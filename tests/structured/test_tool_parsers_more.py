@@ -56,6 +56,10 @@ def assert_content_only(name: str, text: str, tools=None) -> None:
 def test_registered_names():
     for name in ("mistral", "qwen3_coder", "pythonic", "llama4_pythonic"):
         assert name in TOOL_PARSERS
+    # vLLM's qwen3_xml reads Qwen3-Coder's format too: the same calls, typed by the tools
+    text = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+    (call,) = get_tool_parser("qwen3_xml")(tools=WEATHER_TOOLS).extract(text).tool_calls
+    assert (call.name, call.arguments) == ("get_weather", '{"city": "Paris"}')
     # hermes / llama3_json take the request's tools too, and ignore them
     assert get_tool_parser("hermes")(tools=WEATHER_TOOLS).extract("hi").content == "hi"
 

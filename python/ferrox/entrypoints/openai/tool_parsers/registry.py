@@ -31,6 +31,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "llama": Llama3JsonToolParser,
     "mistral": MistralToolParser,
     "qwen3_coder": Qwen3CoderToolParser,
+    "qwen3_xml": Qwen3CoderToolParser,  # vLLM's second parser of Qwen3-Coder's format (an XML-event reader)
     "pythonic": PythonicToolParser,
     "llama4_pythonic": PythonicToolParser,
     "granite": GraniteToolParser,
