@@ -116,6 +116,14 @@ def main() -> int:
         if r["choices"][0]["finish_reason"] == "stop":
             json.loads(r["choices"][0]["message"]["content"])
 
+    def special_token_text():
+        # Forced text that spells a special token (<|eot_id|>) is written as text (structured/guidance_vocab.py):
+        # it used to be forced as the special token, refused, and the request ended after "Tag: ".
+        text = "Tag: <|eot_id|> done"
+        r = post("/v1/completions", {"model": "m", "prompt": "write a tag", "max_tokens": 40, "temperature": 0.8,
+                                     "structured_outputs": {"regex": text.replace("|", "\\|")}})
+        assert r["choices"][0]["text"] == text and r["choices"][0]["finish_reason"] == "stop", r["choices"][0]
+
     def messages_thinking():
         r = post("/v1/messages", {"model": "m", "max_tokens": 24, "messages": [{"role": "user", "content": [
             {"type": "text", "text": "<system-reminder>x</system-reminder>"}, {"type": "text", "text": "hi"}]}],
@@ -156,7 +164,7 @@ def main() -> int:
                                   "max_tokens": 4})
         assert r["object"] == "chat.completion"
 
-    kinds = [invocations, chat, chat_stream, completions_logprobs, named_logprobs, bad_words, beam, beam_chat, cache_key, json_schema, messages_thinking,
+    kinds = [invocations, chat, chat_stream, completions_logprobs, named_logprobs, bad_words, beam, beam_chat, cache_key, json_schema, special_token_text, messages_thinking,
              messages_stream, responses, long_prompt, bad_input]
     errors: dict[str, int] = {}
     done = 0
