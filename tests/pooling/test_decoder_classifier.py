@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 from ferrox import LLM, PoolingParams
-from ferrox.errors import InvalidArgumentError, ModelLoadError, UnsupportedModelError
+from ferrox.errors import InvalidArgumentError, ModelLoadError
 
 from tests.pooling.decoder_classifiers import (
     DECODER_FAMILIES,
@@ -148,7 +148,7 @@ def test_refusals_name_what_they_refuse(classifiers, tmp_path):
         LLM(folder, runner="generate")
     with pytest.raises(ValueError, match="pooler_config: .* reads the last token"):
         LLM(folder, pooler_config={"pooling_type": "MEAN"})
-    with pytest.raises(UnsupportedModelError, match="classifier_from_token"):
+    with pytest.raises(ValueError, match="classifier_from_token.*method"):  # (tests/pooling/test_lm_head_classifier.py)
         LLM(folder, hf_overrides={"classifier_from_token": ["no", "yes"]})
     with pytest.raises(ModelLoadError, match="'score.weight': checkpoint shape \\(1, 64\\), model expects \\(2, 64\\)"):
         LLM(folder, hf_overrides={"id2label": {"0": "bad", "1": "good"}})

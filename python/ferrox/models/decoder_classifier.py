@@ -35,14 +35,15 @@ from ferrox.distributed.sharding import materialize
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
 from ferrox.models.gemma2 import Gemma2ForCausalLM
 from ferrox.models.llama import LlamaForCausalLM, MistralForCausalLM
+from ferrox.models.lm_head_conversion import TOKEN_IDS_KEY, lm_head_conversion
 from ferrox.models.load_check import check_all_loaded
 from ferrox.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from ferrox.pooling.classify import classifier_labels
 
 _HEAD = "score.weight"
-# vLLM's conversion of a causal LM into a classifier from its lm_head rows (the original Qwen3-Reranker,
-# bge-reranker-v2-gemma): such a checkpoint has no score.weight to load.
-_CONVERSION_FIELDS = ("classifier_from_token", "is_original_qwen3_reranker")
+# A causal LM converted into a classifier (pooling/seq_cls_conversion.py: the original Qwen3-Reranker) has no
+# score.weight: its head is made of these rows (the LM head's, or the embedding's when they are tied).
+_LM_HEAD, _EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 
 
 class DecoderForSequenceClassification(nn.Module):
@@ -57,11 +58,11 @@ class DecoderForSequenceClassification(nn.Module):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None) -> None:
         super().__init__()
-        for name in _CONVERSION_FIELDS:
-            if spec.hf_config.get(name):
-                raise UnsupportedModelError(f"config.json: {name} (vLLM's conversion of a causal LM's lm_head rows "
-                                            f"into a score head) is not supported; {spec.architecture} loads a "
-                                            "trained score.weight")
+        self.conversion = lm_head_conversion(spec.hf_config)
+        self.conversion_ids: list[int] = list(spec.hf_config.get(TOKEN_IDS_KEY) or [])
+        if self.conversion is not None and len(self.conversion_ids) != len(self.conversion.tokens):
+            raise ModelLoadError("classifier_from_token: the tokens' ids were not looked up in the tokenizer "
+                                 "(pooling/seq_cls_conversion.resolve_token_ids runs at engine start-up)")
         self.spec = spec
         self.labels = classifier_labels(spec.hf_config)
         self.num_labels = len(self.labels)
@@ -87,6 +88,9 @@ class DecoderForSequenceClassification(nn.Module):
         """score.weight here, every other tensor to the decoder (which checks its own: a score.bias, which
         transformers' head never has, is reported there as unused)."""
         loaded: set[str] = set()
+        if self.conversion is not None:
+            self._load_converted(weights)
+            return
 
         def decoder_weights() -> Iterator[tuple[str, Any]]:
             for name, tensor in weights:
@@ -103,6 +107,29 @@ class DecoderForSequenceClassification(nn.Module):
 
         self.decoder.load_weights(decoder_weights())
         check_all_loaded(self.spec.architecture, [], {_HEAD}, loaded)
+
+    def _load_converted(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """The decoder's tensors to the decoder; the score head from the classifier tokens' LM-head rows
+        (from_2_way_softmax: one row, true minus false, in float32 as vLLM computes it)."""
+        head_name = _EMBEDDING if self.spec.tie_word_embeddings else _LM_HEAD
+        rows: list[torch.Tensor] = []
+
+        def decoder_weights() -> Iterator[tuple[str, Any]]:
+            for name, tensor in weights:
+                if name == head_name:
+                    tensor = materialize(tensor)
+                    rows.append(tensor[self.conversion_ids].float())
+                if name != _LM_HEAD:
+                    yield name, tensor
+
+        self.decoder.load_weights(decoder_weights())
+        if not rows:
+            raise ModelLoadError(f"classifier_from_token: the checkpoint has no {head_name!r} to take the "
+                                 "classifier's rows from")
+        picked = rows[0]
+        if self.conversion is not None and self.conversion.method == "from_2_way_softmax":
+            picked = picked[1:2] - picked[0:1]  # [false, true]: logit(true) - logit(false)
+        self.score.weight.data.copy_(picked)
 
     def finalize_weights(self) -> None:
         self.decoder.finalize_weights()
