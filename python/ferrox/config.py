@@ -525,9 +525,11 @@ class EngineConfig:
                                      default_help="max_loras")
     reasoning_parser: str | None = _opt(
         "how a reasoning model's thinking is told from its answer (vLLM's --reasoning-parser): 'deepseek_r1' "
-        "(DeepSeek-R1 and its distills, QwQ), 'qwen3', 'glm45' / 'glm47' (GLM-4.5 / 4.6 / 4.7), 'deepseek_v3' "
+        "(DeepSeek-R1 and its distills, QwQ), 'qwen3', 'glm45' / 'glm47' (GLM-4.5 / 4.6 / 4.7), 'seed_oss' "
+        "(Seed-OSS's <seed:think>), 'deepseek_v3' "
         "(DeepSeek-V3.1 / V3.2: thinks only with chat_template_kwargs thinking true), 'kimi_k2' (Kimi-K2-Thinking / "
-        "K2.5: thinks unless thinking false), 'mistral' (Magistral's [THINK] / [/THINK]), "
+        "K2.5: thinks unless thinking false), 'minimax_m2' (MiniMax-M2 / M2.1 / M2.5; 'minimax_m2_append_think' "
+        "keeps the thinking in the content, after a '<think>'), 'mistral' (Magistral's [THINK] / [/THINK]), "
         "'granite' (Granite 3.2+'s 'Here is my thought process:' / 'Here is my response:' text, with thinking "
         "true) or 'openai_gptoss' (gpt-oss's harmony channels); the chat API "
         "then returns the thinking as `reasoning`, parses tool calls from the answer only, and structured outputs "

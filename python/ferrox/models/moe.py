@@ -97,13 +97,14 @@ class MoeDecoderLayer(PreNormDecoderLayer):
     """LlamaDecoderLayer with the MLP chosen per layer (sparse or dense)."""
 
     def __init__(self, spec: ModelSpec, index: int, backend: AttentionBackend, ops: DeviceOps, dtype, device, *,
-                 qkv_bias: bool, qk_norm: bool, renormalize: bool, block_class: type[MoeBlock] = MoeBlock):
+                 qkv_bias: bool, qk_norm: bool, renormalize: bool, block_class: type[MoeBlock] = MoeBlock,
+                 attention_class: type[LlamaAttention] = LlamaAttention):
         super().__init__()
         moe = spec.moe
         assert moe is not None  # MoeForCausalLM checked it
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
-        self.self_attn = LlamaAttention(spec, backend, ops, dtype, device, qkv_bias=qkv_bias,
-                                        o_bias=spec.attention_bias, qk_norm=qk_norm, window=spec.window_of(index))
+        self.self_attn = attention_class(spec, backend, ops, dtype, device, qkv_bias=qkv_bias,
+                                         o_bias=spec.attention_bias, qk_norm=qk_norm, window=spec.window_of(index))
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
         self.mlp: nn.Module = (block_class(spec, moe, ops, dtype, device, renormalize=renormalize)
                                if moe.is_sparse(index) else LlamaMLP(spec, ops, dtype, device))
@@ -124,13 +125,16 @@ class MoeDecoderLayer(PreNormDecoderLayer):
 
 class MoeModel(nn.Module):
     block_class: type[MoeBlock] = MoeBlock  # the sparse layers' MLP (GLM-4.5 routes its own way: glm4_moe.py)
+    # The layers' attention (MiniMax-M2 norms q and k over the whole projection: minimax_m2.py).
+    attention_class: type[LlamaAttention] = LlamaAttention
 
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype, device, *,
                  qkv_bias: bool, qk_norm: bool, renormalize: bool):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
         layers = [MoeDecoderLayer(spec, i, backend, ops, dtype, device, qkv_bias=qkv_bias, qk_norm=qk_norm,
-                                  renormalize=renormalize, block_class=self.block_class)
+                                  renormalize=renormalize, block_class=self.block_class,
+                                  attention_class=self.attention_class)
                   for i in range(spec.num_layers)]
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)

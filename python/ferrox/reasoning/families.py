@@ -14,6 +14,11 @@ is, the chat-template switch that turns thinking on or off, and whether the mark
   tool-call section: `<|tool_calls_section_begin|>` ends the reasoning and starts the answer, where the
   kimi_k2 tool parser reads the calls. Whether the prompt closed the thinking is read after its last
   `<|im_assistant|>` (earlier turns keep their think blocks).
+- seed_oss: ByteDance Seed-OSS's `<seed:think>` / `</seed:think>` (added tokens, not special), read as
+  deepseek_r1 (vLLM's parser: output without `<seed:think>` is reasoning up to `</seed:think>`). The model
+  opens the thinking itself; there is no on/off switch, but the template variable `thinking_budget: 0` writes
+  a closed think block after the prompt's last `<seed:bos>assistant` (earlier assistant turns keep theirs, so
+  the prompt is read after its last `<seed:bos>`), and the whole output is then the answer.
 - deepseek_v3: DeepSeek-V3.1 / V3.2's hybrid thinking. Their template thinks only when the template
   variable `thinking` is true (it then ends the prompt with `<think>`, else with `</think>`); vLLM's
   parser also takes `enable_thinking: true` (which ferrox's reasoning_effort other than "none"
@@ -27,6 +32,14 @@ is, the chat-template switch that turns thinking on or off, and whether the mark
   Output that does not open with the first marker is the answer. The markers are text, not tokens:
   the engine's grammar gate and thinking_token_budget (one end-of-thinking token) cannot see them,
   so both are refused with this parser, and reasoning tokens are not counted (0, as vLLM's).
+- minimax_m2: MiniMax-M2 / M2.1 / M2.5. Their template ends the prompt with `]~b]ai\n<think>\n`, so the model
+  writes only the thinking and `</think>`: output without `<think>` is reasoning (deepseek_r1's rule; vLLM's
+  minimax_m2 parser), and there is no switch. (A `<minimax:tool_call>` does not end the thinking: vLLM's
+  parser waits for `</think>`.)
+- minimax_m2_append_think: vLLM's other MiniMax-M2 parser, for clients that keep the thinking in the
+  conversation themselves (MiniMax's interleaved thinking: the next request sends it back as content). Nothing
+  is split off: the content is the `<think>` the prompt opened, then the output as written, `</think>` and all
+  (`inline`). The tags still drive the grammar gate, the thinking budget and the reasoning-token count.
 """
 
 from __future__ import annotations
@@ -86,6 +99,9 @@ class Family:
     # Markers that end the thinking when no end tag came, and open the answer (they stay in it): a tool-call
     # section the model starts while thinking (Kimi-K2's, GLM's `<tool_call>`).
     answer_tags: tuple[str, ...] = ()
+    # The thinking stays in the content, tags included, after the start tag the prompt opened (the start tag is
+    # written first when the reply starts inside the thinking): nothing goes out as reasoning.
+    inline: bool = False
 
 
 # GLM-4.5 / 4.6 (glm45) and GLM-4.7 (glm47, vLLM's other name of the same parser).
@@ -97,9 +113,13 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family(*THINK, untagged="reasoning", thinks=_unless_enable_thinking_false),
     "glm45": _GLM,
     "glm47": _GLM,
+    # (Seed-OSS's template opens every turn with <seed:bos>, and keeps earlier turns' think blocks.)
+    "seed_oss": Family(("<seed:think>",), ("</seed:think>",), untagged="reasoning", turn_tag="<seed:bos>"),
     "deepseek_v3": Family(*THINK, untagged="reasoning", thinks=_thinking_or_enable_thinking),
     "mistral": Family(*MISTRAL_THINK, untagged="scan", needs_special_tokens=True, turn_tag="[/INST]"),
     "granite": Family(*GRANITE_THINK, untagged="content", thinks=_thinking, tags_are_tokens=False),
     "kimi_k2": Family(*THINK, untagged="reasoning", thinks=_unless_thinking_false, needs_special_tokens=True,
                       turn_tag="<|im_assistant|>", answer_tags=(KIMI_TOOL_SECTION,)),
+    "minimax_m2": Family(*THINK, untagged="reasoning"),
+    "minimax_m2_append_think": Family(*THINK, untagged="reasoning", inline=True),
 }

@@ -22,7 +22,9 @@ A family may also name answer tags (kimi_k2's `<|tool_calls_section_begin|>`, gl
 that opens its tool calls while still thinking has ended its thinking there, and the tag starts the answer
 (kept in it, for the tool parser), as vLLM's parsers read it.
 mistral (`[THINK]` / `[/THINK]`) and granite (text markers) differ in what comes before the opening
-marker: see families.py.
+marker: see families.py. minimax_m2 reads as deepseek_r1 (MiniMax-M2's prompt opens the `<think>`);
+minimax_m2_append_think (an `inline` family) splits nothing off: the content is `<think>` and the output as
+written, while the tags' ids still serve the engine as above.
 
 The split works on text, so the tags must reach the text: the `<think>` families have them as added
 tokens that are not special (skip_special_tokens keeps them); Mistral's are special (the reply keeps
@@ -165,12 +167,15 @@ class ReasoningStream:
     "reasoning" (up to an end tag, dropped, or an answer tag, kept in the content), "content". Text that
     could be the beginning of a tag is held back until the next delta says whether it is one."""
 
-    __slots__ = ("parser", "state", "_pending", "reasoning_tokens", "_counting")
+    __slots__ = ("parser", "state", "_pending", "reasoning_tokens", "_counting", "_prefix")
 
     def __init__(self, parser: ReasoningParser, thinking: bool = True) -> None:
         self.parser = parser
-        self.state = "start" if thinking else "content"
+        inline = parser.family.inline
+        self.state = "start" if thinking and not inline else "content"
         self._pending = ""
+        # inline: the start tag the prompt opened, written before the output (vLLM's minimax_m2_append_think).
+        self._prefix = parser.family.start_tags[0] if thinking and inline else ""
         self.reasoning_tokens = 0  # the output's tokens within the thinking, tags excluded (count_tokens)
         # "on" (counting), "wait" (for the start tag: mistral) or "off"; text markers have no ids to count.
         untagged = parser.family.untagged
@@ -197,7 +202,7 @@ class ReasoningStream:
 
     def feed(self, delta: str, finished: bool = False) -> tuple[str, str]:
         family = self.parser.family
-        text, self._pending = self._pending + delta, ""
+        text, self._pending, self._prefix = self._prefix + self._pending + delta, "", ""
         reasoning: list[str] = []
         content: list[str] = []
         while True:

@@ -20,6 +20,9 @@ A `</parameter>` ends a value only when the next thing after it is a tag (`<para
 whose function header is complete stands even if the text is cut short after it, as in vLLM: the
 value being written runs to the end. Streaming sends a call's id and name at its header, then each
 parameter once its value is complete, then the closing brace.
+
+A subclass may put the same calls between other markers (`tags`) and name content blocks in which no call
+is read (`quiet`): Seed-OSS's `<seed:tool_call>` and `<seed:think>` (seed_oss.py).
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from __future__ import annotations
 import ast
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from ferrox.entrypoints.openai.tool_parsers.base import (
     ContentGate,
@@ -48,7 +52,6 @@ FUNCTION = "<function="
 FUNCTION_END = "</function>"
 PARAMETER = "<parameter="
 PARAMETER_END = "</parameter>"
-_AFTER_PARAMETER = (PARAMETER, FUNCTION_END, TOOL_CALL_END)
 _WS = " \t\r\n"
 _NOT_IN_NAME = frozenset(_WS + "{}<>\"'")
 
@@ -182,13 +185,30 @@ class _Call:
     end: int = 0
 
 
+class CallTags:
+    """The markers around one call (Qwen3-Coder's `<tool_call>` / `</tool_call>`; Seed-OSS's in seed_oss.py),
+    and what the scan derives from them: the tags that may follow a parameter's value."""
+
+    __slots__ = ("open", "close", "after_parameter", "reach")
+
+    def __init__(self, open_tag: str, close_tag: str) -> None:
+        self.open, self.close = open_tag, close_tag
+        self.after_parameter = (PARAMETER, FUNCTION_END, close_tag)
+        # A tag found later starts no earlier than this before the end of the text looked at.
+        self.reach = max(len(tag) for tag in self.after_parameter) - 1
+
+
+QWEN3_CODER_TAGS = CallTags(TOOL_CALL, TOOL_CALL_END)
+_AFTER_PARAMETER = QWEN3_CODER_TAGS.after_parameter  # (benches/bench_tool_stream.py's old parser reads it)
+
+
 def _skip_ws(text: str, i: int) -> int:
     while i < len(text) and text[i] in _WS:
         i += 1
     return i
 
 
-def _parameter_end(text: str, start: int, final: bool) -> int | None:
+def _parameter_end(text: str, start: int, final: bool, tags: CallTags) -> int | None:
     """Where the value starting at `start` ends (its `</parameter>`), None when not known (yet)."""
     k = start
     while True:
@@ -196,17 +216,17 @@ def _parameter_end(text: str, start: int, final: bool) -> int | None:
         if close < 0:
             return None
         after = _skip_ws(text, close + len(PARAMETER_END))
-        if text.startswith(_AFTER_PARAMETER, after):
+        if text.startswith(tags.after_parameter, after):
             return close
         if after == len(text):
             return close if final else None
-        if not final and any(tag.startswith(text[after:]) for tag in _AFTER_PARAMETER):
+        if not final and any(tag.startswith(text[after:]) for tag in tags.after_parameter):
             return None  # a tag may be arriving
         k = close + 1  # text inside the value
 
 
-def _scan_call(text: str, start: int, final: bool) -> _Call:
-    """The call whose `<tool_call>` ends at `start`. `final`: the text is all there is. What is
+def _scan_call(text: str, start: int, final: bool, tags: CallTags) -> _Call:
+    """The call whose opening tag (`<tool_call>`) ends at `start`. `final`: the text is all there is. What is
     decided on a prefix (not final) holds for every longer text, so streaming and extract() agree."""
     i = _skip_ws(text, start)
     if not text.startswith(FUNCTION, i):
@@ -230,20 +250,20 @@ def _scan_call(text: str, start: int, final: bool) -> _Call:
         if text.startswith(FUNCTION_END, p):
             call.function_closed = True
             q = _skip_ws(text, p + len(FUNCTION_END))
-            if text.startswith(TOOL_CALL_END, q):
-                return close(q + len(TOOL_CALL_END))
-            if not final and TOOL_CALL_END.startswith(text[q:]):
+            if text.startswith(tags.close, q):
+                return close(q + len(tags.close))
+            if not final and tags.close.startswith(text[q:]):
                 return call  # complete, but its end tag may be arriving
             return close(p + len(FUNCTION_END))
-        if text.startswith(TOOL_CALL_END, p):  # no </function>
-            return close(p + len(TOOL_CALL_END))
+        if text.startswith(tags.close, p):  # no </function>
+            return close(p + len(tags.close))
         if text.startswith(PARAMETER, p):
             key_start = p + len(PARAMETER)
             key_end = text.find(">", key_start)
             if key_end < 0:
                 return close(len(text)) if final else call
             value_start = key_end + 1
-            value_end = _parameter_end(text, value_start, final)
+            value_end = _parameter_end(text, value_start, final, tags)
             if value_end is not None:
                 call.params.append((text[key_start:key_end], text[value_start:value_end]))
                 pos = value_end + len(PARAMETER_END)
@@ -260,7 +280,7 @@ def _scan_call(text: str, start: int, final: bool) -> _Call:
             call.params.append((text[key_start:key_end], value))
             return close(len(text))
         # Anything else between parameters is skipped, up to the next tag.
-        found = [j for j in (text.find(tag, p) for tag in _AFTER_PARAMETER) if j >= 0]
+        found = [j for j in (text.find(tag, p) for tag in tags.after_parameter) if j >= 0]
         if not found:
             return close(len(text)) if final else call
         pos = min(found)
@@ -289,13 +309,11 @@ def _skip(text: str, i: int) -> int:
     return j
 
 
-def _find_tag(text: str, start: int) -> int:
-    """Where the first `<parameter=`, `</function>` or `</tool_call>` at or after start begins, or -1."""
-    found = [j for j in (_find(text, tag, start) for tag in _AFTER_PARAMETER) if j >= 0]
+def _find_tag(text: str, start: int, tags: CallTags) -> int:
+    """Where the first `<parameter=`, `</function>` or closing tag at or after start begins, or -1."""
+    found = [j for j in (_find(text, tag, start) for tag in tags.after_parameter) if j >= 0]
     return min(found) if found else -1
 
-
-_TAG_REACH = max(len(tag) for tag in _AFTER_PARAMETER) - 1  # a tag found later starts no earlier than this before the end
 
 # Where the streaming scan stands. It keeps only the text it still needs (`_buf`), and where in it
 # each search has got, so that a delta is looked at once plus at most a tag's length of held-back text.
@@ -306,10 +324,16 @@ _KEY = 3  # `_buf` starts with `<parameter=`; the key's `>` is looked for from `
 _VALUE = 4  # in a value: `_vparts` + `_buf[:_k]` is value text; `</parameter>` is looked for from `_k`
 _VALUE_CLOSE = 5  # in a value, `_buf` starts with a `</parameter>` that ends it if a tag follows; `_k`: past the blanks after it
 _FUNCTION_CLOSED = 6  # `_buf` starts just after `</function>`; `_k`: past the blanks after it
+_QUIET = 7  # in a quiet block (content where no call is read): `_buf` is where its closing marker is looked for
 
 
 class Qwen3CoderToolParser(ToolParser):
     name = "qwen3_coder"
+    # The markers around a call (a format with other markers and the same inside: seed_oss.py).
+    tags: ClassVar[CallTags] = QWEN3_CODER_TAGS
+    # (opening, closing) markers of content blocks in which no call is read (Seed-OSS's thinking); a block
+    # left open runs to the end of the text. None: no such blocks.
+    quiet: ClassVar[tuple[str, str] | None] = None
 
     def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         super().__init__(tools)
@@ -325,21 +349,46 @@ class Qwen3CoderToolParser(ToolParser):
         self._closed_sent = False
         self._delta: DeltaToolCall | None = None  # the open call's delta in the message being built
 
+    def _next_tag(self, text: str, start: int, find: Callable[[str, str, int], int] = str.find) -> tuple[int, bool]:
+        """Where the first call's opening tag or quiet block's opening marker at or after start begins (-1:
+        neither), and whether it is a quiet block's."""
+        at = find(text, self.tags.open, start)
+        if self.quiet is None:
+            return at, False
+        quiet = find(text, self.quiet[0], start)
+        if quiet >= 0 and (at < 0 or quiet < at):
+            return quiet, True
+        return at, False
+
+    def _held_back(self, text: str) -> int:
+        """Content that must wait: the longest end of text that may begin a call's or a quiet block's marker."""
+        held = held_back(text, self.tags.open)
+        return held if self.quiet is None else max(held, held_back(text, self.quiet[0]))
+
     def extract(self, text: str) -> ExtractedToolCalls:
+        open_tag = self.tags.open
         calls: list[ToolCall] = []
         pieces: list[str] = []
         piece: list[str] = []
         pos = 0
         while True:
-            tag = text.find(TOOL_CALL, pos)
+            tag, quiet = self._next_tag(text, pos)
             if tag < 0:
                 piece.append(text[pos:])
                 break
+            if quiet:
+                assert self.quiet is not None
+                opening, closing = self.quiet
+                close = text.find(closing, tag + len(opening))
+                end = len(text) if close < 0 else close + len(closing)
+                piece.append(text[pos:end])
+                pos = end
+                continue
             piece.append(text[pos:tag])
-            pos = tag + len(TOOL_CALL)
-            call = _scan_call(text, pos, final=True)
+            pos = tag + len(open_tag)
+            call = _scan_call(text, pos, True, self.tags)
             if call.state == "invalid":
-                piece.append(TOOL_CALL)
+                piece.append(open_tag)
                 continue
             pieces.append("".join(piece))
             piece = []
@@ -396,14 +445,33 @@ class Qwen3CoderToolParser(ToolParser):
         """One move of the scan over _buf; False when it needs more text (or, final, is done)."""
         buf, state = self._buf, self._state
         if state == _CONTENT:
-            tag = _find(buf, TOOL_CALL, 0)
+            tag, quiet = self._next_tag(buf, 0, _find)
             if tag < 0:
-                end = len(buf) if final else len(buf) - held_back(buf, TOOL_CALL)
+                end = len(buf) if final else len(buf) - self._held_back(buf)
                 self._gate.into(out, buf[:end])
                 self._buf = buf[end:]
                 return False
+            if quiet:
+                assert self.quiet is not None
+                end = tag + len(self.quiet[0])
+                self._gate.into(out, buf[:end])
+                self._buf, self._state = buf[end:], _QUIET
+                return True
             self._gate.into(out, buf[:tag])
-            self._buf, self._state, self._k, self._name_start = buf[tag + len(TOOL_CALL) :], _HEADER, 0, None
+            self._buf, self._state, self._k, self._name_start = buf[tag + len(self.tags.open) :], _HEADER, 0, None
+            return True
+        if state == _QUIET:
+            assert self.quiet is not None
+            closing = self.quiet[1]
+            close = _find(buf, closing, 0)
+            if close < 0:
+                end = len(buf) if final else len(buf) - held_back(buf, closing)
+                self._gate.into(out, buf[:end])
+                self._buf = buf[end:]
+                return False
+            end = close + len(closing)
+            self._gate.into(out, buf[:end])
+            self._buf, self._state = buf[end:], _CONTENT
             return True
         if state == _HEADER:
             return self._header(out, final)
@@ -413,20 +481,20 @@ class Qwen3CoderToolParser(ToolParser):
                 self._function_closed(out)
                 self._buf, self._state, self._k = buf[p + len(FUNCTION_END) :], _FUNCTION_CLOSED, 0
                 return True
-            if buf.startswith(TOOL_CALL_END, p):  # no </function>
-                self._close_call(out, buf[p + len(TOOL_CALL_END) :])
+            if buf.startswith(self.tags.close, p):  # no </function>
+                self._close_call(out, buf[p + len(self.tags.close) :])
                 return True
             if buf.startswith(PARAMETER, p):
                 self._buf, self._state, self._k = buf[p:], _KEY, len(PARAMETER)
                 return True
             # Anything else between parameters is skipped, up to the next tag.
-            tag = _find_tag(buf, p)
+            tag = _find_tag(buf, p, self.tags)
             if tag < 0:
                 if final:
                     self._close_call(out, "")
                     return True
                 # Blanks and skipped text are not needed again; a tag may be arriving at the end.
-                keep = max(p, len(buf) - _TAG_REACH)
+                keep = max(p, len(buf) - self.tags.reach)
                 self._buf, self._k = buf[keep:], 0
                 return False
             self._buf, self._k = buf[tag:], 0
@@ -457,12 +525,13 @@ class Qwen3CoderToolParser(ToolParser):
             return True
         if state == _VALUE_CLOSE:
             after = self._k = _skip(buf, self._k)
-            if buf.startswith(_AFTER_PARAMETER, after) or (final and after == len(buf)):
+            after_parameter = self.tags.after_parameter
+            if buf.startswith(after_parameter, after) or (final and after == len(buf)):
                 self._param(out, "".join(self._vparts))
                 self._vparts = []
                 self._buf, self._state, self._k = buf[len(PARAMETER_END) :], _BETWEEN, 0
                 return True
-            if after == len(buf) or (not final and any(tag.startswith(buf[after:]) for tag in _AFTER_PARAMETER)):
+            if after == len(buf) or (not final and any(tag.startswith(buf[after:]) for tag in after_parameter)):
                 return False  # a tag may be arriving
             # Text inside the value: the `</parameter>` and the blanks after it are part of it.
             self._vparts.append(buf[:after])
@@ -470,10 +539,10 @@ class Qwen3CoderToolParser(ToolParser):
             return True
         assert state == _FUNCTION_CLOSED
         q = self._k = _skip(buf, self._k)
-        if buf.startswith(TOOL_CALL_END, q):
-            self._close_call(out, buf[q + len(TOOL_CALL_END) :])
+        if buf.startswith(self.tags.close, q):
+            self._close_call(out, buf[q + len(self.tags.close) :])
             return True
-        if not final and TOOL_CALL_END.startswith(buf[q:]):
+        if not final and self.tags.close.startswith(buf[q:]):
             return False  # complete, but its end tag may be arriving
         self._close_call(out, buf)
         return True
@@ -508,7 +577,7 @@ class Qwen3CoderToolParser(ToolParser):
 
     def _not_a_call(self, out: DeltaMessage) -> bool:
         """The `<tool_call>` starts no call: it is content, and the scan goes on after it."""
-        self._gate.into(out, TOOL_CALL)
+        self._gate.into(out, self.tags.open)
         self._state, self._k = _CONTENT, 0
         return True
 

@@ -16,11 +16,15 @@ from ferrox.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from ferrox.entrypoints.openai.tool_parsers.kimi_k2 import SECTION_BEGIN as KIMI_SECTION
 from ferrox.entrypoints.openai.tool_parsers.kimi_k2 import KimiK2ToolParser
 from ferrox.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
+from ferrox.entrypoints.openai.tool_parsers.minimax_m2 import BLOCK_BEGIN as MINIMAX_BLOCK
+from ferrox.entrypoints.openai.tool_parsers.minimax_m2 import MinimaxM2ToolParser
 from ferrox.entrypoints.openai.tool_parsers.mistral import MistralToolParser
 from ferrox.entrypoints.openai.tool_parsers.openai_harmony import OpenAIHarmonyToolParser
 from ferrox.entrypoints.openai.tool_parsers.phi4_mini import Phi4MiniJsonToolParser
 from ferrox.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
 from ferrox.entrypoints.openai.tool_parsers.qwen3_coder import Qwen3CoderToolParser
+from ferrox.entrypoints.openai.tool_parsers.seed_oss import TOOL_CALL as SEED_TOOL_CALL
+from ferrox.entrypoints.openai.tool_parsers.seed_oss import SeedOssToolParser
 from ferrox.entrypoints.openai.tool_parsers.xlam import XLamToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
@@ -44,6 +48,8 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "kimi_k2": KimiK2ToolParser,
     "glm45": Glm45ToolParser,
     "glm47": Glm47ToolParser,
+    "seed_oss": SeedOssToolParser,
+    "minimax_m2": MinimaxM2ToolParser,
 }
 
 
@@ -74,7 +80,8 @@ def get_tool_parser(name: str) -> type[ToolParser]:
 
 def default_tool_parser(chat_template: str | None) -> str:
     """From what the chat template teaches the model: Mistral's templates write [TOOL_CALLS],
-    Qwen3-Coder's <function=...><parameter=...>, Llama 3's mention <|python_tag|> / ipython, Granite
+    Qwen3-Coder's <function=...><parameter=...> (Seed-OSS's, between <seed:tool_call> markers: `seed_oss`),
+    Llama 3's mention <|python_tag|> / ipython, Granite
     3.x's write <|tool_call|> before the list of calls (Granite 4's Hermes-style <tool_call>...
     </tool_call> stays Hermes), vLLM's Phi-4-mini template asks for `functools[...]` and
     granite-20b-functioncalling's lists the tools after <|function_call_library|>, gpt-oss's write
@@ -82,7 +89,8 @@ def default_tool_parser(chat_template: str | None) -> str:
     <｜tool▁calls▁begin｜>, with the arguments in a ```json block up to V3-0324 / R1-0528 (`deepseek_v3`)
     and bare from V3.1 on (`deepseek_v31`), Kimi-K2's <|tool_calls_section_begin|>, GLM-4.5's
     <arg_key> pairs (`glm45`), or GLM-4.7's, whose template writes a pair without the newline between
-    `</arg_key>` and `<arg_value>` that GLM-4.5 / 4.6's write (`glm47`); everything else gets Hermes, which
+    `</arg_key>` and `<arg_value>` that GLM-4.5 / 4.6's write (`glm47`), MiniMax-M2's <minimax:tool_call>
+    (`minimax_m2`); everything else gets Hermes, which
     is also what ferrox's own tool prompt (structured/tools.py) asks for."""
     if not chat_template:
         return "hermes"
@@ -90,8 +98,12 @@ def default_tool_parser(chat_template: str | None) -> str:
         return "deepseek_v3" if "```json" in chat_template else "deepseek_v31"
     if KIMI_SECTION in chat_template:
         return "kimi_k2"
+    if MINIMAX_BLOCK in chat_template:
+        return "minimax_m2"
     if GLM_ARG_KEY in chat_template and "<tool_call>" in chat_template:
         return "glm47" if GLM_ARG_KEY_END + GLM_ARG_VALUE in chat_template else "glm45"
+    if SEED_TOOL_CALL in chat_template:  # (before qwen3_coder's test: the calls inside are its format)
+        return "seed_oss"
     if "<|channel|>" in chat_template:
         return "openai"
     if "[TOOL_CALLS]" in chat_template:
