@@ -79,6 +79,8 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 EXECUTOR_BACKENDS = ("mp", "ray", "uni")
 # vLLM's --runner; "auto" resolves once the architecture is known (ferrox.pooling.config.resolve_runner).
 RUNNERS = ("auto", "generate", "pooling")
+# vLLM's --convert: how a model runs for pooling (ferrox.pooling.convert).
+CONVERT_TYPES = ("auto", "none", "embed", "classify")
 # vLLM's --attention-backend / --moe-backend names that are kernels ferrox has, each -> ferrox's kernel set
 # (kernels.select_kernels: "triton" on CUDA with Triton installed, "torch" otherwise; it picks the attention
 # backend and the MoE experts' path together). "triton": ferrox's Triton attention (with its CUDA decode kernel
@@ -512,6 +514,12 @@ class EngineConfig:
         "what the model is run for (vLLM's --runner): 'generate' text, or 'pooling' (embeddings: /v1/embeddings, "
         "LLM.embed); 'auto' picks pooling for encoder-only models (BertModel, RobertaModel, XLMRobertaModel) and "
         "generate otherwise; 'pooling' on a Llama/Qwen decoder embeds with its last token", "auto", choices=RUNNERS)
+    convert: str = _opt(
+        "how a model is adapted for pooling (vLLM's --convert): 'embed' (a causal LM embeds with its last token) or "
+        "'classify' (a causal LM of a family with a sequence classifier becomes it: Qwen3ForCausalLM -> "
+        "Qwen3ForSequenceClassification, its head from score.weight or from LM-head rows with classifier_from_token) "
+        "run the model with runner 'pooling'; 'none' pools only models built for it; 'auto' adapts as the "
+        "architecture says", "auto", choices=CONVERT_TYPES)
     pooler_config: dict[str, Any] | None = _opt(
         "a pooling model's pooling, overriding what its folder declares (vLLM's --pooler-config, a JSON object): "
         "{\"pooling_type\": \"MEAN\" | \"CLS\" | \"LAST\", \"normalize\": true | false}",
@@ -638,6 +646,10 @@ class EngineConfig:
         _check_mm_processor_cache(self.mm_processor_cache_gb, self.mm_processor_cache_type)
         parse_speculative_config(self.speculative_config)  # raises ValueError naming the key
         _choice("runner", self.runner, RUNNERS)
+        _choice("convert", self.convert, CONVERT_TYPES)
+        if self.convert in ("embed", "classify") and self.runner == "generate":
+            raise ValueError(f"convert: {self.convert!r} adapts the model for pooling; runner is 'generate' "
+                             "(use runner 'pooling' or 'auto')")
         parse_pooler_overrides(self.pooler_config)  # raises ValueError naming the key
         if self.runner == "pooling":
             self.check_graphs_for_pooling()

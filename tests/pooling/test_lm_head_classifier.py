@@ -75,3 +75,28 @@ def test_conversion_settings_refused_by_name(folder, vocab):
     for overrides, message in cases:
         with pytest.raises(ValueError, match=message):
             LLM(path, hf_overrides={**base, **overrides})
+
+
+def test_convert_flag(folder, vocab):
+    """vLLM's --convert: 'classify' names the family's classifier (the same scores as the architectures
+    override), 'embed' pools a causal LM under runner auto (as runner 'pooling' does), and the conversions
+    ferrox cannot make are refused by name."""
+    architecture, path = folder
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    tokens = {"classifier_from_token": vocab[:2], "is_original_qwen3_reranker": True}
+    by_flag = LLM(path, convert="classify", hf_overrides=tokens)
+    by_override = LLM(path, hf_overrides={"architectures": [architecture], **tokens})
+    assert by_flag.engine.pooler_config.task == "classify"
+    assert [o.outputs.probs for o in by_flag.classify(prompts, use_tqdm=False)] == \
+        [o.outputs.probs for o in by_override.classify(prompts, use_tqdm=False)]
+    embed = LLM(path, convert="embed")
+    assert embed.engine.pooler_config.task == "embed"
+    assert [o.outputs.embedding for o in embed.embed(prompts[:2], use_tqdm=False)] == \
+        [o.outputs.embedding for o in LLM(path, runner="pooling").embed(prompts[:2], use_tqdm=False)]
+    refused = [({"convert": "classify", "hf_overrides": {"architectures": ["Phi3ForCausalLM"]}}, "Phi3ForCausalLM has none"),
+               ({"convert": "embed", "hf_overrides": {"architectures": [architecture]}}, "is a sequence classifier"),
+               ({"convert": "none", "runner": "pooling"}, "'none' keeps"),
+               ({"convert": "embed", "runner": "generate"}, "runner is 'generate'")]
+    for kwargs, message in refused:
+        with pytest.raises(ValueError, match=message):
+            LLM(path, **kwargs)

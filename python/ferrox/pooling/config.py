@@ -37,6 +37,7 @@ from ferrox.models.registry import (
     get_model_class,
 )
 from ferrox.pooling.classify import classifier_labels, classify_activation, score_activation
+from ferrox.pooling.convert import runner_for
 from ferrox.pooling.params import PoolerConfig, parse_pooler_overrides
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ def resolve_runner(requested: str, architecture: str) -> str:
 def pooling_setup(config: EngineConfig, source: ModelSource, spec: ModelSpec, tp_size: int) -> PoolerConfig | None:
     """The PoolerConfig when the engine runs the model for pooling, None for generation; a setting a
     pooling engine cannot honour is a ValueError naming it (before any weight is read)."""
-    if resolve_runner(config.runner, spec.architecture) != "pooling":
+    if resolve_runner(runner_for(config.runner, config.convert), spec.architecture) != "pooling":
         return None
     refused = (
         ("tensor_parallel_size", tp_size > 1, "a pooling model runs on one rank in this version"),

@@ -40,6 +40,7 @@ from ferrox.loader.source import ModelSource, resolve_model, resolve_tokenizer
 from ferrox.loader.tokenizer import load_tokenizer
 from ferrox.model_spec import rope_type_of, spec_for_context
 from ferrox.pooling.config import pooling_max_model_len, pooling_setup, pooling_token_budget
+from ferrox.pooling.convert import apply_convert
 from ferrox.pooling.params import PoolerConfig
 from ferrox.pooling.seq_cls_conversion import resolve_token_ids
 from ferrox.sleep_mode import KV_CACHE
@@ -138,9 +139,10 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
         tokenizer = _cached_tokenizer(tok_source, _mtime(tok_source.path))
     overrides = _overrides_key(config.hf_overrides)
     spec = _cached_spec(source, _mtime(source.path), overrides)
-    # A causal LM converted into a classifier reads its head off LM-head rows named by token (vLLM's
-    # classifier_from_token): their ids, from the tokenizer, before the pooler and the model are set up.
-    spec = resolve_token_ids(spec, tokenizer)
+    # --convert classify names the family's classifier; a causal LM converted into a classifier reads its head
+    # off LM-head rows named by token (vLLM's classifier_from_token): their ids, from the tokenizer, before the
+    # pooler and the model are set up.
+    spec = resolve_token_ids(apply_convert(config.convert, config.runner, spec), tokenizer)
     if config.skip_tokenizer_init:  # token ids in and out (loader/no_tokenizer.py)
         tokenizer = no_tokenizer_for(source.name, spec.hf_config, spec.vocab_size)
     dtype = resolve_dtype(config, spec, device)
