@@ -101,3 +101,23 @@ def test_bert_attention_builds_no_cudnn_plan_per_batch_shape(bert_folder):
     kernels = _cuda_kernels(lambda: [llm.embed(texts, use_tqdm=False) for texts in batches])
     assert kernels, "the profiler saw no CUDA kernel"
     assert not [k for k in kernels if "cudnn" in k], kernels
+
+
+def test_reranker_from_lm_head_rows_on_cuda(tmp_path):
+    """The original Qwen3-Reranker's conversion (pooling/seq_cls_conversion.py) on the CUDA engine: the
+    score logit(true) - logit(false) of transformers' causal LM on the same GPU, and its sigmoid."""
+    transformers = pytest.importorskip("transformers")
+    tok = tiny_models.build_tokenizer()
+    tokens = [tok.id_to_token(150), tok.id_to_token(151)]
+    ids = [tok.token_to_id(t) for t in tokens]
+    folder = tiny_models.make_tiny_qwen3(tmp_path / "qwen3", tie_word_embeddings=False, seed=4)
+    llm = LLM(folder, device="cuda", dtype="float32", hf_overrides={
+        "architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": tokens,
+        "is_original_qwen3_reranker": True})
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to("cuda").eval()
+    outs = llm.classify([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
+    for ids_, out in zip(PROMPTS, outs, strict=True):
+        with torch.inference_mode():
+            logits = ref(torch.tensor([ids_], device="cuda")).logits[0, -1].float().cpu()
+        expected = torch.sigmoid(logits[ids[1]] - logits[ids[0]])
+        assert abs(out.outputs.probs[0] - float(expected)) < 2e-3, (out.outputs.probs, float(expected))
