@@ -108,6 +108,20 @@ def reorder_head_rows(tensor: Any, head_dim: int, order: torch.Tensor) -> torch.
     return value.index_select(0, rows.to(value.device))
 
 
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def without_mtp_layers(weights: Iterable[tuple[str, Any]], num_layers: int,
+                       num_mtp_layers: int) -> Iterator[tuple[str, Any]]:
+    """The stream without the multi-token-prediction layers' tensors (layers num_layers .. num_layers +
+    num_mtp_layers - 1, after the model's own: GLM-4.5's, MiniMax-M2's), which the base model does not run."""
+    for name, tensor in weights:
+        layer = _LAYER_INDEX.match(name)
+        if layer is not None and num_layers <= int(layer[1]) < num_layers + num_mtp_layers:
+            continue
+        yield name, tensor
+
+
 def reorder_rotary_rows(weights: Iterable[tuple[str, Any]], head_dim: int,
                         order: torch.Tensor | None) -> Iterator[tuple[str, Any]]:
     """The checkpoint stream with each q/k tensor's head rows in `order` (None: unchanged)."""

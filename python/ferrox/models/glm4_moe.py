@@ -31,8 +31,7 @@ configs do not carry), group counts that do not divide the experts, and LoRA (th
 from __future__ import annotations
 
 import dataclasses
-import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -43,7 +42,13 @@ from ferrox.layers.grouped_topk import grouped_topk
 from ferrox.layers.ops import DeviceOps
 from ferrox.layers.rotary import partial_rotary_order
 from ferrox.model_spec import ModelLoadError, ModelSpec, MoeSpec, UnsupportedModelError
-from ferrox.models.glm4 import GLM_LORA_REFUSAL, check_checkpoint_quantization, glm_spec, reorder_rotary_rows
+from ferrox.models.glm4 import (
+    GLM_LORA_REFUSAL,
+    check_checkpoint_quantization,
+    glm_spec,
+    reorder_rotary_rows,
+    without_mtp_layers,
+)
 from ferrox.models.llama import LlamaMLP
 from ferrox.models.moe import MoeBlock, MoeForCausalLM, MoeModel
 
@@ -53,7 +58,6 @@ _DEFAULTS: dict[str, Any] = {
     "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
     "norm_topk_prob": True, "use_qk_norm": False, "num_nextn_predict_layers": 1,
 }
-_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def _field(config: dict[str, Any], key: str) -> Any:
@@ -195,14 +199,5 @@ class Glm4MoeForCausalLM(MoeForCausalLM):
         return bool(spec.hf_config.get("attention_bias", False))
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        super().load_weights(reorder_rotary_rows(self._without_mtp(weights), self.spec.head_dim, self.rotary_order))
-
-    def _without_mtp(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        """The stream without the multi-token-prediction layers' tensors (layers num_hidden_layers ..
-        num_hidden_layers + num_nextn_predict_layers - 1), which the base model does not run."""
-        first, end = self.spec.num_layers, self.spec.num_layers + self.num_mtp_layers
-        for name, tensor in weights:
-            layer = _LAYER_INDEX.match(name)
-            if layer is not None and first <= int(layer[1]) < end:
-                continue
-            yield name, tensor
+        super().load_weights(reorder_rotary_rows(without_mtp_layers(weights, self.spec.num_layers, self.num_mtp_layers),
+                                                self.spec.head_dim, self.rotary_order))

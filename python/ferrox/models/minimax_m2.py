@@ -31,8 +31,7 @@ norms), linear-attention layers (`attn_type_list` 0: MiniMax-Text-01's lightning
 from __future__ import annotations
 
 import dataclasses
-import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -46,11 +45,15 @@ from ferrox.layers.layernorm import RMSNorm
 from ferrox.layers.ops import DeviceOps, Rope
 from ferrox.layers.rotary import partial_rotary_order
 from ferrox.model_spec import ModelLoadError, ModelSpec, MoeSpec, UnsupportedModelError
-from ferrox.models.glm4 import GLM_LORA_REFUSAL, check_checkpoint_quantization, reorder_rotary_rows
+from ferrox.models.glm4 import (
+    GLM_LORA_REFUSAL,
+    check_checkpoint_quantization,
+    reorder_rotary_rows,
+    without_mtp_layers,
+)
 from ferrox.models.llama import LlamaAttention
 from ferrox.models.moe import MoeBlock, MoeForCausalLM, MoeModel
 
-_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 _ARCH = "MiniMaxM2ForCausalLM"
 # transformers' MiniMaxM2Config default rope_theta (config.json names it in every release).
 _DEFAULT_ROPE_THETA = 5_000_000.0
@@ -212,14 +215,5 @@ class MiniMaxM2ForCausalLM(MoeForCausalLM):
         self.num_mtp_layers = mtp
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        super().load_weights(reorder_rotary_rows(self._without_mtp(weights), self.spec.head_dim, self.rotary_order))
-
-    def _without_mtp(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        """The stream without the multi-token-prediction layers' tensors (layers num_hidden_layers ..
-        num_hidden_layers + num_mtp_modules - 1), which the base model does not run."""
-        first, end = self.spec.num_layers, self.spec.num_layers + self.num_mtp_layers
-        for name, tensor in weights:
-            layer = _LAYER_INDEX.match(name)
-            if layer is not None and first <= int(layer[1]) < end:
-                continue
-            yield name, tensor
+        super().load_weights(reorder_rotary_rows(without_mtp_layers(weights, self.spec.num_layers, self.num_mtp_layers),
+                                                self.spec.head_dim, self.rotary_order))

@@ -40,6 +40,7 @@ import json
 import math
 from typing import Any
 
+from ferrox.entrypoints.openai.tool_parsers.arguments_json import ArgumentsJson
 from ferrox.entrypoints.openai.tool_parsers.base import (
     ContentGate,
     DeltaMessage,
@@ -149,27 +150,14 @@ def _first_tag(text: str, tags: tuple[str, ...], start: int) -> tuple[int, str |
     return min(found) if found else (-1, None)
 
 
-class _Arguments:
-    """One call's arguments JSON text, a parameter at a time: '{' + fragments + '}' is what
-    json.dumps(dict, ensure_ascii=False) gives for the same keys and values."""
+class _Arguments(ArgumentsJson):
+    """MiniMax-M2's values: the text between the tags, stripped, typed by the schema (convert_value)."""
 
-    def __init__(self, properties: dict[str, Any]) -> None:
-        self._properties = properties
-        self._keys: set[str] = set()
+    def prepare(self, key: str, raw: str) -> tuple[str, str]:
+        return key, raw.strip()
 
-    def add(self, key: str, raw: str) -> str:
-        """The fragment for one parameter ("" for a repeated key)."""
-        if key in self._keys:
-            return ""
-        text = raw.strip()
-        value = convert_value(text, self._properties.get(key))
-        try:
-            value_json = json.dumps(value, ensure_ascii=False, allow_nan=False)
-        except (TypeError, ValueError, RecursionError):  # NaN or a number JSON cannot hold: keep the text
-            value_json = json.dumps(text, ensure_ascii=False)
-        fragment = ("" if not self._keys else ", ") + json.dumps(key, ensure_ascii=False) + ": " + value_json
-        self._keys.add(key)
-        return fragment
+    def convert(self, text: str, schema: Any) -> Any:
+        return convert_value(text, schema)
 
 
 # Where the scan stands. `_buf` holds only the text still needed; `_k` is how far a search in it has got.

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from ferrox.entrypoints.openai.tool_parsers.arguments_json import ArgumentsJson
 from ferrox.entrypoints.openai.tool_parsers.base import (
     ContentGate,
     DeltaMessage,
@@ -146,31 +147,19 @@ def convert_parameter(value: str, schema: Any) -> Any:
     return _json_or_text(value)
 
 
-class _Arguments:
-    """Builds one call's arguments JSON text a parameter at a time: '{' + fragments + '}' is what
-    json.dumps(dict, ensure_ascii=False) gives for the same keys and values."""
+class _Arguments(ArgumentsJson):
+    """Qwen3-Coder's values sit on lines of their own: one newline after `>` and one before `</parameter>`
+    are the format's, not the value's."""
 
-    def __init__(self, properties: dict[str, Any]) -> None:
-        self._properties = properties
-        self._keys: set[str] = set()
-
-    def add(self, key: str, raw: str) -> str:
-        """The fragment for one parameter ("" for a repeated key)."""
-        key = key.strip()
-        if key in self._keys:
-            return ""
-        if raw.startswith("\n"):  # the format puts the value on lines of its own
+    def prepare(self, key: str, raw: str) -> tuple[str, str]:
+        if raw.startswith("\n"):
             raw = raw[1:]
         if raw.endswith("\n"):
             raw = raw[:-1]
-        value = convert_parameter(raw, self._properties.get(key))
-        try:
-            value_json = json.dumps(value, ensure_ascii=False, allow_nan=False)
-        except (TypeError, ValueError, RecursionError):  # a set, bytes, NaN...: keep the text
-            value_json = json.dumps(raw, ensure_ascii=False)
-        fragment = ("" if not self._keys else ", ") + json.dumps(key, ensure_ascii=False) + ": " + value_json
-        self._keys.add(key)
-        return fragment
+        return key.strip(), raw
+
+    def convert(self, text: str, schema: Any) -> Any:
+        return convert_parameter(text, schema)
 
 
 @dataclass(slots=True)
