@@ -241,7 +241,8 @@ class Fp8Config(QuantConfig):
             raise UnsupportedModelError(f"{_WHERE}: field(s) {', '.join(unknown)} of the fp8 layout are not supported "
                                         f"(ferrox reads {', '.join(_FP8_FIELDS)}; report the checkpoint)")
         fmt = cfg.get("fmt", "e4m3")
-        if str(fmt).lower() != "e4m3":
+        # DeepSeek-V3 writes "e4m3"; MiniMax-M2's releases write the torch dtype name, "float8_e4m3fn".
+        if str(fmt).lower() not in ("e4m3", "float8_e4m3fn"):
             raise UnsupportedModelError(f"{_WHERE}.fmt {fmt!r}: only E4M3 FP8 weights are supported")
         scheme = cfg.get("activation_scheme", "dynamic")  # transformers' default
         if scheme not in ("dynamic", "static"):
