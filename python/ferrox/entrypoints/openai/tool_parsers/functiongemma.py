@@ -44,16 +44,13 @@ from typing import Any
 
 from ferrox.entrypoints.openai.tool_parsers.arguments_json import ArgumentsJson
 from ferrox.entrypoints.openai.tool_parsers.base import (
-    ContentGate,
     DeltaMessage,
     DeltaToolCall,
-    ExtractedToolCalls,
-    ToolCall,
-    ToolParser,
     held_back,
     new_tool_call_id,
 )
 from ferrox.entrypoints.openai.tool_parsers.marked_calls import skip_ws, valid_name
+from ferrox.entrypoints.openai.tool_parsers.scanning import ScanningToolParser
 
 CALL_BEGIN = "<start_function_call>"
 CALL_END = "<end_function_call>"
@@ -219,59 +216,21 @@ _CLOSE = 3  # the arguments ended: an `<end_function_call>` may follow (blanks b
 _SKIP = 4  # the rest of a broken call, dropped up to its end marker
 
 
-class FunctionGemmaToolParser(ToolParser):
+class FunctionGemmaToolParser(ScanningToolParser):
     name = "functiongemma"
     # `<start_function_call>`, `<end_function_call>` and `<escape>` are special tokens of its tokenizer.
     needs_special_tokens = True
 
     def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         super().__init__(tools)
-        self._buf = ""
         self._state = _TEXT
         # A member's scan: `_k` in `_buf`, the bracket depth there, and whether it is inside an `<escape>`d string.
         self._k = 0
         self._depth = 0
         self._in_string = False
-        self._num_calls = 0
-        self._gate = ContentGate()
         self._arguments: _Arguments | None = None  # the open call's
-        self._delta: DeltaToolCall | None = None  # the open call's delta in the message being built
-
-    # ---- the ToolParser interface ----------------------------------------------------------------
-
-    def extract(self, text: str) -> ExtractedToolCalls:
-        # One reader for both paths: the whole text is one delta, then the end.
-        reader = self.__class__(self.tools)
-        first, last = reader.feed(text), reader.finish()
-        calls: dict[int, ToolCall] = {}
-        for delta in first.tool_calls + last.tool_calls:
-            call = calls.setdefault(delta.index, ToolCall(name=delta.name or "", arguments="", id=delta.id or ""))
-            call.arguments += delta.arguments or ""
-        content = ((first.content or "") + (last.content or "")).strip()
-        return ExtractedToolCalls(content=content or None, tool_calls=[calls[i] for i in sorted(calls)])
-
-    def feed(self, delta: str) -> DeltaMessage:
-        self._buf += delta
-        return self._advance(final=False)
-
-    def finish(self) -> DeltaMessage:
-        return self._advance(final=True)
 
     # ---- the reader ------------------------------------------------------------------------------
-
-    def _advance(self, final: bool) -> DeltaMessage:
-        out = DeltaMessage()
-        self._delta = None
-        while self._step(out, final):
-            pass
-        return out
-
-    def _send(self, out: DeltaMessage, fragment: str) -> None:
-        """Arguments text for the open call, into its delta in this message."""
-        if self._delta is None:
-            self._delta = DeltaToolCall(self._num_calls, arguments="")
-            out.tool_calls.append(self._delta)
-        self._delta.arguments = (self._delta.arguments or "") + fragment
 
     def _close_call(self, out: DeltaMessage, rest: str, state: int) -> bool:
         """The open call's arguments end; `rest` is the text after them, read in `state`."""

@@ -42,16 +42,13 @@ from typing import Any
 
 from ferrox.entrypoints.openai.tool_parsers.arguments_json import ArgumentsJson
 from ferrox.entrypoints.openai.tool_parsers.base import (
-    ContentGate,
     DeltaMessage,
     DeltaToolCall,
-    ExtractedToolCalls,
-    ToolCall,
-    ToolParser,
     held_back,
     new_tool_call_id,
 )
 from ferrox.entrypoints.openai.tool_parsers.marked_calls import skip_ws, valid_name
+from ferrox.entrypoints.openai.tool_parsers.scanning import ScanningToolParser
 
 BLOCK_BEGIN = "<minimax:tool_call>"
 BLOCK_END = "</minimax:tool_call>"
@@ -169,12 +166,11 @@ _KEY = 4  # `_buf` starts just after `<parameter name=`
 _VALUE = 5  # in a value: `_vparts` + `_buf[:_k]` is its text so far
 
 
-class MinimaxM2ToolParser(ToolParser):
+class MinimaxM2ToolParser(ScanningToolParser):
     name = "minimax_m2"
 
     def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         super().__init__(tools)
-        self._buf = ""
         self._state = _TEXT
         self._k = 0
         self._name_start = 0
@@ -182,46 +178,9 @@ class MinimaxM2ToolParser(ToolParser):
         self._fallback = ""
         self._key = ""
         self._vparts: list[str] = []
-        self._num_calls = 0
-        self._gate = ContentGate()
         self._arguments: _Arguments | None = None  # the open call's
-        self._delta: DeltaToolCall | None = None  # the open call's delta in the message being built
-
-    # ---- the ToolParser interface ----------------------------------------------------------------
-
-    def extract(self, text: str) -> ExtractedToolCalls:
-        # One reader for both paths: the whole text is one delta, then the end.
-        reader = self.__class__(self.tools)
-        first, last = reader.feed(text), reader.finish()
-        calls: dict[int, ToolCall] = {}
-        for delta in first.tool_calls + last.tool_calls:
-            call = calls.setdefault(delta.index, ToolCall(name=delta.name or "", arguments="", id=delta.id or ""))
-            call.arguments += delta.arguments or ""
-        content = ((first.content or "") + (last.content or "")).strip()
-        return ExtractedToolCalls(content=content or None, tool_calls=[calls[i] for i in sorted(calls)])
-
-    def feed(self, delta: str) -> DeltaMessage:
-        self._buf += delta
-        return self._advance(final=False)
-
-    def finish(self) -> DeltaMessage:
-        return self._advance(final=True)
 
     # ---- the reader ------------------------------------------------------------------------------
-
-    def _advance(self, final: bool) -> DeltaMessage:
-        out = DeltaMessage()
-        self._delta = None
-        while self._step(out, final):
-            pass
-        return out
-
-    def _send(self, out: DeltaMessage, fragment: str) -> None:
-        """Arguments text for the open call, into its delta in this message."""
-        if self._delta is None:
-            self._delta = DeltaToolCall(self._num_calls, arguments="")
-            out.tool_calls.append(self._delta)
-        self._delta.arguments = (self._delta.arguments or "") + fragment
 
     def _close_call(self, out: DeltaMessage, rest: str, state: int) -> bool:
         """The open call ends; `rest` is the text after it, read in `state`."""

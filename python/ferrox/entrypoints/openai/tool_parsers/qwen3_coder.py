@@ -36,16 +36,15 @@ from typing import Any, ClassVar
 
 from ferrox.entrypoints.openai.tool_parsers.arguments_json import ArgumentsJson
 from ferrox.entrypoints.openai.tool_parsers.base import (
-    ContentGate,
     DeltaMessage,
     DeltaToolCall,
     ExtractedToolCalls,
     ToolCall,
-    ToolParser,
     held_back,
     join_content,
     new_tool_call_id,
 )
+from ferrox.entrypoints.openai.tool_parsers.scanning import ScanningToolParser
 
 TOOL_CALL = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -316,7 +315,7 @@ _FUNCTION_CLOSED = 6  # `_buf` starts just after `</function>`; `_k`: past the b
 _QUIET = 7  # in a quiet block (content where no call is read): `_buf` is where its closing marker is looked for
 
 
-class Qwen3CoderToolParser(ToolParser):
+class Qwen3CoderToolParser(ScanningToolParser):
     name = "qwen3_coder"
     # The markers around a call (a format with other markers and the same inside: seed_oss.py).
     tags: ClassVar[CallTags] = QWEN3_CODER_TAGS
@@ -326,17 +325,13 @@ class Qwen3CoderToolParser(ToolParser):
 
     def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         super().__init__(tools)
-        self._buf = ""
         self._state = _CONTENT
         self._k = 0  # how far the current search has got in _buf
         self._name_start: int | None = None  # in _HEADER, once `<function=` is matched
         self._key = ""  # the parameter being read
         self._vparts: list[str] = []  # its value's text so far, less what _buf holds
-        self._num_calls = 0
-        self._gate = ContentGate()
         self._arguments: _Arguments | None = None  # the open call's, once its name went out
         self._closed_sent = False
-        self._delta: DeltaToolCall | None = None  # the open call's delta in the message being built
 
     def _next_tag(self, text: str, start: int, find: Callable[[str, str, int], int] = str.find) -> tuple[int, bool]:
         """Where the first call's opening tag or quiet block's opening marker at or after start begins (-1:
@@ -389,20 +384,6 @@ class Qwen3CoderToolParser(ToolParser):
         pieces.append("".join(piece))
         return ExtractedToolCalls(content=join_content(pieces), tool_calls=calls)
 
-    def feed(self, delta: str) -> DeltaMessage:
-        self._buf += delta
-        return self._advance(final=False)
-
-    def finish(self) -> DeltaMessage:
-        return self._advance(final=True)
-
-    def _send(self, out: DeltaMessage, fragment: str) -> None:
-        """Arguments text for the open call, into its delta in this message."""
-        if self._delta is None:
-            self._delta = DeltaToolCall(self._num_calls, arguments="")
-            out.tool_calls.append(self._delta)
-        self._delta.arguments = (self._delta.arguments or "") + fragment
-
     def _param(self, out: DeltaMessage, raw: str) -> None:
         assert self._arguments is not None
         fragment = self._arguments.add(self._key, raw)
@@ -422,13 +403,6 @@ class Qwen3CoderToolParser(ToolParser):
         self._arguments = None
         self._closed_sent = False
         self._delta = None
-
-    def _advance(self, final: bool) -> DeltaMessage:
-        out = DeltaMessage()
-        self._delta = None
-        while self._step(out, final):
-            pass
-        return out
 
     def _step(self, out: DeltaMessage, final: bool) -> bool:
         """One move of the scan over _buf; False when it needs more text (or, final, is done)."""
