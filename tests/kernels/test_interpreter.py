@@ -18,7 +18,8 @@ HERE = Path(__file__).resolve().parent
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreter child itself")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel tests run natively")
 def test_kernels_under_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    # FERROX_INTERPRETER_CHILD: the child runs only what skipped here (conftest.pytest_collection_modifyitems).
+    env = dict(os.environ, TRITON_INTERPRET="1", FERROX_INTERPRETER_CHILD="1")
     # The LoRA model test's Triton-kernel-set case lives with the LoRA tests but needs the interpreter too.
     lora_model = str(HERE.parent / "lora" / "test_lora_model.py") + "::test_triton_kernel_set"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", str(HERE), lora_model]
