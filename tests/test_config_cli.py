@@ -166,7 +166,7 @@ def _non_default(name: str) -> list[tuple[list[str], Any]]:
 
 # Flags ferrox takes with vLLM's spelling but only at their default value: anything else is
 # refused by name at start-up (never accepted and ignored).
-DEFAULT_ONLY = {"pipeline_parallel_size": "2", "kv_offloading_backend": "lmcache", "mm_processor_cache_type": "shm"}
+DEFAULT_ONLY = {"pipeline_parallel_size": "2", "kv_offloading_backend": "lmcache"}
 # Flags that mean something only beside another: (its argv, the field it sets).
 NEEDS = {"calculate_kv_scales": (("--kv-cache-dtype", "fp8"), {"kv_cache_dtype": "fp8"}),
          "max_long_partial_prefills": (("--max-num-partial-prefills", "8"), {"max_num_partial_prefills": 8})}
@@ -354,3 +354,15 @@ def test_swap_space_is_checked_as_vllm_checks_it(caplog):
         EngineConfig(swap_space=total * 0.5)
     assert "possibly too much" in caplog.text
     EngineConfig(tensor_parallel_size=64)  # (unset: no check)
+
+
+def test_flag_names_with_underscores_are_vllms_spelling_too():
+    """vLLM takes `--tokenizer_mode` for `--tokenizer-mode` (Mistral's cards and vLLM's recipes write it so); only a
+    flag's name changes, never a value or a dotted JSON key."""
+    argv = cli.dashed_flag_names(["serve", "--tokenizer_mode", "hf", "--max_model_len=64", "--served-model-name",
+                                  "a_b", "--hf_overrides.rope_scaling.rope_type=linear", "--api-key=x_y"])
+    assert argv == ["serve", "--tokenizer-mode", "hf", "--max-model-len=64", "--served-model-name", "a_b",
+                    "--hf-overrides.rope_scaling.rope_type=linear", "--api-key=x_y"]
+    config = parse(*cli.expand_dotted_json_args(argv)[1:])
+    assert (config.tokenizer_mode, config.max_model_len) == ("hf", 64)
+    assert config.hf_overrides == {"rope_scaling": {"rope_type": "linear"}}

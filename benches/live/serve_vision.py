@@ -10,7 +10,7 @@ Each serves 24 concurrent chat requests with data-URL images (eight different im
 Anthropic image blocks and Responses input_image parts beside them, each answer compared with the offline LLM's on
 the same images on the same device; a bad image must be a 400 and change nothing else. 0 errors and 0 mismatches
 expected. Arguments: family-name filters (all families when none). FERROX_LIVE_DTYPE=bfloat16 serves in bf16
-(mismatches then printed, not failed)."""
+(mismatches then printed, not failed); FERROX_LIVE_EXTRA adds serve flags (e.g. "--mm-processor-cache-type shm")."""
 from __future__ import annotations
 
 import base64
@@ -18,6 +18,7 @@ import concurrent.futures as cf
 import io
 import json
 import os
+import shlex
 import sys
 import tempfile
 import urllib.error
@@ -104,7 +105,8 @@ def main() -> int:
                                                                use_tqdm=False)]
         del reference
         srv = ServerProcess(folder, "--served-model-name", "m", "--dtype", dtype, "--max-num-batched-tokens",
-                            "24", *extra, startup_timeout=300)  # a small budget: images cut across chunked-prefill steps
+                            "24", *extra, *shlex.split(os.environ.get("FERROX_LIVE_EXTRA", "")),
+                            startup_timeout=300)  # a small budget: images cut across chunked-prefill steps
         errors = mismatches = 0
         with cf.ThreadPoolExecutor(16) as pool:
             futures = [pool.submit(post, srv.base_url, "/v1/chat/completions",

@@ -58,7 +58,7 @@ CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "fp32", "fp16", "bf16")
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # Mirrors ferrox.loader.model_loader.LOAD_FORMATS (kept here so that config imports no torch).
-LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy", "mistral")
 DEVICES = ("auto", "cpu", "cuda")
 # layers/quant/config.py resolves these (tests check the two lists agree); "gguf" names a GGUF's blocks.
 QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "awq", "gptq", "awq_marlin", "gptq_marlin",
@@ -89,17 +89,21 @@ CONVERT_TYPES = ("auto", "none", "embed", "classify")
 # is the kernel set the engine runs and refused by name elsewhere (check_kernel_backends).
 ATTENTION_BACKENDS = {"TRITON_ATTN": "triton", "TORCH_SDPA": "torch", "CPU_ATTN": "torch"}
 MOE_BACKENDS = {"triton": "triton"}
-TOKENIZER_MODES = ("auto", "hf")
+TOKENIZER_MODES = ("auto", "hf", "mistral")
 # vLLM's --model-impl: ferrox's model families are its own ("vllm": the engine's native ones); running
 # transformers' modelling code ("transformers", "terratorch") is not something it does.
 MODEL_IMPLS = ("auto", "vllm")
-# vLLM's --config-format: a Hugging Face config.json (or a GGUF's metadata); Mistral's params.json is not read.
-CONFIG_FORMATS = ("auto", "hf")
+# vLLM's --config-format: a Hugging Face config.json (or a GGUF's metadata), or Mistral's params.json
+# (loader/config_file.py; mirrors its CONFIG_FORMATS).
+CONFIG_FORMATS = ("auto", "hf", "mistral")
 # vLLM's --mm-encoder-tp-mode: the vision encoder's weights sharded across the tensor-parallel ranks, or whole on
 # each rank with a step's images split among them (models/vision/encoder_setup.py).
 MM_ENCODER_TP_MODES = ("weights", "data")
 # The modalities ferrox's vision models take (--limit-mm-per-prompt's keys beyond them may only be 0).
 MM_MODALITIES = ("image", "video")
+# vLLM's --mm-processor-cache-type: the front-end's LRU alone, or with the shared-memory ring the pixels cross to the
+# engine cores through (multimodal/processor_cache.py, multimodal/shm_store.py).
+MM_PROCESSOR_CACHE_TYPES = ("lru", "shm")
 
 
 def _gib(n: int) -> str:
@@ -119,15 +123,14 @@ def _check_mm_limits(limits: Any) -> None:
                              "supported)")
 
 
-def _check_mm_processor_cache(size: Any, kind: Any) -> None:
-    """--mm-processor-cache-gb / --mm-processor-cache-type (vLLM's; multimodal/processor_cache.py)."""
+def _check_mm_processor_cache(size: Any, kind: Any, max_object_mb: Any) -> None:
+    """--mm-processor-cache-gb / --mm-processor-cache-type / --mm-shm-cache-max-object-size-mb (vLLM's;
+    multimodal/processor_cache.py, multimodal/shm_store.py)."""
     if isinstance(size, bool) or not isinstance(size, (int, float)) or not size >= 0 or size == float("inf"):
         raise ValueError(f"mm_processor_cache_gb: must be a number of GiB >= 0 (0: no cache), got {size!r}")
-    if kind == "shm":
-        raise ValueError("mm_processor_cache_type: 'shm' shares the cache between several API-server processes "
-                         "(vLLM's --api-server-count > 1); ferrox runs one API server process, so it has only 'lru'")
-    if kind != "lru":
-        raise ValueError(f"mm_processor_cache_type: {kind!r} is not supported (ferrox's is 'lru')")
+    _choice("mm_processor_cache_type", kind, MM_PROCESSOR_CACHE_TYPES)
+    if isinstance(max_object_mb, bool) or not isinstance(max_object_mb, int) or max_object_mb <= 0:
+        raise ValueError(f"mm_shm_cache_max_object_size_mb: must be a positive integer (MiB), got {max_object_mb!r}")
 
 
 def _normalize_kernel_backends(config: Any) -> None:
@@ -244,8 +247,11 @@ class EngineConfig:
         default_help="the embedded SmolLM2-135M-Instruct")
     tokenizer: str | None = _opt("tokenizer folder or .gguf file", default_help="the model's own")
     tokenizer_mode: str = _opt(
-        "which tokenizer implementation: 'auto' and 'hf' are both the Hugging Face fast tokenizer (tokenizer.json, "
-        "or a GGUF's vocabulary), the only one ferrox has; vLLM's 'slow' and 'mistral' (mistral_common) are refused",
+        "which tokenizer implementation (vLLM's): 'hf', the Hugging Face fast tokenizer (tokenizer.json, or a GGUF's "
+        "vocabulary); 'mistral', Mistral's tekken.json through mistral_common, which also encodes chats (no chat "
+        "template; sentencepiece tokenizer.model.v* files are refused); 'auto', 'mistral' for a folder with "
+        "tekken.json and consolidated*.safetensors (as vLLM) or with tekken.json and no tokenizer.json, else 'hf'. "
+        "vLLM's 'slow' is refused",
         "auto", choices=TOKENIZER_MODES)
     revision: str | None = _opt(
         "a hub model id's version in the Hugging Face cache: a branch or tag the cache has a ref for, or a "
@@ -314,9 +320,15 @@ class EngineConfig:
         "content and the processor's settings, so a repeated one is not processed again (vLLM's; in the process that "
         "prepares prompts: the API server, or the offline LLM's); 0: no cache", 4.0)
     mm_processor_cache_type: str = _opt(
-        "the processor cache's kind (vLLM's): 'lru', a least-recently-used cache in the process that prepares "
-        "prompts; vLLM's 'shm' (shared memory between several API-server processes) is refused: ferrox runs one",
-        "lru")
+        "the processor cache's kind (vLLM's): 'lru', a least-recently-used cache of processed items in the process "
+        "that prepares prompts, their pixels sent to the engine core with each request; 'shm', the same cache, and "
+        "the pixels go to an engine core in its own process (ferrox serve, AsyncLLM) through a shared-memory FIFO "
+        "ring of mm_processor_cache_gb GiB (allocated at start in /dev/shm), an item already there as a reference "
+        "only (items over mm_shm_cache_max_object_size_mb, or finding no room, go inline). The offline LLM runs its "
+        "core in the caller's process: its items never cross a socket, so 'shm' works there as 'lru'; with "
+        "mm_processor_cache_gb 0 or a text model there is no store", "lru", choices=MM_PROCESSOR_CACHE_TYPES)
+    mm_shm_cache_max_object_size_mb: int = _opt(
+        "MiB: the largest item (its pixel bytes) the 'shm' store takes; larger ones go inline (vLLM's)", 128)
     language_model_only: bool = _opt(
         "serve a vision-language model as a text model (vLLM's): every modality's limit is 0, so a request's images "
         "and videos are refused as with --limit-mm-per-prompt '{\"image\": 0, \"video\": 0}' (the flag wins over "
@@ -335,14 +347,17 @@ class EngineConfig:
         "prompt_embeds, base64 of torch.save bytes); off, such prompts are refused. Only for text models whose "
         "forward takes input embeddings, without speculative decoding or tensor parallelism", False)
     seed: int = _opt("engine seed (dummy weights, unseeded sampling)", 0)
-    load_format: str = _opt("weight format; 'dummy' = random weights of the real architecture", "auto",
-                            choices=LOAD_FORMATS)
+    load_format: str = _opt("weight format; 'dummy' = random weights of the real architecture; 'mistral' = Mistral's "
+                            "native consolidated*.safetensors (its tensor names and rotary row order, mapped at load; "
+                            "'auto' takes them when the folder has no Hugging Face-named weights or no config.json)",
+                            "auto", choices=LOAD_FORMATS)
     model_impl: str = _opt(
         "which model implementation (vLLM's): 'auto' and 'vllm' are the engine's own (ferrox's built-in families, "
         "the only ones it has); 'transformers' (transformers' modelling code) is refused", "auto", choices=MODEL_IMPLS)
     config_format: str = _opt(
-        "the model config's format (vLLM's): 'auto' and 'hf' read config.json (or a GGUF's metadata); "
-        "'mistral' (params.json) is refused", "auto", choices=CONFIG_FORMATS)
+        "the model config's format (vLLM's): 'hf' reads config.json (or a GGUF's metadata); 'mistral' Mistral's "
+        "params.json, mapped to the config it stands for (keys it cannot map are refused by name); 'auto' config.json, "
+        "else params.json when that is all the folder has", "auto", choices=CONFIG_FORMATS)
     code_revision: str | None = _opt(
         "vLLM's revision of a hub model's own Python code (with trust_remote_code); ferrox runs no code from a "
         "model repository, so there is none to pick: accepted so vLLM command lines run unchanged",
@@ -643,7 +658,8 @@ class EngineConfig:
         parse_media_io_kwargs(self.media_io_kwargs)  # (InvalidArgumentError is a ValueError naming the key)
         if self.mm_processor_kwargs is not None and not isinstance(self.mm_processor_kwargs, dict):
             raise ValueError(f"mm_processor_kwargs: must be a JSON object, got {self.mm_processor_kwargs!r}")
-        _check_mm_processor_cache(self.mm_processor_cache_gb, self.mm_processor_cache_type)
+        _check_mm_processor_cache(self.mm_processor_cache_gb, self.mm_processor_cache_type,
+                                  self.mm_shm_cache_max_object_size_mb)
         parse_speculative_config(self.speculative_config)  # raises ValueError naming the key
         _choice("runner", self.runner, RUNNERS)
         _choice("convert", self.convert, CONVERT_TYPES)
@@ -667,6 +683,9 @@ class EngineConfig:
                 if value is not None:
                     raise ValueError(f"{name}: {value!r} needs the tokenizer, which skip_tokenizer_init leaves "
                                      "unloaded")
+        if self.tokenizer_mode == "mistral" and self.chat_template is not None:
+            raise ValueError("chat_template: tokenizer_mode 'mistral' encodes chats with mistral_common, not a chat "
+                             "template (vLLM refuses one too); leave chat_template unset")
         if parse_kv_events_config(self.kv_events_config).enable_kv_cache_events and not self.enable_prefix_caching:
             raise ValueError("kv_events_config.enable_kv_cache_events: the events are the prefix cache's; they need "
                              "enable_prefix_caching")

@@ -838,17 +838,18 @@ def make_tiny_idefics3(folder, *, architecture: str = "Idefics3ForConditionalGen
 PIXTRAL_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
 
 
-def make_tiny_mistral3(folder, *, tie_word_embeddings: bool = False, seed: int = 0) -> str:
+def make_tiny_mistral3(folder, *, tie_word_embeddings: bool = False, seed: int = 0,
+                       text: dict[str, Any] | None = None) -> str:
     """A Mistral 3 checkpoint (Mistral3ForConditionalGeneration): a tiny Mistral (16-dim heads), a two-layer
     Pixtral tower of 4-pixel patches (SiLU, as the hub's), the projector merging 2x2 patches, the tokenizer's
     `[IMG]` / `[IMG_BREAK]` / `[IMG_END]` special tokens, PixtralImageProcessor's preprocessor_config.json
     (longest edge 64: at most 8x8 image rows), processor_config.json, and a chat template that writes `[IMG]`
-    for image parts."""
+    for image parts. text: text_config fields over the tiny Mistral's (a Ministral 3: tiny_ministral3.py)."""
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
     return _make_tiny_pixtral_model(folder, Mistral3Config, Mistral3ForConditionalGeneration, merge=2,
                                     extra=dict(spatial_merge_size=2), tie_word_embeddings=tie_word_embeddings,
-                                    seed=seed)
+                                    seed=seed, text=text)
 
 
 def make_tiny_llava_pixtral(folder, *, seed: int = 0) -> str:
@@ -863,7 +864,7 @@ def make_tiny_llava_pixtral(folder, *, seed: int = 0) -> str:
 
 
 def _make_tiny_pixtral_model(folder, config_cls, model_cls, *, merge: int, extra: dict, tie_word_embeddings: bool,
-                             seed: int) -> str:
+                             seed: int, text: dict[str, Any] | None = None) -> str:
     import torch
     from tokenizers import AddedToken
 
@@ -873,7 +874,7 @@ def _make_tiny_pixtral_model(folder, config_cls, model_cls, *, merge: int, extra
                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                 max_position_embeddings=2048, rms_norm_eps=1e-5, initializer_range=0.1, bos_token_id=1,
                 eos_token_id=EOS_TOKEN_ID, pad_token_id=0, sliding_window=None,
-                tie_word_embeddings=tie_word_embeddings)
+                tie_word_embeddings=tie_word_embeddings) | (text or {})
     vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                   num_attention_heads=2, head_dim=16, patch_size=4, image_size=64, hidden_act="silu")
     config = config_cls(text_config=text, vision_config=vision, image_token_index=tok.token_to_id("[IMG]"),

@@ -1,5 +1,6 @@
 """The Triton backend's one-token decode path (attention/fused_decode.py) driven through tiny Llama,
-Qwen2, Qwen3, MoE, Granite (a softmax scale of its own) and Phi-3 (YaRN, partial rotary) models built with the Triton kernel set, against the same weights on the torch
+Qwen2, Qwen3, MoE, Granite (a softmax scale of its own), Phi-3 (YaRN, partial rotary) and Ministral 3 (YaRN,
+Llama 4's query scaling) models built with the Triton kernel set, against the same weights on the torch
 kernel set, and against the Triton set with FERROX_FUSED_DECODE=0. Runs on CUDA, or on CPU in the
 Triton interpreter child (see conftest.py), where `kernels="triton"` forces the GPU path."""
 
@@ -63,10 +64,15 @@ def _wide_row_tiles_when_interpreted(monkeypatch):
 # must read from the layer as the general one does; the other multipliers live in the weights.
 # Phi-3 with YaRN over partial rotary: the rope rows carry cos / sin scaled by YaRN's attention factor
 # and unturned pairs, which the fused qkv kernel applies as the general path's rotary does.
+# Ministral 3: YaRN and Llama 4's query scaling over a 4-position original context, so the prompt and the
+# decode steps (positions 0-9) cross its steps: the fused path scales the queries its qkv kernel returns.
 FAMILY = {"GraniteForCausalLM": {"attention_multiplier": 0.03, "embedding_multiplier": 12.0,
                                  "residual_multiplier": 0.22, "logits_scaling": 8.0},
           "Phi3ForCausalLM": {"partial_rotary_factor": 0.5, "rope_scaling": {
-              "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}}
+              "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
+          "Ministral3ForCausalLM": {"rope_parameters": {
+              "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 4,
+              "mscale": 1.0, "mscale_all_dim": 0.0, "llama_4_scaling_beta": 0.5}}}
 
 
 def _config(arch: str) -> dict:

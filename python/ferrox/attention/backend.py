@@ -88,10 +88,13 @@ class AttentionBackend(ABC):
         raise NotImplementedError(f"the {self.name} attention backend has no attend-only path")
 
     def decode_path(self, layers: Sequence[OneTokenLayer] | None,
-                    rope_rows: Callable[[torch.Tensor], torch.Tensor]) -> DecodePath:
+                    rope_rows: Callable[[torch.Tensor], torch.Tensor],
+                    q_scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> DecodePath:
         """The decode path of a model built on this backend. layers: its decoder layers, or None when
-        they do not fit a fused one-token path; rope_rows: positions -> float32 [cos | sin] rows.
-        Backends without fused kernels return the general path."""
+        they do not fit a fused one-token path; rope_rows: positions -> float32 [cos | sin] rows;
+        q_scale: positions -> float32 [T] factors multiplying each token's rotated queries (Ministral 3's
+        llama_4 scaling: models/ministral3.py; None: 1). Backends without fused kernels return the
+        general path (where the model's layers scale their queries themselves)."""
         return DecodePath()
 
 

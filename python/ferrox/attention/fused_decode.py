@@ -67,15 +67,19 @@ class FusedOneTokenDecode(DecodePath):
     name = "fused-one-token"
 
     def __init__(self, backend: AttentionBackend, layers: Sequence[OneTokenLayer] | None,
-                 rope_rows: Callable[[torch.Tensor], torch.Tensor]):
+                 rope_rows: Callable[[torch.Tensor], torch.Tensor],
+                 q_scale: Callable[[torch.Tensor], torch.Tensor] | None = None):
         """backend: attends over KV the qkv kernel already wrote (`attend`). layers: the model's
         decoder layers in order, or None when they cannot take the fused path. rope_rows:
-        positions [T] -> float32 [T, head_dim] = [cos | sin] (RotaryEmbedding.rope_rows)."""
+        positions [T] -> float32 [T, head_dim] = [cos | sin] (RotaryEmbedding.rope_rows). q_scale:
+        positions [T] -> float32 [T] factors of the rotated queries (Ministral 3; None: 1), applied
+        between the qkv kernel and attention (one elementwise launch a layer)."""
         if not backend.supports_cached_kv:
             raise ValueError(f"the {backend.name} attention backend cannot attend over KV written by the qkv kernel")
         self.backend = backend
         self.layers = tuple(layers) if layers is not None else None
         self.rope_rows = rope_rows
+        self.q_scale = q_scale
         self.has_nope_layers = self.layers is not None and not all(layer.rotary for layer in self.layers)
 
     def takes_step(self, num_tokens: int, kv_caches: Sequence[torch.Tensor],
@@ -95,15 +99,16 @@ class FusedOneTokenDecode(DecodePath):
             # kernels' float32 rotary then returns q and k exactly as projected.
             half = rope_row.shape[0] // 2
             identity = torch.cat((torch.ones_like(rope_row[:half]), torch.zeros_like(rope_row[half:])))
+        q_scale = self.q_scale(positions) if self.q_scale is not None else None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = self._layer(layer, h, rope_row if layer.rotary else identity, kv_cache, meta)
+            h = self._layer(layer, h, rope_row if layer.rotary else identity, kv_cache, meta, q_scale)
         return h
 
     def _layer(self, layer: OneTokenLayer, h: torch.Tensor, rope_row: torch.Tensor, kv_cache: torch.Tensor,
-               meta: AttentionMetadata) -> torch.Tensor:
+               meta: AttentionMetadata, q_scale: torch.Tensor | None = None) -> torch.Tensor:
         """One decoder layer in five launches (a dense Llama layer; six on int4 weights, whose qkv
-        GEMV leaves rotary and the KV write to a second launch); h [1, hidden] is the complete
-        residual stream, in and out."""
+        GEMV leaves rotary and the KV write to a second launch; one more with q_scale, float32 [1]:
+        the rotated queries' factor); h [1, hidden] is the complete residual stream, in and out."""
         kv_scale = layer.kv_scales.scales if layer.kv_scales is not None else None
         qkv_proj = layer.qkv_proj
         if layer.q_norm is None and _int4_weights(qkv_proj) is None and _fp8_blocks(qkv_proj) is None:
@@ -121,6 +126,8 @@ class FusedOneTokenDecode(DecodePath):
                                    eps=q_norm.eps if q_norm is not None else 0.0, rope_row=rope_row,
                                    slot_mapping=meta.slot_mapping, kv_cache=kv_cache, num_q_heads=layer.num_heads,
                                    num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim, kv_scale=kv_scale)
+        if q_scale is not None:
+            q = (q * q_scale[:, None, None]).to(q.dtype)
         o = self.backend.attend(q, kv_cache, meta, layer.scale, layer.kv_scales, window=layer.window,
                                 chunk=layer.chunk)
         h = self._row_parallel(layer, o.view(1, -1), layer.o_proj, h)

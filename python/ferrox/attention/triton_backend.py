@@ -313,9 +313,10 @@ class TritonAttentionBackend(AttentionBackend):
         return out
 
     def decode_path(self, layers: Sequence[OneTokenLayer] | None,
-                    rope_rows: Callable[[torch.Tensor], torch.Tensor]) -> DecodePath:
+                    rope_rows: Callable[[torch.Tensor], torch.Tensor],
+                    q_scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> DecodePath:
         """One-token steps in fused matrix-vector kernels (attention/fused_decode.py)."""
-        return FusedOneTokenDecode(self, layers, rope_rows)
+        return FusedOneTokenDecode(self, layers, rope_rows, q_scale)
 
     def _forward_without_cache(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float,

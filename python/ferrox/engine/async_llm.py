@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from ferrox.bad_words import with_bad_words_token_ids
 from ferrox.beam_search import BeamSearch, check_beam_search, one_token_params, step_logprobs
-from ferrox.config import EngineConfig
+from ferrox.config import MM_MODALITIES, EngineConfig
 from ferrox.engine import validation
 from ferrox.engine.core_process import EngineCoreOutputs
 from ferrox.engine.defaults import default_sampling_params, resolve_generation_defaults
@@ -90,6 +90,7 @@ from ferrox.metrics.request_stats import (
 )
 from ferrox.metrics.tracing import RequestTracer, check_tracing_available, trace_headers_var
 from ferrox.multimodal.inputs import MultiModalItem
+from ferrox.multimodal.shm_items import ShmItemSender
 from ferrox.outputs import AnyRequestOutput, PoolingRequestOutput, RequestOutput
 from ferrox.pooling.params import (
     PoolerConfig,
@@ -283,9 +284,13 @@ class AsyncLLM:
             # The tokenizer loads here while the core process loads the model (none under
             # skip_tokenizer_init: its stand-in refuses text; EOS ids and vocabulary come from the core).
             self.tokenizer = (NoTokenizer(source.name, 0, []) if config.skip_tokenizer_init
-                              else load_tokenizer(source))
+                              else load_tokenizer(source, config.tokenizer_mode))
             # A model that takes images: its prompt rules (multimodal/processing.py), from config.json.
             self.image_prompts = _image_prompts(config, self.tokenizer)
+            limits = config.mm_limits() or {}
+            if self.image_prompts is not None and any(limits.get(m, 1) for m in MM_MODALITIES):
+                # --mm-processor-cache-type shm: the images' pixels go to the cores through shared memory.
+                self.client.mm_store = ShmItemSender.for_config(config, self.client.size)
             info = self.client.wait_ready()
         except BaseException:
             self.shutdown()
@@ -864,19 +869,22 @@ def _read_template(chat_template: str | None) -> str | None:
 
 
 def _image_prompts(config: EngineConfig, tokenizer: Any) -> Any:
-    """The served model's image prompt rules (None: a text-only model), from its config.json as the core
-    reads it (hf_overrides applied)."""
+    """The served model's image prompt rules (None: a text-only model), from its config.json (or Mistral's
+    params.json: --config-format) as the core reads it (hf_overrides applied)."""
     import os
 
-    from ferrox.loader.json_file import read_json
+    from ferrox.loader.config_file import CONFIG_FILE, read_model_config, resolve_config_format
+    from ferrox.loader.mistral_config import PARAMS_FILE
     from ferrox.loader.source import resolve_model
     from ferrox.multimodal.processing import image_prompts_for_model
 
     source = resolve_model(config.model, config.revision)
-    path = os.path.join(source.path, "config.json")
-    if source.format != "hf" or not os.path.isfile(path):
+    if source.format != "hf":
         return None
-    hf_config = {**read_json(path), **(config.hf_overrides or {})}
+    name = PARAMS_FILE if resolve_config_format(source.path, config.config_format) == "mistral" else CONFIG_FILE
+    if not os.path.isfile(os.path.join(source.path, name)):
+        return None
+    hf_config = {**read_model_config(source.path, config.config_format)[0], **(config.hf_overrides or {})}
     return image_prompts_for_model(source.path, hf_config, tokenizer, limits=config.mm_limits(),
                                    allowed_local_media_path=config.allowed_local_media_path,
                                    processor_kwargs=config.mm_processor_kwargs,

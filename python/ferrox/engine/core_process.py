@@ -31,6 +31,8 @@ from ferrox.engine.defaults import GENERATION_DEFAULT_KEYS
 from ferrox.engine.protocol import EngineCoreRequest
 from ferrox.gc_tuning import freeze_startup_heap
 from ferrox.logging_config import configure_logging
+from ferrox.multimodal.shm_items import resolve_items
+from ferrox.multimodal.shm_store import ShmStoreError
 from ferrox.pooling.params import PoolerConfig
 from ferrox.step_types import StepResult, StepRow
 
@@ -140,6 +142,13 @@ class CoreProcLoop:
         """Apply one input message; returns outputs it produced at once (errors, aborts)."""
         if kind == ADD:
             request = self.decode_request.decode(payload)
+            if request.mm_inputs:
+                # Shared-memory items (--mm-processor-cache-type shm) read back now, before the request may be held,
+                # refused or aborted: each reference sent is acknowledged once, so the front-end can reuse its space.
+                try:
+                    request.mm_inputs = resolve_items(request.mm_inputs)
+                except ShmStoreError as exc:
+                    return [_error_result(request.request_id, exc)]
             if self.pending_sleep is not None:
                 self.held.append(request)
                 return []

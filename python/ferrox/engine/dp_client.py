@@ -7,6 +7,8 @@ CPUs) and fed by `DPRouter` (least loaded, then prefix affinity). The rules acro
 - a request goes to one core; the n samples of one request follow the first to the same core, so
   they share the prompt's KV blocks;
 - an abort goes to the core that owns the request;
+- under `--mm-processor-cache-type shm` one shared-memory store serves every core: a request's image goes as a
+  reference read (and acknowledged in its own slot) by the core it was sent to (multimodal/shm_items.py);
 - a utility call (stats, reset_prefix_cache) goes to every core and returns every answer;
 - the death of any core is the death of the engine: the front-end fails every waiting client (a
   client cannot tell which core held its request, and a server missing a replica silently serves
@@ -34,6 +36,8 @@ from ferrox.engine.dp_placement import place_cores
 from ferrox.engine.dp_router import DPRouter
 from ferrox.engine.protocol import EngineCoreRequest
 from ferrox.errors import EngineDeadError, EngineStartupError
+from ferrox.multimodal.shm_items import ShmItemSender
+from ferrox.multimodal.shm_store import ShmRef
 
 logger = logging.getLogger("ferrox.engine.dp_client")
 
@@ -48,6 +52,9 @@ class DPCoreClient:
         self.cores: list[CoreClient] = []
         self._dead: str | None = None
         self._closed = False
+        # --mm-processor-cache-type shm (multimodal/shm_items.py): the store items cross to the cores through, one
+        # reader slot per core; set by the front-end once it knows the model takes images. None: items inline.
+        self.mm_store: ShmItemSender | None = None
         try:
             for placement in self.placements:
                 self.cores.append(CoreClient(
@@ -103,9 +110,16 @@ class DPCoreClient:
             engine = self.router.route(request.request_id, request.prompt_token_ids, cache_key)
         else:
             self.router.assign(request.request_id, engine)
+        refs: list[ShmRef] = []
         try:
+            if self.mm_store is not None and request.mm_inputs:
+                items, refs = self.mm_store.send(request.mm_inputs, engine)
+                if refs:  # (the caller's request keeps its pixels: siblings and retries send their own)
+                    request = msgspec.structs.replace(request, mm_inputs=items)
             self.cores[engine].add_request(request)
         except BaseException:
+            if self.mm_store is not None:
+                self.mm_store.cancel(refs)  # never sent, never read
             self.router.release(request.request_id)
             raise
         return engine
@@ -186,10 +200,12 @@ class DPCoreClient:
         return self._dead is None and not self._closed and all(core.is_alive() for core in self.cores)
 
     def shutdown(self) -> None:
-        """Stop every core (idempotent)."""
+        """Stop every core, then remove the multimodal shared memory (idempotent)."""
         self._closed = True
         for core in self.cores:
             core.shutdown()
+        if self.mm_store is not None:
+            self.mm_store.close()
 
     def __repr__(self) -> str:
         return f"DPCoreClient(size={self.size}, pids={self.pids}, alive={self.is_alive()})"

@@ -732,8 +732,22 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def dashed_flag_names(argv: list[str]) -> list[str]:
+    """`--tokenizer_mode mistral` as `--tokenizer-mode mistral`: vLLM's parser takes either spelling of a flag's
+    name (Mistral's model cards and vLLM's recipes write `--tokenizer_mode`, `--config_format`, `--load_format`).
+    Only the name is rewritten: not a value (`--x=a_b`), nor a dotted JSON key (`--hf-overrides.rope_scaling`)."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--") and len(arg) > 2:
+            name, eq, value = arg.partition("=")
+            head, dot, keys = name.partition(".")
+            arg = head.replace("_", "-") + dot + keys + eq + value
+        out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = dashed_flag_names(list(sys.argv[1:] if argv is None else argv))
     try:
         argv = expand_dotted_json_args(expand_config_file(argv))
         # A --tool-parser-plugin registers its parsers before the parser lists --tool-call-parser's choices.

@@ -66,5 +66,5 @@ def _check_model_shapes(config: EngineConfig) -> None:
     from ferrox.loader.model_loader import load_model_spec
     from ferrox.loader.source import resolve_model
 
-    spec = load_model_spec(resolve_model(config.model, config.revision), config.hf_overrides)
+    spec = load_model_spec(resolve_model(config.model, config.revision), config.hf_overrides, config.config_format)
     check_tp_shapes(spec, config.tensor_parallel_size, expert_parallel=config.enable_expert_parallel)

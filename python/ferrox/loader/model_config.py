@@ -7,16 +7,15 @@ rope_scaling vs rope_parameters, torch_dtype vs dtype).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
 from ferrox.loader.config_fields import to_float, to_int
+from ferrox.loader.config_file import read_model_config
 from ferrox.loader.errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError
-from ferrox.loader.json_file import read_json
 from ferrox.loader.source import ModelSource
-from ferrox.model_spec import ModelSpec, MoeSpec
+from ferrox.model_spec import ModelSpec, MoeSpec, rope_type_of
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
@@ -79,6 +78,15 @@ _TEXT_DEFAULTS["llama4_text"] = {
     "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
     "hidden_act": "silu", "max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5, "rope_theta": 500_000.0,
     "tie_word_embeddings": False, "num_experts_per_tok": 1, "num_local_experts": 16, "attention_chunk_size": 8192}
+# Ministral 3's language model (Ministral3Config's defaults: the 8B's shape, YaRN with Llama 4's query scaling):
+# Mistral3ForConditionalGeneration's text_config on the Ministral 3 and Mistral-Medium-3.5 releases.
+_TEXT_DEFAULTS["ministral3"] = {
+    "vocab_size": 131_072, "hidden_size": 4096, "intermediate_size": 14_336, "num_hidden_layers": 34,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
+    "max_position_embeddings": 262_144, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "sliding_window": None,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 16.0,
+                        "original_max_position_embeddings": 16_384, "beta_fast": 32.0, "beta_slow": 1.0,
+                        "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}}
 # Checkpoints whose text fields may sit at the top level beside vision_config (transformers < 5 wrote Qwen2-VL so).
 _FLAT_TEXT = {"Qwen2VLForConditionalGeneration": "qwen2_vl_text", "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl_text"}
 # Multimodal-RoPE checkpoints -> transformers' mrope_section when the config leaves it out.
@@ -190,7 +198,7 @@ def spec_from_hf_config(config: dict[str, Any], where: str, *, scaled_context: b
         raise ModelLoadError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     # transformers >= 5 nests rope_theta and the scaling under rope_parameters.
     rope = mapping("rope_parameters") or {}
-    scaling = mapping("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    scaling = mapping("rope_scaling") or (rope if rope_type_of(rope) != "default" else None)
     theta = config.get("rope_theta")
     if theta is None:  # absent, or null beside a nested rope_parameters
         theta = rope.get("rope_theta", 10000.0)
@@ -509,19 +517,22 @@ def _gguf_dtype(gguf: Any) -> str:
     return "float16" if GGMLQuantizationType.F16 in types else "bfloat16"
 
 
-def load_model_spec(source: ModelSource, hf_overrides: dict[str, Any] | None = None) -> ModelSpec:
-    """The spec from config.json (HF folder) or from the GGUF metadata. hf_overrides: fields that
-    replace the config's (vLLM's --hf-overrides; each key's whole value), named in errors."""
+def load_model_spec(source: ModelSource, hf_overrides: dict[str, Any] | None = None,
+                    config_format: str = "auto") -> ModelSpec:
+    """The spec from config.json (HF folder), Mistral's params.json (config_format, vLLM's: loader/config_file.py)
+    or the GGUF metadata. hf_overrides: fields that replace the config's (vLLM's --hf-overrides; each key's whole
+    value), named in errors."""
     if source.format == "gguf":
         from ferrox.loader.gguf_file import open_gguf
 
+        if config_format == "mistral":
+            raise ModelNotFoundError(f"config_format 'mistral' reads a folder's params.json; {source.path} is a GGUF "
+                                     "file")
         gguf = open_gguf(source.path)
         config, where, scaled = hf_config_from_gguf(gguf), gguf.path, False
     else:
-        where = os.path.join(source.path, "config.json")
-        if not os.path.isfile(where):
-            raise ModelNotFoundError(f"model folder {source.path} has no config.json")
-        config, scaled = read_json(where), True
+        config, where = read_model_config(source.path, config_format)
+        scaled = True
     if hf_overrides:
         config = {**config, **hf_overrides}
         where = f"{where} with hf_overrides"

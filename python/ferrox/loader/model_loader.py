@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["load_model_spec", "load_model", "load_generation_config", "LOAD_FORMATS"]
 
-LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy", "mistral")
 
 
 def load_model(source: ModelSource, spec: ModelSpec, *, dtype: torch.dtype, device: torch.device | str,
@@ -59,13 +59,15 @@ def load_model(source: ModelSource, spec: ModelSpec, *, dtype: torch.dtype, devi
     if load_format == "auto":
         if source.format == "gguf":
             load_format = "gguf"
+        elif mistral_layout(source.path):
+            load_format = "mistral"  # Mistral's native consolidated*.safetensors (loader/mistral_weights.py)
         elif weights.has_torch_bin(source.path) and not weights.has_safetensors(source.path):
             load_format = "pt"  # an older checkpoint with pytorch_model*.bin only
         else:
             load_format = "safetensors"  # (with no weights at all, its error names the folder)
     if load_format == "gguf" and source.format != "gguf":
         raise ModelLoadError(f"load_format 'gguf' needs a .gguf file, {source.path} is a folder")
-    if load_format in ("safetensors", "pt") and source.format != "hf":
+    if load_format in ("safetensors", "pt", "mistral") and source.format != "hf":
         raise ModelLoadError(f"load_format {load_format!r} needs a Hugging Face folder, {source.path} is a GGUF file")
 
     cls = get_model_class([spec.architecture], spec.hf_config)
@@ -99,11 +101,17 @@ def load_model(source: ModelSource, spec: ModelSpec, *, dtype: torch.dtype, devi
                                                            keep_quantized=keep_quantized),
                                          len(open_gguf(source.path).tensor_names)))
         elif load_format == "pt":
-            model.load_weights(_progress(weights.iter_torch_bin(source.path), None))
+            model.load_weights(_progress(_renamed(weights.iter_torch_bin(source.path), quant_config), None))
+        elif load_format == "mistral":
+            from ferrox.loader.mistral_weights import iter_mistral_safetensors, mistral_files
+
+            model.load_weights(_progress(_renamed(iter_mistral_safetensors(source.path, spec, lazy=tp.size > 1),
+                                                  quant_config),
+                                         _num_safetensors(source.path, mistral_files(source.path))))
         else:
             # Under tensor parallelism each rank reads only its shard of every tensor.
-            model.load_weights(_progress(weights.iter_safetensors(source.path, lazy=tp.size > 1),
-                                         _num_safetensors(source.path)))
+            model.load_weights(_progress(_renamed(weights.iter_safetensors(source.path, lazy=tp.size > 1),
+                                                  quant_config), _num_safetensors(source.path)))
         # Text only: the vision side was built on the meta device, where loading checked its shapes and
         # stored nothing.
         drop_vision_encoder(model)
@@ -119,6 +127,21 @@ def load_model(source: ModelSource, spec: ModelSpec, *, dtype: torch.dtype, devi
     return model
 
 
+def _renamed(tensors: Iterator[tuple[str, Any]], quant_config: QuantConfig | None) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's tensors with the suffixes its quantization layout spells otherwise renamed to the layers'
+    (QuantConfig.checkpoint_renames)."""
+    renames = quant_config.checkpoint_renames if quant_config is not None else ()
+    if not renames:
+        yield from tensors
+        return
+    for name, tensor in tensors:
+        for old, new in renames:
+            if name.endswith(old):
+                name = name[:-len(old)] + new
+                break
+        yield name, tensor
+
+
 def quantized_gguf_runs(cls: type, device: torch.device, tp_size: int) -> bool:
     """Whether a quantized GGUF can stay quantized: the quantized matmul is a CPU kernel (rust/cpu/), the
     packed groups are not sharded across ranks yet, and the model class must take QuantizedTensors.
@@ -132,6 +155,19 @@ def quantized_gguf_runs(cls: type, device: torch.device, tp_size: int) -> bool:
     return True
 
 
+def mistral_layout(folder: str) -> bool:
+    """Whether load_format 'auto' reads a folder as Mistral's native layout: it has consolidated*.safetensors and
+    either no config.json (params.json describes it) or no Hugging Face-named safetensors beside them. vLLM's
+    'auto' takes the consolidated files whenever they are there; ferrox pairs the weights with the config it
+    reads (loader/config_file.py), so a folder with both layouts loads the Hugging Face one."""
+    from ferrox.loader.mistral_config import consolidated_files
+
+    if not consolidated_files(folder):
+        return False
+    hf_named = [f for f in os.listdir(folder) if f.endswith(".safetensors") and not f.startswith("consolidated")]
+    return not os.path.isfile(os.path.join(folder, "config.json")) or not hf_named
+
+
 def _progress(tensors: Iterator[tuple[str, Any]], total: int | None) -> Iterator[tuple[str, Any]]:
     """A progress bar over the checkpoint's tensors as the model takes them (on stderr; the first
     tensor-parallel rank only, the others load the same tensors in step)."""
@@ -141,14 +177,14 @@ def _progress(tensors: Iterator[tuple[str, Any]], total: int | None) -> Iterator
                      disable=get_tp_group().rank != 0))
 
 
-def _num_safetensors(folder: str) -> int | None:
+def _num_safetensors(folder: str, files: list[str] | None = None) -> int | None:
     from safetensors import safe_open
 
     from ferrox.loader import weights
 
     try:
         total = 0
-        for path in weights.safetensors_files(folder):
+        for path in files if files is not None else weights.safetensors_files(folder):
             with safe_open(path, framework="pt", device="cpu") as f:
                 total += len(f.keys())
         return total

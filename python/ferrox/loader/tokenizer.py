@@ -3,6 +3,7 @@
 
 HF folder: tokenizer.json (+ tokenizer_config.json, special_tokens_map.json, chat_template.jinja,
 generation_config.json, config.json for EOS ids). GGUF: rebuilt from metadata (gguf_tokenizer.py).
+tokenizer_mode "mistral": Mistral's tekken.json through mistral_common (mistral_tokenizer.py).
 `to_json_str()` is handed to the Rust core, which detokenizes with the same `tokenizers` model.
 
 This module must not import torch (directly or through model_config): the API server process
@@ -27,6 +28,13 @@ _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
 class Tokenizer:
+    # True where the tokenizer's own library encodes chats (tokenizer_mode mistral): apply_chat_template then
+    # takes continue_final_message itself, and encode() of the text it returns gives the chat's own ids.
+    encodes_chats = False
+    # True where decoding keeps the tool / reasoning parsers' markers in the text even under skip_special_tokens
+    # (tokenizer_mode mistral's [TOOL_CALLS], [THINK]): those parsers then need no skip_special_tokens=False.
+    keeps_markers_in_text = False
+
     def __init__(
         self,
         tokenizer: HFTokenizer,
@@ -140,10 +148,24 @@ class Tokenizer:
                                     **template_kwargs)
 
 
-def load_tokenizer(source: ModelSource) -> Tokenizer:
+def load_tokenizer(source: ModelSource, mode: str = "auto") -> Tokenizer:
+    """mode: vLLM's tokenizer_mode. "hf": tokenizer.json (or a GGUF's vocabulary); "mistral": tekken.json through
+    mistral_common (loader/mistral_tokenizer.py); "auto": "mistral" for a folder in Mistral's layout, else "hf"."""
+    if mode == "mistral" or (mode == "auto" and source.format == "hf" and _prefers_mistral(source.path)):
+        from ferrox.loader.mistral_tokenizer import load_mistral_tokenizer
+
+        return load_mistral_tokenizer(source)
     if source.format == "gguf":
         return _load_gguf_tokenizer(source)
     return _load_hf_tokenizer(source)
+
+
+def _prefers_mistral(folder: str) -> bool:
+    if not os.path.isfile(os.path.join(folder, "tekken.json")):  # (the common case, without importing the module)
+        return False
+    from ferrox.loader.mistral_tokenizer import prefers_mistral_tokenizer
+
+    return prefers_mistral_tokenizer(folder)
 
 
 def _load_gguf_tokenizer(source: ModelSource) -> Tokenizer:
@@ -177,8 +199,10 @@ def _load_hf_tokenizer(source: ModelSource) -> Tokenizer:
     folder = source.path
     path = os.path.join(folder, "tokenizer.json")
     if not os.path.isfile(path):
+        hint = ("; it has Mistral's tekken.json: use tokenizer_mode 'mistral'"
+                if os.path.isfile(os.path.join(folder, "tekken.json")) else "")
         raise ModelNotFoundError(f"model folder {folder} has no tokenizer.json (ferrox needs the fast-tokenizer "
-                                 "file; convert a slow tokenizer with transformers' save_pretrained)")
+                                 f"file; convert a slow tokenizer with transformers' save_pretrained){hint}")
     try:
         tok = HFTokenizer.from_file(path)
     except Exception as e:

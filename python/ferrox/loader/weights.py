@@ -44,8 +44,10 @@ def safetensors_files(folder: str) -> list[str]:
     if os.path.isfile(single):
         return [single]
     found = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    # Mistral's repositories may hold its native consolidated*.safetensors beside the Hugging Face files: the same
+    # weights under other names (load_format 'mistral' reads those: loader/mistral_weights.py).
     if found:
-        return found
+        return [f for f in found if not os.path.basename(f).startswith("consolidated")] or found
     raise ModelNotFoundError(f"model folder {folder} has no *.safetensors weights (use load_format='dummy' "
                              "for random weights)")
 
@@ -53,11 +55,16 @@ def safetensors_files(folder: str) -> list[str]:
 def iter_safetensors(folder: str, *, lazy: bool = False) -> Iterator[tuple[str, Any]]:
     """lazy: yield CheckpointSlices (distributed/sharding.py) that read only the part a
     tensor-parallel rank asks for, instead of whole tensors."""
+    yield from iter_safetensors_files(safetensors_files(folder), lazy=lazy)
+
+
+def iter_safetensors_files(paths: list[str], *, lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """iter_safetensors over the given files (Mistral's consolidated*.safetensors: loader/mistral_weights.py)."""
     from safetensors import safe_open
 
     from ferrox.distributed.sharding import CheckpointSlice
 
-    for path in safetensors_files(folder):
+    for path in paths:
         try:
             handle = safe_open(path, framework="pt", device="cpu")
         except Exception as e:  # SafetensorError: header too small / invalid JSON / truncated

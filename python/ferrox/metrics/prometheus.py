@@ -10,7 +10,9 @@ and splits by it to see one core. Two sources:
   so the cores' own counters are the single truth;
 - the multimodal processor cache's queries and hits (vLLM's mm_cache_queries / mm_cache_hits, in items) are
   the front-end's own (it prepares the images: multimodal/processor_cache.py), read from the cache at scrape
-  time under engine "0"; always there, 0 without a cache, as vLLM registers them;
+  time under engine "0"; always there, 0 without a cache, as vLLM registers them. Under
+  --mm-processor-cache-type shm they stay that cache's: it decides what is processed again, while the
+  shared-memory store (multimodal/shm_store.py) only carries the pixels to the cores;
 - per-request counts and latencies are measured in the front-end (AsyncLLM hands each output
   batch's `IterationStats` here): prompt tokens (whole prompts, as vLLM counts them, and their
   cached part), finished requests by reason, and vLLM's request histograms.

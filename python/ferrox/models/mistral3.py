@@ -1,4 +1,5 @@
-"""Mistral 3 (Mistral3ForConditionalGeneration: Mistral Small 3.1 and 3.2): a Mistral language model, the Pixtral
+"""Mistral 3 (Mistral3ForConditionalGeneration: Mistral Small 3.1 and 3.2; Ministral 3 and Mistral-Medium-3.5,
+whose text_config is a `ministral3`: models/ministral3.py): a Mistral language model, the Pixtral
 vision tower (models/vision/pixtral_vision.py) and transformers' Mistral3MultiModalProjector:
 
     features = tower(image)[vision_feature_layer]            [rows * m, cols * m] patches, row-major
@@ -18,7 +19,9 @@ Checkpoint names: the hub's layout (`language_model.model.*`, `language_model.lm
 `multi_modal_projector.*`, which transformers 5 also saves) or transformers 5's module names
 (`model.language_model.*`, `lm_head.*`, `model.vision_tower.*`, `model.multi_modal_projector.*`). Whether the
 LM head is tied is the top-level config's tie_word_embeddings when it says (transformers 5 reads that one),
-else the text config's. Unquantized; tensor parallelism as LLaVA's.
+else the text config's. Tensor parallelism as LLaVA's. Quantized checkpoints (Ministral 3's FP8 releases:
+quantization_config at the top level, modules_to_not_convert naming the tower, the projector and lm_head)
+quantize the language model's projections only: the tower and projector are plain torch layers.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from torch import nn
 from ferrox.model_spec import ModelSpec, UnsupportedModelError
 from ferrox.models.llama import MistralForCausalLM
 from ferrox.models.llava import PROJECTOR_ACTIVATIONS, LlavaLayoutWeights
+from ferrox.models.ministral3 import Ministral3Model
 from ferrox.models.vision.encoder_setup import vision_device
 from ferrox.models.vision.pixtral_vision import PixtralVisionTower, RMSNorm
 from ferrox.multimodal.inputs import MultiModalItem
@@ -92,13 +96,18 @@ def check_pixtral_item(item: MultiModalItem, channels: int, unit: int) -> str | 
 
 
 class Mistral3ForConditionalGeneration(LlavaLayoutWeights, MistralForCausalLM):
+    # Only the language model's Linear layers take a quantization method (module docstring).
+    supports_quantization = True
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
         mm = spec.hf_config["multimodal"]
-        if spec.hf_config.get("model_type") != "mistral":
-            raise UnsupportedModelError(f"config.json: text_config.model_type {spec.hf_config.get('model_type')!r} of "
-                                        "a Mistral 3 model is not supported (mistral)")
+        text_type = spec.hf_config.get("model_type")
+        if text_type not in ("mistral", "ministral3"):
+            raise UnsupportedModelError(f"config.json: text_config.model_type {text_type!r} of a Mistral 3 model is "
+                                        "not supported (mistral, ministral3)")
+        if text_type == "ministral3":
+            self.model_class = Ministral3Model  # (read by the Llama constructor: the stack with Llama 4's query scaling)
         if "tie_word_embeddings" in mm:
             spec = dataclasses.replace(spec, tie_word_embeddings=bool(mm["tie_word_embeddings"]))
         super().__init__(spec, dtype, device, kernels=kernels)

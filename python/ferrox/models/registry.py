@@ -27,6 +27,7 @@ from ferrox.model_spec import UnsupportedModelError
 SUPPORTED: dict[str, str] = {
     "LlamaForCausalLM": "ferrox.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "ferrox.models.llama:MistralForCausalLM",
+    "Ministral3ForCausalLM": "ferrox.models.ministral3:Ministral3ForCausalLM",
     "MixtralForCausalLM": "ferrox.models.moe:MixtralForCausalLM",
     "Qwen2ForCausalLM": "ferrox.models.qwen:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "ferrox.models.qwen:Qwen3ForCausalLM",

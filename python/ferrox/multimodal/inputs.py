@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 
+from ferrox.multimodal.shm_store import ShmRef
+
 if TYPE_CHECKING:
     import torch
 
@@ -40,6 +42,9 @@ class MultiModalItem(msgspec.Struct, array_like=True, omit_defaults=True):
     embed_positions: list[int] | None = None
     # Qwen2.5-VL videos: seconds one temporal patch spans (its rotary spaces frames by time). None otherwise.
     second_per_grid_ts: float | None = None
+    # --mm-processor-cache-type shm: where the pixels lie in the front-end's shared memory while the item crosses to
+    # the engine core (pixels empty meanwhile); the core reads them back on receipt (multimodal/shm_items.py).
+    shm: ShmRef | None = None
 
     @classmethod
     def from_pixels(cls, offset: int, length: int, pixel_values: np.ndarray, digest: str,
@@ -57,6 +62,9 @@ class MultiModalItem(msgspec.Struct, array_like=True, omit_defaults=True):
     def pixel_values(self) -> torch.Tensor:
         import torch  # (the engine core's side; the front-end that builds items has no torch)
 
+        if self.shm is not None:
+            raise RuntimeError(f"multimodal item {self.hash[:16]}: its pixels are still in shared memory "
+                               "(multimodal.shm_items.resolve_items puts them back when the core receives them)")
         return torch.from_numpy(np.frombuffer(self.pixels, dtype=np.float32).reshape(self.shape).copy())
 
     @property

@@ -1,5 +1,5 @@
-"""vLLM's multimodal processor cache (`--mm-processor-cache-gb`, type `lru`): a repeated image or video is not
-processed again.
+"""vLLM's multimodal processor cache (`--mm-processor-cache-gb`, type `lru`; type `shm` keeps it too, and carries the
+pixels to the engine cores through shared memory: shm_store.py): a repeated image or video is not processed again.
 
 What one image processor (or video processor) returns for one item -- pixel values, patches, a grid, tile counts,
 frame timestamps -- is kept in an LRU bounded by the bytes of its arrays, keyed by

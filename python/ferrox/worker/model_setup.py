@@ -136,9 +136,9 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
         tok_source = (resolve_tokenizer(config.tokenizer, config.model, config.revision, config.tokenizer_revision)
                       if config.tokenizer is not None or config.tokenizer_revision is not None else source)
         logger.info("loading the tokenizer from %s", tok_source.path)
-        tokenizer = _cached_tokenizer(tok_source, _mtime(tok_source.path))
+        tokenizer = _cached_tokenizer(tok_source, _mtime(tok_source.path), config.tokenizer_mode)
     overrides = _overrides_key(config.hf_overrides)
-    spec = _cached_spec(source, _mtime(source.path), overrides)
+    spec = _cached_spec(source, _mtime(source.path), overrides, config.config_format)
     # --convert classify names the family's classifier; a causal LM converted into a classifier reads its head
     # off LM-head rows named by token (vLLM's classifier_from_token): their ids, from the tokenizer, before the
     # pooler and the model are set up.
@@ -346,13 +346,13 @@ def _shared_model(source: ModelSource, spec: Any, dtype: torch.dtype, device: to
 
 
 @functools.lru_cache(maxsize=4)
-def _cached_tokenizer(source: ModelSource, mtime: float) -> Any:
-    return load_tokenizer(source)
+def _cached_tokenizer(source: ModelSource, mtime: float, mode: str = "auto") -> Any:
+    return load_tokenizer(source, mode)
 
 
 @functools.lru_cache(maxsize=4)
-def _cached_spec(source: ModelSource, mtime: float, overrides: str = "") -> Any:
-    return load_model_spec(source, json.loads(overrides) if overrides else None)
+def _cached_spec(source: ModelSource, mtime: float, overrides: str = "", config_format: str = "auto") -> Any:
+    return load_model_spec(source, json.loads(overrides) if overrides else None, config_format)
 
 
 def _overrides_key(hf_overrides: dict[str, Any] | None) -> str:

@@ -136,8 +136,8 @@ async def create_message(ctx: ServingContext, request: web.Request) -> web.Strea
     # A long conversation takes a while to render and encode: off the event loop (a short one inline).
     prompt = await _render(ctx, req)
     check_max_tokens(ctx, len(prompt.token_ids), req.max_tokens)
-    params = _sampling_params(ctx, req, structured, tool_use.keeps_special_tokens(tools, prompt.template, ctx.options.tool_call_parser)
-                              or ctx.reasoning_needs_special_tokens)
+    params = _sampling_params(ctx, req, structured, ctx.keeps_special_tokens(
+        tool_use.keeps_special_tokens(tools, prompt.template, ctx.options.tool_call_parser)))
     validate_request(ctx, prompt.token_ids, params, MESSAGES_FIELDS)
     message_id = new_id("msg").replace("-", "_")
     request["request_id"] = message_id  # -> the X-Request-Id header and the access log

@@ -177,6 +177,15 @@ class ServingContext:
         return self.reasoning is not None and self.reasoning.thinks(self.template_kwargs(template_kwargs)) \
             and not self.reasoning.prompt_ends_reasoning(prompt_ids)
 
+    def keeps_special_tokens(self, tool_parser_needs: bool) -> bool:
+        """Whether a reply is decoded with skip_special_tokens=False: its tool parser (tool_parser_needs) or the
+        reasoning parser reads markers that are special tokens (Mistral's [TOOL_CALLS], gpt-oss's harmony), as
+        vLLM's parsers ask -- unless the tokenizer keeps those markers in the text anyway (tokenizer_mode
+        mistral): vLLM's parsers leave such a request alone, so <s> and </s> stay out of the reply."""
+        if getattr(self.engine.tokenizer, "keeps_markers_in_text", False):
+            return False
+        return tool_parser_needs or self.reasoning_needs_special_tokens
+
     @property
     def reasoning_needs_special_tokens(self) -> bool:
         """The reasoning parser reads special tokens (gpt-oss's harmony markers): replies are decoded
@@ -471,6 +480,8 @@ def render_chat(ctx: ServingContext, messages: list[dict[str, Any]], *, add_gene
             raise from_exception(exc) from None
         # gpt-oss's template reads an earlier turn's thinking as `thinking` (harmony.py).
         messages = ctx.reasoning.template_messages(messages)
+    # A tokenizer that encodes chats itself (tokenizer_mode mistral) leaves the last message open on request.
+    encodes_chats = getattr(ctx.engine.tokenizer, "encodes_chats", False)
     try:
         text = ctx.engine.tokenizer.apply_chat_template(
             messages,
@@ -479,10 +490,11 @@ def render_chat(ctx: ServingContext, messages: list[dict[str, Any]], *, add_gene
             chat_template=chat_template or ctx.engine.chat_template,
             content_format=ctx.options.chat_template_content_format,
             **ctx.template_kwargs(template_kwargs),
+            **({"continue_final_message": True} if encodes_chats and continue_final_message else {}),
         )
     except Exception as exc:  # jinja errors, missing template: the caller's input is at fault
         raise bad_request(f"chat template: {exc}", param="messages") from None
-    if continue_final_message and messages:
+    if continue_final_message and messages and not encodes_chats:
         # Let the model continue the last (assistant) message: cut what the template adds after it.
         last = content_text(messages[-1].get("content"))
         cut = text.rfind(last) if last else -1

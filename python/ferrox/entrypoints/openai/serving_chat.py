@@ -78,7 +78,7 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
                                 media_io_kwargs=req.media_io_kwargs)
     chat = await ctx.engine.prompt_work(prompt_size(req), _render_prompt, ctx, req, images)
     messages, template, prompt_text, prompt_ids = chat.messages, chat.template, chat.text, chat.token_ids
-    if tool_hooks.needs_special_tokens(req, ctx.options.tool_call_parser, template) or ctx.reasoning_needs_special_tokens:
+    if ctx.keeps_special_tokens(tool_hooks.needs_special_tokens(req, ctx.options.tool_call_parser, template)):
         # The parser's markers are special tokens (Mistral's [TOOL_CALLS], gpt-oss's harmony): kept in the
         # text, as vLLM does.
         req.skip_special_tokens = False

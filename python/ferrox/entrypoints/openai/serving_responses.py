@@ -276,8 +276,8 @@ async def create_response(ctx: ServingContext, request: web.Request) -> web.Stre
     prompt = await ctx.engine.prompt_work(prompt_size(conversation), tool_use.render_prompt, ctx, messages, tools,
                                           template_kwargs=req.template_kwargs(), images=images)
     check_max_tokens(ctx, len(prompt.token_ids), req.max_output_tokens)
-    params = _sampling_params(ctx, req, structured, tool_use.keeps_special_tokens(tools, prompt.template, ctx.options.tool_call_parser)
-                              or ctx.reasoning_needs_special_tokens)
+    params = _sampling_params(ctx, req, structured, ctx.keeps_special_tokens(
+        tool_use.keeps_special_tokens(tools, prompt.template, ctx.options.tool_call_parser)))
     validate_request(ctx, prompt.token_ids, params, RESPONSES_FIELDS)
     response = _Response(ctx, req, params, len(prompt.token_ids), stored=keep)
     request["request_id"] = response.id  # -> the X-Request-Id header and the access log

@@ -215,6 +215,9 @@ _ACTIVATION_NAMES = {"dynamic-token": "dynamic per-token activations", "dynamic-
                      "weight-only": "weight-only (activations unquantized)"}
 
 
+_TRANSFORMERS_PER_TENSOR_NAMES = ((".weight_scale_inv", ".weight_scale"), (".activation_scale", ".input_scale"))
+
+
 class Fp8Config(QuantConfig):
     """FP8 E4M3 weights with per-row scales, online or from a checkpoint (see the module docstring)."""
 
@@ -227,6 +230,11 @@ class Fp8Config(QuantConfig):
         self.online_quantization = online
         self.activations = activations
         self.unquantized = tuple(unquantized)
+        if not online:
+            # transformers 5 saves per-tensor FP8 (its FP8Linear without blocks) as `weight_scale_inv` (the
+            # dequantizing multiplier, despite the name) and `activation_scale` (the static input scale):
+            # Ministral 3's and Mistral-Medium-3.5's releases. The same tensors as AutoFP8's, renamed as vLLM does.
+            self.checkpoint_renames = _TRANSFORMERS_PER_TENSOR_NAMES
 
     @classmethod
     def online(cls) -> Fp8Config:

@@ -75,6 +75,9 @@ class QuantConfig:
     """A model's quantization method (see the module docstring)."""
 
     name: str = ""
+    # (checkpoint suffix, the suffix the layers take): tensor names a layout's publishers spell otherwise, renamed
+    # as the loader reads them (loader/model_loader.py), e.g. transformers' per-tensor FP8 `.weight_scale_inv`.
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
 
     def check(self, spec: ModelSpec, device: torch.device, tp_size: int) -> None:
         """Raise UnsupportedModelError naming what this method cannot run here (device, tensor
@@ -115,9 +118,12 @@ def use_quant_config(config: QuantConfig | None) -> Iterator[QuantConfig | None]
 
 
 def hf_quantization_config(hf_config: dict[str, Any]) -> dict[str, Any] | None:
-    """config.json's `quantization_config` (some exports nest it under `compression_config`)."""
-    for key in ("quantization_config", "compression_config"):
-        value = hf_config.get(key)
-        if isinstance(value, dict):
-            return value
+    """config.json's `quantization_config` (some exports nest it under `compression_config`). A multimodal
+    checkpoint's spec holds its text config, the rest of config.json under "multimodal" (loader/model_config.py):
+    its quantization_config sits there, at config.json's top level (Ministral 3's FP8 releases)."""
+    for config in (hf_config, hf_config.get("multimodal")):
+        for key in ("quantization_config", "compression_config"):
+            value = config.get(key) if isinstance(config, dict) else None
+            if isinstance(value, dict):
+                return value
     return None
