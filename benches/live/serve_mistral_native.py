@@ -1,16 +1,20 @@
 """Live `ferrox serve` of tiny checkpoints in Mistral's own layout with the flags Mistral's model cards and vLLM's
 recipes give: `--tokenizer_mode mistral --config_format mistral --load_format mistral --enable-auto-tool-choice
---tool-call-parser mistral`. Two models: a Mistral (Mistral-7B-v0.3 / Small's
-shape) and a Ministral 3 (params.json with yarn and llama_4_scaling), each a random tiny model written by
-transformers, rewritten as params.json + consolidated.safetensors + tekken.json (cut from mistral_common's).
+--tool-call-parser mistral`. Three models: a Mistral (Mistral-7B-v0.3 / Small's
+shape), a Ministral 3 (params.json with yarn and llama_4_scaling) and a Mistral 3 with a Pixtral tower (params.json's
+vision_encoder, tekken.json's image settings), each a random tiny model written by transformers, rewritten as
+params.json + consolidated.safetensors + tekken.json (cut from mistral_common's).
 
 Each serves 16 concurrent chats (answers compared with the offline LLM's under the same flags on the same device),
 a streamed chat (its deltas joined equal the answer), tools with tool_choice "auto" and "required" (the required
 call is guided by llguidance over the tekken-built tokenizer: its arguments must parse), and a json_schema
-response_format. 0 errors and 0 mismatches expected; exit code 0."""
+response_format; and a chat with a data-URL image (the Mistral 3's answer is the offline LLM's; the text models
+refuse it with a 400 naming messages). 0 errors and 0 mismatches expected; exit code 0."""
 from __future__ import annotations
 
+import base64
 import concurrent.futures as cf
+import io
 import json
 import os
 import sys
@@ -22,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from tests.helpers.mistral_layout import write_mistral_folder  # noqa: E402
+from tests.helpers.tiny_mistral_vision import make_tekken_mistral3, write_native  # noqa: E402
 from tests.helpers.tiny_tekken import NUM_SPECIAL, write_tekken  # noqa: E402
 from tests.server.server_proc import ServerProcess  # noqa: E402
 
@@ -58,6 +63,8 @@ def build(kind: str, dst: Path) -> str:
     import torch
     import transformers
 
+    if kind == "mistral3":
+        return write_native(make_tekken_mistral3(dst.with_name(dst.name + "-hf")), dst)
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, rms_norm_eps=1e-6, bos_token_id=1,
                   eos_token_id=2, tie_word_embeddings=False)
@@ -88,7 +95,19 @@ def main() -> int:
     dtype = os.environ.get("FERROX_LIVE_DTYPE", "float32")
     tmp = Path(tempfile.mkdtemp())
     bad = 0
-    for kind in ("mistral", "ministral3"):
+    from PIL import Image
+
+    png = io.BytesIO()
+    Image.new("RGB", (40, 24), (200, 30, 90)).save(png, format="PNG")
+    image_chat = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"type": "image_url",
+                   "image_url": {"url": "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()}}]}]
+    kinds = ["mistral", "ministral3"]
+    try:
+        import cv2  # noqa: F401  (mistral_common's image encoder resizes with OpenCV: mistral-common[image])
+        kinds.append("mistral3")
+    except ImportError:
+        print("serve_mistral_native: no OpenCV here (mistral-common[image]): the image model is skipped")
+    for kind in kinds:
         folder = build(kind, tmp / kind)
         chats = [[{"role": "system", "content": "You are terse."}, {"role": "user", "content": f"Count to {k}."}]
                  for k in range(12)]
@@ -98,6 +117,8 @@ def main() -> int:
                         config_format="mistral", load_format="mistral")
         expected = [o.outputs[0].text for o in reference.chat(chats, SamplingParams(max_tokens=16, temperature=0),
                                                               use_tqdm=False)]
+        expected_image = reference.chat(image_chat, SamplingParams(max_tokens=16, temperature=0),
+                                        use_tqdm=False)[0].outputs[0].text if kind == "mistral3" else None
         del reference
         srv = ServerProcess(folder, "--served-model-name", "m", "--dtype", dtype, *FLAGS,
                             "--enable-auto-tool-choice", "--tool-call-parser", "mistral", startup_timeout=300)
@@ -116,10 +137,15 @@ def main() -> int:
             schema = pool.submit(post, srv.base_url, "/v1/chat/completions", {
                 "model": "m", "messages": [{"role": "user", "content": "A number"}], "max_tokens": 40,
                 "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
-                    "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}})
+                    # (bounded: a random model may write digits until max_tokens)
+                    "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
+                    "required": ["n"]}}}})
+            image = pool.submit(post, srv.base_url, "/v1/chat/completions", {
+                "model": "m", "messages": image_chat, "max_tokens": 16, "temperature": 0})
             results = [f.result() for f in futures]
             streamed_text = streamed.result()
-            extras = {"auto": auto.result(), "required": required.result(), "schema": schema.result()}
+            extras = {"auto": auto.result(), "required": required.result(), "schema": schema.result(),
+                      "image": image.result()}
         for k, (status, body) in enumerate(results):
             if status != 200:
                 errors += 1
@@ -139,11 +165,14 @@ def main() -> int:
                                                             int)
         except (ValueError, KeyError, TypeError):
             checks["schema"] = False
+        status, body = extras["image"]
+        checks["image"] = (status == 200 and body["choices"][0]["message"]["content"] == expected_image) if \
+            expected_image is not None else (status == 400 and body["error"]["param"] == "messages")
         code = srv.stop()
         log_errors = [ln for ln in srv.log if " ERROR " in ln or "Traceback" in ln]
         print(f"{kind}: {len(chats)} chats, {errors} errors, {mismatches} mismatches, checks {checks}, exit {code}, "
               f"error log lines {len(log_errors)} {log_errors[:3]}")
-        for name in ("required", "schema"):
+        for name in ("required", "schema", "image"):
             if not checks[name]:
                 print(kind, name, extras[name])
         bad += errors + mismatches + sum(not v for v in checks.values()) + (code != 0) + len(log_errors)

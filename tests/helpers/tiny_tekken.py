@@ -41,8 +41,10 @@ def special_tokens() -> list[dict[str, Any]]:
 
 
 def write_tekken(folder: str | os.PathLike, *, version: str = "v13", vocab: int = 1000,
-                 num_special: int = NUM_SPECIAL) -> str:
-    """folder/tekken.json: `vocab` regular tokens after `num_special` special ids (n_words = their sum)."""
+                 num_special: int = NUM_SPECIAL, image: dict[str, int] | None = None) -> str:
+    """folder/tekken.json: `vocab` regular tokens after `num_special` special ids (n_words = their sum). image:
+    the file's image settings (image_patch_size, max_image_size, spatial_merge_size), which mistral_common builds
+    its ImageEncoder from ([IMG] 10, [IMG_BREAK] 12, [IMG_END] 13)."""
     real = _real_tekken()
     data = {
         "config": {**real["config"], "version": version, "num_vocab_tokens": vocab,
@@ -50,6 +52,8 @@ def write_tekken(folder: str | os.PathLike, *, version: str = "v13", vocab: int 
         "vocab": real["vocab"][:vocab],
         "special_tokens": special_tokens(),
     }
+    if image is not None:
+        data["image"] = dict(image)
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, "tekken.json")
     with open(path, "w", encoding="utf-8") as f:

@@ -268,6 +268,8 @@ def render_chat(
 
         fmt = content_format if content_format != "auto" else resolve_content_format(
             content_format, tokenizer.get_chat_template(chat_template, tools))
+        if getattr(tokenizer, "encodes_chats", False):
+            fmt = "openai"  # (tokenizer_mode mistral: mistral_common takes the parts, an image where it goes)
         conversation, sources = take_images(conversation, fmt, image_placeholder,
                                             video_placeholder=video_placeholder)
         images = sources or None

@@ -7,7 +7,8 @@ vLLM's MistralTokenizer wraps.
 - A chat is a mistral_common ChatCompletionRequest (from the OpenAI-shaped messages and tools) encoded by
   encode_chat_completion: system prompt, tools, tool calls and results, thinking, a continued last assistant
   message (continue_final_message). No Jinja template is involved: a chat template or template variables are
-  refused by name, as vLLM refuses them.
+  refused by name, as vLLM refuses them. An image part ({"type": "image"}, where ferrox's chat paths leave each
+  image they fetched) is encoded as one [IMG], which the image rules expand (multimodal/mistral_images.py).
 - The Rust core detokenizes with the same ids and bytes as a tokenizers.Tokenizer (loader/tekken.py). Under
   skip_special_tokens it keeps [TOOL_CALLS], [ARGS], [THINK] and [/THINK] in the text, as vLLM's incremental
   detokenizer does for a Mistral tokenizer: the tool-call and reasoning parsers read them.
@@ -47,7 +48,9 @@ MISTRAL_CHAT_TEMPLATE = ("(no Jinja template: mistral_common encodes the convers
 KEPT_IN_TEXT = ("[TOOL_CALLS]", "[ARGS]", "[THINK]", "[/THINK]")
 # Where vLLM's MistralTokenizer truncates OpenAI's longer tool call ids: Mistral's are 9 characters.
 TOOL_CALL_ID_CHARS = 9
-_MEDIA_PARTS = {"image_url", "image", "input_image", "video_url", "video", "input_audio", "audio_url", "audio"}
+# Media parts mistral_common is never handed: ferrox fetches a chat's images itself, and its chat paths leave an
+# {"type": "image"} part where each one goes (multimodal/mistral_images.py puts the image there).
+_MEDIA_PARTS = {"image_url", "input_image", "video_url", "video", "input_audio", "audio_url", "audio"}
 
 
 def prefers_mistral_tokenizer(folder: str) -> bool:
@@ -129,6 +132,13 @@ class MistralTokenizer(Tokenizer):
         super().__init__(backend, name=name, special_tokens=special_tokens,
                          eos_token_ids=[tekken.eos_id, *(extra_eos or [])], chat_template=None)
         self._rendered = threading.local()  # .text, .ids: the chat this thread rendered last
+        self._image_chats: Any = None  # mistral_common's tokenizer for chats with images (_image_chat_tokenizer)
+
+    @property
+    def image_encoder(self) -> Any:
+        """mistral_common's ImageEncoder of tekken.json's image settings (None without them): how a Mistral 3 /
+        Pixtral model's images are prepared in this mode (multimodal/mistral_images.py)."""
+        return getattr(self.mistral.instruct_tokenizer, "image_encoder", None)
 
     # ---- text -------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -198,16 +208,36 @@ class MistralTokenizer(Tokenizer):
             request = ChatCompletionRequest.from_openai(
                 _mistral_messages(messages), tools=_mistral_tools(tools) if tools else None,
                 continue_final_message=continue_final_message, **extra)
-            return list(self.mistral.encode_chat_completion(request).tokens)
+            mistral = self._image_chat_tokenizer() if _has_images(messages) else self.mistral
+            return list(mistral.encode_chat_completion(request).tokens)
         except ChatTemplateError:
             raise
         except Exception as e:  # mistral_common's validation: pydantic errors, asserts, its own exceptions
             raise ChatTemplateError(f"mistral_common: {type(e).__name__}: {e}") from None
 
+    def _image_chat_tokenizer(self) -> Any:
+        """mistral_common's tokenizer writing one [IMG] per image part (multimodal/mistral_images.py)."""
+        if self._image_chats is None:
+            from ferrox.multimodal.mistral_images import placeholder_chat_tokenizer
+
+            image = self._special_ids.get("[IMG]")
+            if image is None:
+                raise ChatTemplateError(f"{self.name}: {TEKKEN_FILE} has no [IMG] token, so a chat cannot hold images")
+            self._image_chats = placeholder_chat_tokenizer(self.mistral, image)
+        return self._image_chats
+
+
+def _has_images(messages: list[dict]) -> bool:
+    return any(isinstance(m, dict) and isinstance(m.get("content"), list) and any(
+        isinstance(p, dict) and p.get("type") == "image" for p in m["content"]) for m in messages)
+
 
 def _mistral_messages(messages: list[dict]) -> list[dict[str, Any]]:
-    """Copies for ChatCompletionRequest.from_openai: text-only contents (ferrox hands mistral_common no
-    media), OpenAI's longer tool call ids cut to their last 9 characters, as vLLM does."""
+    """Copies for ChatCompletionRequest.from_openai: media parts refused but for {"type": "image"} (an image
+    ferrox fetched, which it puts where the chunk's [IMG] lands), OpenAI's longer tool call ids cut to their last
+    9 characters, as vLLM does."""
+    from ferrox.multimodal.mistral_images import PLACEHOLDER_IMAGE_PART
+
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
@@ -220,7 +250,10 @@ def _mistral_messages(messages: list[dict]) -> list[dict[str, Any]]:
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind in _MEDIA_PARTS:
                     raise ChatTemplateError(f"messages[{i}].content[{j}]: a {kind!r} part; with tokenizer_mode "
-                                            "'mistral' ferrox passes text only to mistral_common")
+                                            "'mistral' ferrox passes mistral_common text, and {'type': 'image'} "
+                                            "where an image it fetched goes")
+            message["content"] = [dict(PLACEHOLDER_IMAGE_PART) if isinstance(p, dict) and p.get("type") == "image"
+                                  else p for p in content]
         if message.get("role") == "assistant" and message.get("tool_calls"):
             message["tool_calls"] = [
                 {**call, "id": _short_id(call["id"])} if isinstance(call, dict) and isinstance(call.get("id"), str)

@@ -331,9 +331,14 @@ def _image_prompts_for_model(model_dir: str, hf_config: Mapping[str, Any], token
         from ferrox.multimodal.pixtral_processing import pixtral_image_prompts
 
         # (LLaVA over a Pixtral tower, Pixtral-12B: a row per patch, PixtralProcessor's default merge of 1.)
+        merge = 1 if pixtral_llava else 2
+        if getattr(tokenizer, "image_encoder", None) is not None:  # tokenizer_mode mistral: mistral_common's images
+            from ferrox.multimodal.mistral_images import mistral_image_prompts
+
+            return mistral_image_prompts(model_dir, hf_config, tokenizer.image_encoder, limit=limit,
+                                         allowed_local_media_path=allowed_local_media_path, default_merge=merge)
         return pixtral_image_prompts(model_dir, hf_config, tokenizer, limit=limit,
-                                     allowed_local_media_path=allowed_local_media_path,
-                                     default_merge=1 if pixtral_llava else 2)
+                                     allowed_local_media_path=allowed_local_media_path, default_merge=merge)
     if "LlavaForConditionalGeneration" not in archs and "Gemma3ForConditionalGeneration" not in archs:
         return None
     from ferrox.multimodal.image_processor import ImageProcessor

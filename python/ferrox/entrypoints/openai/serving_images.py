@@ -73,6 +73,8 @@ def take_template_images(ctx: Any, messages: list[dict[str, Any]], template: str
     prompts = ctx.engine.image_prompts
     try:
         fmt = resolve_content_format(ctx.options.chat_template_content_format, template or "")
+        if getattr(ctx.engine.tokenizer, "encodes_chats", False):
+            fmt = "openai"  # (tokenizer_mode mistral: mistral_common takes the parts, an image where it goes)
         return take_images(messages, fmt, prompts.placeholder if prompts is not None else None, ctx.model_name,
                            video_placeholder=getattr(prompts, "video_placeholder", None))[0]
     except (InvalidArgumentError, ValueError) as e:
