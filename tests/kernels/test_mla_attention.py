@@ -312,3 +312,24 @@ def test_gpu_float32_decode_graph(cuda_device):
     graph.replay()
     torch.cuda.synchronize()
     assert relative_error(out, _reference(q, cache[0], meta, rank, 0.05)) < 1e-5
+
+
+def test_tiny_mistral4_on_triton_kernels_matches_transformers(kernel_device, tmp_path):
+    """Llama 4's query scaling on the Triton path (models/mistral4.py): a one-layer dense Mistral 4 whose 20-token
+    prompt crosses five multiples of a 4-position original context, built with kernels="triton" (the MLA kernels
+    over the scaled queries, Triton rotary in place); greedy tokens equal transformers'."""
+    import transformers
+    from ferrox.models.mistral4 import Mistral4ForCausalLM
+
+    from tests.helpers.driver import run_greedy
+    from tests.helpers.tiny_deepseek import load_on_triton_kernels
+    from tests.helpers.tiny_mistral4 import ROPE, make_tiny_mistral4
+    from tests.models.conftest import hf_greedy
+
+    folder = make_tiny_mistral4(tmp_path / "m4", num_hidden_layers=1, max_position_embeddings=32,
+                                rope_parameters={**ROPE, "original_max_position_embeddings": 4})
+    model = load_on_triton_kernels(folder, Mistral4ForCausalLM, kernel_device)
+    assert isinstance(model.backend, MlaTritonBackend) and model.model.query_scale is not None
+    ref = transformers.Mistral4ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompt = [(7 * i) % 300 + 3 for i in range(20)]
+    assert run_greedy(model, [prompt], 3, block_size=8, prefill_chunk=12)[0] == hf_greedy(ref, prompt, 3)

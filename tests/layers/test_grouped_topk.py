@@ -148,3 +148,25 @@ def test_matches_transformers_deepseek_v2_group_limited_greedy() -> None:
     weights, ids = grouped_topk(logits, 3, scoring_func="softmax", renormalize=False, num_expert_group=4,
                                 topk_group=2, routed_scaling_factor=16.0)
     assert_same_routing(as_dicts(weights, ids), as_dicts(hf_weights, hf_ids))
+
+
+@pytest.mark.parametrize(("groups", "topk_group", "renorm"), [(1, 1, True), (4, 2, True), (4, 1, False)])
+def test_matches_transformers_mistral4_router(groups: int, topk_group: int, renorm: bool) -> None:
+    """Mistral 4's (models/mistral4.py): softmax scores, groups ranked by their two best without a bias
+    (group_top2), weights renormalised then scaled."""
+    from transformers import Mistral4Config
+    from transformers.models.mistral4.modeling_mistral4 import Mistral4TopkRouter
+
+    experts = 16
+    config = Mistral4Config(hidden_size=experts, n_routed_experts=experts, num_experts_per_tok=4, n_group=groups,
+                            topk_group=topk_group, norm_topk_prob=renorm, routed_scaling_factor=1.5)
+    router = Mistral4TopkRouter(config)
+    logits = torch.randn(50, experts, generator=torch.Generator().manual_seed(groups * 5 + topk_group)) * 2
+    hf_weights, hf_ids = _router_on_logits(router, logits)
+    weights, ids = grouped_topk(logits, 4, scoring_func="softmax", renormalize=renorm, num_expert_group=groups,
+                                topk_group=topk_group, routed_scaling_factor=1.5, group_top2=True)
+    assert_same_routing(as_dicts(weights, ids), as_dicts(hf_weights, hf_ids))
+    if topk_group < groups:  # (ranked by their best score instead, some tokens route elsewhere)
+        _, best_ids = grouped_topk(logits, 4, scoring_func="softmax", renormalize=renorm, num_expert_group=groups,
+                                   topk_group=topk_group, routed_scaling_factor=1.5)
+        assert (best_ids.sort(-1).values != ids.sort(-1).values).any()

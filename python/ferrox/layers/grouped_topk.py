@@ -7,8 +7,9 @@ Glm4MoeTopkRouter, DeepSeek-V2's `group_limited_greedy`, vLLM's grouped_topk):
 1. scores = softmax (DeepSeek-V2) or sigmoid (V3, GLM-4.5) of the router logits, in float32;
 2. choice scores = scores + e_score_correction_bias (V3's "noaux_tc" load-balancing bias: it steers
    which experts are chosen, never how much they weigh);
-3. each group is ranked by the sum of its two best choice scores when there is a bias (V3), else
-   by its best score (V2); experts outside the best `topk_group` groups are masked out;
+3. each group is ranked by the sum of its two best choice scores when there is a bias (V3) or
+   `group_top2` says so (Mistral 4's softmax router), else by its best score (V2); experts outside the
+   best `topk_group` groups are masked out;
 4. the top k choice scores name the experts;
 5. their weights are the ORIGINAL scores (no bias), renormalised to sum to 1 if asked, then times
    `routed_scaling_factor`.
@@ -26,8 +27,10 @@ SCORING_FUNCS = ("softmax", "sigmoid")
 def grouped_topk(router_logits: torch.Tensor, top_k: int, *, scoring_func: str, renormalize: bool,
                  num_expert_group: int = 1, topk_group: int = 1,
                  e_score_correction_bias: torch.Tensor | None = None,
-                 routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] float32, ids [T, k] int32) for router_logits [T, E]."""
+                 routed_scaling_factor: float = 1.0,
+                 group_top2: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, ids [T, k] int32) for router_logits [T, E]. group_top2: rank groups by their
+    two best scores (None: when there is a correction bias)."""
     if router_logits.dim() != 2:
         raise ValueError(f"router_logits must be [tokens, experts], got {tuple(router_logits.shape)}")
     num_tokens, num_experts = router_logits.shape
@@ -46,7 +49,7 @@ def grouped_topk(router_logits: torch.Tensor, top_k: int, *, scoring_func: str, 
     choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
     if num_expert_group > 1 and topk_group < num_expert_group:
         grouped = choice.view(num_tokens, num_expert_group, per_group)
-        if e_score_correction_bias is not None:
+        if group_top2 or (group_top2 is None and e_score_correction_bias is not None):
             group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(dim=-1)
         else:
             group_scores = grouped.max(dim=-1).values

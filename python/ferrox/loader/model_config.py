@@ -87,6 +87,20 @@ _TEXT_DEFAULTS["ministral3"] = {
     "rope_parameters": {"rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 16.0,
                         "original_max_position_embeddings": 16_384, "beta_fast": 32.0, "beta_slow": 1.0,
                         "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}}
+# Mistral 4's language model (Mistral4Config's defaults: DeepSeek's latent attention and experts, YaRN with Llama 4's
+# query scaling): Mistral3ForConditionalGeneration's text_config on the Mistral Small 4 releases (models/mistral4.py).
+_TEXT_DEFAULTS["mistral4"] = {
+    "vocab_size": 131_072, "hidden_size": 4096, "intermediate_size": 12_288, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 32, "n_shared_experts": 1,
+    "n_routed_experts": 128, "routed_scaling_factor": 1.0, "kv_lora_rank": 256, "q_lora_rank": 1024,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 64, "n_group": 1, "topk_group": 1,
+    "num_experts_per_tok": 4, "first_k_dense_replace": 0, "norm_topk_prob": True, "hidden_act": "silu",
+    "max_position_embeddings": 1_048_576, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "rope_interleave": True, "attention_bias": False,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 128.0,
+                        "original_max_position_embeddings": 8192, "beta_fast": 32.0, "beta_slow": 1.0,
+                        "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1,
+                        "partial_rotary_factor": 0.5}}
 # Checkpoints whose text fields may sit at the top level beside vision_config (transformers < 5 wrote Qwen2-VL so).
 _FLAT_TEXT = {"Qwen2VLForConditionalGeneration": "qwen2_vl_text", "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl_text"}
 # Multimodal-RoPE checkpoints -> transformers' mrope_section when the config leaves it out.
@@ -204,6 +218,8 @@ def spec_from_hf_config(config: dict[str, Any], where: str, *, scaled_context: b
         theta = rope.get("rope_theta", 10000.0)
     if scaling is not None:
         scaling = _normalized_scaling(config, scaling)
+    if kv_planes == 1:
+        _check_mla_rotary(config, rope, where)
     max_pos = optional("max_position_embeddings", 2048)
     if scaled_context and scaling is not None:
         max_pos = _scaled_context(scaling, max_pos, where)
@@ -241,7 +257,7 @@ def spec_from_hf_config(config: dict[str, Any], where: str, *, scaled_context: b
         moe=_moe_spec(config, where),
         sliding_window=sliding_window,
         sliding_layers=sliding_layers,
-        rotary_dim=_rotary_dim(config, rope, head_dim, where),
+        rotary_dim=_rotary_dim(config, rope, head_dim, where) if kv_planes == 2 else None,
         kv_planes=kv_planes,
     )
 
@@ -313,6 +329,18 @@ def _rotary_dim(config: dict[str, Any], rope: dict[str, Any], head_dim: int, whe
         raise ModelLoadError(f"{where}: field 'partial_rotary_factor' {factor} gives {rotary_dim} rotary dims of "
                              f"the head's {head_dim}; it must be in (0, 1] and give an even number")
     return None if rotary_dim == head_dim else rotary_dim
+
+
+def _check_mla_rotary(config: dict[str, Any], rope: dict[str, Any], where: str) -> None:
+    """Latent attention rotates qk_rope_head_dim dims of each query head (models/deepseek_v2.py reads them): a
+    partial_rotary_factor (Mistral 4 writes one, of qk_nope_head_dim + qk_rope_head_dim) must say the same."""
+    nope, rotary = config.get("qk_nope_head_dim"), config.get("qk_rope_head_dim")
+    if isinstance(nope, int) and isinstance(rotary, int) and nope >= 0 and rotary > 0:
+        got = _rotary_dim(config, rope, nope + rotary, where)
+        if got not in (None, rotary):
+            raise ModelLoadError(f"{where}: field 'partial_rotary_factor' gives {got} rotary dims of a "
+                                 f"{nope + rotary}-dim query head; latent attention rotates its qk_rope_head_dim "
+                                 f"{rotary}")
 
 
 def _moe_spec(config: dict[str, Any], where: str) -> MoeSpec | None:

@@ -1,5 +1,6 @@
 """DeepSeek-V2 / V3 (`DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`): DeepSeek-V2-Lite, V2, V2.5, V3, R1,
-Kimi-K2 and other checkpoints of that architecture.
+Kimi-K2 and other checkpoints of that architecture; Mistral 4 builds on these modules (models/mistral4.py: its
+router through `read_moe`, Llama 4's query scaling through `model_class`).
 
 A decoder layer is multi-head latent attention (models/mla_attention.py: the cache holds one latent row a
 token) and an MLP: the first `first_k_dense_replace` layers are dense, later ones (every `moe_layer_freq`-th)
@@ -90,6 +91,7 @@ class DeepseekMoeConfig:
     topk_group: int
     renormalize: bool
     routed_scaling_factor: float
+    group_top2: bool | None = None  # groups ranked by their two best scores (None: with the bias, as V3)
 
     def is_sparse(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
@@ -208,7 +210,7 @@ class DeepseekMoe(nn.Module):
                                     renormalize=moe.renormalize, num_expert_group=moe.num_expert_group,
                                     topk_group=moe.topk_group,
                                     e_score_correction_bias=self.gate.e_score_correction_bias,
-                                    routed_scaling_factor=moe.routed_scaling_factor)
+                                    routed_scaling_factor=moe.routed_scaling_factor, group_top2=moe.group_top2)
         if self.shared_experts is None:
             return self.experts(x, weights, ids)
         return experts_with_shared(self.experts, x, weights, ids, self.shared_experts, x)
@@ -256,6 +258,7 @@ class DeepseekV2ForCausalLM(nn.Module):
     # CUDA graphs (worker/model_forward.py) need attention that plans nothing on the host: the Triton MLA
     # kernels (set per instance in __init__); the torch backend does not qualify.
     supports_cuda_graphs = False
+    model_class: type[DeepseekModel] = DeepseekModel  # (Mistral 4's adds Llama 4's query scaling: models/mistral4.py)
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
@@ -273,16 +276,20 @@ class DeepseekV2ForCausalLM(nn.Module):
         check_tp_shapes(spec, tp.size, expert_parallel=tp.expert_parallel)
         self.num_mtp_layers = _int(spec.hf_config, "num_nextn_predict_layers", 0, minimum=0)
         self.mla = mla_shape(spec, self.version)
-        self.moe = moe_config(spec, self.version)
+        self.moe = self.read_moe(spec)
         self.kernels = select_kernels(device, kernels)
         self.ops = for_device(device, self.kernels)
         # The MLA kernels with the Triton set, the torch reference otherwise (models/mla_attention.py).
         self.backend = mla_backend(device, self.kernels, self.mla)
         self.supports_cuda_graphs = isinstance(self.backend, MlaTritonBackend)
         self.model_dtype = dtype
-        self.model = DeepseekModel(spec, self.mla, self.moe, self.backend, self.ops, dtype, device)
+        self.model = self.model_class(spec, self.mla, self.moe, self.backend, self.ops, dtype, device)
         self.lm_head = (None if spec.tie_word_embeddings else
                         ParallelLMHead(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device))
+
+    def read_moe(self, spec: ModelSpec) -> DeepseekMoeConfig | None:
+        """The config's experts, routed as this family's reference routes them."""
+        return moe_config(spec, self.version)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

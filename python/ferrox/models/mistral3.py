@@ -1,5 +1,6 @@
 """Mistral 3 (Mistral3ForConditionalGeneration: Mistral Small 3.1 and 3.2; Ministral 3 and Mistral-Medium-3.5,
-whose text_config is a `ministral3`: models/ministral3.py): a Mistral language model, the Pixtral
+whose text_config is a `ministral3`: models/ministral3.py; Mistral Small 4's `mistral4`: models/mistral4.py,
+which builds DeepSeek's stack under the same tower): a Mistral language model, the Pixtral
 vision tower (models/vision/pixtral_vision.py) and transformers' Mistral3MultiModalProjector:
 
     features = tower(image)[vision_feature_layer]            [rows * m, cols * m] patches, row-major
@@ -95,22 +96,18 @@ def check_pixtral_item(item: MultiModalItem, channels: int, unit: int) -> str | 
     return None
 
 
-class Mistral3ForConditionalGeneration(LlavaLayoutWeights, MistralForCausalLM):
-    # Only the language model's Linear layers take a quantization method (module docstring).
-    supports_quantization = True
+class PixtralImages:
+    """The Pixtral tower and Mistral 3's projector beside a language model: built by `build_pixtral` after the
+    language model, then read by check_image_item / embed_image_item (Mistral3ForConditionalGeneration over a
+    Mistral or Ministral 3 stack; models/mistral4.py's over Mistral 4's)."""
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
-                 kernels: str | None = None):
+    vision_tower: PixtralVisionTower
+    multi_modal_projector: nn.Module  # (a Mistral3Projector)
+    merge: int
+    _dtype: torch.dtype
+
+    def build_pixtral(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str) -> None:
         mm = spec.hf_config["multimodal"]
-        text_type = spec.hf_config.get("model_type")
-        if text_type not in ("mistral", "ministral3"):
-            raise UnsupportedModelError(f"config.json: text_config.model_type {text_type!r} of a Mistral 3 model is "
-                                        "not supported (mistral, ministral3)")
-        if text_type == "ministral3":
-            self.model_class = Ministral3Model  # (read by the Llama constructor: the stack with Llama 4's query scaling)
-        if "tie_word_embeddings" in mm:
-            spec = dataclasses.replace(spec, tie_word_embeddings=bool(mm["tie_word_embeddings"]))
-        super().__init__(spec, dtype, device, kernels=kernels)
         vision = mm.get("vision_config") or {}
         if vision.get("model_type", "pixtral") != "pixtral":
             raise UnsupportedModelError(f"config.json: vision_config.model_type {vision['model_type']!r} of a "
@@ -139,3 +136,28 @@ class Mistral3ForConditionalGeneration(LlavaLayoutWeights, MistralForCausalLM):
         rows, cols = item.grid
         pixels = item.pixel_values().to(device=device, dtype=self._dtype)
         return self.multi_modal_projector(self.vision_tower([pixels]), rows, cols)
+
+
+def tied_from_top_level(spec: ModelSpec) -> ModelSpec:
+    """The spec with the top-level config's tie_word_embeddings when it says (transformers 5 reads that one)."""
+    mm = spec.hf_config["multimodal"]
+    if "tie_word_embeddings" in mm:
+        return dataclasses.replace(spec, tie_word_embeddings=bool(mm["tie_word_embeddings"]))
+    return spec
+
+
+class Mistral3ForConditionalGeneration(PixtralImages, LlavaLayoutWeights, MistralForCausalLM):
+    # Only the language model's Linear layers take a quantization method (module docstring).
+    supports_quantization = True
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
+                 kernels: str | None = None):
+        text_type = spec.hf_config.get("model_type")
+        if text_type not in ("mistral", "ministral3"):
+            # (A mistral4 text config is models/mistral4.py's class: models/registry.py TEXT_VARIANTS.)
+            raise UnsupportedModelError(f"config.json: text_config.model_type {text_type!r} of a Mistral 3 model is "
+                                        "not supported (mistral, ministral3, mistral4)")
+        if text_type == "ministral3":
+            self.model_class = Ministral3Model  # (read by the Llama constructor: the stack with Llama 4's query scaling)
+        super().__init__(tied_from_top_level(spec), dtype, device, kernels=kernels)
+        self.build_pixtral(spec, dtype, device)

@@ -36,6 +36,11 @@ config.json says rope_interleave false); ferrox's rotary kernels turn (i, i + d/
 are laid out evens-then-odds before rotating: the same permutation of both leaves every q . k unchanged,
 and nothing else reads them.
 
+Llama 4's query scaling (Mistral 4: models/mistral4.py) arrives as the step's rope (`QueryScaledRope`): q_pe
+turns with the rope inside it, then q_nope and q_pe both take the token's factor before the absorption, so
+the absorbed query of every path (torch, Triton, CUDA graphs) and the expanded prefill's carry it: a
+per-token factor on the logits, as transformers scales the whole query.
+
 Tensor parallelism (as vLLM shards MLA): the query heads split across the ranks. q_proj / q_b_proj and
 kv_b_proj are column-parallel by heads (`HeadParallelLinear`: rank r holds heads [r H/N, (r+1) H/N), so
 its W_UK / W_UV are those heads' halves of kv_b_proj), o_proj row-parallel over the same heads (one
@@ -63,6 +68,7 @@ from ferrox.layers.layernorm import RMSNorm
 from ferrox.layers.linear import Linear, MergedLinear, RowParallelLinear
 from ferrox.layers.ops import DeviceOps, Rope
 from ferrox.model_spec import ModelSpec, UnsupportedModelError
+from ferrox.models.ministral3 import QueryScaledRope
 
 logger = logging.getLogger(__name__)
 
@@ -355,6 +361,10 @@ class MlaAttention(nn.Module):
         if self.w_uk is None or self.w_uv is None:
             raise RuntimeError("MlaAttention.absorb_kv_b was not called after loading the weights")
         t, mla, heads = x.shape[0], self.mla, self.num_heads
+        q_scale = None
+        if isinstance(rope, QueryScaledRope):  # Llama 4's query scaling (Mistral 4): the whole query, below
+            q_scale = rope.q_scale
+            rope = rope.rope
         if self.q_proj is not None:
             q = self.q_proj(x)
         else:
@@ -368,6 +378,10 @@ class MlaAttention(nn.Module):
         if mla.interleaved:
             q_pe, k_pe = _evens_then_odds(q_pe), _evens_then_odds(k_pe)
         q_pe, k_pe = rope.rotate(q_pe, k_pe)  # (the Triton kernel turns them in place)
+        if q_scale is not None:
+            # Both parts, before the absorption: every path below (absorbed, expanded, graphs) reads them.
+            factor = q_scale[:, None, None]
+            q_nope, q_pe = (q_nope * factor).to(q.dtype), (q_pe * factor).to(q.dtype)
         # W_UK absorbed into the query: [H, T, nope] @ [H, nope, rank] -> [H, T, rank].
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
         q_full = torch.cat((q_latent, q_pe.to(q_latent.dtype)), dim=-1)  # [T, H, rank + rope]

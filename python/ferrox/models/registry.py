@@ -59,6 +59,7 @@ SUPPORTED: dict[str, str] = {
     "MiniMaxM2ForCausalLM": "ferrox.models.minimax_m2:MiniMaxM2ForCausalLM",
     "DeepseekV2ForCausalLM": "ferrox.models.deepseek_v2:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "ferrox.models.deepseek_v2:DeepseekV3ForCausalLM",
+    "Mistral4ForCausalLM": "ferrox.models.mistral4:Mistral4ForCausalLM",
     "GptOssForCausalLM": "ferrox.models.gpt_oss:GptOssForCausalLM",
     "Llama4ForCausalLM": "ferrox.models.llama4:Llama4ForCausalLM",
     "Llama4ForConditionalGeneration": "ferrox.models.llama4:Llama4ForConditionalGeneration",
@@ -100,6 +101,13 @@ VISION_VARIANTS: dict[tuple[str, str], str] = {
 }
 
 
+# (architecture, text model_type) -> the class, where the language model is another family's stack: Mistral 3 over
+# Mistral 4's (Mistral Small 4: DeepSeek's latent attention and experts under the Pixtral tower).
+TEXT_VARIANTS: dict[tuple[str, str], str] = {
+    ("Mistral3ForConditionalGeneration", "mistral4"): "ferrox.models.mistral4:Mistral3Mistral4ForConditionalGeneration",
+}
+
+
 def vision_model_type(hf_config: Mapping[str, Any]) -> str | None:
     """vision_config.model_type of a multimodal checkpoint (hf_config: a ModelSpec's or config.json)."""
     vision = (hf_config.get("multimodal") or hf_config).get("vision_config")
@@ -107,9 +115,11 @@ def vision_model_type(hf_config: Mapping[str, Any]) -> str | None:
 
 
 def get_model_class(architectures: list[str], hf_config: Mapping[str, Any] | None = None) -> type:
-    """The class of the first supported architecture; hf_config picks VISION_VARIANTS."""
+    """The class of the first supported architecture; hf_config (a ModelSpec's: a multimodal checkpoint's text
+    config) picks VISION_VARIANTS and TEXT_VARIANTS."""
     for arch in architectures:
         target = VISION_VARIANTS.get((arch, vision_model_type(hf_config) or "")) if hf_config else None
+        target = target or (TEXT_VARIANTS.get((arch, str(hf_config.get("model_type")))) if hf_config else None)
         target = target or SUPPORTED.get(arch)
         if target is not None:
             module, _, cls = target.partition(":")

@@ -281,10 +281,12 @@ class Fp8Config(QuantConfig):
 
     def moe_method(self, layer: FusedMoE) -> Fp8MoeMethod:
         """FP8 experts, a scale per row (fp8_moe.py); activations per token only (what the expert
-        kernels quantize at run time)."""
+        kernels quantize at run time). A static checkpoint's experts (Mistral Small 4's release) keep their
+        calibrated input scales unused: they quantize per token too, finer than one scale (vLLM runs them
+        with the largest of those scales), while its linear layers take their static scales."""
         from ferrox.layers.quant.fp8_moe import Fp8MoeMethod
 
-        if self.activations != "dynamic-token":
+        if self.activations not in ("dynamic-token", "static"):
             raise UnsupportedModelError(f"quantization {self.name!r}: {_ACTIVATION_NAMES[self.activations]} are not "
                                         "supported for mixture-of-experts layers (their experts quantize activations "
                                         "per token at run time)")

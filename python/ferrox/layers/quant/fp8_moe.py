@@ -12,7 +12,7 @@ Three sources, one layout per layer (layers/quant/fp8_moe_ref.py gives the arith
   `weight` and a scale per BN x BK block (`weight_scale_inv`, or `weight_scale`).
 
 Activations are quantized at run time, per token / pair (per row) or per token and group of BK
-(blocks). Static activation scales for experts are refused by the config (fp8.py).
+(blocks). A static checkpoint's expert input scales are read and not used (fp8.py Fp8Config.moe_method).
 
 The gate and up halves of w13 are stacked rows, so with blocks each half must hold whole block rows
 (moe_intermediate_size, per rank, a multiple of BN), and a rank's intermediate columns of w2 must
