@@ -41,10 +41,10 @@ def test_qwen3_with_thinking_off_is_all_answer():
     assert parser("deepseek_r1").thinks({"enable_thinking": False})  # R1 always thinks (vLLM)
 
 
-# harmony, mistral, granite and seed_oss: their own tests (test_harmony_reasoning.py, test_reasoning_parsers_more.py,
-# structured/test_tool_parser_seed_oss.py)
+# harmony, mistral, granite, seed_oss and gemma4: their own tests (test_harmony_reasoning.py,
+# test_reasoning_parsers_more.py, structured/test_tool_parser_seed_oss.py, test_reasoning_gemma4.py)
 @pytest.mark.parametrize("name", [n for n in REASONING_PARSERS
-                                  if n not in ("openai_gptoss", "mistral", "granite", "seed_oss")])
+                                  if n not in ("openai_gptoss", "mistral", "granite", "seed_oss", "gemma4")])
 def test_stream_concatenates_to_the_split(name):
     """Any cut of the text into deltas streams exactly the non-streamed split, and nothing of a tag
     leaks into either part."""

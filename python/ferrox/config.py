@@ -554,7 +554,8 @@ class EngineConfig:
         "K2.5: thinks unless thinking false), 'minimax_m2' (MiniMax-M2 / M2.1 / M2.5; 'minimax_m2_append_think' "
         "keeps the thinking in the content, after a '<think>'), 'mistral' (Magistral's [THINK] / [/THINK]), "
         "'granite' (Granite 3.2+'s 'Here is my thought process:' / 'Here is my response:' text, with thinking "
-        "true) or 'openai_gptoss' (gpt-oss's harmony channels); the chat API "
+        "true), 'gemma4' (Gemma 4's <|channel>thought ... <channel|>, with enable_thinking true) or 'openai_gptoss' "
+        "(gpt-oss's harmony channels); the chat API "
         "then returns the thinking as `reasoning`, parses tool calls from the answer only, and structured outputs "
         "constrain the answer after the end of thinking (refused with granite and openai_gptoss, as are "
         "thinking budgets)",

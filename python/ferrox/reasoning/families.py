@@ -40,6 +40,12 @@ is, the chat-template switch that turns thinking on or off, and whether the mark
   conversation themselves (MiniMax's interleaved thinking: the next request sends it back as content). Nothing
   is split off: the content is the `<think>` the prompt opened, then the output as written, `</think>` and all
   (`inline`). The tags still drive the grammar gate, the thinking budget and the reasoning-token count.
+- gemma4: Gemma 4 writes `<|channel>thought\n...<channel|>` (special tokens: replies keep them), the channel's
+  `thought\n` label dropped as vLLM's parser drops it. Its template thinks only with `enable_thinking: true`
+  (off, it closes an empty channel in the prompt); the model opens the channel itself, so output before a
+  `<|channel>` is content (mistral's rule; vLLM drops such text). Gemma 4 goes on with its turn after a tool's
+  response and may think again: the prompt is read after its last `<tool_response|>` (vLLM's parser reads it so
+  too). A `<|tool_call>` written while thinking ends the thinking (vLLM's is_reasoning_end says so).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from typing import Any
 THINK = ("<think>",), ("</think>",)
 GLM_TOOL_CALL = "<tool_call>"
 KIMI_TOOL_SECTION = "<|tool_calls_section_begin|>"
+GEMMA4_CHANNEL = ("<|channel>",), ("<channel|>",)
 MISTRAL_THINK = ("[THINK]",), ("[/THINK]",)
 GRANITE_THINK = ("Here is my thought process:", "Here's my thought process:"), \
     ("Here is my response:", "Here's my response:")
@@ -75,6 +82,11 @@ def _thinking_or_enable_thinking(kwargs: Mapping[str, Any]) -> bool:
 def _thinking(kwargs: Mapping[str, Any]) -> bool:
     # granite: the template asks for the markers only with `thinking: true`.
     return bool(kwargs.get("thinking"))
+
+
+def _enable_thinking(kwargs: Mapping[str, Any]) -> bool:
+    # gemma4: off by default; `enable_thinking: true` turns it on.
+    return bool(kwargs.get("enable_thinking"))
 
 
 def _unless_thinking_false(kwargs: Mapping[str, Any]) -> bool:
@@ -102,6 +114,8 @@ class Family:
     # The thinking stays in the content, tags included, after the start tag the prompt opened (the start tag is
     # written first when the reply starts inside the thinking): nothing goes out as reasoning.
     inline: bool = False
+    # Text the model writes right after the start tag, dropped with it when there (Gemma 4's `thought\n`).
+    label: str = ""
 
 
 # GLM-4.5 / 4.6 (glm45) and GLM-4.7 (glm47, vLLM's other name of the same parser).
@@ -122,4 +136,6 @@ FAMILIES: dict[str, Family] = {
                       turn_tag="<|im_assistant|>", answer_tags=(KIMI_TOOL_SECTION,)),
     "minimax_m2": Family(*THINK, untagged="reasoning"),
     "minimax_m2_append_think": Family(*THINK, untagged="reasoning", inline=True),
+    "gemma4": Family(*GEMMA4_CHANNEL, untagged="scan", thinks=_enable_thinking, needs_special_tokens=True,
+                     turn_tag="<tool_response|>", answer_tags=("<|tool_call>",), label="thought\n"),
 }

@@ -24,7 +24,8 @@ that opens its tool calls while still thinking has ended its thinking there, and
 mistral (`[THINK]` / `[/THINK]`) and granite (text markers) differ in what comes before the opening
 marker: see families.py. minimax_m2 reads as deepseek_r1 (MiniMax-M2's prompt opens the `<think>`);
 minimax_m2_append_think (an `inline` family) splits nothing off: the content is `<think>` and the output as
-written, while the tags' ids still serve the engine as above.
+written, while the tags' ids still serve the engine as above. gemma4 (`<|channel>` / `<channel|>`) reads as
+mistral, with its channel's `thought\n` label dropped (families.py).
 
 The split works on text, so the tags must reach the text: the `<think>` families have them as added
 tokens that are not special (skip_special_tokens keeps them); Mistral's are special (the reply keeps
@@ -164,6 +165,7 @@ class ReasoningStream:
 
     States: "start" (only whitespace or a part of a start tag seen: held back, since a leading start
     tag and the whitespace before it are dropped), "scan" (mistral's content before its `[THINK]`),
+    "label" (just after a start tag: the family's label, Gemma 4's `thought\n`, dropped when it comes),
     "reasoning" (up to an end tag, dropped, or an answer tag, kept in the content), "content". Text that
     could be the beginning of a tag is held back until the next delta says whether it is one."""
 
@@ -213,12 +215,21 @@ class ReasoningStream:
                 head = text.lstrip()
                 tag = next((t for t in family.start_tags if head.startswith(t)), None)
                 if tag is not None:
-                    text, self.state = head[len(tag):], "reasoning"
+                    text, self.state = head[len(tag):], "label"
                     continue
                 if not finished and any(t.startswith(head) for t in family.start_tags):  # "" or a part of a tag
                     self._pending = text
                     break
                 self.state = family.untagged  # no opening tag: the text so far is that, whitespace included
+                continue
+            if self.state == "label":  # just after a start tag: the family's label, if written, is dropped
+                label = family.label
+                if label and text.startswith(label):
+                    text = text[len(label):]
+                elif label and not finished and label.startswith(text):  # "" or a part of the label
+                    self._pending = text
+                    break
+                self.state = "reasoning"
                 continue
             # "scan" looks for either tag (a stray end tag is dropped), "reasoning" for the end tag or an
             # answer tag (which stays: it opens the answer).
@@ -232,7 +243,7 @@ class ReasoningStream:
                 if self.state == "reasoning":
                     self.state = "content"
                 elif tag in family.start_tags:
-                    self.state = "reasoning"
+                    self.state = "label"
                 continue
             keep = len(text) - (0 if finished else _tag_prefix_len(text, tags))
             out.append(text[:keep])

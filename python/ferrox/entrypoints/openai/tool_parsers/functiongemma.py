@@ -40,7 +40,9 @@ whether it is one.
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from ferrox.entrypoints.openai.tool_parsers.arguments_json import ArgumentsJson
 from ferrox.entrypoints.openai.tool_parsers.base import (
@@ -56,8 +58,32 @@ CALL_BEGIN = "<start_function_call>"
 CALL_END = "<end_function_call>"
 ESCAPE = "<escape>"
 CALL_PREFIX = "call:"
-_MARKERS = (ESCAPE, CALL_END, CALL_BEGIN)
 _BARE_ENDS = ",}]"  # what ends a bare value (a number, true, false, null or plain text)
+
+
+def _json_or_text(text: str) -> Any:
+    ok, value = _json_value(text)
+    return value if ok else text
+
+
+@dataclass(frozen=True, slots=True)
+class Syntax:
+    """The markers of a FunctionGemma-style format and how it is typed (Gemma 4's is the same with other tokens:
+    gemma4.py)."""
+
+    begin: str
+    end: str
+    escape: str  # the string delimiter
+    bare: Callable[[str], Any]  # a bare value's text -> its value
+    # A top-level `escape`d string whose text is JSON is that JSON, unless the tool's schema allows a string.
+    escaped_json: bool
+
+    @property
+    def markers(self) -> tuple[str, str, str]:
+        return self.escape, self.end, self.begin
+
+
+FUNCTIONGEMMA = Syntax(CALL_BEGIN, CALL_END, ESCAPE, bare=_json_or_text, escaped_json=True)
 
 
 class _Unreadable(Exception):
@@ -77,16 +103,18 @@ def _json_value(text: str) -> tuple[bool, Any]:
 class _ValueReader:
     """Reads one complete value (or `key:value` member) of FunctionGemma's argument syntax."""
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, syntax: Syntax) -> None:
         self.text = text
         self.i = 0
+        self.escape = syntax.escape
+        self.bare = syntax.bare
 
     def member(self) -> tuple[str, Any, bool]:
         """`key:value` that is the whole text -> key, value, and whether the value was an `<escape>`d string."""
         key = self._key(":")
         self.i += 1
         self._ws()
-        escaped = self.text.startswith(ESCAPE, self.i)
+        escaped = self.text.startswith(self.escape, self.i)
         value = self.value()
         if skip_ws(self.text, self.i) != len(self.text):
             raise _Unreadable
@@ -95,12 +123,12 @@ class _ValueReader:
     def value(self) -> Any:
         text = self.text
         self._ws()
-        if text.startswith(ESCAPE, self.i):
-            end = text.find(ESCAPE, self.i + len(ESCAPE))
+        if text.startswith(self.escape, self.i):
+            end = text.find(self.escape, self.i + len(self.escape))
             if end < 0:
                 raise _Unreadable
-            value = text[self.i + len(ESCAPE) : end]
-            self.i = end + len(ESCAPE)
+            value = text[self.i + len(self.escape) : end]
+            self.i = end + len(self.escape)
             self._ws()
             return value
         if text.startswith("{", self.i):
@@ -113,8 +141,7 @@ class _ValueReader:
         bare = text[start : self.i].strip()
         if not bare or any(c in bare for c in "{[<"):
             raise _Unreadable
-        ok, value = _json_value(bare)
-        return value if ok else bare
+        return self.bare(bare)
 
     def _object(self) -> dict[str, Any]:
         self.i += 1  # the `{`
@@ -150,12 +177,12 @@ class _ValueReader:
         """A key (bare or `<escape>`d), up to `end`, which is left to read."""
         self._ws()
         text = self.text
-        if text.startswith(ESCAPE, self.i):
-            close = text.find(ESCAPE, self.i + len(ESCAPE))
+        if text.startswith(self.escape, self.i):
+            close = text.find(self.escape, self.i + len(self.escape))
             if close < 0:
                 raise _Unreadable
-            key = text[self.i + len(ESCAPE) : close]
-            self.i = close + len(ESCAPE)
+            key = text[self.i + len(self.escape) : close]
+            self.i = close + len(self.escape)
             self._ws()
         else:
             stop = text.find(end, self.i)
@@ -179,10 +206,10 @@ class _ValueReader:
         return False
 
 
-def read_member(text: str) -> tuple[str, Any, bool] | None:
+def read_member(text: str, syntax: Syntax = FUNCTIONGEMMA) -> tuple[str, Any, bool] | None:
     """One top-level `key:value` -> key, value, whether the value was `<escape>`d; None when it does not read."""
     try:
-        return _ValueReader(text).member()
+        return _ValueReader(text, syntax).member()
     except (_Unreadable, RecursionError):
         return None
 
@@ -197,11 +224,15 @@ def _allows_string(schema: Any) -> bool:
 class _Arguments(ArgumentsJson):
     """Members as read_member() reads them: add(key, text) takes the member's whole text, known to read."""
 
+    def __init__(self, properties: dict[str, Any], syntax: Syntax) -> None:
+        super().__init__(properties)
+        self._syntax = syntax
+
     def convert(self, text: str, schema: Any) -> Any:
-        member = read_member(text)
+        member = read_member(text, self._syntax)
         assert member is not None
         _, value, escaped = member
-        if escaped and not _allows_string(schema):  # vLLM's reading of an `<escape>`d value
+        if escaped and self._syntax.escaped_json and not _allows_string(schema):  # vLLM's reading of it
             ok, loaded = _json_value(value)
             if ok:
                 return loaded
@@ -220,6 +251,7 @@ class FunctionGemmaToolParser(ScanningToolParser):
     name = "functiongemma"
     # `<start_function_call>`, `<end_function_call>` and `<escape>` are special tokens of its tokenizer.
     needs_special_tokens = True
+    syntax: ClassVar[Syntax] = FUNCTIONGEMMA
 
     def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         super().__init__(tools)
@@ -244,14 +276,14 @@ class FunctionGemmaToolParser(ScanningToolParser):
         """One move over `_buf`; False when it needs more text (or, final, is done)."""
         buf, state = self._buf, self._state
         if state == _TEXT:
-            at = buf.find(CALL_BEGIN)
+            at = buf.find(self.syntax.begin)
             if at < 0:
-                end = len(buf) if final else len(buf) - held_back(buf, CALL_BEGIN)
+                end = len(buf) if final else len(buf) - held_back(buf, self.syntax.begin)
                 self._gate.into(out, buf[:end])
                 self._buf = buf[end:]
                 return False
             self._gate.into(out, buf[:at])
-            self._buf, self._state = buf[at + len(CALL_BEGIN) :], _HEADER
+            self._buf, self._state = buf[at + len(self.syntax.begin) :], _HEADER
             return True
         if state == _HEADER:
             return self._header(out, final)
@@ -259,23 +291,23 @@ class FunctionGemmaToolParser(ScanningToolParser):
             return self._member(out, final)
         if state == _CLOSE:
             i = skip_ws(buf, 0)
-            if buf.startswith(CALL_END, i):
-                self._buf, self._state = buf[i + len(CALL_END) :], _TEXT
+            if buf.startswith(self.syntax.end, i):
+                self._buf, self._state = buf[i + len(self.syntax.end) :], _TEXT
                 return True
-            if not final and CALL_END.startswith(buf[i:]):
+            if not final and self.syntax.end.startswith(buf[i:]):
                 return False  # the end marker may be arriving
             self._state = _TEXT  # no end marker: what follows is content
             return True
         assert state == _SKIP
-        at_end, at_begin = buf.find(CALL_END), buf.find(CALL_BEGIN)
+        at_end, at_begin = buf.find(self.syntax.end), buf.find(self.syntax.begin)
         if at_end < 0 and at_begin < 0:
-            keep = 0 if final else max(held_back(buf, CALL_END), held_back(buf, CALL_BEGIN))
+            keep = 0 if final else max(held_back(buf, self.syntax.end), held_back(buf, self.syntax.begin))
             self._buf = buf[len(buf) - keep :]
             return False
         if at_begin >= 0 and (at_end < 0 or at_begin < at_end):
             self._buf, self._state = buf[at_begin:], _TEXT
         else:
-            self._buf, self._state = buf[at_end + len(CALL_END) :], _TEXT
+            self._buf, self._state = buf[at_end + len(self.syntax.end) :], _TEXT
         return True
 
     def _header(self, out: DeltaMessage, final: bool) -> bool:
@@ -300,7 +332,7 @@ class FunctionGemmaToolParser(ScanningToolParser):
             return self._no_call(out)
         self._gate.call()
         self.tools_called = True
-        self._arguments = _Arguments(self.function_parameters(name))
+        self._arguments = _Arguments(self.function_parameters(name), self.syntax)
         self._delta = DeltaToolCall(self._num_calls, id=new_tool_call_id(), name=name, arguments="{")
         out.tool_calls.append(self._delta)
         self._buf, self._state = buf[brace + 1 :], _MEMBER
@@ -309,7 +341,7 @@ class FunctionGemmaToolParser(ScanningToolParser):
 
     def _no_call(self, out: DeltaMessage) -> bool:
         """The marker opens no call: it is content, and reading goes on after it."""
-        self._gate.into(out, CALL_BEGIN)
+        self._gate.into(out, self.syntax.begin)
         self._state = _TEXT
         return True
 
@@ -318,22 +350,22 @@ class FunctionGemmaToolParser(ScanningToolParser):
         buf, k = self._buf, self._k
         while k < len(buf):
             if self._in_string:
-                close = buf.find(ESCAPE, k)
+                close = buf.find(self.syntax.escape, k)
                 if close < 0:
-                    k = max(k, len(buf) - len(ESCAPE) + 1)
+                    k = max(k, len(buf) - len(self.syntax.escape) + 1)
                     break
-                k, self._in_string = close + len(ESCAPE), False
+                k, self._in_string = close + len(self.syntax.escape), False
                 continue
             c = buf[k]
             if c == "<":
-                marker = next((m for m in _MARKERS if buf.startswith(m, k)), None)
-                if marker == ESCAPE:
-                    k, self._in_string = k + len(ESCAPE), True
+                marker = next((m for m in self.syntax.markers if buf.startswith(m, k)), None)
+                if marker == self.syntax.escape:
+                    k, self._in_string = k + len(self.syntax.escape), True
                     continue
                 if marker is not None:  # a marker inside the arguments: the member (and call) ends unfinished
                     self._k = k
                     return self._close_call(out, buf[k:], _SKIP)
-                if not final and len(buf) - k < len(CALL_BEGIN) and any(m.startswith(buf[k:]) for m in _MARKERS):
+                if not final and any(m.startswith(buf[k:]) for m in self.syntax.markers):
                     break  # a marker may be arriving
             elif c in "{[":
                 self._depth += 1
@@ -352,7 +384,7 @@ class FunctionGemmaToolParser(ScanningToolParser):
         assert self._arguments is not None
         self._k, self._depth, self._in_string = 0, 0, False
         if member.strip():  # (an empty one: `{}`, or a `,` before the `}`)
-            read = read_member(member)
+            read = read_member(member, self.syntax)
             if read is None:
                 return self._close_call(out, rest, _SKIP)
             fragment = self._arguments.add(read[0], member)

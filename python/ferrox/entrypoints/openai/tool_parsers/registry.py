@@ -7,6 +7,8 @@ from ferrox.entrypoints.openai.tool_parsers.deepseek_v3 import CALLS_BEGIN as DE
 from ferrox.entrypoints.openai.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser, DeepSeekV31ToolParser
 from ferrox.entrypoints.openai.tool_parsers.functiongemma import CALL_BEGIN as FUNCTIONGEMMA_CALL
 from ferrox.entrypoints.openai.tool_parsers.functiongemma import FunctionGemmaToolParser
+from ferrox.entrypoints.openai.tool_parsers.gemma4 import CALL_BEGIN as GEMMA4_CALL
+from ferrox.entrypoints.openai.tool_parsers.gemma4 import Gemma4ToolParser
 from ferrox.entrypoints.openai.tool_parsers.glm45 import KEY_BEGIN as GLM_ARG_KEY
 from ferrox.entrypoints.openai.tool_parsers.glm45 import KEY_END as GLM_ARG_KEY_END
 from ferrox.entrypoints.openai.tool_parsers.glm45 import VALUE_BEGIN as GLM_ARG_VALUE
@@ -53,6 +55,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "seed_oss": SeedOssToolParser,
     "minimax_m2": MinimaxM2ToolParser,
     "functiongemma": FunctionGemmaToolParser,
+    "gemma4": Gemma4ToolParser,
 }
 
 
@@ -93,7 +96,8 @@ def default_tool_parser(chat_template: str | None) -> str:
     and bare from V3.1 on (`deepseek_v31`), Kimi-K2's <|tool_calls_section_begin|>, GLM-4.5's
     <arg_key> pairs (`glm45`), or GLM-4.7's, whose template writes a pair without the newline between
     `</arg_key>` and `<arg_value>` that GLM-4.5 / 4.6's write (`glm47`), MiniMax-M2's <minimax:tool_call>
-    (`minimax_m2`), FunctionGemma's <start_function_call> (`functiongemma`); everything else gets Hermes, which
+    (`minimax_m2`), FunctionGemma's <start_function_call> (`functiongemma`), Gemma 4's `<|tool_call>call:`
+    (`gemma4`); everything else gets Hermes, which
     is also what ferrox's own tool prompt (structured/tools.py) asks for."""
     if not chat_template:
         return "hermes"
@@ -105,6 +109,8 @@ def default_tool_parser(chat_template: str | None) -> str:
         return "minimax_m2"
     if FUNCTIONGEMMA_CALL in chat_template:
         return "functiongemma"
+    if GEMMA4_CALL + "call:" in chat_template:
+        return "gemma4"
     if GLM_ARG_KEY in chat_template and "<tool_call>" in chat_template:
         return "glm47" if GLM_ARG_KEY_END + GLM_ARG_VALUE in chat_template else "glm45"
     if SEED_TOOL_CALL in chat_template:  # (before qwen3_coder's test: the calls inside are its format)
