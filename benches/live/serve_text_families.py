@@ -1,6 +1,6 @@
 """Live `ferrox serve` of tiny folders of the text families added in the forty-fifth session: GLM-4-0414, GLM-4.5
 (grouped sigmoid routing), DeepSeek-V2-Lite's and V3's layouts (latent attention), gpt-oss (sinks, windows, clamped
-SwiGLU experts; its MXFP4 layout too), SmolLM3 (NoPE layers), OLMo 2, OLMoE, Llama 4 (chunked attention), and a harmony-speaking Llama under `--reasoning-parser openai_gptoss
+SwiGLU experts; its MXFP4 layout too), SmolLM3 (NoPE layers), OLMo 2, OLMoE, Llama 4 (chunked attention), Gemma 4, and a harmony-speaking Llama under `--reasoning-parser openai_gptoss
 --tool-call-parser openai`. Per family: 24 concurrent greedy completions (prompts of 4 to 150 token ids, cut across
 chunked-prefill steps by --max-num-batched-tokens 24) compared with the offline LLM on the same device, plus chats
 and streams; 0 errors and (in float32) 0 mismatches expected. NAMES... filter families;
@@ -25,6 +25,7 @@ from tests.helpers.tiny_glm import make_tiny_glm4, make_tiny_glm4_moe  # noqa: E
 from tests.helpers.tiny_gpt_oss import make_tiny_gpt_oss, write_mxfp4_copy  # noqa: E402
 from tests.helpers.tiny_llama4 import make_tiny_llama4, make_tiny_llama4_multimodal  # noqa: E402
 from tests.helpers.tiny_olmo_smollm3 import make_tiny_olmo2, make_tiny_olmoe, make_tiny_smollm3  # noqa: E402
+from tests.models.test_gemma4 import make_tiny_gemma4  # noqa: E402
 from tests.server.server_proc import ServerProcess  # noqa: E402
 
 
@@ -54,6 +55,10 @@ def families(tmp: Path) -> list[tuple[str, str, list[str]]]:
             ("llama4-maverick", make_tiny_llama4(tmp / "llama4m", interleave_moe_layer_step=2, use_qk_norm=False,
                                                  tie_word_embeddings=True), []),
             ("llama4-multimodal", make_tiny_llama4_multimodal(tmp / "llama4mm"), []),
+            # (Gemma 4: per-layer KV shapes, 512-wide full-attention heads, its experts, per-layer embeddings)
+            ("gemma4", make_tiny_gemma4(tmp / "gemma4"), []),
+            ("gemma4-moe", make_tiny_gemma4(tmp / "gemma4moe", moe=True), []),
+            ("gemma4-per-layer", make_tiny_gemma4(tmp / "gemma4pl", per_layer=True, kv_shared=2), []),
             ("harmony-parsers", make_tiny_harmony_llama(tmp / "harmony"),
              ["--reasoning-parser", "openai_gptoss", "--tool-call-parser", "openai"])]
 

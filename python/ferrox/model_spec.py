@@ -85,7 +85,14 @@ class ModelSpec:
     # Planes of the paged KV cache: 2 (K and V), or 1 where the value is read from the key row (DeepSeek's
     # latent attention: models/mla_attention.py), which halves the cache.
     kv_planes: int = 2
+    # (KV heads, head_dim) of each layer's cache where layers differ (Gemma 4's global layers: wider heads,
+    # fewer of them); empty: every layer (num_kv_heads, head_dim). attention/kv_cache.py allocates by it.
+    layer_kv_shapes: tuple[tuple[int, int], ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def kv_shape_of(self, layer: int) -> tuple[int, int]:
+        """(KV heads, head_dim) of layer `layer`'s cache (all of the model's KV heads, before any sharding)."""
+        return self.layer_kv_shapes[layer] if self.layer_kv_shapes else (self.num_kv_heads, self.head_dim)
 
     def window_of(self, layer: int) -> int:
         """Layer `layer`'s attention window as served (0: full attention)."""

@@ -56,6 +56,9 @@ class AttentionBackend(ABC):
     # Attention logit soft-capping (Gemma 2): scores become softcap * tanh(scores / softcap) before
     # the softmax; 0 = none. Set once by the model that builds the backend (every layer shares it).
     softcap: float = 0.0
+    # False where the model's layers differ in head_dim or KV heads (Gemma 4): the library prefill paths,
+    # planned once for the first layer's shape, step aside for the Triton kernels, which take each layer's.
+    uniform_heads: bool = True
 
     def begin_forward(self, meta: AttentionMetadata) -> None:  # noqa: B027 (optional hook)
         """Plan the step once per forward; backends without planning leave this empty."""

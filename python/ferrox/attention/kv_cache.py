@@ -20,12 +20,13 @@ of an out-of-range value is NaN in e4m3fn on some paths).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from ferrox.distributed.sharding import local_num_kv_heads
+from ferrox.distributed.sharding import kv_head_range, local_num_kv_heads
 from ferrox.kernels import fp8_unsupported_gpu
 from ferrox.kernels.kv_fp8 import FP8_KV_DTYPE, FP8_KV_MAX
 from ferrox.model_spec import ModelSpec
@@ -63,16 +64,23 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype,
     return FP8_KV_DTYPE
 
 
-def kv_cache_shape(spec: ModelSpec, num_blocks: int, block_size: int, tp_size: int = 1) -> tuple[int, ...]:
-    """[planes, blocks, block_size, KV heads, head_dim]: planes 2 (K, V), or 1 for a model that reads its
-    values from the key rows (spec.kv_planes: DeepSeek's latent cache)."""
-    return (spec.kv_planes, num_blocks, block_size, local_num_kv_heads(spec, tp_size), spec.head_dim)
+def kv_cache_shape(spec: ModelSpec, num_blocks: int, block_size: int, tp_size: int = 1,
+                   layer: int = 0) -> tuple[int, ...]:
+    """[planes, blocks, block_size, KV heads, head_dim] of layer `layer`: planes 2 (K, V), or 1 for a model
+    that reads its values from the key rows (spec.kv_planes: DeepSeek's latent cache). Heads and head_dim
+    are the layer's own where the model's layers differ (spec.layer_kv_shapes: Gemma 4)."""
+    if not spec.layer_kv_shapes:
+        return (spec.kv_planes, num_blocks, block_size, local_num_kv_heads(spec, tp_size), spec.head_dim)
+    heads, head_dim = spec.kv_shape_of(layer)
+    return (spec.kv_planes, num_blocks, block_size, kv_head_range(heads, tp_size, 0)[1], head_dim)
 
 
 def kv_cache_bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
     """Bytes one block costs across ALL layers (K and V) on one rank: divide free memory by this.
     dtype: the cache's element type (resolve_kv_cache_dtype), not necessarily the model's."""
     elem = torch.empty((), dtype=dtype).element_size()
+    if spec.layer_kv_shapes:
+        return sum(math.prod(kv_cache_shape(spec, 1, block_size, tp_size, i)) * elem for i in range(spec.num_layers))
     return spec.kv_planes * block_size * local_num_kv_heads(spec, tp_size) * spec.head_dim * elem * spec.num_layers
 
 
@@ -85,8 +93,8 @@ def allocate_kv_caches(
     element type (FP8_KV_DTYPE for an FP8 cache)."""
     if num_blocks < 1 or block_size < 1:
         raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
-    shape = kv_cache_shape(spec, num_blocks, block_size, tp_size)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+    return [torch.zeros(kv_cache_shape(spec, num_blocks, block_size, tp_size, i), dtype=dtype, device=device)
+            for i in range(spec.num_layers)]
 
 
 def zero_kv_blocks(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor) -> None:

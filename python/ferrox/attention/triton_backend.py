@@ -149,7 +149,7 @@ class TritonAttentionBackend(AttentionBackend):
         # (Neither library path takes a score cap or sinks here: a softcap model, or one whose first layer
         # has sinks (gpt-oss: every layer), keeps the Triton prefill kernel, and builds no cuDNN plans.)
         device, dtype, head_dim = q.device, q.dtype, q.shape[2]
-        plain = not self.softcap and sinks is None
+        plain = not self.softcap and sinks is None and self.uniform_heads
         if plain and fa3_prefill.fa3_prefill_applies(device, dtype, kv_cache.dtype, head_dim):
             self._long_kernel, on = "fa3", True
         else:

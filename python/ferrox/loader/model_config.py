@@ -50,6 +50,17 @@ _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
               "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "hidden_act": "silu"},
     "gemma3_text": _GEMMA3_TEXT_DEFAULTS,
 }
+# Gemma 4's language model (Gemma4TextConfig's defaults; models/gemma4.py): the text_config of
+# Gemma4ForConditionalGeneration, and read for Gemma4ForCausalLM's own config where it leaves a field out.
+_TEXT_DEFAULTS["gemma4_text"] = {
+    "vocab_size": 262_144, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 30,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "sliding_window": 512, "tie_word_embeddings": True,
+    "vocab_size_per_layer_input": 262_144, "hidden_size_per_layer_input": 256, "attention_k_eq_v": False,
+    "num_kv_shared_layers": 0, "enable_moe_block": False, "use_double_wide_mlp": False,
+    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                           "rope_theta": 1_000_000.0}}}
 # Qwen2-VL's and Qwen2.5-VL's language model (Qwen2VLTextConfig's / Qwen2_5_VLTextConfig's defaults).
 _TEXT_DEFAULTS["qwen2_vl_text"] = _TEXT_DEFAULTS["qwen2_5_vl_text"] = {
     "vocab_size": 152_064, "hidden_size": 8192, "intermediate_size": 29_568, "num_hidden_layers": 80,
@@ -108,7 +119,8 @@ _MROPE_SECTION = {"Qwen2VLForConditionalGeneration": [16, 24, 24], "Qwen2_5_VLFo
                   "Qwen3VLForConditionalGeneration": [24, 20, 20], "Qwen3VLMoeForConditionalGeneration": [24, 20, 20]}
 
 # Multimodal checkpoints: architecture -> the text model_type when text_config does not say.
-MULTIMODAL_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3_text", "LlavaForConditionalGeneration": "llama",
+MULTIMODAL_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3_text",
+                            "Gemma4ForConditionalGeneration": "gemma4_text", "LlavaForConditionalGeneration": "llama",
                             "Idefics3ForConditionalGeneration": "llama", "SmolVLMForConditionalGeneration": "llama",
                             "Mistral3ForConditionalGeneration": "mistral", "LlavaNextForConditionalGeneration": "llama",
                             "Qwen3VLForConditionalGeneration": "qwen3_vl_text", "InternVLForConditionalGeneration": "qwen2",
@@ -179,6 +191,8 @@ def spec_from_hf_config(config: dict[str, Any], where: str, *, scaled_context: b
     archs = config.get("architectures")
     if not archs or not isinstance(archs, list):
         raise ModelLoadError(f"{where}: field 'architectures' is missing (cannot tell which model class to use)")
+    if config.get("model_type") == "gemma4_text":
+        config = _gemma4_text(config, where)
 
     def need(key: str) -> int:
         if key not in config or config[key] is None:
@@ -259,7 +273,49 @@ def spec_from_hf_config(config: dict[str, Any], where: str, *, scaled_context: b
         sliding_layers=sliding_layers,
         rotary_dim=_rotary_dim(config, rope, head_dim, where) if kv_planes == 2 else None,
         kv_planes=kv_planes,
+        layer_kv_shapes=tuple(tuple(x) for x in config["gemma4_layer_kv"]) if "gemma4_layer_kv" in config else (),
     )
+
+
+def _gemma4_text(config: dict[str, Any], where: str) -> dict[str, Any]:
+    """Gemma 4's language model config as the rest of the loader reads it (transformers' Gemma4TextConfig):
+    its defaults under what it writes; layer_types (five sliding layers to one full, the last always full);
+    the experts' top_k_experts as num_experts_per_tok (no experts unless enable_moe_block); and each layer's
+    (KV heads, head_dim) as `gemma4_layer_kv`: full-attention layers take global_head_dim (512 by default) and,
+    with attention_k_eq_v, num_global_key_value_heads (the published configs) -- or what transformers 5.25 writes,
+    per_layer_config {layer: {head_dim, num_key_value_heads}}."""
+    config = {**{k: v for k, v in _TEXT_DEFAULTS["gemma4_text"].items() if k not in config}, **config}
+    layers = to_int(config["num_hidden_layers"], f"{where}: field 'num_hidden_layers'")
+    types = config.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)]
+    elif not isinstance(types, list) or len(types) != layers:
+        raise ModelLoadError(f"{where}: field 'layer_types' must list one type per layer ({layers}), got {types!r}")
+    config["layer_types"] = [*types[:-1], "full_attention"]  # (transformers forces the last layer full)
+    if config.get("enable_moe_block"):
+        config["num_experts_per_tok"] = config.get("top_k_experts")
+    else:
+        config["num_experts"] = None
+    kv_heads = to_int(config.get("num_key_value_heads") or config["num_attention_heads"],
+                      f"{where}: field 'num_key_value_heads'")
+    head_dim = to_int(config["head_dim"], f"{where}: field 'head_dim'")
+    overrides = config.get("per_layer_config")
+    if not isinstance(overrides, dict):
+        full: dict[str, Any] = {"head_dim": config.get("global_head_dim") or 512}
+        if config.get("attention_k_eq_v") and config.get("num_global_key_value_heads"):
+            full["num_key_value_heads"] = config["num_global_key_value_heads"]
+        overrides = {str(i): full for i, t in enumerate(config["layer_types"]) if t == "full_attention"}
+    shapes = []
+    shared_from = layers - int(config.get("num_kv_shared_layers") or 0)
+    for i in range(layers):
+        if i >= shared_from > 0:
+            shapes.append([1, 1])  # (a KV-sharing layer attends over an earlier layer's cache: nothing is written)
+            continue
+        layer = overrides.get(str(i)) or overrides.get(i) or {}
+        shapes.append([to_int(layer.get("num_key_value_heads", kv_heads), f"{where}: per_layer_config[{i}]"),
+                       to_int(layer.get("head_dim", head_dim), f"{where}: per_layer_config[{i}]")])
+    config["gemma4_layer_kv"] = shapes
+    return config
 
 
 def _sliding_layers(config: dict[str, Any], num_layers: int, where: str) -> tuple[bool, ...]:

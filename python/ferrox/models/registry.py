@@ -36,6 +36,8 @@ SUPPORTED: dict[str, str] = {
     "Gemma2ForCausalLM": "ferrox.models.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "ferrox.models.gemma3:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "ferrox.models.gemma3:Gemma3ForConditionalGeneration",
+    "Gemma4ForCausalLM": "ferrox.models.gemma4:Gemma4ForCausalLM",
+    "Gemma4ForConditionalGeneration": "ferrox.models.gemma4:Gemma4ForConditionalGeneration",
     "LlavaForConditionalGeneration": "ferrox.models.llava:LlavaForConditionalGeneration",
     "LlavaNextForConditionalGeneration": "ferrox.models.llava_next:LlavaNextForConditionalGeneration",
     "LlavaOnevisionForConditionalGeneration": "ferrox.models.llava_onevision:LlavaOnevisionForConditionalGeneration",

@@ -215,6 +215,8 @@ def startup_problem(model: Any, *, tensor_parallel_size: int, speculative: bool,
     if speculative:
         # A draft model or the n-gram proposer would propose from the placeholder ids, not the prompt.
         return "not supported with speculative_config (drafts are proposed from prompt token ids)"
+    if problem := getattr(model, "prompt_embeds_problem", None):  # (a family's own reason: Gemma 4's E2B/E4B)
+        return f"not supported for {name}: {problem}"
     inner = getattr(model, "model", None)
     for fn in (model.forward, getattr(inner, "forward", None)):
         if fn is not None and "inputs_embeds" not in inspect.signature(fn).parameters:

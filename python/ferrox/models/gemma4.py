@@ -1,0 +1,395 @@
+"""Gemma 4 text (google/gemma-4-31B-it, 26B-A4B, E2B/E4B and their base checkpoints): Gemma 3's decoder
+(models/gemma3.py: four norms a layer around attention and MLP, GELU-tanh MLP, sqrt(hidden) embedding scale,
+q/k norms, sliding and full layers with their own RoPE) with these changes, as transformers' Gemma4 defines
+them:
+
+- every norm scales by its weight as stored (no 1 + w), in float32;
+- values are RMS-normed per head too (no weight), and the scores are not scaled (scale 1: the q/k norms
+  set their size); no attention soft cap; final_logit_softcapping caps the logits;
+- full-attention layers have their own head_dim (global_head_dim, 512) and, with attention_k_eq_v, their own
+  KV head count (num_global_key_value_heads) and no v_proj: the value is the key projection (before the key's
+  norm and rotary), loaded here into both. Each layer's cache has its own shape (ModelSpec.layer_kv_shapes,
+  attention/kv_cache.py);
+- full layers rotate with "proportional" RoPE: partial_rotary_factor of the head's pairs turn, with the
+  frequencies of the whole head_dim, the rest not at all (frequency 0), in the NeoX layout over the whole head;
+- each layer's output is multiplied by its layer_scalar (a checkpoint tensor);
+- MoE (26B-A4B, enable_moe_block): beside the dense MLP, a router (weightless RMSNorm, * scale / sqrt(hidden),
+  softmax over all experts, top-k renormalised, times per_expert_scale) picks experts of GELU-tanh gated MLPs
+  from the same residual; the two outputs are normed apart (post_feedforward_layernorm_1 / _2) and summed;
+- per-layer embeddings (E2B/E4B, hidden_size_per_layer_input): a second embedding table of
+  hidden_size_per_layer_input per layer, mixed with a projection of the token embedding, gates a residual
+  add at the end of every layer;
+- KV sharing (E2B/E4B, num_kv_shared_layers): the last layers compute no keys or values and attend over the
+  cache of the last earlier layer of their type (ModelSpec.layer_kv_shapes gives their own caches one
+  element a token: nothing is written there); use_double_wide_mlp doubles their MLP.
+
+Device paths: every step takes the general path (no fused one-token kernels: the four-norm layer is not the
+pre-norm shape they fuse). On the Triton set the attention is the Triton kernels' for every layer (the
+cuDNN / FlashAttention-3 long-prefill paths are planned for one head shape and step aside:
+AttentionBackend.uniform_heads); q/k norms and rotary are one kernel for head_dim <= 256 (the sliding
+layers), torch ops for the 512-wide global heads. The experts run the per-expert loop (the fused MoE kernels
+have SiLU and gpt-oss's activation, not GELU) on every device, so an MoE checkpoint's steps run without CUDA
+graphs (the loop reads each expert's token count on the host). Refused by name: tensor parallelism,
+quantized checkpoints, GGUF, bidirectional attention ("all"), and the vision and audio towers
+(Gemma4ForConditionalGeneration serves its language model: a request with images is refused).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ferrox.attention.backend import AttentionBackend
+from ferrox.attention.kv_cache import KVCacheScales
+from ferrox.layers.expert_loop import per_expert
+from ferrox.layers.layernorm import RMSNorm
+from ferrox.layers.linear import Linear, MergedLinear, QKVLinear, RowParallelLinear
+from ferrox.layers.ops import DeviceOps, Rope
+from ferrox.layers.rotary import RotaryEmbedding
+from ferrox.layers.vocab_parallel import VocabParallelEmbedding
+from ferrox.model_spec import ModelSpec, UnsupportedModelError
+from ferrox.models.gemma2 import _GELU_TANH, GemmaMLP, embedding_normalizer
+from ferrox.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+_SLIDING, _FULL = "sliding_attention", "full_attention"
+
+
+def kv_sources(config: dict[str, Any], num_layers: int) -> list[int]:
+    """For each layer, the layer whose KV cache it attends over: itself, or for the last num_kv_shared_layers
+    layers the last earlier unshared layer of the same type (transformers' kv_sharing_modes)."""
+    types = config["layer_types"]
+    shared = int(config.get("num_kv_shared_layers") or 0)
+    first = num_layers - shared
+    if shared and first <= 0:
+        raise UnsupportedModelError("config.json: num_kv_shared_layers covers every layer: no layer writes a KV "
+                                    "cache for them to share (Gemma 4)")
+    sources = list(range(num_layers))
+    for i in range(first, num_layers):
+        earlier = [j for j in range(first) if types[j] == types[i]]
+        if not earlier:
+            raise UnsupportedModelError(f"config.json: layer {i} ({types[i]}) shares the KV cache of an earlier "
+                                        "layer of its type, and there is none (num_kv_shared_layers)")
+        sources[i] = earlier[-1]
+    return sources
+
+
+def _rotary(config: dict[str, Any], layer_type: str, head_dim: int, device: torch.device | str,
+            ops: DeviceOps) -> RotaryEmbedding:
+    """The RoPE of one layer type, from rope_parameters[layer_type] ("proportional": partial_rotary_factor of
+    the pairs turn at the whole head's frequencies, divided by `factor`; the rest get frequency 0)."""
+    params = dict((config.get("rope_parameters") or {}).get(layer_type) or {})
+    theta = float(params.pop("rope_theta", 10_000.0 if layer_type == _SLIDING else 1_000_000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "proportional":
+        return RotaryEmbedding(head_dim, theta, params if kind != "default" else None, device, ops)
+    rotary = RotaryEmbedding(head_dim, theta, None, device, ops)
+    turning = int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+    with torch.no_grad():
+        rotary.inv_freq[turning:] = 0.0
+        rotary.inv_freq /= float(params.get("factor", 1.0))
+    return rotary
+
+
+class _Weight(nn.Module):
+    """One checkpoint tensor under its name (the router's projection: float, never quantized or sharded)."""
+
+    def __init__(self, *shape: int, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Gemma4Attention(nn.Module):
+    v_norm_weight: torch.Tensor  # a registered (non-persistent) buffer of ones: the value norm has no weight
+
+    def __init__(self, spec: ModelSpec, layer: int, source: int, backend: AttentionBackend, ops: DeviceOps,
+                 dtype: torch.dtype, device: torch.device | str):
+        """source: the layer whose cache this one attends over (itself unless it shares another's)."""
+        super().__init__()
+        config = spec.hf_config
+        kv_heads, self.head_dim = spec.kv_shape_of(source)
+        self.window = spec.window_of(layer)
+        self.shares_kv = source != layer
+        self.k_eq_v = bool(config.get("attention_k_eq_v")) and config["layer_types"][layer] == _FULL
+        bias = spec.attention_bias
+        if self.shares_kv:  # queries only
+            self.qkv_proj: MergedLinear = MergedLinear(spec.hidden_size, {"q": spec.num_heads * self.head_dim},
+                                                       bias=bias, dtype=dtype, device=device)
+            self.num_heads, self.num_kv_heads = spec.num_heads, kv_heads
+        else:
+            qkv = QKVLinear(spec.hidden_size, spec.num_heads, kv_heads, self.head_dim, bias=bias, dtype=dtype,
+                            device=device)
+            self.qkv_proj = qkv
+            self.num_heads, self.num_kv_heads = qkv.num_heads, qkv.num_kv_heads
+        self.o_proj = RowParallelLinear(spec.num_heads * self.head_dim, spec.hidden_size, bias=bias, dtype=dtype,
+                                        device=device)
+        self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, dtype, device, ops)
+        self.k_norm = None if self.shares_kv else RMSNorm(self.head_dim, spec.rms_norm_eps, dtype, device, ops)
+        self.register_buffer("v_norm_weight", torch.ones(self.head_dim, dtype=dtype, device=device), persistent=False)
+        self.eps = spec.rms_norm_eps
+        self.ops = ops
+        self.backend = backend
+        self.kv_scales = KVCacheScales(device)
+
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, meta: Any,
+                shared: dict[int, tuple[torch.Tensor, torch.Tensor]], index: int,
+                source: int) -> torch.Tensor:
+        """shared: this step's (k, v) by layer, for the layers that share them (filled by their sources)."""
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.shares_kv or self.k_norm is None:
+            q = self.ops.rms_norm(qkv.reshape(t * self.num_heads, self.head_dim), self.q_norm.weight, self.eps)
+            q, _ = rope.rotate(q.view(t, self.num_heads, self.head_dim), q.new_zeros(t, 1, self.head_dim))
+            # The source layer's k and v of this step, written again to the same slots (no change) as the
+            # backend attends over its cache.
+            k, v = shared[source]
+        else:
+            q, k = rope.norm_rotate_qk(qkv, self.num_heads, self.num_kv_heads, self.q_norm.weight,
+                                       self.k_norm.weight, self.eps)
+            v = qkv[:, q_size + kv_size:].reshape(t * self.num_kv_heads, self.head_dim)
+            v = self.ops.rms_norm(v, self.v_norm_weight, self.eps).view(t, self.num_kv_heads, self.head_dim)
+            shared[index] = (k, v)
+        o = self.backend.forward(q, k, v, kv_cache, meta, 1.0, self.kv_scales, window=self.window)
+        return self.o_proj(o.reshape(t, q_size))
+
+
+class Gemma4Router(nn.Module):
+    """transformers' Gemma4TextRouter: logits of the weightless-RMS-normed residual times scale / sqrt(hidden);
+    softmax (float32) over all experts, top-k, renormalised, times each chosen expert's per_expert_scale."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, eps: float, dtype: torch.dtype,
+                 device: torch.device | str):
+        super().__init__()
+        self.proj = _Weight(num_experts, hidden, dtype=dtype, device=device)
+        self.scale = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device), requires_grad=False)
+        self.per_expert_scale = nn.Parameter(torch.ones(num_experts, dtype=dtype, device=device), requires_grad=False)
+        self.top_k, self.eps, self.root = top_k, eps, hidden ** -0.5
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        xf = x.float()
+        h = (xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)).to(x.dtype)
+        logits = F.linear(h * self.scale * self.root, self.proj.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale[ids], ids
+
+
+class Gemma4Experts(nn.Module):
+    """The experts as the checkpoint stacks them: gate_up_proj [E, 2I, H] (gate rows, then up), down_proj
+    [E, H, I]; GELU-tanh gated, run expert by expert (layers/expert_loop.py)."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden, dtype=dtype, device=device),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=dtype, device=device),
+                                      requires_grad=False)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        def expert(e: int, tokens: torch.Tensor) -> torch.Tensor:
+            gate, up = F.linear(x[tokens], self.gate_up_proj[e]).chunk(2, dim=-1)
+            return F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[e])
+
+        return per_expert(x, weights, ids, self.num_experts, expert)
+
+
+class Gemma4DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: int, source: int, backend: AttentionBackend, ops: DeviceOps,
+                 dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        config = spec.hf_config
+
+        def norm(size: int = spec.hidden_size) -> RMSNorm:
+            return RMSNorm(size, spec.rms_norm_eps, dtype, device, ops)
+
+        self.index, self.source = layer, source
+        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+        self.self_attn = Gemma4Attention(spec, layer, source, backend, ops, dtype, device)
+        wide = 2 if config.get("use_double_wide_mlp") and source != layer else 1
+        self.mlp = GemmaMLP(dataclasses.replace(spec, intermediate_size=spec.intermediate_size * wide), dtype, device)
+        self.router: Gemma4Router | None = None
+        self.experts: Gemma4Experts | None = None
+        if config.get("enable_moe_block"):
+            moe = spec.moe
+            if moe is None:
+                raise UnsupportedModelError("config.json: enable_moe_block needs num_experts and top_k_experts")
+            self.router = Gemma4Router(spec.hidden_size, moe.num_experts, moe.num_experts_per_tok, spec.rms_norm_eps,
+                                       dtype, device)
+            self.experts = Gemma4Experts(moe.num_experts, spec.hidden_size, moe.intermediate_size, dtype, device)
+            self.post_feedforward_layernorm_1, self.post_feedforward_layernorm_2 = norm(), norm()
+            self.pre_feedforward_layernorm_2 = norm()
+        per_layer = int(config.get("hidden_size_per_layer_input") or 0)
+        if per_layer:
+            self.per_layer_input_gate = Linear(spec.hidden_size, per_layer, bias=False, dtype=dtype, device=device)
+            self.per_layer_projection = Linear(per_layer, spec.hidden_size, bias=False, dtype=dtype, device=device)
+            self.post_per_layer_input_norm = norm()
+        self.per_layer = per_layer
+        self.layer_scalar = nn.Parameter(torch.ones(1, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, meta: Any,
+                shared: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                per_layer_input: torch.Tensor | None) -> torch.Tensor:
+        h = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, shared, self.index, self.source)
+        x = x + self.post_attention_layernorm(h)
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        if self.router is not None and self.experts is not None:
+            weights, ids = self.router(x)
+            routed = self.experts(self.pre_feedforward_layernorm_2(x), weights, ids)
+            h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(routed)
+        x = x + self.post_feedforward_layernorm(h)
+        if per_layer_input is not None:
+            gate = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * per_layer_input
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gate))
+        return x * self.layer_scalar
+
+
+class Gemma4Model(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype,
+                 device: torch.device | str, **_: Any):
+        super().__init__()
+        config = spec.hf_config
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+        self.normalizer = embedding_normalizer(spec.hidden_size, dtype)
+        self.sources = kv_sources(config, spec.num_layers)
+        self.layers = nn.ModuleList(Gemma4DecoderLayer(spec, i, self.sources[i], backend, ops, dtype, device)
+                                    for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
+        self.types = list(config["layer_types"])
+        sliding_dim = next((spec.kv_shape_of(i)[1] for i, t in enumerate(self.types) if t == _SLIDING), spec.head_dim)
+        full_dim = next(spec.kv_shape_of(i)[1] for i, t in enumerate(self.types) if t == _FULL)
+        self.rotary_local = _rotary(config, _SLIDING, sliding_dim, device, ops)
+        self.rotary = _rotary(config, _FULL, full_dim, device, ops)
+        self.per_layer = int(config.get("hidden_size_per_layer_input") or 0)
+        if self.per_layer:
+            width = spec.num_layers * self.per_layer
+            vocab = int(config.get("vocab_size_per_layer_input") or spec.vocab_size)
+            self.embed_tokens_per_layer = VocabParallelEmbedding(vocab, width, dtype=dtype, device=device)
+            self.per_layer_normalizer = embedding_normalizer(self.per_layer, dtype)
+            self.per_layer_model_projection = Linear(spec.hidden_size, width, bias=False, dtype=dtype, device=device)
+            self.per_layer_projection_norm = RMSNorm(self.per_layer, spec.rms_norm_eps, dtype, device, ops)
+            self.projection_scale = spec.hidden_size ** -0.5
+        self.backend = backend
+        self.qk_norm = True
+        self.one_token_layers = None  # (the four-norm layer is not the pre-norm shape the fused path takes)
+        self.decode_path = backend.decode_path(None, self.rotary.rope_rows)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.normalizer
+
+    def per_layer_inputs(self, input_ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """[T, layers, hidden_size_per_layer_input]: the per-layer embedding of each token mixed with a
+        projection of its embedding (transformers' get_per_layer_inputs + project_per_layer_inputs)."""
+        t, n = h.shape[0], len(self.layers)
+        projected = self.per_layer_model_projection(h) * self.projection_scale
+        projected = self.per_layer_projection_norm(projected.reshape(t * n, self.per_layer)).view(t, n, self.per_layer)
+        table = (self.embed_tokens_per_layer(input_ids) * self.per_layer_normalizer).view(t, n, self.per_layer)
+        return (projected + table) * (2.0 ** -0.5)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: Any, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        per_layer = self.per_layer_inputs(input_ids, h) if self.per_layer else None
+        rope_full = self.rotary(positions, h.dtype)
+        rope_local = self.rotary_local(positions, h.dtype) if _SLIDING in self.types else rope_full
+        shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i, layer in enumerate(self.layers):
+            rope = rope_local if self.types[i] == _SLIDING else rope_full
+            h = layer(h, rope, kv_caches[self.sources[i]], meta, shared,
+                      per_layer[:, i] if per_layer is not None else None)
+        return self.norm(h)
+
+
+class Gemma4ForCausalLM(LlamaForCausalLM):
+    model_class = Gemma4Model
+    supports_tensor_parallel = False  # (per-layer KV shapes and the experts: not yet sharded)
+    supports_quantized_gguf = False
+    supports_quantization = False
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
+                 kernels: str | None = None):
+        config = spec.hf_config
+        act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+        if act not in _GELU_TANH:
+            raise UnsupportedModelError(f"config.json: hidden_activation {act!r} is not supported for "
+                                        f"{spec.architecture} (only {', '.join(_GELU_TANH)})")
+        if config.get("use_bidirectional_attention") == "all":
+            raise UnsupportedModelError("config.json: use_bidirectional_attention 'all' is not supported for "
+                                        f"{spec.architecture}: ferrox's attention is causal")
+        if "layer_types" not in config or "gemma4_layer_kv" not in config:
+            raise UnsupportedModelError(f"{spec.architecture}: config.json's model_type must be gemma4_text "
+                                        "(the loader reads Gemma 4's per-layer shapes from it)")
+        super().__init__(dataclasses.replace(spec, attention_scale=1.0), dtype, device, kernels=kernels)
+        self.backend.uniform_heads = len(set(spec.layer_kv_shapes)) <= 1
+        # The experts' per-expert loop counts each expert's tokens on the host: no CUDA graphs around it
+        # (worker/model_forward.py runs such a model's steps eagerly).
+        self.supports_cuda_graphs = not config.get("enable_moe_block")
+        self.final_softcap = float(config.get("final_logit_softcapping") or 0.0)
+        # (multimodal/prompt_embeds.py: the per-layer table is looked up by the prompt's token ids)
+        self.prompt_embeds_problem = ("its per-layer embeddings (hidden_size_per_layer_input) are looked up by the "
+                                      "prompt's token ids" if self.model.per_layer else None)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        if self.final_softcap:
+            logits = self.final_softcap * torch.tanh(logits / self.final_softcap)
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        # attention_k_eq_v: the full layers' value projection is their key projection.
+        k_eq_v = {f"model.layers.{i}.self_attn.k_proj." for i, layer in enumerate(self.model.layers)
+                  if layer.self_attn.k_eq_v and not layer.self_attn.shares_kv}
+        shared = {f"model.layers.{i}.self_attn.{p}_" for i, layer in enumerate(self.model.layers)
+                  if layer.self_attn.shares_kv for p in ("k", "v")}
+
+        def renamed() -> Iterator[tuple[str, Any]]:
+            for name, tensor in weights:
+                if name.startswith(tuple(shared)) and ".self_attn." in name:
+                    continue  # a KV-sharing layer's (unused) k/v projections and norms, as transformers skips them
+                yield name, tensor
+                head, sep, leaf = name.rpartition("k_proj.")
+                if sep and head + sep in k_eq_v:
+                    yield f"{head}v_proj.{leaf}", tensor
+
+        super().load_weights(renamed())
+
+
+# The multimodal checkpoint's modules that ferrox does not build (its towers and their embedders).
+_TOWERS = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
+
+
+class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
+    """gemma-4-*-it as published: the language model of the multimodal checkpoint (text_config over
+    Gemma4TextConfig's defaults: loader/model_config.py) served as text. The vision and audio towers are
+    neither built nor loaded, with or without --language-model-only, and a request with images is refused
+    (the model takes no images)."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
+                 kernels: str | None = None):
+        super().__init__(spec, dtype, device, kernels=kernels)
+        logger.warning("%s: Gemma 4's vision and audio towers are not supported by ferrox yet; serving its language "
+                       "model only (as --language-model-only): requests with images are refused", spec.architecture)
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        def language_model() -> Iterator[tuple[str, Any]]:
+            for name, tensor in weights:
+                if name.startswith(_TOWERS):
+                    continue
+                if name.startswith("model.language_model."):
+                    yield "model." + name[len("model.language_model."):], tensor
+                elif name == "lm_head.weight" and self.lm_head is None:
+                    continue
+                else:
+                    yield name, tensor
+
+        super().load_weights(language_model())

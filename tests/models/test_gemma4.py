@@ -1,0 +1,180 @@
+"""Gemma 4 text against transformers on tiny random checkpoints (float32, CPU): sliding layers and wider full
+layers with fewer KV heads and no v_proj (attention_k_eq_v), value norms, unscaled scores, proportional RoPE
+on the full layers, layer scalars, final logit soft-capping; prompts past the window through chunked prefill
+over paged blocks. Also the MoE block (26B-A4B's shape), per-layer embeddings and KV-sharing layers
+(E2B/E4B's), the multimodal checkpoint served as text, and the engine end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from ferrox import LLM, SamplingParams
+from ferrox.errors import InvalidArgumentError
+from ferrox.loader.model_config import spec_from_hf_config
+from ferrox.loader.model_loader import load_model, load_model_spec
+from ferrox.loader.source import resolve_model
+from ferrox.model_spec import UnsupportedModelError, spec_for_context
+
+from tests.helpers import tiny_models
+from tests.helpers.driver import run_greedy
+from tests.models.conftest import assert_cuda_engine_matches_cpu, cut_at_eos, hf_greedy, hf_last_logits
+
+transformers = pytest.importorskip("transformers")
+
+WINDOW = 16
+PROMPTS = [[5, 9, 11], list(range(3, 43)), [7, 100, 45] * 13]
+LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+
+
+def _text_config(vocab: int, *, moe: bool = False, per_layer: bool = False, kv_shared: int = 0) -> dict:
+    return dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+        sliding_window=WINDOW, layer_types=LAYER_TYPES, max_position_embeddings=512, final_logit_softcapping=30.0,
+        hidden_size_per_layer_input=8 if per_layer else 0, vocab_size_per_layer_input=vocab,
+        num_kv_shared_layers=kv_shared, use_double_wide_mlp=bool(kv_shared), enable_moe_block=moe,
+        num_experts=4 if moe else None, top_k_experts=2 if moe else None, moe_intermediate_size=32 if moe else None,
+        initializer_range=0.1, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=1,
+        eos_token_id=tiny_models.EOS_TOKEN_ID, pad_token_id=0)
+
+
+def _randomize(model) -> None:
+    """Norms, layer scalars and the router's scales away from their init of 1, so each is tested."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("norm.weight", "router.scale", "per_expert_scale")):
+                param.uniform_(0.5, 1.5)
+            elif name.endswith("router.proj.weight"):
+                param.normal_(0.0, 0.5)
+        for name, buf in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                buf.uniform_(0.5, 1.5)
+
+
+def make_tiny_gemma4(folder, *, conditional: bool = False, seed: int = 0, **kind) -> str:
+    """A Gemma4ForCausalLM (or, conditional, a Gemma4ForConditionalGeneration with a tiny vision tower)."""
+    tok = tiny_models.build_tokenizer()
+    text = _text_config(tok.get_vocab_size(), **kind)
+    torch.manual_seed(seed)
+    if conditional:
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=64)
+        config = transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
+        config.architectures = ["Gemma4ForConditionalGeneration"]
+        model = transformers.Gemma4ForConditionalGeneration(config)
+    else:
+        config = transformers.Gemma4TextConfig(**text)
+        config.architectures = ["Gemma4ForCausalLM"]
+        model = transformers.Gemma4ForCausalLM(config)
+    model = model.to(torch.float32)
+    _randomize(model)
+    return tiny_models._save(str(folder), model, tok, max_shard_size=None, generation=None)
+
+
+KINDS = {"dense": {}, "moe": {"moe": True}, "per_layer_kv_shared": {"per_layer": True, "kv_shared": 2},
+         "conditional": {"conditional": True}}
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory):
+    """name -> (folder, ferrox model built for 256 tokens, transformers model)."""
+    root = tmp_path_factory.mktemp("gemma4")
+    out = {}
+    for seed, (name, kind) in enumerate(KINDS.items()):
+        folder = make_tiny_gemma4(root / name, seed=40 + seed, **kind)
+        source = resolve_model(folder)
+        model = load_model(source, spec_for_context(load_model_spec(source), 256), dtype=torch.float32, device="cpu")
+        cls = transformers.Gemma4ForConditionalGeneration if name == "conditional" else transformers.Gemma4ForCausalLM
+        ref = cls.from_pretrained(folder, dtype=torch.float32).eval()
+        out[name] = (folder, model, ref)
+    return out
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+@torch.inference_mode()
+def test_greedy_and_logits_match_transformers(gemma4, name):
+    _, model, ref = gemma4[name]
+    assert model.spec.attention_windows == (WINDOW, WINDOW, 0) * 2
+    ours, logits = run_greedy(model, PROMPTS, 10, block_size=8, prefill_chunk=7, return_prefill_logits=True)
+    for i, ids in enumerate(PROMPTS):
+        torch.testing.assert_close(logits[i], hf_last_logits(ref, ids), atol=1e-4, rtol=1e-4)
+        assert cut_at_eos(ours[i], [tiny_models.EOS_TOKEN_ID]) == hf_greedy(ref, ids, 10), (name, i)
+
+
+def test_per_layer_kv_shapes(gemma4):
+    """Full layers: head_dim 32 with one KV head; sliding: 16 with two; KV-sharing layers write no cache."""
+    assert gemma4["dense"][1].spec.layer_kv_shapes == ((2, 16), (2, 16), (1, 32)) * 2
+    assert gemma4["per_layer_kv_shared"][1].spec.layer_kv_shapes == ((2, 16), (2, 16), (1, 32), (2, 16), (1, 1), (1, 1))
+    assert not hasattr(gemma4["conditional"][1], "vision_tower")
+    # Prompt embeddings: refused at start-up where per-layer embeddings need the prompt's token ids.
+    from ferrox.multimodal.prompt_embeds import startup_problem
+
+    def problem(name: str) -> str | None:
+        return startup_problem(gemma4[name][1], tensor_parallel_size=1, speculative=False, pooling=False)
+
+    assert problem("dense") is None and "per-layer embeddings" in (problem("per_layer_kv_shared") or "")
+
+
+def test_hub_config_layout_reads_the_same(gemma4):
+    """The published configs write global_head_dim / num_global_key_value_heads (transformers now writes
+    per_layer_config); and the multimodal layout nests the text under text_config."""
+    folder = gemma4["dense"][0]
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    hub = {k: v for k, v in config.items() if k != "per_layer_config"}
+    hub.update(global_head_dim=32, num_global_key_value_heads=1)
+    assert spec_from_hf_config(hub, "config.json").layer_kv_shapes == ((2, 16), (2, 16), (1, 32)) * 2
+    nested = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
+              "text_config": {**hub, "architectures": None}, "vision_config": {"hidden_size": 32}}
+    spec = spec_from_hf_config(nested, "config.json")
+    assert spec.layer_kv_shapes == ((2, 16), (2, 16), (1, 32)) * 2 and spec.architecture == "Gemma4ForConditionalGeneration"
+
+
+@pytest.mark.parametrize("name", ["dense", "conditional"])
+def test_engine_matches_transformers(gemma4, name):
+    """The engine (scheduler, paged cache of per-layer shapes, chunked prefill); the multimodal checkpoint
+    serves its language model (--language-model-only) and refuses a request's image."""
+    folder, _, ref = gemma4[name]
+    llm = LLM(model=folder, dtype="float32", kv_cache_memory=4 << 20, max_num_batched_tokens=16, max_num_seqs=4,
+              language_model_only=name == "conditional")
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        if name == "conditional":
+            with pytest.raises(InvalidArgumentError, match=r"messages\[0\]\.content\[0\]: .* takes no images"):
+                llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params,
+                         use_tqdm=False, chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    finally:
+        llm.engine.shutdown()
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert cut_at_eos(list(out.outputs[0].token_ids), [tiny_models.EOS_TOKEN_ID]) == hf_greedy(ref, prompt, 10)
+
+
+def test_refusals(gemma4):
+    folder = gemma4["dense"][0]
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    from ferrox.models.gemma4 import Gemma4ForCausalLM
+
+    for change, words in (({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
+                          ({"hidden_activation": "silu"}, "hidden_activation")):
+        spec = spec_from_hf_config({**config, **change}, "config.json")
+        with pytest.raises(UnsupportedModelError, match=words):
+            Gemma4ForCausalLM(spec, torch.float32, "cpu")
+    assert not Gemma4ForCausalLM.supports_tensor_parallel and not Gemma4ForCausalLM.supports_quantization
+
+
+# ---- GPU ----------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["dense", "moe", "per_layer_kv_shared"])
+def test_cuda_engine_matches_cpu(gemma4, name):
+    """The CUDA engine (the Triton attention over caches of two shapes, the q/k-norm rotary kernel, the
+    value norm, CUDA graphs over the general path) against the CPU float32 engine
+    (conftest.assert_cuda_engine_matches_cpu); bf16 routing may flip near-tied experts, so the MoE case checks
+    only bf16's first token."""
+    assert_cuda_engine_matches_cpu(gemma4[name][0], PROMPTS, max_tokens=8, max_model_len=256,
+                                   bf16_tokens=name != "moe")
