@@ -56,9 +56,10 @@ def families(tmp: Path) -> list[tuple[str, str, list[str]]]:
                                                  tie_word_embeddings=True), []),
             ("llama4-multimodal", make_tiny_llama4_multimodal(tmp / "llama4mm"), []),
             # (Gemma 4: per-layer KV shapes, 512-wide full-attention heads, its experts, per-layer embeddings)
-            ("gemma4", make_tiny_gemma4(tmp / "gemma4"), []),
-            ("gemma4-moe", make_tiny_gemma4(tmp / "gemma4moe", moe=True), []),
-            ("gemma4-per-layer", make_tiny_gemma4(tmp / "gemma4pl", per_layer=True, kv_shared=2), []),
+            ("gemma4", make_tiny_gemma4(tmp / "gemma4"), ["--max-model-len", "512"]),
+            ("gemma4-moe", make_tiny_gemma4(tmp / "gemma4moe", moe=True), ["--max-model-len", "512"]),
+            ("gemma4-per-layer", make_tiny_gemma4(tmp / "gemma4pl", per_layer=True, kv_shared=2),
+             ["--max-model-len", "512"]),
             ("harmony-parsers", make_tiny_harmony_llama(tmp / "harmony"),
              ["--reasoning-parser", "openai_gptoss", "--tool-call-parser", "openai"])]
 

@@ -155,6 +155,10 @@ class ModelForward:
             self.graph_runner = runner
         if not plan.piecewise or not piecewise_graphs_enabled() or max_num_batched_tokens < 1:
             return seconds
+        if not getattr(getattr(self.model, "backend", None), "uniform_heads", True):
+            # (Gemma 4: the layers' heads differ, and one capture holds one attention shape: eager prefill)
+            logger.info("piecewise CUDA graphs: off (the layers' attention shapes differ); prefill steps run eagerly")
+            return seconds
         piece_sizes = piecewise_capture_sizes(plan, max_num_batched_tokens)
         if piece_sizes == []:
             return seconds
