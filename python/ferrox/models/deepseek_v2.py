@@ -164,14 +164,7 @@ def moe_config(spec: ModelSpec, version: int) -> DeepseekMoeConfig | None:
     if _field(config, "ep_size", 1) != 1:
         raise UnsupportedModelError(f"config.json: ep_size {config['ep_size']} is not supported (only 1; "
                                     "ferrox's --enable-expert-parallel is the engine's choice, not the config's)")
-    grouped = method != "greedy"
-    groups = _int(config, "n_group", 1) if grouped else 1
-    topk_group = _int(config, "topk_group", 1) if grouped else 1
-    experts = _int(config, "n_routed_experts")
-    top_k = _int(config, "num_experts_per_tok")
-    if experts % groups or not 1 <= topk_group <= groups or top_k > topk_group * (experts // groups):
-        raise ModelLoadError(f"config.json: {experts} experts in n_group {groups} groups, topk_group {topk_group}, "
-                             f"num_experts_per_tok {top_k} do not fit together")
+    experts, top_k, groups, topk_group = expert_groups(config, grouped=method != "greedy")
     return DeepseekMoeConfig(
         num_experts=experts, top_k=top_k, intermediate_size=_int(config, "moe_intermediate_size"),
         num_shared_experts=_int(config, "n_shared_experts", 0, minimum=0),
@@ -179,6 +172,19 @@ def moe_config(spec: ModelSpec, version: int) -> DeepseekMoeConfig | None:
         moe_layer_freq=_int(config, "moe_layer_freq", 1), scoring_func=scoring, correction_bias=method == "noaux_tc",
         num_expert_group=groups, topk_group=topk_group, renormalize=renormalize,
         routed_scaling_factor=float(_field(config, "routed_scaling_factor", 1.0)))
+
+
+def expert_groups(config: dict[str, Any], *, grouped: bool = True) -> tuple[int, int, int, int]:
+    """(n_routed_experts, num_experts_per_tok, n_group, topk_group) of a DeepSeek-style router, checked to fit
+    together (ungrouped: one group of all experts)."""
+    groups = _int(config, "n_group", 1) if grouped else 1
+    topk_group = _int(config, "topk_group", 1) if grouped else 1
+    experts = _int(config, "n_routed_experts")
+    top_k = _int(config, "num_experts_per_tok")
+    if experts % groups or not 1 <= topk_group <= groups or top_k > topk_group * (experts // groups):
+        raise ModelLoadError(f"config.json: {experts} experts in n_group {groups} groups, topk_group {topk_group}, "
+                             f"num_experts_per_tok {top_k} do not fit together")
+    return experts, top_k, groups, topk_group
 
 
 class DeepseekRouter(TopKRouter):

@@ -46,7 +46,14 @@ from ferrox.distributed.sharding import materialize, row_block
 from ferrox.layers.fused_moe import FusedMoE
 from ferrox.layers.ops import DeviceOps
 from ferrox.model_spec import ModelLoadError, ModelSpec
-from ferrox.models.deepseek_v2 import DeepseekModel, DeepseekMoeConfig, DeepseekV3ForCausalLM, _field, _int
+from ferrox.models.deepseek_v2 import (
+    DeepseekModel,
+    DeepseekMoeConfig,
+    DeepseekV3ForCausalLM,
+    _field,
+    _int,
+    expert_groups,
+)
 from ferrox.models.llava import LlavaLayoutWeights
 from ferrox.models.ministral3 import QueryScaledRope, llama4_query_scaling
 from ferrox.models.mistral3 import PixtralImages, tied_from_top_level
@@ -61,11 +68,7 @@ _STACKED = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<proj>gate_up_proj|do
 def mistral4_moe(spec: ModelSpec) -> DeepseekMoeConfig:
     """The experts as transformers' Mistral4 routes them (module docstring)."""
     config = spec.hf_config
-    groups, topk_group = _int(config, "n_group", 1), _int(config, "topk_group", 1)
-    experts, top_k = _int(config, "n_routed_experts"), _int(config, "num_experts_per_tok")
-    if experts % groups or not 1 <= topk_group <= groups or top_k > topk_group * (experts // groups):
-        raise ModelLoadError(f"config.json: {experts} experts in n_group {groups} groups, topk_group {topk_group}, "
-                             f"num_experts_per_tok {top_k} do not fit together")
+    experts, top_k, groups, topk_group = expert_groups(config)
     return DeepseekMoeConfig(
         num_experts=experts, top_k=top_k, intermediate_size=_int(config, "moe_intermediate_size"),
         num_shared_experts=_int(config, "n_shared_experts", 0, minimum=0),
