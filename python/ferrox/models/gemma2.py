@@ -42,6 +42,15 @@ from ferrox.models.llama import LlamaAttention, LlamaForCausalLM
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
 
 
+def check_gelu_tanh(spec: ModelSpec) -> None:
+    """Gemma's MLP runs tanh-approximated GELU: any other hidden_activation is refused by name."""
+    config = spec.hf_config
+    act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in _GELU_TANH:
+        raise UnsupportedModelError(f"config.json: hidden_activation {act!r} is not supported for "
+                                    f"{spec.architecture} (only {', '.join(_GELU_TANH)})")
+
+
 def embedding_normalizer(hidden_size: int, dtype: torch.dtype) -> float:
     """sqrt(hidden_size) as transformers multiplies the embeddings by it: a tensor of the model dtype
     (rounded there: 59.75 rather than 59.87 for Gemma 2 9B in bf16)."""
@@ -126,10 +135,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
         config = spec.hf_config
-        act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
-        if act not in _GELU_TANH:
-            raise UnsupportedModelError(f"config.json: hidden_activation {act!r} is not supported for "
-                                        f"{spec.architecture} (only {', '.join(_GELU_TANH)})")
+        check_gelu_tanh(spec)
         scalar = config.get("query_pre_attn_scalar") or spec.head_dim
         super().__init__(dataclasses.replace(spec, attention_scale=float(scalar) ** -0.5), dtype, device,
                          kernels=kernels)

@@ -54,7 +54,7 @@ from ferrox.layers.ops import DeviceOps, Rope
 from ferrox.layers.rotary import RotaryEmbedding
 from ferrox.layers.vocab_parallel import VocabParallelEmbedding
 from ferrox.model_spec import ModelSpec, UnsupportedModelError
-from ferrox.models.gemma2 import _GELU_TANH, GemmaMLP, embedding_normalizer
+from ferrox.models.gemma2 import GemmaMLP, check_gelu_tanh, embedding_normalizer
 from ferrox.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -319,10 +319,7 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
         config = spec.hf_config
-        act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
-        if act not in _GELU_TANH:
-            raise UnsupportedModelError(f"config.json: hidden_activation {act!r} is not supported for "
-                                        f"{spec.architecture} (only {', '.join(_GELU_TANH)})")
+        check_gelu_tanh(spec)
         if config.get("use_bidirectional_attention") == "all":
             raise UnsupportedModelError("config.json: use_bidirectional_attention 'all' is not supported for "
                                         f"{spec.architecture}: ferrox's attention is causal")
