@@ -1,6 +1,6 @@
 """Live `ferrox serve` of tiny folders of the text families added in the forty-fifth session: GLM-4-0414, GLM-4.5
 (grouped sigmoid routing), DeepSeek-V2-Lite's and V3's layouts (latent attention), gpt-oss (sinks, windows, clamped
-SwiGLU experts; its MXFP4 layout too), SmolLM3 (NoPE layers), OLMo 2, OLMoE, Llama 4 (chunked attention), Gemma 4, and a harmony-speaking Llama under `--reasoning-parser openai_gptoss
+SwiGLU experts; its MXFP4 layout too), SmolLM3 (NoPE layers), OLMo 2, OLMoE, Llama 4 (chunked attention), Gemma 4, Ministral 3, Mistral Small 4, and a harmony-speaking Llama under `--reasoning-parser openai_gptoss
 --tool-call-parser openai`. Per family: 24 concurrent greedy completions (prompts of 4 to 150 token ids, cut across
 chunked-prefill steps by --max-num-batched-tokens 24) compared with the offline LLM on the same device, plus chats
 and streams; 0 errors and (in float32) 0 mismatches expected. NAMES... filter families;
@@ -19,11 +19,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from tests.helpers import tiny_ministral3, tiny_mistral4  # noqa: E402
 from tests.helpers.harmony_tokenizer import make_tiny_harmony_llama  # noqa: E402
 from tests.helpers.tiny_deepseek import make_tiny_deepseek  # noqa: E402
 from tests.helpers.tiny_glm import make_tiny_glm4, make_tiny_glm4_moe  # noqa: E402
 from tests.helpers.tiny_gpt_oss import make_tiny_gpt_oss, write_mxfp4_copy  # noqa: E402
 from tests.helpers.tiny_llama4 import make_tiny_llama4, make_tiny_llama4_multimodal  # noqa: E402
+from tests.helpers.tiny_ministral3 import make_tiny_ministral3  # noqa: E402
+from tests.helpers.tiny_mistral4 import make_tiny_mistral4  # noqa: E402
 from tests.helpers.tiny_olmo_smollm3 import make_tiny_olmo2, make_tiny_olmoe, make_tiny_smollm3  # noqa: E402
 from tests.models.test_gemma4 import make_tiny_gemma4  # noqa: E402
 from tests.server.server_proc import ServerProcess  # noqa: E402
@@ -36,6 +39,11 @@ def post(base: str, path: str, body: dict) -> tuple[int, str]:
             return resp.status, resp.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
+
+
+# (YaRN factor 16 over the tiny models' 16 original positions: the 256-token context the script's prompts need)
+YARN_256 = {"max_position_embeddings": 256, "rope_parameters": {**tiny_ministral3.ROPE, "factor": 16.0}}
+YARN_256_MLA = {"max_position_embeddings": 256, "rope_parameters": {**tiny_mistral4.ROPE, "factor": 16.0}}
 
 
 def families(tmp: Path) -> list[tuple[str, str, list[str]]]:
@@ -60,6 +68,9 @@ def families(tmp: Path) -> list[tuple[str, str, list[str]]]:
             ("gemma4-moe", make_tiny_gemma4(tmp / "gemma4moe", moe=True), ["--max-model-len", "512"]),
             ("gemma4-per-layer", make_tiny_gemma4(tmp / "gemma4pl", per_layer=True, kv_shared=2),
              ["--max-model-len", "512"]),
+            # (Ministral 3: YaRN + Llama 4's query scaling; Mistral Small 4: latent attention + grouped experts)
+            ("ministral3", make_tiny_ministral3(tmp / "ministral3", **YARN_256), ["--max-model-len", "256"]),
+            ("mistral4", make_tiny_mistral4(tmp / "mistral4", **YARN_256_MLA), ["--max-model-len", "256"]),
             ("harmony-parsers", make_tiny_harmony_llama(tmp / "harmony"),
              ["--reasoning-parser", "openai_gptoss", "--tool-call-parser", "openai"])]
 
