@@ -1,7 +1,8 @@
 """Live `ferrox serve` of tiny folders of the text families added in the forty-fifth session: GLM-4-0414, GLM-4.5
 (grouped sigmoid routing), DeepSeek-V2-Lite's and V3's layouts (latent attention), gpt-oss (sinks, windows, clamped
-SwiGLU experts; its MXFP4 layout too), SmolLM3 (NoPE layers), OLMo 2, OLMoE, Llama 4 (chunked attention), Gemma 4, Ministral 3, Mistral Small 4, and a harmony-speaking Llama under `--reasoning-parser openai_gptoss
---tool-call-parser openai`. Per family: 24 concurrent greedy completions (prompts of 4 to 150 token ids, cut across
+SwiGLU experts; its MXFP4 layout too), SmolLM3 (NoPE layers), OLMo 2, OLMoE, Llama 4 (chunked attention), Gemma 4,
+Ministral 3, Mistral Small 4, Qwen3.5 / Qwen3.5-MoE / Qwen3-Next (hybrid linear attention), and a harmony-speaking
+Llama under `--reasoning-parser openai_gptoss --tool-call-parser openai`. Per family: 24 concurrent greedy completions (prompts of 4 to 150 token ids, cut across
 chunked-prefill steps by --max-num-batched-tokens 24) compared with the offline LLM on the same device, plus chats
 and streams; 0 errors and (in float32) 0 mismatches expected. NAMES... filter families;
 FERROX_LIVE_DTYPE=bfloat16 counts mismatches without failing on them (near-ties of random weights);
@@ -28,6 +29,7 @@ from tests.helpers.tiny_llama4 import make_tiny_llama4, make_tiny_llama4_multimo
 from tests.helpers.tiny_ministral3 import make_tiny_ministral3  # noqa: E402
 from tests.helpers.tiny_mistral4 import make_tiny_mistral4  # noqa: E402
 from tests.helpers.tiny_olmo_smollm3 import make_tiny_olmo2, make_tiny_olmoe, make_tiny_smollm3  # noqa: E402
+from tests.helpers.tiny_qwen3_5 import make_tiny_qwen3_5, make_tiny_qwen3_5_moe, make_tiny_qwen3_next  # noqa: E402
 from tests.models.test_gemma4 import make_tiny_gemma4  # noqa: E402
 from tests.server.server_proc import ServerProcess  # noqa: E402
 
@@ -71,6 +73,10 @@ def families(tmp: Path) -> list[tuple[str, str, list[str]]]:
             # (Ministral 3: YaRN + Llama 4's query scaling; Mistral Small 4: latent attention + grouped experts)
             ("ministral3", make_tiny_ministral3(tmp / "ministral3", **YARN_256), ["--max-model-len", "256"]),
             ("mistral4", make_tiny_mistral4(tmp / "mistral4", **YARN_256_MLA), ["--max-model-len", "256"]),
+            # (hybrid Gated DeltaNet / attention: per-request recurrent state rows beside the KV cache)
+            ("qwen3_5", make_tiny_qwen3_5(tmp / "qwen3_5"), ["--max-model-len", "256"]),
+            ("qwen3_5-moe", make_tiny_qwen3_5_moe(tmp / "qwen3_5_moe"), ["--max-model-len", "256"]),
+            ("qwen3-next", make_tiny_qwen3_next(tmp / "qwen3_next"), ["--max-model-len", "256"]),
             ("harmony-parsers", make_tiny_harmony_llama(tmp / "harmony"),
              ["--reasoning-parser", "openai_gptoss", "--tool-call-parser", "openai"])]
 

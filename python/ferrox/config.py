@@ -64,6 +64,8 @@ DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "awq", "gptq", "awq_marlin", "gptq_marlin",
                         "compressed_tensors", "gguf")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3")
+# vLLM's MambaDType: the element type of a hybrid model's recurrent states (worker/recurrent_states.py).
+MAMBA_DTYPES = ("auto", "float32", "float16", "bfloat16")
 POLICIES = ("fcfs", "priority")
 # rust/prefix_cache.rs HashAlgo::parse (vLLM's --prefix-caching-hash-algo names).
 PREFIX_HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
@@ -277,6 +279,14 @@ class EngineConfig:
                                "scales (the checkpoint's k_scale/v_scale, else 1.0), twice the tokens per byte; "
                                "'bfloat16' / 'float16' name the model's dtype (refused when it is another)",
                                "auto", choices=KV_CACHE_DTYPES, default_help="auto: the model dtype")
+    mamba_cache_dtype: str = _opt(
+        "hybrid linear-attention models (Qwen3.5, Qwen3-Next): element type of each request's recurrent states, "
+        "the short convolution's and (unless mamba_ssm_cache_dtype says otherwise) the delta rule's",
+        "auto", choices=MAMBA_DTYPES, default_help="auto: the model dtype")
+    mamba_ssm_cache_dtype: str = _opt(
+        "hybrid linear-attention models: element type of the delta rule's state alone (float32 keeps the "
+        "recurrence's sums exact over long contexts, at twice the bytes of bfloat16)",
+        "auto", choices=MAMBA_DTYPES, default_help="auto: mamba_cache_dtype's")
     calculate_kv_scales: bool = _opt(
         "with kv_cache_dtype fp8: measure each layer's K/V scales on the first step that serves requests (vLLM's: "
         "max |k| / 200, max |v| / 100, the divisors from K_SCALE_CONSTANT / V_SCALE_CONSTANT), replacing the "
@@ -590,6 +600,8 @@ class EngineConfig:
         if self.quantization is not None:
             _choice("quantization", self.quantization, QUANTIZATION_METHODS)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _choice("mamba_cache_dtype", self.mamba_cache_dtype, MAMBA_DTYPES)
+        _choice("mamba_ssm_cache_dtype", self.mamba_ssm_cache_dtype, MAMBA_DTYPES)
         self._check_logits_processors()
         if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
             raise ValueError("calculate_kv_scales: measures the scales of an FP8 KV cache; kv_cache_dtype is "

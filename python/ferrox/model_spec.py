@@ -99,6 +99,28 @@ class ModelSpec:
         return self.attention_windows[layer] if self.attention_windows else 0
 
 
+def hybrid_layer_types(config: dict[str, Any]) -> list[str] | None:
+    """A hybrid linear-attention model's layer kinds ("linear_attention" / "full_attention" per layer: Qwen3.5,
+    Qwen3-Next), None for any other model. config.json's layer_types, else (Qwen3-Next's older configs) every
+    full_attention_interval-th layer full attention, transformers' rule."""
+    types = config.get("layer_types")
+    if config.get("model_type") not in HYBRID_MODEL_TYPES:
+        return None
+    num_layers = int(config["num_hidden_layers"])
+    if types is None:
+        interval = int(config.get("full_attention_interval") or 4)
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) != num_layers or any(
+            t not in ("linear_attention", "full_attention") for t in types):
+        raise ModelLoadError(f"config.json: layer_types must list 'linear_attention' or 'full_attention' for each "
+                             f"of the {num_layers} layers, got {types!r}")
+    return list(types)
+
+
+# The text model_types of hybrid Gated DeltaNet / attention models (models/qwen3_5.py).
+HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+
+
 def rope_type_of(scaling: dict[str, Any] | None) -> str:
     """A rope scaling's rope_type ("type" in older configs; "su" is LongRoPE's first name)."""
     kind = str((scaling or {}).get("rope_type", (scaling or {}).get("type", "default")))

@@ -17,6 +17,7 @@ class StepRequest:
     token_ids: list[int]  # tokens computed this step
     start_pos: int  # position of token_ids[0] == tokens already in the cache
     block_ids: list[int]  # the request's blocks (enough for start_pos + len(token_ids))
+    state_row: int = 0  # a hybrid model's recurrent-state row (worker/recurrent_states.py; 0: scratch)
 
 
 def build_step(reqs: list[StepRequest], block_size: int, device: torch.device | str = "cpu"):
@@ -48,9 +49,20 @@ def build_step(reqs: list[StepRequest], block_size: int, device: torch.device | 
         query_start_loc_cpu=qsl_t,
         seq_lens_cpu=seq_t,
         decode_only=all(q == 1 for q in query_lens),
+        state_rows=torch.tensor([r.state_row for r in reqs], dtype=torch.int32, device=device),
     )
     return (torch.tensor(ids, dtype=torch.int64, device=device), torch.tensor(pos, dtype=torch.int64, device=device),
             meta)
+
+
+def bind_recurrent_states(model, num_requests: int) -> None:
+    """A hybrid model's state pools for num_requests requests (rows 1..n; row 0 scratch), in the model's dtype
+    (worker/recurrent_states.py); nothing for other models."""
+    from ferrox.worker.recurrent_states import allocate_recurrent_states, recurrent_layers
+
+    if recurrent_layers(model):
+        param = next(model.parameters())
+        allocate_recurrent_states(model, num_requests, param.dtype, param.dtype, param.device)
 
 
 def last_token_rows(meta: AttentionMetadata) -> torch.Tensor:
@@ -70,6 +82,7 @@ def run_greedy(model, prompts_ids: list[list[int]], max_new_tokens: int, *, bloc
     dtype = next(model.parameters()).dtype
     blocks_per_seq = [-(-(len(p) + max_new_tokens) // block_size) for p in prompts_ids]
     caches = allocate_kv_caches(spec, 1 + sum(blocks_per_seq), block_size, dtype, device)
+    bind_recurrent_states(model, len(prompts_ids))
     tables, nxt = [], 1  # block 0 is the null block
     for n in blocks_per_seq:
         tables.append(list(range(nxt, nxt + n)))
@@ -83,7 +96,7 @@ def run_greedy(model, prompts_ids: list[list[int]], max_new_tokens: int, *, bloc
         for i, p in enumerate(prompts_ids):
             if done[i] < len(p):
                 end = len(p) if prefill_chunk is None else min(len(p), done[i] + prefill_chunk)
-                reqs.append(StepRequest(p[done[i]:end], done[i], tables[i]))
+                reqs.append(StepRequest(p[done[i]:end], done[i], tables[i], i + 1))
                 owners.append(i)
         ids, pos, meta = build_step(reqs, block_size, device)
         hidden = model(ids, pos, caches, meta)
@@ -94,7 +107,8 @@ def run_greedy(model, prompts_ids: list[list[int]], max_new_tokens: int, *, bloc
 
     out = [[int(lg.argmax())] for lg in last_logits]
     for _ in range(max_new_tokens - 1):
-        reqs = [StepRequest([o[-1]], len(p) + len(o) - 1, t) for p, o, t in zip(prompts_ids, out, tables, strict=True)]
+        reqs = [StepRequest([o[-1]], len(p) + len(o) - 1, t, i + 1)
+                for i, (p, o, t) in enumerate(zip(prompts_ids, out, tables, strict=True))]
         ids, pos, meta = build_step(reqs, block_size, device)
         hidden = model(ids, pos, caches, meta)
         nxt_tokens = model.compute_logits(hidden).argmax(-1).tolist()
@@ -117,13 +131,14 @@ def teacher_forced_logprobs(model, prompt: list[int], continuation: list[int], *
     param = next(model.parameters())
     dtype, device = param.dtype, param.device
     caches = allocate_kv_caches(model.spec, 2 + len(blocks), block_size, dtype, device)
+    bind_recurrent_states(model, 1)
     if not decode_steps:
-        ids, pos, meta = build_step([StepRequest(seq, 0, blocks)], block_size, device)
+        ids, pos, meta = build_step([StepRequest(seq, 0, blocks, 1)], block_size, device)
         rows = torch.arange(len(prompt) - 1, len(seq) - 1)
         return torch.log_softmax(model.compute_logits(model(ids, pos, caches, meta)[rows]).float(), dim=-1)
-    ids, pos, meta = build_step([StepRequest(prompt, 0, blocks)], block_size, device)
+    ids, pos, meta = build_step([StepRequest(prompt, 0, blocks, 1)], block_size, device)
     logits = [model.compute_logits(model(ids, pos, caches, meta)[-1:])]
     for k, token in enumerate(continuation[:-1]):
-        ids, pos, meta = build_step([StepRequest([token], len(prompt) + k, blocks)], block_size, device)
+        ids, pos, meta = build_step([StepRequest([token], len(prompt) + k, blocks, 1)], block_size, device)
         logits.append(model.compute_logits(model(ids, pos, caches, meta)))
     return torch.log_softmax(torch.cat(logits).float(), dim=-1)

@@ -72,7 +72,9 @@ def kv_cache_shape(spec: ModelSpec, num_blocks: int, block_size: int, tp_size: i
     if not spec.layer_kv_shapes:
         return (spec.kv_planes, num_blocks, block_size, local_num_kv_heads(spec, tp_size), spec.head_dim)
     heads, head_dim = spec.kv_shape_of(layer)
-    return (spec.kv_planes, num_blocks, block_size, kv_head_range(heads, tp_size, 0)[1], head_dim)
+    # (0 heads: a layer without a KV cache, a hybrid model's linear-attention layer: an empty tensor)
+    local = kv_head_range(heads, tp_size, 0)[1] if heads else 0
+    return (spec.kv_planes, num_blocks, block_size, local, head_dim)
 
 
 def kv_cache_bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:

@@ -37,6 +37,9 @@ class AttentionMetadata:
     # (Gemma 3's images: each image's tokens attend bidirectionally; the scheduler computes a range
     # within one step). Only the torch backend masks it; the Triton backend hands such steps to it.
     bidirectional: dict[int, list[tuple[int, int]]] | None = None
+    # Hybrid models (worker/recurrent_states.py): each request's row in the recurrent-state pools, int32
+    # [num_reqs] on device. None (profiling, warm-up): every request uses scratch row 0.
+    state_rows: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -74,6 +74,7 @@ from ferrox.worker.model_runner import ModelRunner, ModelRunnerOutput, StepHandl
 from ferrox.worker.model_setup import LoadedModel, load_everything
 from ferrox.worker.multimodal import ImageEmbeddings, check_items
 from ferrox.worker.pooling_runner import PoolingRunner
+from ferrox.worker.recurrent_states import StateRows
 from ferrox.worker.sleep_control import SleepControl
 from ferrox.worker.warmup import EngineLimits, WarmupReport, warm_up, warmup_enabled
 
@@ -108,7 +109,7 @@ class EngineCore:
         swap_space = float(config.swap_space if config.swap_space is not None else 4.0)  # vLLM's default
         self._cache_config_info = {
             "block_size": config.block_size, "cache_dtype": config.kv_cache_dtype,
-            "enable_prefix_caching": config.enable_prefix_caching,
+            "enable_prefix_caching": config.enable_prefix_caching and not loaded.recurrent,
             "prefix_caching_hash_algo": config.prefix_caching_hash_algo,
             "gpu_memory_utilization": config.gpu_memory_utilization, "num_gpu_blocks": loaded.num_blocks,
             "num_gpu_blocks_override": config.num_gpu_blocks_override, "cpu_offload_gb": config.cpu_offload_gb,
@@ -152,7 +153,8 @@ class EngineCore:
             block_size=config.block_size,
             max_num_seqs=loaded.max_num_seqs,
             max_num_batched_tokens=loaded.max_num_batched_tokens,
-            enable_prefix_caching=config.enable_prefix_caching and not pooling,
+            # (a hybrid model's recurrent states cannot be restored from cached blocks: worker/recurrent_states.py)
+            enable_prefix_caching=config.enable_prefix_caching and not pooling and not loaded.recurrent,
             enable_chunked_prefill=not pooling and config.enable_chunked_prefill,
             long_prefill_token_threshold=long_prefill_threshold(config, self.max_model_len),
             max_num_partial_prefills=config.max_num_partial_prefills,
@@ -203,6 +205,7 @@ class EngineCore:
                 logprobs_mode=config.logprobs_mode,
                 custom_logits=(CustomLogitsProcessors(self.custom_logits_classes, config, self.device)
                                if self.custom_logits_classes else None),
+                state_rows=StateRows(loaded.max_num_seqs) if loaded.recurrent else None,
             )
         # --enable-prompt-embeds: prompts of embeddings reach the model as rows of one item each, through the
         # images' path (multimodal/prompt_embeds.py), which a text model's runner then needs too.

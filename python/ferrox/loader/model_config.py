@@ -15,7 +15,7 @@ from ferrox.loader.config_fields import to_float, to_int
 from ferrox.loader.config_file import read_model_config
 from ferrox.loader.errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError
 from ferrox.loader.source import ModelSource
-from ferrox.model_spec import ModelSpec, MoeSpec, rope_type_of
+from ferrox.model_spec import ModelSpec, MoeSpec, hybrid_layer_types, rope_type_of
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
@@ -112,6 +112,20 @@ _TEXT_DEFAULTS["mistral4"] = {
                         "original_max_position_embeddings": 8192, "beta_fast": 32.0, "beta_slow": 1.0,
                         "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1,
                         "partial_rotary_factor": 0.5}}
+# Qwen3.5's language models (Qwen3_5TextConfig's / Qwen3_5MoeTextConfig's defaults: the 9B's and the 35B-A3B's
+# shapes): Qwen3_5(Moe)ForConditionalGeneration's text_config (models/qwen3_5.py).
+_QWEN3_5_TEXT = {
+    "vocab_size": 248_320, "hidden_size": 4096, "intermediate_size": 12_288, "num_hidden_layers": 32,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256, "hidden_act": "silu",
+    "max_position_embeddings": 32_768, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25}}
+_TEXT_DEFAULTS["qwen3_5_text"] = _QWEN3_5_TEXT
+_TEXT_DEFAULTS["qwen3_5_moe_text"] = {
+    **_QWEN3_5_TEXT, "vocab_size": 248_320, "hidden_size": 2048, "num_hidden_layers": 40, "num_key_value_heads": 2,
+    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "num_experts_per_tok": 8,
+    "num_experts": 256}
 # Checkpoints whose text fields may sit at the top level beside vision_config (transformers < 5 wrote Qwen2-VL so).
 _FLAT_TEXT = {"Qwen2VLForConditionalGeneration": "qwen2_vl_text", "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl_text"}
 # Multimodal-RoPE checkpoints -> transformers' mrope_section when the config leaves it out.
@@ -128,6 +142,8 @@ MULTIMODAL_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3_text",
                             "LlavaOnevisionForConditionalGeneration": "qwen2",
                             "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe_text",
                             "Llama4ForConditionalGeneration": "llama4_text",
+                            "Qwen3_5ForConditionalGeneration": "qwen3_5_text",
+                            "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe_text",
                             **_FLAT_TEXT}
 
 
@@ -238,6 +254,15 @@ def spec_from_hf_config(config: dict[str, Any], where: str, *, scaled_context: b
     if scaled_context and scaling is not None:
         max_pos = _scaled_context(scaling, max_pos, where)
     num_layers = need("num_hidden_layers")
+    layer_kv_shapes: tuple[tuple[int, int], ...] = ()
+    if "gemma4_layer_kv" in config:
+        layer_kv_shapes = tuple(tuple(x) for x in config["gemma4_layer_kv"])
+    hybrid = hybrid_layer_types(config)
+    if hybrid is not None:
+        # (a linear-attention layer keeps recurrent states, no KV: a zero-head cache, worker/recurrent_states.py)
+        layer_kv_shapes = tuple((kv_heads if kind == "full_attention" else 0, head_dim) for kind in hybrid)
+        if config.get("intermediate_size") is None and config.get("moe_intermediate_size") is not None:
+            config = {**config, "intermediate_size": config["moe_intermediate_size"]}  # (every MLP routed)
     window = config.get("sliding_window")
     sliding_window: int | None = None
     sliding_layers: tuple[bool, ...] | None = None
@@ -273,7 +298,7 @@ def spec_from_hf_config(config: dict[str, Any], where: str, *, scaled_context: b
         sliding_layers=sliding_layers,
         rotary_dim=_rotary_dim(config, rope, head_dim, where) if kv_planes == 2 else None,
         kv_planes=kv_planes,
-        layer_kv_shapes=tuple(tuple(x) for x in config["gemma4_layer_kv"]) if "gemma4_layer_kv" in config else (),
+        layer_kv_shapes=layer_kv_shapes,
     )
 
 

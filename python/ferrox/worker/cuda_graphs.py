@@ -57,6 +57,7 @@ from ferrox.worker.dummy_batch import (
     prefill_step,
     upload_step,
 )
+from ferrox.worker.recurrent_states import recurrent_layers
 from ferrox.worker.step_inputs import Uploader
 
 logger = logging.getLogger(__name__)
@@ -177,6 +178,9 @@ class CudaGraphRunner:
         self.verify_query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device) * self.verify_len
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
+        # A hybrid model's recurrent-state rows (worker/recurrent_states.py); padding requests use scratch row 0.
+        self.recurrent = bool(recurrent_layers(model))
+        self.state_rows = torch.zeros(n, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._rows: torch.Tensor | None = None  # the last verify step's token -> static row map
@@ -195,6 +199,7 @@ class CudaGraphRunner:
             query_start_loc=starts[: n + 1],
             seq_lens=self.seq_lens[:n],
             block_table=self.block_table[:n],
+            state_rows=self.state_rows[:n] if self.recurrent else None,
         )
 
     def stage(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> int:
@@ -208,6 +213,12 @@ class CudaGraphRunner:
         self.seq_lens[:batch].copy_(meta.seq_lens, non_blocking=True)
         width = meta.block_table.shape[1]
         self.block_table[:batch, :width].copy_(meta.block_table, non_blocking=True)
+        if self.recurrent:
+            if meta.state_rows is not None:
+                self.state_rows[:batch].copy_(meta.state_rows, non_blocking=True)
+            else:  # (capture's dummy steps: scratch)
+                self.state_rows[:batch].zero_()
+            self.state_rows[batch:padded].zero_()
         if padded > batch:
             self.slot_mapping[batch:padded].fill_(-1)  # padding writes no KV
             self.seq_lens[batch:padded].zero_()  # and attends to nothing
@@ -237,6 +248,8 @@ class CudaGraphRunner:
         width = meta.block_table.shape[1]
         self.block_table[:batch, :width].copy_(meta.block_table, non_blocking=True)
         self.block_table[:batch, width:].zero_()  # pad positions past the request's blocks read block 0
+        if self.recurrent:
+            raise RuntimeError("verify graphs: a hybrid model's recurrent states do not take speculative steps")
         for hook in getattr(self.model, "verify_row_hooks", ()):
             hook(rows, span)
         return padded

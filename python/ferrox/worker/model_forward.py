@@ -28,6 +28,7 @@ from ferrox.attention.metadata import AttentionMetadata
 from ferrox.compilation_config import GraphPlan
 from ferrox.distributed.parallel_state import TPGroup
 from ferrox.worker.multimodal import StepImages
+from ferrox.worker.recurrent_states import recurrent_layers
 from ferrox.worker.step_inputs import Uploader, step_tensors
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class StepArrays:
         self.kv_load_blocks = arrays.get("kv_load_blocks", none)
         self.num_kv_transfers = int(self.kv_offload_blocks.size + self.kv_load_blocks.size)
         self.req_slots = arrays.get("req_slots", np.zeros(0, dtype=np.int32))
+        self.state_rows: np.ndarray | None = arrays.get("state_rows")  # (hybrid models: worker/recurrent_states.py)
         self.num_tokens = int(self.input_ids.shape[0])
         self.shifted = bool(arrays.get("shifted", np.zeros(1, dtype=np.bool_))[0])
         self.calibrate_kv_scales = "calibrate_kv_scales" in arrays
@@ -155,6 +157,10 @@ class ModelForward:
             self.graph_runner = runner
         if not plan.piecewise or not piecewise_graphs_enabled() or max_num_batched_tokens < 1:
             return seconds
+        if recurrent_layers(self.model):
+            # (a hybrid model: its linear-attention layers read per-request states, eagerly between pieces)
+            logger.info("piecewise CUDA graphs: off (a hybrid model's recurrent layers); prefill steps run eagerly")
+            return seconds
         if not getattr(getattr(self.model, "backend", None), "uniform_heads", True):
             # (Gemma 4: the layers' heads differ, and one capture holds one attention shape: eager prefill)
             logger.info("piecewise CUDA graphs: off (the layers' attention shapes differ); prefill steps run eagerly")
@@ -187,19 +193,26 @@ class ModelForward:
     def run(self, step: Any, prompt_rows: np.ndarray,
             fill_holes: Callable[[torch.Tensor, np.ndarray], torch.Tensor | None] | None = None, *,
             shifted: bool = False, image_rows: StepImages | None = None,
-            rope_positions: Callable[[torch.Tensor], torch.Tensor] | None = None) -> ForwardResult:
+            rope_positions: Callable[[torch.Tensor], torch.Tensor] | None = None,
+            state_rows: np.ndarray | None = None) -> ForwardResult:
         """step: a SchedulerOutput or StepArrays. fill_holes(input_ids, hole_positions): the
         driver's filler of placeholder ids (None on the other ranks); it returns each row's shift
         when the step in flight verified drafts (`shifted`; the other ranks read it from `step`).
         image_rows: the images' rows in this step (worker/multimodal.py); such a step runs eagerly from
         its input embeddings. rope_positions: the rotary's positions from the step's (Qwen2-VL's
-        multimodal RoPE: worker/mrope.py); [3, T] ones run eagerly too."""
+        multimodal RoPE: worker/mrope.py); [3, T] ones run eagerly too. state_rows: a hybrid model's
+        recurrent-state rows of the step's requests (worker/recurrent_states.py; the other ranks read them
+        from `step`)."""
         if self.host_tier is not None:
             self.host_tier.apply(step)  # the core's offloads, then loads (before any layer reads the cache)
         upload = self.upload
         input_ids_np = step.input_ids
         meta, (input_ids, positions, logits_indices) = step_tensors(step, upload, input_ids_np, step.positions,
                                                                      step.logits_indices)
+        if state_rows is None:
+            state_rows = getattr(step, "state_rows", None)
+        if state_rows is not None:
+            meta.state_rows = upload("state_rows", state_rows)
         holes = np.flatnonzero(input_ids_np < 0)
         row_shift = None
         if holes.size:

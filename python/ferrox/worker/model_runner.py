@@ -46,6 +46,7 @@ from ferrox.worker.mask_gate import MaskGate, PendingMask
 from ferrox.worker.model_forward import ModelForward, step_arrays
 from ferrox.worker.multimodal import ImageEmbeddings
 from ferrox.worker.rank_images import ImageEventLog, multimodal_rope
+from ferrox.worker.recurrent_states import StateRows
 from ferrox.worker.request_state import RequestState
 from ferrox.worker.spec_decode import expand_rows, verify
 from ferrox.worker.step_inputs import Uploader
@@ -140,12 +141,15 @@ class ModelRunner:
         lora: Any = None,
         logprobs_mode: str = "raw_logprobs",
         custom_logits: CustomLogitsProcessors | None = None,
+        state_rows: StateRows | None = None,
     ) -> None:
         """speculative: steps may carry drafts to verify (speculative decoding). tp: the tensor-parallel group when the model is sharded; this runner is its driver
         (rank 0) and sends every step to the other ranks (distributed/step_channel.py) before
         running its own shard."""
         self.model = model
         self.kv_caches = kv_caches
+        # A hybrid model's recurrent-state rows, handed out per request (worker/recurrent_states.py).
+        self.state_rows = state_rows
         self.vocab_size = vocab_size
         self.device = device
         self._upload = Uploader(device)
@@ -260,6 +264,7 @@ class ModelRunner:
         prompt_rows = np.array([(job[2], job[3]) for job in prompt_jobs], dtype=np.int64).reshape(-1, 2)
         shifted = prev is not None and prev.rejected is not None
         # LoRA first: under tensor parallelism its slot plan travels with the step (lora/rank_plan.py).
+        rows = self.state_rows.for_step(so) if self.state_rows is not None else None
         lora_plan = (self.lora.prepare_step(np.repeat(self._lora_of_slot[slots], np.asarray(so.num_scheduled_tokens)))
                      if self.lora is not None else None)
         if self.channel is not None:
@@ -270,6 +275,8 @@ class ModelRunner:
             if lora_plan is not None:
                 arrays.update(plan_arrays(lora_plan))
             arrays.update(transfer_arrays(so))
+            if rows is not None:
+                arrays["state_rows"] = rows
             self.channel.send(STEP, arrays)
 
         def fill_holes(input_ids: torch.Tensor, holes: np.ndarray) -> torch.Tensor | None:
@@ -297,7 +304,8 @@ class ModelRunner:
         image_rows = self.images.step_rows(so) if self.images else None
         mrope = self.mrope
         result = self.forward.run(so, prompt_rows, fill_holes, shifted=shifted, image_rows=image_rows,
-                                  rope_positions=(lambda p: mrope.adjust(so, p)) if mrope is not None else None)
+                                  rope_positions=(lambda p: mrope.adjust(so, p)) if mrope is not None else None,
+                                  state_rows=rows)
         chunks = self._prompt_logprobs(prompt_jobs, result.prompt_logits)
         sample_mask = np.asarray(so.sample_mask, dtype=np.bool_)
         handle = StepHandle(so, slots, self._upload("slots", slots), self.input_batch.generation[slots],

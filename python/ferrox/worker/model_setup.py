@@ -47,6 +47,12 @@ from ferrox.sleep_mode import KV_CACHE
 from ferrox.worker.cpu_threads import CpuThreadGovernor
 from ferrox.worker.dummy_batch import decode_step, prefill_step, upload_step
 from ferrox.worker.pooling_runner import empty_kv_caches, virtual_num_blocks
+from ferrox.worker.recurrent_states import (
+    allocate_recurrent_states,
+    check_recurrent_config,
+    recurrent_layers,
+    state_dtypes,
+)
 from ferrox.worker.sleep_memory import SleepMemory
 from ferrox.worker.step_inputs import Uploader
 
@@ -78,6 +84,9 @@ class LoadedModel:
     # and the same model loaded again, for reload_weights (worker/sleep_control.py).
     sleep_memory: SleepMemory | None = None
     reload_model: Callable[[], Any] | None = None
+    # A hybrid model whose layers keep per-request recurrent states (worker/recurrent_states.py): the engine
+    # hands out their rows and serves it without the prefix cache.
+    recurrent: bool = False
 
 
 def resolve_dtype(config: EngineConfig, spec: Any, device: torch.device) -> torch.dtype:
@@ -192,6 +201,11 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
                 return load()
     generation_defaults = dict(load_generation_config(source) or {})
     eos = _eos_token_ids(tokenizer, generation_defaults)
+    recurrent = bool(recurrent_layers(model))
+    if recurrent:
+        check_recurrent_config(config, pooling=pooler_config is not None)
+        allocate_recurrent_states(model, max_num_seqs, *state_dtypes(config.mamba_cache_dtype,
+                                                                      config.mamba_ssm_cache_dtype, dtype), device)
     if pooler_config is not None:
         # No KV cache (worker/pooling_runner.py): the scheduler counts virtual blocks.
         if config.num_gpu_blocks_override is not None:
@@ -203,7 +217,7 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
             num_blocks=virtual_num_blocks(max_num_seqs, max_model_len, config.block_size),
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             vocab_size=int(spec.vocab_size), eos_token_ids=eos, generation_defaults={}, threads=threads,
-            pooler_config=pooler_config, sleep_memory=sleep_memory, reload_model=reload_model,
+            pooler_config=pooler_config, sleep_memory=sleep_memory, reload_model=reload_model, recurrent=recurrent,
         )
 
     if not config.calculate_kv_scales:  # (else the first step measures them)
@@ -246,7 +260,7 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
         kv_caches=kv_caches, num_blocks=num_blocks, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, vocab_size=int(spec.vocab_size), eos_token_ids=eos,
         generation_defaults=generation_defaults, threads=threads, sleep_memory=sleep_memory,
-        reload_model=reload_model,
+        reload_model=reload_model, recurrent=recurrent,
     )
 
 

@@ -541,6 +541,8 @@ def _forget_steps(runner: Any, blocks: set[int], seed: int) -> None:
         ids = torch.tensor(sorted(blocks), dtype=torch.int64, device=runner.kv_caches[0].device)
         with torch.inference_mode():
             zero_kv_blocks(runner.kv_caches, ids)
+    if getattr(runner, "state_rows", None) is not None:
+        runner.state_rows.reset()  # (a hybrid model's rows the warm-up requests took: worker/recurrent_states.py)
     generator = runner.sampler.default_generator
     if generator is not None:
         generator.manual_seed(seed)

@@ -1,0 +1,98 @@
+"""The short causal depthwise convolution of linear-attention layers (Gated DeltaNet in Qwen3-Next and
+Qwen3.5, Mamba-style blocks), for a flat batch of requests whose conv states live in a pool.
+
+Each channel c of a request sees y_t = act(bias_c + sum_w weight[c, w] * x[t - (W-1) + w, c]), where the
+W-1 inputs before the request's first token of this step come from its conv state (its last W-1 inputs
+so far; zeros for a request that starts fresh). After the step, the state holds the last W-1 inputs of
+[old state, tokens], so a query shorter than W-1 shifts only part of the old state out. This is
+transformers' causal_conv1d_fn (padding W-1) for a fresh prompt and causal_conv1d_update for a request
+that goes on.
+
+Precision: the sum runs in float32 and the output is rounded once to x's dtype (transformers runs the
+conv in the weight's dtype; float32 is at least as close to the float32 reference and is what vLLM's
+causal-conv kernels accumulate in). The kernel is written as W shifted multiply-adds rather than
+F.conv1d so no backend can trade float32 for TF32. The state keeps the raw inputs in the pool's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ACTIVATIONS = (None, "silu", "swish")
+
+
+def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation is None:
+        return y
+    if activation in ("silu", "swish"):
+        return F.silu(y)
+    raise ValueError(f"activation {activation!r}: expected one of {ACTIVATIONS}")
+
+
+def _gather_states(conv_states: torch.Tensor, state_rows: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
+    """[N, C, W-1] float32: each request's state row, zeros for a fresh request (torch.where rather than a
+    multiply, so a recycled row's NaN or inf never leaks in)."""
+    old = conv_states.index_select(0, state_rows.long()).float()
+    return torch.where(has_state.view(-1, 1, 1), old, torch.zeros((), dtype=old.dtype, device=old.device))
+
+
+def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         conv_states: torch.Tensor, state_rows: torch.Tensor, query_start_loc: torch.Tensor,
+                         query_start_loc_cpu: torch.Tensor, has_state: torch.Tensor,
+                         activation: str | None = "silu", decode_only: bool = False) -> torch.Tensor:
+    """y [T, C] in x's dtype for x [T, C] (requests one after another, request i owning
+    x[query_start_loc[i]:query_start_loc[i+1]]), weight [C, W], bias [C] or None; conv_states [R, C, W-1]
+    is updated in place at state_rows [N]; has_state [N] bool (False: ignore the row's old content).
+
+    decode_only: one token per request (T == N), CUDA-graph safe (device ops only, fixed shapes; padding
+    requests may repeat a row, whose result is then undefined). query_start_loc_cpu is not read by either
+    path: the general one builds its indices on the device too (it is kept for the callers' uniform
+    signature)."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[0]:
+        raise ValueError(f"x {tuple(x.shape)} must be [T, C] and weight {tuple(weight.shape)} [C, W]")
+    channels, width = weight.shape
+    if conv_states.dim() != 3 or conv_states.shape[1:] != (channels, width - 1):
+        raise ValueError(f"conv_states {tuple(conv_states.shape)} must be [rows, {channels}, {width - 1}]")
+    w = weight.float()
+    b = bias.float() if bias is not None else None
+    states = _gather_states(conv_states, state_rows, has_state)  # [N, C, W-1]
+    if decode_only:
+        window = torch.cat([states, x.float().unsqueeze(-1)], dim=-1)  # [N, C, W]
+        y = (window * w).sum(dim=-1)
+        if b is not None:
+            y = y + b
+        conv_states.index_copy_(0, state_rows.long(), window[:, :, 1:].to(conv_states.dtype))
+        return _activate(y, activation).to(x.dtype)
+
+    # The general step, still without a host loop: lay the requests out as one extended sequence where
+    # each request's W-1 state inputs come just before its tokens, [state_0, tokens_0, state_1, ...].
+    # Every token's window is then the W positions ending at it, and every new state the last W-1
+    # positions of its request's segment.
+    num_tokens = x.shape[0]
+    num_reqs = states.shape[0]
+    hist = width - 1
+    device = x.device
+    starts = query_start_loc[:-1].long()
+    ends = query_start_loc[1:].long()
+    req_ids = torch.arange(num_reqs, device=device)
+    token_ids = torch.arange(num_tokens, device=device)
+    # searchsorted on the ends: the request owning each token (right=True skips empty requests).
+    token_req = torch.searchsorted(ends, token_ids, right=True)
+    token_pos = token_ids + (token_req + 1) * hist
+    offsets = torch.arange(hist, device=device)
+    state_pos = (starts + req_ids * hist).unsqueeze(1) + offsets  # [N, W-1]
+    ext = torch.empty(num_tokens + num_reqs * hist, channels, dtype=torch.float32, device=device)
+    ext.index_copy_(0, token_pos, x.float())
+    ext.index_copy_(0, state_pos.reshape(-1), states.transpose(1, 2).reshape(-1, channels))
+
+    y = b.expand(num_tokens, channels).clone() if b is not None else x.new_zeros(num_tokens, channels,
+                                                                                    dtype=torch.float32)
+    for tap in range(width):
+        y += ext.index_select(0, token_pos - hist + tap) * w[:, tap]
+
+    # The segment of request i ends at ends[i] + (i+1)*(W-1); its last W-1 positions are the new state.
+    new_pos = (ends + req_ids * hist).unsqueeze(1) + offsets  # [N, W-1]
+    new_states = ext.index_select(0, new_pos.reshape(-1)).view(num_reqs, hist, channels).transpose(1, 2)
+    conv_states.index_copy_(0, state_rows.long(), new_states.to(conv_states.dtype))
+    return _activate(y, activation).to(x.dtype)

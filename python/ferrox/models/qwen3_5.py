@@ -1,0 +1,340 @@
+"""Qwen3.5 / Qwen3.6 and Qwen3-Next: hybrid decoders of Gated DeltaNet and gated full attention.
+
+Layers follow config.json's layer_types (Qwen3-Next: every full_attention_interval-th layer is full attention):
+- "linear_attention": layers/gated_delta_net.py, whose per-request recurrent states sit in pools beside the KV
+  cache (worker/recurrent_states.py). These layers have no KV cache: the loader gives them a zero-head cache
+  shape (loader/model_config.py), so the KV budget counts only the full-attention layers.
+- "full_attention": Qwen3's attention (per-head q/k RMSNorm, rotary over the first partial_rotary_factor of
+  each head) whose q_proj also yields an output gate: per head [q | gate] rows, o = attn * sigmoid(gate).
+The MLP is dense (Qwen3.5), or routed experts with a shared expert under its sigmoid gate (Qwen3.5-MoE /
+Qwen3.6-35B-A3B always renormalise the top-k weights; Qwen3-Next as norm_topk_prob says, with dense layers where
+mlp_only_layers / decoder_sparse_step put them): models/moe.py MoeBlock.
+
+RMSNorms are zero-centred (output * (1 + weight), Gemma's): the loader adds 1 to those weights; the gated norm
+inside the linear attention is a plain one. Partial rotary: q / k rows and their norm weights are put in
+whole-head pairs at load (layers/rotary.py partial_rotary_order), the gate rows left in place.
+
+Qwen3-Next stores the linear attention's input projections fused and interleaved per key-head group
+(in_proj_qkvz, in_proj_ba); they are cut into Qwen3.5's separate q / k / v / z / b / a rows at load
+(`split_qwen3_next_projections`). Multi-token-prediction tensors (mtp.*) are not loaded (no speculation here).
+
+Not yet: tensor parallelism, quantized checkpoints, LoRA, the prefix cache (off for these models), speculative
+decoding, the vision tower of Qwen3_5ForConditionalGeneration (its text runs; images are refused).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ferrox.attention.backend import AttentionBackend, get_attention_backend
+from ferrox.attention.decode_path import DecodePath
+from ferrox.attention.kv_cache import KVCacheScales
+from ferrox.attention.metadata import AttentionMetadata
+from ferrox.distributed.sharding import materialize
+from ferrox.kernels import select_kernels
+from ferrox.layers.fused_moe import FusedMoE
+from ferrox.layers.gated_delta_net import GatedDeltaNet, recurrent_step
+from ferrox.layers.layernorm import RMSNorm
+from ferrox.layers.linear import Linear, MergedLinear, RowParallelLinear
+from ferrox.layers.ops import DeviceOps, Rope, for_device
+from ferrox.layers.rotary import RotaryEmbedding, partial_rotary_order
+from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError, hybrid_layer_types
+from ferrox.models.glm4 import reorder_head_rows
+from ferrox.models.llama import LlamaMLP, load_dense_tensor, load_kv_scale
+from ferrox.models.load_check import check_all_loaded
+from ferrox.models.moe import MoeBlock
+from ferrox.models.qwen3_vl_moe import unfuse_experts
+
+_MERGED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+    "in_proj_qkv": ("in_proj", "qkv"),
+    "in_proj_z": ("in_proj", "z"),
+    "in_proj_b": ("in_proj", "b"),
+    "in_proj_a": ("in_proj", "a"),
+}
+# Zero-centred norms (module docstring): their checkpoint weights + 1.
+_ZERO_CENTRED = re.compile(r"(layernorm|^model\.norm|self_attn\.q_norm|self_attn\.k_norm)\.weight$")
+_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class GatedAttention(nn.Module):
+    """Full attention with Qwen3's q/k norms and an output gate (module docstring)."""
+
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype, device: Any):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.scale = self.head_dim ** -0.5
+        d = self.head_dim
+        self.qkv_proj = MergedLinear(spec.hidden_size, {"q": 2 * self.num_heads * d, "k": self.num_kv_heads * d,
+                                                        "v": self.num_kv_heads * d},
+                                     bias=spec.attention_bias, dtype=dtype, device=device)
+        self.o_proj = RowParallelLinear(self.num_heads * d, spec.hidden_size, bias=spec.attention_bias, dtype=dtype,
+                                        device=device)
+        self.q_norm = RMSNorm(d, spec.rms_norm_eps, dtype, device, ops)
+        self.k_norm = RMSNorm(d, spec.rms_norm_eps, dtype, device, ops)
+        self.backend = backend
+        self.kv_scales = KVCacheScales(device)
+
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t, h, kv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        q_gate = qkv[:, :2 * h * d].view(t, h, 2 * d)
+        gate = q_gate[..., d:].reshape(t, h * d)
+        q = self.q_norm(q_gate[..., :d].contiguous())
+        k = self.k_norm(qkv[:, 2 * h * d:(2 * h + kv) * d].reshape(t, kv, d))
+        v = qkv[:, (2 * h + kv) * d:].view(t, kv, d)
+        q, k = rope.rotate_qk(torch.cat([q, k], dim=1), h)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.kv_scales)
+        return self.o_proj(o.reshape(t, h * d) * torch.sigmoid(gate))
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, kind: str, mlp: nn.Module, backend: AttentionBackend, ops: DeviceOps,
+                 dtype: torch.dtype, device: Any):
+        super().__init__()
+        config = spec.hf_config
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
+        self.linear_attn: GatedDeltaNet | None = None
+        self.self_attn: GatedAttention | None = None
+        if kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(
+                spec.hidden_size, num_k_heads=int(config["linear_num_key_heads"]),
+                num_v_heads=int(config["linear_num_value_heads"]), head_k_dim=int(config["linear_key_head_dim"]),
+                head_v_dim=int(config["linear_value_head_dim"]), conv_kernel=int(config["linear_conv_kernel_dim"]),
+                eps=spec.rms_norm_eps, dtype=dtype, device=device)
+        else:
+            self.self_attn = GatedAttention(spec, backend, ops, dtype, device)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, step: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        if self.linear_attn is not None:
+            h = self.linear_attn(h, meta, step)
+        else:
+            assert self.self_attn is not None
+            h = self.self_attn(h, rope, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class HybridModel(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype, device: Any):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+        moe = spec.moe
+        renormalize = moe is not None and (moe.norm_topk_prob or spec.hf_config.get("model_type") != "qwen3_next")
+
+        def mlp(i: int) -> nn.Module:
+            if moe is not None and moe.is_sparse(i):
+                return MoeBlock(spec, moe, ops, dtype, device, renormalize=renormalize)
+            return LlamaMLP(spec, ops, dtype, device)
+
+        kinds = hybrid_layer_types(spec.hf_config)
+        assert kinds is not None  # (Qwen3_5ForCausalLM checked it)
+        self.layers = nn.ModuleList(HybridDecoderLayer(spec, kind, mlp(i), backend, ops, dtype, device)
+                                    for i, kind in enumerate(kinds))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
+        self.rotary = RotaryEmbedding.for_spec(spec, device, ops)
+        self.decode_path = DecodePath()  # (the general layers every step; a one-row lm_head as any model's)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        rope = self.rotary(positions, h.dtype)
+        step = recurrent_step(meta)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            h, residual = layer(h, residual, rope, kv_caches[i], meta, step)
+        h, _ = self.norm(h, residual)
+        return h
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    supports_tensor_parallel = False
+    supports_quantization = False
+    supports_quantized_gguf = False
+    # Text weights under model.language_model.* (the multimodal layout) are read as model.*.
+    _PREFIXES = (("model.language_model.", "model."),)
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
+                 kernels: str | None = None):
+        super().__init__()
+        if spec.hidden_act not in ("silu", "swish"):
+            raise UnsupportedModelError(f"config.json: hidden_act {spec.hidden_act!r} is not supported (only silu)")
+        if hybrid_layer_types(spec.hf_config) is None or spec.hf_config.get("linear_conv_kernel_dim") is None:
+            raise ModelLoadError(f"config.json: {spec.architecture} needs a hybrid text config (model_type "
+                                 "qwen3_5_text, qwen3_5_moe_text or qwen3_next, with the linear_* fields of its Gated "
+                                 "DeltaNet layers)")
+        self.spec = spec
+        self.kernels = select_kernels(device, kernels)
+        self.ops = for_device(device, self.kernels)
+        self.backend = get_attention_backend(device, self.kernels)
+        self.backend.uniform_heads = False  # (the linear layers' caches hold no heads: no piecewise graphs)
+        self.model = HybridModel(spec, self.backend, self.ops, dtype, device)
+        self.lm_head = (None if spec.tie_word_embeddings else
+                        ParallelLMHead(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device))
+        d, rotary = spec.head_dim, spec.rotary_dim
+        order = None if rotary is None else partial_rotary_order(d, rotary)
+        self.rotary_order = order
+        # q_proj's head rows are [q | gate]: the q half reordered, the gate half kept.
+        self.q_gate_order = None if order is None else torch.cat([order, torch.arange(d, 2 * d)])
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def finalize_weights(self) -> None:
+        for module in self.modules():
+            if isinstance(module, (Linear, FusedMoE)):
+                module.finalize_quantized()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"kv_caches has {len(kv_caches)} tensors, the model has {len(self.model.layers)} layers")
+        self.backend.begin_forward(attn_metadata)
+        return self.model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds=inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens.gather_logits(self.model.decode_path.logits(hidden, self.lm_head_weight))
+
+    # ---- loading --------------------------------------------------------------------------------------
+    def _rewritten(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """The checkpoint stream in this model's terms (module docstring): prefixes, Qwen3-Next's fused
+        projections, zero-centred norms + 1, partial-rotary row order, conv kernels [C, 1, W] -> [C, W]."""
+        d = self.spec.head_dim
+        for name, tensor in split_qwen3_next_projections(weights, self.spec.hf_config):
+            for old, new in self._PREFIXES:
+                if name.startswith(old):
+                    name = new + name[len(old):]
+            if name.startswith(("mtp.", "model.visual.")) or name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name.endswith(".linear_attn.conv1d.weight"):
+                value = materialize(tensor)
+                tensor = value.reshape(value.shape[0], -1)
+            elif _ZERO_CENTRED.search(name):
+                tensor = materialize(tensor).float() + 1.0
+                if self.rotary_order is not None and ("q_norm" in name or "k_norm" in name):
+                    tensor = reorder_head_rows(tensor, d, self.rotary_order)
+            elif self.rotary_order is not None and name.endswith(".self_attn.k_proj.weight"):
+                tensor = reorder_head_rows(tensor, d, self.rotary_order)
+            elif self.q_gate_order is not None and name.endswith(".self_attn.q_proj.weight"):
+                tensor = reorder_head_rows(tensor, 2 * d, self.q_gate_order)
+            yield name, tensor
+
+    def _expected_keys(self) -> set[str]:
+        expected = set()
+        for name, module in self.named_modules():
+            if isinstance(module, Linear):
+                expected |= module.checkpoint_keys(name)
+            elif isinstance(module, FusedMoE):
+                expected |= {f"{name}#{e}.{shard}.{leaf}" for e, shard, leaf in module.expected_weights()}
+            else:
+                expected |= {f"{name}.{leaf}" if name else leaf for leaf, _ in module.named_parameters(recurse=False)}
+        return expected
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        stream = self._rewritten(weights)
+        if self.spec.moe is not None:
+            stream = unfuse_experts(stream, self.spec.hidden_size, self.spec.moe.intermediate_size)
+        for name, tensor in stream:
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            if load_kv_scale(modules, name, tensor):
+                continue
+            try:
+                if _EXPERT.search(name):
+                    key = _load_expert(modules, name, tensor)
+                else:
+                    key = load_dense_tensor(modules, params, name, tensor, _MERGED)
+            except ValueError as e:
+                raise ModelLoadError(f"tensor {name!r}: {e} (config.json does not match the weights?)") from e
+            if key is None:
+                unexpected.append(name)
+            else:
+                loaded.add(key)
+        check_all_loaded(self.spec.architecture, unexpected, self._expected_keys(), loaded)
+
+
+_EXPERT_NAME = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\."
+                          r"(?P<leaf>\w+)$")
+_EXPERT_SHARDS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+
+
+def _load_expert(modules: dict[str, nn.Module], name: str, tensor: Any) -> str | None:
+    match = _EXPERT_NAME.match(name)
+    module = modules.get(match["experts"]) if match else None
+    if match is None or not isinstance(module, FusedMoE):
+        return None
+    shard = _EXPERT_SHARDS[match["proj"]]
+    module.load_expert_weight(match["leaf"], int(match["expert"]), shard, tensor)
+    return f"{match['experts']}#{int(match['expert'])}.{shard}.{match['leaf']}"
+
+
+def split_qwen3_next_projections(weights: Iterable[tuple[str, Any]],
+                                 config: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """Qwen3-Next's in_proj_qkvz [Hk x (2 Dk + 2 r Dv), hidden] and in_proj_ba [Hk x 2 r, hidden] (r = Hv / Hk
+    value heads per key head, rows grouped by key head: q, k, then its r v heads and r z heads; b's r then a's r)
+    as Qwen3.5's in_proj_qkv (all q, all k, all v), in_proj_z, in_proj_b, in_proj_a. Other tensors pass."""
+    for name, tensor in weights:
+        if not name.endswith((".linear_attn.in_proj_qkvz.weight", ".linear_attn.in_proj_ba.weight")):
+            yield name, tensor
+            continue
+        hk, hv = int(config["linear_num_key_heads"]), int(config["linear_num_value_heads"])
+        dk, dv, r = int(config["linear_key_head_dim"]), int(config["linear_value_head_dim"]), hv // hk
+        value = materialize(tensor)
+        base = name.rsplit(".", 2)[0]
+        if name.endswith("qkvz.weight"):
+            groups = value.reshape(hk, 2 * dk + 2 * r * dv, -1)
+            q, k, v, z = groups.split([dk, dk, r * dv, r * dv], dim=1)
+            yield f"{base}.in_proj_qkv.weight", torch.cat([t.reshape(-1, value.shape[-1]) for t in (q, k, v)])
+            yield f"{base}.in_proj_z.weight", z.reshape(-1, value.shape[-1])
+        else:
+            groups = value.reshape(hk, 2 * r, -1)
+            b, a = groups.split([r, r], dim=1)
+            yield f"{base}.in_proj_b.weight", b.reshape(-1, value.shape[-1])
+            yield f"{base}.in_proj_a.weight", a.reshape(-1, value.shape[-1])
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
+                 kernels: str | None = None):
+        if spec.moe is None:
+            raise UnsupportedModelError(f"config.json: {spec.architecture} needs num_experts")
+        super().__init__(spec, dtype, device, kernels=kernels)
+
+
+class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):
+    pass
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    """The language model of a Qwen3.5 checkpoint; its vision tower is not built (images refused by the
+    prompt side as for any text-only model: its limits are 0)."""
+
+
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
+    """As Qwen3_5ForConditionalGeneration, over the MoE language model."""

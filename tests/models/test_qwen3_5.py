@@ -1,0 +1,166 @@
+"""Qwen3.5 / Qwen3.6 and Qwen3-Next (models/qwen3_5.py: Gated DeltaNet layers with per-request recurrent states,
+gated full attention) against transformers on tiny random checkpoints (tests/helpers/tiny_qwen3_5.py: three
+linear-attention layers then one full-attention layer, partial rotary, grouped value heads; prompts of 3, 40 and
+70 tokens, the last crossing the delta rule's 64-token chunk).
+
+The model's own forward over a paged cache and a state pool (tests/helpers/driver.py): last-prompt logits and
+greedy tokens, chunked prefill (the states carried between chunks) and batching; the real engine (Rust scheduler,
+state rows handed out per request, chunked prefill under a 16-token budget, preemption by recompute) against
+transformers' logprobs; the multimodal checkpoint's language model; the refusals; on a GPU, the CUDA engine (fla's
+kernels, CUDA graphs over the state rows) against the CPU one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ferrox import LLM, SamplingParams
+from ferrox.attention.kv_cache import kv_cache_bytes_per_block
+from ferrox.worker.recurrent_states import StateRows
+
+from tests.helpers import tiny_qwen3_5
+from tests.helpers.tiny_models import EOS_TOKEN_ID, models_with_references
+from tests.models.conftest import (
+    assert_chunking_and_batching_keep_tokens,
+    assert_greedy_and_logits_match,
+    assert_outputs_match_transformers,
+    chunked_engine_outputs,
+)
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
+
+PROMPTS = [[5, 9, 11], list(range(3, 43)), [(7 * i) % 300 + 3 for i in range(70)]]
+FAMILIES = {"qwen3_5": (tiny_qwen3_5.make_tiny_qwen3_5, "Qwen3_5ForCausalLM"),
+            "qwen3_5_moe": (tiny_qwen3_5.make_tiny_qwen3_5_moe, "Qwen3_5MoeForCausalLM"),
+            "qwen3_next": (tiny_qwen3_5.make_tiny_qwen3_next, "Qwen3NextForCausalLM")}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """name -> (folder, ferrox model, transformers model), float32 on the CPU."""
+    return models_with_references(tmp_path_factory.mktemp("qwen3_5"), {k: v[0] for k, v in FAMILIES.items()},
+                                  references={k: v[1] for k, v in FAMILIES.items()})
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_greedy_and_logits_match_transformers(tiny, name):
+    _, model, ref = tiny[name]
+    assert_greedy_and_logits_match(model, ref, PROMPTS, [EOS_TOKEN_ID], max_tokens=8, label=name)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_chunked_prefill_and_batching_do_not_change_tokens(tiny, name):
+    """Chunks of 7 carry the conv and delta-rule states between steps; a prompt alone gets the same tokens."""
+    _, model, _ = tiny[name]
+    assert_chunking_and_batching_keep_tokens(model, PROMPTS, slice(2, 3))
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+def test_engine_chunked_prefill_matches_transformers(tiny, name):
+    folder, _, ref = tiny[name]
+    assert_outputs_match_transformers(ref, PROMPTS, chunked_engine_outputs(folder, PROMPTS))
+
+
+def test_engine_preemption_recomputes_the_states(tiny):
+    """A KV cache of 12 blocks for 6 requests of 40-70 tokens: requests are preempted and recomputed from their
+    first token (fresh state rows); every output equals the one computed with room to spare, no block leaks."""
+    folder, model, _ = tiny["qwen3_5"]
+    prompts = [[(5 * i + 11 * j) % 300 + 3 for j in range(40 + 6 * i)] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    per_block = kv_cache_bytes_per_block(model.spec, 16, torch.float32)
+
+    def run(blocks: int) -> tuple[list[list[int]], LLM]:
+        llm = LLM(model=folder, dtype="float32", max_num_batched_tokens=64, max_num_seqs=6, max_model_len=128,
+                  kv_cache_memory=per_block * blocks)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs], llm
+
+    roomy, llm = run(64)
+    llm.engine.shutdown()
+    tight, llm = run(12)
+    try:
+        assert tight == roomy
+        assert llm.engine.stats()["num_preemptions"] > 0
+        stats = llm.engine.stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"] - 1  # (no block leaked)
+        # (the next step's schedule reports them finished: their rows come back; the new request holds one)
+        llm.generate([{"prompt_token_ids": [5]}], params, use_tqdm=False)
+        assert len(llm.engine.runner.state_rows.row_of) <= 1
+    finally:
+        llm.engine.shutdown()
+
+
+def test_state_rows_follow_the_schedule():
+    """Rows go to scheduled requests, come back on finish and preemption, and row 0 (scratch) is never given."""
+
+    class Step:
+        def __init__(self, req_ids, finished=(), preempted=()):
+            self.req_ids, self.finished_req_ids, self.preempted_req_ids = list(req_ids), list(finished), list(preempted)
+
+    rows = StateRows(max_num_seqs=3)
+    assert rows.for_step(Step(["a", "b"])).tolist() == [1, 2]
+    assert rows.for_step(Step(["a", "b", "c"])).tolist() == [1, 2, 3]
+    with pytest.raises(RuntimeError, match="no free row"):
+        rows.for_step(Step(["a", "b", "c", "d"]))
+    # b finished, c preempted: d and c (resumed) take rows again, a keeps its own.
+    got = rows.for_step(Step(["a", "d"], finished=["b"], preempted=["c"])).tolist()
+    assert got[0] == 1 and got[1] in (2, 3)
+    assert 0 not in rows.for_step(Step(["a", "d", "c"])).tolist()
+
+
+def test_multimodal_checkpoint_serves_its_language_model(tmp_path):
+    """Qwen3_5ForConditionalGeneration's text (model.language_model.* weights, text_config with mrope fields):
+    the engine's greedy tokens and logprobs are transformers' on text prompts."""
+    folder = tiny_qwen3_5.make_tiny_qwen3_5_multimodal(tmp_path / "mm")
+    ref = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    assert_outputs_match_transformers(ref, PROMPTS[:2], chunked_engine_outputs(folder, PROMPTS[:2]))
+
+
+@pytest.mark.parametrize("setting, match", [
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}},
+     "speculative_config"),
+    ({"enable_lora": True}, "enable_lora"),
+])
+def test_what_the_states_cannot_follow_is_refused_by_name(tiny, setting, match):
+    folder, _, _ = tiny["qwen3_5"]
+    with pytest.raises(ValueError, match=match):
+        LLM(model=folder, dtype="float32", kv_cache_memory=8 << 20, **setting)
+
+
+def test_prefix_caching_is_off_and_repeated_prompts_still_match(tiny):
+    """The same prompt twice (a prefix-cache hit for any other model) gives the same tokens: the second request
+    computes its states from its first token."""
+    folder, _, _ = tiny["qwen3_5"]
+    llm = LLM(model=folder, dtype="float32", kv_cache_memory=8 << 20)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        first = llm.generate([{"prompt_token_ids": PROMPTS[2]}], params, use_tqdm=False)[0].outputs[0].token_ids
+        again = llm.generate([{"prompt_token_ids": PROMPTS[2]}], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert list(first) == list(again)
+        assert llm.engine.stats()["prefix_cache_hits"] == 0
+    finally:
+        llm.engine.shutdown()
+
+
+# ---- GPU ------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_cuda_engine_matches_cpu(tiny, name):
+    """float32 on CUDA (fla's chunked and recurrent delta-rule kernels, decode CUDA graphs reading the state rows)
+    against the CPU engine: each of 12 concurrent prompts' greedy tokens and logprobs."""
+    folder, _, _ = tiny[name]
+    batch = [[(7 * i + j * 13) % 300 + 3 for j in range(5 + 9 * (i % 9))] for i in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    outs = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(model=folder, dtype="float32", device=device, kv_cache_memory=32 << 20, max_num_batched_tokens=64)
+        try:
+            outs[device] = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        finally:
+            llm.engine.shutdown()
+    for cpu, gpu in zip(outs["cpu"], outs["cuda"], strict=True):
+        a, b = cpu.outputs[0], gpu.outputs[0]
+        assert list(a.token_ids) == list(b.token_ids)
+        for la, lb, t in zip(a.logprobs, b.logprobs, a.token_ids, strict=True):
+            assert abs(la[t].logprob - lb[t].logprob) < 2e-3
