@@ -2,9 +2,10 @@
 LLaVA (a CLIP tower over a Llama, a SigLIP tower over a Qwen2; Pixtral-12B's layout, a Pixtral tower), LLaVA-NeXT
 (anyres tiles) and LLaVA-OneVision (anyres_max), Gemma 3 (bidirectional image attention: those steps take the
 torch attention), Idefics3 (SmolVLM's tiling), Qwen2-VL / Qwen2.5-VL (images at their own sizes, multimodal rotary
-positions), Qwen3-VL (interleaved rotary, DeepStack rows added inside the language model; dense and MoE), Mistral 3
-(Pixtral's row-break tokens inside each image), InternVL (tiles, pixel shuffle; the -hf and the remote-code
-layouts).
+positions), Qwen3-VL (interleaved rotary, DeepStack rows added inside the language model; dense and MoE), Qwen3.5 /
+Qwen3.6 (Qwen3-VL's tower without DeepStack over the hybrid Gated DeltaNet language model, interleaved rotary over a
+partial rotary; dense and MoE), Mistral 3 (Pixtral's row-break tokens inside each image), InternVL (tiles, pixel
+shuffle; the -hf and the remote-code layouts).
 
 Each serves 24 concurrent chat requests with data-URL images (eight different images, one or two a prompt),
 Anthropic image blocks and Responses input_image parts beside them, each answer compared with the offline LLM's on
@@ -39,6 +40,10 @@ from tests.helpers.tiny_models import (  # noqa: E402
     make_tiny_llava_pixtral,
     make_tiny_mistral3,
     make_tiny_qwen2_vl,
+)
+from tests.helpers.tiny_qwen3_5 import (  # noqa: E402
+    make_tiny_qwen3_5_moe_multimodal,
+    make_tiny_qwen3_5_multimodal,
 )
 from tests.helpers.tiny_qwen3_vl import make_tiny_qwen3_vl, make_tiny_qwen3_vl_moe  # noqa: E402
 from tests.server.server_proc import ServerProcess  # noqa: E402
@@ -90,7 +95,10 @@ def main() -> int:
                                 ("internvl-tiles", make_tiny_internvl(tmp / "k"), []),
                                 ("internvl-chat-remote", make_tiny_internvl_chat(tmp / "l")[1], []),
                                 ("qwen3-vl-moe", make_tiny_qwen3_vl_moe(tmp / "m"), []),
-                                ("llava-onevision", make_tiny_llava_onevision(tmp / "n"), [])):
+                                ("llava-onevision", make_tiny_llava_onevision(tmp / "n"), []),
+                                ("qwen3_5-vl", make_tiny_qwen3_5_multimodal(tmp / "o"), ["--max-model-len", "256"]),
+                                ("qwen3_5-moe-vl", make_tiny_qwen3_5_moe_multimodal(tmp / "p"),
+                                 ["--max-model-len", "256"])):
         if only and not any(o in name for o in only):
             continue
         cases = [[k % 8] for k in range(16)] + [[k % 8, (k + 3) % 8] for k in range(8)]

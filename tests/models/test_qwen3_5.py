@@ -6,7 +6,8 @@ linear-attention layers then one full-attention layer, partial rotary, grouped v
 The model's own forward over a paged cache and a state pool (tests/helpers/driver.py): last-prompt logits and
 greedy tokens, chunked prefill (the states carried between chunks) and batching; the real engine (Rust scheduler,
 state rows handed out per request, chunked prefill under a 16-token budget, preemption by recompute) against
-transformers' logprobs; the multimodal checkpoint's language model; the refusals; on a GPU, the CUDA engine (fla's
+transformers' logprobs; the multimodal checkpoint's language model; the refusals; tensor parallelism (2 gloo
+ranks, the engine against transformers; one rank's shard against the whole model); on a GPU, the CUDA engine (fla's
 kernels, CUDA graphs over the state rows) against the CPU one."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 import torch
 from ferrox import LLM, SamplingParams
 from ferrox.attention.kv_cache import kv_cache_bytes_per_block
+from ferrox.model_spec import UnsupportedModelError
 from ferrox.worker.recurrent_states import StateRows
 
 from tests.helpers import tiny_qwen3_5
@@ -164,3 +166,70 @@ def test_cuda_engine_matches_cpu(tiny, name):
         assert list(a.token_ids) == list(b.token_ids)
         for la, lb, t in zip(a.logprobs, b.logprobs, a.token_ids, strict=True):
             assert abs(la[t].logprob - lb[t].logprob) < 2e-3
+
+
+# ---- tensor parallelism ---------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "expert_parallel"), [("qwen3_5", False), ("qwen3_5_moe", False),
+                                                       ("qwen3_5_moe", True), ("qwen3_next", False)],
+                         ids=["qwen3_5", "qwen3_5_moe", "qwen3_5_moe-expert-parallel", "qwen3_next"])
+def test_tensor_parallel_matches_transformers(tiny, name, expert_parallel):
+    """Two ranks (gloo): each holds one of the two linear-attention key heads with its two value heads (its
+    state rows that wide), two of the four query heads and one KV head, half of each expert's rows (or four
+    whole experts) and of the shared expert's; the chunked engine's tokens and logprobs as transformers'."""
+    folder, _, ref = tiny[name]
+    outs = chunked_engine_outputs(folder, PROMPTS, tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
+    assert_outputs_match_transformers(ref, PROMPTS, outs)
+
+
+def _load_rank(folder: str, rank: int, size: int):
+    """Rank `rank` of `size` loaded as its engine process loads it (lazy safetensors slices), in this process."""
+    from ferrox.distributed.parallel_state import TPGroup, use_tp_group
+    from ferrox.loader.model_loader import load_model, load_model_spec
+    from ferrox.loader.source import resolve_model
+
+    source = resolve_model(folder)
+    with use_tp_group(TPGroup(rank=rank, size=size)):
+        return load_model(source, load_model_spec(source), dtype=torch.float32, device="cpu")
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+def test_a_rank_holds_its_heads_and_states_of_their_width(tiny, name):
+    """Rank 1 of 2: linear attention key head 1 (rows 16-31 of q and of k) and value heads 2-3 (rows 16-31 of v
+    and z, 2-3 of b and a, A_log and dt_bias), the conv kernel's matching channels of each of its q / k / v
+    blocks, out_proj's columns of those value heads, state pools [rows, 48, 3] and [rows, 2, 16, 8]; full
+    attention query heads 2-3 (each [q | gate]: rows 64-127) and KV head 1. Qwen3-Next's fused projections
+    split into the same rows."""
+    from ferrox.worker.recurrent_states import allocate_recurrent_states
+
+    folder, _, _ = tiny[name]
+    whole, part = _load_rank(folder, 0, 1), _load_rank(folder, 1, 2)
+    a, b = whole.model.layers[0].linear_attn, part.model.layers[0].linear_attn
+    assert a.state_shapes() == ((96, 3), (4, 16, 8))
+    assert b.state_shapes() == ((48, 3), (2, 16, 8))
+    # in_proj rows: q 0-31 | k 32-63 | v 64-95 | z 96-127 | b 128-131 | a 132-135
+    rows = [*range(16, 32), *range(48, 64), *range(80, 96), *range(112, 128), 130, 131, 134, 135]
+    torch.testing.assert_close(b.in_proj.weight, a.in_proj.weight[rows], rtol=0, atol=0)
+    torch.testing.assert_close(b.conv1d.weight, a.conv1d.weight[rows[:48]], rtol=0, atol=0)
+    torch.testing.assert_close(b.A_log, a.A_log[2:], rtol=0, atol=0)
+    torch.testing.assert_close(b.dt_bias, a.dt_bias[2:], rtol=0, atol=0)
+    torch.testing.assert_close(b.norm.weight, a.norm.weight, rtol=0, atol=0)  # (one head wide: replicated)
+    torch.testing.assert_close(b.out_proj.weight, a.out_proj.weight[:, 16:], rtol=0, atol=0)
+    fa, fb = whole.model.layers[3].self_attn, part.model.layers[3].self_attn
+    assert (fb.num_heads, fb.num_kv_heads) == (2, 1)
+    qkv = [*range(64, 128), *range(128 + 16, 160), *range(160 + 16, 192)]
+    torch.testing.assert_close(fb.qkv_proj.weight, fa.qkv_proj.weight[qkv], rtol=0, atol=0)
+    torch.testing.assert_close(fb.o_proj.weight, fa.o_proj.weight[:, 32:], rtol=0, atol=0)
+    allocate_recurrent_states(part, 2, torch.float32, torch.float32, torch.device("cpu"))
+    assert tuple(b.conv_states.shape) == (3, 48, 3) and tuple(b.ssm_states.shape) == (3, 2, 16, 8)
+
+
+def test_unsplittable_linear_attention_heads_are_refused_by_name(tiny, tmp_path):
+    """One linear-attention key head (serving all four value heads) cannot go to two ranks: refused before the
+    ranks start, naming the field."""
+    from tests.helpers.config_edit import copy_with_config
+
+    folder = copy_with_config(tiny["qwen3_5"][0], tmp_path / "one_key_head", linear_num_key_heads=1)
+    with pytest.raises(UnsupportedModelError, match=r"linear_num_key_heads \(1\) is not divisible by "
+                                                    r"tensor_parallel_size \(2\)"):
+        LLM(model=folder, dtype="float32", tensor_parallel_size=2, kv_cache_memory=1 << 20)

@@ -120,6 +120,10 @@ def check_tp_shapes(spec: ModelSpec, size: int, expert_parallel: bool = False) -
         if moe.shared_expert_intermediate_size:
             even_split(moe.shared_expert_intermediate_size, size, 0, "shared_expert_intermediate_size")
     _check_deepseek_experts(spec.hf_config, size, expert_parallel)
+    linear_key_heads = spec.hf_config.get("linear_num_key_heads")
+    if isinstance(linear_key_heads, int) and not isinstance(linear_key_heads, bool) and linear_key_heads > 0:
+        # A hybrid model's Gated DeltaNet layers: split by key-head groups (layers/gated_delta_net.py).
+        even_split(linear_key_heads, size, 0, "linear_num_key_heads")
 
 
 def _check_deepseek_experts(config: dict[str, Any], size: int, expert_parallel: bool) -> None:

@@ -14,9 +14,16 @@ decode steps as they are.
 
 Checkpoint layout (Qwen3.5): in_proj_qkv [2 key_dim + value_dim, hidden] (all q heads, all k heads, all v heads),
 in_proj_z [value_dim, hidden], in_proj_b / in_proj_a [num_v_heads, hidden], conv1d.weight [conv_dim, 1, W],
-A_log and dt_bias [num_v_heads], norm.weight [head_v_dim], out_proj [hidden, value_dim]. The four input
-projections are one merged matmul here (`in_proj`); Qwen3-Next's fused in_proj_qkvz / in_proj_ba are split into
-these at load (models/qwen3_5.py).
+A_log and dt_bias [num_v_heads], norm.weight [head_v_dim], out_proj [hidden, value_dim]. The input projections
+are one merged matmul here (`in_proj`, shards q, k, v, z, b, a: models/qwen3_5.py cuts in_proj_qkv into its q, k
+and v rows at load); Qwen3-Next's fused in_proj_qkvz / in_proj_ba are split into these at load too.
+
+Tensor parallelism: a rank holds num_k_heads / N key heads and the num_v_heads / N value heads they serve (each
+key head's r = num_v_heads / num_k_heads value heads are consecutive, so rank i's key heads [i Hk/N, (i+1) Hk/N)
+serve value heads [i Hv/N, (i+1) Hv/N)). Every in_proj shard splits evenly by rank, the conv kernel's q, k and v
+channel blocks each give the rank's rows (`ConvKernel`), A_log and dt_bias its value heads, the gated norm (one
+head wide) is replicated, out_proj is row-parallel over the value heads; the state pools hold the rank's heads
+(`state_shapes`). The attributes num_k_heads, num_v_heads, key_dim, value_dim, conv_dim are this rank's.
 """
 
 from __future__ import annotations
@@ -27,9 +34,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ferrox.distributed.parallel_state import get_tp_group
+from ferrox.distributed.sharding import Weight, even_split, materialize, narrow
 from ferrox.layers.causal_conv import causal_conv1d_varlen
 from ferrox.layers.gated_delta_rule import gated_delta_rule_varlen
 from ferrox.layers.linear import MergedLinear, RowParallelLinear
+from ferrox.model_spec import UnsupportedModelError
 
 
 def recurrent_step(meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,11 +70,35 @@ class GatedRMSNorm(nn.Module):
 
 
 class ConvKernel(nn.Module):
-    """The short convolution's depthwise kernel [channels, W] (a module so its checkpoint name is conv1d.weight)."""
+    """The short convolution's depthwise kernel [channels, W] (a module so its checkpoint name is conv1d.weight).
+    Its checkpoint channels are blocks (q, k, v: `blocks` their full sizes); a tensor-parallel rank holds its
+    even share of each block, stacked in order (the rows its in_proj q, k and v shards yield)."""
 
-    def __init__(self, channels: int, width: int, dtype: torch.dtype, device: torch.device | str | None):
+    def __init__(self, blocks: tuple[int, ...], width: int, dtype: torch.dtype, device: torch.device | str | None):
         super().__init__()
+        tp = get_tp_group()
+        self.checkpoint_channels = sum(blocks)
+        # (first checkpoint channel, channels) of each block's part on this rank
+        self.parts: list[tuple[int, int]] = []
+        base = 0
+        for size in blocks:
+            start, length = even_split(size, tp.size, tp.rank, "conv1d channels")
+            self.parts.append((base + start, length))
+            base += size
+        channels = sum(length for _, length in self.parts)
         self.weight = nn.Parameter(torch.empty(channels, width, dtype=dtype, device=device), requires_grad=False)
+
+    def load_weight(self, param_name: str, tensor: Weight, shard: str | None = None) -> None:
+        """The checkpoint's conv1d.weight ([C, W] or [C, 1, W]): this rank's channels of each block."""
+        if param_name != "weight":
+            raise ValueError(f"{param_name}: the conv kernel has only a weight")
+        value = materialize(tensor)
+        value = value.reshape(value.shape[0], -1) if value.dim() == 3 else value
+        width = self.weight.shape[1]
+        if tuple(value.shape) != (self.checkpoint_channels, width):
+            raise ValueError(f"checkpoint shape {tuple(value.shape)}, model expects "
+                             f"{(self.checkpoint_channels, width)}")
+        self.weight.data.copy_(torch.cat([value[start:start + length] for start, length in self.parts]))
 
 
 class GatedDeltaNet(nn.Module):
@@ -74,26 +108,47 @@ class GatedDeltaNet(nn.Module):
         if num_v_heads % num_k_heads:
             raise ValueError(f"linear_num_value_heads {num_v_heads} must be a multiple of linear_num_key_heads "
                              f"{num_k_heads}")
-        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        tp = get_tp_group()
+        if num_k_heads % tp.size:
+            raise UnsupportedModelError(f"linear_num_key_heads ({num_k_heads}) is not divisible by "
+                                        f"tensor_parallel_size ({tp.size})")
+        # This rank's heads (module docstring): key heads, and the value heads they serve.
+        self.num_k_heads, self.num_v_heads = num_k_heads // tp.size, num_v_heads // tp.size
+        self.v_head_start = tp.rank * self.num_v_heads
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
-        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.key_dim, self.value_dim = self.num_k_heads * head_k_dim, self.num_v_heads * head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel = conv_kernel
-        self.in_proj = MergedLinear(hidden_size, {"qkv": self.conv_dim, "z": self.value_dim, "b": num_v_heads,
-                                                  "a": num_v_heads}, bias=False, dtype=dtype, device=device)
+        key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim  # (the checkpoint's)
+        # q, k, v adjacent: their local rows are the convolution's input, in the kernel's channel order.
+        self.in_proj = MergedLinear(hidden_size, {"q": key_dim, "k": key_dim, "v": value_dim, "z": value_dim,
+                                                  "b": num_v_heads, "a": num_v_heads},
+                                    bias=False, dtype=dtype, device=device)
         # The depthwise convolution's kernel, [conv_dim, W] (the checkpoint's conv1d.weight [conv_dim, 1, W]).
-        self.conv1d = ConvKernel(self.conv_dim, conv_kernel, dtype, device)
+        self.conv1d = ConvKernel((key_dim, key_dim, value_dim), conv_kernel, dtype, device)
         # (float32 as transformers keeps them: exp(A_log) and softplus(a + dt_bias) are the decay's log)
-        self.A_log = nn.Parameter(torch.empty(num_v_heads, dtype=torch.float32, device=device), requires_grad=False)
-        self.dt_bias = nn.Parameter(torch.empty(num_v_heads, dtype=torch.float32, device=device),
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads, dtype=torch.float32, device=device),
+                                  requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads, dtype=torch.float32, device=device),
                                     requires_grad=False)
         self.norm = GatedRMSNorm(head_v_dim, eps, dtype, device)
-        self.out_proj = RowParallelLinear(self.value_dim, hidden_size, bias=False, dtype=dtype, device=device)
+        self.out_proj = RowParallelLinear(value_dim, hidden_size, bias=False, dtype=dtype, device=device)
         self.conv_states: torch.Tensor | None = None
         self.ssm_states: torch.Tensor | None = None
 
+    def load_weight(self, param_name: str, tensor: Weight, shard: str | None = None) -> None:
+        """A_log / dt_bias [num_v_heads] (the checkpoint's): this rank's value heads (models/load_check.load_into)."""
+        param = {"A_log": self.A_log, "dt_bias": self.dt_bias}.get(param_name)
+        if param is None:
+            raise ValueError(f"{param_name}: not a parameter of the linear attention itself")
+        full = self.num_v_heads * get_tp_group().size
+        if tuple(tensor.shape) != (full,):
+            raise ValueError(f"checkpoint shape {tuple(tensor.shape)}, model expects {(full,)}")
+        param.data.copy_(narrow(tensor, 0, self.v_head_start, self.num_v_heads))
+
     # ---- worker/recurrent_states.py ----------------------------------------------------------------
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """One request's (conv state, delta-rule state) on this rank: its channels and value heads."""
         return (self.conv_dim, self.conv_kernel - 1), (self.num_v_heads, self.head_k_dim, self.head_v_dim)
 
     def bind_states(self, conv_states: torch.Tensor, ssm_states: torch.Tensor) -> None:

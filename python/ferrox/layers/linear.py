@@ -201,15 +201,18 @@ class MergedLinear(Linear):
 
 class QKVLinear(MergedLinear):
     """q, k and v projections by heads: rank r holds query heads [r*H/N, (r+1)*H/N) and the KV
-    heads they read (kv_head_range); local head counts in num_heads / num_kv_heads."""
+    heads they read (kv_head_range); local head counts in num_heads / num_kv_heads.
+    q_rows_per_head: the q projection's rows per head when not head_dim (Qwen3.5's gated attention:
+    2 x head_dim, each head's query rows then its output gate's)."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *, bias: bool,
-                 dtype: torch.dtype, device: torch.device | str | None = None):
+                 dtype: torch.dtype, device: torch.device | str | None = None, q_rows_per_head: int | None = None):
         tp = get_tp_group()
         q_start, q_heads = even_split(num_heads, tp.size, tp.rank, "num_attention_heads")
         kv_start, kv_heads = kv_head_range(num_kv_heads, tp.size, tp.rank)
         self.num_heads, self.num_kv_heads = q_heads, kv_heads
-        q = (q_start * head_dim, q_heads * head_dim, num_heads * head_dim)
+        q_rows = head_dim if q_rows_per_head is None else q_rows_per_head
+        q = (q_start * q_rows, q_heads * q_rows, num_heads * q_rows)
         kv = (kv_start * head_dim, kv_heads * head_dim, num_kv_heads * head_dim)
         self._init_shards(hidden_size, {"q": q, "k": kv, "v": kv}, bias=bias, dtype=dtype, device=device)
 

@@ -231,7 +231,8 @@ class RotaryEmbedding(nn.Module):
         if section:
             return MRotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, device, ops,
                                     section=[int(x) for x in section],
-                                    interleaved=bool(spec.hf_config.get("mrope_interleaved")))
+                                    interleaved=bool(spec.hf_config.get("mrope_interleaved")),
+                                    rotary_dim=spec.rotary_dim)
         return cls(spec.head_dim, spec.rope_theta, spec.rope_scaling, device, ops, rotary_dim=spec.rotary_dim,
                    max_position_embeddings=int(spec.hf_config.get("max_position_embeddings") or 0) or None,
                    long_context=spec.rope_long_context)
@@ -273,24 +274,33 @@ class MRotaryEmbedding(RotaryEmbedding):
 
     interleaved (Qwen3-VL, transformers' Qwen3VLTextRotaryEmbedding): the rows take turns over the pairs instead,
     pair j turning by the height when j % 3 == 1 and j < 3 * section[1], by the width when j % 3 == 2 and
-    j < 3 * section[2], by the temporal position otherwise; so every axis gets high and low frequencies."""
+    j < 3 * section[2], by the temporal position otherwise; so every axis gets high and low frequencies.
+
+    rotary_dim (partial rotary, Qwen3.5 / Qwen3.6: a quarter of each head): the sections share out the
+    rotary_dim / 2 rotated pairs, as transformers' do; the pairs past them are the ones partial rotary passes
+    through (frequency 0 in ferrox's row order: `partial_rotary_order`), which turn by no row."""
 
     section_rows: torch.Tensor  # [pairs] int64: the positions row (0 t, 1 h, 2 w) each pair turns by
 
     def __init__(self, head_dim: int, base: float, scaling: dict | None, device: torch.device | str | None = None,
-                 ops: DeviceOps | None = None, *, section: list[int], interleaved: bool = False):
-        super().__init__(head_dim, base, scaling, device, ops)
+                 ops: DeviceOps | None = None, *, section: list[int], interleaved: bool = False,
+                 rotary_dim: int | None = None):
+        super().__init__(head_dim, base, scaling, device, ops, rotary_dim=rotary_dim)
         pairs = head_dim // 2
-        if sum(section) != pairs or len(section) != 3:
+        rotated = (head_dim if rotary_dim is None else rotary_dim) // 2
+        if sum(section) != rotated or len(section) != 3:
+            what = "head_dim / 2" if rotary_dim is None else "the rotary dims / 2 (partial_rotary_factor)"
             raise UnsupportedModelError(f"config.json: mrope_section {section} must be three numbers adding up to "
-                                        f"head_dim / 2 ({pairs})")
+                                        f"{what} ({rotated})")
         if interleaved:
-            j = torch.arange(pairs)
-            rows = torch.zeros(pairs, dtype=torch.int64)
+            j = torch.arange(rotated)
+            rows = torch.zeros(rotated, dtype=torch.int64)
             rows[(j % 3 == 1) & (j < 3 * section[1])] = 1
             rows[(j % 3 == 2) & (j < 3 * section[2])] = 2
         else:
             rows = torch.cat([torch.full((n,), i, dtype=torch.int64) for i, n in enumerate(section)])
+        # The passed-through pairs (frequency 0) read the temporal row: any position gives them angle 0.
+        rows = torch.cat([rows, torch.zeros(pairs - rotated, dtype=torch.int64)])
         self.register_buffer("section_rows", rows.to(device), persistent=False)
 
     def angles(self, positions: torch.Tensor) -> torch.Tensor:

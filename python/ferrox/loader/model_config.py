@@ -130,7 +130,9 @@ _TEXT_DEFAULTS["qwen3_5_moe_text"] = {
 _FLAT_TEXT = {"Qwen2VLForConditionalGeneration": "qwen2_vl_text", "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl_text"}
 # Multimodal-RoPE checkpoints -> transformers' mrope_section when the config leaves it out.
 _MROPE_SECTION = {"Qwen2VLForConditionalGeneration": [16, 24, 24], "Qwen2_5_VLForConditionalGeneration": [16, 24, 24],
-                  "Qwen3VLForConditionalGeneration": [24, 20, 20], "Qwen3VLMoeForConditionalGeneration": [24, 20, 20]}
+                  "Qwen3VLForConditionalGeneration": [24, 20, 20], "Qwen3VLMoeForConditionalGeneration": [24, 20, 20],
+                  # (over the rotated pairs only: a quarter of each head on the releases)
+                  "Qwen3_5ForConditionalGeneration": [11, 11, 10], "Qwen3_5MoeForConditionalGeneration": [11, 11, 10]}
 
 # Multimodal checkpoints: architecture -> the text model_type when text_config does not say.
 MULTIMODAL_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3_text",

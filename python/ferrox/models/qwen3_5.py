@@ -18,8 +18,16 @@ Qwen3-Next stores the linear attention's input projections fused and interleaved
 (in_proj_qkvz, in_proj_ba); they are cut into Qwen3.5's separate q / k / v / z / b / a rows at load
 (`split_qwen3_next_projections`). Multi-token-prediction tensors (mtp.*) are not loaded (no speculation here).
 
-Not yet: tensor parallelism, quantized checkpoints, LoRA, the prefix cache (off for these models), speculative
-decoding, the vision tower of Qwen3_5ForConditionalGeneration (its text runs; images are refused).
+Tensor parallelism: the full attention's query heads (each with its gate rows) and KV heads shard as Llama's
+(layers/linear.py QKVLinear), the linear attention's by key-head groups (layers/gated_delta_net.py: in_proj_qkv
+is cut into its q, k and v rows at load so that each rank takes its share of each), the experts as models/moe.py
+MoeBlock's (sharded, or whole under expert parallelism; the shared expert's partial summed with theirs). Head
+counts that do not split are refused at start (distributed/sharding.py check_tp_shapes).
+
+The multimodal checkpoints (Qwen3_5ForConditionalGeneration and its MoE twin, the releases' architectures) put
+Qwen3-VL's vision tower on these decoders: models/qwen3_5_vl.py.
+
+Not yet: LoRA, the prefix cache (off for these models), speculative decoding (the checkpoints' MTP layer).
 """
 
 from __future__ import annotations
@@ -35,12 +43,13 @@ from ferrox.attention.backend import AttentionBackend, get_attention_backend
 from ferrox.attention.decode_path import DecodePath
 from ferrox.attention.kv_cache import KVCacheScales
 from ferrox.attention.metadata import AttentionMetadata
-from ferrox.distributed.sharding import materialize
+from ferrox.distributed.parallel_state import get_tp_group
+from ferrox.distributed.sharding import check_tp_shapes, materialize, row_block, shape_of
 from ferrox.kernels import select_kernels
 from ferrox.layers.fused_moe import FusedMoE
 from ferrox.layers.gated_delta_net import GatedDeltaNet, recurrent_step
 from ferrox.layers.layernorm import RMSNorm
-from ferrox.layers.linear import Linear, MergedLinear, RowParallelLinear
+from ferrox.layers.linear import Linear, QKVLinear, RowParallelLinear
 from ferrox.layers.ops import DeviceOps, Rope, for_device
 from ferrox.layers.rotary import RotaryEmbedding, partial_rotary_order
 from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
@@ -57,7 +66,10 @@ _MERGED = {
     "v_proj": ("qkv_proj", "v"),
     "gate_proj": ("gate_up_proj", "gate"),
     "up_proj": ("gate_up_proj", "up"),
-    "in_proj_qkv": ("in_proj", "qkv"),
+    # (in_proj_qkv arrives cut into its q, k and v rows: Qwen3_5ForCausalLM._rewritten)
+    "in_proj_q": ("in_proj", "q"),
+    "in_proj_k": ("in_proj", "k"),
+    "in_proj_v": ("in_proj", "v"),
     "in_proj_z": ("in_proj", "z"),
     "in_proj_b": ("in_proj", "b"),
     "in_proj_a": ("in_proj", "a"),
@@ -69,17 +81,17 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class GatedAttention(nn.Module):
-    """Full attention with Qwen3's q/k norms and an output gate (module docstring)."""
+    """Full attention with Qwen3's q/k norms and an output gate (module docstring). Under tensor parallelism
+    num_heads / num_kv_heads are this rank's (QKVLinear: each local query head's [q | gate] rows)."""
 
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype, device: Any):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.head_dim = d = spec.head_dim
         self.scale = self.head_dim ** -0.5
-        d = self.head_dim
-        self.qkv_proj = MergedLinear(spec.hidden_size, {"q": 2 * self.num_heads * d, "k": self.num_kv_heads * d,
-                                                        "v": self.num_kv_heads * d},
-                                     bias=spec.attention_bias, dtype=dtype, device=device)
-        self.o_proj = RowParallelLinear(self.num_heads * d, spec.hidden_size, bias=spec.attention_bias, dtype=dtype,
+        self.qkv_proj = QKVLinear(spec.hidden_size, spec.num_heads, spec.num_kv_heads, d, bias=spec.attention_bias,
+                                  dtype=dtype, device=device, q_rows_per_head=2 * d)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden_size, bias=spec.attention_bias, dtype=dtype,
                                         device=device)
         self.q_norm = RMSNorm(d, spec.rms_norm_eps, dtype, device, ops)
         self.k_norm = RMSNorm(d, spec.rms_norm_eps, dtype, device, ops)
@@ -166,7 +178,8 @@ class HybridModel(nn.Module):
 
 
 class Qwen3_5ForCausalLM(nn.Module):
-    supports_tensor_parallel = False
+    # Tested with gloo on CPU (tests/models/test_qwen3_5.py); NCCL runs the same layers.
+    supports_tensor_parallel = True
     supports_quantization = False
     supports_quantized_gguf = False
     # Text weights under model.language_model.* (the multimodal layout) are read as model.*.
@@ -182,6 +195,8 @@ class Qwen3_5ForCausalLM(nn.Module):
                                  "qwen3_5_text, qwen3_5_moe_text or qwen3_next, with the linear_* fields of its Gated "
                                  "DeltaNet layers)")
         self.spec = spec
+        tp = get_tp_group()
+        check_tp_shapes(spec, tp.size, expert_parallel=tp.expert_parallel)
         self.kernels = select_kernels(device, kernels)
         self.ops = for_device(device, self.kernels)
         self.backend = get_attention_backend(device, self.kernels)
@@ -220,13 +235,27 @@ class Qwen3_5ForCausalLM(nn.Module):
     # ---- loading --------------------------------------------------------------------------------------
     def _rewritten(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """The checkpoint stream in this model's terms (module docstring): prefixes, Qwen3-Next's fused
-        projections, zero-centred norms + 1, partial-rotary row order, conv kernels [C, 1, W] -> [C, W]."""
+        projections, in_proj_qkv cut into its q, k and v rows (each sharded by rank: layers/gated_delta_net.py),
+        zero-centred norms + 1, partial-rotary row order, conv kernels [C, 1, W] -> [C, W]."""
         d = self.spec.head_dim
+        config = self.spec.hf_config
+        key_dim = int(config["linear_num_key_heads"]) * int(config["linear_key_head_dim"])
+        value_dim = int(config["linear_num_value_heads"]) * int(config["linear_value_head_dim"])
         for name, tensor in split_qwen3_next_projections(weights, self.spec.hf_config):
             for old, new in self._PREFIXES:
                 if name.startswith(old):
                     name = new + name[len(old):]
             if name.startswith(("mtp.", "model.visual.")) or name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name.endswith(".linear_attn.in_proj_qkv.weight"):
+                rows = shape_of(tensor)[0] if shape_of(tensor) else 0
+                if rows != 2 * key_dim + value_dim:
+                    raise ModelLoadError(f"tensor {name!r}: {rows} rows, config.json's linear attention has "
+                                         f"{2 * key_dim + value_dim} (2 x {key_dim} q/k + {value_dim} v)")
+                base = name[:-len("in_proj_qkv.weight")]
+                yield f"{base}in_proj_q.weight", row_block(tensor, 0, key_dim)
+                yield f"{base}in_proj_k.weight", row_block(tensor, key_dim, key_dim)
+                yield f"{base}in_proj_v.weight", row_block(tensor, 2 * key_dim, value_dim)
                 continue
             if name.endswith(".linear_attn.conv1d.weight"):
                 value = materialize(tensor)
@@ -328,13 +357,5 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
 
 
 class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):
-    pass
-
-
-class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
-    """The language model of a Qwen3.5 checkpoint; its vision tower is not built (images refused by the
-    prompt side as for any text-only model: its limits are 0)."""
-
-
-class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
-    """As Qwen3_5ForConditionalGeneration, over the MoE language model."""
+    """Qwen3-Next-80B-A3B: the same layers; its fused projections are cut at load (split_qwen3_next_projections)
+    and its router renormalises as norm_topk_prob says (HybridModel)."""

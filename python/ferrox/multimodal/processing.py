@@ -231,6 +231,9 @@ PROCESSOR_KWARGS = {"Qwen2VLForConditionalGeneration": ("min_pixels", "max_pixel
                     "Qwen2_5_VLForConditionalGeneration": ("min_pixels", "max_pixels"),
                     "Qwen3VLForConditionalGeneration": ("min_pixels", "max_pixels", "fps", "min_frames", "max_frames"),
                     "Qwen3VLMoeForConditionalGeneration": ("min_pixels", "max_pixels", "fps", "min_frames",
+                                                           "max_frames"),
+                    "Qwen3_5ForConditionalGeneration": ("min_pixels", "max_pixels", "fps", "min_frames", "max_frames"),
+                    "Qwen3_5MoeForConditionalGeneration": ("min_pixels", "max_pixels", "fps", "min_frames",
                                                            "max_frames")}
 
 
@@ -297,8 +300,9 @@ def _image_prompts_for_model(model_dir: str, hf_config: Mapping[str, Any], token
         return idefics3_image_prompts(model_dir, hf_config, tokenizer, limit=limit,
                                       allowed_local_media_path=allowed_local_media_path)
     if {"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-            "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"} & set(archs):
-        # Qwen3-VL (dense and MoE): the same rules, 16-pixel patches
+            "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
+            "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"} & set(archs):
+        # Qwen3-VL (dense and MoE) and Qwen3.5 / Qwen3.6 (its processor): the same rules, 16-pixel patches
         from ferrox.multimodal.qwen2_vl_processing import qwen_vl_image_prompts
 
         return qwen_vl_image_prompts(model_dir, hf_config, tokenizer, limit=limit,

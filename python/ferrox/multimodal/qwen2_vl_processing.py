@@ -43,7 +43,9 @@ from ferrox.multimodal.processing import ImagePrompts, processor_kwargs_for, tok
 from ferrox.multimodal.processor_cache import video_key
 
 ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
-QWEN3_ARCHITECTURES = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
+# Qwen3-VL's rules (16-pixel patches, videos with their frames' timestamps); Qwen3.5 / Qwen3.6 share them.
+QWEN3_ARCHITECTURES = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
+                       "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 # Qwen2VLConfig's / Qwen2_5_VLConfig's token ids.
 DEFAULT_IMAGE_TOKEN_ID = 151_655  # <|image_pad|>
 DEFAULT_VISION_START_TOKEN_ID = 151_652  # <|vision_start|>
