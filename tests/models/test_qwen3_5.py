@@ -207,9 +207,10 @@ def test_a_rank_holds_its_heads_and_states_of_their_width(tiny, name):
     a, b = whole.model.layers[0].linear_attn, part.model.layers[0].linear_attn
     assert a.state_shapes() == ((96, 3), (4, 16, 8))
     assert b.state_shapes() == ((48, 3), (2, 16, 8))
-    # in_proj rows: q 0-31 | k 32-63 | v 64-95 | z 96-127 | b 128-131 | a 132-135
-    rows = [*range(16, 32), *range(48, 64), *range(80, 96), *range(112, 128), 130, 131, 134, 135]
-    torch.testing.assert_close(b.in_proj.weight, a.in_proj.weight[rows], rtol=0, atol=0)
+    # qkvz_proj rows: q 0-31 | k 32-63 | v 64-95 | z 96-127; ba_proj rows: b 0-3 | a 4-7
+    rows = [*range(16, 32), *range(48, 64), *range(80, 96), *range(112, 128)]
+    torch.testing.assert_close(b.qkvz_proj.weight, a.qkvz_proj.weight[rows], rtol=0, atol=0)
+    torch.testing.assert_close(b.ba_proj.weight, a.ba_proj.weight[[2, 3, 6, 7]], rtol=0, atol=0)
     torch.testing.assert_close(b.conv1d.weight, a.conv1d.weight[rows[:48]], rtol=0, atol=0)
     torch.testing.assert_close(b.A_log, a.A_log[2:], rtol=0, atol=0)
     torch.testing.assert_close(b.dt_bias, a.dt_bias[2:], rtol=0, atol=0)

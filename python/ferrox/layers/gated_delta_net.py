@@ -15,12 +15,13 @@ decode steps as they are.
 Checkpoint layout (Qwen3.5): in_proj_qkv [2 key_dim + value_dim, hidden] (all q heads, all k heads, all v heads),
 in_proj_z [value_dim, hidden], in_proj_b / in_proj_a [num_v_heads, hidden], conv1d.weight [conv_dim, 1, W],
 A_log and dt_bias [num_v_heads], norm.weight [head_v_dim], out_proj [hidden, value_dim]. The input projections
-are one merged matmul here (`in_proj`, shards q, k, v, z, b, a: models/qwen3_5.py cuts in_proj_qkv into its q, k
-and v rows at load); Qwen3-Next's fused in_proj_qkvz / in_proj_ba are split into these at load too.
+are two merged matmuls here: `qkvz_proj` (shards q, k, v, z: models/qwen3_5.py cuts in_proj_qkv into its q, k and
+v rows at load), which a quantized checkpoint quantizes, and `ba_proj` (b, a), which it keeps in the model dtype;
+Qwen3-Next's fused in_proj_qkvz / in_proj_ba are split into Qwen3.5's names at load too.
 
 Tensor parallelism: a rank holds num_k_heads / N key heads and the num_v_heads / N value heads they serve (each
 key head's r = num_v_heads / num_k_heads value heads are consecutive, so rank i's key heads [i Hk/N, (i+1) Hk/N)
-serve value heads [i Hv/N, (i+1) Hv/N)). Every in_proj shard splits evenly by rank, the conv kernel's q, k and v
+serve value heads [i Hv/N, (i+1) Hv/N)). Every projection shard splits evenly by rank, the conv kernel's q, k and v
 channel blocks each give the rank's rows (`ConvKernel`), A_log and dt_bias its value heads, the gated norm (one
 head wide) is replicated, out_proj is row-parallel over the value heads; the state pools hold the rank's heads
 (`state_shapes`). The attributes num_k_heads, num_v_heads, key_dim, value_dim, conv_dim are this rank's.
@@ -39,6 +40,7 @@ from ferrox.distributed.sharding import Weight, even_split, materialize, narrow
 from ferrox.layers.causal_conv import causal_conv1d_varlen
 from ferrox.layers.gated_delta_rule import gated_delta_rule_varlen
 from ferrox.layers.linear import MergedLinear, RowParallelLinear
+from ferrox.layers.quant.method import use_quant_config
 from ferrox.model_spec import UnsupportedModelError
 
 
@@ -72,7 +74,7 @@ class GatedRMSNorm(nn.Module):
 class ConvKernel(nn.Module):
     """The short convolution's depthwise kernel [channels, W] (a module so its checkpoint name is conv1d.weight).
     Its checkpoint channels are blocks (q, k, v: `blocks` their full sizes); a tensor-parallel rank holds its
-    even share of each block, stacked in order (the rows its in_proj q, k and v shards yield)."""
+    even share of each block, stacked in order (the rows its qkvz_proj q, k and v shards yield)."""
 
     def __init__(self, blocks: tuple[int, ...], width: int, dtype: torch.dtype, device: torch.device | str | None):
         super().__init__()
@@ -121,9 +123,12 @@ class GatedDeltaNet(nn.Module):
         self.conv_kernel = conv_kernel
         key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim  # (the checkpoint's)
         # q, k, v adjacent: their local rows are the convolution's input, in the kernel's channel order.
-        self.in_proj = MergedLinear(hidden_size, {"q": key_dim, "k": key_dim, "v": value_dim, "z": value_dim,
-                                                  "b": num_v_heads, "a": num_v_heads},
-                                    bias=False, dtype=dtype, device=device)
+        self.qkvz_proj = MergedLinear(hidden_size, {"q": key_dim, "k": key_dim, "v": value_dim, "z": value_dim},
+                                      bias=False, dtype=dtype, device=device)
+        # b and a (a few rows a head) stay in the model dtype in quantized checkpoints, as the FP8 releases keep them.
+        with use_quant_config(None):
+            self.ba_proj = MergedLinear(hidden_size, {"b": num_v_heads, "a": num_v_heads}, bias=False, dtype=dtype,
+                                        device=device)
         # The depthwise convolution's kernel, [conv_dim, W] (the checkpoint's conv1d.weight [conv_dim, 1, W]).
         self.conv1d = ConvKernel((key_dim, key_dim, value_dim), conv_kernel, dtype, device)
         # (float32 as transformers keeps them: exp(A_log) and softplus(a + dt_bias) are the decay's log)
@@ -160,8 +165,8 @@ class GatedDeltaNet(nn.Module):
             raise RuntimeError("GatedDeltaNet: no recurrent states bound (worker/recurrent_states.py)")
         t = x.shape[0]
         rows, has_state = step
-        proj = self.in_proj(x)
-        mixed, z, b, a = proj.split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
+        mixed, z = self.qkvz_proj(x).split([self.conv_dim, self.value_dim], dim=-1)
+        b, a = self.ba_proj(x).split([self.num_v_heads, self.num_v_heads], dim=-1)
         mixed = causal_conv1d_varlen(mixed, self.conv1d.weight, None, self.conv_states, rows, meta.query_start_loc,
                                      meta.query_start_loc_cpu, has_state, activation="silu",
                                      decode_only=meta.decode_only)

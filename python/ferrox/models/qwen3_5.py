@@ -32,6 +32,7 @@ Not yet: LoRA, the prefix cache (off for these models), speculative decoding (th
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -51,6 +52,7 @@ from ferrox.layers.gated_delta_net import GatedDeltaNet, recurrent_step
 from ferrox.layers.layernorm import RMSNorm
 from ferrox.layers.linear import Linear, QKVLinear, RowParallelLinear
 from ferrox.layers.ops import DeviceOps, Rope, for_device
+from ferrox.layers.quant.method import get_quant_config, use_quant_config
 from ferrox.layers.rotary import RotaryEmbedding, partial_rotary_order
 from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError, hybrid_layer_types
@@ -67,12 +69,12 @@ _MERGED = {
     "gate_proj": ("gate_up_proj", "gate"),
     "up_proj": ("gate_up_proj", "up"),
     # (in_proj_qkv arrives cut into its q, k and v rows: Qwen3_5ForCausalLM._rewritten)
-    "in_proj_q": ("in_proj", "q"),
-    "in_proj_k": ("in_proj", "k"),
-    "in_proj_v": ("in_proj", "v"),
-    "in_proj_z": ("in_proj", "z"),
-    "in_proj_b": ("in_proj", "b"),
-    "in_proj_a": ("in_proj", "a"),
+    "in_proj_q": ("qkvz_proj", "q"),
+    "in_proj_k": ("qkvz_proj", "k"),
+    "in_proj_v": ("qkvz_proj", "v"),
+    "in_proj_z": ("qkvz_proj", "z"),
+    "in_proj_b": ("ba_proj", "b"),
+    "in_proj_a": ("ba_proj", "a"),
 }
 # Zero-centred norms (module docstring): their checkpoint weights + 1.
 _ZERO_CENTRED = re.compile(r"(layernorm|^model\.norm|self_attn\.q_norm|self_attn\.k_norm)\.weight$")
@@ -84,12 +86,16 @@ class GatedAttention(nn.Module):
     """Full attention with Qwen3's q/k norms and an output gate (module docstring). Under tensor parallelism
     num_heads / num_kv_heads are this rank's (QKVLinear: each local query head's [q | gate] rows)."""
 
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype, device: Any):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype, device: Any,
+                 *, float_qkv: bool = False):
+        """float_qkv: q/k/v in the model dtype whatever the quantization (a block-FP8 checkpoint's, dequantized at
+        load: Qwen3_5ForCausalLM)."""
         super().__init__()
         self.head_dim = d = spec.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = QKVLinear(spec.hidden_size, spec.num_heads, spec.num_kv_heads, d, bias=spec.attention_bias,
-                                  dtype=dtype, device=device, q_rows_per_head=2 * d)
+        with use_quant_config(None) if float_qkv else contextlib.nullcontext():
+            self.qkv_proj = QKVLinear(spec.hidden_size, spec.num_heads, spec.num_kv_heads, d,
+                                      bias=spec.attention_bias, dtype=dtype, device=device, q_rows_per_head=2 * d)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden_size, bias=spec.attention_bias, dtype=dtype,
                                         device=device)
@@ -113,7 +119,7 @@ class GatedAttention(nn.Module):
 
 class HybridDecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, kind: str, mlp: nn.Module, backend: AttentionBackend, ops: DeviceOps,
-                 dtype: torch.dtype, device: Any):
+                 dtype: torch.dtype, device: Any, *, float_qkv: bool = False):
         super().__init__()
         config = spec.hf_config
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
@@ -127,7 +133,7 @@ class HybridDecoderLayer(nn.Module):
                 head_v_dim=int(config["linear_value_head_dim"]), conv_kernel=int(config["linear_conv_kernel_dim"]),
                 eps=spec.rms_norm_eps, dtype=dtype, device=device)
         else:
-            self.self_attn = GatedAttention(spec, backend, ops, dtype, device)
+            self.self_attn = GatedAttention(spec, backend, ops, dtype, device, float_qkv=float_qkv)
         self.mlp = mlp
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, kv_cache: torch.Tensor,
@@ -146,7 +152,8 @@ class HybridDecoderLayer(nn.Module):
 
 
 class HybridModel(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype, device: Any):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype, device: Any,
+                 *, float_qkv: bool = False):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
         moe = spec.moe
@@ -159,8 +166,8 @@ class HybridModel(nn.Module):
 
         kinds = hybrid_layer_types(spec.hf_config)
         assert kinds is not None  # (Qwen3_5ForCausalLM checked it)
-        self.layers = nn.ModuleList(HybridDecoderLayer(spec, kind, mlp(i), backend, ops, dtype, device)
-                                    for i, kind in enumerate(kinds))
+        self.layers = nn.ModuleList(HybridDecoderLayer(spec, kind, mlp(i), backend, ops, dtype, device,
+                                                       float_qkv=float_qkv) for i, kind in enumerate(kinds))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
         self.rotary = RotaryEmbedding.for_spec(spec, device, ops)
         self.decode_path = DecodePath()  # (the general layers every step; a one-row lm_head as any model's)
@@ -180,7 +187,8 @@ class HybridModel(nn.Module):
 class Qwen3_5ForCausalLM(nn.Module):
     # Tested with gloo on CPU (tests/models/test_qwen3_5.py); NCCL runs the same layers.
     supports_tensor_parallel = True
-    supports_quantization = False
+    # Block-wise FP8 checkpoints (the FP8 releases) and quantization="fp8" at load: check_quantization.
+    supports_quantization = True
     supports_quantized_gguf = False
     # Text weights under model.language_model.* (the multimodal layout) are read as model.*.
     _PREFIXES = (("model.language_model.", "model."),)
@@ -201,7 +209,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.ops = for_device(device, self.kernels)
         self.backend = get_attention_backend(device, self.kernels)
         self.backend.uniform_heads = False  # (the linear layers' caches hold no heads: no piecewise graphs)
-        self.model = HybridModel(spec, self.backend, self.ops, dtype, device)
+        self.fp8_block = check_quantization(spec, get_quant_config())
+        self.model = HybridModel(spec, self.backend, self.ops, dtype, device, float_qkv=self.fp8_block is not None)
         self.lm_head = (None if spec.tie_word_embeddings else
                         ParallelLMHead(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device))
         d, rotary = spec.head_dim, spec.rotary_dim
@@ -241,7 +250,10 @@ class Qwen3_5ForCausalLM(nn.Module):
         config = self.spec.hf_config
         key_dim = int(config["linear_num_key_heads"]) * int(config["linear_key_head_dim"])
         value_dim = int(config["linear_num_value_heads"]) * int(config["linear_value_head_dim"])
-        for name, tensor in split_qwen3_next_projections(weights, self.spec.hf_config):
+        stream = split_qwen3_next_projections(weights, self.spec.hf_config)
+        if self.fp8_block is not None:
+            stream = dequantized_attention(stream, self.fp8_block)
+        for name, tensor in stream:
             for old, new in self._PREFIXES:
                 if name.startswith(old):
                     name = new + name[len(old):]
@@ -256,6 +268,13 @@ class Qwen3_5ForCausalLM(nn.Module):
                 yield f"{base}in_proj_q.weight", row_block(tensor, 0, key_dim)
                 yield f"{base}in_proj_k.weight", row_block(tensor, key_dim, key_dim)
                 yield f"{base}in_proj_v.weight", row_block(tensor, 2 * key_dim, value_dim)
+                continue
+            if name.endswith(".linear_attn.in_proj_qkv.weight_scale_inv") and self.fp8_block is not None:
+                # (block rows: check_quantization made the q / k / v cuts fall on block edges)
+                bn = self.fp8_block[0]
+                base = name[:-len("in_proj_qkv.weight_scale_inv")]
+                for part, start, rows in (("q", 0, key_dim), ("k", key_dim, key_dim), ("v", 2 * key_dim, value_dim)):
+                    yield f"{base}in_proj_{part}.weight_scale_inv", row_block(tensor, start // bn, -(-rows // bn))
                 continue
             if name.endswith(".linear_attn.conv1d.weight"):
                 value = materialize(tensor)
@@ -321,6 +340,61 @@ def _load_expert(modules: dict[str, nn.Module], name: str, tensor: Any) -> str |
     shard = _EXPERT_SHARDS[match["proj"]]
     module.load_expert_weight(match["leaf"], int(match["expert"]), shard, tensor)
     return f"{match['experts']}#{int(match['expert'])}.{shard}.{match['leaf']}"
+
+
+def check_quantization(spec: ModelSpec, quant: Any) -> tuple[int, int] | None:
+    """The weight blocks of a block-wise FP8 checkpoint (None: unquantized, or quantization="fp8" at load), else
+    UnsupportedModelError naming what is not taken. Such a checkpoint's full-attention q / k / v are dequantized
+    at load (their rows are reordered for the partial rotary across the 128-row blocks of a 256-dim head, which
+    would part rows from their scales; they are a quarter of the layers' attention only), and the q / k / v rows
+    of in_proj_qkv must be cut on block edges."""
+    from ferrox.layers.quant.fp8 import Fp8Config
+    from ferrox.layers.quant.fp8_block import Fp8BlockConfig
+
+    if quant is None or (isinstance(quant, Fp8Config) and quant.online_quantization):
+        return None
+    if not isinstance(quant, Fp8BlockConfig) or quant.name != "fp8":
+        raise UnsupportedModelError(f"quantization {quant.name!r}: {spec.architecture} takes block-wise FP8 checkpoints "
+                                    "(quant_method 'fp8' with weight_block_size: the FP8 releases) or "
+                                    "quantization='fp8' at load")
+    config = spec.hf_config
+    if config.get("model_type") == "qwen3_next":
+        raise UnsupportedModelError("quantization 'fp8': Qwen3-Next's block-FP8 checkpoints interleave their "
+                                    "in_proj_qkvz rows by key-head group across the weight blocks; not supported yet "
+                                    "(load the bf16 checkpoint, with quantization='fp8' to quantize it at load)")
+    bn = quant.block[0]
+    key_dim = int(config["linear_num_key_heads"]) * int(config["linear_key_head_dim"])
+    if key_dim % bn:
+        raise UnsupportedModelError(f"quantization_config.weight_block_size {list(quant.block)}: in_proj_qkv's q / k "
+                                    f"blocks of {key_dim} rows do not fall on its {bn}-row weight blocks")
+    return quant.block
+
+
+def dequantized_attention(weights: Iterable[tuple[str, Any]], block: tuple[int, int]) -> Iterator[tuple[str, Any]]:
+    """The stream with each full-attention q / k / v projection's FP8 codes and block scales replaced by its
+    float32 weight (check_quantization says why), the rest passed as it comes."""
+    from ferrox.kernels.fp8_block_gemm import dequantize_fp8_blocks
+
+    held: dict[str, dict[str, Any]] = {}
+    for name, tensor in weights:
+        match = _ATTENTION_QKV.search(name)
+        if match is None:
+            yield name, tensor
+            continue
+        module = name[:match.start(2) - 1]
+        parts = held.setdefault(module, {})
+        parts[match[2]] = tensor
+        if len(parts) == 2:
+            del held[module]
+            yield f"{module}.weight", dequantize_fp8_blocks(materialize(parts["weight"]),
+                                                            materialize(parts["weight_scale_inv"]).float(), block,
+                                                            torch.float32)
+    for module, parts in held.items():  # (one half missing: named by the loader's check)
+        for leaf, tensor in parts.items():
+            yield f"{module}.{leaf}", tensor
+
+
+_ATTENTION_QKV = re.compile(r"\.self_attn\.([qkv])_proj\.(weight|weight_scale_inv)$")
 
 
 def split_qwen3_next_projections(weights: Iterable[tuple[str, Any]],

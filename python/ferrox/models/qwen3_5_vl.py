@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ferrox.layers.quant.method import use_quant_config
 from ferrox.model_spec import ModelSpec
 from ferrox.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from ferrox.models.qwen3_vl import Qwen3VLImages
@@ -44,7 +45,8 @@ class Qwen3_5Images(Qwen3VLImages):
     language model's own forward (inputs_embeds). Listed before the language model's class."""
 
     def init_images(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str) -> None:
-        super().init_images(_without_deepstack(spec), dtype, device)
+        with use_quant_config(None):  # (the FP8 releases keep the tower in bf16)
+            super().init_images(_without_deepstack(spec), dtype, device)
         assert self.deepstack_layers == 0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
