@@ -68,8 +68,9 @@ def check_recurrent_config(config: Any, *, pooling: bool = False) -> None:
     if config.enable_lora:
         raise ValueError("enable_lora: LoRA adapters on a hybrid linear-attention model are not supported yet")
     if not pooling and config.enable_prefix_caching:
-        logger.info("prefix caching: off for this hybrid model (a cached block restores K/V, not the recurrent "
-                    "state after it)")
+        # (a warning: --enable-prefix-caching, ferrox's default, does not take effect for these models)
+        logger.warning("prefix caching: off for this hybrid model (a cached block restores K/V, not the recurrent "
+                       "state after it); enable_prefix_caching has no effect here")
 
 
 def recurrent_layers(model: Any) -> list[RecurrentLayer]:
