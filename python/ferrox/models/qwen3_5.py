@@ -208,7 +208,6 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.kernels = select_kernels(device, kernels)
         self.ops = for_device(device, self.kernels)
         self.backend = get_attention_backend(device, self.kernels)
-        self.backend.uniform_heads = False  # (the linear layers' caches hold no heads: no piecewise graphs)
         self.fp8_block = check_quantization(spec, get_quant_config())
         self.model = HybridModel(spec, self.backend, self.ops, dtype, device, float_qkv=self.fp8_block is not None)
         self.lm_head = (None if spec.tie_word_embeddings else
