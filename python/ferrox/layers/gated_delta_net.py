@@ -9,7 +9,7 @@ num_v_heads / num_k_heads consecutive ones.
 
 The states live in pools of rows (worker/recurrent_states.py binds them; row 0 is scratch); a step's
 AttentionMetadata.state_rows names each request's row, and a request whose step starts at position 0 starts from
-zeros whatever its row holds (`recurrent_step`), so neither rows nor padding need zeroing and CUDA graphs replay
+zeros whatever its row holds (`step_state_rows`), so neither rows nor padding need zeroing and CUDA graphs replay
 decode steps as they are.
 
 Checkpoint layout (Qwen3.5): in_proj_qkv [2 key_dim + value_dim, hidden] (all q heads, all k heads, all v heads),
@@ -44,7 +44,7 @@ from ferrox.layers.quant.method import use_quant_config
 from ferrox.model_spec import UnsupportedModelError
 
 
-def recurrent_step(meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def step_state_rows(meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """(state rows [num_reqs], has_state [num_reqs] bool) of a step, on its device: a request continues its state
     when tokens were computed before this step (seq_len > query_len). Device ops only (CUDA-graph safe)."""
     qsl = meta.query_start_loc
@@ -160,7 +160,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_states, self.ssm_states = conv_states, ssm_states
 
     def forward(self, x: torch.Tensor, meta: Any, step: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]. step: recurrent_step(meta), computed once per forward."""
+        """x [T, hidden] -> [T, hidden]. step: step_state_rows(meta), computed once per forward."""
         if self.conv_states is None or self.ssm_states is None:
             raise RuntimeError("GatedDeltaNet: no recurrent states bound (worker/recurrent_states.py)")
         t = x.shape[0]

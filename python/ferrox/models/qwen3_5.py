@@ -48,7 +48,7 @@ from ferrox.distributed.parallel_state import get_tp_group
 from ferrox.distributed.sharding import check_tp_shapes, materialize, row_block, shape_of
 from ferrox.kernels import select_kernels
 from ferrox.layers.fused_moe import FusedMoE
-from ferrox.layers.gated_delta_net import GatedDeltaNet, recurrent_step
+from ferrox.layers.gated_delta_net import GatedDeltaNet, step_state_rows
 from ferrox.layers.layernorm import RMSNorm
 from ferrox.layers.linear import Linear, QKVLinear, RowParallelLinear
 from ferrox.layers.ops import DeviceOps, Rope, for_device
@@ -176,7 +176,7 @@ class HybridModel(nn.Module):
                 meta: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rotary(positions, h.dtype)
-        step = recurrent_step(meta)
+        step = step_state_rows(meta)
         residual = None
         for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, rope, kv_caches[i], meta, step)
