@@ -59,7 +59,7 @@ def reference_gdn(q, k, v, g, beta, pool, rows, lengths, has_state):
 def run_gdn(q, k, v, g, beta, pool, rows, lengths, has_state, **kwargs):
     loc, loc_cpu = qsl(lengths, q.device)
     return gated_delta_rule_varlen(q, k, v, g, beta, pool, torch.tensor(rows, device=q.device), loc, loc_cpu,
-                                   torch.tensor(has_state, device=q.device), **kwargs)
+                                   torch.tensor(has_state, device=q.device), fla=q.is_cuda, **kwargs)
 
 
 def test_gdn_matches_transformers_mixed_batch():
@@ -266,7 +266,7 @@ def test_decode_paths_under_cuda_graph():
 
     def step():
         y = causal_conv1d_varlen(x, weight, bias, conv_pool, rows, loc, loc_cpu, has_state, decode_only=True)
-        o = gated_delta_rule_varlen(*static, ssm_pool, rows, loc, loc_cpu, has_state, decode_only=True)
+        o = gated_delta_rule_varlen(*static, ssm_pool, rows, loc, loc_cpu, has_state, decode_only=True, fla=True)
         return y, o
 
     side = torch.cuda.Stream()

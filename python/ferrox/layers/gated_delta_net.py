@@ -38,8 +38,8 @@ from torch import nn
 from ferrox.distributed.parallel_state import get_tp_group
 from ferrox.distributed.sharding import Weight, even_split, materialize, narrow
 from ferrox.layers.causal_conv import causal_conv1d_varlen
-from ferrox.layers.gated_delta_rule import gated_delta_rule_varlen
 from ferrox.layers.linear import MergedLinear, RowParallelLinear
+from ferrox.layers.ops import DeviceOps, for_device
 from ferrox.layers.quant.method import use_quant_config
 from ferrox.model_spec import UnsupportedModelError
 
@@ -105,8 +105,11 @@ class ConvKernel(nn.Module):
 
 class GatedDeltaNet(nn.Module):
     def __init__(self, hidden_size: int, *, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
-                 conv_kernel: int, eps: float, dtype: torch.dtype, device: torch.device | str | None):
+                 conv_kernel: int, eps: float, dtype: torch.dtype, device: torch.device | str | None,
+                 ops: DeviceOps | None = None):
+        """ops: the model's op set (layers/ops.py), which picks the delta rule's kernels; by default the device's."""
         super().__init__()
+        self.ops = ops if ops is not None else for_device(device)
         if num_v_heads % num_k_heads:
             raise ValueError(f"linear_num_value_heads {num_v_heads} must be a multiple of linear_num_key_heads "
                              f"{num_k_heads}")
@@ -173,7 +176,7 @@ class GatedDeltaNet(nn.Module):
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         beta = torch.sigmoid(b.float())
         g = -torch.exp(self.A_log) * F.softplus(a.float() + self.dt_bias)
-        o = gated_delta_rule_varlen(q.reshape(t, self.num_k_heads, self.head_k_dim),
+        o = self.ops.gated_delta_rule(q.reshape(t, self.num_k_heads, self.head_k_dim),
                                     k.reshape(t, self.num_k_heads, self.head_k_dim),
                                     v.reshape(t, self.num_v_heads, self.head_v_dim), g, beta, self.ssm_states, rows,
                                     meta.query_start_loc, meta.query_start_loc_cpu, has_state,

@@ -12,8 +12,9 @@ Each q/k head serves Hv/Hk consecutive value heads (grouped value attention). A 
 pool row (or from zeros when it starts fresh) and its final state goes back to that row.
 
 Paths:
-- CUDA with flash-linear-attention (`fla`, imported lazily so CPU installs never need it): its chunked
-  kernel over the whole varlen batch for mixed steps, its fused recurrent kernel for decode steps.
+- CUDA with flash-linear-attention (`fla`, imported lazily so CPU installs never need it; chosen by the op set,
+  layers/ops.py): its chunked kernel over the whole varlen batch for mixed steps, its fused recurrent kernel for
+  decode steps.
 - torch (CPU, and the reference): the chunked WY form for prompts (Yang et al., "Gated Delta Networks",
   the UT transform solves each chunk's delta updates with one triangular solve), the plain recurrence
   for short queries, grouped by length so requests of equal length step together.
@@ -192,14 +193,15 @@ def _gated_delta_rule_fla(ops: tuple[Any, Any], q: torch.Tensor, k: torch.Tensor
 def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                             ssm_states: torch.Tensor, state_rows: torch.Tensor, query_start_loc: torch.Tensor,
                             query_start_loc_cpu: torch.Tensor, has_state: torch.Tensor, *,
-                            decode_only: bool = False) -> torch.Tensor:
+                            decode_only: bool = False, fla: bool = False) -> torch.Tensor:
     """o [T, Hv, Dv] in v's dtype for q/k [T, Hk, Dk], v [T, Hv, Dv], g [T, Hv] (log decay, <= 0) and beta
     [T, Hv], requests one after another (request i owns tokens query_start_loc[i]:query_start_loc[i+1]).
     Request i starts from ssm_states[state_rows[i]] ([R, Hv, Dk, Dv] pool) if has_state[i], else from
     zeros, and its final state is written back there in the pool's dtype.
 
     decode_only: one token per request (T == N); CUDA-graph safe; padding requests may repeat a row
-    (its result is then undefined)."""
+    (its result is then undefined). fla: flash-linear-attention's kernels (CUDA tensors: the Triton op set asks
+    for them, layers/ops.py), the torch path where fla does not import."""
     if q.shape != k.shape or q.dim() != 3 or v.dim() != 3 or v.shape[0] != q.shape[0]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} must be [T, Hk, Dk] and v {tuple(v.shape)} "
                          "[T, Hv, Dv]")
@@ -208,7 +210,7 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     if ssm_states.shape[1:] != (v.shape[1], q.shape[2], v.shape[2]):
         raise ValueError(f"ssm_states {tuple(ssm_states.shape)} must be [rows, {v.shape[1]}, {q.shape[2]}, "
                          f"{v.shape[2]}]")
-    if q.is_cuda:
+    if fla:
         ops = _fla_ops()
         if ops is not None:
             return _gated_delta_rule_fla(ops, q, k, v, g, beta, ssm_states, state_rows, query_start_loc,

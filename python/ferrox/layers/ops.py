@@ -194,6 +194,13 @@ class DeviceOps:
                          mask: torch.Tensor | None) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
+    def gated_delta_rule(self, q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Gated DeltaNet's recurrence over a varlen batch (layers/gated_delta_rule.py gated_delta_rule_varlen's
+        arguments): torch's chunked form."""
+        from ferrox.layers.gated_delta_rule import gated_delta_rule_varlen
+
+        return gated_delta_rule_varlen(q, *args, **kwargs)
+
 
 class TritonOps(DeviceOps):
     """The Triton kernels: one pass per op instead of eager torch's several (3-5x faster RMSNorm on
@@ -242,6 +249,12 @@ class TritonOps(DeviceOps):
                          mask: torch.Tensor | None) -> torch.Tensor:
         with sdpa_kernel(_MASKED_SDPA_BACKENDS):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def gated_delta_rule(self, q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """flash-linear-attention's Triton kernels on CUDA tensors (the interpreter's CPU tensors: torch's form)."""
+        from ferrox.layers.gated_delta_rule import gated_delta_rule_varlen
+
+        return gated_delta_rule_varlen(q, *args, fla=q.is_cuda, **kwargs)
 
 
 def for_device(device: Any = None, kernels: str | None = None) -> DeviceOps:

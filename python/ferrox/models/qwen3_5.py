@@ -131,7 +131,7 @@ class HybridDecoderLayer(nn.Module):
                 spec.hidden_size, num_k_heads=int(config["linear_num_key_heads"]),
                 num_v_heads=int(config["linear_num_value_heads"]), head_k_dim=int(config["linear_key_head_dim"]),
                 head_v_dim=int(config["linear_value_head_dim"]), conv_kernel=int(config["linear_conv_kernel_dim"]),
-                eps=spec.rms_norm_eps, dtype=dtype, device=device)
+                eps=spec.rms_norm_eps, dtype=dtype, device=device, ops=ops)
         else:
             self.self_attn = GatedAttention(spec, backend, ops, dtype, device, float_qkv=float_qkv)
         self.mlp = mlp
