@@ -66,6 +66,7 @@ from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError, 
 from ferrox.models.llama import LlamaMLP, linear_takes
 from ferrox.models.load_check import check_all_loaded, load_into
 from ferrox.models.mla_attention import MlaAttention, MlaShape, MlaTritonBackend, mla_backend
+from ferrox.models.moe import expected_checkpoint_keys
 from ferrox.models.pre_norm import PreNormDecoderLayer, run_pre_norm_layers
 
 _MERGED = {"gate_proj": "gate", "up_proj": "up"}  # dense MLPs and the shared experts: gate_up_proj shards
@@ -327,17 +328,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         return self.model.embed_tokens.gather_logits(self.model.decode_path.logits(hidden, self.lm_head_weight))
 
     def _expected_keys(self) -> set[str]:
-        """Every checkpoint piece: parameters by name, merged-layer shards `<module>.<leaf>#<shard>`,
-        routed experts `<experts>#<e>.<shard>.<leaf>`."""
-        expected = set()
-        for name, module in self.named_modules():
-            if isinstance(module, Linear):
-                expected |= module.checkpoint_keys(name)
-            elif isinstance(module, FusedMoE):
-                expected |= {f"{name}#{e}.{shard}.{leaf}" for e, shard, leaf in module.expected_weights()}
-            else:
-                expected |= {f"{name}.{leaf}" if name else leaf for leaf, _ in module.named_parameters(recurse=False)}
-        return expected
+        return expected_checkpoint_keys(self)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Copy HF-named tensors in, stacking each layer's experts; every piece set exactly once. The

@@ -57,6 +57,36 @@ _EXPERT_SHARDS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
+def expected_checkpoint_keys(model: nn.Module, skip: tuple[str, ...] = ()) -> set[str]:
+    """Every checkpoint piece a model needs (models/load_check.check_all_loaded compares): plain parameters by
+    name, merged-layer shards as `<module>.<leaf>#<shard>` (a quantized layer names its method's tensors),
+    routed experts as `<experts>#<e>.<shard>.<leaf>`; modules under the `skip` prefixes (loaded by themselves)
+    left out."""
+    expected = set()
+    for name, module in model.named_modules():
+        if skip and name.startswith(skip):
+            continue
+        if isinstance(module, Linear):
+            expected |= module.checkpoint_keys(name)
+        elif isinstance(module, FusedMoE):
+            expected |= {f"{name}#{e}.{shard}.{leaf}" for e, shard, leaf in module.expected_weights()}
+        else:
+            expected |= {f"{name}.{leaf}" if name else leaf for leaf, _ in module.named_parameters(recurse=False)}
+    return expected
+
+
+def load_routed_expert(modules: dict[str, nn.Module], name: str, tensor: Any) -> str | None:
+    """One routed expert's tensor (`<experts>.<e>.<proj>.<leaf>`, Qwen's or Mixtral's projection names) into its
+    FusedMoE; the key it loaded under (expected_checkpoint_keys' spelling), None when no FusedMoE takes it."""
+    expert = _EXPERT_NAME.match(name)
+    module = modules.get(expert["experts"]) if expert is not None and expert["proj"] in _EXPERT_SHARDS else None
+    if expert is None or not isinstance(module, FusedMoE):
+        return None
+    shard = _EXPERT_SHARDS[expert["proj"]]
+    module.load_expert_weight(expert["leaf"], int(expert["expert"]), shard, tensor)
+    return f"{expert['experts']}#{int(expert['expert'])}.{shard}.{expert['leaf']}"
+
+
 class MoeBlock(nn.Module):
     """Routed experts (+ an optional shared expert): the MLP of a sparse decoder layer."""
 
@@ -253,19 +283,7 @@ class MoeForCausalLM(nn.Module):
         return self.model.embed_tokens.gather_logits(self.model.decode_path.logits(hidden, self.lm_head_weight))
 
     def _expected_keys(self) -> set[str]:
-        """Every checkpoint piece the model needs: plain parameters by name, merged-layer shards as
-        `<module>.<leaf>#<shard>`, routed experts as `<experts>#<e>.<shard>.weight`."""
-        expected = set()
-        for name, module in self.named_modules():
-            if name.startswith(self.own_weight_prefixes):
-                continue
-            if isinstance(module, Linear):  # (a quantized one names its method's tensors)
-                expected |= module.checkpoint_keys(name)
-            elif isinstance(module, FusedMoE):
-                expected |= {f"{name}#{e}.{shard}.{leaf}" for e, shard, leaf in module.expected_weights()}
-            else:
-                expected |= {f"{name}.{leaf}" if name else leaf for leaf, _ in module.named_parameters(recurse=False)}
-        return expected
+        return expected_checkpoint_keys(self, self.own_weight_prefixes)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Copy HF-named checkpoint tensors in, stacking each layer's experts; every piece must be
@@ -284,13 +302,11 @@ class MoeForCausalLM(nn.Module):
             expert = _EXPERT_NAME.match(name)
             try:
                 if expert is not None and expert["proj"] in _EXPERT_SHARDS:
-                    module = modules.get(expert["experts"])
-                    if not isinstance(module, FusedMoE):
+                    expert_key = load_routed_expert(modules, name, tensor)
+                    if expert_key is None:
                         unexpected.append(hf_name)
                         continue
-                    shard = _EXPERT_SHARDS[expert["proj"]]
-                    module.load_expert_weight(expert["leaf"], int(expert["expert"]), shard, tensor)
-                    key = f"{expert['experts']}#{int(expert['expert'])}.{shard}.{expert['leaf']}"
+                    key = expert_key
                 else:
                     dense_key = load_dense_tensor(modules, params, name, tensor, _MERGED)
                     if dense_key is None:

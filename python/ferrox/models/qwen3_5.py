@@ -59,7 +59,7 @@ from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError, 
 from ferrox.models.glm4 import reorder_head_rows
 from ferrox.models.llama import LlamaMLP, load_dense_tensor, load_kv_scale
 from ferrox.models.load_check import check_all_loaded
-from ferrox.models.moe import MoeBlock
+from ferrox.models.moe import MoeBlock, expected_checkpoint_keys, load_routed_expert
 from ferrox.models.qwen3_vl_moe import unfuse_experts
 
 _MERGED = {
@@ -289,15 +289,7 @@ class Qwen3_5ForCausalLM(nn.Module):
             yield name, tensor
 
     def _expected_keys(self) -> set[str]:
-        expected = set()
-        for name, module in self.named_modules():
-            if isinstance(module, Linear):
-                expected |= module.checkpoint_keys(name)
-            elif isinstance(module, FusedMoE):
-                expected |= {f"{name}#{e}.{shard}.{leaf}" for e, shard, leaf in module.expected_weights()}
-            else:
-                expected |= {f"{name}.{leaf}" if name else leaf for leaf, _ in module.named_parameters(recurse=False)}
-        return expected
+        return expected_checkpoint_keys(self)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         params = dict(self.named_parameters())
@@ -314,7 +306,7 @@ class Qwen3_5ForCausalLM(nn.Module):
                 continue
             try:
                 if _EXPERT.search(name):
-                    key = _load_expert(modules, name, tensor)
+                    key = load_routed_expert(modules, name, tensor)
                 else:
                     key = load_dense_tensor(modules, params, name, tensor, _MERGED)
             except ValueError as e:
@@ -324,21 +316,6 @@ class Qwen3_5ForCausalLM(nn.Module):
             else:
                 loaded.add(key)
         check_all_loaded(self.spec.architecture, unexpected, self._expected_keys(), loaded)
-
-
-_EXPERT_NAME = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\."
-                          r"(?P<leaf>\w+)$")
-_EXPERT_SHARDS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
-
-
-def _load_expert(modules: dict[str, nn.Module], name: str, tensor: Any) -> str | None:
-    match = _EXPERT_NAME.match(name)
-    module = modules.get(match["experts"]) if match else None
-    if match is None or not isinstance(module, FusedMoE):
-        return None
-    shard = _EXPERT_SHARDS[match["proj"]]
-    module.load_expert_weight(match["leaf"], int(match["expert"]), shard, tensor)
-    return f"{match['experts']}#{int(match['expert'])}.{shard}.{match['leaf']}"
 
 
 def check_quantization(spec: ModelSpec, quant: Any) -> tuple[int, int] | None:
