@@ -133,7 +133,8 @@ def make_tiny_qwen3_5_moe(folder, *, seed: int = 0, **overrides: Any) -> str:
 
 
 def make_tiny_qwen3_next(folder, *, seed: int = 0, **overrides: Any) -> str:
-    """A Qwen3NextForCausalLM: fused in_proj_qkvz / in_proj_ba, per key-head group (next_qkvz_rows), the MoE
+    """A Qwen3NextForCausalLM: fused in_proj_qkvz / in_proj_ba, per key-head group (models/qwen3_5.py
+    split_qwen3_next_projections), the MoE
     of make_tiny_qwen3_5_moe with norm_topk_prob True (the releases'); overrides e.g. mlp_only_layers=[1] or
     decoder_sparse_step=2 for dense (intermediate_size 96) MLP layers."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
@@ -145,26 +146,6 @@ def make_tiny_qwen3_next(folder, *, seed: int = 0, **overrides: Any) -> str:
     _save(str(folder), model, tok, max_shard_size=None, generation=None)
     _write_partial_rotary(str(folder))
     return str(folder)
-
-
-def next_qkvz_rows(config: dict[str, Any]) -> dict[str, list[int]]:
-    """Qwen3-Next's fused rows as transformers' fix_query_key_value_ordering reads them: in_proj_qkvz is
-    num_k_heads groups of [q (dk) | k (dk) | v (r * dv) | z (r * dv)] rows, r = num_v_heads / num_k_heads, and
-    in_proj_ba num_k_heads groups of [b (r) | a (r)]; group g holds key head g and value heads g*r .. g*r+r-1.
-    Returns name -> the fused rows, in the split (head-major) order, e.g. for Qwen3.5's in_proj_qkv = q + k + v."""
-    nk, nv = config["linear_num_key_heads"], config["linear_num_value_heads"]
-    dk, dv, r = config["linear_key_head_dim"], config["linear_value_head_dim"], nv // nk
-    group, ba_group = 2 * dk + 2 * r * dv, 2 * r
-    rows: dict[str, list[int]] = {name: [] for name in ("q", "k", "v", "z", "b", "a")}
-    for g in range(nk):
-        base = g * group
-        rows["q"] += range(base, base + dk)
-        rows["k"] += range(base + dk, base + 2 * dk)
-        rows["v"] += range(base + 2 * dk, base + 2 * dk + r * dv)
-        rows["z"] += range(base + 2 * dk + r * dv, base + group)
-        rows["b"] += range(g * ba_group, g * ba_group + r)
-        rows["a"] += range(g * ba_group + r, (g + 1) * ba_group)
-    return rows
 
 
 def _multimodal(folder, config_cls, model_cls, seed: int, text_overrides: dict[str, Any], moe: bool) -> str:
