@@ -174,15 +174,17 @@ def _gated_delta_rule_fla(ops: tuple[Any, Any], q: torch.Tensor, k: torch.Tensor
     initial = _initial_states(ssm_states, state_rows, has_state)
     if decode_only:
         # A batch of N one-token sequences: no cu_seqlens, so nothing to read on the host.
-        o, final = recurrent_op(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), g.unsqueeze(1), beta.unsqueeze(1),
-                                initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        # (keywords: the op's fifth positional parameter is gk, a per-key decay, not beta)
+        o, final = recurrent_op(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), g=g.unsqueeze(1),
+                                beta=beta.unsqueeze(1), initial_state=initial, output_final_state=True,
+                                use_qk_l2norm_in_kernel=True)
         o = o.squeeze(1)
     else:
         # Fresh int64 copies each call: fla memoises the chunk layout it derives from cu_seqlens by tensor
         # identity, so a persistent buffer updated in place between steps would replay a stale layout.
         cu_seqlens = query_start_loc.to(torch.int64, copy=True)
         cu_seqlens_cpu = query_start_loc_cpu.to(torch.int64, copy=True)
-        o, final = chunk_op(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
+        o, final = chunk_op(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g=g.unsqueeze(0), beta=beta.unsqueeze(0),
                             initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True,
                             cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
         o = o.squeeze(0)
@@ -210,7 +212,9 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     if ssm_states.shape[1:] != (v.shape[1], q.shape[2], v.shape[2]):
         raise ValueError(f"ssm_states {tuple(ssm_states.shape)} must be [rows, {v.shape[1]}, {q.shape[2]}, "
                          f"{v.shape[2]}]")
-    if fla:
+    # (fla's kernels are run and tested here at the releases' head dims, 128; heads under 16 dims -- tiny test
+    # models -- take the torch path rather than tile shapes fla's kernels were not checked at)
+    if fla and min(q.shape[2], v.shape[2]) >= 16:
         ops = _fla_ops()
         if ops is not None:
             return _gated_delta_rule_fla(ops, q, k, v, g, beta, ssm_states, state_rows, query_start_loc,
