@@ -44,6 +44,12 @@ class Qwen3_5Images(Qwen3VLImages):
     """Qwen3VLImages on a hybrid Qwen3.5 language model: the tower without DeepStack, image steps through the
     language model's own forward (inputs_embeds). Listed before the language model's class."""
 
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
+                 kernels: str | None = None):
+        """The language model (the class after this one), then the tower."""
+        super().__init__(self.language_spec(spec), dtype, device, kernels=kernels)  # type: ignore[call-arg]
+        self.init_images(spec, dtype, device)
+
     def init_images(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str) -> None:
         with use_quant_config(None):  # (the FP8 releases keep the tower in bf16)
             super().init_images(_without_deepstack(spec), dtype, device)
@@ -70,17 +76,7 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5Images, Qwen3_5ForCausalLM):
     supports_tensor_parallel = Qwen3_5ForCausalLM.supports_tensor_parallel
     supports_quantization = Qwen3_5ForCausalLM.supports_quantization
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
-                 kernels: str | None = None):
-        super().__init__(self.language_spec(spec), dtype, device, kernels=kernels)
-        self.init_images(spec, dtype, device)
-
 
 class Qwen3_5MoeForConditionalGeneration(Qwen3_5Images, Qwen3_5MoeForCausalLM):
     supports_tensor_parallel = Qwen3_5MoeForCausalLM.supports_tensor_parallel
     supports_quantization = Qwen3_5MoeForCausalLM.supports_quantization
-
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
-                 kernels: str | None = None):
-        super().__init__(self.language_spec(spec), dtype, device, kernels=kernels)
-        self.init_images(spec, dtype, device)
