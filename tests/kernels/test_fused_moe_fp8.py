@@ -46,11 +46,12 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, device: torch.device) -> 
     on every token (the largest seen over 60 seeds: 0.8e-2).
     fp32 in the interpreter: every product is the reference's to fp32 rounding (the quantizers
     round alike, conftest.py), ~1e-6 of max |ref|: 1e-4 on every token but one (a moved code, in
-    about one case in 300), 1e-2 on that one.
+    about one case in 300), 2e-2 on that one (1.09e-2 seen: FERROX_TEST_SEED=3865934331, per-row
+    grouped, where a 1e-2 bound failed CI).
     fp32 on a GPU: the FP8 MMAs sum in an accumulator of ~14 bits (fp8_block_gemm.py's docstring),
     which moves the intermediate by ~1e-4 and so about one code in a hundred: 1e-2 on every token."""
     errors = token_errors(out, ref)
-    loose = 2e-2 if out.dtype == torch.bfloat16 else 1e-2
+    loose = 2e-2  # (a moved code's token, in every dtype; misplaced scales are off by > 0.2: run_case)
     assert float(errors.max()) < loose, f"worst token off by {float(errors.max()):.2e} of max |ref|"
     if out.dtype == torch.float32 and device.type == "cpu":
         assert int((errors > 1e-4).sum()) <= 1, f"tokens off by over 1e-4 of max |ref|: {errors.tolist()}"
