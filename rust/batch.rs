@@ -238,6 +238,10 @@ pub struct SchedulerOutput {
     pub arrays: BatchArrays,
     /// Copies between the device cache and the host tier, issued before the forward.
     pub transfers: KvTransfers,
+    /// A hybrid model's state snapshots (state_snapshots.rs) as (batch index, snapshot slot):
+    /// copied into the request's state row before the forward, and from it after.
+    pub state_restores: Vec<(u32, u32)>,
+    pub state_saves: Vec<(u32, u32)>,
 }
 
 #[cfg(test)]

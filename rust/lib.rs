@@ -20,6 +20,7 @@ pub mod prefix_cache;
 pub mod request;
 pub mod scheduler;
 pub mod speculative;
+pub mod state_snapshots;
 pub mod stats;
 pub mod step_outputs;
 

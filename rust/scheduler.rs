@@ -21,6 +21,7 @@ use crate::partial_prefills::{PartialPrefillLimits, PartialPrefills};
 use crate::prefix_cache::{BlockHash, BlockHasher, HashAlgo};
 use crate::request::{FinishReason, RepetitionRule, Request, RequestStatus, SamplingLimits};
 use crate::speculative::{ExternalDrafts, SpecMethod, SpeculativeConfig};
+use crate::state_snapshots::{SnapshotSlot, StateSnapshots};
 use crate::stats::SchedulerStats;
 use crate::step_outputs::{RowInfo, StepOutputs, StepOutputsBuilder};
 
@@ -80,6 +81,19 @@ pub struct SchedulerConfig {
     /// vLLM's max_num_partial_prefills / max_long_partial_prefills (partial_prefills.rs); their
     /// long_threshold is `long_prefill_token_threshold`. Off (1) by default.
     pub partial_prefills: PartialPrefillLimits,
+    /// A hybrid model's per-request recurrent states (state_snapshots.rs): `Some(grid)` where
+    /// prefix caching keeps snapshots every `grid` tokens (vLLM's mamba_block_size; 0: no
+    /// snapshots, the prefix cache is off), None for models without recurrent states.
+    pub recurrent: Option<RecurrentStates>,
+}
+
+/// How the scheduler serves a model with recurrent states (`SchedulerConfig::recurrent`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecurrentStates {
+    /// Snapshots are taken where a step ends on a multiple of this many tokens (0: none).
+    pub state_block_size: usize,
+    /// Slots of the runner's snapshot pool.
+    pub snapshot_slots: usize,
 }
 
 impl SchedulerConfig {
@@ -134,7 +148,50 @@ impl SchedulerConfig {
             hash_root: None,
             host_tier_blocks: 0,
             partial_prefills: PartialPrefillLimits::default(),
+            recurrent: None,
         })
+    }
+
+    /// A model with per-request recurrent states. With prefix caching, `state_block_size` (a
+    /// multiple of block_size) sets the snapshot grid and `snapshot_slots` the pool it fills;
+    /// without, both must be 0.
+    pub fn with_recurrent_states(
+        mut self,
+        state_block_size: usize,
+        snapshot_slots: usize,
+    ) -> CoreResult<Self> {
+        if self.enable_prefix_caching {
+            if state_block_size == 0 || !state_block_size.is_multiple_of(self.block_size) {
+                return Err(invalid(
+                    "mamba_block_size",
+                    format!(
+                        "must be a positive multiple of block_size ({}), got {state_block_size}",
+                        self.block_size
+                    ),
+                ));
+            }
+            if snapshot_slots == 0 {
+                return Err(invalid(
+                    "state_snapshot_slots",
+                    "prefix caching of a hybrid model needs at least one snapshot slot",
+                ));
+            }
+        } else if state_block_size != 0 || snapshot_slots != 0 {
+            return Err(invalid(
+                "mamba_block_size",
+                "state snapshots are the prefix cache's: they need enable_prefix_caching",
+            ));
+        }
+        self.recurrent = Some(RecurrentStates {
+            state_block_size,
+            snapshot_slots,
+        });
+        Ok(self)
+    }
+
+    /// The snapshot grid in tokens (0: no snapshots).
+    fn state_grid(&self) -> usize {
+        self.recurrent.map_or(0, |r| r.state_block_size)
     }
 
     /// The block hash function; vLLM's CBOR chains also take the seed of their root
@@ -231,6 +288,42 @@ impl SchedulerConfig {
     /// How many of a request's `remaining` tokens from `start` to compute this step: within the budget
     /// and the long-prefill cap, never ending inside an image (0: the image does not fit the budget).
     fn chunk_len(&self, r: &Request, start: usize, remaining: usize, budget: usize) -> usize {
+        let n = self.budget_chunk_len(r, start, remaining, budget);
+        self.align_to_state_grid(r, start, remaining, n)
+    }
+
+    /// With state snapshots (state_snapshots.rs), a chunk that would run past the last grid
+    /// boundary of the known tokens stops there, and any other chunk short of the end stops at
+    /// the last boundary it reaches, so its state can be kept. (vLLM's align mode: a prompt
+    /// costs one more, short, step, and the next turn of the conversation resumes there.)
+    fn align_to_state_grid(&self, r: &Request, start: usize, remaining: usize, n: usize) -> usize {
+        let grid = self.state_grid();
+        if grid == 0 || n == 0 || !self.chunked_prefill {
+            return n;
+        }
+        let (end, total) = (start + n, start + remaining);
+        let last = total / grid * grid;
+        let target = if start < last && end > last {
+            last
+        } else if end < total && end / grid * grid > start {
+            end / grid * grid
+        } else {
+            return n;
+        };
+        // (never ending inside an image: then the chunk stays as the budget made it)
+        match r.cut_chunk(start, target - start) {
+            0 => n,
+            k => k,
+        }
+    }
+
+    fn budget_chunk_len(
+        &self,
+        r: &Request,
+        start: usize,
+        remaining: usize,
+        budget: usize,
+    ) -> usize {
         let whole = remaining.min(budget);
         let cap = self.long_prefill_token_threshold;
         if cap == 0 || cap >= whole {
@@ -253,6 +346,24 @@ impl SchedulerConfig {
             n => n,
         }
     }
+}
+
+/// A prefix-cache hit of `kv_blocks` blocks cut back to the last grid boundary (every
+/// `blocks_per_state` blocks) whose state snapshot is kept: (blocks, the snapshot's slot).
+fn snapshot_hit(
+    snaps: &StateSnapshots,
+    hashes: &[BlockHash],
+    kv_blocks: usize,
+    blocks_per_state: usize,
+) -> (usize, Option<SnapshotSlot>) {
+    let mut j = kv_blocks / blocks_per_state * blocks_per_state;
+    while j > 0 {
+        if let Some(slot) = snaps.lookup(hashes[j - 1]) {
+            return (j, Some(slot));
+        }
+        j -= blocks_per_state;
+    }
+    (0, None)
 }
 
 /// A token id given as a signed integer, checked to fit int32 (the dtype of the token columns
@@ -425,6 +536,15 @@ struct StepEntry {
     drafts: Vec<u32>,
 }
 
+/// A state save whose block hash was not known when its step was scheduled (`pending_saves`).
+struct PendingSave {
+    slot: usize,
+    serial: u64,
+    residency: u32,
+    block: usize,
+    snapshot: SnapshotSlot,
+}
+
 impl StepEntry {
     /// Whether this entry was scheduled for `r` as it is now: the same request in the slot, not
     /// preempted since (a preempted request that resumed is running again, but its earlier steps
@@ -472,6 +592,13 @@ pub struct Scheduler {
     /// Per step in `in_flight` (same order): the hashes its host-tier offloads store and the
     /// device blocks its loads fill, undone if the step is rolled back.
     in_flight_transfers: VecDeque<(Vec<BlockHash>, Vec<BlockId>)>,
+    /// A hybrid model's state snapshots (state_snapshots.rs), with prefix caching; and per step
+    /// in `in_flight`, the hashes its saves store (forgotten if the step is rolled back).
+    snapshots: Option<StateSnapshots>,
+    in_flight_snapshots: VecDeque<Vec<BlockHash>>,
+    /// Saves of the step in flight whose block ends with a token not sampled yet (async
+    /// scheduling): keyed by the next schedule, once that token has arrived.
+    pending_saves: Vec<PendingSave>,
     /// Blocks that requests preempted or aborted while a step of theirs was in flight had
     /// registered in the prefix cache for that step. Their K/V exists only if the step
     /// completes: a rollback treats them as unwritten (another request may have adopted one).
@@ -501,8 +628,18 @@ impl Scheduler {
                     "the host tier holds prefix-cache blocks: it needs enable_prefix_caching",
                 ));
             }
+            if cfg.recurrent.is_some() {
+                return Err(invalid(
+                    "kv_offloading_size",
+                    "the host tier restores K/V blocks, not a hybrid model's recurrent states",
+                ));
+            }
             kv.enable_host_tier(cfg.host_tier_blocks);
         }
+        let snapshots = cfg
+            .recurrent
+            .filter(|r| r.snapshot_slots > 0)
+            .map(|r| StateSnapshots::new(r.snapshot_slots));
         let max_total_len = cfg.max_model_len.min((cfg.num_blocks - 1) * cfg.block_size);
         let stats = SchedulerStats {
             num_total_blocks: cfg.num_blocks,
@@ -527,6 +664,9 @@ impl Scheduler {
             next_serial: 0,
             in_flight: VecDeque::new(),
             in_flight_transfers: VecDeque::new(),
+            snapshots,
+            in_flight_snapshots: VecDeque::new(),
+            pending_saves: Vec::new(),
             unwritten_if_rolled_back: Vec::new(),
             finished_since_schedule: Vec::new(),
             max_total_len,
@@ -900,8 +1040,23 @@ impl Scheduler {
         keep_in_flight: bool,
         drafts: Option<&ExternalDrafts>,
     ) -> SchedulerOutput {
+        let mut preempted: Vec<usize> = Vec::new();
         if !keep_in_flight || self.in_flight.len() >= 2 {
-            self.roll_back_undelivered_steps();
+            preempted = self.roll_back_undelivered_steps();
+        }
+        if let Some(snaps) = self.snapshots.as_mut() {
+            snaps.begin_step();
+            // The tokens the pending saves waited for arrived with the last update.
+            for p in self.pending_saves.drain(..) {
+                let hash = self.slab[p.slot].as_ref().and_then(|r| {
+                    let same = r.serial == p.serial && r.residency == p.residency;
+                    r.block_hashes.get(p.block).copied().filter(|_| same)
+                });
+                match hash {
+                    Some(h) => snaps.key(p.snapshot, h),
+                    None => snaps.release(p.snapshot), // it finished or was preempted
+                }
+            }
         }
         let spec = self.cfg.spec;
         let spec_on = spec.enabled();
@@ -911,7 +1066,8 @@ impl Scheduler {
         };
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut scheduled: Vec<(usize, usize)> = Vec::with_capacity(self.running.len() + 8);
-        let mut preempted: Vec<usize> = Vec::new();
+        // Snapshots restored into the rows of newly scheduled requests: (batch index, slot).
+        let mut restores: Vec<(u32, SnapshotSlot)> = Vec::new();
         let mut new_ids = Vec::new();
         let mut resumed_ids = Vec::new();
 
@@ -1085,9 +1241,18 @@ impl Scheduler {
                     w += 1; // enough long prompts are prefilling: shorter ones behind it go ahead
                     continue;
                 }
-                let hit = self
+                let mut hit = self
                     .kv
                     .get_computed_blocks(&req.block_hashes, req.num_tokens());
+                // A hybrid model resumes only where a state snapshot was kept.
+                let restore = self.snapshots.as_ref().and_then(|snaps| {
+                    let per = self.cfg.state_grid() / self.cfg.block_size;
+                    let (blocks, slot) =
+                        snapshot_hit(snaps, &req.block_hashes, hit.blocks.len(), per);
+                    hit.blocks.truncate(blocks);
+                    hit.num_tokens = blocks * self.cfg.block_size;
+                    slot
+                });
                 // Blocks after the device's hits that the host tier holds: loaded, not computed.
                 let host =
                     self.kv
@@ -1141,6 +1306,10 @@ impl Scheduler {
                 }
                 self.waiting.remove(w);
                 self.running.push(slot);
+                if let (Some(s), Some(snaps)) = (restore, self.snapshots.as_mut()) {
+                    snaps.note_restore(s);
+                    restores.push((scheduled.len() as u32, s));
+                }
                 scheduled.push((slot, num_new));
                 budget -= num_new;
             }
@@ -1171,13 +1340,42 @@ impl Scheduler {
         let mut req_ids = IdList::with_capacity(scheduled.len());
         let mut req_slots = Vec::with_capacity(scheduled.len());
         let mut step = Vec::with_capacity(scheduled.len());
-        for &(slot, n) in &scheduled {
+        // State snapshots saved after the forward: (batch index, slot), and their block hashes.
+        let mut saves: Vec<(u32, SnapshotSlot)> = Vec::new();
+        let mut saved_hashes: Vec<BlockHash> = Vec::new();
+        let grid = self.cfg.state_grid();
+        for (idx, &(slot, n)) in scheduled.iter().enumerate() {
             let r = self.slab[slot].as_mut().expect("live slot");
             let prompt_part = (r.num_computed_tokens + n)
                 .min(r.num_prompt_tokens)
                 .saturating_sub(r.num_computed_tokens);
             self.stats.num_prompt_tokens += prompt_part as u64;
             r.num_computed_tokens += n;
+            if let Some(snaps) = self.snapshots.as_mut() {
+                // The step ends on the grid, after a block of known tokens (not a placeholder's).
+                let end = r.num_computed_tokens;
+                let block = end / bs - 1;
+                if end.is_multiple_of(grid) {
+                    if let Some(&h) = r.block_hashes.get(block) {
+                        if let Some(s) = snaps.reserve(h) {
+                            saves.push((idx as u32, s));
+                            saved_hashes.push(h);
+                        }
+                    } else if end == r.num_tokens() + 1 && r.block_hashes.len() == block {
+                        // The block's last token is the sample of the step in flight.
+                        if let Some(s) = snaps.reserve_unkeyed() {
+                            saves.push((idx as u32, s));
+                            self.pending_saves.push(PendingSave {
+                                slot,
+                                serial: r.serial,
+                                residency: r.residency,
+                                block,
+                                snapshot: s,
+                            });
+                        }
+                    }
+                }
+            }
             req_ids.push(self.slot_ids.get(slot));
             req_slots.push(slot as i32);
             let num_drafts = if spec_on { self.drafts[slot].len() } else { 0 };
@@ -1210,6 +1408,7 @@ impl Scheduler {
                 transfers.offload_hashes.clone(),
                 transfers.load_blocks.clone(),
             ));
+            self.in_flight_snapshots.push_back(saved_hashes);
         } else if !transfers.is_empty() {
             // No step runs, so no copy: what the offloads would have stored is not there.
             self.kv.forget_offloads(&transfers.offload_hashes);
@@ -1229,6 +1428,8 @@ impl Scheduler {
             } else {
                 Default::default()
             },
+            state_restores: restores,
+            state_saves: saves,
         }
     }
 
@@ -1359,6 +1560,7 @@ impl Scheduler {
         }
         let steps = self.in_flight.pop_front().unwrap_or_default();
         self.in_flight_transfers.pop_front();
+        self.in_flight_snapshots.pop_front();
         if self.in_flight.is_empty() {
             self.unwritten_if_rolled_back.clear();
         }
@@ -1493,18 +1695,33 @@ impl Scheduler {
     /// prefix cache, a request that adopted one of them as a prefix-cache hit in the same step
     /// counts it as not computed either, and each request keeps only the blocks its computed
     /// tokens need (the rest go back to the free queue).
-    fn roll_back_undelivered_steps(&mut self) {
+    ///
+    /// A hybrid model's recurrent states may have taken in part of such a step, and nothing
+    /// holds the state before it: its requests are preempted (they recompute, from a snapshot
+    /// where there is one). Returns them, for the step's `preempted_req_ids`.
+    fn roll_back_undelivered_steps(&mut self) -> Vec<usize> {
         if self.in_flight.is_empty() {
-            return;
+            return Vec::new();
         }
         let bs = self.cfg.block_size;
         let mut unwritten = Vec::new();
         let mut touched = Vec::new();
+        if let Some(snaps) = self.snapshots.as_mut() {
+            for p in self.pending_saves.drain(..) {
+                snaps.release(p.snapshot); // (saves of the newest step: it never ran)
+            }
+        }
         while let Some(step) = self.in_flight.pop_back() {
             // Its copies never ran: nothing was stored in the host tier, no loaded block was filled.
             if let Some((stored, loaded)) = self.in_flight_transfers.pop_back() {
                 self.kv.forget_offloads(&stored);
                 unwritten.extend_from_slice(&loaded);
+            }
+            // Nor did its state saves.
+            if let (Some(saved), Some(snaps)) =
+                (self.in_flight_snapshots.pop_back(), self.snapshots.as_mut())
+            {
+                snaps.forget(&saved);
             }
             for e in step {
                 if let Some(r) = self.slab[e.slot].as_mut() {
@@ -1544,6 +1761,17 @@ impl Scheduler {
             let r = self.slab[slot].as_mut().expect("live slot");
             self.kv.truncate(&mut r.kv, r.num_computed_tokens);
         }
+        let mut preempted = Vec::new();
+        if self.cfg.recurrent.is_some() {
+            for slot in touched {
+                if let Some(pos) = self.running.iter().position(|&s| s == slot) {
+                    self.running.remove(pos);
+                    self.preempt(slot);
+                    preempted.push(slot);
+                }
+            }
+        }
+        preempted
     }
 
     /// Frees a finished request's blocks and forgets it; the runner hears of it in the next
@@ -1635,7 +1863,16 @@ impl Scheduler {
     }
 
     pub fn reset_prefix_cache(&mut self) -> bool {
-        self.kv.reset_prefix_cache()
+        let ok = self.kv.reset_prefix_cache();
+        if let (true, Some(snaps)) = (ok, self.snapshots.as_mut()) {
+            snaps.clear();
+        }
+        ok
+    }
+
+    /// A hybrid model's state snapshots (None without recurrent states or prefix caching).
+    pub fn state_snapshots(&self) -> Option<&StateSnapshots> {
+        self.snapshots.as_ref()
     }
 
     /// Sleep mode's "keep" (the KV cache is about to be discarded): every running request is
@@ -2681,3 +2918,7 @@ mod tests {
         assert_eq!(s.schedule().arrays.num_computed_tokens, vec![0]);
     }
 }
+
+#[cfg(test)]
+#[path = "scheduler_state_tests.rs"]
+mod state_tests;

@@ -129,6 +129,19 @@ class SchedulerOutput:
     def kv_load_slots(self) -> npt.NDArray[np.int64]: ...
     @property
     def kv_load_blocks(self) -> npt.NDArray[np.int64]: ...
+    # A hybrid model's state snapshots this step (rust/state_snapshots.rs): each restore copies snapshot slot
+    # state_restore_slots[k] into the state row of batch entry state_restore_index[k] before the forward; each
+    # save copies batch entry state_save_index[k]'s row into slot state_save_slots[k] after it.
+    @property
+    def num_state_copies(self) -> int: ...
+    @property
+    def state_restore_index(self) -> npt.NDArray[np.int32]: ...
+    @property
+    def state_restore_slots(self) -> npt.NDArray[np.int32]: ...
+    @property
+    def state_save_index(self) -> npt.NDArray[np.int32]: ...
+    @property
+    def state_save_slots(self) -> npt.NDArray[np.int32]: ...
 
 FINISH_REASONS: tuple[None, str, str, str, str, str]
 """(None, "stop", "length", "abort", "error", "repetition"): the meaning of StepOutputs.finish_reasons codes. The
@@ -239,6 +252,9 @@ class Scheduler:
         prefix_caching_hash_algo: str = "sha256",
         prefix_hash_seed: str | bytes | None = None,
         host_cache_blocks: int = 0,
+        recurrent_states: bool = False,
+        mamba_block_size: int = 0,
+        state_snapshot_slots: int = 0,
     ) -> None:
         """num_blocks includes the null block (id 0), which is never handed out.
         policy: 'fcfs' or 'priority' (lower priority value first, then arrival order).
@@ -269,7 +285,11 @@ class Scheduler:
         bytes (the root itself: vLLM's random bytes when PYTHONHASHSEED is unset).
         host_cache_blocks > 0: a second tier of the prefix cache in host memory (rust/host_tier.rs; needs
         prefix caching): cached blocks evicted from the device are offloaded to it, and prefixes it holds
-        are loaded back; each SchedulerOutput lists the step's copies (kv_offload_* then kv_load_*)."""
+        are loaded back; each SchedulerOutput lists the step's copies (kv_offload_* then kv_load_*).
+        recurrent_states: a hybrid model's per-request recurrent states (a rolled-back step preempts its
+        requests). With prefix caching they need mamba_block_size (a multiple of block_size) and
+        state_snapshot_slots > 0: prompts' chunks are cut to end on that grid, the state where a step ends on
+        it is saved, and a prefix-cache hit ends where a saved state is (rust/state_snapshots.rs)."""
     @property
     def block_size(self) -> int: ...
     @property
@@ -378,7 +398,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool: ...
     def num_unfinished_requests(self) -> int: ...
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached block hash; False (nothing done) while any block is in use."""
+        """Drop every cached block hash (and state snapshot); False (nothing done) while any block is in use."""
+    @property
+    def state_snapshot_counts(self) -> tuple[int, int, int] | None:
+        """A hybrid model's state snapshots: (restored, saved, held now); None without them."""
     def preempt_all(self) -> int:
         """Preempt every running request by recompute (sleep mode's "keep"); how many. Raises
         ValueError while a step is in flight."""

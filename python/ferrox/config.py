@@ -66,6 +66,8 @@ QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "awq", "gptq", "awq_marlin"
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3")
 # vLLM's MambaDType: the element type of a hybrid model's recurrent states (worker/recurrent_states.py).
 MAMBA_DTYPES = ("auto", "float32", "float16", "bfloat16")
+# vLLM's MambaCacheMode: how a hybrid model's recurrent states take part in prefix caching (rust/state_snapshots.rs).
+MAMBA_CACHE_MODES = ("none", "align", "all")
 POLICIES = ("fcfs", "priority")
 # rust/prefix_cache.rs HashAlgo::parse (vLLM's --prefix-caching-hash-algo names).
 PREFIX_HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
@@ -287,6 +289,15 @@ class EngineConfig:
         "hybrid linear-attention models: element type of the delta rule's state alone (float32 keeps the "
         "recurrence's sums exact over long contexts, at twice the bytes of bfloat16)",
         "auto", choices=MAMBA_DTYPES, default_help="auto: mamba_cache_dtype's")
+    mamba_cache_mode: str | None = _opt(
+        "hybrid linear-attention models and the prefix cache: 'align' keeps a request's recurrent state where a "
+        "step ends on the mamba_block_size grid (a prompt's last chunk before its last grid point is cut to end "
+        "there), so a later prompt sharing that prefix (the next turn of a conversation) resumes from it; 'none' "
+        "serves them without prefix caching; 'all' (a state at every grid point inside a chunk) is refused",
+        None, choices=MAMBA_CACHE_MODES, default_help="align with prefix caching on, else none")
+    mamba_block_size: int | None = _opt(
+        "hybrid models with prefix caching: tokens between the points where recurrent states may be kept, a "
+        "multiple of block_size", None, default_help="256, rounded up to a multiple of block_size")
     calculate_kv_scales: bool = _opt(
         "with kv_cache_dtype fp8: measure each layer's K/V scales on the first step that serves requests (vLLM's: "
         "max |k| / 200, max |v| / 100, the divisors from K_SCALE_CONSTANT / V_SCALE_CONSTANT), replacing the "
@@ -602,6 +613,8 @@ class EngineConfig:
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _choice("mamba_cache_dtype", self.mamba_cache_dtype, MAMBA_DTYPES)
         _choice("mamba_ssm_cache_dtype", self.mamba_ssm_cache_dtype, MAMBA_DTYPES)
+        if self.mamba_cache_mode is not None:
+            _choice("mamba_cache_mode", self.mamba_cache_mode, MAMBA_CACHE_MODES)
         self._check_logits_processors()
         if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
             raise ValueError("calculate_kv_scales: measures the scales of an FP8 KV cache; kv_cache_dtype is "
@@ -614,6 +627,7 @@ class EngineConfig:
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens, optional=True)
         _positive_int("kv_cache_memory", self.kv_cache_memory, optional=True)
         _positive_int("num_gpu_blocks_override", self.num_gpu_blocks_override, optional=True)
+        _positive_int("mamba_block_size", self.mamba_block_size, optional=True)
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ValueError(f"num_gpu_blocks_override: {self.num_gpu_blocks_override} leaves no block for tokens "
                              "(one is the null block)")

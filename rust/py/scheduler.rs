@@ -101,6 +101,9 @@ impl PyScheduler {
         prefix_caching_hash_algo="sha256",
         prefix_hash_seed=None,
         host_cache_blocks=0,
+        recurrent_states=false,
+        mamba_block_size=0,
+        state_snapshot_slots=0,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -126,6 +129,9 @@ impl PyScheduler {
         prefix_caching_hash_algo: &str,
         prefix_hash_seed: Option<&Bound<'_, PyAny>>,
         host_cache_blocks: usize,
+        recurrent_states: bool,
+        mamba_block_size: usize,
+        state_snapshot_slots: usize,
     ) -> PyResult<Self> {
         // The root of vLLM's CBOR chains: PYTHONHASHSEED's value (str) or random bytes.
         let seed = match prefix_hash_seed {
@@ -190,6 +196,17 @@ impl PyScheduler {
         .with_partial_prefills(max_num_partial_prefills, max_long_partial_prefills)?
         .with_hash_algo(hash_algo, seed)?
         .with_host_tier(host_cache_blocks);
+        let cfg = if recurrent_states {
+            cfg.with_recurrent_states(mamba_block_size, state_snapshot_slots)?
+        } else if mamba_block_size != 0 || state_snapshot_slots != 0 {
+            return Err(crate::error::invalid(
+                "mamba_block_size",
+                "state snapshots are for a model with recurrent states (recurrent_states=True)",
+            )
+            .into());
+        } else {
+            cfg
+        };
         let inner = py.detach(|| Scheduler::new(cfg, tokenizer_json))?;
         Ok(PyScheduler { inner })
     }
@@ -371,6 +388,14 @@ impl PyScheduler {
 
     fn reset_prefix_cache(&mut self) -> bool {
         self.inner.reset_prefix_cache()
+    }
+
+    /// A hybrid model's state snapshots: (restored, saved, held now); None without them.
+    #[getter]
+    fn state_snapshot_counts(&self) -> Option<(u64, u64, usize)> {
+        self.inner
+            .state_snapshots()
+            .map(|s| (s.num_restored, s.num_saved, s.len()))
     }
 
     fn preempt_all(&mut self) -> PyResult<usize> {

@@ -41,6 +41,18 @@ pub struct PySchedulerOutput {
     kv_offload_slots: Lazy<i64>,
     kv_load_slots: Lazy<i64>,
     kv_load_blocks: Lazy<i64>,
+    /// A hybrid model's state snapshots (rust/state_snapshots.rs): batch index and snapshot slot of
+    /// each restore (into the request's state row, before the forward) and save (after it).
+    state_restore_index: Lazy<i32>,
+    state_restore_slots: Lazy<i32>,
+    state_save_index: Lazy<i32>,
+    state_save_slots: Lazy<i32>,
+}
+
+/// (batch index, slot) pairs as two columns.
+fn columns(pairs: &[(u32, u32)]) -> (Lazy<i32>, Lazy<i32>) {
+    let (a, b) = pairs.iter().map(|&(i, s)| (i as i32, s as i32)).unzip();
+    (Lazy::new(a), Lazy::new(b))
 }
 
 fn wide(v: Vec<u32>) -> Vec<i64> {
@@ -71,6 +83,8 @@ impl<T: numpy::Element + Copy> Lazy<T> {
 impl PySchedulerOutput {
     pub fn new(py: Python<'_>, out: SchedulerOutput) -> PyResult<Self> {
         let a = out.arrays;
+        let (state_restore_index, state_restore_slots) = columns(&out.state_restores);
+        let (state_save_index, state_save_slots) = columns(&out.state_saves);
         let num_reqs = a.seq_lens.len();
         let block_table = PyArray1::from_vec(py, a.block_table)
             .reshape([num_reqs, a.max_blocks])?
@@ -101,6 +115,10 @@ impl PySchedulerOutput {
             kv_offload_slots: Lazy::new(wide(out.transfers.offload_slots)),
             kv_load_slots: Lazy::new(wide(out.transfers.load_slots)),
             kv_load_blocks: Lazy::new(wide(out.transfers.load_blocks)),
+            state_restore_index,
+            state_restore_slots,
+            state_save_index,
+            state_save_slots,
         })
     }
 }
@@ -219,6 +237,27 @@ impl PySchedulerOutput {
     #[getter]
     fn kv_load_blocks(&self, py: Python<'_>) -> Py<PyArray1<i64>> {
         self.kv_load_blocks.get(py)
+    }
+    /// Snapshot restores + saves this step (0: the four arrays are never made).
+    #[getter]
+    fn num_state_copies(&self) -> usize {
+        self.state_restore_index.data.len() + self.state_save_index.data.len()
+    }
+    #[getter]
+    fn state_restore_index(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.state_restore_index.get(py)
+    }
+    #[getter]
+    fn state_restore_slots(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.state_restore_slots.get(py)
+    }
+    #[getter]
+    fn state_save_index(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.state_save_index.get(py)
+    }
+    #[getter]
+    fn state_save_slots(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        self.state_save_slots.get(py)
     }
     fn __repr__(&self) -> String {
         format!(

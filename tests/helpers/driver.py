@@ -62,7 +62,7 @@ def bind_recurrent_states(model, num_requests: int) -> None:
 
     if recurrent_layers(model):
         param = next(model.parameters())
-        allocate_recurrent_states(model, num_requests, param.dtype, param.dtype, param.device)
+        allocate_recurrent_states(model, num_requests, 0, param.dtype, param.dtype, param.device)
 
 
 def last_token_rows(meta: AttentionMetadata) -> torch.Tensor:

@@ -122,6 +122,10 @@ def test_multimodal_checkpoint_serves_its_language_model(tmp_path):
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}},
      "speculative_config"),
     ({"enable_lora": True}, "enable_lora"),
+    ({"mamba_cache_mode": "all"}, "mamba_cache_mode: 'all'"),
+    ({"mamba_cache_mode": "align", "enable_prefix_caching": False}, "mamba_cache_mode: 'align'"),
+    ({"mamba_block_size": 24}, "mamba_block_size: must be a multiple of block_size"),
+    ({"mamba_block_size": 32, "enable_prefix_caching": False}, "mamba_block_size: the grid"),
 ])
 def test_what_the_states_cannot_follow_is_refused_by_name(tiny, setting, match):
     folder, _, _ = tiny["qwen3_5"]
@@ -129,19 +133,36 @@ def test_what_the_states_cannot_follow_is_refused_by_name(tiny, setting, match):
         LLM(model=folder, dtype="float32", kv_cache_memory=8 << 20, **setting)
 
 
-def test_prefix_caching_is_off_and_repeated_prompts_still_match(tiny):
-    """The same prompt twice (a prefix-cache hit for any other model) gives the same tokens: the second request
-    computes its states from its first token."""
+def test_prefix_caching_resumes_from_state_snapshots(tiny):
+    """vLLM's mamba_cache_mode 'align' on a 16-token grid: a conversation's second turn (the first's prompt, its
+    answer and 5 new tokens) and a repeated prompt resume from the states kept where steps ended on the grid (the
+    first prompt's chunk cut at 64 of 70, a decode ending at 80), and get the tokens and logprobs of an engine that
+    computes every prompt from its first token."""
     folder, _, _ = tiny["qwen3_5"]
-    llm = LLM(model=folder, dtype="float32", kv_cache_memory=8 << 20)
-    try:
-        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-        first = llm.generate([{"prompt_token_ids": PROMPTS[2]}], params, use_tqdm=False)[0].outputs[0].token_ids
-        again = llm.generate([{"prompt_token_ids": PROMPTS[2]}], params, use_tqdm=False)[0].outputs[0].token_ids
-        assert list(first) == list(again)
-        assert llm.engine.stats()["prefix_cache_hits"] == 0
-    finally:
-        llm.engine.shutdown()
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    first = PROMPTS[2]
+
+    def run(**kw):
+        llm = LLM(model=folder, dtype="float32", kv_cache_memory=8 << 20, **kw)
+        try:
+            one = llm.generate([{"prompt_token_ids": first}], params, use_tqdm=False)[0].outputs[0]
+            turn2 = [*first, *one.token_ids, 5, 9, 13, 17, 19]
+            outs = llm.generate([{"prompt_token_ids": p} for p in (turn2, first)], params, use_tqdm=False)
+            return [one, *(o.outputs[0] for o in outs)], llm.engine.stats(), llm.engine.scheduler.state_snapshot_counts
+        finally:
+            llm.engine.shutdown()
+
+    cached, stats, counts = run(mamba_block_size=16)
+    fresh, fresh_stats, none = run(mamba_cache_mode="none")
+    assert none is None and fresh_stats["prefix_cache_hits"] == 0
+    restored, saved, _ = counts
+    assert restored == 2 and saved >= 3
+    # (turn 2 resumes at 80 of 87 tokens, the repeat at 64 of 70)
+    assert stats["prefix_cache_hits"] == 80 + 64
+    for a, b in zip(cached, fresh, strict=True):
+        assert list(a.token_ids) == list(b.token_ids)
+        for la, lb, t in zip(a.logprobs, b.logprobs, a.token_ids, strict=True):
+            assert abs(la[t].logprob - lb[t].logprob) < 1e-4
 
 
 # ---- GPU ------------------------------------------------------------------------------------------
@@ -222,7 +243,7 @@ def test_a_rank_holds_its_heads_and_states_of_their_width(tiny, name):
     qkv = [*range(64, 128), *range(128 + 16, 160), *range(160 + 16, 192)]
     torch.testing.assert_close(fb.qkv_proj.weight, fa.qkv_proj.weight[qkv], rtol=0, atol=0)
     torch.testing.assert_close(fb.o_proj.weight, fa.o_proj.weight[:, 32:], rtol=0, atol=0)
-    allocate_recurrent_states(part, 2, torch.float32, torch.float32, torch.device("cpu"))
+    allocate_recurrent_states(part, 2, 0, torch.float32, torch.float32, torch.device("cpu"))
     assert tuple(b.conv_states.shape) == (3, 48, 3) and tuple(b.ssm_states.shape) == (3, 2, 16, 8)
 
 

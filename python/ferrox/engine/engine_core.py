@@ -153,8 +153,9 @@ class EngineCore:
             block_size=config.block_size,
             max_num_seqs=loaded.max_num_seqs,
             max_num_batched_tokens=loaded.max_num_batched_tokens,
-            # (a hybrid model's recurrent states cannot be restored from cached blocks: worker/recurrent_states.py)
-            enable_prefix_caching=config.enable_prefix_caching and not pooling and not loaded.recurrent,
+            # (a hybrid model resumes a cached prefix only from a state snapshot: worker/recurrent_states.py)
+            enable_prefix_caching=config.enable_prefix_caching and not pooling
+            and (not loaded.recurrent or loaded.state_cache.snapshot_slots > 0),
             enable_chunked_prefill=not pooling and config.enable_chunked_prefill,
             long_prefill_token_threshold=long_prefill_threshold(config, self.max_model_len),
             max_num_partial_prefills=config.max_num_partial_prefills,
@@ -166,6 +167,9 @@ class EngineCore:
             tokenizer_json=self.tokenizer_json,
             eos_token_ids=self.eos_token_ids,
             max_loras=config.max_loras if config.enable_lora else 0,
+            recurrent_states=loaded.recurrent,
+            mamba_block_size=loaded.state_cache.grid,
+            state_snapshot_slots=loaded.state_cache.snapshot_slots,
             **_speculative_scheduler_args(self.speculative),
         )
         # vLLM's KV cache events (engine/kv_events.py): drained from the scheduler once a step, published.

@@ -28,7 +28,7 @@ from ferrox.attention.metadata import AttentionMetadata
 from ferrox.compilation_config import GraphPlan
 from ferrox.distributed.parallel_state import TPGroup
 from ferrox.worker.multimodal import StepImages
-from ferrox.worker.recurrent_states import recurrent_layers
+from ferrox.worker.recurrent_states import STATE_COPY_NAMES, copy_state_rows, recurrent_layers
 from ferrox.worker.step_inputs import Uploader, step_tensors
 
 logger = logging.getLogger(__name__)
@@ -65,6 +65,8 @@ class StepArrays:
         self.num_kv_transfers = int(self.kv_offload_blocks.size + self.kv_load_blocks.size)
         self.req_slots = arrays.get("req_slots", np.zeros(0, dtype=np.int32))
         self.state_rows: np.ndarray | None = arrays.get("state_rows")  # (hybrid models: worker/recurrent_states.py)
+        self.state_copies = ({name: arrays[name] for name in STATE_COPY_NAMES} if STATE_COPY_NAMES[0] in arrays
+                             else None)
         self.num_tokens = int(self.input_ids.shape[0])
         self.shifted = bool(arrays.get("shifted", np.zeros(1, dtype=np.bool_))[0])
         self.calibrate_kv_scales = "calibrate_kv_scales" in arrays
@@ -110,6 +112,8 @@ class ModelForward:
         # calculate_kv_scales: armed on the driver after the warm-up, so the first step that serves
         # requests measures the FP8 KV cache scales (eagerly); the other ranks are told by that step.
         self._kv_scale_calibration: KvScaleCalibration | None = None
+        # A hybrid model's layers with recurrent states, whose prefix-cache snapshots a step may copy.
+        self._recurrent_layers = recurrent_layers(model)
 
     def arm_kv_scale_calibration(self) -> None:
         """The next step measures the FP8 KV cache scales (attention/kv_scale_calibration.py)."""
@@ -194,7 +198,8 @@ class ModelForward:
             fill_holes: Callable[[torch.Tensor, np.ndarray], torch.Tensor | None] | None = None, *,
             shifted: bool = False, image_rows: StepImages | None = None,
             rope_positions: Callable[[torch.Tensor], torch.Tensor] | None = None,
-            state_rows: np.ndarray | None = None) -> ForwardResult:
+            state_rows: np.ndarray | None = None,
+            state_copies: dict[str, np.ndarray] | None = None) -> ForwardResult:
         """step: a SchedulerOutput or StepArrays. fill_holes(input_ids, hole_positions): the
         driver's filler of placeholder ids (None on the other ranks); it returns each row's shift
         when the step in flight verified drafts (`shifted`; the other ranks read it from `step`).
@@ -202,7 +207,8 @@ class ModelForward:
         its input embeddings. rope_positions: the rotary's positions from the step's (Qwen2-VL's
         multimodal RoPE: worker/mrope.py); [3, T] ones run eagerly too. state_rows: a hybrid model's
         recurrent-state rows of the step's requests (worker/recurrent_states.py; the other ranks read them
-        from `step`)."""
+        from `step`), and state_copies its prefix-cache snapshots to restore before the layers and save after
+        (StateRows.copies; from `step` likewise)."""
         if self.host_tier is not None:
             self.host_tier.apply(step)  # the core's offloads, then loads (before any layer reads the cache)
         upload = self.upload
@@ -213,6 +219,11 @@ class ModelForward:
             state_rows = getattr(step, "state_rows", None)
         if state_rows is not None:
             meta.state_rows = upload("state_rows", state_rows)
+        if state_copies is None:
+            state_copies = getattr(step, "state_copies", None)
+        if state_copies is not None and state_copies["state_restore_src"].size:
+            copy_state_rows(self._recurrent_layers, upload("state_restore_src", state_copies["state_restore_src"]),
+                            upload("state_restore_dst", state_copies["state_restore_dst"]))
         holes = np.flatnonzero(input_ids_np < 0)
         row_shift = None
         if holes.size:
@@ -248,6 +259,10 @@ class ModelForward:
                 hidden = self.piece_runner.run(input_ids, positions, meta)
             else:
                 hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+        if state_copies is not None and state_copies["state_save_src"].size:
+            # (in stream order after the layers, and before the next step's restores)
+            copy_state_rows(self._recurrent_layers, upload("state_save_src", state_copies["state_save_src"]),
+                            upload("state_save_dst", state_copies["state_save_dst"]))
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
         # Now, not later: a CUDA-graph replay of the next step overwrites `hidden`.
         prompt_logits = [self.model.compute_logits(hidden[int(start):int(start) + int(count)])

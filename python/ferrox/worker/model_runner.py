@@ -265,6 +265,7 @@ class ModelRunner:
         shifted = prev is not None and prev.rejected is not None
         # LoRA first: under tensor parallelism its slot plan travels with the step (lora/rank_plan.py).
         rows = self.state_rows.for_step(so) if self.state_rows is not None else None
+        state_copies = self.state_rows.copies(so, rows) if self.state_rows is not None and rows is not None else None
         lora_plan = (self.lora.prepare_step(np.repeat(self._lora_of_slot[slots], np.asarray(so.num_scheduled_tokens)))
                      if self.lora is not None else None)
         if self.channel is not None:
@@ -277,6 +278,8 @@ class ModelRunner:
             arrays.update(transfer_arrays(so))
             if rows is not None:
                 arrays["state_rows"] = rows
+            if state_copies is not None:
+                arrays.update(state_copies)
             self.channel.send(STEP, arrays)
 
         def fill_holes(input_ids: torch.Tensor, holes: np.ndarray) -> torch.Tensor | None:
@@ -305,7 +308,7 @@ class ModelRunner:
         mrope = self.mrope
         result = self.forward.run(so, prompt_rows, fill_holes, shifted=shifted, image_rows=image_rows,
                                   rope_positions=(lambda p: mrope.adjust(so, p)) if mrope is not None else None,
-                                  state_rows=rows)
+                                  state_rows=rows, state_copies=state_copies)
         chunks = self._prompt_logprobs(prompt_jobs, result.prompt_logits)
         sample_mask = np.asarray(so.sample_mask, dtype=np.bool_)
         handle = StepHandle(so, slots, self._upload("slots", slots), self.input_batch.generation[slots],

@@ -48,9 +48,11 @@ from ferrox.worker.cpu_threads import CpuThreadGovernor
 from ferrox.worker.dummy_batch import decode_step, prefill_step, upload_step
 from ferrox.worker.pooling_runner import empty_kv_caches, virtual_num_blocks
 from ferrox.worker.recurrent_states import (
+    StateCachePlan,
     allocate_recurrent_states,
     check_recurrent_config,
     recurrent_layers,
+    state_cache_plan,
     state_dtypes,
 )
 from ferrox.worker.sleep_memory import SleepMemory
@@ -85,8 +87,9 @@ class LoadedModel:
     sleep_memory: SleepMemory | None = None
     reload_model: Callable[[], Any] | None = None
     # A hybrid model whose layers keep per-request recurrent states (worker/recurrent_states.py): the engine
-    # hands out their rows and serves it without the prefix cache.
+    # hands out their rows; with prefix caching, states are kept as the plan says (rust/state_snapshots.rs).
     recurrent: bool = False
+    state_cache: StateCachePlan = StateCachePlan()
 
 
 def resolve_dtype(config: EngineConfig, spec: Any, device: torch.device) -> torch.dtype:
@@ -202,10 +205,12 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
     generation_defaults = dict(load_generation_config(source) or {})
     eos = _eos_token_ids(tokenizer, generation_defaults)
     recurrent = bool(recurrent_layers(model))
+    state_cache = StateCachePlan()
     if recurrent:
-        check_recurrent_config(config, pooling=pooler_config is not None)
-        allocate_recurrent_states(model, max_num_seqs, *state_dtypes(config.mamba_cache_dtype,
-                                                                      config.mamba_ssm_cache_dtype, dtype), device)
+        check_recurrent_config(config)
+        state_cache = state_cache_plan(config, max_num_seqs, pooling=pooler_config is not None)
+        allocate_recurrent_states(model, max_num_seqs, state_cache.snapshot_slots,
+                                  *state_dtypes(config.mamba_cache_dtype, config.mamba_ssm_cache_dtype, dtype), device)
     if pooler_config is not None:
         # No KV cache (worker/pooling_runner.py): the scheduler counts virtual blocks.
         if config.num_gpu_blocks_override is not None:
@@ -260,7 +265,7 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
         kv_caches=kv_caches, num_blocks=num_blocks, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, vocab_size=int(spec.vocab_size), eos_token_ids=eos,
         generation_defaults=generation_defaults, threads=threads, sleep_memory=sleep_memory,
-        reload_model=reload_model, recurrent=recurrent,
+        reload_model=reload_model, recurrent=recurrent, state_cache=state_cache,
     )
 
 

@@ -5,7 +5,7 @@ each request, a fixed-size state per linear-attention layer: the short convoluti
 delta rule's [heads, key dim, value dim] matrix. Those do not grow with the sequence, so they live in a pool
 of rows, not in KV blocks: row r of every layer's pool belongs to one request while it runs.
 
-- Rows: max_num_seqs + 1. Row 0 is scratch: the profiling and warm-up steps, CUDA-graph capture and a
+- Rows: max_num_seqs + 1 (+ the snapshot slots, below). Row 0 is scratch: the profiling and warm-up steps, CUDA-graph capture and a
   graph's padding requests read and write it, never a request. A running request holds a row from the
   step that first schedules it until it finishes or is preempted (then its state is gone: a preempted
   request is recomputed from its first token, like its KV), so running <= max_num_seqs rows always suffice.
@@ -13,14 +13,18 @@ of rows, not in KV blocks: row r of every layer's pool belongs to one request wh
   starts from zeros whatever its row holds; one that continues (a later prefill chunk, decode) reads its row.
   The layers decide this on the device from the step's seq_lens and query lengths
   (AttentionMetadata.state_rows), so the rows need no zeroing and CUDA graphs replay it.
-- The prefix cache cannot serve these models: a cached block restores K/V but not the state after it (vLLM's
-  hybrid prefix caching snapshots states per block; ferrox does not yet), so the engine turns it off for them.
+- Prefix caching (vLLM's mamba_cache_mode "align"): a cached block restores K/V but not the state after it, so
+  the pools have max_num_seqs more rows, snapshot slots, after the requests' rows. The core
+  (rust/state_snapshots.rs) cuts a prompt's chunks to end on a grid of mamba_block_size tokens, has the state
+  there saved into a slot after the step's forward, and resumes a later request sharing that prefix from it (a
+  copy into its row before the forward). A hit ends at the last grid point with both K/V blocks and a state.
 
 Element types follow vLLM's --mamba-cache-dtype / --mamba-ssm-cache-dtype ("auto": the model's dtype).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Any, Protocol
@@ -54,8 +58,48 @@ def state_dtypes(mamba_cache_dtype: str, mamba_ssm_cache_dtype: str,
     return conv, ssm
 
 
-def check_recurrent_config(config: Any, *, pooling: bool = False) -> None:
-    """Refuse by name what these states cannot follow yet; say that the prefix cache is off for them."""
+# The default snapshot grid, in tokens (rounded up to whole KV blocks): coarse enough that a prompt shorter than
+# it is not cut (no extra step) and that the slots turn over slowly, fine enough that a resumed conversation
+# recomputes little.
+DEFAULT_STATE_GRID = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class StateCachePlan:
+    """How prefix caching keeps these states: snapshots every `grid` tokens into `snapshot_slots` pool rows
+    (0 and 0: prefix caching is off for the model)."""
+
+    grid: int = 0
+    snapshot_slots: int = 0
+
+
+def state_cache_plan(config: Any, max_num_seqs: int, *, pooling: bool = False) -> StateCachePlan:
+    """vLLM's mamba_cache_mode ("align" by default with prefix caching) and mamba_block_size, checked."""
+    caching = bool(config.enable_prefix_caching) and not pooling
+    mode = config.mamba_cache_mode or ("align" if caching else "none")
+    if mode == "all":
+        raise ValueError("mamba_cache_mode: 'all' (a state at every mamba_block_size point inside a chunk) is not "
+                         "supported; 'align' keeps the state where a step ends on that grid")
+    if mode == "align" and not caching:
+        raise ValueError("mamba_cache_mode: 'align' keeps recurrent states for the prefix cache, which is off "
+                         + ("for a pooling model" if pooling else "(enable_prefix_caching)"))
+    if config.mamba_block_size is not None and mode != "align":
+        raise ValueError("mamba_block_size: the grid of prefix caching's state snapshots; it needs prefix caching "
+                         "with mamba_cache_mode 'align'")
+    if mode == "none":
+        if caching:
+            logger.warning("prefix caching: off for this hybrid model (mamba_cache_mode 'none')")
+        return StateCachePlan()
+    block = config.block_size
+    grid = config.mamba_block_size or -(-DEFAULT_STATE_GRID // block) * block
+    if grid % block:
+        raise ValueError(f"mamba_block_size: must be a multiple of block_size ({block}), got {grid}: states are "
+                         "kept where a KV block ends")
+    return StateCachePlan(grid, max_num_seqs)
+
+
+def check_recurrent_config(config: Any) -> None:
+    """Refuse by name what these states cannot follow yet."""
     if config.speculative_config:
         raise ValueError("speculative_config: a hybrid linear-attention model's recurrent states would take in "
                          "rejected draft tokens (vLLM keeps a state per draft position; ferrox not yet)")
@@ -67,10 +111,6 @@ def check_recurrent_config(config: Any, *, pooling: bool = False) -> None:
                          "hybrid linear-attention model is served without")
     if config.enable_lora:
         raise ValueError("enable_lora: LoRA adapters on a hybrid linear-attention model are not supported yet")
-    if not pooling and config.enable_prefix_caching:
-        # (a warning: --enable-prefix-caching, ferrox's default, does not take effect for these models)
-        logger.warning("prefix caching: off for this hybrid model (a cached block restores K/V, not the recurrent "
-                       "state after it); enable_prefix_caching has no effect here")
 
 
 def recurrent_layers(model: Any) -> list[RecurrentLayer]:
@@ -87,25 +127,28 @@ def bytes_per_row(model: Any, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -
     return total
 
 
-def allocate_recurrent_states(model: Any, max_num_seqs: int, conv_dtype: torch.dtype, ssm_dtype: torch.dtype,
-                              device: torch.device) -> int:
-    """Give every recurrent layer its pools of max_num_seqs + 1 rows (row 0: scratch); returns the bytes.
-    Done before the KV cache is sized, so the profiled budget leaves them out."""
-    rows = max_num_seqs + 1
+def allocate_recurrent_states(model: Any, max_num_seqs: int, snapshot_slots: int, conv_dtype: torch.dtype,
+                              ssm_dtype: torch.dtype, device: torch.device) -> int:
+    """Give every recurrent layer its pools of max_num_seqs + 1 rows (row 0: scratch) and the snapshot slots after
+    them; returns the bytes. Done before the KV cache is sized, so the profiled budget leaves them out."""
+    rows = max_num_seqs + 1 + snapshot_slots
     per_row = bytes_per_row(model, conv_dtype, ssm_dtype)
     need = rows * per_row
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         if need > free:
-            raise ValueError(f"max_num_seqs: {max_num_seqs} requests' recurrent states take {need / 2**30:.2f} GiB "
-                             f"({per_row / 2**20:.1f} MiB each) and the GPU has {free / 2**30:.2f} GiB free; lower "
-                             "--max-num-seqs (or the state dtypes: --mamba-ssm-cache-dtype)")
+            snapshots = f" and {snapshot_slots} prefix-cache snapshots" if snapshot_slots else ""
+            raise ValueError(f"max_num_seqs: {max_num_seqs} requests' recurrent states{snapshots} take "
+                             f"{need / 2**30:.2f} GiB ({per_row / 2**20:.1f} MiB each) and the GPU has "
+                             f"{free / 2**30:.2f} GiB free; lower --max-num-seqs (or the state dtypes: "
+                             "--mamba-ssm-cache-dtype; or --mamba-cache-mode none)")
     for layer in recurrent_layers(model):
         conv, ssm = layer.state_shapes()
         layer.bind_states(torch.zeros((rows, *conv), dtype=conv_dtype, device=device),
                           torch.zeros((rows, *ssm), dtype=ssm_dtype, device=device))
-    logger.info("recurrent states: %d rows of %.2f MiB (%s conv, %s delta rule), %.2f GiB", rows, per_row / 2**20,
-                str(conv_dtype).removeprefix("torch."), str(ssm_dtype).removeprefix("torch."), need / 2**30)
+    logger.info("recurrent states: %d rows of %.2f MiB (%s conv, %s delta rule; %d of them prefix-cache snapshots), "
+                "%.2f GiB", rows, per_row / 2**20, str(conv_dtype).removeprefix("torch."),
+                str(ssm_dtype).removeprefix("torch."), snapshot_slots, need / 2**30)
     return need
 
 
@@ -138,3 +181,24 @@ class StateRows:
                 row = self.row_of[req_id] = self.free.pop()
             rows[i] = row
         return rows
+
+    def copies(self, so: Any, rows: npt.NDArray[np.int32]) -> dict[str, npt.NDArray[np.int64]] | None:
+        """The step's snapshot copies as pool rows (None: none): restores (slot -> the request's row, before the
+        forward) and saves (row -> slot, after it). Slot s is row max_num_seqs + 1 + s."""
+        if not so.num_state_copies:
+            return None
+        base = self.max_num_seqs + 1
+        return {"state_restore_src": base + np.asarray(so.state_restore_slots, dtype=np.int64),
+                "state_restore_dst": rows[np.asarray(so.state_restore_index)].astype(np.int64),
+                "state_save_src": rows[np.asarray(so.state_save_index)].astype(np.int64),
+                "state_save_dst": base + np.asarray(so.state_save_slots, dtype=np.int64)}
+
+
+STATE_COPY_NAMES = ("state_restore_src", "state_restore_dst", "state_save_src", "state_save_dst")
+
+
+def copy_state_rows(layers: list[Any], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Row dst[i] of every layer's pools takes row src[i] (int64 device tensors; rows distinct within dst)."""
+    for layer in layers:
+        for pool in (layer.conv_states, layer.ssm_states):
+            pool.index_copy_(0, dst, pool.index_select(0, src))
