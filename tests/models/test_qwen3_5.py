@@ -170,16 +170,22 @@ def test_prefix_caching_resumes_from_state_snapshots(tiny):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_cuda_engine_matches_cpu(tiny, name):
-    """float32 on CUDA (fla's chunked and recurrent delta-rule kernels, decode CUDA graphs reading the state rows)
-    against the CPU engine: each of 12 concurrent prompts' greedy tokens and logprobs."""
+    """float32 on CUDA (fla's chunked and recurrent delta-rule kernels, decode CUDA graphs reading the state rows,
+    async scheduling) against the CPU engine: each of 12 concurrent prompts' greedy tokens and logprobs, then their
+    second turns (prompt, answer, one more token), which resume from state snapshots on a 16-token grid (restored
+    before the forward, saved after it; under async scheduling, decode saves keyed a step late)."""
     folder, _, _ = tiny[name]
     batch = [[(7 * i + j * 13) % 300 + 3 for j in range(5 + 9 * (i % 9))] for i in range(12)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
     outs = {}
     for device in ("cpu", "cuda"):
-        llm = LLM(model=folder, dtype="float32", device=device, kv_cache_memory=32 << 20, max_num_batched_tokens=64)
+        llm = LLM(model=folder, dtype="float32", device=device, kv_cache_memory=32 << 20, max_num_batched_tokens=64,
+                  mamba_block_size=16)
         try:
-            outs[device] = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+            first = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+            turn2 = [[*p, *o.outputs[0].token_ids, 5] for p, o in zip(batch, first, strict=True)]
+            outs[device] = first + llm.generate([{"prompt_token_ids": p} for p in turn2], params, use_tqdm=False)
+            assert llm.engine.scheduler.state_snapshot_counts[0] >= 8  # (restored: the second turns resumed)
         finally:
             llm.engine.shutdown()
     for cpu, gpu in zip(outs["cpu"], outs["cuda"], strict=True):
