@@ -204,10 +204,19 @@ def test_cuda_engine_matches_cpu(tiny, name):
 def test_tensor_parallel_matches_transformers(tiny, name, expert_parallel):
     """Two ranks (gloo): each holds one of the two linear-attention key heads with its two value heads (its
     state rows that wide), two of the four query heads and one KV head, half of each expert's rows (or four
-    whole experts) and of the shared expert's; the chunked engine's tokens and logprobs as transformers'."""
+    whole experts) and of the shared expert's; the chunked engine's tokens and logprobs as transformers'. The last
+    prompt comes again: it resumes from a state snapshot (16-token grid) that every rank saved, and restores."""
     folder, _, ref = tiny[name]
-    outs = chunked_engine_outputs(folder, PROMPTS, tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
-    assert_outputs_match_transformers(ref, PROMPTS, outs)
+    llm = LLM(model=folder, dtype="float32", kv_cache_memory=8 << 20, max_num_batched_tokens=16, max_num_seqs=4,
+              tensor_parallel_size=2, enable_expert_parallel=expert_parallel, mamba_block_size=16)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        outs += llm.generate([{"prompt_token_ids": PROMPTS[2]}], params, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    assert outs[-1].num_cached_tokens == 64
+    assert_outputs_match_transformers(ref, [*PROMPTS, PROMPTS[2]], outs)
 
 
 def _load_rank(folder: str, rank: int, size: int):
