@@ -166,7 +166,8 @@ def _count_calls(monkeypatch, name: str) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", *MOE, *FAMILY])
+# (Qwen2's q/k/v biases and Qwen3's q/k norms run in their MoE siblings' attention, so the dense two are left out.)
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", *MOE, *FAMILY])
 def test_one_token_path_matches_the_general_path(kernel_device, monkeypatch, arch):
     ref, fused = _models(arch, kernel_device)
     assert type(ref.model.decode_path) is DecodePath

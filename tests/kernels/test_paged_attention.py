@@ -111,8 +111,9 @@ def _graph_shaped_decode(batch: PagedBatch, num_splits: int, max_seq_len: int) -
     return out
 
 
-@pytest.mark.parametrize("stale", [False, True], ids=["fresh", "nan-partials"])
-@pytest.mark.parametrize("num_splits", [3, pa._MERGE_CHUNK + 5])
+# (The many-split merge with stale partials covers its fresh case: a fresh buffer holds no NaN to leak.)
+@pytest.mark.parametrize(("num_splits", "stale"), [(3, False), (3, True), (pa._MERGE_CHUNK + 5, True)],
+                         ids=["3-fresh", "3-nan-partials", "69-nan-partials"])
 def test_decode_splits_follow_each_context_not_the_graph_bound(kernel_device, seed, num_splits, stale, monkeypatch):
     """Contexts of one live split (the attention kernel writes the row, the merge leaves it), of
     several (300 tokens: 2 of 3 launched splits live), and a padding row: every real row matches the
