@@ -14,8 +14,11 @@ layer, plus its shared expert and router), each linear-attention layer's recurre
 (value heads x key dim x value dim, in the --mamba-ssm-cache-dtype), and the K/V the full-attention layers attend
 over, divided by the streaming-read bandwidth measured in the same run (benches/floor.py).
 
-Throughput: N x (input, output) random-id prompts with ignore_eos, all at once. Each model runs in its own child
-process; the summary line comes last.
+Throughput: N x (input, output) random-id prompts with ignore_eos, all at once. Then the prefix cache's state
+snapshots (mamba_cache_mode "align", rust/state_snapshots.rs): the last few conversations' second turns (prompt,
+answer, 16 new tokens) prefilled to their first token, resuming from the snapshots the first turns left, against
+the same prompts after reset_prefix_cache() (computed from their first token), in the same engine. Each model runs
+in its own child process; the summary line comes last.
 """
 
 from __future__ import annotations
@@ -128,6 +131,22 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
     if out_tokens != args.num_prompts * args.output_len:
         raise RuntimeError(f"expected {args.num_prompts * args.output_len} output tokens, got {out_tokens}")
     total_tokens = out_tokens + sum(len(o.prompt_token_ids) for o in outs)
+
+    # Second turns of the last conversations (their snapshots and blocks are the least recently used last).
+    turn2 = [{"prompt_token_ids": [*o.prompt_token_ids, *o.outputs[0].token_ids, *range(5, 21)]}
+             for o in outs[-args.turn2_prompts:]]
+    one = SamplingParams(max_tokens=1, **greedy)
+    hits_before = llm.engine.stats()["prefix_cache_hits"]
+    start = time.perf_counter()
+    llm.generate(turn2, one, use_tqdm=False)
+    turn2_cached_s = time.perf_counter() - start
+    turn2_hits = llm.engine.stats()["prefix_cache_hits"] - hits_before
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("reset_prefix_cache refused: a block is still in use")
+    start = time.perf_counter()
+    llm.generate(turn2, one, use_tqdm=False)
+    turn2_fresh_s = time.perf_counter() - start
+    turn2_tokens = sum(len(p["prompt_token_ids"]) for p in turn2)
     state_bytes = 4 if args.mamba_ssm_cache_dtype == "float32" else 2
     step_bytes = decode_bytes(config, 32 + args.output_len_b1 // 2, state_bytes)
     floor_ms = step_bytes / (read_gbps * 1e6)
@@ -143,6 +162,9 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
         "throughput_shape": f"{args.num_prompts}x({args.input_len},{args.output_len})",
         "throughput_elapsed_s": round(elapsed, 2), "total_tokens_per_s": round(total_tokens / elapsed, 1),
         "output_tokens_per_s": round(out_tokens / elapsed, 1),
+        "turn2_prompts": len(turn2), "turn2_prompt_tokens": turn2_tokens, "turn2_hit_tokens": turn2_hits,
+        "turn2_cached_s": round(turn2_cached_s, 3), "turn2_fresh_s": round(turn2_fresh_s, 3),
+        "turn2_speedup": round(turn2_fresh_s / turn2_cached_s, 2),
     }
 
 
@@ -151,7 +173,10 @@ def summary(r: dict) -> str:
             f"vs floor {r['decode_b1_floor_ms']:.2f} ms ({r['decode_b1_bytes_read_gb']} GB at "
             f"{r['read_bandwidth_gbps'] / 1e3:.2f} TB/s) = {r['decode_b1_over_floor']}x; {r['throughput_shape']} "
             f"{r['total_tokens_per_s']} total tok/s, {r['output_tokens_per_s']} output tok/s; start-up "
-            f"{r['startup_ready_s']} s ready, {r['startup_first_token_s']} s first token")
+            f"{r['startup_ready_s']} s ready, {r['startup_first_token_s']} s first token; second turns "
+            f"({r['turn2_prompts']} x {r['turn2_prompt_tokens'] // max(r['turn2_prompts'], 1)} tokens, "
+            f"{r['turn2_hit_tokens']} from state snapshots) {r['turn2_cached_s']} s vs {r['turn2_fresh_s']} s "
+            f"recomputed = {r['turn2_speedup']}x")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -163,6 +188,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--output-len-b1", type=int, default=128, help="tokens per batch-1 decode run")
     parser.add_argument("--num-iters", type=int, default=3, help="timed batch-1 runs")
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--turn2-prompts", type=int, default=32, help="second turns timed with / without snapshots")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=["auto", "float32"])
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
