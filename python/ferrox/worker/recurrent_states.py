@@ -5,10 +5,11 @@ each request, a fixed-size state per linear-attention layer: the short convoluti
 delta rule's [heads, key dim, value dim] matrix. Those do not grow with the sequence, so they live in a pool
 of rows, not in KV blocks: row r of every layer's pool belongs to one request while it runs.
 
-- Rows: max_num_seqs + 1 (+ the snapshot slots, below). Row 0 is scratch: the profiling and warm-up steps, CUDA-graph capture and a
-  graph's padding requests read and write it, never a request. A running request holds a row from the
-  step that first schedules it until it finishes or is preempted (then its state is gone: a preempted
-  request is recomputed from its first token, like its KV), so running <= max_num_seqs rows always suffice.
+- Rows: max_num_seqs + 1 (then the snapshot slots, below). Row 0 is scratch: the profiling and warm-up steps,
+  CUDA-graph capture and a graph's padding requests read and write it, never a request. A running request holds
+  a row from the step that first schedules it until it finishes or is preempted (then its state is gone: a
+  preempted request is recomputed, from its first token or a snapshot, like its KV), so running <= max_num_seqs
+  rows always suffice.
 - Whether a row's content is used: a request whose step starts at position 0 (nothing computed before)
   starts from zeros whatever its row holds; one that continues (a later prefill chunk, decode) reads its row.
   The layers decide this on the device from the step's seq_lens and query lengths
@@ -107,8 +108,8 @@ def check_recurrent_config(config: Any) -> None:
         raise ValueError("kv_offloading_size / kv_transfer_config: the host tier restores KV blocks of cached "
                          "prefixes, and a hybrid model's recurrent states cannot be restored from them")
     if parse_kv_events_config(config.kv_events_config).enable_kv_cache_events:
-        raise ValueError("kv_events_config.enable_kv_cache_events: the events are the prefix cache's, which a "
-                         "hybrid linear-attention model is served without")
+        raise ValueError("kv_events_config.enable_kv_cache_events: the events announce cached K/V blocks, while a "
+                         "hybrid linear-attention model's prefix hit also needs a state snapshot they do not carry")
     if config.enable_lora:
         raise ValueError("enable_lora: LoRA adapters on a hybrid linear-attention model are not supported yet")
 
