@@ -26,6 +26,8 @@ pub mod step_outputs;
 
 #[cfg(test)]
 mod proptests;
+#[cfg(test)]
+mod proptests_snapshots;
 
 #[cfg(feature = "python")]
 mod py;

@@ -1354,8 +1354,8 @@ impl Scheduler {
             if let Some(snaps) = self.snapshots.as_mut() {
                 // The step ends on the grid, after a block of known tokens (not a placeholder's).
                 let end = r.num_computed_tokens;
-                let block = end / bs - 1;
                 if end.is_multiple_of(grid) {
+                    let block = end / bs - 1; // (end >= grid >= bs: a step computes a token)
                     if let Some(&h) = r.block_hashes.get(block) {
                         if let Some(s) = snaps.reserve(h) {
                             saves.push((idx as u32, s));
