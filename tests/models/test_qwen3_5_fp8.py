@@ -1,17 +1,24 @@
-"""Qwen3.5 as its FP8 releases publish it (Qwen3.5-397B-A17B-FP8, Qwen3.6-35B-A3B-FP8): block-wise E4M3 weights
-(`weight_scale_inv` per 32 x 32 block here) for the full attention's q / k / v / o, the linear attention's
-in_proj_qkv / in_proj_z / out_proj, the dense and shared-expert MLPs and every routed expert; in_proj_b / in_proj_a,
-the conv kernel, A_log, dt_bias, norms, routers, the shared-expert gate, embeddings and lm_head stay float.
+"""Qwen3.5 and Qwen3-Next as their FP8 releases publish them (Qwen3.5-397B-A17B-FP8, Qwen3.6-35B-A3B-FP8,
+Qwen3-Next-80B-A3B-Instruct-FP8): block-wise E4M3 weights (`weight_scale_inv` per 32 x 32 block here) for the full
+attention's q / k / v / o, the linear attention's in_proj_qkv / in_proj_z / out_proj (Qwen3-Next: the fused
+in_proj_qkvz, quantized across its key-head groups), the dense and shared-expert MLPs and every routed expert;
+in_proj_b / in_proj_a (Qwen3-Next: in_proj_ba, which its release lists layer by layer in modules_to_not_convert),
+the conv kernel, A_log, dt_bias, norms, routers, the shared-expert gate, embeddings and lm_head stay float. The
+tiny Qwen3-Next has key heads of 32 and 2 value heads of 16 per key head, so that each group's q, k, v and z rows
+are whole 32-row blocks, as the release's 128, 128, 256 and 256 are whole 128-row ones.
 
 ferrox dequantizes the full attention's q / k / v at load (their rows are reordered for the partial rotary:
-models/qwen3_5.py check_quantization); every other quantized projection runs FP8 with activations quantized per
+models/qwen3_5.py check_quantization) and cuts Qwen3-Next's in_proj_qkvz scales with its rows
+(split_qwen3_next_projections); every other quantized projection runs FP8 with activations quantized per
 token and group of 32. The reference is transformers on the dequantized weights with the same activation rounding
 (tests/helpers/fp8_moe_checkpoints.py) except on q / k / v: greedy tokens equal and logprobs to float32 rounding on
-the CPU; the refusals; on a GPU, the CUDA engine follows the same reference within the FP8 tests' bound."""
+the CPU; the split's scales and an FP8 in_proj_ba (dequantized at load) against the float split; the refusals;
+on a GPU, the CUDA engine follows the same reference within the FP8 tests' bound."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 
@@ -37,12 +44,23 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarnin
 
 BLOCK = (32, 32)
 PROMPTS = [[5, 9, 33, 7, 100, 41], list(range(40, 110)), [17]]
-_QUANTIZED = re.compile(r"\.(self_attn\.[qkvo]_proj|linear_attn\.(in_proj_qkv|in_proj_z|out_proj)|"
+_QUANTIZED = re.compile(r"\.(self_attn\.[qkvo]_proj|linear_attn\.(in_proj_qkv|in_proj_qkvz|in_proj_z|out_proj)|"
                         r"(gate|up|down)_proj)\.weight$")
 _QKV = re.compile(r"\.self_attn\.[qkv]_proj\.weight$")
 CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(BLOCK),
           "modules_to_not_convert": ["lm_head", "mlp.gate", "mlp.shared_expert_gate", "linear_attn.in_proj_a",
                                      "linear_attn.in_proj_b", "linear_attn.conv1d"]}
+# Qwen3-Next-80B-A3B-Instruct-FP8 names its float in_proj_ba one linear-attention layer at a time
+# (model.layers.{0..46}.linear_attn.in_proj_ba; in_proj_qkvz is not listed: FP8); the gates named alike here.
+_LAYERS = tiny_qwen3_5.LAYER_TYPES
+NEXT_CONFIG = {**CONFIG, "modules_to_not_convert": [
+    "lm_head",
+    *(f"model.layers.{i}.linear_attn.in_proj_ba" for i, kind in enumerate(_LAYERS) if kind == "linear_attention"),
+    *(f"model.layers.{i}.mlp.{gate}" for i in range(len(_LAYERS)) for gate in ("gate", "shared_expert_gate"))]}
+# Dk 32 and r Dv 2 x 16: one 32-row block per group component.
+NEXT_FIELDS = {"linear_key_head_dim": 32, "linear_value_head_dim": 16}
+BUILDS = {"dense": tiny_qwen3_5.make_tiny_qwen3_5, "moe": tiny_qwen3_5.make_tiny_qwen3_5_moe,
+          "next": functools.partial(tiny_qwen3_5.make_tiny_qwen3_next, **NEXT_FIELDS)}
 
 
 def fp8_release(float_weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -55,13 +73,13 @@ def fp8_release(float_weights: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return out
 
 
-@pytest.fixture(scope="module", params=["dense", "moe"])
+@pytest.fixture(scope="module", params=["dense", "moe", "next"])
 def release(request, tmp_path_factory):
     """(FP8 folder, its tensors, the reference model)."""
-    build = tiny_qwen3_5.make_tiny_qwen3_5 if request.param == "dense" else tiny_qwen3_5.make_tiny_qwen3_5_moe
-    float_folder = build(tmp_path_factory.mktemp(f"q35_{request.param}"), seed=5)
+    float_folder = BUILDS[request.param](tmp_path_factory.mktemp(f"q35_{request.param}"), seed=5)
     tensors = fp8_release(load_file(os.path.join(float_folder, "model.safetensors")))
-    folder = write_checkpoint(float_folder, tmp_path_factory.mktemp(f"q35_fp8_{request.param}"), CONFIG, tensors)
+    config = NEXT_CONFIG if request.param == "next" else CONFIG
+    folder = write_checkpoint(float_folder, tmp_path_factory.mktemp(f"q35_fp8_{request.param}"), config, tensors)
     # transformers on the dequantized weights, inputs rounded through E4M3 per group -- but for q / k / v, which
     # ferrox dequantizes at load: plain float products there.
     rounded = {k: v for k, v in tensors.items() if not _QKV.search(k)}
@@ -99,12 +117,48 @@ def test_unaligned_blocks_and_other_methods_are_refused(release, tmp_path):
     folder, _, _ = release
     spec = load_model_spec(resolve_model(folder))
     wide = {**spec.hf_config, "quantization_config": {**CONFIG, "weight_block_size": [64, 64]}}
-    with pytest.raises(UnsupportedModelError, match="in_proj_qkv's q / k blocks of 32 rows"):
+    cut = ("Qwen3-Next's in_proj_qkvz holds, per key head, 32 q, 32 k, 32 v and 32 z rows"
+           if spec.hf_config["model_type"] == "qwen3_next" else "in_proj_qkv's q / k blocks of 32 rows")
+    with pytest.raises(UnsupportedModelError, match=r"weight_block_size \[64, 64\]: " + re.escape(cut)):
         check_quantization(spec, resolve_quant_config(None, dataclasses.replace(spec, hf_config=wide)))
+    if spec.hf_config["model_type"] == "qwen3_next":  # key heads on block edges, but a group's 16 v / z rows not
+        narrow = dataclasses.replace(spec, hf_config={**spec.hf_config, "linear_value_head_dim": 8})
+        with pytest.raises(UnsupportedModelError, match=r"weight_block_size \[32, 32\]: .* 32 q, 32 k, 16 v and 16 z"):
+            check_quantization(narrow, resolve_quant_config(None, narrow))
     int4 = {**spec.hf_config, "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 32,
                                                       "zero_point": True, "version": "gemm"}}
     with pytest.raises(UnsupportedModelError, match="takes block-wise FP8 checkpoints"):
         check_quantization(spec, resolve_quant_config(None, dataclasses.replace(spec, hf_config=int4)))
+
+
+def test_next_scales_are_cut_with_their_rows_and_an_fp8_in_proj_ba_is_dequantized():
+    """split_qwen3_next_projections on one block-FP8 layer (the tiny Qwen3-Next's shapes): in_proj_qkv's and
+    in_proj_z's codes with their cut scales are the float split of the dequantized in_proj_qkvz, exactly; an FP8
+    in_proj_ba (its scales first) arrives as the float split of its dequantized weight."""
+    from ferrox.models.qwen3_5 import split_qwen3_next_projections
+
+    config = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, **NEXT_FIELDS}
+    torch.manual_seed(0)
+    qkvz, qkvz_scales = quantize(torch.randn(2 * (32 + 32 + 32 + 32), 64), "block", BLOCK)
+    ba, ba_scales = quantize(torch.randn(2 * 4, 64), "block", BLOCK)
+    layer = "model.layers.0.linear_attn."
+    got = dict(split_qwen3_next_projections(
+        [(f"{layer}in_proj_ba.weight_scale_inv", ba_scales), (f"{layer}in_proj_qkvz.weight", qkvz),
+         (f"{layer}in_proj_qkvz.weight_scale_inv", qkvz_scales), (f"{layer}in_proj_ba.weight", ba)],
+        config, BLOCK))
+    want = dict(split_qwen3_next_projections(
+        [(f"{layer}in_proj_qkvz.weight", dequantize(qkvz, qkvz_scales, BLOCK)),
+         (f"{layer}in_proj_ba.weight", dequantize(ba, ba_scales, BLOCK))], config))
+    got = {name[len(layer):]: t for name, t in got.items()}
+    want = {name[len(layer):]: t for name, t in want.items()}
+    assert sorted(got) == ["in_proj_a.weight", "in_proj_b.weight", "in_proj_qkv.weight",
+                           "in_proj_qkv.weight_scale_inv", "in_proj_z.weight", "in_proj_z.weight_scale_inv"]
+    for part in ("qkv", "z"):
+        codes, scales = got[f"in_proj_{part}.weight"], got[f"in_proj_{part}.weight_scale_inv"]
+        assert codes.dtype == torch.float8_e4m3fn
+        torch.testing.assert_close(dequantize(codes, scales, BLOCK), want[f"in_proj_{part}.weight"], rtol=0, atol=0)
+    for part in ("b", "a"):
+        torch.testing.assert_close(got[f"in_proj_{part}.weight"], want[f"in_proj_{part}.weight"], rtol=0, atol=0)
 
 
 @pytest.mark.gpu

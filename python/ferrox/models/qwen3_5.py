@@ -18,6 +18,12 @@ Qwen3-Next stores the linear attention's input projections fused and interleaved
 (in_proj_qkvz, in_proj_ba); they are cut into Qwen3.5's separate q / k / v / z / b / a rows at load
 (`split_qwen3_next_projections`). Multi-token-prediction tensors (mtp.*) are not loaded (no speculation here).
 
+Block-wise FP8 checkpoints (the FP8 releases: Qwen3.5-397B-A17B-FP8, Qwen3.6-35B-A3B-FP8,
+Qwen3-Next-80B-A3B-Instruct-FP8): the linear attention's in_proj_qkv / in_proj_z / out_proj (Qwen3-Next: the fused
+in_proj_qkvz, whose block scales are cut with its rows, each group component being whole weight blocks), the full
+attention's o_proj, the dense and shared-expert MLPs and the routed experts run FP8; the full attention's q / k / v
+are dequantized at load and in_proj_b / in_proj_a (Qwen3-Next: in_proj_ba) stay float (`check_quantization`).
+
 Tensor parallelism: the full attention's query heads (each with its gate rows) and KV heads shard as Llama's
 (layers/linear.py QKVLinear), the linear attention's by key-head groups (layers/gated_delta_net.py: in_proj_qkv
 is cut into its q, k and v rows at load so that each rank takes its share of each), the experts as models/moe.py
@@ -249,7 +255,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         config = self.spec.hf_config
         key_dim = int(config["linear_num_key_heads"]) * int(config["linear_key_head_dim"])
         value_dim = int(config["linear_num_value_heads"]) * int(config["linear_value_head_dim"])
-        stream = split_qwen3_next_projections(weights, self.spec.hf_config)
+        stream = split_qwen3_next_projections(weights, self.spec.hf_config, self.fp8_block)
         if self.fp8_block is not None:
             stream = dequantized_attention(stream, self.fp8_block)
         for name, tensor in stream:
@@ -323,7 +329,8 @@ def check_quantization(spec: ModelSpec, quant: Any) -> tuple[int, int] | None:
     UnsupportedModelError naming what is not taken. Such a checkpoint's full-attention q / k / v are dequantized
     at load (their rows are reordered for the partial rotary across the 128-row blocks of a 256-dim head, which
     would part rows from their scales; they are a quarter of the layers' attention only), and the q / k / v rows
-    of in_proj_qkv must be cut on block edges."""
+    of in_proj_qkv must be cut on block edges -- Qwen3-Next's in_proj_qkvz each key-head group's q, k, v and z
+    rows, so that its block scales are cut as its rows are (split_qwen3_next_projections)."""
     from ferrox.layers.quant.fp8 import Fp8Config
     from ferrox.layers.quant.fp8_block import Fp8BlockConfig
 
@@ -334,11 +341,16 @@ def check_quantization(spec: ModelSpec, quant: Any) -> tuple[int, int] | None:
                                     "(quant_method 'fp8' with weight_block_size: the FP8 releases) or "
                                     "quantization='fp8' at load")
     config = spec.hf_config
-    if config.get("model_type") == "qwen3_next":
-        raise UnsupportedModelError("quantization 'fp8': Qwen3-Next's block-FP8 checkpoints interleave their "
-                                    "in_proj_qkvz rows by key-head group across the weight blocks; not supported yet "
-                                    "(load the bf16 checkpoint, with quantization='fp8' to quantize it at load)")
     bn = quant.block[0]
+    if config.get("model_type") == "qwen3_next":
+        dk = int(config["linear_key_head_dim"])
+        dv = int(config["linear_num_value_heads"]) // int(config["linear_num_key_heads"]) * int(
+            config["linear_value_head_dim"])
+        if dk % bn or dv % bn:
+            raise UnsupportedModelError(
+                f"quantization_config.weight_block_size {list(quant.block)}: Qwen3-Next's in_proj_qkvz holds, per key "
+                f"head, {dk} q, {dk} k, {dv} v and {dv} z rows, which do not each fall on its {bn}-row weight blocks "
+                "(its block scales could not be cut with the rows)")
     key_dim = int(config["linear_num_key_heads"]) * int(config["linear_key_head_dim"])
     if key_dim % bn:
         raise UnsupportedModelError(f"quantization_config.weight_block_size {list(quant.block)}: in_proj_qkv's q / k "
@@ -373,29 +385,60 @@ def dequantized_attention(weights: Iterable[tuple[str, Any]], block: tuple[int, 
 _ATTENTION_QKV = re.compile(r"\.self_attn\.([qkv])_proj\.(weight|weight_scale_inv)$")
 
 
-def split_qwen3_next_projections(weights: Iterable[tuple[str, Any]],
-                                 config: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+def split_qwen3_next_projections(weights: Iterable[tuple[str, Any]], config: dict[str, Any],
+                                 block: tuple[int, int] | None = None) -> Iterator[tuple[str, Any]]:
     """Qwen3-Next's in_proj_qkvz [Hk x (2 Dk + 2 r Dv), hidden] and in_proj_ba [Hk x 2 r, hidden] (r = Hv / Hk
     value heads per key head, rows grouped by key head: q, k, then its r v heads and r z heads; b's r then a's r)
-    as Qwen3.5's in_proj_qkv (all q, all k, all v), in_proj_z, in_proj_b, in_proj_a. Other tensors pass."""
+    as Qwen3.5's in_proj_qkv (all q, all k, all v), in_proj_z, in_proj_b, in_proj_a. Other tensors pass.
+
+    block: a block-FP8 checkpoint's weight blocks [bn, bk]. in_proj_qkvz's weight_scale_inv (a row per bn weight
+    rows) is cut as its weight is, each group component being whole blocks (check_quantization), into
+    in_proj_qkv's (all q, all k, all v: the layout Qwen3.5's releases store) and in_proj_z's; an FP8 in_proj_ba
+    (with its weight_scale_inv) is dequantized to float32 first, since b / a stay float (layers/gated_delta_net.py).
+    """
+    hk, hv = int(config["linear_num_key_heads"]), int(config["linear_num_value_heads"])
+    dk, dv, r = int(config["linear_key_head_dim"]), int(config["linear_value_head_dim"]), hv // hk
+    bn = block[0] if block is not None else 1
+    held: dict[str, dict[str, Any]] = {}  # in_proj_ba's halves, until its weight can be read as float
     for name, tensor in weights:
-        if not name.endswith((".linear_attn.in_proj_qkvz.weight", ".linear_attn.in_proj_ba.weight")):
+        match = _NEXT_FUSED.search(name)
+        if match is None or (match[2] == "weight_scale_inv" and block is None):
             yield name, tensor
             continue
-        hk, hv = int(config["linear_num_key_heads"]), int(config["linear_num_value_heads"])
-        dk, dv, r = int(config["linear_key_head_dim"]), int(config["linear_value_head_dim"]), hv // hk
-        value = materialize(tensor)
-        base = name.rsplit(".", 2)[0]
-        if name.endswith("qkvz.weight"):
-            groups = value.reshape(hk, 2 * dk + 2 * r * dv, -1)
-            q, k, v, z = groups.split([dk, dk, r * dv, r * dv], dim=1)
-            yield f"{base}.in_proj_qkv.weight", torch.cat([t.reshape(-1, value.shape[-1]) for t in (q, k, v)])
-            yield f"{base}.in_proj_z.weight", z.reshape(-1, value.shape[-1])
-        else:
-            groups = value.reshape(hk, 2 * r, -1)
-            b, a = groups.split([r, r], dim=1)
-            yield f"{base}.in_proj_b.weight", b.reshape(-1, value.shape[-1])
-            yield f"{base}.in_proj_a.weight", a.reshape(-1, value.shape[-1])
+        base, leaf = name[:match.start(1)], match[2]
+        if match[1] == "in_proj_qkvz":
+            unit = 1 if leaf == "weight" else bn  # (scale rows: one per bn weight rows)
+            rows = hk * (2 * dk + 2 * r * dv) // unit
+            if shape_of(tensor)[:1] != (rows,):
+                raise ModelLoadError(f"tensor {name!r}: shape {shape_of(tensor)}, config.json's linear attention has "
+                                     f"{rows} rows ({hk} key-head groups of q, k, v, z)")
+            value = materialize(tensor)
+            groups = value.reshape(hk, rows // hk, -1)
+            q, k, v, z = groups.split([dk // unit, dk // unit, r * dv // unit, r * dv // unit], dim=1)
+            yield f"{base}in_proj_qkv.{leaf}", torch.cat([t.reshape(-1, value.shape[-1]) for t in (q, k, v)])
+            yield f"{base}in_proj_z.{leaf}", z.reshape(-1, value.shape[-1])
+            continue
+        parts = held.setdefault(base, {})
+        parts[leaf] = tensor
+        if "weight" not in parts:
+            continue
+        weight = parts["weight"] = materialize(parts["weight"])
+        if block is not None and weight.dtype == torch.float8_e4m3fn:
+            if "weight_scale_inv" not in parts:
+                continue
+            from ferrox.kernels.fp8_block_gemm import dequantize_fp8_blocks
+
+            weight = dequantize_fp8_blocks(weight, materialize(parts["weight_scale_inv"]).float(), block, torch.float32)
+        del held[base]
+        b, a = weight.reshape(hk, 2 * r, -1).split([r, r], dim=1)
+        yield f"{base}in_proj_b.weight", b.reshape(-1, weight.shape[-1])
+        yield f"{base}in_proj_a.weight", a.reshape(-1, weight.shape[-1])
+    for base, parts in held.items():  # (an FP8 weight without its scales, or scales alone: named by the loader)
+        for leaf, tensor in parts.items():
+            yield f"{base}in_proj_ba.{leaf}", tensor
+
+
+_NEXT_FUSED = re.compile(r"\.linear_attn\.(in_proj_qkvz|in_proj_ba)\.(weight|weight_scale_inv)$")
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
