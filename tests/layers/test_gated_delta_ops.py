@@ -122,6 +122,25 @@ def test_gdn_bfloat16():
         torch.testing.assert_close(pool[row].float(), final, rtol=2e-2, atol=2e-2)
 
 
+def test_gdn_keeps_the_state_after_each_draft():
+    """Speculative verification: requests of 1 + d tokens keep the state after each of their first d tokens in
+    their draft rows (what the reference reaches on that prefix), beside a prefill that keeps none."""
+    lengths, rows, has_state = [3, 20, 4], [1, 2, 3], [True, False, True]
+    draft_rows = torch.tensor([[10, 11, -1], [-1, -1, -1], [12, 13, 14]])
+    q, k, v, g, beta = gdn_inputs(sum(lengths), seed=5)
+    pool = torch.cat([state_pool(), torch.full((8, HV, DK, DV), float("nan"))])
+    before = pool.clone()
+    out = run_gdn(q, k, v, g, beta, pool, rows, lengths, has_state, draft_rows=draft_rows)
+    ref, _ = reference_gdn(q, k, v, g, beta, before, rows, lengths, has_state)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    starts = [0, 3, 23]
+    for i, t, row in [(0, 0, 10), (0, 1, 11), (2, 0, 12), (2, 1, 13), (2, 2, 14)]:
+        sl = slice(starts[i], starts[i] + t + 1)
+        _, prefix = reference_gdn(*(x[sl] for x in (q, k, v, g, beta)), before, [rows[i]], [t + 1], [has_state[i]])
+        torch.testing.assert_close(pool[row], prefix[0], rtol=1e-4, atol=1e-5)
+    assert torch.isnan(pool[15:]).all()  # (rows not named stay as they were)
+
+
 # --- causal conv -------------------------------------------------------------------------------------------
 
 C, W = 12, 4
@@ -197,6 +216,23 @@ def test_conv_decode_only_matches_general_and_transformers():
     hf = causal_conv1d_update(x[:1, :, None], hf_state, weight, bias, activation="silu")
     torch.testing.assert_close(out[:1], hf[:, :, 0], rtol=1e-5, atol=1e-6)
     assert torch.equal(states[3], hf_state[0])
+
+
+def test_conv_keeps_the_state_after_each_draft():
+    """The conv state after each of a verify query's first tokens (including one shorter than the history: the
+    old state shifts partly) equals the state the reference leaves after that prefix."""
+    lengths, rows, has_state = [3, 5, 2], [1, 2, 3], [True, False, True]
+    draft_rows = torch.tensor([[4, 5], [-1, -1], [6, -1]])
+    x, weight, bias, states = conv_inputs(sum(lengths), seed=6)
+    states = torch.cat([states, torch.full((1, C, W - 1), float("nan"))])  # row 8 untouched
+    before = states.clone()
+    run_conv(x, weight, bias, states, rows, lengths, has_state, draft_rows=draft_rows)
+    starts = [0, 3, 8]
+    for i, t, row in [(0, 0, 4), (0, 1, 5), (2, 0, 6)]:
+        _, finals = reference_conv(x[starts[i]:starts[i] + t + 1], weight, bias, before, [rows[i]], [t + 1],
+                                   [has_state[i]])
+        assert torch.equal(states[row], finals[0])
+    assert torch.isnan(states[8]).all()
 
 
 def test_conv_bfloat16():

@@ -118,9 +118,58 @@ def test_multimodal_checkpoint_serves_its_language_model(tmp_path):
     assert_outputs_match_transformers(ref, PROMPTS[:2], chunked_engine_outputs(folder, PROMPTS[:2]))
 
 
+@pytest.fixture(scope="module")
+def repeating(tiny, tmp_path_factory):
+    """The tiny Qwen3.5 with its residual branches scaled by 0.3 and lm_head = the embedding: its greedy answers
+    fall into runs of one token (so n-gram drafts are accepted as well as rejected), while every layer and state
+    still moves its logprobs."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path_factory.mktemp("repeating") / "model"
+    shutil.copytree(tiny["qwen3_5"][0], folder)
+    for path in folder.glob("*.safetensors"):
+        weights = load_file(path)
+        for name in weights:
+            if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+                weights[name] = weights[name] * 0.3
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+        save_file(weights, path, metadata={"format": "pt"})
+    return str(folder)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_speculative_decoding_keeps_the_accepted_drafts_states(repeating, async_scheduling):
+    """n-gram drafts, about half accepted: each verify step keeps the state after every draft (draft rows) and the
+    request goes on from the accepted one's, so the greedy tokens and logprobs are those of the engine without
+    drafts (with state snapshots on a 16-token grid beside them)."""
+    folder = repeating
+    prompts = [[5, 9, 11, 13] * 6, [(7 * i) % 40 + 3 for i in range(37)], [21, 22] * 9]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+
+    def run(**kw):
+        llm = LLM(model=folder, dtype="float32", kv_cache_memory=8 << 20, mamba_block_size=16, **kw)
+        try:
+            outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)]
+            return outs, llm.engine.stats()
+        finally:
+            llm.engine.shutdown()
+
+    plain, _ = run()
+    spec, stats = run(async_scheduling=async_scheduling,
+                      speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
+    for a, b in zip(plain, spec, strict=True):
+        assert list(a.token_ids) == list(b.token_ids)
+        for la, lb, t in zip(a.logprobs, b.logprobs, a.token_ids, strict=True):
+            assert abs(la[t].logprob - lb[t].logprob) < 1e-4
+
+
 @pytest.mark.parametrize("setting, match", [
-    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}},
-     "speculative_config"),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 16, "prompt_lookup_max": 3}},
+     "num_speculative_tokens: at most 15"),
     ({"enable_lora": True}, "enable_lora"),
     ({"mamba_cache_mode": "all"}, "mamba_cache_mode: 'all'"),
     ({"mamba_cache_mode": "align", "enable_prefix_caching": False}, "mamba_cache_mode: 'align'"),

@@ -40,6 +40,9 @@ class AttentionMetadata:
     # Hybrid models (worker/recurrent_states.py): each request's row in the recurrent-state pools, int32
     # [num_reqs] on device. None (profiling, warm-up): every request uses scratch row 0.
     state_rows: torch.Tensor | None = None
+    # ... and with speculative drafts, [num_reqs, K] int64 rows that keep the state after each of a request's first
+    # K tokens (-1: none), so the state after the accepted drafts can be kept (worker/recurrent_states.py)
+    draft_state_rows: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -209,7 +209,9 @@ class EngineCore:
                 logprobs_mode=config.logprobs_mode,
                 custom_logits=(CustomLogitsProcessors(self.custom_logits_classes, config, self.device)
                                if self.custom_logits_classes else None),
-                state_rows=StateRows(loaded.max_num_seqs) if loaded.recurrent else None,
+                state_rows=(StateRows(loaded.max_num_seqs, loaded.state_cache.snapshot_slots,
+                                      self.speculative.num_speculative_tokens if self.speculative else 0)
+                            if loaded.recurrent else None),
             )
         # --enable-prompt-embeds: prompts of embeddings reach the model as rows of one item each, through the
         # images' path (multimodal/prompt_embeds.py), which a text model's runner then needs too.

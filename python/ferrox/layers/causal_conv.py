@@ -40,7 +40,8 @@ def _gather_states(conv_states: torch.Tensor, state_rows: torch.Tensor, has_stat
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          conv_states: torch.Tensor, state_rows: torch.Tensor, query_start_loc: torch.Tensor,
                          query_start_loc_cpu: torch.Tensor, has_state: torch.Tensor,
-                         activation: str | None = "silu", decode_only: bool = False) -> torch.Tensor:
+                         activation: str | None = "silu", decode_only: bool = False,
+                         draft_rows: torch.Tensor | None = None) -> torch.Tensor:
     """y [T, C] in x's dtype for x [T, C] (requests one after another, request i owning
     x[query_start_loc[i]:query_start_loc[i+1]]), weight [C, W], bias [C] or None; conv_states [R, C, W-1]
     is updated in place at state_rows [N]; has_state [N] bool (False: ignore the row's old content).
@@ -48,7 +49,11 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     decode_only: one token per request (T == N), CUDA-graph safe (device ops only, fixed shapes; padding
     requests may repeat a row, whose result is then undefined). query_start_loc_cpu is not read by either
     path: the general one builds its indices on the device too (it is kept for the callers' uniform
-    signature)."""
+    signature).
+
+    draft_rows: [N, K] int64 pool rows, -1 for none (speculative decoding, worker/recurrent_states.py): the state
+    after request i's token t (t < K, inside its query) also goes to row draft_rows[i, t], so the state after
+    however many drafts are accepted can be kept. Not with decode_only."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[0]:
         raise ValueError(f"x {tuple(x.shape)} must be [T, C] and weight {tuple(weight.shape)} [C, W]")
     channels, width = weight.shape
@@ -95,4 +100,11 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     new_pos = (ends + req_ids * hist).unsqueeze(1) + offsets  # [N, W-1]
     new_states = ext.index_select(0, new_pos.reshape(-1)).view(num_reqs, hist, channels).transpose(1, 2)
     conv_states.index_copy_(0, state_rows.long(), new_states.to(conv_states.dtype))
+    if draft_rows is not None:
+        req, t = (draft_rows >= 0).nonzero(as_tuple=True)
+        # The state after token j: the W-1 positions of the extended sequence ending at it.
+        ends_at = token_pos.index_select(0, starts.index_select(0, req) + t)
+        pos = (ends_at - hist + 1).unsqueeze(1) + offsets  # [M, W-1]
+        after = ext.index_select(0, pos.reshape(-1)).view(-1, hist, channels).transpose(1, 2)
+        conv_states.index_copy_(0, draft_rows[req, t], after.to(conv_states.dtype))
     return _activate(y, activation).to(x.dtype)

@@ -116,7 +116,7 @@ def chunked_delta_rule(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 def gated_delta_rule_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            ssm_states: torch.Tensor, state_rows: torch.Tensor, query_start_loc: torch.Tensor,
                            query_start_loc_cpu: torch.Tensor, has_state: torch.Tensor, *,
-                           decode_only: bool = False) -> torch.Tensor:
+                           decode_only: bool = False, draft_rows: torch.Tensor | None = None) -> torch.Tensor:
     """The torch path of gated_delta_rule_varlen (same arguments), on any device."""
     qn, kn = _prepare_qk(q, k, v.shape[1])
     vf, gf, bf = v.float(), g.float(), beta.float()
@@ -142,10 +142,15 @@ def gated_delta_rule_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         req_idx = torch.tensor(reqs, device=q.device)
         first = torch.tensor([bounds[i] for i in reqs], device=q.device)
         state = states.index_select(0, req_idx)
+        drafts = draft_rows.index_select(0, req_idx) if draft_rows is not None else None
         for t in range(n):
             tok = first + t
             o, state = recurrent_step(state, *(x.index_select(0, tok) for x in (qn, kn, vf, gf, bf)))
             out.index_copy_(0, tok, o)
+            if drafts is not None and t < drafts.shape[1]:
+                keep = drafts[:, t] >= 0
+                if bool(keep.any()):
+                    ssm_states.index_copy_(0, drafts[keep, t], state[keep].to(ssm_states.dtype))
         states.index_copy_(0, req_idx, state)
     ssm_states.index_copy_(0, rows, states.to(ssm_states.dtype))
     return out.to(v.dtype)
@@ -195,7 +200,8 @@ def _gated_delta_rule_fla(ops: tuple[Any, Any], q: torch.Tensor, k: torch.Tensor
 def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                             ssm_states: torch.Tensor, state_rows: torch.Tensor, query_start_loc: torch.Tensor,
                             query_start_loc_cpu: torch.Tensor, has_state: torch.Tensor, *,
-                            decode_only: bool = False, fla: bool = False) -> torch.Tensor:
+                            decode_only: bool = False, fla: bool = False,
+                            draft_rows: torch.Tensor | None = None) -> torch.Tensor:
     """o [T, Hv, Dv] in v's dtype for q/k [T, Hk, Dk], v [T, Hv, Dv], g [T, Hv] (log decay, <= 0) and beta
     [T, Hv], requests one after another (request i owns tokens query_start_loc[i]:query_start_loc[i+1]).
     Request i starts from ssm_states[state_rows[i]] ([R, Hv, Dk, Dv] pool) if has_state[i], else from
@@ -203,7 +209,12 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
 
     decode_only: one token per request (T == N); CUDA-graph safe; padding requests may repeat a row
     (its result is then undefined). fla: flash-linear-attention's kernels (CUDA tensors: the Triton op set asks
-    for them, layers/ops.py), the torch path where fla does not import."""
+    for them, layers/ops.py), the torch path where fla does not import.
+
+    draft_rows: [N, K] int64 pool rows, -1 for none (speculative decoding, worker/recurrent_states.py): the state
+    after request i's token t (t < K) also goes to row draft_rows[i, t]. Such requests' queries must be at most
+    RECURRENT_MAX_LEN tokens (the recurrence, which passes through every state); these steps take the torch
+    path."""
     if q.shape != k.shape or q.dim() != 3 or v.dim() != 3 or v.shape[0] != q.shape[0]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} must be [T, Hk, Dk] and v {tuple(v.shape)} "
                          "[T, Hv, Dv]")
@@ -214,10 +225,15 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                          f"{v.shape[2]}]")
     # (fla's kernels are run and tested here at the releases' head dims, 128; heads under 16 dims -- tiny test
     # models -- take the torch path rather than tile shapes fla's kernels were not checked at)
-    if fla and min(q.shape[2], v.shape[2]) >= 16:
+    if draft_rows is not None:
+        lengths = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
+        if bool(((draft_rows >= 0).any(dim=1).cpu() & (lengths > RECURRENT_MAX_LEN)).any()):
+            raise ValueError(f"draft_rows: a request keeping its drafts' states has a query longer than "
+                             f"{RECURRENT_MAX_LEN} tokens")
+    elif fla and min(q.shape[2], v.shape[2]) >= 16:
         ops = _fla_ops()
         if ops is not None:
             return _gated_delta_rule_fla(ops, q, k, v, g, beta, ssm_states, state_rows, query_start_loc,
                                          query_start_loc_cpu, has_state, decode_only)
     return gated_delta_rule_torch(q, k, v, g, beta, ssm_states, state_rows, query_start_loc, query_start_loc_cpu,
-                                  has_state, decode_only=decode_only)
+                                  has_state, decode_only=decode_only, draft_rows=draft_rows)

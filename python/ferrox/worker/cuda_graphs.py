@@ -163,7 +163,8 @@ class CudaGraphRunner:
                            "capturing up to %d instead of %d", self.num_blocks, sizes[-1], sizes[-1], wanted[-1])
         self.batch_sizes = sizes
         self.max_batch = sizes[-1]
-        self.verify_len = verify_len if verify_len > 1 else 0
+        # (a hybrid model verifies drafts eagerly: its layers keep a state per draft, worker/recurrent_states.py)
+        self.verify_len = verify_len if verify_len > 1 and not recurrent_layers(model) else 0
         # Verify batches: the ladder sizes whose dummy step (fresh prompts of verify_len tokens) fits
         # the cache and stays within 8192 tokens (larger verify batches are rare and run eagerly).
         self.verify_sizes = [b for b in sizes if b * self.verify_len <= 8192 and min_prefill_blocks(

@@ -96,6 +96,12 @@ class DraftProposer:
         self.device = device
         self.model = _shared_model(source, spec, dtype, device, load_format, seed, get_tp_group(),
                                    keep_quantized=keep_quantized)
+        from ferrox.worker.recurrent_states import recurrent_layers
+
+        if recurrent_layers(self.model):
+            raise ValueError(f"speculative_config.model: {spec.architecture} keeps recurrent states (a hybrid "
+                             "linear-attention model), which the draft runner does not roll back; draft with an "
+                             "attention-only model")
         self.scratch_per_req = scratch_blocks_per_request(block_size, self.k)
         self.kv_caches = allocate_kv_caches(spec, num_blocks + max_num_seqs * self.scratch_per_req, block_size,
                                             dtype, device)

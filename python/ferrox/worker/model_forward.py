@@ -113,7 +113,7 @@ class ModelForward:
         # requests measures the FP8 KV cache scales (eagerly); the other ranks are told by that step.
         self._kv_scale_calibration: KvScaleCalibration | None = None
         # A hybrid model's layers with recurrent states, whose prefix-cache snapshots a step may copy.
-        self._recurrent_layers = recurrent_layers(model)
+        self.recurrent_layers = recurrent_layers(model)
 
     def arm_kv_scale_calibration(self) -> None:
         """The next step measures the FP8 KV cache scales (attention/kv_scale_calibration.py)."""
@@ -199,7 +199,8 @@ class ModelForward:
             shifted: bool = False, image_rows: StepImages | None = None,
             rope_positions: Callable[[torch.Tensor], torch.Tensor] | None = None,
             state_rows: np.ndarray | None = None,
-            state_copies: dict[str, np.ndarray] | None = None) -> ForwardResult:
+            state_copies: dict[str, np.ndarray] | None = None,
+            draft_state_rows: np.ndarray | None = None) -> ForwardResult:
         """step: a SchedulerOutput or StepArrays. fill_holes(input_ids, hole_positions): the
         driver's filler of placeholder ids (None on the other ranks); it returns each row's shift
         when the step in flight verified drafts (`shifted`; the other ranks read it from `step`).
@@ -208,7 +209,8 @@ class ModelForward:
         multimodal RoPE: worker/mrope.py); [3, T] ones run eagerly too. state_rows: a hybrid model's
         recurrent-state rows of the step's requests (worker/recurrent_states.py; the other ranks read them
         from `step`), and state_copies its prefix-cache snapshots to restore before the layers and save after
-        (StateRows.copies; from `step` likewise)."""
+        (StateRows.copies; from `step` likewise); draft_state_rows: with speculative drafts, where the layers
+        keep each draft's state (StateRows.draft_rows; one rank only)."""
         if self.host_tier is not None:
             self.host_tier.apply(step)  # the core's offloads, then loads (before any layer reads the cache)
         upload = self.upload
@@ -219,10 +221,12 @@ class ModelForward:
             state_rows = getattr(step, "state_rows", None)
         if state_rows is not None:
             meta.state_rows = upload("state_rows", state_rows)
+        if draft_state_rows is not None:
+            meta.draft_state_rows = upload("draft_state_rows", draft_state_rows)
         if state_copies is None:
             state_copies = getattr(step, "state_copies", None)
         if state_copies is not None and state_copies["state_restore_src"].size:
-            copy_state_rows(self._recurrent_layers, upload("state_restore_src", state_copies["state_restore_src"]),
+            copy_state_rows(self.recurrent_layers, upload("state_restore_src", state_copies["state_restore_src"]),
                             upload("state_restore_dst", state_copies["state_restore_dst"]))
         holes = np.flatnonzero(input_ids_np < 0)
         row_shift = None
@@ -261,7 +265,7 @@ class ModelForward:
                 hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
         if state_copies is not None and state_copies["state_save_src"].size:
             # (in stream order after the layers, and before the next step's restores)
-            copy_state_rows(self._recurrent_layers, upload("state_save_src", state_copies["state_save_src"]),
+            copy_state_rows(self.recurrent_layers, upload("state_save_src", state_copies["state_save_src"]),
                             upload("state_save_dst", state_copies["state_save_dst"]))
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
         # Now, not later: a CUDA-graph replay of the next step overwrites `hidden`.

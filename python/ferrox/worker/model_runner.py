@@ -46,7 +46,7 @@ from ferrox.worker.mask_gate import MaskGate, PendingMask
 from ferrox.worker.model_forward import ModelForward, step_arrays
 from ferrox.worker.multimodal import ImageEmbeddings
 from ferrox.worker.rank_images import ImageEventLog, multimodal_rope
-from ferrox.worker.recurrent_states import StateRows
+from ferrox.worker.recurrent_states import StateRows, keep_accepted
 from ferrox.worker.request_state import RequestState
 from ferrox.worker.spec_decode import expand_rows, verify
 from ferrox.worker.step_inputs import Uploader
@@ -117,6 +117,9 @@ class StepHandle:
     # scheduled the next step as if all were accepted, so that step's row is shifted back as much.
     last_tokens: torch.Tensor | None = None
     rejected: torch.Tensor | None = None
+    # A hybrid model's verify step: its state rows and draft rows on the device (worker/recurrent_states.py).
+    state_rows_dev: torch.Tensor | None = None
+    draft_state_rows: torch.Tensor | None = None
     # Sampled behind a mask gate (open_mask_gate): the engine asks it, after finish(), whether the
     # constrained rows really were sampled under their filled mask.
     pending_mask: PendingMask | None = None
@@ -266,6 +269,11 @@ class ModelRunner:
         # LoRA first: under tensor parallelism its slot plan travels with the step (lora/rank_plan.py).
         rows = self.state_rows.for_step(so) if self.state_rows is not None else None
         state_copies = self.state_rows.copies(so, rows) if self.state_rows is not None and rows is not None else None
+        draft_rows = None
+        if rows is not None and self.speculative and self.state_rows is not None:
+            num_drafts = np.asarray(so.num_draft_tokens, dtype=np.int32)
+            if num_drafts.any():
+                draft_rows = self.state_rows.draft_rows(rows, num_drafts)
         lora_plan = (self.lora.prepare_step(np.repeat(self._lora_of_slot[slots], np.asarray(so.num_scheduled_tokens)))
                      if self.lora is not None else None)
         if self.channel is not None:
@@ -308,7 +316,7 @@ class ModelRunner:
         mrope = self.mrope
         result = self.forward.run(so, prompt_rows, fill_holes, shifted=shifted, image_rows=image_rows,
                                   rope_positions=(lambda p: mrope.adjust(so, p)) if mrope is not None else None,
-                                  state_rows=rows, state_copies=state_copies)
+                                  state_rows=rows, state_copies=state_copies, draft_state_rows=draft_rows)
         chunks = self._prompt_logprobs(prompt_jobs, result.prompt_logits)
         sample_mask = np.asarray(so.sample_mask, dtype=np.bool_)
         handle = StepHandle(so, slots, self._upload("slots", slots), self.input_batch.generation[slots],
@@ -317,6 +325,9 @@ class ModelRunner:
             num_drafts = np.asarray(so.num_draft_tokens, dtype=np.int32)
             if num_drafts.any():
                 handle.num_drafts = num_drafts
+            if draft_rows is not None:
+                handle.draft_state_rows = result.meta.draft_state_rows
+                handle.state_rows_dev = result.meta.state_rows
         return handle
 
     @torch.inference_mode()
@@ -390,6 +401,10 @@ class ModelRunner:
                 handle.rejected = expected + 1 - handle.num_sampled_dev.to(torch.int64)
             else:  # verification failed and fell back to one plain token per row
                 handle.rejected = expected
+            if handle.draft_state_rows is not None and handle.state_rows_dev is not None:
+                # A hybrid model goes on from the state after the accepted drafts (worker/recurrent_states.py).
+                keep_accepted(self.forward.recurrent_layers, handle.state_rows_dev.long(), handle.draft_state_rows,
+                              expected, handle.rejected)
         if self.device.type == "cpu":
             handle.host_token_ids = handle.sampled.token_ids
             handle.host_verified, handle.host_num_sampled = handle.verified, handle.num_sampled_dev

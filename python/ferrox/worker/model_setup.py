@@ -207,10 +207,12 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
     recurrent = bool(recurrent_layers(model))
     state_cache = StateCachePlan()
     if recurrent:
-        check_recurrent_config(config)
+        num_drafts = num_speculative_tokens(config)
+        check_recurrent_config(config, num_drafts)
         state_cache = state_cache_plan(config, max_num_seqs, pooling=pooler_config is not None)
         allocate_recurrent_states(model, max_num_seqs, state_cache.snapshot_slots,
-                                  *state_dtypes(config.mamba_cache_dtype, config.mamba_ssm_cache_dtype, dtype), device)
+                                  *state_dtypes(config.mamba_cache_dtype, config.mamba_ssm_cache_dtype, dtype), device,
+                                  num_speculative_tokens=num_drafts)
     if pooler_config is not None:
         # No KV cache (worker/pooling_runner.py): the scheduler counts virtual blocks.
         if config.num_gpu_blocks_override is not None:
@@ -271,6 +273,13 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
 
 def _region(sleep_memory: SleepMemory | None, tag: str) -> Any:
     return contextlib.nullcontext() if sleep_memory is None else sleep_memory.region(tag)
+
+
+def num_speculative_tokens(config: EngineConfig) -> int:
+    from ferrox.speculative_config import parse_speculative_config
+
+    spec_config = parse_speculative_config(config.speculative_config)
+    return spec_config.num_speculative_tokens if spec_config is not None else 0
 
 
 def _draft_kv_cost(config: EngineConfig, dtype: torch.dtype, tp_size: int, max_num_seqs: int) -> tuple[int, int]:

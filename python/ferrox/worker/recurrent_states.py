@@ -14,6 +14,11 @@ of rows, not in KV blocks: row r of every layer's pool belongs to one request wh
   starts from zeros whatever its row holds; one that continues (a later prefill chunk, decode) reads its row.
   The layers decide this on the device from the step's seq_lens and query lengths
   (AttentionMetadata.state_rows), so the rows need no zeroing and CUDA graphs replay it.
+- Speculative decoding: a verify step runs a request's last token and its k drafts, and the state to go on
+  from is the one after the drafts that are accepted, known only after sampling. The pools end with k draft
+  rows per request row (request row r's are fixed, never handed out); the layers also write the state after each
+  of a verify query's first d tokens there (AttentionMetadata.draft_state_rows), and once the drafts are
+  verified the runner copies the accepted one's into the request's row (on the device: `keep_accepted`).
 - Prefix caching (vLLM's mamba_cache_mode "align"): a cached block restores K/V but not the state after it, so
   the pools have max_num_seqs more rows, snapshot slots, after the requests' rows. The core
   (rust/state_snapshots.rs) cuts a prompt's chunks to end on a grid of mamba_block_size tokens, has the state
@@ -99,11 +104,16 @@ def state_cache_plan(config: Any, max_num_seqs: int, *, pooling: bool = False) -
     return StateCachePlan(grid, max_num_seqs)
 
 
-def check_recurrent_config(config: Any) -> None:
+def check_recurrent_config(config: Any, num_speculative_tokens: int = 0) -> None:
     """Refuse by name what these states cannot follow yet."""
-    if config.speculative_config:
-        raise ValueError("speculative_config: a hybrid linear-attention model's recurrent states would take in "
-                         "rejected draft tokens (vLLM keeps a state per draft position; ferrox not yet)")
+    from ferrox.layers.gated_delta_rule import RECURRENT_MAX_LEN
+
+    if num_speculative_tokens and config.tensor_parallel_size > 1:
+        raise ValueError("speculative_config: a hybrid linear-attention model's drafts are verified with a state "
+                         "kept per draft, on one rank only so far (tensor_parallel_size 1)")
+    if num_speculative_tokens >= RECURRENT_MAX_LEN:
+        raise ValueError(f"speculative_config.num_speculative_tokens: at most {RECURRENT_MAX_LEN - 1} on a hybrid "
+                         "linear-attention model (its verify steps run the token-by-token recurrence)")
     if config.kv_offloading_size or config.kv_transfer_config:
         raise ValueError("kv_offloading_size / kv_transfer_config: the host tier restores KV blocks of cached "
                          "prefixes, and a hybrid model's recurrent states cannot be restored from them")
@@ -129,10 +139,11 @@ def bytes_per_row(model: Any, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -
 
 
 def allocate_recurrent_states(model: Any, max_num_seqs: int, snapshot_slots: int, conv_dtype: torch.dtype,
-                              ssm_dtype: torch.dtype, device: torch.device) -> int:
-    """Give every recurrent layer its pools of max_num_seqs + 1 rows (row 0: scratch) and the snapshot slots after
-    them; returns the bytes. Done before the KV cache is sized, so the profiled budget leaves them out."""
-    rows = max_num_seqs + 1 + snapshot_slots
+                              ssm_dtype: torch.dtype, device: torch.device, num_speculative_tokens: int = 0) -> int:
+    """Give every recurrent layer its pools of max_num_seqs + 1 rows (row 0: scratch), the snapshot slots after
+    them, then num_speculative_tokens draft rows per request row; returns the bytes. Done before the KV cache is
+    sized, so the profiled budget leaves them out."""
+    rows = max_num_seqs + 1 + snapshot_slots + max_num_seqs * num_speculative_tokens
     per_row = bytes_per_row(model, conv_dtype, ssm_dtype)
     need = rows * per_row
     if device.type == "cuda":
@@ -157,8 +168,11 @@ class StateRows:
     """Which pool row each running request holds (module docstring). Driven by the step's SchedulerOutput:
     rows of finished and preempted requests go back first, then every scheduled request without one gets one."""
 
-    def __init__(self, max_num_seqs: int) -> None:
+    def __init__(self, max_num_seqs: int, snapshot_slots: int = 0, num_speculative_tokens: int = 0) -> None:
         self.max_num_seqs = max_num_seqs
+        self.num_speculative_tokens = num_speculative_tokens
+        # Request row r's draft rows: draft_base + (r - 1) * k + t (allocate_recurrent_states' layout).
+        self.draft_base = max_num_seqs + 1 + snapshot_slots
         self.reset()
 
     def reset(self) -> None:
@@ -195,7 +209,27 @@ class StateRows:
                 "state_save_dst": base + np.asarray(so.state_save_slots, dtype=np.int64)}
 
 
+    def draft_rows(self, rows: npt.NDArray[np.int32], num_drafts: npt.NDArray[np.int32]) -> npt.NDArray[np.int64]:
+        """[num_reqs, k] the rows keeping the state after each of a verify query's first num_drafts[i] tokens (the
+        last sampled token, then all drafts but the last), -1 past them."""
+        k = self.num_speculative_tokens
+        t = np.arange(k, dtype=np.int64)
+        out = self.draft_base + (rows.astype(np.int64)[:, None] - 1) * k + t
+        return np.where(t < np.asarray(num_drafts)[:, None], out, -1)
+
+
 STATE_COPY_NAMES = ("state_restore_src", "state_restore_dst", "state_save_src", "state_save_dst")
+
+
+def keep_accepted(layers: list[Any], rows: torch.Tensor, draft_rows: torch.Tensor, num_drafts: torch.Tensor,
+                  rejected: torch.Tensor) -> None:
+    """After a verify step (device tensors, [num_reqs] int64 / [num_reqs, k]): a request that rejected some of
+    its drafts goes on from the state after the last accepted token, kept in its draft rows (the layers wrote
+    it); one that accepted all keeps its row, whose state is after every draft. No host sync."""
+    accepted = (num_drafts - rejected).clamp(min=0, max=max(draft_rows.shape[1] - 1, 0))
+    kept = draft_rows.gather(1, accepted.unsqueeze(1)).squeeze(1)
+    src = torch.where(rejected > 0, kept, rows)
+    copy_state_rows(layers, src, rows)
 
 
 def copy_state_rows(layers: list[Any], src: torch.Tensor, dst: torch.Tensor) -> None:
