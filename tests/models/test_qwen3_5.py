@@ -244,6 +244,31 @@ def test_cuda_engine_matches_cpu(tiny, name):
             assert abs(la[t].logprob - lb[t].logprob) < 2e-3
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_speculative_decoding_matches_cpu(repeating):
+    """n-gram drafts on CUDA (async scheduling, eager verify steps keeping each draft's state, decode graphs
+    between them) against the CPU engine without drafts: greedy tokens and logprobs."""
+    prompts = [[5, 9, 11, 13] * 6, [(7 * i) % 40 + 3 for i in range(37)], [21, 22] * 9]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    outs = {}
+    for device, spec in (("cpu", None), ("cuda", {"method": "ngram", "num_speculative_tokens": 3,
+                                                  "prompt_lookup_max": 3})):
+        llm = LLM(model=repeating, dtype="float32", device=device, kv_cache_memory=32 << 20,
+                  speculative_config=spec)
+        try:
+            outs[device] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            if spec:
+                assert llm.engine.stats()["spec_num_accepted_tokens"] > 0
+        finally:
+            llm.engine.shutdown()
+    for cpu, gpu in zip(outs["cpu"], outs["cuda"], strict=True):
+        a, b = cpu.outputs[0], gpu.outputs[0]
+        assert list(a.token_ids) == list(b.token_ids)
+        for la, lb, t in zip(a.logprobs, b.logprobs, a.token_ids, strict=True):
+            assert abs(la[t].logprob - lb[t].logprob) < 2e-3
+
+
 # ---- tensor parallelism ---------------------------------------------------------------------------
 @pytest.mark.slow
 # (Two shapes end to end: the MoE model under expert parallelism runs the attention and linear layers sharded too,
