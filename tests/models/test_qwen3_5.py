@@ -139,29 +139,33 @@ def repeating(tiny, tmp_path_factory):
     return str(folder)
 
 
+SPEC_PROMPTS = [[5, 9, 11, 13] * 6, [(7 * i) % 40 + 3 for i in range(37)], [21, 22] * 9]
+SPEC_PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+
+
+def _spec_outputs(folder: str, **kw):
+    llm = LLM(model=folder, dtype="float32", kv_cache_memory=8 << 20, mamba_block_size=16, **kw)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in SPEC_PROMPTS], SPEC_PARAMS, use_tqdm=False)
+        return [o.outputs[0] for o in outs], llm.engine.stats()
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def plain_repeating(repeating):
+    return _spec_outputs(repeating)[0]
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_speculative_decoding_keeps_the_accepted_drafts_states(repeating, async_scheduling):
+def test_speculative_decoding_keeps_the_accepted_drafts_states(repeating, plain_repeating, async_scheduling):
     """n-gram drafts, about half accepted: each verify step keeps the state after every draft (draft rows) and the
     request goes on from the accepted one's, so the greedy tokens and logprobs are those of the engine without
     drafts (with state snapshots on a 16-token grid beside them)."""
-    folder = repeating
-    prompts = [[5, 9, 11, 13] * 6, [(7 * i) % 40 + 3 for i in range(37)], [21, 22] * 9]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
-
-    def run(**kw):
-        llm = LLM(model=folder, dtype="float32", kv_cache_memory=8 << 20, mamba_block_size=16, **kw)
-        try:
-            outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                         use_tqdm=False)]
-            return outs, llm.engine.stats()
-        finally:
-            llm.engine.shutdown()
-
-    plain, _ = run()
-    spec, stats = run(async_scheduling=async_scheduling,
-                      speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    spec, stats = _spec_outputs(repeating, async_scheduling=async_scheduling, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
-    for a, b in zip(plain, spec, strict=True):
+    for a, b in zip(plain_repeating, spec, strict=True):
         assert list(a.token_ids) == list(b.token_ids)
         for la, lb, t in zip(a.logprobs, b.logprobs, a.token_ids, strict=True):
             assert abs(la[t].logprob - lb[t].logprob) < 1e-4
@@ -249,15 +253,13 @@ def test_cuda_engine_matches_cpu(tiny, name):
 def test_cuda_speculative_decoding_matches_cpu(repeating):
     """n-gram drafts on CUDA (async scheduling, eager verify steps keeping each draft's state, decode graphs
     between them) against the CPU engine without drafts: greedy tokens and logprobs."""
-    prompts = [[5, 9, 11, 13] * 6, [(7 * i) % 40 + 3 for i in range(37)], [21, 22] * 9]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
     outs = {}
     for device, spec in (("cpu", None), ("cuda", {"method": "ngram", "num_speculative_tokens": 3,
                                                   "prompt_lookup_max": 3})):
         llm = LLM(model=repeating, dtype="float32", device=device, kv_cache_memory=32 << 20,
                   speculative_config=spec)
         try:
-            outs[device] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            outs[device] = llm.generate([{"prompt_token_ids": p} for p in SPEC_PROMPTS], SPEC_PARAMS, use_tqdm=False)
             if spec:
                 assert llm.engine.stats()["spec_num_accepted_tokens"] > 0
         finally:
