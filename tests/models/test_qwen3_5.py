@@ -64,25 +64,28 @@ def test_engine_chunked_prefill_matches_transformers(tiny, name):
 
 
 def test_engine_preemption_recomputes_the_states(tiny):
-    """A KV cache of 12 blocks for 6 requests of 40-70 tokens: requests are preempted and recomputed from their
-    first token (fresh state rows); every output equals the one computed with room to spare, no block leaks."""
+    """A KV cache of 12 blocks for 6 requests of 40-70 tokens: requests are preempted and recomputed (fresh state
+    rows, from their first token or a state snapshot), with n-gram drafts verified beside them; every output equals
+    the one computed with room to spare and no drafts, no block leaks."""
     folder, model, _ = tiny["qwen3_5"]
     prompts = [[(5 * i + 11 * j) % 300 + 3 for j in range(40 + 6 * i)] for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     per_block = kv_cache_bytes_per_block(model.spec, 16, torch.float32)
 
-    def run(blocks: int) -> tuple[list[list[int]], LLM]:
+    def run(blocks: int, **kw) -> tuple[list[list[int]], LLM]:
         llm = LLM(model=folder, dtype="float32", max_num_batched_tokens=64, max_num_seqs=6, max_model_len=128,
-                  kv_cache_memory=per_block * blocks)
+                  kv_cache_memory=per_block * blocks, **kw)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs], llm
 
     roomy, llm = run(64)
     llm.engine.shutdown()
-    tight, llm = run(12)
+    tight, llm = run(12, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2,
+                                              "prompt_lookup_min": 1})
     try:
         assert tight == roomy
         assert llm.engine.stats()["num_preemptions"] > 0
+        assert llm.engine.stats()["spec_num_drafts"] > 0
         stats = llm.engine.stats()
         assert stats["num_free_blocks"] == stats["num_total_blocks"] - 1  # (no block leaked)
         # (the next step's schedule reports them finished: their rows come back; the new request holds one)
