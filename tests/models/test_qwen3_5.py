@@ -286,12 +286,17 @@ def test_tensor_parallel_matches_transformers(tiny, name, expert_parallel):
     whole experts) and of the shared expert's; the chunked engine's tokens and logprobs as transformers'. The last
     prompt comes again: it resumes from a state snapshot (16-token grid) that every rank saved, and restores."""
     folder, _, ref = tiny[name]
+    # (Qwen3-Next also verifies n-gram drafts: every rank keeps the accepted draft's state with the driver's counts)
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
     llm = LLM(model=folder, dtype="float32", kv_cache_memory=8 << 20, max_num_batched_tokens=16, max_num_seqs=4,
-              tensor_parallel_size=2, enable_expert_parallel=expert_parallel, mamba_block_size=16)
+              tensor_parallel_size=2, enable_expert_parallel=expert_parallel, mamba_block_size=16,
+              speculative_config=spec if name == "qwen3_next" else None)
     try:
         params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         outs += llm.generate([{"prompt_token_ids": PROMPTS[2]}], params, use_tqdm=False)
+        if name == "qwen3_next":
+            assert llm.engine.stats()["spec_num_drafts"] > 0
     finally:
         llm.engine.shutdown()
     assert outs[-1].num_cached_tokens == 64

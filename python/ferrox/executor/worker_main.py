@@ -33,6 +33,7 @@ from ferrox.speculative_config import verify_len
 from ferrox.worker.model_forward import ModelForward, StepArrays
 from ferrox.worker.model_setup import load_everything
 from ferrox.worker.rank_images import RankImages
+from ferrox.worker.recurrent_states import keep_accepted
 from ferrox.worker.sleep_control import reload_into, tags_of
 from ferrox.worker.sleep_memory import SleepMemory
 from ferrox.worker.step_inputs import Uploader
@@ -103,10 +104,17 @@ def _step_loop(forward: ModelForward, channel: StepChannel, sleep_memory: SleepM
         if loras is not None:
             loras.follow(plan_from_arrays(arrays))
         if images is None:
-            forward.run(step, step.prompt_rows)
+            result = forward.run(step, step.prompt_rows)
         else:
             image_rows, rope_positions = images.step_inputs(arrays, step)
-            forward.run(step, step.prompt_rows, image_rows=image_rows, rope_positions=rope_positions)
+            result = forward.run(step, step.prompt_rows, image_rows=image_rows, rope_positions=rope_positions)
+        if result.meta.draft_state_rows is not None and result.meta.state_rows is not None:
+            # A hybrid model's verify step: the driver broadcasts how many drafts each request kept once it has
+            # sampled (worker/model_runner.py sample); every rank keeps that draft's state.
+            accepted = torch.empty(result.meta.num_reqs, dtype=torch.int64, device=forward.device)
+            forward.tp.broadcast(accepted)
+            keep_accepted(forward.recurrent_layers, result.meta.state_rows.long(), result.meta.draft_state_rows,
+                          accepted)
         if cuda:
             event = torch.cuda.Event()
             event.record()

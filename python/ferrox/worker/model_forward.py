@@ -67,6 +67,7 @@ class StepArrays:
         self.state_rows: np.ndarray | None = arrays.get("state_rows")  # (hybrid models: worker/recurrent_states.py)
         self.state_copies = ({name: arrays[name] for name in STATE_COPY_NAMES} if STATE_COPY_NAMES[0] in arrays
                              else None)
+        self.draft_state_rows: np.ndarray | None = arrays.get("draft_state_rows")
         self.num_tokens = int(self.input_ids.shape[0])
         self.shifted = bool(arrays.get("shifted", np.zeros(1, dtype=np.bool_))[0])
         self.calibrate_kv_scales = "calibrate_kv_scales" in arrays
@@ -210,7 +211,7 @@ class ModelForward:
         recurrent-state rows of the step's requests (worker/recurrent_states.py; the other ranks read them
         from `step`), and state_copies its prefix-cache snapshots to restore before the layers and save after
         (StateRows.copies; from `step` likewise); draft_state_rows: with speculative drafts, where the layers
-        keep each draft's state (StateRows.draft_rows; one rank only)."""
+        keep each draft's state (StateRows.draft_rows; from `step` likewise)."""
         if self.host_tier is not None:
             self.host_tier.apply(step)  # the core's offloads, then loads (before any layer reads the cache)
         upload = self.upload
@@ -221,6 +222,8 @@ class ModelForward:
             state_rows = getattr(step, "state_rows", None)
         if state_rows is not None:
             meta.state_rows = upload("state_rows", state_rows)
+        if draft_state_rows is None:
+            draft_state_rows = getattr(step, "draft_state_rows", None)
         if draft_state_rows is not None:
             meta.draft_state_rows = upload("draft_state_rows", draft_state_rows)
         if state_copies is None:

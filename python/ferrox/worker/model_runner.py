@@ -288,6 +288,8 @@ class ModelRunner:
                 arrays["state_rows"] = rows
             if state_copies is not None:
                 arrays.update(state_copies)
+            if draft_rows is not None:
+                arrays["draft_state_rows"] = draft_rows
             self.channel.send(STEP, arrays)
 
         def fill_holes(input_ids: torch.Tensor, holes: np.ndarray) -> torch.Tensor | None:
@@ -402,9 +404,12 @@ class ModelRunner:
             else:  # verification failed and fell back to one plain token per row
                 handle.rejected = expected
             if handle.draft_state_rows is not None and handle.state_rows_dev is not None:
-                # A hybrid model goes on from the state after the accepted drafts (worker/recurrent_states.py).
+                # A hybrid model goes on from the state after the accepted drafts (worker/recurrent_states.py);
+                # the other ranks wait for the counts right after this step's forward (executor/worker_main.py).
+                accepted = expected - handle.rejected
+                self.forward.tp.broadcast(accepted)
                 keep_accepted(self.forward.recurrent_layers, handle.state_rows_dev.long(), handle.draft_state_rows,
-                              expected, handle.rejected)
+                              accepted)
         if self.device.type == "cpu":
             handle.host_token_ids = handle.sampled.token_ids
             handle.host_verified, handle.host_num_sampled = handle.verified, handle.num_sampled_dev

@@ -18,7 +18,8 @@ of rows, not in KV blocks: row r of every layer's pool belongs to one request wh
   from is the one after the drafts that are accepted, known only after sampling. The pools end with k draft
   rows per request row (request row r's are fixed, never handed out); the layers also write the state after each
   of a verify query's first d tokens there (AttentionMetadata.draft_state_rows), and once the drafts are
-  verified the runner copies the accepted one's into the request's row (on the device: `keep_accepted`).
+  verified the runner copies the accepted one's into the request's row (on the device: `keep_accepted`; the
+  other ranks under tensor parallelism with the driver's accepted counts, broadcast).
 - Prefix caching (vLLM's mamba_cache_mode "align"): a cached block restores K/V but not the state after it, so
   the pools have max_num_seqs more rows, snapshot slots, after the requests' rows. The core
   (rust/state_snapshots.rs) cuts a prompt's chunks to end on a grid of mamba_block_size tokens, has the state
@@ -108,9 +109,6 @@ def check_recurrent_config(config: Any, num_speculative_tokens: int = 0) -> None
     """Refuse by name what these states cannot follow yet."""
     from ferrox.layers.gated_delta_rule import RECURRENT_MAX_LEN
 
-    if num_speculative_tokens and config.tensor_parallel_size > 1:
-        raise ValueError("speculative_config: a hybrid linear-attention model's drafts are verified with a state "
-                         "kept per draft, on one rank only so far (tensor_parallel_size 1)")
     if num_speculative_tokens >= RECURRENT_MAX_LEN:
         raise ValueError(f"speculative_config.num_speculative_tokens: at most {RECURRENT_MAX_LEN - 1} on a hybrid "
                          "linear-attention model (its verify steps run the token-by-token recurrence)")
@@ -221,14 +219,14 @@ class StateRows:
 STATE_COPY_NAMES = ("state_restore_src", "state_restore_dst", "state_save_src", "state_save_dst")
 
 
-def keep_accepted(layers: list[Any], rows: torch.Tensor, draft_rows: torch.Tensor, num_drafts: torch.Tensor,
-                  rejected: torch.Tensor) -> None:
-    """After a verify step (device tensors, [num_reqs] int64 / [num_reqs, k]): a request that rejected some of
-    its drafts goes on from the state after the last accepted token, kept in its draft rows (the layers wrote
-    it); one that accepted all keeps its row, whose state is after every draft. No host sync."""
-    accepted = (num_drafts - rejected).clamp(min=0, max=max(draft_rows.shape[1] - 1, 0))
-    kept = draft_rows.gather(1, accepted.unsqueeze(1)).squeeze(1)
-    src = torch.where(rejected > 0, kept, rows)
+def keep_accepted(layers: list[Any], rows: torch.Tensor, draft_rows: torch.Tensor, accepted: torch.Tensor) -> None:
+    """After a verify step (device tensors: rows and accepted [num_reqs] int64, draft_rows [num_reqs, k]): a
+    request that rejected some of its drafts goes on from the state after its last accepted token, kept in its
+    draft rows (the layers wrote it); one that accepted all keeps its row, whose state is after every draft.
+    No host sync. Under tensor parallelism every rank runs it with the driver's `accepted` (broadcast)."""
+    num_drafts = (draft_rows >= 0).sum(dim=1)
+    kept = draft_rows.gather(1, accepted.clamp(min=0, max=max(draft_rows.shape[1] - 1, 0)).unsqueeze(1)).squeeze(1)
+    src = torch.where(accepted < num_drafts, kept, rows)
     copy_state_rows(layers, src, rows)
 
 
