@@ -37,6 +37,15 @@ FAMILIES = {"qwen3_5": (tiny_qwen3_5.make_tiny_qwen3_5, "Qwen3_5ForCausalLM"),
             "qwen3_next": (tiny_qwen3_5.make_tiny_qwen3_next, "Qwen3NextForCausalLM")}
 
 
+def assert_same_answers(expected, got, tol: float) -> None:
+    """Each completion's greedy tokens equal, and each sampled token's logprob (logprobs=0) within tol."""
+    for a, b in zip(expected, got, strict=True):
+        a, b = getattr(a, "outputs", [a])[0], getattr(b, "outputs", [b])[0]
+        assert list(a.token_ids) == list(b.token_ids)
+        for la, lb, t in zip(a.logprobs, b.logprobs, a.token_ids, strict=True):
+            assert abs(la[t].logprob - lb[t].logprob) < tol
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """name -> (folder, ferrox model, transformers model), float32 on the CPU."""
@@ -168,10 +177,7 @@ def test_speculative_decoding_keeps_the_accepted_drafts_states(repeating, plain_
     spec, stats = _spec_outputs(repeating, async_scheduling=async_scheduling, speculative_config={
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
-    for a, b in zip(plain_repeating, spec, strict=True):
-        assert list(a.token_ids) == list(b.token_ids)
-        for la, lb, t in zip(a.logprobs, b.logprobs, a.token_ids, strict=True):
-            assert abs(la[t].logprob - lb[t].logprob) < 1e-4
+    assert_same_answers(plain_repeating, spec, 1e-4)
 
 
 @pytest.mark.parametrize("setting, match", [
@@ -215,10 +221,7 @@ def test_prefix_caching_resumes_from_state_snapshots(tiny):
     assert restored == 2 and saved >= 3
     # (turn 2 resumes at 80 of 87 tokens, the repeat at 64 of 70)
     assert stats["prefix_cache_hits"] == 80 + 64
-    for a, b in zip(cached, fresh, strict=True):
-        assert list(a.token_ids) == list(b.token_ids)
-        for la, lb, t in zip(a.logprobs, b.logprobs, a.token_ids, strict=True):
-            assert abs(la[t].logprob - lb[t].logprob) < 1e-4
+    assert_same_answers(cached, fresh, 1e-4)
 
 
 # ---- GPU ------------------------------------------------------------------------------------------
@@ -244,11 +247,7 @@ def test_cuda_engine_matches_cpu(tiny, name):
             assert llm.engine.scheduler.state_snapshot_counts[0] >= 8  # (restored: the second turns resumed)
         finally:
             llm.engine.shutdown()
-    for cpu, gpu in zip(outs["cpu"], outs["cuda"], strict=True):
-        a, b = cpu.outputs[0], gpu.outputs[0]
-        assert list(a.token_ids) == list(b.token_ids)
-        for la, lb, t in zip(a.logprobs, b.logprobs, a.token_ids, strict=True):
-            assert abs(la[t].logprob - lb[t].logprob) < 2e-3
+    assert_same_answers(outs["cpu"], outs["cuda"], 2e-3)
 
 
 @pytest.mark.gpu
@@ -267,11 +266,7 @@ def test_cuda_speculative_decoding_matches_cpu(repeating):
                 assert llm.engine.stats()["spec_num_accepted_tokens"] > 0
         finally:
             llm.engine.shutdown()
-    for cpu, gpu in zip(outs["cpu"], outs["cuda"], strict=True):
-        a, b = cpu.outputs[0], gpu.outputs[0]
-        assert list(a.token_ids) == list(b.token_ids)
-        for la, lb, t in zip(a.logprobs, b.logprobs, a.token_ids, strict=True):
-            assert abs(la[t].logprob - lb[t].logprob) < 2e-3
+    assert_same_answers(outs["cpu"], outs["cuda"], 2e-3)
 
 
 # ---- tensor parallelism ---------------------------------------------------------------------------
