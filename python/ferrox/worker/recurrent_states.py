@@ -147,18 +147,20 @@ def allocate_recurrent_states(model: Any, max_num_seqs: int, snapshot_slots: int
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         if need > free:
-            snapshots = f" and {snapshot_slots} prefix-cache snapshots" if snapshot_slots else ""
-            raise ValueError(f"max_num_seqs: {max_num_seqs} requests' recurrent states{snapshots} take "
+            extra = (f" and {snapshot_slots} prefix-cache snapshots" if snapshot_slots else "") + (
+                f" and {num_speculative_tokens} draft states each" if num_speculative_tokens else "")
+            raise ValueError(f"max_num_seqs: {max_num_seqs} requests' recurrent states{extra} take "
                              f"{need / 2**30:.2f} GiB ({per_row / 2**20:.1f} MiB each) and the GPU has "
                              f"{free / 2**30:.2f} GiB free; lower --max-num-seqs (or the state dtypes: "
-                             "--mamba-ssm-cache-dtype; or --mamba-cache-mode none)")
+                             "--mamba-ssm-cache-dtype; or --mamba-cache-mode none, fewer speculative tokens)")
     for layer in recurrent_layers(model):
         conv, ssm = layer.state_shapes()
         layer.bind_states(torch.zeros((rows, *conv), dtype=conv_dtype, device=device),
                           torch.zeros((rows, *ssm), dtype=ssm_dtype, device=device))
-    logger.info("recurrent states: %d rows of %.2f MiB (%s conv, %s delta rule; %d of them prefix-cache snapshots), "
-                "%.2f GiB", rows, per_row / 2**20, str(conv_dtype).removeprefix("torch."),
-                str(ssm_dtype).removeprefix("torch."), snapshot_slots, need / 2**30)
+    logger.info("recurrent states: %d rows of %.2f MiB (%s conv, %s delta rule; %d of them prefix-cache snapshots, "
+                "%d draft states), %.2f GiB", rows, per_row / 2**20, str(conv_dtype).removeprefix("torch."),
+                str(ssm_dtype).removeprefix("torch."), snapshot_slots, max_num_seqs * num_speculative_tokens,
+                need / 2**30)
     return need
 
 
