@@ -81,9 +81,9 @@ pub struct SchedulerConfig {
     /// vLLM's max_num_partial_prefills / max_long_partial_prefills (partial_prefills.rs); their
     /// long_threshold is `long_prefill_token_threshold`. Off (1) by default.
     pub partial_prefills: PartialPrefillLimits,
-    /// A hybrid model's per-request recurrent states (state_snapshots.rs): `Some(grid)` where
-    /// prefix caching keeps snapshots every `grid` tokens (vLLM's mamba_block_size; 0: no
-    /// snapshots, the prefix cache is off), None for models without recurrent states.
+    /// A hybrid model's per-request recurrent states (state_snapshots.rs): Some for such a model
+    /// (with prefix caching, its snapshot grid -- vLLM's mamba_block_size -- and slots; without,
+    /// both 0), None for models without recurrent states.
     pub recurrent: Option<RecurrentStates>,
 }
 
