@@ -101,10 +101,13 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     new_states = ext.index_select(0, new_pos.reshape(-1)).view(num_reqs, hist, channels).transpose(1, 2)
     conv_states.index_copy_(0, state_rows.long(), new_states.to(conv_states.dtype))
     if draft_rows is not None:
-        req, t = (draft_rows >= 0).nonzero(as_tuple=True)
+        # Every (request, t) pair, on the device (no host sync): a pair without a draft row (-1) writes scratch
+        # row 0, which no request reads, from a token index kept in range.
+        k = draft_rows.shape[1]
+        req = req_ids.repeat_interleave(k)
+        tok = (starts.index_select(0, req) + torch.arange(k, device=device).repeat(num_reqs)).clamp(max=num_tokens - 1)
         # The state after token j: the W-1 positions of the extended sequence ending at it.
-        ends_at = token_pos.index_select(0, starts.index_select(0, req) + t)
-        pos = (ends_at - hist + 1).unsqueeze(1) + offsets  # [M, W-1]
+        pos = (token_pos.index_select(0, tok) - hist + 1).unsqueeze(1) + offsets  # [N * K, W-1]
         after = ext.index_select(0, pos.reshape(-1)).view(-1, hist, channels).transpose(1, 2)
-        conv_states.index_copy_(0, draft_rows[req, t], after.to(conv_states.dtype))
+        conv_states.index_copy_(0, draft_rows.reshape(-1).clamp(min=0), after.to(conv_states.dtype))
     return _activate(y, activation).to(x.dtype)

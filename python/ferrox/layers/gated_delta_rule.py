@@ -148,9 +148,8 @@ def gated_delta_rule_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
             o, state = recurrent_step(state, *(x.index_select(0, tok) for x in (qn, kn, vf, gf, bf)))
             out.index_copy_(0, tok, o)
             if drafts is not None and t < drafts.shape[1]:
-                keep = drafts[:, t] >= 0
-                if bool(keep.any()):
-                    ssm_states.index_copy_(0, drafts[keep, t], state[keep].to(ssm_states.dtype))
+                # (-1, no draft here: written to scratch row 0 instead, which no request reads -- no host sync)
+                ssm_states.index_copy_(0, drafts[:, t].clamp(min=0), state.to(ssm_states.dtype))
         states.index_copy_(0, req_idx, state)
     ssm_states.index_copy_(0, rows, states.to(ssm_states.dtype))
     return out.to(v.dtype)
@@ -212,9 +211,8 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     for them, layers/ops.py), the torch path where fla does not import.
 
     draft_rows: [N, K] int64 pool rows, -1 for none (speculative decoding, worker/recurrent_states.py): the state
-    after request i's token t (t < K) also goes to row draft_rows[i, t]. Such requests' queries must be at most
-    RECURRENT_MAX_LEN tokens (the recurrence, which passes through every state); these steps take the torch
-    path."""
+    after request i's token t (t < K) also goes to row draft_rows[i, t]. K < RECURRENT_MAX_LEN, so a verify query
+    (1 + its drafts) runs the recurrence, which passes through every state; these steps take the torch path."""
     if q.shape != k.shape or q.dim() != 3 or v.dim() != 3 or v.shape[0] != q.shape[0]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} must be [T, Hk, Dk] and v {tuple(v.shape)} "
                          "[T, Hv, Dv]")
@@ -226,10 +224,9 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     # (fla's kernels are run and tested here at the releases' head dims, 128; heads under 16 dims -- tiny test
     # models -- take the torch path rather than tile shapes fla's kernels were not checked at)
     if draft_rows is not None:
-        lengths = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
-        if bool(((draft_rows >= 0).any(dim=1).cpu() & (lengths > RECURRENT_MAX_LEN)).any()):
-            raise ValueError(f"draft_rows: a request keeping its drafts' states has a query longer than "
-                             f"{RECURRENT_MAX_LEN} tokens")
+        if draft_rows.shape[1] >= RECURRENT_MAX_LEN:
+            raise ValueError(f"draft_rows: {draft_rows.shape[1]} drafts per request; a verify query of 1 + that many "
+                             f"tokens must be at most {RECURRENT_MAX_LEN} (the recurrence)")
     elif fla and min(q.shape[2], v.shape[2]) >= 16:
         ops = _fla_ops()
         if ops is not None:
