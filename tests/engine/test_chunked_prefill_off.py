@@ -31,7 +31,7 @@ def test_whole_prompts_in_one_step(llm):
     whole = LLM(dtype="float32", kv_cache_memory=TEST_KV_CACHE_MEMORY, max_model_len=3000, max_num_seqs=32,
                 enable_chunked_prefill=False)
     assert whole.engine.config.enable_chunked_prefill is False
-    prompt = [(i * 37) % 40000 + 100 for i in range(2100)]  # just over the CPU default budget (2048)
+    prompt = [(i * 37) % 40000 + 100 for i in range(2500)]  # over the CPU default budget (2048)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     chunked_steps, chunked_ids = steps_to_finish(llm, prompt, params)
     whole_steps, whole_ids = steps_to_finish(whole, prompt, params)
