@@ -3,6 +3,7 @@
     LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4,
                             "prompt_lookup_max": 4, "prompt_lookup_min": 1})
     LLM(speculative_config={"method": "draft_model", "model": "/path/to/small", "num_speculative_tokens": 4})
+    LLM(speculative_config={"method": "mtp", "num_speculative_tokens": 2})     (the checkpoint's own MTP layer)
     ferrox serve --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
     ferrox serve --spec-method ngram --spec-tokens 4      (vLLM's shorthands for those keys)
 
@@ -16,7 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "mtp")
+# vLLM's older per-family names of "mtp" for the families ferrox drafts with their MTP layer.
+MTP_ALIASES = ("qwen3_next_mtp", "qwen3_5_mtp")
 # The core's defaults (rust/ngram.rs), stated once here for the config's own checks.
 DEFAULT_PROMPT_LOOKUP_MIN = 1
 DEFAULT_PROMPT_LOOKUP_MAX = 5
@@ -31,7 +34,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
-    model: str | None = None  # the draft model (method "draft_model")
+    model: str | None = None  # the draft model (method "draft_model"; "mtp": the target's own path, or None)
 
 
 def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
@@ -50,6 +53,8 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
     model = value.get("model")
     # vLLM infers the method from the model when it is left out ("ngram" was once spelled as a model).
     method = value.get("method") or ("ngram" if model in (None, "ngram", "[ngram]") else "draft_model")
+    if method in MTP_ALIASES:
+        method = "mtp"
     if method not in METHODS:
         raise ValueError(f"speculative_config.method: {method!r} is not one of {', '.join(METHODS)}")
     if model in ("ngram", "[ngram]"):
@@ -67,7 +72,10 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
     if method == "draft_model":
         if not isinstance(model, str) or not model:
             raise ValueError("speculative_config.model: method 'draft_model' needs the draft model's path")
-    elif model is not None:
+    if method == "mtp" and {"prompt_lookup_min", "prompt_lookup_max"} & set(value):
+        raise ValueError("speculative_config.prompt_lookup_min / prompt_lookup_max: n-gram settings; method 'mtp' "
+                         "drafts with the checkpoint's MTP layer")
+    elif model is not None and method == "ngram":
         raise ValueError(f"speculative_config.model: method 'ngram' takes no model (got {model!r})")
     return SpeculativeConfig(method, k, lo, hi, model)
 

@@ -51,6 +51,7 @@ from ferrox.errors import InvalidArgumentError
 from ferrox.executor import Executor, start_tensor_parallel
 from ferrox.executor.launch import rank_config
 from ferrox.kv_events_config import parse_kv_events_config
+from ferrox.loader.source import resolve_model
 from ferrox.logits_processor import load_logits_processors
 from ferrox.lora.manager import token_capacity
 from ferrox.multimodal import prompt_embeds
@@ -72,6 +73,7 @@ from ferrox.worker.draft_model import DraftProposer
 from ferrox.worker.host_kv_tier import HostKvTier, configured_slots
 from ferrox.worker.model_runner import ModelRunner, ModelRunnerOutput, StepHandle
 from ferrox.worker.model_setup import LoadedModel, load_everything
+from ferrox.worker.mtp_proposer import MtpProposer, load_predictor
 from ferrox.worker.multimodal import ImageEmbeddings, check_items
 from ferrox.worker.pooling_runner import PoolingRunner
 from ferrox.worker.recurrent_states import StateRows
@@ -225,7 +227,9 @@ class EngineCore:
         # Which CUDA graphs to capture (ferrox/compilation_config.py), for the target and a draft model alike.
         plan = config.graph_plan(log=self.device.type == "cuda")
         # Draft-model speculation: the draft model and its twin KV cache (worker/draft_model.py).
-        self.drafter: DraftProposer | None = None
+        self.drafter: DraftProposer | MtpProposer | None = None
+        if self.speculative is not None and self.speculative.method == "mtp":
+            self.drafter = self._mtp_proposer(config, loaded)
         if self.speculative is not None and self.speculative.method == "draft_model":
             assert self.speculative.model is not None
             self.drafter = DraftProposer(
@@ -494,6 +498,20 @@ class EngineCore:
         self._forget(result.req_ids, outs.slots)
         return result
 
+    def _mtp_proposer(self, config: EngineConfig, loaded: Any) -> MtpProposer:
+        """MTP speculation (worker/mtp_proposer.py): the checkpoint's MTP layer and its twin KV cache; the runner
+        keeps each step's hidden states for it."""
+        assert self.speculative is not None and isinstance(self.runner, ModelRunner)
+        if self.speculative.model is not None and resolve_model(self.speculative.model).path != loaded.source.path:
+            raise ValueError(f"speculative_config.model: method 'mtp' drafts with the served model's own MTP layer; "
+                             f"{self.speculative.model!r} is another model (leave model out)")
+        predictor = load_predictor(loaded.model, loaded.source, config.load_format, config.seed, loaded.quant_config)
+        self.runner.keep_hidden = True
+        return MtpProposer(predictor, num_speculative_tokens=self.speculative.num_speculative_tokens,
+                           num_blocks=loaded.num_blocks, block_size=config.block_size,
+                           max_num_seqs=loaded.max_num_seqs, max_model_len=self.max_model_len, dtype=loaded.dtype,
+                           device=self.device)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -631,7 +649,7 @@ class EngineCore:
         if self.kv_events is not None:
             self._publish_kv_events()
         if self.drafter is not None:
-            self.drafter.record(handle.so, outs)
+            self.drafter.record(handle, outs)
         self._pending_prompt_logprobs.update(result.prompt_logprobs)
         step = self._result_of(outs)
         if result.pooled:
@@ -916,12 +934,12 @@ def _check_speculative(config: EngineConfig) -> SpeculativeConfig | None:
     spec = parse_speculative_config(config.speculative_config)
     if spec is None:
         return None
-    if config.async_scheduling and spec.method == "draft_model":
-        raise ValueError("async_scheduling: not supported with speculative_config method 'draft_model' (the draft "
-                         "model proposes from the verified tokens, so it runs synchronous steps; leave "
+    if config.async_scheduling and spec.method in ("draft_model", "mtp"):
+        raise ValueError(f"async_scheduling: not supported with speculative_config method '{spec.method}' (its "
+                         "drafts come from the verified tokens, so it runs synchronous steps; leave "
                          "async_scheduling unset, or use method 'ngram', which overlaps)")
-    if spec.method == "draft_model" and config.tensor_parallel_size > 1:
-        raise ValueError("speculative_config: method 'draft_model' runs with tensor_parallel_size 1 only in this "
+    if spec.method in ("draft_model", "mtp") and config.tensor_parallel_size > 1:
+        raise ValueError(f"speculative_config: method '{spec.method}' runs with tensor_parallel_size 1 only in this "
                          "version ('ngram' works with tensor parallelism)")
     return spec
 
@@ -929,7 +947,9 @@ def _check_speculative(config: EngineConfig) -> SpeculativeConfig | None:
 def _speculative_scheduler_args(spec: SpeculativeConfig | None) -> dict[str, Any]:
     if spec is None:
         return {}
-    return dict(num_speculative_tokens=spec.num_speculative_tokens, speculative_method=spec.method,
+    # (The core takes an MTP layer's drafts as a draft model's: handed to schedule().)
+    method = "draft_model" if spec.method == "mtp" else spec.method
+    return dict(num_speculative_tokens=spec.num_speculative_tokens, speculative_method=method,
                 prompt_lookup_min=spec.prompt_lookup_min, prompt_lookup_max=spec.prompt_lookup_max)
 
 

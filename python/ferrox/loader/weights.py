@@ -81,6 +81,29 @@ def iter_safetensors_files(paths: list[str], *, lazy: bool = False) -> Iterator[
                 yield name, tensor
 
 
+def iter_safetensors_prefixed(folder: str, prefix: str) -> Iterator[tuple[str, Any]]:
+    """The tensors whose names start with `prefix` (a checkpoint's MTP layer: mtp.), reading no other tensor and,
+    where the index maps names to shards, opening only the shards that hold them."""
+    from safetensors import safe_open
+
+    paths = safetensors_files(folder)
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        weight_map = read_json(index).get("weight_map", {})
+        wanted = {os.path.join(folder, shard) for name, shard in weight_map.items() if name.startswith(prefix)}
+        paths = [p for p in paths if p in wanted]
+    for path in paths:
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if name.startswith(prefix):
+                        yield name, f.get_tensor(name)
+        except ModelLoadError:
+            raise
+        except Exception as e:
+            raise ModelLoadError(f"cannot read {prefix}* tensors from {path}: {e}") from e
+
+
 def has_safetensors(folder: str) -> bool:
     return bool(glob.glob(os.path.join(folder, "*.safetensors")))
 

@@ -16,7 +16,8 @@ whole-head pairs at load (layers/rotary.py partial_rotary_order), the gate rows 
 
 Qwen3-Next stores the linear attention's input projections fused and interleaved per key-head group
 (in_proj_qkvz, in_proj_ba); they are cut into Qwen3.5's separate q / k / v / z / b / a rows at load
-(`split_qwen3_next_projections`). Multi-token-prediction tensors (mtp.*) are not loaded (no speculation here).
+(`split_qwen3_next_projections`). The multi-token-prediction layer (mtp.*) is read only as a drafter under
+speculative_config method 'mtp' (models/qwen3_5_mtp.py, worker/mtp_proposer.py).
 
 Block-wise FP8 checkpoints (the FP8 releases: Qwen3.5-397B-A17B-FP8, Qwen3.6-35B-A3B-FP8,
 Qwen3-Next-80B-A3B-Instruct-FP8): the linear attention's in_proj_qkv / in_proj_z / out_proj (Qwen3-Next: the fused
@@ -33,7 +34,7 @@ counts that do not split are refused at start (distributed/sharding.py check_tp_
 The multimodal checkpoints (Qwen3_5ForConditionalGeneration and its MoE twin, the releases' architectures) put
 Qwen3-VL's vision tower on these decoders: models/qwen3_5_vl.py.
 
-Not yet: LoRA, the prefix cache (off for these models), speculative decoding (the checkpoints' MTP layer).
+Not yet: LoRA.
 """
 
 from __future__ import annotations
@@ -298,30 +299,43 @@ class Qwen3_5ForCausalLM(nn.Module):
         return expected_checkpoint_keys(self)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        params = dict(self.named_parameters())
-        modules = dict(self.named_modules())
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        stream = self._rewritten(weights)
-        if self.spec.moe is not None:
-            stream = unfuse_experts(stream, self.spec.hidden_size, self.spec.moe.intermediate_size)
-        for name, tensor in stream:
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue
-            if load_kv_scale(modules, name, tensor):
-                continue
-            try:
-                if _EXPERT.search(name):
-                    key = load_routed_expert(modules, name, tensor)
-                else:
-                    key = load_dense_tensor(modules, params, name, tensor, _MERGED)
-            except ValueError as e:
-                raise ModelLoadError(f"tensor {name!r}: {e} (config.json does not match the weights?)") from e
-            if key is None:
-                unexpected.append(name)
+        stream = (item for item in self._rewritten(weights)
+                  if not (item[0] == "lm_head.weight" and self.lm_head is None))
+        load_hybrid_tensors(self, stream, self.spec, self._expected_keys())
+
+    def multi_token_predictor(self, quant_config: Any = None) -> nn.Module:
+        """The checkpoint's MTP layer (mtp.*) as a drafter sharing this model's embedding and lm_head
+        (models/qwen3_5_mtp.py), built but not loaded."""
+        from ferrox.models.qwen3_5_mtp import Qwen3_5MultiTokenPredictor
+
+        return Qwen3_5MultiTokenPredictor(self, quant_config)
+
+
+def load_hybrid_tensors(model: nn.Module, stream: Iterable[tuple[str, Any]], spec: ModelSpec,
+                        expected: set[str]) -> None:
+    """Tensors already in these layers' terms (Qwen3_5ForCausalLM._rewritten) into `model`: routed experts
+    (fused ones unfused first), merged projections, KV scales, the rest by name; then every piece checked."""
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    if spec.moe is not None:
+        stream = unfuse_experts(stream, spec.hidden_size, spec.moe.intermediate_size)
+    for name, tensor in stream:
+        if load_kv_scale(modules, name, tensor):
+            continue
+        try:
+            if _EXPERT.search(name):
+                key = load_routed_expert(modules, name, tensor)
             else:
-                loaded.add(key)
-        check_all_loaded(self.spec.architecture, unexpected, self._expected_keys(), loaded)
+                key = load_dense_tensor(modules, params, name, tensor, _MERGED)
+        except ValueError as e:
+            raise ModelLoadError(f"tensor {name!r}: {e} (config.json does not match the weights?)") from e
+        if key is None:
+            unexpected.append(name)
+        else:
+            loaded.add(key)
+    check_all_loaded(spec.architecture, unexpected, expected, loaded)
 
 
 def check_quantization(spec: ModelSpec, quant: Any) -> tuple[int, int] | None:

@@ -45,6 +45,30 @@ def scratch_blocks_per_request(block_size: int, k: int) -> int:
     return (block_size - 1 + k - 1) // block_size + 1
 
 
+def scratch_block_tables(pos0: npt.NDArray[np.int64], blocks: list[npt.NDArray[np.int32]], block_size: int,
+                         num_blocks: int, scratch_per_req: int,
+                         kv_caches: list[torch.Tensor]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]]:
+    """Block tables for proposal steps at positions pos0[i], pos0[i] + 1, ... of request i: its own blocks before
+    the one holding pos0[i], then its scratch blocks past the twin range (the first scratch block of request i
+    is num_blocks + i * scratch_per_req), into which the positions before pos0[i] in its block are copied
+    (module docstring). Returns (each request's first scratch block, the tables)."""
+    bs, n = block_size, len(blocks)
+    first_block = pos0 // bs
+    scratch = num_blocks + np.arange(n, dtype=np.int64) * scratch_per_req
+    partial = np.flatnonzero(pos0 % bs)
+    if partial.size:
+        src = torch.from_numpy(np.array([blocks[i][first_block[i]] for i in partial], dtype=np.int64))
+        dst = torch.from_numpy(scratch[partial])
+        for cache in kv_caches:
+            cache[:, dst] = cache[:, src.to(cache.device)]
+    table = np.zeros((n, int(first_block.max()) + scratch_per_req), dtype=np.int32)
+    for i in range(n):
+        fb = int(first_block[i])
+        table[i, :fb] = blocks[i][:fb]
+        table[i, fb : fb + scratch_per_req] = scratch[i] + np.arange(scratch_per_req)
+    return scratch, table
+
+
 @dataclass(slots=True)
 class _DraftStep:
     """The arrays attention_metadata reads, for a proposal step (one token per request)."""
@@ -129,10 +153,12 @@ class DraftProposer:
         else:
             self.model.forward(ids, pos, self.kv_caches, meta)
 
-    def record(self, so: Any, outs: Any) -> None:
-        """After update_from_output: the requests that may get drafts next step (decode state: they just
-        sampled a token and did not finish), with what propose() needs."""
+    def record(self, handle: Any, outs: Any) -> None:
+        """After update_from_output of the step `handle` (worker/model_runner.py StepHandle): the requests that
+        may get drafts next step (decode state: they just sampled a token and did not finish), with what
+        propose() needs."""
         self._pending = []
+        so = handle.so
         row_of_slot = {int(s): i for i, s in enumerate(np.asarray(so.req_slots).tolist())}
         offsets, tokens = outs.token_offsets, outs.token_ids
         lengths = outs.num_prompt_tokens + outs.num_output_tokens
@@ -156,21 +182,8 @@ class DraftProposer:
         bs, n = self.block_size, len(reqs)
         budget = np.array([min(self.k, self.max_model_len - 1 - r.position) for r in reqs])
         pos0 = np.array([r.position for r in reqs], dtype=np.int64)
-        first_block = pos0 // bs
-        scratch = self.num_blocks + np.arange(n, dtype=np.int64) * self.scratch_per_req
-        # The positions before p in p's block: copied from the twin block into the first scratch block.
-        partial = np.flatnonzero(pos0 % bs)
-        if partial.size:
-            src = torch.from_numpy(np.array([reqs[i].blocks[first_block[i]] for i in partial], dtype=np.int64))
-            dst = torch.from_numpy(scratch[partial])
-            for cache in self.kv_caches:
-                cache[:, dst] = cache[:, src.to(cache.device)]
-        width = int(first_block.max()) + self.scratch_per_req
-        table = np.zeros((n, width), dtype=np.int32)
-        for i, r in enumerate(reqs):
-            fb = int(first_block[i])
-            table[i, :fb] = r.blocks[:fb]
-            table[i, fb : fb + self.scratch_per_req] = scratch[i] + np.arange(self.scratch_per_req)
+        scratch, table = scratch_block_tables(pos0, [r.blocks for r in reqs], bs, self.num_blocks,
+                                              self.scratch_per_req, self.kv_caches)
         # Each round's token is the previous round's argmax, kept on the device: the k rounds queue
         # back to back, and the host reads the drafts once, at the end.
         first = self._round_uploads[0]

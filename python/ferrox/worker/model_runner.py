@@ -123,6 +123,9 @@ class StepHandle:
     # Sampled behind a mask gate (open_mask_gate): the engine asks it, after finish(), whether the
     # constrained rows really were sampled under their filled mask.
     pending_mask: PendingMask | None = None
+    # The forward's last hidden states [>= T, hidden] when the runner keeps them (keep_hidden: MTP drafts read
+    # them after the step, worker/mtp_proposer.py); a CUDA graph's output: valid until the next launch.
+    hidden: torch.Tensor | None = None
 
     def in_flight(self) -> InFlight:
         assert self.last_tokens is not None, "sample() not called"
@@ -171,6 +174,7 @@ class ModelRunner:
         # --logits-processors (worker/custom_logits.py): the user's processors, told each step's rows.
         self.custom_logits = custom_logits
         self.speculative = speculative
+        self.keep_hidden = False  # (set by an engine drafting from the hidden states: StepHandle.hidden)
         # Multi-LoRA (engine/lora_state.py EngineLoRAs): each core slot's adapter id (0: none);
         # before every forward it gets each token's id (prepare_step) and sets the slot index.
         self.lora = lora
@@ -323,6 +327,8 @@ class ModelRunner:
         sample_mask = np.asarray(so.sample_mask, dtype=np.bool_)
         handle = StepHandle(so, slots, self._upload("slots", slots), self.input_batch.generation[slots],
                             sample_mask, result.logits, chunks)
+        if self.keep_hidden:
+            handle.hidden = result.hidden
         if self.speculative:
             num_drafts = np.asarray(so.num_draft_tokens, dtype=np.int32)
             if num_drafts.any():

@@ -14,6 +14,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import weakref
 from collections.abc import Callable
@@ -90,6 +91,7 @@ class LoadedModel:
     # hands out their rows; with prefix caching, states are kept as the plan says (rust/state_snapshots.rs).
     recurrent: bool = False
     state_cache: StateCachePlan = StateCachePlan()
+    quant_config: QuantConfig | None = None  # the weights' (a checkpoint's MTP layer is built with it)
 
 
 def resolve_dtype(config: EngineConfig, spec: Any, device: torch.device) -> torch.dtype:
@@ -240,7 +242,7 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
         # Draft-model speculation keeps a twin KV cache of the same block count (worker/draft_model.py)
         # plus a few scratch blocks per request: in a profiled GPU budget every block costs both
         # models' bytes. (An explicit kv_cache_memory sizes the target's cache; the twin is extra.)
-        draft_per_block, draft_scratch = _draft_kv_cost(config, dtype, tp.size, max_num_seqs)
+        draft_per_block, draft_scratch = _draft_kv_cost(config, dtype, tp.size, max_num_seqs, spec)
         kv_bytes = max(0, kv_bytes - draft_scratch * draft_per_block)
         per_block += draft_per_block
     # Every rank holds the same block ids (of its own KV heads): the smallest budget decides.
@@ -267,7 +269,7 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
         kv_caches=kv_caches, num_blocks=num_blocks, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, vocab_size=int(spec.vocab_size), eos_token_ids=eos,
         generation_defaults=generation_defaults, threads=threads, sleep_memory=sleep_memory,
-        reload_model=reload_model, recurrent=recurrent, state_cache=state_cache,
+        reload_model=reload_model, recurrent=recurrent, state_cache=state_cache, quant_config=quant_config,
     )
 
 
@@ -282,7 +284,8 @@ def num_speculative_tokens(config: EngineConfig) -> int:
     return spec_config.num_speculative_tokens if spec_config is not None else 0
 
 
-def _draft_kv_cost(config: EngineConfig, dtype: torch.dtype, tp_size: int, max_num_seqs: int) -> tuple[int, int]:
+def _draft_kv_cost(config: EngineConfig, dtype: torch.dtype, tp_size: int, max_num_seqs: int,
+                   target_spec: Any = None) -> tuple[int, int]:
     """Under draft-model speculation, the draft model's KV bytes per block and its scratch blocks
     (worker/draft_model.py: a twin cache of the same block ids, plus proposal scratch per request);
     (0, 0) otherwise. The draft runs in the target's dtype."""
@@ -290,6 +293,13 @@ def _draft_kv_cost(config: EngineConfig, dtype: torch.dtype, tp_size: int, max_n
     from ferrox.worker.draft_model import scratch_blocks_per_request
 
     spec_config = parse_speculative_config(config.speculative_config)
+    if spec_config is not None and spec_config.method == "mtp" and target_spec is not None:
+        # One full-attention layer of the target's shape, in the model dtype (worker/mtp_proposer.py).
+        from ferrox.worker.mtp_proposer import mtp_kv_shape
+
+        per_block = math.prod(mtp_kv_shape(target_spec, 1, config.block_size)) * dtype.itemsize
+        return per_block, max_num_seqs * scratch_blocks_per_request(config.block_size,
+                                                                     spec_config.num_speculative_tokens)
     if spec_config is None or spec_config.method != "draft_model" or spec_config.model is None:
         return 0, 0
     draft_source = resolve_model(spec_config.model)

@@ -1,0 +1,172 @@
+"""MTP speculation (speculative_config method "mtp": models/qwen3_5_mtp.py, worker/mtp_proposer.py) on tiny Qwen3.5
+and Qwen3-Next checkpoints carrying an MTP layer (tests/helpers/mtp_layer.py).
+
+The models repeat themselves (residual branches scaled by 0.3, lm_head = the embedding) and their MTP layer leans
+to the token it is given, so drafts are accepted as well as rejected. Checked: the engine's answers (tokens and
+logprobs) are those of the engine without drafts; every draft the engine proposed -- across chunked prefills (a
+chunk's last position paired with the next chunk's first token), verify steps (rejected positions left out) and
+the chained rounds (scratch blocks) -- is what a from-scratch reference drafts (transformers' decoder layer over the
+pairs (h_i, t_{i+1}) of transformers' hidden states); prefix caching with state snapshots and preemption beside;
+the refusals by name; on a GPU, the CUDA engine."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from ferrox import LLM, SamplingParams
+from ferrox.speculative_config import parse_speculative_config
+
+from tests.helpers import tiny_qwen3_5
+from tests.helpers.mtp_layer import MtpReference, add_mtp_layer
+from tests.helpers.tiny_models import make_tiny_llama
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
+
+FAMILIES = {"qwen3_5": (tiny_qwen3_5.make_tiny_qwen3_5, tiny_qwen3_5.ROPE),
+            "qwen3_next": (tiny_qwen3_5.make_tiny_qwen3_next, tiny_qwen3_5.NEXT_ROPE)}
+PROMPTS = [[5, 9, 11, 13] * 6, [(7 * i) % 40 + 3 for i in range(37)], [21, 22] * 9, [(3 * i) % 17 + 40 for i in range(29)]]
+PARAMS = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True, logprobs=0)
+MTP = {"method": "mtp", "num_speculative_tokens": 3}
+
+
+def _repeating_with_mtp(folder, make, rope) -> dict[str, torch.Tensor]:
+    """The tiny model (rope theta 100: positions weigh in), repeating itself, with an MTP layer."""
+    from safetensors.torch import load_file, save_file
+
+    make(folder, rope_parameters=dict(rope, rope_theta=100.0))
+    path = f"{folder}/model.safetensors"
+    weights = load_file(path)
+    for name in weights:
+        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+            weights[name] = weights[name] * 0.3
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, path, metadata={"format": "pt"})
+    return add_mtp_layer(str(folder), embed_gain=0.5)
+
+
+@pytest.fixture(scope="module")
+def mtp_models(tmp_path_factory):
+    """name -> (folder, the MTP tensors written)."""
+    root = tmp_path_factory.mktemp("mtp")
+    return {name: (str(root / name), _repeating_with_mtp(root / name, make, rope))
+            for name, (make, rope) in FAMILIES.items()}
+
+
+def _generate(folder: str, prompts=PROMPTS, record: bool = False, **kw):
+    """(outputs, engine stats, [(request id, position of its last token, drafts proposed)])."""
+    llm = LLM(model=folder, dtype="float32", kv_cache_memory=8 << 20, **kw)
+    proposals: list[tuple[str, int, list[int]]] = []
+    drafter = llm.engine.drafter
+    if record and drafter is not None:
+        propose = drafter.propose
+
+        def recording():
+            position = {p.slot: p.position for p in drafter._pending}
+            out = propose()
+            if out:
+                offsets = out["draft_offsets"]
+                for i, slot in enumerate(out["draft_slots"].tolist()):
+                    proposals.append((llm.engine._req_of_slot[slot], position[slot],
+                                      out["draft_token_ids"][offsets[i]:offsets[i + 1]].tolist()))
+            return out
+
+        drafter.propose = recording
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+        return outs, llm.engine.stats(), proposals
+    finally:
+        llm.engine.shutdown()
+
+
+def _assert_same_answers(expected, got, tol: float = 1e-4) -> None:
+    for a, b in zip(expected, got, strict=True):
+        a, b = a.outputs[0], b.outputs[0]
+        assert list(a.token_ids) == list(b.token_ids)
+        for la, lb, t in zip(a.logprobs, b.logprobs, a.token_ids, strict=True):
+            assert abs(la[t].logprob - lb[t].logprob) < tol
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_mtp_drafts_are_the_layers_and_keep_the_answers(mtp_models, name):
+    """Chunked prefill under a 16-token budget, 3 drafts a step, no prefix caching (a hit's block would keep another
+    request's pair: an approximation the reference does not share)."""
+    folder, mtp = mtp_models[name]
+    plain, _, _ = _generate(folder, enable_prefix_caching=False)
+    spec, stats, proposals = _generate(folder, record=True, enable_prefix_caching=False, max_num_batched_tokens=16,
+                                       speculative_config=MTP)
+    _assert_same_answers(plain, spec)
+    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    reference = MtpReference(ref, mtp)
+    sequences = {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in spec}
+    assert len(proposals) > 20
+    for rid, position, drafts in proposals:
+        expected, logits = reference.drafts(sequences[rid][:position + 1], len(drafts))
+        for j, (got, want) in enumerate(zip(drafts, expected, strict=True)):
+            if got != want:  # (a near tie between the two is float noise, not a wrong draft)
+                assert logits[j][want] - logits[j][got] < 1e-4, (rid, position, drafts, expected)
+                break
+
+
+def test_mtp_with_prefix_caching_snapshots_and_preemption(mtp_models):
+    """State snapshots on a 16-token grid and prefix-cache hits (a prompt repeated, a conversation's second turn),
+    then a KV cache so tight that requests are preempted: the answers are those without drafts, no block leaks."""
+    folder, _ = mtp_models["qwen3_5"]
+    prompts = PROMPTS + [PROMPTS[1], PROMPTS[0] + [7, 8, 9]]
+    plain, _, _ = _generate(folder, prompts, enable_prefix_caching=False)
+    spec, stats, _ = _generate(folder, prompts, mamba_block_size=16, speculative_config=MTP)
+    _assert_same_answers(plain, spec)
+    assert stats["spec_num_accepted_tokens"] > 0
+    llm = LLM(model=folder, dtype="float32", num_gpu_blocks_override=9, max_num_seqs=6, max_model_len=96,
+              max_num_batched_tokens=32, mamba_block_size=16, speculative_config=MTP)
+    try:
+        tight = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+        stats = llm.engine.stats()
+        assert stats["num_preemptions"] > 0
+        assert stats["num_free_blocks"] == stats["num_total_blocks"] - 1
+    finally:
+        llm.engine.shutdown()
+    _assert_same_answers(plain, tight)
+
+
+def test_mtp_aliases_parse():
+    assert parse_speculative_config({"method": "qwen3_next_mtp", "num_speculative_tokens": 2}).method == "mtp"
+    assert parse_speculative_config({"method": "qwen3_5_mtp", "num_speculative_tokens": 1}).method == "mtp"
+
+
+@pytest.mark.parametrize("case", ["no_layer_class", "no_tensors", "async", "ngram_keys", "other_model"])
+def test_what_mtp_cannot_do_is_refused_by_name(mtp_models, tmp_path, case):
+    folder, _ = mtp_models["qwen3_5"]
+    spec: dict = dict(MTP)
+    kw: dict = {}
+    if case == "no_layer_class":
+        folder, match = make_tiny_llama(tmp_path / "llama"), "has no multi-token-prediction layer"
+    elif case == "no_tensors":
+        folder = str(tmp_path / "bare")
+        tiny_qwen3_5.make_tiny_qwen3_5(folder)
+        match = "has no mtp.\\* tensors"
+    elif case == "async":
+        kw, match = {"async_scheduling": True}, "async_scheduling: not supported with speculative_config method 'mtp'"
+    elif case == "ngram_keys":
+        spec["prompt_lookup_max"], match = 2, "prompt_lookup_min / prompt_lookup_max"
+    else:
+        other = shutil.copytree(folder, tmp_path / "copy")
+        spec["model"], match = str(other), "speculative_config.model: method 'mtp' drafts with the served model's"
+    with pytest.raises(Exception, match=match):
+        LLM(model=str(folder), dtype="float32", kv_cache_memory=8 << 20, speculative_config=spec, **kw)
+
+
+@pytest.mark.gpu
+def test_cuda_mtp_matches_cpu(mtp_models):
+    """The CUDA engine (fla's kernels, CUDA graphs for the target's decode steps, the MTP layer eager) drafting with
+    the MTP layer gives the CPU engine's answers (float32)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    folder, _ = mtp_models["qwen3_5"]
+    cpu, _, _ = _generate(folder, enable_prefix_caching=False)
+    cuda, stats, _ = _generate(folder, device="cuda", mamba_block_size=16, speculative_config=MTP)
+    _assert_same_answers(cpu, cuda, 1e-3)
+    assert stats["spec_num_accepted_tokens"] > 0
