@@ -1,7 +1,8 @@
 """Live `ferrox serve` of tiny folders of the text families added in the forty-fifth session: GLM-4-0414, GLM-4.5
 (grouped sigmoid routing), DeepSeek-V2-Lite's and V3's layouts (latent attention), gpt-oss (sinks, windows, clamped
 SwiGLU experts; its MXFP4 layout too), SmolLM3 (NoPE layers), OLMo 2, OLMoE, Llama 4 (chunked attention), Gemma 4,
-Ministral 3, Mistral Small 4, Qwen3.5 / Qwen3.5-MoE / Qwen3-Next (hybrid linear attention), and a harmony-speaking
+Ministral 3, Mistral Small 4, Qwen3.5 / Qwen3.5-MoE / Qwen3-Next (hybrid linear attention; Qwen3.5 and Qwen3-Next
+also drafting with their MTP layer), and a harmony-speaking
 Llama under `--reasoning-parser openai_gptoss --tool-call-parser openai`. Per family: 24 concurrent greedy completions (prompts of 4 to 150 token ids, cut across
 chunked-prefill steps by --max-num-batched-tokens 24) compared with the offline LLM on the same device, plus chats
 and streams; 0 errors and (in float32) 0 mismatches expected. NAMES... filter families;
@@ -22,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from tests.helpers import tiny_ministral3, tiny_mistral4  # noqa: E402
 from tests.helpers.harmony_tokenizer import make_tiny_harmony_llama  # noqa: E402
+from tests.helpers.mtp_layer import add_mtp_layer  # noqa: E402
 from tests.helpers.tiny_deepseek import make_tiny_deepseek  # noqa: E402
 from tests.helpers.tiny_glm import make_tiny_glm4, make_tiny_glm4_moe  # noqa: E402
 from tests.helpers.tiny_gpt_oss import make_tiny_gpt_oss, write_mxfp4_copy  # noqa: E402
@@ -46,6 +48,14 @@ def post(base: str, path: str, body: dict) -> tuple[int, str]:
 # (YaRN factor 16 over the tiny models' 16 original positions: the 256-token context the script's prompts need)
 YARN_256 = {"max_position_embeddings": 256, "rope_parameters": {**tiny_ministral3.ROPE, "factor": 16.0}}
 YARN_256_MLA = {"max_position_embeddings": 256, "rope_parameters": {**tiny_mistral4.ROPE, "factor": 16.0}}
+
+
+MTP = ["--speculative-config", '{"method":"mtp","num_speculative_tokens":2}']
+
+
+def _with_mtp(folder: str) -> str:
+    add_mtp_layer(folder, embed_gain=0.5)
+    return folder
 
 
 def families(tmp: Path) -> list[tuple[str, str, list[str]]]:
@@ -77,6 +87,10 @@ def families(tmp: Path) -> list[tuple[str, str, list[str]]]:
             ("qwen3_5", make_tiny_qwen3_5(tmp / "qwen3_5"), ["--max-model-len", "256"]),
             ("qwen3_5-moe", make_tiny_qwen3_5_moe(tmp / "qwen3_5_moe"), ["--max-model-len", "256"]),
             ("qwen3-next", make_tiny_qwen3_next(tmp / "qwen3_next"), ["--max-model-len", "256"]),
+            # (their checkpoints' MTP layer drafting: the answers stay the offline LLM's without drafts)
+            ("qwen3_5-mtp", _with_mtp(make_tiny_qwen3_5(tmp / "qwen3_5_mtp")), ["--max-model-len", "256", *MTP]),
+            ("qwen3-next-mtp", _with_mtp(make_tiny_qwen3_next(tmp / "qwen3_next_mtp")),
+             ["--max-model-len", "256", *MTP]),
             ("harmony-parsers", make_tiny_harmony_llama(tmp / "harmony"),
              ["--reasoning-parser", "openai_gptoss", "--tool-call-parser", "openai"])]
 
@@ -122,6 +136,10 @@ def main() -> int:
                 if status != 200 or '"error"' in body:
                     errors += 1
                     print(name, "chat error", status, body[:300])
+        if "mtp" in name:
+            with urllib.request.urlopen(srv.base_url + "/metrics", timeout=30) as resp:
+                print(name, [ln for ln in resp.read().decode().splitlines()
+                             if ln.startswith(("ferrox:spec_decode_num_accepted_tokens_total", "ferrox:spec_decode_num_draft_tokens_total"))])
         code = srv.stop()
         log_errors = [ln for ln in srv.log if " ERROR " in ln or "Traceback" in ln]
         print(f"{name}: {len(prompts)} completions + 8 chats, {errors} errors, {mismatches} mismatches, exit {code}, "
