@@ -5,7 +5,7 @@ Ministral 3, Mistral Small 4, Qwen3.5 / Qwen3.5-MoE / Qwen3-Next (hybrid linear 
 also drafting with their MTP layer), and a harmony-speaking
 Llama under `--reasoning-parser openai_gptoss --tool-call-parser openai`. Per family: 24 concurrent greedy completions (prompts of 4 to 150 token ids, cut across
 chunked-prefill steps by --max-num-batched-tokens 24) compared with the offline LLM on the same device, plus chats
-and streams; 0 errors and (in float32) 0 mismatches expected. NAMES... filter families;
+and streams; 0 errors and (in float32) 0 mismatches expected. NAMES... pick the families whose names start so;
 FERROX_LIVE_DTYPE=bfloat16 counts mismatches without failing on them (near-ties of random weights);
 FERROX_LIVE_ARGS adds server flags (e.g. "--tensor-parallel-size 2": the server against the one-GPU offline LLM)."""
 from __future__ import annotations
@@ -88,8 +88,8 @@ def families(tmp: Path) -> list[tuple[str, str, list[str]]]:
             ("qwen3_5-moe", make_tiny_qwen3_5_moe(tmp / "qwen3_5_moe"), ["--max-model-len", "256"]),
             ("qwen3-next", make_tiny_qwen3_next(tmp / "qwen3_next"), ["--max-model-len", "256"]),
             # (their checkpoints' MTP layer drafting: the answers stay the offline LLM's without drafts)
-            ("qwen3_5-mtp", _with_mtp(make_tiny_qwen3_5(tmp / "qwen3_5_mtp")), ["--max-model-len", "256", *MTP]),
-            ("qwen3-next-mtp", _with_mtp(make_tiny_qwen3_next(tmp / "qwen3_next_mtp")),
+            ("mtp-qwen3_5", _with_mtp(make_tiny_qwen3_5(tmp / "qwen3_5_mtp")), ["--max-model-len", "256", *MTP]),
+            ("mtp-qwen3-next", _with_mtp(make_tiny_qwen3_next(tmp / "qwen3_next_mtp")),
              ["--max-model-len", "256", *MTP]),
             ("harmony-parsers", make_tiny_harmony_llama(tmp / "harmony"),
              ["--reasoning-parser", "openai_gptoss", "--tool-call-parser", "openai"])]
@@ -105,7 +105,7 @@ def main() -> int:
     bad = 0
     tmp = Path(tempfile.mkdtemp())
     for name, folder, extra in families(tmp):
-        if only and not any(o in name for o in only):
+        if only and not any(name.startswith(o) for o in only):
             continue
         reference = LLM(model=folder, dtype=dtype, kv_cache_memory=128 << 20, max_model_len=256)
         expected = [o.outputs[0].text for o in reference.generate(
@@ -136,7 +136,7 @@ def main() -> int:
                 if status != 200 or '"error"' in body:
                     errors += 1
                     print(name, "chat error", status, body[:300])
-        if "mtp" in name:
+        if name.startswith("mtp"):
             with urllib.request.urlopen(srv.base_url + "/metrics", timeout=30) as resp:
                 print(name, [ln for ln in resp.read().decode().splitlines()
                              if ln.startswith(("ferrox:spec_decode_num_accepted_tokens_total", "ferrox:spec_decode_num_draft_tokens_total"))])
