@@ -10,7 +10,7 @@ shuffle; the -hf and the remote-code layouts).
 Each serves 24 concurrent chat requests with data-URL images (eight different images, one or two a prompt),
 Anthropic image blocks and Responses input_image parts beside them, each answer compared with the offline LLM's on
 the same images on the same device; a bad image must be a 400 and change nothing else. 0 errors and 0 mismatches
-expected. Arguments: family-name filters (all families when none). FERROX_LIVE_DTYPE=bfloat16 serves in bf16
+expected. Arguments: family-name prefixes (all families when none). FERROX_LIVE_DTYPE=bfloat16 serves in bf16
 (mismatches then printed, not failed); FERROX_LIVE_EXTRA adds serve flags (e.g. "--mm-processor-cache-type shm")."""
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from tests.helpers.mtp_layer import add_mtp_layer  # noqa: E402
 from tests.helpers.tiny_internvl import make_tiny_internvl, make_tiny_internvl_chat  # noqa: E402
 from tests.helpers.tiny_llava_onevision import make_tiny_llava_onevision  # noqa: E402
 from tests.helpers.tiny_models import (  # noqa: E402
@@ -71,6 +72,11 @@ def images() -> list[tuple[object, str]]:
     return out
 
 
+def _with_mtp(folder: str) -> str:
+    add_mtp_layer(folder, embed_gain=0.5)
+    return folder
+
+
 def main() -> int:
     from ferrox import LLM, SamplingParams
 
@@ -98,8 +104,12 @@ def main() -> int:
                                 ("llava-onevision", make_tiny_llava_onevision(tmp / "n"), []),
                                 ("qwen3_5-vl", make_tiny_qwen3_5_multimodal(tmp / "o"), ["--max-model-len", "256"]),
                                 ("qwen3_5-moe-vl", make_tiny_qwen3_5_moe_multimodal(tmp / "p"),
-                                 ["--max-model-len", "256"])):
-        if only and not any(o in name for o in only):
+                                 ["--max-model-len", "256"]),
+                                # (drafting with the checkpoint's MTP layer: the answers stay those without drafts)
+                                ("mtp-qwen3_5-vl", _with_mtp(make_tiny_qwen3_5_multimodal(tmp / "q")),
+                                 ["--max-model-len", "256", "--speculative-config",
+                                  '{"method":"mtp","num_speculative_tokens":2}'])):
+        if only and not any(name.startswith(o) for o in only):
             continue
         cases = [[k % 8] for k in range(16)] + [[k % 8, (k + 3) % 8] for k in range(8)]
 

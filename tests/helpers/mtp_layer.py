@@ -35,13 +35,15 @@ def add_mtp_layer(folder: str, *, seed: int = 1, embed_gain: float = 0.0) -> dic
     path = os.path.join(folder, "model.safetensors")
     weights = load_file(path)
     gen = torch.Generator().manual_seed(seed)
-    prefix = f"model.layers.{FULL_LAYER}."
+    # (the multimodal checkpoints keep the decoder under model.language_model., the MTP layer at the top level)
+    text = "model.language_model." if any(k.startswith("model.language_model.") for k in weights) else "model."
+    prefix = f"{text}layers.{FULL_LAYER}."
     mtp = {}
     for name, tensor in weights.items():
         if name.startswith(prefix):
             value = tensor.clone() * _scale(name)
             mtp["mtp.layers.0." + name[len(prefix):]] = value
-    h = weights["model.embed_tokens.weight"].shape[1]
+    h = weights[f"{text}embed_tokens.weight"].shape[1]
     fc = torch.randn(h, 2 * h, generator=gen) * (2 * h) ** -0.5
     fc[:, :h] += embed_gain * torch.eye(h)
     mtp["mtp.fc.weight"] = fc
@@ -52,7 +54,7 @@ def add_mtp_layer(folder: str, *, seed: int = 1, embed_gain: float = 0.0) -> dic
     with open(config_path, encoding="utf-8") as f:
         config = json.load(f)
     key = "num_nextn_predict_layers" if config.get("model_type") == "qwen3_next" else "mtp_num_hidden_layers"
-    config[key] = 1
+    config.get("text_config", config)[key] = 1
     with open(config_path, "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
     return mtp
