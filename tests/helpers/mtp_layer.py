@@ -94,6 +94,9 @@ class MtpReference:
         out = out[0] if isinstance(out, tuple) else out
         return self.norms["norm"](out[0])
 
+    def _logits(self, o: torch.Tensor) -> torch.Tensor:
+        return self.ref.lm_head(o)
+
     @torch.no_grad()
     def drafts(self, seq: list[int], k: int) -> tuple[list[int], list[torch.Tensor]]:
         """The k drafts after `seq` (its last token just sampled), and the logits each came from."""
@@ -102,9 +105,73 @@ class MtpReference:
         drafts, logits = [], []
         for _ in range(k):
             o = self._layer(hidden, tokens)
-            row = self.ref.lm_head(o[-1])
+            row = self._logits(o[-1])
             drafts.append(int(row.argmax()))
             logits.append(row)
             hidden = torch.cat([hidden, o[-1:]])
             tokens.append(drafts[-1])
         return drafts, logits
+
+
+def add_glm_mtp_layer(folder: str, *, seed: int = 1, embed_gain: float = 0.0) -> dict[str, torch.Tensor]:
+    """GLM-4.5's layout of the same (model.layers.{num_hidden_layers}.*: the last decoder layer copied and scaled,
+    eh_proj, enorm / hnorm / shared_head.norm around 1, and the copies of the embedding and lm_head the releases
+    carry); config.json's num_nextn_predict_layers set to 1. Returns the tensors, named without their prefix."""
+    path = os.path.join(folder, "model.safetensors")
+    weights = load_file(path)
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    n = int(config["num_hidden_layers"])
+    gen = torch.Generator().manual_seed(seed)
+    last, mtp_prefix = f"model.layers.{n - 1}.", f"model.layers.{n}."
+    mtp = {name[len(last):]: tensor.clone() * _scale(name) for name, tensor in weights.items()
+           if name.startswith(last)}
+    h = weights["model.embed_tokens.weight"].shape[1]
+    eh = torch.randn(h, 2 * h, generator=gen) * (2 * h) ** -0.5
+    eh[:, :h] += embed_gain * torch.eye(h)
+    mtp["eh_proj.weight"] = eh
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        mtp[f"{norm}.weight"] = torch.rand(h, generator=gen) * 0.6 + 0.7
+    mtp["embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+    mtp["shared_head.head.weight"] = weights["lm_head.weight"].clone()
+    save_file({**weights, **{mtp_prefix + k: v for k, v in mtp.items()}}, path, metadata={"format": "pt"})
+    config["num_nextn_predict_layers"] = 1
+    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    return mtp
+
+
+class GlmMtpReference(MtpReference):
+    """MtpReference for GLM-4.5's layer: eh_proj over [enorm(embedding, zero at position 0) | hnorm(h)], the copied
+    decoder layer (its output includes the residual), shared_head.norm before the lm_head; the layer's output (not
+    normed) chains the next draft."""
+
+    def __init__(self, ref: Any, mtp: dict[str, torch.Tensor]) -> None:
+        self.ref = ref
+        inner = ref.model
+        self.layer = copy.deepcopy(inner.layers[-1])
+        with torch.no_grad():
+            for name, param in self.layer.named_parameters():
+                param.mul_(_scale(name))
+        self.norms = {}
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            module = copy.deepcopy(inner.norm)
+            module.weight.data.copy_(mtp[f"{norm}.weight"])
+            self.norms[norm] = module
+        self.fc = mtp["eh_proj.weight"]
+
+    @torch.no_grad()
+    def _layer(self, hidden: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+        inner = self.ref.model
+        e = inner.embed_tokens(torch.tensor(tokens))
+        e[0] = 0.0  # (the pair at position 0)
+        x = torch.cat([self.norms["enorm"](e), self.norms["hnorm"](hidden)], dim=-1) @ self.fc.t()
+        n = x.shape[0]
+        pos = torch.arange(n)[None]
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        out = self.layer(x[None], position_embeddings=inner.rotary_emb(x[None], pos), attention_mask=mask,
+                         position_ids=pos)
+        return (out[0] if isinstance(out, tuple) else out)[0]
+
+    def _logits(self, o: torch.Tensor) -> torch.Tensor:
+        return self.ref.lm_head(self.norms["shared_head.norm"](o))

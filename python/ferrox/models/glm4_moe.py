@@ -19,7 +19,7 @@ What differs from Qwen-MoE, as transformers' Glm4Moe defines it:
 
 The checkpoints carry `num_nextn_predict_layers` multi-token-prediction layers after the last decoder
 layer (model.layers.{num_hidden_layers}...); the base model does not run them, and they are skipped at
-load as vLLM skips them. Config names come from config.json with transformers' Glm4MoeConfig defaults.
+load as vLLM skips them; speculative_config method 'mtp' drafts with the first (models/glm4_moe_mtp.py). Config names come from config.json with transformers' Glm4MoeConfig defaults.
 Tensor and expert parallelism are the MoE stack's. The published FP8 checkpoints (block-wise, 128-row blocks of
 128-dim heads) load as stored: a q/k row reordered inside its head stays in its block row, under its scale.
 Refused by name: another checkpoint quantization_config (the q/k rows are permuted at load;
@@ -197,6 +197,12 @@ class Glm4MoeForCausalLM(MoeForCausalLM):
     @staticmethod
     def qkv_bias(spec: ModelSpec) -> bool:
         return bool(spec.hf_config.get("attention_bias", False))
+
+    def multi_token_predictor(self, quant_config: Any = None) -> nn.Module:
+        """The checkpoint's MTP layer as a drafter (models/glm4_moe_mtp.py), built but not loaded."""
+        from ferrox.models.glm4_moe_mtp import Glm4MoeMultiTokenPredictor
+
+        return Glm4MoeMultiTokenPredictor(self, quant_config)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         super().load_weights(reorder_rotary_rows(without_mtp_layers(weights, self.spec.num_layers, self.num_mtp_layers),

@@ -288,35 +288,39 @@ class MoeForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Copy HF-named checkpoint tensors in, stacking each layer's experts; every piece must be
         set exactly once."""
-        params = dict(self.named_parameters())
-        modules = dict(self.named_modules())
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        for name, tensor in weights:
-            if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.lm_head is None):
-                continue
-            if load_kv_scale(modules, name, tensor):  # FP8 KV-cache scales
-                continue
-            hf_name = name
-            name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's MLP module name
-            expert = _EXPERT_NAME.match(name)
-            try:
-                if expert is not None and expert["proj"] in _EXPERT_SHARDS:
-                    expert_key = load_routed_expert(modules, name, tensor)
-                    if expert_key is None:
-                        unexpected.append(hf_name)
-                        continue
-                    key = expert_key
-                else:
-                    dense_key = load_dense_tensor(modules, params, name, tensor, _MERGED)
-                    if dense_key is None:
-                        unexpected.append(hf_name)
-                        continue
-                    key = dense_key
-            except ValueError as e:
-                raise ModelLoadError(f"tensor {hf_name!r}: {e} (config.json does not match the weights?)") from e
+        load_moe_tensors(self, (item for item in weights
+                                if not (item[0] == "lm_head.weight" and self.lm_head is None)),
+                         self.spec.architecture, self._expected_keys())
+
+
+def load_moe_tensors(model: nn.Module, weights: Iterable[tuple[str, Any]], architecture: str,
+                     expected: set[str]) -> None:
+    """HF-named tensors into `model`'s MoE stack layers (routed experts stacked, merged projections, KV scales, the
+    rest by name), then every expected piece checked (MoeForCausalLM, and a checkpoint's MTP layer)."""
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for name, tensor in weights:
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if load_kv_scale(modules, name, tensor):  # FP8 KV-cache scales
+            continue
+        hf_name = name
+        name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's MLP module name
+        expert = _EXPERT_NAME.match(name)
+        try:
+            if expert is not None and expert["proj"] in _EXPERT_SHARDS:
+                key = load_routed_expert(modules, name, tensor)
+            else:
+                key = load_dense_tensor(modules, params, name, tensor, _MERGED)
+        except ValueError as e:
+            raise ModelLoadError(f"tensor {hf_name!r}: {e} (config.json does not match the weights?)") from e
+        if key is None:
+            unexpected.append(hf_name)
+        else:
             loaded.add(key)
-        check_all_loaded(self.spec.architecture, unexpected, self._expected_keys(), loaded)
+    check_all_loaded(architecture, unexpected, expected, loaded)
 
 
 class Qwen2MoeForCausalLM(MoeForCausalLM):

@@ -63,6 +63,7 @@ class Qwen3_5MultiTokenPredictor(nn.Module):
                 f"speculative_config.method 'mtp': config.json declares {count} multi-token-prediction layers "
                 "(mtp_num_hidden_layers / num_nextn_predict_layers); ferrox drafts with exactly one")
         self.spec = spec
+        self.checkpoint_prefix = "mtp."  # (the tensors worker/mtp_proposer.py reads for it)
         self._target = [target]  # (a list: the target's parameters are not this module's)
         param = target.lm_head_weight
         dtype, device = target.model.embed_tokens.weight.dtype, param.device

@@ -62,7 +62,8 @@ def load_predictor(target: Any, source: ModelSource, load_format: str, seed: int
     build = getattr(target, "multi_token_predictor", None)
     if build is None:
         raise UnsupportedModelError(f"speculative_config.method 'mtp': {type(target).__name__} has no "
-                                    "multi-token-prediction layer in ferrox (Qwen3.5 / Qwen3.6 / Qwen3-Next have)")
+                                    "multi-token-prediction layer in ferrox (Qwen3.5 / Qwen3.6 / Qwen3-Next and "
+                                    "GLM-4.5 / 4.6 / 4.7 have)")
     with torch.no_grad():
         predictor = build(quant_config)
         if load_format == "dummy":
@@ -71,9 +72,10 @@ def load_predictor(target: Any, source: ModelSource, load_format: str, seed: int
             if source.format != "hf":
                 raise ModelLoadError(f"speculative_config.method 'mtp': the MTP layer is read from a Hugging Face "
                                      f"folder's safetensors, {source.path} is not one")
-            tensors = list(iter_safetensors_prefixed(source.path, "mtp."))
+            prefix = predictor.checkpoint_prefix
+            tensors = list(iter_safetensors_prefixed(source.path, prefix))
             if not tensors:
-                raise ModelLoadError(f"speculative_config.method 'mtp': {source.path} has no mtp.* tensors (the "
+                raise ModelLoadError(f"speculative_config.method 'mtp': {source.path} has no {prefix}* tensors (the "
                                      "checkpoint's multi-token-prediction layer); serve a release that keeps them, "
                                      "or use method 'ngram' or 'draft_model'")
             predictor.load_weights(tensors)

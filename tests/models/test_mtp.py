@@ -1,5 +1,6 @@
-"""MTP speculation (speculative_config method "mtp": models/qwen3_5_mtp.py, worker/mtp_proposer.py) on tiny Qwen3.5
-and Qwen3-Next checkpoints carrying an MTP layer (tests/helpers/mtp_layer.py).
+"""MTP speculation (speculative_config method "mtp": models/qwen3_5_mtp.py, models/glm4_moe_mtp.py,
+worker/mtp_proposer.py) on tiny Qwen3.5, Qwen3-Next and GLM-4.5 checkpoints carrying an MTP layer in their layouts
+(tests/helpers/mtp_layer.py).
 
 The models repeat themselves (residual branches scaled by 0.3, lm_head = the embedding) and their MTP layer leans
 to the token it is given, so drafts are accepted as well as rejected. Checked: the engine's answers (tokens and
@@ -19,24 +20,32 @@ from ferrox import LLM, SamplingParams
 from ferrox.speculative_config import parse_speculative_config
 
 from tests.helpers import tiny_qwen3_5
-from tests.helpers.mtp_layer import MtpReference, add_mtp_layer
+from tests.helpers.mtp_layer import GlmMtpReference, MtpReference, add_glm_mtp_layer, add_mtp_layer
+from tests.helpers.tiny_glm import make_tiny_glm4_moe
 from tests.helpers.tiny_models import make_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
 
-FAMILIES = {"qwen3_5": (tiny_qwen3_5.make_tiny_qwen3_5, tiny_qwen3_5.ROPE),
-            "qwen3_next": (tiny_qwen3_5.make_tiny_qwen3_next, tiny_qwen3_5.NEXT_ROPE)}
+# name -> (build the tiny model, add its MTP layer, the reference of its drafts)
+FAMILIES = {
+    "qwen3_5": (lambda f: tiny_qwen3_5.make_tiny_qwen3_5(f, rope_parameters=dict(tiny_qwen3_5.ROPE, rope_theta=100.0)),
+                add_mtp_layer, MtpReference),
+    "qwen3_next": (lambda f: tiny_qwen3_5.make_tiny_qwen3_next(f, rope_parameters=dict(tiny_qwen3_5.NEXT_ROPE,
+                                                                                       rope_theta=100.0)),
+                   add_mtp_layer, MtpReference),
+    "glm4_moe": (lambda f: make_tiny_glm4_moe(f, mtp_layers=0), add_glm_mtp_layer, GlmMtpReference),
+}
 PROMPTS = [[5, 9, 11, 13] * 6, [(7 * i) % 40 + 3 for i in range(37)], [21, 22] * 9, [(3 * i) % 17 + 40 for i in range(29)]]
 PARAMS = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True, logprobs=0)
 MTP = {"method": "mtp", "num_speculative_tokens": 3}
 
 
-def _repeating_with_mtp(folder, make, rope) -> dict[str, torch.Tensor]:
-    """The tiny model (rope theta 100: positions weigh in), repeating itself, with an MTP layer."""
+def _repeating_with_mtp(folder, make, add_layer) -> dict[str, torch.Tensor]:
+    """The tiny model (the hybrids' rope theta 100: positions weigh in), repeating itself, with an MTP layer."""
     from safetensors.torch import load_file, save_file
 
-    make(folder, rope_parameters=dict(rope, rope_theta=100.0))
+    make(folder)
     path = f"{folder}/model.safetensors"
     weights = load_file(path)
     for name in weights:
@@ -44,15 +53,15 @@ def _repeating_with_mtp(folder, make, rope) -> dict[str, torch.Tensor]:
             weights[name] = weights[name] * 0.3
     weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
     save_file(weights, path, metadata={"format": "pt"})
-    return add_mtp_layer(str(folder), embed_gain=0.5)
+    return add_layer(str(folder), embed_gain=0.5)
 
 
 @pytest.fixture(scope="module")
 def mtp_models(tmp_path_factory):
     """name -> (folder, the MTP tensors written)."""
     root = tmp_path_factory.mktemp("mtp")
-    return {name: (str(root / name), _repeating_with_mtp(root / name, make, rope))
-            for name, (make, rope) in FAMILIES.items()}
+    return {name: (str(root / name), _repeating_with_mtp(root / name, make, add_layer))
+            for name, (make, add_layer, _) in FAMILIES.items()}
 
 
 def _generate(folder: str, prompts=PROMPTS, record: bool = False, **kw):
@@ -100,7 +109,7 @@ def test_mtp_drafts_are_the_layers_and_keep_the_answers(mtp_models, name):
     _assert_same_answers(plain, spec)
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    reference = MtpReference(ref, mtp)
+    reference = FAMILIES[name][2](ref, mtp)
     sequences = {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in spec}
     assert len(proposals) > 20
     for rid, position, drafts in proposals:
@@ -137,7 +146,8 @@ def test_mtp_aliases_parse():
     assert parse_speculative_config({"method": "qwen3_5_mtp", "num_speculative_tokens": 1}).method == "mtp"
 
 
-@pytest.mark.parametrize("case", ["no_layer_class", "no_tensors", "async", "ngram_keys", "other_model"])
+@pytest.mark.parametrize("case", ["no_layer_class", "no_tensors", "async", "ngram_keys", "other_model",
+                                  "glm_head_copy_differs"])
 def test_what_mtp_cannot_do_is_refused_by_name(mtp_models, tmp_path, case):
     folder, _ = mtp_models["qwen3_5"]
     spec: dict = dict(MTP)
@@ -152,6 +162,14 @@ def test_what_mtp_cannot_do_is_refused_by_name(mtp_models, tmp_path, case):
         kw, match = {"async_scheduling": True}, "async_scheduling: not supported with speculative_config method 'mtp'"
     elif case == "ngram_keys":
         spec["prompt_lookup_max"], match = 2, "prompt_lookup_min / prompt_lookup_max"
+    elif case == "glm_head_copy_differs":
+        from safetensors.torch import load_file, save_file
+
+        folder = str(shutil.copytree(mtp_models["glm4_moe"][0], tmp_path / "glm"))
+        weights = load_file(f"{folder}/model.safetensors")
+        weights["model.layers.3.shared_head.head.weight"] += 1.0
+        save_file(weights, f"{folder}/model.safetensors", metadata={"format": "pt"})
+        match = "the MTP layer's lm_head differs from the model's"
     else:
         other = shutil.copytree(folder, tmp_path / "copy")
         spec["model"], match = str(other), "speculative_config.model: method 'mtp' drafts with the served model's"
@@ -160,13 +178,15 @@ def test_what_mtp_cannot_do_is_refused_by_name(mtp_models, tmp_path, case):
 
 
 @pytest.mark.gpu
-def test_cuda_mtp_matches_cpu(mtp_models):
-    """The CUDA engine (fla's kernels, CUDA graphs for the target's decode steps, the MTP layer eager) drafting with
-    the MTP layer gives the CPU engine's answers (float32)."""
+@pytest.mark.parametrize("name", ["qwen3_5", "glm4_moe"])
+def test_cuda_mtp_matches_cpu(mtp_models, name):
+    """The CUDA engine (fla's kernels or the fused MoE kernels, CUDA graphs for the target's decode steps, the MTP
+    layer eager) drafting with the MTP layer gives the CPU engine's answers (float32)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    folder, _ = mtp_models["qwen3_5"]
+    folder, _ = mtp_models[name]
     cpu, _, _ = _generate(folder, enable_prefix_caching=False)
-    cuda, stats, _ = _generate(folder, device="cuda", mamba_block_size=16, speculative_config=MTP)
+    extra = {"mamba_block_size": 16} if name == "qwen3_5" else {}
+    cuda, stats, _ = _generate(folder, device="cuda", speculative_config=MTP, **extra)
     _assert_same_answers(cpu, cuda, 1e-3)
     assert stats["spec_num_accepted_tokens"] > 0

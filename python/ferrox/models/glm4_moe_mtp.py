@@ -1,0 +1,122 @@
+"""GLM-4.5 / 4.6 / 4.7's multi-token-prediction (MTP) layer, as a drafter (speculative_config method "mtp").
+
+The checkpoints append it after the last decoder layer (model.layers.{num_hidden_layers}.*, config.json's
+num_nextn_predict_layers; DeepSeek-V3's layout): a decoder layer of the model's own kind (sparse) plus
+
+    x = eh_proj([enorm(embed(t_{i+1})) | hnorm(h_i)])           (2H -> H, no bias; the embedding zeroed at position 0)
+    o_i = layer(x) + its residual stream                          (no final norm: o_i chains the next draft)
+    draft = argmax(lm_head(shared_head.norm(o_i)))
+
+as vLLM's Glm4MoeMTP runs it. h_i is the target's last hidden state (after its final norm) at position i, t_{i+1} the
+token after it (worker/mtp_proposer.py pairs them). The layer's `embed_tokens` and `shared_head.head` are copies of
+the target's embedding and lm_head in the releases: the target's are used, and a checkpoint whose copies differ is
+refused by name rather than drafted with the wrong head. One MTP layer is taken (the releases have one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ferrox.attention.backend import get_attention_backend
+from ferrox.attention.metadata import AttentionMetadata
+from ferrox.distributed.sharding import materialize
+from ferrox.layers.layernorm import RMSNorm
+from ferrox.layers.linear import Linear
+from ferrox.layers.quant.method import use_quant_config
+from ferrox.model_spec import ModelLoadError, UnsupportedModelError
+from ferrox.models.glm4 import reorder_rotary_rows
+from ferrox.models.moe import MoeDecoderLayer, expected_checkpoint_keys, load_moe_tensors
+
+# The MTP layer's own tensors (beside its decoder layer's), and the copies of the target's it may carry.
+_OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")
+_COPIES = {"embed_tokens.weight": "embedding", "shared_head.head.weight": "lm_head"}
+
+
+class _SharedHead(nn.Module):
+    """(The checkpoint's `shared_head`: its norm; its head is the target's lm_head.)"""
+
+    def __init__(self, norm: RMSNorm):
+        super().__init__()
+        self.norm = norm
+
+
+class Glm4MoeMultiTokenPredictor(nn.Module):
+    def __init__(self, target: Any, quant_config: Any = None):
+        super().__init__()
+        spec = target.spec
+        if target.num_mtp_layers != 1:
+            raise UnsupportedModelError(
+                f"speculative_config.method 'mtp': config.json declares {target.num_mtp_layers} multi-token-prediction "
+                "layers (num_nextn_predict_layers); ferrox drafts with exactly one")
+        self.spec = spec
+        self._target = [target]  # (a list: the target's parameters are not this module's)
+        self.index = spec.num_layers
+        self.checkpoint_prefix = f"model.layers.{self.index}."
+        dtype, device = target.model.embed_tokens.weight.dtype, target.lm_head_weight.device
+        h, eps, ops = spec.hidden_size, spec.rms_norm_eps, target.ops
+        self.backend = get_attention_backend(device, target.kernels)
+        model = target.model
+        renormalize = target.always_renormalize or spec.moe.norm_topk_prob
+        with use_quant_config(quant_config) if quant_config is not None else contextlib.nullcontext():
+            self.eh_proj = Linear(2 * h, h, bias=False, dtype=dtype, device=device)
+            self.mtp_block = MoeDecoderLayer(spec, self.index, self.backend, ops, dtype, device,
+                                             qkv_bias=target.qkv_bias(spec), qk_norm=target.qk_norm,
+                                             renormalize=renormalize, block_class=model.block_class,
+                                             attention_class=model.attention_class)
+        self.enorm = RMSNorm(h, eps, dtype, device, ops)
+        self.hnorm = RMSNorm(h, eps, dtype, device, ops)
+        self.shared_head = _SharedHead(RMSNorm(h, eps, dtype, device, ops))
+
+    @property
+    def target(self) -> Any:
+        return self._target[0]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        target = self.target
+        e = target.embed_input_ids(input_ids).masked_fill((positions == 0)[:, None], 0.0)
+        x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hidden)], dim=-1))
+        self.backend.begin_forward(meta)
+        out, residual = self.mtp_block(x, None, target.model.rotary(positions, x.dtype), kv_cache, meta)
+        return out + residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.target.compute_logits(self.shared_head.norm(hidden))
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """The MTP layer's tensors (the checkpoint_prefix ones), with the target's q / k row order."""
+        target = self.target
+        stream = reorder_rotary_rows(self._renamed(weights), self.spec.head_dim, target.rotary_order)
+        load_moe_tensors(self, stream, self.spec.architecture, expected_checkpoint_keys(self))
+
+    def _renamed(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        for name, tensor in weights:
+            if not name.startswith(self.checkpoint_prefix):
+                continue
+            leaf = name[len(self.checkpoint_prefix):]
+            if leaf in _COPIES:
+                self._check_copy(name, leaf, tensor)
+            elif leaf.startswith(_OWN):
+                yield leaf, tensor
+            else:  # (the decoder layer's, under the names MoeDecoderLayer's loader reads: model.layers.N.*)
+                yield f"mtp_block.{leaf}", tensor
+
+    def _check_copy(self, name: str, leaf: str, tensor: Any) -> None:
+        target = self.target
+        mine = target.model.embed_tokens.weight if leaf == "embed_tokens.weight" else target.lm_head_weight
+        value = materialize(tensor)
+        if tuple(value.shape) != tuple(mine.shape) or not torch.equal(value.to(mine.dtype), mine.detach().cpu()):
+            raise ModelLoadError(f"tensor {name!r}: the MTP layer's {_COPIES[leaf]} differs from the model's; ferrox "
+                                 "drafts with the model's own (as the releases store copies)")
+
+    def finalize_weights(self) -> None:
+        for module in self.modules():
+            finalize = getattr(module, "finalize_quantized", None)
+            if finalize is not None:
+                finalize()
+
