@@ -1,8 +1,8 @@
 """Live `ferrox serve` of tiny folders of the text families added in the forty-fifth session: GLM-4-0414, GLM-4.5
 (grouped sigmoid routing), DeepSeek-V2-Lite's and V3's layouts (latent attention), gpt-oss (sinks, windows, clamped
 SwiGLU experts; its MXFP4 layout too), SmolLM3 (NoPE layers), OLMo 2, OLMoE, Llama 4 (chunked attention), Gemma 4,
-Ministral 3, Mistral Small 4, Qwen3.5 / Qwen3.5-MoE / Qwen3-Next (hybrid linear attention; Qwen3.5 and Qwen3-Next
-also drafting with their MTP layer), and a harmony-speaking
+Ministral 3, Mistral Small 4, Qwen3.5 / Qwen3.5-MoE / Qwen3-Next (hybrid linear attention), Qwen3.5, Qwen3-Next and
+GLM-4.5 drafting with their MTP layer (mtp-*), and a harmony-speaking
 Llama under `--reasoning-parser openai_gptoss --tool-call-parser openai`. Per family: 24 concurrent greedy completions (prompts of 4 to 150 token ids, cut across
 chunked-prefill steps by --max-num-batched-tokens 24) compared with the offline LLM on the same device, plus chats
 and streams; 0 errors and (in float32) 0 mismatches expected. NAMES... pick the families whose names start so;
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from tests.helpers import tiny_ministral3, tiny_mistral4  # noqa: E402
 from tests.helpers.harmony_tokenizer import make_tiny_harmony_llama  # noqa: E402
-from tests.helpers.mtp_layer import add_mtp_layer  # noqa: E402
+from tests.helpers.mtp_layer import add_glm_mtp_layer, add_mtp_layer  # noqa: E402
 from tests.helpers.tiny_deepseek import make_tiny_deepseek  # noqa: E402
 from tests.helpers.tiny_glm import make_tiny_glm4, make_tiny_glm4_moe  # noqa: E402
 from tests.helpers.tiny_gpt_oss import make_tiny_gpt_oss, write_mxfp4_copy  # noqa: E402
@@ -55,6 +55,11 @@ MTP = ["--speculative-config", '{"method":"mtp","num_speculative_tokens":2}']
 
 def _with_mtp(folder: str) -> str:
     add_mtp_layer(folder, embed_gain=0.5)
+    return folder
+
+
+def _with_glm_mtp(folder: str) -> str:
+    add_glm_mtp_layer(folder, embed_gain=0.5)
     return folder
 
 
@@ -91,6 +96,7 @@ def families(tmp: Path) -> list[tuple[str, str, list[str]]]:
             ("mtp-qwen3_5", _with_mtp(make_tiny_qwen3_5(tmp / "qwen3_5_mtp")), ["--max-model-len", "256", *MTP]),
             ("mtp-qwen3-next", _with_mtp(make_tiny_qwen3_next(tmp / "qwen3_next_mtp")),
              ["--max-model-len", "256", *MTP]),
+            ("mtp-glm4-moe", _with_glm_mtp(make_tiny_glm4_moe(tmp / "glm4moe_mtp", mtp_layers=0)), MTP),
             ("harmony-parsers", make_tiny_harmony_llama(tmp / "harmony"),
              ["--reasoning-parser", "openai_gptoss", "--tool-call-parser", "openai"])]
 
