@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from tests.helpers import tiny_ministral3, tiny_mistral4  # noqa: E402
 from tests.helpers.harmony_tokenizer import make_tiny_harmony_llama  # noqa: E402
-from tests.helpers.mtp_layer import add_glm_mtp_layer, add_mtp_layer  # noqa: E402
+from tests.helpers.mtp_layer import add_deepseek_layout_mtp, add_mtp_layer  # noqa: E402
 from tests.helpers.tiny_deepseek import make_tiny_deepseek  # noqa: E402
 from tests.helpers.tiny_glm import make_tiny_glm4, make_tiny_glm4_moe  # noqa: E402
 from tests.helpers.tiny_gpt_oss import make_tiny_gpt_oss, write_mxfp4_copy  # noqa: E402
@@ -59,7 +59,7 @@ def _with_mtp(folder: str) -> str:
 
 
 def _with_glm_mtp(folder: str) -> str:
-    add_glm_mtp_layer(folder, embed_gain=0.5)
+    add_deepseek_layout_mtp(folder, embed_gain=0.5)
     return folder
 
 

@@ -113,8 +113,8 @@ class MtpReference:
         return drafts, logits
 
 
-def add_glm_mtp_layer(folder: str, *, seed: int = 1, embed_gain: float = 0.0) -> dict[str, torch.Tensor]:
-    """GLM-4.5's layout of the same (model.layers.{num_hidden_layers}.*: the last decoder layer copied and scaled,
+def add_deepseek_layout_mtp(folder: str, *, seed: int = 1, embed_gain: float = 0.0) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3's layout of the same, GLM-4.5's too (model.layers.{num_hidden_layers}.*: the last decoder layer copied and scaled,
     eh_proj, enorm / hnorm / shared_head.norm around 1, and the copies of the embedding and lm_head the releases
     carry); config.json's num_nextn_predict_layers set to 1. Returns the tensors, named without their prefix."""
     path = os.path.join(folder, "model.safetensors")
@@ -141,8 +141,8 @@ def add_glm_mtp_layer(folder: str, *, seed: int = 1, embed_gain: float = 0.0) ->
     return mtp
 
 
-class GlmMtpReference(MtpReference):
-    """MtpReference for GLM-4.5's layer: eh_proj over [enorm(embedding, zero at position 0) | hnorm(h)], the copied
+class DeepseekLayoutMtpReference(MtpReference):
+    """MtpReference for the DeepSeek-V3 / GLM-4.5 layer: eh_proj over [enorm(embedding, zero at position 0) | hnorm(h)], the copied
     decoder layer (its output includes the residual), shared_head.norm before the lm_head; the layer's output (not
     normed) chains the next draft."""
 

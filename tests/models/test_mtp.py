@@ -1,5 +1,5 @@
-"""MTP speculation (speculative_config method "mtp": models/qwen3_5_mtp.py, models/glm4_moe_mtp.py,
-worker/mtp_proposer.py) on tiny Qwen3.5, Qwen3-Next and GLM-4.5 checkpoints carrying an MTP layer in their layouts
+"""MTP speculation (speculative_config method "mtp": models/qwen3_5_mtp.py, models/deepseek_mtp.py,
+worker/mtp_proposer.py) on tiny Qwen3.5, Qwen3-Next, GLM-4.5 and DeepSeek-V3 checkpoints carrying an MTP layer in their layouts
 (tests/helpers/mtp_layer.py).
 
 The models repeat themselves (residual branches scaled by 0.3, lm_head = the embedding) and their MTP layer leans
@@ -20,7 +20,13 @@ from ferrox import LLM, SamplingParams
 from ferrox.speculative_config import parse_speculative_config
 
 from tests.helpers import tiny_qwen3_5
-from tests.helpers.mtp_layer import GlmMtpReference, MtpReference, add_glm_mtp_layer, add_mtp_layer
+from tests.helpers.mtp_layer import (
+    DeepseekLayoutMtpReference,
+    MtpReference,
+    add_deepseek_layout_mtp,
+    add_mtp_layer,
+)
+from tests.helpers.tiny_deepseek import make_tiny_deepseek
 from tests.helpers.tiny_glm import make_tiny_glm4_moe
 from tests.helpers.tiny_models import make_tiny_llama
 
@@ -34,7 +40,8 @@ FAMILIES = {
     "qwen3_next": (lambda f: tiny_qwen3_5.make_tiny_qwen3_next(f, rope_parameters=dict(tiny_qwen3_5.NEXT_ROPE,
                                                                                        rope_theta=100.0)),
                    add_mtp_layer, MtpReference),
-    "glm4_moe": (lambda f: make_tiny_glm4_moe(f, mtp_layers=0), add_glm_mtp_layer, GlmMtpReference),
+    "glm4_moe": (lambda f: make_tiny_glm4_moe(f, mtp_layers=0), add_deepseek_layout_mtp, DeepseekLayoutMtpReference),
+    "deepseek_v3": (lambda f: make_tiny_deepseek(f, version=3), add_deepseek_layout_mtp, DeepseekLayoutMtpReference),
 }
 PROMPTS = [[5, 9, 11, 13] * 6, [(7 * i) % 40 + 3 for i in range(37)], [21, 22] * 9, [(3 * i) % 17 + 40 for i in range(29)]]
 PARAMS = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True, logprobs=0)

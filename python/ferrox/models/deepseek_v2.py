@@ -35,7 +35,8 @@ another cut naming the tensor).
 
 Not here yet: LoRA (refused by the adapter check: no qkv_proj) and the fused one-token decode kernels. The
 multi-token-prediction layers a config declares past num_hidden_layers (V3's num_nextn_predict_layers) are
-skipped at load, as vLLM does for the base model.
+skipped at load, as vLLM does for the base model; speculative_config method 'mtp' drafts with the first
+(models/deepseek_mtp.py builds it from `mtp_decoder_layer` and loads it through `load_deepseek_tensors`).
 """
 
 from __future__ import annotations
@@ -333,42 +334,77 @@ class DeepseekV2ForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Copy HF-named tensors in, stacking each layer's experts; every piece set exactly once. The
         num_nextn_predict_layers layers after num_hidden_layers (multi-token prediction) are skipped."""
-        params = dict(self.named_parameters())
-        modules = dict(self.named_modules())
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        for name, tensor in weights:
-            if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.lm_head is None):
-                continue
+
+        def base(item: tuple[str, Any]) -> bool:
+            name = item[0]
+            if name == "lm_head.weight" and self.lm_head is None:
+                return False
             layer = _LAYER_INDEX.match(name)
-            if layer is not None and 0 <= int(layer[1]) - self.spec.num_layers < self.num_mtp_layers:
-                continue  # a multi-token-prediction layer the config declares (num_nextn_predict_layers)
-            prefix, _, leaf = name.rpartition(".")
-            parent, _, proj = prefix.rpartition(".")
-            expert = _EXPERT_NAME.match(name)
-            try:
-                if expert is not None and isinstance(modules.get(expert["experts"]), FusedMoE):
-                    shard = expert["proj"].removesuffix("_proj")
-                    e = int(expert["expert"])
-                    modules[expert["experts"]].load_expert_weight(expert["leaf"], e, shard, tensor)
-                    key = f"{expert['experts']}#{e}.{shard}.{expert['leaf']}"
-                elif proj in _MERGED and isinstance(merged := modules.get(f"{parent}.gate_up_proj"), MergedLinear):
-                    if not linear_takes(merged, f"{parent}.gate_up_proj", leaf, _MERGED[proj]):
-                        unexpected.append(name)
-                        continue
-                    merged.load_weight(leaf, tensor, _MERGED[proj])
-                    key = f"{parent}.gate_up_proj.{leaf}#{_MERGED[proj]}"
-                else:
-                    owner, param = modules.get(prefix), params.get(name)
-                    if owner is None or not (param is not None or linear_takes(owner, prefix, leaf, None)):
-                        unexpected.append(name)
-                        continue
-                    load_into(owner, param, leaf, tensor)
-                    key = name
-            except ValueError as e:
-                raise ModelLoadError(f"tensor {name!r}: {e} (config.json does not match the weights?)") from e
-            loaded.add(key)
-        check_all_loaded(self.spec.architecture, unexpected, self._expected_keys(), loaded)
+            # (a multi-token-prediction layer the config declares: num_nextn_predict_layers)
+            return layer is None or not 0 <= int(layer[1]) - self.spec.num_layers < self.num_mtp_layers
+
+        load_deepseek_tensors(self, filter(base, weights), self.spec.architecture, self._expected_keys())
+
+    def multi_token_predictor(self, quant_config: Any = None) -> nn.Module:
+        """The checkpoint's MTP layer as a drafter (models/deepseek_mtp.py), built but not loaded."""
+        from ferrox.models.deepseek_mtp import DeepseekLayoutMtp
+
+        return DeepseekLayoutMtp(self, quant_config)
+
+    def mtp_decoder_layer(self, index: int) -> tuple[AttentionBackend, nn.Module]:
+        """(A latent-attention backend of its own, the MTP layer's decoder layer: one of this model's.)"""
+        device = self.lm_head_weight.device
+        backend = mla_backend(device, self.kernels, self.mla)
+        return backend, DeepseekDecoderLayer(self.spec, index, self.mla, self.moe, backend, self.ops,
+                                             self.model.embed_tokens.weight.dtype, device)
+
+    def load_mtp_tensors(self, mtp: nn.Module, weights: Iterable[tuple[str, Any]], expected: set[str]) -> None:
+        load_deepseek_tensors(mtp, weights, self.spec.architecture, expected)
+
+    def finalize_mtp(self, mtp: nn.Module) -> None:
+        """After the MTP layer's load: its attention's kv_b_proj absorbed, as the model's own (finalize_weights)."""
+        for module in mtp.modules():
+            if isinstance(module, MlaAttention):
+                module.absorb_kv_b(self.model_dtype)
+
+
+def load_deepseek_tensors(model: nn.Module, weights: Iterable[tuple[str, Any]], architecture: str,
+                          expected: set[str]) -> None:
+    """HF-named tensors into `model`'s DeepSeek layers (each layer's experts stacked, gate / up merged, the rest by
+    name), then every expected piece checked (the model, and a checkpoint's MTP layer: models/deepseek_mtp.py)."""
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for name, tensor in weights:
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        prefix, _, leaf = name.rpartition(".")
+        parent, _, proj = prefix.rpartition(".")
+        expert = _EXPERT_NAME.match(name)
+        try:
+            if expert is not None and isinstance(modules.get(expert["experts"]), FusedMoE):
+                shard = expert["proj"].removesuffix("_proj")
+                e = int(expert["expert"])
+                modules[expert["experts"]].load_expert_weight(expert["leaf"], e, shard, tensor)
+                key = f"{expert['experts']}#{e}.{shard}.{expert['leaf']}"
+            elif proj in _MERGED and isinstance(merged := modules.get(f"{parent}.gate_up_proj"), MergedLinear):
+                if not linear_takes(merged, f"{parent}.gate_up_proj", leaf, _MERGED[proj]):
+                    unexpected.append(name)
+                    continue
+                merged.load_weight(leaf, tensor, _MERGED[proj])
+                key = f"{parent}.gate_up_proj.{leaf}#{_MERGED[proj]}"
+            else:
+                owner, param = modules.get(prefix), params.get(name)
+                if owner is None or not (param is not None or linear_takes(owner, prefix, leaf, None)):
+                    unexpected.append(name)
+                    continue
+                load_into(owner, param, leaf, tensor)
+                key = name
+        except ValueError as e:
+            raise ModelLoadError(f"tensor {name!r}: {e} (config.json does not match the weights?)") from e
+        loaded.add(key)
+    check_all_loaded(architecture, unexpected, expected, loaded)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

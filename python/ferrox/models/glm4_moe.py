@@ -19,7 +19,7 @@ What differs from Qwen-MoE, as transformers' Glm4Moe defines it:
 
 The checkpoints carry `num_nextn_predict_layers` multi-token-prediction layers after the last decoder
 layer (model.layers.{num_hidden_layers}...); the base model does not run them, and they are skipped at
-load as vLLM skips them; speculative_config method 'mtp' drafts with the first (models/glm4_moe_mtp.py). Config names come from config.json with transformers' Glm4MoeConfig defaults.
+load as vLLM skips them; speculative_config method 'mtp' drafts with the first (models/deepseek_mtp.py). Config names come from config.json with transformers' Glm4MoeConfig defaults.
 Tensor and expert parallelism are the MoE stack's. The published FP8 checkpoints (block-wise, 128-row blocks of
 128-dim heads) load as stored: a q/k row reordered inside its head stays in its block row, under its scale.
 Refused by name: another checkpoint quantization_config (the q/k rows are permuted at load;
@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ferrox.attention.backend import AttentionBackend, get_attention_backend
 from ferrox.layers.fused_moe import TopKRouter, experts_with_shared
 from ferrox.layers.grouped_topk import grouped_topk
 from ferrox.layers.ops import DeviceOps
@@ -50,7 +51,7 @@ from ferrox.models.glm4 import (
     without_mtp_layers,
 )
 from ferrox.models.llama import LlamaMLP
-from ferrox.models.moe import MoeBlock, MoeForCausalLM, MoeModel
+from ferrox.models.moe import MoeBlock, MoeDecoderLayer, MoeForCausalLM, MoeModel, load_moe_tensors
 
 # transformers' Glm4MoeConfig defaults for the fields config.json may leave out.
 _DEFAULTS: dict[str, Any] = {
@@ -199,10 +200,26 @@ class Glm4MoeForCausalLM(MoeForCausalLM):
         return bool(spec.hf_config.get("attention_bias", False))
 
     def multi_token_predictor(self, quant_config: Any = None) -> nn.Module:
-        """The checkpoint's MTP layer as a drafter (models/glm4_moe_mtp.py), built but not loaded."""
-        from ferrox.models.glm4_moe_mtp import Glm4MoeMultiTokenPredictor
+        """The checkpoint's MTP layer as a drafter (models/deepseek_mtp.py), built but not loaded."""
+        from ferrox.models.deepseek_mtp import DeepseekLayoutMtp
 
-        return Glm4MoeMultiTokenPredictor(self, quant_config)
+        return DeepseekLayoutMtp(self, quant_config)
+
+    def mtp_decoder_layer(self, index: int) -> tuple[AttentionBackend, nn.Module]:
+        """(An attention backend of its own, the MTP layer's decoder layer: one of this model's, sparse.)"""
+        backend = get_attention_backend(self.lm_head_weight.device, self.kernels)
+        model, spec = self.model, self.spec
+        assert spec.moe is not None
+        dtype = model.embed_tokens.weight.dtype
+        return backend, MoeDecoderLayer(spec, index, backend, self.ops, dtype, self.lm_head_weight.device,
+                                        qkv_bias=self.qkv_bias(spec), qk_norm=self.qk_norm,
+                                        renormalize=self.always_renormalize or spec.moe.norm_topk_prob,
+                                        block_class=model.block_class, attention_class=model.attention_class)
+
+    def load_mtp_tensors(self, mtp: nn.Module, weights: Iterable[tuple[str, Any]], expected: set[str]) -> None:
+        """The MTP layer's tensors into `mtp`, with this model's q / k row order."""
+        load_moe_tensors(mtp, reorder_rotary_rows(weights, self.spec.head_dim, self.rotary_order),
+                         self.spec.architecture, expected)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         super().load_weights(reorder_rotary_rows(without_mtp_layers(weights, self.spec.num_layers, self.num_mtp_layers),

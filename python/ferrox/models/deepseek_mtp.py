@@ -1,13 +1,15 @@
-"""GLM-4.5 / 4.6 / 4.7's multi-token-prediction (MTP) layer, as a drafter (speculative_config method "mtp").
+"""DeepSeek-V3's multi-token-prediction (MTP) layer layout, as a drafter (speculative_config method "mtp"): DeepSeek-V3
+/ R1 (models/deepseek_v2.py) and GLM-4.5 / 4.6 / 4.7 (models/glm4_moe.py) checkpoints carry it.
 
 The checkpoints append it after the last decoder layer (model.layers.{num_hidden_layers}.*, config.json's
-num_nextn_predict_layers; DeepSeek-V3's layout): a decoder layer of the model's own kind (sparse) plus
+num_nextn_predict_layers): a decoder layer of the model's own kind (sparse; the target builds it:
+`mtp_decoder_layer`) plus
 
     x = eh_proj([enorm(embed(t_{i+1})) | hnorm(h_i)])           (2H -> H, no bias; the embedding zeroed at position 0)
     o_i = layer(x) + its residual stream                          (no final norm: o_i chains the next draft)
     draft = argmax(lm_head(shared_head.norm(o_i)))
 
-as vLLM's Glm4MoeMTP runs it. h_i is the target's last hidden state (after its final norm) at position i, t_{i+1} the
+as vLLM's DeepSeekMTP / Glm4MoeMTP run it. h_i is the target's last hidden state (after its final norm) at position i, t_{i+1} the
 token after it (worker/mtp_proposer.py pairs them). The layer's `embed_tokens` and `shared_head.head` are copies of
 the target's embedding and lm_head in the releases: the target's are used, and a checkpoint whose copies differ is
 refused by name rather than drafted with the wrong head. One MTP layer is taken (the releases have one).
@@ -22,15 +24,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ferrox.attention.backend import get_attention_backend
 from ferrox.attention.metadata import AttentionMetadata
 from ferrox.distributed.sharding import materialize
 from ferrox.layers.layernorm import RMSNorm
 from ferrox.layers.linear import Linear
 from ferrox.layers.quant.method import use_quant_config
 from ferrox.model_spec import ModelLoadError, UnsupportedModelError
-from ferrox.models.glm4 import reorder_rotary_rows
-from ferrox.models.moe import MoeDecoderLayer, expected_checkpoint_keys, load_moe_tensors
+from ferrox.models.moe import expected_checkpoint_keys
 
 # The MTP layer's own tensors (beside its decoder layer's), and the copies of the target's it may carry.
 _OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")
@@ -45,7 +45,7 @@ class _SharedHead(nn.Module):
         self.norm = norm
 
 
-class Glm4MoeMultiTokenPredictor(nn.Module):
+class DeepseekLayoutMtp(nn.Module):
     def __init__(self, target: Any, quant_config: Any = None):
         super().__init__()
         spec = target.spec
@@ -59,15 +59,10 @@ class Glm4MoeMultiTokenPredictor(nn.Module):
         self.checkpoint_prefix = f"model.layers.{self.index}."
         dtype, device = target.model.embed_tokens.weight.dtype, target.lm_head_weight.device
         h, eps, ops = spec.hidden_size, spec.rms_norm_eps, target.ops
-        self.backend = get_attention_backend(device, target.kernels)
-        model = target.model
-        renormalize = target.always_renormalize or spec.moe.norm_topk_prob
         with use_quant_config(quant_config) if quant_config is not None else contextlib.nullcontext():
             self.eh_proj = Linear(2 * h, h, bias=False, dtype=dtype, device=device)
-            self.mtp_block = MoeDecoderLayer(spec, self.index, self.backend, ops, dtype, device,
-                                             qkv_bias=target.qkv_bias(spec), qk_norm=target.qk_norm,
-                                             renormalize=renormalize, block_class=model.block_class,
-                                             attention_class=model.attention_class)
+            # (a backend of its own: the MTP step's attention metadata is not the target step's)
+            self.backend, self.mtp_block = target.mtp_decoder_layer(self.index)
         self.enorm = RMSNorm(h, eps, dtype, device, ops)
         self.hnorm = RMSNorm(h, eps, dtype, device, ops)
         self.shared_head = _SharedHead(RMSNorm(h, eps, dtype, device, ops))
@@ -89,10 +84,8 @@ class Glm4MoeMultiTokenPredictor(nn.Module):
         return self.target.compute_logits(self.shared_head.norm(hidden))
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        """The MTP layer's tensors (the checkpoint_prefix ones), with the target's q / k row order."""
-        target = self.target
-        stream = reorder_rotary_rows(self._renamed(weights), self.spec.head_dim, target.rotary_order)
-        load_moe_tensors(self, stream, self.spec.architecture, expected_checkpoint_keys(self))
+        """The MTP layer's tensors (the checkpoint_prefix ones), read as the target reads its layers'."""
+        self.target.load_mtp_tensors(self, self._renamed(weights), expected_checkpoint_keys(self))
 
     def _renamed(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         for name, tensor in weights:
@@ -119,4 +112,7 @@ class Glm4MoeMultiTokenPredictor(nn.Module):
             finalize = getattr(module, "finalize_quantized", None)
             if finalize is not None:
                 finalize()
+        after_load = getattr(self.target, "finalize_mtp", None)  # (DeepSeek: the latent attention's absorption)
+        if after_load is not None:
+            after_load(self)
 
