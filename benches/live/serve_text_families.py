@@ -2,7 +2,7 @@
 (grouped sigmoid routing), DeepSeek-V2-Lite's and V3's layouts (latent attention), gpt-oss (sinks, windows, clamped
 SwiGLU experts; its MXFP4 layout too), SmolLM3 (NoPE layers), OLMo 2, OLMoE, Llama 4 (chunked attention), Gemma 4,
 Ministral 3, Mistral Small 4, Qwen3.5 / Qwen3.5-MoE / Qwen3-Next (hybrid linear attention), Qwen3.5, Qwen3-Next and
-GLM-4.5 drafting with their MTP layer (mtp-*), and a harmony-speaking
+GLM-4.5 and DeepSeek-V3 drafting with their MTP layer (mtp-*), and a harmony-speaking
 Llama under `--reasoning-parser openai_gptoss --tool-call-parser openai`. Per family: 24 concurrent greedy completions (prompts of 4 to 150 token ids, cut across
 chunked-prefill steps by --max-num-batched-tokens 24) compared with the offline LLM on the same device, plus chats
 and streams; 0 errors and (in float32) 0 mismatches expected. NAMES... pick the families whose names start so;
@@ -58,7 +58,7 @@ def _with_mtp(folder: str) -> str:
     return folder
 
 
-def _with_glm_mtp(folder: str) -> str:
+def _with_deepseek_layout_mtp(folder: str) -> str:
     add_deepseek_layout_mtp(folder, embed_gain=0.5)
     return folder
 
@@ -96,7 +96,8 @@ def families(tmp: Path) -> list[tuple[str, str, list[str]]]:
             ("mtp-qwen3_5", _with_mtp(make_tiny_qwen3_5(tmp / "qwen3_5_mtp")), ["--max-model-len", "256", *MTP]),
             ("mtp-qwen3-next", _with_mtp(make_tiny_qwen3_next(tmp / "qwen3_next_mtp")),
              ["--max-model-len", "256", *MTP]),
-            ("mtp-glm4-moe", _with_glm_mtp(make_tiny_glm4_moe(tmp / "glm4moe_mtp", mtp_layers=0)), MTP),
+            ("mtp-glm4-moe", _with_deepseek_layout_mtp(make_tiny_glm4_moe(tmp / "glm4moe_mtp", mtp_layers=0)), MTP),
+            ("mtp-deepseek-v3", _with_deepseek_layout_mtp(make_tiny_deepseek(tmp / "dsv3_mtp", version=3)), MTP),
             ("harmony-parsers", make_tiny_harmony_llama(tmp / "harmony"),
              ["--reasoning-parser", "openai_gptoss", "--tool-call-parser", "openai"])]
 

@@ -185,10 +185,10 @@ def test_what_mtp_cannot_do_is_refused_by_name(mtp_models, tmp_path, case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["qwen3_5", "glm4_moe"])
+@pytest.mark.parametrize("name", ["qwen3_5", "glm4_moe", "deepseek_v3"])
 def test_cuda_mtp_matches_cpu(mtp_models, name):
-    """The CUDA engine (fla's kernels or the fused MoE kernels, CUDA graphs for the target's decode steps, the MTP
-    layer eager) drafting with the MTP layer gives the CPU engine's answers (float32)."""
+    """The CUDA engine (fla's kernels, the fused MoE kernels, the Triton MLA kernels; CUDA graphs for the target's
+    decode steps, the MTP layer eager) drafting with the MTP layer gives the CPU engine's answers (float32)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     folder, _ = mtp_models[name]
