@@ -85,6 +85,95 @@ def load_predictor(target: Any, source: ModelSource, load_format: str, seed: int
     return predictor
 
 
+@dataclass(slots=True)
+class _PairPlan:
+    """The MTP pass of one step (plan_pairs): its pairs in row order, each row's in position order."""
+
+    src: npt.NDArray[np.int64]  # [P] the hidden row of each pair: the step's (< T), or T + i for held[i]
+    tokens: npt.NDArray[np.int64]  # [P] the token after it
+    positions: npt.NDArray[np.int64]  # [P]
+    slots: npt.NDArray[np.int64]  # [P] KV slots (the twin cache's, the target's block ids)
+    rows: npt.NDArray[np.int64]  # [R'] the batch rows that have pairs
+    q_lens: npt.NDArray[np.int64]  # [R'] their pairs
+    seq_lens: npt.NDArray[np.int64]  # [R'] their last pair's position + 1
+    held: list[torch.Tensor]  # deferred hidden states used (their pairs' src: T + i)
+    pending: npt.NDArray[np.int64]  # batch rows of the requests that sampled and go on
+    pending_positions: npt.NDArray[np.int64]  # their last sampled token's position
+    last_pairs: npt.NDArray[np.int64]  # their last pair's index in the pass (its output gives the first draft)
+    partial: npt.NDArray[np.int64]  # batch rows of partial prefills: their last pair waits for the next chunk
+    partial_rows: npt.NDArray[np.int64]  # their last hidden row in the step
+    partial_positions: npt.NDArray[np.int64]  # and its position
+
+
+def plan_pairs(so: Any, outs: Any, held_over: dict[str, tuple[torch.Tensor, int]], block_size: int) -> _PairPlan:
+    """The pairs (h_i, t_{i+1}) a step gives the MTP layer (module docstring), vectorized over the batch: row r's
+    m_r kept positions from its first (a sampled row: all but a verify step's rejected ones, the last paired with
+    the token just sampled; an unsampled row: all but its last), after the pair its previous chunk deferred."""
+    qsl = np.asarray(so.query_start_loc, dtype=np.int64)
+    n = np.asarray(so.num_scheduled_tokens, dtype=np.int64)
+    ids = np.asarray(so.input_ids, dtype=np.int64)
+    positions = np.asarray(so.positions, dtype=np.int64)
+    slot_mapping = np.asarray(so.slot_mapping, dtype=np.int64)
+    block_table = np.asarray(so.block_table, dtype=np.int64)
+    drafts = np.asarray(so.num_draft_tokens, dtype=np.int64)
+    sample_mask = np.asarray(so.sample_mask, dtype=np.bool_)
+    slots = np.asarray(so.req_slots, dtype=np.int64)
+    t, num_rows, bs = int(so.num_tokens), len(slots), block_size
+    qs, p0 = qsl[:-1], positions[qsl[:-1]]
+    # What the core appended to each row's request this step (tokens, the last, finished), by slot.
+    out_slots = np.asarray(outs.slots, dtype=np.int64)
+    offsets = np.asarray(outs.token_offsets, dtype=np.int64)
+    lookup = np.full(int(max(slots.max(), out_slots.max(initial=0))) + 1, -1, dtype=np.int64)
+    lookup[out_slots] = np.arange(out_slots.size)
+    j = lookup[slots]  # (-1: the core reported nothing for it; it picks the padding below)
+    c_out = np.diff(offsets)
+    token_ids = np.asarray(outs.token_ids, dtype=np.int64)
+    lasts = (np.where(c_out > 0, token_ids[np.maximum(offsets[1:] - 1, 0)], 0) if token_ids.size
+             else np.zeros_like(c_out))
+    c = np.append(c_out, 0)[j]
+    last = np.append(lasts, 0)[j]
+    finished = np.append(np.asarray(outs.finish_reasons) != 0, True)[j]
+    m = np.where(c > 0, n - drafts + c - 1, n - 1)
+    # Deferred pairs from the previous step (position p0 - 1, its hidden state held, its token this row's first).
+    d = np.zeros(num_rows, dtype=np.int64)
+    held: list[torch.Tensor] = []
+    held_index = np.zeros(num_rows, dtype=np.int64)
+    if held_over:
+        for r, rid in enumerate(so.req_ids):
+            entry = held_over.get(rid)
+            if entry is not None and entry[1] == p0[r] - 1:
+                d[r], held_index[r] = 1, len(held)
+                held.append(entry[0])
+    q = d + m
+    start = np.cumsum(q) - q
+    size = int(q.sum())
+    src, tokens = np.empty(size, dtype=np.int64), np.empty(size, dtype=np.int64)
+    pos, kv_slots = np.empty(size, dtype=np.int64), np.empty(size, dtype=np.int64)
+    row_of = np.repeat(np.arange(num_rows), m)
+    k = np.arange(row_of.size) - np.repeat(np.cumsum(m) - m, m)  # each pair's index in its row's run
+    dst = start[row_of] + d[row_of] + k
+    step_row = qs[row_of] + k
+    src[dst] = step_row
+    tokens[dst] = np.append(ids, 0)[step_row + 1]
+    ends = (k == m[row_of] - 1) & (c[row_of] > 0)
+    tokens[dst[ends]] = last[row_of[ends]]
+    pos[dst], kv_slots[dst] = positions[step_row], slot_mapping[step_row]
+    dr = np.flatnonzero(d)
+    prev = p0[dr] - 1
+    src[start[dr]] = t + held_index[dr]
+    tokens[start[dr]] = ids[qs[dr]]
+    pos[start[dr]] = prev
+    kv_slots[start[dr]] = block_table[dr, prev // bs] * bs + prev % bs
+    kept = np.flatnonzero(q > 0)
+    pending = np.flatnonzero((c > 0) & ~finished)
+    partial = np.flatnonzero((c == 0) & ~sample_mask)
+    return _PairPlan(src=src, tokens=tokens, positions=pos, slots=kv_slots, rows=kept, q_lens=q[kept],
+                     seq_lens=p0[kept] + m[kept], held=held, pending=pending,
+                     pending_positions=p0[pending] + m[pending], last_pairs=start[pending] + q[pending] - 1,
+                     partial=partial, partial_rows=qs[partial] + n[partial] - 1,
+                     partial_positions=p0[partial] + n[partial] - 1)
+
+
 class MtpProposer:
     def __init__(self, predictor: Any, *, num_speculative_tokens: int, num_blocks: int, block_size: int,
                  max_num_seqs: int, max_model_len: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -109,11 +198,6 @@ class MtpProposer:
         """(A draft model's pass over the step's tokens, right after its launch; the MTP layer's waits for the
         sampled tokens: record.)"""
 
-    def forget(self) -> None:
-        self._pending = []
-        self._first = None
-        self._deferred.clear()
-
     @torch.inference_mode()
     def record(self, handle: Any, outs: Any) -> None:
         """After update_from_output of a synchronous step: the MTP layer over the step's pairs (module docstring),
@@ -122,93 +206,38 @@ class MtpProposer:
         self._pending, self._first = [], None
         if hidden is None or not so.num_reqs:
             return
-        qsl = np.asarray(so.query_start_loc, dtype=np.int64)
-        counts = np.asarray(so.num_scheduled_tokens, dtype=np.int64)
-        ids = np.asarray(so.input_ids, dtype=np.int64)
-        positions = np.asarray(so.positions, dtype=np.int64)
-        slot_mapping = np.asarray(so.slot_mapping, dtype=np.int64)
-        block_table = np.asarray(so.block_table, dtype=np.int32)
-        drafts = np.asarray(so.num_draft_tokens, dtype=np.int64)
-        sample_mask = np.asarray(so.sample_mask, dtype=np.bool_)
-        slots = np.asarray(so.req_slots, dtype=np.int64)
-        appended: dict[int, tuple[int, int, bool]] = {}  # slot -> (tokens appended, the last, finished)
-        offsets = outs.token_offsets
-        for j, slot in enumerate(outs.slots.tolist()):
-            c = int(offsets[j + 1] - offsets[j])
-            appended[slot] = (c, int(outs.token_ids[offsets[j + 1] - 1]) if c else 0, bool(outs.finish_reasons[j]))
-        bs, t = self.block_size, int(so.num_tokens)
-        rows: list[npt.NDArray[np.int64]] = []  # per batch row: the step's hidden rows of its pairs
-        tok, pos, slot_of, q_lens, seq_lens, tables, extra = [], [], [], [], [], [], []
-        last_pair: list[tuple[int, int, int]] = []  # (slot, row in the pass, batch row) of requests going on
-        deferred_rows: list[torch.Tensor] = []
-        n_pairs = 0
         # A deferred pair lives one step: its request's next chunk, or never (preempted, aborted, or not scheduled:
         # the pair is lost, an approximation).
         held_over, self._deferred = self._deferred, {}
-        for r in range(len(slots)):
-            qs, n, rid = int(qsl[r]), int(counts[r]), so.req_ids[r]
-            p0 = int(positions[qs])
-            c, last, finished = appended.get(int(slots[r]), (0, 0, True))
-            # Pairs (hidden row, next token) of this row, in position order.
-            r_rows, r_tok, r_pos, r_slot = [], [], [], []
-            held = held_over.get(rid)
-            if held is not None and held[1] == p0 - 1:
-                prev = p0 - 1
-                r_rows.append(-1 - len(deferred_rows))
-                deferred_rows.append(held[0])
-                r_tok.append(int(ids[qs]))
-                r_pos.append(prev)
-                r_slot.append(int(block_table[r, prev // bs]) * bs + prev % bs)
-            if c:  # a sampled row: its kept positions (a verify step's rejected ones left out)
-                m = n - (int(drafts[r]) - (c - 1))
-                nxt = np.append(ids[qs + 1:qs + m], last)
-            else:  # a partial prefill (or a row that ended unsampled): the last position waits for its token
-                m = n - 1
-                nxt = ids[qs + 1:qs + n]
-                if not sample_mask[r]:
-                    self._deferred[rid] = (hidden[qs + n - 1].clone(), p0 + n - 1)
-            r_rows.extend(range(qs, qs + m))
-            r_tok.extend(nxt[:m].tolist())
-            r_pos.extend(positions[qs:qs + m].tolist())
-            r_slot.extend(slot_mapping[qs:qs + m].tolist())
-            if not r_rows:
-                continue
-            if c and not finished:
-                last_pair.append((int(slots[r]), n_pairs + len(r_rows) - 1, r))
-            n_pairs += len(r_rows)
-            rows.append(np.array(r_rows, dtype=np.int64))
-            tok.extend(r_tok)
-            pos.extend(r_pos)
-            slot_of.extend(r_slot)
-            q_lens.append(len(r_rows))
-            seq_lens.append(r_pos[-1] + 1)
-            tables.append(block_table[r])
-            extra.append(r)
-        if not q_lens:
+        plan = plan_pairs(so, outs, held_over, self.block_size)
+        t = int(so.num_tokens)
+        if plan.partial.size:  # (one gather for every partial prefill's last hidden state)
+            last_rows = hidden.index_select(0, torch.from_numpy(plan.partial_rows).to(hidden.device))
+            for i, r in enumerate(plan.partial.tolist()):
+                self._deferred[so.req_ids[r]] = (last_rows[i], int(plan.partial_positions[i]))
+        if not plan.q_lens.size:
             return
-        src = np.concatenate(rows)
-        src = np.where(src >= 0, src, t - 1 - src)  # deferred rows follow the step's
-        h_all = hidden[:t] if not deferred_rows else torch.cat([hidden[:t], torch.stack(deferred_rows)])
+        h_all = hidden[:t] if not plan.held else torch.cat([hidden[:t], torch.stack(plan.held)])
+        block_table = np.asarray(so.block_table, dtype=np.int32)
         step = _DraftStep(
-            query_start_loc=np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32),
-            seq_lens=np.array(seq_lens, dtype=np.int32),
-            num_scheduled_tokens=np.array(q_lens, dtype=np.int32),
-            slot_mapping=np.array(slot_of, dtype=np.int64),
-            block_table=np.ascontiguousarray(np.stack(tables)),
+            query_start_loc=np.concatenate(([0], np.cumsum(plan.q_lens))).astype(np.int32),
+            seq_lens=plan.seq_lens.astype(np.int32),
+            num_scheduled_tokens=plan.q_lens.astype(np.int32),
+            slot_mapping=plan.slots,
+            block_table=np.ascontiguousarray(block_table[plan.rows]),
         )
         upload = self.upload
         upload.next_step()
         meta = attention_metadata(step, upload)
-        h_in = h_all.index_select(0, upload("rows", src))
-        out = self.predictor(upload("ids", np.array(tok, dtype=np.int64)), upload("positions", np.array(pos)),
-                             h_in, self.kv_cache, meta)
-        if not last_pair:
+        h_in = h_all.index_select(0, upload("rows", plan.src))
+        out = self.predictor(upload("ids", plan.tokens), upload("positions", plan.positions), h_in, self.kv_cache,
+                             meta)
+        if not plan.pending.size:
             return
-        # The last sampled token's position: after the row's last kept position (p0 + m - 1 above).
-        self._pending = [_Pending(slot, int(positions[int(qsl[r])]) + int(counts[r]) - int(drafts[r])
-                                  + appended[slot][0] - 1, block_table[r].copy()) for slot, _, r in last_pair]
-        at = upload("last_pairs", np.array([i for _, i, _ in last_pair], dtype=np.int64))
-        o = out.index_select(0, at)
+        slots = np.asarray(so.req_slots, dtype=np.int64)
+        self._pending = [_Pending(int(slots[r]), int(p), block_table[r].copy())
+                         for r, p in zip(plan.pending.tolist(), plan.pending_positions.tolist(), strict=True)]
+        o = out.index_select(0, upload("last_pairs", plan.last_pairs))
         self._first = (self.predictor.compute_logits(o).argmax(dim=-1), o)
 
     @torch.inference_mode()
