@@ -8,7 +8,7 @@ logprobs) are those of the engine without drafts; every draft the engine propose
 chunk's last position paired with the next chunk's first token), verify steps (rejected positions left out) and
 the chained rounds (scratch blocks) -- is what a from-scratch reference drafts (transformers' decoder layer over the
 pairs (h_i, t_{i+1}) of transformers' hidden states); prefix caching with state snapshots and preemption beside;
-the refusals by name; on a GPU, the CUDA engine."""
+two tensor-parallel ranks; the refusals by name; on a GPU, the CUDA engine."""
 
 from __future__ import annotations
 
@@ -146,6 +146,17 @@ def test_mtp_with_prefix_caching_snapshots_and_preemption(mtp_models):
     finally:
         llm.engine.shutdown()
     _assert_same_answers(plain, tight)
+
+
+def test_mtp_under_tensor_parallelism(mtp_models):
+    """Two gloo ranks: each holds half of the MTP layer's heads (and of its twin cache's) and runs the driver's pass and
+    round arrays on its shard, so the collectives line up; the answers are the one-rank engine's without drafts."""
+    folder, _ = mtp_models["qwen3_5"]
+    plain, _, _ = _generate(folder, enable_prefix_caching=False)
+    spec, stats, _ = _generate(folder, tensor_parallel_size=2, max_num_batched_tokens=16, mamba_block_size=16,
+                               speculative_config=MTP)
+    _assert_same_answers(plain, spec, 1e-3)
+    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
 
 
 def test_mtp_aliases_parse():

@@ -22,6 +22,8 @@ SHUTDOWN = 2  # leave the worker loop
 SLEEP = 3  # release the memory of these tags (worker/sleep_control.py tag_array), then a barrier
 WAKE = 4  # take that memory again
 RELOAD = 5  # read the weights again from the checkpoint (reload_weights), then a barrier
+MTP_PASS = 6  # the MTP layer's pass over the last step's pairs (worker/mtp_proposer.py run_pass)
+MTP_ROUNDS = 7  # its chained drafts (run_rounds)
 
 
 class StepChannel:

@@ -42,7 +42,7 @@ import numpy as np
 from ferrox import _core
 from ferrox.bad_words import with_bad_words_token_ids
 from ferrox.config import EngineConfig, long_prefill_threshold
-from ferrox.distributed.parallel_state import TPGroup, destroy_tp_group
+from ferrox.distributed.parallel_state import TPGroup, destroy_tp_group, use_tp_group
 from ferrox.engine.kv_events import ZmqEventPublisher, to_batch
 from ferrox.engine.lora_state import EngineLoRAs, check_lora_config
 from ferrox.engine.profiler import EngineProfiler
@@ -73,7 +73,7 @@ from ferrox.worker.draft_model import DraftProposer
 from ferrox.worker.host_kv_tier import HostKvTier, configured_slots
 from ferrox.worker.model_runner import ModelRunner, ModelRunnerOutput, StepHandle
 from ferrox.worker.model_setup import LoadedModel, load_everything
-from ferrox.worker.mtp_proposer import MtpProposer, load_predictor
+from ferrox.worker.mtp_proposer import MtpProposer, mtp_proposer
 from ferrox.worker.multimodal import ImageEmbeddings, check_items
 from ferrox.worker.pooling_runner import PoolingRunner
 from ferrox.worker.recurrent_states import StateRows
@@ -505,12 +505,11 @@ class EngineCore:
         if self.speculative.model is not None and resolve_model(self.speculative.model).path != loaded.source.path:
             raise ValueError(f"speculative_config.model: method 'mtp' drafts with the served model's own MTP layer; "
                              f"{self.speculative.model!r} is another model (leave model out)")
-        predictor = load_predictor(loaded.model, loaded.source, config.load_format, config.seed, loaded.quant_config)
+        with use_tp_group(self.tp):  # (under tensor parallelism the layer is sharded as the model's)
+            proposer = mtp_proposer(config, loaded, self.tp.size, self.runner.channel)
+        assert proposer is not None
         self.runner.keep_hidden = True
-        return MtpProposer(predictor, num_speculative_tokens=self.speculative.num_speculative_tokens,
-                           num_blocks=loaded.num_blocks, block_size=config.block_size,
-                           max_num_seqs=loaded.max_num_seqs, max_model_len=self.max_model_len, dtype=loaded.dtype,
-                           device=self.device)
+        return proposer
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -938,9 +937,9 @@ def _check_speculative(config: EngineConfig) -> SpeculativeConfig | None:
         raise ValueError(f"async_scheduling: not supported with speculative_config method '{spec.method}' (its "
                          "drafts come from the verified tokens, so it runs synchronous steps; leave "
                          "async_scheduling unset, or use method 'ngram', which overlaps)")
-    if spec.method in ("draft_model", "mtp") and config.tensor_parallel_size > 1:
-        raise ValueError(f"speculative_config: method '{spec.method}' runs with tensor_parallel_size 1 only in this "
-                         "version ('ngram' works with tensor parallelism)")
+    if spec.method == "draft_model" and config.tensor_parallel_size > 1:
+        raise ValueError("speculative_config: method 'draft_model' runs with tensor_parallel_size 1 only in this "
+                         "version ('ngram' and 'mtp' work with tensor parallelism)")
     return spec
 
 

@@ -25,13 +25,14 @@ from typing import Any
 import torch
 
 from ferrox.config import EngineConfig
-from ferrox.distributed.parallel_state import destroy_tp_group, init_tp_group
-from ferrox.distributed.step_channel import RELOAD, SHUTDOWN, SLEEP, WAKE, StepChannel
+from ferrox.distributed.parallel_state import destroy_tp_group, init_tp_group, use_tp_group
+from ferrox.distributed.step_channel import MTP_PASS, MTP_ROUNDS, RELOAD, SHUTDOWN, SLEEP, WAKE, StepChannel
 from ferrox.gc_tuning import freeze_startup_heap
 from ferrox.lora.rank_plan import plan_from_arrays
 from ferrox.speculative_config import verify_len
 from ferrox.worker.model_forward import ModelForward, StepArrays
 from ferrox.worker.model_setup import load_everything
+from ferrox.worker.mtp_proposer import mtp_proposer
 from ferrox.worker.rank_images import RankImages
 from ferrox.worker.recurrent_states import keep_accepted
 from ferrox.worker.sleep_control import reload_into, tags_of
@@ -65,25 +66,38 @@ def run_worker(config: EngineConfig, rank: int, size: int, init_method: str, dev
             forward.capture_cuda_graphs(max_num_seqs=loaded.max_num_seqs, max_model_len=loaded.max_model_len,
                                         block_size=config.block_size, verify_len=verify_len(config.speculative_config),
                                         max_num_batched_tokens=loaded.max_num_batched_tokens, plan=plan)
+        with use_tp_group(tp):  # (the MTP layer sharded as the model's)
+            mtp = mtp_proposer(config, loaded, tp.size)
         logger.info("tensor-parallel rank %d/%d ready on %s", rank, size, loaded.device)
         freeze_startup_heap()
-        _step_loop(forward, StepChannel(tp), loaded.sleep_memory, loaded.reload_model, loras)
+        _step_loop(forward, StepChannel(tp), loaded.sleep_memory, loaded.reload_model, loras, mtp)
     finally:
         destroy_tp_group(tp)  # gloo only (see there); the caller exits right after on GPUs
 
 
 def _step_loop(forward: ModelForward, channel: StepChannel, sleep_memory: SleepMemory | None = None,
-               reload_model: Callable[[], Any] | None = None, loras: Any = None) -> None:
+               reload_model: Callable[[], Any] | None = None, loras: Any = None, mtp: Any = None) -> None:
+    """mtp: this rank's MtpProposer (speculative_config method 'mtp'): it runs the driver's MTP passes over the
+    last step's hidden states and their draft rounds."""
     # The Uploader alternates two pinned buffer sets; nothing here reads results back, so before
     # staging step N this rank waits for step N-2's device work (its copies out of those buffers).
     done: collections.deque[Any] = collections.deque()
     cuda = forward.device.type == "cuda"
     # A vision model: this rank mirrors the driver's images and embeds them itself (worker/rank_images.py).
     images = RankImages.for_model(forward.model, forward.device)
+    hidden = None  # the last step's hidden states (an MTP pass reads them)
     while True:
         command, arrays = channel.recv()
         if command == SHUTDOWN:
             return
+        if command == MTP_PASS:
+            assert mtp is not None and hidden is not None
+            mtp.run_pass(arrays, hidden)
+            continue
+        if command == MTP_ROUNDS:
+            assert mtp is not None
+            mtp.run_rounds(arrays)
+            continue
         if command in (SLEEP, WAKE, RELOAD):
             # Sleep mode (worker/sleep_control.py): the driver's sleep, wake_up or reload_weights, here.
             assert sleep_memory is not None and reload_model is not None, "only with enable_sleep_mode"
@@ -108,6 +122,7 @@ def _step_loop(forward: ModelForward, channel: StepChannel, sleep_memory: SleepM
         else:
             image_rows, rope_positions = images.step_inputs(arrays, step)
             result = forward.run(step, step.prompt_rows, image_rows=image_rows, rope_positions=rope_positions)
+        hidden = result.hidden if mtp is not None else None
         if result.meta.draft_state_rows is not None and result.meta.state_rows is not None:
             # A hybrid model's verify step: the driver broadcasts how many drafts each request kept once it has
             # sampled (worker/model_runner.py sample); every rank keeps that draft's state.

@@ -52,21 +52,35 @@ def scratch_block_tables(pos0: npt.NDArray[np.int64], blocks: list[npt.NDArray[n
     the one holding pos0[i], then its scratch blocks past the twin range (the first scratch block of request i
     is num_blocks + i * scratch_per_req), into which the positions before pos0[i] in its block are copied
     (module docstring). Returns (each request's first scratch block, the tables)."""
+    scratch, table, src, dst = scratch_plan(pos0, blocks, block_size, num_blocks, scratch_per_req)
+    copy_blocks(kv_caches, src, dst)
+    return scratch, table
+
+
+def scratch_plan(pos0: npt.NDArray[np.int64], blocks: list[npt.NDArray[np.int32]], block_size: int, num_blocks: int,
+                 scratch_per_req: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32], npt.NDArray[np.int64],
+                                                npt.NDArray[np.int64]]:
+    """scratch_block_tables' plan without the copy: (first scratch blocks, tables, the blocks to copy, where to)."""
     bs, n = block_size, len(blocks)
     first_block = pos0 // bs
     scratch = num_blocks + np.arange(n, dtype=np.int64) * scratch_per_req
     partial = np.flatnonzero(pos0 % bs)
-    if partial.size:
-        src = torch.from_numpy(np.array([blocks[i][first_block[i]] for i in partial], dtype=np.int64))
-        dst = torch.from_numpy(scratch[partial])
-        for cache in kv_caches:
-            cache[:, dst] = cache[:, src.to(cache.device)]
+    src = np.array([blocks[i][first_block[i]] for i in partial], dtype=np.int64)
     table = np.zeros((n, int(first_block.max()) + scratch_per_req), dtype=np.int32)
     for i in range(n):
         fb = int(first_block[i])
         table[i, :fb] = blocks[i][:fb]
         table[i, fb : fb + scratch_per_req] = scratch[i] + np.arange(scratch_per_req)
-    return scratch, table
+    return scratch, table, src, scratch[partial]
+
+
+def copy_blocks(kv_caches: list[torch.Tensor], src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64]) -> None:
+    """Whole KV blocks src[i] -> dst[i] in every cache."""
+    if not src.size:
+        return
+    src_t, dst_t = torch.from_numpy(src), torch.from_numpy(dst)
+    for cache in kv_caches:
+        cache[:, dst_t] = cache[:, src_t.to(cache.device)]
 
 
 @dataclass(slots=True)

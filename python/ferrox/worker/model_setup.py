@@ -297,7 +297,7 @@ def _draft_kv_cost(config: EngineConfig, dtype: torch.dtype, tp_size: int, max_n
         # One full-attention layer of the target's shape, in the model dtype (worker/mtp_proposer.py).
         from ferrox.worker.mtp_proposer import mtp_kv_shape
 
-        per_block = math.prod(mtp_kv_shape(target_spec, 1, config.block_size)) * dtype.itemsize
+        per_block = math.prod(mtp_kv_shape(target_spec, 1, config.block_size, tp_size)) * dtype.itemsize
         return per_block, max_num_seqs * scratch_blocks_per_request(config.block_size,
                                                                      spec_config.num_speculative_tokens)
     if spec_config is None or spec_config.method != "draft_model" or spec_config.model is None:

@@ -32,11 +32,12 @@ import numpy.typing as npt
 import torch
 
 from ferrox.attention.kv_cache import kv_cache_shape
+from ferrox.distributed.step_channel import MTP_PASS, MTP_ROUNDS
 from ferrox.loader.model_loader import init_dummy_weights
 from ferrox.loader.source import ModelSource
 from ferrox.loader.weights import iter_safetensors_prefixed
 from ferrox.model_spec import ModelLoadError, UnsupportedModelError
-from ferrox.worker.draft_model import _DraftStep, scratch_block_tables, scratch_blocks_per_request
+from ferrox.worker.draft_model import _DraftStep, copy_blocks, scratch_blocks_per_request, scratch_plan
 from ferrox.worker.step_inputs import Uploader, attention_metadata
 
 
@@ -47,10 +48,10 @@ class _Pending:
     blocks: npt.NDArray[np.int32]  # its block table row
 
 
-def mtp_kv_shape(spec: Any, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """The MTP layer's cache: one full-attention layer of the target's shape."""
+def mtp_kv_shape(spec: Any, num_blocks: int, block_size: int, tp_size: int = 1) -> tuple[int, ...]:
+    """The MTP layer's cache: one full-attention layer of the target's shape (this rank's heads)."""
     for i in range(spec.num_layers):
-        shape = kv_cache_shape(spec, num_blocks, block_size, 1, i)
+        shape = kv_cache_shape(spec, num_blocks, block_size, tp_size, i)
         if shape[3]:
             return shape
     raise UnsupportedModelError(f"{spec.architecture} has no attention layer to shape an MTP layer's cache on")
@@ -96,7 +97,7 @@ class _PairPlan:
     rows: npt.NDArray[np.int64]  # [R'] the batch rows that have pairs
     q_lens: npt.NDArray[np.int64]  # [R'] their pairs
     seq_lens: npt.NDArray[np.int64]  # [R'] their last pair's position + 1
-    held: list[torch.Tensor]  # deferred hidden states used (their pairs' src: T + i)
+    held: npt.NDArray[np.int64]  # the ids of the deferred pairs used, in order (their pairs' src: T + i)
     pending: npt.NDArray[np.int64]  # batch rows of the requests that sampled and go on
     pending_positions: npt.NDArray[np.int64]  # their last sampled token's position
     last_pairs: npt.NDArray[np.int64]  # their last pair's index in the pass (its output gives the first draft)
@@ -105,7 +106,7 @@ class _PairPlan:
     partial_positions: npt.NDArray[np.int64]  # and its position
 
 
-def plan_pairs(so: Any, outs: Any, held_over: dict[str, tuple[torch.Tensor, int]], block_size: int) -> _PairPlan:
+def plan_pairs(so: Any, outs: Any, held_over: dict[str, tuple[int, int]], block_size: int) -> _PairPlan:
     """The pairs (h_i, t_{i+1}) a step gives the MTP layer (module docstring), vectorized over the batch: row r's
     m_r kept positions from its first (a sampled row: all but a verify step's rejected ones, the last paired with
     the token just sampled; an unsampled row: all but its last), after the pair its previous chunk deferred."""
@@ -136,7 +137,7 @@ def plan_pairs(so: Any, outs: Any, held_over: dict[str, tuple[torch.Tensor, int]
     m = np.where(c > 0, n - drafts + c - 1, n - 1)
     # Deferred pairs from the previous step (position p0 - 1, its hidden state held, its token this row's first).
     d = np.zeros(num_rows, dtype=np.int64)
-    held: list[torch.Tensor] = []
+    held: list[int] = []
     held_index = np.zeros(num_rows, dtype=np.int64)
     if held_over:
         for r, rid in enumerate(so.req_ids):
@@ -168,123 +169,179 @@ def plan_pairs(so: Any, outs: Any, held_over: dict[str, tuple[torch.Tensor, int]
     pending = np.flatnonzero((c > 0) & ~finished)
     partial = np.flatnonzero((c == 0) & ~sample_mask)
     return _PairPlan(src=src, tokens=tokens, positions=pos, slots=kv_slots, rows=kept, q_lens=q[kept],
-                     seq_lens=p0[kept] + m[kept], held=held, pending=pending,
+                     seq_lens=p0[kept] + m[kept], held=np.array(held, dtype=np.int64), pending=pending,
                      pending_positions=p0[pending] + m[pending], last_pairs=start[pending] + q[pending] - 1,
                      partial=partial, partial_rows=qs[partial] + n[partial] - 1,
                      partial_positions=p0[partial] + n[partial] - 1)
 
 
+def mtp_proposer(config: Any, loaded: Any, tp_size: int = 1, channel: Any = None) -> MtpProposer | None:
+    """This rank's MtpProposer under speculative_config method 'mtp' (None otherwise): the target's MTP layer (this
+    rank's shard) and its twin KV cache."""
+    from ferrox.speculative_config import parse_speculative_config
+
+    spec = parse_speculative_config(config.speculative_config)
+    if spec is None or spec.method != "mtp":
+        return None
+    predictor = load_predictor(loaded.model, loaded.source, config.load_format, config.seed, loaded.quant_config)
+    return MtpProposer(predictor, num_speculative_tokens=spec.num_speculative_tokens, num_blocks=loaded.num_blocks,
+                       block_size=config.block_size, max_num_seqs=loaded.max_num_seqs,
+                       max_model_len=loaded.max_model_len, dtype=loaded.dtype, device=loaded.device, tp_size=tp_size,
+                       channel=channel)
+
+
 class MtpProposer:
+    """The driver's (record, propose) plan each pass and round set as arrays and run them with run_pass / run_rounds;
+    under tensor parallelism they send the arrays first (`channel`: MTP_PASS, MTP_ROUNDS) and every other rank runs
+    the same two methods on its shard of the layer (executor/worker_main.py), so the collectives line up."""
+
     def __init__(self, predictor: Any, *, num_speculative_tokens: int, num_blocks: int, block_size: int,
-                 max_num_seqs: int, max_model_len: int, dtype: torch.dtype, device: torch.device) -> None:
+                 max_num_seqs: int, max_model_len: int, dtype: torch.dtype, device: torch.device, tp_size: int = 1,
+                 channel: Any = None) -> None:
         self.predictor = predictor
         self.k = num_speculative_tokens
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
+        self.channel = channel
         self.scratch_per_req = scratch_blocks_per_request(block_size, self.k)
-        shape = mtp_kv_shape(predictor.spec, num_blocks + max_num_seqs * self.scratch_per_req, block_size)
+        shape = mtp_kv_shape(predictor.spec, num_blocks + max_num_seqs * self.scratch_per_req, block_size, tp_size)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.upload = Uploader(device)
         self._round_uploads = [Uploader(device) for _ in range(max(self.k - 1, 1))]
+        # Driver: the requests that sampled and go on (propose's), and the partial prefills' deferred pairs
+        # (request id -> (its id below, its position)).
         self._pending: list[_Pending] = []
-        # The first draft of each pending request and the layer's output that gave it (device).
+        self._deferred: dict[str, tuple[int, int]] = {}
+        self._next_id = 0
+        # Every rank: the deferred pairs' hidden states by id, and the first drafts (with the outputs that gave
+        # them) of the pending requests, on the device.
+        self._held: dict[int, torch.Tensor] = {}
         self._first: tuple[torch.Tensor, torch.Tensor] | None = None
-        # Partial-prefill requests: the hidden state of their last computed position (its next token comes
-        # with the next chunk), and that position.
-        self._deferred: dict[str, tuple[torch.Tensor, int]] = {}
 
     def shadow(self, so: Any) -> None:
         """(A draft model's pass over the step's tokens, right after its launch; the MTP layer's waits for the
         sampled tokens: record.)"""
 
-    @torch.inference_mode()
+    # ---- the driver ----------------------------------------------------------------------------------
     def record(self, handle: Any, outs: Any) -> None:
         """After update_from_output of a synchronous step: the MTP layer over the step's pairs (module docstring),
         and the first drafts of the requests that go on."""
         so, hidden = handle.so, handle.hidden
-        self._pending, self._first = [], None
+        self._pending = []
         if hidden is None or not so.num_reqs:
+            self._first = None
             return
         # A deferred pair lives one step: its request's next chunk, or never (preempted, aborted, or not scheduled:
         # the pair is lost, an approximation).
         held_over, self._deferred = self._deferred, {}
         plan = plan_pairs(so, outs, held_over, self.block_size)
-        t = int(so.num_tokens)
-        if plan.partial.size:  # (one gather for every partial prefill's last hidden state)
-            last_rows = hidden.index_select(0, torch.from_numpy(plan.partial_rows).to(hidden.device))
-            for i, r in enumerate(plan.partial.tolist()):
-                self._deferred[so.req_ids[r]] = (last_rows[i], int(plan.partial_positions[i]))
-        if not plan.q_lens.size:
-            return
-        h_all = hidden[:t] if not plan.held else torch.cat([hidden[:t], torch.stack(plan.held)])
+        ids = np.arange(self._next_id, self._next_id + plan.partial.size, dtype=np.int64)
+        self._next_id += plan.partial.size
+        for i, r in enumerate(plan.partial.tolist()):
+            self._deferred[so.req_ids[r]] = (int(ids[i]), int(plan.partial_positions[i]))
         block_table = np.asarray(so.block_table, dtype=np.int32)
+        slots = np.asarray(so.req_slots, dtype=np.int64)
+        self._pending = [_Pending(int(slots[r]), int(p), block_table[r].copy())
+                         for r, p in zip(plan.pending.tolist(), plan.pending_positions.tolist(), strict=True)]
+        arrays: dict[str, npt.NDArray[Any]] = {"src": plan.src, "tokens": plan.tokens, "positions": plan.positions, "slots": plan.slots,
+                  "q_lens": plan.q_lens, "seq_lens": plan.seq_lens, "block_table": block_table[plan.rows],
+                  "last_pairs": plan.last_pairs, "held_ids": plan.held, "defer_rows": plan.partial_rows,
+                  "defer_ids": ids, "num_tokens": np.array([so.num_tokens], dtype=np.int64)}
+        if self.channel is not None:
+            self.channel.send(MTP_PASS, arrays)
+        self.run_pass(arrays, hidden)
+
+    def propose(self) -> dict[str, npt.NDArray[Any]]:
+        """schedule()'s draft_slots / draft_token_ids / draft_offsets for the recorded requests ({} if none)."""
+        pending = self._pending
+        self._pending = []
+        keep = np.array([i for i, r in enumerate(pending) if self.max_model_len - 1 - r.position > 0], dtype=np.int64)
+        if not keep.size or self._first is None:
+            return {}
+        reqs = [pending[i] for i in keep.tolist()]
+        budget = np.array([min(self.k, self.max_model_len - 1 - r.position) for r in reqs], dtype=np.int64)
+        pos0 = np.array([r.position for r in reqs], dtype=np.int64)
+        arrays: dict[str, npt.NDArray[Any]] = {"keep": keep, "budget": budget, "pos0": pos0}
+        if int(budget.max()) > 1:
+            scratch, table, src, dst = scratch_plan(pos0, [r.blocks for r in reqs], self.block_size, self.num_blocks,
+                                                    self.scratch_per_req)
+            arrays.update(scratch=scratch, table=table, copy_src=src, copy_dst=dst)
+        if self.channel is not None:
+            self.channel.send(MTP_ROUNDS, arrays)
+        drafts = self.run_rounds(arrays).t().cpu().numpy()
+        return {
+            "draft_slots": np.array([r.slot for r in reqs], dtype=np.int32),
+            "draft_token_ids": np.concatenate([drafts[i, : budget[i]] for i in range(len(reqs))]),
+            "draft_offsets": np.concatenate(([0], np.cumsum(budget))).astype(np.int32),
+        }
+
+    # ---- every rank ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run_pass(self, arrays: dict[str, npt.NDArray[Any]], hidden: torch.Tensor) -> None:
+        """The MTP layer over a step's pairs (record's arrays; `hidden`: the step's last hidden states), keeping the
+        partial prefills' last hidden states and the pending requests' first drafts."""
+        t = int(arrays["num_tokens"][0])
+        held = [self._held[int(i)] for i in arrays["held_ids"].tolist()]
+        defer_rows = arrays["defer_rows"]
+        kept = hidden.index_select(0, torch.from_numpy(defer_rows).to(hidden.device)) if defer_rows.size else None
+        self._held = {int(i): kept[j] for j, i in enumerate(arrays["defer_ids"].tolist())} if kept is not None else {}
+        self._first = None
+        q_lens = arrays["q_lens"]
+        if not q_lens.size:
+            return
+        h_all = hidden[:t] if not held else torch.cat([hidden[:t], torch.stack(held)])
         step = _DraftStep(
-            query_start_loc=np.concatenate(([0], np.cumsum(plan.q_lens))).astype(np.int32),
-            seq_lens=plan.seq_lens.astype(np.int32),
-            num_scheduled_tokens=plan.q_lens.astype(np.int32),
-            slot_mapping=plan.slots,
-            block_table=np.ascontiguousarray(block_table[plan.rows]),
+            query_start_loc=np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32),
+            seq_lens=arrays["seq_lens"].astype(np.int32),
+            num_scheduled_tokens=q_lens.astype(np.int32),
+            slot_mapping=arrays["slots"],
+            block_table=np.ascontiguousarray(arrays["block_table"]),
         )
         upload = self.upload
         upload.next_step()
         meta = attention_metadata(step, upload)
-        h_in = h_all.index_select(0, upload("rows", plan.src))
-        out = self.predictor(upload("ids", plan.tokens), upload("positions", plan.positions), h_in, self.kv_cache,
-                             meta)
-        if not plan.pending.size:
-            return
-        slots = np.asarray(so.req_slots, dtype=np.int64)
-        self._pending = [_Pending(int(slots[r]), int(p), block_table[r].copy())
-                         for r, p in zip(plan.pending.tolist(), plan.pending_positions.tolist(), strict=True)]
-        o = out.index_select(0, upload("last_pairs", plan.last_pairs))
-        self._first = (self.predictor.compute_logits(o).argmax(dim=-1), o)
+        h_in = h_all.index_select(0, upload("rows", arrays["src"]))
+        out = self.predictor(upload("ids", arrays["tokens"]), upload("positions", arrays["positions"]), h_in,
+                             self.kv_cache, meta)
+        if arrays["last_pairs"].size:
+            o = out.index_select(0, upload("last_pairs", arrays["last_pairs"]))
+            self._first = (self.predictor.compute_logits(o).argmax(dim=-1), o)
 
     @torch.inference_mode()
-    def propose(self) -> dict[str, npt.NDArray[Any]]:
-        """schedule()'s draft_slots / draft_token_ids / draft_offsets for the recorded requests ({} if none)."""
-        pending, first = self._pending, self._first
-        self._pending, self._first = [], None
-        keep = [i for i, r in enumerate(pending) if self.max_model_len - 1 - r.position > 0]
-        if not keep or first is None:
-            return {}
-        reqs = [pending[i] for i in keep]
-        kept = torch.tensor(keep, dtype=torch.int64, device=first[0].device)
+    def run_rounds(self, arrays: dict[str, npt.NDArray[Any]]) -> torch.Tensor:
+        """The chained drafts [k, n] (device) of the pending requests propose() kept (its arrays)."""
+        assert self._first is not None
+        first, self._first = self._first, None
+        kept = torch.from_numpy(arrays["keep"]).to(first[0].device)
         last, o = first[0].index_select(0, kept), first[1].index_select(0, kept)
-        bs, n = self.block_size, len(reqs)
-        budget = np.array([min(self.k, self.max_model_len - 1 - r.position) for r in reqs])
-        pos0 = np.array([r.position for r in reqs], dtype=np.int64)
-        drafts_dev = torch.zeros((self.k, n), dtype=torch.int64, device=last.device)
-        drafts_dev[0] = last
-        if int(budget.max()) > 1:
-            scratch, table = scratch_block_tables(pos0, [r.blocks for r in reqs], bs, self.num_blocks,
-                                                  self.scratch_per_req, [self.kv_cache])
-            # Round j: the pair (output j - 1, draft j) at position pos0 + j - 1 proposes draft j + 1; the rounds
-            # queue back to back on the device and the host reads the drafts once, at the end.
-            for j in range(1, int(budget.max())):
-                upload = self._round_uploads[j - 1]
-                upload.next_step()
-                active = np.flatnonzero(budget > j)
-                offset = pos0[active] % bs + j - 1
-                step = _DraftStep(
-                    query_start_loc=np.arange(active.size + 1, dtype=np.int32),
-                    seq_lens=(pos0[active] + j).astype(np.int32),
-                    num_scheduled_tokens=np.ones(active.size, dtype=np.int32),
-                    slot_mapping=(scratch[active] + offset // bs) * bs + offset % bs,
-                    block_table=np.ascontiguousarray(table[active]),
-                )
-                meta = attention_metadata(step, upload)
-                rows = upload("active", active.astype(np.int64))
-                out = self.predictor(last.index_select(0, rows), upload("positions", pos0[active] + j - 1),
-                                     o.index_select(0, rows), self.kv_cache, meta)
-                proposed = self.predictor.compute_logits(out).argmax(dim=-1)
-                drafts_dev[j].index_copy_(0, rows, proposed)
-                last.index_copy_(0, rows, proposed)
-                o.index_copy_(0, rows, out)
-        drafts = drafts_dev.t().cpu().numpy()
-        counts = budget.astype(np.int32)
-        return {
-            "draft_slots": np.array([r.slot for r in reqs], dtype=np.int32),
-            "draft_token_ids": np.concatenate([drafts[i, : counts[i]] for i in range(n)]),
-            "draft_offsets": np.concatenate(([0], np.cumsum(counts))).astype(np.int32),
-        }
+        budget, pos0, bs = arrays["budget"], arrays["pos0"], self.block_size
+        drafts = torch.zeros((self.k, len(pos0)), dtype=torch.int64, device=last.device)
+        drafts[0] = last
+        if int(budget.max()) <= 1:
+            return drafts
+        copy_blocks([self.kv_cache], arrays["copy_src"], arrays["copy_dst"])
+        scratch, table = arrays["scratch"], arrays["table"]
+        # Round j: the pair (output j - 1, draft j) at position pos0 + j - 1 proposes draft j + 1; the rounds queue
+        # back to back on the device and the host reads the drafts once, at the end.
+        for j in range(1, int(budget.max())):
+            upload = self._round_uploads[j - 1]
+            upload.next_step()
+            active = np.flatnonzero(budget > j)
+            offset = pos0[active] % bs + j - 1
+            step = _DraftStep(
+                query_start_loc=np.arange(active.size + 1, dtype=np.int32),
+                seq_lens=(pos0[active] + j).astype(np.int32),
+                num_scheduled_tokens=np.ones(active.size, dtype=np.int32),
+                slot_mapping=(scratch[active] + offset // bs) * bs + offset % bs,
+                block_table=np.ascontiguousarray(table[active]),
+            )
+            meta = attention_metadata(step, upload)
+            rows = upload("active", active.astype(np.int64))
+            out = self.predictor(last.index_select(0, rows), upload("positions", pos0[active] + j - 1),
+                                 o.index_select(0, rows), self.kv_cache, meta)
+            proposed = self.predictor.compute_logits(out).argmax(dim=-1)
+            drafts[j].index_copy_(0, rows, proposed)
+            last.index_copy_(0, rows, proposed)
+            o.index_copy_(0, rows, out)
+        return drafts
