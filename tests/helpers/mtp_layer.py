@@ -65,21 +65,25 @@ class MtpReference:
     states h_i, the pairs (h_i, t_{i+1}) at positions i, transformers' decoder layer over them (causal), the
     target's lm_head; chained as vLLM chains MTP drafts (the layer's output and its draft as the next pair)."""
 
+    layer_index = FULL_LAYER  # (the decoder layer the checkpoint's MTP layer copies)
+    norm_names = ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding")
+    prefix, fc_name = "mtp.", "fc"
+
     def __init__(self, ref: Any, mtp: dict[str, torch.Tensor]) -> None:
         self.ref = ref
         inner = ref.model
-        # The copied layer, scaled as add_mtp_layer scales it (in memory, transformers fuses the experts).
-        self.layer = copy.deepcopy(inner.layers[FULL_LAYER])
+        # The copied layer, scaled as the checkpoint's copy is (in memory, transformers fuses the experts).
+        self.layer = copy.deepcopy(inner.layers[self.layer_index])
         with torch.no_grad():
             for name, param in self.layer.named_parameters():
                 param.mul_(_scale(name))
         self.norms = {}
-        for norm in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
+        for norm in self.norm_names:
             module = copy.deepcopy(inner.norm)
-            module.weight.data.copy_(mtp[f"mtp.{norm}.weight"])
+            module.weight.data.copy_(mtp[f"{self.prefix}{norm}.weight"])
             self.norms[norm] = module
-        self.fc = mtp["mtp.fc.weight"]
-        self.mrope = inner.config.model_type != "qwen3_next"
+        self.fc = mtp[f"{self.prefix}{self.fc_name}.weight"]
+        self.mrope = inner.config.model_type.startswith("qwen3_5")
 
     @torch.no_grad()
     def _layer(self, hidden: torch.Tensor, tokens: list[int]) -> torch.Tensor:
@@ -142,23 +146,13 @@ def add_deepseek_layout_mtp(folder: str, *, seed: int = 1, embed_gain: float = 0
 
 
 class DeepseekLayoutMtpReference(MtpReference):
-    """MtpReference for the DeepSeek-V3 / GLM-4.5 layer: eh_proj over [enorm(embedding, zero at position 0) | hnorm(h)], the copied
-    decoder layer (its output includes the residual), shared_head.norm before the lm_head; the layer's output (not
-    normed) chains the next draft."""
+    """MtpReference for the DeepSeek-V3 / GLM-4.5 layer: eh_proj over [enorm(embedding, zero at position 0) |
+    hnorm(h)], the copied decoder layer (its output includes the residual), shared_head.norm before the lm_head; the
+    layer's output (not normed) chains the next draft."""
 
-    def __init__(self, ref: Any, mtp: dict[str, torch.Tensor]) -> None:
-        self.ref = ref
-        inner = ref.model
-        self.layer = copy.deepcopy(inner.layers[-1])
-        with torch.no_grad():
-            for name, param in self.layer.named_parameters():
-                param.mul_(_scale(name))
-        self.norms = {}
-        for norm in ("enorm", "hnorm", "shared_head.norm"):
-            module = copy.deepcopy(inner.norm)
-            module.weight.data.copy_(mtp[f"{norm}.weight"])
-            self.norms[norm] = module
-        self.fc = mtp["eh_proj.weight"]
+    layer_index = -1
+    norm_names = ("enorm", "hnorm", "shared_head.norm")
+    prefix, fc_name = "", "eh_proj"
 
     @torch.no_grad()
     def _layer(self, hidden: torch.Tensor, tokens: list[int]) -> torch.Tensor:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -294,9 +294,10 @@ class MoeForCausalLM(nn.Module):
 
 
 def load_moe_tensors(model: nn.Module, weights: Iterable[tuple[str, Any]], architecture: str,
-                     expected: set[str]) -> None:
-    """HF-named tensors into `model`'s MoE stack layers (routed experts stacked, merged projections, KV scales, the
-    rest by name), then every expected piece checked (MoeForCausalLM, and a checkpoint's MTP layer)."""
+                     expected: set[str], merged: Mapping[str, tuple[str, str]] = _MERGED) -> None:
+    """HF-named tensors into `model`'s MoE stack layers (routed experts stacked, the `merged` projections (checkpoint
+    name -> (merged layer, shard)), KV scales, the rest by name), then every expected piece checked (MoeForCausalLM,
+    the hybrid Qwens, a checkpoint's MTP layer)."""
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     loaded: set[str] = set()
@@ -313,7 +314,7 @@ def load_moe_tensors(model: nn.Module, weights: Iterable[tuple[str, Any]], archi
             if expert is not None and expert["proj"] in _EXPERT_SHARDS:
                 key = load_routed_expert(modules, name, tensor)
             else:
-                key = load_dense_tensor(modules, params, name, tensor, _MERGED)
+                key = load_dense_tensor(modules, params, name, tensor, merged)
         except ValueError as e:
             raise ModelLoadError(f"tensor {hf_name!r}: {e} (config.json does not match the weights?)") from e
         if key is None:

@@ -64,9 +64,8 @@ from ferrox.layers.rotary import RotaryEmbedding, partial_rotary_order
 from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError, hybrid_layer_types
 from ferrox.models.glm4 import reorder_head_rows
-from ferrox.models.llama import LlamaMLP, load_dense_tensor, load_kv_scale
-from ferrox.models.load_check import check_all_loaded
-from ferrox.models.moe import MoeBlock, expected_checkpoint_keys, load_routed_expert
+from ferrox.models.llama import LlamaMLP
+from ferrox.models.moe import MoeBlock, expected_checkpoint_keys, load_moe_tensors
 from ferrox.models.qwen3_vl_moe import unfuse_experts
 
 _MERGED = {
@@ -85,7 +84,6 @@ _MERGED = {
 }
 # Zero-centred norms (module docstring): their checkpoint weights + 1.
 _ZERO_CENTRED = re.compile(r"(layernorm|^model\.norm|self_attn\.q_norm|self_attn\.k_norm)\.weight$")
-_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
@@ -313,29 +311,11 @@ class Qwen3_5ForCausalLM(nn.Module):
 
 def load_hybrid_tensors(model: nn.Module, stream: Iterable[tuple[str, Any]], spec: ModelSpec,
                         expected: set[str]) -> None:
-    """Tensors already in these layers' terms (Qwen3_5ForCausalLM._rewritten) into `model`: routed experts
-    (fused ones unfused first), merged projections, KV scales, the rest by name; then every piece checked."""
-    params = dict(model.named_parameters())
-    modules = dict(model.named_modules())
-    loaded: set[str] = set()
-    unexpected: list[str] = []
+    """Tensors already in these layers' terms (Qwen3_5ForCausalLM._rewritten) into `model`: fused experts unfused,
+    then models/moe.py's loader with these layers' merged projections."""
     if spec.moe is not None:
         stream = unfuse_experts(stream, spec.hidden_size, spec.moe.intermediate_size)
-    for name, tensor in stream:
-        if load_kv_scale(modules, name, tensor):
-            continue
-        try:
-            if _EXPERT.search(name):
-                key = load_routed_expert(modules, name, tensor)
-            else:
-                key = load_dense_tensor(modules, params, name, tensor, _MERGED)
-        except ValueError as e:
-            raise ModelLoadError(f"tensor {name!r}: {e} (config.json does not match the weights?)") from e
-        if key is None:
-            unexpected.append(name)
-        else:
-            loaded.add(key)
-    check_all_loaded(spec.architecture, unexpected, expected, loaded)
+    load_moe_tensors(model, stream, spec.architecture, expected, _MERGED)
 
 
 def check_quantization(spec: ModelSpec, quant: Any) -> tuple[int, int] | None:
