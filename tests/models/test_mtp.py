@@ -161,7 +161,8 @@ def test_mtp_under_tensor_parallelism(mtp_models):
 
 def test_mtp_aliases_parse():
     assert parse_speculative_config({"method": "qwen3_next_mtp", "num_speculative_tokens": 2}).method == "mtp"
-    assert parse_speculative_config({"method": "qwen3_5_mtp", "num_speculative_tokens": 1}).method == "mtp"
+    for alias in ("qwen3_5_mtp", "deepseek_mtp", "glm4_moe_mtp"):
+        assert parse_speculative_config({"method": alias, "num_speculative_tokens": 1}).method == "mtp"
 
 
 @pytest.mark.parametrize("case", ["no_layer_class", "no_tensors", "async", "ngram_keys", "other_model",
