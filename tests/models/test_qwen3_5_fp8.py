@@ -170,3 +170,33 @@ def test_gpu_engine_follows_the_reference(release):
     llm = make_llm(folder, device="cuda", dtype="float32")
     for prompt, (tokens, logprobs) in zip(PROMPTS, engine_greedy(llm, PROMPTS), strict=True):
         assert_follows_reference(ref, prompt, tokens, logprobs, nats=0.15)
+
+
+@pytest.mark.parametrize("mtp_quantized", [False, True], ids=["float-mtp-layer", "fp8-mtp-layer"])
+def test_mtp_drafts_in_an_fp8_release(tmp_path, mtp_quantized):
+    """speculative_config method 'mtp' on an FP8 release: its MTP layer quantized as the decoder layers (its fc left
+    float and listed in modules_to_not_convert, as vLLM's workaround for the releases expects) or all float; the
+    drafter is built as the tensors say, and the answers are the FP8 engine's without drafts."""
+    from ferrox.layers.linear import Linear
+
+    from tests.helpers.mtp_layer import add_mtp_layer
+
+    float_folder = tiny_qwen3_5.make_tiny_qwen3_5(tmp_path / "float", seed=5)
+    add_mtp_layer(float_folder, embed_gain=0.5)
+    weights = load_file(os.path.join(float_folder, "model.safetensors"))
+    mtp = {k: v for k, v in weights.items() if k.startswith("mtp.")}
+    tensors = fp8_release(weights if mtp_quantized else {k: v for k, v in weights.items() if k not in mtp})
+    tensors.update({} if mtp_quantized else mtp)
+    config = {**CONFIG, "modules_to_not_convert": [*CONFIG["modules_to_not_convert"], "mtp.fc"]}
+    folder = write_checkpoint(float_folder, tmp_path / "fp8", config, tensors)
+    plain = engine_greedy(make_llm(folder, dtype="float32"), PROMPTS, 12)
+    llm = make_llm(folder, dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    predictor = llm.engine.drafter.predictor
+    assert predictor.fc.quant is None
+    o_proj = predictor.layers[0].self_attn.o_proj
+    assert isinstance(o_proj.quant, Fp8BlockLinear) if mtp_quantized else o_proj.quant is None
+    assert all(isinstance(m, Linear) for m in (predictor.fc, o_proj))
+    spec = engine_greedy(llm, PROMPTS, 12)
+    for (tokens, logprobs), (spec_tokens, spec_logprobs) in zip(plain, spec, strict=True):
+        assert tokens == spec_tokens
+        torch.testing.assert_close(torch.tensor(spec_logprobs), torch.tensor(logprobs), atol=1e-4, rtol=1e-4)

@@ -17,7 +17,6 @@ refused by name rather than drafted with the wrong head. One MTP layer is taken 
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -46,7 +45,9 @@ class _SharedHead(nn.Module):
 
 
 class DeepseekLayoutMtp(nn.Module):
-    def __init__(self, target: Any, quant_config: Any = None):
+    def __init__(self, target: Any, quant_config: Any = None, *, float_fc: bool = False):
+        """quant_config: the target's where the checkpoint quantized the layer (None: float); float_fc: eh_proj left
+        float all the same (worker/mtp_proposer.py load_predictor reads which)."""
         super().__init__()
         spec = target.spec
         if target.num_mtp_layers != 1:
@@ -56,11 +57,12 @@ class DeepseekLayoutMtp(nn.Module):
         self.spec = spec
         self._target = [target]  # (a list: the target's parameters are not this module's)
         self.index = spec.num_layers
-        self.checkpoint_prefix = f"model.layers.{self.index}."
+        self.checkpoint_prefix = target.mtp_checkpoint_prefix
         dtype, device = target.model.embed_tokens.weight.dtype, target.lm_head_weight.device
         h, eps, ops = spec.hidden_size, spec.rms_norm_eps, target.ops
-        with use_quant_config(quant_config) if quant_config is not None else contextlib.nullcontext():
+        with use_quant_config(None if float_fc else quant_config):
             self.eh_proj = Linear(2 * h, h, bias=False, dtype=dtype, device=device)
+        with use_quant_config(quant_config):
             # (a backend of its own: the MTP step's attention metadata is not the target step's)
             self.backend, self.mtp_block = target.mtp_decoder_layer(self.index)
         self.enorm = RMSNorm(h, eps, dtype, device, ops)

@@ -345,11 +345,16 @@ class DeepseekV2ForCausalLM(nn.Module):
 
         load_deepseek_tensors(self, filter(base, weights), self.spec.architecture, self._expected_keys())
 
-    def multi_token_predictor(self, quant_config: Any = None) -> nn.Module:
+    @property
+    def mtp_checkpoint_prefix(self) -> str:
+        """The checkpoint's MTP layer's tensors: the layer after the last decoder layer."""
+        return f"model.layers.{self.spec.num_layers}."
+
+    def multi_token_predictor(self, quant_config: Any = None, *, float_fc: bool = False) -> nn.Module:
         """The checkpoint's MTP layer as a drafter (models/deepseek_mtp.py), built but not loaded."""
         from ferrox.models.deepseek_mtp import DeepseekLayoutMtp
 
-        return DeepseekLayoutMtp(self, quant_config)
+        return DeepseekLayoutMtp(self, quant_config, float_fc=float_fc)
 
     def mtp_decoder_layer(self, index: int) -> tuple[AttentionBackend, nn.Module]:
         """(A latent-attention backend of its own, the MTP layer's decoder layer: one of this model's.)"""

@@ -301,12 +301,15 @@ class Qwen3_5ForCausalLM(nn.Module):
                   if not (item[0] == "lm_head.weight" and self.lm_head is None))
         load_hybrid_tensors(self, stream, self.spec, self._expected_keys())
 
-    def multi_token_predictor(self, quant_config: Any = None) -> nn.Module:
+    # The checkpoint's MTP layer: its tensors' prefix (worker/mtp_proposer.py reads them).
+    mtp_checkpoint_prefix = "mtp."
+
+    def multi_token_predictor(self, quant_config: Any = None, *, float_fc: bool = False) -> nn.Module:
         """The checkpoint's MTP layer (mtp.*) as a drafter sharing this model's embedding and lm_head
-        (models/qwen3_5_mtp.py), built but not loaded."""
+        (models/qwen3_5_mtp.py), built but not loaded; quant_config None: all float; float_fc: its fc float."""
         from ferrox.models.qwen3_5_mtp import Qwen3_5MultiTokenPredictor
 
-        return Qwen3_5MultiTokenPredictor(self, quant_config)
+        return Qwen3_5MultiTokenPredictor(self, quant_config, float_fc=float_fc)
 
 
 def load_hybrid_tensors(model: nn.Module, stream: Iterable[tuple[str, Any]], spec: ModelSpec,

@@ -20,7 +20,6 @@ release has one, and only one is taken here (vLLM cycles several by draft index)
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -50,9 +49,10 @@ def mtp_layer_count(config: dict[str, Any]) -> int:
 
 
 class Qwen3_5MultiTokenPredictor(nn.Module):
-    def __init__(self, target: Any, quant_config: Any = None):
+    def __init__(self, target: Any, quant_config: Any = None, *, float_fc: bool = False):
         """target: the Qwen3_5ForCausalLM (or its MoE / Qwen3-Next / multimodal kin) whose checkpoint holds the
-        layer; quant_config: the target's (an FP8 checkpoint's MTP layer is quantized as its decoder layers)."""
+        layer; quant_config: the target's where the checkpoint quantized the layer (None: float); float_fc: its fc
+        left float all the same (the releases may: worker/mtp_proposer.py load_predictor reads which)."""
         from ferrox.models.qwen3_5 import HybridDecoderLayer
 
         super().__init__()
@@ -71,8 +71,9 @@ class Qwen3_5MultiTokenPredictor(nn.Module):
         # A backend of its own: the MTP step's attention metadata is not the target step's.
         self.backend = get_attention_backend(device, target.kernels)
         moe = spec.moe
-        with use_quant_config(quant_config) if quant_config is not None else contextlib.nullcontext():
+        with use_quant_config(None if float_fc else quant_config):
             self.fc = Linear(2 * h, h, bias=False, dtype=dtype, device=device)
+        with use_quant_config(quant_config):
             if moe is not None and moe.is_sparse(0):
                 renormalize = moe.norm_topk_prob or spec.hf_config.get("model_type") != "qwen3_next"
                 mlp: nn.Module = MoeBlock(spec, moe, ops, dtype, device, renormalize=renormalize)
@@ -80,6 +81,7 @@ class Qwen3_5MultiTokenPredictor(nn.Module):
                 mlp = LlamaMLP(spec, ops, dtype, device)
             self.layers = nn.ModuleList([HybridDecoderLayer(spec, "full_attention", mlp, self.backend, ops, dtype,
                                                             device, float_qkv=target.fp8_block is not None)])
+
         self.norm = RMSNorm(h, eps, dtype, device, ops)
         self.pre_fc_norm_hidden = RMSNorm(h, eps, dtype, device, ops)
         self.pre_fc_norm_embedding = RMSNorm(h, eps, dtype, device, ops)

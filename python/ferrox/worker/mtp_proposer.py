@@ -40,6 +40,9 @@ from ferrox.model_spec import ModelLoadError, UnsupportedModelError
 from ferrox.worker.draft_model import _DraftStep, copy_blocks, scratch_blocks_per_request, scratch_plan
 from ferrox.worker.step_inputs import Uploader, attention_metadata
 
+# Quantized tensors' scale names (block FP8's, per-channel FP8's): a weight beside one is quantized.
+_SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
+
 
 @dataclass(slots=True)
 class _Pending:
@@ -66,19 +69,23 @@ def load_predictor(target: Any, source: ModelSource, load_format: str, seed: int
                                     "multi-token-prediction layer in ferrox (Qwen3.5 / Qwen3.6 / Qwen3-Next and "
                                     "GLM-4.5 / 4.6 / 4.7 have)")
     with torch.no_grad():
-        predictor = build(quant_config)
         if load_format == "dummy":
+            predictor = build(quant_config)
             init_dummy_weights(predictor, seed)
         else:
             if source.format != "hf":
                 raise ModelLoadError(f"speculative_config.method 'mtp': the MTP layer is read from a Hugging Face "
                                      f"folder's safetensors, {source.path} is not one")
-            prefix = predictor.checkpoint_prefix
+            prefix = target.mtp_checkpoint_prefix
             tensors = list(iter_safetensors_prefixed(source.path, prefix))
             if not tensors:
                 raise ModelLoadError(f"speculative_config.method 'mtp': {source.path} has no {prefix}* tensors (the "
                                      "checkpoint's multi-token-prediction layer); serve a release that keeps them, "
                                      "or use method 'ngram' or 'draft_model'")
+            # A quantized checkpoint may keep its MTP layer, or only its input projection, in float: the tensors say.
+            scaled = {name.rpartition(".")[0] for name, _ in tensors if name.endswith(_SCALE_SUFFIXES)}
+            fc = {f"{prefix}fc", f"{prefix}eh_proj"}
+            predictor = build(quant_config if scaled else None, float_fc=not (scaled & fc))
             predictor.load_weights(tensors)
         predictor.finalize_weights()
     predictor.eval()
