@@ -66,8 +66,8 @@ def load_predictor(target: Any, source: ModelSource, load_format: str, seed: int
     build = getattr(target, "multi_token_predictor", None)
     if build is None:
         raise UnsupportedModelError(f"speculative_config.method 'mtp': {type(target).__name__} has no "
-                                    "multi-token-prediction layer in ferrox (Qwen3.5 / Qwen3.6 / Qwen3-Next and "
-                                    "GLM-4.5 / 4.6 / 4.7 have)")
+                                    "multi-token-prediction layer in ferrox (Qwen3.5 / Qwen3.6 / Qwen3-Next, "
+                                    "DeepSeek-V3 / R1 and GLM-4.5 / 4.6 / 4.7 have)")
     with torch.no_grad():
         if load_format == "dummy":
             predictor = build(quant_config)
@@ -82,10 +82,12 @@ def load_predictor(target: Any, source: ModelSource, load_format: str, seed: int
                 raise ModelLoadError(f"speculative_config.method 'mtp': {source.path} has no {prefix}* tensors (the "
                                      "checkpoint's multi-token-prediction layer); serve a release that keeps them, "
                                      "or use method 'ngram' or 'draft_model'")
-            # A quantized checkpoint may keep its MTP layer, or only its input projection, in float: the tensors say.
+            # A quantized checkpoint may keep its MTP layer, or only its input projection, in float: the tensors say
+            # (quantization at load, --quantization fp8 on float weights, takes the layer whole, as the model's).
             scaled = {name.rpartition(".")[0] for name, _ in tensors if name.endswith(_SCALE_SUFFIXES)}
+            online = bool(getattr(quant_config, "online_quantization", False))
             fc = {f"{prefix}fc", f"{prefix}eh_proj"}
-            predictor = build(quant_config if scaled else None, float_fc=not (scaled & fc))
+            predictor = build(quant_config if scaled or online else None, float_fc=not (online or scaled & fc))
             predictor.load_weights(tensors)
         predictor.finalize_weights()
     predictor.eval()
