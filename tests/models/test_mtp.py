@@ -159,6 +159,21 @@ def test_mtp_under_tensor_parallelism(mtp_models):
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
 
 
+def test_mtp_layer_quantized_at_load_with_the_model(mtp_models):
+    """quantization="fp8" on float weights quantizes the MTP layer too (its fc included), and the answers are those
+    of the FP8 engine without drafts."""
+    folder, _ = mtp_models["qwen3_5"]
+    prompts = PROMPTS[:2]
+    plain, _, _ = _generate(folder, prompts, quantization="fp8")
+    llm = LLM(model=folder, dtype="float32", kv_cache_memory=8 << 20, quantization="fp8", speculative_config=MTP)
+    try:
+        assert llm.engine.drafter.predictor.fc.quant is not None
+        spec = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    _assert_same_answers(plain, spec)
+
+
 def test_mtp_aliases_parse():
     assert parse_speculative_config({"method": "qwen3_next_mtp", "num_speculative_tokens": 2}).method == "mtp"
     for alias in ("qwen3_5_mtp", "deepseek_mtp", "glm4_moe_mtp"):
