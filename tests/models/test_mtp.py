@@ -181,7 +181,7 @@ def test_mtp_aliases_parse():
 
 
 @pytest.mark.parametrize("case", ["no_layer_class", "no_tensors", "async", "ngram_keys", "other_model",
-                                  "glm_head_copy_differs"])
+                                  "glm_head_copy_differs", "sleep_mode"])
 def test_what_mtp_cannot_do_is_refused_by_name(mtp_models, tmp_path, case):
     folder, _ = mtp_models["qwen3_5"]
     spec: dict = dict(MTP)
@@ -194,6 +194,8 @@ def test_what_mtp_cannot_do_is_refused_by_name(mtp_models, tmp_path, case):
         match = "has no mtp.\\* tensors"
     elif case == "async":
         kw, match = {"async_scheduling": True}, "async_scheduling: not supported with speculative_config method 'mtp'"
+    elif case == "sleep_mode":
+        kw, match = {"enable_sleep_mode": True}, "enable_sleep_mode: not supported with speculative_config method 'mtp'"
     elif case == "ngram_keys":
         spec["prompt_lookup_max"], match = 2, "prompt_lookup_min / prompt_lookup_max"
     elif case == "glm_head_copy_differs":

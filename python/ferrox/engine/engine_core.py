@@ -937,6 +937,9 @@ def _check_speculative(config: EngineConfig) -> SpeculativeConfig | None:
         raise ValueError(f"async_scheduling: not supported with speculative_config method '{spec.method}' (its "
                          "drafts come from the verified tokens, so it runs synchronous steps; leave "
                          "async_scheduling unset, or use method 'ngram', which overlaps)")
+    if spec.method == "mtp" and config.enable_sleep_mode:
+        raise ValueError("enable_sleep_mode: not supported with speculative_config method 'mtp' in this version (the "
+                         "MTP layer's weights and KV cache live outside the regions a sleep releases)")
     if spec.method == "draft_model" and config.tensor_parallel_size > 1:
         raise ValueError("speculative_config: method 'draft_model' runs with tensor_parallel_size 1 only in this "
                          "version ('ngram' and 'mtp' work with tensor parallelism)")
