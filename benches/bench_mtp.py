@@ -32,8 +32,9 @@ def _engine(folder: str, k: int, max_num_seqs: int):
     from ferrox import LLM
 
     spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+    # (a fixed KV cache: each engine in turn, the same cache, whatever the last one left in the allocator)
     return LLM(model=folder, load_format="dummy", dtype="bfloat16", max_model_len=2048, max_num_seqs=max_num_seqs,
-               enable_prefix_caching=False, speculative_config=spec, gpu_memory_utilization=0.85)
+               enable_prefix_caching=False, speculative_config=spec, kv_cache_memory=8 << 30)
 
 
 def _run(llm, prompts, output_len: int) -> tuple[float, int, dict]:
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
             s1, n1, d1 = _run(llm, one[:1], args.output_len_b1)
             sb, nb, _ = _run(llm, many, 128)
             bench_setup.release_engine(llm)
+            del llm
             steps = d1["spec_num_drafts"] or n1  # (without drafts a step emits one token)
             rows.append({"k": k, "b1_ms_per_step": 1e3 * s1 / max(steps, 1), "b1_ms_per_token": 1e3 * s1 / n1,
                          "b1_accepted": d1["spec_num_accepted_tokens"], "batch_tok_s": nb / sb})
