@@ -30,6 +30,7 @@ from ferrox.layers.linear import Linear
 from ferrox.layers.quant.method import use_quant_config
 from ferrox.model_spec import ModelLoadError, UnsupportedModelError
 from ferrox.models.moe import expected_checkpoint_keys
+from ferrox.models.mtp_layer import MtpLayer
 
 # The MTP layer's own tensors (beside its decoder layer's), and the copies of the target's it may carry.
 _OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")
@@ -44,20 +45,17 @@ class _SharedHead(nn.Module):
         self.norm = norm
 
 
-class DeepseekLayoutMtp(nn.Module):
+class DeepseekLayoutMtp(MtpLayer):
     def __init__(self, target: Any, quant_config: Any = None, *, float_fc: bool = False):
         """quant_config: the target's where the checkpoint quantized the layer (None: float); float_fc: eh_proj left
         float all the same (worker/mtp_proposer.py load_predictor reads which)."""
-        super().__init__()
+        super().__init__(target)
         spec = target.spec
         if target.num_mtp_layers != 1:
             raise UnsupportedModelError(
                 f"speculative_config.method 'mtp': config.json declares {target.num_mtp_layers} multi-token-prediction "
                 "layers (num_nextn_predict_layers); ferrox drafts with exactly one")
-        self.spec = spec
-        self._target = [target]  # (a list: the target's parameters are not this module's)
         self.index = spec.num_layers
-        self.checkpoint_prefix = target.mtp_checkpoint_prefix
         dtype, device = target.model.embed_tokens.weight.dtype, target.lm_head_weight.device
         h, eps, ops = spec.hidden_size, spec.rms_norm_eps, target.ops
         with use_quant_config(None if float_fc else quant_config):
@@ -68,10 +66,6 @@ class DeepseekLayoutMtp(nn.Module):
         self.enorm = RMSNorm(h, eps, dtype, device, ops)
         self.hnorm = RMSNorm(h, eps, dtype, device, ops)
         self.shared_head = _SharedHead(RMSNorm(h, eps, dtype, device, ops))
-
-    @property
-    def target(self) -> Any:
-        return self._target[0]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -109,12 +103,19 @@ class DeepseekLayoutMtp(nn.Module):
             raise ModelLoadError(f"tensor {name!r}: the MTP layer's {_COPIES[leaf]} differs from the model's; ferrox "
                                  "drafts with the model's own (as the releases store copies)")
 
-    def finalize_weights(self) -> None:
-        for module in self.modules():
-            finalize = getattr(module, "finalize_quantized", None)
-            if finalize is not None:
-                finalize()
-        after_load = getattr(self.target, "finalize_mtp", None)  # (DeepSeek: the latent attention's absorption)
-        if after_load is not None:
-            after_load(self)
 
+class DeepseekLayoutMtpTarget:
+    """The target side of this layout (DeepseekV2ForCausalLM, Glm4MoeForCausalLM): where its tensors are and the
+    drafter built on it; the target itself builds the decoder layer (`mtp_decoder_layer`), loads its tensors
+    (`load_mtp_tensors`) and may finish it after loading (`finalize_mtp`)."""
+
+    spec: Any
+
+    @property
+    def mtp_checkpoint_prefix(self) -> str:
+        """The checkpoint's MTP layer's tensors: the layer after the last decoder layer."""
+        return f"model.layers.{self.spec.num_layers}."
+
+    def multi_token_predictor(self, quant_config: Any = None, *, float_fc: bool = False) -> nn.Module:
+        """The checkpoint's MTP layer as a drafter, built but not loaded."""
+        return DeepseekLayoutMtp(self, quant_config, float_fc=float_fc)

@@ -64,6 +64,7 @@ from ferrox.layers.ops import DeviceOps, for_device
 from ferrox.layers.rotary import RotaryEmbedding
 from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError, rope_type_of
+from ferrox.models.deepseek_mtp import DeepseekLayoutMtpTarget
 from ferrox.models.llama import LlamaMLP, linear_takes
 from ferrox.models.load_check import check_all_loaded, load_into
 from ferrox.models.mla_attention import MlaAttention, MlaShape, MlaTritonBackend, mla_backend
@@ -255,7 +256,7 @@ class DeepseekModel(nn.Module):
         return run_pre_norm_layers(self.layers, self.norm, h, self.rotary(positions, h.dtype), kv_caches, meta)
 
 
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(DeepseekLayoutMtpTarget, nn.Module):
     version = 2  # which reference's routing and rotary fields (mla_shape, moe_config)
     # Heads, dense and shared MLPs sharded, experts sharded or split, the latent replicated (module docstring).
     # Tested with gloo on the CPU (tests/models/test_deepseek_tp.py) and NCCL on two GPUs (its gpu test).
@@ -344,17 +345,6 @@ class DeepseekV2ForCausalLM(nn.Module):
             return layer is None or not 0 <= int(layer[1]) - self.spec.num_layers < self.num_mtp_layers
 
         load_deepseek_tensors(self, filter(base, weights), self.spec.architecture, self._expected_keys())
-
-    @property
-    def mtp_checkpoint_prefix(self) -> str:
-        """The checkpoint's MTP layer's tensors: the layer after the last decoder layer."""
-        return f"model.layers.{self.spec.num_layers}."
-
-    def multi_token_predictor(self, quant_config: Any = None, *, float_fc: bool = False) -> nn.Module:
-        """The checkpoint's MTP layer as a drafter (models/deepseek_mtp.py), built but not loaded."""
-        from ferrox.models.deepseek_mtp import DeepseekLayoutMtp
-
-        return DeepseekLayoutMtp(self, quant_config, float_fc=float_fc)
 
     def mtp_decoder_layer(self, index: int) -> tuple[AttentionBackend, nn.Module]:
         """(A latent-attention backend of its own, the MTP layer's decoder layer: one of this model's.)"""

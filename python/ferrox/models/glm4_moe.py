@@ -43,6 +43,7 @@ from ferrox.layers.grouped_topk import grouped_topk
 from ferrox.layers.ops import DeviceOps
 from ferrox.layers.rotary import partial_rotary_order
 from ferrox.model_spec import ModelLoadError, ModelSpec, MoeSpec, UnsupportedModelError
+from ferrox.models.deepseek_mtp import DeepseekLayoutMtpTarget
 from ferrox.models.glm4 import (
     GLM_LORA_REFUSAL,
     check_checkpoint_quantization,
@@ -173,7 +174,7 @@ def glm4_moe_spec(spec: ModelSpec) -> ModelSpec:
     return dataclasses.replace(glm_spec(spec), moe=moe, attention_bias=False)
 
 
-class Glm4MoeForCausalLM(MoeForCausalLM):
+class Glm4MoeForCausalLM(DeepseekLayoutMtpTarget, MoeForCausalLM):
     model_class = Glm4MoeModel
     reorders_partial_rotary = True
 
@@ -198,17 +199,6 @@ class Glm4MoeForCausalLM(MoeForCausalLM):
     @staticmethod
     def qkv_bias(spec: ModelSpec) -> bool:
         return bool(spec.hf_config.get("attention_bias", False))
-
-    @property
-    def mtp_checkpoint_prefix(self) -> str:
-        """The checkpoint's MTP layer's tensors: the layer after the last decoder layer."""
-        return f"model.layers.{self.spec.num_layers}."
-
-    def multi_token_predictor(self, quant_config: Any = None, *, float_fc: bool = False) -> nn.Module:
-        """The checkpoint's MTP layer as a drafter (models/deepseek_mtp.py), built but not loaded."""
-        from ferrox.models.deepseek_mtp import DeepseekLayoutMtp
-
-        return DeepseekLayoutMtp(self, quant_config, float_fc=float_fc)
 
     def mtp_decoder_layer(self, index: int) -> tuple[AttentionBackend, nn.Module]:
         """(An attention backend of its own, the MTP layer's decoder layer: one of this model's, sparse.)"""

@@ -35,6 +35,7 @@ from ferrox.layers.quant.method import use_quant_config
 from ferrox.model_spec import UnsupportedModelError
 from ferrox.models.llama import LlamaMLP
 from ferrox.models.moe import MoeBlock, expected_checkpoint_keys
+from ferrox.models.mtp_layer import MtpLayer
 
 _NORMS = ("norm.weight", "pre_fc_norm_hidden.weight", "pre_fc_norm_embedding.weight")
 
@@ -48,23 +49,20 @@ def mtp_layer_count(config: dict[str, Any]) -> int:
     return 1
 
 
-class Qwen3_5MultiTokenPredictor(nn.Module):
+class Qwen3_5MultiTokenPredictor(MtpLayer):
     def __init__(self, target: Any, quant_config: Any = None, *, float_fc: bool = False):
         """target: the Qwen3_5ForCausalLM (or its MoE / Qwen3-Next / multimodal kin) whose checkpoint holds the
         layer; quant_config: the target's where the checkpoint quantized the layer (None: float); float_fc: its fc
         left float all the same (the releases may: worker/mtp_proposer.py load_predictor reads which)."""
         from ferrox.models.qwen3_5 import HybridDecoderLayer
 
-        super().__init__()
+        super().__init__(target)
         spec = target.spec
         count = mtp_layer_count(spec.hf_config)
         if count != 1:
             raise UnsupportedModelError(
                 f"speculative_config.method 'mtp': config.json declares {count} multi-token-prediction layers "
                 "(mtp_num_hidden_layers / num_nextn_predict_layers); ferrox drafts with exactly one")
-        self.spec = spec
-        self.checkpoint_prefix = "mtp."  # (the tensors worker/mtp_proposer.py reads for it)
-        self._target = [target]  # (a list: the target's parameters are not this module's)
         param = target.lm_head_weight
         dtype, device = target.model.embed_tokens.weight.dtype, param.device
         h, eps, ops = spec.hidden_size, spec.rms_norm_eps, target.ops
@@ -85,10 +83,6 @@ class Qwen3_5MultiTokenPredictor(nn.Module):
         self.norm = RMSNorm(h, eps, dtype, device, ops)
         self.pre_fc_norm_hidden = RMSNorm(h, eps, dtype, device, ops)
         self.pre_fc_norm_embedding = RMSNorm(h, eps, dtype, device, ops)
-
-    @property
-    def target(self) -> Any:
-        return self._target[0]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -123,11 +117,6 @@ class Qwen3_5MultiTokenPredictor(nn.Module):
 
         load_hybrid_tensors(self, ours(), self.spec, expected_checkpoint_keys(self))
 
-    def finalize_weights(self) -> None:
-        for module in self.modules():
-            finalize = getattr(module, "finalize_quantized", None)
-            if finalize is not None:
-                finalize()
 
 
 def _mtp_tensors(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
