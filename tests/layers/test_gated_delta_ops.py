@@ -59,7 +59,7 @@ def reference_gdn(q, k, v, g, beta, pool, rows, lengths, has_state):
 def run_gdn(q, k, v, g, beta, pool, rows, lengths, has_state, **kwargs):
     loc, loc_cpu = qsl(lengths, q.device)
     return gated_delta_rule_varlen(q, k, v, g, beta, pool, torch.tensor(rows, device=q.device), loc, loc_cpu,
-                                   torch.tensor(has_state, device=q.device), fla=q.is_cuda, **kwargs)
+                                   torch.tensor(has_state, device=q.device), cuda_kernels=q.is_cuda, **kwargs)
 
 
 def test_gdn_matches_transformers_mixed_batch():
@@ -139,6 +139,25 @@ def test_gdn_keeps_the_state_after_each_draft():
         _, prefix = reference_gdn(*(x[sl] for x in (q, k, v, g, beta)), before, [rows[i]], [t + 1], [has_state[i]])
         torch.testing.assert_close(pool[row], prefix[0], rtol=1e-4, atol=1e-5)
     assert torch.isnan(pool[15:]).all()  # (rows not named stay as they were)
+
+
+def test_gdn_uniform_verify_step():
+    """Every query 1 + k tokens (MTP's steady state; the path a CUDA graph replays: indices from the device): outputs,
+    final states and each draft's state as the reference's."""
+    lengths, rows, has_state = [3, 3, 3], [2, 5, 1], [True, True, False]
+    draft_rows = torch.tensor([[10, 11], [12, -1], [13, 14]])
+    q, k, v, g, beta = gdn_inputs(sum(lengths), seed=6)
+    pool = torch.cat([state_pool(), torch.full((8, HV, DK, DV), float("nan"))])
+    before = pool.clone()
+    out = run_gdn(q, k, v, g, beta, pool, rows, lengths, has_state, draft_rows=draft_rows)
+    ref, finals = reference_gdn(q, k, v, g, beta, before, rows, lengths, has_state)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    for row, final in zip(rows, finals, strict=True):
+        torch.testing.assert_close(pool[row], final, rtol=1e-4, atol=1e-5)
+    for i, t, row in [(0, 0, 10), (0, 1, 11), (1, 0, 12), (2, 0, 13), (2, 1, 14)]:
+        sl = slice(3 * i, 3 * i + t + 1)
+        _, prefix = reference_gdn(*(x[sl] for x in (q, k, v, g, beta)), before, [rows[i]], [t + 1], [has_state[i]])
+        torch.testing.assert_close(pool[row], prefix[0], rtol=1e-4, atol=1e-5)
 
 
 # --- causal conv -------------------------------------------------------------------------------------------
@@ -263,7 +282,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @needs_cuda
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("decode", [False, True])
-def test_fla_matches_torch_path(pool_dtype, decode):
+def test_cuda_kernels_match_torch_path(pool_dtype, decode):
     pytest.importorskip("fla")
     dk = dv = 128  # the head dims of Qwen3-Next / Qwen3.5's linear-attention layers
     if decode:
@@ -302,7 +321,7 @@ def test_decode_paths_under_cuda_graph():
 
     def step():
         y = causal_conv1d_varlen(x, weight, bias, conv_pool, rows, loc, loc_cpu, has_state, decode_only=True)
-        o = gated_delta_rule_varlen(*static, ssm_pool, rows, loc, loc_cpu, has_state, decode_only=True, fla=True)
+        o = gated_delta_rule_varlen(*static, ssm_pool, rows, loc, loc_cpu, has_state, decode_only=True, cuda_kernels=True)
         return y, o
 
     side = torch.cuda.Stream()

@@ -71,9 +71,12 @@ def mtp_models(tmp_path_factory):
             for name, (make, add_layer, _) in FAMILIES.items()}
 
 
-def _generate(folder: str, prompts=PROMPTS, record: bool = False, **kw):
-    """(outputs, engine stats, [(request id, position of its last token, drafts proposed)])."""
+def _generate(folder: str, prompts=PROMPTS, record: bool = False, on_engine=None, **kw):
+    """(outputs, engine stats, [(request id, position of its last token, drafts proposed)]). on_engine(llm): called
+    before generating."""
     llm = LLM(model=folder, dtype="float32", kv_cache_memory=8 << 20, **kw)
+    if on_engine is not None:
+        on_engine(llm)
     proposals: list[tuple[str, int, list[int]]] = []
     drafter = llm.engine.drafter
     if record and drafter is not None:
@@ -217,12 +220,28 @@ def test_what_mtp_cannot_do_is_refused_by_name(mtp_models, tmp_path, case):
 @pytest.mark.parametrize("name", ["qwen3_5", "glm4_moe", "deepseek_v3"])
 def test_cuda_mtp_matches_cpu(mtp_models, name):
     """The CUDA engine (fla's kernels, the fused MoE kernels, the Triton MLA kernels; CUDA graphs for the target's
-    decode steps, the MTP layer eager) drafting with the MTP layer gives the CPU engine's answers (float32)."""
+    decode and verify steps -- the hybrid's through the one-launch verify recurrence --, the MTP layer eager) drafting
+    with the MTP layer gives the CPU engine's answers (float32)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     folder, _ = mtp_models[name]
     cpu, _, _ = _generate(folder, enable_prefix_caching=False)
     extra = {"mamba_block_size": 16} if name == "qwen3_5" else {}
-    cuda, stats, _ = _generate(folder, device="cuda", speculative_config=MTP, **extra)
+    verify_replays: list[int] = []
+
+    def count_verify_replays(llm) -> None:
+        graphs = llm.engine.runner.graph_runner
+        assert graphs is not None and graphs.verify_graphs
+        run = graphs.run
+
+        def counting(input_ids, positions, meta):
+            if not meta.decode_only:
+                verify_replays.append(meta.num_reqs)
+            return run(input_ids, positions, meta)
+
+        graphs.run = counting
+
+    cuda, stats, _ = _generate(folder, device="cuda", speculative_config=MTP, on_engine=count_verify_replays, **extra)
     _assert_same_answers(cpu, cuda, 1e-3)
     assert stats["spec_num_accepted_tokens"] > 0
+    assert verify_replays  # (steps whose queries are all 1 + k tokens long)

@@ -253,8 +253,9 @@ def test_cuda_engine_matches_cpu(tiny, name):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_speculative_decoding_matches_cpu(repeating):
-    """n-gram drafts on CUDA (async scheduling, eager verify steps keeping each draft's state, decode graphs
-    between them) against the CPU engine without drafts: greedy tokens and logprobs."""
+    """n-gram drafts on CUDA (async scheduling; verify steps keeping each draft's state through the one-launch
+    recurrence, replayed as CUDA graphs when every query has all k drafts and eager otherwise; decode graphs between
+    them) against the CPU engine without drafts: greedy tokens and logprobs."""
     outs = {}
     for device, spec in (("cpu", None), ("cuda", {"method": "ngram", "num_speculative_tokens": 3,
                                                   "prompt_lookup_max": 3})):

@@ -12,6 +12,9 @@ Precision: the sum runs in float32 and the output is rounded once to x's dtype (
 conv in the weight's dtype; float32 is at least as close to the float32 reference and is what vLLM's
 causal-conv kernels accumulate in). The kernel is written as W shifted multiply-adds rather than
 F.conv1d so no backend can trade float32 for TF32. The state keeps the raw inputs in the pool's dtype.
+
+On CUDA (cuda_kernels, the Triton op set) decode and verify steps -- every query at most RECURRENT_MAX_LEN tokens --
+run the one-launch kernel (kernels/causal_conv_short.py) instead: the torch path is some forty launches a layer.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ import torch
 import torch.nn.functional as F
 
 ACTIVATIONS = (None, "silu", "swish")
+# Queries up to this length take the one-launch kernel on CUDA (decode and verify steps: the same bound as the
+# delta rule's recurrence, layers/gated_delta_rule.py RECURRENT_MAX_LEN).
+_SHORT = 16
 
 
 def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -37,19 +43,22 @@ def _gather_states(conv_states: torch.Tensor, state_rows: torch.Tensor, has_stat
     return torch.where(has_state.view(-1, 1, 1), old, torch.zeros((), dtype=old.dtype, device=old.device))
 
 
+def _max_query_len(query_start_loc_cpu: torch.Tensor) -> int:
+    return int((query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]).max()) if query_start_loc_cpu.numel() > 1 else 0
+
+
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          conv_states: torch.Tensor, state_rows: torch.Tensor, query_start_loc: torch.Tensor,
                          query_start_loc_cpu: torch.Tensor, has_state: torch.Tensor,
                          activation: str | None = "silu", decode_only: bool = False,
-                         draft_rows: torch.Tensor | None = None) -> torch.Tensor:
+                         draft_rows: torch.Tensor | None = None, *, cuda_kernels: bool = False) -> torch.Tensor:
     """y [T, C] in x's dtype for x [T, C] (requests one after another, request i owning
     x[query_start_loc[i]:query_start_loc[i+1]]), weight [C, W], bias [C] or None; conv_states [R, C, W-1]
     is updated in place at state_rows [N]; has_state [N] bool (False: ignore the row's old content).
 
     decode_only: one token per request (T == N), CUDA-graph safe (device ops only, fixed shapes; padding
-    requests may repeat a row, whose result is then undefined). query_start_loc_cpu is not read by either
-    path: the general one builds its indices on the device too (it is kept for the callers' uniform
-    signature).
+    requests may repeat a row, whose result is then undefined). query_start_loc_cpu only chooses the path
+    (cuda_kernels: short queries take the kernel); the torch paths build their indices on the device.
 
     draft_rows: [N, K] int64 pool rows, -1 for none (speculative decoding, worker/recurrent_states.py): the state
     after request i's token t (t < K, inside its query) also goes to row draft_rows[i, t], so the state after
@@ -59,6 +68,13 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     channels, width = weight.shape
     if conv_states.dim() != 3 or conv_states.shape[1:] != (channels, width - 1):
         raise ValueError(f"conv_states {tuple(conv_states.shape)} must be [rows, {channels}, {width - 1}]")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r}: expected one of {ACTIVATIONS}")
+    if cuda_kernels and 2 <= width <= 4 and (decode_only or _max_query_len(query_start_loc_cpu) <= _SHORT):
+        from ferrox.kernels.causal_conv_short import causal_conv_short
+
+        return causal_conv_short(x, weight, bias, conv_states, state_rows, query_start_loc, has_state, activation,
+                                 draft_rows)
     w = weight.float()
     b = bias.float() if bias is not None else None
     states = _gather_states(conv_states, state_rows, has_state)  # [N, C, W-1]

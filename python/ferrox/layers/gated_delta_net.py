@@ -37,7 +37,6 @@ from torch import nn
 
 from ferrox.distributed.parallel_state import get_tp_group
 from ferrox.distributed.sharding import Weight, even_split, materialize, narrow
-from ferrox.layers.causal_conv import causal_conv1d_varlen
 from ferrox.layers.linear import MergedLinear, RowParallelLinear
 from ferrox.layers.ops import DeviceOps, for_device
 from ferrox.layers.quant.method import use_quant_config
@@ -170,9 +169,9 @@ class GatedDeltaNet(nn.Module):
         rows, has_state = step
         mixed, z = self.qkvz_proj(x).split([self.conv_dim, self.value_dim], dim=-1)
         b, a = self.ba_proj(x).split([self.num_v_heads, self.num_v_heads], dim=-1)
-        mixed = causal_conv1d_varlen(mixed, self.conv1d.weight, None, self.conv_states, rows, meta.query_start_loc,
-                                     meta.query_start_loc_cpu, has_state, activation="silu",
-                                     decode_only=meta.decode_only, draft_rows=meta.draft_state_rows)
+        mixed = self.ops.causal_conv1d(mixed, self.conv1d.weight, None, self.conv_states, rows, meta.query_start_loc,
+                                       meta.query_start_loc_cpu, has_state, activation="silu",
+                                       decode_only=meta.decode_only, draft_rows=meta.draft_state_rows)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         beta = torch.sigmoid(b.float())
         g = -torch.exp(self.A_log) * F.softplus(a.float() + self.dt_bias)

@@ -13,14 +13,16 @@ pool row (or from zeros when it starts fresh) and its final state goes back to t
 
 Paths:
 - CUDA with flash-linear-attention (`fla`, imported lazily so CPU installs never need it; chosen by the op set,
-  layers/ops.py): its chunked kernel over the whole varlen batch for mixed steps, its fused recurrent kernel for
-  decode steps.
+  layers/ops.py): its chunked kernel over the whole varlen batch for mixed steps,
+  and ferrox's own one-launch recurrence (kernels/gated_delta_recurrent.py) for decode and speculative verify steps
+  (short queries, keeping the state after each draft), in place in the pool: fla's fused recurrent kernel needs the
+  rows gathered into a float32 batch and scattered back, 5.7x the time of a batch-1 decode layer on an H100.
 - torch (CPU, and the reference): the chunked WY form for prompts (Yang et al., "Gated Delta Networks",
   the UT transform solves each chunk's delta updates with one triangular solve), the plain recurrence
   for short queries, grouped by length so requests of equal length step together.
-decode_only (one token per request) is CUDA-graph safe on both paths: index_select / torch.where /
-index_copy_ on fixed shapes, no host sync. All math in float32; the pool may be float32 or the model
-dtype.
+decode_only (one token per request), and a verify step whose queries all have one length, are CUDA-graph safe on
+both paths: index_select / torch.where / index_copy_ on fixed shapes, no host sync. All math in float32; the pool
+may be float32 or the model dtype.
 """
 
 from __future__ import annotations
@@ -139,8 +141,12 @@ def gated_delta_rule_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
             by_length.setdefault(n, []).append(i)
     # Short queries (decodes, speculative verification) of equal length step together, one token a step.
     for n, reqs in by_length.items():
-        req_idx = torch.tensor(reqs, device=q.device)
-        first = torch.tensor([bounds[i] for i in reqs], device=q.device)
+        if len(reqs) == len(lengths):  # every request (a uniform verify step): device indices, CUDA-graph safe
+            req_idx = torch.arange(len(reqs), device=q.device)
+            first = query_start_loc[:-1].long()
+        else:
+            req_idx = torch.tensor(reqs, device=q.device)
+            first = torch.tensor([bounds[i] for i in reqs], device=q.device)
         state = states.index_select(0, req_idx)
         drafts = draft_rows.index_select(0, req_idx) if draft_rows is not None else None
         for t in range(n):
@@ -156,42 +162,33 @@ def gated_delta_rule_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
 
 
 @functools.cache
-def _fla_ops() -> tuple[Any, Any] | None:
-    """fla's (chunk, fused recurrent) gated-delta-rule ops, or None where fla is missing or fails to
-    import (a Triton it does not support): the torch path then runs instead."""
+def _fla_chunk_op() -> Any | None:
+    """fla's chunked gated-delta-rule op, or None where fla is missing or fails to import (a Triton it does not
+    support): the torch path then runs instead."""
     try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except Exception as e:  # any import failure (not only ImportError) means "no fla", never a crash
         logger.warning("flash-linear-attention unavailable (%s): gated delta rule runs in torch", e)
         return None
-    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    return chunk_gated_delta_rule
 
 
-def _gated_delta_rule_fla(ops: tuple[Any, Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+def _gated_delta_rule_fla(chunk_op: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                           beta: torch.Tensor, ssm_states: torch.Tensor, state_rows: torch.Tensor,
-                          query_start_loc: torch.Tensor, query_start_loc_cpu: torch.Tensor, has_state: torch.Tensor,
-                          decode_only: bool) -> torch.Tensor:
-    chunk_op, recurrent_op = ops
+                          query_start_loc: torch.Tensor, query_start_loc_cpu: torch.Tensor,
+                          has_state: torch.Tensor) -> torch.Tensor:
     rows = state_rows.long()
     # fla reads the state in any dtype (as float32), handles Hv > Hk itself (value head h uses q/k head
     # h // (Hv/Hk), transformers' repeat_interleave), and returns the final state in float32.
     initial = _initial_states(ssm_states, state_rows, has_state)
-    if decode_only:
-        # A batch of N one-token sequences: no cu_seqlens, so nothing to read on the host.
-        # (keywords: the op's fifth positional parameter is gk, a per-key decay, not beta)
-        o, final = recurrent_op(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), g=g.unsqueeze(1),
-                                beta=beta.unsqueeze(1), initial_state=initial, output_final_state=True,
-                                use_qk_l2norm_in_kernel=True)
-        o = o.squeeze(1)
-    else:
-        # Fresh int64 copies each call: fla memoises the chunk layout it derives from cu_seqlens by tensor
-        # identity, so a persistent buffer updated in place between steps would replay a stale layout.
-        cu_seqlens = query_start_loc.to(torch.int64, copy=True)
-        cu_seqlens_cpu = query_start_loc_cpu.to(torch.int64, copy=True)
-        o, final = chunk_op(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g=g.unsqueeze(0), beta=beta.unsqueeze(0),
-                            initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True,
-                            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
-        o = o.squeeze(0)
+    # Fresh int64 copies each call: fla memoises the chunk layout it derives from cu_seqlens by tensor
+    # identity, so a persistent buffer updated in place between steps would replay a stale layout.
+    cu_seqlens = query_start_loc.to(torch.int64, copy=True)
+    cu_seqlens_cpu = query_start_loc_cpu.to(torch.int64, copy=True)
+    o, final = chunk_op(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g=g.unsqueeze(0), beta=beta.unsqueeze(0),
+                        initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+    o = o.squeeze(0)
     ssm_states.index_copy_(0, rows, final.to(ssm_states.dtype))
     return o.to(v.dtype)
 
@@ -199,7 +196,7 @@ def _gated_delta_rule_fla(ops: tuple[Any, Any], q: torch.Tensor, k: torch.Tensor
 def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                             ssm_states: torch.Tensor, state_rows: torch.Tensor, query_start_loc: torch.Tensor,
                             query_start_loc_cpu: torch.Tensor, has_state: torch.Tensor, *,
-                            decode_only: bool = False, fla: bool = False,
+                            decode_only: bool = False, cuda_kernels: bool = False,
                             draft_rows: torch.Tensor | None = None) -> torch.Tensor:
     """o [T, Hv, Dv] in v's dtype for q/k [T, Hk, Dk], v [T, Hv, Dv], g [T, Hv] (log decay, <= 0) and beta
     [T, Hv], requests one after another (request i owns tokens query_start_loc[i]:query_start_loc[i+1]).
@@ -207,12 +204,13 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     zeros, and its final state is written back there in the pool's dtype.
 
     decode_only: one token per request (T == N); CUDA-graph safe; padding requests may repeat a row
-    (its result is then undefined). fla: flash-linear-attention's kernels (CUDA tensors: the Triton op set asks
-    for them, layers/ops.py), the torch path where fla does not import.
+    (its result is then undefined). cuda_kernels: flash-linear-attention's kernels and ferrox's verify recurrence
+    (CUDA tensors: the Triton op set asks for them, layers/ops.py); the torch path where fla does not import.
 
     draft_rows: [N, K] int64 pool rows, -1 for none (speculative decoding, worker/recurrent_states.py): the state
     after request i's token t (t < K) also goes to row draft_rows[i, t]. K < RECURRENT_MAX_LEN, so a verify query
-    (1 + its drafts) runs the recurrence, which passes through every state; these steps take the torch path."""
+    (1 + its drafts) runs the recurrence, which passes through every state: with cuda_kernels the one-launch kernel
+    when no query of the step is longer (a prefill chunk beside the verify queries: the torch path)."""
     if q.shape != k.shape or q.dim() != 3 or v.dim() != 3 or v.shape[0] != q.shape[0]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} must be [T, Hk, Dk] and v {tuple(v.shape)} "
                          "[T, Hv, Dv]")
@@ -227,10 +225,17 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         if draft_rows.shape[1] >= RECURRENT_MAX_LEN:
             raise ValueError(f"draft_rows: {draft_rows.shape[1]} drafts per request; a verify query of 1 + that many "
                              f"tokens must be at most {RECURRENT_MAX_LEN} (the recurrence)")
-    elif fla and min(q.shape[2], v.shape[2]) >= 16:
-        ops = _fla_ops()
-        if ops is not None:
-            return _gated_delta_rule_fla(ops, q, k, v, g, beta, ssm_states, state_rows, query_start_loc,
-                                         query_start_loc_cpu, has_state, decode_only)
+    # (host data: the step's query lengths; under a CUDA graph those of the captured step)
+    if cuda_kernels and (decode_only or int((query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]).max())
+                         <= RECURRENT_MAX_LEN):
+        from ferrox.kernels.gated_delta_recurrent import gated_delta_recurrent
+
+        return gated_delta_recurrent(q, k, v, g.float(), beta.float(), ssm_states, state_rows, query_start_loc,
+                                     has_state, draft_rows)
+    if cuda_kernels and draft_rows is None and min(q.shape[2], v.shape[2]) >= 16:
+        chunk_op = _fla_chunk_op()
+        if chunk_op is not None:
+            return _gated_delta_rule_fla(chunk_op, q, k, v, g, beta, ssm_states, state_rows, query_start_loc,
+                                         query_start_loc_cpu, has_state)
     return gated_delta_rule_torch(q, k, v, g, beta, ssm_states, state_rows, query_start_loc, query_start_loc_cpu,
                                   has_state, decode_only=decode_only, draft_rows=draft_rows)

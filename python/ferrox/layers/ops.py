@@ -201,6 +201,13 @@ class DeviceOps:
 
         return gated_delta_rule_varlen(q, *args, **kwargs)
 
+    def causal_conv1d(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The linear-attention layers' short causal convolution over a varlen batch (layers/causal_conv.py
+        causal_conv1d_varlen's arguments): torch's shifted multiply-adds."""
+        from ferrox.layers.causal_conv import causal_conv1d_varlen
+
+        return causal_conv1d_varlen(x, *args, **kwargs)
+
 
 class TritonOps(DeviceOps):
     """The Triton kernels: one pass per op instead of eager torch's several (3-5x faster RMSNorm on
@@ -251,10 +258,17 @@ class TritonOps(DeviceOps):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     def gated_delta_rule(self, q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """flash-linear-attention's Triton kernels on CUDA tensors (the interpreter's CPU tensors: torch's form)."""
+        """flash-linear-attention's and ferrox's Triton kernels on CUDA tensors (the interpreter's CPU tensors: torch's
+        form)."""
         from ferrox.layers.gated_delta_rule import gated_delta_rule_varlen
 
-        return gated_delta_rule_varlen(q, *args, fla=q.is_cuda, **kwargs)
+        return gated_delta_rule_varlen(q, *args, cuda_kernels=q.is_cuda, **kwargs)
+
+    def causal_conv1d(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """One launch for decode and verify steps on CUDA tensors (kernels/causal_conv_short.py)."""
+        from ferrox.layers.causal_conv import causal_conv1d_varlen
+
+        return causal_conv1d_varlen(x, *args, cuda_kernels=x.is_cuda, **kwargs)
 
 
 def for_device(device: Any = None, kernels: str | None = None) -> DeviceOps:

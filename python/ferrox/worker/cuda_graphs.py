@@ -32,6 +32,12 @@ block table has a spare zeroed block column per verify_len tokens so those reads
 Per-token state kept outside these buffers in step order must follow the padding: the model's
 `verify_row_hooks` (LoRA's token slots, lora/slots.py TokenSlots.relayout) are called with the
 token -> row map after each verify step is staged.
+
+A hybrid model's verify steps (worker/recurrent_states.py) replay the same graphs only when every
+request's query is exactly verify_len tokens (MTP's steady state: k drafts each): a pad row would
+advance a request's recurrent state past its last real token. The step's state rows and draft-state
+rows go to static buffers too (padding requests: scratch row 0 and no draft rows); steps with
+shorter queries run eagerly.
 """
 
 from __future__ import annotations
@@ -163,8 +169,7 @@ class CudaGraphRunner:
                            "capturing up to %d instead of %d", self.num_blocks, sizes[-1], sizes[-1], wanted[-1])
         self.batch_sizes = sizes
         self.max_batch = sizes[-1]
-        # (a hybrid model verifies drafts eagerly: its layers keep a state per draft, worker/recurrent_states.py)
-        self.verify_len = verify_len if verify_len > 1 and not recurrent_layers(model) else 0
+        self.verify_len = verify_len if verify_len > 1 else 0
         # Verify batches: the ladder sizes whose dummy step (fresh prompts of verify_len tokens) fits
         # the cache and stays within 8192 tokens (larger verify batches are rare and run eagerly).
         self.verify_sizes = [b for b in sizes if b * self.verify_len <= 8192 and min_prefill_blocks(
@@ -182,6 +187,8 @@ class CudaGraphRunner:
         # A hybrid model's recurrent-state rows (worker/recurrent_states.py); padding requests use scratch row 0.
         self.recurrent = bool(recurrent_layers(model))
         self.state_rows = torch.zeros(n, dtype=torch.int32, device=device)
+        # ... and where a verify step keeps the state after each of a query's first k tokens (-1: nowhere)
+        self.draft_state_rows = torch.full((n, max(self.verify_len - 1, 0)), -1, dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._rows: torch.Tensor | None = None  # the last verify step's token -> static row map
@@ -201,6 +208,7 @@ class CudaGraphRunner:
             seq_lens=self.seq_lens[:n],
             block_table=self.block_table[:n],
             state_rows=self.state_rows[:n] if self.recurrent else None,
+            draft_state_rows=self.draft_state_rows[:n] if self.recurrent and query_len > 1 else None,
         )
 
     def stage(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> int:
@@ -215,16 +223,20 @@ class CudaGraphRunner:
         width = meta.block_table.shape[1]
         self.block_table[:batch, :width].copy_(meta.block_table, non_blocking=True)
         if self.recurrent:
-            if meta.state_rows is not None:
-                self.state_rows[:batch].copy_(meta.state_rows, non_blocking=True)
-            else:  # (capture's dummy steps: scratch)
-                self.state_rows[:batch].zero_()
-            self.state_rows[batch:padded].zero_()
+            self._stage_state_rows(meta.state_rows, batch, padded)
         if padded > batch:
             self.slot_mapping[batch:padded].fill_(-1)  # padding writes no KV
             self.seq_lens[batch:padded].zero_()  # and attends to nothing
             self.positions[batch:padded].zero_()
         return padded
+
+    def _stage_state_rows(self, state_rows: torch.Tensor | None, batch: int, padded: int) -> None:
+        """The step's recurrent-state rows; scratch row 0 for padding requests and capture's dummy steps."""
+        if state_rows is not None:
+            self.state_rows[:batch].copy_(state_rows, non_blocking=True)
+        else:
+            self.state_rows[:batch].zero_()
+        self.state_rows[batch:padded].zero_()
 
     def stage_verify(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> int:
         """Copy a step whose queries are at most verify_len tokens into the static buffers, each
@@ -250,7 +262,15 @@ class CudaGraphRunner:
         self.block_table[:batch, :width].copy_(meta.block_table, non_blocking=True)
         self.block_table[:batch, width:].zero_()  # pad positions past the request's blocks read block 0
         if self.recurrent:
-            raise RuntimeError("verify graphs: a hybrid model's recurrent states do not take speculative steps")
+            if tokens != batch * q:
+                raise RuntimeError("verify graphs: a hybrid model's queries must all be verify_len tokens (can_run)")
+            self._stage_state_rows(meta.state_rows, batch, padded)
+            drafts = self.draft_state_rows
+            if meta.draft_state_rows is not None:
+                drafts[:batch].copy_(meta.draft_state_rows, non_blocking=True)
+            else:  # (capture's dummy steps)
+                drafts[:batch].fill_(-1)
+            drafts[batch:padded].fill_(-1)
         for hook in getattr(self.model, "verify_row_hooks", ()):
             hook(rows, span)
         return padded
@@ -318,8 +338,11 @@ class CudaGraphRunner:
         fits = meta.max_seq_len <= self.max_model_len and meta.block_table.shape[1] <= self.block_table.shape[1]
         if meta.decode_only:
             return bool(self.graphs) and meta.num_reqs <= self.max_batch and fits
-        return (bool(self.verify_graphs) and meta.max_query_len <= self.verify_len
-                and meta.num_reqs <= self.verify_sizes[-1] and fits)
+        if not (self.verify_graphs and meta.max_query_len <= self.verify_len and meta.num_reqs <= self.verify_sizes[-1]
+                and fits):
+            return False
+        # (host data: the step's query lengths, no device read)
+        return not self.recurrent or int(meta.query_start_loc_cpu[meta.num_reqs]) == meta.num_reqs * self.verify_len
 
     def padded_size(self, batch: int) -> int:
         return next_captured_size(self.batch_sizes, batch, "a batch of")

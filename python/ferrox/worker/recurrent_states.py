@@ -153,10 +153,16 @@ def allocate_recurrent_states(model: Any, max_num_seqs: int, snapshot_slots: int
                              f"{need / 2**30:.2f} GiB ({per_row / 2**20:.1f} MiB each) and the GPU has "
                              f"{free / 2**30:.2f} GiB free; lower --max-num-seqs (or the state dtypes: "
                              "--mamba-ssm-cache-dtype; or --mamba-cache-mode none, fewer speculative tokens)")
+    # Layers of one shape share one [layers, rows, ...] tensor per kind, each bound to its slice: a row copy for
+    # every layer (keep_accepted after each verify step, the snapshots) is then two launches, not two per layer.
+    by_shape: dict[tuple[tuple[int, ...], tuple[int, ...]], list[Any]] = {}
     for layer in recurrent_layers(model):
-        conv, ssm = layer.state_shapes()
-        layer.bind_states(torch.zeros((rows, *conv), dtype=conv_dtype, device=device),
-                          torch.zeros((rows, *ssm), dtype=ssm_dtype, device=device))
+        by_shape.setdefault(layer.state_shapes(), []).append(layer)
+    for (conv, ssm), layers in by_shape.items():
+        conv_stack = torch.zeros((len(layers), rows, *conv), dtype=conv_dtype, device=device)
+        ssm_stack = torch.zeros((len(layers), rows, *ssm), dtype=ssm_dtype, device=device)
+        for j, layer in enumerate(layers):
+            layer.bind_states(conv_stack[j], ssm_stack[j])
     logger.info("recurrent states: %d rows of %.2f MiB (%s conv, %s delta rule; %d of them prefix-cache snapshots, "
                 "%d draft states), %.2f GiB", rows, per_row / 2**20, str(conv_dtype).removeprefix("torch."),
                 str(ssm_dtype).removeprefix("torch."), snapshot_slots, max_num_seqs * num_speculative_tokens,
@@ -232,8 +238,24 @@ def keep_accepted(layers: list[Any], rows: torch.Tensor, draft_rows: torch.Tenso
     copy_state_rows(layers, src, rows)
 
 
-def copy_state_rows(layers: list[Any], src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Row dst[i] of every layer's pools takes row src[i] (int64 device tensors; rows distinct within dst)."""
+def _row_pools(layers: list[Any]) -> list[tuple[torch.Tensor, int]]:
+    """(tensor, its row dim) for every pool of `layers` (all of a model's): the stacks allocate_recurrent_states binds
+    slices of, once each, or a layer's own pool where it is not such a slice."""
+    out: list[tuple[torch.Tensor, int]] = []
+    seen: set[int] = set()
     for layer in layers:
         for pool in (layer.conv_states, layer.ssm_states):
-            pool.index_copy_(0, dst, pool.index_select(0, src))
+            stack = pool._base
+            if stack is not None and stack.dim() == pool.dim() + 1 and stack.shape[1:] == pool.shape:
+                if id(stack) not in seen:
+                    seen.add(id(stack))
+                    out.append((stack, 1))
+            else:
+                out.append((pool, 0))
+    return out
+
+
+def copy_state_rows(layers: list[Any], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Row dst[i] of every layer's pools takes row src[i] (int64 device tensors; rows distinct within dst)."""
+    for pool, dim in _row_pools(layers):
+        pool.index_copy_(dim, dst, pool.index_select(dim, src))
