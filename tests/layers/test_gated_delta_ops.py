@@ -122,42 +122,36 @@ def test_gdn_bfloat16():
         torch.testing.assert_close(pool[row].float(), final, rtol=2e-2, atol=2e-2)
 
 
-def test_gdn_keeps_the_state_after_each_draft():
+@pytest.mark.parametrize("layout", ["beside_a_prefill", "uniform"])
+def test_gdn_keeps_the_state_after_each_draft(layout):
     """Speculative verification: requests of 1 + d tokens keep the state after each of their first d tokens in
-    their draft rows (what the reference reaches on that prefix), beside a prefill that keeps none."""
-    lengths, rows, has_state = [3, 20, 4], [1, 2, 3], [True, False, True]
-    draft_rows = torch.tensor([[10, 11, -1], [-1, -1, -1], [12, 13, 14]])
+    their draft rows (what the reference reaches on that prefix). Two layouts: verify queries of different
+    lengths beside a prefill that keeps none, and every query 1 + k tokens (MTP's steady state; the path a CUDA
+    graph replays, its indices from the device)."""
+    if layout == "beside_a_prefill":
+        lengths, rows, has_state = [3, 20, 4], [1, 2, 3], [True, False, True]
+        drafts = [[10, 11, -1], [-1, -1, -1], [12, 13, 14]]
+    else:
+        lengths, rows, has_state = [3, 3, 3], [2, 5, 1], [True, True, False]
+        drafts = [[10, 11], [12, -1], [13, 14]]
     q, k, v, g, beta = gdn_inputs(sum(lengths), seed=5)
     pool = torch.cat([state_pool(), torch.full((8, HV, DK, DV), float("nan"))])
     before = pool.clone()
-    out = run_gdn(q, k, v, g, beta, pool, rows, lengths, has_state, draft_rows=draft_rows)
-    ref, _ = reference_gdn(q, k, v, g, beta, before, rows, lengths, has_state)
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
-    starts = [0, 3, 23]
-    for i, t, row in [(0, 0, 10), (0, 1, 11), (2, 0, 12), (2, 1, 13), (2, 2, 14)]:
-        sl = slice(starts[i], starts[i] + t + 1)
-        _, prefix = reference_gdn(*(x[sl] for x in (q, k, v, g, beta)), before, [rows[i]], [t + 1], [has_state[i]])
-        torch.testing.assert_close(pool[row], prefix[0], rtol=1e-4, atol=1e-5)
-    assert torch.isnan(pool[15:]).all()  # (rows not named stay as they were)
-
-
-def test_gdn_uniform_verify_step():
-    """Every query 1 + k tokens (MTP's steady state; the path a CUDA graph replays: indices from the device): outputs,
-    final states and each draft's state as the reference's."""
-    lengths, rows, has_state = [3, 3, 3], [2, 5, 1], [True, True, False]
-    draft_rows = torch.tensor([[10, 11], [12, -1], [13, 14]])
-    q, k, v, g, beta = gdn_inputs(sum(lengths), seed=6)
-    pool = torch.cat([state_pool(), torch.full((8, HV, DK, DV), float("nan"))])
-    before = pool.clone()
-    out = run_gdn(q, k, v, g, beta, pool, rows, lengths, has_state, draft_rows=draft_rows)
+    out = run_gdn(q, k, v, g, beta, pool, rows, lengths, has_state, draft_rows=torch.tensor(drafts))
     ref, finals = reference_gdn(q, k, v, g, beta, before, rows, lengths, has_state)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
     for row, final in zip(rows, finals, strict=True):
         torch.testing.assert_close(pool[row], final, rtol=1e-4, atol=1e-5)
-    for i, t, row in [(0, 0, 10), (0, 1, 11), (1, 0, 12), (2, 0, 13), (2, 1, 14)]:
-        sl = slice(3 * i, 3 * i + t + 1)
-        _, prefix = reference_gdn(*(x[sl] for x in (q, k, v, g, beta)), before, [rows[i]], [t + 1], [has_state[i]])
-        torch.testing.assert_close(pool[row], prefix[0], rtol=1e-4, atol=1e-5)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    for i, row_drafts in enumerate(drafts):
+        for t, row in enumerate(row_drafts):
+            if row < 0:
+                continue
+            sl = slice(starts[i], starts[i] + t + 1)
+            _, prefix = reference_gdn(*(x[sl] for x in (q, k, v, g, beta)), before, [rows[i]], [t + 1],
+                                      [has_state[i]])
+            torch.testing.assert_close(pool[row], prefix[0], rtol=1e-4, atol=1e-5)
+    assert torch.isnan(pool[15:]).all()  # (rows not named stay as they were)
 
 
 # --- causal conv -------------------------------------------------------------------------------------------
