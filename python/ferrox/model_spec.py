@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ferrox.errors import ModelLoadError, UnsupportedModelError
+from ferrox.loader.config_fields import to_int
 
-__all__ = ["ModelLoadError", "ModelSpec", "MoeSpec", "UnsupportedModelError", "rope_type_of", "spec_for_context",
+__all__ = ["ModelLoadError", "ModelSpec", "MoeSpec", "UnsupportedModelError", "rope_type_of", "sliding_layer_kinds", "spec_for_context",
            "uses_long_rope"]
 
 if TYPE_CHECKING:  # torch stays unimported: loader.source and loader.errors must load without it
@@ -97,6 +98,36 @@ class ModelSpec:
     def window_of(self, layer: int) -> int:
         """Layer `layer`'s attention window as served (0: full attention)."""
         return self.attention_windows[layer] if self.attention_windows else 0
+
+
+def sliding_layer_kinds(config: dict[str, Any], num_layers: int, where: str) -> tuple[bool, ...]:
+    """Which layers use the sliding window: config.json's layer_types (transformers >= 4.5x writes it),
+    else each family's rule as transformers derives it -- Gemma 2 and gpt-oss every other layer from the first,
+    Gemma 3 all but every sliding_window_pattern-th, OLMo 3 all but every fourth, Qwen2 from max_window_layers
+    on, every layer otherwise (Mistral, Phi-3)."""
+    types = config.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != num_layers:
+            raise ModelLoadError(f"{where}: field 'layer_types' must list one type per layer ({num_layers}), "
+                                 f"got {types!r}")
+        unknown = set(types) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise UnsupportedModelError(f"{where}: layer_types {sorted(unknown)} are not supported "
+                                        "(sliding_attention, full_attention)")
+        return tuple(t == "sliding_attention" for t in types)
+    arch = str((config.get("architectures") or [""])[0])
+    if arch in ("Gemma2ForCausalLM", "GptOssForCausalLM"):
+        return tuple(i % 2 == 0 for i in range(num_layers))
+    if arch in ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"):
+        pattern = to_int(config.get("sliding_window_pattern", 6), f"{where}: field 'sliding_window_pattern'")
+        return tuple((i + 1) % pattern != 0 for i in range(num_layers))
+    if arch == "Olmo3ForCausalLM":
+        return tuple((i + 1) % 4 != 0 for i in range(num_layers))
+    if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
+        first = to_int(config.get("max_window_layers", num_layers), f"{where}: field 'max_window_layers'",
+                       minimum=0)
+        return tuple(i >= first for i in range(num_layers))
+    return (True,) * num_layers
 
 
 def hybrid_layer_types(config: dict[str, Any]) -> list[str] | None:

@@ -1,4 +1,4 @@
-"""Tiny random SmolLM3, OLMo 2 and OLMoE checkpoints written by transformers.
+"""Tiny random SmolLM3, OLMo 2, OLMo 3 and OLMoE checkpoints written by transformers.
 
 Norms (the full-width q/k norms included), routers and biases are randomised (transformers inits them at
 1, 0.02 and 0), so each of them decides something in the tokens compared."""
@@ -62,6 +62,29 @@ def make_tiny_olmo2(folder, *, hidden_size: int = 64, num_layers: int = 2, num_h
     model = Olmo2ForCausalLM(config).to(torch.float32)
     _randomize_norms(model)
     _randomize_biases(model)
+    return _save(str(folder), model, tok, max_shard_size=None, generation=None)
+
+
+def make_tiny_olmo3(folder, *, hidden_size: int = 64, num_layers: int = 4, num_heads: int = 4, num_kv_heads: int = 2,
+                    intermediate_size: int = 96, sliding_window: int = 8, yarn_factor: float | None = 4.0,
+                    seed: int = 0) -> str:
+    """An OLMo 3: OLMo 2's layers, layers 0-2 sliding (an 8-token window, so the prompts cross it), layer 3 full;
+    YaRN on the full layer only (transformers' rope_parameters keyed by layer type, as its config.json writes)."""
+    import torch
+    from transformers import Olmo3Config, Olmo3ForCausalLM
+
+    tok = build_tokenizer()
+    params = _common(tok, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, 2048, False)
+    full = {"rope_type": "default", "rope_theta": 50_000.0}
+    if yarn_factor is not None:
+        full = {"rope_type": "yarn", "rope_theta": 50_000.0, "factor": yarn_factor,
+                "original_max_position_embeddings": 512}
+    config = Olmo3Config(**params, sliding_window=sliding_window,
+                         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 50_000.0},
+                                          "full_attention": full})
+    torch.manual_seed(seed)
+    model = Olmo3ForCausalLM(config).to(torch.float32)
+    _randomize_norms(model)
     return _save(str(folder), model, tok, max_shard_size=None, generation=None)
 
 

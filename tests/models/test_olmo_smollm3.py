@@ -1,5 +1,5 @@
-"""SmolLM3 (NoPE layers), OLMo 2 (post-norms, full-width q/k norms) and OLMoE (MoE with full-width q/k norms,
-clip_qkv) against transformers on tiny random checkpoints: greedy tokens and last-prompt logits through the
+"""SmolLM3 (NoPE layers), OLMo 2 (post-norms, full-width q/k norms), OLMo 3 (OLMo 2 with sliding-window layers
+rotating without the full layers' YaRN) and OLMoE (MoE with full-width q/k norms, clip_qkv) against transformers on tiny random checkpoints: greedy tokens and last-prompt logits through the
 test driver, chunked prefill and batching, the real engine with a 16-token budget (long prompts prefilled in
 chunks), SmolLM3's sliding window on its NoPE layers, the one-token decode paths (under TRITON_INTERPRET=1:
 the Triton kernel set, SmolLM3's fused one-token kernels with the NoPE layer's identity rotation), the layers
@@ -41,6 +41,8 @@ BUILDERS = {
     # SmolLM3-3B's layout: no_rope_layers left to transformers' default (layer 3 of 4 NoPE), tied embeddings.
     "smollm3": lambda d: tiny_olmo_smollm3.make_tiny_smollm3(d, seed=31),
     "olmo2": lambda d: tiny_olmo_smollm3.make_tiny_olmo2(d, attention_bias=True, seed=32),
+    # (an 8-token window on layers 0-2, YaRN x4 on layer 3: the 67-token prompt crosses both)
+    "olmo3": lambda d: tiny_olmo_smollm3.make_tiny_olmo3(d, seed=36),
     "olmoe": lambda d: tiny_olmo_smollm3.make_tiny_olmoe(d, seed=33),
     # OLMoE with renormalised top-k and q/k/v clamped (clip_qkv of OLMo-1-style configs).
     "olmoe_clip": lambda d: tiny_olmo_smollm3.make_tiny_olmoe(d, norm_topk_prob=True, clip_qkv=0.5, top_k=3,
@@ -65,7 +67,7 @@ def _check_parity(model, ref, name: str) -> None:
 
 
 # ---- parity with transformers ---------------------------------------------------------------------
-@pytest.mark.parametrize("name", list(BUILDERS))
+@pytest.mark.parametrize("name", [n for n in BUILDERS if n != "olmo3"])  # (OLMo 3: with its windows, below)
 def test_greedy_and_logits_match_transformers(tiny, name):
     _, model, ref = tiny[name]
     _check_parity(model, ref, name)
@@ -77,7 +79,7 @@ def test_chunked_prefill_and_batching_do_not_change_tokens(tiny, name):
     assert_chunking_and_batching_keep_tokens(model, PROMPTS, alone=slice(3, None))
 
 
-@pytest.mark.parametrize("name", ["smollm3", "olmo2", "olmoe_clip"])
+@pytest.mark.parametrize("name", ["smollm3", "olmo2", "olmo3", "olmoe_clip"])
 def test_engine_chunked_prefill_matches_transformers(tiny, name):
     """The real engine (Rust scheduler, paged KV, sampler) with a 16-token budget: the long prompt is
     prefilled in chunks; greedy tokens and their logprobs against transformers."""
@@ -120,6 +122,36 @@ def test_smollm3_sliding_window_on_its_nope_layers(tmp_path):
     # Sliding layer_types with use_sliding_window false: transformers' layers and masks disagree; refused.
     with pytest.raises(UnsupportedModelError, match="config.json: layer_types.*use_sliding_window"):
         _load(_copy_with_config(folder, tmp_path / "mixed", use_sliding_window=False))
+
+
+# ---- OLMo 3's windows and two rotaries -------------------------------------------------------------------
+def test_olmo3_windows_and_rotaries_follow_the_config(tiny, tmp_path):
+    """Layers 0-2 windowed and rotating without the YaRN of layer 3; config.json as transformers 4.5x writes it
+    (rope_theta and rope_scaling at the top, no layer_types: every fourth layer full) loads the same model.
+    Mutations that must show: YaRN on every layer, or no window."""
+    folder, _, ref = tiny["olmo3"]
+    model = _load(folder)  # (served: the windows as spec_for_context sets them)
+    assert [layer.self_attn.window for layer in model.model.layers] == [8, 8, 8, 0]
+    _check_parity(model, ref, "olmo3")
+    assert_chunking_and_batching_keep_tokens(model, PROMPTS, alone=slice(3, None))
+    assert model.model.sliding == (True, True, True, False)
+    flat = _load(_copy_with_config(folder, tmp_path / "flat", rope_parameters=None, layer_types=None,
+                                   rope_theta=50_000.0, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                                      "original_max_position_embeddings": 512}))
+    assert [layer.self_attn.window for layer in flat.model.layers] == [8, 8, 8, 0]
+    _check_parity(flat, ref, "olmo3_flat")
+    _, expected = run_greedy(model, PROMPTS[3:], 1, return_prefill_logits=True)
+    yarn = {"rope_type": "yarn", "rope_theta": 50_000.0, "factor": 4.0, "original_max_position_embeddings": 512}
+    yarn_everywhere = _load(_copy_with_config(folder, tmp_path / "yarn_all",
+                                              rope_parameters={"sliding_attention": yarn, "full_attention": yarn}))
+    unwindowed = _load(_copy_with_config(folder, tmp_path / "no_window", sliding_window=None))
+    for changed in (yarn_everywhere, unwindowed):
+        _, logits = run_greedy(changed, PROMPTS[3:], 1, return_prefill_logits=True)
+        assert not torch.allclose(logits[0], expected[0], atol=1e-3)
+    # A window no shorter than the context: full attention everywhere, the sliding layers' rotary kept.
+    wide = _load(_copy_with_config(folder, tmp_path / "wide", sliding_window=4096))
+    assert [layer.self_attn.window for layer in wide.model.layers] == [0] * 4
+    assert wide.model.sliding == (True, True, True, False)
 
 
 # ---- the Triton kernel set (the GPU's): decode paths, and the layers under the interpreter ----------------
@@ -180,6 +212,9 @@ def test_olmo_qk_norms_span_all_heads(tiny):
     ("olmo2", {"sliding_window": 16}, "sliding_window"),
     ("olmo2", {"clip_qkv": 8.0}, "clip_qkv"),
     ("olmo2", {"mlp_bias": True}, "mlp_bias"),
+    ("olmo3", {"clip_qkv": 8.0}, "clip_qkv"),
+    ("olmo3", {"layer_types": ["sliding_attention", "chunked_attention", "sliding_attention", "full_attention"]},
+     "layer_types"),
     ("olmoe", {"sliding_window": 16}, "sliding_window"),
     ("olmoe", {"clip_qkv": -1.0}, "clip_qkv"),
     ("olmoe", {"shared_expert_intermediate_size": 32}, "shared_expert_intermediate_size"),
@@ -191,10 +226,10 @@ def test_unsupported_fields_are_refused_by_name(tiny, tmp_path, name, fields, wo
         _load(folder)
 
 
-@pytest.mark.parametrize("name", ["olmo2", "olmoe"])
+@pytest.mark.parametrize("name", ["olmo2", "olmo3", "olmoe"])
 def test_tensor_parallelism_is_refused_by_name(tiny, name):
     source = resolve_model(tiny[name][0])
-    arch = {"olmo2": "Olmo2ForCausalLM", "olmoe": "OlmoeForCausalLM"}[name]
+    arch = {"olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM", "olmoe": "OlmoeForCausalLM"}[name]
     with use_tp_group(TPGroup(rank=0, size=2)), pytest.raises(UnsupportedModelError, match=arch):
         load_model(source, load_model_spec(source), dtype=torch.float32, device="cpu")
 

@@ -15,7 +15,7 @@ from ferrox.loader.config_fields import to_float, to_int
 from ferrox.loader.config_file import read_model_config
 from ferrox.loader.errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError
 from ferrox.loader.source import ModelSource
-from ferrox.model_spec import ModelSpec, MoeSpec, hybrid_layer_types, rope_type_of
+from ferrox.model_spec import ModelSpec, MoeSpec, hybrid_layer_types, rope_type_of, sliding_layer_kinds
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
@@ -273,7 +273,7 @@ def spec_from_hf_config(config: dict[str, Any], where: str, *, scaled_context: b
         # A window of W lets a token see itself and the W - 1 before it (transformers' mask: kv > q - W;
         # vLLM's flash-attention window W - 1). One at least as long as the context is full attention.
         if window < max_pos:
-            sliding_window, sliding_layers = window, _sliding_layers(config, num_layers, where)
+            sliding_window, sliding_layers = window, sliding_layer_kinds(config, num_layers, where)
     dtype_name = config.get("torch_dtype") or config.get("dtype") or "float32"
     dtype = _DTYPES.get(str(dtype_name).replace("torch.", ""), torch.float32)
     return ModelSpec(
@@ -343,34 +343,6 @@ def _gemma4_text(config: dict[str, Any], where: str) -> dict[str, Any]:
                        to_int(layer.get("head_dim", head_dim), f"{where}: per_layer_config[{i}]")])
     config["gemma4_layer_kv"] = shapes
     return config
-
-
-def _sliding_layers(config: dict[str, Any], num_layers: int, where: str) -> tuple[bool, ...]:
-    """Which layers use the sliding window: config.json's layer_types (transformers >= 4.5x writes it),
-    else each family's rule as transformers derives it -- Gemma 2 and gpt-oss every other layer from the first,
-    Gemma 3 all but every sliding_window_pattern-th, Qwen2 from max_window_layers on, every layer
-    otherwise (Mistral, Phi-3)."""
-    types = config.get("layer_types")
-    if types is not None:
-        if not isinstance(types, list) or len(types) != num_layers:
-            raise ModelLoadError(f"{where}: field 'layer_types' must list one type per layer ({num_layers}), "
-                                 f"got {types!r}")
-        unknown = set(types) - {"sliding_attention", "full_attention"}
-        if unknown:
-            raise UnsupportedModelError(f"{where}: layer_types {sorted(unknown)} are not supported "
-                                        "(sliding_attention, full_attention)")
-        return tuple(t == "sliding_attention" for t in types)
-    arch = str((config.get("architectures") or [""])[0])
-    if arch in ("Gemma2ForCausalLM", "GptOssForCausalLM"):
-        return tuple(i % 2 == 0 for i in range(num_layers))
-    if arch in ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"):
-        pattern = to_int(config.get("sliding_window_pattern", 6), f"{where}: field 'sliding_window_pattern'")
-        return tuple((i + 1) % pattern != 0 for i in range(num_layers))
-    if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
-        first = to_int(config.get("max_window_layers", num_layers), f"{where}: field 'max_window_layers'",
-                       minimum=0)
-        return tuple(i >= first for i in range(num_layers))
-    return (True,) * num_layers
 
 
 def _normalized_scaling(config: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:

@@ -39,11 +39,12 @@ from ferrox.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from ferrox.models.moe import MoeBlock, MoeDecoderLayer, MoeForCausalLM, MoeModel
 
 
-def check_olmo_config(spec: ModelSpec, *, takes_clip_qkv: bool) -> float | None:
-    """The fields the OLMo families refuse (module docstring); the clip_qkv to apply, if any."""
+def check_olmo_config(spec: ModelSpec, *, takes_clip_qkv: bool, windowed: bool = False) -> float | None:
+    """The fields the OLMo families refuse (module docstring); the clip_qkv to apply, if any. windowed: the family
+    has sliding-window layers (OLMo 3)."""
     config = spec.hf_config
     arch = spec.architecture
-    if config.get("sliding_window") is not None:
+    if config.get("sliding_window") is not None and not windowed:
         raise UnsupportedModelError(f"config.json: sliding_window {config['sliding_window']!r} is not supported "
                                     f"for {arch} (transformers' OLMo models attend to the whole context)")
     if spec.mlp_bias:
