@@ -198,6 +198,17 @@ def test_triton_kernel_set_matches_transformers(tiny, name, monkeypatch):
     assert bool(fused_steps) == (name == "smollm3")
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="the Triton kernel set on CPU needs TRITON_INTERPRET=1")
+def test_olmo3_triton_kernel_set_matches_transformers(tiny):
+    """OLMo 3 on the GPU's op set under the interpreter, its windows served (the 8-token prompt fills one)."""
+    _, _, ref = tiny["olmo3"]
+    model = _triton_model("olmo3", tiny, attention_windows=(8, 8, 8, 0))
+    assert [layer.self_attn.window for layer in model.model.layers] == [8, 8, 8, 0]
+    ours, logits = run_greedy(model, [PROMPTS[1]], 3, block_size=16, return_prefill_logits=True)
+    torch.testing.assert_close(logits[0], hf_last_logits(ref, PROMPTS[1]), atol=1e-4, rtol=1e-4)
+    assert cut_at_eos(ours[0], [tiny_models.EOS_TOKEN_ID]) == hf_greedy(ref, PROMPTS[1], 3)
+
+
 # ---- what the OLMo configs build ------------------------------------------------------------------------
 def test_olmo_qk_norms_span_all_heads(tiny):
     for name, q_width in (("olmo2", 64), ("olmoe", 64)):

@@ -113,7 +113,7 @@ class CosSinRope:
 
     def norm_rotate_qk(self, qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, q_norm_weight: torch.Tensor,
                        k_norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return _norm_qk_torch(qkv, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, self.rotate)
+        return norm_qk_torch(qkv, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, self.rotate)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,10 +143,10 @@ class KernelRope:
             return self.norm_kernel(qkv, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, eps=eps,
                                     rope_rows=self.rows, rope_index=self.index, num_q_heads=num_q_heads,
                                     num_kv_heads=num_kv_heads, head_dim=head_dim)
-        return _norm_qk_torch(qkv, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, self.rotate)
+        return norm_qk_torch(qkv, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, self.rotate)
 
 
-def _norm_qk_torch(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, q_norm_weight: torch.Tensor,
+def norm_qk_torch(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, q_norm_weight: torch.Tensor,
                    k_norm_weight: torch.Tensor, eps: float,
                    rotate: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
                    ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -62,6 +62,7 @@ SUPPORTED: dict[str, str] = {
     "Olmo2ForCausalLM": "ferrox.models.olmo2:Olmo2ForCausalLM",
     "OlmoeForCausalLM": "ferrox.models.olmo2:OlmoeForCausalLM",
     "Olmo3ForCausalLM": "ferrox.models.olmo3:Olmo3ForCausalLM",
+    "Exaone4ForCausalLM": "ferrox.models.exaone4:Exaone4ForCausalLM",
     "SeedOssForCausalLM": "ferrox.models.seed_oss:SeedOssForCausalLM",
     "Glm4MoeForCausalLM": "ferrox.models.glm4_moe:Glm4MoeForCausalLM",
     "MiniMaxM2ForCausalLM": "ferrox.models.minimax_m2:MiniMaxM2ForCausalLM",

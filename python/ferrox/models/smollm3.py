@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ferrox.attention.backend import AttentionBackend
-from ferrox.layers.ops import DeviceOps
+from ferrox.layers.ops import DeviceOps, norm_qk_torch
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
 from ferrox.models.llama import LlamaForCausalLM, LlamaModel
 
@@ -43,7 +43,8 @@ class NoRope:
 
     def norm_rotate_qk(self, qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, q_norm_weight: torch.Tensor,
                        k_norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError("SmolLM3 has no q/k norms")
+        """Per-head q/k norms (EXAONE 4's NoPE layers: models/exaone4.py), then no rotation."""
+        return norm_qk_torch(qkv, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, self.rotate)
 
 
 NO_ROPE = NoRope()

@@ -1,0 +1,99 @@
+"""EXAONE 4.0 (LGAI-EXAONE/EXAONE-4.0-32B, -1.2B: Exaone4ForCausalLM), as transformers' Exaone4 defines it:
+
+- post-norm layers (OLMo 2's shape: h = h + post_attention_layernorm(attn(h)); h = h + post_feedforward_layernorm(
+  mlp(h)); no input norm), Llama's projections and SiLU MLP;
+- q and k RMS-normed per head before rotary (Qwen3's norms: LlamaAttention qk_norm);
+- hybrid attention when `sliding_window` is set: the layers `layer_types` names sliding_attention (else
+  `sliding_window_pattern`: every N-th layer global, or letters such as "LLLG") attend within the window and
+  rotate; the global layers attend fully and do not rotate at all ("global NoPE": models/smollm3.py NoRope).
+  Without a window every layer is full attention and rotates (the 1.2B).
+
+The rotary choice follows the layer kinds, not the served windows: a window at least as long as the context
+changes the mask (none), not which layers rotate. Decoding takes the general path (post-norm layers are not the
+fused one-token kernels' shape). Refused by name: tensor parallelism (not yet tested here), GGUF files.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ferrox.attention.backend import AttentionBackend
+from ferrox.layers.layernorm import RMSNorm
+from ferrox.layers.ops import DeviceOps, Rope
+from ferrox.layers.rotary import RotaryEmbedding
+from ferrox.layers.vocab_parallel import VocabParallelEmbedding
+from ferrox.model_spec import ModelSpec, UnsupportedModelError, sliding_layer_kinds
+from ferrox.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from ferrox.models.smollm3 import NO_ROPE
+
+
+def rotary_layers(config: dict[str, Any], num_layers: int) -> tuple[bool, ...]:
+    """Which layers rotate q and k: all without a sliding window, else the sliding ones."""
+    if not config.get("sliding_window"):
+        return (True,) * num_layers
+    return sliding_layer_kinds(config, num_layers, "config.json")
+
+
+class Exaone4DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype,
+                 device: torch.device | str, window: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(spec, backend, ops, dtype, device, qkv_bias=False, o_bias=False, qk_norm=True,
+                                        window=window)
+        self.mlp = LlamaMLP(spec, ops, dtype, device)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
+        self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
+
+    def forward(self, x: torch.Tensor, rope: Any, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(x, rope, kv_cache, meta))
+        return x + self.post_feedforward_layernorm(self.mlp(x))
+
+
+class Exaone4Model(nn.Module):
+    qk_norm = True
+
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype,
+                 device: torch.device | str, **_: Any):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(Exaone4DecoderLayer(spec, backend, ops, dtype, device, spec.window_of(i))
+                                    for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
+        self.rotary = RotaryEmbedding.for_spec(spec, device, ops)
+        self.rotary_layers = rotary_layers(spec.hf_config, spec.num_layers)
+        self.backend = backend
+        self.one_token_layers = None  # (post-norm layers: not the pre-norm shape the fused kernels run)
+        self.decode_path = backend.decode_path(None, self.rotary.rope_rows)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: Any, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        rope: Rope = self.rotary(positions, h.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, rope if self.rotary_layers[i] else NO_ROPE, kv_caches[i], meta)
+        return self.norm(h)
+
+
+class Exaone4ForCausalLM(LlamaForCausalLM):
+    model_class = Exaone4Model
+    supports_tensor_parallel = False  # (per-head norms would shard; not yet tested under tensor parallelism)
+    supports_quantized_gguf = False  # (no GGUF mapping: loader/gguf_file.py)
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
+                 kernels: str | None = None):
+        config = spec.hf_config
+        for key in ("attention_bias", "mlp_bias"):
+            if config.get(key):
+                raise UnsupportedModelError(f"config.json: {key} true is not supported for Exaone4ForCausalLM "
+                                            "(transformers' EXAONE 4 layers carry no biases)")
+        rotary_layers(config, spec.num_layers)  # (a bad layer_types or pattern fails here, by name)
+        super().__init__(spec, dtype, device, kernels=kernels)
+
+
+__all__ = ["Exaone4ForCausalLM"]
