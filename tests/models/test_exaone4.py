@@ -24,6 +24,7 @@ from tests.helpers.driver import run_greedy
 from tests.helpers.tiny_exaone4 import make_tiny_exaone4
 from tests.models.conftest import (
     assert_chunking_and_batching_keep_tokens,
+    assert_cuda_engine_matches_cpu,
     assert_greedy_and_logits_match,
     assert_outputs_match_transformers,
     chunked_engine_outputs,
@@ -133,3 +134,10 @@ def test_triton_kernel_set_matches_transformers(tiny):
     ours, logits = run_greedy(model, [PROMPTS[1]], 3, block_size=16, return_prefill_logits=True)
     torch.testing.assert_close(logits[0], hf_last_logits(ref, PROMPTS[1]), atol=1e-4, rtol=1e-4)
     assert cut_at_eos(ours[0], [tiny_models.EOS_TOKEN_ID]) == hf_greedy(ref, PROMPTS[1], 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_engine_matches_cpu(tiny):
+    """The windowed layers and the global NoPE layer on the CUDA engine (CUDA graphs) against the CPU engine."""
+    assert_cuda_engine_matches_cpu(tiny["hybrid"][0], PROMPTS, max_tokens=8, max_model_len=256)

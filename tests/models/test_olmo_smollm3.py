@@ -26,6 +26,7 @@ from tests.helpers.config_edit import copy_with_config as _copy_with_config
 from tests.helpers.driver import run_greedy
 from tests.models.conftest import (
     assert_chunking_and_batching_keep_tokens,
+    assert_cuda_engine_matches_cpu,
     assert_greedy_and_logits_match,
     assert_outputs_match_transformers,
     chunked_engine_outputs,
@@ -257,3 +258,10 @@ def test_cuda_engine_matches_cpu_engine(tiny, name):
 
     prompts = [[5, 9, 11], [100, 7, 300, 45, 2, 9, 77, 13], [(13 * i + 4) % 300 + 3 for i in range(200)]]
     assert_cuda_engine_matches_cpu(tiny[name][0], prompts, max_tokens=12, max_model_len=256)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_olmo3_cuda_engine_matches_cpu(tiny):
+    """OLMo 3's windowed layers and two rotaries on the CUDA engine (CUDA graphs) against the CPU engine."""
+    assert_cuda_engine_matches_cpu(tiny["olmo3"][0], PROMPTS, max_tokens=8, max_model_len=256)
