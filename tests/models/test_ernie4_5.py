@@ -1,15 +1,15 @@
-"""ERNIE 4.5 dense (models/ernie4_5.py) against transformers on tiny random checkpoints (biases on every projection,
-tied embeddings; and without biases, untied): greedy tokens and last-prompt logits, chunked prefill and batching, the
-real engine with a 16-token budget; the interleaved rotary's q/k rows reordered at load (the stream without the
-reordering must not match); tensor-parallel ranks holding their part; the refusals by name; on a GPU, the CUDA
-engine against the CPU engine."""
+"""ERNIE 4.5 dense and MoE (models/ernie4_5.py, ernie4_5_moe.py) against transformers on tiny random checkpoints
+(dense: biases on every projection, tied embeddings; and without biases, untied. MoE: a dense first layer, sparse
+layers with a shared expert and a randomised balancing bias; and every other layer sparse up to an end index): greedy tokens and last-prompt logits, chunked prefill and batching, the real engine with a 16-token budget;
+the interleaved rotary's q/k rows reordered at load and the balancing bias (each left out must not match); the MTP
+tensors skipped; tensor-parallel ranks; the refusals by name; on a GPU, the CUDA engine against the CPU engine."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from ferrox.distributed.parallel_state import TPGroup, use_tp_group
-from ferrox.errors import UnsupportedModelError
+from ferrox.errors import ModelLoadError, UnsupportedModelError
 from ferrox.layers.linear import QKVLinear
 from ferrox.loader.model_loader import load_model_spec
 from ferrox.loader.source import resolve_model
@@ -20,7 +20,7 @@ from ferrox.models.registry import get_model_class
 from tests.helpers import tiny_models
 from tests.helpers.config_edit import copy_with_config
 from tests.helpers.driver import run_greedy
-from tests.helpers.tiny_ernie4_5 import make_tiny_ernie4_5
+from tests.helpers.tiny_ernie4_5 import make_tiny_ernie4_5, make_tiny_ernie4_5_moe
 from tests.models.conftest import (
     assert_chunking_and_batching_keep_tokens,
     assert_cuda_engine_matches_cpu,
@@ -34,7 +34,11 @@ transformers = pytest.importorskip("transformers")
 
 PROMPTS = [[5, 9, 11], [100, 7, 300, 45, 2, 9, 77, 13], [4, 4, 4, 4, 8], list(range(3, 70))]
 BUILDERS = {"biased": lambda d: make_tiny_ernie4_5(d, seed=51),
-            "plain": lambda d: make_tiny_ernie4_5(d, use_bias=False, tie_word_embeddings=False, seed=52)}
+            "plain": lambda d: make_tiny_ernie4_5(d, use_bias=False, tie_word_embeddings=False, seed=52),
+            "moe": lambda d: make_tiny_ernie4_5_moe(d, seed=53),
+            # (layers 1 and 3 sparse: interval 2 up to end index 3; two shared experts)
+            "moe_interval": lambda d: make_tiny_ernie4_5_moe(d, num_layers=5, interval=2, end=3, num_shared=2,
+                                                             seed=54)}
 
 
 @pytest.fixture(scope="module")
@@ -46,18 +50,80 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_greedy_and_logits_match_transformers(tiny, name):
     _, model, ref = tiny[name]
-    assert (model.model.layers[0].self_attn.qkv_proj.bias is not None) == (name == "biased")
-    assert (model.model.layers[0].self_attn.o_proj.bias is not None) == (name == "biased")
+    biased = name == "biased"
+    assert (model.model.layers[0].self_attn.qkv_proj.bias is not None) == biased
+    assert (model.model.layers[0].self_attn.o_proj.bias is not None) == biased
+    if name.startswith("moe"):
+        sparse = [type(layer.mlp).__name__ == "Ernie4_5MoeBlock" for layer in model.model.layers]
+        assert sparse == ([False, True, True, True] if name == "moe" else [False, True, False, True, False])
     assert_greedy_and_logits_match(model, ref, PROMPTS, [tiny_models.EOS_TOKEN_ID], label=name)
     assert_chunking_and_batching_keep_tokens(model, PROMPTS, alone=slice(3, None))
 
 
-def test_engine_chunked_prefill_matches_transformers(tiny):
-    folder, _, ref = tiny["biased"]
+@pytest.mark.parametrize("name", ["biased", "moe"])
+def test_engine_chunked_prefill_matches_transformers(tiny, name):
+    folder, _, ref = tiny[name]
     assert_outputs_match_transformers(ref, PROMPTS, chunked_engine_outputs(folder, PROMPTS, max_model_len=256))
 
 
-def test_interleaved_rotary_rows_are_reordered_at_load(tiny):
+def test_moe_balancing_bias_chooses_experts(tiny):
+    """Without the bias (zeroed after loading) the sparse layers pick other experts: the long prompt's logits move."""
+    _, model, ref = tiny["moe"]
+    _, logits = run_greedy(model, PROMPTS[3:], 1, return_prefill_logits=True)
+    torch.testing.assert_close(logits[0], hf_last_logits(ref, PROMPTS[3]), atol=1e-4, rtol=1e-4)
+    saved = [layer.mlp.moe_statics.e_score_correction_bias.clone() for layer in model.model.layers[1:]]
+    try:
+        for layer in model.model.layers[1:]:
+            layer.mlp.moe_statics.e_score_correction_bias.zero_()
+        _, unbiased = run_greedy(model, PROMPTS[3:], 1, return_prefill_logits=True)
+    finally:
+        for layer, bias in zip(model.model.layers[1:], saved, strict=True):
+            layer.mlp.moe_statics.e_score_correction_bias.copy_(bias)
+    assert not torch.allclose(unbiased[0], logits[0], atol=1e-3)
+
+
+def test_moe_mtp_tensors_are_skipped(tiny, tmp_path):
+    """A release's MTP tensors (model.mtp_*) beside the model's: skipped at load, as transformers skips them."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder, model, _ = tiny["moe"]
+    copy = shutil.copytree(folder, tmp_path / "with_mtp")
+    weights = load_file(f"{copy}/model.safetensors")
+    weights.update({"model.mtp_linear_proj.0.weight": torch.zeros(64, 128),
+                    "model.mtp_block.0.self_attn.q_proj.weight": torch.zeros(64, 64)})
+    save_file(weights, f"{copy}/model.safetensors", metadata={"format": "pt"})
+    loaded = tiny_models.load_float32(str(copy))
+    _, expected = run_greedy(model, PROMPTS[3:], 1, return_prefill_logits=True)
+    _, logits = run_greedy(loaded, PROMPTS[3:], 1, return_prefill_logits=True)
+    assert torch.equal(logits[0], expected[0])
+
+
+def test_moe_tensor_parallel_engine_matches_one_rank(tiny):
+    """Two gloo rank processes (experts sharded by intermediate rows, the shared experts and the dense layer as
+    Llama's, the router and its bias on every rank) generate what one rank does."""
+    from ferrox import LLM, SamplingParams
+
+    folder = tiny["moe"][0]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
+    results = []
+    for tp in (1, 2):
+        llm = LLM(model=folder, dtype="float32", tensor_parallel_size=tp, kv_cache_memory=8 << 20,
+                  max_num_batched_tokens=16, max_model_len=256)
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        finally:
+            llm.engine.shutdown()
+        results.append([(list(o.outputs[0].token_ids),
+                         [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)])
+                        for o in outs])
+    for (tokens, lps), (tp_tokens, tp_lps) in zip(*results, strict=True):
+        assert tp_tokens == tokens
+        assert torch.allclose(torch.tensor(tp_lps), torch.tensor(lps), atol=1e-4)
+
+
+def test_interleaved_rotary_rows_are_reordered_at_load(tiny):  # (the MoE loads through the same reordering)
     """The same weights loaded as Llama's (no reordering: half-split pairs over interleaved rows) miss the
     reference: the reordering is what the parity above rests on."""
     folder, model, ref = tiny["biased"]
@@ -87,25 +153,33 @@ def test_tensor_parallel_ranks_load_their_part(tiny):
             assert torch.equal(tensor, expected)
 
 
-@pytest.mark.parametrize(("fields", "match"), [
-    ({"attention_bias": False}, "attention_bias False differs from use_bias"),
-    ({"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128}}, "quantization_config"),
+@pytest.mark.parametrize(("name", "fields", "match"), [
+    ("biased", {"attention_bias": False}, "attention_bias False differs from use_bias"),
+    ("biased", {"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128}}, "quantization_config"),
+    ("moe", {"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128}}, "quantization_config"),
+    ("moe", {"moe_k": 9}, "moe_k 9 is more than the 8 moe_num_experts"),
+    ("moe", {"moe_layer_interval": 0}, "field 'moe_layer_interval'"),
+    ("moe", {"use_bias": True}, "use_bias true"),
 ])
-def test_unsupported_configs_are_refused_by_name(tiny, tmp_path, fields, match):
-    folder = copy_with_config(tiny["biased"][0], tmp_path / "bad", **fields)
-    with pytest.raises(UnsupportedModelError, match=f"config.json: {match}"):
+def test_unsupported_configs_are_refused_by_name(tiny, tmp_path, name, fields, match):
+    folder = copy_with_config(tiny[name][0], tmp_path / "bad", **fields)
+    with pytest.raises((UnsupportedModelError, ModelLoadError), match=f"config.json: {match}"):
         tiny_models.load_float32(folder)
 
 
-def test_lora_is_refused_by_name(tiny):
+@pytest.mark.parametrize("name", ["biased", "moe"])
+def test_lora_is_refused_by_name(tiny, name):
     from ferrox.lora.manager import LoRAManager
 
-    with pytest.raises(UnsupportedModelError, match=r"enable_lora: Ernie4_5ForCausalLM's q/k rows are permuted"):
-        LoRAManager(tiny["biased"][1], max_loras=1, max_lora_rank=8, max_cpu_loras=None, device="cpu",
+    with pytest.raises(UnsupportedModelError, match=r"enable_lora: Ernie4_5(_Moe)?ForCausalLM's q/k rows are permuted"):
+        LoRAManager(tiny[name][1], max_loras=1, max_lora_rank=8, max_cpu_loras=None, device="cpu",
                     dtype=torch.float32, max_num_tokens=64)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_engine_matches_cpu(tiny):
-    assert_cuda_engine_matches_cpu(tiny["biased"][0], PROMPTS, max_tokens=8, max_model_len=256)
+@pytest.mark.parametrize("name", ["biased", "moe"])
+def test_cuda_engine_matches_cpu(tiny, name):
+    """float32 and bfloat16 on CUDA (CUDA graphs; the fused MoE kernels over the biased routing's ids) against the
+    CPU engine."""
+    assert_cuda_engine_matches_cpu(tiny[name][0], PROMPTS, max_tokens=8, max_model_len=256)

@@ -64,6 +64,7 @@ SUPPORTED: dict[str, str] = {
     "Olmo3ForCausalLM": "ferrox.models.olmo3:Olmo3ForCausalLM",
     "Exaone4ForCausalLM": "ferrox.models.exaone4:Exaone4ForCausalLM",
     "Ernie4_5ForCausalLM": "ferrox.models.ernie4_5:Ernie4_5ForCausalLM",
+    "Ernie4_5_MoeForCausalLM": "ferrox.models.ernie4_5_moe:Ernie4_5_MoeForCausalLM",
     "SeedOssForCausalLM": "ferrox.models.seed_oss:SeedOssForCausalLM",
     "Glm4MoeForCausalLM": "ferrox.models.glm4_moe:Glm4MoeForCausalLM",
     "MiniMaxM2ForCausalLM": "ferrox.models.minimax_m2:MiniMaxM2ForCausalLM",
