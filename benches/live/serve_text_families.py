@@ -1,14 +1,14 @@
 """Live `ferrox serve` of tiny folders of the text families added in the forty-fifth session: GLM-4-0414, GLM-4.5
 (grouped sigmoid routing), DeepSeek-V2-Lite's and V3's layouts (latent attention), gpt-oss (sinks, windows, clamped
 SwiGLU experts; its MXFP4 layout too), SmolLM3 (NoPE layers), OLMo 2, OLMoE, OLMo 3, EXAONE 4, ERNIE 4.5 (dense, MoE),
-Llama 4 (chunked attention), Gemma 4, Ministral 3, Mistral Small 4, Qwen3.5 / Qwen3.5-MoE / Qwen3-Next (hybrid linear
-attention), Qwen3.5, Qwen3-Next and GLM-4.5 and DeepSeek-V3 drafting with their MTP layer (mtp-*), and a harmony-
-speaking Llama under `--reasoning-parser openai_gptoss --tool-call-parser openai`. Per family: 24 concurrent greedy
-completions (prompts of 4 to 150 token ids, cut across chunked-prefill steps by --max-num-batched-tokens 24) compared
-with the offline LLM on the same device, plus chats and streams; 0 errors and (in float32) 0 mismatches expected.
-NAMES... pick the families whose names start so; FERROX_LIVE_DTYPE=bfloat16 counts mismatches without failing on them
-(near-ties of random weights); FERROX_LIVE_ARGS adds server flags (e.g. "--tensor-parallel-size 2": the server against
-the one-GPU offline LLM)."""
+Cohere2, Llama 4 (chunked attention), Gemma 4, Ministral 3, Mistral Small 4, Qwen3.5 / Qwen3.5-MoE / Qwen3-Next
+(hybrid linear attention), Qwen3.5, Qwen3-Next and GLM-4.5 and DeepSeek-V3 drafting with their MTP layer (mtp-*), and
+a harmony- speaking Llama under `--reasoning-parser openai_gptoss --tool-call-parser openai`. Per family: 24
+concurrent greedy completions (prompts of 4 to 150 token ids, cut across chunked-prefill steps by --max-num-batched-
+tokens 24) compared with the offline LLM on the same device, plus chats and streams; 0 errors and (in float32) 0
+mismatches expected. NAMES... pick the families whose names start so; FERROX_LIVE_DTYPE=bfloat16 counts mismatches
+without failing on them (near-ties of random weights); FERROX_LIVE_ARGS adds server flags (e.g. "--tensor-parallel-
+size 2": the server against the one-GPU offline LLM)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 from tests.helpers import tiny_ministral3, tiny_mistral4  # noqa: E402
 from tests.helpers.harmony_tokenizer import make_tiny_harmony_llama  # noqa: E402
 from tests.helpers.mtp_layer import add_deepseek_layout_mtp, add_mtp_layer  # noqa: E402
+from tests.helpers.tiny_cohere2 import make_tiny_cohere2  # noqa: E402
 from tests.helpers.tiny_deepseek import make_tiny_deepseek  # noqa: E402
 from tests.helpers.tiny_ernie4_5 import make_tiny_ernie4_5, make_tiny_ernie4_5_moe  # noqa: E402
 from tests.helpers.tiny_exaone4 import make_tiny_exaone4  # noqa: E402
@@ -89,6 +90,7 @@ def families(tmp: Path) -> list[tuple[str, str, list[str]]]:
             ("exaone4", make_tiny_exaone4(tmp / "exaone4"), []),
             ("ernie4_5", make_tiny_ernie4_5(tmp / "ernie4_5"), []),
             ("ernie4_5-moe", make_tiny_ernie4_5_moe(tmp / "ernie4_5_moe"), []),
+            ("cohere2", make_tiny_cohere2(tmp / "cohere2"), []),
             # (chunked local attention over 16-token chunks, NoPE layers, top-1 experts on the input)
             ("llama4-scout", make_tiny_llama4(tmp / "llama4"), []),
             ("llama4-maverick", make_tiny_llama4(tmp / "llama4m", interleave_moe_layer_step=2, use_qk_norm=False,

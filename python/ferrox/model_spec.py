@@ -103,7 +103,7 @@ class ModelSpec:
 def sliding_layer_kinds(config: dict[str, Any], num_layers: int, where: str) -> tuple[bool, ...]:
     """Which layers use the sliding window: config.json's layer_types (transformers >= 4.5x writes it),
     else each family's rule as transformers derives it -- Gemma 2 and gpt-oss every other layer from the first,
-    Gemma 3 and EXAONE 4 all but every sliding_window_pattern-th (EXAONE's may also be letters, "LLLG"), OLMo 3
+    Gemma 3, Cohere2 and EXAONE 4 all but every sliding_window_pattern-th (EXAONE's may also be letters, "LLLG"), OLMo 3
     all but every fourth, Qwen2 from max_window_layers on, every layer otherwise (Mistral, Phi-3)."""
     types = config.get("layer_types")
     if types is not None:
@@ -123,6 +123,9 @@ def sliding_layer_kinds(config: dict[str, Any], num_layers: int, where: str) -> 
         return tuple((i + 1) % pattern != 0 for i in range(num_layers))
     if arch == "Olmo3ForCausalLM":
         return tuple((i + 1) % 4 != 0 for i in range(num_layers))
+    if arch == "Cohere2ForCausalLM":
+        pattern = to_int(config.get("sliding_window_pattern", 4), f"{where}: field 'sliding_window_pattern'")
+        return tuple((i + 1) % pattern != 0 for i in range(num_layers))
     if arch == "Exaone4ForCausalLM":
         # sliding_window_pattern: N (every N-th layer full) or letters ("LLLG": L local, G global), repeated.
         pattern = config.get("sliding_window_pattern", 4)

@@ -1,0 +1,153 @@
+"""Cohere2 (Command R7B / Command A: models/cohere2.py) against transformers on a tiny random checkpoint (three
+windowed layers with interleaved rotary, a global layer without rotary, the parallel LayerNorm block, logit_scale,
+tied embeddings; the prompts cross the 8-token window): greedy tokens and last-prompt logits, chunked prefill and
+batching, the real engine with a 16-token budget, two gloo ranks; the layer kinds from sliding_window_pattern; what
+must show when left out (the global layer's NoPE, the q/k row reordering, logit_scale); the refusals by name; the
+Triton kernel set under the interpreter; on a GPU, the CUDA engine."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from ferrox.errors import UnsupportedModelError
+from ferrox.loader.model_loader import load_model, load_model_spec
+from ferrox.loader.source import resolve_model
+from ferrox.loader.weights import iter_safetensors
+from ferrox.model_spec import spec_for_context
+from ferrox.models.registry import get_model_class
+
+from tests.helpers import tiny_models
+from tests.helpers.config_edit import copy_with_config
+from tests.helpers.driver import run_greedy
+from tests.helpers.tiny_cohere2 import make_tiny_cohere2
+from tests.models.conftest import (
+    assert_chunking_and_batching_keep_tokens,
+    assert_cuda_engine_matches_cpu,
+    assert_greedy_and_logits_match,
+    assert_outputs_match_transformers,
+    chunked_engine_outputs,
+    cut_at_eos,
+    hf_greedy,
+    hf_last_logits,
+)
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [[5, 9, 11], [100, 7, 300, 45, 2, 9, 77, 13], [4, 4, 4, 4, 8], list(range(3, 70))]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(folder, transformers model)."""
+    folder = make_tiny_cohere2(tmp_path_factory.mktemp("cohere2") / "c", seed=61)
+    return folder, transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def _load(folder: str, max_model_len: int = 256):
+    """As served: the windows as spec_for_context sets them for the context."""
+    source = resolve_model(folder)
+    return load_model(source, spec_for_context(load_model_spec(source), max_model_len), dtype=torch.float32,
+                      device="cpu")
+
+
+def test_matches_transformers(tiny):
+    folder, ref = tiny
+    model = _load(folder)
+    assert [layer.self_attn.window for layer in model.model.layers] == [8, 8, 8, 0]
+    assert model.model.rotary_layers == (True, True, True, False)
+    assert_greedy_and_logits_match(model, ref, PROMPTS, [tiny_models.EOS_TOKEN_ID], label="cohere2")
+    assert_chunking_and_batching_keep_tokens(model, PROMPTS, alone=slice(3, None))
+
+
+def test_engine_chunked_prefill_matches_transformers(tiny):
+    folder, ref = tiny
+    assert_outputs_match_transformers(ref, PROMPTS, chunked_engine_outputs(folder, PROMPTS, max_model_len=256))
+
+
+def test_tensor_parallel_engine_matches_one_rank(tiny):
+    """Two gloo rank processes (Llama's sharded projections, the parallel block's two all-reduces) generate what one
+    rank does."""
+    from ferrox import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
+    results = []
+    for tp in (1, 2):
+        llm = LLM(model=tiny[0], dtype="float32", tensor_parallel_size=tp, kv_cache_memory=8 << 20,
+                  max_num_batched_tokens=16, max_model_len=256)
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        finally:
+            llm.engine.shutdown()
+        results.append([(list(o.outputs[0].token_ids),
+                         [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)])
+                        for o in outs])
+    for (tokens, lps), (tp_tokens, tp_lps) in zip(*results, strict=True):
+        assert tp_tokens == tokens
+        assert torch.allclose(torch.tensor(tp_lps), torch.tensor(lps), atol=1e-4)
+
+
+def test_layer_kinds_from_the_pattern(tiny, tmp_path):
+    folder, ref = tiny
+    derived = _load(copy_with_config(folder, tmp_path / "derived", layer_types=None))
+    assert derived.model.rotary_layers == (True, True, True, False)
+    assert_greedy_and_logits_match(derived, ref, PROMPTS[3:], [tiny_models.EOS_TOKEN_ID], label="derived")
+    every_other = _load(copy_with_config(folder, tmp_path / "two", layer_types=None, sliding_window_pattern=2))
+    assert [layer.self_attn.window for layer in every_other.model.layers] == [8, 0, 8, 0]
+
+
+def test_what_must_show(tiny):
+    """The global layer rotating, the q/k rows in the checkpoint's order, or logits unscaled: each moves the long
+    prompt's logits (so the parity above checks all three)."""
+    folder, _ = tiny
+    model = _load(folder)
+    _, expected = run_greedy(model, PROMPTS[3:], 1, return_prefill_logits=True)
+    rotating = _load(folder)
+    rotating.model.rotary_layers = (True,) * 4
+    unordered = _load(folder)
+    unordered.rotary_order = None
+    unordered.load_weights(iter_safetensors(folder))
+    unordered.finalize_weights()
+    unscaled = _load(folder)
+    unscaled.logit_scale = 1.0
+    for changed in (rotating, unordered, unscaled):
+        _, logits = run_greedy(changed, PROMPTS[3:], 1, return_prefill_logits=True)
+        assert not torch.allclose(logits[0], expected[0], atol=1e-3)
+
+
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"sliding_window": None}, "sliding_window null"),
+    ({"use_qk_norm": True}, "use_qk_norm"),
+    ({"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128}}, "quantization_config"),
+])
+def test_unsupported_configs_are_refused_by_name(tiny, tmp_path, fields, match):
+    with pytest.raises(UnsupportedModelError, match=f"config.json: {match}"):
+        _load(copy_with_config(tiny[0], tmp_path / "bad", **fields))
+
+
+def test_lora_is_refused_by_name(tiny):
+    from ferrox.lora.manager import LoRAManager
+
+    with pytest.raises(UnsupportedModelError, match=r"enable_lora: Cohere2ForCausalLM's q/k rows are permuted"):
+        LoRAManager(_load(tiny[0]), max_loras=1, max_lora_rank=8, max_cpu_loras=None, device="cpu",
+                    dtype=torch.float32, max_num_tokens=64)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernel set on CPU needs "
+                    "TRITON_INTERPRET=1")
+def test_triton_kernel_set_matches_transformers(tiny):
+    folder, ref = tiny
+    spec = spec_for_context(load_model_spec(resolve_model(folder)), 256)
+    model = get_model_class([spec.architecture])(spec, torch.float32, "cpu", kernels="triton")
+    model.load_weights(iter_safetensors(folder))
+    model.finalize_weights()
+    ours, logits = run_greedy(model, [PROMPTS[1]], 3, block_size=16, return_prefill_logits=True)
+    torch.testing.assert_close(logits[0], hf_last_logits(ref, PROMPTS[1]), atol=1e-4, rtol=1e-4)
+    assert cut_at_eos(ours[0], [tiny_models.EOS_TOKEN_ID]) == hf_greedy(ref, PROMPTS[1], 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_engine_matches_cpu(tiny):
+    assert_cuda_engine_matches_cpu(tiny[0], PROMPTS, max_tokens=8, max_model_len=256)
