@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 from tests.helpers import tiny_ministral3, tiny_mistral4  # noqa: E402
 from tests.helpers.harmony_tokenizer import make_tiny_harmony_llama  # noqa: E402
 from tests.helpers.mtp_layer import add_deepseek_layout_mtp, add_mtp_layer  # noqa: E402
-from tests.helpers.tiny_cohere2 import make_tiny_cohere2  # noqa: E402
+from tests.helpers.tiny_cohere import make_tiny_cohere, make_tiny_cohere2  # noqa: E402
 from tests.helpers.tiny_deepseek import make_tiny_deepseek  # noqa: E402
 from tests.helpers.tiny_ernie4_5 import make_tiny_ernie4_5, make_tiny_ernie4_5_moe  # noqa: E402
 from tests.helpers.tiny_exaone4 import make_tiny_exaone4  # noqa: E402
@@ -91,6 +91,7 @@ def families(tmp: Path) -> list[tuple[str, str, list[str]]]:
             ("ernie4_5", make_tiny_ernie4_5(tmp / "ernie4_5"), []),
             ("ernie4_5-moe", make_tiny_ernie4_5_moe(tmp / "ernie4_5_moe"), []),
             ("cohere2", make_tiny_cohere2(tmp / "cohere2"), []),
+            ("cohere-plus", make_tiny_cohere(tmp / "cohere_plus", use_qk_norm=True), []),
             # (chunked local attention over 16-token chunks, NoPE layers, top-1 experts on the input)
             ("llama4-scout", make_tiny_llama4(tmp / "llama4"), []),
             ("llama4-maverick", make_tiny_llama4(tmp / "llama4m", interleave_moe_layer_step=2, use_qk_norm=False,

@@ -63,6 +63,7 @@ SUPPORTED: dict[str, str] = {
     "OlmoeForCausalLM": "ferrox.models.olmo2:OlmoeForCausalLM",
     "Olmo3ForCausalLM": "ferrox.models.olmo3:Olmo3ForCausalLM",
     "Exaone4ForCausalLM": "ferrox.models.exaone4:Exaone4ForCausalLM",
+    "CohereForCausalLM": "ferrox.models.cohere:CohereForCausalLM",
     "Cohere2ForCausalLM": "ferrox.models.cohere2:Cohere2ForCausalLM",
     "Ernie4_5ForCausalLM": "ferrox.models.ernie4_5:Ernie4_5ForCausalLM",
     "Ernie4_5_MoeForCausalLM": "ferrox.models.ernie4_5_moe:Ernie4_5_MoeForCausalLM",

@@ -1,9 +1,10 @@
-"""Cohere2 (Command R7B / Command A: models/cohere2.py) against transformers on a tiny random checkpoint (three
-windowed layers with interleaved rotary, a global layer without rotary, the parallel LayerNorm block, logit_scale,
-tied embeddings; the prompts cross the 8-token window): greedy tokens and last-prompt logits, chunked prefill and
-batching, the real engine with a 16-token budget, two gloo ranks; the layer kinds from sliding_window_pattern; what
-must show when left out (the global layer's NoPE, the q/k row reordering, logit_scale); the refusals by name; the
-Triton kernel set under the interpreter; on a GPU, the CUDA engine."""
+"""Cohere (Command R, Aya; Command R+'s per-head q/k LayerNorms: models/cohere.py) and Cohere2 (Command R7B / Command
+A: models/cohere2.py) against transformers on tiny random checkpoints. Cohere2: three windowed layers with interleaved
+rotary, a global layer without rotary, the parallel LayerNorm block, logit_scale, tied embeddings; the prompts cross
+the 8-token window. Checked: greedy tokens and last-prompt logits, chunked prefill and batching, the real engine with
+a 16-token budget, two gloo ranks; Cohere2's layer kinds from sliding_window_pattern; what must show when left out
+(the global layer's NoPE, the q/k row reordering, the q/k norm weights' reordering, logit_scale); the refusals by
+name; the Triton kernel set under the interpreter; on a GPU, the CUDA engine."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from ferrox.models.registry import get_model_class
 from tests.helpers import tiny_models
 from tests.helpers.config_edit import copy_with_config
 from tests.helpers.driver import run_greedy
-from tests.helpers.tiny_cohere2 import make_tiny_cohere2
+from tests.helpers.tiny_cohere import make_tiny_cohere, make_tiny_cohere2
 from tests.models.conftest import (
     assert_chunking_and_batching_keep_tokens,
     assert_cuda_engine_matches_cpu,
@@ -43,6 +44,17 @@ def tiny(tmp_path_factory):
     """(folder, transformers model)."""
     folder = make_tiny_cohere2(tmp_path_factory.mktemp("cohere2") / "c", seed=61)
     return folder, transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_v1(tmp_path_factory):
+    """name -> (folder, transformers model): Aya's layout, and Command R+'s with q/k norms."""
+    root = tmp_path_factory.mktemp("cohere")
+    out = {}
+    for name, qk_norm, seed in (("aya", False, 62), ("plus", True, 63)):
+        folder = make_tiny_cohere(root / name, use_qk_norm=qk_norm, seed=seed)
+        out[name] = (folder, transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
+    return out
 
 
 def _load(folder: str, max_model_len: int = 256):
@@ -151,3 +163,48 @@ def test_triton_kernel_set_matches_transformers(tiny):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_engine_matches_cpu(tiny):
     assert_cuda_engine_matches_cpu(tiny[0], PROMPTS, max_tokens=8, max_model_len=256)
+
+
+# ---- Cohere (Command R, R+, Aya) ---------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["aya", "plus"])
+def test_cohere_matches_transformers(tiny_v1, name):
+    folder, ref = tiny_v1[name]
+    model = _load(folder)
+    assert model.model.rotary_layers == (True,) * 3
+    assert (model.model.layers[0].self_attn.q_norm is not None) == (name == "plus")
+    assert_greedy_and_logits_match(model, ref, PROMPTS, [tiny_models.EOS_TOKEN_ID], label=name)
+
+
+def test_cohere_engine_matches_transformers(tiny_v1):
+    folder, ref = tiny_v1["plus"]
+    assert_outputs_match_transformers(ref, PROMPTS, chunked_engine_outputs(folder, PROMPTS, max_model_len=256))
+
+
+def test_cohere_qk_norm_weights_follow_the_rotary_rows(tiny_v1):
+    """Command R+'s per-head norm weights are reordered with the q/k rows: loaded in the checkpoint's order, the
+    logits move."""
+    folder, _ = tiny_v1["plus"]
+    model = _load(folder)
+    _, expected = run_greedy(model, PROMPTS[3:], 1, return_prefill_logits=True)
+    order = model.rotary_order
+    for layer in model.model.layers:
+        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+            heads = norm.weight.view(-1, model.spec.head_dim)
+            heads.copy_(heads[:, torch.argsort(order)].clone())  # (back to the checkpoint's order)
+    _, logits = run_greedy(model, PROMPTS[3:], 1, return_prefill_logits=True)
+    assert not torch.allclose(logits[0], expected[0], atol=1e-3)
+
+
+def test_cohere_qk_norm_under_tensor_parallelism_is_refused_by_name(tiny_v1):
+    from ferrox.distributed.parallel_state import TPGroup, use_tp_group
+
+    source = resolve_model(tiny_v1["plus"][0])
+    with use_tp_group(TPGroup(rank=0, size=2)), pytest.raises(UnsupportedModelError,
+                                                                match="use_qk_norm with tensor_parallel_size"):
+        load_model(source, load_model_spec(source), dtype=torch.float32, device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cohere_cuda_engine_matches_cpu(tiny_v1):
+    assert_cuda_engine_matches_cpu(tiny_v1["plus"][0], PROMPTS, max_tokens=8, max_model_len=256)

@@ -1,0 +1,182 @@
+"""Cohere Command R / R+ and Aya (CohereLabs/c4ai-command-r-v01, c4ai-command-r-plus, aya-expanse-8b/32b, aya-23:
+CohereForCausalLM), as transformers' Cohere defines it; Command R7B / Command A (models/cohere2.py) build on it.
+
+- a parallel block: h = h + attn(n) + mlp(n) with n = input_layernorm(h), one norm a layer;
+- Cohere's LayerNorm: mean-centred, scaled by a weight, no bias, in float32 (`layer_norm_eps`), also the final norm;
+- rotary in the INTERLEAVED layout (dims 2i, 2i + 1 pair): each head's q and k rows are reordered while loading into
+  ferrox's half-split pairs (models/glm4.py), as are the per-head q/k norm weights;
+- `use_qk_norm` (Command R+): q and k LayerNormed per head before rotary, each head with its own [head_dim] weight;
+- logits times `logit_scale` (0.0625 / 0.125 in the releases); tied embeddings in the releases.
+
+Decoding takes the general path (the fused one-token kernels run pre-norm RMSNorm layers). Tensor parallelism comes
+with Llama's projections, except with `use_qk_norm` (its per-head weights are not sharded yet: refused by name). A
+checkpoint quantization_config and LoRA (the permuted q/k rows), GGUF files: refused by name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ferrox.attention.backend import AttentionBackend
+from ferrox.distributed.parallel_state import get_tp_group
+from ferrox.distributed.sharding import materialize
+from ferrox.layers.ops import DeviceOps, Rope
+from ferrox.layers.rotary import RotaryEmbedding
+from ferrox.layers.vocab_parallel import VocabParallelEmbedding
+from ferrox.model_spec import ModelSpec, UnsupportedModelError
+from ferrox.models.glm4 import (
+    GLM_LORA_REFUSAL,
+    check_checkpoint_quantization,
+    interleaved_rotary_order,
+    reorder_rotary_rows,
+)
+from ferrox.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from ferrox.models.smollm3 import NO_ROPE
+
+
+class CohereLayerNorm(nn.Module):
+    """Mean-centred LayerNorm over the last dim with a weight and no bias, in float32 (transformers' CohereLayerNorm);
+    `shape` [heads, head_dim] for the per-head q/k norms (weights per head, stored flat)."""
+
+    def __init__(self, shape: tuple[int, ...], eps: float, dtype: torch.dtype, device: torch.device | str | None):
+        super().__init__()
+        self.eps = eps
+        self.shape = shape
+        self.weight = nn.Parameter(torch.ones(math.prod(shape), dtype=dtype, device=device), requires_grad=False)
+
+    def load_weight(self, param_name: str, tensor: Any, shard: str | None = None) -> None:
+        """The checkpoint's weight in its own shape ([hidden] or [heads, head_dim]), flat here."""
+        value = materialize(tensor)
+        if value.numel() != self.weight.numel():
+            raise ValueError(f"checkpoint shape {tuple(value.shape)}, model expects {self.shape}")
+        self.weight.data.copy_(value.reshape(-1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.layer_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (self.weight.float().view(self.shape) * normed).to(x.dtype)
+
+
+class CohereAttention(LlamaAttention):
+    """Llama's attention with Cohere's optional per-head q/k LayerNorms before rotary."""
+
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype,
+                 device: torch.device | str, *, window: int, eps: float, qk_norm: bool):
+        super().__init__(spec, backend, ops, dtype, device, qkv_bias=spec.attention_bias, o_bias=spec.attention_bias,
+                         qk_norm=False, window=window)
+        self.cohere_qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = CohereLayerNorm((self.num_heads, self.head_dim), eps, dtype, device)  # type: ignore[assignment]
+            self.k_norm = CohereLayerNorm((self.num_kv_heads, self.head_dim), eps, dtype, device)  # type: ignore[assignment]
+
+    def forward(self, x, rope: Rope, kv_cache, meta):
+        if not self.cohere_qk_norm:
+            return super().forward(x, rope, kv_cache, meta)
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q_norm, k_norm = self.q_norm, self.k_norm
+        assert q_norm is not None and k_norm is not None
+        q = q_norm(qkv[:, :q_size].reshape(t, self.num_heads, self.head_dim))
+        k = k_norm(qkv[:, q_size:q_size + kv_size].reshape(t, self.num_kv_heads, self.head_dim))
+        q, k = rope.rotate(q, k)
+        o = self.backend.forward(q, k, qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, self.head_dim), kv_cache,
+                                 meta, self.scale, self.kv_scales, window=self.window)
+        return self.o_proj(o.reshape(t, q_size))
+
+
+class CohereDecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype,
+                 device: torch.device | str, *, window: int, eps: float, qk_norm: bool):
+        super().__init__()
+        self.input_layernorm = CohereLayerNorm((spec.hidden_size,), eps, dtype, device)
+        self.self_attn = CohereAttention(spec, backend, ops, dtype, device, window=window, eps=eps, qk_norm=qk_norm)
+        self.mlp = LlamaMLP(spec, ops, dtype, device)
+
+    def forward(self, x: torch.Tensor, rope: Any, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
+        n = self.input_layernorm(x)
+        return x + self.self_attn(n, rope, kv_cache, meta) + self.mlp(n)
+
+
+def layer_norm_eps(config: dict[str, Any]) -> float:
+    eps = config.get("layer_norm_eps", 1e-5)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+        raise UnsupportedModelError(f"config.json: layer_norm_eps must be a positive number, got {eps!r}")
+    return float(eps)
+
+
+class CohereModel(nn.Module):
+    qk_norm = False  # (LlamaForCausalLM reads it with one-token layers; these layers have none)
+
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype,
+                 device: torch.device | str, **_: Any):
+        super().__init__()
+        eps = layer_norm_eps(spec.hf_config)
+        qk_norm = bool(spec.hf_config.get("use_qk_norm", False))
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(CohereDecoderLayer(spec, backend, ops, dtype, device, window=spec.window_of(i),
+                                                       eps=eps, qk_norm=qk_norm) for i in range(spec.num_layers))
+        self.norm = CohereLayerNorm((spec.hidden_size,), eps, dtype, device)
+        self.rotary = RotaryEmbedding.for_spec(spec, device, ops)
+        self.rotary_layers = self.layer_rotaries(spec)
+        self.backend = backend
+        self.one_token_layers = None  # (the parallel LayerNorm block is not the fused kernels' shape)
+        self.decode_path = backend.decode_path(None, self.rotary.rope_rows)
+
+    def layer_rotaries(self, spec: ModelSpec) -> tuple[bool, ...]:
+        """Which layers rotate q and k (every one here; Cohere2: its sliding ones)."""
+        return (True,) * spec.num_layers
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: Any, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        rope: Rope = self.rotary(positions, h.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, rope if self.rotary_layers[i] else NO_ROPE, kv_caches[i], meta)
+        return self.norm(h)
+
+
+def _flat_qk_norms(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """Per-head q/k norm weights [heads, head_dim] flattened, so the rotary reordering takes their head rows."""
+    for name, tensor in weights:
+        if name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+            tensor = materialize(tensor).reshape(-1)
+        yield name, tensor
+
+
+class CohereForCausalLM(LlamaForCausalLM):
+    model_class: type[CohereModel] = CohereModel
+    supports_quantized_gguf = False  # (no GGUF mapping: loader/gguf_file.py)
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
+                 kernels: str | None = None):
+        config = spec.hf_config
+        if config.get("use_qk_norm") and get_tp_group().size > 1:
+            raise UnsupportedModelError(f"config.json: use_qk_norm with tensor_parallel_size > 1 is not supported for "
+                                        f"{spec.architecture} yet (its per-head norm weights are not sharded)")
+        scale = config.get("logit_scale", 0.0625)
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise UnsupportedModelError(f"config.json: logit_scale must be a number, got {scale!r}")
+        order = interleaved_rotary_order(spec.head_dim, spec.head_dim)
+        check_checkpoint_quantization(spec, order, block_fp8=False)
+        super().__init__(spec, dtype, device, kernels=kernels)
+        self.logit_scale = float(scale)
+        self.lora_refusal = GLM_LORA_REFUSAL.format(arch=spec.architecture)
+        self.rotary_order: torch.Tensor | None = order
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return super().compute_logits(hidden) * self.logit_scale
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        super().load_weights(reorder_rotary_rows(_flat_qk_norms(weights), self.spec.head_dim, self.rotary_order))
+
+
+__all__ = ["CohereForCausalLM", "CohereLayerNorm", "CohereModel"]
