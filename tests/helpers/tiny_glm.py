@@ -87,6 +87,23 @@ def make_tiny_glm4_moe(folder, *, hidden_size: int = 64, num_layers: int = 3, nu
     return folder
 
 
+def make_tiny_glm(folder, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+                  head_dim: int = 32, intermediate_size: int = 96, seed: int = 0) -> str:
+    """A GLM-4-9B in transformers' Glm layout (glm-4-9b-chat-hf's shape, scaled down): pre-norm layers, q/k/v
+    biases, fused gate_up_proj, half the head rotating interleaved."""
+    import torch
+    from transformers import GlmConfig, GlmForCausalLM
+
+    tok = build_tokenizer()
+    params = _common(tok, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, 2048, False)
+    config = GlmConfig(**params, head_dim=head_dim, attention_bias=True,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    torch.manual_seed(seed)
+    model = GlmForCausalLM(config).to(torch.float32)
+    _randomize(model, router_std=0.5)
+    return _save(str(folder), model, tok, max_shard_size=None, generation=None)
+
+
 def make_tiny_glm4(folder, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
                    head_dim: int = 32, intermediate_size: int = 96, partial_rotary_factor: float | None = 0.5,
                    attention_bias: bool = True, tie_word_embeddings: bool = False, seed: int = 0) -> str:

@@ -7,6 +7,8 @@ GPU the engine in bfloat16 with CUDA graphs against the CPU float32 engine."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from ferrox import LLM, SamplingParams
@@ -53,6 +55,8 @@ BUILDERS = {
                                                           mtp_layers=0, seed=22),
     "glm4": lambda d: tiny_glm.make_tiny_glm4(d, seed=23),
     "glm4_default_rotary": lambda d: tiny_glm.make_tiny_glm4(d, partial_rotary_factor=None, seed=24),
+    # GLM-4-9B in transformers' Glm layout: the same without the sandwich norms.
+    "glm": lambda d: tiny_glm.make_tiny_glm(d, seed=25),
 }
 
 
@@ -71,13 +75,13 @@ def test_greedy_and_logits_match_transformers(tiny, name):
     assert_greedy_and_logits_match(model, ref, PROMPTS, [tiny_models.EOS_TOKEN_ID], label=name)
 
 
-@pytest.mark.parametrize("name", ["glm4_moe", "glm4"])
+@pytest.mark.parametrize("name", ["glm4_moe", "glm4", "glm"])
 def test_chunked_prefill_and_batching_do_not_change_tokens(tiny, name):
     _, model, _ = tiny[name]
     assert_chunking_and_batching_keep_tokens(model, PROMPTS, alone=slice(3, None))
 
 
-@pytest.mark.parametrize("name", ["glm4_moe", "glm4"])
+@pytest.mark.parametrize("name", ["glm4_moe", "glm4", "glm"])
 def test_engine_chunked_prefill_matches_transformers(tiny, name):
     """The real engine (Rust scheduler, paged KV, sampler) with a 16-token budget: the long prompt is
     prefilled in chunks; greedy tokens and their logprobs against transformers."""
@@ -111,6 +115,12 @@ def test_one_token_decode_takes_the_general_layers(tiny):
         spec = tiny[name][1].spec
         model = get_model_class([spec.architecture])(spec, torch.float32, "cpu", kernels="triton")
         assert model.model.decode_path.layers is None, name
+    # GLM-4-9B's pre-norm Llama layers take the fused kernels (its reordered partial rotary in their rope rows).
+    spec = tiny["glm"][1].spec
+    glm = get_model_class([spec.architecture])(spec, torch.float32, "cpu", kernels="triton")
+    assert glm.model.decode_path.layers is not None
+    attn = glm.model.layers[0].self_attn
+    assert attn.qkv_proj.bias is not None and attn.o_proj.bias is None
 
 
 def test_interleaved_rotary_rows_are_reordered_at_load(tiny):
@@ -285,3 +295,23 @@ def test_cuda_engine_matches_cpu(tiny, name):
     float32 engine."""
     folder = tiny[name][0]
     assert_cuda_engine_matches_cpu(folder, PROMPTS, max_tokens=8, max_model_len=256)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernel set on CPU needs "
+                    "TRITON_INTERPRET=1")
+def test_glm_fused_one_token_kernels_match_transformers(tiny, monkeypatch):
+    """GLM-4-9B on the GPU's op set under the interpreter: prefill through the Triton layers, every decode step through
+    the fused one-token kernels (counted), with the reordered partial rotary and the q/k/v biases."""
+    folder, _, ref = tiny["glm"]
+    spec = tiny["glm"][1].spec
+    model = get_model_class([spec.architecture])(spec, torch.float32, "cpu", kernels="triton")
+    model.load_weights(iter_safetensors(folder))
+    model.finalize_weights()
+    path = model.model.decode_path
+    fused = []
+    forward = path.forward
+    monkeypatch.setattr(path, "forward", lambda *a, **k: fused.append(1) or forward(*a, **k))
+    ours, logits = run_greedy(model, [PROMPTS[1]], 3, block_size=16, return_prefill_logits=True)
+    torch.testing.assert_close(logits[0], hf_last_logits(ref, PROMPTS[1]), atol=1e-4, rtol=1e-4)
+    assert cut_at_eos(ours[0], [tiny_models.EOS_TOKEN_ID]) == hf_greedy(ref, PROMPTS[1], 3)
+    assert fused

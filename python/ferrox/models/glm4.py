@@ -39,7 +39,7 @@ from ferrox.layers.ops import DeviceOps, Rope
 from ferrox.layers.quant.method import hf_quantization_config
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
 from ferrox.models.layer_stack import ResidualLayerStack
-from ferrox.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from ferrox.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
 
 # Why LoRAManager refuses these families (lora/manager.py reads a model's `lora_refusal`).
 GLM_LORA_REFUSAL = ("{arch}'s q/k rows are permuted at load for the rotary layout, and adapters' q_proj / "
@@ -155,7 +155,7 @@ class Glm4Model(ResidualLayerStack):
 
 
 class Glm4ForCausalLM(LlamaForCausalLM):
-    model_class = Glm4Model
+    model_class: type[nn.Module] = Glm4Model
     reorders_partial_rotary = True
     supports_quantized_gguf = False  # (no GGUF mapping: loader/gguf_file.py)
 
@@ -190,5 +190,20 @@ class Glm4ForCausalLM(LlamaForCausalLM):
             yield f"{parent}.up_proj.{leaf}", row_block(tensor, inter, inter)
 
 
-__all__ = ["GLM_LORA_REFUSAL", "Glm4ForCausalLM", "check_checkpoint_quantization", "glm_spec",
+class GlmForCausalLM(Glm4ForCausalLM):
+    """GLM-4-9B (THUDM/glm-4-9b-chat-hf, glm-4-9b-hf: GlmForCausalLM), transformers' Glm: GLM-4-0414's layers without
+    the two sandwich norms -- Llama's pre-norm layers (so the fused one-token kernels), q/k/v biases (attention_bias,
+    on when config.json does not say), o_proj without, the fused gate_up_proj cut at load, the interleaved partial
+    rotary's q/k rows reordered at load. What GLM-4-0414 refuses, this refuses."""
+
+    model_class = LlamaModel
+    o_bias_never = True
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
+                 kernels: str | None = None):
+        bias = bool(spec.hf_config.get("attention_bias", True))  # (transformers' GlmConfig default)
+        super().__init__(dataclasses.replace(spec, attention_bias=bias), dtype, device, kernels=kernels)
+
+
+__all__ = ["GLM_LORA_REFUSAL", "Glm4ForCausalLM", "GlmForCausalLM", "check_checkpoint_quantization", "glm_spec",
            "interleaved_rotary_order", "reorder_rotary_rows"]

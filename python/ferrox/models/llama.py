@@ -161,6 +161,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     # Architecture switches the Qwen subclasses flip.
     qkv_bias_always = False  # Qwen2: q/k/v carry a bias whatever attention_bias says
+    o_bias_never = False  # GLM: attention_bias puts a bias on q/k/v only, never on o_proj
     qk_norm = False  # Qwen3: per-head RMSNorm of q and k
     # Every layer is a parallel layer: tensor_parallel_size > 1 shards it (subclasses that add
     # layers of their own, e.g. experts, set False until those are sharded too).
@@ -192,7 +193,8 @@ class LlamaForCausalLM(nn.Module):
         bias = spec.attention_bias
         # (Any: LlamaModel or a family's own stack with the same attributes: layers, norm, rotary, decode_path.)
         self.model: Any = self.model_class(spec, self.backend, self.ops, dtype, device,
-                                      qkv_bias=bias or self.qkv_bias_always, o_bias=bias, qk_norm=self.qk_norm)
+                                      qkv_bias=bias or self.qkv_bias_always, o_bias=bias and not self.o_bias_never,
+                                      qk_norm=self.qk_norm)
         if spec.tie_word_embeddings:
             self.lm_head = None
         else:

@@ -58,6 +58,7 @@ SUPPORTED: dict[str, str] = {
     "Qwen3_5ForConditionalGeneration": "ferrox.models.qwen3_5_vl:Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoeForConditionalGeneration": "ferrox.models.qwen3_5_vl:Qwen3_5MoeForConditionalGeneration",
     "Glm4ForCausalLM": "ferrox.models.glm4:Glm4ForCausalLM",
+    "GlmForCausalLM": "ferrox.models.glm4:GlmForCausalLM",
     "SmolLM3ForCausalLM": "ferrox.models.smollm3:SmolLM3ForCausalLM",
     "Olmo2ForCausalLM": "ferrox.models.olmo2:Olmo2ForCausalLM",
     "OlmoeForCausalLM": "ferrox.models.olmo2:OlmoeForCausalLM",
