@@ -108,11 +108,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype, device, *, qkv_bias,
-                 o_bias, qk_norm, window: int = 0):
+                 o_bias, qk_norm, window: int = 0, attention_class: type[LlamaAttention] = LlamaAttention):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
-        self.self_attn = LlamaAttention(spec, backend, ops, dtype, device, qkv_bias=qkv_bias, o_bias=o_bias,
-                                        qk_norm=qk_norm, window=window)
+        self.self_attn = attention_class(spec, backend, ops, dtype, device, qkv_bias=qkv_bias, o_bias=o_bias,
+                                         qk_norm=qk_norm, window=window)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
         self.mlp = LlamaMLP(spec, ops, dtype, device)
 
@@ -128,12 +128,18 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
 
 
 class LlamaModel(nn.Module):
+    # The layers' attention (Hunyuan norms q/k after rotary: models/hunyuan.py), and whether the fused one-token
+    # kernels can run its layers.
+    attention_class: type[LlamaAttention] = LlamaAttention
+    fused_one_token = True
+
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype, device, *, qkv_bias,
                  o_bias, qk_norm):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
         layers = [LlamaDecoderLayer(spec, backend, ops, dtype, device, qkv_bias=qkv_bias, o_bias=o_bias,
-                                    qk_norm=qk_norm, window=spec.window_of(i)) for i in range(spec.num_layers)]
+                                    qk_norm=qk_norm, window=spec.window_of(i), attention_class=self.attention_class)
+                  for i in range(spec.num_layers)]
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
         # The model's op set: on the Triton set Qwen3's (qk_norm) q/k norms and rotary are one kernel
@@ -145,7 +151,7 @@ class LlamaModel(nn.Module):
         # Qwen3's q/k-norm layers take the one-token path on one rank only: under tensor parallelism
         # (not yet run on two GPUs) they keep the general layers.
         sharded = qk_norm and views[0].tp is not None and views[0].tp.size > 1
-        self.one_token_layers = None if sharded else views
+        self.one_token_layers = None if sharded or not self.fused_one_token else views
         self.decode_path = backend.decode_path(self.one_token_layers, self.rotary.rope_rows)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -66,6 +66,7 @@ SUPPORTED: dict[str, str] = {
     "Exaone4ForCausalLM": "ferrox.models.exaone4:Exaone4ForCausalLM",
     "CohereForCausalLM": "ferrox.models.cohere:CohereForCausalLM",
     "Cohere2ForCausalLM": "ferrox.models.cohere2:Cohere2ForCausalLM",
+    "HunYuanDenseV1ForCausalLM": "ferrox.models.hunyuan:HunYuanDenseV1ForCausalLM",
     "Ernie4_5ForCausalLM": "ferrox.models.ernie4_5:Ernie4_5ForCausalLM",
     "Ernie4_5_MoeForCausalLM": "ferrox.models.ernie4_5_moe:Ernie4_5_MoeForCausalLM",
     "SeedOssForCausalLM": "ferrox.models.seed_oss:SeedOssForCausalLM",
