@@ -1,7 +1,9 @@
-"""Hunyuan dense (models/hunyuan.py) against transformers on tiny random checkpoints (q/k normed per head after
-rotary; with the releases' NTK-alpha rope scaling and without): greedy tokens and last-prompt logits, chunked prefill
-and batching, the real engine with a 16-token budget, two gloo ranks; what must show when left out (alpha, the
-norms' place after rotary); a length-dependent dynamic scaling refused by name; on a GPU, the CUDA engine."""
+"""Hunyuan dense and MoE (models/hunyuan.py) against transformers on tiny random checkpoints (q/k normed per head after
+rotary; with the releases' NTK-alpha rope scaling and without; the MoE's routed experts beside its shared MLP):
+greedy tokens and last-prompt logits, chunked prefill and batching, the real engine with a 16-token budget, two gloo
+ranks; what must show when left out (alpha, the norms' place after rotary); the release's per-layer lists (equal:
+taken; differing, or use_cla: refused by name); a length-dependent dynamic scaling refused by name; on a GPU, the CUDA
+engine."""
 
 from __future__ import annotations
 
@@ -10,13 +12,16 @@ import dataclasses
 import pytest
 import torch
 from ferrox.errors import UnsupportedModelError
+from ferrox.loader.model_loader import load_model_spec
+from ferrox.loader.source import resolve_model
 from ferrox.loader.weights import iter_safetensors
 from ferrox.models.hunyuan import HunyuanAttention
+from ferrox.models.registry import get_model_class
 
 from tests.helpers import tiny_models
 from tests.helpers.config_edit import copy_with_config
 from tests.helpers.driver import run_greedy
-from tests.helpers.tiny_hunyuan import make_tiny_hunyuan
+from tests.helpers.tiny_hunyuan import make_tiny_hunyuan, make_tiny_hunyuan_moe
 from tests.models.conftest import (
     assert_chunking_and_batching_keep_tokens,
     assert_cuda_engine_matches_cpu,
@@ -29,7 +34,8 @@ transformers = pytest.importorskip("transformers")
 
 PROMPTS = [[5, 9, 11], [100, 7, 300, 45, 2, 9, 77, 13], [4, 4, 4, 4, 8], list(range(3, 70))]
 BUILDERS = {"alpha": lambda d: make_tiny_hunyuan(d, seed=81), "plain": lambda d: make_tiny_hunyuan(d, alpha=None,
-                                                                                                   seed=82)}
+                                                                                                   seed=82),
+            "moe": lambda d: make_tiny_hunyuan_moe(d, seed=83)}
 
 
 @pytest.fixture(scope="module")
@@ -40,23 +46,29 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_greedy_and_logits_match_transformers(tiny, name):
     _, model, ref = tiny[name]
-    assert model.model.one_token_layers is None  # (norms after rotary: the general path)
+    # (norms after rotary: on the GPU's op set the fused one-token path takes no layer)
+    triton = get_model_class([model.spec.architecture])(load_model_spec(resolve_model(tiny[name][0])), torch.float32,
+                                                        "cpu", kernels="triton")
+    assert triton.model.decode_path.layers is None
     assert_greedy_and_logits_match(model, ref, PROMPTS, [tiny_models.EOS_TOKEN_ID], label=name)
     assert_chunking_and_batching_keep_tokens(model, PROMPTS, alone=slice(3, None))
 
 
-def test_engine_chunked_prefill_matches_transformers(tiny):
-    folder, _, ref = tiny["alpha"]
+@pytest.mark.parametrize("name", ["alpha", "moe"])
+def test_engine_chunked_prefill_matches_transformers(tiny, name):
+    folder, _, ref = tiny[name]
     assert_outputs_match_transformers(ref, PROMPTS, chunked_engine_outputs(folder, PROMPTS, max_model_len=256))
 
 
 def test_tensor_parallel_engine_matches_one_rank(tiny):
+    """Two gloo rank processes of the MoE (Llama's sharded attention with replicated per-head norms, experts sharded by
+    intermediate rows, the shared MLP as Llama's) generate what one rank does."""
     from ferrox import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
     results = []
     for tp in (1, 2):
-        llm = LLM(model=tiny["alpha"][0], dtype="float32", tensor_parallel_size=tp, kv_cache_memory=8 << 20,
+        llm = LLM(model=tiny["moe"][0], dtype="float32", tensor_parallel_size=tp, kv_cache_memory=8 << 20,
                   max_num_batched_tokens=16, max_model_len=256)
         try:
             outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
@@ -98,6 +110,19 @@ def test_what_must_show(tiny, monkeypatch):
     assert not torch.allclose(logits[0], expected[0], atol=1e-3)
 
 
+def test_moe_per_layer_lists(tiny, tmp_path):
+    """The release's per-layer lists: equal entries load the same model; differing ones and use_cla are refused."""
+    folder, model, _ = tiny["moe"]
+    listed = tiny_models.load_float32(copy_with_config(folder, tmp_path / "lists", moe_topk=[2, 2], num_experts=8,
+                                                       num_shared_expert=[1, 1], moe_intermediate_size=[32, 32]))
+    _, expected = run_greedy(model, PROMPTS[3:], 1, return_prefill_logits=True)
+    _, logits = run_greedy(listed, PROMPTS[3:], 1, return_prefill_logits=True)
+    assert torch.equal(logits[0], expected[0])
+    for fields, match in (({"moe_topk": [2, 3]}, "moe_topk"), ({"use_cla": True}, "use_cla")):
+        with pytest.raises(UnsupportedModelError, match=f"config.json: {match}"):
+            tiny_models.load_float32(copy_with_config(folder, tmp_path / match, **fields))
+
+
 def test_length_dependent_dynamic_scaling_is_refused(tiny, tmp_path):
     folder = copy_with_config(tiny["plain"][0], tmp_path / "dynamic",
                               rope_parameters={"rope_type": "dynamic", "rope_theta": 10_000.0, "factor": 2.0})
@@ -107,5 +132,6 @@ def test_length_dependent_dynamic_scaling_is_refused(tiny, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_engine_matches_cpu(tiny):
-    assert_cuda_engine_matches_cpu(tiny["alpha"][0], PROMPTS, max_tokens=8, max_model_len=256)
+@pytest.mark.parametrize("name", ["alpha", "moe"])
+def test_cuda_engine_matches_cpu(tiny, name):
+    assert_cuda_engine_matches_cpu(tiny[name][0], PROMPTS, max_tokens=8, max_model_len=256)

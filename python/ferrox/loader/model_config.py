@@ -406,6 +406,8 @@ def _moe_spec(config: dict[str, Any], where: str) -> MoeSpec | None:
         key = next((k for k in keys if config.get(k) not in (None, 0)), None)
         return 0 if key is None else to_int(config[key], f"{where}: field {key!r}", minimum)
 
+    if "moe_topk" in config:
+        return None  # (Hunyuan's own names, per-layer lists among them: models/hunyuan.py builds its MoeSpec)
     num_experts = integer("num_experts", "num_local_experts")
     if num_experts == 0:
         return None

@@ -67,6 +67,7 @@ SUPPORTED: dict[str, str] = {
     "CohereForCausalLM": "ferrox.models.cohere:CohereForCausalLM",
     "Cohere2ForCausalLM": "ferrox.models.cohere2:Cohere2ForCausalLM",
     "HunYuanDenseV1ForCausalLM": "ferrox.models.hunyuan:HunYuanDenseV1ForCausalLM",
+    "HunYuanMoEV1ForCausalLM": "ferrox.models.hunyuan:HunYuanMoEV1ForCausalLM",
     "Ernie4_5ForCausalLM": "ferrox.models.ernie4_5:Ernie4_5ForCausalLM",
     "Ernie4_5_MoeForCausalLM": "ferrox.models.ernie4_5_moe:Ernie4_5_MoeForCausalLM",
     "SeedOssForCausalLM": "ferrox.models.seed_oss:SeedOssForCausalLM",
