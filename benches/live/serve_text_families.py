@@ -42,6 +42,7 @@ from tests.helpers.tiny_olmo_smollm3 import (  # noqa: E402
     make_tiny_smollm3,
 )
 from tests.helpers.tiny_qwen3_5 import make_tiny_qwen3_5, make_tiny_qwen3_5_moe, make_tiny_qwen3_next  # noqa: E402
+from tests.helpers.tiny_ungated import make_tiny_apertus, make_tiny_arcee  # noqa: E402
 from tests.models.test_gemma4 import make_tiny_gemma4  # noqa: E402
 from tests.server.server_proc import ServerProcess  # noqa: E402
 
@@ -96,6 +97,8 @@ def families(tmp: Path) -> list[tuple[str, str, list[str]]]:
             ("glm-4-9b", make_tiny_glm(tmp / "glm"), []),
             ("hunyuan", make_tiny_hunyuan(tmp / "hunyuan"), []),
             ("hunyuan-moe", make_tiny_hunyuan_moe(tmp / "hunyuan_moe"), []),
+            ("arcee", make_tiny_arcee(tmp / "arcee"), []),
+            ("apertus", make_tiny_apertus(tmp / "apertus"), []),
             # (chunked local attention over 16-token chunks, NoPE layers, top-1 experts on the input)
             ("llama4-scout", make_tiny_llama4(tmp / "llama4"), []),
             ("llama4-maverick", make_tiny_llama4(tmp / "llama4m", interleave_moe_layer_step=2, use_qk_norm=False,

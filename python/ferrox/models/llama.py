@@ -108,13 +108,14 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype, device, *, qkv_bias,
-                 o_bias, qk_norm, window: int = 0, attention_class: type[LlamaAttention] = LlamaAttention):
+                 o_bias, qk_norm, window: int = 0, attention_class: type[LlamaAttention] = LlamaAttention,
+                 mlp_class: type[nn.Module] | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
         self.self_attn = attention_class(spec, backend, ops, dtype, device, qkv_bias=qkv_bias, o_bias=o_bias,
                                          qk_norm=qk_norm, window=window)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
-        self.mlp = LlamaMLP(spec, ops, dtype, device)
+        self.mlp: Any = (mlp_class or LlamaMLP)(spec, ops, dtype, device)
 
     def one_token_view(self) -> OneTokenLayer:
         """This layer as a fused one-token decode path reads it (attention/decode_path.py)."""
@@ -128,9 +129,10 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
 
 
 class LlamaModel(nn.Module):
-    # The layers' attention (Hunyuan norms q/k after rotary: models/hunyuan.py), and whether the fused one-token
-    # kernels can run its layers.
+    # The layers' attention (Hunyuan norms q/k after rotary: models/hunyuan.py) and MLP (None: LlamaMLP; Arcee's and
+    # Apertus's ungated ones: models/ungated_mlp.py), and whether the fused one-token kernels can run its layers.
     attention_class: type[LlamaAttention] = LlamaAttention
+    mlp_class: type[nn.Module] | None = None
     fused_one_token = True
 
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype, device, *, qkv_bias,
@@ -138,7 +140,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
         layers = [LlamaDecoderLayer(spec, backend, ops, dtype, device, qkv_bias=qkv_bias, o_bias=o_bias,
-                                    qk_norm=qk_norm, window=spec.window_of(i), attention_class=self.attention_class)
+                                    qk_norm=qk_norm, window=spec.window_of(i), attention_class=self.attention_class,
+                                    mlp_class=self.mlp_class)
                   for i in range(spec.num_layers)]
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)

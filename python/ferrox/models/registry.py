@@ -68,6 +68,8 @@ SUPPORTED: dict[str, str] = {
     "Cohere2ForCausalLM": "ferrox.models.cohere2:Cohere2ForCausalLM",
     "HunYuanDenseV1ForCausalLM": "ferrox.models.hunyuan:HunYuanDenseV1ForCausalLM",
     "HunYuanMoEV1ForCausalLM": "ferrox.models.hunyuan:HunYuanMoEV1ForCausalLM",
+    "ArceeForCausalLM": "ferrox.models.arcee:ArceeForCausalLM",
+    "ApertusForCausalLM": "ferrox.models.apertus:ApertusForCausalLM",
     "Ernie4_5ForCausalLM": "ferrox.models.ernie4_5:Ernie4_5ForCausalLM",
     "Ernie4_5_MoeForCausalLM": "ferrox.models.ernie4_5_moe:Ernie4_5_MoeForCausalLM",
     "SeedOssForCausalLM": "ferrox.models.seed_oss:SeedOssForCausalLM",
