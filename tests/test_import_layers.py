@@ -22,7 +22,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     # Plain data, shared specs and the exception tree, importable from anywhere. The package root
     # imports only these at run time (LLM, AsyncLLM... load lazily through its __getattr__).
     "base": (
-        "ferrox", "ferrox._core", "ferrox.errors", "ferrox.model_spec", "ferrox.sampling_params",
+        "ferrox", "ferrox._core", "ferrox.errors", "ferrox.config_fields", "ferrox.model_spec", "ferrox.sampling_params",
         "ferrox.structured.params", "ferrox.config", "ferrox.outputs", "ferrox.step_types", "ferrox.request_rules",
         "ferrox.bad_words", "ferrox.sleep_mode",
         "ferrox.speculative_config", "ferrox.compilation_config", "ferrox.structured_outputs_config",

@@ -13,8 +13,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ferrox.config_fields import to_int
 from ferrox.errors import ModelLoadError, UnsupportedModelError
-from ferrox.loader.config_fields import to_int
 
 __all__ = ["ModelLoadError", "ModelSpec", "MoeSpec", "UnsupportedModelError", "rope_type_of", "sliding_layer_kinds", "spec_for_context",
            "uses_long_rope"]

@@ -134,6 +134,47 @@ def assert_outputs_match_transformers(ref, prompts: list[list[int]], outs, *, ab
             assert math.isclose(lps[tok].logprob, ref_lp[len(prompt) - 1 + i, tok].item(), abs_tol=abs_tol)
 
 
+def assert_triton_kernel_set_matches(folder: str, ref, prompt: list[int], *, max_model_len: int = 256) -> None:
+    """The GPU's op set (kernels="triton") on the CPU -- under TRITON_INTERPRET=1 -- with the windows served for
+    max_model_len: the prompt's last logits and 3 greedy tokens against transformers."""
+    from ferrox.loader.weights import iter_safetensors
+    from ferrox.model_spec import spec_for_context
+    from ferrox.models.registry import get_model_class
+
+    from tests.helpers.driver import run_greedy
+    from tests.helpers.tiny_models import EOS_TOKEN_ID
+
+    spec = spec_for_context(load_model_spec(resolve_model(folder)), max_model_len)
+    model = get_model_class([spec.architecture])(spec, torch.float32, "cpu", kernels="triton")
+    model.load_weights(iter_safetensors(folder))
+    model.finalize_weights()
+    ours, logits = run_greedy(model, [prompt], 3, block_size=16, return_prefill_logits=True)
+    torch.testing.assert_close(logits[0], hf_last_logits(ref, prompt), atol=1e-4, rtol=1e-4)
+    assert cut_at_eos(ours[0], [EOS_TOKEN_ID]) == hf_greedy(ref, prompt, 3)
+
+
+def assert_tensor_parallel_matches_one_rank(folder: str, prompts: list[list[int]], **llm_kwargs) -> None:
+    """Two gloo rank processes generate what one rank does (greedy tokens, their logprobs within 1e-4), the long
+    prompts prefilled in 16-token chunks; llm_kwargs go to the two-rank engine (enable_expert_parallel...)."""
+    from ferrox import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
+    results = []
+    for tp in (1, 2):
+        llm = LLM(model=folder, dtype="float32", tensor_parallel_size=tp, kv_cache_memory=8 << 20,
+                  max_num_batched_tokens=16, max_model_len=256, **(llm_kwargs if tp > 1 else {}))
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        finally:
+            llm.engine.shutdown()
+        results.append([(list(o.outputs[0].token_ids),
+                         [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)])
+                        for o in outs])
+    for (tokens, lps), (tp_tokens, tp_lps) in zip(*results, strict=True):
+        assert tp_tokens == tokens
+        assert torch.allclose(torch.tensor(tp_lps), torch.tensor(lps), atol=1e-4)
+
+
 def assert_cuda_engine_matches_cpu(folder: str, prompts: list[list[int]], *, max_tokens: int,
                                    max_model_len: int, bf16_tokens: bool = True) -> None:
     """The engine on CUDA (CUDA graphs on) against the CPU float32 engine on the same folder, batched and one

@@ -17,7 +17,6 @@ from ferrox.loader.model_loader import load_model, load_model_spec
 from ferrox.loader.source import resolve_model
 from ferrox.loader.weights import iter_safetensors
 from ferrox.model_spec import spec_for_context
-from ferrox.models.registry import get_model_class
 
 from tests.helpers import tiny_models
 from tests.helpers.config_edit import copy_with_config
@@ -28,10 +27,9 @@ from tests.models.conftest import (
     assert_cuda_engine_matches_cpu,
     assert_greedy_and_logits_match,
     assert_outputs_match_transformers,
+    assert_tensor_parallel_matches_one_rank,
+    assert_triton_kernel_set_matches,
     chunked_engine_outputs,
-    cut_at_eos,
-    hf_greedy,
-    hf_last_logits,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -81,23 +79,7 @@ def test_engine_chunked_prefill_matches_transformers(tiny):
 def test_tensor_parallel_engine_matches_one_rank(tiny):
     """Two gloo rank processes (Llama's sharded projections, the parallel block's two all-reduces) generate what one
     rank does."""
-    from ferrox import LLM, SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
-    results = []
-    for tp in (1, 2):
-        llm = LLM(model=tiny[0], dtype="float32", tensor_parallel_size=tp, kv_cache_memory=8 << 20,
-                  max_num_batched_tokens=16, max_model_len=256)
-        try:
-            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-        finally:
-            llm.engine.shutdown()
-        results.append([(list(o.outputs[0].token_ids),
-                         [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)])
-                        for o in outs])
-    for (tokens, lps), (tp_tokens, tp_lps) in zip(*results, strict=True):
-        assert tp_tokens == tokens
-        assert torch.allclose(torch.tensor(tp_lps), torch.tensor(lps), atol=1e-4)
+    assert_tensor_parallel_matches_one_rank(tiny[0], PROMPTS)
 
 
 def test_layer_kinds_from_the_pattern(tiny, tmp_path):
@@ -150,13 +132,7 @@ def test_lora_is_refused_by_name(tiny):
                     "TRITON_INTERPRET=1")
 def test_triton_kernel_set_matches_transformers(tiny):
     folder, ref = tiny
-    spec = spec_for_context(load_model_spec(resolve_model(folder)), 256)
-    model = get_model_class([spec.architecture])(spec, torch.float32, "cpu", kernels="triton")
-    model.load_weights(iter_safetensors(folder))
-    model.finalize_weights()
-    ours, logits = run_greedy(model, [PROMPTS[1]], 3, block_size=16, return_prefill_logits=True)
-    torch.testing.assert_close(logits[0], hf_last_logits(ref, PROMPTS[1]), atol=1e-4, rtol=1e-4)
-    assert cut_at_eos(ours[0], [tiny_models.EOS_TOKEN_ID]) == hf_greedy(ref, PROMPTS[1], 3)
+    assert_triton_kernel_set_matches(folder, ref, PROMPTS[1])
 
 
 @pytest.mark.gpu

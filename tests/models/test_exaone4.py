@@ -14,9 +14,7 @@ from ferrox.distributed.parallel_state import TPGroup, use_tp_group
 from ferrox.errors import UnsupportedModelError
 from ferrox.loader.model_loader import load_model, load_model_spec
 from ferrox.loader.source import resolve_model
-from ferrox.loader.weights import iter_safetensors
 from ferrox.model_spec import spec_for_context
-from ferrox.models.registry import get_model_class
 
 from tests.helpers import tiny_models
 from tests.helpers.config_edit import copy_with_config
@@ -27,10 +25,8 @@ from tests.models.conftest import (
     assert_cuda_engine_matches_cpu,
     assert_greedy_and_logits_match,
     assert_outputs_match_transformers,
+    assert_triton_kernel_set_matches,
     chunked_engine_outputs,
-    cut_at_eos,
-    hf_greedy,
-    hf_last_logits,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -127,13 +123,7 @@ def test_triton_kernel_set_matches_transformers(tiny):
     """The GPU's op set (the fused q/k norm + rotary kernel on the windowed layers, torch norms on the global one)
     under the interpreter: the long prompt's logits and a few greedy tokens."""
     folder, ref = tiny["hybrid"]
-    spec = spec_for_context(load_model_spec(resolve_model(folder)), 256)
-    model = get_model_class([spec.architecture])(spec, torch.float32, "cpu", kernels="triton")
-    model.load_weights(iter_safetensors(folder))
-    model.finalize_weights()
-    ours, logits = run_greedy(model, [PROMPTS[1]], 3, block_size=16, return_prefill_logits=True)
-    torch.testing.assert_close(logits[0], hf_last_logits(ref, PROMPTS[1]), atol=1e-4, rtol=1e-4)
-    assert cut_at_eos(ours[0], [tiny_models.EOS_TOKEN_ID]) == hf_greedy(ref, PROMPTS[1], 3)
+    assert_triton_kernel_set_matches(folder, ref, PROMPTS[1])
 
 
 @pytest.mark.gpu

@@ -11,7 +11,6 @@ import os
 
 import pytest
 import torch
-from ferrox import LLM, SamplingParams
 from ferrox.distributed.parallel_state import TPGroup, use_tp_group
 from ferrox.errors import UnsupportedModelError
 from ferrox.layers.fused_moe import FusedMoE
@@ -34,6 +33,7 @@ from tests.models.conftest import (
     assert_cuda_engine_matches_cpu,
     assert_greedy_and_logits_match,
     assert_outputs_match_transformers,
+    assert_tensor_parallel_matches_one_rank,
     chunked_engine_outputs,
     cut_at_eos,
     hf_greedy,
@@ -268,22 +268,7 @@ def test_tensor_parallel_engine_matches_one_rank(tiny, kw):
     """Two gloo rank processes (experts sharded by intermediate rows, or split whole with expert
     parallelism; the shared experts and dense MLPs sharded as Llama's) generate what one rank does.
     (GLM-4's layers are Llama's sharded layers: its ranks' weights are checked above.)"""
-    folder = tiny["glm4_moe"][0]
-    params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
-    results = []
-    for tp in (1, 2):
-        llm = LLM(model=folder, dtype="float32", tensor_parallel_size=tp, kv_cache_memory=8 << 20,
-                  max_num_batched_tokens=16, max_model_len=256, **(kw if tp > 1 else {}))
-        try:
-            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-        finally:
-            llm.engine.shutdown()
-        results.append([(list(o.outputs[0].token_ids),
-                         [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)])
-                        for o in outs])
-    for (tokens, lps), (tp_tokens, tp_lps) in zip(*results, strict=True):
-        assert tp_tokens == tokens
-        assert torch.allclose(torch.tensor(tp_lps), torch.tensor(lps), atol=1e-4)
+    assert_tensor_parallel_matches_one_rank(tiny["glm4_moe"][0], PROMPTS, **kw)
 
 
 # ---- GPU ----------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from tests.models.conftest import (
     assert_cuda_engine_matches_cpu,
     assert_greedy_and_logits_match,
     assert_outputs_match_transformers,
+    assert_tensor_parallel_matches_one_rank,
     chunked_engine_outputs,
 )
 
@@ -63,23 +64,7 @@ def test_engine_chunked_prefill_matches_transformers(tiny, name):
 def test_tensor_parallel_engine_matches_one_rank(tiny):
     """Two gloo rank processes of the MoE (Llama's sharded attention with replicated per-head norms, experts sharded by
     intermediate rows, the shared MLP as Llama's) generate what one rank does."""
-    from ferrox import LLM, SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
-    results = []
-    for tp in (1, 2):
-        llm = LLM(model=tiny["moe"][0], dtype="float32", tensor_parallel_size=tp, kv_cache_memory=8 << 20,
-                  max_num_batched_tokens=16, max_model_len=256)
-        try:
-            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-        finally:
-            llm.engine.shutdown()
-        results.append([(list(o.outputs[0].token_ids),
-                         [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)])
-                        for o in outs])
-    for (tokens, lps), (tp_tokens, tp_lps) in zip(*results, strict=True):
-        assert tp_tokens == tokens
-        assert torch.allclose(torch.tensor(tp_lps), torch.tensor(lps), atol=1e-4)
+    assert_tensor_parallel_matches_one_rank(tiny["moe"][0], PROMPTS)
 
 
 def test_what_must_show(tiny, monkeypatch):

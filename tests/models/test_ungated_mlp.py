@@ -25,10 +25,9 @@ from tests.models.conftest import (
     assert_cuda_engine_matches_cpu,
     assert_greedy_and_logits_match,
     assert_outputs_match_transformers,
+    assert_tensor_parallel_matches_one_rank,
+    assert_triton_kernel_set_matches,
     chunked_engine_outputs,
-    cut_at_eos,
-    hf_greedy,
-    hf_last_logits,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -65,23 +64,7 @@ def test_engine_chunked_prefill_matches_transformers(tiny, name):
 
 
 def test_tensor_parallel_engine_matches_one_rank(tiny):
-    from ferrox import LLM, SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
-    results = []
-    for tp in (1, 2):
-        llm = LLM(model=tiny["apertus"][0], dtype="float32", tensor_parallel_size=tp, kv_cache_memory=8 << 20,
-                  max_num_batched_tokens=16, max_model_len=256)
-        try:
-            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-        finally:
-            llm.engine.shutdown()
-        results.append([(list(o.outputs[0].token_ids),
-                         [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)])
-                        for o in outs])
-    for (tokens, lps), (tp_tokens, tp_lps) in zip(*results, strict=True):
-        assert tp_tokens == tokens
-        assert torch.allclose(torch.tensor(tp_lps), torch.tensor(lps), atol=1e-4)
+    assert_tensor_parallel_matches_one_rank(tiny["apertus"][0], PROMPTS)
 
 
 def test_xielu_parameters_show(tiny):
@@ -107,9 +90,7 @@ def test_other_activation_is_refused_by_name(tiny, tmp_path, name):
                     "TRITON_INTERPRET=1")
 def test_triton_kernel_set_matches_transformers(tiny):
     folder, _, ref = tiny["apertus"]
-    ours, logits = run_greedy(_triton(folder), [PROMPTS[1]], 3, block_size=16, return_prefill_logits=True)
-    torch.testing.assert_close(logits[0], hf_last_logits(ref, PROMPTS[1]), atol=1e-4, rtol=1e-4)
-    assert cut_at_eos(ours[0], [tiny_models.EOS_TOKEN_ID]) == hf_greedy(ref, PROMPTS[1], 3)
+    assert_triton_kernel_set_matches(folder, ref, PROMPTS[1])
 
 
 @pytest.mark.gpu

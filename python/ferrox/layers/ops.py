@@ -96,6 +96,25 @@ class Rope(Protocol):
         ...
 
 
+class NoRope:
+    """The Rope of a NoPE layer (SmolLM3's, Llama 4's, EXAONE 4's and Cohere2's global layers): q and k pass through
+    unrotated."""
+
+    def rotate_qk(self, qk: torch.Tensor, num_q_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return qk[:, :num_q_heads], qk[:, num_q_heads:]
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
+
+    def norm_rotate_qk(self, qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, q_norm_weight: torch.Tensor,
+                       k_norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head q/k norms (EXAONE 4's NoPE layers: models/exaone4.py), then no rotation."""
+        return norm_qk_torch(qkv, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, self.rotate)
+
+
+NO_ROPE = NoRope()
+
+
 @dataclass(frozen=True, slots=True)
 class CosSinRope:
     """The torch formula: cos, sin [T, 1, head_dim] in the model dtype."""

@@ -38,7 +38,7 @@ import struct
 from collections.abc import Mapping
 from typing import Any
 
-from ferrox.loader.config_fields import to_float, to_int
+from ferrox.config_fields import to_float, to_int
 from ferrox.loader.errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError
 from ferrox.loader.json_file import read_json
 

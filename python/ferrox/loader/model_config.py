@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ferrox.loader.config_fields import to_float, to_int
+from ferrox.config_fields import to_float, to_int
 from ferrox.loader.config_file import read_model_config
 from ferrox.loader.errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError
 from ferrox.loader.source import ModelSource

@@ -18,8 +18,8 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from ferrox.config_fields import to_int
 from ferrox.loader.chat_template import render_chat_template
-from ferrox.loader.config_fields import to_int
 from ferrox.loader.errors import ChatTemplateError, ModelLoadError, ModelNotFoundError
 from ferrox.loader.json_file import read_json
 from ferrox.loader.source import ModelSource

@@ -28,16 +28,10 @@ from ferrox.distributed.parallel_state import get_tp_group
 from ferrox.distributed.sharding import materialize
 from ferrox.layers.ops import DeviceOps, Rope
 from ferrox.layers.rotary import RotaryEmbedding
-from ferrox.layers.vocab_parallel import VocabParallelEmbedding
 from ferrox.model_spec import ModelSpec, UnsupportedModelError
-from ferrox.models.glm4 import (
-    GLM_LORA_REFUSAL,
-    check_checkpoint_quantization,
-    interleaved_rotary_order,
-    reorder_rotary_rows,
-)
+from ferrox.models.glm4 import GLM_LORA_REFUSAL, InterleavedRotaryRows, interleaved_rotary_setup
+from ferrox.models.layer_stack import PerLayerRopeStack
 from ferrox.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
-from ferrox.models.smollm3 import NO_ROPE
 
 
 class CohereLayerNorm(nn.Module):
@@ -110,38 +104,19 @@ def layer_norm_eps(config: dict[str, Any]) -> float:
     return float(eps)
 
 
-class CohereModel(nn.Module):
-    qk_norm = False  # (LlamaForCausalLM reads it with one-token layers; these layers have none)
-
+class CohereModel(PerLayerRopeStack):
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype,
                  device: torch.device | str, **_: Any):
-        super().__init__()
         eps = layer_norm_eps(spec.hf_config)
         qk_norm = bool(spec.hf_config.get("use_qk_norm", False))
-        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(CohereDecoderLayer(spec, backend, ops, dtype, device, window=spec.window_of(i),
-                                                       eps=eps, qk_norm=qk_norm) for i in range(spec.num_layers))
-        self.norm = CohereLayerNorm((spec.hidden_size,), eps, dtype, device)
-        self.rotary = RotaryEmbedding.for_spec(spec, device, ops)
-        self.rotary_layers = self.layer_rotaries(spec)
-        self.backend = backend
-        self.one_token_layers = None  # (the parallel LayerNorm block is not the fused kernels' shape)
-        self.decode_path = backend.decode_path(None, self.rotary.rope_rows)
+        layers: list[nn.Module] = [CohereDecoderLayer(spec, backend, ops, dtype, device, window=spec.window_of(i),
+                                                      eps=eps, qk_norm=qk_norm) for i in range(spec.num_layers)]
+        super().__init__(spec, backend, dtype, device, layers, CohereLayerNorm((spec.hidden_size,), eps, dtype, device),
+                         RotaryEmbedding.for_spec(spec, device, ops), self.layer_rotaries(spec))
 
     def layer_rotaries(self, spec: ModelSpec) -> tuple[bool, ...]:
         """Which layers rotate q and k (every one here; Cohere2: its sliding ones)."""
         return (True,) * spec.num_layers
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: Any, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        rope: Rope = self.rotary(positions, h.dtype)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, rope if self.rotary_layers[i] else NO_ROPE, kv_caches[i], meta)
-        return self.norm(h)
 
 
 def _flat_qk_norms(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
@@ -152,7 +127,7 @@ def _flat_qk_norms(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, An
         yield name, tensor
 
 
-class CohereForCausalLM(LlamaForCausalLM):
+class CohereForCausalLM(InterleavedRotaryRows, LlamaForCausalLM):
     model_class: type[CohereModel] = CohereModel
     supports_quantized_gguf = False  # (no GGUF mapping: loader/gguf_file.py)
 
@@ -165,8 +140,7 @@ class CohereForCausalLM(LlamaForCausalLM):
         scale = config.get("logit_scale", 0.0625)
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
             raise UnsupportedModelError(f"config.json: logit_scale must be a number, got {scale!r}")
-        order = interleaved_rotary_order(spec.head_dim, spec.head_dim)
-        check_checkpoint_quantization(spec, order, block_fp8=False)
+        order = interleaved_rotary_setup(spec)
         super().__init__(spec, dtype, device, kernels=kernels)
         self.logit_scale = float(scale)
         self.lora_refusal = GLM_LORA_REFUSAL.format(arch=spec.architecture)
@@ -175,8 +149,8 @@ class CohereForCausalLM(LlamaForCausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return super().compute_logits(hidden) * self.logit_scale
 
-    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        super().load_weights(reorder_rotary_rows(_flat_qk_norms(weights), self.spec.head_dim, self.rotary_order))
+    def rotary_stream(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+        return _flat_qk_norms(weights)
 
 
 __all__ = ["CohereForCausalLM", "CohereLayerNorm", "CohereModel"]

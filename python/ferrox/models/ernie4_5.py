@@ -13,18 +13,11 @@ name: a checkpoint quantization_config and LoRA (the permuted q/k rows: models/g
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
-from typing import Any
 
 import torch
 
 from ferrox.model_spec import ModelSpec, UnsupportedModelError
-from ferrox.models.glm4 import (
-    GLM_LORA_REFUSAL,
-    check_checkpoint_quantization,
-    interleaved_rotary_order,
-    reorder_rotary_rows,
-)
+from ferrox.models.glm4 import GLM_LORA_REFUSAL, InterleavedRotaryRows, interleaved_rotary_setup
 from ferrox.models.llama import LlamaForCausalLM
 
 
@@ -40,20 +33,16 @@ def ernie_spec(spec: ModelSpec) -> ModelSpec:
     return dataclasses.replace(spec, attention_bias=bias, mlp_bias=bias)
 
 
-class Ernie4_5ForCausalLM(LlamaForCausalLM):
+class Ernie4_5ForCausalLM(InterleavedRotaryRows, LlamaForCausalLM):
     supports_quantized_gguf = False  # (no GGUF mapping: loader/gguf_file.py)
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
         spec = ernie_spec(spec)
-        order = interleaved_rotary_order(spec.head_dim, spec.head_dim)
-        check_checkpoint_quantization(spec, order, block_fp8=False)
+        order = interleaved_rotary_setup(spec)
         super().__init__(spec, dtype, device, kernels=kernels)
         self.lora_refusal = GLM_LORA_REFUSAL.format(arch=spec.architecture)
         self.rotary_order = order
-
-    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        super().load_weights(reorder_rotary_rows(weights, self.spec.head_dim, self.rotary_order))
 
 
 __all__ = ["Ernie4_5ForCausalLM", "ernie_spec"]

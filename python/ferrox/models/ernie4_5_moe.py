@@ -25,17 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ferrox.config_fields import to_float, to_int
 from ferrox.layers.fused_moe import experts_with_shared
 from ferrox.layers.ops import DeviceOps
-from ferrox.loader.config_fields import to_float, to_int
 from ferrox.model_spec import ModelLoadError, ModelSpec, MoeSpec, UnsupportedModelError
 from ferrox.models.ernie4_5 import ernie_spec
-from ferrox.models.glm4 import (
-    GLM_LORA_REFUSAL,
-    check_checkpoint_quantization,
-    interleaved_rotary_order,
-    reorder_rotary_rows,
-)
+from ferrox.models.glm4 import GLM_LORA_REFUSAL, InterleavedRotaryRows, interleaved_rotary_setup
 from ferrox.models.llama import LlamaMLP
 from ferrox.models.moe import MoeBlock, MoeForCausalLM, MoeModel
 
@@ -116,7 +111,7 @@ def without_mtp(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]
     return ((name, tensor) for name, tensor in weights if not _MTP_TENSOR.search(name))
 
 
-class Ernie4_5_MoeForCausalLM(MoeForCausalLM):
+class Ernie4_5_MoeForCausalLM(InterleavedRotaryRows, MoeForCausalLM):
     model_class = Ernie4_5MoeModel
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
@@ -126,14 +121,13 @@ class Ernie4_5_MoeForCausalLM(MoeForCausalLM):
                                         "(transformers' lm_head then carries a bias too; the released checkpoints "
                                         "have none)")
         spec = ernie_moe_spec(spec)
-        order = interleaved_rotary_order(spec.head_dim, spec.head_dim)
-        check_checkpoint_quantization(spec, order, block_fp8=False)
+        order = interleaved_rotary_setup(spec)
         super().__init__(spec, dtype, device, kernels=kernels)
         self.lora_refusal = GLM_LORA_REFUSAL.format(arch=spec.architecture)
         self.rotary_order = order
 
-    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        super().load_weights(reorder_rotary_rows(without_mtp(weights), self.spec.head_dim, self.rotary_order))
+    def rotary_stream(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+        return without_mtp(weights)
 
 
 __all__ = ["Ernie4_5_MoeForCausalLM"]

@@ -22,12 +22,12 @@ from torch import nn
 
 from ferrox.attention.backend import AttentionBackend
 from ferrox.layers.layernorm import RMSNorm
-from ferrox.layers.ops import DeviceOps, Rope
+from ferrox.layers.ops import DeviceOps
 from ferrox.layers.rotary import RotaryEmbedding
-from ferrox.layers.vocab_parallel import VocabParallelEmbedding
 from ferrox.model_spec import ModelSpec, UnsupportedModelError, sliding_layer_kinds
-from ferrox.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
-from ferrox.models.smollm3 import NO_ROPE
+from ferrox.models.layer_stack import PerLayerRopeStack
+from ferrox.models.llama import LlamaAttention, LlamaForCausalLM
+from ferrox.models.post_norm import PostNormDecoderLayer
 
 
 def rotary_layers(config: dict[str, Any], num_layers: int) -> tuple[bool, ...]:
@@ -37,47 +37,16 @@ def rotary_layers(config: dict[str, Any], num_layers: int) -> tuple[bool, ...]:
     return sliding_layer_kinds(config, num_layers, "config.json")
 
 
-class Exaone4DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype,
-                 device: torch.device | str, window: int):
-        super().__init__()
-        self.self_attn = LlamaAttention(spec, backend, ops, dtype, device, qkv_bias=False, o_bias=False, qk_norm=True,
-                                        window=window)
-        self.mlp = LlamaMLP(spec, ops, dtype, device)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
-        self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
-
-    def forward(self, x: torch.Tensor, rope: Any, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(x, rope, kv_cache, meta))
-        return x + self.post_feedforward_layernorm(self.mlp(x))
-
-
-class Exaone4Model(nn.Module):
-    qk_norm = True
-
+class Exaone4Model(PerLayerRopeStack):
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype,
                  device: torch.device | str, **_: Any):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(Exaone4DecoderLayer(spec, backend, ops, dtype, device, spec.window_of(i))
-                                    for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
-        self.rotary = RotaryEmbedding.for_spec(spec, device, ops)
-        self.rotary_layers = rotary_layers(spec.hf_config, spec.num_layers)
-        self.backend = backend
-        self.one_token_layers = None  # (post-norm layers: not the pre-norm shape the fused kernels run)
-        self.decode_path = backend.decode_path(None, self.rotary.rope_rows)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: Any, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        rope: Rope = self.rotary(positions, h.dtype)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, rope if self.rotary_layers[i] else NO_ROPE, kv_caches[i], meta)
-        return self.norm(h)
+        layers: list[nn.Module] = [
+            PostNormDecoderLayer(spec, LlamaAttention(spec, backend, ops, dtype, device, qkv_bias=False, o_bias=False,
+                                                      qk_norm=True, window=spec.window_of(i)), ops, dtype, device)
+            for i in range(spec.num_layers)]
+        super().__init__(spec, backend, dtype, device, layers,
+                         RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops),
+                         RotaryEmbedding.for_spec(spec, device, ops), rotary_layers(spec.hf_config, spec.num_layers))
 
 
 class Exaone4ForCausalLM(LlamaForCausalLM):

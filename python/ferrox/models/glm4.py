@@ -131,6 +131,31 @@ def reorder_rotary_rows(weights: Iterable[tuple[str, Any]], head_dim: int,
         yield name, tensor
 
 
+def interleaved_rotary_setup(spec: ModelSpec) -> torch.Tensor:
+    """The whole-head row order of a family rotating interleaved pairs over every dim (ERNIE 4.5, Cohere), its checkpoint
+    quantization checked (check_checkpoint_quantization). The family then keeps it as `rotary_order`, refuses LoRA
+    (GLM_LORA_REFUSAL) and loads through InterleavedRotaryRows."""
+    order = interleaved_rotary_order(spec.head_dim, spec.head_dim)
+    check_checkpoint_quantization(spec, order, block_fp8=False)
+    return order
+
+
+class InterleavedRotaryRows:
+    """Mixin of a causal LM whose q/k rows are reordered at load (`rotary_order`); `rotary_stream` is the family's own
+    edit of the checkpoint stream before the reordering (Cohere's per-head norms flattened, ERNIE's MTP tensors
+    dropped)."""
+
+    spec: ModelSpec
+    rotary_order: torch.Tensor | None
+
+    def rotary_stream(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+        return weights
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        super().load_weights(reorder_rotary_rows(self.rotary_stream(weights), self.spec.head_dim,  # type: ignore[misc]
+                                                 self.rotary_order))
+
+
 class Glm4DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype,
                  device: torch.device | str):
@@ -205,5 +230,5 @@ class GlmForCausalLM(Glm4ForCausalLM):
         super().__init__(dataclasses.replace(spec, attention_bias=bias), dtype, device, kernels=kernels)
 
 
-__all__ = ["GLM_LORA_REFUSAL", "Glm4ForCausalLM", "GlmForCausalLM", "check_checkpoint_quantization", "glm_spec",
+__all__ = ["GLM_LORA_REFUSAL", "Glm4ForCausalLM", "GlmForCausalLM", "InterleavedRotaryRows", "interleaved_rotary_setup", "check_checkpoint_quantization", "glm_spec",
            "interleaved_rotary_order", "reorder_rotary_rows"]

@@ -25,10 +25,10 @@ import torch
 from torch import nn
 
 from ferrox.attention.backend import AttentionBackend
+from ferrox.config_fields import to_int
 from ferrox.layers.fused_moe import TopKRouter, experts_with_shared
 from ferrox.layers.layernorm import RMSNorm
 from ferrox.layers.ops import DeviceOps, Rope
-from ferrox.loader.config_fields import to_int
 from ferrox.model_spec import ModelLoadError, ModelSpec, MoeSpec, UnsupportedModelError, rope_type_of
 from ferrox.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
 from ferrox.models.moe import MoeBlock, MoeForCausalLM, MoeModel

@@ -43,14 +43,13 @@ from ferrox.distributed.sharding import materialize
 from ferrox.layers.fused_moe import FusedMoE, TopKRouter, experts_with_shared
 from ferrox.layers.layernorm import RMSNorm
 from ferrox.layers.linear import Linear, QKVLinear, RowParallelLinear
-from ferrox.layers.ops import DeviceOps, Rope
+from ferrox.layers.ops import NO_ROPE, DeviceOps, Rope
 from ferrox.layers.rotary import RotaryEmbedding
 from ferrox.layers.vocab_parallel import VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
 from ferrox.models.llama import LlamaMLP, load_dense_tensor, load_kv_scale
 from ferrox.models.load_check import check_all_loaded
 from ferrox.models.moe import MoeForCausalLM
-from ferrox.models.smollm3 import NO_ROPE
 
 _MERGED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
            "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}

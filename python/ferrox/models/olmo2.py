@@ -35,8 +35,9 @@ from ferrox.layers.rotary import RotaryEmbedding
 from ferrox.layers.vocab_parallel import VocabParallelEmbedding
 from ferrox.model_spec import ModelSpec, UnsupportedModelError
 from ferrox.models.layer_stack import ResidualLayerStack
-from ferrox.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from ferrox.models.llama import LlamaAttention, LlamaForCausalLM
 from ferrox.models.moe import MoeBlock, MoeDecoderLayer, MoeForCausalLM, MoeModel
+from ferrox.models.post_norm import PostNormDecoderLayer
 
 
 def check_olmo_config(spec: ModelSpec, *, takes_clip_qkv: bool, windowed: bool = False) -> float | None:
@@ -96,19 +97,12 @@ class FullQKNormAttention(LlamaAttention):
 
 
 # ---- OLMo 2 ------------------------------------------------------------------------------------------
-class Olmo2DecoderLayer(nn.Module):
+class Olmo2DecoderLayer(PostNormDecoderLayer):
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype,
                  device: torch.device | str):
-        super().__init__()
-        self.self_attn = FullQKNormAttention(spec, backend, ops, dtype, device,
-                                             q_norm_size=spec.num_heads * spec.head_dim, clip_qkv=None)
-        self.mlp = LlamaMLP(spec, ops, dtype, device)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
-        self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
-
-    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(x, rope, kv_cache, meta))
-        return x + self.post_feedforward_layernorm(self.mlp(x))
+        super().__init__(spec, FullQKNormAttention(spec, backend, ops, dtype, device,
+                                                   q_norm_size=spec.num_heads * spec.head_dim, clip_qkv=None),
+                         ops, dtype, device)
 
 
 class Olmo2Model(ResidualLayerStack):

@@ -21,12 +21,13 @@ from torch import nn
 
 from ferrox.attention.backend import AttentionBackend
 from ferrox.layers.layernorm import RMSNorm
-from ferrox.layers.ops import DeviceOps
+from ferrox.layers.ops import DeviceOps, Rope
 from ferrox.layers.rotary import RotaryEmbedding
-from ferrox.layers.vocab_parallel import VocabParallelEmbedding
 from ferrox.model_spec import ModelSpec, sliding_layer_kinds
-from ferrox.models.llama import LlamaForCausalLM, LlamaMLP
+from ferrox.models.layer_stack import PerLayerRopeStack
+from ferrox.models.llama import LlamaForCausalLM
 from ferrox.models.olmo2 import FullQKNormAttention, check_olmo_config
+from ferrox.models.post_norm import PostNormDecoderLayer
 
 DEFAULT_THETA = 500_000.0
 
@@ -51,57 +52,32 @@ def rope_settings(config: dict[str, Any]) -> tuple[tuple[float, dict | None], tu
     return (theta, None), (theta, scaling if kind != "default" else None)
 
 
-class Olmo3DecoderLayer(nn.Module):
-    """OLMo 2's post-norm layer with this layer's window."""
-
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype,
-                 device: torch.device | str, window: int):
-        super().__init__()
-        self.self_attn = FullQKNormAttention(spec, backend, ops, dtype, device,
-                                             q_norm_size=spec.num_heads * spec.head_dim, clip_qkv=None, window=window)
-        self.mlp = LlamaMLP(spec, ops, dtype, device)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
-        self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
-
-    def forward(self, x: torch.Tensor, rope: Any, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(x, rope, kv_cache, meta))
-        return x + self.post_feedforward_layernorm(self.mlp(x))
-
-
-class Olmo3Model(nn.Module):
-    qk_norm = False  # (LlamaForCausalLM reads it with one-token layers; these layers have none)
+class Olmo3Model(PerLayerRopeStack):
+    """OLMo 2's post-norm layers, windowed where served so; the sliding kinds' rotary beside the full layers'."""
 
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype,
                  device: torch.device | str, **_: Any):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(Olmo3DecoderLayer(spec, backend, ops, dtype, device, spec.window_of(i))
-                                    for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
+        layers: list[nn.Module] = [
+            PostNormDecoderLayer(spec, FullQKNormAttention(spec, backend, ops, dtype, device,
+                                                           q_norm_size=spec.num_heads * spec.head_dim, clip_qkv=None,
+                                                           window=spec.window_of(i)), ops, dtype, device)
+            for i in range(spec.num_layers)]
         (sliding_theta, sliding_scaling), (full_theta, full_scaling) = rope_settings(spec.hf_config)
         # The full-attention layers' rotary is the model's `rotary` (the decode path's position rows come from it).
-        self.rotary = RotaryEmbedding(spec.head_dim, full_theta, full_scaling, device, ops,
-                                      max_position_embeddings=spec.max_position_embeddings)
+        super().__init__(spec, backend, dtype, device, layers, RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype,
+                                                                      device, ops),
+                         RotaryEmbedding(spec.head_dim, full_theta, full_scaling, device, ops,
+                                         max_position_embeddings=spec.max_position_embeddings))
         self.rotary_sliding = RotaryEmbedding(spec.head_dim, sliding_theta, sliding_scaling, device, ops,
                                               max_position_embeddings=spec.max_position_embeddings)
         # (the kinds, not spec.sliding_layers: a window no shorter than the context leaves that unset, and the
         # sliding layers still rotate their own way)
         self.sliding = sliding_layer_kinds(spec.hf_config, spec.num_layers, "config.json")
-        self.backend = backend
-        self.one_token_layers = None  # (post-norm layers, full-width q/k norms: not what the fused kernels run)
-        self.decode_path = backend.decode_path(None, self.rotary.rope_rows)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: Any, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        rope_full = self.rotary(positions, h.dtype)
-        rope_sliding = self.rotary_sliding(positions, h.dtype) if any(self.sliding) else rope_full
-        for i, layer in enumerate(self.layers):
-            h = layer(h, rope_sliding if self.sliding[i] else rope_full, kv_caches[i], meta)
-        return self.norm(h)
+    def layer_ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> list[Rope]:
+        rope_full = self.rotary(positions, dtype)
+        rope_sliding = self.rotary_sliding(positions, dtype) if any(self.sliding) else rope_full
+        return [rope_sliding if sliding else rope_full for sliding in self.sliding]
 
 
 class Olmo3ForCausalLM(LlamaForCausalLM):

@@ -3,7 +3,7 @@
 As transformers' SmolLM3 defines it, config.json's `no_rope_layers` lists one flag a layer: 1 rotates q and k
 (rotary), 0 leaves them as projected (no position encoding: "NoPE"). Without the list, every
 `no_rope_layer_interval`-th layer (default 4: layers 3, 7, 11, ...) is a NoPE layer. A NoPE layer takes an
-identity rope (`NoRope`) in place of the step's rotary; everything else is Llama's.
+identity rope (`NoRope`, layers/ops.py) in place of the step's rotary; everything else is Llama's.
 
 Sliding windows: transformers applies `sliding_window` only when `use_sliding_window` is true (default
 false), on the layers `layer_types` names "sliding_attention", which it derives, when config.json has no
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ferrox.attention.backend import AttentionBackend
-from ferrox.layers.ops import DeviceOps, norm_qk_torch
+from ferrox.layers.ops import NO_ROPE, DeviceOps, NoRope
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
 from ferrox.models.llama import LlamaForCausalLM, LlamaModel
 
@@ -32,22 +32,6 @@ from ferrox.models.llama import LlamaForCausalLM, LlamaModel
 DEFAULT_NO_ROPE_LAYER_INTERVAL = 4
 
 
-class NoRope:
-    """The Rope of a NoPE layer: q and k pass through unrotated."""
-
-    def rotate_qk(self, qk: torch.Tensor, num_q_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return qk[:, :num_q_heads], qk[:, num_q_heads:]
-
-    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return q, k
-
-    def norm_rotate_qk(self, qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, q_norm_weight: torch.Tensor,
-                       k_norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head q/k norms (EXAONE 4's NoPE layers: models/exaone4.py), then no rotation."""
-        return norm_qk_torch(qkv, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, self.rotate)
-
-
-NO_ROPE = NoRope()
 
 
 def rotary_layers(config: dict[str, Any], num_layers: int) -> tuple[bool, ...]:

@@ -24,7 +24,7 @@ import os
 from typing import Any
 
 from ferrox.config import RUNNERS, EngineConfig
-from ferrox.loader.config_fields import to_int
+from ferrox.config_fields import to_int
 from ferrox.loader.errors import ModelLoadError, UnsupportedModelError
 from ferrox.loader.json_file import read_json
 from ferrox.loader.source import ModelSource

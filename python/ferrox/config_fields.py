@@ -10,7 +10,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from ferrox.loader.errors import ModelLoadError
+from ferrox.errors import ModelLoadError
 
 
 def to_int(value: Any, what: str, minimum: int = 1) -> int:
