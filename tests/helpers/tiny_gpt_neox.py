@@ -1,0 +1,31 @@
+"""Tiny random GPT-NeoX (Pythia) checkpoints written by transformers (LayerNorm weights and biases, and every
+projection bias randomised: transformers inits them at 1 and 0)."""
+
+from __future__ import annotations
+
+from tests.helpers.tiny_models import _common, _save, build_tokenizer
+
+
+def make_tiny_gpt_neox(folder, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                       intermediate_size: int = 128, rotary_pct: float = 0.25, parallel: bool = True,
+                       hidden_act: str = "gelu", seed: int = 0) -> str:
+    """Pythia's layout: parallel residual, a quarter of each 16-dim head rotating, exact GELU, untied embed_out."""
+    import torch
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    tok = build_tokenizer()
+    params = _common(tok, hidden_size, num_layers, num_heads, num_heads, intermediate_size, 2048, False)
+    params.pop("rms_norm_eps", None)
+    params.pop("num_key_value_heads", None)
+    config = GPTNeoXConfig(**params, use_parallel_residual=parallel, hidden_act=hidden_act,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
+                                            "partial_rotary_factor": rotary_pct})
+    torch.manual_seed(seed)
+    model = GPTNeoXForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "layernorm" in name or "layer_norm" in name:
+                param.uniform_(0.5, 1.5) if name.endswith("weight") else param.normal_(0.0, 0.1)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+    return _save(str(folder), model, tok, max_shard_size=None, generation=None)

@@ -1,0 +1,97 @@
+"""GPT-NeoX / Pythia (models/gpt_neox.py) against transformers on tiny random checkpoints (Pythia's layout: parallel
+residual, a quarter of each head rotating, exact GELU, biases everywhere, untied embed_out; and sequential residual,
+full rotary, tanh GELU): greedy tokens and last-prompt logits, chunked prefill and batching, the real engine with a
+16-token budget, two gloo ranks; the hub's config names (rotary_pct, rotary_emb_base) load the same model; the
+per-head q/k/v cut and the partial rotary's row order must show; hidden_act refused by name; the Triton kernel set
+under the interpreter; on a GPU, the CUDA engine."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from ferrox.errors import UnsupportedModelError
+from ferrox.loader.weights import iter_safetensors
+
+from tests.helpers import tiny_models
+from tests.helpers.config_edit import copy_with_config
+from tests.helpers.driver import run_greedy
+from tests.helpers.tiny_gpt_neox import make_tiny_gpt_neox
+from tests.models.conftest import (
+    assert_chunking_and_batching_keep_tokens,
+    assert_cuda_engine_matches_cpu,
+    assert_greedy_and_logits_match,
+    assert_outputs_match_transformers,
+    assert_tensor_parallel_matches_one_rank,
+    assert_triton_kernel_set_matches,
+    chunked_engine_outputs,
+)
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [[5, 9, 11], [100, 7, 300, 45, 2, 9, 77, 13], [4, 4, 4, 4, 8], list(range(3, 70))]
+BUILDERS = {"pythia": lambda d: make_tiny_gpt_neox(d, seed=95),
+            "sequential": lambda d: make_tiny_gpt_neox(d, parallel=False, rotary_pct=1.0, hidden_act="gelu_new",
+                                                       seed=96)}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_models.models_with_references(tmp_path_factory.mktemp("gpt_neox"), BUILDERS)
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_greedy_and_logits_match_transformers(tiny, name):
+    _, model, ref = tiny[name]
+    assert model.spec.rotary_dim == (4 if name == "pythia" else None)
+    assert_greedy_and_logits_match(model, ref, PROMPTS, [tiny_models.EOS_TOKEN_ID], label=name)
+    assert_chunking_and_batching_keep_tokens(model, PROMPTS, alone=slice(3, None))
+
+
+def test_engine_chunked_prefill_matches_transformers(tiny):
+    folder, _, ref = tiny["pythia"]
+    assert_outputs_match_transformers(ref, PROMPTS, chunked_engine_outputs(folder, PROMPTS, max_model_len=256))
+
+
+def test_tensor_parallel_engine_matches_one_rank(tiny):
+    assert_tensor_parallel_matches_one_rank(tiny["pythia"][0], PROMPTS)
+
+
+def test_hub_config_names(tiny, tmp_path):
+    """Pythia's config.json on the hub: rotary_pct and rotary_emb_base, no rope_parameters."""
+    folder, model, ref = tiny["pythia"]
+    hub = tiny_models.load_float32(copy_with_config(folder, tmp_path / "hub", rope_parameters=None, rotary_pct=0.25,
+                                                    rotary_emb_base=10_000))
+    assert hub.spec.rotary_dim == 4
+    assert_greedy_and_logits_match(hub, ref, PROMPTS[3:], [tiny_models.EOS_TOKEN_ID], label="hub")
+
+
+def test_what_must_show(tiny):
+    """The partial rotary's rows left in the checkpoint's order: the long prompt's logits move."""
+    folder, model, _ = tiny["pythia"]
+    _, expected = run_greedy(model, PROMPTS[3:], 1, return_prefill_logits=True)
+    unordered = type(model)(model.spec, torch.float32, "cpu")
+    unordered.rotary_order = None
+    unordered.load_weights(iter_safetensors(folder))
+    unordered.finalize_weights()
+    _, logits = run_greedy(unordered, PROMPTS[3:], 1, return_prefill_logits=True)
+    assert not torch.allclose(logits[0], expected[0], atol=1e-3)
+
+
+def test_other_activation_is_refused_by_name(tiny, tmp_path):
+    with pytest.raises(UnsupportedModelError, match="config.json: hidden_act 'relu'"):
+        tiny_models.load_float32(copy_with_config(tiny["pythia"][0], tmp_path / "relu", hidden_act="relu"))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernel set on CPU needs "
+                    "TRITON_INTERPRET=1")
+def test_triton_kernel_set_matches_transformers(tiny):
+    folder, _, ref = tiny["pythia"]
+    assert_triton_kernel_set_matches(folder, ref, PROMPTS[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_engine_matches_cpu(tiny):
+    assert_cuda_engine_matches_cpu(tiny["pythia"][0], PROMPTS, max_tokens=8, max_model_len=256)
