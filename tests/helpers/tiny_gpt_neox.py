@@ -1,4 +1,4 @@
-"""Tiny random GPT-NeoX (Pythia) checkpoints written by transformers (LayerNorm weights and biases, and every
+"""Tiny random GPT-NeoX (Pythia) and GPT-2 checkpoints written by transformers (LayerNorm weights and biases, and every
 projection bias randomised: transformers inits them at 1 and 0)."""
 
 from __future__ import annotations
@@ -25,6 +25,27 @@ def make_tiny_gpt_neox(folder, *, hidden_size: int = 64, num_layers: int = 2, nu
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "layernorm" in name or "layer_norm" in name:
+                param.uniform_(0.5, 1.5) if name.endswith("weight") else param.normal_(0.0, 0.1)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+    return _save(str(folder), model, tok, max_shard_size=None, generation=None)
+
+
+def make_tiny_gpt2(folder, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, n_positions: int = 256,
+                   seed: int = 0) -> str:
+    """GPT-2's layout (Conv1D weights, fused c_attn, learned positions, gelu_new, tied head), its config.json in GPT-2's
+    own names (n_embd, n_layer...)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tok = build_tokenizer()
+    config = GPT2Config(vocab_size=tok.get_vocab_size(), n_embd=hidden_size, n_layer=num_layers, n_head=num_heads,
+                        n_positions=n_positions, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(config).to(torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".ln_" in name:
                 param.uniform_(0.5, 1.5) if name.endswith("weight") else param.normal_(0.0, 0.1)
             elif name.endswith(".bias"):
                 param.normal_(0.0, 0.1)

@@ -211,6 +211,8 @@ def spec_from_hf_config(config: dict[str, Any], where: str, *, scaled_context: b
         raise ModelLoadError(f"{where}: field 'architectures' is missing (cannot tell which model class to use)")
     if config.get("model_type") == "gemma4_text":
         config = _gemma4_text(config, where)
+    if config.get("model_type") == "gpt2":
+        config = _gpt2_names(config)
 
     def need(key: str) -> int:
         if key not in config or config[key] is None:
@@ -396,6 +398,20 @@ def _check_mla_rotary(config: dict[str, Any], rope: dict[str, Any], where: str) 
             raise ModelLoadError(f"{where}: field 'partial_rotary_factor' gives {got} rotary dims of a "
                                  f"{nope + rotary}-dim query head; latent attention rotates its qk_rope_head_dim "
                                  f"{rotary}")
+
+
+# GPT-2's config.json keeps its own names (transformers' GPT2Config.attribute_map): the common ones beside them.
+_GPT2_NAMES = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+               "n_positions": "max_position_embeddings", "layer_norm_epsilon": "layer_norm_eps",
+               "activation_function": "hidden_act"}
+
+
+def _gpt2_names(config: dict[str, Any]) -> dict[str, Any]:
+    named = {common: config[own] for own, common in _GPT2_NAMES.items() if own in config and common not in config}
+    if "intermediate_size" not in config:
+        inner = config.get("n_inner")
+        named["intermediate_size"] = inner if inner else 4 * config.get("n_embd", config.get("hidden_size", 0))
+    return {**config, **named}
 
 
 def _moe_spec(config: dict[str, Any], where: str) -> MoeSpec | None:
