@@ -1,4 +1,4 @@
-"""Tiny random GPT-NeoX (Pythia) and GPT-2 checkpoints written by transformers (LayerNorm weights and biases, and every
+"""Tiny random GPT-NeoX (Pythia), GPT-2 and OPT checkpoints written by transformers (LayerNorm weights and biases, and every
 projection bias randomised: transformers inits them at 1 and 0)."""
 
 from __future__ import annotations
@@ -46,6 +46,27 @@ def make_tiny_gpt2(folder, *, hidden_size: int = 64, num_layers: int = 2, num_he
     with torch.no_grad():
         for name, param in model.named_parameters():
             if ".ln_" in name:
+                param.uniform_(0.5, 1.5) if name.endswith("weight") else param.normal_(0.0, 0.1)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+    return _save(str(folder), model, tok, max_shard_size=None, generation=None)
+
+
+def make_tiny_opt(folder, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, ffn_dim: int = 128,
+                  max_position_embeddings: int = 256, seed: int = 0) -> str:
+    """OPT's layout (opt-125m's, shrunk): pre-LayerNorm layers, ReLU MLP (fc1 / fc2), positions offset by 2, tied."""
+    import torch
+    from transformers import OPTConfig, OPTForCausalLM
+
+    tok = build_tokenizer()
+    config = OPTConfig(vocab_size=tok.get_vocab_size(), hidden_size=hidden_size, num_hidden_layers=num_layers,
+                       num_attention_heads=num_heads, ffn_dim=ffn_dim, word_embed_proj_dim=hidden_size,
+                       max_position_embeddings=max_position_embeddings, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = OPTForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "layer_norm" in name:
                 param.uniform_(0.5, 1.5) if name.endswith("weight") else param.normal_(0.0, 0.1)
             elif name.endswith(".bias"):
                 param.normal_(0.0, 0.1)

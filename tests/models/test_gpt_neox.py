@@ -1,5 +1,5 @@
-"""GPT-NeoX / Pythia (models/gpt_neox.py) and GPT-2 (models/gpt2.py: learned positions, Conv1D weights, its own
-config names) against transformers on tiny random checkpoints (Pythia's layout: parallel
+"""GPT-NeoX / Pythia (models/gpt_neox.py), GPT-2 (models/gpt2.py: learned positions, Conv1D weights, its own config
+names) and OPT (models/opt.py: positions offset by 2, ReLU MLP) against transformers on tiny random checkpoints (Pythia's layout: parallel
 residual, a quarter of each head rotating, exact GELU, biases everywhere, untied embed_out; and sequential residual,
 full rotary, tanh GELU): greedy tokens and last-prompt logits, chunked prefill and batching, the real engine with a
 16-token budget, two gloo ranks; the hub's config names (rotary_pct, rotary_emb_base) load the same model; the
@@ -18,7 +18,7 @@ from ferrox.loader.weights import iter_safetensors
 from tests.helpers import tiny_models
 from tests.helpers.config_edit import copy_with_config
 from tests.helpers.driver import run_greedy
-from tests.helpers.tiny_gpt_neox import make_tiny_gpt2, make_tiny_gpt_neox
+from tests.helpers.tiny_gpt_neox import make_tiny_gpt2, make_tiny_gpt_neox, make_tiny_opt
 from tests.models.conftest import (
     assert_chunking_and_batching_keep_tokens,
     assert_cuda_engine_matches_cpu,
@@ -35,7 +35,8 @@ PROMPTS = [[5, 9, 11], [100, 7, 300, 45, 2, 9, 77, 13], [4, 4, 4, 4, 8], list(ra
 BUILDERS = {"pythia": lambda d: make_tiny_gpt_neox(d, seed=95),
             "sequential": lambda d: make_tiny_gpt_neox(d, parallel=False, rotary_pct=1.0, hidden_act="gelu_new",
                                                        seed=96),
-            "gpt2": lambda d: make_tiny_gpt2(d, seed=97)}
+            "gpt2": lambda d: make_tiny_gpt2(d, seed=97),
+            "opt": lambda d: make_tiny_opt(d, seed=98)}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def test_greedy_and_logits_match_transformers(tiny, name):
     assert_chunking_and_batching_keep_tokens(model, PROMPTS, alone=slice(3, None))
 
 
-@pytest.mark.parametrize("name", ["pythia", "gpt2"])
+@pytest.mark.parametrize("name", ["pythia", "gpt2", "opt"])
 def test_engine_chunked_prefill_matches_transformers(tiny, name):
     folder, _, ref = tiny[name]
     assert_outputs_match_transformers(ref, PROMPTS, chunked_engine_outputs(folder, PROMPTS, max_model_len=256))
@@ -64,9 +65,11 @@ def test_tensor_parallel_engine_matches_one_rank(tiny, name):
     assert_tensor_parallel_matches_one_rank(tiny[name][0], PROMPTS)
 
 
-def test_gpt2_positions_show(tiny):
-    """GPT-2's learned positions zeroed: the long prompt's logits move (no rotary carries position there)."""
-    _, model, _ = tiny["gpt2"]
+@pytest.mark.parametrize("name", ["gpt2", "opt"])
+def test_learned_positions_show(tiny, name):
+    """The learned positions zeroed (or OPT's offset dropped): the long prompt's logits move (no rotary carries
+    position there)."""
+    _, model, _ = tiny[name]
     _, expected = run_greedy(model, PROMPTS[3:], 1, return_prefill_logits=True)
     saved = model.model.embed_positions.weight.detach().clone()
     try:
@@ -75,13 +78,25 @@ def test_gpt2_positions_show(tiny):
     finally:
         model.model.embed_positions.weight.data.copy_(saved)
     assert not torch.allclose(logits[0], expected[0], atol=1e-3)
+    if name == "opt":
+        model.model.position_offset = 0
+        try:
+            _, unshifted = run_greedy(model, PROMPTS[3:], 1, return_prefill_logits=True)
+        finally:
+            model.model.position_offset = 2
+        assert not torch.allclose(unshifted[0], expected[0], atol=1e-3)
 
 
-@pytest.mark.parametrize(("fields", "match"), [({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse"),
-                                               ({"activation_function": "relu"}, "activation_function 'relu'")])
-def test_gpt2_refusals(tiny, tmp_path, fields, match):
+@pytest.mark.parametrize(("name", "fields", "match"), [
+    ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse"),
+    ("gpt2", {"activation_function": "relu"}, "activation_function 'relu'"),
+    ("opt", {"do_layer_norm_before": False}, "do_layer_norm_before false"),
+    ("opt", {"word_embed_proj_dim": 32}, "word_embed_proj_dim 32"),
+    ("opt", {"activation_function": "gelu"}, "activation_function 'gelu'"),
+])
+def test_refusals(tiny, tmp_path, name, fields, match):
     with pytest.raises(UnsupportedModelError, match=f"config.json: {match}"):
-        tiny_models.load_float32(copy_with_config(tiny["gpt2"][0], tmp_path / "bad", **fields))
+        tiny_models.load_float32(copy_with_config(tiny[name][0], tmp_path / "bad", **fields))
 
 
 def test_hub_config_names(tiny, tmp_path):
@@ -120,6 +135,6 @@ def test_triton_kernel_set_matches_transformers(tiny, name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", ["pythia", "gpt2"])
+@pytest.mark.parametrize("name", ["pythia", "gpt2", "opt"])
 def test_cuda_engine_matches_cpu(tiny, name):
     assert_cuda_engine_matches_cpu(tiny[name][0], PROMPTS, max_tokens=8, max_model_len=256)

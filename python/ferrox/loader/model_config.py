@@ -211,8 +211,8 @@ def spec_from_hf_config(config: dict[str, Any], where: str, *, scaled_context: b
         raise ModelLoadError(f"{where}: field 'architectures' is missing (cannot tell which model class to use)")
     if config.get("model_type") == "gemma4_text":
         config = _gemma4_text(config, where)
-    if config.get("model_type") == "gpt2":
-        config = _gpt2_names(config)
+    if config.get("model_type") in _OWN_NAMES:
+        config = _common_names(config)
 
     def need(key: str) -> int:
         if key not in config or config[key] is None:
@@ -400,16 +400,21 @@ def _check_mla_rotary(config: dict[str, Any], rope: dict[str, Any], where: str) 
                                  f"{rotary}")
 
 
-# GPT-2's config.json keeps its own names (transformers' GPT2Config.attribute_map): the common ones beside them.
-_GPT2_NAMES = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
-               "n_positions": "max_position_embeddings", "layer_norm_epsilon": "layer_norm_eps",
-               "activation_function": "hidden_act"}
+# Families whose config.json keeps its own names (transformers' attribute_map of GPT2Config, OPTConfig): the common
+# ones are added beside them.
+_OWN_NAMES = {
+    "gpt2": {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+             "n_positions": "max_position_embeddings", "layer_norm_epsilon": "layer_norm_eps",
+             "activation_function": "hidden_act"},
+    "opt": {"ffn_dim": "intermediate_size", "activation_function": "hidden_act"},
+}
 
 
-def _gpt2_names(config: dict[str, Any]) -> dict[str, Any]:
-    named = {common: config[own] for own, common in _GPT2_NAMES.items() if own in config and common not in config}
-    if "intermediate_size" not in config:
-        inner = config.get("n_inner")
+def _common_names(config: dict[str, Any]) -> dict[str, Any]:
+    own = _OWN_NAMES[config["model_type"]]
+    named = {common: config[key] for key, common in own.items() if key in config and common not in config}
+    if config["model_type"] == "gpt2" and "intermediate_size" not in config:
+        inner = config.get("n_inner")  # (None: four times the width)
         named["intermediate_size"] = inner if inner else 4 * config.get("n_embd", config.get("hidden_size", 0))
     return {**config, **named}
 

@@ -41,23 +41,37 @@ _C_ATTN = re.compile(r"^(?P<prefix>.+)\.attn\.c_attn\.(?P<leaf>weight|bias)$")
 _SKIPPED = re.compile(r"\.attn\.(bias|masked_bias)$")
 
 
-class GPT2Model(PerLayerRopeStack):
+class LearnedPositionsModel(PerLayerRopeStack):
+    """Sequential LayerNorm layers with the activation `act`, learned absolute positions added to the inputs (row
+    position + `position_offset`: OPT's 2), no rotary in any layer: GPT-2's and OPT's decoder."""
+
+    position_offset = 0
+
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype,
-                 device: torch.device | str, **_: Any):
-        eps = float(spec.hf_config.get("layer_norm_epsilon", 1e-5))
+                 device: torch.device | str, *, eps: float, act: type[nn.Module] | Any, **_: Any):
         layers: list[nn.Module] = [GPTNeoXLayer(spec, backend, ops, dtype, device, window=spec.window_of(i), eps=eps,
-                                                parallel=False, approximate=_GELU[spec.hidden_act])
+                                                parallel=False, act=act())
                                    for i in range(spec.num_layers)]
         # (the rotary is only the decode path's position table here: every layer takes no rotary)
         super().__init__(spec, backend, dtype, device, layers, BiasedLayerNorm(spec.hidden_size, eps, dtype, device),
                          RotaryEmbedding.for_spec(spec, device, ops), (False,) * spec.num_layers)
-        self.embed_positions = nn.Embedding(spec.max_position_embeddings, spec.hidden_size, dtype=dtype, device=device)
+        rows = spec.max_position_embeddings + self.position_offset
+        self.embed_positions = nn.Embedding(rows, spec.hidden_size, dtype=dtype, device=device)
         self.embed_positions.weight.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: Any, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        return super().forward(input_ids, positions, kv_caches, meta, inputs_embeds=h + self.embed_positions(positions))
+        h = h + self.embed_positions(positions + self.position_offset if self.position_offset else positions)
+        return super().forward(input_ids, positions, kv_caches, meta, inputs_embeds=h)
+
+
+class GPT2Model(LearnedPositionsModel):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype,
+                 device: torch.device | str, **_: Any):
+        approximate = _GELU[spec.hidden_act]
+        super().__init__(spec, backend, ops, dtype, device, eps=float(spec.hf_config.get("layer_norm_epsilon", 1e-5)),
+                         act=lambda: nn.GELU(approximate=approximate))
 
 
 class GPT2LMHeadModel(LlamaForCausalLM):

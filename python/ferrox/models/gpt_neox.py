@@ -74,15 +74,18 @@ class BiasedLayerNorm(nn.Module):
 
 
 class GPTNeoXLayer(nn.Module):
+    """LayerNorm (with bias) before attention and before the ungated MLP (`act`), parallel or sequential residual:
+    GPT-NeoX's layer, GPT-2's and OPT's (sequential)."""
+
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype,
-                 device: torch.device | str, *, window: int, eps: float, parallel: bool, approximate: str):
+                 device: torch.device | str, *, window: int, eps: float, parallel: bool, act: nn.Module):
         super().__init__()
         self.parallel = parallel
         self.input_layernorm = BiasedLayerNorm(spec.hidden_size, eps, dtype, device)
         self.self_attn = LlamaAttention(spec, backend, ops, dtype, device, qkv_bias=spec.attention_bias,
                                         o_bias=spec.attention_bias, qk_norm=False, window=window)
         self.post_attention_layernorm = BiasedLayerNorm(spec.hidden_size, eps, dtype, device)
-        self.mlp = UngatedMLP(spec, nn.GELU(approximate=approximate), dtype, device)
+        self.mlp = UngatedMLP(spec, act, dtype, device)
 
     def forward(self, x: torch.Tensor, rope: Any, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
@@ -97,10 +100,9 @@ class GPTNeoXModel(PerLayerRopeStack):
                  device: torch.device | str, **_: Any):
         config = spec.hf_config
         eps = float(config.get("layer_norm_eps", 1e-5))
-        approximate = _GELU[spec.hidden_act]
         parallel = bool(config.get("use_parallel_residual", True))
         layers: list[nn.Module] = [GPTNeoXLayer(spec, backend, ops, dtype, device, window=spec.window_of(i), eps=eps,
-                                                parallel=parallel, approximate=approximate)
+                                                parallel=parallel, act=nn.GELU(approximate=_GELU[spec.hidden_act]))
                                    for i in range(spec.num_layers)]
         super().__init__(spec, backend, dtype, device, layers, BiasedLayerNorm(spec.hidden_size, eps, dtype, device),
                          RotaryEmbedding.for_spec(spec, device, ops))
