@@ -30,7 +30,7 @@ from tests.helpers.tiny_deepseek import make_tiny_deepseek  # noqa: E402
 from tests.helpers.tiny_ernie4_5 import make_tiny_ernie4_5, make_tiny_ernie4_5_moe  # noqa: E402
 from tests.helpers.tiny_exaone4 import make_tiny_exaone4  # noqa: E402
 from tests.helpers.tiny_glm import make_tiny_glm, make_tiny_glm4, make_tiny_glm4_moe  # noqa: E402
-from tests.helpers.tiny_gpt_neox import make_tiny_gpt2, make_tiny_gpt_neox, make_tiny_opt  # noqa: E402
+from tests.helpers.tiny_gpt_neox import make_tiny_gpt2, make_tiny_gpt_neox, make_tiny_opt, make_tiny_phi  # noqa: E402
 from tests.helpers.tiny_gpt_oss import make_tiny_gpt_oss, write_mxfp4_copy  # noqa: E402
 from tests.helpers.tiny_hunyuan import make_tiny_hunyuan, make_tiny_hunyuan_moe  # noqa: E402
 from tests.helpers.tiny_llama4 import make_tiny_llama4, make_tiny_llama4_multimodal  # noqa: E402
@@ -103,6 +103,7 @@ def families(tmp: Path) -> list[tuple[str, str, list[str]]]:
             ("pythia", make_tiny_gpt_neox(tmp / "pythia"), []),
             ("gpt2", make_tiny_gpt2(tmp / "gpt2"), ["--max-model-len", "256"]),
             ("opt", make_tiny_opt(tmp / "opt"), ["--max-model-len", "256"]),
+            ("phi-2", make_tiny_phi(tmp / "phi"), []),
             # (chunked local attention over 16-token chunks, NoPE layers, top-1 experts on the input)
             ("llama4-scout", make_tiny_llama4(tmp / "llama4"), []),
             ("llama4-maverick", make_tiny_llama4(tmp / "llama4m", interleave_moe_layer_step=2, use_qk_norm=False,

@@ -1,4 +1,4 @@
-"""Tiny random GPT-NeoX (Pythia), GPT-2 and OPT checkpoints written by transformers (LayerNorm weights and biases, and every
+"""Tiny random GPT-NeoX (Pythia), GPT-2, OPT and Phi-2 checkpoints written by transformers (LayerNorm weights and biases, and every
 projection bias randomised: transformers inits them at 1 and 0)."""
 
 from __future__ import annotations
@@ -70,4 +70,29 @@ def make_tiny_opt(folder, *, hidden_size: int = 64, num_layers: int = 2, num_hea
                 param.uniform_(0.5, 1.5) if name.endswith("weight") else param.normal_(0.0, 0.1)
             elif name.endswith(".bias"):
                 param.normal_(0.0, 0.1)
+    return _save(str(folder), model, tok, max_shard_size=None, generation=None)
+
+
+def make_tiny_phi(folder, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, intermediate_size: int = 128,
+                  seed: int = 0) -> str:
+    """Phi-2's layout: one LayerNorm a layer feeding attention and MLP in parallel, 0.4 of each 16-dim head rotating
+    (6 dims; rope theta 100, so every pair turns within the prompts), gelu_new, an LM head with a bias."""
+    import torch
+    from transformers import PhiConfig, PhiForCausalLM
+
+    tok = build_tokenizer()
+    config = PhiConfig(vocab_size=tok.get_vocab_size(), hidden_size=hidden_size, num_hidden_layers=num_layers,
+                       num_attention_heads=num_heads, intermediate_size=intermediate_size,
+                       max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                       rope_parameters={"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 0.4})
+    torch.manual_seed(seed)
+    model = PhiForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "layernorm" in name:
+                param.uniform_(0.5, 1.5) if name.endswith("weight") else param.normal_(0.0, 0.1)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.mul_(8.0)  # (sharp attention: the positions the rotary gives then decide the outputs)
     return _save(str(folder), model, tok, max_shard_size=None, generation=None)

@@ -1,5 +1,6 @@
 """GPT-NeoX / Pythia (models/gpt_neox.py), GPT-2 (models/gpt2.py: learned positions, Conv1D weights, its own config
-names) and OPT (models/opt.py: positions offset by 2, ReLU MLP) against transformers on tiny random checkpoints (Pythia's layout: parallel
+names), OPT (models/opt.py: positions offset by 2, ReLU MLP) and Phi-2 (models/phi.py: one LayerNorm, parallel block,
+partial rotary, an LM head bias) against transformers on tiny random checkpoints (Pythia's layout: parallel
 residual, a quarter of each head rotating, exact GELU, biases everywhere, untied embed_out; and sequential residual,
 full rotary, tanh GELU): greedy tokens and last-prompt logits, chunked prefill and batching, the real engine with a
 16-token budget, two gloo ranks; the hub's config names (rotary_pct, rotary_emb_base) load the same model; the
@@ -18,7 +19,7 @@ from ferrox.loader.weights import iter_safetensors
 from tests.helpers import tiny_models
 from tests.helpers.config_edit import copy_with_config
 from tests.helpers.driver import run_greedy
-from tests.helpers.tiny_gpt_neox import make_tiny_gpt2, make_tiny_gpt_neox, make_tiny_opt
+from tests.helpers.tiny_gpt_neox import make_tiny_gpt2, make_tiny_gpt_neox, make_tiny_opt, make_tiny_phi
 from tests.models.conftest import (
     assert_chunking_and_batching_keep_tokens,
     assert_cuda_engine_matches_cpu,
@@ -36,7 +37,8 @@ BUILDERS = {"pythia": lambda d: make_tiny_gpt_neox(d, seed=95),
             "sequential": lambda d: make_tiny_gpt_neox(d, parallel=False, rotary_pct=1.0, hidden_act="gelu_new",
                                                        seed=96),
             "gpt2": lambda d: make_tiny_gpt2(d, seed=97),
-            "opt": lambda d: make_tiny_opt(d, seed=98)}
+            "opt": lambda d: make_tiny_opt(d, seed=98),
+            "phi": lambda d: make_tiny_phi(d, seed=99)}
 
 
 @pytest.fixture(scope="module")
@@ -47,20 +49,20 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_greedy_and_logits_match_transformers(tiny, name):
     _, model, ref = tiny[name]
-    assert model.spec.rotary_dim == (4 if name == "pythia" else None)
+    assert model.spec.rotary_dim == {"pythia": 4, "phi": 6}.get(name)
     if name == "gpt2":
         assert model.model.rotary_layers == (False, False) and model.spec.max_position_embeddings == 256
     assert_greedy_and_logits_match(model, ref, PROMPTS, [tiny_models.EOS_TOKEN_ID], label=name)
     assert_chunking_and_batching_keep_tokens(model, PROMPTS, alone=slice(3, None))
 
 
-@pytest.mark.parametrize("name", ["pythia", "gpt2", "opt"])
+@pytest.mark.parametrize("name", ["pythia", "gpt2", "opt", "phi"])
 def test_engine_chunked_prefill_matches_transformers(tiny, name):
     folder, _, ref = tiny[name]
     assert_outputs_match_transformers(ref, PROMPTS, chunked_engine_outputs(folder, PROMPTS, max_model_len=256))
 
 
-@pytest.mark.parametrize("name", ["pythia", "gpt2"])
+@pytest.mark.parametrize("name", ["pythia", "gpt2", "phi"])
 def test_tensor_parallel_engine_matches_one_rank(tiny, name):
     assert_tensor_parallel_matches_one_rank(tiny[name][0], PROMPTS)
 
@@ -93,6 +95,7 @@ def test_learned_positions_show(tiny, name):
     ("opt", {"do_layer_norm_before": False}, "do_layer_norm_before false"),
     ("opt", {"word_embed_proj_dim": 32}, "word_embed_proj_dim 32"),
     ("opt", {"activation_function": "gelu"}, "activation_function 'gelu'"),
+    ("phi", {"qk_layernorm": True}, "qk_layernorm"),
 ])
 def test_refusals(tiny, tmp_path, name, fields, match):
     with pytest.raises(UnsupportedModelError, match=f"config.json: {match}"):
@@ -108,9 +111,10 @@ def test_hub_config_names(tiny, tmp_path):
     assert_greedy_and_logits_match(hub, ref, PROMPTS[3:], [tiny_models.EOS_TOKEN_ID], label="hub")
 
 
-def test_what_must_show(tiny):
+@pytest.mark.parametrize("name", ["pythia", "phi"])
+def test_what_must_show(tiny, name):
     """The partial rotary's rows left in the checkpoint's order: the long prompt's logits move."""
-    folder, model, _ = tiny["pythia"]
+    folder, model, _ = tiny[name]
     _, expected = run_greedy(model, PROMPTS[3:], 1, return_prefill_logits=True)
     unordered = type(model)(model.spec, torch.float32, "cpu")
     unordered.rotary_order = None
@@ -127,7 +131,7 @@ def test_other_activation_is_refused_by_name(tiny, tmp_path):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernel set on CPU needs "
                     "TRITON_INTERPRET=1")
-@pytest.mark.parametrize("name", ["pythia", "gpt2"])
+@pytest.mark.parametrize("name", ["pythia", "gpt2", "phi"])
 def test_triton_kernel_set_matches_transformers(tiny, name):
     folder, _, ref = tiny[name]
     assert_triton_kernel_set_matches(folder, ref, PROMPTS[1])
@@ -135,6 +139,6 @@ def test_triton_kernel_set_matches_transformers(tiny, name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", ["pythia", "gpt2", "opt"])
+@pytest.mark.parametrize("name", ["pythia", "gpt2", "opt", "phi"])
 def test_cuda_engine_matches_cpu(tiny, name):
     assert_cuda_engine_matches_cpu(tiny[name][0], PROMPTS, max_tokens=8, max_model_len=256)

@@ -73,6 +73,7 @@ SUPPORTED: dict[str, str] = {
     "GPTNeoXForCausalLM": "ferrox.models.gpt_neox:GPTNeoXForCausalLM",
     "GPT2LMHeadModel": "ferrox.models.gpt2:GPT2LMHeadModel",
     "OPTForCausalLM": "ferrox.models.opt:OPTForCausalLM",
+    "PhiForCausalLM": "ferrox.models.phi:PhiForCausalLM",
     "Ernie4_5ForCausalLM": "ferrox.models.ernie4_5:Ernie4_5ForCausalLM",
     "Ernie4_5_MoeForCausalLM": "ferrox.models.ernie4_5_moe:Ernie4_5_MoeForCausalLM",
     "SeedOssForCausalLM": "ferrox.models.seed_oss:SeedOssForCausalLM",
