@@ -30,7 +30,13 @@ from tests.helpers.tiny_deepseek import make_tiny_deepseek  # noqa: E402
 from tests.helpers.tiny_ernie4_5 import make_tiny_ernie4_5, make_tiny_ernie4_5_moe  # noqa: E402
 from tests.helpers.tiny_exaone4 import make_tiny_exaone4  # noqa: E402
 from tests.helpers.tiny_glm import make_tiny_glm, make_tiny_glm4, make_tiny_glm4_moe  # noqa: E402
-from tests.helpers.tiny_gpt_neox import make_tiny_gpt2, make_tiny_gpt_neox, make_tiny_opt, make_tiny_phi  # noqa: E402
+from tests.helpers.tiny_gpt_neox import (  # noqa: E402
+    make_tiny_gpt2,
+    make_tiny_gpt_neox,
+    make_tiny_opt,
+    make_tiny_phi,
+    make_tiny_starcoder2,
+)
 from tests.helpers.tiny_gpt_oss import make_tiny_gpt_oss, write_mxfp4_copy  # noqa: E402
 from tests.helpers.tiny_hunyuan import make_tiny_hunyuan, make_tiny_hunyuan_moe  # noqa: E402
 from tests.helpers.tiny_llama4 import make_tiny_llama4, make_tiny_llama4_multimodal  # noqa: E402
@@ -104,6 +110,7 @@ def families(tmp: Path) -> list[tuple[str, str, list[str]]]:
             ("gpt2", make_tiny_gpt2(tmp / "gpt2"), ["--max-model-len", "256"]),
             ("opt", make_tiny_opt(tmp / "opt"), ["--max-model-len", "256"]),
             ("phi-2", make_tiny_phi(tmp / "phi"), []),
+            ("starcoder2", make_tiny_starcoder2(tmp / "starcoder2"), []),
             # (chunked local attention over 16-token chunks, NoPE layers, top-1 experts on the input)
             ("llama4-scout", make_tiny_llama4(tmp / "llama4"), []),
             ("llama4-maverick", make_tiny_llama4(tmp / "llama4m", interleave_moe_layer_step=2, use_qk_norm=False,

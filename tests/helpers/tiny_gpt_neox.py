@@ -1,4 +1,4 @@
-"""Tiny random GPT-NeoX (Pythia), GPT-2, OPT and Phi-2 checkpoints written by transformers (LayerNorm weights and biases, and every
+"""Tiny random GPT-NeoX (Pythia), GPT-2, OPT, Phi-2 and StarCoder2 checkpoints written by transformers (LayerNorm weights and biases, and every
 projection bias randomised: transformers inits them at 1 and 0)."""
 
 from __future__ import annotations
@@ -95,4 +95,31 @@ def make_tiny_phi(folder, *, hidden_size: int = 64, num_layers: int = 2, num_hea
                 param.normal_(0.0, 0.1)
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 param.mul_(8.0)  # (sharp attention: the positions the rotary gives then decide the outputs)
+    return _save(str(folder), model, tok, max_shard_size=None, generation=None)
+
+
+def make_tiny_starcoder2(folder, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                         num_kv_heads: int = 2, intermediate_size: int = 128, sliding_window: int | None = 8,
+                         seed: int = 0) -> str:
+    """StarCoder2's layout: GQA, biased LayerNorms and projections, a GELU-tanh MLP, an 8-token sliding window (the
+    prompts cross it), tied embeddings."""
+    import torch
+    from transformers import Starcoder2Config, Starcoder2ForCausalLM
+
+    tok = build_tokenizer()
+    config = Starcoder2Config(vocab_size=tok.get_vocab_size(), hidden_size=hidden_size, num_hidden_layers=num_layers,
+                              num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                              intermediate_size=intermediate_size, max_position_embeddings=2048,
+                              sliding_window=sliding_window, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                              rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+    torch.manual_seed(seed)
+    model = Starcoder2ForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "layernorm" in name or name.startswith("model.norm"):
+                param.uniform_(0.5, 1.5) if name.endswith("weight") else param.normal_(0.0, 0.1)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.mul_(8.0)  # (sharp attention: the window and the positions decide the outputs)
     return _save(str(folder), model, tok, max_shard_size=None, generation=None)

@@ -1,6 +1,7 @@
 """GPT-NeoX / Pythia (models/gpt_neox.py), GPT-2 (models/gpt2.py: learned positions, Conv1D weights, its own config
 names), OPT (models/opt.py: positions offset by 2, ReLU MLP) and Phi-2 (models/phi.py: one LayerNorm, parallel block,
-partial rotary, an LM head bias) against transformers on tiny random checkpoints (Pythia's layout: parallel
+partial rotary, an LM head bias) and StarCoder2 (models/starcoder2.py: the same layers over GQA with a sliding window)
+against transformers on tiny random checkpoints (Pythia's layout: parallel
 residual, a quarter of each head rotating, exact GELU, biases everywhere, untied embed_out; and sequential residual,
 full rotary, tanh GELU): greedy tokens and last-prompt logits, chunked prefill and batching, the real engine with a
 16-token budget, two gloo ranks; the hub's config names (rotary_pct, rotary_emb_base) load the same model; the
@@ -19,7 +20,13 @@ from ferrox.loader.weights import iter_safetensors
 from tests.helpers import tiny_models
 from tests.helpers.config_edit import copy_with_config
 from tests.helpers.driver import run_greedy
-from tests.helpers.tiny_gpt_neox import make_tiny_gpt2, make_tiny_gpt_neox, make_tiny_opt, make_tiny_phi
+from tests.helpers.tiny_gpt_neox import (
+    make_tiny_gpt2,
+    make_tiny_gpt_neox,
+    make_tiny_opt,
+    make_tiny_phi,
+    make_tiny_starcoder2,
+)
 from tests.models.conftest import (
     assert_chunking_and_batching_keep_tokens,
     assert_cuda_engine_matches_cpu,
@@ -39,6 +46,46 @@ BUILDERS = {"pythia": lambda d: make_tiny_gpt_neox(d, seed=95),
             "gpt2": lambda d: make_tiny_gpt2(d, seed=97),
             "opt": lambda d: make_tiny_opt(d, seed=98),
             "phi": lambda d: make_tiny_phi(d, seed=99)}
+
+
+@pytest.fixture(scope="module")
+def starcoder2(tmp_path_factory):
+    """(folder, transformers model): loaded per test with its windows served (spec_for_context)."""
+    folder = make_tiny_starcoder2(tmp_path_factory.mktemp("starcoder2") / "s", seed=100)
+    return folder, transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def _served(folder: str):
+    from ferrox.loader.model_loader import load_model, load_model_spec
+    from ferrox.loader.source import resolve_model
+    from ferrox.model_spec import spec_for_context
+
+    source = resolve_model(folder)
+    return load_model(source, spec_for_context(load_model_spec(source), 256), dtype=torch.float32, device="cpu")
+
+
+def test_starcoder2_matches_transformers(starcoder2, tmp_path):
+    """Windowed GQA layers against transformers (the prompts cross the window); without the window the logits move."""
+    folder, ref = starcoder2
+    model = _served(folder)
+    assert [layer.self_attn.window for layer in model.model.layers] == [8, 8]
+    assert_greedy_and_logits_match(model, ref, PROMPTS, [tiny_models.EOS_TOKEN_ID], label="starcoder2")
+    assert_chunking_and_batching_keep_tokens(model, PROMPTS, alone=slice(3, None))
+    assert_outputs_match_transformers(ref, PROMPTS, chunked_engine_outputs(folder, PROMPTS, max_model_len=256))
+    _, expected = run_greedy(model, PROMPTS[3:], 1, return_prefill_logits=True)
+    unwindowed = _served(copy_with_config(folder, tmp_path / "full", sliding_window=None))
+    _, logits = run_greedy(unwindowed, PROMPTS[3:], 1, return_prefill_logits=True)
+    assert not torch.allclose(logits[0], expected[0], atol=1e-3)
+
+
+def test_starcoder2_tensor_parallel_matches_one_rank(starcoder2):
+    assert_tensor_parallel_matches_one_rank(starcoder2[0], PROMPTS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_starcoder2_cuda_engine_matches_cpu(starcoder2):
+    assert_cuda_engine_matches_cpu(starcoder2[0], PROMPTS, max_tokens=8, max_model_len=256)
 
 
 @pytest.fixture(scope="module")

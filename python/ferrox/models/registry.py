@@ -74,6 +74,7 @@ SUPPORTED: dict[str, str] = {
     "GPT2LMHeadModel": "ferrox.models.gpt2:GPT2LMHeadModel",
     "OPTForCausalLM": "ferrox.models.opt:OPTForCausalLM",
     "PhiForCausalLM": "ferrox.models.phi:PhiForCausalLM",
+    "Starcoder2ForCausalLM": "ferrox.models.starcoder2:Starcoder2ForCausalLM",
     "Ernie4_5ForCausalLM": "ferrox.models.ernie4_5:Ernie4_5ForCausalLM",
     "Ernie4_5_MoeForCausalLM": "ferrox.models.ernie4_5_moe:Ernie4_5_MoeForCausalLM",
     "SeedOssForCausalLM": "ferrox.models.seed_oss:SeedOssForCausalLM",
