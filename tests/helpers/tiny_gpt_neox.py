@@ -6,6 +6,21 @@ from __future__ import annotations
 from tests.helpers.tiny_models import _common, _save, build_tokenizer
 
 
+def _randomize(model, norm_marks: tuple[str, ...], sharpen_qk: bool = False) -> None:
+    """LayerNorm weights in [0.5, 1.5] and biases ~ N(0, 0.1) (transformers inits them at 1 and 0), every other bias
+    ~ N(0, 0.1); sharpen_qk: q/k projections times 8, so attention is sharp and positions decide the outputs."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if any(mark in name for mark in norm_marks):
+                param.uniform_(0.5, 1.5) if name.endswith("weight") else param.normal_(0.0, 0.1)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+            if sharpen_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.mul_(8.0)
+
+
 def make_tiny_gpt_neox(folder, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
                        intermediate_size: int = 128, rotary_pct: float = 0.25, parallel: bool = True,
                        hidden_act: str = "gelu", seed: int = 0) -> str:
@@ -22,12 +37,7 @@ def make_tiny_gpt_neox(folder, *, hidden_size: int = 64, num_layers: int = 2, nu
                                             "partial_rotary_factor": rotary_pct})
     torch.manual_seed(seed)
     model = GPTNeoXForCausalLM(config).to(torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "layernorm" in name or "layer_norm" in name:
-                param.uniform_(0.5, 1.5) if name.endswith("weight") else param.normal_(0.0, 0.1)
-            elif name.endswith(".bias"):
-                param.normal_(0.0, 0.1)
+    _randomize(model, ("layernorm", "layer_norm"))
     return _save(str(folder), model, tok, max_shard_size=None, generation=None)
 
 
@@ -43,12 +53,7 @@ def make_tiny_gpt2(folder, *, hidden_size: int = 64, num_layers: int = 2, num_he
                         n_positions=n_positions, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(config).to(torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if ".ln_" in name:
-                param.uniform_(0.5, 1.5) if name.endswith("weight") else param.normal_(0.0, 0.1)
-            elif name.endswith(".bias"):
-                param.normal_(0.0, 0.1)
+    _randomize(model, (".ln_",))
     return _save(str(folder), model, tok, max_shard_size=None, generation=None)
 
 
@@ -64,12 +69,7 @@ def make_tiny_opt(folder, *, hidden_size: int = 64, num_layers: int = 2, num_hea
                        max_position_embeddings=max_position_embeddings, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(seed)
     model = OPTForCausalLM(config).to(torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "layer_norm" in name:
-                param.uniform_(0.5, 1.5) if name.endswith("weight") else param.normal_(0.0, 0.1)
-            elif name.endswith(".bias"):
-                param.normal_(0.0, 0.1)
+    _randomize(model, ("layer_norm",))
     return _save(str(folder), model, tok, max_shard_size=None, generation=None)
 
 
@@ -87,14 +87,7 @@ def make_tiny_phi(folder, *, hidden_size: int = 64, num_layers: int = 2, num_hea
                        rope_parameters={"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 0.4})
     torch.manual_seed(seed)
     model = PhiForCausalLM(config).to(torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "layernorm" in name:
-                param.uniform_(0.5, 1.5) if name.endswith("weight") else param.normal_(0.0, 0.1)
-            elif name.endswith(".bias"):
-                param.normal_(0.0, 0.1)
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                param.mul_(8.0)  # (sharp attention: the positions the rotary gives then decide the outputs)
+    _randomize(model, ("layernorm",), sharpen_qk=True)
     return _save(str(folder), model, tok, max_shard_size=None, generation=None)
 
 
@@ -114,12 +107,5 @@ def make_tiny_starcoder2(folder, *, hidden_size: int = 64, num_layers: int = 2, 
                               rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
     torch.manual_seed(seed)
     model = Starcoder2ForCausalLM(config).to(torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "layernorm" in name or name.startswith("model.norm"):
-                param.uniform_(0.5, 1.5) if name.endswith("weight") else param.normal_(0.0, 0.1)
-            elif name.endswith(".bias"):
-                param.normal_(0.0, 0.1)
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                param.mul_(8.0)  # (sharp attention: the window and the positions decide the outputs)
+    _randomize(model, ("layernorm", "model.norm"), sharpen_qk=True)
     return _save(str(folder), model, tok, max_shard_size=None, generation=None)

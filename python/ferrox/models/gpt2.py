@@ -86,7 +86,7 @@ class GPT2LMHeadModel(LlamaForCausalLM):
                 raise UnsupportedModelError(f"config.json: {key} is not supported for GPT2LMHeadModel")
         if config.get("scale_attn_weights", True) is False:
             raise UnsupportedModelError("config.json: scale_attn_weights false is not supported for GPT2LMHeadModel")
-        if spec.hidden_act not in _GELU:
+        if spec.hidden_act not in _GELU:  # (GPT-2 names the field activation_function)
             raise UnsupportedModelError(f"config.json: activation_function {spec.hidden_act!r} is not supported for "
                                         f"GPT2LMHeadModel (one of {', '.join(_GELU)})")
         # (GPT-2 always ties its LM head; biases on every projection)

@@ -46,6 +46,14 @@ _QKV = re.compile(r"^(?P<prefix>.+)\.attention\.query_key_value\.(?P<leaf>weight
 _SKIPPED = re.compile(r"\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)$")
 
 
+def check_gelu(spec: ModelSpec) -> str:
+    """The GELU approximation the config's hidden_act names (nn.GELU's `approximate`), or UnsupportedModelError."""
+    if spec.hidden_act not in _GELU:
+        raise UnsupportedModelError(f"config.json: hidden_act {spec.hidden_act!r} is not supported for "
+                                    f"{spec.architecture} (one of {', '.join(_GELU)})")
+    return _GELU[spec.hidden_act]
+
+
 def neox_spec(spec: ModelSpec) -> ModelSpec:
     """The spec with GPT-NeoX's own names: rotary_pct and rotary_emb_base (the hub's configs), attention_bias (default
     on in transformers), use_bias for nothing else."""
@@ -115,9 +123,7 @@ class GPTNeoXForCausalLM(LlamaForCausalLM):
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
-        if spec.hidden_act not in _GELU:
-            raise UnsupportedModelError(f"config.json: hidden_act {spec.hidden_act!r} is not supported for "
-                                        f"GPTNeoXForCausalLM (one of {', '.join(_GELU)})")
+        check_gelu(spec)
         spec = neox_spec(spec)
         super().__init__(spec, dtype, device, kernels=kernels)
         self.rotary_order = (None if spec.rotary_dim is None else

@@ -24,7 +24,7 @@ from ferrox.layers.ops import DeviceOps
 from ferrox.layers.rotary import RotaryEmbedding, partial_rotary_order
 from ferrox.model_spec import ModelSpec, UnsupportedModelError
 from ferrox.models.glm4 import reorder_rotary_rows
-from ferrox.models.gpt_neox import _GELU, BiasedLayerNorm
+from ferrox.models.gpt_neox import _GELU, BiasedLayerNorm, check_gelu
 from ferrox.models.layer_stack import PerLayerRopeStack
 from ferrox.models.llama import LlamaAttention, LlamaForCausalLM
 from ferrox.models.ungated_mlp import UngatedMLP
@@ -66,9 +66,7 @@ class PhiForCausalLM(LlamaForCausalLM):
                  kernels: str | None = None):
         if spec.hf_config.get("qk_layernorm"):
             raise UnsupportedModelError("config.json: qk_layernorm is not supported for PhiForCausalLM")
-        if spec.hidden_act not in _GELU:
-            raise UnsupportedModelError(f"config.json: hidden_act {spec.hidden_act!r} is not supported for "
-                                        f"PhiForCausalLM (one of {', '.join(_GELU)})")
+        check_gelu(spec)
         spec = dataclasses.replace(spec, attention_bias=True, mlp_bias=True)
         super().__init__(spec, dtype, device, kernels=kernels)
         # (float32: added to the float32 logits, after the tensor-parallel gather)

@@ -19,8 +19,8 @@ from torch import nn
 from ferrox.attention.backend import AttentionBackend
 from ferrox.layers.ops import DeviceOps
 from ferrox.layers.rotary import RotaryEmbedding
-from ferrox.model_spec import ModelSpec, UnsupportedModelError
-from ferrox.models.gpt_neox import _GELU, BiasedLayerNorm, GPTNeoXLayer
+from ferrox.model_spec import ModelSpec
+from ferrox.models.gpt_neox import _GELU, BiasedLayerNorm, GPTNeoXLayer, check_gelu
 from ferrox.models.layer_stack import PerLayerRopeStack
 from ferrox.models.llama import LlamaForCausalLM
 
@@ -44,9 +44,7 @@ class Starcoder2ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
-        if spec.hidden_act not in _GELU:
-            raise UnsupportedModelError(f"config.json: hidden_act {spec.hidden_act!r} is not supported for "
-                                        f"Starcoder2ForCausalLM (one of {', '.join(_GELU)})")
+        check_gelu(spec)
         bias = bool(spec.hf_config.get("use_bias", True))
         super().__init__(dataclasses.replace(spec, attention_bias=bias, mlp_bias=bias), dtype, device, kernels=kernels)
 
