@@ -43,7 +43,11 @@ def _gather_states(conv_states: torch.Tensor, state_rows: torch.Tensor, has_stat
     return torch.where(has_state.view(-1, 1, 1), old, torch.zeros((), dtype=old.dtype, device=old.device))
 
 
-def _max_query_len(query_start_loc_cpu: torch.Tensor) -> int:
+def longest_query(query_start_loc_cpu: torch.Tensor, max_query_len: int | None) -> int:
+    """The step's longest query: the metadata's max_query_len when the caller has it (the layers pass it: no host
+    work per layer), else read from query_start_loc_cpu."""
+    if max_query_len is not None:
+        return max_query_len
     return int((query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]).max()) if query_start_loc_cpu.numel() > 1 else 0
 
 
@@ -51,14 +55,16 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                          conv_states: torch.Tensor, state_rows: torch.Tensor, query_start_loc: torch.Tensor,
                          query_start_loc_cpu: torch.Tensor, has_state: torch.Tensor,
                          activation: str | None = "silu", decode_only: bool = False,
-                         draft_rows: torch.Tensor | None = None, *, cuda_kernels: bool = False) -> torch.Tensor:
+                         draft_rows: torch.Tensor | None = None, *, cuda_kernels: bool = False,
+                         max_query_len: int | None = None) -> torch.Tensor:
     """y [T, C] in x's dtype for x [T, C] (requests one after another, request i owning
     x[query_start_loc[i]:query_start_loc[i+1]]), weight [C, W], bias [C] or None; conv_states [R, C, W-1]
     is updated in place at state_rows [N]; has_state [N] bool (False: ignore the row's old content).
 
     decode_only: one token per request (T == N), CUDA-graph safe (device ops only, fixed shapes; padding
     requests may repeat a row, whose result is then undefined). query_start_loc_cpu only chooses the path
-    (cuda_kernels: short queries take the kernel); the torch paths build their indices on the device.
+    (cuda_kernels: short queries take the kernel; max_query_len, when given, instead); the torch paths build their
+    indices on the device.
 
     draft_rows: [N, K] int64 pool rows, -1 for none (speculative decoding, worker/recurrent_states.py): the state
     after request i's token t (t < K, inside its query) also goes to row draft_rows[i, t], so the state after
@@ -70,7 +76,7 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         raise ValueError(f"conv_states {tuple(conv_states.shape)} must be [rows, {channels}, {width - 1}]")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r}: expected one of {ACTIVATIONS}")
-    if cuda_kernels and 2 <= width <= 4 and (decode_only or _max_query_len(query_start_loc_cpu) <= _SHORT):
+    if cuda_kernels and 2 <= width <= 4 and (decode_only or longest_query(query_start_loc_cpu, max_query_len) <= _SHORT):
         from ferrox.kernels.causal_conv_short import causal_conv_short
 
         return causal_conv_short(x, weight, bias, conv_states, state_rows, query_start_loc, has_state, activation,

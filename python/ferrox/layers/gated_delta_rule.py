@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ferrox.layers.causal_conv import longest_query
+
 logger = logging.getLogger(__name__)
 
 CHUNK_SIZE = 64
@@ -197,7 +199,7 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                             ssm_states: torch.Tensor, state_rows: torch.Tensor, query_start_loc: torch.Tensor,
                             query_start_loc_cpu: torch.Tensor, has_state: torch.Tensor, *,
                             decode_only: bool = False, cuda_kernels: bool = False,
-                            draft_rows: torch.Tensor | None = None) -> torch.Tensor:
+                            draft_rows: torch.Tensor | None = None, max_query_len: int | None = None) -> torch.Tensor:
     """o [T, Hv, Dv] in v's dtype for q/k [T, Hk, Dk], v [T, Hv, Dv], g [T, Hv] (log decay, <= 0) and beta
     [T, Hv], requests one after another (request i owns tokens query_start_loc[i]:query_start_loc[i+1]).
     Request i starts from ssm_states[state_rows[i]] ([R, Hv, Dk, Dv] pool) if has_state[i], else from
@@ -210,7 +212,10 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     draft_rows: [N, K] int64 pool rows, -1 for none (speculative decoding, worker/recurrent_states.py): the state
     after request i's token t (t < K) also goes to row draft_rows[i, t]. K < RECURRENT_MAX_LEN, so a verify query
     (1 + its drafts) runs the recurrence, which passes through every state: with cuda_kernels the one-launch kernel
-    when no query of the step is longer (a prefill chunk beside the verify queries: the torch path)."""
+    when no query of the step is longer (a prefill chunk beside the verify queries: the torch path).
+
+    max_query_len: the step's longest query (AttentionMetadata.max_query_len, which the layer passes); read from
+    query_start_loc_cpu when None."""
     if q.shape != k.shape or q.dim() != 3 or v.dim() != 3 or v.shape[0] != q.shape[0]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} must be [T, Hk, Dk] and v {tuple(v.shape)} "
                          "[T, Hv, Dv]")
@@ -226,8 +231,7 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
             raise ValueError(f"draft_rows: {draft_rows.shape[1]} drafts per request; a verify query of 1 + that many "
                              f"tokens must be at most {RECURRENT_MAX_LEN} (the recurrence)")
     # (host data: the step's query lengths; under a CUDA graph those of the captured step)
-    if cuda_kernels and (decode_only or int((query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]).max())
-                         <= RECURRENT_MAX_LEN):
+    if cuda_kernels and (decode_only or longest_query(query_start_loc_cpu, max_query_len) <= RECURRENT_MAX_LEN):
         from ferrox.kernels.gated_delta_recurrent import gated_delta_recurrent
 
         return gated_delta_recurrent(q, k, v, g.float(), beta.float(), ssm_states, state_rows, query_start_loc,
