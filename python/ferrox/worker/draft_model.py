@@ -183,9 +183,6 @@ class DraftProposer:
             self._pending.append(_Pending(slot, int(tokens[offsets[j + 1] - 1]), int(lengths[j]) - 1,
                                           np.asarray(so.block_table[row], dtype=np.int32)))
 
-    def forget(self) -> None:
-        self._pending = []
-
     @torch.inference_mode()
     def propose(self) -> dict[str, npt.NDArray[Any]]:
         """schedule()'s draft_slots / draft_token_ids / draft_offsets for the recorded requests ({} if none)."""
