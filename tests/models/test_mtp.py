@@ -118,15 +118,21 @@ def test_mtp_drafts_are_the_layers_and_keep_the_answers(mtp_models, name):
                                        speculative_config=MTP)
     _assert_same_answers(plain, spec)
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
+    _assert_drafts_are_the_layers(mtp_models[name], name, spec, proposals)
+
+
+def _assert_drafts_are_the_layers(model, name, outs, proposals, tol: float = 1e-4) -> None:
+    """Every recorded proposal is what the from-scratch reference drafts from the request's tokens up to it."""
+    folder, mtp = model
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     reference = FAMILIES[name][2](ref, mtp)
-    sequences = {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in spec}
+    sequences = {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs}
     assert len(proposals) > 20
     for rid, position, drafts in proposals:
         expected, logits = reference.drafts(sequences[rid][:position + 1], len(drafts))
         for j, (got, want) in enumerate(zip(drafts, expected, strict=True)):
             if got != want:  # (a near tie between the two is float noise, not a wrong draft)
-                assert logits[j][want] - logits[j][got] < 1e-4, (rid, position, drafts, expected)
+                assert logits[j][want] - logits[j][got] < tol, (rid, position, drafts, expected)
                 break
 
 
@@ -220,28 +226,36 @@ def test_what_mtp_cannot_do_is_refused_by_name(mtp_models, tmp_path, case):
 @pytest.mark.parametrize("name", ["qwen3_5", "glm4_moe", "deepseek_v3"])
 def test_cuda_mtp_matches_cpu(mtp_models, name):
     """The CUDA engine (fla's kernels, the fused MoE kernels, the Triton MLA kernels; CUDA graphs for the target's
-    decode and verify steps -- the hybrid's through the one-launch verify recurrence --, the MTP layer eager) drafting
-    with the MTP layer gives the CPU engine's answers (float32)."""
+    decode and verify steps -- the hybrid's through the one-launch verify recurrence --, and for the MTP layer's
+    pass and rounds, worker/mtp_graphs.py) drafting with the MTP layer gives the CPU engine's answers (float32), and
+    its drafts are the reference layer's."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     folder, _ = mtp_models[name]
     cpu, _, _ = _generate(folder, enable_prefix_caching=False)
     extra = {"mamba_block_size": 16} if name == "qwen3_5" else {}
-    verify_replays: list[int] = []
+    replays: dict[str, list[int]] = {"target verify": [], "mtp decode": [], "mtp verify": []}
 
-    def count_verify_replays(llm) -> None:
-        graphs = llm.engine.runner.graph_runner
-        assert graphs is not None and graphs.verify_graphs
-        run = graphs.run
+    def counting(run, kind):
+        def run_counted(*args):
+            meta = args[-1]
+            if kind == "mtp":
+                replays["mtp decode" if meta.decode_only else "mtp verify"].append(meta.num_reqs)
+            elif not meta.decode_only:
+                replays["target verify"].append(meta.num_reqs)
+            return run(*args)
+        return run_counted
 
-        def counting(input_ids, positions, meta):
-            if not meta.decode_only:
-                verify_replays.append(meta.num_reqs)
-            return run(input_ids, positions, meta)
+    def count_replays(llm) -> None:
+        graphs, mtp = llm.engine.runner.graph_runner, llm.engine.drafter.graphs
+        assert graphs is not None and graphs.verify_graphs and mtp is not None
+        graphs.run = counting(graphs.run, "target")
+        mtp.run = counting(mtp.run, "mtp")
 
-        graphs.run = counting
-
-    cuda, stats, _ = _generate(folder, device="cuda", speculative_config=MTP, on_engine=count_verify_replays, **extra)
+    cuda, stats, proposals = _generate(folder, device="cuda", record=True, speculative_config=MTP,
+                                       on_engine=count_replays, **extra)
     _assert_same_answers(cpu, cuda, 1e-3)
     assert stats["spec_num_accepted_tokens"] > 0
-    assert verify_replays  # (steps whose queries are all 1 + k tokens long)
+    # (the target's: steps whose queries are all 1 + k tokens; the layer's: the rounds, and passes of <= 1 + k pairs)
+    assert replays["target verify"] and replays["mtp decode"] and replays["mtp verify"], replays
+    _assert_drafts_are_the_layers(mtp_models[name], name, cuda, proposals, 1e-3)

@@ -252,6 +252,10 @@ class EngineCore:
                 logger.info("CUDA graphs captured in %.1f s: decode batches %s, piecewise token counts %s",
                             self.cuda_graph_capture_s, self.runner.decode_graph_sizes(),
                             self.runner.piecewise_graph_sizes())
+            if isinstance(self.drafter, MtpProposer) and plan.decode:
+                # The MTP layer's pass and rounds (worker/mtp_graphs.py), after the target's on every rank.
+                seconds = self.drafter.capture_cuda_graphs(decode_capture_sizes(plan, loaded.max_num_seqs))
+                logger.info("MTP layer's CUDA graphs captured in %.1f s", seconds)
         # Every kernel variant a request can reach compiles now, not inside its latency (worker/warmup.py).
         self.warmup: WarmupReport | None = None
         if self.device.type == "cuda" and isinstance(self.runner, ModelRunner):

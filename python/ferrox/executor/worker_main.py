@@ -30,6 +30,7 @@ from ferrox.distributed.step_channel import MTP_PASS, MTP_ROUNDS, RELOAD, SHUTDO
 from ferrox.gc_tuning import freeze_startup_heap
 from ferrox.lora.rank_plan import plan_from_arrays
 from ferrox.speculative_config import verify_len
+from ferrox.worker.cuda_graphs import decode_capture_sizes
 from ferrox.worker.model_forward import ModelForward, StepArrays
 from ferrox.worker.model_setup import load_everything
 from ferrox.worker.mtp_proposer import mtp_proposer
@@ -68,6 +69,8 @@ def run_worker(config: EngineConfig, rank: int, size: int, init_method: str, dev
                                         max_num_batched_tokens=loaded.max_num_batched_tokens, plan=plan)
         with use_tp_group(tp):  # (the MTP layer sharded as the model's)
             mtp = mtp_proposer(config, loaded, tp.size)
+        if mtp is not None and loaded.device.type == "cuda" and plan.decode:  # (as the driver: after the target's)
+            mtp.capture_cuda_graphs(decode_capture_sizes(plan, loaded.max_num_seqs))
         logger.info("tensor-parallel rank %d/%d ready on %s", rank, size, loaded.device)
         freeze_startup_heap()
         _step_loop(forward, StepChannel(tp), loaded.sleep_memory, loaded.reload_model, loras, mtp)

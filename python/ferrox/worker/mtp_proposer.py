@@ -38,6 +38,7 @@ from ferrox.loader.source import ModelSource
 from ferrox.loader.weights import iter_safetensors_prefixed
 from ferrox.model_spec import ModelLoadError, UnsupportedModelError
 from ferrox.worker.draft_model import _DraftStep, copy_blocks, scratch_blocks_per_request, scratch_plan
+from ferrox.worker.mtp_graphs import MtpGraphs
 from ferrox.worker.step_inputs import Uploader, attention_metadata
 
 # Quantized tensors' scale names (block FP8's, per-channel FP8's): a weight beside one is quantized.
@@ -216,6 +217,8 @@ class MtpProposer:
         self.scratch_per_req = scratch_blocks_per_request(block_size, self.k)
         shape = mtp_kv_shape(predictor.spec, num_blocks + max_num_seqs * self.scratch_per_req, block_size, tp_size)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.dtype, self.device, self.max_num_seqs = dtype, torch.device(device), max_num_seqs
+        self.graphs: MtpGraphs | None = None  # capture_cuda_graphs
         self.upload = Uploader(device)
         self._round_uploads = [Uploader(device) for _ in range(max(self.k - 1, 1))]
         # Driver: the requests that sampled and go on (propose's), and the partial prefills' deferred pairs
@@ -227,6 +230,18 @@ class MtpProposer:
         # them) of the pending requests, on the device.
         self._held: dict[int, torch.Tensor] = {}
         self._first: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def capture_cuda_graphs(self, batch_sizes: list[int] | None) -> float:
+        """The layer's decode and verify graphs (worker/mtp_graphs.py) at the target's decode batch sizes (None: the
+        ladder up to max_num_seqs); on every rank, after the target's own graphs, so the captures' collectives line
+        up under tensor parallelism. Returns the seconds taken."""
+        if batch_sizes == [] or self.device.type != "cuda":
+            return 0.0
+        self.graphs = MtpGraphs(self.predictor, self.kv_cache, num_speculative_tokens=self.k,
+                                max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+                                block_size=self.block_size, dtype=self.dtype, device=self.device,
+                                batch_sizes=batch_sizes)
+        return self.graphs.capture()
 
     def shadow(self, so: Any) -> None:
         """(A draft model's pass over the step's tokens, right after its launch; the MTP layer's waits for the
@@ -311,8 +326,7 @@ class MtpProposer:
         upload.next_step()
         meta = attention_metadata(step, upload)
         h_in = h_all.index_select(0, upload("rows", arrays["src"]))
-        out = self.predictor(upload("ids", arrays["tokens"]), upload("positions", arrays["positions"]), h_in,
-                             self.kv_cache, meta)
+        out = self._forward(upload("ids", arrays["tokens"]), upload("positions", arrays["positions"]), h_in, meta)
         if arrays["last_pairs"].size:
             o = out.index_select(0, upload("last_pairs", arrays["last_pairs"]))
             self._first = (self.predictor.compute_logits(o).argmax(dim=-1), o)
@@ -347,10 +361,18 @@ class MtpProposer:
             )
             meta = attention_metadata(step, upload)
             rows = upload("active", active.astype(np.int64))
-            out = self.predictor(last.index_select(0, rows), upload("positions", pos0[active] + j - 1),
-                                 o.index_select(0, rows), self.kv_cache, meta)
+            out = self._forward(last.index_select(0, rows), upload("positions", pos0[active] + j - 1),
+                                o.index_select(0, rows), meta)
             proposed = self.predictor.compute_logits(out).argmax(dim=-1)
             drafts[j].index_copy_(0, rows, proposed)
             last.index_copy_(0, rows, proposed)
             o.index_copy_(0, rows, out)
         return drafts
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                 meta: Any) -> torch.Tensor:
+        """The layer's output rows: a graph's replay where one fits the step, else eager. (A decode graph's output
+        is a view of its static buffer: the callers take their rows out before the next call.)"""
+        if self.graphs is not None and self.graphs.can_run(meta):
+            return self.graphs.run(input_ids, positions, hidden, meta)
+        return self.predictor(input_ids, positions, hidden, self.kv_cache, meta)
