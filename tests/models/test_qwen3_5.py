@@ -254,20 +254,35 @@ def test_cuda_engine_matches_cpu(tiny, name):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_speculative_decoding_matches_cpu(repeating):
     """n-gram drafts on CUDA (async scheduling; verify steps keeping each draft's state through the one-launch
-    recurrence, replayed as CUDA graphs when every query has all k drafts and eager otherwise; decode graphs between
-    them) against the CPU engine without drafts: greedy tokens and logprobs."""
+    recurrence, replayed as CUDA graphs whatever each request's draft count -- pad rows past a query's live tokens
+    leave its state alone, worker/cuda_graphs.py --; decode graphs between them) against the CPU engine without
+    drafts: greedy tokens and logprobs."""
     outs = {}
+    verify_steps: list[tuple[int, int]] = []  # (requests, tokens) of each verify step replayed
+
     for device, spec in (("cpu", None), ("cuda", {"method": "ngram", "num_speculative_tokens": 3,
                                                   "prompt_lookup_max": 3})):
         llm = LLM(model=repeating, dtype="float32", device=device, kv_cache_memory=32 << 20,
                   speculative_config=spec)
         try:
+            if spec:
+                graphs = llm.engine.runner.graph_runner
+                run = graphs.run
+
+                def counting(input_ids, positions, meta, run=run):
+                    if not meta.decode_only:
+                        verify_steps.append((meta.num_reqs, input_ids.shape[0]))
+                    return run(input_ids, positions, meta)
+
+                graphs.run = counting
             outs[device] = llm.generate([{"prompt_token_ids": p} for p in SPEC_PROMPTS], SPEC_PARAMS, use_tqdm=False)
             if spec:
                 assert llm.engine.stats()["spec_num_accepted_tokens"] > 0
         finally:
             llm.engine.shutdown()
     assert_same_answers(outs["cpu"], outs["cuda"], 2e-3)
+    # (queries of different lengths in one replayed step: requests with fewer than 3 drafts beside others)
+    assert any(tokens != 4 * reqs for reqs, tokens in verify_steps), verify_steps
 
 
 # ---- tensor parallelism ---------------------------------------------------------------------------

@@ -43,6 +43,10 @@ class AttentionMetadata:
     # ... and with speculative drafts, [num_reqs, K] int64 rows that keep the state after each of a request's first
     # K tokens (-1: none), so the state after the accepted drafts can be kept (worker/recurrent_states.py)
     draft_state_rows: torch.Tensor | None = None
+    # ... and in a CUDA graph's verify step, padded per request to k + 1 tokens (worker/cuda_graphs.py): int32
+    # [num_reqs] on device, the tokens of each query that are real. The rest are pad rows: they must not advance the
+    # request's recurrent state (None: every row of every query is real).
+    live_query_lens: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:

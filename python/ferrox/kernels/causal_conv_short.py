@@ -32,8 +32,9 @@ def _input_at(x_ptr, state_ptr, first, pos, offs_c, in_c, has_old, stride_xt, HI
 
 @triton.jit
 def _causal_conv_short_kernel(x_ptr, w_ptr, b_ptr, y_ptr, states_ptr, rows_ptr, has_state_ptr, qsl_ptr, drafts_ptr,
-                              num_drafts, channels, stride_xt, stride_yt, stride_sr,
-                              W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BC: tl.constexpr):
+                              live_ptr, num_drafts, channels, stride_xt, stride_yt, stride_sr,
+                              W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BC: tl.constexpr,
+                              HAS_LIVE: tl.constexpr):
     HIST: tl.constexpr = W - 1
     i = tl.program_id(0)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -44,6 +45,12 @@ def _causal_conv_short_kernel(x_ptr, w_ptr, b_ptr, y_ptr, states_ptr, rows_ptr, 
     start = tl.load(qsl_ptr + i)
     length = tl.load(qsl_ptr + i + 1) - start
     first = start.to(tl.int64)
+    if HAS_LIVE:  # a padded query: the rows past its live tokens are zeros and leave the state alone
+        pad = length
+        length = tl.minimum(length, tl.load(live_ptr + i))
+        for j in range(length, pad):
+            tl.store(y_ptr + (first + j) * stride_yt + offs_c, tl.zeros([BC], tl.float32).to(y_ptr.dtype.element_ty),
+                     mask=in_c)
     home = states_ptr + row * stride_sr
     bias = tl.zeros([BC], dtype=tl.float32)
     if HAS_BIAS:
@@ -84,10 +91,12 @@ def _causal_conv_short_kernel(x_ptr, w_ptr, b_ptr, y_ptr, states_ptr, rows_ptr, 
 
 def causal_conv_short(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_states: torch.Tensor,
                       state_rows: torch.Tensor, query_start_loc: torch.Tensor, has_state: torch.Tensor,
-                      activation: str | None, draft_rows: torch.Tensor | None = None) -> torch.Tensor:
+                      activation: str | None, draft_rows: torch.Tensor | None = None,
+                      live_lens: torch.Tensor | None = None) -> torch.Tensor:
     """y [T, C] in x's dtype; the arguments are causal_conv1d_varlen's (layers/causal_conv.py): x [T, C], weight
     [C, W] (W <= 4), conv_states [R, C, W-1] updated in place at state_rows [N] (from zeros where has_state is
-    False), draft_rows [N, K] int64 (-1: none). Queries run token by token: for short ones."""
+    False), draft_rows [N, K] int64 (-1: none), live_lens [N] int32 (None: whole queries; else request i's state goes
+    through its first live_lens[i] tokens, its later rows get zeros). Queries run token by token: for short ones."""
     channels, width = weight.shape
     if not 2 <= width <= 4:
         raise ValueError(f"conv width {width}: the one-launch kernel keeps 1 to 3 inputs of history")
@@ -102,6 +111,7 @@ def causal_conv_short(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     grid = (num_reqs, triton.cdiv(channels, BLOCK_C))
     _causal_conv_short_kernel[grid](
         x, weight, bias if bias is not None else weight, y, conv_states, state_rows, has_state.view(torch.uint8),
-        query_start_loc, drafts_arg, num_drafts, channels, x.stride(0), y.stride(0), conv_states.stride(0),
-        W=width, HAS_BIAS=bias is not None, SILU=activation in ("silu", "swish"), BC=BLOCK_C, num_warps=4)
+        query_start_loc, drafts_arg, live_lens if live_lens is not None else state_rows, num_drafts, channels,
+        x.stride(0), y.stride(0), conv_states.stride(0), W=width, HAS_BIAS=bias is not None,
+        SILU=activation in ("silu", "swish"), BC=BLOCK_C, HAS_LIVE=live_lens is not None, num_warps=4)
     return y

@@ -26,10 +26,11 @@ BLOCK_V = 32
 
 @triton.jit
 def _gated_delta_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, states_ptr, rows_ptr, has_state_ptr,
-                                  qsl_ptr, drafts_ptr, num_drafts, group, scale, eps,
+                                  qsl_ptr, drafts_ptr, live_ptr, num_drafts, group, scale, eps,
                                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt,
                                   stride_bt, stride_ot, stride_oh, stride_sr, stride_sh,
-                                  DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                                  DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                                  HAS_LIVE: tl.constexpr):
     i = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // group  # the key head serving value head h
@@ -47,7 +48,13 @@ def _gated_delta_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, s
     # A fresh request ignores its row's old content (tl.where, not a multiply: a recycled row may hold NaN).
     state = tl.where(tl.load(has_state_ptr + i) != 0, state, 0.0)
     first = start.to(tl.int64)
-    for j in range(0, end - start):
+    live = end - start
+    if HAS_LIVE:  # a padded query: the rows past its live tokens are zeros and leave the state alone
+        live = tl.minimum(live, tl.load(live_ptr + i))
+        for j in range(live, end - start):
+            tl.store(o_ptr + (first + j) * stride_ot + h * stride_oh + offs_v, tl.zeros([BV], tl.float32).to(
+                o_ptr.dtype.element_ty), mask=in_v)
+    for j in range(0, live):
         tok = first + j
         q = tl.load(q_ptr + tok * stride_qt + hk * stride_qh + offs_k, mask=in_k, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + tok * stride_kt + hk * stride_kh + offs_k, mask=in_k, other=0.0).to(tl.float32)
@@ -71,12 +78,14 @@ def _gated_delta_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, s
 
 def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                           ssm_states: torch.Tensor, state_rows: torch.Tensor, query_start_loc: torch.Tensor,
-                          has_state: torch.Tensor, draft_rows: torch.Tensor | None = None) -> torch.Tensor:
+                          has_state: torch.Tensor, draft_rows: torch.Tensor | None = None,
+                          live_lens: torch.Tensor | None = None) -> torch.Tensor:
     """o [T, Hv, Dv] in v's dtype; the arguments are gated_delta_rule_varlen's (layers/gated_delta_rule.py): q / k
     [T, Hk, Dk] raw, v [T, Hv, Dv], g / beta [T, Hv], ssm_states [R, Hv, Dk, Dv] updated in place at state_rows [N]
     (from zeros where has_state [N] is False), query_start_loc [N + 1] int32; draft_rows [N, K] int64 (-1: none):
-    the state after request i's token t < K also goes to row draft_rows[i, t]. Every query runs token by token, so
-    this is for short ones (verify steps, decodes)."""
+    the state after request i's token t < K also goes to row draft_rows[i, t]; live_lens [N] int32 (None: whole
+    queries): request i's state goes through its first live_lens[i] tokens only, its later rows (a CUDA graph's
+    padding) get zero outputs. Every query runs token by token, so this is for short ones (verify steps, decodes)."""
     tokens, key_heads, dk = q.shape
     value_heads, dv = v.shape[1], v.shape[2]
     if any(t.stride(-1) != 1 for t in (q, k, v)) or g.stride(-1) != 1 or beta.stride(-1) != 1:
@@ -94,8 +103,8 @@ def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     grid = (num_reqs, value_heads, triton.cdiv(dv, block_v))
     _gated_delta_recurrent_kernel[grid](
         q, k, v, g, beta, o, ssm_states, state_rows, has_state.view(torch.uint8), query_start_loc, drafts_arg,
-        num_drafts, value_heads // key_heads, dk ** -0.5, 1e-6,
+        live_lens if live_lens is not None else state_rows, num_drafts, value_heads // key_heads, dk ** -0.5, 1e-6,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         o.stride(0), o.stride(1), ssm_states.stride(0), ssm_states.stride(1),
-        DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=block_v, num_warps=4)
+        DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=block_v, HAS_LIVE=live_lens is not None, num_warps=4)
     return o

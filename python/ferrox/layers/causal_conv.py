@@ -56,7 +56,7 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                          query_start_loc_cpu: torch.Tensor, has_state: torch.Tensor,
                          activation: str | None = "silu", decode_only: bool = False,
                          draft_rows: torch.Tensor | None = None, *, cuda_kernels: bool = False,
-                         max_query_len: int | None = None) -> torch.Tensor:
+                         max_query_len: int | None = None, live_lens: torch.Tensor | None = None) -> torch.Tensor:
     """y [T, C] in x's dtype for x [T, C] (requests one after another, request i owning
     x[query_start_loc[i]:query_start_loc[i+1]]), weight [C, W], bias [C] or None; conv_states [R, C, W-1]
     is updated in place at state_rows [N]; has_state [N] bool (False: ignore the row's old content).
@@ -68,7 +68,11 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
     draft_rows: [N, K] int64 pool rows, -1 for none (speculative decoding, worker/recurrent_states.py): the state
     after request i's token t (t < K, inside its query) also goes to row draft_rows[i, t], so the state after
-    however many drafts are accepted can be kept. Not with decode_only."""
+    however many drafts are accepted can be kept. Not with decode_only.
+
+    live_lens: [N] int32 (AttentionMetadata.live_query_lens: a CUDA graph's verify step padded per request), or None:
+    request i's state goes through its first live_lens[i] tokens only; its later rows are padding, with zero outputs
+    and no draft states. Not with decode_only."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[0]:
         raise ValueError(f"x {tuple(x.shape)} must be [T, C] and weight {tuple(weight.shape)} [C, W]")
     channels, width = weight.shape
@@ -80,7 +84,9 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         from ferrox.kernels.causal_conv_short import causal_conv_short
 
         return causal_conv_short(x, weight, bias, conv_states, state_rows, query_start_loc, has_state, activation,
-                                 draft_rows)
+                                 draft_rows, live_lens)
+    if live_lens is not None and decode_only:
+        raise ValueError("live_lens: a decode step has no padded queries")
     w = weight.float()
     b = bias.float() if bias is not None else None
     states = _gather_states(conv_states, state_rows, has_state)  # [N, C, W-1]
@@ -118,8 +124,10 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     for tap in range(width):
         y += ext.index_select(0, token_pos - hist + tap) * w[:, tap]
 
-    # The segment of request i ends at ends[i] + (i+1)*(W-1); its last W-1 positions are the new state.
-    new_pos = (ends + req_ids * hist).unsqueeze(1) + offsets  # [N, W-1]
+    # The segment of request i ends at ends[i] + (i+1)*(W-1); its last W-1 positions are the new state (a padded
+    # query's segment, for the state, ends after its live tokens).
+    live_ends = ends if live_lens is None else torch.minimum(ends, starts + live_lens.long())
+    new_pos = (live_ends + req_ids * hist).unsqueeze(1) + offsets  # [N, W-1]
     new_states = ext.index_select(0, new_pos.reshape(-1)).view(num_reqs, hist, channels).transpose(1, 2)
     conv_states.index_copy_(0, state_rows.long(), new_states.to(conv_states.dtype))
     if draft_rows is not None:
@@ -131,5 +139,11 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         # The state after token j: the W-1 positions of the extended sequence ending at it.
         pos = (token_pos.index_select(0, tok) - hist + 1).unsqueeze(1) + offsets  # [N * K, W-1]
         after = ext.index_select(0, pos.reshape(-1)).view(-1, hist, channels).transpose(1, 2)
-        conv_states.index_copy_(0, draft_rows.reshape(-1).clamp(min=0), after.to(conv_states.dtype))
-    return _activate(y, activation).to(x.dtype)
+        rows = draft_rows.reshape(-1)
+        if live_lens is not None:  # (a pad token's "draft" goes to scratch row 0 too)
+            rows = torch.where(tok < live_ends.index_select(0, req), rows, -1)
+        conv_states.index_copy_(0, rows.clamp(min=0), after.to(conv_states.dtype))
+    y = _activate(y, activation)
+    if live_lens is not None:
+        y = torch.where((token_ids < live_ends.index_select(0, token_req.clamp(max=num_reqs - 1))).unsqueeze(1), y, 0.0)
+    return y.to(x.dtype)

@@ -172,7 +172,7 @@ class GatedDeltaNet(nn.Module):
         mixed = self.ops.causal_conv1d(mixed, self.conv1d.weight, None, self.conv_states, rows, meta.query_start_loc,
                                        meta.query_start_loc_cpu, has_state, activation="silu",
                                        decode_only=meta.decode_only, draft_rows=meta.draft_state_rows,
-                                       max_query_len=meta.max_query_len)
+                                       max_query_len=meta.max_query_len, live_lens=meta.live_query_lens)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         beta = torch.sigmoid(b.float())
         g = -torch.exp(self.A_log) * F.softplus(a.float() + self.dt_bias)
@@ -181,6 +181,6 @@ class GatedDeltaNet(nn.Module):
                                     v.reshape(t, self.num_v_heads, self.head_v_dim), g, beta, self.ssm_states, rows,
                                     meta.query_start_loc, meta.query_start_loc_cpu, has_state,
                                     decode_only=meta.decode_only, draft_rows=meta.draft_state_rows,
-                                    max_query_len=meta.max_query_len)
+                                    max_query_len=meta.max_query_len, live_lens=meta.live_query_lens)
         o = self.norm(o, z.reshape(t, self.num_v_heads, self.head_v_dim))
         return self.out_proj(o.reshape(t, self.value_dim))

@@ -120,8 +120,11 @@ def chunked_delta_rule(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 def gated_delta_rule_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            ssm_states: torch.Tensor, state_rows: torch.Tensor, query_start_loc: torch.Tensor,
                            query_start_loc_cpu: torch.Tensor, has_state: torch.Tensor, *,
-                           decode_only: bool = False, draft_rows: torch.Tensor | None = None) -> torch.Tensor:
+                           decode_only: bool = False, draft_rows: torch.Tensor | None = None,
+                           live_lens: torch.Tensor | None = None) -> torch.Tensor:
     """The torch path of gated_delta_rule_varlen (same arguments), on any device."""
+    if live_lens is not None and decode_only:
+        raise ValueError("live_lens: a decode step has no padded queries")
     qn, kn = _prepare_qk(q, k, v.shape[1])
     vf, gf, bf = v.float(), g.float(), beta.float()
     states = _initial_states(ssm_states, state_rows, has_state)
@@ -137,6 +140,8 @@ def gated_delta_rule_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     by_length: dict[int, list[int]] = {}
     for i, n in enumerate(lengths):
         if n > RECURRENT_MAX_LEN:
+            if live_lens is not None:
+                raise ValueError(f"live_lens: a query of {n} tokens; padded queries are at most {RECURRENT_MAX_LEN}")
             span = slice(bounds[i], bounds[i + 1])
             out[span], states[i] = chunked_delta_rule(states[i], qn[span], kn[span], vf[span], gf[span], bf[span])
         elif n > 0:
@@ -151,13 +156,21 @@ def gated_delta_rule_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
             first = torch.tensor([bounds[i] for i in reqs], device=q.device)
         state = states.index_select(0, req_idx)
         drafts = draft_rows.index_select(0, req_idx) if draft_rows is not None else None
+        live = live_lens.index_select(0, req_idx) if live_lens is not None else None
         for t in range(n):
             tok = first + t
-            o, state = recurrent_step(state, *(x.index_select(0, tok) for x in (qn, kn, vf, gf, bf)))
+            o, stepped = recurrent_step(state, *(x.index_select(0, tok) for x in (qn, kn, vf, gf, bf)))
+            if live is None:
+                state = stepped
+            else:  # (a pad row: a zero output, the state as it was)
+                keep = (live > t).view(-1, 1, 1, 1)
+                state = torch.where(keep, stepped, state)
+                o = torch.where(keep[..., 0], o, 0.0)
             out.index_copy_(0, tok, o)
             if drafts is not None and t < drafts.shape[1]:
                 # (-1, no draft here: written to scratch row 0 instead, which no request reads -- no host sync)
-                ssm_states.index_copy_(0, drafts[:, t].clamp(min=0), state.to(ssm_states.dtype))
+                row = drafts[:, t] if live is None else torch.where(live > t, drafts[:, t], -1)
+                ssm_states.index_copy_(0, row.clamp(min=0), state.to(ssm_states.dtype))
         states.index_copy_(0, req_idx, state)
     ssm_states.index_copy_(0, rows, states.to(ssm_states.dtype))
     return out.to(v.dtype)
@@ -199,7 +212,8 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                             ssm_states: torch.Tensor, state_rows: torch.Tensor, query_start_loc: torch.Tensor,
                             query_start_loc_cpu: torch.Tensor, has_state: torch.Tensor, *,
                             decode_only: bool = False, cuda_kernels: bool = False,
-                            draft_rows: torch.Tensor | None = None, max_query_len: int | None = None) -> torch.Tensor:
+                            draft_rows: torch.Tensor | None = None, max_query_len: int | None = None,
+                            live_lens: torch.Tensor | None = None) -> torch.Tensor:
     """o [T, Hv, Dv] in v's dtype for q/k [T, Hk, Dk], v [T, Hv, Dv], g [T, Hv] (log decay, <= 0) and beta
     [T, Hv], requests one after another (request i owns tokens query_start_loc[i]:query_start_loc[i+1]).
     Request i starts from ssm_states[state_rows[i]] ([R, Hv, Dk, Dv] pool) if has_state[i], else from
@@ -215,7 +229,11 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     when no query of the step is longer (a prefill chunk beside the verify queries: the torch path).
 
     max_query_len: the step's longest query (AttentionMetadata.max_query_len, which the layer passes); read from
-    query_start_loc_cpu when None."""
+    query_start_loc_cpu when None.
+
+    live_lens: [N] int32 (AttentionMetadata.live_query_lens: a CUDA graph's verify step padded per request), or None:
+    request i's state goes through its first live_lens[i] tokens only; its later rows are padding, with zero outputs
+    and no draft states. Short queries only (the recurrence)."""
     if q.shape != k.shape or q.dim() != 3 or v.dim() != 3 or v.shape[0] != q.shape[0]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} must be [T, Hk, Dk] and v {tuple(v.shape)} "
                          "[T, Hv, Dv]")
@@ -235,11 +253,11 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         from ferrox.kernels.gated_delta_recurrent import gated_delta_recurrent
 
         return gated_delta_recurrent(q, k, v, g.float(), beta.float(), ssm_states, state_rows, query_start_loc,
-                                     has_state, draft_rows)
-    if cuda_kernels and draft_rows is None and min(q.shape[2], v.shape[2]) >= 16:
+                                     has_state, draft_rows, live_lens)
+    if cuda_kernels and draft_rows is None and live_lens is None and min(q.shape[2], v.shape[2]) >= 16:
         chunk_op = _fla_chunk_op()
         if chunk_op is not None:
             return _gated_delta_rule_fla(chunk_op, q, k, v, g, beta, ssm_states, state_rows, query_start_loc,
                                          query_start_loc_cpu, has_state)
     return gated_delta_rule_torch(q, k, v, g, beta, ssm_states, state_rows, query_start_loc, query_start_loc_cpu,
-                                  has_state, decode_only=decode_only, draft_rows=draft_rows)
+                                  has_state, decode_only=decode_only, draft_rows=draft_rows, live_lens=live_lens)

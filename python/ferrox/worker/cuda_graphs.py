@@ -33,11 +33,12 @@ Per-token state kept outside these buffers in step order must follow the padding
 `verify_row_hooks` (LoRA's token slots, lora/slots.py TokenSlots.relayout) are called with the
 token -> row map after each verify step is staged.
 
-A hybrid model's verify steps (worker/recurrent_states.py) replay the same graphs only when every
-request's query is exactly verify_len tokens (MTP's steady state: k drafts each): a pad row would
-advance a request's recurrent state past its last real token. The step's state rows and draft-state
-rows go to static buffers too (padding requests: scratch row 0 and no draft rows); steps with
-shorter queries run eagerly.
+A hybrid model's verify steps (worker/recurrent_states.py) replay the same graphs, with each request's
+real query length in a static buffer the graph's metadata carries (AttentionMetadata.live_query_lens):
+the recurrent layers' kernels stop a request's state at its last real token, so its pad rows (zero
+outputs) do not advance it -- queries with fewer drafts than k (n-gram's usual case) replay too. The
+step's state rows and draft-state rows go to static buffers as well (padding requests: scratch row 0,
+no draft rows, no live tokens).
 """
 
 from __future__ import annotations
@@ -189,6 +190,8 @@ class CudaGraphRunner:
         self.state_rows = torch.zeros(n, dtype=torch.int32, device=device)
         # ... and where a verify step keeps the state after each of a query's first k tokens (-1: nowhere)
         self.draft_state_rows = torch.full((n, max(self.verify_len - 1, 0)), -1, dtype=torch.int64, device=device)
+        # ... and each request's real query length in a verify step (the rest of its rows are padding)
+        self.live_query_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._rows: torch.Tensor | None = None  # the last verify step's token -> static row map
@@ -209,6 +212,7 @@ class CudaGraphRunner:
             block_table=self.block_table[:n],
             state_rows=self.state_rows[:n] if self.recurrent else None,
             draft_state_rows=self.draft_state_rows[:n] if self.recurrent and query_len > 1 else None,
+            live_query_lens=self.live_query_lens[:n] if self.recurrent and query_len > 1 else None,
         )
 
     def stage(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> int:
@@ -262,8 +266,8 @@ class CudaGraphRunner:
         self.block_table[:batch, :width].copy_(meta.block_table, non_blocking=True)
         self.block_table[:batch, width:].zero_()  # pad positions past the request's blocks read block 0
         if self.recurrent:
-            if tokens != batch * q:
-                raise RuntimeError("verify graphs: a hybrid model's queries must all be verify_len tokens (can_run)")
+            self.live_query_lens[:batch].copy_(lens, non_blocking=True)
+            self.live_query_lens[batch:padded].zero_()
             self._stage_state_rows(meta.state_rows, batch, padded)
             drafts = self.draft_state_rows
             if meta.draft_state_rows is not None:
@@ -338,11 +342,8 @@ class CudaGraphRunner:
         fits = meta.max_seq_len <= self.max_model_len and meta.block_table.shape[1] <= self.block_table.shape[1]
         if meta.decode_only:
             return bool(self.graphs) and meta.num_reqs <= self.max_batch and fits
-        if not (self.verify_graphs and meta.max_query_len <= self.verify_len and meta.num_reqs <= self.verify_sizes[-1]
-                and fits):
-            return False
-        # (host data: the step's query lengths, no device read)
-        return not self.recurrent or int(meta.query_start_loc_cpu[meta.num_reqs]) == meta.num_reqs * self.verify_len
+        return bool(self.verify_graphs and meta.max_query_len <= self.verify_len
+                    and meta.num_reqs <= self.verify_sizes[-1] and fits)
 
     def padded_size(self, batch: int) -> int:
         return next_captured_size(self.batch_sizes, batch, "a batch of")
