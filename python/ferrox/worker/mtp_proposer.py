@@ -237,6 +237,8 @@ class MtpProposer:
         up under tensor parallelism. Returns the seconds taken."""
         if batch_sizes == [] or self.device.type != "cuda":
             return 0.0
+        if not getattr(self.predictor.target, "supports_cuda_graphs", True):
+            return 0.0  # (an attention backend that plans steps on the host, as the target's: eager, as the target)
         self.graphs = MtpGraphs(self.predictor, self.kv_cache, num_speculative_tokens=self.k,
                                 max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
                                 block_size=self.block_size, dtype=self.dtype, device=self.device,
