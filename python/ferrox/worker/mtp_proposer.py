@@ -24,6 +24,7 @@ way); a multimodal prompt's image positions give the layer the placeholder token
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,8 @@ from ferrox.model_spec import ModelLoadError, UnsupportedModelError
 from ferrox.worker.draft_model import _DraftStep, copy_blocks, scratch_blocks_per_request, scratch_plan
 from ferrox.worker.mtp_graphs import MtpGraphs
 from ferrox.worker.step_inputs import Uploader, attention_metadata
+
+logger = logging.getLogger(__name__)
 
 # Quantized tensors' scale names (block FP8's, per-channel FP8's): a weight beside one is quantized.
 _SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
@@ -217,7 +220,7 @@ class MtpProposer:
         self.scratch_per_req = scratch_blocks_per_request(block_size, self.k)
         shape = mtp_kv_shape(predictor.spec, num_blocks + max_num_seqs * self.scratch_per_req, block_size, tp_size)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.dtype, self.device, self.max_num_seqs = dtype, torch.device(device), max_num_seqs
+        self.dtype, self.device, self.max_num_seqs, self.tp_size = dtype, torch.device(device), max_num_seqs, tp_size
         self.graphs: MtpGraphs | None = None  # capture_cuda_graphs
         self.upload = Uploader(device)
         self._round_uploads = [Uploader(device) for _ in range(max(self.k - 1, 1))]
@@ -239,11 +242,19 @@ class MtpProposer:
             return 0.0
         if not getattr(self.predictor.target, "supports_cuda_graphs", True):
             return 0.0  # (an attention backend that plans steps on the host, as the target's: eager, as the target)
-        self.graphs = MtpGraphs(self.predictor, self.kv_cache, num_speculative_tokens=self.k,
-                                max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
-                                block_size=self.block_size, dtype=self.dtype, device=self.device,
-                                batch_sizes=batch_sizes)
-        return self.graphs.capture()
+        try:
+            graphs = MtpGraphs(self.predictor, self.kv_cache, num_speculative_tokens=self.k,
+                               max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+                               block_size=self.block_size, dtype=self.dtype, device=self.device,
+                               batch_sizes=batch_sizes)
+            seconds = graphs.capture()
+        except Exception:
+            if self.tp_size > 1:
+                raise  # the other ranks would wait in a collective this rank never joins
+            logger.exception("the MTP layer's CUDA graph capture failed; its passes and rounds run eagerly")
+            return 0.0
+        self.graphs = graphs
+        return seconds
 
     def shadow(self, so: Any) -> None:
         """(A draft model's pass over the step's tokens, right after its launch; the MTP layer's waits for the
