@@ -74,9 +74,9 @@ def make_tiny_opt(folder, *, hidden_size: int = 64, num_layers: int = 2, num_hea
 
 
 def make_tiny_phi(folder, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, intermediate_size: int = 128,
-                  seed: int = 0) -> str:
+                  rope_theta: float = 100.0, seed: int = 0) -> str:
     """Phi-2's layout: one LayerNorm a layer feeding attention and MLP in parallel, 0.4 of each 16-dim head rotating
-    (6 dims; rope theta 100, so every pair turns within the prompts), gelu_new, an LM head with a bias."""
+    (6 dims; rope theta 100 by default, so every pair turns within the prompts), gelu_new, an LM head with a bias."""
     import torch
     from transformers import PhiConfig, PhiForCausalLM
 
@@ -84,7 +84,7 @@ def make_tiny_phi(folder, *, hidden_size: int = 64, num_layers: int = 2, num_hea
     config = PhiConfig(vocab_size=tok.get_vocab_size(), hidden_size=hidden_size, num_hidden_layers=num_layers,
                        num_attention_heads=num_heads, intermediate_size=intermediate_size,
                        max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                       rope_parameters={"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 0.4})
+                       rope_parameters={"rope_type": "default", "rope_theta": rope_theta, "partial_rotary_factor": 0.4})
     torch.manual_seed(seed)
     model = PhiForCausalLM(config).to(torch.float32)
     _randomize(model, ("layernorm",), sharpen_qk=True)

@@ -679,18 +679,7 @@ def export_gguf(folder, path, *, tensor_type: str = "F32", rope_freqs: list[floa
         for (layer_index, stack), by_expert in experts.items():
             tensors[f"__stack__.{layer_index}.{stack}"] = np.stack([by_expert[e] for e in sorted(by_expert)])
     w.add_vocab_size(cfg["vocab_size"])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
-    vocab = tok_json["model"]["vocab"]
-    tokens = sorted(vocab, key=vocab.get)
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
-    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok_json["model"]["merges"]])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(EOS_TOKEN_ID)
-    w.add_pad_token_id(0)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHATML_TEMPLATE)
+    write_gguf_vocab(w, tok_json)
     qtype = gguf.GGMLQuantizationType[tensor_type]
     for hf_name, arr in tensors.items():
         if hf_name in names:
@@ -725,6 +714,23 @@ def export_gguf(folder, path, *, tensor_type: str = "F32", rope_freqs: list[floa
     w.write_tensors_to_file()
     w.close()
     return str(path)
+
+
+def write_gguf_vocab(w, tok_json: dict[str, Any]) -> None:
+    """The tiny folders' tokenizer.json as a "gpt2" (byte-level BPE) GGUF vocabulary, with their special ids and
+    chat template, as llama.cpp's converter writes one."""
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    vocab = tok_json["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok_json["model"]["merges"]])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(EOS_TOKEN_ID)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML_TEMPLATE)
 
 
 def random_kquant_blocks(tensor_type: str, rows: int, cols: int, *, seed: int = 0):

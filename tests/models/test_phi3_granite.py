@@ -131,10 +131,10 @@ def test_unsupported_configs_are_refused_by_name(tiny, tmp_path, name, fields, m
         LLM(model=folder, kv_cache_memory=8 << 20, max_model_len=64)
 
 
-@pytest.mark.parametrize("arch", ["gemma", "phi2"])
+@pytest.mark.parametrize("arch", ["gemma", "falcon"])
 def test_gguf_files_of_unmapped_architectures_are_refused_by_name(tmp_path, arch):
     """Families ferrox does not run are refused naming the file's architecture (phi3 and granite files
-    load: test_gguf_models.py)."""
+    load: test_gguf_models.py; phi2 and the others of loader/gguf_families.py: test_gguf_families.py)."""
     gguf = pytest.importorskip("gguf")
     path = str(tmp_path / f"tiny-{arch}.gguf")
     writer = gguf.GGUFWriter(path, arch)

@@ -4,6 +4,8 @@ The `gguf` package does the byte-level work (memory-mapped GGUFReader, numpy deq
 This module adds what ferrox needs on top: errors that name the file, llama.cpp -> Hugging Face
 tensor names, and undoing the converter's Q/K row permutation for llama-family models. With
 `keep_quantized`, 2-D block-quantized tensors stay in their blocks (layers/quant QuantizedTensor).
+The families read back as their own Hugging Face checkpoints (OLMo 2, Cohere, GPT-2, ...) have their
+names, layouts and config in gguf_families.py.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ferrox.loader.errors import ModelLoadError, UnsupportedModelError
+from ferrox.loader.gguf_families import CONFIG_TENSOR, GGUF_FAMILIES, hf_tensors
 
 # general.architecture -> the Hugging Face `architectures` entry ferrox runs it as.
 GGUF_ARCHITECTURES = {
@@ -29,11 +32,13 @@ GGUF_ARCHITECTURES = {
     "granite": "GraniteForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    **{arch: family.architecture for arch, family in GGUF_FAMILIES.items()},
 }
 
 # llama.cpp's converter permutes the rows of attn_q / attn_k for these architectures so that its
 # rotary kernel can use the interleaved (GPT-J) pair layout; HF models use rotate_half (NeoX) pairs.
-_PERMUTED_QK_ARCHS = {"llama", "mistral", "granite"}  # (llama.cpp's Granite converter is its Llama one)
+# (llama.cpp's Granite and Arcee converters are its Llama one)
+_PERMUTED_QK_ARCHS = {"llama", "mistral", "granite", "arcee"}
 
 # Per-layer tensor names: llama.cpp suffix -> Hugging Face suffix under model.layers.N.
 _LAYER_NAMES = {
@@ -190,12 +195,13 @@ class GGUFFile:
     def iter_hf_tensors(self, n_heads: int, n_kv_heads: int, *,
                         keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
         """(HF name, float32 array) for every tensor HF models have, Q/K rows un-permuted.
-        keep_quantized: 2-D block-quantized tensors come as QuantizedTensor (raw blocks) instead."""
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-
+        keep_quantized: 2-D block-quantized tensors come as QuantizedTensor (raw blocks) instead (not for
+        the gguf_families.py families, whose models take float weights only: the loader never asks)."""
         self.check_quant_types()
         permuted = self.architecture in _PERMUTED_QK_ARCHS
+        if self.architecture in GGUF_FAMILIES:
+            yield from self._family_tensors(n_heads, n_kv_heads, permuted)
+            return
         for t in self.reader.tensors:
             name = hf_tensor_name(t.name, self.architecture)
             if name is None:
@@ -203,21 +209,9 @@ class GGUFFile:
             if keep_quantized and is_block_quantized(t):
                 yield name, self._quantized(t, n_heads, n_kv_heads, permuted)
                 continue
-            try:
-                arr = dequantize(t.data, GGMLQuantizationType(t.tensor_type))
-            except Exception as e:
-                raise ModelLoadError(
-                    f"cannot read tensor {t.name!r} of GGUF file {self.path}: {type(e).__name__}: {e}"
-                ) from e
-            # GGML lists dims fastest-first; the numpy array is already row-major [rows, cols].
-            expected = tuple(int(d) for d in reversed(t.shape.tolist()))
-            if tuple(arr.shape) != expected:
-                arr = arr.reshape(expected)
+            arr = self._floats(t)
             if permuted:
                 arr = self._unpermute(t.name, arr, n_heads, n_kv_heads)
-            arr = np.ascontiguousarray(arr, dtype=np.float32)
-            if not arr.flags.writeable:  # F32/F16 tensors can be views of the read-only memory map
-                arr = arr.copy()
             if "{e}" in name:  # a stack of experts
                 if arr.ndim != 3:
                     raise ModelLoadError(f"GGUF file {self.path}: tensor {t.name!r} has shape {arr.shape}, "
@@ -231,6 +225,40 @@ class GGUFFile:
                 arr = arr - np.float32(1.0)
             yield name, arr
 
+    def _family_tensors(self, n_heads: int, n_kv_heads: int, permuted: bool) -> Iterator[tuple[str, np.ndarray]]:
+        """A gguf_families.py file's tensors as its Hugging Face checkpoint's, dequantized."""
+        family = GGUF_FAMILIES[self.architecture]
+        for t in self.reader.tensors:
+            name = family.hf_name(t.name)
+            if name is None:
+                raise UnsupportedModelError(f"GGUF file {self.path}: tensor {t.name!r} is not supported for "
+                                            f"{self.architecture} files")
+            if name == CONFIG_TENSOR:
+                continue
+            arr = self._floats(t)
+            if permuted:
+                arr = self._unpermute(t.name, arr, n_heads, n_kv_heads)
+            yield from hf_tensors(family, name, arr, n_heads, n_kv_heads, f"GGUF file {self.path}")
+
+    def _floats(self, t: Any) -> np.ndarray:
+        """Tensor `t` dequantized: float32, row-major [rows, cols] (or its 1-D / 3-D shape), writeable."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        try:
+            arr = dequantize(t.data, GGMLQuantizationType(t.tensor_type))
+        except Exception as e:
+            raise ModelLoadError(
+                f"cannot read tensor {t.name!r} of GGUF file {self.path}: {type(e).__name__}: {e}"
+            ) from e
+        # GGML lists dims fastest-first; the numpy array is already row-major [rows, cols].
+        expected = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if tuple(arr.shape) != expected:
+            arr = arr.reshape(expected)
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if not arr.flags.writeable:  # F32/F16 tensors can be views of the read-only memory map
+            arr = arr.copy()
+        return arr
 
     def _unpermute(self, name: str, w: np.ndarray, n_heads: int, n_kv_heads: int) -> np.ndarray:
         """unpermute_qk for attn_q / attn_k (other tensors pass through), once the head count is

@@ -451,6 +451,7 @@ def _moe_spec(config: dict[str, Any], where: str) -> MoeSpec | None:
 
 def hf_config_from_gguf(gguf: Any) -> dict[str, Any]:
     """The config.json a GGUF file stands for (keys named as transformers names them)."""
+    from ferrox.loader.gguf_families import GGUF_FAMILIES, check_file, family_config
     from ferrox.loader.gguf_file import GGUF_ARCHITECTURES
 
     arch = gguf.architecture
@@ -459,6 +460,9 @@ def hf_config_from_gguf(gguf: Any) -> dict[str, Any]:
             f"GGUF file {gguf.path}: architecture {arch!r} is not supported "
             f"(supported: {', '.join(sorted(GGUF_ARCHITECTURES))})"
         )
+    family = GGUF_FAMILIES.get(arch)
+    if family is not None:
+        check_file(gguf, family)  # (before anything below reads a key or tensor the family does not honour)
 
     def what(key: str) -> str:
         return f"GGUF file {gguf.path}: metadata {key}"
@@ -480,8 +484,10 @@ def hf_config_from_gguf(gguf: Any) -> dict[str, Any]:
     meta = gguf.metadata
     heads = integer("attention.head_count")
     hidden = integer("embedding_length")
-    # A Phi-3 file's rope.dimension_count is its rotary part (Phi-4-mini: 96 of 128), not the head.
-    dim_keys = ("attention.key_length",) if arch == "phi3" else ("attention.key_length", "rope.dimension_count")
+    # A Phi-3 file's rope.dimension_count is its rotary part (Phi-4-mini: 96 of 128), not the head; so is a
+    # gguf_families.py family's (Phi-2, GPT-NeoX, GLM-4), which checks it against the head.
+    dim_keys = (("attention.key_length",) if arch == "phi3" or family is not None
+                else ("attention.key_length", "rope.dimension_count"))
     dim_key = next((k for k in dim_keys if gguf.arch_key(k)), None)
     if dim_key is None and hidden < heads:
         raise ModelLoadError(f"{what(f'{arch}.attention.head_count')} {heads} is larger than "
@@ -511,6 +517,8 @@ def hf_config_from_gguf(gguf: Any) -> dict[str, Any]:
         "attention_bias": "blk.0.attn_output.bias" in gguf.tensor_names,
         "torch_dtype": _gguf_dtype(gguf),
     }
+    if family is not None:
+        config.update(family_config(gguf, family, config))
     if arch in ("qwen2", "qwen2moe"):
         config["attention_bias"] = False  # qkv bias is implied by the architecture; o_proj has none
     if gguf.arch_key("expert_count"):

@@ -1,7 +1,7 @@
 """Arcee AFM (arcee-ai/AFM-4.5B: ArceeForCausalLM), as transformers' Arcee defines it: Llama's layers with an ungated
 ReLU-squared MLP (`hidden_act` "relu2": down_proj(relu(up_proj(x))^2), models/ungated_mlp.py). Decoding takes the
 general path (the fused one-token kernels run SiLU-gated MLPs). Tensor parallelism comes with Llama's projections.
-Refused by name: another hidden_act, GGUF files."""
+Refused by name: another hidden_act. GGUF files load dequantized (loader/gguf_families.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class ArceeModel(LlamaModel):
 
 class ArceeForCausalLM(LlamaForCausalLM):
     model_class = ArceeModel
-    supports_quantized_gguf = False  # (no GGUF mapping: loader/gguf_file.py)
+    supports_quantized_gguf = False  # (a GGUF file loads dequantized: loader/gguf_families.py)
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):

@@ -10,7 +10,8 @@ CohereForCausalLM), as transformers' Cohere defines it; Command R7B / Command A 
 
 Decoding takes the general path (the fused one-token kernels run pre-norm RMSNorm layers). Tensor parallelism comes
 with Llama's projections, except with `use_qk_norm` (its per-head weights are not sharded yet: refused by name). A
-checkpoint quantization_config and LoRA (the permuted q/k rows), GGUF files: refused by name.
+checkpoint quantization_config and LoRA (the permuted q/k rows): refused by name. GGUF files (llama.cpp's
+"command-r", "cohere2") load dequantized: loader/gguf_families.py.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def _flat_qk_norms(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, An
 
 class CohereForCausalLM(InterleavedRotaryRows, LlamaForCausalLM):
     model_class: type[CohereModel] = CohereModel
-    supports_quantized_gguf = False  # (no GGUF mapping: loader/gguf_file.py)
+    supports_quantized_gguf = False  # (a GGUF file loads dequantized: loader/gguf_families.py)
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):

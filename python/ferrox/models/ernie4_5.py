@@ -7,7 +7,8 @@ decoder with two differences --
   kernel rotates whole heads as for Llama; q . k is unchanged by the same permutation of both.
 
 Every Llama device path follows (fused one-token kernels, tensor parallelism, quantization at load). Refused by
-name: a checkpoint quantization_config and LoRA (the permuted q/k rows: models/glm4.py), GGUF files (no mapping).
+name: a checkpoint quantization_config and LoRA (the permuted q/k rows: models/glm4.py). GGUF files load
+dequantized (loader/gguf_families.py).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def ernie_spec(spec: ModelSpec) -> ModelSpec:
 
 
 class Ernie4_5ForCausalLM(InterleavedRotaryRows, LlamaForCausalLM):
-    supports_quantized_gguf = False  # (no GGUF mapping: loader/gguf_file.py)
+    supports_quantized_gguf = False  # (a GGUF file loads dequantized: loader/gguf_families.py)
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):

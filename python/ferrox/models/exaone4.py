@@ -10,7 +10,8 @@
 
 The rotary choice follows the layer kinds, not the served windows: a window at least as long as the context
 changes the mask (none), not which layers rotate. Decoding takes the general path (post-norm layers are not the
-fused one-token kernels' shape). Refused by name: tensor parallelism (not yet tested here), GGUF files.
+fused one-token kernels' shape). Refused by name: tensor parallelism (not yet tested here).
+GGUF files load dequantized (loader/gguf_families.py).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class Exaone4Model(PerLayerRopeStack):
 class Exaone4ForCausalLM(LlamaForCausalLM):
     model_class = Exaone4Model
     supports_tensor_parallel = False  # (per-head norms would shard; not yet tested under tensor parallelism)
-    supports_quantized_gguf = False  # (no GGUF mapping: loader/gguf_file.py)
+    supports_quantized_gguf = False  # (a GGUF file loads dequantized: loader/gguf_families.py)
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):

@@ -19,7 +19,8 @@ four-norm layer is not the pre-norm shape the fused one-token kernels run (as Ge
 parallelism comes with the Llama layers. Refused by name: a checkpoint `quantization_config` (the q/k rows
 are permuted at load, which packed or row-scaled tensors do not allow; `quantization="fp8"` quantizes
 the loaded weights instead), hidden_act other than silu, and LoRA (an adapter's q_proj / k_proj rows
-would need the same permutation, which lora/ does not apply).
+would need the same permutation, which lora/ does not apply). GLM-4-0414's GGUF files (llama.cpp's "glm4") load
+dequantized (loader/gguf_families.py).
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ class Glm4Model(ResidualLayerStack):
 class Glm4ForCausalLM(LlamaForCausalLM):
     model_class: type[nn.Module] = Glm4Model
     reorders_partial_rotary = True
-    supports_quantized_gguf = False  # (no GGUF mapping: loader/gguf_file.py)
+    supports_quantized_gguf = False  # (a GGUF file loads dequantized: loader/gguf_families.py)
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):

@@ -7,10 +7,10 @@ the classic baseline of research batch generation.
 - checkpoints store Conv1D weights [in, out] (transposed here) and a fused c_attn whose columns are [q | k | v], cut
   at load; biases everywhere;
 - an ungated MLP c_fc -> GELU (`activation_function`, "gelu_new" in the releases) -> c_proj;
-- the LM head tied to the token embedding.
+- the LM head tied to the token embedding (unless config.json's tie_word_embeddings is false: lm_head.weight).
 
 Refused by name: `scale_attn_by_inverse_layer_idx` and `reorder_and_upcast_attn` (scores scaled per layer),
-`scale_attn_weights` false, another activation, GGUF files.
+`scale_attn_weights` false, another activation. GGUF files load through loader/gguf_families.py (dequantized).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class GPT2Model(LearnedPositionsModel):
 
 class GPT2LMHeadModel(LlamaForCausalLM):
     model_class = GPT2Model
-    supports_quantized_gguf = False  # (no GGUF mapping: loader/gguf_file.py)
+    supports_quantized_gguf = False  # (a GGUF file loads dequantized: loader/gguf_families.py)
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
@@ -89,8 +89,10 @@ class GPT2LMHeadModel(LlamaForCausalLM):
         if spec.hidden_act not in _GELU:  # (GPT-2 names the field activation_function)
             raise UnsupportedModelError(f"config.json: activation_function {spec.hidden_act!r} is not supported for "
                                         f"GPT2LMHeadModel (one of {', '.join(_GELU)})")
-        # (GPT-2 always ties its LM head; biases on every projection)
-        spec = dataclasses.replace(spec, tie_word_embeddings=True, attention_bias=True, mlp_bias=True)
+        # (the LM head is the embedding unless the config unties it, as transformers' GPT2Config says: default true;
+        # a GGUF file with its own output.weight; biases on every projection)
+        tie = bool(config.get("tie_word_embeddings", True))
+        spec = dataclasses.replace(spec, tie_word_embeddings=tie, attention_bias=True, mlp_bias=True)
         super().__init__(spec, dtype, device, kernels=kernels)
 
     def _hf_names(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:

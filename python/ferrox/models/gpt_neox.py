@@ -13,7 +13,7 @@ behind the Pythia suite researchers run batch generation with.
 - untied `embed_out` as the LM head (tied when tie_word_embeddings says so).
 
 Decoding takes the general path. Tensor parallelism comes with Llama's projections. Refused by name: another
-hidden_act, GGUF files.
+hidden_act. GGUF files load dequantized (loader/gguf_families.py).
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ class GPTNeoXModel(PerLayerRopeStack):
 class GPTNeoXForCausalLM(LlamaForCausalLM):
     model_class = GPTNeoXModel
     reorders_partial_rotary = True
-    supports_quantized_gguf = False  # (no GGUF mapping: loader/gguf_file.py)
+    supports_quantized_gguf = False  # (a GGUF file loads dequantized: loader/gguf_families.py)
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):

@@ -17,7 +17,8 @@ not written), config.json `sliding_window` (transformers' Olmo2 never applies on
 config attribute of that name regardless of use_sliding_window, which no released checkpoint has),
 `clip_qkv` for OLMo 2 (its transformers class ignores it), `mlp_bias` (the MLPs carry no bias in
 transformers), and, for OLMoE, a head_dim other than hidden_size / num_attention_heads (its q_norm has
-hidden_size weights). No GGUF mapping (loader/gguf_file.py refuses the architectures by name).
+hidden_size weights). OLMo 2's GGUF files (llama.cpp's "olmo2") load dequantized (loader/gguf_families.py);
+OLMoE's are refused by name.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ class Olmo2Model(ResidualLayerStack):
 class Olmo2ForCausalLM(LlamaForCausalLM):
     model_class = Olmo2Model
     supports_tensor_parallel = False  # the full-width q/k norms' variance would span ranks
-    supports_quantized_gguf = False  # (no GGUF mapping: loader/gguf_file.py)
+    supports_quantized_gguf = False  # (a GGUF file loads dequantized: loader/gguf_families.py)
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):

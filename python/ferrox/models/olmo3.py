@@ -83,7 +83,7 @@ class Olmo3Model(PerLayerRopeStack):
 class Olmo3ForCausalLM(LlamaForCausalLM):
     model_class = Olmo3Model
     supports_tensor_parallel = False  # the full-width q/k norms' variance would span ranks
-    supports_quantized_gguf = False  # (no GGUF mapping: loader/gguf_file.py)
+    supports_quantized_gguf = False  # (no GGUF mapping: loader/gguf_families.py refuses OLMo 3 files by name)
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):

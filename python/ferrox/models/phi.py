@@ -7,7 +7,7 @@
 - a final LayerNorm and an LM head with a bias (added to the gathered logits).
 
 Decoding takes the general path. Tensor parallelism comes with Llama's projections. Refused by name: `qk_layernorm`,
-another hidden_act, GGUF files.
+another hidden_act. GGUF files (llama.cpp's "phi2") load dequantized (loader/gguf_families.py).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class PhiModel(PerLayerRopeStack):
 class PhiForCausalLM(LlamaForCausalLM):
     model_class = PhiModel
     reorders_partial_rotary = True
-    supports_quantized_gguf = False  # (no GGUF mapping: loader/gguf_file.py)
+    supports_quantized_gguf = False  # (a GGUF file loads dequantized: loader/gguf_families.py)
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):

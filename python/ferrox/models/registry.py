@@ -11,7 +11,9 @@ Adding a model:
      model" has the rest.
   2. Register it below under its config.json `architectures` name.
   3. For GGUF files, map `general.architecture` in loader/gguf_file.py (GGUF_ARCHITECTURES) and say
-     whether llama.cpp permuted its Q/K rows (_PERMUTED_QK_ARCHS).
+     whether llama.cpp permuted its Q/K rows (_PERMUTED_QK_ARCHS); a family whose models take float
+     weights only is read back as its Hugging Face checkpoint in loader/gguf_families.py (names, the
+     converter's layout edits undone, config keys), tested through tests/helpers/llama_cpp_export.py.
   4. Test it against transformers on a tiny random checkpoint (tests/helpers/tiny_models.py).
 """
 

@@ -4,7 +4,7 @@ whole-head rotary and a sliding window where config.json sets one; q/k/v/o and t
 c_proj) carry biases when `use_bias` (default on); the LM head tied to the embedding in the releases.
 
 Decoding takes the general path. Tensor parallelism comes with Llama's projections. Refused by name: another
-hidden_act, GGUF files.
+hidden_act. GGUF files load dequantized (loader/gguf_families.py).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Starcoder2Model(PerLayerRopeStack):
 
 class Starcoder2ForCausalLM(LlamaForCausalLM):
     model_class = Starcoder2Model
-    supports_quantized_gguf = False  # (no GGUF mapping: loader/gguf_file.py)
+    supports_quantized_gguf = False  # (a GGUF file loads dequantized: loader/gguf_families.py)
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
