@@ -82,18 +82,23 @@ class MtpReference:
             module = copy.deepcopy(inner.norm)
             module.weight.data.copy_(mtp[f"{self.prefix}{norm}.weight"])
             self.norms[norm] = module
-        self.fc = mtp[f"{self.prefix}{self.fc_name}.weight"]
+        # (the reference runs where `ref` is: on a GPU box, its transformers may run hybrid layers on CUDA only)
+        self.device = next(ref.parameters()).device
+        self.layer.to(self.device)
+        for module in self.norms.values():
+            module.to(self.device)
+        self.fc = mtp[f"{self.prefix}{self.fc_name}.weight"].to(self.device)
         self.mrope = inner.config.model_type.startswith("qwen3_5")
 
     @torch.no_grad()
     def _layer(self, hidden: torch.Tensor, tokens: list[int]) -> torch.Tensor:
-        inner = self.ref.model
-        e = self.norms["pre_fc_norm_embedding"](inner.embed_tokens(torch.tensor(tokens)))
+        inner, dev = self.ref.model, self.device
+        e = self.norms["pre_fc_norm_embedding"](inner.embed_tokens(torch.tensor(tokens, device=dev)))
         x = torch.cat([e, self.norms["pre_fc_norm_hidden"](hidden)], dim=-1) @ self.fc.t()
         n = x.shape[0]
-        pos = torch.arange(n)[None]
+        pos = torch.arange(n, device=dev)[None]
         rotary = inner.rotary_emb(x[None], pos[None].expand(3, 1, n) if self.mrope else pos)
-        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        mask = torch.full((n, n), float("-inf"), device=dev).triu(1)[None, None]
         out = self.layer(x[None], position_embeddings=rotary, attention_mask=mask, position_ids=pos)
         out = out[0] if isinstance(out, tuple) else out
         return self.norms["norm"](out[0])
@@ -104,7 +109,7 @@ class MtpReference:
     @torch.no_grad()
     def drafts(self, seq: list[int], k: int) -> tuple[list[int], list[torch.Tensor]]:
         """The k drafts after `seq` (its last token just sampled), and the logits each came from."""
-        hidden = self.ref.model(input_ids=torch.tensor([seq[:-1]])).last_hidden_state[0]
+        hidden = self.ref.model(input_ids=torch.tensor([seq[:-1]], device=self.device)).last_hidden_state[0]
         tokens = list(seq[1:])
         drafts, logits = [], []
         for _ in range(k):
@@ -156,13 +161,13 @@ class DeepseekLayoutMtpReference(MtpReference):
 
     @torch.no_grad()
     def _layer(self, hidden: torch.Tensor, tokens: list[int]) -> torch.Tensor:
-        inner = self.ref.model
-        e = inner.embed_tokens(torch.tensor(tokens))
+        inner, dev = self.ref.model, self.device
+        e = inner.embed_tokens(torch.tensor(tokens, device=dev))
         e[0] = 0.0  # (the pair at position 0)
         x = torch.cat([self.norms["enorm"](e), self.norms["hnorm"](hidden)], dim=-1) @ self.fc.t()
         n = x.shape[0]
-        pos = torch.arange(n)[None]
-        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        pos = torch.arange(n, device=dev)[None]
+        mask = torch.full((n, n), float("-inf"), device=dev).triu(1)[None, None]
         out = self.layer(x[None], position_embeddings=inner.rotary_emb(x[None], pos), attention_mask=mask,
                          position_ids=pos)
         return (out[0] if isinstance(out, tuple) else out)[0]
