@@ -11,6 +11,15 @@ import torch
 from ferrox.kernels.causal_conv_short import causal_conv_short
 from ferrox.layers.causal_conv import causal_conv1d_varlen
 
+from tests.helpers.padded_queries import (
+    DRAFT_ROWS,
+    HAS_STATE,
+    LENGTHS,
+    STATE_ROWS,
+    assert_stops_at_live_tokens,
+    pad_queries,
+)
+
 ROWS = 16  # request rows 1-7, draft rows 8-15
 
 
@@ -66,47 +75,33 @@ def test_decode_and_no_activation(kernel_device, seed):
     torch.testing.assert_close(pool.cpu(), ref_pool, rtol=1e-5, atol=1e-5)
 
 
+
 @pytest.mark.parametrize("path", ["kernel", "torch"])
 def test_padded_queries_stop_at_their_live_tokens(kernel_device, seed, path):
     """A verify step padded per request to 4 rows (worker/cuda_graphs.py) with live_lens: the real rows' outputs,
     the new states (the last inputs before the padding, a query shorter than the history keeping part of its old
     state) and the draft states are the unpadded step's; pad rows are zeros and write no draft state."""
     channels, width, q_width = 20, 4, 4
-    lengths = [3, 1, 4, 2]
-    rows = torch.tensor([3, 1, 6, 2], dtype=torch.int32)
-    has_state = torch.tensor([True, True, False, True])
-    draft_rows = torch.tensor([[8, 9, -1], [-1, 15, -1], [10, 11, 12], [13, 14, -1]])  # (15: past request 1's query)
-    x = torch.randn(sum(lengths), channels)
+    x = torch.randn(sum(LENGTHS), channels)
     weight, b = torch.randn(channels, width) * 0.5, torch.randn(channels) * 0.1
     pool = torch.randn(ROWS, channels, width - 1)
     pool[6] = float("nan")
     pool[8:] = float("nan")
-    loc = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0).to(torch.int32)
+    loc = torch.tensor([0, *LENGTHS], dtype=torch.int32).cumsum(0).to(torch.int32)
     ref_pool = pool.clone()
-    ref = causal_conv1d_varlen(x, weight, b, ref_pool, rows, loc, loc, has_state, activation="silu",
-                               draft_rows=draft_rows)
-
-    parts, start = [], 0
-    for n in lengths:  # (pad rows hold noise, as a CUDA graph's may)
-        parts += [x[start:start + n], torch.randn(q_width - n, channels) * 5]
-        start += n
-    xp = torch.cat(parts)
-    padded_loc = torch.arange(len(lengths) + 1, dtype=torch.int32) * q_width
-    live = torch.tensor(lengths, dtype=torch.int32)
+    ref = causal_conv1d_varlen(x, weight, b, ref_pool, STATE_ROWS, loc, loc, HAS_STATE, activation="silu",
+                               draft_rows=DRAFT_ROWS)
+    xp = pad_queries(x, LENGTHS, q_width)
+    padded_loc = torch.arange(len(LENGTHS) + 1, dtype=torch.int32) * q_width
+    live = torch.tensor(LENGTHS, dtype=torch.int32)
     if path == "kernel":
         dev = kernel_device
         got_pool = pool.to(dev)
-        y = causal_conv_short(xp.to(dev), weight.to(dev), b.to(dev), got_pool, rows.to(dev), padded_loc.to(dev),
-                              has_state.to(dev), "silu", draft_rows.to(dev), live.to(dev)).cpu()
+        y = causal_conv_short(xp.to(dev), weight.to(dev), b.to(dev), got_pool, STATE_ROWS.to(dev), padded_loc.to(dev),
+                              HAS_STATE.to(dev), "silu", DRAFT_ROWS.to(dev), live.to(dev)).cpu()
         got_pool = got_pool.cpu()
     else:
         got_pool = pool.clone()
-        y = causal_conv1d_varlen(xp, weight, b, got_pool, rows, padded_loc, padded_loc, has_state, activation="silu",
-                                 draft_rows=draft_rows, live_lens=live)
-    real = torch.cat([torch.arange(n) + i * q_width for i, n in enumerate(lengths)])
-    pad = torch.tensor([r for r in range(len(lengths) * q_width) if r not in set(real.tolist())])
-    torch.testing.assert_close(y[real], ref, rtol=1e-5, atol=1e-5)
-    assert torch.equal(y[pad], torch.zeros_like(y[pad]))
-    written = [1, 2, 3, 6, 8, 9, 10, 11, 12, 13, 14]
-    torch.testing.assert_close(got_pool[written], ref_pool[written], rtol=1e-5, atol=1e-5)
-    assert got_pool[15].isnan().all()  # (the draft row of a pad token)
+        y = causal_conv1d_varlen(xp, weight, b, got_pool, STATE_ROWS, padded_loc, padded_loc, HAS_STATE,
+                                 activation="silu", draft_rows=DRAFT_ROWS, live_lens=live)
+    assert_stops_at_live_tokens(y, ref, got_pool, ref_pool, q_width, rtol=1e-5, atol=1e-5)

@@ -12,6 +12,15 @@ import torch.nn.functional as F
 from ferrox.kernels.gated_delta_recurrent import gated_delta_recurrent
 from ferrox.layers.gated_delta_rule import gated_delta_rule_torch
 
+from tests.helpers.padded_queries import (
+    DRAFT_ROWS,
+    HAS_STATE,
+    LENGTHS,
+    STATE_ROWS,
+    assert_stops_at_live_tokens,
+    pad_queries,
+)
+
 HK, HV = 2, 4
 ROWS = 16  # request rows 1-7, draft rows 8-15
 
@@ -73,50 +82,32 @@ def test_decode_without_drafts(kernel_device, seed):
     torch.testing.assert_close(pool.cpu(), ref_pool, rtol=1e-4, atol=1e-5)
 
 
-def _padded(t: torch.Tensor, lengths: list[int], width: int) -> torch.Tensor:
-    """t's queries each padded to `width` rows with noise (a CUDA graph's pad rows hold whatever was there)."""
-    parts, start = [], 0
-    for n in lengths:
-        noise = torch.randn((width - n, *t.shape[1:])).to(t.device, t.dtype) * 5
-        parts += [t[start:start + n], noise]
-        start += n
-    return torch.cat(parts)
-
 
 @pytest.mark.parametrize("path", ["kernel", "torch"])
 def test_padded_queries_stop_at_their_live_tokens(kernel_device, seed, path):
     """A verify step padded per request to 4 rows (worker/cuda_graphs.py) with live_lens: the real rows' outputs,
     the final states and the draft states are the unpadded step's; pad rows are zeros and write no draft state."""
     dk, dv, width = 16, 24, 4
-    lengths = [3, 1, 4, 2]
-    rows = torch.tensor([3, 1, 6, 2], dtype=torch.int32)
-    has_state = torch.tensor([True, True, False, True])
-    draft_rows = torch.tensor([[8, 9, -1], [-1, 15, -1], [10, 11, 12], [13, 14, -1]])  # (15: past request 1's query)
-    q, k, v, g, beta = (t.cpu() for t in _inputs(lengths, dk, dv, torch.float32, torch.device("cpu")))
+    q, k, v, g, beta = _inputs(LENGTHS, dk, dv, torch.float32, torch.device("cpu"))
     pool = torch.randn(ROWS, HV, dk, dv) * 0.3
     pool[6] = float("nan")
     pool[8:] = float("nan")
-    loc = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0).to(torch.int32)
+    loc = torch.tensor([0, *LENGTHS], dtype=torch.int32).cumsum(0).to(torch.int32)
     ref_pool = pool.clone()
-    ref = gated_delta_rule_torch(q, k, v, g, beta, ref_pool, rows.long(), loc, loc, has_state, draft_rows=draft_rows)
-
-    padded = [_padded(t, lengths, width) for t in (q, k, v, g.abs().neg(), beta)]  # (g: a log decay, <= 0)
-    padded_loc = torch.arange(len(lengths) + 1, dtype=torch.int32) * width
-    live = torch.tensor(lengths, dtype=torch.int32)
+    ref = gated_delta_rule_torch(q, k, v, g, beta, ref_pool, STATE_ROWS.long(), loc, loc, HAS_STATE,
+                                 draft_rows=DRAFT_ROWS)
+    padded = [pad_queries(t, LENGTHS, width) for t in (q, k, v, g, beta)]
+    padded[3] = -padded[3].abs()  # (g is a log decay, <= 0, in the pad rows too)
+    padded_loc = torch.arange(len(LENGTHS) + 1, dtype=torch.int32) * width
+    live = torch.tensor(LENGTHS, dtype=torch.int32)
     if path == "kernel":
         dev = kernel_device
         got_pool = pool.to(dev)
-        out = gated_delta_recurrent(*(t.to(dev) for t in padded), got_pool, rows.to(dev), padded_loc.to(dev),
-                                    has_state.to(dev), draft_rows.to(dev), live.to(dev)).cpu()
+        out = gated_delta_recurrent(*(t.to(dev) for t in padded), got_pool, STATE_ROWS.to(dev), padded_loc.to(dev),
+                                    HAS_STATE.to(dev), DRAFT_ROWS.to(dev), live.to(dev)).cpu()
         got_pool = got_pool.cpu()
     else:
         got_pool = pool.clone()
-        out = gated_delta_rule_torch(*padded, got_pool, rows.long(), padded_loc, padded_loc, has_state,
-                                     draft_rows=draft_rows, live_lens=live)
-    real = torch.cat([torch.arange(n) + i * width for i, n in enumerate(lengths)])
-    pad = torch.tensor([r for r in range(len(lengths) * width) if r not in set(real.tolist())])
-    torch.testing.assert_close(out[real], ref, rtol=1e-4, atol=1e-5)
-    assert torch.equal(out[pad], torch.zeros_like(out[pad]))
-    written = [1, 2, 3, 6, 8, 9, 10, 11, 12, 13, 14]
-    torch.testing.assert_close(got_pool[written], ref_pool[written], rtol=1e-4, atol=1e-5)
-    assert got_pool[15].isnan().all()  # (the draft row of a pad token)
+        out = gated_delta_rule_torch(*padded, got_pool, STATE_ROWS.long(), padded_loc, padded_loc, HAS_STATE,
+                                     draft_rows=DRAFT_ROWS, live_lens=live)
+    assert_stops_at_live_tokens(out, ref, got_pool, ref_pool, width, rtol=1e-4, atol=1e-5)
