@@ -171,13 +171,24 @@ def test_cohere_qk_norm_weights_follow_the_rotary_rows(tiny_v1):
     assert not torch.allclose(logits[0], expected[0], atol=1e-3)
 
 
-def test_cohere_qk_norm_under_tensor_parallelism_is_refused_by_name(tiny_v1):
+def test_cohere_qk_norm_under_tensor_parallelism(tiny_v1):
+    """Command R+ (104B: served under tensor parallelism) on two ranks: each holds its heads' q/k norm weights (the
+    one-rank model's rows of them: 2 of 4 query heads, 1 of 2 KV heads), and two gloo ranks answer as one."""
     from ferrox.distributed.parallel_state import TPGroup, use_tp_group
 
-    source = resolve_model(tiny_v1["plus"][0])
-    with use_tp_group(TPGroup(rank=0, size=2)), pytest.raises(UnsupportedModelError,
-                                                                match="use_qk_norm with tensor_parallel_size"):
-        load_model(source, load_model_spec(source), dtype=torch.float32, device="cpu")
+    folder = tiny_v1["plus"][0]
+    whole = _load(folder)
+    source = resolve_model(folder)
+    for rank in (0, 1):
+        with use_tp_group(TPGroup(rank=rank, size=2)):
+            shard = load_model(source, spec_for_context(load_model_spec(source), 256), dtype=torch.float32,
+                               device="cpu")
+        for full, part in zip(whole.model.layers, shard.model.layers, strict=True):
+            q_rows = full.self_attn.q_norm.weight.view(4, -1)[2 * rank:2 * rank + 2].reshape(-1)
+            k_rows = full.self_attn.k_norm.weight.view(2, -1)[rank].reshape(-1)
+            assert torch.equal(part.self_attn.q_norm.weight, q_rows)
+            assert torch.equal(part.self_attn.k_norm.weight, k_rows)
+    assert_tensor_parallel_matches_one_rank(folder, PROMPTS)
 
 
 @pytest.mark.gpu

@@ -9,7 +9,7 @@ CohereForCausalLM), as transformers' Cohere defines it; Command R7B / Command A 
 - logits times `logit_scale` (0.0625 / 0.125 in the releases); tied embeddings in the releases.
 
 Decoding takes the general path (the fused one-token kernels run pre-norm RMSNorm layers). Tensor parallelism comes
-with Llama's projections, except with `use_qk_norm` (its per-head weights are not sharded yet: refused by name). A
+with Llama's projections; with `use_qk_norm` each rank holds its heads' norm weights (Command R+, 104B, needs it). A
 checkpoint quantization_config and LoRA (the permuted q/k rows): refused by name. GGUF files (llama.cpp's
 "command-r", "cohere2") load dequantized: loader/gguf_families.py.
 """
@@ -26,7 +26,7 @@ from torch import nn
 
 from ferrox.attention.backend import AttentionBackend
 from ferrox.distributed.parallel_state import get_tp_group
-from ferrox.distributed.sharding import materialize
+from ferrox.distributed.sharding import even_split, kv_head_range, materialize
 from ferrox.layers.ops import DeviceOps, Rope
 from ferrox.layers.rotary import RotaryEmbedding
 from ferrox.model_spec import ModelSpec, UnsupportedModelError
@@ -37,20 +37,29 @@ from ferrox.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 class CohereLayerNorm(nn.Module):
     """Mean-centred LayerNorm over the last dim with a weight and no bias, in float32 (transformers' CohereLayerNorm);
-    `shape` [heads, head_dim] for the per-head q/k norms (weights per head, stored flat)."""
+    `shape` [heads, head_dim] for the per-head q/k norms (weights per head, stored flat). Under tensor parallelism a
+    per-head norm holds its rank's heads: `first_head`, the first of them in the checkpoint's [all heads, head_dim]."""
 
-    def __init__(self, shape: tuple[int, ...], eps: float, dtype: torch.dtype, device: torch.device | str | None):
+    def __init__(self, shape: tuple[int, ...], eps: float, dtype: torch.dtype, device: torch.device | str | None,
+                 first_head: int = 0):
         super().__init__()
         self.eps = eps
         self.shape = shape
+        self.first_head = first_head
         self.weight = nn.Parameter(torch.ones(math.prod(shape), dtype=dtype, device=device), requires_grad=False)
 
     def load_weight(self, param_name: str, tensor: Any, shard: str | None = None) -> None:
-        """The checkpoint's weight in its own shape ([hidden] or [heads, head_dim]), flat here."""
-        value = materialize(tensor)
+        """The checkpoint's weight in its own shape ([hidden] or [heads, head_dim]), flat here; a per-head norm's
+        checkpoint holds every head, of which this rank takes its own."""
+        value = materialize(tensor).reshape(-1)
+        if len(self.shape) == 2 and value.numel() != self.weight.numel() and value.numel() % self.shape[1] == 0:
+            heads = value.numel() // self.shape[1]
+            if self.first_head + self.shape[0] <= heads:
+                value = value.view(heads, self.shape[1])[self.first_head:self.first_head + self.shape[0]].reshape(-1)
         if value.numel() != self.weight.numel():
-            raise ValueError(f"checkpoint shape {tuple(value.shape)}, model expects {self.shape}")
-        self.weight.data.copy_(value.reshape(-1))
+            raise ValueError(f"checkpoint shape {tuple(materialize(tensor).shape)}, model expects {self.shape} "
+                             f"(heads from {self.first_head})")
+        self.weight.data.copy_(value)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.layer_norm(x.float(), (x.shape[-1],), eps=self.eps)
@@ -66,8 +75,14 @@ class CohereAttention(LlamaAttention):
                          qk_norm=False, window=window)
         self.cohere_qk_norm = qk_norm
         if qk_norm:
-            self.q_norm = CohereLayerNorm((self.num_heads, self.head_dim), eps, dtype, device)  # type: ignore[assignment]
-            self.k_norm = CohereLayerNorm((self.num_kv_heads, self.head_dim), eps, dtype, device)  # type: ignore[assignment]
+            # (this rank's heads under tensor parallelism, as qkv_proj holds them: layers/linear.py QKVLinear)
+            tp = get_tp_group()
+            q_start = even_split(spec.num_heads, tp.size, tp.rank, "num_attention_heads")[0]
+            kv_start = kv_head_range(spec.num_kv_heads, tp.size, tp.rank)[0]
+            self.q_norm = CohereLayerNorm((self.num_heads, self.head_dim), eps, dtype, device,  # type: ignore[assignment]
+                                          first_head=q_start)
+            self.k_norm = CohereLayerNorm((self.num_kv_heads, self.head_dim), eps, dtype, device,  # type: ignore[assignment]
+                                          first_head=kv_start)
 
     def forward(self, x, rope: Rope, kv_cache, meta):
         if not self.cohere_qk_norm:
@@ -135,9 +150,6 @@ class CohereForCausalLM(InterleavedRotaryRows, LlamaForCausalLM):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
         config = spec.hf_config
-        if config.get("use_qk_norm") and get_tp_group().size > 1:
-            raise UnsupportedModelError(f"config.json: use_qk_norm with tensor_parallel_size > 1 is not supported for "
-                                        f"{spec.architecture} yet (its per-head norm weights are not sharded)")
         scale = config.get("logit_scale", 0.0625)
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
             raise UnsupportedModelError(f"config.json: logit_scale must be a number, got {scale!r}")
