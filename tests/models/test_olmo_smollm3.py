@@ -29,6 +29,7 @@ from tests.models.conftest import (
     assert_cuda_engine_matches_cpu,
     assert_greedy_and_logits_match,
     assert_outputs_match_transformers,
+    assert_tensor_parallel_matches_one_rank,
     chunked_engine_outputs,
     cut_at_eos,
     hf_greedy,
@@ -238,12 +239,32 @@ def test_unsupported_fields_are_refused_by_name(tiny, tmp_path, name, fields, wo
         _load(folder)
 
 
-@pytest.mark.parametrize("name", ["olmo2", "olmo3", "olmoe"])
-def test_tensor_parallelism_is_refused_by_name(tiny, name):
-    source = resolve_model(tiny[name][0])
-    arch = {"olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM", "olmoe": "OlmoeForCausalLM"}[name]
-    with use_tp_group(TPGroup(rank=0, size=2)), pytest.raises(UnsupportedModelError, match=arch):
-        load_model(source, load_model_spec(source), dtype=torch.float32, device="cpu")
+@pytest.mark.parametrize("name", ["olmo3", "olmo2-one-kv-head"])
+def test_tensor_parallel_engine_matches_one_rank(tiny, tmp_path, name):
+    """Two gloo ranks, each with its heads' rows of the full-width q/k norms and their variance all-reduced: OLMo 3
+    (windows, 2 KV heads: one a rank), and an OLMo 2 with one KV head (replicated on both ranks, counted once)."""
+    if name == "olmo3":
+        folder = tiny["olmo3"][0]
+    else:
+        folder = tiny_olmo_smollm3.make_tiny_olmo2(tmp_path / "kv1", num_kv_heads=1, seed=37)
+    assert_tensor_parallel_matches_one_rank(folder, PROMPTS)
+
+
+def test_a_rank_holds_its_heads_of_the_norms(tiny):
+    """Under tensor parallelism (rank 1 of 2) each norm holds its heads' weights, and the model's own norms are
+    NormShards (so the variance is summed over the ranks)."""
+    from ferrox.models.olmo2 import NormShard
+
+    folder = tiny["olmoe"][0]
+    whole = _load(folder)
+    source = resolve_model(folder)
+    with use_tp_group(TPGroup(rank=1, size=2)):
+        shard = load_model(source, spec_for_context(load_model_spec(source), 256), dtype=torch.float32, device="cpu")
+    for full, part in zip(whole.model.layers, shard.model.layers, strict=True):
+        q, k = part.self_attn.q_norm, part.self_attn.k_norm
+        assert isinstance(q, NormShard) and isinstance(k, NormShard)
+        assert torch.equal(q.weight, full.self_attn.q_norm.weight.view(2, -1)[1])
+        assert torch.equal(k.weight, full.self_attn.k_norm.weight.view(2, -1)[1])
 
 
 # ---- GPU ------------------------------------------------------------------------------------------

@@ -11,9 +11,10 @@ Both families RMS-norm the WHOLE q and k projections before rotary (`q_norm` of 
   (after their norms) and v clamped to [-clip_qkv, clip_qkv], as transformers' OlmoeAttention does.
 
 One-token decode steps take the general path (the fused kernels norm q/k per head: attention/
-fused_decode.py); the backend's decode path keeps only the fused lm_head. Refused by name: tensor
-parallelism (a rank's q/k norm would need the variance over every rank's heads: a cross-rank reduction
-not written), config.json `sliding_window` (transformers' Olmo2 never applies one; its Olmoe applies any
+fused_decode.py); the backend's decode path keeps only the fused lm_head. Under tensor parallelism a rank holds
+its heads' rows of q and k and of the norms' weights, and the norms' variance is every rank's sum of squares,
+all-reduced (q's and k's in one [tokens, 2] reduction a layer; a KV head replicated over r ranks counted
+once). Refused by name: config.json `sliding_window` (transformers' Olmo2 never applies one; its Olmoe applies any
 config attribute of that name regardless of use_sliding_window, which no released checkpoint has),
 `clip_qkv` for OLMo 2 (its transformers class ignores it), `mlp_bias` (the MLPs carry no bias in
 transformers), and, for OLMoE, a head_dim other than hidden_size / num_attention_heads (its q_norm has
@@ -30,6 +31,8 @@ import torch
 from torch import nn
 
 from ferrox.attention.backend import AttentionBackend
+from ferrox.distributed.parallel_state import get_tp_group
+from ferrox.distributed.sharding import even_split, kv_head_range, materialize
 from ferrox.layers.layernorm import RMSNorm
 from ferrox.layers.ops import DeviceOps, Rope
 from ferrox.layers.rotary import RotaryEmbedding
@@ -63,21 +66,56 @@ def check_olmo_config(spec: ModelSpec, *, takes_clip_qkv: bool, windowed: bool =
     return float(clip)
 
 
+class NormShard(RMSNorm):
+    """A rank's share of an RMSNorm over a whole q or k projection (tensor parallelism): the weights of its heads,
+    `start` the first of them in the checkpoint's `full`; `copies`, the ranks holding each of its heads (a KV head
+    replicated over ranks), which the all-reduced sum of squares counts that many times."""
+
+    def __init__(self, start: int, size: int, full: int, copies: int, eps: float, dtype: torch.dtype,
+                 device: torch.device | str, ops: DeviceOps):
+        super().__init__(size, eps, dtype, device, ops)
+        self.start, self.full, self.copies = start, full, copies
+
+    def load_weight(self, param_name: str, tensor: Any, shard: str | None = None) -> None:
+        value = materialize(tensor)
+        if tuple(value.shape) != (self.full,):
+            raise ValueError(f"checkpoint shape {tuple(value.shape)}, model expects ({self.full},)")
+        self.weight.data.copy_(value[self.start:self.start + self.size])
+
+    def sharded(self, x: torch.Tensor, sum_of_squares: torch.Tensor) -> torch.Tensor:
+        """x (this rank's rows) normalised by the whole projection's mean square (`sum_of_squares` [T, 1] over
+        every rank, all-reduced), in float32, then times the weight in x's dtype (transformers' RMSNorm)."""
+        scale = torch.rsqrt(sum_of_squares / (self.full * self.copies) + self.eps)
+        return (x.float() * scale).to(x.dtype) * self.weight
+
+
 class FullQKNormAttention(LlamaAttention):
     """Llama attention with RMSNorm over the whole q and k projections before rotary (OLMo 2, OLMoE), and
-    an optional clamp of q, k, v (OLMoE's clip_qkv). One rank only: the norms' variance spans all heads."""
+    an optional clamp of q, k, v (OLMoE's clip_qkv). Under tensor parallelism the norms' variance spans every
+    rank's heads: one all-reduce of q's and k's sums of squares (module docstring)."""
 
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype,
                  device: torch.device | str, *, q_norm_size: int, clip_qkv: float | None, window: int = 0):
         super().__init__(spec, backend, ops, dtype, device, qkv_bias=spec.attention_bias, o_bias=spec.attention_bias,
                          qk_norm=False, window=window)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        if q_norm_size != q_size:
+        if q_norm_size != spec.num_heads * spec.head_dim:
             raise UnsupportedModelError(f"config.json: head_dim {spec.head_dim} x num_attention_heads "
                                         f"{spec.num_heads} is not hidden_size {spec.hidden_size}, which "
                                         f"{spec.architecture}'s q_norm spans")
-        self.q_norm = RMSNorm(q_size, spec.rms_norm_eps, dtype, device, ops)
-        self.k_norm = RMSNorm(kv_size, spec.rms_norm_eps, dtype, device, ops)
+        self.tp = get_tp_group()
+        if self.tp.size > 1:
+            # (this rank's heads, as qkv_proj holds them: layers/linear.py QKVLinear)
+            q_start = even_split(spec.num_heads, self.tp.size, self.tp.rank, "num_attention_heads")[0]
+            kv_start = kv_head_range(spec.num_kv_heads, self.tp.size, self.tp.rank)[0]
+            hd = self.head_dim
+            self.q_norm = NormShard(q_start * hd, q_size, spec.num_heads * hd, 1, spec.rms_norm_eps, dtype,
+                                    device, ops)
+            self.k_norm = NormShard(kv_start * hd, kv_size, spec.num_kv_heads * hd,
+                                    max(1, self.tp.size // spec.num_kv_heads), spec.rms_norm_eps, dtype, device, ops)
+        else:
+            self.q_norm = RMSNorm(q_size, spec.rms_norm_eps, dtype, device, ops)
+            self.k_norm = RMSNorm(kv_size, spec.rms_norm_eps, dtype, device, ops)
         self.clip_qkv = clip_qkv
 
     def forward(self, x, rope: Rope, kv_cache, meta):
@@ -86,8 +124,12 @@ class FullQKNormAttention(LlamaAttention):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q_norm, k_norm = self.q_norm, self.k_norm
         assert q_norm is not None and k_norm is not None  # (set in __init__; LlamaAttention types them optional)
-        q = q_norm(qkv[:, :q_size].contiguous())
-        k = k_norm(qkv[:, q_size:q_size + kv_size].contiguous())
+        q, k = qkv[:, :q_size].contiguous(), qkv[:, q_size:q_size + kv_size].contiguous()
+        if isinstance(q_norm, NormShard) and isinstance(k_norm, NormShard):
+            squares = self.tp.all_reduce(torch.stack([q.float().square().sum(-1), k.float().square().sum(-1)], 1))
+            q, k = q_norm.sharded(q, squares[:, :1]), k_norm.sharded(k, squares[:, 1:])
+        else:
+            q, k = q_norm(q), k_norm(k)
         v = qkv[:, q_size + kv_size:]
         if self.clip_qkv is not None:
             q, k, v = (part.clamp(-self.clip_qkv, self.clip_qkv) for part in (q, k, v))
@@ -112,7 +154,7 @@ class Olmo2Model(ResidualLayerStack):
 
 class Olmo2ForCausalLM(LlamaForCausalLM):
     model_class = Olmo2Model
-    supports_tensor_parallel = False  # the full-width q/k norms' variance would span ranks
+    supports_tensor_parallel = True  # (the full-width q/k norms' variance all-reduced: FullQKNormAttention)
     supports_quantized_gguf = False  # (a GGUF file loads dequantized: loader/gguf_families.py)
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
@@ -155,7 +197,7 @@ class OlmoeModel(MoeModel):
 class OlmoeForCausalLM(MoeForCausalLM):
     """OLMoE: every layer sparse (transformers' Olmoe has no dense layers or shared expert)."""
 
-    supports_tensor_parallel = False  # the full-width q/k norms' variance would span ranks
+    supports_tensor_parallel = True  # (the full-width q/k norms' variance all-reduced: FullQKNormAttention)
     model_class = OlmoeModel
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
@@ -170,4 +212,4 @@ class OlmoeForCausalLM(MoeForCausalLM):
         super().__init__(spec, dtype, device, kernels=kernels)
 
 
-__all__ = ["FullQKNormAttention", "Olmo2ForCausalLM", "OlmoeForCausalLM", "check_olmo_config"]
+__all__ = ["FullQKNormAttention", "NormShard", "Olmo2ForCausalLM", "OlmoeForCausalLM", "check_olmo_config"]

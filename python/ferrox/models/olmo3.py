@@ -9,7 +9,7 @@ defines it:
   keyed by layer type.
 
 A window at least as long as the served context changes nothing (the layer attends fully: ModelSpec.window_of),
-but its layer keeps the sliding kind's rotary. Refused as for OLMo 2: tensor parallelism, `clip_qkv`, `mlp_bias`.
+but its layer keeps the sliding kind's rotary. Tensor parallelism as for OLMo 2 (the norms' variance all-reduced); refused as for OLMo 2: `clip_qkv`, `mlp_bias`.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class Olmo3Model(PerLayerRopeStack):
 
 class Olmo3ForCausalLM(LlamaForCausalLM):
     model_class = Olmo3Model
-    supports_tensor_parallel = False  # the full-width q/k norms' variance would span ranks
+    supports_tensor_parallel = True  # (the full-width q/k norms' variance all-reduced: models/olmo2.py)
     supports_quantized_gguf = False  # (no GGUF mapping: loader/gguf_families.py refuses OLMo 3 files by name)
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
