@@ -10,8 +10,6 @@ import os
 
 import pytest
 import torch
-from ferrox.distributed.parallel_state import TPGroup, use_tp_group
-from ferrox.errors import UnsupportedModelError
 from ferrox.loader.model_loader import load_model, load_model_spec
 from ferrox.loader.source import resolve_model
 from ferrox.model_spec import spec_for_context
@@ -25,6 +23,7 @@ from tests.models.conftest import (
     assert_cuda_engine_matches_cpu,
     assert_greedy_and_logits_match,
     assert_outputs_match_transformers,
+    assert_tensor_parallel_matches_one_rank,
     assert_triton_kernel_set_matches,
     chunked_engine_outputs,
 )
@@ -111,10 +110,9 @@ def test_unsupported_fields_are_refused_by_name(tiny, tmp_path, fields, words):
         _load(folder)
 
 
-def test_tensor_parallelism_is_refused_by_name(tiny):
-    source = resolve_model(tiny["hybrid"][0])
-    with use_tp_group(TPGroup(rank=0, size=2)), pytest.raises(UnsupportedModelError, match="Exaone4ForCausalLM"):
-        load_model(source, load_model_spec(source), dtype=torch.float32, device="cpu")
+def test_tensor_parallel_engine_matches_one_rank(tiny):
+    """Two gloo ranks (windowed and global NoPE layers, post-norms, per-head q/k norms) answer as one."""
+    assert_tensor_parallel_matches_one_rank(tiny["hybrid"][0], PROMPTS)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernel set on CPU needs "

@@ -10,7 +10,8 @@
 
 The rotary choice follows the layer kinds, not the served windows: a window at least as long as the context
 changes the mask (none), not which layers rotate. Decoding takes the general path (post-norm layers are not the
-fused one-token kernels' shape). Refused by name: tensor parallelism (not yet tested here).
+fused one-token kernels' shape). Tensor parallelism as Llama's (the per-head q/k norms share one [head_dim] weight:
+nothing of theirs to shard).
 GGUF files load dequantized (loader/gguf_families.py).
 """
 
@@ -52,7 +53,7 @@ class Exaone4Model(PerLayerRopeStack):
 
 class Exaone4ForCausalLM(LlamaForCausalLM):
     model_class = Exaone4Model
-    supports_tensor_parallel = False  # (per-head norms would shard; not yet tested under tensor parallelism)
+    supports_tensor_parallel = True  # (Qwen3's per-head q/k norms: one [head_dim] weight on every rank)
     supports_quantized_gguf = False  # (a GGUF file loads dequantized: loader/gguf_families.py)
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
