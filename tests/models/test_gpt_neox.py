@@ -138,6 +138,7 @@ def test_learned_positions_show(tiny, name):
 
 @pytest.mark.parametrize(("name", "fields", "match"), [
     ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse"),
+    ("gpt2", {"add_cross_attention": True}, "add_cross_attention"),
     ("gpt2", {"activation_function": "relu"}, "activation_function 'relu'"),
     ("opt", {"do_layer_norm_before": False}, "do_layer_norm_before false"),
     ("opt", {"word_embed_proj_dim": 32}, "word_embed_proj_dim 32"),

@@ -10,6 +10,7 @@ the classic baseline of research batch generation.
 - the LM head tied to the token embedding (unless config.json's tie_word_embeddings is false: lm_head.weight).
 
 Refused by name: `scale_attn_by_inverse_layer_idx` and `reorder_and_upcast_attn` (scores scaled per layer),
+`add_cross_attention` (an encoder-decoder's decoder half),
 `scale_attn_weights` false, another activation. GGUF files load through loader/gguf_families.py (dequantized).
 """
 
@@ -81,7 +82,8 @@ class GPT2LMHeadModel(LlamaForCausalLM):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
         config = spec.hf_config
-        for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        # (add_cross_attention: an encoder-decoder's GPT-2 half, with cross-attention layers a causal LM never runs)
+        for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
             if config.get(key):
                 raise UnsupportedModelError(f"config.json: {key} is not supported for GPT2LMHeadModel")
         if config.get("scale_attn_weights", True) is False:
