@@ -29,7 +29,7 @@ from ferrox.distributed.sharding import materialize
 from ferrox.layers.ops import DeviceOps
 from ferrox.layers.rotary import RotaryEmbedding
 from ferrox.model_spec import ModelSpec, UnsupportedModelError
-from ferrox.models.gpt_neox import _GELU, BiasedLayerNorm, GPTNeoXLayer
+from ferrox.models.gpt_neox import _GELU, BiasedLayerNorm, GPTNeoXLayer, renamed
 from ferrox.models.layer_stack import PerLayerRopeStack
 from ferrox.models.llama import LlamaForCausalLM
 
@@ -110,15 +110,11 @@ class GPT2LMHeadModel(LlamaForCausalLM):
             fused = _C_ATTN.match(name)
             if fused is not None:
                 value = materialize(tensor)
-                prefix = fused["prefix"]
-                for renamed, new in _RENAMES:
-                    prefix = prefix.replace(renamed, new)
+                prefix = renamed(fused["prefix"], _RENAMES)
                 for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):
                     yield f"{prefix}.self_attn.{proj}.{fused['leaf']}", value[i * hidden:(i + 1) * hidden]
                 continue
-            for old, new in _RENAMES:
-                name = name.replace(old, new)
-            yield name, tensor
+            yield renamed(name, _RENAMES), tensor
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         super().load_weights(self._hf_names(weights))

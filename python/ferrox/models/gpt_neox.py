@@ -103,6 +103,14 @@ class GPTNeoXLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    """A checkpoint tensor's name in Llama's words: each (old, new) substring replaced in turn (the GPT-2-shaped
+    families: GPT-NeoX, GPT-2, OPT, Phi, StarCoder2)."""
+    for old, new in renames:
+        name = name.replace(old, new)
+    return name
+
+
 class GPTNeoXModel(PerLayerRopeStack):
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype,
                  device: torch.device | str, **_: Any):
@@ -135,8 +143,7 @@ class GPTNeoXForCausalLM(LlamaForCausalLM):
         for name, tensor in weights:
             if _SKIPPED.search(name):
                 continue
-            for old, new in _RENAMES:
-                name = name.replace(old, new)
+            name = renamed(name, _RENAMES)
             fused = _QKV.match(name)
             if fused is None:
                 yield name, tensor
@@ -151,4 +158,4 @@ class GPTNeoXForCausalLM(LlamaForCausalLM):
         super().load_weights(reorder_rotary_rows(self._hf_names(weights), self.spec.head_dim, self.rotary_order))
 
 
-__all__ = ["GPTNeoXForCausalLM"]
+__all__ = ["GPTNeoXForCausalLM", "renamed"]

@@ -24,6 +24,7 @@ from ferrox.attention.backend import AttentionBackend
 from ferrox.layers.ops import DeviceOps
 from ferrox.model_spec import ModelSpec, UnsupportedModelError
 from ferrox.models.gpt2 import LearnedPositionsModel
+from ferrox.models.gpt_neox import renamed
 from ferrox.models.llama import LlamaForCausalLM
 
 _RENAMES = (("model.decoder.embed_tokens.", "model.embed_tokens."), ("model.decoder.embed_positions.",
@@ -74,9 +75,7 @@ class OPTForCausalLM(LlamaForCausalLM):
         for name, tensor in weights:
             if not name.startswith(("model.", "lm_head.")):
                 name = "model." + name  # (the bare OPTModel checkpoints: decoder.layers.0...)
-            for old, new in _RENAMES:
-                name = name.replace(old, new)
-            yield name, tensor
+            yield renamed(name, _RENAMES), tensor
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         super().load_weights(self._hf_names(weights))

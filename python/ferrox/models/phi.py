@@ -24,7 +24,7 @@ from ferrox.layers.ops import DeviceOps
 from ferrox.layers.rotary import RotaryEmbedding, partial_rotary_order
 from ferrox.model_spec import ModelSpec, UnsupportedModelError
 from ferrox.models.glm4 import reorder_rotary_rows
-from ferrox.models.gpt_neox import _GELU, BiasedLayerNorm, check_gelu
+from ferrox.models.gpt_neox import _GELU, BiasedLayerNorm, check_gelu, renamed
 from ferrox.models.layer_stack import PerLayerRopeStack
 from ferrox.models.llama import LlamaAttention, LlamaForCausalLM
 from ferrox.models.ungated_mlp import UngatedMLP
@@ -80,9 +80,7 @@ class PhiForCausalLM(LlamaForCausalLM):
 
     def _hf_names(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         for name, tensor in weights:
-            for old, new in _RENAMES:
-                name = name.replace(old, new)
-            yield name, tensor
+            yield renamed(name, _RENAMES), tensor
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         super().load_weights(reorder_rotary_rows(self._hf_names(weights), self.spec.head_dim, self.rotary_order))

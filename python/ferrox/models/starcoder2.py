@@ -20,7 +20,7 @@ from ferrox.attention.backend import AttentionBackend
 from ferrox.layers.ops import DeviceOps
 from ferrox.layers.rotary import RotaryEmbedding
 from ferrox.model_spec import ModelSpec
-from ferrox.models.gpt_neox import _GELU, BiasedLayerNorm, GPTNeoXLayer, check_gelu
+from ferrox.models.gpt_neox import _GELU, BiasedLayerNorm, GPTNeoXLayer, check_gelu, renamed
 from ferrox.models.layer_stack import PerLayerRopeStack
 from ferrox.models.llama import LlamaForCausalLM
 
@@ -50,9 +50,7 @@ class Starcoder2ForCausalLM(LlamaForCausalLM):
 
     def _hf_names(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         for name, tensor in weights:
-            for old, new in _RENAMES:
-                name = name.replace(old, new)
-            yield name, tensor
+            yield renamed(name, _RENAMES), tensor
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         super().load_weights(self._hf_names(weights))
