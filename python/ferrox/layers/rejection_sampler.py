@@ -63,44 +63,89 @@ def rejection_sample(
     greedy: [num_reqs] bool, True for greedy rows; None: every row is sampled.
     generators: request index -> seeded generator (on the probabilities' device)."""
     device = target_probs.device
-    counts = torch.as_tensor(np.asarray(num_draft_tokens, dtype=np.int64))
-    num_reqs = counts.numel()
-    max_d = int(counts.max()) if num_reqs else 0
-    row_start = torch.zeros(num_reqs, dtype=torch.int64)
-    row_start[1:] = torch.cumsum(counts + 1, 0)[:-1]
-    draft_start = row_start - torch.arange(num_reqs)
-    # [num_reqs, max_d + 1] padded views: position j of request r, clamped to its bonus position.
-    j = torch.arange(max_d + 1)
-    pos = torch.minimum(j[None, :], counts[:, None])
-    target_rows = (row_start[:, None] + pos).to(device)
-    valid = (j[None, :max_d] < counts[:, None]).to(device)  # [num_reqs, max_d] real drafts
-    # Index of each padded draft in the flat arrays (padding points at some real draft: never used).
-    draft_idx = draft_start[:, None] + torch.minimum(j[None, :max_d], (counts - 1).clamp(min=0)[:, None])
-    draft_idx = draft_idx.clamp(max=max(draft_token_ids.numel() - 1, 0)).to(device)
-    drafts = draft_token_ids.to(device=device, dtype=torch.int64)
-    padded = drafts[draft_idx] if drafts.numel() else torch.zeros(num_reqs, max_d, dtype=torch.int64, device=device)
+    counts_np = np.asarray(num_draft_tokens, dtype=np.int64).reshape(-1)
+    num_reqs = counts_np.size
+    max_d = int(counts_np.max()) if num_reqs else 0
+    plan = _pad_plan(counts_np, draft_token_ids, max_d)
+    # The padded index arrays are built on the host (the counts, and usually the drafts, are host data) and
+    # cross to the device as one copy: a verify step runs every step of a speculating engine, and each small
+    # upload or index op is a launch the step's latency pays for.
+    on_device = torch.from_numpy(plan.packed)
+    if device.type != "cpu":
+        on_device = on_device.pin_memory().to(device, non_blocking=True)
+    target_rows, padded, draft_idx, valid = plan.unpack(on_device, num_reqs, max_d)
+    if padded is None:  # the drafts are already on the device: gather them there
+        drafts = draft_token_ids.to(device=device, dtype=torch.int64)
+        padded = drafts[draft_idx] if drafts.numel() else torch.zeros(num_reqs, max_d, dtype=torch.int64,
+                                                                      device=device)
+    counts = torch.from_numpy(counts_np)
 
-    out = torch.full((num_reqs, max_d + 1), -1, dtype=torch.int64, device=device)
-    num_accepted = torch.zeros(num_reqs, dtype=torch.int64, device=device)
-    greedy_mask = torch.zeros(num_reqs, dtype=torch.bool) if greedy is None else greedy.to("cpu", torch.bool)
-    for rows, is_greedy in ((torch.nonzero(greedy_mask).flatten(), True), (torch.nonzero(~greedy_mask).flatten(), False)):
-        if rows.numel() == 0:
+    greedy_mask = np.zeros(num_reqs, dtype=bool) if greedy is None else greedy.to("cpu", torch.bool).numpy()
+    accepted = torch.empty(num_reqs, dtype=torch.int64, device=device)
+    token = torch.empty(num_reqs, dtype=torch.int64, device=device)
+    for is_greedy in (True, False):
+        rows_np = np.flatnonzero(greedy_mask == is_greedy)
+        if rows_np.size == 0:
             continue
-        rows_dev = rows.to(device)
+        whole = rows_np.size == num_reqs  # (the usual case: no row selection to launch)
+        rows_dev = None if whole else torch.from_numpy(rows_np).to(device)
+        rows_target, rows_padded, rows_valid, rows_idx = (t if rows_dev is None else t[rows_dev]
+                                                          for t in (target_rows, padded, valid, draft_idx))
         if is_greedy:
-            accepted, token = _verify_greedy(target_probs, target_rows[rows_dev], padded[rows_dev], valid[rows_dev])
+            acc, tok = _verify_greedy(target_probs, rows_target, rows_padded, rows_valid)
         else:
-            gens = {i: generators[int(r)] for i, r in enumerate(rows.tolist()) if generators and int(r) in generators}
-            accepted, token = _verify_sampled(
-                target_probs, target_rows[rows_dev], padded[rows_dev], valid[rows_dev], counts[rows],
-                draft_probs, draft_idx[rows_dev], gens, default_generator)
-        num_accepted[rows_dev] = accepted
-        keep = torch.arange(max_d, device=device)[None, :] < accepted[:, None]
-        block = out[rows_dev]
-        block[:, :max_d] = torch.where(keep, padded[rows_dev], block[:, :max_d])
-        block.scatter_(1, accepted[:, None], token[:, None])
-        out[rows_dev] = block
-    return RejectionOutput(out, (num_accepted + 1).to(torch.int32))
+            gens = {i: generators[int(r)] for i, r in enumerate(rows_np.tolist()) if generators and int(r) in generators}
+            acc, tok = _verify_sampled(target_probs, rows_target, rows_padded, rows_valid,
+                                       counts[torch.from_numpy(rows_np)], draft_probs, rows_idx, gens,
+                                       default_generator)
+        if rows_dev is None:
+            accepted, token = acc, tok
+        else:
+            accepted[rows_dev] = acc
+            token[rows_dev] = tok
+    # Each row: its accepted drafts, then its own token at column `accepted`, -1 after.
+    columns = torch.arange(max_d + 1, device=device)[None, :]
+    out = torch.where(columns < accepted[:, None], torch.nn.functional.pad(padded, (0, 1)), -1)
+    out.scatter_(1, accepted[:, None], token[:, None])
+    return RejectionOutput(out, (accepted + 1).to(torch.int32))
+
+
+@dataclass(slots=True)
+class _PadPlan:
+    """The [num_reqs, max_d (+ 1)] padded views of a verify step, as one int64 host array: target_rows (request
+    r's position j, clamped to its bonus position), then the padded drafts (when the drafts are host data), each
+    padded draft's index in the flat drafts (padding points at some real draft: never used), and which are real."""
+
+    packed: npt.NDArray[np.int64]
+    has_drafts: bool
+
+    def unpack(self, t: torch.Tensor, num_reqs: int, max_d: int
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        sizes = [num_reqs * (max_d + 1), num_reqs * max_d if self.has_drafts else 0, num_reqs * max_d,
+                 num_reqs * max_d]
+        target_rows, padded, draft_idx, valid = t.split(sizes)
+        return (target_rows.view(num_reqs, max_d + 1),
+                padded.view(num_reqs, max_d) if self.has_drafts else None,
+                draft_idx.view(num_reqs, max_d), valid.view(num_reqs, max_d).bool())
+
+
+def _pad_plan(counts: npt.NDArray[np.int64], draft_token_ids: torch.Tensor, max_d: int) -> _PadPlan:
+    num_reqs = counts.size
+    row_start = np.zeros(num_reqs, dtype=np.int64)
+    row_start[1:] = np.cumsum(counts + 1)[:-1]
+    j = np.arange(max_d + 1, dtype=np.int64)
+    target_rows = row_start[:, None] + np.minimum(j[None, :], counts[:, None])
+    valid = j[None, :max_d] < counts[:, None]
+    draft_start = row_start - np.arange(num_reqs, dtype=np.int64)
+    draft_idx = draft_start[:, None] + np.minimum(j[None, :max_d], np.maximum(counts - 1, 0)[:, None])
+    draft_idx = np.minimum(draft_idx, max(draft_token_ids.numel() - 1, 0))
+    parts = [target_rows.reshape(-1)]
+    host = draft_token_ids.device.type == "cpu"
+    if host:
+        flat = draft_token_ids.numpy().astype(np.int64, copy=False)
+        parts.append(flat[draft_idx].reshape(-1) if flat.size else np.zeros(num_reqs * max_d, dtype=np.int64))
+    parts += [draft_idx.reshape(-1), valid.reshape(-1).astype(np.int64)]
+    return _PadPlan(np.concatenate(parts), host)
 
 
 def _leading_true(mask: torch.Tensor) -> torch.Tensor:
