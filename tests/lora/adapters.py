@@ -9,7 +9,30 @@ from typing import Any
 
 import torch
 
+from tests.helpers import tiny_glm, tiny_llama4, tiny_qwen3_5
+
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+# Qwen3.5's projections, both token mixers' and the dense MLP's (PEFT names).
+QWEN3_5_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+               "out_proj", "gate_proj", "up_proj", "down_proj")
+# The attention (and, in a regex, dense MLPs), never the experts or shared experts (refused by name: lora/manager.py).
+ATTENTION = r".*\.self_attn\.(q|k|v|o)_proj"
+# name -> (build the checkpoint, a1's target_modules (r 8), a2's (r 4, rsLoRA))
+FAMILIES: dict[str, tuple[Any, Any, Any]] = {
+    "qwen3_5": (lambda d: tiny_qwen3_5.make_tiny_qwen3_5(d, seed=3), QWEN3_5_ALL,
+                ("q_proj", "k_proj", "in_proj_qkv", "in_proj_b", "down_proj")),
+    "qwen3_next": (lambda d: tiny_qwen3_5.make_tiny_qwen3_next(d, seed=4),
+                   ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj"),
+                   ("k_proj", "in_proj_qkvz", "in_proj_ba")),
+    "glm4": (lambda d: tiny_glm.make_tiny_glm4(d, seed=5),
+             ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"), ("q_proj", "k_proj", "gate_up_proj")),
+    # (An MLP target on a transformers-5 MoE model makes peft adapt the fused experts' parameters too:
+    # target_parameters, refused by name. Llama 4's dense layers take the MLP targets here.)
+    "glm4_moe": (lambda d: tiny_glm.make_tiny_glm4_moe(d, num_layers=2, seed=6), ATTENTION, ("q_proj", "k_proj")),
+    "llama4": (lambda d: tiny_llama4.make_tiny_llama4(d, num_layers=2, interleave_moe_layer_step=2, seed=7),
+               ATTENTION + r"|.*\.layers\.\d+\.feed_forward\.(gate|up|down)_proj", ("q_proj", "k_proj")),
+}
 
 
 def load_hf_model(folder: str | os.PathLike[str]) -> Any:
@@ -78,3 +101,36 @@ def merged_greedy(base: Any, adapters: dict[str, Any], prompts: list[list[int]],
     models = {"base": base, **{name: merged_reference(base, r.lora_path) for name, r in adapters.items()}}
     return {name: [cut_at_eos(hf_greedy(model, p, max_tokens), [eos_token_id]) for p in prompts]
             for name, model in models.items()}
+
+
+def assert_lora_rows_follow_the_loader(folder: str | os.PathLike[str], model: Any = None) -> None:
+    """The family's lora_rewrite (lora/rewrite.py) puts rows where its loader puts them: every projection weight
+    of the checkpoint, fed through it as if it were a lora_B (a B has its weight's output rows), lands under the
+    name and in the rows of the wrapped layer slice the loader filled with it, and every wrapped projection of the
+    model is reached. Cheap (no forward), so each family's test file checks it on its tiny checkpoints. model: a
+    ferrox model of `folder` that may be wrapped (default: loaded here in float32)."""
+    import glob
+
+    from ferrox.lora.manager import LoRAManager
+    from safetensors.torch import load_file
+
+    from tests.helpers.tiny_models import load_float32
+
+    model = load_float32(folder) if model is None else model
+    manager = LoRAManager(model, max_loras=1, max_lora_rank=8, max_cpu_loras=None, device="cpu",
+                          dtype=torch.float32, max_num_tokens=8)
+    reached = set()
+    for file in sorted(glob.glob(os.path.join(os.fspath(folder), "*.safetensors"))):
+        for name, weight in load_file(file).items():
+            if weight.dim() != 2 or not name.endswith(".weight"):
+                continue
+            for new_name, rows in model.lora_rewrite([(name, weight)]):
+                module = new_name.removesuffix(".weight")
+                target = manager._targets.get(module)
+                if target is None:  # (norms, embeddings, experts: no LoRA there)
+                    continue
+                layer = manager.layers[target.layer]
+                lo, hi = layer.slice_bounds[target.slice], layer.slice_bounds[target.slice + 1]
+                assert torch.equal(layer.base_layer.weight[lo:hi], rows.to(layer.base_layer.weight.dtype)), new_name
+                reached.add(module)
+    assert reached == set(manager._targets)

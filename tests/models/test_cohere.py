@@ -120,12 +120,11 @@ def test_unsupported_configs_are_refused_by_name(tiny, tmp_path, fields, match):
         _load(copy_with_config(tiny[0], tmp_path / "bad", **fields))
 
 
-def test_lora_is_refused_by_name(tiny):
-    from ferrox.lora.manager import LoRAManager
+def test_lora_rows_follow_the_loader(tiny):
+    """An adapter's q_proj / k_proj lora_B rows are permuted as the weights' (models/glm4.py lora_rewrite)."""
+    from tests.lora.adapters import assert_lora_rows_follow_the_loader
 
-    with pytest.raises(UnsupportedModelError, match=r"enable_lora: Cohere2ForCausalLM's q/k rows are permuted"):
-        LoRAManager(_load(tiny[0]), max_loras=1, max_lora_rank=8, max_cpu_loras=None, device="cpu",
-                    dtype=torch.float32, max_num_tokens=64)
+    assert_lora_rows_follow_the_loader(tiny[0], _load(tiny[0]))
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernel set on CPU needs "

@@ -153,12 +153,11 @@ def test_unsupported_configs_are_refused_by_name(tiny, tmp_path, name, fields, m
 
 
 @pytest.mark.parametrize("name", ["biased", "moe"])
-def test_lora_is_refused_by_name(tiny, name):
-    from ferrox.lora.manager import LoRAManager
+def test_lora_rows_follow_the_loader(tiny, name):
+    """An adapter's q_proj / k_proj lora_B rows are permuted as the weights' (models/glm4.py lora_rewrite)."""
+    from tests.lora.adapters import assert_lora_rows_follow_the_loader
 
-    with pytest.raises(UnsupportedModelError, match=r"enable_lora: Ernie4_5(_Moe)?ForCausalLM's q/k rows are permuted"):
-        LoRAManager(tiny[name][1], max_loras=1, max_lora_rank=8, max_cpu_loras=None, device="cpu",
-                    dtype=torch.float32, max_num_tokens=64)
+    assert_lora_rows_follow_the_loader(tiny[name][0])
 
 
 @pytest.mark.gpu

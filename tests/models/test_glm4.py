@@ -2,7 +2,7 @@
 checkpoints: greedy tokens and logits through the test driver, chunked prefill and batching, the real
 engine with a 16-token budget, the layer layout each config asks for (dense first layers, grouped
 routing, shared experts, q/k norms, partial rotary in both layouts and its default), the MTP layers
-skipped at load, the refusals by name (LoRA included), tensor-parallel shards and two gloo ranks; on a
+skipped at load, the refusals by name, LoRA adapters' rows following the loader's, tensor-parallel shards and two gloo ranks; on a
 GPU the engine in bfloat16 with CUDA graphs against the CPU float32 engine."""
 
 from __future__ import annotations
@@ -214,15 +214,14 @@ def test_block_fp8_across_head_blocks_and_dense_glm4_fp8_are_refused(tiny, tmp_p
         tiny_models.load_float32(folder)
 
 
-@pytest.mark.parametrize("name", ["glm4_moe", "glm4"])
-def test_lora_is_refused_by_name(tiny, name):
-    """An adapter's q_proj / k_proj rows would miss the rotary reordering: refused before any layer is wrapped."""
-    from ferrox.lora.manager import LoRAManager
+@pytest.mark.parametrize("name", ["glm4_moe", "glm4", "glm"])
+def test_lora_rows_follow_the_loader(tiny, name):
+    """An adapter's lora_B rows go through the loader's row edits (permuted q/k rows, gate_up_proj cut, the MTP
+    layer dropped): each checkpoint weight fed through lora_rewrite lands where the loader put it. (Against
+    transformers + peft: tests/lora/test_lora_families.py.)"""
+    from tests.lora.adapters import assert_lora_rows_follow_the_loader
 
-    model = tiny[name][1]
-    with pytest.raises(UnsupportedModelError, match=r"enable_lora: Glm4(Moe)?ForCausalLM's q/k rows are permuted"):
-        LoRAManager(model, max_loras=1, max_lora_rank=8, max_cpu_loras=None, device="cpu", dtype=torch.float32,
-                    max_num_tokens=64)
+    assert_lora_rows_follow_the_loader(tiny[name][0])
 
 
 # ---- tensor parallelism ----------------------------------------------------------------------------

@@ -93,6 +93,15 @@ def tiny(tmp_path_factory):
     return tiny_models.models_with_references(tmp_path_factory.mktemp("gpt_neox"), BUILDERS)
 
 
+@pytest.mark.parametrize("name", ["pythia", "phi"])
+def test_lora_rows_follow_the_loader(tiny, name):
+    """An adapter's lora_B rows take the loader's edits (names, Pythia's query_key_value cut per head, the partial
+    rotary's q/k order): each checkpoint weight fed through lora_rewrite lands where the loader put it."""
+    from tests.lora.adapters import assert_lora_rows_follow_the_loader
+
+    assert_lora_rows_follow_the_loader(tiny[name][0])
+
+
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_greedy_and_logits_match_transformers(tiny, name):
     _, model, ref = tiny[name]

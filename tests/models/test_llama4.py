@@ -137,12 +137,13 @@ def test_top_k_above_one_is_refused_by_name(tiny, tmp_path):
         load_float32(folder)
 
 
-def test_lora_is_refused_by_name(tiny):
-    from ferrox.lora.manager import LoRAManager
+@pytest.mark.parametrize("name", ["maverick", "multimodal"])
+def test_lora_rows_follow_the_loader(tiny, name):
+    """An adapter's q_proj / k_proj lora_B rows are reordered as the weights' (interleaved pairs to halves), the
+    multimodal checkpoint's `language_model.` prefix dropped; the dense layers' MLPs are adapted too."""
+    from tests.lora.adapters import assert_lora_rows_follow_the_loader
 
-    with pytest.raises(UnsupportedModelError, match="enable_lora: Llama4ForCausalLM: LoRA adapters"):
-        LoRAManager(tiny["scout"][1], max_loras=1, max_lora_rank=8, max_cpu_loras=None, device="cpu",
-                    dtype=torch.float32, max_num_tokens=64)
+    assert_lora_rows_follow_the_loader(tiny[name][0])
 
 
 def test_images_are_refused_by_name(tiny):

@@ -251,21 +251,44 @@ def test_granite_lora_deltas_get_the_residual_multiplier(tiny, tmp_path):
     assert (hf_last_logits(merged, prompt) - hf_last_logits(ref, prompt)).abs().max() > 1e-2  # the adapter matters
 
 
-def test_lora_on_phi3_fused_modules_is_refused_by_name(tiny, tmp_path):
-    """A PEFT adapter of Phi-3 names its fused qkv_proj / gate_up_proj, which ferrox splits at load."""
+@pytest.mark.parametrize("partial", [False, True])
+@torch.inference_mode()
+def test_lora_on_phi3_fused_modules_matches_peft(tiny, tmp_path, partial):
+    """A PEFT adapter of Phi-3 names its fused qkv_proj / gate_up_proj, which ferrox splits at load: the adapter's
+    B rows are cut the same way (Phi3ForCausalLM.lora_rewrite), and with partial rotary (Phi-4-mini) its q / k
+    rows reordered too: logits against peft merged into the weights."""
     pytest.importorskip("peft")
-    from ferrox.lora.adapter import LoRAAdapterError
     from ferrox.lora.manager import LoRAManager
     from ferrox.lora.request import LoRARequest
 
-    from tests.lora.adapters import make_peft_adapter
+    from tests.lora.adapters import (
+        assert_lora_rows_follow_the_loader,
+        load_hf_model,
+        make_peft_adapter,
+        merged_reference,
+    )
 
-    folder, _, ref = tiny["phi3"]
-    adapter = make_peft_adapter(ref, tmp_path / "adapter", r=4, target_modules=("qkv_proj", "o_proj"))
-    manager = LoRAManager(_load(folder), max_loras=1, max_lora_rank=4, max_cpu_loras=None, device="cpu",
+    if partial:
+        folder = tiny_models.make_tiny_phi3(tmp_path / "phi4_mini", partial_rotary_factor=0.75, seed=14)
+        ref = load_hf_model(folder)
+    else:
+        folder, _, ref = tiny["phi3"]
+    model = _load(folder)
+    assert (model.spec.rotary_dim is not None) == partial
+    assert_lora_rows_follow_the_loader(folder, _load(folder))
+    adapter = make_peft_adapter(ref, tmp_path / "adapter", r=4, lora_alpha=8,
+                                target_modules=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), seed=4)
+    merged = merged_reference(ref, adapter)
+    manager = LoRAManager(model, max_loras=1, max_lora_rank=4, max_cpu_loras=None, device="cpu",
                           dtype=torch.float32, max_num_tokens=64)
-    with pytest.raises(LoRAAdapterError, match=r"target_modules 'qkv_proj': not a projection of this model"):
-        manager.add_adapter(LoRARequest("a", 1, adapter))
+    manager.add_adapter(LoRARequest("a", 1, adapter))
+    prompt = PROMPTS[1]
+    caches = allocate_kv_caches(model.spec, 2, 16, torch.float32, "cpu")
+    ids, pos, meta = build_step([StepRequest(prompt, 0, [1])], 16, "cpu")
+    manager.prepare_step(np.ones(len(prompt), dtype=np.int64))
+    logits = model.compute_logits(model(ids, pos, caches, meta)[-1:])[0]
+    torch.testing.assert_close(logits, hf_last_logits(merged, prompt), atol=1e-4, rtol=1e-4)
+    assert (hf_last_logits(merged, prompt) - hf_last_logits(ref, prompt)).abs().max() > 1e-2  # the adapter matters
 
 
 @pytest.mark.parametrize("name", ["granite", "granite_tied"])

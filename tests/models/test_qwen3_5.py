@@ -6,9 +6,9 @@ linear-attention layers then one full-attention layer, partial rotary, grouped v
 The model's own forward over a paged cache and a state pool (tests/helpers/driver.py): last-prompt logits and
 greedy tokens, chunked prefill (the states carried between chunks) and batching; the real engine (Rust scheduler,
 state rows handed out per request, chunked prefill under a 16-token budget, preemption by recompute) against
-transformers' logprobs; the multimodal checkpoint's language model; the refusals; tensor parallelism (2 gloo
-ranks, the engine against transformers; one rank's shard against the whole model); on a GPU, the CUDA engine (fla's
-kernels, CUDA graphs over the state rows) against the CPU one."""
+transformers' logprobs; the multimodal checkpoint's language model; the refusals; LoRA adapters' rows following the
+loader's; tensor parallelism (2 gloo ranks, the engine against transformers; one rank's shard against the whole
+model); on a GPU, the CUDA engine (fla's kernels, CUDA graphs over the state rows) against the CPU one."""
 
 from __future__ import annotations
 
@@ -183,7 +183,6 @@ def test_speculative_decoding_keeps_the_accepted_drafts_states(repeating, plain_
 @pytest.mark.parametrize("setting, match", [
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 16, "prompt_lookup_max": 3}},
      "num_speculative_tokens: at most 15"),
-    ({"enable_lora": True}, "enable_lora"),
     ({"mamba_cache_mode": "all"}, "mamba_cache_mode: 'all'"),
     ({"mamba_cache_mode": "align", "enable_prefix_caching": False}, "mamba_cache_mode: 'align'"),
     ({"mamba_block_size": 24}, "mamba_block_size: must be a multiple of block_size"),
@@ -193,6 +192,17 @@ def test_what_the_states_cannot_follow_is_refused_by_name(tiny, setting, match):
     folder, _, _ = tiny["qwen3_5"]
     with pytest.raises(ValueError, match=match):
         LLM(model=folder, dtype="float32", kv_cache_memory=8 << 20, **setting)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_lora_rows_follow_the_loader(tiny, name):
+    """An adapter's lora_B rows go through the loader's row edits (partial-rotary q/k rows, in_proj_qkv cut into q /
+    k / v, Qwen3-Next's fused projections cut): each checkpoint weight fed through lora_rewrite lands where the
+    loader put it, on both token mixers' projections. (Against transformers + peft, the engine with prefix caching:
+    tests/lora/test_lora_families*.py.)"""
+    from tests.lora.adapters import assert_lora_rows_follow_the_loader
+
+    assert_lora_rows_follow_the_loader(tiny[name][0])
 
 
 def test_prefix_caching_resumes_from_state_snapshots(tiny):

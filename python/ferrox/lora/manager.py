@@ -1,9 +1,12 @@
 """LoRAManager: serve many LoRA adapters of one base model in the same batch.
 
 Built once on a loaded model, it
-- wraps every decoder layer's projections (qkv_proj, o_proj, gate_up_proj, down_proj) in a
-  LoRALinear (lora/layers.py), whose forward adds each token's adapter delta to the base output;
-- keeps added adapters in a CPU cache (LRU, max_cpu_loras), packed for this model (lora/packed.py);
+- wraps every decoder layer's projections (qkv_proj, o_proj, gate_up_proj, down_proj; a hybrid model's
+  linear-attention layers their qkvz_proj, ba_proj, out_proj instead of the attention's) in a LoRALinear
+  (lora/layers.py), whose forward adds each token's adapter delta to the base output;
+- keeps added adapters in a CPU cache (LRU, max_cpu_loras), packed for this model (lora/packed.py), their
+  lora_B rows rewritten as the model's loader rewrites its weights' rows where it does (the model's
+  `lora_rewrite`: lora/rewrite.py);
 - keeps max_loras of them in GPU slots (lora/slots.py SlotTable), swapped in LRU order by copying
   into the slot buffers in place, so CUDA graphs captured earlier stay valid;
 - before each forward, `prepare_step` turns each token's adapter id into its slot index in the
@@ -37,14 +40,24 @@ from ferrox.lora.packed import PackedAdapter, ProjectionTarget, pack_adapter
 from ferrox.lora.request import LoRARequest
 from ferrox.lora.slots import SlotTable, TokenSlots
 
-# (parent module in a decoder layer, merged projection, HF module name -> its slice name (None: whole)).
+# (parent module in a decoder layer, merged projection, module name in the model's checkpoint terms -> its slice
+# name (None: whole)). Names are those after the model's lora_rewrite: a hybrid Qwen's in_proj_qkv arrives cut into
+# in_proj_q / _k / _v, Qwen3-Next's in_proj_qkvz / in_proj_ba into Qwen3.5's names (models/qwen3_5.py).
 _PROJECTIONS: tuple[tuple[str, str, dict[str, str | None]], ...] = (
     ("self_attn", "qkv_proj", {"q_proj": "q", "k_proj": "k", "v_proj": "v"}),
     ("self_attn", "o_proj", {"o_proj": None}),
+    # The Gated DeltaNet of a hybrid model's linear-attention layers (layers/gated_delta_net.py).
+    ("linear_attn", "qkvz_proj", {"in_proj_q": "q", "in_proj_k": "k", "in_proj_v": "v", "in_proj_z": "z"}),
+    ("linear_attn", "ba_proj", {"in_proj_b": "b", "in_proj_a": "a"}),
+    ("linear_attn", "out_proj", {"out_proj": None}),
     ("mlp", "gate_up_proj", {"gate_proj": "gate", "up_proj": "up"}),
     ("mlp", "down_proj", {"down_proj": None}),
+    # Llama 4's dense layers (its MoE layers' feed_forward has experts instead, left unadapted as every MoE's).
+    ("feed_forward", "gate_up_proj", {"gate_proj": "gate", "up_proj": "up"}),
+    ("feed_forward", "down_proj", {"down_proj": None}),
 )
-_REQUIRED = ("qkv_proj", "o_proj")  # every Llama-family decoder layer has these
+# Every decoder layer has one of these token mixers, with these projections.
+_MIXERS = (("self_attn", ("qkv_proj", "o_proj")), ("linear_attn", ("qkvz_proj", "ba_proj", "out_proj")))
 
 
 @dataclass(slots=True)
@@ -77,6 +90,13 @@ class LoRAManager:
         refusal = getattr(model, "lora_refusal", None)  # a family whose layers LoRA cannot adapt exactly
         if refusal:
             raise UnsupportedModelError(f"enable_lora: {refusal}")
+        # A family whose loader rewrites projection rows declares how an adapter's B rows follow (lora/rewrite.py).
+        self._rewrite = getattr(model, "lora_rewrite", None)
+        if self._rewrite is None and getattr(model, "reorders_partial_rotary", False) and getattr(
+                getattr(model, "spec", None), "rotary_dim", None) is not None:
+            raise UnsupportedModelError(f"enable_lora: {type(model).__name__}'s q/k rows are reordered at load for "
+                                        "its partial rotary, and it declares no lora_rewrite that would reorder an "
+                                        "adapter's rows the same way; LoRA is not supported for it")
         self.model = model
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
@@ -97,7 +117,10 @@ class LoRAManager:
                 wrapped = LoRALinear(base, widths, self._token_slots, max_loras=max_loras, max_rank=max_lora_rank,
                                      dtype=dtype, device=self.device, use_triton=use_triton)
                 setattr(parent, attr, wrapped)
-                for s, hf_name in enumerate(hf_slices):
+                for hf_name, slice_name in hf_slices.items():
+                    if slice_name is not None and slice_name not in wrapped.slice_names:
+                        continue  # (an ungated MLP's gate_up_proj holds the up rows alone: GPT-NeoX, Phi-2...)
+                    s = 0 if slice_name is None else wrapped.slice_names.index(slice_name)
                     self._targets[f"model.layers.{i}.{parent_name}.{hf_name}"] = ProjectionTarget(len(self.layers), s)
                 self.layers.append(wrapped)
         # The fused one-token decode path (attention/fused_decode.py) reads the projections'
@@ -125,7 +148,7 @@ class LoRAManager:
                                    "path to load it from")
         adapter = read_peft_adapter(request.lora_path)
         packed = pack_adapter(request, adapter, self.layers, self._targets, max_lora_rank=self.max_lora_rank,
-                              dtype=self.dtype, pin=self.device.type == "cuda")
+                              dtype=self.dtype, pin=self.device.type == "cuda", rewrite=self._rewrite)
         while len(self._cache) >= self.max_cpu_loras:
             self._drop(next(iter(self._cache)))
         self._cache[request.lora_int_id] = packed
@@ -205,20 +228,22 @@ class LoRAManager:
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """model.model.layers, each with self_attn.qkv_proj and self_attn.o_proj (Llama family)."""
+    """model.model.layers, each with self_attn.qkv_proj and self_attn.o_proj (Llama family), or a hybrid
+    model's linear attention in their place (linear_attn.qkvz_proj, ba_proj, out_proj)."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if not isinstance(layers, nn.ModuleList) or not len(layers) or not hasattr(inner, "decode_path"):
         raise UnsupportedModelError(f"enable_lora: {type(model).__name__} has no decoder layers at model.layers "
                                     "(LoRA runs on Llama-family layouts)")
     for i, layer in enumerate(layers):
-        attn = getattr(layer, "self_attn", None)
-        for attr in _REQUIRED:
-            proj = getattr(attn, attr, None)
+        mixer, attrs = next(((name, attrs) for name, attrs in _MIXERS if getattr(layer, name, None) is not None),
+                            _MIXERS[0])
+        for attr in attrs:
+            proj = getattr(getattr(layer, mixer, None), attr, None)
             if isinstance(proj, LoRALinear):
                 raise InvalidArgumentError("enable_lora: this model already has a LoRAManager", param="enable_lora")
             if not isinstance(proj, Linear):
-                raise UnsupportedModelError(f"enable_lora: {type(model).__name__} layer {i} has no self_attn.{attr} "
+                raise UnsupportedModelError(f"enable_lora: {type(model).__name__} layer {i} has no {mixer}.{attr} "
                                             "(LoRA runs on Llama-family layouts)")
     return list(layers)
 

@@ -9,6 +9,9 @@ with zeros where the adapter leaves a slice out or has a smaller rank there, in 
 (pinned when the slots live on a GPU, so a slot swap is an asynchronous copy). Under tensor parallelism
 each rank packs its share (lora/layers.py): the adapter's tensors are checked against the checkpoint's
 shapes, then cut to the layer's input columns of A and output rows of B.
+
+A family whose loader rewrites a projection's output rows (q/k rows permuted for the rotary layout, fused
+projections cut) passes its `lora_rewrite`: the adapter's B then follow the same rows first (lora/rewrite.py).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from ferrox.lora.adapter import UNSUPPORTED_TARGETS, LoRAAdapterError, LoRAModule, PeftAdapter
 from ferrox.lora.layers import LoRALinear
 from ferrox.lora.request import LoRARequest
+from ferrox.lora.rewrite import LoRARewrite, rewritten_modules
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,15 +44,18 @@ class PackedAdapter:
 
 def pack_adapter(request: LoRARequest, adapter: PeftAdapter, layers: Sequence[LoRALinear],
                  targets: dict[str, ProjectionTarget], *, max_lora_rank: int, dtype: torch.dtype,
-                 pin: bool) -> PackedAdapter:
+                 pin: bool, rewrite: LoRARewrite | None = None) -> PackedAdapter:
     """Validate `adapter` against the model (targets, rank limit, every tensor's shape) and pack it;
-    LoRAAdapterError names the file and the field or tensor at fault."""
-    _check_target_modules(adapter, targets)
+    LoRAAdapterError names the file and the field or tensor at fault. rewrite: the model's lora_rewrite
+    (None: the model keeps the checkpoint's rows)."""
+    # (target_modules name the checkpoint's modules, e.g. in_proj_qkv, which the rewrite may rename or cut)
+    _check_target_modules(adapter, targets, adapter.modules if rewrite is not None else {})
     if adapter.max_rank > max_lora_rank:
         field = f"r={adapter.r}" if adapter.max_rank == adapter.r else f"rank_pattern rank {adapter.max_rank}"
         raise LoRAAdapterError(f"{adapter.config_file}: {field} exceeds max_lora_rank={max_lora_rank}")
+    adapted = adapter.modules if rewrite is None else rewritten_modules(adapter, rewrite)
     by_layer: dict[int, list[tuple[int, LoRAModule]]] = {}
-    for name, module in adapter.modules.items():
+    for name, module in adapted.items():
         target = targets.get(name)
         if target is None:
             raise LoRAAdapterError(f"{adapter.weights_file}: tensor {module.a_key!r} adapts {name!r}, "
@@ -59,8 +66,9 @@ def pack_adapter(request: LoRARequest, adapter: PeftAdapter, layers: Sequence[Lo
         for key, tensor, expected in ((module.a_key, module.lora_a, expected_a), (module.b_key, module.lora_b,
                                                                                   expected_b)):
             if tuple(tensor.shape) != expected:
-                raise LoRAAdapterError(f"{adapter.weights_file}: tensor {key!r} shape {tuple(tensor.shape)}, model "
-                                       f"expects {expected}")
+                part = f" (its rows for the model's {name})" if rewrite is not None else ""
+                raise LoRAAdapterError(f"{adapter.weights_file}: tensor {key!r}{part} shape {tuple(tensor.shape)}, "
+                                       f"model expects {expected}")
         by_layer.setdefault(target.layer, []).append((target.slice, module))
 
     rank = adapter.max_rank
@@ -82,13 +90,15 @@ def pack_adapter(request: LoRARequest, adapter: PeftAdapter, layers: Sequence[Lo
     return PackedAdapter(request, rank, tuple(weights))
 
 
-def _check_target_modules(adapter: PeftAdapter, targets: dict[str, ProjectionTarget]) -> None:
-    """A list of target names must name projections this model has (a regex string is checked
-    through the tensors it produced instead)."""
+def _check_target_modules(adapter: PeftAdapter, targets: dict[str, ProjectionTarget],
+                          sources: dict[str, LoRAModule]) -> None:
+    """A list of target names must name projections this model has, or modules of the adapter's (`sources`,
+    given where the model's rewrite renames or cuts them: checked through their tensors, as a regex string is
+    checked through the tensors it produced)."""
     if isinstance(adapter.target_modules, str):
         return
     for name in adapter.target_modules:
-        if not any(t == name or t.endswith("." + name) for t in targets):
+        if not any(t == name or t.endswith("." + name) for t in (*targets, *sources)):
             raise LoRAAdapterError(f"{adapter.config_file}: target_modules {name!r}: {_not_supported(name, targets)}")
 
 

@@ -10,8 +10,9 @@ CohereForCausalLM), as transformers' Cohere defines it; Command R7B / Command A 
 
 Decoding takes the general path (the fused one-token kernels run pre-norm RMSNorm layers). Tensor parallelism comes
 with Llama's projections; with `use_qk_norm` each rank holds its heads' norm weights (Command R+, 104B, needs it). A
-checkpoint quantization_config and LoRA (the permuted q/k rows): refused by name. GGUF files (llama.cpp's
-"command-r", "cohere2") load dequantized: loader/gguf_families.py.
+checkpoint quantization_config: refused by name. LoRA adapters' q/k rows are permuted as the weights' (models/glm4.py
+InterleavedRotaryRows.lora_rewrite). GGUF files (llama.cpp's "command-r", "cohere2") load dequantized:
+loader/gguf_families.py.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from ferrox.distributed.sharding import even_split, kv_head_range, materialize
 from ferrox.layers.ops import DeviceOps, Rope
 from ferrox.layers.rotary import RotaryEmbedding
 from ferrox.model_spec import ModelSpec, UnsupportedModelError
-from ferrox.models.glm4 import GLM_LORA_REFUSAL, InterleavedRotaryRows, interleaved_rotary_setup
+from ferrox.models.glm4 import InterleavedRotaryRows, interleaved_rotary_setup
 from ferrox.models.layer_stack import PerLayerRopeStack
 from ferrox.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
@@ -156,7 +157,6 @@ class CohereForCausalLM(InterleavedRotaryRows, LlamaForCausalLM):
         order = interleaved_rotary_setup(spec)
         super().__init__(spec, dtype, device, kernels=kernels)
         self.logit_scale = float(scale)
-        self.lora_refusal = GLM_LORA_REFUSAL.format(arch=spec.architecture)
         self.rotary_order: torch.Tensor | None = order
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

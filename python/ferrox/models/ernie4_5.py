@@ -6,9 +6,9 @@ decoder with two differences --
   are reordered while loading into ferrox's half-split pairs (models/glm4.py interleaved_rotary_order), so every
   kernel rotates whole heads as for Llama; q . k is unchanged by the same permutation of both.
 
-Every Llama device path follows (fused one-token kernels, tensor parallelism, quantization at load). Refused by
-name: a checkpoint quantization_config and LoRA (the permuted q/k rows: models/glm4.py). GGUF files load
-dequantized (loader/gguf_families.py).
+Every Llama device path follows (fused one-token kernels, tensor parallelism, quantization at load, LoRA with the
+adapters' q/k rows permuted as the weights': models/glm4.py InterleavedRotaryRows.lora_rewrite). Refused by name: a
+checkpoint quantization_config. GGUF files load dequantized (loader/gguf_families.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import dataclasses
 import torch
 
 from ferrox.model_spec import ModelSpec, UnsupportedModelError
-from ferrox.models.glm4 import GLM_LORA_REFUSAL, InterleavedRotaryRows, interleaved_rotary_setup
+from ferrox.models.glm4 import InterleavedRotaryRows, interleaved_rotary_setup
 from ferrox.models.llama import LlamaForCausalLM
 
 
@@ -42,7 +42,6 @@ class Ernie4_5ForCausalLM(InterleavedRotaryRows, LlamaForCausalLM):
         spec = ernie_spec(spec)
         order = interleaved_rotary_setup(spec)
         super().__init__(spec, dtype, device, kernels=kernels)
-        self.lora_refusal = GLM_LORA_REFUSAL.format(arch=spec.architecture)
         self.rotary_order = order
 
 

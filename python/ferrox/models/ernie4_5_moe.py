@@ -11,8 +11,8 @@ at load) over the MoE stack (models/moe.py), with
 
 The checkpoint's multi-token-prediction tensors (`mtp_*`) are skipped, as transformers skips them. One-token
 steps take the general path (the fused decode routes without the bias). Refused by name: `use_bias` (transformers'
-lm_head then has a bias; no release sets it), a checkpoint quantization_config and LoRA (the permuted q/k rows),
-GGUF files.
+lm_head then has a bias; no release sets it), a checkpoint quantization_config, GGUF files. LoRA adapts the attention
+(q/k rows permuted as the weights': models/glm4.py InterleavedRotaryRows.lora_rewrite), not the experts.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ferrox.layers.fused_moe import experts_with_shared
 from ferrox.layers.ops import DeviceOps
 from ferrox.model_spec import ModelLoadError, ModelSpec, MoeSpec, UnsupportedModelError
 from ferrox.models.ernie4_5 import ernie_spec
-from ferrox.models.glm4 import GLM_LORA_REFUSAL, InterleavedRotaryRows, interleaved_rotary_setup
+from ferrox.models.glm4 import InterleavedRotaryRows, interleaved_rotary_setup
 from ferrox.models.llama import LlamaMLP
 from ferrox.models.moe import MoeBlock, MoeForCausalLM, MoeModel
 
@@ -123,7 +123,6 @@ class Ernie4_5_MoeForCausalLM(InterleavedRotaryRows, MoeForCausalLM):
         spec = ernie_moe_spec(spec)
         order = interleaved_rotary_setup(spec)
         super().__init__(spec, dtype, device, kernels=kernels)
-        self.lora_refusal = GLM_LORA_REFUSAL.format(arch=spec.architecture)
         self.rotary_order = order
 
     def rotary_stream(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:

@@ -16,11 +16,11 @@ The Llama decoder with three differences, as transformers' Glm4 defines them:
 The checkpoint's fused `mlp.gate_up_proj` ([gate rows; up rows]) is cut by rows into the merged layer's
 two shards (a tensor-parallel rank reads only its rows). Decoding takes the general path: the
 four-norm layer is not the pre-norm shape the fused one-token kernels run (as Gemma 2's). Tensor
-parallelism comes with the Llama layers. Refused by name: a checkpoint `quantization_config` (the q/k rows
-are permuted at load, which packed or row-scaled tensors do not allow; `quantization="fp8"` quantizes
-the loaded weights instead), hidden_act other than silu, and LoRA (an adapter's q_proj / k_proj rows
-would need the same permutation, which lora/ does not apply). GLM-4-0414's GGUF files (llama.cpp's "glm4") load
-dequantized (loader/gguf_families.py).
+parallelism comes with the Llama layers. LoRA adapters get the same row edits (`lora_rewrite`, lora/rewrite.py):
+their q_proj / k_proj lora_B rows permuted as the weights' are, a gate_up_proj lora_B cut into gate and up.
+Refused by name: a checkpoint `quantization_config` (the q/k rows are permuted at load, which packed or
+row-scaled tensors do not allow; `quantization="fp8"` quantizes the loaded weights instead) and hidden_act
+other than silu. GLM-4-0414's GGUF files (llama.cpp's "glm4") load dequantized (loader/gguf_families.py).
 """
 
 from __future__ import annotations
@@ -42,9 +42,6 @@ from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
 from ferrox.models.layer_stack import ResidualLayerStack
 from ferrox.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
 
-# Why LoRAManager refuses these families (lora/manager.py reads a model's `lora_refusal`).
-GLM_LORA_REFUSAL = ("{arch}'s q/k rows are permuted at load for the rotary layout, and adapters' q_proj / "
-                    "k_proj rows are not; LoRA is not supported for it")
 # transformers' Glm4Config / Glm4MoeConfig default when config.json names no partial_rotary_factor.
 GLM_PARTIAL_ROTARY_FACTOR = 0.5
 # q/k rows (and GLM-4.5's per-head q/k norm weights) whose order inside each head follows the rotary layout.
@@ -134,8 +131,8 @@ def reorder_rotary_rows(weights: Iterable[tuple[str, Any]], head_dim: int,
 
 def interleaved_rotary_setup(spec: ModelSpec) -> torch.Tensor:
     """The whole-head row order of a family rotating interleaved pairs over every dim (ERNIE 4.5, Cohere), its checkpoint
-    quantization checked (check_checkpoint_quantization). The family then keeps it as `rotary_order`, refuses LoRA
-    (GLM_LORA_REFUSAL) and loads through InterleavedRotaryRows."""
+    quantization checked (check_checkpoint_quantization). The family then keeps it as `rotary_order` and loads (and
+    rewrites LoRA adapters' rows) through InterleavedRotaryRows."""
     order = interleaved_rotary_order(spec.head_dim, spec.head_dim)
     check_checkpoint_quantization(spec, order, block_fp8=False)
     return order
@@ -152,9 +149,16 @@ class InterleavedRotaryRows:
     def rotary_stream(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
         return weights
 
+    def _rows_rewritten(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        return reorder_rotary_rows(self.rotary_stream(weights), self.spec.head_dim, self.rotary_order)
+
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        super().load_weights(reorder_rotary_rows(self.rotary_stream(weights), self.spec.head_dim,  # type: ignore[misc]
-                                                 self.rotary_order))
+        super().load_weights(self._rows_rewritten(weights))  # type: ignore[misc]
+
+    def lora_rewrite(self, pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """Adapters' (module.weight, lora_B) pairs with the checkpoint's q/k row order edit (lora/rewrite.py; the
+        family's rotary_stream edits only norms and drops MTP tensors: row-only on a projection)."""
+        return self._rows_rewritten(pairs)
 
 
 class Glm4DecoderLayer(nn.Module):
@@ -192,12 +196,18 @@ class Glm4ForCausalLM(LlamaForCausalLM):
         # (its fused gate_up_proj is cut by rows at load, which a block scale's rows would have to follow)
         check_checkpoint_quantization(spec, order, block_fp8=False)
         super().__init__(spec, dtype, device, kernels=kernels)
-        self.lora_refusal = GLM_LORA_REFUSAL.format(arch=spec.architecture)
         self.rotary_order = order
 
+    def _rows_rewritten(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        return reorder_rotary_rows(self._split_gate_up(weights), self.spec.head_dim, self.rotary_order)
+
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        super().load_weights(reorder_rotary_rows(self._split_gate_up(weights), self.spec.head_dim,
-                                                 self.rotary_order))
+        super().load_weights(self._rows_rewritten(weights))
+
+    def lora_rewrite(self, pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """Adapters' (module.weight, lora_B) pairs with the checkpoint's row edits (lora/rewrite.py): a fused
+        gate_up_proj cut into gate_proj and up_proj rows, q/k rows permuted (row-only)."""
+        return self._rows_rewritten(pairs)
 
     def _split_gate_up(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """The stream with each fused mlp.gate_up_proj tensor cut into gate_proj and up_proj rows."""
@@ -231,5 +241,5 @@ class GlmForCausalLM(Glm4ForCausalLM):
         super().__init__(dataclasses.replace(spec, attention_bias=bias), dtype, device, kernels=kernels)
 
 
-__all__ = ["GLM_LORA_REFUSAL", "Glm4ForCausalLM", "GlmForCausalLM", "InterleavedRotaryRows", "interleaved_rotary_setup", "check_checkpoint_quantization", "glm_spec",
+__all__ = ["Glm4ForCausalLM", "GlmForCausalLM", "InterleavedRotaryRows", "interleaved_rotary_setup", "check_checkpoint_quantization", "glm_spec",
            "interleaved_rotary_order", "reorder_rotary_rows"]

@@ -25,13 +25,14 @@ Tensor and expert parallelism are the MoE stack's. The published FP8 checkpoints
 Refused by name: another checkpoint quantization_config (the q/k rows are permuted at load;
 `quantization="fp8"` quantizes the loaded weights), a
 `scoring_func` other than sigmoid or a `topk_method` other than noaux_tc (DeepSeek's names, which GLM
-configs do not carry), group counts that do not divide the experts, and LoRA (the permuted q/k rows).
+configs do not carry), and group counts that do not divide the experts. LoRA adapts the attention and the dense
+layers' MLPs, the adapters' q/k rows permuted as the weights' (`lora_rewrite`); never the experts.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -45,7 +46,6 @@ from ferrox.layers.rotary import partial_rotary_order
 from ferrox.model_spec import ModelLoadError, ModelSpec, MoeSpec, UnsupportedModelError
 from ferrox.models.deepseek_mtp import DeepseekLayoutMtpTarget
 from ferrox.models.glm4 import (
-    GLM_LORA_REFUSAL,
     check_checkpoint_quantization,
     glm_spec,
     reorder_rotary_rows,
@@ -187,7 +187,6 @@ class Glm4MoeForCausalLM(DeepseekLayoutMtpTarget, MoeForCausalLM):
         check_checkpoint_quantization(spec, order, block_fp8=True)  # (the published FP8 checkpoints: block-wise)
         GroupedRouting.from_config(spec.hf_config, spec.moe.num_experts, spec.moe.num_experts_per_tok)  # (checks)
         super().__init__(spec, dtype, device, kernels=kernels)
-        self.lora_refusal = GLM_LORA_REFUSAL.format(arch=spec.architecture)
         self.rotary_order = order
         self.num_mtp_layers = _int(spec.hf_config, "num_nextn_predict_layers", 0)
 
@@ -216,6 +215,14 @@ class Glm4MoeForCausalLM(DeepseekLayoutMtpTarget, MoeForCausalLM):
         load_moe_tensors(mtp, reorder_rotary_rows(weights, self.spec.head_dim, self.rotary_order),
                          self.spec.architecture, expected)
 
+    def _rows_rewritten(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        return reorder_rotary_rows(without_mtp_layers(weights, self.spec.num_layers, self.num_mtp_layers),
+                                   self.spec.head_dim, self.rotary_order)
+
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        super().load_weights(reorder_rotary_rows(without_mtp_layers(weights, self.spec.num_layers, self.num_mtp_layers),
-                                                self.spec.head_dim, self.rotary_order))
+        super().load_weights(self._rows_rewritten(weights))
+
+    def lora_rewrite(self, pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """Adapters' (module.weight, lora_B) pairs with the checkpoint's row edits (lora/rewrite.py): the MTP
+        layers' dropped (the model runs no LoRA there), q/k rows permuted (row-only)."""
+        return self._rows_rewritten(pairs)

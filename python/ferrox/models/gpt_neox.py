@@ -155,7 +155,12 @@ class GPTNeoXForCausalLM(LlamaForCausalLM):
                                                                                                   *value.shape[1:])
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        super().load_weights(reorder_rotary_rows(self._hf_names(weights), self.spec.head_dim, self.rotary_order))
+        super().load_weights(self.lora_rewrite(weights))
+
+    def lora_rewrite(self, pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """The checkpoint in Llama's names, query_key_value cut per head, q/k rows in the partial rotary's order: the
+        load path, row-only, so an adapter's (module.weight, lora_B) pairs take it too (lora/rewrite.py)."""
+        return reorder_rotary_rows(self._hf_names(pairs), self.spec.head_dim, self.rotary_order)
 
 
 __all__ = ["GPTNeoXForCausalLM", "renamed"]

@@ -23,15 +23,18 @@ Tensor parallelism shards as the Llama and MoE stacks do (heads, dense MLPs and 
 columns; the experts by their intermediate rows, or whole experts with expert parallelism); the q/k row
 reorder stays inside each head, so a rank's heads are whole. Tested with gloo on two CPU ranks.
 
+LoRA: adapters' q_proj / k_proj lora_B rows are reordered as the weights' (`lora_rewrite`, lora/rewrite.py); the
+attention and the dense layers' MLPs take adapters, the MoE layers' experts and shared expert do not (as every
+MoE family's).
+
 Not here: the fused one-token decode path (its MoE routes by softmax top-k; one-token steps run the general
-layers, with the same attention kernels), LoRA (the q/k rows are reordered; refused by name), quantized
-checkpoints (refused by the loader).
+layers, with the same attention kernels), quantized checkpoints (refused by the loader).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -58,8 +61,7 @@ _STACKED = {"gate_up_proj": "w13", "down_proj": "w2"}
 # A Llama4ForConditionalGeneration's parts ferrox does not build (served text-only).
 _VISION_PREFIXES = ("vision_model.", "multi_modal_projector.")
 
-LORA_REFUSAL = ("{arch}: LoRA adapters are not supported (Llama 4's q/k rows are reordered at load for its "
-                "interleaved RoPE, which an adapter's rows would have to follow)")
+_QK_WEIGHT = (".self_attn.q_proj.weight", ".self_attn.k_proj.weight")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -261,7 +263,6 @@ class Llama4ForCausalLM(MoeForCausalLM):
         if spec.rotary_dim is not None:
             raise UnsupportedModelError("config.json: partial_rotary_factor is not supported for Llama 4")
         super().__init__(spec, dtype, device, kernels=kernels)
-        self.lora_refusal = LORA_REFUSAL.format(arch=spec.architecture)
 
     def _expected_keys(self) -> set[str]:
         expected = set()
@@ -273,6 +274,18 @@ class Llama4ForCausalLM(MoeForCausalLM):
             else:
                 expected |= {f"{name}.{leaf}" if name else leaf for leaf, _ in module.named_parameters(recurse=False)}
         return expected
+
+    def lora_rewrite(self, pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """Adapters' (module.weight, lora_B) pairs in this model's terms, as load_weights reads the checkpoint
+        (lora/rewrite.py): a multimodal checkpoint's `language_model.` prefix dropped (its vision tower's modules
+        dropped: no LoRA runs there), q / k rows from interleaved rotary pairs to halves (a row permutation)."""
+        for name, tensor in pairs:
+            if name.startswith(_VISION_PREFIXES):
+                continue
+            name = name.removeprefix("language_model.")
+            if name.endswith(_QK_WEIGHT):
+                tensor = interleaved_to_halves(materialize(tensor), self.spec.head_dim)
+            yield name, tensor
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """HF-named tensors in: a multimodal checkpoint's language model without its `language_model.`

@@ -25,13 +25,14 @@ checkpoints (block-wise, 128-row blocks of 128-dim heads) load as stored: a reor
 block row. Refused by name: another checkpoint quantization_config (the q/k rows are permuted at load),
 `scoring_func` other than sigmoid, `qk_norm_type` other than per_layer or use_qk_norm false (transformers always
 norms), linear-attention layers (`attn_type_list` 0: MiniMax-Text-01's lightning attention), a shared expert
-(`shared_intermediate_size`), and LoRA (the permuted q/k rows).
+(`shared_intermediate_size`). LoRA adapts the attention, the adapters' q/k rows permuted as the weights'
+(`lora_rewrite`); never the experts.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -46,7 +47,6 @@ from ferrox.layers.ops import DeviceOps, Rope
 from ferrox.layers.rotary import partial_rotary_order
 from ferrox.model_spec import ModelLoadError, ModelSpec, MoeSpec, UnsupportedModelError
 from ferrox.models.glm4 import (
-    GLM_LORA_REFUSAL,
     check_checkpoint_quantization,
     reorder_rotary_rows,
     without_mtp_layers,
@@ -206,14 +206,20 @@ class MiniMaxM2ForCausalLM(MoeForCausalLM):
         order = None if spec.rotary_dim is None else partial_rotary_order(spec.head_dim, spec.rotary_dim)
         check_checkpoint_quantization(spec, order, block_fp8=True)  # (the published FP8 checkpoints: block-wise)
         super().__init__(spec, dtype, device, kernels=kernels)
-        if order is not None:
-            self.lora_refusal = GLM_LORA_REFUSAL.format(arch=spec.architecture)
         self.rotary_order = order
         mtp = spec.hf_config.get("num_mtp_modules") or 0
         if isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0:
             raise ModelLoadError(f"config.json: field 'num_mtp_modules' must be an integer >= 0, got {mtp!r}")
         self.num_mtp_layers = mtp
 
+    def _rows_rewritten(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        return reorder_rotary_rows(without_mtp_layers(weights, self.spec.num_layers, self.num_mtp_layers),
+                                   self.spec.head_dim, self.rotary_order)
+
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        super().load_weights(reorder_rotary_rows(without_mtp_layers(weights, self.spec.num_layers, self.num_mtp_layers),
-                                                self.spec.head_dim, self.rotary_order))
+        super().load_weights(self._rows_rewritten(weights))
+
+    def lora_rewrite(self, pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """Adapters' (module.weight, lora_B) pairs with the checkpoint's row edits (lora/rewrite.py): the MTP
+        layers' dropped (the model runs no LoRA there), q/k rows permuted (row-only)."""
+        return self._rows_rewritten(pairs)

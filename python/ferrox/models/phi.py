@@ -83,7 +83,12 @@ class PhiForCausalLM(LlamaForCausalLM):
             yield renamed(name, _RENAMES), tensor
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        super().load_weights(reorder_rotary_rows(self._hf_names(weights), self.spec.head_dim, self.rotary_order))
+        super().load_weights(self.lora_rewrite(weights))
+
+    def lora_rewrite(self, pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """The checkpoint's names and q/k row order (partial rotary): the load path, row-only, so an adapter's
+        (module.weight, lora_B) pairs take it too (lora/rewrite.py)."""
+        return reorder_rotary_rows(self._hf_names(pairs), self.spec.head_dim, self.rotary_order)
 
 
 __all__ = ["PhiForCausalLM"]

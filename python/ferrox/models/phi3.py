@@ -12,7 +12,8 @@ weights in finalize).
 Long-context RoPE (`rope_scaling` "longrope" / "su": Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini) and
 partial rotary (`partial_rotary_factor` < 1, Phi-4-mini) are layers/rotary.py's; for the latter the q
 and k rows of every head are reordered here while loading (`partial_rotary_order`), so every kernel
-keeps rotating whole heads. Refused by name: checkpoint quantization (`quantization_config`: packed
+keeps rotating whole heads. LoRA adapters (which name the fused modules) get the same cuts and row
+order (`lora_rewrite`). Refused by name: checkpoint quantization (`quantization_config`: packed
 AWQ/GPTQ tensors, or per-tensor FP8 scales of the fused projections, cannot be cut by rows).
 `sliding_window` is every layer's attention window (attention backends); the dropout fields
 (resid_pdrop, embd_pdrop, attention_dropout) are training-only.
@@ -50,6 +51,12 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         super().load_weights(self._split_fused(weights))
+
+    def lora_rewrite(self, pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """Adapters' (module.weight, lora_B) pairs cut and reordered as the checkpoint's weights are (lora/rewrite.py):
+        Phi-3 adapters name the fused qkv_proj / gate_up_proj, whose B rows become q / k / v and gate / up, the q / k
+        rows in the partial rotary's order (Phi-4-mini). Row-only."""
+        return self._split_fused(pairs)
 
     def _split_fused(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """The checkpoint stream with each fused qkv_proj / gate_up_proj tensor replaced by its

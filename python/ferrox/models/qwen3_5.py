@@ -34,7 +34,13 @@ counts that do not split are refused at start (distributed/sharding.py check_tp_
 The multimodal checkpoints (Qwen3_5ForConditionalGeneration and its MoE twin, the releases' architectures) put
 Qwen3-VL's vision tower on these decoders: models/qwen3_5_vl.py.
 
-Not yet: LoRA.
+LoRA: adapters on both token mixers' projections (the full attention's q/k/v/o, the linear attention's
+in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj; Qwen3-Next's in_proj_qkvz, in_proj_ba) and on the dense
+MLPs (not the experts, nor the shared expert: as every MoE family's). Their lora_B rows go through this loader's
+row edits (`lora_rewrite`, lora/rewrite.py): the partial-rotary q/k row order, in_proj_qkv cut into its q, k and v
+rows, Qwen3-Next's fused projections cut, the multimodal checkpoints' `model.language_model.` prefix (their vision
+tower takes none). Prefix caching keeps apart what each adapter computed: a state snapshot is keyed by the block
+hash, which the request's adapter seeds (rust/prefix_cache.rs root_hash).
 """
 
 from __future__ import annotations
@@ -246,17 +252,26 @@ class Qwen3_5ForCausalLM(nn.Module):
         return self.model.embed_tokens.gather_logits(self.model.decode_path.logits(hidden, self.lm_head_weight))
 
     # ---- loading --------------------------------------------------------------------------------------
-    def _rewritten(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    def lora_rewrite(self, pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """Adapters' (module.weight, lora_B) pairs through the checkpoint's rewrite (lora/rewrite.py), less its FP8
+        steps (dequantizing acts on columns; a B is float): prefixes, Qwen3-Next's fused projections and
+        in_proj_qkv cut into rows, the partial-rotary q/k row order; the tower's and MTP layer's dropped. The
+        rewrite's other edits (norms + 1, conv kernels reshaped) never meet a projection's weight."""
+        return self._rewritten(pairs, quantized=False)
+
+    def _rewritten(self, weights: Iterable[tuple[str, Any]], *, quantized: bool = True) -> Iterator[tuple[str, Any]]:
         """The checkpoint stream in this model's terms (module docstring): prefixes, Qwen3-Next's fused
         projections, in_proj_qkv cut into its q, k and v rows (each sharded by rank: layers/gated_delta_net.py),
-        zero-centred norms + 1, partial-rotary row order, conv kernels [C, 1, W] -> [C, W]."""
+        zero-centred norms + 1, partial-rotary row order, conv kernels [C, 1, W] -> [C, W]. quantized False: no
+        FP8 block handling (lora_rewrite)."""
         d = self.spec.head_dim
         config = self.spec.hf_config
         key_dim = int(config["linear_num_key_heads"]) * int(config["linear_key_head_dim"])
         value_dim = int(config["linear_num_value_heads"]) * int(config["linear_value_head_dim"])
-        stream = split_qwen3_next_projections(weights, self.spec.hf_config, self.fp8_block)
-        if self.fp8_block is not None:
-            stream = dequantized_attention(stream, self.fp8_block)
+        block = self.fp8_block if quantized else None
+        stream = split_qwen3_next_projections(weights, self.spec.hf_config, block)
+        if block is not None:
+            stream = dequantized_attention(stream, block)
         for name, tensor in stream:
             for old, new in self._PREFIXES:
                 if name.startswith(old):
@@ -273,9 +288,9 @@ class Qwen3_5ForCausalLM(nn.Module):
                 yield f"{base}in_proj_k.weight", row_block(tensor, key_dim, key_dim)
                 yield f"{base}in_proj_v.weight", row_block(tensor, 2 * key_dim, value_dim)
                 continue
-            if name.endswith(".linear_attn.in_proj_qkv.weight_scale_inv") and self.fp8_block is not None:
+            if name.endswith(".linear_attn.in_proj_qkv.weight_scale_inv") and block is not None:
                 # (block rows: check_quantization made the q / k / v cuts fall on block edges)
-                bn = self.fp8_block[0]
+                bn = block[0]
                 base = name[:-len("in_proj_qkv.weight_scale_inv")]
                 for part, start, rows in (("q", 0, key_dim), ("k", key_dim, key_dim), ("v", 2 * key_dim, value_dim)):
                     yield f"{base}in_proj_{part}.weight_scale_inv", row_block(tensor, start // bn, -(-rows // bn))
