@@ -1,10 +1,11 @@
 """Mixture-of-experts models on dummy weights: batch-1 decode against the bytes it must read, throughput,
 and start-up time (issue 14).
 
-    python benches/bench_moe.py                               # Qwen3-30B-A3B, then Mixtral-8x7B (one process each)
+    python benches/bench_moe.py                               # every model below, one process each
     python benches/bench_moe.py --model qwen3-30b-a3b --enforce-eager
     python benches/bench_moe.py --model mixtral-8x7b --num-prompts 200
     python benches/bench_moe.py --model qwen3-30b-a3b --weights bf16,fp8,fp8-block   # FP8 experts side by side
+    python benches/bench_moe.py --model gemma-4-26b-a4b                 # Gemma 4's MoE (bf16 only), batch 1 in graphs
 
 Configs are the published config.json of each model, written into a folder with a synthetic
 tokenizer (bench_setup.make_model_dir), loaded with load_format="dummy" in bf16.
@@ -15,6 +16,12 @@ its k experts of each sparse layer, and the KV it attends) over the best streami
 Qwen3-30B-A3B ~6.1 GB, Mixtral-8x7B ~25.5 GB -- then the older copy floor, the active weights with
 the embedding table counted whole (~6.7 / ~25.9 GB) over device-to-device copy bandwidth. The
 issue's target for Qwen3-30B-A3B is <= 1.3x.
+
+Gemma 4 26B-A4B (google/gemma-4-26B-A4B's text_config as Gemma4ForCausalLM: 30 layers, 128 experts of 704
+beside a dense MLP of 2112 in every layer, sliding layers of 8 x 256 KV heads and full layers of 2 x 512 with
+k = v): floor.py's formulas do not describe its layer, so `gemma4_bytes` counts it (both MLPs, its two attention
+shapes, the router in bf16, the sliding layers' KV up to the window): ~7.6 GB a batch-1 step (3.8 B weights: the
+tied embedding is read whole as the LM head), of 50.5 GB in all.
 
 Throughput: N x (input, output) random-id prompts with ignore_eos, all at once (vLLM's offline
 benchmark), reported as total and output tokens/s.
@@ -64,7 +71,53 @@ CONFIGS = {
         "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
         "vocab_size": 32000,
     },
+    # google/gemma-4-26B-A4B's text_config (the multimodal checkpoint's language model, served as text).
+    "gemma-4-26b-a4b": {
+        "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "attention_bias": False,
+        "attention_k_eq_v": True, "bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0,
+        "enable_moe_block": True, "final_logit_softcapping": 30.0, "global_head_dim": 512, "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2816, "hidden_size_per_layer_input": 0,
+        "intermediate_size": 2112, "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 5,
+        "max_position_embeddings": 262144, "moe_intermediate_size": 704, "num_attention_heads": 16,
+        "num_experts": 128, "num_global_key_value_heads": 2, "num_hidden_layers": 30, "num_key_value_heads": 8,
+        "num_kv_shared_layers": 0, "rms_norm_eps": 1e-06,
+        "rope_parameters": {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+                                               "rope_type": "proportional"},
+                            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}},
+        "sliding_window": 1024, "tie_word_embeddings": True, "top_k_experts": 8, "torch_dtype": "bfloat16",
+        "use_double_wide_mlp": False, "vocab_size": 262144,
+    },
 }
+# Configs whose layer floor.py's formulas do not describe: their bytes are counted here (gemma4_bytes).
+GEMMA4 = ("gemma-4-26b-a4b",)
+
+
+def gemma4_bytes(config: dict, context_len: int, dtype_bytes: int = 2) -> tuple[int, int, int]:
+    """(bytes a batch-1 Gemma 4 MoE step reads -- weights without the input embedding, its k experts, the KV
+    it attends --, active weight bytes with the embedding, all weight bytes). Per layer: the attention of its
+    type (sliding: KV heads x head_dim; full: num_global_key_value_heads x global_head_dim, no v_proj with
+    attention_k_eq_v), the dense GELU MLP, the router (E x H, in the model dtype, as models/gemma4.py keeps it)
+    and top_k (or all) experts; the KV cache holds k and v for every layer, the sliding ones up to the window."""
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    heads, experts, top_k = config["num_attention_heads"], config["num_experts"], config["top_k_experts"]
+    expert = 3 * hidden * config["moe_intermediate_size"]
+    fixed = 3 * hidden * config["intermediate_size"] + experts * hidden + hidden + experts + 8 * hidden + 1
+    read = total = 0
+    kv = 0
+    for kind in config["layer_types"]:
+        full = kind == "full_attention"
+        head_dim = config["global_head_dim"] if full else config["head_dim"]
+        kv_heads = config["num_global_key_value_heads"] if full and config["attention_k_eq_v"] else \
+            config["num_key_value_heads"]
+        planes = 1 if full and config["attention_k_eq_v"] else 2  # (k = v: one projection)
+        attn = hidden * (heads + planes * kv_heads) * head_dim + heads * head_dim * hidden + 2 * head_dim
+        read += attn + fixed + top_k * expert
+        total += attn + fixed + experts * expert
+        kv += 2 * kv_heads * head_dim * (context_len if full else min(context_len, config["sliding_window"]))
+    head = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2) + hidden
+    lm_head = vocab * hidden + hidden
+    return ((read + lm_head) * dtype_bytes + kv * dtype_bytes, (read + head) * dtype_bytes,
+            (total + head) * dtype_bytes)
 
 
 def decode_bytes(config: dict, dtype_bytes: int = 2) -> tuple[int, int]:
@@ -149,10 +202,14 @@ def run_model(name: str, args: argparse.Namespace, weights: str = "bf16") -> dic
         raise RuntimeError(f"expected {args.num_prompts * args.output_len} output tokens, got {out_tokens}")
     total_tokens = out_tokens + sum(len(o.prompt_token_ids) for o in outs)
 
-    active, total = decode_bytes(config)
-    copy_floor_ms = active / (copy_gbps * 1e6)
     context = 32 + args.output_len_b1 // 2  # the mean KV length of the timed steps
-    step_bytes = floor.decode_bytes(config, context, 1) if weights == "bf16" else fp8_decode_bytes(config, context)
+    if name in GEMMA4:
+        step_bytes, active, total = gemma4_bytes(config, context)
+    else:
+        active, total = decode_bytes(config)
+        step_bytes = floor.decode_bytes(config, context, 1) if weights == "bf16" else fp8_decode_bytes(config,
+                                                                                                        context)
+    copy_floor_ms = active / (copy_gbps * 1e6)
     honest_ms = step_bytes / (read_gbps * 1e6)
     step_ms = statistics.median(decode_ms)
     return {
@@ -211,6 +268,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     weights = args.weights.split(",")
     if unknown := [w for w in weights if w not in WEIGHTS]:
         parser.error(f"--weights: unknown {', '.join(unknown)} (choose from {', '.join(WEIGHTS)})")
+    if args.model in GEMMA4 and weights != ["bf16"]:
+        parser.error(f"--model {args.model}: bf16 weights only (ferrox refuses quantized Gemma 4 checkpoints)")
 
     if args.model != "all" and len(weights) == 1:
         results = [run_model(args.model, args, weights[0])]
@@ -218,7 +277,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         results = []
         models = list(CONFIGS) if args.model == "all" else [args.model]
         for name in models:  # one child process per run: its memory is freed before the next loads
-            for w in weights:
+            for w in weights if name not in GEMMA4 else ["bf16"]:
                 with tempfile.NamedTemporaryFile(suffix=".json") as out:
                     # The caller's flags first: the last --model / --weights / --json win.
                     child = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:])]

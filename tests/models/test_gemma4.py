@@ -1,8 +1,10 @@
 """Gemma 4 text against transformers on tiny random checkpoints (float32, CPU): sliding layers and wider full
 layers with fewer KV heads and no v_proj (attention_k_eq_v), value norms, unscaled scores, proportional RoPE
 on the full layers, layer scalars, final logit soft-capping; prompts past the window through chunked prefill
-over paged blocks. Also the MoE block (26B-A4B's shape), per-layer embeddings and KV-sharing layers
-(E2B/E4B's), the multimodal checkpoint served as text, and the engine end to end."""
+over paged blocks. Also the MoE block (26B-A4B's shape: its experts a FusedMoE, the torch loop on CPU),
+per-layer embeddings and KV-sharing layers (E2B/E4B's), the multimodal checkpoint served as text, and the
+engine end to end; on a GPU the CUDA engine against the CPU one, the MoE checkpoint's decode steps replayed as
+CUDA graphs over the fused MoE kernels."""
 
 from __future__ import annotations
 
@@ -185,3 +187,45 @@ def test_cuda_engine_matches_cpu(gemma4, name):
     only bf16's first token."""
     assert_cuda_engine_matches_cpu(gemma4[name][0], PROMPTS, max_tokens=8, max_model_len=256,
                                    bf16_tokens=name != "moe")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_moe_replays_cuda_graphs(gemma4):
+    """The MoE checkpoint on CUDA: its experts on the fused MoE kernels (the GELU-tanh epilogue; routed on the
+    device, nothing read back on the host), so its decode steps replay CUDA graphs -- batch 1 (the matrix-vector
+    path) and the padded batch of all prompts (the grouped GEMMs) --, with the CPU engine's greedy tokens and
+    first-token logprobs (float32)."""
+    folder = gemma4["moe"][0]
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=1, ignore_eos=True)
+
+    def generate(llm, batch):
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
+
+    cpu = LLM(model=folder, device="cpu", dtype="float32", kv_cache_memory=32 << 20, max_model_len=256)
+    try:
+        want = generate(cpu, PROMPTS)
+    finally:
+        cpu.engine.shutdown()
+    replayed: list[int] = []  # the token count of each step run by a CUDA graph
+    llm = LLM(model=folder, device="cuda", dtype="float32", kv_cache_memory=256 << 20, max_model_len=256)
+    try:
+        graphs = llm.engine.runner.graph_runner
+        assert graphs is not None, "CUDA graphs were not captured (supports_cuda_graphs off for the MoE?)"
+        run = graphs.run
+
+        def counting(input_ids, positions, meta, run=run):
+            replayed.append(int(input_ids.shape[0]))
+            return run(input_ids, positions, meta)
+
+        graphs.run = counting
+        batched = generate(llm, PROMPTS)
+        alone = [generate(llm, [p])[0] for p in PROMPTS]
+    finally:
+        llm.engine.shutdown()
+    assert 1 in replayed and len(PROMPTS) in replayed, replayed
+    for i, (tokens, lps) in enumerate(want):
+        assert batched[i][0] == tokens and alone[i][0] == tokens, (i, batched[i][0], alone[i][0], tokens)
+        for got in (batched[i], alone[i]):
+            assert abs(got[1][0][tokens[0]].logprob - lps[0][tokens[0]].logprob) < 1e-3

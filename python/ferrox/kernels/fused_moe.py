@@ -31,7 +31,7 @@ dropped: the top-k then delays every program's first weight load, and the Qwen3-
 from 2.88 to 3.17 ms on an H200.
 
 Layout: w13 [E, 2*I, H] (rows [0, I) gate, [I, 2I) up), w2 [E, H, I], both row-major per expert.
-Gate and up are rounded to the activation dtype before SiLU, as the unfused torch path stores them.
+Gate and up are rounded to x's dtype before the gated activation, as the unfused torch path stores them.
 
 FP8 experts (W8A8; layers/quant/fp8_moe.py holds them, layers/quant/fp8_moe_ref.py is the
 reference whose arithmetic these follow): E4M3 codes with float32 scales per row of each expert
@@ -46,7 +46,14 @@ the row scales applied to the sums, or, with blocks, dequantized weight times fa
 input, the scales loaded per row and group (a gate/up K tile is whole groups, a down tile lies in
 one). The routed norm prologue stays float-only: with FP8 experts the caller norms x.
 
-gpt-oss's experts (layers/fused_moe.py SwigluOai; float only): a bias per output row of each expert
+The gated activation over [gate | up] is the launches' ACTIVATION constexpr (`Activation`), one epilogue
+(`_gated_activation`) for both paths and every weight format: SiLU-and-mul (0, the default: those launches
+take no activation argument and compile as they always have), gpt-oss's clamped SwiGLU (1) and Gemma 4's
+GELU-tanh-and-mul (2; as transformers' gelu_pytorch_tanh, written x * sigmoid(2 z) for 0.5 x (1 + tanh z),
+which needs no tanh and saturates cleanly at either end). FP8 experts take GELU-tanh too (the epilogue reads
+the scaled sums); MXFP4 ones take SiLU or gpt-oss's activation.
+
+gpt-oss's experts (layers/fused_moe.py SwigluOai; float or MXFP4): a bias per output row of each expert
 matrix is added to the fp32 sums before the rounding that the activation reads (gate/up) or before the
 routing weight (down), and ACTIVATION 1 replaces SiLU-and-mul by the clamped SwiGLU, in both paths.
 Without them the launches take no extra arguments and compile as before.
@@ -73,6 +80,7 @@ the torch loop.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +93,14 @@ from ferrox.kernels.gemv import _input_tile, _paired_row_sums
 from ferrox.kernels.moe_align import align_pairs
 from ferrox.kernels.pdl import pdl_launch, pdl_launch_dependents, pdl_wait
 from ferrox.kernels.row_quant import quantize_activations_triton
+
+
+class Activation(enum.IntEnum):
+    """The experts' gated activation over [gate | up] rows: the kernels' ACTIVATION constexpr."""
+
+    SILU = 0  # silu(gate) * up: the SwiGLU families
+    SWIGLU_OAI = 1  # gpt-oss's clamped SwiGLU (its alpha and limit: fused_moe's swiglu_oai)
+    GELU_TANH = 2  # gelu_tanh(gate) * up: Gemma 4 (transformers' gelu_pytorch_tanh)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +140,7 @@ def _grouped_gemm_kernel(
     stride_wn,
     stride_om,
     A_ROW_DIV: tl.constexpr,  # pair -> row of a: the token (k) for gate/up, the pair itself (1) for down
-    GATED: tl.constexpr,  # w rows [0, N) gate, [N, 2N) up: out = silu(gate) * up
+    GATED: tl.constexpr,  # w rows [0, N) gate, [N, 2N) up: out = act(gate) * up (ACTIVATION)
     ROUTED: tl.constexpr,  # out *= the pair's routing weight
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -143,7 +159,7 @@ def _grouped_gemm_kernel(
     BN: tl.constexpr = 1,  # the weight block's rows
     BK: tl.constexpr = 1,  # the weight block's columns, the activations' group
     # gpt-oss (module docstring): a bias per output row of each expert ([E, 2N] with GATED, else
-    # [E, N]), and the activation (ACTIVATION 1: SWIGLU_OAI with ALPHA and LIMIT).
+    # [E, N]). ACTIVATION: an `Activation` (SWIGLU_OAI with ALPHA and LIMIT).
     bias_ptr=None,
     stride_be=0,
     HAS_BIAS: tl.constexpr = False,
@@ -228,10 +244,7 @@ def _grouped_gemm_kernel(
     if GATED:
         gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
         up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
-        if ACTIVATION == 1:
-            acc = _swiglu_oai(gate, up, ALPHA, LIMIT)
-        else:
-            acc = gate / (1.0 + tl.exp(-gate)) * up
+        acc = _gated_activation(gate, up, ACTIVATION, ALPHA, LIMIT)
     if ROUTED:
         acc = acc * tl.load(route_w_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + cols[None, :]
@@ -269,7 +282,7 @@ def _gemv_gate_up_kernel(
     BLOCK_SCALES: tl.constexpr = False,  # BLOCK_K is a multiple of BK
     BN: tl.constexpr = 1,
     BK: tl.constexpr = 1,
-    bias_ptr=None,  # gpt-oss: as the grouped kernel's (bias [E, 2N], ACTIVATION 1: SWIGLU_OAI)
+    bias_ptr=None,  # gpt-oss: as the grouped kernel's (bias [E, 2N]); ACTIVATION likewise (`Activation`)
     stride_be=0,
     HAS_BIAS: tl.constexpr = False,
     ACTIVATION: tl.constexpr = 0,
@@ -277,7 +290,7 @@ def _gemv_gate_up_kernel(
     LIMIT: tl.constexpr = 0.0,
     MXFP4: tl.constexpr = False,  # as the grouped kernel's (no NORM; BLOCK_K a multiple of 32)
 ):
-    """Program (pair, n-block): silu(gate) * up of BLOCK_N columns for one (token, slot) pair.
+    """Program (pair, n-block): act(gate) * up (ACTIVATION) of BLOCK_N columns for one (token, slot) pair.
 
     NORM: x = rms_norm(h) in one pass, as kernels/gemv.py: the norm weight multiplies each x
     tile, the sum of squares of h is accumulated beside the products, and rstd scales the row
@@ -327,11 +340,28 @@ def _gemv_gate_up_kernel(
         up += tl.load(bias_row + N + rows, mask=rmask, other=0.0).to(tl.float32)
     gate = gate.to(out_ptr.dtype.element_ty).to(tl.float32)
     up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
+    y = _gated_activation(gate, up, ACTIVATION, ALPHA, LIMIT)
+    tl.store(out_ptr + pair.to(tl.int64) * stride_o + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def _gated_activation(gate, up, ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    """The gated activation epilogue of both paths (`Activation`), gate and up in fp32."""
     if ACTIVATION == 1:
         y = _swiglu_oai(gate, up, ALPHA, LIMIT)
+    elif ACTIVATION == 2:
+        y = _gelu_tanh(gate) * up
     else:
         y = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + pair.to(tl.int64) * stride_o + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
+    return y
+
+
+@triton.jit
+def _gelu_tanh(x):
+    """0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) as x * sigmoid(2 z): the same value, one exp and no
+    tanh; exp(-2z) overflowing to inf for very negative x gives -0 (as gelu does), not a NaN."""
+    z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    return x / (1.0 + tl.exp(-2.0 * z))
 
 
 @triton.jit
@@ -923,7 +953,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
               eps: float = 1e-6, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
               block: tuple[int, int] | None = None, w13_bias: torch.Tensor | None = None,
-              w2_bias: torch.Tensor | None = None, swiglu_oai: tuple[float, float] | None = None) -> torch.Tensor:
+              w2_bias: torch.Tensor | None = None, swiglu_oai: tuple[float, float] | None = None,
+              activation: Activation = Activation.SILU) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for every token: [T, H] in x's dtype.
 
     small_batch: force (True) or forbid (False) the matrix-vector path; by default
@@ -941,13 +972,25 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
     gpt-oss's experts: w13_bias [E, 2I] (gate rows, then up rows, as w13) and w2_bias [E, H] added to
     each product; swiglu_oai (alpha, limit) in place of SiLU-and-mul (layers/fused_moe.py
-    swiglu_oai_torch). Float or MXFP4 experts."""
+    swiglu_oai_torch), which is activation SWIGLU_OAI. Float or MXFP4 experts.
+
+    activation: the gated activation (`Activation`; module docstring). GELU_TANH (Gemma 4's experts,
+    layers/fused_moe.py gelu_tanh_and_mul_torch) with float or FP8 experts."""
     _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block)
     mxfp4 = w13.dtype == torch.uint8
     fp8 = w13_scale is not None and not mxfp4
     gate_up_opts, down_opts = _gpt_oss_options(w13, w2, w13_bias, w2_bias, swiglu_oai, x.shape[1])
     if (gate_up_opts or down_opts) and fp8:
         raise ValueError("expert biases and swiglu_oai are taken with float or MXFP4 experts only")
+    activation = Activation(activation)
+    if activation == Activation.SWIGLU_OAI and swiglu_oai is None:
+        raise ValueError("activation SWIGLU_OAI needs swiglu_oai=(alpha, limit)")
+    if swiglu_oai is not None and activation not in (Activation.SILU, Activation.SWIGLU_OAI):
+        raise ValueError(f"swiglu_oai is gpt-oss's activation: not taken with activation {activation.name}")
+    if activation == Activation.GELU_TANH:
+        if mxfp4:
+            raise ValueError("GELU_TANH experts are taken float or FP8, not MXFP4 (no such checkpoint)")
+        gate_up_opts = dict(gate_up_opts, ACTIVATION=int(Activation.GELU_TANH))
     if (fp8 or mxfp4) and norm_weight is not None:
         raise ValueError("norm_weight is not taken with FP8 or MXFP4 experts (w13_scale): norm x first")
     if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
@@ -1058,7 +1101,7 @@ def _gpt_oss_options(w13: torch.Tensor, w2: torch.Tensor, w13_bias: torch.Tensor
         opts.update(bias_ptr=bias, stride_be=bias.stride(0), HAS_BIAS=True)
     if swiglu_oai is not None:
         alpha, limit = swiglu_oai
-        gate_up.update(ACTIVATION=1, ALPHA=float(alpha), LIMIT=float(limit))
+        gate_up.update(ACTIVATION=int(Activation.SWIGLU_OAI), ALPHA=float(alpha), LIMIT=float(limit))
     return gate_up, down
 
 

@@ -17,6 +17,10 @@ bias per expert on both products (w13_bias [E, 2I], w2_bias [E, H]) and their ow
 (`SwigluOai`: clamped gate and up, gate * sigmoid(alpha * gate) * (up + 1)) in place of SiLU-and-mul.
 Families without them build the layer as before and run the same code.
 
+Gemma 4's experts (models/gemma4.py) gate with GELU-tanh (`GeluTanh`: gelu_tanh(gate) * up) in place of
+SiLU, likewise in the torch loop and the kernels; float experts (the kernels take FP8 ones too, but the
+torch FP8 loop has SiLU only, so the layer refuses an activation other than SiLU with FP8 experts).
+
 MXFP4 experts (gpt-oss's published checkpoints, `mxfp4=True`): on a kernel set that multiplies them
 the layer holds the checkpoint's packed codes and scales (layers/quant/mxfp4_moe.py: w13 / w2 uint8 and
 uint8 w13_scale / w2_scale) and the kernels dequantize in their K loops; elsewhere the model loads the
@@ -79,6 +83,16 @@ class SwigluOai:
     limit: float = 7.0
 
 
+@dataclass(frozen=True, slots=True)
+class GeluTanh:
+    """Gemma 4's expert activation over [gate | up]: gelu_tanh(gate) * up (transformers' Gemma4TextExperts
+    with gelu_pytorch_tanh)."""
+
+
+# An MoE layer's gated activation: None is SiLU-and-mul (every SwiGLU family).
+ExpertActivation = SwigluOai | GeluTanh | None
+
+
 def swiglu_oai_torch(gate_up: torch.Tensor, act: SwigluOai) -> torch.Tensor:
     """SwigluOai of [..., 2I] rows (gate half first), in their dtype as transformers computes it."""
     gate, up = gate_up.chunk(2, dim=-1)
@@ -87,15 +101,30 @@ def swiglu_oai_torch(gate_up: torch.Tensor, act: SwigluOai) -> torch.Tensor:
     return (up + 1) * (gate * torch.sigmoid(gate * act.alpha))
 
 
+def gelu_tanh_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeluTanh of [..., 2I] rows (gate half first), in their dtype as transformers computes it."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def gated_activation_torch(gate_up: torch.Tensor, activation: ExpertActivation) -> torch.Tensor:
+    """The layer's activation over [..., 2I] rows (gate half first)."""
+    if activation is None:
+        return silu_and_mul_torch(gate_up)
+    if isinstance(activation, GeluTanh):
+        return gelu_tanh_and_mul_torch(gate_up)
+    return swiglu_oai_torch(gate_up, activation)
+
+
 def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, *, w13_bias: torch.Tensor | None = None,
-                  w2_bias: torch.Tensor | None = None, activation: SwigluOai | None = None) -> torch.Tensor:
-    """Per-expert loop (correct, not fast): the CPU path and the kernels' reference. Biases and
-    the activation: gpt-oss's (module docstring); None: no bias, SiLU-and-mul."""
+                  w2_bias: torch.Tensor | None = None, activation: ExpertActivation = None) -> torch.Tensor:
+    """Per-expert loop (correct, not fast): the CPU path and the kernels' reference. Biases: gpt-oss's
+    (module docstring); the activation: gpt-oss's or Gemma 4's, None for SiLU-and-mul."""
 
     def expert_fn(expert: int, tokens: torch.Tensor) -> torch.Tensor:
         gate_up = F.linear(x[tokens], w13[expert], w13_bias[expert] if w13_bias is not None else None)
-        act = silu_and_mul_torch(gate_up) if activation is None else swiglu_oai_torch(gate_up, activation)
+        act = gated_activation_torch(gate_up, activation)
         return F.linear(act, w2[expert], w2_bias[expert] if w2_bias is not None else None)
 
     return per_expert(x, topk_weights, topk_ids, w13.shape[0], expert_fn)
@@ -112,9 +141,10 @@ class FusedMoE(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype,
                  device: torch.device | str | None, ops: DeviceOps, bias: bool = False,
-                 activation: SwigluOai | None = None, mxfp4: bool = False):
-        """bias / activation: gpt-oss's options (module docstring; float or MXFP4 experts). mxfp4: the
-        checkpoint stores the experts in MXFP4 (kept so where the kernel set multiplies them)."""
+                 activation: ExpertActivation = None, mxfp4: bool = False):
+        """bias / activation: gpt-oss's options (module docstring; float or MXFP4 experts), or Gemma 4's
+        GeluTanh activation (float experts). mxfp4: the checkpoint stores the experts in MXFP4 (kept so
+        where the kernel set multiplies them)."""
         super().__init__()
         self.tp: TPGroup = get_tp_group()
         tp = self.tp
@@ -145,6 +175,12 @@ class FusedMoE(nn.Module):
         self.w2: torch.Tensor
         if self.weight_method is not None:
             self.weight_method.check(self)
+        if activation is not None and self.weight_method is not None and not isinstance(
+                self.weight_method, Mxfp4MoeMethod):
+            raise ValueError(f"{type(activation).__name__} experts are supported unquantized (the FP8 experts' "
+                             "torch path has SiLU-and-mul only)")
+        if isinstance(activation, GeluTanh) and mxfp4:
+            raise ValueError("GeluTanh experts are supported unquantized, not MXFP4")
         if self.weight_method is None or self.weight_method.float_weight:
             self.w13 = nn.Parameter(torch.empty(local, 2 * inter, hidden_size, dtype=dtype, device=device),
                                     requires_grad=False)
@@ -195,12 +231,16 @@ class FusedMoE(nn.Module):
         weights; the residual added (the fused decode path's h + mlp(h)). No all-reduce."""
         act = self.activation
         if self.triton:  # (float and MXFP4 experts: no block)
-            from ferrox.kernels.fused_moe import fused_moe
+            from ferrox.kernels.fused_moe import Activation, fused_moe
 
-            gpt_oss: dict[str, Any] = {} if self.w13_bias is None and act is None else dict(
-                w13_bias=self.w13_bias, w2_bias=self.w2_bias, swiglu_oai=(act.alpha, act.limit) if act else None)
+            options: dict[str, Any] = {}
+            if self.w13_bias is not None or isinstance(act, SwigluOai):  # gpt-oss's
+                options.update(w13_bias=self.w13_bias, w2_bias=self.w2_bias,
+                               swiglu_oai=(act.alpha, act.limit) if isinstance(act, SwigluOai) else None)
+            if isinstance(act, GeluTanh):
+                options.update(activation=Activation.GELU_TANH)
             return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, residual=residual, small_batch=small_batch,
-                             w13_scale=self.w13_scale, w2_scale=self.w2_scale, block=self.block, **gpt_oss)
+                             w13_scale=self.w13_scale, w2_scale=self.w2_scale, block=self.block, **options)
         if isinstance(self.weight_method, Mxfp4MoeMethod):  # (the kernels' reference: not built on CPU)
             w13, w2 = self.weight_method.dequantized(self, x.dtype)
             out = experts_torch(x, w13, w2, topk_weights, topk_ids, w13_bias=self.w13_bias, w2_bias=self.w2_bias,

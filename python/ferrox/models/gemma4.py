@@ -15,7 +15,10 @@ them:
 - each layer's output is multiplied by its layer_scalar (a checkpoint tensor);
 - MoE (26B-A4B, enable_moe_block): beside the dense MLP, a router (weightless RMSNorm, * scale / sqrt(hidden),
   softmax over all experts, top-k renormalised, times per_expert_scale) picks experts of GELU-tanh gated MLPs
-  from the same residual; the two outputs are normed apart (post_feedforward_layernorm_1 / _2) and summed;
+  from the same residual; the two outputs are normed apart (post_feedforward_layernorm_1 / _2) and summed.
+  The experts are a FusedMoE (layers/fused_moe.py, activation GeluTanh) given the router's weights and ids;
+  the checkpoint's stacked experts.gate_up_proj [E, 2I, H] (gate rows, then up) and experts.down_proj
+  [E, H, I] are its w13 and w2 as they stand (FusedMoE.load_stacked);
 - per-layer embeddings (E2B/E4B, hidden_size_per_layer_input): a second embedding table of
   hidden_size_per_layer_input per layer, mixed with a projection of the token embedding, gates a residual
   add at the end of every layer;
@@ -27,11 +30,13 @@ Device paths: every step takes the general path (no fused one-token kernels: the
 pre-norm shape they fuse). On the Triton set the attention is the Triton kernels' for every layer (the
 cuDNN / FlashAttention-3 long-prefill paths are planned for one head shape and step aside:
 AttentionBackend.uniform_heads); q/k norms and rotary are one kernel for head_dim <= 256 (the sliding
-layers), torch ops for the 512-wide global heads. The experts run the per-expert loop (the fused MoE kernels
-have SiLU and gpt-oss's activation, not GELU) on every device, so an MoE checkpoint's steps run without CUDA
-graphs (the loop reads each expert's token count on the host). Refused by name: tensor parallelism,
-quantized checkpoints, GGUF, bidirectional attention ("all"), and the vision and audio towers
-(Gemma4ForConditionalGeneration serves its language model: a request with images is refused).
+layers), torch ops for the 512-wide global heads. The experts run the fused MoE kernels with their GELU-tanh
+epilogue (kernels/fused_moe.py: the matrix-vector path for a few decode tokens, the grouped GEMMs past that),
+routed in one launch (route_top_k), with nothing read back on the host, so an MoE checkpoint's decode steps
+replay CUDA graphs like the dense ones; on the torch set (CPU) FusedMoE's per-expert loop runs them (it reads
+each expert's token count on the host: the CPU path and the kernels' reference only). Refused by name:
+tensor parallelism, quantized checkpoints, GGUF, bidirectional attention ("all"), and the vision and audio
+towers (Gemma4ForConditionalGeneration serves its language model: a request with images is refused).
 """
 
 from __future__ import annotations
@@ -47,13 +52,14 @@ from torch import nn
 
 from ferrox.attention.backend import AttentionBackend
 from ferrox.attention.kv_cache import KVCacheScales
-from ferrox.layers.expert_loop import per_expert
+from ferrox.distributed.sharding import materialize
+from ferrox.layers.fused_moe import FusedMoE, GeluTanh
 from ferrox.layers.layernorm import RMSNorm
 from ferrox.layers.linear import Linear, MergedLinear, QKVLinear, RowParallelLinear
 from ferrox.layers.ops import DeviceOps, Rope
 from ferrox.layers.rotary import RotaryEmbedding
 from ferrox.layers.vocab_parallel import VocabParallelEmbedding
-from ferrox.model_spec import ModelSpec, UnsupportedModelError
+from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
 from ferrox.models.gemma2 import GemmaMLP, check_gelu_tanh, embedding_normalizer
 from ferrox.models.llama import LlamaForCausalLM
 
@@ -163,7 +169,8 @@ class Gemma4Attention(nn.Module):
 
 class Gemma4Router(nn.Module):
     """transformers' Gemma4TextRouter: logits of the weightless-RMS-normed residual times scale / sqrt(hidden);
-    softmax (float32) over all experts, top-k, renormalised, times each chosen expert's per_expert_scale."""
+    softmax (float32) over all experts, top-k, renormalised (the experts' `route`: one launch on the Triton
+    set), times each chosen expert's per_expert_scale."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, eps: float, dtype: torch.dtype,
                  device: torch.device | str):
@@ -173,34 +180,17 @@ class Gemma4Router(nn.Module):
         self.per_expert_scale = nn.Parameter(torch.ones(num_experts, dtype=dtype, device=device), requires_grad=False)
         self.top_k, self.eps, self.root = top_k, eps, hidden ** -0.5
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, experts: FusedMoE) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights float32 [T, k], expert ids int64 [T, k]) for `experts`, on the device: no host sync."""
         xf = x.float()
         h = (xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)).to(x.dtype)
         logits = F.linear(h * self.scale * self.root, self.proj.weight)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, ids = experts.route(logits, self.top_k, renormalize=True)
         return weights * self.per_expert_scale[ids], ids
 
 
-class Gemma4Experts(nn.Module):
-    """The experts as the checkpoint stacks them: gate_up_proj [E, 2I, H] (gate rows, then up), down_proj
-    [E, H, I]; GELU-tanh gated, run expert by expert (layers/expert_loop.py)."""
-
-    def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device: torch.device | str):
-        super().__init__()
-        self.num_experts = num_experts
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden, dtype=dtype, device=device),
-                                         requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=dtype, device=device),
-                                      requires_grad=False)
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        def expert(e: int, tokens: torch.Tensor) -> torch.Tensor:
-            gate, up = F.linear(x[tokens], self.gate_up_proj[e]).chunk(2, dim=-1)
-            return F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[e])
-
-        return per_expert(x, weights, ids, self.num_experts, expert)
+# The checkpoint's stacked expert tensors (transformers' Gemma4TextExperts) -> FusedMoE's, the same layout.
+_STACKED_EXPERTS = {"gate_up_proj": "w13", "down_proj": "w2"}
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -219,14 +209,15 @@ class Gemma4DecoderLayer(nn.Module):
         wide = 2 if config.get("use_double_wide_mlp") and source != layer else 1
         self.mlp = GemmaMLP(dataclasses.replace(spec, intermediate_size=spec.intermediate_size * wide), dtype, device)
         self.router: Gemma4Router | None = None
-        self.experts: Gemma4Experts | None = None
+        self.experts: FusedMoE | None = None
         if config.get("enable_moe_block"):
             moe = spec.moe
             if moe is None:
                 raise UnsupportedModelError("config.json: enable_moe_block needs num_experts and top_k_experts")
             self.router = Gemma4Router(spec.hidden_size, moe.num_experts, moe.num_experts_per_tok, spec.rms_norm_eps,
                                        dtype, device)
-            self.experts = Gemma4Experts(moe.num_experts, spec.hidden_size, moe.intermediate_size, dtype, device)
+            self.experts = FusedMoE(moe.num_experts, spec.hidden_size, moe.intermediate_size, dtype=dtype,
+                                    device=device, ops=ops, activation=GeluTanh())
             self.post_feedforward_layernorm_1, self.post_feedforward_layernorm_2 = norm(), norm()
             self.pre_feedforward_layernorm_2 = norm()
         per_layer = int(config.get("hidden_size_per_layer_input") or 0)
@@ -244,7 +235,7 @@ class Gemma4DecoderLayer(nn.Module):
         x = x + self.post_attention_layernorm(h)
         h = self.mlp(self.pre_feedforward_layernorm(x))
         if self.router is not None and self.experts is not None:
-            weights, ids = self.router(x)
+            weights, ids = self.router(x, self.experts)
             routed = self.experts(self.pre_feedforward_layernorm_2(x), weights, ids)
             h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(routed)
         x = x + self.post_feedforward_layernorm(h)
@@ -328,9 +319,14 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
                                         "(the loader reads Gemma 4's per-layer shapes from it)")
         super().__init__(dataclasses.replace(spec, attention_scale=1.0), dtype, device, kernels=kernels)
         self.backend.uniform_heads = len(set(spec.layer_kv_shapes)) <= 1
-        # The experts' per-expert loop counts each expert's tokens on the host: no CUDA graphs around it
-        # (worker/model_forward.py runs such a model's steps eagerly).
-        self.supports_cuda_graphs = not config.get("enable_moe_block")
+        # CUDA graphs for the MoE checkpoint too: its experts route and run on the device with nothing read back
+        # on the host (FusedMoE's kernels sort the pairs by expert on the device, or read each pair's expert
+        # directly), where the per-expert loop they ran before counted each expert's tokens on the host and so
+        # kept every step eager.
+        self.supports_cuda_graphs = True
+        # The experts load themselves (load_weights: FusedMoE.load_stacked), not by parameter name.
+        self.own_weight_prefixes = tuple(f"model.layers.{i}.experts." for i, layer in enumerate(self.model.layers)
+                                         if layer.experts is not None)
         self.final_softcap = float(config.get("final_logit_softcapping") or 0.0)
         # (multimodal/prompt_embeds.py: the per-layer table is looked up by the prompt's token ids)
         self.prompt_embeds_problem = ("its per-layer embeddings (hidden_size_per_layer_input) are looked up by the "
@@ -348,17 +344,31 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
                   if layer.self_attn.k_eq_v and not layer.self_attn.shares_kv}
         shared = {f"model.layers.{i}.self_attn.{p}_" for i, layer in enumerate(self.model.layers)
                   if layer.self_attn.shares_kv for p in ("k", "v")}
+        experts = {f"model.layers.{i}.experts": layer.experts for i, layer in enumerate(self.model.layers)
+                   if layer.experts is not None}
+        loaded_experts: set[str] = set()
 
         def renamed() -> Iterator[tuple[str, Any]]:
             for name, tensor in weights:
                 if name.startswith(tuple(shared)) and ".self_attn." in name:
                     continue  # a KV-sharing layer's (unused) k/v projections and norms, as transformers skips them
+                prefix, _, leaf = name.rpartition(".")
+                if prefix in experts and leaf in _STACKED_EXPERTS:
+                    try:
+                        experts[prefix].load_stacked(_STACKED_EXPERTS[leaf], materialize(tensor))
+                    except ValueError as e:
+                        raise ModelLoadError(f"tensor {name!r}: {e} (config.json does not match the weights?)") from e
+                    loaded_experts.add(name)
+                    continue
                 yield name, tensor
                 head, sep, leaf = name.rpartition("k_proj.")
                 if sep and head + sep in k_eq_v:
                     yield f"{head}v_proj.{leaf}", tensor
 
         super().load_weights(renamed())
+        missing = {f"{prefix}.{leaf}" for prefix in experts for leaf in _STACKED_EXPERTS} - loaded_experts
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(sorted(missing)[:8])}")
 
 
 # The multimodal checkpoint's modules that ferrox does not build (its towers and their embedders).
