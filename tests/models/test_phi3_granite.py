@@ -229,9 +229,6 @@ def test_granite_lora_deltas_get_the_residual_multiplier(tiny, tmp_path):
     """o_proj and down_proj carry residual_multiplier in their weights; an adapter on them must get
     it too (transformers scales the adapted layer's output): against peft merged into the weights."""
     pytest.importorskip("peft")
-    from ferrox.lora.manager import LoRAManager
-    from ferrox.lora.request import LoRARequest
-
     from tests.lora.adapters import make_peft_adapter, merged_reference
 
     folder, _, ref = tiny["granite"]
@@ -239,16 +236,7 @@ def test_granite_lora_deltas_get_the_residual_multiplier(tiny, tmp_path):
                                 seed=3)
     merged = merged_reference(ref, adapter)
     model = _load(folder)
-    manager = LoRAManager(model, max_loras=1, max_lora_rank=4, max_cpu_loras=None, device="cpu",
-                          dtype=torch.float32, max_num_tokens=64)
-    manager.add_adapter(LoRARequest("a", 1, adapter))
-    prompt = PROMPTS[1]
-    caches = allocate_kv_caches(model.spec, 2, 16, torch.float32, "cpu")
-    ids, pos, meta = build_step([StepRequest(prompt, 0, [1])], 16, "cpu")
-    manager.prepare_step(np.ones(len(prompt), dtype=np.int64))
-    logits = model.compute_logits(model(ids, pos, caches, meta)[-1:])[0]
-    torch.testing.assert_close(logits, hf_last_logits(merged, prompt), atol=1e-4, rtol=1e-4)
-    assert (hf_last_logits(merged, prompt) - hf_last_logits(ref, prompt)).abs().max() > 1e-2  # the adapter matters
+    _assert_adapter_matches(model, adapter, ref, merged)
 
 
 @pytest.mark.parametrize("partial", [False, True])
@@ -258,9 +246,6 @@ def test_lora_on_phi3_fused_modules_matches_peft(tiny, tmp_path, partial):
     B rows are cut the same way (Phi3ForCausalLM.lora_rewrite), and with partial rotary (Phi-4-mini) its q / k
     rows reordered too: logits against peft merged into the weights."""
     pytest.importorskip("peft")
-    from ferrox.lora.manager import LoRAManager
-    from ferrox.lora.request import LoRARequest
-
     from tests.lora.adapters import (
         assert_lora_rows_follow_the_loader,
         load_hf_model,
@@ -279,6 +264,15 @@ def test_lora_on_phi3_fused_modules_matches_peft(tiny, tmp_path, partial):
     adapter = make_peft_adapter(ref, tmp_path / "adapter", r=4, lora_alpha=8,
                                 target_modules=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), seed=4)
     merged = merged_reference(ref, adapter)
+    _assert_adapter_matches(model, adapter, ref, merged)
+
+
+def _assert_adapter_matches(model, adapter: str, ref, merged) -> None:
+    """One prompt's last logits through `model` with `adapter` in a slot: those of peft's merged model, and
+    not the base model's (the adapter matters)."""
+    from ferrox.lora.manager import LoRAManager
+    from ferrox.lora.request import LoRARequest
+
     manager = LoRAManager(model, max_loras=1, max_lora_rank=4, max_cpu_loras=None, device="cpu",
                           dtype=torch.float32, max_num_tokens=64)
     manager.add_adapter(LoRARequest("a", 1, adapter))
@@ -288,7 +282,7 @@ def test_lora_on_phi3_fused_modules_matches_peft(tiny, tmp_path, partial):
     manager.prepare_step(np.ones(len(prompt), dtype=np.int64))
     logits = model.compute_logits(model(ids, pos, caches, meta)[-1:])[0]
     torch.testing.assert_close(logits, hf_last_logits(merged, prompt), atol=1e-4, rtol=1e-4)
-    assert (hf_last_logits(merged, prompt) - hf_last_logits(ref, prompt)).abs().max() > 1e-2  # the adapter matters
+    assert (hf_last_logits(merged, prompt) - hf_last_logits(ref, prompt)).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("name", ["granite", "granite_tied"])
