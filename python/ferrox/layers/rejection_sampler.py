@@ -19,8 +19,8 @@ over the vocabulary from it, so its tokens depend only on its seed, drafts and d
 the rest of the batch. Other rows share `default_generator`. The final draw is the exponential
 race (argmax(dist / Exp(1))), as in layers/sampler.py.
 
-Everything runs on the device of `target_probs`; the per-row draft counts are host data (they come
-from SchedulerOutput.num_draft_tokens).
+Everything runs on the device of `target_probs`; the per-row draft counts and the drafts are host data (they
+come from SchedulerOutput.num_draft_tokens and draft_token_ids).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def rejection_sample(
     """target_probs: [sum(d_r + 1), V] the target's probabilities (after temperature, top-k/top-p,
     penalties...) at each request's 1 + d_r verify positions, request after request. Greedy rows
     are only argmax'ed, so they may hold logits instead.
-    draft_token_ids: [sum(d_r)] the drafts, request after request (SchedulerOutput.draft_token_ids).
+    draft_token_ids: [sum(d_r)] the drafts, request after request (host: SchedulerOutput.draft_token_ids).
     num_draft_tokens: [num_reqs] d_r (host).
     draft_probs: [sum(d_r), V] the draft model's q_j; None for deterministic (n-gram) drafts.
     greedy: [num_reqs] bool, True for greedy rows; None: every row is sampled.
@@ -66,18 +66,13 @@ def rejection_sample(
     counts_np = np.asarray(num_draft_tokens, dtype=np.int64).reshape(-1)
     num_reqs = counts_np.size
     max_d = int(counts_np.max()) if num_reqs else 0
-    plan = _pad_plan(counts_np, draft_token_ids, max_d)
-    # The padded index arrays are built on the host (the counts, and usually the drafts, are host data) and
-    # cross to the device as one copy: a verify step runs every step of a speculating engine, and each small
-    # upload or index op is a launch the step's latency pays for.
-    on_device = torch.from_numpy(plan.packed)
-    if device.type != "cpu":
-        on_device = on_device.pin_memory().to(device, non_blocking=True)
-    target_rows, padded, draft_idx, valid = plan.unpack(on_device, num_reqs, max_d)
-    if padded is None:  # the drafts are already on the device: gather them there
-        drafts = draft_token_ids.to(device=device, dtype=torch.int64)
-        padded = drafts[draft_idx] if drafts.numel() else torch.zeros(num_reqs, max_d, dtype=torch.int64,
-                                                                      device=device)
+    # The padded index arrays are built on the host (the counts and drafts are host data) and cross to the
+    # device as one copy: a verify step runs every step of a speculating engine, and each small upload or index
+    # op is a launch the step's latency pays for (benches/bench_rejection.py).
+    packed = torch.from_numpy(_pad_plan(counts_np, np.asarray(draft_token_ids, dtype=np.int64), max_d))
+    if packed.device != device:  # (pinned, so the copy is queued and the host goes on)
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    target_rows, padded, draft_idx, valid = _unpack(packed, num_reqs, max_d)
     counts = torch.from_numpy(counts_np)
 
     greedy_mask = np.zeros(num_reqs, dtype=bool) if greedy is None else greedy.to("cpu", torch.bool).numpy()
@@ -110,26 +105,10 @@ def rejection_sample(
     return RejectionOutput(out, (accepted + 1).to(torch.int32))
 
 
-@dataclass(slots=True)
-class _PadPlan:
-    """The [num_reqs, max_d (+ 1)] padded views of a verify step, as one int64 host array: target_rows (request
-    r's position j, clamped to its bonus position), then the padded drafts (when the drafts are host data), each
-    padded draft's index in the flat drafts (padding points at some real draft: never used), and which are real."""
-
-    packed: npt.NDArray[np.int64]
-    has_drafts: bool
-
-    def unpack(self, t: torch.Tensor, num_reqs: int, max_d: int
-               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        sizes = [num_reqs * (max_d + 1), num_reqs * max_d if self.has_drafts else 0, num_reqs * max_d,
-                 num_reqs * max_d]
-        target_rows, padded, draft_idx, valid = t.split(sizes)
-        return (target_rows.view(num_reqs, max_d + 1),
-                padded.view(num_reqs, max_d) if self.has_drafts else None,
-                draft_idx.view(num_reqs, max_d), valid.view(num_reqs, max_d).bool())
-
-
-def _pad_plan(counts: npt.NDArray[np.int64], draft_token_ids: torch.Tensor, max_d: int) -> _PadPlan:
+def _pad_plan(counts: npt.NDArray[np.int64], drafts: npt.NDArray[np.int64], max_d: int) -> npt.NDArray[np.int64]:
+    """The [num_reqs, max_d (+ 1)] padded views of a verify step as one int64 host array, in `_unpack`'s order:
+    target_rows (request r's position j, clamped to its bonus position), the padded drafts, each padded draft's
+    index in the flat drafts (padding points at some real draft: never used), and which are real."""
     num_reqs = counts.size
     row_start = np.zeros(num_reqs, dtype=np.int64)
     row_start[1:] = np.cumsum(counts + 1)[:-1]
@@ -138,14 +117,18 @@ def _pad_plan(counts: npt.NDArray[np.int64], draft_token_ids: torch.Tensor, max_
     valid = j[None, :max_d] < counts[:, None]
     draft_start = row_start - np.arange(num_reqs, dtype=np.int64)
     draft_idx = draft_start[:, None] + np.minimum(j[None, :max_d], np.maximum(counts - 1, 0)[:, None])
-    draft_idx = np.minimum(draft_idx, max(draft_token_ids.numel() - 1, 0))
-    parts = [target_rows.reshape(-1)]
-    host = draft_token_ids.device.type == "cpu"
-    if host:
-        flat = draft_token_ids.numpy().astype(np.int64, copy=False)
-        parts.append(flat[draft_idx].reshape(-1) if flat.size else np.zeros(num_reqs * max_d, dtype=np.int64))
-    parts += [draft_idx.reshape(-1), valid.reshape(-1).astype(np.int64)]
-    return _PadPlan(np.concatenate(parts), host)
+    draft_idx = np.minimum(draft_idx, max(drafts.size - 1, 0))
+    padded = drafts.reshape(-1)[draft_idx] if drafts.size else np.zeros((num_reqs, max_d), dtype=np.int64)
+    return np.concatenate([a.reshape(-1).astype(np.int64, copy=False) for a in (target_rows, padded, draft_idx, valid)])
+
+
+def _unpack(packed: torch.Tensor, num_reqs: int, max_d: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_pad_plan`'s array as (target_rows [R, D + 1], padded drafts [R, D], draft_idx [R, D], valid [R, D] bool)."""
+    cells = num_reqs * max_d
+    target_rows, padded, draft_idx, valid = packed.split([num_reqs * (max_d + 1), cells, cells, cells])
+    return (target_rows.view(num_reqs, max_d + 1), padded.view(num_reqs, max_d), draft_idx.view(num_reqs, max_d),
+            valid.view(num_reqs, max_d).bool())
 
 
 def _leading_true(mask: torch.Tensor) -> torch.Tensor:
