@@ -104,6 +104,26 @@ def test_engine_preemption_recomputes_the_states(tiny):
         llm.engine.shutdown()
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_rows_come_back_when_the_engine_goes_idle(tiny, async_scheduling):
+    """An async engine's last schedule after its requests end runs nothing but reports them finished: their state
+    rows must come back then (they were lost, and an engine serving max_num_seqs requests at a time failed its
+    next round with "no free row"). Rounds of max_num_seqs requests, idle between them, answers unchanged."""
+    folder = tiny["qwen3_5"][0]
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 300 + 3 for j in range(5 + 3 * i)]} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm = LLM(model=folder, dtype="float32", max_num_seqs=4, max_model_len=128, kv_cache_memory=8 << 20,
+              async_scheduling=async_scheduling)
+    try:
+        rounds = [[list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+                  for _ in range(3)]
+        assert rounds[0] == rounds[1] == rounds[2]
+        llm.engine.step()  # (an idle step: its schedule reports what finished last)
+        assert llm.engine.runner.state_rows.row_of == {}
+    finally:
+        llm.engine.shutdown()
+
+
 def test_state_rows_follow_the_schedule():
     """Rows go to scheduled requests, come back on finish and preemption, and row 0 (scratch) is never given."""
 

@@ -535,6 +535,8 @@ class EngineCore:
             handle = self.runner.launch(so, prev)
             if self.drafter is not None:
                 self.drafter.shadow(so)
+        elif isinstance(self.runner, ModelRunner):
+            self.runner.release_unlaunched(so)  # (what it reports finished holds no hybrid state row any more)
         needs_mask = handle is not None and self._has_constrained_rows(so)
         if handle is not None:
             # prev's tokens are still on the device (not yet handed to the core): penalties and

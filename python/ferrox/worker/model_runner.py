@@ -260,6 +260,12 @@ class ModelRunner:
         self.sample(handle, grammar_bitmask)
         return self.finish(handle)
 
+    def release_unlaunched(self, so: Any) -> None:
+        """A schedule with no request to run still reports requests finished or preempted: their recurrent-state
+        rows go back now (launch does it for the others)."""
+        if self.state_rows is not None:
+            self.state_rows.release(so)
+
     @torch.inference_mode()
     def launch(self, so: Any, prev: StepHandle | None = None) -> StepHandle:
         """Queue one step's inputs, forward pass and logits without waiting. prev: the step still

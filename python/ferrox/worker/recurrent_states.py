@@ -186,12 +186,18 @@ class StateRows:
         self.free = list(range(self.max_num_seqs, 0, -1))  # (popped from the end: row 1 first)
         self.row_of: dict[str, int] = {}
 
-    def for_step(self, so: Any) -> npt.NDArray[np.int32]:
-        """[num_reqs] the rows of the step's requests, in batch order."""
+    def release(self, so: Any) -> None:
+        """Rows of the requests `so` reports finished or preempted go back. Every schedule's report must come here,
+        one that runs no request too (an async engine's last schedule once its requests end): the scheduler reports
+        a request finished once, so a report dropped is a row held for good."""
         for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
             row = self.row_of.pop(req_id, None)
             if row is not None:
                 self.free.append(row)
+
+    def for_step(self, so: Any) -> npt.NDArray[np.int32]:
+        """[num_reqs] the rows of the step's requests, in batch order (after `release`)."""
+        self.release(so)
         rows = np.empty(len(so.req_ids), dtype=np.int32)
         for i, req_id in enumerate(so.req_ids):
             row = self.row_of.get(req_id)
