@@ -19,6 +19,7 @@ from ferrox.model_spec import spec_for_context
 from ferrox.models.registry import get_model_class
 
 from tests.helpers.driver import StepRequest, build_step
+from tests.helpers.interpreter import INTERPRETED, interpreted_or, prefill_kernel_from, wide_row_tiles
 from tests.kernels.kernel_refs import relative_error
 
 BLOCK = 8
@@ -140,9 +141,15 @@ def _run(model, device: torch.device, prompt: list[int], decode: list[int]) -> t
     return torch.cat(rows)
 
 
-def test_gpt_oss_on_triton_kernels_matches_torch(kernel_device):
+def test_gpt_oss_on_triton_kernels_matches_torch(kernel_device, monkeypatch):
     """A 130-token prompt (the prefill kernel; grouped expert GEMMs with biases and the clamped SwiGLU), then
-    one-token steps (the unified kernel; the small-batch expert kernels)."""
+    one-token steps (the unified kernel; the small-batch expert kernels). Interpreted, a 48-token prompt
+    (past the 20-token window, two query tiles) reaches the prefill kernel, and the one-token products take
+    wide row tiles (tests/helpers/interpreter.py)."""
+    prompt_len = interpreted_or(130, 48)
+    launches = prefill_kernel_from(monkeypatch, prompt_len)
+    if INTERPRETED:
+        wide_row_tiles(monkeypatch)
     spec = spec_for_context(spec_from_hf_config(GPT_OSS, "test config"), 512)
     cls = get_model_class(GPT_OSS["architectures"])
     ref = cls(spec, torch.float32, kernel_device, kernels="torch")
@@ -158,8 +165,9 @@ def test_gpt_oss_on_triton_kernels_matches_torch(kernel_device):
         model.finalize_weights()
         model.eval()
     assert triton_model.model.layers[0].mlp.experts.triton and triton_model.backend.name == "triton"
-    prompt = [(7 * i + 3) % 61 for i in range(130)]
+    prompt = [(7 * i + 3) % 61 for i in range(prompt_len)]
     expected = _run(ref, kernel_device, prompt, [11, 42, 5])
     got = _run(triton_model, kernel_device, prompt, [11, 42, 5])
+    assert len(launches) == 2  # the prompt's step, in each layer
     assert relative_error(got, expected) < 1e-4
     assert torch.equal(got.argmax(-1), expected.argmax(-1))

@@ -13,6 +13,7 @@ from ferrox.attention.triton_backend import TritonAttentionBackend
 from ferrox.kernels.paged_attention import unified_attention
 from ferrox.kernels.prefill_attention import PrefillLaunchConfig, prefill_attention
 
+from tests.helpers.interpreter import interpreted_or, prefill_kernel_from
 from tests.kernels.kernel_refs import PagedBatch, relative_error
 from tests.kernels.test_triton_backend import TOLERANCE, _dtype, _meta
 
@@ -136,9 +137,12 @@ LLAMA4 = {
 }
 
 
-def test_llama4_on_triton_kernels_matches_torch(kernel_device):
+def test_llama4_on_triton_kernels_matches_torch(kernel_device, monkeypatch):
     """A 158-token prompt (the prefill kernel with 32-token chunks, the fused experts, the rotary kernel on
-    reordered q/k rows), then one-token steps (the unified kernel) crossing into the next chunk."""
+    reordered q/k rows), then one-token steps (the unified kernel) crossing into the next chunk.
+    Interpreted: two layers (a chunked RoPE layer with a dense MLP, a NoPE layer of full attention with the
+    experts: every kind the four hold) and a 62-token prompt (two chunks), which reaches the prefill kernel
+    (tests/helpers/interpreter.py) and whose steps cross the chunk edge at 64."""
     from ferrox.loader.model_config import spec_from_hf_config
     from ferrox.loader.model_loader import init_dummy_weights
     from ferrox.model_spec import spec_for_context
@@ -146,8 +150,11 @@ def test_llama4_on_triton_kernels_matches_torch(kernel_device):
 
     from tests.kernels.test_attention_sinks import _run
 
-    spec = spec_for_context(spec_from_hf_config(LLAMA4, "test config"), 512)
-    cls = get_model_class(LLAMA4["architectures"])
+    config = interpreted_or(LLAMA4, LLAMA4 | {"num_hidden_layers": 2, "no_rope_layers": [1, 0]})
+    prompt_len = interpreted_or(158, 62)
+    launches = prefill_kernel_from(monkeypatch, prompt_len)
+    spec = spec_for_context(spec_from_hf_config(config, "test config"), 512)
+    cls = get_model_class(config["architectures"])
     ref = cls(spec, torch.float32, kernel_device, kernels="torch")
     init_dummy_weights(ref, seed=3)
     with torch.no_grad():
@@ -161,9 +168,12 @@ def test_llama4_on_triton_kernels_matches_torch(kernel_device):
         model.finalize_weights()
         model.eval()
     assert triton_model.backend.name == "triton" and triton_model.model.layers[1].feed_forward.experts.triton
-    assert triton_model.model.layout.chunk == (32, 32, 0, 32)
-    prompt = [(7 * i + 3) % 61 for i in range(158)]
-    expected = _run(ref, kernel_device, prompt, [11, 42, 5, 9])  # positions 158..161 cross the chunk edge at 160
+    assert triton_model.model.layout.chunk == interpreted_or((32, 32, 0, 32), (32, 0))
+    assert triton_model.model.layout.moe == interpreted_or((False, True, False, True), (False, True))
+    prompt = [(7 * i + 3) % 61 for i in range(prompt_len)]
+    # Positions 158..161 cross the chunk edge at 160 (interpreted: 62..65, the edge at 64).
+    expected = _run(ref, kernel_device, prompt, [11, 42, 5, 9])
     got = _run(triton_model, kernel_device, prompt, [11, 42, 5, 9])
+    assert len(launches) == 2  # the prompt's step, in each layer
     assert relative_error(got, expected) < 1e-4
     assert torch.equal(got.argmax(-1), expected.argmax(-1))

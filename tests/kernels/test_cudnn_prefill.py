@@ -17,6 +17,7 @@ from ferrox.kernels.cudnn_prefill import CUDNN_MIN_LEN, merge_attention_parts, p
 from ferrox.kernels.prefill_attention import prefill_attention
 from ferrox.kernels.reshape_and_cache import reshape_and_cache
 
+from tests.helpers.interpreter import prefill_kernel_from
 from tests.kernels.kernel_refs import PagedBatch, relative_error, sliced_paged_attention_ref
 from tests.kernels.test_kv_fp8 import FP8, K_SCALE, V_SCALE, fp8_cache, layer_scales, scales_tensor
 from tests.kernels.test_prefill_attention import _meta
@@ -99,17 +100,27 @@ def _torch_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     return out.unsqueeze(0).to(q.dtype), torch.logsumexp(scores, dim=-1).float()
 
 
+# Chunks of LONG tokens or more take the prefill kernel's plan (PREFILL_MIN_QUERY_LEN, 128 in production) and
+# cuDNN (CUDNN_MIN_LEN): chunks the interpreter runs in a second, the cuts around them as in production.
+LONG = 40
+
+
+def long_chunks_from(monkeypatch, tokens: int) -> None:
+    prefill_kernel_from(monkeypatch, tokens)
+    monkeypatch.setattr(cudnn_prefill, "CUDNN_MIN_LEN", tokens)
+
+
 def test_fp8_cache_chunks_read_the_cache_widened_with_scales_folded(kernel_device, seed, monkeypatch):
     """An FP8 cache through the backend's cuDNN path (cuDNN's call replaced by a torch softmax): the
     chunks' own rows and contexts are read back from the cache and widened, k_scale joins the softmax
     scale and v_scale the output, so the step agrees with the Triton kernels over the same cache and
     with attention over the hand-dequantized cache; both backends write the same bytes."""
-    monkeypatch.setattr(cudnn_prefill, "CUDNN_MIN_LEN", 128)  # chunks the interpreter runs in seconds
+    long_chunks_from(monkeypatch, LONG)
     monkeypatch.setattr(cudnn_prefill, "_attend", _torch_attend)
     calls: list[tuple[float, float] | None] = []  # kv_scales, the tenth argument
     real = cudnn_prefill.cudnn_prefill_request
     monkeypatch.setattr(cudnn_prefill, "cudnn_prefill_request", lambda *a: (calls.append(a[9]), real(*a))[1])
-    batch = PagedBatch([1, 130, 140], [9, 0, 150], 4, 2, 16, 16, torch.float32, kernel_device)
+    batch = PagedBatch([1, LONG + 2, LONG + 8], [9, 0, LONG + 10], 4, 2, 16, 16, torch.float32, kernel_device)
     cache, deq = fp8_cache(batch.kv_cache)
     meta = _meta(batch)
     off_cache, on_cache = cache.clone(), cache.clone()
@@ -186,8 +197,8 @@ def test_a_cudnn_failure_falls_back_to_the_prefill_kernel(kernel_device, seed, m
     """A step whose cuDNN call raises (as cuDNN does for a shape it has no plan for) is attended by the
     Triton kernels instead, and the backend keeps them; nothing reaches the step's requests."""
     dtype = torch.bfloat16 if kernel_device.type == "cuda" else torch.float32
-    monkeypatch.setattr(cudnn_prefill, "CUDNN_MIN_LEN", 128)  # a chunk the interpreter runs in a second
-    batch = PagedBatch([1, 130], [9, 0], 2, 1, 16, 16, dtype, kernel_device)
+    long_chunks_from(monkeypatch, LONG)
+    batch = PagedBatch([1, LONG + 2], [9, 0], 2, 1, 16, 16, dtype, kernel_device)
     meta = _meta(batch)
     expected = TritonAttentionBackend().forward(batch.q, batch.k, batch.v, batch.kv_cache, meta, batch.scale)
 

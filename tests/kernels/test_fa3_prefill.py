@@ -19,6 +19,7 @@ from ferrox.kernels import fa3_prefill
 from ferrox.kernels.prefill_attention import prefill_attention
 from ferrox.kernels.reshape_and_cache import reshape_and_cache
 
+from tests.helpers.interpreter import prefill_kernel_from
 from tests.kernels.kernel_refs import PagedBatch, relative_error, sliced_paged_attention_ref
 from tests.kernels.test_kv_fp8 import K_SCALE, V_SCALE, fp8_cache, layer_scales, scales_tensor
 from tests.kernels.test_prefill_attention import _meta
@@ -41,6 +42,16 @@ def torch_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
         out = torch.empty(result.shape, dtype=q.dtype, device=q.device)
     out.copy_(result)
     return out, torch.logsumexp(scores, dim=-1).float()[None]
+
+
+# Chunks of LONG tokens or more take the prefill kernel's plan (PREFILL_MIN_QUERY_LEN, 128 in production) and
+# FlashAttention-3 (FA3_MIN_LEN): chunks the interpreter runs in a second, the cuts around them as in production.
+LONG = 40
+
+
+def long_chunks_from(monkeypatch, tokens: int) -> None:
+    prefill_kernel_from(monkeypatch, tokens)
+    monkeypatch.setattr(fa3_prefill, "FA3_MIN_LEN", tokens)
 
 
 def _fa3_backend() -> TritonAttentionBackend:
@@ -68,7 +79,7 @@ def test_backend_fa3_path_matches_the_triton_kernels(kernel_device, seed, monkey
     one step, the kernel call replaced by a float64 softmax: each long request's call gets its
     context and own rows in order from the cache (FP8: widened, k_scale in the softmax scale and
     v_scale on the output), and the step agrees with the Triton kernels over the same cache."""
-    monkeypatch.setattr(fa3_prefill, "FA3_MIN_LEN", 128)  # chunks the interpreter runs in seconds
+    long_chunks_from(monkeypatch, LONG)
     scales: list[float] = []
 
     def fake(q, k, v, scale, causal, out):
@@ -77,7 +88,7 @@ def test_backend_fa3_path_matches_the_triton_kernels(kernel_device, seed, monkey
 
     monkeypatch.setattr(fa3_prefill, "_fwd", fake)
     dtype = torch.bfloat16 if kernel_device.type == "cuda" else torch.float32
-    batch = PagedBatch([1, 130, 20, 140], [9, 37, 5, 0], 4, 2, 16, 16, dtype, kernel_device)
+    batch = PagedBatch([1, LONG + 2, 20, LONG + 8], [9, 37, 5, 0], 4, 2, 16, 16, dtype, kernel_device)
     meta = _meta(batch)
     cache, layer = batch.kv_cache, None
     if fp8:
@@ -100,8 +111,8 @@ def test_a_fa3_failure_falls_back_to_the_prefill_kernel(kernel_device, seed, mon
     """A FlashAttention-3 call that raises leaves the step to the Triton kernels, which the backend
     keeps from then on; the step's requests see nothing."""
     dtype = torch.bfloat16 if kernel_device.type == "cuda" else torch.float32
-    monkeypatch.setattr(fa3_prefill, "FA3_MIN_LEN", 128)
-    batch = PagedBatch([1, 130], [9, 3], 2, 1, 16, 16, dtype, kernel_device)
+    long_chunks_from(monkeypatch, LONG)
+    batch = PagedBatch([1, LONG + 2], [9, 3], 2, 1, 16, 16, dtype, kernel_device)
     meta = _meta(batch)
     expected = TritonAttentionBackend().forward(batch.q, batch.k, batch.v, batch.kv_cache.clone(), meta, batch.scale)
 

@@ -6,20 +6,18 @@ Triton interpreter child (see conftest.py), where `kernels="triton"` forces the 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from ferrox.attention.decode_path import DecodePath
 from ferrox.attention.fused_decode import FusedOneTokenDecode
 from ferrox.attention.kv_cache import allocate_kv_caches
-from ferrox.kernels import fused_moe, gemv
 from ferrox.layers.quant.method import use_quant_config
 from ferrox.loader.model_config import spec_from_hf_config
 from ferrox.loader.model_loader import init_dummy_weights
 from ferrox.models.registry import get_model_class
 
 from tests.helpers.driver import StepRequest, build_step
+from tests.helpers.interpreter import INTERPRETED, interpreted_or, wide_row_tiles
 from tests.kernels.kernel_refs import relative_error
 
 BLOCK = 4
@@ -44,20 +42,8 @@ def _wide_row_tiles_when_interpreted(monkeypatch):
     Interpreted, the one-token products here take 16 rows a program: the same kernels, ~8x fewer
     programs (with one unfused run a model instead of two, 83 -> 35 s). The production configs keep
     their own interpreted tests (test_gemv.py, test_fused_moe.py) and run here natively on a GPU."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    choose, choose_moe = gemv.choose_config, fused_moe.choose_gemv_config
-
-    def wide(kind: str, k: int, weight_bytes: int = 2, w8a8: bool = False) -> gemv.GemvConfig:
-        cfg = choose(kind, k, weight_bytes, w8a8)
-        return cfg if kind == "rope" else gemv.GemvConfig(16, cfg.block_k, cfg.num_warps)
-
-    def wide_moe(hidden: int, inter: int, top_k: int, **kw) -> fused_moe.GemvConfig:
-        cfg = choose_moe(hidden, inter, top_k, **kw)
-        return fused_moe.GemvConfig(16, cfg.gate_up_block_k, 16, cfg.down_block_k, cfg.num_warps)
-
-    monkeypatch.setattr(gemv, "choose_config", wide)
-    monkeypatch.setattr(fused_moe, "choose_gemv_config", wide_moe)
+    if INTERPRETED:
+        wide_row_tiles(monkeypatch)
 
 
 # Granite: a softmax scale (attention_multiplier) far from head_dim ** -0.5, which the fused path
@@ -111,14 +97,14 @@ def _models(arch: str, device: torch.device, **config):
 
 
 @torch.inference_mode()
-def _run(model, device: torch.device, prompt: list[int]) -> torch.Tensor:
-    """float32 logits [1 + len(DECODE_TOKENS), vocab]: the prompt's last token, then one decode step
-    per token of DECODE_TOKENS (fed, not sampled, so every model sees the same inputs)."""
+def _run(model, device: torch.device, prompt: list[int], decode: list[int] | None = None) -> torch.Tensor:
+    """float32 logits [1 + len(decode), vocab]: the prompt's last token, then one decode step per token
+    of `decode` (DECODE_TOKENS by default; fed, not sampled, so every model sees the same inputs)."""
     caches = allocate_kv_caches(model.spec, 8, BLOCK, torch.float32, device)
     blocks = list(range(1, 8))
     ids, pos, meta = build_step([StepRequest(prompt, 0, blocks)], BLOCK, device)
     rows = [model.compute_logits(model(ids, pos, caches, meta)[-1:])]
-    for i, token in enumerate(DECODE_TOKENS):
+    for i, token in enumerate(DECODE_TOKENS if decode is None else decode):
         ids, pos, meta = build_step([StepRequest([token], len(prompt) + i, blocks)], BLOCK, device)
         rows.append(model.compute_logits(model(ids, pos, caches, meta)))
     return torch.cat(rows)
@@ -142,14 +128,14 @@ def quantized_models(device: torch.device, quant_config, arch: str = "LlamaForCa
 
 def assert_fused_path_matches(ref, fused, device: torch.device, monkeypatch) -> None:
     """The Triton model's one-token steps take the fused path, and its logits match the general
-    path's (the quantized-weight tests: fp8, int8, block fp8)."""
+    path's (the quantized-weight tests: fp8, int8, block fp8). Interpreted, two decode steps."""
     path = fused.model.decode_path
     assert isinstance(path, FusedOneTokenDecode) and path.layers is not None
     steps = _count_calls(monkeypatch, "forward")
-    prompt = [3, 9, 27, 41, 50, 20]
-    expected = _run(ref, device, prompt)
-    got = _run(fused, device, prompt)
-    assert steps, "the fused one-token path did not run"
+    prompt, decode = [3, 9, 27, 41, 50, 20], interpreted_or(DECODE_TOKENS, DECODE_TOKENS[:2])
+    expected = _run(ref, device, prompt, decode)
+    got = _run(fused, device, prompt, decode)
+    assert len(steps) == len(decode), "the fused one-token path did not run"
     assert relative_error(got, expected) < 1e-4
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
@@ -179,11 +165,14 @@ def test_one_token_path_matches_the_general_path(kernel_device, monkeypatch, arc
         assert sparse == ([False, True] if arch == "Qwen3MoeForCausalLM" else [True, True])
     steps = _count_calls(monkeypatch, "forward")
     heads = _count_calls(monkeypatch, "_layer")
-    for prompt in ([3, 9, 27, 41, 50, 20], [7]):  # [7]: a one-token prefill takes the fused path too
-        expected = _run(ref, kernel_device, prompt)
+    # Interpreted, the one-token prefill's run (what it adds: that step on the fused path, and a decode
+    # reading the KV it wrote) and the unfused run take fewer decode steps than the first prompt's run.
+    for prompt, decode in (([3, 9, 27, 41, 50, 20], DECODE_TOKENS),  # decodes cross into a third block
+                           ([7], interpreted_or(DECODE_TOKENS, DECODE_TOKENS[:1]))):  # fused one-token prefill
+        expected = _run(ref, kernel_device, prompt, decode)
         steps.clear()
-        got = _run(fused, kernel_device, prompt)
-        one_token_steps = len(DECODE_TOKENS) + (len(prompt) == 1)
+        got = _run(fused, kernel_device, prompt, decode)
+        one_token_steps = len(decode) + (len(prompt) == 1)
         assert len(steps) == one_token_steps
         assert len(heads) == len(steps) * 2  # two decoder layers each step
         heads.clear()
@@ -192,13 +181,15 @@ def test_one_token_path_matches_the_general_path(kernel_device, monkeypatch, arc
 
         if len(prompt) == 1:
             continue  # the unfused Triton path needs one prompt here; it has its own tests
+        unfused_decode = interpreted_or(decode, decode[:2])
+        rows = 1 + len(unfused_decode)
         monkeypatch.setenv("FERROX_FUSED_DECODE", "0")  # read per step: the same model, unfused
         steps.clear()
-        unfused = _run(fused, kernel_device, prompt)
+        unfused = _run(fused, kernel_device, prompt, unfused_decode)
         monkeypatch.delenv("FERROX_FUSED_DECODE")
         assert not steps
-        assert relative_error(unfused, expected) < 1e-4
-        assert relative_error(got, unfused) < 1e-4
+        assert relative_error(unfused, expected[:rows]) < 1e-4
+        assert relative_error(got[:rows], unfused) < 1e-4
 
 
 def test_one_token_path_declines_batches_and_profiling_steps(kernel_device):

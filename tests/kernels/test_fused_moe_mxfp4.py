@@ -14,6 +14,7 @@ from ferrox.kernels.fused_moe import GemmConfig, GemvConfig, fused_moe
 from ferrox.layers.fused_moe import SwigluOai, experts_torch
 from ferrox.layers.quant.mxfp4 import dequantize_mxfp4
 
+from tests.helpers.interpreter import INTERPRETED, wide_row_tiles
 from tests.kernels.kernel_refs import relative_error
 
 # K tiles of 64 over hidden 96 (a masked last tile) and intermediate 64; one-token tiles of two groups
@@ -146,11 +147,16 @@ def _gpt_oss(folder: str, kernels: str, device):
     return model
 
 
-def test_gpt_oss_layer_keeps_mxfp4_experts_on_the_triton_kernels(kernel_device, tiny_gpt_oss_folders):
+def test_gpt_oss_layer_keeps_mxfp4_experts_on_the_triton_kernels(kernel_device, tiny_gpt_oss_folders, monkeypatch):
     """The model on the Triton kernel set holds the checkpoint's packed experts (gate/up rows
     de-interleaved as whole rows) and its sparse MLPs match the float model's torch loop on the
-    same weights (the bf16-layout folder), one token and many; the dummy experts as well."""
+    same weights (the bf16-layout folder), one token and many; the dummy experts as well. Interpreted,
+    the one-token expert kernels take wide row tiles (tests/helpers/interpreter.py; the tiles fused_moe
+    picks keep test_mxfp4_experts_in_half_precision_and_default_tiles)."""
     from ferrox.layers.quant.mxfp4_moe import Mxfp4MoeMethod
+
+    if INTERPRETED:
+        wide_row_tiles(monkeypatch)
 
     folder, mxfp4 = tiny_gpt_oss_folders
     packed, dense = _gpt_oss(mxfp4, "triton", kernel_device), _gpt_oss(folder, "torch", kernel_device)

@@ -14,6 +14,7 @@ from ferrox.model_spec import spec_for_context
 from ferrox.models.registry import get_model_class
 
 from tests.helpers.driver import StepRequest, build_step
+from tests.helpers.interpreter import interpreted_or, native_only, prefill_kernel_from
 from tests.kernels.kernel_refs import relative_error
 
 BLOCK = 16
@@ -55,16 +56,22 @@ def _pair(config: dict, device: torch.device, context: int):
     return ref, triton_model
 
 
-@pytest.mark.parametrize("window", [0, 20])
-def test_gemma2_on_triton_kernels_matches_torch(kernel_device, window):
+# Interpreted, the windowed case alone: its second layer is the unwindowed one. (A GPU runs both.)
+@pytest.mark.parametrize("window", [native_only(0, reason="window 20's second layer has no window"), 20])
+def test_gemma2_on_triton_kernels_matches_torch(kernel_device, monkeypatch, window):
+    """Interpreted, a 48-token prompt (past the window, two query tiles) reaches the prefill kernel
+    (tests/helpers/interpreter.py)."""
+    prompt_len = interpreted_or(130, 48)
+    launches = prefill_kernel_from(monkeypatch, prompt_len)
     config = CONFIG | ({"sliding_window": window} if window else {})
     ref, triton_model = _pair(config, kernel_device, 512)
     assert triton_model.model.layers[0].self_attn.window == window
     assert triton_model.model.layers[1].self_attn.window == 0
     assert triton_model.backend.name == "triton" and triton_model.backend.softcap == 1.5
-    prompt = [(7 * i + 3) % 61 for i in range(130)]
+    prompt = [(7 * i + 3) % 61 for i in range(prompt_len)]
     expected = _run(ref, kernel_device, prompt, [11, 42, 5])
     got = _run(triton_model, kernel_device, prompt, [11, 42, 5])
+    assert len(launches) == 2  # the prompt's step, in each layer (a score cap keeps the Triton kernels)
     assert relative_error(got, expected) < 1e-4
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
