@@ -1,14 +1,14 @@
 """Live `ferrox serve` of tiny folders of the text families added in the forty-fifth session: GLM-4-0414, GLM-4.5
 (grouped sigmoid routing), DeepSeek-V2-Lite's and V3's layouts (latent attention), gpt-oss (sinks, windows, clamped
-SwiGLU experts; its MXFP4 layout too), SmolLM3 (NoPE layers), OLMo 2, OLMoE, OLMo 3, EXAONE 4, ERNIE 4.5 (dense, MoE),
-Cohere2, Llama 4 (chunked attention), Gemma 4, Ministral 3, Mistral Small 4, Qwen3.5 / Qwen3.5-MoE / Qwen3-Next
-(hybrid linear attention), Qwen3.5, Qwen3-Next and GLM-4.5 and DeepSeek-V3 drafting with their MTP layer (mtp-*), and
-a harmony- speaking Llama under `--reasoning-parser openai_gptoss --tool-call-parser openai`. Per family: 24
-concurrent greedy completions (prompts of 4 to 150 token ids, cut across chunked-prefill steps by --max-num-batched-
-tokens 24) compared with the offline LLM on the same device, plus chats and streams; 0 errors and (in float32) 0
-mismatches expected. NAMES... pick the families whose names start so; FERROX_LIVE_DTYPE=bfloat16 counts mismatches
-without failing on them (near-ties of random weights); FERROX_LIVE_ARGS adds server flags (e.g. "--tensor-parallel-
-size 2": the server against the one-GPU offline LLM)."""
+SwiGLU experts; its MXFP4 layout too), SmolLM3 (NoPE layers), OLMo 2, OLMoE, OLMo 3, EXAONE 4, ERNIE 4.5 (dense,
+MoE), Cohere2, Llama 4 (chunked attention), Gemma 4, Ministral 3, Mistral Small 4, Qwen3.5 / Qwen3.5-MoE /
+Qwen3-Next (hybrid linear attention), Granite 4.0-H and Nemotron-H (Mamba2 hybrids), Qwen3.5, Qwen3-Next and GLM-4.5
+and DeepSeek-V3 drafting with their MTP layer (mtp-*), and a harmony- speaking Llama under `--reasoning-parser
+openai_gptoss --tool-call-parser openai`. Per family: 24 concurrent greedy completions (prompts of 4 to 150 token
+ids, cut across chunked-prefill steps by --max-num-batched-tokens 24) compared with the offline LLM on the same
+device, plus chats and streams; 0 errors and (in float32) 0 mismatches expected. NAMES... pick the families whose
+names start so; FERROX_LIVE_DTYPE=bfloat16 counts mismatches without failing on them (near-ties of random weights);
+FERROX_LIVE_ARGS adds server flags (e.g. "--tensor-parallel-size 2": the server against the one-GPU offline LLM)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -38,6 +38,7 @@ from tests.helpers.tiny_gpt_neox import (  # noqa: E402
     make_tiny_starcoder2,
 )
 from tests.helpers.tiny_gpt_oss import make_tiny_gpt_oss, write_mxfp4_copy  # noqa: E402
+from tests.helpers.tiny_granitemoehybrid import make_tiny_granitemoehybrid, make_tiny_nemotron_h  # noqa: E402
 from tests.helpers.tiny_hunyuan import make_tiny_hunyuan, make_tiny_hunyuan_moe  # noqa: E402
 from tests.helpers.tiny_llama4 import make_tiny_llama4, make_tiny_llama4_multimodal  # noqa: E402
 from tests.helpers.tiny_ministral3 import make_tiny_ministral3  # noqa: E402
@@ -128,6 +129,11 @@ def families(tmp: Path) -> list[tuple[str, str, list[str]]]:
             ("qwen3_5", make_tiny_qwen3_5(tmp / "qwen3_5"), ["--max-model-len", "256"]),
             ("qwen3_5-moe", make_tiny_qwen3_5_moe(tmp / "qwen3_5_moe"), ["--max-model-len", "256"]),
             ("qwen3-next", make_tiny_qwen3_next(tmp / "qwen3_next"), ["--max-model-len", "256"]),
+            # (Granite 4.0-H: Mamba2 state rows beside NoPE attention; with routed experts and rotary)
+            ("granite4-h", make_tiny_granitemoehybrid(tmp / "granite4h"), ["--max-model-len", "256"]),
+            ("granite4-h-moe", make_tiny_granitemoehybrid(tmp / "granite4hmoe", experts=4, rope=True),
+             ["--max-model-len", "256"]),
+            ("nemotron-h", make_tiny_nemotron_h(tmp / "nemotron_h"), ["--max-model-len", "256"]),
             # (their checkpoints' MTP layer drafting: the answers stay the offline LLM's without drafts)
             ("mtp-qwen3_5", _with_mtp(make_tiny_qwen3_5(tmp / "qwen3_5_mtp")), ["--max-model-len", "256", *MTP]),
             ("mtp-qwen3-next", _with_mtp(make_tiny_qwen3_next(tmp / "qwen3_next_mtp")),

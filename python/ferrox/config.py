@@ -282,13 +282,15 @@ class EngineConfig:
                                "'bfloat16' / 'float16' name the model's dtype (refused when it is another)",
                                "auto", choices=KV_CACHE_DTYPES, default_help="auto: the model dtype")
     mamba_cache_dtype: str = _opt(
-        "hybrid linear-attention models (Qwen3.5, Qwen3-Next): element type of each request's recurrent states, "
-        "the short convolution's and (unless mamba_ssm_cache_dtype says otherwise) the delta rule's",
+        "hybrid models (Qwen3.5, Qwen3-Next; the Mamba2 hybrids Granite 4.0-H, Nemotron-H): element type of each "
+        "request's recurrent states, the short convolution's and (unless mamba_ssm_cache_dtype says otherwise) the "
+        "delta rule's or scan's",
         "auto", choices=MAMBA_DTYPES, default_help="auto: the model dtype")
     mamba_ssm_cache_dtype: str = _opt(
-        "hybrid linear-attention models: element type of the delta rule's state alone (float32 keeps the "
+        "hybrid models: element type of the delta rule's (or Mamba2 scan's) state alone (float32 keeps the "
         "recurrence's sums exact over long contexts, at twice the bytes of bfloat16)",
-        "auto", choices=MAMBA_DTYPES, default_help="auto: mamba_cache_dtype's")
+        "auto", choices=MAMBA_DTYPES, default_help="auto: config.json's mamba_ssm_cache_dtype (Nemotron-H), else "
+        "mamba_cache_dtype's")
     mamba_cache_mode: str | None = _opt(
         "hybrid linear-attention models and the prefix cache: 'align' keeps a request's recurrent state where a "
         "step ends on the mamba_block_size grid (a prompt's last chunk before its last grid point is cut to end "

@@ -141,13 +141,27 @@ def sliding_layer_kinds(config: dict[str, Any], num_layers: int, where: str) -> 
 
 
 def hybrid_layer_types(config: dict[str, Any]) -> list[str] | None:
-    """A hybrid linear-attention model's layer kinds ("linear_attention" / "full_attention" per layer: Qwen3.5,
-    Qwen3-Next), None for any other model. config.json's layer_types, else (Qwen3-Next's older configs) every
-    full_attention_interval-th layer full attention, transformers' rule."""
+    """A hybrid model's layer kinds, None for any other model: "full_attention" for an attention layer (the only kind
+    with a KV cache), else the token mixer with recurrent states -- "linear_attention" (Gated DeltaNet: Qwen3.5,
+    Qwen3-Next) or "mamba" (Mamba2: Granite 4.0-H, Nemotron-H) -- or, in Nemotron-H, "mlp" / "moe" (a layer that
+    is only an MLP). Qwen: config.json's layer_types, else (Qwen3-Next's older
+    configs) every full_attention_interval-th layer full attention, transformers' rule. Granite 4.0-H: layer_types
+    ("mamba" / "attention", or transformers 5's "linear_attention" / "full_attention"; all Mamba2 when absent)."""
     types = config.get("layer_types")
-    if config.get("model_type") not in HYBRID_MODEL_TYPES:
+    model_type = config.get("model_type")
+    if model_type not in HYBRID_MODEL_TYPES:
         return None
     num_layers = int(config["num_hidden_layers"])
+    if model_type == "nemotron_h":
+        return _nemotron_h_layer_types(config, num_layers)
+    if model_type in MAMBA2_MODEL_TYPES:
+        types = types if types is not None else config.get("layers_block_type", ["mamba"] * num_layers)
+        kinds = {"mamba": "mamba", "linear_attention": "mamba", "attention": "full_attention",
+                 "full_attention": "full_attention"}
+        if not isinstance(types, list) or len(types) != num_layers or any(t not in kinds for t in types):
+            raise ModelLoadError(f"config.json: layer_types must list 'mamba' or 'attention' for each of the "
+                                 f"{num_layers} layers, got {types!r}")
+        return [kinds[t] for t in types]
     if types is None:
         interval = int(config.get("full_attention_interval") or 4)
         types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
@@ -158,8 +172,29 @@ def hybrid_layer_types(config: dict[str, Any]) -> list[str] | None:
     return list(types)
 
 
-# The text model_types of hybrid Gated DeltaNet / attention models (models/qwen3_5.py).
-HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+def _nemotron_h_layer_types(config: dict[str, Any], num_layers: int) -> list[str]:
+    """Nemotron-H's layers: hybrid_override_pattern (M Mamba2, * attention, - MLP, E MoE: the releases' configs) or
+    transformers 5's layers_block_type, as "mamba" / "full_attention" / "mlp" / "moe"."""
+    letters = {"M": "mamba", "*": "full_attention", "-": "mlp", "E": "moe"}
+    names = {"linear_attention": "mamba", "mamba": "mamba", "full_attention": "full_attention",
+             "attention": "full_attention", "mlp": "mlp", "moe": "moe"}
+    pattern = config.get("hybrid_override_pattern")
+    if isinstance(pattern, str):
+        if len(pattern) != num_layers or set(pattern) - set(letters):
+            raise ModelLoadError(f"config.json: hybrid_override_pattern {pattern!r} must hold one of M, *, -, E for "
+                                 f"each of the {num_layers} layers")
+        return [letters[c] for c in pattern]
+    types = config.get("layers_block_type", config.get("layer_types"))
+    if not isinstance(types, list) or len(types) != num_layers or any(t not in names for t in types):
+        raise ModelLoadError(f"config.json: Nemotron-H needs hybrid_override_pattern (or layers_block_type) for each "
+                             f"of the {num_layers} layers, got {types!r}")
+    return [names[t] for t in types]
+
+
+# The text model_types of hybrid models: Gated DeltaNet / attention (models/qwen3_5.py) and Mamba2 / attention
+# (models/granitemoehybrid.py, models/nemotron_h.py).
+MAMBA2_MODEL_TYPES = ("granitemoehybrid", "nemotron_h")
+HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", *MAMBA2_MODEL_TYPES)
 
 
 def rope_type_of(scaling: dict[str, Any] | None) -> str:

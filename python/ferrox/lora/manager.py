@@ -86,10 +86,10 @@ class LoRAManager:
         if isinstance(max_cpu_loras, bool) or not isinstance(max_cpu_loras, int) or max_cpu_loras < max_loras:
             raise InvalidArgumentError(f"max_cpu_loras: must be an integer >= max_loras ({max_loras}), got "
                                        f"{max_cpu_loras!r}", param="max_cpu_loras")
-        layers = _decoder_layers(model)
         refusal = getattr(model, "lora_refusal", None)  # a family whose layers LoRA cannot adapt exactly
         if refusal:
             raise UnsupportedModelError(f"enable_lora: {refusal}")
+        layers = _decoder_layers(model)
         # A family whose loader rewrites projection rows declares how an adapter's B rows follow (lora/rewrite.py).
         self._rewrite = getattr(model, "lora_rewrite", None)
         if self._rewrite is None and getattr(model, "reorders_partial_rotary", False) and getattr(

@@ -35,6 +35,8 @@ SUPPORTED: dict[str, str] = {
     "Qwen3ForCausalLM": "ferrox.models.qwen:Qwen3ForCausalLM",
     "Phi3ForCausalLM": "ferrox.models.phi3:Phi3ForCausalLM",
     "GraniteForCausalLM": "ferrox.models.granite:GraniteForCausalLM",
+    "GraniteMoeHybridForCausalLM": "ferrox.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
+    "NemotronHForCausalLM": "ferrox.models.nemotron_h:NemotronHForCausalLM",
     "Gemma2ForCausalLM": "ferrox.models.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "ferrox.models.gemma3:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "ferrox.models.gemma3:Gemma3ForConditionalGeneration",

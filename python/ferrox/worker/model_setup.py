@@ -213,7 +213,8 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
         check_recurrent_config(config, num_drafts)
         state_cache = state_cache_plan(config, max_num_seqs, pooling=pooler_config is not None)
         allocate_recurrent_states(model, max_num_seqs, state_cache.snapshot_slots,
-                                  *state_dtypes(config.mamba_cache_dtype, config.mamba_ssm_cache_dtype, dtype), device,
+                                  *state_dtypes(config.mamba_cache_dtype, config.mamba_ssm_cache_dtype, dtype,
+                                               spec.hf_config), device,
                                   num_speculative_tokens=num_drafts)
     if pooler_config is not None:
         # No KV cache (worker/pooling_runner.py): the scheduler counts virtual blocks.

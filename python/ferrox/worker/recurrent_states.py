@@ -57,10 +57,17 @@ class RecurrentLayer(Protocol):
         """The pools [rows, *shape] this layer reads and writes by AttentionMetadata.state_rows."""
 
 
-def state_dtypes(mamba_cache_dtype: str, mamba_ssm_cache_dtype: str,
-                 model_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
-    """(conv state dtype, delta-rule state dtype) as vLLM resolves its two flags."""
+def state_dtypes(mamba_cache_dtype: str, mamba_ssm_cache_dtype: str, model_dtype: torch.dtype,
+                 hf_config: dict[str, Any] | None = None) -> tuple[torch.dtype, torch.dtype]:
+    """(conv state dtype, recurrence state dtype) as vLLM resolves its two flags: mamba_ssm_cache_dtype "auto" takes
+    the checkpoint's config.json mamba_ssm_cache_dtype where it names one (Nemotron-H's releases ask for float32,
+    their scan's sums being kept exact over long contexts), else the conv state's."""
     conv = model_dtype if mamba_cache_dtype == "auto" else _DTYPES[mamba_cache_dtype]
+    named = (hf_config or {}).get("mamba_ssm_cache_dtype")
+    if mamba_ssm_cache_dtype == "auto" and named not in (None, "auto"):
+        if named not in _DTYPES:
+            raise ValueError(f"config.json: mamba_ssm_cache_dtype {named!r} is not one of {sorted(_DTYPES)}")
+        mamba_ssm_cache_dtype = named
     ssm = conv if mamba_ssm_cache_dtype == "auto" else _DTYPES[mamba_ssm_cache_dtype]
     return conv, ssm
 

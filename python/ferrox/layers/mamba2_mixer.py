@@ -1,0 +1,149 @@
+"""The Mamba2 mixer: the state-space token mixer of hybrid models (IBM Granite 4.0-H; Nemotron-H's "M" layers).
+
+Per token, as transformers' GraniteMoeHybridMambaLayer / Mamba2Mixer torch_forward:
+- in_proj [hidden -> I + conv_dim + H] gives z (the gate, I = num_heads x head_dim), xBC (conv_dim = I + 2 G N)
+  and dt (one per head);
+- xBC goes through the short causal depthwise convolution (with its bias) and SiLU -- layers/causal_conv.py, the
+  op Gated DeltaNet uses, its last W-1 inputs kept in the request's conv state -- and splits into x [H, P], B and C
+  [G, N] (G = n_groups, each serving H / G consecutive heads);
+- dt = softplus(dt + dt_bias), clamped to time_step_limit; A = -exp(A_log);
+- the selective scan (layers/mamba2_ssm.py): S <- exp(dt A) S + B (dt x)^T, y = S^T C + D x, the state kept per
+  request in a pool row;
+- the gated RMSNorm: y * silu(z), RMS-normed over each of the G groups of I / G channels, times its weight
+  (transformers' MambaRMSNormGated with norm_before_gate False);
+- out_proj [I -> hidden].
+
+The states live in pools of rows bound by worker/recurrent_states.py (row 0 scratch; a request starting at position
+0 starts from zeros whatever its row holds: layers/gated_delta_net.py step_state_rows): the conv state [conv_dim,
+W-1] and the SSM state [H, N, P]. Speculative verify steps keep the state after each draft in its draft rows, as
+Gated DeltaNet does, so n-gram and draft-model proposals follow the accepted one.
+
+Checkpoint layout (Granite 4.0-H's `mamba.*`, Nemotron-H's `mixer.*`): in_proj.weight [I + conv_dim + H, hidden]
+(+ bias with mamba_proj_bias / use_bias), conv1d.weight [conv_dim, 1, W], conv1d.bias [conv_dim] (conv_bias),
+dt_bias / A_log / D [H], norm.weight [I], out_proj.weight [hidden, I]. No tensor parallelism here (the models that
+use this mixer refuse tensor_parallel_size > 1).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ferrox.distributed.sharding import Weight, materialize
+from ferrox.layers.linear import Linear, RowParallelLinear
+from ferrox.layers.mamba2_ssm import mamba2_ssm_varlen
+from ferrox.layers.ops import DeviceOps, TritonOps, for_device
+from ferrox.model_spec import UnsupportedModelError
+
+
+class GroupedGatedRMSNorm(nn.Module):
+    """y * silu(z), RMS-normed over each group of `group_size` channels, times the weight: in float32, the weight
+    applied in the input's dtype (transformers' GraniteMoeHybridRMSNormGated / MambaRMSNormGated)."""
+
+    def __init__(self, size: int, group_size: int, eps: float, dtype: torch.dtype, device: Any):
+        super().__init__()
+        if size % group_size:
+            raise ValueError(f"gated norm: {size} channels do not split into groups of {group_size}")
+        self.group_size = group_size
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = y.dtype
+        h = y.float() * F.silu(z.float())
+        groups = h.view(*h.shape[:-1], -1, self.group_size)
+        normed = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.view(h.shape).to(dtype)
+
+
+class Mamba2Conv(nn.Module):
+    """The depthwise causal conv's kernel [channels, W] and bias [channels] (a module so the checkpoint names are
+    conv1d.weight / conv1d.bias; the checkpoint's [C, 1, W] kernel is read as [C, W])."""
+
+    def __init__(self, channels: int, width: int, bias: bool, dtype: torch.dtype, device: Any):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, width, dtype=dtype, device=device), requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(channels, dtype=dtype, device=device), requires_grad=False)
+                     if bias else None)
+
+    def load_weight(self, param_name: str, tensor: Weight, shard: str | None = None) -> None:
+        param = {"weight": self.weight, "bias": self.bias}.get(param_name)
+        if param is None:
+            raise ValueError(f"{param_name}: the conv has a weight" + (" and a bias" if self.bias is not None else ""))
+        value = materialize(tensor)
+        if param_name == "weight" and value.dim() == 3:
+            value = value.reshape(value.shape[0], -1)
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(f"checkpoint shape {tuple(value.shape)}, model expects {tuple(param.shape)}")
+        param.data.copy_(value)
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, hidden_size: int, *, num_heads: int, head_dim: int, n_groups: int, d_state: int,
+                 conv_kernel: int, conv_bias: bool, proj_bias: bool, eps: float,
+                 time_step_limit: tuple[float, float] = (0.0, math.inf), activation: str = "silu",
+                 dtype: torch.dtype, device: Any, ops: DeviceOps | None = None):
+        """ops: the model's op set (layers/ops.py), chosen once when the model is built: the Triton set (CUDA, or
+        the interpreter in tests) takes the scan's kernels (layers/mamba2_ssm.py), any other the torch path."""
+        super().__init__()
+        if activation not in ("silu", "swish"):
+            raise UnsupportedModelError(f"config.json: the Mamba2 layers' activation {activation!r} is not supported "
+                                        "(only silu)")
+        if num_heads % n_groups:
+            raise UnsupportedModelError(f"config.json: mamba_n_heads {num_heads} is not a multiple of mamba_n_groups "
+                                        f"{n_groups}")
+        self.ops = ops if ops is not None else for_device(device)
+        self.cuda_kernels = isinstance(self.ops, TritonOps)
+        self.num_heads, self.head_dim, self.n_groups, self.d_state = num_heads, head_dim, n_groups, d_state
+        self.intermediate_size = num_heads * head_dim
+        self.conv_dim = self.intermediate_size + 2 * n_groups * d_state
+        self.conv_kernel = conv_kernel
+        self.time_step_limit = (float(time_step_limit[0]), float(time_step_limit[1]))
+        self.in_proj = Linear(hidden_size, self.intermediate_size + self.conv_dim + num_heads, bias=proj_bias,
+                              dtype=dtype, device=device)
+        self.conv1d = Mamba2Conv(self.conv_dim, conv_kernel, conv_bias, dtype, device)
+        # (float32 as transformers keeps them: exp(A_log) and softplus(dt + dt_bias) make the decay's log)
+        self.A_log = nn.Parameter(torch.empty(num_heads, dtype=torch.float32, device=device), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(num_heads, dtype=torch.float32, device=device), requires_grad=False)
+        self.D = nn.Parameter(torch.empty(num_heads, dtype=torch.float32, device=device), requires_grad=False)
+        self.norm = GroupedGatedRMSNorm(self.intermediate_size, self.intermediate_size // n_groups, eps, dtype, device)
+        self.out_proj = RowParallelLinear(self.intermediate_size, hidden_size, bias=proj_bias, dtype=dtype,
+                                          device=device)
+        self.conv_states: torch.Tensor | None = None
+        self.ssm_states: torch.Tensor | None = None
+
+    # ---- worker/recurrent_states.py ----------------------------------------------------------------
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """One request's (conv state, SSM state): [conv_dim, W-1] and [heads, d_state, head_dim]."""
+        return (self.conv_dim, self.conv_kernel - 1), (self.num_heads, self.d_state, self.head_dim)
+
+    def bind_states(self, conv_states: torch.Tensor, ssm_states: torch.Tensor) -> None:
+        self.conv_states, self.ssm_states = conv_states, ssm_states
+
+    def forward(self, x: torch.Tensor, meta: Any, step: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]. step: step_state_rows(meta), computed once per forward."""
+        if self.conv_states is None or self.ssm_states is None:
+            raise RuntimeError("Mamba2Mixer: no recurrent states bound (worker/recurrent_states.py)")
+        t = x.shape[0]
+        rows, has_state = step
+        h, p, g, n = self.num_heads, self.head_dim, self.n_groups, self.d_state
+        z, xbc, dt = self.in_proj(x).split([self.intermediate_size, self.conv_dim, h], dim=-1)
+        xbc = self.ops.causal_conv1d(xbc, self.conv1d.weight, self.conv1d.bias, self.conv_states, rows,
+                                     meta.query_start_loc, meta.query_start_loc_cpu, has_state, activation="silu",
+                                     decode_only=meta.decode_only, draft_rows=meta.draft_state_rows,
+                                     max_query_len=meta.max_query_len, live_lens=meta.live_query_lens)
+        xs, b, c = xbc.split([self.intermediate_size, g * n, g * n], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias)
+        lo, hi = self.time_step_limit
+        if lo > 0.0 or hi < math.inf:
+            dt = dt.clamp(min=lo, max=hi)
+        y = mamba2_ssm_varlen(xs.reshape(t, h, p), dt, -torch.exp(self.A_log), b.reshape(t, g, n),
+                              c.reshape(t, g, n), self.D, self.ssm_states, rows, meta.query_start_loc,
+                              meta.query_start_loc_cpu, has_state, decode_only=meta.decode_only,
+                              cuda_kernels=self.cuda_kernels, draft_rows=meta.draft_state_rows,
+                              max_query_len=meta.max_query_len, live_lens=meta.live_query_lens)
+        return self.out_proj(self.norm(y.reshape(t, self.intermediate_size), z))

@@ -1,0 +1,176 @@
+"""NVIDIA Nemotron-H (NemotronHForCausalLM: Nemotron-H 8B / 47B / 56B, Nemotron Nano 2 9B / 12B): a stack of
+single-mixer blocks, each `h = h + mixer(norm(h))`, the mixer per hybrid_override_pattern (model_spec.
+hybrid_layer_types):
+- "M": a Mamba2 mixer (layers/mamba2_mixer.py: its conv and SSM states in the pools of worker/recurrent_states.py,
+  as Granite 4.0-H's; in_proj / out_proj biased with use_bias, its gated norm's eps layer_norm_epsilon);
+- "*": attention without any position encoding (NoPE: transformers' NemotronHAttention rotates nothing), scale
+  head_dim ** -0.5, the only layers with a KV cache;
+- "-": the non-gated ReLU^2 MLP (up_proj, down_proj: models/ungated_mlp.py).
+Checkpoint names: the releases' `backbone.embeddings`, `backbone.layers.N.{norm,mixer}`, `backbone.norm_f` are read
+as model.embed_tokens / model.layers.N / model.norm.
+
+Refused by name: "E" layers (Nemotron 3 Nano's routed experts: non-gated ReLU^2 experts behind a latent projection,
+which the fused MoE layer does not run), tensor parallelism, quantized checkpoints, LoRA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ferrox.attention.backend import AttentionBackend, get_attention_backend
+from ferrox.attention.decode_path import DecodePath
+from ferrox.attention.metadata import AttentionMetadata
+from ferrox.kernels import select_kernels
+from ferrox.layers.gated_delta_net import step_state_rows
+from ferrox.layers.layernorm import RMSNorm
+from ferrox.layers.linear import Linear
+from ferrox.layers.mamba2_mixer import Mamba2Mixer
+from ferrox.layers.ops import NO_ROPE, DeviceOps, for_device
+from ferrox.layers.quant.method import hf_quantization_config
+from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError, hybrid_layer_types
+from ferrox.models.granitemoehybrid import config_number
+from ferrox.models.llama import LlamaAttention
+from ferrox.models.moe import expected_checkpoint_keys, load_moe_tensors
+from ferrox.models.ungated_mlp import ReluSquaredMLP
+
+_RENAMES = (("backbone.embeddings.", "model.embed_tokens."), ("backbone.norm_f.", "model.norm."),
+            ("backbone.", "model."))
+
+
+def nemotron_h_mixer(spec: ModelSpec, ops: DeviceOps, dtype: torch.dtype, device: Any) -> Mamba2Mixer:
+    config = spec.hf_config
+    heads, head_dim = int(config["mamba_num_heads"]), int(config["mamba_head_dim"])
+    limit = config.get("time_step_limit") or (0.0, float("inf"))
+    if not isinstance(limit, (list, tuple)) or len(limit) != 2:
+        raise ModelLoadError(f"config.json: time_step_limit must be [low, high], got {limit!r}")
+    return Mamba2Mixer(spec.hidden_size, num_heads=heads, head_dim=head_dim, n_groups=int(config.get("n_groups") or 1),
+                       d_state=int(config.get("ssm_state_size") or 128), conv_kernel=int(config.get("conv_kernel") or 4),
+                       conv_bias=bool(config.get("use_conv_bias", True)), proj_bias=bool(config.get("use_bias", False)),
+                       eps=spec.rms_norm_eps, time_step_limit=(config_number(limit[0]), config_number(limit[1])),
+                       activation=str(config.get("mamba_hidden_act", "silu")), dtype=dtype, device=device, ops=ops)
+
+
+class NemotronHBlock(nn.Module):
+    def __init__(self, spec: ModelSpec, kind: str, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype,
+                 device: Any):
+        super().__init__()
+        self.kind = kind
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
+        self.mixer: nn.Module
+        if kind == "mamba":
+            self.mixer = nemotron_h_mixer(spec, ops, dtype, device)
+        elif kind == "full_attention":
+            self.mixer = LlamaAttention(spec, backend, ops, dtype, device, qkv_bias=spec.attention_bias,
+                                        o_bias=spec.attention_bias, qk_norm=False)
+        else:
+            self.mixer = ReluSquaredMLP(spec, ops, dtype, device)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, step: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, h = x, self.norm(x)
+        else:
+            h, residual = self.norm(x, residual)
+        if self.kind == "mamba":
+            return self.mixer(h, meta, step), residual
+        if self.kind == "full_attention":
+            return self.mixer(h, NO_ROPE, kv_cache, meta), residual
+        return self.mixer(h), residual
+
+
+class NemotronHModel(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype, device: Any):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+        kinds = hybrid_layer_types(spec.hf_config)
+        assert kinds is not None  # (NemotronHForCausalLM checked it)
+        self.layers = nn.ModuleList(NemotronHBlock(spec, kind, backend, ops, dtype, device) for kind in kinds)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
+        self.decode_path = DecodePath()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        step = step_state_rows(meta)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            h, residual = layer(h, residual, kv_caches[i], meta, step)
+        h, _ = self.norm(h, residual)
+        return h
+
+
+class NemotronHForCausalLM(nn.Module):
+    supports_tensor_parallel = False
+    supports_quantization = False
+    supports_quantized_gguf = False
+    lora_refusal = "NemotronHForCausalLM: LoRA adapters on its Mamba2 layers are not supported in this version"
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
+                 kernels: str | None = None):
+        super().__init__()
+        config = spec.hf_config
+        kinds = hybrid_layer_types(config)
+        if kinds is None:
+            raise ModelLoadError(f"config.json: {spec.architecture} needs model_type 'nemotron_h'")
+        if "moe" in kinds:
+            raise UnsupportedModelError("config.json: hybrid_override_pattern has 'E' (mixture-of-experts) layers "
+                                        "(Nemotron 3 Nano): their non-gated ReLU^2 experts behind a latent projection "
+                                        "are not supported in this version; Nemotron-H's M / * / - layers are")
+        if str(config.get("mlp_hidden_act", "relu2")) != "relu2":
+            raise UnsupportedModelError(f"config.json: mlp_hidden_act {config.get('mlp_hidden_act')!r} is not "
+                                        "supported (only relu2)")
+        quant = hf_quantization_config(config)
+        if quant is not None:
+            raise UnsupportedModelError(f"config.json: quantization_config (quant_method "
+                                        f"{quant.get('quant_method')!r}) is not supported for {spec.architecture}")
+        eps = float(config.get("layer_norm_epsilon") or 1e-5)
+        spec = dataclasses.replace(spec, rms_norm_eps=eps, mlp_bias=bool(config.get("mlp_bias", False)))
+        self.spec = spec
+        self.kernels = select_kernels(device, kernels)
+        self.ops = for_device(device, self.kernels)
+        self.backend = get_attention_backend(device, self.kernels)
+        self.model = NemotronHModel(spec, self.backend, self.ops, dtype, device)
+        self.lm_head = (None if spec.tie_word_embeddings else
+                        ParallelLMHead(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device))
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def finalize_weights(self) -> None:
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.finalize_quantized()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"kv_caches has {len(kv_caches)} tensors, the model has {len(self.model.layers)} layers")
+        self.backend.begin_forward(attn_metadata)
+        return self.model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds=inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens.gather_logits(self.model.decode_path.logits(hidden, self.lm_head_weight))
+
+    def _rewritten(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """The releases' `backbone.*` names as this model's (module docstring); the tied LM head dropped."""
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            for old, new in _RENAMES:
+                if name.startswith(old):
+                    name = new + name[len(old):]
+                    break
+            yield name, tensor
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        load_moe_tensors(self, self._rewritten(weights), self.spec.architecture, expected_checkpoint_keys(self))
