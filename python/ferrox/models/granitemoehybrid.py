@@ -35,10 +35,9 @@ from ferrox.attention.decode_path import DecodePath
 from ferrox.attention.metadata import AttentionMetadata
 from ferrox.distributed.sharding import materialize, row_block, scaled, shape_of
 from ferrox.kernels import select_kernels
-from ferrox.layers.fused_moe import FusedMoE, experts_with_shared
+from ferrox.layers.fused_moe import experts_with_shared
 from ferrox.layers.gated_delta_net import step_state_rows
 from ferrox.layers.layernorm import RMSNorm
-from ferrox.layers.linear import Linear
 from ferrox.layers.mamba2_mixer import Mamba2Mixer
 from ferrox.layers.ops import NO_ROPE, DeviceOps, Rope, for_device
 from ferrox.layers.quant.method import hf_quantization_config
@@ -46,6 +45,7 @@ from ferrox.layers.rotary import RotaryEmbedding
 from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError, hybrid_layer_types
 from ferrox.models.granite import GraniteMultipliers
+from ferrox.models.hybrid_lm import HybridCausalLM
 from ferrox.models.llama import LlamaAttention, LlamaMLP
 from ferrox.models.moe import MoeBlock, expected_checkpoint_keys, load_moe_tensors
 
@@ -148,7 +148,7 @@ class GraniteMoeHybridModel(nn.Module):
         return h
 
 
-class GraniteMoeHybridForCausalLM(nn.Module):
+class GraniteMoeHybridForCausalLM(HybridCausalLM):
     supports_tensor_parallel = False
     supports_quantization = False
     supports_quantized_gguf = False
@@ -187,28 +187,6 @@ class GraniteMoeHybridForCausalLM(nn.Module):
         self.hidden_states_scale = multipliers.logits_scaling * (multipliers.embedding if self.lm_head is None else 1.0)
         # ferrox's embedding rows carry embedding_multiplier; a prompt of embeddings gets it here (worker/multimodal.py).
         self.prompt_embeds_scale = multipliers.embedding
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
-    def finalize_weights(self) -> None:
-        for module in self.modules():
-            if isinstance(module, (Linear, FusedMoE)):
-                module.finalize_quantized()
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        if len(kv_caches) != len(self.model.layers):
-            raise ValueError(f"kv_caches has {len(kv_caches)} tensors, the model has {len(self.model.layers)} layers")
-        self.backend.begin_forward(attn_metadata)
-        return self.model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds=inputs_embeds)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens.gather_logits(self.model.decode_path.logits(hidden, self.lm_head_weight))
 
     # ---- loading --------------------------------------------------------------------------------------
     def _rewritten(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:

@@ -28,13 +28,13 @@ from ferrox.attention.metadata import AttentionMetadata
 from ferrox.kernels import select_kernels
 from ferrox.layers.gated_delta_net import step_state_rows
 from ferrox.layers.layernorm import RMSNorm
-from ferrox.layers.linear import Linear
 from ferrox.layers.mamba2_mixer import Mamba2Mixer
 from ferrox.layers.ops import NO_ROPE, DeviceOps, for_device
 from ferrox.layers.quant.method import hf_quantization_config
 from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError, hybrid_layer_types
 from ferrox.models.granitemoehybrid import config_number
+from ferrox.models.hybrid_lm import HybridCausalLM
 from ferrox.models.llama import LlamaAttention
 from ferrox.models.moe import expected_checkpoint_keys, load_moe_tensors
 from ferrox.models.ungated_mlp import ReluSquaredMLP
@@ -105,7 +105,7 @@ class NemotronHModel(nn.Module):
         return h
 
 
-class NemotronHForCausalLM(nn.Module):
+class NemotronHForCausalLM(HybridCausalLM):
     supports_tensor_parallel = False
     supports_quantization = False
     supports_quantized_gguf = False
@@ -138,28 +138,6 @@ class NemotronHForCausalLM(nn.Module):
         self.model = NemotronHModel(spec, self.backend, self.ops, dtype, device)
         self.lm_head = (None if spec.tie_word_embeddings else
                         ParallelLMHead(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device))
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
-    def finalize_weights(self) -> None:
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.finalize_quantized()
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        if len(kv_caches) != len(self.model.layers):
-            raise ValueError(f"kv_caches has {len(kv_caches)} tensors, the model has {len(self.model.layers)} layers")
-        self.backend.begin_forward(attn_metadata)
-        return self.model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds=inputs_embeds)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens.gather_logits(self.model.decode_path.logits(hidden, self.lm_head_weight))
 
     def _rewritten(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """The releases' `backbone.*` names as this model's (module docstring); the tied LM head dropped."""

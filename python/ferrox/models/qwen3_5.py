@@ -60,16 +60,16 @@ from ferrox.attention.metadata import AttentionMetadata
 from ferrox.distributed.parallel_state import get_tp_group
 from ferrox.distributed.sharding import check_tp_shapes, materialize, row_block, shape_of
 from ferrox.kernels import select_kernels
-from ferrox.layers.fused_moe import FusedMoE
 from ferrox.layers.gated_delta_net import GatedDeltaNet, step_state_rows
 from ferrox.layers.layernorm import RMSNorm
-from ferrox.layers.linear import Linear, QKVLinear, RowParallelLinear
+from ferrox.layers.linear import QKVLinear, RowParallelLinear
 from ferrox.layers.ops import DeviceOps, Rope, for_device
 from ferrox.layers.quant.method import get_quant_config, use_quant_config
 from ferrox.layers.rotary import RotaryEmbedding, partial_rotary_order
 from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError, hybrid_layer_types
 from ferrox.models.glm4 import reorder_head_rows
+from ferrox.models.hybrid_lm import HybridCausalLM
 from ferrox.models.llama import LlamaMLP
 from ferrox.models.moe import MoeBlock, expected_checkpoint_keys, load_moe_tensors
 from ferrox.models.qwen3_vl_moe import unfuse_experts
@@ -195,7 +195,7 @@ class HybridModel(nn.Module):
         return h
 
 
-class Qwen3_5ForCausalLM(nn.Module):
+class Qwen3_5ForCausalLM(HybridCausalLM):
     # Tested with gloo on CPU (tests/models/test_qwen3_5.py); NCCL runs the same layers.
     supports_tensor_parallel = True
     # Block-wise FP8 checkpoints (the FP8 releases) and quantization="fp8" at load: check_quantization.
@@ -228,28 +228,6 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.rotary_order = order
         # q_proj's head rows are [q | gate]: the q half reordered, the gate half kept.
         self.q_gate_order = None if order is None else torch.cat([order, torch.arange(d, 2 * d)])
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
-    def finalize_weights(self) -> None:
-        for module in self.modules():
-            if isinstance(module, (Linear, FusedMoE)):
-                module.finalize_quantized()
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        if len(kv_caches) != len(self.model.layers):
-            raise ValueError(f"kv_caches has {len(kv_caches)} tensors, the model has {len(self.model.layers)} layers")
-        self.backend.begin_forward(attn_metadata)
-        return self.model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds=inputs_embeds)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens.gather_logits(self.model.decode_path.logits(hidden, self.lm_head_weight))
 
     # ---- loading --------------------------------------------------------------------------------------
     def lora_rewrite(self, pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
