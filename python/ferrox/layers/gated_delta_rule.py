@@ -35,13 +35,11 @@ import torch
 import torch.nn.functional as F
 
 from ferrox.layers.causal_conv import longest_query
+from ferrox.layers.recurrent_varlen import RECURRENT_MAX_LEN, initial_states, run_varlen
 
 logger = logging.getLogger(__name__)
 
 CHUNK_SIZE = 64
-# Queries up to this length run the recurrence (batched over requests of the same length); longer
-# ones the chunked form, whose fixed cost per chunk only pays off on longer runs.
-RECURRENT_MAX_LEN = 16
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -59,13 +57,6 @@ def _prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[tor
         q = q.repeat_interleave(group, dim=1)
         k = k.repeat_interleave(group, dim=1)
     return q, k
-
-
-def _initial_states(ssm_states: torch.Tensor, state_rows: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
-    """[N, Hv, Dk, Dv] float32 pool rows, zeros for fresh requests (torch.where, not a multiply: a recycled
-    row may hold NaN)."""
-    old = ssm_states.index_select(0, state_rows.long()).float()
-    return torch.where(has_state.view(-1, 1, 1, 1), old, torch.zeros((), dtype=old.dtype, device=old.device))
 
 
 def recurrent_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -127,52 +118,16 @@ def gated_delta_rule_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         raise ValueError("live_lens: a decode step has no padded queries")
     qn, kn = _prepare_qk(q, k, v.shape[1])
     vf, gf, bf = v.float(), g.float(), beta.float()
-    states = _initial_states(ssm_states, state_rows, has_state)
+    states = initial_states(ssm_states, state_rows, has_state)
     rows = state_rows.long()
     if decode_only:
         out, states = recurrent_step(states, qn, kn, vf, gf, bf)
         ssm_states.index_copy_(0, rows, states.to(ssm_states.dtype))
         return out.to(v.dtype)
 
-    out = torch.zeros_like(vf)
-    bounds = query_start_loc_cpu.tolist()
-    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
-    by_length: dict[int, list[int]] = {}
-    for i, n in enumerate(lengths):
-        if n > RECURRENT_MAX_LEN:
-            if live_lens is not None:
-                raise ValueError(f"live_lens: a query of {n} tokens; padded queries are at most {RECURRENT_MAX_LEN}")
-            span = slice(bounds[i], bounds[i + 1])
-            out[span], states[i] = chunked_delta_rule(states[i], qn[span], kn[span], vf[span], gf[span], bf[span])
-        elif n > 0:
-            by_length.setdefault(n, []).append(i)
-    # Short queries (decodes, speculative verification) of equal length step together, one token a step.
-    for n, reqs in by_length.items():
-        if len(reqs) == len(lengths):  # every request (a uniform verify step): device indices, CUDA-graph safe
-            req_idx = torch.arange(len(reqs), device=q.device)
-            first = query_start_loc[:-1].long()
-        else:
-            req_idx = torch.tensor(reqs, device=q.device)
-            first = torch.tensor([bounds[i] for i in reqs], device=q.device)
-        state = states.index_select(0, req_idx)
-        drafts = draft_rows.index_select(0, req_idx) if draft_rows is not None else None
-        live = live_lens.index_select(0, req_idx) if live_lens is not None else None
-        for t in range(n):
-            tok = first + t
-            o, stepped = recurrent_step(state, *(x.index_select(0, tok) for x in (qn, kn, vf, gf, bf)))
-            if live is None:
-                state = stepped
-            else:  # (a pad row: a zero output, the state as it was)
-                keep = (live > t).view(-1, 1, 1, 1)
-                state = torch.where(keep, stepped, state)
-                o = torch.where(keep[..., 0], o, 0.0)
-            out.index_copy_(0, tok, o)
-            if drafts is not None and t < drafts.shape[1]:
-                # (-1, no draft here: written to scratch row 0 instead, which no request reads -- no host sync)
-                row = drafts[:, t] if live is None else torch.where(live > t, drafts[:, t], -1)
-                ssm_states.index_copy_(0, row.clamp(min=0), state.to(ssm_states.dtype))
-        states.index_copy_(0, req_idx, state)
-    ssm_states.index_copy_(0, rows, states.to(ssm_states.dtype))
+    out = run_varlen(states, (qn, kn, vf, gf, bf), torch.zeros_like(vf), chunked=chunked_delta_rule,
+                     step=recurrent_step, ssm_states=ssm_states, state_rows=state_rows, query_start_loc=query_start_loc,
+                     query_start_loc_cpu=query_start_loc_cpu, draft_rows=draft_rows, live_lens=live_lens)
     return out.to(v.dtype)
 
 
@@ -195,7 +150,7 @@ def _gated_delta_rule_fla(chunk_op: Any, q: torch.Tensor, k: torch.Tensor, v: to
     rows = state_rows.long()
     # fla reads the state in any dtype (as float32), handles Hv > Hk itself (value head h uses q/k head
     # h // (Hv/Hk), transformers' repeat_interleave), and returns the final state in float32.
-    initial = _initial_states(ssm_states, state_rows, has_state)
+    initial = initial_states(ssm_states, state_rows, has_state)
     # Fresh int64 copies each call: fla memoises the chunk layout it derives from cu_seqlens by tensor
     # identity, so a persistent buffer updated in place between steps would replay a stale layout.
     cu_seqlens = query_start_loc.to(torch.int64, copy=True)

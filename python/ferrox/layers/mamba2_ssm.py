@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ferrox.layers.causal_conv import longest_query
-from ferrox.layers.gated_delta_rule import RECURRENT_MAX_LEN
+from ferrox.layers.recurrent_varlen import RECURRENT_MAX_LEN, initial_states, run_varlen
 
 logger = logging.getLogger(__name__)
 
@@ -49,13 +49,6 @@ def expand_groups(t: torch.Tensor, num_heads: int) -> torch.Tensor:
     """[T, G, N] -> [T, H, N]: group g's rows for its H / G consecutive heads (transformers' repeat_interleave)."""
     group = num_heads // t.shape[1]
     return t.repeat_interleave(group, dim=1) if group > 1 else t
-
-
-def _initial_states(ssm_states: torch.Tensor, state_rows: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
-    """[N, H, d_state, P] float32 pool rows, zeros for fresh requests (torch.where, not a multiply: a recycled row
-    may hold NaN)."""
-    old = ssm_states.index_select(0, state_rows.long()).float()
-    return torch.where(has_state.view(-1, 1, 1, 1), old, torch.zeros((), dtype=old.dtype, device=old.device))
 
 
 def ssm_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -110,53 +103,19 @@ def mamba2_ssm_torch(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torc
     xf, dtf, af = x.float(), dt.float(), A.float()
     bf, cf = expand_groups(B.float(), heads), expand_groups(C.float(), heads)
     skip = D.float().unsqueeze(-1) * xf
-    states = _initial_states(ssm_states, state_rows, has_state)
+    states = initial_states(ssm_states, state_rows, has_state)
     rows = state_rows.long()
     if decode_only:
         out, states = ssm_step(states, xf, dtf, af, bf, cf)
         ssm_states.index_copy_(0, rows, states.to(ssm_states.dtype))
         return (out + skip).to(x.dtype)
 
-    out = torch.zeros_like(xf)
-    bounds = query_start_loc_cpu.tolist()
-    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
-    by_length: dict[int, list[int]] = {}
-    for i, n in enumerate(lengths):
-        if n > RECURRENT_MAX_LEN:
-            if live_lens is not None:
-                raise ValueError(f"live_lens: a query of {n} tokens; padded queries are at most {RECURRENT_MAX_LEN}")
-            span = slice(bounds[i], bounds[i + 1])
-            out[span], states[i] = chunked_scan(states[i], xf[span], dtf[span], af, bf[span], cf[span])
-        elif n > 0:
-            by_length.setdefault(n, []).append(i)
-    # Short queries (decodes, speculative verification) of equal length step together, one token a step.
-    for n, reqs in by_length.items():
-        if len(reqs) == len(lengths):  # every request (a uniform verify step): device indices, CUDA-graph safe
-            req_idx = torch.arange(len(reqs), device=x.device)
-            first = query_start_loc[:-1].long()
-        else:
-            req_idx = torch.tensor(reqs, device=x.device)
-            first = torch.tensor([bounds[i] for i in reqs], device=x.device)
-        state = states.index_select(0, req_idx)
-        drafts = draft_rows.index_select(0, req_idx) if draft_rows is not None else None
-        live = live_lens.index_select(0, req_idx) if live_lens is not None else None
-        for t in range(n):
-            tok = first + t
-            o, stepped = ssm_step(state, xf.index_select(0, tok), dtf.index_select(0, tok), af,
-                                  bf.index_select(0, tok), cf.index_select(0, tok))
-            if live is None:
-                state = stepped
-            else:  # (a pad row: a zero output, the state as it was)
-                keep = (live > t).view(-1, 1, 1, 1)
-                state = torch.where(keep, stepped, state)
-                o = torch.where(keep[..., 0], o, 0.0)
-            out.index_copy_(0, tok, o)
-            if drafts is not None and t < drafts.shape[1]:
-                # (-1, no draft here: written to scratch row 0 instead, which no request reads -- no host sync)
-                row = drafts[:, t] if live is None else torch.where(live > t, drafts[:, t], -1)
-                ssm_states.index_copy_(0, row.clamp(min=0), state.to(ssm_states.dtype))
-        states.index_copy_(0, req_idx, state)
-    ssm_states.index_copy_(0, rows, states.to(ssm_states.dtype))
+    # (A is the heads' constant, not a per-token input)
+    out = run_varlen(states, (xf, dtf, bf, cf), torch.zeros_like(xf),
+                     chunked=lambda s, x_, dt_, b_, c_: chunked_scan(s, x_, dt_, af, b_, c_),
+                     step=lambda s, x_, dt_, b_, c_: ssm_step(s, x_, dt_, af, b_, c_), ssm_states=ssm_states,
+                     state_rows=state_rows, query_start_loc=query_start_loc, query_start_loc_cpu=query_start_loc_cpu,
+                     draft_rows=draft_rows, live_lens=live_lens)
     y = out + skip
     if live_lens is not None:  # (pad rows: zeros, the D skip included)
         y = torch.where(_live_token_mask(query_start_loc, live_lens, x.shape[0]).view(-1, 1, 1), y, 0.0)
@@ -198,7 +157,7 @@ def _mamba2_ssm_fla(op: tuple[Any, bool], x: torch.Tensor, dt: torch.Tensor, A: 
     # q, k, v in one dtype (the model's: dt x rounded once into it), the log decay in float32.
     v = (x.float() * dtf.unsqueeze(-1)).to(x.dtype)
     q, k = expand_groups(C.to(x.dtype), heads).contiguous(), expand_groups(B.to(x.dtype), heads).contiguous()
-    initial = _initial_states(ssm_states, state_rows, has_state)
+    initial = initial_states(ssm_states, state_rows, has_state)
     # Fresh int64 copies each call: fla memoises the chunk layout it derives from cu_seqlens by tensor identity.
     kwargs: dict[str, Any] = {"cu_seqlens": query_start_loc.to(torch.int64, copy=True)}
     if takes_cpu:
