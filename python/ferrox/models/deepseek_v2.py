@@ -52,18 +52,18 @@ from torch import nn
 
 from ferrox.attention.backend import AttentionBackend
 from ferrox.attention.decode_path import DecodePath
-from ferrox.attention.metadata import AttentionMetadata
 from ferrox.distributed.parallel_state import get_tp_group
 from ferrox.distributed.sharding import check_tp_shapes
 from ferrox.kernels import select_kernels
 from ferrox.layers.fused_moe import FusedMoE, TopKRouter, experts_with_shared
 from ferrox.layers.grouped_topk import grouped_topk
 from ferrox.layers.layernorm import RMSNorm
-from ferrox.layers.linear import Linear, MergedLinear
+from ferrox.layers.linear import MergedLinear
 from ferrox.layers.ops import DeviceOps, for_device
 from ferrox.layers.rotary import RotaryEmbedding
 from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError, rope_type_of
+from ferrox.models.decoder_stack_lm import DecoderStackLM
 from ferrox.models.deepseek_mtp import DeepseekLayoutMtpTarget
 from ferrox.models.llama import LlamaMLP, linear_takes
 from ferrox.models.load_check import check_all_loaded, load_into
@@ -256,7 +256,7 @@ class DeepseekModel(nn.Module):
         return run_pre_norm_layers(self.layers, self.norm, h, self.rotary(positions, h.dtype), kv_caches, meta)
 
 
-class DeepseekV2ForCausalLM(DeepseekLayoutMtpTarget, nn.Module):
+class DeepseekV2ForCausalLM(DeepseekLayoutMtpTarget, DecoderStackLM):
     version = 2  # which reference's routing and rotary fields (mla_shape, moe_config)
     # Heads, dense and shared MLPs sharded, experts sharded or split, the latent replicated (module docstring).
     # Tested with gloo on the CPU (tests/models/test_deepseek_tp.py) and NCCL on two GPUs (its gpu test).
@@ -300,34 +300,12 @@ class DeepseekV2ForCausalLM(DeepseekLayoutMtpTarget, nn.Module):
         """The config's experts, routed as this family's reference routes them."""
         return moe_config(spec, self.version)
 
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
     def finalize_weights(self) -> None:
         """Quantized layers' runners, then each attention's kv_b_proj absorbed (W_UK, W_UV)."""
-        for module in self.modules():
-            if isinstance(module, (Linear, FusedMoE)):
-                module.finalize_quantized()
+        super().finalize_weights()
         for module in self.modules():
             if isinstance(module, MlaAttention):
                 module.absorb_kv_b(self.model_dtype)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm (logits: compute_logits). inputs_embeds: the step's
-        input rows (a prompt of embeddings), else the token embeddings."""
-        if len(kv_caches) != len(self.model.layers):
-            raise ValueError(f"kv_caches has {len(kv_caches)} tensors, the model has {len(self.model.layers)} layers")
-        self.backend.begin_forward(attn_metadata)
-        return self.model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds=inputs_embeds)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The token embeddings forward() starts from."""
-        return self.model.embed_tokens(input_ids)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens.gather_logits(self.model.decode_path.logits(hidden, self.lm_head_weight))
 
     def _expected_keys(self) -> set[str]:
         return expected_checkpoint_keys(self)

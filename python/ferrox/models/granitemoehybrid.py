@@ -44,8 +44,9 @@ from ferrox.layers.quant.method import hf_quantization_config
 from ferrox.layers.rotary import RotaryEmbedding
 from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError, hybrid_layer_types
+from ferrox.models.decoder_stack_lm import DecoderStackLM
 from ferrox.models.granite import GraniteMultipliers
-from ferrox.models.hybrid_lm import HybridCausalLM
+from ferrox.models.hybrid_layer import HybridMixingLayer
 from ferrox.models.llama import LlamaAttention, LlamaMLP
 from ferrox.models.moe import MoeBlock, expected_checkpoint_keys, load_moe_tensors
 
@@ -87,7 +88,7 @@ def config_number(value: Any) -> float:
         raise ModelLoadError(f"config.json: time_step_limit: {value!r} is not a number") from None
 
 
-class GraniteMoeHybridDecoderLayer(nn.Module):
+class GraniteMoeHybridDecoderLayer(HybridMixingLayer):
     def __init__(self, spec: ModelSpec, kind: str, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype,
                  device: Any):
         super().__init__()
@@ -106,18 +107,12 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
         self.mlp = (MoeBlock(spec, spec.moe, ops, dtype, device, renormalize=True)
                     if spec.moe is not None else None)
 
+    def recurrent_mixer(self) -> nn.Module | None:
+        return self.mamba
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, step: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        if self.mamba is not None:
-            h = self.mamba(h, meta, step)
-        else:
-            assert self.self_attn is not None
-            h = self.self_attn(h, rope, kv_cache, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
+        h, residual = self.mix(x, residual, rope, kv_cache, meta, step)
         if self.mlp is None:
             return self.shared_mlp(h), residual
         return experts_with_shared(self.mlp.experts, h, *self.mlp.route(h), self.shared_mlp, h), residual
@@ -148,7 +143,7 @@ class GraniteMoeHybridModel(nn.Module):
         return h
 
 
-class GraniteMoeHybridForCausalLM(HybridCausalLM):
+class GraniteMoeHybridForCausalLM(DecoderStackLM):
     supports_tensor_parallel = False
     supports_quantization = False
     supports_quantized_gguf = False

@@ -27,7 +27,6 @@ from torch import nn
 
 from ferrox.attention.backend import AttentionBackend, get_attention_backend
 from ferrox.attention.decode_path import DecodePath, OneTokenLayer, OneTokenMoe
-from ferrox.attention.metadata import AttentionMetadata
 from ferrox.distributed.parallel_state import get_tp_group
 from ferrox.distributed.sharding import check_tp_shapes
 from ferrox.kernels import select_kernels
@@ -39,6 +38,7 @@ from ferrox.layers.quant.method import use_quant_config
 from ferrox.layers.rotary import RotaryEmbedding, check_rotary_dim
 from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, MoeSpec, UnsupportedModelError
+from ferrox.models.decoder_stack_lm import DecoderStackLM
 from ferrox.models.llama import LlamaAttention, LlamaMLP, load_dense_tensor, load_kv_scale
 from ferrox.models.load_check import check_all_loaded
 from ferrox.models.pre_norm import PreNormDecoderLayer, run_pre_norm_layers
@@ -187,7 +187,7 @@ class MoeModel(nn.Module):
         return run_pre_norm_layers(self.layers, self.norm, h, self.rotary(positions, h.dtype), kv_caches, meta)
 
 
-class MoeForCausalLM(nn.Module):
+class MoeForCausalLM(DecoderStackLM):
     """The shared MoE causal LM; the registered families below set its switches."""
 
     qk_norm = False  # Qwen3-MoE: per-head RMSNorm of q and k
@@ -262,25 +262,6 @@ class MoeForCausalLM(nn.Module):
                 module.w2.data = module.w2.data.transpose(1, 2).contiguous().transpose(1, 2)
         if self.lm_head is None:
             self.lm_head_colmajor = self.model.embed_tokens.weight.data.t().contiguous().t()
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm (logits: compute_logits). inputs_embeds: the step's
-        input rows (embed_input_ids' with some replaced: worker/model_forward.py), else the token embeddings."""
-        if len(kv_caches) != len(self.model.layers):
-            raise ValueError(f"kv_caches has {len(kv_caches)} tensors, the model has {len(self.model.layers)} layers")
-        self.backend.begin_forward(attn_metadata)
-        if inputs_embeds is None:
-            return self.model(input_ids, positions, kv_caches, attn_metadata)
-        return self.model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds=inputs_embeds)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The token embeddings forward() starts from."""
-        return self.model.embed_tokens(input_ids)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits; under tensor parallelism each rank's vocabulary rows, gathered."""
-        return self.model.embed_tokens.gather_logits(self.model.decode_path.logits(hidden, self.lm_head_weight))
 
     def _expected_keys(self) -> set[str]:
         return expected_checkpoint_keys(self, self.own_weight_prefixes)

@@ -33,8 +33,8 @@ from ferrox.layers.ops import NO_ROPE, DeviceOps, for_device
 from ferrox.layers.quant.method import hf_quantization_config
 from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError, hybrid_layer_types
+from ferrox.models.decoder_stack_lm import DecoderStackLM
 from ferrox.models.granitemoehybrid import config_number
-from ferrox.models.hybrid_lm import HybridCausalLM
 from ferrox.models.llama import LlamaAttention
 from ferrox.models.moe import expected_checkpoint_keys, load_moe_tensors
 from ferrox.models.ungated_mlp import ReluSquaredMLP
@@ -105,7 +105,7 @@ class NemotronHModel(nn.Module):
         return h
 
 
-class NemotronHForCausalLM(HybridCausalLM):
+class NemotronHForCausalLM(DecoderStackLM):
     supports_tensor_parallel = False
     supports_quantization = False
     supports_quantized_gguf = False

@@ -68,8 +68,9 @@ from ferrox.layers.quant.method import get_quant_config, use_quant_config
 from ferrox.layers.rotary import RotaryEmbedding, partial_rotary_order
 from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError, hybrid_layer_types
+from ferrox.models.decoder_stack_lm import DecoderStackLM
 from ferrox.models.glm4 import reorder_head_rows
-from ferrox.models.hybrid_lm import HybridCausalLM
+from ferrox.models.hybrid_layer import HybridMixingLayer
 from ferrox.models.llama import LlamaMLP
 from ferrox.models.moe import MoeBlock, expected_checkpoint_keys, load_moe_tensors
 from ferrox.models.qwen3_vl_moe import unfuse_experts
@@ -128,7 +129,7 @@ class GatedAttention(nn.Module):
         return self.o_proj(o.reshape(t, h * d) * torch.sigmoid(gate))
 
 
-class HybridDecoderLayer(nn.Module):
+class HybridDecoderLayer(HybridMixingLayer):
     def __init__(self, spec: ModelSpec, kind: str, mlp: nn.Module, backend: AttentionBackend, ops: DeviceOps,
                  dtype: torch.dtype, device: Any, *, float_qkv: bool = False):
         super().__init__()
@@ -147,18 +148,12 @@ class HybridDecoderLayer(nn.Module):
             self.self_attn = GatedAttention(spec, backend, ops, dtype, device, float_qkv=float_qkv)
         self.mlp = mlp
 
+    def recurrent_mixer(self) -> nn.Module | None:
+        return self.linear_attn
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, step: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        if self.linear_attn is not None:
-            h = self.linear_attn(h, meta, step)
-        else:
-            assert self.self_attn is not None
-            h = self.self_attn(h, rope, kv_cache, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
+        h, residual = self.mix(x, residual, rope, kv_cache, meta, step)
         return self.mlp(h), residual
 
 
@@ -195,7 +190,7 @@ class HybridModel(nn.Module):
         return h
 
 
-class Qwen3_5ForCausalLM(HybridCausalLM):
+class Qwen3_5ForCausalLM(DecoderStackLM):
     # Tested with gloo on CPU (tests/models/test_qwen3_5.py); NCCL runs the same layers.
     supports_tensor_parallel = True
     # Block-wise FP8 checkpoints (the FP8 releases) and quantization="fp8" at load: check_quantization.
