@@ -21,6 +21,9 @@ from tests.server.server_proc import ServerProcess
 # LONG outlives TIMEOUT_S at any speed the CPU model reaches (2800 tokens at 100+ tok/s take 28 s).
 LONG = {"prompt": "Once upon a time", "max_tokens": 2800, "ignore_eos": True}
 TIMEOUT_S = 16
+# ~2,300 tokens of SmolLM2's vocabulary that no other test sends (no prefix-cache hit): its prefill takes
+# seconds on the CPU.
+LONG_PROMPT = " ".join(f"w{i}" for i in range(600))
 
 
 def post(base: str, path: str, body: dict[str, Any], timeout: float = 60) -> tuple[int, dict[str, str], Any]:
@@ -100,13 +103,15 @@ def limited():
 
 def test_queue_bound_503_then_timeouts_free_everything(limited):
     base = limited.base_url
-    # Sent together, either may be admitted first: the running one is whichever streams first (waiting
-    # on a fixed one lasted until its timeout when the other won: the CI failures at TIMEOUT_S).
+    # The waiting request is sent once the running one streams, so the running one's deadline comes first.
+    # When it is aborted the waiting one is admitted moments before its own deadline; a ~2,300-token prompt
+    # keeps it in prefill (seconds on the CPU) past that deadline, so it ends as a 504 before its stream
+    # began. (Sent together with a short prompt, the waiting one sometimes streamed a token in that gap:
+    # a CI failure, status 200 with an in-band timeout.)
     sent = time.monotonic()
-    running, waiting = Stream(base, LONG), Stream(base, LONG)
-    wait_until(lambda: running.first.is_set() or waiting.first.is_set(), 30, "no stream started")
-    if not running.first.is_set():
-        running, waiting = waiting, running
+    running = Stream(base, LONG)
+    wait_until(lambda: running.first.is_set(), 30, "the first stream never started")
+    waiting = Stream(base, {"prompt": LONG_PROMPT, "max_tokens": 8})
     wait_until(lambda: metrics(base)["ferrox:num_requests_waiting"] == 1, 10, "the second request never waited")
     started = time.monotonic()
     status, headers, body = post(base, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
