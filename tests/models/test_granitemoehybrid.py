@@ -124,7 +124,6 @@ def test_engine_preemption_and_ngram_drafts_keep_the_tokens(tiny):
 
 
 @pytest.mark.parametrize("setting, error, match", [
-    ({"tensor_parallel_size": 2}, UnsupportedModelError, "does not support tensor_parallel_size > 1"),
     ({"enable_lora": True}, UnsupportedModelError, "enable_lora: GraniteMoeHybridForCausalLM"),
     ({"quantization": "fp8"}, UnsupportedModelError, "does not take quantized weights"),
 ])

@@ -110,6 +110,9 @@ def check_tp_shapes(spec: ModelSpec, size: int, expert_parallel: bool = False) -
         return
     even_split(spec.num_heads, size, 0, "num_attention_heads")
     kv_head_range(spec.num_kv_heads, size, 0)
+    for layer, (heads, _) in enumerate(spec.layer_kv_shapes):
+        if heads and heads != spec.num_kv_heads:  # a layer with KV heads of its own (Gemma 4's full layers)
+            _check_layer_kv_heads(heads, size, layer)
     even_split(spec.intermediate_size, size, 0, "intermediate_size")
     moe = spec.moe
     if moe is not None:
@@ -124,6 +127,39 @@ def check_tp_shapes(spec: ModelSpec, size: int, expert_parallel: bool = False) -
     if isinstance(linear_key_heads, int) and not isinstance(linear_key_heads, bool) and linear_key_heads > 0:
         # A hybrid model's Gated DeltaNet layers: split by key-head groups (layers/gated_delta_net.py).
         even_split(linear_key_heads, size, 0, "linear_num_key_heads")
+    _check_mamba2(spec.hf_config, size)
+
+
+# The Mamba2 hybrids' config fields: (heads, groups, their defaults) as each family names them.
+_MAMBA2_FIELDS = {"granitemoehybrid": ("mamba_n_heads", "mamba_n_groups", 128),
+                  "nemotron_h": ("mamba_num_heads", "n_groups", 128)}
+
+
+def _check_mamba2(config: dict[str, Any], size: int) -> None:
+    """A Mamba2 hybrid's mixers (layers/mamba2_mixer.py): heads split evenly, B / C groups as mamba2_group_range
+    allows; Granite 4.0-H's shared MLP by its rows."""
+    fields = _MAMBA2_FIELDS.get(str(config.get("model_type")))
+    if fields is None:
+        return
+    heads_key, groups_key, default_heads = fields
+    even_split(int(config.get(heads_key) or default_heads), size, 0, heads_key)
+    mamba2_group_range(int(config.get(groups_key) or 1), size, 0, groups_key)
+    shared = config.get("shared_intermediate_size")
+    if isinstance(shared, int) and not isinstance(shared, bool) and shared > 0:
+        even_split(shared, size, 0, "shared_intermediate_size")
+
+
+def mamba2_group_range(n_groups: int, size: int, rank: int, what: str = "n_groups") -> tuple[int, int]:
+    """(first group, groups held) of a rank's share of a Mamba2 mixer's B / C groups. Each rank's heads must find
+    their groups on it: with n_groups divisible by the ranks each takes its own groups (those its heads read);
+    one group is replicated to every rank. Other counts are refused, as vLLM's MambaMixer2 refuses them (a group
+    shared by a subset of the ranks would need its gated norm summed over that subset)."""
+    if n_groups % size == 0:
+        return rank * (n_groups // size), n_groups // size
+    if n_groups == 1:
+        return 0, 1
+    raise UnsupportedModelError(f"{what} ({n_groups}) must be 1 or divisible by tensor_parallel_size ({size}): "
+                                "each rank's Mamba2 heads read their B / C groups on that rank")
 
 
 def _check_deepseek_experts(config: dict[str, Any], size: int, expert_parallel: bool) -> None:
@@ -151,3 +187,12 @@ def vocab_range(vocab_size: int, size: int, rank: int) -> tuple[int, int, int]:
     per_rank = -(-vocab_size // size)
     start = rank * per_rank
     return start, max(0, min(vocab_size - start, per_rank)), per_rank
+
+
+def _check_layer_kv_heads(heads: int, size: int, layer: int) -> None:
+    """kv_head_range's rule (split the heads, or replicate each over size / heads ranks) for one layer's own
+    KV head count."""
+    if heads % size and size % heads:
+        raise UnsupportedModelError(f"layer {layer} has {heads} KV heads of its own (Gemma 4's "
+                                    f"num_global_key_value_heads): tensor_parallel_size ({size}) must divide or be "
+                                    "a multiple of them")

@@ -16,9 +16,15 @@ embedding_multiplier; every layer output feeding the residual (attention o_proj,
 MLP's and the experts' down projections) times residual_multiplier; the final norm's weight divided by
 logits_scaling (and by embedding_multiplier when the LM head is the tied, scaled embedding).
 
-Refused by name: quantized checkpoints (the folds would reach inside packed weights) and tensor parallelism (the
-mixer keeps its heads whole); LoRA (`lora_refusal`). Speculative decoding works as for the hybrid Qwens: verify
-steps keep the state after each draft (layers/mamba2_ssm.py).
+Tensor parallelism: the Mamba2 mixers split by heads, with their B / C groups split or (one group) replicated as
+vLLM's MambaMixer2 does (layers/mamba2_mixer.py); the attention's query and KV heads as Llama's; the shared MLP by
+its rows and the experts as models/moe.py MoeBlock's (sharded, or whole under expert parallelism), the shared MLP's
+partial summed with theirs in one all-reduce. The multipliers fold into each rank's slices as they are read. Counts
+that do not split are refused at start (distributed/sharding.py check_tp_shapes).
+
+Refused by name: quantized checkpoints (the folds would reach inside packed weights); LoRA (`lora_refusal`).
+Speculative decoding works as for the hybrid Qwens: verify steps keep the state after each draft
+(layers/mamba2_ssm.py).
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ from torch import nn
 from ferrox.attention.backend import AttentionBackend, get_attention_backend
 from ferrox.attention.decode_path import DecodePath
 from ferrox.attention.metadata import AttentionMetadata
-from ferrox.distributed.sharding import materialize, row_block, scaled, shape_of
+from ferrox.distributed.parallel_state import get_tp_group
+from ferrox.distributed.sharding import check_tp_shapes, materialize, row_block, scaled, shape_of
 from ferrox.kernels import select_kernels
 from ferrox.layers.fused_moe import experts_with_shared
 from ferrox.layers.gated_delta_net import step_state_rows
@@ -144,7 +151,8 @@ class GraniteMoeHybridModel(nn.Module):
 
 
 class GraniteMoeHybridForCausalLM(DecoderStackLM):
-    supports_tensor_parallel = False
+    # Tested with gloo on CPU (tests/models/test_granitemoehybrid_tp.py); NCCL runs the same layers.
+    supports_tensor_parallel = True
     supports_quantization = False
     supports_quantized_gguf = False
     lora_refusal = ("GraniteMoeHybridForCausalLM (Granite 4.0-H): LoRA adapters on its Mamba2 and attention layers "
@@ -168,6 +176,8 @@ class GraniteMoeHybridForCausalLM(DecoderStackLM):
         if rope not in ("rope", "nope"):
             raise UnsupportedModelError(f"config.json: position_embedding_type {rope!r} is not supported "
                                         "('rope' or 'nope')")
+        tp = get_tp_group()
+        check_tp_shapes(spec, tp.size, expert_parallel=tp.expert_parallel)
         multipliers = GraniteMultipliers.from_config(config)
         spec = dataclasses.replace(spec, attention_scale=multipliers.attention)
         self.spec = spec
