@@ -166,7 +166,7 @@ def test_refusals(gemma4):
         spec = spec_from_hf_config({**config, **change}, "config.json")
         with pytest.raises(UnsupportedModelError, match=words):
             Gemma4ForCausalLM(spec, torch.float32, "cpu")
-    assert not Gemma4ForCausalLM.supports_tensor_parallel and not Gemma4ForCausalLM.supports_quantization
+    assert not Gemma4ForCausalLM.supports_quantization  # (tensor parallelism: test_gemma4_tp.py)
 
 
 # ---- GPU ----------------------------------------------------------------------------------------------

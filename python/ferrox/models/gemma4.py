@@ -34,9 +34,19 @@ layers), torch ops for the 512-wide global heads. The experts run the fused MoE 
 epilogue (kernels/fused_moe.py: the matrix-vector path for a few decode tokens, the grouped GEMMs past that),
 routed in one launch (route_top_k), with nothing read back on the host, so an MoE checkpoint's decode steps
 replay CUDA graphs like the dense ones; on the torch set (CPU) FusedMoE's per-expert loop runs them (it reads
-each expert's token count on the host: the CPU path and the kernels' reference only). Refused by name:
-tensor parallelism, quantized checkpoints, GGUF, bidirectional attention ("all"), and the vision and audio
-towers (Gemma4ForConditionalGeneration serves its language model: a request with images is refused).
+each expert's token count on the host: the CPU path and the kernels' reference only).
+
+Tensor parallelism, as vLLM shards Gemma 4: each layer's q/k/v by heads, the sliding layers' KV heads and the
+full layers' own (num_global_key_value_heads) each split over the ranks, or replicated where the ranks
+outnumber them (QKVLinear), so each layer's cache holds this rank's heads of its own shape (kv_cache_shape); a
+KV-sharing layer's queries split the same way, over the heads its source layer's rank holds. o_proj and the
+MLPs' down projections are row-parallel (one all-reduce each); the experts' intermediate rows are sharded, or
+with --enable-expert-parallel whole experts split (FusedMoE), the router replicated (per_expert_scale is
+applied by global expert id before FusedMoE maps the ids to its own); the token and per-layer embedding tables
+and the LM head are vocabulary-parallel; the per-layer input projections, every norm and the layer
+scalars are replicated; the final soft cap applies to the gathered logits. Refused by name: quantized
+checkpoints, GGUF, bidirectional attention ("all"), and the vision and audio towers
+(Gemma4ForConditionalGeneration serves its language model: a request with images is refused).
 """
 
 from __future__ import annotations
@@ -52,7 +62,8 @@ from torch import nn
 
 from ferrox.attention.backend import AttentionBackend
 from ferrox.attention.kv_cache import KVCacheScales
-from ferrox.distributed.sharding import materialize
+from ferrox.distributed.parallel_state import get_tp_group
+from ferrox.distributed.sharding import even_split, kv_head_range, materialize
 from ferrox.layers.fused_moe import FusedMoE, GeluTanh
 from ferrox.layers.layernorm import RMSNorm
 from ferrox.layers.linear import Linear, MergedLinear, QKVLinear, RowParallelLinear
@@ -128,7 +139,11 @@ class Gemma4Attention(nn.Module):
         if self.shares_kv:  # queries only
             self.qkv_proj: MergedLinear = MergedLinear(spec.hidden_size, {"q": spec.num_heads * self.head_dim},
                                                        bias=bias, dtype=dtype, device=device)
-            self.num_heads, self.num_kv_heads = spec.num_heads, kv_heads
+            # This rank's query heads (the q rows split evenly are whole heads) over the KV heads its rank of the
+            # source layer holds: the heads QKVLinear gives that layer's rank.
+            tp = get_tp_group()
+            self.num_heads = even_split(spec.num_heads, tp.size, tp.rank, "num_attention_heads")[1]
+            self.num_kv_heads = kv_head_range(kv_heads, tp.size, tp.rank)[1]
         else:
             qkv = QKVLinear(spec.hidden_size, spec.num_heads, kv_heads, self.head_dim, bias=bias, dtype=dtype,
                             device=device)
@@ -303,7 +318,8 @@ class Gemma4Model(nn.Module):
 
 class Gemma4ForCausalLM(LlamaForCausalLM):
     model_class = Gemma4Model
-    supports_tensor_parallel = False  # (per-layer KV shapes and the experts: not yet sharded)
+    # Every layer kind sharded (module docstring); tested with gloo on CPU (tests/models/test_gemma4_tp.py).
+    supports_tensor_parallel = True
     supports_quantized_gguf = False
     supports_quantization = False
 

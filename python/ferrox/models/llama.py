@@ -194,7 +194,9 @@ class LlamaForCausalLM(nn.Module):
         interpreter); by default the device's (kernels.select_kernels)."""
         super().__init__()
         self.spec = spec
-        check_tp_shapes(spec, get_tp_group().size)
+        tp = get_tp_group()
+        # (expert_parallel: a family with experts among its layers, gpt-oss and Gemma 4, splits them by count)
+        check_tp_shapes(spec, tp.size, expert_parallel=tp.expert_parallel)
         check_rotary_dim(spec, self.reorders_partial_rotary)
         self.kernels = select_kernels(device, kernels)
         self.ops = for_device(device, self.kernels)
