@@ -43,6 +43,7 @@ from tests.helpers.tiny_hunyuan import make_tiny_hunyuan, make_tiny_hunyuan_moe 
 from tests.helpers.tiny_llama4 import make_tiny_llama4, make_tiny_llama4_multimodal  # noqa: E402
 from tests.helpers.tiny_ministral3 import make_tiny_ministral3  # noqa: E402
 from tests.helpers.tiny_mistral4 import make_tiny_mistral4  # noqa: E402
+from tests.helpers.tiny_nemotron_h_moe import make_tiny_nemotron_h_moe  # noqa: E402
 from tests.helpers.tiny_olmo_smollm3 import (  # noqa: E402
     make_tiny_olmo2,
     make_tiny_olmo3,
@@ -134,6 +135,10 @@ def families(tmp: Path) -> list[tuple[str, str, list[str]]]:
             ("granite4-h-moe", make_tiny_granitemoehybrid(tmp / "granite4hmoe", experts=4, rope=True),
              ["--max-model-len", "256"]),
             ("nemotron-h", make_tiny_nemotron_h(tmp / "nemotron_h"), ["--max-model-len", "256"]),
+            # (Nemotron 3 Nano / Super: E layers, non-gated ReLU^2 experts; Super's latent projection)
+            ("nemotron-3-nano", make_tiny_nemotron_h_moe(tmp / "nemotron3_nano"), ["--max-model-len", "256"]),
+            ("nemotron-3-super", make_tiny_nemotron_h_moe(tmp / "nemotron3_super", latent=True),
+             ["--max-model-len", "256"]),
             # (their checkpoints' MTP layer drafting: the answers stay the offline LLM's without drafts)
             ("mtp-qwen3_5", _with_mtp(make_tiny_qwen3_5(tmp / "qwen3_5_mtp")), ["--max-model-len", "256", *MTP]),
             ("mtp-qwen3-next", _with_mtp(make_tiny_qwen3_next(tmp / "qwen3_next_mtp")),

@@ -53,6 +53,11 @@ GELU-tanh-and-mul (2; as transformers' gelu_pytorch_tanh, written x * sigmoid(2 
 which needs no tanh and saturates cleanly at either end). FP8 experts take GELU-tanh too (the epilogue reads
 the scaled sums); MXFP4 ones take SiLU or gpt-oss's activation.
 
+Non-gated experts (Nemotron-H's, Nemotron 3 Nano / Super: down(relu(up x)^2), no gate projection) are
+ACTIVATION 3 (RELU2) with the gate/up launches' GATED constexpr off: w13 holds the up rows only ([E, I, H]),
+the K loops read one weight tile a step instead of two, and the epilogue squares the rounded, rectified sums
+(`_relu2`). Float experts only; the gated families' launches keep GATED on and compile as before.
+
 gpt-oss's experts (layers/fused_moe.py SwigluOai; float or MXFP4): a bias per output row of each expert
 matrix is added to the fp32 sums before the rounding that the activation reads (gate/up) or before the
 routing weight (down), and ACTIVATION 1 replaces SiLU-and-mul by the clamped SwiGLU, in both paths.
@@ -96,11 +101,17 @@ from ferrox.kernels.row_quant import quantize_activations_triton
 
 
 class Activation(enum.IntEnum):
-    """The experts' gated activation over [gate | up] rows: the kernels' ACTIVATION constexpr."""
+    """The experts' activation: the kernels' ACTIVATION constexpr. Gated over [gate | up] rows, except RELU2."""
 
     SILU = 0  # silu(gate) * up: the SwiGLU families
     SWIGLU_OAI = 1  # gpt-oss's clamped SwiGLU (its alpha and limit: fused_moe's swiglu_oai)
     GELU_TANH = 2  # gelu_tanh(gate) * up: Gemma 4 (transformers' gelu_pytorch_tanh)
+    RELU2 = 3  # relu(up)^2, non-gated (w13 holds the up rows only): Nemotron-H's experts
+
+    @property
+    def gated(self) -> bool:
+        """w13 holds [gate | up] rows (2I), else the up rows alone (I)."""
+        return self != Activation.RELU2
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +151,7 @@ def _grouped_gemm_kernel(
     stride_wn,
     stride_om,
     A_ROW_DIV: tl.constexpr,  # pair -> row of a: the token (k) for gate/up, the pair itself (1) for down
-    GATED: tl.constexpr,  # w rows [0, N) gate, [N, 2N) up: out = act(gate) * up (ACTIVATION)
+    GATED: tl.constexpr,  # w rows [0, N) gate, [N, 2N) up: out = act(gate) * up (ACTIVATION); off: RELU2 or none
     ROUTED: tl.constexpr,  # out *= the pair's routing weight
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -245,6 +256,8 @@ def _grouped_gemm_kernel(
         gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
         up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
         acc = _gated_activation(gate, up, ACTIVATION, ALPHA, LIMIT)
+    elif ACTIVATION == 3:  # RELU2 (non-gated up rows), on the sums rounded as the unfused up projection stores them
+        acc = _relu2(acc.to(out_ptr.dtype.element_ty).to(tl.float32))
     if ROUTED:
         acc = acc * tl.load(route_w_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + cols[None, :]
@@ -289,8 +302,10 @@ def _gemv_gate_up_kernel(
     ALPHA: tl.constexpr = 0.0,
     LIMIT: tl.constexpr = 0.0,
     MXFP4: tl.constexpr = False,  # as the grouped kernel's (no NORM; BLOCK_K a multiple of 32)
+    GATED: tl.constexpr = True,  # off: w13 holds the up rows only, out = relu(up)^2 (ACTIVATION RELU2; float w)
 ):
-    """Program (pair, n-block): act(gate) * up (ACTIVATION) of BLOCK_N columns for one (token, slot) pair.
+    """Program (pair, n-block): act(gate) * up (ACTIVATION) of BLOCK_N columns for one (token, slot) pair;
+    relu(up)^2 without GATED.
 
     NORM: x = rms_norm(h) in one pass, as kernels/gemv.py: the norm weight multiplies each x
     tile, the sum of squares of h is accumulated beside the products, and rstd scales the row
@@ -322,10 +337,11 @@ def _gemv_gate_up_kernel(
             wmask = rmask[:, None] & kmask[None, :]
             # Each expert row is read once per step: stream it past the cache.
             w = tl.load(w_rows + ks[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
-            w_up = tl.load(w_rows + N * stride_wn + ks[None, :], mask=wmask, other=0.0,
-                           eviction_policy="evict_first")
             acc += w.to(tl.float32) * x[None, :]
-            acc_up += w_up.to(tl.float32) * x[None, :]
+            if GATED:
+                w_up = tl.load(w_rows + N * stride_wn + ks[None, :], mask=wmask, other=0.0,
+                               eviction_policy="evict_first")
+                acc_up += w_up.to(tl.float32) * x[None, :]
             if NORM:
                 sq += h * h
         gate, up = _paired_row_sums(acc, acc_up, sq, K, eps, NORM)
@@ -339,8 +355,11 @@ def _gemv_gate_up_kernel(
         gate += tl.load(bias_row + rows, mask=rmask, other=0.0).to(tl.float32)
         up += tl.load(bias_row + N + rows, mask=rmask, other=0.0).to(tl.float32)
     gate = gate.to(out_ptr.dtype.element_ty).to(tl.float32)
-    up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
-    y = _gated_activation(gate, up, ACTIVATION, ALPHA, LIMIT)
+    if GATED:
+        up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
+        y = _gated_activation(gate, up, ACTIVATION, ALPHA, LIMIT)
+    else:  # (the up rows' sums, in `gate`)
+        y = _relu2(gate)
     tl.store(out_ptr + pair.to(tl.int64) * stride_o + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
 
 
@@ -354,6 +373,13 @@ def _gated_activation(gate, up, ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, L
     else:
         y = gate / (1.0 + tl.exp(-gate)) * up
     return y
+
+
+@triton.jit
+def _relu2(x):
+    """relu(x)^2 (transformers' ReLUSquaredActivation, vLLM's "relu2"), in fp32."""
+    x = tl.maximum(x, 0.0)
+    return x * x
 
 
 @triton.jit
@@ -870,14 +896,18 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
            topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-           block: tuple[int, int] | None = None) -> None:
+           block: tuple[int, int] | None = None, *, gated: bool = True) -> None:
     mxfp4 = w13.dtype == torch.uint8  # two E2M1 codes a byte along K
     pack = 2 if mxfp4 else 1
     e, two_i, h = w13.shape
     h *= pack
     if x.dim() != 2 or x.shape[1] != h or x.stride(-1) != 1:
         raise ValueError(f"x must be [tokens, {h}] with a contiguous last axis, got {tuple(x.shape)}")
-    if w2.shape != (e, h, two_i // 2 // pack) or two_i % 2:
+    if not gated:
+        if w2.shape != (e, h, two_i):
+            raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not describe non-gated experts "
+                             "[E, I, H] / [E, H, I]")
+    elif w2.shape != (e, h, two_i // 2 // pack) or two_i % 2:
         raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not describe [E, 2I, H] / [E, H, I]"
                          + (" (MXFP4: [E, 2I, H / 2] / [E, H, I / 2] packed bytes)" if mxfp4 else ""))
     if not (w13.is_contiguous() and w2.is_contiguous()):
@@ -975,14 +1005,19 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     swiglu_oai_torch), which is activation SWIGLU_OAI. Float or MXFP4 experts.
 
     activation: the gated activation (`Activation`; module docstring). GELU_TANH (Gemma 4's experts,
-    layers/fused_moe.py gelu_tanh_and_mul_torch) with float or FP8 experts."""
-    _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block)
+    layers/fused_moe.py gelu_tanh_and_mul_torch) with float or FP8 experts. RELU2 (Nemotron-H's non-gated
+    experts): w13 [E, I, H] holds the up rows only; float experts, no biases."""
+    activation = Activation(activation)
+    gated = activation.gated
+    _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, gated=gated)
+    if not gated and (w13.dtype == torch.uint8 or w13_scale is not None or w2_scale is not None or block is not None
+                      or w13_bias is not None or w2_bias is not None or swiglu_oai is not None):
+        raise ValueError("RELU2 (non-gated) experts are taken float, without biases or swiglu_oai")
     mxfp4 = w13.dtype == torch.uint8
     fp8 = w13_scale is not None and not mxfp4
     gate_up_opts, down_opts = _gpt_oss_options(w13, w2, w13_bias, w2_bias, swiglu_oai, x.shape[1])
     if (gate_up_opts or down_opts) and fp8:
         raise ValueError("expert biases and swiglu_oai are taken with float or MXFP4 experts only")
-    activation = Activation(activation)
     if activation == Activation.SWIGLU_OAI and swiglu_oai is None:
         raise ValueError("activation SWIGLU_OAI needs swiglu_oai=(alpha, limit)")
     if swiglu_oai is not None and activation not in (Activation.SILU, Activation.SWIGLU_OAI):
@@ -991,6 +1026,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         if mxfp4:
             raise ValueError("GELU_TANH experts are taken float or FP8, not MXFP4 (no such checkpoint)")
         gate_up_opts = dict(gate_up_opts, ACTIVATION=int(Activation.GELU_TANH))
+    if not gated:  # Nemotron-H's relu(up)^2 (GATED off: given to each gate/up launch below)
+        gate_up_opts = dict(gate_up_opts, ACTIVATION=int(Activation.RELU2))
     if (fp8 or mxfp4) and norm_weight is not None:
         raise ValueError("norm_weight is not taken with FP8 or MXFP4 experts (w13_scale): norm x first")
     if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
@@ -1000,7 +1037,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         raise ValueError(f"norm weight must be [{w13.shape[2]}], got {tuple(norm_weight.shape)}")
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden = w13.shape[0], w13.shape[1], x.shape[1]
-    inter = two_i // 2
+    inter = two_i // 2 if gated else two_i
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
@@ -1027,7 +1064,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             act, x_in, w13, ids, inter, hidden, x_in.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
             norm_weight if norm_weight is not None else x, eps, TOP_K=top_k, NORM=norm_weight is not None,
             BLOCK_N=gv.gate_up_rows, BLOCK_K=gate_up_k, num_warps=gv.num_warps, **pdl_launch(x.device), **x_fp8,
-            **gate_up_opts,
+            **gate_up_opts, **({} if gated else {"GATED": False}),
         )
         act_in, act_fp8 = _product_input(act, w2_scale, block, fp8=fp8, mxfp4=mxfp4)
         _gemv_down_kernel[(num_tokens, triton.cdiv(hidden, gv.down_rows))](
@@ -1053,7 +1090,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     _grouped_gemm_kernel[(num_blocks, triton.cdiv(inter, cfg.block_n))](
         act, x_in, w13, blocks.pair_ids, blocks.block_expert, blocks.num_rows, route_w, inter, hidden, num_pairs,
         x_in.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        A_ROW_DIV=top_k, GATED=True, ROUTED=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        A_ROW_DIV=top_k, GATED=gated, ROUTED=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **x_fp8,
         **gate_up_opts,
     )

@@ -21,6 +21,11 @@ Gemma 4's experts (models/gemma4.py) gate with GELU-tanh (`GeluTanh`: gelu_tanh(
 SiLU, likewise in the torch loop and the kernels; float experts (the kernels take FP8 ones too, but the
 torch FP8 loop has SiLU only, so the layer refuses an activation other than SiLU with FP8 experts).
 
+Nemotron-H's experts (models/nemotron_h_moe.py) are not gated: down(relu(up x)^2) (`Relu2`). Their w13 is
+[E, I, H], the up rows alone, loaded from each expert's `up_proj` (or a stacked [E, I, H] tensor); the
+kernels run it with GATED off (kernels/fused_moe.py RELU2), the torch loop with the same activation. Float
+experts without biases only.
+
 MXFP4 experts (gpt-oss's published checkpoints, `mxfp4=True`): on a kernel set that multiplies them
 the layer holds the checkpoint's packed codes and scales (layers/quant/mxfp4_moe.py: w13 / w2 uint8 and
 uint8 w13_scale / w2_scale) and the kernels dequantize in their K loops; elsewhere the model loads the
@@ -89,8 +94,14 @@ class GeluTanh:
     with gelu_pytorch_tanh)."""
 
 
-# An MoE layer's gated activation: None is SiLU-and-mul (every SwiGLU family).
-ExpertActivation = SwigluOai | GeluTanh | None
+@dataclass(frozen=True, slots=True)
+class Relu2:
+    """Nemotron-H's non-gated expert activation: relu(up)^2 over the up rows alone (transformers' NemotronHExperts
+    with mlp_hidden_act relu2; vLLM's "relu2" without a mul). The layer's w13 then holds I rows, not 2I."""
+
+
+# An MoE layer's activation: None is SiLU-and-mul (every SwiGLU family); all but Relu2 are gated.
+ExpertActivation = SwigluOai | GeluTanh | Relu2 | None
 
 
 def swiglu_oai_torch(gate_up: torch.Tensor, act: SwigluOai) -> torch.Tensor:
@@ -108,9 +119,11 @@ def gelu_tanh_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def gated_activation_torch(gate_up: torch.Tensor, activation: ExpertActivation) -> torch.Tensor:
-    """The layer's activation over [..., 2I] rows (gate half first)."""
+    """The layer's activation over [..., 2I] rows (gate half first); Relu2's over [..., I] up rows."""
     if activation is None:
         return silu_and_mul_torch(gate_up)
+    if isinstance(activation, Relu2):
+        return torch.square(F.relu(gate_up))
     if isinstance(activation, GeluTanh):
         return gelu_tanh_and_mul_torch(gate_up)
     return swiglu_oai_torch(gate_up, activation)
@@ -120,7 +133,8 @@ def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                   topk_ids: torch.Tensor, *, w13_bias: torch.Tensor | None = None,
                   w2_bias: torch.Tensor | None = None, activation: ExpertActivation = None) -> torch.Tensor:
     """Per-expert loop (correct, not fast): the CPU path and the kernels' reference. Biases: gpt-oss's
-    (module docstring); the activation: gpt-oss's or Gemma 4's, None for SiLU-and-mul."""
+    (module docstring); the activation: gpt-oss's, Gemma 4's or Nemotron-H's (Relu2: w13 [E, I, H]), None for
+    SiLU-and-mul."""
 
     def expert_fn(expert: int, tokens: torch.Tensor) -> torch.Tensor:
         gate_up = F.linear(x[tokens], w13[expert], w13_bias[expert] if w13_bias is not None else None)
@@ -142,13 +156,15 @@ class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype,
                  device: torch.device | str | None, ops: DeviceOps, bias: bool = False,
                  activation: ExpertActivation = None, mxfp4: bool = False):
-        """bias / activation: gpt-oss's options (module docstring; float or MXFP4 experts), or Gemma 4's
-        GeluTanh activation (float experts). mxfp4: the checkpoint stores the experts in MXFP4 (kept so
-        where the kernel set multiplies them)."""
+        """bias / activation: gpt-oss's options (module docstring; float or MXFP4 experts), Gemma 4's
+        GeluTanh activation or Nemotron-H's non-gated Relu2 (float experts). mxfp4: the checkpoint stores the
+        experts in MXFP4 (kept so where the kernel set multiplies them)."""
         super().__init__()
         self.tp: TPGroup = get_tp_group()
         tp = self.tp
         self.activation = activation
+        # w13 holds [gate | up] rows, or (Relu2) the up rows alone.
+        self.gated = not isinstance(activation, Relu2)
         self.num_experts = num_experts  # in the checkpoint
         self.checkpoint_intermediate_size = intermediate_size
         self.expert_start, self.num_local_experts = 0, num_experts
@@ -179,10 +195,13 @@ class FusedMoE(nn.Module):
                 self.weight_method, Mxfp4MoeMethod):
             raise ValueError(f"{type(activation).__name__} experts are supported unquantized (the FP8 experts' "
                              "torch path has SiLU-and-mul only)")
-        if isinstance(activation, GeluTanh) and mxfp4:
-            raise ValueError("GeluTanh experts are supported unquantized, not MXFP4")
+        if isinstance(activation, GeluTanh | Relu2) and mxfp4:
+            raise ValueError(f"{type(activation).__name__} experts are supported unquantized, not MXFP4")
+        if not self.gated and bias:
+            raise ValueError("Relu2 (non-gated) experts take no biases")
         if self.weight_method is None or self.weight_method.float_weight:
-            self.w13 = nn.Parameter(torch.empty(local, 2 * inter, hidden_size, dtype=dtype, device=device),
+            rows = 2 * inter if self.gated else inter
+            self.w13 = nn.Parameter(torch.empty(local, rows, hidden_size, dtype=dtype, device=device),
                                     requires_grad=False)
             self.w2 = nn.Parameter(torch.empty(local, hidden_size, inter, dtype=dtype, device=device),
                                    requires_grad=False)
@@ -239,6 +258,8 @@ class FusedMoE(nn.Module):
                                swiglu_oai=(act.alpha, act.limit) if isinstance(act, SwigluOai) else None)
             if isinstance(act, GeluTanh):
                 options.update(activation=Activation.GELU_TANH)
+            elif isinstance(act, Relu2):
+                options.update(activation=Activation.RELU2)
             return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, residual=residual, small_batch=small_batch,
                              w13_scale=self.w13_scale, w2_scale=self.w2_scale, block=self.block, **options)
         if isinstance(self.weight_method, Mxfp4MoeMethod):  # (the kernels' reference: not built on CPU)
@@ -254,12 +275,12 @@ class FusedMoE(nn.Module):
         return out if residual is None else out + residual
 
     def expected_weights(self) -> set[tuple[int, str, str]]:
-        """(expert, shard, leaf) triples a checkpoint must provide: gate, up and down of every
-        expert, each its `weight` or the quantized method's tensors."""
+        """(expert, shard, leaf) triples a checkpoint must provide: gate (gated experts only), up and down of
+        every expert, each its `weight` or the quantized method's tensors."""
         method = self.weight_method
         leaves = ("weight",) if method is None or method.float_weight else method.checkpoint_params
-        return {(e, shard, leaf) for e in range(self.num_experts) for shard in ("gate", "up", "down")
-                for leaf in leaves}
+        shards = ("gate", "up", "down") if self.gated else ("up", "down")
+        return {(e, shard, leaf) for e in range(self.num_experts) for shard in shards for leaf in leaves}
 
     def load_expert_weight(self, param_name: str, expert_id: int, shard: str, tensor: Weight) -> None:
         """Copy one expert's checkpoint tensor in: shard "gate" / "up" ([I, H], into w13's halves)
@@ -276,6 +297,8 @@ class FusedMoE(nn.Module):
             raise ValueError(f"expert {expert_id} is out of range (the layer has {self.num_experts})")
         if shard not in ("gate", "up", "down"):
             raise ValueError(f"unknown expert shard {shard!r} (gate, up or down)")
+        if shard == "gate" and not self.gated:
+            raise ValueError(f"expert {expert_id}: a gate projection, but these experts are not gated (up, down)")
         full, hidden = self.checkpoint_intermediate_size, self.hidden_size
         expected = (hidden, full) if shard == "down" else (full, hidden)
         if param_name == "weight" and shape_of(tensor) != expected:
@@ -295,26 +318,29 @@ class FusedMoE(nn.Module):
         if shard == "gate":
             self.w13.data[local, :inter].copy_(value)
         elif shard == "up":
-            self.w13.data[local, inter:].copy_(value)
+            self.w13.data[local, inter if self.gated else 0:].copy_(value)
         else:
             self.w2.data[local].copy_(value)
 
     def load_stacked(self, param_name: str, tensor: torch.Tensor) -> None:
         """Every expert's tensor at once, as checkpoints that store them stacked (gpt-oss) hold them:
-        "w13" [E, 2I, H] (gate rows, then up rows), "w2" [E, H, I], "w13_bias" [E, 2I], "w2_bias"
-        [E, H]; this rank's experts and intermediate rows / columns. w2's bias is added once: by
-        rank 0 of a sharded layer (every rank's partial sum is all-reduced), by each expert's rank
-        under expert parallelism."""
+        "w13" [E, 2I, H] (gate rows, then up rows; non-gated experts: [E, I, H], the up rows), "w2" [E, H, I],
+        "w13_bias" [E, 2I], "w2_bias" [E, H]; this rank's experts and intermediate rows / columns. w2's bias
+        is added once: by rank 0 of a sharded layer (every rank's partial sum is all-reduced), by each
+        expert's rank under expert parallelism."""
         param = getattr(self, param_name, None)
         if param_name not in ("w13", "w2", "w13_bias", "w2_bias") or param is None:
             raise ValueError(f"the experts have no stacked parameter {param_name!r}")
         full, inter, hidden = self.checkpoint_intermediate_size, self.intermediate_size, self.hidden_size
-        expected = {"w13": (self.num_experts, 2 * full, hidden), "w2": (self.num_experts, hidden, full),
+        rows = 2 * full if self.gated else full
+        expected = {"w13": (self.num_experts, rows, hidden), "w2": (self.num_experts, hidden, full),
                     "w13_bias": (self.num_experts, 2 * full), "w2_bias": (self.num_experts, hidden)}[param_name]
         if tuple(tensor.shape) != expected:
             raise ValueError(f"experts' {param_name}: checkpoint shape {tuple(tensor.shape)}, model expects {expected}")
         value = tensor.narrow(0, self.expert_start, self.num_local_experts)
-        if inter != full and param_name in ("w13", "w13_bias"):  # this rank's gate rows and up rows
+        if inter != full and param_name == "w13" and not self.gated:  # this rank's up rows
+            value = value.narrow(1, self.inter_start, inter)
+        elif inter != full and param_name in ("w13", "w13_bias"):  # this rank's gate rows and up rows
             value = torch.cat([value.narrow(1, self.inter_start, inter),
                                value.narrow(1, full + self.inter_start, inter)], dim=1)
         elif inter != full and param_name == "w2":

@@ -1,16 +1,25 @@
-"""NVIDIA Nemotron-H (NemotronHForCausalLM: Nemotron-H 8B / 47B / 56B, Nemotron Nano 2 9B / 12B): a stack of
-single-mixer blocks, each `h = h + mixer(norm(h))`, the mixer per hybrid_override_pattern (model_spec.
-hybrid_layer_types):
+"""NVIDIA Nemotron-H (NemotronHForCausalLM: Nemotron-H 8B / 47B / 56B, Nemotron Nano 2 9B / 12B, Nemotron 3 Nano
+30B-A3B and Super): a stack of single-mixer blocks, each `h = h + mixer(norm(h))`, the mixer per
+hybrid_override_pattern (model_spec.hybrid_layer_types):
 - "M": a Mamba2 mixer (layers/mamba2_mixer.py: its conv and SSM states in the pools of worker/recurrent_states.py,
   as Granite 4.0-H's; in_proj / out_proj biased with use_bias, its gated norm's eps layer_norm_epsilon);
 - "*": attention without any position encoding (NoPE: transformers' NemotronHAttention rotates nothing), scale
   head_dim ** -0.5, the only layers with a KV cache;
-- "-": the non-gated ReLU^2 MLP (up_proj, down_proj: models/ungated_mlp.py).
+- "-": the non-gated ReLU^2 MLP (up_proj, down_proj: models/ungated_mlp.py);
+- "E": mixture-of-experts (Nemotron 3): a sigmoid router with a correction bias and grouped top-k, non-gated
+  ReLU^2 experts (the fused MoE kernels on the GPU), with moe_latent_size (Super) a projection into and out of
+  the experts' width, and a shared ReLU^2 expert beside them (models/nemotron_h_moe.py).
 Checkpoint names: the releases' `backbone.embeddings`, `backbone.layers.N.{norm,mixer}`, `backbone.norm_f` are read
-as model.embed_tokens / model.layers.N / model.norm.
+as model.embed_tokens / model.layers.N / model.norm; experts one tensor each (`mixer.experts.{e}.up_proj.weight`,
+the releases' and save_pretrained's) or stacked (`mixer.experts.up_proj` [E, I, H], `down_proj` [E, H, I], as
+transformers holds them). Multi-token-prediction layers (`mtp.*`, num_nextn_predict_layers) are skipped, as
+transformers skips them for the causal LM.
 
-Refused by name: "E" layers (Nemotron 3 Nano's routed experts: non-gated ReLU^2 experts behind a latent projection,
-which the fused MoE layer does not run), tensor parallelism, quantized checkpoints, LoRA.
+Every step's routing and experts run on the device with nothing read back on the host, so decode steps replay CUDA
+graphs as the other layers' do (the default `supports_cuda_graphs`); prefill steps run eagerly, as for every
+hybrid (worker/model_forward.py: piecewise graphs stay off for recurrent layers).
+
+Refused by name: tensor parallelism, quantized checkpoints (FP8 / NVFP4 releases included), LoRA.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from torch import nn
 from ferrox.attention.backend import AttentionBackend, get_attention_backend
 from ferrox.attention.decode_path import DecodePath
 from ferrox.attention.metadata import AttentionMetadata
+from ferrox.distributed.sharding import materialize, shape_of
 from ferrox.kernels import select_kernels
 from ferrox.layers.gated_delta_net import step_state_rows
 from ferrox.layers.layernorm import RMSNorm
@@ -37,6 +47,7 @@ from ferrox.models.decoder_stack_lm import DecoderStackLM
 from ferrox.models.granitemoehybrid import config_number
 from ferrox.models.llama import LlamaAttention
 from ferrox.models.moe import expected_checkpoint_keys, load_moe_tensors
+from ferrox.models.nemotron_h_moe import NemotronHMoE, NemotronHMoeConfig
 from ferrox.models.ungated_mlp import ReluSquaredMLP
 
 _RENAMES = (("backbone.embeddings.", "model.embed_tokens."), ("backbone.norm_f.", "model.norm."),
@@ -58,7 +69,7 @@ def nemotron_h_mixer(spec: ModelSpec, ops: DeviceOps, dtype: torch.dtype, device
 
 class NemotronHBlock(nn.Module):
     def __init__(self, spec: ModelSpec, kind: str, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype,
-                 device: Any):
+                 device: Any, moe: NemotronHMoeConfig | None):
         super().__init__()
         self.kind = kind
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
@@ -68,6 +79,9 @@ class NemotronHBlock(nn.Module):
         elif kind == "full_attention":
             self.mixer = LlamaAttention(spec, backend, ops, dtype, device, qkv_bias=spec.attention_bias,
                                         o_bias=spec.attention_bias, qk_norm=False)
+        elif kind == "moe":
+            assert moe is not None  # (NemotronHForCausalLM read it)
+            self.mixer = NemotronHMoE(spec, moe, ops, dtype, device)
         else:
             self.mixer = ReluSquaredMLP(spec, ops, dtype, device)
 
@@ -85,12 +99,13 @@ class NemotronHBlock(nn.Module):
 
 
 class NemotronHModel(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype, device: Any):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, ops: DeviceOps, dtype: torch.dtype, device: Any,
+                 moe: NemotronHMoeConfig | None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
         kinds = hybrid_layer_types(spec.hf_config)
         assert kinds is not None  # (NemotronHForCausalLM checked it)
-        self.layers = nn.ModuleList(NemotronHBlock(spec, kind, backend, ops, dtype, device) for kind in kinds)
+        self.layers = nn.ModuleList(NemotronHBlock(spec, kind, backend, ops, dtype, device, moe) for kind in kinds)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device, ops)
         self.decode_path = DecodePath()
 
@@ -118,10 +133,6 @@ class NemotronHForCausalLM(DecoderStackLM):
         kinds = hybrid_layer_types(config)
         if kinds is None:
             raise ModelLoadError(f"config.json: {spec.architecture} needs model_type 'nemotron_h'")
-        if "moe" in kinds:
-            raise UnsupportedModelError("config.json: hybrid_override_pattern has 'E' (mixture-of-experts) layers "
-                                        "(Nemotron 3 Nano): their non-gated ReLU^2 experts behind a latent projection "
-                                        "are not supported in this version; Nemotron-H's M / * / - layers are")
         if str(config.get("mlp_hidden_act", "relu2")) != "relu2":
             raise UnsupportedModelError(f"config.json: mlp_hidden_act {config.get('mlp_hidden_act')!r} is not "
                                         "supported (only relu2)")
@@ -132,23 +143,40 @@ class NemotronHForCausalLM(DecoderStackLM):
         eps = float(config.get("layer_norm_epsilon") or 1e-5)
         spec = dataclasses.replace(spec, rms_norm_eps=eps, mlp_bias=bool(config.get("mlp_bias", False)))
         self.spec = spec
+        self.moe = NemotronHMoeConfig.from_config(config) if "moe" in kinds else None
         self.kernels = select_kernels(device, kernels)
         self.ops = for_device(device, self.kernels)
         self.backend = get_attention_backend(device, self.kernels)
-        self.model = NemotronHModel(spec, self.backend, self.ops, dtype, device)
+        self.model = NemotronHModel(spec, self.backend, self.ops, dtype, device, self.moe)
         self.lm_head = (None if spec.tie_word_embeddings else
                         ParallelLMHead(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device))
 
     def _rewritten(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        """The releases' `backbone.*` names as this model's (module docstring); the tied LM head dropped."""
+        """The releases' `backbone.*` names as this model's (module docstring); the tied LM head and the MTP layers
+        dropped; stacked expert tensors cut into one per expert."""
         for name, tensor in weights:
-            if name == "lm_head.weight" and self.lm_head is None:
+            if (name == "lm_head.weight" and self.lm_head is None) or name.startswith("mtp."):
                 continue
             for old, new in _RENAMES:
                 if name.startswith(old):
                     name = new + name[len(old):]
                     break
+            if self.moe is not None and name.endswith((".mixer.experts.up_proj", ".mixer.experts.down_proj")):
+                yield from _per_expert(name, tensor, self.moe.num_experts)
+                continue
             yield name, tensor
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         load_moe_tensors(self, self._rewritten(weights), self.spec.architecture, expected_checkpoint_keys(self))
+
+
+def _per_expert(name: str, tensor: Any, num_experts: int) -> Iterator[tuple[str, Any]]:
+    """A stacked expert tensor (`<layer>.mixer.experts.up_proj` [E, I, H] or `.down_proj` [E, H, I]) as the
+    per-expert weights the releases store (`<layer>.mixer.experts.<e>.up_proj.weight`...)."""
+    if len(shape_of(tensor)) != 3 or shape_of(tensor)[0] != num_experts:
+        raise ModelLoadError(f"tensor {name!r}: shape {list(shape_of(tensor))}, config.json's n_routed_experts "
+                             f"{num_experts} experts stacked make [{num_experts}, rows, columns]")
+    value = materialize(tensor)
+    owner, _, proj = name.rpartition(".")
+    for e in range(num_experts):
+        yield f"{owner}.{e}.{proj}.weight", value[e]
