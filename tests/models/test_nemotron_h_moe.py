@@ -116,7 +116,6 @@ def test_config_fields_out_of_range_are_refused_by_name(tiny, override, error, m
 
 
 @pytest.mark.parametrize("setting, match", [
-    ({"tensor_parallel_size": 2}, "does not support tensor_parallel_size > 1"),
     ({"enable_lora": True}, "enable_lora: NemotronHForCausalLM"),
     ({"quantization": "fp8"}, "does not take quantized weights"),
 ])

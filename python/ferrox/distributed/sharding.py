@@ -163,9 +163,10 @@ def mamba2_group_range(n_groups: int, size: int, rank: int, what: str = "n_group
 
 
 def _check_deepseek_experts(config: dict[str, Any], size: int, expert_parallel: bool) -> None:
-    """The experts of configs that name them as DeepSeek does (n_routed_experts: DeepSeek-V2/V3, GLM-4.5;
-    ModelSpec.moe is None for them): routed ones split by count (expert parallel) or by
-    moe_intermediate_size, shared ones (one MLP of n_shared_experts x moe_intermediate_size) by their rows."""
+    """The experts of configs that name them as DeepSeek does (n_routed_experts: DeepSeek-V2/V3, GLM-4.5,
+    Nemotron-H's E layers; ModelSpec.moe is None for them): routed ones split by count (expert parallel) or by
+    moe_intermediate_size, shared ones (one MLP of n_shared_experts x moe_intermediate_size, or Nemotron-H's
+    moe_shared_expert_intermediate_size) by their rows, expert parallel or not."""
     routed = config.get("n_routed_experts")
     if not isinstance(routed, int) or isinstance(routed, bool) or routed <= 0:
         return
@@ -176,7 +177,10 @@ def _check_deepseek_experts(config: dict[str, Any], size: int, expert_parallel: 
     else:
         even_split(inter, size, 0, "moe_intermediate_size")
     shared = config.get("n_shared_experts")
-    if isinstance(shared, int) and not isinstance(shared, bool) and shared > 0:
+    own_width = config.get("moe_shared_expert_intermediate_size")  # (Nemotron-H's; it refuses n_shared_experts != 1)
+    if isinstance(own_width, int) and not isinstance(own_width, bool) and own_width > 0:
+        even_split(own_width, size, 0, "moe_shared_expert_intermediate_size")
+    elif isinstance(shared, int) and not isinstance(shared, bool) and shared > 0:
         even_split(shared * inter, size, 0, "the shared experts' intermediate size (n_shared_experts x "
                    "moe_intermediate_size)")
 

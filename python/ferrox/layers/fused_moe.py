@@ -355,9 +355,11 @@ class FusedMoE(nn.Module):
             self.weight_method.finalize(self)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, reduce: bool = True) -> torch.Tensor:
         """The routed experts' output summed over the ranks. residual: this rank's share of something added
-        before that one all-reduce (a shared expert's partial product: experts_with_shared)."""
+        before that one all-reduce (a shared expert's partial product: experts_with_shared). reduce False: this
+        rank's partial sum, for a caller that maps it linearly before its own all-reduce (Nemotron-H's
+        fc2_latent_proj: models/nemotron_h_moe.py)."""
         if self.num_local_experts != self.num_experts:
             local = topk_ids - self.expert_start
             mine = (local >= 0) & (local < self.num_local_experts)
@@ -370,7 +372,8 @@ class FusedMoE(nn.Module):
                 # a skip bucket in align_by_expert would save it).
                 topk_ids = torch.where(mine, local, torch.zeros_like(local))
                 topk_weights = torch.where(mine, topk_weights, torch.zeros_like(topk_weights))
-        return self.tp.all_reduce(self.run_experts(x, topk_weights, topk_ids, residual=residual))
+        out = self.run_experts(x, topk_weights, topk_ids, residual=residual)
+        return self.tp.all_reduce(out) if reduce else out
 
 
 def experts_with_shared(experts: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

@@ -19,7 +19,13 @@ Every step's routing and experts run on the device with nothing read back on the
 graphs as the other layers' do (the default `supports_cuda_graphs`); prefill steps run eagerly, as for every
 hybrid (worker/model_forward.py: piecewise graphs stay off for recurrent layers).
 
-Refused by name: tensor parallelism, quantized checkpoints (FP8 / NVFP4 releases included), LoRA.
+Tensor parallelism, as vLLM shards the model: the Mamba2 mixers by heads, their B / C groups split or (one group)
+replicated (layers/mamba2_mixer.py); the attention's query and KV heads as Llama's; the ReLU^2 MLPs column / row
+parallel (models/ungated_mlp.py); the E layers' experts by their intermediate rows or, with --enable-expert-parallel,
+whole, the router and latent projections replicated, one all-reduce per layer (models/nemotron_h_moe.py). Counts that
+do not split are refused at start, naming the config field (distributed/sharding.py check_tp_shapes).
+
+Refused by name: quantized checkpoints (FP8 / NVFP4 releases included), LoRA.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ from torch import nn
 from ferrox.attention.backend import AttentionBackend, get_attention_backend
 from ferrox.attention.decode_path import DecodePath
 from ferrox.attention.metadata import AttentionMetadata
-from ferrox.distributed.sharding import materialize, shape_of
+from ferrox.distributed.parallel_state import get_tp_group
+from ferrox.distributed.sharding import check_tp_shapes, materialize, shape_of
 from ferrox.kernels import select_kernels
 from ferrox.layers.gated_delta_net import step_state_rows
 from ferrox.layers.layernorm import RMSNorm
@@ -121,7 +128,8 @@ class NemotronHModel(nn.Module):
 
 
 class NemotronHForCausalLM(DecoderStackLM):
-    supports_tensor_parallel = False
+    # Tested with gloo on CPU (tests/models/test_nemotron_h_tp.py); NCCL runs the same layers.
+    supports_tensor_parallel = True
     supports_quantization = False
     supports_quantized_gguf = False
     lora_refusal = "NemotronHForCausalLM: LoRA adapters on its Mamba2 layers are not supported in this version"
@@ -140,6 +148,8 @@ class NemotronHForCausalLM(DecoderStackLM):
         if quant is not None:
             raise UnsupportedModelError(f"config.json: quantization_config (quant_method "
                                         f"{quant.get('quant_method')!r}) is not supported for {spec.architecture}")
+        tp = get_tp_group()
+        check_tp_shapes(spec, tp.size, expert_parallel=tp.expert_parallel)
         eps = float(config.get("layer_norm_epsilon") or 1e-5)
         spec = dataclasses.replace(spec, rms_norm_eps=eps, mlp_bias=bool(config.get("mlp_bias", False)))
         self.spec = spec

@@ -15,6 +15,15 @@ Nemotron 3 Super), as transformers' NemotronHMoE computes it:
   kernels on the GPU, grouped GEMMs or, for a few tokens, matrix-vector products per pair);
 - shared expert: one ReLU^2 MLP of moe_shared_expert_intermediate_size on the un-projected x (models/ungated_mlp.py).
 
+Tensor parallelism, as vLLM shards the layer: the router and e_score_correction_bias replicated (every rank routes
+every token alike); the experts' intermediate rows split, or with --enable-expert-parallel whole experts
+(layers/fused_moe.py); the shared expert column / row parallel (models/ungated_mlp.py); fc1_latent_proj and
+fc2_latent_proj replicated (vLLM's ReplicatedLinear). A rank's routed output is then a partial sum: without a
+latent projection the shared expert's partial joins it before one all-reduce (experts_with_shared); with one,
+fc2_latent_proj maps the rank's latent partial sum (it is linear, so the ranks' products sum to the product of the
+sum, its bias added by rank 0 alone: `PartialSumLinear`) and the shared partial joins that, again one all-reduce of
+hidden width (vLLM reduces the latent sum before fc2 and the shared output apart: two).
+
 n_shared_experts: transformers builds one shared expert whatever it says; vLLM multiplies the shared width by it
 (none at 0). The two agree at 1, the releases' value; another is refused by name. moe_shared_expert_overlap is
 a training option (overlapping the shared expert with the experts' communication) that neither reads at inference.
@@ -30,7 +39,7 @@ from torch import nn
 
 from ferrox.layers.fused_moe import FusedMoE, Relu2, TopKRouter, experts_with_shared
 from ferrox.layers.grouped_topk import grouped_topk
-from ferrox.layers.linear import Linear
+from ferrox.layers.linear import Linear, float_linear
 from ferrox.layers.ops import DeviceOps
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
 from ferrox.models.ungated_mlp import ReluSquaredMLP
@@ -100,6 +109,16 @@ class NemotronHRouter(TopKRouter):
                                                     requires_grad=False)
 
 
+class PartialSumLinear(Linear):
+    """A replicated projection applied to a rank's partial sum before the all-reduce (fc2_latent_proj on the routed
+    experts' latent output): every rank holds the whole weight, rank 0 alone adds the bias, so the summed products
+    have it once. With one rank, a plain Linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.tp.rank == 0 else None
+        return float_linear(x, self.weight, bias) if self.quant is None else self.quant(x, bias)
+
+
 class NemotronHMoE(nn.Module):
     """The E layer's mixer: gate (router), experts, shared_experts and, with a latent size, fc1_latent_proj /
     fc2_latent_proj (the checkpoint's names under `mixer.`)."""
@@ -115,10 +134,10 @@ class NemotronHMoE(nn.Module):
         self.shared_experts = ReluSquaredMLP(dataclasses.replace(spec, intermediate_size=moe.shared_intermediate_size),
                                              ops, dtype, device)
         self.fc1_latent_proj: Linear | None = None
-        self.fc2_latent_proj: Linear | None = None
+        self.fc2_latent_proj: PartialSumLinear | None = None
         if moe.latent_size is not None:
             self.fc1_latent_proj = Linear(hidden, width, bias=spec.mlp_bias, dtype=dtype, device=device)
-            self.fc2_latent_proj = Linear(width, hidden, bias=spec.mlp_bias, dtype=dtype, device=device)
+            self.fc2_latent_proj = PartialSumLinear(width, hidden, bias=spec.mlp_bias, dtype=dtype, device=device)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights float32 [T, k], expert ids int32 [T, k]) of each token (module docstring)."""
@@ -132,6 +151,7 @@ class NemotronHMoE(nn.Module):
         weights, ids = self.route(x)
         if self.fc1_latent_proj is None or self.fc2_latent_proj is None:
             return experts_with_shared(self.experts, x, weights, ids, self.shared_experts, x)
-        routed = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(x), weights, ids))
-        return routed + self.shared_experts(x)
+        # Each term is this rank's partial (module docstring): one all-reduce sums them.
+        routed = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(x), weights, ids, reduce=False))
+        return self.experts.tp.all_reduce(routed + self.shared_experts(x, reduce=False))
 
