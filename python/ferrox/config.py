@@ -61,7 +61,7 @@ _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "fp1
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy", "mistral")
 DEVICES = ("auto", "cpu", "cuda")
 # layers/quant/config.py resolves these (tests check the two lists agree); "gguf" names a GGUF's blocks.
-QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "awq", "gptq", "awq_marlin", "gptq_marlin",
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "awq", "gptq", "modelopt", "awq_marlin", "gptq_marlin",
                         "compressed_tensors", "gguf")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3")
 # vLLM's MambaDType: the element type of a hybrid model's recurrent states (worker/recurrent_states.py).
@@ -280,7 +280,9 @@ class EngineConfig:
     kv_cache_dtype: str = _opt("KV cache element type: 'fp8' stores keys and values as FP8 E4M3 with per-layer "
                                "scales (the checkpoint's k_scale/v_scale, else 1.0), twice the tokens per byte; "
                                "'bfloat16' / 'float16' name the model's dtype (refused when it is another)",
-                               "auto", choices=KV_CACHE_DTYPES, default_help="auto: the model dtype")
+                               "auto", choices=KV_CACHE_DTYPES,
+                               default_help="auto: the model dtype (fp8 for a ModelOpt checkpoint whose "
+                               "kv_cache_quant_algo is FP8, as vLLM)")
     mamba_cache_dtype: str = _opt(
         "hybrid models (Qwen3.5, Qwen3-Next; the Mamba2 hybrids Granite 4.0-H, Nemotron-H): element type of each "
         "request's recurrent states, the short convolution's and (unless mamba_ssm_cache_dtype says otherwise) the "

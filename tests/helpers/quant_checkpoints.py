@@ -102,7 +102,7 @@ def calibrate_input_amax(float_folder: str, prompts: list[list[int]]) -> dict[st
 
 
 def dequantized_reference(float_folder: str, tensors: dict[str, torch.Tensor], quantize_input=None):
-    """transformers (float32) with every projection's weight = `weight` * `weight_scale` of `tensors`
+    """transformers (float32) with every quantized projection's weight = `weight` * `weight_scale` of `tensors`
     and, given quantize_input(x, static_scale), each projection's input rounded by it. static_scale
     is the checkpoint's `input_scale` for that projection -- a merged layer (q/k/v, gate/up) reads one
     input, so the largest of its shards', as the engines take it -- or None where none is stored."""
@@ -116,8 +116,8 @@ def dequantized_reference(float_folder: str, tensors: dict[str, torch.Tensor], q
             key = f"{layer}.{MERGED.get(proj, proj)}"
             static[key] = max(static.get(key, 0.0), float(value))
     for name, module in model.named_modules():
-        if not name.endswith(PROJ):
-            continue
+        if not name.endswith(PROJ) or f"{name}.weight_scale" not in tensors:
+            continue  # (a projection the checkpoint leaves in float runs as it is)
         scale = tensors[f"{name}.weight_scale"].float()
         codes = tensors[f"{name}.weight"].float()
         module.weight.data = codes * (scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(()))

@@ -92,6 +92,8 @@ def load_model(source: ModelSource, spec: ModelSpec, *, dtype: torch.dtype, devi
     with (torch.no_grad(), use_quant_config(quant_config), offloading(cpu_offload_bytes, device),
           building_text_only(text_only)):
         model = cls(spec, dtype, device)
+        if quant_config is not None:  # (layers the checkpoint left in float: its exclude list, by module name)
+            quant_config.keep_unquantized(model)
     with torch.no_grad():
         if load_format == "dummy":
             drop_vision_encoder(model)  # (nothing to drop unless text_only)

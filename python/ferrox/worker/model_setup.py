@@ -31,7 +31,7 @@ from ferrox.attention.kv_cache import (
 )
 from ferrox.config import CPU_DEFAULT_MAX_MODEL_LEN, EngineConfig, check_kernel_backends
 from ferrox.distributed.parallel_state import TPGroup, get_tp_group, use_tp_group
-from ferrox.kernels import select_kernels
+from ferrox.kernels import fp8_unsupported_gpu, select_kernels
 from ferrox.layers.quant.config import resolve_quant_config
 from ferrox.layers.quant.method import QuantConfig
 from ferrox.loader.cpu_offload import GIB
@@ -160,7 +160,8 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
     if config.skip_tokenizer_init:  # token ids in and out (loader/no_tokenizer.py)
         tokenizer = no_tokenizer_for(source.name, spec.hf_config, spec.vocab_size)
     dtype = resolve_dtype(config, spec, device)
-    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)  # fp8: half the bytes of bf16
+    quant_config = resolve_quant_config(config.quantization, spec, is_gguf=source.format == "gguf")
+    kv_dtype = resolve_kv_cache_dtype(_kv_cache_dtype(config, quant_config, device), dtype, device)  # fp8: half
     pooler_config = pooling_setup(config, source, spec, tp.size)  # None: a generation model
     if pooler_config is None:
         max_model_len = resolve_max_model_len(config, spec, device)
@@ -176,7 +177,6 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
         max_num_batched_tokens = pooling_token_budget(
             config.max_num_batched_tokens, max_num_batched_tokens, max_model_len,
             why="with enable_chunked_prefill off each prompt is computed in one step")
-    quant_config = resolve_quant_config(config.quantization, spec, is_gguf=source.format == "gguf")
     logger.info("loading the weights (%s, %s) onto %s", config.load_format, str(dtype).removeprefix("torch."), device)
     # Sleep mode releases this engine's weights: they must be its own, allocated in its region.
     sleep_memory = SleepMemory(device) if config.enable_sleep_mode else None
@@ -237,7 +237,8 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
         kv_bytes = config.resolved_cpu_kv_cache_memory()
     else:
         kv_bytes = config.kv_cache_memory or profile_gpu_kv_budget(
-            model, spec, dtype, device, config, max_num_batched_tokens, max_num_seqs, tp.size, max_model_len
+            model, spec, dtype, device, config, max_num_batched_tokens, max_num_seqs, tp.size, max_model_len,
+            kv_dtype=kv_dtype,
         )
     if device.type != "cpu" and config.kv_cache_memory is None:
         # Draft-model speculation keeps a twin KV cache of the same block count (worker/draft_model.py)
@@ -272,6 +273,24 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
         generation_defaults=generation_defaults, threads=threads, sleep_memory=sleep_memory,
         reload_model=reload_model, recurrent=recurrent, state_cache=state_cache, quant_config=quant_config,
     )
+
+
+def _kv_cache_dtype(config: EngineConfig, quant_config: QuantConfig | None, device: torch.device) -> str:
+    """config.kv_cache_dtype, with "auto" resolved to the cache the checkpoint's quantization asks for
+    (QuantConfig.kv_cache_dtype: fp8 for ModelOpt's kv_cache_quant_algo FP8, as vLLM resolves it). On a GPU
+    without FP8 conversions (before sm89) "auto" keeps the model dtype, with a warning: the user asked for
+    no particular cache, and an explicit "fp8" is still refused there by name."""
+    wanted = quant_config.kv_cache_dtype if quant_config is not None else None
+    if config.kv_cache_dtype != "auto" or wanted is None:
+        return config.kv_cache_dtype
+    old_gpu = fp8_unsupported_gpu(device) if wanted in ("fp8", "fp8_e4m3") else None
+    if old_gpu is not None:
+        logger.warning("kv_cache_dtype auto: the checkpoint's KV scales are for an FP8 cache, which %s cannot "
+                       "hold (sm89+); keeping the model dtype", old_gpu)
+        return "auto"
+    logger.info("kv_cache_dtype auto: %s, the KV cache the checkpoint's %s quantization calibrated scales for",
+                wanted, quant_config.name if quant_config is not None else "")
+    return wanted
 
 
 def _region(sleep_memory: SleepMemory | None, tag: str) -> Any:
@@ -426,11 +445,14 @@ def profile_gpu_kv_budget(
     num_seqs: int,
     tp_size: int = 1,
     max_model_len: int | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> int:
-    """Run one forward pass at the largest step size and return the bytes left for the KV cache."""
+    """Run one forward pass at the largest step size and return the bytes left for the KV cache. kv_dtype: the
+    cache's element type (default: config.kv_cache_dtype's)."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
+    if kv_dtype is None:
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
     scratch, hidden, logits = profile_forward(model, spec, dtype, device, config.block_size, num_tokens, num_seqs,
                                               tp_size, kv_dtype=kv_dtype)
     torch.cuda.synchronize(device)

@@ -5,6 +5,8 @@
 - No argument, a `quantization_config`: the checkpoint's method, as published.
 - `quantization="fp8"` on an unquantized checkpoint: online FP8 (weights quantized at load).
 - `quantization="fp8"` on a GGUF file: its tensors dequantized to the model dtype, then online FP8.
+- ModelOpt's exports say "modelopt" in config.json, or in hf_quant_config.json beside it (folded into the
+  config by loader/config_file.py): layers/quant/modelopt.py.
 - Both: they must agree (vLLM's kernel-named spellings `awq_marlin` / `gptq_marlin` name the same
   checkpoint layouts and are taken as `awq` / `gptq`).
 """
@@ -27,6 +29,7 @@ _METHODS = {
     "compressed-tensors": "ferrox.layers.quant.compressed_tensors:CompressedTensorsScheme",
     "awq": "ferrox.layers.quant.awq:AWQConfig",
     "gptq": "ferrox.layers.quant.gptq:GPTQConfig",
+    "modelopt": "ferrox.layers.quant.modelopt:ModelOptConfig",
 }
 _ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq", "compressed_tensors": "compressed-tensors"}
 # Checkpoint methods a family's own loader reads (no QuantConfig): method -> the architectures that do.
@@ -66,7 +69,7 @@ def resolve_quant_config(quantization: str | None, spec: ModelSpec, *, is_gguf: 
                 f"quantization {quantization!r} needs a checkpoint quantized that way (its config.json has no "
                 "quantization_config); only 'fp8' quantizes an unquantized checkpoint at load time")
         return _method_class("fp8").online()
-    method = str(hf.get("quant_method", "")).lower().replace("_", "-")
+    method = _checkpoint_method(hf)
     if method in DEQUANTIZED_AT_LOAD and spec.architecture in DEQUANTIZED_AT_LOAD[method]:
         if requested is not None:
             raise UnsupportedModelError(f"quantization {quantization!r}: this checkpoint's "
@@ -77,9 +80,22 @@ def resolve_quant_config(quantization: str | None, spec: ModelSpec, *, is_gguf: 
                     "kernels take it, else dequantized to the model dtype)", method)
         return None
     if method not in _METHODS:
-        raise UnsupportedModelError(f"config.json quantization_config.quant_method {hf.get('quant_method')!r} is "
-                                    f"not supported (ferrox reads {', '.join(_METHODS)} checkpoints)")
+        where = ("hf_quant_config.json: a quantization config whose producer is not NVIDIA ModelOpt"
+                 if "quantization" in hf and not hf.get("quant_method") else
+                 f"config.json quantization_config.quant_method {hf.get('quant_method')!r}")
+        raise UnsupportedModelError(f"{where} is not supported (ferrox reads {', '.join(_METHODS)} checkpoints)")
     if requested is not None and requested != method:
         raise UnsupportedModelError(f"quantization {quantization!r} does not match the checkpoint's "
                                     f"quantization_config.quant_method {hf.get('quant_method')!r}")
     return _method_class(method).from_hf(hf)
+
+
+def _checkpoint_method(hf: dict[str, Any]) -> str:
+    """The method a checkpoint's quantization config names: its quant_method ("compressed_tensors" spelt
+    "compressed-tensors"); ModelOpt's whatever its spelling (vLLM's "modelopt_fp4" / "modelopt_mixed", or
+    hf_quant_config.json's producer), whose quant_algo then says which format it is."""
+    from ferrox.layers.quant.modelopt import is_modelopt_export
+
+    if is_modelopt_export(hf):
+        return "modelopt"
+    return str(hf.get("quant_method", "")).lower().replace("_", "-")

@@ -1,0 +1,148 @@
+"""Layers a checkpoint leaves unquantized, named in its exclude list (ModelOpt's `exclude_modules`, written
+`ignore` in config.json), matched against the built model's modules; the linear layers they name go back to
+a float weight before any tensor loads.
+
+A linear layer takes its weight method when it is built, before it has a name (layers/quant/method.py);
+`keep_excluded_in_float` runs once the whole model exists (QuantConfig.keep_unquantized, called by
+loader/model_loader.py) and gives each named layer a float `weight` of the model dtype in place of its method.
+
+How an entry names a module (its checkpoint name, e.g. `model.layers.3.mlp.down_proj`), as vLLM reads
+ModelOpt's lists (modelopt.py's `is_layer_excluded`), on whole dotted components:
+
+- with wildcards (`*`, `?`, `[`): a shell pattern over the whole name (`model.layers.*.mlp.gate`). A
+  trailing `*` right after a name, ModelOpt's `module_path*` for "this module and everything under it",
+  means that subtree: `model.layers.1*` names layer 1, not layers 10-19 (vLLM rewrites the pattern so
+  for remapped models; a plain shell match would take both);
+- without: that module or any under it, the entry found as whole components anywhere in the name
+  (`lm_head`, `model.layers.3.mlp`, `down_proj`) -- vLLM's substring rule, kept to dot boundaries so that
+  `mlp.gate` (a router) does not name `mlp.gate_up_proj`.
+
+A merged layer (q/k/v, gate/up) answers to its own name and to its shards' checkpoint names beside it
+(`q_proj`, `k_proj`, `v_proj`, `gate_proj`, `up_proj`): it stays float when its name or every shard's is
+named; some shards but not all is refused (one layer runs one matmul in one dtype), as vLLM refuses it.
+A mixture-of-experts layer an entry reaches is refused by name: its FP8 experts are chosen when it is
+built, and the expert layer has no way back to float yet.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import re
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from ferrox.model_spec import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from ferrox.layers.linear import Linear
+
+logger = logging.getLogger(__name__)
+
+_WILDCARDS = ("*", "?", "[")
+# The routed experts' checkpoint projections (Qwen / DeepSeek names, and Mixtral's).
+_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+
+
+def _entry_regex(entry: str) -> str:
+    """The regex (matched from the start, anchored at the end) of the names `entry` reaches."""
+    if any(c in entry for c in _WILDCARDS):
+        if len(entry) > 1 and entry.endswith("*") and entry[-2] not in ".*":
+            base = fnmatch.translate(entry[:-1])  # (?s:...)\Z
+            return f"(?:{base}|{fnmatch.translate(entry[:-1] + '.*')})"
+        return f"(?:{fnmatch.translate(entry)})"
+    return rf"(?s:(?:.*\.)?{re.escape(entry)}(?:\..*)?)\Z"
+
+
+class ExcludeList:
+    """The entries of one checkpoint's exclude list (`where`: the config field, for messages)."""
+
+    def __init__(self, entries: Iterable[str], where: str):
+        self.entries = tuple(entries)
+        self.where = where
+        # One alternation for all entries: a model's names are checked against it once each.
+        self._any = re.compile("|".join(_entry_regex(e) for e in self.entries)) if self.entries else None
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+    def names(self, name: str) -> bool:
+        """Whether some entry names module `name` (or a module above it)."""
+        return self._any is not None and self._any.match(name) is not None
+
+    def entry_for(self, name: str) -> str:
+        """The first entry that names `name` (for messages)."""
+        return next(e for e in self.entries if re.match(_entry_regex(e), name))
+
+
+def _shard_names(name: str, layer: nn.Module) -> list[str]:
+    """A merged layer's shards as the checkpoint names them beside it (llama's `q_proj` for shard "q"); []
+    for a plain layer."""
+    shards = getattr(layer, "shard_sizes", None)
+    if not shards:
+        return []
+    parent = name.rpartition(".")[0]
+    return [f"{parent}.{shard}_proj" for shard in shards]
+
+
+def _excluded(excluded: ExcludeList, name: str, layer: nn.Module) -> bool:
+    """Whether linear layer `name` stays float (module docstring); partly named merged layers refused."""
+    if excluded.names(name):
+        return True
+    shards = _shard_names(name, layer)
+    named = [s for s in shards if excluded.names(s)]
+    if named and len(named) != len(shards):
+        raise UnsupportedModelError(
+            f"{excluded.where}: {excluded.entry_for(named[0])!r} leaves {', '.join(named)} unquantized but not "
+            f"{', '.join(s for s in shards if s not in named)}, which ferrox runs as one layer ({name}): all shards "
+            "of a merged projection must have the same precision")
+    return bool(named)
+
+
+def _experts_named(excluded: ExcludeList, name: str, num_experts: int) -> str | None:
+    """The first checkpoint name of mixture-of-experts layer `name` (`...mlp.experts`) an entry reaches."""
+    candidates = [name, name.replace(".mlp.", ".block_sparse_moe.")]
+    for prefix in dict.fromkeys(candidates):
+        for e in range(num_experts):
+            candidates += [f"{prefix}.{e}.{proj}" for proj in _EXPERT_PROJECTIONS]
+    return next((c for c in candidates if excluded.names(c)), None)
+
+
+def _to_float(layer: Linear) -> None:
+    """A linear layer built with a checkpoint method, given a float weight of the model dtype instead (the
+    method's empty placeholder `weight` has that dtype and device)."""
+    placeholder = layer.weight
+    layer.weight_method = None
+    layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=placeholder.dtype,
+                                            device=placeholder.device), requires_grad=False)
+
+
+def keep_excluded_in_float(model: nn.Module, excluded: ExcludeList) -> list[str]:
+    """Give every quantized linear layer of `model` that `excluded` names a float weight (module docstring);
+    refuse named mixture-of-experts layers. Returns the names of the layers made float."""
+    from ferrox.layers.fused_moe import FusedMoE
+    from ferrox.layers.linear import Linear
+
+    kept: list[str] = []
+    if not excluded:
+        return kept
+    for name, module in model.named_modules():
+        if getattr(module, "weight_method", None) is None:
+            continue  # float already (a router, a vision tower, a layer built float on purpose)
+        if isinstance(module, FusedMoE):
+            hit = _experts_named(excluded, name, module.num_experts)
+            if hit is not None:
+                raise UnsupportedModelError(
+                    f"{excluded.where}: {excluded.entry_for(hit)!r} leaves the experts {hit} unquantized; ferrox "
+                    "loads a mixture-of-experts layer's experts quantized or not at all (float experts in a quantized "
+                    "checkpoint are not supported)")
+        elif isinstance(module, Linear) and _excluded(excluded, name, module):
+            _to_float(module)
+            kept.append(name)
+    if kept:
+        logger.info("%s: %d linear layer(s) kept in the model dtype (%s%s)", excluded.where, len(kept),
+                    ", ".join(kept[:4]), ", ..." if len(kept) > 4 else "")
+    return kept
