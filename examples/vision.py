@@ -2,7 +2,7 @@
 
     python examples/vision.py MODEL_FOLDER IMAGE [--serve-url http://localhost:8000]
 
-MODEL_FOLDER: a LLaVA, LLaVA-NeXT, Gemma 3 (4B+), SmolVLM/Idefics3, Qwen2-VL/Qwen2.5-VL or Mistral 3 checkpoint
+MODEL_FOLDER: a LLaVA, LLaVA-NeXT, Gemma 3 (4B+), Gemma 4, SmolVLM/Idefics3, Qwen2-VL/Qwen2.5-VL or Mistral 3 checkpoint
 already on disk (ferrox downloads nothing). IMAGE: a file path or an http(s) URL. With --serve-url, the same
 question goes to `ferrox serve MODEL_FOLDER` through the openai client, the image as a data URL.
 """

@@ -5,7 +5,8 @@ torch attention), Idefics3 (SmolVLM's tiling), Qwen2-VL / Qwen2.5-VL (images at 
 positions), Qwen3-VL (interleaved rotary, DeepStack rows added inside the language model; dense and MoE), Qwen3.5 /
 Qwen3.6 (Qwen3-VL's tower without DeepStack over the hybrid Gated DeltaNet language model, interleaved rotary over a
 partial rotary; dense and MoE), Mistral 3 (Pixtral's row-break tokens inside each image), InternVL (tiles, pixel
-shuffle; the -hf and the remote-code layouts).
+shuffle; the -hf and the remote-code layouts), Gemma 4 (images at their own aspect ratio; bidirectional on the sliding
+layers, those images computed whole in a step, or causal with E2B's per-layer embeddings, cut across steps).
 
 Each serves 24 concurrent chat requests with data-URL images (eight different images, one or two a prompt),
 Anthropic image blocks and Responses input_image parts beside them, each answer compared with the offline LLM's on
@@ -31,6 +32,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from tests.helpers.mtp_layer import add_mtp_layer  # noqa: E402
+from tests.helpers.tiny_gemma4 import make_tiny_gemma4  # noqa: E402
 from tests.helpers.tiny_internvl import make_tiny_internvl, make_tiny_internvl_chat  # noqa: E402
 from tests.helpers.tiny_llava_onevision import make_tiny_llava_onevision  # noqa: E402
 from tests.helpers.tiny_models import (  # noqa: E402
@@ -108,7 +110,13 @@ def main() -> int:
                                 # (drafting with the checkpoint's MTP layer: the answers stay those without drafts)
                                 ("mtp-qwen3_5-vl", _with_mtp(make_tiny_qwen3_5_multimodal(tmp / "q")),
                                  ["--max-model-len", "256", "--speculative-config",
-                                  '{"method":"mtp","num_speculative_tokens":2}'])):
+                                  '{"method":"mtp","num_speculative_tokens":2}']),
+                                # (an image's 44-70 tokens attend both ways: a step budget that holds one whole)
+                                ("gemma4-vision-bidirectional", make_tiny_gemma4(
+                                    tmp / "r", images=True, bidirectional="vision", standardize=True, clipped=True),
+                                 ["--max-model-len", "512", "--max-num-batched-tokens", "160"]),
+                                ("gemma4-vision-per-layer", make_tiny_gemma4(
+                                    tmp / "s", images=True, per_layer=True, kv_shared=2), ["--max-model-len", "512"])):
         if only and not any(name.startswith(o) for o in only):
             continue
         cases = [[k % 8] for k in range(16)] + [[k % 8, (k + 3) % 8] for k in range(8)]

@@ -22,60 +22,12 @@ from ferrox.model_spec import UnsupportedModelError, spec_for_context
 
 from tests.helpers import tiny_models
 from tests.helpers.driver import run_greedy
+from tests.helpers.tiny_gemma4 import WINDOW, make_tiny_gemma4
 from tests.models.conftest import assert_cuda_engine_matches_cpu, cut_at_eos, hf_greedy, hf_last_logits
 
 transformers = pytest.importorskip("transformers")
 
-WINDOW = 16
 PROMPTS = [[5, 9, 11], list(range(3, 43)), [7, 100, 45] * 13]
-LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
-
-
-def _text_config(vocab: int, *, moe: bool = False, per_layer: bool = False, kv_shared: int = 0) -> dict:
-    return dict(
-        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
-        sliding_window=WINDOW, layer_types=LAYER_TYPES, max_position_embeddings=512, final_logit_softcapping=30.0,
-        hidden_size_per_layer_input=8 if per_layer else 0, vocab_size_per_layer_input=vocab,
-        num_kv_shared_layers=kv_shared, use_double_wide_mlp=bool(kv_shared), enable_moe_block=moe,
-        num_experts=4 if moe else None, top_k_experts=2 if moe else None, moe_intermediate_size=32 if moe else None,
-        initializer_range=0.1, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=1,
-        eos_token_id=tiny_models.EOS_TOKEN_ID, pad_token_id=0)
-
-
-def _randomize(model) -> None:
-    """Norms, layer scalars and the router's scales away from their init of 1, so each is tested."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("norm.weight", "router.scale", "per_expert_scale")):
-                param.uniform_(0.5, 1.5)
-            elif name.endswith("router.proj.weight"):
-                param.normal_(0.0, 0.5)
-        for name, buf in model.named_buffers():
-            if name.endswith("layer_scalar"):
-                buf.uniform_(0.5, 1.5)
-
-
-def make_tiny_gemma4(folder, *, conditional: bool = False, seed: int = 0, **kind) -> str:
-    """A Gemma4ForCausalLM (or, conditional, a Gemma4ForConditionalGeneration with a tiny vision tower)."""
-    tok = tiny_models.build_tokenizer()
-    text = _text_config(tok.get_vocab_size(), **kind)
-    torch.manual_seed(seed)
-    if conditional:
-        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=64)
-        config = transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
-        config.architectures = ["Gemma4ForConditionalGeneration"]
-        model = transformers.Gemma4ForConditionalGeneration(config)
-    else:
-        config = transformers.Gemma4TextConfig(**text)
-        config.architectures = ["Gemma4ForCausalLM"]
-        model = transformers.Gemma4ForCausalLM(config)
-    model = model.to(torch.float32)
-    _randomize(model)
-    return tiny_models._save(str(folder), model, tok, max_shard_size=None, generation=None)
-
-
 KINDS = {"dense": {}, "moe": {"moe": True}, "per_layer_kv_shared": {"per_layer": True, "kv_shared": 2},
          "conditional": {"conditional": True}}
 
@@ -110,7 +62,7 @@ def test_per_layer_kv_shapes(gemma4):
     """Full layers: head_dim 32 with one KV head; sliding: 16 with two; KV-sharing layers write no cache."""
     assert gemma4["dense"][1].spec.layer_kv_shapes == ((2, 16), (2, 16), (1, 32)) * 2
     assert gemma4["per_layer_kv_shared"][1].spec.layer_kv_shapes == ((2, 16), (2, 16), (1, 32), (2, 16), (1, 1), (1, 1))
-    assert not hasattr(gemma4["conditional"][1], "vision_tower")
+    assert gemma4["conditional"][1].takes_images  # (its images: tests/models/test_gemma4_vision.py)
     # Prompt embeddings: refused at start-up where per-layer embeddings need the prompt's token ids.
     from ferrox.multimodal.prompt_embeds import startup_problem
 
@@ -146,6 +98,8 @@ def test_engine_matches_transformers(gemma4, name):
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         if name == "conditional":
+            assert not llm.engine.runner.model.takes_images  # (the tower was neither built nor loaded)
+            # (its tokenizer has no image token: served as text, the prompt rules take no images)
             with pytest.raises(InvalidArgumentError, match=r"messages\[0\]\.content\[0\]: .* takes no images"):
                 llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params,
                          use_tqdm=False, chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")

@@ -5,9 +5,11 @@ process does, on tiny random float32 checkpoints (tests/models/test_gemma4.py's 
   replicated on both ranks), so the two cache shapes are each a rank's own; E2B/E4B's per-layer embeddings
   (a vocabulary-parallel table) and KV-sharing layers (queries split over their source layer's heads) and the
   double-wide MLP of those layers.
-- "moe": 26B-A4B's block, in a Gemma4ForConditionalGeneration checkpoint (its language model served): the 4
-  experts sharded by their intermediate rows (16 of 32 a rank), and with --enable-expert-parallel split 2 + 2
-  (per_expert_scale applied by global expert id).
+- "moe": 26B-A4B's block, in a Gemma4ForConditionalGeneration checkpoint that takes images: the 4 experts sharded
+  by their intermediate rows (16 of 32 a rank), and with --enable-expert-parallel split 2 + 2 (per_expert_scale
+  applied by global expert id); a prompt with an image (its rows cut over several chunks of the step budget), the
+  vision tower's layers sharded over the ranks (--mm-encoder-tp-mode weights), or whole on each rank with the
+  images split among them ('data', with the expert-parallel run).
 
 Greedy tokens equal, logprobs within 1e-4; the long prompts are prefilled in chunks of a 16-token budget and
 pass the 16-token window. One engine per TP size (and expert placement) per model. A rank's shard is also
@@ -33,11 +35,12 @@ from ferrox.loader.source import resolve_model
 from ferrox.model_spec import UnsupportedModelError
 from ferrox.models.gemma4 import Gemma4ForCausalLM
 
-from tests.models.test_gemma4 import PROMPTS, make_tiny_gemma4
+from tests.helpers.tiny_gemma4 import make_tiny_gemma4
+from tests.models.test_gemma4 import PROMPTS
 
 pytest.importorskip("transformers")
 
-BUILDERS = {"per_layer_kv_shared": {"per_layer": True, "kv_shared": 2}, "moe": {"moe": True, "conditional": True}}
+BUILDERS = {"per_layer_kv_shared": {"per_layer": True, "kv_shared": 2}, "moe": {"moe": True, "images": True}}
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +52,19 @@ def folders(tmp_path_factory):
 
 def _generate(folder: str, tp: int, device: str = "cpu", **kw) -> list[tuple[list[int], list[float]]]:
     """(greedy tokens, their logprobs) of each prompt."""
+    import numpy as np
     from ferrox import LLM, SamplingParams
+    from PIL import Image
 
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
+    prompts: list[dict] = [{"prompt_token_ids": p} for p in PROMPTS]
+    if os.path.exists(os.path.join(folder, "preprocessor_config.json")):  # a checkpoint that takes images
+        image = Image.fromarray(np.random.default_rng(4).integers(0, 255, (30, 100, 3), dtype=np.uint8))
+        prompts.append({"prompt": "Look: <|image|> what is it?", "multi_modal_data": {"image": image}})
     llm = LLM(model=folder, device=device, dtype="float32", tensor_parallel_size=tp, kv_cache_memory=8 << 20,
               max_num_batched_tokens=16, max_model_len=256, **kw)
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False)
     finally:
         llm.engine.shutdown()
     return [(list(o.outputs[0].token_ids),
@@ -75,11 +84,13 @@ def test_per_layer_kv_shared_tp2_matches_tp1(folders):
 
 
 def test_moe_tp2_matches_tp1(folders):
-    """The experts sharded by intermediate rows (vLLM's default), then split by count (expert parallel)."""
+    """The experts sharded by intermediate rows (vLLM's default), then split by count (expert parallel, the
+    vision tower whole on each rank: --mm-encoder-tp-mode data)."""
     folder = folders["moe"]
     reference = _generate(folder, 1)
+    assert len(reference) == len(PROMPTS) + 1  # (the image prompt)
     _assert_same(reference, _generate(folder, 2))
-    _assert_same(reference, _generate(folder, 2, enable_expert_parallel=True))
+    _assert_same(reference, _generate(folder, 2, enable_expert_parallel=True, mm_encoder_tp_mode="data"))
 
 
 def _load_rank(folder: str, rank: int, size: int, expert_parallel: bool = False):

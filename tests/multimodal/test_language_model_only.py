@@ -25,6 +25,7 @@ TEXT_ONLY = {"image": 0, "video": 0}
 
 
 def _builders():
+    from tests.helpers.tiny_gemma4 import make_tiny_gemma4
     from tests.helpers.tiny_internvl import make_tiny_internvl, make_tiny_internvl_chat
     from tests.helpers.tiny_llava_onevision import make_tiny_llava_onevision
     from tests.helpers.tiny_models import (
@@ -44,12 +45,12 @@ def _builders():
         "idefics3": make_tiny_idefics3, "internvl": lambda d: make_tiny_internvl(d, text="qwen3"),
         "internvl-chat": lambda d: make_tiny_internvl_chat(d)[1], "qwen2-vl": make_tiny_qwen2_vl,
         "qwen2.5-vl": lambda d: make_tiny_qwen2_vl(d, version="qwen2_5_vl"), "qwen3-vl": make_tiny_qwen3_vl,
-        "qwen3-vl-moe": make_tiny_qwen3_vl_moe,
+        "qwen3-vl-moe": make_tiny_qwen3_vl_moe, "gemma4": lambda d: make_tiny_gemma4(d, images=True),
     }
 
 
 FAMILIES = ["llava", "llava-next", "llava-onevision", "llava-pixtral", "mistral3", "gemma3", "idefics3", "internvl",
-            "internvl-chat", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe"]
+            "internvl-chat", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe", "gemma4"]
 
 
 def _load(folder: str, limits=None):

@@ -45,8 +45,12 @@ with --enable-expert-parallel whole experts split (FusedMoE), the router replica
 applied by global expert id before FusedMoE maps the ids to its own); the token and per-layer embedding tables
 and the LM head are vocabulary-parallel; the per-layer input projections, every norm and the layer
 scalars are replicated; the final soft cap applies to the gathered logits. Refused by name: quantized
-checkpoints, GGUF, bidirectional attention ("all"), and the vision and audio towers
-(Gemma4ForConditionalGeneration serves its language model: a request with images is refused).
+checkpoints, GGUF, bidirectional attention ("all").
+
+Images (Gemma4ForConditionalGeneration, at the end): the vision tower and embedder of models/vision/gemma4_vision.py,
+each image's rows in place of its soft tokens (multimodal/gemma4_processing.py), an image's tokens attending to each
+other both ways on the sliding layers where use_bidirectional_attention is "vision". The audio tower is not built;
+audio inputs are refused by name.
 """
 
 from __future__ import annotations
@@ -73,6 +77,8 @@ from ferrox.layers.vocab_parallel import VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError
 from ferrox.models.gemma2 import GemmaMLP, check_gelu_tanh, embedding_normalizer
 from ferrox.models.llama import LlamaForCausalLM
+from ferrox.models.load_check import load_whole
+from ferrox.multimodal.inputs import MultiModalItem
 
 logger = logging.getLogger(__name__)
 
@@ -285,13 +291,26 @@ class Gemma4Model(nn.Module):
             self.per_layer_model_projection = Linear(spec.hidden_size, width, bias=False, dtype=dtype, device=device)
             self.per_layer_projection_norm = RMSNorm(self.per_layer, spec.rms_norm_eps, dtype, device, ops)
             self.projection_scale = spec.hidden_size ** -0.5
+        # Gemma4ForConditionalGeneration: its image / video / audio token ids, embedded as the pad token (transformers
+        # looks both tables up with those ids swapped for pad_token_id; an image's rows then replace its own).
+        self.mm_token_ids: tuple[int, ...] = ()
+        self.pad_token_id = int(config.get("pad_token_id") or 0)
         self.backend = backend
         self.qk_norm = True
         self.one_token_layers = None  # (the four-norm layer is not the pre-norm shape the fused path takes)
         self.decode_path = backend.decode_path(None, self.rotary.rope_rows)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids) * self.normalizer
+        return self.embed_tokens(self.text_ids(input_ids)) * self.normalizer
+
+    def text_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The ids the embedding tables are looked up with: media tokens as the pad token (mm_token_ids)."""
+        if not self.mm_token_ids:
+            return input_ids
+        media = input_ids == self.mm_token_ids[0]
+        for token in self.mm_token_ids[1:]:
+            media = media | (input_ids == token)
+        return torch.where(media, self.pad_token_id, input_ids)
 
     def per_layer_inputs(self, input_ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """[T, layers, hidden_size_per_layer_input]: the per-layer embedding of each token mixed with a
@@ -299,7 +318,8 @@ class Gemma4Model(nn.Module):
         t, n = h.shape[0], len(self.layers)
         projected = self.per_layer_model_projection(h) * self.projection_scale
         projected = self.per_layer_projection_norm(projected.reshape(t * n, self.per_layer)).view(t, n, self.per_layer)
-        table = (self.embed_tokens_per_layer(input_ids) * self.per_layer_normalizer).view(t, n, self.per_layer)
+        table = self.embed_tokens_per_layer(self.text_ids(input_ids)) * self.per_layer_normalizer
+        table = table.view(t, n, self.per_layer)
         return (projected + table) * (2.0 ** -0.5)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -309,10 +329,14 @@ class Gemma4Model(nn.Module):
         rope_full = self.rotary(positions, h.dtype)
         rope_local = self.rotary_local(positions, h.dtype) if _SLIDING in self.types else rope_full
         shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # An image's tokens attend to each other both ways on the sliding layers only (transformers'
+        # create_masks_for_vision_model); the full layers stay causal. (On the torch backend each switch between
+        # the two re-plans the step's masks: image steps only.)
+        causal = dataclasses.replace(meta, bidirectional=None) if getattr(meta, "bidirectional", None) else meta
         for i, layer in enumerate(self.layers):
-            rope = rope_local if self.types[i] == _SLIDING else rope_full
-            h = layer(h, rope, kv_caches[self.sources[i]], meta, shared,
-                      per_layer[:, i] if per_layer is not None else None)
+            sliding = self.types[i] == _SLIDING
+            h = layer(h, rope_local if sliding else rope_full, kv_caches[self.sources[i]], meta if sliding else causal,
+                      shared, per_layer[:, i] if per_layer is not None else None)
         return self.norm(h)
 
 
@@ -387,28 +411,86 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
             raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(sorted(missing)[:8])}")
 
 
-# The multimodal checkpoint's modules that ferrox does not build (its towers and their embedders).
-_TOWERS = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
+# The multimodal checkpoint's audio side, which ferrox does not build (its audio inputs are refused).
+_AUDIO = ("model.audio_tower.", "model.embed_audio.")
+_TOWER, _EMBEDDER = "model.vision_tower.", "model.embed_vision."
+# Gemma4Config's media token ids (image, video, audio), where config.json leaves them out.
+_MEDIA_TOKENS = {"image_token_id": 258_880, "video_token_id": 258_884, "audio_token_id": 258_881}
 
 
 class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
     """gemma-4-*-it as published: the language model of the multimodal checkpoint (text_config over
-    Gemma4TextConfig's defaults: loader/model_config.py) served as text. The vision and audio towers are
-    neither built nor loaded, with or without --language-model-only, and a request with images is refused
-    (the model takes no images)."""
+    Gemma4TextConfig's defaults: loader/model_config.py), the vision tower and its embedder
+    (models/vision/gemma4_vision.py). Each image is its soft tokens' rows in place of its `<|image|>` run
+    (multimodal/gemma4_processing.py: a count that depends on the image's size); with text_config's
+    use_bidirectional_attention "vision" an image's tokens attend to each other both ways on the sliding layers
+    (AttentionMetadata.bidirectional; the full layers stay causal), so the scheduler computes each image in one
+    step. The media tokens (image, video, audio) embed as the pad token, as transformers swaps them (in both
+    tables where there are per-layer embeddings: Gemma4Model.text_ids). Under
+    tensor parallelism the tower and embedder load whole on every rank (the tower's layers then sharded under
+    --mm-encoder-tp-mode weights: models/vision/encoder_setup.py) and each rank embeds its requests' images
+    (worker/rank_images.py). The audio tower is neither built nor loaded: audio inputs are refused by name
+    (multimodal/chat_parts.py, engine/input_processor.py); so are videos."""
+
+    takes_images = True
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
+        from ferrox.models.vision.encoder_setup import vision_device
+        from ferrox.models.vision.gemma4_vision import Gemma4VisionEmbedder, Gemma4VisionTower
+
         super().__init__(spec, dtype, device, kernels=kernels)
-        logger.warning("%s: Gemma 4's vision and audio towers are not supported by ferrox yet; serving its language "
-                       "model only (as --language-model-only): requests with images are refused", spec.architecture)
+        mm = spec.hf_config.get("multimodal") or {}
+        self.model.mm_token_ids = tuple(int(mm.get(key) or default) for key, default in _MEDIA_TOKENS.items())
+        self.bidirectional_images = spec.hf_config.get("use_bidirectional_attention") == "vision"
+        vision = mm.get("vision_config")
+        if vision is None:  # (Gemma4Config's vision_config is optional: such a checkpoint takes no images)
+            self.takes_images = False  # type: ignore[misc]
+        else:
+            self.vision_tower = Gemma4VisionTower(vision, dtype=dtype, device=vision_device(device))
+            self.embed_vision = Gemma4VisionEmbedder(self.vision_tower.hidden_size, spec.hidden_size,
+                                                     self.vision_tower.eps, dtype, vision_device(device))
+            self.own_weight_prefixes = (*self.own_weight_prefixes, "vision_tower.", "embed_vision.")
+        if mm.get("audio_config") is not None:
+            logger.info("%s: Gemma 4's audio tower is not supported by ferrox: audio inputs are refused",
+                        spec.architecture)
+
+    def check_image_item(self, item: MultiModalItem) -> str | None:
+        """What is wrong with an image item for this model (worker/multimodal.py check_items), or None."""
+        if item.grid is None or len(item.grid) != 2 or min(item.grid) < 1:
+            return "no (rows, cols) patch grid"
+        rows, cols = item.grid
+        tower = self.vision_tower
+        problem = tower.check_grid(rows, cols)
+        if problem:
+            return problem
+        tokens = rows * cols // tower.pooling_kernel_size**2
+        if item.length != tokens:
+            return f"{item.length} placeholder tokens for a {item.grid} grid (it takes {tokens})"
+        if list(item.shape) != [rows * cols, 3 * tower.patch_size**2]:
+            return f"pixels {list(item.shape)}, the grid {item.grid} takes {[rows * cols, 3 * tower.patch_size**2]}"
+        return None
+
+    def embed_image_item(self, item: MultiModalItem, device: torch.device) -> torch.Tensor:
+        """[item.length, hidden]: the tower and embedder over the image's patches."""
+        assert item.grid is not None  # check_image_item
+        rows, cols = item.grid
+        return self.embed_vision(self.vision_tower(item.pixel_values().to(device), (rows, cols)))
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        tower: list[tuple[str, Any]] = []
+        embedder: dict[str, torch.Tensor] = {}
+        vision = getattr(self, "vision_tower", None) is not None
+
         def language_model() -> Iterator[tuple[str, Any]]:
             for name, tensor in weights:
-                if name.startswith(_TOWERS):
+                if name.startswith(_AUDIO) or (not vision and name.startswith((_TOWER, _EMBEDDER))):
                     continue
-                if name.startswith("model.language_model."):
+                if name.startswith(_TOWER):
+                    tower.append((name[len(_TOWER):], tensor))
+                elif name.startswith(_EMBEDDER):
+                    embedder[name[len(_EMBEDDER):]] = materialize(tensor)
+                elif name.startswith("model.language_model."):
                     yield "model." + name[len("model.language_model."):], tensor
                 elif name == "lm_head.weight" and self.lm_head is None:
                     continue
@@ -416,3 +498,6 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
                     yield name, tensor
 
         super().load_weights(language_model())
+        if vision:
+            self.vision_tower.load_weights((name, materialize(t)) for name, t in tower)
+            load_whole(self.embed_vision, embedder, "model.embed_vision", self.spec.architecture)
