@@ -34,6 +34,20 @@ def write_checkpoint(float_folder: str, folder, quantization_config: dict, tenso
     return folder
 
 
+def with_float_modules(tensors: dict[str, torch.Tensor], float_weights: dict[str, torch.Tensor],
+                       modules) -> dict[str, torch.Tensor]:
+    """A quantized checkpoint's tensors with the projections `modules(name)` picks left in float, as an export
+    that ignores them writes them: the float `weight`, no scales, input scales or zero points."""
+    out = {}
+    for name, value in tensors.items():
+        module = name.rsplit(".", 1)[0]
+        if not (module.endswith(PROJ) and modules(module)):
+            out[name] = value
+        elif name.endswith((".weight", ".bias")):
+            out[name] = float_weights[name]
+    return out
+
+
 def edited_copy(folder: str, dst, edit) -> str:
     """A copy of checkpoint `folder` at `dst` (a new pathlib folder) whose tensors `edit(tensors)`
     changed in place (the refusal tests: a tensor dropped, retyped, reshaped)."""

@@ -274,15 +274,6 @@ def test_kv_cache_scheme_per_tensor_fp8_is_taken_others_refused():
         CompressedTensorsConfig.from_hf(_ct(kv_cache_scheme={"num_bits": 4, "type": "int"}))
 
 
-@pytest.mark.parametrize("entry", ["model.layers.1.mlp.down_proj", "re:.*self_attn.*", "down_proj",
-                                   "model.layers.0", "Linear"])
-def test_ignore_lists_naming_decoder_layers_are_refused(tmp_path, float_folder, entry):
-    config = _ct(ignore=["lm_head", entry])
-    folder = write_checkpoint(float_folder, tmp_path / "ignored", config, {})
-    with pytest.raises(UnsupportedModelError, match=r"quantization_config\.ignore: .*unquantized"):
-        make_llm(folder)
-
-
 def test_a_float_weight_in_an_fp8_checkpoint_is_named(tmp_path, float_folder, float_weights):
     tensors = quantized_tensors(float_weights, per_row=False)
     tensors["model.layers.1.mlp.down_proj.weight"] = float_weights["model.layers.1.mlp.down_proj.weight"]

@@ -227,7 +227,6 @@ _CT_WEIGHTS = "config_groups.group_0.weights"
      "config_groups.group_0.input_activations"),
     ({}, {"targets": ["re:.*down_proj"]}, {}, "config_groups.group_0.targets"),
     ({}, {}, {"format": "int-quantized"}, "format"),
-    ({}, {}, {"ignore": ["lm_head", "re:.*down_proj"]}, "ignore"),
 ])
 def test_compressed_tensors_int_schemes_refused_by_name(float_folder, weights, scheme, top, field):
     cfg = quantization_config("ct", 32)

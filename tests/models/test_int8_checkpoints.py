@@ -183,7 +183,6 @@ _W, _A = f"{_G}.weights", f"{_G}.input_activations"
     ({"zero_point_dtype": "int8"}, {}, {}, _W),
     ({}, {"hadamard": True}, {}, _A),
     ({}, {}, {"format": "float-quantized"}, "format"),
-    ({}, {}, {"ignore": ["lm_head", "re:.*down_proj"]}, "ignore"),
     ({}, {}, {"sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity_config"),
     ({}, {}, {"unknown_field": 1}, r" field\(s\) unknown_field"),
 ])

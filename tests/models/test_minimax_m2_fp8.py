@@ -131,7 +131,7 @@ def test_the_released_quantization_config_is_read(m2):
     """fmt "float8_e4m3fn" (MiniMax's spelling of E4M3) and the float router / bias / lm_head entries."""
     cfg = Fp8Config.from_hf(released_config((128, 128)))
     assert isinstance(cfg, Fp8BlockConfig) and cfg.block == (128, 128)
-    assert [entry for _, entry in cfg.unquantized] == ["gate", "e_score_correction_bias", "lm_head"]
+    assert cfg.excluded is not None and cfg.excluded.entries == ("gate", "e_score_correction_bias", "lm_head")
     spec = load_model_spec(resolve_model(m2[2]))
     read = resolve_quant_config(None, spec)
     assert isinstance(read, Fp8BlockConfig) and read.block == BLOCK and read.scale_param == "weight_scale_inv"
@@ -141,11 +141,10 @@ def test_the_released_quantization_config_is_read(m2):
     ({"fmt": "float8_e5m2"}, r"quantization_config\.fmt 'float8_e5m2'"),
     # 16-row blocks: the rotary reorder moves q/k rows 16..23 of each 32-dim head into rows 8..15.
     ({"weight_block_size": [16, 32]}, r"weight_block_size \[16, 32\]: MiniMaxM2ForCausalLM's q/k rows are permuted"),
-    ({"modules_to_not_convert": ["gate", "o_proj"]}, r"modules_to_not_convert: 'o_proj' leaves model\.layers\.0\.self_attn\.o_proj"),
 ])
 def test_unsupported_settings_are_refused_by_name(m2, change, match):
-    """The config checks the loader runs, in its order: the quantization_config, its float-module list against
-    the model, then the family's own check of the block rows."""
+    """The config checks the loader runs, in its order: the quantization_config, then the family's own check of
+    the block rows. (Its float-module list is honoured: tests/models/test_quant_ignore_lists.py.)"""
     spec = load_model_spec(resolve_model(m2[2]))
     config = {**spec.hf_config, "quantization_config": {**released_config(BLOCK), **change}}
     spec = dataclasses.replace(spec, hf_config=config)

@@ -10,7 +10,9 @@ quantized projection's input rounded through E4M3 with its static scale (a merge
 shards') or per token (the experts, and the per-channel format): greedy tokens identical, logprobs to float32
 rounding. The KV-scales case adds each attention layer's `k_proj.k_scale` / `v_proj.v_scale` with
 kv_cache_quant_algo FP8: kv_cache_dtype "auto" then gives an FP8 cache with those scales, and the reference
-rounds K and V through FP8 at them. Refusals by name; on a GPU, the same checkpoint against the reference.
+rounds K and V through FP8 at them. FP8_PB_WO (128 x 128 block scales stored [out / 128, 1, in / 128, 1]) on a
+Llama of whole blocks, against the block reference (inputs rounded per token and group of 128, as vLLM runs it).
+Refusals by name; on a GPU, the same checkpoints against the references.
 """
 
 from __future__ import annotations
@@ -26,13 +28,16 @@ from ferrox.errors import UnsupportedModelError
 from ferrox.layers.fused_moe import FusedMoE
 from ferrox.layers.quant.config import resolve_quant_config
 from ferrox.layers.quant.excluded_modules import ExcludeList
+from ferrox.layers.quant.fp8_block import Fp8BlockLinear
 from ferrox.layers.quant.fp8_linear import Fp8Linear
-from ferrox.layers.quant.modelopt import ModelOptConfig
+from ferrox.layers.quant.modelopt import ModelOptBlockConfig, ModelOptConfig
 from ferrox.loader.model_loader import load_model, load_model_spec
 from ferrox.loader.source import resolve_model
 from safetensors.torch import load_file
 
 from tests.helpers import tiny_models
+from tests.helpers.fp8_block_checkpoints import block_tensors
+from tests.helpers.fp8_block_checkpoints import reference_model as block_reference_model
 from tests.helpers.fp8_kv_reference import fake_fp8
 from tests.helpers.fp8_moe_checkpoints import reference_model as moe_reference_model
 from tests.helpers.quant_checkpoints import (
@@ -43,6 +48,7 @@ from tests.helpers.quant_checkpoints import (
     engine_greedy,
     make_llm,
     reference_greedy,
+    with_float_modules,
     write_checkpoint,
 )
 
@@ -250,6 +256,48 @@ def test_qwen3_moe_experts(tmp_path, moe_folder):
     assert_matches(llm, reference)
 
 
+PER_BLOCK = (128, 128)
+
+
+@pytest.fixture(scope="module")
+def per_block_checkpoint(tmp_path_factory):
+    """(float folder, FP8_PB_WO folder, its tensors with 2-D scales): a tiny Llama whose every shard is whole
+    128-row blocks (q 256 rows, k and v 128, gate and up 256), lm_head and layer 1's MLP excluded."""
+    root = tmp_path_factory.mktemp("modelopt-pb")
+    float_folder = tiny_models.make_tiny_llama(root / "float", hidden_size=256, num_heads=4, num_kv_heads=2,
+                                               intermediate_size=256, seed=5)
+    float_weights = load_file(os.path.join(float_folder, "model.safetensors"))
+    tensors = with_float_modules(block_tensors(float_weights, PER_BLOCK, "weight_scale"), float_weights, _layer1_mlp)
+    stored = {k: v.reshape(v.shape[0], 1, v.shape[1], 1) if k.endswith(".weight_scale") else v
+              for k, v in tensors.items()}
+    config = {"quant_method": "modelopt", "quant_algo": "FP8_PB_WO", "ignore": ["lm_head", "model.layers.1.mlp*"],
+              "producer": PRODUCER}
+    return float_folder, write_checkpoint(float_folder, root / "pb-wo", config, stored), tensors
+
+
+def test_per_block_weight_only(per_block_checkpoint):
+    """FP8_PB_WO: a float32 `weight_scale` per 128 x 128 block, stored [out / 128, 1, in / 128, 1], no input
+    scales; run as vLLM runs it, fp8_block.py's method with activations rounded per token and group of 128 (the
+    reference's too); kv_cache_scheme FP8 read as an FP8 cache."""
+    float_folder, folder, tensors = per_block_checkpoint
+    llm = make_llm(folder)
+    layers = llm.engine.runner.model.model.layers
+    runner = layers[0].self_attn.qkv_proj.quant
+    assert isinstance(runner, Fp8BlockLinear) and runner.block == PER_BLOCK and runner.weight_scale_inv.shape == (4, 2)
+    assert layers[1].mlp.gate_up_proj.quant is None and layers[1].mlp.down_proj.quant is None
+    assert_matches(llm, block_reference_model(float_folder, tensors, PER_BLOCK))
+    config = ModelOptConfig.from_hf(_flat(quant_algo="fp8_pb_wo", kv_cache_scheme="FP8"))
+    assert isinstance(config, ModelOptBlockConfig) and config.kv_cache_dtype == "fp8"
+
+
+def test_per_block_experts_are_refused(moe_folder):
+    """vLLM's ModelOpt experts read per-tensor scales, which FP8_PB_WO's blocks are not."""
+    source = resolve_model(moe_folder)
+    with pytest.raises(UnsupportedModelError, match=r"quant_algo FP8_PB_WO\): mixture-of-experts layers"):
+        load_model(source, load_model_spec(source), dtype=torch.float32, device="cpu",
+                   quant_config=ModelOptConfig.from_hf(_flat(quant_algo="FP8_PB_WO")))
+
+
 # ---- refusals -------------------------------------------------------------------------------------
 def _flat(**changes) -> dict:
     return {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["lm_head"], **changes}
@@ -259,7 +307,6 @@ def _flat(**changes) -> dict:
     (_flat(quant_algo="NVFP4"), r"quant_algo 'NVFP4': FP4 weights need Blackwell"),
     (_flat(quant_algo="w4a16_nvfp4"), "Blackwell"),
     (_flat(quant_algo="MXFP8"), "MXFP8.*Blackwell"),
-    (_flat(quant_algo="FP8_PB_WO"), "block-scaled weight-only"),
     (_flat(quant_algo="W4A8_AWQ"), "integer and AWQ"),
     (_flat(quant_algo="MIXED_PRECISION"), "scheme per layer"),
     (_flat(quant_algo="FP6"), r"quant_algo 'FP6': it is not one of ModelOpt's formats"),
@@ -349,3 +396,15 @@ def test_gpu_engine_follows_the_reference(kv_checkpoint, float_folder, enforce_e
     reference = with_fp8_kv(dequantized_reference(float_folder, tensors, fake_quantize), K_SCALES, V_SCALES)
     for prompt, (tokens, logprobs) in zip(PROMPTS, engine_greedy(llm, PROMPTS, NEW_TOKENS), strict=True):
         assert_follows_reference(reference, prompt, tokens, logprobs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_per_block_follows_the_reference(per_block_checkpoint):
+    """FP8_PB_WO on the block kernels (Triton group quantizer and block GEMM, the one-token product, a float MLP
+    among block-FP8 layers), float32, CUDA graphs, against the CPU block reference."""
+    float_folder, folder, tensors = per_block_checkpoint
+    llm = make_llm(folder, device="cuda", dtype="float32")
+    reference = block_reference_model(float_folder, tensors, PER_BLOCK)
+    for prompt, (tokens, logprobs) in zip(PROMPTS, engine_greedy(llm, PROMPTS, NEW_TOKENS), strict=True):
+        assert_follows_reference(reference, prompt, tokens, logprobs, nats=0.15)

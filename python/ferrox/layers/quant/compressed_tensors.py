@@ -15,7 +15,8 @@ Int schemes go elsewhere (`CompressedTensorsScheme` picks by the format and bits
 weight-only ("pack-quantized") to compressed_tensors_int4.py. Every other scheme (FP8 block or group
 scales, asymmetric FP8, 2:4 sparsity, transforms, per-layer scheme groups, stored KV-cache scales) is
 refused by the field that asks for it. Per-channel weight scales come as [out, 1], per-tensor as [1], in the
-model dtype; they are widened to float32 rows.
+model dtype; they are widened to float32 rows. The layers `ignore` names (exact module names, `re:` regexes,
+as vLLM matches them) keep the model dtype (excluded_modules.py), for every scheme; named experts are refused.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ferrox.distributed.sharding import Weight, materialize
+from ferrox.layers.quant.excluded_modules import ExcludeList
 from ferrox.layers.quant.fp8 import Fp8CheckpointMethod, Fp8Config, refuse_kv_cache_scheme, string_list
 from ferrox.layers.quant.method import LinearWeightMethod, QuantConfig
 from ferrox.model_spec import UnsupportedModelError
@@ -65,13 +67,13 @@ class CompressedTensorsConfig(Fp8Config):
     def from_hf(cls, cfg: dict) -> QuantConfig:
         """A float8 scheme's config (CompressedTensorsScheme.from_hf routes int schemes elsewhere); the
         block scheme (llm-compressor's FP8_BLOCK) goes to fp8_block.py's config."""
-        where, group, unquantized = _one_scheme(cfg)
+        where, group, excluded = _one_scheme(cfg)
         _check_format(cfg.get("format"), f"{_WHERE}.format")
         weights = group.get("weights") if isinstance(group, dict) else None
         if isinstance(weights, dict) and weights.get("strategy") == "block":
-            return _block_scheme(group, where, tuple(unquantized))
+            return _block_scheme(group, where, excluded)
         activations = _group_activations(group, where)
-        return cls(online=False, activations=activations, unquantized=unquantized)
+        return cls(online=False, activations=activations, excluded=excluded)
 
     def linear_method(self, layer: Linear) -> LinearWeightMethod:
         return CompressedTensorsFp8Method(self.activations)
@@ -85,7 +87,7 @@ class CompressedTensorsScheme:
 
     @staticmethod
     def from_hf(cfg: dict) -> QuantConfig:
-        where, group, unquantized = _one_scheme(cfg)
+        where, group, excluded = _one_scheme(cfg)
         weights = group.get("weights") if isinstance(group, dict) else None
         if isinstance(weights, dict) and weights.get("type") == "int":
             from ferrox.layers.quant import compressed_tensors_int8 as int8
@@ -94,13 +96,14 @@ class CompressedTensorsScheme:
             _check_targets(group, where)
             fmt = cfg.get("format")
             if fmt in int8.FORMATS or (fmt == int8.PACKED_FORMAT and weights.get("num_bits") == 8):
-                return int8.CompressedTensorsInt8Config.from_scheme(fmt, group, where, unquantized)
-            return CompressedTensorsInt4Config.from_scheme(fmt, group, where, unquantized)
+                return int8.CompressedTensorsInt8Config.from_scheme(fmt, group, where, excluded)
+            return CompressedTensorsInt4Config.from_scheme(fmt, group, where, excluded)
         return CompressedTensorsConfig.from_hf(cfg)
 
 
-def _one_scheme(cfg: dict) -> tuple[str, Any, list[tuple[str, str]]]:
-    """The checks every scheme shares; (where, the one scheme group, the ignore list's entries)."""
+def _one_scheme(cfg: dict) -> tuple[str, Any, ExcludeList]:
+    """The checks every scheme shares; (where, the one scheme group, the ignore list: exact module names and
+    `re:` regexes, the layers it names kept in the model dtype, excluded_modules.py)."""
     unknown = sorted(k for k in cfg if k not in _FIELDS and not k.startswith("_"))
     if unknown:
         raise UnsupportedModelError(f"{_WHERE}: field(s) {', '.join(unknown)} of compressed-tensors are not "
@@ -118,8 +121,9 @@ def _one_scheme(cfg: dict) -> tuple[str, Any, list[tuple[str, str]]]:
         raise UnsupportedModelError(f"{_WHERE}.config_groups: {count} scheme groups; ferrox runs one scheme over "
                                     "every Linear layer (per-layer schemes are not supported)")
     (name, group), = groups.items()
-    unquantized = [("ignore", entry) for entry in string_list(cfg.get("ignore"), f"{_WHERE}.ignore")]
-    return f"{_WHERE}.config_groups.{name}", group, unquantized
+    excluded = ExcludeList(string_list(cfg.get("ignore"), f"{_WHERE}.ignore"), f"{_WHERE}.ignore",
+                           syntax="compressed-tensors")
+    return f"{_WHERE}.config_groups.{name}", group, excluded
 
 
 def _check_format(fmt: Any, where: str) -> None:
@@ -162,7 +166,7 @@ def _group_activations(group: Any, where: str) -> str:
                                 "supported ('token' dynamic, or 'tensor' static or dynamic)")
 
 
-def _block_scheme(group: Any, where: str, unquantized: tuple[tuple[str, str], ...]) -> QuantConfig:
+def _block_scheme(group: Any, where: str, excluded: ExcludeList) -> QuantConfig:
     """float8 weights in blocks (`block_structure` [BN, BK], scales stored as `weight_scale`) with
     activations quantized per token and group of BK at run time: the block-wise FP8 of the fp8
     layout (fp8_block.py), under compressed-tensors' names."""
@@ -185,7 +189,7 @@ def _block_scheme(group: Any, where: str, unquantized: tuple[tuple[str, str], ..
         raise UnsupportedModelError(f"{where}.input_activations: strategy {strategy!r}, dynamic {dynamic!r}, "
                                     f"group_size {inputs.get('group_size')!r}; block-wise weights need 'group' "
                                     f"activations, dynamic, in groups of the block's {block[1]} inputs")
-    return Fp8BlockConfig(block, unquantized, name="compressed-tensors", scale_param="weight_scale")
+    return Fp8BlockConfig(block, excluded, name="compressed-tensors", scale_param="weight_scale")
 
 
 def _float8_args(args: dict, where: str, scales: str | None = None) -> tuple[Any, bool]:

@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ferrox.distributed.sharding import Weight, materialize
-from ferrox.layers.quant.fp8 import check_unquantized_modules
 from ferrox.layers.quant.int4_pack import (
     Int4LinearMethod,
     Int4Shard,
@@ -52,6 +51,7 @@ from ferrox.model_spec import ModelSpec, UnsupportedModelError
 
 if TYPE_CHECKING:
     from ferrox.layers.linear import Linear
+    from ferrox.layers.quant.excluded_modules import ExcludeList
 
 FORMAT = "pack-quantized"
 # actorder values: without a stored index (the order only guided quantization), and with one.
@@ -111,15 +111,15 @@ class CompressedTensorsInt4Config(QuantConfig):
     name = "compressed-tensors"
 
     def __init__(self, group_size: int, symmetric: bool, group_order: bool,
-                 unquantized: tuple[tuple[str, str], ...] = ()):
+                 excluded: ExcludeList | None = None):
         self.group_size = group_size
         self.symmetric = symmetric
         self.group_order = group_order
-        self.unquantized = unquantized
+        self.excluded = excluded
 
     @classmethod
     def from_scheme(cls, fmt: Any, scheme: dict[str, Any], where: str,
-                    unquantized: list[tuple[str, str]]) -> CompressedTensorsInt4Config:
+                    excluded: ExcludeList) -> CompressedTensorsInt4Config:
         """One scheme group (`where` names it) whose weights are ints; fmt: the top-level format."""
         from ferrox.layers.quant.compressed_tensors import ARG_FIELDS  # (that module dispatches here)
 
@@ -157,10 +157,9 @@ class CompressedTensorsInt4Config(QuantConfig):
         order = weights.get("actorder")
         if order not in (*_STATIC_ORDERS, *_GROUP_ORDERS):
             raise UnsupportedModelError(f"{where}.weights.actorder {order!r}: expected null, 'weight' or 'group'")
-        return cls(group, symmetric, order in _GROUP_ORDERS, tuple(unquantized))
+        return cls(group, symmetric, order in _GROUP_ORDERS, excluded)
 
     def check(self, spec: ModelSpec, device: torch.device, tp_size: int) -> None:
-        check_unquantized_modules(self.unquantized, spec)
         if self.group_order and tp_size > 1:
             raise UnsupportedModelError("compressed-tensors int4 with actorder 'group' runs with "
                                         "tensor_parallel_size=1 only: a row-parallel split of its shuffled groups is "

@@ -37,7 +37,7 @@ import torch
 
 from ferrox.distributed.sharding import Weight, materialize
 from ferrox.layers.quant.compressed_tensors import ARG_FIELDS, CompressedTensorsFp8Method
-from ferrox.layers.quant.fp8 import _rank_weight, check_unquantized_modules
+from ferrox.layers.quant.fp8 import _rank_weight
 from ferrox.layers.quant.fp8_linear import ACTIVATIONS
 from ferrox.layers.quant.int4_pack import checkpoint_extent
 from ferrox.layers.quant.int8_linear import Int8Linear, quantize_int8_per_row
@@ -46,6 +46,7 @@ from ferrox.model_spec import UnsupportedModelError
 
 if TYPE_CHECKING:
     from ferrox.layers.linear import Linear
+    from ferrox.layers.quant.excluded_modules import ExcludeList
     from ferrox.model_spec import ModelSpec
 
 FORMATS = ("int-quantized", "naive-quantized")
@@ -106,17 +107,17 @@ class CompressedTensorsInt8Config(QuantConfig):
     name = "compressed-tensors"
 
     def __init__(self, activations: str, weight_strategy: str = "channel",
-                 unquantized: tuple[tuple[str, str], ...] = (), packed: bool = False):
+                 excluded: ExcludeList | None = None, packed: bool = False):
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
         self.activations = activations
         self.weight_strategy = weight_strategy
-        self.unquantized = unquantized
+        self.excluded = excluded
         self.packed = packed
 
     @classmethod
     def from_scheme(cls, fmt: Any, scheme: dict[str, Any], where: str,
-                    unquantized: list[tuple[str, str]]) -> CompressedTensorsInt8Config:
+                    excluded: ExcludeList) -> CompressedTensorsInt8Config:
         """One scheme group (`where` names it; its targets checked) whose weights are ints in an
         unpacked format; fmt: the top-level format."""
         packed = fmt == PACKED_FORMAT
@@ -137,7 +138,7 @@ class CompressedTensorsInt8Config(QuantConfig):
             raise UnsupportedModelError(f"{where}.weights.dynamic {weights['dynamic']!r}: int8 weights need static "
                                         "scales (stored in the checkpoint)")
         return cls(_activations(scheme.get("input_activations"), f"{where}.input_activations"), strategy,
-                   tuple(unquantized), packed)
+                   excluded, packed)
 
     def check(self, spec: ModelSpec, device: torch.device, tp_size: int) -> None:
         if (device.type == "cuda" and self.activations != "weight-only"
@@ -145,7 +146,6 @@ class CompressedTensorsInt8Config(QuantConfig):
             major, minor = torch.cuda.get_device_capability(device)
             raise UnsupportedModelError(f"compressed-tensors int8 W8A8: the int8 tensor-core matmuls need a GPU of "
                                         f"compute capability 8.0 or newer; this one is {major}.{minor}")
-        check_unquantized_modules(self.unquantized, spec)
 
     def linear_method(self, layer: Linear) -> CompressedTensorsInt8Method:
         return CompressedTensorsInt8Method(self.activations, self.packed)

@@ -1,21 +1,28 @@
-"""Layers a checkpoint leaves unquantized, named in its exclude list (ModelOpt's `exclude_modules`, written
-`ignore` in config.json), matched against the built model's modules; the linear layers they name go back to
-a float weight before any tensor loads.
+"""Layers a checkpoint leaves unquantized, named in its exclude list, matched against the built model's
+modules; the linear layers they name go back to a float weight before any tensor loads.
 
 A linear layer takes its weight method when it is built, before it has a name (layers/quant/method.py);
 `keep_excluded_in_float` runs once the whole model exists (QuantConfig.keep_unquantized, called by
 loader/model_loader.py) and gives each named layer a float `weight` of the model dtype in place of its method.
 
-How an entry names a module (its checkpoint name, e.g. `model.layers.3.mlp.down_proj`), as vLLM reads
-ModelOpt's lists (modelopt.py's `is_layer_excluded`), on whole dotted components:
+An entry names a module by its checkpoint name (e.g. `model.layers.3.mlp.down_proj`). Each layout writes
+its list in its own syntax, read as vLLM reads it:
 
-- with wildcards (`*`, `?`, `[`): a shell pattern over the whole name (`model.layers.*.mlp.gate`). A
-  trailing `*` right after a name, ModelOpt's `module_path*` for "this module and everything under it",
-  means that subtree: `model.layers.1*` names layer 1, not layers 10-19 (vLLM rewrites the pattern so
-  for remapped models; a plain shell match would take both);
-- without: that module or any under it, the entry found as whole components anywhere in the name
-  (`lm_head`, `model.layers.3.mlp`, `down_proj`) -- vLLM's substring rule, kept to dot boundaries so that
-  `mlp.gate` (a router) does not name `mlp.gate_up_proj`.
+- "modelopt" -- ModelOpt's `exclude_modules` (config.json `ignore`), vLLM's modelopt.py `is_layer_excluded`:
+  with wildcards (`*`, `?`, `[`), a shell pattern over the whole name (`model.layers.*.mlp.gate`); a trailing
+  `*` right after a name, ModelOpt's `module_path*` for "this module and everything under it", means that
+  subtree: `model.layers.1*` names layer 1, not layers 10-19 (vLLM rewrites the pattern so for remapped
+  models; a plain shell match would take both). Without wildcards, as "substring" below.
+- "substring" -- the fp8 layout's `ignored_layers` / `modules_to_not_convert` (and ModelOpt's plain entries),
+  vLLM's `is_layer_skipped` with `skip_with_substr` (its rule for `modules_to_not_convert`; the exact names
+  its Fp8Config also matches are a special case): the entry found in the name, that module or any under it
+  (`lm_head`, `model.layers.3.mlp`, `down_proj`, `self_attn`) -- kept to whole dotted components, so that
+  `mlp.gate` (a router) does not name `mlp.gate_up_proj`'s gate shard and `layers.1` not `layers.10` (a bare
+  substring would, and then refuse the merged layer it half names).
+- "compressed-tensors" -- llm-compressor's `ignore`, vLLM's compressed_tensors/utils.py `should_ignore_layer`:
+  the exact module name, or `re:` and a Python regex matched from the start of the name (`re:.*mlp.gate$`,
+  `re:model.layers.0.*`), no parent or suffix matching. "Linear" (a module class, compressed-tensors' name for
+  every linear layer) would leave nothing quantized and is refused.
 
 A merged layer (q/k/v, gate/up) answers to its own name and to its shards' checkpoint names beside it
 (`q_proj`, `k_proj`, `v_proj`, `gate_proj`, `up_proj`): it stays float when its name or every shard's is
@@ -45,37 +52,65 @@ logger = logging.getLogger(__name__)
 _WILDCARDS = ("*", "?", "[")
 # The routed experts' checkpoint projections (Qwen / DeepSeek names, and Mixtral's).
 _EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+SYNTAXES = ("modelopt", "substring", "compressed-tensors")
 
 
-def _entry_regex(entry: str) -> str:
-    """The regex (matched from the start, anchored at the end) of the names `entry` reaches."""
+def _component_regex(entry: str) -> str:
+    """The regex (matched from the start, anchored at the end) of the names holding `entry` as whole dotted
+    components: that module and any under it."""
+    return rf"(?s:(?:.*\.)?{re.escape(entry)}(?:\..*)?)\Z"
+
+
+def _modelopt_regex(entry: str) -> str:
     if any(c in entry for c in _WILDCARDS):
         if len(entry) > 1 and entry.endswith("*") and entry[-2] not in ".*":
             base = fnmatch.translate(entry[:-1])  # (?s:...)\Z
             return f"(?:{base}|{fnmatch.translate(entry[:-1] + '.*')})"
         return f"(?:{fnmatch.translate(entry)})"
-    return rf"(?s:(?:.*\.)?{re.escape(entry)}(?:\..*)?)\Z"
+    return _component_regex(entry)
+
+
+def _matchers(entries: tuple[str, ...], syntax: str, where: str) -> tuple[frozenset[str], list[re.Pattern[str]]]:
+    """(exact names, regexes each matched from the start of a name) of `entries` in `syntax` (module docstring)."""
+    if syntax in ("modelopt", "substring"):
+        # One alternation for all entries (regexes built here): a model's names are checked against it once each.
+        build = _modelopt_regex if syntax == "modelopt" else _component_regex
+        return frozenset(), [re.compile("|".join(build(e) for e in entries))] if entries else []
+    if syntax != "compressed-tensors":
+        raise ValueError(f"syntax must be one of {', '.join(SYNTAXES)}, got {syntax!r}")
+    if "Linear" in entries:
+        raise UnsupportedModelError(f"{where}: 'Linear' names every linear layer (a module class, as compressed-tensors "
+                                    "reads it), which leaves no layer quantized; vLLM matches ignore entries against "
+                                    "module names only")
+    patterns = []
+    for entry in entries:
+        if entry.startswith("re:"):
+            try:  # (each apart: a checkpoint's regex may hold groups or flags an alternation would break)
+                patterns.append(re.compile(entry[3:]))
+            except re.error as e:
+                raise UnsupportedModelError(f"{where}: {entry!r} is not a regular expression ({e})") from None
+    return frozenset(e for e in entries if not e.startswith("re:")), patterns
 
 
 class ExcludeList:
-    """The entries of one checkpoint's exclude list (`where`: the config field, for messages)."""
+    """The entries of one checkpoint's exclude list in one of SYNTAXES (`where`: the config field, for messages)."""
 
-    def __init__(self, entries: Iterable[str], where: str):
+    def __init__(self, entries: Iterable[str], where: str, syntax: str = "modelopt"):
         self.entries = tuple(entries)
         self.where = where
-        # One alternation for all entries: a model's names are checked against it once each.
-        self._any = re.compile("|".join(_entry_regex(e) for e in self.entries)) if self.entries else None
+        self.syntax = syntax
+        self._exact, self._patterns = _matchers(self.entries, syntax, where)
 
     def __bool__(self) -> bool:
         return bool(self.entries)
 
     def names(self, name: str) -> bool:
-        """Whether some entry names module `name` (or a module above it)."""
-        return self._any is not None and self._any.match(name) is not None
+        """Whether some entry names module `name`."""
+        return name in self._exact or any(p.match(name) is not None for p in self._patterns)
 
     def entry_for(self, name: str) -> str:
         """The first entry that names `name` (for messages)."""
-        return next(e for e in self.entries if re.match(_entry_regex(e), name))
+        return next(e for e in self.entries if ExcludeList([e], self.where, self.syntax).names(name))
 
 
 def _shard_names(name: str, layer: nn.Module) -> list[str]:

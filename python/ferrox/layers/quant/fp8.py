@@ -10,14 +10,14 @@ fp8_block.py.
 A merged layer (q/k/v, gate/up) writes each shard's scale into that shard's rows, so per-tensor
 scales become per-row ones without requantizing; its static input scale is the largest of its
 shards' (the scale that fits every shard's calibrated activations).
+The modules a checkpoint leaves in float (`ignored_layers` / `modules_to_not_convert`, by substring, as vLLM
+reads them) keep the model dtype (excluded_modules.py); named experts are refused.
 
 The runner (`Fp8Linear`: how a layer multiplies) and the activation quantizer are in fp8_linear.py.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +25,7 @@ from torch import nn
 
 from ferrox.distributed.sharding import Weight, materialize, narrow, shape_of
 from ferrox.layers.linear import Linear, RowParallelLinear
+from ferrox.layers.quant.excluded_modules import ExcludeList
 from ferrox.layers.quant.fp8_linear import (
     ACTIVATIONS,
     FP8_DTYPE,
@@ -128,8 +129,8 @@ class Fp8CheckpointMethod(_Fp8Method):
             value = self._rank_part(layer, param_name, tensor, first, held, full)
             if value.dtype != self.weight_dtype:
                 stores = str(self.weight_dtype).removeprefix("torch.")
-                raise ValueError(f"weight is {value.dtype}, the {self.layout} layout stores {stores} (a layer left "
-                                 f"unquantized in an {self.layout} checkpoint is not supported)")
+                raise ValueError(f"weight is {value.dtype}, the {self.layout} layout stores {stores} (a layer the "
+                                 "checkpoint leaves unquantized must be named in its ignore list)")
             if tuple(value.shape) != (rows, layer.in_features):
                 raise ValueError(f"weight: checkpoint shape {shape_of(tensor)}, model expects "
                                  f"{(full, layer.in_features * _column_split(layer))}")
@@ -223,13 +224,13 @@ class Fp8Config(QuantConfig):
 
     name = "fp8"
 
-    def __init__(self, *, online: bool, activations: str, unquantized: Iterable[tuple[str, str]] = ()):
-        """unquantized: (config field, entry) of the checkpoint's modules left in float (its ignore list)."""
+    def __init__(self, *, online: bool, activations: str, excluded: ExcludeList | None = None):
+        """excluded: the checkpoint's modules left in float (its ignore list; QuantConfig.keep_unquantized)."""
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
         self.online_quantization = online
         self.activations = activations
-        self.unquantized = tuple(unquantized)
+        self.excluded = excluded
         if not online:
             # transformers 5 saves per-tensor FP8 (its FP8Linear without blocks) as `weight_scale_inv` (the
             # dequantizing multiplier, despite the name) and `activation_scale` (the static input scale):
@@ -256,9 +257,7 @@ class Fp8Config(QuantConfig):
         if scheme not in ("dynamic", "static"):
             raise UnsupportedModelError(f"{_WHERE}.activation_scheme {scheme!r}: expected 'dynamic' or 'static'")
         refuse_kv_cache_scheme(cfg.get("kv_cache_scheme"), f"{_WHERE}.kv_cache_scheme")
-        unquantized = []
-        for field in ("ignored_layers", "modules_to_not_convert"):
-            unquantized += [(field, entry) for entry in string_list(cfg.get(field), f"{_WHERE}.{field}")]
+        excluded = _skipped_modules(cfg)
         if cfg.get("weight_block_size") is not None:
             from ferrox.layers.quant.fp8_block import Fp8BlockConfig  # (it builds on this module)
 
@@ -266,13 +265,11 @@ class Fp8Config(QuantConfig):
                 raise UnsupportedModelError(f"{_WHERE}.activation_scheme {scheme!r} with weight_block_size: block-wise "
                                             "FP8 quantizes activations per token group at run time ('dynamic')")
             return Fp8BlockConfig(Fp8BlockConfig.block_size(cfg["weight_block_size"], f"{_WHERE}.weight_block_size"),
-                                  tuple(unquantized))
-        return cls(online=False, activations="static" if scheme == "static" else "dynamic-token",
-                   unquantized=unquantized)
+                                  excluded)
+        return cls(online=False, activations="static" if scheme == "static" else "dynamic-token", excluded=excluded)
 
     def check(self, spec: ModelSpec, device: torch.device, tp_size: int) -> None:
         check_fp8_device(self.name, device)
-        check_unquantized_modules(self.unquantized, spec)
 
     def linear_method(self, layer: Linear) -> LinearWeightMethod:
         if self.online_quantization:
@@ -328,31 +325,11 @@ def string_list(value: object, where: str) -> list[str]:
     return value
 
 
-def checkpoint_linear_names(spec: ModelSpec) -> list[str]:
-    """Checkpoint module names of the linear layers ferrox quantizes (Llama-family decoders)."""
-    names = []
-    for i in range(spec.num_layers):
-        names += [f"model.layers.{i}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        names += [f"model.layers.{i}.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
-    return names
-
-
-def check_unquantized_modules(entries: Iterable[tuple[str, str]], spec: ModelSpec) -> None:
-    """A checkpoint may leave modules in float (its ignore list). ferrox quantizes every decoder
-    linear layer alike (a layer chooses its weight method before it knows its name), so entries may
-    name only other modules -- lm_head, a vision tower -- and one that reaches a decoder projection
-    is refused by name. Entries: exact module names, parent modules, trailing names ("down_proj"),
-    the class name "Linear", or "re:" regexes matched from the start (compressed-tensors' rule)."""
-    names = checkpoint_linear_names(spec)
-    for field, entry in entries:
-        if entry.startswith("re:"):
-            pattern = re.compile(entry[3:])
-            hits = [n for n in names if pattern.match(n)]
-        else:
-            hits = [n for n in names if entry == "Linear" or n == entry or n.startswith(entry + ".")
-                    or n.endswith("." + entry)]
-        if hits:
-            more = f" and {len(hits) - 1} more" if len(hits) > 1 else ""
-            raise UnsupportedModelError(
-                f"{_WHERE}.{field}: {entry!r} leaves {hits[0]}{more} unquantized; ferrox quantizes every linear "
-                "layer of the model alike, so checkpoints with float decoder layers are not supported")
+def _skipped_modules(cfg: dict) -> ExcludeList:
+    """The fp8 layout's modules left in float: `ignored_layers` and `modules_to_not_convert`, substring entries
+    (excluded_modules.py). vLLM reads modules_to_not_convert only when ignored_layers is empty; exports write
+    one or the other, and both are taken here, so that neither is read and then dropped."""
+    fields = ("ignored_layers", "modules_to_not_convert")
+    entries = [e for f in fields for e in string_list(cfg.get(f), f"{_WHERE}.{f}")]
+    named = " / ".join(f for f in fields if cfg.get(f)) or fields[0]
+    return ExcludeList(entries, f"{_WHERE}.{named}", syntax="substring")

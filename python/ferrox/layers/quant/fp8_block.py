@@ -4,10 +4,11 @@ and others publish as config.json quantization_config {"quant_method": "fp8", "w
 
 Per linear layer: `weight` float8_e4m3fn [out, in] and `weight_scale_inv` float32 [ceil(out / BN),
 ceil(in / BK)], one scale per BN x BK block of the weight (despite the name, a multiplier: W[n, k] =
-weight[n, k] * weight_scale_inv[n // BN, k // BK]). Activations are quantized at run time per token
-and per group of BK inputs (each group's absmax maps to 448), so every K block of the product has
-one activation scale and one weight scale, applied to that block's fp32 partial sum -- vLLM's
-meaning of these checkpoints (kernels/fp8_block_gemm.py).
+weight[n, k] * weight_scale_inv[n // BN, k // BK]); compressed-tensors' FP8_BLOCK names it `weight_scale`,
+and ModelOpt's FP8_PB_WO (modelopt.py) too, shaped [ceil(out / BN), 1, ceil(in / BK), 1]. Activations are
+quantized at run time per token and per group of BK inputs (each group's absmax maps to 448), so every
+K block of the product has one activation scale and one weight scale, applied to that block's fp32
+partial sum -- vLLM's meaning of these checkpoints (kernels/fp8_block_gemm.py).
 
 Merged layers (q/k/v, gate/up) stack their shards' scale rows, so every shard must start and end on
 a block row (vLLM refuses the same); tensor-parallel shards likewise cut on block rows (column
@@ -40,19 +41,14 @@ from ferrox.kernels.fp8_block_gemm import (
 )
 from ferrox.kernels.w8a8_dot_gemv import w8a8_dot_gemv
 from ferrox.layers.linear import Linear, RowParallelLinear
-from ferrox.layers.quant.fp8 import (
-    _checkpoint_rows,
-    _column_split,
-    _rank_weight,
-    check_fp8_device,
-    check_unquantized_modules,
-)
+from ferrox.layers.quant.fp8 import _checkpoint_rows, _column_split, _rank_weight, check_fp8_device
 from ferrox.layers.quant.fp8_linear import FP8_DTYPE, FP8_MAX
 from ferrox.layers.quant.method import LinearWeightMethod, QuantConfig
 from ferrox.model_spec import UnsupportedModelError
 
 if TYPE_CHECKING:
     from ferrox.layers.fused_moe import FusedMoE
+    from ferrox.layers.quant.excluded_modules import ExcludeList
     from ferrox.layers.quant.fp8_moe import Fp8MoeMethod
     from ferrox.model_spec import ModelSpec
 
@@ -183,6 +179,9 @@ class Fp8BlockMethod(LinearWeightMethod):
             return
         if param_name != self.scale_param:
             raise ValueError(f"{param_name}: not a tensor of the block-wise fp8 layout")
+        shape = shape_of(tensor)
+        if len(shape) == 4 and shape[1] == shape[3] == 1:  # ModelOpt's FP8_PB_WO writes [rows, 1, cols, 1]
+            tensor = materialize(tensor).reshape(shape[0], shape[2])
         expected = (-(-full // bn), -(-k_full // bk))
         if shape_of(tensor) != expected:
             raise ValueError(f"{param_name}: shape {shape_of(tensor)}, expected {expected} (one scale per "
@@ -222,12 +221,12 @@ class Fp8BlockConfig(QuantConfig):
 
     name = "fp8"
 
-    def __init__(self, block: tuple[int, int], unquantized: tuple[tuple[str, str], ...] = (), *,
+    def __init__(self, block: tuple[int, int], excluded: ExcludeList | None = None, *,
                  name: str = "fp8", scale_param: str = "weight_scale_inv"):
-        """name: the quant_method ("fp8", or "compressed-tensors" for its FP8 block scheme, whose
-        scales are named `weight_scale`)."""
+        """name: the quant_method ("fp8"; "compressed-tensors" for its FP8 block scheme and "modelopt" for
+        FP8_PB_WO, whose scales are named `weight_scale`). excluded: the modules the checkpoint leaves float."""
         self.block = block
-        self.unquantized = unquantized
+        self.excluded = excluded
         self.name = name
         self.scale_param = scale_param
 
@@ -242,7 +241,6 @@ class Fp8BlockConfig(QuantConfig):
 
     def check(self, spec: ModelSpec, device: torch.device, tp_size: int) -> None:
         check_fp8_device(self.name, device)
-        check_unquantized_modules(self.unquantized, spec)
 
     def linear_method(self, layer: Linear) -> LinearWeightMethod:
         return Fp8BlockMethod(self.block, self.scale_param)

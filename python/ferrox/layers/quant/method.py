@@ -13,8 +13,9 @@ Models are built inside `use_quant_config(config)` (loader/model_loader.py); `Li
 asks `get_quant_config()` for its method, as it asks `get_tp_group()` for its shard. Layers that are
 not `Linear` (embeddings, the LM head, norms, routers) stay in the model dtype; a mixture-of-experts
 layer's experts ask `QuantConfig.moe_method` (FP8 only: layers/quant/fp8_moe.py). A layer has no name
-when it chooses, so a checkpoint that leaves named layers in float (ModelOpt's exclude list) puts them back
-once the model is built (`QuantConfig.keep_unquantized`, before any tensor loads).
+when it chooses, so a checkpoint that leaves named layers in float (its ignore / exclude list,
+`QuantConfig.excluded`) puts them back once the model is built (`QuantConfig.keep_unquantized`, before any
+tensor loads).
 
 A method that quantizes online (`float_weight = True`, e.g. fp8 from a bf16 checkpoint) lets the
 layer load its float `weight` as usual and quantizes it in `finalize`; a checkpoint method
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from ferrox.distributed.sharding import Weight
     from ferrox.layers.fused_moe import FusedMoE
     from ferrox.layers.linear import Linear
+    from ferrox.layers.quant.excluded_modules import ExcludeList
     from ferrox.layers.quant.fp8_moe import Fp8MoeMethod
     from ferrox.model_spec import ModelSpec
 
@@ -83,15 +85,21 @@ class QuantConfig:
     # The KV cache element type kv_cache_dtype "auto" gives for this checkpoint (EngineConfig.kv_cache_dtype's
     # names), None for the model dtype: vLLM resolves "auto" to "fp8" for ModelOpt's kv_cache_quant_algo FP8.
     kv_cache_dtype: str | None = None
+    # The modules the checkpoint leaves in the model dtype (its ignore / exclude list,
+    # layers/quant/excluded_modules.py); None: every linear layer takes the method.
+    excluded: ExcludeList | None = None
 
     def check(self, spec: ModelSpec, device: torch.device, tp_size: int) -> None:
         """Raise UnsupportedModelError naming what this method cannot run here (device, tensor
         parallelism, a layout setting)."""
 
     def keep_unquantized(self, model: nn.Module) -> None:
-        """Once the model is built, before its weights load: return the layers the checkpoint names as left
-        unquantized to the model dtype (layers/quant/excluded_modules.py). By default every layer keeps the
-        method it took (methods whose ignore lists may name only other modules refuse the rest in `check`)."""
+        """Once the model is built, before its weights load: return the layers `excluded` names to the model
+        dtype (layers/quant/excluded_modules.py); without a list every layer keeps the method it took."""
+        if self.excluded:
+            from ferrox.layers.quant.excluded_modules import keep_excluded_in_float
+
+            keep_excluded_in_float(model, self.excluded)
 
     def linear_method(self, layer: Linear) -> LinearWeightMethod | None:
         """The method of one linear layer (a fresh object: it holds that layer's tensors), or None

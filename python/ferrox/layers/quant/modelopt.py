@@ -1,5 +1,6 @@
 """NVIDIA TensorRT Model Optimizer (ModelOpt) FP8 checkpoints: vLLM's `quantization="modelopt"`
-(nvidia/Llama-3.1-8B-Instruct-FP8 and the nvidia/*-FP8 releases), read into the FP8 method of fp8.py.
+(nvidia/Llama-3.1-8B-Instruct-FP8 and the nvidia/*-FP8 releases), read into the FP8 methods of fp8.py and
+fp8_block.py.
 
 Where the config is (either, as vLLM reads them; config.json's wins when both are there):
 
@@ -18,9 +19,14 @@ quant_algo (vLLM's list):
   the calibrated static activation scale). Merged q/k/v and gate/up write each shard's scale into its rows
   (no requantizing; vLLM requantizes to the largest) and take the largest shard input scale, as vLLM does.
 - "FP8_PER_CHANNEL_PER_TOKEN": `weight_scale` per output channel, activations quantized per token at run time.
+- "FP8_PB_WO" (per-block, "weight-only"): `weight_scale` float32 [out / 128, 1, in / 128, 1], one per 128 x 128
+  block, no input scale. vLLM runs it as block FP8 with activations quantized per token and group of 128 at
+  run time (its W8A8 block GEMM, not a weight-only one): the block-wise method of fp8_block.py, as DeepSeek's
+  `weight_block_size` [128, 128] checkpoints. Its experts are refused (vLLM's ModelOpt experts read
+  per-tensor scales, which these are not).
 - Refused by name: the FP4 formats (NVFP4, W4A16_NVFP4, NVFP4_AWQ, W4A8_NVFP4_FP8...: FP4 matmuls need
-  Blackwell's FP4 tensor cores, which ferrox has no kernels for), MXFP8, block-scaled weight-only FP8
-  (FP8_PB_WO), the integer / AWQ formats, MIXED_PRECISION (a scheme per layer) and any other.
+  Blackwell's FP4 tensor cores, which ferrox has no kernels for), MXFP8, the integer / AWQ formats,
+  MIXED_PRECISION (a scheme per layer) and any other.
 
 Experts (Qwen3-MoE, Mixtral): per-expert `weight` / `weight_scale` load into the FP8 experts of fp8_moe.py (a
 per-tensor scale written into every row); their `input_scale`s are read and not used: the expert kernels
@@ -39,24 +45,28 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ferrox.layers.quant.excluded_modules import ExcludeList, keep_excluded_in_float
+from ferrox.layers.quant.excluded_modules import ExcludeList
 from ferrox.layers.quant.fp8 import Fp8Config, string_list
+from ferrox.layers.quant.fp8_block import Fp8BlockConfig
 from ferrox.model_spec import UnsupportedModelError
 
 if TYPE_CHECKING:
-    from torch import nn
+    from ferrox.layers.fused_moe import FusedMoE
+    from ferrox.layers.quant.fp8_moe import Fp8MoeMethod
+    from ferrox.layers.quant.method import QuantConfig
 
 _CONFIG = "config.json quantization_config"
 _HF_QUANT = "hf_quant_config.json quantization"
 # quant_algo -> fp8.ACTIVATIONS mode of the linear layers.
 _ALGOS = {"FP8": "static", "FP8_PER_CHANNEL_PER_TOKEN": "dynamic-token"}
+_PER_BLOCK = "FP8_PB_WO"
+_PER_BLOCK_SIZE = (128, 128)  # (vLLM's, fixed: the config does not say)
 _FP4 = ("NVFP4", "W4A16_NVFP4", "NVFP4_AWQ", "NVFP4_SVD", "W4A8_NVFP4_FP8", "W4A8_MXFP4_FP8")
 _NO_FP4 = "FP4 weights need Blackwell's FP4 tensor cores (sm100+), for which ferrox has no kernels"
 _REFUSED = {
     **dict.fromkeys(_FP4, _NO_FP4),
     "MXFP8": "MX block-scaled FP8 needs Blackwell's block-scaled tensor cores (sm100+), for which ferrox has no "
              "kernels",
-    "FP8_PB_WO": "block-scaled weight-only FP8 is not supported (per-tensor FP8 and per-channel FP8 are)",
     "MIXED_PRECISION": "a quantization scheme per layer is not supported (one scheme over every linear layer is)",
     **{algo: "integer and AWQ ModelOpt exports are not supported" for algo in (
         "W4A16_AWQ", "W4A8_AWQ", "W8A16", "W8A8_SQ_PER_CHANNEL", "INT8", "INT4_AWQ")},
@@ -85,15 +95,14 @@ class ModelOptConfig(Fp8Config):
     name = "modelopt"
 
     def __init__(self, *, algo: str, excluded: ExcludeList, kv_cache_fp8: bool):
-        super().__init__(online=False, activations=_ALGOS[algo])
+        super().__init__(online=False, activations=_ALGOS[algo], excluded=excluded)
         self.algo = algo
-        self.excluded = excluded
         self.checkpoint_renames = ()  # (ModelOpt writes `weight_scale` / `input_scale` under those names)
         # vLLM's kv_cache_dtype "auto" for such a checkpoint: an FP8 cache with its scales.
         self.kv_cache_dtype = "fp8" if kv_cache_fp8 else None
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> ModelOptConfig:
+    def from_hf(cls, cfg: dict) -> QuantConfig:
         """Either form of the config (module docstring); the quant_algo is checked first, so a format ferrox does
         not run is named before any field of it."""
         nested = "quantization" in cfg
@@ -120,17 +129,35 @@ class ModelOptConfig(Fp8Config):
         kv = any([_kv_cache_fp8(body.get(key), f"{where}.{key}") for key in kv_fields])
         entries = [e for key in exclude_fields for e in string_list(body.get(key), f"{where}.{key}")]
         field = next((key for key in exclude_fields if body.get(key)), exclude_fields[0])
-        return cls(algo=algo, excluded=ExcludeList(entries, f"{where}.{field}"), kv_cache_fp8=kv)
-
-    def keep_unquantized(self, model: nn.Module) -> None:
-        keep_excluded_in_float(model, self.excluded)
+        excluded = ExcludeList(entries, f"{where}.{field}")
+        if algo == _PER_BLOCK:
+            return ModelOptBlockConfig(excluded=excluded, kv_cache_fp8=kv)
+        return cls(algo=algo, excluded=excluded, kv_cache_fp8=kv)
 
     def describe(self) -> str:
         weights = "per-tensor" if self.algo == "FP8" else "per-channel"
         activations = "static per-tensor" if self.activations == "static" else "dynamic per-token"
         kv = ", FP8 KV-cache scales" if self.kv_cache_dtype else ""
         return (f"{self.name} (quant_algo {self.algo}): E4M3 weights, {weights} scales, {activations} activations"
-                f"{kv}; {len(self.excluded.entries)} exclude entries")
+                f"{kv}; {len(self.excluded.entries) if self.excluded else 0} exclude entries")
+
+
+class ModelOptBlockConfig(Fp8BlockConfig):
+    """FP8_PB_WO (module docstring): fp8_block.py's method in 128 x 128 blocks, scales named `weight_scale`."""
+
+    algo = _PER_BLOCK
+
+    def __init__(self, *, excluded: ExcludeList, kv_cache_fp8: bool):
+        super().__init__(_PER_BLOCK_SIZE, excluded, name="modelopt", scale_param="weight_scale")
+        self.kv_cache_dtype = "fp8" if kv_cache_fp8 else None
+
+    def moe_method(self, layer: FusedMoE) -> Fp8MoeMethod:
+        raise UnsupportedModelError(f"quantization 'modelopt' (quant_algo {_PER_BLOCK}): mixture-of-experts layers are "
+                                    "not supported (vLLM's ModelOpt experts read per-tensor scales, not these blocks)")
+
+    def describe(self) -> str:
+        kv = ", FP8 KV-cache scales" if self.kv_cache_dtype else ""
+        return f"{super().describe()} (quant_algo {_PER_BLOCK}){kv}"
 
 
 def _refuse_unknown(cfg: dict, known: tuple[str, ...], where: str) -> None:
@@ -145,10 +172,11 @@ def _quant_algo(value: Any, where: str) -> str:
     if not value:
         raise UnsupportedModelError(f"{where} is missing: ModelOpt's config names its quantization there")
     algo = str(value).upper()
-    if algo in _ALGOS:
+    if algo in _ALGOS or algo == _PER_BLOCK:
         return algo
     reason = _REFUSED.get(algo, "it is not one of ModelOpt's formats ferrox knows")
-    raise UnsupportedModelError(f"{where} {value!r}: {reason} (ferrox reads ModelOpt's {' and '.join(_ALGOS)})")
+    raise UnsupportedModelError(f"{where} {value!r}: {reason} (ferrox reads ModelOpt's {', '.join(_ALGOS)} and "
+                                f"{_PER_BLOCK})")
 
 
 def _kv_cache_fp8(value: Any, where: str) -> bool:
