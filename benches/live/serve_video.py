@@ -1,8 +1,10 @@
-"""Live `ferrox serve` of tiny Qwen2-VL and Qwen2.5-VL folders taking videos: 16 concurrent chat requests with
-`video_url` data URLs (three different clips, webm and mp4, some beside an image), each answer compared with the
-offline LLM's on the same clips on the same device, videos cut across chunked-prefill steps
-(--max-num-batched-tokens 24); a broken video must be a 400 and change nothing else. 0 errors and 0 mismatches
-expected. Needs PyAV (`av`) where it runs: the device image has none, so carry its wheel."""
+"""Live `ferrox serve` of tiny Qwen2-VL, Qwen2.5-VL and Gemma 4 folders taking videos: 16 concurrent chat requests
+with `video_url` data URLs (three different clips, webm and mp4, some beside an image), each answer compared with
+the offline LLM's on the same clips on the same device, videos cut across chunked-prefill steps
+(--max-num-batched-tokens 24; Gemma 4's frames attend both ways on its sliding layers, so each is computed whole:
+a budget of 160, and 4 frames a clip through --media-io-kwargs within its 512 positions); a broken video must be a
+400 and change nothing else. 0 errors and 0 mismatches expected. Arguments: family-name prefixes (all when none).
+Needs PyAV (`av`) where it runs: the device image has none, so carry its wheel."""
 from __future__ import annotations
 
 import base64
@@ -19,6 +21,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from tests.helpers.tiny_gemma4 import make_tiny_gemma4  # noqa: E402
 from tests.helpers.tiny_qwen2_vl_video import make_tiny_qwen2_vl_video, write_video  # noqa: E402
 from tests.server.server_proc import ServerProcess  # noqa: E402
 
@@ -67,17 +70,28 @@ def main() -> int:
             parts.append({"type": "image_url", "image_url": {"url": picture}})
         return [{"role": "user", "content": [*parts, {"type": "text", "text": "What happens?"}]}]
 
+    only = sys.argv[1:]  # family-name filters
     bad = 0
-    for name, version in (("qwen2-vl", "qwen2_vl"), ("qwen2.5-vl", "qwen2_5_vl")):
-        folder = make_tiny_qwen2_vl_video(tmp / name, version=version)
+    four_frames = {"video": {"num_frames": 4}}
+    for name, build, serve_args, media_io in (
+            ("qwen2-vl", lambda d: make_tiny_qwen2_vl_video(d, version="qwen2_vl"), [], None),
+            ("qwen2.5-vl", lambda d: make_tiny_qwen2_vl_video(d, version="qwen2_5_vl"), [], None),
+            ("gemma4-video", lambda d: make_tiny_gemma4(d, images=True, bidirectional="vision", per_layer=True,
+                                                        kv_shared=2, standardize=True, clipped=True),
+             ["--max-num-batched-tokens", "160", "--max-model-len", "512", "--media-io-kwargs",
+              json.dumps(four_frames)], four_frames)):
+        if only and not any(name.startswith(o) for o in only):
+            continue
+        folder = build(tmp / name)
         limits = {"video": 1, "image": 1}
-        reference = LLM(model=folder, dtype="float32", kv_cache_memory=128 << 20, limit_mm_per_prompt=limits)
+        reference = LLM(model=folder, dtype="float32", kv_cache_memory=128 << 20, limit_mm_per_prompt=limits,
+                        media_io_kwargs=media_io)
         expected = [o.outputs[0].text for o in reference.chat([messages(*c) for c in cases],
                                                                SamplingParams(max_tokens=12, temperature=0),
                                                                use_tqdm=False)]
         del reference
         srv = ServerProcess(folder, "--served-model-name", "m", "--dtype", "float32", "--max-num-batched-tokens",
-                            "24", "--limit-mm-per-prompt", json.dumps(limits), startup_timeout=300)
+                            "24", "--limit-mm-per-prompt", json.dumps(limits), *serve_args, startup_timeout=300)
         with cf.ThreadPoolExecutor(16) as pool:
             futures = [pool.submit(post, srv.base_url, {"model": "m", "messages": messages(*c), "max_tokens": 12,
                                                         "temperature": 0}) for c in cases]

@@ -1,11 +1,13 @@
 """Tiny random Gemma 4 checkpoints (transformers' Gemma4ForCausalLM / Gemma4ForConditionalGeneration) for the
 text tests (tests/models/test_gemma4.py) and the image tests (tests/models/test_gemma4_vision.py).
 
-With images=True the multimodal checkpoint takes images: the tokenizer gains Gemma 4's image, audio and video
-tokens (`<|image>` / `<|image|>` / `<image|>`: begin, soft token, end), named in tokenizer_config.json as the
+With images=True the multimodal checkpoint takes images and videos: the tokenizer gains Gemma 4's image, audio and
+video tokens (`<|image>` / `<|image|>` / `<image|>`: begin, soft token, end), named in tokenizer_config.json as the
 released tokenizer names them (image_token, boi_token, ...), a preprocessor_config.json for
-Gemma4ImageProcessor (4-pixel patches pooled 3x3, at most 70 soft tokens an image), a chat template that
-writes the image token for image parts, and vision weights spread wide enough for images to move the text.
+Gemma4ImageProcessor (4-pixel patches pooled 3x3, at most 70 soft tokens an image), a
+video_preprocessor_config.json for Gemma4VideoProcessor (the same patches, 70 soft tokens a frame, its defaults
+otherwise), a chat template that writes the image (video) token for image (video) parts, and vision weights spread
+wide enough for images to move the text.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ MEDIA_TOKENS = [("<|image>", "boi_token", "boi_token_id"), ("<image|>", "eoi_tok
                 ("<|image|>", "image_token", "image_token_id"), ("<|audio|>", "audio_token", "audio_token_id"),
                 ("<|audio>", "boa_token", "boa_token_id"), ("<audio|>", "eoa_token", "eoa_token_index"),
                 ("<|video|>", "video_token", "video_token_id")]
-IMAGE_TEMPLATE = tiny_models.LLAVA_CHAT_TEMPLATE.replace("<image>\n", "<|image|>")
+IMAGE_TEMPLATE = tiny_models.LLAVA_CHAT_TEMPLATE.replace("<image>\n", "<|image|>").replace(
+    "{% elif part['type'] == 'text' %}", "{% elif part['type'] == 'video' %}<|video|>{% elif part['type'] == 'text' %}")
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
               num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=3, position_embedding_size=64,
               rope_parameters={"rope_type": "axial", "rope_theta": 100.0})
@@ -31,6 +34,10 @@ PROCESSOR = {"image_processor_type": "Gemma4ImageProcessor", "do_convert_rgb": T
              "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": False,
              "image_mean": [0.0, 0.0, 0.0], "image_std": [1.0, 1.0, 1.0], "patch_size": 4, "pooling_kernel_size": 3,
              "max_soft_tokens": 70}
+VIDEO_PROCESSOR = {"video_processor_type": "Gemma4VideoProcessor", "do_convert_rgb": True, "do_resize": True,
+                   "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+                   "image_mean": [0.0, 0.0, 0.0], "image_std": [1.0, 1.0, 1.0], "patch_size": 4,
+                   "pooling_kernel_size": 3, "max_soft_tokens": 70, "num_frames": 32, "do_sample_frames": True}
 
 
 def text_config(vocab: int, *, moe: bool = False, per_layer: bool = False, kv_shared: int = 0,
@@ -108,6 +115,8 @@ def make_tiny_gemma4(folder, *, conditional: bool = False, images: bool = False,
 def _write_image_files(folder: str) -> None:
     with open(os.path.join(folder, "preprocessor_config.json"), "w", encoding="utf-8") as f:
         json.dump(PROCESSOR, f, indent=2)
+    with open(os.path.join(folder, "video_preprocessor_config.json"), "w", encoding="utf-8") as f:
+        json.dump(VIDEO_PROCESSOR, f, indent=2)
     path = os.path.join(folder, "tokenizer_config.json")
     with open(path, encoding="utf-8") as f:
         tok_config = json.load(f)

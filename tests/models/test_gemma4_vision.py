@@ -9,8 +9,8 @@ embeddings and KV-sharing layers, and use_bidirectional_attention "vision").
 - greedy tokens through the real engine (one image, two images of different sizes, a chat, a prompt already
   expanded) equal transformers' generate given mm_token_type_ids, i.e. with an image's tokens attending to each
   other both ways on the sliding layers (a causal-only reference disagrees: the mask is what is tested);
-- text-only requests as the text model answers them; audio and video refused by name, and mm_processor_kwargs
-  other than max_soft_tokens.
+- text-only requests as the text model answers them; audio refused by name, and mm_processor_kwargs other than
+  max_soft_tokens and num_frames (videos: test_gemma4_video.py).
 On a GPU: the tower at the released shape (Gemma4VisionConfig's defaults) against transformers' on CUDA, and the
 tiny model's images through the CUDA engine."""
 
@@ -141,9 +141,9 @@ def test_greedy_matches_transformers_with_images(gemma):
 
 
 def test_text_unchanged_and_refusals_by_name(gemma):
-    """Text prompts answer as transformers' text-only generate; audio and video inputs and processor kwargs other
-    than max_soft_tokens are refused naming them; an image the tower has no positions for is refused naming it;
-    max_soft_tokens changes the image's count."""
+    """Text prompts answer as transformers' text-only generate; audio inputs and processor kwargs other than
+    max_soft_tokens and num_frames are refused naming them; an image the tower has no positions for is refused
+    naming it; max_soft_tokens changes the image's count."""
     folder, hf, llm = gemma
     prompts = [[5, 9, 11], list(range(3, 43))]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
@@ -155,9 +155,6 @@ def test_text_unchanged_and_refusals_by_name(gemma):
     with pytest.raises(InvalidArgumentError, match="'input_audio'"):
         llm.chat([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}],
                  GREEDY, use_tqdm=False)
-    with pytest.raises(InvalidArgumentError, match="takes no video inputs"):
-        llm.chat([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x"}}]}], GREEDY,
-                 use_tqdm=False)
     with pytest.raises(InvalidArgumentError, match=r"mm_processor_kwargs\.pooling_kernel_size: .*max_soft_tokens"):
         llm.generate({"prompt": "<|image|>", "multi_modal_data": {"image": image},
                       "mm_processor_kwargs": {"pooling_kernel_size": 2}}, GREEDY)

@@ -47,8 +47,9 @@ and the LM head are vocabulary-parallel; the per-layer input projections, every 
 scalars are replicated; the final soft cap applies to the gathered logits. Refused by name: quantized
 checkpoints, GGUF, bidirectional attention ("all").
 
-Images (Gemma4ForConditionalGeneration, at the end): the vision tower and embedder of models/vision/gemma4_vision.py,
-each image's rows in place of its soft tokens (multimodal/gemma4_processing.py), an image's tokens attending to each
+Images and videos (Gemma4ForConditionalGeneration, at the end): the vision tower and embedder of
+models/vision/gemma4_vision.py, each image's rows in place of its soft tokens (multimodal/gemma4_processing.py), a
+video's frames each an image of its own (multimodal/gemma4_video.py), an image's (a frame's) tokens attending to each
 other both ways on the sliding layers where use_bidirectional_attention is "vision". The audio tower is not built;
 audio inputs are refused by name.
 """
@@ -422,17 +423,19 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
     """gemma-4-*-it as published: the language model of the multimodal checkpoint (text_config over
     Gemma4TextConfig's defaults: loader/model_config.py), the vision tower and its embedder
     (models/vision/gemma4_vision.py). Each image is its soft tokens' rows in place of its `<|image|>` run
-    (multimodal/gemma4_processing.py: a count that depends on the image's size); with text_config's
-    use_bidirectional_attention "vision" an image's tokens attend to each other both ways on the sliding layers
-    (AttentionMetadata.bidirectional; the full layers stay causal), so the scheduler computes each image in one
-    step. The media tokens (image, video, audio) embed as the pad token, as transformers swaps them (in both
-    tables where there are per-layer embeddings: Gemma4Model.text_ids). Under
-    tensor parallelism the tower and embedder load whole on every rank (the tower's layers then sharded under
-    --mm-encoder-tp-mode weights: models/vision/encoder_setup.py) and each rank embeds its requests' images
-    (worker/rank_images.py). The audio tower is neither built nor loaded: audio inputs are refused by name
-    (multimodal/chat_parts.py, engine/input_processor.py); so are videos."""
+    (multimodal/gemma4_processing.py: a count that depends on the image's size); a video is its frames, each an
+    item of modality "video" that the same tower and embedder take as an image (multimodal/gemma4_video.py: its
+    `<|video|>` runs between timestamps); with text_config's use_bidirectional_attention "vision" an image's (a
+    frame's) tokens attend to each other both ways on the sliding layers (AttentionMetadata.bidirectional; the full
+    layers stay causal), so the scheduler computes each image (frame) in one step. The media tokens (image, video,
+    audio) embed as the pad token, as transformers swaps them (in both tables where there are per-layer embeddings:
+    Gemma4Model.text_ids). Under tensor parallelism the tower and embedder load whole on every rank (the tower's
+    layers then sharded under --mm-encoder-tp-mode weights: models/vision/encoder_setup.py) and each rank embeds
+    its requests' images (worker/rank_images.py). The audio tower is neither built nor loaded: audio inputs are refused by name
+    (multimodal/chat_parts.py, engine/input_processor.py)."""
 
     takes_images = True
+    takes_videos = True  # (each frame an item the tower takes as an image)
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
@@ -445,7 +448,7 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
         self.bidirectional_images = spec.hf_config.get("use_bidirectional_attention") == "vision"
         vision = mm.get("vision_config")
         if vision is None:  # (Gemma4Config's vision_config is optional: such a checkpoint takes no images)
-            self.takes_images = False  # type: ignore[misc]
+            self.takes_images = self.takes_videos = False  # type: ignore[misc]
         else:
             self.vision_tower = Gemma4VisionTower(vision, dtype=dtype, device=vision_device(device))
             self.embed_vision = Gemma4VisionEmbedder(self.vision_tower.hidden_size, spec.hidden_size,
@@ -456,7 +459,8 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
                         spec.architecture)
 
     def check_image_item(self, item: MultiModalItem) -> str | None:
-        """What is wrong with an image item for this model (worker/multimodal.py check_items), or None."""
+        """What is wrong with an image (or video frame) item for this model (worker/multimodal.py check_items), or
+        None."""
         if item.grid is None or len(item.grid) != 2 or min(item.grid) < 1:
             return "no (rows, cols) patch grid"
         rows, cols = item.grid
@@ -472,7 +476,7 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
         return None
 
     def embed_image_item(self, item: MultiModalItem, device: torch.device) -> torch.Tensor:
-        """[item.length, hidden]: the tower and embedder over the image's patches."""
+        """[item.length, hidden]: the tower and embedder over the image's (the video frame's) patches."""
         assert item.grid is not None  # check_image_item
         rows, cols = item.grid
         return self.embed_vision(self.vision_tower(item.pixel_values().to(device), (rows, cols)))

@@ -19,7 +19,7 @@ from ferrox._core import InvalidArgumentError
 _REFUSED = {"image_embeds": "image embeddings", "input_audio": "audio", "audio_url": "audio", "file": "files"}
 
 # The families whose videos ferrox takes (the refusals name them).
-VIDEO_FAMILIES = "Qwen2-VL, Qwen2.5-VL, Qwen3-VL and LLaVA-OneVision"
+VIDEO_FAMILIES = "Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision and Gemma 4"
 
 
 def image_source(part: dict[str, Any], where: str) -> Any:

@@ -16,10 +16,15 @@ depends on the image) and end-of-image. The three are added tokens, so the same 
 replacement here. A run of image tokens between begin and end whose length is the image's own count is that
 image already expanded (a prompt_token_ids from the processor) and stays as it is.
 
+Videos (`<|video|>`, a timestamped run of frames each wrapped as an image is): gemma4_video.py. Images and videos
+pair with their own placeholders, each in prompt order; a video already expanded (its frames' runs between begin
+and end of image, each of the frame's count) stays as it is.
+
 --mm-processor-kwargs and a request's mm_processor_kwargs take max_soft_tokens (transformers' choices: 70, 140,
-280, 560, 1120); the patch and pooling sizes belong to the checkpoint's tower and are refused by name
-(processing.py PROCESSOR_KWARGS). Videos and audio (Gemma 4's other inputs) are refused by name. Front-end
-code: numpy and PIL only.
+280, 560, 1120: an image's budget and, as transformers passes it to both processors, a video frame's) and
+num_frames (the frames sampled of a whole video); the patch and pooling sizes belong to the checkpoint's tower and
+are refused by name (processing.py PROCESSOR_KWARGS). Audio is refused by name. Front-end code: numpy and PIL
+only (videos: torch, as transformers resizes them).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ SOFT_TOKEN_CHOICES = (70, 140, 280, 560, 1120)  # transformers' _SUPPORTED_SOFT_
 DEFAULT_IMAGE_TOKEN_ID = 258_880
 DEFAULT_BOI_TOKEN_ID = 255_999
 DEFAULT_EOI_TOKEN_ID = 258_882
+DEFAULT_VIDEO_TOKEN_ID = 258_884  # `<|video|>`
 _DERIVED_CACHE_SIZE = 32  # distinct per-request mm_processor_kwargs whose processors are kept
 
 # Gemma4ImageProcessor's class attributes: what a field means when the file leaves it out (or sets it null).
@@ -163,13 +169,24 @@ class Gemma4ImageProcessor:
         return np.ascontiguousarray(patches.reshape(rows * cols, p * p * channels), dtype=np.float32), (rows, cols)
 
 
+# (start, length) of a placeholder in the prompt, the tokens it becomes, and its items (offsets from its start)
+_Piece = tuple[int, int, list[int], list[MultiModalItem]]
+
+
 @dataclass(slots=True)
 class Gemma4ImagePrompts(ImagePrompts):
     """Gemma 4's prompt rules (module docstring): each image token becomes begin-of-image, the image's soft tokens
-    and end-of-image (tokens_per_image is 0: each image has its own count)."""
+    and end-of-image (tokens_per_image is 0: each image has its own count); each video token its timestamped
+    frames (gemma4_video.py)."""
 
     boi_token_id: int = DEFAULT_BOI_TOKEN_ID
     eoi_token_id: int = DEFAULT_EOI_TOKEN_ID
+    video_processor: Any = None  # gemma4_video.Gemma4VideoProcessor; None: this folder's videos are refused
+    video_token_id: int = -1  # (set even where videos are refused: a `<|video|>` beside media is then refused)
+    video_placeholder: str | None = None  # `<|video|>`: what a string-content chat template gets per video
+    video_limit: int | None = None  # --limit-mm-per-prompt's videos per prompt
+    video_refusal: str | None = None  # why this folder's videos are refused
+    tokenizer: Any = None  # encodes the frames' timestamps
     server_kwargs: Mapping[str, Any] = field(default_factory=dict)  # --mm-processor-kwargs
     # Rules derived for a request's mm_processor_kwargs, by those kwargs.
     _derived: dict[tuple[tuple[str, str], ...], Gemma4ImagePrompts] = field(
@@ -177,7 +194,7 @@ class Gemma4ImagePrompts(ImagePrompts):
     _derived_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def processor_kwargs(self) -> tuple[str, ...]:
-        return ("max_soft_tokens",)
+        return ("max_soft_tokens", "num_frames")
 
     def with_processor_kwargs(self, kwargs: Mapping[str, Any]) -> Gemma4ImagePrompts:
         """A copy whose processor reads the folder with the server's kwargs and then the request's over them;
@@ -186,27 +203,60 @@ class Gemma4ImagePrompts(ImagePrompts):
         with self._derived_lock:  # (the prompt threads derive concurrently)
             if (found := self._derived.get(key)) is not None:
                 return found
+        from ferrox.multimodal.gemma4_video import Gemma4VideoProcessor
+
+        merged = {**self.server_kwargs, **kwargs}
         try:
-            processor = (Gemma4ImageProcessor.from_model_dir(self.model_dir, {**self.server_kwargs, **kwargs})
+            processor = (Gemma4ImageProcessor.from_model_dir(self.model_dir, merged)
                          if self.image_processor is not None else None)
+            video = (Gemma4VideoProcessor.from_model_dir(self.model_dir, merged)
+                     if self.video_processor is not None else None)
         except (ModelLoadError, UnsupportedModelError) as e:  # a value the processor refuses
             raise InvalidArgumentError(str(e), param="mm_processor_kwargs") from None
-        derived = replace(self, image_processor=processor)
+        derived = replace(self, image_processor=processor, video_processor=video)
         with self._derived_lock:
             if len(self._derived) >= _DERIVED_CACHE_SIZE:
                 self._derived.pop(next(iter(self._derived)))
             self._derived[key] = derived
         return derived
 
+    def check_video_count(self, count: int, what: str, param: str = "multi_modal_data") -> None:
+        if self.video_limit is not None and count > self.video_limit:
+            raise InvalidArgumentError(f"{what}: {count} videos, at most {self.video_limit} may be given in one "
+                                       "prompt (--limit-mm-per-prompt)", param=param)
+
     def expand(self, prompt_ids: Sequence[int], images: Sequence[Any], what: str,
                param: str = "multi_modal_data") -> tuple[list[int], list[MultiModalItem]]:
-        from ferrox.multimodal.media import image_hash
+        """`images`: the prompt's decoded media in order, PIL images and multimodal.video.Video frames."""
+        from ferrox.multimodal.video import split_media
 
-        self.check_count(len(images), what, param)
+        stills, videos = split_media(images)
+        self.check_count(len(stills), what, param)
         ids = list(prompt_ids)
         runs = token_runs(ids, self.image_token_id)
-        if not images and not runs:
+        video_runs = token_runs(ids, self.video_token_id) if self.video_token_id >= 0 else []
+        if not images and not runs and not video_runs:
             return ids, []
+        pieces = self._image_pieces(ids, runs, stills, what, param)
+        if videos or video_runs:
+            pieces += self._video_pieces(ids, video_runs, videos, what, param)
+        out: list[int] = []
+        items: list[MultiModalItem] = []
+        at = 0
+        for start, length, tokens, placed in sorted(pieces, key=lambda piece: piece[0]):
+            out.extend(ids[at:start])
+            for item in placed:  # (their offsets are from the piece's start)
+                item.offset += len(out)
+            items.extend(placed)
+            out.extend(tokens)
+            at = start + length
+        out.extend(ids[at:])
+        return out, items
+
+    def _image_pieces(self, ids: list[int], runs: list[tuple[int, int]], images: list[Any], what: str,
+                      param: str) -> list[_Piece]:
+        from ferrox.multimodal.media import image_hash
+
         processor = self.processor_for(what, param) if images else None
         processed = []
         for k, image in enumerate(images):
@@ -219,20 +269,66 @@ class Gemma4ImagePrompts(ImagePrompts):
         counts = [processor.tokens(grid) for _, grid, _ in processed] if processor is not None else []
         spans = self._spans(ids, runs, counts)
         self.check_placeholders(len(spans), len(images), what, param, " (its tokens are expanded here)")
-        out: list[int] = []
-        items: list[MultiModalItem] = []
-        at = 0
+        pieces: list[_Piece] = []
         for (start, length, expanded), (patches, grid, digest), count in zip(spans, processed, counts, strict=True):
-            out.extend(ids[at:start])
-            if not expanded:
-                out.append(self.boi_token_id)
-            items.append(MultiModalItem.from_pixels(len(out), count, patches, digest, grid=list(grid)))
-            out.extend([self.image_token_id] * count)
-            if not expanded:
-                out.append(self.eoi_token_id)
-            at = start + length
-        out.extend(ids[at:])
-        return out, items
+            tokens = [self.image_token_id] * count
+            item = MultiModalItem.from_pixels(0 if expanded else 1, count, patches, digest, grid=list(grid))
+            pieces.append((start, length, tokens if expanded else [self.boi_token_id, *tokens, self.eoi_token_id],
+                           [item]))
+        return pieces
+
+    def _video_pieces(self, ids: list[int], runs: list[tuple[int, int]], videos: list[Any], what: str,
+                      param: str) -> list[_Piece]:
+        """Each video's frames at its placeholder (a single `<|video|>`), or at its frames' runs already expanded
+        (each wrapped in begin / end of image: kept as they are, the text between them too); one item a frame."""
+        from ferrox.multimodal.gemma4_video import frame_tokens
+        from ferrox.multimodal.processor_cache import video_key
+
+        processor = self.video_processor
+        if processor is None:
+            raise InvalidArgumentError(f"{what}: {self.video_refusal or 'this model takes no videos'}", param=param)
+        self.check_video_count(len(videos), what, param)
+        processed = []
+        for k, video in enumerate(videos):
+            key = video_key(video)
+            try:
+                processed.append((*self.process_item(processor, video, key, "prepare"), key))
+            except ValueError as e:
+                raise InvalidArgumentError(f"{what}: video {k}: {e}", param=param) from None
+        marks: list[tuple[int, int, bool]] = []  # (start, length, an expanded frame) of each video token run
+        for start, length in runs:
+            if 0 < start and start + length < len(ids) and ids[start - 1] == self.boi_token_id \
+                    and ids[start + length] == self.eoi_token_id:
+                marks.append((start, length, True))
+            else:  # placeholders side by side: one video each
+                marks.extend((start + i, 1, False) for i in range(length))
+        mismatch = InvalidArgumentError(
+            f"{what}: the prompt's {sum(n for _, n in runs)} video token(s) do not match {len(videos)} video(s); put "
+            f"one {self.video_placeholder or '<|video|>'!r} where each video goes (its frames are expanded here)",
+            param=param)
+        pieces: list[_Piece] = []
+        m = 0
+        for patches, grid, seconds, key in processed:
+            count = processor.tokens(grid)
+            frames = [MultiModalItem.from_pixels(0, count, frame, seen_hash(key, frame, grid), grid=list(grid),
+                                                 modality="video") for frame in patches]
+            if m < len(marks) and not marks[m][2]:
+                tokens, starts = frame_tokens(self.tokenizer, seconds, count, self.boi_token_id, self.video_token_id,
+                                              self.eoi_token_id)
+                for item, at in zip(frames, starts, strict=True):
+                    item.offset = at
+                pieces.append((marks[m][0], 1, tokens, frames))
+                m += 1
+                continue
+            expanded = marks[m:m + len(frames)]
+            if len(expanded) < len(frames) or any(not wrapped or n != count for _, n, wrapped in expanded):
+                raise mismatch
+            pieces.extend((start, n, [self.video_token_id] * n, [item])
+                          for (start, n, _), item in zip(expanded, frames, strict=True))
+            m += len(frames)
+        if m != len(marks):
+            raise mismatch
+        return pieces
 
     def _spans(self, ids: list[int], runs: list[tuple[int, int]], counts: list[int]) -> list[tuple[int, int, bool]]:
         """(start, length, already expanded) of each image's placeholder, in order: a run wrapped in begin / end
@@ -252,11 +348,13 @@ class Gemma4ImagePrompts(ImagePrompts):
 
 def gemma4_image_prompts(model_dir: str, hf_config: Mapping[str, Any], tokenizer: Any, *, limit: int | None,
                          allowed_local_media_path: str | None,
-                         processor_kwargs: Mapping[str, Any] | None = None) -> Gemma4ImagePrompts | None:
+                         processor_kwargs: Mapping[str, Any] | None = None,
+                         video_limit: int | None = None) -> Gemma4ImagePrompts | None:
     """The prompt rules of a Gemma 4 folder (hf_config: config.json, less its text_config); None for one without
     a vision_config, or served as text (limit 0) by a tokenizer without the image token. The placeholder text a
-    string-content chat template gets per image is the image token. The processor's patch and pooling sizes
-    must be the tower's (config.json's vision_config)."""
+    string-content chat template gets per image (video) is the image (video) token. The processors' patch and
+    pooling sizes must be the tower's (config.json's vision_config): a video processor's that are not leave the
+    folder's videos refused, its images taken."""
     if hf_config.get("vision_config") is None:
         return None
     token_id = int(hf_config.get("image_token_id") or DEFAULT_IMAGE_TOKEN_ID)
@@ -276,4 +374,32 @@ def gemma4_image_prompts(model_dir: str, hf_config: Mapping[str, Any], tokenizer
                                  boi_token_id=int(hf_config.get("boi_token_id") or DEFAULT_BOI_TOKEN_ID),
                                  eoi_token_id=int(hf_config.get("eoi_token_id") or DEFAULT_EOI_TOKEN_ID))
     prompts.server_kwargs = dict(processor_kwargs or {})
+    _add_videos(prompts, model_dir, hf_config, tokenizer, vision, processor_kwargs, video_limit)
     return prompts
+
+
+def _add_videos(prompts: Gemma4ImagePrompts, model_dir: str, hf_config: Mapping[str, Any], tokenizer: Any,
+                vision: Mapping[str, Any], processor_kwargs: Mapping[str, Any] | None, limit: int | None) -> None:
+    """The folder's video rules on `prompts`, or why its videos are refused (video_refusal)."""
+    from ferrox.multimodal.gemma4_video import Gemma4VideoProcessor
+
+    prompts.video_token_id = video_id = int(hf_config.get("video_token_id") or DEFAULT_VIDEO_TOKEN_ID)
+    placeholder = tokenizer.id_to_token(video_id)
+    try:
+        video = Gemma4VideoProcessor.from_model_dir(model_dir) if os.path.isdir(model_dir) else None
+        for name in ("patch_size", "pooling_kernel_size"):
+            if video is not None and getattr(video, name) != vision[name]:
+                raise UnsupportedModelError(f"{video.where}: {name} {getattr(video, name)} differs from the vision "
+                                            f"tower's {vision[name]} (config.json's vision_config)")
+    except (ModelLoadError, UnsupportedModelError) as e:
+        prompts.video_refusal = f"Gemma 4 takes no video inputs from this folder: {e}"
+        return
+    if placeholder is None or video is None:
+        prompts.video_refusal = "Gemma 4 takes no video inputs from this folder: " + (
+            f"config.json's video_token_id {video_id} is not in the tokenizer's vocabulary" if placeholder is None
+            else f"model folder {model_dir} has no video processor config")
+        return
+    if processor_kwargs:  # (a value the processor refuses fails the start, as the image processor's does)
+        video = Gemma4VideoProcessor.from_model_dir(model_dir, processor_kwargs)
+    prompts.video_processor, prompts.video_placeholder, prompts.video_limit = video, placeholder, limit
+    prompts.tokenizer = tokenizer

@@ -235,8 +235,9 @@ PROCESSOR_KWARGS = {"Qwen2VLForConditionalGeneration": ("min_pixels", "max_pixel
                     "Qwen3_5ForConditionalGeneration": ("min_pixels", "max_pixels", "fps", "min_frames", "max_frames"),
                     "Qwen3_5MoeForConditionalGeneration": ("min_pixels", "max_pixels", "fps", "min_frames",
                                                            "max_frames"),
-                    # (its patch and pooling sizes are the tower's: not a request's to change)
-                    "Gemma4ForConditionalGeneration": ("max_soft_tokens",)}
+                    # (its patch and pooling sizes are the tower's: not a request's to change; its videos are
+                    # sampled by num_frames, transformers' fps beside it being an error)
+                    "Gemma4ForConditionalGeneration": ("max_soft_tokens", "num_frames")}
 
 
 def processor_kwargs_for(archs: Sequence[str]) -> tuple[str, ...]:
@@ -315,7 +316,7 @@ def _image_prompts_for_model(model_dir: str, hf_config: Mapping[str, Any], token
 
         return gemma4_image_prompts(model_dir, hf_config, tokenizer, limit=limit,
                                     allowed_local_media_path=allowed_local_media_path,
-                                    processor_kwargs=processor_kwargs)
+                                    processor_kwargs=processor_kwargs, video_limit=(limits or {}).get("video"))
     if "InternVLChatModel" in archs:  # InternVL's remote-code layout: `<image>` placeholders, its own tiling
         from ferrox.multimodal.internvl_chat_processing import internvl_chat_image_prompts
 
