@@ -22,7 +22,7 @@ from tests.server.server_proc import ServerProcess
 LONG = {"prompt": "Once upon a time", "max_tokens": 2800, "ignore_eos": True}
 TIMEOUT_S = 16
 # ~2,300 tokens of SmolLM2's vocabulary that no other test sends (no prefix-cache hit): its prefill takes
-# seconds on the CPU.
+# seconds on the CPU (in chunks: the fixture's step budget).
 LONG_PROMPT = " ".join(f"w{i}" for i in range(600))
 
 
@@ -94,8 +94,10 @@ def limited():
     # One sequence runs at a time, two may be in flight, and none may run longer than TIMEOUT_S: long enough
     # that on a slow box the running request is still in flight when the third arrives (4 s was not, and
     # once 8 s was not: a busy CI box took that long to report the second request waiting).
+    # A 256-token step budget cuts LONG_PROMPT's prefill into ~9 short steps: an abort lands between two of them
+    # (in one 2,300-token step it waited out the whole step, past wait_idle's timeout on a busy CI box).
     srv = ServerProcess("--max-num-seqs", "1", "--max-num-queued-reqs", "2", "--request-timeout", str(TIMEOUT_S),
-                        "--max-model-len", "2900")
+                        "--max-model-len", "2900", "--max-num-batched-tokens", "256")
     post(srv.base_url, "/v1/completions", {"prompt": "warm up", "max_tokens": 2})  # the first step is slow
     yield srv
     assert srv.stop() == 0
@@ -128,7 +130,7 @@ def test_queue_bound_503_then_timeouts_free_everything(limited):
     assert waiting.status == 504 and not waiting.lines, (waiting.status, waiting.lines[-2:])
     for error in (in_band, waiting.error["error"]):
         assert error["code"] == "request_timeout" and f"request timeout ({TIMEOUT_S} s)" in error["message"], error
-    wait_idle(base)
+    wait_idle(base, timeout=30)
     status, _, body = post(base, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
     assert status == 200, body  # the in-flight count came back down
 
