@@ -34,8 +34,9 @@ from typing import Any
 import numpy as np
 
 from ferrox.errors import ModelLoadError, UnsupportedModelError
-from ferrox.multimodal.config_fields import flag, number, per_channel, positive_int
+from ferrox.multimodal.config_fields import flag, positive_int
 from ferrox.multimodal.gemma4_processing import SOFT_TOKEN_CHOICES, aspect_ratio_preserving_size
+from ferrox.multimodal.pixel_scaling import PixelScaling
 from ferrox.multimodal.qwen2_vl_video_processing import (
     _MODES,
     DEFAULT_FPS,
@@ -70,11 +71,7 @@ class Gemma4VideoProcessor:
             raise ModelLoadError(f"{where}: resample {fields['resample']!r} is not one ferrox resizes videos by "
                                  "(0 nearest, 2 bilinear, 3 bicubic)")
         self.mode = _MODES[int(fields["resample"])]
-        self.do_rescale = flag(fields, "do_rescale", where)
-        self.rescale_factor = number(fields["rescale_factor"], "rescale_factor", where)
-        self.do_normalize = flag(fields, "do_normalize", where)
-        self.image_mean = per_channel(fields["image_mean"], "image_mean", where)
-        self.image_std = per_channel(fields["image_std"], "image_std", where)
+        self.scaling = PixelScaling.read(fields, where)
         self.do_sample_frames = flag(fields, "do_sample_frames", where)
         # (null in the file: transformers' sampling keeps every frame)
         self.num_frames = (None if "num_frames" in config and config["num_frames"] is None
@@ -142,13 +139,7 @@ class Gemma4VideoProcessor:
             raise ValueError(f"{width}x{height} frames: without do_resize their sides must be multiples of {side} "
                              f"(patch_size x pooling_kernel_size) within {self.max_patches} patches")
         values = x.to(torch.float32)
-        if self.do_normalize:  # transformers folds the rescale into the mean and std
-            scale = 1.0 / self.rescale_factor if self.do_rescale else 1.0
-            mean = torch.tensor(self.image_mean) * scale
-            std = torch.tensor(self.image_std) * scale
-            values = values.sub_(mean[:, None, None]).div_(std[:, None, None])
-        elif self.do_rescale:
-            values = values * self.rescale_factor
+        values = self.scaling.apply_torch(values)
         v = values.numpy()
         rows, cols = v.shape[2] // p, v.shape[3] // p
         # (frame, row, col, row in patch, col in patch, channel): transformers' convert_video_to_patches

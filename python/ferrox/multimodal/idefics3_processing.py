@@ -39,11 +39,11 @@ from ferrox.multimodal.config_fields import (
     PROCESSOR_FILE,
     flag,
     image_processor_fields,
-    per_channel,
     read_json_object,
 )
-from ferrox.multimodal.image_processor import resample_filter, rescale_normalize, to_rgb
+from ferrox.multimodal.image_processor import resample_filter, to_rgb
 from ferrox.multimodal.inputs import MultiModalItem
+from ferrox.multimodal.pixel_scaling import PixelScaling
 from ferrox.multimodal.processing import ImagePrompts, token_runs
 
 ARCHITECTURES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
@@ -98,11 +98,7 @@ class Idefics3ImageProcessor:
             raise UnsupportedModelError(f"{where}: max_image_size must be {{longest_edge: N}}, got {max_size!r}")
         self.tile = int(max_size["longest_edge"])
         self.resample = Image.Resampling(resample_filter(fields["resample"], where))
-        self.do_rescale = flag(fields, "do_rescale", where)
-        self.rescale_factor = float(fields["rescale_factor"])
-        self.do_normalize = flag(fields, "do_normalize", where)
-        self.image_mean = np.array(per_channel(fields["image_mean"], "image_mean", where), np.float32)
-        self.image_std = np.array(per_channel(fields["image_std"], "image_std", where), np.float32)
+        self.scaling = PixelScaling.read(fields, where)
         self.do_image_splitting = flag(fields, "do_image_splitting", where)
         # do_convert_rgb: every image is made RGB (the tower takes three channels); do_pad pads a batch's
         # images to one tile count, the model dropping the padding tiles: nothing to do image by image.
@@ -143,8 +139,7 @@ class Idefics3ImageProcessor:
     def _pixels(self, tile: Image.Image) -> np.ndarray:
         """float32 CHW, as transformers' rescale and normalize compute it."""
         pixels: np.ndarray = np.asarray(tile)
-        pixels = rescale_normalize(pixels, self.rescale_factor if self.do_rescale else None,
-                                   (self.image_mean, self.image_std) if self.do_normalize else None)
+        pixels = self.scaling.apply(pixels)
         return np.ascontiguousarray(pixels.transpose(2, 0, 1), dtype=np.float32)
 
 

@@ -25,7 +25,8 @@ import numpy as np
 from PIL import Image
 
 from ferrox.errors import ModelLoadError, UnsupportedModelError
-from ferrox.multimodal.config_fields import flag, number, per_channel, read_json_object
+from ferrox.multimodal.config_fields import flag, read_json_object
+from ferrox.multimodal.pixel_scaling import PixelScaling
 
 CONFIG_FILE = "preprocessor_config.json"
 
@@ -65,11 +66,7 @@ class ImageProcessor:
         self.resample = resample_filter(fields["resample"])
         self.do_center_crop = flag(fields, "do_center_crop", CONFIG_FILE)
         self.crop_size = None if fields["crop_size"] is None else size_dict(fields["crop_size"], "crop_size")
-        self.do_rescale = flag(fields, "do_rescale", CONFIG_FILE)
-        self.rescale_factor = number(fields["rescale_factor"], "rescale_factor", CONFIG_FILE)
-        self.do_normalize = flag(fields, "do_normalize", CONFIG_FILE)
-        self.image_mean = tuple(per_channel(fields["image_mean"], "image_mean", CONFIG_FILE))
-        self.image_std = tuple(per_channel(fields["image_std"], "image_std", CONFIG_FILE))
+        self.scaling = PixelScaling.read(fields, CONFIG_FILE)
         # Read for completeness: an image that is not RGB is converted either way, since the vision
         # tower takes three channels (vLLM converts at load time); transformers would fail on it.
         self.do_convert_rgb = flag(fields, "do_convert_rgb", CONFIG_FILE)
@@ -107,7 +104,7 @@ class ImageProcessor:
         """One image as float32 HWC, by transformers' steps in transformers' order."""
         image = to_rgb(image)
         if self.pad_to_square:
-            image = _pad_to_square(image, tuple(int(m * 255) for m in self.image_mean))
+            image = _pad_to_square(image, tuple(int(m * 255) for m in self.scaling.image_mean))
         if self.do_resize:
             height, width = self._resized_size(image.height, image.width)
             image = image.resize((width, height), resample=Image.Resampling(self.resample))
@@ -115,8 +112,7 @@ class ImageProcessor:
         if self.do_center_crop:
             assert self.crop_size is not None  # _fixed_output_size refused a crop without one
             pixels = center_crop(pixels, self.crop_size["height"], self.crop_size["width"])
-        return rescale_normalize(pixels, self.rescale_factor if self.do_rescale else None,
-                                 (self.image_mean, self.image_std) if self.do_normalize else None)
+        return self.scaling.apply(pixels)
 
     def _resized_size(self, height: int, width: int) -> tuple[int, int]:
         """transformers' get_resize_output_image_size(default_to_square=False) for shortest_edge:
@@ -141,18 +137,6 @@ class ImageProcessor:
     def __repr__(self) -> str:
         return (f"ImageProcessor({self.kind}, output_size={self.output_size}, "
                 f"resample={_PIL_FILTERS[self.resample]})")
-
-
-def rescale_normalize(pixels: np.ndarray, rescale_factor: float | None,
-                      mean_std: tuple[Any, Any] | None) -> np.ndarray:
-    """transformers' rescale (in float64, then float32) and normalize (in float32) of HWC pixels, as every
-    family's processor applies them; None skips a step."""
-    if rescale_factor is not None:
-        pixels = (pixels.astype(np.float64) * rescale_factor).astype(np.float32)
-    pixels = pixels.astype(np.float32, copy=False)
-    if mean_std is not None:
-        pixels = (pixels - np.asarray(mean_std[0], np.float32)) / np.asarray(mean_std[1], np.float32)
-    return pixels
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

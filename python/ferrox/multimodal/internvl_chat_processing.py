@@ -31,9 +31,10 @@ from PIL import Image
 
 from ferrox.errors import InvalidArgumentError, ModelLoadError, UnsupportedModelError
 from ferrox.multimodal.config_fields import positive_int
-from ferrox.multimodal.image_processor import rescale_normalize, to_rgb
+from ferrox.multimodal.image_processor import to_rgb
 from ferrox.multimodal.inputs import MultiModalItem
 from ferrox.multimodal.internvl_processing import closest_grid, internvl_tokens_per_tile
+from ferrox.multimodal.pixel_scaling import rescale_normalize
 from ferrox.multimodal.processing import ImagePrompts
 
 WHERE = "config.json"

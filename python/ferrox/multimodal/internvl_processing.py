@@ -30,13 +30,12 @@ from ferrox.multimodal.config_fields import (
     PROCESSOR_FILE,
     flag,
     image_processor_fields,
-    number,
-    per_channel,
     positive_int,
     read_json_object,
 )
-from ferrox.multimodal.image_processor import resample_filter, rescale_normalize, to_rgb
+from ferrox.multimodal.image_processor import resample_filter, to_rgb
 from ferrox.multimodal.inputs import MultiModalItem
+from ferrox.multimodal.pixel_scaling import PixelScaling
 from ferrox.multimodal.processing import ImagePrompts
 
 # InternVLVisionConfig's tile geometry when vision_config leaves it out (models/vision/intern_vit.py's
@@ -103,11 +102,7 @@ class InternVLImageProcessor:
             raise UnsupportedModelError(f"{where}: size must be a square {{height, width}}, got {size!r}")
         self.tile = positive_int(size["height"], "size.height", where)
         self.resample = Image.Resampling(resample_filter(fields["resample"], where))
-        self.do_rescale = flag(fields, "do_rescale", where)
-        self.rescale_factor = number(fields["rescale_factor"], "rescale_factor", where)
-        self.do_normalize = flag(fields, "do_normalize", where)
-        self.image_mean = np.array(per_channel(fields["image_mean"], "image_mean", where), np.float32)
-        self.image_std = np.array(per_channel(fields["image_std"], "image_std", where), np.float32)
+        self.scaling = PixelScaling.read(fields, where)
         self.min_patches = positive_int(fields["min_patches"], "min_patches", where)
         self.max_patches = positive_int(fields["max_patches"], "max_patches", where)
         # do_convert_rgb: every image is made RGB (the tower takes three channels).
@@ -131,8 +126,7 @@ class InternVLImageProcessor:
         return np.stack([self._pixels(t) for t in tiles])
 
     def _pixels(self, tile: Image.Image) -> np.ndarray:
-        pixels = rescale_normalize(np.asarray(tile), self.rescale_factor if self.do_rescale else None,
-                                   (self.image_mean, self.image_std) if self.do_normalize else None)
+        pixels = self.scaling.apply(np.asarray(tile))
         return np.ascontiguousarray(pixels.transpose(2, 0, 1), dtype=np.float32)
 
 

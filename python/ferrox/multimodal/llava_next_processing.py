@@ -31,16 +31,14 @@ from ferrox.multimodal.config_fields import (
     PREPROCESSOR_FILE,
     flag,
     image_processor_fields,
-    number,
-    per_channel,
 )
 from ferrox.multimodal.image_processor import (
     center_crop,
     resample_filter,
-    rescale_normalize,
     size_dict,
     to_rgb,
 )
+from ferrox.multimodal.pixel_scaling import PixelScaling
 from ferrox.multimodal.processing import llava_image_tokens, llava_vision_config
 from ferrox.multimodal.qwen2_vl_processing import QwenVLImagePrompts
 
@@ -170,11 +168,7 @@ class LlavaNextImageProcessor:
             side = self.size.get("height", self.size.get("shortest_edge"))
             crop = {"height": side, "width": self.size.get("width", side)}
         self.crop_size = size_dict(crop, "crop_size")
-        self.do_rescale = flag(fields, "do_rescale", where)
-        self.rescale_factor = number(fields["rescale_factor"], "rescale_factor", where)
-        self.do_normalize = flag(fields, "do_normalize", where)
-        self.image_mean = np.array(per_channel(fields["image_mean"], "image_mean", where), np.float32)
-        self.image_std = np.array(per_channel(fields["image_std"], "image_std", where), np.float32)
+        self.scaling = PixelScaling.read(fields, where)
         # do_convert_rgb: every image is made RGB (the tower takes three channels). do_pad pads a batch's images
         # to one tile count: each image here is its own item.
         base = self.size.get("shortest_edge")
@@ -251,8 +245,7 @@ class LlavaNextImageProcessor:
             pixels = np.asarray(piece.resize((width, height), resample=self.resample))
         if self.do_center_crop:
             pixels = center_crop(pixels, self.crop_size["height"], self.crop_size["width"])
-        pixels = rescale_normalize(pixels, self.rescale_factor if self.do_rescale else None,
-                                   (self.image_mean, self.image_std) if self.do_normalize else None)
+        pixels = self.scaling.apply(pixels)
         return pixels
 
 

@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 
 from ferrox.errors import ModelLoadError, UnsupportedModelError
-from ferrox.multimodal.config_fields import flag, number, per_channel
+from ferrox.multimodal.config_fields import flag
 from ferrox.multimodal.image_processor import size_dict
+from ferrox.multimodal.pixel_scaling import PixelScaling
 from ferrox.multimodal.qwen2_vl_video_processing import (
     _MODES,
     VIDEO_PREPROCESSOR_FILE,
@@ -56,11 +57,7 @@ class LlavaOnevisionVideoProcessor:
             raise UnsupportedModelError(f"{where}: size {size}, do_center_crop {fields['do_center_crop']}: ferrox "
                                         f"takes LLaVA-OneVision videos resized to the tower's {tile} x {tile}")
         self.tile, self.patches = tile, patches
-        self.do_rescale = flag(fields, "do_rescale", where)
-        self.rescale_factor = number(fields["rescale_factor"], "rescale_factor", where)
-        self.do_normalize = flag(fields, "do_normalize", where)
-        self.image_mean = per_channel(fields["image_mean"], "image_mean", where)
-        self.image_std = per_channel(fields["image_std"], "image_std", where)
+        self.scaling = PixelScaling.read(fields, where)
         # do_sample_frames: transformers would pick frames again; vLLM's loader already picked them.
         self.do_sample_frames = flag(fields, "do_sample_frames", where)
 
@@ -89,12 +86,6 @@ class LlavaOnevisionVideoProcessor:
             frames = torch.nn.functional.interpolate(frames, size=[self.tile, self.tile], mode=self.mode,
                                                      align_corners=False if smooth else None, antialias=smooth)
         values = frames.to(torch.float32)
-        if self.do_normalize:  # transformers folds the rescale into the mean and std
-            scale = 1.0 / self.rescale_factor if self.do_rescale else 1.0
-            mean = torch.tensor(self.image_mean) * scale
-            std = torch.tensor(self.image_std) * scale
-            values = values.sub_(mean[:, None, None]).div_(std[:, None, None])
-        elif self.do_rescale:
-            values = values * self.rescale_factor
+        values = self.scaling.apply_torch(values)
         pixels = np.ascontiguousarray(values.numpy(), dtype=np.float32)
         return pixels, (pixels.shape[0], self.tile, self.tile)

@@ -25,18 +25,18 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from ferrox.errors import InvalidArgumentError, ModelLoadError, UnsupportedModelError
+from ferrox.errors import InvalidArgumentError, UnsupportedModelError
 from ferrox.multimodal.config_fields import (
     PREPROCESSOR_FILE,
     PROCESSOR_FILE,
     flag,
     image_processor_fields,
-    per_channel,
     positive_int,
     read_json_object,
 )
-from ferrox.multimodal.image_processor import resample_filter, rescale_normalize, to_rgb
+from ferrox.multimodal.image_processor import resample_filter, to_rgb
 from ferrox.multimodal.inputs import MultiModalItem
+from ferrox.multimodal.pixel_scaling import PixelScaling
 from ferrox.multimodal.processing import ImagePrompts
 
 IMAGE_TOKEN, BREAK_TOKEN, END_TOKEN = "[IMG]", "[IMG_BREAK]", "[IMG_END]"
@@ -68,14 +68,7 @@ class PixtralImageProcessor:
         self.resample = Image.Resampling(resample_filter(fields["resample"], where))
         if flag(fields, "do_center_crop", where):
             raise UnsupportedModelError(f"{where}: do_center_crop is true; ferrox does not crop Pixtral images")
-        self.do_rescale = flag(fields, "do_rescale", where)
-        rescale = fields["rescale_factor"]
-        if isinstance(rescale, bool) or not isinstance(rescale, (int, float)):
-            raise ModelLoadError(f"{where}: rescale_factor must be a number, got {rescale!r}")
-        self.rescale_factor = float(rescale)
-        self.do_normalize = flag(fields, "do_normalize", where)
-        self.image_mean = np.array(per_channel(fields["image_mean"], "image_mean", where), np.float32)
-        self.image_std = np.array(per_channel(fields["image_std"], "image_std", where), np.float32)
+        self.scaling = PixelScaling.read(fields, where)
         # do_convert_rgb: every image is made RGB (the tower takes three channels).
 
     @classmethod
@@ -107,8 +100,7 @@ class PixtralImageProcessor:
             raise ValueError(f"a {image.width}x{image.height} image: without do_resize its sides must be multiples "
                              f"of {self.unit} (patch_size x spatial_merge_size)")
         pixels: np.ndarray = np.asarray(image)
-        pixels = rescale_normalize(pixels, self.rescale_factor if self.do_rescale else None,
-                                   (self.image_mean, self.image_std) if self.do_normalize else None)
+        pixels = self.scaling.apply(pixels)
         chw = np.ascontiguousarray(pixels.transpose(2, 0, 1), dtype=np.float32)
         return chw, (image.height // self.unit, image.width // self.unit)
 

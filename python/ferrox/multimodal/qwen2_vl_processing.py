@@ -33,12 +33,11 @@ from ferrox.multimodal.config_fields import (
     PREPROCESSOR_FILE,
     flag,
     image_processor_fields,
-    number,
-    per_channel,
     positive_int,
 )
-from ferrox.multimodal.image_processor import resample_filter, rescale_normalize, to_rgb
+from ferrox.multimodal.image_processor import resample_filter, to_rgb
 from ferrox.multimodal.inputs import MultiModalItem, seen_hash
+from ferrox.multimodal.pixel_scaling import PixelScaling
 from ferrox.multimodal.processing import ImagePrompts, processor_kwargs_for, token_runs
 from ferrox.multimodal.processor_cache import video_key
 
@@ -104,11 +103,7 @@ class QwenVLImageProcessor:
         self.min_pixels, self.max_pixels = _pixel_bounds(config, fields["size"], where)
         self.do_resize = flag(fields, "do_resize", where)
         self.resample = Image.Resampling(resample_filter(fields["resample"], where))
-        self.do_rescale = flag(fields, "do_rescale", where)
-        self.rescale_factor = number(fields["rescale_factor"], "rescale_factor", where)
-        self.do_normalize = flag(fields, "do_normalize", where)
-        self.image_mean = np.array(per_channel(fields["image_mean"], "image_mean", where), np.float32)
-        self.image_std = np.array(per_channel(fields["image_std"], "image_std", where), np.float32)
+        self.scaling = PixelScaling.read(fields, where)
         self.patch_size = positive_int(fields["patch_size"], "patch_size", where)
         self.temporal_patch_size = positive_int(fields["temporal_patch_size"], "temporal_patch_size", where)
         self.merge_size = positive_int(fields["merge_size"], "merge_size", where)
@@ -142,8 +137,7 @@ class QwenVLImageProcessor:
             raise ValueError(f"a {image.width}x{image.height} image: without do_resize its sides must be multiples "
                              f"of {factor} (patch_size x merge_size)")
         pixels: np.ndarray = np.asarray(image)
-        pixels = rescale_normalize(pixels, self.rescale_factor if self.do_rescale else None,
-                                   (self.image_mean, self.image_std) if self.do_normalize else None)
+        pixels = self.scaling.apply(pixels)
         return self._patches(pixels)
 
     def _patches(self, pixels: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:

@@ -28,11 +28,10 @@ from ferrox.multimodal.config_fields import (
     PREPROCESSOR_FILE,
     PROCESSOR_FILE,
     flag,
-    number,
-    per_channel,
     positive_int,
     read_json_object,
 )
+from ferrox.multimodal.pixel_scaling import PixelScaling
 from ferrox.multimodal.qwen2_vl_processing import _pixel_bounds, smart_resize
 from ferrox.multimodal.video import Video
 
@@ -74,11 +73,7 @@ class QwenVLVideoProcessor:
             raise ModelLoadError(f"{where}: resample {fields['resample']!r} is not one ferrox resizes videos by "
                                  "(0 nearest, 2 bilinear, 3 bicubic)")
         self.mode = _MODES[int(fields["resample"])]
-        self.do_rescale = flag(fields, "do_rescale", where)
-        self.rescale_factor = number(fields["rescale_factor"], "rescale_factor", where)
-        self.do_normalize = flag(fields, "do_normalize", where)
-        self.image_mean = per_channel(fields["image_mean"], "image_mean", where)
-        self.image_std = per_channel(fields["image_std"], "image_std", where)
+        self.scaling = PixelScaling.read(fields, where)
         self.patch_size = positive_int(fields["patch_size"], "patch_size", where)
         self.temporal_patch_size = positive_int(fields["temporal_patch_size"], "temporal_patch_size", where)
         self.merge_size = positive_int(fields["merge_size"], "merge_size", where)
@@ -120,13 +115,7 @@ class QwenVLVideoProcessor:
             raise ValueError(f"{width}x{height} frames: without do_resize their sides must be multiples of "
                              f"{factor} (patch_size x merge_size)")
         values = frames.to(torch.float32)
-        if self.do_normalize:  # transformers folds the rescale into the mean and std
-            scale = 1.0 / self.rescale_factor if self.do_rescale else 1.0
-            mean = torch.tensor(self.image_mean) * scale
-            std = torch.tensor(self.image_std) * scale
-            values = values.sub_(mean[:, None, None]).div_(std[:, None, None])
-        elif self.do_rescale:
-            values = values * self.rescale_factor
+        values = self.scaling.apply_torch(values)
         return self._patches(values.numpy())
 
     def _resize(self, frames: Any, factor: int) -> Any:
