@@ -56,7 +56,9 @@ the scaled sums); MXFP4 ones take SiLU or gpt-oss's activation.
 Non-gated experts (Nemotron-H's, Nemotron 3 Nano / Super: down(relu(up x)^2), no gate projection) are
 ACTIVATION 3 (RELU2) with the gate/up launches' GATED constexpr off: w13 holds the up rows only ([E, I, H]),
 the K loops read one weight tile a step instead of two, and the epilogue squares the rounded, rectified sums
-(`_relu2`). Float experts only; the gated families' launches keep GATED on and compile as before.
+(`_relu2`). Float or FP8 experts (ModelOpt's FP8 Nemotron 3 releases: w13_scale [E, I], per row or per block row
+of the up rows alone); the up sums take their scales as the gated launches' gate sums do, and relu^2 follows. The
+gated families' launches keep GATED on and compile as before.
 
 gpt-oss's experts (layers/fused_moe.py SwigluOai; float or MXFP4): a bias per output row of each expert
 matrix is added to the fp32 sums before the rounding that the activation reads (gate/up) or before the
@@ -302,7 +304,7 @@ def _gemv_gate_up_kernel(
     ALPHA: tl.constexpr = 0.0,
     LIMIT: tl.constexpr = 0.0,
     MXFP4: tl.constexpr = False,  # as the grouped kernel's (no NORM; BLOCK_K a multiple of 32)
-    GATED: tl.constexpr = True,  # off: w13 holds the up rows only, out = relu(up)^2 (ACTIVATION RELU2; float w)
+    GATED: tl.constexpr = True,  # off: w13 holds the up rows only, out = relu(up)^2 (ACTIVATION RELU2; float or FP8)
 ):
     """Program (pair, n-block): act(gate) * up (ACTIVATION) of BLOCK_N columns for one (token, slot) pair;
     relu(up)^2 without GATED.
@@ -325,7 +327,7 @@ def _gemv_gate_up_kernel(
     elif BLOCK_SCALES:
         gate, up = _block_scaled_gate_up(x_row, a_scale_ptr + token.to(tl.int64) * stride_as, w_rows,
                                          w_scale_ptr + expert * stride_wse, rows, rmask, N, K, stride_wn,
-                                         stride_wsn, BN, BK, BLOCK_N, BLOCK_K)
+                                         stride_wsn, BN, BK, BLOCK_N, BLOCK_K, GATED)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -349,7 +351,8 @@ def _gemv_gate_up_kernel(
             x_s = tl.load(a_scale_ptr + token.to(tl.int64) * stride_as)
             w_scales = w_scale_ptr + expert * stride_wse + rows * stride_wsn
             gate *= x_s * tl.load(w_scales, mask=rmask, other=0.0)
-            up *= x_s * tl.load(w_scales + N * stride_wsn, mask=rmask, other=0.0)
+            if GATED:  # (non-gated: no up half; w_scale has N rows)
+                up *= x_s * tl.load(w_scales + N * stride_wsn, mask=rmask, other=0.0)
     if HAS_BIAS:
         bias_row = bias_ptr + expert * stride_be
         gate += tl.load(bias_row + rows, mask=rmask, other=0.0).to(tl.float32)
@@ -573,12 +576,14 @@ def _mxfp4_down_slots(x_rows, smask, w_tile, s_tile, rmask, K, BLOCK_N: tl.const
 
 @triton.jit
 def _block_scaled_gate_up(x_row, a_scales, w_rows, w_scales, rows, rmask, N, K, stride_wn, stride_wsn,
-                          BN: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          BN: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          GATED: tl.constexpr = True):
     """The gate and up row sums of one pair with block-wise FP8 (x codes at a scale per BK group,
     w codes at a scale per BN x BK block): a K tile is [BLOCK_K // BK groups, BK], so a scale is
     loaded per row and group, not per weight, and each weight costs a multiply by its block's
     scale beside the fused multiply-add. The products are the reference's, dequantized weight
-    times fake-quantized input (layers/quant/fp8_moe_ref.py), each rounded as it rounds them."""
+    times fake-quantized input (layers/quant/fp8_moe_ref.py), each rounded as it rounds them. GATED off:
+    w13 holds the up rows alone, summed as the gate rows are (the second sum stays zero)."""
     groups = tl.arange(0, BLOCK_K // BK)
     tile = groups[:, None] * BK + tl.arange(0, BK)[None, :]
     w_tile = w_rows[:, :, None]
@@ -597,11 +602,13 @@ def _block_scaled_gate_up(x_row, a_scales, w_rows, w_scales, rows, rmask, N, K, 
         wmask = rmask[:, None, None] & kmask[None, :, :]
         # Each expert row is read once per step: stream it past the cache.
         w = tl.load(w_tile + ks[None, :, :], mask=wmask, other=0.0, eviction_policy="evict_first")
-        w_up = tl.load(w_tile + N * stride_wn + ks[None, :, :], mask=wmask, other=0.0, eviction_policy="evict_first")
         w_s = tl.load(gate_scales + g[None, :], mask=smask, other=0.0)
-        w_s_up = tl.load(up_scales + g[None, :], mask=smask, other=0.0)
         acc += w.to(tl.float32) * w_s[:, :, None] * x[None, :, :]
-        acc_up += w_up.to(tl.float32) * w_s_up[:, :, None] * x[None, :, :]
+        if GATED:
+            w_up = tl.load(w_tile + N * stride_wn + ks[None, :, :], mask=wmask, other=0.0,
+                           eviction_policy="evict_first")
+            w_s_up = tl.load(up_scales + g[None, :], mask=smask, other=0.0)
+            acc_up += w_up.to(tl.float32) * w_s_up[:, :, None] * x[None, :, :]
     return tl.sum(tl.sum(acc, axis=2), axis=1), tl.sum(tl.sum(acc_up, axis=2), axis=1)
 
 
@@ -918,7 +925,7 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: t
     if mxfp4 or w2.dtype == torch.uint8:
         _check_mxfp4(x, w13, w2, w13_scale, w2_scale, block)
     elif w13_scale is not None or w2_scale is not None or block is not None:
-        _check_fp8(x, w13, w2, w13_scale, w2_scale, block)
+        _check_fp8(x, w13, w2, w13_scale, w2_scale, block, gated=gated)
     elif FP8_DTYPE in (w13.dtype, w2.dtype):
         raise ValueError("float8_e4m3fn expert weights need w13_scale and w2_scale")
 
@@ -945,7 +952,7 @@ def _check_mxfp4(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale
 
 
 def _check_fp8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
-               w2_scale: torch.Tensor | None, block: tuple[int, int] | None) -> None:
+               w2_scale: torch.Tensor | None, block: tuple[int, int] | None, *, gated: bool = True) -> None:
     if w13_scale is None or w2_scale is None:
         raise ValueError(f"FP8 experts need both w13_scale and w2_scale (got only "
                          f"{'w13_scale' if w13_scale is not None else 'w2_scale' if w2_scale is not None else 'block'})")
@@ -954,8 +961,8 @@ def _check_fp8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: 
             raise ValueError(f"{name} must be float8_e4m3fn when scales are given, got {w.dtype}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"x must be bfloat16, float16 or float32 with FP8 experts, got {x.dtype}")
-    e, two_i, h = w13.shape
-    inter = two_i // 2
+    e, two_i, h = w13.shape  # (two_i: w13's rows, I alone for non-gated experts)
+    inter = two_i // 2 if gated else two_i
     shapes: dict[str, tuple[int, ...]]
     if block is None:
         shapes = {"w13_scale": (e, two_i), "w2_scale": (e, h)}
@@ -1006,13 +1013,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
     activation: the gated activation (`Activation`; module docstring). GELU_TANH (Gemma 4's experts,
     layers/fused_moe.py gelu_tanh_and_mul_torch) with float or FP8 experts. RELU2 (Nemotron-H's non-gated
-    experts): w13 [E, I, H] holds the up rows only; float experts, no biases."""
+    experts): w13 [E, I, H] holds the up rows only (FP8: w13_scale [E, I], or per block row of them); float or
+    FP8 experts, no biases."""
     activation = Activation(activation)
     gated = activation.gated
     _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, gated=gated)
-    if not gated and (w13.dtype == torch.uint8 or w13_scale is not None or w2_scale is not None or block is not None
-                      or w13_bias is not None or w2_bias is not None or swiglu_oai is not None):
-        raise ValueError("RELU2 (non-gated) experts are taken float, without biases or swiglu_oai")
+    if not gated and (w13.dtype == torch.uint8 or w13_bias is not None or w2_bias is not None
+                      or swiglu_oai is not None):
+        raise ValueError("RELU2 (non-gated) experts are taken float or FP8, without biases or swiglu_oai")
     mxfp4 = w13.dtype == torch.uint8
     fp8 = w13_scale is not None and not mxfp4
     gate_up_opts, down_opts = _gpt_oss_options(w13, w2, w13_bias, w2_bias, swiglu_oai, x.shape[1])

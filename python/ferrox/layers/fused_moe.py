@@ -18,13 +18,13 @@ bias per expert on both products (w13_bias [E, 2I], w2_bias [E, H]) and their ow
 Families without them build the layer as before and run the same code.
 
 Gemma 4's experts (models/gemma4.py) gate with GELU-tanh (`GeluTanh`: gelu_tanh(gate) * up) in place of
-SiLU, likewise in the torch loop and the kernels; float experts (the kernels take FP8 ones too, but the
-torch FP8 loop has SiLU only, so the layer refuses an activation other than SiLU with FP8 experts).
+SiLU, likewise in the torch loop and the kernels; float experts (the kernels take FP8 ones too, but no FP8
+Gemma 4 checkpoint exists to test the layer with, so it refuses GELU-tanh with FP8 experts).
 
 Nemotron-H's experts (models/nemotron_h_moe.py) are not gated: down(relu(up x)^2) (`Relu2`). Their w13 is
 [E, I, H], the up rows alone, loaded from each expert's `up_proj` (or a stacked [E, I, H] tensor); the
-kernels run it with GATED off (kernels/fused_moe.py RELU2), the torch loop with the same activation. Float
-experts without biases only.
+kernels run it with GATED off (kernels/fused_moe.py RELU2), the torch loop with the same activation. Float or
+FP8 experts (ModelOpt's FP8 Nemotron 3 releases; layers/quant/fp8_moe.py), without biases.
 
 MXFP4 experts (gpt-oss's published checkpoints, `mxfp4=True`): on a kernel set that multiplies them
 the layer holds the checkpoint's packed codes and scales (layers/quant/mxfp4_moe.py: w13 / w2 uint8 and
@@ -34,6 +34,7 @@ experts dequantized into the float parameters (`weight_method` None), as it alwa
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -191,10 +192,10 @@ class FusedMoE(nn.Module):
         self.w2: torch.Tensor
         if self.weight_method is not None:
             self.weight_method.check(self)
-        if activation is not None and self.weight_method is not None and not isinstance(
-                self.weight_method, Mxfp4MoeMethod):
-            raise ValueError(f"{type(activation).__name__} experts are supported unquantized (the FP8 experts' "
-                             "torch path has SiLU-and-mul only)")
+        if activation is not None and not isinstance(activation, Relu2) and self.weight_method is not None and (
+                not isinstance(self.weight_method, Mxfp4MoeMethod)):
+            raise ValueError(f"{type(activation).__name__} experts are supported unquantized (FP8 experts: SiLU-and-mul "
+                             "or Relu2)")
         if isinstance(activation, GeluTanh | Relu2) and mxfp4:
             raise ValueError(f"{type(activation).__name__} experts are supported unquantized, not MXFP4")
         if not self.gated and bias:
@@ -271,7 +272,7 @@ class FusedMoE(nn.Module):
                                 w2_bias=self.w2_bias, activation=act)
         else:
             out = experts_fp8_torch(x, self.w13, self.w13_scale, self.w2, self.w2_scale, topk_weights, topk_ids,
-                                    self.block)
+                                    self.block, activation=functools.partial(gated_activation_torch, activation=act))
         return out if residual is None else out + residual
 
     def expected_weights(self) -> set[tuple[int, str, str]]:

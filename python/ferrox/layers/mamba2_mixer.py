@@ -108,28 +108,46 @@ class Mamba2InProj(MergedLinear):
     """in_proj: column-parallel over the five segments of its one checkpoint tensor, z, x, B, C, dt (`segments`:
     name -> (first checkpoint row this rank holds, rows held, checkpoint rows), in checkpoint order); each rank's
     output is its rows of each, stacked in that order. Loaded and keyed as a plain layer: load_weight cuts the
-    checkpoint tensor into the segments, each of which gives the rank its rows (all of a replicated B / C)."""
+    checkpoint tensor into the segments, each of which gives the rank its rows (all of a replicated B / C).
+
+    Under an FP8 checkpoint method (ModelOpt's FP8 Nemotron releases: `in_proj.weight` E4M3, `weight_scale`,
+    `input_scale`) the codes are cut the same way; a per-tensor weight_scale applies to every segment (each
+    segment's rows take it), a per-channel one is cut as the rows are, and the one static input_scale is the
+    layer's."""
 
     def __init__(self, in_features: int, segments: dict[str, tuple[int, int, int]], *, bias: bool,
                  dtype: torch.dtype, device: Any):
         self._init_shards(in_features, segments, bias=bias, dtype=dtype, device=device)
 
     def checkpoint_keys(self, name: str) -> set[str]:
-        return {f"{name}.{leaf}" for leaf in (("weight", "bias") if self.bias is not None else ("weight",))}
+        method = self.weight_method
+        leaves = ["weight"] if method is None or method.float_weight else list(method.checkpoint_params)
+        return {f"{name}.{leaf}" for leaf in (*leaves, *(("bias",) if self.bias is not None else ()))}
 
     def load_weight(self, param_name: str, tensor: Weight, shard: str | None = None) -> None:
         if shard is not None:
             super().load_weight(param_name, tensor, shard)
             return
-        if param_name not in ("weight", "bias") or not isinstance(tensor, (torch.Tensor, CheckpointSlice)):
-            raise ValueError(f"{param_name}: the Mamba2 in_proj takes a float weight (and bias) only")
+        method = self.weight_method if self._method_takes(param_name) else None
+        if method is None and (param_name not in ("weight", "bias")
+                               or not isinstance(tensor, (torch.Tensor, CheckpointSlice))):
+            raise ValueError(f"{param_name}: the Mamba2 in_proj takes a float weight (and bias) only, or the tensors "
+                             "of its quantization method")
         full = sum(rows for _, _, rows in self.checkpoint_rows.values())
         shape = shape_of(tensor)
+        if method is not None and (param_name == "input_scale" or math.prod(shape) == 1):
+            # (one value for the whole layer: the static input scale, or a per-tensor weight scale for each segment)
+            for segment in self.checkpoint_rows if param_name != "input_scale" else (None,):
+                method.load(self, param_name, tensor, segment)
+            return
         if not shape or shape[0] != full:
             raise ValueError(f"checkpoint shape {shape}, model expects {full} rows (z, x, B, C, dt)")
         start = 0
         for segment, (_, _, rows) in self.checkpoint_rows.items():
-            self.load_shard(param_name, segment, row_block(tensor, start, rows))
+            if method is not None:
+                method.load(self, param_name, row_block(tensor, start, rows), segment)
+            else:
+                self.load_shard(param_name, segment, row_block(tensor, start, rows))
             start += rows
 
 

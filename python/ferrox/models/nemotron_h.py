@@ -25,7 +25,17 @@ parallel (models/ungated_mlp.py); the E layers' experts by their intermediate ro
 whole, the router and latent projections replicated, one all-reduce per layer (models/nemotron_h_moe.py). Counts that
 do not split are refused at start, naming the config field (distributed/sharding.py check_tp_shapes).
 
-Refused by name: quantized checkpoints (FP8 / NVFP4 releases included), LoRA.
+FP8 checkpoints (NVIDIA's nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-FP8: a ModelOpt FP8 export, layers/quant/modelopt.py):
+the quantized layers per tensor with static input scales -- the routed experts (FP8 non-gated experts,
+layers/quant/fp8_moe.py), the shared experts and "-" MLPs, the Mamba2 in_proj (cut into its five segments, the
+per-tensor scale on each: layers/mamba2_mixer.py Mamba2InProj) and out_proj -- and what the recipe keeps in BF16
+named in its exclude_modules (the attention layers, the Mamba layers beside them, every conv1d), matched in the
+checkpoint's `backbone.` spelling or this model's (`checkpoint_module_name`); the router, conv1d, A_log, D,
+dt_bias, the norms, embeddings and LM head are never quantized here. kv_cache_quant_algo FP8: the attention layers'
+`k_proj.k_scale` / `v_proj.v_scale` are the FP8 cache's scales. The other per-tensor / per-channel FP8 layouts
+(the fp8 layout, compressed-tensors float8, quantization="fp8" at load) take the same methods.
+Refused by name: block-wise FP8 (ModelOpt FP8_PB_WO, weight_block_size: the in_proj's dt segment is a row per head,
+no whole 128-row blocks), NVFP4 and every integer format, GGUF's quantized types, LoRA.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ from torch import nn
 
 from ferrox.attention.backend import AttentionBackend, get_attention_backend
 from ferrox.attention.decode_path import DecodePath
+from ferrox.attention.kv_cache import split_kv_scale_name
 from ferrox.attention.metadata import AttentionMetadata
 from ferrox.distributed.parallel_state import get_tp_group
 from ferrox.distributed.sharding import check_tp_shapes, materialize, shape_of
@@ -47,12 +58,13 @@ from ferrox.layers.gated_delta_net import step_state_rows
 from ferrox.layers.layernorm import RMSNorm
 from ferrox.layers.mamba2_mixer import Mamba2Mixer
 from ferrox.layers.ops import NO_ROPE, DeviceOps, for_device
-from ferrox.layers.quant.method import hf_quantization_config
+from ferrox.layers.quant.fp8 import Fp8Config
+from ferrox.layers.quant.method import get_quant_config
 from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError, hybrid_layer_types
 from ferrox.models.decoder_stack_lm import DecoderStackLM
 from ferrox.models.granitemoehybrid import config_number
-from ferrox.models.llama import LlamaAttention
+from ferrox.models.llama import LlamaAttention, load_kv_scale
 from ferrox.models.moe import expected_checkpoint_keys, load_moe_tensors
 from ferrox.models.nemotron_h_moe import NemotronHMoE, NemotronHMoeConfig
 from ferrox.models.ungated_mlp import ReluSquaredMLP
@@ -130,7 +142,8 @@ class NemotronHModel(nn.Module):
 class NemotronHForCausalLM(DecoderStackLM):
     # Tested with gloo on CPU (tests/models/test_nemotron_h_tp.py); NCCL runs the same layers.
     supports_tensor_parallel = True
-    supports_quantization = False
+    # FP8 with per-tensor or per-channel scales only (module docstring; __init__ refuses the rest by name).
+    supports_quantization = True
     supports_quantized_gguf = False
     lora_refusal = "NemotronHForCausalLM: LoRA adapters on its Mamba2 layers are not supported in this version"
 
@@ -144,10 +157,14 @@ class NemotronHForCausalLM(DecoderStackLM):
         if str(config.get("mlp_hidden_act", "relu2")) != "relu2":
             raise UnsupportedModelError(f"config.json: mlp_hidden_act {config.get('mlp_hidden_act')!r} is not "
                                         "supported (only relu2)")
-        quant = hf_quantization_config(config)
-        if quant is not None:
-            raise UnsupportedModelError(f"config.json: quantization_config (quant_method "
-                                        f"{quant.get('quant_method')!r}) is not supported for {spec.architecture}")
+        quant = get_quant_config()
+        if quant is not None and not isinstance(quant, Fp8Config):
+            algo = getattr(quant, "algo", None)
+            raise UnsupportedModelError(
+                f"quantization {quant.name!r}{f' (quant_algo {algo})' if algo else ''} is not supported for "
+                f"{spec.architecture}: it takes FP8 weights with per-tensor or per-channel scales (ModelOpt FP8, as "
+                "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-FP8; the fp8 layout; compressed-tensors float8; "
+                "quantization='fp8'); block-wise FP8, NVFP4 and integer formats are not")
         tp = get_tp_group()
         check_tp_shapes(spec, tp.size, expert_parallel=tp.expert_parallel)
         eps = float(config.get("layer_norm_epsilon") or 1e-5)
@@ -160,6 +177,16 @@ class NemotronHForCausalLM(DecoderStackLM):
         self.model = NemotronHModel(spec, self.backend, self.ops, dtype, device, self.moe)
         self.lm_head = (None if spec.tie_word_embeddings else
                         ParallelLMHead(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device))
+
+    @staticmethod
+    def checkpoint_module_name(name: str) -> str:
+        """The releases' name of module `name` (the reverse of _RENAMES): what a checkpoint's exclude list names
+        (layers/quant/excluded_modules.py)."""
+        dotted = f"{name}."  # (so that `model.norm` itself matches the prefix `model.norm.`)
+        for old, new in _RENAMES:
+            if dotted.startswith(new):
+                return (old + dotted[len(new):])[:-1]
+        return name
 
     def _rewritten(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """The releases' `backbone.*` names as this model's (module docstring); the tied LM head and the MTP layers
@@ -176,8 +203,21 @@ class NemotronHForCausalLM(DecoderStackLM):
                 continue
             yield name, tensor
 
+    def _kv_scales_taken(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """An FP8 checkpoint's KV-cache scales of the attention mixers (`<layer>.mixer.k_proj.k_scale`...) loaded
+        here: the shared loader knows them under `self_attn` (models/llama.py load_kv_scale)."""
+        modules = dict(self.named_modules())
+        for name, tensor in weights:
+            layer, sep, tail = name.partition(".mixer.")
+            kv = split_kv_scale_name(f"{layer}.self_attn.{tail}") if sep else None
+            if kv is not None and isinstance(modules.get(f"{layer}.mixer"), LlamaAttention):
+                load_kv_scale({f"{layer}.self_attn": modules[f"{layer}.mixer"]}, f"{layer}.self_attn.{tail}", tensor)
+                continue
+            yield name, tensor
+
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        load_moe_tensors(self, self._rewritten(weights), self.spec.architecture, expected_checkpoint_keys(self))
+        load_moe_tensors(self, self._kv_scales_taken(self._rewritten(weights)), self.spec.architecture,
+                         expected_checkpoint_keys(self))
 
 
 def _per_expert(name: str, tensor: Any, num_experts: int) -> Iterator[tuple[str, Any]]:

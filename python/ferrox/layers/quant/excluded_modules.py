@@ -29,6 +29,10 @@ A merged layer (q/k/v, gate/up) answers to its own name and to its shards' check
 named; some shards but not all is refused (one layer runs one matmul in one dtype), as vLLM refuses it.
 A mixture-of-experts layer an entry reaches is refused by name: its FP8 experts are chosen when it is
 built, and the expert layer has no way back to float yet.
+
+A model whose module names are not its checkpoint's (Nemotron-H's `backbone.layers.N` read as `model.layers.N`)
+says how the checkpoint spells a module (`checkpoint_module_name(name)`); an entry then names a module in either
+spelling, as vLLM maps a ModelOpt exclude list through the model's name mapper.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -95,22 +99,36 @@ def _matchers(entries: tuple[str, ...], syntax: str, where: str) -> tuple[frozen
 class ExcludeList:
     """The entries of one checkpoint's exclude list in one of SYNTAXES (`where`: the config field, for messages)."""
 
-    def __init__(self, entries: Iterable[str], where: str, syntax: str = "modelopt"):
+    def __init__(self, entries: Iterable[str], where: str, syntax: str = "modelopt",
+                 checkpoint_name: Callable[[str], str] | None = None):
+        """checkpoint_name: the checkpoint's spelling of a model module name (module docstring), None when the
+        two agree."""
         self.entries = tuple(entries)
         self.where = where
         self.syntax = syntax
+        self.checkpoint_name = checkpoint_name
         self._exact, self._patterns = _matchers(self.entries, syntax, where)
 
     def __bool__(self) -> bool:
         return bool(self.entries)
 
-    def names(self, name: str) -> bool:
-        """Whether some entry names module `name`."""
+    def read_as(self, checkpoint_name: Callable[[str], str]) -> ExcludeList:
+        """This list matched against a model that spells its modules otherwise than its checkpoint."""
+        return ExcludeList(self.entries, self.where, self.syntax, checkpoint_name)
+
+    def _spellings(self, name: str) -> tuple[str, ...]:
+        return (name,) if self.checkpoint_name is None else (name, self.checkpoint_name(name))
+
+    def _matches(self, name: str) -> bool:
         return name in self._exact or any(p.match(name) is not None for p in self._patterns)
+
+    def names(self, name: str) -> bool:
+        """Whether some entry names module `name` (in the model's or the checkpoint's spelling)."""
+        return any(self._matches(n) for n in self._spellings(name))
 
     def entry_for(self, name: str) -> str:
         """The first entry that names `name` (for messages)."""
-        return next(e for e in self.entries if ExcludeList([e], self.where, self.syntax).names(name))
+        return next(e for e in self.entries if ExcludeList([e], self.where, self.syntax, self.checkpoint_name).names(name))
 
 
 def _shard_names(name: str, layer: nn.Module) -> list[str]:
@@ -164,6 +182,9 @@ def keep_excluded_in_float(model: nn.Module, excluded: ExcludeList) -> list[str]
     kept: list[str] = []
     if not excluded:
         return kept
+    checkpoint_name = getattr(model, "checkpoint_module_name", None)
+    if checkpoint_name is not None:
+        excluded = excluded.read_as(checkpoint_name)
     for name, module in model.named_modules():
         if getattr(module, "weight_method", None) is None:
             continue  # float already (a router, a vision tower, a layer built float on purpose)

@@ -14,6 +14,10 @@ Three sources, one layout per layer (layers/quant/fp8_moe_ref.py gives the arith
 Activations are quantized at run time, per token / pair (per row) or per token and group of BK
 (blocks). A static checkpoint's expert input scales are read and not used (fp8.py Fp8Config.moe_method).
 
+Non-gated experts (Nemotron-H's Relu2: layers/fused_moe.py) hold the up rows alone in w13 [E, I, H] and its
+scales [E, I] (or [E, I / BN, ...]); ModelOpt's FP8 Nemotron 3 releases store them per expert with per-tensor
+scales, each written into its expert's rows.
+
 The gate and up halves of w13 are stacked rows, so with blocks each half must hold whole block rows
 (moe_intermediate_size, per rank, a multiple of BN), and a rank's intermediate columns of w2 must
 start on a BK column; a checkpoint that breaks this is refused naming the field.
@@ -66,15 +70,16 @@ class Fp8MoeMethod:
 
     def scale_shapes(self, layer: FusedMoE) -> tuple[tuple[int, ...], tuple[int, ...]]:
         local, inter, hidden = layer.num_local_experts, layer.intermediate_size, layer.hidden_size
+        rows = 2 * inter if layer.gated else inter
         if self.block is None:
-            return (local, 2 * inter), (local, hidden)
+            return (local, rows), (local, hidden)
         bn, bk = self.block
-        return (local, 2 * inter // bn, _cdiv(hidden, bk)), (local, _cdiv(hidden, bn), _cdiv(inter, bk))
+        return (local, rows // bn, _cdiv(hidden, bk)), (local, _cdiv(hidden, bn), _cdiv(inter, bk))
 
     def allocate(self, layer: FusedMoE, device: torch.device | str | None) -> None:
         """The fp8 experts and their scales, empty until loaded (a checkpoint method: no float copy)."""
         local, inter, hidden = layer.num_local_experts, layer.intermediate_size, layer.hidden_size
-        w13_shape, w2_shape = (local, 2 * inter, hidden), (local, hidden, inter)
+        w13_shape, w2_shape = (local, 2 * inter if layer.gated else inter, hidden), (local, hidden, inter)
         s13, s2 = self.scale_shapes(layer)
         layer.set_expert_tensors(torch.empty(w13_shape, dtype=FP8_DTYPE, device=device),
                                  torch.empty(w2_shape, dtype=FP8_DTYPE, device=device),
@@ -98,7 +103,7 @@ class Fp8MoeMethod:
             if shard == "gate":
                 layer.w13[local, :inter].copy_(value)
             elif shard == "up":
-                layer.w13[local, inter:].copy_(value)
+                layer.w13[local, inter if layer.gated else 0:].copy_(value)
             else:
                 layer.w2[local].copy_(value)
             return
@@ -109,7 +114,7 @@ class Fp8MoeMethod:
             rows = (_row_scales(tensor, 0, hidden, hidden) if shard == "down"
                     else _row_scales(tensor, start, inter, full))
             dst = layer.w2_scale[local] if shard == "down" else (
-                layer.w13_scale[local, :inter] if shard == "gate" else layer.w13_scale[local, inter:])
+                layer.w13_scale[local, :inter] if shard == "gate" else layer.w13_scale[local, inter if layer.gated else 0:])
             dst.copy_(rows)
             return
         bn, bk = self.block
@@ -126,7 +131,7 @@ class Fp8MoeMethod:
         assert layer.w13_scale is not None and layer.w2_scale is not None  # (allocated with the layer)
         half = inter // bn
         dst = layer.w2_scale[local] if shard == "down" else (
-            layer.w13_scale[local, :half] if shard == "gate" else layer.w13_scale[local, half:])
+            layer.w13_scale[local, :half] if shard == "gate" else layer.w13_scale[local, half if layer.gated else 0:])
         dst.copy_(value)
 
     # ---- dummy weights, the end of loading ------------------------------------------------------

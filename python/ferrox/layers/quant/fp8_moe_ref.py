@@ -1,7 +1,8 @@
 """FP8 experts in torch ops: the CPU path of an FP8 mixture-of-experts layer and the fused Triton
 kernels' reference (kernels/fused_moe.py).
 
-The experts hold float8 E4M3 weights w13 [E, 2I, H] and w2 [E, H, I] with float32 scales in one of
+The experts hold float8 E4M3 weights w13 [E, 2I, H] (non-gated experts, Nemotron-H's: [E, I, H], the up rows
+alone) and w2 [E, H, I] with float32 scales in one of
 two layouts (layers/quant/fp8_moe.py loads both):
 
 - per row (`block=None`): w13_scale [E, 2I], w2_scale [E, H], one scale per output row of each
@@ -15,12 +16,15 @@ two layouts (layers/quant/fp8_moe.py loads both):
 Arithmetic, which the kernels follow: each product is the fake-quantized activations (codes x
 scales, float32) times the dequantized weight (codes x scales, float32), summed in float32 (the
 same value as the FP8 MMA's code products scaled per group, up to float32 rounding); gate and
-up are rounded to the activation dtype before SiLU, their product rounded again and quantized for
+up are rounded to the activation dtype before the activation (SiLU-and-mul, or the layer's: relu(up)^2 for
+non-gated experts), its result rounded again and quantized for
 the down projection, whose output is rounded to the activation dtype and then weighted by the
 routing weight and summed over a token's k slots in float32.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -50,17 +54,19 @@ def dequantize_expert(weight: torch.Tensor, scale: torch.Tensor, block: tuple[in
 
 def experts_fp8_torch(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
                       w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                      block: tuple[int, int] | None) -> torch.Tensor:
+                      block: tuple[int, int] | None,
+                      activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul_torch) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for every token, [T, H] in x's
     dtype (module docstring). An expert id past the last local expert is a pair routed to another
-    rank (expert parallelism) and adds nothing (layers/expert_loop.py)."""
+    rank (expert parallelism) and adds nothing (layers/expert_loop.py). activation: over w13's float32
+    outputs (layers/fused_moe.py gated_activation_torch), SiLU-and-mul by default."""
     if topk_ids.shape[0] == 0:
         return torch.zeros_like(x)
     xd = fake_quantize(x, block)
 
     def expert_fn(expert: int, tokens: torch.Tensor) -> torch.Tensor:
         gate_up = F.linear(xd[tokens], dequantize_expert(w13[expert], w13_scale[expert], block)).to(x.dtype)
-        act = silu_and_mul_torch(gate_up.float()).to(x.dtype)
+        act = activation(gate_up.float()).to(x.dtype)
         return F.linear(fake_quantize(act, block), dequantize_expert(w2[expert], w2_scale[expert], block)).to(x.dtype)
 
     return per_expert(x, topk_weights, topk_ids, w13.shape[0], expert_fn)
