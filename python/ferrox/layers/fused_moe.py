@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferrox.distributed.parallel_state import TPGroup, get_tp_group
-from ferrox.distributed.sharding import Weight, even_split, materialize, narrow, shape_of
+from ferrox.distributed.sharding import Weight, even_split, materialize, narrow, row_block, shape_of
 from ferrox.layers.expert_loop import per_expert
 from ferrox.layers.linear import RowParallelLinear
 from ferrox.layers.ops import DeviceOps, silu_and_mul_torch
@@ -323,7 +323,7 @@ class FusedMoE(nn.Module):
         else:
             self.w2.data[local].copy_(value)
 
-    def load_stacked(self, param_name: str, tensor: torch.Tensor) -> None:
+    def load_stacked(self, param_name: str, tensor: Weight) -> None:
         """Every expert's tensor at once, as checkpoints that store them stacked (gpt-oss) hold them:
         "w13" [E, 2I, H] (gate rows, then up rows; non-gated experts: [E, I, H], the up rows), "w2" [E, H, I],
         "w13_bias" [E, 2I], "w2_bias" [E, H]; this rank's experts and intermediate rows / columns. w2's bias
@@ -338,16 +338,21 @@ class FusedMoE(nn.Module):
                     "w13_bias": (self.num_experts, 2 * full), "w2_bias": (self.num_experts, hidden)}[param_name]
         if tuple(tensor.shape) != expected:
             raise ValueError(f"experts' {param_name}: checkpoint shape {tuple(tensor.shape)}, model expects {expected}")
-        value = tensor.narrow(0, self.expert_start, self.num_local_experts)
+        # This rank's experts, still unread when the tensor is the checkpoint's: a rank reads only its experts'
+        # rows and, sharded, its intermediate columns of them (a 26B-A4B layer's experts are ~1.5 GB whole).
+        experts = row_block(tensor, self.expert_start, self.num_local_experts)
         if inter != full and param_name == "w13" and not self.gated:  # this rank's up rows
-            value = value.narrow(1, self.inter_start, inter)
+            value = narrow(experts, 1, self.inter_start, inter)
         elif inter != full and param_name in ("w13", "w13_bias"):  # this rank's gate rows and up rows
-            value = torch.cat([value.narrow(1, self.inter_start, inter),
-                               value.narrow(1, full + self.inter_start, inter)], dim=1)
+            value = torch.cat([narrow(experts, 1, self.inter_start, inter),
+                               narrow(experts, 1, full + self.inter_start, inter)], dim=1)
         elif inter != full and param_name == "w2":
-            value = value.narrow(2, self.inter_start, inter)
+            value = narrow(experts, 2, self.inter_start, inter)
         elif inter != full and param_name == "w2_bias" and self.tp.rank != 0:
-            value = torch.zeros_like(value)
+            param.data.zero_()
+            return
+        else:
+            value = materialize(experts)
         param.data.copy_(value)
 
     def finalize_quantized(self) -> None:

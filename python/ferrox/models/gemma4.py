@@ -396,7 +396,7 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
                 prefix, _, leaf = name.rpartition(".")
                 if prefix in experts and leaf in _STACKED_EXPERTS:
                     try:
-                        experts[prefix].load_stacked(_STACKED_EXPERTS[leaf], materialize(tensor))
+                        experts[prefix].load_stacked(_STACKED_EXPERTS[leaf], tensor)  # (a rank reads its part)
                     except ValueError as e:
                         raise ModelLoadError(f"tensor {name!r}: {e} (config.json does not match the weights?)") from e
                     loaded_experts.add(name)
