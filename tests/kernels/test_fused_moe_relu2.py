@@ -157,7 +157,7 @@ def test_relu2_arguments_are_checked():
     gated_w13 = torch.cat([w1, w1], dim=1)
     with pytest.raises(ValueError, match="do not describe non-gated experts"):
         fused_moe(x, gated_w13, w2, weights, ids, activation=RELU2)
-    with pytest.raises(ValueError, match="RELU2 .non-gated. experts are taken float, without biases"):
+    with pytest.raises(ValueError, match="RELU2 .non-gated. experts are taken float or FP8, without biases"):
         fused_moe(x, w1, w2, weights, ids, activation=RELU2, w13_bias=torch.zeros(4, 16), w2_bias=torch.zeros(4, 16))
     ops = for_device("cpu", "torch")
     with pytest.raises(ValueError, match="Relu2 experts are supported unquantized, not MXFP4"):
