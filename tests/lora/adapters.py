@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from tests.helpers import tiny_glm, tiny_llama4, tiny_qwen3_5
+from tests.helpers import tiny_glm, tiny_granitemoehybrid, tiny_llama4, tiny_qwen3_5
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -32,6 +32,16 @@ FAMILIES: dict[str, tuple[Any, Any, Any]] = {
     "glm4_moe": (lambda d: tiny_glm.make_tiny_glm4_moe(d, num_layers=2, seed=6), ATTENTION, ("q_proj", "k_proj")),
     "llama4": (lambda d: tiny_llama4.make_tiny_llama4(d, num_layers=2, interleave_moe_layer_step=2, seed=7),
                ATTENTION + r"|.*\.layers\.\d+\.feed_forward\.(gate|up|down)_proj", ("q_proj", "k_proj")),
+    # The Mamba2 hybrids: the attention, the Mamba2 in_proj (five row segments) / out_proj and the MLPs; Granite's
+    # multipliers (residual 0.5...) on the layers feeding the residual.
+    "granitemoehybrid": (lambda d: tiny_granitemoehybrid.make_tiny_granitemoehybrid(d, seed=8),
+                         ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "input_linear",
+                          "output_linear"), ("v_proj", "in_proj", "output_linear")),
+    # (peft refuses out_proj on Nemotron-H's Mamba2 mixers, whose fused CUDA scan bypasses the module: Granite's
+    # adapters take it, on the same mixer)
+    "nemotron_h": (lambda d: tiny_granitemoehybrid.make_tiny_nemotron_h(d, seed=9),
+                   ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "up_proj", "down_proj"),
+                   ("k_proj", "in_proj", "down_proj")),
 }
 
 
@@ -130,7 +140,31 @@ def assert_lora_rows_follow_the_loader(folder: str | os.PathLike[str], model: An
                 if target is None:  # (norms, embeddings, experts: no LoRA there)
                     continue
                 layer = manager.layers[target.layer]
-                lo, hi = layer.slice_bounds[target.slice], layer.slice_bounds[target.slice + 1]
-                assert torch.equal(layer.base_layer.weight[lo:hi], rows.to(layer.base_layer.weight.dtype)), new_name
+                # (slice None: the module is the whole layer, its slices in checkpoint order: Mamba2's in_proj; a
+                # constant the loader folded into the weight is the layer's output_scale, which B takes at packing)
+                lo, hi = ((0, layer.out_features) if target.slice is None
+                          else (layer.slice_bounds[target.slice], layer.slice_bounds[target.slice + 1]))
+                want = (rows * layer.output_scale).to(layer.base_layer.weight.dtype)
+                assert torch.equal(layer.base_layer.weight[lo:hi], want), new_name
                 reached.add(module)
     assert reached == set(manager._targets)
+
+
+def write_adapter(folder: str | os.PathLike[str], modules: dict[str, tuple[int, int]], *, r: int = 4) -> str:
+    """A PEFT-format adapter folder written by hand, random A and B, for modules PEFT would not adapt on a tiny
+    transformers model (experts, routers, a conv): module path -> (out, in) of its weight."""
+    import json
+
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    torch.manual_seed(0)
+    tensors = {}
+    for module, (out, inp) in modules.items():
+        tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(r, inp)
+        tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(out, r)
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": ".*", "bias": "none"}
+    with open(os.path.join(folder, "adapter_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    return os.fspath(folder)

@@ -7,8 +7,10 @@ against transformers + peft with its adapter merged.
   then under two adapters, then under all three again: the adapters' first run hits nothing the base model left
   (a hit would hand them its states and K/V), the last run resumes each request from its own snapshots.
 - Tensor parallelism (2 gloo ranks): each rank packs its share of each adapter, the hybrid's linear attention cut
-  by key-head groups as its weights are (MergedLinear.checkpoint_rows), GLM-4's permuted q/k rows by heads.
-- On a GPU (CUDA graphs, default settings), the hybrid's answers as the CPU engine's.
+  by key-head groups as its weights are (MergedLinear.checkpoint_rows), GLM-4's permuted q/k rows by heads, the
+  Mamba2 hybrids' in_proj B by heads and B / C groups in each of its five segments.
+- On a GPU (CUDA graphs, default settings), the hybrids' answers (Qwen3.5, Granite 4.0-H, Nemotron-H) as the CPU
+  engine's.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def test_prefix_cache_hits_stay_with_their_adapter_on_a_hybrid(hybrid):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen3_5", "glm4"])
+@pytest.mark.parametrize("name", ["qwen3_5", "glm4", "granitemoehybrid", "nemotron_h"])
 def test_sharded_adapters_match_peft_merged(lora_checkpoint, hybrid, name):
     """Two gloo ranks, base and both adapters mixed in one batch, chunked prefill (16-token budget)."""
     if name == "qwen3_5":
@@ -81,7 +83,8 @@ def test_sharded_adapters_match_peft_merged(lora_checkpoint, hybrid, name):
 
 
 @pytest.mark.gpu
-def test_cuda_engine_matches_cpu(lora_checkpoint):
+@pytest.mark.parametrize("name", ["qwen3_5", "granitemoehybrid", "nemotron_h"])
+def test_cuda_engine_matches_cpu(lora_checkpoint, name):
     """The hybrid with LoRA on CUDA (default settings: CUDA graphs, the Triton LoRA kernels, async scheduling)
     against the CPU engine: each request's greedy tokens and logprobs, then the same prompts again, resumed from
     each adapter's own state snapshots. (Not the `hybrid` fixture: its transformers reference cannot run on a GPU
@@ -90,7 +93,7 @@ def test_cuda_engine_matches_cpu(lora_checkpoint):
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    folder, _, adapters = lora_checkpoint("qwen3_5")
+    folder, _, adapters = lora_checkpoint(name)
     names = ["a1", "base", "a2", "a2", "a1", "base"]
     prompts = [{"prompt_token_ids": PROMPTS[i % len(PROMPTS)]} for i in range(len(names))]
     loras = [adapters.get(n) for n in names]

@@ -16,7 +16,6 @@ import pytest
 import torch
 from ferrox import LLM, SamplingParams
 from ferrox.attention.kv_cache import kv_cache_bytes_per_block
-from ferrox.model_spec import UnsupportedModelError
 
 from tests.helpers.tiny_granitemoehybrid import make_tiny_granitemoehybrid, make_tiny_nemotron_h
 from tests.helpers.tiny_models import EOS_TOKEN_ID, models_with_references
@@ -123,14 +122,22 @@ def test_engine_preemption_and_ngram_drafts_keep_the_tokens(tiny):
     assert stats["num_free_blocks"] == stats["num_total_blocks"] - 1  # (no block leaked)
 
 
-@pytest.mark.parametrize("setting, error, match", [
-    ({"enable_lora": True}, UnsupportedModelError, "enable_lora: GraniteMoeHybridForCausalLM"),
-    ({"quantization": "fp8"}, UnsupportedModelError, "does not take quantized weights"),
-])
-def test_what_is_not_supported_is_refused_by_name(tiny, setting, error, match):
-    folder, _, _ = tiny["dense"]
-    with pytest.raises(error, match=match):
-        LLM(model=folder, dtype="float32", kv_cache_memory=8 << 20, **setting)
+# (FP8 runs, and what is not FP8 is refused: tests/models/test_granitemoehybrid_fp8.py; LoRA on the attention, Mamba2
+# and shared MLP layers runs: tests/lora/test_lora_mamba2.py)
+@pytest.mark.parametrize("module, shape", [("model.layers.0.block_sparse_moe.input_linear", (48, 32)),
+                                           ("model.layers.1.block_sparse_moe.router.layer", (4, 32))])
+def test_lora_on_the_experts_is_refused_by_name(tiny, tmp_path, module, shape):
+    from ferrox.lora.adapter import LoRAAdapterError
+    from ferrox.lora.manager import LoRAManager
+    from ferrox.lora.request import LoRARequest
+
+    from tests.helpers.tiny_models import load_float32
+    from tests.lora.adapters import write_adapter
+
+    manager = LoRAManager(load_float32(tiny["moe"][0]), max_loras=1, max_lora_rank=8, max_cpu_loras=None,
+                          device="cpu", dtype=torch.float32, max_num_tokens=8)
+    with pytest.raises(LoRAAdapterError, match=rf"adapts '{module}', not a projection of this model"):
+        manager.add_adapter(LoRARequest("experts", 1, write_adapter(tmp_path, {module: shape})))
 
 
 # ---- GPU ------------------------------------------------------------------------------------------

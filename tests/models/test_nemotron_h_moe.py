@@ -115,13 +115,25 @@ def test_config_fields_out_of_range_are_refused_by_name(tiny, override, error, m
 
 
 # (FP8 checkpoints load, and other quantizations are refused by name: tests/models/test_nemotron_h_fp8.py)
-@pytest.mark.parametrize("setting, match", [
-    ({"enable_lora": True}, "enable_lora: NemotronHForCausalLM"),
-])
-def test_what_is_not_supported_is_refused_by_name(tiny, setting, match):
-    folder, _ = tiny["plain"]
-    with pytest.raises(UnsupportedModelError, match=match):
-        LLM(model=folder, dtype="float32", kv_cache_memory=8 << 20, **setting)
+# (LoRA on the attention, Mamba2 and ReLU^2 MLP layers runs: tests/lora/test_lora_mamba2.py)
+@pytest.mark.parametrize("module, shape", [("backbone.layers.1.mixer.experts.0.up_proj", (32, 64)),
+                                           ("backbone.layers.1.mixer.shared_experts.up_proj", (48, 64)),
+                                           ("backbone.layers.1.mixer.gate", (EXPERTS, 64))])
+def test_lora_on_the_moe_layers_is_refused_by_name(tiny, tmp_path, module, shape):
+    """The E layers take no adapter (LoRA on experts is not built); the M layer before them does."""
+    from ferrox.lora.adapter import LoRAAdapterError
+    from ferrox.lora.manager import LoRAManager
+    from ferrox.lora.request import LoRARequest
+
+    from tests.lora.adapters import write_adapter
+
+    manager = LoRAManager(load_float32(tiny["plain"][0]), max_loras=1, max_lora_rank=8, max_cpu_loras=None,
+                          device="cpu", dtype=torch.float32, max_num_tokens=8)
+    manager.add_adapter(LoRARequest("mamba", 1, write_adapter(tmp_path / "m", {"backbone.layers.0.mixer.in_proj":
+                                                                              (2 * 64 + 2 * 2 * 16 + 4, 64)})))
+    module_name = module.replace("backbone.", "model.", 1)
+    with pytest.raises(LoRAAdapterError, match=rf"adapts '{module_name}', not a projection of this model"):
+        manager.add_adapter(LoRARequest("moe", 2, write_adapter(tmp_path / "e", {module: shape})))
 
 
 def test_the_releases_config_fields_are_read(tiny, tmp_path):

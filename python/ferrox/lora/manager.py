@@ -2,8 +2,9 @@
 
 Built once on a loaded model, it
 - wraps every decoder layer's projections (qkv_proj, o_proj, gate_up_proj, down_proj; a hybrid model's
-  linear-attention layers their qkvz_proj, ba_proj, out_proj instead of the attention's) in a LoRALinear
-  (lora/layers.py), whose forward adds each token's adapter delta to the base output;
+  linear-attention layers their qkvz_proj, ba_proj, out_proj instead of the attention's, its Mamba2 layers their
+  in_proj, out_proj) in a LoRALinear (lora/layers.py), whose forward adds each token's adapter delta to the base
+  output;
 - keeps added adapters in a CPU cache (LRU, max_cpu_loras), packed for this model (lora/packed.py), their
   lora_B rows rewritten as the model's loader rewrites its weights' rows where it does (the model's
   `lora_rewrite`: lora/rewrite.py);
@@ -55,9 +56,25 @@ _PROJECTIONS: tuple[tuple[str, str, dict[str, str | None]], ...] = (
     # Llama 4's dense layers (its MoE layers' feed_forward has experts instead, left unadapted as every MoE's).
     ("feed_forward", "gate_up_proj", {"gate_proj": "gate", "up_proj": "up"}),
     ("feed_forward", "down_proj", {"down_proj": None}),
+    # Granite 4.0-H: a Mamba2 mixer (layers/mamba2_mixer.py; in_proj one checkpoint tensor over its five slices
+    # z, x, B, C, dt, cut as its loader cuts it: lora/packed.py) or the attention, then the shared MLP.
+    ("mamba", "in_proj", {"in_proj": None}),
+    ("mamba", "out_proj", {"out_proj": None}),
+    ("shared_mlp", "gate_up_proj", {"gate_proj": "gate", "up_proj": "up"}),
+    ("shared_mlp", "down_proj", {"down_proj": None}),
+    # Nemotron-H: one mixer a layer, whichever it is: the attention, a Mamba2 mixer or a ReLU^2 MLP (gate_up_proj
+    # holds its up rows alone). Its MoE layers' mixer has experts instead, left unadapted as every MoE's.
+    ("mixer", "qkv_proj", {"q_proj": "q", "k_proj": "k", "v_proj": "v"}),
+    ("mixer", "o_proj", {"o_proj": None}),
+    ("mixer", "in_proj", {"in_proj": None}),
+    ("mixer", "out_proj", {"out_proj": None}),
+    ("mixer", "gate_up_proj", {"up_proj": "up"}),
+    ("mixer", "down_proj", {"down_proj": None}),
 )
-# Every decoder layer has one of these token mixers, with these projections.
-_MIXERS = (("self_attn", ("qkv_proj", "o_proj")), ("linear_attn", ("qkvz_proj", "ba_proj", "out_proj")))
+# Every decoder layer has one of these token mixers, with these projections; Nemotron-H's blocks have one `mixer`
+# of any kind (an MLP or MoE block included), so they name none.
+_MIXERS = (("self_attn", ("qkv_proj", "o_proj")), ("linear_attn", ("qkvz_proj", "ba_proj", "out_proj")),
+           ("mamba", ("in_proj", "out_proj")), ("mixer", ()))
 
 
 @dataclass(slots=True)
@@ -120,7 +137,9 @@ class LoRAManager:
                 for hf_name, slice_name in hf_slices.items():
                     if slice_name is not None and slice_name not in wrapped.slice_names:
                         continue  # (an ungated MLP's gate_up_proj holds the up rows alone: GPT-NeoX, Phi-2...)
-                    s = 0 if slice_name is None else wrapped.slice_names.index(slice_name)
+                    # (slice_name None: the module is the whole layer; of a merged one, every slice: Mamba2's in_proj)
+                    s = (wrapped.slice_names.index(slice_name) if slice_name is not None
+                         else 0 if len(wrapped.slice_names) == 1 else None)
                     self._targets[f"model.layers.{i}.{parent_name}.{hf_name}"] = ProjectionTarget(len(self.layers), s)
                 self.layers.append(wrapped)
         # The fused one-token decode path (attention/fused_decode.py) reads the projections'
@@ -229,19 +248,20 @@ class LoRAManager:
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     """model.model.layers, each with self_attn.qkv_proj and self_attn.o_proj (Llama family), or a hybrid
-    model's linear attention in their place (linear_attn.qkvz_proj, ba_proj, out_proj)."""
+    model's linear attention (linear_attn.qkvz_proj, ba_proj, out_proj) or Mamba2 mixer (mamba.in_proj, out_proj)
+    in their place, or Nemotron-H's one mixer."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if not isinstance(layers, nn.ModuleList) or not len(layers) or not hasattr(inner, "decode_path"):
         raise UnsupportedModelError(f"enable_lora: {type(model).__name__} has no decoder layers at model.layers "
                                     "(LoRA runs on Llama-family layouts)")
+    if any(isinstance(module, LoRALinear) for module in layers.modules()):
+        raise InvalidArgumentError("enable_lora: this model already has a LoRAManager", param="enable_lora")
     for i, layer in enumerate(layers):
         mixer, attrs = next(((name, attrs) for name, attrs in _MIXERS if getattr(layer, name, None) is not None),
                             _MIXERS[0])
         for attr in attrs:
             proj = getattr(getattr(layer, mixer, None), attr, None)
-            if isinstance(proj, LoRALinear):
-                raise InvalidArgumentError("enable_lora: this model already has a LoRAManager", param="enable_lora")
             if not isinstance(proj, Linear):
                 raise UnsupportedModelError(f"enable_lora: {type(model).__name__} layer {i} has no {mixer}.{attr} "
                                             "(LoRA runs on Llama-family layouts)")

@@ -12,10 +12,14 @@ shapes, then cut to the layer's input columns of A and output rows of B.
 
 A family whose loader rewrites a projection's output rows (q/k rows permuted for the rotary layout, fused
 projections cut) passes its `lora_rewrite`: the adapter's B then follow the same rows first (lora/rewrite.py).
+A merged layer loaded from one checkpoint tensor (the Mamba2 in_proj: z, x, B, C, dt) is one module to an adapter:
+its B is cut into the layer's slices as the loader cuts the weight, each slice taking its rows (this rank's share
+under tensor parallelism) and the module's A.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,7 +36,15 @@ class ProjectionTarget:
     """Where an HF module (e.g. model.layers.3.self_attn.k_proj) lives among the wrapped layers."""
 
     layer: int  # index into the manager's wrapped layers
-    slice: int  # output slice of that layer
+    slice: int | None  # output slice of that layer; None: all of them, the module's B rows in slice order
+
+
+def _slice_rows(layer: LoRALinear, target: ProjectionTarget) -> list[tuple[int, int]]:
+    """(slice, first row of that slice's rows in the module's B) for each slice the module adapts."""
+    if target.slice is not None:
+        return [(target.slice, 0)]
+    totals = [total for _, _, total in layer.b_rows]
+    return list(enumerate(itertools.accumulate(totals[:-1], initial=0)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +66,7 @@ def pack_adapter(request: LoRARequest, adapter: PeftAdapter, layers: Sequence[Lo
         field = f"r={adapter.r}" if adapter.max_rank == adapter.r else f"rank_pattern rank {adapter.max_rank}"
         raise LoRAAdapterError(f"{adapter.config_file}: {field} exceeds max_lora_rank={max_lora_rank}")
     adapted = adapter.modules if rewrite is None else rewritten_modules(adapter, rewrite)
-    by_layer: dict[int, list[tuple[int, LoRAModule]]] = {}
+    by_layer: dict[int, list[tuple[int, int, LoRAModule]]] = {}  # layer -> (slice, its first row in B, module)
     for name, module in adapted.items():
         target = targets.get(name)
         if target is None:
@@ -62,14 +74,15 @@ def pack_adapter(request: LoRARequest, adapter: PeftAdapter, layers: Sequence[Lo
                                    f"{_not_supported(name, targets)}")
         layer = layers[target.layer]
         expected_a = (module.rank, layer.a_columns[2])
-        expected_b = (layer.b_rows[target.slice][2], module.rank)
+        parts = _slice_rows(layer, target)
+        expected_b = (sum(layer.b_rows[s][2] for s, _ in parts), module.rank)
         for key, tensor, expected in ((module.a_key, module.lora_a, expected_a), (module.b_key, module.lora_b,
                                                                                   expected_b)):
             if tuple(tensor.shape) != expected:
                 part = f" (its rows for the model's {name})" if rewrite is not None else ""
                 raise LoRAAdapterError(f"{adapter.weights_file}: tensor {key!r}{part} shape {tuple(tensor.shape)}, "
                                        f"model expects {expected}")
-        by_layer.setdefault(target.layer, []).append((target.slice, module))
+        by_layer.setdefault(target.layer, []).extend((s, offset, module) for s, offset in parts)
 
     rank = adapter.max_rank
     weights: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(layers)
@@ -78,9 +91,10 @@ def pack_adapter(request: LoRARequest, adapter: PeftAdapter, layers: Sequence[Lo
         lora_a = torch.zeros(len(layer.slice_widths) * rank, layer.in_features, dtype=dtype)
         lora_b = torch.zeros(layer.out_features, rank, dtype=dtype)
         col_start, cols, _ = layer.a_columns
-        for s, module in modules:
+        for s, offset, module in modules:
             lo, hi = layer.slice_bounds[s], layer.slice_bounds[s + 1]
             row_start, rows, _ = layer.b_rows[s]
+            row_start += offset
             lora_a[s * rank:s * rank + module.rank] = module.lora_a[:, col_start:col_start + cols]
             # Scaling baked into B (in float32, rounded once), so the kernels need none; with it any
             # constant the model folded into the base layer's weight (Linear.output_scale).

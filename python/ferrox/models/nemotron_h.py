@@ -35,7 +35,11 @@ dt_bias, the norms, embeddings and LM head are never quantized here. kv_cache_qu
 `k_proj.k_scale` / `v_proj.v_scale` are the FP8 cache's scales. The other per-tensor / per-channel FP8 layouts
 (the fp8 layout, compressed-tensors float8, quantization="fp8" at load) take the same methods.
 Refused by name: block-wise FP8 (ModelOpt FP8_PB_WO, weight_block_size: the in_proj's dt segment is a row per head,
-no whole 128-row blocks), NVFP4 and every integer format, GGUF's quantized types, LoRA.
+no whole 128-row blocks), NVFP4 and every integer format, GGUF's quantized types.
+LoRA: adapters on the attention's q/k/v/o, the Mamba2 mixers' in_proj (its B cut into z / x / B / C / dt rows as the
+weight: lora/packed.py) and out_proj, and the "-" MLPs' up_proj / down_proj, named as the releases (`backbone.*`) or
+transformers (`model.*`) name them (`lora_rewrite`). The E layers' experts, shared expert, router and latent
+projections are refused by name (no LoRA on MoE layers), as is an MTP layer's module.
 """
 
 from __future__ import annotations
@@ -145,7 +149,6 @@ class NemotronHForCausalLM(DecoderStackLM):
     # FP8 with per-tensor or per-channel scales only (module docstring; __init__ refuses the rest by name).
     supports_quantization = True
     supports_quantized_gguf = False
-    lora_refusal = "NemotronHForCausalLM: LoRA adapters on its Mamba2 layers are not supported in this version"
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
@@ -214,6 +217,11 @@ class NemotronHForCausalLM(DecoderStackLM):
                 load_kv_scale({f"{layer}.self_attn": modules[f"{layer}.mixer"]}, f"{layer}.self_attn.{tail}", tensor)
                 continue
             yield name, tensor
+
+    def lora_rewrite(self, pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """Adapters' (module.weight, lora_B) pairs under this model's names (lora/rewrite.py): `backbone.*` read as
+        model.*, an MTP layer's dropped; the rows are the checkpoint's."""
+        return self._rewritten(pairs)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         load_moe_tensors(self, self._kv_scales_taken(self._rewritten(weights)), self.spec.architecture,

@@ -40,6 +40,9 @@ _FIELDS = ("quant_method", "format", "config_groups", "ignore", "kv_cache_scheme
            "transform_config", *_METADATA)
 # Fields of a weights / input_activations entry: calibration-time settings that do not change the
 # stored layout, and the ones checked below.
+# Module classes a recipe names beside "Linear" for experts it quantizes as linear layers; ferrox's MoE layers take
+# the scheme anyway (llm-compressor's Granite 4 recipe: the fused experts as one linear layer each, saved [E, rows, in]).
+_EXPERT_TARGETS = {"GraniteMoeHybridParallelExpertsLinear"}
 _ARG_CALIBRATION = ("observer", "observer_kwargs", "scale_dtype", "zp_dtype")
 ARG_FIELDS = ("num_bits", "type", "symmetric", "strategy", "dynamic", "group_size", "block_structure", "actorder",
                *_ARG_CALIBRATION)
@@ -135,9 +138,10 @@ def _check_format(fmt: Any, where: str) -> None:
 def _check_targets(group: Any, where: str) -> None:
     if not isinstance(group, dict):
         raise UnsupportedModelError(f"{where}: expected a scheme object, got {group!r}")
-    if group.get("targets") != ["Linear"]:
-        raise UnsupportedModelError(f"{where}.targets {group.get('targets')!r}: only ['Linear'] (every linear "
-                                    "layer) is supported")
+    targets = group.get("targets")
+    if not isinstance(targets, list) or targets[:1] != ["Linear"] or not set(targets[1:]) <= _EXPERT_TARGETS:
+        raise UnsupportedModelError(f"{where}.targets {targets!r}: only ['Linear'] (every linear layer, and the "
+                                    f"experts as linear layers: {', '.join(sorted(_EXPERT_TARGETS))}) is supported")
     if group.get("output_activations") is not None:
         raise UnsupportedModelError(f"{where}.output_activations: output quantization is not supported")
 
