@@ -31,9 +31,8 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -48,8 +47,9 @@ from ferrox.multimodal.config_fields import (
 )
 from ferrox.multimodal.image_processor import resample_filter, to_rgb
 from ferrox.multimodal.inputs import MultiModalItem, seen_hash
+from ferrox.multimodal.media_prompts import MediaPrompts
 from ferrox.multimodal.pixel_scaling import PixelScaling
-from ferrox.multimodal.processing import ImagePrompts, token_runs
+from ferrox.multimodal.processing import token_runs
 
 ARCHITECTURE = "Gemma4ForConditionalGeneration"
 SOFT_TOKEN_CHOICES = (70, 140, 280, 560, 1120)  # transformers' _SUPPORTED_SOFT_TOKENS
@@ -58,7 +58,6 @@ DEFAULT_IMAGE_TOKEN_ID = 258_880
 DEFAULT_BOI_TOKEN_ID = 255_999
 DEFAULT_EOI_TOKEN_ID = 258_882
 DEFAULT_VIDEO_TOKEN_ID = 258_884  # `<|video|>`
-_DERIVED_CACHE_SIZE = 32  # distinct per-request mm_processor_kwargs whose processors are kept
 
 # Gemma4ImageProcessor's class attributes: what a field means when the file leaves it out (or sets it null).
 _PROCESSOR_DEFAULTS: dict[str, Any] = {
@@ -168,56 +167,27 @@ _Piece = tuple[int, int, list[int], list[MultiModalItem]]
 
 
 @dataclass(slots=True)
-class Gemma4ImagePrompts(ImagePrompts):
+class Gemma4ImagePrompts(MediaPrompts):
     """Gemma 4's prompt rules (module docstring): each image token becomes begin-of-image, the image's soft tokens
     and end-of-image (tokens_per_image is 0: each image has its own count); each video token its timestamped
     frames (gemma4_video.py)."""
 
     boi_token_id: int = DEFAULT_BOI_TOKEN_ID
     eoi_token_id: int = DEFAULT_EOI_TOKEN_ID
-    video_processor: Any = None  # gemma4_video.Gemma4VideoProcessor; None: this folder's videos are refused
-    video_token_id: int = -1  # (set even where videos are refused: a `<|video|>` beside media is then refused)
-    video_placeholder: str | None = None  # `<|video|>`: what a string-content chat template gets per video
-    video_limit: int | None = None  # --limit-mm-per-prompt's videos per prompt
-    video_refusal: str | None = None  # why this folder's videos are refused
-    tokenizer: Any = None  # encodes the frames' timestamps
-    server_kwargs: Mapping[str, Any] = field(default_factory=dict)  # --mm-processor-kwargs
-    # Rules derived for a request's mm_processor_kwargs, by those kwargs.
-    _derived: dict[tuple[tuple[str, str], ...], Gemma4ImagePrompts] = field(
-        default_factory=dict, init=False, repr=False, compare=False)
-    _derived_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+    # (MediaPrompts: video_processor, a gemma4_video.Gemma4VideoProcessor; video_token_id, set even where videos
+    # are refused: a `<|video|>` beside media is then refused; video_placeholder `<|video|>`; tokenizer: for the
+    # frames' timestamps.)
 
     def processor_kwargs(self) -> tuple[str, ...]:
         return ("max_soft_tokens", "num_frames")
 
-    def with_processor_kwargs(self, kwargs: Mapping[str, Any]) -> Gemma4ImagePrompts:
-        """A copy whose processor reads the folder with the server's kwargs and then the request's over them;
-        cached per distinct kwargs (a flood of distinct values evicts the oldest)."""
-        key = tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
-        with self._derived_lock:  # (the prompt threads derive concurrently)
-            if (found := self._derived.get(key)) is not None:
-                return found
+    def derive(self, kwargs: Mapping[str, Any]) -> Gemma4ImagePrompts:
         from ferrox.multimodal.gemma4_video import Gemma4VideoProcessor
 
-        merged = {**self.server_kwargs, **kwargs}
-        try:
-            processor = (Gemma4ImageProcessor.from_model_dir(self.model_dir, merged)
-                         if self.image_processor is not None else None)
-            video = (Gemma4VideoProcessor.from_model_dir(self.model_dir, merged)
-                     if self.video_processor is not None else None)
-        except (ModelLoadError, UnsupportedModelError) as e:  # a value the processor refuses
-            raise InvalidArgumentError(str(e), param="mm_processor_kwargs") from None
-        derived = replace(self, image_processor=processor, video_processor=video)
-        with self._derived_lock:
-            if len(self._derived) >= _DERIVED_CACHE_SIZE:
-                self._derived.pop(next(iter(self._derived)))
-            self._derived[key] = derived
-        return derived
-
-    def check_video_count(self, count: int, what: str, param: str = "multi_modal_data") -> None:
-        if self.video_limit is not None and count > self.video_limit:
-            raise InvalidArgumentError(f"{what}: {count} videos, at most {self.video_limit} may be given in one "
-                                       "prompt (--limit-mm-per-prompt)", param=param)
+        image = Gemma4ImageProcessor.from_model_dir(self.model_dir, kwargs) if self.image_processor is not None else None
+        video = (Gemma4VideoProcessor.from_model_dir(self.model_dir, kwargs)
+                 if self.video_processor is not None else None)
+        return replace(self, image_processor=image, video_processor=video)
 
     def expand(self, prompt_ids: Sequence[int], images: Sequence[Any], what: str,
                param: str = "multi_modal_data") -> tuple[list[int], list[MultiModalItem]]:

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any
 
@@ -37,8 +36,9 @@ from ferrox.multimodal.config_fields import (
 )
 from ferrox.multimodal.image_processor import resample_filter, to_rgb
 from ferrox.multimodal.inputs import MultiModalItem, seen_hash
+from ferrox.multimodal.media_prompts import MediaPrompts
 from ferrox.multimodal.pixel_scaling import PixelScaling
-from ferrox.multimodal.processing import ImagePrompts, processor_kwargs_for, token_runs
+from ferrox.multimodal.processing import processor_kwargs_for, token_runs
 from ferrox.multimodal.processor_cache import video_key
 
 ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
@@ -51,7 +51,6 @@ DEFAULT_VISION_START_TOKEN_ID = 151_652  # <|vision_start|>
 DEFAULT_VISION_END_TOKEN_ID = 151_653  # <|vision_end|>
 DEFAULT_VIDEO_TOKEN_ID = 151_656  # <|video_pad|>
 MAX_ASPECT_RATIO = 200  # smart_resize refuses longer images
-_DERIVED_CACHE_SIZE = 32  # distinct per-request mm_processor_kwargs whose processors are kept
 
 # The vision configs' defaults for the keys the processor must agree with (the same in both families).
 _VISION_DEFAULTS = {"patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2}
@@ -154,64 +153,33 @@ class QwenVLImageProcessor:
 
 
 @dataclass(slots=True)
-class QwenVLImagePrompts(ImagePrompts):
+class QwenVLImagePrompts(MediaPrompts):
     """Qwen2-VL / Qwen2.5-VL prompt rules: each `<|image_pad|>` becomes its image's tokens, a number that
     depends on the image (tokens_per_image is 0: unused), and each `<|video_pad|>` its video's. A run of
     image (video) tokens is read as one token per image (video) (placeholders side by side) or, when its
     length is the item's own count, that item already expanded; a prompt that reads both ways, or neither,
     is refused. Images and videos pair with their own placeholders, each in prompt order."""
 
-    video_processor: Any = None  # qwen2_vl_video_processing.QwenVLVideoProcessor; None: the family takes none
-    video_token_id: int = -1
-    video_placeholder: str | None = None  # `<|vision_start|><|video_pad|><|vision_end|>`
-    video_limit: int | None = None  # --limit-mm-per-prompt's videos per prompt
+    # (MediaPrompts: video_processor, a qwen2_vl_video_processing.QwenVLVideoProcessor; video_placeholder
+    # `<|vision_start|><|video_pad|><|vision_end|>`; tokenizer: Qwen3-VL's, for the timestamps.)
     # Qwen2.5-VL: its items carry second_per_grid_ts (the rotary spaces a video's frames by seconds).
     seconds_per_grid: bool = False
-    video_refusal: str | None = None  # why this family's videos are refused
     # Qwen3-VL: a video's `<|vision_start|><|video_pad|><|vision_end|>` becomes, per temporal patch, its
     # `<t seconds>` text then that frame's pads wrapped in vision start / end (_timestamped_pieces). The text is
     # tokenized on its own, as vLLM's token-level replacement does (transformers tokenizes it with the prompt:
     # the same ids wherever the text before it ends a pre-token, as a chat template's newline does).
     frame_timestamps: bool = False
-    tokenizer: Any = None  # Qwen3-VL: encodes the timestamps
     vision_start_id: int = -1
     vision_end_id: int = -1
     allowed_kwargs: tuple[str, ...] = ()  # the mm_processor_kwargs keys the family takes (PROCESSOR_KWARGS)
-    server_kwargs: Mapping[str, Any] = field(default_factory=dict)  # --mm-processor-kwargs
-    # Rules derived for a request's mm_processor_kwargs, by those kwargs: a processor reads the folder's files.
-    _derived: dict[tuple[tuple[str, str], ...], QwenVLImagePrompts] = field(
-        default_factory=dict, init=False, repr=False, compare=False)
-    _derived_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
-
     def processor_kwargs(self) -> tuple[str, ...]:
         return self.allowed_kwargs
 
-    def with_processor_kwargs(self, kwargs: Mapping[str, Any]) -> QwenVLImagePrompts:
-        """A copy whose image and video processors read the folder with the server's kwargs and then the
-        request's over them; the shared processors stay as they are. Cached per distinct kwargs (a few: a
-        flood of distinct values evicts the oldest)."""
-        key = tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
-        with self._derived_lock:  # (the prompt threads derive concurrently)
-            if (found := self._derived.get(key)) is not None:
-                return found
-        merged = {**self.server_kwargs, **kwargs}
-        try:
-            image = QwenVLImageProcessor.from_model_dir(self.model_dir, merged) if self.image_processor is not None else None
-            video = (type(self.video_processor).from_model_dir(self.model_dir, merged)
-                     if self.video_processor is not None else None)
-        except (ModelLoadError, UnsupportedModelError) as e:  # a value the processor refuses (not a positive int)
-            raise InvalidArgumentError(str(e), param="mm_processor_kwargs") from None  # names the file and kwargs
-        derived = replace(self, image_processor=image, video_processor=video)
-        with self._derived_lock:
-            if len(self._derived) >= _DERIVED_CACHE_SIZE:
-                self._derived.pop(next(iter(self._derived)))
-            self._derived[key] = derived
-        return derived
-
-    def check_video_count(self, count: int, what: str, param: str = "multi_modal_data") -> None:
-        if self.video_limit is not None and count > self.video_limit:
-            raise InvalidArgumentError(f"{what}: {count} videos, at most {self.video_limit} may be given in one "
-                                       "prompt (--limit-mm-per-prompt)", param=param)
+    def derive(self, kwargs: Mapping[str, Any]) -> QwenVLImagePrompts:
+        image = QwenVLImageProcessor.from_model_dir(self.model_dir, kwargs) if self.image_processor is not None else None
+        video = (type(self.video_processor).from_model_dir(self.model_dir, kwargs)
+                 if self.video_processor is not None else None)
+        return replace(self, image_processor=image, video_processor=video)
 
     def expand(self, prompt_ids: Sequence[int], images: Sequence[Any], what: str,
                param: str = "multi_modal_data") -> tuple[list[int], list[MultiModalItem]]:

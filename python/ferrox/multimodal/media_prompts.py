@@ -1,0 +1,59 @@
+"""Prompt rules of a family that takes videos beside images and whose processors a request's
+mm_processor_kwargs read again (Qwen2-VL / 2.5-VL / 3-VL, Gemma 4): the video fields they share, the check of a
+prompt's video count, and the copies derived per distinct kwargs, cached because a processor reads the model
+folder's files (`with_processor_kwargs`; the family says how to derive one: `derive`)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ferrox.errors import InvalidArgumentError, ModelLoadError, UnsupportedModelError
+from ferrox.multimodal.processing import ImagePrompts
+
+_DERIVED_CACHE_SIZE = 32  # distinct per-request mm_processor_kwargs whose processors are kept
+
+
+@dataclass(slots=True)
+class MediaPrompts(ImagePrompts):
+    video_processor: Any = None  # the family's video processor; None: this folder's videos are refused
+    video_token_id: int = -1  # (-1: the family has no video token)
+    video_placeholder: str | None = None  # what a string-content chat template gets per video
+    video_limit: int | None = None  # --limit-mm-per-prompt's videos per prompt
+    video_refusal: str | None = None  # why this folder's videos are refused
+    tokenizer: Any = None  # encodes the text a video's frames carry (their timestamps), where the family writes it
+    server_kwargs: Mapping[str, Any] = field(default_factory=dict)  # --mm-processor-kwargs
+    # Rules derived for a request's mm_processor_kwargs, by those kwargs.
+    _derived: dict[tuple[tuple[str, str], ...], MediaPrompts] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
+    _derived_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+
+    def derive(self, kwargs: Mapping[str, Any]) -> MediaPrompts:
+        """A copy whose processors read the folder with `kwargs` (the server's, the request's over them);
+        ModelLoadError / UnsupportedModelError for a value a processor refuses."""
+        raise NotImplementedError
+
+    def with_processor_kwargs(self, kwargs: Mapping[str, Any]) -> MediaPrompts:
+        """A copy whose processors read the folder with the server's kwargs and then the request's over them; the
+        shared processors stay as they are. Cached per distinct kwargs (a flood of distinct values evicts the
+        oldest)."""
+        key = tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
+        with self._derived_lock:  # (the prompt threads derive concurrently)
+            if (found := self._derived.get(key)) is not None:
+                return found
+        try:
+            derived = self.derive({**self.server_kwargs, **kwargs})
+        except (ModelLoadError, UnsupportedModelError) as e:  # a value a processor refuses (names file and kwargs)
+            raise InvalidArgumentError(str(e), param="mm_processor_kwargs") from None
+        with self._derived_lock:
+            if len(self._derived) >= _DERIVED_CACHE_SIZE:
+                self._derived.pop(next(iter(self._derived)))
+            self._derived[key] = derived
+        return derived
+
+    def check_video_count(self, count: int, what: str, param: str = "multi_modal_data") -> None:
+        if self.video_limit is not None and count > self.video_limit:
+            raise InvalidArgumentError(f"{what}: {count} videos, at most {self.video_limit} may be given in one "
+                                       "prompt (--limit-mm-per-prompt)", param=param)
