@@ -65,6 +65,23 @@ def _load_rows(param: torch.Tensor, tensor: Weight, start: int, full: int) -> No
     param.data.copy_(narrow(tensor, 0, start, param.shape[0]))
 
 
+def check_mamba2_quantization(architecture: str, releases: str) -> None:
+    """A Mamba2 hybrid's quantization, refused by name unless FP8 with per-tensor or per-channel scales (Mamba2InProj
+    cuts its codes into segments; the dt segment's row per head fills no 128-row block). releases: the checkpoint
+    layouts the family's published FP8 releases use, for the message."""
+    from ferrox.layers.quant.fp8 import Fp8Config
+    from ferrox.layers.quant.method import get_quant_config
+
+    quant = get_quant_config()
+    if quant is not None and not isinstance(quant, Fp8Config):
+        algo = getattr(quant, "algo", None)
+        raise UnsupportedModelError(
+            f"quantization {quant.name!r}{f' (quant_algo {algo})' if algo else ''} is not supported for "
+            f"{architecture}: it takes FP8 weights with per-tensor or per-channel scales ({releases}; "
+            "quantization='fp8'); block-wise FP8 (the Mamba2 in_proj's dt rows fill no 128-row block), NVFP4 and "
+            "integer formats are not")
+
+
 class GroupedGatedRMSNorm(nn.Module):
     """y * silu(z), RMS-normed over each group of `group_size` channels, times the weight: in float32, the weight
     applied in the input's dtype (transformers' GraniteMoeHybridRMSNormGated / MambaRMSNormGated).

@@ -61,10 +61,8 @@ from ferrox.kernels import select_kernels
 from ferrox.layers.fused_moe import experts_with_shared
 from ferrox.layers.gated_delta_net import step_state_rows
 from ferrox.layers.layernorm import RMSNorm
-from ferrox.layers.mamba2_mixer import Mamba2Mixer
+from ferrox.layers.mamba2_mixer import Mamba2Mixer, check_mamba2_quantization
 from ferrox.layers.ops import NO_ROPE, DeviceOps, Rope, for_device
-from ferrox.layers.quant.fp8 import Fp8Config
-from ferrox.layers.quant.method import get_quant_config
 from ferrox.layers.rotary import RotaryEmbedding
 from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError, hybrid_layer_types
@@ -185,15 +183,8 @@ class GraniteMoeHybridForCausalLM(DecoderStackLM):
             raise UnsupportedModelError(f"config.json: hidden_act {spec.hidden_act!r} is not supported (only silu)")
         if hybrid_layer_types(config) is None:
             raise ModelLoadError(f"config.json: {spec.architecture} needs model_type 'granitemoehybrid'")
-        quant = get_quant_config()
-        if quant is not None and not isinstance(quant, Fp8Config):
-            algo = getattr(quant, "algo", None)
-            raise UnsupportedModelError(
-                f"quantization {quant.name!r}{f' (quant_algo {algo})' if algo else ''} is not supported for "
-                f"{spec.architecture}: it takes FP8 weights with per-tensor or per-channel scales (compressed-tensors "
-                "float8, as ibm-granite's -FP8 releases; ModelOpt FP8; the fp8 layout; quantization='fp8'); "
-                "block-wise FP8 (the Mamba2 in_proj's dt rows fill no 128-row block), NVFP4 and integer formats are "
-                "not")
+        check_mamba2_quantization(spec.architecture, "compressed-tensors float8, as ibm-granite's -FP8 releases; "
+                                  "ModelOpt FP8; the fp8 layout")
         rope = str(config.get("position_embedding_type") or "nope")
         if rope not in ("rope", "nope"):
             raise UnsupportedModelError(f"config.json: position_embedding_type {rope!r} is not supported "

@@ -60,10 +60,8 @@ from ferrox.distributed.sharding import check_tp_shapes, materialize, shape_of
 from ferrox.kernels import select_kernels
 from ferrox.layers.gated_delta_net import step_state_rows
 from ferrox.layers.layernorm import RMSNorm
-from ferrox.layers.mamba2_mixer import Mamba2Mixer
+from ferrox.layers.mamba2_mixer import Mamba2Mixer, check_mamba2_quantization
 from ferrox.layers.ops import NO_ROPE, DeviceOps, for_device
-from ferrox.layers.quant.fp8 import Fp8Config
-from ferrox.layers.quant.method import get_quant_config
 from ferrox.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ferrox.model_spec import ModelLoadError, ModelSpec, UnsupportedModelError, hybrid_layer_types
 from ferrox.models.decoder_stack_lm import DecoderStackLM
@@ -160,14 +158,8 @@ class NemotronHForCausalLM(DecoderStackLM):
         if str(config.get("mlp_hidden_act", "relu2")) != "relu2":
             raise UnsupportedModelError(f"config.json: mlp_hidden_act {config.get('mlp_hidden_act')!r} is not "
                                         "supported (only relu2)")
-        quant = get_quant_config()
-        if quant is not None and not isinstance(quant, Fp8Config):
-            algo = getattr(quant, "algo", None)
-            raise UnsupportedModelError(
-                f"quantization {quant.name!r}{f' (quant_algo {algo})' if algo else ''} is not supported for "
-                f"{spec.architecture}: it takes FP8 weights with per-tensor or per-channel scales (ModelOpt FP8, as "
-                "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-FP8; the fp8 layout; compressed-tensors float8; "
-                "quantization='fp8'); block-wise FP8, NVFP4 and integer formats are not")
+        check_mamba2_quantization(spec.architecture, "ModelOpt FP8, as nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-FP8; "
+                                  "the fp8 layout; compressed-tensors float8")
         tp = get_tp_group()
         check_tp_shapes(spec, tp.size, expert_parallel=tp.expert_parallel)
         eps = float(config.get("layer_norm_epsilon") or 1e-5)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -49,7 +49,6 @@ from ferrox.multimodal.image_processor import resample_filter, to_rgb
 from ferrox.multimodal.inputs import MultiModalItem, seen_hash
 from ferrox.multimodal.media_prompts import MediaPrompts
 from ferrox.multimodal.pixel_scaling import PixelScaling
-from ferrox.multimodal.processing import token_runs
 
 ARCHITECTURE = "Gemma4ForConditionalGeneration"
 SOFT_TOKEN_CHOICES = (70, 140, 280, 560, 1120)  # transformers' _SUPPORTED_SOFT_TOKENS
@@ -181,24 +180,10 @@ class Gemma4ImagePrompts(MediaPrompts):
     def processor_kwargs(self) -> tuple[str, ...]:
         return ("max_soft_tokens", "num_frames")
 
-    def derive(self, kwargs: Mapping[str, Any]) -> Gemma4ImagePrompts:
-        from ferrox.multimodal.gemma4_video import Gemma4VideoProcessor
-
-        image = Gemma4ImageProcessor.from_model_dir(self.model_dir, kwargs) if self.image_processor is not None else None
-        video = (Gemma4VideoProcessor.from_model_dir(self.model_dir, kwargs)
-                 if self.video_processor is not None else None)
-        return replace(self, image_processor=image, video_processor=video)
-
     def expand(self, prompt_ids: Sequence[int], images: Sequence[Any], what: str,
                param: str = "multi_modal_data") -> tuple[list[int], list[MultiModalItem]]:
         """`images`: the prompt's decoded media in order, PIL images and multimodal.video.Video frames."""
-        from ferrox.multimodal.video import split_media
-
-        stills, videos = split_media(images)
-        self.check_count(len(stills), what, param)
-        ids = list(prompt_ids)
-        runs = token_runs(ids, self.image_token_id)
-        video_runs = token_runs(ids, self.video_token_id) if self.video_token_id >= 0 else []
+        stills, videos, ids, runs, video_runs = self.media_runs(prompt_ids, images, what, param)
         if not images and not runs and not video_runs:
             return ids, []
         pieces = self._image_pieces(ids, runs, stills, what, param)

@@ -6,12 +6,12 @@ folder's files (`with_processor_kwargs`; the family says how to derive one: `der
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ferrox.errors import InvalidArgumentError, ModelLoadError, UnsupportedModelError
-from ferrox.multimodal.processing import ImagePrompts
+from ferrox.multimodal.processing import ImagePrompts, token_runs
 
 _DERIVED_CACHE_SIZE = 32  # distinct per-request mm_processor_kwargs whose processors are kept
 
@@ -31,9 +31,27 @@ class MediaPrompts(ImagePrompts):
     _derived_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def derive(self, kwargs: Mapping[str, Any]) -> MediaPrompts:
-        """A copy whose processors read the folder with `kwargs` (the server's, the request's over them);
-        ModelLoadError / UnsupportedModelError for a value a processor refuses."""
-        raise NotImplementedError
+        """A copy whose processors (each class's from_model_dir) read the folder with `kwargs` (the server's, the
+        request's over them); ModelLoadError / UnsupportedModelError for a value a processor refuses."""
+        image = (type(self.image_processor).from_model_dir(self.model_dir, kwargs)
+                 if self.image_processor is not None else None)
+        video = (type(self.video_processor).from_model_dir(self.model_dir, kwargs)
+                 if self.video_processor is not None else None)
+        return replace(self, image_processor=image, video_processor=video)
+
+    def media_runs(self, prompt_ids: Sequence[int], media: Sequence[Any], what: str, param: str
+                   ) -> tuple[list[Any], list[Any], list[int], list[tuple[int, int]], list[tuple[int, int]]]:
+        """(stills, videos, ids, image runs, video runs): a prompt's decoded media split by kind in order (the stills
+        counted against --limit-mm-per-prompt), its ids, and the (start, length) runs of its image and video
+        tokens."""
+        from ferrox.multimodal.video import split_media
+
+        stills, videos = split_media(media)
+        self.check_count(len(stills), what, param)
+        ids = list(prompt_ids)
+        runs = token_runs(ids, self.image_token_id)
+        video_runs = token_runs(ids, self.video_token_id) if self.video_token_id >= 0 else []
+        return stills, videos, ids, runs, video_runs
 
     def with_processor_kwargs(self, kwargs: Mapping[str, Any]) -> MediaPrompts:
         """A copy whose processors read the folder with the server's kwargs and then the request's over them; the

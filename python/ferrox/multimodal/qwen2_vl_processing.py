@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -38,7 +38,7 @@ from ferrox.multimodal.image_processor import resample_filter, to_rgb
 from ferrox.multimodal.inputs import MultiModalItem, seen_hash
 from ferrox.multimodal.media_prompts import MediaPrompts
 from ferrox.multimodal.pixel_scaling import PixelScaling
-from ferrox.multimodal.processing import processor_kwargs_for, token_runs
+from ferrox.multimodal.processing import processor_kwargs_for
 from ferrox.multimodal.processor_cache import video_key
 
 ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
@@ -172,26 +172,16 @@ class QwenVLImagePrompts(MediaPrompts):
     vision_start_id: int = -1
     vision_end_id: int = -1
     allowed_kwargs: tuple[str, ...] = ()  # the mm_processor_kwargs keys the family takes (PROCESSOR_KWARGS)
+
     def processor_kwargs(self) -> tuple[str, ...]:
         return self.allowed_kwargs
-
-    def derive(self, kwargs: Mapping[str, Any]) -> QwenVLImagePrompts:
-        image = QwenVLImageProcessor.from_model_dir(self.model_dir, kwargs) if self.image_processor is not None else None
-        video = (type(self.video_processor).from_model_dir(self.model_dir, kwargs)
-                 if self.video_processor is not None else None)
-        return replace(self, image_processor=image, video_processor=video)
 
     def expand(self, prompt_ids: Sequence[int], images: Sequence[Any], what: str,
                param: str = "multi_modal_data") -> tuple[list[int], list[MultiModalItem]]:
         """`images`: the prompt's decoded media in order, PIL images and multimodal.video.Video frames."""
         from ferrox.multimodal.media import image_hash
-        from ferrox.multimodal.video import split_media
 
-        stills, videos = split_media(images)
-        self.check_count(len(stills), what, param)
-        ids = list(prompt_ids)
-        runs = token_runs(ids, self.image_token_id)
-        video_runs = token_runs(ids, self.video_token_id) if self.video_token_id >= 0 else []
+        stills, videos, ids, runs, video_runs = self.media_runs(prompt_ids, images, what, param)
         if not images and not runs and not video_runs:
             return ids, []
         # (start, length, maker) of each placeholder, both modalities; maker(offset) -> (item, its tokens)
