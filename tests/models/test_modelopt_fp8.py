@@ -208,6 +208,7 @@ def test_hf_quant_config_with_kv_scales_gives_an_fp8_cache(kv_checkpoint, float_
     llm = make_llm(folder)
     runner = llm.engine.runner
     assert runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    assert llm.engine._cache_config_info["cache_dtype"] == "fp8"  # (the cache_config_info gauge's label)
     layers = runner.model.model.layers
     assert [(lay.self_attn.kv_scales.k_scale, lay.self_attn.kv_scales.v_scale) for lay in layers] == list(
         zip(K_SCALES, V_SCALES, strict=True))

@@ -110,7 +110,7 @@ class EngineCore:
         # vLLM's cache_config_info gauge (metrics/prometheus.py): the KV cache's settings as labels.
         swap_space = float(config.swap_space if config.swap_space is not None else 4.0)  # vLLM's default
         self._cache_config_info = {
-            "block_size": config.block_size, "cache_dtype": config.kv_cache_dtype,
+            "block_size": config.block_size, "cache_dtype": loaded.kv_cache_dtype,
             "enable_prefix_caching": config.enable_prefix_caching and not loaded.recurrent,
             "prefix_caching_hash_algo": config.prefix_caching_hash_algo,
             "gpu_memory_utilization": config.gpu_memory_utilization, "num_gpu_blocks": loaded.num_blocks,

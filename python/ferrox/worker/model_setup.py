@@ -92,6 +92,9 @@ class LoadedModel:
     recurrent: bool = False
     state_cache: StateCachePlan = StateCachePlan()
     quant_config: QuantConfig | None = None  # the weights' (a checkpoint's MTP layer is built with it)
+    # kv_cache_dtype as resolved: "auto" turned into the checkpoint's calibrated cache (fp8 for a ModelOpt export
+    # with kv_cache_quant_algo FP8), which cache_config_info reports, as vLLM's resolved cache_dtype.
+    kv_cache_dtype: str = "auto"
 
 
 def resolve_dtype(config: EngineConfig, spec: Any, device: torch.device) -> torch.dtype:
@@ -161,7 +164,8 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
         tokenizer = no_tokenizer_for(source.name, spec.hf_config, spec.vocab_size)
     dtype = resolve_dtype(config, spec, device)
     quant_config = resolve_quant_config(config.quantization, spec, is_gguf=source.format == "gguf")
-    kv_dtype = resolve_kv_cache_dtype(_kv_cache_dtype(config, quant_config, device), dtype, device)  # fp8: half
+    kv_cache_dtype = _kv_cache_dtype(config, quant_config, device)
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, device)  # fp8: half
     pooler_config = pooling_setup(config, source, spec, tp.size)  # None: a generation model
     if pooler_config is None:
         max_model_len = resolve_max_model_len(config, spec, device)
@@ -272,6 +276,7 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
         max_num_batched_tokens=max_num_batched_tokens, vocab_size=int(spec.vocab_size), eos_token_ids=eos,
         generation_defaults=generation_defaults, threads=threads, sleep_memory=sleep_memory,
         reload_model=reload_model, recurrent=recurrent, state_cache=state_cache, quant_config=quant_config,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
