@@ -10,6 +10,7 @@ config constants into weights, at load time) without reading it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Union
 
 import torch
@@ -53,7 +54,33 @@ class CheckpointSlice:
         return CheckpointSlice(self._slice, row0=self._row0, shape=self.shape, scale=scale)
 
 
-Weight = Union[torch.Tensor, CheckpointSlice]
+class ExpertRows:
+    """A stacked-experts checkpoint tensor [E, ...] each of whose experts (rows along dim 0) must be transformed
+    as it is read: transposed (Llama 4, gpt-oss store [E, in, out]), gate / up de-interleaved (gpt-oss). Reading a
+    block of rows (`row_block`, then `narrow` / `materialize`) reads and transforms only those experts, so an
+    expert-parallel or sharded rank never holds a whole layer's experts; `shape` is the transformed one."""
+
+    __slots__ = ("_inner", "_transform", "shape")
+
+    def __init__(self, inner: Weight, transform: Callable[[torch.Tensor], torch.Tensor],
+                 shape: tuple[int, ...]) -> None:
+        self._inner = inner
+        self._transform = transform
+        self.shape = shape
+
+    def rows(self, start: int, length: int) -> ExpertRows:
+        return ExpertRows(row_block(self._inner, start, length), self._transform, (length, *self.shape[1:]))
+
+    def load(self) -> torch.Tensor:
+        return self._transform(materialize(self._inner))
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if dim == 0:
+            return self.rows(start, length).load()
+        return self.load().narrow(dim, start, length)
+
+
+Weight = Union[torch.Tensor, CheckpointSlice, ExpertRows]
 
 
 def shape_of(x: Weight) -> tuple[int, ...]:
@@ -66,18 +93,32 @@ def narrow(x: Weight, dim: int, start: int, length: int) -> torch.Tensor:
 
 
 def materialize(x: Weight) -> torch.Tensor:
-    return x.load() if isinstance(x, CheckpointSlice) else x
+    return x.load() if isinstance(x, (CheckpointSlice, ExpertRows)) else x
 
 
 def row_block(x: Weight, start: int, length: int) -> Weight:
     """Rows [start, start + length) of x (e.g. the q rows of a fused qkv tensor), still unread if x is."""
-    return x.rows(start, length) if isinstance(x, CheckpointSlice) else x.narrow(0, start, length)
+    return x.rows(start, length) if isinstance(x, (CheckpointSlice, ExpertRows)) else x.narrow(0, start, length)
+
+
+def experts_transposed(x: Weight, then: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Weight:
+    """Stacked experts stored [E, in, out] as [E, out, in] (then `then` applied to each block read), still unread if x
+    is (ExpertRows). A tensor of another rank is passed through, for the loader's shape check to name."""
+    shape = shape_of(x)
+    if len(shape) != 3:
+        return x
+
+    def transform(experts: torch.Tensor) -> torch.Tensor:
+        out = experts.transpose(1, 2)
+        return out if then is None else then(out)
+
+    return ExpertRows(x, transform, (shape[0], shape[2], shape[1]))
 
 
 def scaled(x: Weight, factor: float) -> Weight:
     """x times `factor`, computed in float32 (rounded once when copied into the model dtype); still
     unread if x is."""
-    return x.times(factor) if isinstance(x, CheckpointSlice) else x.float() * factor
+    return x.times(factor) if isinstance(x, CheckpointSlice) else materialize(x).float() * factor
 
 
 def even_split(total: int, size: int, rank: int, what: str) -> tuple[int, int]:

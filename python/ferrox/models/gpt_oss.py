@@ -35,7 +35,14 @@ from torch import nn
 
 from ferrox.attention.backend import AttentionBackend
 from ferrox.distributed.parallel_state import get_tp_group
-from ferrox.distributed.sharding import check_tp_shapes, even_split, materialize, narrow, shape_of
+from ferrox.distributed.sharding import (
+    check_tp_shapes,
+    even_split,
+    experts_transposed,
+    materialize,
+    narrow,
+    shape_of,
+)
 from ferrox.layers.fused_moe import FusedMoE, SwigluOai
 from ferrox.layers.layernorm import RMSNorm
 from ferrox.layers.linear import Linear, MergedLinear
@@ -293,15 +300,15 @@ class GptOssForCausalLM(LlamaForCausalLM):
                     method.load_stacked(experts, _EXPERT_TENSORS[base], blocks, scales)
                 else:  # -> [E, rows, cols] in the model dtype, rows the outputs
                     out_major = dequantize_mxfp4(blocks, scales, experts.w13.dtype)
-                    _set_expert_weight(experts, base, out_major, transposed=False)
+                    _set_expert_weight(experts, base, out_major)
                 return f"{prefix}.{_EXPERT_TENSORS[base]}"
         if leaf not in _EXPERT_TENSORS:
             return None
-        value = materialize(tensor)
         if leaf.endswith("_bias"):
-            _set_expert_bias(experts, leaf.removesuffix("_bias"), value)
-        else:  # transformers' layout: [E, in, out]
-            _set_expert_weight(experts, leaf, value, transposed=True)
+            _set_expert_bias(experts, leaf.removesuffix("_bias"), materialize(tensor))
+        else:  # transformers' layout [E, in, out], transposed (and de-interleaved) as this rank reads its experts
+            then = _gate_up_halves if leaf == "gate_up_proj" else None
+            experts.load_stacked(_EXPERT_TENSORS[leaf], experts_transposed(tensor, then))
         return f"{prefix}.{_EXPERT_TENSORS[leaf]}"
 
 
@@ -312,10 +319,13 @@ def _deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([even, odd], dim=dim)
 
 
-def _set_expert_weight(experts: FusedMoE, proj: str, value: torch.Tensor, *, transposed: bool) -> None:
-    """gate_up_proj / down_proj of every expert; `transposed`: the [E, in, out] layout (else [E, out, in])."""
-    if transposed:
-        value = value.transpose(1, 2)
+def _gate_up_halves(experts: torch.Tensor) -> torch.Tensor:
+    """[E, 2I, H] rows with gate / up interleaved -> w13's gate rows, then up rows."""
+    return _deinterleave(experts, 1)
+
+
+def _set_expert_weight(experts: FusedMoE, proj: str, value: torch.Tensor) -> None:
+    """gate_up_proj / down_proj of every expert, in the [E, out, in] layout."""
     if proj == "gate_up_proj":
         experts.load_stacked("w13", _deinterleave(value, 1))
     else:

@@ -42,7 +42,7 @@ from torch import nn
 
 from ferrox.attention.backend import AttentionBackend
 from ferrox.attention.kv_cache import KVCacheScales
-from ferrox.distributed.sharding import materialize
+from ferrox.distributed.sharding import experts_transposed, materialize
 from ferrox.layers.fused_moe import FusedMoE, TopKRouter, experts_with_shared
 from ferrox.layers.layernorm import RMSNorm
 from ferrox.layers.linear import Linear, QKVLinear, RowParallelLinear
@@ -316,7 +316,8 @@ class Llama4ForCausalLM(MoeForCausalLM):
                     if not isinstance(experts, FusedMoE):
                         unexpected.append(hf_name)
                         continue
-                    experts.load_stacked(_STACKED[leaf], materialize(tensor).transpose(1, 2))
+                    # (transposed expert by expert as this rank reads its own)
+                    experts.load_stacked(_STACKED[leaf], experts_transposed(tensor))
                     key = f"{prefix}.{_STACKED[leaf]}"
                 else:
                     dense_key = load_dense_tensor(modules, params, name, tensor, _MERGED, rewrite=halves)
