@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from typing import Any
 
 import torch
@@ -150,21 +151,77 @@ def assert_lora_rows_follow_the_loader(folder: str | os.PathLike[str], model: An
     assert reached == set(manager._targets)
 
 
-def write_adapter(folder: str | os.PathLike[str], modules: dict[str, tuple[int, int]], *, r: int = 4) -> str:
-    """A PEFT-format adapter folder written by hand, random A and B, for modules PEFT would not adapt on a tiny
-    transformers model (experts, routers, a conv): module path -> (out, in) of its weight."""
+def write_adapter(folder: str | os.PathLike[str], modules: dict[str, tuple[int, int]], *, r: int = 4,
+                  lora_alpha: float | None = None, seed: int = 0, std: float = 1.0,
+                  ranks: dict[str, int] | None = None) -> str:
+    """A PEFT-format adapter folder written by hand, random A and B (N(0, std^2); lora_alpha 2r by default), for
+    modules PEFT would not adapt on a tiny transformers model (experts, routers, a conv): module path -> (out, in)
+    of its weight. ranks: module path -> its rank, written as PEFT's rank_pattern (default: r)."""
     import json
 
     from safetensors.torch import save_file
 
     os.makedirs(folder, exist_ok=True)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     tensors = {}
     for module, (out, inp) in modules.items():
-        tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(r, inp)
-        tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(out, r)
+        rank = (ranks or {}).get(module, r)
+        tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(rank, inp) * std
+        tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(out, rank) * std
     save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": ".*", "bias": "none"}
+    config = {"peft_type": "LORA", "r": r, "lora_alpha": 2 * r if lora_alpha is None else lora_alpha,
+              "target_modules": ".*", "bias": "none"}
+    if ranks:
+        config["rank_pattern"] = {re.escape(m): k for m, k in ranks.items()}
     with open(os.path.join(folder, "adapter_config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f)
     return os.fspath(folder)
+
+
+# An expert module of a PEFT adapter (vLLM's names: one module per expert projection) -> transformers 5's fused
+# expert parameters (experts.gate_up_proj [E, 2I, H]: gate rows, then up; experts.down_proj [E, H, I]).
+_EXPERT = re.compile(r"^(?P<layer>model\.layers\.\d+)\.(mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\."
+                     r"(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)$")
+_EXPERT_PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+
+def merged_by_hand(base: Any, adapter_folder: str | os.PathLike[str]) -> Any:
+    """A copy of `base` (a transformers model) with the adapter merged into its weights, W + scaling * B A, read
+    from the adapter's files here (the reference for adapters peft cannot load on transformers 5's fused experts:
+    per-expert modules). Linear modules by path; expert modules into the fused expert parameters. Honours lora_alpha,
+    use_rslora and rank_pattern / alpha_pattern of exact module paths (what write_adapter writes)."""
+    import json
+    import math
+
+    from safetensors.torch import load_file
+
+    folder = os.fspath(adapter_folder)
+    with open(os.path.join(folder, "adapter_config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    tensors = load_file(os.path.join(folder, "adapter_model.safetensors"))
+    model = copy.deepcopy(base)
+    prefix = "base_model.model."
+    names = {k[len(prefix):].rsplit(".lora_", 1)[0] for k in tensors}
+    with torch.no_grad():
+        for name in sorted(names):
+            a = tensors[f"{prefix}{name}.lora_A.weight"].double()
+            b = tensors[f"{prefix}{name}.lora_B.weight"].double()
+            rank = a.shape[0]
+            alpha = config.get("lora_alpha", 8)
+            for key, value in (config.get("alpha_pattern") or {}).items():
+                if re.fullmatch(rf"(.*\.)?({key})", name):
+                    alpha = value
+            scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+            delta = scaling * (b @ a)
+            expert = _EXPERT.match(name)
+            if expert is None:
+                weight = model.get_submodule(name).weight
+                weight.copy_((weight.double() + delta).to(weight.dtype))
+                continue
+            experts = model.get_submodule(expert["layer"] + ".mlp.experts")
+            e, proj = int(expert["expert"]), _EXPERT_PROJ[expert["proj"]]
+            inter = experts.down_proj.shape[2]
+            target = (experts.down_proj[e] if proj == "down" else
+                      experts.gate_up_proj[e, :inter] if proj == "gate" else experts.gate_up_proj[e, inter:])
+            target.copy_((target.double() + delta).to(target.dtype))
+    return model.eval()

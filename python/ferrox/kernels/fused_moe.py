@@ -82,6 +82,11 @@ are dequantized in the K loops:
 
 Biases and the clamped SwiGLU apply as with float experts. The reference is the dequantized weights in
 the torch loop.
+
+LoRA on the experts (lora/moe.py) needs each pair's gate and up rows before the activation, to add the adapter's
+delta there: `expert_gate_up_rows` runs the grouped gate/up kernel over all 2I rows of w13 with GATED off (the raw
+rows, rounded as the gated launch rounds them), and `expert_down_rows` the grouped down kernel without the final
+sum. Both are separate entry points over the same kernels: `fused_moe`'s launches are unchanged.
 """
 
 from __future__ import annotations
@@ -1114,6 +1119,61 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     # The k weighted rows of a token: one reduction (fp32 accumulation inside torch's sum).
     torch.sum(routed.view(num_tokens, top_k, hidden), dim=1, out=out)
     return out if residual is None else out + residual
+
+
+def expert_gate_up_rows(x: torch.Tensor, w13: torch.Tensor, blocks: ExpertBlocks, top_k: int, config: GemmConfig, *,
+                        w13_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Each (token, slot) pair's gate and up rows before the activation: [T*k, 2I] in x's dtype (pair p = token *
+    k + slot; gate columns, then up), as the grouped gate/up launch computes and rounds them. For LoRA on the
+    experts (lora/moe.py), which adds each pair's adapter delta to these rows and applies the activation itself:
+    the same launch over all 2I rows of w13 with GATED off (no activation, no routing weight), so `fused_moe`'s
+    own launches are untouched. Float gated experts (w13 [E, 2I, H]); w13_bias [E, 2I] (gpt-oss's) added."""
+    num_pairs, hidden = x.shape[0] * top_k, x.shape[1]
+    rows = w13.shape[1]
+    if x.dim() != 2 or x.stride(-1) != 1 or w13.shape[2] != hidden or not w13.is_contiguous() or w13.dtype != x.dtype:
+        raise ValueError(f"expert_gate_up_rows: x [T, {w13.shape[2]}] (contiguous last axis) and contiguous float w13 "
+                         f"of x's dtype expected, got x {tuple(x.shape)} {x.dtype}, w13 {tuple(w13.shape)} {w13.dtype}")
+    out = torch.empty(num_pairs, rows, dtype=x.dtype, device=x.device)
+    if num_pairs == 0:
+        return out
+    bias: dict[str, Any] = {}
+    if w13_bias is not None:
+        bias = dict(bias_ptr=w13_bias, stride_be=w13_bias.stride(0), HAS_BIAS=True)
+    _grouped_gemm_kernel[(blocks.block_expert.shape[0], triton.cdiv(rows, config.block_n))](
+        out, x, w13, blocks.pair_ids, blocks.block_expert, blocks.num_rows, x, rows, hidden, num_pairs, x.stride(0),
+        w13.stride(0), w13.stride(1), out.stride(0), A_ROW_DIV=top_k, GATED=False, ROUTED=False,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, DOT_PRECISION=_dot_precision(x.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages, **bias,
+    )
+    return out
+
+
+def expert_down_rows(act: torch.Tensor, w2: torch.Tensor, blocks: ExpertBlocks, route_w: torch.Tensor,
+                     config: GemmConfig, *, w2_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Each pair's down product times its routing weight, [T*k, H] in act's dtype (not yet summed over a token's k
+    pairs), as `fused_moe`'s grouped down launch computes it: the LoRA path's second product (lora/moe.py adds the
+    down deltas to these rows, then sums). act [T*k, I] (the activated rows), route_w float32 [T*k]; float experts
+    (w2 [E, H, I]), w2_bias [E, H] added before the weight."""
+    num_pairs, inter = act.shape
+    hidden = w2.shape[1]
+    if act.stride(-1) != 1 or w2.shape[2] != inter or not w2.is_contiguous() or w2.dtype != act.dtype \
+            or route_w.dtype != torch.float32 or route_w.shape != (num_pairs,):
+        raise ValueError(f"expert_down_rows: act [P, {w2.shape[2]}] (contiguous last axis), contiguous float w2 of its "
+                         f"dtype and float32 route_w [P] expected, got act {tuple(act.shape)}, w2 {tuple(w2.shape)}, "
+                         f"route_w {tuple(route_w.shape)} {route_w.dtype}")
+    out = torch.empty(num_pairs, hidden, dtype=act.dtype, device=act.device)
+    if num_pairs == 0:
+        return out
+    bias: dict[str, Any] = {}
+    if w2_bias is not None:
+        bias = dict(bias_ptr=w2_bias, stride_be=w2_bias.stride(0), HAS_BIAS=True)
+    _grouped_gemm_kernel[(blocks.block_expert.shape[0], triton.cdiv(hidden, config.block_n))](
+        out, act, w2, blocks.pair_ids, blocks.block_expert, blocks.num_rows, route_w, hidden, inter, num_pairs,
+        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), A_ROW_DIV=1, GATED=False, ROUTED=True,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        DOT_PRECISION=_dot_precision(act.dtype), num_warps=config.num_warps, num_stages=config.num_stages, **bias,
+    )
+    return out
 
 
 def _product_input(a: torch.Tensor, w_scale: torch.Tensor | None, block: tuple[int, int] | None, *, fp8: bool,

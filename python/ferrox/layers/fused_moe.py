@@ -218,6 +218,9 @@ class FusedMoE(nn.Module):
             self.w2_bias = nn.Parameter(torch.empty(local, hidden_size, dtype=dtype, device=device),
                                         requires_grad=False)
         self.triton = ops.name == "triton"  # the fused kernels (else the per-expert loop)
+        # LoRA on the experts (lora/moe.py LoRAExperts), hooked in by the LoRA manager: it then runs the experts
+        # with each token's adapter delta. None: the experts run as below.
+        self.lora: nn.Module | None = None
 
     def set_expert_tensors(self, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
                            w2_scale: torch.Tensor) -> None:
@@ -249,6 +252,8 @@ class FusedMoE(nn.Module):
                     residual: torch.Tensor | None = None, small_batch: bool | None = None) -> torch.Tensor:
         """This rank's experts on x (ids local to the rank), the kernels of the layer's device and
         weights; the residual added (the fused decode path's h + mlp(h)). No all-reduce."""
+        if self.lora is not None:
+            return self.lora(self, x, topk_weights, topk_ids, residual=residual)
         act = self.activation
         if self.triton:  # (float and MXFP4 experts: no block)
             from ferrox.kernels.fused_moe import Activation, fused_moe

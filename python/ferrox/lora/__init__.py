@@ -6,6 +6,8 @@
 - slots.py        GPU slot assignment (LRU) and the per-token slot buffer
 - layers.py       LoRALinear: a projection's output plus each token's adapter delta
 - torch_delta.py  the delta in plain torch (CPU path, reference of kernels/lora.py)
+- moe.py          LoRAExperts: an MoE layer's routed experts with each expert's own adapter pairs
+- moe_targets.py  which experts take adapters (the families, the module names) and packing their pairs
 - manager.py      LoRAManager: wraps a model, caches adapters, prepares each step
 
 Import the manager from ferrox.lora.manager (it pulls in the model layers); this package's top

@@ -5,6 +5,8 @@ Built once on a loaded model, it
   linear-attention layers their qkvz_proj, ba_proj, out_proj instead of the attention's, its Mamba2 layers their
   in_proj, out_proj) in a LoRALinear (lora/layers.py), whose forward adds each token's adapter delta to the base
   output;
+- hooks an MoE model's routed experts (FusedMoE) with a LoRAExperts (lora/moe.py: each expert its own adapter
+  pair for gate, up and down), on the families lora/moe_targets.py names; others' expert modules are refused by name;
 - keeps added adapters in a CPU cache (LRU, max_cpu_loras), packed for this model (lora/packed.py), their
   lora_B rows rewritten as the model's loader rewrites its weights' rows where it does (the model's
   `lora_rewrite`: lora/rewrite.py);
@@ -37,6 +39,8 @@ from ferrox.errors import InvalidArgumentError, UnsupportedModelError
 from ferrox.layers.linear import Linear, MergedLinear
 from ferrox.lora.adapter import LoRAAdapterError, read_peft_adapter
 from ferrox.lora.layers import LoRALinear
+from ferrox.lora.moe import LoRAExperts
+from ferrox.lora.moe_targets import ExpertTargets, adaptable_experts
 from ferrox.lora.packed import PackedAdapter, ProjectionTarget, pack_adapter
 from ferrox.lora.request import LoRARequest
 from ferrox.lora.slots import SlotTable, TokenSlots
@@ -53,7 +57,7 @@ _PROJECTIONS: tuple[tuple[str, str, dict[str, str | None]], ...] = (
     ("linear_attn", "out_proj", {"out_proj": None}),
     ("mlp", "gate_up_proj", {"gate_proj": "gate", "up_proj": "up"}),
     ("mlp", "down_proj", {"down_proj": None}),
-    # Llama 4's dense layers (its MoE layers' feed_forward has experts instead, left unadapted as every MoE's).
+    # Llama 4's dense layers (its MoE layers' feed_forward has experts instead, left unadapted: lora/moe_targets.py).
     ("feed_forward", "gate_up_proj", {"gate_proj": "gate", "up_proj": "up"}),
     ("feed_forward", "down_proj", {"down_proj": None}),
     # Granite 4.0-H: a Mamba2 mixer (layers/mamba2_mixer.py; in_proj one checkpoint tensor over its five slices
@@ -63,7 +67,7 @@ _PROJECTIONS: tuple[tuple[str, str, dict[str, str | None]], ...] = (
     ("shared_mlp", "gate_up_proj", {"gate_proj": "gate", "up_proj": "up"}),
     ("shared_mlp", "down_proj", {"down_proj": None}),
     # Nemotron-H: one mixer a layer, whichever it is: the attention, a Mamba2 mixer or a ReLU^2 MLP (gate_up_proj
-    # holds its up rows alone). Its MoE layers' mixer has experts instead, left unadapted as every MoE's.
+    # holds its up rows alone). Its MoE layers' mixer has experts instead, left unadapted (lora/moe_targets.py).
     ("mixer", "qkv_proj", {"q_proj": "q", "k_proj": "k", "v_proj": "v"}),
     ("mixer", "o_proj", {"o_proj": None}),
     ("mixer", "in_proj", {"in_proj": None}),
@@ -142,6 +146,9 @@ class LoRAManager:
                          else 0 if len(wrapped.slice_names) == 1 else None)
                     self._targets[f"model.layers.{i}.{parent_name}.{hf_name}"] = ProjectionTarget(len(self.layers), s)
                 self.layers.append(wrapped)
+        # The routed experts of the MoE families that take adapters on them (hooked: FusedMoE.lora).
+        self.experts = ExpertTargets(model, layers, self._token_slots, max_loras=max_loras, max_rank=max_lora_rank,
+                                     dtype=dtype, device=self.device, use_triton=use_triton)
         # The fused one-token decode path (attention/fused_decode.py) reads the projections'
         # weights directly, so it would run the base model only; every step goes through the
         # layers instead (the general path: no fused step, logits by one matmul).
@@ -167,7 +174,8 @@ class LoRAManager:
                                    "path to load it from")
         adapter = read_peft_adapter(request.lora_path)
         packed = pack_adapter(request, adapter, self.layers, self._targets, max_lora_rank=self.max_lora_rank,
-                              dtype=self.dtype, pin=self.device.type == "cuda", rewrite=self._rewrite)
+                              dtype=self.dtype, pin=self.device.type == "cuda", rewrite=self._rewrite,
+                              experts=self.experts)
         while len(self._cache) >= self.max_cpu_loras:
             self._drop(next(iter(self._cache)))
         self._cache[request.lora_int_id] = packed
@@ -244,6 +252,31 @@ class LoRAManager:
                 layer.load_slot(slot, None, None)
             else:
                 layer.load_slot(slot, *weights)
+        expert_layers: list[LoRAExperts] = self.experts.layers
+        for experts, expert_weights in zip(expert_layers, packed.experts or (None,) * len(expert_layers),
+                                           strict=True):
+            experts.load_slot(slot, expert_weights)
+
+
+def slot_bytes(model: nn.Module, *, max_loras: int, max_rank: int, dtype: torch.dtype) -> int:
+    """Bytes of the adapter slot buffers a LoRAManager on this model allocates: every wrapped projection's A and B
+    stacks and the adaptable experts' (lora/moe.py: 128 experts at rank 16 and 4 slots are GBs). The manager is
+    built after the KV cache is sized, so the GPU budget leaves this much (worker/model_setup.py). 0 for a model
+    the manager will refuse (it says why then)."""
+    try:
+        layers = _decoder_layers(model)
+    except (UnsupportedModelError, InvalidArgumentError):
+        return 0
+    elements = 0
+    for layer in layers:
+        for parent_name, attr, _ in _PROJECTIONS:
+            base = getattr(getattr(layer, parent_name, None), attr, None)
+            if isinstance(base, Linear):
+                widths = dict(base.shard_sizes) if isinstance(base, MergedLinear) else {attr: base.out_features}
+                elements += max_loras * max_rank * (len(widths) * base.in_features + sum(widths.values()))
+    for _, experts in adaptable_experts(model, layers):
+        elements += LoRAExperts.slot_elements(experts, max_loras, max_rank)
+    return elements * torch.empty((), dtype=dtype).element_size()
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:

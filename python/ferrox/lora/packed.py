@@ -15,6 +15,9 @@ projections cut) passes its `lora_rewrite`: the adapter's B then follow the same
 A merged layer loaded from one checkpoint tensor (the Mamba2 in_proj: z, x, B, C, dt) is one module to an adapter:
 its B is cut into the layer's slices as the loader cuts the weight, each slice taking its rows (this rank's share
 under tensor parallelism) and the module's A.
+
+An MoE model's expert modules (`...experts.{e}.gate_proj`...) are checked and packed per MoE layer by
+lora/moe_targets.py (`experts`), beside the projections' weights.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import torch
 
 from ferrox.lora.adapter import UNSUPPORTED_TARGETS, LoRAAdapterError, LoRAModule, PeftAdapter
 from ferrox.lora.layers import LoRALinear
+from ferrox.lora.moe import ExpertSlotWeights
+from ferrox.lora.moe_targets import ExpertTarget, ExpertTargets
 from ferrox.lora.request import LoRARequest
 from ferrox.lora.rewrite import LoRARewrite, rewritten_modules
 
@@ -52,26 +57,34 @@ class PackedAdapter:
     request: LoRARequest
     rank: int
     weights: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]  # per wrapped layer; None: untouched
+    experts: tuple[ExpertSlotWeights | None, ...] = ()  # per MoE layer (lora/moe.py); None: untouched
 
 
 def pack_adapter(request: LoRARequest, adapter: PeftAdapter, layers: Sequence[LoRALinear],
                  targets: dict[str, ProjectionTarget], *, max_lora_rank: int, dtype: torch.dtype,
-                 pin: bool, rewrite: LoRARewrite | None = None) -> PackedAdapter:
+                 pin: bool, rewrite: LoRARewrite | None = None, experts: ExpertTargets | None = None) -> PackedAdapter:
     """Validate `adapter` against the model (targets, rank limit, every tensor's shape) and pack it;
     LoRAAdapterError names the file and the field or tensor at fault. rewrite: the model's lora_rewrite
-    (None: the model keeps the checkpoint's rows)."""
+    (None: the model keeps the checkpoint's rows). experts: the model's MoE layers that take adapters."""
     # (target_modules name the checkpoint's modules, e.g. in_proj_qkv, which the rewrite may rename or cut)
-    _check_target_modules(adapter, targets, adapter.modules if rewrite is not None else {})
+    _check_target_modules(adapter, targets, adapter.modules if rewrite is not None else {}, experts)
     if adapter.max_rank > max_lora_rank:
         field = f"r={adapter.r}" if adapter.max_rank == adapter.r else f"rank_pattern rank {adapter.max_rank}"
-        raise LoRAAdapterError(f"{adapter.config_file}: {field} exceeds max_lora_rank={max_lora_rank}")
+        largest = max(adapter.modules.values(), key=lambda m: m.rank).name
+        raise LoRAAdapterError(f"{adapter.config_file}: {field} exceeds max_lora_rank={max_lora_rank} (module "
+                               f"{largest!r})")
     adapted = adapter.modules if rewrite is None else rewritten_modules(adapter, rewrite)
     by_layer: dict[int, list[tuple[int, int, LoRAModule]]] = {}  # layer -> (slice, its first row in B, module)
+    expert_modules: list[tuple[ExpertTarget, LoRAModule]] = []
     for name, module in adapted.items():
         target = targets.get(name)
+        expert = experts.resolve(adapter, name, module) if target is None and experts is not None else None
+        if expert is not None:
+            expert_modules.append((expert, module))
+            continue
         if target is None:
             raise LoRAAdapterError(f"{adapter.weights_file}: tensor {module.a_key!r} adapts {name!r}, "
-                                   f"{_not_supported(name, targets)}")
+                                   f"{_not_supported(name, targets, experts)}")
         layer = layers[target.layer]
         expected_a = (module.rank, layer.a_columns[2])
         parts = _slice_rows(layer, target)
@@ -101,25 +114,30 @@ def pack_adapter(request: LoRARequest, adapter: PeftAdapter, layers: Sequence[Lo
             lora_b[lo:hi, :module.rank] = module.lora_b[row_start:row_start + rows] * (
                 module.scaling * layer.output_scale)
         weights[index] = (lora_a.pin_memory(), lora_b.pin_memory()) if pin else (lora_a, lora_b)
-    return PackedAdapter(request, rank, tuple(weights))
+    packed_experts = experts.pack(expert_modules, rank, dtype, pin) if experts is not None else ()
+    return PackedAdapter(request, rank, tuple(weights), packed_experts)
 
 
 def _check_target_modules(adapter: PeftAdapter, targets: dict[str, ProjectionTarget],
-                          sources: dict[str, LoRAModule]) -> None:
-    """A list of target names must name projections this model has, or modules of the adapter's (`sources`,
-    given where the model's rewrite renames or cuts them: checked through their tensors, as a regex string is
-    checked through the tensors it produced)."""
+                          sources: dict[str, LoRAModule], experts: ExpertTargets | None) -> None:
+    """A list of target names must name projections this model has, or its experts' (lora/moe_targets.py), or
+    modules of the adapter's (`sources`, given where the model's rewrite renames or cuts them: checked through their
+    tensors, as a regex string is checked through the tensors it produced)."""
     if isinstance(adapter.target_modules, str):
         return
     for name in adapter.target_modules:
-        if not any(t == name or t.endswith("." + name) for t in (*targets, *sources)):
-            raise LoRAAdapterError(f"{adapter.config_file}: target_modules {name!r}: {_not_supported(name, targets)}")
+        if any(t == name or t.endswith("." + name) for t in (*targets, *sources)):
+            continue
+        if experts is None or not experts.is_expert_name(name):
+            raise LoRAAdapterError(f"{adapter.config_file}: target_modules {name!r}: "
+                                   f"{_not_supported(name, targets, experts)}")
 
 
-def _not_supported(name: str, targets: dict[str, ProjectionTarget]) -> str:
+def _not_supported(name: str, targets: dict[str, ProjectionTarget], experts: ExpertTargets | None = None) -> str:
     leaf = name.rsplit(".", 1)[-1]
     supported = ", ".join(sorted({t.rsplit(".", 1)[-1] for t in targets}))
     if leaf in UNSUPPORTED_TARGETS:
         return f"LoRA on the LM head or the embeddings is not supported (only {supported})"
-    return f"not a projection of this model that LoRA applies to ({supported})"
+    why = experts.why_not(name) if experts is not None else None
+    return f"not a projection of this model that LoRA applies to ({supported})" + (f"; {why}" if why else "")
 

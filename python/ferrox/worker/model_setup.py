@@ -251,6 +251,11 @@ def load_everything(config: EngineConfig, tp: TPGroup | None = None, device_inde
         draft_per_block, draft_scratch = _draft_kv_cost(config, dtype, tp.size, max_num_seqs, spec)
         kv_bytes = max(0, kv_bytes - draft_scratch * draft_per_block)
         per_block += draft_per_block
+        if config.enable_lora:  # the adapter slots, allocated after this (engine/lora_state.py)
+            from ferrox.lora.manager import slot_bytes
+
+            kv_bytes = max(0, kv_bytes - slot_bytes(model, max_loras=config.max_loras,
+                                                    max_rank=config.max_lora_rank, dtype=dtype))
     # Every rank holds the same block ids (of its own KV heads): the smallest budget decides.
     num_blocks = tp.min_int(kv_bytes // per_block + 1)  # + the null block, which holds nothing
     if config.num_gpu_blocks_override is not None:

@@ -1,0 +1,173 @@
+"""Which MoE experts an adapter may adapt, and an adapter's expert modules packed per MoE layer (lora/moe.py).
+
+A PEFT adapter names one module per expert projection, as the checkpoint names the expert's weights (vLLM reads
+them so): `model.layers.{i}.mlp.experts.{e}.gate_proj / up_proj / down_proj` (Qwen2-MoE, Qwen3-MoE) or
+`model.layers.{i}.block_sparse_moe.experts.{e}.w1 / w3 / w2` (Mixtral: gate, up, down), the spellings the MoE loader
+takes (models/moe.py). Each module's A and B are checked against the expert's checkpoint shapes (gate / up: A
+[r, H], B [I, r]; down: A [r, I], B [H, r]), then cut to this rank's share: the gate and up B rows and the down A
+columns of its intermediate rows, and under expert parallelism only its experts (the others' are checked and
+skipped).
+
+Families: LoRA on the experts runs on Qwen2-MoE, Qwen3-MoE and Mixtral with float experts (the gated SiLU experts
+of models/moe.py). Any other family's expert modules, or quantized experts (FP8, MXFP4), are refused by name, with
+the reason: their experts are stacked or renamed differently in their checkpoints, gated otherwise, or quantized,
+and none is tested with adapters here.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ferrox.layers.fused_moe import FusedMoE
+from ferrox.lora.adapter import LoRAAdapterError, LoRAModule, PeftAdapter
+from ferrox.lora.moe import ExpertSlotWeights, LoRAExperts
+from ferrox.lora.slots import TokenSlots
+
+# An expert projection's module path: the decoder layer, the MoE block's name, the expert, the projection.
+_EXPERT_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<block>mlp|block_sparse_moe)\.experts\."
+                            r"(?P<expert>\d+)\.(?P<proj>\w+)$")
+# Any name that looks like one expert's module, in any family (for the refusal's wording).
+_ANY_EXPERT = re.compile(r"\.experts\.\d+\.")
+_PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+SUPPORTED = "Qwen2-MoE, Qwen3-MoE and Mixtral (float experts)"
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertTarget:
+    layer: int  # index into the manager's expert layers
+    expert: int  # in the checkpoint
+    proj: str  # "gate", "up" or "down"
+
+
+class ExpertTargets:
+    """The model's MoE layers that take adapters: each decoder layer's FusedMoE at `<layer>.mlp.experts`, wrapped
+    (hooked) with a LoRAExperts, or the reason none is."""
+
+    def __init__(self, model: nn.Module, decoder_layers: list[nn.Module], token_slots: TokenSlots, *, max_loras: int,
+                 max_rank: int, dtype: torch.dtype, device: torch.device, use_triton: bool) -> None:
+        self.layers: list[LoRAExperts] = []
+        self.bases: list[FusedMoE] = []
+        self._index_of: dict[int, int] = {}  # decoder layer -> index into layers
+        self.refusal = _refusal(model)
+        for i, experts in adaptable_experts(model, decoder_layers):
+            wrapped = LoRAExperts(experts, token_slots, max_loras=max_loras, max_rank=max_rank, dtype=dtype,
+                                  device=device, use_triton=use_triton)
+            experts.lora = wrapped
+            self._index_of[i] = len(self.layers)
+            self.layers.append(wrapped)
+            self.bases.append(experts)
+
+    def is_expert_name(self, name: str) -> bool:
+        """Whether a target_modules entry names expert modules of this model (a suffix of one's path)."""
+        leaf = name.rsplit(".", 1)[-1]
+        if not self.layers or leaf not in _PROJECTIONS:
+            return False
+        pattern = re.compile(rf"(^|.*\.){re.escape(name)}$")
+        blocks = ("mlp", "block_sparse_moe")
+        return any(pattern.match(f"model.layers.{i}.{block}.experts.{e}.{leaf}") for i in self._index_of
+                   for block in blocks for e in range(self.bases[self._index_of[i]].num_experts))
+
+    def why_not(self, name: str) -> str | None:
+        """Why an expert module of an adapter is not taken (None: the name is no expert's)."""
+        if _ANY_EXPERT.search(name) is None and _EXPERT_MODULE.match(name) is None:
+            return None
+        if self.refusal is not None:
+            return f"LoRA on the routed experts runs on {SUPPORTED}: {self.refusal}"
+        return None
+
+    def resolve(self, adapter: PeftAdapter, name: str, module: LoRAModule) -> ExpertTarget | None:
+        """The expert an adapter module adapts (its tensors' shapes checked), None when the name is no expert
+        module of a layer that takes adapters; LoRAAdapterError naming the tensor for an expert index out of range,
+        an unknown projection, a layer without experts, or a wrong shape."""
+        match = _EXPERT_MODULE.match(name)
+        if match is None or not self.layers:
+            return None
+        where = f"{adapter.weights_file}: tensor {module.a_key!r} adapts {name!r}"
+        proj = _PROJECTIONS.get(match["proj"])
+        if proj is None:
+            raise LoRAAdapterError(f"{where}: {match['proj']!r} is not an expert projection (gate_proj, up_proj, "
+                                   "down_proj; Mixtral's w1, w3, w2)")
+        index = self._index_of.get(int(match["layer"]))
+        if index is None:
+            raise LoRAAdapterError(f"{where}: decoder layer {match['layer']} has no routed experts")
+        base = self.bases[index]
+        expert = int(match["expert"])
+        if expert >= base.num_experts:
+            raise LoRAAdapterError(f"{where}: expert {expert} is out of range (the layer has {base.num_experts} "
+                                   "experts)")
+        hidden, inter = base.hidden_size, base.checkpoint_intermediate_size
+        a_shape, b_shape = ((module.rank, inter), (hidden, module.rank)) if proj == "down" else (
+            (module.rank, hidden), (inter, module.rank))
+        for key, tensor, expected in ((module.a_key, module.lora_a, a_shape), (module.b_key, module.lora_b, b_shape)):
+            if tuple(tensor.shape) != expected:
+                raise LoRAAdapterError(f"{adapter.weights_file}: tensor {key!r} shape {tuple(tensor.shape)}, model "
+                                       f"expects {expected} (expert {expert}'s {proj} projection)")
+        return ExpertTarget(index, expert, proj)
+
+    def pack(self, modules: list[tuple[ExpertTarget, LoRAModule]], rank: int, dtype: torch.dtype,
+             pin: bool) -> tuple[ExpertSlotWeights | None, ...]:
+        """Each expert layer's share of the adapter as its slots hold it (lora/moe.py ExpertSlotWeights), None
+        for a layer the adapter leaves alone."""
+        by_layer: dict[int, list[tuple[ExpertTarget, LoRAModule]]] = {}
+        for target, module in modules:
+            by_layer.setdefault(target.layer, []).append((target, module))
+        out: list[ExpertSlotWeights | None] = [None] * len(self.layers)
+        for index, items in by_layer.items():
+            base = self.bases[index]
+            num, hidden = base.num_local_experts, base.hidden_size
+            start, inter = base.inter_start, base.intermediate_size
+            w13_a = torch.zeros(num, 2 * rank, hidden, dtype=dtype)
+            w13_b = torch.zeros(num, 2 * inter, rank, dtype=dtype)
+            w2_a = torch.zeros(num, rank, inter, dtype=dtype)
+            w2_b = torch.zeros(num, hidden, rank, dtype=dtype)
+            present = torch.zeros(num, dtype=torch.int32)
+            for target, module in items:
+                local = target.expert - base.expert_start
+                if not 0 <= local < num:
+                    continue  # another rank's expert (expert parallelism)
+                r = module.rank
+                present[local] = 1
+                # Scaling baked into B (in float32, rounded once), as the dense projections'.
+                b = module.lora_b * module.scaling
+                if target.proj == "down":
+                    w2_a[local, :r] = module.lora_a[:, start:start + inter]
+                    w2_b[local, :, :r] = b
+                else:
+                    half = 0 if target.proj == "gate" else 1
+                    w13_a[local, half * rank:half * rank + r] = module.lora_a
+                    w13_b[local, half * inter:(half + 1) * inter, :r] = b[start:start + inter]
+            if pin:
+                w13_a, w13_b, w2_a, w2_b, present = (t.pin_memory() for t in (w13_a, w13_b, w2_a, w2_b, present))
+            out[index] = ExpertSlotWeights(w13_a, w13_b, w2_a, w2_b, present)
+        return tuple(out)
+
+
+def adaptable_experts(model: nn.Module, decoder_layers: list[nn.Module]) -> list[tuple[int, FusedMoE]]:
+    """(decoder layer index, its FusedMoE) of every MoE layer whose experts take adapters; none where the family's
+    experts are refused (`_refusal`)."""
+    if _refusal(model) is not None:
+        return []
+    found = ((i, getattr(getattr(layer, "mlp", None), "experts", None)) for i, layer in enumerate(decoder_layers))
+    return [(i, experts) for i, experts in found if isinstance(experts, FusedMoE)]  # (dense layers have none)
+
+
+def _refusal(model: nn.Module) -> str | None:
+    """Why this model's experts take no adapters (None: they do)."""
+    from ferrox.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+
+    experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    if not experts:
+        return f"{type(model).__name__} has no routed experts"
+    if type(model) not in (Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM):
+        return f"not on {type(model).__name__}"
+    for layer in experts:
+        if layer.weight_method is not None or layer.w13_scale is not None:
+            kind = type(layer.weight_method).__name__ if layer.weight_method is not None else "FP8"
+            return f"this model's experts are quantized ({kind}); float experts only"
+        if not layer.gated or layer.activation is not None or layer.w13_bias is not None:
+            return "these experts are not SiLU-gated without biases"
+    return None

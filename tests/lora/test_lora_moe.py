@@ -1,0 +1,235 @@
+"""LoRA on the routed experts of MoE models (lora/moe.py, lora/moe_targets.py): tiny random Qwen3-MoE, Qwen2-MoE and
+Mixtral checkpoints (transformers) with PEFT-format adapters written here, one module per expert projection as vLLM reads
+them (`mlp.experts.{e}.gate_proj / up_proj / down_proj`, Mixtral's `block_sparse_moe.experts.{e}.w1 / w3 / w2`).
+
+Reference: transformers with each adapter merged into the weights by hand (W + scaling * B A: tests/lora/adapters.py
+merged_by_hand). peft is installed, but it cannot load per-expert modules on transformers 5's fused experts (it
+adapts them through `target_parameters`, another format, which ferrox refuses by name).
+
+- The real engine (Rust scheduler, chunked prefill under a 16-token budget, 3 adapters over 2 slots so they swap)
+  serving base-model requests, two adapters with expert modules (one on every expert and two attention projections,
+  one of rank 4 with a rank_pattern on half the experts) and one without expert modules, in one batch: each
+  request's greedy tokens and their logprobs equal transformers' with its adapter merged.
+- Errors name the module: a rank above max_lora_rank, an expert index out of range, A without B, a wrong shape, a
+  dense layer's experts, a family whose experts take no adapters.
+- Tensor and expert parallelism (2 gloo ranks, slow): each rank packs its share, the same tokens.
+- On a GPU: the CUDA engine (CUDA graphs, the Triton path) against the CPU engine, tokens and logprobs.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from ferrox import LLM, SamplingParams
+from ferrox.lora.adapter import LoRAAdapterError
+from ferrox.lora.manager import LoRAManager, slot_bytes
+from ferrox.lora.request import LoRARequest
+
+from tests.helpers import tiny_models
+from tests.helpers.tiny_models import EOS_TOKEN_ID, load_float32
+from tests.lora.adapters import load_hf_model, merged_by_hand, write_adapter
+from tests.models.conftest import cut_at_eos, hf_greedy
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
+
+PROMPTS = [[(7 * i) % 300 + 3 for i in range(30)], [1, 77, 78, 5], [5, 9, 11, 40, 41]]
+MAX_TOKENS = 6
+NAMES = ["e1", "base", "e2", "d", "e1", "e2", "base", "d"]
+COMMON = dict(dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=8,
+              max_num_batched_tokens=16, kv_cache_memory=8 << 20)
+# name -> (build, sparse decoder layers, experts, MoE block name, (gate, up, down) names, expert I, hidden)
+FAMILIES = {
+    "qwen3_moe": (lambda d: tiny_models.make_tiny_qwen3_moe(d, seed=21), (0, 2), 8, "mlp",
+                  ("gate_proj", "up_proj", "down_proj"), 32, 64),
+    # (a shared expert beside the routed ones, top-k weights not renormalised)
+    "qwen2_moe": (lambda d: tiny_models.make_tiny_qwen2_moe(d, seed=23), (0, 1), 6, "mlp",
+                  ("gate_proj", "up_proj", "down_proj"), 32, 64),
+    "mixtral": (lambda d: tiny_models.make_tiny_mixtral(d, seed=22), (0, 1), 4, "block_sparse_moe",
+                ("w1", "w3", "w2"), 48, 64),
+}
+
+
+def _expert_modules(family: str, experts: list[int] | None = None) -> dict[str, tuple[int, int]]:
+    _, layers, num, block, (gate, up, down), inter, hidden = FAMILIES[family]
+    out = {}
+    for i in layers:
+        for e in range(num) if experts is None else experts:
+            prefix = f"model.layers.{i}.{block}.experts.{e}"
+            out.update({f"{prefix}.{gate}": (inter, hidden), f"{prefix}.{up}": (inter, hidden),
+                        f"{prefix}.{down}": (hidden, inter)})
+    return out
+
+
+def _attention(base, layers: range, projs: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+    names = [f"model.layers.{i}.self_attn.{p}" for i in layers for p in projs]
+    return {n: tuple(base.get_submodule(n).weight.shape) for n in names}
+
+
+def _adapters(family: str, base, root) -> dict[str, LoRARequest]:
+    """e1: every expert of every sparse layer and layer 0's q / v (r 8); e2: the even experts, r 4, one module at
+    rank 2 (rank_pattern); d: the attention only, no expert modules."""
+    _, layers, num, *_ = FAMILIES[family]
+    e1 = {**_expert_modules(family), **_attention(base, range(1), ("q_proj", "v_proj"))}
+    e2 = _expert_modules(family, list(range(0, num, 2)))
+    low = next(n for n in e2 if n.endswith((".up_proj", ".w3")))
+    d = _attention(base, range(2), ("q_proj", "k_proj", "v_proj", "o_proj"))
+    folders = {"e1": write_adapter(root / "e1", e1, r=8, lora_alpha=16, seed=1, std=0.1),
+               "e2": write_adapter(root / "e2", e2, r=4, lora_alpha=8, seed=2, std=0.15, ranks={low: 2}),
+               "d": write_adapter(root / "d", d, r=4, lora_alpha=8, seed=3, std=0.1)}
+    return {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(folders.items())}
+
+
+@torch.inference_mode()
+def _hf_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].double()
+    return torch.log_softmax(logits, dim=-1)[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """family -> (folder, {adapter name: LoRARequest}, {"base" / adapter name: [(tokens, logprobs) per prompt]})."""
+    out = {}
+    for family, (build, *_) in FAMILIES.items():
+        root = tmp_path_factory.mktemp(f"lora_{family}")
+        folder = build(root / "base")
+        base = load_hf_model(folder)
+        adapters = _adapters(family, base, root)
+        refs = {}
+        for name, model in {"base": base, **{n: merged_by_hand(base, r.lora_path) for n, r in adapters.items()}}.items():
+            tokens = [cut_at_eos(hf_greedy(model, p, MAX_TOKENS), [EOS_TOKEN_ID]) for p in PROMPTS]
+            refs[name] = [(t, _hf_logprobs(model, p, t)) for p, t in zip(PROMPTS, tokens, strict=True)]
+        out[family] = (folder, adapters, refs)
+    return out
+
+
+def _generate(llm: LLM, adapters: dict[str, LoRARequest], names: list[str]) -> list[tuple[list[int], list[float]]]:
+    prompts = [{"prompt_token_ids": PROMPTS[i % len(PROMPTS)]} for i in range(len(names))]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0), use_tqdm=False,
+                        lora_request=[adapters.get(n) for n in names])
+    got = []
+    for o in outs:
+        tokens = cut_at_eos(list(o.outputs[0].token_ids), [EOS_TOKEN_ID])
+        got.append((tokens, [o.outputs[0].logprobs[i][t].logprob for i, t in enumerate(tokens)]))
+    return got
+
+
+def _assert_match(got, refs, names: list[str], atol: float = 1e-3) -> None:
+    for i, (name, (tokens, logprobs)) in enumerate(zip(names, got, strict=True)):
+        want_tokens, want_logprobs = refs[name][i % len(PROMPTS)]
+        assert tokens == want_tokens, (i, name)
+        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < atol, (i, name)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_engine_mixed_batch_matches_merged_weights(moe, family):
+    folder, adapters, refs = moe[family]
+    for name in ("e1", "e2", "d"):
+        assert [t for t, _ in refs[name]] != [t for t, _ in refs["base"]], name  # (each adapter changes answers)
+    llm = LLM(folder, **COMMON)
+    try:
+        _assert_match(_generate(llm, adapters, NAMES), refs, NAMES)
+    finally:
+        llm.engine.shutdown()
+
+
+def _manager(folder) -> LoRAManager:
+    return LoRAManager(load_float32(folder), max_loras=1, max_lora_rank=8, max_cpu_loras=None, device="cpu",
+                       dtype=torch.float32, max_num_tokens=8)
+
+
+def test_slot_bytes_counts_every_buffer_the_manager_allocates(moe):
+    """The GPU budget leaves the adapter slots' bytes before the KV cache takes the rest (lora.manager.slot_bytes):
+    the count equals the stacks a manager then allocates, the experts' included."""
+    model = load_float32(moe["mixtral"][0])
+    want = slot_bytes(model, max_loras=2, max_rank=4, dtype=torch.float32)
+    manager = LoRAManager(model, max_loras=2, max_lora_rank=4, max_cpu_loras=None, device="cpu", dtype=torch.float32,
+                          max_num_tokens=8)
+    stacks = ("a_stack", "b_stack", "w13_a", "w13_b", "w2_a", "w2_b")
+    got = sum(buf.numel() * buf.element_size() for module in model.modules() for name, buf in
+              module.named_buffers(recurse=False) if name in stacks)
+    assert manager.experts.layers and want == got
+
+
+@pytest.mark.parametrize("case", ["rank", "expert", "half", "shape", "dense layer", "projection"])
+def test_expert_adapter_errors_name_the_module(moe, tmp_path, case):
+    folder = moe["qwen3_moe"][0]
+    module = "model.layers.0.mlp.experts.3.down_proj"
+    modules, kw, match = {module: (64, 32)}, {}, None
+    if case == "rank":
+        kw, match = dict(r=16), f"r=16 exceeds max_lora_rank=8 (module '{module}')"
+    elif case == "expert":
+        module = "model.layers.2.mlp.experts.8.gate_proj"
+        modules, match = {module: (32, 64)}, f"adapts '{module}': expert 8 is out of range (the layer has 8 experts)"
+    elif case == "shape":
+        modules, match = {module: (64, 16)}, r"experts.3.down_proj.lora_A.weight' shape \(4, 16\), model expects " \
+                                             r"\(4, 32\) \(expert 3's down projection\)"
+    elif case == "dense layer":  # (mlp_only_layers: layer 1 has a dense MLP)
+        module = "model.layers.1.mlp.experts.0.up_proj"
+        modules, match = {module: (32, 64)}, f"adapts '{module}': decoder layer 1 has no routed experts"
+    elif case == "projection":
+        module = "model.layers.0.mlp.experts.0.gate_up_proj"
+        modules, match = {module: (64, 64)}, "'gate_up_proj' is not an expert projection"
+    path = write_adapter(tmp_path / "a", modules, **kw)
+    if case == "half":  # lora_A alone
+        from safetensors.torch import load_file, save_file
+
+        file = path + "/adapter_model.safetensors"
+        save_file({k: v for k, v in load_file(file).items() if "lora_A" in k}, file)
+        match = f"module '{module}' has no lora_B.weight tensor"
+    manager = _manager(folder)
+    with pytest.raises(LoRAAdapterError, match=re.escape(match) if case != "shape" else match):
+        manager.add_adapter(LoRARequest("x", 1, path))
+    assert manager.list_adapters() == []
+
+
+def test_experts_of_other_families_are_refused_by_name(tmp_path):
+    """A FusedMoE family outside Qwen2-MoE / Qwen3-MoE / Mixtral (here GLM-4.5's): its expert modules are refused,
+    naming the tensor and the reason; its attention still takes adapters."""
+    from tests.helpers.tiny_glm import make_tiny_glm4_moe
+
+    folder = make_tiny_glm4_moe(tmp_path / "glm", num_layers=2, seed=6)
+    manager = _manager(folder)
+    module = "model.layers.1.mlp.experts.0.gate_proj"
+    adapter = write_adapter(tmp_path / "e", {module: (32, 64)})
+    with pytest.raises(LoRAAdapterError, match=rf"tensor 'base_model\.model\.{re.escape(module)}\.lora_[AB]\.weight' "
+                                               rf"adapts '{re.escape(module)}', not a projection of this model .*"
+                                               r"LoRA on the routed experts runs on Qwen2-MoE, Qwen3-MoE and Mixtral "
+                                               r"\(float experts\): not on Glm4MoeForCausalLM"):
+        manager.add_adapter(LoRARequest("x", 1, adapter))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_sharded_expert_adapters_match_merged_weights(moe, expert_parallel):
+    """Two gloo ranks: each expert's intermediate rows sharded (gate / up B rows and down A columns cut), or the
+    experts split between the ranks (each packs its own experts' pairs)."""
+    folder, adapters, refs = moe["qwen3_moe"]
+    llm = LLM(folder, tensor_parallel_size=2, device="cpu", enable_expert_parallel=expert_parallel, **COMMON)
+    try:
+        _assert_match(_generate(llm, adapters, NAMES), refs, NAMES)
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_cuda_engine_matches_cpu(moe, family):
+    """The expert adapters on CUDA (default settings: CUDA graphs, the Triton path of lora/moe.py) against the CPU
+    engine: each request's greedy tokens and logprobs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    folder, adapters, _ = moe[family]
+    got = {}
+    for device in ("cpu", "cuda"):
+        settings = {k: v for k, v in COMMON.items() if k != "max_num_batched_tokens"}
+        llm = LLM(folder, device=device, **dict(settings, kv_cache_memory=32 << 20))
+        try:
+            got[device] = _generate(llm, adapters, NAMES)
+        finally:
+            llm.engine.shutdown()
+    for (cpu_tokens, cpu_lp), (cuda_tokens, cuda_lp) in zip(got["cpu"], got["cuda"], strict=True):
+        assert cuda_tokens == cpu_tokens
+        assert max(abs(a - b) for a, b in zip(cpu_lp, cuda_lp, strict=True)) < 2e-3
