@@ -2,8 +2,8 @@
 (grouped sigmoid routing), DeepSeek-V2-Lite's and V3's layouts (latent attention), gpt-oss (sinks, windows, clamped
 SwiGLU experts; its MXFP4 layout too), SmolLM3 (NoPE layers), OLMo 2, OLMoE, OLMo 3, EXAONE 4, ERNIE 4.5 (dense,
 MoE), Cohere2, Llama 4 (chunked attention), Gemma 4, Ministral 3, Mistral Small 4, Qwen3.5 / Qwen3.5-MoE /
-Qwen3-Next (hybrid linear attention), Granite 4.0-H and Nemotron-H (Mamba2 hybrids), Qwen3.5, Qwen3-Next and GLM-4.5
-and DeepSeek-V3 drafting with their MTP layer (mtp-*), and a harmony- speaking Llama under `--reasoning-parser
+Qwen3-Next (hybrid linear attention), Granite 4.0-H and Nemotron-H (Mamba2 hybrids), Qwen3.5, Qwen3-Next, GLM-4.5,
+DeepSeek-V3 and Nemotron 3 Super drafting with their MTP layers (mtp-*), and a harmony- speaking Llama under `--reasoning-parser
 openai_gptoss --tool-call-parser openai`. Per family: 24 concurrent greedy completions (prompts of 4 to 150 token
 ids, cut across chunked-prefill steps by --max-num-batched-tokens 24) compared with the offline LLM on the same
 device, plus chats and streams; 0 errors and (in float32) 0 mismatches expected. NAMES... pick the families whose
@@ -43,7 +43,7 @@ from tests.helpers.tiny_hunyuan import make_tiny_hunyuan, make_tiny_hunyuan_moe 
 from tests.helpers.tiny_llama4 import make_tiny_llama4, make_tiny_llama4_multimodal  # noqa: E402
 from tests.helpers.tiny_ministral3 import make_tiny_ministral3  # noqa: E402
 from tests.helpers.tiny_mistral4 import make_tiny_mistral4  # noqa: E402
-from tests.helpers.tiny_nemotron_h_moe import make_tiny_nemotron_h_moe  # noqa: E402
+from tests.helpers.tiny_nemotron_h_moe import add_nemotron_h_mtp, make_tiny_nemotron_h_moe  # noqa: E402
 from tests.helpers.tiny_olmo_smollm3 import (  # noqa: E402
     make_tiny_olmo2,
     make_tiny_olmo3,
@@ -80,6 +80,11 @@ def _with_mtp(folder: str) -> str:
 
 def _with_deepseek_layout_mtp(folder: str) -> str:
     add_deepseek_layout_mtp(folder, embed_gain=0.5)
+    return folder
+
+
+def _with_nemotron_h_mtp(folder: str) -> str:
+    add_nemotron_h_mtp(folder, embed_gain=0.5)
     return folder
 
 
@@ -145,6 +150,9 @@ def families(tmp: Path) -> list[tuple[str, str, list[str]]]:
              ["--max-model-len", "256", *MTP]),
             ("mtp-glm4-moe", _with_deepseek_layout_mtp(make_tiny_glm4_moe(tmp / "glm4moe_mtp", mtp_layers=0)), MTP),
             ("mtp-deepseek-v3", _with_deepseek_layout_mtp(make_tiny_deepseek(tmp / "dsv3_mtp", version=3)), MTP),
+            # (Nemotron 3 Super's MTP step: an attention and a latent-MoE block beside the Mamba2 hybrid)
+            ("mtp-nemotron-h", _with_nemotron_h_mtp(make_tiny_nemotron_h_moe(tmp / "nemotron3_super_mtp", latent=True)),
+             ["--max-model-len", "256", *MTP]),
             ("harmony-parsers", make_tiny_harmony_llama(tmp / "harmony"),
              ["--reasoning-parser", "openai_gptoss", "--tool-call-parser", "openai"])]
 

@@ -19,7 +19,7 @@ from typing import Any
 
 METHODS = ("ngram", "draft_model", "mtp")
 # vLLM's older per-family names of "mtp" for the families ferrox drafts with their MTP layer.
-MTP_ALIASES = ("qwen3_next_mtp", "qwen3_5_mtp", "deepseek_mtp", "glm4_moe_mtp")
+MTP_ALIASES = ("qwen3_next_mtp", "qwen3_5_mtp", "deepseek_mtp", "glm4_moe_mtp", "nemotron_h_mtp")
 # The core's defaults (rust/ngram.rs), stated once here for the config's own checks.
 DEFAULT_PROMPT_LOOKUP_MIN = 1
 DEFAULT_PROMPT_LOOKUP_MAX = 5

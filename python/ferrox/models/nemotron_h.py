@@ -12,8 +12,9 @@ hybrid_override_pattern (model_spec.hybrid_layer_types):
 Checkpoint names: the releases' `backbone.embeddings`, `backbone.layers.N.{norm,mixer}`, `backbone.norm_f` are read
 as model.embed_tokens / model.layers.N / model.norm; experts one tensor each (`mixer.experts.{e}.up_proj.weight`,
 the releases' and save_pretrained's) or stacked (`mixer.experts.up_proj` [E, I, H], `down_proj` [E, H, I], as
-transformers holds them). Multi-token-prediction layers (`mtp.*`, num_nextn_predict_layers) are skipped, as
-transformers skips them for the causal LM.
+transformers holds them). Multi-token-prediction layers (`mtp.*`, num_nextn_predict_layers: Nemotron 3 Super) are
+skipped here, as transformers skips them for the causal LM, and read only as a drafter under speculative_config
+method 'mtp' (models/nemotron_h_mtp.py, worker/mtp_proposer.py).
 
 Every step's routing and experts run on the device with nothing read back on the host, so decode steps replay CUDA
 graphs as the other layers' do (the default `supports_cuda_graphs`); prefill steps run eagerly, as for every
@@ -198,17 +199,16 @@ class NemotronHForCausalLM(DecoderStackLM):
                 continue
             yield name, tensor
 
-    def _kv_scales_taken(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        """An FP8 checkpoint's KV-cache scales of the attention mixers (`<layer>.mixer.k_proj.k_scale`...) loaded
-        here: the shared loader knows them under `self_attn` (models/llama.py load_kv_scale)."""
-        modules = dict(self.named_modules())
-        for name, tensor in weights:
-            layer, sep, tail = name.partition(".mixer.")
-            kv = split_kv_scale_name(f"{layer}.self_attn.{tail}") if sep else None
-            if kv is not None and isinstance(modules.get(f"{layer}.mixer"), LlamaAttention):
-                load_kv_scale({f"{layer}.self_attn": modules[f"{layer}.mixer"]}, f"{layer}.self_attn.{tail}", tensor)
-                continue
-            yield name, tensor
+    # The checkpoint's MTP layers: their tensors' prefix (worker/mtp_proposer.py reads them).
+    mtp_checkpoint_prefix = "mtp."
+
+    def multi_token_predictor(self, quant_config: Any = None, *, float_fc: bool = False) -> nn.Module:
+        """The checkpoint's MTP layers (mtp.*) as a drafter sharing this model's embedding and LM head
+        (models/nemotron_h_mtp.py), built but not loaded; quant_config None: all float; float_fc: its eh_proj
+        float."""
+        from ferrox.models.nemotron_h_mtp import NemotronHMultiTokenPredictor
+
+        return NemotronHMultiTokenPredictor(self, quant_config, float_fc=float_fc)
 
     def lora_rewrite(self, pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """Adapters' (module.weight, lora_B) pairs under this model's names (lora/rewrite.py): `backbone.*` read as
@@ -216,8 +216,32 @@ class NemotronHForCausalLM(DecoderStackLM):
         return self._rewritten(pairs)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        load_moe_tensors(self, self._kv_scales_taken(self._rewritten(weights)), self.spec.architecture,
+        load_moe_tensors(self, take_kv_scales(self, self._rewritten(weights)), self.spec.architecture,
                          expected_checkpoint_keys(self))
+
+
+def take_kv_scales(model: nn.Module, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """An FP8 checkpoint's KV-cache scales of `model`'s attention mixers (`<layer>.mixer.k_proj.k_scale`...) loaded
+    here, the other tensors passed on: the shared loader knows them under `self_attn` (models/llama.py
+    load_kv_scale)."""
+    modules = dict(model.named_modules())
+    for name, tensor in weights:
+        layer, sep, tail = name.partition(".mixer.")
+        kv = split_kv_scale_name(f"{layer}.self_attn.{tail}") if sep else None
+        if kv is not None and isinstance(modules.get(f"{layer}.mixer"), LlamaAttention):
+            load_kv_scale({f"{layer}.self_attn": modules[f"{layer}.mixer"]}, f"{layer}.self_attn.{tail}", tensor)
+            continue
+        yield name, tensor
+
+
+def per_expert_tensors(weights: Iterable[tuple[str, Any]], num_experts: int) -> Iterator[tuple[str, Any]]:
+    """`weights` with stacked expert tensors (transformers' `<layer>.mixer.experts.up_proj`...) cut into one per
+    expert (the MTP layers' tensors; the decoder's go through _rewritten)."""
+    for name, tensor in weights:
+        if name.endswith((".mixer.experts.up_proj", ".mixer.experts.down_proj")):
+            yield from _per_expert(name, tensor, num_experts)
+        else:
+            yield name, tensor
 
 
 def _per_expert(name: str, tensor: Any, num_experts: int) -> Iterator[tuple[str, Any]]:

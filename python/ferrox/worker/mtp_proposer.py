@@ -71,7 +71,7 @@ def load_predictor(target: Any, source: ModelSource, load_format: str, seed: int
     if build is None:
         raise UnsupportedModelError(f"speculative_config.method 'mtp': {type(target).__name__} has no "
                                     "multi-token-prediction layer in ferrox (Qwen3.5 / Qwen3.6 / Qwen3-Next, "
-                                    "DeepSeek-V3 / R1 and GLM-4.5 / 4.6 / 4.7 have)")
+                                    "DeepSeek-V3 / R1, GLM-4.5 / 4.6 / 4.7 and Nemotron-H (Nemotron 3 Super) have)")
     with torch.no_grad():
         if load_format == "dummy":
             predictor = build(quant_config)
@@ -90,7 +90,8 @@ def load_predictor(target: Any, source: ModelSource, load_format: str, seed: int
             # (quantization at load, --quantization fp8 on float weights, takes the layer whole, as the model's).
             scaled = {name.rpartition(".")[0] for name, _ in tensors if name.endswith(_SCALE_SUFFIXES)}
             online = bool(getattr(quant_config, "online_quantization", False))
-            fc = {f"{prefix}fc", f"{prefix}eh_proj"}
+            # (the input projection: Qwen's fc, DeepSeek's eh_proj, Nemotron-H's on its first MTP block)
+            fc = {f"{prefix}fc", f"{prefix}eh_proj", f"{prefix}layers.0.eh_proj"}
             predictor = build(quant_config if scaled or online else None, float_fc=not (online or scaled & fc))
             predictor.load_weights(tensors)
         predictor.finalize_weights()
