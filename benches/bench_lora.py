@@ -2,6 +2,7 @@
 
     python benches/bench_lora.py                       # H200: 8B dummy, 4 adapters of rank 16
     python benches/bench_lora.py --config benches/configs/... --num-prompts 64 --device cpu
+    python benches/bench_lora.py --moe qwen3-30b-a3b --num-adapters 2   # adapters on every expert too (lora/moe.py)
 
 1. Mixed batch: N prompts (input x output tokens, ignore_eos) over the base model and the adapters
    in turn, on an engine with enable_lora (max_loras = the number of adapters); then the same
@@ -10,7 +11,9 @@
    LoRA engine, and on the base engine.
 
 The adapters are random PEFT-format folders (adapter_config.json + adapter_model.safetensors over
-all seven projections), written here: no `peft` needed on the GPU machine.
+all seven projections; on an MoE config (--moe, bench_moe.py's CONFIGS) the attention's four and every
+routed expert's gate / up / down, one module per expert as vLLM reads them), written here: no `peft`
+needed on the GPU machine.
 """
 
 from __future__ import annotations
@@ -42,18 +45,30 @@ def write_random_adapter(config: dict, folder: Path, rank: int, seed: int) -> st
     shapes = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
               "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden),
               "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    modules = {f"model.layers.{layer}.{parent}.{proj}": shapes[proj] for layer in range(config["num_hidden_layers"])
+               for proj, parent in PROJECTIONS.items()}
+    num_experts = config.get("num_experts") or config.get("num_local_experts")
+    if num_experts:  # every layer sparse (the configs of bench_moe.py): the attention's and the experts' modules
+        block, names = ("block_sparse_moe", ("w1", "w3", "w2")) if "num_local_experts" in config else (
+            "mlp", ("gate_proj", "up_proj", "down_proj"))
+        expert_inter = config.get("moe_intermediate_size") or inter
+        modules = {name: shape for name, shape in modules.items() if ".self_attn." in name}
+        for layer in range(config["num_hidden_layers"]):
+            for e in range(num_experts):
+                for proj, shape in zip(names, ((hidden, expert_inter), (hidden, expert_inter), (expert_inter, hidden)),
+                                       strict=True):
+                    modules[f"model.layers.{layer}.{block}.experts.{e}.{proj}"] = shape
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
-    for layer in range(config["num_hidden_layers"]):
-        for proj, parent in PROJECTIONS.items():
-            fan_in, fan_out = shapes[proj]
-            prefix = f"base_model.model.model.layers.{layer}.{parent}.{proj}"
-            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=gen) / fan_in ** 0.5).bfloat16()
-            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=gen) * 0.01).bfloat16()
+    for module, (fan_in, fan_out) in modules.items():
+        prefix = f"base_model.model.{module}"
+        tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=gen) / fan_in ** 0.5).bfloat16()
+        tensors[f"{prefix}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=gen) * 0.01).bfloat16()
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
+    targets = sorted({name.rsplit(".", 1)[1] for name in modules})
     (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(PROJECTIONS),
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets,
         "lora_dropout": 0.0, "bias": "none", "use_rslora": False, "use_dora": False, "task_type": "CAUSAL_LM"}))
     return str(folder)
 
@@ -80,6 +95,8 @@ def _decode_ms(llm, prompt, params, lora) -> float:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description="ferrox multi-LoRA throughput and decode overhead")
     parser.add_argument("--config", default=str(bench_setup.LLAMA_8B_CONFIG))
+    parser.add_argument("--moe", default=None, help="an MoE config of bench_moe.py (qwen3-30b-a3b, mixtral-8x7b) "
+                        "instead of --config: adapters on the experts too")
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=256)
@@ -95,9 +112,14 @@ def main(argv: list[str] | None = None) -> dict:
     from ferrox import LLM, SamplingParams
     from ferrox.lora.request import LoRARequest
 
+    tmp = Path(tempfile.mkdtemp(prefix="ferrox-lora-"))
+    if args.moe is not None:
+        from bench_moe import CONFIGS
+
+        (tmp / "config.json").write_text(json.dumps(CONFIGS[args.moe]))
+        args.config = str(tmp / "config.json")
     config = json.loads(Path(args.config).read_text())
     model_dir = bench_setup.make_model_dir(args.config)
-    tmp = Path(tempfile.mkdtemp(prefix="ferrox-lora-"))
     adapters = [LoRARequest(f"a{i}", i + 1, write_random_adapter(config, tmp / f"a{i}", args.rank, i))
                 for i in range(args.num_adapters)]
     prompts = bench_setup.random_prompts(args.num_prompts, args.input_len, bench_setup.first_special_id(config))
