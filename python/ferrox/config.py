@@ -103,8 +103,8 @@ CONFIG_FORMATS = ("auto", "hf", "mistral")
 # vLLM's --mm-encoder-tp-mode: the vision encoder's weights sharded across the tensor-parallel ranks, or whole on
 # each rank with a step's images split among them (models/vision/encoder_setup.py).
 MM_ENCODER_TP_MODES = ("weights", "data")
-# The modalities ferrox's vision models take (--limit-mm-per-prompt's keys beyond them may only be 0).
-MM_MODALITIES = ("image", "video")
+# The modalities ferrox's multimodal models take (--limit-mm-per-prompt's keys beyond them may only be 0).
+MM_MODALITIES = ("image", "video", "audio")
 # vLLM's --mm-processor-cache-type: the front-end's LRU alone, or with the shared-memory ring the pixels cross to the
 # engine cores through (multimodal/processor_cache.py, multimodal/shm_store.py).
 MM_PROCESSOR_CACHE_TYPES = ("lru", "shm")
@@ -122,9 +122,9 @@ def _check_mm_limits(limits: Any) -> None:
     for key, value in limits.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"limit_mm_per_prompt.{key}: must be a count >= 0, got {value!r}")
-        if key not in ("image", "video") and value:
-            raise ValueError(f"limit_mm_per_prompt.{key}: ferrox takes images and videos only ({key} inputs are not "
-                             "supported)")
+        if key not in MM_MODALITIES and value:
+            raise ValueError(f"limit_mm_per_prompt.{key}: ferrox takes images, videos and audio only ({key} inputs "
+                             "are not supported)")
 
 
 def _check_mm_processor_cache(size: Any, kind: Any, max_object_mb: Any) -> None:
@@ -328,8 +328,8 @@ class EngineConfig:
         "the only hosts http(s) images and videos may be fetched from (vLLM's; exact host names), redirects then "
         "not followed", nargs="+", default_help="any host")
     limit_mm_per_prompt: dict[str, int] | None = _opt(
-        "most images and videos one prompt may carry, as vLLM's JSON object {\"image\": N, \"video\": M} "
-        "(other modalities only as 0)",
+        "most images, videos and audio clips one prompt may carry, as vLLM's JSON object {\"image\": N, "
+        "\"video\": M, \"audio\": K} (other modalities only as 0)",
         default_help="no limit but the context")
     media_io_kwargs: dict[str, Any] | None = _opt(
         "arguments of the media loaders by modality (vLLM's JSON object): video num_frames (the frames kept of a "

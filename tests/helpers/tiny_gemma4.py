@@ -8,6 +8,11 @@ Gemma4ImageProcessor (4-pixel patches pooled 3x3, at most 70 soft tokens an imag
 video_preprocessor_config.json for Gemma4VideoProcessor (the same patches, 70 soft tokens a frame, its defaults
 otherwise), a chat template that writes the image (video) token for image (video) parts, and vision weights spread
 wide enough for images to move the text.
+
+With audio=True (implies images) it also has a tiny audio tower (AUDIO: a two-layer conformer over the feature
+extractor's 128 mel bins, its projections clipped), a processor_config.json holding Gemma4AudioFeatureExtractor's
+fields (its defaults) and Gemma4Processor's audio_seq_length / audio_ms_per_token, a chat template that writes the
+audio token for audio parts, and audio weights spread as the vision ones are.
 """
 
 from __future__ import annotations
@@ -27,6 +32,17 @@ MEDIA_TOKENS = [("<|image>", "boi_token", "boi_token_id"), ("<image|>", "eoi_tok
                 ("<|video|>", "video_token", "video_token_id")]
 IMAGE_TEMPLATE = tiny_models.LLAVA_CHAT_TEMPLATE.replace("<image>\n", "<|image|>").replace(
     "{% elif part['type'] == 'text' %}", "{% elif part['type'] == 'video' %}<|video|>{% elif part['type'] == 'text' %}")
+AUDIO_TEMPLATE = IMAGE_TEMPLATE.replace(
+    "{% elif part['type'] == 'text' %}", "{% elif part['type'] == 'audio' %}<|audio|>{% elif part['type'] == 'text' %}")
+# 128 first channels: transformers sizes the subsampling's projection from them (they must be the mel bins)
+AUDIO = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, subsampling_conv_channels=[128, 8],
+             conv_kernel_size=5, attention_chunk_size=12, attention_context_left=13, attention_context_right=0,
+             output_proj_dims=48, use_clipped_linears=True)
+FEATURE_EXTRACTOR = {"feature_extractor_type": "Gemma4AudioFeatureExtractor", "feature_size": 128,
+                     "sampling_rate": 16_000, "padding_value": 0.0, "return_attention_mask": True,
+                     "frame_length_ms": 20.0, "hop_length_ms": 10.0, "min_frequency": 0.0, "max_frequency": 8000.0,
+                     "preemphasis": 0.0, "preemphasis_htk_flavor": True, "fft_overdrive": False, "dither": 0.0,
+                     "input_scale_factor": 1.0, "mel_floor": 1e-3, "per_bin_mean": None, "per_bin_stddev": None}
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
               num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=3, position_embedding_size=64,
               rope_parameters={"rope_type": "axial", "rope_theta": 100.0})
@@ -76,17 +92,18 @@ def _randomize(model) -> None:
 
 
 def make_tiny_gemma4(folder, *, conditional: bool = False, images: bool = False, seed: int = 0,
-                     standardize: bool = False, clipped: bool = False, **kind: Any) -> str:
+                     standardize: bool = False, clipped: bool = False, audio: bool = False, **kind: Any) -> str:
     """A Gemma4ForCausalLM, or (conditional) a Gemma4ForConditionalGeneration with a tiny vision tower; images:
     one that takes images (module docstring; implies conditional). standardize: the tower's std_bias /
-    std_scale; clipped: its use_clipped_linears, with bounds that clip. `kind`: text_config's switches (moe,
-    per_layer, kv_shared, bidirectional)."""
+    std_scale; clipped: its use_clipped_linears, with bounds that clip. audio: a tiny audio tower too (module
+    docstring; implies images). `kind`: text_config's switches (moe, per_layer, kv_shared, bidirectional)."""
     import torch
     import transformers
     from tokenizers import AddedToken
 
     tok = tiny_models.build_tokenizer()
     ids: dict[str, int] = {}
+    images = images or audio
     if images:
         conditional = True
         tok.add_tokens([AddedToken(t, special=True, normalized=False) for t, _, _ in MEDIA_TOKENS])
@@ -95,7 +112,8 @@ def make_tiny_gemma4(folder, *, conditional: bool = False, images: bool = False,
     torch.manual_seed(seed)
     if conditional:
         vision = {**VISION, "standardize": standardize, "use_clipped_linears": clipped}
-        config = transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None, **ids)
+        config = transformers.Gemma4Config(text_config=text, vision_config=vision,
+                                           audio_config=dict(AUDIO) if audio else None, **ids)
         config.architectures = ["Gemma4ForConditionalGeneration"]
         model = transformers.Gemma4ForConditionalGeneration(config)
     else:
@@ -105,14 +123,20 @@ def make_tiny_gemma4(folder, *, conditional: bool = False, images: bool = False,
     model = model.to(torch.float32)
     if images:
         tiny_models._spread_vision(model, ("vision_tower", "embed_vision"))
+    if audio:
+        tiny_models._spread_vision(model, ("audio_tower", "embed_audio"))
     _randomize(model)
     tiny_models._save(str(folder), model, tok, max_shard_size=None, generation=None)
     if images:
-        _write_image_files(str(folder))
+        _write_image_files(str(folder), AUDIO_TEMPLATE if audio else IMAGE_TEMPLATE)
+    if audio:
+        with open(os.path.join(str(folder), "processor_config.json"), "w", encoding="utf-8") as f:
+            json.dump({"feature_extractor": FEATURE_EXTRACTOR, "audio_seq_length": 750, "audio_ms_per_token": 40},
+                      f, indent=2)
     return str(folder)
 
 
-def _write_image_files(folder: str) -> None:
+def _write_image_files(folder: str, template: str = IMAGE_TEMPLATE) -> None:
     with open(os.path.join(folder, "preprocessor_config.json"), "w", encoding="utf-8") as f:
         json.dump(PROCESSOR, f, indent=2)
     with open(os.path.join(folder, "video_preprocessor_config.json"), "w", encoding="utf-8") as f:
@@ -121,6 +145,6 @@ def _write_image_files(folder: str) -> None:
     with open(path, encoding="utf-8") as f:
         tok_config = json.load(f)
     tok_config.update({name: token for token, name, _ in MEDIA_TOKENS})
-    tok_config["chat_template"] = IMAGE_TEMPLATE
+    tok_config["chat_template"] = template
     with open(path, "w", encoding="utf-8") as f:
         json.dump(tok_config, f, indent=2)

@@ -369,8 +369,9 @@ class EngineCore:
                 # Two prompts with different images have the same placeholder ids: the images' hashes
                 # separate the blocks that hold them (and those after), as vLLM's extra keys do.
                 mm_items=[(item.hash, item.offset, item.length) for item in request.mm_inputs or ()],
-                # Images whose tokens attend to each other both ways are computed whole in one step.
-                atomic_spans=[(item.offset, item.end) for item in request.mm_inputs or ()]
+                # Images whose tokens attend to each other both ways are computed whole in one step (audio clips
+                # stay causal: cut over prefill chunks as text is).
+                atomic_spans=[(item.offset, item.end) for item in request.mm_inputs or () if item.modality != "audio"]
                 if getattr(self.runner.model, "bidirectional_images", False) else [],
             )
         except BaseException:

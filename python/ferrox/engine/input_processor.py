@@ -35,9 +35,9 @@ class ProcessedPrompt:
 
 
 def _images_of(prompt: Mapping[str, Any], index: int) -> list[Any] | None:
-    """vLLM's {"multi_modal_data": {"image": one or a list, "video": one or a list}}, images then videos (each
-    pairs with its own placeholders, so the order between the two does not matter); other modalities are
-    refused by name."""
+    """vLLM's {"multi_modal_data": {"image": one or a list, "video": one or a list, "audio": one or a list}},
+    images, videos then audio clips (each kind pairs with its own placeholders, so the order between them does not
+    matter); other modalities are refused by name."""
     data = prompt.get("multi_modal_data")
     if data is None:
         return None
@@ -45,8 +45,8 @@ def _images_of(prompt: Mapping[str, Any], index: int) -> list[Any] | None:
         raise InvalidArgumentError(f"prompts[{index}].multi_modal_data: must be a dict like {{'image': ...}}",
                                    param="multi_modal_data")
     for key in data:
-        if key not in ("image", "video"):
-            raise InvalidArgumentError(f"prompts[{index}].multi_modal_data.{key}: only images and videos are "
+        if key not in ("image", "video", "audio"):
+            raise InvalidArgumentError(f"prompts[{index}].multi_modal_data.{key}: only images, videos and audio are "
                                        "supported", param="multi_modal_data")
     images = data.get("image")
     media = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
@@ -54,6 +54,10 @@ def _images_of(prompt: Mapping[str, Any], index: int) -> list[Any] | None:
         from ferrox.multimodal.video import VideoSource, videos_of
 
         media.extend(VideoSource(v) for v in videos_of(data["video"]))
+    if data.get("audio") is not None:
+        from ferrox.multimodal.audio import AudioSource, audios_of
+
+        media.extend(AudioSource(a) for a in audios_of(data["audio"]))
     return media or None
 
 
@@ -77,16 +81,22 @@ def attach_images(processed: ProcessedPrompt, image_prompts: Any, what: str, *,
     if image_prompts is None:
         raise InvalidArgumentError(f"{what}: {model_name} takes no images (a text-only model)",
                                    param="multi_modal_data")
+    from ferrox.multimodal.audio import is_audio, load_audio_source
     from ferrox.multimodal.video import load_video_source, split_media
 
     images, videos = split_media(processed.images)
+    clips = [m for m in processed.images if is_audio(m)]
     image_prompts.check_count(len(images), what)
     if videos:  # an offline prompt's videos are its multi_modal_data.video; a chat's, its messages' parts
         check_videos(image_prompts, len(videos), what if what.startswith("messages") else f"{what}.multi_modal_data.video",
                      model_name)
-    media = [load_video_source(image_prompts, source, f"{what}: video {i}")
-             for i, source in enumerate(videos)]
+    if clips:
+        check_audio(image_prompts, len(clips), what if what.startswith("messages") else f"{what}.multi_modal_data.audio",
+                    model_name)
+    media: list[Any] = [load_video_source(image_prompts, source, f"{what}: video {i}")
+                        for i, source in enumerate(videos)]
     media[:0] = [image_prompts.load(source, f"{what}: image {i}") for i, source in enumerate(images)]
+    media += [load_audio_source(image_prompts, source, f"{what}: audio {i}") for i, source in enumerate(clips)]
     ids, items = image_prompts.expand(processed.prompt_token_ids, media, what)
     return ProcessedPrompt(processed.prompt, ids, None, items or None)
 
@@ -99,6 +109,19 @@ def check_videos(image_prompts: Any, count: int, what: str, model_name: str = "t
             f"{model_name} takes no video inputs (ferrox takes videos for {VIDEO_FAMILIES})")
         raise InvalidArgumentError(f"{what}: {reason}", param=param)
     image_prompts.check_video_count(count, what, param)
+
+
+def check_audio(image_prompts: Any, count: int, what: str, model_name: str = "this model",
+                param: str = "multi_modal_data") -> None:
+    """A model that takes audio clips (multimodal/gemma4_audio_processing.py), and no more of them than
+    --limit-mm-per-prompt allows; any other is refused naming the field."""
+    if getattr(image_prompts, "audio_processor", None) is None:
+        from ferrox.multimodal.gemma4_audio_processing import AUDIO_FAMILIES
+
+        reason = getattr(image_prompts, "audio_refusal", None) or (
+            f"{model_name} takes no audio inputs (ferrox takes audio for {AUDIO_FAMILIES})")
+        raise InvalidArgumentError(f"{what}: only images and videos are supported here: {reason}", param=param)
+    image_prompts.check_audio_count(count, what, param)
 
 
 def refuse_images(processed: ProcessedPrompt, what: str, path: str) -> ProcessedPrompt:
@@ -242,6 +265,7 @@ def render_chat(
     content_format: str = "auto",
     image_placeholder: str | None = None,
     video_placeholder: str | None = None,
+    audio_placeholder: str | None = None,
 ) -> ProcessedPrompt:
     """Apply the chat template and tokenize; the template adds the special tokens it wants.
     With tools and a template that ignores them (the embedded SmolLM2's), the tools go into the
@@ -271,7 +295,7 @@ def render_chat(
         if getattr(tokenizer, "encodes_chats", False):
             fmt = "openai"  # (tokenizer_mode mistral: mistral_common takes the parts, an image where it goes)
         conversation, sources = take_images(conversation, fmt, image_placeholder,
-                                            video_placeholder=video_placeholder)
+                                            video_placeholder=video_placeholder, audio_placeholder=audio_placeholder)
         images = sources or None
     if tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in conversation):
         # Resolve the template first: with tools a model may pick its "tool_use" one.

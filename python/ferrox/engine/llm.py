@@ -223,6 +223,7 @@ class LLM:
                 content_format=chat_template_content_format,
                 image_placeholder=images.placeholder if images is not None else None,
                 video_placeholder=getattr(images, "video_placeholder", None),
+                audio_placeholder=getattr(images, "audio_placeholder", None),
             ), images, f"messages[{i}]", model_name=self.engine.model_name, processor_kwargs=mm_processor_kwargs)
             for i, conv in enumerate(conversations)
         ]

@@ -86,7 +86,7 @@ def content_text(content: Any, where: str = "content") -> str:
             texts.append(part)
             continue
         if part in _MEDIA_PARTS:
-            continue  # an image's or video's place (multimodal/chat_parts.py): no text
+            continue  # an image's, video's or audio clip's place (multimodal/chat_parts.py): no text
         kind = part.get("type") if isinstance(part, dict) else None
         if kind != "text" or not isinstance(part.get("text"), str):
             raise ChatTemplateError(f"{where}[{i}]: content part type {kind!r} is not supported (only 'text' parts "
@@ -107,7 +107,7 @@ def _content_parts(content: Any, where: str) -> list[dict[str, str]]:
             dict(p) if p in _MEDIA_PARTS else {"type": "text", "text": p["text"]} for p in content]
 
 
-_MEDIA_PARTS = ({"type": "image"}, {"type": "video"})
+_MEDIA_PARTS = ({"type": "image"}, {"type": "video"}, {"type": "audio"})
 
 
 def _shape_contents(messages: list[dict], content_format: str) -> list[dict]:

@@ -88,7 +88,7 @@ def load_model(source: ModelSource, spec: ModelSpec, *, dtype: torch.dtype, devi
                                         "quantized weights in this version")
         quant_config.check(spec, device, tp.size)
         logger.info("quantization: %s", quant_config.describe())
-    text_only = text_only_model(cls, mm_limits)
+    text_only = text_only_model(cls, mm_limits, spec.hf_config)
     with (torch.no_grad(), use_quant_config(quant_config), offloading(cpu_offload_bytes, device),
           building_text_only(text_only)):
         model = cls(spec, dtype, device)

@@ -50,8 +50,10 @@ checkpoints, GGUF, bidirectional attention ("all").
 Images and videos (Gemma4ForConditionalGeneration, at the end): the vision tower and embedder of
 models/vision/gemma4_vision.py, each image's rows in place of its soft tokens (multimodal/gemma4_processing.py), a
 video's frames each an image of its own (multimodal/gemma4_video.py), an image's (a frame's) tokens attending to each
-other both ways on the sliding layers where use_bidirectional_attention is "vision". The audio tower is not built;
-audio inputs are refused by name.
+other both ways on the sliding layers where use_bidirectional_attention is "vision". Audio (E2B / E4B: an
+audio_config): the conformer and embedder of models/vision/gemma4_audio.py, each clip's rows in place of its audio
+soft tokens (multimodal/gemma4_audio_processing.py), its tokens causal as text (transformers' bidirectional
+overlay is for vision tokens only), so a clip may be cut over prefill chunks.
 """
 
 from __future__ import annotations
@@ -412,9 +414,9 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
             raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(sorted(missing)[:8])}")
 
 
-# The multimodal checkpoint's audio side, which ferrox does not build (its audio inputs are refused).
-_AUDIO = ("model.audio_tower.", "model.embed_audio.")
 _TOWER, _EMBEDDER = "model.vision_tower.", "model.embed_vision."
+_AUDIO_TOWER, _AUDIO_EMBEDDER = "model.audio_tower.", "model.embed_audio."
+AUDIO_MODALITY = "audio"
 # Gemma4Config's media token ids (image, video, audio), where config.json leaves them out.
 _MEDIA_TOKENS = {"image_token_id": 258_880, "video_token_id": 258_884, "audio_token_id": 258_881}
 
@@ -431,11 +433,20 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
     audio) embed as the pad token, as transformers swaps them (in both tables where there are per-layer embeddings:
     Gemma4Model.text_ids). Under tensor parallelism the tower and embedder load whole on every rank (the tower's
     layers then sharded under --mm-encoder-tp-mode weights: models/vision/encoder_setup.py) and each rank embeds
-    its requests' images (worker/rank_images.py). The audio tower is neither built nor loaded: audio inputs are refused by name
-    (multimodal/chat_parts.py, engine/input_processor.py)."""
+    its requests' images (worker/rank_images.py). With an audio_config (E2B / E4B) the audio tower and its embedder
+    (models/vision/gemma4_audio.py) embed each clip, an item of modality "audio" whose rows replace its `<|audio|>`
+    run (multimodal/gemma4_audio_processing.py); its tokens stay causal (no atomic span: a clip may be cut over
+    prefill chunks, its rows kept until the prefill passes it, as an image's). Without one, audio is refused by name
+    (multimodal/chat_parts.py, engine/input_processor.py, worker/multimodal.py)."""
 
     takes_images = True
     takes_videos = True  # (each frame an item the tower takes as an image)
+    takes_audio = True  # (this instance: False without an audio_config)
+
+    @staticmethod
+    def takes_audio_of(hf_config: Any) -> bool:
+        """Whether a checkpoint of this config has an audio tower (models/vision/encoder_setup.py text_only_model)."""
+        return (hf_config.get("multimodal") or {}).get("audio_config") is not None
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
@@ -454,13 +465,23 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
             self.embed_vision = Gemma4VisionEmbedder(self.vision_tower.hidden_size, spec.hidden_size,
                                                      self.vision_tower.eps, dtype, vision_device(device))
             self.own_weight_prefixes = (*self.own_weight_prefixes, "vision_tower.", "embed_vision.")
-        if mm.get("audio_config") is not None:
-            logger.info("%s: Gemma 4's audio tower is not supported by ferrox: audio inputs are refused",
-                        spec.architecture)
+        audio = mm.get("audio_config")
+        if audio is None:
+            self.takes_audio = False  # type: ignore[misc]
+        else:
+            from ferrox.models.vision.gemma4_audio import Gemma4AudioEmbedder, Gemma4AudioTower
+
+            # (on the vision device: --language-model-only leaves it unbuilt with the vision side)
+            self.audio_tower = Gemma4AudioTower(audio, dtype=dtype, device=vision_device(device))
+            self.embed_audio = Gemma4AudioEmbedder(self.audio_tower.output_dims, spec.hidden_size,
+                                                   self.audio_tower.eps, dtype, vision_device(device))
+            self.own_weight_prefixes = (*self.own_weight_prefixes, "audio_tower.", "embed_audio.")
 
     def check_image_item(self, item: MultiModalItem) -> str | None:
-        """What is wrong with an image (or video frame) item for this model (worker/multimodal.py check_items), or
-        None."""
+        """What is wrong with an image (or video frame, or audio clip) item for this model (worker/multimodal.py
+        check_items), or None."""
+        if item.modality == AUDIO_MODALITY:
+            return self._check_audio_item(item)
         if item.grid is None or len(item.grid) != 2 or min(item.grid) < 1:
             return "no (rows, cols) patch grid"
         rows, cols = item.grid
@@ -475,8 +496,25 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
             return f"pixels {list(item.shape)}, the grid {item.grid} takes {[rows * cols, 3 * tower.patch_size**2]}"
         return None
 
+    def _check_audio_item(self, item: MultiModalItem) -> str | None:
+        from ferrox.models.vision.gemma4_audio import Gemma4AudioTower, audio_tokens
+
+        tower = getattr(self, "audio_tower", None)
+        if not isinstance(tower, Gemma4AudioTower):  # (no audio_config, or --language-model-only left it unbuilt)
+            return "the model takes no audio (no audio tower is loaded)"
+        problem = tower.check_features(list(item.shape))
+        if problem:
+            return problem
+        tokens = audio_tokens(item.shape[0])
+        if item.length != tokens:
+            return f"{item.length} placeholder tokens for {item.shape[0]} log-mel frames (they give {tokens})"
+        return None
+
     def embed_image_item(self, item: MultiModalItem, device: torch.device) -> torch.Tensor:
-        """[item.length, hidden]: the tower and embedder over the image's (the video frame's) patches."""
+        """[item.length, hidden]: the tower and embedder over the image's (the video frame's) patches, or the audio
+        tower and its embedder over a clip's log-mel frames."""
+        if item.modality == AUDIO_MODALITY:
+            return self.embed_audio(self.audio_tower(item.pixel_values().to(device)))
         assert item.grid is not None  # check_image_item
         rows, cols = item.grid
         return self.embed_vision(self.vision_tower(item.pixel_values().to(device), (rows, cols)))
@@ -484,13 +522,21 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         tower: list[tuple[str, Any]] = []
         embedder: dict[str, torch.Tensor] = {}
+        audio_tower: list[tuple[str, Any]] = []
+        audio_embedder: dict[str, torch.Tensor] = {}
         vision = getattr(self, "vision_tower", None) is not None
+        audio = getattr(self, "audio_tower", None) is not None
 
         def language_model() -> Iterator[tuple[str, Any]]:
             for name, tensor in weights:
-                if name.startswith(_AUDIO) or (not vision and name.startswith((_TOWER, _EMBEDDER))):
-                    continue
-                if name.startswith(_TOWER):
+                if (not vision and name.startswith((_TOWER, _EMBEDDER))) or (
+                        not audio and name.startswith((_AUDIO_TOWER, _AUDIO_EMBEDDER))):
+                    continue  # (a tower the config leaves out is not built: its tensors are not read)
+                if name.startswith(_AUDIO_TOWER):
+                    audio_tower.append((name[len(_AUDIO_TOWER):], tensor))
+                elif name.startswith(_AUDIO_EMBEDDER):
+                    audio_embedder[name[len(_AUDIO_EMBEDDER):]] = materialize(tensor)
+                elif name.startswith(_TOWER):
                     tower.append((name[len(_TOWER):], tensor))
                 elif name.startswith(_EMBEDDER):
                     embedder[name[len(_EMBEDDER):]] = materialize(tensor)
@@ -505,3 +551,6 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
         if vision:
             self.vision_tower.load_weights((name, materialize(t)) for name, t in tower)
             load_whole(self.embed_vision, embedder, "model.embed_vision", self.spec.architecture)
+        if audio:
+            self.audio_tower.load_weights((name, materialize(t)) for name, t in audio_tower)
+            load_whole(self.embed_audio, audio_embedder, "model.embed_audio", self.spec.architecture)

@@ -23,8 +23,10 @@ and end of image, each of the frame's count) stays as it is.
 --mm-processor-kwargs and a request's mm_processor_kwargs take max_soft_tokens (transformers' choices: 70, 140,
 280, 560, 1120: an image's budget and, as transformers passes it to both processors, a video frame's) and
 num_frames (the frames sampled of a whole video); the patch and pooling sizes belong to the checkpoint's tower and
-are refused by name (processing.py PROCESSOR_KWARGS). Audio is refused by name. Front-end code: numpy and PIL
-only (videos: torch, as transformers resizes them).
+are refused by name (processing.py PROCESSOR_KWARGS). Audio clips (`<|audio|>`, a folder with an audio_config
+and a feature extractor config): gemma4_audio_processing.py, paired with their own placeholders in prompt order;
+refused by name for a folder without them. Front-end code: numpy and PIL only (videos: torch, as transformers
+resizes them).
 """
 
 from __future__ import annotations
@@ -182,13 +184,22 @@ class Gemma4ImagePrompts(MediaPrompts):
 
     def expand(self, prompt_ids: Sequence[int], images: Sequence[Any], what: str,
                param: str = "multi_modal_data") -> tuple[list[int], list[MultiModalItem]]:
-        """`images`: the prompt's decoded media in order, PIL images and multimodal.video.Video frames."""
+        """`images`: the prompt's decoded media in order, PIL images, multimodal.video.Video frames and
+        multimodal.audio.Audio clips."""
+        from ferrox.multimodal.audio import is_audio
+        from ferrox.multimodal.gemma4_audio_processing import audio_pieces
+
         stills, videos, ids, runs, video_runs = self.media_runs(prompt_ids, images, what, param)
-        if not images and not runs and not video_runs:
+        clips = [m for m in images if is_audio(m)]
+        # (a folder that takes no audio reads a stray `<|audio|>` as text, as before audio was taken)
+        audio_marks = self.audio_processor is not None and self.audio_token_id in ids
+        if not images and not runs and not video_runs and not audio_marks:
             return ids, []
         pieces = self._image_pieces(ids, runs, stills, what, param)
         if videos or video_runs:
             pieces += self._video_pieces(ids, video_runs, videos, what, param)
+        if clips or audio_marks:
+            pieces += audio_pieces(self, ids, clips, what, param)
         out: list[int] = []
         items: list[MultiModalItem] = []
         at = 0
@@ -298,7 +309,7 @@ class Gemma4ImagePrompts(MediaPrompts):
 def gemma4_image_prompts(model_dir: str, hf_config: Mapping[str, Any], tokenizer: Any, *, limit: int | None,
                          allowed_local_media_path: str | None,
                          processor_kwargs: Mapping[str, Any] | None = None,
-                         video_limit: int | None = None) -> Gemma4ImagePrompts | None:
+                         video_limit: int | None = None, audio_limit: int | None = None) -> Gemma4ImagePrompts | None:
     """The prompt rules of a Gemma 4 folder (hf_config: config.json, less its text_config); None for one without
     a vision_config, or served as text (limit 0) by a tokenizer without the image token. The placeholder text a
     string-content chat template gets per image (video) is the image (video) token. The processors' patch and
@@ -324,6 +335,9 @@ def gemma4_image_prompts(model_dir: str, hf_config: Mapping[str, Any], tokenizer
                                  eoi_token_id=int(hf_config.get("eoi_token_id") or DEFAULT_EOI_TOKEN_ID))
     prompts.server_kwargs = dict(processor_kwargs or {})
     _add_videos(prompts, model_dir, hf_config, tokenizer, vision, processor_kwargs, video_limit)
+    from ferrox.multimodal.gemma4_audio_processing import add_audio
+
+    add_audio(prompts, model_dir, hf_config, tokenizer, audio_limit)
     return prompts
 
 

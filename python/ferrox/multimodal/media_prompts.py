@@ -1,7 +1,9 @@
 """Prompt rules of a family that takes videos beside images and whose processors a request's
 mm_processor_kwargs read again (Qwen2-VL / 2.5-VL / 3-VL, Gemma 4): the video fields they share, the check of a
 prompt's video count, and the copies derived per distinct kwargs, cached because a processor reads the model
-folder's files (`with_processor_kwargs`; the family says how to derive one: `derive`)."""
+folder's files (`with_processor_kwargs`; the family says how to derive one: `derive`). The audio fields are set
+by a family that takes audio clips (Gemma 4: multimodal/gemma4_audio_processing.py); the rest leave them
+unset, so a clip is refused naming the model."""
 
 from __future__ import annotations
 
@@ -25,6 +27,13 @@ class MediaPrompts(ImagePrompts):
     video_refusal: str | None = None  # why this folder's videos are refused
     tokenizer: Any = None  # encodes the text a video's frames carry (their timestamps), where the family writes it
     server_kwargs: Mapping[str, Any] = field(default_factory=dict)  # --mm-processor-kwargs
+    audio_processor: Any = None  # the family's audio feature extractor; None: this folder's audio is refused
+    audio_token_id: int = -1  # (-1: the family has no audio token)
+    boa_token_id: int = -1  # begin- and end-of-audio around a clip's soft tokens
+    eoa_token_id: int = -1
+    audio_placeholder: str | None = None  # what a string-content chat template gets per clip
+    audio_limit: int | None = None  # --limit-mm-per-prompt's audio clips per prompt
+    audio_refusal: str | None = None  # why this folder's audio is refused
     # Rules derived for a request's mm_processor_kwargs, by those kwargs.
     _derived: dict[tuple[tuple[str, str], ...], MediaPrompts] = field(
         default_factory=dict, init=False, repr=False, compare=False)
@@ -70,6 +79,11 @@ class MediaPrompts(ImagePrompts):
                 self._derived.pop(next(iter(self._derived)))
             self._derived[key] = derived
         return derived
+
+    def check_audio_count(self, count: int, what: str, param: str = "multi_modal_data") -> None:
+        if self.audio_limit is not None and count > self.audio_limit:
+            raise InvalidArgumentError(f"{what}: {count} audio clips, at most {self.audio_limit} may be given in one "
+                                       "prompt (--limit-mm-per-prompt)", param=param)
 
     def check_video_count(self, count: int, what: str, param: str = "multi_modal_data") -> None:
         if self.video_limit is not None and count > self.video_limit:

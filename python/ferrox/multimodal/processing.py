@@ -316,7 +316,8 @@ def _image_prompts_for_model(model_dir: str, hf_config: Mapping[str, Any], token
 
         return gemma4_image_prompts(model_dir, hf_config, tokenizer, limit=limit,
                                     allowed_local_media_path=allowed_local_media_path,
-                                    processor_kwargs=processor_kwargs, video_limit=(limits or {}).get("video"))
+                                    processor_kwargs=processor_kwargs, video_limit=(limits or {}).get("video"),
+                                    audio_limit=(limits or {}).get("audio"))
     if "InternVLChatModel" in archs:  # InternVL's remote-code layout: `<image>` placeholders, its own tiling
         from ferrox.multimodal.internvl_chat_processing import internvl_chat_image_prompts
 

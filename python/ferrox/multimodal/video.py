@@ -250,7 +250,9 @@ def _capped(data: bytes, max_bytes: int) -> bytes:
 
 
 def split_media(media: Sequence[Any]) -> tuple[list[Any], list[Any]]:
-    """(images, videos) of a prompt's media list, each in prompt order."""
+    """(images, videos) of a prompt's media list, each in prompt order (its audio clips are neither: audio.py)."""
+    from ferrox.multimodal.audio import is_audio
+
     videos = [m for m in media if isinstance(m, (VideoSource, Video))]
-    images = [m for m in media if not isinstance(m, (VideoSource, Video))]
+    images = [m for m in media if not isinstance(m, (VideoSource, Video)) and not is_audio(m)]
     return images, videos

@@ -39,10 +39,12 @@ def check_items(items: list[MultiModalItem], prompt: list[int], model: Any, what
         raise InvalidArgumentError(f"{what}: the model takes no images ({why})", param="multi_modal_data")
     end = 0
     for k, item in enumerate(items):
-        if item.modality != "image" and not (item.modality == "video" and getattr(model, "takes_videos", False)):
+        if item.modality != "image" and not (item.modality == "video" and getattr(model, "takes_videos", False)) \
+                and not (item.modality == "audio" and getattr(model, "takes_audio", False)):
+            taken = ["images"] + ["videos"] * bool(getattr(model, "takes_videos", False)) + [
+                "audio"] * bool(getattr(model, "takes_audio", False))
             raise InvalidArgumentError(f"{what}: item {k} is {item.modality!r}; the model takes "
-                                       f"{'images and videos' if getattr(model, 'takes_videos', False) else 'images'}"
-                                       " only", param="multi_modal_data")
+                                       f"{' and '.join(taken)} only", param="multi_modal_data")
         if item.offset < end or item.length < 1 or item.end > len(prompt):
             raise InvalidArgumentError(f"{what}: image {k}'s placeholder run [{item.offset}, {item.end}) is not "
                                        f"inside the {len(prompt)}-token prompt after the previous image",
@@ -191,7 +193,8 @@ class ImageEmbeddings:
         parts: list[torch.Tensor] = []
         spans: dict[int, list[tuple[int, int]]] = {}
         for r, slot, k, item, start, first, lo, hi in uses:
-            spans.setdefault(r, []).append((item.offset, item.end))
+            if item.modality != "audio":  # (an audio clip's tokens stay causal: Gemma 4's overlay is for vision)
+                spans.setdefault(r, []).append((item.offset, item.end))
             encoded = self._encoded[(slot, k)]
             if item.embed_positions is None:
                 rows.append(np.arange(start + lo - first, start + hi - first, dtype=np.int64))
@@ -206,7 +209,7 @@ class ImageEmbeddings:
             self._encoded.pop(key, None)
         if not rows:
             return None
-        both_ways = spans if getattr(self.model, "bidirectional_images", False) else None
+        both_ways = spans if spans and getattr(self.model, "bidirectional_images", False) else None
         embeds = torch.cat(parts)
         deepstack = None
         layers = getattr(self.model, "deepstack_layers", 0)

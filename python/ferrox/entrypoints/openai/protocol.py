@@ -332,12 +332,40 @@ class VideoURLContentPart(_Base):
         return {"url": value} if isinstance(value, str) else value
 
 
+class InputAudioContentPart(_Base):
+    """OpenAI's audio part: {"data": <base64>, "format": "wav"}; its fields are checked where the clip decodes
+    (multimodal/audio.py), so an error names the part and the model that takes no audio refuses it by name."""
+
+    type: Literal["input_audio"]
+    input_audio: dict[str, Any]
+
+
+class AudioURL(_Base):
+    url: str
+
+
+class AudioURLContentPart(_Base):
+    """vLLM's audio part: a data:audio/...;base64 URL, an http(s) URL or a local file (multimodal/audio.py)."""
+
+    type: Literal["audio_url"]
+    audio_url: AudioURL
+
+    @field_validator("audio_url", mode="before")
+    @classmethod
+    def _url_string(cls, value: Any) -> Any:
+        return {"url": value} if isinstance(value, str) else value
+
+
+_PART_TYPES = (None, "text", "image_url", "video_url", "input_audio", "audio_url")
+
+
 class ChatMessage(BaseModel):
     # Extra keys (e.g. reasoning fields some clients echo back) pass through to the template.
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart | ImageURLContentPart | VideoURLContentPart] | None = None
+    content: str | list[TextContentPart | ImageURLContentPart | VideoURLContentPart | InputAudioContentPart
+                        | AudioURLContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
@@ -347,9 +375,9 @@ class ChatMessage(BaseModel):
     def _only_text_parts(cls, value: Any) -> Any:
         if isinstance(value, list):
             for part in value:
-                if isinstance(part, dict) and part.get("type") not in (None, "text", "image_url", "video_url"):
+                if isinstance(part, dict) and part.get("type") not in _PART_TYPES:
                     raise ValueError(f"content part type {part.get('type')!r} is not supported (only 'text', "
-                                     "'image_url' and 'video_url')")
+                                     "'image_url', 'video_url', 'input_audio' and 'audio_url')")
         return value
 
     def text(self) -> str | None:
@@ -362,11 +390,8 @@ class ChatMessage(BaseModel):
         """The message for the chat template: content a string, or its parts as dicts (rendering
         shapes both as the template wants them: loader/chat_template.py; image parts are taken out
         first: multimodal/chat_parts.py)."""
-        content: Any = ([{"type": "text", "text": part.text} if isinstance(part, TextContentPart)
-                         else {"type": "video_url", "video_url": {"url": part.video_url.url}}
-                         if isinstance(part, VideoURLContentPart)
-                         else {"type": "image_url", "image_url": {"url": part.image_url.url}}
-                         for part in self.content] if isinstance(self.content, list) else self.content or "")
+        content: Any = ([_part_dict(part) for part in self.content] if isinstance(self.content, list)
+                        else self.content or "")
         out: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             out["name"] = self.name
@@ -377,6 +402,20 @@ class ChatMessage(BaseModel):
         for key, value in (self.model_extra or {}).items():
             out.setdefault(key, value)
         return out
+
+
+
+def _part_dict(part: Any) -> dict[str, Any]:
+    """A content part as the dict the chat rendering takes (multimodal/chat_parts.py)."""
+    if isinstance(part, TextContentPart):
+        return {"type": "text", "text": part.text}
+    if isinstance(part, VideoURLContentPart):
+        return {"type": "video_url", "video_url": {"url": part.video_url.url}}
+    if isinstance(part, InputAudioContentPart):
+        return {"type": "input_audio", "input_audio": dict(part.input_audio)}
+    if isinstance(part, AudioURLContentPart):
+        return {"type": "audio_url", "audio_url": {"url": part.audio_url.url}}
+    return {"type": "image_url", "image_url": {"url": part.image_url.url}}
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -1,4 +1,5 @@
-"""A request's images and videos, fetched before its prompt renders (the chat, Anthropic messages and Responses routes).
+"""A request's images, videos and audio clips, fetched before its prompt renders (the chat, Anthropic messages and
+Responses routes).
 
 Each image part's url is fetched concurrently on the event loop (multimodal/media.py: data URLs, http(s)
 under VLLM_IMAGE_FETCH_TIMEOUT, files under --allowed-local-media-path) and decoded; a bad one is a 400
@@ -22,7 +23,8 @@ async def fetch_images(ctx: Any, messages: list[dict[str, Any]], field: str = "m
     `input`). media_io_kwargs: the request's (a chat's) loader arguments over the server's --media-io-kwargs."""
     from ferrox.engine.input_processor import check_videos
     from ferrox.media_io_config import parse_media_io_kwargs
-    from ferrox.multimodal.chat_parts import image_sources
+    from ferrox.multimodal.audio import AudioSource, fetch_audio, part_error
+    from ferrox.multimodal.chat_parts import audio_refusal, image_sources
     from ferrox.multimodal.media import MediaError, fetch_image, image_fetch_timeout, load_image
     from ferrox.multimodal.video import VideoSource, fetch_video, split_media, to_video
 
@@ -37,10 +39,19 @@ async def fetch_images(ctx: Any, messages: list[dict[str, Any]], field: str = "m
         raise APIError(400, str(e).replace("messages", field, 1), param=field) from None
     if not sources:
         return []
+    clips = [(where, source) for where, source in sources if isinstance(source, AudioSource)]
+    if clips and getattr(prompts, "audio_processor", None) is None:  # (named before the model's other media rules)
+        where, source = clips[0]
+        kind = "audio_url" if source.format is None else "input_audio"
+        refusal = audio_refusal(kind, where, ctx.model_name)
+        reason = getattr(prompts, "audio_refusal", None)
+        raise APIError(400, f"{refusal}" + (f" ({reason})" if reason else ""), param=field)
     if prompts is None:
         raise APIError(400, f"{sources[0][0]}: {ctx.model_name} takes no images (a text-only model)", param=field)
     images, videos = split_media([source for _, source in sources])
     try:
+        if clips:
+            prompts.check_audio_count(len(clips), field, param=field)
         prompts.check_count(len(images), field, param=field)
         if videos:
             first = next(where for where, source in sources if isinstance(source, VideoSource))
@@ -50,6 +61,11 @@ async def fetch_images(ctx: Any, messages: list[dict[str, Any]], field: str = "m
 
     async def one(where: str, source: Any) -> Any:
         local = prompts.allowed_local_media_path
+        if isinstance(source, AudioSource):
+            try:
+                return await fetch_audio(source, prompts.audio_processor.sampling_rate, allowed_local_media_path=local)
+            except MediaError as e:
+                raise APIError(400, part_error(where, source, e), param=field) from None
         try:
             if isinstance(source, VideoSource):
                 if not isinstance(source.source, str):
@@ -76,7 +92,8 @@ def take_template_images(ctx: Any, messages: list[dict[str, Any]], template: str
         if getattr(ctx.engine.tokenizer, "encodes_chats", False):
             fmt = "openai"  # (tokenizer_mode mistral: mistral_common takes the parts, an image where it goes)
         return take_images(messages, fmt, prompts.placeholder if prompts is not None else None, ctx.model_name,
-                           video_placeholder=getattr(prompts, "video_placeholder", None))[0]
+                           video_placeholder=getattr(prompts, "video_placeholder", None),
+                           audio_placeholder=getattr(prompts, "audio_placeholder", None))[0]
     except (InvalidArgumentError, ValueError) as e:
         raise APIError(400, str(e), param="messages") from None
 

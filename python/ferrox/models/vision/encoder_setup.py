@@ -53,14 +53,18 @@ def vision_device(device: torch.device | str) -> torch.device | str:
     return _META if _TEXT_ONLY.get() else device
 
 
-def text_only_model(cls: type, limits: Mapping[str, int] | None) -> bool:
+def text_only_model(cls: type, limits: Mapping[str, int] | None, hf_config: Mapping[str, Any] | None = None) -> bool:
     """Whether a model class serves text only under these per-prompt limits: it takes images, and every
-    modality it takes (images, and videos where it takes them) has a limit of 0 (vLLM's rule: the encoder is
-    not loaded when no prompt may use it)."""
+    modality it takes (images, and videos where it takes them, and audio where its config has an audio tower:
+    the class's `takes_audio_of(hf_config)`) has a limit of 0 (vLLM's rule: the encoder is not loaded when no
+    prompt may use it)."""
     if not getattr(cls, "takes_images", False):
         return False
     limits = limits or {}
-    taken = ("image", "video") if getattr(cls, "takes_videos", False) else ("image",)
+    taken: tuple[str, ...] = ("image", "video") if getattr(cls, "takes_videos", False) else ("image",)
+    audio = getattr(cls, "takes_audio_of", None)
+    if audio is not None and audio(hf_config or {}):  # (Gemma 4: its audio tower is built with the vision side)
+        taken += ("audio",)
     return all(limits.get(modality) == 0 for modality in taken)
 
 
@@ -87,6 +91,7 @@ def drop_vision_encoder(model: nn.Module) -> list[str]:
     if dropped:
         model.takes_images = False  # type: ignore[assignment]  # (the class says True: this instance, no)
         model.takes_videos = False  # type: ignore[assignment]
+        model.takes_audio = False  # type: ignore[assignment]
         model.vision_encoder_skipped = True  # type: ignore[assignment]
         logger.info("language model only: the vision side (%s) was not built", ", ".join(dropped))
     return dropped
