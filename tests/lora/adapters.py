@@ -17,7 +17,8 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 # Qwen3.5's projections, both token mixers' and the dense MLP's (PEFT names).
 QWEN3_5_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
                "out_proj", "gate_proj", "up_proj", "down_proj")
-# The attention (and, in a regex, dense MLPs), never the experts or shared experts (refused by name: lora/manager.py).
+# The attention (and, in a regex, dense MLPs), not the experts or shared experts (peft cannot write per-expert
+# modules on transformers 5: tests/lora/test_lora_moe.py adapts them with adapters written by hand).
 ATTENTION = r".*\.self_attn\.(q|k|v|o)_proj"
 # name -> (build the checkpoint, a1's target_modules (r 8), a2's (r 4, rsLoRA))
 FAMILIES: dict[str, tuple[Any, Any, Any]] = {

@@ -1,24 +1,32 @@
-"""LoRA on the routed experts of MoE models (lora/moe.py, lora/moe_targets.py): tiny random Qwen3-MoE, Qwen2-MoE and
-Mixtral checkpoints (transformers) with PEFT-format adapters written here, one module per expert projection as vLLM reads
-them (`mlp.experts.{e}.gate_proj / up_proj / down_proj`, Mixtral's `block_sparse_moe.experts.{e}.w1 / w3 / w2`).
+"""LoRA on the routed and shared experts of MoE models (lora/moe.py, lora/moe_targets.py): tiny random Qwen3-MoE,
+Qwen2-MoE, Mixtral, GLM-4.5 and DeepSeek-V3 checkpoints (transformers) with PEFT-format adapters written here, one module
+per expert projection as vLLM reads them (`mlp.experts.{e}.gate_proj / up_proj / down_proj`, Mixtral's
+`block_sparse_moe.experts.{e}.w1 / w3 / w2`), and the shared expert's projections (`mlp.shared_expert.*`,
+`mlp.shared_experts.*`) as a dense MLP's.
 
 Reference: transformers with each adapter merged into the weights by hand (W + scaling * B A: tests/lora/adapters.py
 merged_by_hand). peft is installed, but it cannot load per-expert modules on transformers 5's fused experts (it
 adapts them through `target_parameters`, another format, which ferrox refuses by name).
 
 - The real engine (Rust scheduler, chunked prefill under a 16-token budget, 3 adapters over 2 slots so they swap)
-  serving base-model requests, two adapters with expert modules (one on every expert and two attention projections,
-  one of rank 4 with a rank_pattern on half the experts) and one without expert modules, in one batch: each
-  request's greedy tokens and their logprobs equal transformers' with its adapter merged.
+  serving base-model requests, two adapters with expert modules (one on every expert, the shared expert and two
+  attention projections, one of rank 4 with a rank_pattern on half the experts) and one without expert modules, in
+  one batch: each request's greedy tokens and their logprobs equal transformers' with its adapter merged. GLM-4.5's
+  adapters' q rows follow its partial-rotary row order (lora_rewrite); DeepSeek's attention modules are its latent
+  attention's (q_a_proj, q_b_proj, kv_a_proj_with_mqa, o_proj).
 - Errors name the module: a rank above max_lora_rank, an expert index out of range, A without B, a wrong shape, a
-  dense layer's experts, a family whose experts take no adapters.
-- Tensor and expert parallelism (2 gloo ranks, slow): each rank packs its share, the same tokens.
+  dense layer's experts, a family whose experts or shared experts take no adapters, Qwen2-MoE's shared_expert_gate,
+  DeepSeek's absorbed kv_b_proj.
+- Tensor and expert parallelism (2 gloo ranks, slow): each rank packs its share, the same tokens (Qwen2-MoE: its
+  shared expert's down_proj delta joins that rank's partial sum).
 - On a GPU: the CUDA engine (CUDA graphs, the Triton path) against the CPU engine, tokens and logprobs.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -28,6 +36,8 @@ from ferrox.lora.manager import LoRAManager, slot_bytes
 from ferrox.lora.request import LoRARequest
 
 from tests.helpers import tiny_models
+from tests.helpers.tiny_deepseek import make_tiny_deepseek
+from tests.helpers.tiny_glm import make_tiny_glm4_moe
 from tests.helpers.tiny_models import EOS_TOKEN_ID, load_float32
 from tests.lora.adapters import load_hf_model, merged_by_hand, write_adapter
 from tests.models.conftest import cut_at_eos, hf_greedy
@@ -40,27 +50,59 @@ MAX_TOKENS = 6
 NAMES = ["e1", "base", "e2", "d", "e1", "e2", "base", "d"]
 COMMON = dict(dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=8,
               max_num_batched_tokens=16, kv_cache_memory=8 << 20)
-# name -> (build, sparse decoder layers, experts, MoE block name, (gate, up, down) names, expert I, hidden)
+
+
+@dataclass(frozen=True)
+class Family:
+    build: Callable[..., str]
+    sparse_layers: tuple[int, ...]
+    num_experts: int
+    block: str  # the MoE block's module name
+    projections: tuple[str, str, str]  # gate, up, down
+    inter: int  # one expert's intermediate size
+    hidden: int
+    shared: str | None = None  # the shared expert's module (under the block), None: none
+    e1_attention: tuple[str, ...] = ("q_proj", "v_proj")  # e1's attention modules (layer 0)
+    d_attention: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")  # d's (layers 0 and 1)
+
+
+_QWEN = ("gate_proj", "up_proj", "down_proj")
+_LATENT = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
 FAMILIES = {
-    "qwen3_moe": (lambda d: tiny_models.make_tiny_qwen3_moe(d, seed=21), (0, 2), 8, "mlp",
-                  ("gate_proj", "up_proj", "down_proj"), 32, 64),
-    # (a shared expert beside the routed ones, top-k weights not renormalised)
-    "qwen2_moe": (lambda d: tiny_models.make_tiny_qwen2_moe(d, seed=23), (0, 1), 6, "mlp",
-                  ("gate_proj", "up_proj", "down_proj"), 32, 64),
-    "mixtral": (lambda d: tiny_models.make_tiny_mixtral(d, seed=22), (0, 1), 4, "block_sparse_moe",
-                ("w1", "w3", "w2"), 48, 64),
+    "qwen3_moe": Family(lambda d: tiny_models.make_tiny_qwen3_moe(d, seed=21), (0, 2), 8, "mlp", _QWEN, 32, 64),
+    # (a shared expert with its sigmoid gate beside the routed ones, top-k weights not renormalised)
+    "qwen2_moe": Family(lambda d: tiny_models.make_tiny_qwen2_moe(d, seed=23), (0, 1), 6, "mlp", _QWEN, 32, 64,
+                        shared="shared_expert"),
+    "mixtral": Family(lambda d: tiny_models.make_tiny_mixtral(d, seed=22), (0, 1), 4, "block_sparse_moe",
+                      ("w1", "w3", "w2"), 48, 64),
+    # (grouped sigmoid routing, 2 shared experts' MLP, the first layer dense, partial-rotary q/k rows reordered)
+    "glm4_moe": Family(lambda d: make_tiny_glm4_moe(d, num_layers=2, seed=6), (1,), 8, "mlp", _QWEN, 32, 64,
+                       shared="shared_experts"),
+    # (V3: sigmoid routing with the correction bias, latent attention, 2 shared experts, the first layer dense)
+    "deepseek_v3": Family(lambda d: make_tiny_deepseek(d, num_layers=2, seed=24), (1,), 6, "mlp", _QWEN, 32, 64,
+                          shared="shared_experts", e1_attention=("q_a_proj", "kv_a_proj_with_mqa"),
+                          d_attention=_LATENT),
 }
 
 
 def _expert_modules(family: str, experts: list[int] | None = None) -> dict[str, tuple[int, int]]:
-    _, layers, num, block, (gate, up, down), inter, hidden = FAMILIES[family]
+    f = FAMILIES[family]
+    gate, up, down = f.projections
     out = {}
-    for i in layers:
-        for e in range(num) if experts is None else experts:
-            prefix = f"model.layers.{i}.{block}.experts.{e}"
-            out.update({f"{prefix}.{gate}": (inter, hidden), f"{prefix}.{up}": (inter, hidden),
-                        f"{prefix}.{down}": (hidden, inter)})
+    for i in f.sparse_layers:
+        for e in range(f.num_experts) if experts is None else experts:
+            prefix = f"model.layers.{i}.{f.block}.experts.{e}"
+            out.update({f"{prefix}.{gate}": (f.inter, f.hidden), f"{prefix}.{up}": (f.inter, f.hidden),
+                        f"{prefix}.{down}": (f.hidden, f.inter)})
     return out
+
+
+def _shared_modules(family: str, base) -> dict[str, tuple[int, int]]:
+    f = FAMILIES[family]
+    if f.shared is None:
+        return {}
+    names = [f"model.layers.{i}.{f.block}.{f.shared}.{p}" for i in f.sparse_layers for p in _QWEN]
+    return {n: tuple(base.get_submodule(n).weight.shape) for n in names}
 
 
 def _attention(base, layers: range, projs: tuple[str, ...]) -> dict[str, tuple[int, int]]:
@@ -69,13 +111,13 @@ def _attention(base, layers: range, projs: tuple[str, ...]) -> dict[str, tuple[i
 
 
 def _adapters(family: str, base, root) -> dict[str, LoRARequest]:
-    """e1: every expert of every sparse layer and layer 0's q / v (r 8); e2: the even experts, r 4, one module at
-    rank 2 (rank_pattern); d: the attention only, no expert modules."""
-    _, layers, num, *_ = FAMILIES[family]
-    e1 = {**_expert_modules(family), **_attention(base, range(1), ("q_proj", "v_proj"))}
-    e2 = _expert_modules(family, list(range(0, num, 2)))
+    """e1: every expert of every sparse layer, the shared expert and two of layer 0's attention projections (r 8);
+    e2: the even experts, r 4, one module at rank 2 (rank_pattern); d: the attention only, no expert modules."""
+    f = FAMILIES[family]
+    e1 = {**_expert_modules(family), **_shared_modules(family, base), **_attention(base, range(1), f.e1_attention)}
+    e2 = _expert_modules(family, list(range(0, f.num_experts, 2)))
     low = next(n for n in e2 if n.endswith((".up_proj", ".w3")))
-    d = _attention(base, range(2), ("q_proj", "k_proj", "v_proj", "o_proj"))
+    d = _attention(base, range(2), f.d_attention)
     folders = {"e1": write_adapter(root / "e1", e1, r=8, lora_alpha=16, seed=1, std=0.1),
                "e2": write_adapter(root / "e2", e2, r=4, lora_alpha=8, seed=2, std=0.15, ranks={low: 2}),
                "d": write_adapter(root / "d", d, r=4, lora_alpha=8, seed=3, std=0.1)}
@@ -88,21 +130,30 @@ def _hf_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
     return torch.log_softmax(logits, dim=-1)[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
 
 
-@pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    """family -> (folder, {adapter name: LoRARequest}, {"base" / adapter name: [(tokens, logprobs) per prompt]})."""
-    out = {}
-    for family, (build, *_) in FAMILIES.items():
-        root = tmp_path_factory.mktemp(f"lora_{family}")
-        folder = build(root / "base")
+class _Built(dict):
+    """family -> (folder, {adapter name: LoRARequest}, {"base" / adapter name: [(tokens, logprobs) per prompt]}), each
+    family built (checkpoint, adapters, transformers' references) the first time a test asks for it."""
+
+    def __init__(self, tmp_path_factory) -> None:
+        super().__init__()
+        self._tmp = tmp_path_factory
+
+    def __missing__(self, family: str):
+        root = self._tmp.mktemp(f"lora_{family}")
+        folder = FAMILIES[family].build(root / "base")
         base = load_hf_model(folder)
         adapters = _adapters(family, base, root)
         refs = {}
         for name, model in {"base": base, **{n: merged_by_hand(base, r.lora_path) for n, r in adapters.items()}}.items():
             tokens = [cut_at_eos(hf_greedy(model, p, MAX_TOKENS), [EOS_TOKEN_ID]) for p in PROMPTS]
             refs[name] = [(t, _hf_logprobs(model, p, t)) for p, t in zip(PROMPTS, tokens, strict=True)]
-        out[family] = (folder, adapters, refs)
-    return out
+        self[family] = (folder, adapters, refs)
+        return self[family]
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    return _Built(tmp_path_factory)
 
 
 def _generate(llm: LLM, adapters: dict[str, LoRARequest], names: list[str]) -> list[tuple[list[int], list[float]]]:
@@ -140,10 +191,12 @@ def _manager(folder) -> LoRAManager:
                        dtype=torch.float32, max_num_tokens=8)
 
 
-def test_slot_bytes_counts_every_buffer_the_manager_allocates(moe):
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_slot_bytes_counts_every_buffer_the_manager_allocates(moe, family):
     """The GPU budget leaves the adapter slots' bytes before the KV cache takes the rest (lora.manager.slot_bytes):
-    the count equals the stacks a manager then allocates, the experts' included."""
-    model = load_float32(moe["mixtral"][0])
+    the count equals the stacks a manager then allocates, the experts', shared experts' and latent attention's
+    included."""
+    model = load_float32(moe[family][0])
     want = slot_bytes(model, max_loras=2, max_rank=4, dtype=torch.float32)
     manager = LoRAManager(model, max_loras=2, max_lora_rank=4, max_cpu_loras=None, device="cpu", dtype=torch.float32,
                           max_num_tokens=8)
@@ -151,6 +204,8 @@ def test_slot_bytes_counts_every_buffer_the_manager_allocates(moe):
     got = sum(buf.numel() * buf.element_size() for module in model.modules() for name, buf in
               module.named_buffers(recurse=False) if name in stacks)
     assert manager.experts.layers and want == got
+    if FAMILIES[family].shared is not None:
+        assert "model.layers.1.mlp.shared_experts.down_proj" in manager._targets
 
 
 @pytest.mark.parametrize("case", ["rank", "expert", "half", "shape", "dense layer", "projection"])
@@ -186,27 +241,49 @@ def test_expert_adapter_errors_name_the_module(moe, tmp_path, case):
 
 
 def test_experts_of_other_families_are_refused_by_name(tmp_path):
-    """A FusedMoE family outside Qwen2-MoE / Qwen3-MoE / Mixtral (here GLM-4.5's): its expert modules are refused,
-    naming the tensor and the reason; its attention still takes adapters."""
-    from tests.helpers.tiny_glm import make_tiny_glm4_moe
+    """A FusedMoE family outside the supported ones (here ERNIE 4.5's): its expert and shared-expert modules are
+    refused, naming the tensor and the reason; its attention still takes adapters."""
+    from tests.helpers.tiny_ernie4_5 import make_tiny_ernie4_5_moe
 
-    folder = make_tiny_glm4_moe(tmp_path / "glm", num_layers=2, seed=6)
+    folder = make_tiny_ernie4_5_moe(tmp_path / "ernie", num_layers=2, seed=6)
     manager = _manager(folder)
-    module = "model.layers.1.mlp.experts.0.gate_proj"
-    adapter = write_adapter(tmp_path / "e", {module: (32, 64)})
-    with pytest.raises(LoRAAdapterError, match=rf"tensor 'base_model\.model\.{re.escape(module)}\.lora_[AB]\.weight' "
-                                               rf"adapts '{re.escape(module)}', not a projection of this model .*"
-                                               r"LoRA on the routed experts runs on Qwen2-MoE, Qwen3-MoE and Mixtral "
-                                               r"\(float experts\): not on Glm4MoeForCausalLM"):
+    why = {"experts.0.gate_proj": "routed experts", "shared_experts.up_proj": "shared experts"}
+    for leaf, kind in why.items():
+        module = f"model.layers.1.mlp.{leaf}"
+        shape = tuple(manager.model.get_submodule("model.layers.0.self_attn.o_proj").weight.shape)
+        adapter = write_adapter(tmp_path / leaf, {module: (shape[0] // 2, shape[0])})
+        with pytest.raises(LoRAAdapterError, match=rf"tensor 'base_model\.model\.{re.escape(module)}\.lora_[AB]\."
+                                                   rf"weight' adapts '{re.escape(module)}', not a projection of this "
+                                                   rf"model .*LoRA on the {kind} runs on Qwen2-MoE, .*DeepSeek-V2 / V3 "
+                                                   r"\(float experts\): not on Ernie4_5_MoeForCausalLM"):
+            manager.add_adapter(LoRARequest("x", 1, adapter))
+    attention = write_adapter(tmp_path / "attn", {"model.layers.1.self_attn.o_proj": shape})
+    manager.add_adapter(LoRARequest("a", 2, attention))
+
+
+@pytest.mark.parametrize("family, module, why", [
+    ("qwen2_moe", "model.layers.0.mlp.shared_expert_gate", "shared_expert_gate takes no adapters"),
+    ("deepseek_v3", "model.layers.1.self_attn.kv_b_proj", "kv_b_proj takes no adapters: it is absorbed"),
+])
+def test_modules_vllm_leaves_alone_are_refused_by_name(moe, tmp_path, family, module, why):
+    """Qwen2-MoE's shared_expert_gate (a plain torch Linear in vLLM, never adapted) and DeepSeek's kv_b_proj (absorbed
+    into the latent attention at load) are refused, naming the tensor."""
+    folder = moe[family][0]
+    manager = _manager(folder)
+    shape = tuple(manager.model.get_submodule(module).weight.shape) if "gate" in module else (160, 32)
+    adapter = write_adapter(tmp_path / "a", {module: shape})
+    with pytest.raises(LoRAAdapterError, match=rf"adapts '{re.escape(module)}', not a projection .*{why}"):
         manager.add_adapter(LoRARequest("x", 1, adapter))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("expert_parallel", [False, True])
-def test_sharded_expert_adapters_match_merged_weights(moe, expert_parallel):
+@pytest.mark.parametrize("family, expert_parallel", [("qwen3_moe", False), ("qwen3_moe", True), ("qwen2_moe", False),
+                                                     ("deepseek_v3", False)])
+def test_sharded_expert_adapters_match_merged_weights(moe, family, expert_parallel):
     """Two gloo ranks: each expert's intermediate rows sharded (gate / up B rows and down A columns cut), or the
-    experts split between the ranks (each packs its own experts' pairs)."""
-    folder, adapters, refs = moe["qwen3_moe"]
+    experts split between the ranks (each packs its own experts' pairs); Qwen2-MoE's shared expert cut as a dense
+    MLP (its down_proj's delta joins the rank's partial sum before that projection's all-reduce)."""
+    folder, adapters, refs = moe[family]
     llm = LLM(folder, tensor_parallel_size=2, device="cpu", enable_expert_parallel=expert_parallel, **COMMON)
     try:
         _assert_match(_generate(llm, adapters, NAMES), refs, NAMES)

@@ -3,10 +3,11 @@
 Built once on a loaded model, it
 - wraps every decoder layer's projections (qkv_proj, o_proj, gate_up_proj, down_proj; a hybrid model's
   linear-attention layers their qkvz_proj, ba_proj, out_proj instead of the attention's, its Mamba2 layers their
-  in_proj, out_proj) in a LoRALinear (lora/layers.py), whose forward adds each token's adapter delta to the base
-  output;
+  in_proj, out_proj; DeepSeek's latent attention the projections it runs) in a LoRALinear (lora/layers.py), whose
+  forward adds each token's adapter delta to the base output;
 - hooks an MoE model's routed experts (FusedMoE) with a LoRAExperts (lora/moe.py: each expert its own adapter
-  pair for gate, up and down), on the families lora/moe_targets.py names; others' expert modules are refused by name;
+  pair for gate, up and down) and wraps its shared experts' projections as a dense MLP's, on the families
+  lora/moe_targets.py names; others' expert and shared-expert modules are refused by name;
 - keeps added adapters in a CPU cache (LRU, max_cpu_loras), packed for this model (lora/packed.py), their
   lora_B rows rewritten as the model's loader rewrites its weights' rows where it does (the model's
   `lora_rewrite`: lora/rewrite.py);
@@ -26,6 +27,7 @@ An adapter id (LoRARequest.lora_int_id) is the adapter's identity; 0 is the base
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,23 +42,42 @@ from ferrox.layers.linear import Linear, MergedLinear
 from ferrox.lora.adapter import LoRAAdapterError, read_peft_adapter
 from ferrox.lora.layers import LoRALinear
 from ferrox.lora.moe import LoRAExperts
-from ferrox.lora.moe_targets import ExpertTargets, adaptable_experts
+from ferrox.lora.moe_targets import (
+    SHARED_EXPERT_PARENTS,
+    ExpertTargets,
+    adaptable_experts,
+    latent_attention,
+    shared_expert_refusal,
+)
 from ferrox.lora.packed import PackedAdapter, ProjectionTarget, pack_adapter
 from ferrox.lora.request import LoRARequest
 from ferrox.lora.slots import SlotTable, TokenSlots
 
-# (parent module in a decoder layer, merged projection, module name in the model's checkpoint terms -> its slice
-# name (None: whole)). Names are those after the model's lora_rewrite: a hybrid Qwen's in_proj_qkv arrives cut into
-# in_proj_q / _k / _v, Qwen3-Next's in_proj_qkvz / in_proj_ba into Qwen3.5's names (models/qwen3_5.py).
+# (parent module in a decoder layer (a dotted path), merged projection, module name in the model's checkpoint
+# terms -> its slice name (None: whole)). Names are those after the model's lora_rewrite: a hybrid Qwen's in_proj_qkv
+# arrives cut into in_proj_q / _k / _v, Qwen3-Next's in_proj_qkvz / in_proj_ba into Qwen3.5's names
+# (models/qwen3_5.py).
 _PROJECTIONS: tuple[tuple[str, str, dict[str, str | None]], ...] = (
     ("self_attn", "qkv_proj", {"q_proj": "q", "k_proj": "k", "v_proj": "v"}),
     ("self_attn", "o_proj", {"o_proj": None}),
+    # DeepSeek-V2 / V3's latent attention (models/mla_attention.py): the projections it runs as layers. kv_b_proj
+    # is absorbed into the attention at load (never run as a layer), so an adapter of it is refused by name.
+    ("self_attn", "q_proj", {"q_proj": None}),
+    ("self_attn", "q_a_proj", {"q_a_proj": None}),
+    ("self_attn", "q_b_proj", {"q_b_proj": None}),
+    ("self_attn", "kv_a_proj_with_mqa", {"kv_a_proj_with_mqa": None}),
     # The Gated DeltaNet of a hybrid model's linear-attention layers (layers/gated_delta_net.py).
     ("linear_attn", "qkvz_proj", {"in_proj_q": "q", "in_proj_k": "k", "in_proj_v": "v", "in_proj_z": "z"}),
     ("linear_attn", "ba_proj", {"in_proj_b": "b", "in_proj_a": "a"}),
     ("linear_attn", "out_proj", {"out_proj": None}),
     ("mlp", "gate_up_proj", {"gate_proj": "gate", "up_proj": "up"}),
     ("mlp", "down_proj", {"down_proj": None}),
+    # An MoE layer's shared expert, a dense MLP beside the routed experts (Qwen2-MoE's shared_expert, DeepSeek's and
+    # GLM-4.5's shared_experts), on the families lora/moe_targets.py names (SHARED_EXPERT_PARENTS).
+    ("mlp.shared_expert", "gate_up_proj", {"gate_proj": "gate", "up_proj": "up"}),
+    ("mlp.shared_expert", "down_proj", {"down_proj": None}),
+    ("mlp.shared_experts", "gate_up_proj", {"gate_proj": "gate", "up_proj": "up"}),
+    ("mlp.shared_experts", "down_proj", {"down_proj": None}),
     # Llama 4's dense layers (its MoE layers' feed_forward has experts instead, left unadapted: lora/moe_targets.py).
     ("feed_forward", "gate_up_proj", {"gate_proj": "gate", "up_proj": "up"}),
     ("feed_forward", "down_proj", {"down_proj": None}),
@@ -79,6 +100,8 @@ _PROJECTIONS: tuple[tuple[str, str, dict[str, str | None]], ...] = (
 # of any kind (an MLP or MoE block included), so they name none.
 _MIXERS = (("self_attn", ("qkv_proj", "o_proj")), ("linear_attn", ("qkvz_proj", "ba_proj", "out_proj")),
            ("mamba", ("in_proj", "out_proj")), ("mixer", ()))
+# DeepSeek-V2 / V3's latent attention (its query projection: q_proj, or q_a_proj and q_b_proj).
+_LATENT_MIXER = ("self_attn", ("kv_a_proj_with_mqa", "o_proj"))
 
 
 @dataclass(slots=True)
@@ -129,11 +152,7 @@ class LoRAManager:
         self.layers: list[LoRALinear] = []
         self._targets: dict[str, ProjectionTarget] = {}
         for i, layer in enumerate(layers):
-            for parent_name, attr, hf_slices in _PROJECTIONS:
-                parent = getattr(layer, parent_name, None)
-                base = getattr(parent, attr, None)
-                if not isinstance(base, Linear):  # e.g. an MoE layer's experts in place of gate_up/down
-                    continue
+            for parent_name, parent, attr, hf_slices, base in _projections(model, layer):
                 widths = dict(base.shard_sizes) if isinstance(base, MergedLinear) else {attr: base.out_features}
                 wrapped = LoRALinear(base, widths, self._token_slots, max_loras=max_loras, max_rank=max_lora_rank,
                                      dtype=dtype, device=self.device, use_triton=use_triton)
@@ -269,20 +288,36 @@ def slot_bytes(model: nn.Module, *, max_loras: int, max_rank: int, dtype: torch.
         return 0
     elements = 0
     for layer in layers:
-        for parent_name, attr, _ in _PROJECTIONS:
-            base = getattr(getattr(layer, parent_name, None), attr, None)
-            if isinstance(base, Linear):
-                widths = dict(base.shard_sizes) if isinstance(base, MergedLinear) else {attr: base.out_features}
-                elements += max_loras * max_rank * (len(widths) * base.in_features + sum(widths.values()))
+        for _, _, attr, _, base in _projections(model, layer):
+            widths = dict(base.shard_sizes) if isinstance(base, MergedLinear) else {attr: base.out_features}
+            elements += max_loras * max_rank * (len(widths) * base.in_features + sum(widths.values()))
     for _, experts in adaptable_experts(model, layers):
         elements += LoRAExperts.slot_elements(experts, max_loras, max_rank)
     return elements * torch.empty((), dtype=dtype).element_size()
 
 
+def _projections(model: nn.Module, layer: nn.Module) -> Iterator[tuple[str, nn.Module, str, dict[str, str | None],
+                                                                      Linear]]:
+    """(parent path, parent, attribute, checkpoint names -> slices, the layer) of every projection of a decoder layer
+    that takes adapters: the manager wraps these, slot_bytes counts them. A shared expert's only on the families
+    whose shared experts take adapters (lora/moe_targets.py)."""
+    shared_ok = shared_expert_refusal(model) is None
+    for parent_name, attr, hf_slices in _PROJECTIONS:
+        if parent_name in SHARED_EXPERT_PARENTS and not shared_ok:
+            continue
+        parent: Any = layer
+        for part in parent_name.split("."):
+            parent = getattr(parent, part, None)
+        base = getattr(parent, attr, None)
+        if isinstance(base, Linear):  # (not e.g. an MoE layer's experts in place of gate_up/down)
+            yield parent_name, parent, attr, hf_slices, base
+
+
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     """model.model.layers, each with self_attn.qkv_proj and self_attn.o_proj (Llama family), or a hybrid
     model's linear attention (linear_attn.qkvz_proj, ba_proj, out_proj) or Mamba2 mixer (mamba.in_proj, out_proj)
-    in their place, or Nemotron-H's one mixer."""
+    in their place, or Nemotron-H's one mixer; DeepSeek-V2 / V3's latent attention (self_attn.kv_a_proj_with_mqa
+    and o_proj)."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if not isinstance(layers, nn.ModuleList) or not len(layers) or not hasattr(inner, "decode_path"):
@@ -290,9 +325,12 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
                                     "(LoRA runs on Llama-family layouts)")
     if any(isinstance(module, LoRALinear) for module in layers.modules()):
         raise InvalidArgumentError("enable_lora: this model already has a LoRAManager", param="enable_lora")
+    latent = latent_attention(model)
     for i, layer in enumerate(layers):
         mixer, attrs = next(((name, attrs) for name, attrs in _MIXERS if getattr(layer, name, None) is not None),
                             _MIXERS[0])
+        if latent:
+            mixer, attrs = _LATENT_MIXER
         for attr in attrs:
             proj = getattr(getattr(layer, mixer, None), attr, None)
             if not isinstance(proj, Linear):

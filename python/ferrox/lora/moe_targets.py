@@ -8,10 +8,20 @@ takes (models/moe.py). Each module's A and B are checked against the expert's ch
 columns of its intermediate rows, and under expert parallelism only its experts (the others' are checked and
 skipped).
 
-Families: LoRA on the experts runs on Qwen2-MoE, Qwen3-MoE and Mixtral with float experts (the gated SiLU experts
-of models/moe.py). Any other family's expert modules, or quantized experts (FP8, MXFP4), are refused by name, with
-the reason: their experts are stacked or renamed differently in their checkpoints, gated otherwise, or quantized,
-and none is tested with adapters here.
+Families: LoRA on the experts runs on Qwen2-MoE, Qwen3-MoE, Mixtral, GLM-4.5 and DeepSeek-V2 / V3 with float
+experts (gated SiLU, no biases, one tensor per expert projection in their checkpoints, as vLLM reads them). Any other
+family's expert modules, or quantized experts (FP8, MXFP4), are refused by name, with the reason: their experts are
+stacked in their checkpoints (gpt-oss, Llama 4, Qwen3-VL-MoE), gated otherwise (Gemma 4's GELU, Nemotron-H's ReLU^2),
+quantized, or not tested with adapters here (ERNIE 4.5, Hunyuan, MiniMax-M2, OLMoE, the hybrid Qwens, Mistral 4).
+
+Shared experts (a dense MLP of Linear layers beside the routed ones: Qwen2-MoE's `mlp.shared_expert`, DeepSeek's and
+GLM-4.5's `mlp.shared_experts`) take adapters as the dense MLPs do (the manager wraps their gate_up_proj and
+down_proj: lora/manager.py), on the same families; their tensor-parallel cut is the dense MLP's, and the layer sums
+them with the routed experts exactly (layers/fused_moe.py experts_with_shared: a wrapped shared down_proj
+all-reduces its own partial sum with its delta). Qwen2-MoE's `shared_expert_gate` is refused by name: vLLM builds
+it as a plain torch Linear, which its LoRA never adapts. DeepSeek's latent attention takes adapters on the
+projections it runs (q_proj or q_a_proj / q_b_proj, kv_a_proj_with_mqa, o_proj); kv_b_proj, absorbed into the
+attention at load, is refused by name.
 """
 
 from __future__ import annotations
@@ -33,7 +43,16 @@ _EXPERT_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<block>mlp|bloc
 # Any name that looks like one expert's module, in any family (for the refusal's wording).
 _ANY_EXPERT = re.compile(r"\.experts\.\d+\.")
 _PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
-SUPPORTED = "Qwen2-MoE, Qwen3-MoE and Mixtral (float experts)"
+SUPPORTED = "Qwen2-MoE, Qwen3-MoE, Mixtral, GLM-4.5 and DeepSeek-V2 / V3 (float experts)"
+# The MoE block's shared-expert MLPs the manager wraps (its _PROJECTIONS), and the names that only look like one.
+SHARED_EXPERT_PARENTS = ("mlp.shared_expert", "mlp.shared_experts")
+_SHARED_EXPERT = re.compile(r"\.mlp\.(shared_expert|shared_experts|shared_mlp)\.")
+_REFUSED_MODULES = {
+    "shared_expert_gate": "Qwen2-MoE's shared_expert_gate takes no adapters (vLLM runs it as a plain torch Linear, "
+                          "which its LoRA does not adapt)",
+    "kv_b_proj": "the latent attention's kv_b_proj takes no adapters: it is absorbed into the attention at load and "
+                 "never run as a layer (q_proj / q_a_proj / q_b_proj, kv_a_proj_with_mqa and o_proj take them)",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +72,7 @@ class ExpertTargets:
         self.bases: list[FusedMoE] = []
         self._index_of: dict[int, int] = {}  # decoder layer -> index into layers
         self.refusal = _refusal(model)
+        self.shared_refusal = shared_expert_refusal(model)
         for i, experts in adaptable_experts(model, decoder_layers):
             wrapped = LoRAExperts(experts, token_slots, max_loras=max_loras, max_rank=max_rank, dtype=dtype,
                                   device=device, use_triton=use_triton)
@@ -72,7 +92,13 @@ class ExpertTargets:
                    for block in blocks for e in range(self.bases[self._index_of[i]].num_experts))
 
     def why_not(self, name: str) -> str | None:
-        """Why an expert module of an adapter is not taken (None: the name is no expert's)."""
+        """Why an expert, shared-expert or absorbed module of an adapter is not taken (None: no reason known)."""
+        why = _REFUSED_MODULES.get(name.rsplit(".", 1)[-1])
+        if why is not None:
+            return why
+        if _SHARED_EXPERT.search(name) is not None:
+            refusal = self.shared_refusal
+            return None if refusal is None else f"LoRA on the shared experts runs on {SUPPORTED}: {refusal}"
         if _ANY_EXPERT.search(name) is None and _EXPERT_MODULE.match(name) is None:
             return None
         if self.refusal is not None:
@@ -155,14 +181,37 @@ def adaptable_experts(model: nn.Module, decoder_layers: list[nn.Module]) -> list
     return [(i, experts) for i, experts in found if isinstance(experts, FusedMoE)]  # (dense layers have none)
 
 
-def _refusal(model: nn.Module) -> str | None:
-    """Why this model's experts take no adapters (None: they do)."""
+def _families() -> tuple[type[nn.Module], ...]:
+    """The model classes whose routed and shared experts take adapters (exactly these: a subclass may load or run
+    its experts otherwise, e.g. Qwen3-VL-MoE's stacked checkpoint experts, Mistral 4's router)."""
+    from ferrox.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+    from ferrox.models.glm4_moe import Glm4MoeForCausalLM
     from ferrox.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
+    return (Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, Glm4MoeForCausalLM, DeepseekV2ForCausalLM,
+            DeepseekV3ForCausalLM)
+
+
+def latent_attention(model: nn.Module) -> bool:
+    """Whether the model's decoder layers run DeepSeek's latent attention with adapters (DeepSeek-V2 / V3 only)."""
+    from ferrox.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+
+    return type(model) in (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM)
+
+
+def shared_expert_refusal(model: nn.Module) -> str | None:
+    """Why this model's shared experts take no adapters (None: they do, or it has none)."""
+    if type(model) not in _families():
+        return f"not on {type(model).__name__}"
+    return None
+
+
+def _refusal(model: nn.Module) -> str | None:
+    """Why this model's experts take no adapters (None: they do)."""
     experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
     if not experts:
         return f"{type(model).__name__} has no routed experts"
-    if type(model) not in (Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM):
+    if type(model) not in _families():
         return f"not on {type(model).__name__}"
     for layer in experts:
         if layer.weight_method is not None or layer.w13_scale is not None:

@@ -33,7 +33,8 @@ V3's e_score_correction_bias replicated, so grouped top-k sees every expert on e
 checkpoint's scales are cut with their weights, on block edges only (layers/quant/fp8_block.py refuses
 another cut naming the tensor).
 
-Not here yet: LoRA (refused by the adapter check: no qkv_proj) and the fused one-token decode kernels. The
+LoRA adapts the latent attention's projections (not the absorbed kv_b_proj), the MLPs, the shared experts and
+the routed experts (lora/moe_targets.py). Not here yet: the fused one-token decode kernels. The
 multi-token-prediction layers a config declares past num_hidden_layers (V3's num_nextn_predict_layers) are
 skipped at load, as vLLM does for the base model; speculative_config method 'mtp' drafts with the first
 (models/deepseek_mtp.py builds it from `mtp_decoder_layer` and loads it through `load_deepseek_tensors`).

@@ -25,8 +25,9 @@ Tensor and expert parallelism are the MoE stack's. The published FP8 checkpoints
 Refused by name: another checkpoint quantization_config (the q/k rows are permuted at load;
 `quantization="fp8"` quantizes the loaded weights), a
 `scoring_func` other than sigmoid or a `topk_method` other than noaux_tc (DeepSeek's names, which GLM
-configs do not carry), and group counts that do not divide the experts. LoRA adapts the attention and the dense
-layers' MLPs, the adapters' q/k rows permuted as the weights' (`lora_rewrite`); never the experts.
+configs do not carry), and group counts that do not divide the experts. LoRA adapts the attention, the dense
+layers' MLPs, the shared and the routed experts (lora/moe_targets.py), the adapters' q/k rows permuted as the
+weights' (`lora_rewrite`).
 """
 
 from __future__ import annotations
