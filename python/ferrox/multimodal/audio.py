@@ -29,13 +29,11 @@ import numpy as np
 
 from ferrox.multimodal.media import (
     MediaError,
-    _download,
-    _download_async,
-    _local_path,
     _read_local,
-    _scheme,
-    decode_data_url,
+    capped,
+    fetch_media_url,
     fetch_timeout,
+    read_media_url,
 )
 
 TIMEOUT_ENV = "VLLM_AUDIO_FETCH_TIMEOUT"
@@ -111,21 +109,15 @@ def to_audio(value: Any, rate: int, *, allowed_local_media_path: str | None = No
     if isinstance(value, (np.ndarray, list)):
         return Audio(_samples(value), rate)  # (vLLM's rule: a bare array is at the processor's rate)
     if isinstance(value, (bytes, bytearray, memoryview)):
-        return decode_audio(_capped(bytes(value), max_bytes), rate)
+        return decode_audio(capped(bytes(value), max_bytes, "audio"), rate)
     if isinstance(value, os.PathLike):
-        return decode_audio(_capped(_read_local(os.fspath(value), allowed_local_media_path), max_bytes), rate)
+        return decode_audio(capped(_read_local(os.fspath(value), allowed_local_media_path), max_bytes, "audio"), rate)
     if not isinstance(value, str):
         raise MediaError("an audio clip must be a float array, (array, sampling_rate), bytes, a URL or a path, got "
                          f"{type(value).__name__}")
-    scheme = _scheme(value)
-    if scheme in ("http", "https"):
-        data = _download(value, timeout if timeout is not None else audio_fetch_timeout(), max_bytes, what="audio",
-                         env=TIMEOUT_ENV)
-        return decode_audio(data, rate)
-    if scheme == "data":
-        return decode_audio(_capped(decode_data_url(value), max_bytes), rate)
-    return decode_audio(_capped(_read_local(_local_path(value, scheme, "audio"), allowed_local_media_path),
-                                max_bytes), rate)
+    return decode_audio(read_media_url(value, what="audio", env=TIMEOUT_ENV, max_bytes=max_bytes,
+                                       timeout=timeout if timeout is not None else audio_fetch_timeout(),
+                                       allowed_local_media_path=allowed_local_media_path), rate)
 
 
 async def fetch_audio(source: AudioSource, rate: int, *, allowed_local_media_path: str | None = None,
@@ -136,16 +128,9 @@ async def fetch_audio(source: AudioSource, rate: int, *, allowed_local_media_pat
     url = source.source
     if not isinstance(url, str):
         return await asyncio.to_thread(to_audio, url, rate, allowed_local_media_path=allowed_local_media_path)
-    scheme = _scheme(url)
-    if scheme in ("http", "https"):
-        data = await _download_async(url, timeout if timeout is not None else audio_fetch_timeout(), max_bytes,
-                                     what="audio", env=TIMEOUT_ENV)
-        return await asyncio.to_thread(decode_audio, data, rate)
-    if scheme == "data":
-        return await asyncio.to_thread(lambda: decode_audio(_capped(decode_data_url(url), max_bytes), rate))
-    path = _local_path(url, scheme, "audio")
-    return await asyncio.to_thread(lambda: decode_audio(_capped(_read_local(path, allowed_local_media_path),
-                                                                max_bytes), rate))
+    return await fetch_media_url(url, lambda data: decode_audio(data, rate), what="audio", env=TIMEOUT_ENV,
+                                 timeout=timeout if timeout is not None else audio_fetch_timeout(),
+                                 max_bytes=max_bytes, allowed_local_media_path=allowed_local_media_path)
 
 
 def input_audio_bytes(data: Any, fmt: Any, max_bytes: int = MAX_AUDIO_BYTES) -> bytes:
@@ -221,12 +206,6 @@ def _samples(value: Any) -> np.ndarray:
     if not np.isfinite(array).all():
         raise MediaError("audio samples must be finite (no NaN or inf)")
     return np.ascontiguousarray(array, dtype=np.float32)
-
-
-def _capped(data: bytes, max_bytes: int) -> bytes:
-    if len(data) > max_bytes:
-        raise MediaError(f"the audio is larger than {max_bytes} bytes")
-    return data
 
 
 def load_audio_source(prompts: Any, source: Any, what: str, param: str = "multi_modal_data") -> Audio:

@@ -23,12 +23,15 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import TypeAlias
+from typing import TypeAlias, TypeVar
 
 from PIL import Image
 
 from ferrox.errors import InvalidArgumentError
+
+T = TypeVar("T")
 
 TIMEOUT_ENV = "VLLM_IMAGE_FETCH_TIMEOUT"
 DEFAULT_TIMEOUT_S = 5.0
@@ -124,6 +127,38 @@ async def fetch_image(url: str, *, allowed_local_media_path: str | None = None,
         return await asyncio.to_thread(decode_image, data)
     path = _local_path(url, scheme)
     return await asyncio.to_thread(lambda: decode_image(_read_local(path, allowed_local_media_path)))
+
+
+def read_media_url(url: str, *, what: str, env: str, timeout: float, max_bytes: int,
+                   allowed_local_media_path: str | None) -> bytes:
+    """The bytes a video's or audio clip's URL names (blocks): http(s) downloaded against one `timeout` deadline (env:
+    the variable that sets it, for the error), a data: URL decoded, a file read from inside
+    allowed_local_media_path; each at most max_bytes."""
+    scheme = _scheme(url)
+    if scheme in ("http", "https"):
+        return _download(url, timeout, max_bytes, what=what, env=env)
+    data = (decode_data_url(url) if scheme == "data"
+            else _read_local(_local_path(url, scheme, what), allowed_local_media_path))
+    return capped(data, max_bytes, what)
+
+
+def capped(data: bytes, max_bytes: int, what: str) -> bytes:
+    """`data`, refused when over max_bytes (a file or data URL the caller passed, as a download is refused)."""
+    if len(data) > max_bytes:
+        raise MediaError(f"the {what} is larger than {max_bytes} bytes")
+    return data
+
+
+async def fetch_media_url(url: str, decode: Callable[[bytes], T], *, what: str, env: str, timeout: float,
+                          max_bytes: int, allowed_local_media_path: str | None) -> T:
+    """read_media_url's bytes decoded (server): the download on aiohttp, file reads and the decode on a worker thread,
+    so the event loop keeps serving other requests."""
+    if _scheme(url) in ("http", "https"):
+        data = await _download_async(url, timeout, max_bytes, what=what, env=env)
+        return await asyncio.to_thread(decode, data)
+    return await asyncio.to_thread(lambda: decode(read_media_url(
+        url, what=what, env=env, timeout=timeout, max_bytes=max_bytes,
+        allowed_local_media_path=allowed_local_media_path)))
 
 
 def decode_data_url(url: str) -> bytes:

@@ -12,7 +12,6 @@ Qwen2.5-VL's rotary positions count seconds (multimodal/qwen2_vl_processing.py).
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import io
 import os
@@ -26,13 +25,11 @@ from ferrox.errors import InvalidArgumentError
 from ferrox.media_io_config import NUM_FRAMES, MediaIOOptions
 from ferrox.multimodal.media import (
     MediaError,
-    _download,
-    _download_async,
-    _local_path,
     _read_local,
-    _scheme,
-    decode_data_url,
+    capped,
+    fetch_media_url,
     fetch_timeout,
+    read_media_url,
 )
 
 TIMEOUT_ENV = "VLLM_VIDEO_FETCH_TIMEOUT"
@@ -115,21 +112,16 @@ def to_video(value: Any, *, allowed_local_media_path: str | None = None, timeout
     if isinstance(value, (np.ndarray, list)):
         return Video(frames_array(value))
     if isinstance(value, (bytes, bytearray, memoryview)):
-        return decode_video(_capped(bytes(value), max_bytes), media_io)
+        return decode_video(capped(bytes(value), max_bytes, "video"), media_io)
     if isinstance(value, os.PathLike):
-        return decode_video(_capped(_read_local(os.fspath(value), allowed_local_media_path), max_bytes), media_io)
+        return decode_video(capped(_read_local(os.fspath(value), allowed_local_media_path), max_bytes, "video"), media_io)
     if not isinstance(value, str):
         raise MediaError("a video must be uint8 frames [T, H, W, 3], a list of PIL images, (frames, metadata), "
                          f"bytes, a URL or a path, got {type(value).__name__}")
-    scheme = _scheme(value)
-    if scheme in ("http", "https"):
-        data = _download(value, timeout if timeout is not None else video_fetch_timeout(), max_bytes,
-                         what="video", env=TIMEOUT_ENV)
-        return decode_video(data, media_io)
-    if scheme == "data":
-        return decode_video(_capped(decode_data_url(value), max_bytes), media_io)
-    return decode_video(_capped(_read_local(_local_path(value, scheme, "video"), allowed_local_media_path), max_bytes),
-                        media_io)
+    data = read_media_url(value, what="video", env=TIMEOUT_ENV, max_bytes=max_bytes,
+                          timeout=timeout if timeout is not None else video_fetch_timeout(),
+                          allowed_local_media_path=allowed_local_media_path)
+    return decode_video(data, media_io)
 
 
 async def fetch_video(url: str, *, allowed_local_media_path: str | None = None, timeout: float | None = None,
@@ -137,16 +129,9 @@ async def fetch_video(url: str, *, allowed_local_media_path: str | None = None, 
     """The video at `url` (server): to_video's rules, the download on aiohttp and the decode on a thread."""
     if not isinstance(url, str):
         raise MediaError(f"a video URL must be a string, got {type(url).__name__}")
-    scheme = _scheme(url)
-    if scheme in ("http", "https"):
-        data = await _download_async(url, timeout if timeout is not None else video_fetch_timeout(), max_bytes,
-                                     what="video", env=TIMEOUT_ENV)
-        return await asyncio.to_thread(decode_video, data, media_io)
-    if scheme == "data":
-        return await asyncio.to_thread(lambda: decode_video(_capped(decode_data_url(url), max_bytes), media_io))
-    path = _local_path(url, scheme, "video")
-    return await asyncio.to_thread(lambda: decode_video(_capped(_read_local(path, allowed_local_media_path),
-                                                                max_bytes), media_io))
+    return await fetch_media_url(url, lambda data: decode_video(data, media_io), what="video", env=TIMEOUT_ENV,
+                                 timeout=timeout if timeout is not None else video_fetch_timeout(),
+                                 max_bytes=max_bytes, allowed_local_media_path=allowed_local_media_path)
 
 
 def frames_array(frames: Any) -> np.ndarray:
@@ -241,12 +226,6 @@ def load_video_source(prompts: Any, source: Any, what: str, param: str = "multi_
                         allowed_local_media_path=prompts.allowed_local_media_path, media_io=prompts.media_io)
     except MediaError as e:
         raise InvalidArgumentError(f"{what}: {e}", param=param) from None
-
-
-def _capped(data: bytes, max_bytes: int) -> bytes:
-    if len(data) > max_bytes:
-        raise MediaError(f"the video is larger than {max_bytes} bytes")
-    return data
 
 
 def split_media(media: Sequence[Any]) -> tuple[list[Any], list[Any]]:
