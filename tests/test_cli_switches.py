@@ -62,7 +62,7 @@ VLLM_PARTNERS = [
 # Partners whose value ferrox cannot honour: refused, naming the spelling and why.
 REFUSED_PARTNERS = {
     "--enable-cascade-attn": "no cascade attention", "--no-disable-cascade-attn": "no cascade attention",
-    "--enable-custom-all-reduce": "no custom all-reduce", "--enable-chunked-mm-input": "cannot split them",
+    "--enable-custom-all-reduce": "no custom all-reduce",
     "--disable-auto-tool-choice": "always parses tool calls", "--no-enable-auto-tool-choice": "always parses",
     "--disable-request-id-headers": "always sends X-Request-Id",
 }
@@ -112,6 +112,7 @@ def test_conflicting_spellings_the_last_one_wins():
     assert parse("--disable-prefix-caching", "--enable-prefix-caching").enable_prefix_caching is True
     assert parse("--no-enable-prefix-caching", "--enable-prefix-caching").enable_prefix_caching is True
     assert parse("-ep", "--disable-expert-parallel").enable_expert_parallel is False
+    assert parse("--disable-chunked-mm-input", "--enable-chunked-mm-input").disable_chunked_mm_input is False
     assert parse("--disable-expert-parallel", "-ep").enable_expert_parallel is True
     assert args("--enable-log-requests", "--no-enable-log-requests").enable_log_requests is False
     assert args("--disable-fastapi-docs", "--enable-fastapi-docs").disable_fastapi_docs is False

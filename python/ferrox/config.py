@@ -430,10 +430,10 @@ class EngineConfig:
         "the step's token budget (max_num_batched_tokens) must hold the longest (it defaults to max_model_len then)",
         True)
     disable_chunked_mm_input: bool = _opt(
-        "vLLM's: an image's (or video's) tokens are never split across prefill steps -- ferrox's only behaviour "
-        "(each is computed whole in one step), so the flag is always in effect", False,
-        refuse_inverse="ferrox computes each image's (or video's) tokens whole in one step; it cannot split them "
-        "across prefill steps")
+        "vLLM's: a multimodal item's tokens (an image's, a video's, an audio clip's) are never split across prefill "
+        "steps: each is computed whole in one step, whose token budget must hold the largest (a longer item is "
+        "refused naming max_num_batched_tokens). Off, a causal model's items are cut over chunked-prefill steps as "
+        "text is; images whose tokens attend both ways (Gemma 3 / 4, ...) are computed whole either way", False)
     long_prefill_token_threshold: int = _opt(
         "at most this many of one request's prompt tokens per step (vLLM's; 0: off): a long prompt then shares "
         "steps with shorter ones instead of filling them (an image computed whole is not cut)", 0)

@@ -192,3 +192,24 @@ def test_abort_mid_image_frees_blocks_and_embeddings(tmp_path):
     fresh = LLM(model=folder, dtype="float32", device="cpu").generate(
         {"prompt": "Look: <image> ok?", "multi_modal_data": {"image": img2}}, GREEDY, use_tqdm=False)
     assert alone[0].outputs[0].token_ids == fresh[0].outputs[0].token_ids
+
+
+def test_disable_chunked_mm_input_computes_each_image_whole(llava):
+    """--disable-chunked-mm-input (vLLM's): an image's 16 tokens are never cut over chunked-prefill steps, so a
+    budget of 8 cannot hold it (refused naming max_num_batched_tokens) and one of 24 computes it in one step, with
+    the tokens of the chunked engine and of transformers."""
+    folder, hf, llm = llava
+    if "qwen2" not in str(folder):
+        pytest.skip("one family is enough: the rule is the scheduler's")
+    img, _ = _images()
+    prompt = {"prompt": "Hello <image>\nWhat is this?", "multi_modal_data": {"image": img}}
+    cut = llm.generate(prompt, GREEDY, use_tqdm=False)[0]  # (the fixture's budget 8 cuts the image)
+    small = LLM(model=folder, dtype="float32", device="cpu", max_num_batched_tokens=8, disable_chunked_mm_input=True)
+    with pytest.raises(InvalidArgumentError, match="max_num_batched_tokens"):
+        small.generate(prompt, GREEDY, use_tqdm=False)
+    small.engine.shutdown()
+    whole = LLM(model=folder, dtype="float32", device="cpu", max_num_batched_tokens=24, disable_chunked_mm_input=True)
+    out = whole.generate(prompt, GREEDY, use_tqdm=False)[0]
+    whole.engine.shutdown()
+    assert out.outputs[0].token_ids == cut.outputs[0].token_ids
+    assert list(out.outputs[0].token_ids) == _hf_greedy(hf, folder, out.prompt_token_ids, [img])

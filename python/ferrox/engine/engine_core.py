@@ -312,6 +312,16 @@ class EngineCore:
         return (self.num_kv_blocks - 1) * self.block_size  # the null block holds nothing
 
     # ---- requests ---------------------------------------------------------------------------------------
+    def _atomic_spans(self, items: Any) -> list[tuple[int, int]]:
+        """The prompt ranges computed whole in one step: every multimodal item's under --disable-chunked-mm-input
+        (vLLM's), else the images whose tokens attend to each other both ways (audio clips stay causal, cut over
+        prefill chunks as text is)."""
+        if self.config.disable_chunked_mm_input:
+            return [(item.offset, item.end) for item in items]
+        if getattr(self.runner.model, "bidirectional_images", False):
+            return [(item.offset, item.end) for item in items if item.modality != "audio"]
+        return []
+
     def add_request(self, request: EngineCoreRequest) -> None:
         """Validate and queue. Raises ValueError / FerroxError naming the problem; nothing is queued then."""
         if self.pooler_config is not None or request.pooling_params is not None:
@@ -369,10 +379,7 @@ class EngineCore:
                 # Two prompts with different images have the same placeholder ids: the images' hashes
                 # separate the blocks that hold them (and those after), as vLLM's extra keys do.
                 mm_items=[(item.hash, item.offset, item.length) for item in request.mm_inputs or ()],
-                # Images whose tokens attend to each other both ways are computed whole in one step (audio clips
-                # stay causal: cut over prefill chunks as text is).
-                atomic_spans=[(item.offset, item.end) for item in request.mm_inputs or () if item.modality != "audio"]
-                if getattr(self.runner.model, "bidirectional_images", False) else [],
+                atomic_spans=self._atomic_spans(request.mm_inputs or ()),
             )
         except BaseException:
             if wait_for_grammar or params.thinking_token_budget is not None:
