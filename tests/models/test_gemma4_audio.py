@@ -239,14 +239,22 @@ def test_audio_refusals_by_name(gemma):
 
 def test_limits_of_zero_leave_the_audio_tower_out(gemma):
     """--language-model-only (every limit 0): neither tower is built and a clip is refused as under limit 0; images and
-    videos at 0 alone keep the encoders (audio may still come: vLLM's rule) and a clip answers as the whole model."""
+    videos at 0 alone keep the encoders (audio may still come: vLLM's rule) and a clip answers as the whole model; audio
+    at 0 alone leaves the audio tower out."""
     folder, _, llm = gemma
     prompt = {"prompt": "Listen <|audio|> what?", "multi_modal_data": {"audio": CLIPS[0]}}
     text = LLM(model=folder, dtype="float32", device="cpu", max_model_len=512, kv_cache_memory=16 << 20,
                language_model_only=True)
     heard = LLM(model=folder, dtype="float32", device="cpu", max_model_len=512, kv_cache_memory=16 << 20,
                 limit_mm_per_prompt={"image": 0, "video": 0})
+    deaf = LLM(model=folder, dtype="float32", device="cpu", max_model_len=512, kv_cache_memory=16 << 20,
+               limit_mm_per_prompt={"audio": 0})
     try:
+        # audio 0 alone: the audio tower is not built (vLLM's rule), the vision side is
+        model = deaf.engine.runner.model
+        assert not model.takes_audio and getattr(model, "audio_tower", None) is None and model.takes_images
+        with pytest.raises(InvalidArgumentError, match="1 audio clips, at most 0"):
+            deaf.generate(prompt, GREEDY)
         assert not text.engine.runner.model.takes_audio
         assert not any(p.is_meta for p in text.engine.runner.model.parameters())
         with pytest.raises(InvalidArgumentError, match="1 audio clips, at most 0"):
@@ -257,6 +265,7 @@ def test_limits_of_zero_leave_the_audio_tower_out(gemma):
     finally:
         text.engine.shutdown()
         heard.engine.shutdown()
+        deaf.engine.shutdown()
 
 
 def test_tensor_parallel_audio_matches_one_rank(gemma):

@@ -49,6 +49,7 @@ def load_model(source: ModelSource, spec: ModelSpec, *, dtype: torch.dtype, devi
     from ferrox.models.registry import get_model_class
     from ferrox.models.vision.encoder_setup import (
         building_text_only,
+        building_without,
         drop_vision_encoder,
         place_vision_encoder,
         text_only_model,
@@ -90,7 +91,7 @@ def load_model(source: ModelSource, spec: ModelSpec, *, dtype: torch.dtype, devi
         logger.info("quantization: %s", quant_config.describe())
     text_only = text_only_model(cls, mm_limits, spec.hf_config)
     with (torch.no_grad(), use_quant_config(quant_config), offloading(cpu_offload_bytes, device),
-          building_text_only(text_only)):
+          building_text_only(text_only), building_without(mm_limits)):
         model = cls(spec, dtype, device)
         if quant_config is not None:  # (layers the checkpoint left in float: its exclude list, by module name)
             quant_config.keep_unquantized(model)

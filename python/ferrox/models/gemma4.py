@@ -450,7 +450,7 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
-        from ferrox.models.vision.encoder_setup import vision_device
+        from ferrox.models.vision.encoder_setup import modality_skipped, vision_device
         from ferrox.models.vision.gemma4_vision import Gemma4VisionEmbedder, Gemma4VisionTower
 
         super().__init__(spec, dtype, device, kernels=kernels)
@@ -466,7 +466,7 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
                                                      self.vision_tower.eps, dtype, vision_device(device))
             self.own_weight_prefixes = (*self.own_weight_prefixes, "vision_tower.", "embed_vision.")
         audio = mm.get("audio_config")
-        if audio is None:
+        if audio is None or modality_skipped("audio"):  # (no tower, or --limit-mm-per-prompt audio 0: vLLM's rule)
             self.takes_audio = False  # type: ignore[misc]
         else:
             from ferrox.models.vision.gemma4_audio import Gemma4AudioEmbedder, Gemma4AudioTower

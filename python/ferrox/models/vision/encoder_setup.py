@@ -47,6 +47,28 @@ def building_text_only(on: bool = True) -> Iterator[None]:
         _TEXT_ONLY.reset(token)
 
 
+# Modalities whose own encoder a family leaves unbuilt (--limit-mm-per-prompt gives them 0 while others stay open:
+# vLLM's rule), set around the model's construction by the loader (`building_without`).
+_SKIPPED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("ferrox_skipped_modalities",
+                                                                         default=frozenset())
+
+
+@contextlib.contextmanager
+def building_without(limits: Mapping[str, int] | None) -> Iterator[None]:
+    """Build a model inside this block to leave out the encoder of each modality of its own (audio) that `limits`
+    gives 0; a family asks `modality_skipped` before building one."""
+    token = _SKIPPED.set(frozenset(m for m in ("audio",) if (limits or {}).get(m) == 0))
+    try:
+        yield
+    finally:
+        _SKIPPED.reset(token)
+
+
+def modality_skipped(modality: str) -> bool:
+    """Whether the model being built leaves this modality's encoder out (`building_without`)."""
+    return modality in _SKIPPED.get()
+
+
 def vision_device(device: torch.device | str) -> torch.device | str:
     """Where a family builds its vision tower, projector and image-only tensors: `device`, or the meta
     device while a text-only model is built."""
