@@ -1,12 +1,13 @@
-"""Live `ferrox serve` of a tiny Gemma 4 folder with an audio tower (tests/helpers/tiny_gemma4.py audio=True): 16
-concurrent chat requests carrying audio (three different clips: a wav as an input_audio part, an mp3 as input_audio,
+"""Live `ferrox serve` of a tiny audio family's folder, FAMILY one or more of `gemma4` (tests/helpers/tiny_gemma4.py
+audio=True) and `qwen2-audio` (tests/helpers/tiny_qwen2_audio.py; no images there), every family when none is named:
+16 concurrent chat requests carrying audio (three different clips: a wav as an input_audio part, an mp3 as input_audio,
 a flac as an audio_url data URL; some beside an image), each answer compared with the offline LLM's on the same
 parts on the same device, clips cut across chunked-prefill steps (--max-num-batched-tokens 64: the image's 60
 tokens attend both ways and are computed whole, a clip's 25 to 63 tokens are causal and cut at a step's end); bad
 base64 and a payload that is not audio must be 400s naming the field and change nothing else. 0 errors and 0
 mismatches expected. Needs PyAV (`av`) where it runs: the device image has none, so carry its wheel.
 
-    python benches/live/serve_audio.py [--device cuda] [--dtype float32|bfloat16]
+    python benches/live/serve_audio.py [FAMILY ...] [--device cuda] [--dtype float32|bfloat16]
 """
 from __future__ import annotations
 
@@ -26,9 +27,16 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from tests.helpers.tiny_gemma4 import make_tiny_gemma4  # noqa: E402
+from tests.helpers.tiny_qwen2_audio import make_tiny_qwen2_audio  # noqa: E402
 from tests.server.server_proc import ServerProcess  # noqa: E402
 
 RATE = 16_000
+# family -> (its tiny folder's builder, whether its chats also carry an image)
+FAMILIES = {
+    "gemma4": (lambda folder: make_tiny_gemma4(folder, audio=True, bidirectional="vision", per_layer=True, kv_shared=2),
+               True),
+    "qwen2-audio": (lambda folder: make_tiny_qwen2_audio(folder), False),
+}
 
 
 def post(base: str, body: dict) -> tuple[int, dict]:
@@ -83,22 +91,31 @@ def image_url() -> str:
 
 
 def main() -> int:
-    from ferrox import LLM, SamplingParams
-
     args = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    args.add_argument("families", nargs="*", metavar="FAMILY", help=f"of {', '.join(FAMILIES)} (default: all)")
     args.add_argument("--device", default=None)
     args.add_argument("--dtype", default="float32")
     opts = args.parse_args()
+    unknown = [f for f in opts.families if f not in FAMILIES]
+    if unknown:
+        args.error(f"unknown FAMILY {', '.join(unknown)} (families: {', '.join(FAMILIES)})")
+    return max(run(family, opts) for family in opts.families or FAMILIES)
+
+
+def run(family: str, opts: argparse.Namespace) -> int:
+    from ferrox import LLM, SamplingParams
+
+    build, images = FAMILIES[family]
     tmp = Path(tempfile.mkdtemp())
     clips, picture = parts(), image_url()
-    cases = [(k % 3, k % 4 == 3) for k in range(16)]  # (clip, with an image)
+    cases = [(k % 3, images and k % 4 == 3) for k in range(16)]  # (clip, with an image)
 
     def messages(clip: int, with_image: bool) -> list[dict]:
         media = [clips[clip]] + ([{"type": "image_url", "image_url": {"url": picture}}] if with_image else [])
         return [{"role": "user", "content": [*media, {"type": "text", "text": "What is it?"}]}]
 
-    folder = make_tiny_gemma4(tmp / "gemma4-audio", audio=True, bidirectional="vision", per_layer=True, kv_shared=2)
-    limits = {"image": 1, "audio": 1}
+    folder = build(tmp / family)
+    limits = {"image": 1, "audio": 1} if images else {"audio": 1}
     device = ["--device", opts.device] if opts.device else []
     reference = LLM(model=folder, dtype=opts.dtype, kv_cache_memory=128 << 20, limit_mm_per_prompt=limits,
                     max_model_len=512, max_num_batched_tokens=64, **({"device": opts.device} if opts.device else {}))
@@ -126,7 +143,7 @@ def main() -> int:
                 for status, body in bad_parts)
     code = srv.stop()
     log_errors = [ln for ln in srv.log if " ERROR " in ln or "Traceback" in ln]
-    print(f"gemma4-audio ({opts.device or 'default device'}, {opts.dtype}): {len(cases)} audio chats, {errors} errors, "
+    print(f"{family} ({opts.device or 'default device'}, {opts.dtype}): {len(cases)} audio chats, {errors} errors, "
           f"{mismatches} mismatches, bad parts named in a 400 {named}/{len(broken)}, exit {code}, error log lines "
           f"{len(log_errors)} {log_errors[:3]}")
     return 1 if errors or mismatches or named != len(broken) or code != 0 or log_errors else 0

@@ -318,6 +318,11 @@ def _image_prompts_for_model(model_dir: str, hf_config: Mapping[str, Any], token
                                     allowed_local_media_path=allowed_local_media_path,
                                     processor_kwargs=processor_kwargs, video_limit=(limits or {}).get("video"),
                                     audio_limit=(limits or {}).get("audio"))
+    if "Qwen2AudioForConditionalGeneration" in archs:  # audio clips only (images and videos refused by name)
+        from ferrox.multimodal.qwen2_audio_processing import qwen2_audio_prompts
+
+        return qwen2_audio_prompts(model_dir, hf_config, tokenizer, audio_limit=(limits or {}).get("audio"),
+                                   allowed_local_media_path=allowed_local_media_path)
     if "InternVLChatModel" in archs:  # InternVL's remote-code layout: `<image>` placeholders, its own tiling
         from ferrox.multimodal.internvl_chat_processing import internvl_chat_image_prompts
 

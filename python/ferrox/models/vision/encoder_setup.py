@@ -83,6 +83,9 @@ def text_only_model(cls: type, limits: Mapping[str, int] | None, hf_config: Mapp
     if not getattr(cls, "takes_images", False):
         return False
     limits = limits or {}
+    only = getattr(cls, "media_modalities", None)  # (a family that names its own: Qwen2-Audio's audio alone)
+    if only is not None:
+        return all(limits.get(modality) == 0 for modality in only)
     taken: tuple[str, ...] = ("image", "video") if getattr(cls, "takes_videos", False) else ("image",)
     audio = getattr(cls, "takes_audio_of", None)
     if audio is not None and audio(hf_config or {}):  # (Gemma 4: its audio tower is built with the vision side)
