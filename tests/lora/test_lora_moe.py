@@ -1,8 +1,9 @@
 """LoRA on the routed and shared experts of MoE models (lora/moe.py, lora/moe_targets.py): tiny random Qwen3-MoE,
-Qwen2-MoE, Mixtral, GLM-4.5 and DeepSeek-V3 checkpoints (transformers) with PEFT-format adapters written here, one module
-per expert projection as vLLM reads them (`mlp.experts.{e}.gate_proj / up_proj / down_proj`, Mixtral's
-`block_sparse_moe.experts.{e}.w1 / w3 / w2`), and the shared expert's projections (`mlp.shared_expert.*`,
-`mlp.shared_experts.*`) as a dense MLP's.
+Qwen2-MoE, Mixtral, GLM-4.5, DeepSeek-V3, Hunyuan (A13B's layout), ERNIE 4.5 MoE, OLMoE and MiniMax-M2 checkpoints
+(transformers) with PEFT-format adapters written here, one module per expert projection as vLLM reads them
+(`mlp.experts.{e}.gate_proj / up_proj / down_proj`, Mixtral's and MiniMax-M2's `block_sparse_moe.experts.{e}.w1 / w3 /
+w2`), and the shared expert's projections (`mlp.shared_expert.*`, `mlp.shared_experts.*`, Hunyuan's
+`mlp.shared_mlp.*`) as a dense MLP's.
 
 Reference: transformers with each adapter merged into the weights by hand (W + scaling * B A: tests/lora/adapters.py
 merged_by_hand). peft is installed, but it cannot load per-expert modules on transformers 5's fused experts (it
@@ -12,13 +13,14 @@ adapts them through `target_parameters`, another format, which ferrox refuses by
   serving base-model requests, two adapters with expert modules (one on every expert, the shared expert and two
   attention projections, one of rank 4 with a rank_pattern on half the experts) and one without expert modules, in
   one batch: each request's greedy tokens and their logprobs equal transformers' with its adapter merged. GLM-4.5's
-  adapters' q rows follow its partial-rotary row order (lora_rewrite); DeepSeek's attention modules are its latent
-  attention's (q_a_proj, q_b_proj, kv_a_proj_with_mqa, o_proj).
+  and MiniMax-M2's adapters' q rows follow their partial-rotary row order, ERNIE's its interleaved rotary's
+  (lora_rewrite); DeepSeek's attention modules are its latent attention's (q_a_proj, q_b_proj, kv_a_proj_with_mqa,
+  o_proj).
 - Errors name the module: a rank above max_lora_rank, an expert index out of range, A without B, a wrong shape, a
   dense layer's experts, a family whose experts or shared experts take no adapters, Qwen2-MoE's shared_expert_gate,
   DeepSeek's absorbed kv_b_proj.
-- Tensor and expert parallelism (2 gloo ranks, slow): each rank packs its share, the same tokens (Qwen2-MoE: its
-  shared expert's down_proj delta joins that rank's partial sum).
+- Tensor and expert parallelism (2 gloo ranks, slow): each rank packs its share, the same tokens (Qwen2-MoE's and
+  Hunyuan's shared expert: its down_proj delta joins that rank's partial sum).
 - On a GPU: the CUDA engine (CUDA graphs, the Triton path) against the CPU engine, tokens and logprobs.
 """
 
@@ -37,10 +39,14 @@ from ferrox.lora.request import LoRARequest
 
 from tests.helpers import tiny_models
 from tests.helpers.tiny_deepseek import make_tiny_deepseek
+from tests.helpers.tiny_ernie4_5 import make_tiny_ernie4_5_moe
 from tests.helpers.tiny_glm import make_tiny_glm4_moe
+from tests.helpers.tiny_hunyuan import make_tiny_hunyuan_moe
 from tests.helpers.tiny_models import EOS_TOKEN_ID, load_float32
+from tests.helpers.tiny_olmo_smollm3 import make_tiny_olmoe
 from tests.lora.adapters import load_hf_model, merged_by_hand, write_adapter
 from tests.models.conftest import cut_at_eos, hf_greedy
+from tests.models.test_minimax_m2 import make_tiny_minimax_m2
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
@@ -82,6 +88,17 @@ FAMILIES = {
     "deepseek_v3": Family(lambda d: make_tiny_deepseek(d, num_layers=2, seed=24), (1,), 6, "mlp", _QWEN, 32, 64,
                           shared="shared_experts", e1_attention=("q_a_proj", "kv_a_proj_with_mqa"),
                           d_attention=_LATENT),
+    # (q/k normed per head after rotary, NTK-alpha, every layer routed beside the shared MLP `mlp.shared_mlp`)
+    "hunyuan_moe": Family(lambda d: make_tiny_hunyuan_moe(d, seed=25), (0, 1), 8, "mlp", _QWEN, 32, 64,
+                          shared="shared_mlp"),
+    # (interleaved rotary q/k rows reordered, biased routing, the first layer dense, one shared expert)
+    "ernie4_5_moe": Family(lambda d: make_tiny_ernie4_5_moe(d, num_layers=2, seed=26), (1,), 8, "mlp", _QWEN, 32, 64,
+                           shared="shared_experts"),
+    # (full-width q/k norms, softmax top-k not renormalised, no shared expert)
+    "olmoe": Family(lambda d: make_tiny_olmoe(d, seed=27), (0, 1), 8, "mlp", _QWEN, 32, 64),
+    # (Mixtral's checkpoint names, biased sigmoid routing, partial rotary q/k rows reordered, an MTP layer skipped)
+    "minimax_m2": Family(lambda d: make_tiny_minimax_m2(d, seed=28), (0, 1, 2), 8, "block_sparse_moe",
+                         ("w1", "w3", "w2"), 32, 64),
 }
 
 
@@ -191,7 +208,7 @@ def _manager(folder) -> LoRAManager:
                        dtype=torch.float32, max_num_tokens=8)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3", "hunyuan_moe"])
 def test_slot_bytes_counts_every_buffer_the_manager_allocates(moe, family):
     """The GPU budget leaves the adapter slots' bytes before the KV cache takes the rest (lora.manager.slot_bytes):
     the count equals the stacks a manager then allocates, the experts', shared experts' and latent attention's
@@ -205,7 +222,7 @@ def test_slot_bytes_counts_every_buffer_the_manager_allocates(moe, family):
               module.named_buffers(recurse=False) if name in stacks)
     assert manager.experts.layers and want == got
     if FAMILIES[family].shared is not None:
-        assert "model.layers.1.mlp.shared_experts.down_proj" in manager._targets
+        assert f"model.layers.1.mlp.{FAMILIES[family].shared}.down_proj" in manager._targets
 
 
 @pytest.mark.parametrize("case", ["rank", "expert", "half", "shape", "dense layer", "projection"])
@@ -241,23 +258,24 @@ def test_expert_adapter_errors_name_the_module(moe, tmp_path, case):
 
 
 def test_experts_of_other_families_are_refused_by_name(tmp_path):
-    """A FusedMoE family outside the supported ones (here ERNIE 4.5's): its expert and shared-expert modules are
-    refused, naming the tensor and the reason; its attention still takes adapters."""
-    from tests.helpers.tiny_ernie4_5 import make_tiny_ernie4_5_moe
+    """A FusedMoE family outside the supported ones (here Qwen3-Next's, a hybrid Qwen): its expert and shared-expert
+    modules are refused, naming the tensor and the reason; its attention still takes adapters."""
+    from tests.helpers.tiny_qwen3_5 import make_tiny_qwen3_next
 
-    folder = make_tiny_ernie4_5_moe(tmp_path / "ernie", num_layers=2, seed=6)
+    folder = make_tiny_qwen3_next(tmp_path / "next", seed=6)
     manager = _manager(folder)
-    why = {"experts.0.gate_proj": "routed experts", "shared_experts.up_proj": "shared experts"}
+    layer = 3  # (the full-attention layer; every layer routes)
+    shape = tuple(manager.model.get_submodule(f"model.layers.{layer}.self_attn.o_proj").weight.shape)
+    why = {"experts.0.gate_proj": "routed experts", "shared_expert.up_proj": "shared experts"}
     for leaf, kind in why.items():
-        module = f"model.layers.1.mlp.{leaf}"
-        shape = tuple(manager.model.get_submodule("model.layers.0.self_attn.o_proj").weight.shape)
+        module = f"model.layers.{layer}.mlp.{leaf}"
         adapter = write_adapter(tmp_path / leaf, {module: (shape[0] // 2, shape[0])})
         with pytest.raises(LoRAAdapterError, match=rf"tensor 'base_model\.model\.{re.escape(module)}\.lora_[AB]\."
                                                    rf"weight' adapts '{re.escape(module)}', not a projection of this "
-                                                   rf"model .*LoRA on the {kind} runs on Qwen2-MoE, .*DeepSeek-V2 / V3 "
-                                                   r"\(float experts\): not on Ernie4_5_MoeForCausalLM"):
+                                                   rf"model .*LoRA on the {kind} runs on Qwen2-MoE, .*MiniMax-M2 "
+                                                   r"\(float experts\): not on Qwen3NextForCausalLM"):
             manager.add_adapter(LoRARequest("x", 1, adapter))
-    attention = write_adapter(tmp_path / "attn", {"model.layers.1.self_attn.o_proj": shape})
+    attention = write_adapter(tmp_path / "attn", {f"model.layers.{layer}.self_attn.o_proj": shape})
     manager.add_adapter(LoRARequest("a", 2, attention))
 
 
@@ -278,7 +296,8 @@ def test_modules_vllm_leaves_alone_are_refused_by_name(moe, tmp_path, family, mo
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family, expert_parallel", [("qwen3_moe", False), ("qwen3_moe", True), ("qwen2_moe", False),
-                                                     ("deepseek_v3", False)])
+                                                     ("deepseek_v3", False), ("hunyuan_moe", False),
+                                                     ("ernie4_5_moe", True)])
 def test_sharded_expert_adapters_match_merged_weights(moe, family, expert_parallel):
     """Two gloo ranks: each expert's intermediate rows sharded (gate / up B rows and down A columns cut), or the
     experts split between the ranks (each packs its own experts' pairs); Qwen2-MoE's shared expert cut as a dense

@@ -30,8 +30,8 @@ so CUDA graphs captured over them stay valid.
 Tensor parallelism: with each expert's intermediate rows sharded, a rank holds the gate and up B rows and the down
 A columns of its share (the dense column- and row-parallel rule of lora/layers.py), so its down delta is a partial
 sum that joins its partial product before the layer's one all-reduce. With expert parallelism a rank holds the
-adapter pairs of its own experts only. Quantized experts (FP8, MXFP4) and families other than Qwen2-MoE,
-Qwen3-MoE, Mixtral, GLM-4.5 and DeepSeek-V2 / V3 are refused by name (lora/moe_targets.py).
+adapter pairs of its own experts only. Quantized experts (FP8, MXFP4) and families other than those
+lora/moe_targets.py names are refused by name there.
 """
 
 from __future__ import annotations

@@ -1,27 +1,28 @@
 """Which MoE experts an adapter may adapt, and an adapter's expert modules packed per MoE layer (lora/moe.py).
 
 A PEFT adapter names one module per expert projection, as the checkpoint names the expert's weights (vLLM reads
-them so): `model.layers.{i}.mlp.experts.{e}.gate_proj / up_proj / down_proj` (Qwen2-MoE, Qwen3-MoE) or
-`model.layers.{i}.block_sparse_moe.experts.{e}.w1 / w3 / w2` (Mixtral: gate, up, down), the spellings the MoE loader
-takes (models/moe.py). Each module's A and B are checked against the expert's checkpoint shapes (gate / up: A
-[r, H], B [I, r]; down: A [r, I], B [H, r]), then cut to this rank's share: the gate and up B rows and the down A
-columns of its intermediate rows, and under expert parallelism only its experts (the others' are checked and
-skipped).
+them so): `model.layers.{i}.mlp.experts.{e}.gate_proj / up_proj / down_proj` (Qwen2-MoE, Qwen3-MoE and the others)
+or `model.layers.{i}.block_sparse_moe.experts.{e}.w1 / w3 / w2` (Mixtral, MiniMax-M2: gate, up, down), the spellings
+the MoE loader takes (models/moe.py). Each module's A and B are checked against the expert's checkpoint shapes
+(gate / up: A [r, H], B [I, r]; down: A [r, I], B [H, r]), then cut to this rank's share: the gate and up B rows and
+the down A columns of its intermediate rows, and under expert parallelism only its experts (the others' are checked
+and skipped).
 
-Families: LoRA on the experts runs on Qwen2-MoE, Qwen3-MoE, Mixtral, GLM-4.5 and DeepSeek-V2 / V3 with float
-experts (gated SiLU, no biases, one tensor per expert projection in their checkpoints, as vLLM reads them). Any other
-family's expert modules, or quantized experts (FP8, MXFP4), are refused by name, with the reason: their experts are
-stacked in their checkpoints (gpt-oss, Llama 4, Qwen3-VL-MoE), gated otherwise (Gemma 4's GELU, Nemotron-H's ReLU^2),
-quantized, or not tested with adapters here (ERNIE 4.5, Hunyuan, MiniMax-M2, OLMoE, the hybrid Qwens, Mistral 4).
+Families: LoRA on the experts runs on Qwen2-MoE, Qwen3-MoE, Mixtral, GLM-4.5, DeepSeek-V2 / V3, Hunyuan (A13B),
+ERNIE 4.5 MoE, OLMoE and MiniMax-M2 with float experts (gated SiLU, no biases, one tensor per expert projection in
+their checkpoints, as vLLM reads them; vLLM's classes of these families all take LoRA). Any other family's expert
+modules, or quantized experts (FP8, MXFP4), are refused by name, with the reason: their experts are stacked in their
+checkpoints (gpt-oss, Llama 4, Qwen3-VL-MoE), gated otherwise (Gemma 4's GELU, Nemotron-H's ReLU^2), quantized, or
+not tested with adapters here (the hybrid Qwens, Mistral 4).
 
-Shared experts (a dense MLP of Linear layers beside the routed ones: Qwen2-MoE's `mlp.shared_expert`, DeepSeek's and
-GLM-4.5's `mlp.shared_experts`) take adapters as the dense MLPs do (the manager wraps their gate_up_proj and
-down_proj: lora/manager.py), on the same families; their tensor-parallel cut is the dense MLP's, and the layer sums
-them with the routed experts exactly (layers/fused_moe.py experts_with_shared: a wrapped shared down_proj
-all-reduces its own partial sum with its delta). Qwen2-MoE's `shared_expert_gate` is refused by name: vLLM builds
-it as a plain torch Linear, which its LoRA never adapts. DeepSeek's latent attention takes adapters on the
-projections it runs (q_proj or q_a_proj / q_b_proj, kv_a_proj_with_mqa, o_proj); kv_b_proj, absorbed into the
-attention at load, is refused by name.
+Shared experts (a dense MLP of Linear layers beside the routed ones: Qwen2-MoE's `mlp.shared_expert`, DeepSeek's,
+GLM-4.5's and ERNIE 4.5's `mlp.shared_experts`, Hunyuan's `mlp.shared_mlp`) take adapters as the dense MLPs do (the
+manager wraps their gate_up_proj and down_proj: lora/manager.py), on the same families; their tensor-parallel cut is
+the dense MLP's, and the layer sums them with the routed experts exactly (layers/fused_moe.py experts_with_shared: a
+wrapped shared down_proj all-reduces its own partial sum with its delta). Qwen2-MoE's `shared_expert_gate` is
+refused by name: vLLM builds it as a plain torch Linear, which its LoRA never adapts. DeepSeek's latent attention
+takes adapters on the projections it runs (q_proj or q_a_proj / q_b_proj, kv_a_proj_with_mqa, o_proj); kv_b_proj,
+absorbed into the attention at load, is refused by name.
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ _EXPERT_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<block>mlp|bloc
 # Any name that looks like one expert's module, in any family (for the refusal's wording).
 _ANY_EXPERT = re.compile(r"\.experts\.\d+\.")
 _PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
-SUPPORTED = "Qwen2-MoE, Qwen3-MoE, Mixtral, GLM-4.5 and DeepSeek-V2 / V3 (float experts)"
+SUPPORTED = ("Qwen2-MoE, Qwen3-MoE, Mixtral, GLM-4.5, DeepSeek-V2 / V3, Hunyuan, ERNIE 4.5 MoE, OLMoE and "
+             "MiniMax-M2 (float experts)")
 # The MoE block's shared-expert MLPs the manager wraps (its _PROJECTIONS), and the names that only look like one.
-SHARED_EXPERT_PARENTS = ("mlp.shared_expert", "mlp.shared_experts")
+SHARED_EXPERT_PARENTS = ("mlp.shared_expert", "mlp.shared_experts", "mlp.shared_mlp")
 _SHARED_EXPERT = re.compile(r"\.mlp\.(shared_expert|shared_experts|shared_mlp)\.")
 _REFUSED_MODULES = {
     "shared_expert_gate": "Qwen2-MoE's shared_expert_gate takes no adapters (vLLM runs it as a plain torch Linear, "
@@ -185,11 +187,16 @@ def _families() -> tuple[type[nn.Module], ...]:
     """The model classes whose routed and shared experts take adapters (exactly these: a subclass may load or run
     its experts otherwise, e.g. Qwen3-VL-MoE's stacked checkpoint experts, Mistral 4's router)."""
     from ferrox.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+    from ferrox.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
     from ferrox.models.glm4_moe import Glm4MoeForCausalLM
+    from ferrox.models.hunyuan import HunYuanMoEV1ForCausalLM
+    from ferrox.models.minimax_m2 import MiniMaxM2ForCausalLM
     from ferrox.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+    from ferrox.models.olmo2 import OlmoeForCausalLM
 
     return (Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, Glm4MoeForCausalLM, DeepseekV2ForCausalLM,
-            DeepseekV3ForCausalLM)
+            DeepseekV3ForCausalLM, HunYuanMoEV1ForCausalLM, Ernie4_5_MoeForCausalLM, OlmoeForCausalLM,
+            MiniMaxM2ForCausalLM)
 
 
 def latent_attention(model: nn.Module) -> bool:

@@ -12,7 +12,8 @@ at load) over the MoE stack (models/moe.py), with
 The checkpoint's multi-token-prediction tensors (`mtp_*`) are skipped, as transformers skips them. One-token
 steps take the general path (the fused decode routes without the bias). Refused by name: `use_bias` (transformers'
 lm_head then has a bias; no release sets it), a checkpoint quantization_config, GGUF files. LoRA adapts the attention
-(q/k rows permuted as the weights': models/glm4.py InterleavedRotaryRows.lora_rewrite), not the experts.
+(q/k rows permuted as the weights': models/glm4.py InterleavedRotaryRows.lora_rewrite), the dense MLPs, the shared and
+the routed experts (lora/moe_targets.py).
 """
 
 from __future__ import annotations

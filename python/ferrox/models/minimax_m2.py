@@ -26,7 +26,7 @@ block row. Refused by name: another checkpoint quantization_config (the q/k rows
 `scoring_func` other than sigmoid, `qk_norm_type` other than per_layer or use_qk_norm false (transformers always
 norms), linear-attention layers (`attn_type_list` 0: MiniMax-Text-01's lightning attention), a shared expert
 (`shared_intermediate_size`). LoRA adapts the attention, the adapters' q/k rows permuted as the weights'
-(`lora_rewrite`); never the experts.
+(`lora_rewrite`), and the routed experts (lora/moe_targets.py).
 """
 
 from __future__ import annotations
