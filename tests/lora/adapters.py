@@ -180,7 +180,9 @@ def write_adapter(folder: str | os.PathLike[str], modules: dict[str, tuple[int, 
 
 
 # An expert module of a PEFT adapter (vLLM's names: one module per expert projection) -> transformers 5's fused
-# expert parameters (experts.gate_up_proj [E, 2I, H]: gate rows, then up; experts.down_proj [E, H, I]).
+# expert parameters (experts.gate_up_proj [E, 2I, H]: gate rows, then up; experts.down_proj [E, H, I]), the hybrid
+# Qwens' too (Qwen3NextExperts, Qwen3_5MoeExperts; a tiny model's gate_up_proj may be square, [E, 64, 64], so the
+# layout is checked against config.json's hidden size rather than left to a shape mismatch).
 _EXPERT = re.compile(r"^(?P<layer>model\.layers\.\d+)\.(mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\."
                      r"(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)$")
 _EXPERT_PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
@@ -222,6 +224,9 @@ def merged_by_hand(base: Any, adapter_folder: str | os.PathLike[str]) -> Any:
             experts = model.get_submodule(expert["layer"] + ".mlp.experts")
             e, proj = int(expert["expert"]), _EXPERT_PROJ[expert["proj"]]
             inter = experts.down_proj.shape[2]
+            hidden = model.config.get_text_config().hidden_size
+            assert experts.down_proj.shape[1] == hidden and tuple(experts.gate_up_proj.shape[1:]) == (2 * inter,
+                                                                                                   hidden), name
             target = (experts.down_proj[e] if proj == "down" else
                       experts.gate_up_proj[e, :inter] if proj == "gate" else experts.gate_up_proj[e, inter:])
             target.copy_((target.double() + delta).to(target.dtype))

@@ -1,6 +1,6 @@
 """LoRA on the routed and shared experts of MoE models (lora/moe.py, lora/moe_targets.py): tiny random Qwen3-MoE,
-Qwen2-MoE, Mixtral, GLM-4.5, DeepSeek-V3, Hunyuan (A13B's layout), ERNIE 4.5 MoE, OLMoE and MiniMax-M2 checkpoints
-(transformers) with PEFT-format adapters written here, one module per expert projection as vLLM reads them
+Qwen2-MoE, Mixtral, GLM-4.5, DeepSeek-V3, Hunyuan (A13B's layout), ERNIE 4.5 MoE, OLMoE, MiniMax-M2 and the hybrid
+Qwens' (Qwen3-Next, Qwen3.5-MoE) checkpoints (transformers) with PEFT-format adapters written here, one module per expert projection as vLLM reads them
 (`mlp.experts.{e}.gate_proj / up_proj / down_proj`, Mixtral's and MiniMax-M2's `block_sparse_moe.experts.{e}.w1 / w3 /
 w2`), and the shared expert's projections (`mlp.shared_expert.*`, `mlp.shared_experts.*`, Hunyuan's
 `mlp.shared_mlp.*`) as a dense MLP's.
@@ -15,12 +15,14 @@ adapts them through `target_parameters`, another format, which ferrox refuses by
   one batch: each request's greedy tokens and their logprobs equal transformers' with its adapter merged. GLM-4.5's
   and MiniMax-M2's adapters' q rows follow their partial-rotary row order, ERNIE's its interleaved rotary's
   (lora_rewrite); DeepSeek's attention modules are its latent attention's (q_a_proj, q_b_proj, kv_a_proj_with_mqa,
-  o_proj).
+  o_proj); the hybrid Qwens' are their linear attention's (Qwen3-Next's fused in_proj_qkvz / in_proj_ba cut by its
+  lora_rewrite), beside the routed experts and the shared expert.
 - Errors name the module: a rank above max_lora_rank, an expert index out of range, A without B, a wrong shape, a
-  dense layer's experts, a family whose experts or shared experts take no adapters, Qwen2-MoE's shared_expert_gate,
-  DeepSeek's absorbed kv_b_proj.
-- Tensor and expert parallelism (2 gloo ranks, slow): each rank packs its share, the same tokens (Qwen2-MoE's and
-  Hunyuan's shared expert: its down_proj delta joins that rank's partial sum).
+  dense layer's experts, a family whose experts or shared experts take no adapters (the multimodal Qwen3.5-MoE: vLLM
+  reads its expert adapters stacked), the shared expert's shared_expert_gate (Qwen2-MoE, Qwen3-Next), DeepSeek's
+  absorbed kv_b_proj.
+- Tensor and expert parallelism (2 gloo ranks, slow): each rank packs its share, the same tokens (Qwen2-MoE's,
+  Hunyuan's and Qwen3.5-MoE's shared expert: its down_proj delta joins that rank's partial sum).
 - On a GPU: the CUDA engine (CUDA graphs, the Triton path) against the CPU engine, tokens and logprobs.
 """
 
@@ -44,6 +46,11 @@ from tests.helpers.tiny_glm import make_tiny_glm4_moe
 from tests.helpers.tiny_hunyuan import make_tiny_hunyuan_moe
 from tests.helpers.tiny_models import EOS_TOKEN_ID, load_float32
 from tests.helpers.tiny_olmo_smollm3 import make_tiny_olmoe
+from tests.helpers.tiny_qwen3_5 import (
+    make_tiny_qwen3_5_moe,
+    make_tiny_qwen3_5_moe_multimodal,
+    make_tiny_qwen3_next,
+)
 from tests.lora.adapters import load_hf_model, merged_by_hand, write_adapter
 from tests.models.conftest import cut_at_eos, hf_greedy
 from tests.models.test_minimax_m2 import make_tiny_minimax_m2
@@ -70,9 +77,11 @@ class Family:
     shared: str | None = None  # the shared expert's module (under the block), None: none
     e1_attention: tuple[str, ...] = ("q_proj", "v_proj")  # e1's attention modules (layer 0)
     d_attention: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")  # d's (layers 0 and 1)
+    mixer: str = "self_attn"  # the token mixer of layers 0 and 1 (the hybrids': their linear attention)
 
 
 _QWEN = ("gate_proj", "up_proj", "down_proj")
+_HYBRID = dict(shared="shared_expert", mixer="linear_attn")
 _LATENT = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
 FAMILIES = {
     "qwen3_moe": Family(lambda d: tiny_models.make_tiny_qwen3_moe(d, seed=21), (0, 2), 8, "mlp", _QWEN, 32, 64),
@@ -99,6 +108,15 @@ FAMILIES = {
     # (Mixtral's checkpoint names, biased sigmoid routing, partial rotary q/k rows reordered, an MTP layer skipped)
     "minimax_m2": Family(lambda d: make_tiny_minimax_m2(d, seed=28), (0, 1, 2), 8, "block_sparse_moe",
                          ("w1", "w3", "w2"), 32, 64),
+    # The hybrid Qwens: three Gated DeltaNet layers then a full attention, every layer routed beside a shared
+    # expert under its sigmoid gate (Qwen3.5-MoE's top-k renormalised; Qwen3-Next's fused in_proj_qkvz / in_proj_ba
+    # cut at load, its router as norm_topk_prob says).
+    "qwen3_5_moe": Family(lambda d: make_tiny_qwen3_5_moe(d, seed=29), (0, 1, 2, 3), 8, "mlp", _QWEN, 32, 64,
+                          e1_attention=("in_proj_qkv", "out_proj"),
+                          d_attention=("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"), **_HYBRID),
+    "qwen3_next": Family(lambda d: make_tiny_qwen3_next(d, seed=30), (0, 1, 2, 3), 8, "mlp", _QWEN, 32, 64,
+                         e1_attention=("in_proj_qkvz", "out_proj"), d_attention=("in_proj_qkvz", "in_proj_ba", "out_proj"),
+                         **_HYBRID),
 }
 
 
@@ -122,8 +140,8 @@ def _shared_modules(family: str, base) -> dict[str, tuple[int, int]]:
     return {n: tuple(base.get_submodule(n).weight.shape) for n in names}
 
 
-def _attention(base, layers: range, projs: tuple[str, ...]) -> dict[str, tuple[int, int]]:
-    names = [f"model.layers.{i}.self_attn.{p}" for i in layers for p in projs]
+def _attention(base, layers: range, projs: tuple[str, ...], mixer: str) -> dict[str, tuple[int, int]]:
+    names = [f"model.layers.{i}.{mixer}.{p}" for i in layers for p in projs]
     return {n: tuple(base.get_submodule(n).weight.shape) for n in names}
 
 
@@ -131,10 +149,10 @@ def _adapters(family: str, base, root) -> dict[str, LoRARequest]:
     """e1: every expert of every sparse layer, the shared expert and two of layer 0's attention projections (r 8);
     e2: the even experts, r 4, one module at rank 2 (rank_pattern); d: the attention only, no expert modules."""
     f = FAMILIES[family]
-    e1 = {**_expert_modules(family), **_shared_modules(family, base), **_attention(base, range(1), f.e1_attention)}
+    e1 = {**_expert_modules(family), **_shared_modules(family, base), **_attention(base, range(1), f.e1_attention, f.mixer)}
     e2 = _expert_modules(family, list(range(0, f.num_experts, 2)))
     low = next(n for n in e2 if n.endswith((".up_proj", ".w3")))
-    d = _attention(base, range(2), f.d_attention)
+    d = _attention(base, range(2), f.d_attention, f.mixer)
     folders = {"e1": write_adapter(root / "e1", e1, r=8, lora_alpha=16, seed=1, std=0.1),
                "e2": write_adapter(root / "e2", e2, r=4, lora_alpha=8, seed=2, std=0.15, ranks={low: 2}),
                "d": write_adapter(root / "d", d, r=4, lora_alpha=8, seed=3, std=0.1)}
@@ -208,7 +226,7 @@ def _manager(folder) -> LoRAManager:
                        dtype=torch.float32, max_num_tokens=8)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3", "hunyuan_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3", "hunyuan_moe", "qwen3_next"])
 def test_slot_bytes_counts_every_buffer_the_manager_allocates(moe, family):
     """The GPU budget leaves the adapter slots' bytes before the KV cache takes the rest (lora.manager.slot_bytes):
     the count equals the stacks a manager then allocates, the experts', shared experts' and latent attention's
@@ -258,34 +276,38 @@ def test_expert_adapter_errors_name_the_module(moe, tmp_path, case):
 
 
 def test_experts_of_other_families_are_refused_by_name(tmp_path):
-    """A FusedMoE family outside the supported ones (here Qwen3-Next's, a hybrid Qwen): its expert and shared-expert
-    modules are refused, naming the tensor and the reason; its attention still takes adapters."""
-    from tests.helpers.tiny_qwen3_5 import make_tiny_qwen3_next
-
-    folder = make_tiny_qwen3_next(tmp_path / "next", seed=6)
+    """A FusedMoE family outside the supported ones (here the multimodal Qwen3.5-MoE, whose expert adapters vLLM reads
+    stacked): its expert and shared-expert modules are refused, naming the tensor and the reason; its attention still
+    takes adapters (the checkpoint's `model.language_model.` names)."""
+    folder = make_tiny_qwen3_5_moe_multimodal(tmp_path / "mm", seed=6)
     manager = _manager(folder)
     layer = 3  # (the full-attention layer; every layer routes)
     shape = tuple(manager.model.get_submodule(f"model.layers.{layer}.self_attn.o_proj").weight.shape)
-    why = {"experts.0.gate_proj": "routed experts", "shared_expert.up_proj": "shared experts"}
-    for leaf, kind in why.items():
+    name = "Qwen3_5MoeForConditionalGeneration"
+    why = {"experts.0.gate_proj": ("routed experts", f"not on {name}: vLLM reads its expert adapters in the stacked "
+                                                     "format only"),
+           "shared_expert.up_proj": ("shared experts", f"not on {name}")}
+    for leaf, (kind, reason) in why.items():
         module = f"model.layers.{layer}.mlp.{leaf}"
-        adapter = write_adapter(tmp_path / leaf, {module: (shape[0] // 2, shape[0])})
-        with pytest.raises(LoRAAdapterError, match=rf"tensor 'base_model\.model\.{re.escape(module)}\.lora_[AB]\."
-                                                   rf"weight' adapts '{re.escape(module)}', not a projection of this "
-                                                   rf"model .*LoRA on the {kind} runs on Qwen2-MoE, .*MiniMax-M2 "
-                                                   r"\(float experts\): not on Qwen3NextForCausalLM"):
+        adapter = write_adapter(tmp_path / leaf, {f"model.language_model.layers.{layer}.mlp.{leaf}": (32, 64)})
+        with pytest.raises(LoRAAdapterError, match=rf"tensor 'base_model\.model\.model\.language_model\.layers\.{layer}"
+                                                   rf"\.mlp\.{re.escape(leaf)}\.lora_A\.weight' adapts "
+                                                   rf"'{re.escape(module)}', not a projection of this model .*LoRA on "
+                                                   rf"the {kind} runs on Qwen2-MoE, .*Qwen3.5-MoE \(float experts\): "
+                                                   rf"{re.escape(reason)}"):
             manager.add_adapter(LoRARequest("x", 1, adapter))
-    attention = write_adapter(tmp_path / "attn", {f"model.layers.{layer}.self_attn.o_proj": shape})
+    attention = write_adapter(tmp_path / "attn", {f"model.language_model.layers.{layer}.self_attn.o_proj": shape})
     manager.add_adapter(LoRARequest("a", 2, attention))
 
 
 @pytest.mark.parametrize("family, module, why", [
     ("qwen2_moe", "model.layers.0.mlp.shared_expert_gate", "shared_expert_gate takes no adapters"),
+    ("qwen3_next", "model.layers.2.mlp.shared_expert_gate", "shared_expert_gate takes no adapters"),
     ("deepseek_v3", "model.layers.1.self_attn.kv_b_proj", "kv_b_proj takes no adapters: it is absorbed"),
 ])
 def test_modules_vllm_leaves_alone_are_refused_by_name(moe, tmp_path, family, module, why):
-    """Qwen2-MoE's shared_expert_gate (a plain torch Linear in vLLM, never adapted) and DeepSeek's kv_b_proj (absorbed
-    into the latent attention at load) are refused, naming the tensor."""
+    """The shared expert's shared_expert_gate (Qwen2-MoE, Qwen3-Next: a plain linear layer in vLLM, never adapted) and
+    DeepSeek's kv_b_proj (absorbed into the latent attention at load) are refused, naming the tensor."""
     folder = moe[family][0]
     manager = _manager(folder)
     shape = tuple(manager.model.get_submodule(module).weight.shape) if "gate" in module else (160, 32)
@@ -297,11 +319,12 @@ def test_modules_vllm_leaves_alone_are_refused_by_name(moe, tmp_path, family, mo
 @pytest.mark.slow
 @pytest.mark.parametrize("family, expert_parallel", [("qwen3_moe", False), ("qwen3_moe", True), ("qwen2_moe", False),
                                                      ("deepseek_v3", False), ("hunyuan_moe", False),
-                                                     ("ernie4_5_moe", True)])
+                                                     ("ernie4_5_moe", True), ("qwen3_5_moe", False)])
 def test_sharded_expert_adapters_match_merged_weights(moe, family, expert_parallel):
     """Two gloo ranks: each expert's intermediate rows sharded (gate / up B rows and down A columns cut), or the
-    experts split between the ranks (each packs its own experts' pairs); Qwen2-MoE's shared expert cut as a dense
-    MLP (its down_proj's delta joins the rank's partial sum before that projection's all-reduce)."""
+    experts split between the ranks (each packs its own experts' pairs); Qwen2-MoE's and Qwen3.5-MoE's shared expert
+    cut as a dense MLP (its down_proj's delta joins the rank's partial sum before that projection's all-reduce), the
+    latter's linear attention by key-head groups."""
     folder, adapters, refs = moe[family]
     llm = LLM(folder, tensor_parallel_size=2, device="cpu", enable_expert_parallel=expert_parallel, **COMMON)
     try:

@@ -72,9 +72,9 @@ _PROJECTIONS: tuple[tuple[str, str, dict[str, str | None]], ...] = (
     ("linear_attn", "out_proj", {"out_proj": None}),
     ("mlp", "gate_up_proj", {"gate_proj": "gate", "up_proj": "up"}),
     ("mlp", "down_proj", {"down_proj": None}),
-    # An MoE layer's shared expert, a dense MLP beside the routed experts (Qwen2-MoE's shared_expert, DeepSeek's,
-    # GLM-4.5's and ERNIE 4.5's shared_experts, Hunyuan's shared_mlp), on the families lora/moe_targets.py names
-    # (SHARED_EXPERT_PARENTS).
+    # An MoE layer's shared expert, a dense MLP beside the routed experts (Qwen2-MoE's and the hybrid Qwens'
+    # shared_expert, DeepSeek's, GLM-4.5's and ERNIE 4.5's shared_experts, Hunyuan's shared_mlp), on the families
+    # lora/moe_targets.py names (SHARED_EXPERT_PARENTS).
     ("mlp.shared_expert", "gate_up_proj", {"gate_proj": "gate", "up_proj": "up"}),
     ("mlp.shared_expert", "down_proj", {"down_proj": None}),
     ("mlp.shared_experts", "gate_up_proj", {"gate_proj": "gate", "up_proj": "up"}),

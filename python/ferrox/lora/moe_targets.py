@@ -9,20 +9,24 @@ the down A columns of its intermediate rows, and under expert parallelism only i
 and skipped).
 
 Families: LoRA on the experts runs on Qwen2-MoE, Qwen3-MoE, Mixtral, GLM-4.5, DeepSeek-V2 / V3, Hunyuan (A13B),
-ERNIE 4.5 MoE, OLMoE and MiniMax-M2 with float experts (gated SiLU, no biases, one tensor per expert projection in
-their checkpoints, as vLLM reads them; vLLM's classes of these families all take LoRA). Any other family's expert
-modules, or quantized experts (FP8, MXFP4), are refused by name, with the reason: their experts are stacked in their
-checkpoints (gpt-oss, Llama 4, Qwen3-VL-MoE), gated otherwise (Gemma 4's GELU, Nemotron-H's ReLU^2), quantized, or
-not tested with adapters here (the hybrid Qwens, Mistral 4).
+ERNIE 4.5 MoE, OLMoE, MiniMax-M2 and the hybrid Qwens' text models (Qwen3-Next, Qwen3.5-MoE / Qwen3.6-MoE: their
+linear-attention layers take adapters too, lora/manager.py) with float experts (gated SiLU, no biases, one tensor per
+expert projection in their checkpoints, as vLLM reads them; vLLM's classes of these families all take LoRA). Any
+other family's expert modules, or quantized experts (FP8, MXFP4), are refused by name, with the reason: their experts
+are stacked in their checkpoints (gpt-oss, Llama 4), read by vLLM only in the stacked adapter format (Qwen3-VL-MoE
+and the multimodal Qwen3.5-MoE: vLLM's is_3d_moe_weight, one `experts.gate_up_proj` / `experts.down_proj` pair a
+layer, PEFT's target_parameters, which ferrox does not read), gated otherwise (Gemma 4's GELU, Nemotron-H's ReLU^2),
+quantized, or not tested with adapters here (Mistral 4).
 
-Shared experts (a dense MLP of Linear layers beside the routed ones: Qwen2-MoE's `mlp.shared_expert`, DeepSeek's,
-GLM-4.5's and ERNIE 4.5's `mlp.shared_experts`, Hunyuan's `mlp.shared_mlp`) take adapters as the dense MLPs do (the
-manager wraps their gate_up_proj and down_proj: lora/manager.py), on the same families; their tensor-parallel cut is
-the dense MLP's, and the layer sums them with the routed experts exactly (layers/fused_moe.py experts_with_shared: a
-wrapped shared down_proj all-reduces its own partial sum with its delta). Qwen2-MoE's `shared_expert_gate` is
-refused by name: vLLM builds it as a plain torch Linear, which its LoRA never adapts. DeepSeek's latent attention
-takes adapters on the projections it runs (q_proj or q_a_proj / q_b_proj, kv_a_proj_with_mqa, o_proj); kv_b_proj,
-absorbed into the attention at load, is refused by name.
+Shared experts (a dense MLP of Linear layers beside the routed ones: Qwen2-MoE's and the hybrid Qwens'
+`mlp.shared_expert`, DeepSeek's, GLM-4.5's and ERNIE 4.5's `mlp.shared_experts`, Hunyuan's `mlp.shared_mlp`) take
+adapters as the dense MLPs do (the manager wraps their gate_up_proj and down_proj: lora/manager.py), on the same
+families; their tensor-parallel cut is the dense MLP's, and the layer sums them with the routed experts exactly
+(layers/fused_moe.py experts_with_shared: a wrapped shared down_proj all-reduces its own partial sum with its delta).
+The shared expert's sigmoid gate `shared_expert_gate` (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE) is refused by name: vLLM
+builds it as a plain linear layer, which its LoRA never adapts. DeepSeek's latent attention takes adapters on the
+projections it runs (q_proj or q_a_proj / q_b_proj, kv_a_proj_with_mqa, o_proj); kv_b_proj, absorbed into the
+attention at load, is refused by name.
 """
 
 from __future__ import annotations
@@ -44,14 +48,17 @@ _EXPERT_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<block>mlp|bloc
 # Any name that looks like one expert's module, in any family (for the refusal's wording).
 _ANY_EXPERT = re.compile(r"\.experts\.\d+\.")
 _PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
-SUPPORTED = ("Qwen2-MoE, Qwen3-MoE, Mixtral, GLM-4.5, DeepSeek-V2 / V3, Hunyuan, ERNIE 4.5 MoE, OLMoE and "
-             "MiniMax-M2 (float experts)")
+SUPPORTED = ("Qwen2-MoE, Qwen3-MoE, Mixtral, GLM-4.5, DeepSeek-V2 / V3, Hunyuan, ERNIE 4.5 MoE, OLMoE, "
+             "MiniMax-M2, Qwen3-Next and Qwen3.5-MoE (float experts)")
+# Families whose expert adapters vLLM reads in the stacked format only (its is_3d_moe_weight: one
+# experts.gate_up_proj / experts.down_proj pair a layer, PEFT's target_parameters), which ferrox does not read.
+_STACKED_ADAPTERS = ("Qwen3VLMoeForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 # The MoE block's shared-expert MLPs the manager wraps (its _PROJECTIONS), and the names that only look like one.
 SHARED_EXPERT_PARENTS = ("mlp.shared_expert", "mlp.shared_experts", "mlp.shared_mlp")
 _SHARED_EXPERT = re.compile(r"\.mlp\.(shared_expert|shared_experts|shared_mlp)\.")
 _REFUSED_MODULES = {
-    "shared_expert_gate": "Qwen2-MoE's shared_expert_gate takes no adapters (vLLM runs it as a plain torch Linear, "
-                          "which its LoRA does not adapt)",
+    "shared_expert_gate": "the shared expert's shared_expert_gate takes no adapters (vLLM runs it as a plain linear "
+                          "layer, which its LoRA does not adapt)",
     "kv_b_proj": "the latent attention's kv_b_proj takes no adapters: it is absorbed into the attention at load and "
                  "never run as a layer (q_proj / q_a_proj / q_b_proj, kv_a_proj_with_mqa and o_proj take them)",
 }
@@ -185,7 +192,8 @@ def adaptable_experts(model: nn.Module, decoder_layers: list[nn.Module]) -> list
 
 def _families() -> tuple[type[nn.Module], ...]:
     """The model classes whose routed and shared experts take adapters (exactly these: a subclass may load or run
-    its experts otherwise, e.g. Qwen3-VL-MoE's stacked checkpoint experts, Mistral 4's router)."""
+    its experts otherwise, e.g. Qwen3-VL-MoE's stacked checkpoint experts, Mistral 4's router; the multimodal
+    Qwen3.5-MoE, whose expert adapters vLLM reads stacked)."""
     from ferrox.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
     from ferrox.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
     from ferrox.models.glm4_moe import Glm4MoeForCausalLM
@@ -193,10 +201,11 @@ def _families() -> tuple[type[nn.Module], ...]:
     from ferrox.models.minimax_m2 import MiniMaxM2ForCausalLM
     from ferrox.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
     from ferrox.models.olmo2 import OlmoeForCausalLM
+    from ferrox.models.qwen3_5 import Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 
     return (Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, Glm4MoeForCausalLM, DeepseekV2ForCausalLM,
             DeepseekV3ForCausalLM, HunYuanMoEV1ForCausalLM, Ernie4_5_MoeForCausalLM, OlmoeForCausalLM,
-            MiniMaxM2ForCausalLM)
+            MiniMaxM2ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM)
 
 
 def latent_attention(model: nn.Module) -> bool:
@@ -213,13 +222,21 @@ def shared_expert_refusal(model: nn.Module) -> str | None:
     return None
 
 
+def _not_on(model: nn.Module) -> str:
+    name = type(model).__name__
+    if name in _STACKED_ADAPTERS:
+        return (f"not on {name}: vLLM reads its expert adapters in the stacked format only (is_3d_moe_weight: "
+                "experts.gate_up_proj / experts.down_proj, PEFT's target_parameters), which ferrox does not read")
+    return f"not on {name}"
+
+
 def _refusal(model: nn.Module) -> str | None:
     """Why this model's experts take no adapters (None: they do)."""
     experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
     if not experts:
         return f"{type(model).__name__} has no routed experts"
     if type(model) not in _families():
-        return f"not on {type(model).__name__}"
+        return _not_on(model)
     for layer in experts:
         if layer.weight_method is not None or layer.w13_scale is not None:
             kind = type(layer.weight_method).__name__ if layer.weight_method is not None else "FP8"

@@ -35,11 +35,13 @@ The multimodal checkpoints (Qwen3_5ForConditionalGeneration and its MoE twin, th
 Qwen3-VL's vision tower on these decoders: models/qwen3_5_vl.py.
 
 LoRA: adapters on both token mixers' projections (the full attention's q/k/v/o, the linear attention's
-in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj; Qwen3-Next's in_proj_qkvz, in_proj_ba) and on the dense
-MLPs (not the experts, nor the shared expert: as every MoE family's). Their lora_B rows go through this loader's
-row edits (`lora_rewrite`, lora/rewrite.py): the partial-rotary q/k row order, in_proj_qkv cut into its q, k and v
-rows, Qwen3-Next's fused projections cut, the multimodal checkpoints' `model.language_model.` prefix (their vision
-tower takes none). Prefix caching keeps apart what each adapter computed: a state snapshot is keyed by the block
+in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj; Qwen3-Next's in_proj_qkvz, in_proj_ba), the dense MLPs and,
+on the text models (Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM), the routed experts and the shared expert
+(lora/moe_targets.py; shared_expert_gate refused by name, as vLLM leaves it alone; the multimodal MoE's experts are
+refused by name: vLLM reads their adapters stacked). Their lora_B rows go through this loader's row edits
+(`lora_rewrite`, lora/rewrite.py): the partial-rotary q/k row order, in_proj_qkv cut into its q, k and v rows,
+Qwen3-Next's fused projections cut, the multimodal checkpoints' `model.language_model.` prefix (their vision tower
+takes none). Prefix caching keeps apart what each adapter computed: a state snapshot is keyed by the block
 hash, which the request's adapter seeds (rust/prefix_cache.rs root_hash).
 """
 
