@@ -53,11 +53,12 @@ class LlavaProjector(nn.Module):
 
 
 class LlavaLayoutWeights:
-    """load_weights of a checkpoint in LLaVA's layout (LLaVA, Mistral 3): the language model (handed to the
-    text model class's loader, next in the MRO), `vision_tower.*` to the tower's own loader,
-    `multi_modal_projector.*` whole; both name layouts (CHECKPOINT_RENAMES)."""
+    """load_weights of a checkpoint in LLaVA's layout (LLaVA, Mistral 3, Qwen2-Audio): the language model (handed to
+    the text model class's loader, next in the MRO), `<tower_name>.*` to the tower's own loader (`vision_tower`, or
+    Qwen2-Audio's `audio_tower`), `multi_modal_projector.*` whole; both name layouts (CHECKPOINT_RENAMES, with the
+    tower's `model.<tower_name>.` prefix)."""
 
-    vision_tower: Any
+    tower_name = "vision_tower"
     multi_modal_projector: nn.Module
     spec: ModelSpec
     # What such a model is to the loader and the engine: unquantized (the tower and projector are not
@@ -74,21 +75,24 @@ class LlavaLayoutWeights:
         tower: list[tuple[str, Any]] = []
         projector: dict[str, torch.Tensor] = {}
 
+        prefix = f"{self.tower_name}."
+        renames = (*CHECKPOINT_RENAMES, (f"model.{prefix}", prefix))
+
         def language_model() -> Iterator[tuple[str, Any]]:
             for name, tensor in weights:
-                for old, new in CHECKPOINT_RENAMES:
+                for old, new in renames:
                     if name.startswith(old):
                         name = new + name[len(old):]
                         break
-                if name.startswith("vision_tower."):
-                    tower.append((name[len("vision_tower."):], tensor))
+                if name.startswith(prefix):
+                    tower.append((name[len(prefix):], tensor))
                 elif name.startswith("multi_modal_projector."):
                     projector[name[len("multi_modal_projector."):]] = materialize(tensor)
                 else:
                     yield name, tensor
 
         super().load_weights(language_model())  # type: ignore[misc]  # (the text model class, next in the MRO)
-        self.vision_tower.load_weights((name, materialize(t)) for name, t in tower)
+        getattr(self, self.tower_name).load_weights((name, materialize(t)) for name, t in tower)
         load_whole(self.multi_modal_projector, projector, "multi_modal_projector", self.spec.architecture)
 
 
@@ -132,6 +136,5 @@ CHECKPOINT_RENAMES = (
     ("model.language_model.", "model."),
     ("language_model.model.", "model."),
     ("language_model.lm_head.", "lm_head."),
-    ("model.vision_tower.", "vision_tower."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
-)
+)  # (and the tower's own: LlavaLayoutWeights)

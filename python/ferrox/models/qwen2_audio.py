@@ -14,30 +14,20 @@ prompt rules; the worker's check_image_item).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
-from ferrox.distributed.sharding import materialize
 from ferrox.model_spec import ModelSpec
-from ferrox.models.load_check import load_whole
+from ferrox.models.llava import LlavaLayoutWeights
 from ferrox.models.qwen import Qwen2ForCausalLM
 from ferrox.models.vision.encoder_setup import vision_device
 from ferrox.multimodal.inputs import MultiModalItem
 
 AUDIO_MODALITY = "audio"
-# Checkpoint prefix -> the name load_weights routes by (first match wins).
-CHECKPOINT_RENAMES = (
-    ("model.language_model.", "model."),
-    ("language_model.model.", "model."),
-    ("language_model.lm_head.", "lm_head."),
-    ("model.audio_tower.", "audio_tower."),
-    ("model.multi_modal_projector.", "multi_modal_projector."),
-)
-
-
-class Qwen2AudioForConditionalGeneration(Qwen2ForCausalLM):
+class Qwen2AudioForConditionalGeneration(LlavaLayoutWeights, Qwen2ForCausalLM):
+    # Loaded as LLaVA's layout is (models/llava.py): the language model, `audio_tower.*`, `multi_modal_projector.*`.
+    tower_name = "audio_tower"
     # The worker's multimodal path (worker/multimodal.py) is entered through takes_images: the items it takes
     # here are audio clips only (check_image_item refuses an image by name).
     takes_images = True
@@ -86,24 +76,3 @@ class Qwen2AudioForConditionalGeneration(Qwen2ForCausalLM):
     def embed_image_item(self, item: MultiModalItem, device: torch.device) -> torch.Tensor:
         """[item.length, hidden]: the encoder and projector over a clip's log-mel frames."""
         return self.multi_modal_projector(self.audio_tower(item.pixel_values().to(device)))
-
-    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        tower: list[tuple[str, Any]] = []
-        projector: dict[str, torch.Tensor] = {}
-
-        def language_model() -> Iterator[tuple[str, Any]]:
-            for name, tensor in weights:
-                for old, new in CHECKPOINT_RENAMES:
-                    if name.startswith(old):
-                        name = new + name[len(old):]
-                        break
-                if name.startswith("audio_tower."):
-                    tower.append((name[len("audio_tower."):], tensor))
-                elif name.startswith("multi_modal_projector."):
-                    projector[name[len("multi_modal_projector."):]] = materialize(tensor)
-                else:
-                    yield name, tensor
-
-        super().load_weights(language_model())
-        self.audio_tower.load_weights((name, materialize(t)) for name, t in tower)
-        load_whole(self.multi_modal_projector, projector, "multi_modal_projector", self.spec.architecture)

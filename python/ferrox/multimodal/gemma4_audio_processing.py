@@ -40,7 +40,7 @@ from ferrox.multimodal.config_fields import (
     positive_int,
     read_json_object,
 )
-from ferrox.multimodal.inputs import MultiModalItem, seen_hash
+from ferrox.multimodal.inputs import MultiModalItem
 
 AUDIO_MODALITY = "audio"
 # Gemma4Config's token ids (the released tokenizer's `<|audio|>`, `<|audio>`, `<audio|>`).
@@ -204,22 +204,8 @@ def audio_pieces(prompts: Any, ids: list[int], clips: Sequence[Any], what: str, 
     `prompts`: the family's rules (audio_processor, audio_token_id, boa_token_id, eoa_token_id, audio_limit)."""
     from ferrox.multimodal.processing import token_runs
 
-    extractor = prompts.audio_processor
-    if extractor is None:
-        raise InvalidArgumentError(f"{what}: {prompts.audio_refusal or 'this model takes no audio inputs'}",
-                                   param=param)
-    prompts.check_audio_count(len(clips), what, param)
-    processed = []
-    for k, clip in enumerate(clips):
-        if getattr(clip, "rate", extractor.sampling_rate) != extractor.sampling_rate:
-            raise InvalidArgumentError(f"{what}: audio {k}: {clip.rate} Hz, the model's feature extractor takes "
-                                       f"{extractor.sampling_rate} Hz", param=param)
-        try:
-            features = prompts.process_item(extractor, clip, clip.hash(), "features")
-        except ValueError as e:
-            raise InvalidArgumentError(f"{what}: audio {k}: {e}", param=param) from None
-        count = extractor.tokens(features.shape[0])
-        processed.append((features, count, seen_hash(clip.hash(), features)))
+    processed = prompts.processed_clips(clips, what, param,
+                                        lambda clip, features: prompts.audio_processor.tokens(features.shape[0]))
     boa, eoa, token = prompts.boa_token_id, prompts.eoa_token_id, prompts.audio_token_id
     spans: list[tuple[int, int, bool]] = []
     for start, length in token_runs(ids, token):

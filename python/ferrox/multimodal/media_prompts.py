@@ -8,7 +8,7 @@ unset, so a clip is refused naming the model."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -84,6 +84,30 @@ class MediaPrompts(ImagePrompts):
         if self.audio_limit is not None and count > self.audio_limit:
             raise InvalidArgumentError(f"{what}: {count} audio clips, at most {self.audio_limit} may be given in one "
                                        "prompt (--limit-mm-per-prompt)", param=param)
+
+    def processed_clips(self, clips: Sequence[Any], what: str, param: str,
+                        tokens_of: Callable[[Any, Any], int]) -> list[tuple[Any, int, str]]:
+        """(features, soft-token count, prefix-cache hash) of each decoded clip, by the family's audio_processor
+        (cached as an image's pixels are), after the checks every audio family makes: a processor, the per-prompt
+        limit, the processor's sampling rate. tokens_of(clip, features): the family's count."""
+        from ferrox.multimodal.inputs import seen_hash
+
+        extractor = self.audio_processor
+        if extractor is None:
+            raise InvalidArgumentError(f"{what}: {self.audio_refusal or 'this model takes no audio inputs'}",
+                                       param=param)
+        self.check_audio_count(len(clips), what, param)
+        processed = []
+        for k, clip in enumerate(clips):
+            if getattr(clip, "rate", extractor.sampling_rate) != extractor.sampling_rate:
+                raise InvalidArgumentError(f"{what}: audio {k}: {clip.rate} Hz, the model's feature extractor takes "
+                                           f"{extractor.sampling_rate} Hz", param=param)
+            try:
+                features = self.process_item(extractor, clip, clip.hash(), "features")
+            except ValueError as e:
+                raise InvalidArgumentError(f"{what}: audio {k}: {e}", param=param) from None
+            processed.append((features, tokens_of(clip, features), seen_hash(clip.hash(), features)))
+        return processed
 
     def check_video_count(self, count: int, what: str, param: str = "multi_modal_data") -> None:
         if self.video_limit is not None and count > self.video_limit:

@@ -38,7 +38,7 @@ import numpy as np
 
 from ferrox.errors import InvalidArgumentError, ModelLoadError, UnsupportedModelError
 from ferrox.multimodal.config_fields import PREPROCESSOR_FILE, number, positive_int, read_json_object
-from ferrox.multimodal.inputs import MultiModalItem, seen_hash
+from ferrox.multimodal.inputs import MultiModalItem
 from ferrox.multimodal.media_prompts import MediaPrompts
 
 ARCHITECTURE = "Qwen2AudioForConditionalGeneration"
@@ -181,21 +181,8 @@ class Qwen2AudioPrompts(MediaPrompts):
         token = self.audio_token_id
         if not images and token not in ids:
             return ids, []
-        extractor = self.audio_processor
-        if extractor is None:
-            raise InvalidArgumentError(f"{what}: {self.audio_refusal or 'this model takes no audio inputs'}",
-                                       param=param)
-        self.check_audio_count(len(images), what, param)
-        processed = []
-        for k, clip in enumerate(images):
-            if getattr(clip, "rate", extractor.sampling_rate) != extractor.sampling_rate:
-                raise InvalidArgumentError(f"{what}: audio {k}: {clip.rate} Hz, the model's feature extractor takes "
-                                           f"{extractor.sampling_rate} Hz", param=param)
-            try:
-                features = self.process_item(extractor, clip, clip.hash(), "features")
-            except ValueError as e:
-                raise InvalidArgumentError(f"{what}: audio {k}: {e}", param=param) from None
-            processed.append((features, extractor.tokens(len(clip.samples)), seen_hash(clip.hash(), features)))
+        processed = self.processed_clips(images, what, param,
+                                         lambda clip, features: self.audio_processor.tokens(len(clip.samples)))
         # (start, length, already expanded) of each clip's placeholder
         spans: list[tuple[int, int, bool]] = []
         for start, length in token_runs(ids, token):
