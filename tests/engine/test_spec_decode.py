@@ -167,14 +167,14 @@ def test_seeded_sampling_is_reproducible(spec):
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_preemption_with_drafts_is_exact_and_leaks_nothing(plain, plain_once, async_scheduling):
-    """A cache of 20 blocks for 4 requests growing to ~7 blocks each: some are preempted (their drafts
+    """A cache of 14 blocks for 4 requests growing to ~6 blocks each: some are preempted (their drafts
     dropped, recomputed later; with async scheduling also while a step with drafts is in flight) and
     the output is still plain greedy's."""
-    sp = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     prompts = [COPY[i % 3] for i in range(4)]
     ref = plain_once("preemption", lambda: plain.chat(prompts, sp, use_tqdm=False))
     block_bytes = 30 * 2 * 3 * 64 * 4 * 16  # layers * (K, V) * kv heads * head_dim * fp32 * block_size
-    small = LLM(dtype="float32", kv_cache_memory=20 * block_bytes, max_model_len=256, speculative_config=SPEC,
+    small = LLM(dtype="float32", kv_cache_memory=14 * block_bytes, max_model_len=192, speculative_config=SPEC,
                 async_scheduling=async_scheduling)
     out = small.chat(prompts, sp, use_tqdm=False)
     assert_all_same(plain, ref, out)

@@ -146,11 +146,11 @@ def test_second_engine_is_refused_while_the_first_holds_the_group(tmp_path):
     """A second TP engine while the first is alive fails at once, naming the field, before any rank
     of its own starts (no orphan rank process), and the first keeps serving."""
     folder = make_tiny_llama(tmp_path / "llama")
-    first = LLM(model=folder, tensor_parallel_size=2, max_model_len=128)
+    first = LLM(model=folder, tensor_parallel_size=2, max_model_len=128, kv_cache_memory=8 << 20)  # not 2 GiB a rank
     try:
         ranks = _rank_pids(os.getpid())
         with pytest.raises(ValueError, match="tensor_parallel_size: a tensor-parallel engine in this process"):
-            LLM(model=folder, tensor_parallel_size=2, max_model_len=128)
+            LLM(model=folder, tensor_parallel_size=2, max_model_len=128, kv_cache_memory=8 << 20)
         assert _rank_pids(os.getpid()) == ranks
         out = first.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, temperature=0.0),
                              use_tqdm=False)
@@ -243,7 +243,9 @@ def test_sleep_mode_reaches_every_rank(tmp_path):
     cache and weights with the driver (distributed/step_channel.py SLEEP / WAKE / RELOAD), and the greedy
     tokens are those of before."""
     folder = make_tiny_llama(tmp_path / "llama")
-    llm = LLM(model=folder, tensor_parallel_size=2, max_model_len=128, enable_sleep_mode=True)
+    # An 8 MiB cache per rank (16k tokens of this model) instead of the CPU default of 2 GiB: every wake-up
+    # allocates and zeroes the cache again, ~1.5 s a time at 2 GiB; what is dropped and restored is the same.
+    llm = LLM(model=folder, tensor_parallel_size=2, max_model_len=128, enable_sleep_mode=True, kv_cache_memory=8 << 20)
     try:
         prompts = [{"prompt_token_ids": p} for p in PROMPTS]
         before = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
