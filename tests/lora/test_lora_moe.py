@@ -7,7 +7,8 @@ w2`), and the shared expert's projections (`mlp.shared_expert.*`, `mlp.shared_ex
 
 Reference: transformers with each adapter merged into the weights by hand (W + scaling * B A: tests/lora/adapters.py
 merged_by_hand). peft is installed, but it cannot load per-expert modules on transformers 5's fused experts (it
-adapts them through `target_parameters`, another format, which ferrox refuses by name).
+adapts them through `target_parameters`, another format, which ferrox reads on gpt-oss only:
+tests/lora/test_lora_moe_params.py).
 
 - The real engine (Rust scheduler, chunked prefill under a 16-token budget, 3 adapters over 2 slots so they swap)
   serving base-model requests, two adapters with expert modules (one on every expert, the shared expert and two
@@ -293,7 +294,7 @@ def test_experts_of_other_families_are_refused_by_name(tmp_path):
         with pytest.raises(LoRAAdapterError, match=rf"tensor 'base_model\.model\.model\.language_model\.layers\.{layer}"
                                                    rf"\.mlp\.{re.escape(leaf)}\.lora_A\.weight' adapts "
                                                    rf"'{re.escape(module)}', not a projection of this model .*LoRA on "
-                                                   rf"the {kind} runs on Qwen2-MoE, .*Qwen3.5-MoE \(float experts\): "
+                                                   rf"the {kind} runs on Qwen2-MoE, .*Qwen3.5-MoE \(float experts\).*: "
                                                    rf"{re.escape(reason)}"):
             manager.add_adapter(LoRARequest("x", 1, adapter))
     attention = write_adapter(tmp_path / "attn", {f"model.language_model.layers.{layer}.self_attn.o_proj": shape})

@@ -19,6 +19,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Any
 
 import torch
@@ -33,6 +34,11 @@ _TENSOR_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])\.weight$")
 # Modules PEFT can adapt in a causal LM that ferrox never runs with LoRA (its delta applies to the
 # decoder layers' projections only).
 UNSUPPORTED_TARGETS = ("lm_head", "embed_tokens")
+# target_parameters PEFT may name that ferrox reads: the stacked experts' gate_up_proj / down_proj, as a dot-suffix
+# of `model.layers.{i}.mlp.experts.{param}` (PEFT matches a target equal to, or ending ".target" of, that path).
+_EXPERT_PARAMETER = re.compile(r"^(?:(?:(?:(?:(?:model\.)?layers\.)?\d+\.)?mlp\.)?experts\.)?(?:gate_up_proj|down_proj)$")
+# The module a target_parameters pair is saved under (nested ParamWrappers add base_layer).
+_STACKED_EXPERTS = re.compile(r"^.*\.experts(?:\.base_layer)*$")
 
 
 class LoRAAdapterError(RequestError):
@@ -59,6 +65,20 @@ class LoRAModule:
 
 
 @dataclass(frozen=True, slots=True)
+class StackedExpertLoRA:
+    """One pair PEFT's target_parameters wrote for a layer's stacked experts (lora/expert_params.py unpacks it per
+    expert): lora_a [rank * E, in] expert-major rows, lora_b [out, rank * E] expert-minor columns."""
+
+    name: str  # the module the pair sits on, e.g. "model.layers.0.mlp.experts.base_layer"
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    rank: int
+    scaling: float
+    a_key: str
+    b_key: str
+
+
+@dataclass(frozen=True, slots=True)
 class PeftAdapter:
     path: str
     config_file: str  # full paths, for error messages
@@ -68,10 +88,13 @@ class PeftAdapter:
     use_rslora: bool
     target_modules: tuple[str, ...] | str  # a list of names, or PEFT's regex / "all-linear" string
     modules: dict[str, LoRAModule]  # by module path
+    # target_parameters' pairs on stacked experts, by the module path they were saved under
+    stacked: dict[str, StackedExpertLoRA] = dataclass_field(default_factory=dict)
+    target_parameters: tuple[str, ...] = ()
 
     @property
     def max_rank(self) -> int:
-        return max(m.rank for m in self.modules.values())
+        return max([m.rank for m in self.modules.values()] + [p.rank for p in self.stacked.values()])
 
 
 # Fields whose non-default value changes what the adapter computes, and that ferrox does not
@@ -84,7 +107,6 @@ _REFUSED: tuple[tuple[str, Any, str], ...] = (
     ("fan_in_fan_out", lambda v: bool(v), "transposed (Conv1D-style) weights are not supported"),
     ("layer_replication", lambda v: bool(v), "replicated layers are not supported"),
     ("trainable_token_indices", lambda v: bool(v), "trained token embeddings are not supported"),
-    ("target_parameters", lambda v: bool(v), "LoRA on raw parameters is not supported"),
     ("use_qalora", lambda v: bool(v), "QA-LoRA adapters are not supported"),
     ("alora_invocation_tokens", lambda v: bool(v), "activated LoRA (aLoRA) is not supported"),
 )
@@ -132,6 +154,7 @@ def read_peft_adapter(path: str | os.PathLike[str]) -> PeftAdapter:
             raise _fail(config_file, f"target_modules {name!r}: LoRA on the LM head or the embeddings is not supported "
                                      "(only the decoder layers' projections)")
 
+    parameters = _target_parameters(config, config_file)
     tensors = _read_tensors(weights_file)
     pairs: dict[str, dict[str, str]] = {}
     for key in tensors:
@@ -144,11 +167,16 @@ def read_peft_adapter(path: str | os.PathLike[str]) -> PeftAdapter:
         raise _fail(weights_file, "holds no LoRA tensors")
 
     modules: dict[str, LoRAModule] = {}
+    stacked: dict[str, StackedExpertLoRA] = {}
     for name, keys in pairs.items():
         for which in "AB":
             if which not in keys:
                 raise _fail(weights_file, f"module {name!r} has no lora_{which}.weight tensor")
         a, b = tensors[keys["A"]], tensors[keys["B"]]
+        if parameters and _STACKED_EXPERTS.match(name):
+            stacked[name] = _stacked_pair(name, keys, a, b, r, alpha, use_rslora, rank_pattern, alpha_pattern,
+                                          config_file, weights_file)
+            continue
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
             raise _fail(weights_file, f"tensors {keys['A']!r} {tuple(a.shape)} and {keys['B']!r} {tuple(b.shape)} "
                                       "are not a LoRA pair ([r, in] and [out, r])")
@@ -161,7 +189,41 @@ def read_peft_adapter(path: str | os.PathLike[str]) -> PeftAdapter:
         module_alpha = float(alpha_pattern[alpha_key]) if alpha_key is not None else alpha
         scaling = module_alpha / (math.sqrt(rank) if use_rslora else rank)
         modules[name] = LoRAModule(name, a.float().contiguous(), b.float().contiguous(), scaling, keys["A"], keys["B"])
-    return PeftAdapter(folder, config_file, weights_file, r, alpha, use_rslora, target_modules, modules)
+    if parameters and not stacked:
+        raise _fail(weights_file, f"holds no experts' tensors, while {CONFIG_FILE} names target_parameters")
+    return PeftAdapter(folder, config_file, weights_file, r, alpha, use_rslora, target_modules, modules, stacked,
+                       parameters)
+
+
+def _target_parameters(config: dict[str, Any], config_file: str) -> tuple[str, ...]:
+    """target_parameters, each the experts' gate_up_proj / down_proj (refused by name otherwise)."""
+    value = config.get("target_parameters")
+    if not value:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
+        raise _fail(config_file, f"target_parameters must be a list of parameter names, got {value!r}")
+    for name in value:
+        if _EXPERT_PARAMETER.match(name) is None:
+            raise _fail(config_file, f"target_parameters {name!r}: LoRA on raw parameters is supported on the MoE "
+                                     "experts' stacked gate_up_proj / down_proj only (e.g. 'mlp.experts.gate_up_proj')")
+    return tuple(value)
+
+
+def _stacked_pair(name: str, keys: dict[str, str], a: torch.Tensor, b: torch.Tensor, r: int, alpha: float,
+                  use_rslora: bool, rank_pattern: dict[str, Any], alpha_pattern: dict[str, Any], config_file: str,
+                  weights_file: str) -> StackedExpertLoRA:
+    """One target_parameters pair: rank r (the expert count is the model's, checked at packing)."""
+    unwrapped = re.sub(r"(\.base_layer)+$", "", name)
+    for field_name, patterns in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
+        for param in ("gate_up_proj", "down_proj"):
+            key = _pattern_key(patterns, f"{unwrapped}.{param}") or _pattern_key(patterns, unwrapped)
+            if key is not None:
+                raise _fail(config_file, f"{field_name}[{key!r}] on target_parameters' experts is not supported")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or a.shape[0] % r != 0:
+        raise _fail(weights_file, f"tensors {keys['A']!r} {tuple(a.shape)} and {keys['B']!r} {tuple(b.shape)} are not "
+                                  f"a stacked experts' pair at r={r} ([r * experts, in] and [out, r * experts])")
+    scaling = alpha / (math.sqrt(r) if use_rslora else r)
+    return StackedExpertLoRA(name, a.float().contiguous(), b.float().contiguous(), r, scaling, keys["A"], keys["B"])
 
 
 def _read_config(config_file: str) -> dict[str, Any]:

@@ -16,7 +16,10 @@ other family's expert modules, or quantized experts (FP8, MXFP4), are refused by
 are stacked in their checkpoints (gpt-oss, Llama 4), read by vLLM only in the stacked adapter format (Qwen3-VL-MoE
 and the multimodal Qwen3.5-MoE: vLLM's is_3d_moe_weight, one `experts.gate_up_proj` / `experts.down_proj` pair a
 layer, PEFT's target_parameters, which ferrox does not read), gated otherwise (Gemma 4's GELU, Nemotron-H's ReLU^2),
-quantized, or not tested with adapters here (Mistral 4).
+quantized, or not tested with adapters here (Mistral 4). gpt-oss's float experts (biases, clamped SwiGLU: lora/moe.py
+runs both, as the layer does) take adapters in the stacked format only: target_parameters pairs unpacked per expert by
+lora/expert_params.py, then checked and packed as above; its MXFP4 checkpoints are refused (dequantized on CPU, but
+quantized experts all the same).
 
 Shared experts (a dense MLP of Linear layers beside the routed ones: Qwen2-MoE's and the hybrid Qwens'
 `mlp.shared_expert`, DeepSeek's, GLM-4.5's and ERNIE 4.5's `mlp.shared_experts`, Hunyuan's `mlp.shared_mlp`) take
@@ -39,6 +42,7 @@ from torch import nn
 
 from ferrox.layers.fused_moe import FusedMoE
 from ferrox.lora.adapter import LoRAAdapterError, LoRAModule, PeftAdapter
+from ferrox.lora.expert_params import StackedLayerShape, unstack
 from ferrox.lora.moe import ExpertSlotWeights, LoRAExperts
 from ferrox.lora.slots import TokenSlots
 
@@ -49,9 +53,14 @@ _EXPERT_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<block>mlp|bloc
 _ANY_EXPERT = re.compile(r"\.experts\.\d+\.")
 _PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 SUPPORTED = ("Qwen2-MoE, Qwen3-MoE, Mixtral, GLM-4.5, DeepSeek-V2 / V3, Hunyuan, ERNIE 4.5 MoE, OLMoE, "
-             "MiniMax-M2, Qwen3-Next and Qwen3.5-MoE (float experts)")
+             "MiniMax-M2, Qwen3-Next and Qwen3.5-MoE (float experts), and gpt-oss (float experts, in PEFT's "
+             "target_parameters format)")
+# Families whose experts take adapters in PEFT's target_parameters format only (their checkpoints stack the experts:
+# one gate_up_proj / down_proj a layer; vLLM's is_3d_moe_weight), and whether gate_up interleaves gate and up.
+_PARAMETER_FAMILIES = {"GptOssForCausalLM": True}
 # Families whose expert adapters vLLM reads in the stacked format only (its is_3d_moe_weight: one
-# experts.gate_up_proj / experts.down_proj pair a layer, PEFT's target_parameters), which ferrox does not read.
+# experts.gate_up_proj / experts.down_proj pair a layer, PEFT's target_parameters), which ferrox reads on gpt-oss only
+# (their stacked layouts are not checked against peft here yet).
 _STACKED_ADAPTERS = ("Qwen3VLMoeForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 # The MoE block's shared-expert MLPs the manager wraps (its _PROJECTIONS), and the names that only look like one.
 SHARED_EXPERT_PARENTS = ("mlp.shared_expert", "mlp.shared_experts", "mlp.shared_mlp")
@@ -82,6 +91,7 @@ class ExpertTargets:
         self._index_of: dict[int, int] = {}  # decoder layer -> index into layers
         self.refusal = _refusal(model)
         self.shared_refusal = shared_expert_refusal(model)
+        self.family = type(model).__name__
         for i, experts in adaptable_experts(model, decoder_layers):
             wrapped = LoRAExperts(experts, token_slots, max_loras=max_loras, max_rank=max_rank, dtype=dtype,
                                   device=device, use_triton=use_triton)
@@ -122,6 +132,10 @@ class ExpertTargets:
         if match is None or not self.layers:
             return None
         where = f"{adapter.weights_file}: tensor {module.a_key!r} adapts {name!r}"
+        # (an unpacked target_parameters module keeps its stacked pair's tensor names)
+        if self.family in _PARAMETER_FAMILIES and module.a_key not in {p.a_key for p in adapter.stacked.values()}:
+            raise LoRAAdapterError(f"{where}: {self.family}'s experts take adapters in PEFT's target_parameters "
+                                   "format only (mlp.experts.gate_up_proj / down_proj, as vLLM reads them)")
         proj = _PROJECTIONS.get(match["proj"])
         if proj is None:
             raise LoRAAdapterError(f"{where}: {match['proj']!r} is not an expert projection (gate_proj, up_proj, "
@@ -142,6 +156,18 @@ class ExpertTargets:
                 raise LoRAAdapterError(f"{adapter.weights_file}: tensor {key!r} shape {tuple(tensor.shape)}, model "
                                        f"expects {expected} (expert {expert}'s {proj} projection)")
         return ExpertTarget(index, expert, proj)
+
+    def unstack(self, adapter: PeftAdapter) -> dict[str, LoRAModule]:
+        """The adapter's target_parameters pairs as per-expert modules (lora/expert_params.py); refused by name on a
+        model whose experts take none, or take them per expert module."""
+        interleaved = _PARAMETER_FAMILIES.get(self.family)
+        if interleaved is None or not self.layers:
+            why = self.refusal or f"{self.family}'s experts take adapters one module per expert, not stacked"
+            raise LoRAAdapterError(f"{adapter.config_file}: target_parameters {list(adapter.target_parameters)}: "
+                                   f"LoRA on stacked experts runs on gpt-oss (float experts) only: {why}")
+        shapes = {i: StackedLayerShape(self.bases[k].num_experts, self.bases[k].hidden_size,
+                                       self.bases[k].checkpoint_intermediate_size) for i, k in self._index_of.items()}
+        return unstack(adapter, shapes, interleaved=interleaved)
 
     def pack(self, modules: list[tuple[ExpertTarget, LoRAModule]], rank: int, dtype: torch.dtype,
              pin: bool) -> tuple[ExpertSlotWeights | None, ...]:
@@ -197,6 +223,7 @@ def _families() -> tuple[type[nn.Module], ...]:
     from ferrox.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
     from ferrox.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
     from ferrox.models.glm4_moe import Glm4MoeForCausalLM
+    from ferrox.models.gpt_oss import GptOssForCausalLM
     from ferrox.models.hunyuan import HunYuanMoEV1ForCausalLM
     from ferrox.models.minimax_m2 import MiniMaxM2ForCausalLM
     from ferrox.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
@@ -205,7 +232,7 @@ def _families() -> tuple[type[nn.Module], ...]:
 
     return (Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, Glm4MoeForCausalLM, DeepseekV2ForCausalLM,
             DeepseekV3ForCausalLM, HunYuanMoEV1ForCausalLM, Ernie4_5_MoeForCausalLM, OlmoeForCausalLM,
-            MiniMaxM2ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM)
+            MiniMaxM2ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM, GptOssForCausalLM)
 
 
 def latent_attention(model: nn.Module) -> bool:
@@ -226,7 +253,7 @@ def _not_on(model: nn.Module) -> str:
     name = type(model).__name__
     if name in _STACKED_ADAPTERS:
         return (f"not on {name}: vLLM reads its expert adapters in the stacked format only (is_3d_moe_weight: "
-                "experts.gate_up_proj / experts.down_proj, PEFT's target_parameters), which ferrox does not read")
+                "experts.gate_up_proj / experts.down_proj, PEFT's target_parameters), which ferrox reads on gpt-oss only")
     return f"not on {name}"
 
 
@@ -237,10 +264,18 @@ def _refusal(model: nn.Module) -> str | None:
         return f"{type(model).__name__} has no routed experts"
     if type(model) not in _families():
         return _not_on(model)
+    if type(model).__name__ == "GptOssForCausalLM":
+        from ferrox.models.gpt_oss import is_mxfp4
+
+        # (on CPU the MXFP4 experts are dequantized at load, but they are the quantized checkpoint's all the same)
+        if is_mxfp4(model.spec):  # type: ignore[arg-type]
+            return "this model's experts are quantized (MXFP4); float experts only"
     for layer in experts:
         if layer.weight_method is not None or layer.w13_scale is not None:
             kind = type(layer.weight_method).__name__ if layer.weight_method is not None else "FP8"
             return f"this model's experts are quantized ({kind}); float experts only"
-        if not layer.gated or layer.activation is not None or layer.w13_bias is not None:
+        # gpt-oss's experts: biases and the clamped SwiGLU (lora/moe.py adds both, as the layer's own run does)
+        if type(model).__name__ != "GptOssForCausalLM" and (not layer.gated or layer.activation is not None
+                                                           or layer.w13_bias is not None):
             return "these experts are not SiLU-gated without biases"
     return None

@@ -70,10 +70,17 @@ def pack_adapter(request: LoRARequest, adapter: PeftAdapter, layers: Sequence[Lo
     _check_target_modules(adapter, targets, adapter.modules if rewrite is not None else {}, experts)
     if adapter.max_rank > max_lora_rank:
         field = f"r={adapter.r}" if adapter.max_rank == adapter.r else f"rank_pattern rank {adapter.max_rank}"
-        largest = max(adapter.modules.values(), key=lambda m: m.rank).name
+        ranks = [(m.rank, m.name) for m in adapter.modules.values()] + [(p.rank, p.name) for p in
+                                                                         adapter.stacked.values()]
+        largest = max(ranks)[1]
         raise LoRAAdapterError(f"{adapter.config_file}: {field} exceeds max_lora_rank={max_lora_rank} (module "
                                f"{largest!r})")
     adapted = adapter.modules if rewrite is None else rewritten_modules(adapter, rewrite)
+    if adapter.stacked:  # target_parameters on stacked experts: per-expert modules (lora/expert_params.py)
+        if experts is None:
+            raise LoRAAdapterError(f"{adapter.config_file}: target_parameters {list(adapter.target_parameters)}: "
+                                   "this model has no routed experts that take adapters")
+        adapted = {**adapted, **experts.unstack(adapter)}
     by_layer: dict[int, list[tuple[int, int, LoRAModule]]] = {}  # layer -> (slice, its first row in B, module)
     expert_modules: list[tuple[ExpertTarget, LoRAModule]] = []
     for name, module in adapted.items():
