@@ -1,6 +1,7 @@
 """LoRA adapters in PEFT's `target_parameters` format (lora/expert_params.py): LoRA on gpt-oss's stacked expert
 parameters `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`, as OpenAI's fine-tuning recipe writes them and vLLM
-serves them (is_3d_moe_weight).
+serves them (is_3d_moe_weight); the same format on Qwen3-VL-MoE and the multimodal Qwen3.5-MoE (gate rows then up
+rows, pairs under model.language_model.layers), text prompts through the multimodal class against peft's merge.
 
 - The adapters are written by peft itself on a tiny random gpt-oss (tests/helpers/tiny_gpt_oss.py: float experts
   with biases, the clamped SwiGLU, gate / up interleaved in gate_up_proj), one on every layer's gate_up and down
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -26,7 +28,7 @@ from ferrox.lora.request import LoRARequest
 
 from tests.helpers import tiny_gpt_oss
 from tests.helpers.tiny_models import EOS_TOKEN_ID
-from tests.lora.adapters import load_hf_model, make_peft_adapter, merged_reference
+from tests.lora.adapters import load_hf_model, make_peft_adapter, merged_reference, write_adapter
 from tests.models.conftest import cut_at_eos, hf_greedy
 
 pytest.importorskip("peft")
@@ -116,6 +118,83 @@ def _edited_copy(src: str, dst, **fields) -> str:
     with open(config_file, "w") as f:
         json.dump(config | fields, f)
     return os.fspath(dst)
+
+
+# The multimodal Qwens (their text layers under model.language_model.: the stacked pairs' names too): gate_up_proj
+# [E, 2I, H] holding the gate rows then the up rows, down_proj [E, H, I] (transformers 5's layout, which peft's
+# ParamWrapper reads as [E, out, in]). Qwen3-VL-MoE (layers 0 and 2 sparse, 6 experts of 16 over hidden 64) takes
+# expert adapters alone (its attention modules' multimodal names have no lora_rewrite to strip the prefix);
+# Qwen3.5-MoE's (every layer sparse, 8 experts of 32) with the attention's q / o projections.
+MULTIMODAL = {
+    "qwen3_vl_moe": ({"p1": dict(r=4, lora_alpha=8, target_modules=[],
+                                 target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], seed=3),
+                      "p2": dict(r=8, lora_alpha=4, target_modules=[],
+                                 target_parameters=["2.mlp.experts.down_proj"], seed=4)}),
+    "qwen3_5_moe_vl": ({"p1": dict(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                   target_parameters=["experts.gate_up_proj", "experts.down_proj"], seed=5),
+                        "p2": dict(r=8, lora_alpha=4, target_modules=["o_proj"],
+                                   target_parameters=["mlp.experts.gate_up_proj"], seed=6)}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MULTIMODAL))
+def multimodal(request, tmp_path_factory):
+    """(family, checkpoint folder, {name: LoRARequest}, references) as gpt_oss's, on the multimodal class."""
+    from transformers import AutoModelForImageTextToText
+
+    from tests.helpers.tiny_qwen3_5 import make_tiny_qwen3_5_moe_multimodal
+    from tests.helpers.tiny_qwen3_vl import make_tiny_qwen3_vl_moe
+
+    family = request.param
+    root = tmp_path_factory.mktemp(family)
+    make = make_tiny_qwen3_vl_moe if family == "qwen3_vl_moe" else make_tiny_qwen3_5_moe_multimodal
+    folder = make(root / "base", seed=7)
+    base = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    adapters, refs = {}, {}
+    for i, (name, config) in enumerate(MULTIMODAL[family].items()):
+        adapters[name] = LoRARequest(name, i + 1, make_peft_adapter(base, root / name, **config))
+    with torch.inference_mode():
+        for name, model in {"base": base, **{n: merged_reference(base, r.lora_path)
+                                              for n, r in adapters.items()}}.items():
+            tokens = [cut_at_eos(hf_greedy(model, p, MAX_TOKENS), [EOS_TOKEN_ID]) for p in PROMPTS]
+            refs[name] = [(t, _hf_logprobs(model, p, t)) for p, t in zip(PROMPTS, tokens, strict=True)]
+    return family, folder, adapters, refs
+
+
+def test_multimodal_mixed_batch_matches_peft_merged(multimodal):
+    """Text prompts through the multimodal class: the stacked pairs saved under model.language_model.layers (gate
+    rows then up rows in gate_up's B) serve beside base requests, equal to peft's merge_and_unload."""
+    family, folder, adapters, refs = multimodal
+    stacked = read_peft_adapter(adapters["p1"].lora_path).stacked
+    assert stacked and all(n.startswith("model.language_model.layers.") for n in stacked), family
+    for name in adapters:
+        assert [t for t, _ in refs[name]] != [t for t, _ in refs["base"]], (family, name)
+    llm = LLM(folder, **COMMON)
+    try:
+        got = _generate(llm, adapters, NAMES)
+    finally:
+        llm.engine.shutdown()
+    for i, (name, (tokens, logprobs)) in enumerate(zip(NAMES, got, strict=True)):
+        want_tokens, want_logprobs = refs[name][i % len(PROMPTS)]
+        assert tokens == want_tokens, (family, i, name)
+        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 1e-3, (family, i, name)
+
+
+def test_multimodal_per_expert_modules_are_refused_by_name(multimodal, tmp_path):
+    """One module per expert (the text models' format) on the multimodal classes: refused, naming the tensor and
+    vLLM's stacked format."""
+    family, folder, _, _ = multimodal
+    inter = 16 if family == "qwen3_vl_moe" else 32
+    module = "model.language_model.layers.0.mlp.experts.1.gate_proj"
+    path = write_adapter(tmp_path / "a", {module: (inter, 64)})
+    llm = LLM(folder, **COMMON)
+    try:
+        with pytest.raises(LoRAAdapterError, match=rf"tensor 'base_model\.model\.{re.escape(module)}\.lora_A\.weight' "
+                                                   r"adapts .*vLLM reads its expert adapters in the stacked format "
+                                                   r"only .*not one module per expert"):
+            _generate(llm, {"x": LoRARequest("x", 9, path)}, ["x"])
+    finally:
+        llm.engine.shutdown()
 
 
 @pytest.mark.parametrize("name", ["mlp.router.weight", "self_attn.sinks", "experts.gate_up_proj_bias"])

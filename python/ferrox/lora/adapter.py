@@ -143,9 +143,11 @@ def read_peft_adapter(path: str | os.PathLike[str]) -> PeftAdapter:
     for key, value in alpha_pattern.items():
         _number(value, config_file, f"alpha_pattern[{key!r}]")
     targets = config.get("target_modules")
+    parameters = _target_parameters(config, config_file)
     if isinstance(targets, str):
         target_modules: tuple[str, ...] | str = targets
-    elif isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets):
+    # (an adapter of the stacked experts alone lists no modules: target_parameters name what it adapts)
+    elif isinstance(targets, list) and (targets or parameters) and all(isinstance(t, str) for t in targets):
         target_modules = tuple(targets)
     else:
         raise _fail(config_file, f"target_modules must be a list of module names or a regex string, got {targets!r}")
@@ -154,7 +156,6 @@ def read_peft_adapter(path: str | os.PathLike[str]) -> PeftAdapter:
             raise _fail(config_file, f"target_modules {name!r}: LoRA on the LM head or the embeddings is not supported "
                                      "(only the decoder layers' projections)")
 
-    parameters = _target_parameters(config, config_file)
     tensors = _read_tensors(weights_file)
     pairs: dict[str, dict[str, str]] = {}
     for key in tensors:

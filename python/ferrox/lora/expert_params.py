@@ -1,6 +1,6 @@
-"""PEFT's `target_parameters` adapters on stacked experts (gpt-oss): LoRA on the 3-D expert parameters
-`mlp.experts.gate_up_proj` / `mlp.experts.down_proj`, unpacked into the per-expert gate / up / down pairs that
-lora/moe.py holds.
+"""PEFT's `target_parameters` adapters on stacked experts (gpt-oss, Qwen3-VL-MoE, the multimodal Qwen3.5-MoE): LoRA
+on the 3-D expert parameters `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`, unpacked into the per-expert
+gate / up / down pairs that lora/moe.py holds.
 
 What PEFT 0.22 writes (peft/tuners/lora/layer.py ParamWrapper, read and checked on a tiny gpt-oss): for a parameter
 [E, d1, d2], one lora_A [r * E, in] and one lora_B [out, r * E] per layer. Expert e's pair is
@@ -16,6 +16,12 @@ by shape against the model's layer and refused by name when it fits neither or t
 gpt-oss's gate_up_proj interleaves gate and up along 2I (even rows gate, odd up); models/gpt_oss.py de-interleaves
 w13 at load, so the adapter's B rows follow: gate B = B_e[0::2], up B = B_e[1::2], each with A_e (gate and up share
 one A in this format, so the slot holds it twice).
+
+Qwen3-VL-MoE and the multimodal Qwen3.5-MoE (transformers 5, checked with peft on their tiny models): gate_up_proj
+[E, 2I, H] and down_proj [E, H, I], [E, out, in] (no is_transposed: ParamWrapper swaps in / out), so A and B have
+the shapes above and the delta is B_e A_e as is; gate_up's 2I rows are the gate rows, then the up rows (transformers
+chunks them in two; models/qwen3_vl_moe.py unfuse_experts cuts w13 so), hence gate B = B_e[:I], up B = B_e[I:].
+Their pairs sit under the checkpoint's `model.language_model.layers.{i}`, read as decoder layer i.
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ from dataclasses import dataclass
 from ferrox.lora.adapter import LoRAAdapterError, LoRAModule, PeftAdapter
 
 # The module a stacked pair sits on: the decoder layer's experts, under any nesting of ParamWrappers.
-_STACKED_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.mlp\.experts(?:\.base_layer)*$")
+# The multimodal Qwens' adapters name the text layers as their checkpoints do, under `model.language_model.` (read as
+# `model.`, as their loaders and lora_rewrite read them).
+_STACKED_MODULE = re.compile(r"^model\.(?:language_model\.)?layers\.(?P<layer>\d+)\.mlp\.experts(?:\.base_layer)*$")
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,18 +13,18 @@ ERNIE 4.5 MoE, OLMoE, MiniMax-M2 and the hybrid Qwens' text models (Qwen3-Next, 
 linear-attention layers take adapters too, lora/manager.py) with float experts (gated SiLU, no biases, one tensor per
 expert projection in their checkpoints, as vLLM reads them; vLLM's classes of these families all take LoRA). Any
 other family's expert modules, or quantized experts (FP8, MXFP4), are refused by name, with the reason: their experts
-are stacked in their checkpoints (gpt-oss, Llama 4), read by vLLM only in the stacked adapter format (Qwen3-VL-MoE
-and the multimodal Qwen3.5-MoE: vLLM's is_3d_moe_weight, one `experts.gate_up_proj` / `experts.down_proj` pair a
-layer, PEFT's target_parameters, which ferrox does not read), gated otherwise (Gemma 4's GELU, Nemotron-H's ReLU^2),
+are stacked in their checkpoints (Llama 4), gated otherwise (Gemma 4's GELU, Nemotron-H's ReLU^2),
 quantized, or not tested with adapters here (Mistral 4). gpt-oss's float experts (biases, clamped SwiGLU: lora/moe.py
-runs both, as the layer does) take adapters in the stacked format only: target_parameters pairs unpacked per expert by
-lora/expert_params.py, then checked and packed as above; its MXFP4 checkpoints are refused (dequantized on CPU, but
-quantized experts all the same).
+runs both, as the layer does), Qwen3-VL-MoE's and the multimodal Qwen3.5-MoE's take adapters in the stacked format
+only: target_parameters pairs unpacked per expert by lora/expert_params.py, then checked and packed as above (the
+multimodal Qwens' per-expert modules refused, naming vLLM's stacked format); gpt-oss's MXFP4 checkpoints are refused
+(dequantized on CPU, but quantized experts all the same).
 
 Shared experts (a dense MLP of Linear layers beside the routed ones: Qwen2-MoE's and the hybrid Qwens'
 `mlp.shared_expert`, DeepSeek's, GLM-4.5's and ERNIE 4.5's `mlp.shared_experts`, Hunyuan's `mlp.shared_mlp`) take
 adapters as the dense MLPs do (the manager wraps their gate_up_proj and down_proj: lora/manager.py), on the same
-families; their tensor-parallel cut is the dense MLP's, and the layer sums them with the routed experts exactly
+families (not yet under the multimodal Qwen3.5-MoE class, refused by name there); their tensor-parallel cut is the
+dense MLP's, and the layer sums them with the routed experts exactly
 (layers/fused_moe.py experts_with_shared: a wrapped shared down_proj all-reduces its own partial sum with its delta).
 The shared expert's sigmoid gate `shared_expert_gate` (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE) is refused by name: vLLM
 builds it as a plain linear layer, which its LoRA never adapts. DeepSeek's latent attention takes adapters on the
@@ -53,14 +53,15 @@ _EXPERT_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<block>mlp|bloc
 _ANY_EXPERT = re.compile(r"\.experts\.\d+\.")
 _PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 SUPPORTED = ("Qwen2-MoE, Qwen3-MoE, Mixtral, GLM-4.5, DeepSeek-V2 / V3, Hunyuan, ERNIE 4.5 MoE, OLMoE, "
-             "MiniMax-M2, Qwen3-Next and Qwen3.5-MoE (float experts), and gpt-oss (float experts, in PEFT's "
-             "target_parameters format)")
+             "MiniMax-M2, Qwen3-Next and Qwen3.5-MoE (float experts), and gpt-oss, Qwen3-VL-MoE and the multimodal "
+             "Qwen3.5-MoE (float experts, in PEFT's target_parameters format)")
 # Families whose experts take adapters in PEFT's target_parameters format only (their checkpoints stack the experts:
-# one gate_up_proj / down_proj a layer; vLLM's is_3d_moe_weight), and whether gate_up interleaves gate and up.
-_PARAMETER_FAMILIES = {"GptOssForCausalLM": True}
-# Families whose expert adapters vLLM reads in the stacked format only (its is_3d_moe_weight: one
-# experts.gate_up_proj / experts.down_proj pair a layer, PEFT's target_parameters), which ferrox reads on gpt-oss only
-# (their stacked layouts are not checked against peft here yet).
+# one gate_up_proj / down_proj a layer; vLLM's is_3d_moe_weight), and whether gate_up interleaves gate and up
+# (gpt-oss; the Qwens' gate_up_proj [E, 2I, H] holds the gate rows, then the up rows, as their loader cuts w13).
+_PARAMETER_FAMILIES = {"GptOssForCausalLM": True, "Qwen3VLMoeForConditionalGeneration": False,
+                       "Qwen3_5MoeForConditionalGeneration": False}
+# Of those, the families whose per-expert modules are refused as a module no projection of the model takes (the
+# reason in why_not), rather than at resolve: the multimodal Qwens, whose text-only siblings take them.
 _STACKED_ADAPTERS = ("Qwen3VLMoeForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 # The MoE block's shared-expert MLPs the manager wraps (its _PROJECTIONS), and the names that only look like one.
 SHARED_EXPERT_PARENTS = ("mlp.shared_expert", "mlp.shared_experts", "mlp.shared_mlp")
@@ -122,6 +123,8 @@ class ExpertTargets:
             return None
         if self.refusal is not None:
             return f"LoRA on the routed experts runs on {SUPPORTED}: {self.refusal}"
+        if self.family in _STACKED_ADAPTERS:
+            return f"LoRA on the routed experts runs on {SUPPORTED}: {_stacked_only(self.family)}"
         return None
 
     def resolve(self, adapter: PeftAdapter, name: str, module: LoRAModule) -> ExpertTarget | None:
@@ -134,6 +137,8 @@ class ExpertTargets:
         where = f"{adapter.weights_file}: tensor {module.a_key!r} adapts {name!r}"
         # (an unpacked target_parameters module keeps its stacked pair's tensor names)
         if self.family in _PARAMETER_FAMILIES and module.a_key not in {p.a_key for p in adapter.stacked.values()}:
+            if self.family in _STACKED_ADAPTERS:
+                return None  # (why_not says why)
             raise LoRAAdapterError(f"{where}: {self.family}'s experts take adapters in PEFT's target_parameters "
                                    "format only (mlp.experts.gate_up_proj / down_proj, as vLLM reads them)")
         proj = _PROJECTIONS.get(match["proj"])
@@ -164,7 +169,8 @@ class ExpertTargets:
         if interleaved is None or not self.layers:
             why = self.refusal or f"{self.family}'s experts take adapters one module per expert, not stacked"
             raise LoRAAdapterError(f"{adapter.config_file}: target_parameters {list(adapter.target_parameters)}: "
-                                   f"LoRA on stacked experts runs on gpt-oss (float experts) only: {why}")
+                                   "LoRA on stacked experts runs on gpt-oss, Qwen3-VL-MoE and the multimodal "
+                                   f"Qwen3.5-MoE (float experts) only: {why}")
         shapes = {i: StackedLayerShape(self.bases[k].num_experts, self.bases[k].hidden_size,
                                        self.bases[k].checkpoint_intermediate_size) for i, k in self._index_of.items()}
         return unstack(adapter, shapes, interleaved=interleaved)
@@ -218,8 +224,8 @@ def adaptable_experts(model: nn.Module, decoder_layers: list[nn.Module]) -> list
 
 def _families() -> tuple[type[nn.Module], ...]:
     """The model classes whose routed and shared experts take adapters (exactly these: a subclass may load or run
-    its experts otherwise, e.g. Qwen3-VL-MoE's stacked checkpoint experts, Mistral 4's router; the multimodal
-    Qwen3.5-MoE, whose expert adapters vLLM reads stacked)."""
+    its experts otherwise, e.g. Mistral 4's router; the multimodal Qwens take their expert adapters stacked only:
+    _PARAMETER_FAMILIES)."""
     from ferrox.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
     from ferrox.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
     from ferrox.models.glm4_moe import Glm4MoeForCausalLM
@@ -229,10 +235,13 @@ def _families() -> tuple[type[nn.Module], ...]:
     from ferrox.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
     from ferrox.models.olmo2 import OlmoeForCausalLM
     from ferrox.models.qwen3_5 import Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
+    from ferrox.models.qwen3_5_vl import Qwen3_5MoeForConditionalGeneration
+    from ferrox.models.qwen3_vl_moe import Qwen3VLMoeForConditionalGeneration
 
     return (Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, Glm4MoeForCausalLM, DeepseekV2ForCausalLM,
             DeepseekV3ForCausalLM, HunYuanMoEV1ForCausalLM, Ernie4_5_MoeForCausalLM, OlmoeForCausalLM,
-            MiniMaxM2ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM, GptOssForCausalLM)
+            MiniMaxM2ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM, GptOssForCausalLM,
+            Qwen3VLMoeForConditionalGeneration, Qwen3_5MoeForConditionalGeneration)
 
 
 def latent_attention(model: nn.Module) -> bool:
@@ -244,17 +253,18 @@ def latent_attention(model: nn.Module) -> bool:
 
 def shared_expert_refusal(model: nn.Module) -> str | None:
     """Why this model's shared experts take no adapters (None: they do, or it has none)."""
+    name = type(model).__name__
     if type(model) not in _families():
-        return f"not on {type(model).__name__}"
+        return f"not on {name}"
+    if name == "Qwen3_5MoeForConditionalGeneration":
+        # (the text model's shared expert takes them; under the multimodal class it is not checked against PEFT yet)
+        return f"not on {name} (its shared expert is not tested with adapters here yet)"
     return None
 
 
-def _not_on(model: nn.Module) -> str:
-    name = type(model).__name__
-    if name in _STACKED_ADAPTERS:
-        return (f"not on {name}: vLLM reads its expert adapters in the stacked format only (is_3d_moe_weight: "
-                "experts.gate_up_proj / experts.down_proj, PEFT's target_parameters), which ferrox reads on gpt-oss only")
-    return f"not on {name}"
+def _stacked_only(name: str) -> str:
+    return (f"not on {name}: vLLM reads its expert adapters in the stacked format only (is_3d_moe_weight: "
+            "target_parameters experts.gate_up_proj / experts.down_proj, one pair a layer), not one module per expert")
 
 
 def _refusal(model: nn.Module) -> str | None:
@@ -263,7 +273,7 @@ def _refusal(model: nn.Module) -> str | None:
     if not experts:
         return f"{type(model).__name__} has no routed experts"
     if type(model) not in _families():
-        return _not_on(model)
+        return f"not on {type(model).__name__}"
     if type(model).__name__ == "GptOssForCausalLM":
         from ferrox.models.gpt_oss import is_mxfp4
 
