@@ -189,11 +189,30 @@ def read_peft_adapter(path: str | os.PathLike[str]) -> PeftAdapter:
         alpha_key = _pattern_key(alpha_pattern, name)
         module_alpha = float(alpha_pattern[alpha_key]) if alpha_key is not None else alpha
         scaling = module_alpha / (math.sqrt(rank) if use_rslora else rank)
-        modules[name] = LoRAModule(name, a.float().contiguous(), b.float().contiguous(), scaling, keys["A"], keys["B"])
+        text_name = text_model_name(name)
+        if text_name in modules:
+            raise _fail(weights_file, f"modules {modules[text_name].a_key!r} and {keys['A']!r} both adapt "
+                                      f"{text_name!r} (two spellings of one module)")
+        modules[text_name] = LoRAModule(text_name, a.float().contiguous(), b.float().contiguous(), scaling, keys["A"],
+                                        keys["B"])
     if parameters and not stacked:
         raise _fail(weights_file, f"holds no experts' tensors, while {CONFIG_FILE} names target_parameters")
     return PeftAdapter(folder, config_file, weights_file, r, alpha, use_rslora, target_modules, modules, stacked,
                        parameters)
+
+
+# A vision-language checkpoint's text model under its own prefix (transformers 5's `model.language_model.`, older
+# LLaVA-layout `language_model.model.`), as PEFT names an adapter trained on the whole model: the same module as
+# the text model's `model.` one, which vLLM maps the same way (its hf_to_vllm_mapper).
+_TEXT_MODEL_PREFIXES = ("model.language_model.", "language_model.model.")
+
+
+def text_model_name(name: str) -> str:
+    """`name` with a vision-language checkpoint's text-model prefix read as the text model's `model.`."""
+    for prefix in _TEXT_MODEL_PREFIXES:
+        if name.startswith(prefix):
+            return "model." + name[len(prefix):]
+    return name
 
 
 def _target_parameters(config: dict[str, Any], config_file: str) -> tuple[str, ...]:

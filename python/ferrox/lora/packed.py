@@ -28,7 +28,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ferrox.lora.adapter import UNSUPPORTED_TARGETS, LoRAAdapterError, LoRAModule, PeftAdapter
+from ferrox.lora.adapter import (
+    UNSUPPORTED_TARGETS,
+    LoRAAdapterError,
+    LoRAModule,
+    PeftAdapter,
+    text_model_name,
+)
 from ferrox.lora.layers import LoRALinear
 from ferrox.lora.moe import ExpertSlotWeights
 from ferrox.lora.moe_targets import ExpertTarget, ExpertTargets
@@ -132,11 +138,12 @@ def _check_target_modules(adapter: PeftAdapter, targets: dict[str, ProjectionTar
     tensors, as a regex string is checked through the tensors it produced)."""
     if isinstance(adapter.target_modules, str):
         return
-    for name in adapter.target_modules:
+    for listed in adapter.target_modules:
+        name = text_model_name(listed)  # (a full path under a vision-language prefix: as the modules are read)
         if any(t == name or t.endswith("." + name) for t in (*targets, *sources)):
             continue
         if experts is None or not experts.is_expert_name(name):
-            raise LoRAAdapterError(f"{adapter.config_file}: target_modules {name!r}: "
+            raise LoRAAdapterError(f"{adapter.config_file}: target_modules {listed!r}: "
                                    f"{_not_supported(name, targets, experts)}")
 
 
