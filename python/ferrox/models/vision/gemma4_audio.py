@@ -44,7 +44,7 @@ from torch import nn
 
 from ferrox.errors import UnsupportedModelError
 from ferrox.models.load_check import load_tower_tensors
-from ferrox.models.vision.gemma4_vision import _norm
+from ferrox.models.vision.gemma4_vision import _Norm, _norm  # (the vision tower's RMSNorm: the same)
 
 # Gemma4AudioConfig's defaults for the keys read here.
 CONFIG_DEFAULTS: dict[str, Any] = {
@@ -61,16 +61,6 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 _CHECKPOINT_PREFIX = "model.audio_tower."
 # transformers' sinusoid timescales (Gemma4AudioRelPositionalEncoding)
 _MIN_TIMESCALE, _MAX_TIMESCALE = 1.0, 10_000.0
-
-
-class _Norm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _norm(x, self.weight, self.eps)
 
 
 class _ClippableLinear(nn.Module):
