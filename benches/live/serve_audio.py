@@ -4,8 +4,11 @@ audio=True) and `qwen2-audio` (tests/helpers/tiny_qwen2_audio.py; no images ther
 a flac as an audio_url data URL; some beside an image), each answer compared with the offline LLM's on the same
 parts on the same device, clips cut across chunked-prefill steps (--max-num-batched-tokens 64: the image's 60
 tokens attend both ways and are computed whole, a clip's 25 to 63 tokens are causal and cut at a step's end); bad
-base64 and a payload that is not audio must be 400s naming the field and change nothing else. 0 errors and 0
-mismatches expected. Needs PyAV (`av`) where it runs: the device image has none, so carry its wheel.
+base64 and a payload that is not audio must be 400s naming the field and change nothing else. Then
+/v1/audio/transcriptions of a 2.5 s wav and (Qwen2-Audio) a 35 s one, cut into two clips at its quiet moment, each
+text equal to the offline LLM's answers to the family's speech prompt (multimodal/transcription_prompts.py) on the
+same clips, joined. 0 errors and 0 mismatches expected. Needs PyAV (`av`) where it runs: the device image has none, so
+carry its wheel.
 
     python benches/live/serve_audio.py [FAMILY ...] [--device cuda] [--dtype float32|bfloat16]
 """
@@ -31,11 +34,12 @@ from tests.helpers.tiny_qwen2_audio import make_tiny_qwen2_audio  # noqa: E402
 from tests.server.server_proc import ServerProcess  # noqa: E402
 
 RATE = 16_000
-# family -> (its tiny folder's builder, whether its chats also carry an image)
+# family -> (its tiny folder's builder, whether its chats also carry an image, its max_model_len: the tiny Gemma 4
+# has 512 positions, too few for a 30 s clip's 750 audio tokens, so only Qwen2-Audio transcribes the long recording)
 FAMILIES = {
     "gemma4": (lambda folder: make_tiny_gemma4(folder, audio=True, bidirectional="vision", per_layer=True, kv_shared=2),
-               True),
-    "qwen2-audio": (lambda folder: make_tiny_qwen2_audio(folder), False),
+               True, 512),
+    "qwen2-audio": (lambda folder: make_tiny_qwen2_audio(folder), False, 1024),
 }
 
 
@@ -82,6 +86,51 @@ def parts() -> list[dict]:
     return out
 
 
+def recording(seconds: float, seed: int) -> bytes:
+    """A mono 16 kHz wav of tones with noise, quieter every few hundred ms (pauses a long one is cut at)."""
+    t = np.arange(int(seconds * RATE)) / RATE
+    envelope = 0.2 + 0.8 * (np.sin(2 * np.pi * 1.7 * t) > -0.3)
+    clip = envelope * (0.4 * np.sin(2 * np.pi * 440 * t) + 0.1 * np.random.default_rng(seed).standard_normal(len(t)))
+    return encode(clip.astype(np.float32), "wav", "pcm_s16le")
+
+
+def expected_transcriptions(reference, wavs: list[bytes], max_tokens: int) -> list[str]:
+    """The offline answers to the family's transcription prompt ("en") on each recording's clips, joined as the
+    server joins them."""
+    from ferrox import SamplingParams
+    from ferrox.multimodal.audio import decode_audio
+    from ferrox.multimodal.audio_chunks import split_audio
+    from ferrox.multimodal.transcription_prompts import SpeechTask, speech_family, speech_prompt
+
+    rules, tokenizer = reference.engine.image_prompts, reference.engine.tokenizer
+    prompt, family = speech_prompt(rules, SpeechTask("transcribe", "en"), tokenizer), speech_family(rules)
+    texts = []
+    for wav in wavs:
+        clips = split_audio(decode_audio(wav, RATE).samples, rules.audio_processor.max_samples, RATE)
+        outs = reference.generate([{"prompt_token_ids": prompt.token_ids, "multi_modal_data": {"audio": (c, RATE)}}
+                                   for c in clips], SamplingParams(max_tokens=max_tokens, temperature=0),
+                                  use_tqdm=False)
+        texts.append(" ".join(family.post_process(o.outputs[0].text) for o in outs))
+    return texts
+
+
+def transcribe(base: str, wav: bytes, max_tokens: int) -> tuple[int, dict]:
+    """POST /v1/audio/transcriptions as a multipart form (file, model, language, max_completion_tokens)."""
+    boundary = "ferrox-bench"
+    fields = {"model": "m", "language": "en", "max_completion_tokens": str(max_tokens)}
+    body = b"".join(f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode()
+                    for k, v in fields.items())
+    body += (f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
+             "Content-Type: audio/wav\r\n\r\n").encode() + wav + f"\r\n--{boundary}--\r\n".encode()
+    req = urllib.request.Request(base + "/v1/audio/transcriptions", body,
+                                 {"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
 def image_url() -> str:
     from PIL import Image
 
@@ -105,7 +154,7 @@ def main() -> int:
 def run(family: str, opts: argparse.Namespace) -> int:
     from ferrox import LLM, SamplingParams
 
-    build, images = FAMILIES[family]
+    build, images, max_len = FAMILIES[family]
     tmp = Path(tempfile.mkdtemp())
     clips, picture = parts(), image_url()
     cases = [(k % 3, images and k % 4 == 3) for k in range(16)]  # (clip, with an image)
@@ -118,14 +167,16 @@ def run(family: str, opts: argparse.Namespace) -> int:
     limits = {"image": 1, "audio": 1} if images else {"audio": 1}
     device = ["--device", opts.device] if opts.device else []
     reference = LLM(model=folder, dtype=opts.dtype, kv_cache_memory=128 << 20, limit_mm_per_prompt=limits,
-                    max_model_len=512, max_num_batched_tokens=64, **({"device": opts.device} if opts.device else {}))
+                    max_model_len=max_len, max_num_batched_tokens=64, **({"device": opts.device} if opts.device else {}))
     expected = [o.outputs[0].text for o in reference.chat([messages(*c) for c in cases],
                                                            SamplingParams(max_tokens=12, temperature=0),
                                                            use_tqdm=False)]
+    wavs = [recording(2.5, 1)] + ([recording(35.0, 2)] if max_len >= 1024 else [])
+    transcripts = expected_transcriptions(reference, wavs, 12)
     reference.engine.shutdown()
     del reference
     srv = ServerProcess(folder, "--served-model-name", "m", "--dtype", opts.dtype, "--max-num-batched-tokens", "64",
-                        "--max-model-len", "512", "--limit-mm-per-prompt", json.dumps(limits), *device,
+                        "--max-model-len", str(max_len), "--limit-mm-per-prompt", json.dumps(limits), *device,
                         startup_timeout=300)
     broken = [{"data": "%%% not base64", "format": "wav"}, {"data": base64.b64encode(b"no audio here" * 40).decode(),
                                                             "format": "mp3"}]
@@ -141,9 +192,14 @@ def run(family: str, opts: argparse.Namespace) -> int:
                      for (status, body), want in zip(good, expected, strict=True))
     named = sum(status == 400 and "messages[0].content[0].input_audio.data" in body["error"]["message"]
                 for status, body in bad_parts)
+    heard = [transcribe(srv.base_url, wav, 12) for wav in wavs]
+    errors += sum(status != 200 for status, _ in heard)
+    mismatches += sum(status == 200 and body["text"] != want for (status, body), want in zip(heard, transcripts,
+                                                                                              strict=True))
     code = srv.stop()
     log_errors = [ln for ln in srv.log if " ERROR " in ln or "Traceback" in ln]
-    print(f"{family} ({opts.device or 'default device'}, {opts.dtype}): {len(cases)} audio chats, {errors} errors, "
+    print(f"{family} ({opts.device or 'default device'}, {opts.dtype}): {len(cases)} audio chats and "
+          f"{len(wavs)} transcriptions, {errors} errors, "
           f"{mismatches} mismatches, bad parts named in a 400 {named}/{len(broken)}, exit {code}, error log lines "
           f"{len(log_errors)} {log_errors[:3]}")
     return 1 if errors or mismatches or named != len(broken) or code != 0 or log_errors else 0

@@ -24,6 +24,7 @@ ROUTES = {  # what a vLLM user reaches for, and this server's own additions
     "/v1/load_lora_adapter": {"post"}, "/v1/unload_lora_adapter": {"post"},
     "/v1/responses/{response_id}": {"get", "delete"}, "/v1/responses/{response_id}/cancel": {"post"},
     "/v1/responses/{response_id}/input_items": {"get"},
+    "/v1/audio/transcriptions": {"post"}, "/v1/audio/translations": {"post"},
 }
 
 

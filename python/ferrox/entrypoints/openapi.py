@@ -2,7 +2,8 @@
 
 The paths come from the aiohttp route table (so a route added there appears here), each
 operation's summary from its handler's docstring, and request bodies from the pydantic models
-the handlers validate with (their JSON schemas, shared under components/schemas).
+the handlers validate with (their JSON schemas, shared under components/schemas): a JSON body, or
+a multipart/form-data one for the routes that take files (the speech-to-text routes).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def _summary(handler: Any) -> str:
 
 
 def _operation(method: str, path: str, handler: Any, model: type[BaseModel] | None,
-               schemas: dict[str, Any], open_paths: frozenset[str]) -> dict[str, Any]:
+               schemas: dict[str, Any], open_paths: frozenset[str],
+               media_type: str = "application/json") -> dict[str, Any]:
     op: dict[str, Any] = {"operationId": f"{method}_{handler.__name__}"}
     summary = _summary(handler)
     if summary:
@@ -43,7 +45,7 @@ def _operation(method: str, path: str, handler: Any, model: type[BaseModel] | No
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
         op["requestBody"] = {"required": True, "content": {
-            "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+            media_type: {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
     op["responses"] = {
         "200": {"description": "success (JSON; text/event-stream when the body asks to stream)"},
         "default": {"description": "error", "content": {
@@ -55,9 +57,11 @@ def _operation(method: str, path: str, handler: Any, model: type[BaseModel] | No
 
 
 def build_openapi(router: web.UrlDispatcher, request_models: dict[str, type[BaseModel]],
-                  open_paths: frozenset[str], *, api_key: bool) -> dict[str, Any]:
-    """`request_models` maps a route's path to the pydantic model of its JSON body; `api_key`:
-    whether the server asks for one (then every path outside `open_paths` does)."""
+                  open_paths: frozenset[str], *, api_key: bool,
+                  form_models: dict[str, type[BaseModel]] | None = None) -> dict[str, Any]:
+    """`request_models` maps a route's path to the pydantic model of its JSON body, `form_models` to that of
+    its multipart form; `api_key`: whether the server asks for one (then every path outside `open_paths`
+    does)."""
     paths: dict[str, dict[str, Any]] = {}
     schemas: dict[str, Any] = {"Error": _ERROR_SCHEMA}
     for route in router.routes():
@@ -65,9 +69,11 @@ def build_openapi(router: web.UrlDispatcher, request_models: dict[str, type[Base
         path = info.get("path") or info.get("formatter")
         if path is None or route.method in ("HEAD", "*"):  # static files; HEAD mirrors GET
             continue
-        model = request_models.get(path) if route.method == "POST" else None
+        form = (form_models or {}).get(path) if route.method == "POST" else None
+        model = form or (request_models.get(path) if route.method == "POST" else None)
         paths.setdefault(path, {})[route.method.lower()] = _operation(
-            route.method.lower(), path, route.handler, model, schemas, open_paths)
+            route.method.lower(), path, route.handler, model, schemas, open_paths,
+            "multipart/form-data" if form is not None else "application/json")
     spec: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "ferrox", "version": ferrox.__version__,

@@ -2,6 +2,7 @@
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (with GET and
 DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel, GET /v1/responses/{id}/input_items),
+POST /v1/audio/transcriptions and /v1/audio/translations (multipart forms; a model that takes audio),
 POST /v1/messages (Anthropic), POST /v1/embeddings, POST /pooling, POST /score, POST /rerank and POST
 /classify (a pooling model: the generation routes answer 400 then, as vLLM's do), POST /tokenize, POST /detokenize,
 GET /health, GET|POST /ping, GET /version, GET /metrics, GET /openapi.json (built from this route
@@ -65,6 +66,7 @@ from ferrox.entrypoints.openai.protocol_classify import ClassificationRequest
 from ferrox.entrypoints.openai.protocol_embeddings import EmbeddingRequest, PoolingRequest
 from ferrox.entrypoints.openai.protocol_responses import ResponsesRequest
 from ferrox.entrypoints.openai.protocol_score import RerankRequest, ScoreRequest
+from ferrox.entrypoints.openai.protocol_transcription import TranscriptionRequest, TranslationRequest
 from ferrox.entrypoints.openai.responses_store import install as install_response_store
 from ferrox.entrypoints.openai.serving import (
     CTX,
@@ -107,6 +109,7 @@ from ferrox.entrypoints.openai.serving_responses_store import (
 )
 from ferrox.entrypoints.openai.serving_score import create_rerank, create_score
 from ferrox.entrypoints.openai.serving_tokenizer_info import get_tokenizer_info
+from ferrox.entrypoints.openai.serving_transcription import create_transcription, create_translation
 from ferrox.entrypoints.openai.tools import template_text
 from ferrox.entrypoints.openapi import build_openapi
 from ferrox.entrypoints.web.status import ThroughputMeter, server_status
@@ -126,7 +129,8 @@ _OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", "/openapi.j
 LOAD_TRACKED_PATHS = frozenset({
     "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/responses/{response_id}",
     "/v1/responses/{response_id}/cancel", "/v1/messages", "/v1/embeddings", "/pooling", "/classify", "/score",
-    "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/invocations",
+    "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/invocations", "/v1/audio/transcriptions",
+    "/v1/audio/translations",
 })
 _OPEN_PREFIXES = ("/static/",)
 # After the engine core dies, keep answering (503) this long before exiting, so load
@@ -521,13 +525,18 @@ _REQUEST_MODELS: dict[str, type[BaseModel]] = {
     "/score": ScoreRequest, "/v1/score": ScoreRequest, "/rerank": RerankRequest, "/v1/rerank": RerankRequest,
     "/v2/rerank": RerankRequest, "/classify": ClassificationRequest,
 }
+# Route path -> the pydantic model of its multipart form (its file part a binary string), for /openapi.json.
+_FORM_MODELS: dict[str, type[BaseModel]] = {
+    "/v1/audio/transcriptions": TranscriptionRequest, "/v1/audio/translations": TranslationRequest,
+}
 
 
 async def openapi(request: web.Request) -> web.Response:
     """This description of the API (OpenAPI 3.1), generated from the route table."""
     cache = request.app[OPENAPI]  # the routes are fixed once serving: build it once (pydantic's schemas are slow)
     if "spec" not in cache:
-        spec = build_openapi(request.app.router, _REQUEST_MODELS, _OPEN_PATHS, api_key=bool(request.app[API_KEY]))
+        spec = build_openapi(request.app.router, _REQUEST_MODELS, _OPEN_PATHS, api_key=bool(request.app[API_KEY]),
+                             form_models=_FORM_MODELS)
         root = request.app[OPTIONS].root_path
         if root:  # each route once, under the prefix the clients use
             spec["paths"] = {p: v for p, v in spec["paths"].items() if not p.startswith(root + "/")}
@@ -630,6 +639,9 @@ def build_app(engine: AsyncLLM, *, served_model_name: str | list[str] | None = N
     app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
     app.router.add_get("/v1/responses/{response_id}/input_items", list_input_items)
     app.router.add_post("/v1/messages", _bind(generation_only(create_message, "Messages API")))
+    app.router.add_post("/v1/audio/transcriptions",
+                        _bind(generation_only(create_transcription, "Transcriptions API")))
+    app.router.add_post("/v1/audio/translations", _bind(generation_only(create_translation, "Translations API")))
     app.router.add_post("/v1/embeddings", _bind(create_embedding))
     app.router.add_post("/pooling", _bind(create_pooling))
     for path in ("/score", "/v1/score"):
