@@ -29,9 +29,9 @@ FAMILIES: dict[str, tuple[Any, Any, Any]] = {
                    ("k_proj", "in_proj_qkvz", "in_proj_ba")),
     "glm4": (lambda d: tiny_glm.make_tiny_glm4(d, seed=5),
              ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"), ("q_proj", "k_proj", "gate_up_proj")),
-    # (An MLP target on a transformers-5 MoE model makes peft adapt the fused experts' parameters too:
-    # target_parameters, refused by name there: only gpt-oss's take them. Llama 4's dense layers take the MLP
-    # targets here.)
+    # (An MLP target on a transformers-5 MoE model makes peft adapt the fused experts' parameters too, in the
+    # target_parameters format: tested apart in tests/lora/test_lora_moe_stacked.py. Llama 4's dense layers take
+    # the MLP targets here.)
     "glm4_moe": (lambda d: tiny_glm.make_tiny_glm4_moe(d, num_layers=2, seed=6), ATTENTION, ("q_proj", "k_proj")),
     "llama4": (lambda d: tiny_llama4.make_tiny_llama4(d, num_layers=2, interleave_moe_layer_step=2, seed=7),
                ATTENTION + r"|.*\.layers\.\d+\.feed_forward\.(gate|up|down)_proj", ("q_proj", "k_proj")),

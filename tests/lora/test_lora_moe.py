@@ -7,8 +7,8 @@ w2`), and the shared expert's projections (`mlp.shared_expert.*`, `mlp.shared_ex
 
 Reference: transformers with each adapter merged into the weights by hand (W + scaling * B A: tests/lora/adapters.py
 merged_by_hand). peft is installed, but it cannot load per-expert modules on transformers 5's fused experts (it
-adapts them through `target_parameters`, another format, which ferrox reads on gpt-oss, Qwen3-VL-MoE and the multimodal Qwen3.5-MoE:
-tests/lora/test_lora_moe_params.py).
+adapts them through `target_parameters`, another format, which ferrox reads too: tests/lora/test_lora_moe_stacked.py
+and tests/lora/test_lora_moe_params.py).
 
 - The real engine (Rust scheduler, chunked prefill under a 16-token budget, 3 adapters over 2 slots so they swap)
   serving base-model requests, two adapters with expert modules (one on every expert, the shared expert and two

@@ -217,13 +217,11 @@ def test_mxfp4_gpt_oss_is_refused_by_name(gpt_oss, tmp_path):
         llm.engine.shutdown()
 
 
-@pytest.mark.gpu
-def test_cuda_engine_matches_cpu(gpt_oss):
-    """The stacked adapters on CUDA (CUDA graphs, the Triton path of lora/moe.py with gpt-oss's expert biases and
-    clamped SwiGLU) against the CPU engine: each request's greedy tokens and logprobs."""
+def _cuda_matches_cpu(folder: str, adapters: dict[str, LoRARequest]) -> None:
+    """The same mixed batch on the CPU engine and on CUDA (default settings: CUDA graphs, the Triton path of
+    lora/moe.py): each request's greedy tokens equal, logprobs within 2e-3."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    folder, adapters, _ = gpt_oss
     got = {}
     for device in ("cpu", "cuda"):
         settings = {k: v for k, v in COMMON.items() if k != "max_num_batched_tokens"}
@@ -235,3 +233,19 @@ def test_cuda_engine_matches_cpu(gpt_oss):
     for (cpu_tokens, cpu_lp), (cuda_tokens, cuda_lp) in zip(got["cpu"], got["cuda"], strict=True):
         assert cuda_tokens == cpu_tokens
         assert max(abs(a - b) for a, b in zip(cpu_lp, cuda_lp, strict=True)) < 2e-3
+
+
+@pytest.mark.gpu
+def test_cuda_engine_matches_cpu(gpt_oss):
+    """gpt-oss's stacked adapters on CUDA (its expert biases and clamped SwiGLU on the LoRA path) against the CPU
+    engine."""
+    folder, adapters, _ = gpt_oss
+    _cuda_matches_cpu(folder, adapters)
+
+
+@pytest.mark.gpu
+def test_multimodal_cuda_engine_matches_cpu(multimodal):
+    """Qwen3-VL-MoE's and the multimodal Qwen3.5-MoE's stacked adapters (gate|up halves) on CUDA against the CPU
+    engine."""
+    _, folder, adapters, _ = multimodal
+    _cuda_matches_cpu(folder, adapters)

@@ -35,10 +35,13 @@ _TENSOR_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])\.weight$")
 # decoder layers' projections only).
 UNSUPPORTED_TARGETS = ("lm_head", "embed_tokens")
 # target_parameters PEFT may name that ferrox reads: the stacked experts' gate_up_proj / down_proj, as a dot-suffix
-# of `model.layers.{i}.mlp.experts.{param}` (PEFT matches a target equal to, or ending ".target" of, that path).
-_EXPERT_PARAMETER = re.compile(r"^(?:(?:(?:(?:(?:model\.)?layers\.)?\d+\.)?mlp\.)?experts\.)?(?:gate_up_proj|down_proj)$")
+# of `model.layers.{i}.mlp.experts.{param}` (Llama 4's MoE block: `feed_forward`; a vision-language model's text layers
+# under their prefix), as PEFT matches a target equal to, or ending ".target" of, that path.
+_EXPERT_PARAMETER = re.compile(r"^(?:(?:(?:[\w.]*\.)?(?:mlp|feed_forward)\.)?experts\.)?(?:gate_up_proj|down_proj)$")
 # The module a target_parameters pair is saved under (nested ParamWrappers add base_layer).
 _STACKED_EXPERTS = re.compile(r"^.*\.experts(?:\.base_layer)*$")
+# The stacked experts' parameters a target_parameters pair may adapt.
+_STACKED_PARAMETERS = ("gate_up_proj", "down_proj")
 
 
 class LoRAAdapterError(RequestError):
@@ -67,15 +70,22 @@ class LoRAModule:
 @dataclass(frozen=True, slots=True)
 class StackedExpertLoRA:
     """One pair PEFT's target_parameters wrote for a layer's stacked experts (lora/expert_params.py unpacks it per
-    expert): lora_a [rank * E, in] expert-major rows, lora_b [out, rank * E] expert-minor columns."""
+    expert): lora_a [rank * E, in] expert-major rows, lora_b [out, rank * E] expert-minor columns. Which parameter it
+    adapts, and so its rank, only the model's shapes tell: ranks and scalings are each parameter's (r, or its
+    rank_pattern / alpha_pattern entry, as PEFT resolves them for `<experts module>.<parameter>`)."""
 
     name: str  # the module the pair sits on, e.g. "model.layers.0.mlp.experts.base_layer"
     lora_a: torch.Tensor
     lora_b: torch.Tensor
-    rank: int
-    scaling: float
+    ranks: dict[str, int]  # by parameter: "gate_up_proj", "down_proj"
+    scalings: dict[str, float]
     a_key: str
     b_key: str
+
+    @property
+    def rank(self) -> int:
+        """The largest rank the pair may have (its parameter decides which: lora/expert_params.py)."""
+        return max(self.ranks.values())
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +104,7 @@ class PeftAdapter:
 
     @property
     def max_rank(self) -> int:
+        """The largest rank of its modules (of a stacked pair, the largest its parameter may have)."""
         return max([m.rank for m in self.modules.values()] + [p.rank for p in self.stacked.values()])
 
 
@@ -176,7 +187,7 @@ def read_peft_adapter(path: str | os.PathLike[str]) -> PeftAdapter:
         a, b = tensors[keys["A"]], tensors[keys["B"]]
         if parameters and _STACKED_EXPERTS.match(name):
             stacked[name] = _stacked_pair(name, keys, a, b, r, alpha, use_rslora, rank_pattern, alpha_pattern,
-                                          config_file, weights_file)
+                                          weights_file)
             continue
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
             raise _fail(weights_file, f"tensors {keys['A']!r} {tuple(a.shape)} and {keys['B']!r} {tuple(b.shape)} "
@@ -230,20 +241,25 @@ def _target_parameters(config: dict[str, Any], config_file: str) -> tuple[str, .
 
 
 def _stacked_pair(name: str, keys: dict[str, str], a: torch.Tensor, b: torch.Tensor, r: int, alpha: float,
-                  use_rslora: bool, rank_pattern: dict[str, Any], alpha_pattern: dict[str, Any], config_file: str,
+                  use_rslora: bool, rank_pattern: dict[str, Any], alpha_pattern: dict[str, Any],
                   weights_file: str) -> StackedExpertLoRA:
-    """One target_parameters pair: rank r (the expert count is the model's, checked at packing)."""
+    """One target_parameters pair, with each parameter's rank and scaling as PEFT gives them to the parameter's
+    ParamWrapper: the patterns matched against `<experts module>.<parameter>` (the expert count and so which parameter
+    the pair adapts are the model's, checked at packing)."""
     unwrapped = re.sub(r"(\.base_layer)+$", "", name)
-    for field_name, patterns in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
-        for param in ("gate_up_proj", "down_proj"):
-            key = _pattern_key(patterns, f"{unwrapped}.{param}") or _pattern_key(patterns, unwrapped)
-            if key is not None:
-                raise _fail(config_file, f"{field_name}[{key!r}] on target_parameters' experts is not supported")
-    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or a.shape[0] % r != 0:
+    ranks, scalings = {}, {}
+    for param in _STACKED_PARAMETERS:
+        rank_key = _pattern_key(rank_pattern, f"{unwrapped}.{param}")
+        alpha_key = _pattern_key(alpha_pattern, f"{unwrapped}.{param}")
+        ranks[param] = int(rank_pattern[rank_key]) if rank_key is not None else r
+        param_alpha = float(alpha_pattern[alpha_key]) if alpha_key is not None else alpha
+        scalings[param] = param_alpha / (math.sqrt(ranks[param]) if use_rslora else ranks[param])
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or all(a.shape[0] % k for k in ranks.values()):
+        at = " or ".join(sorted({f"r={k}" for k in ranks.values()}))
         raise _fail(weights_file, f"tensors {keys['A']!r} {tuple(a.shape)} and {keys['B']!r} {tuple(b.shape)} are not "
-                                  f"a stacked experts' pair at r={r} ([r * experts, in] and [out, r * experts])")
-    scaling = alpha / (math.sqrt(r) if use_rslora else r)
-    return StackedExpertLoRA(name, a.float().contiguous(), b.float().contiguous(), r, scaling, keys["A"], keys["B"])
+                                  f"a stacked experts' pair at {at} ([r * experts, in] and [out, r * experts])")
+    return StackedExpertLoRA(name, a.float().contiguous(), b.float().contiguous(), ranks, scalings, keys["A"],
+                             keys["B"])
 
 
 def _read_config(config_file: str) -> dict[str, Any]:

@@ -1,27 +1,34 @@
-"""PEFT's `target_parameters` adapters on stacked experts (gpt-oss, Qwen3-VL-MoE, the multimodal Qwen3.5-MoE): LoRA
-on the 3-D expert parameters `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`, unpacked into the per-expert
-gate / up / down pairs that lora/moe.py holds.
+"""PEFT's `target_parameters` adapters on stacked experts: LoRA on the 3-D expert parameters
+`<block>.experts.gate_up_proj` / `<block>.experts.down_proj` (the block: `mlp`, Llama 4's `feed_forward`), unpacked
+into the per-expert gate / up / down pairs that lora/moe.py holds. transformers 5 stacks the experts of every MoE
+family so, and PEFT 0.22 adapts them only so (it also turns an adapter's `gate_proj` / `up_proj` / `down_proj` targets
+into these parameters on those models: rank_pattern / alpha_pattern then give gate_up_proj twice the rank and alpha).
 
-What PEFT 0.22 writes (peft/tuners/lora/layer.py ParamWrapper, read and checked on a tiny gpt-oss): for a parameter
-[E, d1, d2], one lora_A [r * E, in] and one lora_B [out, r * E] per layer. Expert e's pair is
-A_e = lora_A.view(E, r, in)[e] (expert-major rows) and B_e = lora_B.view(out, r, E)[:, :, e] (expert-MINOR
-columns), and the merged weight gains scaling * (B_e A_e) in the parameter's own layout: for gpt-oss, whose experts
-are stored [E, in, out] (transformers' is_transposed), the delta is (B_e A_e)^T, so y = x W_e + scaling * B_e (A_e x)
-is the usual LoRA with in = H, out = 2I for gate_up_proj and in = I, out = H for down_proj. The tensors' names do not
-say which parameter they adapt: PEFT nests one ParamWrapper per parameter on the same `experts` module, so the
-second one's pair is saved under `experts.base_layer.lora_A` and so on. The shapes do say it (gate_up: A [rE, H],
-B [2I, rE]; down: A [rE, I], B [H, rE]; never equal, as H = I and H = 2I cannot both hold), so each pair is matched
-by shape against the model's layer and refused by name when it fits neither or two pairs claim one parameter.
+What PEFT 0.22 writes (peft/tuners/lora/layer.py ParamWrapper, read and checked on the tiny models of each family
+tested): for a parameter [E, d1, d2], one lora_A [r * E, in] and one lora_B [out, r * E] per layer. Expert e's pair is
+A_e = lora_A.view(E, r, in)[e] (expert-major rows) and B_e = lora_B.view(out, r, E)[:, :, e] (expert-MINOR columns),
+and the merged weight gains scaling * (B_e A_e) in the parameter's own layout, whose (in, out) PEFT reads as:
+- [E, out, in], the default: (in, out) = (d2, d1), the delta B_e A_e as is. transformers 5's Qwen2-MoE, Qwen3-MoE,
+  Mixtral, GLM-4.5, DeepSeek-V2 / V3, Hunyuan, ERNIE 4.5 MoE, OLMoE, MiniMax-M2, Qwen3-Next, Qwen3.5-MoE and
+  Qwen3-VL-MoE store gate_up_proj [E, 2I, H] and down_proj [E, H, I] so: y = W_e x + scaling * B_e (A_e x), the
+  usual LoRA with A_e [r, H], B_e [2I, r] for gate_up and A_e [r, I], B_e [H, r] for down.
+- [E, in, out] when the experts module says so (`is_transposed`: gpt-oss): (in, out) = (d1, d2), the delta
+  (B_e A_e)^T, so y = x W_e + scaling * B_e (A_e x): the usual LoRA again, with the same A_e / B_e shapes.
+- Llama 4's experts are stored [E, in, out] (gate_up_proj [E, H, 2I], down_proj [E, I, H], run as x @ W_e) but say
+  nothing: PEFT reads them as [E, out, in], so its A_e is [r, 2I] / [r, H] and B_e [H, r] / [I, r], and the delta B_e A_e
+  lands in the stored layout: y = x (W_e + scaling * B_e A_e). As the usual LoRA that is A = B_e^T, B = A_e^T
+  (`factors_swapped`).
+The tensors' names do not say which parameter they adapt: PEFT nests one ParamWrapper per parameter on the same
+`experts` module, so the second one's pair is saved under `experts.base_layer.lora_A` and so on. The shapes do say it
+(the usual (in, out): gate_up (H, 2I), down (I, H); never both, as H = I and H = 2I cannot both hold), so each pair
+is matched by shape (and its parameter's rank) against the model's layer and refused by name when it fits neither or
+two pairs claim one parameter.
 
-gpt-oss's gate_up_proj interleaves gate and up along 2I (even rows gate, odd up); models/gpt_oss.py de-interleaves
-w13 at load, so the adapter's B rows follow: gate B = B_e[0::2], up B = B_e[1::2], each with A_e (gate and up share
-one A in this format, so the slot holds it twice).
-
-Qwen3-VL-MoE and the multimodal Qwen3.5-MoE (transformers 5, checked with peft on their tiny models): gate_up_proj
-[E, 2I, H] and down_proj [E, H, I], [E, out, in] (no is_transposed: ParamWrapper swaps in / out), so A and B have
-the shapes above and the delta is B_e A_e as is; gate_up's 2I rows are the gate rows, then the up rows (transformers
-chunks them in two; models/qwen3_vl_moe.py unfuse_experts cuts w13 so), hence gate B = B_e[:I], up B = B_e[I:].
-Their pairs sit under the checkpoint's `model.language_model.layers.{i}`, read as decoder layer i.
+gate | up along gate_up's 2I outputs: halves in every family but gpt-oss (transformers 5 chunks gate_up in two, gate
+first: each family's modeling file, and the loaders stack w13 gate rows then up rows), so gate B = B[:I], up B =
+B[I:]; gpt-oss interleaves them (even rows gate, odd up; models/gpt_oss.py de-interleaves w13 at load), so gate B =
+B[0::2], up B = B[1::2]. Gate and up share one A in this format, so the slot holds it twice. A vision-language
+checkpoint's pairs sit under its text model's prefix (`model.language_model.layers.{i}`), read as decoder layer i.
 """
 
 from __future__ import annotations
@@ -29,12 +36,22 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ferrox.lora.adapter import LoRAAdapterError, LoRAModule, PeftAdapter
+import torch
 
-# The module a stacked pair sits on: the decoder layer's experts, under any nesting of ParamWrappers.
-# The multimodal Qwens' adapters name the text layers as their checkpoints do, under `model.language_model.` (read as
-# `model.`, as their loaders and lora_rewrite read them).
-_STACKED_MODULE = re.compile(r"^model\.(?:language_model\.)?layers\.(?P<layer>\d+)\.mlp\.experts(?:\.base_layer)*$")
+from ferrox.lora.adapter import LoRAAdapterError, LoRAModule, PeftAdapter, text_model_name
+
+# The module a stacked pair sits on: the decoder layer's experts, under any nesting of ParamWrappers (names read as
+# the text model's: lora/adapter.py text_model_name).
+_STACKED_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<block>\w+)\.experts(?:\.base_layer)*$")
+
+
+@dataclass(frozen=True, slots=True)
+class StackedLayout:
+    """How a family's stacked experts meet PEFT's ParamWrapper (module docstring)."""
+
+    block: str = "mlp"  # the decoder layer's MoE block, whose `experts` hold the parameters
+    interleaved: bool = False  # gate / up alternate along gate_up's 2I outputs (gpt-oss); else gate half, up half
+    factors_swapped: bool = False  # stored [E, in, out] without is_transposed (Llama 4): A = B_e^T, B = A_e^T
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,51 +63,60 @@ class StackedLayerShape:
     intermediate: int  # I of each expert (gate_up has 2I rows)
 
 
-def unstack(adapter: PeftAdapter, shapes: dict[int, StackedLayerShape], *, interleaved: bool) -> dict[str, LoRAModule]:
-    """The adapter's stacked pairs as per-expert modules named `model.layers.{i}.mlp.experts.{e}.gate_proj` /
+def unstack(adapter: PeftAdapter, shapes: dict[int, StackedLayerShape],
+            layout: StackedLayout) -> dict[str, LoRAModule]:
+    """The adapter's stacked pairs as per-expert modules named `model.layers.{i}.<block>.experts.{e}.gate_proj` /
     `up_proj` / `down_proj` (lora/moe_targets.py reads them so). shapes: the MoE layers taking adapters, by decoder
-    layer. interleaved: gate / up alternate along gate_up_proj's 2I outputs (gpt-oss)."""
+    layer."""
     out: dict[str, LoRAModule] = {}
     claimed: dict[tuple[int, str], str] = {}
     for name, pair in adapter.stacked.items():
-        match = _STACKED_MODULE.match(name)
+        match = _STACKED_MODULE.match(text_model_name(name))
         where = f"{adapter.weights_file}: tensor {pair.a_key!r}"
-        if match is None:
-            raise LoRAAdapterError(f"{where}: {name!r} is not a decoder layer's mlp.experts (target_parameters adapt "
-                                   "the experts' gate_up_proj / down_proj only)")
+        if match is None or match["block"] != layout.block:
+            raise LoRAAdapterError(f"{where}: {name!r} is not a decoder layer's {layout.block}.experts "
+                                   "(target_parameters adapt the experts' gate_up_proj / down_proj only)")
         layer = int(match["layer"])
         shape = shapes.get(layer)
         if shape is None:
             raise LoRAAdapterError(f"{where}: decoder layer {layer} has no routed experts that take adapters")
         num, hidden, inter = shape.num_experts, shape.hidden, shape.intermediate
+        # (in, out) of each parameter as PEFT reads it: the A columns and B rows of its pair
+        dims = {"gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden)}
+        if layout.factors_swapped:
+            dims = {param: (d_out, d_in) for param, (d_in, d_out) in dims.items()}
         a, b = pair.lora_a, pair.lora_b
-        rank = pair.rank
-        if a.shape[0] != rank * num or b.shape[1] != rank * num:
-            raise LoRAAdapterError(f"{where} {tuple(a.shape)} and {pair.b_key!r} {tuple(b.shape)}: not a stacked pair "
-                                   f"of the layer's {num} experts at r={rank} ([{rank * num}, in] and "
-                                   f"[out, {rank * num}])")
-        param = {(hidden, 2 * inter): "gate_up_proj", (inter, hidden): "down_proj"}.get((a.shape[1], b.shape[0]))
-        if param is None:
-            raise LoRAAdapterError(
-                f"{where} {tuple(a.shape)} and {pair.b_key!r} {tuple(b.shape)} fit neither experts.gate_up_proj "
-                f"(A [{rank * num}, {hidden}], B [{2 * inter}, {rank * num}]) nor experts.down_proj (A [{rank * num}, "
-                f"{inter}], B [{hidden}, {rank * num}]) of decoder layer {layer}")
+        fits = [param for param, (d_in, d_out) in dims.items()
+                if tuple(a.shape) == (pair.ranks[param] * num, d_in) and tuple(b.shape) == (d_out,
+                                                                                           pair.ranks[param] * num)]
+        if not fits:
+            want = [f"experts.{param} (A [{pair.ranks[param] * num}, {d_in}], B [{d_out}, {pair.ranks[param] * num}])"
+                    for param, (d_in, d_out) in dims.items()]
+            raise LoRAAdapterError(f"{where} {tuple(a.shape)} and {pair.b_key!r} {tuple(b.shape)} fit neither "
+                                   f"{want[0]} nor {want[1]} of decoder layer {layer} ({num} experts)")
+        param = fits[0]
         previous = claimed.setdefault((layer, param), pair.a_key)
         if previous != pair.a_key:
             raise LoRAAdapterError(f"{where} and {previous!r} both adapt decoder layer {layer}'s experts.{param}")
+        rank, scaling = pair.ranks[param], pair.scalings[param]
         per_a = a.view(num, rank, a.shape[1])
         per_b = b.view(b.shape[0], rank, num)
-        prefix = f"model.layers.{layer}.mlp.experts"
+        prefix = f"model.layers.{layer}.{layout.block}.experts"
         for e in range(num):
-            a_e, b_e = per_a[e].contiguous(), per_b[:, :, e].contiguous()
-            if param == "down_proj":
-                parts = {"down_proj": b_e}
-            elif interleaved:
-                parts = {"gate_proj": b_e[0::2].contiguous(), "up_proj": b_e[1::2].contiguous()}
-            else:
-                parts = {"gate_proj": b_e[:inter].contiguous(), "up_proj": b_e[inter:].contiguous()}
-            for proj, b_part in parts.items():
-                out[f"{prefix}.{e}.{proj}"] = LoRAModule(f"{prefix}.{e}.{proj}", a_e, b_part, pair.scaling,
+            a_e, b_e = per_a[e], per_b[:, :, e]
+            if layout.factors_swapped:  # (module docstring: x (W + B_e A_e) is LoRA with A = B_e^T, B = A_e^T)
+                a_e, b_e = b_e.t(), a_e.t()
+            a_e = a_e.contiguous()
+            for proj, b_part in _split(param, b_e, inter, layout.interleaved).items():
+                out[f"{prefix}.{e}.{proj}"] = LoRAModule(f"{prefix}.{e}.{proj}", a_e, b_part.contiguous(), scaling,
                                                          pair.a_key, pair.b_key)
     return out
 
+
+def _split(param: str, b: torch.Tensor, inter: int, interleaved: bool) -> dict[str, torch.Tensor]:
+    """One expert's B rows per projection: down's whole, gate_up's cut into gate and up (module docstring)."""
+    if param == "down_proj":
+        return {"down_proj": b}
+    if interleaved:
+        return {"gate_proj": b[0::2], "up_proj": b[1::2]}
+    return {"gate_proj": b[:inter], "up_proj": b[inter:]}

@@ -73,17 +73,19 @@ _PROJECTIONS: tuple[tuple[str, str, dict[str, str | None]], ...] = (
     ("mlp", "gate_up_proj", {"gate_proj": "gate", "up_proj": "up"}),
     ("mlp", "down_proj", {"down_proj": None}),
     # An MoE layer's shared expert, a dense MLP beside the routed experts (Qwen2-MoE's and the hybrid Qwens'
-    # shared_expert, DeepSeek's, GLM-4.5's and ERNIE 4.5's shared_experts, Hunyuan's shared_mlp), on the families
-    # lora/moe_targets.py names (SHARED_EXPERT_PARENTS).
+    # shared_expert, DeepSeek's, GLM-4.5's and ERNIE 4.5's shared_experts, Hunyuan's shared_mlp; Llama 4's below), on
+    # the families lora/moe_targets.py names (SHARED_EXPERT_PARENTS).
     ("mlp.shared_expert", "gate_up_proj", {"gate_proj": "gate", "up_proj": "up"}),
     ("mlp.shared_expert", "down_proj", {"down_proj": None}),
     ("mlp.shared_experts", "gate_up_proj", {"gate_proj": "gate", "up_proj": "up"}),
     ("mlp.shared_experts", "down_proj", {"down_proj": None}),
     ("mlp.shared_mlp", "gate_up_proj", {"gate_proj": "gate", "up_proj": "up"}),
     ("mlp.shared_mlp", "down_proj", {"down_proj": None}),
-    # Llama 4's dense layers (its MoE layers' feed_forward has experts instead, left unadapted: lora/moe_targets.py).
+    # Llama 4's dense layers, and its MoE layers' shared expert (their routed experts: lora/moe_targets.py).
     ("feed_forward", "gate_up_proj", {"gate_proj": "gate", "up_proj": "up"}),
     ("feed_forward", "down_proj", {"down_proj": None}),
+    ("feed_forward.shared_expert", "gate_up_proj", {"gate_proj": "gate", "up_proj": "up"}),
+    ("feed_forward.shared_expert", "down_proj", {"down_proj": None}),
     # Granite 4.0-H: a Mamba2 mixer (layers/mamba2_mixer.py; in_proj one checkpoint tensor over its five slices
     # z, x, B, C, dt, cut as its loader cuts it: lora/packed.py) or the attention, then the shared MLP.
     ("mamba", "in_proj", {"in_proj": None}),

@@ -1,31 +1,37 @@
 """Which MoE experts an adapter may adapt, and an adapter's expert modules packed per MoE layer (lora/moe.py).
 
-A PEFT adapter names one module per expert projection, as the checkpoint names the expert's weights (vLLM reads
-them so): `model.layers.{i}.mlp.experts.{e}.gate_proj / up_proj / down_proj` (Qwen2-MoE, Qwen3-MoE and the others)
-or `model.layers.{i}.block_sparse_moe.experts.{e}.w1 / w3 / w2` (Mixtral, MiniMax-M2: gate, up, down), the spellings
-the MoE loader takes (models/moe.py). Each module's A and B are checked against the expert's checkpoint shapes
-(gate / up: A [r, H], B [I, r]; down: A [r, I], B [H, r]), then cut to this rank's share: the gate and up B rows and
-the down A columns of its intermediate rows, and under expert parallelism only its experts (the others' are checked
-and skipped).
+An adapter names a layer's experts in one of two formats (never both for one layer: refused by name, naming a
+tensor of each):
+- One module per expert projection, as a checkpoint with per-expert tensors names the expert's weights (vLLM reads
+  them so): `model.layers.{i}.mlp.experts.{e}.gate_proj / up_proj / down_proj` (Qwen2-MoE, Qwen3-MoE and the others)
+  or `model.layers.{i}.block_sparse_moe.experts.{e}.w1 / w3 / w2` (Mixtral, MiniMax-M2: gate, up, down), the
+  spellings the MoE loader takes (models/moe.py).
+- PEFT's target_parameters format: one pair per stacked parameter `<block>.experts.gate_up_proj / down_proj` of a
+  layer, as PEFT 0.22 adapts transformers 5's stacked experts (every family's; PEFT turns gate_proj / up_proj /
+  down_proj targets into these on them), unpacked per expert by lora/expert_params.py into the modules above
+  (`model.layers.{i}.<block>.experts.{e}.gate_proj...`; the block `mlp`, Llama 4's `feed_forward`).
+Each module's A and B are then checked against the expert's checkpoint shapes (gate / up: A [r, H], B [I, r]; down:
+A [r, I], B [H, r]) and cut to this rank's share: the gate and up B rows and the down A columns of its intermediate
+rows, and under expert parallelism only its experts (the others' are checked and skipped).
 
 Families: LoRA on the experts runs on Qwen2-MoE, Qwen3-MoE, Mixtral, GLM-4.5, DeepSeek-V2 / V3, Hunyuan (A13B),
 ERNIE 4.5 MoE, OLMoE, MiniMax-M2 and the hybrid Qwens' text models (Qwen3-Next, Qwen3.5-MoE / Qwen3.6-MoE: their
-linear-attention layers take adapters too, lora/manager.py) with float experts (gated SiLU, no biases, one tensor per
-expert projection in their checkpoints, as vLLM reads them; vLLM's classes of these families all take LoRA). Any
-other family's expert modules, or quantized experts (FP8, MXFP4), are refused by name, with the reason: their experts
-are stacked in their checkpoints (Llama 4), gated otherwise (Gemma 4's GELU, Nemotron-H's ReLU^2),
-quantized, or not tested with adapters here (Mistral 4). gpt-oss's float experts (biases, clamped SwiGLU: lora/moe.py
-runs both, as the layer does), Qwen3-VL-MoE's and the multimodal Qwen3.5-MoE's take adapters in the stacked format
-only: target_parameters pairs unpacked per expert by lora/expert_params.py, then checked and packed as above (the
-multimodal Qwens' per-expert modules refused, naming vLLM's stacked format); gpt-oss's MXFP4 checkpoints are refused
-(dequantized on CPU, but quantized experts all the same).
+linear-attention layers take adapters too, lora/manager.py) with float experts (gated SiLU, no biases; vLLM's classes
+of these families all take LoRA), in either format. gpt-oss's float experts (biases, clamped SwiGLU: lora/moe.py runs
+both, as the layer does), Qwen3-VL-MoE's, the multimodal Qwen3.5-MoE's and Llama 4's (its MoE layers every
+interleave_moe_layer_step, the router's sigmoid score scaling the experts' input, which the adapter's delta sees as
+the base expert does) take them in the target_parameters format only, their checkpoints stacking the experts (their
+per-expert modules refused by name). Any other family's expert modules, or quantized experts (FP8, MXFP4: gpt-oss's
+MXFP4 checkpoints, dequantized on CPU, are quantized experts all the same), are refused by name, with the reason:
+gated otherwise (Gemma 4's GELU, Nemotron-H's ReLU^2), quantized, or not tested with adapters here (Mistral 4).
 
-Shared experts (a dense MLP of Linear layers beside the routed ones: Qwen2-MoE's and the hybrid Qwens'
-`mlp.shared_expert`, DeepSeek's, GLM-4.5's and ERNIE 4.5's `mlp.shared_experts`, Hunyuan's `mlp.shared_mlp`) take
-adapters as the dense MLPs do (the manager wraps their gate_up_proj and down_proj: lora/manager.py), on the same
-families (not yet under the multimodal Qwen3.5-MoE class, refused by name there); their tensor-parallel cut is the
-dense MLP's, and the layer sums them with the routed experts exactly
-(layers/fused_moe.py experts_with_shared: a wrapped shared down_proj all-reduces its own partial sum with its delta).
+Shared experts (a dense MLP of Linear layers beside the routed ones, in transformers 5 too: Qwen2-MoE's and the hybrid
+Qwens' `mlp.shared_expert`, DeepSeek's, GLM-4.5's and ERNIE 4.5's `mlp.shared_experts`, Hunyuan's `mlp.shared_mlp`,
+Llama 4's `feed_forward.shared_expert`) take adapters as the dense MLPs do, one module per projection (the manager
+wraps their gate_up_proj and down_proj: lora/manager.py), on the same families (not yet under the multimodal
+Qwen3.5-MoE class, refused by name there); their tensor-parallel cut is the dense MLP's, and the layer sums them with
+the routed experts exactly (layers/fused_moe.py experts_with_shared: a wrapped shared down_proj all-reduces its own
+partial sum with its delta).
 The shared expert's sigmoid gate `shared_expert_gate` (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE) is refused by name: vLLM
 builds it as a plain linear layer, which its LoRA never adapts. DeepSeek's latent attention takes adapters on the
 projections it runs (q_proj or q_a_proj / q_b_proj, kv_a_proj_with_mqa, o_proj); kv_b_proj, absorbed into the
@@ -42,30 +48,52 @@ from torch import nn
 
 from ferrox.layers.fused_moe import FusedMoE
 from ferrox.lora.adapter import LoRAAdapterError, LoRAModule, PeftAdapter
-from ferrox.lora.expert_params import StackedLayerShape, unstack
+from ferrox.lora.expert_params import StackedLayerShape, StackedLayout, unstack
 from ferrox.lora.moe import ExpertSlotWeights, LoRAExperts
 from ferrox.lora.slots import TokenSlots
 
-# An expert projection's module path: the decoder layer, the MoE block's name, the expert, the projection.
-_EXPERT_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<block>mlp|block_sparse_moe)\.experts\."
+# An expert projection's module path: the decoder layer, the MoE block's name, the expert, the projection (Llama 4's
+# block, feed_forward, only as its stacked pairs unpack: lora/expert_params.py).
+_EXPERT_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<block>mlp|block_sparse_moe|feed_forward)\.experts\."
                             r"(?P<expert>\d+)\.(?P<proj>\w+)$")
+_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward")
 # Any name that looks like one expert's module, in any family (for the refusal's wording).
 _ANY_EXPERT = re.compile(r"\.experts\.\d+\.")
 _PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 SUPPORTED = ("Qwen2-MoE, Qwen3-MoE, Mixtral, GLM-4.5, DeepSeek-V2 / V3, Hunyuan, ERNIE 4.5 MoE, OLMoE, "
-             "MiniMax-M2, Qwen3-Next and Qwen3.5-MoE (float experts), and gpt-oss, Qwen3-VL-MoE and the multimodal "
-             "Qwen3.5-MoE (float experts, in PEFT's target_parameters format)")
-# Families whose experts take adapters in PEFT's target_parameters format only (their checkpoints stack the experts:
-# one gate_up_proj / down_proj a layer; vLLM's is_3d_moe_weight), and whether gate_up interleaves gate and up
-# (gpt-oss; the Qwens' gate_up_proj [E, 2I, H] holds the gate rows, then the up rows, as their loader cuts w13).
-_PARAMETER_FAMILIES = {"GptOssForCausalLM": True, "Qwen3VLMoeForConditionalGeneration": False,
-                       "Qwen3_5MoeForConditionalGeneration": False}
-# Of those, the families whose per-expert modules are refused as a module no projection of the model takes (the
-# reason in why_not), rather than at resolve: the multimodal Qwens, whose text-only siblings take them.
-_STACKED_ADAPTERS = ("Qwen3VLMoeForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+             "MiniMax-M2, Qwen3-Next and Qwen3.5-MoE (float experts), one module per expert or in PEFT's "
+             "target_parameters format, and gpt-oss, Qwen3-VL-MoE, the multimodal Qwen3.5-MoE and Llama 4 (float "
+             "experts, in PEFT's target_parameters format only)")
+# How each family's stacked experts take PEFT's target_parameters pairs (lora/expert_params.py: every family here, as
+# transformers 5 stacks them all; gate_up_proj holds the gate half, then the up half, but in gpt-oss, which
+# interleaves them; Llama 4's stored [E, in, out] without saying so).
+_STACKED = StackedLayout()
+_PARAMETER_FAMILIES = {
+    **dict.fromkeys(("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM",
+                     "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "HunYuanMoEV1ForCausalLM",
+                     "Ernie4_5_MoeForCausalLM", "OlmoeForCausalLM", "MiniMaxM2ForCausalLM", "Qwen3_5MoeForCausalLM",
+                     "Qwen3NextForCausalLM", "Qwen3VLMoeForConditionalGeneration",
+                     "Qwen3_5MoeForConditionalGeneration"), _STACKED),
+    "GptOssForCausalLM": StackedLayout(interleaved=True),
+    **dict.fromkeys(("Llama4ForCausalLM", "Llama4ForConditionalGeneration"),
+                    StackedLayout(block="feed_forward", factors_swapped=True)),
+}
+# The families whose experts take the stacked format only (their checkpoints stack the experts: one gate_up_proj /
+# down_proj a layer, which vLLM reads as is_3d_moe_weight), with the reason a per-expert module is refused. gpt-oss's
+# are refused at resolve; the others' as a module no projection of the model takes (the reason in why_not).
+_STACKED_ONLY = {
+    "GptOssForCausalLM": "",
+    # (the multimodal Qwens: their text-only siblings take per-expert modules)
+    **{name: f"not on {name}: vLLM reads its expert adapters in the stacked format only (is_3d_moe_weight: "
+             "target_parameters experts.gate_up_proj / experts.down_proj, one pair a layer), not one module per expert"
+       for name in ("Qwen3VLMoeForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")},
+    **{name: f"{name}'s experts take adapters in PEFT's target_parameters format only (its checkpoints stack them: "
+             "feed_forward.experts.gate_up_proj / down_proj, one pair a layer), not one module per expert"
+       for name in ("Llama4ForCausalLM", "Llama4ForConditionalGeneration")},
+}
 # The MoE block's shared-expert MLPs the manager wraps (its _PROJECTIONS), and the names that only look like one.
-SHARED_EXPERT_PARENTS = ("mlp.shared_expert", "mlp.shared_experts", "mlp.shared_mlp")
-_SHARED_EXPERT = re.compile(r"\.mlp\.(shared_expert|shared_experts|shared_mlp)\.")
+SHARED_EXPERT_PARENTS = ("mlp.shared_expert", "mlp.shared_experts", "mlp.shared_mlp", "feed_forward.shared_expert")
+_SHARED_EXPERT = re.compile(r"\.(mlp\.(shared_expert|shared_experts|shared_mlp)|feed_forward\.shared_expert)\.")
 _REFUSED_MODULES = {
     "shared_expert_gate": "the shared expert's shared_expert_gate takes no adapters (vLLM runs it as a plain linear "
                           "layer, which its LoRA does not adapt)",
@@ -107,9 +135,8 @@ class ExpertTargets:
         if not self.layers or leaf not in _PROJECTIONS:
             return False
         pattern = re.compile(rf"(^|.*\.){re.escape(name)}$")
-        blocks = ("mlp", "block_sparse_moe")
         return any(pattern.match(f"model.layers.{i}.{block}.experts.{e}.{leaf}") for i in self._index_of
-                   for block in blocks for e in range(self.bases[self._index_of[i]].num_experts))
+                   for block in _BLOCKS for e in range(self.bases[self._index_of[i]].num_experts))
 
     def why_not(self, name: str) -> str | None:
         """Why an expert, shared-expert or absorbed module of an adapter is not taken (None: no reason known)."""
@@ -123,8 +150,8 @@ class ExpertTargets:
             return None
         if self.refusal is not None:
             return f"LoRA on the routed experts runs on {SUPPORTED}: {self.refusal}"
-        if self.family in _STACKED_ADAPTERS:
-            return f"LoRA on the routed experts runs on {SUPPORTED}: {_stacked_only(self.family)}"
+        if _STACKED_ONLY.get(self.family):
+            return f"LoRA on the routed experts runs on {SUPPORTED}: {_STACKED_ONLY[self.family]}"
         return None
 
     def resolve(self, adapter: PeftAdapter, name: str, module: LoRAModule) -> ExpertTarget | None:
@@ -134,10 +161,13 @@ class ExpertTargets:
         match = _EXPERT_MODULE.match(name)
         if match is None or not self.layers:
             return None
+        layout = _PARAMETER_FAMILIES.get(self.family)
+        if match["block"] == "feed_forward" and (layout is None or layout.block != "feed_forward"):
+            return None  # (Llama 4's block, on another family: no module of its)
         where = f"{adapter.weights_file}: tensor {module.a_key!r} adapts {name!r}"
         # (an unpacked target_parameters module keeps its stacked pair's tensor names)
-        if self.family in _PARAMETER_FAMILIES and module.a_key not in {p.a_key for p in adapter.stacked.values()}:
-            if self.family in _STACKED_ADAPTERS:
+        if self.family in _STACKED_ONLY and module.a_key not in {p.a_key for p in adapter.stacked.values()}:
+            if _STACKED_ONLY[self.family]:
                 return None  # (why_not says why)
             raise LoRAAdapterError(f"{where}: {self.family}'s experts take adapters in PEFT's target_parameters "
                                    "format only (mlp.experts.gate_up_proj / down_proj, as vLLM reads them)")
@@ -162,18 +192,28 @@ class ExpertTargets:
                                        f"expects {expected} (expert {expert}'s {proj} projection)")
         return ExpertTarget(index, expert, proj)
 
-    def unstack(self, adapter: PeftAdapter) -> dict[str, LoRAModule]:
+    def unstack(self, adapter: PeftAdapter, modules: dict[str, LoRAModule]) -> dict[str, LoRAModule]:
         """The adapter's target_parameters pairs as per-expert modules (lora/expert_params.py); refused by name on a
-        model whose experts take none, or take them per expert module."""
-        interleaved = _PARAMETER_FAMILIES.get(self.family)
-        if interleaved is None or not self.layers:
-            why = self.refusal or f"{self.family}'s experts take adapters one module per expert, not stacked"
+        model whose experts take none, or where `modules` (the adapter's others) adapt the same layer's experts one
+        module per expert too (which would leave one format ignored, or two deltas on one expert)."""
+        layout = _PARAMETER_FAMILIES.get(self.family)
+        if layout is None or not self.layers:
+            why = self.refusal or f"not on {self.family}"
             raise LoRAAdapterError(f"{adapter.config_file}: target_parameters {list(adapter.target_parameters)}: "
-                                   "LoRA on stacked experts runs on gpt-oss, Qwen3-VL-MoE and the multimodal "
-                                   f"Qwen3.5-MoE (float experts) only: {why}")
+                                   f"LoRA on stacked experts runs on {SUPPORTED}: {why}")
         shapes = {i: StackedLayerShape(self.bases[k].num_experts, self.bases[k].hidden_size,
                                        self.bases[k].checkpoint_intermediate_size) for i, k in self._index_of.items()}
-        return unstack(adapter, shapes, interleaved=interleaved)
+        unpacked = unstack(adapter, shapes, layout)
+        stacked_key = {int(m["layer"]): module.a_key for name, module in unpacked.items()
+                       if (m := _EXPERT_MODULE.match(name)) is not None}
+        for name, module in modules.items():
+            match = _EXPERT_MODULE.match(name)
+            if match is not None and int(match["layer"]) in stacked_key:
+                raise LoRAAdapterError(f"{adapter.weights_file}: tensors {module.a_key!r} (one module per expert) and "
+                                       f"{stacked_key[int(match['layer'])]!r} (target_parameters) both adapt decoder "
+                                       f"layer {match['layer']}'s experts: an adapter names a layer's experts in one "
+                                       "format")
+        return unpacked
 
     def pack(self, modules: list[tuple[ExpertTarget, LoRAModule]], rank: int, dtype: torch.dtype,
              pin: bool) -> tuple[ExpertSlotWeights | None, ...]:
@@ -218,19 +258,21 @@ def adaptable_experts(model: nn.Module, decoder_layers: list[nn.Module]) -> list
     experts are refused (`_refusal`)."""
     if _refusal(model) is not None:
         return []
-    found = ((i, getattr(getattr(layer, "mlp", None), "experts", None)) for i, layer in enumerate(decoder_layers))
+    found = ((i, getattr(getattr(layer, block, None), "experts", None)) for i, layer in enumerate(decoder_layers)
+             for block in ("mlp", "feed_forward"))  # (Llama 4's MoE block: feed_forward)
     return [(i, experts) for i, experts in found if isinstance(experts, FusedMoE)]  # (dense layers have none)
 
 
 def _families() -> tuple[type[nn.Module], ...]:
     """The model classes whose routed and shared experts take adapters (exactly these: a subclass may load or run
-    its experts otherwise, e.g. Mistral 4's router; the multimodal Qwens take their expert adapters stacked only:
-    _PARAMETER_FAMILIES)."""
+    its experts otherwise, e.g. Mistral 4's router; gpt-oss, the multimodal Qwens and Llama 4 take their expert
+    adapters stacked only: _STACKED_ONLY)."""
     from ferrox.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
     from ferrox.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
     from ferrox.models.glm4_moe import Glm4MoeForCausalLM
     from ferrox.models.gpt_oss import GptOssForCausalLM
     from ferrox.models.hunyuan import HunYuanMoEV1ForCausalLM
+    from ferrox.models.llama4 import Llama4ForCausalLM, Llama4ForConditionalGeneration
     from ferrox.models.minimax_m2 import MiniMaxM2ForCausalLM
     from ferrox.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
     from ferrox.models.olmo2 import OlmoeForCausalLM
@@ -241,7 +283,8 @@ def _families() -> tuple[type[nn.Module], ...]:
     return (Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, Glm4MoeForCausalLM, DeepseekV2ForCausalLM,
             DeepseekV3ForCausalLM, HunYuanMoEV1ForCausalLM, Ernie4_5_MoeForCausalLM, OlmoeForCausalLM,
             MiniMaxM2ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM, GptOssForCausalLM,
-            Qwen3VLMoeForConditionalGeneration, Qwen3_5MoeForConditionalGeneration)
+            Qwen3VLMoeForConditionalGeneration, Qwen3_5MoeForConditionalGeneration, Llama4ForCausalLM,
+            Llama4ForConditionalGeneration)
 
 
 def latent_attention(model: nn.Module) -> bool:
@@ -260,11 +303,6 @@ def shared_expert_refusal(model: nn.Module) -> str | None:
         # (the text model's shared expert takes them; under the multimodal class it is not checked against PEFT yet)
         return f"not on {name} (its shared expert is not tested with adapters here yet)"
     return None
-
-
-def _stacked_only(name: str) -> str:
-    return (f"not on {name}: vLLM reads its expert adapters in the stacked format only (is_3d_moe_weight: "
-            "target_parameters experts.gate_up_proj / experts.down_proj, one pair a layer), not one module per expert")
 
 
 def _refusal(model: nn.Module) -> str | None:

@@ -74,19 +74,18 @@ def pack_adapter(request: LoRARequest, adapter: PeftAdapter, layers: Sequence[Lo
     (None: the model keeps the checkpoint's rows). experts: the model's MoE layers that take adapters."""
     # (target_modules name the checkpoint's modules, e.g. in_proj_qkv, which the rewrite may rename or cut)
     _check_target_modules(adapter, targets, adapter.modules if rewrite is not None else {}, experts)
-    if adapter.max_rank > max_lora_rank:
-        field = f"r={adapter.r}" if adapter.max_rank == adapter.r else f"rank_pattern rank {adapter.max_rank}"
-        ranks = [(m.rank, m.name) for m in adapter.modules.values()] + [(p.rank, p.name) for p in
-                                                                         adapter.stacked.values()]
-        largest = max(ranks)[1]
-        raise LoRAAdapterError(f"{adapter.config_file}: {field} exceeds max_lora_rank={max_lora_rank} (module "
-                               f"{largest!r})")
+    _check_rank(adapter, [(m.rank, m.name) for m in adapter.modules.values()], max_lora_rank)
     adapted = adapter.modules if rewrite is None else rewritten_modules(adapter, rewrite)
     if adapter.stacked:  # target_parameters on stacked experts: per-expert modules (lora/expert_params.py)
         if experts is None:
             raise LoRAAdapterError(f"{adapter.config_file}: target_parameters {list(adapter.target_parameters)}: "
                                    "this model has no routed experts that take adapters")
-        adapted = {**adapted, **experts.unstack(adapter)}
+        unpacked = experts.unstack(adapter, adapted)
+        # (a stacked pair's rank is its parameter's, known once the model's shapes told which parameter it adapts)
+        pair_of = {p.a_key: p.name for p in adapter.stacked.values()}
+        _check_rank(adapter, [(m.rank, pair_of[m.a_key]) for m in unpacked.values()], max_lora_rank)
+        adapted = {**adapted, **unpacked}
+    rank = max((m.rank for m in adapted.values()), default=adapter.max_rank)
     by_layer: dict[int, list[tuple[int, int, LoRAModule]]] = {}  # layer -> (slice, its first row in B, module)
     expert_modules: list[tuple[ExpertTarget, LoRAModule]] = []
     for name, module in adapted.items():
@@ -110,7 +109,6 @@ def pack_adapter(request: LoRARequest, adapter: PeftAdapter, layers: Sequence[Lo
                                        f"model expects {expected}")
         by_layer.setdefault(target.layer, []).extend((s, offset, module) for s, offset in parts)
 
-    rank = adapter.max_rank
     weights: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(layers)
     for index, modules in by_layer.items():
         layer = layers[index]
@@ -129,6 +127,15 @@ def pack_adapter(request: LoRARequest, adapter: PeftAdapter, layers: Sequence[Lo
         weights[index] = (lora_a.pin_memory(), lora_b.pin_memory()) if pin else (lora_a, lora_b)
     packed_experts = experts.pack(expert_modules, rank, dtype, pin) if experts is not None else ()
     return PackedAdapter(request, rank, tuple(weights), packed_experts)
+
+
+def _check_rank(adapter: PeftAdapter, ranks: list[tuple[int, str]], max_lora_rank: int) -> None:
+    """LoRAAdapterError naming the config field and a module of the largest rank when it exceeds max_lora_rank."""
+    rank, module = max(ranks, default=(0, ""))
+    if rank > max_lora_rank:
+        field = f"r={adapter.r}" if rank == adapter.r else f"rank_pattern rank {rank}"
+        raise LoRAAdapterError(f"{adapter.config_file}: {field} exceeds max_lora_rank={max_lora_rank} (module "
+                               f"{module!r})")
 
 
 def _check_target_modules(adapter: PeftAdapter, targets: dict[str, ProjectionTarget],

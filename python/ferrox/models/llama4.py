@@ -24,8 +24,10 @@ columns; the experts by their intermediate rows, or whole experts with expert pa
 reorder stays inside each head, so a rank's heads are whole. Tested with gloo on two CPU ranks.
 
 LoRA: adapters' q_proj / k_proj lora_B rows are reordered as the weights' (`lora_rewrite`, lora/rewrite.py); the
-attention and the dense layers' MLPs take adapters, the MoE layers' experts and shared expert do not (as every
-MoE family's).
+attention, the dense layers' MLPs and the MoE layers' shared expert take adapters one module per projection, the
+routed experts in PEFT's target_parameters format only (`feed_forward.experts.gate_up_proj / down_proj`, unpacked
+per expert by lora/expert_params.py; lora/moe_targets.py). The experts' LoRA input is the score-scaled x the
+experts run on, as in transformers (the router's sigmoid scales the experts' input, the adapters' delta included).
 
 Not here: the fused one-token decode path (its MoE routes by softmax top-k; one-token steps run the general
 layers, with the same attention kernels), quantized checkpoints (refused by the loader).
