@@ -1,13 +1,14 @@
 """Live `ferrox serve` of a tiny audio family's folder, FAMILY one or more of `gemma4` (tests/helpers/tiny_gemma4.py
-audio=True) and `qwen2-audio` (tests/helpers/tiny_qwen2_audio.py; no images there), every family when none is named:
+audio=True), `qwen2-audio` (tests/helpers/tiny_qwen2_audio.py; no images there) and `voxtral`
+(tests/helpers/tiny_voxtral.py, tokenizer_mode mistral; no images there), every family when none is named:
 16 concurrent chat requests carrying audio (three different clips: a wav as an input_audio part, an mp3 as input_audio,
 a flac as an audio_url data URL; some beside an image), each answer compared with the offline LLM's on the same
 parts on the same device, clips cut across chunked-prefill steps (--max-num-batched-tokens 64: the image's 60
 tokens attend both ways and are computed whole, a clip's 25 to 63 tokens are causal and cut at a step's end); bad
 base64 and a payload that is not audio must be 400s naming the field and change nothing else. Then
-/v1/audio/transcriptions of a 2.5 s wav and (Qwen2-Audio) a 35 s one, cut into two clips at its quiet moment, each
-text equal to the offline LLM's answers to the family's speech prompt (multimodal/transcription_prompts.py) on the
-same clips, joined. 0 errors and 0 mismatches expected. Needs PyAV (`av`) where it runs: the device image has none, so
+/v1/audio/transcriptions of a 2.5 s wav and (Qwen2-Audio, Voxtral) a 35 s one, cut into two clips at its quiet moment
+(Voxtral: kept whole, two 30 s windows, as vLLM does), each text equal to the offline LLM's answers to the family's
+speech prompt (multimodal/transcription_prompts.py) on the same clips, joined. 0 errors and 0 mismatches expected. Needs PyAV (`av`) where it runs: the device image has none, so
 carry its wheel.
 
     python benches/live/serve_audio.py [FAMILY ...] [--device cuda] [--dtype float32|bfloat16]
@@ -31,15 +32,18 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from tests.helpers.tiny_gemma4 import make_tiny_gemma4  # noqa: E402
 from tests.helpers.tiny_qwen2_audio import make_tiny_qwen2_audio  # noqa: E402
+from tests.helpers.tiny_voxtral import make_tiny_voxtral  # noqa: E402
 from tests.server.server_proc import ServerProcess  # noqa: E402
 
 RATE = 16_000
 # family -> (its tiny folder's builder, whether its chats also carry an image, its max_model_len: the tiny Gemma 4
-# has 512 positions, too few for a 30 s clip's 750 audio tokens, so only Qwen2-Audio transcribes the long recording)
+# has 512 positions, too few for a 30 s clip's 750 audio tokens, so it does not transcribe the long recording;
+# Voxtral's clips are 375 tokens a 30 s window)
 FAMILIES = {
     "gemma4": (lambda folder: make_tiny_gemma4(folder, audio=True, bidirectional="vision", per_layer=True, kv_shared=2),
                True, 512),
     "qwen2-audio": (lambda folder: make_tiny_qwen2_audio(folder), False, 1024),
+    "voxtral": (lambda folder: make_tiny_voxtral(folder), False, 2048),
 }
 
 

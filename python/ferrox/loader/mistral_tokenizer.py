@@ -8,7 +8,9 @@ vLLM's MistralTokenizer wraps.
   encode_chat_completion: system prompt, tools, tool calls and results, thinking, a continued last assistant
   message (continue_final_message). No Jinja template is involved: a chat template or template variables are
   refused by name, as vLLM refuses them. An image part ({"type": "image"}, where ferrox's chat paths leave each
-  image they fetched) is encoded as one [IMG], which the image rules expand (multimodal/mistral_images.py).
+  image they fetched) is encoded as one [IMG], which the image rules expand (multimodal/mistral_images.py); an
+  audio part ({"type": "audio"}, a clip ferrox decoded) as mistral_common's audio chunk, written
+  [BEGIN_AUDIO][AUDIO] without reading the audio, which Voxtral's rules expand (multimodal/voxtral_processing.py).
 - The Rust core detokenizes with the same ids and bytes as a tokenizers.Tokenizer (loader/tekken.py). Under
   skip_special_tokens it keeps [TOOL_CALLS], [ARGS], [THINK] and [/THINK] in the text, as vLLM's incremental
   detokenizer does for a Mistral tokenizer: the tool-call and reasoning parsers read them.
@@ -48,9 +50,10 @@ MISTRAL_CHAT_TEMPLATE = ("(no Jinja template: mistral_common encodes the convers
 KEPT_IN_TEXT = ("[TOOL_CALLS]", "[ARGS]", "[THINK]", "[/THINK]")
 # Where vLLM's MistralTokenizer truncates OpenAI's longer tool call ids: Mistral's are 9 characters.
 TOOL_CALL_ID_CHARS = 9
-# Media parts mistral_common is never handed: ferrox fetches a chat's images itself, and its chat paths leave an
-# {"type": "image"} part where each one goes (multimodal/mistral_images.py puts the image there).
-_MEDIA_PARTS = {"image_url", "input_image", "video_url", "video", "input_audio", "audio_url", "audio"}
+# Media parts mistral_common is never handed: ferrox fetches a chat's images and audio itself, and its chat paths
+# leave an {"type": "image"} / {"type": "audio"} part where each one goes (multimodal/mistral_images.py and
+# voxtral_processing.py put it there).
+_MEDIA_PARTS = {"image_url", "input_image", "video_url", "video", "input_audio", "audio_url"}
 
 
 def prefers_mistral_tokenizer(folder: str) -> bool:
@@ -133,6 +136,7 @@ class MistralTokenizer(Tokenizer):
                          eos_token_ids=[tekken.eos_id, *(extra_eos or [])], chat_template=None)
         self._rendered = threading.local()  # .text, .ids: the chat this thread rendered last
         self._image_chats: Any = None  # mistral_common's tokenizer for chats with images (_image_chat_tokenizer)
+        self._audio_instruct: Any = None  # its instruct tokenizer writing audio placeholders (audio_instruct)
 
     @property
     def image_encoder(self) -> Any:
@@ -208,7 +212,9 @@ class MistralTokenizer(Tokenizer):
             request = ChatCompletionRequest.from_openai(
                 _mistral_messages(messages), tools=_mistral_tools(tools) if tools else None,
                 continue_final_message=continue_final_message, **extra)
-            mistral = self._image_chat_tokenizer() if _has_images(messages) else self.mistral
+            mistral = self._image_chat_tokenizer() if _has_part(messages, "image") else self.mistral
+            if _has_part(messages, "audio"):
+                mistral = self._with_audio_placeholders(mistral)
             return list(mistral.encode_chat_completion(request).tokens)
         except ChatTemplateError:
             raise
@@ -226,17 +232,45 @@ class MistralTokenizer(Tokenizer):
             self._image_chats = placeholder_chat_tokenizer(self.mistral, image)
         return self._image_chats
 
+    @property
+    def audio_instruct(self) -> Any:
+        """mistral_common's instruct tokenizer writing [BEGIN_AUDIO][AUDIO] per audio chunk, reading no audio (a
+        transcription request's too: multimodal/transcription_prompts.py)."""
+        if self._audio_instruct is None:
+            self._audio_instruct = self._placeholder_audio(self.mistral.instruct_tokenizer)
+        return self._audio_instruct
 
-def _has_images(messages: list[dict]) -> bool:
+    def _with_audio_placeholders(self, mistral: Any) -> Any:
+        """A copy of mistral_common's tokenizer `mistral` whose audio chunks encode as [BEGIN_AUDIO][AUDIO]."""
+        import copy
+
+        out = copy.copy(mistral)
+        out.instruct_tokenizer = (self.audio_instruct if mistral is self.mistral
+                                  else self._placeholder_audio(mistral.instruct_tokenizer))
+        return out
+
+    def _placeholder_audio(self, instruct: Any) -> Any:
+        from ferrox.multimodal.voxtral_processing import placeholder_instruct
+
+        if getattr(instruct, "audio_encoder", None) is None:
+            raise ChatTemplateError(f"{self.name}: {TEKKEN_FILE} has no audio settings, so a chat cannot hold audio")
+        return placeholder_instruct(instruct)
+
+
+def _has_part(messages: list[dict], kind: str) -> bool:
     return any(isinstance(m, dict) and isinstance(m.get("content"), list) and any(
-        isinstance(p, dict) and p.get("type") == "image" for p in m["content"]) for m in messages)
+        isinstance(p, dict) and p.get("type") == kind for p in m["content"]) for m in messages)
 
 
 def _mistral_messages(messages: list[dict]) -> list[dict[str, Any]]:
     """Copies for ChatCompletionRequest.from_openai: media parts refused but for {"type": "image"} (an image
-    ferrox fetched, which it puts where the chunk's [IMG] lands), OpenAI's longer tool call ids cut to their last
-    9 characters, as vLLM does."""
+    ferrox fetched, which it puts where the chunk's [IMG] lands) and {"type": "audio"} (a clip it decoded, put
+    where the chunk's [AUDIO] lands), OpenAI's longer tool call ids cut to their last 9 characters, as vLLM
+    does."""
     from ferrox.multimodal.mistral_images import PLACEHOLDER_IMAGE_PART
+    from ferrox.multimodal.voxtral_processing import PLACEHOLDER_AUDIO_PART
+
+    placeholders = {"image": PLACEHOLDER_IMAGE_PART, "audio": PLACEHOLDER_AUDIO_PART}
 
     out = []
     for i, message in enumerate(messages):
@@ -251,9 +285,8 @@ def _mistral_messages(messages: list[dict]) -> list[dict[str, Any]]:
                 if kind in _MEDIA_PARTS:
                     raise ChatTemplateError(f"messages[{i}].content[{j}]: a {kind!r} part; with tokenizer_mode "
                                             "'mistral' ferrox passes mistral_common text, and {'type': 'image'} "
-                                            "where an image it fetched goes")
-            message["content"] = [dict(PLACEHOLDER_IMAGE_PART) if isinstance(p, dict) and p.get("type") == "image"
-                                  else p for p in content]
+                                            "or {'type': 'audio'} where an image or clip it decoded goes")
+            message["content"] = [_placeholder(p, placeholders) for p in content]
         if message.get("role") == "assistant" and message.get("tool_calls"):
             message["tool_calls"] = [
                 {**call, "id": _short_id(call["id"])} if isinstance(call, dict) and isinstance(call.get("id"), str)
@@ -264,6 +297,15 @@ def _mistral_messages(messages: list[dict]) -> list[dict[str, Any]]:
             message["tool_call_id"] = _short_id(message["tool_call_id"])
         out.append(message)
     return out
+
+
+def _placeholder(part: Any, placeholders: dict[str, dict[str, Any]]) -> Any:
+    kind = part.get("type") if isinstance(part, dict) else None
+    return _copy_part(placeholders[kind]) if isinstance(kind, str) and kind in placeholders else part
+
+
+def _copy_part(part: dict[str, Any]) -> dict[str, Any]:
+    return {k: dict(v) if isinstance(v, dict) else v for k, v in part.items()}
 
 
 def _short_id(call_id: str) -> str:

@@ -143,11 +143,19 @@ MULTIMODAL_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3_text",
                             "InternVLChatModel": "qwen2",
                             "LlavaOnevisionForConditionalGeneration": "qwen2",
                             "Qwen2AudioForConditionalGeneration": "qwen2",
+                            "VoxtralForConditionalGeneration": "llama",
                             "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe_text",
                             "Llama4ForConditionalGeneration": "llama4_text",
                             "Qwen3_5ForConditionalGeneration": "qwen3_5_text",
                             "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe_text",
                             **_FLAT_TEXT}
+
+# Architectures whose config class gives its text_config other defaults than the text model_type's own (VoxtralConfig:
+# Voxtral-Mini's Llama, its rope_theta 1e8), for a config.json that leaves them out.
+_ARCHITECTURE_TEXT_DEFAULTS = {"VoxtralForConditionalGeneration": {
+    "vocab_size": 131_072, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 30,
+    "num_key_value_heads": 8, "max_position_embeddings": 131_072, "rms_norm_eps": 1e-5, "rope_theta": 100_000_000.0,
+    "head_dim": 128}}
 
 
 def _text_config(config: dict[str, Any], where: str) -> dict[str, Any]:
@@ -169,7 +177,7 @@ def _text_config(config: dict[str, Any], where: str) -> dict[str, Any]:
     if model_type not in _TEXT_DEFAULTS:
         raise UnsupportedModelError(f"{where}: {key}.model_type {model_type!r} of {arch} is not supported "
                                     f"(supported: {', '.join(sorted(_TEXT_DEFAULTS))})")
-    defaults = dict(_TEXT_DEFAULTS[model_type])
+    defaults = {**_TEXT_DEFAULTS[model_type], **_ARCHITECTURE_TEXT_DEFAULTS.get(arch, {})}
     if isinstance(text.get("rope_parameters"), dict) and "rope_theta" in text["rope_parameters"]:
         defaults.pop("rope_theta", None)  # transformers 5 writes the theta there: a default must not shadow it
     merged = {**defaults, **text, "model_type": model_type, "architectures": config["architectures"],

@@ -48,6 +48,7 @@ SUPPORTED: dict[str, str] = {
     "Mistral3ForConditionalGeneration": "ferrox.models.mistral3:Mistral3ForConditionalGeneration",
     "Qwen2VLForConditionalGeneration": "ferrox.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "Qwen2AudioForConditionalGeneration": "ferrox.models.qwen2_audio:Qwen2AudioForConditionalGeneration",
+    "VoxtralForConditionalGeneration": "ferrox.models.voxtral:VoxtralForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": "ferrox.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration": "ferrox.models.qwen3_vl:Qwen3VLForConditionalGeneration",
     "Qwen3VLMoeForConditionalGeneration": "ferrox.models.qwen3_vl_moe:Qwen3VLMoeForConditionalGeneration",

@@ -47,7 +47,7 @@ AUDIO_MODALITY = "audio"
 DEFAULT_AUDIO_TOKEN_ID = 258_881
 DEFAULT_BOA_TOKEN_ID = 256_000
 DEFAULT_EOA_TOKEN_ID = 258_883
-AUDIO_FAMILIES = "Gemma 4 checkpoints with an audio tower (E2B, E4B) and Qwen2-Audio"
+AUDIO_FAMILIES = "Gemma 4 checkpoints with an audio tower (E2B, E4B), Qwen2-Audio and Voxtral"
 
 # Gemma4AudioFeatureExtractor's defaults, and Gemma4Processor's audio fields.
 _DEFAULTS: dict[str, Any] = {

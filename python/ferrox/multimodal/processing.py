@@ -323,6 +323,11 @@ def _image_prompts_for_model(model_dir: str, hf_config: Mapping[str, Any], token
 
         return qwen2_audio_prompts(model_dir, hf_config, tokenizer, audio_limit=(limits or {}).get("audio"),
                                    allowed_local_media_path=allowed_local_media_path)
+    if "VoxtralForConditionalGeneration" in archs:  # audio clips only, through mistral_common's tekken.json
+        from ferrox.multimodal.voxtral_processing import voxtral_prompts
+
+        return voxtral_prompts(model_dir, hf_config, tokenizer, audio_limit=(limits or {}).get("audio"),
+                               allowed_local_media_path=allowed_local_media_path)
     if "InternVLChatModel" in archs:  # InternVL's remote-code layout: `<image>` placeholders, its own tiling
         from ferrox.multimodal.internvl_chat_processing import internvl_chat_image_prompts
 

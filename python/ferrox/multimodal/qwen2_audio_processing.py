@@ -79,6 +79,12 @@ def slaney_mel_filters(bins: int, filters: int, low: float, high: float, rate: i
     return bank * (2.0 / (corners[2:filters + 2] - corners[:filters]))
 
 
+def whisper_scale(log_mel: np.ndarray) -> np.ndarray:
+    """Whisper's normalization of a clip's log-mel: raised to at most 8 below its maximum (over every frame of the
+    clip, padding included), then (x + 4) / 4."""
+    return (np.maximum(log_mel, log_mel.max() - 8.0) + 4.0) / 4.0
+
+
 class WhisperFeatureExtractor:
     """`features(audio)` -> float32 [frames kept, feature_size] of one clip (module docstring); `tokens(samples)`
     its audio tokens."""
@@ -149,14 +155,24 @@ class WhisperFeatureExtractor:
         self.check(len(samples))
         wave = np.full(self.max_samples, self.padding_value, dtype=np.float64)
         wave[:len(samples)] = samples
-        half = self.n_fft // 2
-        wave = np.pad(wave, (half, half), mode="reflect")
-        frames = np.lib.stride_tricks.as_strided(wave, shape=(self.window_frames, self.n_fft),
-                                                 strides=(wave.strides[0] * self.hop_length, wave.strides[0]))
-        power = np.abs(np.fft.rfft(frames * self.window, axis=-1)) ** 2
-        log_mel = np.log10(np.maximum(power @ self.mel_filters, 1e-10))
-        log_mel = (np.maximum(log_mel, log_mel.max() - 8.0) + 4.0) / 4.0
+        log_mel = whisper_scale(self.log_mel(wave))
         return np.ascontiguousarray(log_mel[:self.kept_frames(len(samples))], dtype=np.float32)
+
+    def log_mel(self, wave: np.ndarray) -> np.ndarray:
+        """float64 [len(wave) // hop_length, feature_size]: the floored log10 mel power of a padded float64
+        waveform (n_fft-sample frames every hop_length, reflect-padded by n_fft // 2, the last frame dropped),
+        before whisper_scale. Computed a window of frames at a time, so a clip of several windows (Voxtral's)
+        holds one window's spectrum at once."""
+        half = self.n_fft // 2
+        padded = np.pad(wave, (half, half), mode="reflect")
+        count = len(wave) // self.hop_length
+        frames = np.lib.stride_tricks.as_strided(padded, shape=(count, self.n_fft),
+                                                 strides=(padded.strides[0] * self.hop_length, padded.strides[0]))
+        out = np.empty((count, self.feature_size), dtype=np.float64)
+        for at in range(0, count, self.window_frames):
+            power = np.abs(np.fft.rfft(frames[at:at + self.window_frames] * self.window, axis=-1)) ** 2
+            out[at:at + self.window_frames] = np.log10(np.maximum(power @ self.mel_filters, 1e-10))
+        return out
 
 
 @dataclass(slots=True)

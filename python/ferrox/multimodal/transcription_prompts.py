@@ -17,8 +17,14 @@ expands its audio placeholder).
   it heard as a `<|xx|>` tag first, which post_process strips from a whole answer (as vLLM's post_process_output,
   not from a stream's deltas).
 
-Languages are ISO-639-1 codes; both families take the list OpenAI documents for its speech-to-text endpoints (the
-one vLLM gives Gemma 3n, ISO639_1_SUPPORTED_LANGS), and a code outside it is refused naming the field.
+- Voxtral: mistral_common's transcription request, as vLLM's get_generation_prompt encodes it (under
+  --tokenizer-mode mistral, which Voxtral's audio needs): `<s>[INST][BEGIN_AUDIO][AUDIO][/INST]`, then
+  "lang:<language>" when a language is given, then [TRANSCRIBE] (the clip's [AUDIO] expanded by its rules). A
+  translation is refused by name: vLLM's Voxtral builds the same transcription prompt whatever the task.
+
+Languages are ISO-639-1 codes; Gemma 4 and Qwen2-Audio take the list OpenAI documents for its speech-to-text
+endpoints (the one vLLM gives Gemma 3n, ISO639_1_SUPPORTED_LANGS), Voxtral the nine vLLM gives it; a code outside
+a family's list is refused naming the field.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Any, Literal
 from ferrox.errors import InvalidArgumentError
 from ferrox.multimodal.gemma4_processing import Gemma4ImagePrompts
 from ferrox.multimodal.qwen2_audio_processing import Qwen2AudioPrompts
+from ferrox.multimodal.voxtral_processing import PLACEHOLDER_AUDIO_DATA, VoxtralPrompts
 
 Task = Literal["transcribe", "translate"]
 
@@ -47,6 +54,11 @@ LANGUAGES: Mapping[str, str] = {
     "sw": "Swahili", "sv": "Swedish", "tl": "Tagalog", "ta": "Tamil", "th": "Thai", "tr": "Turkish",
     "uk": "Ukrainian", "ur": "Urdu", "vi": "Vietnamese", "cy": "Welsh",
 }
+
+
+# Voxtral's languages (vLLM's voxtral.py ISO639_1_SUPPORTED_LANGS).
+VOXTRAL_LANGUAGES: Mapping[str, str] = {code: LANGUAGES[code] for code in ("ar", "nl", "en", "fr", "de", "hi", "it",
+                                                                          "pt", "es")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +114,23 @@ def _qwen2_audio_prompt(task: SpeechTask, prompts: Any, tokenizer: Any, chat_tem
     return SpeechPrompt(text, list(tokenizer.encode(text)))
 
 
+def _voxtral_prompt(task: SpeechTask, prompts: Any, tokenizer: Any, chat_template: str | None) -> SpeechPrompt:
+    if task.task != "transcribe":
+        raise InvalidArgumentError("Voxtral transcribes only: vLLM's Voxtral has no translation prompt (it would "
+                                   "transcribe); use /v1/audio/transcriptions", param="model")
+    instruct = getattr(tokenizer, "audio_instruct", None)
+    if instruct is None:
+        raise InvalidArgumentError(f"model: {prompts.audio_refusal or 'Voxtral needs --tokenizer-mode mistral'}",
+                                   param="model")
+    from mistral_common.protocol.transcription.request import TranscriptionRequest
+
+    # (mistral_common's own request; PlaceholderAudioEncoder writes the clip's [BEGIN_AUDIO][AUDIO] unread)
+    request = TranscriptionRequest.model_validate({"model": "voxtral", "audio": PLACEHOLDER_AUDIO_DATA,
+                                                   "language": task.language})
+    ids = [int(t) for t in instruct.encode_transcription(request).tokens]
+    return SpeechPrompt(tokenizer.decode(ids, skip_special_tokens=False), ids)
+
+
 _LANGUAGE_TAG = re.compile(r"^\s*<\|[a-z]{2,3}(?:[-_][A-Za-z]+)?\|>")
 
 
@@ -113,6 +142,7 @@ def _strip_language_tag(text: str) -> str:
 FAMILIES: tuple[tuple[type, SpeechFamily], ...] = (
     (Gemma4ImagePrompts, SpeechFamily("Gemma 4", _gemma4_prompt, LANGUAGES)),
     (Qwen2AudioPrompts, SpeechFamily("Qwen2-Audio", _qwen2_audio_prompt, LANGUAGES, _strip_language_tag)),
+    (VoxtralPrompts, SpeechFamily("Voxtral", _voxtral_prompt, VOXTRAL_LANGUAGES)),
 )
 
 

@@ -6,8 +6,9 @@ flac, ogg...; resampled to the model's 16 kHz mono), is cut into clips the model
 audio_chunks.py: at the quietest 100 ms before each 30 s limit); each clip becomes one engine request with the
 prompt its family builds (multimodal/transcription_prompts.py), the clips' requests run side by side (a stream:
 one after the other, in order), and the texts are joined in order, with a space unless the output language is
-written without spaces (ja, zh: vLLM's no_space_languages). The served model must take audio (Gemma 4 with an
-audio tower, Qwen2-Audio); any other is answered 400 "The model does not support Transcriptions API" naming why.
+written without spaces (ja, zh: vLLM's no_space_languages); Voxtral takes a recording whole (several 30 s windows),
+as vLLM does. The served model must take audio (Gemma 4 with an audio tower, Qwen2-Audio, Voxtral); any other is
+answered 400 "The model does not support Transcriptions API" naming why.
 
 Answers, as vLLM's: response_format json `{"text": ..., "usage": {"type": "duration", "seconds": <ceil>}}` for a
 transcription, `{"text": ...}` for a translation (vLLM gives those no usage); text: the text itself (text/plain).
