@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import base64
 import io
-import wave
 
 import numpy as np
 import pytest
@@ -31,6 +30,7 @@ from ferrox import LLM, SamplingParams
 from ferrox.errors import InvalidArgumentError
 
 from tests.helpers import tiny_models
+from tests.helpers.audio_clips import wav_bytes
 from tests.helpers.tiny_gemma4 import make_tiny_gemma4
 from tests.models.conftest import cut_at_eos
 
@@ -52,15 +52,6 @@ def _clip(samples: int, hz: float, seed: int = 0) -> np.ndarray:
 
 CLIPS = [_clip(16_000, 300, 1), _clip(24_321, 900, 2), _clip(16_000, 1200, 3)]  # 25, 38 and 25 soft tokens
 
-
-def _wav(samples: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(RATE)
-        w.writeframes(np.round(samples * 32768).astype(np.int16).tobytes())
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +172,7 @@ def test_clips_keep_their_cache_blocks_apart(gemma):
 
 def test_chat_parts_match_the_offline_clip(gemma):
     folder, hf, llm = gemma
-    b64 = base64.b64encode(_wav(CLIPS[1])).decode()
+    b64 = base64.b64encode(wav_bytes(CLIPS[1])).decode()
     want = None
     for part in ({"type": "input_audio", "input_audio": {"data": b64, "format": "wav"}},
                  {"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64," + b64}}):
@@ -197,7 +188,7 @@ def test_clip_sources(tmp_path):
     array averaged to mono, int16 PCM scaled as a decoder scales it."""
     from ferrox.multimodal.audio import MediaError, to_audio
 
-    (tmp_path / "clip.wav").write_bytes(_wav(CLIPS[0]))
+    (tmp_path / "clip.wav").write_bytes(wav_bytes(CLIPS[0]))
     got = to_audio(str(tmp_path / "clip.wav"), RATE, allowed_local_media_path=str(tmp_path))
     np.testing.assert_array_equal(got.samples, CLIPS[0])
     with pytest.raises(MediaError, match="allowed-local-media-path"):
@@ -216,7 +207,7 @@ def test_audio_refusals_by_name(gemma):
         return llm.chat([{"role": "user", "content": [{"type": "input_audio", "input_audio": body}]}], GREEDY,
                         use_tqdm=False)
 
-    wav = base64.b64encode(_wav(CLIPS[0])).decode()
+    wav = base64.b64encode(wav_bytes(CLIPS[0])).decode()
     png = io.BytesIO()
     PIL.new("RGB", (8, 8)).save(png, format="PNG")
     cases = [({"data": "@@@", "format": "wav"}, r"input_audio\.data: not valid base64"),
@@ -291,7 +282,7 @@ def test_live_server_chat_with_input_audio(gemma):
     from tests.server.server_proc import post_json as post
 
     folder, _, llm = gemma
-    b64 = base64.b64encode(_wav(CLIPS[0])).decode()
+    b64 = base64.b64encode(wav_bytes(CLIPS[0])).decode()
     messages = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": b64, "format": "wav"}},
                                              {"type": "text", "text": "What is it?"}]}]
     expected = llm.chat(messages, GREEDY, use_tqdm=False)[0]

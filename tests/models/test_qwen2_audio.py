@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import base64
 import io
-import wave
 
 import numpy as np
 import pytest
@@ -28,6 +27,7 @@ from ferrox import LLM, SamplingParams
 from ferrox.errors import InvalidArgumentError
 
 from tests.helpers import tiny_models
+from tests.helpers.audio_clips import wav_bytes
 from tests.helpers.tiny_qwen2_audio import make_tiny_qwen2_audio
 from tests.models.conftest import cut_at_eos
 
@@ -49,15 +49,6 @@ def _clip(samples: int, hz: float, seed: int = 0) -> np.ndarray:
 
 CLIPS = [_clip(16_000, 300, 1), _clip(24_321, 900, 2), _clip(16_000, 1200, 3)]  # 25, 38 and 25 audio tokens
 
-
-def _wav(samples: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(RATE)
-        w.writeframes(np.round(samples * 32768).astype(np.int16).tobytes())
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +161,7 @@ def _chat(b64: str) -> list[dict]:
 
 def test_chat_with_input_audio_matches_the_offline_clip(qwen):
     folder, hf, processor, llm = qwen
-    out = llm.chat(_chat(base64.b64encode(_wav(CLIPS[1])).decode()), GREEDY, use_tqdm=False)[0]
+    out = llm.chat(_chat(base64.b64encode(wav_bytes(CLIPS[1])).decode()), GREEDY, use_tqdm=False)[0]
     assert "Audio 1: <|audio_bos|><|AUDIO|><|audio_eos|>" in out.prompt
     assert _tokens(out) == _hf(hf, processor, out.prompt_token_ids, [CLIPS[1]])
 
@@ -228,7 +219,7 @@ def test_live_server_chat_with_input_audio(qwen):
     from tests.server.server_proc import post_json as post
 
     folder, _, _, llm = qwen
-    messages = _chat(base64.b64encode(_wav(CLIPS[0])).decode())
+    messages = _chat(base64.b64encode(wav_bytes(CLIPS[0])).decode())
     expected = llm.chat(messages, GREEDY, use_tqdm=False)[0]
     srv = ServerProcess(folder, "--served-model-name", "q2a", "--dtype", "float32", "--max-model-len", "512")
     try:

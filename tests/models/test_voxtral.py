@@ -20,10 +20,8 @@ On a GPU: the clips through the CUDA engine in float32 and bfloat16 against tran
 from __future__ import annotations
 
 import base64
-import io
 import json
 import threading
-import wave
 
 import numpy as np
 import pytest
@@ -31,6 +29,7 @@ import torch
 from ferrox import LLM, SamplingParams
 from ferrox.errors import InvalidArgumentError
 
+from tests.helpers.audio_clips import wav_bytes
 from tests.helpers.tiny_voxtral import AUDIO_TOKEN_ID, BEGIN_AUDIO_ID, TRANSCRIBE_ID, make_tiny_voxtral
 from tests.models.conftest import cut_at_eos
 
@@ -51,18 +50,9 @@ def _clip(samples: int, hz: float, seed: int) -> np.ndarray:
 SHORT, LONG = _clip(RATE, 300, 1), _clip(31 * RATE, 900, 2)  # one window (375 tokens), two (750)
 
 
-def _wav(samples: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(RATE)
-        w.writeframes(np.round(samples * 32768).astype(np.int16).tobytes())
-    return buf.getvalue()
-
 
 def _chat(clip: np.ndarray, text: str = "What is it?") -> list[dict]:
-    b64 = base64.b64encode(_wav(clip)).decode()
+    b64 = base64.b64encode(wav_bytes(clip)).decode()
     return [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": b64, "format": "wav"}},
                                          {"type": "text", "text": text}]}]
 
@@ -208,7 +198,7 @@ def test_transcription_server_matches_offline(voxtral):
     from tests.server.test_transcription import _post
 
     _, _, _, llm, srv = voxtral
-    wav = _wav(_clip(2 * RATE, 500, 6))
+    wav = wav_bytes(_clip(2 * RATE, 500, 6))
     clip = decode_audio(wav, RATE).samples
     prompt = speech_prompt(llm.engine.image_prompts, SpeechTask("transcribe", "en"), llm.get_tokenizer())
     lang = llm.get_tokenizer().encode("lang:en", add_special_tokens=False)

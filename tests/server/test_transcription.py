@@ -14,13 +14,11 @@ audio folder's prompt rules, and /openapi.json listing both routes with multipar
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import threading
 import urllib.error
 import urllib.request
-import wave
 
 import numpy as np
 import pytest
@@ -29,6 +27,7 @@ from ferrox.multimodal.audio import decode_audio
 from ferrox.multimodal.audio_chunks import split_audio
 from ferrox.multimodal.transcription_prompts import SpeechTask, speech_family, speech_prompt
 
+from tests.helpers.audio_clips import wav_bytes
 from tests.helpers.tiny_qwen2_audio import make_tiny_qwen2_audio
 from tests.server.server_proc import ServerProcess, openai_client
 
@@ -39,15 +38,6 @@ MAX_TOKENS = 6
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
 ASR = "<|audio_bos|><|AUDIO|><|audio_eos|>Detect the language and recognize the speech:"
 
-
-def _wav(samples: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(RATE)
-        w.writeframes(np.round(np.clip(samples, -1, 1 - 1 / 32768) * 32768).astype(np.int16).tobytes())
-    return buf.getvalue()
 
 
 def _speech(seconds: float, seed: int) -> np.ndarray:
@@ -112,7 +102,7 @@ def _offline(llm, clips: list[np.ndarray], task: SpeechTask) -> tuple[str, list]
 
 def test_transcription_json_text_and_stream_match_offline(qwen_audio):
     srv, llm = qwen_audio
-    wav = _wav(_speech(2.3, seed=1))
+    wav = wav_bytes(_speech(2.3, seed=1))
     clip = decode_audio(wav, RATE).samples
     text, (want,) = _offline(llm, [clip], SpeechTask("transcribe", "en"))
     assert text == ASR + " <|en|>"  # Qwen's ASR form, the language as its tag
@@ -145,7 +135,7 @@ def test_transcription_json_text_and_stream_match_offline(qwen_audio):
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (the openai client's translations.create says so)
 def test_translation_matches_offline(qwen_audio):
     srv, llm = qwen_audio
-    wav = _wav(_speech(1.5, seed=2))
+    wav = wav_bytes(_speech(1.5, seed=2))
     text, (want,) = _offline(llm, [decode_audio(wav, RATE).samples], SpeechTask("translate", "en", "fr"))
     assert text == "<|audio_bos|><|AUDIO|><|audio_eos|>Detect the language and translate the speech into French: <|en|>"
     with openai_client(srv) as client:
@@ -159,7 +149,7 @@ def test_translation_matches_offline(qwen_audio):
 def test_a_long_recording_is_cut_into_clips(qwen_audio):
     srv, llm = qwen_audio
     samples = _speech(35.0, seed=3)
-    wav = _wav(samples)
+    wav = wav_bytes(samples)
     decoded = decode_audio(wav, RATE).samples
     clips = split_audio(decoded, 30 * RATE, RATE)
     assert len(clips) == 2 and 29 * RATE <= len(clips[0]) < 30 * RATE
@@ -182,7 +172,7 @@ def test_a_long_recording_is_cut_into_clips(qwen_audio):
 
 def test_refusals_name_the_field(qwen_audio, server):
     srv, _ = qwen_audio
-    wav = _wav(_speech(0.5, seed=4))
+    wav = wav_bytes(_speech(0.5, seed=4))
     cases = [
         ([("model", "qa")], "file", "missing"),
         ([("file", wav), ("language", "xx")], "language", "unsupported language 'xx'"),
