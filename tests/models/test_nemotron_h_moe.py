@@ -115,12 +115,10 @@ def test_config_fields_out_of_range_are_refused_by_name(tiny, override, error, m
 
 
 # (FP8 checkpoints load, and other quantizations are refused by name: tests/models/test_nemotron_h_fp8.py)
-# (LoRA on the attention, Mamba2 and ReLU^2 MLP layers runs: tests/lora/test_lora_mamba2.py)
-@pytest.mark.parametrize("module, shape", [("backbone.layers.1.mixer.experts.0.up_proj", (32, 64)),
-                                           ("backbone.layers.1.mixer.shared_experts.up_proj", (48, 64)),
-                                           ("backbone.layers.1.mixer.gate", (EXPERTS, 64))])
-def test_lora_on_the_moe_layers_is_refused_by_name(tiny, tmp_path, module, shape):
-    """The E layers take no adapter (LoRA on experts is not built); the M layer before them does."""
+# (LoRA on the attention, Mamba2 and ReLU^2 MLP layers runs: tests/lora/test_lora_mamba2.py; on the E layers' experts,
+# shared expert and latent projections: tests/lora/test_lora_moe_activations.py)
+def test_lora_on_the_moe_layers_router_is_refused_by_name(tiny, tmp_path):
+    """The E layers' router takes no adapter; their experts and shared expert do, as the M layer before them."""
     from ferrox.lora.adapter import LoRAAdapterError
     from ferrox.lora.manager import LoRAManager
     from ferrox.lora.request import LoRARequest
@@ -129,11 +127,14 @@ def test_lora_on_the_moe_layers_is_refused_by_name(tiny, tmp_path, module, shape
 
     manager = LoRAManager(load_float32(tiny["plain"][0]), max_loras=1, max_lora_rank=8, max_cpu_loras=None,
                           device="cpu", dtype=torch.float32, max_num_tokens=8)
-    manager.add_adapter(LoRARequest("mamba", 1, write_adapter(tmp_path / "m", {"backbone.layers.0.mixer.in_proj":
-                                                                              (2 * 64 + 2 * 2 * 16 + 4, 64)})))
-    module_name = module.replace("backbone.", "model.", 1)
-    with pytest.raises(LoRAAdapterError, match=rf"adapts '{module_name}', not a projection of this model"):
-        manager.add_adapter(LoRARequest("moe", 2, write_adapter(tmp_path / "e", {module: shape})))
+    taken = {"backbone.layers.0.mixer.in_proj": (2 * 64 + 2 * 2 * 16 + 4, 64),
+             "backbone.layers.1.mixer.experts.0.up_proj": (32, 64),
+             "backbone.layers.1.mixer.shared_experts.up_proj": (48, 64)}
+    manager.add_adapter(LoRARequest("moe", 1, write_adapter(tmp_path / "m", taken)))
+    with pytest.raises(LoRAAdapterError, match=r"adapts 'model\.layers\.1\.mixer\.gate', not a projection of this "
+                                               r"model"):
+        manager.add_adapter(LoRARequest("router", 2, write_adapter(tmp_path / "e", {"backbone.layers.1.mixer.gate":
+                                                                                    (EXPERTS, 64)})))
 
 
 def test_the_releases_config_fields_are_read(tiny, tmp_path):

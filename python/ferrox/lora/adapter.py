@@ -34,14 +34,15 @@ _TENSOR_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])\.weight$")
 # Modules PEFT can adapt in a causal LM that ferrox never runs with LoRA (its delta applies to the
 # decoder layers' projections only).
 UNSUPPORTED_TARGETS = ("lm_head", "embed_tokens")
-# target_parameters PEFT may name that ferrox reads: the stacked experts' gate_up_proj / down_proj, as a dot-suffix
-# of `model.layers.{i}.mlp.experts.{param}` (Llama 4's MoE block: `feed_forward`; a vision-language model's text layers
-# under their prefix), as PEFT matches a target equal to, or ending ".target" of, that path.
-_EXPERT_PARAMETER = re.compile(r"^(?:(?:(?:[\w.]*\.)?(?:mlp|feed_forward)\.)?experts\.)?(?:gate_up_proj|down_proj)$")
+# target_parameters PEFT may name that ferrox reads: the stacked experts' gate_up_proj (non-gated experts: up_proj) /
+# down_proj, as a dot-suffix of `model.layers.{i}.mlp.experts.{param}` (Llama 4's MoE block: `feed_forward`,
+# Nemotron-H's `mixer`, Gemma 4's none: `model.layers.{i}.experts`; a vision-language model's text layers under their
+# prefix), as PEFT matches a target equal to, or ending ".target" of, that path.
+_EXPERT_PARAMETER = re.compile(r"^(?:(?:[\w.]*\.)?experts\.)?(?:gate_up_proj|up_proj|down_proj)$")
 # The module a target_parameters pair is saved under (nested ParamWrappers add base_layer).
 _STACKED_EXPERTS = re.compile(r"^.*\.experts(?:\.base_layer)*$")
-# The stacked experts' parameters a target_parameters pair may adapt.
-_STACKED_PARAMETERS = ("gate_up_proj", "down_proj")
+# The stacked experts' parameters a target_parameters pair may adapt (up_proj: non-gated experts').
+_STACKED_PARAMETERS = ("gate_up_proj", "up_proj", "down_proj")
 
 
 class LoRAAdapterError(RequestError):
@@ -77,7 +78,7 @@ class StackedExpertLoRA:
     name: str  # the module the pair sits on, e.g. "model.layers.0.mlp.experts.base_layer"
     lora_a: torch.Tensor
     lora_b: torch.Tensor
-    ranks: dict[str, int]  # by parameter: "gate_up_proj", "down_proj"
+    ranks: dict[str, int]  # by parameter: "gate_up_proj" (non-gated experts: "up_proj"), "down_proj"
     scalings: dict[str, float]
     a_key: str
     b_key: str
@@ -236,7 +237,8 @@ def _target_parameters(config: dict[str, Any], config_file: str) -> tuple[str, .
     for name in value:
         if _EXPERT_PARAMETER.match(name) is None:
             raise _fail(config_file, f"target_parameters {name!r}: LoRA on raw parameters is supported on the MoE "
-                                     "experts' stacked gate_up_proj / down_proj only (e.g. 'mlp.experts.gate_up_proj')")
+                                     "experts' stacked gate_up_proj / down_proj only (non-gated experts: up_proj / "
+                                     "down_proj; e.g. 'mlp.experts.gate_up_proj')")
     return tuple(value)
 
 

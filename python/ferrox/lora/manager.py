@@ -6,7 +6,8 @@ Built once on a loaded model, it
   in_proj, out_proj; DeepSeek's latent attention the projections it runs) in a LoRALinear (lora/layers.py), whose
   forward adds each token's adapter delta to the base output;
 - hooks an MoE model's routed experts (FusedMoE) with a LoRAExperts (lora/moe.py: each expert its own adapter
-  pair for gate, up and down) and wraps its shared experts' projections as a dense MLP's, on the families
+  pair for gate, up and down; non-gated experts up and down) and wraps its shared experts' projections as a dense
+  MLP's (Nemotron 3 Super's latent projections as whole layers), on the families
   lora/moe_targets.py names; others' expert and shared-expert modules are refused by name;
 - keeps added adapters in a CPU cache (LRU, max_cpu_loras), packed for this model (lora/packed.py), their
   lora_B rows rewritten as the model's loader rewrites its weights' rows where it does (the model's
@@ -93,13 +94,19 @@ _PROJECTIONS: tuple[tuple[str, str, dict[str, str | None]], ...] = (
     ("shared_mlp", "gate_up_proj", {"gate_proj": "gate", "up_proj": "up"}),
     ("shared_mlp", "down_proj", {"down_proj": None}),
     # Nemotron-H: one mixer a layer, whichever it is: the attention, a Mamba2 mixer or a ReLU^2 MLP (gate_up_proj
-    # holds its up rows alone). Its MoE layers' mixer has experts instead, left unadapted (lora/moe_targets.py).
+    # holds its up rows alone). Its MoE layers' mixer has experts instead (lora/moe_targets.py), a ReLU^2 shared
+    # expert and, in Nemotron 3 Super, the latent projections around the experts (whole layers: fc2's delta joins
+    # the rank's partial sum it maps, as its product does).
     ("mixer", "qkv_proj", {"q_proj": "q", "k_proj": "k", "v_proj": "v"}),
     ("mixer", "o_proj", {"o_proj": None}),
     ("mixer", "in_proj", {"in_proj": None}),
     ("mixer", "out_proj", {"out_proj": None}),
     ("mixer", "gate_up_proj", {"up_proj": "up"}),
     ("mixer", "down_proj", {"down_proj": None}),
+    ("mixer.shared_experts", "gate_up_proj", {"up_proj": "up"}),
+    ("mixer.shared_experts", "down_proj", {"down_proj": None}),
+    ("mixer", "fc1_latent_proj", {"fc1_latent_proj": None}),
+    ("mixer", "fc2_latent_proj", {"fc2_latent_proj": None}),
 )
 # Every decoder layer has one of these token mixers, with these projections; Nemotron-H's blocks have one `mixer`
 # of any kind (an MLP or MoE block included), so they name none.

@@ -4,12 +4,14 @@ its gate, up and down projections, and a token's delta follows the expert each o
 For the pair (token t, expert e) of a token running slot s (x: the token's row, W13_e / W2_e the expert's weights):
 
     gate_up = W13_e x + B13_{s,e} (A13_{s,e} x)          (gate and up rows, each its own A and B)
-    act     = activation(gate_up)
+    act     = activation(gate_up)                        (SiLU-and-mul, Gemma 4's GELU-tanh-and-mul...)
     down    = W2_e act + B2_{s,e} (A2_{s,e} act)
     out_t   = sum over the token's k pairs of routing_weight * down
 
 with the adapter's scaling baked into B (lora/packed.py). A base-model token (slot -1), or a pair whose adapter has
-no module of that expert, adds nothing.
+no module of that expert, adds nothing. Non-gated experts (Nemotron-H's ReLU^2: FusedMoE.gated False) have no gate:
+their "gate_up" is the up rows alone (W13_e [I, H]), one A and B, and act = relu(up)^2; the slots then hold one
+slice where gated layers hold two (gate | up), and everything else runs as above.
 
 Design: (slot, expert) is one "virtual slot" s * E + e of stacks flattened to [max_loras * E, ...], and the rows are
 the step's T * k pairs, so the per-row LoRA kernels of the dense projections (kernels/lora.py: shrink / expand by
@@ -52,8 +54,8 @@ class ExpertSlotWeights:
     """One adapter's pairs for one MoE layer's experts (this rank's), laid out as a slot holds them, r the adapter's
     largest rank, scaling baked into B, zeros where a module is absent."""
 
-    w13_a: torch.Tensor  # [E, 2r, H]: gate A at rows [0, r), up A at [r, 2r)
-    w13_b: torch.Tensor  # [E, 2I, r]: gate B rows, then up B rows (this rank's intermediate rows)
+    w13_a: torch.Tensor  # [E, 2r, H]: gate A at rows [0, r), up A at [r, 2r) (non-gated experts: [E, r, H], up's)
+    w13_b: torch.Tensor  # [E, 2I, r]: gate B rows, then up B rows, this rank's intermediate rows (non-gated: [E, I, r])
     w2_a: torch.Tensor  # [E, r, I] (this rank's intermediate columns)
     w2_b: torch.Tensor  # [E, H, r]
     present: torch.Tensor  # [E] int32: 1 where the adapter has a module of that expert
@@ -70,12 +72,14 @@ class LoRAExperts(nn.Module):
         self.num_experts = experts.num_local_experts
         self.hidden_size = experts.hidden_size
         self.intermediate_size = experts.intermediate_size  # this rank's rows of each expert
+        # gate | up, or the up rows alone (non-gated experts: module docstring)
+        self.slices = 2 if experts.gated else 1
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.token_slots = token_slots
         self.use_triton = use_triton
         virtual = max_loras * self.num_experts
-        hidden, inter = self.hidden_size, self.intermediate_size
+        hidden, inter, slices = self.hidden_size, self.intermediate_size, self.slices
         self.w13_a: torch.Tensor
         self.w13_b: torch.Tensor
         self.w2_a: torch.Tensor
@@ -83,22 +87,23 @@ class LoRAExperts(nn.Module):
         self.present: torch.Tensor
         self.w13_offsets: torch.Tensor
         self.w2_offsets: torch.Tensor
-        for name, shape in (("w13_a", (virtual, 2 * max_rank, hidden)), ("w13_b", (virtual, 2 * inter, max_rank)),
+        for name, shape in (("w13_a", (virtual, slices * max_rank, hidden)),
+                            ("w13_b", (virtual, slices * inter, max_rank)),
                             ("w2_a", (virtual, max_rank, inter)), ("w2_b", (virtual, hidden, max_rank))):
             self.register_buffer(name, torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         # Virtual slots holding an adapter's module: the others' pairs take slot -1 (no launch work, no delta).
         self.register_buffer("present", torch.zeros(virtual, dtype=torch.int32, device=device), persistent=False)
-        # Output column bounds of the expand kernels' slices: gate | up, and the one down slice.
-        self.register_buffer("w13_offsets", torch.tensor((0, inter, 2 * inter), dtype=torch.int32, device=device),
-                             persistent=False)
+        # Output column bounds of the expand kernels' slices: gate | up (or up alone), and the one down slice.
+        self.register_buffer("w13_offsets", torch.tensor([inter * s for s in range(slices + 1)], dtype=torch.int32,
+                                                         device=device), persistent=False)
         self.register_buffer("w2_offsets", torch.tensor((0, hidden), dtype=torch.int32, device=device),
                              persistent=False)
 
     @staticmethod
     def slot_elements(experts: FusedMoE, max_loras: int, max_rank: int) -> int:
         """Elements of the four stacks __init__ allocates for this layer (the GPU memory budget's share)."""
-        hidden, inter = experts.hidden_size, experts.intermediate_size
-        per_expert = 2 * max_rank * hidden + 2 * inter * max_rank + max_rank * inter + hidden * max_rank
+        hidden, inter, slices = experts.hidden_size, experts.intermediate_size, 2 if experts.gated else 1
+        per_expert = slices * (max_rank * hidden + inter * max_rank) + max_rank * inter + hidden * max_rank
         return max_loras * experts.num_local_experts * per_expert
 
     def load_slot(self, slot: int, weights: ExpertSlotWeights | None) -> None:
@@ -116,8 +121,9 @@ class LoRAExperts(nn.Module):
         if rank < full:
             for stack in stacks:
                 stack.zero_()
-        w13_a.view(self.num_experts, 2, full, self.hidden_size)[:, :, :rank].copy_(
-            weights.w13_a.view(self.num_experts, 2, rank, self.hidden_size), non_blocking=True)
+        slices = self.slices
+        w13_a.view(self.num_experts, slices, full, self.hidden_size)[:, :, :rank].copy_(
+            weights.w13_a.view(self.num_experts, slices, rank, self.hidden_size), non_blocking=True)
         w13_b[:, :, :rank].copy_(weights.w13_b, non_blocking=True)
         w2_a[:, :rank].copy_(weights.w2_a, non_blocking=True)
         w2_b[:, :, :rank].copy_(weights.w2_b, non_blocking=True)
@@ -194,8 +200,9 @@ class LoRAExperts(nn.Module):
                       if v >= 0]
             for v, rows in groups:
                 shrunk = xs[rows] @ self.w13_a[v].t()
-                gate_up[rows, :inter] += shrunk[:, :rank] @ self.w13_b[v, :inter].t()
-                gate_up[rows, inter:] += shrunk[:, rank:] @ self.w13_b[v, inter:].t()
+                for s in range(self.slices):  # gate, up (non-gated: up alone), each its own A and B
+                    cols = slice(s * inter, (s + 1) * inter)
+                    gate_up[rows, cols] += shrunk[:, s * rank:(s + 1) * rank] @ self.w13_b[v, cols].t()
             act = gated_activation_torch(gate_up, experts.activation)
             down = F.linear(act, w2[expert], b2[expert] if b2 is not None else None)
             for v, rows in groups:

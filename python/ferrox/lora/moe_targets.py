@@ -5,14 +5,19 @@ tensor of each):
 - One module per expert projection, as a checkpoint with per-expert tensors names the expert's weights (vLLM reads
   them so): `model.layers.{i}.mlp.experts.{e}.gate_proj / up_proj / down_proj` (Qwen2-MoE, Qwen3-MoE and the others)
   or `model.layers.{i}.block_sparse_moe.experts.{e}.w1 / w3 / w2` (Mixtral, MiniMax-M2: gate, up, down), the
-  spellings the MoE loader takes (models/moe.py).
+  spellings the MoE loader takes (models/moe.py); Gemma 4's experts sit on the decoder layer itself,
+  `model.layers.{i}.experts.{e}.gate_proj...` (vLLM's module path `model.layers.{i}.moe.experts.{e}...` taken too),
+  Nemotron-H's in its mixer, `model.layers.{i}.mixer.experts.{e}.up_proj / down_proj` (the releases' `backbone.`
+  spelling read as `model.`: models/nemotron_h.py lora_rewrite), with no gate_proj: its experts are not gated.
 - PEFT's target_parameters format: one pair per stacked parameter `<block>.experts.gate_up_proj / down_proj` of a
   layer, as PEFT 0.22 adapts transformers 5's stacked experts (every family's; PEFT turns gate_proj / up_proj /
   down_proj targets into these on them), unpacked per expert by lora/expert_params.py into the modules above
-  (`model.layers.{i}.<block>.experts.{e}.gate_proj...`; the block `mlp`, Llama 4's `feed_forward`).
+  (`model.layers.{i}.<block>.experts.{e}.gate_proj...`; the block `mlp`, Llama 4's `feed_forward`, Nemotron-H's
+  `mixer` with `experts.up_proj / down_proj`, Gemma 4's experts on the layer: `model.layers.{i}.experts`).
 Each module's A and B are then checked against the expert's checkpoint shapes (gate / up: A [r, H], B [I, r]; down:
-A [r, I], B [H, r]) and cut to this rank's share: the gate and up B rows and the down A columns of its intermediate
-rows, and under expert parallelism only its experts (the others' are checked and skipped).
+A [r, I], B [H, r]; H the experts' width: Nemotron 3 Super's moe_latent_size) and cut to this rank's share: the gate
+and up B rows and the down A columns of its intermediate rows, and under expert parallelism only its experts (the
+others' are checked and skipped).
 
 Families: LoRA on the experts runs on Qwen2-MoE, Qwen3-MoE, Mixtral, GLM-4.5, DeepSeek-V2 / V3, Hunyuan (A13B),
 ERNIE 4.5 MoE, OLMoE, MiniMax-M2 and the hybrid Qwens' text models (Qwen3-Next, Qwen3.5-MoE / Qwen3.6-MoE: their
@@ -21,21 +26,30 @@ of these families all take LoRA), in either format. gpt-oss's float experts (bia
 both, as the layer does), Qwen3-VL-MoE's, the multimodal Qwen3.5-MoE's and Llama 4's (its MoE layers every
 interleave_moe_layer_step, the router's sigmoid score scaling the experts' input, which the adapter's delta sees as
 the base expert does) take them in the target_parameters format only, their checkpoints stacking the experts (their
-per-expert modules refused by name). Any other family's expert modules, or quantized experts (FP8, MXFP4: gpt-oss's
-MXFP4 checkpoints, dequantized on CPU, are quantized experts all the same), are refused by name, with the reason:
-gated otherwise (Gemma 4's GELU, Nemotron-H's ReLU^2), quantized, or not tested with adapters here (Mistral 4).
+per-expert modules refused by name). Gemma 4's (26B-A4B, enable_moe_block: GELU-tanh gated, gate rows then up as
+transformers' Gemma4TextExperts chunks them; its router's per_expert_scale scales the routing weight, not the input,
+which is pre_feedforward_layernorm_2's output for the base experts and the adapter alike) and Nemotron-H's (Nemotron
+3 Nano / Super: ReLU^2 and not gated, an up and a down projection; with moe_latent_size the experts' input is
+fc1_latent_proj's output, so are their adapters') take them in either format, as vLLM's classes of both do (per
+expert; Nemotron-H's is_non_gated_moe). Any other family's expert modules, or quantized experts (FP8, MXFP4: gpt-oss's
+MXFP4 checkpoints, dequantized on CPU, are quantized experts all the same; Nemotron 3's FP8 releases), are refused by
+name, with the reason: an activation or biases lora/moe.py does not run, quantized, or not tested with adapters here
+(Mistral 4).
 
 Shared experts (a dense MLP of Linear layers beside the routed ones, in transformers 5 too: Qwen2-MoE's and the hybrid
 Qwens' `mlp.shared_expert`, DeepSeek's, GLM-4.5's and ERNIE 4.5's `mlp.shared_experts`, Hunyuan's `mlp.shared_mlp`,
-Llama 4's `feed_forward.shared_expert`) take adapters as the dense MLPs do, one module per projection (the manager
-wraps their gate_up_proj and down_proj: lora/manager.py), on the same families (not yet under the multimodal
+Llama 4's `feed_forward.shared_expert`, Nemotron-H's `mixer.shared_experts`: a ReLU^2 up_proj / down_proj) take
+adapters as the dense MLPs do, one module per projection (the manager wraps their gate_up_proj and down_proj:
+lora/manager.py), on the same families (not yet under the multimodal
 Qwen3.5-MoE class, refused by name there); their tensor-parallel cut is the dense MLP's, and the layer sums them with
 the routed experts exactly (layers/fused_moe.py experts_with_shared: a wrapped shared down_proj all-reduces its own
 partial sum with its delta).
 The shared expert's sigmoid gate `shared_expert_gate` (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE) is refused by name: vLLM
 builds it as a plain linear layer, which its LoRA never adapts. DeepSeek's latent attention takes adapters on the
 projections it runs (q_proj or q_a_proj / q_b_proj, kv_a_proj_with_mqa, o_proj); kv_b_proj, absorbed into the
-attention at load, is refused by name.
+attention at load, is refused by name. Nemotron 3 Super's latent projections (fc1_latent_proj / fc2_latent_proj,
+vLLM's ReplicatedLinear, which its LoRA adapts) take adapters as whole projections (lora/manager.py); fc2's delta joins
+the rank's partial sum as its product does (it is linear), so tensor parallelism stays exact.
 """
 
 from __future__ import annotations
@@ -46,24 +60,26 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ferrox.layers.fused_moe import FusedMoE
+from ferrox.layers.fused_moe import FusedMoE, SwigluOai
 from ferrox.lora.adapter import LoRAAdapterError, LoRAModule, PeftAdapter
 from ferrox.lora.expert_params import StackedLayerShape, StackedLayout, unstack
 from ferrox.lora.moe import ExpertSlotWeights, LoRAExperts
 from ferrox.lora.slots import TokenSlots
 
-# An expert projection's module path: the decoder layer, the MoE block's name, the expert, the projection (Llama 4's
-# block, feed_forward, only as its stacked pairs unpack: lora/expert_params.py).
-_EXPERT_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<block>mlp|block_sparse_moe|feed_forward)\.experts\."
-                            r"(?P<expert>\d+)\.(?P<proj>\w+)$")
-_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward")
+# An expert projection's module path: the decoder layer, the MoE block's name (none: Gemma 4's experts on the layer),
+# the expert, the projection (Llama 4's block, feed_forward, only as its stacked pairs unpack: lora/expert_params.py;
+# each family's blocks: _module_blocks).
+_EXPERT_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\."
+                            r"(?:(?P<block>mlp|block_sparse_moe|feed_forward|mixer|moe)\.)?"
+                            r"experts\.(?P<expert>\d+)\.(?P<proj>\w+)$")
+_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward", "mixer", "moe", None)
 # Any name that looks like one expert's module, in any family (for the refusal's wording).
 _ANY_EXPERT = re.compile(r"\.experts\.\d+\.")
 _PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 SUPPORTED = ("Qwen2-MoE, Qwen3-MoE, Mixtral, GLM-4.5, DeepSeek-V2 / V3, Hunyuan, ERNIE 4.5 MoE, OLMoE, "
-             "MiniMax-M2, Qwen3-Next and Qwen3.5-MoE (float experts), one module per expert or in PEFT's "
-             "target_parameters format, and gpt-oss, Qwen3-VL-MoE, the multimodal Qwen3.5-MoE and Llama 4 (float "
-             "experts, in PEFT's target_parameters format only)")
+             "MiniMax-M2, Qwen3-Next and Qwen3.5-MoE (float experts), Gemma 4 (GELU-tanh) and Nemotron-H (ReLU^2, "
+             "not gated), one module per expert or in PEFT's target_parameters format, and gpt-oss, Qwen3-VL-MoE, "
+             "the multimodal Qwen3.5-MoE and Llama 4 (float experts, in PEFT's target_parameters format only)")
 # How each family's stacked experts take PEFT's target_parameters pairs (lora/expert_params.py: every family here, as
 # transformers 5 stacks them all; gate_up_proj holds the gate half, then the up half, but in gpt-oss, which
 # interleaves them; Llama 4's stored [E, in, out] without saying so).
@@ -77,6 +93,15 @@ _PARAMETER_FAMILIES = {
     "GptOssForCausalLM": StackedLayout(interleaved=True),
     **dict.fromkeys(("Llama4ForCausalLM", "Llama4ForConditionalGeneration"),
                     StackedLayout(block="feed_forward", factors_swapped=True)),
+    # (Gemma 4's experts sit on the decoder layer: `model.layers.{i}.experts`)
+    **dict.fromkeys(("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), StackedLayout(block="")),
+    "NemotronHForCausalLM": StackedLayout(block="mixer", gated=False),
+}
+# The MoE blocks a family's per-expert modules sit in (None: on the decoder layer), where not mlp / block_sparse_moe.
+_MODULE_BLOCKS: dict[str, tuple[str | None, ...]] = {
+    # (vLLM's Gemma 4 holds its FusedMoE at `moe.experts`, as its per-expert adapters name it)
+    **dict.fromkeys(("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), (None, "moe")),
+    "NemotronHForCausalLM": ("mixer",),
 }
 # The families whose experts take the stacked format only (their checkpoints stack the experts: one gate_up_proj /
 # down_proj a layer, which vLLM reads as is_3d_moe_weight), with the reason a per-expert module is refused. gpt-oss's
@@ -92,8 +117,10 @@ _STACKED_ONLY = {
        for name in ("Llama4ForCausalLM", "Llama4ForConditionalGeneration")},
 }
 # The MoE block's shared-expert MLPs the manager wraps (its _PROJECTIONS), and the names that only look like one.
-SHARED_EXPERT_PARENTS = ("mlp.shared_expert", "mlp.shared_experts", "mlp.shared_mlp", "feed_forward.shared_expert")
-_SHARED_EXPERT = re.compile(r"\.(mlp\.(shared_expert|shared_experts|shared_mlp)|feed_forward\.shared_expert)\.")
+SHARED_EXPERT_PARENTS = ("mlp.shared_expert", "mlp.shared_experts", "mlp.shared_mlp", "feed_forward.shared_expert",
+                         "mixer.shared_experts")
+_SHARED_EXPERT = re.compile(r"\.(mlp\.(shared_expert|shared_experts|shared_mlp)|feed_forward\.shared_expert|"
+                            r"mixer\.shared_experts)\.")
 _REFUSED_MODULES = {
     "shared_expert_gate": "the shared expert's shared_expert_gate takes no adapters (vLLM runs it as a plain linear "
                           "layer, which its LoRA does not adapt)",
@@ -135,8 +162,9 @@ class ExpertTargets:
         if not self.layers or leaf not in _PROJECTIONS:
             return False
         pattern = re.compile(rf"(^|.*\.){re.escape(name)}$")
-        return any(pattern.match(f"model.layers.{i}.{block}.experts.{e}.{leaf}") for i in self._index_of
-                   for block in _BLOCKS for e in range(self.bases[self._index_of[i]].num_experts))
+        return any(pattern.match(f"model.layers.{i}.{block + '.' if block else ''}experts.{e}.{leaf}")
+                   for i in self._index_of for block in _BLOCKS
+                   for e in range(self.bases[self._index_of[i]].num_experts))
 
     def why_not(self, name: str) -> str | None:
         """Why an expert, shared-expert or absorbed module of an adapter is not taken (None: no reason known)."""
@@ -161,9 +189,8 @@ class ExpertTargets:
         match = _EXPERT_MODULE.match(name)
         if match is None or not self.layers:
             return None
-        layout = _PARAMETER_FAMILIES.get(self.family)
-        if match["block"] == "feed_forward" and (layout is None or layout.block != "feed_forward"):
-            return None  # (Llama 4's block, on another family: no module of its)
+        if match["block"] not in _module_blocks(self.family):
+            return None  # (another family's block: no module of this model's)
         where = f"{adapter.weights_file}: tensor {module.a_key!r} adapts {name!r}"
         # (an unpacked target_parameters module keeps its stacked pair's tensor names)
         if self.family in _STACKED_ONLY and module.a_key not in {p.a_key for p in adapter.stacked.values()}:
@@ -179,6 +206,8 @@ class ExpertTargets:
         if index is None:
             raise LoRAAdapterError(f"{where}: decoder layer {match['layer']} has no routed experts")
         base = self.bases[index]
+        if proj == "gate" and not base.gated:
+            raise LoRAAdapterError(f"{where}: {self.family}'s experts are not gated (up_proj and down_proj only)")
         expert = int(match["expert"])
         if expert >= base.num_experts:
             raise LoRAAdapterError(f"{where}: expert {expert} is out of range (the layer has {base.num_experts} "
@@ -227,8 +256,9 @@ class ExpertTargets:
             base = self.bases[index]
             num, hidden = base.num_local_experts, base.hidden_size
             start, inter = base.inter_start, base.intermediate_size
-            w13_a = torch.zeros(num, 2 * rank, hidden, dtype=dtype)
-            w13_b = torch.zeros(num, 2 * inter, rank, dtype=dtype)
+            slices = 2 if base.gated else 1  # gate | up, or (non-gated experts) the up rows alone
+            w13_a = torch.zeros(num, slices * rank, hidden, dtype=dtype)
+            w13_b = torch.zeros(num, slices * inter, rank, dtype=dtype)
             w2_a = torch.zeros(num, rank, inter, dtype=dtype)
             w2_b = torch.zeros(num, hidden, rank, dtype=dtype)
             present = torch.zeros(num, dtype=torch.int32)
@@ -244,7 +274,7 @@ class ExpertTargets:
                     w2_a[local, :r] = module.lora_a[:, start:start + inter]
                     w2_b[local, :, :r] = b
                 else:
-                    half = 0 if target.proj == "gate" else 1
+                    half = 1 if target.proj == "up" and base.gated else 0
                     w13_a[local, half * rank:half * rank + r] = module.lora_a
                     w13_b[local, half * inter:(half + 1) * inter, :r] = b[start:start + inter]
             if pin:
@@ -258,9 +288,23 @@ def adaptable_experts(model: nn.Module, decoder_layers: list[nn.Module]) -> list
     experts are refused (`_refusal`)."""
     if _refusal(model) is not None:
         return []
-    found = ((i, getattr(getattr(layer, block, None), "experts", None)) for i, layer in enumerate(decoder_layers)
-             for block in ("mlp", "feed_forward"))  # (Llama 4's MoE block: feed_forward)
-    return [(i, experts) for i, experts in found if isinstance(experts, FusedMoE)]  # (dense layers have none)
+    out = []
+    for i, layer in enumerate(decoder_layers):
+        # (Llama 4's MoE block: feed_forward; Nemotron-H's: its mixer; Gemma 4's experts: on the layer itself)
+        found = [getattr(getattr(layer, block, None), "experts", None) for block in ("mlp", "feed_forward", "mixer")]
+        experts = next((e for e in (*found, getattr(layer, "experts", None)) if isinstance(e, FusedMoE)), None)
+        if experts is not None:  # (dense layers have none)
+            out.append((i, experts))
+    return out
+
+
+def _module_blocks(family: str) -> tuple[str | None, ...]:
+    """The MoE blocks a family's per-expert modules may sit in (None: on the decoder layer, Gemma 4's)."""
+    layout = _PARAMETER_FAMILIES.get(family)
+    if family in _MODULE_BLOCKS:
+        return _MODULE_BLOCKS[family]
+    return ("mlp", "block_sparse_moe", "feed_forward") if layout is not None and layout.block == "feed_forward" else (
+        "mlp", "block_sparse_moe")
 
 
 def _families() -> tuple[type[nn.Module], ...]:
@@ -269,12 +313,14 @@ def _families() -> tuple[type[nn.Module], ...]:
     adapters stacked only: _STACKED_ONLY)."""
     from ferrox.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
     from ferrox.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
+    from ferrox.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
     from ferrox.models.glm4_moe import Glm4MoeForCausalLM
     from ferrox.models.gpt_oss import GptOssForCausalLM
     from ferrox.models.hunyuan import HunYuanMoEV1ForCausalLM
     from ferrox.models.llama4 import Llama4ForCausalLM, Llama4ForConditionalGeneration
     from ferrox.models.minimax_m2 import MiniMaxM2ForCausalLM
     from ferrox.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+    from ferrox.models.nemotron_h import NemotronHForCausalLM
     from ferrox.models.olmo2 import OlmoeForCausalLM
     from ferrox.models.qwen3_5 import Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
     from ferrox.models.qwen3_5_vl import Qwen3_5MoeForConditionalGeneration
@@ -284,7 +330,7 @@ def _families() -> tuple[type[nn.Module], ...]:
             DeepseekV3ForCausalLM, HunYuanMoEV1ForCausalLM, Ernie4_5_MoeForCausalLM, OlmoeForCausalLM,
             MiniMaxM2ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM, GptOssForCausalLM,
             Qwen3VLMoeForConditionalGeneration, Qwen3_5MoeForConditionalGeneration, Llama4ForCausalLM,
-            Llama4ForConditionalGeneration)
+            Llama4ForConditionalGeneration, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, NemotronHForCausalLM)
 
 
 def latent_attention(model: nn.Module) -> bool:
@@ -322,8 +368,9 @@ def _refusal(model: nn.Module) -> str | None:
         if layer.weight_method is not None or layer.w13_scale is not None:
             kind = type(layer.weight_method).__name__ if layer.weight_method is not None else "FP8"
             return f"this model's experts are quantized ({kind}); float experts only"
-        # gpt-oss's experts: biases and the clamped SwiGLU (lora/moe.py adds both, as the layer's own run does)
-        if type(model).__name__ != "GptOssForCausalLM" and (not layer.gated or layer.activation is not None
+        # gpt-oss's experts: biases and the clamped SwiGLU (lora/moe.py adds both, as the layer's own run does);
+        # Gemma 4's GELU-tanh and Nemotron-H's non-gated ReLU^2 (the layer's own activation, lora/moe.py)
+        if type(model).__name__ != "GptOssForCausalLM" and (isinstance(layer.activation, SwigluOai)
                                                            or layer.w13_bias is not None):
-            return "these experts are not SiLU-gated without biases"
+            return "these experts are not SiLU-, GELU-tanh-gated or ReLU^2 without biases"
     return None

@@ -47,6 +47,15 @@ and the LM head are vocabulary-parallel; the per-layer input projections, every 
 scalars are replicated; the final soft cap applies to the gathered logits. Refused by name: quantized
 checkpoints, GGUF, bidirectional attention ("all").
 
+LoRA: the attention and dense MLP projections as the Llama family's (an attention_k_eq_v layer's k_proj adapter
+adapts its value rows too, as transformers' value is that projection: lora_rewrite); the MoE layers' experts
+(lora/moe.py: the GELU-tanh over gate | up rows with each pair's delta added, as the layer runs them) one module
+per expert (`model.layers.{i}.experts.{e}.gate_proj / up_proj / down_proj`, vLLM's `moe.experts.{e}` path too) or
+in PEFT's target_parameters format (`experts.gate_up_proj` / `experts.down_proj`), an adapter of the multimodal
+checkpoint under `model.language_model.` read as the text model's (lora/moe_targets.py). Their input is
+pre_feedforward_layernorm_2's output for the base experts and the adapter alike; per_expert_scale scales the routing
+weight, which weighs the adapter's down delta as the base product.
+
 Images and videos (Gemma4ForConditionalGeneration, at the end): the vision tower and embedder of
 models/vision/gemma4_vision.py, each image's rows in place of its soft tokens (multimodal/gemma4_processing.py), a
 video's frames each an image of its own (multimodal/gemma4_video.py), an image's (a frame's) tokens attending to each
@@ -381,10 +390,25 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
             logits = self.final_softcap * torch.tanh(logits / self.final_softcap)
         return logits
 
+    def _k_eq_v_prefixes(self) -> set[str]:
+        """attention_k_eq_v: the full layers' value projection is their key projection (the prefixes of their
+        k_proj tensors)."""
+        return {f"model.layers.{i}.self_attn.k_proj." for i, layer in enumerate(self.model.layers)
+                if layer.self_attn.k_eq_v and not layer.self_attn.shares_kv}
+
+    def lora_rewrite(self, pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """Adapters' (module.weight, lora_B) pairs in this model's rows (lora/rewrite.py): an attention_k_eq_v
+        layer's k_proj B is its v rows' too, as load_weights loads the key weight into both (transformers' value is
+        that layer's key projection, its adapter's delta included); every other pair as it is."""
+        k_eq_v = self._k_eq_v_prefixes()
+        for name, tensor in pairs:
+            yield name, tensor
+            head, sep, leaf = name.rpartition("k_proj.")
+            if sep and head + sep in k_eq_v:
+                yield f"{head}v_proj.{leaf}", tensor
+
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        # attention_k_eq_v: the full layers' value projection is their key projection.
-        k_eq_v = {f"model.layers.{i}.self_attn.k_proj." for i, layer in enumerate(self.model.layers)
-                  if layer.self_attn.k_eq_v and not layer.self_attn.shares_kv}
+        k_eq_v = self._k_eq_v_prefixes()
         shared = {f"model.layers.{i}.self_attn.{p}_" for i, layer in enumerate(self.model.layers)
                   if layer.self_attn.shares_kv for p in ("k", "v")}
         experts = {f"model.layers.{i}.experts": layer.experts for i, layer in enumerate(self.model.layers)

@@ -39,8 +39,10 @@ Refused by name: block-wise FP8 (ModelOpt FP8_PB_WO, weight_block_size: the in_p
 no whole 128-row blocks), NVFP4 and every integer format, GGUF's quantized types.
 LoRA: adapters on the attention's q/k/v/o, the Mamba2 mixers' in_proj (its B cut into z / x / B / C / dt rows as the
 weight: lora/packed.py) and out_proj, and the "-" MLPs' up_proj / down_proj, named as the releases (`backbone.*`) or
-transformers (`model.*`) name them (`lora_rewrite`). The E layers' experts, shared expert, router and latent
-projections are refused by name (no LoRA on MoE layers), as is an MTP layer's module.
+transformers (`model.*`) name them (`lora_rewrite`); on the E layers the routed experts' up_proj / down_proj (non-gated:
+no gate_proj; one module per expert, `mixer.experts.{e}.up_proj`, or PEFT's target_parameters `mixer.experts.up_proj`
+/ `down_proj`: lora/moe_targets.py), the shared expert's and the latent projections (fc1 / fc2_latent_proj). The
+router and an MTP layer's modules are refused by name, as are FP8 experts' adapters (quantized experts).
 """
 
 from __future__ import annotations

@@ -15,6 +15,10 @@ Nemotron 3 Super), as transformers' NemotronHMoE computes it:
   kernels on the GPU, grouped GEMMs or, for a few tokens, matrix-vector products per pair);
 - shared expert: one ReLU^2 MLP of moe_shared_expert_intermediate_size on the un-projected x (models/ungated_mlp.py).
 
+LoRA (lora/manager.py, lora/moe_targets.py): the experts' up / down pairs run inside FusedMoE (lora/moe.py, one slice
+where gated experts have two), so they see the latent input the base experts see; the shared expert's projections and
+the latent projections are wrapped as whole layers (fc2's delta joins the rank's partial sum it maps).
+
 Tensor parallelism, as vLLM shards the layer: the router and e_score_correction_bias replicated (every rank routes
 every token alike); the experts' intermediate rows split, or with --enable-expert-parallel whole experts
 (layers/fused_moe.py); the shared expert column / row parallel (models/ungated_mlp.py); fc1_latent_proj and
