@@ -6,9 +6,12 @@ Served: text or item-list `input` (messages, function_call, function_call_output
 `metadata` / `user`, which are echoed back, and `reasoning.effort` (a chat-template variable, as
 chat's reasoning_effort); `store`, `previous_response_id` and `background` when the server keeps
 responses (responses_store.py; refused by name otherwise). Everything else the API defines
-(reasoning summaries, hosted tools, images...) is refused with a 400 naming the field:
+(reasoning summaries, hosted tools, files...) is refused with a 400 naming the field:
 ferrox never accepts a parameter it would then ignore. `to_chat_messages` gives the conversation
-in OpenAI chat's shape, so rendering and tool use go through the chat route's machinery.
+in OpenAI chat's shape, so rendering and tool use go through the chat route's machinery; a message's
+input_image, input_audio and audio_url parts become the chat route's image_url, input_audio and audio_url
+parts (vLLM's Responses route hands its parts to its chat parser the same way), so the same decoding,
+--limit-mm-per-prompt counts, errors and model refusals apply.
 """
 
 from __future__ import annotations
@@ -83,8 +86,45 @@ class InputImage(_Item):
             raise ValueError("input_image needs image_url")
         return self
 
+    def chat_part(self) -> dict[str, Any]:
+        return {"type": "image_url", "image_url": {"url": self.image_url}}
 
-ContentPart = Annotated[InputText | OutputText | InputImage, Field(discriminator="type")]
+
+class AudioData(_Item):
+    data: str  # the clip's bytes in base64
+    format: str  # wav, mp3... (multimodal/audio.py AUDIO_FORMATS; the bytes are probed, not trusted to it)
+
+
+class InputAudio(_Item):
+    """A clip for a model that takes audio (OpenAI's ResponseInputAudioParam): decoded as a chat's input_audio
+    part is (multimodal/audio.py)."""
+
+    type: Literal["input_audio"]
+    input_audio: AudioData
+
+    def chat_part(self) -> dict[str, Any]:
+        return {"type": "input_audio", "input_audio": {"data": self.input_audio.data,
+                                                       "format": self.input_audio.format}}
+
+
+class AudioURLData(_Item):
+    url: str
+
+
+class AudioURL(_Item):
+    """vLLM's audio_url part (its Responses route takes every part its chat route does): a data: URL, http(s) or
+    a file under --allowed-local-media-path; the url as an object or a plain string, kept as sent."""
+
+    type: Literal["audio_url"]
+    audio_url: AudioURLData | str
+
+    def chat_part(self) -> dict[str, Any]:
+        url = self.audio_url if isinstance(self.audio_url, str) else self.audio_url.url
+        return {"type": "audio_url", "audio_url": {"url": url}}
+
+
+ContentPart = Annotated[InputText | OutputText | InputImage | InputAudio | AudioURL, Field(discriminator="type")]
+_MEDIA_PARTS = (InputImage, InputAudio, AudioURL)
 
 
 class ReasoningText(_Item):
@@ -155,14 +195,15 @@ class MessageItem(_Item):
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "\n".join(
-            p.text for p in self.content if not isinstance(p, InputImage))
+            p.text for p in self.content if not isinstance(p, _MEDIA_PARTS))
 
     def chat_content(self) -> str | list[dict[str, Any]]:
-        """The content for the chat path: text, or text and image_url parts in order when it has images."""
-        if isinstance(self.content, str) or not any(isinstance(p, InputImage) for p in self.content):
+        """The content for the chat path: text, or its parts in order (content[j] stays the chat's content[j])
+        when it has images or audio."""
+        if isinstance(self.content, str) or not any(isinstance(p, _MEDIA_PARTS) for p in self.content):
             return self.text()
-        return [{"type": "image_url", "image_url": {"url": p.image_url}} if isinstance(p, InputImage)
-                else {"type": "text", "text": p.text} for p in self.content]
+        return [p.chat_part() if isinstance(p, _MEDIA_PARTS) else {"type": "text", "text": p.text}
+                for p in self.content]
 
 
 class FunctionCallItem(_Item):
@@ -189,7 +230,7 @@ def _item_kind(item: Any) -> str | None:
 
 
 _ITEM_KINDS = ("message", "function_call", "function_call_output", "reasoning")
-_PART_KINDS = ("input_text", "output_text", "input_image")
+_PART_KINDS = ("input_text", "output_text", "input_image", "input_audio", "audio_url")
 
 
 def _check_items(items: Any) -> Any:
@@ -210,7 +251,31 @@ def _check_items(items: Any) -> Any:
             if part_kind == "input_image" and part.get("file_id") is not None:
                 raise ValueError(f"input[{i}].content[{j}].file_id: uploaded files are not supported (give "
                                  "image_url: a URL or a data URL)")
+            if part_kind in ("input_audio", "audio_url"):
+                _check_audio_part(part, f"input[{i}].content[{j}]")
     return items
+
+
+def _check_audio_part(part: dict[str, Any], where: str) -> None:
+    """Name an audio part's missing or mistyped field (pydantic alone would only say that `input` is not a
+    string). Its format and bytes are checked as the clip decodes, with the chat route's messages."""
+    if part["type"] == "audio_url":
+        url = part.get("audio_url")
+        if isinstance(url, dict):
+            url = url.get("url")
+        if not isinstance(url, str) or not url:
+            raise ValueError(f"{where}.audio_url.url: an audio part needs a url (https://..., "
+                             "data:audio/wav;base64,...)")
+        return
+    body = part.get("input_audio")
+    if not isinstance(body, dict):
+        raise ValueError(f"{where}.input_audio: must be an object {{\"data\": <base64>, \"format\": \"wav\"}}")
+    if not isinstance(body.get("data"), str):
+        raise ValueError(f"{where}.input_audio.data: an input_audio part needs its clip as a base64 string")
+    if body.get("format") is None:
+        raise ValueError(f"{where}.input_audio.format: missing: name the clip's format (wav, mp3...)")
+    if not isinstance(body["format"], str):
+        raise ValueError(f"{where}.input_audio.format: must be a string naming the clip's format (wav, mp3...)")
 
 
 InputItem = Annotated[
@@ -349,17 +414,27 @@ class ResponsesRequest(BaseModel):
     def to_chat_messages(self) -> list[dict[str, Any]]:
         """instructions + input as OpenAI chat messages: consecutive function_call items join one
         assistant message's tool_calls, function_call_output items become `role: tool` messages."""
+        return self.chat_messages()[0]
+
+    def chat_messages(self, history: int = 0) -> tuple[list[dict[str, Any]], list[str]]:
+        """(to_chat_messages, each message's field in this request: `instructions`, `input[i]`), for errors
+        about a chat message's parts to name the field the client sent. history: how many of `input`'s items
+        came from previous_response_id (with_history), named as such."""
         out: list[dict[str, Any]] = []
+        fields: list[str] = []
         if self.instructions:
             out.append({"role": "system", "content": self.instructions})
+            fields.append("instructions")
         if isinstance(self.input, str):
             out.append({"role": "user", "content": self.input})
-            return out
+            fields.append("input")
+            return out, fields
         thinking = ""  # a reasoning item's text, for the assistant turn that follows it
-        for item in self.input:
+        for i, item in enumerate(self.input):
             if isinstance(item, ReasoningItem):
                 thinking += item.text()
                 continue
+            before = len(out)
             if isinstance(item, MessageItem):
                 # Chat templates know "system"; OpenAI's "developer" plays that part.
                 role = "system" if item.role == "developer" else item.role
@@ -373,11 +448,14 @@ class ResponsesRequest(BaseModel):
                     out.append({"role": "assistant", "content": "", "tool_calls": [call]})
             else:
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+            if len(out) > before:  # (a function call joining the message before it keeps that one's field)
+                fields.append(f"input[{i - history}]" if i >= history else
+                              f"previous_response_id: the earlier conversation's item {i}")
             if out[-1]["role"] == "assistant" and thinking:
                 out[-1]["reasoning_content"] = thinking
             if out[-1]["role"] != "assistant" or thinking:
                 thinking = ""
-        return out
+        return out, fields
 
     def own_items(self) -> list[InputItem]:
         """The input as items (a text input is one user message)."""

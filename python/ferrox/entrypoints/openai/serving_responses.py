@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 import uuid
 from typing import Any
@@ -221,6 +222,17 @@ def _check_sizes(req: ResponsesRequest) -> None:
                           param="top_logprobs")
 
 
+def _named_for_input(error: APIError, fields: list[str]) -> APIError:
+    """fetch_images names a media part by its chat message (`input[k]` for messages[k]); the message's field in
+    the request differs where instructions came first, function calls joined one message or the input continues
+    previous_response_id: named by the request's own field (`input[i].content[j].input_audio.data: ...`)."""
+    found = re.match(r"input\[(\d+)\]", error.message)
+    if found is None or int(found[1]) >= len(fields):
+        return error
+    message = fields[int(found[1])] + error.message[found.end():]
+    return APIError(error.status, message, param=error.param, code=error.code)
+
+
 def _store_decision(req: ResponsesRequest, store: ResponseStore) -> bool:
     """Whether to keep this response; refuses store / previous_response_id / background by name while
     the store is off, and the combinations background cannot serve."""
@@ -267,12 +279,16 @@ async def create_response(ctx: ServingContext, request: web.Request) -> web.Stre
     ctx.check_model(req.model)
     ctx.check_engine()
     # Rendered as if the whole conversation had been sent: the same prompt, so the same prefix cache.
-    conversation = req.with_history(previous.history()) if previous is not None else req
+    history = previous.history() if previous is not None else []
+    conversation = req.with_history(history) if previous is not None else req
     tools = req.tool_request()
     structured = _constraint(req, tools)
     # A long conversation takes a while to render and encode: off the event loop (a short one inline).
-    messages = conversation.to_chat_messages()
-    images = await fetch_images(ctx, messages, "input")
+    messages, fields = conversation.chat_messages(len(history))
+    try:
+        images = await fetch_images(ctx, messages, "input")
+    except APIError as exc:
+        raise _named_for_input(exc, fields) from None
     prompt = await ctx.engine.prompt_work(prompt_size(conversation), tool_use.render_prompt, ctx, messages, tools,
                                           template_kwargs=req.template_kwargs(), images=images)
     check_max_tokens(ctx, len(prompt.token_ids), req.max_output_tokens)
