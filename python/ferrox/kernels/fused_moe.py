@@ -1127,7 +1127,8 @@ def expert_gate_up_rows(x: torch.Tensor, w13: torch.Tensor, blocks: ExpertBlocks
     k + slot; gate columns, then up), as the grouped gate/up launch computes and rounds them. For LoRA on the
     experts (lora/moe.py), which adds each pair's adapter delta to these rows and applies the activation itself:
     the same launch over all 2I rows of w13 with GATED off (no activation, no routing weight), so `fused_moe`'s
-    own launches are untouched. Float gated experts (w13 [E, 2I, H]); w13_bias [E, 2I] (gpt-oss's) added."""
+    own launches are untouched. Float experts: gated (w13 [E, 2I, H]) or not (Nemotron-H's ReLU^2: w13 [E, I, H],
+    the up rows alone, returned as they are); w13_bias [E, 2I] (gpt-oss's) added."""
     num_pairs, hidden = x.shape[0] * top_k, x.shape[1]
     rows = w13.shape[1]
     if x.dim() != 2 or x.stride(-1) != 1 or w13.shape[2] != hidden or not w13.is_contiguous() or w13.dtype != x.dtype:
