@@ -182,6 +182,33 @@ def test_request_and_error_logs_and_generation_config(tls_server):
     _wait_for(log, rf"DEBUG ferrox.server: request {re.escape(error_id)}: POST /v1/completions -> 400")
 
 
+def test_request_log_of_a_speech_form(tls_server):
+    """A transcription's multipart form is logged as its parameters: the text fields (a repeated one as a list, a
+    long one cut at --max-log-len 40) and the file part's filename, content type and size, never its bytes; the
+    line is written for the refusal that follows too (the text-only SmolLM2 takes no audio)."""
+    base, context, log = tls_server
+    audio = b"RIFF" + b"secret-audio-bytes " * 30
+    fields = [("model", "cfg-smol"), ("language", "en"), ("prompt", "A long prompt about the weather. " * 3),
+              ("timestamp_granularities[]", "word"), ("timestamp_granularities[]", "segment")]
+    boundary = "ferrox-log-boundary"
+    body = b"".join(f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'.encode()
+                    for name, value in fields)
+    body += (f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="take 1.wav"\r\n'
+             "Content-Type: audio/wav\r\n\r\n").encode() + audio + f"\r\n--{boundary}--\r\n".encode()
+    req = urllib.request.Request(base + "/v1/audio/transcriptions", data=body, headers={
+        "Content-Type": f"multipart/form-data; boundary={boundary}", "X-Request-Id": "launch-form-1"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, context=context, timeout=60)
+    assert err.value.code == 400 and b"does not support Transcriptions API" in err.value.read()
+    line = _wait_for(log, r"request launch-form-1: POST /v1/audio/transcriptions \{")  # (not the 400's debug line)
+    logged = json.loads(line.split("POST /v1/audio/transcriptions ", 1)[1])
+    assert logged == {"model": "cfg-smol", "language": "en",
+                      "prompt": "A long prompt about the weather. A long ...<99 chars>",
+                      "timestamp_granularities[]": ["word", "segment"],
+                      "file": {"filename": "take 1.wav", "content_type": "audio/wav", "size": len(audio)}}, line
+    assert "secret-audio" not in "\n".join(log)
+
+
 KEY = "sk-ferrox-test-7d1e9c"
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

@@ -9,9 +9,9 @@ responses (responses_store.py; refused by name otherwise). Everything else the A
 (reasoning summaries, hosted tools, files...) is refused with a 400 naming the field:
 ferrox never accepts a parameter it would then ignore. `to_chat_messages` gives the conversation
 in OpenAI chat's shape, so rendering and tool use go through the chat route's machinery; a message's
-input_image, input_audio and audio_url parts become the chat route's image_url, input_audio and audio_url
-parts (vLLM's Responses route hands its parts to its chat parser the same way), so the same decoding,
---limit-mm-per-prompt counts, errors and model refusals apply.
+input_image, input_audio, audio_url and video_url parts become the chat route's image_url, input_audio,
+audio_url and video_url parts (vLLM's Responses route hands its parts to its chat parser the same way), so the
+same decoding, --limit-mm-per-prompt counts, --media-io-kwargs, errors and model refusals apply.
 """
 
 from __future__ import annotations
@@ -123,8 +123,26 @@ class AudioURL(_Item):
         return {"type": "audio_url", "audio_url": {"url": url}}
 
 
-ContentPart = Annotated[InputText | OutputText | InputImage | InputAudio | AudioURL, Field(discriminator="type")]
-_MEDIA_PARTS = (InputImage, InputAudio, AudioURL)
+class VideoURLData(_Item):
+    url: str
+
+
+class VideoURL(_Item):
+    """vLLM's video_url part (its chat parser takes it on the Responses route too): a data: URL, http(s) or a file
+    under --allowed-local-media-path, decoded and sampled as a chat's video (multimodal/video.py); the url as an
+    object or a plain string, kept as sent."""
+
+    type: Literal["video_url"]
+    video_url: VideoURLData | str
+
+    def chat_part(self) -> dict[str, Any]:
+        url = self.video_url if isinstance(self.video_url, str) else self.video_url.url
+        return {"type": "video_url", "video_url": {"url": url}}
+
+
+ContentPart = Annotated[InputText | OutputText | InputImage | InputAudio | AudioURL | VideoURL,
+                        Field(discriminator="type")]
+_MEDIA_PARTS = (InputImage, InputAudio, AudioURL, VideoURL)
 
 
 class ReasoningText(_Item):
@@ -199,7 +217,7 @@ class MessageItem(_Item):
 
     def chat_content(self) -> str | list[dict[str, Any]]:
         """The content for the chat path: text, or its parts in order (content[j] stays the chat's content[j])
-        when it has images or audio."""
+        when it has images, videos or audio."""
         if isinstance(self.content, str) or not any(isinstance(p, _MEDIA_PARTS) for p in self.content):
             return self.text()
         return [p.chat_part() if isinstance(p, _MEDIA_PARTS) else {"type": "text", "text": p.text}
@@ -230,12 +248,12 @@ def _item_kind(item: Any) -> str | None:
 
 
 _ITEM_KINDS = ("message", "function_call", "function_call_output", "reasoning")
-_PART_KINDS = ("input_text", "output_text", "input_image", "input_audio", "audio_url")
+_PART_KINDS = ("input_text", "output_text", "input_image", "input_audio", "audio_url", "video_url")
 
 
 def _check_items(items: Any) -> Any:
-    """Name the first item or content part of a kind ferrox does not serve (images, files, reasoning,
-    hosted-tool calls...): pydantic alone would only say that `input` is not a string."""
+    """Name the first item or content part of a kind ferrox does not serve (input_file parts, hosted-tool
+    calls...) and a media part's missing url or data: pydantic alone would only say that `input` is not a string."""
     if not isinstance(items, list):
         return items
     for i, item in enumerate(items):
@@ -253,7 +271,19 @@ def _check_items(items: Any) -> Any:
                                  "image_url: a URL or a data URL)")
             if part_kind in ("input_audio", "audio_url"):
                 _check_audio_part(part, f"input[{i}].content[{j}]")
+            if part_kind == "video_url":
+                _check_video_part(part, f"input[{i}].content[{j}]")
     return items
+
+
+def _check_video_part(part: dict[str, Any], where: str) -> None:
+    """Name a video part's missing url (pydantic alone would only say that `input` is not a string); the video
+    itself is fetched and decoded with the chat route's messages."""
+    url = part.get("video_url")
+    if isinstance(url, dict):
+        url = url.get("url")
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"{where}.video_url.url: a video part needs a url (https://..., data:video/mp4;base64,...)")
 
 
 def _check_audio_part(part: dict[str, Any], where: str) -> None:

@@ -109,7 +109,11 @@ from ferrox.entrypoints.openai.serving_responses_store import (
 )
 from ferrox.entrypoints.openai.serving_score import create_rerank, create_score
 from ferrox.entrypoints.openai.serving_tokenizer_info import get_tokenizer_info
-from ferrox.entrypoints.openai.serving_transcription import create_transcription, create_translation
+from ferrox.entrypoints.openai.serving_transcription import (
+    LOGGED_FORM,
+    create_transcription,
+    create_translation,
+)
 from ferrox.entrypoints.openai.tools import template_text
 from ferrox.entrypoints.openapi import build_openapi
 from ferrox.entrypoints.web.status import ThroughputMeter, server_status
@@ -395,12 +399,15 @@ async def _add_response_headers(request: web.Request, response: web.StreamRespon
 
 
 async def _log_request(request: web.Request, request_id: str | None, max_log_len: int | None) -> None:
-    """One info line per API request: its id, route and parameters (the JSON body, strings longer than
-    --max-log-len cut). The body was read by the route already (aiohttp keeps it)."""
-    try:
-        body: Any = json.loads(await request.read())
-    except ValueError:
-        body = "<not JSON>"
+    """One info line per API request: its id, route and parameters (the JSON body, or a speech route's form:
+    its text fields and its file's name, type and size; strings longer than --max-log-len cut). The body was read
+    by the route already (aiohttp keeps it)."""
+    body: Any = request.get(LOGGED_FORM)
+    if body is None:
+        try:
+            body = json.loads(await request.read())
+        except ValueError:
+            body = "<not JSON>"
     request_logger.info("request %s: %s %s %s", request_id or "-", request.method, request.path,
                         json.dumps(shorten(body, max_log_len), ensure_ascii=False))
 

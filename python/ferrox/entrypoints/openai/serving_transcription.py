@@ -40,6 +40,7 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+from multidict import MultiMapping
 from pydantic import ValidationError
 
 from ferrox.entrypoints.openai.errors import APIError, from_validation_error
@@ -81,6 +82,8 @@ NO_SPACE_LANGUAGES = frozenset({"ja", "zh"})  # vLLM's: clips' texts are joined 
 # Engine field name -> the form field it comes from (the prompt is the recording's clip).
 FIELDS = {"prompt": "file", "prompt_token_ids": "file", "max_tokens": "max_completion_tokens",
           "extra_args": "vllm_xargs"}
+# The request's key for its form as --enable-log-requests logs it (server.py: the body is no JSON to log).
+LOGGED_FORM = "logged_form"
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +165,8 @@ async def read_form(request: web.Request, route: SpeechRoute) -> SpeechRequest:
         form = await request.post()
     except ValueError as e:  # a malformed multipart body (aiohttp: a part without a name, a broken boundary)
         raise APIError(400, f"file: the multipart body could not be read: {e}", param="file") from None
+    # For --enable-log-requests, taken now: the file part is closed once read (and a refused form is logged too).
+    request[LOGGED_FORM] = logged_form(form)
     allowed = form_fields(route.request_model)
     values: dict[str, Any] = {}
     for name in dict.fromkeys(form.keys()):
@@ -188,6 +193,28 @@ async def read_form(request: web.Request, route: SpeechRoute) -> SpeechRequest:
         return route.request_model.model_validate({**values, "file": data})
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+
+
+def logged_form(form: MultiMapping[Any]) -> dict[str, Any]:
+    """The form's parameters as --enable-log-requests logs them (vLLM logs a speech request's parameters, not its
+    audio): text fields as sent (a repeated one as a list), a file part as its filename, content type and size in
+    bytes, never its bytes."""
+    logged: dict[str, Any] = {}
+    for name in dict.fromkeys(form.keys()):
+        values = [_logged_part(part) for part in form.getall(name)]
+        logged[name] = values[0] if len(values) == 1 else values
+    return logged
+
+
+def _logged_part(part: Any) -> Any:
+    if isinstance(part, (bytes, bytearray)):  # (aiohttp keeps a text field sent with a non-text type as bytes)
+        return f"<{len(part)} bytes>"
+    if not isinstance(part, web.FileField):
+        return part
+    where = part.file.tell()
+    size = part.file.seek(0, os.SEEK_END)
+    part.file.seek(where)
+    return {"filename": part.filename, "content_type": part.content_type, "size": size}
 
 
 def max_audio_filesize_mb() -> float:
