@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from ferrox import LLM, SamplingParams
+from ferrox import LLM
 from ferrox.lora.adapter import LoRAAdapterError
 from ferrox.lora.manager import LoRAManager
 from ferrox.lora.request import LoRARequest
@@ -49,6 +49,7 @@ from tests.lora.adapters import (
     merged_reference,
     write_adapter,
 )
+from tests.lora.mixed_batch import generate_mixed, hf_logprobs
 from tests.models.conftest import cut_at_eos, hf_greedy
 
 pytest.importorskip("peft")
@@ -104,11 +105,6 @@ FAMILIES = {
                    target_parameters=["mixer.experts.down_proj"], seed=6)}),
 }
 
-
-@torch.inference_mode()
-def _hf_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
-    logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].double()
-    return torch.log_softmax(logits, dim=-1)[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
 
 
 def _load_multimodal(folder: str) -> Any:
@@ -188,7 +184,7 @@ class _Families(dict):
         with torch.inference_mode():
             for adapter, model in {"base": base, **merged}.items():
                 tokens = [cut_at_eos(hf_greedy(model, p, MAX_TOKENS), [EOS_TOKEN_ID]) for p in PROMPTS]
-                refs[adapter] = [(t, _hf_logprobs(model, p, t)) for p, t in zip(PROMPTS, tokens, strict=True)]
+                refs[adapter] = [(t, hf_logprobs(model, p, t)) for p, t in zip(PROMPTS, tokens, strict=True)]
         self[name] = Built(folder, base, merged, adapters, refs)
         return self[name]
 
@@ -198,16 +194,6 @@ def built(tmp_path_factory):
     return _Families(tmp_path_factory)
 
 
-def _generate(llm: LLM, adapters: dict[str, LoRARequest]) -> list[tuple[list[int], list[float]]]:
-    prompts = [{"prompt_token_ids": PROMPTS[i % len(PROMPTS)]} for i in range(len(NAMES))]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0), use_tqdm=False,
-                        lora_request=[adapters.get(n) for n in NAMES])
-    got = []
-    for o in outs:
-        tokens = cut_at_eos(list(o.outputs[0].token_ids), [EOS_TOKEN_ID])
-        got.append((tokens, [o.outputs[0].logprobs[i][t].logprob for i, t in enumerate(tokens)]))
-    return got
-
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_engine_mixed_batch_matches_peft_merged(built, family):
@@ -216,7 +202,7 @@ def test_engine_mixed_batch_matches_peft_merged(built, family):
         assert [t for t, _ in b.refs[name]] != [t for t, _ in b.refs["base"]], name  # (each changes answers)
     llm = LLM(b.folder, **COMMON)
     try:
-        got = _generate(llm, b.adapters)
+        got = generate_mixed(llm, b.adapters, NAMES, PROMPTS, MAX_TOKENS)
     finally:
         llm.engine.shutdown()
     _assert_match(b, got, family)
@@ -237,7 +223,7 @@ def test_sharded_adapters_match_peft_merged(built, family, expert_parallel):
     b = built[family]
     llm = LLM(b.folder, tensor_parallel_size=2, device="cpu", enable_expert_parallel=expert_parallel, **COMMON)
     try:
-        got = _generate(llm, b.adapters)
+        got = generate_mixed(llm, b.adapters, NAMES, PROMPTS, MAX_TOKENS)
     finally:
         llm.engine.shutdown()
     _assert_match(b, got, family)
@@ -383,7 +369,7 @@ def test_cuda_engine_matches_cpu(built, family):
         settings = {k: v for k, v in COMMON.items() if k != "max_num_batched_tokens"}
         llm = LLM(b.folder, device=device, **dict(settings, kv_cache_memory=32 << 20))
         try:
-            got[device] = _generate(llm, b.adapters)
+            got[device] = generate_mixed(llm, b.adapters, NAMES, PROMPTS, MAX_TOKENS)
         finally:
             llm.engine.shutdown()
     for (cpu_tokens, cpu_lp), (cuda_tokens, cuda_lp) in zip(got["cpu"], got["cuda"], strict=True):

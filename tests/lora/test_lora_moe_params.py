@@ -22,13 +22,14 @@ import re
 
 import pytest
 import torch
-from ferrox import LLM, SamplingParams
+from ferrox import LLM
 from ferrox.lora.adapter import LoRAAdapterError, read_peft_adapter
 from ferrox.lora.request import LoRARequest
 
 from tests.helpers import tiny_gpt_oss
 from tests.helpers.tiny_models import EOS_TOKEN_ID
 from tests.lora.adapters import load_hf_model, make_peft_adapter, merged_reference, write_adapter
+from tests.lora.mixed_batch import generate_mixed, hf_logprobs
 from tests.models.conftest import cut_at_eos, hf_greedy
 
 pytest.importorskip("peft")
@@ -47,11 +48,6 @@ ADAPTERS = {
 }
 
 
-@torch.inference_mode()
-def _hf_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
-    logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].double()
-    return torch.log_softmax(logits, dim=-1)[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
-
 
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory):
@@ -67,19 +63,9 @@ def gpt_oss(tmp_path_factory):
         for name, model in {"base": base, **{n: merged_reference(base, r.lora_path)
                                               for n, r in adapters.items()}}.items():
             tokens = [cut_at_eos(hf_greedy(model, p, MAX_TOKENS), [EOS_TOKEN_ID]) for p in PROMPTS]
-            refs[name] = [(t, _hf_logprobs(model, p, t)) for p, t in zip(PROMPTS, tokens, strict=True)]
+            refs[name] = [(t, hf_logprobs(model, p, t)) for p, t in zip(PROMPTS, tokens, strict=True)]
     return folder, adapters, refs
 
-
-def _generate(llm: LLM, adapters: dict[str, LoRARequest], names: list[str]) -> list[tuple[list[int], list[float]]]:
-    prompts = [{"prompt_token_ids": PROMPTS[i % len(PROMPTS)]} for i in range(len(names))]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0), use_tqdm=False,
-                        lora_request=[adapters.get(n) for n in names])
-    got = []
-    for o in outs:
-        tokens = cut_at_eos(list(o.outputs[0].token_ids), [EOS_TOKEN_ID])
-        got.append((tokens, [o.outputs[0].logprobs[i][t].logprob for i, t in enumerate(tokens)]))
-    return got
 
 
 def test_peft_saves_nested_pairs_under_the_experts_module(gpt_oss):
@@ -99,7 +85,7 @@ def test_engine_mixed_batch_matches_peft_merged(gpt_oss):
         assert [t for t, _ in refs[name]] != [t for t, _ in refs["base"]], name  # (each adapter changes answers)
     llm = LLM(folder, **COMMON)
     try:
-        got = _generate(llm, adapters, NAMES)
+        got = generate_mixed(llm, adapters, NAMES, PROMPTS, MAX_TOKENS)
     finally:
         llm.engine.shutdown()
     for i, (name, (tokens, logprobs)) in enumerate(zip(NAMES, got, strict=True)):
@@ -157,7 +143,7 @@ def multimodal(request, tmp_path_factory):
         for name, model in {"base": base, **{n: merged_reference(base, r.lora_path)
                                               for n, r in adapters.items()}}.items():
             tokens = [cut_at_eos(hf_greedy(model, p, MAX_TOKENS), [EOS_TOKEN_ID]) for p in PROMPTS]
-            refs[name] = [(t, _hf_logprobs(model, p, t)) for p, t in zip(PROMPTS, tokens, strict=True)]
+            refs[name] = [(t, hf_logprobs(model, p, t)) for p, t in zip(PROMPTS, tokens, strict=True)]
     return family, folder, adapters, refs
 
 
@@ -171,7 +157,7 @@ def test_multimodal_mixed_batch_matches_peft_merged(multimodal):
         assert [t for t, _ in refs[name]] != [t for t, _ in refs["base"]], (family, name)
     llm = LLM(folder, **COMMON)
     try:
-        got = _generate(llm, adapters, NAMES)
+        got = generate_mixed(llm, adapters, NAMES, PROMPTS, MAX_TOKENS)
     finally:
         llm.engine.shutdown()
     for i, (name, (tokens, logprobs)) in enumerate(zip(NAMES, got, strict=True)):
@@ -192,7 +178,7 @@ def test_multimodal_per_expert_modules_are_refused_by_name(multimodal, tmp_path)
         with pytest.raises(LoRAAdapterError, match=rf"tensor 'base_model\.model\.{re.escape(module)}\.lora_A\.weight' "
                                                    r"adapts .*vLLM reads its expert adapters in the stacked format "
                                                    r"only .*not one module per expert"):
-            _generate(llm, {"x": LoRARequest("x", 9, path)}, ["x"])
+            generate_mixed(llm, {"x": LoRARequest("x", 9, path)}, ["x"], PROMPTS, MAX_TOKENS)
     finally:
         llm.engine.shutdown()
 
@@ -212,7 +198,7 @@ def test_mxfp4_gpt_oss_is_refused_by_name(gpt_oss, tmp_path):
     llm = LLM(mxfp4, **COMMON)
     try:
         with pytest.raises(LoRAAdapterError, match=r"quantized \(MXFP4\); float experts only"):
-            _generate(llm, adapters, ["p1"])
+            generate_mixed(llm, adapters, ["p1"], PROMPTS, MAX_TOKENS)
     finally:
         llm.engine.shutdown()
 
@@ -227,7 +213,7 @@ def _cuda_matches_cpu(folder: str, adapters: dict[str, LoRARequest]) -> None:
         settings = {k: v for k, v in COMMON.items() if k != "max_num_batched_tokens"}
         llm = LLM(folder, device=device, **dict(settings, kv_cache_memory=32 << 20))
         try:
-            got[device] = _generate(llm, adapters, NAMES)
+            got[device] = generate_mixed(llm, adapters, NAMES, PROMPTS, MAX_TOKENS)
         finally:
             llm.engine.shutdown()
     for (cpu_tokens, cpu_lp), (cuda_tokens, cuda_lp) in zip(got["cpu"], got["cuda"], strict=True):

@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 import torch
-from ferrox import LLM, SamplingParams
+from ferrox import LLM
 from ferrox.lora.adapter import LoRAAdapterError, read_peft_adapter
 from ferrox.lora.manager import LoRAManager
 from ferrox.lora.request import LoRARequest
@@ -40,6 +40,7 @@ from tests.helpers import tiny_llama4, tiny_models
 from tests.helpers.tiny_deepseek import make_tiny_deepseek
 from tests.helpers.tiny_models import EOS_TOKEN_ID, load_float32
 from tests.lora.adapters import load_hf_model, make_peft_adapter, merged_reference, write_adapter
+from tests.lora.mixed_batch import generate_mixed, hf_logprobs
 from tests.models.conftest import cut_at_eos, hf_greedy
 
 pytest.importorskip("peft")
@@ -90,11 +91,6 @@ FAMILIES = {
 }
 
 
-@torch.inference_mode()
-def _hf_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
-    logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].double()
-    return torch.log_softmax(logits, dim=-1)[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
-
 
 @dataclass
 class Built:
@@ -123,7 +119,7 @@ class _Families(dict):
         with torch.inference_mode():
             for name, model in {"base": base, **merged}.items():
                 tokens = [cut_at_eos(hf_greedy(model, p, MAX_TOKENS), [EOS_TOKEN_ID]) for p in PROMPTS]
-                refs[name] = [(t, _hf_logprobs(model, p, t)) for p, t in zip(PROMPTS, tokens, strict=True)]
+                refs[name] = [(t, hf_logprobs(model, p, t)) for p, t in zip(PROMPTS, tokens, strict=True)]
         self[family] = Built(folder, base, merged, adapters, refs)
         return self[family]
 
@@ -132,16 +128,6 @@ class _Families(dict):
 def built(tmp_path_factory):
     return _Families(tmp_path_factory)
 
-
-def _generate(llm: LLM, adapters: dict[str, LoRARequest]) -> list[tuple[list[int], list[float]]]:
-    prompts = [{"prompt_token_ids": PROMPTS[i % len(PROMPTS)]} for i in range(len(NAMES))]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0), use_tqdm=False,
-                        lora_request=[adapters.get(n) for n in NAMES])
-    got = []
-    for o in outs:
-        tokens = cut_at_eos(list(o.outputs[0].token_ids), [EOS_TOKEN_ID])
-        got.append((tokens, [o.outputs[0].logprobs[i][t].logprob for i, t in enumerate(tokens)]))
-    return got
 
 
 def _assert_match(b: Built, got: list[tuple[list[int], list[float]]], family: str) -> None:
@@ -162,7 +148,7 @@ def test_engine_mixed_batch_matches_peft_merged(built, family):
         assert stacked and {int(n.split(".")[2]) for n in stacked} <= set(FAMILIES[family].moe_layers), name
     llm = LLM(b.folder, **COMMON)
     try:
-        _assert_match(b, _generate(llm, b.adapters), family)
+        _assert_match(b, generate_mixed(llm, b.adapters, NAMES, PROMPTS, MAX_TOKENS), family)
     finally:
         llm.engine.shutdown()
 
@@ -176,7 +162,7 @@ def test_sharded_stacked_adapters_match_peft_merged(built, family, expert_parall
     b = built[family]
     llm = LLM(b.folder, tensor_parallel_size=2, device="cpu", enable_expert_parallel=expert_parallel, **COMMON)
     try:
-        _assert_match(b, _generate(llm, b.adapters), family)
+        _assert_match(b, generate_mixed(llm, b.adapters, NAMES, PROMPTS, MAX_TOKENS), family)
     finally:
         llm.engine.shutdown()
 
@@ -308,7 +294,7 @@ def test_cuda_engine_matches_cpu(built, family):
         settings = {k: v for k, v in COMMON.items() if k != "max_num_batched_tokens"}
         llm = LLM(b.folder, device=device, **dict(settings, kv_cache_memory=32 << 20))
         try:
-            got[device] = _generate(llm, b.adapters)
+            got[device] = generate_mixed(llm, b.adapters, NAMES, PROMPTS, MAX_TOKENS)
         finally:
             llm.engine.shutdown()
     for (cpu_tokens, cpu_lp), (cuda_tokens, cuda_lp) in zip(got["cpu"], got["cuda"], strict=True):

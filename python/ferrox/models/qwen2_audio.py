@@ -14,41 +14,21 @@ prompt rules; the worker's check_image_item).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ferrox.model_spec import ModelSpec
-from ferrox.models.llava import LlavaLayoutWeights
+from ferrox.models.audio_layout import AudioTowerModel
 from ferrox.models.qwen import Qwen2ForCausalLM
 from ferrox.models.vision.encoder_setup import vision_device
-from ferrox.multimodal.inputs import MultiModalItem
+from ferrox.models.vision.whisper_encoder import Qwen2AudioEncoder, Qwen2AudioProjector
 
-AUDIO_MODALITY = "audio"
-class Qwen2AudioForConditionalGeneration(LlavaLayoutWeights, Qwen2ForCausalLM):
-    # Loaded as LLaVA's layout is (models/llava.py): the language model, `audio_tower.*`, `multi_modal_projector.*`.
-    tower_name = "audio_tower"
-    # The worker's multimodal path (worker/multimodal.py) is entered through takes_images: the items it takes
-    # here are audio clips only (check_image_item refuses an image by name).
-    takes_images = True
-    takes_videos = False
-    takes_audio = True
-    # Its one modality: --limit-mm-per-prompt audio 0 (or --language-model-only) leaves the encoder unbuilt
-    # (models/vision/encoder_setup.py text_only_model).
-    media_modalities = ("audio",)
-    supports_quantized_gguf = False
-    supports_quantization = False
-    own_weight_prefixes: tuple[str, ...] = ("audio_tower.", "multi_modal_projector.")
 
-    @staticmethod
-    def takes_audio_of(hf_config: Any) -> bool:
-        """Every Qwen2-Audio checkpoint has its audio encoder (models/vision/encoder_setup.py text_only_model)."""
-        return True
+class Qwen2AudioForConditionalGeneration(AudioTowerModel, Qwen2ForCausalLM):
+    family = "Qwen2-Audio"
+    encoder_class = Qwen2AudioEncoder
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
-        from ferrox.models.vision.whisper_encoder import Qwen2AudioEncoder, Qwen2AudioProjector
-
         super().__init__(spec, dtype, device, kernels=kernels)
         mm = spec.hf_config.get("multimodal") or {}
         # (on the vision device: --language-model-only leaves the encoder unbuilt)
@@ -56,23 +36,5 @@ class Qwen2AudioForConditionalGeneration(LlavaLayoutWeights, Qwen2ForCausalLM):
         self.multi_modal_projector = Qwen2AudioProjector(self.audio_tower.width, spec.hidden_size, dtype,
                                                          vision_device(device))
 
-    def check_image_item(self, item: MultiModalItem) -> str | None:
-        """What is wrong with an item for this model (worker/multimodal.py check_items), or None."""
-        from ferrox.models.vision.whisper_encoder import Qwen2AudioEncoder
-
-        if item.modality != AUDIO_MODALITY:
-            return f"a {item.modality} item: Qwen2-Audio takes audio clips only"
-        tower = getattr(self, "audio_tower", None)
-        if not isinstance(tower, Qwen2AudioEncoder):  # (--language-model-only left it unbuilt)
-            return "the model takes no audio (its audio encoder is not loaded)"
-        problem = tower.check_features(list(item.shape))
-        if problem:
-            return problem
-        tokens = tower.tokens_of(item.shape[0])
-        if item.length != tokens:
-            return f"{item.length} placeholder tokens for {item.shape[0]} log-mel frames (they give {tokens})"
-        return None
-
-    def embed_image_item(self, item: MultiModalItem, device: torch.device) -> torch.Tensor:
-        """[item.length, hidden]: the encoder and projector over a clip's log-mel frames."""
-        return self.multi_modal_projector(self.audio_tower(item.pixel_values().to(device)))
+    def audio_tokens(self, frames: int) -> int:
+        return self.audio_tower.tokens_of(frames)

@@ -28,14 +28,12 @@ from torch import nn
 
 from ferrox.errors import UnsupportedModelError
 from ferrox.model_spec import ModelSpec
+from ferrox.models.audio_layout import AudioTowerModel
 from ferrox.models.llama import LlamaForCausalLM
-from ferrox.models.llava import LlavaLayoutWeights
 from ferrox.models.load_check import load_tower_tensors
 from ferrox.models.vision.encoder_setup import vision_device
 from ferrox.models.vision.whisper_encoder import Qwen2AudioEncoder
-from ferrox.multimodal.inputs import MultiModalItem
 
-AUDIO_MODALITY = "audio"
 # VoxtralEncoderConfig's names -> the Whisper names models/vision/whisper_encoder.py reads.
 _ENCODER_NAMES = {"hidden_size": "d_model", "num_hidden_layers": "encoder_layers",
                   "num_attention_heads": "encoder_attention_heads", "intermediate_size": "encoder_ffn_dim"}
@@ -101,24 +99,9 @@ class VoxtralProjector(nn.Module):
         return self.linear_2(F.gelu(self.linear_1(rows.reshape(-1, self.group_width))))
 
 
-class VoxtralForConditionalGeneration(LlavaLayoutWeights, LlamaForCausalLM):
-    # Loaded as LLaVA's layout is (models/llava.py): the language model, `audio_tower.*`, `multi_modal_projector.*`.
-    tower_name = "audio_tower"
-    # The worker's multimodal path (worker/multimodal.py) is entered through takes_images: the items it takes
-    # here are audio clips only (check_image_item refuses an image by name).
-    takes_images = True
-    takes_videos = False
-    takes_audio = True
-    # Its one modality: --limit-mm-per-prompt audio 0 (or --language-model-only) leaves the encoder unbuilt.
-    media_modalities = ("audio",)
-    supports_quantized_gguf = False
-    supports_quantization = False
-    own_weight_prefixes: tuple[str, ...] = ("audio_tower.", "multi_modal_projector.")
-
-    @staticmethod
-    def takes_audio_of(hf_config: Any) -> bool:
-        """Every Voxtral checkpoint has its audio encoder (models/vision/encoder_setup.py text_only_model)."""
-        return True
+class VoxtralForConditionalGeneration(AudioTowerModel, LlamaForCausalLM):
+    family = "Voxtral"
+    encoder_class = VoxtralEncoder
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, *,
                  kernels: str | None = None):
@@ -138,21 +121,6 @@ class VoxtralForConditionalGeneration(LlavaLayoutWeights, LlamaForCausalLM):
                                                       str(mm.get("projector_hidden_act", "gelu")), dtype,
                                                       vision_device(device))
 
-    def check_image_item(self, item: MultiModalItem) -> str | None:
-        """What is wrong with an item for this model (worker/multimodal.py check_items), or None."""
-        if item.modality != AUDIO_MODALITY:
-            return f"a {item.modality} item: Voxtral takes audio clips only"
-        tower = getattr(self, "audio_tower", None)
-        if not isinstance(tower, VoxtralEncoder):  # (--language-model-only left it unbuilt)
-            return "the model takes no audio (its audio encoder is not loaded)"
-        problem = tower.check_features(list(item.shape))
-        if problem:
-            return problem
-        tokens = item.shape[0] // tower.window_frames * self.tokens_per_window
-        if item.length != tokens:
-            return f"{item.length} placeholder tokens for {item.shape[0]} log-mel frames (they give {tokens})"
-        return None
-
-    def embed_image_item(self, item: MultiModalItem, device: torch.device) -> torch.Tensor:
-        """[item.length, hidden]: the encoder and projector over a clip's log-mel windows."""
-        return self.multi_modal_projector(self.audio_tower(item.pixel_values().to(device)))
+    def audio_tokens(self, frames: int) -> int:
+        """tokens_per_window for each whole window (the clip is padded to whole windows)."""
+        return frames // self.audio_tower.window_frames * self.tokens_per_window
