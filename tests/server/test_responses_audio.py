@@ -9,21 +9,19 @@ the same server's /v1/chat/completions on the same clip, greedy:
 - 400s naming the Responses field (input[i].content[j]..., counted as the client sent them: instructions first,
   a text message before): bad base64, a non-audio payload, an unknown format, a missing one, a bad audio_url,
   more clips than --limit-mm-per-prompt, an image; the server keeps serving;
-- a tiny LLaVA (vision only) and the session's SmolLM2 (text only) refuse an audio part by name;
+- the session's SmolLM2 (text only) refuses an audio part by name;
 - the Anthropic Messages API has no audio block: one sent there is refused naming its type."""
 
 from __future__ import annotations
 
 import base64
 import json
-import threading
 import urllib.request
 
 import numpy as np
 import pytest
 
 from tests.helpers.audio_clips import wav_bytes
-from tests.helpers.tiny_models import make_tiny_llava
 from tests.helpers.tiny_qwen2_audio import make_tiny_qwen2_audio
 from tests.server.server_proc import ServerProcess, openai_client
 from tests.server.server_proc import post_json as post
@@ -60,26 +58,15 @@ def _chat_user(*parts: dict, text: str = QUESTION) -> dict:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """(the Qwen2-Audio server, keeping responses, one clip a prompt; a tiny LLaVA's): the first starts while the
-    second's folder is written."""
-    audio_folder = make_tiny_qwen2_audio(tmp_path_factory.mktemp("qwen2a"))
-    started: dict[str, ServerProcess] = {}
-    audio = threading.Thread(target=lambda: started.update(audio=ServerProcess(
-        audio_folder, "--served-model-name", "qa", "--dtype", "float32", "--limit-mm-per-prompt", '{"audio": 1}',
-        env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"})))
-    audio.start()
+    """(the Qwen2-Audio server, keeping responses, one clip a prompt,). (A model without audio: the session's
+    SmolLM2; a vision-only model refuses through the same chat-part check, tested on the chat route.)"""
+    srv = ServerProcess(make_tiny_qwen2_audio(tmp_path_factory.mktemp("qwen2a")), "--served-model-name", "qa",
+                        "--dtype", "float32", "--limit-mm-per-prompt", '{"audio": 1}',
+                        env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"})
     try:
-        try:
-            started["llava"] = ServerProcess(make_tiny_llava(tmp_path_factory.mktemp("llava")),
-                                             "--served-model-name", "llava", "--dtype", "float32")
-        finally:
-            audio.join()
-        assert set(started) == {"audio", "llava"}, "a server did not start (its log is in the exception above)"
-        yield started["audio"], started["llava"]
+        yield (srv,)
     finally:
-        codes = {name: srv.stop() for name, srv in started.items()}  # (each stopped before any assert)
-        for name, code in codes.items():
-            assert code == 0, "\n".join(started[name].log[-30:])
+        assert srv.stop() == 0, "\n".join(srv.log[-30:])
 
 
 @pytest.fixture(scope="module")
@@ -163,8 +150,8 @@ def test_more_clips_than_the_limit(servers):
 
 
 def test_models_without_audio_refuse_it_by_name(servers, base_url):
-    """A vision-only LLaVA and the text-only SmolLM2 refuse the part by name, as their chat route does."""
-    for url, model in ((servers[1].base_url, "llava"), (base_url, "smol")):
+    """The text-only SmolLM2 refuses the part by name, as its chat route does."""
+    for url, model in ((base_url, "smol"),):
         for part in (_input_audio(), {"type": "audio_url", "audio_url": "data:audio/wav;base64," + WAV}):
             status, err = post(url, {"model": model, "max_output_tokens": 2, "input": [_user(part)]}, "/v1/responses")
             assert status == 400 and err["error"]["param"] == "input", err
